@@ -1,0 +1,49 @@
+# trainmem — two commands do everything on a fresh machine:
+#   make run    create .venv, install, estimate Llama-3.1-8B on an H100
+#   make test   install what the tests need, run pytest
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+PY     := $(BIN)/python
+PIP    := $(PY) -m pip --disable-pip-version-check -q
+
+.PHONY: run test test-slow bench validate install install-test clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch is optional for `estimate`; tests, trace and measure need it. Keep an
+# importable torch; otherwise take a locally provided wheel if pip's find-links
+# has one (see tools/torch_requirement.py), else the index's default build.
+$(VENV)/.torch: | $(PY)
+	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install "$$($(PY) tools/torch_requirement.py)"
+	@touch $@
+
+$(VENV)/.installed: pyproject.toml | $(PY)
+	$(PIP) install -e .
+	@touch $@
+
+$(VENV)/.installed-test: pyproject.toml $(VENV)/.torch | $(PY)
+	$(PIP) install -e ".[test]"
+	@touch $@
+
+install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
+
+run: $(VENV)/.installed
+	$(BIN)/trainmem estimate llama-3.1-8b --gpu h100-sxm-80gb --precision bf16-amp --batch-size 1 --seq-len 4096 --recompute full --attention flash
+
+test: $(VENV)/.installed-test
+	$(PY) -m pytest -q
+
+test-slow: $(VENV)/.installed-test
+	$(PY) -m pytest -q -m slow
+
+bench: $(VENV)/.installed-test
+	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+validate: $(VENV)/.installed-test
+	$(BIN)/trainmem validate
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .hypothesis

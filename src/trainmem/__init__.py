@@ -1,0 +1,16 @@
+"""trainmem: how much GPU memory will this training run take, where does it go, will it fit?"""
+from .errors import TrainmemError
+from .report import MemoryReport, Component, Phase, compare
+from .spec import ModelSpec, TrainingSpec, Hardware, resolve_model, get_gpu
+
+__version__ = "0.1.0"
+
+
+def estimate(model, **options) -> MemoryReport:
+    """Closed-form estimate of one GPU's training memory. See ``trainmem.estimate.api.estimate``."""
+    from .estimate.api import estimate as _estimate
+    return _estimate(model, **options)
+
+
+__all__ = ["TrainmemError", "MemoryReport", "Component", "Phase", "compare", "ModelSpec",
+           "TrainingSpec", "Hardware", "resolve_model", "get_gpu", "estimate", "__version__"]

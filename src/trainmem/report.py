@@ -1,0 +1,230 @@
+"""MemoryReport: the one value every estimator, tracer and measurement returns.
+
+All amounts are integer bytes. Units are chosen only when rendering. ``to_dict()`` is the stable
+JSON contract (``--json``): fields are added freely, never renamed or removed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+CATEGORIES = (
+    "parameters",
+    "master_weights",
+    "gradients",
+    "optimizer_states",
+    "activations",
+    "logits",
+    "inputs",
+    "buffers",
+    "workspace",
+    "temporaries",
+    "communication",
+    "cuda_context",
+    "allocator_overhead",
+)
+
+PHASE_NAMES = (
+    "model_loaded",
+    "forward",
+    "backward_peak",
+    "backward",
+    "optimizer_step",
+    "zero_grad",
+)
+
+
+@dataclass(frozen=True)
+class Component:
+    """A named amount of memory on one GPU.
+
+    ``name`` may nest with dots under its category (``activations.layer.attention.scores``).
+    ``dtype`` and ``formula`` say what was counted and where the number comes from.
+    ``persistent`` is True for memory that lives across steps (weights, states, workspaces);
+    transient components (activations, logits, temporaries) live within a step.
+    """
+
+    name: str
+    category: str
+    bytes: int
+    dtype: str | None = None
+    formula: str = ""
+    persistent: bool = False
+
+    def __post_init__(self) -> None:
+        if self.category not in CATEGORIES:
+            raise ValueError(f"unknown component category {self.category!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"name": self.name, "category": self.category, "bytes": int(self.bytes)}
+        if self.dtype:
+            d["dtype"] = self.dtype
+        if self.formula:
+            d["formula"] = self.formula
+        return d
+
+
+@dataclass(frozen=True)
+class Phase:
+    """Memory at a point of the training step.
+
+    ``allocated`` is the allocated memory at the end of the phase; ``peak`` the highest
+    allocated memory reached during it; ``reserved`` the allocator's reserved memory where the
+    source knows it. ``step`` counts from 1; step 1 differs from the steady state because
+    optimizer states and cuBLAS workspaces first appear in it.
+    """
+
+    name: str
+    step: int
+    allocated: int
+    peak: int
+    reserved: int | None = None
+    where: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"name": self.name, "step": self.step, "allocated": int(self.allocated),
+                             "peak": int(self.peak),
+                             "reserved": None if self.reserved is None else int(self.reserved)}
+        if self.where:
+            d["where"] = self.where
+        return d
+
+
+@dataclass
+class MemoryReport:
+    """Training memory of one GPU (the worst rank where ranks differ)."""
+
+    source: str
+    components: list[Component]
+    phases: list[Phase]
+    peak_allocated: int
+    peak_reserved: int | None = None
+    device_used: int | None = None
+    peak_phase: str = ""
+    peak_where: str = ""
+    capacity: int | None = None
+    max_fraction: float = 1.0
+    method: str = ""
+    model: Any = None
+    training: Any = None
+    hardware: Any = None
+    warnings: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    # ----- derived -------------------------------------------------------------------------
+    @property
+    def device_peak(self) -> int:
+        """What counts against the GPU: device memory if known, else reserved, else allocated."""
+        if self.device_used is not None:
+            return self.device_used
+        if self.peak_reserved is not None:
+            return self.peak_reserved
+        return self.peak_allocated
+
+    @property
+    def fits(self) -> bool | None:
+        """True when the peak device memory is within ``max_fraction`` of the GPU's capacity."""
+        if self.capacity is None:
+            return None
+        return self.device_peak <= self.max_fraction * self.capacity
+
+    @property
+    def margin(self) -> int | None:
+        """Bytes left on the GPU at the peak (negative when it does not fit)."""
+        if self.capacity is None:
+            return None
+        return int(self.max_fraction * self.capacity) - self.device_peak
+
+    def by_category(self) -> dict[str, int]:
+        """Sum of components per category, in ``CATEGORIES`` order (zero categories omitted)."""
+        out: dict[str, int] = {}
+        for c in self.components:
+            out[c.category] = out.get(c.category, 0) + c.bytes
+        return {k: out[k] for k in CATEGORIES if k in out}
+
+    def component(self, name: str) -> int:
+        """Bytes of the component ``name`` plus every component nested under it."""
+        return sum(c.bytes for c in self.components
+                   if c.name == name or c.name.startswith(name + "."))
+
+    def phase(self, name: str, step: int | None = None) -> Phase:
+        """The phase called ``name`` (of ``step``, else the last step that has it)."""
+        found = [p for p in self.phases if p.name == name and (step is None or p.step == step)]
+        if not found:
+            raise KeyError(f"no phase {name!r}" + (f" in step {step}" if step else ""))
+        return found[-1]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The stable JSON contract (see DESIGN.md)."""
+        d: dict[str, Any] = {
+            "source": self.source,
+            "method": self.method,
+            "peak_allocated": int(self.peak_allocated),
+            "peak_reserved": None if self.peak_reserved is None else int(self.peak_reserved),
+            "device_used": None if self.device_used is None else int(self.device_used),
+            "peak_phase": self.peak_phase,
+            "peak_where": self.peak_where,
+            "capacity": self.capacity,
+            "max_fraction": self.max_fraction,
+            "fits": self.fits,
+            "margin": self.margin,
+            "components": [c.to_dict() for c in self.components],
+            "phases": [p.to_dict() for p in self.phases],
+            "warnings": list(self.warnings),
+        }
+        if self.model is not None and hasattr(self.model, "summary"):
+            d["model"] = self.model.summary()
+        if self.training is not None and hasattr(self.training, "to_dict"):
+            d["training"] = self.training.to_dict()
+        if self.hardware is not None and hasattr(self.hardware, "to_dict"):
+            d["hardware"] = self.hardware.to_dict()
+        if self.extra:
+            d["extra"] = self.extra
+        return d
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One row of a comparison: the same quantity from several reports."""
+
+    kind: str  # "category" | "component" | "phase" | "total"
+    name: str
+    values: tuple[int | None, ...]
+
+    def diff(self, i: int, ref: int = 0) -> int | None:
+        a, b = self.values[i], self.values[ref]
+        return None if a is None or b is None else a - b
+
+    def rel(self, i: int, ref: int = 0) -> float | None:
+        a, b = self.values[i], self.values[ref]
+        if a is None or b is None or b == 0:
+            return None
+        return (a - b) / b
+
+
+def compare(reports: Iterable[MemoryReport]) -> list[Difference]:
+    """Put reports side by side: totals, categories, and phases matched by (name, step)."""
+    reps = list(reports)
+    rows: list[Difference] = [
+        Difference("total", "peak_allocated", tuple(r.peak_allocated for r in reps)),
+        Difference("total", "peak_reserved", tuple(r.peak_reserved for r in reps)),
+        Difference("total", "device_used", tuple(r.device_used for r in reps)),
+    ]
+    cats = [r.by_category() for r in reps]
+    for cat in CATEGORIES:
+        if any(cat in c for c in cats):
+            rows.append(Difference("category", cat, tuple(c.get(cat) for c in cats)))
+    keys: list[tuple[str, int]] = []
+    for r in reps:
+        for p in r.phases:
+            if (p.name, p.step) not in keys:
+                keys.append((p.name, p.step))
+    for name, step in keys:
+        vals = []
+        for r in reps:
+            try:
+                vals.append(r.phase(name, step).allocated)
+            except KeyError:
+                vals.append(None)
+        rows.append(Difference("phase", f"{name}@{step}", tuple(vals)))
+    return rows

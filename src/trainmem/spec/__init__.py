@@ -1,0 +1,9 @@
+"""Inputs: the model's architecture, the training setup, the GPU."""
+from .model import ModelSpec, ParamTensor, BufferTensor
+from .training import TrainingSpec, check_against
+from .hardware import Hardware, get_gpu, gpu_names, catalogue_table
+from .config import resolve_model, load_config, spec_from_config, catalogue_names, apply_overrides
+
+__all__ = ["ModelSpec", "ParamTensor", "BufferTensor", "TrainingSpec", "check_against", "Hardware",
+           "get_gpu", "gpu_names", "catalogue_table", "resolve_model", "load_config", "spec_from_config",
+           "catalogue_names", "apply_overrides"]

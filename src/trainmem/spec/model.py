@@ -1,0 +1,193 @@
+"""ModelSpec: a transformer's architecture, and its exact parameter tensors.
+
+A ModelSpec knows nothing about how the model is trained. It is built from a Hugging Face
+``config.json`` (see ``trainmem.spec.config``) or directly. ``parameter_tensors()`` lists every
+trainable tensor with its shape, in the order the model registers them, so that the parameter
+count equals what transformers builds from the same config.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, asdict
+from functools import cached_property
+from math import prod
+from typing import Any, Mapping
+
+from ..errors import TrainmemError
+
+FAMILIES = ("gpt2", "nanogpt", "bert", "roberta-prenorm", "llama", "mixtral", "gpt-next")
+HEADS = ("causal-lm", "masked-lm", "seq-cls", "base")
+ACTIVATIONS = ("gelu", "swiglu", "relu")
+NORMS = ("layernorm", "rmsnorm")
+
+
+@dataclass(frozen=True)
+class ParamTensor:
+    """One trainable tensor.
+
+    ``role``: ``embedding`` (lookup table), ``linear`` (a matmul weight: cast to half under
+    autocast and cached), ``bias``, ``norm``, ``router`` (MoE gate, a matmul weight too),
+    ``expert`` (a matmul weight held by one MoE expert; only top-k of them see each token).
+    ``module`` is the Hugging Face-style leaf name (``q_proj``, ``c_attn``, ``query``) that peft's
+    LoRA targets match. ``layer`` is the transformer layer index, None outside the layers.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    role: str
+    module: str = ""
+    layer: int | None = None
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+    @property
+    def is_matmul(self) -> bool:
+        return self.role in ("linear", "router", "expert")
+
+
+@dataclass(frozen=True)
+class BufferTensor:
+    """A registered, non-trainable tensor that moves to the GPU with the model."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # "float32", "int64", "bool", or "model" (the model's parameter dtype)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Architecture of a decoder or encoder transformer, as its config describes it."""
+
+    name: str
+    family: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    vocab_size: int
+    ffn_size: int
+    activation: str = "gelu"
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    max_positions: int = 2048
+    norm: str = "layernorm"
+    head: str = "causal-lm"
+    qkv_bias: bool = False
+    out_bias: bool = False
+    mlp_bias: bool = False
+    norm_bias: bool = True
+    tied_embeddings: bool = True
+    position: str = "learned"  # learned | rotary
+    type_vocab_size: int = 0
+    num_labels: int = 2
+    num_experts: int = 0
+    experts_top_k: int = 0
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    causal_mask_buffer: bool = False  # nanoGPT's per-layer (T, T) tril buffer
+    pre_norm: bool = True
+    embedding_norm: bool = False
+    final_norm: bool = True
+    architecture: str = ""  # the config's architectures[0], e.g. "LlamaForCausalLM"
+    model_type: str = ""
+    config: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise TrainmemError(f"model {self.name!r}: unknown family {self.family!r} (known: {', '.join(FAMILIES)})")
+        if self.head not in HEADS:
+            raise TrainmemError(f"model {self.name!r}: unknown head {self.head!r} (known: {', '.join(HEADS)})")
+        if self.activation not in ACTIVATIONS:
+            raise TrainmemError(f"model {self.name!r}: unsupported activation {self.activation!r}")
+        if self.norm not in NORMS:
+            raise TrainmemError(f"model {self.name!r}: unsupported norm {self.norm!r}")
+        for key in ("num_layers", "hidden_size", "num_heads", "vocab_size", "ffn_size", "max_positions"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise TrainmemError(f"model {self.name!r}: {key} must be a positive integer, got {v!r}")
+        if self.num_kv_heads is None:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        if self.head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise TrainmemError(
+                    f"model {self.name!r}: hidden_size {self.hidden_size} is not divisible by "
+                    f"num_attention_heads {self.num_heads}; set head_dim in the config")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
+            raise TrainmemError(
+                f"model {self.name!r}: num_attention_heads {self.num_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_kv_heads}")
+        if self.num_experts < 0 or self.experts_top_k < 0 or (self.num_experts and not 0 < self.experts_top_k <= self.num_experts):
+            raise TrainmemError(
+                f"model {self.name!r}: experts_top_k must be between 1 and num_experts ({self.num_experts}), "
+                f"got {self.experts_top_k}")
+        for key in ("hidden_dropout", "attention_dropout"):
+            v = getattr(self, key)
+            if not 0.0 <= v < 1.0:
+                raise TrainmemError(f"model {self.name!r}: {key} must be in [0, 1), got {v}")
+
+    # ----- sizes ---------------------------------------------------------------------------
+    @property
+    def q_size(self) -> int:
+        """Width of the query projection output (heads x head_dim)."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        """Width of each of the key and value projection outputs."""
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def is_causal(self) -> bool:
+        return self.family not in ("bert", "roberta-prenorm")
+
+    # ----- tensors -------------------------------------------------------------------------
+    @cached_property
+    def _tensors(self) -> tuple[ParamTensor, ...]:
+        from .architectures import build_parameter_tensors
+        return tuple(build_parameter_tensors(self))
+
+    def parameter_tensors(self) -> tuple[ParamTensor, ...]:
+        """Every trainable tensor, tied ones once, in registration order."""
+        return self._tensors
+
+    @cached_property
+    def _buffers(self) -> tuple[BufferTensor, ...]:
+        from .architectures import build_buffer_tensors
+        return tuple(build_buffer_tensors(self))
+
+    def buffer_tensors(self) -> tuple[BufferTensor, ...]:
+        """Registered buffers that move to the device with the model."""
+        return self._buffers
+
+    @cached_property
+    def num_params(self) -> int:
+        """Exact number of trainable parameters (tied tensors counted once)."""
+        return sum(t.numel for t in self._tensors)
+
+    @cached_property
+    def layer_params(self) -> int:
+        """Parameters of one transformer layer (all layers are identical)."""
+        return sum(t.numel for t in self._tensors if t.layer == 0)
+
+    @cached_property
+    def embedding_params(self) -> int:
+        """Parameters outside the transformer layers (embeddings, final norm, heads)."""
+        return self.num_params - self.num_layers * self.layer_params
+
+    @cached_property
+    def active_params(self) -> int:
+        """Parameters a token passes through (MoE: only top-k experts)."""
+        if not self.is_moe:
+            return self.num_params
+        expert = sum(t.numel for t in self._tensors if t.role == "expert")
+        return self.num_params - expert + expert * self.experts_top_k // self.num_experts
+
+    def summary(self) -> dict[str, Any]:
+        d = {k: v for k, v in asdict(self).items() if k != "config"}
+        d["num_params"] = self.num_params
+        return d

@@ -1,0 +1,173 @@
+"""TrainingSpec: how a model is trained (batch, precision, optimizer, parallelism, savers).
+
+Validation lives in the constructor: a TrainingSpec that exists makes sense on its own. Checks
+that need the model too (heads divisible by TP, layers by PP) are in ``check_against``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, asdict, field
+from typing import Any
+
+from ..errors import TrainmemError
+
+PRECISIONS = ("fp32", "fp16-amp", "bf16-amp", "bf16", "fp16")
+OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adamw-8bit", "lion")
+OPTIMIZER_IMPLS = ("foreach", "fused", "for-loop")
+RECOMPUTE = ("none", "selective", "full")
+ATTENTION = ("eager", "sdpa", "flash")
+FSDP_MODES = ("full", "grad-op", "hybrid")
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise TrainmemError(f"--{name.replace('_', '-')} {value!r} is not one of: {', '.join(choices)}")
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    """One training setup, seen from one GPU.
+
+    ``batch_size`` is the micro-batch per data-parallel rank; ``grad_accum`` micro-batches make a
+    step. ``precision``: ``fp32``; ``fp16-amp``/``bf16-amp`` = fp32 weights with autocast;
+    ``bf16``/``fp16`` = weights, gradients and optimizer states in that dtype ("pure").
+    ``zero`` is the DeepSpeed ZeRO stage over the data-parallel group (``fsdp`` maps onto it:
+    full -> 3, grad-op -> 2, hybrid -> 3 within a node). ``optimizer_impl`` None means PyTorch's
+    CUDA default (foreach, or fused for nanoGPT-style AdamW when asked).
+    """
+
+    batch_size: int = 1
+    seq_len: int = 2048
+    grad_accum: int = 1
+    precision: str = "bf16-amp"
+    optimizer: str = "adamw"
+    optimizer_impl: str | None = None
+    zero: int = 0
+    fsdp: str | None = None
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    attention: str = "sdpa"
+    optimizer_in_backward: bool = False
+    lora_rank: int = 0
+    lora_targets: tuple[str, ...] | None = None
+    distributed_optimizer: bool = False  # Megatron/NeMo: fp32 main grads + sharded states
+    ddp_bucket_mb: float = 25.0
+    optimizer_bucket_mb: float | None = None  # NeMo distributed_fused_adam bucket (seed 000)
+    fsdp_node_size: int = 8
+    dropout: bool = True  # apply the config's dropout (masks are stored when p > 0)
+    num_microbatches_in_flight: int | None = None  # pipeline; None = 1F1B default (pp)
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        for key in ("batch_size", "seq_len", "grad_accum", "dp", "tp", "pp", "cp", "fsdp_node_size"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise TrainmemError(f"--{key.replace('_', '-')} must be an integer, got {v!r}")
+            if v <= 0:
+                raise TrainmemError(f"--{key.replace('_', '-')} must be a positive integer, got {v}")
+        _choice("precision", self.precision, PRECISIONS)
+        _choice("optimizer", self.optimizer, OPTIMIZERS)
+        if self.optimizer_impl is not None:
+            _choice("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS)
+        _choice("recompute", self.recompute, RECOMPUTE)
+        _choice("attention", self.attention, ATTENTION)
+        if self.zero not in (0, 1, 2, 3):
+            raise TrainmemError(f"--zero {self.zero!r} is not one of: 0, 1, 2, 3")
+        if self.fsdp is not None:
+            _choice("fsdp", self.fsdp, FSDP_MODES)
+            if self.zero not in (0, {"full": 3, "grad-op": 2, "hybrid": 3}[self.fsdp]):
+                raise TrainmemError(f"--fsdp {self.fsdp} and --zero {self.zero} disagree: give one of them")
+        if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+            raise TrainmemError(f"--lora-rank must be zero or a positive integer, got {self.lora_rank!r}")
+        if self.lora_targets is not None and not self.lora_rank:
+            raise TrainmemError("--lora-targets needs --lora-rank R (the adapter rank)")
+        if self.attention == "flash" and self.precision == "fp32":
+            raise TrainmemError("--attention flash needs half precision: use --precision bf16-amp (or fp16-amp, "
+                                "bf16, fp16), or --attention sdpa")
+        if self.optimizer_in_backward and self.grad_accum > 1:
+            raise TrainmemError("--optimizer-in-backward cannot accumulate gradients (--grad-accum > 1): "
+                                "the step runs inside backward; use --grad-accum 1 or drop the flag")
+        if self.sequence_parallel and self.tp == 1:
+            raise TrainmemError("--sequence-parallel needs --tp > 1")
+        if self.ddp_bucket_mb <= 0:
+            raise TrainmemError(f"ddp_bucket_mb must be positive, got {self.ddp_bucket_mb}")
+        if self.optimizer_bucket_mb is not None and self.optimizer_bucket_mb <= 0:
+            raise TrainmemError(f"optimizer_bucket_mb must be positive, got {self.optimizer_bucket_mb}")
+        if self.num_microbatches_in_flight is not None and self.num_microbatches_in_flight <= 0:
+            raise TrainmemError("num_microbatches_in_flight must be positive")
+        if isinstance(self.lora_targets, list):
+            object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+
+    # ----- derived -------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def zero_stage(self) -> int:
+        """ZeRO stage, with FSDP modes mapped onto it."""
+        if self.fsdp is not None:
+            return {"full": 3, "grad-op": 2, "hybrid": 3}[self.fsdp]
+        return self.zero
+
+    @property
+    def shard_group(self) -> int:
+        """Ranks that model states are sharded over (the DP group; a node for hybrid FSDP)."""
+        if self.fsdp == "hybrid":
+            return min(self.dp, self.fsdp_node_size)
+        return self.dp
+
+    @property
+    def amp(self) -> bool:
+        return self.precision in ("fp16-amp", "bf16-amp")
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes per weight element as stored on the GPU."""
+        return 4 if self.precision in ("fp32", "fp16-amp", "bf16-amp") else 2
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes per element of matmul inputs/outputs (half under autocast)."""
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def impl(self) -> str:
+        """Optimizer implementation: PyTorch's CUDA default is foreach."""
+        return self.optimizer_impl or "foreach"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("extra", None)
+        if d["lora_targets"] is not None:
+            d["lora_targets"] = list(d["lora_targets"])
+        return d
+
+
+def check_against(model: Any, t: TrainingSpec) -> None:
+    """Checks that need both the model and the setup: divisibility of heads, layers, experts."""
+    if model.num_heads % t.tp:
+        raise TrainmemError(f"--tp {t.tp} does not divide the {model.num_heads} attention heads of "
+                            f"{model.name}; choose a TP size that divides {model.num_heads}")
+    if model.num_kv_heads % t.tp and t.tp % model.num_kv_heads:
+        raise TrainmemError(f"--tp {t.tp} and the {model.num_kv_heads} key/value heads of {model.name} "
+                            f"cannot be split evenly; choose a TP size that divides {model.num_kv_heads}")
+    if model.num_layers % t.pp:
+        raise TrainmemError(f"--pp {t.pp} does not divide the {model.num_layers} layers of {model.name}; "
+                            f"choose a PP size that divides {model.num_layers}")
+    if t.seq_len % t.cp:
+        raise TrainmemError(f"--cp {t.cp} does not divide --seq-len {t.seq_len}")
+    if t.sequence_parallel and t.seq_len % t.tp:
+        raise TrainmemError(f"--sequence-parallel needs --seq-len ({t.seq_len}) divisible by --tp ({t.tp})")
+    if model.family in ("gpt2", "nanogpt", "bert", "roberta-prenorm") and t.seq_len > model.max_positions:
+        raise TrainmemError(f"--seq-len {t.seq_len} exceeds the {model.max_positions} learned positions of "
+                            f"{model.name}; use --seq-len <= {model.max_positions}")
+    if t.lora_targets:
+        known = {p.module for p in model.parameter_tensors() if p.is_matmul}
+        bad = [x for x in t.lora_targets if x not in known]
+        if bad:
+            raise TrainmemError(f"--lora-targets {','.join(bad)}: no such linear module in {model.name} "
+                                f"(its linear modules: {', '.join(sorted(known))})")
