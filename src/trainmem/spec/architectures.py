@@ -79,7 +79,8 @@ def _bert(s: ModelSpec) -> Iterator[ParamTensor]:
         yield from _norm(s, f"{p}.output.LayerNorm" if not s.pre_norm else f"{p}.LayerNorm", "LayerNorm", i)
     if s.final_norm:
         yield from _norm(s, "encoder.LayerNorm", "LayerNorm", None)
-    if s.head in ("seq-cls", "base") and s.family == "bert":
+    # BertModel and XLMRobertaXLModel keep their pooler; of the heads only BERT's classifier uses it
+    if s.head == "base" or (s.head == "seq-cls" and s.family == "bert"):
         yield from _linear("pooler.dense", h, h, True, "dense", None)
     yield from _head(s)
 

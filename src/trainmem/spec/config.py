@@ -133,7 +133,7 @@ def _float(cfg: Mapping[str, Any], name: str, *keys: str, default: float = 0.0) 
     return float(v)
 
 
-def _head(arch: str) -> str:
+def _head(arch: str, name: str) -> str:
     if arch.endswith(("ForCausalLM", "LMHeadModel")):
         return "causal-lm"
     if arch.endswith(("ForMaskedLM", "ForPreTraining")):
@@ -142,7 +142,7 @@ def _head(arch: str) -> str:
         return "seq-cls"
     if arch.endswith("Model"):
         return "base"
-    raise TrainmemError(f"unsupported architecture {arch!r}: trainmem knows causal LM, masked LM, "
+    raise TrainmemError(f"model {name!r}: unsupported architecture {arch!r}: trainmem knows causal LM, masked LM, "
                         f"sequence classification and base models")
 
 
@@ -182,7 +182,7 @@ def spec_from_config(config: Mapping[str, Any], name: str = "model") -> ModelSpe
         family = extra.get("family") or ("nanogpt" if cfg.get("bias") is False else "gpt2")
         bias = cfg.get("bias", True) is not False
         return ModelSpec(
-            family=family, head=_head(arch or "GPT2LMHeadModel"),
+            family=family, head=_head(arch or "GPT2LMHeadModel", name),
             num_layers=_int(cfg, name, "n_layer", "num_hidden_layers"), hidden_size=h,
             num_heads=_int(cfg, name, "n_head", "num_attention_heads"),
             vocab_size=_int(cfg, name, "vocab_size"),
@@ -198,7 +198,8 @@ def spec_from_config(config: Mapping[str, Any], name: str = "model") -> ModelSpe
     if mtype in ("bert", "xlm-roberta-xl"):
         family = "bert" if mtype == "bert" else "roberta-prenorm"
         return ModelSpec(
-            family=family, head=_head(arch or ("BertForMaskedLM" if mtype == "bert" else "XLMRobertaXLForMaskedLM")),
+            family=family,
+            head=_head(arch or ("BertForMaskedLM" if mtype == "bert" else "XLMRobertaXLForMaskedLM"), name),
             num_layers=_int(cfg, name, "num_hidden_layers"), hidden_size=_int(cfg, name, "hidden_size"),
             num_heads=_int(cfg, name, "num_attention_heads"), vocab_size=_int(cfg, name, "vocab_size"),
             ffn_size=_int(cfg, name, "intermediate_size"),
@@ -221,10 +222,11 @@ def spec_from_config(config: Mapping[str, Any], name: str = "model") -> ModelSpe
         h = _int(cfg, name, "hidden_size")
         attn_bias = bool(cfg.get("attention_bias", False))
         return ModelSpec(
-            family=family, head=_head(arch or "LlamaForCausalLM"),
+            family=family, head=_head(arch or "LlamaForCausalLM", name),
             num_layers=_int(cfg, name, "num_hidden_layers"), hidden_size=h, num_heads=heads,
             num_kv_heads=_int(cfg, name, "num_key_value_heads", default=heads),
-            head_dim=_int(cfg, name, "head_dim", default=h // heads if h % heads == 0 else None),
+            # without head_dim, ModelSpec derives hidden/heads (and explains when it does not divide)
+            head_dim=_int(cfg, name, "head_dim") if cfg.get("head_dim") is not None else None,
             vocab_size=_int(cfg, name, "vocab_size"), ffn_size=_int(cfg, name, "intermediate_size"),
             activation="swiglu",
             max_positions=_int(cfg, name, "max_position_embeddings", default=4096),

@@ -57,6 +57,8 @@ class TrainingSpec:
     ddp_bucket_mb: float = 25.0
     optimizer_bucket_mb: float | None = None  # NeMo distributed_fused_adam bucket (seed 000)
     fsdp_node_size: int = 8
+    compile: bool = False  # torch.compile: inductor fuses the loss backward (one fp32 logits gradient)
+    offload_optimizer: bool = False  # ZeRO-Offload: optimizer states (and fp32 master) in CPU memory
     dropout: bool = True  # apply the config's dropout (masks are stored when p > 0)
     num_microbatches_in_flight: int | None = None  # pipeline; None = 1F1B default (pp)
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)

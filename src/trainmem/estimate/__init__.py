@@ -1,0 +1,1 @@
+"""Closed-form estimates: formulas from the model's hyperparameters, component by component."""

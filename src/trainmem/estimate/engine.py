@@ -1,0 +1,336 @@
+"""The default method (``--method trainmem``): component-by-component memory of one GPU.
+
+It combines
+  * model states per tensor with allocator rounding (``states.py``),
+  * per-layer saved activations op by op in the dtype PyTorch stores (``layers.py``),
+  * embeddings, final norm, LM head and cross-entropy (HF ``ForCausalLMLoss``: ``logits.float()``
+    then ``F.cross_entropy``; fp32 log-probabilities saved; gradients of the log-probabilities and
+    of the logits at the start of backward),
+  * the autocast cache of half-precision weight copies (kept alive by the matmuls that saved them),
+  * cuBLAS workspaces (8,519,680 B per handle: one for the forward thread, one for autograd's),
+  * DDP buckets / ZeRO-3 gathered layers, pipeline in-flight micro-batches (1F1B),
+and walks the training step phase by phase (first step and steady state) to find the peak.
+"""
+from __future__ import annotations
+
+from ..report import Component, MemoryReport, Phase
+from ..spec.model import ModelSpec
+from ..spec.training import TrainingSpec
+from .layers import LayerKey, layer_coefficients, Policy
+from .states import States, model_states, block_bytes, default_lora_targets
+
+CUBLAS_WORKSPACE = 4096 * 1024 * 2 + 16 * 1024 * 8  # 8,519,680 B: PyTorch's default ":4096:2:16:8"
+F32 = 4
+
+
+def _act_impl(m: ModelSpec) -> str:
+    cfg = m.config or {}
+    a = str(cfg.get("activation_function") or cfg.get("hidden_act") or "gelu").lower()
+    if m.family == "nanogpt":
+        return "gelu"  # nn.GELU(): fused
+    return "gelu_new" if a == "gelu_new" else "gelu"
+
+
+def _layer_key(m: ModelSpec, t: TrainingSpec) -> LayerKey:
+    lora = ()
+    if t.lora_rank:
+        targets = set(t.lora_targets or default_lora_targets(m))
+        lora = tuple((p.module, t.lora_rank, 1) for p in m.parameter_tensors()
+                     if p.layer == 0 and p.is_matmul and p.module in targets)
+    attn = t.attention
+    return LayerKey(m.family, _act_impl(m), t.precision, attn, t.dropout, m.hidden_dropout,
+                    m.attention_dropout, m.hidden_size, m.ffn_size, m.q_size, m.kv_size, m.num_heads,
+                    m.num_kv_heads, m.head_dim, t.tp, t.sequence_parallel, m.num_experts,
+                    m.experts_top_k, m.pre_norm, lora)
+
+
+def _embedding_and_head(m: ModelSpec, t: TrainingSpec, pol: Policy, n: int, stage: str) -> dict[str, int]:
+    """Activations outside the layers (bytes), by name, for one micro-batch on this rank."""
+    h, v, tp = m.hidden_size, m.vocab_size, t.tp
+    sp = tp if t.sequence_parallel else 1
+    drop = t.dropout
+    out: dict[str, int] = {}
+    first = t.pp == 1 or stage == "first"
+    last = t.pp == 1 or stage == "last"
+    if first:
+        out["inputs_embeds"] = 0
+        if m.family in ("gpt2", "nanogpt", "roberta-prenorm") and drop and m.hidden_dropout > 0:
+            out["embeddings.dropout.mask"] = n * h // sp
+        if m.family == "bert":
+            out["embeddings.LayerNorm"] = n * h * pol.stream // sp + 8 * n // sp
+            if drop and m.hidden_dropout > 0:
+                out["embeddings.dropout.mask"] = n * h // sp
+        if m.position == "rotary":
+            # cos and sin (b, s, head_dim) in the residual dtype, shared by every layer's rotary mul
+            out["rotary.cos_sin"] = 2 * n * m.head_dim * pol.stream
+    if not last:
+        return out
+    # the last layer's output / final norm feeding the head
+    if m.final_norm and m.family != "bert":
+        if m.norm == "rmsnorm":
+            out["final_norm"] = n * h * (F32 + pol.stream) // sp + 4 * n // sp if pol.stream == 4 else \
+                n * h * (F32 + 2) // sp + 4 * n // sp
+        else:
+            out["final_norm"] = n * h * pol.stream // sp + 8 * n // sp
+    if m.head == "causal-lm" or m.head == "masked-lm":
+        if m.head == "masked-lm":
+            # transform: dense (saves its input) + activation + LayerNorm, then the decoder
+            out["mlm.transform"] = n * h * (pol.half + pol.half + pol.stream) + 8 * n
+            out["lm_head.input"] = n * h * pol.half
+        else:
+            # lm_head saves its input: a half cast under autocast, else the final norm output itself
+            out["lm_head.input"] = n * h * pol.half if (pol.amp or m.norm == "rmsnorm" and not pol.amp
+                                                        and pol.stream == 2) else n * h * pol.stream
+    elif m.head == "seq-cls":
+        # BERT pooler takes hidden[:, 0]; the view keeps the last layer's output storage alive
+        out["pooler.input"] = n * h * pol.stream if m.family == "bert" else n * h * pol.half
+    return out
+
+
+def _logits(m: ModelSpec, t: TrainingSpec, pol: Policy, n: int, b: int) -> tuple[int, int, int, int]:
+    """(held logits, saved log-probs, forward transient, backward transient) in bytes.
+
+    Causal/masked LM (HF ``ForCausalLMLoss``): the head returns logits in the matmul dtype; the
+    loss upcasts them (``logits.float()``: an fp32 copy freed after the loss) and ``cross_entropy``
+    saves fp32 log-probabilities. At the start of backward ``nll_loss_backward`` and
+    ``_log_softmax_backward_data`` each produce an fp32 tensor of the logits' size, alive together
+    with the saved log-probabilities. Under ``torch.compile`` inductor fuses the loss and its backward:
+    no fp32 copy in forward and a single fp32 gradient of the logits at the start of backward (seed
+    001 measured exactly one such allocation on nanoGPT, which compiles by default).
+    Vocabulary-parallel (TP) divides all of them by ``tp``.
+    """
+    if m.head not in ("causal-lm", "masked-lm"):
+        k = m.num_labels
+        return b * k * pol.half, b * k * F32, b * k * F32, 2 * b * k * F32
+    nl = n * m.vocab_size // t.tp
+    held = nl * pol.half
+    logp = nl * F32
+    fwd = nl * F32 if (pol.half != F32 and not t.compile) else 0  # .float() copy alive in log_softmax
+    bwd = (1 if t.compile else 2) * nl * F32
+    return held, logp, fwd, bwd
+
+
+def _inputs(m: ModelSpec, n: int, b: int) -> int:
+    """input_ids and labels as int64 (8 B each element)."""
+    labels = b if m.head == "seq-cls" else n
+    return block_bytes(n * 8) + block_bytes(labels * 8)
+
+
+def estimate(m: ModelSpec, t: TrainingSpec) -> MemoryReport:
+    """Estimate one GPU's training memory for model ``m`` trained as ``t`` (worst pipeline stage)."""
+    if t.pp > 1:
+        a = _estimate_stage(m, t, "first")
+        z = _estimate_stage(m, t, "last")
+        return a if a.peak_allocated >= z.peak_allocated else z
+    return _estimate_stage(m, t, "first")
+
+
+def _estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str) -> MemoryReport:
+    pol = Policy.of(t.precision)
+    st: States = model_states(m, t, stage)
+    b = t.batch_size
+    s_local = t.seq_len // t.cp
+    n = b * s_local
+    nsq = b * s_local * t.seq_len  # query tokens on this rank x keys (context parallel sees all keys)
+    layers = m.num_layers // t.pp
+    inflight = 1
+    if t.pp > 1 and stage == "first":
+        inflight = min(t.pp, t.grad_accum) if t.num_microbatches_in_flight is None else t.num_microbatches_in_flight
+
+    lc = layer_coefficients(_layer_key(m, t))
+    per_layer_full = lc.bytes(n, nsq)
+    tname, ttrans = lc.transient(n, nsq)
+    sp = t.tp if t.sequence_parallel else 1
+    layer_input = n * m.hidden_size * pol.stream // sp
+    if t.recompute == "full":
+        per_layer = layer_input
+        recompute_extra = per_layer_full  # one layer re-run during backward
+    elif t.recompute == "selective":
+        per_layer = int(lc.tok * n)
+        recompute_extra = int(lc.sq * nsq)
+    else:
+        per_layer = per_layer_full
+        recompute_extra = 0
+
+    eh = _embedding_and_head(m, t, pol, n, stage)
+    held, logp, ce_fwd, ce_bwd = (0, 0, 0, 0)
+    if t.pp == 1 or stage == "last":
+        held, logp, ce_fwd, ce_bwd = _logits(m, t, pol, n, b)
+    cache_layer = st.layer_matmul_half if pol.amp else 0
+    cache_head = st.head_matmul_half if pol.amp and (t.pp == 1 or stage == "last") else 0
+
+    layer_acts = per_layer * layers * inflight
+    inputs = _inputs(m, n, b)
+    ws = CUBLAS_WORKSPACE
+    gacc = t.grad_accum
+
+    # persistent pieces that exist from load
+    comm, comm_name = 0, ""
+    if t.dp > 1 and t.zero_stage == 0 and not t.distributed_optimizer and st.trainable:
+        comm, comm_name = st.grads, "communication.ddp_buckets"  # flat buckets, gradient_as_bucket_view=False
+    elif t.zero_stage == 3 and t.shard_group > 1:
+        comm, comm_name = 2 * st.layer_params_full, "communication.zero3_gathered_layers"  # current + prefetched
+    grads_persistent = t.distributed_optimizer  # Megatron main-grad buffers live from model wrap
+
+    impl = t.impl
+    if t.optimizer == "sgd" or impl == "fused" or t.optimizer == "adamw-8bit":
+        opt_tmp = 0
+    elif impl == "foreach" and not t.optimizer_in_backward:
+        opt_tmp = st.foreach_group  # _foreach_sqrt(exp_avg_sq) & co. over the whole group at once
+    else:
+        opt_tmp = 2 * block_bytes(st.largest_param)  # per-tensor sqrt and division temporaries
+
+    states = st.optimizer + st.step_tensors
+    grads = 0 if t.optimizer_in_backward else st.grads
+    layer_g = 0 if t.optimizer_in_backward else st.layer_grads
+    head_g = 0 if t.optimizer_in_backward else st.head_grads
+    head_keys = ("final_norm", "lm_head.input", "mlm.transform", "pooler.input")
+    eh_head = sum(v for k, v in eh.items() if k in head_keys)
+    eh_rest = sum(v for k, v in eh.items() if k not in head_keys) * inflight
+    static = {"parameters": st.weights, "buffers": st.buffers, "master_weights": st.master, comm_name or "comm": comm}
+    acts_layers = layer_acts + cache_layer * layers
+    # Under full recompute the checkpointed layers save no weight casts for backward: autocast's
+    # cache holds them until autocast exits (end of forward); backward re-casts one layer at a time.
+    fwd_cache_only = cache_layer * layers if t.recompute == "full" else 0
+    if fwd_cache_only:
+        acts_layers = layer_acts
+        recompute_extra += cache_layer
+
+    # moments of the step: (phase, step, where, breakdown); the report's peak is the largest moment
+    moments: list[tuple[str, int, str, dict[str, int]]] = []
+
+    def mom(phase: str, step: int, where: str, **parts: int) -> None:
+        d = dict(static)
+        d.update(parts)
+        moments.append((phase, step, where, d))
+
+    def at_end(phase: str, step: int, parts: dict[str, int]) -> None:
+        d = dict(static)
+        d.update(parts)
+        ends.append((phase, step, d))
+
+    ends: list[tuple[str, int, dict[str, int]]] = []
+    mom("model_loaded", 0, "model.to(device)", gradients=grads if grads_persistent else 0)
+    ends.append(("model_loaded", 0, moments[-1][3]))
+    for step in (1, 2):
+        opt_now = states if step > 1 else 0
+        ws_now = 0 if step == 1 else 2 * ws
+        for micro in range(min(gacc, 2)):  # micro-steps 2..N repeat micro-step 2
+            tag = "" if gacc == 1 else (".micro1" if micro == 0 else f".micro2-{gacc}")
+            g0 = grads if (micro > 0 or grads_persistent) else 0
+            ws_f = max(ws_now, ws)
+            base = dict(gradients=g0, optimizer_states=opt_now, inputs=inputs, workspace=ws_f)
+            full = dict(base, activations=acts_layers + eh_rest + eh_head * inflight + cache_head,
+                        logits=held + logp)
+            mom("forward" + tag, step, "cross_entropy", **dict(full, temporaries=ce_fwd + fwd_cache_only))
+            at_end("forward" + tag, step, full)
+            ws_b = 2 * ws
+            full_b = dict(full, workspace=ws_b)
+            mom("backward" + tag, step, "cross_entropy.backward", **dict(full_b, temporaries=ce_bwd))
+            after_head = dict(full_b, logits=0, gradients=g0 + (0 if g0 else head_g),
+                              activations=acts_layers + eh_rest)
+            tmp = max(0, ttrans + recompute_extra)
+            oib = opt_now == 0 and t.optimizer_in_backward
+            if oib:  # optimizer states appear during the first backward
+                after_head["optimizer_states"] = states
+            mom("backward" + tag, step, f"layer[{layers - 1}].{tname or 'backward'}",
+                **dict(after_head, temporaries=tmp))
+            if layers > 1:
+                low = dict(after_head, activations=acts_layers // layers + eh_rest,
+                           gradients=g0 + (0 if g0 else head_g + (layers - 1) * layer_g))
+                mom("backward" + tag, step, f"layer[0].{tname or 'backward'}", **dict(low, temporaries=tmp))
+            end = dict(base, workspace=ws_b, gradients=grads if not t.optimizer_in_backward else 0,
+                       optimizer_states=states if (t.optimizer_in_backward or opt_now) else 0)
+            mom("backward" + tag, step, "backward.end",
+                **dict(end, temporaries=opt_tmp if t.optimizer_in_backward else 0))
+            at_end("backward" + tag, step, end)
+            ws_now = ws_b
+            opt_now = end["optimizer_states"]
+        after = dict(ends[-1][2], optimizer_states=states)
+        if not t.optimizer_in_backward:
+            mom("optimizer_step", step, "optimizer.step", **dict(after, temporaries=opt_tmp))
+            at_end("optimizer_step", step, after)
+        zg = dict(after, gradients=grads if grads_persistent else 0)
+        at_end("zero_grad", step, zg)
+
+    phases: list[Phase] = []
+    for name, step, bd in ends:
+        alloc = sum(bd.values())
+        pk = max([sum(d.values()) for (ph, stp, _, d) in moments if ph == name and stp == step] + [alloc])
+        phases.append(Phase(name, step, alloc, pk))
+    peak_m = max(moments, key=lambda x: sum(x[3].values()))
+    peak = sum(peak_m[3].values())
+    bd = peak_m[3]
+
+    half_name = {"bf16-amp": "bf16", "fp16-amp": "fp16", "bf16": "bf16", "fp16": "fp16"}.get(t.precision, "fp32")
+    wdt = "fp32" if t.weight_bytes == 4 else half_name
+    comps = [
+        Component("parameters", "parameters", st.weights, wdt,
+                  "sum over tensors of block(numel/tp [/dp under ZeRO-3] x bytes)", True),
+        Component("buffers", "buffers", st.buffers, None, "registered buffers (position ids, rotary, masks)", True),
+    ]
+    if st.master:
+        comps.append(Component("master_weights", "master_weights", st.master, "fp32",
+                               "fp32 copy of half weights, sharded over the ZeRO group", True))
+    if bd.get("gradients"):
+        comps.append(Component("gradients", "gradients", bd["gradients"], "fp32" if t.distributed_optimizer else wdt,
+                               "gradients alive at the peak [/dp under ZeRO-2/3]", True))
+    if bd.get("optimizer_states"):
+        comps.append(Component("optimizer_states", "optimizer_states", bd["optimizer_states"], None,
+                               f"{t.optimizer} states of trainable tensors [/dp under ZeRO>=1]", True))
+    acts_at_peak = bd.get("activations", 0)
+    if acts_at_peak:
+        full_acts = acts_layers + eh_rest + eh_head * inflight + cache_head
+        listed = []
+        if acts_at_peak == full_acts or acts_at_peak == acts_layers + eh_rest:
+            for k, v in sorted(eh.items()):
+                if v and (acts_at_peak == full_acts or k not in head_keys):
+                    listed.append(Component(f"activations.{k}", "activations", v * inflight, None,
+                                            "embedding / head tensors saved for backward"))
+            if cache_head and acts_at_peak == full_acts:
+                listed.append(Component("activations.autocast_weight_copies.head", "activations", cache_head,
+                                        half_name, "half copy of the LM head weight saved by its matmul"))
+            nl = layers * inflight
+            for name, a, bq in lc.parts:
+                if t.recompute == "full":
+                    break
+                val = int(a * n) + (0 if t.recompute == "selective" else int(bq * nsq))
+                if val:
+                    listed.append(Component(f"activations.layers.{name}", "activations", val * nl, None,
+                                            "saved per layer x layers on this rank x micro-batches in flight"))
+            if t.recompute == "full":
+                listed.append(Component("activations.layers.checkpointed_inputs", "activations",
+                                        layer_input * nl, "fp32" if pol.stream == 4 else half_name,
+                                        "full recompute keeps each layer's input"))
+            if cache_layer:
+                listed.append(Component("activations.autocast_weight_copies.layers", "activations",
+                                        cache_layer * layers, half_name,
+                                        "half copies of matmul weights cast by autocast, saved for backward"))
+            diff = acts_at_peak - sum(c.bytes for c in listed)
+            if diff:
+                listed.append(Component("activations.rounding", "activations", diff, None, "integer rounding"))
+        else:
+            listed.append(Component("activations.remaining", "activations", acts_at_peak, None,
+                                    "activations of the layers not yet back-propagated at the peak"))
+        comps += listed
+    if bd.get("logits"):
+        comps.append(Component("logits.logits", "logits", held, half_name if pol.half == 2 else "fp32",
+                               "b x s x vocab / tp in the matmul dtype, held by the model output"))
+        comps.append(Component("logits.log_probs", "logits", logp, "fp32",
+                               "fp32 log-softmax saved by cross-entropy"))
+    comps.append(Component("inputs", "inputs", inputs, "int64", "input_ids and labels"))
+    if bd.get("workspace"):
+        comps.append(Component("workspace.cublas", "workspace", bd["workspace"], None,
+                               "8,519,680 B per cuBLAS handle: forward thread and autograd thread", True))
+    if comm:
+        comps.append(Component(comm_name, "communication", comm, None, "DDP buckets / ZeRO-3 gathered layers", True))
+    if bd.get("temporaries"):
+        comps.append(Component(f"temporaries.{peak_m[2]}", "temporaries", bd["temporaries"], None,
+                               "tensors alive only at the peak moment"))
+
+    rep = MemoryReport(source="estimate", method="trainmem", components=comps, phases=phases,
+                       peak_allocated=peak, peak_phase=f"{peak_m[0]}@{peak_m[1]}", peak_where=peak_m[2],
+                       model=m, training=t)
+    rep.extra["pipeline_stage"] = stage if t.pp > 1 else None
+    rep.extra["activations_per_layer"] = per_layer
+    return rep

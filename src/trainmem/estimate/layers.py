@@ -1,0 +1,378 @@
+"""What one transformer layer saves for backward, op by op, in the dtype PyTorch really stores.
+
+Every tensor is a pair of coefficients so that a layer's recipe is built once per (model, setup)
+and evaluated for any batch and sequence length:
+
+    elements = tok * (b * s) + sq * (b * s * s_kv)
+
+``tok`` counts elements per token, ``sq`` per (query, key) pair (attention scores). Bytes follow
+from the dtype: under autocast (CUDA policy, torch.amp) matmuls run in half precision and their
+inputs are cast copies that autograd saves; ``layer_norm``, ``softmax``, ``log_softmax``, ``pow``
+and the losses run in fp32; the residual stream keeps the embedding's dtype (fp32 with fp32
+weights). Dropout saves a 1-byte bool mask on CUDA and nothing when p == 0. These rules come from
+PyTorch's autocast op lists (aten/src/ATen/autocast_mode.cpp), its autograd formulas
+(tools/autograd/derivatives.yaml) and the Hugging Face / nanoGPT model code the recipe mirrors
+(the comment on each builder names the module). The tracer (``trainmem.trace``) runs the real
+code and checks these recipes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+F32, HALF = 4, 2
+
+
+@dataclass(frozen=True)
+class T:
+    """A symbolic tensor: per-token and per-(token x key) element coefficients, and dtype bytes."""
+
+    tok: float
+    sq: float
+    nbytes: int
+    name: str = ""
+
+    def bytes_coef(self) -> tuple[float, float]:
+        return self.tok * self.nbytes, self.sq * self.nbytes
+
+
+@dataclass
+class Recipe:
+    """Accumulates the tensors a layer saves (each storage once) and its backward transients."""
+
+    saved: dict[int, T] = field(default_factory=dict)
+    transients: list[tuple[str, float, float, float, float]] = field(default_factory=list)
+
+    def save(self, *ts: T) -> None:
+        for t in ts:
+            self.saved[id(t)] = t
+
+    def transient(self, name: str, *ts: T) -> None:
+        """A moment of this op's backward where ``ts`` are alive. Ops after it in forward order
+        were back-propagated already, so only the tensors saved so far are still alive then:
+        the recorded excess is relative to the whole layer's saved tensors."""
+        tok = sum(t.tok * t.nbytes for t in ts)
+        sq = sum(t.sq * t.nbytes for t in ts)
+        so_tok = sum(t.tok * t.nbytes for t in self.saved.values())
+        so_sq = sum(t.sq * t.nbytes for t in self.saved.values())
+        self.transients.append((name, tok, sq, so_tok, so_sq))
+
+    def coefficients(self) -> tuple[float, float, dict[str, tuple[float, float]]]:
+        """(bytes per token, bytes per token x key, per-name breakdown) of the saved tensors."""
+        tok = sq = 0.0
+        parts: dict[str, tuple[float, float]] = {}
+        for t in self.saved.values():
+            a, b = t.bytes_coef()
+            tok += a
+            sq += b
+            key = t.name or "other"
+            pa, pb = parts.get(key, (0.0, 0.0))
+            parts[key] = (pa + a, pb + b)
+        return tok, sq, parts
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Dtype policy of a precision setting."""
+
+    amp: bool        # autocast active (fp32 weights, half matmuls)
+    half: int        # bytes of the half type used by matmuls (2, or 4 in fp32 training)
+    stream: int      # bytes of the residual stream (the embedding's dtype)
+    weight: int      # bytes of a weight as stored
+
+    @staticmethod
+    def of(precision: str) -> "Policy":
+        if precision == "fp32":
+            return Policy(False, F32, F32, F32)
+        if precision in ("bf16-amp", "fp16-amp"):
+            return Policy(True, HALF, F32, F32)
+        return Policy(False, HALF, HALF, HALF)
+
+
+class Builder:
+    """Helpers that mirror single PyTorch ops: what each saves and what it returns."""
+
+    def __init__(self, pol: Policy, dropout: bool):
+        self.p = pol
+        self.r = Recipe()
+        self.dropout = dropout
+
+    # -- ops ------------------------------------------------------------------------------
+    def t(self, tok: float, nbytes: int, name: str, sq: float = 0.0) -> T:
+        return T(tok, sq, nbytes, name)
+
+    def matmul_in(self, x: T, name: str) -> T:
+        """Input of a linear/matmul as autograd saves it: a fresh half copy when autocast casts it."""
+        if self.p.amp and x.nbytes != HALF:
+            x = T(x.tok, x.sq, HALF, name)
+        self.r.save(x)
+        return x
+
+    def linear(self, x: T, out: float, name: str, saved_name: str) -> T:
+        """``F.linear``/``addmm``: saves the (cast) input; weight copies are counted separately."""
+        xin = self.matmul_in(x, saved_name)
+        y = T(out, 0.0, self.p.half, name)
+        # backward: grad_out + grad_in alive together (weight grads are counted per layer)
+        self.r.transient(f"{name}.backward", T(out, 0, self.p.half), T(xin.tok, 0, self.p.half))
+        return y
+
+    def layer_norm(self, x: T, name: str) -> T:
+        """``F.layer_norm`` (autocast fp32): saves the (fp32) input and fp32 mean/rstd per token."""
+        xin = x
+        if self.p.amp and x.nbytes != F32:
+            xin = T(x.tok, 0, F32, name)
+        self.r.save(T(xin.tok, 0, xin.nbytes, name), T(2, 0, F32, name + ".stats"))
+        return T(x.tok, 0, F32 if self.p.amp else x.nbytes, name + ".out")
+
+    def rms_norm_hf(self, x: T, name: str) -> T:
+        """Hugging Face LlamaRMSNorm (Python ops): ``x.float()`` saved by ``pow``/``mul``; ``rsqrt``
+        output (fp32 per token); the normalised tensor cast back to the input dtype, saved by the
+        multiply with the weight. Output dtype: weight dtype x input dtype promotion."""
+        x32 = x if x.nbytes == F32 else T(x.tok, 0, F32, name)
+        self.r.save(T(x32.tok, 0, F32, name), T(1, 0, F32, name + ".stats"))
+        normed = T(x.tok, 0, x.nbytes, name)  # fp32 normed.to(input_dtype) is a new tensor either way
+        self.r.save(normed)
+        return T(x.tok, 0, max(self.p.weight, x.nbytes), name + ".out")
+
+    def drop(self, x: T, p: float, name: str, keep_output: bool = False) -> T:
+        """Dropout: a 1-byte mask when p > 0 (CUDA's fused kernel); identity when p == 0."""
+        if p <= 0 or not self.dropout:
+            if keep_output:
+                self.r.save(x)
+            return x
+        self.r.save(T(x.tok, x.sq, 1, name + ".mask"))
+        y = T(x.tok, x.sq, x.nbytes, name)
+        if keep_output:
+            self.r.save(y)
+        return y
+
+    def attention(self, q: T, k: T, v: T, heads: float, kv_heads: float, head_dim: int, impl: str,
+                  p_drop: float, softmax_fp32_then_cast: bool) -> T:
+        """Scaled dot-product attention.
+
+        eager: ``matmul(q, k^T)`` saves q and k (GQA: the repeated k/v copies), softmax saves its
+        fp32 output (autocast runs softmax in fp32), the probabilities cast back to half are saved by
+        ``matmul(p, v)`` (or the dropout output and its mask). sdpa/flash: q, k, v, the output and an
+        fp32 logsumexp per (head, token) — no s x s tensor.
+        """
+        half = self.p.half
+        if impl == "eager":
+            rep = heads / kv_heads
+            if rep > 1:  # repeat_kv materialises expanded copies that matmul saves
+                k = T(k.tok * rep, 0, k.nbytes, "attn.k_repeated")
+                v = T(v.tok * rep, 0, v.nbytes, "attn.v_repeated")
+            self.r.save(q, k, v)
+            # softmax output as saved: fp32 under autocast, in fp32 training, or when the model asks
+            # for dtype=float32 (Llama); else the half type
+            sm = F32 if (self.p.amp or half == F32 or softmax_fp32_then_cast) else half
+            probs = T(0, heads, sm, "attn.softmax")
+            self.r.save(probs)
+            if p_drop > 0 and self.dropout:
+                self.r.save(T(0, heads, 1, "attn.probs_dropout.mask"))
+                pv = T(0, heads, half, "attn.probs")  # dropout output (or its half cast) feeds p @ v
+            elif sm != half:
+                pv = T(0, heads, half, "attn.probs")  # the half copy p @ v consumes
+            else:
+                pv = probs
+            self.r.save(pv)
+            self.r.transient("attn.softmax.backward", T(0, heads, half), T(0, heads, F32))
+            out = T(heads * head_dim, 0, half, "attn.out")
+        else:
+            self.r.save(q, k, v)
+            out = T(heads * head_dim, 0, half, "attn.sdpa_out")
+            self.r.save(out, T(heads, 0, F32, "attn.logsumexp"))
+            self.r.transient("attn.sdpa.backward", T(q.tok + k.tok + v.tok, 0, half))
+            out = T(heads * head_dim, 0, half, "attn.out")
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LayerKey:
+    family: str
+    act_impl: str
+    precision: str
+    attention: str
+    dropout: bool
+    hidden_dropout: float
+    attention_dropout: float
+    h: int
+    f: int
+    q: int
+    kv: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tp: int
+    sp: bool
+    experts: int
+    top_k: int
+    pre_norm: bool
+    lora: tuple[tuple[str, int, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class LayerCoefs:
+    """Saved bytes of one layer: ``tok * b*s + sq * b*s*s_kv`` plus its largest backward transient."""
+
+    tok: float
+    sq: float
+    parts: tuple[tuple[str, float, float], ...]
+    transients: tuple[tuple[str, float, float], ...]  # (op, excess bytes per token, per token x key)
+
+    def bytes(self, n: int, nsq: int) -> int:
+        return int(self.tok * n + self.sq * nsq)
+
+    def transient(self, n: int, nsq: int) -> tuple[str, int]:
+        """The op whose backward adds the most on top of the whole layer's saved tensors (can be
+        negative: the tensors freed by then outweigh the gradients in flight)."""
+        best = ("", -(1 << 62))
+        for name, a, b in self.transients:
+            v = int(a * n + b * nsq)
+            if v > best[1]:
+                best = (name, v)
+        return best
+
+
+@lru_cache(maxsize=4096)
+def layer_coefficients(k: LayerKey) -> LayerCoefs:
+    """Build the recipe of one transformer layer (per rank) and reduce it to coefficients."""
+    pol = Policy.of(k.precision)
+    B = Builder(pol, k.dropout)
+    t = k.tp
+    sp_div = t if k.sp else 1  # sequence parallel splits the replicated regions over TP ranks
+    h, f, q, kv = k.h, k.f / t, k.q / t, k.kv / t
+    heads, kvh = k.heads / t, max(k.kv_heads / t, 1 if k.kv_heads < t else k.kv_heads / t)
+    x = T(h / sp_div, 0, pol.stream, "residual")
+    half = pol.half
+
+    if k.family in ("gpt2", "nanogpt"):
+        # transformers GPT2Block / nanoGPT Block: pre-LN, fused qkv (c_attn), GELU MLP
+        a_in = B.layer_norm(x, "ln_1")
+        qkv = B.linear(T(h / sp_div, 0, a_in.nbytes, "ln_1.out"), q + 2 * kv, "c_attn", "c_attn.input")
+        qq, kk, vv = (T(q, 0, half, "attn.qkv"), T(kv, 0, half, "attn.qkv"), T(kv, 0, half, "attn.qkv"))
+        if k.attention == "eager":
+            # q, k, v are views of the c_attn output: one storage
+            qkv_t = T(q + 2 * kv, 0, half, "attn.qkv")
+            B.r.save(qkv_t)
+            qq = kk = vv = T(0, 0, half, "attn.qkv")
+        ctx = B.attention(qq, kk, vv, heads, kvh, k.head_dim, k.attention, k.attention_dropout,
+                          softmax_fp32_then_cast=False)
+        ctx_c = T(q, 0, half, "attn.context")  # transpose(...).contiguous() feeding c_proj
+        o = B.linear(ctx_c, h, "c_proj", "c_proj.input")
+        B.drop(T(h / sp_div, 0, half, "resid"), k.hidden_dropout, "attn.resid_dropout")
+        x2 = T(h / sp_div, 0, pol.stream, "residual")
+        m_in = B.layer_norm(x2, "ln_2")
+        fc = B.linear(T(h / sp_div, 0, m_in.nbytes, "ln_2.out"), f, "c_fc", "c_fc.input")
+        act = _gelu(B, k.act_impl, f)
+        B.linear(act, h, "mlp.c_proj", "mlp.c_proj.input")
+        B.drop(T(h / sp_div, 0, half, "resid"), k.hidden_dropout, "mlp.resid_dropout")
+
+    elif k.family in ("bert", "roberta-prenorm"):
+        # transformers BertLayer (post-LN) / XLMRobertaXLLayer (pre-LN): separate q, k, v linears
+        if k.pre_norm:
+            a_in = B.layer_norm(x, "attention.self_attn_layer_norm")
+            src = T(h / sp_div, 0, a_in.nbytes, "attention.ln.out")
+        else:
+            src = x  # the previous layer's LayerNorm output
+        qq = B.linear(src, q, "query", "qkv.input")
+        kk = B.linear(src, kv, "key", "qkv.input")
+        vv = B.linear(src, kv, "value", "qkv.input")
+        qq, kk, vv = T(q, 0, half, "attn.q"), T(kv, 0, half, "attn.k"), T(kv, 0, half, "attn.v")
+        ctx = B.attention(qq, kk, vv, heads, kvh, k.head_dim, k.attention, k.attention_dropout,
+                          softmax_fp32_then_cast=False)
+        ctx_c = T(q, 0, half, "attn.context")
+        B.linear(ctx_c, h, "attention.output.dense", "attention.output.dense.input")
+        B.drop(T(h / sp_div, 0, half, "resid"), k.hidden_dropout, "attention.output.dropout")
+        if k.pre_norm:
+            x2 = T(h / sp_div, 0, pol.stream, "residual")
+            m_in = B.layer_norm(x2, "LayerNorm")
+            src2 = T(h / sp_div, 0, m_in.nbytes, "LayerNorm.out")
+        else:
+            sum1 = T(h / sp_div, 0, pol.stream, "attention.output.LayerNorm")
+            ln1 = B.layer_norm(sum1, "attention.output.LayerNorm")
+            src2 = T(h / sp_div, 0, ln1.nbytes, "attention.output.LayerNorm.out")
+        B.linear(src2, f, "intermediate.dense", "intermediate.dense.input")
+        act = _gelu(B, k.act_impl, f)
+        B.linear(act, h, "output.dense", "output.dense.input")
+        B.drop(T(h / sp_div, 0, half, "resid"), k.hidden_dropout, "output.dropout")
+        if not k.pre_norm:
+            # its output is the next layer's input, saved by the next layer's q/k/v (or the head)
+            B.layer_norm(T(h / sp_div, 0, pol.stream, "output.LayerNorm"), "output.LayerNorm")
+
+    else:
+        # transformers LlamaDecoderLayer / MixtralDecoderLayer: RMSNorm, rotary, GQA, SwiGLU
+        a_in = B.rms_norm_hf(x, "input_layernorm")
+        src = T(h / sp_div, 0, a_in.nbytes, "input_layernorm.out")
+        if not pol.amp:
+            B.r.save(src)  # shared input of q/k/v (no per-call casts without autocast)
+        for name, width in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            B.linear(src, width, name, f"{name}.input")
+        # rotary: q*cos + rotate_half(q)*sin makes new q and k tensors; cos/sin are shared per model
+        qq, kk, vv = T(q, 0, half, "attn.q_rot"), T(kv, 0, half, "attn.k_rot"), T(kv, 0, half, "attn.v")
+        ctx = B.attention(qq, kk, vv, heads, kvh, k.head_dim, k.attention, k.attention_dropout,
+                          softmax_fp32_then_cast=True)
+        ctx_c = T(q, 0, half, "attn.context")
+        B.linear(ctx_c, h, "o_proj", "o_proj.input")
+        x2 = T(h / sp_div, 0, pol.stream, "residual")
+        m_in = B.rms_norm_hf(x2, "post_attention_layernorm")
+        src2 = T(h / sp_div, 0, m_in.nbytes, "post_attention_layernorm.out")
+        if not pol.amp:
+            B.r.save(src2)
+        if k.experts:
+            # router logits (fp32 softmax over experts), then each token's hidden goes to top_k experts:
+            # the gathered inputs and per-expert SwiGLU activations scale with top_k.
+            B.linear(src2, k.experts, "mlp.gate", "router.input")
+            B.r.save(T(k.experts, 0, F32, "router.softmax"))
+            scale = k.top_k
+            xin = T(h * scale, 0, half, "experts.input")
+            B.r.save(xin)
+            _swiglu(B, f * scale, h, xin, "experts", fused_gate_up=True)
+            B.r.save(T(h * scale, 0, half, "experts.weighted"), T(scale, 0, F32, "router.weights"))
+        else:
+            _swiglu(B, f, h, src2, "mlp", fused_gate_up=False)
+
+    for name, r_, cols in k.lora:
+        # LoRA (peft): lora_A saves the layer input (shared with the base linear unless cast),
+        # lora_B saves the rank-r intermediate; dropout is identity at peft's default p = 0.
+        B.r.save(T(r_ / max(1, t if cols else 1), 0, half, f"lora.{name}"))
+
+    tok, sq, parts = B.r.coefficients()
+    trans = tuple((name, a + st - tok, b + ss - sq) for name, a, b, st, ss in B.r.transients)
+    return LayerCoefs(tok, sq, tuple((n, a, b) for n, (a, b) in parts.items()), trans)
+
+
+def _gelu(B: Builder, impl: str, f: float) -> T:
+    """The MLP activation on the ``c_fc``/``intermediate`` output (half under autocast).
+
+    ``gelu`` / ``gelu_pytorch_tanh`` (fused ``F.gelu``): saves its input, returns the input dtype.
+    ``gelu_new`` (transformers NewGELUActivation, Python ops): under autocast ``pow`` runs in fp32 and
+    saves an fp32 copy of the input; ``tanh`` saves its fp32 output; the final product saves
+    ``0.5 * x`` (half) and ``1 + tanh`` (fp32) and returns fp32, which the next linear casts again.
+    Without autocast the same ops save x, tanh, 0.5x and 1 + tanh in the working dtype.
+    """
+    half = B.p.half
+    x = T(f, 0, half, "mlp.fc_out")
+    if impl == "gelu_new":
+        wide = F32 if B.p.amp else half
+        B.r.save(T(f, 0, wide, "mlp.act.pow_input"), T(f, 0, wide, "mlp.act.tanh"),
+                 T(f, 0, half, "mlp.act.half_x"), T(f, 0, wide, "mlp.act.one_plus_tanh"))
+        return T(f, 0, wide, "mlp.act.out")
+    B.r.save(T(f, 0, half, "mlp.act.input"))
+    return T(f, 0, half, "mlp.act.out")
+
+
+def _swiglu(B: Builder, f: float, h: float, src: T, name: str, fused_gate_up: bool) -> None:
+    """SwiGLU MLP ``down(silu(gate(x)) * up(x))``: gate and up save their (cast) input; ``silu``
+    saves the gate output; the product saves silu's output and the up output; down saves the
+    product."""
+    half = B.p.half
+    if fused_gate_up:
+        B.matmul_in(src, f"{name}.gate_up.input")
+    else:
+        B.linear(src, f, f"{name}.gate_proj", f"{name}.gate_proj.input")
+        B.linear(src, f, f"{name}.up_proj", f"{name}.up_proj.input")
+    B.r.save(T(f, 0, half, f"{name}.gate_out"), T(f, 0, half, f"{name}.silu_out"),
+             T(f, 0, half, f"{name}.up_out"))
+    prod = T(f, 0, half, f"{name}.act_product")
+    B.linear(prod, h, f"{name}.down_proj", f"{name}.down_proj.input")

@@ -1,0 +1,28 @@
+"""Named formula sets (``--method``). Each module exposes ``estimate(model, training) -> MemoryReport``.
+
+``trainmem`` is the default and most accurate; the others reproduce the seeds' published methods so
+a user can compare them.
+"""
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Callable
+
+from ...errors import TrainmemError
+
+METHODS: dict[str, str] = {
+    "trainmem": "trainmem.estimate.engine",
+    "nemo": "trainmem.estimate.methods.nemo",
+    "korthikanti": "trainmem.estimate.methods.korthikanti",
+    "eleuther": "trainmem.estimate.methods.eleuther",
+    "rees": "trainmem.estimate.methods.rees",
+    "zero-calc": "trainmem.estimate.methods.zero_calc",
+    "bert-notebook": "trainmem.estimate.methods.bert_notebook",
+}
+
+
+def get_method(name: str) -> Callable:
+    """The ``estimate(model, training)`` function of the method called ``name``."""
+    if name not in METHODS:
+        raise TrainmemError(f"--method {name!r} is not one of: {', '.join(METHODS)}")
+    return import_module(METHODS[name]).estimate

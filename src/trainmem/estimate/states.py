@@ -1,0 +1,215 @@
+"""Model states on one GPU: weights, buffers, master weights, gradients, optimizer states.
+
+Counted per tensor, so that each allocation is rounded the way PyTorch's CUDA caching allocator
+rounds it (``block_bytes``), then sharded: tensor parallelism divides matmul weights and
+embeddings by ``tp``; pipeline stages hold their own layers (the worst stage is reported); ZeRO
+stage 1/2/3 (or FSDP) divides optimizer states / gradients / weights over the sharding group.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ..spec.model import ModelSpec, ParamTensor
+from ..spec.training import TrainingSpec
+
+SMALL = 1 << 20          # requests up to 1 MiB go to the small pool
+MIN_LARGE_ALLOC = 10 << 20
+ROUND_LARGE = 2 << 20
+MIN_BLOCK = 512
+
+
+def block_bytes(nbytes: int) -> int:
+    """Bytes the CUDA caching allocator charges a fresh request of ``nbytes``.
+
+    Requests round up to 512 B. A request over 10 MiB gets a segment rounded up to 2 MiB and the
+    block is not split when the remainder is <= 1 MiB, so it occupies the whole segment (seed 003:
+    a 119.23 MiB embedding occupies 120.00 MiB). Source: c10/cuda/CUDACachingAllocator.cpp
+    (round_size, get_allocation_size, shouldSplit).
+    """
+    if nbytes <= 0:
+        return 0
+    rounded = max(MIN_BLOCK, (nbytes + MIN_BLOCK - 1) // MIN_BLOCK * MIN_BLOCK)
+    if rounded < MIN_LARGE_ALLOC:
+        return rounded
+    seg = (rounded + ROUND_LARGE - 1) // ROUND_LARGE * ROUND_LARGE
+    return seg if seg - rounded <= SMALL else rounded
+
+
+@dataclass(frozen=True)
+class States:
+    """Persistent per-rank bytes (allocator-rounded) and the facts the phases need."""
+
+    weights: int
+    buffers: int
+    master: int
+    grads: int
+    optimizer: int
+    step_tensors: int
+    trainable: int            # trainable parameters on this rank (before ZeRO sharding)
+    params_rank: int          # parameters held on this rank (before ZeRO-3 sharding)
+    layer_grads: int          # gradient bytes of one layer on this rank
+    head_grads: int           # gradient bytes produced by the head / final norm (first in backward)
+    layer_matmul_half: int    # half-precision copies of one layer's matmul weights (autocast)
+    head_matmul_half: int     # half copy of the LM head / tied embedding used as head
+    largest_param: int        # bytes of the largest trainable tensor (for-loop optimizer temporaries)
+    foreach_group: int        # bytes of all trainable tensors of one dtype (foreach temporaries)
+    layer_params_full: int    # bytes of one layer's weights unsharded (ZeRO-3 gather unit)
+    lora_params: int
+
+
+def _tp_div(p: ParamTensor, tp: int) -> int:
+    """Elements of ``p`` on one tensor-parallel rank: matmul weights, their biases and embeddings
+    are split; norms and routers are replicated (Megatron-LM layout)."""
+    if tp == 1 or p.role in ("norm", "router"):
+        return p.numel
+    return -(-p.numel // tp)
+
+
+def _lora_tensors(m: ModelSpec, t: TrainingSpec) -> list[tuple[str, int, int | None]]:
+    """(module, elements, layer) of LoRA A and B matrices on the targeted linear modules."""
+    if not t.lora_rank:
+        return []
+    targets = set(t.lora_targets or default_lora_targets(m))
+    out = []
+    for p in m.parameter_tensors():
+        if p.is_matmul and p.module in targets and len(p.shape) >= 2 and p.role != "embedding":
+            rows, cols = p.shape[-2], p.shape[-1]
+            if m.family in ("gpt2", "nanogpt"):  # Conv1D stores (in, out)
+                rows, cols = cols, rows
+            experts = p.shape[0] if len(p.shape) == 3 else 1
+            out.append((p.module, experts * t.lora_rank * (rows + cols), p.layer))
+    return out
+
+
+def default_lora_targets(m: ModelSpec) -> tuple[str, ...]:
+    """peft's default target modules for the model type (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING)."""
+    if m.family in ("gpt2", "nanogpt"):
+        return ("c_attn",)
+    if m.family in ("bert", "roberta-prenorm"):
+        return ("query", "value")
+    return ("q_proj", "v_proj")
+
+
+def _state_bytes(optimizer: str, shape: tuple[int, ...], numel: int, sbytes: int) -> tuple[int, ...]:
+    """Optimizer state tensors of one parameter, in bytes each.
+
+    adam/adamw: exp_avg and exp_avg_sq in the state dtype (torch.optim). sgd: none;
+    sgd-momentum: momentum_buffer. lion: exp_avg. adafactor (transformers, beta1=None): factored
+    second moment, row + column vectors for matrices, a full tensor for vectors, in fp32.
+    adamw-8bit (bitsandbytes): two uint8 states plus an fp32 absmax per 2048-element block for
+    tensors of >= 4096 elements, fp32 states below that.
+    """
+    if optimizer in ("adam", "adamw"):
+        return (numel * sbytes, numel * sbytes)
+    if optimizer == "sgd":
+        return ()
+    if optimizer in ("sgd-momentum", "lion"):
+        return (numel * sbytes,)
+    if optimizer == "adafactor":
+        if len(shape) >= 2:
+            lead = numel // (shape[-1] * shape[-2])
+            return (lead * shape[-2] * 4, lead * shape[-1] * 4)
+        return (numel * 4,)
+    if optimizer == "adamw-8bit":
+        if numel < 4096:
+            return (numel * 4, numel * 4)
+        blocks = -(-numel // 2048)
+        return (numel + blocks * 4, numel + blocks * 4)
+    raise ValueError(optimizer)
+
+
+@lru_cache(maxsize=4096)
+def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
+    """Persistent memory of one rank. ``stage``: which pipeline stage ("first" or "last")."""
+    tp, pp = t.tp, t.pp
+    per_stage = m.num_layers // pp
+    lo, hi = (0, per_stage) if stage == "first" else (m.num_layers - per_stage, m.num_layers)
+
+    def on_rank(p: ParamTensor) -> bool:
+        if pp == 1:
+            return True
+        if p.layer is not None:
+            return lo <= p.layer < hi
+        is_input_side = p.role == "embedding"
+        if stage == "first":
+            return is_input_side
+        # the last stage holds the final norm and the head; a tied head keeps its own copy
+        return not is_input_side or (m.tied_embeddings and p.name.endswith(("wte.weight", "embed_tokens.weight",
+                                                                          "word_embeddings.weight")))
+
+    w = t.weight_bytes
+    half_master = t.precision in ("bf16", "fp16") and (t.zero_stage >= 1 or t.distributed_optimizer)
+    # gradient dtype: the parameter's, except Megatron/NeMo's fp32 main-grad buffers
+    gbytes = 4 if t.distributed_optimizer else w
+    # optimizer state dtype: fp32 when there is an fp32 master copy, else the parameter's dtype
+    sbytes = 4 if (w == 4 or half_master) else w
+    zero = t.zero_stage
+    d = t.shard_group
+
+    weights = buffers = master = grads = opt = step_t = 0
+    trainable = params_rank = layer_grads = head_grads = lmh = hmh = largest = group = lpf = 0
+    lora = _lora_tensors(m, t)
+    frozen = bool(lora)
+    fused_step = t.impl == "fused" and t.optimizer in ("adam", "adamw")
+
+    for p in m.parameter_tensors():
+        if not on_rank(p):
+            continue
+        n = _tp_div(p, tp)
+        params_rank += n
+        wb = n * w
+        weights += block_bytes(-(-wb // d) if zero == 3 else wb)
+        if p.layer == lo:
+            lpf += wb
+            if p.is_matmul and t.amp:
+                lmh += n * 2
+        if p.layer is None and p.is_matmul and t.amp:
+            hmh += n * 2
+        if frozen:
+            continue
+        trainable += n
+        g = block_bytes(-(-n * gbytes // d) if zero >= 2 else n * gbytes)
+        grads += g
+        if p.layer == lo:
+            layer_grads += g
+        elif p.layer is None and p.role != "embedding":
+            head_grads += g
+        sh = -(-n // d) if zero >= 1 else n
+        if half_master:
+            master += block_bytes(sh * 4)
+        for sb in _state_bytes(t.optimizer, p.shape, sh, sbytes):
+            opt += block_bytes(sb)
+        if fused_step:
+            step_t += block_bytes(4)
+        largest = max(largest, n * sbytes)
+        group += block_bytes(sh * sbytes)
+    if m.tied_embeddings and t.amp and m.head in ("causal-lm", "masked-lm") and (pp == 1 or stage == "last"):
+        # the tied embedding is also the LM head: autocast casts it for the head matmul
+        emb = next(p for p in m.parameter_tensors() if p.role == "embedding")
+        hmh += _tp_div(emb, tp) * 2
+    for mod, n, layer in lora:
+        if layer is not None and not (lo <= layer < hi):
+            continue
+        n = -(-n // tp) if tp > 1 else n
+        trainable += n
+        weights += block_bytes(n * 4 if t.precision != "fp32" and w == 2 else n * w)
+        g = block_bytes(n * gbytes)
+        grads += g
+        if layer == lo:
+            layer_grads += g
+        for sb in _state_bytes(t.optimizer, (n,), n, 4 if w == 2 else w):
+            opt += block_bytes(sb)
+        largest = max(largest, n * sbytes)
+        group += block_bytes(n * sbytes)
+    for b in m.buffer_tensors():
+        nb = {"float32": 4, "int64": 8, "bool": 1}.get(b.dtype, w)
+        numel = 1
+        for x in b.shape:
+            numel *= x
+        if pp > 1 and b.name.startswith("h.") and not (lo <= int(b.name.split(".")[1]) < hi):
+            continue
+        buffers += block_bytes(numel * nb)
+    lora_total = sum(n for _, n, _ in lora)
+    return States(weights, buffers, master, grads, opt, step_t, trainable, params_rank, layer_grads,
+                  head_grads, lmh, hmh, largest, group, lpf, lora_total)

@@ -1,0 +1,1 @@
+"""Renderers: a report as a table, JSON, plots."""

@@ -1,0 +1,246 @@
+"""The bundled model catalogue: every entry's parameter and buffer counts equal the real model's.
+
+The real model is the transformers class named by the entry's ``architectures`` (picked through
+the matching Auto class), built from the same config on the meta device, so nothing is
+allocated; nanogpt-124m is compared with the nanoGPT module in ``tests/nanogpt_model.py``.
+
+Build times (transformers 5.23, torch 2.13, meta device, measured when the catalogue was
+written): every entry builds in under 0.5 s, the largest (llama-3.1-405b, 126 layers) in about
+0.3 s. No build comes near the 5 s budget, so every comparison uses the full layer count; the
+per-layer and non-layer split is checked separately with 1- and 2-layer builds.
+"""
+from __future__ import annotations
+
+import json
+import math
+from functools import lru_cache
+
+import pytest
+import torch
+import transformers
+from transformers import AutoConfig
+
+import trainmem
+from trainmem.spec import catalogue_names, load_config
+
+from nanogpt_model import GPT, GPTConfig
+
+# Exact parameter counts (transformers, tied tensors once). Published figures agree where they
+# exist: Llama-2-7b 6,738,415,616; Llama-3.1-8B 8,030,261,248; Mixtral-8x7B 46,702,792,704;
+# Qwen2.5-7B 7,615,616,512; nanoGPT GPT-2 small with the padded vocabulary 124,373,760.
+EXPECTED_PARAMS = {
+    "bert-base-uncased": 109_514_298,
+    "bert-large-uncased": 335_174_458,
+    "gpt2": 124_439_808,
+    "gpt2-medium": 354_823_168,
+    "gpt2-large": 774_030_080,
+    "gpt2-xl": 1_557_611_200,
+    "llama-2-7b": 6_738_415_616,
+    "llama-2-13b": 13_015_864_320,
+    "llama-2-70b": 68_976_648_192,
+    "llama-3.1-8b": 8_030_261_248,
+    "llama-3.1-70b": 70_553_706_496,
+    "llama-3.1-405b": 405_853_388_800,
+    "llama-3.2-1b": 1_235_814_400,
+    "llama-3.2-3b": 3_212_749_824,
+    "mistral-7b": 7_241_732_096,
+    "mixtral-8x7b": 46_702_792_704,
+    "nanogpt-124m": 124_373_760,
+    "nemo-gpt-1b": 1_410_766_848,
+    "nemo-gpt-5b": 5_231_161_344,
+    "nemo-gpt-7b": 6_837_645_312,
+    "qwen2.5-0.5b": 494_032_768,
+    "qwen2.5-1.5b": 1_543_714_304,
+    "qwen2.5-7b": 7_615_616_512,
+    "qwen2.5-72b": 72_706_203_648,
+    "xlm-roberta-xl": 3_482_741_760,
+}
+HF_NAMES = sorted(n for n in EXPECTED_PARAMS if n != "nanogpt-124m")
+
+_AUTO_BY_SUFFIX = (
+    ("ForCausalLM", transformers.AutoModelForCausalLM),
+    ("LMHeadModel", transformers.AutoModelForCausalLM),
+    ("ForMaskedLM", transformers.AutoModelForMaskedLM),
+    ("ForSequenceClassification", transformers.AutoModelForSequenceClassification),
+    ("Model", transformers.AutoModel),
+)
+_BYTES = {"float32": 4, "int64": 8, "bool": 1}
+_TORCH_DTYPES = {torch.float32: "float32", torch.int64: "int64", torch.bool: "bool"}
+
+
+def _raw(name: str) -> dict:
+    return load_config(name)[1]
+
+
+def _hf_config(cfg: dict) -> dict:
+    return {k: v for k, v in cfg.items() if not k.startswith("_")}
+
+
+def _layers_key(cfg: dict) -> str:
+    return "n_layer" if cfg["model_type"] == "gpt2" else "num_hidden_layers"
+
+
+@lru_cache(maxsize=None)
+def _real_model_counts(cfg_json: str) -> tuple[int, int, tuple[tuple[int, str], ...]]:
+    """(parameters, buffer elements, (numel, dtype) per buffer) of the real model on meta."""
+    cfg = json.loads(cfg_json)
+    if cfg.get("_trainmem", {}).get("family") == "nanogpt":
+        with torch.device("meta"):
+            model = GPT(GPTConfig.from_hf_config(cfg))
+    else:
+        cfg = _hf_config(cfg)
+        arch = cfg["architectures"][0]
+        auto = next(a for suffix, a in _AUTO_BY_SUFFIX if arch.endswith(suffix))
+        with torch.device("meta"):
+            model = auto.from_config(AutoConfig.for_model(**cfg))
+        assert type(model).__name__ == arch, f"{auto.__name__} built {type(model).__name__}, not {arch}"
+    params = sum(p.numel() for p in model.parameters())  # parameters() yields tied tensors once
+    buffers = tuple((b.numel(), _TORCH_DTYPES[b.dtype]) for b in model.buffers())
+    return params, sum(n for n, _ in buffers), buffers
+
+
+def real_counts(cfg: dict) -> tuple[int, int, tuple[tuple[int, str], ...]]:
+    return _real_model_counts(json.dumps(cfg, sort_keys=True))
+
+
+# ----- the catalogue itself ------------------------------------------------------------------
+def test_catalogue_has_every_entry():
+    assert catalogue_names() == sorted(EXPECTED_PARAMS)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_PARAMS))
+def test_entry_is_a_plain_hf_config(name):
+    cfg = _raw(name)
+    assert {k for k in cfg if k.startswith("_")} <= {"_comment", "_trainmem"}
+    assert isinstance(cfg["model_type"], str) and cfg["model_type"]
+    assert isinstance(cfg["architectures"], list) and len(cfg["architectures"]) == 1
+    spec = trainmem.resolve_model(name)
+    assert spec.name == name
+    assert spec.architecture == cfg["architectures"][0]
+
+
+# ----- parameter counts ----------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(EXPECTED_PARAMS))
+def test_param_count_equals_real_model(name):
+    params, _, _ = real_counts(_raw(name))
+    assert trainmem.resolve_model(name).num_params == params
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_PARAMS))
+def test_param_count_is_pinned(name):
+    # catches a config value drifting in a way both counts would follow
+    assert trainmem.resolve_model(name).num_params == EXPECTED_PARAMS[name]
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_PARAMS))
+def test_layer_and_non_layer_params(name):
+    """One layer's parameters and everything outside the layers, from 1- and 2-layer builds."""
+    cfg = _raw(name)
+    key = _layers_key(cfg)
+    one, _, _ = real_counts(dict(cfg, **{key: 1}))
+    two, _, _ = real_counts(dict(cfg, **{key: 2}))
+    spec = trainmem.resolve_model(name)
+    assert spec.layer_params == two - one
+    assert spec.embedding_params == one - (two - one)
+    assert spec.num_params == spec.embedding_params + spec.num_layers * spec.layer_params
+
+
+# ----- buffers -------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(EXPECTED_PARAMS))
+def test_buffers_equal_real_model(name):
+    _, numel, buffers = real_counts(_raw(name))
+    spec = trainmem.resolve_model(name)
+    mine = spec.buffer_tensors()
+    assert sum(math.prod(b.shape) for b in mine) == numel
+    real_bytes = sum(n * _BYTES[d] for n, d in buffers)
+    assert sum(math.prod(b.shape) * _BYTES.get(b.dtype, 4) for b in mine) == real_bytes
+
+
+def test_nanogpt_mask_buffers():
+    spec = trainmem.resolve_model("nanogpt-124m")
+    masks = [b for b in spec.buffer_tensors() if b.name.endswith("attn.bias")]
+    assert len(masks) == 12
+    assert all(b.shape == (1, 1, 1024, 1024) and b.dtype == "float32" for b in masks)
+
+
+# ----- head selection ------------------------------------------------------------------------
+def _base_arch(arch: str) -> str:
+    for suffix in ("LMHeadModel", "ForCausalLM", "ForMaskedLM"):
+        if arch.endswith(suffix):
+            return arch[: -len(suffix)]
+    raise AssertionError(arch)
+
+
+@pytest.mark.parametrize("suffix,labels", [("ForSequenceClassification", None),
+                                           ("ForSequenceClassification", 3), ("Model", None)])
+@pytest.mark.parametrize("name", HF_NAMES)
+def test_head_selection(name, suffix, labels):
+    """Same config, other head (classifier with 2 or 3 labels, or the bare model)."""
+    cfg = _raw(name)
+    change = {"architectures": [_base_arch(cfg["architectures"][0]) + suffix]}
+    if labels:
+        change["num_labels"] = labels
+    params, _, _ = real_counts(dict(cfg, **change))
+    spec = trainmem.resolve_model(name, overrides=change)
+    assert spec.head == ("seq-cls" if suffix.startswith("For") else "base")
+    assert spec.num_params == params
+    if suffix.startswith("For"):  # a tied LM head adds nothing, so only the classifier must show
+        assert spec.num_params != EXPECTED_PARAMS[name]
+    assert not any(t.name.startswith(("lm_head", "cls.")) for t in spec.parameter_tensors())
+
+
+# ----- individual entries --------------------------------------------------------------------
+@pytest.mark.parametrize("name,layers,hidden,heads,ffn,published", [
+    ("nemo-gpt-1b", 24, 2048, 16, 5440, 1.41e9),
+    ("nemo-gpt-5b", 24, 4096, 32, 10880, 5.23e9),
+    ("nemo-gpt-7b", 32, 4096, 32, 10880, 6.84e9),
+])
+def test_nemo_gpt_next_matches_seed(name, layers, hidden, heads, ffn, published):
+    """Seed 000's table: L, h, v = 50257 and P to three significant digits."""
+    s = trainmem.resolve_model(name)
+    assert (s.family, s.num_layers, s.hidden_size, s.num_heads) == ("gpt-next", layers, hidden, heads)
+    assert s.vocab_size == 50257
+    assert s.ffn_size == ffn == 2.65625 * hidden
+    assert (s.activation, s.position, s.norm) == ("swiglu", "rotary", "rmsnorm")
+    assert not (s.tied_embeddings or s.qkv_bias or s.out_bias or s.mlp_bias)
+    assert float(f"{s.num_params:.2e}") == published
+
+
+@pytest.mark.parametrize("name,tied", [("llama-3.2-1b", True), ("llama-3.2-3b", True), ("qwen2.5-0.5b", True),
+                                       ("qwen2.5-1.5b", True), ("qwen2.5-7b", False), ("qwen2.5-72b", False),
+                                       ("llama-3.1-8b", False), ("gpt2-xl", True)])
+def test_tied_embeddings(name, tied):
+    assert trainmem.resolve_model(name).tied_embeddings is tied
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-72b"])
+def test_qwen_has_qkv_bias_only(name):
+    s = trainmem.resolve_model(name)
+    assert s.qkv_bias and not s.out_bias and not s.mlp_bias
+    biases = {t.module for t in s.parameter_tensors() if t.role == "bias"}
+    assert biases == {"q_proj", "k_proj", "v_proj"}
+
+
+def test_mixtral_experts():
+    s = trainmem.resolve_model("mixtral-8x7b")
+    assert (s.family, s.num_experts, s.experts_top_k) == ("mixtral", 8, 2)
+    assert s.active_params == 12_879_925_248  # published: "12.9B active"; 2 of 8 experts per token
+
+
+def test_nanogpt_module_runs():
+    """The reusable nanoGPT module: tiny CPU forward with and without targets."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32))
+    idx = torch.randint(0, 64, (3, 10))
+    logits, loss = model(idx, idx)
+    assert logits.shape == (3, 10, 64) and loss.ndim == 0 and torch.isfinite(loss)
+    assert abs(loss.item() - math.log(64)) < 0.5  # near-uniform at init
+    logits, loss = model(idx)
+    assert logits.shape == (3, 1, 64) and loss is None
+    assert model.lm_head.weight is model.transformer.wte.weight
+    # causal: the first position's output ignores later tokens
+    other = idx.clone()
+    other[:, 5:] = (other[:, 5:] + 1) % 64
+    a, _ = model(idx, idx)
+    b, _ = model(other, other)
+    assert torch.allclose(a[:, :5], b[:, :5]) and not torch.allclose(a[:, 5:], b[:, 5:])
