@@ -48,7 +48,9 @@ def attach_hardware(report: MemoryReport, hw: Hardware | None, max_fraction: flo
     report.hardware = hw
     report.capacity = hw.capacity
     if report.peak_reserved is None:
-        report.peak_reserved = report.peak_allocated + allocator_overhead(report)
+        # the seeds' methods compare allocated + context with the GPU; ours adds the allocator's cache
+        extra = allocator_overhead(report) if report.method in ("trainmem", "") else 0
+        report.peak_reserved = report.peak_allocated + extra
     report.device_used = report.peak_reserved + hw.context
     names = {c.name for c in report.components}
     if "allocator_overhead" not in names and report.peak_reserved > report.peak_allocated:
@@ -93,4 +95,5 @@ def estimate(model: "str | ModelSpec | Mapping[str, Any]", **options: Any) -> Me
     hw = hardware_from(gpu, gpu_memory, context_memory)
     report = fn(m, t)
     report.method = method
+    report.model, report.training = m, t
     return attach_hardware(report, hw, max_fraction)
