@@ -4,12 +4,7 @@ from .report import MemoryReport, Component, Phase, compare
 from .spec import ModelSpec, TrainingSpec, Hardware, resolve_model, get_gpu
 
 __version__ = "0.1.0"
-
-
-def estimate(model, **options) -> MemoryReport:
-    """Closed-form estimate of one GPU's training memory. See ``trainmem.estimate.api.estimate``."""
-    from .estimate.api import estimate as _estimate
-    return _estimate(model, **options)
+from . import estimate  # callable package: trainmem.estimate(model, **options)
 
 
 __all__ = ["TrainmemError", "MemoryReport", "Component", "Phase", "compare", "ModelSpec",

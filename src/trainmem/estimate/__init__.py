@@ -1,1 +1,7 @@
-"""Closed-form estimates: formulas from the model's hyperparameters, component by component."""
+"""Closed-form estimates: formulas from the model's hyperparameters, component by component.
+
+The package is callable: ``trainmem.estimate(model, **options)`` is ``trainmem.estimate.api.estimate``.
+"""
+from .._callable import make_callable
+
+make_callable(__name__, "trainmem.estimate.api:estimate")

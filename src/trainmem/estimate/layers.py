@@ -41,13 +41,13 @@ class Recipe:
     """Accumulates the tensors a layer saves (each storage once) and its backward transients."""
 
     saved: dict[int, T] = field(default_factory=dict)
-    transients: list[tuple[str, float, float, float, float]] = field(default_factory=list)
+    transients: list[tuple[str, float, float, float, float, float]] = field(default_factory=list)
 
     def save(self, *ts: T) -> None:
         for t in ts:
             self.saved[id(t)] = t
 
-    def transient(self, name: str, *ts: T) -> None:
+    def transient(self, name: str, *ts: T, const: float = 0.0) -> None:
         """A moment of this op's backward where ``ts`` are alive. Ops after it in forward order
         were back-propagated already, so only the tensors saved so far are still alive then:
         the recorded excess is relative to the whole layer's saved tensors."""
@@ -55,7 +55,7 @@ class Recipe:
         sq = sum(t.sq * t.nbytes for t in ts)
         so_tok = sum(t.tok * t.nbytes for t in self.saved.values())
         so_sq = sum(t.sq * t.nbytes for t in self.saved.values())
-        self.transients.append((name, tok, sq, so_tok, so_sq))
+        self.transients.append((name, tok, sq, const, so_tok, so_sq))
 
     def coefficients(self) -> tuple[float, float, dict[str, tuple[float, float]]]:
         """(bytes per token, bytes per token x key, per-name breakdown) of the saved tensors."""
@@ -92,10 +92,14 @@ class Policy:
 class Builder:
     """Helpers that mirror single PyTorch ops: what each saves and what it returns."""
 
-    def __init__(self, pol: Policy, dropout: bool):
+    def __init__(self, pol: Policy, dropout: bool, sp_div: int = 1):
         self.p = pol
         self.r = Recipe()
         self.dropout = dropout
+        self.sp_div = sp_div
+        # weight-gradient bytes per element while a linear's backward runs: the matmul's grad in
+        # the compute dtype and, under autocast, its fp32 cast that becomes param.grad
+        self.wgrad_bytes = (HALF + F32) if pol.amp else pol.weight
 
     # -- ops ------------------------------------------------------------------------------
     def t(self, tok: float, nbytes: int, name: str, sq: float = 0.0) -> T:
@@ -108,12 +112,14 @@ class Builder:
         self.r.save(x)
         return x
 
-    def linear(self, x: T, out: float, name: str, saved_name: str) -> T:
+    def linear(self, x: T, out: float, name: str, saved_name: str, in_features: float | None = None) -> T:
         """``F.linear``/``addmm``: saves the (cast) input; weight copies are counted separately."""
         xin = self.matmul_in(x, saved_name)
         y = T(out, 0.0, self.p.half, name)
-        # backward: grad_out + grad_in alive together (weight grads are counted per layer)
-        self.r.transient(f"{name}.backward", T(out, 0, self.p.half), T(xin.tok, 0, self.p.half))
+        in_features = xin.tok if in_features is None else in_features
+        # backward: grad_out, grad_in and the weight gradient alive together
+        self.r.transient(f"{name}.backward", T(out, 0, self.p.half), T(xin.tok, 0, self.p.half),
+                         const=in_features * out * self.wgrad_bytes)
         return y
 
     def layer_norm(self, x: T, name: str) -> T:
@@ -218,7 +224,7 @@ class LayerCoefs:
     tok: float
     sq: float
     parts: tuple[tuple[str, float, float], ...]
-    transients: tuple[tuple[str, float, float], ...]  # (op, excess bytes per token, per token x key)
+    transients: tuple[tuple[str, float, float, float], ...]  # (op, excess per token, per token x key, bytes)
 
     def bytes(self, n: int, nsq: int) -> int:
         return int(self.tok * n + self.sq * nsq)
@@ -227,8 +233,8 @@ class LayerCoefs:
         """The op whose backward adds the most on top of the whole layer's saved tensors (can be
         negative: the tensors freed by then outweigh the gradients in flight)."""
         best = ("", -(1 << 62))
-        for name, a, b in self.transients:
-            v = int(a * n + b * nsq)
+        for name, a, b, c in self.transients:
+            v = int(a * n + b * nsq + c)
             if v > best[1]:
                 best = (name, v)
         return best
@@ -238,9 +244,9 @@ class LayerCoefs:
 def layer_coefficients(k: LayerKey) -> LayerCoefs:
     """Build the recipe of one transformer layer (per rank) and reduce it to coefficients."""
     pol = Policy.of(k.precision)
-    B = Builder(pol, k.dropout)
     t = k.tp
     sp_div = t if k.sp else 1  # sequence parallel splits the replicated regions over TP ranks
+    B = Builder(pol, k.dropout, sp_div)
     h, f, q, kv = k.h, k.f / t, k.q / t, k.kv / t
     heads, kvh = k.heads / t, max(k.kv_heads / t, 1 if k.kv_heads < t else k.kv_heads / t)
     x = T(h / sp_div, 0, pol.stream, "residual")
@@ -249,7 +255,7 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
     if k.family in ("gpt2", "nanogpt"):
         # transformers GPT2Block / nanoGPT Block: pre-LN, fused qkv (c_attn), GELU MLP
         a_in = B.layer_norm(x, "ln_1")
-        qkv = B.linear(T(h / sp_div, 0, a_in.nbytes, "ln_1.out"), q + 2 * kv, "c_attn", "c_attn.input")
+        qkv = B.linear(T(h / sp_div, 0, a_in.nbytes, "ln_1.out"), q + 2 * kv, "c_attn", "c_attn.input", h)
         qq, kk, vv = (T(q, 0, half, "attn.qkv"), T(kv, 0, half, "attn.qkv"), T(kv, 0, half, "attn.qkv"))
         if k.attention == "eager":
             # q, k, v are views of the c_attn output: one storage
@@ -263,7 +269,7 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
         B.drop(T(h / sp_div, 0, half, "resid"), k.hidden_dropout, "attn.resid_dropout")
         x2 = T(h / sp_div, 0, pol.stream, "residual")
         m_in = B.layer_norm(x2, "ln_2")
-        fc = B.linear(T(h / sp_div, 0, m_in.nbytes, "ln_2.out"), f, "c_fc", "c_fc.input")
+        fc = B.linear(T(h / sp_div, 0, m_in.nbytes, "ln_2.out"), f, "c_fc", "c_fc.input", h)
         act = _gelu(B, k.act_impl, f)
         B.linear(act, h, "mlp.c_proj", "mlp.c_proj.input")
         B.drop(T(h / sp_div, 0, half, "resid"), k.hidden_dropout, "mlp.resid_dropout")
@@ -275,9 +281,9 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
             src = T(h / sp_div, 0, a_in.nbytes, "attention.ln.out")
         else:
             src = x  # the previous layer's LayerNorm output
-        qq = B.linear(src, q, "query", "qkv.input")
-        kk = B.linear(src, kv, "key", "qkv.input")
-        vv = B.linear(src, kv, "value", "qkv.input")
+        qq = B.linear(src, q, "query", "qkv.input", h)
+        kk = B.linear(src, kv, "key", "qkv.input", h)
+        vv = B.linear(src, kv, "value", "qkv.input", h)
         qq, kk, vv = T(q, 0, half, "attn.q"), T(kv, 0, half, "attn.k"), T(kv, 0, half, "attn.v")
         ctx = B.attention(qq, kk, vv, heads, kvh, k.head_dim, k.attention, k.attention_dropout,
                           softmax_fp32_then_cast=False)
@@ -292,7 +298,7 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
             sum1 = T(h / sp_div, 0, pol.stream, "attention.output.LayerNorm")
             ln1 = B.layer_norm(sum1, "attention.output.LayerNorm")
             src2 = T(h / sp_div, 0, ln1.nbytes, "attention.output.LayerNorm.out")
-        B.linear(src2, f, "intermediate.dense", "intermediate.dense.input")
+        B.linear(src2, f, "intermediate.dense", "intermediate.dense.input", h)
         act = _gelu(B, k.act_impl, f)
         B.linear(act, h, "output.dense", "output.dense.input")
         B.drop(T(h / sp_div, 0, half, "resid"), k.hidden_dropout, "output.dropout")
@@ -307,7 +313,7 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
         if not pol.amp:
             B.r.save(src)  # shared input of q/k/v (no per-call casts without autocast)
         for name, width in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-            B.linear(src, width, name, f"{name}.input")
+            B.linear(src, width, name, f"{name}.input", h)
         # rotary: q*cos + rotate_half(q)*sin makes new q and k tensors; cos/sin are shared per model
         qq, kk, vv = T(q, 0, half, "attn.q_rot"), T(kv, 0, half, "attn.k_rot"), T(kv, 0, half, "attn.v")
         ctx = B.attention(qq, kk, vv, heads, kvh, k.head_dim, k.attention, k.attention_dropout,
@@ -322,7 +328,7 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
         if k.experts:
             # router logits (fp32 softmax over experts), then each token's hidden goes to top_k experts:
             # the gathered inputs and per-expert SwiGLU activations scale with top_k.
-            B.linear(src2, k.experts, "mlp.gate", "router.input")
+            B.linear(src2, k.experts, "mlp.gate", "router.input", h)
             B.r.save(T(k.experts, 0, F32, "router.softmax"))
             scale = k.top_k
             xin = T(h * scale, 0, half, "experts.input")
@@ -338,7 +344,7 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
         B.r.save(T(r_ / max(1, t if cols else 1), 0, half, f"lora.{name}"))
 
     tok, sq, parts = B.r.coefficients()
-    trans = tuple((name, a + st - tok, b + ss - sq) for name, a, b, st, ss in B.r.transients)
+    trans = tuple((name, a + st - tok, b + ss - sq, c) for name, a, b, c, st, ss in B.r.transients)
     return LayerCoefs(tok, sq, tuple((n, a, b) for n, (a, b) in parts.items()), trans)
 
 
@@ -370,8 +376,8 @@ def _swiglu(B: Builder, f: float, h: float, src: T, name: str, fused_gate_up: bo
     if fused_gate_up:
         B.matmul_in(src, f"{name}.gate_up.input")
     else:
-        B.linear(src, f, f"{name}.gate_proj", f"{name}.gate_proj.input")
-        B.linear(src, f, f"{name}.up_proj", f"{name}.up_proj.input")
+        B.linear(src, f, f"{name}.gate_proj", f"{name}.gate_proj.input", h)
+        B.linear(src, f, f"{name}.up_proj", f"{name}.up_proj.input", h)
     B.r.save(T(f, 0, half, f"{name}.gate_out"), T(f, 0, half, f"{name}.silu_out"),
              T(f, 0, half, f"{name}.up_out"))
     prod = T(f, 0, half, f"{name}.act_product")

@@ -119,6 +119,42 @@ def _state_bytes(optimizer: str, shape: tuple[int, ...], numel: int, sbytes: int
     raise ValueError(optimizer)
 
 
+def _insert_buffer(load: list[tuple[str, int]], name: str, nbytes: int) -> None:
+    """Put a buffer where ``Module._apply`` moves it: after its module's parameters and children
+    (nanoGPT's mask after ``attn.c_proj``; BERT's ids after the embeddings' LayerNorm; rotary
+    frequencies after the final norm)."""
+    owner = name.rsplit(".", 1)[0]
+    if owner.endswith(".attn"):
+        anchor = owner + ".c_proj."
+    elif owner.endswith("embeddings"):
+        anchor = owner + ".LayerNorm."
+    else:
+        anchor = None
+    idx = len(load)
+    if anchor:
+        hits = [i for i, (n, _) in enumerate(load) if n.startswith(anchor)]
+        if hits:
+            idx = hits[-1] + 1
+    elif name.startswith("rotary_emb"):
+        hits = [i for i, (n, _) in enumerate(load) if n.startswith("norm.")]
+        if hits:
+            idx = hits[-1] + 1
+    load.insert(idx, (name, nbytes))
+
+
+@lru_cache(maxsize=1024)
+def _placed_bytes(sizes: tuple[int, ...]) -> int:
+    """Allocated bytes after placing ``sizes`` in order into an empty CUDA caching allocator
+    (simulated: ``trainmem.trace.allocator``), which is what ``model.to("cuda")`` does. Blocks
+    carved from earlier segments can keep an unsplit remainder of up to 1 MiB, so the total is a
+    little above the sum of rounded sizes."""
+    from ..trace.allocator import CachingAllocator
+    a = CachingAllocator()
+    for sz in sizes:
+        a.allocate(sz)
+    return a.allocated
+
+
 @lru_cache(maxsize=4096)
 def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
     """Persistent memory of one rank. ``stage``: which pipeline stage ("first" or "last")."""
@@ -148,6 +184,7 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
     d = t.shard_group
 
     weights = buffers = master = grads = opt = step_t = 0
+    load: list[tuple[str, int]] = []  # (tensor name, bytes) in the order model.to(device) allocates
     trainable = params_rank = layer_grads = head_grads = lmh = hmh = largest = group = lpf = 0
     lora = _lora_tensors(m, t)
     frozen = bool(lora)
@@ -159,7 +196,7 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
         n = _tp_div(p, tp)
         params_rank += n
         wb = n * w
-        weights += block_bytes(-(-wb // d) if zero == 3 else wb)
+        load.append((p.name, -(-wb // d) if zero == 3 else wb))
         if p.layer == lo:
             lpf += wb
             if p.is_matmul and t.amp:
@@ -210,6 +247,8 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
         if pp > 1 and b.name.startswith("h.") and not (lo <= int(b.name.split(".")[1]) < hi):
             continue
         buffers += block_bytes(numel * nb)
+        _insert_buffer(load, b.name, numel * nb)
+    weights = _placed_bytes(tuple(sz for _, sz in load)) - buffers
     lora_total = sum(n for _, n, _ in lora)
     return States(weights, buffers, master, grads, opt, step_t, trainable, params_rank, layer_grads,
                   head_grads, lmh, hmh, largest, group, lpf, lora_total)
