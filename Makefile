@@ -31,7 +31,7 @@ install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
 run: $(VENV)/.installed
-	$(BIN)/trainmem estimate llama-3.1-8b --gpu h100-sxm-80gb --precision bf16-amp --batch-size 1 --seq-len 4096 --recompute full --attention flash
+	$(BIN)/trainmem estimate llama-3.1-8b --gpu h100 --fsdp full --dp 8 --batch-size 2 --seq-len 4096 --recompute full --attention flash
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q

@@ -64,15 +64,12 @@ def attach_hardware(report: MemoryReport, hw: Hardware | None, max_fraction: flo
 
 
 def allocator_overhead(report: MemoryReport) -> int:
-    """Reserved-minus-allocated at the peak, as the caching allocator leaves it.
-
-    Freed blocks stay cached for reuse; at the peak the cache still holds blocks that did not fit
-    the requests made since. A rough closed form: the largest temporary of the step (a freed block
-    the peak's differently sized requests cannot reuse). The tracer (``trace``) simulates the
-    allocator block by block instead of this bound.
+    """Reserved-minus-allocated at the peak: blocks the caching allocator keeps cached and segment
+    rounding. A rule of thumb, 1/32 (~3%) of the peak allocated memory — seed 003 measured 3.4%
+    on BERT-large (10926 MiB reserved at a 10562.79 MiB allocated peak). The tracer (``trace``)
+    simulates the allocator block by block instead of this rule.
     """
-    temps = [c.bytes for c in report.components if c.category == "temporaries"]
-    return max(temps, default=0)
+    return report.peak_allocated // 32
 
 
 def estimate(model: "str | ModelSpec | Mapping[str, Any]", **options: Any) -> MemoryReport:

@@ -156,8 +156,12 @@ def _estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str) -> MemoryReport:
     held, logp, ce_fwd, ce_bwd = (0, 0, 0, 0)
     if t.pp == 1 or stage == "last":
         held, logp, ce_fwd, ce_bwd = _logits(m, t, pol, n, b)
-    cache_layer = st.layer_matmul_half if pol.amp else 0
-    cache_head = st.head_matmul_half if pol.amp and (t.pp == 1 or stage == "last") else 0
+    # autocast casts each fp32 leaf weight once per forward and caches it; the matmuls save the
+    # copies for backward. Sharded ZeRO-3/FSDP parameters are gathered per layer in the compute
+    # dtype (FSDP MixedPrecision) and resharded after use, so no cast copies outlive their layer.
+    sharded = t.zero_stage == 3 and t.shard_group > 1
+    cache_layer = st.layer_matmul_half if pol.amp and not sharded else 0
+    cache_head = st.head_matmul_half if pol.amp and not sharded and (t.pp == 1 or stage == "last") else 0
 
     layer_acts = per_layer * layers * inflight
     inputs = _inputs(m, n, b)
@@ -302,7 +306,7 @@ def _estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str) -> MemoryReport:
                 listed.append(Component("activations.layers.checkpointed_inputs", "activations",
                                         layer_input * nl, "fp32" if pol.stream == 4 else half_name,
                                         "full recompute keeps each layer's input"))
-            if cache_layer:
+            if cache_layer and not fwd_cache_only:
                 listed.append(Component("activations.autocast_weight_copies.layers", "activations",
                                         cache_layer * layers, half_name,
                                         "half copies of matmul weights cast by autocast, saved for backward"))
