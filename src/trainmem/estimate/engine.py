@@ -177,7 +177,7 @@ def _estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str) -> MemoryReport:
     grads_persistent = t.distributed_optimizer  # Megatron main-grad buffers live from model wrap
 
     impl = t.impl
-    if t.optimizer == "sgd" or impl == "fused" or t.optimizer == "adamw-8bit":
+    if t.optimizer == "sgd" or impl == "fused" or t.optimizer == "adamw-8bit" or t.offload_optimizer:
         opt_tmp = 0
     elif impl == "foreach" and not t.optimizer_in_backward:
         opt_tmp = st.foreach_group  # _foreach_sqrt(exp_avg_sq) & co. over the whole group at once

@@ -249,6 +249,8 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
         buffers += block_bytes(numel * nb)
         _insert_buffer(load, b.name, numel * nb)
     weights = _placed_bytes(tuple(sz for _, sz in load)) - buffers
+    if t.offload_optimizer:  # ZeRO-Offload: fp32 master weights and optimizer states live in host memory
+        master = opt = step_t = 0
     lora_total = sum(n for _, n, _ in lora)
     return States(weights, buffers, master, grads, opt, step_t, trainable, params_rank, layer_grads,
                   head_grads, lmh, hmh, largest, group, lpf, lora_total)
