@@ -97,12 +97,15 @@ def _logits(m: ModelSpec, t: TrainingSpec, pol: Policy, n: int, b: int) -> tuple
     with the saved log-probabilities. Under ``torch.compile`` inductor fuses the loss and its backward:
     no fp32 copy in forward and a single fp32 gradient of the logits at the start of backward (seed
     001 measured exactly one such allocation on nanoGPT, which compiles by default).
-    Vocabulary-parallel (TP) divides all of them by ``tp``.
+    Vocabulary-parallel (TP) divides all of them by ``tp``. Chunked cross-entropy
+    (``loss_chunks`` > 1: the head and the loss run over the tokens chunk by chunk, each chunk's
+    logits gradient formed before the next chunk starts, as fused linear-cross-entropy kernels do)
+    leaves one chunk of ceil(n / chunks) tokens of each of these tensors alive at a time.
     """
     if m.head not in ("causal-lm", "masked-lm"):
         k = m.num_labels
         return b * k * pol.half, b * k * F32, b * k * F32, 2 * b * k * F32
-    nl = n * m.vocab_size // t.tp
+    nl = -(-n // t.loss_chunks) * m.vocab_size // t.tp
     held = nl * pol.half
     logp = nl * F32
     fwd = nl * F32 if (pol.half != F32 and not t.compile) else 0  # .float() copy alive in log_softmax

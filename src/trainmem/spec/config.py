@@ -61,6 +61,8 @@ def _read_json(path: str) -> dict[str, Any]:
             data = json.load(f)
     except json.JSONDecodeError as e:
         raise TrainmemError(f"malformed config {path!r}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    except UnicodeDecodeError:
+        raise TrainmemError(f"malformed config {path!r}: not UTF-8 text") from None
     except OSError as e:
         raise TrainmemError(f"cannot read config {path!r}: {e.strerror}") from None
     if not isinstance(data, dict):
@@ -155,10 +157,20 @@ def _activation(act: Any, name: str) -> str:
     raise TrainmemError(f"model {name!r}: unsupported hidden activation {act!r}")
 
 
-def _num_labels(cfg: Mapping[str, Any]) -> int:
+def _num_labels(cfg: Mapping[str, Any], name: str) -> int:
     if isinstance(cfg.get("id2label"), dict) and cfg["id2label"]:
         return len(cfg["id2label"])
-    return int(cfg.get("num_labels", 2))
+    return _int(cfg, name, "num_labels", default=2)
+
+
+def _count(cfg: Mapping[str, Any], name: str, key: str, default: int) -> int:
+    """A count that may be zero (e.g. num_local_experts), read strictly: an integer, never a string."""
+    v = cfg.get(key, default)
+    if v is None:
+        v = default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v or v < 0:
+        raise TrainmemError(f"malformed config for {name!r}: {key} must be a non-negative integer, got {v!r}")
+    return int(v)
 
 
 def spec_from_config(config: Mapping[str, Any], name: str = "model") -> ModelSpec:
@@ -167,15 +179,21 @@ def spec_from_config(config: Mapping[str, Any], name: str = "model") -> ModelSpe
         raise TrainmemError(f"malformed config for {name!r}: expected a JSON object")
     cfg = dict(config)
     extra = cfg.get("_trainmem", {}) or {}
+    if not isinstance(extra, Mapping):
+        raise TrainmemError(f"malformed config for {name!r}: '_trainmem' must be a JSON object")
     mtype = cfg.get("model_type")
     if not mtype:
         raise TrainmemError(f"malformed config for {name!r}: missing 'model_type' (e.g. llama, gpt2, bert)")
+    if not isinstance(mtype, str):
+        raise TrainmemError(f"malformed config for {name!r}: 'model_type' must be a string, got {mtype!r}")
     archs = cfg.get("architectures") or []
     if archs and not isinstance(archs, list):
         raise TrainmemError(f"malformed config for {name!r}: 'architectures' must be a list")
     arch = archs[0] if archs else ""
+    if not isinstance(arch, str):
+        raise TrainmemError(f"malformed config for {name!r}: 'architectures' must list class names, got {arch!r}")
     common: dict[str, Any] = dict(name=name, model_type=mtype, architecture=arch, config=cfg,
-                                  num_labels=_num_labels(cfg))
+                                  num_labels=_num_labels(cfg, name))
 
     if mtype == "gpt2":
         h = _int(cfg, name, "n_embd", "hidden_size")
@@ -234,8 +252,8 @@ def spec_from_config(config: Mapping[str, Any], name: str = "model") -> ModelSpe
             mlp_bias=bool(cfg.get("mlp_bias", False)), norm_bias=False,
             tied_embeddings=bool(cfg.get("tie_word_embeddings", False)), position="rotary",
             attention_dropout=_float(cfg, name, "attention_dropout", default=0.0),
-            num_experts=int(cfg.get("num_local_experts", 0)) if mtype == "mixtral" else 0,
-            experts_top_k=int(cfg.get("num_experts_per_tok", 2)) if mtype == "mixtral" else 0,
+            num_experts=_count(cfg, name, "num_local_experts", 0) if mtype == "mixtral" else 0,
+            experts_top_k=_count(cfg, name, "num_experts_per_tok", 2) if mtype == "mixtral" else 0,
             **common)
 
     raise TrainmemError(f"model {name!r}: unsupported model_type {mtype!r} (trainmem knows gpt2, bert, "

@@ -61,10 +61,11 @@ class TrainingSpec:
     offload_optimizer: bool = False  # ZeRO-Offload: optimizer states (and fp32 master) in CPU memory
     dropout: bool = True  # apply the config's dropout (masks are stored when p > 0)
     num_microbatches_in_flight: int | None = None  # pipeline; None = 1F1B default (pp)
+    loss_chunks: int = 1  # chunked cross-entropy: head + loss run over the tokens in this many chunks
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
-        for key in ("batch_size", "seq_len", "grad_accum", "dp", "tp", "pp", "cp", "fsdp_node_size"):
+        for key in ("batch_size", "seq_len", "grad_accum", "dp", "tp", "pp", "cp", "fsdp_node_size", "loss_chunks"):
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool):
                 raise TrainmemError(f"--{key.replace('_', '-')} must be an integer, got {v!r}")

@@ -217,7 +217,6 @@ def estimate(model, training):
     edt = "fp32" if e == 4 else "16-bit"
     comps = [
         Component("parameters", "parameters", W, wdt, "Σ allocator_block(numel·bytes) over weights", persistent=True),
-        Component("gradients", "gradients", W, wdt, "= weights", persistent=True),
         Component("optimizer_states", "optimizer_states", k * W, wdt, f"{k} × weights (Adam moments)",
                   persistent=True),
         Component("inputs", "inputs", groups.get("inputs", 0), f"{e}-byte",
@@ -233,6 +232,8 @@ def estimate(model, training):
         Component("temporaries.gradient_calculation", "temporaries", temp, edt,
                   "b·s·i·e + i·h·e + 2·b·s·i + h·h·e − b·s·h"),
     ]
+    # The components are those alive at the peak (backward of the last encoder layer, the first
+    # one back-propagated): no full set of parameter gradients yet, so they sum to the peak.
     report = simple_report(METHOD, model, training, comps, peak_allocated=peak, phases=phases,
                            peak_phase=peak_step.name, peak_where="backward of the last encoder layer, step 2",
                            warnings=warnings)
