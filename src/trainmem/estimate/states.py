@@ -181,6 +181,8 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
     # optimizer state dtype: fp32 when there is an fp32 master copy, else the parameter's dtype
     sbytes = 4 if (w == 4 or half_master) else w
     zero = t.zero_stage
+    # Megatron's distributed optimizer shards the fp32 master copy and the states like ZeRO-1
+    zero_states = max(zero, 1) if t.distributed_optimizer else zero
     d = t.shard_group
 
     weights = buffers = master = grads = opt = step_t = 0
@@ -212,7 +214,7 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
             layer_grads += g
         elif p.layer is None and p.role != "embedding":
             head_grads += g
-        sh = -(-n // d) if zero >= 1 else n
+        sh = -(-n // d) if zero_states >= 1 else n
         if half_master:
             master += block_bytes(sh * 4)
         for sb in _state_bytes(t.optimizer, p.shape, sh, sbytes):

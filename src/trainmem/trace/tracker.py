@@ -1,0 +1,584 @@
+"""Allocation tracker: watch a real training step run on tensors that hold no data.
+
+A :class:`Tracker` is a ``TorchDispatchMode``. Every ATen operation that runs while it is active —
+in the forward, inside autograd's backward, in the optimizer — passes through it; each output whose
+storage it has not seen before is an *allocation* of ``storage.nbytes()`` bytes, handed to an
+allocator simulation (:mod:`trainmem.trace.allocator`). A ``weakref.finalize`` on the storage
+object reports the *free* at the moment the last tensor using it dies, exactly when PyTorch would
+give the block back. Views, in-place ops and ``detach`` share storages and so cost nothing.
+
+Each storage gets a record: its category (parameter, buffer, input, activation saved for backward,
+temporary, gradient, optimizer state, workspace, logits), the module and op that allocated it, the
+phase (model_loaded, forward, backward, optimizer_step, zero_grad) and the step. Categories are
+refined as the step proceeds: a backward temporary that autograd stores in ``param.grad`` becomes
+a gradient (post-accumulate-grad hook), tensors kept by ``optimizer.state`` become optimizer states
+(global optimizer step hook), forward tensors packed by autograd become activations (saved-tensor
+hooks) and the root module's returned logits become logits.
+
+Module attribution uses global forward pre/post hooks in the forward and, in the backward, the
+sequence number of the autograd node being executed (``torch._C._current_autograd_node``), mapped
+back to the module that was running when the node was created.
+
+The tracker itself holds no tensor: it keys live storages by ``id`` and forgets them when they die.
+"""
+from __future__ import annotations
+
+import bisect
+import re
+import weakref
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from .allocator import CachingAllocator, ExactAllocator
+
+#: cuBLAS workspace per handle with PyTorch's default CUBLAS_WORKSPACE_CONFIG (":4096:2:16:8")
+#: before Hopper: 4096 KiB x 2 + 16 KiB x 8 = 8,519,680 B. Hopper (sm90) defaults to 32 MiB.
+CUBLAS_WORKSPACE = 4096 * 1024 * 2 + 16 * 1024 * 8
+CUBLAS_WORKSPACE_SM90 = 4096 * 8 * 1024
+
+_aten = torch.ops.aten
+
+#: ops that run a cuBLAS GEMM/GEMV/dot and therefore bind the thread's cuBLAS handle + workspace
+MATMUL_OPS = frozenset(
+    getattr(_aten, name).default for name in (
+        "mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "addr", "dot", "vdot",
+        "_addmm_activation",
+    ) if hasattr(_aten, name)
+)
+
+#: factory ops through which optimizers create their state (zeros_like, empty_like, clone, ...)
+_STATE_FACTORY = frozenset(
+    getattr(_aten, name).default for name in (
+        "zeros_like", "empty_like", "ones_like", "full_like", "zeros", "empty", "clone", "_to_copy",
+    ) if hasattr(_aten, name)
+) | frozenset({_aten.empty.memory_format, _aten.zeros.default, _aten.full.default,
+               _aten.scalar_tensor.default, _aten.lift_fresh_copy.default, _aten.copy.default})
+
+PHASES = ("model_loaded", "forward", "backward", "optimizer_step", "zero_grad")
+
+
+@dataclass
+class Record:
+    """One storage (one allocator block) and what the tracker knows about it."""
+
+    rid: int
+    handle: int | None
+    nbytes: int
+    block: int
+    category: str
+    label: str
+    module: str
+    op: str
+    phase: str
+    step: int
+    alloc_event: int
+    free_event: int | None = None
+    dtype: str = ""
+    shape: tuple[int, ...] = ()
+    saved: bool = False
+
+
+@dataclass
+class PhaseMark:
+    """A closed phase: allocated at its end, highest allocated within it, reserved at its end."""
+
+    name: str
+    step: int
+    allocated: int
+    peak: int
+    reserved: int
+    where: str = ""
+    start_event: int = 0
+    end_event: int = 0
+
+
+def _op_name(func: Any) -> str:
+    name = getattr(func, "__name__", str(func))
+    return name[:-8] if name.endswith(".default") else name
+
+
+_LAYER_INDEX = re.compile(r"\.(\d+)(?=\.|$)")
+
+
+def module_pattern(name: str) -> str:
+    """``bert.encoder.layer.3.output`` -> ``bert.encoder.layer.*.output`` (layers folded together)."""
+    return _LAYER_INDEX.sub(".*", name)
+
+
+class Tracker(TorchDispatchMode):
+    """Feed every storage allocation and free of a running program into an allocator simulation.
+
+    ``device_type`` is the device whose tensors count (``"meta"`` when emulating CUDA, ``"cpu"``
+    under a CPU FakeTensorMode). ``cublas_workspace`` > 0 allocates a cuBLAS workspace at the first
+    matmul of the forward thread and of the autograd backward thread, as CUDA does.
+    """
+
+    def __init__(self, allocator: CachingAllocator | ExactAllocator, *, device_type: str,
+                 cublas_workspace: int = 0, emulate_cuda_kernels: bool = False) -> None:
+        super().__init__()
+        self.allocator = allocator
+        self.device_type = device_type
+        self.cublas_workspace = cublas_workspace
+        self.emulate_cuda_kernels = emulate_cuda_kernels
+        self.records: list[Record] = []
+        self.live: dict[int, Record] = {}          # id(untyped storage) -> record
+        # event log: record id (>= 0 allocation, ~rid free) and allocator state after the event
+        self.ev_rec: list[int] = []
+        self.ev_alloc: list[int] = []
+        self.ev_reserved: list[int] = []
+        self.peak = 0
+        self.peak_event = -1
+        self.peak_context = ""
+        self.phase = "model_loaded"
+        self.step = 0
+        self.phase_start = 0
+        self.phase_peak = 0
+        self.phase_peak_where = ""
+        self.phase_marks: list[PhaseMark] = []
+        self.module_stack: list[str] = []
+        self.module_names: dict[int, str] = {}
+        self.param_names: dict[int, str] = {}
+        self._seq_starts: list[int] = []
+        self._seq_names: list[str] = []
+        self._labels: list[str] = []
+        self._workspaces: dict[str, int | None] = {}
+        self._closed = False
+        self._pending_inputs = True
+        self.warnings: list[str] = []
+        self.ops_seen = 0
+        self.data_dependent = 0
+
+    # ----- modes -------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.ops_seen += 1
+        if func is _aten._local_scalar_dense.default and self._is_tracked_tensor(args[0]):
+            # data-dependent Python control flow on a tensor that holds no data: answer 0
+            self.data_dependent += 1
+            t = args[0]
+            return False if t.dtype == torch.bool else (0.0 if t.is_floating_point() else 0)
+        if self.phase != "backward" and torch._C._current_graph_task_id() != -1:
+            self.enter_phase("backward")
+        out = func(*args, **kwargs)
+        self._register_outputs(func, out)
+        if self.cublas_workspace and func in MATMUL_OPS:
+            self._cublas(func)
+        if self.emulate_cuda_kernels:
+            self._kernel_scratch(func, args, out)
+        return out
+
+    def _is_tracked_tensor(self, t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and t.device.type == self.device_type
+
+    # ----- allocation / free ---------------------------------------------------------------------
+    def _register_outputs(self, func: Any, out: Any) -> None:
+        if isinstance(out, torch.Tensor):
+            self._register(func, out)
+        elif isinstance(out, (tuple, list)):
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self._register(func, t)
+
+    def _register(self, func: Any, t: torch.Tensor, category: str | None = None, label: str | None = None,
+                  module: str | None = None) -> Record | None:
+        if t.device.type != self.device_type or t.is_sparse or t.layout != torch.strided:
+            return None
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return None
+        key = id(st)
+        rec = self.live.get(key)
+        nbytes = st.nbytes()
+        if rec is not None:
+            if nbytes != rec.nbytes:  # resize_ / set_ grew the storage: a new block replaces the old
+                self._free_block(rec)
+                rec.handle = self.allocator.allocate(nbytes)
+                rec.nbytes, rec.block = nbytes, self.allocator.block_size(rec.handle)
+                self._log(rec.rid)
+            return rec
+        if category is None:
+            category, label2 = self._category_for(func)
+            label = label if label is not None else label2
+        if label is None:
+            label = self._labels[-1] if self._labels else ""
+        if module is None:
+            module = self._current_module()
+        handle = self.allocator.allocate(nbytes)
+        rec = Record(len(self.records), handle, nbytes, self.allocator.block_size(handle), category,
+                     label, module, _op_name(func) if func is not None else "", self.phase, self.step,
+                     len(self.ev_rec), dtype=str(t.dtype).replace("torch.", ""), shape=tuple(t.shape))
+        self.records.append(rec)
+        self.live[key] = rec
+        weakref.finalize(st, self._on_free, key, rec.rid)
+        self._log(rec.rid)
+        return rec
+
+    def _free_block(self, rec: Record) -> None:
+        self.allocator.free(rec.handle)
+        rec.handle = None
+
+    def _on_free(self, key: int, rid: int) -> None:
+        if self._closed:
+            return
+        rec = self.live.get(key)
+        if rec is None or rec.rid != rid:
+            return
+        del self.live[key]
+        self._free_block(rec)
+        rec.free_event = len(self.ev_rec)
+        self._log(~rid)
+
+    def _log(self, code: int) -> None:
+        a = self.allocator
+        self.ev_rec.append(code)
+        self.ev_alloc.append(a.allocated)
+        self.ev_reserved.append(a.reserved)
+        if code >= 0:
+            if a.allocated > self.phase_peak:
+                self.phase_peak = a.allocated
+                self.phase_peak_where = self._where(self.records[code])
+            if a.allocated > self.peak:
+                self.peak = a.allocated
+                self.peak_event = len(self.ev_rec) - 1
+                self.peak_context = self.phase_peak_where
+
+    def _where(self, rec: Record) -> str:
+        node = torch._C._current_autograd_node() if self.phase == "backward" else None
+        parts = [rec.module or "<top level>"]
+        if node is not None:
+            parts.append(f"({node.name()})")
+        parts.append(rec.op)
+        if rec.label:
+            parts.append(f"[{rec.label}]")
+        return " ".join(parts)
+
+    def allocate_extra(self, nbytes: int, category: str, label: str, op: str = "") -> int:
+        """Allocate memory that no tensor stands for (workspaces, kernel scratch); returns a rid."""
+        handle = self.allocator.allocate(nbytes)
+        rec = Record(len(self.records), handle, nbytes, self.allocator.block_size(handle), category, label,
+                     self._current_module(), op, self.phase, self.step, len(self.ev_rec))
+        self.records.append(rec)
+        self._log(rec.rid)
+        return rec.rid
+
+    def free_extra(self, rid: int) -> None:
+        rec = self.records[rid]
+        if rec.handle is None and rec.free_event is not None:
+            return
+        self._free_block(rec)
+        rec.free_event = len(self.ev_rec)
+        self._log(~rid)
+
+    def _cublas(self, func: Any) -> None:
+        thread = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+        if thread not in self._workspaces:
+            self._workspaces[thread] = self.allocate_extra(
+                self.cublas_workspace, "workspace", f"cublas_{thread}", _op_name(func))
+
+    def _kernel_scratch(self, func: Any, args: tuple, out: Any) -> None:
+        """Scratch memory that CUDA kernels allocate inside an op (freed before the op returns)."""
+        sizes: list[int] = []
+        if func is getattr(_aten, "_scaled_dot_product_flash_attention_backward", None) and \
+                func is not None:
+            pass
+        name = _op_name(func)
+        if name == "_scaled_dot_product_flash_attention_backward":
+            q = args[1]
+            b, h, t, d = q.shape
+            t_r = -(-t // 128) * 128
+            d_r = -(-d // 32) * 32
+            sizes += [b * h * t_r * 4,            # softmax_d (fp32)
+                      b * t_r * h * d_r * 4]      # dq_accum (fp32)
+            k = args[2]
+            if k.shape[1] != h:                   # GQA: dk, dv expanded to all query heads
+                sizes += [2 * b * k.shape[2] * h * d * k.element_size()]
+        elif name == "_scaled_dot_product_efficient_attention_backward":
+            q = args[1]
+            b, h, t, d = q.shape
+            sizes += [b * h * t * 4]              # delta (fp32)
+        if sizes:
+            rids = [self.allocate_extra(n, "temporaries", "kernel_scratch", name) for n in sizes]
+            for r in rids:
+                self.free_extra(r)
+
+    # ----- categories ----------------------------------------------------------------------------
+    def _category_for(self, func: Any) -> tuple[str, str]:
+        ph = self.phase
+        if ph == "model_loaded":
+            return "temporaries", ""
+        if ph == "step_start" or (ph == "forward" and self._pending_inputs and not self.module_stack):
+            return "inputs", ""
+        if ph == "forward":
+            return "activations", ""
+        if ph == "backward":
+            if self.module_stack:  # activation checkpointing: the forward runs again inside backward
+                return "activations", "recomputed"
+            return "temporaries", ""
+        if ph == "optimizer_step":
+            if func in _STATE_FACTORY:
+                return "optimizer_states", ""
+            return "temporaries", ""
+        return "temporaries", ""
+
+    def reclassify(self, t: torch.Tensor, category: str, label: str = "") -> None:
+        """Give the storage of ``t`` a category (e.g. when it becomes a gradient)."""
+        if not self._is_tracked_tensor(t):
+            return
+        rec = self.live.get(id(t.untyped_storage()))
+        if rec is not None:
+            rec.category = category
+            rec.label = label
+
+    def register_existing(self, t: torch.Tensor, category: str, label: str, module: str) -> None:
+        """Count a tensor created outside the tracker (e.g. a parameter moved to the device)."""
+        rec = self._register(None, t, category=category, label=label, module=module)
+        if rec is not None:
+            rec.op = "to(device)"
+
+    @contextmanager
+    def label(self, name: str) -> Iterator[None]:
+        """Label the allocations made inside the block (e.g. ``autocast_weight_cache``)."""
+        self._labels.append(name)
+        try:
+            yield
+        finally:
+            self._labels.pop()
+
+    # ----- phases --------------------------------------------------------------------------------
+    def begin_step(self, step: int) -> None:
+        self._close_phase()
+        self.step = step
+        self.phase = "step_start"
+        self._pending_inputs = True
+        self._open_phase()
+
+    def end_step(self) -> None:
+        self._close_phase()
+        self.phase = "between_steps"
+        self._open_phase()
+
+    def enter_phase(self, name: str) -> None:
+        if name == self.phase:
+            return
+        carry = self.phase == "step_start"
+        peak, where = self.phase_peak, self.phase_peak_where
+        self._close_phase()
+        self.phase = name
+        self._open_phase()
+        if carry and peak > self.phase_peak:
+            # allocations before the first forward (the batch) belong to the forward phase
+            self.phase_peak, self.phase_peak_where = peak, where
+
+    def _open_phase(self) -> None:
+        self.phase_start = len(self.ev_rec)
+        self.phase_peak = self.allocator.allocated
+        self.phase_peak_where = ""
+
+    def _close_phase(self) -> None:
+        if self.phase in PHASES:
+            a = self.allocator
+            self.phase_marks.append(PhaseMark(self.phase, self.step, a.allocated, max(self.phase_peak, a.allocated),
+                                              a.reserved, self.phase_peak_where, self.phase_start, len(self.ev_rec)))
+
+    def finish(self) -> None:
+        """Stop listening to frees (objects dying after the trace must not count)."""
+        self._close_phase()
+        self.phase = "done"
+        self._closed = True
+
+    # ----- module attribution --------------------------------------------------------------------
+    def name_modules(self, root: torch.nn.Module) -> None:
+        for name, mod in root.named_modules(remove_duplicate=False):
+            self.module_names.setdefault(id(mod), name)
+        for name, p in root.named_parameters(remove_duplicate=False):
+            self.param_names.setdefault(id(p), name)
+
+    def _current_module(self) -> str:
+        if self.module_stack:
+            return self.module_stack[-1]
+        node = torch._C._current_autograd_node() if self.phase == "backward" else None
+        if node is None:
+            return ""
+        seq = node._sequence_nr()
+        if seq >= (1 << 63) or node.name().endswith("AccumulateGrad"):
+            var = getattr(node, "variable", None)
+            pname = self.param_names.get(id(var), "") if var is not None else ""
+            return pname.rsplit(".", 1)[0] if pname else ""
+        i = bisect.bisect_right(self._seq_starts, seq) - 1
+        return self._seq_names[i] if i >= 0 else ""
+
+    def _pre_forward(self, module: torch.nn.Module, args: Any) -> None:
+        name = self.module_names.get(id(module))
+        if name is None:
+            name = type(module).__name__
+        if not self.module_stack:
+            if torch._C._current_graph_task_id() == -1 and self.phase in (
+                    "step_start", "backward", "optimizer_step", "zero_grad", "between_steps"):
+                self.enter_phase("forward")
+            self._pending_inputs = False
+        self.module_stack.append(name)
+        self._seq_starts.append(torch._C._autograd._get_sequence_nr())
+        self._seq_names.append(name)
+
+    def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self.module_stack:
+            self.module_stack.pop()
+        self._seq_starts.append(torch._C._autograd._get_sequence_nr())
+        self._seq_names.append(self.module_stack[-1] if self.module_stack else "")
+        if not self.module_stack and self.phase == "forward":
+            self._mark_logits(output)
+
+    def _mark_logits(self, output: Any) -> None:
+        cand: list[torch.Tensor] = []
+        logits = getattr(output, "logits", None)
+        if isinstance(logits, torch.Tensor):
+            cand = [logits]
+        elif isinstance(output, torch.Tensor):
+            cand = [output] if output.dim() >= 2 else []
+        elif isinstance(output, (tuple, list)):
+            cand = [t for t in output if isinstance(t, torch.Tensor) and t.dim() >= 2][:1]
+        for t in cand:
+            if self._is_tracked_tensor(t):
+                rec = self.live.get(id(t.untyped_storage()))
+                if rec is not None and rec.category == "activations":
+                    rec.category = "logits"
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self._is_tracked_tensor(t):
+            rec = self.live.get(id(t.untyped_storage()))
+            if rec is not None:
+                rec.saved = True
+        return t.detach()
+
+    @contextmanager
+    def hooks(self, optimizers: Iterable[Any] = ()) -> Iterator[None]:
+        """Install the global module/optimizer/autograd hooks for the duration of the block."""
+        from torch.nn.modules import module as _module
+        from torch.optim import optimizer as _optim
+
+        handles = [
+            _module.register_module_forward_pre_hook(self._pre_forward),
+            _module.register_module_forward_hook(self._post_forward, always_call=True),
+            _optim.register_optimizer_step_pre_hook(self._opt_pre),
+            _optim.register_optimizer_step_post_hook(self._opt_post),
+        ]
+        orig_backward = torch.autograd.backward
+        orig_grad = torch.autograd.grad
+        orig_opt_zero = torch.optim.Optimizer.zero_grad
+        orig_mod_zero = torch.nn.Module.zero_grad
+        tracker = self
+
+        def backward(*a: Any, **k: Any) -> Any:
+            if torch._C._current_graph_task_id() == -1:
+                tracker.enter_phase("backward")
+            return orig_backward(*a, **k)
+
+        def grad(*a: Any, **k: Any) -> Any:
+            if torch._C._current_graph_task_id() == -1:
+                tracker.enter_phase("backward")
+            return orig_grad(*a, **k)
+
+        def opt_zero(self_: Any, *a: Any, **k: Any) -> Any:
+            tracker.enter_phase("zero_grad")
+            return orig_opt_zero(self_, *a, **k)
+
+        def mod_zero(self_: Any, *a: Any, **k: Any) -> Any:
+            tracker.enter_phase("zero_grad")
+            return orig_mod_zero(self_, *a, **k)
+
+        torch.autograd.backward = backward
+        torch.autograd.grad = grad
+        torch.optim.Optimizer.zero_grad = opt_zero
+        torch.nn.Module.zero_grad = mod_zero
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+                yield
+        finally:
+            torch.autograd.backward = orig_backward
+            torch.autograd.grad = orig_grad
+            torch.optim.Optimizer.zero_grad = orig_opt_zero
+            torch.nn.Module.zero_grad = orig_mod_zero
+            for h in handles:
+                h.remove()
+
+    def watch_parameters(self, params: Iterable[torch.Tensor]) -> list[Any]:
+        """Post-accumulate-grad hooks that mark each parameter's ``.grad`` storage as a gradient."""
+        handles = []
+        for p in params:
+            if p.requires_grad:
+                handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        return handles
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if p.grad is not None:
+            self.reclassify(p.grad, "gradients", "")
+
+    def _opt_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
+        if torch._C._current_graph_task_id() == -1:
+            self.enter_phase("optimizer_step")
+
+    def _opt_post(self, opt: Any, args: Any, kwargs: Any) -> None:
+        self.mark_optimizer_state(opt)
+
+    def mark_optimizer_state(self, opt: Any) -> None:
+        for state in getattr(opt, "state", {}).values():
+            if not isinstance(state, dict):
+                continue
+            for key, val in state.items():
+                if isinstance(val, torch.Tensor):
+                    self.reclassify(val, "optimizer_states", str(key))
+
+    def mark_gradients(self, params: Iterable[torch.Tensor]) -> None:
+        for p in params:
+            if p.grad is not None:
+                self.reclassify(p.grad, "gradients", "")
+
+    def end_of_forward_cleanup(self) -> None:
+        """Forward tensors still alive but not saved by autograd are temporaries (or inputs/logits)."""
+        for rec in self.live.values():
+            if rec.category == "activations" and not rec.saved and rec.phase == "forward" \
+                    and rec.step == self.step and rec.label != "autocast_weight_cache":
+                rec.category = "temporaries"
+
+    # ----- results -------------------------------------------------------------------------------
+    def live_at(self, event: int) -> list[Record]:
+        """Records whose block was allocated at ``event`` (inclusive)."""
+        return [r for r in self.records
+                if r.alloc_event <= event and (r.free_event is None or r.free_event > event)]
+
+    def timeline(self, max_points: int = 4000) -> list[list[Any]]:
+        """[event index, allocated, reserved, {category: bytes}] after each event (downsampled)."""
+        n = len(self.ev_rec)
+        if n == 0:
+            return []
+        cats: dict[str, int] = defaultdict(int)
+        keep = set(range(n)) if n <= max_points else self._downsample(max_points)
+        out = []
+        for i, code in enumerate(self.ev_rec):
+            rec = self.records[code if code >= 0 else ~code]
+            if code >= 0:
+                cats[rec.category] += rec.block
+            else:
+                cats[rec.category] -= rec.block
+            if i in keep:
+                out.append([i, self.ev_alloc[i], self.ev_reserved[i], {k: v for k, v in cats.items() if v}])
+        return out
+
+    def _downsample(self, max_points: int) -> set[int]:
+        n = len(self.ev_rec)
+        width = -(-n // max_points)
+        keep = {0, n - 1, max(self.peak_event, 0)}
+        for start in range(0, n, width):
+            seg = range(start, min(n, start + width))
+            keep.add(max(seg, key=lambda i: self.ev_alloc[i]))
+            keep.add(min(seg, key=lambda i: self.ev_alloc[i]))
+        for m in self.phase_marks:
+            keep.add(max(0, m.end_event - 1))
+        return keep
