@@ -67,6 +67,8 @@ def add_model_and_training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--offload-optimizer", action="store_true", help="ZeRO-Offload: optimizer states in CPU memory")
     g.add_argument("--distributed-optimizer", action="store_true",
                    help="Megatron/NeMo distributed optimizer (fp32 main grads, sharded states)")
+    g.add_argument("--optimizer-bucket-mb", type=float, default=None, metavar="MiB",
+                   help="distributed-optimizer bucket size (NeMo/apex); warns when larger than a layer")
     for k in ("dp", "tp", "pp", "cp"):
         g.add_argument(f"--{k}", type=_positive_int, default=1,
                        help={"dp": "data-parallel size", "tp": "tensor-parallel size",
@@ -102,7 +104,8 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 dp=a.dp, tp=a.tp, pp=a.pp, cp=a.cp, sequence_parallel=a.sequence_parallel,
                 recompute=a.recompute, attention=a.attention, compile=a.compile,
                 optimizer_in_backward=a.optimizer_in_backward, lora_rank=a.lora_rank,
-                lora_targets=a.lora_targets, dropout=not a.no_dropout)
+                lora_targets=a.lora_targets, dropout=not a.no_dropout,
+                optimizer_bucket_mb=a.optimizer_bucket_mb)
     if a.fsdp is not None and a.zero == 0:
         opts.pop("zero")
     return opts

@@ -34,7 +34,10 @@ PHASE_NAMES = (
 )
 
 
-@dataclass(frozen=True)
+_CATEGORY_SET = frozenset(CATEGORIES)
+
+
+@dataclass(slots=True)
 class Component:
     """A named amount of memory on one GPU.
 
@@ -52,7 +55,7 @@ class Component:
     persistent: bool = False
 
     def __post_init__(self) -> None:
-        if self.category not in CATEGORIES:
+        if self.category not in _CATEGORY_SET:
             raise ValueError(f"unknown component category {self.category!r}")
 
     def to_dict(self) -> dict[str, Any]:
@@ -64,7 +67,7 @@ class Component:
         return d
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Phase:
     """Memory at a point of the training step.
 

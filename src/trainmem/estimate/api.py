@@ -72,6 +72,23 @@ def allocator_overhead(report: MemoryReport) -> int:
     return report.peak_allocated // 32
 
 
+def bucket_check(report: MemoryReport, m: ModelSpec, t: TrainingSpec) -> None:
+    """Seed 000's distributed-optimizer bucket check: NeMo/apex make one bucket per layer, so a
+    bucket larger than one layer's fp32 shard, 4·P/(L·t) bytes, is padding. Warn with the waste
+    (``trainmem.estimate.methods.nemo.bucket_padding_bytes``) and the right size."""
+    if t.optimizer_bucket_mb is None:
+        return
+    from .methods.nemo import bucket_padding_bytes, right_bucket_bytes
+    bucket = int(round(t.optimizer_bucket_mb * 2**20))
+    right = right_bucket_bytes(m.num_params, m.num_layers, t.tp)
+    waste = bucket_padding_bytes(m.num_params, m.num_layers, t.tp, t.shard_group, bucket)
+    if waste > 0:
+        report.warnings.append(
+            f"optimizer bucket {t.optimizer_bucket_mb:g} MiB exceeds one layer's fp32 shard 4P/(L·t) = "
+            f"{right / 2**20:.1f} MiB: about {waste / 2**30:.2f} GiB of padding per GPU (seed 000); "
+            f"use a bucket of at most {right / 2**20:.0f} MiB")
+
+
 def estimate(model: "str | ModelSpec | Mapping[str, Any]", **options: Any) -> MemoryReport:
     """Closed-form estimate of one GPU's training memory.
 
@@ -91,6 +108,8 @@ def estimate(model: "str | ModelSpec | Mapping[str, Any]", **options: Any) -> Me
     check_against(m, t)
     hw = hardware_from(gpu, gpu_memory, context_memory)
     report = fn(m, t)
+    if method == "trainmem":
+        bucket_check(report, m, t)
     report.method = method
     report.model, report.training = m, t
     return attach_hardware(report, hw, max_fraction)

@@ -119,6 +119,60 @@ def _inputs(m: ModelSpec, n: int, b: int) -> int:
     return block_bytes(n * 8) + block_bytes(labels * 8)
 
 
+def _tmp_copies(t: TrainingSpec, per_parameter: bool) -> int | None:
+    """State-sized temporaries one optimizer step makes per tensor (None: the whole group's worth)."""
+    if t.optimizer == "sgd" or t.impl == "fused" or t.optimizer == "adamw-8bit" or t.offload_optimizer:
+        return 0
+    if t.impl == "foreach":
+        return 1 if per_parameter else None
+    return 2
+
+
+def step_temporaries(t: TrainingSpec, st: States) -> int:
+    """Bytes ``optimizer.step()`` allocates and frees again (steady state, states already exist).
+
+    From torch/optim/adam.py (torch 2.13; AdamW = Adam with decoupled weight decay, in place):
+      * for-loop (``_single_tensor_adam``): ``denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt)
+        .add_(eps)``: the square root and the quotient of one tensor coexist -> 2 x the largest
+        parameter (in the state dtype);
+      * foreach (``_multi_tensor_adam``): ``exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)``
+        then in-place div/add/addcdiv -> one state-sized tensor per parameter, the whole group at once;
+      * fused (``_fused_adamw_``): none.
+    Measured on the CPU with ``trainmem.measure.LiveBytes`` (tests/test_optim_transients.py).
+    Under optimizer-in-backward each parameter has its own optimizer: foreach is a group of one
+    (1 x the parameter), for-loop 2 x, fused none; the largest parameter sets the peak.
+    """
+    k = _tmp_copies(t, t.optimizer_in_backward)
+    if k is None:
+        return st.foreach_group
+    return k * block_bytes(st.largest_param)
+
+
+def _oib_update_bytes(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, int]:
+    """Optimizer-in-backward: the gradient of one parameter plus its update's temporaries, alive
+    together inside its post-accumulate-grad hook (the gradient is freed right after). Returns the
+    largest such amount among tensors updated while activations are alive (all but the input
+    embeddings, e.g. an untied LM head right after the loss) and among all (the embeddings, whose
+    gradients complete last). Sharded (ZeRO/FSDP2) tensors update their shard."""
+    k = _tmp_copies(t, True) or 0
+    half_master = t.precision in ("bf16", "fp16") and (t.zero_stage >= 1 or t.distributed_optimizer)
+    sb = 4 if (t.weight_bytes == 4 or half_master) else t.weight_bytes
+    gb = 4 if t.distributed_optimizer else t.weight_bytes
+    d = t.shard_group if t.zero_stage >= 1 else 1
+    if t.lora_rank:
+        n_all = n_mid = st.largest_param // sb  # adapters only, all inside the layers
+    else:
+        sizes = [(p.role == "embedding", p.numel if t.tp == 1 or p.role in ("norm", "router")
+                  else -(-p.numel // t.tp)) for p in m.parameter_tensors()]
+        n_all = max(n for _, n in sizes)
+        n_mid = max([n for emb, n in sizes if not emb] + [0])
+
+    def one(n: int) -> int:
+        n = -(-n // d)
+        return block_bytes(n * gb) + k * block_bytes(n * sb)
+    return one(n_mid), one(n_all)
+
+
 def estimate(m: ModelSpec, t: TrainingSpec) -> MemoryReport:
     """Estimate one GPU's training memory for model ``m`` trained as ``t`` (worst pipeline stage)."""
     if t.pp > 1:
@@ -179,13 +233,10 @@ def _estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str) -> MemoryReport:
         comm, comm_name = 2 * st.layer_params_full, "communication.zero3_gathered_layers"  # current + prefetched
     grads_persistent = t.distributed_optimizer  # Megatron main-grad buffers live from model wrap
 
-    impl = t.impl
-    if t.optimizer == "sgd" or impl == "fused" or t.optimizer == "adamw-8bit" or t.offload_optimizer:
-        opt_tmp = 0
-    elif impl == "foreach" and not t.optimizer_in_backward:
-        opt_tmp = st.foreach_group  # _foreach_sqrt(exp_avg_sq) & co. over the whole group at once
-    else:
-        opt_tmp = 2 * block_bytes(st.largest_param)  # per-tensor sqrt and division temporaries
+    opt_tmp = step_temporaries(t, st)
+    # optimizer-in-backward: one parameter's gradient + its update's temporaries, while activations
+    # are alive (any tensor but the input embeddings) and at the end of backward (the embeddings)
+    oib_mid, oib_end = _oib_update_bytes(m, t, st) if t.optimizer_in_backward else (0, 0)
 
     states = st.optimizer + st.step_tensors
     grads = 0 if t.optimizer_in_backward else st.grads
@@ -205,11 +256,19 @@ def _estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str) -> MemoryReport:
 
     # moments of the step: (phase, step, where, breakdown); the report's peak is the largest moment
     moments: list[tuple[str, int, str, dict[str, int]]] = []
+    phase_peak: dict[tuple[str, int], int] = {}
+    best = [-1, 0]  # (bytes, index) of the largest moment
 
     def mom(phase: str, step: int, where: str, **parts: int) -> None:
         d = dict(static)
         d.update(parts)
+        tot = sum(d.values())
         moments.append((phase, step, where, d))
+        key = (phase, step)
+        if tot > phase_peak.get(key, -1):
+            phase_peak[key] = tot
+        if tot > best[0]:
+            best[0], best[1] = tot, len(moments) - 1
 
     def at_end(phase: str, step: int, parts: dict[str, int]) -> None:
         d = dict(static)
@@ -241,15 +300,15 @@ def _estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str) -> MemoryReport:
             if oib:  # optimizer states appear during the first backward
                 after_head["optimizer_states"] = states
             mom("backward" + tag, step, f"layer[{layers - 1}].{tname or 'backward'}",
-                **dict(after_head, temporaries=tmp))
+                **dict(after_head, temporaries=max(tmp, oib_mid)))
             if layers > 1:
                 low = dict(after_head, activations=acts_layers // layers + eh_rest,
                            gradients=g0 + (0 if g0 else head_g + (layers - 1) * layer_g))
-                mom("backward" + tag, step, f"layer[0].{tname or 'backward'}", **dict(low, temporaries=tmp))
+                mom("backward" + tag, step, f"layer[0].{tname or 'backward'}",
+                    **dict(low, temporaries=max(tmp, oib_mid)))
             end = dict(base, workspace=ws_b, gradients=grads if not t.optimizer_in_backward else 0,
                        optimizer_states=states if (t.optimizer_in_backward or opt_now) else 0)
-            mom("backward" + tag, step, "backward.end",
-                **dict(end, temporaries=opt_tmp if t.optimizer_in_backward else 0))
+            mom("backward" + tag, step, "backward.end", **dict(end, temporaries=oib_end))
             at_end("backward" + tag, step, end)
             ws_now = ws_b
             opt_now = end["optimizer_states"]
@@ -263,10 +322,9 @@ def _estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str) -> MemoryReport:
     phases: list[Phase] = []
     for name, step, bd in ends:
         alloc = sum(bd.values())
-        pk = max([sum(d.values()) for (ph, stp, _, d) in moments if ph == name and stp == step] + [alloc])
-        phases.append(Phase(name, step, alloc, pk))
-    peak_m = max(moments, key=lambda x: sum(x[3].values()))
-    peak = sum(peak_m[3].values())
+        phases.append(Phase(name, step, alloc, max(alloc, phase_peak.get((name, step), alloc))))
+    peak_m = moments[best[1]]
+    peak = best[0]
     bd = peak_m[3]
 
     half_name = {"bf16-amp": "bf16", "fp16-amp": "fp16", "bf16": "bf16", "fp16": "fp16"}.get(t.precision, "fp32")

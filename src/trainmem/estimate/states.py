@@ -142,25 +142,98 @@ def _insert_buffer(load: list[tuple[str, int]], name: str, nbytes: int) -> None:
     load.insert(idx, (name, nbytes))
 
 
-@lru_cache(maxsize=1024)
-def _placed_bytes(sizes: tuple[int, ...]) -> int:
-    """Allocated bytes after placing ``sizes`` in order into an empty CUDA caching allocator
-    (simulated: ``trainmem.trace.allocator``), which is what ``model.to("cuda")`` does. Blocks
-    carved from earlier segments can keep an unsplit remainder of up to 1 MiB, so the total is a
-    little above the sum of rounded sizes."""
-    from ..trace.allocator import CachingAllocator
-    a = CachingAllocator()
-    for sz in sizes:
-        a.allocate(sz)
-    return a.allocated
+class _LoadSim:
+    """The CUDA caching allocator for a sequence of allocations with no frees (``model.to``).
+
+    Same rules as ``trainmem.trace.allocator`` (512 B rounding; small pool <= 1 MiB in 2 MiB
+    segments, split when >= 512 B remain; large requests from 20 MiB segments below 10 MiB, else a
+    segment rounded to 2 MiB; a large block is split only when more than 1 MiB remains; best fit),
+    reduced to what a free-less sequence needs: the sizes of the free remainders.
+    """
+
+    def __init__(self) -> None:
+        self.small: list[int] = []
+        self.large: list[int] = []
+        self.allocated = 0
+
+    def allocate(self, nbytes: int) -> None:
+        size = max(MIN_BLOCK, -(-nbytes // MIN_BLOCK) * MIN_BLOCK)
+        small = size <= SMALL
+        pool = self.small if small else self.large
+        fits = [b for b in pool if b >= size]
+        if fits:
+            block = min(fits)
+            pool.remove(block)
+        else:
+            block = (2 * SMALL if small else 20 * SMALL if size < MIN_LARGE_ALLOC
+                     else -(-size // ROUND_LARGE) * ROUND_LARGE)
+        rest = block - size
+        if (rest >= MIN_BLOCK) if small else (rest > SMALL):
+            pool.append(rest)
+            self.allocated += size
+        else:
+            self.allocated += block
+
+    def signature(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return tuple(sorted(self.small)), tuple(sorted(self.large))
 
 
 @lru_cache(maxsize=4096)
+def _placed_bytes(before: tuple[int, ...], layer: tuple[int, ...], layers: int, after: tuple[int, ...]) -> int:
+    """Allocated bytes after ``model.to("cuda")`` places the tensors in order into an empty
+    allocator: blocks carved from earlier segments can keep an unsplit remainder of up to 1 MiB,
+    so the total exceeds the sum of rounded sizes (seed 001's "gaps"). Layers repeat: once the
+    free remainders after a layer repeat an earlier layer's, the rest is extrapolated exactly."""
+    sim = _LoadSim()
+    for x in before:
+        sim.allocate(x)
+    seen: dict[tuple, tuple[int, int]] = {}
+    i = 0
+    while i < layers:
+        sig = sim.signature()
+        if sig in seen:
+            j, alloc_j = seen[sig]
+            period, per_period = i - j, sim.allocated - alloc_j
+            cycles = (layers - i) // period
+            sim.allocated += cycles * per_period
+            i += cycles * period
+            seen = {}
+            if i >= layers:
+                break
+        seen[sig] = (i, sim.allocated)
+        for x in layer:
+            sim.allocate(x)
+        i += 1
+    for x in after:
+        sim.allocate(x)
+    return sim.allocated
+
+
+_STATES_CACHE: dict[tuple, "States"] = {}
+
+
 def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
-    """Persistent memory of one rank. ``stage``: which pipeline stage ("first" or "last")."""
+    """Persistent memory of one rank. ``stage``: which pipeline stage ("first" or "last").
+
+    Cached on the fields that change model states (not batch, sequence, recomputation, ...), so a
+    sweep over activations reuses them."""
+    key = (m, stage, t.tp, t.pp, t.precision, t.zero_stage, t.shard_group, t.optimizer, t.impl,
+           t.lora_rank, t.lora_targets, t.distributed_optimizer, t.offload_optimizer)
+    hit = _STATES_CACHE.get(key)
+    if hit is None:
+        if len(_STATES_CACHE) >= 4096:
+            _STATES_CACHE.clear()
+        hit = _STATES_CACHE[key] = _model_states(m, t, stage)
+    return hit
+
+
+def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
+    """Sum over the tensors on this rank. Transformer layers are identical, so one layer (the
+    first on the rank) is counted and multiplied by the layers on the rank."""
     tp, pp = t.tp, t.pp
     per_stage = m.num_layers // pp
     lo, hi = (0, per_stage) if stage == "first" else (m.num_layers - per_stage, m.num_layers)
+    tied_names = ("wte.weight", "embed_tokens.weight", "word_embeddings.weight")
 
     def on_rank(p: ParamTensor) -> bool:
         if pp == 1:
@@ -171,8 +244,7 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
         if stage == "first":
             return is_input_side
         # the last stage holds the final norm and the head; a tied head keeps its own copy
-        return not is_input_side or (m.tied_embeddings and p.name.endswith(("wte.weight", "embed_tokens.weight",
-                                                                          "word_embeddings.weight")))
+        return not is_input_side or (m.tied_embeddings and p.name.endswith(tied_names))
 
     w = t.weight_bytes
     half_master = t.precision in ("bf16", "fp16") and (t.zero_stage >= 1 or t.distributed_optimizer)
@@ -185,74 +257,91 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
     zero_states = max(zero, 1) if t.distributed_optimizer else zero
     d = t.shard_group
 
-    weights = buffers = master = grads = opt = step_t = 0
-    load: list[tuple[str, int]] = []  # (tensor name, bytes) in the order model.to(device) allocates
+    buffers = master = grads = opt = step_t = lora_w = 0
     trainable = params_rank = layer_grads = head_grads = lmh = hmh = largest = group = lpf = 0
     lora = _lora_tensors(m, t)
     frozen = bool(lora)
     fused_step = t.impl == "fused" and t.optimizer in ("adam", "adamw")
+    # load order: tensors before the layers, one layer, tensors after the layers (bytes each)
+    before: list[tuple[str, int]] = []
+    layer: list[tuple[str, int]] = []
+    after: list[tuple[str, int]] = []
 
     for p in m.parameter_tensors():
+        if p.layer is not None and p.layer != lo:
+            continue
         if not on_rank(p):
             continue
+        k = per_stage if p.layer is not None else 1  # identical layers on this rank
         n = _tp_div(p, tp)
-        params_rank += n
+        params_rank += k * n
         wb = n * w
-        load.append((p.name, -(-wb // d) if zero == 3 else wb))
-        if p.layer == lo:
+        item = (p.name, -(-wb // d) if zero == 3 else wb)
+        (layer if p.layer is not None else (after if layer else before)).append(item)
+        if p.layer is not None:
             lpf += wb
             if p.is_matmul and t.amp:
                 lmh += n * 2
-        if p.layer is None and p.is_matmul and t.amp:
+        elif p.is_matmul and t.amp:
             hmh += n * 2
         if frozen:
             continue
-        trainable += n
+        trainable += k * n
         g = block_bytes(-(-n * gbytes // d) if zero >= 2 else n * gbytes)
-        grads += g
-        if p.layer == lo:
+        grads += k * g
+        if p.layer is not None:
             layer_grads += g
-        elif p.layer is None and p.role != "embedding":
+        elif p.role != "embedding":
             head_grads += g
         sh = -(-n // d) if zero_states >= 1 else n
         if half_master:
-            master += block_bytes(sh * 4)
+            master += k * block_bytes(sh * 4)
         for sb in _state_bytes(t.optimizer, p.shape, sh, sbytes):
-            opt += block_bytes(sb)
+            opt += k * block_bytes(sb)
         if fused_step:
-            step_t += block_bytes(4)
+            step_t += k * block_bytes(4)
         largest = max(largest, n * sbytes)
-        group += block_bytes(sh * sbytes)
+        group += k * block_bytes(sh * sbytes)
     if m.tied_embeddings and t.amp and m.head in ("causal-lm", "masked-lm") and (pp == 1 or stage == "last"):
         # the tied embedding is also the LM head: autocast casts it for the head matmul
         emb = next(p for p in m.parameter_tensors() if p.role == "embedding")
         hmh += _tp_div(emb, tp) * 2
-    for mod, n, layer in lora:
-        if layer is not None and not (lo <= layer < hi):
+    for mod, n, lyr in lora:
+        if lyr is not None and not (lo <= lyr < hi):
             continue
         n = -(-n // tp) if tp > 1 else n
         trainable += n
-        weights += block_bytes(n * 4 if t.precision != "fp32" and w == 2 else n * w)
-        g = block_bytes(n * gbytes)
+        lora_w += block_bytes(-(-n * w // d) if zero == 3 else n * w)
+        g = block_bytes(-(-n * gbytes // d) if zero >= 2 else n * gbytes)
         grads += g
-        if layer == lo:
+        if lyr == lo:
             layer_grads += g
-        for sb in _state_bytes(t.optimizer, (n,), n, 4 if w == 2 else w):
+        sh = -(-n // d) if zero_states >= 1 else n
+        for sb in _state_bytes(t.optimizer, (sh,), sh, sbytes):
             opt += block_bytes(sb)
         largest = max(largest, n * sbytes)
-        group += block_bytes(n * sbytes)
+        group += block_bytes(sh * sbytes)
     for b in m.buffer_tensors():
         nb = {"float32": 4, "int64": 8, "bool": 1}.get(b.dtype, w)
         numel = 1
         for x in b.shape:
             numel *= x
-        if pp > 1 and b.name.startswith("h.") and not (lo <= int(b.name.split(".")[1]) < hi):
+        if b.name.startswith("h."):  # nanoGPT's per-layer mask: part of the layer
+            if int(b.name.split(".")[1]) != lo:
+                continue
+            buffers += per_stage * block_bytes(numel * nb)
+            _insert_buffer(layer, b.name, numel * nb)
             continue
         buffers += block_bytes(numel * nb)
-        _insert_buffer(load, b.name, numel * nb)
-    weights = _placed_bytes(tuple(sz for _, sz in load)) - buffers
+        _insert_buffer(after if not b.name.startswith("embeddings") else before, b.name, numel * nb)
+    placed = _placed_bytes(tuple(x for _, x in before), tuple(x for _, x in layer), per_stage,
+                           tuple(x for _, x in after))
+    weights = placed - buffers + lora_w
     if t.offload_optimizer:  # ZeRO-Offload: fp32 master weights and optimizer states live in host memory
         master = opt = step_t = 0
     lora_total = sum(n for _, n, _ in lora)
     return States(weights, buffers, master, grads, opt, step_t, trainable, params_rank, layer_grads,
                   head_grads, lmh, hmh, largest, group, lpf, lora_total)
+
+
+model_states.cache_clear = _STATES_CACHE.clear  # type: ignore[attr-defined]

@@ -161,18 +161,13 @@ class LiveBytes(TorchDispatchMode):
 
     # ----- mechanics -------------------------------------------------------------------------
     def _storage(self, t: torch.Tensor) -> torch.UntypedStorage | None:
-        if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
-            # wrapper subclasses (DTensor, FakeTensor, ...) own no memory of their own
-            if not isinstance(t, torch.nn.Parameter) or t.__class__.__torch_dispatch__ is not \
-                    torch.Tensor.__torch_dispatch__:
-                return None
         if t.is_meta or (self.device is not None and t.device.type != self.device):
             return None
         try:
             s = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):
-            return None
-        if s.nbytes() == 0 or s.data_ptr() == 0:
+            if s.device.type == "meta" or (s.nbytes() and not s.data_ptr()):
+                return None  # wrapper subclasses (DTensor, FakeTensor) own no memory themselves
+        except (RuntimeError, NotImplementedError, TypeError):
             return None
         return s
 
@@ -184,10 +179,12 @@ class LiveBytes(TorchDispatchMode):
         known = self._refs.get(key)
         ptr, nbytes = s.data_ptr(), s.nbytes()
         if known is not None:
-            if known[1] == ptr and self._ptr_bytes.get(ptr) == nbytes:
+            if known[1] == ptr and (not ptr or self._ptr_bytes.get(ptr) == nbytes):
                 return
             self._release(key)  # resized in place (``resize_``, ``out=``): the old block is gone
         self._refs[key] = (weakref.ref(s, lambda _w, k=key: self._release(k)), ptr)
+        if not nbytes:
+            return  # empty for now: watched, so that a later resize (``out=``) is counted
         n = self._ptr_count.get(ptr, 0)
         self._ptr_count[ptr] = n + 1
         if n == 0:
@@ -201,7 +198,7 @@ class LiveBytes(TorchDispatchMode):
 
     def _release(self, key: int) -> None:
         entry = self._refs.pop(key, None)
-        if entry is None or not self._active:
+        if entry is None or not self._active or not entry[1]:
             return
         ptr = entry[1]
         n = self._ptr_count.get(ptr, 0) - 1

@@ -70,12 +70,30 @@ def _read_json(path: str) -> dict[str, Any]:
     return data
 
 
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """A quick TCP check of the hub endpoint, so an offline machine fails at once instead of after
+    huggingface_hub's retries. HF_HUB_OFFLINE=1 means offline; a local cache still answers then."""
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return True  # let huggingface_hub serve from its cache (or raise its offline error)
+    import socket
+    from urllib.parse import urlparse
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        with socket.create_connection((url.hostname or "huggingface.co", url.port or 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
 def _from_hub(repo_id: str) -> dict[str, Any]:
     try:
         from huggingface_hub import hf_hub_download
     except ImportError:
         raise TrainmemError(f"{repo_id!r} looks like a hub id, but huggingface_hub is not installed: "
                             f"pip install huggingface_hub, or pass a local config.json") from None
+    if not _hub_reachable():
+        raise TrainmemError(f"cannot reach the Hugging Face hub to fetch {repo_id!r}: you seem to be offline; "
+                            f"download its config.json and pass the local path")
     try:
         path = hf_hub_download(repo_id, "config.json")
     except Exception as e:  # offline, gated, missing: all end the same way for the user
@@ -269,8 +287,18 @@ def resolve_model(model: "str | ModelSpec | Mapping[str, Any]",
         return model
     if isinstance(model, Mapping):
         return spec_from_config(apply_overrides(dict(model), overrides), "model")
+    if isinstance(model, str) and model.strip().lower() in _catalogue_files() and \
+            (overrides is None or isinstance(overrides, (list, tuple))):
+        return _catalogue_spec(model.strip().lower(), tuple(overrides or ()))
     name, cfg = load_config(model)
     return _cached_spec(name, json.dumps(apply_overrides(cfg, overrides), sort_keys=True))
+
+
+@lru_cache(maxsize=1024)
+def _catalogue_spec(name: str, overrides: tuple[str, ...]) -> ModelSpec:
+    """Catalogue entries are immutable: parse each (name, overrides) once."""
+    _, cfg = load_config(name)
+    return spec_from_config(apply_overrides(cfg, list(overrides)), name)
 
 
 @lru_cache(maxsize=256)

@@ -103,6 +103,9 @@ class TrainingSpec:
             raise TrainmemError("num_microbatches_in_flight must be positive")
         if isinstance(self.lora_targets, list):
             object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+        if self.lora_targets is not None and not self.lora_targets:
+            raise TrainmemError("--lora-targets is empty: name at least one module (e.g. q_proj,v_proj) "
+                                "or omit it for peft's defaults")
 
     # ----- derived -------------------------------------------------------------------------
     @property
@@ -158,6 +161,9 @@ def check_against(model: Any, t: TrainingSpec) -> None:
     if model.num_kv_heads % t.tp and t.tp % model.num_kv_heads:
         raise TrainmemError(f"--tp {t.tp} and the {model.num_kv_heads} key/value heads of {model.name} "
                             f"cannot be split evenly; choose a TP size that divides {model.num_kv_heads}")
+    if model.ffn_size % t.tp:
+        raise TrainmemError(f"--tp {t.tp} does not divide the MLP size {model.ffn_size} of {model.name}; "
+                            f"choose a TP size that divides it")
     if model.num_layers % t.pp:
         raise TrainmemError(f"--pp {t.pp} does not divide the {model.num_layers} layers of {model.name}; "
                             f"choose a PP size that divides {model.num_layers}")

@@ -49,16 +49,24 @@ MATMUL_OPS = frozenset(
     getattr(_aten, name).default for name in (
         "mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "addr", "dot", "vdot",
         "_addmm_activation",
-    ) if hasattr(_aten, name)
+    ) if hasattr(_aten, name) and "default" in getattr(_aten, name).overloads()
 )
 
 #: factory ops through which optimizers create their state (zeros_like, empty_like, clone, ...)
-_STATE_FACTORY = frozenset(
-    getattr(_aten, name).default for name in (
-        "zeros_like", "empty_like", "ones_like", "full_like", "zeros", "empty", "clone", "_to_copy",
-    ) if hasattr(_aten, name)
-) | frozenset({_aten.empty.memory_format, _aten.zeros.default, _aten.full.default,
-               _aten.scalar_tensor.default, _aten.lift_fresh_copy.default, _aten.copy.default})
+def _overloads(*names: str) -> frozenset:
+    out = set()
+    for name in names:
+        packet = getattr(_aten, name, None)
+        if packet is None:
+            continue
+        for ov in packet.overloads():
+            out.add(getattr(packet, ov))
+    return frozenset(out)
+
+
+#: factory ops through which optimizers create their state (zeros_like, empty_like, clone, ...)
+_STATE_FACTORY = _overloads("zeros_like", "empty_like", "ones_like", "full_like", "zeros", "empty", "full",
+                            "clone", "_to_copy", "scalar_tensor", "lift_fresh_copy", "copy", "empty_strided")
 
 PHASES = ("model_loaded", "forward", "backward", "optimizer_step", "zero_grad")
 
@@ -153,20 +161,31 @@ class Tracker(TorchDispatchMode):
         self.warnings: list[str] = []
         self.ops_seen = 0
         self.data_dependent = 0
+        self._scalar_producer: dict[int, str] = {}
 
     # ----- modes -------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self.ops_seen += 1
         if func is _aten._local_scalar_dense.default and self._is_tracked_tensor(args[0]):
-            # data-dependent Python control flow on a tensor that holds no data: answer 0
+            # data-dependent Python control flow on a tensor that holds no data. Answer as a clean
+            # batch would: all(...) is True and any(...) is False (no padding, no packed sequences,
+            # no inf/nan), other booleans False, numbers 1 (a step counter, a loss).
             self.data_dependent += 1
             t = args[0]
-            return False if t.dtype == torch.bool else (0.0 if t.is_floating_point() else 0)
+            if t.dtype == torch.bool:
+                return self._scalar_producer.get(id(t.untyped_storage())) == "all"
+            return 1.0 if t.is_floating_point() else 1
         if self.phase != "backward" and torch._C._current_graph_task_id() != -1:
             self.enter_phase("backward")
         out = func(*args, **kwargs)
         self._register_outputs(func, out)
+        if isinstance(out, torch.Tensor) and out.dtype == torch.bool and out.dim() == 0 \
+                and out.device.type == self.device_type:
+            name = _op_name(func).split(".")[0]
+            if len(self._scalar_producer) > 64:
+                self._scalar_producer.clear()
+            self._scalar_producer[id(out.untyped_storage())] = name
         if self.cublas_workspace and func in MATMUL_OPS:
             self._cublas(func)
         if self.emulate_cuda_kernels:
@@ -285,9 +304,6 @@ class Tracker(TorchDispatchMode):
     def _kernel_scratch(self, func: Any, args: tuple, out: Any) -> None:
         """Scratch memory that CUDA kernels allocate inside an op (freed before the op returns)."""
         sizes: list[int] = []
-        if func is getattr(_aten, "_scaled_dot_product_flash_attention_backward", None) and \
-                func is not None:
-            pass
         name = _op_name(func)
         if name == "_scaled_dot_product_flash_attention_backward":
             q = args[1]
@@ -368,6 +384,8 @@ class Tracker(TorchDispatchMode):
         if name == self.phase:
             return
         carry = self.phase == "step_start"
+        if self.phase == "forward" and name == "backward":
+            self.end_of_forward_cleanup()
         peak, where = self.phase_peak, self.phase_peak_where
         self._close_phase()
         self.phase = name
@@ -486,11 +504,13 @@ class Tracker(TorchDispatchMode):
             return orig_grad(*a, **k)
 
         def opt_zero(self_: Any, *a: Any, **k: Any) -> Any:
-            tracker.enter_phase("zero_grad")
+            if torch._C._current_graph_task_id() == -1:
+                tracker.enter_phase("zero_grad")
             return orig_opt_zero(self_, *a, **k)
 
         def mod_zero(self_: Any, *a: Any, **k: Any) -> Any:
-            tracker.enter_phase("zero_grad")
+            if torch._C._current_graph_task_id() == -1:
+                tracker.enter_phase("zero_grad")
             return orig_mod_zero(self_, *a, **k)
 
         torch.autograd.backward = backward

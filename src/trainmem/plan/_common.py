@@ -1,0 +1,151 @@
+"""Shared by fit, sweep, suggest and plan: one resolved model + hardware, many training setups."""
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from typing import Any, Callable, Iterable
+
+from ..errors import TrainmemError
+from ..report import MemoryReport
+from ..spec.config import resolve_model
+from ..spec.hardware import Hardware, _catalogue
+from ..spec.model import ModelSpec
+
+BYS = ("estimate", "trace")
+
+
+def _trace_function() -> Callable[..., MemoryReport]:
+    """``trainmem.trace.api.trace``, or a clear error while the tracer does not exist yet."""
+    from importlib import import_module
+    try:
+        api = import_module("trainmem.trace.api")
+    except ImportError as e:
+        raise TrainmemError("--by trace needs the tracer (trainmem.trace.api), which is not available in this "
+                            f"installation ({e}); use --by estimate") from None
+    fn = getattr(api, "trace", None)
+    if not callable(fn):
+        raise TrainmemError("--by trace: trainmem.trace.api has no trace(model, **options) function; "
+                            "use --by estimate")
+    return fn
+
+
+class Evaluator:
+    """Evaluates one model on one GPU under varying training options, reusing the resolved inputs.
+
+    ``options`` are the API's keyword options (those of ``trainmem.estimate``): TrainingSpec fields,
+    ``gpu``, ``gpu_memory``, ``context_memory``, ``max_fraction``, ``method`` and ``set``.
+    ``by``: ``estimate`` (formulas) or ``trace`` (the fake-tensor tracer, when installed).
+    """
+
+    def __init__(self, model: Any, by: str = "estimate", **options: Any):
+        if by not in BYS:
+            raise TrainmemError(f"--by {by!r} is not one of: {', '.join(BYS)}")
+        from ..estimate.api import hardware_from
+        opts = dict(options)
+        self.by = by
+        self.method = opts.pop("method", None) or "trainmem"
+        overrides = opts.pop("set", None) or opts.pop("overrides", None)
+        self.model: ModelSpec = resolve_model(model, overrides)
+        self.hardware: Hardware | None = hardware_from(opts.pop("gpu", None), opts.pop("gpu_memory", None),
+                                                       opts.pop("context_memory", None))
+        self.max_fraction = opts.pop("max_fraction", None) or 1.0
+        if not 0 < self.max_fraction <= 1:
+            raise TrainmemError(f"--max-fraction must be in (0, 1], got {self.max_fraction}")
+        self.options = {k: v for k, v in opts.items() if v is not None}
+        self._fn = _trace_function() if by == "trace" else None
+        self.calls = 0
+
+    @property
+    def limit(self) -> int | None:
+        """Bytes the peak may take: ``max_fraction`` of the GPU (None without a GPU)."""
+        if self.hardware is None:
+            return None
+        return int(self.max_fraction * self.hardware.capacity)
+
+    def merged(self, **changes: Any) -> dict[str, Any]:
+        d = dict(self.options)
+        d.update({k: v for k, v in changes.items()})
+        return {k: v for k, v in d.items() if v is not None}
+
+    def report(self, **changes: Any) -> MemoryReport:
+        """The report for the base options with ``changes`` applied (TrainmemError on bad input)."""
+        self.calls += 1
+        opts = self.merged(**changes)
+        if self._fn is not None:
+            from ..estimate.api import attach_hardware
+            r = self._fn(self.model, hardware=self.hardware, **opts)
+            r.max_fraction = self.max_fraction
+            return r if r.capacity is not None or self.hardware is None else \
+                attach_hardware(r, self.hardware, self.max_fraction)
+        from ..estimate.api import estimate
+        return estimate(self.model, method=self.method, gpu=self.hardware, max_fraction=self.max_fraction, **opts)
+
+
+def gpu_extras(hw: Hardware | None) -> dict[str, float]:
+    """Planner facts of a GPU beyond ``Hardware``: GPUs per node and per-GPU inter-node bandwidth."""
+    d = {"gpus_per_node": 8, "internode_gbs": 25.0}
+    if hw is not None and hw.name in _catalogue():
+        v = _catalogue()[hw.name]
+        d["gpus_per_node"] = int(v.get("gpus_per_node", 8))
+        d["internode_gbs"] = float(v.get("internode_gbs", 25.0))
+    return d
+
+
+def hardware_with_speeds(hw: Hardware) -> Hardware:
+    """A custom GPU (``--gpu-memory`` alone) has no speeds; the planner assumes an A100's."""
+    if hw.bf16_tflops > 0 and hw.interconnect_gbs > 0:
+        return hw
+    return replace(hw, bf16_tflops=hw.bf16_tflops or 312.0, interconnect_gbs=hw.interconnect_gbs or 300.0,
+                   bandwidth_gbs=hw.bandwidth_gbs or 2039.0)
+
+
+_RANGE = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*(?::\s*(\d+)\s*)?$")
+
+
+def parse_int_list(text: str | int | Iterable[int], what: str = "value") -> list[int]:
+    """``"1,2,4"``, ``"128:4096:128"`` (start:stop:step, stop included), or a mix ``"1,2,8:32:8"``;
+    sorted, duplicates removed, every value positive."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        vals = [text]
+    elif isinstance(text, str):
+        vals = []
+        for part in text.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            m = _RANGE.match(part)
+            if m:
+                a, b, c = int(m.group(1)), int(m.group(2)), int(m.group(3) or 1)
+                if c <= 0 or b < a:
+                    raise TrainmemError(f"{what} range {part!r}: write START:STOP[:STEP] with START <= STOP and "
+                                        f"STEP > 0, e.g. 128:4096:128")
+                if (b - a) // c > 100_000:
+                    raise TrainmemError(f"{what} range {part!r} has more than 100,000 values")
+                vals.extend(range(a, b + 1, c))
+            else:
+                try:
+                    vals.append(int(part))
+                except ValueError:
+                    raise TrainmemError(f"{what} {part!r} is not an integer or a START:STOP[:STEP] range "
+                                        f"(e.g. 1,2,4 or 128:4096:128)") from None
+    else:
+        vals = [int(v) for v in text]
+    if not vals:
+        raise TrainmemError(f"no {what} given")
+    bad = [v for v in vals if v <= 0]
+    if bad:
+        raise TrainmemError(f"{what} {bad[0]} must be a positive integer")
+    return sorted(set(vals))
+
+
+def divisors(n: int) -> list[int]:
+    """The positive divisors of ``n`` in increasing order."""
+    small, large = [], []
+    i = 1
+    while i * i <= n:
+        if n % i == 0:
+            small.append(i)
+            if i != n // i:
+                large.append(n // i)
+        i += 1
+    return small + large[::-1]

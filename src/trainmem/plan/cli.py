@@ -1,0 +1,174 @@
+"""``trainmem fit``, ``trainmem sweep`` and ``trainmem plan`` (registered by ``trainmem.cli``)."""
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from ..cli import _positive_int, _fraction, add_model_and_training, training_options
+from ..units import fmt
+
+_WORD = {"batch_size": "micro-batch", "seq_len": "sequence length"}
+_LAYOUT_KEYS = ("batch_size", "seq_len", "grad_accum", "dp", "tp", "pp", "cp", "zero", "recompute",
+                "sequence_parallel")
+
+
+def _methods() -> list[str]:
+    from ..estimate.methods import METHODS
+    return list(METHODS)
+
+
+def _hardware(a: argparse.Namespace) -> dict[str, Any]:
+    return dict(gpu=a.gpu, gpu_memory=a.gpu_memory, context_memory=a.context_memory, max_fraction=a.max_fraction,
+                method=a.method, set=a.set)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--method", choices=_methods(), default="trainmem", help="formula set (default: trainmem)")
+    p.add_argument("--loss-chunks", type=_positive_int, default=1, metavar="N",
+                   help="chunked cross-entropy: run the LM head and loss in N chunks of the tokens")
+
+
+# ----- fit ---------------------------------------------------------------------------------------
+def cmd_fit(a: argparse.Namespace) -> int:
+    from .fit import fit
+    from .suggest import format_suggestions
+    opts = training_options(a)
+    opts["loss_chunks"] = a.loss_chunks
+    hw = _hardware(a)
+    gpu = hw.pop("gpu")
+    r = fit(a.model, gpu=gpu, by=a.by, seq_multiple=a.seq_multiple, **hw, **opts)
+    if a.json:
+        print(json.dumps(r.to_dict(), indent=2))
+        return 0 if r.fits else 1
+    u = a.units
+    what = "largest micro-batch" if r.search == "batch_size" else f"longest sequence (multiple of {r.step})"
+    fixed = f"sequence {r.seq_len}" if r.search == "batch_size" else f"micro-batch {r.batch_size}"
+    lines = [f"trainmem fit — {r.model} on {r.gpu} ({fmt(r.capacity, u)}"
+             + ("" if r.limit == r.capacity else f", limit {fmt(r.limit, u)}") + f") · method {r.method}"]
+    value = r.batch_size if r.search == "batch_size" else r.seq_len
+    if r.fits:
+        lines.append(f"{what} at {fixed}: {value}")
+        lines.append(f"  device memory {fmt(r.device_used, u)} (peak allocated {fmt(r.peak_allocated, u)}), "
+                     f"margin {fmt(r.margin, u)}")
+        if r.next_value is not None:
+            lines.append(f"  {_WORD[r.search]} {r.next_value} would need {fmt(r.next_device_used, u)} "
+                         f"({fmt(r.next_device_used - r.limit, u)} over)")
+        else:
+            lines.append(f"  stopped by {'the model’s learned positions' if r.limited_by == 'max_positions' else 'the search cap'}, "
+                         "not by memory")
+    else:
+        first = 1 if r.search == "batch_size" else r.step
+        lines.append(f"NOTHING FITS: {_WORD[r.search]} {first} at {fixed} needs {fmt(r.device_used, u)} "
+                     f"({fmt(-r.margin, u)} over)")
+        lines.append("single changes, cheapest first:")
+        lines.append(format_suggestions(r.suggestions, u))
+    lines.append(f"  ({r.evaluations} estimates)")
+    print("\n".join(lines))
+    return 0 if r.fits else 1
+
+
+# ----- sweep -------------------------------------------------------------------------------------
+def cmd_sweep(a: argparse.Namespace) -> int:
+    from .sweep import sweep
+    opts = training_options(a)
+    opts["loss_chunks"] = a.loss_chunks
+    for k in ("batch_size", "seq_len"):
+        opts.pop(k, None)
+    r = sweep(a.model, a.batch_size, a.seq_len, by=a.by, **_hardware(a), **opts)
+    written = []
+    if a.plot:
+        from ..render.plots import plot_sweep
+        for spec in a.plot:
+            kind, _, path = spec.rpartition("=") if "=" in spec else ("", "", spec)
+            data = plot_sweep(r, path, kind=kind or None, over=a.stack_over, units=a.units)
+            written.append((data["kind"], path))
+    if a.json:
+        d = r.to_dict()
+        d["plots"] = [{"kind": k, "path": p} for k, p in written]
+        print(json.dumps(d, indent=2))
+    else:
+        print(r.render(a.units))
+        for k, p in written:
+            print(f"wrote {k} plot: {p}")
+    return 0
+
+
+# ----- plan --------------------------------------------------------------------------------------
+def cmd_plan(a: argparse.Namespace) -> int:
+    from . import plan  # TrainmemError without numpy
+    opts = training_options(a)
+    for k in _LAYOUT_KEYS:
+        opts.pop(k, None)
+    opts["loss_chunks"] = a.loss_chunks
+    hw = _hardware(a)
+    gpu = hw.pop("gpu")
+    r = plan(a.model, a.gpus, seq_len=a.seq_len, global_batch=a.global_batch, gpu=gpu, top=a.top, mfu=a.mfu,
+             internode_gbs=a.internode_gbs, gpus_per_node=a.gpus_per_node, tp=a.tp, pp=a.pp, cp=a.cp, dp=a.dp,
+             zero=a.zero, recompute=a.recompute, batch_size=a.batch_size, grad_accum=a.grad_accum,
+             all_layouts=a.all, **hw, **opts)
+    if a.json:
+        print(json.dumps(r.to_dict(), indent=2))
+    else:
+        print(r.render(a.units, a.explain))
+    return 0 if r.top else 1
+
+
+def register(sub: "argparse._SubParsersAction") -> None:
+    """Add ``fit``, ``sweep`` and ``plan`` to the ``trainmem`` command line."""
+    f = sub.add_parser("fit", help="largest micro-batch (or longest sequence) that fits a GPU",
+                       description="With --seq-len: the largest micro-batch that fits. With --batch-size (and no "
+                                   "--seq-len): the longest sequence, a multiple of --seq-multiple. Exact search "
+                                   "over the estimator; prints the margin left, or what would make it fit.")
+    add_model_and_training(f)
+    f.set_defaults(batch_size=None, seq_len=None, func=cmd_fit)
+    _common(f)
+    f.add_argument("--seq-multiple", type=_positive_int, default=128, metavar="N",
+                   help="sequence lengths tried are multiples of N (default 128)")
+    f.add_argument("--by", choices=("estimate", "trace"), default="estimate",
+                   help="estimate (formulas, default) or trace (the fake-tensor tracer)")
+
+    s = sub.add_parser("sweep", help="memory over a grid of micro-batch sizes and sequence lengths (and plots)",
+                       conflict_handler="resolve",
+                       description="Estimate every (micro-batch, sequence length) pair; --plot draws a heatmap "
+                                   "(fits / does not fit) or stacked bars by component category.")
+    add_model_and_training(s)
+    _common(s)
+    s.add_argument("--batch-size", default="1", metavar="LIST",
+                   help="micro-batch sizes: 1,2,4 or START:STOP[:STEP] (default 1)")
+    s.add_argument("--seq-len", default="2048", metavar="LIST",
+                   help="sequence lengths: 512,1024 or 128:4096:128 (default 2048)")
+    s.add_argument("--plot", action="append", default=[], metavar="[KIND=]PATH",
+                   help="write a plot (.png or .svg); KIND heatmap or stacked, else guessed from the file "
+                        "name and the grid (repeatable)")
+    s.add_argument("--stack-over", choices=("batch", "seq"), default=None,
+                   help="x axis of the stacked bars (default: the longer axis of the grid)")
+    s.add_argument("--by", choices=("estimate", "trace"), default="estimate")
+    s.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser("plan", help="every parallel layout of a cluster that fits, ranked by step time",
+                       conflict_handler="resolve",
+                       description="Enumerate dp x tp x pp x cp, ZeRO stage, recompute, micro-batch and gradient "
+                                   "accumulation for --gpus GPUs and --global-batch sequences; keep those that fit; "
+                                   "rank them by the step-time model of docs/plan.md.")
+    add_model_and_training(p)
+    _common(p)
+    p.add_argument("--gpus", type=_positive_int, required=True, help="GPUs in the cluster")
+    p.add_argument("--global-batch", type=_positive_int, required=True, metavar="N",
+                   help="sequences per optimizer step (dp x micro-batch x accumulation)")
+    for k, what in (("tp", "tensor-parallel"), ("pp", "pipeline-parallel"), ("cp", "context-parallel"),
+                    ("dp", "data-parallel")):
+        p.add_argument(f"--{k}", default=None, metavar="LIST", help=f"only these {what} sizes, e.g. 1,2,4")
+    p.add_argument("--zero", default=None, metavar="LIST", help="only these ZeRO stages, e.g. 1,2,3")
+    p.add_argument("--recompute", default=None, metavar="LIST", help="only these, e.g. none,full")
+    p.add_argument("--batch-size", default=None, metavar="LIST", help="only these micro-batch sizes")
+    p.add_argument("--grad-accum", default=None, metavar="LIST", help="only these accumulation counts")
+    p.add_argument("--top", type=_positive_int, default=5, help="layouts to show (default 5)")
+    p.add_argument("--explain", action="store_true", help="why the other layouts were rejected")
+    p.add_argument("--all", action="store_true", help="list every valid layout, fitting or not")
+    p.add_argument("--mfu", type=_fraction, default=0.5, help="assumed model FLOPs utilisation (default 0.5)")
+    p.add_argument("--internode-gbs", type=float, default=None, metavar="GB/s",
+                   help="per-GPU network bandwidth between nodes (default: the GPU catalogue's)")
+    p.add_argument("--gpus-per-node", type=_positive_int, default=None, metavar="N",
+                   help="GPUs sharing NVLink/xGMI (default: the GPU catalogue's, usually 8)")
+    p.set_defaults(func=cmd_plan)

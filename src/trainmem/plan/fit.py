@@ -1,0 +1,164 @@
+"""``fit``: the largest micro-batch (or the longest sequence) that fits a GPU.
+
+Memory is monotone in the micro-batch and in the sequence length (every activation term has a
+non-negative coefficient in b·s and b·s²), so the answer is found exactly with an exponential
+search (1, 2, 4, ... steps until one does not fit) followed by a binary search between the last
+size that fits and the first that does not: about 2·log2(answer) estimates.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import TrainmemError
+from ..report import MemoryReport
+from ._common import Evaluator
+from .suggest import Suggestion, suggest_for
+
+BATCH_CAP = 1 << 20   # largest micro-batch the search tries
+SEQ_CAP = 1 << 22     # longest sequence tried when the model has no learned-position limit
+
+
+@dataclass
+class FitResult:
+    """The answer of ``fit``: the searched size and the memory at it.
+
+    ``search`` is ``"batch_size"`` or ``"seq_len"``. When nothing fits (not even one step of the
+    search), ``fits`` is False, the searched value is None and ``report`` is the smallest size
+    tried, with ``suggestions`` for making it fit. ``limited_by`` says what stopped the search:
+    ``memory``, ``max_positions`` (learned positions) or ``search_cap``.
+    """
+
+    model: str
+    gpu: str
+    capacity: int
+    limit: int
+    search: str
+    batch_size: int | None
+    seq_len: int | None
+    fits: bool
+    peak_allocated: int
+    device_used: int
+    margin: int
+    limited_by: str
+    step: int
+    evaluations: int
+    method: str
+    report: MemoryReport = field(repr=False)
+    next_value: int | None = None              # first size that does not fit (None when capped)
+    next_device_used: int | None = None
+    suggestions: list[Suggestion] = field(default_factory=list, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"batch_size": self.batch_size, "seq_len": self.seq_len, "peak_allocated": self.peak_allocated,
+                "device_used": self.device_used, "margin": self.margin, "fits": self.fits,
+                "search": self.search, "step": self.step, "limited_by": self.limited_by, "model": self.model,
+                "gpu": self.gpu, "capacity": self.capacity, "limit": self.limit, "method": self.method,
+                "next": None if self.next_value is None else {self.search: self.next_value,
+                                                              "device_used": self.next_device_used},
+                "evaluations": self.evaluations,
+                "suggestions": [s.to_dict() for s in self.suggestions]}
+
+
+def search_max(fits, k_max: int) -> tuple[int, int | None]:
+    """Largest k in [1, k_max] with ``fits(k)`` true, for ``fits`` monotone (true then false).
+
+    Returns (k, first failing k or None); k = 0 when ``fits(1)`` is false. Exponential search from
+    1 by doubling, then binary search in the bracket.
+    """
+    lo, hi = 0, None
+    k = 1
+    while True:
+        kk = min(k, k_max)
+        if fits(kk):
+            lo = kk
+            if kk == k_max:
+                break
+            k *= 2
+        else:
+            hi = kk
+            break
+    if hi is not None:
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid
+    return lo, hi
+
+
+def fit(model: Any, gpu: Any = None, by: str = "estimate", seq_multiple: int = 128, suggestions: bool = True,
+        **options: Any) -> FitResult:
+    """The largest micro-batch (``seq_len`` given) or the longest sequence (``batch_size`` given,
+    in multiples of ``seq_multiple``) that fits ``gpu``.
+
+    ``options`` are those of ``trainmem.estimate`` (method, precision, zero, tp, recompute,
+    gpu_memory, context_memory, max_fraction, ...). The sequence step is the least common multiple
+    of ``seq_multiple`` and what the layout needs (``cp``; ``tp`` under sequence parallelism).
+    ``by="trace"`` uses the tracer (``trainmem.trace.api``) instead of the formulas.
+    """
+    seq_len, batch_size = options.pop("seq_len", None), options.pop("batch_size", None)
+    if seq_len is not None and batch_size is not None:
+        raise TrainmemError("fit searches one size: give seq_len (to find the largest micro-batch) or "
+                            "batch_size (to find the longest sequence), not both")
+    if seq_len is None and batch_size is None:
+        raise TrainmemError("fit needs --seq-len N (to find the largest micro-batch) or --batch-size N "
+                            "(to find the longest sequence)")
+    if gpu is None and options.get("gpu_memory") is None:
+        raise TrainmemError("fit needs a GPU: give --gpu NAME or --gpu-memory SIZE")
+    if not isinstance(seq_multiple, int) or seq_multiple <= 0:
+        raise TrainmemError(f"--seq-multiple must be a positive integer, got {seq_multiple!r}")
+    ev = Evaluator(model, by=by, gpu=gpu, **options)
+    limit = ev.limit
+    assert limit is not None and ev.hardware is not None
+    cache: dict[int, MemoryReport] = {}
+
+    if seq_len is not None:
+        search, step, fixed = "batch_size", 1, {"seq_len": seq_len}
+        k_max, cap_reason = BATCH_CAP, "search_cap"
+
+        def value(k: int) -> int:
+            return k
+    else:
+        search = "seq_len"
+        cp = int(ev.options.get("cp", 1) or 1)
+        tp = int(ev.options.get("tp", 1) or 1)
+        sp = bool(ev.options.get("sequence_parallel"))
+        step = math.lcm(seq_multiple, cp, tp if sp else 1)
+        fixed = {"batch_size": batch_size}
+        m = ev.model
+        if m.family in ("gpt2", "nanogpt", "bert", "roberta-prenorm"):
+            k_max, cap_reason = m.max_positions // step, "max_positions"
+            if k_max == 0:
+                raise TrainmemError(f"{m.name} has {m.max_positions} learned positions, fewer than one sequence "
+                                    f"step of {step}; lower --seq-multiple")
+        else:
+            k_max, cap_reason = SEQ_CAP // step, "search_cap"
+
+        def value(k: int) -> int:
+            return k * step
+
+    def fits(k: int) -> bool:
+        if k not in cache:
+            cache[k] = ev.report(**fixed, **{search: value(k)})
+        return cache[k].device_peak <= limit
+
+    k, first_bad = search_max(fits, k_max)
+    ok = k > 0
+    rep = cache[k if ok else 1]
+    sugg: list[Suggestion] = []
+    if not ok and suggestions:
+        sugg = suggest_for(ev, rep, **fixed, **{search: value(1)})
+    bad_rep = cache.get(first_bad) if first_bad is not None else None
+    found = value(k) if ok else None
+    return FitResult(
+        model=ev.model.name, gpu=ev.hardware.name, capacity=ev.hardware.capacity, limit=limit, search=search,
+        batch_size=found if search == "batch_size" else batch_size,
+        seq_len=found if search == "seq_len" else seq_len,
+        fits=ok, peak_allocated=rep.peak_allocated, device_used=rep.device_peak, margin=limit - rep.device_peak,
+        limited_by="memory" if first_bad is not None else cap_reason, step=step, evaluations=len(cache),
+        method=ev.method if by == "estimate" else "trace", report=rep,
+        next_value=None if first_bad is None else value(first_bad),
+        next_device_used=None if bad_rep is None else bad_rep.device_peak, suggestions=sugg)

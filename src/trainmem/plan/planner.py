@@ -1,0 +1,573 @@
+"""``plan``: every parallel layout of a cluster, the ones that fit, ranked by a step-time model.
+
+A layout is (dp, tp, pp, cp, ZeRO stage, recompute, micro-batch, gradient accumulation) with
+dp·tp·pp·cp = the GPU count and dp·micro-batch·accumulation = the global batch (in sequences).
+Layouts the model or the frameworks do not allow are rejected with a reason: TP must divide the
+attention heads (and split the key/value heads evenly), PP the layers, CP the sequence, and with
+sequence parallelism (on whenever tp > 1) TP the local sequence; the global batch must divide by
+dp; ZeRO-2/3 do not combine with pipeline parallelism (DeepSpeed); ZeRO stages are only distinct
+when dp > 1. The memory of every layout comes from ``vector.layout_memory`` (the default method's
+structure, vectorised) or, for other methods and settings it does not model, from the scalar
+estimator; the shown layouts are always re-estimated with ``trainmem.estimate``. The ranking is
+``timing.step_times`` (see there and docs/plan.md).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import TrainmemError
+from ..report import MemoryReport
+from ..spec.training import RECOMPUTE, TrainingSpec, check_against
+from ..units import fmt, scale
+from ._common import Evaluator, divisors, gpu_extras, hardware_with_speeds, parse_int_list
+from .timing import TERM_WORDS, TERMS, Speeds, step_times
+from .vector import REC_CODES, group_rows, layout_memory, states, supported
+
+REC_NAMES = {v: k for k, v in REC_CODES.items()}
+SCALAR_LIMIT = 20_000          # layouts the scalar estimator may evaluate in one plan
+LAYOUT_FIELDS = ("tp", "pp", "cp", "dp", "zero", "rec", "b", "ga")
+NOT_PLANNED = {"fsdp": "--fsdp (plan chooses the ZeRO stage itself; FSDP full = ZeRO-3, grad-op = ZeRO-2)",
+               "distributed_optimizer": "--distributed-optimizer (plan models ZeRO stages; it is ZeRO-1)",
+               "optimizer_in_backward": "--optimizer-in-backward (it rules out gradient accumulation)",
+               "num_microbatches_in_flight": "a fixed number of micro-batches in flight"}
+
+
+@dataclass
+class Layout:
+    """One parallel layout with its per-GPU memory and modelled step time."""
+
+    dp: int
+    tp: int
+    pp: int
+    cp: int
+    zero: int
+    recompute: str
+    micro_batch: int
+    grad_accum: int
+    peak_allocated: int
+    device_used: int
+    margin: int
+    fits: bool
+    step_time: float
+    times: dict[str, float]
+    tokens_per_s_per_gpu: float
+    mfu: float
+    stage: str = ""
+    why: str = ""
+    report: MemoryReport | None = field(default=None, repr=False)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.tp > 1
+
+    def options(self) -> dict[str, Any]:
+        """This layout as ``trainmem.estimate`` options."""
+        return dict(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, zero=self.zero, recompute=self.recompute,
+                    batch_size=self.micro_batch, grad_accum=self.grad_accum,
+                    sequence_parallel=self.sequence_parallel)
+
+    def label(self) -> str:
+        return (f"dp={self.dp} tp={self.tp} pp={self.pp} cp={self.cp} zero={self.zero} "
+                f"recompute={self.recompute} micro-batch={self.micro_batch} accum={self.grad_accum}")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = self.options()
+        d.update(peak_allocated=self.peak_allocated, device_used=self.device_used, margin=self.margin,
+                 fits=self.fits, step_time=self.step_time, times=dict(self.times),
+                 tokens_per_s_per_gpu=self.tokens_per_s_per_gpu, mfu=self.mfu, why=self.why or None)
+        return d
+
+
+@dataclass
+class PlanResult:
+    """What ``plan`` found: counts, the best layouts, what was rejected and why."""
+
+    model: str
+    gpu: str
+    gpus: int
+    seq_len: int
+    global_batch: int
+    method: str
+    capacity: int
+    limit: int
+    considered: int
+    valid: int
+    fitting: int
+    top: list[Layout]
+    rejected: list[tuple[str, str, int]]          # (what, reason, layouts)
+    shapes: list[dict[str, Any]]                   # per (dp, tp, pp, cp): counts, best memory / time
+    smallest_cluster: int | None = None
+    smallest_layout: Layout | None = None
+    cluster_note: str = ""
+    assumptions: dict[str, Any] = field(default_factory=dict)
+    elapsed_s: float = 0.0
+    vectorised: bool = True
+    rows: list[Layout] = field(default_factory=list, repr=False)   # every valid layout (with ``all``)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "gpu": self.gpu, "gpus": self.gpus, "seq_len": self.seq_len,
+                "global_batch": self.global_batch, "method": self.method, "capacity": self.capacity,
+                "limit": self.limit, "considered": self.considered, "valid": self.valid,
+                "fitting": self.fitting, "top": [x.to_dict() for x in self.top],
+                "rejected": [{"what": w, "reason": r, "layouts": n} for w, r, n in self.rejected],
+                "shapes": self.shapes, "smallest_cluster": self.smallest_cluster,
+                "smallest_layout": None if self.smallest_layout is None else self.smallest_layout.to_dict(),
+                "cluster_note": self.cluster_note or None, "assumptions": self.assumptions,
+                "elapsed_s": self.elapsed_s, "vectorised": self.vectorised,
+                "all": [x.to_dict() for x in self.rows] if self.rows else None}
+
+    def render(self, units: str = "GiB", explain: bool = False) -> str:
+        return render_plan(self, units, explain)
+
+
+# ---------------------------------------------------------------------------------------------
+def _filter(value: Any, what: str) -> list[int] | None:
+    if value is None:
+        return None
+    return parse_int_list(value, what)
+
+
+def _rec_filter(value: Any) -> list[int]:
+    if value is None:
+        return [0, 1, 2]
+    items = value.split(",") if isinstance(value, str) else list(value)
+    out = []
+    for x in items:
+        x = str(x).strip()
+        if x not in REC_CODES:
+            raise TrainmemError(f"--recompute {x!r} is not one of: {', '.join(RECOMPUTE)}")
+        out.append(REC_CODES[x])
+    return sorted(set(out))
+
+
+def _zero_values(value: Any) -> list[int]:
+    """ZeRO stages to consider: a list like "1,2,3" (0 allowed, which parse_int_list refuses)."""
+    if value is None:
+        return [0, 1, 2, 3]
+    items = value.split(",") if isinstance(value, str) else ([value] if isinstance(value, int) else list(value))
+    out = []
+    for x in items:
+        try:
+            v = int(str(x).strip())
+        except ValueError:
+            raise TrainmemError(f"--zero {x!r} is not one of: 0, 1, 2, 3") from None
+        if v not in (0, 1, 2, 3):
+            raise TrainmemError(f"--zero {v} is not one of: 0, 1, 2, 3")
+        out.append(v)
+    return sorted(set(out))
+
+
+def enumerate_layouts(m, n_gpus: int, seq: int, global_batch: int, filters: dict[str, Any]
+                      ) -> tuple[dict[str, np.ndarray], list[tuple[str, str, int]]]:
+    """Every layout consistent with the GPU count, the global batch and the model, as arrays
+    (``LAYOUT_FIELDS``), and the rejected parallel shapes as (what, reason, layouts) rows."""
+    f_tp, f_pp, f_cp, f_dp = (filters.get(k) for k in ("tp", "pp", "cp", "dp"))
+    f_b, f_ga = filters.get("b"), filters.get("ga")
+    zs, rs = filters.get("zero", [0, 1, 2, 3]), filters.get("rec", [0, 1, 2])
+    rejected: dict[tuple[str, str], int] = {}
+
+    def reject(what: str, reason: str, count: int = 1) -> None:
+        rejected[(what, reason)] = rejected.get((what, reason), 0) + count
+
+    rows: list[tuple[int, int, int, int, int, int]] = []
+    for tp in divisors(n_gpus):
+        if f_tp is not None and tp not in f_tp:
+            continue
+        if m.num_heads % tp:
+            reject(f"tp={tp}", f"does not divide the {m.num_heads} attention heads")
+            continue
+        if m.num_kv_heads % tp and tp % m.num_kv_heads:
+            reject(f"tp={tp}", f"cannot split the {m.num_kv_heads} key/value heads evenly")
+            continue
+        rest = n_gpus // tp
+        for pp in divisors(rest):
+            if f_pp is not None and pp not in f_pp:
+                continue
+            if m.num_layers % pp:
+                reject(f"pp={pp}", f"does not divide the {m.num_layers} layers")
+                continue
+            for cp in divisors(rest // pp):
+                if f_cp is not None and cp not in f_cp:
+                    continue
+                dp = rest // pp // cp
+                if f_dp is not None and dp not in f_dp:
+                    continue
+                shape = f"dp={dp} tp={tp} pp={pp} cp={cp}"
+                if seq % cp:
+                    reject(shape, f"cp={cp} does not divide the sequence length {seq}")
+                    continue
+                if tp > 1 and (seq // cp) % tp:
+                    reject(shape, f"sequence parallelism needs the local sequence {seq // cp} divisible by tp={tp}")
+                    continue
+                if global_batch % dp:
+                    reject(shape, f"the global batch of {global_batch} sequences does not divide by dp={dp}")
+                    continue
+                for b in divisors(global_batch // dp):
+                    ga = global_batch // (dp * b)
+                    if (f_b is not None and b not in f_b) or (f_ga is not None and ga not in f_ga):
+                        continue
+                    rows.append((tp, pp, cp, dp, b, ga))
+    if not rows:
+        return {k: np.zeros(0, np.int64) for k in LAYOUT_FIELDS}, [(w, r, n) for (w, r), n in rejected.items()]
+    base = np.array(rows, dtype=np.int64)
+    zr = np.array([(z, r) for z in zs for r in rs], dtype=np.int64)
+    R, K = len(base), len(zr)
+    full = np.concatenate([np.repeat(base, K, axis=0), np.tile(zr, (R, 1))], axis=1)
+    tp, pp, cp, dp, b, ga, zero, rec = full.T
+    redundant = (dp == 1) & (zero > 0)            # ZeRO over one rank is plain training
+    pipe_zero = (pp > 1) & (zero >= 2)
+    n_pz = int((pipe_zero & ~redundant).sum())
+    if n_pz:
+        reject("zero=2/3 with pp>1", "DeepSpeed runs ZeRO-2/3 without pipeline parallelism (ZeRO-1 only)", n_pz)
+    keep = ~redundant & ~pipe_zero
+    arrays = dict(tp=tp[keep], pp=pp[keep], cp=cp[keep], dp=dp[keep], zero=zero[keep], rec=rec[keep],
+                  b=b[keep], ga=ga[keep])
+    return arrays, [(w, r, n) for (w, r), n in rejected.items()]
+
+
+class _Planner:
+    """The fixed part of a plan (model, hardware, training settings) evaluated for any GPU count."""
+
+    def __init__(self, model: Any, seq: int, global_batch: int, mfu: float, internode_gbs: float | None,
+                 gpus_per_node: int | None, filters: dict[str, Any], **options: Any):
+        for k, why in NOT_PLANNED.items():
+            if options.get(k):
+                raise TrainmemError(f"plan does not explore {why}; drop it")
+        for k in ("batch_size", "seq_len", "grad_accum", "dp", "tp", "pp", "cp", "zero", "recompute",
+                  "sequence_parallel"):
+            options.pop(k, None)
+        self.ev = Evaluator(model, **options)
+        if self.ev.hardware is None:
+            raise TrainmemError("plan needs a GPU: give --gpu NAME or --gpu-memory SIZE")
+        from ..estimate.api import training_spec
+        self.base: TrainingSpec = training_spec(seq_len=seq, **self.ev.options)
+        check_against(self.ev.model, self.base)
+        if not 0 < mfu <= 1:
+            raise TrainmemError(f"--mfu must be in (0, 1], got {mfu}")
+        extras = gpu_extras(self.ev.hardware)
+        self.gpn = int(gpus_per_node or extras["gpus_per_node"])
+        self.inter = float(internode_gbs or extras["internode_gbs"])
+        hw = hardware_with_speeds(self.ev.hardware)
+        self.speeds = Speeds.of(hw, self.gpn, self.inter, mfu)
+        self.seq, self.global_batch, self.filters = seq, global_batch, filters
+        self.limit = self.ev.limit
+        why = supported(self.base)
+        self.vectorised = self.ev.method == "trainmem" and why is None
+        if self.vectorised:
+            try:
+                from .vector import model_tables
+                model_tables(self.ev.model)
+            except NotImplementedError:
+                self.vectorised = False
+        self.assumptions = {"mfu": mfu, "bf16_tflops": hw.bf16_tflops, "interconnect_gbs": hw.interconnect_gbs,
+                            "internode_gbs": self.inter, "gpus_per_node": self.gpn,
+                            "sequence_parallel": "on when tp > 1",
+                            "overlap": "data-parallel traffic behind backward; TP/CP/PP exposed"}
+
+    # -- memory and time of arrays of layouts ------------------------------------------------
+    def memory(self, a: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self.vectorised:
+            return layout_memory(self.ev.model, self.base, self.seq, self.ev.hardware.context,
+                                 *(a[k] for k in LAYOUT_FIELDS))
+        n = len(a["tp"])
+        if n > SCALAR_LIMIT:
+            raise TrainmemError(f"{n:,} layouts to estimate one by one (method {self.ev.method}"
+                                f"{'' if self.ev.method != 'trainmem' else ', settings the vectorised planner does not model'}"
+                                f"); narrow them with --tp/--pp/--cp/--zero/--recompute/--batch-size")
+        out = {k: np.zeros(n, np.int64) for k in ("peak_allocated", "device_used", "stage")}
+        for i in range(n):
+            r = self.report(**{k: int(a[k][i]) for k in LAYOUT_FIELDS})
+            out["peak_allocated"][i] = r.peak_allocated
+            out["device_used"][i] = r.device_peak
+            out["stage"][i] = 1 if r.extra.get("pipeline_stage") == "last" else 0
+        return out
+
+    def report(self, tp, pp, cp, dp, zero, rec, b, ga) -> MemoryReport:
+        return self.ev.report(seq_len=self.seq, tp=tp, pp=pp, cp=cp, dp=dp, zero=zero, recompute=REC_NAMES[rec],
+                              batch_size=b, grad_accum=ga, sequence_parallel=tp > 1)
+
+    def params_rank(self, a: dict[str, np.ndarray]) -> np.ndarray:
+        """Parameters on a rank (before ZeRO), the worst pipeline stage: the data-parallel traffic."""
+        first, inv = group_rows(a["tp"], a["pp"])
+        tp, pp = a["tp"][first], a["pp"][first]
+        ones = np.ones(len(first), np.int64)
+        base = TrainingSpec(precision=self.base.precision)
+        try:
+            f = states(self.ev.model, base, tp, pp, 0 * ones, ones, False)["params_rank"]
+            z = states(self.ev.model, base, tp, pp, 0 * ones, ones, True)["params_rank"]
+            return np.maximum(f, z)[inv]
+        except NotImplementedError:  # layers that differ: parameters spread evenly
+            return -(-self.ev.model.num_params // (a["tp"] * a["pp"]))
+
+    def times(self, n_gpus: int, a: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return step_times(self.ev.model, self.base, self.speeds, self.seq, self.global_batch, n_gpus,
+                          *(a[k] for k in LAYOUT_FIELDS), self.params_rank(a))
+
+    # -- one cluster size ------------------------------------------------------------------------
+    def evaluate(self, n_gpus: int, with_times: bool = True):
+        a, rejected = enumerate_layouts(self.ev.model, n_gpus, self.seq, self.global_batch, self.filters)
+        if len(a["tp"]) == 0:
+            return a, rejected, None, None, np.zeros(0, bool)
+        mem = self.memory(a)
+        fits = mem["device_used"] <= self.limit
+        t = self.times(n_gpus, a) if with_times else None
+        return a, rejected, mem, t, fits
+
+    def layout(self, n_gpus: int, a, mem, t, i: int) -> Layout:
+        used = int(mem["device_used"][i])
+        tm = {k: float(t[k][i]) for k in TERMS}
+        total = float(t["total"][i])
+        tokens = self.global_batch * self.seq
+        return Layout(dp=int(a["dp"][i]), tp=int(a["tp"][i]), pp=int(a["pp"][i]), cp=int(a["cp"][i]),
+                      zero=int(a["zero"][i]), recompute=REC_NAMES[int(a["rec"][i])], micro_batch=int(a["b"][i]),
+                      grad_accum=int(a["ga"][i]), peak_allocated=int(mem["peak_allocated"][i]), device_used=used,
+                      margin=self.limit - used, fits=used <= self.limit, step_time=total, times=tm,
+                      tokens_per_s_per_gpu=tokens / total / n_gpus,
+                      mfu=float(t["model_flops"][i]) / (total * n_gpus * self.speeds.peak_flops),
+                      stage="last" if int(mem["stage"][i]) == 1 else ("first" if int(a["pp"][i]) > 1 else ""))
+
+    def exact(self, lay: Layout) -> Layout:
+        """Re-estimate a layout with the scalar estimator (the numbers shown to the user)."""
+        r = self.report(lay.tp, lay.pp, lay.cp, lay.dp, lay.zero, REC_CODES[lay.recompute], lay.micro_batch,
+                        lay.grad_accum)
+        lay.report = r
+        lay.peak_allocated, lay.device_used = r.peak_allocated, r.device_peak
+        lay.margin = self.limit - r.device_peak
+        lay.fits = r.device_peak <= self.limit
+        return lay
+
+
+def _order(a, mem, t, fits) -> np.ndarray:
+    """Fitting layouts, fastest first (ties: more headroom, lower ZeRO stage, less recompute)."""
+    idx = np.nonzero(fits)[0]
+    keys = (a["rec"][idx], a["zero"][idx], mem["device_used"][idx], np.round(t["total"][idx], 9))
+    return idx[np.lexsort(keys)]
+
+
+def _why(a: Layout, b: Layout, units: str = "GiB") -> str:
+    d = b.step_time - a.step_time
+    if d <= 1e-9 * max(a.step_time, 1e-12):
+        return (f"same modelled step time as the next; more memory headroom "
+                f"({fmt(a.margin, units)} vs {fmt(b.margin, units)})" if a.margin > b.margin else
+                "same modelled step time as the next; lower ZeRO stage or less recompute")
+    parts = []
+    for k in TERMS:
+        delta = b.times[k] - a.times[k]
+        if abs(delta) >= 0.05 * d:
+            parts.append((delta, k))
+    parts.sort(key=lambda x: -abs(x[0]))
+    words = ", ".join(f"{'less' if dl > 0 else 'more'} {TERM_WORDS[k]} ({-dl:+.3g} s)" for dl, k in parts[:3])
+    return f"{d:.3g} s/step faster than the next ({100 * d / b.step_time:.1f}%): {words}"
+
+
+def plan(model: Any, gpus: int, seq_len: int | None = None, global_batch: int | None = None, gpu: Any = None,
+         top: int = 5, mfu: float = 0.5, internode_gbs: float | None = None, gpus_per_node: int | None = None,
+         tp: Any = None, pp: Any = None, cp: Any = None, dp: Any = None, zero: Any = None, recompute: Any = None,
+         batch_size: Any = None, grad_accum: Any = None, all_layouts: bool = False, find_cluster: bool = True,
+         max_cluster: int = 1 << 20, **options: Any) -> PlanResult:
+    """Every layout of ``model`` on ``gpus`` GPUs for ``global_batch`` sequences of ``seq_len``
+    tokens per step; those that fit ``gpu``, fastest first by the step-time model.
+
+    ``tp``, ``pp``, ``cp``, ``dp``, ``zero``, ``recompute``, ``batch_size`` (micro-batch) and
+    ``grad_accum`` restrict the search (an int, a list, or a string such as "1,2,4" /
+    "none,full"). ``options``: the other ``trainmem.estimate`` options (precision, optimizer,
+    attention, method, gpu_memory, context_memory, max_fraction, ...). When nothing fits, the
+    result names the smallest GPU count that would (``smallest_cluster``).
+    """
+    t0 = time.perf_counter()
+    if not isinstance(gpus, int) or gpus <= 0:
+        raise TrainmemError(f"--gpus must be a positive integer, got {gpus!r}")
+    if global_batch is None:
+        raise TrainmemError("plan needs --global-batch N (sequences per optimizer step)")
+    if not isinstance(global_batch, int) or global_batch <= 0:
+        raise TrainmemError(f"--global-batch must be a positive integer, got {global_batch!r}")
+    if not isinstance(top, int) or top <= 0:
+        raise TrainmemError(f"--top must be a positive integer, got {top!r}")
+    seq = 2048 if seq_len is None else seq_len
+    filters = {"tp": _filter(tp, "--tp"), "pp": _filter(pp, "--pp"), "cp": _filter(cp, "--cp"),
+               "dp": _filter(dp, "--dp"), "b": _filter(batch_size, "--batch-size"),
+               "ga": _filter(grad_accum, "--grad-accum"), "zero": _zero_values(zero), "rec": _rec_filter(recompute)}
+    P = _Planner(model, seq, global_batch, mfu, internode_gbs, gpus_per_node, filters, gpu=gpu, **options)
+    a, rejected, mem, t, fits = P.evaluate(gpus)
+    n_valid = len(a["tp"])
+    considered = n_valid + sum(n for _, _, n in rejected)
+    order = _order(a, mem, t, fits) if n_valid else np.zeros(0, np.int64)
+    shown: list[Layout] = []
+    for i in order:
+        lay = P.exact(P.layout(gpus, a, mem, t, int(i)))
+        if lay.fits:
+            shown.append(lay)
+        if len(shown) == top:
+            break
+    for x, y in zip(shown, shown[1:]):
+        x.why = _why(x, y)
+    shapes = _shape_summary(a, mem, t, fits, order) if n_valid else []
+    rows: list[Layout] = []
+    if all_layouts and n_valid:
+        rest = np.setdiff1d(np.arange(n_valid), order, assume_unique=True)
+        rest = rest[np.argsort(mem["device_used"][rest], kind="stable")]
+        for i in list(order) + list(rest):
+            rows.append(P.exact(P.layout(gpus, a, mem, t, int(i))))
+    res = PlanResult(model=P.ev.model.name, gpu=P.ev.hardware.name, gpus=gpus, seq_len=seq,
+                     global_batch=global_batch, method=P.ev.method, capacity=P.ev.hardware.capacity,
+                     limit=P.limit, considered=considered, valid=n_valid, fitting=int(fits.sum()), top=shown,
+                     rejected=sorted(rejected, key=lambda x: -x[2]), shapes=shapes, assumptions=P.assumptions,
+                     vectorised=P.vectorised, rows=rows)
+    if not shown and find_cluster:
+        res.smallest_cluster, res.smallest_layout, res.cluster_note = _smallest_cluster(P, gpus, max_cluster)
+    res.elapsed_s = time.perf_counter() - t0
+    return res
+
+
+def _shape_summary(a, mem, t, fits, order) -> list[dict[str, Any]]:
+    """Per parallel shape (dp, tp, pp, cp): layouts, fitting ones, best rank, smallest memory."""
+    rank = np.full(len(a["tp"]), -1)
+    rank[order] = np.arange(1, len(order) + 1)
+    first, inv = group_rows(a["dp"], a["tp"], a["pp"], a["cp"])
+    by = np.argsort(inv, kind="stable")
+    bounds = np.searchsorted(inv[by], np.arange(len(first) + 1))
+    out = []
+    for j, r0 in enumerate(first):
+        dp, tp, pp, cp = a["dp"][r0], a["tp"][r0], a["pp"][r0], a["cp"][r0]
+        idx = by[bounds[j]:bounds[j + 1]]
+        f = idx[fits[idx]]
+        lo = idx[np.argmin(mem["device_used"][idx])]
+        d: dict[str, Any] = {"dp": int(dp), "tp": int(tp), "pp": int(pp), "cp": int(cp), "layouts": len(idx),
+                             "fitting": len(f), "min_device_used": int(mem["device_used"][lo]),
+                             "min_at": {"zero": int(a["zero"][lo]), "recompute": REC_NAMES[int(a["rec"][lo])],
+                                        "micro_batch": int(a["b"][lo])}}
+        if len(f):
+            best = f[np.argmin(rank[f])]
+            d["best_rank"] = int(rank[best])
+            d["best_step_time"] = float(t["total"][best])
+        out.append(d)
+    out.sort(key=lambda d: (d.get("best_rank", 1 << 60), d["min_device_used"]))
+    return out
+
+
+def _smallest_cluster(P: _Planner, gpus: int, max_cluster: int) -> tuple[int | None, Layout | None, str]:
+    """The smallest GPU count (above ``gpus``) where some layout fits.
+
+    Doubles the count until a layout fits, then scans the last bracket in steps of the node size
+    (or 1/32 of the bracket when that is coarser), smallest first.
+    """
+    def best(n: int) -> Layout | None:
+        a, _, mem, t, fits = P.evaluate(n)
+        if mem is None or not fits.any():
+            return None
+        order = _order(a, mem, t, fits)
+        for i in order[:50]:
+            lay = P.exact(P.layout(n, a, mem, t, int(i)))
+            if lay.fits:
+                return lay
+        return None
+
+    lo, hi, found = gpus, None, None
+    n = gpus * 2
+    budget = 30.0 if P.vectorised else 10.0
+    t0 = time.perf_counter()
+    while n <= max_cluster:
+        found = best(n)
+        if found is not None:
+            hi = n
+            break
+        lo = n
+        n *= 2
+        if time.perf_counter() - t0 > budget:
+            break
+    if hi is None:
+        return None, None, (f"no cluster of up to {lo:,} GPUs fits any layout (global batch {P.global_batch}, "
+                            f"sequence {P.seq}); lower the sequence length or the precision, or use larger GPUs")
+    step = max(P.gpn, (hi - lo) // 32)
+    cands = [c for c in range(lo + 1, hi) if (c % step == 0 or (lo < P.gpn and c <= P.gpn))]
+    for c in cands:
+        if time.perf_counter() - t0 > budget:
+            break
+        lay = best(c)
+        if lay is not None:
+            return c, lay, f"searched {gpus * 2:,}, {gpus * 4:,}, ... GPUs, then multiples of {step} below {hi:,}"
+    return hi, found, f"searched {gpus * 2:,}, {gpus * 4:,}, ... GPUs, then multiples of {step} below {hi:,}"
+
+
+# ---------------------------------------------------------------------------------------------
+def render_plan(r: PlanResult, units: str = "GiB", explain: bool = False) -> str:
+    div, label = scale(units)
+    lines = [f"trainmem plan — {r.model} on {r.gpus} x {r.gpu} ({fmt(r.capacity, units)}"
+             + ("" if r.limit == r.capacity else f", limit {fmt(r.limit, units)}")
+             + f") · seq {r.seq_len} · global batch {r.global_batch} sequences · method {r.method}",
+             f"layouts: {r.considered:,} considered, {r.valid:,} valid, {r.fitting:,} fit "
+             f"({r.elapsed_s * 1000:.0f} ms{'' if r.vectorised else ', estimated one by one'})",
+             f"step-time model: MFU {r.assumptions['mfu']:g} of {r.assumptions['bf16_tflops']:g} TFLOP/s, "
+             f"NVLink {r.assumptions['interconnect_gbs']:g} GB/s within {r.assumptions['gpus_per_node']} GPUs, "
+             f"network {r.assumptions['internode_gbs']:g} GB/s per GPU, DP traffic overlapped (docs/plan.md)", ""]
+    hdr = (f"{'rank':>4s} {'dp':>4s} {'tp':>3s} {'pp':>3s} {'cp':>3s} {'zero':>4s} {'recompute':>9s} "
+           f"{'micro':>5s} {'accum':>5s} {'memory/GPU':>12s} {'margin':>11s} {'step s':>9s} {'tok/s/GPU':>10s} "
+           f"{'MFU':>5s}")
+
+    def row(i: Any, x: Layout) -> str:
+        return (f"{str(i):>4s} {x.dp:>4d} {x.tp:>3d} {x.pp:>3d} {x.cp:>3d} {x.zero:>4d} {x.recompute:>9s} "
+                f"{x.micro_batch:>5d} {x.grad_accum:>5d} {x.device_used / div:>8.2f} {label} "
+                f"{x.margin / div:>7.2f} {label} {x.step_time:>9.3f} {x.tokens_per_s_per_gpu:>10.0f} "
+                f"{100 * x.mfu:>4.0f}%")
+
+    if r.top:
+        if not r.rows:
+            lines.append(hdr)
+            for i, x in enumerate(r.top, 1):
+                lines.append(row(i, x))
+        if len(r.top) > 1:
+            lines.append("")
+            lines.append("why the best beat the next:")
+            for i, x in enumerate(r.top[:-1], 1):
+                lines.append(f"  #{i} vs #{i + 1}: {x.why}")
+    else:
+        lines.append(f"NOTHING FITS: none of the {r.valid:,} valid layouts fits {r.gpus} x {r.gpu}.")
+        if r.smallest_cluster:
+            x = r.smallest_layout
+            lines.append(f"smallest cluster that fits: {r.smallest_cluster:,} x {r.gpu} — e.g. {x.label()}, "
+                         f"{fmt(x.device_used, units)} per GPU ({r.cluster_note})")
+        elif r.cluster_note:
+            lines.append(r.cluster_note)
+        closest = [s for s in r.shapes]
+        closest.sort(key=lambda s: s["min_device_used"])
+        if closest:
+            s = closest[0]
+            lines.append(f"closest on {r.gpus} GPUs: dp={s['dp']} tp={s['tp']} pp={s['pp']} cp={s['cp']} "
+                         f"zero={s['min_at']['zero']} recompute={s['min_at']['recompute']} "
+                         f"micro-batch={s['min_at']['micro_batch']}: {fmt(s['min_device_used'], units)}, "
+                         f"{fmt(s['min_device_used'] - r.limit, units)} over")
+    if r.rows:
+        lines += ["", "all valid layouts (fitting ones by rank, then the rest by memory; - = does not fit):", hdr]
+        k = 0
+        for x in r.rows:
+            if x.fits:
+                k += 1
+            lines.append(row(k if x.fits else "-", x))
+    if explain:
+        lines += ["", "why the other layouts were rejected:"]
+        if r.rejected:
+            for what, reason, n in r.rejected:
+                lines.append(f"  not allowed   {what}: {reason} ({n:,} layout{'s' if n != 1 else ''})")
+        over = r.valid - r.fitting
+        if over:
+            lines.append(f"  memory        {over:,} valid layouts need more than {fmt(r.limit, units)} per GPU")
+        slower = r.fitting - len(r.top)
+        if slower > 0:
+            lines.append(f"  slower        {slower:,} fitting layouts have a longer modelled step than #{len(r.top)}")
+        lines += ["", "by parallel shape (dp x tp x pp x cp):"]
+        for s in r.shapes[:60]:
+            shape = f"dp={s['dp']:<4d} tp={s['tp']:<3d} pp={s['pp']:<3d} cp={s['cp']:<3d}"
+            if s["fitting"]:
+                lines.append(f"  {shape} {s['fitting']:>4d}/{s['layouts']:<4d} fit; best rank {s['best_rank']:,} "
+                             f"({s['best_step_time']:.3f} s/step)")
+            else:
+                lines.append(f"  {shape}    0/{s['layouts']:<4d} fit; smallest {fmt(s['min_device_used'], units)} "
+                             f"(zero={s['min_at']['zero']}, recompute={s['min_at']['recompute']}, micro-batch "
+                             f"{s['min_at']['micro_batch']}) is {fmt(s['min_device_used'] - r.limit, units)} over")
+        if len(r.shapes) > 60:
+            lines.append(f"  ... {len(r.shapes) - 60} more shapes (--json lists them all)")
+    return "\n".join(lines)

@@ -1,0 +1,122 @@
+"""``sweep``: the memory of every (micro-batch, sequence length) pair of a grid."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from ..errors import TrainmemError
+from ..report import CATEGORIES, MemoryReport
+from ..units import scale
+from ._common import Evaluator, parse_int_list
+
+MAX_CELLS = 20_000
+
+
+@dataclass
+class SweepCell:
+    """One grid point: its report, or why it has none (e.g. a sequence past learned positions)."""
+
+    batch_size: int
+    seq_len: int
+    report: MemoryReport | None
+    error: str = ""
+
+    @property
+    def device_used(self) -> int | None:
+        """What counts against the GPU (device memory, else reserved, else allocated)."""
+        return None if self.report is None else self.report.device_peak
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.report is None else self.report.fits
+
+    def categories(self) -> dict[str, int]:
+        return {} if self.report is None else self.report.by_category()
+
+
+@dataclass
+class SweepResult:
+    """A grid of reports: rows are micro-batch sizes, columns sequence lengths."""
+
+    model: str
+    gpu: str | None
+    capacity: int | None
+    limit: int | None
+    method: str
+    batch_sizes: list[int]
+    seq_lens: list[int]
+    cells: list[list[SweepCell]] = field(repr=False)
+
+    def cell(self, batch_size: int, seq_len: int) -> SweepCell:
+        return self.cells[self.batch_sizes.index(batch_size)][self.seq_lens.index(seq_len)]
+
+    def grid(self) -> list[list[int | None]]:
+        """Device memory (bytes) per cell, rows by micro-batch, columns by sequence length."""
+        return [[c.device_used for c in row] for row in self.cells]
+
+    def fits_grid(self) -> list[list[bool | None]]:
+        return [[c.fits for c in row] for row in self.cells]
+
+    def categories(self) -> list[str]:
+        """The component categories present anywhere in the grid, in report order."""
+        seen = set()
+        for row in self.cells:
+            for c in row:
+                seen.update(c.categories())
+        return [k for k in CATEGORIES if k in seen]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "gpu": self.gpu, "capacity": self.capacity, "limit": self.limit,
+                "method": self.method, "batch_sizes": list(self.batch_sizes), "seq_lens": list(self.seq_lens),
+                "cells": [{"batch_size": c.batch_size, "seq_len": c.seq_len,
+                           "peak_allocated": None if c.report is None else c.report.peak_allocated,
+                           "device_used": c.device_used, "fits": c.fits, "categories": c.categories(),
+                           "error": c.error or None}
+                          for row in self.cells for c in row]}
+
+    def render(self, units: str = "GiB") -> str:
+        """Plain-text grid: a row per sequence length, a column per micro-batch; ``*`` = does not fit."""
+        div, label = scale(units)
+        head = "seq \\ batch".rjust(11) + "".join(f"{b:>10d}" for b in self.batch_sizes)
+        lines = [f"device memory ({label}) of {self.model}" + (f" on {self.gpu}" if self.gpu else "")
+                 + (f", limit {self.limit / div:.2f} {label}" if self.limit else "") + "; * = does not fit",
+                 head]
+        for j, s in enumerate(self.seq_lens):
+            row = f"{s:>11d}"
+            for i in range(len(self.batch_sizes)):
+                c = self.cells[i][j]
+                if c.report is None:
+                    row += f"{'n/a':>10s}"
+                else:
+                    mark = "*" if c.fits is False else " "
+                    row += f"{c.device_used / div:>9.2f}{mark}"
+            lines.append(row)
+        errs = sorted({c.error for row in self.cells for c in row if c.error})
+        for e in errs:
+            lines.append(f"n/a: {e}")
+        return "\n".join(lines)
+
+
+def sweep(model: Any, batch_sizes: "str | Iterable[int]" = (1,), seq_lens: "str | Iterable[int]" = (2048,),
+          by: str = "estimate", **options: Any) -> SweepResult:
+    """Estimate every (micro-batch, sequence length) pair; ``batch_sizes`` and ``seq_lens`` are lists
+    or strings such as ``"1,2,4"`` and ``"128:4096:128"``. ``options``: those of ``trainmem.estimate``."""
+    bs = parse_int_list(batch_sizes, "--batch-size")
+    ss = parse_int_list(seq_lens, "--seq-len")
+    if len(bs) * len(ss) > MAX_CELLS:
+        raise TrainmemError(f"the grid has {len(bs) * len(ss):,} cells; sweep at most {MAX_CELLS:,}")
+    options.pop("batch_size", None)
+    options.pop("seq_len", None)
+    ev = Evaluator(model, by=by, **options)
+    cells: list[list[SweepCell]] = []
+    for b in bs:
+        row = []
+        for s in ss:
+            try:
+                row.append(SweepCell(b, s, ev.report(batch_size=b, seq_len=s)))
+            except TrainmemError as e:
+                row.append(SweepCell(b, s, None, str(e)))
+        cells.append(row)
+    hw = ev.hardware
+    return SweepResult(ev.model.name, None if hw is None else hw.name, None if hw is None else hw.capacity,
+                       ev.limit, ev.method if by == "estimate" else "trace", bs, ss, cells)

@@ -1,0 +1,69 @@
+"""suggest: single changes, each estimated, cheapest first, semantics marked; chunked cross-entropy."""
+import pytest
+
+import trainmem
+from trainmem.errors import TrainmemError
+from trainmem.plan import format_suggestions, suggest
+
+BASE = dict(gpu="a100-40gb", batch_size=4, seq_len=2048, dp=8, attention="eager")
+
+
+@pytest.fixture(scope="module")
+def sugg():
+    return suggest("llama-3.2-1b", **BASE)
+
+
+def test_every_single_change_is_estimated(sugg):
+    base = trainmem.estimate("llama-3.2-1b", **BASE)
+    names = [s.name for s in sugg]
+    for want in ("flash-attention", "chunked-cross-entropy", "zero-1", "recompute-selective", "halve-micro-batch",
+                 "tp-x2", "recompute-full", "adamw-8bit", "lora"):
+        assert want in names, want
+    # the peak is the start of backward (logits and their fp32 copies): applying the optimizer in
+    # backward saves nothing there, so it is not offered; where the optimizer step peaks, it is
+    small = suggest("llama-3.2-1b", gpu="a100-40gb", batch_size=1, seq_len=256)
+    assert "optimizer-in-backward" not in names and "optimizer-in-backward" in [x.name for x in small]
+    for s in sugg:
+        r = trainmem.estimate("llama-3.2-1b", **{**BASE, **{k: v for k, v in s.change.items() if v is not None}})
+        assert (s.peak_allocated, s.device_used, s.fits) == (r.peak_allocated, r.device_used, r.fits)
+        assert s.saved == base.device_used - r.device_used > 0
+
+
+def test_sorted_by_cost_semantics_last(sugg):
+    keys = [(s.changes_semantics, s.slowdown) for s in sugg]
+    assert keys == sorted(keys)
+    sem = {s.name for s in sugg if s.changes_semantics}
+    assert sem == {"adamw-8bit", "lora"}
+    first = [s.name for s in sugg][:3]
+    assert first[0] == "flash-attention" and "chunked-cross-entropy" in first
+    half = next(s for s in sugg if s.name == "halve-micro-batch")
+    assert half.change == {"batch_size": 2, "grad_accum": 2}   # same sequences per step
+
+
+def test_chunked_cross_entropy_shrinks_logits_to_one_chunk():
+    # at the end of forward the held logits (bf16) and the saved fp32 log-probabilities are alive:
+    # with 4 chunks of the 2 x 1024 tokens only one chunk of each remains
+    one = trainmem.estimate("llama-3.2-1b", batch_size=2, seq_len=1024)
+    four = trainmem.estimate("llama-3.2-1b", batch_size=2, seq_len=1024, loss_chunks=4)
+    n, v = 2 * 1024, 128256
+    assert one.phase("forward", 2).allocated - four.phase("forward", 2).allocated == (n - n // 4) * v * (2 + 4)
+    assert one.component("logits.logits") == n * v * 2 and one.component("logits.log_probs") == n * v * 4
+    three = trainmem.estimate("llama-3.2-1b", batch_size=2, seq_len=1024, loss_chunks=3)
+    chunk = -(-n // 3)  # ceil: the largest chunk
+    assert one.phase("forward", 2).allocated - three.phase("forward", 2).allocated == (n - chunk) * v * 6
+    with pytest.raises(TrainmemError, match="loss-chunks"):
+        trainmem.estimate("llama-3.2-1b", loss_chunks=0)
+
+
+def test_not_applicable_changes_are_left_out():
+    # fp32: no flash; seq-cls head: no chunked loss; dp = 1: no ZeRO; batch 1: nothing to halve
+    s = suggest("bert-base-uncased", gpu="t4", precision="fp32", batch_size=1, seq_len=512,
+                set=['architectures=["BertForSequenceClassification"]'])
+    names = {x.name for x in s}
+    assert names and not names & {"flash-attention", "chunked-cross-entropy", "zero-1", "halve-micro-batch"}
+
+
+def test_format(sugg):
+    text = format_suggestions(sugg)
+    assert "flash" in text and "[changes training]" in text and "GiB" in text
+    assert format_suggestions([]) .startswith("no single change")
