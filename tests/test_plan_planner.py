@@ -20,7 +20,7 @@ def test_layouts_are_consistent_and_fit(big):
     assert big.valid > 5000 and 0 < big.fitting < big.valid and len(big.top) == 5
     for x in big.top:
         assert x.dp * x.tp * x.pp * x.cp == 512 and x.dp * x.micro_batch * x.grad_accum == 1024
-        assert m.num_heads % x.tp == 0 and m.num_layers % x.pp == 0 and 4096 % x.cp == 0
+        assert m.num_heads % x.tp == 0 and m.ffn_size % x.tp == 0 and m.num_layers % x.pp == 0 and 4096 % x.cp == 0
         assert not (x.pp > 1 and x.zero >= 2)
         # the shown numbers are the scalar estimator's
         r = trainmem.estimate(m, gpu="a100-80gb", seq_len=4096, **x.options())
@@ -32,9 +32,9 @@ def test_layouts_are_consistent_and_fit(big):
 
 
 def test_explain_lists_rejections(big):
-    reasons = " | ".join(f"{w}: {r}" for w, r, _ in big.rejected)
+    reasons = " | ".join(f"{w}: {r} ({n} {u})" for w, r, n, u in big.rejected)
     assert "does not divide the 80 layers" in reasons and "attention heads" in reasons
-    assert "ZeRO-2/3" in reasons
+    assert "ZeRO-2/3" in reasons and "(15 shapes)" in reasons  # pp=32: 15 (tp, cp) splits of 512 GPUs
     text = big.render(explain=True)
     assert "why the other layouts were rejected" in text and "need more than" in text
     assert "by parallel shape" in text and "why the best beat the next" in text

@@ -3,7 +3,7 @@ import pytest
 
 import trainmem
 from trainmem.errors import TrainmemError
-from trainmem.plan import format_suggestions, suggest
+from trainmem.plan import format_suggestions, suggest, suggest_for_report
 
 BASE = dict(gpu="a100-40gb", batch_size=4, seq_len=2048, dp=8, attention="eager")
 
@@ -67,3 +67,10 @@ def test_format(sugg):
     text = format_suggestions(sugg)
     assert "flash" in text and "[changes training]" in text and "GiB" in text
     assert format_suggestions([]) .startswith("no single change")
+
+
+def test_hook_from_a_report(sugg):
+    r = trainmem.estimate("llama-3.2-1b", **BASE)
+    assert r.fits is False
+    again = suggest_for_report(r)
+    assert [(s.name, s.device_used) for s in again] == [(s.name, s.device_used) for s in sugg]

@@ -83,6 +83,8 @@ def add_model_and_training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-targets", default=None, metavar="M1,M2",
                    help="peft target module names (peft's defaults when omitted)")
     g.add_argument("--no-dropout", action="store_true", help="train with dropout off (no masks stored)")
+    g.add_argument("--loss-chunks", type=_positive_int, default=1, metavar="N",
+                   help="chunked cross-entropy: compute the logits and loss in N chunks of tokens")
     h = p.add_argument_group("hardware")
     h.add_argument("--gpu", default=None, metavar="NAME", help="GPU from `trainmem gpus`")
     h.add_argument("--gpu-memory", default=None, metavar="SIZE", help="custom GPU memory, e.g. 40GiB")
@@ -105,7 +107,7 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 recompute=a.recompute, attention=a.attention, compile=a.compile,
                 optimizer_in_backward=a.optimizer_in_backward, lora_rank=a.lora_rank,
                 lora_targets=a.lora_targets, dropout=not a.no_dropout,
-                optimizer_bucket_mb=a.optimizer_bucket_mb)
+                optimizer_bucket_mb=a.optimizer_bucket_mb, loss_chunks=a.loss_chunks)
     if a.fsdp is not None and a.zero == 0:
         opts.pop("zero")
     return opts
@@ -117,6 +119,10 @@ def _emit(report, a: argparse.Namespace) -> int:
         print(json.dumps(report.to_dict(), indent=2))
     else:
         print(render_report(report, a.units, a.detail))
+        if report.fits is False and report.method == "trainmem":
+            from .plan import format_suggestions, suggest_for_report
+            print()
+            print(format_suggestions(suggest_for_report(report), a.units))
     if a.max_fraction is not None and report.capacity is not None and not report.fits:
         return 1
     return 0

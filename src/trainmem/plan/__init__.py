@@ -18,13 +18,13 @@ from typing import Any
 # fit, suggest and sweep need no numpy: imported now (which also binds the package names to the
 # functions rather than to the submodules of the same name); the planner on first use.
 from .fit import FitResult, fit
-from .suggest import Suggestion, format_suggestions, suggest
+from .suggest import Suggestion, format_suggestions, suggest, suggest_for_report
 from .sweep import SweepCell, SweepResult, sweep
 
 _LAZY = {"plan": "planner", "PlanResult": "planner", "Layout": "planner"}
 
-__all__ = ["fit", "FitResult", "suggest", "Suggestion", "format_suggestions", "sweep", "SweepResult",
-           "SweepCell", "plan", "PlanResult", "Layout"]
+__all__ = ["fit", "FitResult", "suggest", "suggest_for_report", "Suggestion", "format_suggestions", "sweep",
+           "SweepResult", "SweepCell", "plan", "PlanResult", "Layout"]
 
 
 def __getattr__(name: str) -> Any:

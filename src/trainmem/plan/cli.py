@@ -23,10 +23,16 @@ def _hardware(a: argparse.Namespace) -> dict[str, Any]:
                 method=a.method, set=a.set)
 
 
+def _has(p: argparse.ArgumentParser, flag: str) -> bool:
+    return any(flag in a.option_strings for a in p._actions)
+
+
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--method", choices=_methods(), default="trainmem", help="formula set (default: trainmem)")
-    p.add_argument("--loss-chunks", type=_positive_int, default=1, metavar="N",
-                   help="chunked cross-entropy: run the LM head and loss in N chunks of the tokens")
+    if not _has(p, "--method"):
+        p.add_argument("--method", choices=_methods(), default="trainmem", help="formula set (default: trainmem)")
+    if not _has(p, "--loss-chunks"):  # until the shared training flags carry it
+        p.add_argument("--loss-chunks", type=_positive_int, default=1, metavar="N",
+                       help="chunked cross-entropy: run the LM head and loss in N chunks of the tokens")
 
 
 # ----- fit ---------------------------------------------------------------------------------------
@@ -55,8 +61,8 @@ def cmd_fit(a: argparse.Namespace) -> int:
             lines.append(f"  {_WORD[r.search]} {r.next_value} would need {fmt(r.next_device_used, u)} "
                          f"({fmt(r.next_device_used - r.limit, u)} over)")
         else:
-            lines.append(f"  stopped by {'the model’s learned positions' if r.limited_by == 'max_positions' else 'the search cap'}, "
-                         "not by memory")
+            why = "the model's learned positions" if r.limited_by == "max_positions" else "the search cap"
+            lines.append(f"  stopped by {why}, not by memory")
     else:
         first = 1 if r.search == "batch_size" else r.step
         lines.append(f"NOTHING FITS: {_WORD[r.search]} {first} at {fixed} needs {fmt(r.device_used, u)} "

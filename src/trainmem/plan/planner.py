@@ -3,7 +3,7 @@
 A layout is (dp, tp, pp, cp, ZeRO stage, recompute, micro-batch, gradient accumulation) with
 dp·tp·pp·cp = the GPU count and dp·micro-batch·accumulation = the global batch (in sequences).
 Layouts the model or the frameworks do not allow are rejected with a reason: TP must divide the
-attention heads (and split the key/value heads evenly), PP the layers, CP the sequence, and with
+attention heads (and split the key/value heads evenly) and the MLP size, PP the layers, CP the sequence, and with
 sequence parallelism (on whenever tp > 1) TP the local sequence; the global batch must divide by
 dp; ZeRO-2/3 do not combine with pipeline parallelism (DeepSpeed); ZeRO stages are only distinct
 when dp > 1. The memory of every layout comes from ``vector.layout_memory`` (the default method's
@@ -94,12 +94,13 @@ class PlanResult:
     method: str
     capacity: int
     limit: int
-    considered: int
+    considered: int                                # layouts of the allowed shapes (valid + refused)
     valid: int
     fitting: int
     top: list[Layout]
-    rejected: list[tuple[str, str, int]]          # (what, reason, layouts)
+    rejected: list[tuple[str, str, int, str]]     # (what, reason, count, "shapes" | "layouts")
     shapes: list[dict[str, Any]]                   # per (dp, tp, pp, cp): counts, best memory / time
+    shapes_rejected: int = 0                       # dp x tp x pp x cp shapes the model does not allow
     smallest_cluster: int | None = None
     smallest_layout: Layout | None = None
     cluster_note: str = ""
@@ -112,8 +113,9 @@ class PlanResult:
         return {"model": self.model, "gpu": self.gpu, "gpus": self.gpus, "seq_len": self.seq_len,
                 "global_batch": self.global_batch, "method": self.method, "capacity": self.capacity,
                 "limit": self.limit, "considered": self.considered, "valid": self.valid,
+                "shapes_rejected": self.shapes_rejected,
                 "fitting": self.fitting, "top": [x.to_dict() for x in self.top],
-                "rejected": [{"what": w, "reason": r, "layouts": n} for w, r, n in self.rejected],
+                "rejected": [{"what": w, "reason": r, "count": n, "unit": u} for w, r, n, u in self.rejected],
                 "shapes": self.shapes, "smallest_cluster": self.smallest_cluster,
                 "smallest_layout": None if self.smallest_layout is None else self.smallest_layout.to_dict(),
                 "cluster_note": self.cluster_note or None, "assumptions": self.assumptions,
@@ -162,33 +164,40 @@ def _zero_values(value: Any) -> list[int]:
 
 
 def enumerate_layouts(m, n_gpus: int, seq: int, global_batch: int, filters: dict[str, Any]
-                      ) -> tuple[dict[str, np.ndarray], list[tuple[str, str, int]]]:
+                      ) -> tuple[dict[str, np.ndarray], list[tuple[str, str, int, str]]]:
     """Every layout consistent with the GPU count, the global batch and the model, as arrays
-    (``LAYOUT_FIELDS``), and the rejected parallel shapes as (what, reason, layouts) rows."""
+    (``LAYOUT_FIELDS``), and what was rejected as (what, reason, count, unit) rows: the unit is
+    "shapes" (dp x tp x pp x cp combinations) for divisibility rules, "layouts" for the rest."""
     f_tp, f_pp, f_cp, f_dp = (filters.get(k) for k in ("tp", "pp", "cp", "dp"))
     f_b, f_ga = filters.get("b"), filters.get("ga")
     zs, rs = filters.get("zero", [0, 1, 2, 3]), filters.get("rec", [0, 1, 2])
-    rejected: dict[tuple[str, str], int] = {}
+    rejected: dict[tuple[str, str, str], int] = {}
 
-    def reject(what: str, reason: str, count: int = 1) -> None:
-        rejected[(what, reason)] = rejected.get((what, reason), 0) + count
+    def reject(what: str, reason: str, count: int = 1, unit: str = "shapes") -> None:
+        rejected[(what, reason, unit)] = rejected.get((what, reason, unit), 0) + count
+
+    def shapes_below(n: int) -> int:  # (pp, cp) pairs splitting n GPUs
+        return sum(len(divisors(n // p)) for p in divisors(n))
 
     rows: list[tuple[int, int, int, int, int, int]] = []
     for tp in divisors(n_gpus):
         if f_tp is not None and tp not in f_tp:
             continue
         if m.num_heads % tp:
-            reject(f"tp={tp}", f"does not divide the {m.num_heads} attention heads")
+            reject(f"tp={tp}", f"does not divide the {m.num_heads} attention heads", shapes_below(n_gpus // tp))
             continue
         if m.num_kv_heads % tp and tp % m.num_kv_heads:
-            reject(f"tp={tp}", f"cannot split the {m.num_kv_heads} key/value heads evenly")
+            reject(f"tp={tp}", f"cannot split the {m.num_kv_heads} key/value heads evenly", shapes_below(n_gpus // tp))
+            continue
+        if m.ffn_size % tp:
+            reject(f"tp={tp}", f"does not divide the MLP size {m.ffn_size}", shapes_below(n_gpus // tp))
             continue
         rest = n_gpus // tp
         for pp in divisors(rest):
             if f_pp is not None and pp not in f_pp:
                 continue
             if m.num_layers % pp:
-                reject(f"pp={pp}", f"does not divide the {m.num_layers} layers")
+                reject(f"pp={pp}", f"does not divide the {m.num_layers} layers", len(divisors(rest // pp)))
                 continue
             for cp in divisors(rest // pp):
                 if f_cp is not None and cp not in f_cp:
@@ -212,7 +221,7 @@ def enumerate_layouts(m, n_gpus: int, seq: int, global_batch: int, filters: dict
                         continue
                     rows.append((tp, pp, cp, dp, b, ga))
     if not rows:
-        return {k: np.zeros(0, np.int64) for k in LAYOUT_FIELDS}, [(w, r, n) for (w, r), n in rejected.items()]
+        return {k: np.zeros(0, np.int64) for k in LAYOUT_FIELDS}, [(w, r, n, u) for (w, r, u), n in rejected.items()]
     base = np.array(rows, dtype=np.int64)
     zr = np.array([(z, r) for z in zs for r in rs], dtype=np.int64)
     R, K = len(base), len(zr)
@@ -222,11 +231,12 @@ def enumerate_layouts(m, n_gpus: int, seq: int, global_batch: int, filters: dict
     pipe_zero = (pp > 1) & (zero >= 2)
     n_pz = int((pipe_zero & ~redundant).sum())
     if n_pz:
-        reject("zero=2/3 with pp>1", "DeepSpeed runs ZeRO-2/3 without pipeline parallelism (ZeRO-1 only)", n_pz)
+        reject("zero=2/3 with pp>1", "DeepSpeed runs ZeRO-2/3 without pipeline parallelism (ZeRO-1 only)", n_pz,
+               "layouts")
     keep = ~redundant & ~pipe_zero
     arrays = dict(tp=tp[keep], pp=pp[keep], cp=cp[keep], dp=dp[keep], zero=zero[keep], rec=rec[keep],
                   b=b[keep], ga=ga[keep])
-    return arrays, [(w, r, n) for (w, r), n in rejected.items()]
+    return arrays, [(w, r, n, u) for (w, r, u), n in rejected.items()]
 
 
 class _Planner:
@@ -275,9 +285,9 @@ class _Planner:
                                  *(a[k] for k in LAYOUT_FIELDS))
         n = len(a["tp"])
         if n > SCALAR_LIMIT:
-            raise TrainmemError(f"{n:,} layouts to estimate one by one (method {self.ev.method}"
-                                f"{'' if self.ev.method != 'trainmem' else ', settings the vectorised planner does not model'}"
-                                f"); narrow them with --tp/--pp/--cp/--zero/--recompute/--batch-size")
+            why = "" if self.ev.method != "trainmem" else ", settings the vectorised planner does not model"
+            raise TrainmemError(f"{n:,} layouts to estimate one by one (method {self.ev.method}{why}); "
+                                f"narrow them with --tp/--pp/--cp/--zero/--recompute/--batch-size")
         out = {k: np.zeros(n, np.int64) for k in ("peak_allocated", "device_used", "stage")}
         for i in range(n):
             r = self.report(**{k: int(a[k][i]) for k in LAYOUT_FIELDS})
@@ -394,7 +404,8 @@ def plan(model: Any, gpus: int, seq_len: int | None = None, global_batch: int | 
     P = _Planner(model, seq, global_batch, mfu, internode_gbs, gpus_per_node, filters, gpu=gpu, **options)
     a, rejected, mem, t, fits = P.evaluate(gpus)
     n_valid = len(a["tp"])
-    considered = n_valid + sum(n for _, _, n in rejected)
+    considered = n_valid + sum(n for _, _, n, u in rejected if u == "layouts")
+    shapes_rejected = sum(n for _, _, n, u in rejected if u == "shapes")
     order = _order(a, mem, t, fits) if n_valid else np.zeros(0, np.int64)
     shown: list[Layout] = []
     for i in order:
@@ -415,6 +426,7 @@ def plan(model: Any, gpus: int, seq_len: int | None = None, global_batch: int | 
     res = PlanResult(model=P.ev.model.name, gpu=P.ev.hardware.name, gpus=gpus, seq_len=seq,
                      global_batch=global_batch, method=P.ev.method, capacity=P.ev.hardware.capacity,
                      limit=P.limit, considered=considered, valid=n_valid, fitting=int(fits.sum()), top=shown,
+                     shapes_rejected=shapes_rejected,
                      rejected=sorted(rejected, key=lambda x: -x[2]), shapes=shapes, assumptions=P.assumptions,
                      vectorised=P.vectorised, rows=rows)
     if not shown and find_cluster:
@@ -499,8 +511,9 @@ def render_plan(r: PlanResult, units: str = "GiB", explain: bool = False) -> str
     lines = [f"trainmem plan — {r.model} on {r.gpus} x {r.gpu} ({fmt(r.capacity, units)}"
              + ("" if r.limit == r.capacity else f", limit {fmt(r.limit, units)}")
              + f") · seq {r.seq_len} · global batch {r.global_batch} sequences · method {r.method}",
-             f"layouts: {r.considered:,} considered, {r.valid:,} valid, {r.fitting:,} fit "
-             f"({r.elapsed_s * 1000:.0f} ms{'' if r.vectorised else ', estimated one by one'})",
+             f"layouts: {r.considered:,} considered, {r.valid:,} valid, {r.fitting:,} fit"
+             + (f"; {r.shapes_rejected:,} parallel shapes not allowed" if r.shapes_rejected else "")
+             + f" ({r.elapsed_s * 1000:.0f} ms{'' if r.vectorised else ', estimated one by one'})",
              f"step-time model: MFU {r.assumptions['mfu']:g} of {r.assumptions['bf16_tflops']:g} TFLOP/s, "
              f"NVLink {r.assumptions['interconnect_gbs']:g} GB/s within {r.assumptions['gpus_per_node']} GPUs, "
              f"network {r.assumptions['internode_gbs']:g} GB/s per GPU, DP traffic overlapped (docs/plan.md)", ""]
@@ -550,8 +563,8 @@ def render_plan(r: PlanResult, units: str = "GiB", explain: bool = False) -> str
     if explain:
         lines += ["", "why the other layouts were rejected:"]
         if r.rejected:
-            for what, reason, n in r.rejected:
-                lines.append(f"  not allowed   {what}: {reason} ({n:,} layout{'s' if n != 1 else ''})")
+            for what, reason, n, unit in r.rejected:
+                lines.append(f"  not allowed   {what}: {reason} ({n:,} {unit if n != 1 else unit[:-1]})")
         over = r.valid - r.fitting
         if over:
             lines.append(f"  memory        {over:,} valid layouts need more than {fmt(r.limit, units)} per GPU")

@@ -123,6 +123,18 @@ def suggest(model: Any, base: MemoryReport | None = None, by: str = "estimate", 
     return suggest_for(ev, base)
 
 
+def suggest_for_report(report: MemoryReport) -> list[Suggestion]:
+    """``suggest`` for the setup a report was made from (its model, training, GPU and method): the
+    hook ``trainmem estimate --gpu`` calls when the setup does not fit, e.g.
+    ``if r.fits is False: print(format_suggestions(suggest_for_report(r)))``."""
+    if report.model is None or report.training is None:
+        raise TrainmemError("this report does not carry its model and training setup")
+    opts = {k: v for k, v in report.training.to_dict().items() if v is not None}
+    ev = Evaluator(report.model, method=report.method or "trainmem", gpu=report.hardware,
+                   max_fraction=report.max_fraction, **opts)
+    return suggest_for(ev, report)
+
+
 def suggest_for(ev: Evaluator, base: MemoryReport | None = None, **changes: Any) -> list[Suggestion]:
     """``suggest`` on an :class:`Evaluator` (with ``changes`` applied to its options)."""
     base = base if base is not None else ev.report(**changes)

@@ -20,8 +20,9 @@ moment. This module evaluates the same moments for thousands of layouts in a few
 
 ``layout_memory`` returns the ``peak_allocated`` and ``device_used`` of
 ``trainmem.estimate(..., method="trainmem")`` for each layout (tests/test_plan_vector.py checks a
-sample: within 2%, in practice within the weights' placement remainder). Layouts it cannot represent (LoRA, offload, FSDP modes, optimizer in backward, layers that
-differ) raise ``NotImplementedError`` so that the planner falls back to the scalar estimator.
+sample: within 2%, in practice within the weights' placement remainder). Layouts it cannot
+represent (LoRA, offload, FSDP modes, optimizer in backward, layers that differ) raise
+``NotImplementedError`` so that the planner falls back to the scalar estimator.
 """
 from __future__ import annotations
 

@@ -224,7 +224,8 @@ class Tracker(TorchDispatchMode):
             return rec
         if category is None:
             category, label2 = self._category_for(func)
-            label = label if label is not None else label2
+            if label is None and label2:
+                label = label2
         if label is None:
             label = self._labels[-1] if self._labels else ""
         if module is None:
