@@ -235,11 +235,16 @@ def test_gradient_accumulation_raises():
         _loss(m, x).backward()
     # nothing was updated by the refused backward
     assert all(torch.equal(p, q) for p, q in zip(m.parameters(), before))
-    for p in m.parameters():
-        p.grad = None
-    opt.step()  # closes the iteration: the next backward is fine
+    assert all(p.grad is None for p in m.parameters())  # and left no gradient behind
+    opt.step()  # closes the iteration: the next backward is fine, and equals a clean run
     _loss(m, x).backward()
     opt.step()
+    ref = _model()
+    oref = optimizer_in_backward(ref, torch.optim.AdamW, lr=1e-2)
+    for _ in range(2):
+        _loss(ref, x).backward()
+        oref.step()
+    _same(ref, m, exact=True)
 
 
 def test_global_norm_clipping_raises_and_value_clipping_works():

@@ -1,5 +1,18 @@
 """Measurements of real runs. ``live``: ``LiveBytes``, live/peak bytes of real tensors on any device
-(the CPU included), checked against the PyTorch profiler's allocator events."""
-from .live import LiveBytes, Mark, profiler_peak, storage_preserved
+(the CPU included), checked against the PyTorch profiler's allocator events; ``runner``: real
+training steps recorded phase by phase (``trainmem measure``).
 
-__all__ = ["LiveBytes", "Mark", "profiler_peak", "storage_preserved"]
+Attributes are imported lazily so that importing the package (e.g. for the CLI) does not import torch.
+"""
+from importlib import import_module
+
+_LAZY = {"LiveBytes": "live", "Mark": "live", "profiler_peak": "live", "storage_preserved": "live",
+         "measure": "runner"}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(name)

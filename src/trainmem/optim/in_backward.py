@@ -174,6 +174,7 @@ class OptimizerInBackward(Optimizer):
         if p.grad is None:
             return
         if i in self._pending:
+            p.grad = None  # nothing of the refused backward survives to pollute a later update
             raise GradientAccumulationError(
                 "a parameter received a second gradient before opt.step() closed the iteration "
                 "(backward ran twice without a step). " + ACCUM_HINT + " If this backward is a new "

@@ -197,14 +197,17 @@ def _hf_factory(spec: ModelSpec, t: TrainingSpec) -> Callable[[], torch.nn.Modul
     import transformers
     impl = {"eager": "eager", "sdpa": "sdpa", "flash": "sdpa"}[t.attention]
 
+    # weights in fp32 unless the precision is "pure" half (the config's torch_dtype is for storage)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision, torch.float32)
+
     def build() -> torch.nn.Module:
         config = _hf_config(spec, t)
         cls = getattr(transformers, spec.architecture, None) if spec.architecture else None
         if cls is None:
             auto = {"causal-lm": "AutoModelForCausalLM", "masked-lm": "AutoModelForMaskedLM",
                     "seq-cls": "AutoModelForSequenceClassification", "base": "AutoModel"}[spec.head]
-            return getattr(transformers, auto).from_config(config, attn_implementation=impl)
-        return cls._from_config(config, attn_implementation=impl)
+            return getattr(transformers, auto).from_config(config, attn_implementation=impl, dtype=dtype)
+        return cls._from_config(config, attn_implementation=impl, dtype=dtype)
 
     return build
 
@@ -271,10 +274,11 @@ def _user_step(step_fn: Callable, module: torch.nn.Module, optimizer: Any) -> Ca
     return lambda i: step_fn(module, optimizer, i)
 
 
-def make_optimizer(t: TrainingSpec, params: list[torch.nn.Parameter], lr: float = 1e-4) -> Any:
-    """The torch.optim optimizer a TrainingSpec names (implementation per ``optimizer_impl``)."""
+def optimizer_class(t: TrainingSpec, lr: float = 1e-4) -> tuple[type, dict[str, Any]]:
+    """The torch.optim class a TrainingSpec names and its keyword arguments (implementation per
+    ``optimizer_impl``; None leaves PyTorch's default, foreach on CUDA)."""
     impl = t.optimizer_impl
-    kw: dict[str, Any] = {}
+    kw: dict[str, Any] = {"lr": lr}
     if impl == "fused":
         kw["fused"] = True
     elif impl == "foreach":
@@ -282,18 +286,24 @@ def make_optimizer(t: TrainingSpec, params: list[torch.nn.Parameter], lr: float 
     elif impl == "for-loop":
         kw["foreach"] = False
     if t.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=lr, **kw)
+        return torch.optim.AdamW, kw
     if t.optimizer == "adam":
-        return torch.optim.Adam(params, lr=lr, **kw)
+        return torch.optim.Adam, kw
     if t.optimizer in ("sgd", "sgd-momentum"):
-        kw.pop("fused", None) if impl == "fused" and not hasattr(torch.optim.SGD, "_fused") else None
-        return torch.optim.SGD(params, lr=lr, momentum=0.9 if t.optimizer == "sgd-momentum" else 0.0, **kw)
+        kw["momentum"] = 0.9 if t.optimizer == "sgd-momentum" else 0.0
+        return torch.optim.SGD, kw
     if t.optimizer == "adafactor":
         if not hasattr(torch.optim, "Adafactor"):
             raise TrainmemError("--optimizer adafactor needs torch >= 2.5 (torch.optim.Adafactor)")
         kw.pop("fused", None)
-        return torch.optim.Adafactor(params, lr=lr, **kw)
+        return torch.optim.Adafactor, kw
     raise TrainmemError(f"--optimizer {t.optimizer} is not supported by trace")
+
+
+def make_optimizer(t: TrainingSpec, params: list[torch.nn.Parameter], lr: float = 1e-4) -> Any:
+    """The torch.optim optimizer a TrainingSpec names, over ``params``."""
+    cls, kw = optimizer_class(t, lr)
+    return cls(params, **kw)
 
 
 def _hf_step(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec, device: str) -> tuple[Any, Callable[[int], None]]:
@@ -301,18 +311,15 @@ def _hf_step(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec, device: s
     if t.lora_rank:
         raise TrainmemError("--lora-rank is not supported by trace yet (use estimate)")
     if t.recompute == "full":
-        model.gradient_checkpointing_enable()
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable()
     params = [p for p in model.parameters() if p.requires_grad]
     state: dict[str, Any] = {}
+    optimizer: Any
     if t.optimizer_in_backward:
-        opts = {p: make_optimizer(t, [p]) for p in params}
-
-        def hook(p: torch.Tensor) -> None:
-            opts[p].step()
-            opts[p].zero_grad(set_to_none=True)
-
-        state["hooks"] = [p.register_post_accumulate_grad_hook(hook) for p in params]
-        optimizer: Any = list(opts.values())
+        from ..optim.in_backward import optimizer_in_backward
+        cls, kw = optimizer_class(t)
+        optimizer = optimizer_in_backward(params, cls, **kw)   # steps each parameter inside backward
     else:
         optimizer = make_optimizer(t, params)
     amp = {"bf16-amp": torch.bfloat16, "fp16-amp": torch.float16}.get(t.precision)
@@ -341,9 +348,8 @@ def _hf_step(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec, device: s
             state["loss"] = loss
             loss.backward()
             del loss
-        if not t.optimizer_in_backward:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
     return optimizer, step
 

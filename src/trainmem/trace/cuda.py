@@ -261,9 +261,11 @@ class CudaEmulation(TorchFunctionMode):
                                                        enable_gqa=gqa)[0]
 
     def _choose_backend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, gqa: bool) -> str:
-        if self._flash_ok(q, k, v, mask, gqa):
+        # respects torch.backends.cuda.enable_*_sdp / torch.nn.attention.sdpa_kernel restrictions
+        cuda = torch.backends.cuda
+        if cuda.flash_sdp_enabled() and self._flash_ok(q, k, v, mask, gqa):
             return "flash"
-        if self._efficient_ok(q, k, v, gqa):
+        if cuda.mem_efficient_sdp_enabled() and self._efficient_ok(q, k, v, gqa):
             return "efficient"
         return "math"
 

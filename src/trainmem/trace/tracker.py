@@ -68,6 +68,8 @@ def _overloads(*names: str) -> frozenset:
 _STATE_FACTORY = _overloads("zeros_like", "empty_like", "ones_like", "full_like", "zeros", "empty", "full",
                             "clone", "_to_copy", "scalar_tensor", "lift_fresh_copy", "copy", "empty_strided")
 
+_HOST_COPIES = frozenset({_aten._to_copy.default, _aten.copy_.default})
+
 PHASES = ("model_loaded", "forward", "backward", "optimizer_step", "zero_grad")
 
 
@@ -178,6 +180,10 @@ class Tracker(TorchDispatchMode):
             return 1.0 if t.is_floating_point() else 1
         if self.phase != "backward" and torch._C._current_graph_task_id() != -1:
             self.enter_phase("backward")
+        if self.emulate_cuda_kernels and func in _HOST_COPIES:
+            host = self._host_copy(func, args, kwargs)
+            if host is not None:
+                return host
         out = func(*args, **kwargs)
         self._register_outputs(func, out)
         if isinstance(out, torch.Tensor) and out.dtype == torch.bool and out.dim() == 0 \
@@ -192,6 +198,23 @@ class Tracker(TorchDispatchMode):
             self._kernel_scratch(func, args, out)
         return out
 
+    def _host_copy(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A device-to-host copy (e.g. the gradient of ``cpu_tensor.cuda()``): zeros on the host."""
+        src = args[0] if func is _aten._to_copy.default else args[1]
+        if not self._is_tracked_tensor(src):
+            return None
+        if func is _aten._to_copy.default:
+            dev = kwargs.get("device")
+            if dev is None or torch.device(dev).type != "cpu":
+                return None
+            self.data_dependent += 1
+            return torch.zeros(src.shape, dtype=kwargs.get("dtype") or src.dtype, device="cpu")
+        dst = args[0]
+        if isinstance(dst, torch.Tensor) and dst.device.type == "cpu":
+            self.data_dependent += 1
+            return dst
+        return None
+
     def _is_tracked_tensor(self, t: Any) -> bool:
         return isinstance(t, torch.Tensor) and t.device.type == self.device_type
 
@@ -205,7 +228,7 @@ class Tracker(TorchDispatchMode):
                     self._register(func, t)
 
     def _register(self, func: Any, t: torch.Tensor, category: str | None = None, label: str | None = None,
-                  module: str | None = None) -> Record | None:
+                  module: str | None = None, op: str | None = None) -> Record | None:
         if t.device.type != self.device_type or t.is_sparse or t.layout != torch.strided:
             return None
         try:
@@ -231,8 +254,10 @@ class Tracker(TorchDispatchMode):
         if module is None:
             module = self._current_module()
         handle = self.allocator.allocate(nbytes)
+        if op is None:
+            op = _op_name(func) if func is not None else ""
         rec = Record(len(self.records), handle, nbytes, self.allocator.block_size(handle), category,
-                     label, module, _op_name(func) if func is not None else "", self.phase, self.step,
+                     label, module, op, self.phase, self.step,
                      len(self.ev_rec), dtype=str(t.dtype).replace("torch.", ""), shape=tuple(t.shape))
         self.records.append(rec)
         self.live[key] = rec
@@ -355,9 +380,7 @@ class Tracker(TorchDispatchMode):
 
     def register_existing(self, t: torch.Tensor, category: str, label: str, module: str) -> None:
         """Count a tensor created outside the tracker (e.g. a parameter moved to the device)."""
-        rec = self._register(None, t, category=category, label=label, module=module)
-        if rec is not None:
-            rec.op = "to(device)"
+        self._register(None, t, category=category, label=label, module=module, op="to(device)")
 
     @contextmanager
     def label(self, name: str) -> Iterator[None]:
@@ -575,7 +598,9 @@ class Tracker(TorchDispatchMode):
                 if r.alloc_event <= event and (r.free_event is None or r.free_event > event)]
 
     def timeline(self, max_points: int = 4000) -> list[list[Any]]:
-        """[event index, allocated, reserved, {category: bytes}] after each event (downsampled)."""
+        """[event index, allocated, reserved, {category: bytes}] after each event (downsampled;
+        reserved is None for byte-exact host accounting)."""
+        exact = isinstance(self.allocator, ExactAllocator)
         n = len(self.ev_rec)
         if n == 0:
             return []
@@ -589,7 +614,8 @@ class Tracker(TorchDispatchMode):
             else:
                 cats[rec.category] -= rec.block
             if i in keep:
-                out.append([i, self.ev_alloc[i], self.ev_reserved[i], {k: v for k, v in cats.items() if v}])
+                out.append([i, self.ev_alloc[i], None if exact else self.ev_reserved[i],
+                            {k: v for k, v in cats.items() if v}])
         return out
 
     def _downsample(self, max_points: int) -> set[int]:
