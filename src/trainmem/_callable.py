@@ -16,8 +16,12 @@ def make_callable(module_name: str, target: str) -> None:
     """Make ``sys.modules[module_name]`` callable, forwarding to ``target`` ("pkg.mod:function")."""
     mod_path, fn_name = target.split(":")
 
+    target_fn: list = []
+
     class _CallableModule(types.ModuleType):
         def __call__(self, *args, **kwargs):
-            return getattr(import_module(mod_path), fn_name)(*args, **kwargs)
+            if not target_fn:
+                target_fn.append(getattr(import_module(mod_path), fn_name))
+            return target_fn[0](*args, **kwargs)
 
     sys.modules[module_name].__class__ = _CallableModule

@@ -254,78 +254,74 @@ def _estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str) -> MemoryReport:
         acts_layers = layer_acts
         recompute_extra += cache_layer
 
-    # moments of the step: (phase, step, where, breakdown); the report's peak is the largest moment
-    moments: list[tuple[str, int, str, dict[str, int]]] = []
+    # Moments of the step: (phase, step, where, parts) with parts in the order of KEYS; the
+    # report's peak is the largest moment and its breakdown becomes the components.
+    KEYS = ("gradients", "optimizer_states", "inputs", "workspace", "activations", "logits", "temporaries")
+    fixed = st.weights + st.buffers + st.master + comm
+    moments: list[tuple[str, int, str, tuple[int, ...]]] = []
+    ends: list[tuple[str, int, int]] = []
     phase_peak: dict[tuple[str, int], int] = {}
-    best = [-1, 0]  # (bytes, index) of the largest moment
+    best_total, best_i = -1, 0
 
-    def mom(phase: str, step: int, where: str, **parts: int) -> None:
-        d = dict(static)
-        d.update(parts)
-        tot = sum(d.values())
-        moments.append((phase, step, where, d))
+    def mom(phase: str, step: int, where: str, parts: tuple[int, ...]) -> None:
+        nonlocal best_total, best_i
+        tot = fixed + sum(parts)
+        moments.append((phase, step, where, parts))
         key = (phase, step)
         if tot > phase_peak.get(key, -1):
             phase_peak[key] = tot
-        if tot > best[0]:
-            best[0], best[1] = tot, len(moments) - 1
+        if tot > best_total:
+            best_total, best_i = tot, len(moments) - 1
 
-    def at_end(phase: str, step: int, parts: dict[str, int]) -> None:
-        d = dict(static)
-        d.update(parts)
-        ends.append((phase, step, d))
-
-    ends: list[tuple[str, int, dict[str, int]]] = []
-    mom("model_loaded", 0, "model.to(device)", gradients=grads if grads_persistent else 0)
-    ends.append(("model_loaded", 0, moments[-1][3]))
+    g_loaded = grads if grads_persistent else 0
+    mom("model_loaded", 0, "model.to(device)", (g_loaded, 0, 0, 0, 0, 0, 0))
+    ends.append(("model_loaded", 0, fixed + g_loaded))
+    all_acts = acts_layers + eh_rest + eh_head * inflight + cache_head
+    acts_after_head = acts_layers + eh_rest
+    acts_low = acts_layers // layers + eh_rest
+    tmp = max(0, ttrans + recompute_extra)
+    layer_tag_top = f"layer[{layers - 1}].{tname or 'backward'}"
+    layer_tag_low = f"layer[0].{tname or 'backward'}"
+    oib = t.optimizer_in_backward
+    grads_end = 0 if oib else grads
+    end_parts: tuple[int, ...] = ()
     for step in (1, 2):
         opt_now = states if step > 1 else 0
         ws_now = 0 if step == 1 else 2 * ws
         for micro in range(min(gacc, 2)):  # micro-steps 2..N repeat micro-step 2
             tag = "" if gacc == 1 else (".micro1" if micro == 0 else f".micro2-{gacc}")
+            fwd, bwd = "forward" + tag, "backward" + tag
             g0 = grads if (micro > 0 or grads_persistent) else 0
             ws_f = max(ws_now, ws)
-            base = dict(gradients=g0, optimizer_states=opt_now, inputs=inputs, workspace=ws_f)
-            full = dict(base, activations=acts_layers + eh_rest + eh_head * inflight + cache_head,
-                        logits=held + logp)
-            mom("forward" + tag, step, "cross_entropy", **dict(full, temporaries=ce_fwd + fwd_cache_only))
-            at_end("forward" + tag, step, full)
+            lg = held + logp
+            mom(fwd, step, "cross_entropy", (g0, opt_now, inputs, ws_f, all_acts, lg, ce_fwd + fwd_cache_only))
+            ends.append((fwd, step, fixed + g0 + opt_now + inputs + ws_f + all_acts + lg))
             ws_b = 2 * ws
-            full_b = dict(full, workspace=ws_b)
-            mom("backward" + tag, step, "cross_entropy.backward", **dict(full_b, temporaries=ce_bwd))
-            after_head = dict(full_b, logits=0, gradients=g0 + (0 if g0 else head_g),
-                              activations=acts_layers + eh_rest)
-            tmp = max(0, ttrans + recompute_extra)
-            oib = opt_now == 0 and t.optimizer_in_backward
-            if oib:  # optimizer states appear during the first backward
-                after_head["optimizer_states"] = states
-            mom("backward" + tag, step, f"layer[{layers - 1}].{tname or 'backward'}",
-                **dict(after_head, temporaries=max(tmp, oib_mid)))
+            mom(bwd, step, "cross_entropy.backward", (g0, opt_now, inputs, ws_b, all_acts, lg, ce_bwd))
+            g_head = g0 + (0 if g0 else head_g)
+            opt_mid = states if (opt_now == 0 and oib) else opt_now  # states appear in the first backward
+            t_mid = max(tmp, oib_mid)
+            mom(bwd, step, layer_tag_top, (g_head, opt_mid, inputs, ws_b, acts_after_head, 0, t_mid))
             if layers > 1:
-                low = dict(after_head, activations=acts_layers // layers + eh_rest,
-                           gradients=g0 + (0 if g0 else head_g + (layers - 1) * layer_g))
-                mom("backward" + tag, step, f"layer[0].{tname or 'backward'}",
-                    **dict(low, temporaries=max(tmp, oib_mid)))
-            end = dict(base, workspace=ws_b, gradients=grads if not t.optimizer_in_backward else 0,
-                       optimizer_states=states if (t.optimizer_in_backward or opt_now) else 0)
-            mom("backward" + tag, step, "backward.end", **dict(end, temporaries=oib_end))
-            at_end("backward" + tag, step, end)
+                g_low = g0 + (0 if g0 else head_g + (layers - 1) * layer_g)
+                mom(bwd, step, layer_tag_low, (g_low, opt_mid, inputs, ws_b, acts_low, 0, t_mid))
+            opt_end = states if (oib or opt_now) else 0
+            end_parts = (grads_end, opt_end, inputs, ws_b, 0, 0, 0)
+            mom(bwd, step, "backward.end", end_parts[:6] + (oib_end,))
+            ends.append((bwd, step, fixed + sum(end_parts)))
             ws_now = ws_b
-            opt_now = end["optimizer_states"]
-        after = dict(ends[-1][2], optimizer_states=states)
-        if not t.optimizer_in_backward:
-            mom("optimizer_step", step, "optimizer.step", **dict(after, temporaries=opt_tmp))
-            at_end("optimizer_step", step, after)
-        zg = dict(after, gradients=grads if grads_persistent else 0)
-        at_end("zero_grad", step, zg)
+            opt_now = opt_end
+        after = fixed + grads_end + states + inputs + 2 * ws
+        if not oib:
+            mom("optimizer_step", step, "optimizer.step", (grads_end, states, inputs, 2 * ws, 0, 0, opt_tmp))
+            ends.append(("optimizer_step", step, after))
+        ends.append(("zero_grad", step, after - grads_end + (grads if grads_persistent else 0)))
 
-    phases: list[Phase] = []
-    for name, step, bd in ends:
-        alloc = sum(bd.values())
-        phases.append(Phase(name, step, alloc, max(alloc, phase_peak.get((name, step), alloc))))
-    peak_m = moments[best[1]]
-    peak = best[0]
-    bd = peak_m[3]
+    phases = [Phase(name, step, alloc, max(alloc, phase_peak.get((name, step), alloc)))
+              for name, step, alloc in ends]
+    peak_m = moments[best_i]
+    peak = best_total
+    bd = dict(zip(KEYS, peak_m[3]))
 
     half_name = {"bf16-amp": "bf16", "fp16-amp": "fp16", "bf16": "bf16", "fp16": "fp16"}.get(t.precision, "fp32")
     wdt = "fp32" if t.weight_bytes == 4 else half_name

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import types
 from typing import Any, Callable, Iterator
 

@@ -28,8 +28,8 @@ import re
 import weakref
 from collections import defaultdict
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -239,12 +239,10 @@ class Tracker(TorchDispatchMode):
         rec = self.live.get(key)
         nbytes = st.nbytes()
         if rec is not None:
-            if nbytes != rec.nbytes:  # resize_ / set_ grew the storage: a new block replaces the old
-                self._free_block(rec)
-                rec.handle = self.allocator.allocate(nbytes)
-                rec.nbytes, rec.block = nbytes, self.allocator.block_size(rec.handle)
-                self._log(rec.rid)
-            return rec
+            if nbytes == rec.nbytes:
+                return rec
+            # resize_ grew the storage: its old block is freed and a new one allocated
+            self._on_free(key, rec.rid)
         if category is None:
             category, label2 = self._category_for(func)
             if label is None and label2:

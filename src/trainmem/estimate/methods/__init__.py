@@ -21,8 +21,14 @@ METHODS: dict[str, str] = {
 }
 
 
+_LOADED: dict[str, Callable] = {}
+
+
 def get_method(name: str) -> Callable:
     """The ``estimate(model, training)`` function of the method called ``name``."""
-    if name not in METHODS:
-        raise TrainmemError(f"--method {name!r} is not one of: {', '.join(METHODS)}")
-    return import_module(METHODS[name]).estimate
+    fn = _LOADED.get(name)
+    if fn is None:
+        if name not in METHODS:
+            raise TrainmemError(f"--method {name!r} is not one of: {', '.join(METHODS)}")
+        fn = _LOADED[name] = import_module(METHODS[name]).estimate
+    return fn
