@@ -224,3 +224,11 @@ def test_optimizer_in_backward_frees_gradients_during_backward():
     # after backward the standard step holds every gradient; the in-backward step holds none
     assert std.phase("backward", 2).allocated - inbwd.phase("backward", 2).allocated >= params
     assert inbwd.peak_allocated < std.peak_allocated
+
+
+def test_simulated_out_of_memory():
+    report = trace("gpt2", batch_size=16, seq_len=1024, precision="fp32", gpu="t4", simulate_oom=True)
+    assert report.fits is False
+    assert any("out of memory" in w for w in report.warnings)
+    assert report.extra["allocator"]["num_ooms"] == 1
+    assert report.peak_reserved <= report.hardware.capacity - report.hardware.context

@@ -88,29 +88,38 @@ def _embedding_and_head(m: ModelSpec, t: TrainingSpec, pol: Policy, n: int, stag
 
 
 def _logits(m: ModelSpec, t: TrainingSpec, pol: Policy, n: int, b: int) -> tuple[int, int, int, int]:
-    """(held logits, saved log-probs, forward transient, backward transient) in bytes.
+    """(held logits, saved by the loss, forward transient, backward transient) in bytes.
 
-    Causal/masked LM (HF ``ForCausalLMLoss``): the head returns logits in the matmul dtype; the
-    loss upcasts them (``logits.float()``: an fp32 copy freed after the loss) and ``cross_entropy``
-    saves fp32 log-probabilities. At the start of backward ``nll_loss_backward`` and
-    ``_log_softmax_backward_data`` each produce an fp32 tensor of the logits' size, alive together
-    with the saved log-probabilities. Under ``torch.compile`` inductor fuses the loss and its backward:
-    no fp32 copy in forward and a single fp32 gradient of the logits at the start of backward (seed
-    001 measured exactly one such allocation on nanoGPT, which compiles by default).
-    Vocabulary-parallel (TP) divides all of them by ``tp``. Chunked cross-entropy
-    (``loss_chunks`` > 1: the head and the loss run over the tokens chunk by chunk, each chunk's
-    logits gradient formed before the next chunk starts, as fused linear-cross-entropy kernels do)
-    leaves one chunk of ceil(n / chunks) tokens of each of these tensors alive at a time.
+    The head returns logits in the matmul dtype; the training loop holds them through backward
+    (``outputs = model(...)``) unless ``keep_logits`` is off (``loss = model(...).loss``).
+
+    * Hugging Face ``ForCausalLMLoss`` upcasts first (``logits.float()``: an fp32 copy freed after
+      the loss); ``cross_entropy`` -> ``log_softmax(x, dtype=fp32)`` saves fp32 log-probabilities.
+      At the start of backward ``nll_loss_backward`` and ``_log_softmax_backward_data`` each make an
+      fp32 tensor of the logits' size, alive together with the saved log-probabilities.
+    * ``F.cross_entropy`` on half logits under autocast (nanoGPT): ``cross_entropy_loss`` has no
+      autocast rule and calls ``log_softmax`` with the input's dtype, so the log-probabilities stay
+      half; ``nll_loss`` (autocast fp32 list) casts them to an fp32 copy that it saves. Backward
+      starts with one fp32 gradient (then a half one). This is seed 001's "+4 N_l" at the peak.
+    * Under ``torch.compile`` inductor fuses the loss and its backward: no fp32 copy in forward and
+      one fp32 logits gradient in backward.
+
+    Vocabulary-parallel (TP) divides all of them by ``tp``. Chunked cross-entropy (``loss_chunks``
+    > 1, as fused linear-cross-entropy kernels do) leaves one chunk of ceil(n / chunks) tokens of
+    each of these tensors alive at a time.
     """
     if m.head not in ("causal-lm", "masked-lm"):
         k = m.num_labels
-        return b * k * pol.half, b * k * F32, b * k * F32, 2 * b * k * F32
+        return (b * k * pol.half if t.keep_logits else 0), b * k * F32, b * k * F32, 2 * b * k * F32
     nl = -(-n // t.loss_chunks) * m.vocab_size // t.tp
-    held = nl * pol.half
-    logp = nl * F32
-    fwd = nl * F32 if (pol.half != F32 and not t.compile) else 0  # .float() copy alive in log_softmax
-    bwd = (1 if t.compile else 2) * nl * F32
-    return held, logp, fwd, bwd
+    held = nl * pol.half if t.keep_logits else 0
+    half_loss = m.family == "nanogpt" and pol.half != F32  # the loss sees half logits
+    if t.compile:
+        return held, nl * F32, 0, nl * F32
+    if half_loss:
+        return held, nl * (pol.half + F32), 0, nl * F32
+    fwd = nl * F32 if pol.half != F32 else 0  # the .float() copy alive while log_softmax runs
+    return held, nl * F32, fwd, 2 * nl * F32
 
 
 def _inputs(m: ModelSpec, n: int, b: int) -> int:

@@ -33,7 +33,8 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
           optimizer_fn: Callable | None = None, overrides: Any = None, expandable_segments: bool = False,
           max_split_size: int | None = None, cublas_workspace: int | None = None,
           attention_backend: str | None = None, capability: tuple[int, int] | None = None,
-          timeline_points: int = 4000, largest: int = 20, **training_options: Any) -> MemoryReport:
+          simulate_oom: bool = False, timeline_points: int = 4000, largest: int = 20,
+          **training_options: Any) -> MemoryReport:
     """Trace ``steps`` training steps and return their memory as a :class:`MemoryReport`.
 
     ``model``: a catalogue name, config path, hub id or :class:`ModelSpec` (the transformers model
@@ -53,12 +54,17 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
     the CPU, byte-exact, with no CUDA behaviour. ``hardware``/``gpu`` add device_used (reserved +
     CUDA context) and the fit verdict; on a Hopper GPU the cuBLAS workspace is 32 MiB per handle
     (PyTorch's default there), else 8,519,680 B, unless ``cublas_workspace`` says otherwise.
+    ``simulate_oom=True`` limits the simulated device to the GPU's capacity minus its CUDA context:
+    near the limit the allocator frees its cache and retries as PyTorch does, and a step that does
+    not fit stops at the simulated out-of-memory (reported in ``warnings``).
+    ``expandable_segments`` and ``max_split_size`` mirror ``PYTORCH_CUDA_ALLOC_CONF``.
     """
     t0 = time.perf_counter()
     if device not in ("cuda", "cpu"):
         raise TrainmemError(f"trace device {device!r}: use 'cuda' (emulated GPU) or 'cpu'")
     if not isinstance(steps, int) or steps < 1:
         raise TrainmemError(f"steps must be a positive integer, got {steps!r}")
+    options_given = training is not None or bool(training_options)
     if training is None:
         training = TrainingSpec(**training_options)
     elif training_options:
@@ -97,7 +103,11 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
 
     allocator: Any
     if cuda:
-        allocator = CachingAllocator(expandable_segments=expandable_segments, max_split_size=max_split_size)
+        if simulate_oom and hardware is None:
+            raise TrainmemError("simulate_oom needs a GPU (gpu= or hardware=) for its capacity")
+        limit = hardware.capacity - hardware.context if (simulate_oom and hardware is not None) else None
+        allocator = CachingAllocator(expandable_segments=expandable_segments, max_split_size=max_split_size,
+                                     capacity=limit)
         tracker = Tracker(allocator, device_type=EMULATED, cublas_workspace=cublas_workspace,
                           emulate_cuda_kernels=True)
         emulation = CudaEmulation(tracker, attention_backend=attention_backend, capability=capability)
@@ -154,8 +164,12 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
             for h in grad_hooks:
                 h.remove()
     runtime = time.perf_counter() - t0
-    return _report(tracker, allocator, spec, training, hardware, cuda, emulation, runtime, timeline_points,
-                   largest, oom, cublas_workspace, expandable_segments)
+    report = _report(tracker, allocator, spec, training if (spec is not None or options_given) else None, hardware,
+                     cuda, emulation, runtime, timeline_points, largest, oom, cublas_workspace, expandable_segments)
+    if spec is None and options_given:
+        report.warnings.append("training options are recorded but not applied to a user step_fn: "
+                               "the step function decides batch, precision and optimizer")
+    return report
 
 
 # ----- model building -------------------------------------------------------------------------------
@@ -409,6 +423,9 @@ def _report(tracker: Tracker, allocator: Any, spec: ModelSpec | None, training: 
     peak_alloc = tracker.peak
     peak_reserved = allocator.peak_reserved if cuda else None
     device_used = peak_reserved + hardware.context if (hardware is not None and peak_reserved is not None) else None
+    if oom is not None and hardware is not None:
+        # the step did not finish: it needed at least the reserved memory plus the failed segment
+        device_used = max(device_used or 0, oom.reserved + oom.requested + hardware.context)
     largest_rows = []
     for r in sorted(live, key=lambda r: -r.block)[:largest]:
         largest_rows.append({"name": _component_key(r), "category": r.category, "bytes": r.nbytes, "block": r.block,
