@@ -5,7 +5,8 @@ from .spec import ModelSpec, TrainingSpec, Hardware, resolve_model, get_gpu
 
 __version__ = "0.1.0"
 from . import estimate  # callable package: trainmem.estimate(model, **options)
+from . import trace  # callable package: trainmem.trace(model, step_fn=None, steps=2, **options)
 
 
 __all__ = ["TrainmemError", "MemoryReport", "Component", "Phase", "compare", "ModelSpec",
-           "TrainingSpec", "Hardware", "resolve_model", "get_gpu", "estimate", "__version__"]
+           "TrainingSpec", "Hardware", "resolve_model", "get_gpu", "estimate", "trace", "__version__"]

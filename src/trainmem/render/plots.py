@@ -186,3 +186,40 @@ def plot_sweep(sweep, path: str, kind: str | None = None, over: str | None = Non
     if kind in ("stacked", "bars"):
         return plot_stacked(sweep, path, over, units)
     raise TrainmemError(f"plot kind {kind!r} is not one of: heatmap, stacked")
+
+
+def plot_timeline(report, path: str, units: str = "GiB", title: str | None = None) -> dict[str, Any]:
+    """Allocated memory over the traced step, stacked by category, reserved as a line, phases marked.
+
+    Uses ``report.extra["timeline"]`` ([event, allocated, reserved, {category: bytes}]) and
+    ``report.extra["phase_events"]`` from ``trainmem.trace``. Returns the data drawn."""
+    _check_path(path)
+    tl = report.extra.get("timeline") or []
+    if not tl:
+        raise TrainmemError("this report has no timeline: --timeline needs `trainmem trace`")
+    div, label = scale(units)
+    events = [row[0] for row in tl]
+    cats = [c for c in CATEGORIES if any(c in row[3] for row in tl)]
+    series = {c: [row[3].get(c, 0) / div for row in tl] for c in cats}
+    reserved = [None if row[2] is None else row[2] / div for row in tl]
+    fig = _figure(11, 5)
+    ax = fig.add_subplot(1, 1, 1)
+    colours = _colours()
+    ax.stackplot(events, [series[c] for c in cats], labels=[CATEGORY_LABELS.get(c, c) for c in cats],
+                 colors=[colours[c] for c in cats], alpha=0.85)
+    if any(r is not None for r in reserved):
+        ax.plot(events, [r if r is not None else float("nan") for r in reserved], color="black",
+                linewidth=1.2, label="reserved")
+    phases = report.extra.get("phase_events") or []
+    top = max(max(row[1] for row in tl), max((r or 0) for r in [row[2] for row in tl])) / div
+    for name, step, start, _end in phases:
+        ax.axvline(start, color="grey", linestyle=":", linewidth=0.8)
+        ax.text(start, top * 1.02, f"{name.split('.')[0]} {step}", rotation=90, fontsize=7, va="bottom",
+                clip_on=False)
+    ax.set_xlabel("allocation event")
+    ax.set_ylabel(f"memory ({label})")
+    m = getattr(report.model, "name", "model")
+    ax.set_title(title or f"{m}: allocated memory over the step by category (trace)", pad=48)
+    ax.legend(loc="upper left", fontsize=7, ncol=2)
+    _save(fig, path)
+    return {"events": events, "series": series, "reserved": reserved, "phases": phases}

@@ -5,6 +5,10 @@ from ..report import CATEGORIES, MemoryReport
 from ..units import fmt, scale
 
 
+_DT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int64": "int64", "bool": "bool",
+       "uint8": "uint8", "uint64": "uint64"}
+
+
 def _setup_line(r: MemoryReport) -> str:
     t, m = r.training, r.model
     if t is None or m is None:
@@ -41,7 +45,11 @@ def render_report(r: MemoryReport, units: str = "GiB", detail: bool = False) -> 
         for c in r.components:
             by[c.category] = by.get(c.category, 0) + c.bytes
             dt.setdefault(c.category, set()).add(c.dtype or "")
-        rows = [(k, "/".join(sorted(x for x in dt[k] if x)) , by[k]) for k in CATEGORIES if k in by]
+        rows = []
+        for k in CATEGORIES:
+            if k in by:
+                names = sorted({_DT.get(x, x) for x in dt[k] if x})
+                rows.append((k, "/".join(names) if len(names) <= 2 else "mixed", by[k]))
     for name, dtype, b in rows:
         lines.append(f"{name:44s} {dtype:>6s} {b / div:10.2f} {100 * b / total:5.1f}%")
     lines.append("")

@@ -442,6 +442,7 @@ def _report(tracker: Tracker, allocator: Any, spec: ModelSpec | None, training: 
     extra: dict[str, Any] = {
         "largest_tensors": largest_rows,
         "timeline": tracker.timeline(timeline_points),
+        "phase_events": [[pm.name, pm.step, pm.start_event, pm.end_event] for pm in tracker.phase_marks],
         "allocator": allocator.stats.to_dict(),
         "num_segments_at_end": allocator.num_segments,
         "events": len(tracker.ev_rec),

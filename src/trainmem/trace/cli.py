@@ -1,0 +1,65 @@
+"""`trainmem trace`: run the real training step on fake tensors (imports torch only when run)."""
+from __future__ import annotations
+
+import argparse
+
+from ..errors import TrainmemError
+
+
+def cmd_trace(a: argparse.Namespace) -> int:
+    from ..cli import _emit, training_options
+    try:
+        import transformers
+        transformers.logging.set_verbosity_error()
+        from .api import trace
+    except ImportError as e:
+        raise TrainmemError(f"trace needs torch and transformers ({e.name} is missing): "
+                            f"pip install 'trainmem[trace]'") from None
+    if a.max_fraction is not None and a.gpu is None and a.gpu_memory is None:
+        raise TrainmemError("--max-fraction needs a GPU: give --gpu NAME or --gpu-memory SIZE")
+    if a.steps <= 0:
+        raise TrainmemError(f"--steps must be a positive integer, got {a.steps}")
+    hw = None
+    if a.gpu or a.gpu_memory:
+        from ..spec.hardware import get_gpu
+        hw = get_gpu(a.gpu, a.gpu_memory, a.context_memory)
+    opts = training_options(a)
+    opts.pop("optimizer_bucket_mb", None)
+    r = trace(a.model, steps=a.steps, device=a.device, hardware=hw, overrides=a.set or None,
+              expandable_segments=a.expandable_segments, simulate_oom=a.simulate_oom, **opts)
+    if a.max_fraction is not None:
+        r.max_fraction = a.max_fraction
+    code = _emit(r, a)
+    if not a.json:
+        rows = r.extra.get("largest_tensors") or []
+        if rows:
+            from ..units import scale
+            div, label = scale(a.units)
+            print(f"\nlargest live tensors at the peak ({label})")
+            for row in rows[:a.largest]:
+                shape = "x".join(str(x) for x in row["shape"])
+                print(f"  {row['block'] / div:9.3f}  {row['category']:16s} {row['dtype']:9s} {shape:22s} "
+                      f"{row['module'][:40]:40s} {row['op']}")
+    if a.timeline:
+        from ..render.plots import plot_timeline
+        plot_timeline(r, a.timeline, a.units)
+        if not a.json:
+            print(f"\ntimeline written to {a.timeline}")
+    return code
+
+
+def register(sub) -> None:
+    from ..cli import add_model_and_training
+    p = sub.add_parser("trace", help="run the real training step on fake tensors and account for every allocation")
+    add_model_and_training(p)
+    p.add_argument("--steps", type=int, default=2, help="training steps to run (default 2)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cuda: emulate a GPU (default); cpu: trace for the CPU, byte-exact")
+    p.add_argument("--timeline", default=None, metavar="FILE.png|.svg",
+                   help="plot allocated/reserved over the step, stacked by category")
+    p.add_argument("--largest", type=int, default=10, help="largest live tensors to list at the peak")
+    p.add_argument("--expandable-segments", action="store_true",
+                   help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+    p.add_argument("--simulate-oom", action="store_true",
+                   help="limit the simulated device to the GPU's capacity (needs --gpu)")
+    p.set_defaults(func=cmd_trace)
