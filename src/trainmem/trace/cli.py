@@ -19,6 +19,9 @@ def cmd_trace(a: argparse.Namespace) -> int:
         raise TrainmemError("--max-fraction needs a GPU: give --gpu NAME or --gpu-memory SIZE")
     if a.steps <= 0:
         raise TrainmemError(f"--steps must be a positive integer, got {a.steps}")
+    if a.timeline:
+        from ..render.plots import _check_path
+        _check_path(a.timeline)
     hw = None
     if a.gpu or a.gpu_memory:
         from ..spec.hardware import get_gpu
