@@ -75,8 +75,9 @@ def add_model_and_training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute", choices=RECOMPUTE, default="none", help="activation recomputation")
     g.add_argument("--attention", choices=ATTENTION, default="sdpa")
     g.add_argument("--compile", action="store_true", help="torch.compile (fused loss backward)")
-    g.add_argument("--free-logits", action="store_true",
-                   help="the loop drops the model output before backward (loss = model(...).loss)")
+    g.add_argument("--keep-logits", action="store_true",
+                   help="the loop holds the model output (logits) through backward (outputs = model(...); "
+                        "default: only the loss is kept, as the HF Trainer does)")
     g.add_argument("--optimizer-in-backward", action="store_true",
                    help="apply the optimizer per parameter inside backward, freeing each gradient")
     g.add_argument("--lora-rank", type=_nonneg_int, default=0, metavar="R")
@@ -104,7 +105,7 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 optimizer=a.optimizer, optimizer_impl=a.optimizer_impl, zero=a.zero, fsdp=a.fsdp,
                 offload_optimizer=a.offload_optimizer, distributed_optimizer=a.distributed_optimizer,
                 dp=a.dp, tp=a.tp, pp=a.pp, cp=a.cp, sequence_parallel=a.sequence_parallel,
-                recompute=a.recompute, attention=a.attention, compile=a.compile, keep_logits=not a.free_logits,
+                recompute=a.recompute, attention=a.attention, compile=a.compile, keep_logits=a.keep_logits,
                 optimizer_in_backward=a.optimizer_in_backward, lora_rank=a.lora_rank,
                 lora_targets=a.lora_targets, dropout=not a.no_dropout,
                 optimizer_bucket_mb=a.optimizer_bucket_mb, loss_chunks=a.loss_chunks)

@@ -37,6 +37,14 @@ peaks agree within 0.5 % (tests/test_measure_live.py).
 
 Memory that existed before the tracker started is not counted unless handed to ``track(...)``
 (modules, optimizers, tensors): then it is part of ``current`` and its release is seen too.
+
+``limit``: a memory budget in bytes. An allocation that would take the live bytes above it raises
+``torch.OutOfMemoryError`` (the error CUDA's allocator raises), so that out-of-memory handling can
+be exercised on the CPU (``trainmem measure --device cpu --memory-limit``). The allocation is not
+counted; the op's result is dropped with the exception.
+
+``live()`` lists the storages alive now, largest first, with the op that allocated each one, its
+shape and dtype, and the ``tag`` the tracker carried then (``trainmem measure`` tags the phase).
 """
 from __future__ import annotations
 
@@ -103,19 +111,26 @@ class LiveBytes(TorchDispatchMode):
     Attributes: ``current`` (live bytes now), ``peak`` (highest ``current`` so far), ``marks``.
     """
 
-    def __init__(self, device: str | None = "cpu") -> None:
+    def __init__(self, device: str | None = "cpu", limit: int | None = None) -> None:
         super().__init__()
         self.device = device
+        self.limit = limit
+        self.tag = ""  # stored with each allocation (e.g. the phase of a training step)
         self.current = 0
         self.peak = 0
         self.marks: list[Mark] = []
         self.allocations = 0
         self._since_mark = 0
+        self.peak_op = ""  # the op whose allocation reached the peak since the last mark / reset
+        self.peak_seq = 0  # the allocation (counted from 1) that reached it
+        self.failed_request = 0  # bytes of the allocation refused by ``limit`` (0: none)
+        self.failed_current = 0  # live bytes when it was refused
         self._active = False
         # id(storage object) -> (weakref, data_ptr); the object's id is stable while it lives
         self._refs: dict[int, tuple[weakref.ref, int]] = {}
         self._ptr_count: dict[int, int] = {}
         self._ptr_bytes: dict[int, int] = {}
+        self._ptr_info: dict[int, tuple[str, tuple[int, ...], str, str, int]] = {}
 
     # ----- context ---------------------------------------------------------------------------
     def __enter__(self) -> "LiveBytes":
@@ -132,6 +147,7 @@ class LiveBytes(TorchDispatchMode):
         self._refs.clear()  # dropping the weakrefs drops their callbacks
         self._ptr_count.clear()
         self._ptr_bytes.clear()
+        self._ptr_info.clear()
 
     # ----- public ----------------------------------------------------------------------------
     def mark(self, name: str) -> Mark:
@@ -139,11 +155,18 @@ class LiveBytes(TorchDispatchMode):
         m = Mark(name, self.current, self._since_mark)
         self.marks.append(m)
         self._since_mark = self.current
+        self.peak_op = ""
         return m
+
+    @property
+    def peak_since_mark(self) -> int:
+        """The highest live bytes since the last ``mark`` / ``reset_peak`` (or the start)."""
+        return self._since_mark
 
     def reset_peak(self) -> None:
         """Start the peak (and the peak since the last mark) again from the live bytes now."""
         self.peak = self._since_mark = self.current
+        self.peak_op = ""
 
     def track(self, *objs: Any) -> int:
         """Count existing memory (modules, optimizers, tensors, lists of them) as live from now
@@ -151,8 +174,28 @@ class LiveBytes(TorchDispatchMode):
         before = self.current
         for obj in objs:
             for t in _tensors(obj):
-                self._register(t)
+                self._register(t, "existing")
         return self.current - before
+
+    def allocation_index(self, t: torch.Tensor) -> int | None:
+        """Which allocation (counted from 1, see ``allocations``) made ``t``'s live storage; None
+        when the tracker does not know it. A storage alive now whose index is at most
+        ``peak_seq`` was alive at the peak since the last mark."""
+        s = self._storage(t)
+        if s is None or not s.nbytes():
+            return None
+        info = self._ptr_info.get(s.data_ptr())
+        return None if info is None else info[4]
+
+    def live(self) -> list[dict[str, Any]]:
+        """The storages alive now, largest first: ``bytes``, ``op`` (that allocated it), ``shape``,
+        ``dtype`` (of the tensor it was allocated for), ``tag`` and ``ptr``."""
+        rows = []
+        for ptr, nbytes in self._ptr_bytes.items():
+            op, shape, dtype, tag, _ = self._ptr_info.get(ptr, ("", (), "", "", 0))
+            rows.append({"bytes": nbytes, "op": op, "shape": list(shape), "dtype": dtype, "tag": tag, "ptr": ptr})
+        rows.sort(key=lambda r: -r["bytes"])
+        return rows
 
     def phases(self, step: int = 1) -> list:
         """The marks as ``trainmem.report.Phase`` objects of training step ``step``."""
@@ -171,7 +214,7 @@ class LiveBytes(TorchDispatchMode):
             return None
         return s
 
-    def _register(self, t: torch.Tensor) -> None:
+    def _register(self, t: torch.Tensor, op: str = "") -> None:
         s = self._storage(t)
         if s is None:
             return
@@ -182,19 +225,25 @@ class LiveBytes(TorchDispatchMode):
             if known[1] == ptr and (not ptr or self._ptr_bytes.get(ptr) == nbytes):
                 return
             self._release(key)  # resized in place (``resize_``, ``out=``): the old block is gone
+        n = self._ptr_count.get(ptr, 0) if nbytes else 1
+        if n == 0 and self.limit is not None and self.current + nbytes > self.limit:
+            self._out_of_memory(nbytes, op)
         self._refs[key] = (weakref.ref(s, lambda _w, k=key: self._release(k)), ptr)
         if not nbytes:
             return  # empty for now: watched, so that a later resize (``out=``) is counted
-        n = self._ptr_count.get(ptr, 0)
         self._ptr_count[ptr] = n + 1
         if n == 0:
             self._ptr_bytes[ptr] = nbytes
+            self._ptr_info[ptr] = (op, tuple(t.shape), str(t.dtype).replace("torch.", ""), self.tag,
+                                   self.allocations)
             self.allocations += 1
             self.current += nbytes
             if self.current > self.peak:
                 self.peak = self.current
             if self.current > self._since_mark:
                 self._since_mark = self.current
+                self.peak_op = op
+                self.peak_seq = self.allocations
 
     def _release(self, key: int) -> None:
         entry = self._refs.pop(key, None)
@@ -206,7 +255,17 @@ class LiveBytes(TorchDispatchMode):
             self._ptr_count[ptr] = n
             return
         self._ptr_count.pop(ptr, None)
+        self._ptr_info.pop(ptr, None)
         self.current -= self._ptr_bytes.pop(ptr, 0)
+
+    def _out_of_memory(self, nbytes: int, op: str) -> None:
+        mib = 2**20
+        self.failed_request = nbytes
+        self.failed_current = self.current
+        raise torch.OutOfMemoryError(
+            f"CPU memory limit exceeded (LiveBytes limit): tried to allocate {nbytes / mib:.2f} MiB"
+            + (f" in {op}" if op else "") + f"; {self.current / mib:.2f} MiB already allocated of the "
+            f"{self.limit / mib:.2f} MiB limit ({(self.limit - self.current) / mib:.2f} MiB free)")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -222,6 +281,7 @@ class LiveBytes(TorchDispatchMode):
                     if s is not None:
                         inputs.add(id(s))
         flat_out, _ = tree_flatten(out)
+        name = None
         for t in flat_out:
             if isinstance(t, torch.Tensor):
                 s = self._storage(t)
@@ -229,7 +289,9 @@ class LiveBytes(TorchDispatchMode):
                     continue
                 if id(s) in inputs and id(s) not in self._refs:
                     continue  # a view / in-place result of memory from before the tracker
-                self._register(t)
+                if name is None:
+                    name = str(func).replace("aten.", "", 1)
+                self._register(t, name)
         return out
 
 

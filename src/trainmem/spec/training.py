@@ -57,7 +57,7 @@ class TrainingSpec:
     ddp_bucket_mb: float = 25.0
     optimizer_bucket_mb: float | None = None  # NeMo distributed_fused_adam bucket (seed 000)
     fsdp_node_size: int = 8
-    keep_logits: bool = True  # the loop holds the model output (logits) through backward
+    keep_logits: bool = False  # the loop holds the model output (logits) through backward
     compile: bool = False  # torch.compile: inductor fuses the loss backward (one fp32 logits gradient)
     offload_optimizer: bool = False  # ZeRO-Offload: optimizer states (and fp32 master) in CPU memory
     dropout: bool = True  # apply the config's dropout (masks are stored when p > 0)

@@ -21,11 +21,15 @@ from ..spec import Hardware, ModelSpec, TrainingSpec, get_gpu, resolve_model
 from .allocator import CachingAllocator, ExactAllocator, SimulatedOutOfMemory
 from .cuda import EMULATED, CudaEmulation, cuda_environment
 from .tracker import CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_SM90, Record, Tracker, module_pattern
+# model building, optimizer and training step: shared with ``measure`` (trainmem.workload)
+from ..workload import DROPOUT_KEYS as _DROPOUT_KEYS  # noqa: F401
+from ..workload import check_supported as _check_supported
+from ..workload import hf_config as _hf_config  # noqa: F401
+from ..workload import hf_factory as _hf_factory
+from ..workload import hf_step as _hf_step
+from ..workload import make_optimizer, optimizer_class  # noqa: F401
 
 _PERSISTENT = {"parameters", "buffers", "gradients", "optimizer_states", "master_weights", "workspace"}
-_DROPOUT_KEYS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "resid_pdrop", "embd_pdrop", "attn_pdrop",
-                 "summary_first_dropout", "attention_dropout", "hidden_dropout", "classifier_dropout",
-                 "dropout", "activation_dropout")
 
 
 def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device: str = "cuda",
@@ -173,59 +177,6 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
 
 
 # ----- model building -------------------------------------------------------------------------------
-def _check_supported(t: TrainingSpec) -> None:
-    bad = []
-    for key in ("dp", "tp", "pp", "cp"):
-        if getattr(t, key) != 1:
-            bad.append(f"--{key} {getattr(t, key)}")
-    if t.zero_stage:
-        bad.append(f"ZeRO stage {t.zero_stage}")
-    if t.sequence_parallel:
-        bad.append("--sequence-parallel")
-    if t.offload_optimizer:
-        bad.append("--offload-optimizer")
-    if t.distributed_optimizer:
-        bad.append("--distributed-optimizer")
-    if bad:
-        raise TrainmemError("trace runs one GPU without parallelism or sharding; not supported: " + ", ".join(bad)
-                            + " (use `estimate` for those)")
-    if t.optimizer in ("lion", "adamw-8bit"):
-        raise TrainmemError(f"--optimizer {t.optimizer} is not in torch.optim; trace supports adamw, adam, sgd, "
-                            f"sgd-momentum, adafactor")
-    if t.recompute == "selective":
-        raise TrainmemError("--recompute selective is a Megatron feature; trace supports none and full "
-                            "(transformers gradient checkpointing)")
-
-
-def _hf_config(spec: ModelSpec, t: TrainingSpec) -> Any:
-    import transformers
-    cfg = {k: v for k, v in dict(spec.config).items() if not k.startswith("_") and k != "model_type"}
-    if not t.dropout:
-        for k in _DROPOUT_KEYS:
-            if isinstance(cfg.get(k), (int, float)) and not isinstance(cfg.get(k), bool):
-                cfg[k] = 0.0
-    return transformers.AutoConfig.for_model(spec.model_type, **cfg)
-
-
-def _hf_factory(spec: ModelSpec, t: TrainingSpec) -> Callable[[], torch.nn.Module]:
-    import transformers
-    impl = {"eager": "eager", "sdpa": "sdpa", "flash": "sdpa"}[t.attention]
-
-    # weights in fp32 unless the precision is "pure" half (the config's torch_dtype is for storage)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision, torch.float32)
-
-    def build() -> torch.nn.Module:
-        config = _hf_config(spec, t)
-        cls = getattr(transformers, spec.architecture, None) if spec.architecture else None
-        if cls is None:
-            auto = {"causal-lm": "AutoModelForCausalLM", "masked-lm": "AutoModelForMaskedLM",
-                    "seq-cls": "AutoModelForSequenceClassification", "base": "AutoModel"}[spec.head]
-            return getattr(transformers, auto).from_config(config, attn_implementation=impl, dtype=dtype)
-        return cls._from_config(config, attn_implementation=impl, dtype=dtype)
-
-    return build
-
-
 def _as_module(m: Any) -> torch.nn.Module:
     if not isinstance(m, torch.nn.Module):
         raise TrainmemError(f"the model factory returned {type(m).__name__}, not a torch.nn.Module")
@@ -286,86 +237,6 @@ def _user_step(step_fn: Callable, module: torch.nn.Module, optimizer: Any) -> Ca
     if n == 2:
         return lambda i: step_fn(module, optimizer)
     return lambda i: step_fn(module, optimizer, i)
-
-
-def optimizer_class(t: TrainingSpec, lr: float = 1e-4) -> tuple[type, dict[str, Any]]:
-    """The torch.optim class a TrainingSpec names and its keyword arguments (implementation per
-    ``optimizer_impl``; None leaves PyTorch's default, foreach on CUDA)."""
-    impl = t.optimizer_impl
-    kw: dict[str, Any] = {"lr": lr}
-    if impl == "fused":
-        kw["fused"] = True
-    elif impl == "foreach":
-        kw["foreach"] = True
-    elif impl == "for-loop":
-        kw["foreach"] = False
-    if t.optimizer == "adamw":
-        return torch.optim.AdamW, kw
-    if t.optimizer == "adam":
-        return torch.optim.Adam, kw
-    if t.optimizer in ("sgd", "sgd-momentum"):
-        kw["momentum"] = 0.9 if t.optimizer == "sgd-momentum" else 0.0
-        return torch.optim.SGD, kw
-    if t.optimizer == "adafactor":
-        if not hasattr(torch.optim, "Adafactor"):
-            raise TrainmemError("--optimizer adafactor needs torch >= 2.5 (torch.optim.Adafactor)")
-        kw.pop("fused", None)
-        return torch.optim.Adafactor, kw
-    raise TrainmemError(f"--optimizer {t.optimizer} is not supported by trace")
-
-
-def make_optimizer(t: TrainingSpec, params: list[torch.nn.Parameter], lr: float = 1e-4) -> Any:
-    """The torch.optim optimizer a TrainingSpec names, over ``params``."""
-    cls, kw = optimizer_class(t, lr)
-    return cls(params, **kw)
-
-
-def _hf_step(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec, device: str) -> tuple[Any, Callable[[int], None]]:
-    """The training step trainmem writes for a transformers model (like the seeds' loops)."""
-    if t.lora_rank:
-        raise TrainmemError("--lora-rank is not supported by trace yet (use estimate)")
-    if t.recompute == "full":
-        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-        enable()
-    params = [p for p in model.parameters() if p.requires_grad]
-    state: dict[str, Any] = {}
-    optimizer: Any
-    if t.optimizer_in_backward:
-        from ..optim.in_backward import optimizer_in_backward
-        cls, kw = optimizer_class(t)
-        optimizer = optimizer_in_backward(params, cls, **kw)   # steps each parameter inside backward
-    else:
-        optimizer = make_optimizer(t, params)
-    amp = {"bf16-amp": torch.bfloat16, "fp16-amp": torch.float16}.get(t.precision)
-    b, s = t.batch_size, t.seq_len
-    vocab = spec.vocab_size
-
-    def batch() -> dict[str, torch.Tensor]:
-        ids = torch.randint(0, vocab, (b, s), device=device)
-        out = {"input_ids": ids}
-        if spec.head == "seq-cls":
-            out["labels"] = torch.randint(0, spec.num_labels, (b,), device=device)
-        elif spec.head in ("causal-lm", "masked-lm"):
-            out["labels"] = torch.randint(0, vocab, (b, s), device=device)
-        return out
-
-    def step(i: int) -> None:
-        for micro in range(t.grad_accum):
-            state["batch"] = batch()  # the previous batch lives until this one exists
-            with torch.autocast("cuda", dtype=amp) if (amp is not None and device == "cuda") else (
-                    torch.autocast("cpu", dtype=amp) if amp is not None else contextlib.nullcontext()):
-                out = model(**state["batch"])
-                loss = out.loss if getattr(out, "loss", None) is not None else out[0].float().mean()
-                del out
-            if t.grad_accum > 1:
-                loss = loss / t.grad_accum
-            state["loss"] = loss
-            loss.backward()
-            del loss
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return optimizer, step
 
 
 # ----- report ---------------------------------------------------------------------------------------

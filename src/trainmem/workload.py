@@ -1,0 +1,204 @@
+"""The training workload trainmem runs for a catalogue model, shared by ``trace`` and ``measure``.
+
+* ``hf_factory(spec, training)``: builds the transformers model the config's ``architectures``
+  names (random weights, nothing downloaded), in fp32 unless the precision is pure bf16/fp16.
+* ``make_optimizer`` / ``optimizer_class``: the ``torch.optim`` optimizer a TrainingSpec names.
+* ``TrainStep``: one training step written like the seeds' loops — a random batch, the forward
+  under autocast where the precision asks for it, ``loss.backward()``, ``optimizer.step()``,
+  ``optimizer.zero_grad(set_to_none=True)``; gradient accumulation runs ``grad_accum`` forward /
+  backward pairs per optimizer step. An ``on_phase(name, step, micro)`` callback is called at the
+  end of each phase (``forward``, ``backward``, ``optimizer_step``, ``zero_grad``): the tracer
+  recognises the phases by itself and passes none, the measurement records memory there.
+
+The tracer runs this program on tensors without data, the measurement on real tensors: the same
+operations in the same order, which is what makes their numbers comparable phase by phase.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+
+from .errors import TrainmemError
+from .spec import ModelSpec, TrainingSpec
+
+DROPOUT_KEYS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "resid_pdrop", "embd_pdrop", "attn_pdrop",
+                "summary_first_dropout", "attention_dropout", "hidden_dropout", "classifier_dropout",
+                "dropout", "activation_dropout")
+
+#: the phases of a training step, in order (``model_loaded`` is step 0)
+STEP_PHASES = ("forward", "backward", "optimizer_step", "zero_grad")
+
+
+def check_supported(t: TrainingSpec, what: str = "trace") -> None:
+    """Refuse the setups a single-process run cannot execute (parallelism, sharding, offload, ...)."""
+    bad = []
+    for key in ("dp", "tp", "pp", "cp"):
+        if getattr(t, key) != 1:
+            bad.append(f"--{key} {getattr(t, key)}")
+    if t.zero_stage:
+        bad.append(f"ZeRO stage {t.zero_stage}")
+    if t.sequence_parallel:
+        bad.append("--sequence-parallel")
+    if t.offload_optimizer:
+        bad.append("--offload-optimizer")
+    if t.distributed_optimizer:
+        bad.append("--distributed-optimizer")
+    if bad:
+        raise TrainmemError(f"{what} runs one GPU without parallelism or sharding; not supported: " + ", ".join(bad)
+                            + " (use `estimate` for those)")
+    if t.optimizer in ("lion", "adamw-8bit"):
+        raise TrainmemError(f"--optimizer {t.optimizer} is not in torch.optim; {what} supports adamw, adam, sgd, "
+                            f"sgd-momentum, adafactor")
+    if t.recompute == "selective":
+        raise TrainmemError(f"--recompute selective is a Megatron feature; {what} supports none and full "
+                            "(transformers gradient checkpointing)")
+
+
+def hf_config(spec: ModelSpec, t: TrainingSpec) -> Any:
+    """The transformers config of a ModelSpec (dropout zeroed when the training turns it off)."""
+    import transformers
+    cfg = {k: v for k, v in dict(spec.config).items() if not k.startswith("_") and k != "model_type"}
+    if not t.dropout:
+        for k in DROPOUT_KEYS:
+            if isinstance(cfg.get(k), (int, float)) and not isinstance(cfg.get(k), bool):
+                cfg[k] = 0.0
+    return transformers.AutoConfig.for_model(spec.model_type, **cfg)
+
+
+def hf_factory(spec: ModelSpec, t: TrainingSpec) -> Callable[[], torch.nn.Module]:
+    """A zero-argument function that builds the model from its config (random weights)."""
+    import transformers
+    impl = {"eager": "eager", "sdpa": "sdpa", "flash": "sdpa"}[t.attention]
+
+    # weights in fp32 unless the precision is "pure" half (the config's torch_dtype is for storage)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision, torch.float32)
+
+    def build() -> torch.nn.Module:
+        config = hf_config(spec, t)
+        cls = getattr(transformers, spec.architecture, None) if spec.architecture else None
+        if cls is None:
+            auto = {"causal-lm": "AutoModelForCausalLM", "masked-lm": "AutoModelForMaskedLM",
+                    "seq-cls": "AutoModelForSequenceClassification", "base": "AutoModel"}[spec.head]
+            return getattr(transformers, auto).from_config(config, attn_implementation=impl, dtype=dtype)
+        return cls._from_config(config, attn_implementation=impl, dtype=dtype)
+
+    return build
+
+
+def optimizer_class(t: TrainingSpec, lr: float = 1e-4) -> tuple[type, dict[str, Any]]:
+    """The torch.optim class a TrainingSpec names and its keyword arguments (implementation per
+    ``optimizer_impl``; None leaves PyTorch's default, foreach on CUDA)."""
+    impl = t.optimizer_impl
+    kw: dict[str, Any] = {"lr": lr}
+    if impl == "fused":
+        kw["fused"] = True
+    elif impl == "foreach":
+        kw["foreach"] = True
+    elif impl == "for-loop":
+        kw["foreach"] = False
+    if t.optimizer == "adamw":
+        return torch.optim.AdamW, kw
+    if t.optimizer == "adam":
+        return torch.optim.Adam, kw
+    if t.optimizer in ("sgd", "sgd-momentum"):
+        kw["momentum"] = 0.9 if t.optimizer == "sgd-momentum" else 0.0
+        return torch.optim.SGD, kw
+    if t.optimizer == "adafactor":
+        if not hasattr(torch.optim, "Adafactor"):
+            raise TrainmemError("--optimizer adafactor needs torch >= 2.5 (torch.optim.Adafactor)")
+        kw.pop("fused", None)
+        return torch.optim.Adafactor, kw
+    raise TrainmemError(f"--optimizer {t.optimizer} is not supported by trace")
+
+
+def make_optimizer(t: TrainingSpec, params: list[torch.nn.Parameter], lr: float = 1e-4) -> Any:
+    """The torch.optim optimizer a TrainingSpec names, over ``params``."""
+    cls, kw = optimizer_class(t, lr)
+    return cls(params, **kw)
+
+
+class TrainStep:
+    """The training step trainmem writes for a transformers model (like the seeds' loops).
+
+    Building it enables gradient checkpointing (``recompute="full"``) and creates the optimizer
+    (``self.optimizer``). Calling it with the step number runs one optimizer step. ``device`` is
+    where the batch is created ("cuda", "cpu"); autocast follows the precision. The last batch and
+    loss stay referenced until the next step replaces them, as in a plain Python loop.
+    """
+
+    def __init__(self, model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec, device: str,
+                 on_phase: Callable[[str, int, int | None], None] | None = None, what: str = "trace") -> None:
+        if t.lora_rank:
+            raise TrainmemError(f"--lora-rank is not supported by {what} yet (use estimate)")
+        if t.recompute == "full":
+            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+            enable()
+        self.model, self.spec, self.training, self.device = model, spec, t, device
+        self.on_phase = on_phase
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer: Any
+        if t.optimizer_in_backward:
+            from .optim.in_backward import optimizer_in_backward
+            cls, kw = optimizer_class(t)
+            self.optimizer = optimizer_in_backward(params, cls, **kw)   # steps each parameter inside backward
+        else:
+            self.optimizer = make_optimizer(t, params)
+        self.amp = {"bf16-amp": torch.bfloat16, "fp16-amp": torch.float16}.get(t.precision)
+        self.state: dict[str, Any] = {}
+
+    def batch(self) -> dict[str, torch.Tensor]:
+        """A random batch: token ids and the labels the head needs."""
+        b, s, vocab, spec = self.training.batch_size, self.training.seq_len, self.spec.vocab_size, self.spec
+        ids = torch.randint(0, vocab, (b, s), device=self.device)
+        out = {"input_ids": ids}
+        if spec.head == "seq-cls":
+            out["labels"] = torch.randint(0, spec.num_labels, (b,), device=self.device)
+        elif spec.head in ("causal-lm", "masked-lm"):
+            out["labels"] = torch.randint(0, vocab, (b, s), device=self.device)
+        return out
+
+    def autocast(self) -> Any:
+        amp = self.amp
+        if amp is None:
+            return contextlib.nullcontext()
+        return torch.autocast("cuda" if self.device == "cuda" else "cpu", dtype=amp)
+
+    def _mark(self, name: str, step: int, micro: int | None) -> None:
+        if self.on_phase is not None:
+            self.on_phase(name, step, micro)
+
+    def __call__(self, i: int) -> None:
+        t = self.training
+        for micro in range(t.grad_accum):
+            self.state["batch"] = self.batch()  # the previous batch lives until this one exists
+            with self.autocast():
+                out = self.model(**self.state["batch"])
+                loss = out.loss if getattr(out, "loss", None) is not None else out[0].float().mean()
+                if t.keep_logits:  # `outputs = model(...)`: the output lives until the next step
+                    self.state["out"] = out
+                del out
+            if t.grad_accum > 1:
+                loss = loss / t.grad_accum
+            self.state["loss"] = loss
+            self._mark("forward", i, micro)
+            loss.backward()
+            del loss
+            self._mark("backward", i, micro)
+        self.optimizer.step()
+        self._mark("optimizer_step", i, None)
+        self.optimizer.zero_grad(set_to_none=True)
+        self._mark("zero_grad", i, None)
+
+    def release(self) -> None:
+        """Drop the last batch and loss (and with them what they keep alive)."""
+        self.state.clear()
+
+
+def hf_step(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec, device: str,
+            on_phase: Callable[[str, int, int | None], None] | None = None,
+            what: str = "trace") -> tuple[Any, Callable[[int], None]]:
+    """``(optimizer, step)`` for a transformers model: ``step(i)`` runs training step ``i``."""
+    step = TrainStep(model, spec, t, device, on_phase=on_phase, what=what)
+    return step.optimizer, step
