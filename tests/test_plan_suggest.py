@@ -43,12 +43,13 @@ def test_sorted_by_cost_semantics_last(sugg):
 def test_chunked_cross_entropy_shrinks_logits_to_one_chunk():
     # at the end of forward the held logits (bf16) and the saved fp32 log-probabilities are alive:
     # with 4 chunks of the 2 x 1024 tokens only one chunk of each remains
-    one = trainmem.estimate("llama-3.2-1b", batch_size=2, seq_len=1024)
-    four = trainmem.estimate("llama-3.2-1b", batch_size=2, seq_len=1024, loss_chunks=4)
+    # a loop that keeps the model output (--keep-logits), so the held logits are alive too
+    one = trainmem.estimate("llama-3.2-1b", batch_size=2, seq_len=1024, keep_logits=True)
+    four = trainmem.estimate("llama-3.2-1b", batch_size=2, seq_len=1024, loss_chunks=4, keep_logits=True)
     n, v = 2 * 1024, 128256
     assert one.phase("forward", 2).allocated - four.phase("forward", 2).allocated == (n - n // 4) * v * (2 + 4)
     assert one.component("logits.logits") == n * v * 2 and one.component("logits.log_probs") == n * v * 4
-    three = trainmem.estimate("llama-3.2-1b", batch_size=2, seq_len=1024, loss_chunks=3)
+    three = trainmem.estimate("llama-3.2-1b", batch_size=2, seq_len=1024, loss_chunks=3, keep_logits=True)
     chunk = -(-n // 3)  # ceil: the largest chunk
     assert one.phase("forward", 2).allocated - three.phase("forward", 2).allocated == (n - chunk) * v * 6
     with pytest.raises(TrainmemError, match="loss-chunks"):

@@ -13,6 +13,8 @@ and walks the training step phase by phase (first step and steady state) to find
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 from ..report import Component, MemoryReport, Phase
 from ..spec.model import ModelSpec
 from ..spec.training import TrainingSpec
@@ -41,7 +43,44 @@ def _layer_key(m: ModelSpec, t: TrainingSpec) -> LayerKey:
     return LayerKey(m.family, _act_impl(m), t.precision, attn, t.dropout, m.hidden_dropout,
                     m.attention_dropout, m.hidden_size, m.ffn_size, m.q_size, m.kv_size, m.num_heads,
                     m.num_kv_heads, m.head_dim, t.tp, t.sequence_parallel, m.num_experts,
-                    m.experts_top_k, m.pre_norm, lora)
+                    m.experts_top_k, m.pre_norm, lora, _kv_cache(m, t))
+
+
+def _kv_cache(m: ModelSpec, t: TrainingSpec) -> bool:
+    """Whether the forward builds a KV cache: transformers' decoder models create a
+    ``DynamicCache`` whenever ``config.use_cache`` (default True) is set, in training too, except
+    under gradient checkpointing (``merge_with_config_defaults`` turns it off); its ``torch.cat``
+    copies of each layer's keys and values are what attention then consumes. Megatron-style
+    tensor/pipeline/context parallel code has no such cache."""
+    if t.recompute == "full" or t.tp * t.pp * t.cp > 1:
+        return False
+    return _kv_cache_model(m)
+
+
+def _kv_cache_model(m: ModelSpec) -> bool:
+    """The model side of ``_kv_cache``: a transformers decoder with ``use_cache`` on."""
+    if m.head != "causal-lm" or m.family == "nanogpt":
+        return False
+    return bool((m.config or {}).get("use_cache", True))
+
+
+def _tied_head_grad(m: ModelSpec, t: TrainingSpec) -> int:
+    """Bytes of the LM head's gradient contribution to a tied input embedding.
+
+    The head and the embedding feed one ``AccumulateGrad`` node, so autograd's input buffer holds
+    the head's gradient (the weight's dtype) from the head's backward until the embedding's, when
+    ``InputBuffer::accumulate`` adds the embedding's gradient out of place (the head's gradient is
+    a transposed view whose storage is shared, so it cannot be reused): head part, embedding part
+    and their sum are alive together, then the sum becomes ``.grad``."""
+    if not (m.tied_embeddings and m.head in ("causal-lm", "masked-lm")) or t.lora_rank or t.pp > 1:
+        return 0
+    return _embedding_block(m, t.tp, t.weight_bytes)
+
+
+@lru_cache(maxsize=1024)
+def _embedding_block(m: ModelSpec, tp: int, nbytes: int) -> int:
+    emb = next((p for p in m.parameter_tensors() if p.role == "embedding"), None)
+    return block_bytes(-(-emb.numel // tp) * nbytes) if emb is not None else 0
 
 
 def _embedding_and_head(m: ModelSpec, t: TrainingSpec, pol: Policy, n: int, stage: str) -> dict[str, int]:
@@ -63,6 +102,11 @@ def _embedding_and_head(m: ModelSpec, t: TrainingSpec, pol: Policy, n: int, stag
         if m.position == "rotary":
             # cos and sin (b, s, head_dim) in the residual dtype, shared by every layer's rotary mul
             out["rotary.cos_sin"] = 2 * n * m.head_dim * pol.stream
+        if t.recompute == "full" and t.attention == "eager" and m.head == "causal-lm" and m.family != "nanogpt":
+            # transformers' eager attention adds a 4-D float causal mask (b, 1, s, s) in the
+            # embeddings' dtype; checkpointed layers keep it as an input until the first layer's
+            # backward (without recompute it dies with the base model's forward)
+            out["causal_mask"] = n * t.seq_len * pol.stream
     if not last:
         return out
     # the last layer's output / final norm feeding the head
@@ -97,10 +141,11 @@ def _logits(m: ModelSpec, t: TrainingSpec, pol: Policy, n: int, b: int) -> tuple
       the loss); ``cross_entropy`` -> ``log_softmax(x, dtype=fp32)`` saves fp32 log-probabilities.
       At the start of backward ``nll_loss_backward`` and ``_log_softmax_backward_data`` each make an
       fp32 tensor of the logits' size, alive together with the saved log-probabilities.
-    * ``F.cross_entropy`` on half logits under autocast (nanoGPT): ``cross_entropy_loss`` has no
-      autocast rule and calls ``log_softmax`` with the input's dtype, so the log-probabilities stay
-      half; ``nll_loss`` (autocast fp32 list) casts them to an fp32 copy that it saves. Backward
-      starts with one fp32 gradient (then a half one). This is seed 001's "+4 N_l" at the peak.
+    * ``F.cross_entropy`` on half logits under autocast (nanoGPT, transformers' masked-LM heads):
+      ``cross_entropy_loss`` has no autocast rule and calls ``log_softmax`` with the input's dtype,
+      so the log-probabilities stay half; ``nll_loss`` (autocast fp32 list) casts them to an fp32
+      copy that it saves. Backward starts with one fp32 gradient (then a half one). This is seed
+      001's "+4 N_l" at the peak. In pure half precision the same loss is half throughout.
     * Under ``torch.compile`` inductor fuses the loss and its backward: no fp32 copy in forward and
       one fp32 logits gradient in backward.
 
@@ -113,13 +158,36 @@ def _logits(m: ModelSpec, t: TrainingSpec, pol: Policy, n: int, b: int) -> tuple
         return (b * k * pol.half if t.keep_logits else 0), b * k * F32, b * k * F32, 2 * b * k * F32
     nl = -(-n // t.loss_chunks) * m.vocab_size // t.tp
     held = nl * pol.half if t.keep_logits else 0
-    half_loss = m.family == "nanogpt" and pol.half != F32  # the loss sees half logits
     if t.compile:
         return held, nl * F32, 0, nl * F32
-    if half_loss:
-        return held, nl * (pol.half + F32), 0, nl * F32
+    if not _loss_upcasts(m) and pol.half != F32:
+        # the loss sees the logits in the matmul dtype (masked-LM heads, nanoGPT)
+        if pol.amp:
+            return held, nl * (pol.half + F32), 0, nl * F32
+        # pure half: log_softmax, nll_loss and both gradients stay half
+        return held, nl * pol.half, 0, 2 * nl * pol.half
     fwd = nl * F32 if pol.half != F32 else 0  # the .float() copy alive while log_softmax runs
     return held, nl * F32, fwd, 2 * nl * F32
+
+
+def _output_logits(m: ModelSpec, t: TrainingSpec, pol: Policy, n: int, b: int) -> int:
+    """Bytes of the logits the head returns (one loss chunk of them with chunked cross-entropy):
+    alive while the loss is computed, kept or not."""
+    if m.head not in ("causal-lm", "masked-lm"):
+        return b * m.num_labels * pol.half
+    return -(-n // t.loss_chunks) * m.vocab_size // t.tp * pol.half
+
+
+def _loss_upcasts(m: ModelSpec) -> bool:
+    """Whether the model's loss upcasts half logits to fp32 first.
+
+    transformers' causal-LM heads call ``ForCausalLMLoss`` (``logits.float()``). Its masked-LM heads
+    (``BertForMaskedLM``, ``XLMRobertaXLForMaskedLM``) call ``CrossEntropyLoss()`` on the logits
+    as they are, and so does nanoGPT (``F.cross_entropy``): in pure bf16 the log-probabilities and
+    both loss gradients stay bf16; under autocast ``cross_entropy`` has no autocast rule, so
+    ``log_softmax`` keeps the half dtype and ``nll_loss`` (fp32 list) saves an fp32 copy.
+    """
+    return m.head == "causal-lm" and m.family != "nanogpt"
 
 
 def _inputs(m: ModelSpec, n: int, b: int) -> int:
@@ -205,7 +273,10 @@ def _estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str) -> MemoryReport:
 
     lc = layer_coefficients(_layer_key(m, t))
     per_layer_full = lc.bytes(n, nsq)
-    tname, ttrans = lc.transient(n, nsq)
+    # gradient bytes per weight element of a layer: the later linears' gradients exist while an
+    # op's backward runs (none with optimizer-in-backward: each is freed in its hook)
+    gpw = st.layer_grads / lc.weights if (lc.weights and not t.optimizer_in_backward) else 0.0
+    tname, ttrans, tgrads = lc.transient_parts(n, nsq, gpw)
     sp = t.tp if t.sequence_parallel else 1
     layer_input = n * m.hidden_size * pol.stream // sp
     if t.recompute == "full":
@@ -220,8 +291,10 @@ def _estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str) -> MemoryReport:
 
     eh = _embedding_and_head(m, t, pol, n, stage)
     held, logp, ce_fwd, ce_bwd = (0, 0, 0, 0)
+    out_logits = 0
     if t.pp == 1 or stage == "last":
         held, logp, ce_fwd, ce_bwd = _logits(m, t, pol, n, b)
+        out_logits = _output_logits(m, t, pol, n, b)
     # autocast casts each fp32 leaf weight once per forward and caches it; the matmuls save the
     # copies for backward. Sharded ZeRO-3/FSDP parameters are gathered per layer in the compute
     # dtype (FSDP MixedPrecision) and resharded after use, so no cast copies outlive their layer.
@@ -230,6 +303,14 @@ def _estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str) -> MemoryReport:
     cache_head = st.head_matmul_half if pol.amp and not sharded and (t.pp == 1 or stage == "last") else 0
 
     layer_acts = per_layer * layers * inflight
+    # tensors the model output holds without autograd saving them (the fp32 KV-cache keys under
+    # autocast): alive while the forward computes the loss, and as long as the loop keeps the output
+    kv_held = int(lc.held * n) * layers * inflight
+    # the whole KV cache: once a layer's backward has released what attention saved, the cache of a
+    # kept output still references it
+    kv_layer_saved = int(lc.cache * n) - int(lc.held * n)
+    kv_all = kv_held + kv_layer_saved * layers * inflight
+    tied_g = _tied_head_grad(m, t)
     inputs = _inputs(m, n, b)
     ws = CUBLAS_WORKSPACE
     gacc = t.grad_accum
@@ -264,18 +345,23 @@ def _estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str) -> MemoryReport:
         recompute_extra += cache_layer
 
     # Moments of the step: (phase, step, where, parts) with parts in the order of KEYS; the
-    # report's peak is the largest moment and its breakdown becomes the components.
+    # report's peak is the largest moment and its breakdown becomes the components. The "logits"
+    # part is itself (logits, KV-cache keys, log-probabilities), kept apart in ``ldet``.
     KEYS = ("gradients", "optimizer_states", "inputs", "workspace", "activations", "logits", "temporaries")
     fixed = st.weights + st.buffers + st.master + comm
     moments: list[tuple[str, int, str, tuple[int, ...]]] = []
+    ldet: list[tuple[int, int, int]] = []
     ends: list[tuple[str, int, int]] = []
     phase_peak: dict[tuple[str, int], int] = {}
     best_total, best_i = -1, 0
 
-    def mom(phase: str, step: int, where: str, parts: tuple[int, ...]) -> None:
+    def mom(phase: str, step: int, where: str, parts: tuple[int, ...], ld: tuple[int, int, int] = (0, 0, 0)
+            ) -> None:
         nonlocal best_total, best_i
+        parts = parts[:5] + (sum(ld),) + parts[5:]
         tot = fixed + sum(parts)
         moments.append((phase, step, where, parts))
+        ldet.append(ld)
         key = (phase, step)
         if tot > phase_peak.get(key, -1):
             phase_peak[key] = tot
@@ -283,17 +369,23 @@ def _estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str) -> MemoryReport:
             best_total, best_i = tot, len(moments) - 1
 
     g_loaded = grads if grads_persistent else 0
-    mom("model_loaded", 0, "model.to(device)", (g_loaded, 0, 0, 0, 0, 0, 0))
+    mom("model_loaded", 0, "model.to(device)", (g_loaded, 0, 0, 0, 0, 0))
     ends.append(("model_loaded", 0, fixed + g_loaded))
     all_acts = acts_layers + eh_rest + eh_head * inflight + cache_head
     acts_after_head = acts_layers + eh_rest
     acts_low = acts_layers // layers + eh_rest
-    tmp = max(0, ttrans + recompute_extra)
+    tmp = max(0, ttrans - tgrads + recompute_extra)
     layer_tag_top = f"layer[{layers - 1}].{tname or 'backward'}"
     layer_tag_low = f"layer[0].{tname or 'backward'}"
     oib = t.optimizer_in_backward
     grads_end = 0 if oib else grads
-    end_parts: tuple[int, ...] = ()
+    # The loop's reference to the model output (``outputs = model(...)``, keep_logits) holds its
+    # logits (and KV cache) until the next forward has returned and the name is rebound.
+    kh, kkv = held, (kv_held if t.keep_logits else 0)
+    kall = kv_all if t.keep_logits else 0
+    keep = (kh, kkv, 0)                                   # the layers' saved cache tensors still alive
+    keep_low = (kh, kkv + (kv_layer_saved * (layers - 1) * inflight if t.keep_logits else 0), 0)
+    keep_end = (kh, kall, 0)                              # after backward: the whole cache
     for step in (1, 2):
         opt_now = states if step > 1 else 0
         ws_now = 0 if step == 1 else 2 * ws
@@ -302,33 +394,43 @@ def _estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str) -> MemoryReport:
             fwd, bwd = "forward" + tag, "backward" + tag
             g0 = grads if (micro > 0 or grads_persistent) else 0
             ws_f = max(ws_now, ws)
-            lg = held + logp
-            mom(fwd, step, "cross_entropy", (g0, opt_now, inputs, ws_f, all_acts, lg, ce_fwd + fwd_cache_only))
-            ends.append((fwd, step, fixed + g0 + opt_now + inputs + ws_f + all_acts + lg))
+            prev = (kh, kall) if (step > 1 or micro > 0) else (0, 0)
+            # while the loss is computed, this forward's logits and KV cache exist too
+            mom(fwd, step, "cross_entropy", (g0, opt_now, inputs, ws_f, all_acts, ce_fwd + fwd_cache_only),
+                (prev[0] + out_logits, prev[1] + kv_held, logp))
+            ends.append((fwd, step, fixed + g0 + opt_now + inputs + ws_f + all_acts + kh + kkv + logp))
             ws_b = 2 * ws
-            mom(bwd, step, "cross_entropy.backward", (g0, opt_now, inputs, ws_b, all_acts, lg, ce_bwd))
-            g_head = g0 + (0 if g0 else head_g)
+            mom(bwd, step, "cross_entropy.backward", (g0, opt_now, inputs, ws_b, all_acts, ce_bwd), (kh, kkv, logp))
+            g_lyr = 0 if g0 else tgrads  # the later linears' gradients of the layer in backward
+            g_head = g0 + (0 if g0 else head_g) + g_lyr
             opt_mid = states if (opt_now == 0 and oib) else opt_now  # states appear in the first backward
-            t_mid = max(tmp, oib_mid)
-            mom(bwd, step, layer_tag_top, (g_head, opt_mid, inputs, ws_b, acts_after_head, 0, t_mid))
+            # a tied head's gradient waits in autograd's input buffer until the embedding's backward
+            t_mid = max(tmp, oib_mid) + tied_g
+            mom(bwd, step, layer_tag_top, (g_head, opt_mid, inputs, ws_b, acts_after_head, t_mid), keep)
             if layers > 1:
-                g_low = g0 + (0 if g0 else head_g + (layers - 1) * layer_g)
-                mom(bwd, step, layer_tag_low, (g_low, opt_mid, inputs, ws_b, acts_low, 0, t_mid))
+                g_low = g0 + (0 if g0 else head_g + (layers - 1) * layer_g) + g_lyr
+                mom(bwd, step, layer_tag_low, (g_low, opt_mid, inputs, ws_b, acts_low, t_mid), keep_low)
+            if tied_g:
+                # the embedding's gradient and the out-of-place sum join the head's part; the sum
+                # then becomes .grad (or is added into an existing one)
+                t_emb = 2 * tied_g + (tied_g if (g0 or oib) else 0)
+                mom(bwd, step, "embeddings.backward", (grads_end, opt_mid, inputs, ws_b, 0, t_emb), keep_end)
             opt_end = states if (oib or opt_now) else 0
-            end_parts = (grads_end, opt_end, inputs, ws_b, 0, 0, 0)
-            mom(bwd, step, "backward.end", end_parts[:6] + (oib_end,))
-            ends.append((bwd, step, fixed + sum(end_parts)))
+            mom(bwd, step, "backward.end", (grads_end, opt_end, inputs, ws_b, 0, oib_end), keep_end)
+            ends.append((bwd, step, fixed + grads_end + opt_end + inputs + ws_b + kh + kall))
             ws_now = ws_b
             opt_now = opt_end
-        after = fixed + grads_end + states + inputs + 2 * ws
+        after = fixed + grads_end + states + inputs + 2 * ws + kh + kall
         if not oib:
-            mom("optimizer_step", step, "optimizer.step", (grads_end, states, inputs, 2 * ws, 0, 0, opt_tmp))
+            mom("optimizer_step", step, "optimizer.step", (grads_end, states, inputs, 2 * ws, 0, opt_tmp),
+                keep_end)
             ends.append(("optimizer_step", step, after))
         ends.append(("zero_grad", step, after - grads_end + (grads if grads_persistent else 0)))
 
     phases = [Phase(name, step, alloc, max(alloc, phase_peak.get((name, step), alloc)))
               for name, step, alloc in ends]
     peak_m = moments[best_i]
+    peak_ld = ldet[best_i]
     peak = best_total
     bd = dict(zip(KEYS, peak_m[3]))
 
@@ -384,10 +486,17 @@ def _estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str) -> MemoryReport:
                                     "activations of the layers not yet back-propagated at the peak"))
         comps += listed
     if bd.get("logits"):
-        comps.append(Component("logits.logits", "logits", held, half_name if pol.half == 2 else "fp32",
-                               "b x s x vocab / tp in the matmul dtype, held by the model output"))
-        comps.append(Component("logits.log_probs", "logits", logp, "fp32",
-                               "fp32 log-softmax saved by cross-entropy"))
+        hl, kvp, lp = peak_ld
+        if hl:
+            comps.append(Component("logits.logits", "logits", hl, half_name if pol.half == 2 else "fp32",
+                                   "b x s x vocab / tp in the matmul dtype: the model output's (and the "
+                                   "previous step's while the loop keeps it)"))
+        if lp:
+            comps.append(Component("logits.log_probs", "logits", lp, "fp32" if _loss_upcasts(m) else None,
+                                   "log-softmax saved by cross-entropy (and nll_loss's fp32 copy under autocast)"))
+        if kvp:
+            comps.append(Component("activations.kv_cache", "activations", kvp, "fp32",
+                                   "KV-cache copies of the keys held by the model output (not saved by autograd)"))
     comps.append(Component("inputs", "inputs", inputs, "int64", "input_ids and labels"))
     if bd.get("workspace"):
         comps.append(Component("workspace.cublas", "workspace", bd["workspace"], None,

@@ -38,24 +38,37 @@ class T:
 
 @dataclass
 class Recipe:
-    """Accumulates the tensors a layer saves (each storage once) and its backward transients."""
+    """Accumulates the tensors a layer saves (each storage once), the tensors the model's output
+    holds without autograd saving them (``held``), and its backward transients.
+
+    ``weights`` counts the matmul weight elements of the linears built so far (forward order): the
+    backward of an op runs after the backward of every later op, whose weight gradients exist then.
+    """
 
     saved: dict[int, T] = field(default_factory=dict)
-    transients: list[tuple[str, float, float, float, float, float]] = field(default_factory=list)
+    held: dict[int, T] = field(default_factory=dict)
+    cache: float = 0.0  # bytes per token of the KV-cache copies the model output references
+    transients: list[tuple[str, float, float, float, float, float, float]] = field(default_factory=list)
+    weights: float = 0.0
 
     def save(self, *ts: T) -> None:
         for t in ts:
             self.saved[id(t)] = t
 
-    def transient(self, name: str, *ts: T, const: float = 0.0) -> None:
+    def hold(self, *ts: T) -> None:
+        for t in ts:
+            self.held[id(t)] = t
+
+    def transient(self, name: str, *ts: T, const: float = 0.0, own_weights: float = 0.0) -> None:
         """A moment of this op's backward where ``ts`` are alive. Ops after it in forward order
         were back-propagated already, so only the tensors saved so far are still alive then:
-        the recorded excess is relative to the whole layer's saved tensors."""
+        the recorded excess is relative to the whole layer's saved tensors. ``own_weights``: the
+        weight elements of this op (a linear), whose gradient is part of ``const``."""
         tok = sum(t.tok * t.nbytes for t in ts)
         sq = sum(t.sq * t.nbytes for t in ts)
         so_tok = sum(t.tok * t.nbytes for t in self.saved.values())
         so_sq = sum(t.sq * t.nbytes for t in self.saved.values())
-        self.transients.append((name, tok, sq, const, so_tok, so_sq))
+        self.transients.append((name, tok, sq, const, so_tok, so_sq, self.weights + own_weights))
 
     def coefficients(self) -> tuple[float, float, dict[str, tuple[float, float]]]:
         """(bytes per token, bytes per token x key, per-name breakdown) of the saved tensors."""
@@ -117,9 +130,11 @@ class Builder:
         xin = self.matmul_in(x, saved_name)
         y = T(out, 0.0, self.p.half, name)
         in_features = xin.tok if in_features is None else in_features
+        w = in_features * out
         # backward: grad_out, grad_in and the weight gradient alive together
         self.r.transient(f"{name}.backward", T(out, 0, self.p.half), T(xin.tok, 0, self.p.half),
-                         const=in_features * out * self.wgrad_bytes)
+                         const=w * self.wgrad_bytes, own_weights=w)
+        self.r.weights += w
         return y
 
     def layer_norm(self, x: T, name: str) -> T:
@@ -154,12 +169,13 @@ class Builder:
 
     def attention(self, q: T, k: T, v: T, heads: float, kv_heads: float, head_dim: int, impl: str,
                   p_drop: float, softmax_fp32_then_cast: bool) -> T:
-        """Scaled dot-product attention.
+        """Scaled dot-product attention; returns the context tensor the output projection consumes.
 
         eager: ``matmul(q, k^T)`` saves q and k (GQA: the repeated k/v copies), softmax saves its
         fp32 output (autocast runs softmax in fp32), the probabilities cast back to half are saved by
-        ``matmul(p, v)`` (or the dropout output and its mask). sdpa/flash: q, k, v, the output and an
-        fp32 logsumexp per (head, token) — no s x s tensor.
+        ``matmul(p, v)`` (or the dropout output and its mask); the ``(b, h, s, d)`` result is copied
+        by ``transpose(1, 2).contiguous()`` into the context. ``sdpa`` runs the backend PyTorch's
+        CUDA dispatcher picks (``sdpa_backend``).
         """
         half = self.p.half
         if impl == "eager":
@@ -182,14 +198,50 @@ class Builder:
                 pv = probs
             self.r.save(pv)
             self.r.transient("attn.softmax.backward", T(0, heads, half), T(0, heads, F32))
-            out = T(heads * head_dim, 0, half, "attn.out")
+            return T(heads * head_dim, 0, half, "attn.context")
+        backend = "flash" if impl == "flash" else sdpa_backend(half, head_dim, heads != kv_heads)
+        if backend == "math":
+            # at::_scaled_dot_product_attention_math: computes in fp32 (half inputs are upcast), scales
+            # q and k^T by sqrt(scale) (the matmul saves both; GQA expands k and v to all heads first),
+            # _safe_softmax saves its fp32 output and p @ v saves p and v (an fp32 copy when upcast or
+            # expanded). Its (b, h, s, d) output is copied into the context by transpose().contiguous().
+            expand = heads != kv_heads
+            vv = v if (not expand and half == F32) else T(heads * head_dim if expand else v.tok, 0, F32,
+                                                          "attn.math.v")
+            self.r.save(T(heads * head_dim, 0, F32, "attn.math.q_scaled"),
+                        T(heads * head_dim, 0, F32, "attn.math.k_scaled"), vv,
+                        T(0, heads, F32, "attn.math.softmax"))
+            # backward: the gradient of the probabilities and softmax's gradient, both fp32
+            self.r.transient("attn.math.backward", T(0, heads, F32), T(0, heads, F32))
+            return T(heads * head_dim, 0, half, "attn.context")
+        # flash / memory-efficient kernels save q, k, v (flash: k and v with their own heads), the
+        # output and an fp32 logsumexp per (head, token). The output is laid out (b, s, h, d), so
+        # the context the output projection saves is the same storage.
+        out = T(heads * head_dim, 0, half, "attn.sdpa_out")
+        self.r.save(q, k, v, out, T(heads, 0, F32, "attn.logsumexp"))
+        grads = T(q.tok + k.tok + v.tok + heads * head_dim, 0, half)  # dq, dk, dv and d(out) in flight
+        if backend == "flash":
+            # kernel scratch: fp32 dq accumulator and softmax_d; GQA expands dk, dv to all heads
+            scratch = T(heads * head_dim + heads, 0, F32)
+            gqa = T(2 * heads * head_dim if heads != kv_heads else 0, 0, half)
+            self.r.transient("attn.flash.backward", grads, scratch, gqa)
         else:
-            self.r.save(q, k, v)
-            out = T(heads * head_dim, 0, half, "attn.sdpa_out")
-            self.r.save(out, T(heads, 0, F32, "attn.logsumexp"))
-            self.r.transient("attn.sdpa.backward", T(q.tok + k.tok + v.tok, 0, half))
-            out = T(heads * head_dim, 0, half, "attn.out")
+            self.r.transient("attn.efficient.backward", grads, T(heads, 0, F32))
         return out
+
+
+def sdpa_backend(half: int, head_dim: int, gqa: bool) -> str:
+    """The kernel ``F.scaled_dot_product_attention`` runs on an sm80+ GPU without an explicit mask
+    (transformers passes ``is_causal`` or no mask for unpadded batches, and ``enable_gqa`` for
+    grouped-query attention): flash for fp16/bf16 with head_dim <= 256 and a multiple of 8;
+    else memory-efficient attention, which takes no GQA and needs head_dim aligned (4 in fp32, 8
+    in half); else the math path (PyTorch's sdp_utils.cpp checks; ``trace`` makes the same choice).
+    """
+    if half == HALF and head_dim <= 256 and head_dim % 8 == 0:
+        return "flash"
+    if not gqa and head_dim % (4 if half == F32 else 8) == 0:
+        return "efficient"
+    return "math"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -215,6 +267,7 @@ class LayerKey:
     top_k: int
     pre_norm: bool
     lora: tuple[tuple[str, int, int], ...] = ()
+    kv_cache: bool = False   # transformers builds a DynamicCache in training (config.use_cache)
 
 
 @dataclass(frozen=True)
@@ -225,18 +278,31 @@ class LayerCoefs:
     sq: float
     parts: tuple[tuple[str, float, float], ...]
     transients: tuple[tuple[str, float, float, float], ...]  # (op, excess per token, per token x key, bytes)
+    held: float = 0.0        # bytes per token the model output holds without autograd saving them
+    cache: float = 0.0       # bytes per token of the KV cache the model output references (saved or not)
+    weights: float = 0.0     # matmul weight elements of the layer (this rank)
+    after: tuple[float, ...] = ()  # per transient: weight elements of the linears back-propagated before it
 
     def bytes(self, n: int, nsq: int) -> int:
         return int(self.tok * n + self.sq * nsq)
 
-    def transient(self, n: int, nsq: int) -> tuple[str, int]:
+    def transient(self, n: int, nsq: int, grad_per_weight: float = 0.0) -> tuple[str, int]:
         """The op whose backward adds the most on top of the whole layer's saved tensors (can be
-        negative: the tensors freed by then outweigh the gradients in flight)."""
-        best = ("", -(1 << 62))
-        for name, a, b, c in self.transients:
-            v = int(a * n + b * nsq + c)
+        negative: the tensors freed by then outweigh the gradients in flight). ``grad_per_weight``:
+        gradient bytes per weight element; the gradients of the layer's later linears (computed
+        before this op's backward) count at that moment."""
+        name, v, _ = self.transient_parts(n, nsq, grad_per_weight)
+        return name, v
+
+    def transient_parts(self, n: int, nsq: int, grad_per_weight: float = 0.0) -> tuple[str, int, int]:
+        """``transient`` and, of its bytes, those that are gradients of the layer's later linears."""
+        best = ("", -(1 << 62), 0)
+        after = self.after or (0.0,) * len(self.transients)
+        for (name, a, b, c), w in zip(self.transients, after):
+            g = int(w * grad_per_weight)
+            v = int(a * n + b * nsq + c) + g
             if v > best[1]:
-                best = (name, v)
+                best = (name, v, g)
         return best
 
 
@@ -262,10 +328,20 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
             qkv_t = T(q + 2 * kv, 0, half, "attn.qkv")
             B.r.save(qkv_t)
             qq = kk = vv = T(0, 0, half, "attn.qkv")
+        elif k.attention == "flash" or sdpa_backend(half, k.head_dim, heads != kvh) != "math":
+            # the kernel saves q as a view: the whole c_attn output stays alive. With a KV cache
+            # (transformers, config.use_cache) k and v are the cache's copies (torch.cat).
+            B.r.save(T(q + 2 * kv, 0, half, "attn.qkv"))
+            qq = T(0, 0, half, "attn.qkv")
+            if k.kv_cache:
+                kk, vv = T(kv, 0, half, "attn.k_cache"), T(kv, 0, half, "attn.v_cache")
+            else:
+                kk = vv = qq
+        if k.kv_cache:
+            B.r.cache = 2 * kv * half  # the cache's copies of k and v
         ctx = B.attention(qq, kk, vv, heads, kvh, k.head_dim, k.attention, k.attention_dropout,
                           softmax_fp32_then_cast=False)
-        ctx_c = T(q, 0, half, "attn.context")  # transpose(...).contiguous() feeding c_proj
-        o = B.linear(ctx_c, h, "c_proj", "c_proj.input")
+        o = B.linear(ctx, h, "c_proj", "c_proj.input")
         B.drop(T(h / sp_div, 0, half, "resid"), k.hidden_dropout, "attn.resid_dropout")
         x2 = T(h / sp_div, 0, pol.stream, "residual")
         m_in = B.layer_norm(x2, "ln_2")
@@ -287,8 +363,7 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
         qq, kk, vv = T(q, 0, half, "attn.q"), T(kv, 0, half, "attn.k"), T(kv, 0, half, "attn.v")
         ctx = B.attention(qq, kk, vv, heads, kvh, k.head_dim, k.attention, k.attention_dropout,
                           softmax_fp32_then_cast=False)
-        ctx_c = T(q, 0, half, "attn.context")
-        B.linear(ctx_c, h, "attention.output.dense", "attention.output.dense.input")
+        B.linear(ctx, h, "attention.output.dense", "attention.output.dense.input")
         B.drop(T(h / sp_div, 0, half, "resid"), k.hidden_dropout, "attention.output.dropout")
         if k.pre_norm:
             x2 = T(h / sp_div, 0, pol.stream, "residual")
@@ -316,25 +391,24 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
             B.linear(src, width, name, f"{name}.input", h)
         # rotary: q*cos + rotate_half(q)*sin makes new q and k tensors; cos/sin are shared per model
         qq, kk, vv = T(q, 0, half, "attn.q_rot"), T(kv, 0, half, "attn.k_rot"), T(kv, 0, half, "attn.v")
+        if k.kv_cache and pol.amp:
+            # Under autocast cos/sin are fp32 (the residual dtype), so the rotated k is fp32; the
+            # cache is created in k's dtype and torch.cat promotes v into it, so the cache holds
+            # fp32 copies of k and v, which attention does not save (it saves its half casts). They
+            # live as long as the model output does.
+            B.r.hold(T(kv, 0, F32, "kv_cache.k"), T(kv, 0, F32, "kv_cache.v"))
+        if k.kv_cache:
+            B.r.cache = 2 * kv * (F32 if pol.amp else half)  # the cache's copies of k and v
         ctx = B.attention(qq, kk, vv, heads, kvh, k.head_dim, k.attention, k.attention_dropout,
                           softmax_fp32_then_cast=True)
-        ctx_c = T(q, 0, half, "attn.context")
-        B.linear(ctx_c, h, "o_proj", "o_proj.input")
+        B.linear(ctx, h, "o_proj", "o_proj.input")
         x2 = T(h / sp_div, 0, pol.stream, "residual")
         m_in = B.rms_norm_hf(x2, "post_attention_layernorm")
         src2 = T(h / sp_div, 0, m_in.nbytes, "post_attention_layernorm.out")
         if not pol.amp:
             B.r.save(src2)
         if k.experts:
-            # router logits (fp32 softmax over experts), then each token's hidden goes to top_k experts:
-            # the gathered inputs and per-expert SwiGLU activations scale with top_k.
-            B.linear(src2, k.experts, "mlp.gate", "router.input", h)
-            B.r.save(T(k.experts, 0, F32, "router.softmax"))
-            scale = k.top_k
-            xin = T(h * scale, 0, half, "experts.input")
-            B.r.save(xin)
-            _swiglu(B, f * scale, h, xin, "experts", fused_gate_up=True)
-            B.r.save(T(h * scale, 0, half, "experts.weighted"), T(scale, 0, F32, "router.weights"))
+            _moe(B, src2, h, f, k.experts, k.top_k)
         else:
             _swiglu(B, f, h, src2, "mlp", fused_gate_up=False)
 
@@ -344,8 +418,12 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
         B.r.save(T(r_ / max(1, t if cols else 1), 0, half, f"lora.{name}"))
 
     tok, sq, parts = B.r.coefficients()
-    trans = tuple((name, a + st - tok, b + ss - sq, c) for name, a, b, c, st, ss in B.r.transients)
-    return LayerCoefs(tok, sq, tuple((n, a, b) for n, (a, b) in parts.items()), trans)
+    trans = tuple((name, a + st - tok, b + ss - sq, c) for name, a, b, c, st, ss, _ in B.r.transients)
+    wall = B.r.weights
+    after = tuple(max(0.0, wall - w) for *_, w in B.r.transients)
+    held = sum(t.tok * t.nbytes for i, t in B.r.held.items() if i not in B.r.saved)
+    return LayerCoefs(tok, sq, tuple((n, a, b) for n, (a, b) in parts.items()), trans, held, B.r.cache, wall,
+                      after)
 
 
 def _gelu(B: Builder, impl: str, f: float) -> T:
@@ -366,6 +444,49 @@ def _gelu(B: Builder, impl: str, f: float) -> T:
         return T(f, 0, wide, "mlp.act.out")
     B.r.save(T(f, 0, half, "mlp.act.input"))
     return T(f, 0, half, "mlp.act.out")
+
+
+def _moe(B: Builder, src: T, h: float, f: float, experts: int, top_k: int) -> None:
+    """A Mixtral-style sparse MoE block as transformers >= 5 runs it (``grouped_mm`` experts, its
+    default): the router (``F.linear``, fp32 softmax over experts, top-k, renormalised weights),
+    then the tokens gathered in expert order (S = top_k rows per token), one ``_grouped_mm`` for
+    gate and up together, SwiGLU, one for down, the routing weights (fp32) multiplied in, the
+    rows put back in token order and summed.
+
+    ``_grouped_mm`` has no autocast rule and transformers casts its input to the weights' dtype,
+    so under autocast (fp32 weights) the experts compute and save fp32 tensors, and no half copies
+    of the expert weights are made. The routing weights are fp32, so the weighted output and its
+    gradients are fp32 too.
+    """
+    wd = B.p.weight
+    k = top_k
+    # router: saves its (cast) input, the fp32 softmax, top-k indices, the sum and the pre-division
+    # weights of the in-place renormalisation
+    B.linear(src, experts, "mlp.gate", "router.input", h)
+    B.r.save(T(experts, 0, F32, "router.softmax"), T(k, 0, 8, "router.topk_index"),
+             T(k + 1, 0, F32, "router.topk_weights"))
+    # gather: the token rows in expert order, their routing weights, and the int64 permutations
+    # (sorted expert ids, perm // top_k, inverse permutation) the index backward needs
+    xin = T(k * h, 0, wd, "experts.input")
+    B.r.save(xin, T(k, 0, F32, "experts.routing_weights"), T(3 * k, 0, 8, "experts.indices"))
+    # gate_up: saves the gathered rows; its (S, 2f) output is saved by silu (gate) and the
+    # product (up) as views; the product is saved by down; down's output by the routing multiply
+    grad_w = wd  # the weight gradient comes in the parameter's dtype and layout (stolen as .grad)
+    B.r.transient("experts.gate_up.backward", T(2 * k * f, 0, wd), T(k * h, 0, wd),
+                  const=experts * 2 * f * h * grad_w, own_weights=experts * 2 * f * h)
+    B.r.weights += experts * 2 * f * h
+    B.r.save(T(2 * k * f, 0, wd, "experts.gate_up_out"), T(k * f, 0, wd, "experts.silu_out"))
+    # SwiGLU backward (the product, saved by down, is freed by then): down's input gradient and the
+    # product's two gradients
+    B.r.transient("experts.act.backward", T(3 * k * f, 0, wd))
+    B.r.save(T(k * f, 0, wd, "experts.act_product"))
+    B.r.transient("experts.down.backward", T(k * h, 0, wd), T(k * f, 0, wd),
+                  const=experts * f * h * grad_w, own_weights=experts * f * h)
+    B.r.weights += experts * f * h
+    B.r.save(T(k * h, 0, wd, "experts.down_out"))
+    # combine backward: index_put of the gradient into zeros, both products' gradients (fp32)
+    # and the cast back to the experts' dtype
+    B.r.transient("experts.combine.backward", T(3 * k * h, 0, F32), T(k * h, 0, wd))
 
 
 def _swiglu(B: Builder, f: float, h: float, src: T, name: str, fused_gate_up: bool) -> None:

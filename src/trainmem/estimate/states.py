@@ -280,7 +280,9 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
         (layer if p.layer is not None else (after if layer else before)).append(item)
         if p.layer is not None:
             lpf += wb
-            if p.is_matmul and t.amp:
+            # autocast caches half copies of the weights its matmuls cast; transformers' grouped_mm
+            # experts have no autocast rule and run in the weights' dtype (no copies)
+            if p.is_matmul and t.amp and p.role != "expert":
                 lmh += n * 2
         elif p.is_matmul and t.amp:
             hmh += n * 2
@@ -317,6 +319,8 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
         if lyr == lo:
             layer_grads += g
         sh = -(-n // d) if zero_states >= 1 else n
+        if half_master:  # adapters are trainable: they get the fp32 master copy too
+            master += block_bytes(sh * 4)
         for sb in _state_bytes(t.optimizer, (sh,), sh, sbytes):
             opt += block_bytes(sb)
         largest = max(largest, n * sbytes)

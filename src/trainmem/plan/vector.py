@@ -31,7 +31,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from ..estimate.engine import CUBLAS_WORKSPACE, _embedding_and_head, _layer_key, _logits
+from ..estimate.engine import (CUBLAS_WORKSPACE, _embedding_and_head, _layer_key, _logits, _output_logits,
+                               _tied_head_grad)
 from ..estimate.layers import Policy, layer_coefficients
 from ..estimate.states import MIN_BLOCK, MIN_LARGE_ALLOC, ROUND_LARGE, SMALL, block_bytes
 from ..spec.model import ModelSpec
@@ -84,6 +85,7 @@ class Tables:
     on_last: np.ndarray    # non-layer tensor held by the last pipeline stage
     matmul: np.ndarray
     emb: np.ndarray        # role == embedding
+    expert: np.ndarray     # role == expert (no autocast copies: transformers' grouped_mm experts)
     mat2d: np.ndarray      # 2-D or more (adafactor factors)
     rows: np.ndarray
     cols: np.ndarray
@@ -144,6 +146,7 @@ def model_tables(m: ModelSpec) -> Tables:
         on_last=arr(lambda p: p.layer is None and (p.role != "embedding" or (
             m.tied_embeddings and p.name.endswith(tied_names))), bool),
         matmul=arr(lambda p: p.is_matmul, bool), emb=arr(lambda p: p.role == "embedding", bool),
+        expert=arr(lambda p: p.role == "expert", bool),
         mat2d=arr(lambda p: len(p.shape) >= 2, bool),
         rows=arr(lambda p: p.shape[-2] if len(p.shape) >= 2 else 1),
         cols=arr(lambda p: p.shape[-1] if len(p.shape) >= 2 else 1),
@@ -206,7 +209,7 @@ def states(m: ModelSpec, base: TrainingSpec, tp, pp, zero, d, last: bool) -> dic
     wb = n * w
     weights = (mult * block_np(np.where(zero == 3, _ceil_div(wb, d), wb))).sum(1)
     lpf = (one_layer * wb).sum(1)
-    lmh = (one_layer * tb.matmul * n * 2).sum(1) if amp else np.zeros(len(tp), I64)
+    lmh = (one_layer * (tb.matmul & ~tb.expert) * n * 2).sum(1) if amp else np.zeros(len(tp), I64)
     hmh = (non_layer_on * tb.matmul * n * 2).sum(1) if amp else np.zeros(len(tp), I64)
     g = block_np(np.where(zero >= 2, _ceil_div(n * gbytes, d), n * gbytes))
     grads = (mult * g).sum(1)
@@ -249,27 +252,46 @@ def _stage(m: ModelSpec, base: TrainingSpec, seq: int, tp, pp, cp, dp, zero, rec
     # ---- activations, per distinct tp (layer coefficients) and pipeline position
     N = len(tp)
     z = np.zeros(N, I64)
-    plf, ttrans, tokp, sqp, lin, eh_head, eh_rest = (z.copy() for _ in range(7))
-    held, logp, ce_fwd, ce_bwd = (z.copy() for _ in range(4))
+    plf, ttrans, tgrads, tokp, sqp, lin, eh_head, eh_rest, kvh, kvc = (z.copy() for _ in range(10))
+    held, logp, ce_fwd, ce_bwd, out_logits = (z.copy() for _ in range(5))
     stage = "last" if last else "first"
     for tpv in np.unique(tp):
         for multi in (False, True):
-            msk = (tp == tpv) & ((pp > 1) == multi)
-            if not msk.any():
+            grp = (tp == tpv) & ((pp > 1) == multi)
+            if not grp.any():
                 continue
             t = _spec(base, tpv, 2 if multi else 1)
-            lc = layer_coefficients(_layer_key(m, t))
-            nn, qq, bb = n[msk], nsq[msk], b[msk]
-            plf[msk] = (lc.tok * nn + lc.sq * qq).astype(I64)
-            tokp[msk] = (lc.tok * nn).astype(I64)
-            sqp[msk] = (lc.sq * qq).astype(I64)
-            if lc.transients:
-                ttrans[msk] = np.max([(a * nn + c * qq + k).astype(I64) for _, a, c, k in lc.transients], axis=0)
-            else:
-                ttrans[msk] = -(1 << 62)
+            key = _layer_key(m, replace(t, recompute="none"))
+            # transformers' KV cache exists without full recompute (and context parallelism)
+            variants = [(grp & ~((rec != 2) & (cp == 1)) if key.kv_cache else grp, replace(key, kv_cache=False))]
+            if key.kv_cache:
+                variants.append((grp & (rec != 2) & (cp == 1), key))
+            for msk, k_ in variants:
+                if not msk.any():
+                    continue
+                lc = layer_coefficients(k_)
+                nn, qq = n[msk], nsq[msk]
+                plf[msk] = (lc.tok * nn + lc.sq * qq).astype(I64)
+                tokp[msk] = (lc.tok * nn).astype(I64)
+                sqp[msk] = (lc.sq * qq).astype(I64)
+                kvh[msk] = (lc.held * nn).astype(I64)
+                kvc[msk] = (lc.cache * nn).astype(I64)
+                if lc.transients:
+                    lg = st["layer_grads"][msk]
+                    gpw = lg / lc.weights if lc.weights else np.zeros(len(nn))
+                    after = lc.after or (0.0,) * len(lc.transients)
+                    gs = np.array([(w * gpw).astype(I64) for w in after])
+                    vals = np.array([(a * nn + c * qq + k).astype(I64) for _, a, c, k in lc.transients]) + gs
+                    idx = vals.argmax(0)
+                    cols = np.arange(len(nn))
+                    ttrans[msk], tgrads[msk] = vals[idx, cols], gs[idx, cols]
+                else:
+                    ttrans[msk] = -(1 << 62)
+            msk = grp
+            nn, bb = n[msk], b[msk]
             sp = tpv if tpv > 1 else 1
             lin[msk] = nn * m.hidden_size * pol.stream // sp
-            eh = _embedding_and_head(m, t, pol, nn, stage)
+            eh = _embedding_and_head(m, replace(t, recompute="none"), pol, nn, stage)
             eh_head[msk] = sum((np.broadcast_to(v, nn.shape) for k, v in eh.items() if k in HEAD_KEYS),
                                np.zeros_like(nn))
             eh_rest[msk] = sum((np.broadcast_to(v, nn.shape) for k, v in eh.items() if k not in HEAD_KEYS),
@@ -277,6 +299,7 @@ def _stage(m: ModelSpec, base: TrainingSpec, seq: int, tp, pp, cp, dp, zero, rec
             if not multi or last:
                 h_, l_, f_, k_ = _logits(m, t, pol, nn, bb)
                 held[msk], logp[msk], ce_fwd[msk], ce_bwd[msk] = h_, l_, f_, k_
+                out_logits[msk] = _output_logits(m, t, pol, nn, bb)
     labels = b if m.head == "seq-cls" else n
     inputs = block_np(n * 8) + block_np(labels * 8)
     head_here = (pp == 1) | bool(last)
@@ -286,6 +309,9 @@ def _stage(m: ModelSpec, base: TrainingSpec, seq: int, tp, pp, cp, dp, zero, rec
     cache_head = np.where(head_here & unsharded, st["hmh"], 0) if pol.amp else z
     inflight = np.where((pp > 1) & (not last), np.minimum(pp, ga), 1)
     full = rec == 2
+    if base.attention == "eager" and m.head == "causal-lm" and m.family != "nanogpt" and not last:
+        # the 4-D causal mask checkpointed layers keep (engine: _embedding_and_head "causal_mask")
+        eh_rest = eh_rest + np.where(full, n * seq * pol.stream, 0)
     per_layer = np.select([rec == 0, rec == 1], [plf, tokp], lin)
     rextra = np.select([rec == 0, rec == 1], [z, sqp], plf)
     layer_acts = per_layer * layers * inflight
@@ -309,14 +335,33 @@ def _stage(m: ModelSpec, base: TrainingSpec, seq: int, tp, pp, cp, dp, zero, rec
     acc = ga > 1
     g0 = np.where(acc, G, 0)
     base_b = static + S + inputs + ws2
-    tmp = np.maximum(0, ttrans + rextra)
-    mo_f = base_b + G + opt_tmp
-    mo_a = base_b + g0 + acts_f + held + logp + ce_fwd + fwd_cache_only
-    mo_b = base_b + g0 + acts_f + held + logp + ce_bwd
-    mo_c = base_b + np.where(acc, G, st["head_grads"]) + acts_layers + eh_rest_i + tmp
+    # the layer transient's non-gradient part, then the later linears' gradients (not when
+    # accumulating: all gradients exist then)
+    tmp = np.maximum(0, ttrans - tgrads + rextra)
+    g_lyr = np.where(acc, 0, tgrads)
+    # tensors the model output holds (the fp32 KV cache under autocast) and, when the loop keeps
+    # the output, its logits and whole KV cache (engine: keep, keep_low, keep_end)
+    kv_held = kvh * layers * inflight
+    kv_saved = kvc - kvh
+    keep = base.keep_logits
+    kept = held + (kv_held if keep else 0)
+    kept_low = kept + (kv_saved * (layers - 1) * inflight if keep else 0)
+    kept_end = held + (kv_held + kv_saved * layers * inflight if keep else 0)
+    # a tied head's gradient waits in autograd's input buffer until the embedding's backward
+    tied_g = z.copy()
+    for tpv in np.unique(tp):
+        sel = (tp == tpv) & (pp == 1)
+        if sel.any():
+            tied_g[sel] = _tied_head_grad(m, _spec(base, tpv, 1))
+    mo_f = base_b + G + opt_tmp + kept_end
+    mo_a = base_b + g0 + acts_f + kept_end + out_logits + kv_held + logp + ce_fwd + fwd_cache_only
+    mo_b = base_b + g0 + acts_f + kept + logp + ce_bwd
+    mo_c = base_b + np.where(acc, G, st["head_grads"]) + g_lyr + acts_layers + eh_rest_i + kept + tmp + tied_g
     mo_d = np.where(layers > 1, base_b + np.where(acc, G, st["head_grads"] + (layers - 1) * st["layer_grads"])
-                    + acts_layers // layers + eh_rest_i + tmp, -1)
-    moments = np.stack([mo_f, mo_a, mo_b, mo_c, mo_d])
+                    + g_lyr + acts_layers // layers + eh_rest_i + kept_low + tmp + tied_g, -1)
+    mo_e = np.where(tied_g > 0, base_b + G + kept_end + 2 * tied_g + np.where(acc, tied_g, 0), -1)
+    mo_g = base_b + G + kept_end
+    moments = np.stack([mo_f, mo_a, mo_b, mo_c, mo_d, mo_e, mo_g])
     which = moments.argmax(0)
     peak = moments[which, np.arange(N)]
     over = allocator_overhead(peak)

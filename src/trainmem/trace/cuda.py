@@ -124,6 +124,8 @@ class CudaEmulation(TorchFunctionMode):
             return self._dropout(func, args, kwargs)
         if name == "scaled_dot_product_attention":
             return self._sdpa(args, kwargs, None)
+        if name == "_grouped_mm":
+            return self._grouped_mm(func, args, kwargs)
         return func(*args, **kwargs)
 
     def _host_read(self, name: str, t: torch.Tensor) -> Any:
@@ -169,6 +171,8 @@ class CudaEmulation(TorchFunctionMode):
             return self._dropout(func, args, kwargs)
         if name == "cross_entropy":
             return self._cross_entropy(func, args, kwargs, lower)
+        if name == "_grouped_mm":  # no autocast kernel
+            return self._grouped_mm(func, args, kwargs)
         if name in LOWER_PRECISION:
             args = tuple(self._cast(a, lower, lower) for a in args)
             kwargs = {k: self._cast(v, lower, lower) for k, v in kwargs.items()}
@@ -227,6 +231,19 @@ class CudaEmulation(TorchFunctionMode):
         return torch.nn.functional.nll_loss(lsm32, target, weight, ignore_index=sig["ignore_index"],
                                             reduction=sig["reduction"])
 
+    def _grouped_mm(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        """``torch._grouped_mm`` outside bf16 (fp32 or fp16 experts, e.g. a MoE trained in fp32 or
+        under autocast with fp32 weights). On CUDA ``_grouped_mm_cuda`` takes its CUTLASS kernel for
+        bf16 only and otherwise ``_grouped_mm_fallback`` (one ``mm_out`` per group into the output);
+        the meta kernel of this PyTorch build accepts bf16 only. Same output and autograd record
+        (``GroupedMmBackward0`` saves both operands; backward makes one gradient per operand)."""
+        sig = _bind(None, args, kwargs, ("mat_a", "mat_b", "offs", "bias", "out_dtype"), (None,) * 5)
+        a, b = sig["mat_a"], sig["mat_b"]
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.device.type == EMULATED) \
+                or (a.dtype == b.dtype == torch.bfloat16 and sig["out_dtype"] in (None, torch.bfloat16)):
+            return func(*args, **kwargs)
+        return _GroupedMMFallback.apply(a, b, sig["offs"], sig["bias"], sig["out_dtype"])
+
     def _sdpa(self, args: tuple, kwargs: dict, lower: torch.dtype | None) -> Any:
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
         sig = _bind(None, args, kwargs, names, (None, None, None, None, 0.0, False, None, False))
@@ -279,6 +296,46 @@ class CudaEmulation(TorchFunctionMode):
         align = 4 if q.dtype == torch.float32 else 8
         return (q.dim() == 4 and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
                 and d % align == 0 and v.shape[-1] % align == 0 and q.shape[1] == k.shape[1] and not gqa)
+
+
+def _grouped_mm_out(a: torch.Tensor, b: torch.Tensor, offs: Any, dtype: torch.dtype) -> torch.Tensor:
+    """The output ``create_grouped_gemm_output_tensor`` makes on CUDA (rows padded to 16 bytes)."""
+    if a.dim() == 2:
+        size = [offs.size(0), a.size(0), b.size(1)] if b.dim() == 2 else [a.size(0), b.size(-1)]
+    else:
+        size = [a.size(1), b.size(1)] if b.dim() == 2 else [a.size(0), a.size(1), b.size(-1)]
+    align = 16 // dtype.itemsize
+    padded = -(-size[-1] // align) * align
+    stride = [size[1] * padded, padded, 1] if (a.dim() == 2) == (b.dim() == 2) else [padded, 1]
+    return torch.empty_strided(size, stride, dtype=dtype, device=a.device)
+
+
+class _GroupedMMFallback(torch.autograd.Function):
+    """``_grouped_mm`` as CUDA's fallback runs it, for dtypes the meta kernel refuses."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, offs: Any, bias: Any, out_dtype: Any) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        ctx.offs = offs
+        ctx.bias = None if bias is None else (bias.shape, bias.dtype)
+        out = _grouped_mm_out(a, b, offs, out_dtype or a.dtype)
+        if bias is not None:
+            out.add_(bias)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        a, b = ctx.saved_tensors
+        ga = gb = None
+        if ctx.needs_input_grad[0]:   # _grouped_mm(grad, mat_b^T, offs): an output of mat_a's shape
+            ga = _grouped_mm_out(grad, b.transpose(-2, -1), ctx.offs, a.dtype)
+        if ctx.needs_input_grad[1]:   # laid out as mat_b is (as mm's mat2 gradient), so that a
+            # transposed weight's gradient comes back in the parameter's own layout
+            gb = torch.empty_strided(b.size(), b.stride(), dtype=b.dtype, device=b.device)
+        gbias = None
+        if ctx.needs_input_grad[3] and ctx.bias is not None:
+            gbias = torch.empty(ctx.bias[0], dtype=ctx.bias[1], device=grad.device)
+        return ga, gb, None, gbias, None
 
 
 def _memory_stats(allocator: Any) -> dict[str, int]:

@@ -109,7 +109,7 @@ class PhaseMark:
 
 
 def _op_name(func: Any) -> str:
-    name = getattr(func, "__name__", str(func))
+    name = getattr(func, "__name__", None) or str(func)  # str() only when needed: it is slow
     return name[:-8] if name.endswith(".default") else name
 
 

@@ -1,0 +1,131 @@
+"""Speed and host memory of ``trace`` on a full-size model: Llama-2-7B, one sequence of 4096 tokens,
+bf16 autocast, AdamW, two training steps on one emulated A100.
+
+    .venv/bin/python benchmarks/bench_trace.py              # one run, one table
+    .venv/bin/python benchmarks/bench_trace.py --profile    # and cProfile's hot spots
+
+Targets on the 2-core development machine: < 60 s wall time and < 4 GB peak host memory. The
+trace holds no data (tensors live on the ``meta`` device), so host memory is the interpreter,
+torch, transformers and the tracker's records; time goes into the Python work per ATen op
+(dispatch mode, allocator simulation, weakref finalizers). Host memory is the process's peak
+resident set (``resource.getrusage``, ``ru_maxrss``) — measured in a fresh process, since the peak
+of the benchmark's own process would include whatever ran before it — and the peak of Python
+allocations during the trace (``tracemalloc``, optional: it slows the run down).
+
+The table also prints the trace's own result (peak allocated, reserved, where) next to
+``estimate`` for the same setup.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import platform
+import pstats
+import resource
+import subprocess
+import sys
+import time
+
+MODEL = "llama-2-7b"
+SETUP = dict(batch_size=1, seq_len=4096, precision="bf16-amp", optimizer="adamw")
+STEPS = 2
+TARGET_S = 60.0
+TARGET_RSS = 4 * 10 ** 9
+GiB = 2 ** 30
+
+
+def run_once(trace_malloc: bool = False, profile: bool = False) -> dict:
+    """One trace in this process; returns timings, memory and the report's numbers."""
+    t0 = time.perf_counter()
+    import torch  # noqa: F401  (import cost reported separately)
+    import transformers  # noqa: F401
+    from trainmem.estimate.engine import estimate
+    from trainmem.spec import TrainingSpec, resolve_model
+    from trainmem.trace.api import trace
+    t_import = time.perf_counter() - t0
+    if trace_malloc:
+        import tracemalloc
+        tracemalloc.start()
+    prof = cProfile.Profile() if profile else None
+    t1 = time.perf_counter()
+    if prof:
+        prof.enable()
+    report = trace(MODEL, steps=STEPS, **SETUP)
+    if prof:
+        prof.disable()
+    t_trace = time.perf_counter() - t1
+    py_peak = None
+    if trace_malloc:
+        import tracemalloc
+        py_peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    est = estimate(resolve_model(MODEL), TrainingSpec(**SETUP, keep_logits=False))
+    out = {
+        "import_s": t_import, "trace_s": t_trace, "wall_s": time.perf_counter() - t0,
+        "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "tracemalloc_peak": py_peak,
+        "peak_allocated": report.peak_allocated, "peak_reserved": report.peak_reserved,
+        "peak_phase": report.peak_phase, "peak_where": report.peak_where,
+        "events": report.extra["events"], "ops": report.extra["ops"],
+        "estimate_peak": est.peak_allocated,
+    }
+    if prof:
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
+        out["profile"] = s.getvalue()
+    return out
+
+
+def fresh_process(trace_malloc: bool, profile: bool) -> dict:
+    """Run ``run_once`` in a new interpreter so that ``ru_maxrss`` is this trace's own peak."""
+    t0 = time.perf_counter()
+    cmd = [sys.executable, os.path.abspath(__file__), "--child"]
+    if trace_malloc:
+        cmd.append("--tracemalloc")
+    if profile:
+        cmd.append("--profile")
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out["process_s"] = time.perf_counter() - t0
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", action="store_true", help="cProfile the trace and print the hot spots")
+    ap.add_argument("--tracemalloc", action="store_true", help="also the peak of Python allocations (slower)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.child:
+        print(json.dumps(run_once(a.tracemalloc, a.profile)))
+        return 0
+    r = fresh_process(a.tracemalloc, a.profile)
+    ok_t = r["wall_s"] < TARGET_S
+    ok_m = r["maxrss"] < TARGET_RSS
+    print(f"trace {MODEL}, batch {SETUP['batch_size']} x seq {SETUP['seq_len']}, {SETUP['precision']}, "
+          f"{STEPS} steps — Python {platform.python_version()}, {platform.machine()}, {os.cpu_count()} CPUs")
+    print(f"{'quantity':44s} {'value':>14s}  target")
+    print(f"{'imports (torch, transformers, trainmem)':44s} {r['import_s']:12.2f} s")
+    print(f"{'trace (build model, 2 steps, report)':44s} {r['trace_s']:12.2f} s")
+    print(f"{'wall time in the process':44s} {r['wall_s']:12.2f} s  < {TARGET_S:.0f} s {'ok' if ok_t else 'MISSED'}")
+    print(f"{'peak resident memory (ru_maxrss)':44s} {r['maxrss'] / 1e9:12.2f} GB < {TARGET_RSS / 1e9:.0f} GB "
+          f"{'ok' if ok_m else 'MISSED'}")
+    if r["tracemalloc_peak"] is not None:
+        print(f"{'peak Python allocations (tracemalloc)':44s} {r['tracemalloc_peak'] / 1e6:12.1f} MB")
+    print(f"{'ATen ops seen / allocator events':44s} {r['ops']:>8,d} / {r['events']:,d}")
+    print(f"{'traced peak allocated':44s} {r['peak_allocated'] / GiB:12.2f} GiB at {r['peak_phase']}: "
+          f"{r['peak_where']}")
+    print(f"{'traced peak reserved':44s} {r['peak_reserved'] / GiB:12.2f} GiB")
+    print(f"{'estimate (same setup, keep_logits=False)':44s} {r['estimate_peak'] / GiB:12.2f} GiB "
+          f"({100 * (r['estimate_peak'] / r['peak_allocated'] - 1):+.2f}%)")
+    if r.get("profile"):
+        print("\n--- cProfile of the trace (sorted by own time) ---")
+        print(r["profile"])
+    return 0 if (ok_t and ok_m) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
