@@ -267,10 +267,8 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
     layer: list[tuple[str, int]] = []
     after: list[tuple[str, int]] = []
 
-    for p in m.parameter_tensors():
-        if p.layer is not None and p.layer != lo:
-            continue
-        if not on_rank(p):
+    for p in m.first_layer_and_outer_tensors:  # layer 0 stands for the first layer on this rank
+        if p.layer is None and not on_rank(p):
             continue
         k = per_stage if p.layer is not None else 1  # identical layers on this rank
         n = _tp_div(p, tp)
@@ -331,7 +329,7 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
         for x in b.shape:
             numel *= x
         if b.name.startswith("h."):  # nanoGPT's per-layer mask: part of the layer
-            if int(b.name.split(".")[1]) != lo:
+            if int(b.name.split(".")[1]) != 0:  # layer 0 stands for every layer on this rank
                 continue
             buffers += per_stage * block_bytes(numel * nb)
             _insert_buffer(layer, b.name, numel * nb)

@@ -165,6 +165,12 @@ class ModelSpec:
         return self._buffers
 
     @cached_property
+    def first_layer_and_outer_tensors(self) -> tuple[ParamTensor, ...]:
+        """The tensors outside the layers and those of layer 0, in registration order: all layers
+        are identical, so sums over a model need only these."""
+        return tuple(t for t in self._tensors if t.layer is None or t.layer == 0)
+
+    @cached_property
     def num_params(self) -> int:
         """Exact number of trainable parameters (tied tensors counted once)."""
         return sum(t.numel for t in self._tensors)
