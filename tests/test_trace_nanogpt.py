@@ -88,7 +88,9 @@ def test_steady_state_allocated(traced):
     assert report.phase("optimizer_step", 1).allocated == allocated
     # The tensors match exactly; what differs is fragmentation: how many large blocks are handed out
     # whole because <= 1 MiB would remain. That depends on the run's exact history (PyTorch version,
-    # data-dependent scratch of the embedding backward, evaluation passes before step 1).
+    # data-dependent scratch of the embedding backward, evaluation passes before step 1). The issue asks
+    # for 0.05%; we are at -0.051% (tensors exact, allocator gaps 5.81 MB vs the seed's 6.86 MB), so
+    # this asserts 0.1% and the closing note says the 0.05% is not met.
     assert abs(rel) < 0.001
 
 
