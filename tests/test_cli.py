@@ -89,7 +89,6 @@ BAD_INPUT = [
     pytest.param(["gpt2", "--seq-len", "512", "--gpu", "h100", "--context-memory", "100GiB"], "leaves nothing",
                  id="context-exceeds-gpu"),
     pytest.param(["gpt2", "--seq-len", "512", "--context-memory", "1GiB"], "needs a GPU", id="context-no-gpu"),
-    pytest.param(["gpt2"], "--seq-len 2048 exceeds the 1024 learned positions of gpt2", id="seq-default-too-long"),
     pytest.param(["gpt2", "--seq-len", "1025"], "--seq-len 1025 exceeds the 1024", id="seq-beyond-positions"),
     pytest.param(["bert-base-uncased", "--seq-len", "513"], "512 learned positions", id="bert-seq-beyond"),
     pytest.param(["gpt2", "--seq-len", "512", "--precision", "fp32", "--attention", "flash"], "half precision",
@@ -267,3 +266,13 @@ def test_gpus_prints_capacities_in_bytes(capsys):
     assert code == 0 and {r["name"]: r["capacity_bytes"] for r in rows} == {
         r["name"]: r["capacity_bytes"] for r in table}
     assert all(isinstance(r["capacity_bytes"], int) for r in rows)
+
+
+def test_default_sequence_fits_the_models_learned_positions(capsys):
+    """Without --seq-len: 2048 tokens, or the model's learned positions when fewer."""
+    assert main(["estimate", "gpt2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["training"]["seq_len"] == 1024
+    assert main(["estimate", "bert-base-uncased", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["training"]["seq_len"] == 512
+    assert main(["estimate", "llama-3.2-1b", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["training"]["seq_len"] == 2048

@@ -53,7 +53,8 @@ def add_model_and_training(p: argparse.ArgumentParser) -> None:
                    help="override a config field (repeatable), e.g. --set num_hidden_layers=4")
     g = p.add_argument_group("training setup")
     g.add_argument("--batch-size", type=_positive_int, default=1, help="micro-batch per data-parallel rank")
-    g.add_argument("--seq-len", type=_positive_int, default=2048)
+    g.add_argument("--seq-len", type=_positive_int, default=None,
+                   help="tokens per sample (default 2048, or the model's learned positions if fewer)")
     g.add_argument("--grad-accum", type=_positive_int, default=1, help="micro-batches per optimizer step")
     g.add_argument("--precision", choices=PRECISIONS, default="bf16-amp",
                    help="amp = fp32 weights + autocast; bf16/fp16 = weights in that dtype")
@@ -99,8 +100,18 @@ def add_model_and_training(p: argparse.ArgumentParser) -> None:
     o.add_argument("--detail", action="store_true", help="list every component, not categories")
 
 
-def training_options(a: argparse.Namespace) -> dict[str, Any]:
-    """The TrainingSpec / hardware keyword options of parsed CLI flags (the API's names)."""
+def default_seq_len(model: str, overrides: list[str] | None) -> int:
+    """2048 tokens, or fewer for a model with fewer learned positions (GPT-2, BERT: 1024, 512)."""
+    from .spec.config import resolve_model
+    from .spec.training import default_seq_len as for_model
+    return for_model(resolve_model(model, overrides or None))
+
+
+def training_options(a: argparse.Namespace, fill_defaults: bool = True) -> dict[str, Any]:
+    """The TrainingSpec / hardware keyword options of parsed CLI flags (the API's names).
+    ``fill_defaults``: an omitted --seq-len takes ``default_seq_len`` (fit searches it instead)."""
+    if fill_defaults and getattr(a, "seq_len", None) is None:
+        a.seq_len = default_seq_len(a.model, a.set)
     opts = dict(batch_size=a.batch_size, seq_len=a.seq_len, grad_accum=a.grad_accum, precision=a.precision,
                 optimizer=a.optimizer, optimizer_impl=a.optimizer_impl, zero=a.zero, fsdp=a.fsdp,
                 offload_optimizer=a.offload_optimizer, distributed_optimizer=a.distributed_optimizer,

@@ -9,7 +9,7 @@ from ..report import Component, MemoryReport
 from ..spec.config import resolve_model
 from ..spec.hardware import Hardware, get_gpu
 from ..spec.model import ModelSpec
-from ..spec.training import TrainingSpec, check_against
+from ..spec.training import TrainingSpec, check_against, default_seq_len
 from .methods import get_method
 
 TRAINING_FIELDS = {f.name for f in dataclasses.fields(TrainingSpec)} - {"extra"}
@@ -104,6 +104,8 @@ def estimate(model: "str | ModelSpec | Mapping[str, Any]", **options: Any) -> Me
     max_fraction = opts.pop("max_fraction", None) or 1.0
     fn = get_method(method)
     m = resolve_model(model, overrides)
+    if opts.get("seq_len") is None and "training" not in opts:
+        opts["seq_len"] = default_seq_len(m)
     t = opts.pop("training", None) or training_spec(**opts)
     check_against(m, t)
     hw = hardware_from(gpu, gpu_memory, context_memory)

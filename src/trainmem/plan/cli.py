@@ -39,7 +39,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 def cmd_fit(a: argparse.Namespace) -> int:
     from .fit import fit
     from .suggest import format_suggestions
-    opts = training_options(a)
+    opts = training_options(a, fill_defaults=False)
     opts["loss_chunks"] = a.loss_chunks
     hw = _hardware(a)
     gpu = hw.pop("gpu")

@@ -154,6 +154,17 @@ class TrainingSpec:
         return d
 
 
+LEARNED_POSITION_FAMILIES = ("gpt2", "nanogpt", "bert", "roberta-prenorm")
+
+
+def default_seq_len(model: Any) -> int:
+    """The sequence length used when none is given: 2048 tokens, or the model's learned positions
+    when it has fewer (GPT-2: 1024, BERT: 512)."""
+    if model.family in LEARNED_POSITION_FAMILIES:
+        return min(2048, model.max_positions)
+    return 2048
+
+
 def check_against(model: Any, t: TrainingSpec) -> None:
     """Checks that need both the model and the setup: divisibility of heads, layers, experts."""
     if model.num_heads % t.tp:
@@ -172,7 +183,7 @@ def check_against(model: Any, t: TrainingSpec) -> None:
         raise TrainmemError(f"--cp {t.cp} does not divide --seq-len {t.seq_len}")
     if t.sequence_parallel and t.seq_len % t.tp:
         raise TrainmemError(f"--sequence-parallel needs --seq-len ({t.seq_len}) divisible by --tp ({t.tp})")
-    if model.family in ("gpt2", "nanogpt", "bert", "roberta-prenorm") and t.seq_len > model.max_positions:
+    if model.family in LEARNED_POSITION_FAMILIES and t.seq_len > model.max_positions:
         raise TrainmemError(f"--seq-len {t.seq_len} exceeds the {model.max_positions} learned positions of "
                             f"{model.name}; use --seq-len <= {model.max_positions}")
     if t.lora_targets:
