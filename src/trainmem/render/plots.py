@@ -61,8 +61,9 @@ def _colours() -> dict[str, Any]:
 
 
 def _title(sweep, what: str) -> str:
+    import textwrap
     on = f" on {sweep.gpu}" if sweep.gpu else ""
-    return f"{sweep.model}{on}: {what} (method {sweep.method})"
+    return "\n".join(textwrap.wrap(f"{sweep.model}{on}: {what} (method {sweep.method})", 64))
 
 
 def plot_heatmap(sweep, path: str, units: str = "GiB", title: str | None = None) -> dict[str, Any]:
