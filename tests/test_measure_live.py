@@ -10,12 +10,7 @@ torch = pytest.importorskip("torch")
 from trainmem.measure import LiveBytes, profiler_peak, storage_preserved  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _mlp_step():

@@ -28,12 +28,7 @@ CONFIGS = {
 SETUP = dict(batch_size=2, seq_len=32, precision="fp32")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def trainmem_params(model, overrides):

@@ -24,12 +24,7 @@ IMPLS = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": 
 B, S = 2, 32
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
