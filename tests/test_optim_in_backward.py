@@ -12,12 +12,7 @@ from trainmem.optim import (GlobalClipError, GradientAccumulationError,  # noqa:
                             OptimizerInBackward, optimizer_in_backward)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # deterministic matmuls: results comparable bit for bit
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # deterministic matmuls: bit-for-bit comparisons
 
 
 def _model():
