@@ -177,6 +177,12 @@ class _LoadSim:
     def signature(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return tuple(sorted(self.small)), tuple(sorted(self.large))
 
+    def prune(self, min_small: int, min_large: int) -> None:
+        """Forget free remainders smaller than every request still to come in their pool: best fit
+        can never pick them, so dropping them changes no outcome (and lets layers repeat)."""
+        self.small = [b for b in self.small if b >= min_small]
+        self.large = [b for b in self.large if b >= min_large]
+
 
 @lru_cache(maxsize=4096)
 def _placed_bytes(before: tuple[int, ...], layer: tuple[int, ...], layers: int, after: tuple[int, ...]) -> int:
@@ -187,9 +193,14 @@ def _placed_bytes(before: tuple[int, ...], layer: tuple[int, ...], layers: int, 
     sim = _LoadSim()
     for x in before:
         sim.allocate(x)
+    future = [max(MIN_BLOCK, -(-x // MIN_BLOCK) * MIN_BLOCK) for x in layer + after]
+    huge = 1 << 62
+    min_small = min((r for r in future if r <= SMALL), default=huge)
+    min_large = min((r for r in future if r > SMALL), default=huge)
     seen: dict[tuple, tuple[int, int]] = {}
     i = 0
     while i < layers:
+        sim.prune(min_small, min_large)
         sig = sim.signature()
         if sig in seen:
             j, alloc_j = seen[sig]
