@@ -1,5 +1,19 @@
-"""Shared fixtures."""
+"""Shared fixtures and helpers."""
+import importlib.util
+import sys
+from pathlib import Path
+
 import pytest
+
+
+def load_benchmark(name: str):
+    """Import ``benchmarks/<name>.py`` as a module (tests reuse the benchmarks' setups)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
 
 
 @pytest.fixture

@@ -8,27 +8,20 @@ marked slow. Bounds: |estimate / trace - 1| of the peak has a median
 """
 from __future__ import annotations
 
-import importlib.util
 import statistics
-import sys
-from pathlib import Path
 
 import pytest
+from conftest import load_benchmark
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_agreement.py"
 MEDIAN, MAX = 0.01, 0.03
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_agreement", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("bench_agreement")
 
 
 @pytest.fixture(scope="module")

@@ -3,24 +3,16 @@ peak by at least 20 % on seed 004's Linear stack and on a small Llama, and ends 
 parameters as the standard loop."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from conftest import load_benchmark
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_optim_in_backward.py"
-
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_optim_in_backward", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("bench_optim_in_backward")
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield mod, mod.workloads(quick=True)

@@ -21,7 +21,7 @@ from ..spec.training import TrainingSpec
 from .layers import LayerKey, layer_coefficients, Policy
 from .states import States, model_states, block_bytes, default_lora_targets
 
-CUBLAS_WORKSPACE = 4096 * 1024 * 2 + 16 * 1024 * 8  # 8,519,680 B: PyTorch's default ":4096:2:16:8"
+from ..spec.hardware import CUBLAS_WORKSPACE  # 8,519,680 B per handle
 F32 = 4
 
 

@@ -31,6 +31,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from ..estimate.api import OVERHEAD_DIVISOR
 from ..estimate.engine import (CUBLAS_WORKSPACE, _embedding_and_head, _layer_key, _logits, _output_logits,
                                _tied_head_grad)
 from ..estimate.layers import Policy, layer_coefficients
@@ -55,7 +56,7 @@ def block_np(nbytes: np.ndarray) -> np.ndarray:
 
 def allocator_overhead(peak: np.ndarray) -> np.ndarray:
     """``estimate.api.allocator_overhead`` on an array: reserved - allocated = 1/32 of the peak."""
-    return peak // 32
+    return peak // OVERHEAD_DIVISOR
 
 
 def group_rows(*cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

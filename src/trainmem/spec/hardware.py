@@ -11,6 +11,12 @@ from ..errors import TrainmemError
 from ..units import MiB, parse_bytes
 
 
+# cuBLAS workspace per handle with PyTorch's default CUBLAS_WORKSPACE_CONFIG ":4096:2:16:8"
+# (two 4 MiB and eight 16 KiB chunks = 8,519,680 B; aten/src/ATen/cuda/CublasHandlePool.cpp). One
+# handle per thread that runs matmuls: the forward thread and autograd's backward thread (seed 001).
+CUBLAS_WORKSPACE = 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
 @dataclass(frozen=True)
 class Hardware:
     """A GPU. ``capacity`` is total device memory in bytes as NVML reports it; ``context`` the

@@ -39,7 +39,7 @@ from .allocator import CachingAllocator, ExactAllocator
 
 #: cuBLAS workspace per handle with PyTorch's default CUBLAS_WORKSPACE_CONFIG (":4096:2:16:8")
 #: before Hopper: 4096 KiB x 2 + 16 KiB x 8 = 8,519,680 B. Hopper (sm90) defaults to 32 MiB.
-CUBLAS_WORKSPACE = 4096 * 1024 * 2 + 16 * 1024 * 8
+from ..spec.hardware import CUBLAS_WORKSPACE
 CUBLAS_WORKSPACE_SM90 = 4096 * 8 * 1024
 
 _aten = torch.ops.aten

@@ -14,7 +14,7 @@ Number = Union[int, Fraction]
 #: a 4096 KiB x 2 pool plus a 16 KiB x 8 pool, as PyTorch's CublasHandlePool sizes it.
 #: PyTorch creates one handle per thread, so forward (main thread) and backward (autograd
 #: thread) each own one. Seeds 001 and 003 both count 8,519,680 bytes per handle.
-CUBLAS_WORKSPACE_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8
+from ...spec.hardware import CUBLAS_WORKSPACE as CUBLAS_WORKSPACE_BYTES
 
 
 def ceil_bytes(x: Number) -> int:
