@@ -191,8 +191,8 @@ def _count(cfg: Mapping[str, Any], name: str, key: str, default: int) -> int:
     return int(v)
 
 
-def spec_from_config(config: Mapping[str, Any], name: str = "model") -> ModelSpec:
-    """Parse a Hugging Face ``config.json`` dict into a ModelSpec."""
+def _header(config: Mapping[str, Any], name: str) -> tuple[dict[str, Any], Mapping[str, Any], str, str]:
+    """Check the fields every config needs; return (config, its '_trainmem' extras, model_type, architecture)."""
     if not isinstance(config, Mapping):
         raise TrainmemError(f"malformed config for {name!r}: expected a JSON object")
     cfg = dict(config)
@@ -210,70 +210,89 @@ def spec_from_config(config: Mapping[str, Any], name: str = "model") -> ModelSpe
     arch = archs[0] if archs else ""
     if not isinstance(arch, str):
         raise TrainmemError(f"malformed config for {name!r}: 'architectures' must list class names, got {arch!r}")
+    return cfg, extra, mtype, arch
+
+
+def _gpt2_spec(cfg: dict[str, Any], extra: Mapping[str, Any], arch: str, name: str,
+               common: dict[str, Any]) -> ModelSpec:
+    """GPT-2 configs, and nanoGPT's (no biases) as family ``nanogpt``."""
+    h = _int(cfg, name, "n_embd", "hidden_size")
+    family = extra.get("family") or ("nanogpt" if cfg.get("bias") is False else "gpt2")
+    bias = cfg.get("bias", True) is not False
+    return ModelSpec(
+        family=family, head=_head(arch or "GPT2LMHeadModel", name),
+        num_layers=_int(cfg, name, "n_layer", "num_hidden_layers"), hidden_size=h,
+        num_heads=_int(cfg, name, "n_head", "num_attention_heads"),
+        vocab_size=_int(cfg, name, "vocab_size"),
+        ffn_size=_int(cfg, name, "n_inner", default=4 * h),
+        activation=_activation(cfg.get("activation_function", "gelu_new"), name),
+        max_positions=_int(cfg, name, "n_positions", "max_position_embeddings", default=1024),
+        norm="layernorm", qkv_bias=bias, out_bias=bias, mlp_bias=bias, norm_bias=bias,
+        tied_embeddings=cfg.get("tie_word_embeddings", True), position="learned",
+        hidden_dropout=_float(cfg, name, "resid_pdrop", "dropout", default=0.1),
+        attention_dropout=_float(cfg, name, "attn_pdrop", "dropout", default=0.1),
+        causal_mask_buffer=bool(extra.get("causal_mask_buffer", False)), **common)
+
+
+def _bert_spec(cfg: dict[str, Any], mtype: str, arch: str, name: str, common: dict[str, Any]) -> ModelSpec:
+    """BERT (post-norm) and XLM-RoBERTa-XL (pre-norm, family ``roberta-prenorm``)."""
+    family = "bert" if mtype == "bert" else "roberta-prenorm"
+    return ModelSpec(
+        family=family,
+        head=_head(arch or ("BertForMaskedLM" if mtype == "bert" else "XLMRobertaXLForMaskedLM"), name),
+        num_layers=_int(cfg, name, "num_hidden_layers"), hidden_size=_int(cfg, name, "hidden_size"),
+        num_heads=_int(cfg, name, "num_attention_heads"), vocab_size=_int(cfg, name, "vocab_size"),
+        ffn_size=_int(cfg, name, "intermediate_size"),
+        activation=_activation(cfg.get("hidden_act", "gelu"), name),
+        max_positions=_int(cfg, name, "max_position_embeddings", default=512),
+        norm="layernorm", qkv_bias=True, out_bias=True, mlp_bias=True, norm_bias=True,
+        tied_embeddings=cfg.get("tie_word_embeddings", True), position="learned",
+        type_vocab_size=_int(cfg, name, "type_vocab_size", default=2),
+        hidden_dropout=_float(cfg, name, "hidden_dropout_prob", default=0.1),
+        attention_dropout=_float(cfg, name, "attention_probs_dropout_prob", default=0.1),
+        pre_norm=family != "bert", embedding_norm=family == "bert", final_norm=family != "bert",
+        **common)
+
+
+def _llama_spec(cfg: dict[str, Any], extra: Mapping[str, Any], mtype: str, arch: str, name: str,
+                common: dict[str, Any]) -> ModelSpec:
+    """Llama, Mistral, Qwen2 and Mixtral: SwiGLU, RMSNorm, rotary positions, grouped KV heads."""
+    family = extra.get("family") or _LLAMA_LIKE[mtype]
+    act = str(cfg.get("hidden_act", "silu")).lower()
+    if act not in ("silu", "swish"):
+        raise TrainmemError(f"model {name!r}: unsupported gated activation {act!r} (trainmem knows SwiGLU/silu)")
+    heads = _int(cfg, name, "num_attention_heads")
+    h = _int(cfg, name, "hidden_size")
+    attn_bias = bool(cfg.get("attention_bias", False))
+    return ModelSpec(
+        family=family, head=_head(arch or "LlamaForCausalLM", name),
+        num_layers=_int(cfg, name, "num_hidden_layers"), hidden_size=h, num_heads=heads,
+        num_kv_heads=_int(cfg, name, "num_key_value_heads", default=heads),
+        # without head_dim, ModelSpec derives hidden/heads (and explains when it does not divide)
+        head_dim=_int(cfg, name, "head_dim") if cfg.get("head_dim") is not None else None,
+        vocab_size=_int(cfg, name, "vocab_size"), ffn_size=_int(cfg, name, "intermediate_size"),
+        activation="swiglu",
+        max_positions=_int(cfg, name, "max_position_embeddings", default=4096),
+        norm="rmsnorm", qkv_bias=attn_bias or mtype == "qwen2", out_bias=attn_bias,
+        mlp_bias=bool(cfg.get("mlp_bias", False)), norm_bias=False,
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)), position="rotary",
+        attention_dropout=_float(cfg, name, "attention_dropout", default=0.0),
+        num_experts=_count(cfg, name, "num_local_experts", 0) if mtype == "mixtral" else 0,
+        experts_top_k=_count(cfg, name, "num_experts_per_tok", 2) if mtype == "mixtral" else 0,
+        **common)
+
+
+def spec_from_config(config: Mapping[str, Any], name: str = "model") -> ModelSpec:
+    """Parse a Hugging Face ``config.json`` dict into a ModelSpec."""
+    cfg, extra, mtype, arch = _header(config, name)
     common: dict[str, Any] = dict(name=name, model_type=mtype, architecture=arch, config=cfg,
                                   num_labels=_num_labels(cfg, name))
-
     if mtype == "gpt2":
-        h = _int(cfg, name, "n_embd", "hidden_size")
-        family = extra.get("family") or ("nanogpt" if cfg.get("bias") is False else "gpt2")
-        bias = cfg.get("bias", True) is not False
-        return ModelSpec(
-            family=family, head=_head(arch or "GPT2LMHeadModel", name),
-            num_layers=_int(cfg, name, "n_layer", "num_hidden_layers"), hidden_size=h,
-            num_heads=_int(cfg, name, "n_head", "num_attention_heads"),
-            vocab_size=_int(cfg, name, "vocab_size"),
-            ffn_size=_int(cfg, name, "n_inner", default=4 * h),
-            activation=_activation(cfg.get("activation_function", "gelu_new"), name),
-            max_positions=_int(cfg, name, "n_positions", "max_position_embeddings", default=1024),
-            norm="layernorm", qkv_bias=bias, out_bias=bias, mlp_bias=bias, norm_bias=bias,
-            tied_embeddings=cfg.get("tie_word_embeddings", True), position="learned",
-            hidden_dropout=_float(cfg, name, "resid_pdrop", "dropout", default=0.1),
-            attention_dropout=_float(cfg, name, "attn_pdrop", "dropout", default=0.1),
-            causal_mask_buffer=bool(extra.get("causal_mask_buffer", False)), **common)
-
+        return _gpt2_spec(cfg, extra, arch, name, common)
     if mtype in ("bert", "xlm-roberta-xl"):
-        family = "bert" if mtype == "bert" else "roberta-prenorm"
-        return ModelSpec(
-            family=family,
-            head=_head(arch or ("BertForMaskedLM" if mtype == "bert" else "XLMRobertaXLForMaskedLM"), name),
-            num_layers=_int(cfg, name, "num_hidden_layers"), hidden_size=_int(cfg, name, "hidden_size"),
-            num_heads=_int(cfg, name, "num_attention_heads"), vocab_size=_int(cfg, name, "vocab_size"),
-            ffn_size=_int(cfg, name, "intermediate_size"),
-            activation=_activation(cfg.get("hidden_act", "gelu"), name),
-            max_positions=_int(cfg, name, "max_position_embeddings", default=512),
-            norm="layernorm", qkv_bias=True, out_bias=True, mlp_bias=True, norm_bias=True,
-            tied_embeddings=cfg.get("tie_word_embeddings", True), position="learned",
-            type_vocab_size=_int(cfg, name, "type_vocab_size", default=2),
-            hidden_dropout=_float(cfg, name, "hidden_dropout_prob", default=0.1),
-            attention_dropout=_float(cfg, name, "attention_probs_dropout_prob", default=0.1),
-            pre_norm=family != "bert", embedding_norm=family == "bert", final_norm=family != "bert",
-            **common)
-
+        return _bert_spec(cfg, mtype, arch, name, common)
     if mtype in _LLAMA_LIKE:
-        family = extra.get("family") or _LLAMA_LIKE[mtype]
-        act = str(cfg.get("hidden_act", "silu")).lower()
-        if act not in ("silu", "swish"):
-            raise TrainmemError(f"model {name!r}: unsupported gated activation {act!r} (trainmem knows SwiGLU/silu)")
-        heads = _int(cfg, name, "num_attention_heads")
-        h = _int(cfg, name, "hidden_size")
-        attn_bias = bool(cfg.get("attention_bias", False))
-        return ModelSpec(
-            family=family, head=_head(arch or "LlamaForCausalLM", name),
-            num_layers=_int(cfg, name, "num_hidden_layers"), hidden_size=h, num_heads=heads,
-            num_kv_heads=_int(cfg, name, "num_key_value_heads", default=heads),
-            # without head_dim, ModelSpec derives hidden/heads (and explains when it does not divide)
-            head_dim=_int(cfg, name, "head_dim") if cfg.get("head_dim") is not None else None,
-            vocab_size=_int(cfg, name, "vocab_size"), ffn_size=_int(cfg, name, "intermediate_size"),
-            activation="swiglu",
-            max_positions=_int(cfg, name, "max_position_embeddings", default=4096),
-            norm="rmsnorm", qkv_bias=attn_bias or mtype == "qwen2", out_bias=attn_bias,
-            mlp_bias=bool(cfg.get("mlp_bias", False)), norm_bias=False,
-            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)), position="rotary",
-            attention_dropout=_float(cfg, name, "attention_dropout", default=0.0),
-            num_experts=_count(cfg, name, "num_local_experts", 0) if mtype == "mixtral" else 0,
-            experts_top_k=_count(cfg, name, "num_experts_per_tok", 2) if mtype == "mixtral" else 0,
-            **common)
-
+        return _llama_spec(cfg, extra, mtype, arch, name, common)
     raise TrainmemError(f"model {name!r}: unsupported model_type {mtype!r} (trainmem knows gpt2, bert, "
                         f"xlm-roberta-xl, llama, mistral, qwen2, mixtral)")
 

@@ -393,42 +393,41 @@ def _bind(func: Callable | None, args: tuple, kwargs: dict, names: tuple, defaul
 
 
 # ----- torch.cuda and friends ---------------------------------------------------------------------
-@contextlib.contextmanager
-def cuda_environment(allocator: Any, *, capability: tuple[int, int] = (8, 0), capacity: int | None = None,
-                     name: str = "trainmem emulated GPU", emulation: CudaEmulation | None = None) -> Iterator[None]:
-    """Patch ``torch.cuda`` (and the optimizer device checks) so CUDA code takes its CUDA paths."""
-    import torch.optim.optimizer as _opt
-    import torch.utils._foreach_utils as _fe
-    import torch.utils.checkpoint as _ckpt
+class _Stream:
+    """A CUDA stream (and context manager) that does nothing: the emulation has one timeline."""
 
-    cap = capacity or 80 * 1024 ** 3
+    def __init__(self, *a: Any, **k: Any) -> None:
+        self.device = torch.device("cuda", 0)
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait_stream(self, *a: Any) -> None:
+        pass
+
+    def __enter__(self) -> "_Stream":
+        return self
+
+    def __exit__(self, *a: Any) -> None:
+        pass
+
+
+class _Event(_Stream):
+    """A CUDA event that records nothing and measures zero time."""
+
+    def record(self, *a: Any) -> None:
+        pass
+
+    def elapsed_time(self, *a: Any) -> float:
+        return 0.0
+
+
+def _torch_cuda_patches(allocator: Any, capability: tuple[int, int], cap: int,
+                        name: str) -> dict[tuple[Any, str], Any]:
+    """``torch.cuda``'s device queries, memory statistics (from ``allocator``), RNG and streams."""
     props = _DeviceProperties(name=name, major=capability[0], minor=capability[1], total_memory=cap,
                               multi_processor_count=132, is_integrated=False, is_multi_gpu_board=False)
-
-    class _Stream:
-        def __init__(self, *a: Any, **k: Any) -> None:
-            self.device = torch.device("cuda", 0)
-
-        def synchronize(self) -> None:
-            pass
-
-        def wait_stream(self, *a: Any) -> None:
-            pass
-
-        def __enter__(self) -> "_Stream":
-            return self
-
-        def __exit__(self, *a: Any) -> None:
-            pass
-
-    class _Event(_Stream):
-        def record(self, *a: Any) -> None:
-            pass
-
-        def elapsed_time(self, *a: Any) -> float:
-            return 0.0
-
-    patches: dict[tuple[Any, str], Any] = {
+    return {
         (torch.cuda, "is_available"): lambda: True,
         (torch.cuda, "is_initialized"): lambda: True,
         (torch.cuda, "_lazy_init"): lambda: None,
@@ -463,6 +462,16 @@ def cuda_environment(allocator: Any, *, capability: tuple[int, int] = (8, 0), ca
         (torch.cuda, "stream"): lambda *a, **k: contextlib.nullcontext(),
         (torch.cuda, "device"): lambda *a, **k: contextlib.nullcontext(),
     }
+
+
+def _device_check_patches() -> dict[tuple[Any, str], Any]:
+    """Optimizers' foreach / fused / capturable device lists and checkpoint's device inference
+    accept the emulated device, so they take their CUDA paths."""
+    import torch.optim.optimizer as _opt
+    import torch.utils._foreach_utils as _fe
+    import torch.utils.checkpoint as _ckpt
+
+    patches: dict[tuple[Any, str], Any] = {}
     foreach_devices = _fe._get_foreach_kernels_supported_devices
     fused_devices = _fe._get_fused_kernels_supported_devices
     patches[(_opt, "_get_foreach_kernels_supported_devices")] = lambda: foreach_devices() + [EMULATED]
@@ -476,6 +485,13 @@ def cuda_environment(allocator: Any, *, capability: tuple[int, int] = (8, 0), ca
     infer = getattr(_ckpt, "_infer_device_type", None)
     if infer is not None:
         patches[(_ckpt, "_infer_device_type")] = lambda *a: (lambda d: "cuda" if d == EMULATED else d)(infer(*a))
+    return patches
+
+
+def _emulation_patches(emulation: CudaEmulation | None) -> dict[tuple[Any, str], Any]:
+    """``torch.clear_autocast_cache`` also clears the emulation's weight-cast cache; Python that
+    runs inside backward runs under the emulation."""
+    patches: dict[tuple[Any, str], Any] = {}
     orig_clear = torch.clear_autocast_cache
 
     def clear_autocast_cache() -> None:
@@ -502,7 +518,12 @@ def cuda_environment(allocator: Any, *, capability: tuple[int, int] = (8, 0), ca
 
         patches[(_graph.saved_tensors_hooks, "__init__")] = init
         patches[(_fn.BackwardCFunction, "apply")] = apply
+    return patches
 
+
+@contextlib.contextmanager
+def _patched(patches: dict[tuple[Any, str], Any]) -> Iterator[None]:
+    """Set each (object, attribute) to its value; restore (or delete) the originals on exit."""
     saved = {}
     for (obj, attr), val in patches.items():
         saved[(obj, attr)] = vars(obj).get(attr, _MISSING)
@@ -518,6 +539,18 @@ def cuda_environment(allocator: Any, *, capability: tuple[int, int] = (8, 0), ca
                     pass
             else:
                 setattr(obj, attr, val)
+
+
+@contextlib.contextmanager
+def cuda_environment(allocator: Any, *, capability: tuple[int, int] = (8, 0), capacity: int | None = None,
+                     name: str = "trainmem emulated GPU", emulation: CudaEmulation | None = None) -> Iterator[None]:
+    """Patch ``torch.cuda`` (and the optimizer device checks) so CUDA code takes its CUDA paths."""
+    cap = capacity or 80 * 1024 ** 3
+    patches = _torch_cuda_patches(allocator, capability, cap, name)
+    patches.update(_device_check_patches())
+    patches.update(_emulation_patches(emulation))
+    with _patched(patches):
+        yield
 
 
 _MISSING = object()
