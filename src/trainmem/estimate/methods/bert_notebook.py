@@ -155,22 +155,8 @@ def temp_gradient_bytes(batch_size: int, seq_len: int, hidden: int, intermediate
     return b * s * i * e + i * h * e + 2 * b * s * i + h * h * e - b * s * h
 
 
-def estimate(model, training):
-    """The notebook's per-phase prediction of allocated memory for two training iterations.
-
-    Counts weights W (:func:`weight_bytes`, allocator-rounded), gradients W, optimizer
-    moments k·W (Adam k = 2), forward tensors F (:func:`forward_tensors`), one cuBLAS
-    workspace per handle (forward, then backward) and the temporary gradient term
-    (:func:`temp_gradient_bytes`). Phases (allocated at the end, peak within): model_loaded W;
-    forward(1) W + F + ws; backward(1) 2W + 2ws, peak W + F + 2ws + temp; optimizer_step(1)
-    (2 + k)W + 2ws; zero_grad(1) (1 + k)W + 2ws; step 2 alike with the moments already
-    there; the overall peak (1 + k)W + F + 2ws + temp in backward(2). Element size 4 in fp32,
-    2 otherwise. Source: seed 003.
-    """
-    b, s = training.batch_size, training.seq_len
-    wb = training.weight_bytes
-    e = 4 if training.precision == "fp32" else 2
-    k = _MOMENTS.get(training.optimizer, 2)
+def _warnings(model, training) -> list[str]:
+    """What the notebook's accounting does not model for this run, one sentence each."""
     warnings: list[str] = []
     if training.precision != "fp32":
         warnings.append("the bert-notebook method was validated in fp32 only; 16-bit runs keep a mix of dtypes")
@@ -182,15 +168,11 @@ def estimate(model, training):
     if training.world_size > 1 or training.recompute != "none" or training.grad_accum > 1:
         warnings.append("bert-notebook models one GPU, no recomputation, no gradient accumulation; "
                         "those settings are ignored")
-    hd = training.dropout and model.hidden_dropout > 0
-    ad = training.dropout and model.attention_dropout > 0
+    return warnings
 
-    W = weight_bytes(model, wb)
-    tensors = forward_tensors(model, b, s, e, hd, ad)
-    F = sum(n for _, _, n in tensors)
-    ws = CUBLAS_WORKSPACE_BYTES
-    temp = temp_gradient_bytes(b, s, model.hidden_size, model.ffn_size, e)
 
+def _phases(W: int, F: int, ws: int, temp: int, k: int) -> list[Phase]:
+    """model_loaded, then forward / backward / optimizer_step / zero_grad of steps 1 and 2."""
     phases: list[Phase] = [Phase("model_loaded", 1, W, W)]
     moments = 0  # Adam's moments appear in the first optimizer step
     for step in (1, 2):
@@ -204,9 +186,12 @@ def estimate(model, training):
         phases.append(Phase("optimizer_step", step, opt, opt))
         zg = W + moments + 2 * ws  # gradients released (set to None)
         phases.append(Phase("zero_grad", step, zg, opt))
-    peak = max(p.peak for p in phases)
-    peak_step = max((p for p in phases), key=lambda p: (p.peak, p.step))
+    return phases
 
+
+def _components(tensors: list[tuple[str, int, int]], W: int, k: int, ws: int, temp: int,
+                wb: int, e: int) -> list[Component]:
+    """The components alive at the peak: weights, moments, forward tensors by group, workspaces, temp."""
     groups: dict[str, int] = {}
     for name, _, n in tensors:
         key = "inputs" if name in ("inputs", "targets") else \
@@ -215,7 +200,7 @@ def estimate(model, training):
         groups[key] = groups.get(key, 0) + n
     wdt = "fp32" if wb == 4 else "16-bit"
     edt = "fp32" if e == 4 else "16-bit"
-    comps = [
+    return [
         Component("parameters", "parameters", W, wdt, "Σ allocator_block(numel·bytes) over weights", persistent=True),
         Component("optimizer_states", "optimizer_states", k * W, wdt, f"{k} × weights (Adam moments)",
                   persistent=True),
@@ -232,6 +217,38 @@ def estimate(model, training):
         Component("temporaries.gradient_calculation", "temporaries", temp, edt,
                   "b·s·i·e + i·h·e + 2·b·s·i + h·h·e − b·s·h"),
     ]
+
+
+def estimate(model, training):
+    """The notebook's per-phase prediction of allocated memory for two training iterations.
+
+    Counts weights W (:func:`weight_bytes`, allocator-rounded), gradients W, optimizer
+    moments k·W (Adam k = 2), forward tensors F (:func:`forward_tensors`), one cuBLAS
+    workspace per handle (forward, then backward) and the temporary gradient term
+    (:func:`temp_gradient_bytes`). Phases (allocated at the end, peak within): model_loaded W;
+    forward(1) W + F + ws; backward(1) 2W + 2ws, peak W + F + 2ws + temp; optimizer_step(1)
+    (2 + k)W + 2ws; zero_grad(1) (1 + k)W + 2ws; step 2 alike with the moments already
+    there; the overall peak (1 + k)W + F + 2ws + temp in backward(2). Element size 4 in fp32,
+    2 otherwise. Source: the notebook.
+    """
+    b, s = training.batch_size, training.seq_len
+    wb = training.weight_bytes
+    e = 4 if training.precision == "fp32" else 2
+    k = _MOMENTS.get(training.optimizer, 2)
+    warnings = _warnings(model, training)
+    hd = training.dropout and model.hidden_dropout > 0
+    ad = training.dropout and model.attention_dropout > 0
+
+    W = weight_bytes(model, wb)
+    tensors = forward_tensors(model, b, s, e, hd, ad)
+    F = sum(n for _, _, n in tensors)
+    ws = CUBLAS_WORKSPACE_BYTES
+    temp = temp_gradient_bytes(b, s, model.hidden_size, model.ffn_size, e)
+
+    phases = _phases(W, F, ws, temp, k)
+    peak = max(p.peak for p in phases)
+    peak_step = max((p for p in phases), key=lambda p: (p.peak, p.step))
+    comps = _components(tensors, W, k, ws, temp, wb, e)
     # The components are those alive at the peak (backward of the last encoder layer, the first
     # one back-propagated): no full set of parameter gradients yet, so they sum to the peak.
     report = simple_report(METHOD, model, training, comps, peak_allocated=peak, phases=phases,
