@@ -4,12 +4,12 @@ Standard: ``loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)``.
 In-backward: ``trainmem.optim.optimizer_in_backward`` (one AdamW per parameter, stepped from its
 post-accumulate-grad hook, gradient freed at once).
 
-Each run builds the model from the same seed, trains ``--steps`` steps on the same batches with
+Each run builds the model from the same random seed, trains ``--steps`` steps on the same batches with
 the same hyper-parameters, and measures live tensor bytes with ``trainmem.measure.LiveBytes``
 (weights included: the peak is what ``max_memory_allocated`` would report on a GPU). Then the
 two runs' parameters are compared with ``torch.allclose``.
 
-    python benchmarks/bench_optim_in_backward.py            # seed 004's stack + two small GPTs
+    python benchmarks/bench_optim_in_backward.py            # the Lightning post's stack + two small GPTs
     python benchmarks/bench_optim_in_backward.py --quick    # small sizes (what the test runs)
 
 ``impl``: for-loop = ``foreach=False`` (like for like: per-parameter updates either way);
@@ -42,7 +42,10 @@ class Workload:
 
 
 def linear_stack(layers: int = 20, width: int = 2048, batch: int = 64, steps: int = 5) -> Workload:
-    """Seed 004's example: a stack of Linear layers trained with AdamW."""
+    """The example of Lightning AI's "Faster PyTorch Training by Reducing Peak Memory (combining
+    backward pass + optimizer step)"
+    (https://lightning.ai/pages/community/tutorial/faster-pytorch-training-by-reducing-peak-memory/):
+    a stack of 20 Linear layers trained with AdamW."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
     batches = [(torch.randn(batch, width), torch.randn(batch, width)) for _ in range(steps)]

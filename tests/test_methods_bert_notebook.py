@@ -1,4 +1,5 @@
-"""Seed 003 (BERT-large notebook): fp32, AdamW, batch 4, sequence 512, two iterations."""
+"""Moritz Scherrmann's BERT-large notebook, "Understand GPU Memory Usage when Training Language
+Models" (https://moritzscherrmann.com/blog/2024/GPU-Memory_BERT/): fp32, AdamW, batch 4, sequence 512, two iterations."""
 import pytest
 
 import trainmem
@@ -20,7 +21,7 @@ def report(spec):
 
 
 def test_embedding_rounding():
-    # Seed 003: embedding 119.23 MiB expected, 120.00 MiB allocated on the GPU.
+    # Scherrmann's notebook: embedding 119.23 MiB expected, 120.00 MiB allocated on the GPU.
     raw = 30522 * 1024 * 4
     assert raw / MiB == pytest.approx(119.23, abs=0.005)
     assert bert_notebook.allocator_block_bytes(raw) == 120 * MiB
@@ -28,7 +29,7 @@ def test_embedding_rounding():
 
 
 def test_weights_and_forward_tensors(report):
-    # Seed 003: "Expected GPU usage by storing model weigths: 1279.25 MiB" (incl. the embedding's
+    # The notebook: "Expected GPU usage by storing model weigths: 1279.25 MiB" (incl. the embedding's
     # rounding), "forward pass tensors: 6642.82 MiB", "ADAM moments: 2558.49 MiB", cuBLAS 8.12 MiB.
     assert report.extra["weight_bytes"] / MiB == pytest.approx(1279.25, abs=0.005)
     assert report.extra["forward_tensor_bytes"] / MiB == pytest.approx(6642.82, abs=0.005)
@@ -36,7 +37,7 @@ def test_weights_and_forward_tensors(report):
     assert report.component("workspace") == 2 * 8_519_680  # printed as 8.12 (8.125) MiB each
 
 
-# Seed 003, "Allocated GPU memory by torch" after each phase of train_bert (MiB).
+# The notebook, "Allocated GPU memory by torch" after each phase of train_bert (MiB).
 PHASES = [("model_loaded", 1, 1279.25), ("forward", 1, 7930.20), ("backward", 1, 2574.77),
           ("optimizer_step", 1, 5133.26), ("zero_grad", 1, 3854.01), ("forward", 2, 10496.82),
           ("backward", 2, 5133.26), ("optimizer_step", 2, 5133.26), ("zero_grad", 2, 3854.01)]
@@ -48,6 +49,6 @@ def test_phases(report, name, step, mib):
 
 
 def test_peak(report):
-    # Seed 003: "Expected maximum allocated memory by tensors: 10562.81 MiB" (measured 10562.79).
+    # The notebook: "Expected maximum allocated memory by tensors: 10562.81 MiB" (measured 10562.79).
     assert report.peak_allocated / MiB == pytest.approx(10562.81, abs=0.02)
     assert report.phase("backward", 2).peak == report.peak_allocated

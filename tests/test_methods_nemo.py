@@ -1,4 +1,5 @@
-"""Seed 000 (NeMo training practice): the estimate table of section 3.1, reproduced exactly,
+"""Jianbin Chang, "GPT Training Memory Estimation - NeMo Training Practice"
+(https://shjwudp.github.io/blog/2023/gpt-training-memory-estimation-nemo-training-practice/): the estimate table of section 3.1, reproduced exactly,
 and the distributed-optimizer bucket waste of section 3.2."""
 import pytest
 
@@ -9,7 +10,7 @@ from trainmem.spec import TrainingSpec
 GiB = 2**30
 V = 50257
 
-# Seed 000 table 3.1 (GiB, 2 decimals): model, s, dp, tp, micro-batch, static, activations,
+# The NeMo post's table 3.1 (GiB, 2 decimals): model, s, dp, tp, micro-batch, static, activations,
 # cross-entropy, total. P for gpt-7b: the table's static column follows 6.85e9 in every row
 # (7.25·6.84e9 would print 46.19, not 46.25), although its parameters column says 6.84E+09.
 MODELS = {"gpt-1b": (1.41e9, 2048, 24), "gpt-5b": (5.23e9, 4096, 24), "gpt-7b": (6.85e9, 4096, 32)}
@@ -36,7 +37,7 @@ TABLE = [
 
 
 @pytest.mark.parametrize("name,s,d,t,b,static,act,ce,total", TABLE)
-def test_seed000_table(name, s, d, t, b, static, act, ce, total):
+def test_nemo_post_table(name, s, d, t, b, static, act, ce, total):
     P, h, L = MODELS[name]
     st = nemo.static_bytes(int(P), d, t) / GiB
     ac = nemo.selective_activation_bytes(s, b, h, L, V, t) / GiB
@@ -48,7 +49,7 @@ def test_seed000_table(name, s, d, t, b, static, act, ce, total):
 
 
 def test_estimate_on_catalogue_gpt_1b():
-    # Seed 000 table, gpt-1b s=2048 dp=8 tp=1 b=2: 9.52 + 7.60 + 0.77 = 17.89 GiB; the catalogue's
+    # The NeMo post's table, gpt-1b s=2048 dp=8 tp=1 b=2: 9.52 + 7.60 + 0.77 = 17.89 GiB; the catalogue's
     # exact count (1,410,766,848) is 0.05 % above the table's 1.41E+09.
     r = get_method("nemo")(trainmem.resolve_model("nemo-gpt-1b"),
                            TrainingSpec(batch_size=2, seq_len=2048, dp=8, tp=1, recompute="selective"))
@@ -58,7 +59,7 @@ def test_estimate_on_catalogue_gpt_1b():
 
 
 def test_bucket_waste_gpt_1b_64k():
-    # Seed 000 section 3.2: gpt-1b, 64k sequence, tp=4 (dp=2) with a 200 MB bucket: static memory
+    # The NeMo post, section 3.2: gpt-1b, 64k sequence, tp=4 (dp=2) with a 200 MB bucket: static memory
     # estimated 3.61 GB but the snapshot showed 12.5 GB; right bucket size 4P/(Lt).
     spec = trainmem.resolve_model("nemo-gpt-1b")
     base = dict(batch_size=1, seq_len=65536, dp=2, tp=4, sequence_parallel=True, recompute="selective")
@@ -74,7 +75,7 @@ def test_bucket_waste_gpt_1b_64k():
 
 
 def test_no_recompute_formula():
-    # Seed 000 section 2.2: L·sbh(38.25 + 5as/h) + 5sbh + 4sbv
+    # The NeMo post, section 2.2: L·sbh(38.25 + 5as/h) + 5sbh + 4sbv
     s, b, h, a, L, v = 2048, 1, 2048, 16, 24, V
     expect = L * s * b * h * (38.25 + 5 * a * s / h) + 5 * s * b * h + 4 * s * b * v
     assert nemo.full_activation_bytes(s, b, h, a, L, v) == expect

@@ -1,4 +1,5 @@
-"""Seed 001 (Rees, all the bytes in nanoGPT): GPT-2 small, b=12, s=1024, AMP AdamW."""
+"""Edward Rees, "Transformer Memory Arithmetic: Understanding all the Bytes in nanoGPT"
+(https://erees.dev/transformer-memory/): GPT-2 small, b=12, s=1024, AMP AdamW."""
 import pytest
 
 import trainmem
@@ -15,7 +16,7 @@ def report():
 
 
 def test_steady_state_table(report):
-    # Seed 001 table "GPT2 Small / Predicted": N 124,373,760; model memory 547,826,688;
+    # Rees's table "GPT2 Small / Predicted": N 124,373,760; model memory 547,826,688;
     # gradients 497,495,040; Adam buffers 994,990,080; cuBLAS 17,039,360; inputs 196,608;
     # total 2,057,547,776 bytes.
     assert report.model.num_params == 124_373_760
@@ -30,13 +31,13 @@ def test_steady_state_table(report):
 
 
 def test_activations(report):
-    # Seed 001: "Using my function above I estimate 17.429GB" -- reproduces in GiB.
+    # Rees: "Using my function above I estimate 17.429GB" -- reproduces in GiB.
     act = report.component("activations") + report.component("logits")
     assert act / GiB == pytest.approx(17.429, rel=1e-3)
     assert act / 1e9 != pytest.approx(17.429, rel=1e-3)  # decimal GB would be 18.71
 
 
 def test_peak(report):
-    # Seed 001: "Using this formula we expect 21.648GB peak allocated memory" -- GiB.
+    # Rees: "Using this formula we expect 21.648GB peak allocated memory" -- GiB.
     assert report.peak_allocated / GiB == pytest.approx(21.648, rel=1e-3)
     assert report.phase("backward", 2).peak == report.peak_allocated

@@ -4,8 +4,10 @@ as soon as its gradient is complete.
 A standard step keeps every gradient alive until ``optimizer.step()``; at the end of backward
 the memory holds weights + all gradients + optimizer states (+ the step's temporaries). Stepping
 each parameter from a ``register_post_accumulate_grad_hook`` and setting ``p.grad = None`` right
-away means at most a parameter's worth of gradient exists at a time (seed 004: 20-40 % lower
-peaks). See docs/optimizer-in-backward.md for measurements and when not to use it.
+away means at most a parameter's worth of gradient exists at a time (Lightning AI, "Faster
+PyTorch Training by Reducing Peak Memory (combining backward pass + optimizer step)",
+https://lightning.ai/pages/community/tutorial/faster-pytorch-training-by-reducing-peak-memory/:
+20-40 % lower peaks). See docs/optimizer-in-backward.md for measurements and when not to use it.
 
     opt = optimizer_in_backward(model, torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1000)  # any scheduler

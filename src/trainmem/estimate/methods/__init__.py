@@ -1,7 +1,10 @@
 """Named formula sets (``--method``). Each module exposes ``estimate(model, training) -> MemoryReport``.
 
-``trainmem`` is the default and most accurate; the others reproduce the seeds' published methods so
-a user can compare them.
+``trainmem`` is the default and most accurate; the others reproduce published methods so a user
+can compare them (full citations in ``docs/sources.md``): ``nemo`` Jianbin Chang's NeMo training-
+memory post, ``korthikanti`` Korthikanti et al. 2023, ``eleuther`` EleutherAI's Transformer Math
+101, ``rees`` Edward Rees's nanoGPT memory arithmetic, ``zero-calc`` the Medium article by
+@maxshapp, ``bert-notebook`` Moritz Scherrmann's BERT-large notebook.
 """
 from __future__ import annotations
 

@@ -13,7 +13,9 @@ Number = Union[int, Fraction]
 #: cuBLAS workspace one handle allocates lazily on its first GEMM, in bytes (uint8 blocks):
 #: a 4096 KiB x 2 pool plus a 16 KiB x 8 pool, as PyTorch's CublasHandlePool sizes it.
 #: PyTorch creates one handle per thread, so forward (main thread) and backward (autograd
-#: thread) each own one. Seeds 001 and 003 both count 8,519,680 bytes per handle.
+#: thread) each own one. Edward Rees ("Transformer Memory Arithmetic",
+#: https://erees.dev/transformer-memory/) and Moritz Scherrmann's BERT-large notebook
+#: (https://moritzscherrmann.com/blog/2024/GPU-Memory_BERT/) both count 8,519,680 bytes per handle.
 from ...spec.hardware import CUBLAS_WORKSPACE as CUBLAS_WORKSPACE_BYTES
 
 

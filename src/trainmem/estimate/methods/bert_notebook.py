@@ -1,6 +1,7 @@
-"""``--method bert-notebook``: the per-tensor, per-phase accounting of seed 003
-("Understand GPU memory usage when training language models", a Kaggle/Jupyter notebook that
-fine-tunes BERT-large for sequence classification in fp32 with AdamW, batch 4, sequence 512).
+"""``--method bert-notebook``: the per-tensor, per-phase accounting of Moritz Scherrmann's
+notebook "Understand GPU Memory Usage when Training Language Models"
+(https://moritzscherrmann.com/blog/2024/GPU-Memory_BERT/), a Jupyter notebook that fine-tunes
+BERT-large for sequence classification in fp32 with AdamW, batch 4, sequence 512.
 
 The notebook predicts ``torch.cuda.memory_allocated()`` after every phase of two training
 iterations and the peak. Its parts:
@@ -50,7 +51,7 @@ def allocator_block_bytes(nbytes: int) -> int:
     Counts the request rounded up to 512 bytes; for requests above 10 MiB, which get a fresh
     segment rounded up to 2 MiB, the whole segment when the remainder after the block would be
     1 MiB or less (the allocator does not split it off). Source: PyTorch's CUDACachingAllocator
-    rules, as seed 003 observed them (119.23 MiB embedding -> 120.00 MiB).
+    rules, as Scherrmann's notebook observed them (119.23 MiB embedding -> 120.00 MiB).
     """
     if nbytes <= 0:
         return 0
@@ -66,7 +67,7 @@ def weight_bytes(model, bytes_per_element: int = 4) -> int:
     """Allocated bytes of all parameter tensors, each rounded by :func:`allocator_block_bytes`.
 
     Counts every trainable tensor of ``model`` once (tied ones once) at ``bytes_per_element``.
-    Source: seed 003, "Estimating GPU Memory Usage for Model Weights".
+    Source: Scherrmann's notebook, "Estimating GPU Memory Usage for Model Weights".
     """
     return sum(allocator_block_bytes(t.numel * bytes_per_element) for t in model.parameter_tensors())
 
@@ -83,7 +84,7 @@ def forward_tensors(model, batch_size: int, seq_len: int, element_size: int = 4,
     classifier dropout (b·h), targets and classifier output (b each). Dropout tensors are
     boolean masks, 1 byte per element; the rest take ``element_size`` bytes. Dropouts whose
     probability is zero (or that are disabled) keep no mask and are left out.
-    Source: seed 003, ``getNumElementsPerFfwTensor`` / ``getExpectedMemoryPerFfwTensor``.
+    Source: Scherrmann's notebook, ``getNumElementsPerFfwTensor`` / ``getExpectedMemoryPerFfwTensor``.
     """
     b, s = batch_size, seq_len
     h, i, a, L = model.hidden_size, model.ffn_size, model.num_heads, model.num_layers
@@ -138,7 +139,7 @@ def forward_tensors(model, batch_size: int, seq_len: int, element_size: int = 4,
 
 def forward_tensor_bytes(model, batch_size: int, seq_len: int, element_size: int = 4,
                          hidden_dropout: bool = True, attention_dropout: bool = True) -> int:
-    """Sum of :func:`forward_tensors` bytes (element-size tensors, 1-byte dropout masks). Seed 003."""
+    """Sum of :func:`forward_tensors` bytes (element-size tensors, 1-byte dropout masks)."""
     return sum(n for _, _, n in forward_tensors(model, batch_size, seq_len, element_size,
                                                 hidden_dropout, attention_dropout))
 
@@ -149,7 +150,7 @@ def temp_gradient_bytes(batch_size: int, seq_len: int, hidden: int, intermediate
     Counts b·s·i·e + i·h·e + 2·b·s·i + h·h·e − b·s·h bytes: a b·s·i activation gradient, the
     i x h and h x h weight gradients being formed, 2 more bytes per b·s·i element, less b·s·h
     bytes already released. The notebook's author fitted these terms with the profiler.
-    Source: seed 003, ``getTempGradientCalculationMemory``.
+    Source: Scherrmann's notebook, ``getTempGradientCalculationMemory``.
     """
     b, s, h, i, e = batch_size, seq_len, hidden, intermediate, element_size
     return b * s * i * e + i * h * e + 2 * b * s * i + h * h * e - b * s * h

@@ -17,8 +17,9 @@ Training memory = model weights + gradients + optimizer states + activations, pe
   recomputation (sbhL(34 + 5as/h) at t = 1), sbhL(10 + 24/t) with selective recomputation,
   2sbhL with full recomputation.
 
-Seed 001 (Rees) quotes this activation formula at 12.02 for nanoGPT GPT-2 small with b = 12,
-s = 1024: the value reproduces in GiB (12,910,067,712 bytes), not in decimal GB (12.91).
+Edward Rees ("Transformer Memory Arithmetic", https://erees.dev/transformer-memory/) quotes
+this activation formula at 12.02 for nanoGPT GPT-2 small with b = 12, s = 1024: the value
+reproduces in GiB (12,910,067,712 bytes), not in decimal GB (12.91).
 """
 from __future__ import annotations
 

@@ -17,10 +17,12 @@ tensor + sequence parallel + selective      sbh·34/t
 full recompute                              2sbh (the layer input; /t with SP)
 ==========================================  =============================
 
-Outside the layers this module adds, as seed 000 lists them after the paper: the embedding
-dropout mask sbh, the inputs of the final norm and of the output layer 2sbh each (all /t under
-SP) and the fp32 logits 4sbv/t. With 1F1B pipelining the first stage holds L/p layers for p
-micro-batches, i.e. L layers' worth, so activations are not divided by the pipeline size.
+Outside the layers this module adds, as Jianbin Chang's NeMo training-memory post
+(https://shjwudp.github.io/blog/2023/gpt-training-memory-estimation-nemo-training-practice/)
+lists them after the paper: the embedding dropout mask sbh, the inputs of the final norm and
+of the output layer 2sbh each (all /t under SP) and the fp32 logits 4sbv/t. With 1F1B
+pipelining the first stage holds L/p layers for p micro-batches, i.e. L layers' worth, so
+activations are not divided by the pipeline size.
 
 Model states are the usual mixed-precision Adam 16 bytes per parameter (2 fp16 weights, 2 fp16
 gradients, 12 fp32 master weights + Adam moments; Rajbhandari et al., ZeRO, SC 2020) divided by
@@ -68,7 +70,7 @@ def outside_layer_bytes(s: int, b: int, h: int, v: int, tp: int = 1, sequence_pa
 
     Counts the embedding dropout mask sbh (1 byte per element), the 16-bit inputs of the final
     norm and of the output projection (2sbh each), divided by t under sequence parallelism, and
-    the fp32 logits kept for the loss, 4sbv/t. Source: seed 000 section 2.2, after the paper.
+    the fp32 logits kept for the loss, 4sbv/t. Source: Chang's NeMo post, section 2.2, after the paper.
     """
     sbh_div = tp if sequence_parallel else 1
     return {

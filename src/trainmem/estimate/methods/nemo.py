@@ -1,13 +1,14 @@
-"""``--method nemo``: the NeMo training-practice estimate (seed 000, "GPT Training Memory
-Estimation - NeMo Training Practice", 2023).
+"""``--method nemo``: the estimate of Jianbin Chang, "GPT Training Memory Estimation - NeMo
+Training Practice" (blog post, 2023,
+https://shjwudp.github.io/blog/2023/gpt-training-memory-estimation-nemo-training-practice/).
 
 The setup it models: a GPT-Next (LLaMA-like, SwiGLU) model trained in NeMo with bf16 mixed
 precision, tensor parallelism ``t`` with sequence parallelism, data parallelism ``d`` and the
 ZeRO-1 distributed optimizer (apex ``distributed_fused_adam``), selective activation
 recomputation. Memory per GPU is static memory + activations + the cross-entropy overhead.
 
-Where the seed's prose and its table disagree, this module follows the table (it is what the
-seed's numbers are), and says so:
+Where the post's prose and its table disagree, this module follows the table (it is what the
+post's numbers are), and says so:
 
 * static memory: the prose sums bf16 weights 2P/t, bf16 gradients 2P/t and sharded optimizer
   states 10P/(td) to (4 + 10/d)P/t; every row of the table instead equals (6 + 10/d)P/t, i.e.
@@ -34,10 +35,10 @@ MiB = 1 << 20
 def static_memory(num_params: int, dp: int, tp: int) -> dict[str, int]:
     """Static memory of one GPU in bytes: bf16 weights, fp32 main gradients, sharded states.
 
-    Counts: weights 2P/t (bf16), main gradients 4P/t (fp32; the seed's table, not its prose),
+    Counts: weights 2P/t (bf16), main gradients 4P/t (fp32; the post's table, not its prose),
     optimizer states (2 x 4 bytes fp32 moments + 2 bytes int16 weight remainders) P/(t d),
     sharded over the data-parallel group by the distributed optimizer. Total (6 + 10/d)P/t.
-    Source: seed 000 section 2.1 and its table in section 3.1.
+    Source: Chang's NeMo post, section 2.1 and its table in section 3.1.
     """
     per_rank = Fraction(num_params, tp)
     return {
@@ -48,7 +49,7 @@ def static_memory(num_params: int, dp: int, tp: int) -> dict[str, int]:
 
 
 def static_bytes(num_params: int, dp: int, tp: int) -> int:
-    """Total static memory (6 + 10/d)·P/t in bytes (bf16 weights, fp32 grads, sharded fp32+int16 states). Seed 000."""
+    """Total static memory (6 + 10/d)·P/t in bytes (bf16 weights, fp32 grads, sharded fp32+int16 states). Chang's NeMo post."""
     return ceil_bytes(Fraction(num_params, tp) * (6 + Fraction(10, dp)))
 
 
@@ -59,8 +60,8 @@ def selective_activation_parts(s: int, b: int, h: int, L: int, v: int, tp: int) 
     Counts (mostly bf16 tensors, fp32 logits): ``layers`` sbhL(8 + 28.25/t) for the L
     transformer layers; ``outside_layers`` 2sbh + 3sbh/t for the embedding dropout mask and the
     final norm / output-layer inputs; ``logits`` 4sbv/t for the fp32 logits the loss keeps.
-    Total sbhL(8 + 28.25/t) + 2sbh + (3sbh + 4sbv)/t, the expression seed 000's table follows
-    (its prose says 10 instead of 8). Source: seed 000 section 2.2 and table 3.1.
+    Total sbhL(8 + 28.25/t) + 2sbh + (3sbh + 4sbv)/t, the expression the NeMo post's table follows
+    (its prose says 10 instead of 8). Source: Chang's NeMo post, section 2.2 and table 3.1.
     """
     sbh = s * b * h
     return {
@@ -71,7 +72,7 @@ def selective_activation_parts(s: int, b: int, h: int, L: int, v: int, tp: int) 
 
 
 def selective_activation_bytes(s: int, b: int, h: int, L: int, v: int, tp: int) -> int:
-    """sbhL(8 + 28.25/t) + 2sbh + (3sbh + 4sbv)/t bytes (bf16 activations, fp32 logits). Seed 000 table."""
+    """sbhL(8 + 28.25/t) + 2sbh + (3sbh + 4sbv)/t bytes (bf16 activations, fp32 logits). NeMo post's table."""
     sbh = s * b * h
     return ceil_bytes(sbh * L * (8 + Fraction(113, 4 * tp)) + 2 * sbh + Fraction(3 * sbh + 4 * s * b * v, tp))
 
@@ -83,7 +84,7 @@ def full_activation_parts(s: int, b: int, h: int, a: int, L: int, v: int) -> dic
     QK^T, PV and output matmuls, 1-byte dropout masks, bf16 softmax output), SwiGLU MLP
     23.25sbh (ffn = 2.65625h), two norm inputs 4sbh. Outside the layers 5sbh (embedding dropout
     mask, final norm input, output-layer input) and 4sbv for the fp32 logits.
-    Source: seed 000 section 2.2 (after Korthikanti et al. 2023, with a SwiGLU MLP).
+    Source: Chang's NeMo post, section 2.2 (after Korthikanti et al. 2023, with a SwiGLU MLP).
     """
     sbh = s * b * h
     return {
@@ -94,7 +95,7 @@ def full_activation_parts(s: int, b: int, h: int, a: int, L: int, v: int) -> dic
 
 
 def full_activation_bytes(s: int, b: int, h: int, a: int, L: int, v: int) -> int:
-    """L·sbh(38.25 + 5as/h) + 5sbh + 4sbv bytes (no recomputation, t = 1). Seed 000 section 2.2."""
+    """L·sbh(38.25 + 5as/h) + 5sbh + 4sbv bytes (no recomputation, t = 1). NeMo post, section 2.2."""
     return sum(full_activation_parts(s, b, h, a, L, v).values())
 
 
@@ -103,7 +104,7 @@ def cross_entropy_parts(s: int, b: int, v: int, tp: int) -> dict[str, int]:
 
     Counts the fp32 input of the loss, 4sbv/t, and with tensor parallelism (t > 1) a
     communication buffer 2sbv/t for the vocab-parallel loss. Total 6sbv/t when t > 1.
-    Source: seed 000 section 2.3.
+    Source: Chang's NeMo post, section 2.3.
     """
     out = {"input": ceil_bytes(Fraction(4 * s * b * v, tp))}
     out["tp_buffer"] = ceil_bytes(Fraction(2 * s * b * v, tp)) if tp > 1 else 0
@@ -111,7 +112,7 @@ def cross_entropy_parts(s: int, b: int, v: int, tp: int) -> dict[str, int]:
 
 
 def cross_entropy_bytes(s: int, b: int, v: int, tp: int) -> int:
-    """4sbv/t (+ 2sbv/t when t > 1) bytes: fp32 loss input and the TP buffer. Seed 000 section 2.3."""
+    """4sbv/t (+ 2sbv/t when t > 1) bytes: fp32 loss input and the TP buffer. NeMo post, section 2.3."""
     return sum(cross_entropy_parts(s, b, v, tp).values())
 
 
@@ -120,7 +121,7 @@ def right_bucket_bytes(num_params: int, num_layers: int, tp: int) -> int:
     """The bucket size that fits one layer: 4·P/(L·t) bytes (one layer's fp32 elements on a rank).
 
     NeMo gives each transformer layer its own distributed-optimizer bucket; P/t parameters live
-    on a rank, P/(Lt) per layer, 4 bytes each in the fp32 bucket. Source: seed 000 section 3.2.
+    on a rank, P/(Lt) per layer, 4 bytes each in the fp32 bucket. Source: Chang's NeMo post, section 3.2.
     """
     return ceil_bytes(Fraction(4 * num_params, num_layers * tp))
 
@@ -134,9 +135,9 @@ def bucket_padding_bytes(num_params: int, num_layers: int, tp: int, dp: int, buc
     padded size: bf16 weights (2 B), fp32 main gradients (4 B) and the d-sharded fp32 moments
     and int16 remainders (10/d B), so the waste is
     (6 + 10/d) · L · (bucket − 4P/(Lt)) / 4 bytes; zero when the bucket is not larger.
-    With seed 000's gpt-1b, t=4, d=2 and a 200 MB bucket this gives 12.9 GiB of static memory,
-    near the 12.5 GB the seed's memory snapshot showed (its estimate without padding: 3.61).
-    Source: seed 000 section 3.2 (mechanism); the per-buffer accounting is ours.
+    With the NeMo post's gpt-1b, t=4, d=2 and a 200 MB bucket this gives 12.9 GiB of static memory,
+    near the 12.5 GB the post's memory snapshot showed (its estimate without padding: 3.61).
+    Source: Chang's NeMo post, section 3.2 (mechanism); the per-buffer accounting is ours.
     """
     per_layer_need = Fraction(4 * num_params, num_layers * tp)
     excess = Fraction(bucket_bytes) - per_layer_need
@@ -152,8 +153,8 @@ def estimate(model, training):
     Counts bf16 weights, fp32 main gradients and d-sharded optimizer states (static memory,
     (6 + 10/d)P/t), activations by ``training.recompute`` (selective: the TP/SP formula of the
     table; none: the per-layer sbh(38.25 + 5as/h) formula; full: only each layer's bf16 input
-    2sbh/t, Korthikanti et al.'s full-recompute term, which the seed does not give), and the
-    fp32 cross-entropy input with its TP buffer. Source: seed 000.
+    2sbh/t, Korthikanti et al.'s full-recompute term, which the post does not give), and the
+    fp32 cross-entropy input with its TP buffer. Source: Chang's NeMo post.
     """
     s, b = training.seq_len, training.batch_size
     h, a, L, v = model.hidden_size, model.num_heads, model.num_layers, model.vocab_size
@@ -163,13 +164,13 @@ def estimate(model, training):
     if training.precision not in ("bf16-amp", "fp16-amp", "bf16", "fp16"):
         warnings.append("nemo method models bf16 mixed precision; the fp32 setup is estimated as if it were bf16")
     if training.pp > 1:
-        warnings.append("nemo method does not model pipeline parallelism (seed 000 section 5); --pp is ignored")
+        warnings.append("nemo method does not model pipeline parallelism (the NeMo post, section 5); --pp is ignored")
 
     st = static_memory(P, d, t)
     comps = [
         Component("parameters", "parameters", st["weights"], "bf16", "2·P/t", persistent=True),
         Component("gradients", "gradients", st["main_grads"], "fp32",
-                  "4·P/t (fp32 main grads, as seed 000's table; its prose says bf16 2·P/t)", persistent=True),
+                  "4·P/t (fp32 main grads, as the NeMo post's table; its prose says bf16 2·P/t)", persistent=True),
         Component("optimizer_states", "optimizer_states", st["optimizer_states"], "fp32+int16",
                   "(2·4 + 2)·P/(t·d): fp32 Adam moments + int16 weight remainders, ZeRO-1 sharded",
                   persistent=True),
@@ -192,7 +193,7 @@ def estimate(model, training):
         parts = selective_activation_parts(s, b, h, L, v, t)
         comps += [
             Component("activations.layers", "activations", parts["layers"], "bf16",
-                      "s·b·h·L·(8 + 28.25/t) (seed 000's table; its prose says 10 + 28.25/t)"),
+                      "s·b·h·L·(8 + 28.25/t) (the NeMo post's table; its prose says 10 + 28.25/t)"),
             Component("activations.outside_layers", "activations", parts["outside_layers"], "bf16",
                       "2·s·b·h + 3·s·b·h/t"),
             Component("logits.saved", "logits", parts["logits"], "fp32", "4·s·b·v/t"),
@@ -207,8 +208,8 @@ def estimate(model, training):
             Component("activations.outside_layers", "activations", parts["outside_layers"], "bf16", "5·s·b·h"),
             Component("logits.saved", "logits", parts["logits"], "fp32", "4·s·b·v"),
         ]
-    else:  # full recomputation: not in seed 000
-        warnings.append("seed 000 gives no full-recompute formula; layers keep only their bf16 input 2·s·b·h/t "
+    else:  # full recomputation: not in the NeMo post
+        warnings.append("the NeMo post gives no full-recompute formula; layers keep only their bf16 input 2·s·b·h/t "
                         "(Korthikanti et al. 2023)")
         sbh = s * b * h
         parts = selective_activation_parts(s, b, h, L, v, t)

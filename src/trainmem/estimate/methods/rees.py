@@ -1,5 +1,5 @@
 """``--method rees``: "Transformer Memory Arithmetic: Understanding all the Bytes in nanoGPT"
-(E. Rees, 2023; seed 001).
+(Edward Rees, 2023, https://erees.dev/transformer-memory/).
 
 The setup it models: nanoGPT (GPT-2) trained on one GPU with automatic mixed precision
 (fp32 weights, 16-bit matmuls under autocast) and Adam(W). Allocated memory (not reserved):
@@ -7,7 +7,7 @@ The setup it models: nanoGPT (GPT-2) trained on one GPU with automatic mixed pre
 * steady state 16N + 4N_buf: fp32 weights 4N, fp32 registered buffers 4N_buf (nanoGPT's
   per-layer causal masks), fp32 gradients 4N, fp32 Adam moments 8N; plus the int64 inputs
   and targets 2·b·s·8 and two cuBLAS workspaces of 8,519,680 bytes (one per handle: forward
-  and backward run on different threads), as the seed's table counts them;
+  and backward run on different threads), as Rees's table counts them;
 * activations L(36N_e + 6N_a) + 6N_e + 6N_l, with N_e = b·s·h, N_a = b·a·s², N_l = b·s·v.
   Attention 14N_e + 6N_a: fp32 layer-norm input 4N_e, 16-bit QKV input 2N_e, Q and K 4N_e,
   fp32 softmax output 4N_a, 16-bit probabilities and V 2N_a + 2N_e, output-projection input
@@ -17,7 +17,7 @@ The setup it models: nanoGPT (GPT-2) trained on one GPU with automatic mixed pre
 * peak = steady state + activations + 4N_l (the fp32 gradient of the logits at the start of
   the backward pass).
 
-The seed writes "GB" for its activation (17.429) and peak (21.648) figures; both reproduce in
+Rees writes "GB" for the activation (17.429) and peak (21.648) figures; both reproduce in
 GiB (2**30 bytes), not in decimal GB.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ def steady_state_parts(num_params: int, num_buffer_elements: int, batch_size: in
 
     Counts fp32 weights 4N, fp32 buffers 4N_buf, fp32 gradients 4N, fp32 Adam moments 8N,
     int64 inputs and targets 2·b·s·8, and two cuBLAS workspaces (8,519,680 B each).
-    Source: seed 001, "Weights, gradients and states" and its table.
+    Source: Rees, "Weights, gradients and states" and its table.
     """
     return {
         "weights": 4 * num_params,
@@ -52,7 +52,7 @@ def activation_parts(batch_size: int, seq_len: int, hidden: int, heads: int, lay
     Counts per layer 36N_e + 6N_a (attention 14N_e + 6N_a, MLP 22N_e; fp32 layer-norm inputs
     and softmax output, 16-bit matmul inputs), 6N_e outside the layers (fp32 final norm input,
     16-bit head input) and 6N_l for the logits (16-bit logits and the loss's fp32 copy).
-    Source: seed 001, "Peak memory usage".
+    Source: Rees, "Peak memory usage".
     """
     ne = batch_size * seq_len * hidden
     na = batch_size * heads * seq_len * seq_len
@@ -61,7 +61,7 @@ def activation_parts(batch_size: int, seq_len: int, hidden: int, heads: int, lay
 
 
 def backward_extra_bytes(batch_size: int, seq_len: int, vocab: int) -> int:
-    """4N_l: the fp32 logits gradient allocated at the start of the backward pass. Seed 001."""
+    """4N_l: the fp32 logits gradient allocated at the start of the backward pass. Rees."""
     return 4 * batch_size * seq_len * vocab
 
 
@@ -69,9 +69,9 @@ def estimate(model, training):
     """Rees's estimate of allocated memory: steady state, activations and the backward peak.
 
     Counts :func:`steady_state_parts` (N = ``model.num_params``, N_buf = elements of
-    ``model.buffer_tensors()`` at 4 bytes each, as the seed's 4N_buf), :func:`activation_parts`
+    ``model.buffer_tensors()`` at 4 bytes each, as Rees's 4N_buf), :func:`activation_parts`
     and :func:`backward_extra_bytes`; peak = their sum. Phases of step 2 (steady state): after
-    forward and during backward. Source: seed 001.
+    forward and during backward. Source: Rees.
     """
     b, s = training.batch_size, training.seq_len
     n_buf = sum(_numel(t.shape) for t in model.buffer_tensors())
