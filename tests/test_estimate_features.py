@@ -54,11 +54,11 @@ def test_optimizer_in_backward_drops_the_gradients_and_lowers_the_peak():
 def test_pipeline_reports_the_worst_stage_and_first_stage_holds_pp_microbatches():
     r = trainmem.estimate("llama-2-7b", pp=4, grad_accum=8, seq_len=4096, precision="bf16", zero=1, dp=2)
     assert r.extra["pipeline_stage"] in ("first", "last")
-    from trainmem.estimate.engine import _estimate_stage
+    from trainmem.estimate.engine import estimate_stage
     m = resolve_model("llama-2-7b")
     t1 = TrainingSpec(pp=4, grad_accum=8, seq_len=4096, precision="bf16")
     t2 = TrainingSpec(pp=4, grad_accum=8, seq_len=4096, precision="bf16", num_microbatches_in_flight=1)
-    a, b = _estimate_stage(m, t1, "first"), _estimate_stage(m, t2, "first")
+    a, b = estimate_stage(m, t1, "first"), estimate_stage(m, t2, "first")
     acts = lambda r: r.phase("forward.micro1", 1).allocated  # noqa: E731
     assert acts(a) > acts(b)
 

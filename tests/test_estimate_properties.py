@@ -113,7 +113,7 @@ def stages(t: TrainingSpec) -> tuple[str, ...]:
 
 def stage_reports(m, t: TrainingSpec):
     """One report per pipeline stage (the public estimate returns the stage that peaks higher)."""
-    return [engine._estimate_stage(m, t, s) for s in stages(t)]
+    return [engine.estimate_stage(m, t, s) for s in stages(t)]
 
 
 def states_bytes(m, t: TrainingSpec, stage: str) -> int:

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import trainmem  # noqa: E402
-from trainmem.estimate.engine import _oib_update_bytes, step_temporaries  # noqa: E402
+from trainmem.estimate.engine import oib_update_bytes, step_temporaries  # noqa: E402
 from trainmem.estimate.states import model_states  # noqa: E402
 from trainmem.measure import LiveBytes  # noqa: E402
 from trainmem.optim import optimizer_in_backward  # noqa: E402
@@ -121,5 +121,5 @@ def test_in_backward_update_transient_matches_estimate(spec, impl):
     t = TrainingSpec(precision="fp32", optimizer_impl=impl, batch_size=B, seq_len=S, optimizer_in_backward=True)
     st = model_states(spec, t)
     assert _close(worst["tmp"], step_temporaries(t, st)), (impl, worst, step_temporaries(t, st))
-    _, at_end = _oib_update_bytes(spec, t, st)
+    _, at_end = oib_update_bytes(spec, t, st)
     assert _close(worst["with_grad"], at_end), (impl, worst, at_end)

@@ -6,23 +6,32 @@ JSON contract (``--json``): fields are added freely, never renamed or removed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Iterable
 
-CATEGORIES = (
-    "parameters",
-    "master_weights",
-    "gradients",
-    "optimizer_states",
-    "activations",
-    "logits",
-    "inputs",
-    "buffers",
-    "workspace",
-    "temporaries",
-    "communication",
-    "cuda_context",
-    "allocator_overhead",
-)
+class Category(str, Enum):
+    """What a component's bytes are, in the order tables list them. A ``str`` enum: equal to its
+    name as a plain string, which is what JSON carries."""
+
+    PARAMETERS = "parameters"
+    MASTER_WEIGHTS = "master_weights"
+    GRADIENTS = "gradients"
+    OPTIMIZER_STATES = "optimizer_states"
+    ACTIVATIONS = "activations"
+    LOGITS = "logits"
+    INPUTS = "inputs"
+    BUFFERS = "buffers"
+    WORKSPACE = "workspace"
+    TEMPORARIES = "temporaries"
+    COMMUNICATION = "communication"
+    CUDA_CONTEXT = "cuda_context"
+    ALLOCATOR_OVERHEAD = "allocator_overhead"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+CATEGORIES = tuple(c.value for c in Category)
 
 PHASE_NAMES = (
     "model_loaded",
@@ -57,6 +66,8 @@ class Component:
     def __post_init__(self) -> None:
         if self.category not in _CATEGORY_SET:
             raise ValueError(f"unknown component category {self.category!r}")
+        if type(self.category) is not str:  # a Category member: keep the plain string
+            self.category = self.category.value
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.name, "category": self.category, "bytes": int(self.bytes)}

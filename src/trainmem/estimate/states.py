@@ -13,27 +13,9 @@ from functools import lru_cache
 from ..spec.model import ModelSpec, ParamTensor
 from ..spec.training import TrainingSpec
 
-SMALL = 1 << 20          # requests up to 1 MiB go to the small pool
-MIN_LARGE_ALLOC = 10 << 20
-ROUND_LARGE = 2 << 20
-MIN_BLOCK = 512
+from ..allocator_rules import block_bytes, placed_bytes
 
-
-def block_bytes(nbytes: int) -> int:
-    """Bytes the CUDA caching allocator charges a fresh request of ``nbytes``.
-
-    Requests round up to 512 B. A request over 10 MiB gets a segment rounded up to 2 MiB and the
-    block is not split when the remainder is <= 1 MiB, so it occupies the whole segment (seed 003:
-    a 119.23 MiB embedding occupies 120.00 MiB). Source: c10/cuda/CUDACachingAllocator.cpp
-    (round_size, get_allocation_size, shouldSplit).
-    """
-    if nbytes <= 0:
-        return 0
-    rounded = max(MIN_BLOCK, (nbytes + MIN_BLOCK - 1) // MIN_BLOCK * MIN_BLOCK)
-    if rounded < MIN_LARGE_ALLOC:
-        return rounded
-    seg = (rounded + ROUND_LARGE - 1) // ROUND_LARGE * ROUND_LARGE
-    return seg if seg - rounded <= SMALL else rounded
+__all__ = ["States", "model_states", "block_bytes", "default_lora_targets", "state_bytes"]
 
 
 @dataclass(frozen=True)
@@ -91,7 +73,7 @@ def default_lora_targets(m: ModelSpec) -> tuple[str, ...]:
     return ("q_proj", "v_proj")
 
 
-def _state_bytes(optimizer: str, shape: tuple[int, ...], numel: int, sbytes: int) -> tuple[int, ...]:
+def state_bytes(optimizer: str, shape: tuple[int, ...], numel: int, sbytes: int) -> tuple[int, ...]:
     """Optimizer state tensors of one parameter, in bytes each.
 
     adam/adamw: exp_avg and exp_avg_sq in the state dtype (torch.optim). sgd: none;
@@ -142,82 +124,10 @@ def _insert_buffer(load: list[tuple[str, int]], name: str, nbytes: int) -> None:
     load.insert(idx, (name, nbytes))
 
 
-class _LoadSim:
-    """The CUDA caching allocator for a sequence of allocations with no frees (``model.to``).
-
-    Same rules as ``trainmem.trace.allocator`` (512 B rounding; small pool <= 1 MiB in 2 MiB
-    segments, split when >= 512 B remain; large requests from 20 MiB segments below 10 MiB, else a
-    segment rounded to 2 MiB; a large block is split only when more than 1 MiB remains; best fit),
-    reduced to what a free-less sequence needs: the sizes of the free remainders.
-    """
-
-    def __init__(self) -> None:
-        self.small: list[int] = []
-        self.large: list[int] = []
-        self.allocated = 0
-
-    def allocate(self, nbytes: int) -> None:
-        size = max(MIN_BLOCK, -(-nbytes // MIN_BLOCK) * MIN_BLOCK)
-        small = size <= SMALL
-        pool = self.small if small else self.large
-        fits = [b for b in pool if b >= size]
-        if fits:
-            block = min(fits)
-            pool.remove(block)
-        else:
-            block = (2 * SMALL if small else 20 * SMALL if size < MIN_LARGE_ALLOC
-                     else -(-size // ROUND_LARGE) * ROUND_LARGE)
-        rest = block - size
-        if (rest >= MIN_BLOCK) if small else (rest > SMALL):
-            pool.append(rest)
-            self.allocated += size
-        else:
-            self.allocated += block
-
-    def signature(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        return tuple(sorted(self.small)), tuple(sorted(self.large))
-
-    def prune(self, min_small: int, min_large: int) -> None:
-        """Forget free remainders smaller than every request still to come in their pool: best fit
-        can never pick them, so dropping them changes no outcome (and lets layers repeat)."""
-        self.small = [b for b in self.small if b >= min_small]
-        self.large = [b for b in self.large if b >= min_large]
-
-
 @lru_cache(maxsize=4096)
 def _placed_bytes(before: tuple[int, ...], layer: tuple[int, ...], layers: int, after: tuple[int, ...]) -> int:
-    """Allocated bytes after ``model.to("cuda")`` places the tensors in order into an empty
-    allocator: blocks carved from earlier segments can keep an unsplit remainder of up to 1 MiB,
-    so the total exceeds the sum of rounded sizes (seed 001's "gaps"). Layers repeat: once the
-    free remainders after a layer repeat an earlier layer's, the rest is extrapolated exactly."""
-    sim = _LoadSim()
-    for x in before:
-        sim.allocate(x)
-    future = [max(MIN_BLOCK, -(-x // MIN_BLOCK) * MIN_BLOCK) for x in layer + after]
-    huge = 1 << 62
-    min_small = min((r for r in future if r <= SMALL), default=huge)
-    min_large = min((r for r in future if r > SMALL), default=huge)
-    seen: dict[tuple, tuple[int, int]] = {}
-    i = 0
-    while i < layers:
-        sim.prune(min_small, min_large)
-        sig = sim.signature()
-        if sig in seen:
-            j, alloc_j = seen[sig]
-            period, per_period = i - j, sim.allocated - alloc_j
-            cycles = (layers - i) // period
-            sim.allocated += cycles * per_period
-            i += cycles * period
-            seen = {}
-            if i >= layers:
-                break
-        seen[sig] = (i, sim.allocated)
-        for x in layer:
-            sim.allocate(x)
-        i += 1
-    for x in after:
-        sim.allocate(x)
-    return sim.allocated
+    """``allocator_rules.placed_bytes``, cached: the model load of one layout."""
+    return placed_bytes(before, layer, layers, after)
 
 
 _STATES_CACHE: dict[tuple, "States"] = {}
@@ -238,123 +148,171 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
     return hit
 
 
-def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
-    """Sum over the tensors on this rank. Transformer layers are identical, so one layer (the
-    first on the rank) is counted and multiplied by the layers on the rank."""
-    tp, pp = t.tp, t.pp
-    per_stage = m.num_layers // pp
-    lo, hi = (0, per_stage) if stage == "first" else (m.num_layers - per_stage, m.num_layers)
-    tied_names = ("wte.weight", "embed_tokens.weight", "word_embeddings.weight")
+TIED_NAMES = ("wte.weight", "embed_tokens.weight", "word_embeddings.weight")
 
-    def on_rank(p: ParamTensor) -> bool:
+
+@dataclass(frozen=True)
+class _Rank:
+    """Where a rank sits and the dtypes of what it stores."""
+
+    per_stage: int     # layers on this pipeline stage
+    lo: int            # its first layer
+    hi: int            # one past its last layer
+    stage: str
+    w: int             # bytes per weight element as stored
+    gbytes: int        # gradient dtype: the weight's, or fp32 Megatron main-grads
+    sbytes: int        # optimizer-state dtype: fp32 with an fp32 master copy, else the weight's
+    half_master: bool  # an fp32 master copy of half weights (ZeRO, distributed optimizer)
+    zero: int          # ZeRO stage
+    zero_states: int   # ZeRO stage applied to master + states (>= 1 with the distributed optimizer)
+    d: int             # ranks the states are sharded over
+
+    @staticmethod
+    def of(m: ModelSpec, t: TrainingSpec, stage: str) -> "_Rank":
+        per_stage = m.num_layers // t.pp
+        lo, hi = (0, per_stage) if stage == "first" else (m.num_layers - per_stage, m.num_layers)
+        w = t.weight_bytes
+        half_master = t.precision in ("bf16", "fp16") and (t.zero_stage >= 1 or t.distributed_optimizer)
+        return _Rank(per_stage, lo, hi, stage, w, 4 if t.distributed_optimizer else w,
+                     4 if (w == 4 or half_master) else w, half_master, t.zero_stage,
+                     max(t.zero_stage, 1) if t.distributed_optimizer else t.zero_stage, t.shard_group)
+
+    def holds(self, m: ModelSpec, pp: int, p: ParamTensor) -> bool:
+        """Whether this pipeline stage holds tensor ``p`` (the first stage the embeddings; the last
+        the final norm and the head, and its own copy of a tied embedding)."""
         if pp == 1:
             return True
         if p.layer is not None:
-            return lo <= p.layer < hi
-        is_input_side = p.role == "embedding"
-        if stage == "first":
-            return is_input_side
-        # the last stage holds the final norm and the head; a tied head keeps its own copy
-        return not is_input_side or (m.tied_embeddings and p.name.endswith(tied_names))
+            return self.lo <= p.layer < self.hi
+        if self.stage == "first":
+            return p.role == "embedding"
+        return p.role != "embedding" or (m.tied_embeddings and p.name.endswith(TIED_NAMES))
 
-    w = t.weight_bytes
-    half_master = t.precision in ("bf16", "fp16") and (t.zero_stage >= 1 or t.distributed_optimizer)
-    # gradient dtype: the parameter's, except Megatron/NeMo's fp32 main-grad buffers
-    gbytes = 4 if t.distributed_optimizer else w
-    # optimizer state dtype: fp32 when there is an fp32 master copy, else the parameter's dtype
-    sbytes = 4 if (w == 4 or half_master) else w
-    zero = t.zero_stage
-    # Megatron's distributed optimizer shards the fp32 master copy and the states like ZeRO-1
-    zero_states = max(zero, 1) if t.distributed_optimizer else zero
-    d = t.shard_group
 
-    buffers = master = grads = opt = step_t = lora_w = 0
-    trainable = params_rank = layer_grads = head_grads = lmh = hmh = largest = group = lpf = 0
-    lora = _lora_tensors(m, t)
-    frozen = bool(lora)
-    fused_step = t.impl == "fused" and t.optimizer in ("adam", "adamw")
+@dataclass
+class _Tally:
+    """Running sums over the tensors of a rank (bytes unless named otherwise)."""
+
+    buffers: int = 0
+    master: int = 0
+    grads: int = 0
+    opt: int = 0
+    step_t: int = 0
+    lora_w: int = 0
+    trainable: int = 0       # elements
+    params_rank: int = 0     # elements
+    layer_grads: int = 0
+    head_grads: int = 0
+    lmh: int = 0             # autocast half copies of one layer's matmul weights
+    hmh: int = 0             # autocast half copies of the head's
+    largest: int = 0
+    group: int = 0
+    lpf: int = 0             # one layer's weights, unsharded
+
+    def trainable_tensor(self, t: TrainingSpec, r: _Rank, shape: tuple[int, ...], n: int, k: int) -> int:
+        """Add gradient, master copy and optimizer states of ``k`` tensors of ``n`` elements on this
+        rank; returns one tensor's gradient bytes."""
+        self.trainable += k * n
+        g = block_bytes(-(-n * r.gbytes // r.d) if r.zero >= 2 else n * r.gbytes)
+        self.grads += k * g
+        sh = -(-n // r.d) if r.zero_states >= 1 else n
+        if r.half_master:
+            self.master += k * block_bytes(sh * 4)
+        for sb in state_bytes(t.optimizer, shape, sh, r.sbytes):
+            self.opt += k * block_bytes(sb)
+        if t.impl == "fused" and t.optimizer in ("adam", "adamw"):
+            self.step_t += k * block_bytes(4)
+        self.largest = max(self.largest, n * r.sbytes)
+        self.group += k * block_bytes(sh * r.sbytes)
+        return g
+
+
+def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
+    """Sum over the tensors on this rank. Transformer layers are identical, so one layer (the
+    first on the rank) is counted and multiplied by the layers on the rank."""
+    r = _Rank.of(m, t, stage)
+    acc = _Tally()
     # load order: tensors before the layers, one layer, tensors after the layers (bytes each)
     before: list[tuple[str, int]] = []
     layer: list[tuple[str, int]] = []
     after: list[tuple[str, int]] = []
+    _base_tensors(m, t, r, acc, before, layer, after)
+    lora = _lora_tensors(m, t)
+    _lora_adapters(t, r, acc, lora)
+    _buffers(m, r, acc, before, layer, after)
+    placed = _placed_bytes(tuple(x for _, x in before), tuple(x for _, x in layer), r.per_stage,
+                           tuple(x for _, x in after))
+    weights = placed - acc.buffers + acc.lora_w
+    master, opt, step_t = acc.master, acc.opt, acc.step_t
+    if t.offload_optimizer:  # ZeRO-Offload: fp32 master weights and optimizer states live in host memory
+        master = opt = step_t = 0
+    return States(weights, acc.buffers, master, acc.grads, opt, step_t, acc.trainable, acc.params_rank,
+                  acc.layer_grads, acc.head_grads, acc.lmh, acc.hmh, acc.largest, acc.group, acc.lpf,
+                  sum(n for _, n, _ in lora))
 
-    for p in m.first_layer_and_outer_tensors:  # layer 0 stands for the first layer on this rank
-        if p.layer is None and not on_rank(p):
+
+def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: list, layer: list,
+                  after: list) -> None:
+    """The model's own parameters on this rank (layer 0 standing for each of the stage's layers)."""
+    frozen = bool(t.lora_rank)
+    for p in m.first_layer_and_outer_tensors:
+        if p.layer is None and not r.holds(m, t.pp, p):
             continue
-        k = per_stage if p.layer is not None else 1  # identical layers on this rank
-        n = _tp_div(p, tp)
-        params_rank += k * n
-        wb = n * w
-        item = (p.name, -(-wb // d) if zero == 3 else wb)
+        k = r.per_stage if p.layer is not None else 1  # identical layers on this rank
+        n = _tp_div(p, t.tp)
+        acc.params_rank += k * n
+        wb = n * r.w
+        item = (p.name, -(-wb // r.d) if r.zero == 3 else wb)
         (layer if p.layer is not None else (after if layer else before)).append(item)
         if p.layer is not None:
-            lpf += wb
+            acc.lpf += wb
             # autocast caches half copies of the weights its matmuls cast; transformers' grouped_mm
             # experts have no autocast rule and run in the weights' dtype (no copies)
             if p.is_matmul and t.amp and p.role != "expert":
-                lmh += n * 2
+                acc.lmh += n * 2
         elif p.is_matmul and t.amp:
-            hmh += n * 2
+            acc.hmh += n * 2
         if frozen:
             continue
-        trainable += k * n
-        g = block_bytes(-(-n * gbytes // d) if zero >= 2 else n * gbytes)
-        grads += k * g
+        g = acc.trainable_tensor(t, r, p.shape, n, k)
         if p.layer is not None:
-            layer_grads += g
+            acc.layer_grads += g
         elif p.role != "embedding":
-            head_grads += g
-        sh = -(-n // d) if zero_states >= 1 else n
-        if half_master:
-            master += k * block_bytes(sh * 4)
-        for sb in _state_bytes(t.optimizer, p.shape, sh, sbytes):
-            opt += k * block_bytes(sb)
-        if fused_step:
-            step_t += k * block_bytes(4)
-        largest = max(largest, n * sbytes)
-        group += k * block_bytes(sh * sbytes)
-    if m.tied_embeddings and t.amp and m.head in ("causal-lm", "masked-lm") and (pp == 1 or stage == "last"):
+            acc.head_grads += g
+    if m.tied_embeddings and t.amp and m.head in ("causal-lm", "masked-lm") and (t.pp == 1 or r.stage == "last"):
         # the tied embedding is also the LM head: autocast casts it for the head matmul
         emb = next(p for p in m.parameter_tensors() if p.role == "embedding")
-        hmh += _tp_div(emb, tp) * 2
-    for mod, n, lyr in lora:
-        if lyr is not None and not (lo <= lyr < hi):
+        acc.hmh += _tp_div(emb, t.tp) * 2
+
+
+def _lora_adapters(t: TrainingSpec, r: _Rank, acc: _Tally, lora: list[tuple[str, int, int | None]]) -> None:
+    """LoRA A and B matrices on this stage: trainable, so they get gradients, states and (with a
+    half master) the fp32 master copy."""
+    for _mod, n, lyr in lora:
+        if lyr is not None and not (r.lo <= lyr < r.hi):
             continue
-        n = -(-n // tp) if tp > 1 else n
-        trainable += n
-        lora_w += block_bytes(-(-n * w // d) if zero == 3 else n * w)
-        g = block_bytes(-(-n * gbytes // d) if zero >= 2 else n * gbytes)
-        grads += g
-        if lyr == lo:
-            layer_grads += g
-        sh = -(-n // d) if zero_states >= 1 else n
-        if half_master:  # adapters are trainable: they get the fp32 master copy too
-            master += block_bytes(sh * 4)
-        for sb in _state_bytes(t.optimizer, (sh,), sh, sbytes):
-            opt += block_bytes(sb)
-        largest = max(largest, n * sbytes)
-        group += block_bytes(sh * sbytes)
+        n = -(-n // t.tp) if t.tp > 1 else n
+        acc.lora_w += block_bytes(-(-n * r.w // r.d) if r.zero == 3 else n * r.w)
+        g = acc.trainable_tensor(t, r, (-(-n // r.d) if r.zero_states >= 1 else n,), n, 1)
+        if lyr == r.lo:
+            acc.layer_grads += g
+
+
+def _buffers(m: ModelSpec, r: _Rank, acc: _Tally, before: list, layer: list, after: list) -> None:
+    """Registered buffers (fp32 / int64 / bool, else the weight dtype), placed in load order."""
     for b in m.buffer_tensors():
-        nb = {"float32": 4, "int64": 8, "bool": 1}.get(b.dtype, w)
+        nb = {"float32": 4, "int64": 8, "bool": 1}.get(b.dtype, r.w)
         numel = 1
         for x in b.shape:
             numel *= x
         if b.name.startswith("h."):  # nanoGPT's per-layer mask: part of the layer
             if int(b.name.split(".")[1]) != 0:  # layer 0 stands for every layer on this rank
                 continue
-            buffers += per_stage * block_bytes(numel * nb)
+            acc.buffers += r.per_stage * block_bytes(numel * nb)
             _insert_buffer(layer, b.name, numel * nb)
             continue
-        buffers += block_bytes(numel * nb)
+        acc.buffers += block_bytes(numel * nb)
         _insert_buffer(after if not b.name.startswith("embeddings") else before, b.name, numel * nb)
-    placed = _placed_bytes(tuple(x for _, x in before), tuple(x for _, x in layer), per_stage,
-                           tuple(x for _, x in after))
-    weights = placed - buffers + lora_w
-    if t.offload_optimizer:  # ZeRO-Offload: fp32 master weights and optimizer states live in host memory
-        master = opt = step_t = 0
-    lora_total = sum(n for _, n, _ in lora)
-    return States(weights, buffers, master, grads, opt, step_t, trainable, params_rank, layer_grads,
-                  head_grads, lmh, hmh, largest, group, lpf, lora_total)
 
 
 model_states.cache_clear = _STATES_CACHE.clear  # type: ignore[attr-defined]

@@ -43,31 +43,10 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from ..allocator_rules import (LARGE_BUFFER, MIN_BLOCK, MIN_LARGE_ALLOC, ROUND_LARGE, SMALL_BUFFER,  # noqa: F401
+                               SMALL_SIZE, MiB, round_size, segment_size, splits)
+
 KiB = 1024
-MiB = 1024 * 1024
-
-MIN_BLOCK = 512                # every block is a multiple of this
-SMALL_SIZE = 1 * MiB           # largest request served by the small pool
-SMALL_BUFFER = 2 * MiB         # segment size of the small pool
-LARGE_BUFFER = 20 * MiB        # segment size for large requests below MIN_LARGE_ALLOC
-MIN_LARGE_ALLOC = 10 * MiB     # from here on a segment is the request rounded up to ROUND_LARGE
-ROUND_LARGE = 2 * MiB
-
-
-def round_size(nbytes: int) -> int:
-    """The block size PyTorch uses for a request of ``nbytes`` (512 B granularity, 512 B minimum)."""
-    if nbytes < MIN_BLOCK:
-        return MIN_BLOCK
-    return MIN_BLOCK * ((nbytes + MIN_BLOCK - 1) // MIN_BLOCK)
-
-
-def segment_size(rounded: int) -> int:
-    """The size of the segment ("cudaMalloc") a rounded request needs when nothing cached fits."""
-    if rounded <= SMALL_SIZE:
-        return SMALL_BUFFER
-    if rounded < MIN_LARGE_ALLOC:
-        return LARGE_BUFFER
-    return ROUND_LARGE * ((rounded + ROUND_LARGE - 1) // ROUND_LARGE)
 
 
 class SimulatedOutOfMemory(RuntimeError):
@@ -351,9 +330,9 @@ class CachingAllocator:
 
     def _should_split(self, block: _Block, size: int) -> bool:
         remaining = block.size - size
-        if block.small or block.expandable:
-            return remaining >= MIN_BLOCK
-        return size < self.max_split_size and remaining > SMALL_SIZE
+        if block.small or block.expandable:  # expandable segments split like the small pool
+            return splits(True, remaining)
+        return size < self.max_split_size and splits(False, remaining)
 
     def _split(self, pool: _Pool, block: _Block, size: int) -> _Block:
         """Cut ``size`` bytes off the front of ``block``; the rest goes back to the pool."""

@@ -1,0 +1,138 @@
+"""The peak moment as named components, and the phases, for one layout's report."""
+from __future__ import annotations
+
+from typing import Any
+
+from ..report import Category
+from ..report import Component, Phase
+from ..spec.training import TrainingSpec
+from .moments import PARTS, Moment, Tokens
+from .quantities import HEAD_KEYS, Quantities, loss_upcasts
+
+# the categories as plain strings (an Enum attribute lookup costs a descriptor call per component)
+PARAMETERS, BUFFERS, MASTER = Category.PARAMETERS.value, Category.BUFFERS.value, Category.MASTER_WEIGHTS.value
+GRADIENTS, STATES = Category.GRADIENTS.value, Category.OPTIMIZER_STATES.value
+ACTIVATIONS, LOGITS, INPUTS = Category.ACTIVATIONS.value, Category.LOGITS.value, Category.INPUTS.value
+WORKSPACE, COMMUNICATION = Category.WORKSPACE.value, Category.COMMUNICATION.value
+TEMPORARIES = Category.TEMPORARIES.value
+HALF_NAMES = {"bf16-amp": "bf16", "fp16-amp": "fp16", "bf16": "bf16", "fp16": "fp16"}
+
+
+def phase_label(phase: str, micro: int, ga: int) -> str:
+    """``forward``/``backward`` with the micro-step under accumulation (``.micro1``, ``.micro2-N``)."""
+    if ga == 1 or phase not in ("forward", "backward"):
+        return phase
+    return f"{phase}.micro1" if micro == 0 else f"{phase}.micro2-{ga}"
+
+
+def where_label(mo: Moment, q: Quantities, tk: Tokens) -> str:
+    """Where a moment happens, with the layer index and the op whose backward runs."""
+    if mo.where not in ("layer.top", "layer.bottom"):
+        return mo.where
+    names = q.detail.transient_names
+    op = names[tk.transient_index] if tk.transient_index >= 0 else "backward"
+    return f"layer[{q.layers - 1 if mo.where == 'layer.top' else 0}].{op or 'backward'}"
+
+
+def phases(moments: list[Moment], totals: list[int], ends: list[tuple], ga: int) -> list[Phase]:
+    """Each phase's allocated bytes at its end and the largest moment inside it."""
+    top: dict[tuple[str, int, int], int] = {}
+    for mo, tot in zip(moments, totals):
+        key = (mo.phase, mo.micro, mo.step)
+        if tot > top.get(key, -1):
+            top[key] = tot
+    out = []
+    for phase, micro, step, alloc in ends:
+        out.append(Phase(phase_label(phase, micro, ga), step, alloc, max(alloc, top.get((phase, micro, step), alloc))))
+    return out
+
+
+def components(q: Quantities, tk: Tokens, mo: Moment, t: TrainingSpec, n: int, nsq: int, m: Any) -> list[Component]:
+    """The bytes alive at the peak moment ``mo``, by name and category."""
+    st = q.detail.states
+    parts = dict(zip(PARTS, mo.parts))
+    half = HALF_NAMES.get(t.precision, "fp32")
+    wdt = "fp32" if t.weight_bytes == 4 else half
+    out = [Component("parameters", PARAMETERS, st.weights, wdt,
+                     "sum over tensors of block(numel/tp [/dp under ZeRO-3] x bytes)", True),
+           Component("buffers", BUFFERS, st.buffers, None, "registered buffers (position ids, rotary, masks)",
+                     True)]
+    if st.master:
+        out.append(Component("master_weights", MASTER, st.master, "fp32",
+                             "fp32 copy of half weights, sharded over the ZeRO group", True))
+    if parts["gradients"]:
+        out.append(Component("gradients", GRADIENTS, parts["gradients"], "fp32" if t.distributed_optimizer else wdt,
+                             "gradients alive at the peak [/dp under ZeRO-2/3]", True))
+    if parts["optimizer_states"]:
+        out.append(Component("optimizer_states", STATES, parts["optimizer_states"], None,
+                             f"{t.optimizer} states of trainable tensors [/dp under ZeRO>=1]", True))
+    if parts["activations"]:
+        out += activations(q, tk, parts["activations"], t, n, nsq, half)
+    if parts["logits"]:
+        out += _logits(mo, m, half)
+    out.append(Component("inputs", INPUTS, tk.inputs, "int64", "input_ids and labels"))
+    if parts["workspace"]:
+        out.append(Component("workspace.cublas", WORKSPACE, parts["workspace"], None,
+                             "8,519,680 B per cuBLAS handle: forward thread and autograd thread", True))
+    comm = q.fixed - st.weights - st.buffers - st.master
+    if comm:
+        out.append(Component(q.detail.comm_name, COMMUNICATION, comm, None, "DDP buckets / ZeRO-3 gathered layers",
+                             True))
+    if parts["temporaries"]:
+        out.append(Component(f"temporaries.{where_label(mo, q, tk)}", TEMPORARIES, parts["temporaries"], None,
+                             "tensors alive only at the peak moment"))
+    return out
+
+
+def activations(q: Quantities, tk: Tokens, at_peak: int, t: TrainingSpec, n: int, nsq: int,
+                half: str) -> list[Component]:
+    """The activations alive at the peak: every saved tensor by name when all layers' are alive
+    (end of forward, or the head's backward), else what remains of them."""
+    complete = at_peak == tk.all_acts
+    if not (complete or at_peak == tk.layers + tk.outer_rest):
+        return [Component("activations.remaining", ACTIVATIONS, at_peak, None,
+                          "activations of the layers not yet back-propagated at the peak")]
+    listed = []
+    for name, tok, sq in sorted(q.detail.outer):
+        v = int(tok * n + sq * nsq)
+        if v and (complete or name not in HEAD_KEYS):
+            listed.append(Component(f"activations.{name}", ACTIVATIONS, v * tk.inflight, None,
+                                    "embedding / head tensors saved for backward"))
+    if q.cast_head and complete:
+        listed.append(Component("activations.autocast_weight_copies.head", ACTIVATIONS, q.cast_head, half,
+                                "half copy of the LM head weight saved by its matmul"))
+    per_rank = q.layers * tk.inflight
+    if t.recompute == "full":
+        stream = "fp32" if t.weight_bytes == 4 else half  # the residual stream's dtype
+        listed.append(Component("activations.layers.checkpointed_inputs", ACTIVATIONS, tk.layer * per_rank,
+                                stream, "full recompute keeps each layer's input"))
+    else:
+        for name, a, b in q.detail.layer.parts:
+            v = int(a * n) + (0 if t.recompute == "selective" else int(b * nsq))
+            if v:
+                listed.append(Component(f"activations.layers.{name}", ACTIVATIONS, v * per_rank, None,
+                                        "saved per layer x layers on this rank x micro-batches in flight"))
+    if q.cast_layer and not q.cast_forward_only:
+        listed.append(Component("activations.autocast_weight_copies.layers", ACTIVATIONS,
+                                q.cast_layer * q.layers, half,
+                                "half copies of matmul weights cast by autocast, saved for backward"))
+    diff = at_peak - sum(c.bytes for c in listed)
+    if diff:
+        listed.append(Component("activations.rounding", ACTIVATIONS, diff, None, "integer rounding"))
+    return listed
+
+
+def _logits(mo: Moment, m: Any, half: str) -> list[Component]:
+    held, kv, logp = mo.logit_parts
+    out = []
+    if held:
+        out.append(Component("logits.logits", LOGITS, held, half,
+                             "b x s x vocab / tp in the matmul dtype: the model output's (and the previous "
+                             "step's while the loop keeps it)"))
+    if logp:
+        out.append(Component("logits.log_probs", LOGITS, logp, "fp32" if loss_upcasts(m) else None,
+                             "log-softmax saved by cross-entropy (and nll_loss's fp32 copy under autocast)"))
+    if kv:
+        out.append(Component("activations.kv_cache", ACTIVATIONS, kv, "fp32",
+                             "KV-cache copies of the keys held by the model output (not saved by autograd)"))
+    return out

@@ -1,0 +1,50 @@
+"""Arithmetic that means the same on Python numbers and on numpy arrays.
+
+The engine's step (``moments.py``) is written once with these helpers and plain operators, so the
+same code gives one layout's bytes (Python ints: exact, fast) or a million layouts' at once (int64
+and float64 arrays, element by element). Every helper returns exactly what the scalar expression
+would: ``int(x)`` and ``x.astype(int64)`` both truncate toward zero; Python's and numpy's float64
+products are the same IEEE operations.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+I64 = np.int64
+NEVER = -(1 << 62)  # the value of a moment that does not happen (never the largest)
+
+
+def is_array(*xs: Any) -> bool:
+    return any(isinstance(x, np.ndarray) for x in xs)
+
+
+def where(cond: Any, a: Any, b: Any) -> Any:
+    """``a if cond else b``, element by element when ``cond`` is an array."""
+    if isinstance(cond, np.ndarray):
+        return np.where(cond, a, b)
+    return a if cond else b
+
+
+def maximum(a: Any, b: Any) -> Any:
+    if is_array(a, b):
+        return np.maximum(a, b)
+    return a if a >= b else b
+
+
+def minimum(a: Any, b: Any) -> Any:
+    if is_array(a, b):
+        return np.minimum(a, b)
+    return a if a <= b else b
+
+
+def trunc(x: Any) -> Any:
+    """``int(x)`` (toward zero) for a float or a float array."""
+    if isinstance(x, np.ndarray):
+        return x.astype(I64)
+    return int(x)
+
+
+def ceil_div(a: Any, b: Any) -> Any:
+    return -(-a // b)

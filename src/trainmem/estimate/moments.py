@@ -1,0 +1,218 @@
+"""The training step as named moments: bytes alive at each, on Python numbers or numpy arrays.
+
+A moment is a point of the step (the loss in forward, the start of backward, the last and the first
+layer's backward, the embeddings' backward, the end of backward, the optimizer step) with what is
+alive then, split into ``PARTS``. Two steps are walked (the first creates the optimizer states
+and the second cuBLAS workspace; the second is the steady state) and, with accumulation, two
+micro-steps of each (micro-steps 2..N repeat micro-step 2). The peak is the largest moment.
+
+Everything here is arithmetic on ``Quantities`` (``quantities.py``) and on the batch, sequence and
+accumulation, through ``elementwise``: one code path for one layout (ints) and for many (arrays).
+The only Python branches are on ``StepFlags``, which do not vary between layouts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ..allocator_rules import block_bytes
+from ..spec.hardware import CUBLAS_WORKSPACE  # 8,519,680 B per cuBLAS handle
+from ..spec.model import ModelSpec
+from ..spec.training import TrainingSpec
+from .elementwise import NEVER, ceil_div, maximum, minimum, trunc, where
+from .quantities import Quantities, TransientTable, is_lm
+
+#: the parts of a moment, in this order; ``logits`` is itself (logits, KV cache, log-probabilities)
+PARTS = ("gradients", "optimizer_states", "inputs", "workspace", "activations", "logits", "temporaries")
+
+
+@dataclass(frozen=True)
+class StepFlags:
+    """The loop's choices that are the same for every layout of a setup."""
+
+    oib: bool               # optimizer step inside backward (gradients freed in hooks)
+    keep_output: bool       # the loop holds the model output (logits, KV cache) until the next forward
+    grads_persistent: bool  # gradients exist from model wrap (Megatron/NeMo main-grad buffers)
+    lm: bool                # logits per token over the vocabulary (else per sample over labels)
+
+    @staticmethod
+    def of(m: ModelSpec, t: TrainingSpec) -> "StepFlags":
+        return StepFlags(t.optimizer_in_backward, t.keep_logits, t.distributed_optimizer, is_lm(m))
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """Bytes of one micro-batch (ints or arrays): the terms the moments add up."""
+
+    inflight: Any          # micro-batches in flight on this rank (pipeline)
+    layer: Any             # one layer's kept activations
+    layers: Any            # all layers' kept activations + their autocast copies
+    outer_rest: Any        # embeddings' tensors x micro-batches in flight
+    outer_head: Any        # final norm / head input
+    all_acts: Any          # everything saved for backward at the end of forward
+    redo: Any              # the backward transient beyond the layer's saved tensors
+    layer_grad_part: Any   # of it, the gradients of the layer's later linears
+    transient_index: Any   # which op's backward that is
+    inputs: Any            # input ids and labels (int64)
+    held: Any              # logits the loop keeps
+    out_logits: Any        # the head's output
+    loss_saved: Any
+    loss_forward: Any
+    loss_backward: Any
+    kv_held: Any           # fp32 KV cache the output holds (autocast), all layers
+    kv_saved: Any          # the rest of the KV cache of one layer
+
+
+def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any) -> Tokens:
+    """The per-micro-batch terms for ``n`` tokens on this rank, ``nsq`` token x key pairs, micro-
+    batch ``b`` and ``ga`` accumulated micro-batches."""
+    inflight = where(q.fixed_inflight > 0, q.fixed_inflight, minimum(q.pp_inflight, ga))
+    layer = trunc(q.kept_tok * n + q.kept_sq * nsq)                        # (b, s, ...) per layer
+    layers = layer * q.layers * inflight + (q.cast_layer * q.layers - q.cast_forward_only)
+    outer_rest = trunc(q.outer_rest_tok * n + q.outer_rest_sq * nsq) * inflight
+    outer_head = trunc(q.outer_head_tok * n)
+    all_acts = layers + outer_rest + outer_head * inflight + q.cast_head
+    index, value, grads = best_transient(q.transients, n, nsq)
+    redo = maximum(0, value - grads + trunc(q.redo_tok * n + q.redo_sq * nsq) + q.redo_const)
+    # logits: (b, s / chunks, vocab / tp) per chunk for LM heads, (b, labels) for classifiers
+    count = ceil_div(n, q.logit_chunks) * q.logit_width // q.tp if flags.lm else b * q.logit_width
+    labels = n if flags.lm else b
+    kv_tok = trunc(q.held_tok * n)
+    return Tokens(inflight, layer, layers, outer_rest, outer_head, all_acts, redo, grads, index,
+                  block_bytes(n * 8) + block_bytes(labels * 8), count * q.logits_held, count * q.logits_out,
+                  count * q.loss_saved, count * q.loss_forward, count * q.loss_backward,
+                  kv_tok * q.layers * inflight, trunc(q.cache_tok * n) - kv_tok)
+
+
+def best_transient(tr: Any, n: Any, nsq: Any) -> tuple[Any, Any, Any]:
+    """The layer op whose backward adds the most on top of the layer's saved tensors: (its index,
+    its bytes, of which gradients of the layer's later linears). Ties: the first op."""
+    if isinstance(tr, TransientTable):
+        nn, qq = np.asarray(n)[:, None], np.asarray(nsq)[:, None]
+        vals = (tr.a * nn + tr.b * qq + tr.c).astype(np.int64) + tr.g + tr.pad
+        idx = vals.argmax(1)
+        rows = np.arange(len(idx))
+        return idx, vals[rows, idx], tr.g[rows, idx]
+    best = (-1, NEVER, 0)
+    for i, (a, b, c, g) in enumerate(tr):
+        v = int(a * n + b * nsq + c) + g
+        if v > best[1]:
+            best = (i, v, g)
+    return best
+
+
+class Moment(NamedTuple):
+    """One point of the step: ``parts`` in the order of ``PARTS`` (logits split in ``logit_parts``)."""
+
+    phase: str
+    micro: int              # 0: the first micro-step, 1: micro-steps 2..N
+    step: int
+    where: str
+    parts: tuple
+    logit_parts: tuple      # (logits, KV cache, log-probabilities)
+    valid: Any = True       # False (or an array) where this moment does not happen
+
+    def total(self, fixed: Any) -> Any:
+        return fixed + sum(self.parts)
+
+
+def _mo(phase: str, micro: int, step: int, where_: str, six: tuple, logit_parts: tuple = (0, 0, 0),
+        valid: Any = True) -> Moment:
+    """A moment from (gradients, states, inputs, workspace, activations, temporaries) + logits."""
+    return Moment(phase, micro, step, where_, six[:5] + (sum(logit_parts),) + six[5:], logit_parts, valid)
+
+
+def walk(q: Quantities, flags: StepFlags, tk: Tokens, ga: Any) -> tuple[list[Moment], list[tuple]]:
+    """The moments of two training steps in order, and the bytes allocated at the end of each
+    phase as (phase, micro, step, bytes). With arrays both micro-steps are walked and the second
+    is marked invalid where ``ga == 1``."""
+    ws = CUBLAS_WORKSPACE
+    # gradients at the end of backward; with optimizer in backward none are left
+    grads_end = q.grads
+    # the output the loop keeps: its logits, its fp32 KV cache and, after backward, the whole cache
+    kh = tk.held
+    kkv = tk.kv_held if flags.keep_output else 0
+    kall = (tk.kv_held + tk.kv_saved * q.layers * tk.inflight) if flags.keep_output else 0
+    keep = (kh, kkv, 0)
+    keep_low = (kh, kkv + (tk.kv_saved * (q.layers - 1) * tk.inflight if flags.keep_output else 0), 0)
+    keep_end = (kh, kall, 0)
+    acts_after_head = tk.layers + tk.outer_rest
+    acts_low = tk.layers // q.layers + tk.outer_rest
+    tied = q.tied_grad
+    loaded = q.grads_loaded
+    moments = [_mo("model_loaded", 0, 0, "model.to(device)", (loaded, 0, 0, 0, 0, 0))]
+    ends = [("model_loaded", 0, 0, q.fixed + loaded)]
+    opt_on = False        # optimizer states exist (after the first step, or from the first backward)
+    ws_now = 0            # cuBLAS workspaces: the autograd thread's appears in the first backward
+    arrays = isinstance(ga, np.ndarray)
+    for step in (1, 2):
+        micros = (0, 1) if arrays else range(min(ga, 2))
+        for micro in micros:
+            valid = (ga > 1) if (arrays and micro) else True
+            g0 = q.grads if (micro > 0 or flags.grads_persistent) else 0   # gradients from before
+            opt_now = q.states if opt_on else 0
+            ws_f = max(ws_now, ws)
+            prev = (kh, kall) if (step > 1 or micro > 0) else (0, 0)      # the previous output, still held
+            # forward: the loss, with this forward's logits and KV cache alive too
+            moments.append(_mo("forward", micro, step, "cross_entropy",
+                               (g0, opt_now, tk.inputs, ws_f, tk.all_acts, tk.loss_forward + q.cast_forward_only),
+                               (prev[0] + tk.out_logits, prev[1] + tk.kv_held, tk.loss_saved), valid))
+            ends.append(("forward", micro, step,
+                         q.fixed + g0 + opt_now + tk.inputs + ws_f + tk.all_acts + kh + kkv + tk.loss_saved))
+            moments.append(_mo("backward", micro, step, "cross_entropy.backward",
+                               (g0, opt_now, tk.inputs, 2 * ws, tk.all_acts, tk.loss_backward),
+                               (kh, kkv, tk.loss_saved), valid))
+            has_g0 = g0 != 0
+            g_layer = where(has_g0, 0, tk.layer_grad_part)   # the later linears' gradients of the layer
+            opt_mid = q.states if (opt_on or flags.oib) else 0  # states appear in the first backward (oib)
+            t_mid = maximum(tk.redo, q.oib_mid) + tied     # a tied head's gradient waits in autograd's buffer
+            g_top = g0 + where(has_g0, 0, q.head_grads) + g_layer
+            moments.append(_mo("backward", micro, step, "layer.top",
+                               (g_top, opt_mid, tk.inputs, 2 * ws, acts_after_head, t_mid), keep, valid))
+            g_low = g0 + where(has_g0, 0, q.head_grads + (q.layers - 1) * q.layer_grads) + g_layer
+            moments.append(_mo("backward", micro, step, "layer.bottom",
+                               (g_low, opt_mid, tk.inputs, 2 * ws, acts_low, t_mid), keep_low,
+                               _both(valid, q.layers > 1)))
+            # the embedding's gradient and the out-of-place sum join the head's part
+            t_emb = 2 * tied + (tied if flags.oib else where(has_g0, tied, 0))
+            moments.append(_mo("backward", micro, step, "embeddings.backward",
+                               (grads_end, opt_mid, tk.inputs, 2 * ws, 0, t_emb), keep_end, _both(valid, tied > 0)))
+            opt_on = opt_on or flags.oib
+            opt_end = q.states if opt_on else 0
+            moments.append(_mo("backward", micro, step, "backward.end",
+                               (grads_end, opt_end, tk.inputs, 2 * ws, 0, q.oib_end), keep_end, valid))
+            ends.append(("backward", micro, step, q.fixed + grads_end + opt_end + tk.inputs + 2 * ws + kh + kall))
+            ws_now = 2 * ws
+        after = q.fixed + grads_end + q.states + tk.inputs + 2 * ws + kh + kall
+        if not flags.oib:
+            moments.append(_mo("optimizer_step", 0, step, "optimizer.step",
+                               (grads_end, q.states, tk.inputs, 2 * ws, 0, q.step_temp), keep_end))
+            ends.append(("optimizer_step", 0, step, after))
+        opt_on = True
+        ends.append(("zero_grad", 0, step, after - grads_end + q.grads_loaded))
+    return moments, ends
+
+
+def _both(a: Any, b: Any) -> Any:
+    """``a and b`` for bools or bool arrays."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return np.logical_and(a, b)
+    return bool(a) and bool(b)
+
+
+def peak(moments: list[Moment], fixed: Any) -> tuple[Any, Any, list]:
+    """(largest total, index of the first moment that reaches it, every moment's total) over the
+    valid moments (an invalid one's total is ``NEVER``)."""
+    if isinstance(fixed, np.ndarray):
+        totals = np.stack([np.where(m.valid, m.total(fixed), NEVER) for m in moments])
+        idx = totals.argmax(0)
+        return totals[idx, np.arange(totals.shape[1])], idx, totals
+    best, best_i, totals = NEVER, 0, []
+    for i, m in enumerate(moments):
+        tot = fixed + sum(m.parts) if m.valid else NEVER
+        totals.append(tot)
+        if tot > best:
+            best, best_i = tot, i
+    return best, best_i, totals

@@ -1,0 +1,412 @@
+"""The quantities of one rank that do not depend on batch, sequence or accumulation.
+
+``quantities(m, t, stage)`` gathers, for one model trained one way on one pipeline stage:
+model states (``states.py``), the layer's saved tensors as bytes per token and per token x key
+(``layers.py``), the tensors outside the layers (embeddings, final norm, head input), the loss's
+bytes per logit, the autocast cache, optimizer temporaries and communication buffers. The step
+(``moments.py``) then turns them into bytes for any batch and sequence, on Python numbers or on
+numpy arrays; ``gather`` stacks the quantities of many layouts into arrays for that.
+
+Conventions: ``n`` = tokens on this rank (micro-batch x local sequence), ``nsq`` = tokens x keys
+(n x full sequence: context parallelism sees every key); a per-token pair ``(tok, sq)`` stands
+for ``int(tok * n + sq * nsq)`` bytes.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, fields
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+from ..spec.model import ModelSpec
+from ..spec.training import TrainingSpec
+from .elementwise import NEVER
+from .layers import LayerCoefs, LayerKey, Policy, layer_coefficients
+from .states import States, block_bytes, default_lora_targets, model_states
+
+F32 = 4
+HEAD_KEYS = ("final_norm", "lm_head.input", "mlm.transform", "pooler.input")
+
+
+@dataclass(frozen=True)
+class Detail:
+    """What the breakdown of a scalar report needs beyond numbers (not gathered into arrays)."""
+
+    states: States
+    layer: LayerCoefs
+    outer: tuple[tuple[str, float, float], ...]   # tensors outside the layers: (name, tok, sq)
+    comm_name: str
+    transient_names: tuple[str, ...]
+    input_tok: float                              # a layer's input per token (full recompute keeps it)
+
+
+@dataclass(frozen=True)
+class Quantities:
+    """Bytes of one rank for one layout, before batch and sequence are known (see module doc)."""
+
+    fixed: int             # weights + buffers + fp32 master + communication buffers, from load on
+    grads: int             # every gradient on this rank (0: freed in backward hooks)
+    grads_loaded: int      # gradients that exist from model wrap (Megatron main-grads), else 0
+    states: int            # optimizer states + step tensors (created by the first step)
+    layer_grads: int       # one layer's gradients
+    head_grads: int        # gradients of the head and final norm (first in backward)
+    layers: int            # layers on this rank
+    pp_inflight: int       # 1F1B keeps min(pp, grad_accum) micro-batches in flight on the first stage
+    fixed_inflight: int    # micro-batches in flight when fixed (else 0)
+    saved_tok: float       # one layer, everything autograd saves
+    saved_sq: float
+    kept_tok: float        # one layer under the recompute policy (full: its input only)
+    kept_sq: float
+    redo_tok: float        # re-created while one layer is recomputed in backward
+    redo_sq: float
+    redo_const: int        # that layer's autocast weight copies, under full recompute
+    held_tok: float        # KV-cache bytes per token the output holds without autograd (fp32, amp)
+    cache_tok: float       # the whole KV cache per token
+    outer_head_tok: float  # final norm / head input, per token
+    outer_rest_tok: float  # embeddings' saved tensors, rotary tables, 4-D mask
+    outer_rest_sq: float
+    cast_layer: int        # autocast half copies of one layer's matmul weights, saved for backward
+    cast_head: int         # the head's half copy
+    cast_forward_only: int  # full recompute: the layers' copies live only until forward ends
+    logit_chunks: int      # chunked cross-entropy: chunks of tokens
+    logit_width: int       # vocabulary on this rank (LM heads) or labels (classifiers)
+    tp: int
+    logits_held: int       # bytes per logit element: the output the loop keeps (0: only the loss)
+    logits_out: int        # the head's output, alive while the loss runs
+    loss_saved: int        # saved by the loss (log-probabilities, nll_loss's fp32 copy)
+    loss_forward: int      # the .float() copy alive while log_softmax runs
+    loss_backward: int     # gradients alive at the start of backward
+    step_temp: int         # optimizer.step() temporaries
+    oib_mid: int           # optimizer in backward: one update's gradient + temporaries, mid-backward
+    oib_end: int           # ... for the embeddings, updated last
+    tied_grad: int         # a tied head's gradient waiting in autograd's input buffer
+    transients: Any        # per layer-op backward transient: tuple of (a, b, c, g), or a TransientTable
+    detail: Detail | None = None
+
+
+@dataclass(frozen=True)
+class TransientTable:
+    """Backward transients of many layouts: (layouts x ops) arrays, padded with ``pad`` = NEVER."""
+
+    a: np.ndarray
+    b: np.ndarray
+    c: np.ndarray
+    g: np.ndarray
+    pad: np.ndarray
+
+
+# ----------------------------------------------------------------------------------------------
+def act_impl(m: ModelSpec) -> str:
+    """The MLP activation's implementation: ``gelu_new`` (tanh formula in Python ops) or fused."""
+    cfg = m.config or {}
+    a = str(cfg.get("activation_function") or cfg.get("hidden_act") or "gelu").lower()
+    if m.family == "nanogpt":
+        return "gelu"  # nn.GELU(): fused
+    return "gelu_new" if a == "gelu_new" else "gelu"
+
+
+def layer_key(m: ModelSpec, t: TrainingSpec) -> LayerKey:
+    """Everything ``layers.layer_coefficients`` needs about the model and the setup."""
+    lora = ()
+    if t.lora_rank:
+        targets = set(t.lora_targets or default_lora_targets(m))
+        lora = tuple((p.module, t.lora_rank, 1) for p in m.parameter_tensors()
+                     if p.layer == 0 and p.is_matmul and p.module in targets)
+    return LayerKey(m.family, act_impl(m), t.precision, t.attention, t.dropout, m.hidden_dropout,
+                    m.attention_dropout, m.hidden_size, m.ffn_size, m.q_size, m.kv_size, m.num_heads,
+                    m.num_kv_heads, m.head_dim, t.tp, t.sequence_parallel, m.num_experts,
+                    m.experts_top_k, m.pre_norm, lora, kv_cache(m, t))
+
+
+def kv_cache(m: ModelSpec, t: TrainingSpec) -> bool:
+    """Whether the forward builds a KV cache: transformers' decoder models create a
+    ``DynamicCache`` whenever ``config.use_cache`` (default True) is set, in training too, except
+    under gradient checkpointing (``merge_with_config_defaults`` turns it off); its ``torch.cat``
+    copies of each layer's keys and values are what attention then consumes. Megatron-style
+    tensor/pipeline/context parallel code has no such cache."""
+    if t.recompute == "full" or t.tp * t.pp * t.cp > 1:
+        return False
+    if m.head != "causal-lm" or m.family == "nanogpt":
+        return False
+    return bool((m.config or {}).get("use_cache", True))
+
+
+def loss_upcasts(m: ModelSpec) -> bool:
+    """Whether the model's loss upcasts half logits to fp32 first.
+
+    transformers' causal-LM heads call ``ForCausalLMLoss`` (``logits.float()``). Its masked-LM heads
+    (``BertForMaskedLM``, ``XLMRobertaXLForMaskedLM``) call ``CrossEntropyLoss()`` on the logits
+    as they are, and so does nanoGPT (``F.cross_entropy``): in pure bf16 the log-probabilities and
+    both loss gradients stay bf16; under autocast ``cross_entropy`` has no autocast rule, so
+    ``log_softmax`` keeps the half dtype and ``nll_loss`` (fp32 list) saves an fp32 copy.
+    """
+    return m.head == "causal-lm" and m.family != "nanogpt"
+
+
+def is_lm(m: ModelSpec) -> bool:
+    """A language-model head (logits over the vocabulary per token)."""
+    return m.head in ("causal-lm", "masked-lm")
+
+
+def outer_tensors(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) -> tuple[tuple[str, float, float], ...]:
+    """Tensors saved outside the layers, for one micro-batch on this rank: (name, bytes per token,
+    bytes per token x key). Sequence parallelism splits the tokens of the replicated regions."""
+    h, sp = m.hidden_size, (t.tp if t.sequence_parallel else 1)
+    out: list[tuple[str, float, float]] = []
+    if t.pp == 1 or stage == "first":
+        out += _embedding_side(m, t, pol, h, sp)
+    if t.pp == 1 or stage == "last":
+        out += _head_side(m, pol, h, sp)
+    return tuple(out)
+
+
+def _embedding_side(m: ModelSpec, t: TrainingSpec, pol: Policy, h: int, sp: int) -> list[tuple[str, float, float]]:
+    drop = t.dropout and m.hidden_dropout > 0
+    out = [("inputs_embeds", 0.0, 0.0)]
+    if m.family in ("gpt2", "nanogpt", "roberta-prenorm") and drop:
+        out.append(("embeddings.dropout.mask", h / sp, 0.0))                  # bool (b, s, h)
+    if m.family == "bert":
+        out.append(("embeddings.LayerNorm", (h * pol.stream + 8) / sp, 0.0))  # input + fp32 mean/rstd
+        if drop:
+            out.append(("embeddings.dropout.mask", h / sp, 0.0))
+    if m.position == "rotary":
+        # cos and sin (b, s, head_dim) in the residual dtype, shared by every layer's rotary mul
+        out.append(("rotary.cos_sin", 2.0 * m.head_dim * pol.stream, 0.0))
+    if t.recompute == "full" and t.attention == "eager" and m.head == "causal-lm" and m.family != "nanogpt":
+        # transformers' eager attention adds a 4-D float causal mask (b, 1, s, s) in the
+        # embeddings' dtype; checkpointed layers keep it as an input until the first layer's
+        # backward (without recompute it dies with the base model's forward)
+        out.append(("causal_mask", 0.0, float(pol.stream)))
+    return out
+
+
+def _head_side(m: ModelSpec, pol: Policy, h: int, sp: int) -> list[tuple[str, float, float]]:
+    out: list[tuple[str, float, float]] = []
+    if m.final_norm and m.family != "bert":
+        if m.norm == "rmsnorm":  # HF RMSNorm: fp32 input copy, the normed tensor, fp32 rstd
+            out.append(("final_norm", (h * (F32 + pol.stream) + 4) / sp, 0.0))
+        else:                    # layer_norm: input + fp32 mean/rstd
+            out.append(("final_norm", (h * pol.stream + 8) / sp, 0.0))
+    if m.head == "masked-lm":
+        # transform: dense (saves its input) + activation + LayerNorm, then the decoder's input
+        out.append(("mlm.transform", float(h * (pol.half + pol.half + pol.stream) + 8), 0.0))
+        out.append(("lm_head.input", float(h * pol.half), 0.0))
+    elif m.head == "causal-lm":
+        # lm_head saves its input: a half cast under autocast, else the final norm's output
+        half_in = pol.amp or (m.norm == "rmsnorm" and pol.stream == 2)
+        out.append(("lm_head.input", float(h * (pol.half if half_in else pol.stream)), 0.0))
+    elif m.head == "seq-cls":
+        # BERT's pooler takes hidden[:, 0]; the view keeps the last layer's output storage alive
+        out.append(("pooler.input", float(h * (pol.stream if m.family == "bert" else pol.half)), 0.0))
+    return out
+
+
+def loss_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy) -> tuple[int, int, int, int, int]:
+    """Bytes per logit element: (held by the loop, the head's output, saved by the loss, forward
+    transient, backward transient).
+
+    * Hugging Face ``ForCausalLMLoss`` upcasts first (``logits.float()``: an fp32 copy freed after
+      the loss); ``cross_entropy`` -> ``log_softmax(x, dtype=fp32)`` saves fp32 log-probabilities.
+      At the start of backward ``nll_loss_backward`` and ``_log_softmax_backward_data`` each make an
+      fp32 tensor of the logits' size, alive together with the saved log-probabilities.
+    * ``F.cross_entropy`` on half logits under autocast (nanoGPT, transformers' masked-LM heads):
+      ``log_softmax`` keeps the half dtype; ``nll_loss`` (autocast fp32 list) casts to an fp32 copy
+      it saves; backward starts with one fp32 gradient. In pure half precision all stay half.
+    * Under ``torch.compile`` inductor fuses the loss and its backward: no fp32 copy in forward and
+      one fp32 logits gradient in backward.
+    Classifier heads: fp32 loss tensors of (b, labels).
+    """
+    held = pol.half if t.keep_logits else 0
+    if not is_lm(m):
+        return held, pol.half, F32, F32, 2 * F32
+    if t.compile:
+        return held, pol.half, F32, 0, F32
+    if not loss_upcasts(m) and pol.half != F32:
+        if pol.amp:
+            return held, pol.half, pol.half + F32, 0, F32
+        return held, pol.half, pol.half, 0, 2 * pol.half
+    return held, pol.half, F32, (F32 if pol.half != F32 else 0), 2 * F32
+
+
+def step_temporaries(t: TrainingSpec, st: States) -> int:
+    """Bytes ``optimizer.step()`` allocates and frees again (steady state, states already exist).
+
+    From torch/optim/adam.py (torch 2.13; AdamW = Adam with decoupled weight decay, in place):
+      * for-loop (``_single_tensor_adam``): ``denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt)
+        .add_(eps)``: the square root and the quotient of one tensor coexist -> 2 x the largest
+        parameter (in the state dtype);
+      * foreach (``_multi_tensor_adam``): ``exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)``
+        then in-place div/add/addcdiv -> one state-sized tensor per parameter, the whole group at once;
+      * fused (``_fused_adamw_``): none.
+    Measured on the CPU with ``trainmem.measure.LiveBytes`` (tests/test_optim_transients.py).
+    Under optimizer-in-backward each parameter has its own optimizer: foreach is a group of one
+    (1 x the parameter), for-loop 2 x, fused none; the largest parameter sets the peak.
+    """
+    k = _copies_per_tensor(t, t.optimizer_in_backward)
+    if k is None:
+        return st.foreach_group
+    return k * block_bytes(st.largest_param)
+
+
+def _copies_per_tensor(t: TrainingSpec, per_parameter: bool) -> int | None:
+    """State-sized temporaries one optimizer step makes per tensor (None: the whole group's worth)."""
+    if t.optimizer == "sgd" or t.impl == "fused" or t.optimizer == "adamw-8bit" or t.offload_optimizer:
+        return 0
+    if t.impl == "foreach":
+        return 1 if per_parameter else None
+    return 2
+
+
+def oib_update_bytes(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, int]:
+    """Optimizer-in-backward: the gradient of one parameter plus its update's temporaries, alive
+    together inside its post-accumulate-grad hook (the gradient is freed right after). Returns the
+    largest such amount among tensors updated while activations are alive (all but the input
+    embeddings, e.g. an untied LM head right after the loss) and among all (the embeddings, whose
+    gradients complete last). Sharded (ZeRO/FSDP2) tensors update their shard."""
+    k = _copies_per_tensor(t, True) or 0
+    half_master = t.precision in ("bf16", "fp16") and (t.zero_stage >= 1 or t.distributed_optimizer)
+    sb = 4 if (t.weight_bytes == 4 or half_master) else t.weight_bytes
+    gb = 4 if t.distributed_optimizer else t.weight_bytes
+    d = t.shard_group if t.zero_stage >= 1 else 1
+    if t.lora_rank:
+        n_all = n_mid = st.largest_param // sb  # adapters only, all inside the layers
+    else:
+        sizes = [(p.role == "embedding", p.numel if t.tp == 1 or p.role in ("norm", "router")
+                  else -(-p.numel // t.tp)) for p in m.parameter_tensors()]
+        n_all = max(n for _, n in sizes)
+        n_mid = max([n for emb, n in sizes if not emb] + [0])
+
+    def one(n: int) -> int:
+        n = -(-n // d)
+        return block_bytes(n * gb) + k * block_bytes(n * sb)
+    return one(n_mid), one(n_all)
+
+
+def tied_head_grad(m: ModelSpec, t: TrainingSpec) -> int:
+    """Bytes of the LM head's gradient contribution to a tied input embedding.
+
+    The head and the embedding feed one ``AccumulateGrad`` node, so autograd's input buffer holds
+    the head's gradient (the weight's dtype) from the head's backward until the embedding's, when
+    ``InputBuffer::accumulate`` adds the embedding's gradient out of place (the head's gradient is
+    a transposed view whose storage is shared, so it cannot be reused): head part, embedding part
+    and their sum are alive together, then the sum becomes ``.grad``."""
+    if not (m.tied_embeddings and is_lm(m)) or t.lora_rank or t.pp > 1:
+        return 0
+    return _embedding_block(m, t.tp, t.weight_bytes)
+
+
+@lru_cache(maxsize=1024)
+def _embedding_block(m: ModelSpec, tp: int, nbytes: int) -> int:
+    emb = next((p for p in m.parameter_tensors() if p.role == "embedding"), None)
+    return block_bytes(-(-emb.numel // tp) * nbytes) if emb is not None else 0
+
+
+# ----------------------------------------------------------------------------------------------
+#: TrainingSpec fields that quantities depend on: all but the batch, the sequence and accumulation
+_STEP_FIELDS = tuple(f.name for f in fields(TrainingSpec) if f.name not in ("batch_size", "seq_len",
+                                                                           "grad_accum", "extra"))
+_key_of = operator.attrgetter(*_STEP_FIELDS)
+_CACHE: dict[tuple, Quantities] = {}
+
+
+def quantities(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> Quantities:
+    """The quantities of ``m`` trained as ``t`` on pipeline stage ``stage`` (cached)."""
+    key = (m, stage, _key_of(t))
+    hit = _CACHE.get(key)
+    if hit is None:
+        if len(_CACHE) >= 8192:
+            _CACHE.clear()
+        hit = _CACHE[key] = _build(m, t, stage)
+    return hit
+
+
+def clear_cache() -> None:
+    _CACHE.clear()
+    model_states.cache_clear()
+
+
+def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
+    pol = Policy.of(t.precision)
+    st = model_states(m, t, stage)
+    lc = layer_coefficients(layer_key(m, t))
+    layers = m.num_layers // t.pp
+    oib = t.optimizer_in_backward
+    sp = t.tp if t.sequence_parallel else 1
+    input_tok = m.hidden_size * pol.stream / sp               # a layer's input (b, s, h), residual dtype
+    kept, redo = _recompute(t, lc, input_tok)
+    head_here = t.pp == 1 or stage == "last"
+    # autocast casts each fp32 leaf weight once per forward and caches it; the matmuls save the
+    # copies for backward. Sharded ZeRO-3/FSDP parameters are gathered per layer in the compute
+    # dtype and resharded after use, so no cast copies outlive their layer.
+    sharded = t.zero_stage == 3 and t.shard_group > 1
+    cast_layer = st.layer_matmul_half if pol.amp and not sharded else 0
+    cast_head = st.head_matmul_half if pol.amp and not sharded and head_here else 0
+    full = t.recompute == "full"
+    outer = outer_tensors(m, t, pol, stage)
+    held, out, saved, fwd, bwd = loss_bytes(m, t, pol) if head_here else (0, 0, 0, 0, 0)
+    comm, comm_name = _communication(t, st)
+    oib_mid, oib_end = oib_update_bytes(m, t, st) if oib else (0, 0)
+    gpw = st.layer_grads / lc.weights if (lc.weights and not oib) else 0.0
+    after = lc.after or (0.0,) * len(lc.transients)
+    trans = tuple((a, b, c, int(w * gpw)) for (_, a, b, c), w in zip(lc.transients, after))
+    inflight_fixed = 1 if (t.pp == 1 or stage != "first") else (t.num_microbatches_in_flight or 0)
+    return Quantities(
+        fixed=st.weights + st.buffers + st.master + comm, grads=0 if oib else st.grads,
+        grads_loaded=(0 if oib else st.grads) if t.distributed_optimizer else 0, states=st.optimizer + st.step_tensors,
+        layer_grads=0 if oib else st.layer_grads, head_grads=0 if oib else st.head_grads, layers=layers,
+        pp_inflight=t.pp, fixed_inflight=inflight_fixed, saved_tok=lc.tok, saved_sq=lc.sq,
+        kept_tok=kept[0], kept_sq=kept[1], redo_tok=redo[0], redo_sq=redo[1],
+        redo_const=cast_layer if full else 0, held_tok=lc.held, cache_tok=lc.cache,
+        outer_head_tok=sum(a for k, a, _ in outer if k in HEAD_KEYS),
+        outer_rest_tok=sum(a for k, a, _ in outer if k not in HEAD_KEYS),
+        outer_rest_sq=sum(b for k, _, b in outer if k not in HEAD_KEYS),
+        cast_layer=cast_layer, cast_head=cast_head, cast_forward_only=cast_layer * layers if full else 0,
+        logit_chunks=t.loss_chunks, logit_width=m.vocab_size if is_lm(m) else m.num_labels,
+        tp=t.tp if is_lm(m) else 1, logits_held=held, logits_out=out, loss_saved=saved, loss_forward=fwd,
+        loss_backward=bwd, step_temp=step_temporaries(t, st), oib_mid=oib_mid, oib_end=oib_end,
+        tied_grad=tied_head_grad(m, t), transients=trans,
+        detail=Detail(st, lc, outer, comm_name, tuple(n for n, *_ in lc.transients), input_tok))
+
+
+def _recompute(t: TrainingSpec, lc: LayerCoefs, input_tok: float) -> tuple[tuple[float, float], tuple[float, float]]:
+    """(kept per layer, re-created while one layer is recomputed) as (per token, per token x key).
+    none: everything is kept; selective (Megatron): the attention scores are recomputed; full: only
+    each layer's input is kept, and one whole layer comes back during its backward."""
+    if t.recompute == "full":
+        return (input_tok, 0.0), (lc.tok, lc.sq)
+    if t.recompute == "selective":
+        return (lc.tok, 0.0), (0.0, lc.sq)
+    return (lc.tok, lc.sq), (0.0, 0.0)
+
+
+def _communication(t: TrainingSpec, st: States) -> tuple[int, str]:
+    """Buffers that exist from model wrap: DDP's flat gradient buckets (``gradient_as_bucket_view``
+    off: a copy of every gradient), or ZeRO-3's gathered layers (the current and the prefetched)."""
+    if t.dp > 1 and t.zero_stage == 0 and not t.distributed_optimizer and st.trainable:
+        return st.grads, "communication.ddp_buckets"
+    if t.zero_stage == 3 and t.shard_group > 1:
+        return 2 * st.layer_params_full, "communication.zero3_gathered_layers"
+    return 0, ""
+
+
+def gather(qs: list[Quantities], index: np.ndarray) -> Quantities:
+    """The quantities of many layouts as arrays: ``qs[index[i]]`` for layout ``i``, field by field."""
+    arrays: dict[str, Any] = {}
+    for f in fields(Quantities):
+        if f.name in ("transients", "detail"):
+            continue
+        col = np.array([getattr(q, f.name) for q in qs])
+        arrays[f.name] = col[index]
+    width = max((len(q.transients) for q in qs), default=0)
+    tab = np.zeros((len(qs), max(width, 1), 5))
+    tab[:, :, 4] = NEVER
+    for i, q in enumerate(qs):
+        for j, tr in enumerate(q.transients):
+            tab[i, j, :4] = tr
+            tab[i, j, 4] = 0
+    tab = tab[index]
+    table = TransientTable(tab[:, :, 0], tab[:, :, 1], tab[:, :, 2], tab[:, :, 3].astype(np.int64),
+                           tab[:, :, 4].astype(np.int64))
+    return Quantities(**arrays, transients=table, detail=None)
