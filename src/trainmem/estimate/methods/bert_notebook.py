@@ -29,6 +29,7 @@ BertForSequenceClassification with two labels emits b·2 logits (a 16-byte diffe
 """
 from __future__ import annotations
 
+from ...allocator_rules import block_bytes
 from ...report import Component, Phase
 from ..common import simple_report
 from ._shared import CUBLAS_WORKSPACE_BYTES
@@ -36,10 +37,6 @@ from ._shared import CUBLAS_WORKSPACE_BYTES
 METHOD = "bert-notebook"
 
 MiB = 1 << 20
-_MIN_BLOCK = 512               # smallest block the caching allocator hands out
-_SMALL_SIZE = 1 * MiB          # largest request served from the small pool; split threshold
-_LARGE_BUFFER = 10 * MiB       # above this a request gets a segment of its own
-_ROUND_LARGE = 2 * MiB         # ... rounded up to a multiple of 2 MiB
 
 #: Adam-like moment tensors per weight, by optimizer.
 _MOMENTS = {"adam": 2, "adamw": 2, "sgd": 0, "sgd-momentum": 1, "lion": 1}
@@ -50,17 +47,11 @@ def allocator_block_bytes(nbytes: int) -> int:
 
     Counts the request rounded up to 512 bytes; for requests above 10 MiB, which get a fresh
     segment rounded up to 2 MiB, the whole segment when the remainder after the block would be
-    1 MiB or less (the allocator does not split it off). Source: PyTorch's CUDACachingAllocator
-    rules, as Scherrmann's notebook observed them (119.23 MiB embedding -> 120.00 MiB).
+    1 MiB or less (the allocator does not split it off): ``allocator_rules.block_bytes``, PyTorch's
+    CUDACachingAllocator rules, as Scherrmann's notebook observed them (119.23 MiB embedding ->
+    120.00 MiB).
     """
-    if nbytes <= 0:
-        return 0
-    size = -(-nbytes // _MIN_BLOCK) * _MIN_BLOCK
-    if size > _LARGE_BUFFER:
-        segment = -(-size // _ROUND_LARGE) * _ROUND_LARGE
-        if segment - size <= _SMALL_SIZE:
-            return segment
-    return size
+    return block_bytes(nbytes)
 
 
 def weight_bytes(model, bytes_per_element: int = 4) -> int:
