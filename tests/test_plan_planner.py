@@ -114,10 +114,19 @@ def test_bad_input():
         plan("gpt2", 8, seq_len=4096, global_batch=8, gpu="h100")
 
 
-def test_scalar_path_for_lora():
+def test_lora_goes_through_the_engine_on_arrays():
     r = plan("llama-3.2-1b", 8, seq_len=1024, global_batch=16, gpu="l4", lora_rank=8, tp="1,2", pp=1, cp=1,
              zero="0,1", recompute="none")
-    assert not r.vectorised and r.top
+    assert r.vectorised and r.top
     x = r.top[0]
     e = trainmem.estimate("llama-3.2-1b", gpu="l4", seq_len=1024, lora_rank=8, **x.options())
     assert x.device_used == e.device_used
+
+
+def test_scalar_path_for_other_methods():
+    r = plan("llama-3.2-1b", 8, seq_len=1024, global_batch=16, gpu="l4", method="korthikanti", tp="1,2", pp=1,
+             cp=1, zero="0,1", recompute="none")
+    assert not r.vectorised and r.top
+    x = r.top[0]
+    e = trainmem.estimate("llama-3.2-1b", gpu="l4", seq_len=1024, method="korthikanti", **x.options())
+    assert x.device_used == e.device_peak

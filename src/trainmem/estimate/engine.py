@@ -17,7 +17,6 @@ on the arrays, so both paths give the same bytes (tests/test_plan_layouts.py che
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -28,10 +27,9 @@ from ..spec.model import ModelSpec
 from ..spec.training import RECOMPUTE, TrainingSpec
 from .breakdown import components, phase_label, phases, where_label
 from .moments import StepFlags, peak, tokens, walk
-from .quantities import gather, oib_update_bytes, quantities, step_temporaries  # noqa: F401 (public)
+from .quantities import SHAPE_FIELDS, gather, oib_update_bytes, quantities, shape_quantities, step_temporaries  # noqa: F401
 
-#: layout fields ``estimate_layouts`` takes as arrays; the first seven pick the quantities
-SHAPE_FIELDS = ("tp", "pp", "cp", "dp", "zero", "recompute", "sequence_parallel")
+#: layout fields ``estimate_layouts`` takes as arrays: SHAPE_FIELDS pick the quantities
 TOKEN_FIELDS = ("batch_size", "seq_len", "grad_accum")
 
 
@@ -105,14 +103,9 @@ def _columns(base: TrainingSpec, layout: dict[str, Any]) -> dict[str, np.ndarray
 def _stage_arrays(m: ModelSpec, base: TrainingSpec, cols: dict[str, np.ndarray], stage: str) -> dict[str, np.ndarray]:
     """``quantities`` per distinct parallel shape, gathered; then ``tokens`` and ``walk`` on arrays."""
     first, inv = group_rows(*(cols[k] for k in SHAPE_FIELDS))
-    qs = []
-    for i in first:
-        shape = {k: int(cols[k][i]) for k in SHAPE_FIELDS}
-        shape["recompute"] = RECOMPUTE[shape["recompute"]]
-        shape["sequence_parallel"] = bool(shape["sequence_parallel"])
-        t = replace(base, **shape, **{k: int(cols[k][i]) for k in TOKEN_FIELDS})
-        qs.append(quantities(m, t, stage))
-    q = gather(qs, inv)
+    rows = np.stack([cols[k][first] for k in SHAPE_FIELDS + TOKEN_FIELDS], 1).tolist()
+    shapes = shape_quantities(m, base, stage, rows)
+    q = gather(shapes, inv)
     b, s, ga = cols["batch_size"], cols["seq_len"], cols["grad_accum"]
     n = b * (s // cols["cp"])
     nsq = n * s
@@ -120,7 +113,7 @@ def _stage_arrays(m: ModelSpec, base: TrainingSpec, cols: dict[str, np.ndarray],
     tk = tokens(q, flags, n, nsq, b, ga)
     moments, _ = walk(q, flags, tk, ga)
     total, _, _ = peak(moments, q.fixed)
-    params = np.array([x.detail.states.params_rank for x in qs], dtype=np.int64)[inv]
+    params = np.array([x[3] for x in shapes], dtype=np.int64)[inv]
     return {"peak_allocated": np.asarray(total, dtype=np.int64), "params_rank": params}
 
 

@@ -14,7 +14,7 @@ for ``int(tok * n + sq * nsq)`` bytes.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 from typing import Any
 
@@ -308,6 +308,7 @@ def _embedding_block(m: ModelSpec, tp: int, nbytes: int) -> int:
 _STEP_FIELDS = tuple(f.name for f in fields(TrainingSpec) if f.name not in ("batch_size", "seq_len",
                                                                            "grad_accum", "extra"))
 _key_of = operator.attrgetter(*_STEP_FIELDS)
+_POSITION = {name: i for i, name in enumerate(_STEP_FIELDS)}
 _CACHE: dict[tuple, Quantities] = {}
 
 
@@ -322,8 +323,35 @@ def quantities(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> Quantitie
     return hit
 
 
+#: layout fields of a parallel shape, in the order ``shape_quantities`` reads its rows
+SHAPE_FIELDS = ("tp", "pp", "cp", "dp", "zero", "recompute", "sequence_parallel")
+_RECOMPUTE = ("none", "selective", "full")
+_SHAPES: dict[tuple, dict[tuple, tuple]] = {}
+
+
+def shape_quantities(m: ModelSpec, base: TrainingSpec, stage: str, rows: list[list[int]]) -> list[tuple]:
+    """``quantities`` of ``base`` with each row's parallel shape, as gather-ready tuples (ints,
+    floats, transients, parameters on the rank). A row is the ``SHAPE_FIELDS`` (recompute as an index
+    into none/selective/full, sequence parallelism as 0/1) then a valid batch, sequence and
+    accumulation, used only to build the spec the first time a shape is met."""
+    memo = _SHAPES.setdefault((m, stage, _key_of(base)), {})
+    out = []
+    for row in rows:
+        shape = tuple(row[:7])
+        hit = memo.get(shape)
+        if hit is None:
+            tp, pp, cp, dp, zero, rec, sp, b, s, ga = row
+            t = replace(base, tp=tp, pp=pp, cp=cp, dp=dp, zero=zero, recompute=_RECOMPUTE[rec],
+                        sequence_parallel=bool(sp), batch_size=b, seq_len=s, grad_accum=ga)
+            q = quantities(m, t, stage)
+            hit = memo[shape] = (_ints_of(q), _floats_of(q), q.transients, q.detail.states.params_rank)
+        out.append(hit)
+    return out
+
+
 def clear_cache() -> None:
     _CACHE.clear()
+    _SHAPES.clear()
     model_states.cache_clear()
 
 
@@ -391,22 +419,23 @@ def _communication(t: TrainingSpec, st: States) -> tuple[int, str]:
     return 0, ""
 
 
-def gather(qs: list[Quantities], index: np.ndarray) -> Quantities:
-    """The quantities of many layouts as arrays: ``qs[index[i]]`` for layout ``i``, field by field."""
-    arrays: dict[str, Any] = {}
-    for f in fields(Quantities):
-        if f.name in ("transients", "detail"):
-            continue
-        col = np.array([getattr(q, f.name) for q in qs])
-        arrays[f.name] = col[index]
-    width = max((len(q.transients) for q in qs), default=0)
-    tab = np.zeros((len(qs), max(width, 1), 5))
-    tab[:, :, 4] = NEVER
-    for i, q in enumerate(qs):
-        for j, tr in enumerate(q.transients):
-            tab[i, j, :4] = tr
-            tab[i, j, 4] = 0
-    tab = tab[index]
+_INT_FIELDS = tuple(f.name for f in fields(Quantities) if f.type == "int")
+_FLOAT_FIELDS = tuple(f.name for f in fields(Quantities) if f.type == "float")
+_ints_of = operator.attrgetter(*_INT_FIELDS)
+_floats_of = operator.attrgetter(*_FLOAT_FIELDS)
+
+
+def gather(rows: list[tuple], index: np.ndarray) -> Quantities:
+    """The quantities of many layouts as arrays: ``rows[index[i]]`` (from ``shape_quantities``) for
+    layout ``i``, field by field (int64 byte counts, float64 per-token coefficients)."""
+    ints = np.array([r[0] for r in rows], dtype=np.int64)[index]
+    floats = np.array([r[1] for r in rows], dtype=np.float64)[index]
+    arrays: dict[str, Any] = {k: ints[:, j] for j, k in enumerate(_INT_FIELDS)}
+    arrays.update({k: floats[:, j] for j, k in enumerate(_FLOAT_FIELDS)})
+    width = max(max((len(r[2]) for r in rows), default=0), 1)
+    pad = (0.0, 0.0, 0.0, 0.0, float(NEVER))
+    tab = np.array([[tr + (0.0,) for tr in r[2]] + [pad] * (width - len(r[2])) for r in rows],
+                   dtype=np.float64)[index]
     table = TransientTable(tab[:, :, 0], tab[:, :, 1], tab[:, :, 2], tab[:, :, 3].astype(np.int64),
                            tab[:, :, 4].astype(np.int64))
     return Quantities(**arrays, transients=table, detail=None)

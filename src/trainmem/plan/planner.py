@@ -2,13 +2,13 @@
 
 A layout is (dp, tp, pp, cp, ZeRO stage, recompute, micro-batch, gradient accumulation) with
 dp·tp·pp·cp = the GPU count and dp·micro-batch·accumulation = the global batch (in sequences).
-Layouts the model or the frameworks do not allow are rejected with a reason: TP must divide the
-attention heads (and split the key/value heads evenly) and the MLP size, PP the layers, CP the sequence, and with
-sequence parallelism (on whenever tp > 1) TP the local sequence; the global batch must divide by
-dp; ZeRO-2/3 do not combine with pipeline parallelism (DeepSpeed); ZeRO stages are only distinct
-when dp > 1. The memory of every layout comes from ``vector.layout_memory`` (the default method's
-structure, vectorised) or, for other methods and settings it does not model, from the scalar
-estimator; the shown layouts are always re-estimated with ``trainmem.estimate``. The ranking is
+Layouts the model or the frameworks do not allow are rejected with a reason: the divisibility rules
+of ``spec.layout`` (TP and the heads, key/value heads and MLP; PP and the layers; CP and the
+sequence; with sequence parallelism, on whenever tp > 1, TP and the local sequence), the global
+batch must divide by dp, ZeRO-2/3 do not combine with pipeline parallelism (DeepSpeed), and ZeRO
+stages are only distinct when dp > 1. The memory of every layout comes from the estimate engine
+run on arrays (``estimate.engine.estimate_layouts``: the same code as ``trainmem.estimate``, byte
+for byte), or one by one for the other methods. The ranking is
 ``timing.step_times`` (see there and docs/plan.md).
 """
 from __future__ import annotations
@@ -21,13 +21,14 @@ import numpy as np
 
 from ..errors import TrainmemError
 from ..report import MemoryReport
+from ..estimate.engine import estimate_layouts, group_rows
+from ..spec.layout import pp_problems, sequence_problems, tp_problems
 from ..spec.training import RECOMPUTE, TrainingSpec, check_against
 from ..units import fmt, scale
 from ._common import Evaluator, divisors, gpu_extras, hardware_with_speeds, parse_int_list
 from .timing import TERM_WORDS, TERMS, Speeds, step_times
-from .vector import REC_CODES, group_rows, layout_memory, states, supported
-
-REC_NAMES = {v: k for k, v in REC_CODES.items()}
+REC_CODES = {name: i for i, name in enumerate(RECOMPUTE)}   # none 0, selective 1, full 2
+REC_NAMES = dict(enumerate(RECOMPUTE))
 SCALAR_LIMIT = 20_000          # layouts the scalar estimator may evaluate in one plan
 LAYOUT_FIELDS = ("tp", "pp", "cp", "dp", "zero", "rec", "b", "ga")
 NOT_PLANNED = {"fsdp": "--fsdp (plan chooses the ZeRO stage itself; FSDP full = ZeRO-3, grad-op = ZeRO-2)",
@@ -183,21 +184,17 @@ def enumerate_layouts(m, n_gpus: int, seq: int, global_batch: int, filters: dict
     for tp in divisors(n_gpus):
         if f_tp is not None and tp not in f_tp:
             continue
-        if m.num_heads % tp:
-            reject(f"tp={tp}", f"does not divide the {m.num_heads} attention heads", shapes_below(n_gpus // tp))
-            continue
-        if m.num_kv_heads % tp and tp % m.num_kv_heads:
-            reject(f"tp={tp}", f"cannot split the {m.num_kv_heads} key/value heads evenly", shapes_below(n_gpus // tp))
-            continue
-        if m.ffn_size % tp:
-            reject(f"tp={tp}", f"does not divide the MLP size {m.ffn_size}", shapes_below(n_gpus // tp))
+        bad = tp_problems(m, tp)
+        if bad:
+            reject(bad[0].label, bad[0].reason, shapes_below(n_gpus // tp))
             continue
         rest = n_gpus // tp
         for pp in divisors(rest):
             if f_pp is not None and pp not in f_pp:
                 continue
-            if m.num_layers % pp:
-                reject(f"pp={pp}", f"does not divide the {m.num_layers} layers", len(divisors(rest // pp)))
+            bad = pp_problems(m, pp)
+            if bad:
+                reject(bad[0].label, bad[0].reason, len(divisors(rest // pp)))
                 continue
             for cp in divisors(rest // pp):
                 if f_cp is not None and cp not in f_cp:
@@ -206,11 +203,9 @@ def enumerate_layouts(m, n_gpus: int, seq: int, global_batch: int, filters: dict
                 if f_dp is not None and dp not in f_dp:
                     continue
                 shape = f"dp={dp} tp={tp} pp={pp} cp={cp}"
-                if seq % cp:
-                    reject(shape, f"cp={cp} does not divide the sequence length {seq}")
-                    continue
-                if tp > 1 and (seq // cp) % tp:
-                    reject(shape, f"sequence parallelism needs the local sequence {seq // cp} divisible by tp={tp}")
+                bad = sequence_problems(seq, tp, cp, sequence_parallel=tp > 1)
+                if bad:
+                    reject(shape, f"{bad[0].label} {bad[0].reason}")
                     continue
                 if global_batch % dp:
                     reject(shape, f"the global batch of {global_batch} sequences does not divide by dp={dp}")
@@ -239,7 +234,7 @@ def enumerate_layouts(m, n_gpus: int, seq: int, global_batch: int, filters: dict
     return arrays, [(w, r, n, u) for (w, r, u), n in rejected.items()]
 
 
-class _Planner:
+class Planner:
     """The fixed part of a plan (model, hardware, training settings) evaluated for any GPU count."""
 
     def __init__(self, model: Any, seq: int, global_batch: int, mfu: float, internode_gbs: float | None,
@@ -265,14 +260,8 @@ class _Planner:
         self.speeds = Speeds.of(hw, self.gpn, self.inter, mfu)
         self.seq, self.global_batch, self.filters = seq, global_batch, filters
         self.limit = self.ev.limit
-        why = supported(self.base)
-        self.vectorised = self.ev.method == "trainmem" and why is None
-        if self.vectorised:
-            try:
-                from .vector import model_tables
-                model_tables(self.ev.model)
-            except NotImplementedError:
-                self.vectorised = False
+        # the default method's engine evaluates arrays of layouts; other methods go one by one
+        self.vectorised = self.ev.method == "trainmem"
         self.assumptions = {"mfu": mfu, "bf16_tflops": hw.bf16_tflops, "interconnect_gbs": hw.interconnect_gbs,
                             "internode_gbs": self.inter, "gpus_per_node": self.gpn,
                             "sequence_parallel": "on when tp > 1",
@@ -280,13 +269,14 @@ class _Planner:
 
     # -- memory and time of arrays of layouts ------------------------------------------------
     def memory(self, a: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Peak allocated and device memory (and the worst pipeline stage) of every layout."""
         if self.vectorised:
-            return layout_memory(self.ev.model, self.base, self.seq, self.ev.hardware.context,
-                                 *(a[k] for k in LAYOUT_FIELDS))
+            mem = self.engine(a)
+            mem["device_used"] = mem["peak_reserved"] + self.ev.hardware.context
+            return mem
         n = len(a["tp"])
         if n > SCALAR_LIMIT:
-            why = "" if self.ev.method != "trainmem" else ", settings the vectorised planner does not model"
-            raise TrainmemError(f"{n:,} layouts to estimate one by one (method {self.ev.method}{why}); "
+            raise TrainmemError(f"{n:,} layouts to estimate one by one (method {self.ev.method}); "
                                 f"narrow them with --tp/--pp/--cp/--zero/--recompute/--batch-size")
         out = {k: np.zeros(n, np.int64) for k in ("peak_allocated", "device_used", "stage")}
         for i in range(n):
@@ -296,26 +286,26 @@ class _Planner:
             out["stage"][i] = 1 if r.extra.get("pipeline_stage") == "last" else 0
         return out
 
+    def engine(self, a: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``estimate.engine.estimate_layouts`` on the planner's layout arrays."""
+        return estimate_layouts(self.ev.model, self.base, tp=a["tp"], pp=a["pp"], cp=a["cp"], dp=a["dp"],
+                                zero=a["zero"], recompute=a["rec"], sequence_parallel=a["tp"] > 1,
+                                batch_size=a["b"], grad_accum=a["ga"], seq_len=self.seq)
+
     def report(self, tp, pp, cp, dp, zero, rec, b, ga) -> MemoryReport:
         return self.ev.report(seq_len=self.seq, tp=tp, pp=pp, cp=cp, dp=dp, zero=zero, recompute=REC_NAMES[rec],
                               batch_size=b, grad_accum=ga, sequence_parallel=tp > 1)
 
-    def params_rank(self, a: dict[str, np.ndarray]) -> np.ndarray:
-        """Parameters on a rank (before ZeRO), the worst pipeline stage: the data-parallel traffic."""
-        first, inv = group_rows(a["tp"], a["pp"])
-        tp, pp = a["tp"][first], a["pp"][first]
-        ones = np.ones(len(first), np.int64)
-        base = TrainingSpec(precision=self.base.precision)
-        try:
-            f = states(self.ev.model, base, tp, pp, 0 * ones, ones, False)["params_rank"]
-            z = states(self.ev.model, base, tp, pp, 0 * ones, ones, True)["params_rank"]
-            return np.maximum(f, z)[inv]
-        except NotImplementedError:  # layers that differ: parameters spread evenly
-            return -(-self.ev.model.num_params // (a["tp"] * a["pp"]))
+    def params_rank(self, a: dict[str, np.ndarray], mem: dict[str, np.ndarray] | None = None) -> np.ndarray:
+        """Parameters on a rank (before ZeRO), the larger pipeline stage: the data-parallel traffic."""
+        if mem is not None and "params_rank" in mem:
+            return mem["params_rank"]
+        return self.engine(a)["params_rank"]
 
-    def times(self, n_gpus: int, a: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def times(self, n_gpus: int, a: dict[str, np.ndarray], mem: dict[str, np.ndarray] | None = None
+              ) -> dict[str, np.ndarray]:
         return step_times(self.ev.model, self.base, self.speeds, self.seq, self.global_batch, n_gpus,
-                          *(a[k] for k in LAYOUT_FIELDS), self.params_rank(a))
+                          *(a[k] for k in LAYOUT_FIELDS), self.params_rank(a, mem))
 
     # -- one cluster size ------------------------------------------------------------------------
     def evaluate(self, n_gpus: int, with_times: bool = True):
@@ -324,7 +314,7 @@ class _Planner:
             return a, rejected, None, None, np.zeros(0, bool)
         mem = self.memory(a)
         fits = mem["device_used"] <= self.limit
-        t = self.times(n_gpus, a) if with_times else None
+        t = self.times(n_gpus, a, mem) if with_times else None
         return a, rejected, mem, t, fits
 
     def layout(self, n_gpus: int, a, mem, t, i: int) -> Layout:
@@ -401,7 +391,7 @@ def plan(model: Any, gpus: int, seq_len: int | None = None, global_batch: int | 
     filters = {"tp": _filter(tp, "--tp"), "pp": _filter(pp, "--pp"), "cp": _filter(cp, "--cp"),
                "dp": _filter(dp, "--dp"), "b": _filter(batch_size, "--batch-size"),
                "ga": _filter(grad_accum, "--grad-accum"), "zero": _zero_values(zero), "rec": _rec_filter(recompute)}
-    P = _Planner(model, seq, global_batch, mfu, internode_gbs, gpus_per_node, filters, gpu=gpu, **options)
+    P = Planner(model, seq, global_batch, mfu, internode_gbs, gpus_per_node, filters, gpu=gpu, **options)
     a, rejected, mem, t, fits = P.evaluate(gpus)
     n_valid = len(a["tp"])
     considered = n_valid + sum(n for _, _, n, u in rejected if u == "layouts")
@@ -461,7 +451,7 @@ def _shape_summary(a, mem, t, fits, order) -> list[dict[str, Any]]:
     return out
 
 
-def _smallest_cluster(P: _Planner, gpus: int, max_cluster: int) -> tuple[int | None, Layout | None, str]:
+def _smallest_cluster(P: Planner, gpus: int, max_cluster: int) -> tuple[int | None, Layout | None, str]:
     """The smallest GPU count (above ``gpus``) where some layout fits.
 
     Doubles the count until a layout fits, then scans the last bracket in steps of the node size

@@ -45,13 +45,13 @@ grows with the traffic a layout adds, which is what the ranking needs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
 from ..spec.hardware import Hardware
 from ..spec.model import ModelSpec
 from ..spec.training import TrainingSpec
-from .vector import model_tables
 
 LATENCY_INTRA = 10e-6   # seconds per collective within a node
 LATENCY_INTER = 30e-6   # seconds per collective across nodes
@@ -76,11 +76,28 @@ class Speeds:
         return Speeds(hw.bf16_tflops * 1e12, hw.interconnect_gbs * 1e9, internode_gbs * 1e9, gpus_per_node, mfu)
 
 
+@lru_cache(maxsize=64)
+def matmul_elements(m: ModelSpec) -> tuple[int, int]:
+    """Matmul weight elements a token meets: (in one layer, with an MoE layer's experts weighted by
+    top-k / experts; in the head, a tied embedding counted when it is the LM head)."""
+    layer = head = 0
+    for p in m.first_layer_and_outer_tensors:
+        if p.layer == 0 and p.is_matmul:
+            routed = p.role == "expert" and m.num_experts
+            layer += p.numel * m.experts_top_k // m.num_experts if routed else p.numel
+        elif p.layer is None and p.is_matmul:
+            head += p.numel
+    emb = [p for p in m.parameter_tensors() if p.role == "embedding"]
+    if m.tied_embeddings and m.head in ("causal-lm", "masked-lm") and emb:
+        head += emb[0].numel
+    return layer, head
+
+
 def flops_per_token(m: ModelSpec, seq: int) -> tuple[float, float, float]:
     """(forward FLOPs per token, of which the layers' dense matmuls, of which attention scores)."""
-    tb = model_tables(m)
-    dense_layers = 2.0 * tb.layer_matmul * m.num_layers
-    head = 2.0 * tb.head_matmul
+    layer_matmul, head_matmul = matmul_elements(m)
+    dense_layers = 2.0 * layer_matmul * m.num_layers
+    head = 2.0 * head_matmul
     attn = 4.0 * seq * m.q_size * m.num_layers
     return dense_layers + head + attn, dense_layers, attn
 

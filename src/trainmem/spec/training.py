@@ -9,6 +9,7 @@ from dataclasses import dataclass, asdict, field
 from typing import Any
 
 from ..errors import TrainmemError
+from .layout import layout_problems
 
 PRECISIONS = ("fp32", "fp16-amp", "bf16-amp", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adamw-8bit", "lion")
@@ -55,7 +56,7 @@ class TrainingSpec:
     lora_targets: tuple[str, ...] | None = None
     distributed_optimizer: bool = False  # Megatron/NeMo: fp32 main grads + sharded states
     ddp_bucket_mb: float = 25.0
-    optimizer_bucket_mb: float | None = None  # NeMo distributed_fused_adam bucket (seed 000)
+    optimizer_bucket_mb: float | None = None  # NeMo distributed_fused_adam bucket
     fsdp_node_size: int = 8
     keep_logits: bool = False  # the loop holds the model output (logits) through backward
     compile: bool = False  # torch.compile: inductor fuses the loss backward (one fp32 logits gradient)
@@ -166,23 +167,11 @@ def default_seq_len(model: Any) -> int:
 
 
 def check_against(model: Any, t: TrainingSpec) -> None:
-    """Checks that need both the model and the setup: divisibility of heads, layers, experts."""
-    if model.num_heads % t.tp:
-        raise TrainmemError(f"--tp {t.tp} does not divide the {model.num_heads} attention heads of "
-                            f"{model.name}; choose a TP size that divides {model.num_heads}")
-    if model.num_kv_heads % t.tp and t.tp % model.num_kv_heads:
-        raise TrainmemError(f"--tp {t.tp} and the {model.num_kv_heads} key/value heads of {model.name} "
-                            f"cannot be split evenly; choose a TP size that divides {model.num_kv_heads}")
-    if model.ffn_size % t.tp:
-        raise TrainmemError(f"--tp {t.tp} does not divide the MLP size {model.ffn_size} of {model.name}; "
-                            f"choose a TP size that divides it")
-    if model.num_layers % t.pp:
-        raise TrainmemError(f"--pp {t.pp} does not divide the {model.num_layers} layers of {model.name}; "
-                            f"choose a PP size that divides {model.num_layers}")
-    if t.seq_len % t.cp:
-        raise TrainmemError(f"--cp {t.cp} does not divide --seq-len {t.seq_len}")
-    if t.sequence_parallel and t.seq_len % t.tp:
-        raise TrainmemError(f"--sequence-parallel needs --seq-len ({t.seq_len}) divisible by --tp ({t.tp})")
+    """Checks that need both the model and the setup: the layout's divisibility rules
+    (``spec.layout.layout_problems``), learned positions, LoRA target modules."""
+    problems = layout_problems(model, t.tp, t.pp, t.cp, t.seq_len, t.sequence_parallel)
+    if problems:
+        raise TrainmemError(problems[0].message(model.name))
     if model.family in LEARNED_POSITION_FAMILIES and t.seq_len > model.max_positions:
         raise TrainmemError(f"--seq-len {t.seq_len} exceeds the {model.max_positions} learned positions of "
                             f"{model.name}; use --seq-len <= {model.max_positions}")

@@ -1,0 +1,79 @@
+"""The divisibility rules a parallel layout must meet, in one place.
+
+``layout_problems`` lists what is wrong with a (tp, pp, cp, sequence) choice for a model.
+``spec.training.check_against`` raises the first problem as an error; the planner
+(``plan.planner.enumerate_layouts``) uses the same list to reject layouts with a reason.
+
+The rules: tensor parallelism splits attention heads (Megatron-LM's ``divide(num_attention_heads,
+tp)``), the key/value heads (each rank holds whole KV heads, or a KV head is replicated over
+``tp / kv_heads`` ranks) and the MLP's intermediate size; pipeline stages hold whole layers; context
+parallelism splits the sequence; sequence parallelism splits each rank's local sequence over TP.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One broken rule: the option (``tp``, ``pp``, ``cp``), its value, and what it breaks."""
+
+    option: str
+    value: int
+    reason: str     # e.g. "does not divide the 32 attention heads"
+    fix: str        # e.g. "choose a TP size that divides 32"
+    of_model: bool = True  # a rule about the model's shape (else about the sequence)
+
+    @property
+    def label(self) -> str:
+        return f"{self.option}={self.value}"
+
+    def message(self, model_name: str) -> str:
+        """The one-line error a user sees."""
+        where = f" of {model_name}" if self.of_model else ""
+        return f"--{self.option} {self.value} {self.reason}{where}; {self.fix}"
+
+
+def tp_problems(model: Any, tp: int) -> list[Problem]:
+    """Why ``tp`` cannot split ``model``'s heads, key/value heads or MLP (empty when it can)."""
+    out = []
+    if model.num_heads % tp:
+        out.append(Problem("tp", tp, f"does not divide the {model.num_heads} attention heads",
+                           f"choose a TP size that divides {model.num_heads}"))
+    if model.num_kv_heads % tp and tp % model.num_kv_heads:
+        out.append(Problem("tp", tp, f"cannot split the {model.num_kv_heads} key/value heads evenly",
+                           f"choose a TP size that divides {model.num_kv_heads}"))
+    if model.ffn_size % tp:
+        out.append(Problem("tp", tp, f"does not divide the MLP size {model.ffn_size}",
+                           "choose a TP size that divides it"))
+    return out
+
+
+def pp_problems(model: Any, pp: int) -> list[Problem]:
+    """Why ``pp`` stages cannot hold ``model``'s layers evenly."""
+    if model.num_layers % pp:
+        return [Problem("pp", pp, f"does not divide the {model.num_layers} layers",
+                        f"choose a PP size that divides {model.num_layers}")]
+    return []
+
+
+def sequence_problems(seq_len: int, tp: int, cp: int, sequence_parallel: bool) -> list[Problem]:
+    """Why the sequence cannot be split over ``cp`` ranks and, with sequence parallelism, over ``tp``."""
+    if seq_len % cp:
+        return [Problem("cp", cp, f"does not divide the sequence length {seq_len}",
+                        f"choose a CP size that divides {seq_len}", of_model=False)]
+    local = seq_len // cp
+    if sequence_parallel and local % tp:
+        return [Problem("tp", tp, f"does not divide the local sequence {local} (sequence parallelism)",
+                        f"choose a TP size that divides {local}, or drop --sequence-parallel", of_model=False)]
+    return []
+
+
+def layout_problems(model: Any, tp: int = 1, pp: int = 1, cp: int = 1, seq_len: int | None = None,
+                    sequence_parallel: bool = False) -> list[Problem]:
+    """Every divisibility rule ``model`` and the layout break, tensor parallelism first."""
+    out = tp_problems(model, tp) + pp_problems(model, pp)
+    if seq_len is not None:
+        out += sequence_problems(seq_len, tp, cp, sequence_parallel)
+    return out
