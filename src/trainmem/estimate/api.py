@@ -1,48 +1,28 @@
 """``trainmem.estimate(model, **options)``: resolve inputs, run a method, attach the hardware view."""
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Mapping
 
-from ..errors import TrainmemError
 from ..report import Component, MemoryReport
-from ..spec.config import resolve_model
-from ..spec.hardware import Hardware, get_gpu
+from ..spec.hardware import Hardware
 from ..spec.model import ModelSpec
-from ..spec.training import TrainingSpec, check_against, default_seq_len
+from ..spec.resolve import (HARDWARE_OPTIONS, OTHER_OPTIONS, TRAINING_FIELDS, Resolved,  # noqa: F401
+                            check_max_fraction, check_options, hardware_from, resolve, training_values)
+from ..spec.training import TrainingSpec
 from .methods import get_method
-
-TRAINING_FIELDS = {f.name for f in dataclasses.fields(TrainingSpec)} - {"extra"}
-HARDWARE_OPTIONS = {"gpu", "gpu_memory", "context_memory", "max_fraction"}
-OTHER_OPTIONS = {"method", "set", "overrides"}
 
 
 def training_spec(**options: Any) -> TrainingSpec:
-    """A TrainingSpec from keyword options named as the CLI flags (snake_case)."""
-    unknown = set(options) - TRAINING_FIELDS
-    if unknown:
-        raise TrainmemError(f"unknown training option(s): {', '.join(sorted(unknown))}")
-    if isinstance(options.get("lora_targets"), str):
-        options["lora_targets"] = tuple(x.strip() for x in options["lora_targets"].split(",") if x.strip())
-    return TrainingSpec(**options)
-
-
-def hardware_from(gpu: str | Hardware | None, gpu_memory: Any = None, context_memory: Any = None) -> Hardware | None:
-    if isinstance(gpu, Hardware):
-        return gpu
-    if gpu is None and gpu_memory is None:
-        if context_memory is not None:
-            raise TrainmemError("--context-memory needs a GPU: give --gpu NAME or --gpu-memory SIZE")
-        return None
-    return get_gpu(gpu, gpu_memory, context_memory)
+    """A TrainingSpec from keyword options named as the CLI flags (snake_case); None means the
+    field's default (``seq_len``: 2048 — ``resolve`` defaults it by the model instead)."""
+    check_options(options, TRAINING_FIELDS)
+    return TrainingSpec(**training_values(options))
 
 
 def attach_hardware(report: MemoryReport, hw: Hardware | None, max_fraction: float = 1.0) -> MemoryReport:
     """Add capacity, CUDA context and device memory to a report (estimates: reserved ~ allocated
     plus the allocator's overhead model)."""
-    if not 0 < max_fraction <= 1:
-        raise TrainmemError(f"--max-fraction must be in (0, 1], got {max_fraction}")
-    report.max_fraction = max_fraction
+    report.max_fraction = check_max_fraction(max_fraction)
     if hw is None:
         return report
     report.hardware = hw
@@ -92,29 +72,26 @@ def bucket_check(report: MemoryReport, m: ModelSpec, t: TrainingSpec) -> None:
             f"use a bucket of at most {right / 2**20:.0f} MiB")
 
 
-def estimate(model: "str | ModelSpec | Mapping[str, Any]", **options: Any) -> MemoryReport:
+def estimate(model: "str | ModelSpec | Mapping[str, Any] | Resolved", **options: Any) -> MemoryReport:
     """Closed-form estimate of one GPU's training memory.
 
-    ``model``: catalogue name, config.json path, model directory, hub id, config dict or ModelSpec.
+    ``model``: catalogue name, config.json path, model directory, hub id, config dict, ModelSpec, or
+    a :class:`~trainmem.spec.resolve.Resolved` (``options`` then apply on top of it).
     ``options``: the CLI flags in snake_case — the TrainingSpec fields (batch_size, seq_len,
     precision, optimizer, zero, tp, recompute, attention, lora_rank, ...), plus ``gpu``,
-    ``gpu_memory``, ``context_memory``, ``max_fraction``, ``method`` and ``set`` (config overrides).
+    ``gpu_memory``, ``context_memory``, ``max_fraction``, ``method``, ``set`` (config overrides),
+    ``training`` (a TrainingSpec) and ``hardware`` (a Hardware); see ``trainmem.spec.resolve``.
     """
-    opts = dict(options)
-    method = opts.pop("method", None) or "trainmem"
-    overrides = opts.pop("set", None) or opts.pop("overrides", None)
-    gpu, gpu_memory, context_memory = opts.pop("gpu", None), opts.pop("gpu_memory", None), opts.pop("context_memory", None)
-    max_fraction = opts.pop("max_fraction", None) or 1.0
-    fn = get_method(method)
-    m = resolve_model(model, overrides)
-    if opts.get("seq_len") is None and "training" not in opts:
-        opts["seq_len"] = default_seq_len(m)
-    t = opts.pop("training", None) or training_spec(**opts)
-    check_against(m, t)
-    hw = hardware_from(gpu, gpu_memory, context_memory)
-    report = fn(m, t)
-    if method == "trainmem":
-        bucket_check(report, m, t)
-    report.method = method
-    report.model, report.training = m, t
-    return attach_hardware(report, hw, max_fraction)
+    r = model if isinstance(model, Resolved) and not options else resolve(model, **options)
+    return estimate_resolved(r)
+
+
+def estimate_resolved(r: Resolved) -> MemoryReport:
+    """Run ``r.method`` on the resolved inputs and attach the GPU (capacity, context, fit)."""
+    fn = get_method(r.method)
+    report = fn(r.model, r.training)
+    if r.method == "trainmem":
+        bucket_check(report, r.model, r.training)
+    report.method = r.method
+    report.model, report.training = r.model, r.training
+    return attach_hardware(report, r.hardware, r.max_fraction)

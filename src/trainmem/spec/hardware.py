@@ -44,18 +44,24 @@ class Hardware:
 
 
 @lru_cache(maxsize=1)
-def _catalogue() -> dict[str, dict[str, Any]]:
+def catalogue() -> dict[str, dict[str, Any]]:
+    """The GPU catalogue (``gpus.json``): name -> memory_mib, context_mib, label, speeds, aliases,
+    gpus_per_node, internode_gbs. Read once; do not modify the returned dict."""
     text = resources.files("trainmem.spec").joinpath("gpus.json").read_text()
     return json.loads(text)["gpus"]
 
 
+_catalogue = catalogue  # the former private name, kept for callers not yet moved to catalogue()
+
+
 def gpu_names() -> list[str]:
-    return list(_catalogue())
+    """The catalogue's GPU names."""
+    return list(catalogue())
 
 
 def _lookup(name: str) -> tuple[str, dict[str, Any]]:
     key = name.strip().lower().replace("_", "-").replace(" ", "-")
-    cat = _catalogue()
+    cat = catalogue()
     if key in cat:
         return key, cat[key]
     for k, v in cat.items():
@@ -86,7 +92,7 @@ def get_gpu(name: str | None = None, memory: str | int | None = None,
 def catalogue_table() -> list[dict[str, Any]]:
     """Rows for `trainmem gpus`: name, label, exact capacity in bytes, context, specs."""
     rows = []
-    for k, v in _catalogue().items():
+    for k, v in catalogue().items():
         rows.append({"name": k, "label": v["label"], "capacity_bytes": v["memory_mib"] * MiB,
                      "context_bytes": v["context_mib"] * MiB, "bandwidth_gbs": v["bandwidth_gbs"],
                      "bf16_tflops": v["bf16_tflops"], "interconnect_gbs": v["interconnect_gbs"],

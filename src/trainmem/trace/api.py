@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
 
 from ..errors import TrainmemError
 from ..report import Component, MemoryReport, Phase
-from ..spec import Hardware, ModelSpec, TrainingSpec, get_gpu, resolve_model
+from ..spec import Hardware, ModelSpec, TrainingSpec
+from ..spec.resolve import TRAINING_FIELDS, Resolved, resolve, resolve_setup
 from .allocator import CachingAllocator, ExactAllocator, SimulatedOutOfMemory
 from .cuda import EMULATED, CudaEmulation, cuda_environment
 from .tracker import CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_SM90, Record, Tracker, module_pattern
@@ -30,10 +33,12 @@ from ..workload import hf_step as _hf_step
 from ..workload import make_optimizer, optimizer_class  # noqa: F401
 
 _PERSISTENT = {"parameters", "buffers", "gradients", "optimizer_states", "master_weights", "workspace"}
+_HOPPER = ("h100", "h200", "h800", "gh200")
 
 
 def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device: str = "cuda",
-          training: TrainingSpec | None = None, hardware: Hardware | None = None, gpu: str | None = None,
+          training: TrainingSpec | None = None, hardware: Hardware | None = None, gpu: Any = None,
+          gpu_memory: Any = None, context_memory: Any = None, max_fraction: float | None = None,
           optimizer_fn: Callable | None = None, overrides: Any = None, expandable_segments: bool = False,
           max_split_size: int | None = None, cublas_workspace: int | None = None,
           attention_backend: str | None = None, capability: tuple[int, int] | None = None,
@@ -41,23 +46,26 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
           **training_options: Any) -> MemoryReport:
     """Trace ``steps`` training steps and return their memory as a :class:`MemoryReport`.
 
-    ``model``: a catalogue name, config path, hub id or :class:`ModelSpec` (the transformers model
-    its ``architectures`` names is built from the config, and trainmem writes the training step
-    from the training options), or a zero-argument factory returning your ``nn.Module`` together
-    with ``step_fn``. ``step_fn(model)``, ``step_fn(model, optimizer)`` or
+    ``model``: a catalogue name, config path, hub id, :class:`ModelSpec` or ``Resolved`` (the
+    transformers model its ``architectures`` names is built from the config, and trainmem writes
+    the training step from the training options), or a zero-argument factory returning your
+    ``nn.Module`` together with ``step_fn``. ``step_fn(model)``, ``step_fn(model, optimizer)`` or
     ``step_fn(model, optimizer, step)`` runs one step (forward, backward, optimizer step, zero_grad);
     ``optimizer`` is what ``optimizer_fn(model)`` returned (None without one). Write it for CUDA:
     ``device="cuda"`` tensors, ``torch.autocast("cuda")`` — the emulation handles it.
 
-    Training options are the :class:`TrainingSpec` fields (``batch_size``, ``seq_len``,
-    ``precision``, ``optimizer``, ``optimizer_impl``, ``recompute``, ``grad_accum``, ``attention``,
-    ``dropout``, ``optimizer_in_backward`` ...), or ``training=`` a TrainingSpec.
+    Options are those of ``trainmem.estimate`` (``trainmem.spec.resolve``): the
+    :class:`TrainingSpec` fields (``batch_size``, ``seq_len``, ``precision``, ``optimizer``,
+    ``optimizer_impl``, ``recompute``, ``grad_accum``, ``attention``, ``dropout``,
+    ``optimizer_in_backward`` ...) or ``training=`` a TrainingSpec; ``set``/``overrides`` (config
+    overrides); the GPU as ``gpu`` (name or Hardware), ``gpu_memory``, ``context_memory`` or
+    ``hardware``; ``max_fraction``. ``method`` is accepted and ignored.
 
     ``device="cuda"`` emulates one GPU (caching allocator, autocast policy, cuBLAS workspaces,
     fused dropout, SDPA backends, foreach optimizers); ``device="cpu"`` traces the same program for
-    the CPU, byte-exact, with no CUDA behaviour. ``hardware``/``gpu`` add device_used (reserved +
-    CUDA context) and the fit verdict; on a Hopper GPU the cuBLAS workspace is 32 MiB per handle
-    (PyTorch's default there), else 8,519,680 B, unless ``cublas_workspace`` says otherwise.
+    the CPU, byte-exact, with no CUDA behaviour. A GPU adds device_used (reserved + CUDA context)
+    and the fit verdict; on a Hopper GPU the cuBLAS workspace is 32 MiB per handle (PyTorch's
+    default there), else 8,519,680 B, unless ``cublas_workspace`` says otherwise.
     ``simulate_oom=True`` limits the simulated device to the GPU's capacity minus its CUDA context:
     near the limit the allocator frees its cache and retries as PyTorch does, and a step that does
     not fit stops at the simulated out-of-memory (reported in ``warnings``).
@@ -68,112 +76,155 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
         raise TrainmemError(f"trace device {device!r}: use 'cuda' (emulated GPU) or 'cpu'")
     if not isinstance(steps, int) or steps < 1:
         raise TrainmemError(f"steps must be a positive integer, got {steps!r}")
-    options_given = training is not None or bool(training_options)
-    if training is None:
-        training = TrainingSpec(**training_options)
-    elif training_options:
-        raise TrainmemError("give either training= or training options, not both")
-    _check_supported(training)
-    if hardware is None and gpu is not None:
-        hardware = get_gpu(gpu)
-    cuda = device == "cuda"
-    hopper = hardware is not None and any(k in hardware.name for k in ("h100", "h200", "h800", "gh200"))
-    if capability is None:
-        capability = (9, 0) if hopper else (8, 0)
-    if cublas_workspace is None:
-        cublas_workspace = (CUBLAS_WORKSPACE_SM90 if capability >= (9, 0) else CUBLAS_WORKSPACE) if cuda else 0
-    if attention_backend is None and training.attention == "flash":
-        attention_backend = "flash"
-
-    spec: ModelSpec | None = None
-    if isinstance(model, (str, ModelSpec, Mapping)):
-        spec = resolve_model(model, overrides=overrides)
-        if spec.family == "nanogpt":
-            raise TrainmemError(f"{spec.name}: nanoGPT is not a transformers model; pass a factory returning "
-                                f"your nanoGPT module and a step_fn (see trainmem.trace.trace)")
-        factory = _hf_factory(spec, training)
-        if step_fn is not None:
-            raise TrainmemError("step_fn is for your own model factory; for a catalogue model trainmem writes "
-                                "the training step from the training options")
-    elif isinstance(model, torch.nn.Module):
-        raise TrainmemError("pass a factory (a function returning the module), not a built module: the trace "
-                            "builds the model itself, without memory")
-    elif callable(model):
-        factory = model
-        if step_fn is None:
-            raise TrainmemError("a model factory needs a step_fn(model, optimizer) that runs one training step")
-    else:
-        raise TrainmemError(f"model must be a name, config, ModelSpec or factory, got {type(model).__name__}")
-
-    allocator: Any
-    if cuda:
-        if simulate_oom and hardware is None:
-            raise TrainmemError("simulate_oom needs a GPU (gpu= or hardware=) for its capacity")
-        limit = hardware.capacity - hardware.context if (simulate_oom and hardware is not None) else None
-        allocator = CachingAllocator(expandable_segments=expandable_segments, max_split_size=max_split_size,
-                                     capacity=limit)
-        tracker = Tracker(allocator, device_type=EMULATED, cublas_workspace=cublas_workspace,
-                          emulate_cuda_kernels=True)
-        emulation = CudaEmulation(tracker, attention_backend=attention_backend, capability=capability)
-        env = cuda_environment(allocator, capability=capability, emulation=emulation,
-                               capacity=hardware.capacity if hardware else None)
-        build_ctx: Any = torch.device(EMULATED)
-    else:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-        allocator = ExactAllocator()
-        tracker = Tracker(allocator, device_type="cpu")
-        emulation = None
-        env = contextlib.nullcontext()
-        build_ctx = FakeTensorMode(allow_non_fake_inputs=True)
-
-    oom: SimulatedOutOfMemory | None = None
-    with env, (emulation if emulation is not None else contextlib.nullcontext()):
-        if cuda:
-            with build_ctx:
-                module = factory()
-            module = _as_module(module)
-            if spec is not None and training.precision in ("bf16", "fp16"):
-                module.to(torch.bfloat16 if training.precision == "bf16" else torch.float16)
-            with tracker:
-                _load_to_device(tracker, module)
-        else:
-            with build_ctx, tracker:
-                module = _as_module(factory())
-                if spec is not None and training.precision in ("bf16", "fp16"):
-                    module.to(torch.bfloat16 if training.precision == "bf16" else torch.float16)
-                _mark_model(tracker, module)
-        tracker.name_modules(module)
-        params = [p for p in module.parameters() if p.requires_grad]
-        grad_hooks = tracker.watch_parameters(params)
-        run_ctx = build_ctx if not cuda else contextlib.nullcontext()
-        try:
-            with run_ctx, tracker, tracker.hooks():
-                if spec is not None:
-                    module.train()
-                    optimizer, step = _hf_step(module, spec, training, "cuda" if cuda else "cpu")
-                else:
-                    optimizer = optimizer_fn(module) if optimizer_fn is not None else None
-                    step = _user_step(step_fn, module, optimizer)
-                for i in range(1, steps + 1):
-                    tracker.begin_step(i)
-                    step(i)
-                    tracker.end_step()
-                    tracker.mark_gradients(params)
-                    for opt in _optimizers(optimizer):
-                        tracker.mark_optimizer_state(opt)
-        except SimulatedOutOfMemory as e:  # only with a capacity-limited allocator
-            oom = e
-        finally:
-            tracker.finish()
-            for h in grad_hooks:
-                h.remove()
+    options = dict(training_options, training=training, hardware=hardware, gpu=gpu, gpu_memory=gpu_memory,
+                   context_memory=context_memory, max_fraction=max_fraction, overrides=overrides)
+    options_given = any(options.get(k) is not None for k in TRAINING_FIELDS | {"training"})
+    spec, t, hw, fraction = _inputs(model, options)
+    _check_supported(t)
+    factory = _factory(model, spec, t, step_fn)
+    dev = _device(device == "cuda", hw, t, expandable_segments, max_split_size, cublas_workspace,
+                  attention_backend, capability, simulate_oom)
+    with dev.env, (dev.emulation if dev.emulation is not None else contextlib.nullcontext()):
+        module = _build(dev, factory, spec, t)
+        oom = _run_steps(dev, module, spec, t, step_fn, optimizer_fn, steps)
     runtime = time.perf_counter() - t0
-    report = _report(tracker, allocator, spec, training if (spec is not None or options_given) else None, hardware,
-                     cuda, emulation, runtime, timeline_points, largest, oom, cublas_workspace, expandable_segments)
+    report = _report(dev.tracker, dev.allocator, spec, t if (spec is not None or options_given) else None, hw,
+                     dev.cuda, dev.emulation, runtime, timeline_points, largest, oom, dev.cublas_workspace,
+                     expandable_segments)
+    report.max_fraction = fraction
     if spec is None and options_given:
         report.warnings.append("training options are recorded but not applied to a user step_fn: "
                                "the step function decides batch, precision and optimizer")
     return report
+
+
+# ----- inputs ---------------------------------------------------------------------------------------
+def _inputs(model: Any, options: dict[str, Any]) -> tuple[ModelSpec | None, TrainingSpec, Hardware | None, float]:
+    """The model (None for a factory), training setup, GPU and max fraction of trace's options."""
+    if isinstance(model, (str, os.PathLike, ModelSpec, Mapping, Resolved)):
+        r = resolve(model, **options)
+        if r.model.family == "nanogpt":
+            raise TrainmemError(f"{r.model.name}: nanoGPT is not a transformers model; pass a factory returning "
+                                f"your nanoGPT module and a step_fn (see trainmem.trace.trace)")
+        return r.model, r.training, r.hardware, r.max_fraction
+    if isinstance(model, torch.nn.Module):
+        raise TrainmemError("pass a factory (a function returning the module), not a built module: the trace "
+                            "builds the model itself, without memory")
+    if callable(model):
+        t, hw, fraction = resolve_setup(**options)
+        return None, t, hw, fraction
+    raise TrainmemError(f"model must be a name, config, ModelSpec or factory, got {type(model).__name__}")
+
+
+def _factory(model: Any, spec: ModelSpec | None, t: TrainingSpec, step_fn: Callable | None) -> Callable:
+    """The zero-argument function that builds the module: transformers' for a spec, else ``model``."""
+    if spec is not None:
+        if step_fn is not None:
+            raise TrainmemError("step_fn is for your own model factory; for a catalogue model trainmem writes "
+                                "the training step from the training options")
+        return _hf_factory(spec, t)
+    if step_fn is None:
+        raise TrainmemError("a model factory needs a step_fn(model, optimizer) that runs one training step")
+    return model
+
+
+# ----- the simulated device -------------------------------------------------------------------------
+@dataclass
+class _Device:
+    """One trace's device: the allocator simulation, the tracker, the CUDA emulation (None on the
+    CPU), the context that installs it, and the context the model is built in."""
+
+    cuda: bool
+    allocator: Any
+    tracker: Tracker
+    emulation: CudaEmulation | None
+    env: Any
+    build_ctx: Any
+    cublas_workspace: int
+
+
+def _device(cuda: bool, hw: Hardware | None, t: TrainingSpec, expandable_segments: bool,
+            max_split_size: int | None, cublas_workspace: int | None, attention_backend: str | None,
+            capability: tuple[int, int] | None, simulate_oom: bool) -> _Device:
+    """The emulated GPU (``cuda``) or the fake-tensor CPU the trace runs on."""
+    if not cuda:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        allocator = ExactAllocator()
+        return _Device(False, allocator, Tracker(allocator, device_type="cpu"), None, contextlib.nullcontext(),
+                       FakeTensorMode(allow_non_fake_inputs=True), cublas_workspace or 0)
+    if capability is None:
+        capability = (9, 0) if hw is not None and any(k in hw.name for k in _HOPPER) else (8, 0)
+    if cublas_workspace is None:
+        cublas_workspace = CUBLAS_WORKSPACE_SM90 if capability >= (9, 0) else CUBLAS_WORKSPACE
+    if attention_backend is None and t.attention == "flash":
+        attention_backend = "flash"
+    if simulate_oom and hw is None:
+        raise TrainmemError("simulate_oom needs a GPU (gpu= or hardware=) for its capacity")
+    allocator = CachingAllocator(expandable_segments=expandable_segments, max_split_size=max_split_size,
+                                 capacity=hw.capacity - hw.context if (simulate_oom and hw is not None) else None)
+    tracker = Tracker(allocator, device_type=EMULATED, cublas_workspace=cublas_workspace, emulate_cuda_kernels=True)
+    emulation = CudaEmulation(tracker, attention_backend=attention_backend, capability=capability)
+    env = cuda_environment(allocator, capability=capability, emulation=emulation,
+                           capacity=hw.capacity if hw else None)
+    return _Device(True, allocator, tracker, emulation, env, torch.device(EMULATED), cublas_workspace)
+
+
+# ----- the run --------------------------------------------------------------------------------------
+def _cast(module: torch.nn.Module, spec: ModelSpec | None, t: TrainingSpec) -> None:
+    """Pure bf16/fp16 training: a catalogue model's weights in that dtype."""
+    if spec is not None and t.precision in ("bf16", "fp16"):
+        module.to(torch.bfloat16 if t.precision == "bf16" else torch.float16)
+
+
+def _build(dev: _Device, factory: Callable, spec: ModelSpec | None, t: TrainingSpec) -> torch.nn.Module:
+    """Build the module and count its parameters and buffers as loading them would allocate them:
+    on the emulated GPU as ``model.to("cuda")`` moves them, on the CPU as they are created."""
+    tracker = dev.tracker
+    if dev.cuda:
+        with dev.build_ctx:
+            module = factory()
+        module = _as_module(module)
+        _cast(module, spec, t)
+        with tracker:
+            _load_to_device(tracker, module)
+    else:
+        with dev.build_ctx, tracker:
+            module = _as_module(factory())
+            _cast(module, spec, t)
+            _mark_model(tracker, module)
+    tracker.name_modules(module)
+    return module
+
+
+def _run_steps(dev: _Device, module: torch.nn.Module, spec: ModelSpec | None, t: TrainingSpec,
+               step_fn: Callable | None, optimizer_fn: Callable | None, steps: int) -> SimulatedOutOfMemory | None:
+    """Run ``steps`` training steps under the tracker; the simulated out-of-memory error, if any."""
+    tracker = dev.tracker
+    params = [p for p in module.parameters() if p.requires_grad]
+    grad_hooks = tracker.watch_parameters(params)
+    run_ctx = contextlib.nullcontext() if dev.cuda else dev.build_ctx
+    try:
+        with run_ctx, tracker, tracker.hooks():
+            if spec is not None:
+                module.train()
+                optimizer, step = _hf_step(module, spec, t, "cuda" if dev.cuda else "cpu")
+            else:
+                optimizer = optimizer_fn(module) if optimizer_fn is not None else None
+                step = _user_step(step_fn, module, optimizer)
+            for i in range(1, steps + 1):
+                tracker.begin_step(i)
+                step(i)
+                tracker.end_step()
+                tracker.mark_gradients(params)
+                for opt in _optimizers(optimizer):
+                    tracker.mark_optimizer_state(opt)
+    except SimulatedOutOfMemory as e:  # only with a capacity-limited allocator
+        return e
+    finally:
+        tracker.finish()
+        for h in grad_hooks:
+            h.remove()
+    return None
 
 
 # ----- model building -------------------------------------------------------------------------------

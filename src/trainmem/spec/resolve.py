@@ -1,0 +1,221 @@
+"""One input resolver: the model, the training setup, the GPU, the method and the max fraction.
+
+``resolve(model, **options)`` is the one place the public API's keyword options (named as the CLI
+flags in snake_case) are interpreted. ``estimate``, ``trace``, ``measure``, ``fit``, ``sweep``,
+``suggest`` and ``plan`` call it once and vary the training setup with :meth:`Resolved.replace`,
+which re-validates the setup without resolving the model or the GPU again.
+
+Options:
+
+* every :class:`TrainingSpec` field (``batch_size``, ``seq_len``, ``precision``, ``optimizer``,
+  ``optimizer_impl``, ``zero``, ``fsdp``, ``dp``/``tp``/``pp``/``cp``, ``recompute``,
+  ``attention``, ``lora_rank``, ``lora_targets`` as ``"q_proj,v_proj"`` or a tuple, ...);
+  ``seq_len`` None means :func:`default_seq_len` of the model;
+* ``training``: a ready TrainingSpec (training options given beside it apply on top of it);
+* ``gpu`` (a catalogue name or a :class:`Hardware`), ``gpu_memory``, ``context_memory``, or
+  ``hardware`` (a Hardware);
+* ``max_fraction`` (in (0, 1]), ``method`` (an estimate method), ``set`` / ``overrides`` (config
+  overrides such as ``["num_hidden_layers=2"]``).
+
+A value of None means "not given". Every bad input raises one :class:`TrainmemError` whose single
+line names the input.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ..errors import TrainmemError
+from ..units import parse_bytes
+from .config import resolve_model
+from .hardware import Hardware, get_gpu
+from .model import ModelSpec
+from .training import TrainingSpec, check_against, default_seq_len
+
+TRAINING_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainingSpec) if f.name != "extra")
+HARDWARE_OPTIONS = frozenset({"gpu", "gpu_memory", "context_memory", "hardware"})
+OTHER_OPTIONS = frozenset({"max_fraction", "method", "set", "overrides", "training"})
+OPTIONS = TRAINING_FIELDS | HARDWARE_OPTIONS | OTHER_OPTIONS
+TRAINING_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainingSpec) if f.name != "extra"}
+
+
+def check_options(options: Mapping[str, Any], known: frozenset[str] = OPTIONS) -> None:
+    """Raise one TrainmemError naming every option not in ``known`` (with the closest known name)."""
+    unknown = sorted(set(options) - known)
+    if not unknown:
+        return
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, sorted(known), n=1)
+        hints.append(f"{name} (did you mean {close[0]}?)" if close else name)
+    raise TrainmemError(f"unknown option(s): {', '.join(hints)}; options are the TrainingSpec fields "
+                        f"(batch_size, seq_len, precision, ...), gpu, gpu_memory, context_memory, max_fraction, "
+                        f"method and set")
+
+
+def check_max_fraction(value: Any) -> Any:
+    """The max fraction of the GPU a setup may take: 1.0 when None, else a number in (0, 1]."""
+    if value is None:
+        return 1.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise TrainmemError(f"--max-fraction must be in (0, 1], got {value!r}")
+    return value
+
+
+def training_values(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The TrainingSpec fields among ``options`` that are given (not None), ``lora_targets`` as a tuple."""
+    out = {k: v for k, v in options.items() if k in TRAINING_FIELDS and v is not None}
+    if isinstance(out.get("lora_targets"), str):
+        out["lora_targets"] = tuple(x.strip() for x in out["lora_targets"].split(",") if x.strip())
+    return out
+
+
+def hardware_from(gpu: "str | Hardware | None" = None, gpu_memory: Any = None, context_memory: Any = None,
+                  hardware: Hardware | None = None) -> Hardware | None:
+    """The GPU the options name (None without one): ``hardware`` or ``gpu`` as a Hardware (with
+    ``context_memory`` replacing its context when given), else the catalogue's ``gpu`` or a custom
+    GPU of ``gpu_memory`` (``spec.hardware.get_gpu``)."""
+    if isinstance(gpu, Hardware):
+        if hardware is not None and hardware != gpu:
+            raise TrainmemError("gpu= and hardware= name two different GPUs: give one of them")
+        gpu, hardware = None, gpu
+    if hardware is not None:
+        if not isinstance(hardware, Hardware):
+            raise TrainmemError(f"hardware= must be a trainmem Hardware, got {type(hardware).__name__}; "
+                                f"give gpu=NAME or gpu_memory=SIZE instead")
+        if gpu is not None or gpu_memory is not None:
+            raise TrainmemError("hardware= and gpu=/gpu_memory= both name the GPU: give one of them")
+        if context_memory is None:
+            return hardware
+        return dataclasses.replace(hardware, context=parse_bytes(context_memory))
+    if gpu is None and gpu_memory is None:
+        if context_memory is not None:
+            raise TrainmemError("--context-memory needs a GPU: give --gpu NAME or --gpu-memory SIZE")
+        return None
+    if gpu is not None and not isinstance(gpu, str):
+        raise TrainmemError(f"--gpu must be a GPU name or a Hardware, got {type(gpu).__name__}")
+    return get_gpu(gpu, gpu_memory, context_memory)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A model, a training setup and a GPU (None: none given), checked against each other.
+
+    ``method`` is the estimate method; ``max_fraction`` the fraction of the GPU the peak may take.
+    Constructing one validates it: the max fraction, and the checks that need both the model and
+    the setup (``check_against``: heads and layers divisible by TP and PP, learned positions ...).
+    """
+
+    model: ModelSpec
+    training: TrainingSpec
+    hardware: Hardware | None
+    method: str = "trainmem"
+    max_fraction: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, ModelSpec):
+            raise TrainmemError(f"Resolved.model must be a ModelSpec, got {type(self.model).__name__}")
+        if not isinstance(self.training, TrainingSpec):
+            raise TrainmemError(f"training= must be a TrainingSpec, got {type(self.training).__name__}")
+        if self.hardware is not None and not isinstance(self.hardware, Hardware):
+            raise TrainmemError(f"hardware= must be a Hardware, got {type(self.hardware).__name__}")
+        if not isinstance(self.method, str) or not self.method:
+            raise TrainmemError(f"--method must be a method name, got {self.method!r}")
+        check_max_fraction(self.max_fraction)
+        check_against(self.model, self.training)
+
+    @property
+    def limit(self) -> int | None:
+        """Bytes the peak may take: ``max_fraction`` of the GPU (None without a GPU)."""
+        if self.hardware is None:
+            return None
+        return int(self.max_fraction * self.hardware.capacity)
+
+    def replace(self, **training_changes: Any) -> "Resolved":
+        """The same model, GPU, method and max fraction with ``training_changes`` applied to the
+        training setup (``dataclasses.replace``), validated again. A change to None restores the
+        field's default (``seq_len``: the model's ``default_seq_len``)."""
+        check_options(training_changes, TRAINING_FIELDS)
+        if not training_changes:
+            return self
+        changes = training_values(training_changes)
+        for k, v in training_changes.items():
+            if v is None:
+                changes[k] = default_seq_len(self.model) if k == "seq_len" else TRAINING_DEFAULTS[k]
+        return dataclasses.replace(self, training=dataclasses.replace(self.training, **changes))
+
+
+def _overrides(options: Mapping[str, Any]) -> Any:
+    """The config overrides: ``set`` or ``overrides`` (both only when they agree)."""
+    s, o = options.get("set"), options.get("overrides")
+    if s and o and s != o:
+        raise TrainmemError("set= and overrides= are the same option (config overrides): give one of them")
+    return s or o or None
+
+
+def _model(model: Any, overrides: Any) -> ModelSpec:
+    """The ModelSpec of ``model`` (a name, path, config dict, ModelSpec or Resolved), overridden."""
+    if isinstance(model, Resolved):
+        return resolve_model(model.model, overrides) if overrides else model.model
+    if isinstance(model, (str, os.PathLike, ModelSpec, Mapping)):
+        return resolve_model(os.fspath(model) if isinstance(model, os.PathLike) else model, overrides)
+    raise TrainmemError(f"model must be a catalogue name, config path, hub id, config dict, ModelSpec or "
+                        f"Resolved, got {type(model).__name__}")
+
+
+def training_from(options: Mapping[str, Any], model: ModelSpec | None = None,
+                  base: TrainingSpec | None = None) -> TrainingSpec:
+    """The TrainingSpec of ``options``: their training fields on top of ``training=`` (or ``base``),
+    else a new one whose ``seq_len`` defaults to the model's ``default_seq_len`` (2048 without a
+    model)."""
+    given = training_values(options)
+    start = options.get("training")
+    if start is None:
+        start = base
+    if start is not None:
+        if not isinstance(start, TrainingSpec):
+            raise TrainmemError(f"training= must be a TrainingSpec, got {type(start).__name__}")
+        return dataclasses.replace(start, **given) if given else start
+    if "seq_len" not in given and model is not None:
+        given["seq_len"] = default_seq_len(model)
+    return TrainingSpec(**given)
+
+
+def _hardware(options: Mapping[str, Any], base: Hardware | None) -> Hardware | None:
+    """The GPU of ``options``, else ``base`` (``context_memory`` alone replaces base's context)."""
+    gpu, memory, context, hw = (options.get(k) for k in ("gpu", "gpu_memory", "context_memory", "hardware"))
+    if gpu is None and memory is None and hw is None:
+        hw = base
+    return hardware_from(gpu, memory, context, hw)
+
+
+def resolve(model: Any, **options: Any) -> Resolved:
+    """Resolve the model, training setup, GPU, method and max fraction of the API's options.
+
+    ``model``: a catalogue name, config.json path, model directory, hub id, config dict or
+    ModelSpec (``spec.config.resolve_model``), or a ``Resolved`` (its values, with ``options``
+    applied on top). See the module's docstring for the options. Raises TrainmemError.
+    """
+    check_options(options)
+    base = model if isinstance(model, Resolved) else None
+    spec = _model(model, _overrides(options))
+    training = training_from(options, spec, base.training if base else None)
+    hardware = _hardware(options, base.hardware if base else None)
+    method = options.get("method") or (base.method if base else "trainmem")
+    max_fraction = options.get("max_fraction")
+    if max_fraction is None:
+        max_fraction = base.max_fraction if base else 1.0
+    return Resolved(spec, training, hardware, method, max_fraction)
+
+
+def resolve_setup(**options: Any) -> tuple[TrainingSpec, Hardware | None, float]:
+    """Training setup, GPU and max fraction without a model (a user's own module factory): the
+    options of ``resolve`` (``method`` is ignored); ``seq_len`` defaults to 2048."""
+    check_options(options)
+    if _overrides(options):
+        raise TrainmemError("set=/overrides= change a model config: a model factory builds its own module, "
+                            "so give no config overrides")
+    return training_from(options), _hardware(options, None), check_max_fraction(options.get("max_fraction"))
