@@ -179,7 +179,7 @@ def test_cuda_bookkeeping_with_a_pretend_gpu():
     assert cats["cuda_context"] == ctx and cats["allocator_overhead"] == r.peak_reserved - r.peak_allocated
     assert r.hardware.name == "Pretend GPU" and r.capacity == 2**30 and r.fits is True
     assert all(p["driver_used"] - p["reserved"] == ctx for p in r.extra["phases"])
-    from trainmem.measure.cli import measure_details
+    from trainmem.render.measure import measure_details
     text = measure_details(r, "GiB")
     assert "driver's view per phase (pretend" in text and "300.00 MiB" in text
     fx = fixture(r, command="trainmem measure ...")

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import TrainmemError
+from ..render.measure import render_comparison  # noqa: F401  (re-exported: trainmem.measure.render_comparison)
 from ..report import Difference, MemoryReport, compare
 
 SOURCES = ("estimate", "trace", "measure")
@@ -130,65 +131,3 @@ def compare_sources(model: Any, *, trace: bool = False, measure: bool = False, d
                                              gpu_memory=gpu_memory, context_memory=context_memory,
                                              max_fraction=max_fraction, **options)))
     return compare_reports(named, reference, kind)
-
-
-def _unit(c: Comparison, units: str, exact: bool) -> tuple[int, str]:
-    if exact:
-        return 1, "B"
-    big = max([abs(v) for d in c.rows for v in d.values if v is not None] or [0])
-    if units == "GB":
-        return (10**9, "GB") if big >= 10**9 else (10**6, "MB")
-    return (2**30, "GiB") if big >= 2**30 else (2**20, "MiB")
-
-
-def render_comparison(c: Comparison, units: str = "GiB", exact: bool = False) -> str:
-    """One table per kind (totals, categories, phase allocated / peak / reserved), with the
-    difference of each source against the reference, absolute and relative."""
-    div, label = _unit(c, units, exact)
-    r = c.ref_index
-    others = [i for i in range(len(c.sources)) if i != r]
-    width = 16 if exact else 12
-    m = c.reports[0].model
-    t = c.reports[0].training
-    head = f"trainmem compare — {getattr(m, 'name', '')}"
-    if t is not None:
-        head += (f" · {t.precision} · micro-batch {t.batch_size} × seq {t.seq_len} · {t.optimizer} · "
-                 f"attention {t.attention}")
-    lines = [head, f"sources: {' | '.join(c.sources)} · device {c.device or '-'} · differences against "
-                   f"{c.reference} (Δ = source − {c.reference}) · values in {label}", ""]
-
-    def num(v: int | None) -> str:
-        if v is None:
-            return "-"
-        return f"{v:,d}" if exact else f"{v / div:,.3f}"
-
-    def pct(x: float | None) -> str:
-        return "-" if x is None else f"{100 * x:+.3f}%"
-
-    cols = "".join(f" {s:>{width}s}" for s in c.sources)
-    cols += "".join(f" {'Δ ' + c.sources[i]:>{width}s} {'Δ% ' + c.sources[i]:>11s}" for i in others)
-    titles = {"total": "totals", "category": "by category at the peak",
-              "phase": "phases: allocated at the end", "phase_peak": "phases: peak within",
-              "phase_reserved": "phases: reserved at the end"}
-    for kind, title in titles.items():
-        rows = [d for d in c.rows if d.kind == kind]
-        if kind == "total":
-            rows = [d for d in rows if any(v is not None for v in d.values)]
-        if not rows:
-            continue
-        lines.append(f"{title:28s}{cols}")
-        for d in rows:
-            row = f"{d.name[:28]:28s}" + "".join(f" {num(v):>{width}s}" for v in d.values)
-            row += "".join(f" {num(d.diff(i, r)):>{width}s} {pct(d.rel(i, r)):>11s}" for i in others)
-            lines.append(row)
-        lines.append("")
-    for i in others:
-        w = c.worst_phase_rel(c.sources[i])
-        if w is not None:
-            lines.append(f"{c.sources[i]} vs {c.reference}: largest phase difference {100 * w:.3f}%")
-    for n in c.notes:
-        lines.append(f"note: {n}")
-    for s, rep in zip(c.sources, c.reports):
-        for w in rep.warnings:
-            lines.append(f"warning ({s}): {w}")
-    return "\n".join(lines).rstrip()

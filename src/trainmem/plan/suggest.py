@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import TrainmemError
+from ..render.suggestions import format_suggestions  # noqa: F401  (re-exported: trainmem.plan)
 from ..report import MemoryReport
-from ..units import fmt
 from ._common import Evaluator
 
 
@@ -152,19 +152,3 @@ def suggest_for(ev: Evaluator, base: MemoryReport | None = None, **changes: Any)
                               r.fits, saved, note, r))
     out.sort(key=lambda s: (s.changes_semantics, s.slowdown, -s.saved))
     return out
-
-
-def format_suggestions(suggestions: list[Suggestion], units: str = "GiB") -> str:
-    """A plain-text table of suggestions (what `estimate --gpu` and `fit` print when short)."""
-    if not suggestions:
-        return "no single change lowers the memory of this setup"
-    lines = [f"{'#':>2s}  {'change':52s} {'device':>12s} {'saves':>12s} {'fits':>5s}  cost"]
-    for i, s in enumerate(suggestions, 1):
-        used = s.device_used if s.device_used is not None else s.peak_allocated
-        fits = "-" if s.fits is None else ("yes" if s.fits else "no")
-        sem = " [changes training]" if s.changes_semantics else ""
-        lines.append(f"{i:>2d}  {s.title[:52]:52s} {fmt(used, units):>12s} {fmt(s.saved, units):>12s} {fits:>5s}  "
-                     f"{s.cost}{sem}")
-        if s.note:
-            lines.append(f"{'':4s}{s.note}")
-    return "\n".join(lines)

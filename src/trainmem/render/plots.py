@@ -38,7 +38,8 @@ def _figure(width: float, height: float):
     return fig
 
 
-def _check_path(path: str) -> str:
+def check_path(path: str) -> str:
+    """The extension of a plot file name (.png or .svg); TrainmemError for any other."""
     ext = os.path.splitext(str(path))[1].lower()
     if ext not in FORMATS:
         raise TrainmemError(f"cannot write a plot to {path!r}: name it .png or .svg")
@@ -46,7 +47,7 @@ def _check_path(path: str) -> str:
 
 
 def _save(fig, path: str) -> None:
-    ext = _check_path(path)
+    ext = check_path(path)
     fig.tight_layout()
     try:
         fig.savefig(path, format=ext[1:])
@@ -70,7 +71,7 @@ def plot_heatmap(sweep, path: str, units: str = "GiB", title: str | None = None)
     """Cells coloured by fit (green) or not (red) over micro-batch (rows) x sequence length
     (columns), each with its device memory printed. Returns {kind, path, units, batch_sizes,
     seq_lens, values (rows of floats or None), fits (rows of bools or None), limit}."""
-    _check_path(path)
+    check_path(path)
     div, label = scale(units)
     rows, cols = len(sweep.batch_sizes), len(sweep.seq_lens)
     values = [[None if v is None else v / div for v in row] for row in sweep.grid()]
@@ -117,7 +118,7 @@ def plot_stacked(sweep, path: str, over: str | None = None, units: str = "GiB", 
     length (``over``: "batch" or "seq"; default the longer axis), one panel per value of the other
     axis (at most 6), the GPU's limit as a dashed line. Returns {kind, path, units, over, x,
     categories, panels: [{fixed, values: {category: [floats]}, totals}], limit}."""
-    _check_path(path)
+    check_path(path)
     if over is None:
         over = "seq" if len(sweep.seq_lens) > len(sweep.batch_sizes) else "batch"
     if over not in ("batch", "seq"):
@@ -194,7 +195,7 @@ def plot_timeline(report, path: str, units: str = "GiB", title: str | None = Non
 
     Uses ``report.extra["timeline"]`` ([event, allocated, reserved, {category: bytes}]) and
     ``report.extra["phase_events"]`` from ``trainmem.trace``. Returns the data drawn."""
-    _check_path(path)
+    check_path(path)
     tl = report.extra.get("timeline") or []
     if not tl:
         raise TrainmemError("this report has no timeline: --timeline needs `trainmem trace`")

@@ -1,14 +1,12 @@
-"""``trainmem fit``, ``trainmem sweep`` and ``trainmem plan`` (registered by ``trainmem.cli``)."""
+"""`trainmem fit`, `trainmem sweep` and `trainmem plan`."""
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
-from ..cli import _positive_int, _fraction, add_model_and_training, training_options
-from ..units import fmt
+from .options import add_model_and_training, fraction, positive_int, training_options
+from .output import print_json
 
-_WORD = {"batch_size": "micro-batch", "seq_len": "sequence length"}
 _LAYOUT_KEYS = ("batch_size", "seq_len", "grad_accum", "dp", "tp", "pp", "cp", "zero", "recompute",
                 "sequence_parallel")
 
@@ -31,52 +29,29 @@ def _common(p: argparse.ArgumentParser) -> None:
     if not _has(p, "--method"):
         p.add_argument("--method", choices=_methods(), default="trainmem", help="formula set (default: trainmem)")
     if not _has(p, "--loss-chunks"):  # until the shared training flags carry it
-        p.add_argument("--loss-chunks", type=_positive_int, default=1, metavar="N",
+        p.add_argument("--loss-chunks", type=positive_int, default=1, metavar="N",
                        help="chunked cross-entropy: run the LM head and loss in N chunks of the tokens")
 
 
-# ----- fit ---------------------------------------------------------------------------------------
 def cmd_fit(a: argparse.Namespace) -> int:
-    from .fit import fit
-    from .suggest import format_suggestions
+    """The largest micro-batch (or longest sequence) that fits; exit 1 when nothing does."""
+    from ..plan.fit import fit
     opts = training_options(a, fill_defaults=False)
     opts["loss_chunks"] = a.loss_chunks
     hw = _hardware(a)
     gpu = hw.pop("gpu")
     r = fit(a.model, gpu=gpu, by=a.by, seq_multiple=a.seq_multiple, **hw, **opts)
     if a.json:
-        print(json.dumps(r.to_dict(), indent=2))
-        return 0 if r.fits else 1
-    u = a.units
-    what = "largest micro-batch" if r.search == "batch_size" else f"longest sequence (multiple of {r.step})"
-    fixed = f"sequence {r.seq_len}" if r.search == "batch_size" else f"micro-batch {r.batch_size}"
-    lines = [f"trainmem fit — {r.model} on {r.gpu} ({fmt(r.capacity, u)}"
-             + ("" if r.limit == r.capacity else f", limit {fmt(r.limit, u)}") + f") · method {r.method}"]
-    value = r.batch_size if r.search == "batch_size" else r.seq_len
-    if r.fits:
-        lines.append(f"{what} at {fixed}: {value}")
-        lines.append(f"  device memory {fmt(r.device_used, u)} (peak allocated {fmt(r.peak_allocated, u)}), "
-                     f"margin {fmt(r.margin, u)}")
-        if r.next_value is not None:
-            lines.append(f"  {_WORD[r.search]} {r.next_value} would need {fmt(r.next_device_used, u)} "
-                         f"({fmt(r.next_device_used - r.limit, u)} over)")
-        else:
-            why = "the model's learned positions" if r.limited_by == "max_positions" else "the search cap"
-            lines.append(f"  stopped by {why}, not by memory")
+        print_json(r.to_dict())
     else:
-        first = 1 if r.search == "batch_size" else r.step
-        lines.append(f"NOTHING FITS: {_WORD[r.search]} {first} at {fixed} needs {fmt(r.device_used, u)} "
-                     f"({fmt(-r.margin, u)} over)")
-        lines.append("single changes, cheapest first:")
-        lines.append(format_suggestions(r.suggestions, u))
-    lines.append(f"  ({r.evaluations} estimates)")
-    print("\n".join(lines))
+        from ..render.fit import render_fit
+        print(render_fit(r, a.units))
     return 0 if r.fits else 1
 
 
-# ----- sweep -------------------------------------------------------------------------------------
 def cmd_sweep(a: argparse.Namespace) -> int:
-    from .sweep import sweep
+    """Reports over a grid of micro-batch sizes and sequence lengths, and their plots."""
+    from ..plan.sweep import sweep
     opts = training_options(a)
     opts["loss_chunks"] = a.loss_chunks
     for k in ("batch_size", "seq_len"):
@@ -92,7 +67,7 @@ def cmd_sweep(a: argparse.Namespace) -> int:
     if a.json:
         d = r.to_dict()
         d["plots"] = [{"kind": k, "path": p} for k, p in written]
-        print(json.dumps(d, indent=2))
+        print_json(d)
     else:
         print(r.render(a.units))
         for k, p in written:
@@ -100,9 +75,9 @@ def cmd_sweep(a: argparse.Namespace) -> int:
     return 0
 
 
-# ----- plan --------------------------------------------------------------------------------------
 def cmd_plan(a: argparse.Namespace) -> int:
-    from . import plan  # TrainmemError without numpy
+    """The parallel layouts of a cluster that fit, ranked by step time; exit 1 when none does."""
+    from ..plan import plan  # TrainmemError without numpy
     opts = training_options(a)
     for k in _LAYOUT_KEYS:
         opts.pop(k, None)
@@ -114,14 +89,13 @@ def cmd_plan(a: argparse.Namespace) -> int:
              zero=a.zero, recompute=a.recompute, batch_size=a.batch_size, grad_accum=a.grad_accum,
              all_layouts=a.all, **hw, **opts)
     if a.json:
-        print(json.dumps(r.to_dict(), indent=2))
+        print_json(r.to_dict())
     else:
         print(r.render(a.units, a.explain))
     return 0 if r.top else 1
 
 
-def register(sub: "argparse._SubParsersAction") -> None:
-    """Add ``fit``, ``sweep`` and ``plan`` to the ``trainmem`` command line."""
+def _register_fit(sub: Any) -> None:
     f = sub.add_parser("fit", help="largest micro-batch (or longest sequence) that fits a GPU",
                        description="With --seq-len: the largest micro-batch that fits. With --batch-size (and no "
                                    "--seq-len): the longest sequence, a multiple of --seq-multiple. Exact search "
@@ -129,11 +103,13 @@ def register(sub: "argparse._SubParsersAction") -> None:
     add_model_and_training(f)
     f.set_defaults(batch_size=None, seq_len=None, func=cmd_fit)
     _common(f)
-    f.add_argument("--seq-multiple", type=_positive_int, default=128, metavar="N",
+    f.add_argument("--seq-multiple", type=positive_int, default=128, metavar="N",
                    help="sequence lengths tried are multiples of N (default 128)")
     f.add_argument("--by", choices=("estimate", "trace"), default="estimate",
                    help="estimate (formulas, default) or trace (the fake-tensor tracer)")
 
+
+def _register_sweep(sub: Any) -> None:
     s = sub.add_parser("sweep", help="memory over a grid of micro-batch sizes and sequence lengths (and plots)",
                        conflict_handler="resolve",
                        description="Estimate every (micro-batch, sequence length) pair; --plot draws a heatmap "
@@ -152,6 +128,8 @@ def register(sub: "argparse._SubParsersAction") -> None:
     s.add_argument("--by", choices=("estimate", "trace"), default="estimate")
     s.set_defaults(func=cmd_sweep)
 
+
+def _register_plan(sub: Any) -> None:
     p = sub.add_parser("plan", help="every parallel layout of a cluster that fits, ranked by step time",
                        conflict_handler="resolve",
                        description="Enumerate dp x tp x pp x cp, ZeRO stage, recompute, micro-batch and gradient "
@@ -159,8 +137,8 @@ def register(sub: "argparse._SubParsersAction") -> None:
                                    "rank them by the step-time model of docs/plan.md.")
     add_model_and_training(p)
     _common(p)
-    p.add_argument("--gpus", type=_positive_int, required=True, help="GPUs in the cluster")
-    p.add_argument("--global-batch", type=_positive_int, required=True, metavar="N",
+    p.add_argument("--gpus", type=positive_int, required=True, help="GPUs in the cluster")
+    p.add_argument("--global-batch", type=positive_int, required=True, metavar="N",
                    help="sequences per optimizer step (dp x micro-batch x accumulation)")
     for k, what in (("tp", "tensor-parallel"), ("pp", "pipeline-parallel"), ("cp", "context-parallel"),
                     ("dp", "data-parallel")):
@@ -169,12 +147,19 @@ def register(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--recompute", default=None, metavar="LIST", help="only these, e.g. none,full")
     p.add_argument("--batch-size", default=None, metavar="LIST", help="only these micro-batch sizes")
     p.add_argument("--grad-accum", default=None, metavar="LIST", help="only these accumulation counts")
-    p.add_argument("--top", type=_positive_int, default=5, help="layouts to show (default 5)")
+    p.add_argument("--top", type=positive_int, default=5, help="layouts to show (default 5)")
     p.add_argument("--explain", action="store_true", help="why the other layouts were rejected")
     p.add_argument("--all", action="store_true", help="list every valid layout, fitting or not")
-    p.add_argument("--mfu", type=_fraction, default=0.5, help="assumed model FLOPs utilisation (default 0.5)")
+    p.add_argument("--mfu", type=fraction, default=0.5, help="assumed model FLOPs utilisation (default 0.5)")
     p.add_argument("--internode-gbs", type=float, default=None, metavar="GB/s",
                    help="per-GPU network bandwidth between nodes (default: the GPU catalogue's)")
-    p.add_argument("--gpus-per-node", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--gpus-per-node", type=positive_int, default=None, metavar="N",
                    help="GPUs sharing NVLink/xGMI (default: the GPU catalogue's, usually 8)")
     p.set_defaults(func=cmd_plan)
+
+
+def register(sub: Any) -> None:
+    """Add ``fit``, ``sweep`` and ``plan`` to the ``trainmem`` command line."""
+    _register_fit(sub)
+    _register_sweep(sub)
+    _register_plan(sub)

@@ -2,26 +2,28 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from ..errors import TrainmemError
+from .options import add_model_and_training, require_gpu_for_max_fraction, training_options
+from .output import emit
 
 
 def cmd_trace(a: argparse.Namespace) -> int:
-    from ..cli import _emit, training_options
+    """Trace one setup; print the report, the largest tensors and (optionally) a timeline plot."""
     try:
         import transformers
         transformers.logging.set_verbosity_error()
-        from .api import trace
+        from ..trace.api import trace
     except ImportError as e:
         raise TrainmemError(f"trace needs torch and transformers ({e.name} is missing): "
                             f"pip install 'trainmem[trace]'") from None
-    if a.max_fraction is not None and a.gpu is None and a.gpu_memory is None:
-        raise TrainmemError("--max-fraction needs a GPU: give --gpu NAME or --gpu-memory SIZE")
+    require_gpu_for_max_fraction(a)
     if a.steps <= 0:
         raise TrainmemError(f"--steps must be a positive integer, got {a.steps}")
     if a.timeline:
-        from ..render.plots import _check_path
-        _check_path(a.timeline)
+        from ..render.plots import check_path
+        check_path(a.timeline)
     hw = None
     if a.gpu or a.gpu_memory:
         from ..spec.hardware import get_gpu
@@ -32,17 +34,13 @@ def cmd_trace(a: argparse.Namespace) -> int:
               expandable_segments=a.expandable_segments, simulate_oom=a.simulate_oom, **opts)
     if a.max_fraction is not None:
         r.max_fraction = a.max_fraction
-    code = _emit(r, a)
+    code = emit(r, a)
     if not a.json:
-        rows = r.extra.get("largest_tensors") or []
-        if rows:
-            from ..units import scale
-            div, label = scale(a.units)
-            print(f"\nlargest live tensors at the peak ({label})")
-            for row in rows[:a.largest]:
-                shape = "x".join(str(x) for x in row["shape"])
-                print(f"  {row['block'] / div:9.3f}  {row['category']:16s} {row['dtype']:9s} {shape:22s} "
-                      f"{row['module'][:40]:40s} {row['op']}")
+        from ..render.trace import largest_tensors
+        text = largest_tensors(r.extra.get("largest_tensors") or [], a.units, a.largest)
+        if text:
+            print()
+            print(text)
     if a.timeline:
         from ..render.plots import plot_timeline
         plot_timeline(r, a.timeline, a.units)
@@ -51,8 +49,8 @@ def cmd_trace(a: argparse.Namespace) -> int:
     return code
 
 
-def register(sub) -> None:
-    from ..cli import add_model_and_training
+def register(sub: Any) -> None:
+    """Add ``trace`` to the ``trainmem`` command line."""
     p = sub.add_parser("trace", help="run the real training step on fake tensors and account for every allocation")
     add_model_and_training(p)
     p.add_argument("--steps", type=int, default=2, help="training steps to run (default 2)")

@@ -1,0 +1,4 @@
+"""``python -m trainmem.cli``."""
+from . import main
+
+raise SystemExit(main())

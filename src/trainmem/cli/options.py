@@ -1,0 +1,136 @@
+"""Option definitions shared by the commands: argument types, MODEL + training + hardware flags,
+output flags, and the API keyword options they stand for."""
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable
+
+from ..spec.training import ATTENTION, OPTIMIZERS, OPTIMIZER_IMPLS, PRECISIONS, RECOMPUTE, FSDP_MODES
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum``, with a one-line message otherwise."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"{text} must be a positive integer" if minimum == 1
+                                             else f"{text} must be zero or more")
+        return v
+    return parse
+
+
+positive_int = int_at_least(1)
+nonneg_int = int_at_least(0)
+
+
+def fraction(text: str) -> float:
+    """An argparse type: a number in (0, 1]."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"{text} must be in (0, 1]")
+    return v
+
+
+def add_model_and_training(p: argparse.ArgumentParser) -> None:
+    """MODEL and the training flags shared by estimate, trace, measure, compare, fit, sweep."""
+    p.add_argument("model", metavar="MODEL",
+                   help="catalogue name (`trainmem models`), config.json path, model directory or hub id")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field (repeatable), e.g. --set num_hidden_layers=4")
+    add_training(p.add_argument_group("training setup"))
+    add_hardware(p.add_argument_group("hardware"))
+    add_output(p.add_argument_group("output"))
+
+
+def add_training(g: Any) -> None:
+    """The training-setup flags (a parser or an argument group)."""
+    g.add_argument("--batch-size", type=positive_int, default=1, help="micro-batch per data-parallel rank")
+    g.add_argument("--seq-len", type=positive_int, default=None,
+                   help="tokens per sample (default 2048, or the model's learned positions if fewer)")
+    g.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
+    g.add_argument("--precision", choices=PRECISIONS, default="bf16-amp",
+                   help="amp = fp32 weights + autocast; bf16/fp16 = weights in that dtype")
+    g.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    g.add_argument("--optimizer-impl", choices=OPTIMIZER_IMPLS, default=None,
+                   help="torch.optim implementation (default foreach, as PyTorch on CUDA)")
+    g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage over the DP group")
+    g.add_argument("--fsdp", choices=FSDP_MODES, default=None)
+    g.add_argument("--offload-optimizer", action="store_true", help="ZeRO-Offload: optimizer states in CPU memory")
+    g.add_argument("--distributed-optimizer", action="store_true",
+                   help="Megatron/NeMo distributed optimizer (fp32 main grads, sharded states)")
+    g.add_argument("--optimizer-bucket-mb", type=float, default=None, metavar="MiB",
+                   help="distributed-optimizer bucket size (NeMo/apex); warns when larger than a layer")
+    for k in ("dp", "tp", "pp", "cp"):
+        g.add_argument(f"--{k}", type=positive_int, default=1,
+                       help={"dp": "data-parallel size", "tp": "tensor-parallel size",
+                             "pp": "pipeline-parallel size", "cp": "context-parallel size"}[k])
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--recompute", choices=RECOMPUTE, default="none", help="activation recomputation")
+    g.add_argument("--attention", choices=ATTENTION, default="sdpa")
+    g.add_argument("--compile", action="store_true", help="torch.compile (fused loss backward)")
+    g.add_argument("--keep-logits", action="store_true",
+                   help="the loop holds the model output (logits) through backward (outputs = model(...); "
+                        "default: only the loss is kept, as the HF Trainer does)")
+    g.add_argument("--optimizer-in-backward", action="store_true",
+                   help="apply the optimizer per parameter inside backward, freeing each gradient")
+    g.add_argument("--lora-rank", type=nonneg_int, default=0, metavar="R")
+    g.add_argument("--lora-targets", default=None, metavar="M1,M2",
+                   help="peft target module names (peft's defaults when omitted)")
+    g.add_argument("--no-dropout", action="store_true", help="train with dropout off (no masks stored)")
+    g.add_argument("--loss-chunks", type=positive_int, default=1, metavar="N",
+                   help="chunked cross-entropy: compute the logits and loss in N chunks of tokens")
+
+
+def add_hardware(h: Any) -> None:
+    """The GPU flags: which GPU, its memory, what is taken before training, the fraction allowed."""
+    h.add_argument("--gpu", default=None, metavar="NAME", help="GPU from `trainmem gpus`")
+    h.add_argument("--gpu-memory", default=None, metavar="SIZE", help="custom GPU memory, e.g. 40GiB")
+    h.add_argument("--context-memory", default=None, metavar="SIZE",
+                   help="memory taken before training (CUDA context, other processes)")
+    h.add_argument("--max-fraction", type=fraction, default=None, metavar="F",
+                   help="exit 1 when peak device memory exceeds F of the GPU")
+
+
+def add_output(o: Any) -> None:
+    """How a report is printed: table or JSON, units, categories or every component."""
+    o.add_argument("--json", action="store_true", help="print the report as JSON")
+    o.add_argument("--units", choices=("GiB", "GB"), default="GiB")
+    o.add_argument("--detail", action="store_true", help="list every component, not categories")
+
+
+def default_seq_len(model: str, overrides: list[str] | None) -> int:
+    """2048 tokens, or fewer for a model with fewer learned positions (GPT-2, BERT: 1024, 512)."""
+    from ..spec.config import resolve_model
+    from ..spec.training import default_seq_len as for_model
+    return for_model(resolve_model(model, overrides or None))
+
+
+def training_options(a: argparse.Namespace, fill_defaults: bool = True) -> dict[str, Any]:
+    """The TrainingSpec / hardware keyword options of parsed CLI flags (the API's names).
+    ``fill_defaults``: an omitted --seq-len takes ``default_seq_len`` (fit searches it instead)."""
+    if fill_defaults and getattr(a, "seq_len", None) is None:
+        a.seq_len = default_seq_len(a.model, a.set)
+    opts = dict(batch_size=a.batch_size, seq_len=a.seq_len, grad_accum=a.grad_accum, precision=a.precision,
+                optimizer=a.optimizer, optimizer_impl=a.optimizer_impl, zero=a.zero, fsdp=a.fsdp,
+                offload_optimizer=a.offload_optimizer, distributed_optimizer=a.distributed_optimizer,
+                dp=a.dp, tp=a.tp, pp=a.pp, cp=a.cp, sequence_parallel=a.sequence_parallel,
+                recompute=a.recompute, attention=a.attention, compile=a.compile, keep_logits=a.keep_logits,
+                optimizer_in_backward=a.optimizer_in_backward, lora_rank=a.lora_rank,
+                lora_targets=a.lora_targets, dropout=not a.no_dropout,
+                optimizer_bucket_mb=a.optimizer_bucket_mb, loss_chunks=a.loss_chunks)
+    if a.fsdp is not None and a.zero == 0:
+        opts.pop("zero")
+    return opts
+
+
+def require_gpu_for_max_fraction(a: argparse.Namespace) -> None:
+    """--max-fraction compares with a GPU: refuse it without --gpu or --gpu-memory."""
+    from ..errors import TrainmemError
+    if a.max_fraction is not None and a.gpu is None and a.gpu_memory is None:
+        raise TrainmemError("--max-fraction needs a GPU: give --gpu NAME or --gpu-memory SIZE")
