@@ -35,13 +35,15 @@ import os
 import platform
 import re
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import torch
 
 from ..errors import TrainmemError
 from ..report import Component, MemoryReport
-from ..spec import Hardware, ModelSpec, TrainingSpec, get_gpu, resolve_model
+from ..spec import Hardware, TrainingSpec, get_gpu
+from ..spec.resolve import TRAINING_FIELDS, Resolved, resolve
 from ..units import parse_bytes
 from ..workload import TrainStep, check_supported, hf_factory
 from .probes import CpuProbe, CudaProbe, PhaseRecorder, optimizer_tensors, parse_device, tensor_bytes
@@ -74,26 +76,29 @@ def requested_bytes(message: str, probe: Any = None) -> int | None:
     return int(float(m.group(1)) * _UNIT[m.group(2).lower()])
 
 
-def _training(training: TrainingSpec | None, options: dict[str, Any]) -> tuple[TrainingSpec, dict[str, Any]]:
-    from ..estimate.api import training_spec
-    if training is not None:
-        if options:
-            raise TrainmemError("give either training= or training options, not both")
-        d = {f.name: getattr(training, f.name) for f in dataclasses.fields(training) if f.name != "extra"}
-        return training, d
-    opts = {k: v for k, v in options.items() if v is not None}
-    return training_spec(**dict(opts)), opts
+def _inputs(model: Any, training: TrainingSpec | None, overrides: Any,
+            options: dict[str, Any]) -> tuple[Resolved, dict[str, Any], Any]:
+    """The resolved inputs of ``measure``, the training options to record (all fields of a given
+    TrainingSpec, else those given) and the config overrides to record."""
+    options.pop("method", None)
+    r = resolve(model, training=training, overrides=overrides, **options)
+    check_supported(r.training, "measure")
+    if r.model.family == "nanogpt":
+        raise TrainmemError(f"{r.model.name}: nanoGPT is not a transformers model; measure runs catalogue models "
+                            "built with transformers")
+    base = training if training is not None else (model.training if isinstance(model, Resolved) else None)
+    recorded: dict[str, Any] = {}
+    if base is not None:
+        recorded = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.name != "extra"}
+    recorded.update({k: v for k, v in options.items() if k in TRAINING_FIELDS and v is not None})
+    return r, recorded, overrides if overrides is not None else options.get("set")
 
 
-def _hardware(kind: str, gpu: Any, gpu_memory: Any, context_memory: Any, limit: int | None) -> Hardware | None:
-    if isinstance(gpu, Hardware):
-        return gpu
-    if gpu is not None or gpu_memory is not None:
-        return get_gpu(gpu, gpu_memory, context_memory)
-    if limit is not None:
-        return Hardware("cpu-limit" if kind == "cpu" else "memory-limit", limit, 0,
-                        "memory limit (--memory-limit)")
-    return None
+def _limit_hardware(kind: str, limit: int | None) -> Hardware | None:
+    """A memory limit as the "GPU" the fit is judged against (None without one)."""
+    if limit is None:
+        return None
+    return Hardware("cpu-limit" if kind == "cpu" else "memory-limit", limit, 0, "memory limit (--memory-limit)")
 
 
 def _named_tensors(model: Any, optimizer: Any, batch: Mapping[str, Any] | None) -> dict[int, tuple[str, str]]:
@@ -178,34 +183,34 @@ def predictor_for(kind: str, by: str = "auto") -> str:
     return by
 
 
-def _predicted_fit(spec: ModelSpec, options: dict[str, Any], kind: str, gpu: Any, gpu_memory: Any,
-                   context_memory: Any, limit: int | None, total: int | None, context: int | None,
+def _predicted_fit(r: Resolved, kind: str, limit: int | None, total: int | None, context: int | None,
                    by: str = "auto") -> dict[str, Any]:
-    """``trainmem.plan.fit``'s largest micro-batch at this sequence length on this device/limit."""
+    """``trainmem.plan.fit``'s largest micro-batch at this sequence length on this device/limit:
+    the GPU the inputs name, else the memory limit, else the measured CUDA device."""
     from ..plan import fit
     by = predictor_for(kind, by)
-    opts = {k: v for k, v in options.items() if k not in ("batch_size",)}
+    base, extra = r, {}
     if by == "trace":
-        opts = {k: v for k, v in opts.items() if k != "optimizer_bucket_mb"}
-        opts["device"] = "cpu" if kind == "cpu" else "cuda"
-    if gpu is not None or gpu_memory is not None:
-        hw = dict(gpu=gpu, gpu_memory=gpu_memory, context_memory=context_memory)
-        on = gpu if isinstance(gpu, str) else (gpu_memory or getattr(gpu, "name", "GPU"))
+        base = r.replace(optimizer_bucket_mb=None)
+        extra["device"] = "cpu" if kind == "cpu" else "cuda"
+    if r.hardware is not None:
+        hw: dict[str, Any] = {}
+        on = r.hardware.name if r.hardware.name != "custom" else f"a {r.hardware.capacity / MiB:.0f} MiB GPU"
     elif limit is not None:
-        hw = dict(gpu=None, gpu_memory=limit, context_memory=0)
+        hw = dict(gpu_memory=limit, context_memory=0)
         on = f"the {limit / MiB:.2f} MiB limit"
     elif kind == "cuda" and total:
-        hw = dict(gpu=None, gpu_memory=total, context_memory=max(context or 0, 0))
+        hw = dict(gpu_memory=total, context_memory=max(context or 0, 0))
         on = f"this GPU ({total / MiB:.0f} MiB, context {max(context or 0, 0) / MiB:.0f} MiB)"
     else:
         return {"batch_size": None, "note": "no memory size to fit into (give --gpu, --gpu-memory or --memory-limit)"}
     try:
-        r = fit(spec, by=by, seq_len=opts.pop("seq_len", None) or 2048, suggestions=False, **hw, **opts)
+        res = fit(base, by=by, seq_len=r.training.seq_len, suggestions=False, **hw, **extra)
     except TrainmemError as e:
         return {"batch_size": None, "note": f"trainmem.plan.fit could not answer: {e}"}
-    return {"batch_size": r.batch_size, "device_used": r.device_used, "limit": r.limit, "on": on,
-            "method": r.method if by == "estimate" else f"trace on {opts['device']}", "by": by, "fits": r.fits,
-            "evaluations": r.evaluations}
+    return {"batch_size": res.batch_size, "device_used": res.device_used, "limit": res.limit, "on": on,
+            "method": res.method if by == "estimate" else f"trace on {extra['device']}", "by": by, "fits": res.fits,
+            "evaluations": res.evaluations}
 
 
 def save_snapshot(snapshot: Any, pickle_path: str | None = None, html_path: str | None = None) -> list[str]:
@@ -266,6 +271,33 @@ def environment(kind: str, probe: Any = None) -> dict[str, Any]:
     return env
 
 
+@dataclass
+class _Run:
+    """One measured run: its inputs (``r``, what to record of them, the device, the probe) and
+    what it leaves for the report (phases, out-of-memory record, sizes, statistics, files)."""
+
+    r: Resolved
+    options: dict[str, Any]
+    overrides: Any
+    model_arg: Any
+    kind: str
+    probe: Any
+    hw: Hardware | None
+    limit: int | None
+    steps: int
+    seed: int
+    empty_cache: bool
+    recorder: PhaseRecorder
+    warnings: list[str] = field(default_factory=list)
+    oom: dict[str, Any] | None = None
+    params_b: int = 0
+    buffers_b: int = 0
+    opt_b: int = 0
+    stats: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, Any] = field(default_factory=dict)
+    written: list[str] = field(default_factory=list)
+
+
 def measure(model: Any, steps: int = 2, *, device: str = "cuda", training: TrainingSpec | None = None,
             overrides: Any = None, gpu: Any = None, gpu_memory: Any = None, context_memory: Any = None,
             max_fraction: float | None = None, memory_limit: Any = None, snapshot: str | None = None,
@@ -274,10 +306,11 @@ def measure(model: Any, steps: int = 2, *, device: str = "cuda", training: Train
             **training_options: Any) -> MemoryReport:
     """Run ``steps`` real training steps of a catalogue model and report their memory per phase.
 
-    ``model``: catalogue name, config path, hub id or ModelSpec (``overrides`` or ``set``: config
-    overrides such as ``["num_hidden_layers=2"]``). Training options are the TrainingSpec fields
-    (``batch_size``, ``seq_len``, ``precision``, ``optimizer``, ``optimizer_impl``, ``attention``,
-    ``grad_accum``, ``recompute``, ``dropout``, ``optimizer_in_backward``), or ``training=``.
+    ``model``: catalogue name, config path, hub id, ModelSpec or ``Resolved``; the options are
+    those of ``trainmem.estimate`` (``trainmem.spec.resolve``): ``overrides`` or ``set`` (config
+    overrides such as ``["num_hidden_layers=2"]``), the TrainingSpec fields (``batch_size``,
+    ``seq_len``, ``precision``, ``optimizer``, ``optimizer_impl``, ``attention``, ``grad_accum``,
+    ``recompute``, ``dropout``, ``optimizer_in_backward``) or ``training=``, ``max_fraction``.
     ``device``: ``"cuda"``, ``"cuda:N"`` or ``"cpu"``. ``gpu``/``gpu_memory``/``context_memory``:
     the GPU to judge the fit against (on CUDA the device itself by default). ``memory_limit``: a
     size ("64MiB" or bytes) beyond which allocations fail with ``torch.OutOfMemoryError``.
@@ -289,21 +322,26 @@ def measure(model: Any, steps: int = 2, *, device: str = "cuda", training: Train
     """
     predictor_for("cpu", predict_by)
     t0 = time.perf_counter()
-    if overrides is None:
-        overrides = training_options.pop("set", None)
-    else:
-        training_options.pop("set", None)
-    for k in ("method",):
-        training_options.pop(k, None)
     if not isinstance(steps, int) or steps < 1:
         raise TrainmemError(f"--steps must be a positive integer, got {steps!r}")
     kind, index = parse_device(device)
-    t, options = _training(training, training_options)
-    check_supported(t, "measure")
-    spec = resolve_model(model, overrides=overrides)
-    if spec.family == "nanogpt":
-        raise TrainmemError(f"{spec.name}: nanoGPT is not a transformers model; measure runs catalogue models "
-                            "built with transformers")
+    r, options, overrides = _inputs(model, training, overrides, dict(training_options, gpu=gpu, gpu_memory=gpu_memory,
+                                                                     context_memory=context_memory,
+                                                                     max_fraction=max_fraction))
+    limit = _check_outputs(kind, memory_limit, snapshot, html, profile)
+    if probe is None:
+        probe = CpuProbe(limit) if kind == "cpu" else CudaProbe(index, limit, record_history=bool(snapshot or html))
+    run = _Run(r, options, overrides, model, kind, probe, r.hardware or _limit_hardware(kind, limit), limit, steps,
+               seed, empty_cache, PhaseRecorder(probe, r.training.grad_accum, empty_cache), _not_applied(r.training))
+    torch.manual_seed(seed)
+    _run(run, largest, snapshot, html, profile)
+    probe.empty_cache()
+    return _report(run, time.perf_counter() - t0, predict_on_oom, predict_by)
+
+
+def _check_outputs(kind: str, memory_limit: Any, snapshot: str | None, html: str | None,
+                   profile: str | None) -> int | None:
+    """Check the memory limit and the output paths before anything runs; the limit in bytes."""
     limit = None if memory_limit is None else parse_bytes(memory_limit)
     if limit is not None and limit <= 0:
         raise TrainmemError("--memory-limit must be a positive size")
@@ -319,120 +357,100 @@ def measure(model: Any, steps: int = 2, *, device: str = "cuda", training: Train
         if os.path.exists(profile) and not os.path.isdir(profile):
             raise TrainmemError(f"--profile {profile}: exists and is not a directory")
         os.makedirs(profile, exist_ok=True)
-    warnings: list[str] = []
+    return limit
+
+
+def _not_applied(t: TrainingSpec) -> list[str]:
+    """Warnings for the training options the measured (eager, one-piece-loss) step does not apply."""
+    warnings = []
     if t.compile:
         warnings.append("--compile is not applied: measure runs the step eagerly")
     if t.loss_chunks > 1:
         warnings.append("--loss-chunks is not applied: the measured step computes the loss in one piece")
-    if probe is None:
-        probe = CpuProbe(limit) if kind == "cpu" else CudaProbe(index, limit, record_history=bool(snapshot or html))
-    hw = _hardware(kind, gpu, gpu_memory, context_memory, limit)
+    return warnings
 
-    recorder = PhaseRecorder(probe, t.grad_accum, empty_cache)
-    oom: dict[str, Any] | None = None
-    params_b = buffers_b = 0
-    written: list[str] = []
-    device_str = probe.device.type  # where the batch is made: "cuda" (the current device) or "cpu"
-    torch.manual_seed(seed)
-    with probe:
-        prof_ctx = _profiler(profile, kind)
-        with prof_ctx as prof:
-            module: Any = None
-            step: TrainStep | None = None
-            snap: Any = None
-            try:
-                factory = hf_factory(spec, t)
-                module = factory()
-                if kind == "cuda":
-                    module.to(probe.device)
-                module.train()
-                params_b = tensor_bytes(module.parameters())
-                buffers_b = tensor_bytes(module.buffers())
-                recorder.mark("model_loaded", 0)
-                step = TrainStep(module, spec, t, device_str, on_phase=recorder.mark, what="measure")
-                st = step.state
-                recorder.watch([p for p in module.parameters() if p.requires_grad], step.optimizer,
-                               lambda: tensor_bytes(st.get("batch", {}).values()))
-                for i in range(1, steps + 1):
-                    step(i)
-            except (torch.OutOfMemoryError, RuntimeError) as e:
-                if not is_oom(e):
-                    raise
-                msg = str(e).strip()
-                oom = {"phase": recorder.in_progress, "message": msg.splitlines()[0][:500] if msg else type(e).__name__,
-                       "requested": requested_bytes(msg, probe),
-                       "peak_allocated": max([r.phase.peak for r in recorder.records] + [probe.peak()]),
-                       **live_tensors(probe, module, step.optimizer if step else None,
-                                      step.state.get("batch") if step else None, largest)}
-                if snapshot or html:  # while the step's tensors are still alive
-                    snap = torch.cuda.memory._snapshot(probe.device)
-                del e
-            finally:
-                recorder.unwatch()
-            if snapshot or html:
-                if snap is None:
-                    snap = torch.cuda.memory._snapshot(probe.device)
-                written += save_snapshot(snap, snapshot, html)
-                del snap
-            opt_b = tensor_bytes(optimizer_tensors(step.optimizer if step else None))
-            if step is not None:
-                remove = getattr(step.optimizer, "remove", None)
-                if callable(remove):
-                    remove()  # optimizer-in-backward hooks
-                step.release()
-            del step, module
-            stats = probe.stats()
+
+def _run(run: _Run, largest: int, snapshot: str | None, html: str | None, profile: str | None) -> None:
+    """Train inside the probe (and the profiler, when asked); write the profile; read the environment."""
+    with run.probe:
+        with _profiler(profile, run.kind) as prof:
+            _train(run, largest, snapshot, html)
         if prof is not None:
-            path = os.path.join(profile, f"trainmem-measure-{spec.name}-{kind}.json".replace("/", "_"))
+            path = os.path.join(profile, f"trainmem-measure-{run.r.model.name}-{run.kind}.json".replace("/", "_"))
             prof.export_chrome_trace(path)
-            written.append(path)
-        env = environment(kind, probe)
-    probe.empty_cache()
-    runtime = time.perf_counter() - t0
-    return _report(spec, t, options, overrides, model, kind, probe, recorder, hw, max_fraction, oom, params_b,
-                   buffers_b, opt_b, stats, env, written, warnings, runtime, steps, seed, predict_on_oom,
-                   gpu, gpu_memory, context_memory, limit, empty_cache, predict_by)
+            run.written.append(path)
+        run.env = environment(run.kind, run.probe)
 
 
-def _report(spec: ModelSpec, t: TrainingSpec, options: dict[str, Any], overrides: Any, model_arg: Any, kind: str,
-            probe: Any, recorder: PhaseRecorder, hw: Hardware | None, max_fraction: float | None,
-            oom: dict[str, Any] | None, params_b: int, buffers_b: int, opt_b: int, stats: dict[str, Any],
-            env: dict[str, Any], written: list[str], warnings: list[str], runtime: float, steps: int, seed: int,
-            predict_on_oom: bool, gpu: Any, gpu_memory: Any, context_memory: Any, limit: int | None,
-            empty_cache: bool, predict_by: str) -> MemoryReport:
-    records = recorder.records
-    phases = recorder.phases
-    best = recorder.peak_record()
-    peak_alloc = max([p.peak for p in phases] + [oom["peak_allocated"] if oom else 0])
-    cuda = kind == "cuda"
+def _train(run: _Run, largest: int, snapshot: str | None, html: str | None) -> None:
+    """Build the model, load it, run the steps phase by phase (an out-of-memory error is recorded in
+    ``run.oom``), save the allocator snapshot, then free everything and read the allocator's stats."""
+    probe, recorder, m, t = run.probe, run.recorder, run.r.model, run.r.training
+    module: Any = None
+    step: TrainStep | None = None
+    snap: Any = None
+    try:
+        module = hf_factory(m, t)()
+        if run.kind == "cuda":
+            module.to(probe.device)
+        module.train()
+        run.params_b = tensor_bytes(module.parameters())
+        run.buffers_b = tensor_bytes(module.buffers())
+        recorder.mark("model_loaded", 0)
+        # the batch is made where the probe's device is: "cuda" (the current device) or "cpu"
+        step = TrainStep(module, m, t, probe.device.type, on_phase=recorder.mark, what="measure")
+        st = step.state
+        recorder.watch([p for p in module.parameters() if p.requires_grad], step.optimizer,
+                       lambda: tensor_bytes(st.get("batch", {}).values()))
+        for i in range(1, run.steps + 1):
+            step(i)
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        if not is_oom(e):
+            raise
+        run.oom = _oom_record(e, probe, recorder, module, step, largest)
+        if snapshot or html:  # while the step's tensors are still alive
+            snap = torch.cuda.memory._snapshot(probe.device)
+        del e
+    finally:
+        recorder.unwatch()
+    if snapshot or html:
+        if snap is None:
+            snap = torch.cuda.memory._snapshot(probe.device)
+        run.written += save_snapshot(snap, snapshot, html)
+        del snap
+    run.opt_b = tensor_bytes(optimizer_tensors(step.optimizer if step else None))
+    if step is not None:
+        remove = getattr(step.optimizer, "remove", None)
+        if callable(remove):
+            remove()  # optimizer-in-backward hooks
+        step.release()
+    del step, module
+    run.stats = probe.stats()
+
+
+def _oom_record(e: BaseException, probe: Any, recorder: PhaseRecorder, module: Any, step: TrainStep | None,
+                largest: int) -> dict[str, Any]:
+    """What an out-of-memory error leaves to report: the phase, the message, the refused request,
+    the peak so far and what was live."""
+    msg = str(e).strip()
+    return {"phase": recorder.in_progress, "message": msg.splitlines()[0][:500] if msg else type(e).__name__,
+            "requested": requested_bytes(msg, probe),
+            "peak_allocated": max([r.phase.peak for r in recorder.records] + [probe.peak()]),
+            **live_tensors(probe, module, step.optimizer if step else None,
+                           step.state.get("batch") if step else None, largest)}
+
+
+def _report(run: _Run, runtime: float, predict_on_oom: bool, predict_by: str) -> MemoryReport:
+    """The MemoryReport of a measured run: peaks, components, device memory, the out-of-memory outcome."""
+    records, oom, cuda = run.recorder.records, run.oom, run.kind == "cuda"
+    best = run.recorder.peak_record()
+    peak_alloc = max([p.peak for p in run.recorder.phases] + [oom["peak_allocated"] if oom else 0])
     peak_res = None
     if cuda:
         peak_res = max([r.peak_reserved or 0 for r in records] + [(oom or {}).get("reserved") or 0])
     contexts = [r.context for r in records if r.context is not None]
     context = contexts[-1] if contexts else None
-    comps: list[Component] = []
-    if best is not None:
-        ph = best.phase
-        parts = [("parameters", "parameters", params_b, "the model's parameters (distinct storages)", True),
-                 ("buffers", "buffers", buffers_b, "the model's buffers", True),
-                 ("gradients", "gradients", best.gradients_at_peak,
-                  "gradients alive at the peak (to within one gradient tensor)", True),
-                 ("optimizer_states", "optimizer_states", best.states_at_peak,
-                  "optimizer states alive at the peak", True),
-                 ("inputs", "inputs", best.inputs if ph.step > 0 else 0, "the batch", False)]
-        known = 0
-        for name, cat, b, formula, persistent in parts:
-            if b:
-                comps.append(Component(name, cat, int(b), None, formula, persistent))
-                known += b
-        rest = ph.peak - known
-        if rest < 0:
-            warnings.append(f"the peak ({ph.peak} B) is below the named tensors ({known} B): memory from before "
-                            "the run was freed during it?")
-        elif rest:
-            comps.append(Component("activations.other", "activations", rest, None,
-                                   "the rest of the peak: activations saved for backward, logits and temporaries "
-                                   "(a measurement sees bytes, not their purpose)"))
+    comps = _components(run, best)
     if cuda and peak_res is not None and peak_res > peak_alloc:
         comps.append(Component("allocator_overhead", "allocator_overhead", peak_res - peak_alloc, None,
                                "peak reserved − peak allocated (cached blocks, segment rounding)"))
@@ -441,61 +459,102 @@ def _report(spec: ModelSpec, t: TrainingSpec, options: dict[str, Any], overrides
                                "driver's figure − reserved at the last phase (CUDA context, kernels, NCCL/cuBLAS "
                                "handles outside the allocator)", True))
     device_used = peak_res + context if (cuda and peak_res is not None and context is not None) else None
-    if cuda and hw is None:
-        total = getattr(probe, "total", 0)
-        if total:
-            hw = Hardware(str(env.get("gpu") or "cuda"), int(total), max(context or 0, 0), "measured device")
+    hw = run.hw
+    if cuda and hw is None and getattr(run.probe, "total", 0):
+        hw = Hardware(str(run.env.get("gpu") or "cuda"), int(run.probe.total), max(context or 0, 0),
+                      "measured device")
     if oom is not None:
-        warnings.insert(0, f"out of memory in {oom['phase']}: {oom['message']}")
-        if predict_on_oom:
-            oom["fit"] = _predicted_fit(spec, options, kind, gpu, gpu_memory, context_memory, limit,
-                                        getattr(probe, "total", None), context, predict_by)
-        # the step did not finish: it needed at least what it held plus the refused allocation
-        lb = getattr(probe, "lb", None)
-        if cuda:
-            held = (oom.get("reserved") or 0) + max(context or 0, 0)
-        elif lb is not None and getattr(lb, "failed_request", 0):
-            held = lb.failed_current
-        else:
-            held = oom.get("allocated", 0)
-        if oom.get("requested"):
-            needed = held + oom["requested"]
-        else:
-            needed = hw.capacity + 1 if hw is not None else None
-        if needed is not None:
-            oom["needed_at_least"] = needed
-            device_used = max(device_used or 0, needed)
-    notes = list(getattr(probe, "notes", []))
-    extra: dict[str, Any] = {
-        "device": kind if kind == "cpu" else str(probe.device),
-        "steps": steps,
-        "seed": seed,
-        "phases": [r.to_dict() for r in records],
-        "oom": oom,
-        "optimizer_states_bytes": opt_b,
-        "allocator": stats,
-        "environment": env,
-        "notes": notes,
-        "files": written,
-        "runtime_s": round(runtime, 3),
-        "model_arg": model_arg if isinstance(model_arg, str) else spec.name,
-        "overrides": list(overrides) if isinstance(overrides, (list, tuple)) else overrides,
-        "options": options,
-        "empty_cache_each_phase": empty_cache,
-    }
-    if cuda:
-        extra["cuda_context"] = context
+        device_used = _oom_outcome(run, hw, context, device_used, predict_on_oom, predict_by)
     peak_phase = peak_where = ""
     if best is not None and best.phase.peak >= peak_alloc:
         peak_phase, peak_where = f"{best.phase.name}@{best.phase.step}", best.phase.where
     elif oom is not None:
         peak_phase, peak_where = oom["phase"], "when it ran out of memory"
-    report = MemoryReport(
-        source="measure", components=comps, phases=phases, peak_allocated=int(peak_alloc), peak_reserved=peak_res,
-        device_used=device_used, peak_phase=peak_phase, peak_where=peak_where,
-        capacity=hw.capacity if hw is not None else None, max_fraction=max_fraction or 1.0, method="measure",
-        model=spec, training=t, hardware=hw, warnings=warnings, extra=extra)
-    return report
+    return MemoryReport(
+        source="measure", components=comps, phases=run.recorder.phases, peak_allocated=int(peak_alloc),
+        peak_reserved=peak_res, device_used=device_used, peak_phase=peak_phase, peak_where=peak_where,
+        capacity=hw.capacity if hw is not None else None, max_fraction=run.r.max_fraction, method="measure",
+        model=run.r.model, training=run.r.training, hardware=hw, warnings=run.warnings,
+        extra=_extra(run, runtime, context))
+
+
+def _components(run: _Run, best: Any) -> list[Component]:
+    """The named parts of the peak phase (parameters, buffers, gradients, optimizer states, the
+    batch) and the rest of it as one activations amount."""
+    if best is None:
+        return []
+    ph = best.phase
+    parts = [("parameters", "parameters", run.params_b, "the model's parameters (distinct storages)", True),
+             ("buffers", "buffers", run.buffers_b, "the model's buffers", True),
+             ("gradients", "gradients", best.gradients_at_peak,
+              "gradients alive at the peak (to within one gradient tensor)", True),
+             ("optimizer_states", "optimizer_states", best.states_at_peak, "optimizer states alive at the peak", True),
+             ("inputs", "inputs", best.inputs if ph.step > 0 else 0, "the batch", False)]
+    comps: list[Component] = []
+    known = 0
+    for name, cat, b, formula, persistent in parts:
+        if b:
+            comps.append(Component(name, cat, int(b), None, formula, persistent))
+            known += b
+    rest = ph.peak - known
+    if rest < 0:
+        run.warnings.append(f"the peak ({ph.peak} B) is below the named tensors ({known} B): memory from before "
+                            "the run was freed during it?")
+    elif rest:
+        comps.append(Component("activations.other", "activations", rest, None,
+                               "the rest of the peak: activations saved for backward, logits and temporaries "
+                               "(a measurement sees bytes, not their purpose)"))
+    return comps
+
+
+def _oom_outcome(run: _Run, hw: Hardware | None, context: int | None, device_used: int | None,
+                 predict_on_oom: bool, predict_by: str) -> int | None:
+    """After an out-of-memory error: warn, predict what would fit, and return the device memory the
+    step needed at least (what it held plus the refused allocation)."""
+    oom, probe = run.oom, run.probe
+    assert oom is not None
+    run.warnings.insert(0, f"out of memory in {oom['phase']}: {oom['message']}")
+    if predict_on_oom:
+        oom["fit"] = _predicted_fit(run.r, run.kind, run.limit, getattr(probe, "total", None), context, predict_by)
+    lb = getattr(probe, "lb", None)
+    if run.kind == "cuda":
+        held = (oom.get("reserved") or 0) + max(context or 0, 0)
+    elif lb is not None and getattr(lb, "failed_request", 0):
+        held = lb.failed_current
+    else:
+        held = oom.get("allocated", 0)
+    if oom.get("requested"):
+        needed = held + oom["requested"]
+    else:
+        needed = hw.capacity + 1 if hw is not None else None
+    if needed is None:
+        return device_used
+    oom["needed_at_least"] = needed
+    return max(device_used or 0, needed)
+
+
+def _extra(run: _Run, runtime: float, context: int | None) -> dict[str, Any]:
+    """The report's ``extra``: phases, the out-of-memory record, environment, files, the inputs."""
+    extra: dict[str, Any] = {
+        "device": run.kind if run.kind == "cpu" else str(run.probe.device),
+        "steps": run.steps,
+        "seed": run.seed,
+        "phases": [r.to_dict() for r in run.recorder.records],
+        "oom": run.oom,
+        "optimizer_states_bytes": run.opt_b,
+        "allocator": run.stats,
+        "environment": run.env,
+        "notes": list(getattr(run.probe, "notes", [])),
+        "files": run.written,
+        "runtime_s": round(runtime, 3),
+        "model_arg": run.model_arg if isinstance(run.model_arg, str) else run.r.model.name,
+        "overrides": list(run.overrides) if isinstance(run.overrides, (list, tuple)) else run.overrides,
+        "options": run.options,
+        "empty_cache_each_phase": run.empty_cache,
+    }
+    if run.kind == "cuda":
+        extra["cuda_context"] = context
+    return extra
 
 
 # ----- the largest micro-batch that runs ----------------------------------------------------------------
@@ -509,8 +568,6 @@ def find_max_batch(model: Any, *, device: str = "cuda", steps: int = 2, memory_l
     ``trainmem.plan.fit`` predicts at this sequence length for the same memory.
     On the CPU a ``memory_limit`` is required (the CPU has no fixed memory to run out of)."""
     from ..plan.fit import search_max
-    if overrides is None:
-        overrides = training_options.pop("set", None)
     training_options.pop("batch_size", None)
     kind, _ = parse_device(device)
     limit = None if memory_limit is None else parse_bytes(memory_limit)
@@ -519,35 +576,30 @@ def find_max_batch(model: Any, *, device: str = "cuda", steps: int = 2, memory_l
                             "to run out of)")
     if not isinstance(batch_cap, int) or batch_cap < 1:
         raise TrainmemError(f"batch cap must be a positive integer, got {batch_cap!r}")
-    spec = resolve_model(model, overrides=overrides)
+    training_options.pop("method", None)
+    r = resolve(model, overrides=overrides, gpu=gpu, gpu_memory=gpu_memory, context_memory=context_memory,
+                **training_options)
     tries: list[dict[str, Any]] = []
     last: dict[str, MemoryReport] = {}
 
     def runs(b: int) -> bool:
-        r = measure(spec, steps, device=device, memory_limit=limit, gpu=gpu, gpu_memory=gpu_memory,
-                    context_memory=context_memory, predict_on_oom=False, batch_size=b, **training_options)
-        oom = r.extra["oom"]
-        row = {"batch_size": b, "ok": oom is None, "peak_allocated": r.peak_allocated,
-               "peak_reserved": r.peak_reserved, "oom_phase": oom["phase"] if oom else None,
-               "runtime_s": r.extra["runtime_s"]}
+        rep = measure(r, steps, device=device, memory_limit=limit, predict_on_oom=False, batch_size=b)
+        oom = rep.extra["oom"]
+        row = {"batch_size": b, "ok": oom is None, "peak_allocated": rep.peak_allocated,
+               "peak_reserved": rep.peak_reserved, "oom_phase": oom["phase"] if oom else None,
+               "runtime_s": rep.extra["runtime_s"]}
         tries.append(row)
         if on_try is not None:
             on_try(row)
-        if oom is None:
-            last["ok"] = r
-        else:
-            last["bad"] = r
+        last["ok" if oom is None else "bad"] = rep
         return oom is None
 
     best, first_bad = search_max(runs, batch_cap)
     ref = last.get("ok") or last.get("bad")
     ctx = ref.extra.get("cuda_context") if ref is not None else None
     total = ref.extra["environment"].get("gpu_memory_total") if ref is not None else None
-    opts = dict(training_options)
-    opts.pop("method", None)
-    _, options = _training(None, opts)
-    predicted = _predicted_fit(spec, options, kind, gpu, gpu_memory, context_memory, limit, total, ctx, predict_by)
-    return {"model": spec.name, "device": device, "seq_len": options.get("seq_len", 2048), "steps": steps,
+    predicted = _predicted_fit(r, kind, limit, total, ctx, predict_by)
+    return {"model": r.model.name, "device": device, "seq_len": r.training.seq_len, "steps": steps,
             "limit": limit, "measured_max": best, "first_failing": first_bad,
             "limited_by": "memory" if first_bad is not None else "batch_cap", "batch_cap": batch_cap,
             "predicted_max": predicted.get("batch_size"), "prediction": predicted, "tries": tries}

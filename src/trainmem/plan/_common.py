@@ -7,9 +7,9 @@ from typing import Any, Callable, Iterable
 
 from ..errors import TrainmemError
 from ..report import MemoryReport
-from ..spec.config import resolve_model
-from ..spec.hardware import Hardware, _catalogue
+from ..spec.hardware import Hardware, catalogue
 from ..spec.model import ModelSpec
+from ..spec.resolve import OPTIONS, TRAINING_FIELDS, Resolved, resolve
 
 BYS = ("estimate", "trace")
 
@@ -30,62 +30,69 @@ def _trace_function() -> Callable[..., MemoryReport]:
 
 
 class Evaluator:
-    """Evaluates one model on one GPU under varying training options, reusing the resolved inputs.
+    """Evaluates one model on one GPU under varying training options, resolving the inputs once.
 
-    ``options`` are the API's keyword options (those of ``trainmem.estimate``): TrainingSpec fields,
-    ``gpu``, ``gpu_memory``, ``context_memory``, ``max_fraction``, ``method`` and ``set``.
-    ``by``: ``estimate`` (formulas) or ``trace`` (the fake-tensor tracer, when installed).
+    ``options`` are the API's keyword options (those of ``trainmem.estimate``, see
+    ``trainmem.spec.resolve``); ``model`` may be a ``Resolved``. ``by``: ``estimate`` (formulas)
+    or ``trace`` (the fake-tensor tracer, when installed; options ``resolve`` does not know, such
+    as ``device``, go to the tracer). ``report(**changes)`` varies the training setup with
+    ``Resolved.replace``. ``options`` keeps the training options given (None left out).
     """
 
     def __init__(self, model: Any, by: str = "estimate", **options: Any):
         if by not in BYS:
             raise TrainmemError(f"--by {by!r} is not one of: {', '.join(BYS)}")
-        from ..estimate.api import hardware_from
-        opts = dict(options)
         self.by = by
-        self.method = opts.pop("method", None) or "trainmem"
-        overrides = opts.pop("set", None) or opts.pop("overrides", None)
-        self.model: ModelSpec = resolve_model(model, overrides)
-        self.hardware: Hardware | None = hardware_from(opts.pop("gpu", None), opts.pop("gpu_memory", None),
-                                                       opts.pop("context_memory", None))
-        self.max_fraction = opts.pop("max_fraction", None) or 1.0
-        if not 0 < self.max_fraction <= 1:
-            raise TrainmemError(f"--max-fraction must be in (0, 1], got {self.max_fraction}")
-        self.options = {k: v for k, v in opts.items() if v is not None}
         self._fn = _trace_function() if by == "trace" else None
+        self.trace_options = {k: v for k, v in options.items() if k not in OPTIONS} if by == "trace" else {}
+        self.resolved: Resolved = resolve(model, **{k: v for k, v in options.items() if k not in self.trace_options})
+        self.options = {k: v for k, v in options.items() if k in TRAINING_FIELDS and v is not None}
         self.calls = 0
+
+    @property
+    def model(self) -> ModelSpec:
+        """The resolved model."""
+        return self.resolved.model
+
+    @property
+    def hardware(self) -> Hardware | None:
+        """The resolved GPU (None without one)."""
+        return self.resolved.hardware
+
+    @property
+    def max_fraction(self) -> float:
+        """The fraction of the GPU the peak may take."""
+        return self.resolved.max_fraction
+
+    @property
+    def method(self) -> str:
+        """The estimate method."""
+        return self.resolved.method
 
     @property
     def limit(self) -> int | None:
         """Bytes the peak may take: ``max_fraction`` of the GPU (None without a GPU)."""
-        if self.hardware is None:
-            return None
-        return int(self.max_fraction * self.hardware.capacity)
-
-    def merged(self, **changes: Any) -> dict[str, Any]:
-        d = dict(self.options)
-        d.update({k: v for k, v in changes.items()})
-        return {k: v for k, v in d.items() if v is not None}
+        return self.resolved.limit
 
     def report(self, **changes: Any) -> MemoryReport:
-        """The report for the base options with ``changes`` applied (TrainmemError on bad input)."""
+        """The report for the base setup with the training ``changes`` applied (a change to None
+        restores the default; TrainmemError on bad input)."""
         self.calls += 1
-        opts = self.merged(**changes)
+        r = self.resolved.replace(**changes)
         if self._fn is not None:
             from ..estimate.api import attach_hardware
-            r = self._fn(self.model, hardware=self.hardware, **opts)
-            r.max_fraction = self.max_fraction
-            return r if r.capacity is not None or self.hardware is None else \
-                attach_hardware(r, self.hardware, self.max_fraction)
-        from ..estimate.api import estimate
-        return estimate(self.model, method=self.method, gpu=self.hardware, max_fraction=self.max_fraction, **opts)
+            rep = self._fn(r, **self.trace_options)
+            return rep if rep.capacity is not None or r.hardware is None else \
+                attach_hardware(rep, r.hardware, r.max_fraction)
+        from ..estimate.api import estimate_resolved
+        return estimate_resolved(r)
 
 
 def gpu_extras(hw: Hardware | None) -> dict[str, float]:
     """Planner facts of a GPU beyond ``Hardware``: GPUs per node and per-GPU inter-node bandwidth."""
     d = {"gpus_per_node": 8, "internode_gbs": 25.0}
-    if hw is not None and hw.name in _catalogue():
-        v = _catalogue()[hw.name]
+    if hw is not None and hw.name in catalogue():
+        v = catalogue()[hw.name]
         d["gpus_per_node"] = int(v.get("gpus_per_node", 8))
         d["internode_gbs"] = float(v.get("internode_gbs", 25.0))
     return d

@@ -13,6 +13,8 @@ from typing import Any
 
 from ..errors import TrainmemError
 from ..report import MemoryReport
+from ..spec.resolve import TRAINING_DEFAULTS, Resolved
+from ..spec.training import LEARNED_POSITION_FAMILIES
 from ._common import Evaluator
 from .suggest import Suggestion, suggest_for
 
@@ -95,9 +97,11 @@ def fit(model: Any, gpu: Any = None, by: str = "estimate", seq_multiple: int = 1
     in multiples of ``seq_multiple``) that fits ``gpu``.
 
     ``options`` are those of ``trainmem.estimate`` (method, precision, zero, tp, recompute,
-    gpu_memory, context_memory, max_fraction, ...). The sequence step is the least common multiple
-    of ``seq_multiple`` and what the layout needs (``cp``; ``tp`` under sequence parallelism).
-    ``by="trace"`` uses the tracer (``trainmem.trace.api``) instead of the formulas.
+    gpu_memory, context_memory, max_fraction, ...); ``model`` may be a ``Resolved``. The inputs
+    are resolved once; every probe replaces the searched field (``Resolved.replace``). The
+    sequence step is the least common multiple of ``seq_multiple`` and what the layout needs
+    (``cp``; ``tp`` under sequence parallelism). ``by="trace"`` uses the tracer
+    (``trainmem.trace.api``) instead of the formulas.
     """
     seq_len, batch_size = options.pop("seq_len", None), options.pop("batch_size", None)
     if seq_len is not None and batch_size is not None:
@@ -106,43 +110,47 @@ def fit(model: Any, gpu: Any = None, by: str = "estimate", seq_multiple: int = 1
     if seq_len is None and batch_size is None:
         raise TrainmemError("fit needs --seq-len N (to find the largest micro-batch) or --batch-size N "
                             "(to find the longest sequence)")
-    if gpu is None and options.get("gpu_memory") is None:
-        raise TrainmemError("fit needs a GPU: give --gpu NAME or --gpu-memory SIZE")
     if not isinstance(seq_multiple, int) or seq_multiple <= 0:
         raise TrainmemError(f"--seq-multiple must be a positive integer, got {seq_multiple!r}")
-    ev = Evaluator(model, by=by, gpu=gpu, **options)
+    if seq_len is not None:
+        ev = Evaluator(model, by=by, gpu=gpu, seq_len=seq_len, **options)
+        search, step, fixed, k_max, cap_reason = "batch_size", 1, {"seq_len": seq_len}, BATCH_CAP, "search_cap"
+    else:
+        step = math.lcm(seq_multiple, *_seq_divisors(model, options))
+        ev = Evaluator(model, by=by, gpu=gpu, batch_size=batch_size, seq_len=step, **options)
+        search, fixed, m = "seq_len", {"batch_size": batch_size}, ev.model
+        if m.family in LEARNED_POSITION_FAMILIES:
+            k_max, cap_reason = m.max_positions // step, "max_positions"
+        else:
+            k_max, cap_reason = SEQ_CAP // step, "search_cap"
+    if ev.hardware is None:
+        raise TrainmemError("fit needs a GPU: give --gpu NAME or --gpu-memory SIZE")
+    return _search(ev, by, search, step, fixed, k_max, cap_reason, suggestions)
+
+
+def _seq_divisors(model: Any, options: dict[str, Any]) -> tuple[int, int]:
+    """What every searched sequence length must be a multiple of: ``cp``, and ``tp`` under sequence
+    parallelism, read from the options (over ``training=`` or a ``Resolved`` model's setup)."""
+    base = options.get("training") or (model.training if isinstance(model, Resolved) else None)
+
+    def given(key: str) -> Any:
+        v = options.get(key)
+        return v if v is not None else getattr(base, key) if base is not None else TRAINING_DEFAULTS[key]
+
+    return int(given("cp")), int(given("tp")) if given("sequence_parallel") else 1
+
+
+def _search(ev: Evaluator, by: str, search: str, step: int, fixed: dict[str, int], k_max: int, cap_reason: str,
+            suggestions: bool) -> FitResult:
+    """Search the largest ``k`` whose size ``k * step`` fits, replacing ``search`` in the resolved
+    setup for every probe, and describe the answer."""
     limit = ev.limit
     assert limit is not None and ev.hardware is not None
     cache: dict[int, MemoryReport] = {}
 
-    if seq_len is not None:
-        search, step, fixed = "batch_size", 1, {"seq_len": seq_len}
-        k_max, cap_reason = BATCH_CAP, "search_cap"
-
-        def value(k: int) -> int:
-            return k
-    else:
-        search = "seq_len"
-        cp = int(ev.options.get("cp", 1) or 1)
-        tp = int(ev.options.get("tp", 1) or 1)
-        sp = bool(ev.options.get("sequence_parallel"))
-        step = math.lcm(seq_multiple, cp, tp if sp else 1)
-        fixed = {"batch_size": batch_size}
-        m = ev.model
-        if m.family in ("gpt2", "nanogpt", "bert", "roberta-prenorm"):
-            k_max, cap_reason = m.max_positions // step, "max_positions"
-            if k_max == 0:
-                raise TrainmemError(f"{m.name} has {m.max_positions} learned positions, fewer than one sequence "
-                                    f"step of {step}; lower --seq-multiple")
-        else:
-            k_max, cap_reason = SEQ_CAP // step, "search_cap"
-
-        def value(k: int) -> int:
-            return k * step
-
     def fits(k: int) -> bool:
         if k not in cache:
-            cache[k] = ev.report(**fixed, **{search: value(k)})
+            cache[k] = ev.report(**{search: k * step})
         return cache[k].device_peak <= limit
 
     k, first_bad = search_max(fits, k_max)
@@ -150,15 +158,15 @@ def fit(model: Any, gpu: Any = None, by: str = "estimate", seq_multiple: int = 1
     rep = cache[k if ok else 1]
     sugg: list[Suggestion] = []
     if not ok and suggestions:
-        sugg = suggest_for(ev, rep, **fixed, **{search: value(1)})
+        sugg = suggest_for(ev, rep, **fixed, **{search: step})
     bad_rep = cache.get(first_bad) if first_bad is not None else None
-    found = value(k) if ok else None
+    found = k * step if ok else None
     return FitResult(
         model=ev.model.name, gpu=ev.hardware.name, capacity=ev.hardware.capacity, limit=limit, search=search,
-        batch_size=found if search == "batch_size" else batch_size,
-        seq_len=found if search == "seq_len" else seq_len,
+        batch_size=found if search == "batch_size" else fixed["batch_size"],
+        seq_len=found if search == "seq_len" else fixed["seq_len"],
         fits=ok, peak_allocated=rep.peak_allocated, device_used=rep.device_peak, margin=limit - rep.device_peak,
         limited_by="memory" if first_bad is not None else cap_reason, step=step, evaluations=len(cache),
         method=ev.method if by == "estimate" else "trace", report=rep,
-        next_value=None if first_bad is None else value(first_bad),
+        next_value=None if first_bad is None else first_bad * step,
         next_device_used=None if bad_rep is None else bad_rep.device_peak, suggestions=sugg)

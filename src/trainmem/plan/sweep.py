@@ -100,7 +100,9 @@ class SweepResult:
 def sweep(model: Any, batch_sizes: "str | Iterable[int]" = (1,), seq_lens: "str | Iterable[int]" = (2048,),
           by: str = "estimate", **options: Any) -> SweepResult:
     """Estimate every (micro-batch, sequence length) pair; ``batch_sizes`` and ``seq_lens`` are lists
-    or strings such as ``"1,2,4"`` and ``"128:4096:128"``. ``options``: those of ``trainmem.estimate``."""
+    or strings such as ``"1,2,4"`` and ``"128:4096:128"``. ``options``: those of ``trainmem.estimate``
+    (``model`` may be a ``Resolved``). The inputs are resolved once; each cell replaces the two
+    sizes (``Resolved.replace``) and a cell the setup does not allow is reported as n/a."""
     bs = parse_int_list(batch_sizes, "--batch-size")
     ss = parse_int_list(seq_lens, "--seq-len")
     if len(bs) * len(ss) > MAX_CELLS:
