@@ -27,7 +27,7 @@ from ..spec.model import ModelSpec
 from ..spec.training import RECOMPUTE, TrainingSpec
 from .breakdown import components, phase_label, phases, where_label
 from .moments import StepFlags, peak, tokens, walk
-from .quantities import SHAPE_FIELDS, gather, oib_update_bytes, quantities, shape_quantities, step_temporaries  # noqa: F401
+from .quantities import SHAPE_FIELDS, gather, quantities, shape_quantities
 
 #: layout fields ``estimate_layouts`` takes as arrays: SHAPE_FIELDS pick the quantities
 TOKEN_FIELDS = ("batch_size", "seq_len", "grad_accum")

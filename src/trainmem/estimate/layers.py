@@ -316,102 +316,10 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
     h, f, q, kv = k.h, k.f / t, k.q / t, k.kv / t
     heads, kvh = k.heads / t, max(k.kv_heads / t, 1 if k.kv_heads < t else k.kv_heads / t)
     x = T(h / sp_div, 0, pol.stream, "residual")
+    build = {"gpt2": _gpt2_layer, "nanogpt": _gpt2_layer, "bert": _bert_layer,
+             "roberta-prenorm": _bert_layer}.get(k.family, _llama_layer)
+    build(B, k, x, h, f, q, kv, heads, kvh, sp_div)
     half = pol.half
-
-    if k.family in ("gpt2", "nanogpt"):
-        # transformers GPT2Block / nanoGPT Block: pre-LN, fused qkv (c_attn), GELU MLP
-        a_in = B.layer_norm(x, "ln_1")
-        qkv = B.linear(T(h / sp_div, 0, a_in.nbytes, "ln_1.out"), q + 2 * kv, "c_attn", "c_attn.input", h)
-        qq, kk, vv = (T(q, 0, half, "attn.qkv"), T(kv, 0, half, "attn.qkv"), T(kv, 0, half, "attn.qkv"))
-        if k.attention == "eager":
-            # q, k, v are views of the c_attn output: one storage
-            qkv_t = T(q + 2 * kv, 0, half, "attn.qkv")
-            B.r.save(qkv_t)
-            qq = kk = vv = T(0, 0, half, "attn.qkv")
-        elif k.attention == "flash" or sdpa_backend(half, k.head_dim, heads != kvh) != "math":
-            # the kernel saves q as a view: the whole c_attn output stays alive. With a KV cache
-            # (transformers, config.use_cache) k and v are the cache's copies (torch.cat).
-            B.r.save(T(q + 2 * kv, 0, half, "attn.qkv"))
-            qq = T(0, 0, half, "attn.qkv")
-            if k.kv_cache:
-                kk, vv = T(kv, 0, half, "attn.k_cache"), T(kv, 0, half, "attn.v_cache")
-            else:
-                kk = vv = qq
-        if k.kv_cache:
-            B.r.cache = 2 * kv * half  # the cache's copies of k and v
-        ctx = B.attention(qq, kk, vv, heads, kvh, k.head_dim, k.attention, k.attention_dropout,
-                          softmax_fp32_then_cast=False)
-        o = B.linear(ctx, h, "c_proj", "c_proj.input")
-        B.drop(T(h / sp_div, 0, half, "resid"), k.hidden_dropout, "attn.resid_dropout")
-        x2 = T(h / sp_div, 0, pol.stream, "residual")
-        m_in = B.layer_norm(x2, "ln_2")
-        fc = B.linear(T(h / sp_div, 0, m_in.nbytes, "ln_2.out"), f, "c_fc", "c_fc.input", h)
-        act = _gelu(B, k.act_impl, f)
-        B.linear(act, h, "mlp.c_proj", "mlp.c_proj.input")
-        B.drop(T(h / sp_div, 0, half, "resid"), k.hidden_dropout, "mlp.resid_dropout")
-
-    elif k.family in ("bert", "roberta-prenorm"):
-        # transformers BertLayer (post-LN) / XLMRobertaXLLayer (pre-LN): separate q, k, v linears
-        if k.pre_norm:
-            a_in = B.layer_norm(x, "attention.self_attn_layer_norm")
-            src = T(h / sp_div, 0, a_in.nbytes, "attention.ln.out")
-        else:
-            src = x  # the previous layer's LayerNorm output
-        qq = B.linear(src, q, "query", "qkv.input", h)
-        kk = B.linear(src, kv, "key", "qkv.input", h)
-        vv = B.linear(src, kv, "value", "qkv.input", h)
-        qq, kk, vv = T(q, 0, half, "attn.q"), T(kv, 0, half, "attn.k"), T(kv, 0, half, "attn.v")
-        ctx = B.attention(qq, kk, vv, heads, kvh, k.head_dim, k.attention, k.attention_dropout,
-                          softmax_fp32_then_cast=False)
-        B.linear(ctx, h, "attention.output.dense", "attention.output.dense.input")
-        B.drop(T(h / sp_div, 0, half, "resid"), k.hidden_dropout, "attention.output.dropout")
-        if k.pre_norm:
-            x2 = T(h / sp_div, 0, pol.stream, "residual")
-            m_in = B.layer_norm(x2, "LayerNorm")
-            src2 = T(h / sp_div, 0, m_in.nbytes, "LayerNorm.out")
-        else:
-            sum1 = T(h / sp_div, 0, pol.stream, "attention.output.LayerNorm")
-            ln1 = B.layer_norm(sum1, "attention.output.LayerNorm")
-            src2 = T(h / sp_div, 0, ln1.nbytes, "attention.output.LayerNorm.out")
-        B.linear(src2, f, "intermediate.dense", "intermediate.dense.input", h)
-        act = _gelu(B, k.act_impl, f)
-        B.linear(act, h, "output.dense", "output.dense.input")
-        B.drop(T(h / sp_div, 0, half, "resid"), k.hidden_dropout, "output.dropout")
-        if not k.pre_norm:
-            # its output is the next layer's input, saved by the next layer's q/k/v (or the head)
-            B.layer_norm(T(h / sp_div, 0, pol.stream, "output.LayerNorm"), "output.LayerNorm")
-
-    else:
-        # transformers LlamaDecoderLayer / MixtralDecoderLayer: RMSNorm, rotary, GQA, SwiGLU
-        a_in = B.rms_norm_hf(x, "input_layernorm")
-        src = T(h / sp_div, 0, a_in.nbytes, "input_layernorm.out")
-        if not pol.amp:
-            B.r.save(src)  # shared input of q/k/v (no per-call casts without autocast)
-        for name, width in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-            B.linear(src, width, name, f"{name}.input", h)
-        # rotary: q*cos + rotate_half(q)*sin makes new q and k tensors; cos/sin are shared per model
-        qq, kk, vv = T(q, 0, half, "attn.q_rot"), T(kv, 0, half, "attn.k_rot"), T(kv, 0, half, "attn.v")
-        if k.kv_cache and pol.amp:
-            # Under autocast cos/sin are fp32 (the residual dtype), so the rotated k is fp32; the
-            # cache is created in k's dtype and torch.cat promotes v into it, so the cache holds
-            # fp32 copies of k and v, which attention does not save (it saves its half casts). They
-            # live as long as the model output does.
-            B.r.hold(T(kv, 0, F32, "kv_cache.k"), T(kv, 0, F32, "kv_cache.v"))
-        if k.kv_cache:
-            B.r.cache = 2 * kv * (F32 if pol.amp else half)  # the cache's copies of k and v
-        ctx = B.attention(qq, kk, vv, heads, kvh, k.head_dim, k.attention, k.attention_dropout,
-                          softmax_fp32_then_cast=True)
-        B.linear(ctx, h, "o_proj", "o_proj.input")
-        x2 = T(h / sp_div, 0, pol.stream, "residual")
-        m_in = B.rms_norm_hf(x2, "post_attention_layernorm")
-        src2 = T(h / sp_div, 0, m_in.nbytes, "post_attention_layernorm.out")
-        if not pol.amp:
-            B.r.save(src2)
-        if k.experts:
-            _moe(B, src2, h, f, k.experts, k.top_k)
-        else:
-            _swiglu(B, f, h, src2, "mlp", fused_gate_up=False)
-
     for name, r_, cols in k.lora:
         # LoRA (peft): lora_A saves the layer input (shared with the base linear unless cast),
         # lora_B saves the rank-r intermediate; dropout is identity at peft's default p = 0.
@@ -426,6 +334,106 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
                       after)
 
 
+def _gpt2_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: float, heads: float, kvh: float, sp_div: int) -> None:
+    """transformers GPT2Block / nanoGPT Block: pre-LN, fused qkv (c_attn), GELU MLP."""
+    pol, half = B.p, B.p.half
+    a_in = B.layer_norm(x, "ln_1")
+    B.linear(T(h / sp_div, 0, a_in.nbytes, "ln_1.out"), q + 2 * kv, "c_attn", "c_attn.input", h)
+    qq, kk, vv = (T(q, 0, half, "attn.qkv"), T(kv, 0, half, "attn.qkv"), T(kv, 0, half, "attn.qkv"))
+    if k.attention == "eager":
+        # q, k, v are views of the c_attn output: one storage
+        qkv_t = T(q + 2 * kv, 0, half, "attn.qkv")
+        B.r.save(qkv_t)
+        qq = kk = vv = T(0, 0, half, "attn.qkv")
+    elif k.attention == "flash" or sdpa_backend(half, k.head_dim, heads != kvh) != "math":
+        # the kernel saves q as a view: the whole c_attn output stays alive. With a KV cache
+        # (transformers, config.use_cache) k and v are the cache's copies (torch.cat).
+        B.r.save(T(q + 2 * kv, 0, half, "attn.qkv"))
+        qq = T(0, 0, half, "attn.qkv")
+        if k.kv_cache:
+            kk, vv = T(kv, 0, half, "attn.k_cache"), T(kv, 0, half, "attn.v_cache")
+        else:
+            kk = vv = qq
+    if k.kv_cache:
+        B.r.cache = 2 * kv * half  # the cache's copies of k and v
+    ctx = B.attention(qq, kk, vv, heads, kvh, k.head_dim, k.attention, k.attention_dropout,
+                      softmax_fp32_then_cast=False)
+    B.linear(ctx, h, "c_proj", "c_proj.input")
+    B.drop(T(h / sp_div, 0, half, "resid"), k.hidden_dropout, "attn.resid_dropout")
+    x2 = T(h / sp_div, 0, pol.stream, "residual")
+    m_in = B.layer_norm(x2, "ln_2")
+    B.linear(T(h / sp_div, 0, m_in.nbytes, "ln_2.out"), f, "c_fc", "c_fc.input", h)
+    act = _gelu(B, k.act_impl, f)
+    B.linear(act, h, "mlp.c_proj", "mlp.c_proj.input")
+    B.drop(T(h / sp_div, 0, half, "resid"), k.hidden_dropout, "mlp.resid_dropout")
+
+
+def _bert_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: float, heads: float, kvh: float, sp_div: int) -> None:
+    """transformers BertLayer (post-LN) / XLMRobertaXLLayer (pre-LN): separate q, k, v linears."""
+    pol, half = B.p, B.p.half
+    if k.pre_norm:
+        a_in = B.layer_norm(x, "attention.self_attn_layer_norm")
+        src = T(h / sp_div, 0, a_in.nbytes, "attention.ln.out")
+    else:
+        src = x  # the previous layer's LayerNorm output
+    qq = B.linear(src, q, "query", "qkv.input", h)
+    kk = B.linear(src, kv, "key", "qkv.input", h)
+    vv = B.linear(src, kv, "value", "qkv.input", h)
+    qq, kk, vv = T(q, 0, half, "attn.q"), T(kv, 0, half, "attn.k"), T(kv, 0, half, "attn.v")
+    ctx = B.attention(qq, kk, vv, heads, kvh, k.head_dim, k.attention, k.attention_dropout,
+                      softmax_fp32_then_cast=False)
+    B.linear(ctx, h, "attention.output.dense", "attention.output.dense.input")
+    B.drop(T(h / sp_div, 0, half, "resid"), k.hidden_dropout, "attention.output.dropout")
+    if k.pre_norm:
+        x2 = T(h / sp_div, 0, pol.stream, "residual")
+        m_in = B.layer_norm(x2, "LayerNorm")
+        src2 = T(h / sp_div, 0, m_in.nbytes, "LayerNorm.out")
+    else:
+        sum1 = T(h / sp_div, 0, pol.stream, "attention.output.LayerNorm")
+        ln1 = B.layer_norm(sum1, "attention.output.LayerNorm")
+        src2 = T(h / sp_div, 0, ln1.nbytes, "attention.output.LayerNorm.out")
+    B.linear(src2, f, "intermediate.dense", "intermediate.dense.input", h)
+    act = _gelu(B, k.act_impl, f)
+    B.linear(act, h, "output.dense", "output.dense.input")
+    B.drop(T(h / sp_div, 0, half, "resid"), k.hidden_dropout, "output.dropout")
+    if not k.pre_norm:
+        # its output is the next layer's input, saved by the next layer's q/k/v (or the head)
+        B.layer_norm(T(h / sp_div, 0, pol.stream, "output.LayerNorm"), "output.LayerNorm")
+
+
+def _llama_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: float, heads: float, kvh: float, sp_div: int) -> None:
+    """transformers LlamaDecoderLayer / MixtralDecoderLayer: RMSNorm, rotary, GQA, SwiGLU (MoE)."""
+    pol, half = B.p, B.p.half
+    a_in = B.rms_norm_hf(x, "input_layernorm")
+    src = T(h / sp_div, 0, a_in.nbytes, "input_layernorm.out")
+    if not pol.amp:
+        B.r.save(src)  # shared input of q/k/v (no per-call casts without autocast)
+    for name, width in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+        B.linear(src, width, name, f"{name}.input", h)
+    # rotary: q*cos + rotate_half(q)*sin makes new q and k tensors; cos/sin are shared per model
+    qq, kk, vv = T(q, 0, half, "attn.q_rot"), T(kv, 0, half, "attn.k_rot"), T(kv, 0, half, "attn.v")
+    if k.kv_cache and pol.amp:
+        # Under autocast cos/sin are fp32 (the residual dtype), so the rotated k is fp32; the
+        # cache is created in k's dtype and torch.cat promotes v into it, so the cache holds
+        # fp32 copies of k and v, which attention does not save (it saves its half casts). They
+        # live as long as the model output does.
+        B.r.hold(T(kv, 0, F32, "kv_cache.k"), T(kv, 0, F32, "kv_cache.v"))
+    if k.kv_cache:
+        B.r.cache = 2 * kv * (F32 if pol.amp else half)  # the cache's copies of k and v
+    ctx = B.attention(qq, kk, vv, heads, kvh, k.head_dim, k.attention, k.attention_dropout,
+                      softmax_fp32_then_cast=True)
+    B.linear(ctx, h, "o_proj", "o_proj.input")
+    x2 = T(h / sp_div, 0, pol.stream, "residual")
+    m_in = B.rms_norm_hf(x2, "post_attention_layernorm")
+    src2 = T(h / sp_div, 0, m_in.nbytes, "post_attention_layernorm.out")
+    if not pol.amp:
+        B.r.save(src2)
+    if k.experts:
+        _moe(B, src2, h, f, k.experts, k.top_k)
+    else:
+        _swiglu(B, f, h, src2, "mlp", fused_gate_up=False)
+
+
 def _gelu(B: Builder, impl: str, f: float) -> T:
     """The MLP activation on the ``c_fc``/``intermediate`` output (half under autocast).
 
@@ -436,7 +444,6 @@ def _gelu(B: Builder, impl: str, f: float) -> T:
     Without autocast the same ops save x, tanh, 0.5x and 1 + tanh in the working dtype.
     """
     half = B.p.half
-    x = T(f, 0, half, "mlp.fc_out")
     if impl == "gelu_new":
         wide = F32 if B.p.amp else half
         B.r.save(T(f, 0, wide, "mlp.act.pow_input"), T(f, 0, wide, "mlp.act.tanh"),

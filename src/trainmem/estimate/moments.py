@@ -124,75 +124,97 @@ def _mo(phase: str, micro: int, step: int, where_: str, six: tuple, logit_parts:
     return Moment(phase, micro, step, where_, six[:5] + (sum(logit_parts),) + six[5:], logit_parts, valid)
 
 
+@dataclass(frozen=True)
+class Kept:
+    """What the loop's reference to the model output keeps alive (``outputs = model(...)``): its
+    logits and, with ``keep_output``, its KV cache: the fp32 copies the output holds (``forward``),
+    plus the layers' cache tensors once backward has released them (``low``: all but the last
+    layer's; ``end``: every layer's)."""
+
+    logits: Any
+    kv_forward: Any
+    kv_low: Any
+    kv_end: Any
+
+    @staticmethod
+    def of(q: Quantities, flags: StepFlags, tk: Tokens) -> "Kept":
+        if not flags.keep_output:
+            return Kept(tk.held, 0, 0, 0)
+        per_layer = tk.kv_saved * tk.inflight
+        return Kept(tk.held, tk.kv_held, tk.kv_held + per_layer * (q.layers - 1), tk.kv_held + per_layer * q.layers)
+
+
 def walk(q: Quantities, flags: StepFlags, tk: Tokens, ga: Any) -> tuple[list[Moment], list[tuple]]:
     """The moments of two training steps in order, and the bytes allocated at the end of each
     phase as (phase, micro, step, bytes). With arrays both micro-steps are walked and the second
     is marked invalid where ``ga == 1``."""
-    ws = CUBLAS_WORKSPACE
-    # gradients at the end of backward; with optimizer in backward none are left
-    grads_end = q.grads
-    # the output the loop keeps: its logits, its fp32 KV cache and, after backward, the whole cache
-    kh = tk.held
-    kkv = tk.kv_held if flags.keep_output else 0
-    kall = (tk.kv_held + tk.kv_saved * q.layers * tk.inflight) if flags.keep_output else 0
-    keep = (kh, kkv, 0)
-    keep_low = (kh, kkv + (tk.kv_saved * (q.layers - 1) * tk.inflight if flags.keep_output else 0), 0)
-    keep_end = (kh, kall, 0)
-    acts_after_head = tk.layers + tk.outer_rest
-    acts_low = tk.layers // q.layers + tk.outer_rest
-    tied = q.tied_grad
-    loaded = q.grads_loaded
-    moments = [_mo("model_loaded", 0, 0, "model.to(device)", (loaded, 0, 0, 0, 0, 0))]
-    ends = [("model_loaded", 0, 0, q.fixed + loaded)]
-    opt_on = False        # optimizer states exist (after the first step, or from the first backward)
-    ws_now = 0            # cuBLAS workspaces: the autograd thread's appears in the first backward
-    arrays = isinstance(ga, np.ndarray)
+    kept = Kept.of(q, flags, tk)
+    moments = [_mo("model_loaded", 0, 0, "model.to(device)", (q.grads_loaded, 0, 0, 0, 0, 0))]
+    ends = [("model_loaded", 0, 0, q.fixed + q.grads_loaded)]
     for step in (1, 2):
-        micros = (0, 1) if arrays else range(min(ga, 2))
-        for micro in micros:
-            valid = (ga > 1) if (arrays and micro) else True
-            g0 = q.grads if (micro > 0 or flags.grads_persistent) else 0   # gradients from before
-            opt_now = q.states if opt_on else 0
-            ws_f = max(ws_now, ws)
-            prev = (kh, kall) if (step > 1 or micro > 0) else (0, 0)      # the previous output, still held
-            # forward: the loss, with this forward's logits and KV cache alive too
-            moments.append(_mo("forward", micro, step, "cross_entropy",
-                               (g0, opt_now, tk.inputs, ws_f, tk.all_acts, tk.loss_forward + q.cast_forward_only),
-                               (prev[0] + tk.out_logits, prev[1] + tk.kv_held, tk.loss_saved), valid))
-            ends.append(("forward", micro, step,
-                         q.fixed + g0 + opt_now + tk.inputs + ws_f + tk.all_acts + kh + kkv + tk.loss_saved))
-            moments.append(_mo("backward", micro, step, "cross_entropy.backward",
-                               (g0, opt_now, tk.inputs, 2 * ws, tk.all_acts, tk.loss_backward),
-                               (kh, kkv, tk.loss_saved), valid))
-            has_g0 = g0 != 0
-            g_layer = where(has_g0, 0, tk.layer_grad_part)   # the later linears' gradients of the layer
-            opt_mid = q.states if (opt_on or flags.oib) else 0  # states appear in the first backward (oib)
-            t_mid = maximum(tk.redo, q.oib_mid) + tied     # a tied head's gradient waits in autograd's buffer
-            g_top = g0 + where(has_g0, 0, q.head_grads) + g_layer
-            moments.append(_mo("backward", micro, step, "layer.top",
-                               (g_top, opt_mid, tk.inputs, 2 * ws, acts_after_head, t_mid), keep, valid))
-            g_low = g0 + where(has_g0, 0, q.head_grads + (q.layers - 1) * q.layer_grads) + g_layer
-            moments.append(_mo("backward", micro, step, "layer.bottom",
-                               (g_low, opt_mid, tk.inputs, 2 * ws, acts_low, t_mid), keep_low,
-                               _both(valid, q.layers > 1)))
-            # the embedding's gradient and the out-of-place sum join the head's part
-            t_emb = 2 * tied + (tied if flags.oib else where(has_g0, tied, 0))
-            moments.append(_mo("backward", micro, step, "embeddings.backward",
-                               (grads_end, opt_mid, tk.inputs, 2 * ws, 0, t_emb), keep_end, _both(valid, tied > 0)))
-            opt_on = opt_on or flags.oib
-            opt_end = q.states if opt_on else 0
-            moments.append(_mo("backward", micro, step, "backward.end",
-                               (grads_end, opt_end, tk.inputs, 2 * ws, 0, q.oib_end), keep_end, valid))
-            ends.append(("backward", micro, step, q.fixed + grads_end + opt_end + tk.inputs + 2 * ws + kh + kall))
-            ws_now = 2 * ws
-        after = q.fixed + grads_end + q.states + tk.inputs + 2 * ws + kh + kall
-        if not flags.oib:
-            moments.append(_mo("optimizer_step", 0, step, "optimizer.step",
-                               (grads_end, q.states, tk.inputs, 2 * ws, 0, q.step_temp), keep_end))
-            ends.append(("optimizer_step", 0, step, after))
-        opt_on = True
-        ends.append(("zero_grad", 0, step, after - grads_end + q.grads_loaded))
+        # optimizer states exist from the first step's optimizer.step() (or its first backward,
+        # with optimizer in backward); the autograd thread's cuBLAS workspace from the first backward
+        states_before = step > 1
+        for micro in ((0, 1) if isinstance(ga, np.ndarray) else range(min(ga, 2))):
+            valid = (ga > 1) if micro else True
+            ws_before = CUBLAS_WORKSPACE if (step == 1 and micro == 0) else 2 * CUBLAS_WORKSPACE
+            _micro_step(q, flags, tk, kept, step, micro, valid, states_before, ws_before, moments, ends)
+            states_before = states_before or flags.oib
+        _optimizer_step(q, flags, tk, kept, step, moments, ends)
     return moments, ends
+
+
+def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: int, micro: int, valid: Any,
+                states_before: bool, ws: int, moments: list, ends: list) -> None:
+    """Forward (the loss) and backward (head, last layer, first layer, embeddings, end) of one
+    micro-batch."""
+    ws2 = 2 * CUBLAS_WORKSPACE
+    grads_before = q.grads if (micro > 0 or flags.grads_persistent) else 0  # accumulated so far
+    states = q.states if states_before else 0
+    # the previous micro-batch's output, still referenced until this forward returns
+    prev_logits, prev_kv = (kept.logits, kept.kv_end) if (step > 1 or micro > 0) else (0, 0)
+    moments.append(_mo("forward", micro, step, "cross_entropy",
+                       (grads_before, states, tk.inputs, ws, tk.all_acts, tk.loss_forward + q.cast_forward_only),
+                       (prev_logits + tk.out_logits, prev_kv + tk.kv_held, tk.loss_saved), valid))
+    ends.append(("forward", micro, step, q.fixed + grads_before + states + tk.inputs + ws + tk.all_acts
+                 + kept.logits + kept.kv_forward + tk.loss_saved))
+    moments.append(_mo("backward", micro, step, "cross_entropy.backward",
+                       (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.loss_backward),
+                       (kept.logits, kept.kv_forward, tk.loss_saved), valid))
+    fresh = grads_before == 0                                  # gradients are being created, not added to
+    layer_grads = where(fresh, tk.layer_grad_part, 0)           # the later linears' of the layer in backward
+    states_mid = q.states if (states_before or flags.oib) else 0  # optimizer in backward creates them now
+    # the layer's transient; a tied head's gradient waits in autograd's input buffer meanwhile
+    temp = maximum(tk.redo, q.oib_mid) + q.tied_grad
+    top = grads_before + where(fresh, q.head_grads, 0) + layer_grads
+    moments.append(_mo("backward", micro, step, "layer.top",
+                       (top, states_mid, tk.inputs, ws2, tk.layers + tk.outer_rest, temp),
+                       (kept.logits, kept.kv_forward, 0), valid))
+    bottom = grads_before + where(fresh, q.head_grads + (q.layers - 1) * q.layer_grads, 0) + layer_grads
+    moments.append(_mo("backward", micro, step, "layer.bottom",
+                       (bottom, states_mid, tk.inputs, ws2, tk.layers // q.layers + tk.outer_rest, temp),
+                       (kept.logits, kept.kv_low, 0), _both(valid, q.layers > 1)))
+    # the embedding's gradient and the out-of-place sum join the head's part in the input buffer
+    tied = q.tied_grad
+    temp_emb = 2 * tied + (tied if flags.oib else where(fresh, 0, tied))
+    moments.append(_mo("backward", micro, step, "embeddings.backward",
+                       (q.grads, states_mid, tk.inputs, ws2, 0, temp_emb), (kept.logits, kept.kv_end, 0),
+                       _both(valid, tied > 0)))
+    moments.append(_mo("backward", micro, step, "backward.end",
+                       (q.grads, states_mid, tk.inputs, ws2, 0, q.oib_end), (kept.logits, kept.kv_end, 0), valid))
+    ends.append(("backward", micro, step, q.fixed + q.grads + states_mid + tk.inputs + ws2 + kept.logits + kept.kv_end))
+
+
+def _optimizer_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: int, moments: list,
+                    ends: list) -> None:
+    """``optimizer.step()`` (its temporaries), then ``zero_grad(set_to_none=True)``."""
+    after = q.fixed + q.grads + q.states + tk.inputs + 2 * CUBLAS_WORKSPACE + kept.logits + kept.kv_end
+    if not flags.oib:
+        moments.append(_mo("optimizer_step", 0, step, "optimizer.step",
+                           (q.grads, q.states, tk.inputs, 2 * CUBLAS_WORKSPACE, 0, q.step_temp),
+                           (kept.logits, kept.kv_end, 0)))
+        ends.append(("optimizer_step", 0, step, after))
+    ends.append(("zero_grad", 0, step, after - q.grads + q.grads_loaded))
 
 
 def _both(a: Any, b: Any) -> Any:
