@@ -73,14 +73,18 @@ def default_lora_targets(m: ModelSpec) -> tuple[str, ...]:
     return ("q_proj", "v_proj")
 
 
-def state_bytes(optimizer: str, shape: tuple[int, ...], numel: int, sbytes: int) -> tuple[int, ...]:
+def state_bytes(optimizer: str, shape: tuple[int, ...], numel: int, sbytes: int, whole: int | None = None
+                ) -> tuple[int, ...]:
     """Optimizer state tensors of one parameter, in bytes each.
 
     adam/adamw: exp_avg and exp_avg_sq in the state dtype (torch.optim). sgd: none;
     sgd-momentum: momentum_buffer. lion: exp_avg. adafactor (transformers, beta1=None): factored
     second moment, row + column vectors for matrices, a full tensor for vectors, in fp32.
     adamw-8bit (bitsandbytes): two uint8 states plus an fp32 absmax per 2048-element block for
-    tensors of >= 4096 elements, fp32 states below that.
+    tensors of >= 4096 elements, fp32 states below that (``Optimizer8bit.init_state``:
+    ``p.numel() < min_8bit_size``, default 4096). ``numel`` is this rank's shard; ``whole`` the
+    unsharded tensor, which decides the 8-bit threshold: ZeRO and FSDP hand the optimizer flat
+    partitions of many tensors, never a small slice of one.
     """
     if optimizer in ("adam", "adamw"):
         return (numel * sbytes, numel * sbytes)
@@ -94,7 +98,7 @@ def state_bytes(optimizer: str, shape: tuple[int, ...], numel: int, sbytes: int)
             return (lead * shape[-2] * 4, lead * shape[-1] * 4)
         return (numel * 4,)
     if optimizer == "adamw-8bit":
-        if numel < 4096:
+        if (numel if whole is None else whole) < 4096:
             return (numel * 4, numel * 4)
         blocks = -(-numel // 2048)
         return (numel + blocks * 4, numel + blocks * 4)
@@ -218,7 +222,7 @@ class _Tally:
         sh = -(-n // r.d) if r.zero_states >= 1 else n
         if r.half_master:
             self.master += k * block_bytes(sh * 4)
-        for sb in state_bytes(t.optimizer, shape, sh, r.sbytes):
+        for sb in state_bytes(t.optimizer, shape, sh, r.sbytes, whole=n):
             self.opt += k * block_bytes(sb)
         if t.impl == "fused" and t.optimizer in ("adam", "adamw"):
             self.step_t += k * block_bytes(4)
