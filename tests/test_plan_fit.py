@@ -59,6 +59,17 @@ def test_seq_search_step_and_learned_positions():
     assert r.step == 96 and r.seq_len % 96 == 0 and r.fits
 
 
+def test_seq_search_resolves_at_its_first_step():
+    # cp = 3 divides no power of two: the search starts at lcm(128, 3) = 384, not at a default 2048
+    r = fit("llama-3.2-1b", batch_size=1, gpu="h100", cp=3)
+    assert r.step == 384 and r.fits and r.seq_len % 384 == 0
+    # the GPU may come as a Hardware, or with the Resolved model
+    hw = trainmem.get_gpu("h100")
+    assert fit("gpt2", hardware=hw, seq_len=512).batch_size == fit("gpt2", gpu="h100", seq_len=512).batch_size
+    assert fit(trainmem.resolve("gpt2", gpu=hw), seq_len=512).batch_size == \
+        fit("gpt2", gpu="h100", seq_len=512).batch_size
+
+
 def test_nothing_fits_suggests():
     r = fit("llama-3.1-8b", seq_len=4096, gpu="l4")
     assert not r.fits and r.batch_size is None and r.margin < 0

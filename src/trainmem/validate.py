@@ -33,6 +33,7 @@ class Check:
 
     @property
     def error(self) -> float | None:
+        """Relative error (predicted - measured) / measured; None without a prediction or a measurement."""
         if self.predicted is None or self.measured == 0:
             return None
         return (self.predicted - self.measured) / self.measured
@@ -58,6 +59,7 @@ def load_fixtures(root: str) -> list[dict[str, Any]]:
 
 
 def _value(item: dict[str, Any]) -> int:
+    """A measured quantity's value in bytes, from its bytes, mib or gib field."""
     for unit, factor in UNITS.items():
         if unit in item:
             return int(round(item[unit] * factor))
@@ -131,6 +133,7 @@ def summary(checks: list[Check]) -> dict[str, dict[str, float]]:
 
 
 def render(checks: list[Check]) -> str:
+    """A plain-text table of every check, the skipped predictors and the summary per predictor."""
     lines = [f"{'case':52s} {'predictor':9s} {'quantity':34s} {'measured MiB':>13s} {'predicted MiB':>13s} {'error':>8s}"]
     for c in checks:
         pred = "-" if c.predicted is None else f"{c.predicted / 2**20:13.2f}"

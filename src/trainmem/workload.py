@@ -76,6 +76,7 @@ def hf_factory(spec: ModelSpec, t: TrainingSpec) -> Callable[[], torch.nn.Module
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision, torch.float32)
 
     def build() -> torch.nn.Module:
+        """Build the transformers model from the config (random weights, nothing downloaded)."""
         config = hf_config(spec, t)
         cls = getattr(transformers, spec.architecture, None) if spec.architecture else None
         if cls is None:
@@ -160,12 +161,14 @@ class TrainStep:
         return out
 
     def autocast(self) -> Any:
+        """The autocast context of the precision (a no-op context without mixed precision)."""
         amp = self.amp
         if amp is None:
             return contextlib.nullcontext()
         return torch.autocast("cuda" if self.device == "cuda" else "cpu", dtype=amp)
 
     def _mark(self, name: str, step: int, micro: int | None) -> None:
+        """Report the end of a phase to the ``on_phase`` callback, if any."""
         if self.on_phase is not None:
             self.on_phase(name, step, micro)
 

@@ -106,6 +106,7 @@ def _named_tensors(model: Any, optimizer: Any, batch: Mapping[str, Any] | None) 
     out: dict[int, tuple[str, str]] = {}
 
     def put(t: Any, name: str, cat: str) -> None:
+        """Name the storage of ``t`` (the first name given wins)."""
         if isinstance(t, torch.Tensor) and not t.is_meta:
             out.setdefault(t.untyped_storage().data_ptr(), (name, cat))
 
@@ -231,6 +232,7 @@ def save_snapshot(snapshot: Any, pickle_path: str | None = None, html_path: str 
 
 
 def _profiler(profile_dir: str | None, kind: str) -> Any:
+    """A ``torch.profiler`` context recording memory when ``profile_dir`` is given, else a no-op context."""
     if not profile_dir:
         return contextlib.nullcontext()
     from torch.profiler import ProfilerActivity, profile
@@ -583,6 +585,7 @@ def find_max_batch(model: Any, *, device: str = "cuda", steps: int = 2, memory_l
     last: dict[str, MemoryReport] = {}
 
     def runs(b: int) -> bool:
+        """Measure micro-batch ``b``; record the try; True when it ran without running out of memory."""
         rep = measure(r, steps, device=device, memory_limit=limit, predict_on_oom=False, batch_size=b)
         oom = rep.extra["oom"]
         row = {"batch_size": b, "ok": oom is None, "peak_allocated": rep.peak_allocated,

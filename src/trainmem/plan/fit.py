@@ -53,6 +53,7 @@ class FitResult:
     suggestions: list[Suggestion] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
+        """The answer as JSON-ready data (what ``trainmem fit --json`` prints)."""
         return {"batch_size": self.batch_size, "seq_len": self.seq_len, "peak_allocated": self.peak_allocated,
                 "device_used": self.device_used, "margin": self.margin, "fits": self.fits,
                 "search": self.search, "step": self.step, "limited_by": self.limited_by, "model": self.model,
@@ -134,6 +135,7 @@ def _seq_divisors(model: Any, options: dict[str, Any]) -> tuple[int, int]:
     base = options.get("training") or (model.training if isinstance(model, Resolved) else None)
 
     def given(key: str) -> Any:
+        """The option ``key``: given, else the base setup's, else TrainingSpec's default."""
         v = options.get(key)
         return v if v is not None else getattr(base, key) if base is not None else TRAINING_DEFAULTS[key]
 
@@ -149,6 +151,7 @@ def _search(ev: Evaluator, by: str, search: str, step: int, fixed: dict[str, int
     cache: dict[int, MemoryReport] = {}
 
     def fits(k: int) -> bool:
+        """Whether size ``k * step`` fits (each size estimated once)."""
         if k not in cache:
             cache[k] = ev.report(**{search: k * step})
         return cache[k].device_peak <= limit

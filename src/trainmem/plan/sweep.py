@@ -28,9 +28,11 @@ class SweepCell:
 
     @property
     def fits(self) -> bool | None:
+        """Whether the cell fits the GPU (None without a report or a GPU)."""
         return None if self.report is None else self.report.fits
 
     def categories(self) -> dict[str, int]:
+        """Bytes per component category of the cell (empty without a report)."""
         return {} if self.report is None else self.report.by_category()
 
 
@@ -48,6 +50,7 @@ class SweepResult:
     cells: list[list[SweepCell]] = field(repr=False)
 
     def cell(self, batch_size: int, seq_len: int) -> SweepCell:
+        """The cell of one (micro-batch, sequence length) pair."""
         return self.cells[self.batch_sizes.index(batch_size)][self.seq_lens.index(seq_len)]
 
     def grid(self) -> list[list[int | None]]:
@@ -55,6 +58,7 @@ class SweepResult:
         return [[c.device_used for c in row] for row in self.cells]
 
     def fits_grid(self) -> list[list[bool | None]]:
+        """Fit verdict per cell, rows by micro-batch, columns by sequence length."""
         return [[c.fits for c in row] for row in self.cells]
 
     def categories(self) -> list[str]:
@@ -66,6 +70,7 @@ class SweepResult:
         return [k for k in CATEGORIES if k in seen]
 
     def to_dict(self) -> dict[str, Any]:
+        """The grid as JSON-ready data, one entry per cell."""
         return {"model": self.model, "gpu": self.gpu, "capacity": self.capacity, "limit": self.limit,
                 "method": self.method, "batch_sizes": list(self.batch_sizes), "seq_lens": list(self.seq_lens),
                 "cells": [{"batch_size": c.batch_size, "seq_len": c.seq_len,

@@ -40,6 +40,7 @@ class Hardware:
                                 f"its {self.capacity} B")
 
     def to_dict(self) -> dict[str, Any]:
+        """The GPU's fields as a dict (JSON-ready)."""
         return asdict(self)
 
 
@@ -60,6 +61,7 @@ def gpu_names() -> list[str]:
 
 
 def _lookup(name: str) -> tuple[str, dict[str, Any]]:
+    """The catalogue key and entry of a GPU name or alias (case-insensitive; '_' and ' ' read as '-')."""
     key = name.strip().lower().replace("_", "-").replace(" ", "-")
     cat = catalogue()
     if key in cat:

@@ -229,6 +229,7 @@ def _run_steps(dev: _Device, module: torch.nn.Module, spec: ModelSpec | None, t:
 
 # ----- model building -------------------------------------------------------------------------------
 def _as_module(m: Any) -> torch.nn.Module:
+    """``m`` if the factory returned an ``nn.Module``, else a TrainmemError."""
     if not isinstance(m, torch.nn.Module):
         raise TrainmemError(f"the model factory returned {type(m).__name__}, not a torch.nn.Module")
     return m
@@ -240,6 +241,7 @@ def _load_order(module: torch.nn.Module) -> list[tuple[str, torch.Tensor, str, s
     seen: set[int] = set()
 
     def walk(m: torch.nn.Module, prefix: str) -> None:
+        """Children first, then the module's own parameters and buffers (each storage once)."""
         for name, child in m._modules.items():
             if child is not None:
                 walk(child, f"{prefix}{name}.")
@@ -263,11 +265,13 @@ def _load_to_device(tracker: Tracker, module: torch.nn.Module) -> None:
 
 
 def _mark_model(tracker: Tracker, module: torch.nn.Module) -> None:
+    """On the CPU: mark the module's tensors, created while counting, as parameters and buffers."""
     for name, t, cat, mod in _load_order(module):
         tracker.reclassify(t, cat)
 
 
 def _optimizers(opt: Any) -> list[Any]:
+    """The optimizers in what ``optimizer_fn`` returned (one, a list/tuple or a dict of them, or None)."""
     if opt is None:
         return []
     if isinstance(opt, (list, tuple)):
@@ -278,6 +282,7 @@ def _optimizers(opt: Any) -> list[Any]:
 
 
 def _user_step(step_fn: Callable, module: torch.nn.Module, optimizer: Any) -> Callable[[int], None]:
+    """``step(i)`` calling the user's step_fn with as many of (model, optimizer, step) as it takes."""
     try:
         n = len([p for p in inspect.signature(step_fn).parameters.values()
                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)])
@@ -292,6 +297,8 @@ def _user_step(step_fn: Callable, module: torch.nn.Module, optimizer: Any) -> Ca
 
 # ----- report ---------------------------------------------------------------------------------------
 def _component_key(rec: Record) -> str:
+    """The report component a live tensor belongs to: its category (with the module pattern and op
+    for activations and temporaries)."""
     cat = rec.category
     if cat in ("parameters", "buffers", "gradients", "inputs", "logits"):
         return cat
@@ -309,6 +316,8 @@ def _report(tracker: Tracker, allocator: Any, spec: ModelSpec | None, training: 
             hardware: Hardware | None, cuda: bool, emulation: CudaEmulation | None, runtime: float,
             timeline_points: int, largest: int, oom: SimulatedOutOfMemory | None, ws: int,
             expandable: bool) -> MemoryReport:
+    """The MemoryReport of a finished trace: components live at the peak, phases, peaks, device memory,
+    warnings and ``extra`` (largest tensors, timeline, allocator statistics)."""
     peak_event = tracker.peak_event
     live = tracker.live_at(peak_event) if peak_event >= 0 else []
     groups: dict[str, list[Record]] = defaultdict(list)
