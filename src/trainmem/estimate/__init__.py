@@ -2,6 +2,6 @@
 
 The package is callable: ``trainmem.estimate(model, **options)`` is ``trainmem.estimate.api.estimate``.
 """
-from .._callable import make_callable
+from ..callable_package import make_callable
 
 make_callable(__name__, "trainmem.estimate.api:estimate")

@@ -5,7 +5,7 @@ The package is callable: ``trainmem.trace(model, step_fn=None, steps=2, **traini
 caching-allocator simulation (:mod:`.allocator`), the allocation tracker (:mod:`.tracker`) and the
 CUDA emulation for machines without a GPU (:mod:`.cuda`).
 """
-from .._callable import make_callable
+from ..callable_package import make_callable
 from .allocator import CachingAllocator, ExactAllocator, SimulatedOutOfMemory, round_size, segment_size
 
 __all__ = ["trace", "CachingAllocator", "ExactAllocator", "SimulatedOutOfMemory", "round_size", "segment_size"]
