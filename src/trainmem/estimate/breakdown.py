@@ -35,15 +35,16 @@ def where_label(mo: Moment, q: Quantities, tk: Tokens) -> str:
 
 
 def phases(moments: list[Moment], totals: list[int], ends: list[tuple], ga: int) -> list[Phase]:
-    """Each phase's allocated bytes at its end and the largest moment inside it."""
-    top: dict[tuple[str, int, int], int] = {}
-    for mo, tot in zip(moments, totals):
-        key = (mo.phase, mo.micro, mo.step)
-        if tot > top.get(key, -1):
-            top[key] = tot
-    out = []
+    """Each phase's allocated bytes at its end and the largest moment inside it. ``walk`` lists a
+    phase's moments just before its end, so one pass pairs them."""
+    out, i = [], 0
     for phase, micro, step, alloc in ends:
-        out.append(Phase(phase_label(phase, micro, ga), step, alloc, max(alloc, top.get((phase, micro, step), alloc))))
+        top = alloc
+        while i < len(moments) and moments[i].phase == phase and moments[i].micro == micro \
+                and moments[i].step == step:
+            top = max(top, totals[i])
+            i += 1
+        out.append(Phase(phase_label(phase, micro, ga), step, alloc, top))
     return out
 
 
