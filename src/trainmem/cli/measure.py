@@ -116,7 +116,9 @@ def _find_max_batch(a: argparse.Namespace) -> int:
 
     if not a.json:
         lim = f", limit {fmt_bytes(parse_bytes(a.memory_limit), a.units)}" if a.memory_limit else ""
-        print(f"trainmem measure --find-max-batch — {a.model} on {a.device}{lim}, sequence {a.seq_len}, "
+        from ..spec.resolve import resolve
+        seq = resolve(a.model, set=a.set or None, seq_len=a.seq_len).training.seq_len  # the model's default if none
+        print(f"trainmem measure --find-max-batch — {a.model} on {a.device}{lim}, sequence {seq}, "
               f"{a.steps} step(s) per try")
     res = find_max_batch(a.model, device=a.device, steps=a.steps, memory_limit=a.memory_limit,
                          batch_cap=a.batch_cap, gpu=a.gpu, gpu_memory=a.gpu_memory,

@@ -104,18 +104,10 @@ def add_output(o: Any) -> None:
     o.add_argument("--detail", action="store_true", help="list every component, not categories")
 
 
-def default_seq_len(model: str, overrides: list[str] | None) -> int:
-    """2048 tokens, or fewer for a model with fewer learned positions (GPT-2, BERT: 1024, 512)."""
-    from ..spec.config import resolve_model
-    from ..spec.training import default_seq_len as for_model
-    return for_model(resolve_model(model, overrides or None))
-
-
-def training_options(a: argparse.Namespace, fill_defaults: bool = True) -> dict[str, Any]:
-    """The TrainingSpec / hardware keyword options of parsed CLI flags (the API's names).
-    ``fill_defaults``: an omitted --seq-len takes ``default_seq_len`` (fit searches it instead)."""
-    if fill_defaults and getattr(a, "seq_len", None) is None:
-        a.seq_len = default_seq_len(a.model, a.set)
+def training_options(a: argparse.Namespace) -> dict[str, Any]:
+    """The TrainingSpec keyword options of parsed CLI flags (the API's names). An omitted flag is
+    None, which ``spec.resolve`` fills with its one default (``--seq-len``: the model's
+    ``default_seq_len``)."""
     opts = dict(batch_size=a.batch_size, seq_len=a.seq_len, grad_accum=a.grad_accum, precision=a.precision,
                 optimizer=a.optimizer, optimizer_impl=a.optimizer_impl, zero=a.zero, fsdp=a.fsdp,
                 offload_optimizer=a.offload_optimizer, distributed_optimizer=a.distributed_optimizer,

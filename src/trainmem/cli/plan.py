@@ -36,7 +36,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 def cmd_fit(a: argparse.Namespace) -> int:
     """The largest micro-batch (or longest sequence) that fits; exit 1 when nothing does."""
     from ..plan.fit import fit
-    opts = training_options(a, fill_defaults=False)
+    opts = training_options(a)
     opts["loss_chunks"] = a.loss_chunks
     hw = _hardware(a)
     gpu = hw.pop("gpu")

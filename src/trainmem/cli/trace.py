@@ -24,16 +24,11 @@ def cmd_trace(a: argparse.Namespace) -> int:
     if a.timeline:
         from ..render.plots import check_path
         check_path(a.timeline)
-    hw = None
-    if a.gpu or a.gpu_memory:
-        from ..spec.hardware import get_gpu
-        hw = get_gpu(a.gpu, a.gpu_memory, a.context_memory)
     opts = training_options(a)
     opts.pop("optimizer_bucket_mb", None)
-    r = trace(a.model, steps=a.steps, device=a.device, hardware=hw, overrides=a.set or None,
+    r = trace(a.model, steps=a.steps, device=a.device, gpu=a.gpu, gpu_memory=a.gpu_memory,
+              context_memory=a.context_memory, max_fraction=a.max_fraction, set=a.set or None,
               expandable_segments=a.expandable_segments, simulate_oom=a.simulate_oom, **opts)
-    if a.max_fraction is not None:
-        r.max_fraction = a.max_fraction
     code = emit(r, a)
     if not a.json:
         from ..render.trace import largest_tensors

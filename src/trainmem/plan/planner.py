@@ -23,7 +23,7 @@ from ..errors import TrainmemError
 from ..report import MemoryReport
 from ..estimate.engine import estimate_layouts, group_rows
 from ..spec.layout import pp_problems, sequence_problems, tp_problems
-from ..spec.training import RECOMPUTE, TrainingSpec, check_against
+from ..spec.training import RECOMPUTE, TrainingSpec, default_seq_len
 from ..units import fmt, scale
 from ._common import Evaluator, divisors, gpu_extras, hardware_with_speeds, parse_int_list
 from .timing import TERM_WORDS, TERMS, Speeds, step_times
@@ -237,7 +237,7 @@ def enumerate_layouts(m, n_gpus: int, seq: int, global_batch: int, filters: dict
 class Planner:
     """The fixed part of a plan (model, hardware, training settings) evaluated for any GPU count."""
 
-    def __init__(self, model: Any, seq: int, global_batch: int, mfu: float, internode_gbs: float | None,
+    def __init__(self, model: Any, seq: int | None, global_batch: int, mfu: float, internode_gbs: float | None,
                  gpus_per_node: int | None, filters: dict[str, Any], **options: Any):
         for k, why in NOT_PLANNED.items():
             if options.get(k):
@@ -248,9 +248,8 @@ class Planner:
         self.ev = Evaluator(model, **options)
         if self.ev.hardware is None:
             raise TrainmemError("plan needs a GPU: give --gpu NAME or --gpu-memory SIZE")
-        from ..estimate.api import training_spec
-        self.base: TrainingSpec = training_spec(seq_len=seq, **self.ev.options)
-        check_against(self.ev.model, self.base)
+        seq = seq or default_seq_len(self.ev.model)
+        self.base: TrainingSpec = self.ev.resolved.replace(seq_len=seq).training  # validated against the model
         if not 0 < mfu <= 1:
             raise TrainmemError(f"--mfu must be in (0, 1], got {mfu}")
         extras = gpu_extras(self.ev.hardware)
@@ -387,11 +386,10 @@ def plan(model: Any, gpus: int, seq_len: int | None = None, global_batch: int | 
         raise TrainmemError(f"--global-batch must be a positive integer, got {global_batch!r}")
     if not isinstance(top, int) or top <= 0:
         raise TrainmemError(f"--top must be a positive integer, got {top!r}")
-    seq = 2048 if seq_len is None else seq_len
     filters = {"tp": _filter(tp, "--tp"), "pp": _filter(pp, "--pp"), "cp": _filter(cp, "--cp"),
                "dp": _filter(dp, "--dp"), "b": _filter(batch_size, "--batch-size"),
                "ga": _filter(grad_accum, "--grad-accum"), "zero": _zero_values(zero), "rec": _rec_filter(recompute)}
-    P = Planner(model, seq, global_batch, mfu, internode_gbs, gpus_per_node, filters, gpu=gpu, **options)
+    P = Planner(model, seq_len, global_batch, mfu, internode_gbs, gpus_per_node, filters, gpu=gpu, **options)
     a, rejected, mem, t, fits = P.evaluate(gpus)
     n_valid = len(a["tp"])
     considered = n_valid + sum(n for _, _, n, u in rejected if u == "layouts")
@@ -413,7 +411,7 @@ def plan(model: Any, gpus: int, seq_len: int | None = None, global_batch: int | 
         rest = rest[np.argsort(mem["device_used"][rest], kind="stable")]
         for i in list(order) + list(rest):
             rows.append(P.exact(P.layout(gpus, a, mem, t, int(i))))
-    res = PlanResult(model=P.ev.model.name, gpu=P.ev.hardware.name, gpus=gpus, seq_len=seq,
+    res = PlanResult(model=P.ev.model.name, gpu=P.ev.hardware.name, gpus=gpus, seq_len=P.seq,
                      global_batch=global_batch, method=P.ev.method, capacity=P.ev.hardware.capacity,
                      limit=P.limit, considered=considered, valid=n_valid, fitting=int(fits.sum()), top=shown,
                      shapes_rejected=shapes_rejected,
