@@ -121,7 +121,7 @@ def make_optimizer(t: TrainingSpec, params: list[torch.nn.Parameter], lr: float 
 
 
 class TrainStep:
-    """The training step trainmem writes for a transformers model (like the seeds' loops).
+    """The training step trainmem writes for a transformers model (like the loops of the published measurements).
 
     Building it enables gradient checkpointing (``recompute="full"``) and creates the optimizer
     (``self.optimizer``). Calling it with the step number runs one optimizer step. ``device`` is

@@ -179,7 +179,7 @@ def _register_measure(sub: Any) -> None:
     p.add_argument("--largest", type=positive_int, default=10, help="live tensors to list on out of memory")
     p.add_argument("--seed", type=int, default=0, help="torch.manual_seed before building the model")
     p.add_argument("--empty-cache", action="store_true",
-                   help="gc.collect() + torch.cuda.empty_cache() after reading each phase (as seed 003's notebook)")
+                   help="gc.collect() + torch.cuda.empty_cache() after reading each phase (as Scherrmann's BERT-large notebook does)")
     p.set_defaults(func=cmd_measure, _parser=p)
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from ..allocator_rules import OVERHEAD_DIVISOR, reserved_overhead  # noqa: F401 (OVERHEAD_DIVISOR: public)
 from ..report import Component, MemoryReport
 from ..spec.hardware import Hardware
 from ..spec.model import ModelSpec
@@ -28,7 +29,7 @@ def attach_hardware(report: MemoryReport, hw: Hardware | None, max_fraction: flo
     report.hardware = hw
     report.capacity = hw.capacity
     if report.peak_reserved is None:
-        # the seeds' methods compare allocated + context with the GPU; ours adds the allocator's cache
+        # the published methods compare allocated + context with the GPU; ours adds the allocator's cache
         extra = allocator_overhead(report) if report.method in ("trainmem", "") else 0
         report.peak_reserved = report.peak_allocated + extra
     report.device_used = report.peak_reserved + hw.context
@@ -43,20 +44,16 @@ def attach_hardware(report: MemoryReport, hw: Hardware | None, max_fraction: flo
     return report
 
 
-OVERHEAD_DIVISOR = 32  # reserved - allocated = peak / 32 (see allocator_overhead)
-
-
 def allocator_overhead(report: MemoryReport) -> int:
-    """Reserved-minus-allocated at the peak: blocks the caching allocator keeps cached and segment
-    rounding. A rule of thumb, 1/32 (~3%) of the peak allocated memory — seed 003 measured 3.4%
-    on BERT-large (10926 MiB reserved at a 10562.79 MiB allocated peak). The tracer (``trace``)
-    simulates the allocator block by block instead of this rule.
-    """
-    return report.peak_allocated // OVERHEAD_DIVISOR
+    """Reserved-minus-allocated at the peak: ``allocator_rules.reserved_overhead`` (1/32 of the
+    peak allocated memory, from Moritz Scherrmann's BERT-large measurement)."""
+    return reserved_overhead(report.peak_allocated)
 
 
 def bucket_check(report: MemoryReport, m: ModelSpec, t: TrainingSpec) -> None:
-    """Seed 000's distributed-optimizer bucket check: NeMo/apex make one bucket per layer, so a
+    """The distributed-optimizer bucket check of Jianbin Chang's "GPT Training Memory Estimation -
+    NeMo Training Practice" (https://shjwudp.github.io/blog/2023/gpt-training-memory-estimation-nemo-training-practice/):
+    NeMo/apex make one bucket per layer, so a
     bucket larger than one layer's fp32 shard, 4·P/(L·t) bytes, is padding. Warn with the waste
     (``trainmem.estimate.methods.nemo.bucket_padding_bytes``) and the right size."""
     if t.optimizer_bucket_mb is None:
@@ -68,7 +65,7 @@ def bucket_check(report: MemoryReport, m: ModelSpec, t: TrainingSpec) -> None:
     if waste > 0:
         report.warnings.append(
             f"optimizer bucket {t.optimizer_bucket_mb:g} MiB exceeds one layer's fp32 shard 4P/(L·t) = "
-            f"{right / 2**20:.1f} MiB: about {waste / 2**30:.2f} GiB of padding per GPU (seed 000); "
+            f"{right / 2**20:.1f} MiB: about {waste / 2**30:.2f} GiB of padding per GPU; "
             f"use a bucket of at most {right / 2**20:.0f} MiB")
 
 

@@ -317,7 +317,7 @@ def measure(model: Any, steps: int = 2, *, device: str = "cuda", training: Train
     the GPU to judge the fit against (on CUDA the device itself by default). ``memory_limit``: a
     size ("64MiB" or bytes) beyond which allocations fail with ``torch.OutOfMemoryError``.
     ``empty_cache``: ``gc.collect()`` + ``torch.cuda.empty_cache()`` after reading each phase, as
-    notebooks that print memory after each phase do (seed 003; it lowers reserved memory).
+    notebooks that print memory after each phase do (Moritz Scherrmann's BERT-large notebook; it lowers reserved memory).
     ``predict_by``: the predictor ``plan.fit`` uses for "what would fit" after an out-of-memory
     error (auto: trace on the CPU, estimate on CUDA). ``probe``: a probe object to use instead of
     the device's (tests).

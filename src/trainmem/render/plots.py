@@ -1,6 +1,7 @@
 """Plots of a sweep (matplotlib, Agg backend: no display needed): a fits/does-not-fit heatmap over
 micro-batch x sequence length, and stacked bars of the memory by component category with the GPU's
-limit as a dashed line (after seed 003's notebook). PNG or SVG, chosen by the file extension.
+limit as a dashed line (after Moritz Scherrmann's BERT-large notebook,
+https://moritzscherrmann.com/blog/2024/GPU-Memory_BERT/). PNG or SVG, chosen by the file extension.
 
 Every function returns the data it drew (values in the plot's unit), so tests and scripts can
 check the picture without reading pixels.
@@ -82,7 +83,7 @@ def plot_heatmap(sweep, path: str, units: str = "GiB", title: str | None = None)
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
     size = 9 if cols <= 12 else (7 if cols <= 24 else 5)
-    # one mesh for the cells (0 n/a, 1 does not fit, 2 fits); the smallest micro-batch on top, as in seed 003
+    # one mesh for the cells (0 n/a, 1 does not fit, 2 fits); the smallest micro-batch on top, as in Scherrmann's notebook
     codes = [[0 if values[i][j] is None else (2 if fits[i][j] in (True, None) else 1) for j in range(cols)]
              for i in reversed(range(rows))]
     ax.pcolormesh(range(cols + 1), range(rows + 1), codes, cmap=ListedColormap([NA_COLOUR, NOFIT_COLOUR, FIT_COLOUR]),

@@ -13,7 +13,8 @@ from ..units import MiB, parse_bytes
 
 # cuBLAS workspace per handle with PyTorch's default CUBLAS_WORKSPACE_CONFIG ":4096:2:16:8"
 # (two 4 MiB and eight 16 KiB chunks = 8,519,680 B; aten/src/ATen/cuda/CublasHandlePool.cpp). One
-# handle per thread that runs matmuls: the forward thread and autograd's backward thread (seed 001).
+# handle per thread that runs matmuls: the forward thread and autograd's backward thread (Edward Rees,
+# "Transformer Memory Arithmetic: Understanding all the Bytes in nanoGPT", https://erees.dev/transformer-memory/).
 CUBLAS_WORKSPACE = 4096 * 1024 * 2 + 16 * 1024 * 8
 
 
