@@ -37,14 +37,18 @@ def where_label(mo: Moment, q: Quantities, tk: Tokens) -> str:
 def phases(moments: list[Moment], totals: list[int], ends: list[tuple], ga: int) -> list[Phase]:
     """Each phase's allocated bytes at its end and the largest moment inside it. ``walk`` lists a
     phase's moments just before its end, so one pass pairs them."""
-    out, i = [], 0
+    out, i, n = [], 0, len(moments)
     for phase, micro, step, alloc in ends:
         top = alloc
-        while i < len(moments) and moments[i].phase == phase and moments[i].micro == micro \
-                and moments[i].step == step:
-            top = max(top, totals[i])
+        while i < n:
+            mo = moments[i]
+            if mo.phase != phase or mo.micro != micro or mo.step != step:
+                break
+            if totals[i] > top:
+                top = totals[i]
             i += 1
-        out.append(Phase(phase_label(phase, micro, ga), step, alloc, top))
+        label = phase if ga == 1 or phase not in ("forward", "backward") else phase_label(phase, micro, ga)
+        out.append(Phase(label, step, alloc, top))
     return out
 
 

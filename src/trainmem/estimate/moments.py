@@ -42,7 +42,7 @@ class StepFlags:
         return StepFlags(t.optimizer_in_backward, t.keep_logits, t.distributed_optimizer, is_lm(m))
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class Tokens:
     """Bytes of one micro-batch (ints or arrays): the terms the moments add up."""
 
@@ -121,10 +121,12 @@ class Moment(NamedTuple):
 def _mo(phase: str, micro: int, step: int, where_: str, six: tuple, logit_parts: tuple = (0, 0, 0),
         valid: Any = True) -> Moment:
     """A moment from (gradients, states, inputs, workspace, activations, temporaries) + logits."""
-    return Moment(phase, micro, step, where_, six[:5] + (sum(logit_parts),) + six[5:], logit_parts, valid)
+    g, s, i, w, a, t = six
+    held, kv, logp = logit_parts
+    return Moment(phase, micro, step, where_, (g, s, i, w, a, held + kv + logp, t), logit_parts, valid)
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class Kept:
     """What the loop's reference to the model output keeps alive (``outputs = model(...)``): its
     logits and, with ``keep_output``, its KV cache: the fp32 copies the output holds (``forward``),

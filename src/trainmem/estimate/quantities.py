@@ -42,7 +42,7 @@ class Detail:
     input_tok: float                              # a layer's input per token (full recompute keeps it)
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)  # not frozen: built once per setup and cached; nothing changes one afterwards
 class Quantities:
     """Bytes of one rank for one layout, before batch and sequence are known (see module doc)."""
 
