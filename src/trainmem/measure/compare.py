@@ -110,24 +110,20 @@ def compare_sources(model: Any, *, trace: bool = False, measure: bool = False, d
                     steps: int = 2, method: str = "trainmem", reference: str | None = None,
                     overrides: Any = None, gpu: Any = None, gpu_memory: Any = None, context_memory: Any = None,
                     max_fraction: float | None = None, **options: Any) -> Comparison:
-    """Estimate (always), trace and measure (when asked) one setup and put them side by side."""
+    """Estimate (always), trace and measure (when asked) one setup and put them side by side: the
+    inputs are resolved once (``spec.resolve``) and the same ``Resolved`` goes to each source."""
     from ..estimate.api import estimate
+    from ..spec.resolve import resolve
     if overrides is None:
         overrides = options.pop("set", None)
-    named: list[tuple[str, MemoryReport]] = []
-    named.append(("estimate", estimate(model, method=method, set=overrides, gpu=gpu, gpu_memory=gpu_memory,
-                                       context_memory=context_memory, max_fraction=max_fraction, **options)))
+    r = resolve(model, method=method, set=overrides, gpu=gpu, gpu_memory=gpu_memory, context_memory=context_memory,
+                max_fraction=max_fraction, **options)
+    named: list[tuple[str, MemoryReport]] = [("estimate", estimate(r))]
     kind = "cpu" if str(device).startswith("cpu") else "cuda"
     if trace:
-        from ..spec.hardware import get_gpu
         from ..trace.api import trace as run_trace
-        hw = get_gpu(gpu, gpu_memory, context_memory) if (gpu is not None or gpu_memory is not None) else None
-        topts = {k: v for k, v in options.items() if k != "optimizer_bucket_mb"}
-        named.append(("trace", run_trace(model, steps=steps, device=kind, hardware=hw, overrides=overrides or None,
-                                         **topts)))
+        named.append(("trace", run_trace(r, steps=steps, device=kind)))
     if measure:
         from .runner import measure as run_measure
-        named.append(("measure", run_measure(model, steps, device=device, overrides=overrides or None, gpu=gpu,
-                                             gpu_memory=gpu_memory, context_memory=context_memory,
-                                             max_fraction=max_fraction, **options)))
+        named.append(("measure", run_measure(r, steps, device=device)))
     return compare_reports(named, reference, kind)
