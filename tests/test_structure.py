@@ -143,3 +143,24 @@ def test_relative_imports_resolve():
     init = PKG / "plan" / "__init__.py"
     assert _resolve(init, ast.parse("from .fit import fit").body[0]) == "trainmem.plan.fit"
     assert _resolve(PKG / "cli" / "plan.py", ast.parse("from ..cli import x").body[0]) == "trainmem.cli"
+
+
+# ----- readable units ------------------------------------------------------------------------------
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_function_longer_than_80_lines():
+    long = []
+    for path in sorted(PKG.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(PKG.parent)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, "\n".join(["functions over 80 lines:"] + long)
+
+
+def test_planner_has_no_second_engine():
+    # the planner evaluates layouts with estimate.engine.estimate_layouts, not a copy of its formulas
+    assert not (PKG / "plan" / "vector.py").exists()
+    assert "estimate_layouts" in (PKG / "plan" / "planner.py").read_text()
