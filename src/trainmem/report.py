@@ -169,7 +169,7 @@ class MemoryReport:
         return found[-1]
 
     def to_dict(self) -> dict[str, Any]:
-        """The stable JSON contract (see DESIGN.md)."""
+        """The stable JSON contract (docs/design.md: fields are added, never renamed or removed)."""
         d: dict[str, Any] = {
             "source": self.source,
             "method": self.method,
