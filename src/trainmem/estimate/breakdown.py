@@ -29,8 +29,7 @@ def where_label(mo: Moment, q: Quantities, tk: Tokens) -> str:
     """Where a moment happens, with the layer index and the op whose backward runs."""
     if mo.where not in ("layer.top", "layer.bottom"):
         return mo.where
-    names = q.detail.transient_names
-    op = names[tk.transient_index] if tk.transient_index >= 0 else "backward"
+    op = q.detail.layer.transients[tk.transient_index][0] if tk.transient_index >= 0 else "backward"
     return f"layer[{q.layers - 1 if mo.where == 'layer.top' else 0}].{op or 'backward'}"
 
 

@@ -38,7 +38,6 @@ class Detail:
     layer: LayerCoefs
     outer: tuple[tuple[str, float, float], ...]   # tensors outside the layers: (name, tok, sq)
     comm_name: str
-    transient_names: tuple[str, ...]
     input_tok: float                              # a layer's input per token (full recompute keeps it)
 
 
@@ -373,6 +372,12 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     cast_head = st.head_matmul_half if pol.amp and not sharded and head_here else 0
     full = t.recompute == "full"
     outer = outer_tensors(m, t, pol, stage)
+    head_tok = rest_tok = rest_sq = 0.0  # per token: final norm / head input; the rest (embeddings, masks)
+    for name, tok, sq in outer:
+        if name in HEAD_KEYS:
+            head_tok += tok
+        else:
+            rest_tok, rest_sq = rest_tok + tok, rest_sq + sq
     held, out, saved, fwd, bwd = loss_bytes(m, t, pol) if head_here else (0, 0, 0, 0, 0)
     comm, comm_name = _communication(t, st)
     oib_mid, oib_end = oib_update_bytes(m, t, st) if oib else (0, 0)
@@ -387,15 +392,13 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         pp_inflight=t.pp, fixed_inflight=inflight_fixed, saved_tok=lc.tok, saved_sq=lc.sq,
         kept_tok=kept[0], kept_sq=kept[1], redo_tok=redo[0], redo_sq=redo[1],
         redo_const=cast_layer if full else 0, held_tok=lc.held, cache_tok=lc.cache,
-        outer_head_tok=sum(a for k, a, _ in outer if k in HEAD_KEYS),
-        outer_rest_tok=sum(a for k, a, _ in outer if k not in HEAD_KEYS),
-        outer_rest_sq=sum(b for k, _, b in outer if k not in HEAD_KEYS),
+        outer_head_tok=head_tok, outer_rest_tok=rest_tok, outer_rest_sq=rest_sq,
         cast_layer=cast_layer, cast_head=cast_head, cast_forward_only=cast_layer * layers if full else 0,
         logit_chunks=t.loss_chunks, logit_width=m.vocab_size if is_lm(m) else m.num_labels,
         tp=t.tp if is_lm(m) else 1, logits_held=held, logits_out=out, loss_saved=saved, loss_forward=fwd,
         loss_backward=bwd, step_temp=step_temporaries(t, st), oib_mid=oib_mid, oib_end=oib_end,
         tied_grad=tied_head_grad(m, t), transients=trans,
-        detail=Detail(st, lc, outer, comm_name, tuple(n for n, *_ in lc.transients), input_tok))
+        detail=Detail(st, lc, outer, comm_name, input_tok))
 
 
 def _recompute(t: TrainingSpec, lc: LayerCoefs, input_tok: float) -> tuple[tuple[float, float], tuple[float, float]]:
