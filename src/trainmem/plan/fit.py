@@ -1,15 +1,21 @@
 """``fit``: the largest micro-batch (or the longest sequence) that fits a GPU.
 
 Memory is monotone in the micro-batch and in the sequence length (every activation term has a
-non-negative coefficient in b·s and b·s²), so the answer is found exactly with an exponential
-search (1, 2, 4, ... steps until one does not fit) followed by a binary search between the last
-size that fits and the first that does not: about 2·log2(answer) estimates.
+non-negative coefficient in b·s and b·s²), so the answer is found exactly by bracketing: the
+sizes 1, 2, 4, ... steps, then the sizes between the last that fits and the first that does not.
+With the default method the estimate engine evaluates each round's sizes at once, on arrays
+(``estimate.engine.estimate_layouts``: 21 powers of two, then rounds of up to 1,024 sizes); with
+other methods and with ``--by trace`` one size at a time (an exponential then a binary search,
+about 2·log2(answer) estimates). Either way the answer and the first size that does not fit are
+then estimated as full reports.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from ..errors import TrainmemError
 from ..report import MemoryReport
@@ -92,6 +98,28 @@ def search_max(fits, k_max: int) -> tuple[int, int | None]:
     return lo, hi
 
 
+def search_max_many(fits_many, k_max: int, width: int = 1024) -> tuple[int, int | None, int]:
+    """``search_max`` with ``fits_many(ks)`` answering for an array of sizes at once: the powers
+    of two up to ``k_max``, then rounds of up to ``width`` evenly spread sizes inside the bracket.
+    Returns (k, first failing k or None, sizes evaluated)."""
+    ks = np.unique(np.minimum(1 << np.arange(k_max.bit_length() + 1), k_max))
+    ok = fits_many(ks)
+    evaluated = len(ks)
+    if ok.all():
+        return k_max, None, evaluated
+    bad = int(np.argmin(ok))              # the first size that does not fit
+    lo, hi = (int(ks[bad - 1]) if bad else 0), int(ks[bad])
+    while hi - lo > 1:
+        cand = np.unique(np.linspace(lo + 1, hi - 1, min(width, hi - lo - 1)).astype(np.int64))
+        ok = fits_many(cand)
+        evaluated += len(cand)
+        if ok.any():
+            lo = int(cand[ok].max())
+        if not ok.all():
+            hi = int(cand[~ok].min())
+    return lo, hi, evaluated
+
+
 def fit(model: Any, gpu: Any = None, by: str = "estimate", seq_multiple: int = 128, suggestions: bool = True,
         **options: Any) -> FitResult:
     """The largest micro-batch (``seq_len`` given) or the longest sequence (``batch_size`` given,
@@ -156,7 +184,14 @@ def _search(ev: Evaluator, by: str, search: str, step: int, fixed: dict[str, int
             cache[k] = ev.report(**{search: k * step})
         return cache[k].device_peak <= limit
 
-    k, first_bad = search_max(fits, k_max)
+    if by == "estimate" and ev.method == "trainmem":
+        k, first_bad, evaluated = search_max_many(_fits_many(ev, search, step, limit), k_max)
+        for size in (k or 1, first_bad):   # full reports of the answer and the first size that fails
+            if size is not None:
+                fits(size)
+    else:
+        k, first_bad = search_max(fits, k_max)
+        evaluated = len(cache)
     ok = k > 0
     rep = cache[k if ok else 1]
     sugg: list[Suggestion] = []
@@ -169,7 +204,19 @@ def _search(ev: Evaluator, by: str, search: str, step: int, fixed: dict[str, int
         batch_size=found if search == "batch_size" else fixed["batch_size"],
         seq_len=found if search == "seq_len" else fixed["seq_len"],
         fits=ok, peak_allocated=rep.peak_allocated, device_used=rep.device_peak, margin=limit - rep.device_peak,
-        limited_by="memory" if first_bad is not None else cap_reason, step=step, evaluations=len(cache),
+        limited_by="memory" if first_bad is not None else cap_reason, step=step, evaluations=evaluated,
         method=ev.method if by == "estimate" else "trace", report=rep,
         next_value=None if first_bad is None else first_bad * step,
         next_device_used=None if bad_rep is None else bad_rep.device_peak, suggestions=sugg)
+
+
+def _fits_many(ev: Evaluator, search: str, step: int, limit: int):
+    """Whether each of an array of sizes ``k * step`` fits, from the estimate engine on arrays (the
+    same bytes as ``trainmem.estimate``; device memory = reserved + the GPU's context)."""
+    from ..estimate.engine import estimate_layouts
+    base, context = ev.resolved.training, ev.hardware.context
+
+    def fits_many(ks: np.ndarray) -> np.ndarray:
+        out = estimate_layouts(ev.model, base, **{search: ks * step})
+        return out["peak_reserved"] + context <= limit
+    return fits_many
