@@ -74,3 +74,17 @@ def test_block_bytes_is_the_same_on_arrays():
     xs = [0, 1, 511, 512, 513, 1 << 20, (1 << 20) + 1, 10 << 20, (10 << 20) + 1, (11 << 20) + 5, 125018112,
           (13 << 20) + (1 << 19), 3 << 30]
     assert block_bytes(np.array(xs)).tolist() == [block_bytes(x) for x in xs]
+
+
+def test_any_layout_field_may_be_an_array():
+    m = trainmem.resolve_model("mistral-7b")
+    base = TrainingSpec(seq_len=4096, dp=8, zero=1)
+    rec = np.array(["none", "selective", "full", "full"])
+    tp, pp, ga = np.array([1, 2, 4, 8]), np.array([1, 1, 2, 4]), np.array([1, 4, 8, 2])
+    out = estimate_layouts(m, base, recompute=rec, tp=tp, pp=pp, grad_accum=ga, sequence_parallel=tp > 1)
+    for i in range(4):
+        t = replace(base, recompute=str(rec[i]), tp=int(tp[i]), pp=int(pp[i]), grad_accum=int(ga[i]),
+                    sequence_parallel=bool(tp[i] > 1))
+        r = trainmem.estimate(m, training=t)
+        assert int(out["peak_allocated"][i]) == r.peak_allocated
+        assert int(out["stage"][i]) == (1 if r.extra.get("pipeline_stage") == "last" else 0)
