@@ -70,7 +70,9 @@ def hf_config(spec: ModelSpec, t: TrainingSpec) -> Any:
 def hf_factory(spec: ModelSpec, t: TrainingSpec) -> Callable[[], torch.nn.Module]:
     """A zero-argument function that builds the model from its config (random weights)."""
     import transformers
-    impl = {"eager": "eager", "sdpa": "sdpa", "flash": "sdpa"}[t.attention]
+    # transformers' attn_implementation: SDPA for "sdpa", a pinned SDPA backend and flash (the
+    # emulated GPU runs flash attention through SDPA's flash kernel)
+    impl = "eager" if t.attention == "eager" else "sdpa"
 
     # weights in fp32 unless the precision is "pure" half (the config's torch_dtype is for storage)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision, torch.float32)

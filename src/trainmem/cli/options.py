@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
-from ..spec.training import ATTENTION, OPTIMIZERS, OPTIMIZER_IMPLS, PRECISIONS, RECOMPUTE, FSDP_MODES
+from ..spec.training import (ATTENTION, FSDP_MODES, HOLD_OUTPUT, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS,
+                             RECOMPUTE, ZERO_GRAD)
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:
@@ -72,11 +73,18 @@ def add_training(g: Any) -> None:
                              "pp": "pipeline-parallel size", "cp": "context-parallel size"}[k])
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--recompute", choices=RECOMPUTE, default="none", help="activation recomputation")
-    g.add_argument("--attention", choices=ATTENTION, default="sdpa")
     g.add_argument("--compile", action="store_true", help="torch.compile (fused loss backward)")
-    g.add_argument("--keep-logits", action="store_true",
-                   help="the loop holds the model output (logits) through backward (outputs = model(...); "
-                        "default: only the loss is kept, as the HF Trainer does)")
+    g.add_argument("--attention", choices=ATTENTION, default="sdpa",
+                   help="sdpa: the backend PyTorch picks; sdpa-flash|sdpa-efficient|sdpa-math|sdpa-cudnn pin one "
+                        "(torch.nn.attention.sdpa_kernel); flash: flash_attention_2; eager: Python attention")
+    g.add_argument("--hold-output", choices=HOLD_OUTPUT, default=None,
+                   help="what the loop keeps of the model output: loss (only the loss, the HF Trainer; default), "
+                        "backward (the output until backward ends), step (until the next forward replaces it: "
+                        "`logits, loss = model(x, y)`, nanoGPT)")
+    g.add_argument("--keep-logits", action="store_true", help="the same as --hold-output step")
+    g.add_argument("--zero-grad", choices=ZERO_GRAD, default="none",
+                   help="none: zero_grad(set_to_none=True) frees the gradients (PyTorch >= 2.0); zeros: "
+                        "set_to_none=False keeps them allocated through the next step")
     g.add_argument("--optimizer-in-backward", action="store_true",
                    help="apply the optimizer per parameter inside backward, freeing each gradient")
     g.add_argument("--lora-rank", type=nonneg_int, default=0, metavar="R")
@@ -113,7 +121,8 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 offload_optimizer=a.offload_optimizer, distributed_optimizer=a.distributed_optimizer,
                 dp=a.dp, tp=a.tp, pp=a.pp, cp=a.cp, sequence_parallel=a.sequence_parallel,
                 recompute=a.recompute, attention=a.attention, compile=a.compile, keep_logits=a.keep_logits,
-                optimizer_in_backward=a.optimizer_in_backward, lora_rank=a.lora_rank,
+                optimizer_in_backward=a.optimizer_in_backward, hold_output=a.hold_output, zero_grad=a.zero_grad,
+                lora_rank=a.lora_rank,
                 lora_targets=a.lora_targets, dropout=not a.no_dropout,
                 optimizer_bucket_mb=a.optimizer_bucket_mb, loss_chunks=a.loss_chunks)
     if a.fsdp is not None and a.zero == 0:

@@ -15,7 +15,12 @@ PRECISIONS = ("fp32", "fp16-amp", "bf16-amp", "bf16", "fp16")
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adamw-8bit", "lion")
 OPTIMIZER_IMPLS = ("foreach", "fused", "for-loop")
 RECOMPUTE = ("none", "selective", "full")
-ATTENTION = ("eager", "sdpa", "flash")
+#: eager: transformers' Python attention; sdpa: F.scaled_dot_product_attention with the backend PyTorch's
+#: CUDA dispatcher picks; flash: transformers' flash_attention_2; sdpa-<backend>: SDPA pinned to one
+#: backend (``torch.nn.attention.sdpa_kernel``)
+ATTENTION = ("eager", "sdpa", "flash", "sdpa-flash", "sdpa-efficient", "sdpa-math", "sdpa-cudnn")
+ZERO_GRAD = ("none", "zeros")           # optimizer.zero_grad(set_to_none=True) / (set_to_none=False)
+HOLD_OUTPUT = ("loss", "backward", "step")  # what the loop keeps of the model output, and until when
 FSDP_MODES = ("full", "grad-op", "hybrid")
 
 
@@ -58,7 +63,10 @@ class TrainingSpec:
     ddp_bucket_mb: float = 25.0
     optimizer_bucket_mb: float | None = None  # NeMo distributed_fused_adam bucket
     fsdp_node_size: int = 8
-    keep_logits: bool = False  # the loop holds the model output (logits) through backward
+    keep_logits: bool = False  # alias of hold_output="step" (the loop keeps the model output)
+    zero_grad: str = "none"    # "zeros": zero_grad(set_to_none=False), gradients stay allocated
+    hold_output: str = "loss"  # loss: only the loss; backward: the output until backward ends; step: until
+    #                            the next forward replaces it (``logits, loss = model(x, y)``)
     compile: bool = False  # torch.compile: inductor fuses the loss backward (one fp32 logits gradient)
     offload_optimizer: bool = False  # ZeRO-Offload: optimizer states (and fp32 master) in CPU memory
     dropout: bool = True  # apply the config's dropout (masks are stored when p > 0)
@@ -79,6 +87,13 @@ class TrainingSpec:
             _choice("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS)
         _choice("recompute", self.recompute, RECOMPUTE)
         _choice("attention", self.attention, ATTENTION)
+        _choice("zero_grad", self.zero_grad, ZERO_GRAD)
+        _choice("hold_output", self.hold_output, HOLD_OUTPUT)
+        if self.keep_logits and self.hold_output == "backward":
+            raise TrainmemError("--keep-logits is --hold-output step; it contradicts --hold-output backward")
+        if self.keep_logits or self.hold_output == "step":  # one meaning, two spellings
+            object.__setattr__(self, "keep_logits", True)
+            object.__setattr__(self, "hold_output", "step")
         if self.zero not in (0, 1, 2, 3):
             raise TrainmemError(f"--zero {self.zero!r} is not one of: 0, 1, 2, 3")
         if self.fsdp is not None:
@@ -89,9 +104,9 @@ class TrainingSpec:
             raise TrainmemError(f"--lora-rank must be zero or a positive integer, got {self.lora_rank!r}")
         if self.lora_targets is not None and not self.lora_rank:
             raise TrainmemError("--lora-targets needs --lora-rank R (the adapter rank)")
-        if self.attention == "flash" and self.precision == "fp32":
-            raise TrainmemError("--attention flash needs half precision: use --precision bf16-amp (or fp16-amp, "
-                                "bf16, fp16), or --attention sdpa")
+        if self.attention in ("flash", "sdpa-flash", "sdpa-cudnn") and self.precision == "fp32":
+            raise TrainmemError(f"--attention {self.attention} needs half precision: use --precision bf16-amp "
+                                "(or fp16-amp, bf16, fp16), or --attention sdpa")
         if self.optimizer_in_backward and self.grad_accum > 1:
             raise TrainmemError("--optimizer-in-backward cannot accumulate gradients (--grad-accum > 1): "
                                 "the step runs inside backward; use --grad-accum 1 or drop the flag")

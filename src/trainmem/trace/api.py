@@ -156,8 +156,8 @@ def _device(cuda: bool, hw: Hardware | None, t: TrainingSpec, expandable_segment
         capability = (9, 0) if hw is not None and any(k in hw.name for k in _HOPPER) else (8, 0)
     if cublas_workspace is None:
         cublas_workspace = CUBLAS_WORKSPACE_SM90 if capability >= (9, 0) else CUBLAS_WORKSPACE
-    if attention_backend is None and t.attention == "flash":
-        attention_backend = "flash"
+    if attention_backend is None and (t.attention == "flash" or t.attention.startswith("sdpa-")):
+        attention_backend = "flash" if t.attention == "flash" else t.attention[len("sdpa-"):]
     if simulate_oom and hw is None:
         raise TrainmemError("simulate_oom needs a GPU (gpu= or hardware=) for its capacity")
     allocator = CachingAllocator(expandable_segments=expandable_segments, max_split_size=max_split_size,
