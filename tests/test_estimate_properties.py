@@ -163,7 +163,7 @@ def raw_setups(draw):
     why = []
     if min(o["batch_size"], o["seq_len"], o["grad_accum"], o["dp"]) <= 0:
         why.append("non-positive size")
-    if o["precision"] == "fp32" and o["attention"] == "flash":
+    if o["precision"] == "fp32" and o["attention"] in ("flash", "sdpa-flash", "sdpa-cudnn"):
         why.append("flash in fp32")
     if o["optimizer_in_backward"] and o["grad_accum"] > 1:
         why.append("optimizer in backward with accumulation")

@@ -181,19 +181,25 @@ class TrainStep:
             with self.autocast():
                 out = self.model(**self.state["batch"])
                 loss = out.loss if getattr(out, "loss", None) is not None else out[0].float().mean()
-                if t.keep_logits:  # `outputs = model(...)`: the output lives until the next step
+                # hold_output: "step" -- `outputs = model(...)` at loop level: the output lives until
+                # the next forward returns; "backward" -- a training_step that returns after
+                # backward; "loss" -- only the loss is kept (HF Trainer)
+                if t.hold_output == "step":
                     self.state["out"] = out
+                held = out if t.hold_output == "backward" else None
                 del out
             if t.grad_accum > 1:
                 loss = loss / t.grad_accum
             self.state["loss"] = loss
             self._mark("forward", i, micro)
             loss.backward()
-            del loss
+            del loss, held  # a training_step holding its output returns here
             self._mark("backward", i, micro)
         self.optimizer.step()
         self._mark("optimizer_step", i, None)
-        self.optimizer.zero_grad(set_to_none=True)
+        # "none": zero_grad(set_to_none=True) frees the gradients (PyTorch >= 2.0's default);
+        # "zeros": set_to_none=False zeroes them in place (older PyTorch, model.zero_grad() loops)
+        self.optimizer.zero_grad(set_to_none=t.zero_grad == "none")
         self._mark("zero_grad", i, None)
 
     def release(self) -> None:

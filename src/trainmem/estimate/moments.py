@@ -33,13 +33,15 @@ class StepFlags:
     """The loop's choices that are the same for every layout of a setup."""
 
     oib: bool               # optimizer step inside backward (gradients freed in hooks)
-    keep_output: bool       # the loop holds the model output (logits, KV cache) until the next forward
+    hold: str               # what the loop keeps of the model output: "loss", "backward" or "step"
     grads_persistent: bool  # gradients exist from model wrap (Megatron/NeMo main-grad buffers)
     lm: bool                # logits per token over the vocabulary (else per sample over labels)
+    zeros: bool             # zero_grad(set_to_none=False): gradients stay allocated between steps
 
     @staticmethod
     def of(m: ModelSpec, t: TrainingSpec) -> "StepFlags":
-        return StepFlags(t.optimizer_in_backward, t.keep_logits, t.distributed_optimizer, is_lm(m))
+        return StepFlags(t.optimizer_in_backward, t.hold_output, t.distributed_optimizer, is_lm(m),
+                         t.zero_grad == "zeros")
 
 
 @dataclass(eq=False)
@@ -129,21 +131,29 @@ def _mo(phase: str, micro: int, step: int, where_: str, six: tuple, logit_parts:
 @dataclass(eq=False)
 class Kept:
     """What the loop's reference to the model output keeps alive (``outputs = model(...)``): its
-    logits and, with ``keep_output``, its KV cache: the fp32 copies the output holds (``forward``),
-    plus the layers' cache tensors once backward has released them (``low``: all but the last
-    layer's; ``end``: every layer's)."""
+    logits and KV cache: the fp32 copies the output holds (``kv_forward``), plus the layers' cache
+    tensors once backward has released them (``kv_low``: all but the last layer's; ``kv_end``: every
+    layer's). ``hold_output="backward"`` frees them when backward ends (before ``optimizer.step()``);
+    "step" keeps them until the next forward returns and the name is rebound (``persists``)."""
 
     logits: Any
     kv_forward: Any
     kv_low: Any
     kv_end: Any
+    persists: bool = False
 
     @staticmethod
     def of(q: Quantities, flags: StepFlags, tk: Tokens) -> "Kept":
-        if not flags.keep_output:
+        if flags.hold == "loss":
             return Kept(tk.held, 0, 0, 0)
         per_layer = tk.kv_saved * tk.inflight
-        return Kept(tk.held, tk.kv_held, tk.kv_held + per_layer * (q.layers - 1), tk.kv_held + per_layer * q.layers)
+        return Kept(tk.held, tk.kv_held, tk.kv_held + per_layer * (q.layers - 1), tk.kv_held + per_layer * q.layers,
+                    flags.hold == "step")
+
+    def after_backward(self) -> tuple[Any, Any]:
+        """(logits, KV cache) still referenced after backward: at the optimizer step, zero_grad and
+        during the next forward."""
+        return (self.logits, self.kv_end) if self.persists else (0, 0)
 
 
 def walk(q: Quantities, flags: StepFlags, tk: Tokens, ga: Any) -> tuple[list[Moment], list[tuple]]:
@@ -171,10 +181,12 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     """Forward (the loss) and backward (head, last layer, first layer, embeddings, end) of one
     micro-batch."""
     ws2 = 2 * CUBLAS_WORKSPACE
-    grads_before = q.grads if (micro > 0 or flags.grads_persistent) else 0  # accumulated so far
+    # gradients already allocated: accumulated by earlier micro-batches, Megatron's main-grad
+    # buffers, or zeroed but kept by zero_grad(set_to_none=False) after the first step
+    grads_before = q.grads if (micro > 0 or flags.grads_persistent or (step > 1 and flags.zeros)) else 0
     states = q.states if states_before else 0
     # the previous micro-batch's output, still referenced until this forward returns
-    prev_logits, prev_kv = (kept.logits, kept.kv_end) if (step > 1 or micro > 0) else (0, 0)
+    prev_logits, prev_kv = kept.after_backward() if (step > 1 or micro > 0) else (0, 0)
     moments.append(_mo("forward", micro, step, "cross_entropy",
                        (grads_before, states, tk.inputs, ws, tk.all_acts, tk.loss_forward + q.cast_forward_only),
                        (prev_logits + tk.out_logits, prev_kv + tk.kv_held, tk.loss_saved), valid))
@@ -204,19 +216,21 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
                        _both(valid, tied > 0)))
     moments.append(_mo("backward", micro, step, "backward.end",
                        (q.grads, states_mid, tk.inputs, ws2, 0, q.oib_end), (kept.logits, kept.kv_end, 0), valid))
-    ends.append(("backward", micro, step, q.fixed + q.grads + states_mid + tk.inputs + ws2 + kept.logits + kept.kv_end))
+    after_logits, after_kv = kept.after_backward()   # hold_output="backward": freed as backward returns
+    ends.append(("backward", micro, step, q.fixed + q.grads + states_mid + tk.inputs + ws2 + after_logits + after_kv))
 
 
 def _optimizer_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: int, moments: list,
                     ends: list) -> None:
-    """``optimizer.step()`` (its temporaries), then ``zero_grad(set_to_none=True)``."""
-    after = q.fixed + q.grads + q.states + tk.inputs + 2 * CUBLAS_WORKSPACE + kept.logits + kept.kv_end
+    """``optimizer.step()`` (its temporaries), then ``zero_grad``: with ``set_to_none=True`` the
+    gradients are freed (but Megatron's main-grad buffers), with ``set_to_none=False`` zeroed in place."""
+    logits, kv = kept.after_backward()
+    after = q.fixed + q.grads + q.states + tk.inputs + 2 * CUBLAS_WORKSPACE + logits + kv
     if not flags.oib:
         moments.append(_mo("optimizer_step", 0, step, "optimizer.step",
-                           (q.grads, q.states, tk.inputs, 2 * CUBLAS_WORKSPACE, 0, q.step_temp),
-                           (kept.logits, kept.kv_end, 0)))
+                           (q.grads, q.states, tk.inputs, 2 * CUBLAS_WORKSPACE, 0, q.step_temp), (logits, kv, 0)))
         ends.append(("optimizer_step", 0, step, after))
-    ends.append(("zero_grad", 0, step, after - q.grads + q.grads_loaded))
+    ends.append(("zero_grad", 0, step, after - q.grads + (q.grads if flags.zeros else q.grads_loaded)))
 
 
 def _both(a: Any, b: Any) -> Any:

@@ -204,7 +204,8 @@ def _head_side(m: ModelSpec, pol: Policy, h: int, sp: int) -> list[tuple[str, fl
 
 def loss_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy) -> tuple[int, int, int, int, int]:
     """Bytes per logit element: (held by the loop, the head's output, saved by the loss, forward
-    transient, backward transient).
+    transient, backward transient). The loop holds the output's logits unless it keeps only the
+    loss (``hold_output``: "backward" or "step").
 
     * Hugging Face ``ForCausalLMLoss`` upcasts first (``logits.float()``: an fp32 copy freed after
       the loss); ``cross_entropy`` -> ``log_softmax(x, dtype=fp32)`` saves fp32 log-probabilities.
@@ -217,7 +218,7 @@ def loss_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy) -> tuple[int, int, in
       one fp32 logits gradient in backward.
     Classifier heads: fp32 loss tensors of (b, labels).
     """
-    held = pol.half if t.keep_logits else 0
+    held = pol.half if t.hold_output != "loss" else 0   # the loop's reference to the output keeps them
     if not is_lm(m):
         return held, pol.half, F32, F32, 2 * F32
     if t.compile:

@@ -1,6 +1,8 @@
 """Plain-text tables of MemoryReports (units chosen only here, always labelled)."""
 from __future__ import annotations
 
+from typing import Any
+
 from ..report import CATEGORIES, MemoryReport
 from ..units import fmt, scale
 
@@ -25,9 +27,37 @@ def _setup_line(r: MemoryReport) -> str:
         extras.append(f"lora r={t.lora_rank}")
     if t.optimizer_in_backward:
         extras.append("optimizer-in-backward")
+    extras += _other_options(t)
+    stage = r.extra.get("pipeline_stage")
+    if stage:
+        extras.append(f"{stage} pipeline stage shown")
     return (f"{m.name} ({m.num_params / 1e9:.2f}B params) · {t.precision} · micro-batch {t.batch_size} × "
             f"seq {t.seq_len} · grad-accum {t.grad_accum} · {t.optimizer} · attention {t.attention}"
             + (" · " + " ".join(par) if par else "") + (" · " + " · ".join(extras) if extras else ""))
+
+
+_SHOWN = {"batch_size", "seq_len", "grad_accum", "precision", "optimizer", "attention", "dp", "tp", "pp", "cp",
+          "zero", "fsdp", "recompute", "lora_rank", "optimizer_in_backward", "keep_logits", "extra"}
+
+
+def _other_options(t: Any) -> list[str]:
+    """Every other training option that differs from its default, as its flag would say it."""
+    from ..spec.training import TrainingSpec
+    default = TrainingSpec()
+    out = []
+    for k, v in t.to_dict().items():
+        if k in _SHOWN or v == getattr(default, k, v) or (k == "lora_targets" and v is None):
+            continue
+        flag = k.replace("_", "-")
+        if k == "dropout":
+            out.append("no-dropout")
+        elif k == "optimizer_impl":
+            out.append(f"optimizer-impl={v}")
+        elif isinstance(v, bool):
+            out.append(flag)
+        else:
+            out.append(f"{flag}={','.join(v) if isinstance(v, list) else v}")
+    return out
 
 
 def render_report(r: MemoryReport, units: str = "GiB", detail: bool = False) -> str:

@@ -1,0 +1,74 @@
+"""What the training loop holds and how it zeroes gradients: --hold-output and --zero-grad.
+
+Each mechanism is checked three ways: the estimate against trace (the real transformers step on
+fake tensors, CUDA emulated), trace against a real CPU run of the same loop (``measure``), and the
+estimate's own bookkeeping (the bytes a mechanism adds are exactly the tensors it keeps).
+"""
+import pytest
+
+import trainmem
+from trainmem.errors import TrainmemError
+from trainmem.spec import TrainingSpec
+
+pytest.importorskip("transformers")
+from trainmem.measure.runner import measure  # noqa: E402
+from trainmem.trace import trace  # noqa: E402
+
+TINY = dict(set=["n_layer=2", "n_embd=256", "n_head=4"], seq_len=256, batch_size=2)
+LOOPS = [dict(), dict(hold_output="backward"), dict(hold_output="step"), dict(zero_grad="zeros"),
+         dict(zero_grad="zeros", grad_accum=2), dict(hold_output="backward", zero_grad="zeros", precision="fp32")]
+
+
+def _phases(r):
+    return {(p.name, p.step): p for p in r.phases}
+
+
+@pytest.mark.parametrize("loop", LOOPS, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "default")
+def test_estimate_agrees_with_trace(loop, one_torch_thread):
+    e = trainmem.estimate("gpt2", **TINY, **loop)
+    r = trace("gpt2", device="cuda", **TINY, **loop)
+    assert e.peak_allocated == pytest.approx(r.peak_allocated, rel=0.005)
+    est = _phases(e)
+    ga = loop.get("grad_accum", 1)
+    for p in r.phases:
+        name = p.name if (p.name, p.step) in est else f"{p.name}-{ga}"  # estimate: micro2-N
+        assert est[(name, p.step)].allocated == pytest.approx(p.allocated, rel=0.015), (p.name, p.step)
+
+
+@pytest.mark.parametrize("loop", [dict(zero_grad="zeros"), dict(hold_output="backward"), dict(hold_output="step")],
+                         ids=["zeros", "backward", "step"])
+def test_trace_is_the_real_cpu_run(loop, one_torch_thread):
+    # the loop trace runs is the loop measure runs for real: byte for byte on the CPU
+    r = trace("gpt2", device="cpu", **TINY, **loop)
+    m = measure("gpt2", device="cpu", **TINY, **loop)
+    assert [(p.name, p.step, p.allocated) for p in r.phases] == [(p.name, p.step, p.allocated) for p in m.phases]
+
+
+def test_zeros_keeps_exactly_the_gradients():
+    none = _phases(trainmem.estimate("llama-3.2-1b", seq_len=1024))
+    zeros_r = trainmem.estimate("llama-3.2-1b", seq_len=1024, zero_grad="zeros")
+    zeros = _phases(zeros_r)
+    grads = next(c.bytes for c in zeros_r.components if c.name == "gradients")
+    assert zeros[("zero_grad", 1)].allocated - none[("zero_grad", 1)].allocated == grads
+    assert zeros[("forward", 2)].allocated - none[("forward", 2)].allocated == grads
+    assert zeros[("forward", 1)].allocated == none[("forward", 1)].allocated  # none exist before step 1
+
+
+def test_holding_the_output_costs_its_logits():
+    base = trainmem.estimate("llama-3.2-1b", seq_len=2048)
+    back = trainmem.estimate("llama-3.2-1b", seq_len=2048, hold_output="backward")
+    step = trainmem.estimate("llama-3.2-1b", seq_len=2048, hold_output="step")
+    assert base.peak_allocated < back.peak_allocated <= step.peak_allocated
+    logits = 2048 * 128256 * 2  # (b, s, vocab) bf16 under autocast
+    b, s = _phases(back), _phases(step)
+    # held through backward only: gone at the optimizer step; held to the next step: still there
+    assert s[("optimizer_step", 2)].allocated - b[("optimizer_step", 2)].allocated >= logits
+
+
+def test_keep_logits_is_hold_output_step():
+    assert TrainingSpec(keep_logits=True).hold_output == "step"
+    assert TrainingSpec(hold_output="step").keep_logits
+    with pytest.raises(TrainmemError, match="contradicts"):
+        TrainingSpec(keep_logits=True, hold_output="backward")
+    with pytest.raises(TrainmemError, match="--zero-grad"):
+        TrainingSpec(zero_grad="maybe")
