@@ -72,3 +72,47 @@ def test_keep_logits_is_hold_output_step():
         TrainingSpec(keep_logits=True, hold_output="backward")
     with pytest.raises(TrainmemError, match="--zero-grad"):
         TrainingSpec(zero_grad="maybe")
+
+
+# ----- how the loss is computed: --loss ------------------------------------------------------------
+TINY_LLAMA = dict(set=["num_hidden_layers=2", "hidden_size=256", "intermediate_size=512", "num_attention_heads=4",
+                       "num_key_value_heads=2", "head_dim=64", "vocab_size=32000"], seq_len=256, batch_size=2)
+LOSSES = [dict(loss="upcast"), dict(loss="half"), dict(loss="chunked", loss_chunks=4),
+          dict(loss="chunked", loss_chunks=4, hold_output="step")]
+
+
+@pytest.mark.parametrize("model,base", [("gpt2", TINY), ("llama-3.2-1b", TINY_LLAMA)], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("loss", LOSSES, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
+def test_loss_estimate_agrees_with_trace(model, base, loss, one_torch_thread):
+    e = trainmem.estimate(model, **base, **loss)
+    r = trace(model, device="cuda", **base, **loss)
+    assert e.peak_allocated == pytest.approx(r.peak_allocated, rel=0.006)
+    est = _phases(e)
+    for p in r.phases:
+        assert est[(p.name, p.step)].allocated == pytest.approx(p.allocated, rel=0.015), (p.name, p.step)
+
+
+@pytest.mark.parametrize("loss", [dict(loss="half"), dict(loss="chunked", loss_chunks=4)], ids=["half", "chunked"])
+def test_loss_trace_is_the_real_cpu_run(loss, one_torch_thread):
+    r = trace("gpt2", device="cpu", **TINY, **loss)
+    m = measure("gpt2", device="cpu", **TINY, **loss)
+    assert [(p.name, p.step, p.allocated) for p in r.phases] == [(p.name, p.step, p.allocated) for p in m.phases]
+
+
+def test_fused_loss_keeps_liger_gradients_not_logits():
+    # Liger's fused linear cross-entropy: grad_input (tokens x hidden, bf16), grad_weight (the head's
+    # shape in the weight's dtype: fp32 under autocast) and an fp32 loss per token are saved; no logits
+    upcast = trainmem.estimate("llama-3.2-1b", seq_len=2048)
+    fused = trainmem.estimate("llama-3.2-1b", seq_len=2048, loss="fused")
+    n, h, v = 2048, 2048, 128256
+    saved = n * (h * 2 + 4) + v * h * 4          # what Liger saves
+    dropped = n * v * 4 + n * h * 2              # upcast's fp32 log-probs, the head's saved bf16 input
+    assert fused.phase("forward", 2).allocated - upcast.phase("forward", 2).allocated == saved - dropped
+    assert fused.peak_allocated < upcast.peak_allocated
+
+
+def test_trace_refuses_what_it_cannot_run():
+    with pytest.raises(TrainmemError, match="Liger"):
+        trace("gpt2", device="cpu", **TINY, loss="fused")
+    with pytest.raises(TrainmemError, match="--compile"):
+        trace("gpt2", device="cpu", **TINY, compile=True)

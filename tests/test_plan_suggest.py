@@ -40,20 +40,27 @@ def test_sorted_by_cost_semantics_last(sugg):
     assert half.change == {"batch_size": 2, "grad_accum": 2}   # same sequences per step
 
 
-def test_chunked_cross_entropy_shrinks_logits_to_one_chunk():
-    # at the end of forward the held logits (bf16) and the saved fp32 log-probabilities are alive:
-    # with 4 chunks of the 2 x 1024 tokens only one chunk of each remains
-    # a loop that keeps the model output (--keep-logits), so the held logits are alive too
+def test_chunked_cross_entropy_upcasts_one_chunk_at_a_time():
+    # torchtune's chunked output loss (--loss-chunks N alone means --loss chunked): every chunk's
+    # half logits and fp32 log-probabilities are kept, so the end of forward is unchanged; the fp32
+    # copy (forward) and the two fp32 gradients at the start of backward exist for one chunk only
     one = trainmem.estimate("llama-3.2-1b", batch_size=2, seq_len=1024, keep_logits=True)
     four = trainmem.estimate("llama-3.2-1b", batch_size=2, seq_len=1024, loss_chunks=4, keep_logits=True)
+    assert four.training.loss == "chunked"
     n, v = 2 * 1024, 128256
-    assert one.phase("forward", 2).allocated - four.phase("forward", 2).allocated == (n - n // 4) * v * (2 + 4)
+    assert one.phase("forward", 2).allocated == four.phase("forward", 2).allocated
+    assert one.phase("forward", 2).peak - four.phase("forward", 2).peak == (n - n // 4) * v * 4
+    assert one.phase("backward", 2).peak - four.phase("backward", 2).peak == (n - n // 4) * v * 8
     assert one.component("logits.logits") == n * v * 2 and one.component("logits.log_probs") == n * v * 4
     three = trainmem.estimate("llama-3.2-1b", batch_size=2, seq_len=1024, loss_chunks=3, keep_logits=True)
     chunk = -(-n // 3)  # ceil: the largest chunk
-    assert one.phase("forward", 2).allocated - three.phase("forward", 2).allocated == (n - chunk) * v * 6
+    assert one.phase("backward", 2).peak - three.phase("backward", 2).peak == (n - chunk) * v * 8
     with pytest.raises(TrainmemError, match="loss-chunks"):
         trainmem.estimate("llama-3.2-1b", loss_chunks=0)
+    with pytest.raises(TrainmemError, match="--loss chunked needs --loss-chunks"):
+        trainmem.estimate("llama-3.2-1b", loss="chunked")
+    with pytest.raises(TrainmemError, match="needs --loss chunked"):
+        trainmem.estimate("llama-3.2-1b", loss="half", loss_chunks=4)
 
 
 def test_not_applicable_changes_are_left_out():

@@ -54,6 +54,12 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
     if t.recompute == "selective":
         raise TrainmemError(f"--recompute selective is a Megatron feature; {what} supports none and full "
                             "(transformers gradient checkpointing)")
+    if t.loss == "fused":
+        raise TrainmemError(f"--loss fused runs Liger-Kernel's Triton kernels, which {what} cannot run here; "
+                            "use estimate, or --loss chunked")
+    if t.compile:
+        raise TrainmemError(f"--compile: {what} runs the step eagerly, and inductor changes what is saved; "
+                            "use estimate for --compile")
 
 
 def hf_config(spec: ModelSpec, t: TrainingSpec) -> Any:
@@ -179,8 +185,7 @@ class TrainStep:
         for micro in range(t.grad_accum):
             self.state["batch"] = self.batch()  # the previous batch lives until this one exists
             with self.autocast():
-                out = self.model(**self.state["batch"])
-                loss = out.loss if getattr(out, "loss", None) is not None else out[0].float().mean()
+                out, loss = self.forward_loss(self.state["batch"])
                 # hold_output: "step" -- `outputs = model(...)` at loop level: the output lives until
                 # the next forward returns; "backward" -- a training_step that returns after
                 # backward; "loss" -- only the loss is kept (HF Trainer)
@@ -202,9 +207,42 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=t.zero_grad == "none")
         self._mark("zero_grad", i, None)
 
+    def forward_loss(self, batch: dict[str, torch.Tensor]) -> tuple[Any, torch.Tensor]:
+        """The model's output and the loss, computed as ``--loss`` says (``estimate.quantities.loss_bytes``
+        models each): the model's own loss; ``upcast`` / ``half`` cross-entropy on its logits
+        (``logits.float()`` first, as transformers' ForCausalLMLoss, or on the half logits, as
+        nanoGPT); ``chunked`` as torchtune (the output projection of each token chunk, then
+        ``CEWithChunkedOutputLoss``: each chunk upcast and summed)."""
+        t, spec = self.training, self.spec
+        if t.loss is None or spec.head not in ("causal-lm", "masked-lm"):
+            out = self.model(**batch)
+            return out, (out.loss if getattr(out, "loss", None) is not None else out[0].float().mean())
+        labels = batch["labels"]
+        if t.loss == "chunked":
+            return _chunked_output_loss(self.model, batch["input_ids"], labels, t.loss_chunks)
+        out = self.model(input_ids=batch["input_ids"])
+        logits = out.logits.float() if t.loss == "upcast" else out.logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        return out, loss
+
     def release(self) -> None:
         """Drop the last batch and loss (and with them what they keep alive)."""
         self.state.clear()
+
+
+def _chunked_output_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, chunks: int
+                         ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """torchtune's chunked output and loss on a transformers model: ``TransformerDecoder`` with
+    ``num_output_chunks`` projects each chunk of the final hidden states (``modules/transformer.py``,
+    a list of half logits), ``CEWithChunkedOutputLoss`` (``modules/loss/ce_chunked_output_loss.py``)
+    sums ``F.cross_entropy(chunk.float(), labels, reduction="sum")`` over the chunks and divides by
+    the token count. Returns (the list of logits, the loss)."""
+    hidden = model.base_model(input_ids=ids)[0]
+    head = model.get_output_embeddings()
+    logits = [head(h) for h in hidden.chunk(chunks, dim=1)]
+    total = sum(torch.nn.functional.cross_entropy(c.float().reshape(-1, c.shape[-1]), y.reshape(-1), reduction="sum")
+                for c, y in zip(logits, labels.chunk(chunks, dim=1)))
+    return logits, total / labels.numel()
 
 
 def hf_step(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec, device: str,

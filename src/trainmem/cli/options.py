@@ -6,7 +6,7 @@ import argparse
 from typing import Any, Callable
 
 from ..spec.training import (ATTENTION, FSDP_MODES, HOLD_OUTPUT, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS,
-                             RECOMPUTE, ZERO_GRAD)
+                             RECOMPUTE, ZERO_GRAD, LOSSES)
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:
@@ -91,8 +91,12 @@ def add_training(g: Any) -> None:
     g.add_argument("--lora-targets", default=None, metavar="M1,M2",
                    help="peft target module names (peft's defaults when omitted)")
     g.add_argument("--no-dropout", action="store_true", help="train with dropout off (no masks stored)")
+    g.add_argument("--loss", choices=LOSSES, default=None,
+                   help="upcast: HF ForCausalLMLoss (fp32 copy of the logits); half: cross-entropy on the half "
+                        "logits (nanoGPT, lit-gpt); chunked: torchtune's chunked output + loss (--loss-chunks N); "
+                        "fused: Liger's fused linear cross-entropy (default: the model's own loss)")
     g.add_argument("--loss-chunks", type=positive_int, default=1, metavar="N",
-                   help="chunked cross-entropy: compute the logits and loss in N chunks of tokens")
+                   help="--loss chunked: the output projection and loss run in N chunks of tokens")
 
 
 def add_hardware(h: Any) -> None:
@@ -124,7 +128,7 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 optimizer_in_backward=a.optimizer_in_backward, hold_output=a.hold_output, zero_grad=a.zero_grad,
                 lora_rank=a.lora_rank,
                 lora_targets=a.lora_targets, dropout=not a.no_dropout,
-                optimizer_bucket_mb=a.optimizer_bucket_mb, loss_chunks=a.loss_chunks)
+                optimizer_bucket_mb=a.optimizer_bucket_mb, loss_chunks=a.loss_chunks, loss=a.loss)
     if a.fsdp is not None and a.zero == 0:
         opts.pop("zero")
     return opts

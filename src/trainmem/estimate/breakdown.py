@@ -7,7 +7,7 @@ from ..report import Category
 from ..report import Component, Phase
 from ..spec.training import TrainingSpec
 from .moments import PARTS, Moment, Tokens
-from .quantities import HEAD_KEYS, Quantities, loss_upcasts
+from .quantities import HEAD_KEYS, Quantities, is_lm, loss_mode, loss_upcasts
 
 # the categories as plain strings (an Enum attribute lookup costs a descriptor call per component)
 PARAMETERS, BUFFERS, MASTER = Category.PARAMETERS.value, Category.BUFFERS.value, Category.MASTER_WEIGHTS.value
@@ -73,7 +73,7 @@ def components(q: Quantities, tk: Tokens, mo: Moment, t: TrainingSpec, n: int, n
     if parts["activations"]:
         out += activations(q, tk, parts["activations"], t, n, nsq, half)
     if parts["logits"]:
-        out += _logits(mo, m, half)
+        out += _logits(mo, m, half, loss_mode(m, t) if is_lm(m) else "")
     out.append(Component("inputs", INPUTS, tk.inputs, "int64", "input_ids and labels"))
     if parts["workspace"]:
         out.append(Component("workspace.cublas", WORKSPACE, parts["workspace"], None,
@@ -126,9 +126,14 @@ def activations(q: Quantities, tk: Tokens, at_peak: int, t: TrainingSpec, n: int
     return listed
 
 
-def _logits(mo: Moment, m: Any, half: str) -> list[Component]:
+def _logits(mo: Moment, m: Any, half: str, mode: str) -> list[Component]:
     held, kv, logp = mo.logit_parts
     out = []
+    if mode == "fused" and logp:  # Liger keeps the gradients it computed in forward, not log-probabilities
+        out.append(Component("logits.fused_loss_gradients", LOGITS, logp, None,
+                             "fused linear cross-entropy: input and head-weight gradients and the fp32 loss per "
+                             "token, computed in forward and saved for backward"))
+        logp = 0
     if held:
         out.append(Component("logits.logits", LOGITS, held, half,
                              "b x s x vocab / tp in the matmul dtype: the model output's (and the previous "

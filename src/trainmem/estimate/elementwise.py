@@ -48,3 +48,10 @@ def trunc(x: Any) -> Any:
 
 def ceil_div(a: Any, b: Any) -> Any:
     return -(-a // b)
+
+
+def next_pow2(x: Any) -> Any:
+    """The smallest power of two >= x (x >= 1), as ``triton.next_power_of_2``."""
+    if isinstance(x, np.ndarray):
+        return (2 ** np.ceil(np.log2(np.maximum(x, 1)))).astype(I64)
+    return 1 << (int(x) - 1).bit_length()

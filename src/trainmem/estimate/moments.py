@@ -21,7 +21,7 @@ from ..allocator_rules import block_bytes
 from ..spec.hardware import CUBLAS_WORKSPACE  # 8,519,680 B per cuBLAS handle
 from ..spec.model import ModelSpec
 from ..spec.training import TrainingSpec
-from .elementwise import NEVER, ceil_div, maximum, minimum, trunc, where
+from .elementwise import NEVER, ceil_div, maximum, minimum, next_pow2, trunc, where
 from .quantities import Quantities, TransientTable, is_lm
 
 #: the parts of a moment, in this order; ``logits`` is itself (logits, KV cache, log-probabilities)
@@ -78,13 +78,18 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any) -
     all_acts = layers + outer_rest + outer_head * inflight + q.cast_head
     index, value, grads = best_transient(q.transients, n, nsq)
     redo = maximum(0, value - grads + trunc(q.redo_tok * n + q.redo_sq * nsq) + q.redo_const)
-    # logits: (b, s / chunks, vocab / tp) per chunk for LM heads, (b, labels) for classifiers
-    count = ceil_div(n, q.logit_chunks) * q.logit_width // q.tp if flags.lm else b * q.logit_width
+    # logits: (b, s, vocab / tp) for LM heads, (b, labels) for classifiers; one loss chunk of them
+    # (chunked: s / chunks tokens; fused: Liger's next_power_of_2(ceil(BT / ceil(V / H))) tokens)
+    full = n * q.logit_width // q.tp if flags.lm else b * q.logit_width
+    liger = minimum(next_pow2(ceil_div(n, maximum(q.liger_factor, 1))), n)
+    chunk = where(q.liger_factor > 0, liger, ceil_div(n, q.logit_chunks)) * q.logit_width // q.tp if flags.lm else 0
+    saved = full * q.loss_saved + n * q.loss_saved_tok + q.loss_saved_const
     labels = n if flags.lm else b
     kv_tok = trunc(q.held_tok * n)
     return Tokens(inflight, layer, layers, outer_rest, outer_head, all_acts, redo, grads, index,
-                  block_bytes(n * 8) + block_bytes(labels * 8), count * q.logits_held, count * q.logits_out,
-                  count * q.loss_saved, count * q.loss_forward, count * q.loss_backward,
+                  block_bytes(n * 8) + block_bytes(labels * 8), full * q.logits_held, full * q.logits_out,
+                  saved, full * q.loss_forward + chunk * q.loss_forward_chunk,
+                  full * q.loss_backward + chunk * q.loss_backward_chunk,
                   kv_tok * q.layers * inflight, trunc(q.cache_tok * n) - kv_tok)
 
 

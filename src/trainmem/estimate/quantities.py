@@ -16,7 +16,7 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass, fields, replace
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -77,6 +77,11 @@ class Quantities:
     loss_saved: int        # saved by the loss (log-probabilities, nll_loss's fp32 copy)
     loss_forward: int      # the .float() copy alive while log_softmax runs
     loss_backward: int     # gradients alive at the start of backward
+    loss_forward_chunk: int   # per element of one loss chunk (chunked / fused losses)
+    loss_backward_chunk: int
+    loss_saved_tok: int    # bytes per token saved by a fused loss
+    loss_saved_const: int  # bytes saved by a fused loss whatever the batch (the head weight's gradient)
+    liger_factor: int      # fused: ceil(vocab / hidden), Liger's chunking (0: chunks from logit_chunks)
     step_temp: int         # optimizer.step() temporaries
     oib_mid: int           # optimizer in backward: one update's gradient + temporaries, mid-backward
     oib_end: int           # ... for the embeddings, updated last
@@ -157,7 +162,7 @@ def outer_tensors(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) -> tup
     if t.pp == 1 or stage == "first":
         out += _embedding_side(m, t, pol, h, sp)
     if t.pp == 1 or stage == "last":
-        out += _head_side(m, pol, h, sp)
+        out += _head_side(m, pol, h, sp, fused=is_lm(m) and loss_mode(m, t) == "fused")
     return tuple(out)
 
 
@@ -181,7 +186,9 @@ def _embedding_side(m: ModelSpec, t: TrainingSpec, pol: Policy, h: int, sp: int)
     return out
 
 
-def _head_side(m: ModelSpec, pol: Policy, h: int, sp: int) -> list[tuple[str, float, float]]:
+def _head_side(m: ModelSpec, pol: Policy, h: int, sp: int, fused: bool = False) -> list[tuple[str, float, float]]:
+    """The final norm's saved tensors and the head's input (which a fused linear cross-entropy
+    does not save: it keeps the gradients it computed in forward instead)."""
     out: list[tuple[str, float, float]] = []
     if m.final_norm and m.family != "bert":
         if m.norm == "rmsnorm":  # HF RMSNorm: fp32 input copy, the normed tensor, fp32 rstd
@@ -192,7 +199,7 @@ def _head_side(m: ModelSpec, pol: Policy, h: int, sp: int) -> list[tuple[str, fl
         # transform: dense (saves its input) + activation + LayerNorm, then the decoder's input
         out.append(("mlm.transform", float(h * (pol.half + pol.half + pol.stream) + 8), 0.0))
         out.append(("lm_head.input", float(h * pol.half), 0.0))
-    elif m.head == "causal-lm":
+    elif m.head == "causal-lm" and not fused:
         # lm_head saves its input: a half cast under autocast, else the final norm's output
         half_in = pol.amp or (m.norm == "rmsnorm" and pol.stream == 2)
         out.append(("lm_head.input", float(h * (pol.half if half_in else pol.stream)), 0.0))
@@ -202,32 +209,79 @@ def _head_side(m: ModelSpec, pol: Policy, h: int, sp: int) -> list[tuple[str, fl
     return out
 
 
-def loss_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy) -> tuple[int, int, int, int, int]:
-    """Bytes per logit element: (held by the loop, the head's output, saved by the loss, forward
-    transient, backward transient). The loop holds the output's logits unless it keeps only the
-    loss (``hold_output``: "backward" or "step").
+class LossBytes(NamedTuple):
+    """Bytes of the loss per logit element (of the whole micro-batch, or of one chunk), per token and
+    in total; see ``loss_bytes``."""
 
-    * Hugging Face ``ForCausalLMLoss`` upcasts first (``logits.float()``: an fp32 copy freed after
-      the loss); ``cross_entropy`` -> ``log_softmax(x, dtype=fp32)`` saves fp32 log-probabilities.
-      At the start of backward ``nll_loss_backward`` and ``_log_softmax_backward_data`` each make an
-      fp32 tensor of the logits' size, alive together with the saved log-probabilities.
-    * ``F.cross_entropy`` on half logits under autocast (nanoGPT, transformers' masked-LM heads):
-      ``log_softmax`` keeps the half dtype; ``nll_loss`` (autocast fp32 list) casts to an fp32 copy
-      it saves; backward starts with one fp32 gradient. In pure half precision all stay half.
-    * Under ``torch.compile`` inductor fuses the loss and its backward: no fp32 copy in forward and
-      one fp32 logits gradient in backward.
+    held: int = 0           # the output the loop keeps (0: only the loss)
+    out: int = 0            # the head's output, alive while the loss runs
+    saved: int = 0          # saved for backward by the loss
+    forward: int = 0        # alive only while the loss is computed
+    backward: int = 0       # alive at the start of backward
+    forward_chunk: int = 0  # per element of one chunk: alive while that chunk's loss is computed
+    backward_chunk: int = 0  # per element of one chunk: its backward
+    saved_tok: int = 0      # per token, saved (Liger: the input gradient in the compute dtype, fp32 loss)
+    saved_const: int = 0    # in total, saved (Liger: the head weight's gradient)
+
+
+def loss_mode(m: ModelSpec, t: TrainingSpec) -> str:
+    """The loss a run computes: ``t.loss``, else the model's own: transformers' causal-LM heads call
+    ``ForCausalLMLoss`` (upcast); nanoGPT and transformers' masked-LM heads ``F.cross_entropy`` on
+    the logits as they are (half)."""
+    if t.loss is not None:
+        return t.loss
+    return "upcast" if loss_upcasts(m) else "half"
+
+
+def loss_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy) -> LossBytes:
+    """The loss's tensors. The loop holds the output's logits unless it keeps only the loss.
+
+    * upcast: transformers ``loss_utils.ForCausalLMLoss``: ``logits.float()`` (an fp32 copy freed
+      after the loss), ``cross_entropy`` -> ``log_softmax`` saves fp32 log-probabilities; backward
+      starts with ``nll_loss_backward`` and ``_log_softmax_backward_data``, one fp32 tensor each.
+    * half: ``F.cross_entropy`` on half logits under autocast: ``cross_entropy_loss`` has no
+      autocast rule, so ``log_softmax`` keeps the half dtype and ``nll_loss`` (autocast fp32 list)
+      saves an fp32 copy; backward starts with one fp32 gradient. Pure half: all half.
+    * chunked: torchtune ``modules/loss/ce_chunked_output_loss.py`` (``CEWithChunkedOutputLoss``):
+      the model returns the output projection of each of ``num_output_chunks`` token chunks (all
+      kept in a list, half), the loss upcasts one chunk at a time (``logits.float()``) and its
+      ``log_softmax`` saves that chunk's fp32 log-probabilities: all chunks' are saved, the fp32
+      copy and the two backward gradients exist for one chunk at a time (autograd runs the
+      chunks' branches one after another, the last first).
+    * fused: Liger-Kernel ``ops/fused_linear_cross_entropy.py`` (``fused_linear_cross_entropy_forward``):
+      no logits output; forward allocates ``grad_input`` (tokens x hidden, the input's dtype),
+      ``grad_weight`` (the head weight's shape and dtype) and an fp32 ``loss_1d`` per token, all
+      saved for backward, and one logits chunk of ``next_power_of_2(ceil(BT / ceil(V / H)))``
+      tokens at a time; backward returns the saved gradients (no new tensors when the loss's
+      gradient is 1).
+    * ``torch.compile`` (upcast or half): inductor fuses the loss and its backward: no fp32 copy in
+      forward, one fp32 logits gradient in backward.
     Classifier heads: fp32 loss tensors of (b, labels).
     """
     held = pol.half if t.hold_output != "loss" else 0   # the loop's reference to the output keeps them
     if not is_lm(m):
-        return held, pol.half, F32, F32, 2 * F32
+        return LossBytes(held, pol.half, F32, F32, 2 * F32)
+    mode, half = loss_mode(m, t), pol.half
+    if mode == "fused":
+        grad_w = 0 if t.lora_rank else _head_weight_numel(m, t.tp) * t.weight_bytes
+        return LossBytes(saved_tok=m.hidden_size * half + F32, saved_const=grad_w, forward_chunk=half)
+    if mode == "chunked":
+        return LossBytes(held, half, F32, forward_chunk=F32 if half != F32 else 0, backward_chunk=2 * F32)
     if t.compile:
-        return held, pol.half, F32, 0, F32
-    if not loss_upcasts(m) and pol.half != F32:
+        return LossBytes(held, half, F32, 0, F32)
+    if mode == "half" and half != F32:
         if pol.amp:
-            return held, pol.half, pol.half + F32, 0, F32
-        return held, pol.half, pol.half, 0, 2 * pol.half
-    return held, pol.half, F32, (F32 if pol.half != F32 else 0), 2 * F32
+            return LossBytes(held, half, half + F32, 0, F32)
+        return LossBytes(held, half, half, 0, 2 * half)
+    return LossBytes(held, half, F32, F32 if half != F32 else 0, 2 * F32)
+
+
+def _head_weight_numel(m: ModelSpec, tp: int) -> int:
+    """Elements of the LM head's weight on this rank (a tied head is the input embedding)."""
+    head = [p for p in m.parameter_tensors() if p.role != "embedding" and p.layer is None and p.is_matmul]
+    emb = [p for p in m.parameter_tensors() if p.role == "embedding"]
+    p = head[-1] if head else emb[0]
+    return -(-p.numel // tp)
 
 
 def step_temporaries(t: TrainingSpec, st: States) -> int:
@@ -379,7 +433,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
             head_tok += tok
         else:
             rest_tok, rest_sq = rest_tok + tok, rest_sq + sq
-    held, out, saved, fwd, bwd = loss_bytes(m, t, pol) if head_here else (0, 0, 0, 0, 0)
+    loss = loss_bytes(m, t, pol) if head_here else LossBytes()
     comm, comm_name = _communication(t, st)
     oib_mid, oib_end = oib_update_bytes(m, t, st) if oib else (0, 0)
     gpw = st.layer_grads / lc.weights if (lc.weights and not oib) else 0.0
@@ -396,8 +450,11 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         outer_head_tok=head_tok, outer_rest_tok=rest_tok, outer_rest_sq=rest_sq,
         cast_layer=cast_layer, cast_head=cast_head, cast_forward_only=cast_layer * layers if full else 0,
         logit_chunks=t.loss_chunks, logit_width=m.vocab_size if is_lm(m) else m.num_labels,
-        tp=t.tp if is_lm(m) else 1, logits_held=held, logits_out=out, loss_saved=saved, loss_forward=fwd,
-        loss_backward=bwd, step_temp=step_temporaries(t, st), oib_mid=oib_mid, oib_end=oib_end,
+        tp=t.tp if is_lm(m) else 1, logits_held=loss.held, logits_out=loss.out, loss_saved=loss.saved,
+        loss_forward=loss.forward, loss_backward=loss.backward, loss_forward_chunk=loss.forward_chunk,
+        loss_backward_chunk=loss.backward_chunk, loss_saved_tok=loss.saved_tok, loss_saved_const=loss.saved_const,
+        liger_factor=-(-m.vocab_size // m.hidden_size) if (head_here and is_lm(m) and loss_mode(m, t) == "fused") else 0,
+        step_temp=step_temporaries(t, st), oib_mid=oib_mid, oib_end=oib_end,
         tied_grad=tied_head_grad(m, t), transients=trans,
         detail=Detail(st, lc, outer, comm_name, input_tok))
 

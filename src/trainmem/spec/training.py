@@ -21,6 +21,10 @@ RECOMPUTE = ("none", "selective", "full")
 ATTENTION = ("eager", "sdpa", "flash", "sdpa-flash", "sdpa-efficient", "sdpa-math", "sdpa-cudnn")
 ZERO_GRAD = ("none", "zeros")           # optimizer.zero_grad(set_to_none=True) / (set_to_none=False)
 HOLD_OUTPUT = ("loss", "backward", "step")  # what the loop keeps of the model output, and until when
+#: upcast: HF ForCausalLMLoss (logits.float() first); half: F.cross_entropy on the half logits (nanoGPT,
+#: lit-gpt); chunked: torchtune's CEWithChunkedOutputLoss over --loss-chunks output chunks; fused: Liger's
+#: fused linear + cross-entropy (no logits materialised)
+LOSSES = ("upcast", "half", "chunked", "fused")
 FSDP_MODES = ("full", "grad-op", "hybrid")
 
 
@@ -72,6 +76,8 @@ class TrainingSpec:
     dropout: bool = True  # apply the config's dropout (masks are stored when p > 0)
     num_microbatches_in_flight: int | None = None  # pipeline; None = 1F1B default (pp)
     loss_chunks: int = 1  # chunked cross-entropy: head + loss run over the tokens in this many chunks
+    loss: str | None = None  # how the loss is computed (LOSSES); None: the model's own loss, chunked when
+    #                          loss_chunks > 1
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -89,6 +95,7 @@ class TrainingSpec:
         _choice("attention", self.attention, ATTENTION)
         _choice("zero_grad", self.zero_grad, ZERO_GRAD)
         _choice("hold_output", self.hold_output, HOLD_OUTPUT)
+        self._check_loss()
         if self.keep_logits and self.hold_output == "backward":
             raise TrainmemError("--keep-logits is --hold-output step; it contradicts --hold-output backward")
         if self.keep_logits or self.hold_output == "step":  # one meaning, two spellings
@@ -123,6 +130,18 @@ class TrainingSpec:
         if self.lora_targets is not None and not self.lora_targets:
             raise TrainmemError("--lora-targets is empty: name at least one module (e.g. q_proj,v_proj) "
                                 "or omit it for peft's defaults")
+
+    def _check_loss(self) -> None:
+        if self.loss is not None:
+            _choice("loss", self.loss, LOSSES)
+        if self.loss == "chunked" and self.loss_chunks < 2:
+            raise TrainmemError("--loss chunked needs --loss-chunks N >= 2 (torchtune's num_output_chunks; "
+                                "its recipes use 8)")
+        if self.loss in ("upcast", "half", "fused") and self.loss_chunks > 1:
+            raise TrainmemError(f"--loss {self.loss} computes the loss in one piece (fused picks its own chunks); "
+                                f"--loss-chunks {self.loss_chunks} needs --loss chunked")
+        if self.loss is None and self.loss_chunks > 1:
+            object.__setattr__(self, "loss", "chunked")
 
     # ----- derived -------------------------------------------------------------------------
     @property
