@@ -6,7 +6,7 @@ import argparse
 from typing import Any, Callable
 
 from ..spec.training import (ATTENTION, FSDP_MODES, HOLD_OUTPUT, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS,
-                             RECOMPUTE, ZERO_GRAD, LOSSES)
+                             RECOMPUTE, ZERO_GRAD, LOSSES, MASTER_WEIGHTS)
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:
@@ -65,6 +65,9 @@ def add_training(g: Any) -> None:
     g.add_argument("--offload-optimizer", action="store_true", help="ZeRO-Offload: optimizer states in CPU memory")
     g.add_argument("--distributed-optimizer", action="store_true",
                    help="Megatron/NeMo distributed optimizer (fp32 main grads, sharded states)")
+    g.add_argument("--master-weights", choices=MASTER_WEIGHTS, default=None,
+                   help="fp32 master copy beside bf16/fp16 weights (default: DeepSpeed ZeRO and the distributed "
+                        "optimizer keep one; FSDP and plain PyTorch do not)")
     g.add_argument("--optimizer-bucket-mb", type=float, default=None, metavar="MiB",
                    help="distributed-optimizer bucket size (NeMo/apex); warns when larger than a layer")
     for k in ("dp", "tp", "pp", "cp"):
@@ -128,7 +131,8 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 optimizer_in_backward=a.optimizer_in_backward, hold_output=a.hold_output, zero_grad=a.zero_grad,
                 lora_rank=a.lora_rank,
                 lora_targets=a.lora_targets, dropout=not a.no_dropout,
-                optimizer_bucket_mb=a.optimizer_bucket_mb, loss_chunks=a.loss_chunks, loss=a.loss)
+                optimizer_bucket_mb=a.optimizer_bucket_mb, loss_chunks=a.loss_chunks, loss=a.loss,
+                master_weights=a.master_weights)
     if a.fsdp is not None and a.zero == 0:
         opts.pop("zero")
     return opts

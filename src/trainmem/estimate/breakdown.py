@@ -15,7 +15,7 @@ GRADIENTS, STATES = Category.GRADIENTS.value, Category.OPTIMIZER_STATES.value
 ACTIVATIONS, LOGITS, INPUTS = Category.ACTIVATIONS.value, Category.LOGITS.value, Category.INPUTS.value
 WORKSPACE, COMMUNICATION = Category.WORKSPACE.value, Category.COMMUNICATION.value
 TEMPORARIES = Category.TEMPORARIES.value
-HALF_NAMES = {"bf16-amp": "bf16", "fp16-amp": "fp16", "bf16": "bf16", "fp16": "fp16"}
+HALF_NAMES = {"bf16-amp": "bf16", "fp16-amp": "fp16", "bf16": "bf16", "fp16": "fp16", "bf16-mp": "bf16"}
 
 
 def phase_label(phase: str, micro: int, ga: int) -> str:

@@ -320,8 +320,7 @@ def oib_update_bytes(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, in
     embeddings, e.g. an untied LM head right after the loss) and among all (the embeddings, whose
     gradients complete last). Sharded (ZeRO/FSDP2) tensors update their shard."""
     k = _copies_per_tensor(t, True) or 0
-    half_master = t.precision in ("bf16", "fp16") and (t.zero_stage >= 1 or t.distributed_optimizer)
-    sb = 4 if (t.weight_bytes == 4 or half_master) else t.weight_bytes
+    sb = 4 if (t.weight_bytes == 4 or t.fp32_master) else t.weight_bytes
     gb = 4 if t.distributed_optimizer else t.weight_bytes
     d = t.shard_group if t.zero_stage >= 1 else 1
     if t.lora_rank:

@@ -143,7 +143,7 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
     Cached on the fields that change model states (not batch, sequence, recomputation, ...), so a
     sweep over activations reuses them."""
     key = (m, stage, t.tp, t.pp, t.precision, t.zero_stage, t.shard_group, t.optimizer, t.impl,
-           t.lora_rank, t.lora_targets, t.distributed_optimizer, t.offload_optimizer)
+           t.lora_rank, t.lora_targets, t.distributed_optimizer, t.offload_optimizer, t.fp32_master)
     hit = _STATES_CACHE.get(key)
     if hit is None:
         if len(_STATES_CACHE) >= 4096:
@@ -166,20 +166,22 @@ class _Rank:
     w: int             # bytes per weight element as stored
     gbytes: int        # gradient dtype: the weight's, or fp32 Megatron main-grads
     sbytes: int        # optimizer-state dtype: fp32 with an fp32 master copy, else the weight's
-    half_master: bool  # an fp32 master copy of half weights (ZeRO, distributed optimizer)
+    half_master: bool  # an fp32 master copy of half weights (TrainingSpec.fp32_master)
     zero: int          # ZeRO stage
     zero_states: int   # ZeRO stage applied to master + states (>= 1 with the distributed optimizer)
     d: int             # ranks the states are sharded over
+    gather: int        # bytes per element of a layer gathered for compute (bf16 under FSDP's mixed precision)
 
     @staticmethod
     def of(m: ModelSpec, t: TrainingSpec, stage: str) -> "_Rank":
         per_stage = m.num_layers // t.pp
         lo, hi = (0, per_stage) if stage == "first" else (m.num_layers - per_stage, m.num_layers)
         w = t.weight_bytes
-        half_master = t.precision in ("bf16", "fp16") and (t.zero_stage >= 1 or t.distributed_optimizer)
+        half_master = t.fp32_master
         return _Rank(per_stage, lo, hi, stage, w, 4 if t.distributed_optimizer else w,
                      4 if (w == 4 or half_master) else w, half_master, t.zero_stage,
-                     max(t.zero_stage, 1) if t.distributed_optimizer else t.zero_stage, t.shard_group)
+                     max(t.zero_stage, 1) if t.distributed_optimizer else t.zero_stage, t.shard_group,
+                     2 if t.precision == "bf16-mp" else w)
 
     def holds(self, m: ModelSpec, pp: int, p: ParamTensor) -> bool:
         """Whether this pipeline stage holds tensor ``p`` (the first stage the embeddings; the last
@@ -269,7 +271,7 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
         item = (p.name, -(-wb // r.d) if r.zero == 3 else wb)
         (layer if p.layer is not None else (after if layer else before)).append(item)
         if p.layer is not None:
-            acc.lpf += wb
+            acc.lpf += n * r.gather  # FSDP2 MixedPrecisionPolicy gathers in param_dtype (bf16)
             # autocast caches half copies of the weights its matmuls cast; transformers' grouped_mm
             # experts have no autocast rule and run in the weights' dtype (no copies)
             if p.is_matmul and t.amp and p.role != "expert":

@@ -11,7 +11,10 @@ from typing import Any
 from ..errors import TrainmemError
 from .layout import layout_problems
 
-PRECISIONS = ("fp32", "fp16-amp", "bf16-amp", "bf16", "fp16")
+#: fp32; fp16-amp/bf16-amp: fp32 weights + autocast; bf16/fp16: everything in that dtype ("pure",
+#: Lightning's bf16-true); bf16-mp: FSDP's mixed-precision policy (fp32 sharded parameters, gradients
+#: and states; parameters gathered in bf16 for compute, no autocast)
+PRECISIONS = ("fp32", "fp16-amp", "bf16-amp", "bf16", "fp16", "bf16-mp")
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adamw-8bit", "lion")
 OPTIMIZER_IMPLS = ("foreach", "fused", "for-loop")
 RECOMPUTE = ("none", "selective", "full")
@@ -25,6 +28,7 @@ HOLD_OUTPUT = ("loss", "backward", "step")  # what the loop keeps of the model o
 #: lit-gpt); chunked: torchtune's CEWithChunkedOutputLoss over --loss-chunks output chunks; fused: Liger's
 #: fused linear + cross-entropy (no logits materialised)
 LOSSES = ("upcast", "half", "chunked", "fused")
+MASTER_WEIGHTS = ("none", "fp32")
 FSDP_MODES = ("full", "grad-op", "hybrid")
 
 
@@ -78,6 +82,8 @@ class TrainingSpec:
     loss_chunks: int = 1  # chunked cross-entropy: head + loss run over the tokens in this many chunks
     loss: str | None = None  # how the loss is computed (LOSSES); None: the model's own loss, chunked when
     #                          loss_chunks > 1
+    master_weights: str | None = None  # an fp32 master copy beside bf16/fp16 weights; None: the framework's
+    #                                    (DeepSpeed ZeRO and Megatron's distributed optimizer keep one, FSDP not)
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -96,6 +102,14 @@ class TrainingSpec:
         _choice("zero_grad", self.zero_grad, ZERO_GRAD)
         _choice("hold_output", self.hold_output, HOLD_OUTPUT)
         self._check_loss()
+        if self.precision == "bf16-mp" and self.fsdp is None:
+            raise TrainmemError("--precision bf16-mp is FSDP's MixedPrecisionPolicy(param_dtype=bf16, "
+                                "reduce_dtype=fp32): give --fsdp full (or grad-op, hybrid), or use --precision bf16-amp")
+        if self.master_weights is not None:
+            _choice("master_weights", self.master_weights, MASTER_WEIGHTS)
+            if self.precision not in ("bf16", "fp16"):
+                raise TrainmemError(f"--master-weights is for half weights (--precision bf16 or fp16); with "
+                                    f"--precision {self.precision} the weights are fp32 already")
         if self.keep_logits and self.hold_output == "backward":
             raise TrainmemError("--keep-logits is --hold-output step; it contradicts --hold-output backward")
         if self.keep_logits or self.hold_output == "step":  # one meaning, two spellings
@@ -163,13 +177,26 @@ class TrainingSpec:
         return self.dp
 
     @property
+    def fp32_master(self) -> bool:
+        """Whether an fp32 master copy of half weights exists (and the optimizer states are fp32):
+        ``master_weights`` when given, else DeepSpeed's ZeRO with bf16/fp16 (its bf16/fp16 optimizers
+        keep fp32 partitions, ``runtime/bf16_optimizer.py``, ``runtime/zero/stage_1_and_2.py``) and
+        Megatron's distributed optimizer (fp32 main params, ``optimizer/distrib_optimizer.py``); not
+        FSDP or plain PyTorch on half parameters, which have none."""
+        if self.precision not in ("bf16", "fp16"):
+            return False
+        if self.master_weights is not None:
+            return self.master_weights == "fp32"
+        return self.distributed_optimizer or (self.zero >= 1 and self.fsdp is None)
+
+    @property
     def amp(self) -> bool:
         return self.precision in ("fp16-amp", "bf16-amp")
 
     @property
     def weight_bytes(self) -> int:
         """Bytes per weight element as stored on the GPU."""
-        return 4 if self.precision in ("fp32", "fp16-amp", "bf16-amp") else 2
+        return 4 if self.precision in ("fp32", "fp16-amp", "bf16-amp", "bf16-mp") else 2
 
     @property
     def compute_bytes(self) -> int:
