@@ -33,13 +33,21 @@ from .quantities import SHAPE_FIELDS, gather, quantities, shape_quantities
 TOKEN_FIELDS = ("batch_size", "seq_len", "grad_accum")
 
 
+COMPILE_WARNING = ("--compile: only the compiled loss is modelled (one fp32 logits gradient); inductor's "
+                   "fusion of elementwise chains inside the layers, which saves fewer tensors, is not")
+
+
 def estimate(m: ModelSpec, t: TrainingSpec) -> MemoryReport:
     """One GPU's training memory for model ``m`` trained as ``t`` (the worst pipeline stage)."""
     if t.pp > 1:
         first = estimate_stage(m, t, "first")
         last = estimate_stage(m, t, "last")
-        return first if first.peak_allocated >= last.peak_allocated else last
-    return estimate_stage(m, t, "first")
+        rep = first if first.peak_allocated >= last.peak_allocated else last
+    else:
+        rep = estimate_stage(m, t, "first")
+    if t.compile:
+        rep.warnings.append(COMPILE_WARNING)
+    return rep
 
 
 def estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str) -> MemoryReport:
