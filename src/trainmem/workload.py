@@ -144,6 +144,8 @@ class TrainStep:
         if t.recompute == "full":
             enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
             enable()
+            if t.recompute_every > 1:
+                _checkpoint_every(model, t.recompute_every)
         self.model, self.spec, self.training, self.device = model, spec, t, device
         self.on_phase = on_phase
         params = [p for p in model.parameters() if p.requires_grad]
@@ -228,6 +230,16 @@ class TrainStep:
     def release(self) -> None:
         """Drop the last batch and loss (and with them what they keep alive)."""
         self.state.clear()
+
+
+def _checkpoint_every(model: torch.nn.Module, every: int) -> None:
+    """Keep gradient checkpointing on every ``every``-th decoder layer only (1-based count), as
+    torchtitan's ``ac_freq`` wraps them; transformers checkpoints a ``GradientCheckpointingLayer``
+    while its ``gradient_checkpointing`` attribute is set."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for i, layer in enumerate(layers):
+        layer.gradient_checkpointing = (i + 1) % every == 0
 
 
 def _chunked_output_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, chunks: int

@@ -76,6 +76,8 @@ def add_training(g: Any) -> None:
                              "pp": "pipeline-parallel size", "cp": "context-parallel size"}[k])
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--recompute", choices=RECOMPUTE, default="none", help="activation recomputation")
+    g.add_argument("--recompute-every", type=positive_int, default=1, metavar="N",
+                   help="with --recompute full: checkpoint only every N-th layer (torchtitan/torchtune ac_freq)")
     g.add_argument("--compile", action="store_true", help="torch.compile (fused loss backward)")
     g.add_argument("--attention", choices=ATTENTION, default="sdpa",
                    help="sdpa: the backend PyTorch picks; sdpa-flash|sdpa-efficient|sdpa-math|sdpa-cudnn pin one "
@@ -127,7 +129,7 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 optimizer=a.optimizer, optimizer_impl=a.optimizer_impl, zero=a.zero, fsdp=a.fsdp,
                 offload_optimizer=a.offload_optimizer, distributed_optimizer=a.distributed_optimizer,
                 dp=a.dp, tp=a.tp, pp=a.pp, cp=a.cp, sequence_parallel=a.sequence_parallel,
-                recompute=a.recompute, attention=a.attention, compile=a.compile, keep_logits=a.keep_logits,
+                recompute=a.recompute, recompute_every=a.recompute_every, attention=a.attention, compile=a.compile, keep_logits=a.keep_logits,
                 optimizer_in_backward=a.optimizer_in_backward, hold_output=a.hold_output, zero_grad=a.zero_grad,
                 lora_rank=a.lora_rank,
                 lora_targets=a.lora_targets, dropout=not a.no_dropout,

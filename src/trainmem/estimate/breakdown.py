@@ -106,7 +106,10 @@ def activations(q: Quantities, tk: Tokens, at_peak: int, t: TrainingSpec, n: int
         listed.append(Component("activations.autocast_weight_copies.head", ACTIVATIONS, q.cast_head, half,
                                 "half copy of the LM head weight saved by its matmul"))
     per_rank = q.layers * tk.inflight
-    if t.recompute == "full":
+    if t.recompute == "full" and t.recompute_every > 1:
+        listed.append(Component("activations.layers.kept", ACTIVATIONS, tk.layer * per_rank, None,
+                                f"every {t.recompute_every}th layer keeps only its input, the others everything"))
+    elif t.recompute == "full":
         stream = "fp32" if t.weight_bytes == 4 else half  # the residual stream's dtype
         listed.append(Component("activations.layers.checkpointed_inputs", ACTIVATIONS, tk.layer * per_rank,
                                 stream, "full recompute keeps each layer's input"))

@@ -416,7 +416,12 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     oib = t.optimizer_in_backward
     sp = t.tp if t.sequence_parallel else 1
     input_tok = m.hidden_size * pol.stream / sp               # a layer's input (b, s, h), residual dtype
-    kept, redo = _recompute(t, lc, input_tok)
+    checkpointed = layers // t.recompute_every if t.recompute == "full" else 0
+    kept, redo = _recompute(t, lc, input_tok, checkpointed / layers)
+    # the recompute transient belongs to the top layer's backward moment only when the top layer is
+    # checkpointed; otherwise it comes later, when the layers above it have freed more than it adds
+    top_recomputed = t.recompute != "full" or layers % t.recompute_every == 0
+    redo = redo if top_recomputed else (0.0, 0.0)
     head_here = t.pp == 1 or stage == "last"
     # autocast casts each fp32 leaf weight once per forward and caches it; the matmuls save the
     # copies for backward. Sharded ZeRO-3/FSDP parameters are gathered per layer in the compute
@@ -424,7 +429,6 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     sharded = t.zero_stage == 3 and t.shard_group > 1
     cast_layer = st.layer_matmul_half if pol.amp and not sharded else 0
     cast_head = st.head_matmul_half if pol.amp and not sharded and head_here else 0
-    full = t.recompute == "full"
     outer = outer_tensors(m, t, pol, stage)
     head_tok = rest_tok = rest_sq = 0.0  # per token: final norm / head input; the rest (embeddings, masks)
     for name, tok, sq in outer:
@@ -445,9 +449,9 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         layer_grads=0 if oib else st.layer_grads, head_grads=0 if oib else st.head_grads, layers=layers,
         pp_inflight=t.pp, fixed_inflight=inflight_fixed, saved_tok=lc.tok, saved_sq=lc.sq,
         kept_tok=kept[0], kept_sq=kept[1], redo_tok=redo[0], redo_sq=redo[1],
-        redo_const=cast_layer if full else 0, held_tok=lc.held, cache_tok=lc.cache,
+        redo_const=cast_layer if (checkpointed and top_recomputed) else 0, held_tok=lc.held, cache_tok=lc.cache,
         outer_head_tok=head_tok, outer_rest_tok=rest_tok, outer_rest_sq=rest_sq,
-        cast_layer=cast_layer, cast_head=cast_head, cast_forward_only=cast_layer * layers if full else 0,
+        cast_layer=cast_layer, cast_head=cast_head, cast_forward_only=cast_layer * checkpointed,
         logit_chunks=t.loss_chunks, logit_width=m.vocab_size if is_lm(m) else m.num_labels,
         tp=t.tp if is_lm(m) else 1, logits_held=loss.held, logits_out=loss.out, loss_saved=loss.saved,
         loss_forward=loss.forward, loss_backward=loss.backward, loss_forward_chunk=loss.forward_chunk,
@@ -458,12 +462,18 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         detail=Detail(st, lc, outer, comm_name, input_tok))
 
 
-def _recompute(t: TrainingSpec, lc: LayerCoefs, input_tok: float) -> tuple[tuple[float, float], tuple[float, float]]:
+def _recompute(t: TrainingSpec, lc: LayerCoefs, input_tok: float, share: float
+               ) -> tuple[tuple[float, float], tuple[float, float]]:
     """(kept per layer, re-created while one layer is recomputed) as (per token, per token x key).
     none: everything is kept; selective (Megatron): the attention scores are recomputed; full: only
-    each layer's input is kept, and one whole layer comes back during its backward."""
+    each checkpointed layer's input is kept, and one whole layer comes back during its backward.
+    ``share``: the checkpointed share of the rank's layers (1 unless ``recompute_every`` N > 1:
+    torchtitan's and torchtune's ``ac_freq``/``ac_option`` wrap a layer when its 1-based count is a
+    multiple of N, torchtitan ``distributed/activation_checkpoint.py``), so the average layer keeps
+    ``share`` of an input and ``1 - share`` of everything."""
     if t.recompute == "full":
-        return (input_tok, 0.0), (lc.tok, lc.sq)
+        kept = (share * input_tok + (1 - share) * lc.tok, (1 - share) * lc.sq) if share < 1 else (input_tok, 0.0)
+        return kept, ((lc.tok, lc.sq) if share > 0 else (0.0, 0.0))
     if t.recompute == "selective":
         return (lc.tok, 0.0), (0.0, lc.sq)
     return (lc.tok, lc.sq), (0.0, 0.0)

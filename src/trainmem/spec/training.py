@@ -63,6 +63,7 @@ class TrainingSpec:
     cp: int = 1
     sequence_parallel: bool = False
     recompute: str = "none"
+    recompute_every: int = 1  # full recompute of every N-th layer only (torchtitan/torchtune ac_freq)
     attention: str = "sdpa"
     optimizer_in_backward: bool = False
     lora_rank: int = 0
@@ -87,7 +88,8 @@ class TrainingSpec:
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
-        for key in ("batch_size", "seq_len", "grad_accum", "dp", "tp", "pp", "cp", "fsdp_node_size", "loss_chunks"):
+        for key in ("batch_size", "seq_len", "grad_accum", "dp", "tp", "pp", "cp", "fsdp_node_size", "loss_chunks",
+                    "recompute_every"):
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool):
                 raise TrainmemError(f"--{key.replace('_', '-')} must be an integer, got {v!r}")
@@ -102,6 +104,9 @@ class TrainingSpec:
         _choice("zero_grad", self.zero_grad, ZERO_GRAD)
         _choice("hold_output", self.hold_output, HOLD_OUTPUT)
         self._check_loss()
+        if self.recompute_every > 1 and self.recompute != "full":
+            raise TrainmemError(f"--recompute-every {self.recompute_every} checkpoints every N-th layer: it needs "
+                                "--recompute full")
         if self.precision == "bf16-mp" and self.fsdp is None:
             raise TrainmemError("--precision bf16-mp is FSDP's MixedPrecisionPolicy(param_dtype=bf16, "
                                 "reduce_dtype=fp32): give --fsdp full (or grad-op, hybrid), or use --precision bf16-amp")
