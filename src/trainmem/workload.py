@@ -115,10 +115,10 @@ def optimizer_class(t: TrainingSpec, lr: float = 1e-4) -> tuple[type, dict[str, 
         kw["momentum"] = 0.9 if t.optimizer == "sgd-momentum" else 0.0
         return torch.optim.SGD, kw
     if t.optimizer == "adafactor":
-        if not hasattr(torch.optim, "Adafactor"):
-            raise TrainmemError("--optimizer adafactor needs torch >= 2.5 (torch.optim.Adafactor)")
-        kw.pop("fused", None)
-        return torch.optim.Adafactor, kw
+        # transformers' Adafactor, as the HF Trainer's optim="adafactor" builds it
+        # (trainer.py get_optimizer_cls_and_kwargs: scale_parameter=False, relative_step=False)
+        from transformers.optimization import Adafactor
+        return Adafactor, {"lr": lr, "scale_parameter": False, "relative_step": False}
     raise TrainmemError(f"--optimizer {t.optimizer} is not supported by trace")
 
 
