@@ -48,7 +48,7 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
     if bad:
         raise TrainmemError(f"{what} runs one GPU without parallelism or sharding; not supported: " + ", ".join(bad)
                             + " (use `estimate` for those)")
-    if t.optimizer in ("lion", "adamw-8bit"):
+    if t.optimizer in ("lion", "adamw-8bit", "paged-adamw-8bit", "paged-adamw"):
         raise TrainmemError(f"--optimizer {t.optimizer} is not in torch.optim; {what} supports adamw, adam, sgd, "
                             f"sgd-momentum, adafactor")
     if t.recompute == "selective":

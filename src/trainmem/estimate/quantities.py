@@ -321,7 +321,7 @@ def _adafactor_temporaries(t: TrainingSpec, st: States) -> int:
 
 def _copies_per_tensor(t: TrainingSpec, per_parameter: bool) -> int | None:
     """State-sized temporaries one optimizer step makes per tensor (None: the whole group's worth)."""
-    if t.optimizer == "sgd" or t.impl == "fused" or t.optimizer == "adamw-8bit" or t.offload_optimizer:
+    if t.optimizer in ("sgd", "adamw-8bit", "paged-adamw-8bit", "paged-adamw") or t.impl == "fused" or t.offload_optimizer:
         return 0
     if t.impl == "foreach":
         return 1 if per_parameter else None

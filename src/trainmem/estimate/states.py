@@ -97,6 +97,8 @@ def state_bytes(optimizer: str, shape: tuple[int, ...], numel: int, sbytes: int,
             lead = numel // (shape[-1] * shape[-2])
             return (lead * shape[-2] * 4, lead * shape[-1] * 4)
         return (numel * 4,)
+    if optimizer in ("paged-adamw-8bit", "paged-adamw"):
+        return ()  # cudaMallocManaged pages, outside the caching allocator (see _model_states)
     if optimizer == "adamw-8bit":
         if (numel if whole is None else whole) < 4096:
             return (numel * 4, numel * 4)
@@ -252,6 +254,9 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
     master, opt, step_t = acc.master, acc.opt, acc.step_t
     if t.offload_optimizer:  # ZeRO-Offload: fp32 master weights and optimizer states live in host memory
         master = opt = step_t = 0
+    # bitsandbytes' paged optimizers put their states in CUDA unified memory (``cudaMallocManaged``,
+    # ``bitsandbytes/functional.py`` get_paged / GlobalPageManager): not device memory the caching
+    # allocator holds, paged to the GPU only while the step reads them
     return States(weights, acc.buffers, master, acc.grads, opt, step_t, acc.trainable, acc.params_rank,
                   acc.layer_grads, acc.head_grads, acc.lmh, acc.hmh, acc.largest, acc.group, acc.lpf,
                   sum(n for _, n, _ in lora))

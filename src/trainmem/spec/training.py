@@ -15,7 +15,9 @@ from .layout import layout_problems
 #: Lightning's bf16-true); bf16-mp: FSDP's mixed-precision policy (fp32 sharded parameters, gradients
 #: and states; parameters gathered in bf16 for compute, no autocast)
 PRECISIONS = ("fp32", "fp16-amp", "bf16-amp", "bf16", "fp16", "bf16-mp")
-OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adamw-8bit", "lion")
+#: paged-*: bitsandbytes' paged optimizers (PagedAdamW8bit, PagedAdamW): states in CUDA unified memory
+OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adamw-8bit", "lion", "paged-adamw-8bit",
+              "paged-adamw")
 OPTIMIZER_IMPLS = ("foreach", "fused", "for-loop")
 RECOMPUTE = ("none", "selective", "full")
 #: eager: transformers' Python attention; sdpa: F.scaled_dot_product_attention with the backend PyTorch's
