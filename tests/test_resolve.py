@@ -242,3 +242,30 @@ def test_trace_takes_the_resolvers_options():
     assert (same.peak_allocated, same.model.num_layers) == (r.peak_allocated, 2)
     assert trainmem.trace(resolve("gpt2", set=tiny, batch_size=2, seq_len=64), device="cpu").peak_allocated \
         == r.peak_allocated
+
+
+# ----- framework presets (tests/test_frameworks.py has the presets themselves) ----------------------------
+def test_framework_options_go_through_the_resolver():
+    r = resolve("llama-3.2-1b", framework="nanogpt", batch_size=2, gpu="h100")
+    assert r.training.extra["framework"] == "nanogpt" and r.training.hold_output == "step"
+    assert r.training.extra["framework_given"] == {"batch_size": 2}
+    # the same option values without the preset are the same setup (extra is not compared)
+    assert r.training == resolve("llama-3.2-1b", batch_size=2, hold_output="step", loss="half",
+                                 optimizer_impl="fused", dropout=False).training
+    # a Resolved made under a preset keeps it and the options given so far; a new framework replaces it
+    again = resolve(r, seq_len=512)
+    assert (again.training.hold_output, again.training.batch_size, again.training.seq_len) == ("step", 2, 512)
+    other = resolve(r, framework="torchtune")
+    assert (other.training.extra["framework"], other.training.loss, other.training.batch_size) == \
+        ("torchtune", "chunked", 2)
+    assert resolve(r, framework_version=None).training is r.training
+    with pytest.raises(TrainmemError, match="unknown option"):
+        resolve("gpt2", framwork="nanogpt")
+
+
+def test_estimate_and_the_evaluator_take_the_framework():
+    ev = Evaluator("llama-3.2-1b", framework="torchtitan", batch_size=1, seq_len=512)
+    assert ev.resolved.training.recompute_every == 2
+    assert ev.report(dp=8).training.precision == "bf16-mp"
+    assert estimate("llama-3.2-1b", framework="torchtitan", batch_size=1, seq_len=512).training == \
+        ev.resolved.training

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
+from ..spec.frameworks import FRAMEWORKS
 from ..spec.training import (ATTENTION, FSDP_MODES, HOLD_OUTPUT, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS,
                              RECOMPUTE, ZERO_GRAD, LOSSES, MASTER_WEIGHTS)
 
@@ -50,17 +51,23 @@ def add_model_and_training(p: argparse.ArgumentParser) -> None:
 
 
 def add_training(g: Any) -> None:
-    """The training-setup flags (a parser or an argument group)."""
+    """The training-setup flags (a parser or an argument group). Flags a framework preset sets
+    default to None (not given), so that only an explicit flag overrides the preset."""
+    g.add_argument("--framework", default=None, metavar="NAME",
+                   help=f"set the options the way this framework's current release does ({', '.join(FRAMEWORKS)}; "
+                        "docs/frameworks.md); explicit flags override it")
+    g.add_argument("--framework-version", default=None, metavar="V",
+                   help="the framework's release where a default changed (e.g. 4.45 for hf-trainer)")
     g.add_argument("--batch-size", type=positive_int, default=1, help="micro-batch per data-parallel rank")
     g.add_argument("--seq-len", type=positive_int, default=None,
                    help="tokens per sample (default 2048, or the model's learned positions if fewer)")
     g.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
-    g.add_argument("--precision", choices=PRECISIONS, default="bf16-amp",
-                   help="amp = fp32 weights + autocast; bf16/fp16 = weights in that dtype")
-    g.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    g.add_argument("--precision", choices=PRECISIONS, default=None,
+                   help="amp = fp32 weights + autocast; bf16/fp16 = weights in that dtype (default bf16-amp)")
+    g.add_argument("--optimizer", choices=OPTIMIZERS, default=None, help="(default adamw)")
     g.add_argument("--optimizer-impl", choices=OPTIMIZER_IMPLS, default=None,
                    help="torch.optim implementation (default foreach, as PyTorch on CUDA)")
-    g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage over the DP group")
+    g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None, help="ZeRO stage over the DP group")
     g.add_argument("--fsdp", choices=FSDP_MODES, default=None)
     g.add_argument("--offload-optimizer", action="store_true", help="ZeRO-Offload: optimizer states in CPU memory")
     g.add_argument("--distributed-optimizer", action="store_true",
@@ -75,20 +82,20 @@ def add_training(g: Any) -> None:
                        help={"dp": "data-parallel size", "tp": "tensor-parallel size",
                              "pp": "pipeline-parallel size", "cp": "context-parallel size"}[k])
     g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--recompute", choices=RECOMPUTE, default="none", help="activation recomputation")
-    g.add_argument("--recompute-every", type=positive_int, default=1, metavar="N",
+    g.add_argument("--recompute", choices=RECOMPUTE, default=None, help="activation recomputation (default none)")
+    g.add_argument("--recompute-every", type=positive_int, default=None, metavar="N",
                    help="with --recompute full: checkpoint only every N-th layer (torchtitan/torchtune ac_freq)")
     g.add_argument("--compile", action="store_true", help="torch.compile (fused loss backward)")
-    g.add_argument("--attention", choices=ATTENTION, default="sdpa",
-                   help="sdpa: the backend PyTorch picks; sdpa-flash|sdpa-efficient|sdpa-math|sdpa-cudnn pin one "
-                        "(torch.nn.attention.sdpa_kernel); flash: flash_attention_2; eager: Python attention")
+    g.add_argument("--attention", choices=ATTENTION, default=None,
+                   help="sdpa (default): the backend PyTorch picks; sdpa-flash|sdpa-efficient|sdpa-math|sdpa-cudnn "
+                        "pin one (torch.nn.attention.sdpa_kernel); flash: flash_attention_2; eager: Python attention")
     g.add_argument("--hold-output", choices=HOLD_OUTPUT, default=None,
                    help="what the loop keeps of the model output: loss (only the loss, the HF Trainer; default), "
                         "backward (the output until backward ends), step (until the next forward replaces it: "
                         "`logits, loss = model(x, y)`, nanoGPT)")
-    g.add_argument("--keep-logits", action="store_true", help="the same as --hold-output step")
-    g.add_argument("--zero-grad", choices=ZERO_GRAD, default="none",
-                   help="none: zero_grad(set_to_none=True) frees the gradients (PyTorch >= 2.0); zeros: "
+    g.add_argument("--keep-logits", action="store_true", default=None, help="the same as --hold-output step")
+    g.add_argument("--zero-grad", choices=ZERO_GRAD, default=None,
+                   help="none (default): zero_grad(set_to_none=True) frees the gradients (PyTorch >= 2.0); zeros: "
                         "set_to_none=False keeps them allocated through the next step")
     g.add_argument("--optimizer-in-backward", action="store_true",
                    help="apply the optimizer per parameter inside backward, freeing each gradient")
@@ -100,7 +107,7 @@ def add_training(g: Any) -> None:
                    help="upcast: HF ForCausalLMLoss (fp32 copy of the logits); half: cross-entropy on the half "
                         "logits (nanoGPT, lit-gpt); chunked: torchtune's chunked output + loss (--loss-chunks N); "
                         "fused: Liger's fused linear cross-entropy (default: the model's own loss)")
-    g.add_argument("--loss-chunks", type=positive_int, default=1, metavar="N",
+    g.add_argument("--loss-chunks", type=positive_int, default=None, metavar="N",
                    help="--loss chunked: the output projection and loss run in N chunks of tokens")
 
 
@@ -133,10 +140,10 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 keep_logits=a.keep_logits,
                 optimizer_in_backward=a.optimizer_in_backward, hold_output=a.hold_output, zero_grad=a.zero_grad,
                 lora_rank=a.lora_rank,
-                lora_targets=a.lora_targets, dropout=not a.no_dropout,
+                lora_targets=a.lora_targets, dropout=False if a.no_dropout else None,
                 optimizer_bucket_mb=a.optimizer_bucket_mb, loss_chunks=a.loss_chunks, loss=a.loss,
-                master_weights=a.master_weights)
-    if a.fsdp is not None and a.zero == 0:
+                master_weights=a.master_weights, framework=a.framework, framework_version=a.framework_version)
+    if a.fsdp is not None and a.zero in (0, None):
         opts.pop("zero")
     return opts
 

@@ -31,7 +31,11 @@ def _setup_line(r: MemoryReport) -> str:
     stage = r.extra.get("pipeline_stage")
     if stage:
         extras.append(f"{stage} pipeline stage shown")
-    return (f"{m.name} ({m.num_params / 1e9:.2f}B params) · {t.precision} · micro-batch {t.batch_size} × "
+    fw = (t.extra or {}).get("framework")
+    if fw:  # the preset first: the options after it are what it (and the user) set
+        version = t.extra.get("framework_version")
+        fw = f" · framework {fw}" + (f" {version}" if version else "")
+    return (f"{m.name} ({m.num_params / 1e9:.2f}B params){fw or ''} · {t.precision} · micro-batch {t.batch_size} × "
             f"seq {t.seq_len} · grad-accum {t.grad_accum} · {t.optimizer} · attention {t.attention}"
             + (" · " + " ".join(par) if par else "") + (" · " + " · ".join(extras) if extras else ""))
 

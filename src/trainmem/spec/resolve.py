@@ -15,7 +15,13 @@ Options:
 * ``gpu`` (a catalogue name or a :class:`Hardware`), ``gpu_memory``, ``context_memory``, or
   ``hardware`` (a Hardware);
 * ``max_fraction`` (in (0, 1]), ``method`` (an estimate method), ``set`` / ``overrides`` (config
-  overrides such as ``["num_hidden_layers=2"]``).
+  overrides such as ``["num_hidden_layers=2"]``);
+* ``framework`` (a preset of ``spec.frameworks``: ``nanogpt``, ``torchtune``, ...) and
+  ``framework_version``: the preset's option values go first, the explicit training options on
+  top (``preset_training``); the setup remembers the framework in ``TrainingSpec.extra``
+  (``framework``, ``framework_version``, ``framework_given``: the explicit options, and
+  ``framework_warnings``: one line each for what the framework does not run or trainmem does not
+  count), so :meth:`Resolved.replace` applies the preset again to the changed setup.
 
 A value of None means "not given". Every bad input raises one :class:`TrainmemError` whose single
 line names the input.
@@ -31,13 +37,15 @@ from typing import Any, Mapping
 from ..errors import TrainmemError
 from ..units import parse_bytes
 from .config import resolve_model
+from .frameworks import FRAMEWORKS, LINKED, get_preset, parse_version, preset_options, preset_warnings
 from .hardware import Hardware, get_gpu
 from .model import ModelSpec
 from .training import TrainingSpec, check_against, default_seq_len
 
 TRAINING_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainingSpec) if f.name != "extra")
 HARDWARE_OPTIONS = frozenset({"gpu", "gpu_memory", "context_memory", "hardware"})
-OTHER_OPTIONS = frozenset({"max_fraction", "method", "set", "overrides", "training"})
+FRAMEWORK_OPTIONS = frozenset({"framework", "framework_version"})
+OTHER_OPTIONS = frozenset({"max_fraction", "method", "set", "overrides", "training"}) | FRAMEWORK_OPTIONS
 OPTIONS = TRAINING_FIELDS | HARDWARE_OPTIONS | OTHER_OPTIONS
 TRAINING_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainingSpec) if f.name != "extra"}
 
@@ -53,7 +61,7 @@ def check_options(options: Mapping[str, Any], known: frozenset[str] = OPTIONS) -
         hints.append(f"{name} (did you mean {close[0]}?)" if close else name)
     raise TrainmemError(f"unknown option(s): {', '.join(hints)}; options are the TrainingSpec fields "
                         f"(batch_size, seq_len, precision, ...), gpu, gpu_memory, context_memory, max_fraction, "
-                        f"method and set")
+                        f"method, set, framework and framework_version")
 
 
 def check_max_fraction(value: Any) -> Any:
@@ -137,10 +145,17 @@ class Resolved:
     def replace(self, **training_changes: Any) -> "Resolved":
         """The same model, GPU, method and max fraction with ``training_changes`` applied to the
         training setup (``dataclasses.replace``), validated again. A change to None restores the
-        field's default (``seq_len``: the model's ``default_seq_len``)."""
+        field's default (``seq_len``: the model's ``default_seq_len``); under a framework preset it
+        restores the preset's value, and the preset is applied again to the changed setup."""
         check_options(training_changes, TRAINING_FIELDS)
         if not training_changes:
             return self
+        extra = self.training.extra
+        if extra.get("framework"):
+            given = {k: v for k, v in extra["framework_given"].items() if k not in training_changes}
+            given.update(training_values(training_changes))
+            t = preset_training(extra["framework"], extra.get("framework_version"), given, self.model)
+            return dataclasses.replace(self, training=t)
         changes = training_values(training_changes)
         for k, v in training_changes.items():
             if v is None:
@@ -170,18 +185,60 @@ def training_from(options: Mapping[str, Any], model: ModelSpec | None = None,
                   base: TrainingSpec | None = None) -> TrainingSpec:
     """The TrainingSpec of ``options``: their training fields on top of ``training=`` (or ``base``),
     else a new one whose ``seq_len`` defaults to the model's ``default_seq_len`` (2048 without a
-    model)."""
+    model). With ``framework`` (or a base made under one) the preset goes between the base and the
+    options (``preset_training``)."""
     given = training_values(options)
     start = options.get("training")
     if start is None:
         start = base
+    if start is not None and not isinstance(start, TrainingSpec):
+        raise TrainmemError(f"training= must be a TrainingSpec, got {type(start).__name__}")
+    framework, version = options.get("framework"), options.get("framework_version")
+    prior = start.extra if start is not None and start.extra.get("framework") else None
+    if prior is not None:
+        if framework is None and version is None and not given:
+            return start
+        if framework is None or get_preset(framework).name == prior["framework"]:
+            framework = prior["framework"]
+            version = prior.get("framework_version") if version is None else version
+        return preset_training(framework, version, {**prior["framework_given"], **given}, model)
+    if framework is not None:
+        return preset_training(framework, version, given, model, start)
+    if version is not None:
+        raise TrainmemError(f"--framework-version needs --framework NAME (one of: {', '.join(FRAMEWORKS)})")
     if start is not None:
-        if not isinstance(start, TrainingSpec):
-            raise TrainmemError(f"training= must be a TrainingSpec, got {type(start).__name__}")
         return dataclasses.replace(start, **given) if given else start
     if "seq_len" not in given and model is not None:
         given["seq_len"] = default_seq_len(model)
     return TrainingSpec(**given)
+
+
+def preset_training(framework: str, version: Any, given: Mapping[str, Any], model: ModelSpec | None = None,
+                    start: TrainingSpec | None = None) -> TrainingSpec:
+    """The TrainingSpec of a framework preset: ``start``'s fields (a TrainingSpec given beside
+    the framework; else the defaults), the preset's values (``spec.frameworks.preset_options``) on
+    top, the ``given`` options (not None) on top of those. Giving one option of a linked pair
+    (``recompute``/``recompute_every``, ``loss``/``loss_chunks``, ``zero``/``fsdp``,
+    ``hold_output``/``keep_logits``) drops the preset's value of the other. The framework, its
+    version, ``given`` and the preset's warnings go to ``extra``."""
+    name = get_preset(framework).name
+    text = None if version is None else str(version).strip().lstrip("v")
+    parse_version(get_preset(name), text)
+    given = {k: v for k, v in given.items() if v is not None and not (k == "keep_logits" and v is False)}
+    base = {} if start is None else {f.name: getattr(start, f.name) for f in dataclasses.fields(start)
+                                     if f.name not in ("extra", "keep_logits")}
+    values = preset_options(name, text, given, model, {**TRAINING_DEFAULTS, **base})
+    for group in LINKED:
+        if any(k in given for k in group):
+            for k in group:
+                values.pop(k, None)
+    fields = {**base, **values, **given}
+    if "seq_len" not in fields and model is not None:
+        fields["seq_len"] = default_seq_len(model)
+    extra: dict[str, Any] = {"framework": name, "framework_version": text, "framework_given": dict(given)}
+    t = TrainingSpec(**fields, extra=extra)
+    extra["framework_warnings"] = tuple(preset_warnings(name, text, t, model, frozenset(given)))
+    return t
 
 
 def _hardware(options: Mapping[str, Any], base: Hardware | None) -> Hardware | None:

@@ -1,0 +1,550 @@
+"""Framework presets: the training options a framework's current release sets, each with its source.
+
+``--framework NAME`` applies one :class:`Preset`: its option values first, the user's explicit
+options on top (``spec.resolve``). A preset holds, per option, a :class:`Cell`: the value it sets
+(None: it sets nothing and trainmem's default stays, with the reason in ``shown``/``note``), the
+source lines it was read from (``Source``: a file and lines at a release tag or commit of
+``REPOS``) and what trainmem models differently. Defaults that changed between releases are
+version rules (``Since``) chosen by ``--framework-version``; values that depend on the rest of the
+setup (torchtitan's precision follows its parallelism) or on the model (transformers >= 5 loads a
+checkpoint in its own dtype) come from the preset's ``rules``; ``check`` names, in one line each,
+what in a setup the framework does not run or trainmem does not count. ``docs/frameworks.md``
+carries ``markdown_table()`` (tests/test_frameworks.py keeps the two equal).
+"""
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from ..errors import TrainmemError
+
+#: the repository and the release tag (or commit) every cited line is read at
+REPOS: dict[str, tuple[str, str]] = {
+    "torch": ("pytorch/pytorch", "v2.13.0"),
+    "transformers": ("huggingface/transformers", "v5.23.0"),
+    "transformers-4.31": ("huggingface/transformers", "v4.31.0"),
+    "transformers-4.32": ("huggingface/transformers", "v4.32.0"),
+    "transformers-4.45": ("huggingface/transformers", "v4.45.2"),
+    "transformers-4.48": ("huggingface/transformers", "v4.48.0"),
+    "transformers-4.49": ("huggingface/transformers", "v4.49.0"),
+    "transformers-4.54": ("huggingface/transformers", "v4.54.0"),
+    "transformers-5.0": ("huggingface/transformers", "v5.0.0"),
+    "accelerate": ("huggingface/accelerate", "v1.15.0"),
+    "accelerate-main": ("huggingface/accelerate", "16cb6eb80dd9aa8b4df1a63ef57863e455d53b83"),
+    "torchtune": ("pytorch/torchtune", "v0.6.1"),
+    "torchtitan": ("pytorch/torchtitan", "v0.2.2"),
+    "lightning": ("Lightning-AI/pytorch-lightning", "2.6.5"),
+    "nanogpt": ("karpathy/nanoGPT", "3adf61e154c3fe3fca428ad6bc3818b27a3b8291"),
+    "deepspeed": ("deepspeedai/DeepSpeed", "v0.19.5"),
+    "megatron": ("NVIDIA/Megatron-LM", "core_v0.19.0"),
+}
+
+#: the options a preset speaks for, in the table's order (``sharding`` is ``fsdp``/``zero``/
+#: ``distributed_optimizer``)
+COLUMNS = ("precision", "master_weights", "optimizer_impl", "zero_grad", "hold_output", "loss", "attention",
+           "recompute", "sharding", "dropout")
+#: options a user gives together: giving one drops the preset's value for the others
+LINKED = (("recompute", "recompute_every"), ("loss", "loss_chunks"), ("zero", "fsdp"),
+          ("hold_output", "keep_logits"))
+#: cells shown inside another column's cell
+_WITHIN = {"loss": ("loss_chunks",), "recompute": ("recompute_every",)}
+
+
+@dataclass(frozen=True)
+class Source:
+    """Lines of one file at ``REPOS[repo]``'s tag or commit."""
+
+    repo: str
+    path: str
+    lines: str  # "806" or "806-811"
+
+    @property
+    def text(self) -> str:
+        return f"{self.path.rsplit('/', 1)[-1]}:{self.lines}"
+
+    @property
+    def url(self) -> str:
+        name, ref = REPOS[self.repo]
+        first, _, last = self.lines.partition("-")
+        return f"https://github.com/{name}/blob/{ref}/{self.path}#L{first}" + (f"-L{last}" if last else "")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One option of one preset: the value it sets (None: none, trainmem's default stays), its
+    sources, the table's text when the value depends on the setup or is not set, and a note."""
+
+    value: Any = None
+    sources: tuple[Source, ...] = ()
+    shown: str = ""
+    note: str = ""
+    option: str = ""  # the TrainingSpec field, when it is not the column's name
+
+
+@dataclass(frozen=True)
+class Since:
+    """From ``version`` on (until the next rule), ``option`` is ``value``."""
+
+    option: str
+    version: str
+    value: Any
+    source: Source
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A framework's defaults as ``TrainingSpec`` options."""
+
+    name: str
+    title: str
+    release: str                # what the cells were read from, e.g. "transformers 5.23.0"
+    cells: Mapping[str, Cell]
+    since: tuple[Since, ...] = ()         # version rules, ascending per option
+    oldest: str | None = None            # oldest --framework-version (None: no version rules)
+    rules: Callable[[Mapping[str, Any], Any, tuple[int, ...] | None], dict[str, Any]] | None = None
+    check: Callable[[Any, Any, tuple[int, ...] | None, frozenset[str]], list[str]] | None = None
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def current(self) -> str:
+        return self.release.rsplit(" ", 1)[-1]
+
+
+def _v(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split("."))
+
+
+def _dtype_precision(model: Any) -> str | None:
+    """The precision of a model trained as ``from_pretrained(dtype="auto")`` loads it with no
+    autocast: its config's ``dtype``/``torch_dtype`` (None when the config names none)."""
+    config = getattr(model, "config", None) or {}
+    dtype = config.get("dtype") or config.get("torch_dtype")
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(str(dtype).replace("torch.", ""))
+
+
+def _half_master(view: Mapping[str, Any]) -> dict[str, Any]:
+    """An fp32 master copy beside bf16/fp16 weights (DeepSpeed's and Megatron's optimizers)."""
+    return {"master_weights": "fp32"} if view.get("precision") in ("bf16", "fp16") else {}
+
+
+def _hf_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] | None) -> dict[str, Any]:
+    """transformers >= 5: ``from_pretrained`` loads the checkpoint's dtype, and ``bf16=False``
+    adds no autocast: a bf16 checkpoint trains in pure bf16."""
+    if version is not None and version < (5,):
+        return {}
+    p = _dtype_precision(model)
+    return {"precision": p} if p else {}
+
+
+def _accelerate_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] | None) -> dict[str, Any]:
+    """``mixed_precision="no"``: the model as loaded (transformers >= 5: the checkpoint's dtype)."""
+    p = _dtype_precision(model)
+    return {"precision": p} if p else {}
+
+
+def _sharded(view: Mapping[str, Any]) -> bool:
+    return view.get("dp", 1) > 1 or view.get("cp", 1) > 1
+
+
+def _torchtitan_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] | None) -> dict[str, Any]:
+    """FSDP2 over every data-parallel rank (``data_parallel_shard_degree=-1``), resharding after
+    forward unless pipelined; its MixedPrecisionPolicy is the precision when FSDP is on, else
+    autocast (DDP or one GPU) or none (TP/PP without FSDP)."""
+    out: dict[str, Any] = {}
+    fsdp = view.get("fsdp")
+    if fsdp is None and not view.get("zero") and _sharded(view):
+        fsdp = out["fsdp"] = "grad-op" if view.get("pp", 1) > 1 else "full"
+    if fsdp is not None:
+        out["precision"] = "bf16-mp"
+    elif view.get("tp", 1) > 1 or view.get("pp", 1) > 1:
+        out["precision"] = "fp32"
+    else:
+        out["precision"] = "bf16-amp"
+    return out
+
+
+def _torchtune_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] | None) -> dict[str, Any]:
+    """full_finetune_distributed shards every rank's model with FSDP2 (reshard after forward)."""
+    if view.get("fsdp") is None and not view.get("zero") and _sharded(view):
+        return {"fsdp": "full"}
+    return {}
+
+
+def _others(t: Any, framework: str, zero: bool = True, dist: bool = True) -> list[str]:
+    """The sharding a framework does not use: DeepSpeed's ZeRO, Megatron's distributed optimizer."""
+    out = []
+    if zero and t.zero and t.fsdp is None:
+        out.append(f"--zero {t.zero} is DeepSpeed's ZeRO: {framework} does not run it")
+    if dist and t.distributed_optimizer:
+        out.append(f"--distributed-optimizer is Megatron's (or NeMo's): {framework} does not run it")
+    return out
+
+
+def _no_dtype(t: Any, model: Any, given: frozenset[str]) -> list[str]:
+    """transformers >= 5 loads the weights' own dtype when the config names none: unknown here."""
+    if "precision" in given or _dtype_precision(model) is not None:
+        return []
+    return [f"the model config names no dtype (transformers 5 loads the checkpoint's own): --precision stays "
+            f"{t.precision}; give --precision to say how the weights are loaded"]
+
+
+def _check_nanogpt(t: Any, model: Any, version: Any, given: frozenset[str]) -> list[str]:
+    bad = [f"--{k} {getattr(t, k)}" for k in ("tp", "pp", "cp") if getattr(t, k) > 1]
+    if t.zero_stage:
+        bad.append(f"--fsdp {t.fsdp}" if t.fsdp else f"--zero {t.zero}")
+    if t.distributed_optimizer:
+        bad.append("--distributed-optimizer")
+    if t.lora_rank:
+        bad.append("--lora-rank")
+    if not bad:
+        return []
+    return [f"{', '.join(bad)}: nanoGPT's train.py runs one GPU or DDP (--dp) with full fine-tuning only"]
+
+
+def _check_hf(t: Any, model: Any, version: tuple[int, ...] | None, given: frozenset[str]) -> list[str]:
+    out = _others(t, "the HF Trainer", zero=False)
+    if version is None or version >= (5,):
+        out += _no_dtype(t, model, given)
+    if version is not None and version < (4, 49) and "loss" not in given and getattr(model, "head", "") == "causal-lm":
+        where = "the model's forward (logits.float())" if version < (4, 46) else "ForCausalLMLoss"
+        out.append(f"transformers {'.'.join(map(str, version))}: {where} also copies the shifted fp32 logits "
+                   f"(shift_logits.contiguous(), removed in 4.49): one fp32 logits tensor more than trainmem counts")
+    return out
+
+
+def _check_accelerate(t: Any, model: Any, version: Any, given: frozenset[str]) -> list[str]:
+    return _others(t, "Accelerate", zero=False) + _no_dtype(t, model, given)
+
+
+def _check_fsdp_only(name: str) -> Callable[..., list[str]]:
+    """torchtune and torchtitan shard with FSDP2 only."""
+    def check(t: Any, model: Any, version: Any, given: frozenset[str]) -> list[str]:
+        return _others(t, name)
+    return check
+
+
+def _check_lightning(t: Any, model: Any, version: Any, given: frozenset[str]) -> list[str]:
+    return _others(t, "Lightning", zero=False)
+
+
+def _check_deepspeed(t: Any, model: Any, version: Any, given: frozenset[str]) -> list[str]:
+    out = _others(t, "DeepSpeed", zero=False)
+    if t.fsdp is not None:
+        out.append(f"--fsdp {t.fsdp} is PyTorch FSDP: DeepSpeed shards with --zero 1|2|3")
+    return out
+
+
+def _check_megatron(t: Any, model: Any, version: Any, given: frozenset[str]) -> list[str]:
+    out = _others(t, "Megatron-LM", dist=False)
+    if t.precision in ("bf16", "fp16") and not t.distributed_optimizer:
+        out.append(f"Megatron keeps fp32 main gradients with --{t.precision} (accumulate_allreduce_grads_in_fp32) "
+                   f"without --distributed-optimizer too; trainmem counts {t.precision} gradients here "
+                   f"(2 bytes per parameter fewer)")
+    return out
+
+
+def _s(repo: str, path: str, lines: str) -> Source:
+    return Source(repo, path, lines)
+
+
+_TF = "src/transformers/"
+_NOT_SET = "user's code (trainmem default)"
+
+PRESETS: dict[str, Preset] = {p.name: p for p in (
+    Preset("plain", "a plain PyTorch loop", "torch 2.13.0", {
+        "precision": Cell(shown="bf16-amp (trainmem default)",
+                          note="PyTorch has no precision policy of its own: the loop trainmem writes runs "
+                               "torch.autocast(bf16) over fp32 weights"),
+        "master_weights": Cell(shown="none"),
+        "optimizer_impl": Cell(shown="foreach", sources=(_s("torch", "torch/optim/adam.py", "937-939"),),
+                               note="torch.optim.AdamW picks foreach on CUDA when neither foreach nor fused is given"),
+        "zero_grad": Cell(shown="none", sources=(_s("torch", "torch/optim/optimizer.py", "1024"),),
+                          note="Optimizer.zero_grad(set_to_none=True) by default since PyTorch 2.0"),
+        "hold_output": Cell(shown=_NOT_SET), "loss": Cell(shown="the model's own"),
+        "attention": Cell(shown="sdpa (trainmem default)"), "recompute": Cell(shown="none"),
+        "sharding": Cell(shown="none"), "dropout": Cell(shown="the config's"),
+    }),
+    Preset("hf-trainer", "Hugging Face Trainer", "transformers 5.23.0", {
+        "precision": Cell(shown="the checkpoint's dtype (v5), fp32 (v4)",
+                          sources=(_s("transformers", _TF + "training_args.py", "874-885"),
+                                   _s("transformers", _TF + "modeling_utils.py", "4177-4178"),
+                                   _s("transformers-4.54", _TF + "modeling_utils.py", "4430-4436")),
+                          note="bf16=False and fp16=False: no autocast; from_pretrained(dtype='auto') loads a bf16 "
+                               "checkpoint (llama-3.2-1b) in bf16, so it trains in pure bf16 (no master copy); "
+                               "transformers 4 loaded fp32. TrainingArguments(bf16=True) on fp32 weights is "
+                               "--precision bf16-amp"),
+        "master_weights": Cell(shown="none"),
+        "optimizer_impl": Cell("fused", (_s("transformers", _TF + "training_args.py", "806-811"),),
+                               note="optim='adamw_torch_fused' with torch >= 2.8"),
+        "zero_grad": Cell("none", (_s("transformers", _TF + "trainer.py", "1946"),
+                                   _s("torch", "torch/nn/modules/module.py", "2948")),
+                          note="model.zero_grad() after the step: set_to_none=True since PyTorch 2.0 "
+                               "(the same call in every release from 4.31.0 on)"),
+        "hold_output": Cell("loss", (_s("transformers", _TF + "trainer.py", "2164-2209"),
+                                     _s("transformers", _TF + "trainer.py", "2120")),
+                            note="compute_loss drops the outputs; training_step returns loss.detach()"),
+        "loss": Cell(shown="the model's own (upcast)",
+                     sources=(_s("transformers", _TF + "loss/loss_utils.py", "51-73"),),
+                     note="ForCausalLMLoss: logits.float(), labels padded (no shifted copy since 4.49)"),
+        "attention": Cell("sdpa", (_s("transformers", _TF + "modeling_utils.py", "1846"),)),
+        "recompute": Cell("none", (_s("transformers", _TF + "training_args.py", "1544-1545"),),
+                          note="activation_checkpointing (gradient_checkpointing) False"),
+        "sharding": Cell(shown="none (DDP); --fsdp or --zero as configured"),
+        "dropout": Cell(shown="the config's"),
+    }, since=(
+        Since("optimizer_impl", "4.31", "for-loop", _s("transformers-4.31", _TF + "training_args.py", "1026")),
+        Since("optimizer_impl", "4.32", "foreach", _s("transformers-4.32", _TF + "training_args.py", "1050")),
+        Since("optimizer_impl", "4.54", "fused", _s("transformers-4.54", _TF + "training_args.py", "1286-1291")),
+        Since("precision", "4.31", "fp32", _s("transformers-4.54", _TF + "modeling_utils.py", "4430-4436")),
+        Since("precision", "5.0", None, _s("transformers-5.0", _TF + "modeling_utils.py", "3934-3935")),
+    ), oldest="4.31", rules=_hf_rules, check=_check_hf, notes=(
+        "optim='adamw_hf' (before 4.32) is transformers' own AdamW, a loop over the parameters with one "
+        "temporary per tensor (optimization.py:468 in 4.31.0); trainmem counts it as for-loop (two)",
+        "before 4.49 the loss copied the shifted fp32 logits (4.45.2 modeling_llama.py:1219-1229, 4.48.0 "
+        "loss/loss_utils.py:39); the report warns that trainmem does not count that copy",
+    )),
+    Preset("accelerate", "Hugging Face Accelerate", "accelerate 1.15.0", {
+        "precision": Cell(shown="the checkpoint's dtype",
+                          sources=(_s("accelerate", "src/accelerate/state.py", "926-927"),),
+                          note="mixed_precision defaults to 'no' (no autocast): the weights train in the dtype "
+                               "the model was loaded in (transformers 5: the checkpoint's)"),
+        "master_weights": Cell(shown="none"),
+        "optimizer_impl": Cell(shown="foreach (the loop's torch.optim.AdamW)",
+                               sources=(_s("accelerate-main", "examples/nlp_example.py", "140"),)),
+        "zero_grad": Cell("none", (_s("accelerate", "src/accelerate/optimizer.py", "112-118"),)),
+        "hold_output": Cell("step", (_s("accelerate-main", "examples/nlp_example.py", "163-170"),),
+                            note="outputs = model(**batch) lives until the next batch's forward replaces it"),
+        "loss": Cell(shown="the model's own"), "attention": Cell(shown="the model's (sdpa)"),
+        "recompute": Cell(shown="none"), "sharding": Cell(shown="as configured"), "dropout": Cell(shown="the config's"),
+    }, rules=_accelerate_rules, check=_check_accelerate),
+    Preset("torchtune", "torchtune full_finetune_distributed", "torchtune 0.6.1", {
+        "precision": Cell("bf16", (_s("torchtune", "recipes/configs/llama3_2/1B_full.yaml", "76"),
+                                   _s("torchtune", "recipes/full_finetune_distributed.py", "539")),
+                          note="the model is built in bf16 (training.set_default_dtype): pure bf16, no master copy"),
+        "master_weights": Cell(shown="none"),
+        "optimizer_impl": Cell("fused", (_s("torchtune", "recipes/configs/llama3_2/1B_full.yaml", "55-58"),),
+                               note="the single-device config uses bitsandbytes PagedAdamW8bit with "
+                                    "optimizer_in_bwd: give --optimizer adamw-8bit --optimizer-in-backward"),
+        "zero_grad": Cell("none", (_s("torchtune", "recipes/full_finetune_distributed.py", "839"),)),
+        "hold_output": Cell("loss", (_s("torchtune", "recipes/full_finetune_distributed.py", "802-805"),),
+                            note="del logits after the loss, before backward"),
+        "loss": Cell("chunked", (_s("torchtune", "recipes/configs/llama3_2/1B_full.yaml", "59-60"),
+                                 _s("torchtune", "torchtune/modules/loss/ce_chunked_output_loss.py", "30"))),
+        "loss_chunks": Cell(8, (_s("torchtune", "torchtune/modules/loss/ce_chunked_output_loss.py", "30"),
+                                _s("torchtune", "recipes/full_finetune_distributed.py", "348-349"))),
+        "attention": Cell("sdpa", (_s("torchtune", "torchtune/modules/attention_utils.py", "185-259"),)),
+        "recompute": Cell("none", (_s("torchtune", "recipes/configs/llama3_2/1B_full.yaml", "69"),)),
+        "sharding": Cell(shown="fsdp full with --dp > 1", option="fsdp",
+                         sources=(_s("torchtune", "recipes/full_finetune_distributed.py", "590-596"),
+                                  _s("torchtune", "recipes/full_finetune_distributed.py", "299"))),
+        "dropout": Cell(shown="the config's"),
+    }, rules=_torchtune_rules, check=_check_fsdp_only("torchtune")),
+    Preset("torchtitan", "torchtitan", "torchtitan 0.2.2", {
+        "precision": Cell(shown="bf16-mp with FSDP (--dp > 1), else bf16-amp (fp32 with TP/PP alone)",
+                          sources=(_s("torchtitan", "torchtitan/config/job_config.py", "282-290"),
+                                   _s("torchtitan", "torchtitan/models/llama3/infra/parallelize.py", "125-138"),
+                                   _s("torchtitan", "torchtitan/distributed/utils.py", "243-263"))),
+        "master_weights": Cell(shown="none"),
+        "optimizer_impl": Cell("fused", (_s("torchtitan", "torchtitan/config/job_config.py", "135-151"),)),
+        "zero_grad": Cell("none", (_s("torchtitan", "torchtitan/train.py", "550"),)),
+        "hold_output": Cell("loss", (_s("torchtitan", "torchtitan/train.py", "532-542"),),
+                            note="del pred before loss.backward()"),
+        "loss": Cell("upcast", (_s("torchtitan", "torchtitan/components/loss.py", "20-27"),),
+                     note="cross_entropy(pred.flatten(0, 1).float())"),
+        "attention": Cell(shown="sdpa (not verified: cuDNN, flash, math pinned in that order)",
+                          sources=(_s("torchtitan", "torchtitan/models/attention.py", "168-190"),),
+                          note="trainmem's sdpa follows PyTorch's own order (cuDNN first only on sm90/sm100); "
+                               "--attention sdpa-cudnn pins cuDNN alone"),
+        "recompute": Cell("full", (_s("torchtitan", "torchtitan/config/job_config.py", "651-655"),
+                                   _s("torchtitan", "torchtitan/distributed/activation_checkpoint.py", "39-40")),
+                          note="mode 'selective', selective_ac_option '2': every 2nd layer fully recomputed "
+                               "(the llama3 train_configs use per-op SAC, which trainmem does not model)"),
+        "recompute_every": Cell(2, (_s("torchtitan", "torchtitan/config/job_config.py", "655"),)),
+        "sharding": Cell(shown="fsdp full with --dp > 1 (grad-op with --pp > 1)", option="fsdp",
+                         sources=(_s("torchtitan", "torchtitan/config/job_config.py", "324"),
+                                  _s("torchtitan", "torchtitan/models/llama3/infra/parallelize.py", "319-327"))),
+        "dropout": Cell(shown="the config's"),
+    }, rules=_torchtitan_rules, check=_check_fsdp_only("torchtitan")),
+    Preset("lightning", "PyTorch Lightning Trainer", "lightning 2.6.5", {
+        "precision": Cell("fp32", (_s("lightning", "src/lightning/pytorch/trainer/connectors/accelerator_connector.py",
+                                      "265"),),
+                          note="precision='32-true'; 'bf16-mixed' is --precision bf16-amp, "
+                               "'bf16-true' --precision bf16"),
+        "master_weights": Cell(shown="none"),
+        "optimizer_impl": Cell(shown="foreach (configure_optimizers' torch.optim)"),
+        "zero_grad": Cell("zeros", (_s("lightning", "src/lightning/pytorch/loops/optimization/automatic.py", "131-140"),
+                                    _s("lightning", "src/lightning/pytorch/core/module.py", "1391")),
+                          note="zero_grad() runs after training_step and before backward, so the last step's "
+                               "gradients live through the forward; trainmem's zeros also keeps them at the start "
+                               "of backward (an upper bound)"),
+        "hold_output": Cell("loss", (_s("lightning", "src/lightning/pytorch/loops/optimization/automatic.py",
+                                        "62-74"),),
+                            note="training_step returns the loss; its locals (the logits) are freed"),
+        "loss": Cell(shown=_NOT_SET), "attention": Cell(shown="the model's (sdpa)"), "recompute": Cell(shown="none"),
+        "sharding": Cell(shown="as the strategy says"), "dropout": Cell(shown="the config's"),
+    }, check=_check_lightning),
+    Preset("nanogpt", "nanoGPT train.py", "nanoGPT 3adf61e", {
+        "precision": Cell("bf16-amp", (_s("nanogpt", "train.py", "73"), _s("nanogpt", "train.py", "112")),
+                          note="bfloat16 autocast where supported, else float16 with a GradScaler"),
+        "master_weights": Cell(shown="none"),
+        "optimizer_impl": Cell("fused", (_s("nanogpt", "model.py", "280-284"),)),
+        "zero_grad": Cell("none", (_s("nanogpt", "train.py", "314"),)),
+        "hold_output": Cell("step", (_s("nanogpt", "train.py", "300"),),
+                            note="logits, loss = model(X, Y): the logits live until the next forward"),
+        "loss": Cell("half", (_s("nanogpt", "model.py", "186-187"),),
+                     note="F.cross_entropy on the autocast logits"),
+        "attention": Cell("sdpa", (_s("nanogpt", "model.py", "62-64"),)),
+        "recompute": Cell(shown="none"), "sharding": Cell(shown="none (DDP)"),
+        "dropout": Cell(False, (_s("nanogpt", "train.py", "55"), _s("nanogpt", "train.py", "184")),
+                        note="dropout = 0.0 is passed to the model"),
+    }, check=_check_nanogpt, notes=(
+        "train.py compiles the model (compile = True, train.py:74); the preset leaves --compile off because "
+        "trace and measure do not run it: add --compile to estimate the compiled loss",
+    )),
+    Preset("deepspeed", "DeepSpeed engine", "deepspeed 0.19.5", {
+        "precision": Cell("fp32", (_s("deepspeed", "deepspeed/runtime/constants.py", "138"),
+                                   _s("deepspeed", "deepspeed/runtime/constants.py", "179")),
+                          note="bf16.enabled and fp16.enabled default to False; bf16 casts the model to bf16 "
+                               "(--precision bf16)"),
+        "master_weights": Cell(shown="fp32 with --precision bf16/fp16",
+                               sources=(_s("deepspeed", "deepspeed/runtime/engine.py", "1934-1979"),
+                                        _s("deepspeed", "deepspeed/runtime/fp16/fused_optimizer.py", "98"),
+                                        _s("deepspeed", "deepspeed/runtime/bf16_optimizer.py", "170")),
+                               note="bf16/fp16 without ZeRO (FP16_Optimizer), ZeRO-1 with fp32 gradient "
+                                    "accumulation (BF16_Optimizer) and ZeRO-1/2/3 all keep fp32 partitions"),
+        "optimizer_impl": Cell("fused", (_s("deepspeed", "deepspeed/runtime/engine.py", "2051-2095"),),
+                               note="Adam/AdamW named in the config build FusedAdam; a client torch optimizer "
+                                    "is foreach"),
+        "zero_grad": Cell("none", (_s("deepspeed", "deepspeed/runtime/engine.py", "3271-3276"),
+                                   _s("deepspeed", "deepspeed/runtime/bf16_optimizer.py", "491"))),
+        "hold_output": Cell(shown=_NOT_SET), "loss": Cell(shown="the model's own"),
+        "attention": Cell(shown="the model's (sdpa)"), "recompute": Cell(shown="none"),
+        "sharding": Cell(shown="zero 0", sources=(_s("deepspeed", "deepspeed/runtime/zero/config.py", "95"),)),
+        "dropout": Cell(shown="the config's"),
+    }, rules=lambda view, model, version: _half_master(view), check=_check_deepspeed),
+    Preset("megatron", "Megatron-LM pretrain_gpt.py", "megatron-core 0.19.0", {
+        "precision": Cell("fp32", (_s("megatron", "megatron/core/model_parallel_config.py", "177-183"),),
+                          note="fp16 and bf16 default to False; --bf16 is --precision bf16"),
+        "master_weights": Cell(shown="fp32 with --precision bf16/fp16",
+                               sources=(_s("megatron", "megatron/core/optimizer/optimizer_config.py", "200"),)),
+        "optimizer_impl": Cell("fused", (_s("megatron", "megatron/core/optimizer/__init__.py", "14-33"),),
+                               note="Transformer Engine's (or apex's) FusedAdam; torch AdamW only without both"),
+        "zero_grad": Cell("zeros", (_s("megatron", "megatron/training/training.py", "2361-2364"),),
+                          note="zero_grad_buffer() zeroes the contiguous gradient buffer, which stays allocated"),
+        "hold_output": Cell("loss", (_s("megatron", "pretrain_gpt.py", "348-358"),
+                                     _s("megatron", "megatron/core/models/gpt/gpt_model.py", "790-796"))),
+        "loss": Cell(shown="the model's own (not verified)",
+                     sources=(_s("megatron", "megatron/core/tensor_parallel/cross_entropy.py", "25"),
+                              _s("megatron", "megatron/core/tensor_parallel/cross_entropy.py", "181")),
+                     note="vocab_parallel_cross_entropy computes the softmax in place on one fp32 copy and saves "
+                          "it; trainmem's upcast counts one fp32 logits tensor more"),
+        "attention": Cell(shown="sdpa (not verified: Transformer Engine picks)",
+                          sources=(_s("megatron", "megatron/core/transformer/transformer_config.py", "144"),)),
+        "recompute": Cell("none", (_s("megatron", "megatron/core/transformer/transformer_config.py", "518"),)),
+        "sharding": Cell(shown="distributed optimizer off",
+                         sources=(_s("megatron", "megatron/core/optimizer/optimizer_config.py", "321"),)),
+        "dropout": Cell(shown="the config's (not verified: Megatron's own is 0.1)",
+                        sources=(_s("megatron", "megatron/core/transformer/transformer_config.py", "181-184"),),
+                        note="hidden_dropout and attention_dropout default to 0.1; trainmem takes the "
+                             "probabilities from the model's config"),
+    }, rules=lambda view, model, version: _half_master(view), check=_check_megatron),
+)}
+
+FRAMEWORKS = tuple(PRESETS)
+
+
+def get_preset(name: str) -> Preset:
+    """The preset called ``name``; one-line TrainmemError naming the nearest one otherwise."""
+    if isinstance(name, str) and name.strip().lower() in PRESETS:
+        return PRESETS[name.strip().lower()]
+    close = difflib.get_close_matches(str(name).lower(), FRAMEWORKS, n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    raise TrainmemError(f"--framework {name!r} is not one of: {', '.join(FRAMEWORKS)}{hint}")
+
+
+def parse_version(preset: Preset, version: Any) -> tuple[int, ...] | None:
+    """``--framework-version`` as a tuple of ints (None when not given); a TrainmemError when the
+    preset has no version rules, or the version is not a release between its oldest rule and the
+    release the preset was read from (compared by major.minor)."""
+    if version is None:
+        return None
+    if preset.oldest is None:
+        raise TrainmemError(f"--framework {preset.name} has no version-dependent defaults (read from "
+                            f"{preset.release}): drop --framework-version")
+    text = str(version).strip().lstrip("v")
+    if not re.fullmatch(r"\d+(\.\d+){0,2}", text):
+        raise TrainmemError(f"--framework-version {version!r} is not a version like {preset.current}")
+    v = _v(text)
+    if not _v(preset.oldest) <= v[:2] <= _v(preset.current)[:2]:
+        raise TrainmemError(f"--framework-version {text}: the {preset.name} preset knows "
+                            f"{preset.release.rsplit(' ', 1)[0]} {preset.oldest} to {preset.current}")
+    return v
+
+
+def _static(preset: Preset, version: tuple[int, ...] | None) -> dict[str, Any]:
+    """The cells' values, then the version rules in force at ``version`` (None: the current release)."""
+    out = {c.option or k: c.value for k, c in preset.cells.items() if c.value is not None}
+    if version is not None:
+        for rule in preset.since:
+            if _v(rule.version) <= version:
+                out.pop(rule.option, None)
+                if rule.value is not None:
+                    out[rule.option] = rule.value
+    return out
+
+
+def preset_options(name: str, version: Any = None, given: Mapping[str, Any] | None = None, model: Any = None,
+                   base: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The TrainingSpec options preset ``name`` sets at ``version`` (None: its current release):
+    the cells' values, the version rules, then the rules that read the setup (``base`` under the
+    preset's values under the user's ``given`` options, e.g. ``dp``) and ``model`` (its config's
+    dtype). ``given`` options are not removed from the result. Raises TrainmemError."""
+    preset = get_preset(name)
+    v = parse_version(preset, version)
+    out = _static(preset, v)
+    if preset.rules is not None:
+        out.update(preset.rules({**(base or {}), **out, **(given or {})}, model, v))
+    return out
+
+
+def preset_warnings(name: str, version: Any, training: Any, model: Any, given: frozenset[str]) -> list[str]:
+    """One line each: what in ``training`` the framework does not run, or trainmem does not count."""
+    preset = get_preset(name)
+    if preset.check is None:
+        return []
+    return preset.check(training, model, parse_version(preset, version), given)
+
+
+# ----- the docs table --------------------------------------------------------------------------------
+def _cell_text(c: Cell) -> str:
+    value = c.shown or f"`{c.value}`"
+    links = " ".join(f"[{s.text}]({s.url})" for s in c.sources)
+    return value + (f" {links}" if links else "")
+
+
+def markdown_table() -> str:
+    """docs/frameworks.md's table (framework x option), its version rules and its notes."""
+    rows = ["| framework | " + " | ".join(COLUMNS) + " |", "|" + "---|" * (len(COLUMNS) + 1)]
+    for p in PRESETS.values():
+        cells = []
+        for col in COLUMNS:
+            c = p.cells[col]
+            text = _cell_text(c)
+            text += "".join(f"; {k} {_cell_text(p.cells[k])}" for k in _WITHIN.get(col, ()) if k in p.cells)
+            cells.append(text)
+        rows.append(f"| **{p.name}** ({p.release}) | " + " | ".join(cells) + " |")
+    rows += ["", "Version rules (`--framework-version`):", "",
+             "| framework | option | from version | value | source |", "|---|---|---|---|---|"]
+    for p in PRESETS.values():
+        for r in p.since:
+            value = "—" if r.value is None else f"`{r.value}`"
+            rows.append(f"| {p.name} | {r.option} | {r.version} | {value} | [{r.source.text}]({r.source.url}) |")
+    rows += ["", "Notes:", ""]
+    for p in PRESETS.values():
+        for k, c in p.cells.items():
+            if c.note:
+                rows.append(f"- {p.name} · {k}: {c.note}")
+        rows += [f"- {p.name}: {n}" for n in p.notes]
+    return "\n".join(rows)
