@@ -1,35 +1,52 @@
 """Accuracy of trainmem's predictions against measured runs (fixtures under ``validation/``).
 
-A fixture is a JSON file: ``model`` (+ optional ``overrides``), ``setup`` (estimate options),
-``source`` (where the numbers come from) and ``measured``: a list of quantities, each with its value
-in ``bytes``, ``mib`` or ``gib``. A quantity is ``peak_allocated``, ``peak_reserved``,
-``device_used`` or ``phase:NAME@STEP:FIELD`` (FIELD = allocated | peak | reserved).
-Measured runs of our own (``validation/measured/``) also carry GPU, driver, CUDA, torch and
-transformers versions and the exact command; published ones (``validation/published/``) their
-source.
+A fixture is a JSON file: ``model`` (a catalogue name or a config dict, + optional ``overrides``),
+``setup`` (estimate options, the API's keyword names) and ``measured``: a list of quantities, each
+with its value in ``bytes``, ``mib`` or ``gib``. A quantity is ``peak_allocated``,
+``peak_reserved``, ``device_used`` or ``phase:NAME@STEP:FIELD`` (FIELD = allocated | peak |
+reserved).
+
+Published fixtures (``validation/published/``) also say where the numbers come from: ``source``
+(author, title, ``url``, ``where`` in the text), ``framework`` and ``framework_version``, ``gpu``,
+``metric`` (what the published number is and which trainmem quantity it maps to) and
+``setup_note`` (how the framework's defaults were mapped to trainmem's options). Runs of our own
+(``validation/measured/``, written by ``trainmem measure --save-fixture``) carry the GPU, driver,
+CUDA, torch and transformers versions and the command instead.
+
+:func:`validate` runs every predictor on every fixture; a fixture a predictor cannot run is listed
+as not run, with the reason (never an exception). Each case is scored on its *primary* quantity (its
+first peak quantity, else its first quantity); :func:`summary` gives, per predictor, the median and
+90th percentile of |error| and the count within 5 %, overall, per framework and per source.
 """
 from __future__ import annotations
 
 import glob
 import json
 import os
-import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .errors import TrainmemError
 from .report import MemoryReport
 
 UNITS = {"bytes": 1, "mib": 2**20, "gib": 2**30}
+PEAKS = ("peak_allocated", "peak_reserved", "device_used")
+PHASE_FIELDS = ("allocated", "peak", "reserved")
+WITHIN = 0.05  # the "close" band of the summary: |error| <= 5 %
 
 
 @dataclass(frozen=True)
 class Check:
+    """One measured quantity of one case, and what one predictor says of it."""
+
     case: str
     predictor: str
     quantity: str
     measured: int
     predicted: int | None
+    framework: str = ""
+    source: str = ""
+    primary: bool = True
 
     @property
     def error(self) -> float | None:
@@ -39,8 +56,56 @@ class Check:
         return (self.predicted - self.measured) / self.measured
 
 
+@dataclass(frozen=True)
+class NotRun:
+    """A predictor that could not run a fixture, and why."""
+
+    case: str
+    predictor: str
+    reason: str
+
+
+@dataclass
+class Validation:
+    """The result of :func:`validate`: every check, the runs that did not happen, the fixtures."""
+
+    checks: list[Check] = field(default_factory=list)
+    not_run: list[NotRun] = field(default_factory=list)
+    fixtures: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _check_quantity(q: Any, path: str) -> None:
+    """Raise a TrainmemError unless ``q`` is a quantity :func:`quantity` knows."""
+    if q in PEAKS:
+        return
+    parts = q.split(":") if isinstance(q, str) else []
+    if len(parts) == 3 and parts[0] == "phase" and "@" in parts[1] and parts[2] in PHASE_FIELDS:
+        name, step = parts[1].rsplit("@", 1)
+        if name and step.isdigit():
+            return
+    raise TrainmemError(f"fixture {path}: unknown quantity {q!r} (use {', '.join(PEAKS)} or "
+                        f"phase:NAME@STEP:allocated|peak|reserved)")
+
+
+def _check_fixture(fx: dict[str, Any], path: str) -> None:
+    """The keys every fixture needs, and measured items with a known quantity and a value."""
+    for key in ("model", "setup", "measured"):
+        if key not in fx:
+            raise TrainmemError(f"fixture {path} lacks {key!r}")
+    if not isinstance(fx["setup"], dict):
+        raise TrainmemError(f"fixture {path}: 'setup' must be an object of estimate options")
+    if not isinstance(fx["measured"], list) or not fx["measured"]:
+        raise TrainmemError(f"fixture {path}: 'measured' must be a non-empty list")
+    for item in fx["measured"]:
+        if not isinstance(item, dict) or "quantity" not in item:
+            raise TrainmemError(f"fixture {path}: every measured item needs a 'quantity'")
+        _check_quantity(item["quantity"], path)
+        if not any(u in item for u in UNITS):
+            raise TrainmemError(f"fixture {path}: measured {item['quantity']!r} has no bytes/mib/gib value")
+
+
 def load_fixtures(root: str) -> list[dict[str, Any]]:
-    """Every ``*.json`` fixture under ``root`` (recursively), each with its path."""
+    """Every ``*.json`` fixture under ``root`` (recursively), each with its path, checked."""
     if not os.path.isdir(root):
         raise TrainmemError(f"no validation directory {root!r}: run from the repository root or pass DIR")
     out = []
@@ -50,12 +115,61 @@ def load_fixtures(root: str) -> list[dict[str, Any]]:
                 fx = json.load(f)
             except json.JSONDecodeError as e:
                 raise TrainmemError(f"malformed fixture {path}: {e.msg} at line {e.lineno}") from None
-        for key in ("model", "setup", "measured"):
-            if key not in fx:
-                raise TrainmemError(f"fixture {path} lacks {key!r}")
+        if not isinstance(fx, dict):
+            raise TrainmemError(f"malformed fixture {path}: not a JSON object")
+        _check_fixture(fx, path)
         fx["_path"] = path
         out.append(fx)
     return out
+
+
+def case_name(fx: dict[str, Any]) -> str:
+    """The fixture's name, else its path."""
+    return str(fx.get("name") or fx["_path"])
+
+
+def source_url(fx: dict[str, Any]) -> str | None:
+    """The URL of the fixture's source: ``source.url``, else the first http(s) word of a string source."""
+    src = fx.get("source")
+    if isinstance(src, dict):
+        return src.get("url")
+    if isinstance(src, str):
+        for word in src.replace(",", " ").split():
+            if word.startswith(("http://", "https://")):
+                return word.rstrip(":;.)")
+    return None
+
+
+def source_label(fx: dict[str, Any]) -> str:
+    """A short label for grouping by source: its ``label``, else author and title, the string source,
+    else the fixture kind."""
+    src = fx.get("source")
+    if isinstance(src, dict):
+        return str(src.get("label") or f"{src.get('author', '?')}: {src.get('title', source_url(fx) or '?')}")
+    if isinstance(src, str):
+        return src.split(",")[0].split(": ")[0]
+    return "measured: " + str(fx.get("device") or "trainmem measure")
+
+
+def framework(fx: dict[str, Any]) -> str:
+    """The framework the measurement was taken with ("trainmem measure" for our own runs)."""
+    return str(fx.get("framework") or ("trainmem measure" if "environment" in fx else "unknown"))
+
+
+def describe(fx: dict[str, Any]) -> dict[str, Any]:
+    """What a fixture says about itself: name, source URL and label, framework, GPU, metric."""
+    return {"case": case_name(fx), "path": fx["_path"], "source_url": source_url(fx),
+            "source": source_label(fx), "framework": framework(fx),
+            "framework_version": fx.get("framework_version"), "gpu": fx.get("gpu"),
+            "metric": fx.get("metric"), "quantities": [m["quantity"] for m in fx["measured"]]}
+
+
+def primary_quantity(fx: dict[str, Any]) -> str:
+    """The quantity a case is scored on: its first peak quantity, else its first quantity."""
+    for item in fx["measured"]:
+        if item["quantity"] in PEAKS:
+            return item["quantity"]
+    return fx["measured"][0]["quantity"]
 
 
 def _value(item: dict[str, Any]) -> int:
@@ -68,13 +182,13 @@ def _value(item: dict[str, Any]) -> int:
 
 def quantity(report: MemoryReport, q: str) -> int | None:
     """The value a report gives for a fixture quantity (None where the report lacks it)."""
-    if q in ("peak_allocated", "peak_reserved", "device_used"):
+    if q in PEAKS:
         return getattr(report, q)
     if q.startswith("phase:"):
-        _, what, field = q.split(":")
+        _, what, fld = q.split(":")
         name, step = what.rsplit("@", 1)
         try:
-            return getattr(report.phase(name, int(step)), field)
+            return getattr(report.phase(name, int(step)), fld)
         except KeyError:
             return None
     raise TrainmemError(f"unknown fixture quantity {q!r}")
@@ -92,55 +206,186 @@ def predictors() -> dict[str, Callable[..., MemoryReport]]:
     return out
 
 
-def run(root: str = "validation", which: list[str] | None = None) -> list[Check]:
-    """Predict every fixture with each predictor and pair it with the measured values."""
+def _chosen(which: list[str] | None) -> dict[str, Callable[..., MemoryReport]]:
     preds = predictors()
-    if which:
-        unknown = [w for w in which if w not in preds]
-        if unknown:
-            raise TrainmemError(f"unknown or unavailable predictor(s): {', '.join(unknown)} "
-                                f"(available: {', '.join(preds)})")
-        preds = {k: v for k, v in preds.items() if k in which}
-    checks: list[Check] = []
-    skipped.clear()
-    for fx in load_fixtures(root):
+    if not which:
+        return preds
+    unknown = [w for w in which if w not in preds]
+    if unknown:
+        raise TrainmemError(f"unknown or unavailable predictor(s): {', '.join(unknown)} "
+                            f"(available: {', '.join(preds)})")
+    return {k: v for k, v in preds.items() if k in which}
+
+
+def _predict(fn: Callable[..., MemoryReport], fx: dict[str, Any]) -> MemoryReport:
+    """One predictor's report for a fixture (every predictor takes the API's options)."""
+    opts = dict(fx["setup"])
+    if fx.get("overrides"):
+        opts["set"] = fx["overrides"]
+    return fn(fx["model"], **opts)
+
+
+def _reason(e: BaseException) -> str:
+    """One line saying why a predictor could not run a fixture."""
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return msg if isinstance(e, TrainmemError) else f"{type(e).__name__}: {msg}"
+
+
+def _checks_of(fx: dict[str, Any], pname: str, report: MemoryReport) -> list[Check]:
+    primary = primary_quantity(fx)
+    name, fw, src = case_name(fx), framework(fx), source_label(fx)
+    return [Check(name, pname, item["quantity"], _value(item), quantity(report, item["quantity"]), fw, src,
+                  item["quantity"] == primary) for item in fx["measured"]]
+
+
+def validate(root: str = "validation", which: list[str] | None = None,
+             cases: list[str] | None = None) -> Validation:
+    """Predict every fixture under ``root`` (or the ``cases`` whose file name or case name contains
+    one of the given strings) with each predictor and pair it with the measured values."""
+    preds = _chosen(which)
+    fixtures = load_fixtures(root)
+    if cases:
+        fixtures = [fx for fx in fixtures
+                    if any(c in os.path.basename(fx["_path"]) or c in case_name(fx) for c in cases)]
+    out = Validation(fixtures=fixtures)
+    for fx in fixtures:
         for pname, fn in preds.items():
-            opts = dict(fx["setup"])
-            if fx.get("overrides"):
-                opts["set"] = fx["overrides"]  # every predictor takes the API's options (trainmem.spec.resolve)
             try:
-                report = fn(fx["model"], **opts)
-            except TrainmemError as e:  # a predictor that cannot run this case (e.g. trace of nanoGPT)
-                skipped.append(f"{pname} skipped {fx.get('name', fx['_path'])}: {e}")
+                report = _predict(fn, fx)
+            except KeyboardInterrupt:
+                raise
+            except Exception as e:  # a predictor that cannot run this case: listed, never raised
+                out.not_run.append(NotRun(case_name(fx), pname, _reason(e)))
                 continue
-            for item in fx["measured"]:
-                checks.append(Check(fx.get("name", fx["_path"]), pname, item["quantity"], _value(item),
-                                    quantity(report, item["quantity"])))
-    return checks
-
-
-skipped: list[str] = []  # why a predictor did not run a fixture, from the last run()
-
-
-def summary(checks: list[Check]) -> dict[str, dict[str, float]]:
-    """Median and max absolute relative error per predictor (quantities the predictor gives)."""
-    out: dict[str, dict[str, float]] = {}
-    for p in sorted({c.predictor for c in checks}):
-        errs = [abs(c.error) for c in checks if c.predictor == p and c.error is not None]
-        if errs:
-            out[p] = {"n": len(errs), "median": statistics.median(errs), "max": max(errs)}
+            out.checks.extend(_checks_of(fx, pname, report))
     return out
 
 
-def render(checks: list[Check]) -> str:
-    """A plain-text table of every check, the skipped predictors and the summary per predictor."""
-    lines = [f"{'case':52s} {'predictor':9s} {'quantity':34s} {'measured MiB':>13s} {'predicted MiB':>13s} {'error':>8s}"]
+def run(root: str = "validation", which: list[str] | None = None) -> list[Check]:
+    """Every check of :func:`validate` (the runs that did not happen are in ``validate().not_run``)."""
+    return validate(root, which).checks
+
+
+def percentile(values: list[float], p: float) -> float:
+    """The ``p``-th percentile (0-100) of ``values``, interpolating linearly between ranks."""
+    xs = sorted(values)
+    if not xs:
+        raise ValueError("percentile of no values")
+    k = (len(xs) - 1) * p / 100
+    lo = int(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def stats(errors: list[float]) -> dict[str, float]:
+    """n, median and 90th percentile of |error|, the count within 5 %, the max |error| and the median
+    signed error (bias) of a list of relative errors."""
+    absolute = [abs(e) for e in errors]
+    return {"n": len(errors), "median": percentile(absolute, 50), "p90": percentile(absolute, 90),
+            "within_5pct": sum(a <= WITHIN for a in absolute), "max": max(absolute),
+            "bias": percentile(errors, 50)}
+
+
+def _grouped(checks: list[Check], key: Callable[[Check], str]) -> dict[str, dict[str, float]]:
+    groups: dict[str, list[float]] = {}
     for c in checks:
-        pred = "-" if c.predicted is None else f"{c.predicted / 2**20:13.2f}"
-        err = "-" if c.error is None else f"{100 * c.error:+7.2f}%"
-        lines.append(f"{c.case[:52]:52s} {c.predictor:9s} {c.quantity[:34]:34s} {c.measured / 2**20:13.2f} {pred:>13s} {err:>8s}")
-    lines.append("")
-    lines.extend(skipped)
-    for p, s in summary(checks).items():
-        lines.append(f"{p}: {int(s['n'])} quantities, median |error| {100 * s['median']:.3f}%, max {100 * s['max']:.3f}%")
+        groups.setdefault(key(c), []).append(c.error)  # type: ignore[arg-type]
+    return {k: stats(v) for k, v in sorted(groups.items())}
+
+
+def summary(checks: list[Check]) -> dict[str, dict[str, Any]]:
+    """Per predictor: ``overall``, ``frameworks`` and ``sources`` statistics (:func:`stats`) of the
+    cases' primary quantities, and ``quantities``: the same over every measured quantity."""
+    out: dict[str, dict[str, Any]] = {}
+    for p in sorted({c.predictor for c in checks}):
+        scored = [c for c in checks if c.predictor == p and c.error is not None]
+        primary = [c for c in scored if c.primary]
+        if not primary:
+            continue
+        out[p] = {"overall": stats([c.error for c in primary]),  # type: ignore[misc]
+                  "frameworks": _grouped(primary, lambda c: c.framework),
+                  "sources": _grouped(primary, lambda c: c.source),
+                  "quantities": stats([c.error for c in scored])}  # type: ignore[misc]
+    return out
+
+
+def to_dict(v: Validation) -> dict[str, Any]:
+    """The JSON form of a validation: checks, cases with their description, summary, not run."""
+    return {"fixtures": len(v.fixtures),
+            "cases": [describe(fx) for fx in v.fixtures],
+            "checks": [dict(case=c.case, predictor=c.predictor, quantity=c.quantity, measured=c.measured,
+                            predicted=c.predicted, error=c.error, framework=c.framework, source=c.source,
+                            primary=c.primary) for c in v.checks],
+            "summary": summary(v.checks),
+            "not_run": [dict(case=n.case, predictor=n.predictor, reason=n.reason) for n in v.not_run]}
+
+
+def _fmt_err(e: float | None) -> str:
+    return "-" if e is None else f"{100 * e:+.2f}%"
+
+
+def _check_rows(v: Validation, preds: list[str]) -> list[str]:
+    """One line per (case, quantity): the measured value and each predictor's value and error."""
+    by_key: dict[tuple[str, str], dict[str, Check]] = {}
+    order: list[tuple[str, str, str]] = []
+    for c in v.checks:
+        key = (c.case, c.quantity)
+        if key not in by_key:
+            by_key[key] = {}
+            order.append((c.framework, c.case, c.quantity))
+        by_key[key][c.predictor] = c
+    head = f"{'framework':22s} {'case':44s} {'quantity':26s} {'measured MiB':>12s}"
+    head += "".join(f" {p + ' MiB':>13s} {'error':>8s}" for p in preds)
+    lines = [head]
+    for fw, case, q in sorted(order, key=lambda t: (t[0].lower(), t[1].lower())):
+        row = by_key[(case, q)]
+        any_c = next(iter(row.values()))
+        line = f"{fw[:22]:22s} {case[:44]:44s} {q[:26]:26s} {any_c.measured / 2**20:12.1f}"
+        for p in preds:
+            c = row.get(p)
+            pred = "-" if c is None or c.predicted is None else f"{c.predicted / 2**20:.1f}"
+            line += f" {pred:>13s} {_fmt_err(c.error if c else None):>8s}"
+        lines.append(line)
+    return lines
+
+
+def _summary_rows(s: dict[str, dict[str, Any]], group: str) -> list[str]:
+    """The summary table of one grouping (``frameworks`` or ``sources``) plus the overall row."""
+    title = "framework" if group == "frameworks" else "source"
+    lines = [f"{title:52s} {'predictor':9s} {'cases':>5s} {'median|err|':>11s} {'p90|err|':>9s} "
+             f"{'within 5%':>9s} {'max|err|':>9s} {'bias':>8s}"]
+    keys = sorted({k for p in s.values() for k in p[group]}, key=str.lower) + ["ALL CASES"]
+    for k in keys:
+        for p, ps in s.items():
+            st = ps["overall"] if k == "ALL CASES" else ps[group].get(k)
+            if st is None:
+                continue
+            lines.append(f"{k[:52]:52s} {p:9s} {int(st['n']):5d} {100 * st['median']:10.2f}% "
+                         f"{100 * st['p90']:8.2f}% {int(st['within_5pct']):4d}/{int(st['n']):<4d} "
+                         f"{100 * st['max']:8.2f}% {_fmt_err(st['bias']):>8s}")
+    return lines
+
+
+def render(v: "Validation | list[Check]") -> str:
+    """Plain text: every check, the runs that did not happen, and the summaries per framework and per
+    source (cases scored on their primary quantity)."""
+    if isinstance(v, list):  # the old call with a list of checks
+        v = Validation(checks=v)
+    preds = sorted({c.predictor for c in v.checks} | {n.predictor for n in v.not_run})
+    lines = _check_rows(v, preds)
+    if v.not_run:
+        lines.append("")
+        lines.extend(f"not run: {n.predictor} on {n.case}: {n.reason}" for n in v.not_run)
+    s = summary(v.checks)
+    if s:
+        lines += ["", "accuracy per framework (each case scored on its primary quantity; |err| = "
+                      "|predicted - measured| / measured)"]
+        lines += _summary_rows(s, "frameworks")
+        lines += ["", "accuracy per source"]
+        lines += _summary_rows(s, "sources")
+        for p, ps in s.items():
+            q = ps["quantities"]
+            lines.append(f"{p}: {len({c.case for c in v.checks if c.predictor == p})} cases, "
+                         f"{int(q['n'])} quantities, median |error| {100 * q['median']:.3f}%, "
+                         f"max {100 * q['max']:.3f}%")
     return "\n".join(lines)
