@@ -41,6 +41,7 @@ from trainmem.estimate.states import model_states
 from trainmem.report import CATEGORIES
 from trainmem.spec import catalogue_names, resolve_model
 from trainmem.spec.training import ATTENTION, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, RECOMPUTE
+from trainmem.estimate.layers import F32, HALF, sdpa_pin_problem
 
 # TRAINMEM_PROPERTY_EXAMPLES=1000 searches deeper (minutes); the default keeps the file to seconds
 FAST = settings(max_examples=int(os.environ.get("TRAINMEM_PROPERTY_EXAMPLES", "40")), deadline=None,
@@ -103,6 +104,9 @@ def setups(draw, models=tuple(MODELS)):
         lora_rank=lora_rank, lora_targets=lora_targets, compile=draw(st.booleans()),
         dropout=draw(st.booleans()), distributed_optimizer=draw(st.sampled_from((False, False, False, True))),
     )
+    if sdpa_pin_problem(attention, F32 if precision == "fp32" else HALF, m.head_dim, m.num_heads,
+                        m.num_kv_heads, tp=tp, dropout=m.attention_dropout if options["dropout"] else 0.0):
+        options["attention"] = "sdpa"  # a pinned kernel PyTorch refuses for this model
     return name, m, options
 
 
@@ -167,6 +171,10 @@ def raw_setups(draw):
         why.append("FSDP's mixed precision without FSDP")
     if o["precision"] == "fp32" and o["attention"] in ("flash", "sdpa-flash", "sdpa-cudnn"):
         why.append("flash in fp32")
+    if "flash in fp32" not in why and sdpa_pin_problem(
+            o["attention"], F32 if o["precision"] == "fp32" else HALF, m.head_dim, m.num_heads, m.num_kv_heads,
+            tp=o["tp"], dropout=m.attention_dropout):
+        why.append("a pinned SDPA kernel PyTorch refuses for this model")
     if o["optimizer_in_backward"] and o["grad_accum"] > 1:
         why.append("optimizer in backward with accumulation")
     if o["sequence_parallel"] and o["tp"] == 1:

@@ -113,6 +113,58 @@ def test_sdpa_backend_choice(dtype, mask, backend):
         assert seen["delta"] >= out_bytes + 4096
 
 
+def test_flash_pads_a_head_dim_that_is_not_a_multiple_of_8():
+    """attention.cpp pads q, k, v to head_dim 104 (new tensors the kernel keeps), runs flash and
+    slices the output; the caller's transpose(1, 2).contiguous() then copies the slice."""
+    def step(model, seen):
+        q, k, v = (torch.empty(2, 4, 128, 100, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        base = torch.cuda.memory_allocated()
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        seen["delta"] = torch.cuda.memory_allocated() - base
+        seen["shape"] = tuple(out.shape)
+        ctx = out.transpose(1, 2).contiguous()
+        seen["copy"] = torch.cuda.memory_allocated() - base - seen["delta"]
+        ctx.float().sum().backward()
+        seen["grad"] = tuple(q.grad.shape)
+
+    report, seen = _run(step)
+    assert report.extra["sdpa_backends"] == {"flash": 1}
+    assert seen["shape"] == seen["grad"] == (2, 4, 128, 100)
+    padded = 2 * 4 * 128 * 104 * 2            # 212,992 B each
+    # padded q, k, v and output, logsumexp (fp32, B x H x T), two philox scalars
+    assert 4 * padded + 4096 <= seen["delta"] <= 4 * padded + 4096 + 1024
+    assert seen["copy"] == 2 * 4 * 128 * 100 * 2
+
+
+def test_cudnn_attention_runs_first_on_hopper():
+    """torch 2.13 wheels ship cuDNN 9.20: on sm90 ``priority_order`` tries cuDNN first; it keeps
+    the output and fp32 stats (B x H x T x 1), as flash does."""
+    def step(model, seen):
+        q = torch.empty(2, 4, 128, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        base = torch.cuda.memory_allocated()
+        out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        seen["delta"] = torch.cuda.memory_allocated() - base
+        out.float().sum().backward()
+
+    report, seen = _run(step, capability=(9, 0))
+    assert report.extra["sdpa_backends"] == {"cudnn": 1}
+    assert seen["delta"] == 2 * 4 * 128 * 64 * 2 + 4096 + 2 * 512
+    report, _ = _run(step, capability=(8, 0))
+    assert report.extra["sdpa_backends"] == {"flash": 1}
+
+
+def test_a_pinned_backend_pytorch_refuses_is_an_error():
+    def step(model, seen):
+        q = torch.empty(2, 4, 128, 100, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    with pytest.raises(TrainmemError, match="divisible by 8"):
+        _run(step, attention_backend="efficient")
+    report, _ = _run(step, attention_backend="math")
+    assert report.extra["sdpa_backends"] == {"math": 1}
+
+
 def test_foreach_is_the_default_optimizer_implementation():
     def factory():
         return nn.Sequential(*[nn.Linear(512, 512, bias=False) for _ in range(4)])    # 4 x 1 MiB

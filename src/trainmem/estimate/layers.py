@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from trainmem.errors import TrainmemError
+
 F32, HALF = 4, 2
 
 
@@ -105,8 +107,9 @@ class Policy:
 class Builder:
     """Helpers that mirror single PyTorch ops: what each saves and what it returns."""
 
-    def __init__(self, pol: Policy, dropout: bool, sp_div: int = 1):
+    def __init__(self, pol: Policy, dropout: bool, sp_div: int = 1, capability: tuple[int, int] = (8, 0)):
         self.p = pol
+        self.capability = capability  # the GPU's compute capability: which SDPA kernel runs
         self.r = Recipe()
         self.dropout = dropout
         self.sp_div = sp_div
@@ -167,81 +170,253 @@ class Builder:
             self.r.save(y)
         return y
 
+    def sdpa(self, impl: str, head_dim: int, heads: float, kv_heads: float, p_drop: float) -> str:
+        """The SDPA backend for this layer (``sdpa_backend``; ``impl`` may pin one)."""
+        p = p_drop if (p_drop > 0 and self.dropout) else 0.0
+        return sdpa_backend(self.p.half, head_dim, heads != kv_heads, capability=self.capability,
+                            pinned=impl if impl in SDPA_PINS else None, dropout=p)
+
     def attention(self, q: T, k: T, v: T, heads: float, kv_heads: float, head_dim: int, impl: str,
                   p_drop: float, softmax_fp32_then_cast: bool) -> T:
         """Scaled dot-product attention; returns the context tensor the output projection consumes.
 
-        eager: ``matmul(q, k^T)`` saves q and k (GQA: the repeated k/v copies), softmax saves its
-        fp32 output (autocast runs softmax in fp32), the probabilities cast back to half are saved by
+        eager: Python ops (``_eager_attention``). ``sdpa`` and the pinned kinds run the backend
+        PyTorch's CUDA dispatcher picks (``sdpa_backend``), after transformers repeated K/V to the
+        query's heads where it does not pass ``enable_gqa`` (``sdpa_repeats_kv``; the repeated copies
+        are what the kernel then saves).
+        """
+        if impl == "eager":
+            return self._eager_attention(q, k, v, heads, kv_heads, head_dim, p_drop, softmax_fp32_then_cast)
+        backend = self.sdpa(impl, head_dim, heads, kv_heads, p_drop)
+        if sdpa_repeats_kv(heads, kv_heads, head_dim):
+            k = T(heads * head_dim, 0, k.nbytes, "attn.k_repeated")
+            v = T(heads * head_dim, 0, v.nbytes, "attn.v_repeated")
+            kv_heads = heads
+        if backend == "math":
+            return self._math_attention(v, heads, kv_heads, head_dim)
+        return self._fused_attention(backend, q, k, v, heads, kv_heads, head_dim)
+
+    def _eager_attention(self, q: T, k: T, v: T, heads: float, kv_heads: float, head_dim: int,
+                         p_drop: float, softmax_fp32_then_cast: bool) -> T:
+        """``matmul(q, k^T)`` saves q and k (GQA: the repeated k/v copies), softmax saves its fp32
+        output (autocast runs softmax in fp32), the probabilities cast back to half are saved by
         ``matmul(p, v)`` (or the dropout output and its mask); the ``(b, h, s, d)`` result is copied
-        by ``transpose(1, 2).contiguous()`` into the context. ``sdpa`` runs the backend PyTorch's
-        CUDA dispatcher picks (``sdpa_backend``).
+        by ``transpose(1, 2).contiguous()`` into the context."""
+        half = self.p.half
+        rep = heads / kv_heads
+        if rep > 1:  # repeat_kv materialises expanded copies that matmul saves
+            k = T(k.tok * rep, 0, k.nbytes, "attn.k_repeated")
+            v = T(v.tok * rep, 0, v.nbytes, "attn.v_repeated")
+        self.r.save(q, k, v)
+        # softmax output as saved: fp32 under autocast, in fp32 training, or when the model asks
+        # for dtype=float32 (Llama); else the half type
+        sm = F32 if (self.p.amp or half == F32 or softmax_fp32_then_cast) else half
+        probs = T(0, heads, sm, "attn.softmax")
+        self.r.save(probs)
+        if p_drop > 0 and self.dropout:
+            self.r.save(T(0, heads, 1, "attn.probs_dropout.mask"))
+            pv = T(0, heads, half, "attn.probs")  # dropout output (or its half cast) feeds p @ v
+        elif sm != half:
+            pv = T(0, heads, half, "attn.probs")  # the half copy p @ v consumes
+        else:
+            pv = probs
+        self.r.save(pv)
+        self.r.transient("attn.softmax.backward", T(0, heads, half), T(0, heads, F32))
+        return T(heads * head_dim, 0, half, "attn.context")
+
+    def _math_attention(self, v: T, heads: float, kv_heads: float, head_dim: int) -> T:
+        """at::_scaled_dot_product_attention_math: computes in fp32 (half inputs are upcast), scales
+        q and k^T by sqrt(scale) (the matmul saves both; GQA expands k and v to all heads first),
+        _safe_softmax saves its fp32 output and p @ v saves p and v (an fp32 copy when upcast or
+        expanded). Its (b, h, s, d) output is copied into the context by transpose().contiguous()."""
+        half = self.p.half
+        expand = heads != kv_heads
+        vv = v if (not expand and half == F32) else T(heads * head_dim if expand else v.tok, 0, F32,
+                                                      "attn.math.v")
+        self.r.save(T(heads * head_dim, 0, F32, "attn.math.q_scaled"),
+                    T(heads * head_dim, 0, F32, "attn.math.k_scaled"), vv,
+                    T(0, heads, F32, "attn.math.softmax"))
+        # backward: the gradient of the probabilities and softmax's gradient, both fp32
+        self.r.transient("attn.math.backward", T(0, heads, F32), T(0, heads, F32))
+        return T(heads * head_dim, 0, half, "attn.context")
+
+    def _fused_attention(self, backend: str, q: T, k: T, v: T, heads: float, kv_heads: float,
+                         head_dim: int) -> T:
+        """Flash / memory-efficient / cuDNN kernels save q, k, v (k and v with their own heads),
+        the output and an fp32 logsumexp per (head, token) (autograd's saved tensors of
+        ``_scaled_dot_product_{flash,efficient,cudnn}_attention``). Their output has q's memory
+        layout, (b, s, h, d), so the context the output projection saves is the same storage.
+
+        Flash with head_dim not a multiple of 8: ``scaled_dot_product_attention`` (attention.cpp)
+        pads q, k, v with ``pad_last_dim<8, false>`` (``at::pad``: new (b, h, s, d8) tensors, which
+        the kernel saves instead of the originals), runs on them and slices the (b, h, s, d8) output
+        (``post_process_flash_output``); transformers' ``transpose(1, 2).contiguous()`` then copies
+        the slice into the context (sdpa_attention.py:205-206).
         """
         half = self.p.half
-        if impl == "eager":
-            rep = heads / kv_heads
-            if rep > 1:  # repeat_kv materialises expanded copies that matmul saves
-                k = T(k.tok * rep, 0, k.nbytes, "attn.k_repeated")
-                v = T(v.tok * rep, 0, v.nbytes, "attn.v_repeated")
-            self.r.save(q, k, v)
-            # softmax output as saved: fp32 under autocast, in fp32 training, or when the model asks
-            # for dtype=float32 (Llama); else the half type
-            sm = F32 if (self.p.amp or half == F32 or softmax_fp32_then_cast) else half
-            probs = T(0, heads, sm, "attn.softmax")
-            self.r.save(probs)
-            if p_drop > 0 and self.dropout:
-                self.r.save(T(0, heads, 1, "attn.probs_dropout.mask"))
-                pv = T(0, heads, half, "attn.probs")  # dropout output (or its half cast) feeds p @ v
-            elif sm != half:
-                pv = T(0, heads, half, "attn.probs")  # the half copy p @ v consumes
-            else:
-                pv = probs
-            self.r.save(pv)
-            self.r.transient("attn.softmax.backward", T(0, heads, half), T(0, heads, F32))
-            return T(heads * head_dim, 0, half, "attn.context")
-        backend = "flash" if impl == "flash" else sdpa_backend(half, head_dim, heads != kv_heads)
-        if backend == "math":
-            # at::_scaled_dot_product_attention_math: computes in fp32 (half inputs are upcast), scales
-            # q and k^T by sqrt(scale) (the matmul saves both; GQA expands k and v to all heads first),
-            # _safe_softmax saves its fp32 output and p @ v saves p and v (an fp32 copy when upcast or
-            # expanded). Its (b, h, s, d) output is copied into the context by transpose().contiguous().
-            expand = heads != kv_heads
-            vv = v if (not expand and half == F32) else T(heads * head_dim if expand else v.tok, 0, F32,
-                                                          "attn.math.v")
-            self.r.save(T(heads * head_dim, 0, F32, "attn.math.q_scaled"),
-                        T(heads * head_dim, 0, F32, "attn.math.k_scaled"), vv,
-                        T(0, heads, F32, "attn.math.softmax"))
-            # backward: the gradient of the probabilities and softmax's gradient, both fp32
-            self.r.transient("attn.math.backward", T(0, heads, F32), T(0, heads, F32))
-            return T(heads * head_dim, 0, half, "attn.context")
-        # flash / memory-efficient kernels save q, k, v (flash: k and v with their own heads), the
-        # output and an fp32 logsumexp per (head, token). The output is laid out (b, s, h, d), so
-        # the context the output projection saves is the same storage.
-        out = T(heads * head_dim, 0, half, "attn.sdpa_out")
+        dp = -(-head_dim // 8) * 8 if backend == "flash" else head_dim
+        if dp != head_dim:
+            q = T(heads * dp, 0, half, "attn.q_padded")
+            k = T(kv_heads * dp, 0, half, "attn.k_padded")
+            v = T(kv_heads * dp, 0, half, "attn.v_padded")
+        out = T(heads * dp, 0, half, "attn.sdpa_out")
         self.r.save(q, k, v, out, T(heads, 0, F32, "attn.logsumexp"))
-        grads = T(q.tok + k.tok + v.tok + heads * head_dim, 0, half)  # dq, dk, dv and d(out) in flight
+        ctx = out if dp == head_dim else T(heads * head_dim, 0, half, "attn.context")
+        grads = T(q.tok + k.tok + v.tok + heads * dp, 0, half)  # dq, dk, dv and d(out) in flight
         if backend == "flash":
-            # kernel scratch: fp32 dq accumulator and softmax_d; GQA expands dk, dv to all heads
-            scratch = T(heads * head_dim + heads, 0, F32)
-            gqa = T(2 * heads * head_dim if heads != kv_heads else 0, 0, half)
+            # flash_api.cpp mha_bwd: softmax_d (fp32 per head and token) and the fp32 dq accumulator
+            # with head_dim rounded to 32 (<= 128) or 64; GQA: dk, dv expanded to all query heads
+            d_r = -(-dp // (32 if dp <= 128 else 64)) * (32 if dp <= 128 else 64)
+            scratch = T(heads * d_r + heads, 0, F32)
+            gqa = T(2 * heads * dp if heads != kv_heads else 0, 0, half)
             self.r.transient("attn.flash.backward", grads, scratch, gqa)
+        elif backend == "cudnn":
+            # cudnn-frontend SDPA backward: the fp32 dQ accumulator (b, h, s, d); the engine's own
+            # workspace (get_workspace_size) is not known from source and not counted
+            self.r.transient("attn.cudnn.backward", grads, T(heads * head_dim, 0, F32))
         else:
             self.r.transient("attn.efficient.backward", grads, T(heads, 0, F32))
-        return out
+        return ctx
 
 
-def sdpa_backend(half: int, head_dim: int, gqa: bool) -> str:
-    """The kernel ``F.scaled_dot_product_attention`` runs on an sm80+ GPU without an explicit mask
-    (transformers passes ``is_causal`` or no mask for unpadded batches, and ``enable_gqa`` for
-    grouped-query attention): flash for fp16/bf16 with head_dim <= 256 and a multiple of 8;
-    else memory-efficient attention, which takes no GQA and needs head_dim aligned (4 in fp32, 8
-    in half); else the math path (PyTorch's sdp_utils.cpp checks; ``trace`` makes the same choice).
-    """
-    if half == HALF and head_dim <= 256 and head_dim % 8 == 0:
-        return "flash"
-    if not gqa and head_dim % (4 if half == F32 else 8) == 0:
-        return "efficient"
-    return "math"
+# ----- which kernel F.scaled_dot_product_attention runs (PyTorch 2.13, CUDA) ---------------------
+# The rules below restate PyTorch's CUDA dispatcher for dense 4-D inputs without an explicit mask
+# (transformers passes ``is_causal`` and no mask for unpadded training batches): the filters of
+# ``can_use_flash_attention`` / ``can_use_mem_efficient_attention`` / ``can_use_cudnn_attention``
+# and ``select_sdp_backend`` in aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, the shared
+# checks of sdp_utils_cpp.h, and transformers' integrations/sdpa_attention.py (which repeats K/V
+# itself or passes ``enable_gqa``). docs/attention.md has the table with the source lines;
+# ``trainmem.trace.cuda.CudaEmulation`` makes the same choice from the tensors themselves.
+
+#: cuDNN runtime version of the PyPI torch 2.13.0 wheels (CUDA 13.0, nvidia-cudnn-cu13 9.20.0.48)
+CUDNN_VERSION = 92000
+#: the SDPA backend each ``--attention`` value pins (``torch.nn.attention.sdpa_kernel``); ``flash``
+#: (transformers' flash_attention_2) runs the same kernel in the workload
+SDPA_PINS = {"flash": "flash", "sdpa-flash": "flash", "sdpa-efficient": "efficient", "sdpa-math": "math",
+             "sdpa-cudnn": "cudnn"}
+
+
+def sdpa_repeats_kv(heads: float, kv_heads: float, head_dim: int, mask: bool = False) -> bool:
+    """transformers ``sdpa_attention_forward``: with grouped-query attention it passes
+    ``enable_gqa=True`` when ``use_gqa_in_sdpa`` holds (CUDA: no mask and k/v head_dim <= 256,
+    sdpa_attention.py:43-52, 129-131), else ``repeat_kv`` copies K and V to the query's heads
+    (``expand`` + ``reshape``, :20-28, :136-138) and SDPA sees no GQA."""
+    return heads != kv_heads and (mask or head_dim > 256)
+
+
+def sdpa_priority(capability: tuple[int, int] = (8, 0)) -> tuple[str, ...]:
+    """The order ``select_sdp_backend`` tries: the global default (flash, efficient, math, cudnn;
+    Context.h:481-486) unless ``check_prefer_cudnn_attention`` puts cuDNN first (cuDNN > 9.15.0 on
+    sm90 / sm10x with a CUDA 13 build, sdp_utils.cpp ``priority_order``): the torch 2.13 wheels
+    ship cuDNN 9.20, so H100/H200/B200 run cuDNN attention first."""
+    if capability[0] in (9, 10) and CUDNN_VERSION > 91500:
+        return ("cudnn", "flash", "efficient", "math")
+    return ("flash", "efficient", "math", "cudnn")
+
+
+def _flash_refusal(half: int, head_dim: int, capability: tuple[int, int], dropout: float) -> str:
+    """``can_use_flash_attention``: check_head_dim_size_flash (q, k, v last dims equal and <= 256;
+    any size: the composite pads it to a multiple of 8), check_flash_attention_hardware_support
+    (sm80..sm121), check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89_or_120,
+    check_dtypes_flash_attention (fp16/bf16). GQA passes with ``enable_gqa`` (check_batch_size_and_
+    num_heads_dense<true>)."""
+    if half != HALF:
+        return "flash attention takes fp16/bf16 only (check_dtypes_flash_attention), not fp32"
+    if head_dim > 256:
+        return f"flash attention needs head_dim <= 256 (check_head_dim_size_flash), got {head_dim}"
+    if not (8, 0) <= capability <= (12, 1):
+        return f"flash attention needs sm80..sm121, not sm{capability[0]}{capability[1]}"
+    if ((8, 6) <= capability <= (8, 9) or capability >= (12, 0)) and \
+            (192 < head_dim <= 224 or (head_dim > 224 and dropout > 0)):
+        return (f"flash attention cannot train head_dim {head_dim} on sm{capability[0]}{capability[1]} "
+                "(check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89_or_120)")
+    return ""
+
+
+def _efficient_refusal(half: int, head_dim: int, sees_gqa: bool, capability: tuple[int, int]) -> str:
+    """``can_use_mem_efficient_attention``: check_mem_efficient_hardware_support (sm50..sm121),
+    check_head_dim_size_mem_efficient (last dims divisible by ``minimum_gemm_alignment``: 8 for
+    fp16/bf16, 4 for fp32 on sm80+), dense inputs with equal head counts (2.13 builds
+    ``check_batch_size_and_num_heads_dense<false>``: no GQA), dtypes fp16/bf16/fp32 on sm80+."""
+    if not (5, 0) <= capability <= (12, 1):
+        return f"memory-efficient attention needs sm50..sm121, not sm{capability[0]}{capability[1]}"
+    # minimum_gemm_alignment: 4 on sm80+ (else 1), 128 bits (8 halves, 4 floats) with tensor cores
+    align = 8 if half == HALF and capability >= (7, 0) else (4 if capability >= (8, 0) else 1)
+    if head_dim % align:
+        dtype = "fp16/bf16" if half == HALF else "fp32"
+        return (f"memory-efficient attention needs head_dim divisible by {align} in {dtype} "
+                f"(check_head_dim_size_mem_efficient), got {head_dim}")
+    if sees_gqa:
+        return ("memory-efficient attention in PyTorch 2.13 takes no grouped-query attention (q and k/v "
+                "head counts differ; transformers passes enable_gqa)")
+    return ""
+
+
+def _cudnn_refusal(half: int, head_dim: int, capability: tuple[int, int], dropout: float) -> str:
+    """``can_use_cudnn_attention``: check_dtypes_low_precision (fp16/bf16), check_cudnn_hardware_
+    support (sm80..sm121), check_cudnn_dropout (p a multiple of 1/16), check_cudnn_tensor_shapes
+    (head_dim a multiple of 8 and <= 128; 256 only on sm90/sm10x with cuDNN > 9.22). GQA passes
+    with ``enable_gqa`` (check_batch_size_and_num_heads_dense<true, false>)."""
+    if half != HALF:
+        return "cuDNN attention takes fp16/bf16 only (check_dtypes_low_precision), not fp32"
+    if not (8, 0) <= capability <= (12, 1):
+        return f"cuDNN attention needs sm80..sm121, not sm{capability[0]}{capability[1]}"
+    if dropout * 16 != int(dropout * 16):
+        return ("cuDNN attention needs a dropout probability that is a multiple of 1/16 (check_cudnn_dropout), "
+                f"got {dropout:g}")
+    limit = 256 if (capability[0] in (9, 10) and CUDNN_VERSION > 92200) else 128
+    if head_dim > limit or head_dim % 8:
+        return (f"cuDNN attention (cuDNN {CUDNN_VERSION // 10000}.{CUDNN_VERSION // 100 % 100}) needs head_dim "
+                f"a multiple of 8 and <= {limit} (check_cudnn_tensor_shapes), got {head_dim}")
+    return ""
+
+
+def sdpa_refusals(half: int, head_dim: int, gqa: bool = False, *, capability: tuple[int, int] = (8, 0),
+                  dropout: float = 0.0) -> dict[str, str]:
+    """Why each backend would refuse this call ("" where it accepts), in ``sdpa_priority`` order.
+    ``gqa``: the model has fewer K/V heads than query heads."""
+    sees_gqa = gqa and not sdpa_repeats_kv(2, 1, head_dim)  # else transformers repeated K/V
+    reasons = {"flash": _flash_refusal(half, head_dim, capability, dropout),
+               "efficient": _efficient_refusal(half, head_dim, sees_gqa, capability),
+               "math": "",
+               "cudnn": _cudnn_refusal(half, head_dim, capability, dropout)}
+    return {b: reasons[b] for b in sdpa_priority(capability)}
+
+
+def sdpa_backend(half: int, head_dim: int, gqa: bool, *, capability: tuple[int, int] = (8, 0),
+                 pinned: str | None = None, dropout: float = 0.0) -> str:
+    """The kernel ``F.scaled_dot_product_attention`` runs on CUDA for transformers' training call
+    (no mask): the first backend of ``sdpa_priority`` whose checks pass (``select_sdp_backend``).
+    ``half``: bytes of the attention dtype (2: fp16/bf16, 4: fp32); ``gqa``: the model has fewer
+    K/V heads than query heads; ``pinned``: ``flash``/``efficient``/``math``/``cudnn`` or an
+    ``--attention`` value that pins one (``sdpa_kernel``). A pinned backend PyTorch refuses raises
+    a one-line ``TrainmemError`` naming the check (PyTorch raises "No available kernel")."""
+    reasons = sdpa_refusals(half, head_dim, gqa, capability=capability, dropout=dropout)
+    if pinned is not None and pinned not in ("sdpa", "eager"):
+        backend = SDPA_PINS.get(pinned, pinned)
+        if backend not in reasons:
+            raise ValueError(f"unknown SDPA backend {pinned!r}")
+        if reasons[backend]:
+            flag = pinned if pinned in SDPA_PINS else f"sdpa-{backend}"
+            raise TrainmemError(f"--attention {flag}: PyTorch refuses this model: {reasons[backend]}; "
+                                "use --attention sdpa to let it choose")
+        return backend
+    return next(b for b, why in reasons.items() if not why)
+
+
+def sdpa_pin_problem(attention: str, half: int, head_dim: int, heads: int, kv_heads: int, *, tp: int = 1,
+                     capability: tuple[int, int] = (8, 0), dropout: float = 0.0) -> str | None:
+    """The reason PyTorch refuses ``--attention`` ``attention`` for this model (None when it
+    accepts or nothing is pinned): what ``sdpa_backend`` raises for a layer, as text, for
+    validating a setup. ``heads``/``kv_heads``: the model's; ``tp`` splits them per rank as
+    ``layer_coefficients`` does (K/V heads replicated when fewer than ``tp``)."""
+    backend = SDPA_PINS.get(attention)
+    if backend is None:
+        return None
+    rank_heads = heads / tp
+    rank_kv = kv_heads / tp if kv_heads >= tp else 1
+    why = sdpa_refusals(half, head_dim, rank_heads != rank_kv, capability=capability, dropout=dropout)[backend]
+    return why or None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -268,6 +443,7 @@ class LayerKey:
     pre_norm: bool
     lora: tuple[tuple[str, int, int], ...] = ()
     kv_cache: bool = False   # transformers builds a DynamicCache in training (config.use_cache)
+    capability: tuple[int, int] = (8, 0)  # the GPU's compute capability (which SDPA kernel runs)
 
 
 @dataclass(frozen=True)
@@ -312,7 +488,7 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
     pol = Policy.of(k.precision)
     t = k.tp
     sp_div = t if k.sp else 1  # sequence parallel splits the replicated regions over TP ranks
-    B = Builder(pol, k.dropout, sp_div)
+    B = Builder(pol, k.dropout, sp_div, k.capability)
     h, f, q, kv = k.h, k.f / t, k.q / t, k.kv / t
     heads, kvh = k.heads / t, max(k.kv_heads / t, 1 if k.kv_heads < t else k.kv_heads / t)
     x = T(h / sp_div, 0, pol.stream, "residual")
@@ -340,12 +516,20 @@ def _gpt2_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: f
     a_in = B.layer_norm(x, "ln_1")
     B.linear(T(h / sp_div, 0, a_in.nbytes, "ln_1.out"), q + 2 * kv, "c_attn", "c_attn.input", h)
     qq, kk, vv = (T(q, 0, half, "attn.qkv"), T(kv, 0, half, "attn.qkv"), T(kv, 0, half, "attn.qkv"))
-    if k.attention == "eager":
+    backend = "eager" if k.attention == "eager" else B.sdpa(k.attention, k.head_dim, heads, kvh,
+                                                            k.attention_dropout)
+    if backend == "eager":
         # q, k, v are views of the c_attn output: one storage
         qkv_t = T(q + 2 * kv, 0, half, "attn.qkv")
         B.r.save(qkv_t)
         qq = kk = vv = T(0, 0, half, "attn.qkv")
-    elif k.attention == "flash" or sdpa_backend(half, k.head_dim, heads != kvh) != "math":
+    elif backend == "flash" and k.head_dim % 8:
+        # the kernel saves padded copies of q, k, v (Builder._fused_attention); the cache's copies
+        # of k and v (transformers, config.use_cache) live as long as the model output
+        if k.kv_cache:
+            kk, vv = T(kv, 0, half, "attn.k_cache"), T(kv, 0, half, "attn.v_cache")
+            B.r.hold(kk, vv)
+    elif backend != "math":
         # the kernel saves q as a view: the whole c_attn output stays alive. With a KV cache
         # (transformers, config.use_cache) k and v are the cache's copies (torch.cat).
         B.r.save(T(q + 2 * kv, 0, half, "attn.qkv"))
@@ -420,6 +604,12 @@ def _llama_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: 
         B.r.hold(T(kv, 0, F32, "kv_cache.k"), T(kv, 0, F32, "kv_cache.v"))
     if k.kv_cache:
         B.r.cache = 2 * kv * (F32 if pol.amp else half)  # the cache's copies of k and v
+    if k.kv_cache and not pol.amp and k.attention != "eager" and k.head_dim % 8 and \
+            B.sdpa(k.attention, k.head_dim, heads, kvh, k.attention_dropout) == "flash":
+        # k and v are the cache's copies; flash saves padded copies of them instead, so the cache's
+        # live as long as the model output
+        kk, vv = T(kv, 0, half, "kv_cache.k"), T(kv, 0, half, "kv_cache.v")
+        B.r.hold(kk, vv)
     ctx = B.attention(qq, kk, vv, heads, kvh, k.head_dim, k.attention, k.attention_dropout,
                       softmax_fp32_then_cast=True)
     B.linear(ctx, h, "o_proj", "o_proj.input")

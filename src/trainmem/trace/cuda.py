@@ -19,10 +19,13 @@ the ``meta`` device — they have storages of the right size and no data — and
   that to fp32 — both are kept for backward, as on a GPU.
 * **Dropout.** Out-of-place dropout with 0 < p < 1 runs CUDA's fused ``native_dropout``, which keeps
   a 1-byte bool mask (the CPU/meta path keeps a float mask).
-* **Scaled dot-product attention.** The CUDA backend is chosen as PyTorch does (flash attention for
-  fp16/bf16 without an explicit mask and head_dim <= 256, else memory-efficient attention, else the
-  math path) and that backend's op runs, so autograd saves what it saves on a GPU (flash: output
-  and logsumexp). ``attention_backend`` forces one.
+* **Scaled dot-product attention.** The CUDA backend is chosen as PyTorch 2.13's dispatcher does
+  (``select_sdp_backend`` in aten/src/ATen/native/transformers/cuda/sdp_utils.cpp: its priority
+  order, cuDNN first on sm90/sm10x, and each backend's checks on the tensors; docs/attention.md)
+  and the CUDA branch of ``scaled_dot_product_attention`` (attention.cpp) runs, so autograd saves
+  what it saves on a GPU: flash pads head_dim to a multiple of 8 and keeps the padded copies,
+  flash / cuDNN / memory-efficient keep q, k, v, output and logsumexp. ``attention_backend`` pins
+  one (``sdpa_kernel``); a pin PyTorch would refuse is a ``TrainmemError``.
 * **Optimizers.** ``foreach`` (and ``fused``) implementations are available for device tensors, so
   ``torch.optim`` defaults to foreach as it does on CUDA.
 * **cuBLAS workspace** and in-kernel scratch buffers are added by the tracker (``Tracker``).
@@ -36,6 +39,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from trainmem.estimate.layers import CUDNN_VERSION
 
 EMULATED = "meta"  # the device type that stands for the emulated GPU
 
@@ -94,8 +99,8 @@ class CudaEmulation(TorchFunctionMode):
     def __init__(self, tracker: Any = None, *, attention_backend: str | None = None,
                  capability: tuple[int, int] = (8, 0)) -> None:
         super().__init__()
-        if attention_backend not in (None, "flash", "efficient", "math"):
-            raise ValueError(f"attention_backend {attention_backend!r}: use flash, efficient, math or None")
+        if attention_backend not in (None, "flash", "efficient", "math", "cudnn"):
+            raise ValueError(f"attention_backend {attention_backend!r}: use flash, efficient, math, cudnn or None")
         self.tracker = tracker
         self.attention_backend = attention_backend
         self.capability = capability
@@ -256,46 +261,202 @@ class CudaEmulation(TorchFunctionMode):
         if not (isinstance(q, torch.Tensor) and q.device.type == EMULATED):
             return torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, scale=scale, enable_gqa=gqa)
-        backend = self.attention_backend or self._choose_backend(q, k, v, mask, gqa)
-        if backend == "flash" and not self._flash_ok(q, k, v, mask, gqa):
-            backend = "efficient" if self._efficient_ok(q, k, v, gqa) else "math"
-        if backend == "efficient" and not self._efficient_ok(q, k, v, gqa):
-            backend = "math"
+        backend = self._choose_backend(q, k, v, mask, p, causal, gqa)
         self.sdpa_choices[backend] = self.sdpa_choices.get(backend, 0) + 1
+        return self._run_sdpa(backend, q, k, v, mask, p, causal, scale, gqa)
+
+    def _run_sdpa(self, backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any,
+                  p: float, causal: bool, scale: Any, gqa: bool) -> torch.Tensor:
+        """The CUDA branch of ``at::native::scaled_dot_product_attention`` (attention.cpp) for
+        ``backend``: the same ops, so autograd saves what it saves on a GPU."""
         aten = torch.ops.aten
+        lse = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         if backend == "flash":
-            return aten._scaled_dot_product_flash_attention(q, k, v, p, causal, False, scale=scale)[0]
+            return _flash_padded(q, k, v, p, causal, scale)
+        if backend == "cudnn":
+            mask = _additive_mask(mask, q.dtype, -65504.0)  # convert_boolean_attn_mask_cudnn
+            return aten._scaled_dot_product_cudnn_attention(q, k, v, mask, lse, p, causal, False, scale=scale)[0]
         if backend == "efficient":
-            need_lse = q.requires_grad or k.requires_grad or v.requires_grad
-            if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
-                # the CUDA path turns a boolean mask into an additive one first
-                mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(
-                    mask.logical_not(), float("-inf"))
-            return aten._scaled_dot_product_efficient_attention(q, k, v, mask, need_lse, p, causal,
-                                                                 scale=scale)[0]
+            mask = _additive_mask(mask, q.dtype, float("-inf"))
+            if mask is not None:
+                mask = _preprocess_mask(mask, q, k)
+            return aten._scaled_dot_product_efficient_attention(q, k, v, mask, lse, p, causal, scale=scale)[0]
         return aten._scaled_dot_product_attention_math(q, k, v, mask, p, causal, None, scale=scale,
                                                        enable_gqa=gqa)[0]
 
-    def _choose_backend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, gqa: bool) -> str:
-        # respects torch.backends.cuda.enable_*_sdp / torch.nn.attention.sdpa_kernel restrictions
+    def _priority(self) -> list[str]:
+        """``priority_order`` (cuda/sdp_utils.cpp): the global order (``torch._C._get_sdp_priority_order``,
+        flash, efficient, math, cudnn unless changed), with cuDNN moved first where
+        ``check_prefer_cudnn_attention`` holds: cuDNN > 9.15.0 on sm90 / sm10x (CUDA 13 builds; the
+        torch 2.13 wheels ship cuDNN 9.20)."""
+        names = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn"}
+        order = [names[i] for i in torch._C._get_sdp_priority_order() if i in names]
+        if order == ["flash", "efficient", "math", "cudnn"] and self.capability[0] in (9, 10) \
+                and CUDNN_VERSION > 91500:
+            order = ["cudnn", "flash", "efficient", "math"]
+        return order
+
+    def _choose_backend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, p: float,
+                        causal: bool, gqa: bool) -> str:
+        """``select_sdp_backend``: the first backend of ``_priority`` that is enabled
+        (``torch.backends.cuda.enable_*_sdp``, ``sdpa_kernel``; ``attention_backend`` enables only
+        that one) and whose checks pass; none: PyTorch's "No available kernel" error."""
+        reasons = self.sdpa_refusals(q, k, v, mask, p, causal, gqa)
+        if self.attention_backend is not None:
+            why = reasons[self.attention_backend]
+            if why:
+                from trainmem.errors import TrainmemError
+                raise TrainmemError(f"--attention sdpa-{self.attention_backend}: PyTorch refuses this call: {why}; "
+                                    "use --attention sdpa to let it choose")
+            return self.attention_backend
         cuda = torch.backends.cuda
-        if cuda.flash_sdp_enabled() and self._flash_ok(q, k, v, mask, gqa):
-            return "flash"
-        if cuda.mem_efficient_sdp_enabled() and self._efficient_ok(q, k, v, gqa):
-            return "efficient"
-        return "math"
+        enabled = {"flash": cuda.flash_sdp_enabled(), "efficient": cuda.mem_efficient_sdp_enabled(),
+                   "math": cuda.math_sdp_enabled(), "cudnn": cuda.cudnn_sdp_enabled()}
+        for backend in self._priority():
+            if enabled[backend] and not reasons[backend]:
+                return backend
+        detail = "; ".join(f"{b}: {why or 'disabled'}" for b, why in reasons.items())
+        raise RuntimeError(f"No available kernel. Aborting execution. ({detail})")
 
-    def _flash_ok(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, gqa: bool) -> bool:
-        d = q.shape[-1]
-        return (q.dim() == 4 and q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype
-                and v.dtype == q.dtype and mask is None and d <= 256 and d % 8 == 0 and v.shape[-1] == d
-                and (q.shape[1] == k.shape[1] or gqa) and self.capability >= (8, 0))
+    def sdpa_refusals(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any = None,
+                      dropout_p: float = 0.0, is_causal: bool = False, enable_gqa: bool = False) -> dict[str, str]:
+        """Why each CUDA backend refuses these inputs on the emulated GPU ("" where it accepts)."""
+        return {"flash": self._flash_refusal(q, k, v, mask, dropout_p, is_causal, enable_gqa),
+                "efficient": self._efficient_refusal(q, k, v, enable_gqa),
+                "math": "",
+                "cudnn": self._cudnn_refusal(q, k, v, dropout_p, enable_gqa)}
 
-    def _efficient_ok(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> bool:
-        d = q.shape[-1]
-        align = 4 if q.dtype == torch.float32 else 8
-        return (q.dim() == 4 and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
-                and d % align == 0 and v.shape[-1] % align == 0 and q.shape[1] == k.shape[1] and not gqa)
+    def _sm(self) -> str:
+        return f"sm{self.capability[0]}{self.capability[1]}"
+
+    def _flash_refusal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, p: float,
+                       causal: bool, gqa: bool) -> str:
+        """``can_use_flash_attention`` (cuda/sdp_utils.cpp) for dense inputs."""
+        cap, d = self.capability, q.shape[-1]
+        if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+            return "flash attention needs 4-D query, key and value (check_tensor_shapes)"
+        if mask is not None:
+            return "flash attention takes no attn_mask (check_for_attn_mask)"
+        if not (k.shape[-1] == d == v.shape[-1] and d <= 256):
+            return f"flash attention needs head_dim <= 256 and equal for q, k, v (check_head_dim_size_flash), got {d}"
+        if not (8, 0) <= cap <= (12, 1):
+            return f"flash attention needs sm80..sm121, not {self._sm()}"
+        if ((8, 6) <= cap <= (8, 9) or cap >= (12, 0)) and (q.requires_grad or k.requires_grad or v.requires_grad) \
+                and (192 < d <= 224 or (d > 224 and p > 0)):
+            return f"flash attention cannot train head_dim {d} on {self._sm()}"
+        if causal and q.shape[-2] != k.shape[-2]:
+            return "flash attention takes is_causal only with seqlen_q == seqlen_k"
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            return f"flash attention takes fp16/bf16 only (check_dtypes_flash_attention), not {_dtype_name(q)}"
+        return _dense_refusal("flash attention", q, k, v, gqa, ignore_singleton=True)
+
+    def _efficient_refusal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> str:
+        """``can_use_mem_efficient_attention`` (cuda/sdp_utils.cpp) for dense inputs; PyTorch 2.13
+        builds its head-count check without GQA."""
+        cap, d = self.capability, q.shape[-1]
+        if not (5, 0) <= cap <= (12, 1):
+            return f"memory-efficient attention needs sm50..sm121, not {self._sm()}"
+        if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+            return "memory-efficient attention needs 4-D query, key and value (check_tensor_shapes)"
+        half = q.dtype in (torch.float16, torch.bfloat16)
+        # minimum_gemm_alignment: 4 on sm80+ (else 1), 128 bits (8 halves, 4 floats) with tensor cores
+        # (sm80+, or fp16/bf16 on sm7x)
+        align = 8 if half and cap >= (7, 0) else (4 if cap >= (8, 0) else 1)
+        if k.shape[-1] != d or d % align or v.shape[-1] % align:
+            return (f"memory-efficient attention needs head_dim divisible by {align} in {_dtype_name(q)} "
+                    f"(check_head_dim_size_mem_efficient), got {d}")
+        if cap >= (8, 0) and any(t.storage_offset() % align for t in (q, k, v)):
+            return ("memory-efficient attention needs q, k, v storage offsets aligned "
+                    "(check_data_ptr_alignment_mem_efficient)")
+        if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or \
+                (q.dtype == torch.bfloat16 and cap < (8, 0)):
+            return f"memory-efficient attention does not take {_dtype_name(q)} here"
+        return _dense_refusal("memory-efficient attention", q, k, v, gqa, ignore_singleton=False, supports_gqa=False)
+
+    def _cudnn_refusal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, gqa: bool) -> str:
+        """``can_use_cudnn_attention`` (cuda/sdp_utils.cpp) for dense inputs, cuDNN ``CUDNN_VERSION``."""
+        cap = self.capability
+        if torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled():
+            return "cuDNN attention is not deterministic (check_cudnn_deterministic)"
+        if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+            return "cuDNN attention needs 4-D query, key and value (check_tensor_shapes)"
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            return f"cuDNN attention takes fp16/bf16 only (check_dtypes_low_precision), not {_dtype_name(q)}"
+        if not (8, 0) <= cap <= (12, 1):
+            return f"cuDNN attention needs sm80..sm121, not {self._sm()}"
+        if p * 16 != int(p * 16):
+            return ("cuDNN attention needs a dropout probability that is a multiple of 1/16 (check_cudnn_dropout), "
+                    f"got {p:g}")
+        why = _dense_refusal("cuDNN attention", q, k, v, gqa, ignore_singleton=True, same_kv_heads=False)
+        if why:
+            return why
+        limit = 256 if (cap[0] in (9, 10) and CUDNN_VERSION > 92200) else 128
+        d_qk, d_v = q.shape[-1], v.shape[-1]
+        if d_qk > limit or d_v > limit or d_qk % 8 or d_v % 8:
+            return (f"cuDNN attention (cuDNN {CUDNN_VERSION // 10000}.{CUDNN_VERSION // 100 % 100}) needs head_dim "
+                    f"a multiple of 8 and <= {limit} (check_cudnn_tensor_shapes), got {d_qk}")
+        if q.shape[0] > 65535 or q.shape[1] > 65535 or k.shape[-2] == 1 or (p > 0 and q.shape[-2] == 1):
+            return "cuDNN attention does not take these sizes (check_cudnn_tensor_shapes)"
+        return ""
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(t.dtype, str(t.dtype))
+
+
+def _dense_refusal(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool, *,
+                   ignore_singleton: bool, same_kv_heads: bool = True, supports_gqa: bool = True) -> str:
+    """sdp_utils_cpp.h's dense checks: check_batch_size_and_num_heads_dense (GQA only with
+    ``enable_gqa`` where the kernel supports it), check_nonzero_sequence_lengths_dense,
+    check_last_dim_stride_equals_1_dense."""
+    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+        return f"{kernel} needs query, key and value with the same batch size"
+    hq, hk, hv = q.shape[1], k.shape[1], v.shape[1]
+    if not (hq == hk == hv):
+        if gqa and not supports_gqa:
+            return (f"{kernel} in PyTorch 2.13 takes no grouped-query attention (q and k/v head counts "
+                    f"differ: {hq}, {hk}, {hv}; transformers passes enable_gqa)")
+        if not gqa:
+            return f"{kernel} needs the same number of heads in q, k, v ({hq}, {hk}, {hv}) without enable_gqa"
+        if (same_kv_heads and hk != hv) or hq % hk or hq % hv:
+            return f"{kernel} needs k/v heads that divide the query heads ({hq}, {hk}, {hv})"
+    if 0 in (q.shape[-2], k.shape[-2]):
+        return f"{kernel} needs nonzero sequence lengths"
+    for t in (q, k, v):
+        if t.stride(-1) != 1 and not (ignore_singleton and t.shape[-1] == 1):
+            return f"{kernel} needs the last dimension of q, k, v contiguous (stride 1)"
+    return ""
+
+
+def _flash_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, causal: bool,
+                  scale: Any) -> torch.Tensor:
+    """The flash branch of ``scaled_dot_product_attention`` (attention.cpp): ``pad_last_dim<8, false>``
+    pads q, k, v to a head_dim multiple of 8 (``at::pad``: new tensors, which the kernel saves), the
+    scale comes from the original head_dim, and ``post_process_flash_output`` slices the output."""
+    d = q.shape[-1]
+    if d % 8:
+        pad = (0, 8 - d % 8)
+        q, k, v = (torch.nn.functional.pad(t, pad) for t in (q, k, v))
+    og_scale = scale if scale is not None else 1.0 / d ** 0.5
+    out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, p, causal, False, scale=og_scale)[0]
+    return out[..., :d] if out.shape[-1] != d else out
+
+
+def _additive_mask(mask: Any, dtype: torch.dtype, fill: float) -> Any:
+    """``convert_boolean_attn_mask`` (attention.cpp): a boolean mask becomes an additive one."""
+    if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask.logical_not(), fill)
+    return mask
+
+
+def _preprocess_mask(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``preprocess_mask`` (attention.cpp): memory-efficient attention wants the bias's strides
+    aligned to 8 (else ``pad_bias<8>`` pads the last dim and slices it back), expanded to (b, h, L, S)."""
+    aligned = all(mask.stride(i) % 8 == 0 for i in range(mask.dim() - 1)) and mask.stride(-1) == 1
+    if not aligned:
+        last = mask.shape[-1]
+        mask = torch.nn.functional.pad(mask, (0, 8 - last % 8))[..., :last]
+    return mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
 
 
 def _grouped_mm_out(a: torch.Tensor, b: torch.Tensor, offs: Any, dtype: torch.dtype) -> torch.Tensor:

@@ -330,10 +330,12 @@ class Tracker(TorchDispatchMode):
         sizes: list[int] = []
         name = _op_name(func)
         if name == "_scaled_dot_product_flash_attention_backward":
+            # flash_api.cpp mha_bwd: seqlen rounded to 128, head_dim to 32 (<= 128) or 64
             q = args[1]
             b, h, t, d = q.shape
             t_r = -(-t // 128) * 128
-            d_r = -(-d // 32) * 32
+            m = 32 if d <= 128 else 64
+            d_r = -(-d // m) * m
             sizes += [b * h * t_r * 4,            # softmax_d (fp32)
                       b * t_r * h * d_r * 4]      # dq_accum (fp32)
             k = args[2]
@@ -343,6 +345,12 @@ class Tracker(TorchDispatchMode):
             q = args[1]
             b, h, t, d = q.shape
             sizes += [b * h * t * 4]              # delta (fp32)
+        elif name == "_scaled_dot_product_cudnn_attention_backward":
+            # cudnn-frontend SDPA backward: the fp32 dQ accumulator (b, h, s_q, d_qk); the engine's
+            # own workspace (get_workspace_size) is not known from source
+            q = args[1]
+            b, h, t, d = q.shape
+            sizes += [b * h * t * d * 4]
         if sizes:
             rids = [self.allocate_extra(n, "temporaries", "kernel_scratch", name) for n in sizes]
             for r in rids:
