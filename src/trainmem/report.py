@@ -190,6 +190,10 @@ class MemoryReport:
             d["model"] = self.model.summary()
         if self.training is not None and hasattr(self.training, "to_dict"):
             d["training"] = self.training.to_dict()
+            extra = getattr(self.training, "extra", None) or {}
+            if extra.get("framework"):  # the preset the setup came from (spec/frameworks.py)
+                d["training"]["framework"] = extra["framework"]
+                d["training"]["framework_version"] = extra.get("framework_version")
         if self.hardware is not None and hasattr(self.hardware, "to_dict"):
             d["hardware"] = self.hardware.to_dict()
         if self.extra:

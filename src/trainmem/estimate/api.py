@@ -91,4 +91,5 @@ def estimate_resolved(r: Resolved) -> MemoryReport:
         bucket_check(report, r.model, r.training)
     report.method = r.method
     report.model, report.training = r.model, r.training
+    report.warnings[:0] = r.training.extra.get("framework_warnings", ())
     return attach_hardware(report, r.hardware, r.max_fraction)

@@ -364,7 +364,7 @@ def _check_outputs(kind: str, memory_limit: Any, snapshot: str | None, html: str
 
 def _not_applied(t: TrainingSpec) -> list[str]:
     """Warnings for the training options the measured (eager, one-piece-loss) step does not apply."""
-    warnings = []
+    warnings = list(t.extra.get("framework_warnings", ()))
     return warnings  # --compile and --loss fused are refused (workload.check_supported); the rest is applied
 
 
