@@ -362,7 +362,8 @@ def _report(tracker: Tracker, allocator: Any, spec: ModelSpec | None, training: 
         largest_rows.append({"name": _component_key(r), "category": r.category, "bytes": r.nbytes, "block": r.block,
                              "shape": list(r.shape), "dtype": r.dtype, "module": r.module, "op": r.op,
                              "phase": r.phase, "step": r.step})
-    warnings = list(training.extra.get("framework_warnings", ())) + list(tracker.warnings)
+    preset = training.extra.get("framework_warnings", ()) if training is not None else ()
+    warnings = list(preset) + list(tracker.warnings)
     if tracker.data_dependent:
         warnings.append(f"{tracker.data_dependent} data-dependent read(s) of device tensors: the trace has no data, "
                         f"so all() answered True, any() False, numbers 1")
