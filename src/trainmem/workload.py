@@ -139,8 +139,6 @@ class TrainStep:
 
     def __init__(self, model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec, device: str,
                  on_phase: Callable[[str, int, int | None], None] | None = None, what: str = "trace") -> None:
-        if t.lora_rank:
-            raise TrainmemError(f"--lora-rank is not supported by {what} yet (use estimate)")
         if t.recompute == "full":
             enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
             enable()
@@ -230,6 +228,22 @@ class TrainStep:
     def release(self) -> None:
         """Drop the last batch and loss (and with them what they keep alive)."""
         self.state.clear()
+
+
+def apply_lora(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec) -> torch.nn.Module:
+    """peft's LoRA on the model (``get_peft_model`` with ``LoraConfig``; its defaults otherwise: the
+    target modules of ``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``, adapters upcast to
+    fp32 over half weights, ``autocast_adapter_dtype=True``); the model unchanged without LoRA."""
+    if not t.lora_rank:
+        return model
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise TrainmemError("--lora-rank needs peft to trace or measure: pip install 'trainmem[lora]'") from None
+    from .estimate.states import default_lora_targets
+    targets = list(t.lora_targets or default_lora_targets(spec))
+    config = LoraConfig(r=t.lora_rank, lora_alpha=2 * t.lora_rank, target_modules=targets, lora_dropout=0.0)
+    return get_peft_model(model, config)
 
 
 def _checkpoint_every(model: torch.nn.Module, every: int) -> None:

@@ -107,8 +107,12 @@ class Policy:
 class Builder:
     """Helpers that mirror single PyTorch ops: what each saves and what it returns."""
 
-    def __init__(self, pol: Policy, dropout: bool, sp_div: int = 1, capability: tuple[int, int] = (8, 0)):
+    def __init__(self, pol: Policy, dropout: bool, sp_div: int = 1, capability: tuple[int, int] = (8, 0),
+                 lora: tuple[tuple[str, int, int], ...] = ()):
         self.p = pol
+        # LoRA (peft): the base weights are frozen; the adapters' ranks by target module name
+        self.lora = {name: rank for name, rank, _ in lora}
+        self.frozen = bool(lora)
         self.capability = capability  # the GPU's compute capability: which SDPA kernel runs
         self.r = Recipe()
         self.dropout = dropout
@@ -130,6 +134,8 @@ class Builder:
 
     def linear(self, x: T, out: float, name: str, saved_name: str, in_features: float | None = None) -> T:
         """``F.linear``/``addmm``: saves the (cast) input; weight copies are counted separately."""
+        if self.frozen:
+            return self.frozen_linear(x, out, name, saved_name)
         xin = self.matmul_in(x, saved_name)
         y = T(out, 0.0, self.p.half, name)
         in_features = xin.tok if in_features is None else in_features
@@ -139,6 +145,26 @@ class Builder:
                          const=w * self.wgrad_bytes, own_weights=w)
         self.r.weights += w
         return y
+
+    def frozen_linear(self, x: T, out: float, name: str, saved_name: str) -> T:
+        """A linear whose weight is frozen (LoRA training, peft ``tuners/lora/layer.py`` ``Linear``).
+        The base ``F.linear`` saves no input: a frozen weight needs no gradient, and the input's
+        gradient needs only the weight (``mm`` saves ``self`` only when ``mat2`` requires grad).
+        A LoRA target adds ``lora_B(lora_A(dropout(x)))``: peft casts ``x`` to the adapter's dtype
+        (``_cast_input_dtype``; adapters are fp32 over half weights, ``autocast_adapter_dtype``),
+        ``lora_A`` saves that input (under autocast its half cast), ``lora_B`` the rank-r result."""
+        rank = next((r for t, r in self.lora.items() if name == t or name.endswith("." + t)), 0)
+        if rank:
+            if self.p.amp:
+                xin = T(x.tok, x.sq, HALF, saved_name)        # autocast's cast for lora_A, per call
+            elif x.nbytes != F32:
+                xin = T(x.tok, x.sq, F32, saved_name)         # peft's cast to the fp32 adapter
+            else:
+                xin = x                                       # fp32: the input itself
+            self.r.save(xin, T(rank, 0, HALF if self.p.amp else F32, f"lora.{name}"))
+        # backward: grad_out and grad_in, no weight gradient
+        self.r.transient(f"{name}.backward", T(out, 0, self.p.half), T(x.tok, 0, self.p.half))
+        return T(out, 0.0, self.p.half, name)
 
     def layer_norm(self, x: T, name: str) -> T:
         """``F.layer_norm`` (autocast fp32): saves the (fp32) input and fp32 mean/rstd per token."""
@@ -155,7 +181,8 @@ class Builder:
         x32 = x if x.nbytes == F32 else T(x.tok, 0, F32, name)
         self.r.save(T(x32.tok, 0, F32, name), T(1, 0, F32, name + ".stats"))
         normed = T(x.tok, 0, x.nbytes, name)  # fp32 normed.to(input_dtype) is a new tensor either way
-        self.r.save(normed)
+        if not self.frozen:  # weight * normed saves normed only for the weight's gradient
+            self.r.save(normed)
         return T(x.tok, 0, max(self.p.weight, x.nbytes), name + ".out")
 
     def drop(self, x: T, p: float, name: str, keep_output: bool = False) -> T:
@@ -488,18 +515,13 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
     pol = Policy.of(k.precision)
     t = k.tp
     sp_div = t if k.sp else 1  # sequence parallel splits the replicated regions over TP ranks
-    B = Builder(pol, k.dropout, sp_div, k.capability)
+    B = Builder(pol, k.dropout, sp_div, k.capability, k.lora)
     h, f, q, kv = k.h, k.f / t, k.q / t, k.kv / t
     heads, kvh = k.heads / t, max(k.kv_heads / t, 1 if k.kv_heads < t else k.kv_heads / t)
     x = T(h / sp_div, 0, pol.stream, "residual")
     build = {"gpt2": _gpt2_layer, "nanogpt": _gpt2_layer, "bert": _bert_layer,
              "roberta-prenorm": _bert_layer}.get(k.family, _llama_layer)
     build(B, k, x, h, f, q, kv, heads, kvh, sp_div)
-    half = pol.half
-    for name, r_, cols in k.lora:
-        # LoRA (peft): lora_A saves the layer input (shared with the base linear unless cast),
-        # lora_B saves the rank-r intermediate; dropout is identity at peft's default p = 0.
-        B.r.save(T(r_ / max(1, t if cols else 1), 0, half, f"lora.{name}"))
 
     tok, sq, parts = B.r.coefficients()
     trans = tuple((name, a + st - tok, b + ss - sq, c) for name, a, b, c, st, ss, _ in B.r.transients)
@@ -590,8 +612,8 @@ def _llama_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: 
     pol, half = B.p, B.p.half
     a_in = B.rms_norm_hf(x, "input_layernorm")
     src = T(h / sp_div, 0, a_in.nbytes, "input_layernorm.out")
-    if not pol.amp:
-        B.r.save(src)  # shared input of q/k/v (no per-call casts without autocast)
+    if not pol.amp and not B.frozen:
+        B.r.save(src)  # shared input of q/k/v (no per-call casts without autocast; frozen linears save none)
     for name, width in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
         B.linear(src, width, name, f"{name}.input", h)
     # rotary: q*cos + rotate_half(q)*sin makes new q and k tensors; cos/sin are shared per model
@@ -616,7 +638,7 @@ def _llama_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: 
     x2 = T(h / sp_div, 0, pol.stream, "residual")
     m_in = B.rms_norm_hf(x2, "post_attention_layernorm")
     src2 = T(h / sp_div, 0, m_in.nbytes, "post_attention_layernorm.out")
-    if not pol.amp:
+    if not pol.amp and not B.frozen:
         B.r.save(src2)
     if k.experts:
         _moe(B, src2, h, f, k.experts, k.top_k)

@@ -7,7 +7,7 @@ stage 1/2/3 (or FSDP) divides optimizer states / gradients / weights over the sh
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from ..spec.model import ModelSpec, ParamTensor
@@ -297,8 +297,13 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
 
 
 def _lora_adapters(t: TrainingSpec, r: _Rank, acc: _Tally, lora: list[tuple[str, int, int | None]]) -> None:
-    """LoRA A and B matrices on this stage: trainable, so they get gradients, states and (with a
-    half master) the fp32 master copy."""
+    """LoRA A and B matrices on this stage: trainable, so they get gradients and states. peft keeps
+    them in fp32 over half base weights (``get_peft_model(..., autocast_adapter_dtype=True)``
+    upcasts bf16/fp16 adapters, ``tuners_utils.py`` ``_cast_adapter_dtype``), so their weights,
+    gradients and states are fp32 and need no master copy, unless the framework casts the whole
+    model to half with an fp32 master (DeepSpeed ZeRO: ``TrainingSpec.fp32_master``)."""
+    if not r.half_master:
+        r = replace(r, w=4, gbytes=4, sbytes=4)
     for _mod, n, lyr in lora:
         if lyr is not None and not (r.lo <= lyr < r.hi):
             continue

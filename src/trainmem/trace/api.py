@@ -29,6 +29,7 @@ from ..workload import DROPOUT_KEYS as _DROPOUT_KEYS  # noqa: F401
 from ..workload import check_supported as _check_supported
 from ..workload import hf_config as _hf_config  # noqa: F401
 from ..workload import hf_factory as _hf_factory
+from ..workload import apply_lora
 from ..workload import hf_step as _hf_step
 from ..workload import make_optimizer, optimizer_class  # noqa: F401
 
@@ -183,14 +184,16 @@ def _build(dev: _Device, factory: Callable, spec: ModelSpec | None, t: TrainingS
     if dev.cuda:
         with dev.build_ctx:
             module = factory()
-        module = _as_module(module)
-        _cast(module, spec, t)
+            module = _as_module(module)
+            _cast(module, spec, t)
+            module = apply_lora(module, spec, t) if spec is not None else module
         with tracker:
             _load_to_device(tracker, module)
     else:
         with dev.build_ctx, tracker:
             module = _as_module(factory())
             _cast(module, spec, t)
+            module = apply_lora(module, spec, t) if spec is not None else module
             _mark_model(tracker, module)
     tracker.name_modules(module)
     return module
