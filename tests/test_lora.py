@@ -41,3 +41,15 @@ def test_frozen_linears_save_no_input():
     assert (every.extra["activations_per_layer"] - qv.extra["activations_per_layer"]
             == pytest.approx(inputs + ranks, abs=64))
     assert layers * (inputs + ranks) < every.peak_allocated
+
+
+def test_real_cpu_run_with_peft(one_torch_thread):
+    # measure runs the real peft model; a frozen base has no gradients or optimizer states
+    from trainmem.errors import TrainmemError
+    from trainmem.measure.runner import measure
+    o = dict(set=["n_layer=2", "n_embd=128", "n_head=4", "vocab_size=512"], seq_len=128, batch_size=2)
+    lora = measure("gpt2", device="cpu", lora_rank=4, **o)
+    full = measure("gpt2", device="cpu", **o)
+    assert lora.peak_allocated < full.peak_allocated
+    with pytest.raises(TrainmemError, match="--device cuda"):
+        trace("gpt2", device="cpu", lora_rank=4, **o)

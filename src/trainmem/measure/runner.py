@@ -45,7 +45,7 @@ from ..report import Component, MemoryReport
 from ..spec import Hardware, TrainingSpec, get_gpu
 from ..spec.resolve import TRAINING_FIELDS, Resolved, resolve
 from ..units import parse_bytes
-from ..workload import TrainStep, check_supported, hf_factory
+from ..workload import TrainStep, apply_lora, check_supported, hf_factory
 from .probes import CpuProbe, CudaProbe, PhaseRecorder, optimizer_tensors, parse_device, tensor_bytes
 
 MiB = 2**20
@@ -388,7 +388,7 @@ def _train(run: _Run, largest: int, snapshot: str | None, html: str | None) -> N
     step: TrainStep | None = None
     snap: Any = None
     try:
-        module = hf_factory(m, t)()
+        module = apply_lora(hf_factory(m, t)(), m, t)  # peft's LoRA when --lora-rank
         if run.kind == "cuda":
             module.to(probe.device)
         module.train()

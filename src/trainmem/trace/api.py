@@ -190,10 +190,12 @@ def _build(dev: _Device, factory: Callable, spec: ModelSpec | None, t: TrainingS
         with tracker:
             _load_to_device(tracker, module)
     else:
+        if spec is not None and t.lora_rank:
+            raise TrainmemError("trace --device cpu cannot wrap the model with peft under its byte counter "
+                                "(peft moves modules with tensor swaps); trace LoRA with --device cuda")
         with dev.build_ctx, tracker:
             module = _as_module(factory())
             _cast(module, spec, t)
-            module = apply_lora(module, spec, t) if spec is not None else module
             _mark_model(tracker, module)
     tracker.name_modules(module)
     return module
