@@ -14,7 +14,11 @@ GPT2 = dict(set=["n_layer=8", "n_embd=256", "n_head=4", "vocab_size=2048"], seq_
 ALL = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 CASES = [("llama-3.2-1b", LLAMA, {}), ("llama-3.2-1b", LLAMA, {"precision": "bf16"}),
          ("llama-3.2-1b", LLAMA, {"precision": "fp32"}), ("llama-3.2-1b", LLAMA, {"lora_targets": ALL}),
-         ("gpt2", GPT2, {}), ("gpt2", GPT2, {"precision": "bf16", "lora_targets": "c_attn,c_proj,c_fc"})]
+         ("gpt2", GPT2, {}), ("gpt2", GPT2, {"precision": "bf16", "lora_targets": "c_attn,c_proj,c_fc"}),
+         # LoRA dropout (torchtune, litgpt: 0.05) and adapters in the model's half dtype (torchtune, litgpt)
+         ("llama-3.2-1b", LLAMA, {"lora_dropout": 0.05}),
+         ("llama-3.2-1b", LLAMA, {"precision": "bf16", "lora_dtype": "half", "lora_dropout": 0.05}),
+         ("llama-3.2-1b", LLAMA, {"precision": "fp32", "lora_dropout": 0.1})]
 
 
 @pytest.mark.parametrize("model,base,extra", CASES, ids=lambda x: x if isinstance(x, str) else "")
@@ -23,10 +27,12 @@ def test_lora_estimate_agrees_with_peft_trace(model, base, extra, one_torch_thre
     r = trace(model, device="cuda", **base, **extra)
     # what is left: the first layer's ops before its first adapter save nothing (their input needs
     # no gradient), which the per-layer estimate does not separate (1/8 of a norm here)
-    assert e.peak_allocated == pytest.approx(r.peak_allocated, rel=0.025)
+    # with LoRA dropout the first layer's unsaved pre-adapter ops weigh a little more (its masks too)
+    peak_tol, fwd_tol = (0.03, 0.035) if extra.get("lora_dropout") else (0.025, 0.03)
+    assert e.peak_allocated == pytest.approx(r.peak_allocated, rel=peak_tol)
     est = {(p.name, p.step): p for p in e.phases}
     for p in r.phases:
-        tol = 0.03 if p.name == "forward" else 0.001  # model states (fp32 adapters) exactly
+        tol = fwd_tol if p.name == "forward" else 0.001  # model states (fp32 or half adapters) exactly
         assert est[(p.name, p.step)].allocated == pytest.approx(p.allocated, rel=tol), (p.name, p.step)
 
 

@@ -242,8 +242,16 @@ def apply_lora(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec) -> torc
         raise TrainmemError("--lora-rank needs peft to trace or measure: pip install 'trainmem[lora]'") from None
     from .estimate.states import default_lora_targets
     targets = list(t.lora_targets or default_lora_targets(spec))
-    config = LoraConfig(r=t.lora_rank, lora_alpha=2 * t.lora_rank, target_modules=targets, lora_dropout=0.0)
-    return get_peft_model(model, config)
+    config = LoraConfig(r=t.lora_rank, lora_alpha=2 * t.lora_rank, target_modules=targets,
+                        lora_dropout=t.lora_dropout)
+    model = get_peft_model(model, config, autocast_adapter_dtype=t.lora_dtype == "fp32")
+    if t.lora_dtype == "half" and t.precision in ("bf16", "fp16"):
+        # torchtune and litgpt build the adapters in the model's dtype (peft creates them in fp32)
+        half = torch.bfloat16 if t.precision == "bf16" else torch.float16
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data = p.data.to(half)
+    return model
 
 
 def _checkpoint_every(model: torch.nn.Module, every: int) -> None:

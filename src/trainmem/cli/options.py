@@ -100,6 +100,10 @@ def add_training(g: Any) -> None:
     g.add_argument("--optimizer-in-backward", action="store_true",
                    help="apply the optimizer per parameter inside backward, freeing each gradient")
     g.add_argument("--lora-rank", type=nonneg_int, default=0, metavar="R")
+    g.add_argument("--lora-dropout", type=float, default=None, metavar="P",
+                   help="LoRA dropout on the adapters' input (peft default 0; torchtune and litgpt use 0.05)")
+    g.add_argument("--lora-dtype", choices=("fp32", "half"), default=None,
+                   help="adapters over half weights: fp32 (peft's default upcast) or half (torchtune, litgpt)")
     g.add_argument("--lora-targets", default=None, metavar="M1,M2",
                    help="peft target module names (peft's defaults when omitted)")
     g.add_argument("--no-dropout", action="store_true", help="train with dropout off (no masks stored)")
@@ -139,7 +143,7 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 recompute=a.recompute, recompute_every=a.recompute_every, attention=a.attention, compile=a.compile,
                 keep_logits=a.keep_logits,
                 optimizer_in_backward=a.optimizer_in_backward, hold_output=a.hold_output, zero_grad=a.zero_grad,
-                lora_rank=a.lora_rank,
+                lora_rank=a.lora_rank, lora_dropout=a.lora_dropout, lora_dtype=a.lora_dtype,
                 lora_targets=a.lora_targets, dropout=False if a.no_dropout else None,
                 optimizer_bucket_mb=a.optimizer_bucket_mb, loss_chunks=a.loss_chunks, loss=a.loss,
                 master_weights=a.master_weights, framework=a.framework, framework_version=a.framework_version)

@@ -108,8 +108,9 @@ class Builder:
     """Helpers that mirror single PyTorch ops: what each saves and what it returns."""
 
     def __init__(self, pol: Policy, dropout: bool, sp_div: int = 1, capability: tuple[int, int] = (8, 0),
-                 lora: tuple[tuple[str, int, int], ...] = ()):
+                 lora: tuple[tuple[str, int, int], ...] = (), lora_dropout: float = 0.0, lora_half: bool = False):
         self.p = pol
+        self.lora_dropout, self.lora_half = lora_dropout, lora_half
         # LoRA (peft): the base weights are frozen; the adapters' ranks by target module name
         self.lora = {name: rank for name, rank, _ in lora}
         self.frozen = bool(lora)
@@ -155,13 +156,17 @@ class Builder:
         ``lora_A`` saves that input (under autocast its half cast), ``lora_B`` the rank-r result."""
         rank = next((r for t, r in self.lora.items() if name == t or name.endswith("." + t)), 0)
         if rank:
+            adapter = x.nbytes if (self.lora_half or x.nbytes == F32) else F32   # peft upcasts to fp32
+            if self.lora_dropout > 0:
+                # nn.Dropout on the (cast) input: a 1-byte mask and a new dropped tensor
+                self.r.save(T(x.tok, x.sq, 1, f"lora.{name}.dropout_mask"))
             if self.p.amp:
                 xin = T(x.tok, x.sq, HALF, saved_name)        # autocast's cast for lora_A, per call
-            elif x.nbytes != F32:
-                xin = T(x.tok, x.sq, F32, saved_name)         # peft's cast to the fp32 adapter
+            elif adapter != x.nbytes or self.lora_dropout > 0:
+                xin = T(x.tok, x.sq, adapter, saved_name)     # the cast and/or dropped copy lora_A saves
             else:
-                xin = x                                       # fp32: the input itself
-            self.r.save(xin, T(rank, 0, HALF if self.p.amp else F32, f"lora.{name}"))
+                xin = x                                       # the input itself
+            self.r.save(xin, T(rank, 0, HALF if self.p.amp else adapter, f"lora.{name}"))
         # backward: grad_out and grad_in, no weight gradient
         self.r.transient(f"{name}.backward", T(out, 0, self.p.half), T(x.tok, 0, self.p.half))
         return T(out, 0.0, self.p.half, name)
@@ -469,6 +474,8 @@ class LayerKey:
     top_k: int
     pre_norm: bool
     lora: tuple[tuple[str, int, int], ...] = ()
+    lora_dropout: float = 0.0
+    lora_half: bool = False   # adapters in the model's half dtype (else fp32 over half weights)
     kv_cache: bool = False   # transformers builds a DynamicCache in training (config.use_cache)
     capability: tuple[int, int] = (8, 0)  # the GPU's compute capability (which SDPA kernel runs)
 
@@ -515,7 +522,7 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
     pol = Policy.of(k.precision)
     t = k.tp
     sp_div = t if k.sp else 1  # sequence parallel splits the replicated regions over TP ranks
-    B = Builder(pol, k.dropout, sp_div, k.capability, k.lora)
+    B = Builder(pol, k.dropout, sp_div, k.capability, k.lora, k.lora_dropout, k.lora_half)
     h, f, q, kv = k.h, k.f / t, k.q / t, k.kv / t
     heads, kvh = k.heads / t, max(k.kv_heads / t, 1 if k.kv_heads < t else k.kv_heads / t)
     x = T(h / sp_div, 0, pol.stream, "residual")

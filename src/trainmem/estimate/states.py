@@ -145,7 +145,7 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
     Cached on the fields that change model states (not batch, sequence, recomputation, ...), so a
     sweep over activations reuses them."""
     key = (m, stage, t.tp, t.pp, t.precision, t.zero_stage, t.shard_group, t.optimizer, t.impl,
-           t.lora_rank, t.lora_targets, t.distributed_optimizer, t.offload_optimizer, t.fp32_master)
+           t.lora_rank, t.lora_targets, t.lora_dtype, t.distributed_optimizer, t.offload_optimizer, t.fp32_master)
     hit = _STATES_CACHE.get(key)
     if hit is None:
         if len(_STATES_CACHE) >= 4096:
@@ -302,7 +302,7 @@ def _lora_adapters(t: TrainingSpec, r: _Rank, acc: _Tally, lora: list[tuple[str,
     upcasts bf16/fp16 adapters, ``tuners_utils.py`` ``_cast_adapter_dtype``), so their weights,
     gradients and states are fp32 and need no master copy, unless the framework casts the whole
     model to half with an fp32 master (DeepSpeed ZeRO: ``TrainingSpec.fp32_master``)."""
-    if not r.half_master:
+    if not r.half_master and t.lora_dtype == "fp32":
         r = replace(r, w=4, gbytes=4, sbytes=4)
     for _mod, n, lyr in lora:
         if lyr is not None and not (r.lo <= lyr < r.hi):

@@ -70,6 +70,9 @@ class TrainingSpec:
     optimizer_in_backward: bool = False
     lora_rank: int = 0
     lora_targets: tuple[str, ...] | None = None
+    lora_dropout: float = 0.0  # LoRA dropout on the adapters' input (peft: 0; torchtune, litgpt: 0.05)
+    lora_dtype: str = "fp32"   # adapters' dtype over half weights: peft upcasts to fp32, torchtune/litgpt
+    #                            keep the model's dtype ("half")
     distributed_optimizer: bool = False  # Megatron/NeMo: fp32 main grads + sharded states
     ddp_bucket_mb: float = 25.0
     optimizer_bucket_mb: float | None = None  # NeMo distributed_fused_adam bucket
@@ -130,6 +133,11 @@ class TrainingSpec:
                 raise TrainmemError(f"--fsdp {self.fsdp} and --zero {self.zero} disagree: give one of them")
         if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
             raise TrainmemError(f"--lora-rank must be zero or a positive integer, got {self.lora_rank!r}")
+        if not 0 <= self.lora_dropout < 1:
+            raise TrainmemError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout!r}")
+        _choice("lora_dtype", self.lora_dtype, ("fp32", "half"))
+        if (self.lora_dropout or self.lora_dtype != "fp32") and not self.lora_rank:
+            raise TrainmemError("--lora-dropout and --lora-dtype need --lora-rank R (the adapter rank)")
         if self.lora_targets is not None and not self.lora_rank:
             raise TrainmemError("--lora-targets needs --lora-rank R (the adapter rank)")
         if self.attention in ("flash", "sdpa-flash", "sdpa-cudnn") and self.precision == "fp32":
