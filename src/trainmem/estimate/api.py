@@ -9,7 +9,7 @@ from ..spec.hardware import Hardware
 from ..spec.model import ModelSpec
 from ..spec.resolve import (HARDWARE_OPTIONS, OTHER_OPTIONS, TRAINING_FIELDS, Resolved,  # noqa: F401
                             check_max_fraction, check_options, hardware_from, resolve, training_values)
-from ..spec.training import TrainingSpec
+from ..spec.training import TrainingSpec, report_warnings
 from .methods import get_method
 
 
@@ -91,5 +91,5 @@ def estimate_resolved(r: Resolved) -> MemoryReport:
         bucket_check(report, r.model, r.training)
     report.method = r.method
     report.model, report.training = r.model, r.training
-    report.warnings[:0] = r.training.extra.get("framework_warnings", ())
+    report.warnings[:0] = report_warnings(r.training)
     return attach_hardware(report, r.hardware, r.max_fraction)

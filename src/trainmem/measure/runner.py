@@ -43,6 +43,7 @@ import torch
 from ..errors import TrainmemError
 from ..report import Component, MemoryReport
 from ..spec import Hardware, TrainingSpec, get_gpu
+from ..spec.training import report_warnings
 from ..spec.resolve import TRAINING_FIELDS, Resolved, resolve
 from ..units import parse_bytes
 from ..workload import TrainStep, apply_lora, check_supported, hf_factory
@@ -364,7 +365,7 @@ def _check_outputs(kind: str, memory_limit: Any, snapshot: str | None, html: str
 
 def _not_applied(t: TrainingSpec) -> list[str]:
     """Warnings for the training options the measured (eager, one-piece-loss) step does not apply."""
-    warnings = list(t.extra.get("framework_warnings", ()))
+    warnings = report_warnings(t)
     return warnings  # --compile and --loss fused are refused (workload.check_supported); the rest is applied
 
 

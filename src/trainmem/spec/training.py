@@ -129,8 +129,9 @@ class TrainingSpec:
             raise TrainmemError(f"--zero {self.zero!r} is not one of: 0, 1, 2, 3")
         if self.fsdp is not None:
             _choice("fsdp", self.fsdp, FSDP_MODES)
-            if self.zero not in (0, {"full": 3, "grad-op": 2, "hybrid": 3}[self.fsdp]):
-                raise TrainmemError(f"--fsdp {self.fsdp} and --zero {self.zero} disagree: give one of them")
+            if self.zero:
+                raise TrainmemError(f"--fsdp {self.fsdp} and --zero {self.zero} both shard the model states "
+                                    "(FSDP or DeepSpeed ZeRO): give one of them")
         if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
             raise TrainmemError(f"--lora-rank must be zero or a positive integer, got {self.lora_rank!r}")
         if not 0 <= self.lora_dropout < 1:
@@ -148,6 +149,9 @@ class TrainingSpec:
                                 "the step runs inside backward; use --grad-accum 1 or drop the flag")
         if self.sequence_parallel and self.tp == 1:
             raise TrainmemError("--sequence-parallel needs --tp > 1")
+        if self.distributed_optimizer and (self.zero or self.fsdp):
+            raise TrainmemError("--distributed-optimizer is Megatron's own sharding of the optimizer (its ZeRO-1); "
+                                "it does not combine with --zero or --fsdp: give one of them")
         if self.ddp_bucket_mb <= 0:
             raise TrainmemError(f"ddp_bucket_mb must be positive, got {self.ddp_bucket_mb}")
         if self.optimizer_bucket_mb is not None and self.optimizer_bucket_mb <= 0:
@@ -229,6 +233,27 @@ class TrainingSpec:
         if d["lora_targets"] is not None:
             d["lora_targets"] = list(d["lora_targets"])
         return d
+
+
+def setup_warnings(t: TrainingSpec) -> list[str]:
+    """One line for each legal but pointless choice in ``t`` (the run works; the option does nothing)."""
+    out = []
+    if t.zero_stage and t.shard_group == 1:
+        what = f"--fsdp {t.fsdp}" if t.fsdp else f"--zero {t.zero}"
+        out.append(f"{what} with --dp 1 shards the model states over one rank: it changes nothing")
+    if t.distributed_optimizer and t.dp == 1:
+        out.append("--distributed-optimizer with --dp 1 shards nothing (it keeps fp32 main grads and a master copy)")
+    tokens = t.batch_size * (t.seq_len // t.cp)
+    if t.loss_chunks > tokens:
+        out.append(f"--loss-chunks {t.loss_chunks} exceeds the {tokens} tokens of a micro-batch: "
+                   f"at most {tokens} chunks are made")
+    return out
+
+
+def report_warnings(t: TrainingSpec) -> list[str]:
+    """The warnings every report of ``t`` carries: its framework preset's (``spec.frameworks``), then
+    the pointless choices (``setup_warnings``)."""
+    return list(t.extra.get("framework_warnings", ())) + setup_warnings(t)
 
 
 LEARNED_POSITION_FAMILIES = ("gpt2", "nanogpt", "bert", "roberta-prenorm")

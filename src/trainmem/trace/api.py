@@ -20,6 +20,7 @@ import torch
 from ..errors import TrainmemError
 from ..report import Component, MemoryReport, Phase
 from ..spec import Hardware, ModelSpec, TrainingSpec
+from ..spec.training import report_warnings
 from ..spec.resolve import TRAINING_FIELDS, Resolved, resolve, resolve_setup
 from .allocator import CachingAllocator, ExactAllocator, SimulatedOutOfMemory
 from .cuda import EMULATED, CudaEmulation, cuda_environment
@@ -367,7 +368,7 @@ def _report(tracker: Tracker, allocator: Any, spec: ModelSpec | None, training: 
         largest_rows.append({"name": _component_key(r), "category": r.category, "bytes": r.nbytes, "block": r.block,
                              "shape": list(r.shape), "dtype": r.dtype, "module": r.module, "op": r.op,
                              "phase": r.phase, "step": r.step})
-    preset = training.extra.get("framework_warnings", ()) if training is not None else ()
+    preset = report_warnings(training) if training is not None else []
     warnings = list(preset) + list(tracker.warnings)
     if tracker.data_dependent:
         warnings.append(f"{tracker.data_dependent} data-dependent read(s) of device tensors: the trace has no data, "
