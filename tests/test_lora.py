@@ -59,3 +59,11 @@ def test_real_cpu_run_with_peft(one_torch_thread):
     assert lora.peak_allocated < full.peak_allocated
     with pytest.raises(TrainmemError, match="--device cuda"):
         trace("gpt2", device="cpu", lora_rank=4, **o)
+
+
+def test_torchtune_preset_builds_half_adapters():
+    r = trainmem.estimate("llama-3.2-1b", framework="torchtune", lora_rank=8)
+    assert r.training.lora_dtype == "half" and r.training.precision == "bf16"
+    assert trainmem.estimate("llama-3.2-1b", framework="torchtune", lora_rank=8,
+                             lora_dtype="fp32").training.lora_dtype == "fp32"  # an explicit option wins
+    assert trainmem.estimate("llama-3.2-1b", lora_rank=8).training.lora_dtype is None  # peft: fp32

@@ -244,8 +244,8 @@ def apply_lora(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec) -> torc
     targets = list(t.lora_targets or default_lora_targets(spec))
     config = LoraConfig(r=t.lora_rank, lora_alpha=2 * t.lora_rank, target_modules=targets,
                         lora_dropout=t.lora_dropout)
-    model = get_peft_model(model, config, autocast_adapter_dtype=t.lora_dtype == "fp32")
-    if t.lora_dtype == "half" and t.precision in ("bf16", "fp16"):
+    model = get_peft_model(model, config, autocast_adapter_dtype=not t.lora_half)
+    if t.lora_half and t.precision in ("bf16", "fp16"):
         # torchtune and litgpt build the adapters in the model's dtype (peft creates them in fp32)
         half = torch.bfloat16 if t.precision == "bf16" else torch.float16
         for p in model.parameters():

@@ -122,7 +122,7 @@ def layer_key(m: ModelSpec, t: TrainingSpec) -> LayerKey:
                     m.attention_dropout, m.hidden_size, m.ffn_size, m.q_size, m.kv_size, m.num_heads,
                     m.num_kv_heads, m.head_dim, t.tp, t.sequence_parallel, m.num_experts,
                     m.experts_top_k, m.pre_norm, lora, t.lora_dropout if lora else 0.0,
-                    bool(lora) and t.lora_dtype == "half", kv_cache(m, t))
+                    bool(lora) and t.lora_half, kv_cache(m, t))
 
 
 def kv_cache(m: ModelSpec, t: TrainingSpec) -> bool:

@@ -302,7 +302,7 @@ def _lora_adapters(t: TrainingSpec, r: _Rank, acc: _Tally, lora: list[tuple[str,
     upcasts bf16/fp16 adapters, ``tuners_utils.py`` ``_cast_adapter_dtype``), so their weights,
     gradients and states are fp32 and need no master copy, unless the framework casts the whole
     model to half with an fp32 master (DeepSpeed ZeRO: ``TrainingSpec.fp32_master``)."""
-    if not r.half_master and t.lora_dtype == "fp32":
+    if not r.half_master and not t.lora_half:
         r = replace(r, w=4, gbytes=4, sbytes=4)
     for _mod, n, lyr in lora:
         if lyr is not None and not (r.lo <= lyr < r.hi):

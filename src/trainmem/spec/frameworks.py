@@ -166,10 +166,16 @@ def _torchtitan_rules(view: Mapping[str, Any], model: Any, version: tuple[int, .
 
 
 def _torchtune_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] | None) -> dict[str, Any]:
-    """full_finetune_distributed shards every rank's model with FSDP2 (reshard after forward)."""
+    """full_finetune_distributed shards every rank's model with FSDP2 (reshard after forward). The
+    LoRA recipes build the model, adapters included, in the recipe's dtype
+    (recipes/lora_finetune_single_device.py ``_setup_model``: ``with training.set_default_dtype(
+    self._dtype), self._device: model = config.instantiate(cfg_model)``): half adapters."""
+    out: dict[str, Any] = {}
     if view.get("fsdp") is None and not view.get("zero") and _sharded(view):
-        return {"fsdp": "full"}
-    return {}
+        out["fsdp"] = "full"
+    if view.get("lora_rank") and view.get("lora_dtype") is None:
+        out["lora_dtype"] = "half"
+    return out
 
 
 def _others(t: Any, framework: str, zero: bool = True, dist: bool = True) -> list[str]:

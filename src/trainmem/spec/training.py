@@ -71,8 +71,8 @@ class TrainingSpec:
     lora_rank: int = 0
     lora_targets: tuple[str, ...] | None = None
     lora_dropout: float = 0.0  # LoRA dropout on the adapters' input (peft: 0; torchtune, litgpt: 0.05)
-    lora_dtype: str = "fp32"   # adapters' dtype over half weights: peft upcasts to fp32, torchtune/litgpt
-    #                            keep the model's dtype ("half")
+    lora_dtype: str | None = None  # adapters over half weights: "fp32" (peft's upcast, the default when None)
+    #                                or "half" (torchtune, litgpt build them in the model's dtype)
     distributed_optimizer: bool = False  # Megatron/NeMo: fp32 main grads + sharded states
     ddp_bucket_mb: float = 25.0
     optimizer_bucket_mb: float | None = None  # NeMo distributed_fused_adam bucket
@@ -136,8 +136,9 @@ class TrainingSpec:
             raise TrainmemError(f"--lora-rank must be zero or a positive integer, got {self.lora_rank!r}")
         if not 0 <= self.lora_dropout < 1:
             raise TrainmemError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout!r}")
-        _choice("lora_dtype", self.lora_dtype, ("fp32", "half"))
-        if (self.lora_dropout or self.lora_dtype != "fp32") and not self.lora_rank:
+        if self.lora_dtype is not None:
+            _choice("lora_dtype", self.lora_dtype, ("fp32", "half"))
+        if (self.lora_dropout or self.lora_dtype == "half") and not self.lora_rank:
             raise TrainmemError("--lora-dropout and --lora-dtype need --lora-rank R (the adapter rank)")
         if self.lora_targets is not None and not self.lora_rank:
             raise TrainmemError("--lora-targets needs --lora-rank R (the adapter rank)")
@@ -207,6 +208,11 @@ class TrainingSpec:
         if self.master_weights is not None:
             return self.master_weights == "fp32"
         return self.distributed_optimizer or (self.zero >= 1 and self.fsdp is None)
+
+    @property
+    def lora_half(self) -> bool:
+        """LoRA adapters in the model's half dtype (``lora_dtype="half"``); else fp32 (peft's default)."""
+        return self.lora_dtype == "half"
 
     @property
     def amp(self) -> bool:
