@@ -667,6 +667,9 @@ def _gelu(B: Builder, impl: str, f: float) -> T:
         wide = F32 if B.p.amp else half
         B.r.save(T(f, 0, wide, "mlp.act.pow_input"), T(f, 0, wide, "mlp.act.tanh"),
                  T(f, 0, half, "mlp.act.half_x"), T(f, 0, wide, "mlp.act.one_plus_tanh"))
+        # backward: the incoming gradient (the next linear's input gradient, cast back to wide) and
+        # the two gradients the final product's MulBackward makes, all of the activation's size
+        B.r.transient("mlp.act.backward", T(f, 0, wide), T(f, 0, wide), T(f, 0, wide))
         return T(f, 0, wide, "mlp.act.out")
     B.r.save(T(f, 0, half, "mlp.act.input"))
     return T(f, 0, half, "mlp.act.out")
