@@ -67,3 +67,15 @@ def test_torchtune_preset_builds_half_adapters():
     assert trainmem.estimate("llama-3.2-1b", framework="torchtune", lora_rank=8,
                              lora_dtype="fp32").training.lora_dtype == "fp32"  # an explicit option wins
     assert trainmem.estimate("llama-3.2-1b", lora_rank=8).training.lora_dtype is None  # peft: fp32
+
+
+def test_chunked_loss_runs_through_the_peft_wrapper(one_torch_thread):
+    # torchtune's chunked output needs the decoder under peft's wrapper (get_base_model): the trace
+    # runs, and its model-state phases are the estimate's
+    o = dict(LLAMA, loss="chunked", loss_chunks=4)
+    r = trace("llama-3.2-1b", device="cuda", **o)
+    e = trainmem.estimate("llama-3.2-1b", **o)
+    est = {(p.name, p.step): p for p in e.phases}
+    for p in r.phases:
+        if p.name != "forward":
+            assert est[(p.name, p.step)].allocated == pytest.approx(p.allocated, rel=0.001), (p.name, p.step)

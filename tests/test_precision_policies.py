@@ -50,3 +50,10 @@ def test_bad_precision_combinations():
         TrainingSpec(precision="bf16-amp", master_weights="fp32")
     with pytest.raises(TrainmemError, match="--master-weights"):
         TrainingSpec(precision="bf16", master_weights="fp16")
+
+
+def test_trace_refuses_a_master_copy_it_cannot_run():
+    pytest.importorskip("transformers")
+    from trainmem.trace import trace
+    with pytest.raises(TrainmemError, match="--master-weights fp32"):
+        trace("gpt2", device="cpu", set=["n_layer=1"], seq_len=64, precision="bf16", master_weights="fp32")

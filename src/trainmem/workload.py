@@ -60,6 +60,9 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
     if t.compile:
         raise TrainmemError(f"--compile: {what} runs the step eagerly, and inductor changes what is saved; "
                             "use estimate for --compile")
+    if t.fp32_master:
+        raise TrainmemError(f"--master-weights fp32: {what} runs torch.optim on the half parameters, which keeps "
+                            "no fp32 master copy; use estimate for a framework that keeps one")
 
 
 def hf_config(spec: ModelSpec, t: TrainingSpec) -> Any:
@@ -271,8 +274,9 @@ def _chunked_output_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torc
     a list of half logits), ``CEWithChunkedOutputLoss`` (``modules/loss/ce_chunked_output_loss.py``)
     sums ``F.cross_entropy(chunk.float(), labels, reduction="sum")`` over the chunks and divides by
     the token count. Returns (the list of logits, the loss)."""
-    hidden = model.base_model(input_ids=ids)[0]
-    head = model.get_output_embeddings()
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # through a peft wrapper
+    hidden = inner.base_model(input_ids=ids)[0]
+    head = inner.get_output_embeddings()
     logits = [head(h) for h in hidden.chunk(chunks, dim=1)]
     total = sum(torch.nn.functional.cross_entropy(c.float().reshape(-1, c.shape[-1]), y.reshape(-1), reduction="sum")
                 for c, y in zip(logits, labels.chunk(chunks, dim=1)))
