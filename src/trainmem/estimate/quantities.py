@@ -22,6 +22,7 @@ import numpy as np
 
 from ..spec.model import ModelSpec
 from ..spec.training import TrainingSpec
+from .cache import BoundedCache
 from .elementwise import NEVER
 from .layers import LayerCoefs, LayerKey, Policy, layer_coefficients
 from .states import States, block_bytes, default_lora_targets, model_states
@@ -378,18 +379,13 @@ _STEP_FIELDS = tuple(f.name for f in fields(TrainingSpec) if f.name not in ("bat
                                                                            "grad_accum", "extra"))
 _key_of = operator.attrgetter(*_STEP_FIELDS)
 _POSITION = {name: i for i, name in enumerate(_STEP_FIELDS)}
-_CACHE: dict[tuple, Quantities] = {}
+_CACHE = BoundedCache(8192)
 
 
 def quantities(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> Quantities:
     """The quantities of ``m`` trained as ``t`` on pipeline stage ``stage`` (cached)."""
     key = (m, stage, _key_of(t))
-    hit = _CACHE.get(key)
-    if hit is None:
-        if len(_CACHE) >= 8192:
-            _CACHE.clear()
-        hit = _CACHE[key] = _build(m, t, stage)
-    return hit
+    return _CACHE.get_or_build(key, lambda: _build(m, t, stage))
 
 
 #: layout fields of a parallel shape, in the order ``shape_quantities`` reads its rows

@@ -14,6 +14,7 @@ from ..spec.model import ModelSpec, ParamTensor
 from ..spec.training import TrainingSpec
 
 from ..allocator_rules import block_bytes, placed_bytes
+from .cache import BoundedCache
 
 __all__ = ["States", "model_states", "block_bytes", "default_lora_targets", "state_bytes"]
 
@@ -136,7 +137,7 @@ def _placed_bytes(before: tuple[int, ...], layer: tuple[int, ...], layers: int, 
     return placed_bytes(before, layer, layers, after)
 
 
-_STATES_CACHE: dict[tuple, "States"] = {}
+_STATES_CACHE = BoundedCache(4096)
 
 
 def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
@@ -146,12 +147,7 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
     sweep over activations reuses them."""
     key = (m, stage, t.tp, t.pp, t.precision, t.zero_stage, t.shard_group, t.optimizer, t.impl,
            t.lora_rank, t.lora_targets, t.lora_dtype, t.distributed_optimizer, t.offload_optimizer, t.fp32_master)
-    hit = _STATES_CACHE.get(key)
-    if hit is None:
-        if len(_STATES_CACHE) >= 4096:
-            _STATES_CACHE.clear()
-        hit = _STATES_CACHE[key] = _model_states(m, t, stage)
-    return hit
+    return _STATES_CACHE.get_or_build(key, lambda: _model_states(m, t, stage))
 
 
 TIED_NAMES = ("wte.weight", "embed_tokens.weight", "word_embeddings.weight")
