@@ -128,12 +128,47 @@ class MemoryReport:
     # ----- derived -------------------------------------------------------------------------
     @property
     def device_peak(self) -> int:
-        """What counts against the GPU: device memory if known, else reserved, else allocated."""
-        if self.device_used is not None:
-            return self.device_used
-        if self.peak_reserved is not None:
-            return self.peak_reserved
-        return self.peak_allocated
+        """What the fit verdict counts against the GPU, by one rule for every source.
+
+        A measurement counts what the device really held (``device_used``: reserved + CUDA context,
+        else reserved, else allocated); so does an estimate, whose reserved memory is already the
+        verdict's model (``allocator_rules.reserved_overhead``: 1/32 of the allocated peak, for the
+        trainmem method; a published method keeps its own). A trace counts its peak allocated plus
+        the same 1/32 margin plus the GPU's context, so estimate and trace reach the same verdict
+        whenever they agree on the allocated peak. trace's block-by-block allocator simulation is
+        still reported (``peak_reserved``, ``device_used``) and a disagreement with the verdict
+        becomes a warning (``verdict_warnings``). ``fit_basis`` says which rule applied.
+        """
+        if self.source != "trace":
+            if self.device_used is not None:
+                return self.device_used
+            return self.peak_reserved if self.peak_reserved is not None else self.peak_allocated
+        from .allocator_rules import reserved_overhead
+        context = getattr(self.hardware, "context", 0) or 0
+        return int(self.peak_allocated + reserved_overhead(self.peak_allocated) + context)
+
+    @property
+    def fit_basis(self) -> str:
+        """The rule ``device_peak`` (and so ``fits``/``margin``) used, in words."""
+        if self.source == "measure":
+            return "measured device memory (reserved + CUDA context)"
+        if self.source == "estimate" and self.method not in ("", "trainmem"):
+            return f"device memory as the {self.method} method counts it"
+        context = getattr(self.hardware, "context", 0) or 0
+        return ("peak allocated + 1/32 caching-allocator margin"
+                + (f" + {context / 2**20:.0f} MiB CUDA context" if context else ""))
+
+    def verdict_warnings(self) -> list[str]:
+        """One line when trace's allocator simulation disagrees with the verdict's reserved model."""
+        if self.source != "trace" or self.capacity is None or self.device_used is None:
+            return []
+        limit = self.max_fraction * self.capacity
+        if (self.device_used <= limit) == (self.device_peak <= limit):
+            return []
+        verdict = "fits" if self.device_peak <= limit else "does not fit"
+        sim = "does not fit" if self.device_used > limit else "fits"
+        return [f"the verdict ({verdict}) assumes a 1/32 allocator margin; the block-by-block allocator "
+                f"simulation reserves {self.peak_reserved - self.peak_allocated:,} B over allocated and {sim}"]
 
     @property
     def fits(self) -> bool | None:
@@ -182,6 +217,7 @@ class MemoryReport:
             "max_fraction": self.max_fraction,
             "fits": self.fits,
             "margin": self.margin,
+            "fit_basis": self.fit_basis if self.capacity is not None else None,
             "components": [c.to_dict() for c in self.components],
             "phases": [p.to_dict() for p in self.phases],
             "warnings": list(self.warnings),

@@ -4,9 +4,12 @@
 ``spec.training.check_against`` raises the first problem as an error; the planner
 (``plan.planner.enumerate_layouts``) uses the same list to reject layouts with a reason.
 
-The rules: tensor parallelism splits attention heads (Megatron-LM's ``divide(num_attention_heads,
-tp)``), the key/value heads (each rank holds whole KV heads, or a KV head is replicated over
-``tp / kv_heads`` ranks) and the MLP's intermediate size; pipeline stages hold whole layers; context
+The rules: tensor parallelism splits attention heads and the key/value heads into whole heads per
+rank (Megatron-LM ``megatron/core/transformer/attention.py``, ``Attention.__init__``:
+``divide(num_attention_heads, world_size)`` and ``divide(num_query_groups, world_size)``, where
+``divide`` asserts divisibility; torchtitan's colwise-sharded ``wk``/``wv`` are viewed as
+``(bs, seq, -1, head_dim)`` per rank, so a TP size above the KV heads would split a head) and the
+MLP's intermediate size; pipeline stages hold whole layers; context
 parallelism splits the sequence; sequence parallelism splits each rank's local sequence over TP.
 """
 from __future__ import annotations
@@ -41,7 +44,10 @@ def tp_problems(model: Any, tp: int) -> list[Problem]:
     if model.num_heads % tp:
         out.append(Problem("tp", tp, f"does not divide the {model.num_heads} attention heads",
                            f"choose a TP size that divides {model.num_heads}"))
-    if model.num_kv_heads % tp and tp % model.num_kv_heads:
+    if tp > model.num_kv_heads:
+        out.append(Problem("tp", tp, f"exceeds the {model.num_kv_heads} key/value heads (each TP rank needs "
+                                     "whole KV heads)", f"choose a TP size that divides {model.num_kv_heads}"))
+    elif model.num_kv_heads % tp:
         out.append(Problem("tp", tp, f"cannot split the {model.num_kv_heads} key/value heads evenly",
                            f"choose a TP size that divides {model.num_kv_heads}"))
     if model.ffn_size % tp:
