@@ -70,7 +70,7 @@ BAD_INPUT = [
     pytest.param(["gpt2", "--seq-len", "512", "--attention", "y"], "--attention", id="attention"),
     pytest.param(["gpt2", "--seq-len", "512", "--zero", "5"], "--zero", id="zero"),
     pytest.param(["gpt2", "--seq-len", "512", "--fsdp", "half"], "--fsdp", id="fsdp"),
-    pytest.param(["gpt2", "--seq-len", "512", "--units", "MB"], "--units", id="units"),
+    pytest.param(["gpt2", "--seq-len", "512", "--units", "parsec"], "--units", id="units"),
     pytest.param(["gpt2", "--seq-len", "512", "--method", "guess"], "--method", id="method"),
     pytest.param(["gpt2", "--seq-len", "512", "--no-such-flag"], "--no-such-flag", id="unknown-flag"),
     pytest.param(["gpt2", "--seq-len", "512", "--lora-targets", "c_attn"], "--lora-rank", id="lora-targets-no-rank"),
@@ -233,9 +233,10 @@ def test_max_fraction_exit_0_when_it_fits(capsys):
     assert "FITS" in out and "DOES NOT FIT" not in out
 
 
-def test_without_max_fraction_not_fitting_still_exits_0(capsys):
+def test_without_max_fraction_not_fitting_exits_1(capsys):
+    # one exit rule (issue 14): a GPU given and the report does not fit it -> 1, --max-fraction or not
     code, out, _ = run_cli(capsys, "estimate", "llama-3.1-8b", "--gpu", "h100")
-    assert code == 0 and "DOES NOT FIT" in out
+    assert code == 1 and "DOES NOT FIT" in out
 
 
 def test_max_fraction_compares_device_memory_with_the_fraction(capsys):

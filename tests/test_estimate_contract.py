@@ -108,7 +108,7 @@ def check_contract(d: dict, with_gpu: bool) -> None:
 def test_cli_json_is_one_object_with_the_contract(capsys, model, options):
     code, out, d = cli_json(capsys, model, options)
     with_gpu = "gpu" in options or "gpu_memory" in options
-    assert code in (0, 1) if "max_fraction" in options else code == 0
+    assert code == (1 if d["fits"] is False else 0)  # one exit rule: 1 only when a GPU is given and it does not fit
     check_contract(d, with_gpu)
     assert json.loads(out.strip()) == d and out.strip().startswith("{") and out.strip().endswith("}")
 
@@ -118,6 +118,8 @@ def test_python_api_equals_cli_json(capsys, model, options):
     _, _, from_cli = cli_json(capsys, model, options)
     report = trainmem.estimate(model, **options)
     assert isinstance(report, trainmem.MemoryReport)
+    suggestions = from_cli.pop("suggestions", [])  # estimate --gpu --json adds what would make it fit
+    assert isinstance(suggestions, list) and (suggestions == [] or report.fits is False)
     assert report.to_dict() == from_cli
 
 
@@ -129,7 +131,7 @@ def test_to_dict_round_trips_through_json(model, options):
 
 
 def test_device_used_is_reserved_plus_cuda_context():
-    for gpu, ctx in (("h100", None), ("a100", "2GiB")):
+    for gpu, ctx in (("h100", None), ("a100-80gb", "2GiB")):
         r = trainmem.estimate("llama-3.2-1b", seq_len=1024, gpu=gpu, context_memory=ctx)
         context = get_gpu(gpu, context=ctx).context
         assert r.device_used == r.peak_reserved + context

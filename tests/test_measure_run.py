@@ -180,7 +180,7 @@ def test_cuda_bookkeeping_with_a_pretend_gpu():
     assert r.hardware.name == "Pretend GPU" and r.capacity == 2**30 and r.fits is True
     assert all(p["driver_used"] - p["reserved"] == ctx for p in r.extra["phases"])
     from trainmem.render.measure import measure_details
-    text = measure_details(r, "GiB")
+    text = measure_details(r, "auto")  # a small run: the driver's table in MiB
     assert "driver's view per phase (pretend" in text and "300.00 MiB" in text
     fx = fixture(r, command="trainmem measure ...")
     assert fx["device"] == "cuda" and any(q["quantity"] == "peak_reserved" for q in fx["measured"])

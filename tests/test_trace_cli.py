@@ -24,12 +24,13 @@ def test_trace_table_lists_largest_tensors_and_writes_a_timeline(capsys, tmp_pat
     assert "largest live tensors at the peak" in text and "timeline written" in text
     assert out.stat().st_size > 10_000
     from trainmem.render.plots import plot_timeline
+    from trainmem.units import UNITS
     from trainmem.trace.api import trace
     r = trace("gpt2", overrides=["n_layer=2", "n_embd=64", "n_head=4"], batch_size=2, seq_len=64)
     data = plot_timeline(r, str(tmp_path / "t.svg"))
     # the stacked series add up to the allocated memory at every plotted event
     for i, (ev, alloc, _res, _cats) in enumerate(r.extra["timeline"]):
-        total = sum(series[i] for series in data["series"].values()) * 2**30
+        total = sum(series[i] for series in data["series"].values()) * UNITS[data["units"]]  # the plot's unit
         assert abs(total - alloc) <= 1
     assert [p[0] for p in data["phases"]][:2] == ["model_loaded", "forward"]
 

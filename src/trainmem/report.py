@@ -137,9 +137,11 @@ class MemoryReport:
         the same 1/32 margin plus the GPU's context, so estimate and trace reach the same verdict
         whenever they agree on the allocated peak. trace's block-by-block allocator simulation is
         still reported (``peak_reserved``, ``device_used``) and a disagreement with the verdict
-        becomes a warning (``verdict_warnings``). ``fit_basis`` says which rule applied.
+        becomes a warning (``verdict_warnings``); a trace that stopped at a simulated out-of-memory
+        (``extra["simulated_oom"]``) counts what the simulation needed there. ``fit_basis`` says
+        which rule applied.
         """
-        if self.source != "trace":
+        if self.source != "trace" or self.extra.get("simulated_oom"):  # measured, or a simulated OOM
             if self.device_used is not None:
                 return self.device_used
             return self.peak_reserved if self.peak_reserved is not None else self.peak_allocated
@@ -152,6 +154,8 @@ class MemoryReport:
         """The rule ``device_peak`` (and so ``fits``/``margin``) used, in words."""
         if self.source == "measure":
             return "measured device memory (reserved + CUDA context)"
+        if self.extra.get("simulated_oom"):
+            return "the allocator simulation's out-of-memory (reserved + the failed request + context)"
         if self.source == "estimate" and self.method not in ("", "trainmem"):
             return f"device memory as the {self.method} method counts it"
         context = getattr(self.hardware, "context", 0) or 0

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -87,11 +88,21 @@ def _check_quantity(q: Any, path: str) -> None:
                         f"phase:NAME@STEP:allocated|peak|reserved)")
 
 
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+
 def _check_fixture(fx: dict[str, Any], path: str) -> None:
-    """The keys every fixture needs, and measured items with a known quantity and a value."""
+    """The keys every fixture needs, with their types, and measured items with a known quantity
+    and a finite non-negative number in bytes, mib or gib."""
     for key in ("model", "setup", "measured"):
         if key not in fx:
             raise TrainmemError(f"fixture {path} lacks {key!r}")
+    if not isinstance(fx["model"], (str, dict)) or not fx["model"]:
+        raise TrainmemError(f"fixture {path}: 'model' must be a catalogue name, a path or a config object")
+    ov = fx.get("overrides")
+    if ov is not None and not (isinstance(ov, dict) or (isinstance(ov, list) and all(isinstance(o, str) for o in ov))):
+        raise TrainmemError(f"fixture {path}: 'overrides' must be a list of \"key=value\" strings or an object")
     if not isinstance(fx["setup"], dict):
         raise TrainmemError(f"fixture {path}: 'setup' must be an object of estimate options")
     if not isinstance(fx["measured"], list) or not fx["measured"]:
@@ -100,25 +111,57 @@ def _check_fixture(fx: dict[str, Any], path: str) -> None:
         if not isinstance(item, dict) or "quantity" not in item:
             raise TrainmemError(f"fixture {path}: every measured item needs a 'quantity'")
         _check_quantity(item["quantity"], path)
-        if not any(u in item for u in UNITS):
+        units = [u for u in UNITS if u in item]
+        if not units:
             raise TrainmemError(f"fixture {path}: measured {item['quantity']!r} has no bytes/mib/gib value")
+        if not _is_number(item[units[0]]):
+            raise TrainmemError(f"fixture {path}: measured {item['quantity']!r}: {units[0]} must be a non-negative "
+                                f"number, got {item[units[0]]!r}")
 
 
-def load_fixtures(root: str) -> list[dict[str, Any]]:
-    """Every ``*.json`` fixture under ``root`` (recursively), each with its path, checked."""
+def default_root() -> str:
+    """The repository's ``validation/`` folder, found from this file (``src/trainmem/validate.py``
+    -> ``validation/``), not from the working directory."""
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "validation")
+
+
+def _read_fixture(path: str) -> Any:
+    """The JSON of one fixture file; a one-line TrainmemError naming the file when it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise TrainmemError(f"malformed fixture {path}: {e.msg} at line {e.lineno}") from None
+    except UnicodeDecodeError as e:
+        raise TrainmemError(f"malformed fixture {path}: not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise TrainmemError(f"cannot read fixture {path}: {e.strerror or e}") from None
+
+
+def fixture_model(model: Any, path: str) -> Any:
+    """A fixture's ``model`` as the predictors take it: a local path (not a catalogue name or hub id)
+    is relative to the fixture file's folder, as ``trainmem measure --save-fixture`` writes it."""
+    from .spec.config import catalogue_names
+    if not isinstance(model, str) or os.path.isabs(model) or model.strip().lower() in catalogue_names():
+        return model
+    local = os.path.join(os.path.dirname(os.path.abspath(path)), model)
+    return local if (os.path.exists(local) or model.startswith(".")) else model
+
+
+def load_fixtures(root: str | None = None) -> list[dict[str, Any]]:
+    """Every ``*.json`` fixture under ``root`` (recursively; default :func:`default_root`), each with
+    its path, checked, and its ``model`` path resolved against its folder (:func:`fixture_model`)."""
+    root = default_root() if root is None else root
     if not os.path.isdir(root):
-        raise TrainmemError(f"no validation directory {root!r}: run from the repository root or pass DIR")
+        raise TrainmemError(f"no validation directory {root!r}: pass DIR, a folder of fixture .json files")
     out = []
     for path in sorted(glob.glob(os.path.join(root, "**", "*.json"), recursive=True)):
-        with open(path, encoding="utf-8") as f:
-            try:
-                fx = json.load(f)
-            except json.JSONDecodeError as e:
-                raise TrainmemError(f"malformed fixture {path}: {e.msg} at line {e.lineno}") from None
+        fx = _read_fixture(path)
         if not isinstance(fx, dict):
             raise TrainmemError(f"malformed fixture {path}: not a JSON object")
         _check_fixture(fx, path)
         fx["_path"] = path
+        fx["model"] = fixture_model(fx["model"], path)
         out.append(fx)
     return out
 
@@ -238,10 +281,11 @@ def _checks_of(fx: dict[str, Any], pname: str, report: MemoryReport) -> list[Che
                   item["quantity"] == primary) for item in fx["measured"]]
 
 
-def validate(root: str = "validation", which: list[str] | None = None,
+def validate(root: str | None = None, which: list[str] | None = None,
              cases: list[str] | None = None) -> Validation:
-    """Predict every fixture under ``root`` (or the ``cases`` whose file name or case name contains
-    one of the given strings) with each predictor and pair it with the measured values."""
+    """Predict every fixture under ``root`` (default: the repository's ``validation/``, from any
+    working directory) or the ``cases`` whose file name or case name contains one of the given
+    strings, with each predictor, and pair it with the measured values."""
     preds = _chosen(which)
     fixtures = load_fixtures(root)
     if cases:
@@ -261,7 +305,31 @@ def validate(root: str = "validation", which: list[str] | None = None,
     return out
 
 
-def run(root: str = "validation", which: list[str] | None = None) -> list[Check]:
+def exceeding(v: Validation, tolerance: float) -> list[Check]:
+    """The checks whose |relative error| is above ``tolerance`` (a fraction: 0.05 = 5 %), every
+    measured quantity of every case counted."""
+    return [c for c in v.checks if c.error is not None and abs(c.error) > tolerance]
+
+
+def verdict(v: Validation, tolerance: float | None = None) -> tuple[int, str]:
+    """The exit status of a validation and its one-line reason: 1 when nothing was checked (no
+    fixture, none selected, or no predictor could run one) or a check exceeds ``tolerance``, else 0."""
+    scored = [c for c in v.checks if c.error is not None]
+    if not scored:
+        why = ("no fixture found (or none matched --cases)" if not v.fixtures else
+               f"no predictor could run any of the {len(v.fixtures)} fixture(s)")
+        return 1, f"nothing checked: {why}"
+    if tolerance is not None:
+        bad = exceeding(v, tolerance)
+        if bad:
+            worst = max(bad, key=lambda c: abs(c.error or 0))
+            return 1, (f"{len(bad)} of {len(scored)} check(s) exceed the tolerance of {100 * tolerance:g}%: worst "
+                       f"{worst.predictor} on {worst.case} ({worst.quantity}) {_fmt_err(worst.error)}")
+        return 0, f"all {len(scored)} check(s) within the tolerance of {100 * tolerance:g}%"
+    return 0, f"{len(scored)} check(s)"
+
+
+def run(root: str | None = None, which: list[str] | None = None) -> list[Check]:
     """Every check of :func:`validate` (the runs that did not happen are in ``validate().not_run``)."""
     return validate(root, which).checks
 

@@ -60,6 +60,9 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
     if t.compile:
         raise TrainmemError(f"--compile: {what} runs the step eagerly, and inductor changes what is saved; "
                             "use estimate for --compile")
+    if t.quantize:
+        raise TrainmemError(f"--quantize {t.quantize}: bitsandbytes' 4-bit Linear4bit needs its CUDA kernels and "
+                            f"{what} builds no quantized model (it would run the unquantized one); use estimate")
     if t.fp32_master:
         raise TrainmemError(f"--master-weights fp32: {what} runs torch.optim on the half parameters, which keeps "
                             "no fp32 master copy; use estimate for a framework that keeps one")

@@ -43,8 +43,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(a, "func", None):
         p.print_help()
         return 2
+    from ..progress import enabled_by_default
     try:
-        return a.func(a)
+        with enabled_by_default(not getattr(a, "json", False)):  # bars on a terminal's stderr, none with --json
+            return a.func(a)
     except TrainmemError as e:
         sys.stderr.write(f"trainmem: error: {e}\n")
         return 2

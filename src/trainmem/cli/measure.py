@@ -12,8 +12,9 @@ import sys
 from typing import Any
 
 from ..errors import TrainmemError
+from ..paths import NotWritten, check_file, not_written
 from .options import add_model_and_training, positive_int, training_options
-from .output import emit, print_json
+from .output import emit, exit_code, print_json
 
 
 def _device(text: str) -> str:
@@ -68,7 +69,9 @@ def _check_common(a: argparse.Namespace) -> None:
 
 
 def cmd_measure(a: argparse.Namespace) -> int:
-    """Real training steps, recorded phase by phase; exit 1 on out of memory."""
+    """Real training steps, recorded phase by phase; exit 1 on out of memory or when it does not fit
+    the GPU given, 2 when an output file cannot be written (checked before the run; after it the
+    measurement is printed first)."""
     _check_common(a)
     if a.find_max_batch:
         bad = [f for f, v in (("--snapshot", a.snapshot), ("--html", a.html), ("--profile", a.profile),
@@ -76,30 +79,52 @@ def cmd_measure(a: argparse.Namespace) -> int:
         if bad:
             raise TrainmemError(f"--find-max-batch runs many tries; it does not take {', '.join(bad)}")
         return _find_max_batch(a)
-    if a.save_fixture and not a.save_fixture.endswith(".json"):
-        raise TrainmemError(f"--save-fixture {a.save_fixture}: a fixture is a .json file")
+    if a.save_fixture:
+        if not a.save_fixture.endswith(".json"):
+            raise TrainmemError(f"--save-fixture {a.save_fixture}: a fixture is a .json file")
+        check_file(a.save_fixture, "--save-fixture")  # before the run, not after it
     _quiet_transformers()
-    from ..measure.runner import fixture, measure
+    from ..measure.runner import measure
     from ..render.measure import measure_details
-    r = measure(a.model, a.steps, device=a.device, overrides=a.set or None, gpu=a.gpu, gpu_memory=a.gpu_memory,
-                context_memory=a.context_memory, max_fraction=a.max_fraction, memory_limit=a.memory_limit,
-                snapshot=a.snapshot, html=a.html, profile=a.profile, largest=a.largest, seed=a.seed,
-                empty_cache=a.empty_cache, predict_by=a.predict_by, **_options(a))
+    try:
+        r, failed = measure(a.model, a.steps, device=a.device, overrides=a.set or None, gpu=a.gpu,
+                            gpu_memory=a.gpu_memory, context_memory=a.context_memory, max_fraction=a.max_fraction,
+                            memory_limit=a.memory_limit, snapshot=a.snapshot, html=a.html, profile=a.profile,
+                            largest=a.largest, seed=a.seed, empty_cache=a.empty_cache, predict_by=a.predict_by,
+                            **_options(a)), None
+    except NotWritten as e:  # an output file failed after the run: show the measurement, then the error
+        if e.report is None:
+            raise
+        r, failed = e.report, str(e)
     code = emit(r, a)
     if not a.json:
         print(measure_details(r, a.units))
-    if a.save_fixture:
-        if r.extra.get("oom"):
-            sys.stderr.write("trainmem: no fixture written: the run ran out of memory\n")
-        else:
-            fx = fixture(r, command=command_line(a), name=a.fixture_name)
-            with open(a.save_fixture, "w", encoding="utf-8") as f:
-                json.dump(fx, f, indent=2)
-                f.write("\n")
-            if not a.json:
-                print(f"fixture written: {a.save_fixture} ({len(fx['measured'])} quantities; "
-                      f"`trainmem validate DIR` reads it)")
+    if failed is None and a.save_fixture:
+        failed = _save_fixture(r, a)
+    if failed is not None:
+        sys.stdout.flush()
+        sys.stderr.write(f"trainmem: error: {failed}\n")
+        return 2
     return 1 if r.extra.get("oom") else code
+
+
+def _save_fixture(r: Any, a: argparse.Namespace) -> str | None:
+    """Write ``r`` as the fixture ``a.save_fixture``; the error line when it cannot be written."""
+    from ..measure.runner import fixture
+    if r.extra.get("oom"):
+        sys.stderr.write("trainmem: no fixture written: the run ran out of memory\n")
+        return None
+    fx = fixture(r, command=command_line(a), name=a.fixture_name, path=a.save_fixture)
+    try:
+        with open(a.save_fixture, "w", encoding="utf-8") as f:
+            json.dump(fx, f, indent=2)
+            f.write("\n")
+    except OSError as e:
+        return not_written(a.save_fixture, "--save-fixture", e)
+    if not a.json:
+        print(f"fixture written: {a.save_fixture} ({len(fx['measured'])} quantities; "
+              f"`trainmem validate DIR` reads it)")
+    return None
 
 
 def _find_max_batch(a: argparse.Namespace) -> int:
@@ -132,7 +157,8 @@ def _find_max_batch(a: argparse.Namespace) -> int:
 
 
 def cmd_compare(a: argparse.Namespace) -> int:
-    """Estimate | trace | measure of one setup side by side."""
+    """Estimate | trace | measure of one setup side by side; with a GPU, exit 1 when the reference
+    source's report does not fit it."""
     _check_common(a)
     if a.trace or a.measure:
         _quiet_transformers()
@@ -143,11 +169,23 @@ def cmd_compare(a: argparse.Namespace) -> int:
     c = compare_sources(a.model, trace=a.trace, measure=a.measure, device=a.device, steps=a.steps, method=a.method,
                         reference=a.reference, overrides=a.set or None, gpu=a.gpu, gpu_memory=a.gpu_memory,
                         context_memory=a.context_memory, max_fraction=a.max_fraction, **_options(a))
+    ref = c.reports[c.ref_index]
     if a.json:
-        print_json(c.to_dict())
+        print_json(dict(c.to_dict(), fits=ref.fits))
     else:
         print(render_comparison(c, a.units, a.bytes))
-    return 0
+        if ref.capacity is not None:
+            print(_verdict(ref, c.reference, a.units))
+    return exit_code(ref)
+
+
+def _verdict(r: Any, source: str, units: str) -> str:
+    """The fit verdict of the reference source's report, in one line."""
+    from ..units import fmt
+    limit = "" if r.max_fraction >= 1 else f" × {r.max_fraction:g}"
+    verdict = "FITS" if r.fits else "DOES NOT FIT"
+    return (f"{verdict} on {getattr(r.hardware, 'name', 'GPU')} ({fmt(r.capacity, units)}{limit}) by {source}: "
+            f"{fmt(abs(r.margin), units)} {'free' if r.margin >= 0 else 'short'}")
 
 
 def _register_measure(sub: Any) -> None:

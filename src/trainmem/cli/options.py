@@ -39,6 +39,16 @@ def fraction(text: str) -> float:
     return v
 
 
+def units_choice(text: str) -> str:
+    """An argparse type: a ``--units`` value (``auto`` or a unit such as GiB, GB, MiB, TiB), any case."""
+    from ..errors import TrainmemError
+    from ..units import canonical_units
+    try:
+        return canonical_units(text)
+    except TrainmemError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_model_and_training(p: argparse.ArgumentParser) -> None:
     """MODEL and the training flags shared by estimate, trace, measure, compare, fit, sweep."""
     p.add_argument("model", metavar="MODEL",
@@ -106,6 +116,10 @@ def add_training(g: Any) -> None:
                    help="adapters over half weights: fp32 (peft's default upcast) or half (torchtune, litgpt)")
     g.add_argument("--lora-targets", default=None, metavar="M1,M2",
                    help="peft target module names (peft's defaults when omitted)")
+    g.add_argument("--quantize", choices=("none", "nf4", "fp4", "nf4-dq", "fp4-dq", "bnb.nf4", "bnb.fp4",
+                                          "bnb.nf4-dq", "bnb.fp4-dq"), default=None,
+                   help="QLoRA: bitsandbytes 4-bit base weights (BitsAndBytesConfig bnb_4bit_quant_type; -dq: "
+                        "bnb_4bit_use_double_quant; litgpt's bnb.* names too); needs --lora-rank")
     g.add_argument("--no-dropout", action="store_true", help="train with dropout off (no masks stored)")
     g.add_argument("--loss", choices=LOSSES, default=None,
                    help="upcast: HF ForCausalLMLoss (fp32 copy of the logits); half: cross-entropy on the half "
@@ -117,10 +131,13 @@ def add_training(g: Any) -> None:
 
 def add_hardware(h: Any) -> None:
     """The GPU flags: which GPU, its memory, what is taken before training, the fraction allowed."""
-    h.add_argument("--gpu", default=None, metavar="NAME", help="GPU from `trainmem gpus`")
-    h.add_argument("--gpu-memory", default=None, metavar="SIZE", help="custom GPU memory, e.g. 40GiB")
+    h.add_argument("--gpu", default=None, metavar="NAME",
+                   help="GPU from `trainmem gpus`: a name, alias or nvidia-smi name (\"NVIDIA H100 80GB HBM3\"); "
+                        "auto: the local GPU through NVML (pip install nvidia-ml-py)")
+    h.add_argument("--gpu-memory", default=None, metavar="SIZE",
+                   help="custom GPU memory, e.g. 40GiB, 80GB, 512MiB (a bare number is GiB, and says so)")
     h.add_argument("--context-memory", default=None, metavar="SIZE",
-                   help="memory taken before training (CUDA context, other processes)")
+                   help="memory taken before training (CUDA context, other processes), e.g. 600MiB")
     h.add_argument("--max-fraction", type=fraction, default=None, metavar="F",
                    help="exit 1 when peak device memory exceeds F of the GPU")
 
@@ -128,7 +145,9 @@ def add_hardware(h: Any) -> None:
 def add_output(o: Any) -> None:
     """How a report is printed: table or JSON, units, categories or every component."""
     o.add_argument("--json", action="store_true", help="print the report as JSON")
-    o.add_argument("--units", choices=("GiB", "GB"), default="GiB")
+    o.add_argument("--units", type=units_choice, default="auto", metavar="{auto,GiB,GB,MiB,MB,TiB,TB,...}",
+                   help="unit of the tables (default auto: MiB for small runs, GiB, TiB for huge ones; "
+                        "one unit per table, always labelled; JSON stays in bytes)")
     o.add_argument("--detail", action="store_true", help="list every component, not categories")
 
 
@@ -144,7 +163,7 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 keep_logits=a.keep_logits,
                 optimizer_in_backward=a.optimizer_in_backward, hold_output=a.hold_output, zero_grad=a.zero_grad,
                 lora_rank=a.lora_rank, lora_dropout=a.lora_dropout, lora_dtype=a.lora_dtype,
-                lora_targets=a.lora_targets, dropout=False if a.no_dropout else None,
+                lora_targets=a.lora_targets, quantize=a.quantize, dropout=False if a.no_dropout else None,
                 optimizer_bucket_mb=a.optimizer_bucket_mb, loss_chunks=a.loss_chunks, loss=a.loss,
                 master_weights=a.master_weights, framework=a.framework, framework_version=a.framework_version)
     if a.fsdp is not None and a.zero in (0, None):

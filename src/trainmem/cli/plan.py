@@ -5,7 +5,7 @@ import argparse
 from typing import Any
 
 from .options import add_model_and_training, fraction, positive_int, training_options
-from .output import print_json
+from .output import print_json, warn_pointless
 
 _LAYOUT_KEYS = ("batch_size", "seq_len", "grad_accum", "dp", "tp", "pp", "cp", "zero", "recompute",
                 "sequence_parallel")
@@ -41,22 +41,26 @@ def cmd_fit(a: argparse.Namespace) -> int:
     hw = _hardware(a)
     gpu = hw.pop("gpu")
     r = fit(a.model, gpu=gpu, by=a.by, seq_multiple=a.seq_multiple, **hw, **opts)
+    warn_pointless(r.report.training)
     if a.json:
         print_json(r.to_dict())
     else:
         from ..render.fit import render_fit
-        print(render_fit(r, a.units))
+        print(render_fit(r, a.units, detail=getattr(a, "detail", False)))
     return 0 if r.fits else 1
 
 
 def cmd_sweep(a: argparse.Namespace) -> int:
-    """Reports over a grid of micro-batch sizes and sequence lengths, and their plots."""
+    """Reports over a grid of micro-batch sizes and sequence lengths, and their plots; the exit
+    code of ``sweep_exit_code``."""
     from ..plan.sweep import sweep
     opts = training_options(a)
     opts["loss_chunks"] = a.loss_chunks
     for k in ("batch_size", "seq_len"):
         opts.pop(k, None)
     r = sweep(a.model, a.batch_size, a.seq_len, by=a.by, **_hardware(a), **opts)
+    first = next((c.report for row in r.cells for c in row if c.report is not None), None)
+    warn_pointless(first.training if first is not None else None)
     written = []
     if a.plot:
         from ..render.plots import plot_sweep
@@ -72,7 +76,15 @@ def cmd_sweep(a: argparse.Namespace) -> int:
         print(r.render(a.units))
         for k, p in written:
             print(f"wrote {k} plot: {p}")
-    return 0
+    return sweep_exit_code(r)
+
+
+def sweep_exit_code(r: Any) -> int:
+    """0 when the sweep answered for no GPU or some cell fits (within --max-fraction); 1 when a GPU
+    was given and no cell fits. (A grid with no valid cell is an error, exit 2, raised by sweep.)"""
+    if r.capacity is None:
+        return 0
+    return 0 if any(c.fits for row in r.cells for c in row) else 1
 
 
 def cmd_plan(a: argparse.Namespace) -> int:

@@ -10,7 +10,8 @@ from .output import emit
 
 
 def cmd_trace(a: argparse.Namespace) -> int:
-    """Trace one setup; print the report, the largest tensors and (optionally) a timeline plot."""
+    """Trace one setup; print the report, the largest tensors and (optionally) a timeline plot.
+    Exit 1 when the GPU given is too small (a simulated out of memory with --simulate-oom included)."""
     try:
         import transformers
         transformers.logging.set_verbosity_error()
@@ -22,8 +23,10 @@ def cmd_trace(a: argparse.Namespace) -> int:
     if a.steps <= 0:
         raise TrainmemError(f"--steps must be a positive integer, got {a.steps}")
     if a.timeline:
+        from ..paths import check_file
         from ..render.plots import check_path
         check_path(a.timeline)
+        check_file(a.timeline, "--timeline")
     opts = training_options(a)
     opts.pop("optimizer_bucket_mb", None)
     r = trace(a.model, steps=a.steps, device=a.device, gpu=a.gpu, gpu_memory=a.gpu_memory,
@@ -32,7 +35,7 @@ def cmd_trace(a: argparse.Namespace) -> int:
     code = emit(r, a)
     if not a.json:
         from ..render.trace import largest_tensors
-        text = largest_tensors(r.extra.get("largest_tensors") or [], a.units, a.largest)
+        text = largest_tensors(r.extra.get("largest_tensors") or [], a.units, a.largest, a.detail)
         if text:
             print()
             print(text)
@@ -41,7 +44,9 @@ def cmd_trace(a: argparse.Namespace) -> int:
         plot_timeline(r, a.timeline, a.units)
         if not a.json:
             print(f"\ntimeline written to {a.timeline}")
-    return code
+    # a step stopped by the simulated out-of-memory did not fit, whatever its partial peak says
+    simulated_oom = bool(r.extra.get("simulated_oom"))
+    return 1 if simulated_oom else code
 
 
 def register(sub: Any) -> None:

@@ -1,14 +1,16 @@
 """``trainmem.estimate(model, **options)``: resolve inputs, run a method, attach the hardware view."""
 from __future__ import annotations
 
+import inspect
 from typing import Any, Mapping
 
 from ..allocator_rules import OVERHEAD_DIVISOR, reserved_overhead  # noqa: F401 (OVERHEAD_DIVISOR: public)
 from ..report import Component, MemoryReport
+from ..spec.config import input_notes
 from ..spec.hardware import Hardware
 from ..spec.model import ModelSpec
-from ..spec.resolve import (HARDWARE_OPTIONS, OTHER_OPTIONS, TRAINING_FIELDS, Resolved,  # noqa: F401
-                            check_max_fraction, check_options, hardware_from, resolve, training_values)
+from ..spec.resolve import (HARDWARE_OPTIONS, OTHER_OPTIONS, TRAINING_DEFAULTS, TRAINING_FIELDS,  # noqa: F401
+                            Resolved, check_max_fraction, check_options, hardware_from, resolve, training_values)
 from ..spec.training import TrainingSpec, report_warnings
 from .methods import get_method
 
@@ -74,13 +76,28 @@ def estimate(model: "str | ModelSpec | Mapping[str, Any] | Resolved", **options:
 
     ``model``: catalogue name, config.json path, model directory, hub id, config dict, ModelSpec, or
     a :class:`~trainmem.spec.resolve.Resolved` (``options`` then apply on top of it).
-    ``options``: the CLI flags in snake_case — the TrainingSpec fields (batch_size, seq_len,
+    ``options`` (keyword-only; None or absent means the option's default): the CLI flags in
+    snake_case — the TrainingSpec fields (batch_size, seq_len,
     precision, optimizer, zero, tp, recompute, attention, lora_rank, ...), plus ``gpu``,
     ``gpu_memory``, ``context_memory``, ``max_fraction``, ``method``, ``set`` (config overrides),
     ``training`` (a TrainingSpec) and ``hardware`` (a Hardware); see ``trainmem.spec.resolve``.
     """
     r = model if isinstance(model, Resolved) and not options else resolve(model, **options)
     return estimate_resolved(r)
+
+
+def _options_signature() -> inspect.Signature:
+    """``estimate``'s signature as ``help()`` and ``inspect.signature`` show it: ``model`` and every
+    keyword option ``resolve`` accepts (the TrainingSpec fields in their order, then the GPU and the
+    other options), each defaulting to None, which means the option's default."""
+    names = [n for n in TRAINING_DEFAULTS if n in TRAINING_FIELDS]
+    names += sorted(HARDWARE_OPTIONS) + sorted(OTHER_OPTIONS)
+    params = [inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    params += [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None) for n in names]
+    return inspect.Signature(params, return_annotation=MemoryReport)
+
+
+estimate.__signature__ = _options_signature()  # type: ignore[attr-defined]
 
 
 def estimate_resolved(r: Resolved) -> MemoryReport:
@@ -91,5 +108,5 @@ def estimate_resolved(r: Resolved) -> MemoryReport:
         bucket_check(report, r.model, r.training)
     report.method = r.method
     report.model, report.training = r.model, r.training
-    report.warnings[:0] = report_warnings(r.training)
+    report.warnings[:0] = input_notes(r.model, r.hardware) + report_warnings(r.training)
     return attach_hardware(report, r.hardware, r.max_fraction)

@@ -57,8 +57,11 @@ def components(q: Quantities, tk: Tokens, mo: Moment, t: TrainingSpec, n: int, n
     parts = dict(zip(PARTS, mo.parts))
     half = HALF_NAMES.get(t.precision, "fp32")
     wdt = "fp32" if t.weight_bytes == 4 else half
-    out = [Component("parameters", PARAMETERS, st.weights, wdt,
-                     "sum over tensors of block(numel/tp [/dp under ZeRO-3] x bytes)", True),
+    formula = "sum over tensors of block(numel/tp [/dp under ZeRO-3] x bytes)"
+    if st.quantized:
+        formula += (f"; of it {st.quantized:,} B of bitsandbytes {t.quantize} linears: block(numel/2) uint8 codes + "
+                    "absmax per 64 (fp32, or uint8 + fp32 per 256 blocks with -dq) + a 16-entry fp32 code each")
+    out = [Component("parameters", PARAMETERS, st.weights, wdt if not st.quantized else None, formula, True),
            Component("buffers", BUFFERS, st.buffers, None, "registered buffers (position ids, rotary, masks)",
                      True)]
     if st.master:

@@ -52,6 +52,7 @@ class Recipe:
     cache: float = 0.0  # bytes per token of the KV-cache copies the model output references
     transients: list[tuple[str, float, float, float, float, float, float]] = field(default_factory=list)
     weights: float = 0.0
+    fwd: tuple[float, float] = (0.0, 0.0)  # largest forward transient: (bytes, bytes per token of its output)
 
     def save(self, *ts: T) -> None:
         for t in ts:
@@ -108,8 +109,12 @@ class Builder:
     """Helpers that mirror single PyTorch ops: what each saves and what it returns."""
 
     def __init__(self, pol: Policy, dropout: bool, sp_div: int = 1, capability: tuple[int, int] = (8, 0),
-                 lora: tuple[tuple[str, int, int], ...] = (), lora_dropout: float = 0.0, lora_half: bool = False):
+                 lora: tuple[tuple[str, int, int], ...] = (), lora_dropout: float = 0.0, lora_half: bool = False,
+                 quant: tuple[int, int] = (0, 0), quant_saves_input: bool = False):
         self.p = pol
+        # bitsandbytes 4-bit base weights (quant4.py): bytes per element of the dequantized weight and
+        # of its cast to the compute dtype (0, 0: not quantized); old MatMul4Bit saves its input
+        self.quant, self.quant_saves_input = quant, quant_saves_input
         self.lora_dropout, self.lora_half = lora_dropout, lora_half
         # LoRA (peft): the base weights are frozen; the adapters' ranks by target module name
         self.lora = {name: rank for name, rank, _ in lora}
@@ -136,7 +141,7 @@ class Builder:
     def linear(self, x: T, out: float, name: str, saved_name: str, in_features: float | None = None) -> T:
         """``F.linear``/``addmm``: saves the (cast) input; weight copies are counted separately."""
         if self.frozen:
-            return self.frozen_linear(x, out, name, saved_name)
+            return self.frozen_linear(x, out, name, saved_name, in_features)
         xin = self.matmul_in(x, saved_name)
         y = T(out, 0.0, self.p.half, name)
         in_features = xin.tok if in_features is None else in_features
@@ -147,7 +152,7 @@ class Builder:
         self.r.weights += w
         return y
 
-    def frozen_linear(self, x: T, out: float, name: str, saved_name: str) -> T:
+    def frozen_linear(self, x: T, out: float, name: str, saved_name: str, in_features: float | None = None) -> T:
         """A linear whose weight is frozen (LoRA training, peft ``tuners/lora/layer.py`` ``Linear``).
         The base ``F.linear`` saves no input: a frozen weight needs no gradient, and the input's
         gradient needs only the weight (``mm`` saves ``self`` only when ``mat2`` requires grad).
@@ -168,8 +173,26 @@ class Builder:
                 xin = x                                       # the input itself
             self.r.save(xin, T(rank, 0, HALF if self.p.amp else adapter, f"lora.{name}"))
         # backward: grad_out and grad_in, no weight gradient
-        self.r.transient(f"{name}.backward", T(out, 0, self.p.half), T(x.tok, 0, self.p.half))
+        dq = self.dequantized(x, out, name, in_features)
+        self.r.transient(f"{name}.backward", T(out, 0, self.p.half), T(x.tok, 0, self.p.half), const=dq)
         return T(out, 0.0, self.p.half, name)
+
+    def dequantized(self, x: T, out: float, name: str, in_features: float | None) -> float:
+        """A bitsandbytes 4-bit base weight (``Linear4bit`` -> ``MatMul4Bit``, quant4.py): bytes of its
+        dequantized copy (the quant state's dtype, plus the cast to the compute dtype when they differ),
+        made in forward (``F.linear(A, dequantize_4bit(B).to(A.dtype).t())``, bitsandbytes 0.42.0
+        ``autograd/_functions.py`` L516) and again in backward (L546). Records the forward transient
+        (that copy and the matmul's output) and, before bitsandbytes 0.43.2, saves the input (L522-523)."""
+        dq_bytes, cast_bytes = self.quant
+        if not dq_bytes:
+            return 0.0
+        w = (x.tok if in_features is None else in_features) * out
+        if self.quant_saves_input:
+            self.r.save(x if x.nbytes == self.p.half else T(x.tok, x.sq, self.p.half, f"{name}.input"))
+        dq = w * (dq_bytes + cast_bytes)
+        if dq > self.r.fwd[0]:
+            self.r.fwd = (dq, out * self.p.half)
+        return dq
 
     def layer_norm(self, x: T, name: str) -> T:
         """``F.layer_norm`` (autocast fp32): saves the (fp32) input and fp32 mean/rstd per token."""
@@ -476,6 +499,8 @@ class LayerKey:
     lora: tuple[tuple[str, int, int], ...] = ()
     lora_dropout: float = 0.0
     lora_half: bool = False   # adapters in the model's half dtype (else fp32 over half weights)
+    quant: tuple[int, int] = (0, 0)  # 4-bit base weights: dequantized and cast bytes per element (quant4.py)
+    quant_saves_input: bool = False  # bitsandbytes < 0.43.2: MatMul4Bit saves its input
     kv_cache: bool = False   # transformers builds a DynamicCache in training (config.use_cache)
     capability: tuple[int, int] = (8, 0)  # the GPU's compute capability (which SDPA kernel runs)
 
@@ -492,6 +517,8 @@ class LayerCoefs:
     cache: float = 0.0       # bytes per token of the KV cache the model output references (saved or not)
     weights: float = 0.0     # matmul weight elements of the layer (this rank)
     after: tuple[float, ...] = ()  # per transient: weight elements of the linears back-propagated before it
+    fwd_const: float = 0.0   # the largest forward transient of a linear (a dequantized 4-bit weight), bytes
+    fwd_tok: float = 0.0     # ... and its matmul output, bytes per token
 
     def bytes(self, n: int, nsq: int) -> int:
         return int(self.tok * n + self.sq * nsq)
@@ -522,7 +549,8 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
     pol = Policy.of(k.precision)
     t = k.tp
     sp_div = t if k.sp else 1  # sequence parallel splits the replicated regions over TP ranks
-    B = Builder(pol, k.dropout, sp_div, k.capability, k.lora, k.lora_dropout, k.lora_half)
+    B = Builder(pol, k.dropout, sp_div, k.capability, k.lora, k.lora_dropout, k.lora_half, k.quant,
+                k.quant_saves_input)
     h, f, q, kv = k.h, k.f / t, k.q / t, k.kv / t
     heads, kvh = k.heads / t, max(k.kv_heads / t, 1 if k.kv_heads < t else k.kv_heads / t)
     x = T(h / sp_div, 0, pol.stream, "residual")
@@ -536,7 +564,7 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
     after = tuple(max(0.0, wall - w) for *_, w in B.r.transients)
     held = sum(t.tok * t.nbytes for i, t in B.r.held.items() if i not in B.r.saved)
     return LayerCoefs(tok, sq, tuple((n, a, b) for n, (a, b) in parts.items()), trans, held, B.r.cache, wall,
-                      after)
+                      after, B.r.fwd[0], B.r.fwd[1])
 
 
 def _gpt2_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: float, heads: float, kvh: float, sp_div: int) -> None:

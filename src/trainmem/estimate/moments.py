@@ -65,6 +65,7 @@ class Tokens:
     loss_backward: Any
     kv_held: Any           # fp32 KV cache the output holds (autocast), all layers
     kv_saved: Any          # the rest of the KV cache of one layer
+    fwd_temp: Any = 0      # a 4-bit base: the largest dequantized layer weight and its matmul output
 
 
 def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any) -> Tokens:
@@ -90,7 +91,8 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any) -
                   block_bytes(n * 8) + block_bytes(labels * 8), full * q.logits_held, full * q.logits_out,
                   saved, full * q.loss_forward + chunk * q.loss_forward_chunk,
                   full * q.loss_backward + chunk * q.loss_backward_chunk,
-                  kv_tok * q.layers * inflight, trunc(q.cache_tok * n) - kv_tok)
+                  kv_tok * q.layers * inflight, trunc(q.cache_tok * n) - kv_tok,
+                  q.fwd_temp + trunc(q.fwd_temp_tok * n))
 
 
 def best_transient(tr: Any, n: Any, nsq: Any) -> tuple[Any, Any, Any]:
@@ -192,6 +194,8 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     states = q.states if states_before else 0
     # the previous micro-batch's output, still referenced until this forward returns
     prev_logits, prev_kv = kept.after_backward() if (step > 1 or micro > 0) else (0, 0)
+    _dequant_forward(q, tk, (grads_before, states, tk.inputs, ws), (prev_logits, prev_kv), micro, step, valid,
+                     moments)
     moments.append(_mo("forward", micro, step, "cross_entropy",
                        (grads_before, states, tk.inputs, ws, tk.all_acts, tk.loss_forward + q.cast_forward_only),
                        (prev_logits + tk.out_logits, prev_kv + tk.kv_held, tk.loss_saved), valid))
@@ -200,6 +204,10 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     moments.append(_mo("backward", micro, step, "cross_entropy.backward",
                        (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.loss_backward),
                        (kept.logits, kept.kv_forward, tk.loss_saved), valid))
+    # a 4-bit LM head dequantizes its weight again for the input gradient (quant4.py)
+    moments.append(_mo("backward", micro, step, "lm_head.backward",
+                       (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.loss_backward + q.head_temp),
+                       (kept.logits, kept.kv_forward, tk.loss_saved), _both(valid, q.head_temp > 0)))
     fresh = grads_before == 0                                  # gradients are being created, not added to
     layer_grads = where(fresh, tk.layer_grad_part, 0)           # the later linears' of the layer in backward
     states_mid = q.states if (states_before or flags.oib) else 0  # optimizer in backward creates them now
@@ -223,6 +231,22 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
                        (q.grads, states_mid, tk.inputs, ws2, 0, q.oib_end), (kept.logits, kept.kv_end, 0), valid))
     after_logits, after_kv = kept.after_backward()   # hold_output="backward": freed as backward returns
     ends.append(("backward", micro, step, q.fixed + q.grads + states_mid + tk.inputs + ws2 + after_logits + after_kv))
+
+
+def _dequant_forward(q: Quantities, tk: Tokens, four: tuple, prev: tuple, micro: int, step: int, valid: Any,
+                     moments: list) -> None:
+    """Forward moments of a 4-bit base (``quant4.py``; none otherwise): the top layer's largest
+    linear with its weight dequantized (bitsandbytes ``MatMul4Bit.forward``) and its output, every
+    layer's saved tensors alive (an upper bound by that layer's tensors saved after it); then a
+    4-bit LM head's dequantized weight with the whole forward's activations and the logits.
+    ``four``: (gradients, states, inputs, workspace) before this micro-step; ``prev``: the previous
+    output's logits and KV cache, still referenced."""
+    g, s, i, w = four
+    prev_logits, prev_kv = prev
+    moments.append(_mo("forward", micro, step, "layer.forward", (g, s, i, w, tk.layers + tk.outer_rest, tk.fwd_temp),
+                       (prev_logits, prev_kv + tk.kv_held, 0), _both(valid, q.fwd_temp > 0)))
+    moments.append(_mo("forward", micro, step, "lm_head", (g, s, i, w, tk.all_acts, q.head_temp),
+                       (prev_logits + tk.out_logits, prev_kv + tk.kv_held, 0), _both(valid, q.head_temp > 0)))
 
 
 def _optimizer_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: int, moments: list,

@@ -25,6 +25,7 @@ from ..spec.training import TrainingSpec
 from .cache import BoundedCache
 from .elementwise import NEVER
 from .layers import LayerCoefs, LayerKey, Policy, layer_coefficients
+from .quant4 import dequant_dtypes, is_quantized
 from .states import States, block_bytes, default_lora_targets, model_states
 
 F32 = 4
@@ -88,6 +89,9 @@ class Quantities:
     oib_end: int           # ... for the embeddings, updated last
     tied_grad: int         # a tied head's gradient waiting in autograd's input buffer
     transients: Any        # per layer-op backward transient: tuple of (a, b, c, g), or a TransientTable
+    fwd_temp: int = 0      # a layer's largest forward transient: a dequantized 4-bit weight (quant4.py)
+    fwd_temp_tok: float = 0.0  # ... and its matmul output per token
+    head_temp: int = 0     # the LM head's dequantized 4-bit weight, in its forward and its backward
     detail: Detail | None = None
 
 
@@ -123,7 +127,8 @@ def layer_key(m: ModelSpec, t: TrainingSpec) -> LayerKey:
                     m.attention_dropout, m.hidden_size, m.ffn_size, m.q_size, m.kv_size, m.num_heads,
                     m.num_kv_heads, m.head_dim, t.tp, t.sequence_parallel, m.num_experts,
                     m.experts_top_k, m.pre_norm, lora, t.lora_dropout if lora else 0.0,
-                    bool(lora) and t.lora_half, kv_cache(m, t))
+                    bool(lora) and t.lora_half, dequant_dtypes(t) if t.quantize else (0, 0), t.bnb_saves_input,
+                    kv_cache(m, t))
 
 
 def kv_cache(m: ModelSpec, t: TrainingSpec) -> bool:
@@ -354,6 +359,18 @@ def oib_update_bytes(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, in
     return one(n_mid), one(n_all)
 
 
+def head_dequant_bytes(m: ModelSpec, t: TrainingSpec) -> int:
+    """Bytes of the LM head's weight dequantized from 4 bits (plus its cast to the compute dtype),
+    alive while the head's forward runs and again in its backward, when the head is quantized
+    (Lightning Fabric converts ``lm_head`` too: ``quant4.is_quantized``); bitsandbytes 0.42.0
+    ``autograd/_functions.py`` L516 (forward) and L546 (backward). 0 otherwise."""
+    if not t.quantize:
+        return 0
+    dq, cast = dequant_dtypes(t)
+    heads = [p for p in m.parameter_tensors() if p.layer is None and is_quantized(p, t)]
+    return max((block_bytes(p.numel * dq) + (block_bytes(p.numel * cast) if cast else 0) for p in heads), default=0)
+
+
 def tied_head_grad(m: ModelSpec, t: TrainingSpec) -> int:
     """Bytes of the LM head's gradient contribution to a tied input embedding.
 
@@ -470,7 +487,8 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         loss_backward_chunk=loss.backward_chunk, loss_saved_tok=loss.saved_tok, loss_saved_const=loss.saved_const,
         liger_factor=-(-m.vocab_size // m.hidden_size) if (head_here and is_lm(m) and loss_mode(m, t) == "fused") else 0,
         step_temp=step_temporaries(t, st), oib_mid=oib_mid, oib_end=oib_end,
-        tied_grad=tied_head_grad(m, t), transients=trans,
+        tied_grad=tied_head_grad(m, t), transients=trans, fwd_temp=int(lc.fwd_const), fwd_temp_tok=lc.fwd_tok,
+        head_temp=head_dequant_bytes(m, t) if head_here else 0,
         detail=Detail(st, lc, outer, comm_name, input_tok))
 
 

@@ -15,6 +15,7 @@ from ..spec.training import TrainingSpec
 
 from ..allocator_rules import block_bytes, placed_bytes
 from .cache import BoundedCache
+from .quant4 import is_quantized, storage_tensors
 
 __all__ = ["States", "model_states", "block_bytes", "default_lora_targets", "state_bytes"]
 
@@ -39,6 +40,7 @@ class States:
     foreach_group: int        # bytes of all trainable tensors of one dtype (foreach temporaries)
     layer_params_full: int    # bytes of one layer's weights unsharded (ZeRO-3 gather unit)
     lora_params: int
+    quantized: int = 0        # of ``weights``: bitsandbytes 4-bit tensors (packed codes, absmax, codes)
 
 
 def _tp_div(p: ParamTensor, tp: int) -> int:
@@ -49,8 +51,9 @@ def _tp_div(p: ParamTensor, tp: int) -> int:
     return -(-p.numel // tp)
 
 
-def _lora_tensors(m: ModelSpec, t: TrainingSpec) -> list[tuple[str, int, int | None]]:
-    """(module, elements, layer) of LoRA A and B matrices on the targeted linear modules."""
+def _lora_tensors(m: ModelSpec, t: TrainingSpec) -> list[tuple[str, int, int | None, tuple[int, int]]]:
+    """(module, elements, layer, (elements of A, of B)) of the LoRA A and B matrices on the targeted
+    linear modules (peft's ``lora_A``/``lora_B`` are separate ``nn.Linear`` weights)."""
     if not t.lora_rank:
         return []
     targets = set(t.lora_targets or default_lora_targets(m))
@@ -61,7 +64,8 @@ def _lora_tensors(m: ModelSpec, t: TrainingSpec) -> list[tuple[str, int, int | N
             if m.family in ("gpt2", "nanogpt"):  # Conv1D stores (in, out)
                 rows, cols = cols, rows
             experts = p.shape[0] if len(p.shape) == 3 else 1
-            out.append((p.module, experts * t.lora_rank * (rows + cols), p.layer))
+            a, b = experts * t.lora_rank * cols, experts * t.lora_rank * rows
+            out.append((p.module, a + b, p.layer, (a, b)))
     return out
 
 
@@ -99,13 +103,27 @@ def state_bytes(optimizer: str, shape: tuple[int, ...], numel: int, sbytes: int,
             return (lead * shape[-2] * 4, lead * shape[-1] * 4)
         return (numel * 4,)
     if optimizer in ("paged-adamw-8bit", "paged-adamw"):
-        return ()  # cudaMallocManaged pages, outside the caching allocator (see _model_states)
+        return _paged_states(optimizer, numel, numel if whole is None else whole)
     if optimizer == "adamw-8bit":
         if (numel if whole is None else whole) < 4096:
             return (numel * 4, numel * 4)
         blocks = -(-numel // 2048)
         return (numel + blocks * 4, numel + blocks * 4)
     raise ValueError(optimizer)
+
+
+def _paged_states(optimizer: str, numel: int, whole: int) -> tuple[int, ...]:
+    """Device bytes of a paged bitsandbytes optimizer's states for one tensor. ``get_state_buffer``
+    pages only tensors of at least 1e5 elements (``cudaMallocManaged``, outside the caching
+    allocator); smaller ones get ``torch.zeros_like`` on the device (bitsandbytes 0.42.0
+    ``optim/optimizer.py`` L304-312). PagedAdamW keeps fp32 states; PagedAdamW8bit fp32 states under
+    4096 elements, else uint8 states (paged from 1e5 elements) plus fp32 ``absmax1/2`` per 2048-block,
+    always ordinary device tensors (``Optimizer2State.init_state``, L400-430)."""
+    paged = whole >= 100_000
+    if optimizer == "paged-adamw" or whole < 4096:
+        return () if paged else (numel * 4, numel * 4)
+    blocks = -(-numel // 2048)
+    return (blocks * 4, blocks * 4) + (() if paged else (numel, numel))
 
 
 def _insert_buffer(load: list[tuple[str, int]], name: str, nbytes: int) -> None:
@@ -146,7 +164,8 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
     Cached on the fields that change model states (not batch, sequence, recomputation, ...), so a
     sweep over activations reuses them."""
     key = (m, stage, t.tp, t.pp, t.precision, t.zero_stage, t.shard_group, t.optimizer, t.impl,
-           t.lora_rank, t.lora_targets, t.lora_dtype, t.distributed_optimizer, t.offload_optimizer, t.fp32_master)
+           t.lora_rank, t.lora_targets, t.lora_dtype, t.distributed_optimizer, t.offload_optimizer, t.fp32_master,
+           t.quantize, t.quantize_via)
     return _STATES_CACHE.get_or_build(key, lambda: _model_states(m, t, stage))
 
 
@@ -212,6 +231,7 @@ class _Tally:
     largest: int = 0
     group: int = 0
     lpf: int = 0             # one layer's weights, unsharded
+    q4: int = 0              # bitsandbytes 4-bit tensors, allocator-rounded
 
     def trainable_tensor(self, t: TrainingSpec, r: _Rank, shape: tuple[int, ...], n: int, k: int) -> int:
         """Add gradient, master copy and optimizer states of ``k`` tensors of ``n`` elements on this
@@ -255,7 +275,7 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
     # allocator holds, paged to the GPU only while the step reads them
     return States(weights, acc.buffers, master, acc.grads, opt, step_t, acc.trainable, acc.params_rank,
                   acc.layer_grads, acc.head_grads, acc.lmh, acc.hmh, acc.largest, acc.group, acc.lpf,
-                  sum(n for _, n, _ in lora))
+                  sum(x[1] for x in lora), acc.q4)
 
 
 def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: list, layer: list,
@@ -268,9 +288,17 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
         k = r.per_stage if p.layer is not None else 1  # identical layers on this rank
         n = _tp_div(p, t.tp)
         acc.params_rank += k * n
+        dest = layer if p.layer is not None else (after if layer else before)
+        if is_quantized(p, t):
+            # bitsandbytes Linear4bit: packed codes + quant state instead of the weight (quant4.py);
+            # frozen (LoRA), never cast by autocast, never sharded (TrainingSpec refuses TP/ZeRO-3)
+            parts = storage_tensors(n, t.quantize.endswith("-dq"))
+            dest.extend((f"{p.name}.4bit.{i}", b) for i, b in enumerate(parts))
+            acc.q4 += k * sum(block_bytes(b) for b in parts)
+            continue
         wb = n * r.w
         item = (p.name, -(-wb // r.d) if r.zero == 3 else wb)
-        (layer if p.layer is not None else (after if layer else before)).append(item)
+        dest.append(item)
         if p.layer is not None:
             acc.lpf += n * r.gather  # FSDP2 MixedPrecisionPolicy gathers in param_dtype (bf16)
             # autocast caches half copies of the weights its matmuls cast; transformers' grouped_mm
@@ -292,7 +320,8 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
         acc.hmh += _tp_div(emb, t.tp) * 2
 
 
-def _lora_adapters(t: TrainingSpec, r: _Rank, acc: _Tally, lora: list[tuple[str, int, int | None]]) -> None:
+def _lora_adapters(t: TrainingSpec, r: _Rank, acc: _Tally, lora: list[tuple[str, int, int | None, tuple[int, int]]]
+                   ) -> None:
     """LoRA A and B matrices on this stage: trainable, so they get gradients and states. peft keeps
     them in fp32 over half base weights (``get_peft_model(..., autocast_adapter_dtype=True)``
     upcasts bf16/fp16 adapters, ``tuners_utils.py`` ``_cast_adapter_dtype``), so their weights,
@@ -300,14 +329,15 @@ def _lora_adapters(t: TrainingSpec, r: _Rank, acc: _Tally, lora: list[tuple[str,
     model to half with an fp32 master (DeepSpeed ZeRO: ``TrainingSpec.fp32_master``)."""
     if not r.half_master and not t.lora_half:
         r = replace(r, w=4, gbytes=4, sbytes=4)
-    for _mod, n, lyr in lora:
+    for _mod, _n, lyr, parts in lora:
         if lyr is not None and not (r.lo <= lyr < r.hi):
             continue
-        n = -(-n // t.tp) if t.tp > 1 else n
-        acc.lora_w += block_bytes(-(-n * r.w // r.d) if r.zero == 3 else n * r.w)
-        g = acc.trainable_tensor(t, r, (-(-n // r.d) if r.zero_states >= 1 else n,), n, 1)
-        if lyr == r.lo:
-            acc.layer_grads += g
+        for n in parts:
+            n = -(-n // t.tp) if t.tp > 1 else n
+            acc.lora_w += block_bytes(-(-n * r.w // r.d) if r.zero == 3 else n * r.w)
+            g = acc.trainable_tensor(t, r, (-(-n // r.d) if r.zero_states >= 1 else n,), n, 1)
+            if lyr == r.lo:
+                acc.layer_grads += g
 
 
 def _buffers(m: ModelSpec, r: _Rank, acc: _Tally, before: list, layer: list, after: list) -> None:

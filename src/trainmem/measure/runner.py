@@ -41,6 +41,8 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..errors import TrainmemError
+from ..progress import progress
+from ..paths import NotWritten, check_dir, check_file, not_written
 from ..report import Component, MemoryReport
 from ..spec import Hardware, TrainingSpec, get_gpu
 from ..spec.training import report_warnings
@@ -217,17 +219,24 @@ def _predicted_fit(r: Resolved, kind: str, limit: int | None, total: int | None,
 
 def save_snapshot(snapshot: Any, pickle_path: str | None = None, html_path: str | None = None) -> list[str]:
     """Write an allocator snapshot (``torch.cuda.memory._snapshot()``) as a pickle (load it in
-    https://pytorch.org/memory_viz) and/or as the ``trace_plot`` HTML page. Returns the paths."""
+    https://pytorch.org/memory_viz) and/or as the ``trace_plot`` HTML page. Returns the paths; a
+    file that cannot be written raises a one-line ``TrainmemError`` naming it."""
     import pickle
     written = []
     if pickle_path:
-        with open(pickle_path, "wb") as f:
-            pickle.dump(snapshot, f)
+        try:
+            with open(pickle_path, "wb") as f:
+                pickle.dump(snapshot, f)
+        except OSError as e:
+            raise TrainmemError(not_written(pickle_path, "--snapshot", e)) from None
         written.append(pickle_path)
     if html_path:
         from torch.cuda._memory_viz import trace_plot
-        with open(html_path, "w", encoding="utf-8") as f:
-            f.write(trace_plot(snapshot))
+        try:
+            with open(html_path, "w", encoding="utf-8") as f:
+                f.write(trace_plot(snapshot))
+        except OSError as e:
+            raise TrainmemError(not_written(html_path, "--html", e)) from None
         written.append(html_path)
     return written
 
@@ -299,6 +308,8 @@ class _Run:
     stats: dict[str, Any] = field(default_factory=dict)
     env: dict[str, Any] = field(default_factory=dict)
     written: list[str] = field(default_factory=list)
+    not_written: list[str] = field(default_factory=list)  # output files the run could not write, one line each
+    on_step: Callable[[int], None] = lambda n: None  # the progress bar: 1 when the model is loaded, 1 per step
 
 
 def measure(model: Any, steps: int = 2, *, device: str = "cuda", training: TrainingSpec | None = None,
@@ -306,7 +317,7 @@ def measure(model: Any, steps: int = 2, *, device: str = "cuda", training: Train
             max_fraction: float | None = None, memory_limit: Any = None, snapshot: str | None = None,
             html: str | None = None, profile: str | None = None, largest: int = 10, seed: int = 0,
             empty_cache: bool = False, predict_on_oom: bool = True, predict_by: str = "auto", probe: Any = None,
-            **training_options: Any) -> MemoryReport:
+            progress_bar: bool | None = None, **training_options: Any) -> MemoryReport:
     """Run ``steps`` real training steps of a catalogue model and report their memory per phase.
 
     ``model``: catalogue name, config path, hub id, ModelSpec or ``Resolved``; the options are
@@ -321,7 +332,10 @@ def measure(model: Any, steps: int = 2, *, device: str = "cuda", training: Train
     notebooks that print memory after each phase do (Moritz Scherrmann's BERT-large notebook; it lowers reserved memory).
     ``predict_by``: the predictor ``plan.fit`` uses for "what would fit" after an out-of-memory
     error (auto: trace on the CPU, estimate on CUDA). ``probe``: a probe object to use instead of
-    the device's (tests).
+    the device's (tests). ``snapshot``/``html``/``profile``: output paths, checked before the run;
+    one that still cannot be written afterwards raises ``trainmem.paths.NotWritten`` with the
+    measured report as its ``report``. ``progress_bar``: a bar on stderr (``trainmem.progress``;
+    None: off unless the CLI turned it on).
     """
     predictor_for("cpu", predict_by)
     t0 = time.perf_counter()
@@ -337,9 +351,14 @@ def measure(model: Any, steps: int = 2, *, device: str = "cuda", training: Train
     run = _Run(r, options, overrides, model, kind, probe, r.hardware or _limit_hardware(kind, limit), limit, steps,
                seed, empty_cache, PhaseRecorder(probe, r.training.grad_accum, empty_cache), _not_applied(r.training))
     torch.manual_seed(seed)
-    _run(run, largest, snapshot, html, profile)
+    with progress(steps + 1, "measure", progress_bar) as bar:
+        run.on_step = bar.update
+        _run(run, largest, snapshot, html, profile)
     probe.empty_cache()
-    return _report(run, time.perf_counter() - t0, predict_on_oom, predict_by)
+    report = _report(run, time.perf_counter() - t0, predict_on_oom, predict_by)
+    if run.not_written:  # the measurement is kept: the error carries the report
+        raise NotWritten(run.not_written[0], report)
+    return report
 
 
 def _check_outputs(kind: str, memory_limit: Any, snapshot: str | None, html: str | None,
@@ -351,15 +370,11 @@ def _check_outputs(kind: str, memory_limit: Any, snapshot: str | None, html: str
     if (snapshot or html) and kind != "cuda":
         raise TrainmemError("--snapshot and --html need --device cuda: they record the CUDA caching allocator's "
                             "history (torch.cuda.memory._record_memory_history); on the CPU use --profile DIR")
-    for path in (snapshot, html):
+    for path, option in ((snapshot, "--snapshot"), (html, "--html")):
         if path:
-            parent = os.path.dirname(os.path.abspath(path))
-            if not os.path.isdir(parent):
-                raise TrainmemError(f"cannot write {path}: directory {parent} does not exist")
+            check_file(path, option)
     if profile:
-        if os.path.exists(profile) and not os.path.isdir(profile):
-            raise TrainmemError(f"--profile {profile}: exists and is not a directory")
-        os.makedirs(profile, exist_ok=True)
+        check_dir(profile, "--profile")
     return limit
 
 
@@ -376,8 +391,11 @@ def _run(run: _Run, largest: int, snapshot: str | None, html: str | None, profil
             _train(run, largest, snapshot, html)
         if prof is not None:
             path = os.path.join(profile, f"trainmem-measure-{run.r.model.name}-{run.kind}.json".replace("/", "_"))
-            prof.export_chrome_trace(path)
-            run.written.append(path)
+            try:
+                prof.export_chrome_trace(path)
+                run.written.append(path)
+            except OSError as e:
+                run.not_written.append(not_written(path, "--profile", e))
         run.env = environment(run.kind, run.probe)
 
 
@@ -396,6 +414,7 @@ def _train(run: _Run, largest: int, snapshot: str | None, html: str | None) -> N
         run.params_b = tensor_bytes(module.parameters())
         run.buffers_b = tensor_bytes(module.buffers())
         recorder.mark("model_loaded", 0)
+        run.on_step(1)
         # the batch is made where the probe's device is: "cuda" (the current device) or "cpu"
         step = TrainStep(module, m, t, probe.device.type, on_phase=recorder.mark, what="measure")
         st = step.state
@@ -403,6 +422,7 @@ def _train(run: _Run, largest: int, snapshot: str | None, html: str | None) -> N
                        lambda: tensor_bytes(st.get("batch", {}).values()))
         for i in range(1, run.steps + 1):
             step(i)
+            run.on_step(1)
     except (torch.OutOfMemoryError, RuntimeError) as e:
         if not is_oom(e):
             raise
@@ -415,7 +435,10 @@ def _train(run: _Run, largest: int, snapshot: str | None, html: str | None) -> N
     if snapshot or html:
         if snap is None:
             snap = torch.cuda.memory._snapshot(probe.device)
-        run.written += save_snapshot(snap, snapshot, html)
+        try:
+            run.written += save_snapshot(snap, snapshot, html)
+        except TrainmemError as e:
+            run.not_written.append(str(e))
         del snap
     run.opt_b = tensor_bytes(optimizer_tensors(step.optimizer if step else None))
     if step is not None:
@@ -606,10 +629,22 @@ def find_max_batch(model: Any, *, device: str = "cuda", steps: int = 2, memory_l
 
 
 # ----- validation fixtures --------------------------------------------------------------------------------
-def fixture(report: MemoryReport, command: str = "", name: str | None = None) -> dict[str, Any]:
+def fixture_model(model: Any, path: str | None) -> Any:
+    """The ``model`` entry of a fixture to be written at ``path``: a local config file or model
+    directory (not a catalogue name) as a path relative to the fixture's folder, so that
+    ``trainmem validate`` finds it from any directory; anything else unchanged."""
+    from ..spec.config import catalogue_names
+    if path is None or not isinstance(model, str) or model.strip().lower() in catalogue_names() \
+            or not os.path.exists(model):
+        return model
+    return os.path.relpath(os.path.abspath(model), os.path.dirname(os.path.abspath(path)))
+
+
+def fixture(report: MemoryReport, command: str = "", name: str | None = None, path: str | None = None) -> dict[str, Any]:
     """A validation fixture (the format ``trainmem.validate`` reads) of a measured report: model,
     overrides, setup (the estimate/trace options), the measured quantities in bytes, and the full
-    metadata (device, driver, CUDA, torch and transformers versions, the command)."""
+    metadata (device, driver, CUDA, torch and transformers versions, the command). ``path``: where
+    it will be written (a local model path is then stored relative to it, :func:`fixture_model`)."""
     if report.source != "measure":
         raise TrainmemError(f"a fixture records a measured run, not a {report.source!r} report")
     ex = report.extra
@@ -642,7 +677,7 @@ def fixture(report: MemoryReport, command: str = "", name: str | None = None) ->
     fx: dict[str, Any] = {
         "name": label,
         "source": f"trainmem measure (real run, {ex.get('steps')} steps) on {dev}",
-        "model": ex.get("model_arg") or (m.name if m is not None else ""),
+        "model": fixture_model(ex.get("model_arg"), path) or (m.name if m is not None else ""),
     }
     if ex.get("overrides"):
         fx["overrides"] = list(ex["overrides"])

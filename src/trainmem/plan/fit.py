@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import TrainmemError
+from ..progress import progress
 from ..report import MemoryReport
 from ..spec.resolve import TRAINING_DEFAULTS, Resolved
 from ..spec.training import LEARNED_POSITION_FAMILIES
@@ -189,8 +190,15 @@ def _search(ev: Evaluator, by: str, search: str, step: int, fixed: dict[str, int
         for size in (k or 1, first_bad):   # full reports of the answer and the first size that fails
             if size is not None:
                 fits(size)
-    else:
-        k, first_bad = search_max(fits, k_max)
+    else:  # one report per size: by trace a counter on stderr (trainmem.progress; the CLI enables it)
+        with progress(None, f"fit --by {by}", None if by == "trace" else False) as bar:
+            def tried(size: int) -> bool:
+                """``fits(size)``, counted on the progress bar."""
+                bar.describe(f"{search} {size * step}")
+                ok_ = fits(size)
+                bar.update(1)
+                return ok_
+            k, first_bad = search_max(tried, k_max)
         evaluated = len(cache)
     ok = k > 0
     rep = cache[k if ok else 1]

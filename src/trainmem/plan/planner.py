@@ -24,8 +24,10 @@ from ..report import MemoryReport
 from ..estimate.engine import estimate_layouts, group_rows
 from ..spec.layout import pp_problems, sequence_problems, tp_problems
 from ..spec.training import RECOMPUTE, TrainingSpec, default_seq_len
+from ..render.text import wrap
 from ..units import fmt, scale
 from ._common import Evaluator, divisors, gpu_extras, hardware_with_speeds, parse_int_list
+from .infeasible import no_layout_message
 from .timing import TERM_WORDS, TERMS, Speeds, step_times
 REC_CODES = {name: i for i, name in enumerate(RECOMPUTE)}   # none 0, selective 1, full 2
 REC_NAMES = dict(enumerate(RECOMPUTE))
@@ -375,7 +377,9 @@ def plan(model: Any, gpus: int, seq_len: int | None = None, global_batch: int | 
     ``grad_accum`` restrict the search (an int, a list, or a string such as "1,2,4" /
     "none,full"). ``options``: the other ``trainmem.estimate`` options (precision, optimizer,
     attention, method, gpu_memory, context_memory, max_fraction, ...). When nothing fits, the
-    result names the smallest GPU count that would (``smallest_cluster``).
+    result names the smallest GPU count that would (``smallest_cluster``). When no layout is
+    valid at all (the GPU count, the lists given or the global batch rule every shape out),
+    TrainmemError names the rules that rejected them (``infeasible.no_layout_message``).
     """
     t0 = time.perf_counter()
     if not isinstance(gpus, int) or gpus <= 0:
@@ -392,6 +396,8 @@ def plan(model: Any, gpus: int, seq_len: int | None = None, global_batch: int | 
     P = Planner(model, seq_len, global_batch, mfu, internode_gbs, gpus_per_node, filters, gpu=gpu, **options)
     a, rejected, mem, t, fits = P.evaluate(gpus)
     n_valid = len(a["tp"])
+    if not n_valid:  # an impossible setup, not a memory problem: name the rules (plan/infeasible.py)
+        raise TrainmemError(no_layout_message(P.ev.model, gpus, P.seq, global_batch, filters))
     considered = n_valid + sum(n for _, _, n, u in rejected if u == "layouts")
     shapes_rejected = sum(n for _, _, n, u in rejected if u == "shapes")
     order = _order(a, mem, t, fits) if n_valid else np.zeros(0, np.int64)
@@ -484,13 +490,16 @@ def _smallest_cluster(P: Planner, gpus: int, max_cluster: int) -> tuple[int | No
                             f"sequence {P.seq}); lower the sequence length or the precision, or use larger GPUs")
     step = max(P.gpn, (hi - lo) // 32)
     cands = [c for c in range(lo + 1, hi) if (c % step == 0 or (lo < P.gpn and c <= P.gpn))]
+    note = f"doubled the GPU count from {gpus:,} to {hi:,}"
+    if cands:
+        note += f", then tried multiples of {step} between {lo:,} and {hi:,}"
     for c in cands:
         if time.perf_counter() - t0 > budget:
             break
         lay = best(c)
         if lay is not None:
-            return c, lay, f"searched {gpus * 2:,}, {gpus * 4:,}, ... GPUs, then multiples of {step} below {hi:,}"
-    return hi, found, f"searched {gpus * 2:,}, {gpus * 4:,}, ... GPUs, then multiples of {step} below {hi:,}"
+            return c, lay, note
+    return hi, found, note
 
 
 # ---------------------------------------------------------------------------------------------
@@ -537,7 +546,8 @@ def render_plan(r: PlanResult, units: str = "GiB", explain: bool = False) -> str
         closest.sort(key=lambda s: s["min_device_used"])
         if closest:
             s = closest[0]
-            lines.append(f"closest on {r.gpus} GPUs: dp={s['dp']} tp={s['tp']} pp={s['pp']} cp={s['cp']} "
+            lines.append(f"closest on {r.gpus} GPU{'s' if r.gpus != 1 else ''}: "
+                         f"dp={s['dp']} tp={s['tp']} pp={s['pp']} cp={s['cp']} "
                          f"zero={s['min_at']['zero']} recompute={s['min_at']['recompute']} "
                          f"micro-batch={s['min_at']['micro_batch']}: {fmt(s['min_device_used'], units)}, "
                          f"{fmt(s['min_device_used'] - r.limit, units)} over")
@@ -571,4 +581,4 @@ def render_plan(r: PlanResult, units: str = "GiB", explain: bool = False) -> str
                              f"{s['min_at']['micro_batch']}) is {fmt(s['min_device_used'] - r.limit, units)} over")
         if len(r.shapes) > 60:
             lines.append(f"  ... {len(r.shapes) - 60} more shapes (--json lists them all)")
-    return "\n".join(lines)
+    return "\n".join(x for ln in lines for x in wrap(ln, indent="    "))  # 100 columns (render.text)

@@ -6,6 +6,7 @@ from typing import Any, Iterable
 
 from ..errors import TrainmemError
 from ..report import CATEGORIES, MemoryReport
+from ..progress import progress
 from ..units import scale
 from ._common import Evaluator, parse_int_list
 
@@ -28,7 +29,7 @@ class SweepCell:
 
     @property
     def fits(self) -> bool | None:
-        """Whether the cell fits the GPU (None without a report or a GPU)."""
+        """Whether the cell fits the GPU within ``max_fraction`` (None without a report or a GPU)."""
         return None if self.report is None else self.report.fits
 
     def categories(self) -> dict[str, int]:
@@ -79,9 +80,10 @@ class SweepResult:
                            "error": c.error or None}
                           for row in self.cells for c in row]}
 
-    def render(self, units: str = "GiB") -> str:
-        """Plain-text grid: a row per sequence length, a column per micro-batch; ``*`` = does not fit."""
-        div, label = scale(units)
+    def render(self, units: str = "auto") -> str:
+        """Plain-text grid: a row per sequence length, a column per micro-batch; ``*`` = does not fit.
+        One unit (``auto``: from the largest cell, ``trainmem.units.pick_unit``)."""
+        div, label = scale(units, max([c.device_used or 0 for row in self.cells for c in row] or [0]) or None)
         head = "seq \\ batch".rjust(11) + "".join(f"{b:>10d}" for b in self.batch_sizes)
         lines = [f"device memory ({label}) of {self.model}" + (f" on {self.gpu}" if self.gpu else "")
                  + (f", limit {self.limit / div:.2f} {label}" if self.limit else "") + "; * = does not fit",
@@ -102,12 +104,22 @@ class SweepResult:
         return "\n".join(lines)
 
 
+def _check_some_valid(cells: list[list[SweepCell]]) -> None:
+    """A grid with no valid cell answers nothing: TrainmemError naming why (the distinct reasons)."""
+    errors = [c.error for row in cells for c in row]
+    if all(errors):
+        reasons = list(dict.fromkeys(errors))
+        more = f" (and {len(reasons) - 2} more reasons)" if len(reasons) > 2 else ""
+        raise TrainmemError(f"every cell is invalid: {'; '.join(reasons[:2])}{more}")
+
+
 def sweep(model: Any, batch_sizes: "str | Iterable[int]" = (1,), seq_lens: "str | Iterable[int]" = (2048,),
           by: str = "estimate", **options: Any) -> SweepResult:
     """Estimate every (micro-batch, sequence length) pair; ``batch_sizes`` and ``seq_lens`` are lists
     or strings such as ``"1,2,4"`` and ``"128:4096:128"``. ``options``: those of ``trainmem.estimate``
     (``model`` may be a ``Resolved``). The inputs are resolved once; each cell replaces the two
-    sizes (``Resolved.replace``) and a cell the setup does not allow is reported as n/a."""
+    sizes (``Resolved.replace``) and a cell the setup does not allow is reported as n/a; when
+    every cell is n/a, TrainmemError says why. A cell fits within ``max_fraction`` of the GPU."""
     bs = parse_int_list(batch_sizes, "--batch-size")
     ss = parse_int_list(seq_lens, "--seq-len")
     if len(bs) * len(ss) > MAX_CELLS:
@@ -116,14 +128,18 @@ def sweep(model: Any, batch_sizes: "str | Iterable[int]" = (1,), seq_lens: "str 
     options.pop("seq_len", None)
     ev = Evaluator(model, by=by, **options)
     cells: list[list[SweepCell]] = []
-    for b in bs:
-        row = []
-        for s in ss:
-            try:
-                row.append(SweepCell(b, s, ev.report(batch_size=b, seq_len=s)))
-            except TrainmemError as e:
-                row.append(SweepCell(b, s, None, str(e)))
-        cells.append(row)
+    # by trace, a bar on stderr (trainmem.progress; the CLI enables it)
+    with progress(len(bs) * len(ss), "sweep --by trace", None if by == "trace" else False) as bar:
+        for b in bs:
+            row = []
+            for s in ss:
+                try:
+                    row.append(SweepCell(b, s, ev.report(batch_size=b, seq_len=s)))
+                except TrainmemError as e:
+                    row.append(SweepCell(b, s, None, str(e)))
+                bar.update(1)
+            cells.append(row)
+    _check_some_valid(cells)
     hw = ev.hardware
     return SweepResult(ev.model.name, None if hw is None else hw.name, None if hw is None else hw.capacity,
                        ev.limit, ev.method if by == "estimate" else "trace", bs, ss, cells)

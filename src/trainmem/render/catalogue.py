@@ -15,12 +15,17 @@ def render_models(rows: list[dict[str, Any]]) -> str:
 
 
 def render_gpus(rows: list[dict[str, Any]]) -> str:
-    """One line per catalogue GPU: exact capacity, assumed context, bf16 throughput."""
-    lines = [f"{'name':16s} {'label':30s} {'capacity (bytes)':>18s} {'GiB':>8s} {'context':>9s} {'bf16 TF/s':>9s}"]
+    """One line per catalogue GPU (exact capacity, assumed context, bf16 throughput), then an
+    indented line with every other name ``--gpu`` accepts for it (aliases, nvidia-smi names)."""
+    lines = [f"{'name':16s} {'label':34s} {'capacity (bytes)':>18s} {'GiB':>7s} {'context':>9s} {'bf16 TF/s':>9s}"]
     for r in rows:
-        lines.append(f"{r['name']:16s} {r['label']:30s} {r['capacity_bytes']:>18,d} "
-                     f"{r['capacity_bytes'] / 2**30:8.2f} {r['context_bytes'] / 2**20:6.0f}MiB "
+        lines.append(f"{r['name']:16s} {r['label'][:34]:34s} {r['capacity_bytes']:>18,d} "
+                     f"{r['capacity_bytes'] / 2**30:7.2f} {r['context_bytes'] / 2**20:6.0f}MiB "
                      f"{r['bf16_tflops']:9.0f}")
-    lines.append("capacity = total memory as NVML/nvidia-smi reports it; context = assumed memory taken before "
-                 "training (override with --context-memory)")
+        if r.get("aliases"):
+            lines.append(f"{'':16s} also: {', '.join(r['aliases'])}")
+    lines += ["capacity: total memory as NVML/nvidia-smi reports it (`trainmem gpus --json`: each one's source)",
+              "context: assumed memory taken before training (override with --context-memory)",
+              "--gpu takes a name, an alias or an nvidia-smi name; a family with several sizes (a100, v100,",
+              "gh200) is ambiguous: name the card; --gpu auto reads the local GPU through NVML"]
     return "\n".join(lines)

@@ -10,8 +10,9 @@ from .suggestions import format_suggestions
 _WORD = {"batch_size": "micro-batch", "seq_len": "sequence length"}
 
 
-def render_fit(r: Any, units: str = "GiB") -> str:
-    """The text `trainmem fit` prints for a :class:`trainmem.plan.FitResult`."""
+def render_fit(r: Any, units: str = "GiB", detail: bool = False) -> str:
+    """The text `trainmem fit` prints for a :class:`trainmem.plan.FitResult` (``detail``: every
+    suggestion, not only those that make it fit)."""
     u = units
     what = "largest micro-batch" if r.search == "batch_size" else f"longest sequence (multiple of {r.step})"
     fixed = f"sequence {r.seq_len}" if r.search == "batch_size" else f"micro-batch {r.batch_size}"
@@ -32,7 +33,6 @@ def render_fit(r: Any, units: str = "GiB") -> str:
         first = 1 if r.search == "batch_size" else r.step
         lines.append(f"NOTHING FITS: {_WORD[r.search]} {first} at {fixed} needs {fmt(r.device_used, u)} "
                      f"({fmt(-r.margin, u)} over)")
-        lines.append("single changes, cheapest first:")
-        lines.append(format_suggestions(r.suggestions, u))
+        lines.append(format_suggestions(r.suggestions, u, detail=detail))
     lines.append(f"  ({r.evaluations} estimates)")
     return "\n".join(lines)

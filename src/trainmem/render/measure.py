@@ -5,83 +5,113 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..units import fmt
+from ..units import fmt, pick_unit, scale
+from .text import free_width, shorten, wrap, wrap_parts
 
 
 def fmt_bytes(n: int | None, units: str) -> str:
-    """Bytes in the unit system, in MiB (MB) below a GiB (GB): measured runs are often small."""
-    if n is None:
-        return "-"
-    if abs(n) < 2**30 and units == "GiB":
-        return f"{n / 2**20:,.2f} MiB"
-    if abs(n) < 10**9 and units == "GB":
-        return f"{n / 10**6:,.2f} MB"
-    return fmt(n, units)
+    """Bytes with their unit label: a fixed unit as it is, ``auto`` the unit that suits the amount
+    (KiB, MiB, GiB, TiB); ``-`` for None."""
+    return "-" if n is None else fmt(n, units)
 
 
-def measure_details(r: Any, units: str = "GiB") -> str:
-    """What a measured report adds to the common table: driver figures and CUDA context per phase,
-    the out-of-memory diagnosis, notes and files written."""
+def _table_unit(units: str, amounts: list[int | None]) -> str:
+    """One unit for a table of ``amounts``: ``units`` when fixed, else chosen from the largest."""
+    return pick_unit(units, max([abs(a) for a in amounts if a is not None] or [0]) or None)
+
+
+def _byte_phases(rows: list[dict[str, Any]]) -> list[str]:
+    """The phases of a small run in exact bytes, with the op at each peak (shortened to fit)."""
+    cells = [(f"{p['step']:>4d}", p["name"], f"{p['allocated']:,d}", f"{p['peak']:,d}",
+              "-" if p["reserved"] is None else f"{p['reserved']:,d}", p.get("where") or "") for p in rows]
+    w = [max([len(h)] + [len(c[i]) for c in cells])
+         for i, h in enumerate(("step", "phase", "allocated", "peak", "reserved", "peak at"))]
+    fixed = w[0] + 2 + w[1] + 1 + w[2] + 1 + w[3] + 1 + w[4] + 2
+    ww = free_width(fixed, w[5], minimum=8)
+    lines = ["", "phases in bytes (exact, with the op at each peak)",
+             f"{'step':>{w[0]}s}  {'phase':{w[1]}s} {'allocated':>{w[2]}s} {'peak':>{w[3]}s} "
+             f"{'reserved':>{w[4]}s}  peak at"]
+    for c in cells:
+        lines.append(f"{c[0]:>{w[0]}s}  {c[1]:{w[1]}s} {c[2]:>{w[2]}s} {c[3]:>{w[3]}s} {c[4]:>{w[4]}s}  "
+                     f"{shorten(c[5], ww, keep='start')}".rstrip())
+    return lines
+
+
+def _driver_phases(rows: list[dict[str, Any]], units: str) -> list[str]:
+    """The driver's view per phase (NVML): allocated, reserved, device and process use, context."""
+    src = next((p.get("driver_source") for p in rows if p.get("driver_source")), "")
+    units = _table_unit(units, [p.get("driver_used") for p in rows] + [p["reserved"] for p in rows])
+    lines = [""] + wrap(f"driver's view per phase ({src}; context = driver − reserved)")
+    wn = max([len("phase")] + [len(p["name"]) for p in rows])
+    lines.append(f"{'step':>4s}  {'phase':{wn}s} {'allocated':>12s} {'reserved':>12s} {'driver used':>12s} "
+                 f"{'this process':>12s} {'context':>12s}")
+    for p in rows:
+        lines.append(f"{p['step']:>4d}  {p['name']:{wn}s} {fmt_bytes(p['allocated'], units):>12s} "
+                     f"{fmt_bytes(p['reserved'], units):>12s} {fmt_bytes(p.get('driver_used'), units):>12s} "
+                     f"{fmt_bytes(p.get('process_used'), units):>12s} "
+                     f"{fmt_bytes(p.get('cuda_context'), units):>12s}")
+    return lines
+
+
+def _oom_lines(r: Any, oom: dict[str, Any], units: str) -> list[str]:
+    """The out-of-memory diagnosis: where, what was live by kind, the largest tensors, what fits."""
+    units = _table_unit(units, [oom.get("allocated"), oom.get("reserved"), (oom.get("fit") or {}).get("limit")])
+    lines = [""] + wrap(f"OUT OF MEMORY in {oom['phase']}: {oom['message']}")
+    lines += wrap(f"  live then: allocated {fmt_bytes(oom.get('allocated'), units)}"
+                  + (f", reserved {fmt_bytes(oom.get('reserved'), units)}" if oom.get("reserved") is not None
+                     else "")
+                  + (f"; the refused allocation {fmt_bytes(oom.get('requested'), units)}"
+                     if oom.get("requested") else ""))
+    for kind, b in sorted((oom.get("by_kind") or {}).items(), key=lambda kv: -kv[1]):
+        lines.append(f"    {shorten(kind, 56):56s} {fmt_bytes(b, units):>14s}")
+    if oom.get("largest"):
+        lines.append("  largest live tensors:")
+        cells = [(fmt_bytes(t["bytes"], units), t.get("category", ""), t.get("dtype", ""),
+                  "x".join(str(x) for x in t.get("shape") or []) or "-",
+                  t.get("name", "") + (f" (allocated in {t['allocated_in']})" if t.get("allocated_in") else ""))
+                 for t in oom["largest"]]
+        w = [max(len(c[i]) for c in cells) for i in range(5)]
+        fixed = 4 + w[0] + 2 + w[1] + 1 + w[2] + 1 + w[3] + 1
+        for c in cells:
+            lines.append(f"    {c[0]:>{w[0]}s}  {c[1]:{w[1]}s} {c[2]:{w[2]}s} {c[3]:{w[3]}s} "
+                         f"{shorten(c[4], free_width(fixed, w[4], minimum=16), keep='start')}".rstrip())
+    fit = oom.get("fit")
+    if fit:
+        if fit.get("batch_size"):
+            text = (f"  what would fit: micro-batch {fit['batch_size']} at sequence {r.training.seq_len} on "
+                    f"{fit.get('on')} (trainmem.plan.fit, {fit.get('method')}: "
+                    f"{fmt_bytes(fit.get('device_used'), units)} of {fmt_bytes(fit.get('limit'), units)})")
+        elif fit.get("note"):
+            text = f"  what would fit: {fit['note']}"
+        else:
+            text = (f"  what would fit: not even micro-batch 1 at sequence {r.training.seq_len} on "
+                    f"{fit.get('on')} (trainmem.plan.fit); try `trainmem estimate ... --gpu` for suggestions")
+        lines += wrap(text, indent=" " * 18)
+    return lines
+
+
+def measure_details(r: Any, units: str = "auto") -> str:
+    """What a measured report adds to the common table: the phases in exact bytes for a run below
+    1 GiB, driver figures and CUDA context per phase, the out-of-memory diagnosis, notes and files
+    written; every line fits 100 columns."""
     ex = r.extra
     lines: list[str] = []
     rows = ex.get("phases") or []
-    if rows and r.peak_allocated < (2**30 if units == "GiB" else 10**9):
-        lines.append("")
-        lines.append("phases in bytes (the table above rounds small runs away)")
-        lines.append(f"{'step':>4s}  {'phase':24s} {'allocated':>16s} {'peak':>16s} {'reserved':>16s}  peak at")
-        for p in rows:
-            res = "-" if p["reserved"] is None else f"{p['reserved']:,d}"
-            lines.append(f"{p['step']:>4d}  {p['name']:24s} {p['allocated']:>16,d} {p['peak']:>16,d} {res:>16s}  "
-                         f"{p.get('where', '')}")
+    if rows and r.peak_allocated < (10**9 if units in ("GB", "MB", "TB", "KB") else 2**30):
+        lines += _byte_phases(rows)
     if any("driver_used" in p for p in rows):
-        src = next((p.get("driver_source") for p in rows if p.get("driver_source")), "")
-        lines.append("")
-        lines.append(f"driver's view per phase ({src}; context = driver − reserved)")
-        lines.append(f"{'step':>4s}  {'phase':24s} {'allocated':>14s} {'reserved':>14s} {'driver used':>14s} "
-                     f"{'this process':>14s} {'context':>14s}")
-        for p in rows:
-            lines.append(f"{p['step']:>4d}  {p['name']:24s} {fmt_bytes(p['allocated'], units):>14s} "
-                         f"{fmt_bytes(p['reserved'], units):>14s} {fmt_bytes(p.get('driver_used'), units):>14s} "
-                         f"{fmt_bytes(p.get('process_used'), units):>14s} "
-                         f"{fmt_bytes(p.get('cuda_context'), units):>14s}")
-    oom = ex.get("oom")
-    if oom:
-        lines.append("")
-        lines.append(f"OUT OF MEMORY in {oom['phase']}: {oom['message']}")
-        lines.append(f"  live then: allocated {fmt_bytes(oom.get('allocated'), units)}"
-                     + (f", reserved {fmt_bytes(oom.get('reserved'), units)}" if oom.get("reserved") is not None
-                        else "")
-                     + (f"; the refused allocation {fmt_bytes(oom.get('requested'), units)}"
-                        if oom.get("requested") else ""))
-        for kind, b in sorted((oom.get("by_kind") or {}).items(), key=lambda kv: -kv[1]):
-            lines.append(f"    {kind:56s} {fmt_bytes(b, units):>14s}")
-        if oom.get("largest"):
-            lines.append("  largest live tensors:")
-            for t in oom["largest"]:
-                shape = "x".join(str(x) for x in t.get("shape") or []) or "-"
-                where = f" (allocated in {t['allocated_in']})" if t.get("allocated_in") else ""
-                lines.append(f"    {fmt_bytes(t['bytes'], units):>14s}  {t.get('category', ''):24s} "
-                             f"{t.get('dtype', ''):9s} {shape:20s} {t.get('name', '')[:60]}{where}")
-        fit = oom.get("fit")
-        if fit:
-            if fit.get("batch_size"):
-                lines.append(f"  what would fit: micro-batch {fit['batch_size']} at sequence "
-                             f"{r.training.seq_len} on {fit.get('on')} (trainmem.plan.fit, {fit.get('method')}: "
-                             f"{fmt_bytes(fit.get('device_used'), units)} of {fmt_bytes(fit.get('limit'), units)})")
-            elif fit.get("note"):
-                lines.append(f"  what would fit: {fit['note']}")
-            else:
-                lines.append(f"  what would fit: not even micro-batch 1 at sequence {r.training.seq_len} on "
-                             f"{fit.get('on')} (trainmem.plan.fit); try `trainmem estimate ... --gpu` for suggestions")
+        lines += _driver_phases(rows, units)
+    if ex.get("oom"):
+        lines += _oom_lines(r, ex["oom"], units)
     for n in ex.get("notes") or []:
-        lines.append(f"note: {n}")
+        lines += wrap(f"note: {n}", indent=" " * 6)
     for f in ex.get("files") or []:
         lines.append(f"written: {f}")
     env = ex.get("environment") or {}
     dev = env.get("gpu") or f"cpu ({env.get('cpu', '')}, {env.get('threads')} threads)"
-    lines.append(f"measured on {dev} · torch {env.get('torch')} · transformers {env.get('transformers')}"
-                 + (f" · CUDA {env.get('cuda')} · driver {env.get('driver')}" if env.get("gpu") else "")
-                 + f" · {ex.get('steps')} step{'' if ex.get('steps') == 1 else 's'} in {ex.get('runtime_s')} s")
+    lines += wrap_parts([f"measured on {dev}", f"torch {env.get('torch')}", f"transformers {env.get('transformers')}"]
+                        + ([f"CUDA {env.get('cuda')}", f"driver {env.get('driver')}"] if env.get("gpu") else [])
+                        + [f"{ex.get('steps')} step{'' if ex.get('steps') == 1 else 's'} in {ex.get('runtime_s')} s"])
     return "\n".join(lines)
 
 
@@ -115,59 +145,72 @@ def _unit(c: Any, units: str, exact: bool) -> tuple[int, str]:
     if exact:
         return 1, "B"
     big = max([abs(v) for d in c.rows for v in d.values if v is not None] or [0])
-    if units == "GB":
-        return (10**9, "GB") if big >= 10**9 else (10**6, "MB")
-    return (2**30, "GiB") if big >= 2**30 else (2**20, "MiB")
+    return scale(units, big or None)
 
 
-def render_comparison(c: Any, units: str = "GiB", exact: bool = False) -> str:
-    """One table per kind (totals, categories, phase allocated / peak / reserved), with the
-    difference of each source against the reference, absolute and relative."""
-    div, label = _unit(c, units, exact)
+_TITLES = {"total": "totals", "category": "at the peak", "phase": "allocated at phase end",
+           "phase_peak": "peak within phase", "phase_reserved": "reserved at phase end"}
+
+
+def _comparison_cells(c: Any, div: int, exact: bool) -> dict[str, list[list[str]]]:
+    """Per kind of row, the cells of the comparison table: name, each source's value, then each
+    other source's difference against the reference, absolute and relative."""
     r = c.ref_index
     others = [i for i in range(len(c.sources)) if i != r]
-    width = 16 if exact else 12
-    m = c.reports[0].model
-    t = c.reports[0].training
-    head = f"trainmem compare — {getattr(m, 'name', '')}"
-    if t is not None:
-        head += (f" · {t.precision} · micro-batch {t.batch_size} × seq {t.seq_len} · {t.optimizer} · "
-                 f"attention {t.attention}")
-    lines = [head, f"sources: {' | '.join(c.sources)} · device {c.device or '-'} · differences against "
-                   f"{c.reference} (Δ = source − {c.reference}) · values in {label}", ""]
 
     def num(v: int | None) -> str:
         if v is None:
             return "-"
         return f"{v:,d}" if exact else f"{v / div:,.3f}"
 
-    def pct(x: float | None) -> str:
-        return "-" if x is None else f"{100 * x:+.3f}%"
-
-    cols = "".join(f" {s:>{width}s}" for s in c.sources)
-    cols += "".join(f" {'Δ ' + c.sources[i]:>{width}s} {'Δ% ' + c.sources[i]:>11s}" for i in others)
-    titles = {"total": "totals", "category": "by category at the peak",
-              "phase": "phases: allocated at the end", "phase_peak": "phases: peak within",
-              "phase_reserved": "phases: reserved at the end"}
-    for kind, title in titles.items():
+    out: dict[str, list[list[str]]] = {}
+    for kind in _TITLES:
         rows = [d for d in c.rows if d.kind == kind]
         if kind == "total":
             rows = [d for d in rows if any(v is not None for v in d.values)]
-        if not rows:
-            continue
-        lines.append(f"{title:28s}{cols}")
-        for d in rows:
-            row = f"{d.name[:28]:28s}" + "".join(f" {num(v):>{width}s}" for v in d.values)
-            row += "".join(f" {num(d.diff(i, r)):>{width}s} {pct(d.rel(i, r)):>11s}" for i in others)
-            lines.append(row)
+        if rows:
+            out[kind] = [[d.name] + [num(v) for v in d.values]
+                         + [x for i in others for x in (num(d.diff(i, r)),
+                                                        "-" if d.rel(i, r) is None else f"{100 * d.rel(i, r):+.3f}%")]
+                         for d in rows]
+    return out
+
+
+def render_comparison(c: Any, units: str = "auto", exact: bool = False) -> str:
+    """One table per kind (totals, categories, phase allocated / peak / reserved), with the
+    difference of each source against the reference, absolute and relative. One unit for all
+    tables (``auto``: from the largest value), columns as wide as their widest cell; the row names
+    are shortened where a row would pass 100 columns (not with ``exact``, whose byte counts are
+    what was asked for)."""
+    div, label = _unit(c, units, exact)
+    others = [i for i in range(len(c.sources)) if i != c.ref_index]
+    m, t = c.reports[0].model, c.reports[0].training
+    head = [f"trainmem compare — {getattr(m, 'name', '')}"]
+    if t is not None:
+        head += [t.precision, f"micro-batch {t.batch_size} × seq {t.seq_len}", t.optimizer, f"attention {t.attention}"]
+    lines = wrap_parts(head) + wrap_parts([f"sources: {' | '.join(c.sources)}", f"device {c.device or '-'}",
+                                           f"differences against {c.reference} (Δ = source − {c.reference})",
+                                           f"values in {label}"]) + [""]
+    cells = _comparison_cells(c, div, exact)
+    heads = list(c.sources) + [x for i in others for x in ("Δ " + c.sources[i], "Δ% " + c.sources[i])]
+    w = [max([len(h)] + [len(row[k + 1]) for rows in cells.values() for row in rows]) for k, h in enumerate(heads)]
+    fixed = sum(x + 2 for x in w)
+    names = max([len(_TITLES[k]) for k in cells] + [len(row[0]) for rows in cells.values() for row in rows])
+    wn = names if exact else free_width(fixed, names, minimum=12)
+    for kind, rows in cells.items():
+        lines.append(f"{shorten(_TITLES[kind], wn, keep='start'):{wn}s}"
+                     + "".join(f"  {h:>{x}s}" for h, x in zip(heads, w)))
+        for row in rows:
+            lines.append(f"{shorten(row[0], wn, keep='start'):{wn}s}"
+                         + "".join(f"  {v:>{x}s}" for v, x in zip(row[1:], w)))
         lines.append("")
     for i in others:
-        w = c.worst_phase_rel(c.sources[i])
-        if w is not None:
-            lines.append(f"{c.sources[i]} vs {c.reference}: largest phase difference {100 * w:.3f}%")
+        wr = c.worst_phase_rel(c.sources[i])
+        if wr is not None:
+            lines.append(f"{c.sources[i]} vs {c.reference}: largest phase difference {100 * wr:.3f}%")
     for n in c.notes:
-        lines.append(f"note: {n}")
+        lines += wrap(f"note: {n}", indent=" " * 6)
     for s, rep in zip(c.sources, c.reports):
-        for w in rep.warnings:
-            lines.append(f"warning ({s}): {w}")
+        for wn_ in rep.warnings:
+            lines += wrap(f"warning ({s}): {wn_}", indent=" " * 6)
     return "\n".join(lines).rstrip()

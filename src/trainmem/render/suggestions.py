@@ -1,4 +1,4 @@
-"""Suggestions (``trainmem.plan.suggest``) as a plain-text table."""
+"""Suggestions (``trainmem.plan.suggest``) as plain text: what makes a setup fit, cheapest first."""
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -6,17 +6,68 @@ from typing import Any, Sequence
 from ..units import fmt
 
 
-def format_suggestions(suggestions: Sequence[Any], units: str = "GiB") -> str:
-    """A plain-text table of suggestions (what `estimate --gpu` and `fit` print when short)."""
-    if not suggestions:
+def _row(i: Any, s: Any, units: str) -> list[str]:
+    """A suggestion as a table row (peak allocated, device memory, margin, fits) and its cost line."""
+    used = s.device_used if s.device_used is not None else s.peak_allocated
+    margin = "-" if s.margin is None else fmt(s.margin, units)
+    fits = "-" if s.fits is None else ("yes" if s.fits else "no")
+    sem = " [changes training]" if s.changes_semantics else ""
+    lines = [f"{str(i):>2s}  {s.title[:48]:48s} {fmt(s.peak_allocated, units):>11s} {fmt(used, units):>11s} "
+             f"{margin:>11s} {fits:>4s}", f"{'':4s}cost: {s.cost}{sem}"]
+    if s.note:
+        lines.append(f"{'':4s}{s.note}")
+    return lines
+
+
+_HEAD = f"{'#':>2s}  {'change':48s} {'peak alloc':>11s} {'device':>11s} {'margin':>11s} {'fits':>4s}"
+
+
+def _combined(c: Any, units: str, alone: bool) -> list[str]:
+    """The ``combined`` suggestion: its parts, one per line, and what they lead to together."""
+    if not c.fits:
+        head = "no single change makes it fit, and even these together do not:"
+    else:
+        head = ("no single change makes it fit; these together do:" if not alone else
+                "cheapest: these changes together fit:")
+    lines = [head]
+    for p in c.parts:
+        lines.append(f"  - {p.title}: {p.cost}{' [changes training]' if p.changes_semantics else ''}")
+    lines.append(f"  => peak allocated {fmt(c.peak_allocated, units)}, device {fmt(c.device_used, units)}, "
+                 f"margin {fmt(c.margin, units)}")
+    return lines
+
+
+def format_suggestions(suggestions: Sequence[Any], units: str = "GiB", detail: bool = False) -> str:
+    """The text `estimate --gpu` and `fit` print when a setup does not fit.
+
+    Without ``detail``: only the changes that make it fit, the cheapest of each family (e.g. the
+    cheapest recompute level that fits), cheapest first; when none fits alone, the ``combined``
+    suggestion. With ``detail`` (or without a GPU, when nothing can be judged): every change that
+    lowers the memory, with what each leads to.
+    """
+    singles = [s for s in suggestions if s.name != "combined"]
+    combined = next((s for s in suggestions if s.name == "combined"), None)
+    if not singles:
         return "no single change lowers the memory of this setup"
-    lines = [f"{'#':>2s}  {'change':52s} {'device':>12s} {'saves':>12s} {'fits':>5s}  cost"]
-    for i, s in enumerate(suggestions, 1):
-        used = s.device_used if s.device_used is not None else s.peak_allocated
-        fits = "-" if s.fits is None else ("yes" if s.fits else "no")
-        sem = " [changes training]" if s.changes_semantics else ""
-        lines.append(f"{i:>2d}  {s.title[:52]:52s} {fmt(used, units):>12s} {fmt(s.saved, units):>12s} {fits:>5s}  "
-                     f"{s.cost}{sem}")
-        if s.note:
-            lines.append(f"{'':4s}{s.note}")
-    return "\n".join(lines)
+    if detail or all(s.fits is None for s in singles):
+        lines = ["every change that lowers the memory, cheapest first (each re-estimated):", _HEAD]
+        for i, s in enumerate(singles, 1):
+            lines += _row(i, s, units)
+        return "\n".join(lines + ([""] + _combined(combined, units, False) if combined else []))
+    shown, families = [], set()
+    for s in singles:
+        if s.fits and s.family not in families:
+            shown.append(s)
+            families.add(s.family)
+    rest = len(singles) - len(shown)
+    more = f"{rest} more change{'s' if rest != 1 else ''} lower the memory" if rest else ""
+    if shown:
+        lines = _combined(combined, units, True) + [""] if combined else []
+        lines += ["single changes that make it fit, cheapest first (each re-estimated):", _HEAD]
+        for i, s in enumerate(shown, 1):
+            lines += _row(i, s, units)
+        if more:
+            lines.append(f"({more}: --detail lists them)")
+        return "\n".join(lines)
+    lines = _combined(combined, units, False) if combined else ["no single change makes it fit"]
+    return "\n".join(lines + [f"({more}, none enough alone: --detail lists them)"])

@@ -4,22 +4,22 @@ from __future__ import annotations
 from typing import Any
 
 from ..report import CATEGORIES, MemoryReport
-from ..units import fmt, scale
+from ..units import UNITS, fmt, fmt_count, number, pick_unit
+from .text import wrap, wrap_parts
 
 
 _DT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int64": "int64", "bool": "bool",
        "uint8": "uint8", "uint64": "uint64"}
 
 
-def _setup_line(r: MemoryReport) -> str:
+def setup_parts(r: MemoryReport) -> list[str]:
+    """The setup line's parts (model and parameter count, framework, precision, shape, optimizer,
+    attention, parallel layout, every other option that differs from its default); empty without
+    a training setup. Parameter counts are scaled (``124.4M``, ``8.03B``): never ``0.00B``."""
     t, m = r.training, r.model
     if t is None or m is None:
-        return ""
-    par = []
-    for k in ("dp", "tp", "pp", "cp"):
-        v = getattr(t, k)
-        if v > 1:
-            par.append(f"{k}={v}")
+        return []
+    par = [f"{k}={getattr(t, k)}" for k in ("dp", "tp", "pp", "cp") if getattr(t, k) > 1]
     if t.zero_stage:
         par.append(f"zero={t.zero_stage}" if t.fsdp is None else f"fsdp={t.fsdp}")
     extras = [f"recompute={t.recompute}"] if t.recompute != "none" else []
@@ -31,13 +31,16 @@ def _setup_line(r: MemoryReport) -> str:
     stage = r.extra.get("pipeline_stage")
     if stage:
         extras.append(f"{stage} pipeline stage shown")
+    parts = [f"{m.name} ({fmt_count(m.num_params)} params)"]
     fw = (t.extra or {}).get("framework")
     if fw:  # the preset first: the options after it are what it (and the user) set
         version = t.extra.get("framework_version")
-        fw = f" · framework {fw}" + (f" {version}" if version else "")
-    return (f"{m.name} ({m.num_params / 1e9:.2f}B params){fw or ''} · {t.precision} · micro-batch {t.batch_size} × "
-            f"seq {t.seq_len} · grad-accum {t.grad_accum} · {t.optimizer} · attention {t.attention}"
-            + (" · " + " ".join(par) if par else "") + (" · " + " · ".join(extras) if extras else ""))
+        parts.append(f"framework {fw}" + (f" {version}" if version else ""))
+    parts += [t.precision, f"micro-batch {t.batch_size} × seq {t.seq_len}", f"grad-accum {t.grad_accum}",
+              t.optimizer, f"attention {t.attention}"]
+    if par:
+        parts.append(" ".join(par))
+    return parts + extras
 
 
 _SHOWN = {"batch_size", "seq_len", "grad_accum", "precision", "optimizer", "attention", "dp", "tp", "pp", "cp",
@@ -64,18 +67,23 @@ def _other_options(t: Any) -> list[str]:
     return out
 
 
-def render_report(r: MemoryReport, units: str = "GiB", detail: bool = False) -> str:
-    """The default view: components by category (or each component with ``detail``), the peak,
-    device memory and fit, then the phases of the step."""
-    div, label = scale(units)
-    lines = [f"trainmem {r.source} — method {r.method or r.source}", _setup_line(r), ""]
-    lines.append(f"{'component at the peak':44s} {'dtype':>6s} {label:>10s} {'share':>6s}")
+def report_unit(r: MemoryReport, units: str = "auto") -> str:
+    """The one unit a report's table is printed in: ``units`` when fixed, else chosen from the
+    largest amount the table shows (peak allocated, peak reserved, device memory)."""
+    big = max([v for v in (r.peak_allocated, r.peak_reserved, r.device_used) if v is not None] or [0])
+    return pick_unit(units, big or None)
+
+
+def _component_rows(r: MemoryReport, unit: str, detail: bool) -> list[str]:
+    """The components at the peak, by category (each component with ``detail``), in ``unit``;
+    every column as wide as its widest cell, numbers right-aligned."""
+    div = UNITS[unit]
     total = sum(c.bytes for c in r.components) or 1
     if detail:
-        rows = [(c.name, c.dtype or "", c.bytes) for c in r.components]
+        rows = [(c.name, _DT.get(c.dtype or "", c.dtype or ""), c.bytes) for c in r.components]
     else:
-        by = {}
-        dt = {}
+        by: dict[str, int] = {}
+        dt: dict[str, set] = {}
         for c in r.components:
             by[c.category] = by.get(c.category, 0) + c.bytes
             dt.setdefault(c.category, set()).add(c.dtype or "")
@@ -84,34 +92,62 @@ def render_report(r: MemoryReport, units: str = "GiB", detail: bool = False) -> 
             if k in by:
                 names = sorted({_DT.get(x, x) for x in dt[k] if x})
                 rows.append((k, "/".join(names) if len(names) <= 2 else "mixed", by[k]))
-    for name, dtype, b in rows:
-        lines.append(f"{name:44s} {dtype:>6s} {b / div:10.2f} {100 * b / total:5.1f}%")
-    lines.append("")
-    lines.append(f"{'peak allocated':30s} {fmt(r.peak_allocated, units):>14s}   at {r.peak_phase}"
-                 + (f" ({r.peak_where})" if r.peak_where else ""))
+    head = "component at the peak"
+    wn = max([len(head)] + [len(n) for n, _, _ in rows])
+    wd = max([len("dtype")] + [len(d) for _, d, _ in rows])
+    vals = [number(b, div) for _, _, b in rows]
+    wv = max([len(unit), 8] + [len(v) for v in vals])
+    lines = [f"{head:{wn}s}  {'dtype':>{wd}s}  {unit:>{wv}s}  {'share':>6s}"]
+    for (name, dtype, b), v in zip(rows, vals):
+        lines.append(f"{name:{wn}s}  {dtype:>{wd}s}  {v:>{wv}s}  {100 * b / total:5.1f}%")
+    return lines
+
+
+def _summary_rows(r: MemoryReport, unit: str) -> list[str]:
+    """Peak allocated / reserved, device memory and the fit verdict, the amounts right-aligned."""
+    lines = wrap(f"{'peak allocated':30s} {fmt(r.peak_allocated, unit):>14s}   at {r.peak_phase}"
+                 + (f" ({r.peak_where})" if r.peak_where else ""), indent=" " * 48)
     if r.peak_reserved is not None:
-        lines.append(f"{'peak reserved':30s} {fmt(r.peak_reserved, units):>14s}")
+        lines.append(f"{'peak reserved':30s} {fmt(r.peak_reserved, unit):>14s}")
     if r.device_used is not None:
-        lines.append(f"{'device memory (reserved+ctx)':30s} {fmt(r.device_used, units):>14s}")
+        lines.append(f"{'device memory (reserved+ctx)':30s} {fmt(r.device_used, unit):>14s}")
     if r.capacity is not None:
-        hw = r.hardware
-        name = getattr(hw, "name", "GPU")
-        cap = fmt(r.capacity, units)
+        name = getattr(r.hardware, "name", "GPU")
         limit = "" if r.max_fraction >= 1 else f" × {r.max_fraction:g}"
         verdict = "FITS" if r.fits else "DOES NOT FIT"
         m = r.margin
-        lines.append(f"{'GPU ' + name:30s} {cap:>14s}{limit}   {verdict}: "
-                     f"{fmt(abs(m), units)} {'free' if m >= 0 else 'short'}")
+        lines += wrap(f"{'GPU ' + name:30s} {fmt(r.capacity, unit):>14s}{limit}   {verdict}: "
+                      f"{fmt(abs(m), unit)} {'free' if m >= 0 else 'short'}", indent=" " * 48)
     for w in r.warnings:
-        lines.append(f"warning: {w}")
-    if r.phases:
-        lines.append("")
-        lines.append(f"{'step':>4s}  {'phase':24s} {'allocated':>12s} {'peak':>12s}" +
-                     (f" {'reserved':>12s}" if any(p.reserved is not None for p in r.phases) else ""))
-        for p in r.phases:
-            row = f"{p.step:>4d}  {p.name:24s} {p.allocated / div:12.2f} {p.peak / div:12.2f}"
-            if p.reserved is not None:
-                row += f" {p.reserved / div:12.2f}"
-            lines.append(row)
-        lines.append(f"      (values in {label})")
-    return "\n".join(x for x in lines if x is not None)
+        lines += wrap(f"warning: {w}", indent=" " * 9)
+    return lines
+
+
+def _phase_rows(r: MemoryReport, unit: str) -> list[str]:
+    """The phases of the step (allocated at the end, peak within, reserved where known) in ``unit``."""
+    if not r.phases:
+        return []
+    div = UNITS[unit]
+    res = any(p.reserved is not None for p in r.phases)
+    lines = ["", f"{'step':>4s}  {'phase':24s} {'allocated':>12s} {'peak':>12s}" + (f" {'reserved':>12s}" if res else "")]
+    for p in r.phases:
+        row = f"{p.step:>4d}  {p.name[:24]:24s} {number(p.allocated, div):>12s} {number(p.peak, div):>12s}"
+        if res:
+            row += f" {'-' if p.reserved is None else number(p.reserved, div):>12s}"
+        lines.append(row)
+    lines.append(f"      (values in {unit})")
+    return lines
+
+
+def render_report(r: MemoryReport, units: str = "auto", detail: bool = False) -> str:
+    """The default view: components by category (or each component with ``detail``), the peak,
+    device memory and fit, then the phases of the step. One unit for the whole table
+    (:func:`report_unit`), always labelled; every line fits 100 columns without ``detail``
+    (the setup line and long messages wrap, continuation lines indented)."""
+    unit = report_unit(r, units)
+    lines = [f"trainmem {r.source} — method {r.method or r.source}", *wrap_parts(setup_parts(r)), ""]
+    lines += _component_rows(r, unit, detail)
+    lines.append("")
+    lines += _summary_rows(r, unit)
+    lines += _phase_rows(r, unit)
+    return "\n".join(lines)

@@ -3,18 +3,29 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..units import scale
+from ..units import number, scale
+from .text import WIDTH, free_width, shorten
 
 
-def largest_tensors(rows: list[dict[str, Any]], units: str = "GiB", top: int = 10) -> str:
+def largest_tensors(rows: list[dict[str, Any]], units: str = "auto", top: int = 10, detail: bool = False) -> str:
     """The ``top`` largest live tensors at the peak (a trace report's ``extra["largest_tensors"]``);
-    empty when there are none."""
+    empty when there are none. One unit for the table (``auto``: from the largest tensor); each
+    column as wide as its widest cell; without ``detail`` the module column is shortened (its
+    tail kept) so that every line fits 100 columns."""
     if not rows:
         return ""
-    div, label = scale(units)
-    lines = [f"largest live tensors at the peak ({label})"]
-    for row in rows[:top]:
-        shape = "x".join(str(x) for x in row["shape"])
-        lines.append(f"  {row['block'] / div:9.3f}  {row['category']:16s} {row['dtype']:9s} {shape:22s} "
-                     f"{row['module'][:40]:40s} {row['op']}")
+    rows = rows[:top]
+    div, label = scale(units, max(row["block"] for row in rows))
+    cells = [(number(row["block"], div, 3), row["category"], row["dtype"], "x".join(str(x) for x in row["shape"]),
+              row.get("module") or "-", row.get("op") or "") for row in rows]
+    heads = ("size", "category", "dtype", "shape", "module", "op")
+    w = [max([len(heads[i])] + [len(c[i]) for c in cells]) for i in range(6)]
+    prefix = 2 + w[0] + 2 + w[1] + 1 + w[2] + 1 + w[3] + 1
+    wm = w[4] if detail else free_width(prefix + 1 + w[5], w[4], minimum=16, width=WIDTH)
+    lines = [f"largest live tensors at the peak ({label})",
+             f"  {label:>{w[0]}s}  {'category':{w[1]}s} {'dtype':{w[2]}s} {'shape':{w[3]}s} {'module':{wm}s} op"]
+    for size, cat, dtype, shape, module, op in cells:
+        op = op if detail else shorten(op, max(8, WIDTH - prefix - wm - 1), keep="start")
+        lines.append(f"  {size:>{w[0]}s}  {cat:{w[1]}s} {dtype:{w[2]}s} {shape:{w[3]}s} "
+                     f"{shorten(module, wm) if not detail else module:{wm}s} {op}".rstrip())
     return "\n".join(lines)

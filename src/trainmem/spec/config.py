@@ -1,8 +1,14 @@
 """Build a ModelSpec from a Hugging Face config: catalogue name, config.json, model directory or hub id."""
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import inspect
 import json
+import math
 import os
+import re
+import sys
 from functools import lru_cache
 from importlib import resources
 from typing import Any, Mapping
@@ -34,7 +40,9 @@ def load_config(model: str) -> tuple[str, dict[str, Any]]:
     """Resolve ``model`` to (display name, raw config dict).
 
     Order: bundled catalogue name, path to a config.json, model directory with a config.json,
-    Hugging Face hub id (needs huggingface_hub and network).
+    Hugging Face hub id (``hub_config``: the local hub cache, a catalogue entry of the same name,
+    then the network). Something written as a path (``./x``, ``~/x``, ``/x``, ``a/b/c``,
+    ``x.json``) that does not exist is "no such file or directory", never a hub lookup.
     """
     if not isinstance(model, str) or not model.strip():
         raise TrainmemError("MODEL is empty: give a catalogue name (see `trainmem models`), a config.json "
@@ -42,17 +50,94 @@ def load_config(model: str) -> tuple[str, dict[str, Any]]:
     key = model.strip()
     if key.lower() in _catalogue_files():
         return key.lower(), json.loads(_catalogue_config(key.lower()))
-    if os.path.isdir(key):
-        path = os.path.join(key, "config.json")
-        if not os.path.isfile(path):
+    path = os.path.expanduser(key)
+    if os.path.isdir(path):
+        cfg_path = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_path):
             raise TrainmemError(f"model directory {key!r} has no config.json")
-        return os.path.basename(os.path.normpath(key)), _read_json(path)
-    if os.path.isfile(key):
-        return os.path.splitext(os.path.basename(key))[0], _read_json(key)
-    if "/" in key and not key.startswith((".", "/")) and key.count("/") == 1:
-        return key, _from_hub(key)
-    raise TrainmemError(f"unknown model {model!r}: not a catalogue name (see `trainmem models`), "
+        return os.path.basename(os.path.normpath(path)), _read_json(cfg_path)
+    if os.path.isfile(path):
+        return os.path.splitext(os.path.basename(path))[0], _read_json(path)
+    if _HUB_ID.fullmatch(key) and not key.lower().endswith(".json"):
+        return key, hub_config(key)
+    if key.startswith((".", "/", "~")) or "/" in key or os.sep in key or key.lower().endswith(".json"):
+        raise TrainmemError(f"no such file or directory: {key}")
+    close = difflib.get_close_matches(key.lower(), catalogue_names(), n=1)
+    hint = f"did you mean {close[0]}? " if close else ""
+    raise TrainmemError(f"unknown model {model!r}: {hint}not a catalogue name (see `trainmem models`), "
                         f"not a file or directory, not a hub id (owner/name)")
+
+
+# a hub repo id: owner/name, letters, digits, '-', '_', '.' (huggingface_hub validate_repo_id)
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def hf_cache_dir() -> str:
+    """The Hugging Face hub cache folder, as huggingface_hub/constants.py finds it: HF_HUB_CACHE,
+    else HUGGINGFACE_HUB_CACHE, else $HF_HOME/hub, else $XDG_CACHE_HOME/huggingface/hub, else
+    ~/.cache/huggingface/hub. Read at each call (huggingface_hub reads it once, at import)."""
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            return os.path.expanduser(os.path.expandvars(os.environ[var]))
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface")
+    return os.path.join(os.path.expanduser(os.path.expandvars(home)), "hub")
+
+
+def cached_hub_file(repo_id: str, filename: str = "config.json") -> str | None:
+    """``filename`` of hub model ``repo_id`` in the local cache, or None. Layout (huggingface_hub,
+    "Understand caching", https://huggingface.co/docs/huggingface_hub/guides/manage-cache):
+    ``models--OWNER--NAME/refs/main`` holds the commit whose ``snapshots/COMMIT/`` has the files;
+    without that ref, the newest snapshot that has the file."""
+    repo = os.path.join(hf_cache_dir(), "models--" + repo_id.replace("/", "--"))
+    snapshots = os.path.join(repo, "snapshots")
+    try:
+        with open(os.path.join(repo, "refs", "main"), encoding="utf-8") as f:
+            path = os.path.join(snapshots, f.read().strip(), filename)
+        if os.path.isfile(path):
+            return path
+    except OSError:
+        pass
+    try:
+        found = [os.path.join(snapshots, d, filename) for d in os.listdir(snapshots)]
+    except OSError:
+        return None
+    found = [p for p in found if os.path.isfile(p)]
+    return max(found, key=os.path.getmtime) if found else None
+
+
+def hub_config(repo_id: str) -> dict[str, Any]:
+    """The config of hub model ``repo_id``, without the network when it can: the local hub cache
+    first (offline, no HF_HUB_OFFLINE needed); else, when the repo's name is a catalogue name
+    (``meta-llama/Llama-3.1-8B`` -> ``llama-3.1-8b``), the bundled copy, with a note saying so
+    (reports carry it as a warning: ``model_notes``); else huggingface_hub's download."""
+    path = cached_hub_file(repo_id)
+    if path is not None:
+        return _read_json(path)
+    name = repo_id.split("/", 1)[1].lower()
+    if name in _catalogue_files():
+        cfg = json.loads(_catalogue_config(name))
+        extra = dict(cfg.get("_trainmem") or {})
+        extra["notes"] = list(extra.get("notes", ())) + [
+            f"{repo_id}: using the bundled catalogue entry {name} (the hub's config.json is not in the local "
+            f"cache {hf_cache_dir()}; pass a local config.json to use another)"]
+        cfg["_trainmem"] = extra
+        return cfg
+    return _from_hub(repo_id)
+
+
+def model_notes(model: ModelSpec) -> list[str]:
+    """How the model's config was found, one line each, for the report's warnings (e.g. a hub id
+    answered by the bundled catalogue entry): ``_trainmem.notes`` of its config."""
+    extra = model.config.get("_trainmem") if isinstance(model.config, Mapping) else None
+    notes = extra.get("notes", ()) if isinstance(extra, Mapping) else ()
+    return [str(n) for n in notes] if isinstance(notes, (list, tuple)) else []
+
+
+def input_notes(model: ModelSpec | None, hardware: Any = None) -> list[str]:
+    """How the inputs were read, for a report's warnings: ``model_notes`` of the model, then the
+    GPU's ``Hardware.notes`` (a size without a unit, a GPU ``--gpu auto`` did not find)."""
+    return (model_notes(model) if model is not None else []) + list(getattr(hardware, "notes", ()) or ())
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -104,26 +189,143 @@ def _from_hub(repo_id: str) -> dict[str, Any]:
 
 
 # ----- overrides ---------------------------------------------------------------------------
+@lru_cache(maxsize=1)
+def _bundled_fields() -> dict[str, Any]:
+    return json.loads(resources.files("trainmem.spec").joinpath("config_fields.json").read_text())
+
+
+def config_schema(model_type: str, source: str = "auto") -> tuple[frozenset[str], dict[str, str]]:
+    """(standard field names, attribute_map) of ``model_type``'s transformers config class.
+
+    ``attribute_map`` maps a standard name to the one the class stores (GPT2Config: ``num_hidden_layers``
+    -> ``n_layer``; transformers/models/gpt2/configuration_gpt2.py ``attribute_map``). ``source``:
+    ``transformers`` reads the class (its dataclass fields and ``__init__`` parameters),
+    ``bundled`` the table ``config_fields.json`` made from it, ``auto`` the class when transformers
+    is already imported (importing it imports torch, seconds), else the table. Fields common to
+    every config (``PretrainedConfig``'s) are included; an unknown model_type has none."""
+    table = _bundled_fields()
+    base = frozenset(table["base"])
+    use = source if source != "auto" else ("transformers" if "transformers" in sys.modules else "bundled")
+    if use == "transformers":
+        try:
+            from transformers import CONFIG_MAPPING
+            cls = CONFIG_MAPPING[model_type]
+        except (ImportError, KeyError):
+            cls = None
+        if cls is not None:
+            names = set(inspect.signature(cls.__init__).parameters) - {"self", "args", "kwargs"}
+            if dataclasses.is_dataclass(cls):
+                names |= {f.name for f in dataclasses.fields(cls)}
+            return frozenset(names) | base, dict(getattr(cls, "attribute_map", {}) or {})
+    fam = table["families"].get(model_type, {})
+    return frozenset(fam.get("fields", ())) | base, dict(fam.get("attribute_map", {}))
+
+
+def _parse_items(overrides: Mapping[str, Any] | list[str]) -> list[tuple[str, Any, str | None]]:
+    """(key, value, text) of each override: ``--set`` text parsed as JSON when it parses (else the
+    text itself); a Mapping's values as given (text None)."""
+    if isinstance(overrides, Mapping):
+        return [(str(k).strip(), v, None) for k, v in overrides.items()]
+    if isinstance(overrides, str):
+        overrides = [overrides]
+    items = []
+    for item in overrides:
+        if not isinstance(item, str) or "=" not in item or not item.split("=", 1)[0].strip():
+            raise TrainmemError(f"--set {item!r}: write key=value, e.g. --set num_hidden_layers=4")
+        k, v = item.split("=", 1)
+        try:
+            val: Any = json.loads(v)
+        except json.JSONDecodeError:
+            val = v
+        items.append((k.strip(), val, v))
+    return items
+
+
+# fields spec_from_config reads as flags; a config may leave them out (their default applies)
+_BOOL_FIELDS = frozenset({"tie_word_embeddings", "attention_bias", "mlp_bias", "bias"})
+
+
+def _typed(key: str, value: Any, text: str | None, current: Any, model: str) -> Any:
+    """``value`` checked against the type of the config's ``current`` value: an int stays an int
+    (2.0 is 2; 2.5 or abc is an error), a float takes any finite number, a bool true or false, a
+    string any text, a list or object the same JSON type. No current value: a flag trainmem reads
+    (``_BOOL_FIELDS``) must be true or false; anything else is taken as given (``spec_from_config``
+    checks what it reads)."""
+    shown = text if text is not None else json.dumps(value) if _jsonable(value) else repr(value)
+    def fail(expected: str) -> TrainmemError:
+        has = f" ({model} has {json.dumps(given)})" if given is not None else ""
+        return TrainmemError(f"--set {key}={shown}: {key} must be {expected}{has}")
+    given = current
+    if current is None and key in _BOOL_FIELDS:
+        current = False  # read as a flag by spec_from_config: only true or false make sense
+    if current is None:
+        return value
+    if isinstance(current, bool):
+        if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+            return value.strip().lower() == "true"
+        if isinstance(value, bool):
+            return value
+        raise fail("true or false")
+    if isinstance(current, int):
+        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+            return int(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise fail("an integer")
+    if isinstance(current, float):
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+        raise fail("a finite number")
+    if isinstance(current, str):
+        if isinstance(value, str):
+            return value
+        if text is not None:
+            return text  # e.g. --set hidden_act=1: the text as written
+        raise fail("a string")
+    if isinstance(current, (list, dict)) and not isinstance(value, type(current)):
+        raise fail("a JSON " + ("list" if isinstance(current, list) else "object"))
+    return value
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
 def apply_overrides(config: dict[str, Any], overrides: Mapping[str, Any] | list[str] | None) -> dict[str, Any]:
-    """Apply ``--set key=value`` overrides (values parsed as JSON when they parse, else strings)."""
+    """Apply ``--set key=value`` overrides (values parsed as JSON when they parse, else strings).
+
+    A key is known when the config has it or it is a standard field of the model's transformers
+    config class (``config_schema``); a standard name the class stores under another name
+    (``attribute_map``: GPT-2's ``num_hidden_layers`` is ``n_layer``) sets the stored one, and
+    every spelling the config holds. An unknown key is an error naming the closest known key (a
+    config without ``model_type`` has no schema: any key goes); a value is checked against the
+    type of the one it replaces (``_typed``)."""
     if not overrides:
         return config
     out = dict(config)
-    items: list[tuple[str, Any]] = []
-    if isinstance(overrides, Mapping):
-        items = list(overrides.items())
-    else:
-        for item in overrides:
-            if "=" not in item or not item.split("=", 1)[0].strip():
-                raise TrainmemError(f"--set {item!r}: write key=value, e.g. --set num_hidden_layers=4")
-            k, v = item.split("=", 1)
-            try:
-                val: Any = json.loads(v)
-            except json.JSONDecodeError:
-                val = v
-            items.append((k.strip(), val))
-    for k, v in items:
-        out[k] = v
+    mtype = str(config.get("model_type") or "")
+    fields, amap = config_schema(mtype)
+    reverse: dict[str, list[str]] = {}
+    for alias, stored in amap.items():
+        reverse.setdefault(stored, []).append(alias)
+    known = set(config) | fields | set(amap) | set(amap.values())
+    for key, value, text in _parse_items(overrides):
+        if key not in known and mtype:  # without a model_type there is no schema (spec_from_config says so)
+            close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+            hint = (f"did you mean {close[0]}?" if close else
+                    f"the nearest known field is {difflib.get_close_matches(key, sorted(known), n=1, cutoff=0)[0]} "
+                    f"(the model's config.json lists its fields)")
+            raise TrainmemError(f"--set {key}: the {mtype} config has no field {key!r}; {hint}")
+        stored = amap.get(key, key)
+        spellings = [k for k in dict.fromkeys([stored, key] + reverse.get(stored, [])) if k in out] or [stored]
+        current = next((out[k] for k in spellings if out.get(k) is not None), None)
+        typed = _typed(key, value, text, current, "the config")
+        for k in spellings:
+            out[k] = typed
     return out
 
 

@@ -1,14 +1,17 @@
 """Hardware: one GPU's capacity (exact bytes) and the memory taken before training starts."""
 from __future__ import annotations
 
+import difflib
 import json
-from dataclasses import dataclass, asdict
+import os
+import re
+from dataclasses import dataclass, asdict, field
 from functools import lru_cache
 from importlib import resources
 from typing import Any
 
 from ..errors import TrainmemError
-from ..units import MiB, parse_bytes
+from ..units import MiB, is_bare_number, parse_bytes
 
 
 # cuBLAS workspace per handle with PyTorch's default CUBLAS_WORKSPACE_CONFIG ":4096:2:16:8"
@@ -21,7 +24,9 @@ CUBLAS_WORKSPACE = 4096 * 1024 * 2 + 16 * 1024 * 8
 @dataclass(frozen=True)
 class Hardware:
     """A GPU. ``capacity`` is total device memory in bytes as NVML reports it; ``context`` the
-    bytes taken before the first tensor (CUDA context, driver, other processes)."""
+    bytes taken before the first tensor (CUDA context, driver, other processes). ``notes``: how
+    the inputs were read (a size without a unit, a GPU ``--gpu auto`` did not find in the
+    catalogue), one line each; reports carry them as warnings. They take no part in equality."""
 
     name: str
     capacity: int
@@ -30,6 +35,7 @@ class Hardware:
     bandwidth_gbs: float = 0.0
     bf16_tflops: float = 0.0
     interconnect_gbs: float = 0.0
+    notes: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         if self.capacity <= 0:
@@ -41,8 +47,10 @@ class Hardware:
                                 f"its {self.capacity} B")
 
     def to_dict(self) -> dict[str, Any]:
-        """The GPU's fields as a dict (JSON-ready)."""
-        return asdict(self)
+        """The GPU's fields as a dict (JSON-ready: ``notes`` a list)."""
+        d = asdict(self)
+        d["notes"] = list(self.notes)
+        return d
 
 
 @lru_cache(maxsize=1)
@@ -55,49 +63,175 @@ def catalogue() -> dict[str, dict[str, Any]]:
 
 _catalogue = catalogue  # the former private name, kept for callers not yet moved to catalogue()
 
+# words nvidia-smi, NVML, torch and rocm-smi put before the model name ("NVIDIA GeForce RTX 4090",
+# "Tesla V100-SXM2-32GB", "AMD Instinct MI300X"); dropped when names are compared
+_VENDOR_WORDS = ("nvidia", "tesla", "geforce", "amd", "instinct")
+
 
 def gpu_names() -> list[str]:
     """The catalogue's GPU names."""
     return list(catalogue())
 
 
+def normalize_gpu_name(name: str) -> str:
+    """A GPU name in the form the catalogue compares: lower case, words joined by '-', the vendor
+    words (NVIDIA, Tesla, GeForce, AMD, Instinct) dropped, a size written as ``80gb`` ("80 GB",
+    "80G", "80GiB"). ``NVIDIA A100-SXM4-80GB`` -> ``a100-sxm4-80gb``; ``NVIDIA GeForce RTX 4090`` -> ``rtx-4090``."""
+    s = re.sub(r"(?<![a-z0-9])(\d+)\s*-?\s*g(?:i?b)?\b", r"\1gb", str(name).strip().lower())
+    words = [w for w in re.split(r"[^a-z0-9]+", s) if w]
+    while words and words[0] in _VENDOR_WORDS:
+        words.pop(0)
+    return "-".join(words)
+
+
+def gpu_aliases(key: str) -> list[str]:
+    """Every other name catalogue GPU ``key`` answers to: its aliases, then its device names as
+    nvidia-smi / NVML / rocm-smi print them."""
+    v = catalogue()[key]
+    return list(v.get("aliases", ())) + list(v.get("nvidia_smi", ()))
+
+
+@lru_cache(maxsize=1)
+def _name_index() -> dict[str, str]:
+    """Normalized name (key, alias or device name; also without dashes) -> catalogue key."""
+    index: dict[str, str] = {}
+    for key in catalogue():
+        for n in [key] + gpu_aliases(key):
+            norm = normalize_gpu_name(n)
+            for form in (norm, norm.replace("-", "")):
+                if index.setdefault(form, key) != key:
+                    raise TrainmemError(f"gpus.json: the name {n!r} belongs to {index[form]!r} and {key!r}")
+    return index
+
+
+def match_gpu(name: str) -> str | None:
+    """The catalogue key that ``name`` names exactly (key, alias or nvidia-smi name, compared
+    normalized), else None."""
+    norm = normalize_gpu_name(name)
+    index = _name_index()
+    return index.get(norm) or index.get(norm.replace("-", ""))
+
+
 def _lookup(name: str) -> tuple[str, dict[str, Any]]:
-    """The catalogue key and entry of a GPU name or alias (case-insensitive; '_' and ' ' read as '-')."""
-    key = name.strip().lower().replace("_", "-").replace(" ", "-")
+    """The catalogue key and entry of a GPU name. An exact name (key, alias, nvidia-smi name)
+    wins; a name that begins several entries' names (``a100``: 40 and 80 GB, SXM and PCIe) is
+    ambiguous and lists them; an unknown name gets the closest names."""
     cat = catalogue()
-    if key in cat:
+    key = match_gpu(name)
+    if key is not None:
         return key, cat[key]
-    for k, v in cat.items():
-        if key in v.get("aliases", ()):
-            return k, v
-    raise TrainmemError(f"unknown GPU {name!r}: see `trainmem gpus` for the catalogue, "
+    norm = normalize_gpu_name(name)
+    words = norm.split("-")
+    family = [k for k in cat if norm and any(normalize_gpu_name(n).split("-")[:len(words)] == words
+                                             for n in [k] + gpu_aliases(k))]
+    if len(family) == 1:
+        return family[0], cat[family[0]]
+    if family:
+        listed = ", ".join(f"{k} ({cat[k]['memory_mib'] / 1024:.0f} GiB)" for k in family)
+        raise TrainmemError(f"GPU {name!r} is ambiguous: {listed}; name one of them (`trainmem gpus` lists all)")
+    close = difflib.get_close_matches(norm, sorted(_name_index()), n=3, cutoff=0.6)
+    hint = f"did you mean {', '.join(dict.fromkeys(_name_index()[c] for c in close))}? " if close else ""
+    raise TrainmemError(f"unknown GPU {name!r}: {hint}see `trainmem gpus` for the catalogue, "
                         f"or give --gpu-memory SIZE (e.g. 40GiB)")
+
+
+def _visible_handle(nvml: Any) -> Any:
+    """NVML's handle of the device CUDA numbers 0: the first entry of CUDA_VISIBLE_DEVICES (an
+    index or a GPU-UUID), else index 0. NVML numbers devices by PCI bus; CUDA does too when
+    CUDA_DEVICE_ORDER=PCI_BUS_ID (CUDA C Programming Guide, "CUDA Environment Variables")."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    first = "0" if visible is None else visible.split(",")[0].strip()
+    if first.startswith("GPU-"):
+        return nvml.nvmlDeviceGetHandleByUUID(first)
+    if first.startswith("MIG-"):
+        raise TrainmemError(f"--gpu auto: CUDA_VISIBLE_DEVICES={visible!r} selects a MIG instance, whose memory "
+                            f"NVML does not give as a device's; give --gpu-memory SIZE")
+    if not first.isdigit():
+        raise TrainmemError(f"--gpu auto: CUDA_VISIBLE_DEVICES={visible!r} hides every GPU; unset it, or give "
+                            f"--gpu NAME or --gpu-memory SIZE")
+    count = int(nvml.nvmlDeviceGetCount())
+    if int(first) >= count:
+        raise TrainmemError(f"--gpu auto: NVML sees {count} GPU(s), none numbered {first}; give --gpu NAME or "
+                            f"--gpu-memory SIZE")
+    return nvml.nvmlDeviceGetHandleByIndex(int(first))
+
+
+def detect_gpu() -> tuple[str, int]:
+    """(device name, total memory in bytes) of the local GPU CUDA numbers 0, read through NVML
+    (``pynvml`` from nvidia-ml-py: nvmlDeviceGetName, nvmlDeviceGetMemoryInfo(...).total, the
+    figure nvidia-smi shows). One-line TrainmemError without NVML, a driver or a GPU."""
+    try:
+        import pynvml
+    except ImportError:
+        raise TrainmemError("--gpu auto reads the GPU through NVML, which is not installed (pip install "
+                            "nvidia-ml-py); give --gpu NAME or --gpu-memory SIZE") from None
+    try:
+        pynvml.nvmlInit()
+    except Exception as e:  # NVMLError_LibraryNotFound, _DriverNotLoaded, ...: no NVIDIA driver here
+        raise TrainmemError(f"--gpu auto: NVML did not start ({str(e) or type(e).__name__}): no NVIDIA GPU or "
+                            f"driver here; give --gpu NAME or --gpu-memory SIZE") from None
+    try:
+        handle = _visible_handle(pynvml)
+        name = pynvml.nvmlDeviceGetName(handle)
+        total = int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
+    except TrainmemError:
+        raise
+    except Exception as e:
+        raise TrainmemError(f"--gpu auto: NVML could not read the GPU ({str(e) or type(e).__name__}); give "
+                            f"--gpu NAME or --gpu-memory SIZE") from None
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+    return (name.decode() if isinstance(name, bytes) else str(name)), total
+
+
+def _auto_gpu(memory: Any, context: int | None, notes: list[str]) -> Hardware:
+    """``--gpu auto``: the local GPU (``detect_gpu``) with NVML's capacity; the catalogue entry
+    its name matches gives the context and speeds, else a custom GPU (500 MiB context)."""
+    device, total = detect_gpu()
+    cap = total if memory is None else parse_bytes(memory, "--gpu-memory")
+    key = match_gpu(device)
+    if key is None:
+        notes.append(f"--gpu auto: {device!r} is not in the GPU catalogue: using NVML's {total:,} B with "
+                     f"a 500 MiB context and no speeds")
+        return Hardware(normalize_gpu_name(device) or "auto", cap, 500 * MiB if context is None else context,
+                        device, notes=tuple(notes))
+    v = catalogue()[key]
+    return Hardware(key, cap, v["context_mib"] * MiB if context is None else context, v["label"],
+                    v["bandwidth_gbs"], v["bf16_tflops"], v["interconnect_gbs"], notes=tuple(notes))
 
 
 def get_gpu(name: str | None = None, memory: str | int | None = None,
             context: str | int | None = None) -> Hardware:
-    """A catalogue GPU by name (aliases accepted), or a custom one from ``memory``.
-
-    ``context`` overrides the memory taken before training starts (default: the catalogue's).
-    """
+    """A catalogue GPU by name (key, alias or nvidia-smi name; ``auto``: the local GPU through
+    NVML), or a custom one from ``memory``. A size without a unit is read as GiB and says so in
+    ``Hardware.notes`` (which reports carry as warnings). ``context`` overrides the memory taken
+    before training starts (default: the catalogue's)."""
     if name is None and memory is None:
         raise TrainmemError("give a GPU name (--gpu) or its memory (--gpu-memory)")
-    ctx = None if context is None else parse_bytes(context)
+    notes = [f"{flag} {value.strip()} has no unit: read as {value.strip()} GiB"
+             for flag, value in (("--gpu-memory", memory), ("--context-memory", context)) if is_bare_number(value)]
+    ctx = None if context is None else parse_bytes(context, "--context-memory")
+    if name is not None and name.strip().lower() == "auto":
+        return _auto_gpu(memory, ctx, notes)
     if name is not None:
         key, v = _lookup(name)
-        cap = v["memory_mib"] * MiB if memory is None else parse_bytes(memory)
+        cap = v["memory_mib"] * MiB if memory is None else parse_bytes(memory, "--gpu-memory")
         return Hardware(key, cap, v["context_mib"] * MiB if ctx is None else ctx, v["label"],
-                        v["bandwidth_gbs"], v["bf16_tflops"], v["interconnect_gbs"])
-    cap = parse_bytes(memory)
-    return Hardware("custom", cap, 500 * MiB if ctx is None else ctx, "custom GPU")
+                        v["bandwidth_gbs"], v["bf16_tflops"], v["interconnect_gbs"], notes=tuple(notes))
+    cap = parse_bytes(memory, "--gpu-memory")
+    return Hardware("custom", cap, 500 * MiB if ctx is None else ctx, "custom GPU", notes=tuple(notes))
 
 
 def catalogue_table() -> list[dict[str, Any]]:
-    """Rows for `trainmem gpus`: name, label, exact capacity in bytes, context, specs."""
+    """Rows for `trainmem gpus`: name, label, exact capacity in bytes, context, specs, every other
+    name it answers to (``aliases``: aliases, then nvidia-smi names) and the capacity's source."""
     rows = []
     for k, v in catalogue().items():
         rows.append({"name": k, "label": v["label"], "capacity_bytes": v["memory_mib"] * MiB,
                      "context_bytes": v["context_mib"] * MiB, "bandwidth_gbs": v["bandwidth_gbs"],
                      "bf16_tflops": v["bf16_tflops"], "interconnect_gbs": v["interconnect_gbs"],
-                     "aliases": v.get("aliases", [])})
+                     "aliases": gpu_aliases(k), "source": v.get("source", "")})
     return rows

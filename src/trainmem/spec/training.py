@@ -31,6 +31,14 @@ HOLD_OUTPUT = ("loss", "backward", "step")  # what the loop keeps of the model o
 #: fused linear + cross-entropy (no logits materialised)
 LOSSES = ("upcast", "half", "chunked", "fused")
 MASTER_WEIGHTS = ("none", "fp32")
+#: bitsandbytes 4-bit base weights (``Linear4bit``): quant type nf4/fp4, ``-dq`` = double quantization
+#: (transformers ``BitsAndBytesConfig(bnb_4bit_quant_type, bnb_4bit_use_double_quant)``; litgpt
+#: ``--quantize bnb.nf4``/``bnb.nf4-dq``, which is accepted too)
+QUANTIZE = ("nf4", "fp4", "nf4-dq", "fp4-dq")
+#: who replaces the linears: transformers (``replace_with_bnb_linear``: lm_head kept, the quant state in
+#: the dtype the weights were loaded in) or Lightning Fabric's ``BitsandbytesPrecision`` as litgpt runs
+#: it (every nn.Linear including lm_head, quantized from an fp16 copy)
+QUANTIZE_VIA = ("transformers", "fabric")
 FSDP_MODES = ("full", "grad-op", "hybrid")
 
 
@@ -73,6 +81,9 @@ class TrainingSpec:
     lora_dropout: float = 0.0  # LoRA dropout on the adapters' input (peft: 0; torchtune, litgpt: 0.05)
     lora_dtype: str | None = None  # adapters over half weights: "fp32" (peft's upcast, the default when None)
     #                                or "half" (torchtune, litgpt build them in the model's dtype)
+    quantize: str | None = None  # 4-bit base weights (QUANTIZE); None: none (needs LoRA: the base is frozen)
+    quantize_via: str = "transformers"  # QUANTIZE_VIA: which modules are quantized, the quant state's dtype
+    bitsandbytes_version: str | None = None  # None: current (>= 0.43.2); older MatMul4Bit saves its input
     distributed_optimizer: bool = False  # Megatron/NeMo: fp32 main grads + sharded states
     ddp_bucket_mb: float = 25.0
     optimizer_bucket_mb: float | None = None  # NeMo distributed_fused_adam bucket
@@ -142,6 +153,7 @@ class TrainingSpec:
             raise TrainmemError("--lora-dropout and --lora-dtype need --lora-rank R (the adapter rank)")
         if self.lora_targets is not None and not self.lora_rank:
             raise TrainmemError("--lora-targets needs --lora-rank R (the adapter rank)")
+        self._check_quantize()
         if self.attention in ("flash", "sdpa-flash", "sdpa-cudnn") and self.precision == "fp32":
             raise TrainmemError(f"--attention {self.attention} needs half precision: use --precision bf16-amp "
                                 "(or fp16-amp, bf16, fp16), or --attention sdpa")
@@ -164,6 +176,49 @@ class TrainingSpec:
         if self.lora_targets is not None and not self.lora_targets:
             raise TrainmemError("--lora-targets is empty: name at least one module (e.g. q_proj,v_proj) "
                                 "or omit it for peft's defaults")
+
+    def _check_quantize(self) -> None:
+        """``quantize``: litgpt's ``bnb.`` prefix and ``none`` accepted; only over a frozen base (LoRA),
+        one GPU's whole layers (no TP, no ZeRO-3/FSDP sharding of the 4-bit tensors)."""
+        q = self.quantize
+        if isinstance(q, str) and q.startswith("bnb."):
+            q = q[4:]
+        if q == "none":
+            q = None
+        object.__setattr__(self, "quantize", q)
+        _choice("quantize_via", self.quantize_via, QUANTIZE_VIA)
+        if q is None:
+            if self.bitsandbytes_version is not None or self.quantize_via != "transformers":
+                raise TrainmemError("bitsandbytes_version and quantize_via describe 4-bit base weights: "
+                                    "give --quantize nf4 (or fp4, nf4-dq, fp4-dq) too")
+            return
+        _choice("quantize", q, QUANTIZE)
+        if not self.lora_rank:
+            raise TrainmemError(f"--quantize {q} stores the frozen base weights in 4 bits and bitsandbytes computes "
+                                "no gradient for them (MatMul4Bit): give --lora-rank R, or drop --quantize")
+        if self.tp > 1 or self.zero_stage == 3:
+            raise TrainmemError(f"--quantize {q} is modelled on one GPU's whole 4-bit weights: drop --tp and "
+                                "ZeRO-3/FSDP sharding (or --quantize)")
+        if self.bitsandbytes_version is not None:
+            self.bitsandbytes_release()
+
+    def bitsandbytes_release(self) -> tuple[int, ...]:
+        """``bitsandbytes_version`` as numbers (``"0.42.0"`` -> (0, 42, 0)); None: a current release."""
+        v = self.bitsandbytes_version
+        if v is None:
+            return (1 << 30,)
+        try:
+            return tuple(int(x) for x in str(v).split(".")[:3])
+        except ValueError:
+            raise TrainmemError(f"bitsandbytes_version {v!r} is not a release number like 0.42.0") from None
+
+    @property
+    def bnb_saves_input(self) -> bool:
+        """bitsandbytes < 0.43.2 ``MatMul4Bit.forward`` saved its input ``A`` for backward whenever A
+        needs a gradient (``ctx.tensors = (A, B)``, ``autograd/_functions.py`` L522-523 at 0.42.0),
+        though only the input gradient is computed; 0.43.2 saves ``(None, B)`` (PR #1270, "fix QLoRA
+        mem bug: delete useless buffered activation", 2024-07-16)."""
+        return self.quantize is not None and self.bitsandbytes_release() < (0, 43, 2)
 
     def _check_loss(self) -> None:
         if self.loss is not None:
@@ -282,6 +337,9 @@ def check_against(model: Any, t: TrainingSpec) -> None:
     if model.family in LEARNED_POSITION_FAMILIES and t.seq_len > model.max_positions:
         raise TrainmemError(f"--seq-len {t.seq_len} exceeds the {model.max_positions} learned positions of "
                             f"{model.name}; use --seq-len <= {model.max_positions}")
+    if t.quantize and model.num_experts:
+        raise TrainmemError(f"--quantize {t.quantize} with {model.name}, a mixture-of-experts model: its experts "
+                            "are not nn.Linear modules and are not modelled quantized; drop --quantize")
     if t.lora_targets:
         known = {p.module for p in model.parameter_tensors() if p.is_matmul}
         bad = [x for x in t.lora_targets if x not in known]

@@ -20,7 +20,9 @@ import torch
 from ..errors import TrainmemError
 from ..report import Component, MemoryReport, Phase
 from ..spec import Hardware, ModelSpec, TrainingSpec
+from ..spec.config import input_notes
 from ..spec.training import report_warnings
+from ..progress import progress
 from ..spec.resolve import TRAINING_FIELDS, Resolved, resolve, resolve_setup
 from .allocator import CachingAllocator, ExactAllocator, SimulatedOutOfMemory
 from .cuda import EMULATED, CudaEmulation, cuda_environment
@@ -86,9 +88,11 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
     factory = _factory(model, spec, t, step_fn)
     dev = _device(device == "cuda", hw, t, expandable_segments, max_split_size, cublas_workspace,
                   attention_backend, capability, simulate_oom)
-    with dev.env, (dev.emulation if dev.emulation is not None else contextlib.nullcontext()):
+    with progress(steps + 1, "trace") as bar, dev.env, \
+            (dev.emulation if dev.emulation is not None else contextlib.nullcontext()):
         module = _build(dev, factory, spec, t)
-        oom = _run_steps(dev, module, spec, t, step_fn, optimizer_fn, steps)
+        bar.update(1)  # the model is built
+        oom = _run_steps(dev, module, spec, t, step_fn, optimizer_fn, steps, bar.update)
     runtime = time.perf_counter() - t0
     report = _report(dev.tracker, dev.allocator, spec, t if (spec is not None or options_given) else None, hw,
                      dev.cuda, dev.emulation, runtime, timeline_points, largest, oom, dev.cublas_workspace,
@@ -203,8 +207,10 @@ def _build(dev: _Device, factory: Callable, spec: ModelSpec | None, t: TrainingS
 
 
 def _run_steps(dev: _Device, module: torch.nn.Module, spec: ModelSpec | None, t: TrainingSpec,
-               step_fn: Callable | None, optimizer_fn: Callable | None, steps: int) -> SimulatedOutOfMemory | None:
-    """Run ``steps`` training steps under the tracker; the simulated out-of-memory error, if any."""
+               step_fn: Callable | None, optimizer_fn: Callable | None, steps: int,
+               on_step: Callable[[int], None] = lambda n: None) -> SimulatedOutOfMemory | None:
+    """Run ``steps`` training steps under the tracker (``on_step(1)`` after each: the progress bar);
+    the simulated out-of-memory error, if any."""
     tracker = dev.tracker
     params = [p for p in module.parameters() if p.requires_grad]
     grad_hooks = tracker.watch_parameters(params)
@@ -224,6 +230,7 @@ def _run_steps(dev: _Device, module: torch.nn.Module, spec: ModelSpec | None, t:
                 tracker.mark_gradients(params)
                 for opt in _optimizers(optimizer):
                     tracker.mark_optimizer_state(opt)
+                on_step(1)
     except SimulatedOutOfMemory as e:  # only with a capacity-limited allocator
         return e
     finally:
@@ -318,14 +325,9 @@ def _component_key(rec: Record) -> str:
     return f"{cat}.{mod}.{rec.op}" + (f".{rec.label}" if rec.label else "")
 
 
-def _report(tracker: Tracker, allocator: Any, spec: ModelSpec | None, training: TrainingSpec,
-            hardware: Hardware | None, cuda: bool, emulation: CudaEmulation | None, runtime: float,
-            timeline_points: int, largest: int, oom: SimulatedOutOfMemory | None, ws: int,
-            expandable: bool) -> MemoryReport:
-    """The MemoryReport of a finished trace: components live at the peak, phases, peaks, device memory,
-    warnings and ``extra`` (largest tensors, timeline, allocator statistics)."""
-    peak_event = tracker.peak_event
-    live = tracker.live_at(peak_event) if peak_event >= 0 else []
+def _components(live: list[Record]) -> list[Component]:
+    """The tensors live at the peak grouped into components (largest first), plus the bytes the
+    allocator's block rounding adds over what they asked for."""
     groups: dict[str, list[Record]] = defaultdict(list)
     for r in live:
         groups[_component_key(r)].append(r)
@@ -342,6 +344,13 @@ def _report(tracker: Tracker, allocator: Any, spec: ModelSpec | None, training: 
         comps.append(Component("allocator_overhead.rounding", "allocator_overhead", overhead, None,
                                "block sizes above the requested bytes (512 B rounding, unsplit remainders)",
                                False))
+    return comps
+
+
+def _phases(tracker: Tracker, cuda: bool) -> tuple[list[Phase], str]:
+    """The phases the step marked (a phase repeated within a step numbered per micro-step) and the
+    name of the one holding the peak."""
+    peak_event = tracker.peak_event
     marks = tracker.phase_marks
     counts: dict[tuple[str, int], int] = defaultdict(int)
     for m in marks:
@@ -357,6 +366,34 @@ def _report(tracker: Tracker, allocator: Any, spec: ModelSpec | None, training: 
         phases.append(Phase(name, m.step, m.allocated, m.peak, m.reserved if cuda else None, m.where))
         if m.start_event <= peak_event < max(m.end_event, m.start_event + 1):
             peak_phase = name if m.step == 0 else f"{name}@{m.step}"
+    return phases, peak_phase
+
+
+def _warnings(tracker: Tracker, spec: ModelSpec | None, training: TrainingSpec | None,
+              hardware: Hardware | None, emulation: CudaEmulation | None,
+              oom: SimulatedOutOfMemory | None) -> list[str]:
+    """How the inputs were read and the setup's warnings, then what the trace could not see."""
+    warnings = input_notes(spec, hardware) + (report_warnings(training) if training is not None else [])
+    warnings += list(tracker.warnings)
+    if tracker.data_dependent:
+        warnings.append(f"{tracker.data_dependent} data-dependent read(s) of device tensors: the trace has no data, "
+                        f"so all() answered True, any() False, numbers 1")
+    if emulation is not None and emulation.host_reads:
+        warnings.append(f"{emulation.host_reads} copy(ies) of device tensors to the host returned zeros")
+    if oom is not None:
+        warnings.append(f"simulated out of memory: {oom}")
+    return warnings
+
+
+def _report(tracker: Tracker, allocator: Any, spec: ModelSpec | None, training: TrainingSpec,
+            hardware: Hardware | None, cuda: bool, emulation: CudaEmulation | None, runtime: float,
+            timeline_points: int, largest: int, oom: SimulatedOutOfMemory | None, ws: int,
+            expandable: bool) -> MemoryReport:
+    """The MemoryReport of a finished trace: components live at the peak, phases, peaks, device memory,
+    warnings and ``extra`` (largest tensors, timeline, allocator statistics)."""
+    peak_event = tracker.peak_event
+    live = tracker.live_at(peak_event) if peak_event >= 0 else []
+    phases, peak_phase = _phases(tracker, cuda)
     peak_alloc = tracker.peak
     peak_reserved = allocator.peak_reserved if cuda else None
     device_used = peak_reserved + hardware.context if (hardware is not None and peak_reserved is not None) else None
@@ -368,15 +405,6 @@ def _report(tracker: Tracker, allocator: Any, spec: ModelSpec | None, training: 
         largest_rows.append({"name": _component_key(r), "category": r.category, "bytes": r.nbytes, "block": r.block,
                              "shape": list(r.shape), "dtype": r.dtype, "module": r.module, "op": r.op,
                              "phase": r.phase, "step": r.step})
-    preset = report_warnings(training) if training is not None else []
-    warnings = list(preset) + list(tracker.warnings)
-    if tracker.data_dependent:
-        warnings.append(f"{tracker.data_dependent} data-dependent read(s) of device tensors: the trace has no data, "
-                        f"so all() answered True, any() False, numbers 1")
-    if emulation is not None and emulation.host_reads:
-        warnings.append(f"{emulation.host_reads} copy(ies) of device tensors to the host returned zeros")
-    if oom is not None:
-        warnings.append(f"simulated out of memory: {oom}")
     extra: dict[str, Any] = {
         "largest_tensors": largest_rows,
         "timeline": tracker.timeline(timeline_points),
@@ -390,11 +418,13 @@ def _report(tracker: Tracker, allocator: Any, spec: ModelSpec | None, training: 
         "cublas_workspace": ws,
         "expandable_segments": expandable,
         "peak_event": peak_event,
+        "simulated_oom": oom is not None,  # the step stopped there: report.device_peak counts it
     }
     if emulation is not None:
         extra["sdpa_backends"] = dict(emulation.sdpa_choices)
     return MemoryReport(
-        source="trace", components=comps, phases=phases, peak_allocated=peak_alloc, peak_reserved=peak_reserved,
-        device_used=device_used, peak_phase=peak_phase, peak_where=tracker.peak_context,
-        capacity=hardware.capacity if hardware is not None else None, method="trace",
-        model=spec, training=training, hardware=hardware, warnings=warnings, extra=extra)
+        source="trace", components=_components(live), phases=phases, peak_allocated=peak_alloc,
+        peak_reserved=peak_reserved, device_used=device_used, peak_phase=peak_phase,
+        peak_where=tracker.peak_context, capacity=hardware.capacity if hardware is not None else None,
+        method="trace", model=spec, training=training, hardware=hardware,
+        warnings=_warnings(tracker, spec, training, hardware, emulation, oom), extra=extra)
