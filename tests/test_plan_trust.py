@@ -197,3 +197,15 @@ def test_fit_exits_1_when_nothing_fits(capsys):
     assert rc == 1 and "NOTHING FITS" in out
     rc, out, _ = run(capsys, "fit", "gpt2", "--gpu", "t4", "--seq-len", "512")
     assert rc == 0
+
+
+def test_sweep_without_seq_len_uses_the_models_default_sequence(capsys):
+    """One sequence default for every command: GPT-2's 1024 learned positions, not 2048 (which made
+    every cell invalid)."""
+    from trainmem.cli import main
+    assert main(["sweep", "gpt2", "--batch-size", "1,2", "--json"]) == 0
+    import json
+    d = json.loads(capsys.readouterr().out)
+    assert d["seq_lens"] == [1024]
+    assert main(["sweep", "llama-3.2-1b", "--batch-size", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["seq_lens"] == [2048]

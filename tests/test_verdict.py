@@ -34,7 +34,7 @@ def test_estimate_and_trace_agree_when_allocated_agrees():
 def test_fit_basis_names_the_rule_and_the_context():
     alloc = 10 * GiB
     tr = report("trace", alloc, alloc)
-    assert "1/32" in tr.fit_basis and "500 MiB" in tr.fit_basis
+    assert "1/32" in tr.fit_basis and "CUDA context" in tr.fit_basis
     assert tr.to_dict()["fit_basis"] == tr.fit_basis
     m = report("measure", alloc, alloc + GiB)
     assert m.device_peak == alloc + GiB + HW.context

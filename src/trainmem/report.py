@@ -159,8 +159,7 @@ class MemoryReport:
         if self.source == "estimate" and self.method not in ("", "trainmem"):
             return f"device memory as the {self.method} method counts it"
         context = getattr(self.hardware, "context", 0) or 0
-        return ("peak allocated + 1/32 caching-allocator margin"
-                + (f" + {context / 2**20:.0f} MiB CUDA context" if context else ""))
+        return "peak allocated + 1/32 allocator margin" + (" + CUDA context" if context else "")
 
     def verdict_warnings(self) -> list[str]:
         """One line when trace's allocator simulation disagrees with the verdict's reserved model."""

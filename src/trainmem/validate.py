@@ -393,7 +393,9 @@ def _fmt_err(e: float | None) -> str:
 
 
 def _check_rows(v: Validation, preds: list[str]) -> list[str]:
-    """One line per (case, quantity): the measured value and each predictor's value and error."""
+    """One line per (case, quantity) under a line naming its framework: the measured value and each
+    predictor's value and error; the case and quantity columns shortened so a line fits 100 columns."""
+    from .render.text import WIDTH, shorten
     by_key: dict[tuple[str, str], dict[str, Check]] = {}
     order: list[tuple[str, str, str]] = []
     for c in v.checks:
@@ -402,35 +404,46 @@ def _check_rows(v: Validation, preds: list[str]) -> list[str]:
             by_key[key] = {}
             order.append((c.framework, c.case, c.quantity))
         by_key[key][c.predictor] = c
-    head = f"{'framework':22s} {'case':44s} {'quantity':26s} {'measured MiB':>12s}"
-    head += "".join(f" {p + ' MiB':>13s} {'error':>8s}" for p in preds)
+    qw = 22                                              # quantity column
+    cw = max(16, WIDTH - 2 - qw - 13 - 22 * len(preds) - 2)  # case column: what is left
+    head = f"  {'case':{cw}s} {'quantity':{qw}s} {'measured MiB':>12s}"
+    head += "".join(f" {p + ' MiB':>12s} {'error':>8s}" for p in preds)
     lines = [head]
+    last_fw = None
     for fw, case, q in sorted(order, key=lambda t: (t[0].lower(), t[1].lower())):
+        if fw != last_fw:
+            lines.append(fw)
+            last_fw = fw
         row = by_key[(case, q)]
         any_c = next(iter(row.values()))
-        line = f"{fw[:22]:22s} {case[:44]:44s} {q[:26]:26s} {any_c.measured / 2**20:12.1f}"
+        line = f"  {shorten(case, cw, 'start'):{cw}s} {shorten(q, qw, 'start'):{qw}s} {any_c.measured / 2**20:12.1f}"
         for p in preds:
             c = row.get(p)
             pred = "-" if c is None or c.predicted is None else f"{c.predicted / 2**20:.1f}"
-            line += f" {pred:>13s} {_fmt_err(c.error if c else None):>8s}"
+            line += f" {pred:>12s} {_fmt_err(c.error if c else None):>8s}"
         lines.append(line)
     return lines
 
 
 def _summary_rows(s: dict[str, dict[str, Any]], group: str) -> list[str]:
-    """The summary table of one grouping (``frameworks`` or ``sources``) plus the overall row."""
+    """The summary table of one grouping (``frameworks`` or ``sources``) plus the overall row; the
+    predictor column only when there is more than one, the name column what is left of 100."""
+    from .render.text import WIDTH, shorten
     title = "framework" if group == "frameworks" else "source"
-    lines = [f"{title:52s} {'predictor':9s} {'cases':>5s} {'median|err|':>11s} {'p90|err|':>9s} "
-             f"{'within 5%':>9s} {'max|err|':>9s} {'bias':>8s}"]
+    many = len(s) > 1
+    nw = WIDTH - 59 - (10 if many else 0)
+    lines = [f"{title:{nw}s} " + (f"{'predictor':9s} " if many else "") + f"{'cases':>5s} {'median|err|':>11s} "
+             f"{'p90|err|':>9s} {'within 5%':>9s} {'max|err|':>9s} {'bias':>8s}"]
     keys = sorted({k for p in s.values() for k in p[group]}, key=str.lower) + ["ALL CASES"]
     for k in keys:
         for p, ps in s.items():
             st = ps["overall"] if k == "ALL CASES" else ps[group].get(k)
             if st is None:
                 continue
-            lines.append(f"{k[:52]:52s} {p:9s} {int(st['n']):5d} {100 * st['median']:10.2f}% "
-                         f"{100 * st['p90']:8.2f}% {int(st['within_5pct']):4d}/{int(st['n']):<4d} "
-                         f"{100 * st['max']:8.2f}% {_fmt_err(st['bias']):>8s}")
+            lines.append(f"{shorten(k, nw, 'start'):{nw}s} " + (f"{p:9s} " if many else "")
+                         + f"{int(st['n']):5d} {100 * st['median']:10.2f}% {100 * st['p90']:8.2f}% "
+                         f"{int(st['within_5pct']):4d}/{int(st['n']):<4d} {100 * st['max']:8.2f}% "
+                         f"{_fmt_err(st['bias']):>8s}")
     return lines
 
 
@@ -443,11 +456,13 @@ def render(v: "Validation | list[Check]") -> str:
     lines = _check_rows(v, preds)
     if v.not_run:
         lines.append("")
-        lines.extend(f"not run: {n.predictor} on {n.case}: {n.reason}" for n in v.not_run)
+        from .render.text import wrap
+        for n in v.not_run:
+            lines += wrap(f"not run: {n.predictor} on {n.case}: {n.reason}")
     s = summary(v.checks)
     if s:
-        lines += ["", "accuracy per framework (each case scored on its primary quantity; |err| = "
-                      "|predicted - measured| / measured)"]
+        lines += ["", "accuracy per framework (each case scored on its primary quantity;",
+                  "|err| = |predicted - measured| / measured)"]
         lines += _summary_rows(s, "frameworks")
         lines += ["", "accuracy per source"]
         lines += _summary_rows(s, "sources")

@@ -130,8 +130,9 @@ def _register_sweep(sub: Any) -> None:
     _common(s)
     s.add_argument("--batch-size", default="1", metavar="LIST",
                    help="micro-batch sizes: 1,2,4 or START:STOP[:STEP] (default 1)")
-    s.add_argument("--seq-len", default="2048", metavar="LIST",
-                   help="sequence lengths: 512,1024 or 128:4096:128 (default 2048)")
+    s.add_argument("--seq-len", default=None, metavar="LIST",
+                   help="sequence lengths: 512,1024 or 128:4096:128 (default 2048, or the model's learned "
+                        "positions when fewer)")
     s.add_argument("--plot", action="append", default=[], metavar="[KIND=]PATH",
                    help="write a plot (.png or .svg); KIND heatmap or stacked, else guessed from the file "
                         "name and the grid (repeatable)")

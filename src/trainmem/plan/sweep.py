@@ -8,6 +8,7 @@ from ..errors import TrainmemError
 from ..report import CATEGORIES, MemoryReport
 from ..progress import progress
 from ..units import scale
+from ..spec.training import default_seq_len
 from ._common import Evaluator, parse_int_list
 
 MAX_CELLS = 20_000
@@ -113,20 +114,22 @@ def _check_some_valid(cells: list[list[SweepCell]]) -> None:
         raise TrainmemError(f"every cell is invalid: {'; '.join(reasons[:2])}{more}")
 
 
-def sweep(model: Any, batch_sizes: "str | Iterable[int]" = (1,), seq_lens: "str | Iterable[int]" = (2048,),
+def sweep(model: Any, batch_sizes: "str | Iterable[int]" = (1,), seq_lens: "str | Iterable[int] | None" = None,
           by: str = "estimate", **options: Any) -> SweepResult:
     """Estimate every (micro-batch, sequence length) pair; ``batch_sizes`` and ``seq_lens`` are lists
     or strings such as ``"1,2,4"`` and ``"128:4096:128"``. ``options``: those of ``trainmem.estimate``
-    (``model`` may be a ``Resolved``). The inputs are resolved once; each cell replaces the two
+    (``model`` may be a ``Resolved``); no ``seq_lens``: the model's default sequence (2048, or its
+    learned positions when fewer). The inputs are resolved once; each cell replaces the two
     sizes (``Resolved.replace``) and a cell the setup does not allow is reported as n/a; when
     every cell is n/a, TrainmemError says why. A cell fits within ``max_fraction`` of the GPU."""
     bs = parse_int_list(batch_sizes, "--batch-size")
-    ss = parse_int_list(seq_lens, "--seq-len")
-    if len(bs) * len(ss) > MAX_CELLS:
-        raise TrainmemError(f"the grid has {len(bs) * len(ss):,} cells; sweep at most {MAX_CELLS:,}")
     options.pop("batch_size", None)
     options.pop("seq_len", None)
     ev = Evaluator(model, by=by, **options)
+    # no sequence lengths: the one default every command uses (spec.training.default_seq_len)
+    ss = parse_int_list(seq_lens, "--seq-len") if seq_lens is not None else [default_seq_len(ev.model)]
+    if len(bs) * len(ss) > MAX_CELLS:
+        raise TrainmemError(f"the grid has {len(bs) * len(ss):,} cells; sweep at most {MAX_CELLS:,}")
     cells: list[list[SweepCell]] = []
     # by trace, a bar on stderr (trainmem.progress; the CLI enables it)
     with progress(len(bs) * len(ss), "sweep --by trace", None if by == "trace" else False) as bar:
