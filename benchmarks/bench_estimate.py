@@ -57,7 +57,7 @@ def make_setups(n: int, seed: int = 0) -> list[tuple[str, dict]]:
         name = rng.choice(names)
         m = specs[name]
         limit = m.max_positions if m.family in LEARNED else 1 << 30
-        tps = [tp for tp in TPS if m.num_heads % tp == 0 and (m.num_kv_heads % tp == 0 or tp % m.num_kv_heads == 0)]
+        tps = [tp for tp in TPS if m.num_heads % tp == 0 and m.num_kv_heads % tp == 0]
         zero = rng.choice(ZERO)
         out.append((name, dict(batch_size=rng.choice(BATCHES), seq_len=rng.choice([s for s in SEQS if s <= limit]),
                                precision=rng.choice(PRECISIONS), recompute=rng.choice(RECOMPUTE),

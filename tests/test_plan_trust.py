@@ -209,3 +209,14 @@ def test_sweep_without_seq_len_uses_the_models_default_sequence(capsys):
     assert d["seq_lens"] == [1024]
     assert main(["sweep", "llama-3.2-1b", "--batch-size", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["seq_lens"] == [2048]
+
+
+def test_a_wide_sweep_grid_fits_100_columns(capsys):
+    from trainmem.cli import main
+    assert main(["sweep", "gpt2", "--batch-size", "1:20", "--seq-len", "128,256"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert max(len(x) for x in out) <= 100
+    heads = [x for x in out if x.lstrip().startswith("seq \\ batch")]
+    assert len(heads) == 3  # 20 micro-batch sizes in blocks of 8
+    cols = [int(v) for h in heads for v in h.split()[3:]]
+    assert cols == list(range(1, 21))  # every size once, in order

@@ -7,6 +7,7 @@ from typing import Any, Iterable
 from ..errors import TrainmemError
 from ..report import CATEGORIES, MemoryReport
 from ..progress import progress
+from ..render.text import wrap
 from ..units import scale
 from ..spec.training import default_seq_len
 from ._common import Evaluator, parse_int_list
@@ -83,26 +84,33 @@ class SweepResult:
 
     def render(self, units: str = "auto") -> str:
         """Plain-text grid: a row per sequence length, a column per micro-batch; ``*`` = does not fit.
-        One unit (``auto``: from the largest cell, ``trainmem.units.pick_unit``)."""
+        One unit (``auto``: from the largest cell, ``trainmem.units.pick_unit``). More micro-batch
+        sizes than fit 100 columns (8) continue in further blocks below."""
         div, label = scale(units, max([c.device_used or 0 for row in self.cells for c in row] or [0]) or None)
-        head = "seq \\ batch".rjust(11) + "".join(f"{b:>10d}" for b in self.batch_sizes)
         lines = [f"device memory ({label}) of {self.model}" + (f" on {self.gpu}" if self.gpu else "")
-                 + (f", limit {self.limit / div:.2f} {label}" if self.limit else "") + "; * = does not fit",
-                 head]
-        for j, s in enumerate(self.seq_lens):
-            row = f"{s:>11d}"
-            for i in range(len(self.batch_sizes)):
-                c = self.cells[i][j]
-                if c.report is None:
-                    row += f"{'n/a':>10s}"
-                else:
-                    mark = "*" if c.fits is False else " "
-                    row += f"{c.device_used / div:>9.2f}{mark}"
-            lines.append(row)
+                 + (f", limit {self.limit / div:.2f} {label}" if self.limit else "") + "; * = does not fit"]
+        per_block = 8  # 11 + 8 x 10 = 91 columns
+        for start in range(0, len(self.batch_sizes), per_block):
+            cols = range(start, min(start + per_block, len(self.batch_sizes)))
+            if start:
+                lines.append("")
+            lines.append("seq \\ batch".rjust(11) + "".join(f"{self.batch_sizes[i]:>10d}" for i in cols))
+            lines += [self._row(j, cols, div) for j in range(len(self.seq_lens))]
         errs = sorted({c.error for row in self.cells for c in row if c.error})
         for e in errs:
-            lines.append(f"n/a: {e}")
+            lines += wrap(f"n/a: {e}")
         return "\n".join(lines)
+
+    def _row(self, j: int, cols: range, div: int) -> str:
+        """One sequence length's cells for the micro-batch columns ``cols``."""
+        row = f"{self.seq_lens[j]:>11d}"
+        for i in cols:
+            c = self.cells[i][j]
+            if c.report is None:
+                row += f"{'n/a':>10s}"
+            else:
+                row += f"{c.device_used / div:>9.2f}{'*' if c.fits is False else ' '}"
+        return row
 
 
 def _check_some_valid(cells: list[list[SweepCell]]) -> None:
