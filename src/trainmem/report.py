@@ -141,7 +141,8 @@ class MemoryReport:
         (``extra["simulated_oom"]``) counts what the simulation needed there. ``fit_basis`` says
         which rule applied.
         """
-        if self.source != "trace" or self.extra.get("simulated_oom"):  # measured, or a simulated OOM
+        cpu = self.extra.get("device") == "cpu"  # a trace on the CPU: no caching allocator, no context
+        if self.source != "trace" or cpu or self.extra.get("simulated_oom"):  # measured, or a simulated OOM
             if self.device_used is not None:
                 return self.device_used
             return self.peak_reserved if self.peak_reserved is not None else self.peak_allocated
@@ -153,7 +154,11 @@ class MemoryReport:
     def fit_basis(self) -> str:
         """The rule ``device_peak`` (and so ``fits``/``margin``) used, in words."""
         if self.source == "measure":
+            if self.device_used is None:
+                return "measured peak " + ("reserved" if self.peak_reserved is not None else "allocated")
             return "measured device memory (reserved + CUDA context)"
+        if self.source == "trace" and self.extra.get("device") == "cpu":
+            return "traced peak allocated on the CPU (no caching allocator)"
         if self.extra.get("simulated_oom"):
             return "the allocator simulation's out-of-memory (reserved + the failed request + context)"
         if self.source == "estimate" and self.method not in ("", "trainmem"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..units import fmt
+from ..units import fmt, pick_unit
 from .suggestions import format_suggestions
 
 _WORD = {"batch_size": "micro-batch", "seq_len": "sequence length"}
@@ -13,7 +13,7 @@ _WORD = {"batch_size": "micro-batch", "seq_len": "sequence length"}
 def render_fit(r: Any, units: str = "GiB", detail: bool = False) -> str:
     """The text `trainmem fit` prints for a :class:`trainmem.plan.FitResult` (``detail``: every
     suggestion, not only those that make it fit)."""
-    u = units
+    u = pick_unit(units, r.capacity)  # one unit for the whole answer, from the GPU's size
     what = "largest micro-batch" if r.search == "batch_size" else f"longest sequence (multiple of {r.step})"
     fixed = f"sequence {r.seq_len}" if r.search == "batch_size" else f"micro-batch {r.batch_size}"
     lines = [f"trainmem fit — {r.model} on {r.gpu} ({fmt(r.capacity, u)}"

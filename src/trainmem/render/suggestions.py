@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from ..units import fmt
+from ..units import fmt, pick_unit
 
 
 def _row(i: Any, s: Any, units: str) -> list[str]:
@@ -47,6 +47,8 @@ def format_suggestions(suggestions: Sequence[Any], units: str = "GiB", detail: b
     """
     singles = [s for s in suggestions if s.name != "combined"]
     combined = next((s for s in suggestions if s.name == "combined"), None)
+    # one unit for the list, from the largest amount it shows
+    units = pick_unit(units, max([abs(s.device_used or s.peak_allocated or 0) for s in suggestions] or [0]) or None)
     if not singles:
         return "no single change lowers the memory of this setup"
     if detail or all(s.fits is None for s in singles):
