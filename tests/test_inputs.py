@@ -292,3 +292,27 @@ def test_hub_id_of_a_catalogue_model_uses_the_bundled_entry_and_says_so(tmp_path
 def test_missing_local_path_says_no_such_file(capsys, offline, path):
     line = one_error_line(*run(capsys, "estimate", path)[::2])
     assert f"no such file or directory: {path}" in line and "offline" not in line
+
+
+def test_every_nvidia_card_has_its_compute_capability():
+    """gpus.json carries torch.cuda.get_device_capability per NVIDIA card (AMD: none)."""
+    from trainmem.spec.hardware import catalogue, get_gpu
+    for key, v in catalogue().items():
+        hw = get_gpu(key)
+        if key.startswith("mi"):
+            assert hw.capability is None
+        else:
+            assert hw.capability is not None and 7 <= hw.capability[0] <= 12, key
+    assert get_gpu("h20").capability == (9, 0) and get_gpu("l4").capability == (8, 9)
+
+
+@pytest.mark.parametrize("gpu, sm90", [("h20", True), ("h800", True), ("a100-80gb", False), ("l4", False)])
+def test_trace_takes_the_cublas_workspace_from_the_capability(gpu, sm90):
+    """PyTorch's default cuBLAS workspace is 32 MiB per handle on sm90 (CublasHandlePool.cpp): the
+    trace used to guess Hopper from the name and missed the H20."""
+    pytest.importorskip("torch")
+    import trainmem
+    from trainmem.trace.tracker import CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_SM90
+    r = trainmem.trace("gpt2", set=["n_layer=1", "n_embd=64", "n_head=2", "vocab_size=128", "n_positions=64"],
+                       seq_len=16, steps=1, gpu=gpu, precision="fp32")
+    assert r.extra["cublas_workspace"] == (CUBLAS_WORKSPACE_SM90 if sm90 else CUBLAS_WORKSPACE)

@@ -36,6 +36,7 @@ class Hardware:
     bf16_tflops: float = 0.0
     interconnect_gbs: float = 0.0
     notes: tuple[str, ...] = field(default=(), compare=False)
+    capability: tuple[int, int] | None = None  # CUDA compute capability (gpus.json); None: not known
 
     def __post_init__(self) -> None:
         if self.capacity <= 0:
@@ -47,9 +48,10 @@ class Hardware:
                                 f"its {self.capacity} B")
 
     def to_dict(self) -> dict[str, Any]:
-        """The GPU's fields as a dict (JSON-ready: ``notes`` a list)."""
+        """The GPU's fields as a dict (JSON-ready: ``notes`` and ``capability`` lists)."""
         d = asdict(self)
         d["notes"] = list(self.notes)
+        d["capability"] = None if self.capability is None else list(self.capability)
         return d
 
 
@@ -200,7 +202,14 @@ def _auto_gpu(memory: Any, context: int | None, notes: list[str]) -> Hardware:
                         device, notes=tuple(notes))
     v = catalogue()[key]
     return Hardware(key, cap, v["context_mib"] * MiB if context is None else context, v["label"],
-                    v["bandwidth_gbs"], v["bf16_tflops"], v["interconnect_gbs"], notes=tuple(notes))
+                    v["bandwidth_gbs"], v["bf16_tflops"], v["interconnect_gbs"], notes=tuple(notes),
+                    capability=_capability(v))
+
+
+def _capability(entry: dict[str, Any]) -> tuple[int, int] | None:
+    """A catalogue entry's CUDA compute capability as a tuple (None where the catalogue has none)."""
+    c = entry.get("capability")
+    return (int(c[0]), int(c[1])) if c else None
 
 
 def get_gpu(name: str | None = None, memory: str | int | None = None,
@@ -220,7 +229,8 @@ def get_gpu(name: str | None = None, memory: str | int | None = None,
         key, v = _lookup(name)
         cap = v["memory_mib"] * MiB if memory is None else parse_bytes(memory, "--gpu-memory")
         return Hardware(key, cap, v["context_mib"] * MiB if ctx is None else ctx, v["label"],
-                        v["bandwidth_gbs"], v["bf16_tflops"], v["interconnect_gbs"], notes=tuple(notes))
+                        v["bandwidth_gbs"], v["bf16_tflops"], v["interconnect_gbs"], notes=tuple(notes),
+                        capability=_capability(v))
     cap = parse_bytes(memory, "--gpu-memory")
     return Hardware("custom", cap, 500 * MiB if ctx is None else ctx, "custom GPU", notes=tuple(notes))
 

@@ -37,7 +37,6 @@ from ..workload import hf_step as _hf_step
 from ..workload import make_optimizer, optimizer_class  # noqa: F401
 
 _PERSISTENT = {"parameters", "buffers", "gradients", "optimizer_states", "master_weights", "workspace"}
-_HOPPER = ("h100", "h200", "h800", "gh200")
 
 
 def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device: str = "cuda",
@@ -159,7 +158,8 @@ def _device(cuda: bool, hw: Hardware | None, t: TrainingSpec, expandable_segment
         return _Device(False, allocator, Tracker(allocator, device_type="cpu"), None, contextlib.nullcontext(),
                        FakeTensorMode(allow_non_fake_inputs=True), cublas_workspace or 0)
     if capability is None:
-        capability = (9, 0) if hw is not None and any(k in hw.name for k in _HOPPER) else (8, 0)
+        # the catalogue's compute capability (gpus.json); sm80 when the GPU is unknown or not given
+        capability = hw.capability if hw is not None and hw.capability else (8, 0)
     if cublas_workspace is None:
         cublas_workspace = CUBLAS_WORKSPACE_SM90 if capability >= (9, 0) else CUBLAS_WORKSPACE
     if attention_backend is None and (t.attention == "flash" or t.attention.startswith("sdpa-")):
