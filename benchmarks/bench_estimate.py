@@ -36,6 +36,7 @@ from trainmem.estimate import engine
 from trainmem.estimate.layers import layer_coefficients
 from trainmem.estimate.quantities import clear_cache as clear_quantities
 from trainmem.spec import TrainingSpec, catalogue_names, resolve_model
+from trainmem.spec.layout import tp_problems
 
 TARGET = 10_000  # estimates per second
 LEARNED = {"gpt2", "nanogpt", "bert", "roberta-prenorm"}
@@ -57,7 +58,7 @@ def make_setups(n: int, seed: int = 0) -> list[tuple[str, dict]]:
         name = rng.choice(names)
         m = specs[name]
         limit = m.max_positions if m.family in LEARNED else 1 << 30
-        tps = [tp for tp in TPS if m.num_heads % tp == 0 and m.num_kv_heads % tp == 0]
+        tps = [tp for tp in TPS if not tp_problems(m, tp)]
         zero = rng.choice(ZERO)
         out.append((name, dict(batch_size=rng.choice(BATCHES), seq_len=rng.choice([s for s in SEQS if s <= limit]),
                                precision=rng.choice(PRECISIONS), recompute=rng.choice(RECOMPUTE),

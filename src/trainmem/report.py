@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Iterable
 
+from .allocator_rules import reserved_overhead
+
 class Category(str, Enum):
     """What a component's bytes are, in the order tables list them. A ``str`` enum: equal to its
     name as a plain string, which is what JSON carries."""
@@ -141,14 +143,26 @@ class MemoryReport:
         (``extra["simulated_oom"]``) counts what the simulation needed there. ``fit_basis`` says
         which rule applied.
         """
-        cpu = self.extra.get("device") == "cpu"  # a trace on the CPU: no caching allocator, no context
-        if self.source != "trace" or cpu or self.extra.get("simulated_oom"):  # measured, or a simulated OOM
+        if not self._margin_rule:
             if self.device_used is not None:
                 return self.device_used
             return self.peak_reserved if self.peak_reserved is not None else self.peak_allocated
-        from .allocator_rules import reserved_overhead
-        context = getattr(self.hardware, "context", 0) or 0
-        return int(self.peak_allocated + reserved_overhead(self.peak_allocated) + context)
+        return int(self.peak_allocated + reserved_overhead(self.peak_allocated) + self.fit_context)
+
+    @property
+    def _margin_rule(self) -> bool:
+        """Whether the verdict applies the estimate's margin rule to this report's allocated peak: a
+        trace of the emulated GPU that ran to the end (a CPU trace has no caching allocator and no
+        context; a simulated out-of-memory counts what the simulation needed)."""
+        return (self.source == "trace" and self.extra.get("device") != "cpu"
+                and not self.extra.get("simulated_oom"))
+
+    @property
+    def fit_context(self) -> int:
+        """The CUDA context bytes the margin rule adds (trace, and the trainmem estimate whose device
+        memory already holds it); 0 where the verdict counts a measured or method's own figure."""
+        rule = self._margin_rule or (self.source == "estimate" and self.method in ("", "trainmem"))
+        return int(getattr(self.hardware, "context", 0) or 0) if rule else 0
 
     @property
     def fit_basis(self) -> str:
@@ -157,14 +171,12 @@ class MemoryReport:
             if self.device_used is None:
                 return "measured peak " + ("reserved" if self.peak_reserved is not None else "allocated")
             return "measured device memory (reserved + CUDA context)"
-        if self.source == "trace" and self.extra.get("device") == "cpu":
-            return "traced peak allocated on the CPU (no caching allocator)"
-        if self.extra.get("simulated_oom"):
-            return "the allocator simulation's out-of-memory (reserved + the failed request + context)"
+        if self.source == "trace" and not self._margin_rule:
+            return ("the allocator simulation's out-of-memory (reserved + the failed request + context)"
+                    if self.extra.get("simulated_oom") else "traced peak allocated on the CPU (no caching allocator)")
         if self.source == "estimate" and self.method not in ("", "trainmem"):
             return f"device memory as the {self.method} method counts it"
-        context = getattr(self.hardware, "context", 0) or 0
-        return "peak allocated + 1/32 allocator margin" + (" + CUDA context" if context else "")
+        return "peak allocated + 1/32 allocator margin" + (" + CUDA context" if self.fit_context else "")
 
     def verdict_warnings(self) -> list[str]:
         """One line when trace's allocator simulation disagrees with the verdict's reserved model."""

@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 from .errors import TrainmemError
 from .report import MemoryReport
+from .render.text import WIDTH, shorten, wrap
 
 UNITS = {"bytes": 1, "mib": 2**20, "gib": 2**30}
 PEAKS = ("peak_allocated", "peak_reserved", "device_used")
@@ -395,7 +396,6 @@ def _fmt_err(e: float | None) -> str:
 def _check_rows(v: Validation, preds: list[str]) -> list[str]:
     """One line per (case, quantity) under a line naming its framework: the measured value and each
     predictor's value and error; the case and quantity columns shortened so a line fits 100 columns."""
-    from .render.text import WIDTH, shorten
     by_key: dict[tuple[str, str], dict[str, Check]] = {}
     order: list[tuple[str, str, str]] = []
     for c in v.checks:
@@ -428,7 +428,6 @@ def _check_rows(v: Validation, preds: list[str]) -> list[str]:
 def _summary_rows(s: dict[str, dict[str, Any]], group: str) -> list[str]:
     """The summary table of one grouping (``frameworks`` or ``sources``) plus the overall row; the
     predictor column only when there is more than one, the name column what is left of 100."""
-    from .render.text import WIDTH, shorten
     title = "framework" if group == "frameworks" else "source"
     many = len(s) > 1
     nw = WIDTH - 59 - (10 if many else 0)
@@ -456,7 +455,6 @@ def render(v: "Validation | list[Check]") -> str:
     lines = _check_rows(v, preds)
     if v.not_run:
         lines.append("")
-        from .render.text import wrap
         for n in v.not_run:
             lines += wrap(f"not run: {n.predictor} on {n.case}: {n.reason}")
     s = summary(v.checks)

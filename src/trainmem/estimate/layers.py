@@ -463,14 +463,12 @@ def sdpa_pin_problem(attention: str, half: int, head_dim: int, heads: int, kv_he
                      capability: tuple[int, int] = (8, 0), dropout: float = 0.0) -> str | None:
     """The reason PyTorch refuses ``--attention`` ``attention`` for this model (None when it
     accepts or nothing is pinned): what ``sdpa_backend`` raises for a layer, as text, for
-    validating a setup. ``heads``/``kv_heads``: the model's; ``tp`` splits them per rank as
-    ``layer_coefficients`` does (K/V heads replicated when fewer than ``tp``)."""
+    validating a setup. ``heads``/``kv_heads``: the model's; ``tp`` splits both into whole heads
+    per rank (``spec.layout.tp_problems``), so a rank sees GQA exactly when the model has it."""
     backend = SDPA_PINS.get(attention)
     if backend is None:
         return None
-    rank_heads = heads / tp
-    rank_kv = kv_heads / tp if kv_heads >= tp else 1
-    why = sdpa_refusals(half, head_dim, rank_heads != rank_kv, capability=capability, dropout=dropout)[backend]
+    why = sdpa_refusals(half, head_dim, heads != kv_heads, capability=capability, dropout=dropout)[backend]
     return why or None
 
 
@@ -552,7 +550,7 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
     B = Builder(pol, k.dropout, sp_div, k.capability, k.lora, k.lora_dropout, k.lora_half, k.quant,
                 k.quant_saves_input)
     h, f, q, kv = k.h, k.f / t, k.q / t, k.kv / t
-    heads, kvh = k.heads / t, max(k.kv_heads / t, 1 if k.kv_heads < t else k.kv_heads / t)
+    heads, kvh = k.heads / t, k.kv_heads / t  # whole heads per rank (spec.layout.tp_problems)
     x = T(h / sp_div, 0, pol.stream, "residual")
     build = {"gpt2": _gpt2_layer, "nanogpt": _gpt2_layer, "bert": _bert_layer,
              "roberta-prenorm": _bert_layer}.get(k.family, _llama_layer)

@@ -37,11 +37,12 @@ class StepFlags:
     grads_persistent: bool  # gradients exist from model wrap (Megatron/NeMo main-grad buffers)
     lm: bool                # logits per token over the vocabulary (else per sample over labels)
     zeros: bool             # zero_grad(set_to_none=False): gradients stay allocated between steps
+    quant4: bool = False    # 4-bit base weights: the dequantized-weight moments exist (quant4.py)
 
     @staticmethod
     def of(m: ModelSpec, t: TrainingSpec) -> "StepFlags":
         return StepFlags(t.optimizer_in_backward, t.hold_output, t.distributed_optimizer, is_lm(m),
-                         t.zero_grad == "zeros")
+                         t.zero_grad == "zeros", bool(t.quantize))
 
 
 @dataclass(eq=False)
@@ -194,8 +195,9 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     states = q.states if states_before else 0
     # the previous micro-batch's output, still referenced until this forward returns
     prev_logits, prev_kv = kept.after_backward() if (step > 1 or micro > 0) else (0, 0)
-    _dequant_forward(q, tk, (grads_before, states, tk.inputs, ws), (prev_logits, prev_kv), micro, step, valid,
-                     moments)
+    if flags.quant4:
+        _dequant_forward(q, tk, (grads_before, states, tk.inputs, ws), (prev_logits, prev_kv), micro, step, valid,
+                         moments)
     moments.append(_mo("forward", micro, step, "cross_entropy",
                        (grads_before, states, tk.inputs, ws, tk.all_acts, tk.loss_forward + q.cast_forward_only),
                        (prev_logits + tk.out_logits, prev_kv + tk.kv_held, tk.loss_saved), valid))
@@ -205,9 +207,10 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
                        (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.loss_backward),
                        (kept.logits, kept.kv_forward, tk.loss_saved), valid))
     # a 4-bit LM head dequantizes its weight again for the input gradient (quant4.py)
-    moments.append(_mo("backward", micro, step, "lm_head.backward",
-                       (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.loss_backward + q.head_temp),
-                       (kept.logits, kept.kv_forward, tk.loss_saved), _both(valid, q.head_temp > 0)))
+    if flags.quant4:
+        moments.append(_mo("backward", micro, step, "lm_head.backward",
+                           (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.loss_backward + q.head_temp),
+                           (kept.logits, kept.kv_forward, tk.loss_saved), _both(valid, q.head_temp > 0)))
     fresh = grads_before == 0                                  # gradients are being created, not added to
     layer_grads = where(fresh, tk.layer_grad_part, 0)           # the later linears' of the layer in backward
     states_mid = q.states if (states_before or flags.oib) else 0  # optimizer in backward creates them now

@@ -128,7 +128,7 @@ def step_times(m: ModelSpec, base: TrainingSpec, sp: Speeds, seq: int, global_ba
     lat_tp = np.where(tp <= node, LATENCY_INTRA, LATENCY_INTER)
     tp_comm = tp_vol / bw_tp + np.where(tp > 1, ga * layers * n_coll * lat_tp, 0.0)
     # context parallel (ring attention): K and V blocks of this rank's kv heads
-    kv_local = m.kv_size * np.maximum(1.0, m.num_kv_heads / tp) / m.num_kv_heads
+    kv_local = m.kv_size / tp  # TP splits whole KV heads (spec.layout.tp_problems)
     bw_cp = np.where(tp * cp <= node, sp.intra_bw, sp.inter_bw)
     hops = (3.0 + np.where(rec == 2, 1.0, 0.0)) * (cp - 1)
     lat_cp = np.where(tp * cp <= node, LATENCY_INTRA, LATENCY_INTER)

@@ -119,7 +119,7 @@ def _summary_rows(r: MemoryReport, unit: str) -> list[str]:
         lines += wrap(f"{'GPU ' + name:30s} {fmt(r.capacity, unit):>14s}{limit}   {verdict}: "
                       f"{fmt(abs(m), unit)} {'free' if m >= 0 else 'short'}", indent=" " * 48)
         lines += wrap(f"{'':30s} {'':>14s}   verdict on {fmt(r.device_peak, unit)} = {r.fit_basis}"
-                      + (f" ({fmt(r.hardware.context, unit)})" if r.fit_basis.endswith("CUDA context") else ""),
+                      + (f" ({fmt(r.fit_context, unit)})" if r.fit_context else ""),
                       indent="  ")
     for w in r.warnings:
         lines += wrap(f"warning: {w}", indent=" " * 9)
