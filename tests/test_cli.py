@@ -147,7 +147,7 @@ def configs(tmp_path: Path) -> dict[str, Path]:
         "string_hidden_size": json.dumps(dict(good, hidden_size="4096")),
         "float_layers": json.dumps(dict(good, num_hidden_layers=2.5)),
         "missing_vocab": json.dumps({k: v for k, v in good.items() if k != "vocab_size"}),
-        "unknown_model_type": json.dumps(dict(good, model_type="mamba")),
+        "unknown_model_type": json.dumps(dict(good, model_type="no_such_arch")),
         "unknown_architecture": json.dumps(dict(good, architectures=["LlamaForTokenWrangling"])),
         "good": json.dumps(good),
     }
@@ -171,7 +171,7 @@ def configs(tmp_path: Path) -> dict[str, Path]:
     ("string_hidden_size", "hidden_size must be an integer, got '4096'"),
     ("float_layers", "num_hidden_layers must be an integer"),
     ("missing_vocab", "missing 'vocab_size'"),
-    ("unknown_model_type", "unsupported model_type 'mamba'"),
+    ("unknown_model_type", "unsupported model_type 'no_such_arch'"),
     ("unknown_architecture", "unsupported architecture"),
     ("not_utf8", "not UTF-8"),
     ("dir_without_config", "has no config.json"),

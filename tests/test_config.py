@@ -168,7 +168,7 @@ def _bad(**change):
     (_bad(vocab_size=...), r"missing 'vocab_size'"),
     (_bad(hidden_size=66), r"hidden_size 66 is not divisible by num_attention_heads 4; set head_dim"),
     (_bad(num_key_value_heads=3), r"num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
-    (_bad(model_type="mamba"), r"unsupported model_type 'mamba'"),
+    (_bad(model_type="no_such_arch"), r"unsupported model_type 'no_such_arch': transformers .* does not know it"),
     (_bad(architectures=["LlamaForTokenClassification"]), r"unsupported architecture 'LlamaForTokenClassification'"),
     (_bad(architectures="LlamaForCausalLM"), r"'architectures' must be a list"),
     (_bad(hidden_act="gelu"), r"unsupported gated activation 'gelu'"),

@@ -75,7 +75,31 @@ def default_lora_targets(m: ModelSpec) -> tuple[str, ...]:
         return ("c_attn",)
     if m.family in ("bert", "roberta-prenorm"):
         return ("query", "value")
+    if m.family == "derived":
+        return derived_lora_targets(m)
     return ("q_proj", "v_proj")
+
+
+#: peft's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING (peft/utils/constants.py) for the
+#: decoder model types trainmem derives; a type peft lists nowhere has no default (peft raises)
+PEFT_DEFAULT_TARGETS = {
+    "bloom": ("query_key_value",), "opt": ("q_proj", "v_proj"), "gptj": ("q_proj", "v_proj"),
+    "gpt_neox": ("query_key_value",), "gpt_neo": ("q_proj", "v_proj"), "llama4": ("q_proj", "v_proj"),
+    "llama4_text": ("q_proj", "v_proj"), "chatglm": ("query_key_value",), "gpt_bigcode": ("c_attn",),
+    "mpt": ("Wqkv",), "falcon": ("query_key_value",), "codegen": ("qkv_proj",), "stablelm": ("q_proj", "v_proj"),
+    "phi": ("q_proj", "v_proj", "fc1", "fc2"), "gemma": ("q_proj", "v_proj"), "gemma2": ("q_proj", "v_proj"),
+    "gemma3_text": ("q_proj", "v_proj"), "qwen3": ("q_proj", "v_proj"), "nemotron_h": ("q_proj", "k_proj", "v_proj", "o_proj"),
+}
+
+
+def derived_lora_targets(m: ModelSpec) -> tuple[str, ...]:
+    """peft's default LoRA targets of a derived model's type, or a one-line error naming the fix."""
+    from ..errors import TrainmemError
+    if m.model_type in PEFT_DEFAULT_TARGETS:
+        return PEFT_DEFAULT_TARGETS[m.model_type]
+    linears = sorted({p.module for p in m.parameter_tensors() if p.is_matmul and p.layer is not None})
+    raise TrainmemError(f"peft has no default LoRA target modules for model_type {m.model_type!r}: pass "
+                        f"--lora-targets (its linear modules: {', '.join(linears)})")
 
 
 def state_bytes(optimizer: str, shape: tuple[int, ...], numel: int, sbytes: int, whole: int | None = None
@@ -264,8 +288,8 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
     lora = _lora_tensors(m, t)
     _lora_adapters(t, r, acc, lora)
     _buffers(m, r, acc, before, layer, after)
-    placed = _placed_bytes(tuple(x for _, x in before), tuple(x for _, x in layer), r.per_stage,
-                           tuple(x for _, x in after))
+    placed = _placed_bytes(tuple(x for _, x in before), tuple(x for _, x in layer),
+                           r.per_stage if m.uniform_layers else 1, tuple(x for _, x in after))
     weights = placed - acc.buffers + acc.lora_w
     master, opt, step_t = acc.master, acc.opt, acc.step_t
     if t.offload_optimizer:  # ZeRO-Offload: fp32 master weights and optimizer states live in host memory
@@ -280,12 +304,19 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
 
 def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: list, layer: list,
                   after: list) -> None:
-    """The model's own parameters on this rank (layer 0 standing for each of the stage's layers)."""
+    """The model's own parameters on this rank. Identical layers: layer 0 stands for each of the
+    stage's layers. Layers that differ (``ModelSpec.uniform_layers`` false): each of the stage's
+    layers is counted, ``layer`` lists all of them in load order, and the per-layer figures
+    (``layer_grads``, ``lmh``) are the stage's average layer, ``lpf`` its largest."""
     frozen = bool(t.lora_rank)
-    for p in m.first_layer_and_outer_tensors:
+    uniform = m.uniform_layers
+    lpf_of: dict[int, int] = {}
+    for p in (m.first_layer_and_outer_tensors if uniform else m.parameter_tensors()):
         if p.layer is None and not r.holds(m, t.pp, p):
             continue
-        k = r.per_stage if p.layer is not None else 1  # identical layers on this rank
+        if p.layer is not None and not uniform and not r.lo <= p.layer < r.hi:
+            continue
+        k = r.per_stage if (p.layer is not None and uniform) else 1  # identical layers on this rank
         n = _tp_div(p, t.tp)
         acc.params_rank += k * n
         dest = layer if p.layer is not None else (after if layer else before)
@@ -300,7 +331,7 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
         item = (p.name, -(-wb // r.d) if r.zero == 3 else wb)
         dest.append(item)
         if p.layer is not None:
-            acc.lpf += n * r.gather  # FSDP2 MixedPrecisionPolicy gathers in param_dtype (bf16)
+            lpf_of[p.layer] = lpf_of.get(p.layer, 0) + n * r.gather  # FSDP2 gathers in param_dtype (bf16)
             # autocast caches half copies of the weights its matmuls cast; transformers' grouped_mm
             # experts have no autocast rule and run in the weights' dtype (no copies)
             if p.is_matmul and t.amp and p.role != "expert":
@@ -314,6 +345,10 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
             acc.layer_grads += g
         elif p.role != "embedding":
             acc.head_grads += g
+    acc.lpf = max(lpf_of.values(), default=0)
+    if not uniform and r.per_stage:
+        acc.layer_grads = -(-acc.layer_grads // r.per_stage)
+        acc.lmh = -(-acc.lmh // r.per_stage)
     if m.tied_embeddings and t.amp and m.head in ("causal-lm", "masked-lm") and (t.pp == 1 or r.stage == "last"):
         # the tied embedding is also the LM head: autocast casts it for the head matmul
         emb = next(p for p in m.parameter_tensors() if p.role == "embedding")

@@ -21,7 +21,6 @@ from ..errors import TrainmemError
 from ..progress import progress
 from ..report import MemoryReport
 from ..spec.resolve import TRAINING_DEFAULTS, Resolved
-from ..spec.training import LEARNED_POSITION_FAMILIES
 from ._common import Evaluator
 from .suggest import Suggestion, suggest_for
 
@@ -149,7 +148,7 @@ def fit(model: Any, gpu: Any = None, by: str = "estimate", seq_multiple: int = 1
         step = math.lcm(seq_multiple, *_seq_divisors(model, options))
         ev = Evaluator(model, by=by, gpu=gpu, batch_size=batch_size, seq_len=step, **options)
         search, fixed, m = "seq_len", {"batch_size": batch_size}, ev.model
-        if m.family in LEARNED_POSITION_FAMILIES:
+        if m.learned_positions:
             k_max, cap_reason = m.max_positions // step, "max_positions"
         else:
             k_max, cap_reason = SEQ_CAP // step, "search_cap"

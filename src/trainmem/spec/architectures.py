@@ -140,6 +140,9 @@ def _head(s: ModelSpec) -> Iterator[ParamTensor]:
 
 def build_parameter_tensors(s: ModelSpec) -> list[ParamTensor]:
     """All trainable tensors of ``s`` in registration order (tied tensors once)."""
+    if s.family == "derived":
+        from .profile import profile_for
+        return profile_for(s.config).parameter_tensors()
     if s.family in ("gpt2", "nanogpt"):
         return list(_gpt2(s))
     if s.family in ("bert", "roberta-prenorm"):
@@ -150,6 +153,9 @@ def build_parameter_tensors(s: ModelSpec) -> list[ParamTensor]:
 def build_buffer_tensors(s: ModelSpec) -> list[BufferTensor]:
     """Registered buffers: position/token-type ids (BERT), rotary frequencies, nanoGPT masks."""
     out: list[BufferTensor] = []
+    if s.family == "derived":
+        from .profile import profile_for
+        return list(profile_for(s.config).buffers)
     if s.family in ("bert", "roberta-prenorm"):
         out.append(BufferTensor("embeddings.position_ids", (1, s.max_positions), "int64"))
         out.append(BufferTensor("embeddings.token_type_ids", (1, s.max_positions), "int64"))

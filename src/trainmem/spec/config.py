@@ -495,8 +495,31 @@ def spec_from_config(config: Mapping[str, Any], name: str = "model") -> ModelSpe
         return _bert_spec(cfg, mtype, arch, name, common)
     if mtype in _LLAMA_LIKE:
         return _llama_spec(cfg, extra, mtype, arch, name, common)
-    raise TrainmemError(f"model {name!r}: unsupported model_type {mtype!r} (trainmem knows gpt2, bert, "
-                        f"xlm-roberta-xl, llama, mistral, qwen2, mixtral)")
+    return _derived_spec(cfg, arch, name, common)
+
+
+def _derived_spec(cfg: dict[str, Any], arch: str, name: str, common: dict[str, Any]) -> ModelSpec:
+    """Any other model_type: the sizes and tensors transformers builds for it (``spec.profile``:
+    shipped for catalogue entries, else built on the meta device with transformers and cached);
+    its activations are derived from traces of the real model (``trace.derive``)."""
+    from .profile import fingerprint, profile_for
+    try:
+        prof = profile_for(cfg)
+    except TrainmemError as e:
+        raise TrainmemError(f"model {name!r}: {e}") from None
+    s = prof.summary
+    learned = any(p.role == "embedding" and p.layer == -1 and len(p.shape) == 2 and
+                  s["max_positions"] <= p.shape[0] <= s["max_positions"] + 2 and p.shape[0] != s["vocab_size"]
+                  for p in prof.outer)
+    heads, kv = s["num_heads"], s["num_kv_heads"]
+    return ModelSpec(
+        family="derived", head="causal-lm", num_layers=s["num_layers"], hidden_size=s["hidden_size"],
+        num_heads=heads, num_kv_heads=kv if kv and heads % kv == 0 else heads,
+        head_dim=s["head_dim"] or max(1, s["hidden_size"] // heads), vocab_size=s["vocab_size"],
+        ffn_size=s["ffn_size"], activation="gelu", max_positions=s["max_positions"],
+        tied_embeddings=s["tie_word_embeddings"], position="learned" if learned else "rotary",
+        num_experts=s["num_experts"], experts_top_k=s["experts_top_k"] if s["num_experts"] else 0,
+        fingerprint=fingerprint(cfg), **dict(common, architecture=arch or prof.architecture))
 
 
 def resolve_model(model: "str | ModelSpec | Mapping[str, Any]",

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from ..errors import TrainmemError
 
-FAMILIES = ("gpt2", "nanogpt", "bert", "roberta-prenorm", "llama", "mixtral", "gpt-next")
+FAMILIES = ("gpt2", "nanogpt", "bert", "roberta-prenorm", "llama", "mixtral", "gpt-next", "derived")
 HEADS = ("causal-lm", "masked-lm", "seq-cls", "base")
 ACTIVATIONS = ("gelu", "swiglu", "relu")
 NORMS = ("layernorm", "rmsnorm")
@@ -90,6 +90,7 @@ class ModelSpec:
     final_norm: bool = True
     architecture: str = ""  # the config's architectures[0], e.g. "LlamaForCausalLM"
     model_type: str = ""
+    fingerprint: str = ""  # family "derived": the config's hash, which names its profile (spec.profile)
     config: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -138,6 +139,12 @@ class ModelSpec:
         return self.num_kv_heads * self.head_dim
 
     @property
+    def learned_positions(self) -> bool:
+        """Whether positions are a learned table (sequences longer than it cannot run)."""
+        return self.family in ("gpt2", "nanogpt", "bert", "roberta-prenorm") or (
+            self.family == "derived" and self.position == "learned")
+
+    @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
@@ -165,9 +172,18 @@ class ModelSpec:
         return self._buffers
 
     @cached_property
+    def uniform_layers(self) -> bool:
+        """Whether every layer has the same tensors (the hand-written families always; a derived
+        architecture unless its layers differ, e.g. DeepSeek's dense first layers)."""
+        if self.family != "derived":
+            return True
+        from .profile import profile_for
+        return profile_for(self.config).uniform
+
+    @cached_property
     def first_layer_and_outer_tensors(self) -> tuple[ParamTensor, ...]:
-        """The tensors outside the layers and those of layer 0, in registration order: all layers
-        are identical, so sums over a model need only these."""
+        """The tensors outside the layers and those of layer 0, in registration order: when all
+        layers are identical (``uniform_layers``), sums over a model need only these."""
         return tuple(t for t in self._tensors if t.layer is None or t.layer == 0)
 
     @cached_property
@@ -177,7 +193,9 @@ class ModelSpec:
 
     @cached_property
     def layer_params(self) -> int:
-        """Parameters of one transformer layer (all layers are identical)."""
+        """Parameters of one transformer layer (the average layer when they differ)."""
+        if not self.uniform_layers:
+            return sum(t.numel for t in self._tensors if t.layer is not None) // self.num_layers
         return sum(t.numel for t in self._tensors if t.layer == 0)
 
     @cached_property

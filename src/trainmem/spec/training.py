@@ -323,7 +323,7 @@ LEARNED_POSITION_FAMILIES = ("gpt2", "nanogpt", "bert", "roberta-prenorm")
 def default_seq_len(model: Any) -> int:
     """The sequence length used when none is given: 2048 tokens, or the model's learned positions
     when it has fewer (GPT-2: 1024, BERT: 512)."""
-    if model.family in LEARNED_POSITION_FAMILIES:
+    if model.learned_positions:
         return min(2048, model.max_positions)
     return 2048
 
@@ -334,7 +334,7 @@ def check_against(model: Any, t: TrainingSpec) -> None:
     problems = layout_problems(model, t.tp, t.pp, t.cp, t.seq_len, t.sequence_parallel)
     if problems:
         raise TrainmemError(problems[0].message(model.name))
-    if model.family in LEARNED_POSITION_FAMILIES and t.seq_len > model.max_positions:
+    if model.learned_positions and t.seq_len > model.max_positions:
         raise TrainmemError(f"--seq-len {t.seq_len} exceeds the {model.max_positions} learned positions of "
                             f"{model.name}; use --seq-len <= {model.max_positions}")
     if t.quantize and model.num_experts:

@@ -1,0 +1,318 @@
+"""An architecture's tensors as transformers builds them: the profile of any decoder model.
+
+The hand-written families (``architectures.py``) list their tensors from formulas. Every other
+``model_type`` transformers ships is read from the model itself: ``build_profile`` builds the
+class its config's ``architectures`` names on the ``meta`` device (no memory, ~0.05 s) and records
+each parameter (name, shape, role, leaf module, layer), each buffer, the decoder layers'
+``ModuleList`` and the sizes the engine needs (read from the config *object*, so that defaults
+and ``attribute_map`` spellings are transformers' own). Identical layers share one *kind*; a
+model whose layers differ (DeepSeek's dense first layers, Qwen3-MoE's ``mlp_only_layers``) lists
+one kind per layer.
+
+Profiles are keyed by ``fingerprint(config)``: the catalogue's are shipped under
+``spec/profiles/`` (so that ``estimate`` on them needs neither torch nor transformers), others are
+built once and kept in the user cache (``cache_dir()``).
+
+Roles, from the module that owns the parameter: ``nn.Embedding`` -> embedding; the weight of an
+``nn.Linear``/``Conv1D``/convolution -> linear (``router`` when it is a MoE gate: a linear whose
+output width is the number of experts); a Linear's bias -> bias; a 3-D parameter of another
+module (transformers >= 5 fuses each MoE layer's experts into ``(experts, out, in)`` tensors) ->
+expert; anything else (norm weights and biases, SSM vectors) -> norm.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+from typing import Any, Mapping
+
+from ..errors import TrainmemError
+from .model import BufferTensor, ParamTensor
+
+PROFILE_VERSION = 1
+_LAYER_LIST_NAMES = ("layers", "h", "layer", "blocks", "block", "decoder_layers")
+#: the config keys (after transformers resolves its attribute_map) a profile's summary reads
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+_TOPK_KEYS = ("num_experts_per_tok", "moe_topk", "top_k", "num_experts_per_token")
+
+
+def fingerprint(config: Mapping[str, Any]) -> str:
+    """A stable hash of a config: its keys and values except trainmem's own (``_trainmem``) and
+    fields that do not change the tensors (dtype, versions, token ids, names)."""
+    skip = {"_trainmem", "_name_or_path", "torch_dtype", "dtype", "transformers_version", "bos_token_id",
+            "eos_token_id", "pad_token_id", "use_cache", "auto_map", "quantization_config", "initializer_range"}
+    core = {k: v for k, v in config.items() if k not in skip}
+    text = json.dumps(core, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+@dataclass(frozen=True)
+class Profile:
+    """The tensors of one architecture (see the module docstring)."""
+
+    model_type: str
+    architecture: str
+    layers_prefix: str                         # e.g. "model.layers"
+    summary: dict[str, Any]                    # sizes for ModelSpec
+    outer: tuple[ParamTensor, ...]             # tensors outside the layers, registration order
+    kinds: dict[str, tuple[ParamTensor, ...]]  # per layer kind, layer index 0 (renumbered on use)
+    layer_kinds: tuple[str, ...]               # the kind of each layer
+    buffers: tuple[BufferTensor, ...]
+    transformers_version: str = ""
+
+    def parameter_tensors(self) -> list[ParamTensor]:
+        """Every parameter, layers in order between the tensors registered before and after them."""
+        before = [p for p in self.outer if p.layer == -1]
+        after = [p for p in self.outer if p.layer != -1]
+        out = [ParamTensor(p.name, p.shape, p.role, p.module, None) for p in before]
+        for i, kind in enumerate(self.layer_kinds):
+            for p in self.kinds[kind]:
+                out.append(ParamTensor(f"{self.layers_prefix}.{i}.{p.name}", p.shape, p.role, p.module, i))
+        out += [ParamTensor(p.name, p.shape, p.role, p.module, None) for p in after]
+        return out
+
+    @property
+    def uniform(self) -> bool:
+        return len(set(self.layer_kinds)) <= 1
+
+    def to_json(self) -> dict[str, Any]:
+        def row(p: ParamTensor) -> list[Any]:
+            return [p.name, list(p.shape), p.role, p.module] + ([p.layer] if p.layer == -1 else [])
+        return {"version": PROFILE_VERSION, "model_type": self.model_type, "architecture": self.architecture,
+                "layers_prefix": self.layers_prefix, "summary": self.summary,
+                "outer": [row(p) for p in self.outer],
+                "kinds": {k: [row(p) for p in v] for k, v in self.kinds.items()},
+                "layer_kinds": list(self.layer_kinds),
+                "buffers": [[b.name, list(b.shape), b.dtype] for b in self.buffers],
+                "transformers_version": self.transformers_version}
+
+    @staticmethod
+    def from_json(d: Mapping[str, Any]) -> "Profile":
+        def tensor(r: list[Any], layer: int | None) -> ParamTensor:
+            return ParamTensor(r[0], tuple(r[1]), r[2], r[3], r[4] if len(r) > 4 else layer)
+        return Profile(d["model_type"], d["architecture"], d["layers_prefix"], dict(d["summary"]),
+                       tuple(tensor(r, None) for r in d["outer"]),
+                       {k: tuple(tensor(r, 0) for r in v) for k, v in d["kinds"].items()},
+                       tuple(d["layer_kinds"]), tuple(BufferTensor(n, tuple(s), dt) for n, s, dt in d["buffers"]),
+                       d.get("transformers_version", ""))
+
+
+# ----- where profiles live --------------------------------------------------------------------
+def cache_dir() -> str:
+    """trainmem's user cache: $TRAINMEM_CACHE, else $XDG_CACHE_HOME/trainmem, else ~/.cache/trainmem."""
+    if os.environ.get("TRAINMEM_CACHE"):
+        return os.path.expanduser(os.environ["TRAINMEM_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "trainmem")
+
+
+def _shipped(kind: str, key: str) -> str | None:
+    try:
+        f = resources.files("trainmem.spec").joinpath(kind, f"{key}.json")
+        return f.read_text() if f.is_file() else None
+    except (FileNotFoundError, ModuleNotFoundError):
+        return None
+
+
+def read_cached(kind: str, key: str) -> dict[str, Any] | None:
+    """A shipped (``trainmem/spec/<kind>/``) or cached (``cache_dir()/<kind>/``) JSON document."""
+    text = _shipped(kind, key)
+    if text is None:
+        path = os.path.join(cache_dir(), kind, f"{key}.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError:
+            return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
+
+
+def write_cached(kind: str, key: str, doc: Mapping[str, Any]) -> None:
+    """Keep ``doc`` in the user cache; a cache that cannot be written is skipped silently (the
+    document is rebuilt next time)."""
+    folder = os.path.join(cache_dir(), kind)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        tmp = os.path.join(folder, f".{key}.{os.getpid()}.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(doc, f)
+        os.replace(tmp, os.path.join(folder, f"{key}.json"))
+    except OSError:
+        pass
+
+
+@lru_cache(maxsize=256)
+def _profile_for(key: str, config_json: str) -> Profile:
+    doc = read_cached("profiles", key)
+    if doc is not None and doc.get("version") == PROFILE_VERSION:
+        return Profile.from_json(doc)
+    prof = build_profile(json.loads(config_json))
+    write_cached("profiles", key, prof.to_json())
+    return prof
+
+
+def profile_for(config: Mapping[str, Any]) -> Profile:
+    """The profile of ``config``: shipped, cached, or built with transformers (then cached)."""
+    clean = {k: v for k, v in config.items() if not k.startswith("_")}
+    return _profile_for(fingerprint(config), json.dumps(clean, sort_keys=True, default=str))
+
+
+# ----- building one -----------------------------------------------------------------------------
+def hf_config_object(config: Mapping[str, Any]) -> Any:
+    """transformers' config object for a config dict (its class from ``model_type``)."""
+    try:
+        import transformers
+    except ImportError:
+        raise TrainmemError(f"model_type {config.get('model_type')!r} has no bundled profile; reading it needs "
+                            f"transformers: pip install transformers") from None
+    d = {k: v for k, v in config.items() if not k.startswith("_") and k != "model_type"}
+    try:
+        return transformers.AutoConfig.for_model(str(config["model_type"]), **d)
+    except (ValueError, KeyError) as e:
+        raise TrainmemError(f"unsupported model_type {config['model_type']!r}: transformers "
+                            f"{transformers.__version__} does not know it (a newer transformers may)") from None
+
+
+def model_class(config: Mapping[str, Any], cfg_obj: Any) -> Any:
+    """The causal-LM class of the config: its ``architectures[0]`` when transformers has it, else
+    ``AutoModelForCausalLM``'s class for the config."""
+    import transformers
+    archs = config.get("architectures") or []
+    cls = getattr(transformers, archs[0], None) if archs else None
+    if cls is None:
+        mapping = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING
+        try:
+            cls = mapping[type(cfg_obj)]
+        except KeyError:
+            raise TrainmemError(f"model_type {config['model_type']!r}: transformers has no causal-LM class for it "
+                                f"(trainmem derives decoder-only causal LMs)") from None
+    return cls
+
+
+def build_profile(config: Mapping[str, Any]) -> Profile:
+    """Build the model of ``config`` on the meta device and read its tensors (needs torch and
+    transformers)."""
+    import torch
+    import transformers
+    mtype = str(config.get("model_type"))
+    cfg = hf_config_object(config)
+    cls = model_class(config, cfg)
+    if not cls.__name__.endswith("ForCausalLM"):
+        raise TrainmemError(f"model_type {mtype!r} ({cls.__name__}): trainmem derives decoder-only causal LMs "
+                            f"(a *ForCausalLM class); this architecture is not one")
+    try:
+        with torch.device("meta"):
+            model = cls._from_config(cfg)
+    except Exception as e:  # a config that does not build: say which and why, once
+        raise TrainmemError(f"model_type {mtype!r}: {cls.__name__} does not build from this config on the meta "
+                            f"device ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
+    return profile_of_module(model, mtype, cls.__name__, summary(cfg), transformers.__version__)
+
+
+def summary(cfg: Any) -> dict[str, Any]:
+    """The sizes a ModelSpec needs, read from transformers' config object (defaults and aliases
+    resolved by transformers)."""
+    def first(*keys: str, default: Any = None) -> Any:
+        for k in keys:
+            v = getattr(cfg, k, None)
+            if v is not None and not isinstance(v, bool):
+                return v
+        return default
+    text = getattr(cfg, "get_text_config", lambda: cfg)()
+    cfg = text if text is not None else cfg
+    h = int(first("hidden_size", "d_model", "n_embd", "dim"))
+    heads = int(first("num_attention_heads", "n_head", "num_heads", default=1))
+    kv = first("num_key_value_heads", "num_kv_heads", "n_head_kv", default=None)
+    if kv is None and getattr(cfg, "multi_query", False):
+        kv = 1
+    head_dim = first("head_dim", "attention_head_dim", default=None)
+    experts = int(first(*_EXPERT_KEYS, default=0) or 0)
+    if not first(*_TOPK_KEYS, default=0):
+        experts = 0  # no top-k in the config: not read as a mixture of experts
+    return {"num_layers": int(first("num_hidden_layers", "n_layer", "num_layers")), "hidden_size": h,
+            "num_heads": heads, "num_kv_heads": int(kv) if kv else heads,
+            "head_dim": int(head_dim) if head_dim else (h // heads if h % heads == 0 else None),
+            "vocab_size": int(first("vocab_size")),
+            "ffn_size": int(first("intermediate_size", "ffn_hidden_size", "n_inner", "d_ff", default=4 * h) or 4 * h),
+            "max_positions": int(first("max_position_embeddings", "n_positions", "max_seq_len", default=2048)),
+            "num_experts": experts,
+            "experts_top_k": int(first(*_TOPK_KEYS, default=0) or 0) if experts else 0,
+            "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
+            "use_cache": bool(getattr(cfg, "use_cache", True))}
+
+
+def _layers_list(model: Any, num_layers: int) -> str:
+    """The dotted name of the decoder layers' ModuleList (the longest list of ``num_layers``)."""
+    import torch
+    found = [(name, mod) for name, mod in model.named_modules()
+             if isinstance(mod, torch.nn.ModuleList) and len(mod) == num_layers]
+    if not found:
+        raise TrainmemError(f"{type(model).__name__}: no list of {num_layers} layers found among its modules")
+    found.sort(key=lambda nm: (nm[0].rsplit(".", 1)[-1] not in _LAYER_LIST_NAMES, nm[0].count(".")))
+    return found[0][0]
+
+
+def _role(mod: Any, pname: str, param: Any, experts: int) -> str:
+    import torch
+    conv1d = type(mod).__name__ == "Conv1D"  # transformers.pytorch_utils.Conv1D (GPT-2 style)
+    if isinstance(mod, torch.nn.Embedding):
+        return "embedding"
+    if isinstance(mod, torch.nn.Linear) or conv1d or isinstance(mod, torch.nn.modules.conv._ConvNd):
+        if pname == "bias":
+            return "bias"
+        if experts and isinstance(mod, torch.nn.Linear) and mod.out_features == experts:
+            return "router"
+        return "linear"
+    if param.dim() == 3:
+        return "expert"
+    if param.dim() == 2 and experts and param.shape[0] == experts:
+        return "router"  # a router kept as a bare (experts, hidden) parameter
+    return "norm"
+
+
+def profile_of_module(model: Any, model_type: str, architecture: str, summ: dict[str, Any],
+                      tf_version: str = "") -> Profile:
+    """Read the parameters and buffers of a built (meta) model into a Profile."""
+    prefix = _layers_list(model, summ["num_layers"])
+    modules = dict(model.named_modules())
+    pat = re.compile(re.escape(prefix) + r"\.(\d+)\.(.+)$")
+    per_layer: dict[int, list[ParamTensor]] = {i: [] for i in range(summ["num_layers"])}
+    outer: list[ParamTensor] = []
+    seen_layers = False
+    for name, p in model.named_parameters():
+        mod_name, _, pname = name.rpartition(".")
+        mod = modules.get(mod_name)
+        role = _role(mod, pname, p, summ["num_experts"])
+        leaf = mod_name.rsplit(".", 1)[-1] if mod_name else ""
+        m = pat.match(name)
+        if m:
+            seen_layers = True
+            per_layer[int(m.group(1))].append(ParamTensor(m.group(2), tuple(p.shape), role, leaf, 0))
+        else:
+            outer.append(ParamTensor(name, tuple(p.shape), role, leaf, None if seen_layers else -1))
+    kinds: dict[str, tuple[ParamTensor, ...]] = {}
+    sig_to_kind: dict[tuple, str] = {}
+    layer_kinds = []
+    for i in range(summ["num_layers"]):
+        tensors = tuple(per_layer[i])
+        sig = tuple((p.name, p.shape, p.role) for p in tensors)
+        if sig not in sig_to_kind:
+            sig_to_kind[sig] = f"k{len(sig_to_kind)}"
+            kinds[sig_to_kind[sig]] = tensors
+        layer_kinds.append(sig_to_kind[sig])
+    bufs = []
+    for name, b in model.named_buffers():
+        dt = {"torch.float32": "float32", "torch.int64": "int64", "torch.bool": "bool"}.get(str(b.dtype), "model")
+        bufs.append(BufferTensor(name, tuple(b.shape), dt))
+    summ = dict(summ, tie_word_embeddings=not any(p.role != "embedding" and p.layer is None and
+                                                  len(p.shape) == 2 and p.shape[0] == summ["vocab_size"]
+                                                  for p in outer if p.layer != -1))
+    return Profile(model_type, architecture, prefix, summ, tuple(outer), kinds, tuple(layer_kinds), tuple(bufs),
+                   tf_version)
