@@ -82,9 +82,7 @@ def hf_config(spec: ModelSpec, t: TrainingSpec) -> Any:
 def hf_factory(spec: ModelSpec, t: TrainingSpec) -> Callable[[], torch.nn.Module]:
     """A zero-argument function that builds the model from its config (random weights)."""
     import transformers
-    # transformers' attn_implementation: SDPA for "sdpa", a pinned SDPA backend and flash (the
-    # emulated GPU runs flash attention through SDPA's flash kernel)
-    impl = "eager" if t.attention == "eager" else "sdpa"
+    impl = attention_implementation(spec, t)[0]
 
     # weights in fp32 unless the precision is "pure" half (the config's torch_dtype is for storage)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision, torch.float32)
@@ -100,6 +98,22 @@ def hf_factory(spec: ModelSpec, t: TrainingSpec) -> Callable[[], torch.nn.Module
         return cls._from_config(config, attn_implementation=impl, dtype=dtype)
 
     return build
+
+
+def attention_implementation(spec: ModelSpec, t: TrainingSpec) -> tuple[str, str]:
+    """transformers' ``attn_implementation`` for the setup and a note when it is not what was asked:
+    SDPA for ``sdpa``, a pinned SDPA backend and flash (the emulated GPU runs flash attention through
+    SDPA's flash kernel); eager for ``eager``. A class without an SDPA path (``_supports_sdpa``
+    false: Gemma 2, Mamba) runs eager, as ``from_pretrained`` picks it when none is requested
+    (transformers ``modeling_utils.py`` ``_check_and_adjust_attn_implementation``)."""
+    if t.attention == "eager":
+        return "eager", ""
+    import transformers
+    cls = getattr(transformers, spec.architecture, None) if spec.architecture else None
+    if cls is not None and not getattr(cls, "_supports_sdpa", True):
+        return "eager", (f"{spec.architecture} has no SDPA attention in transformers: it runs eager attention "
+                         f"(--attention {t.attention} is not honoured)")
+    return "sdpa", ""
 
 
 def optimizer_class(t: TrainingSpec, lr: float = 1e-4) -> tuple[type, dict[str, Any]]:

@@ -75,7 +75,7 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any) -
     inflight = where(q.fixed_inflight > 0, q.fixed_inflight, minimum(q.pp_inflight, ga))
     layer = trunc(q.kept_tok * n + q.kept_sq * nsq)                        # (b, s, ...) per layer
     layers = layer * q.layers * inflight + (q.cast_layer * q.layers - q.cast_forward_only)
-    outer_rest = trunc(q.outer_rest_tok * n + q.outer_rest_sq * nsq) * inflight
+    outer_rest = trunc(q.outer_rest_tok * n + q.outer_rest_sq * nsq + q.outer_rest_pos * (n // b)) * inflight
     outer_head = trunc(q.outer_head_tok * n)
     all_acts = layers + outer_rest + outer_head * inflight + q.cast_head
     index, value, grads = best_transient(q.transients, n, nsq)
@@ -90,7 +90,7 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any) -
     kv_tok = trunc(q.held_tok * n)
     return Tokens(inflight, layer, layers, outer_rest, outer_head, all_acts, redo, grads, index,
                   block_bytes(n * 8) + block_bytes(labels * 8), full * q.logits_held, full * q.logits_out,
-                  saved, full * q.loss_forward + chunk * q.loss_forward_chunk,
+                  saved, full * q.loss_forward + chunk * q.loss_forward_chunk + trunc(q.head_loss_tok * n),
                   full * q.loss_backward + chunk * q.loss_backward_chunk,
                   kv_tok * q.layers * inflight, trunc(q.cache_tok * n) - kv_tok,
                   q.fwd_temp + trunc(q.fwd_temp_tok * n))

@@ -24,12 +24,13 @@ from ..spec.model import ModelSpec
 from ..spec.training import TrainingSpec
 from .cache import BoundedCache
 from .elementwise import NEVER
+from .derived import head_during_loss as derived_head_loss, layer_coefs as derived_layer, outer as derived_outer
 from .layers import LayerCoefs, LayerKey, Policy, layer_coefficients
 from .quant4 import dequant_dtypes, is_quantized
 from .states import States, block_bytes, default_lora_targets, model_states
 
 F32 = 4
-HEAD_KEYS = ("final_norm", "lm_head.input", "mlm.transform", "pooler.input")
+HEAD_KEYS = ("final_norm", "lm_head.input", "mlm.transform", "pooler.input", "derived.head_side")
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,8 @@ class Quantities:
     outer_head_tok: float  # final norm / head input, per token
     outer_rest_tok: float  # embeddings' saved tensors, rotary tables, 4-D mask
     outer_rest_sq: float
+    outer_rest_pos: float  # per sequence position, shared by the micro-batch (derived architectures)
+    head_loss_tok: float   # per token, alive only while the model's own loss runs (derived architectures)
     cast_layer: int        # autocast half copies of one layer's matmul weights, saved for backward
     cast_head: int         # the head's half copy
     cast_forward_only: int  # full recompute: the layers' copies live only until forward ends
@@ -440,7 +443,8 @@ def clear_cache() -> None:
 def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     pol = Policy.of(t.precision)
     st = model_states(m, t, stage)
-    lc = layer_coefficients(layer_key(m, t))
+    derived = m.family == "derived"
+    lc = derived_layer(m, t, stage) if derived else layer_coefficients(layer_key(m, t))
     layers = m.num_layers // t.pp
     oib = t.optimizer_in_backward
     sp = t.tp if t.sequence_parallel else 1
@@ -458,7 +462,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     sharded = t.zero_stage == 3 and t.shard_group > 1
     cast_layer = st.layer_matmul_half if pol.amp and not sharded else 0
     cast_head = st.head_matmul_half if pol.amp and not sharded and head_here else 0
-    outer = outer_tensors(m, t, pol, stage)
+    outer, rest_pos = derived_outer(m, t, stage) if derived else (outer_tensors(m, t, pol, stage), 0.0)
     head_tok = rest_tok = rest_sq = 0.0  # per token: final norm / head input; the rest (embeddings, masks)
     for name, tok, sq in outer:
         if name in HEAD_KEYS:
@@ -479,7 +483,8 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         pp_inflight=t.pp, fixed_inflight=inflight_fixed, saved_tok=lc.tok, saved_sq=lc.sq,
         kept_tok=kept[0], kept_sq=kept[1], redo_tok=redo[0], redo_sq=redo[1],
         redo_const=cast_layer if (checkpointed and top_recomputed) else 0, held_tok=lc.held, cache_tok=lc.cache,
-        outer_head_tok=head_tok, outer_rest_tok=rest_tok, outer_rest_sq=rest_sq,
+        outer_head_tok=head_tok, outer_rest_tok=rest_tok, outer_rest_sq=rest_sq, outer_rest_pos=rest_pos,
+        head_loss_tok=derived_head_loss(m, t, stage) if derived else 0.0,
         cast_layer=cast_layer, cast_head=cast_head, cast_forward_only=cast_layer * checkpointed,
         logit_chunks=t.loss_chunks, logit_width=m.vocab_size if is_lm(m) else m.num_labels,
         tp=t.tp if is_lm(m) else 1, logits_held=loss.held, logits_out=loss.out, loss_saved=loss.saved,

@@ -41,6 +41,10 @@ class Problem:
 def tp_problems(model: Any, tp: int) -> list[Problem]:
     """Why ``tp`` cannot split ``model``'s heads, key/value heads or MLP (empty when it can)."""
     out = []
+    if tp > 1 and getattr(model, "family", "") == "derived":
+        # its activations come from one-GPU traces (estimate/derived.py): no TP-sharded layer to trace
+        return [Problem("tp", tp, "is not modelled for an architecture without hand-written formulas",
+                        "use --tp 1 (data parallelism, ZeRO/FSDP and pipelines are modelled)")]
     if model.num_heads % tp:
         out.append(Problem("tp", tp, f"does not divide the {model.num_heads} attention heads",
                            f"choose a TP size that divides {model.num_heads}"))
@@ -80,6 +84,9 @@ def layout_problems(model: Any, tp: int = 1, pp: int = 1, cp: int = 1, seq_len: 
                     sequence_parallel: bool = False) -> list[Problem]:
     """Every divisibility rule ``model`` and the layout break, tensor parallelism first."""
     out = tp_problems(model, tp) + pp_problems(model, pp)
+    if cp > 1 and getattr(model, "family", "") == "derived":
+        out.append(Problem("cp", cp, "is not modelled for an architecture without hand-written formulas",
+                           "use --cp 1"))
     if seq_len is not None:
         out += sequence_problems(seq_len, tp, cp, sequence_parallel)
     return out

@@ -1,0 +1,143 @@
+"""The engine's layer and outer coefficients for a derived architecture (``ModelSpec.family ==
+"derived"``): any model type without hand-written formulas.
+
+The coefficients are measured, not written: ``trainmem.trace.derive`` traces the real model cut to
+a few layers at three batch/sequence points and fits each quantity (see its docstring). They are
+keyed by what changes them — the config's fingerprint, precision, attention, dropout, LoRA — and
+looked up in order: this process's memory, the coefficients shipped with the package
+(``trainmem/spec/coefficients/``, for the catalogue's models in their default setups), the user
+cache (``spec.profile.cache_dir()``), and last a derivation, which needs torch and transformers
+(seconds) and is cached. This is the one place the estimate reaches up to ``trace``, and only for
+a derived architecture whose coefficients are nowhere stored.
+
+What the derivation does not cover is refused in one line (``derived_problems``): tensor and
+context parallelism and sequence parallelism (the traced model is one GPU's), bitsandbytes 4-bit
+bases (trace cannot build them).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from functools import lru_cache
+from typing import Any
+
+from ..errors import TrainmemError
+from ..spec.model import ModelSpec
+from ..spec.profile import read_cached, write_cached
+from ..spec.training import TrainingSpec
+from .layers import LayerCoefs
+
+COEF_VERSION = 7
+
+
+def derived_problems(m: ModelSpec, t: TrainingSpec) -> list[str]:
+    """What a derived architecture's estimate cannot model in setup ``t`` (empty when it can)."""
+    out = []
+    if t.tp > 1 or t.sequence_parallel:
+        out.append(f"--tp {t.tp}" + (" --sequence-parallel" if t.sequence_parallel else ""))
+    if t.cp > 1:
+        out.append(f"--cp {t.cp}")
+    if t.quantize:
+        out.append(f"--quantize {t.quantize}")
+    return out
+
+
+def check(m: ModelSpec, t: TrainingSpec) -> None:
+    bad = derived_problems(m, t)
+    if bad:
+        raise TrainmemError(f"{m.name} ({m.model_type}) has no hand-written formulas: its activations are derived "
+                            f"from one-GPU traces of the real model, which do not cover {', '.join(bad)}")
+
+
+def key(m: ModelSpec, t: TrainingSpec) -> str:
+    """The cache key of ``m``'s coefficients under ``t``: everything the traced layer depends on."""
+    lora = (t.lora_rank, tuple(t.lora_targets or ()), t.lora_dropout, t.lora_half) if t.lora_rank else ()
+    parts = [COEF_VERSION, m.fingerprint, t.precision, t.attention, t.dropout, lora]
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:24]
+
+
+@lru_cache(maxsize=512)
+def _coefficients(k: str, m: ModelSpec, t: TrainingSpec) -> dict[str, Any]:
+    doc = read_cached("coefficients", k)
+    if doc is not None and doc.get("version") == COEF_VERSION:
+        return doc
+    try:
+        from ..trace.derive import derive_coefficients
+    except ImportError as e:
+        raise TrainmemError(f"{m.name}: no stored coefficients for this setup, and deriving them needs torch and "
+                            f"transformers ({e.name} is not installed)") from None
+    doc = derive_coefficients(m, t)
+    doc["version"] = COEF_VERSION
+    write_cached("coefficients", k, doc)
+    return doc
+
+
+def coefficients(m: ModelSpec, t: TrainingSpec) -> dict[str, Any]:
+    """The derived coefficients of ``m`` under ``t`` (stored, cached, or derived now)."""
+    check(m, t)
+    return _coefficients(key(m, t), m, _canonical(t))
+
+
+def _canonical(t: TrainingSpec) -> TrainingSpec:
+    """``t`` reduced to what the derivation reads (so that equal keys share one derivation)."""
+    from dataclasses import replace
+    return replace(t, batch_size=1, seq_len=128, grad_accum=1, dp=1, pp=1, zero=0, recompute="none",
+                   recompute_every=1)
+
+
+def stage_kinds(m: ModelSpec, t: TrainingSpec, stage: str, doc: dict[str, Any]) -> list[str]:
+    """The kinds of the layers on this pipeline stage."""
+    per = m.num_layers // t.pp
+    kinds = doc["layer_kinds"]
+    return kinds[:per] if stage == "first" else kinds[len(kinds) - per:]
+
+
+def layer_coefs(m: ModelSpec, t: TrainingSpec, stage: str) -> LayerCoefs:
+    """The stage's average layer (saved bytes and parts) with each of its kinds' backward transients;
+    ``weights`` is 1 and ``after`` the share of the layer's gradients made before the transient's
+    peak, so the engine's ``after * layer_grads`` counts them."""
+    doc = coefficients(m, t)
+    kinds = stage_kinds(m, t, stage, doc)
+    count = {k: kinds.count(k) for k in dict.fromkeys(kinds)}
+    total = len(kinds)
+    tok = sum(doc["kinds"][k]["tok"] * c for k, c in count.items()) / total
+    sq = sum(doc["kinds"][k]["sq"] * c for k, c in count.items()) / total
+    parts: dict[str, list[float]] = {}
+    for k, c in count.items():
+        for name, (a, b) in doc["kinds"][k]["parts"].items():
+            acc = parts.setdefault(name, [0.0, 0.0])
+            acc[0] += a * c / total
+            acc[1] += b * c / total
+    cands = [(k, j, tr) for k in count for j, tr in enumerate(doc["kinds"][k]["transients"])]
+    trans = tuple((f"derived.{k}.backward.{j}", a, b, c) for k, j, (a, b, c, _g) in cands)
+    after = tuple(float(g) for _k, _j, (_a, _b, _c, g) in cands)
+    held = sum(doc["kinds"][k]["held"] * c for k, c in count.items()) / total
+    cache = sum(doc["kinds"][k]["cache"] * c for k, c in count.items()) / total
+    return LayerCoefs(max(tok, 0.0), max(sq, 0.0), tuple((n, a, b) for n, (a, b) in sorted(parts.items())),
+                      trans, held=held, cache=cache, weights=1.0, after=after)
+
+
+def head_during_loss(m: ModelSpec, t: TrainingSpec, stage: str) -> float:
+    """Bytes per token of the head's tensors alive while the model's own loss runs inside its
+    forward and freed when the forward returns (the final norm's output, held by the forward's
+    locals); 0 when the loop computes the loss outside the model (``--loss``) or off the last stage."""
+    if t.loss is not None or not (t.pp == 1 or stage == "last"):
+        return 0.0
+    tok, s, _sq = coefficients(m, t)["head_loss"]
+    return max(tok + s, 0.0)
+
+
+def outer(m: ModelSpec, t: TrainingSpec, stage: str) -> tuple[list[tuple[str, float, float]], float]:
+    """Tensors outside the layers as (name, tok, sq), and the embedding side's bytes per sequence
+    position shared by the batch (rotary tables built from ``(1, s)`` position ids)."""
+    doc = coefficients(m, t)
+    out: list[tuple[str, float, float]] = []
+    pos = 0.0
+    if t.pp == 1 or stage == "first":
+        tok, s, sq = doc["embed"]
+        out.append(("derived.embedding_side", tok, sq))
+        pos = s
+    if t.pp == 1 or stage == "last":
+        tok, s, sq = doc["head"]
+        out.append(("derived.head_side", tok + max(s, 0.0), sq))  # a per-position term read as per token
+    return out, pos

@@ -1,0 +1,389 @@
+"""Derive a layer's activation coefficients from traces of the real model (any architecture).
+
+The hand-written families describe a layer op by op (``estimate/layers.py``). For every other
+architecture transformers ships, the same coefficients are measured: the real model, cut to a few
+layers (``reduced_config``: enough to contain each kind of layer), is traced — forward, the loss,
+backward, on the emulated GPU, no optimizer — at three batch/sequence points, and each quantity
+the engine needs is fitted exactly as ``tok * b*s + sq * b*s^2`` (+ ``const`` for the backward
+transient), then checked on a fourth point. A quantity that the fit does not reproduce there is
+refused with one line rather than extrapolated.
+
+What is measured in one trace (``_measure``), with ``n = b*s`` tokens:
+
+Bytes are the tensors' own (``nbytes``): exact polynomials. The allocator's rounding and unsplit
+block remainders, which the trace's totals include, are not part of the coefficients.
+
+* ``saved[kind]``: bytes a layer holds at the end of the forward (its tensors saved for backward,
+  or otherwise still referenced), attributed to the layer by the module that allocated them;
+* ``embed`` / ``head``: the same for tensors made outside the layers before the first layer
+  (embeddings, rotary tables, masks) and after the last (final norm, the head's input, a logit
+  soft-cap's saved tanh), the returned logits and the loss excluded (the engine's
+  ``loss_bytes`` models those);
+* ``transient[kind]``: the backward of a layer at its highest point, over the tensors the engine
+  already counts there (every layer's saved tensors, parameter gradients, the workspace): the
+  backward temporaries alive (the incoming gradient included) less the layer's saved tensors freed
+  by then; ``grads``: the share of the layer's parameter gradients already made at that point.
+
+The sequence points straddle the model's sliding window, if any, so that sliding layers are
+measured in the regime long sequences run in.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import defaultdict
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from ..errors import TrainmemError
+from ..spec import ModelSpec, TrainingSpec
+from ..spec.profile import build_profile
+from ..workload import apply_lora, attention_implementation, hf_config
+
+#: relative error a fitted quantity may show on the held-out point (plus DERIVE_SLACK bytes)
+DERIVE_TOLERANCE = 0.005
+DERIVE_SLACK = 4096
+COEF_VERSION = 1
+
+
+def derive_coefficients(m: ModelSpec, t: TrainingSpec) -> dict[str, Any]:
+    """The coefficients of ``m`` trained as ``t`` (one GPU, no recompute), as a JSON-ready dict:
+    ``kinds`` (per layer kind: saved tok/sq and parts, transient a/b/c and gradient share),
+    ``layer_kinds`` (the kind of each of the model's layers), ``embed``/``head`` (tok, sq)."""
+    base = replace(t, recompute="none", recompute_every=1, grad_accum=1, hold_output="loss", loss="upcast",
+                   loss_chunks=1, optimizer_in_backward=False, zero_grad="none")
+    cfg, kinds_full, kinds_small = reduced_config(m)
+    s0 = _base_seq(m)
+    # batch 1 is a special case (some transposes are views there, copies for larger batches): the
+    # points use batches of 2 and more, so batch 1 is estimated with the copies (slightly high)
+    points = [(2, s0), (4, s0), (2, 2 * s0)]
+    check = (3, s0 + s0 // 2)
+    runs = [_measure(m, cfg, kinds_small, replace(base, batch_size=b, seq_len=s)) for b, s in points + [check]]
+    out: dict[str, Any] = {"version": COEF_VERSION, "layer_kinds": kinds_full, "kinds": {}, "points": points + [check],
+                           "attention": attention_implementation(m, t)[0], "seq_base": s0}
+    pts = points + [check]
+    for kind in sorted(set(kinds_small)):
+        tok, sq = _fitted(m, f"layer {kind} saved bytes", pts, [r["saved"][kind] for r in runs], ("n", "nsq"))
+        parts = {}
+        for name in runs[-1]["parts"][kind]:
+            ys = [r["parts"][kind].get(name, 0) for r in runs]
+            parts[name] = list(_fitted(m, "", pts, ys, ("n", "nsq"), check_fit=False))
+        trans = _candidates(m, pts, [r["transient"][kind] for r in runs], [r["made"][kind] for r in runs],
+                            runs[-1]["total_g"][kind])
+        cache = _fitted(m, f"layer {kind} KV cache", pts, [r["cache"][kind] for r in runs], ("n",))[0]
+        held = _fitted(m, f"layer {kind} output-held bytes", pts, [r["held"][kind] for r in runs], ("n",))[0]
+        out["kinds"][kind] = {"tok": tok, "sq": sq, "parts": parts, "transients": trans,
+                              "cache": cache, "held": held}
+    for side in ("embed", "head", "head_loss"):
+        out[side] = list(_fitted(m, f"{side} bytes", pts, [r[side] for r in runs], ("n", "s", "nsq")))
+    return out
+
+
+# ----- the model cut to a few layers ----------------------------------------------------------------
+def _layer_types(cfg: dict[str, Any], n: int) -> list[str]:
+    lt = cfg.get("layer_types")
+    return [str(x) for x in lt] if isinstance(lt, list) and len(lt) == n else [""] * n
+
+
+def reduced_config(m: ModelSpec) -> tuple[dict[str, Any], list[str], list[str]]:
+    """(config of the model cut to its first K layers, the kind of each layer of the full model, the
+    kind of each of the K layers). A kind is the layer's parameter signature and its ``layer_types``
+    entry (sliding or full attention). K is the smallest count (at least 2 when the model has 2)
+    whose layers contain every kind; per-layer lists of the config are cut with it."""
+    from ..spec.profile import profile_for
+    full_cfg = {k: v for k, v in dict(m.config).items() if not k.startswith("_")}
+    prof = profile_for(full_cfg)
+    L = m.num_layers
+    full = [f"{k}:{a}" if a else k for k, a in zip(prof.layer_kinds, _layer_types(full_cfg, L))]
+    want = set(full)
+    for k in range(min(2, L), L + 1):
+        cfg = _cut(full_cfg, L, k)
+        small = build_profile(cfg)
+        sig_small = {kind: tuple((p.name, p.shape) for p in ts) for kind, ts in small.kinds.items()}
+        sig_full = {tuple((p.name, p.shape) for p in ts): kind for kind, ts in prof.kinds.items()}
+        names = [sig_full.get(sig_small[kd], "?") for kd in small.layer_kinds]
+        kinds = [f"{k_}:{a}" if a else k_ for k_, a in zip(names, _layer_types(cfg, k))]
+        if want <= set(kinds):
+            return cfg, full, kinds
+        if k >= 16:
+            break
+    raise TrainmemError(f"{m.name}: its layer kinds ({', '.join(sorted(want))}) do not all appear in its first "
+                        f"layers; trainmem cannot derive its coefficients (use trace)")
+
+
+def _cut(cfg: dict[str, Any], L: int, k: int) -> dict[str, Any]:
+    out = {}
+    for key, v in cfg.items():
+        out[key] = v[:k] if isinstance(v, list) and len(v) == L and key != "architectures" else v
+    for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
+        if key in out:
+            out[key] = k
+    if not any(key in cfg for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers")):
+        out["num_hidden_layers"] = k
+    return out
+
+
+def _base_seq(m: ModelSpec) -> int:
+    """The smallest sequence of the fitting points: 2048, or twice the sliding window when it is
+    longer, within the learned positions of the model."""
+    cfg = m.config or {}
+    window = cfg.get("sliding_window") if isinstance(cfg.get("sliding_window"), int) else 0
+    s0 = max(2048, 2 * (window or 0))
+    if m.learned_positions:
+        s0 = min(s0, m.max_positions // 2)
+    return max(128, s0 // 128 * 128)
+
+
+# ----- one trace ------------------------------------------------------------------------------------
+def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpec) -> dict[str, Any]:
+    """Trace forward + loss + backward of the cut model at ``t``'s batch and sequence."""
+    from .api import _device, _load_to_device
+    small = replace(m, num_layers=len(kinds), config=cfg)
+    dev = _device(True, None, t, False, None, None, None, None, False)
+    tracker = dev.tracker
+    impl = attention_implementation(m, t)[0]
+    amp = {"bf16-amp": torch.bfloat16, "fp16-amp": torch.float16}.get(t.precision)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision, torch.float32)
+    import transformers
+    with dev.env, dev.emulation:
+        with dev.build_ctx:
+            conf = hf_config(small, t)
+            cls = getattr(transformers, m.architecture)
+            model = cls._from_config(conf, attn_implementation=impl, dtype=dtype)
+            model = apply_lora(model, small, t)
+        with tracker:
+            _load_to_device(tracker, model)
+        tracker.name_modules(model)
+        prefix = _prefix(model, len(kinds))
+        params = [p for p in model.parameters() if p.requires_grad]
+        hooks = tracker.watch_parameters(params)
+        try:
+            with tracker, tracker.hooks():
+                model.train()
+                tracker.begin_step(1)
+                ids = torch.randint(0, m.vocab_size, (t.batch_size, t.seq_len), device="cuda")
+                labels = torch.randint(0, m.vocab_size, (t.batch_size, t.seq_len), device="cuda")
+                ctx = torch.autocast("cuda", dtype=amp) if amp is not None else _null()
+                with ctx:
+                    out = model(input_ids=ids, labels=labels)  # the model's own loss, inside its forward
+                    loss = out.loss
+                # the KV cache the output references (transformers builds one whenever use_cache is set)
+                cache = [tracker.live[i] for i in _storages(getattr(out, "past_key_values", None))
+                         if i in tracker.live]
+                before = len(tracker.ev_rec)
+                del out
+                released = (before, len(tracker.ev_rec))
+                loss.backward()
+                del loss
+                tracker.end_step()
+                tracker.mark_gradients(params)
+        finally:
+            tracker.finish()
+            for h in hooks:
+                h.remove()
+    return _analyse(tracker, prefix, kinds, cache, released, m.vocab_size)
+
+
+def _storages(obj: Any, depth: int = 0, seen: set | None = None) -> set[int]:
+    """ids of the storages of the tensors reachable from ``obj`` (a cache object, its lists)."""
+    seen = set() if seen is None else seen
+    out: set[int] = set()
+    if obj is None or depth > 5 or id(obj) in seen:
+        return out
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        out.add(id(obj.untyped_storage()))
+        return out
+    items: Any = obj if isinstance(obj, (list, tuple)) else (obj.values() if isinstance(obj, dict) else
+                                                             getattr(obj, "__dict__", {}).values())
+    for v in items:
+        out |= _storages(v, depth + 1, seen)
+    return out
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *a: Any) -> None:
+        return None
+
+
+def _prefix(model: torch.nn.Module, k: int) -> str:
+    """The tracker's module name of the decoder layers' list (peft adds ``base_model.model.``)."""
+    found = [(n, mod) for n, mod in model.named_modules()
+             if isinstance(mod, torch.nn.ModuleList) and len(mod) == k and n.rsplit(".", 1)[-1] in
+             ("layers", "h", "layer", "blocks", "block", "decoder_layers")]
+    if not found:
+        found = [(n, mod) for n, mod in model.named_modules() if isinstance(mod, torch.nn.ModuleList) and len(mod) == k]
+    if not found:
+        raise TrainmemError(f"{type(model).__name__}: no list of {k} layers among its modules")
+    return min(found, key=lambda nm: nm[0].count("."))[0]
+
+
+def _analyse(tracker: Any, prefix: str, kinds: list[str], cache: list, released: tuple[int, int],
+             vocab: int) -> dict[str, Any]:
+    recs = tracker.records
+    fwd = next(pm for pm in tracker.phase_marks if pm.name == "forward")
+    end = fwd.end_event
+    pat = re.compile(re.escape(prefix) + r"\.(\d+)(?:\.|$)")
+
+    def layer_of(r: Any) -> int | None:
+        mm = pat.match(r.module or "")
+        return int(mm.group(1)) if mm else None
+
+    logits = [r for r in recs if r.category == "logits"]
+    logits_ev = logits[0].alloc_event if logits else end
+    layer_events = [r.alloc_event for r in recs if r.phase == "forward" and layer_of(r) is not None]
+    first_layer_ev = min(layer_events, default=0)
+    last_layer_ev = max(layer_events, default=0)
+
+    def alive_at(r: Any, e: int) -> bool:
+        return r.alloc_event <= e and (r.free_event is None or r.free_event > e)
+
+    saved_rec: dict[int, list[Any]] = defaultdict(list)
+    embed = head = 0
+    # the head's tensors alive while the loss runs inside the forward (the final norm's output,
+    # referenced by the forward's locals), beyond those that outlive the forward
+    head_loss = sum(r.nbytes for r in recs if r.phase == "forward" and last_layer_ev < r.alloc_event < logits_ev
+                    and r.category in ("activations", "temporaries") and r.label != "autocast_weight_cache"
+                    and alive_at(r, logits_ev))
+    for r in recs:
+        if r.phase != "forward" or r.category not in ("activations", "temporaries") or \
+                r.label == "autocast_weight_cache" or not alive_at(r, end - 1):
+            continue
+        i = layer_of(r)
+        if i is not None:
+            saved_rec[i].append(r)
+        elif r.alloc_event < first_layer_ev:
+            embed += r.nbytes
+        elif last_layer_ev < r.alloc_event < logits_ev:
+            head += r.nbytes
+    saved = defaultdict(list)
+    parts: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
+    for i, kind in enumerate(kinds):
+        total = sum(r.nbytes for r in saved_rec[i])
+        saved[kind].append(total)
+        by: dict[str, int] = defaultdict(int)
+        for r in saved_rec[i]:
+            rel = pat.sub("", r.module or "", count=1).lstrip(".")
+            by[f"{rel or 'layer'}.{r.op}"] += r.nbytes
+        for name, v in by.items():
+            parts[kind][name].append(v)
+    trans, made, total_g = _transients(tracker, recs, layer_of, kinds, saved_rec, vocab)
+    # the KV cache: all of it per layer, and what dies with the output (``held``: not saved)
+    kv: dict[str, list[int]] = defaultdict(list)
+    held: dict[str, list[int]] = defaultdict(list)
+    for i, kind in enumerate(kinds):
+        kv[kind].append(sum(r.nbytes for r in cache if layer_of(r) == i))
+        held[kind].append(sum(r.nbytes for r in recs if layer_of(r) == i and r.free_event is not None
+                              and released[0] <= r.free_event < released[1]))
+    return {"saved": {k: max(v) for k, v in saved.items()},
+            "cache": {k: max(v) for k, v in kv.items()}, "held": {k: max(v) for k, v in held.items()},
+            "parts": {k: {n: max(v) for n, v in d.items()} for k, d in parts.items()},
+            "embed": embed, "head": head, "head_loss": head_loss - head, "transient": trans, "made": made, "total_g": total_g}
+
+
+def _transients(tracker: Any, recs: list, layer_of: Any, kinds: list[str], saved_rec: dict[int, list],
+                vocab: int) -> tuple[dict[str, list[int]], dict[str, list[int]], dict[str, int]]:
+    """Per kind (its last layer in the cut model), the backward transient after each event of the
+    layer's backward (see the module docstring), the layer's gradient bytes made by then, and the
+    layer's gradient bytes in all. The op sequence does not depend on batch or sequence, so event
+    ``j`` of the window is the same moment in every run."""
+    trans: dict[str, list[int]] = {}
+    made_at: dict[str, list[int]] = {}
+    total_g: dict[str, int] = {}
+    for i, kind in enumerate(kinds):
+        evs = [r.alloc_event for r in recs if r.phase == "backward" and layer_of(r) == i]
+        if not evs:
+            continue
+        w0, w1 = min(evs), max(evs)
+        saved_ids = {r.rid for r in saved_rec[i]}
+        def temp(r: Any) -> bool:
+            # a backward temporary (not a parameter gradient, not a workspace); a tied head's
+            # weight gradient waiting for the embedding's is the engine's ``tied_grad``
+            return r.phase == "backward" and r.category not in ("gradients", "workspace") and not (
+                len(r.shape) == 2 and r.shape[0] == vocab)
+        temps = sum(r.nbytes for r in recs if r.alloc_event < w0 and (r.free_event is None or r.free_event >= w0)
+                    and temp(r))
+        freed = made = 0
+        series, mades = [], []
+        for e in range(w0, w1 + 1):
+            code = tracker.ev_rec[e]
+            r = recs[code] if code >= 0 else recs[~code]
+            if code >= 0:
+                if temp(r):
+                    temps += r.nbytes
+                elif r.category == "gradients" and layer_of(r) == i:
+                    made += r.nbytes
+            else:
+                if temp(r) and r.alloc_event < e:
+                    temps -= r.nbytes
+                elif r.rid in saved_ids:
+                    freed += r.nbytes
+            series.append(temps - freed)
+            mades.append(made)
+        trans[kind], made_at[kind] = series, mades
+        total_g[kind] = sum(r.nbytes for r in recs if r.category == "gradients" and layer_of(r) == i)
+    return trans, made_at, total_g
+
+
+def _candidates(m: ModelSpec, pts: list[tuple[int, int]], series: list[list[int]], made: list[list[int]],
+                total_g: int) -> list[list[float]]:
+    """The backward transients worth keeping: each moment of the window fitted as
+    ``a*n + b*nsq + c`` over the first three runs and checked on the fourth; of those, the ones
+    that are the largest somewhere on a grid of batch and sequence. Each as [a, b, c, gradient
+    share]."""
+    import numpy as np
+    if len({len(x) for x in series}) != 1:
+        raise TrainmemError(f"{m.name}: its backward runs different operations at different sizes; trainmem "
+                            "cannot derive its transients (use trace)")
+    y = np.array(series, dtype=np.float64)           # runs x moments
+    a = np.array([_basis(b, s, ("n", "nsq", "1")) for b, s in pts])
+    coef = np.linalg.lstsq(a[:-1], y[:-1], rcond=None)[0]   # 3 x moments
+    pred = a[-1] @ coef
+    ok = np.abs(pred - y[-1]) <= DERIVE_TOLERANCE * np.abs(y[-1]) + DERIVE_SLACK
+    if not ok.any() or abs(pred[ok].max() - y[-1].max()) > DERIVE_TOLERANCE * abs(y[-1].max()) + DERIVE_SLACK:
+        raise TrainmemError(f"{m.name}: the derived backward transient is not polynomial in the batch and "
+                            f"sequence; trainmem will not extrapolate it: use trace")
+    grid = np.array([_basis(b, s, ("n", "nsq", "1")) for b in (1, 4, 32) for s in (512, 4096, 32768)])
+    vals = grid @ coef
+    vals[:, ~ok] = -np.inf
+    keep = sorted(set(int(j) for j in vals.argmax(1)))
+    g = np.array(made, dtype=np.float64).max(0)
+    return [[float(coef[0, j]), float(coef[1, j]), float(coef[2, j]), float(g[j] / total_g) if total_g else 0.0]
+            for j in keep]
+
+
+# ----- fitting --------------------------------------------------------------------------------------
+def _basis(b: int, s: int, terms: tuple[str, ...]) -> list[float]:
+    v = {"n": b * s, "s": s, "nsq": b * s * s, "1": 1}
+    return [float(v[k]) for k in terms]
+
+
+def _fitted(m: ModelSpec, what: str, points: list[tuple[int, int]], ys: list[int], terms: tuple[str, ...],
+            check_fit: bool = True) -> tuple[float, ...]:
+    """Coefficients of ``terms`` (``n`` = b*s, ``s``, ``nsq`` = b*s^2, ``1``) fitted by least squares
+    to all points but the last, which they must reproduce (``DERIVE_TOLERANCE``)."""
+    import numpy as np
+    a = np.array([_basis(b, s, terms) for b, s in points[:-1]])
+    coef = np.linalg.lstsq(a, np.array(ys[:-1], dtype=np.float64), rcond=None)[0]
+    if check_fit:
+        b, s = points[-1]
+        predicted = float(np.dot(coef, _basis(b, s, terms)))
+        actual = ys[-1]
+        if abs(predicted - actual) > DERIVE_TOLERANCE * abs(actual) + DERIVE_SLACK:
+            raise TrainmemError(f"{m.name}: the derived {what} is not polynomial in the batch and sequence "
+                                f"(predicted {predicted:,.0f} B, traced {actual:,} B at b={b}, s={s}); trainmem "
+                                f"will not extrapolate it: use trace")
+    return tuple(float(x) for x in coef)
+
+
+def to_json(doc: dict[str, Any]) -> str:
+    return json.dumps(doc, sort_keys=True)
+
+
+__all__ = ["derive_coefficients", "reduced_config", "DERIVE_TOLERANCE", "math"]
