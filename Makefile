@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 PY     := $(BIN)/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: run test test-slow bench validate install install-test clean
+.PHONY: run test test-slow bench validate ship-derived install install-test clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,11 @@ bench: $(VENV)/.installed-test
 
 validate: $(VENV)/.installed-test
 	$(BIN)/trainmem validate
+
+# the catalogue's derived architectures: shipped profiles and coefficients (after a catalogue,
+# transformers or derivation change; tests/test_derived.py says when they are stale)
+ship-derived: $(VENV)/.installed-test
+	$(PY) tools/ship_derived.py
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .hypothesis

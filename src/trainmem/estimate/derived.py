@@ -27,7 +27,7 @@ from ..spec.profile import read_cached, write_cached
 from ..spec.training import TrainingSpec
 from .layers import LayerCoefs
 
-COEF_VERSION = 7
+COEF_VERSION = 10
 
 
 def derived_problems(m: ModelSpec, t: TrainingSpec) -> list[str]:
@@ -49,15 +49,28 @@ def check(m: ModelSpec, t: TrainingSpec) -> None:
                             f"from one-GPU traces of the real model, which do not cover {', '.join(bad)}")
 
 
+def regime(m: ModelSpec, t: TrainingSpec) -> str:
+    """Which side of the model's sliding window the sequence is on ("" without one): below it a
+    sliding layer's mask is the causal mask (SDPA can run its causal kernels), above it is not, so
+    each side has its own coefficients."""
+    if m.family != "derived":
+        return ""
+    from ..spec.profile import profile_for
+    window = int(profile_for(dict(m.config)).summary.get("sliding_window", 0) or 0)
+    if not window or window >= m.max_positions:
+        return ""
+    return "above" if t.seq_len >= window else "below"
+
+
 def key(m: ModelSpec, t: TrainingSpec) -> str:
     """The cache key of ``m``'s coefficients under ``t``: everything the traced layer depends on."""
     lora = (t.lora_rank, tuple(t.lora_targets or ()), t.lora_dropout, t.lora_half) if t.lora_rank else ()
-    parts = [COEF_VERSION, m.fingerprint, t.precision, t.attention, t.dropout, lora]
+    parts = [COEF_VERSION, m.fingerprint, t.precision, t.attention, t.dropout, lora, regime(m, t)]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:24]
 
 
 @lru_cache(maxsize=512)
-def _coefficients(k: str, m: ModelSpec, t: TrainingSpec) -> dict[str, Any]:
+def _coefficients(k: str, m: ModelSpec, t: TrainingSpec, side: str) -> dict[str, Any]:
     doc = read_cached("coefficients", k)
     if doc is not None and doc.get("version") == COEF_VERSION:
         return doc
@@ -66,7 +79,7 @@ def _coefficients(k: str, m: ModelSpec, t: TrainingSpec) -> dict[str, Any]:
     except ImportError as e:
         raise TrainmemError(f"{m.name}: no stored coefficients for this setup, and deriving them needs torch and "
                             f"transformers ({e.name} is not installed)") from None
-    doc = derive_coefficients(m, t)
+    doc = derive_coefficients(m, t, side)
     doc["version"] = COEF_VERSION
     write_cached("coefficients", k, doc)
     return doc
@@ -75,7 +88,7 @@ def _coefficients(k: str, m: ModelSpec, t: TrainingSpec) -> dict[str, Any]:
 def coefficients(m: ModelSpec, t: TrainingSpec) -> dict[str, Any]:
     """The derived coefficients of ``m`` under ``t`` (stored, cached, or derived now)."""
     check(m, t)
-    return _coefficients(key(m, t), m, _canonical(t))
+    return _coefficients(key(m, t), m, _canonical(t), regime(m, t))
 
 
 def _canonical(t: TrainingSpec) -> TrainingSpec:
@@ -137,7 +150,21 @@ def outer(m: ModelSpec, t: TrainingSpec, stage: str) -> tuple[list[tuple[str, fl
         tok, s, sq = doc["embed"]
         out.append(("derived.embedding_side", tok, sq))
         pos = s
+    # the layers' tensors sized by the sequence alone (not by the batch), counted with these
+    pos += sum(doc["kinds"][k].get("pos", 0.0) for k in stage_kinds(m, t, stage, doc))
     if t.pp == 1 or stage == "last":
         tok, s, sq = doc["head"]
         out.append(("derived.head_side", tok + max(s, 0.0), sq))  # a per-position term read as per token
     return out, pos
+
+
+def notes(m: ModelSpec, t: TrainingSpec) -> list[str]:
+    """What a derived estimate's report should say: that its activations were measured, and an
+    attention implementation other than the one asked for (a class without SDPA runs eager)."""
+    doc = coefficients(m, t)
+    out = [f"{m.model_type}: activations derived from traces of the real {m.architecture} "
+           f"(trainmem.trace.derive), not hand-written formulas"]
+    if doc.get("attention") == "eager" and t.attention != "eager":
+        out.append(f"{m.architecture} has no SDPA attention in transformers: it runs eager attention "
+                   f"(--attention {t.attention} is not honoured)")
+    return out

@@ -25,6 +25,7 @@ from ..allocator_rules import reserved_overhead
 from ..report import MemoryReport
 from ..spec.model import ModelSpec
 from ..spec.training import RECOMPUTE, TrainingSpec
+from .derived import notes as derived_notes
 from .breakdown import components, phase_label, phases, where_label
 from .moments import StepFlags, peak, tokens, walk
 from .quantities import SHAPE_FIELDS, gather, quantities, shape_quantities
@@ -47,6 +48,8 @@ def estimate(m: ModelSpec, t: TrainingSpec) -> MemoryReport:
         rep = estimate_stage(m, t, "first")
     if t.compile:
         rep.warnings.append(COMPILE_WARNING)
+    if m.family == "derived":
+        rep.warnings.extend(derived_notes(m, t))
     return rep
 
 

@@ -24,6 +24,7 @@ from ..spec.model import ModelSpec
 from ..spec.training import TrainingSpec
 from .cache import BoundedCache
 from .elementwise import NEVER
+from .derived import regime as derived_regime
 from .derived import head_during_loss as derived_head_loss, layer_coefs as derived_layer, outer as derived_outer
 from .layers import LayerCoefs, LayerKey, Policy, layer_coefficients
 from .quant4 import dequant_dtypes, is_quantized
@@ -404,7 +405,7 @@ _CACHE = BoundedCache(8192)
 
 def quantities(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> Quantities:
     """The quantities of ``m`` trained as ``t`` on pipeline stage ``stage`` (cached)."""
-    key = (m, stage, _key_of(t))
+    key = (m, stage, _key_of(t), derived_regime(m, t))
     return _CACHE.get_or_build(key, lambda: _build(m, t, stage))
 
 
@@ -419,7 +420,7 @@ def shape_quantities(m: ModelSpec, base: TrainingSpec, stage: str, rows: list[li
     floats, transients, parameters on the rank). A row is the ``SHAPE_FIELDS`` (recompute as an index
     into none/selective/full, sequence parallelism as 0/1) then a valid batch, sequence and
     accumulation, used only to build the spec the first time a shape is met."""
-    memo = _SHAPES.setdefault((m, stage, _key_of(base)), {})
+    memo = _SHAPES.setdefault((m, stage, _key_of(base), derived_regime(m, base)), {})
     out = []
     for row in rows:
         shape = tuple(row[:7])

@@ -88,7 +88,9 @@ PEFT_DEFAULT_TARGETS = {
     "llama4_text": ("q_proj", "v_proj"), "chatglm": ("query_key_value",), "gpt_bigcode": ("c_attn",),
     "mpt": ("Wqkv",), "falcon": ("query_key_value",), "codegen": ("qkv_proj",), "stablelm": ("q_proj", "v_proj"),
     "phi": ("q_proj", "v_proj", "fc1", "fc2"), "gemma": ("q_proj", "v_proj"), "gemma2": ("q_proj", "v_proj"),
-    "gemma3_text": ("q_proj", "v_proj"), "qwen3": ("q_proj", "v_proj"), "nemotron_h": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "gemma3_text": ("q_proj", "v_proj"), "qwen3": ("q_proj", "v_proj"), "llama": ("q_proj", "v_proj"),
+    "mistral": ("q_proj", "v_proj"), "mixtral": ("q_proj", "v_proj"), "qwen2": ("q_proj", "v_proj"),
+    "gpt2": ("c_attn",), "bert": ("query", "value"), "nemotron_h": ("q_proj", "k_proj", "v_proj", "o_proj"),
 }
 
 

@@ -489,6 +489,8 @@ def spec_from_config(config: Mapping[str, Any], name: str = "model") -> ModelSpe
     cfg, extra, mtype, arch = _header(config, name)
     common: dict[str, Any] = dict(name=name, model_type=mtype, architecture=arch, config=cfg,
                                   num_labels=_num_labels(cfg, name))
+    if extra.get("family") == "derived":  # any model type through derived coefficients (spec.profile)
+        return _derived_spec(cfg, arch, name, common)
     if mtype == "gpt2":
         return _gpt2_spec(cfg, extra, arch, name, common)
     if mtype in ("bert", "xlm-roberta-xl"):

@@ -33,7 +33,7 @@ from typing import Any, Mapping
 from ..errors import TrainmemError
 from .model import BufferTensor, ParamTensor
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 _LAYER_LIST_NAMES = ("layers", "h", "layer", "blocks", "block", "decoder_layers")
 #: the config keys (after transformers resolves its attribute_map) a profile's summary reads
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -245,6 +245,8 @@ def summary(cfg: Any) -> dict[str, Any]:
             "num_experts": experts,
             "experts_top_k": int(first(*_TOPK_KEYS, default=0) or 0) if experts else 0,
             "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
+            "sliding_window": int(first("sliding_window", "attention_window", default=0) or 0)
+            if isinstance(first("sliding_window", "attention_window", default=0), int) else 0,
             "use_cache": bool(getattr(cfg, "use_cache", True))}
 
 

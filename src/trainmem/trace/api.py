@@ -33,6 +33,7 @@ from ..workload import check_supported as _check_supported
 from ..workload import hf_config as _hf_config  # noqa: F401
 from ..workload import hf_factory as _hf_factory
 from ..workload import apply_lora
+from ..workload import attention_implementation as _attention_implementation
 from ..workload import hf_step as _hf_step
 from ..workload import make_optimizer, optimizer_class  # noqa: F401
 
@@ -97,6 +98,10 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
                      dev.cuda, dev.emulation, runtime, timeline_points, largest, oom, dev.cublas_workspace,
                      expandable_segments)
     report.max_fraction = fraction
+    if spec is not None:
+        note = _attention_implementation(spec, t)[1]
+        if note:
+            report.warnings.append(note)
     if spec is None and options_given:
         report.warnings.append("training options are recorded but not applied to a user step_fn: "
                                "the step function decides batch, precision and optimizer")
@@ -233,6 +238,14 @@ def _run_steps(dev: _Device, module: torch.nn.Module, spec: ModelSpec | None, t:
                 on_step(1)
     except SimulatedOutOfMemory as e:  # only with a capacity-limited allocator
         return e
+    except (TrainmemError, KeyboardInterrupt):
+        raise
+    except Exception as e:
+        if spec is None:
+            raise  # the user's own step function: their traceback is theirs to read
+        # the real model's step fails on tensors without data: one line saying which and why
+        raise TrainmemError(f"{spec.name} ({spec.architecture or spec.model_type}): its training step fails when "
+                            f"traced ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
     finally:
         tracker.finish()
         for h in grad_hooks:

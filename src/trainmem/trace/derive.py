@@ -49,24 +49,32 @@ DERIVE_SLACK = 4096
 COEF_VERSION = 1
 
 
-def derive_coefficients(m: ModelSpec, t: TrainingSpec) -> dict[str, Any]:
+def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "") -> dict[str, Any]:
     """The coefficients of ``m`` trained as ``t`` (one GPU, no recompute), as a JSON-ready dict:
     ``kinds`` (per layer kind: saved tok/sq and parts, transient a/b/c and gradient share),
     ``layer_kinds`` (the kind of each of the model's layers), ``embed``/``head`` (tok, sq)."""
     base = replace(t, recompute="none", recompute_every=1, grad_accum=1, hold_output="loss", loss="upcast",
                    loss_chunks=1, optimizer_in_backward=False, zero_grad="none")
     cfg, kinds_full, kinds_small = reduced_config(m)
-    s0 = _base_seq(m)
+    s0 = _base_seq(m, regime)
     # batch 1 is a special case (some transposes are views there, copies for larger batches): the
     # points use batches of 2 and more, so batch 1 is estimated with the copies (slightly high)
     points = [(2, s0), (4, s0), (2, 2 * s0)]
     check = (3, s0 + s0 // 2)
-    runs = [_measure(m, cfg, kinds_small, replace(base, batch_size=b, seq_len=s)) for b, s in points + [check]]
+    try:
+        runs = [_measure(m, cfg, kinds_small, replace(base, batch_size=b, seq_len=s)) for b, s in points + [check]]
+    except TrainmemError:
+        raise
+    except Exception as e:  # the real model's step fails on fake tensors: say which and why, once
+        raise TrainmemError(f"{m.name} ({m.architecture}): its training step fails when traced "
+                            f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
     out: dict[str, Any] = {"version": COEF_VERSION, "layer_kinds": kinds_full, "kinds": {}, "points": points + [check],
                            "attention": attention_implementation(m, t)[0], "seq_base": s0}
     pts = points + [check]
     for kind in sorted(set(kinds_small)):
-        tok, sq = _fitted(m, f"layer {kind} saved bytes", pts, [r["saved"][kind] for r in runs], ("n", "nsq"))
+        # a layer may keep tensors sized by the sequence alone (Falcon's rotary cos/sin cache)
+        tok, pos, sq = _fitted(m, f"layer {kind} saved bytes", pts, [r["saved"][kind] for r in runs],
+                               ("n", "s", "nsq"))
         parts = {}
         for name in runs[-1]["parts"][kind]:
             ys = [r["parts"][kind].get(name, 0) for r in runs]
@@ -75,7 +83,7 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec) -> dict[str, Any]:
                             runs[-1]["total_g"][kind])
         cache = _fitted(m, f"layer {kind} KV cache", pts, [r["cache"][kind] for r in runs], ("n",))[0]
         held = _fitted(m, f"layer {kind} output-held bytes", pts, [r["held"][kind] for r in runs], ("n",))[0]
-        out["kinds"][kind] = {"tok": tok, "sq": sq, "parts": parts, "transients": trans,
+        out["kinds"][kind] = {"tok": tok, "sq": sq, "pos": pos, "parts": parts, "transients": trans,
                               "cache": cache, "held": held}
     for side in ("embed", "head", "head_loss"):
         out[side] = list(_fitted(m, f"{side} bytes", pts, [r[side] for r in runs], ("n", "s", "nsq")))
@@ -126,12 +134,23 @@ def _cut(cfg: dict[str, Any], L: int, k: int) -> dict[str, Any]:
     return out
 
 
-def _base_seq(m: ModelSpec) -> int:
-    """The smallest sequence of the fitting points: 2048, or twice the sliding window when it is
-    longer, within the learned positions of the model."""
-    cfg = m.config or {}
-    window = cfg.get("sliding_window") if isinstance(cfg.get("sliding_window"), int) else 0
-    s0 = max(2048, 2 * (window or 0))
+def sliding_window(m: ModelSpec) -> int:
+    """The model's sliding attention window in tokens (0: none), as transformers' config reads it."""
+    from ..spec.profile import profile_for
+    return int(profile_for(dict(m.config)).summary.get("sliding_window", 0) or 0)
+
+
+def _base_seq(m: ModelSpec, regime: str = "") -> int:
+    """The smallest sequence of the fitting points: 2048; with a sliding window, sequences that stay
+    on one side of it (``regime`` "below": every point shorter than the window, where transformers'
+    ``sdpa_mask`` drops the mask for ``is_causal`` (``_ignore_causal_mask_sdpa``: kv length below
+    the local attention size); "above": twice the window and more); within the learned positions."""
+    window = sliding_window(m)
+    s0 = 2048
+    if window and regime == "below":
+        s0 = max(128, window // 4)  # points up to half the window: transformers keeps is_causal only below it
+    elif window:
+        s0 = max(2048, 2 * window)
     if m.learned_positions:
         s0 = min(s0, m.max_positions // 2)
     return max(128, s0 // 128 * 128)

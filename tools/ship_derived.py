@@ -1,0 +1,61 @@
+"""Write the shipped profiles and coefficients of the catalogue's derived architectures.
+
+For every catalogue model without hand-written formulas (``ModelSpec.family == "derived"``), this
+writes its profile (``spec/profiles/<fingerprint>.json``: its tensors as transformers builds them)
+and its derived coefficients (``spec/coefficients/<key>.json``) for the default setup in each of
+``PRECISIONS`` and, for a model with a sliding window, both sides of it, so that ``estimate`` on
+the catalogue needs neither torch nor a derivation. Run after changing the catalogue, transformers,
+or the derivation (``make ship-derived``); ``tests/test_derived.py`` checks the shipped files are
+current.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from dataclasses import replace
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "src"))
+PRECISIONS = ("bf16-amp", "bf16", "fp32")
+
+
+def main() -> None:
+    warnings.filterwarnings("ignore")
+    from trainmem.estimate import derived
+    from trainmem.spec import catalogue_names, load_config
+    from trainmem.spec.config import resolve_model
+    from trainmem.spec.profile import build_profile, fingerprint
+    from trainmem.spec.resolve import resolve
+    from trainmem.trace.derive import derive_coefficients, sliding_window
+    spec_dir = os.path.join(ROOT, "src", "trainmem", "spec")
+    written = 0
+    for name in catalogue_names():
+        m = resolve_model(name)
+        if m.family != "derived":
+            continue
+        cfg = {k: v for k, v in load_config(name)[1].items() if not k.startswith("_")}
+        prof = build_profile(cfg)
+        _write(os.path.join(spec_dir, "profiles", f"{fingerprint(load_config(name)[1])}.json"), prof.to_json())
+        window = sliding_window(m)
+        seqs = [2048] if not window or window >= m.max_positions else [max(128, window // 2), 2 * window]
+        for precision in PRECISIONS:
+            for seq in seqs:
+                t = resolve(name, precision=precision, seq_len=min(seq, m.max_positions)).training
+                doc = derive_coefficients(m, derived._canonical(t), derived.regime(m, t))
+                doc["version"] = derived.COEF_VERSION
+                _write(os.path.join(spec_dir, "coefficients", f"{derived.key(m, t)}.json"), doc)
+                written += 1
+        print(f"{name}: profile and {len(PRECISIONS) * len(seqs)} coefficient sets", flush=True)
+    print(f"{written} coefficient sets written")
+
+
+def _write(path: str, doc: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(doc, f, sort_keys=True, separators=(",", ":"))
+        f.write("\n")
+
+
+if __name__ == "__main__":
+    main()
