@@ -25,3 +25,10 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def pytest_configure(config):
+    """Derived coefficients and profiles built by tests go to a private cache, not the user's."""
+    import os
+    import tempfile
+    os.environ.setdefault("TRAINMEM_CACHE", tempfile.mkdtemp(prefix="trainmem-test-cache-"))

@@ -54,6 +54,45 @@ EXPECTED_PARAMS = {
     "qwen2.5-7b": 7_615_616_512,
     "qwen2.5-72b": 72_706_203_648,
     "xlm-roberta-xl": 3_482_741_760,
+    # the families without hand-written formulas (spec.profile, family "derived") and the newer
+    # hand-family checkpoints; Gemma-2-2B's 2,614,341,888 is the published figure
+    "deepseek-v2-lite": 15_706_484_224,
+    "deepseek-v3": 671_026_404_352,
+    "falcon-7b": 6_921_720_704,
+    "gemma-2-27b": 27_227_128_320,
+    "gemma-2-2b": 2_614_341_888,
+    "gemma-2-9b": 9_241_705_984,
+    "gemma-3-12b": 11_766_034_176,
+    "gemma-3-1b": 999_885_952,
+    "gemma-3-27b": 27_009_346_304,
+    "gemma-3-4b": 3_880_263_168,
+    "granite-3.1-8b": 8_170_848_256,
+    "llama-3.3-70b": 70_553_706_496,
+    "mistral-nemo-12b": 12_247_782_400,
+    "mistral-small-24b": 23_572_403_200,
+    "olmo-2-13b": 13_716_198_400,
+    "olmo-2-7b": 7_298_617_344,
+    "phi-2": 2_779_683_840,
+    "phi-3-medium": 13_960_238_080,
+    "phi-3-mini": 3_821_079_552,
+    "phi-4": 14_659_507_200,
+    "pythia-1.4b": 1_414_647_808,
+    "pythia-12b": 11_846_072_320,
+    "pythia-1b": 1_011_781_632,
+    "pythia-2.8b": 2_775_208_960,
+    "pythia-6.9b": 6_857_302_016,
+    "qwen2.5-coder-7b": 7_615_616_512,
+    "qwen3-0.6b": 596_049_920,
+    "qwen3-1.7b": 1_720_574_976,
+    "qwen3-14b": 14_768_307_200,
+    "qwen3-30b-a3b": 30_532_122_624,
+    "qwen3-32b": 32_762_123_264,
+    "qwen3-4b": 4_022_468_096,
+    "qwen3-8b": 8_190_735_360,
+    "smollm2-1.7b": 1_711_376_384,
+    "smollm2-135m": 134_515_008,
+    "smollm2-360m": 361_821_120,
+    "starcoder2-3b": 3_030_371_328,
 }
 HF_NAMES = sorted(n for n in EXPECTED_PARAMS if n != "nanogpt-124m")
 
@@ -64,8 +103,9 @@ _AUTO_BY_SUFFIX = (
     ("ForSequenceClassification", transformers.AutoModelForSequenceClassification),
     ("Model", transformers.AutoModel),
 )
-_BYTES = {"float32": 4, "int64": 8, "bool": 1}
-_TORCH_DTYPES = {torch.float32: "float32", torch.int64: "int64", torch.bool: "bool"}
+_BYTES = {"float32": 4, "int64": 8, "bool": 1, "bfloat16": 2, "float16": 2}
+_TORCH_DTYPES = {torch.float32: "float32", torch.int64: "int64", torch.bool: "bool", torch.bfloat16: "bfloat16",
+                 torch.float16: "float16"}
 
 
 def _raw(name: str) -> dict:
@@ -92,7 +132,7 @@ def _real_model_counts(cfg_json: str) -> tuple[int, int, tuple[tuple[int, str], 
         arch = cfg["architectures"][0]
         auto = next(a for suffix, a in _AUTO_BY_SUFFIX if arch.endswith(suffix))
         with torch.device("meta"):
-            model = auto.from_config(AutoConfig.for_model(**cfg))
+            model = auto.from_config(AutoConfig.for_model(**cfg), dtype=torch.float32)
         assert type(model).__name__ == arch, f"{auto.__name__} built {type(model).__name__}, not {arch}"
     params = sum(p.numel() for p in model.parameters())  # parameters() yields tied tensors once
     buffers = tuple((b.numel(), _TORCH_DTYPES[b.dtype]) for b in model.buffers())
@@ -111,7 +151,8 @@ def test_catalogue_has_every_entry():
 @pytest.mark.parametrize("name", sorted(EXPECTED_PARAMS))
 def test_entry_is_a_plain_hf_config(name):
     cfg = _raw(name)
-    assert {k for k in cfg if k.startswith("_")} <= {"_comment", "_trainmem"}
+    # hub configs themselves carry _name_or_path / _attn_implementation (Phi-3, Gemma-2-27B)
+    assert {k for k in cfg if k.startswith("_")} <= {"_comment", "_trainmem", "_name_or_path", "_attn_implementation"}
     assert isinstance(cfg["model_type"], str) and cfg["model_type"]
     assert isinstance(cfg["architectures"], list) and len(cfg["architectures"]) == 1
     spec = trainmem.resolve_model(name)
@@ -134,8 +175,11 @@ def test_param_count_is_pinned(name):
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_PARAMS))
 def test_layer_and_non_layer_params(name):
-    """One layer's parameters and everything outside the layers, from 1- and 2-layer builds."""
+    """One layer's parameters and everything outside the layers, from 1- and 2-layer builds
+    (models whose layers differ, e.g. DeepSeek's dense first layers, are counted layer by layer)."""
     cfg = _raw(name)
+    if not trainmem.resolve_model(name).uniform_layers:
+        pytest.skip("layers differ: no single layer size")
     key = _layers_key(cfg)
     one, _, _ = real_counts(dict(cfg, **{key: 1}))
     two, _, _ = real_counts(dict(cfg, **{key: 2}))
@@ -173,7 +217,7 @@ def _base_arch(arch: str) -> str:
 
 @pytest.mark.parametrize("suffix,labels", [("ForSequenceClassification", None),
                                            ("ForSequenceClassification", 3), ("Model", None)])
-@pytest.mark.parametrize("name", HF_NAMES)
+@pytest.mark.parametrize("name", [n for n in HF_NAMES if trainmem.resolve_model(n).family != "derived"])
 def test_head_selection(name, suffix, labels):
     """Same config, other head (classifier with 2 or 3 labels, or the bare model)."""
     cfg = _raw(name)
@@ -244,3 +288,13 @@ def test_nanogpt_module_runs():
     a, _ = model(idx, idx)
     b, _ = model(other, other)
     assert torch.allclose(a[:, :5], b[:, :5]) and not torch.allclose(a[:, 5:], b[:, 5:])
+
+
+@pytest.mark.parametrize("name", [n for n in HF_NAMES if trainmem.resolve_model(n).family == "derived"])
+def test_derived_architecture_refuses_other_heads(name):
+    """A model type without hand-written formulas is derived as a causal LM only: another head is
+    one line naming it."""
+    cfg = _raw(name)
+    arch = cfg["architectures"][0].replace("ForCausalLM", "ForSequenceClassification")
+    with pytest.raises(trainmem.TrainmemError, match="decoder-only causal LMs"):
+        trainmem.resolve_model(name, overrides={"architectures": [arch]})

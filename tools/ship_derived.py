@@ -3,7 +3,7 @@
 For every catalogue model without hand-written formulas (``ModelSpec.family == "derived"``), this
 writes its profile (``spec/profiles/<fingerprint>.json``: its tensors as transformers builds them)
 and its derived coefficients (``spec/coefficients/<key>.json``) for the default setup in each of
-``PRECISIONS`` and, for a model with a sliding window, both sides of it, so that ``estimate`` on
+``PRECISIONS``, with and without full recompute (no KV cache) and, for a model with a sliding window, both sides of it, so that ``estimate`` on
 the catalogue needs neither torch nor a derivation. Run after changing the catalogue, transformers,
 or the derivation (``make ship-derived``); ``tests/test_derived.py`` checks the shipped files are
 current.
@@ -40,14 +40,15 @@ def main() -> None:
         _write(os.path.join(spec_dir, "profiles", f"{fingerprint(load_config(name)[1])}.json"), prof.to_json())
         window = sliding_window(m)
         seqs = [2048] if not window or window >= m.max_positions else [max(128, window // 2), 2 * window]
-        for precision in PRECISIONS:
+        for precision, recompute in [(p, r) for p in PRECISIONS for r in ("none", "full")]:
             for seq in seqs:
-                t = resolve(name, precision=precision, seq_len=min(seq, m.max_positions)).training
+                t = resolve(name, precision=precision, recompute=recompute,
+                            seq_len=min(seq, m.max_positions)).training
                 doc = derive_coefficients(m, derived._canonical(t), derived.regime(m, t))
                 doc["version"] = derived.COEF_VERSION
                 _write(os.path.join(spec_dir, "coefficients", f"{derived.key(m, t)}.json"), doc)
                 written += 1
-        print(f"{name}: profile and {len(PRECISIONS) * len(seqs)} coefficient sets", flush=True)
+        print(f"{name}: profile and {2 * len(PRECISIONS) * len(seqs)} coefficient sets", flush=True)
     print(f"{written} coefficient sets written")
 
 

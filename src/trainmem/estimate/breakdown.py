@@ -105,6 +105,10 @@ def activations(q: Quantities, tk: Tokens, at_peak: int, t: TrainingSpec, n: int
         if v and (complete or name not in HEAD_KEYS):
             listed.append(Component(f"activations.{name}", ACTIVATIONS, v * tk.inflight, None,
                                     "embedding / head tensors saved for backward"))
+    pos = int(q.outer_rest_pos * (n // max(t.batch_size, 1)))
+    if pos:  # derived architectures: tensors sized by the sequence alone (rotary tables, caches)
+        listed.append(Component("activations.derived.per_position", ACTIVATIONS, pos * tk.inflight, None,
+                                "tensors sized by the sequence, shared by the micro-batch"))
     if q.cast_head and complete:
         listed.append(Component("activations.autocast_weight_copies.head", ACTIVATIONS, q.cast_head, half,
                                 "half copy of the LM head weight saved by its matmul"))

@@ -2,7 +2,7 @@
 "derived"``): any model type without hand-written formulas.
 
 The coefficients are measured, not written: ``trainmem.trace.derive`` traces the real model cut to
-a few layers at three batch/sequence points and fits each quantity (see its docstring). They are
+a few layers at four batch/sequence points and fits each quantity (see its docstring). They are
 keyed by what changes them — the config's fingerprint, precision, attention, dropout, LoRA — and
 looked up in order: this process's memory, the coefficients shipped with the package
 (``trainmem/spec/coefficients/``, for the catalogue's models in their default setups), the user
@@ -27,7 +27,7 @@ from ..spec.profile import read_cached, write_cached
 from ..spec.training import TrainingSpec
 from .layers import LayerCoefs
 
-COEF_VERSION = 10
+COEF_VERSION = 15
 
 
 def derived_problems(m: ModelSpec, t: TrainingSpec) -> list[str]:
@@ -65,7 +65,7 @@ def regime(m: ModelSpec, t: TrainingSpec) -> str:
 def key(m: ModelSpec, t: TrainingSpec) -> str:
     """The cache key of ``m``'s coefficients under ``t``: everything the traced layer depends on."""
     lora = (t.lora_rank, tuple(t.lora_targets or ()), t.lora_dropout, t.lora_half) if t.lora_rank else ()
-    parts = [COEF_VERSION, m.fingerprint, t.precision, t.attention, t.dropout, lora, regime(m, t)]
+    parts = [COEF_VERSION, m.fingerprint, t.precision, t.attention, t.dropout, lora, regime(m, t), without_cache(t)]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:24]
 
 
@@ -91,10 +91,19 @@ def coefficients(m: ModelSpec, t: TrainingSpec) -> dict[str, Any]:
     return _coefficients(key(m, t), m, _canonical(t), regime(m, t))
 
 
+def without_cache(t: TrainingSpec) -> bool:
+    """Whether the run builds no KV cache: transformers turns ``use_cache`` off under gradient
+    checkpointing (``merge_with_config_defaults``), and pipeline-parallel loops (torchtitan,
+    Megatron) run the layers without one (``quantities.kv_cache`` for the hand families)."""
+    return t.recompute == "full" or t.pp > 1
+
+
 def _canonical(t: TrainingSpec) -> TrainingSpec:
-    """``t`` reduced to what the derivation reads (so that equal keys share one derivation)."""
+    """``t`` reduced to what the derivation reads (so that equal keys share one derivation):
+    ``recompute`` "full" stands for "derive without the KV cache" (``without_cache``)."""
     from dataclasses import replace
-    return replace(t, batch_size=1, seq_len=128, grad_accum=1, dp=1, pp=1, zero=0, recompute="none",
+    return replace(t, batch_size=1, seq_len=128, grad_accum=1, dp=1, pp=1, zero=0,
+                   recompute="full" if without_cache(t) else "none",
                    recompute_every=1)
 
 
@@ -121,6 +130,10 @@ def layer_coefs(m: ModelSpec, t: TrainingSpec, stage: str) -> LayerCoefs:
             acc = parts.setdefault(name, [0.0, 0.0])
             acc[0] += a * c / total
             acc[1] += b * c / total
+    # the parts are fitted one by one; what they leave of the layer's total is one more part
+    rest = (tok - sum(a for a, _ in parts.values()), sq - sum(b for _, b in parts.values()))
+    if rest[0] > 1e-3 or rest[1] > 1e-6:  # (float noise otherwise: the fits add up)
+        parts["other"] = [max(rest[0], 0.0), max(rest[1], 0.0)]
     cands = [(k, j, tr) for k in count for j, tr in enumerate(doc["kinds"][k]["transients"])]
     trans = tuple((f"derived.{k}.backward.{j}", a, b, c) for k, j, (a, b, c, _g) in cands)
     after = tuple(float(g) for _k, _j, (_a, _b, _c, g) in cands)

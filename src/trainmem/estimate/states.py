@@ -380,7 +380,7 @@ def _lora_adapters(t: TrainingSpec, r: _Rank, acc: _Tally, lora: list[tuple[str,
 def _buffers(m: ModelSpec, r: _Rank, acc: _Tally, before: list, layer: list, after: list) -> None:
     """Registered buffers (fp32 / int64 / bool, else the weight dtype), placed in load order."""
     for b in m.buffer_tensors():
-        nb = {"float32": 4, "int64": 8, "bool": 1}.get(b.dtype, r.w)
+        nb = {"float32": 4, "int64": 8, "bool": 1, "bfloat16": 2, "float16": 2}.get(b.dtype, r.w)
         numel = 1
         for x in b.shape:
             numel *= x

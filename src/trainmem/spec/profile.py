@@ -33,7 +33,7 @@ from typing import Any, Mapping
 from ..errors import TrainmemError
 from .model import BufferTensor, ParamTensor
 
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
 _LAYER_LIST_NAMES = ("layers", "h", "layer", "blocks", "block", "decoder_layers")
 #: the config keys (after transformers resolves its attribute_map) a profile's summary reads
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -186,6 +186,9 @@ def model_class(config: Mapping[str, Any], cfg_obj: Any) -> Any:
     import transformers
     archs = config.get("architectures") or []
     cls = getattr(transformers, archs[0], None) if archs else None
+    if archs and cls is None:
+        raise TrainmemError(f"architecture {archs[0]!r}: transformers {transformers.__version__} has no such class "
+                            f"(trainmem derives decoder-only causal LMs, *ForCausalLM)")
     if cls is None:
         mapping = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING
         try:
@@ -209,7 +212,7 @@ def build_profile(config: Mapping[str, Any]) -> Profile:
                             f"(a *ForCausalLM class); this architecture is not one")
     try:
         with torch.device("meta"):
-            model = cls._from_config(cfg)
+            model = cls._from_config(cfg, dtype=torch.float32)  # buffers as an fp32 build makes them
     except Exception as e:  # a config that does not build: say which and why, once
         raise TrainmemError(f"model_type {mtype!r}: {cls.__name__} does not build from this config on the meta "
                             f"device ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
@@ -311,7 +314,8 @@ def profile_of_module(model: Any, model_type: str, architecture: str, summ: dict
         layer_kinds.append(sig_to_kind[sig])
     bufs = []
     for name, b in model.named_buffers():
-        dt = {"torch.float32": "float32", "torch.int64": "int64", "torch.bool": "bool"}.get(str(b.dtype), "model")
+        dt = {"torch.float32": "float32", "torch.int64": "int64", "torch.bool": "bool", "torch.bfloat16": "bfloat16",
+              "torch.float16": "float16"}.get(str(b.dtype), "model")
         bufs.append(BufferTensor(name, tuple(b.shape), dt))
     summ = dict(summ, tie_word_embeddings=not any(p.role != "embedding" and p.layer is None and
                                                   len(p.shape) == 2 and p.shape[0] == summ["vocab_size"]

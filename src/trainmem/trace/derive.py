@@ -3,9 +3,9 @@
 The hand-written families describe a layer op by op (``estimate/layers.py``). For every other
 architecture transformers ships, the same coefficients are measured: the real model, cut to a few
 layers (``reduced_config``: enough to contain each kind of layer), is traced — forward, the loss,
-backward, on the emulated GPU, no optimizer — at three batch/sequence points, and each quantity
-the engine needs is fitted exactly as ``tok * b*s + sq * b*s^2`` (+ ``const`` for the backward
-transient), then checked on a fourth point. A quantity that the fit does not reproduce there is
+backward, on the emulated GPU, no optimizer — at four batch/sequence points, and each quantity
+the engine needs is fitted exactly as ``tok * b*s + pos * s + sq * b*s^2 + const`` (a backward
+transient as ``a * b*s + b * b*s^2 + c``), then checked on a fifth point. A quantity that the fit does not reproduce there is
 refused with one line rather than extrapolated.
 
 What is measured in one trace (``_measure``), with ``n = b*s`` tokens:
@@ -50,17 +50,21 @@ COEF_VERSION = 1
 
 
 def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "") -> dict[str, Any]:
-    """The coefficients of ``m`` trained as ``t`` (one GPU, no recompute), as a JSON-ready dict:
+    """The coefficients of ``m`` trained as ``t`` (one GPU, no recompute; ``t.recompute == "full"``
+    derives them without the KV cache, as transformers runs checkpointed layers), as a JSON-ready dict:
     ``kinds`` (per layer kind: saved tok/sq and parts, transient a/b/c and gradient share),
     ``layer_kinds`` (the kind of each of the model's layers), ``embed``/``head`` (tok, sq)."""
+    no_cache = t.recompute == "full"  # estimate.derived.without_cache: derive with use_cache off
     base = replace(t, recompute="none", recompute_every=1, grad_accum=1, hold_output="loss", loss="upcast",
                    loss_chunks=1, optimizer_in_backward=False, zero_grad="none")
     cfg, kinds_full, kinds_small = reduced_config(m)
+    if no_cache:
+        cfg = dict(cfg, use_cache=False)
     s0 = _base_seq(m, regime)
     # batch 1 is a special case (some transposes are views there, copies for larger batches): the
     # points use batches of 2 and more, so batch 1 is estimated with the copies (slightly high)
-    points = [(2, s0), (4, s0), (2, 2 * s0)]
-    check = (3, s0 + s0 // 2)
+    points = [(2, s0), (4, s0), (2, 2 * s0), (3, s0 + s0 // 2)]
+    check = (4, s0 + s0 // 2)
     try:
         runs = [_measure(m, cfg, kinds_small, replace(base, batch_size=b, seq_len=s)) for b, s in points + [check]]
     except TrainmemError:
@@ -73,12 +77,16 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "") -> dict
     pts = points + [check]
     for kind in sorted(set(kinds_small)):
         # a layer may keep tensors sized by the sequence alone (Falcon's rotary cos/sin cache)
-        tok, pos, sq = _fitted(m, f"layer {kind} saved bytes", pts, [r["saved"][kind] for r in runs],
-                               ("n", "s", "nsq"))
+        # and a few bytes per layer whatever the size (a norm's ``1 + weight``): fitted, then left out
+        tok, pos, sq, _c = _fitted(m, f"layer {kind} saved bytes", pts, [r["saved"][kind] for r in runs],
+                                   ("n", "s", "nsq", "1"))
         parts = {}
         for name in runs[-1]["parts"][kind]:
             ys = [r["parts"][kind].get(name, 0) for r in runs]
-            parts[name] = list(_fitted(m, "", pts, ys, ("n", "nsq"), check_fit=False))
+            # the same terms as the layer's total, so the parts' coefficients add up to it (least
+            # squares is linear in the data); their per-position terms are in the total's ``pos``
+            a, _pos, b, _c = _fitted(m, "", pts, ys, ("n", "s", "nsq", "1"), check_fit=False)
+            parts[name] = [a, b]
         trans = _candidates(m, pts, [r["transient"][kind] for r in runs], [r["made"][kind] for r in runs],
                             runs[-1]["total_g"][kind])
         cache = _fitted(m, f"layer {kind} KV cache", pts, [r["cache"][kind] for r in runs], ("n",))[0]
@@ -86,7 +94,7 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "") -> dict
         out["kinds"][kind] = {"tok": tok, "sq": sq, "pos": pos, "parts": parts, "transients": trans,
                               "cache": cache, "held": held}
     for side in ("embed", "head", "head_loss"):
-        out[side] = list(_fitted(m, f"{side} bytes", pts, [r[side] for r in runs], ("n", "s", "nsq")))
+        out[side] = list(_fitted(m, f"{side} bytes", pts, [r[side] for r in runs], ("n", "s", "nsq", "1"))[:3])
     return out
 
 
@@ -267,9 +275,16 @@ def _analyse(tracker: Any, prefix: str, kinds: list[str], cache: list, released:
     embed = head = 0
     # the head's tensors alive while the loss runs inside the forward (the final norm's output,
     # referenced by the forward's locals), beyond those that outlive the forward
+    # (at the loss's highest point: a tensor the head replaces, e.g. Granite's logits before
+    # ``logits / logits_scaling``, is gone by then)
+    cur, best, loss_peak = 0, -1, logits_ev
+    for e, code in enumerate(tracker.ev_rec[:end]):
+        cur += recs[code].nbytes if code >= 0 else -recs[~code].nbytes
+        if e > logits_ev and cur > best:
+            best, loss_peak = cur, e
     head_loss = sum(r.nbytes for r in recs if r.phase == "forward" and last_layer_ev < r.alloc_event < logits_ev
                     and r.category in ("activations", "temporaries") and r.label != "autocast_weight_cache"
-                    and alive_at(r, logits_ev))
+                    and alive_at(r, loss_peak))
     for r in recs:
         if r.phase != "forward" or r.category not in ("activations", "temporaries") or \
                 r.label == "autocast_weight_cache" or not alive_at(r, end - 1):
@@ -281,28 +296,35 @@ def _analyse(tracker: Any, prefix: str, kinds: list[str], cache: list, released:
             embed += r.nbytes
         elif last_layer_ev < r.alloc_event < logits_ev:
             head += r.nbytes
-    saved = defaultdict(list)
-    parts: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
+    # a kind's bytes come from a layer below the top one when the cut model has one: the top
+    # layer's output may be kept by what follows it (a post-norm model's final norm saves it,
+    # OLMo 2), which is the head's, not every layer's; the top layer's excess goes to the head
+    typical = {}
     for i, kind in enumerate(kinds):
-        total = sum(r.nbytes for r in saved_rec[i])
-        saved[kind].append(total)
+        if kind not in typical or typical[kind] == len(kinds) - 1:
+            typical[kind] = i
+    saved: dict[str, int] = {}
+    parts: dict[str, dict[str, int]] = {}
+    for kind, i in typical.items():
+        saved[kind] = sum(r.nbytes for r in saved_rec[i])
         by: dict[str, int] = defaultdict(int)
         for r in saved_rec[i]:
             rel = pat.sub("", r.module or "", count=1).lstrip(".")
             by[f"{rel or 'layer'}.{r.op}"] += r.nbytes
-        for name, v in by.items():
-            parts[kind][name].append(v)
+        parts[kind] = dict(by)
+    top = len(kinds) - 1
+    head += sum(r.nbytes for r in saved_rec[top]) - saved[kinds[top]]
     trans, made, total_g = _transients(tracker, recs, layer_of, kinds, saved_rec, vocab)
     # the KV cache: all of it per layer, and what dies with the output (``held``: not saved)
     kv: dict[str, list[int]] = defaultdict(list)
     held: dict[str, list[int]] = defaultdict(list)
-    for i, kind in enumerate(kinds):
+    for kind, i in typical.items():
         kv[kind].append(sum(r.nbytes for r in cache if layer_of(r) == i))
         held[kind].append(sum(r.nbytes for r in recs if layer_of(r) == i and r.free_event is not None
                               and released[0] <= r.free_event < released[1]))
-    return {"saved": {k: max(v) for k, v in saved.items()},
+    return {"saved": saved,
             "cache": {k: max(v) for k, v in kv.items()}, "held": {k: max(v) for k, v in held.items()},
-            "parts": {k: {n: max(v) for n, v in d.items()} for k, d in parts.items()},
+            "parts": parts,
             "embed": embed, "head": head, "head_loss": head_loss - head, "transient": trans, "made": made, "total_g": total_g}
 
 

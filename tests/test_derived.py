@@ -1,0 +1,173 @@
+"""Architectures without hand-written formulas: profiles read from transformers, coefficients derived
+from traces of the real model (trainmem.trace.derive), and the engine's estimate from them.
+
+The checks: the derived estimate agrees with a trace of the same setup (the real model, all its
+layers, two steps with the optimizer) over model types, precisions, attention, recompute and
+accumulation; on the hand-written families the derived coefficients reproduce the hand formulas;
+what derivation cannot do is one line; the shipped profiles and coefficients are current.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+import trainmem
+from trainmem.estimate import derived
+from trainmem.spec import catalogue_names, load_config
+from trainmem.spec.profile import read_cached
+
+warnings.filterwarnings("ignore")
+
+# the transformers default config of each type, cut to 3 layers (MoE types to 8 experts)
+TYPES = {
+    "qwen3": {}, "gemma2": {}, "gemma3_text": {}, "phi": {}, "gpt_neox": {}, "olmo2": {}, "starcoder2": {},
+    "granite": {}, "qwen3_moe": {"num_experts": 8, "mlp_only_layers": [0]},
+    "deepseek_v2": {"num_experts_per_tok": 2, "first_k_dense_replace": 1, "n_routed_experts": 8,
+                    "moe_intermediate_size": 1408},  # the default 1407 breaks grouped_mm in pure bf16
+}
+SETUPS = [dict(precision="bf16-amp"), dict(precision="bf16"), dict(precision="fp32", attention="eager"),
+          dict(precision="bf16-amp", recompute="full"), dict(precision="bf16-amp", grad_accum=2)]
+QUICK = [("qwen3", 0), ("gemma2", 1), ("phi", 3), ("deepseek_v2", 4), ("gpt_neox", 2)]
+
+
+def _cfg(model_type: str) -> dict:
+    return dict(model_type=model_type, num_hidden_layers=3, **TYPES[model_type])
+
+
+def _agreement(model_type: str, setup: dict, b: int = 2, s: int = 1024) -> float:
+    cfg = _cfg(model_type)
+    est = trainmem.estimate(cfg, batch_size=b, seq_len=s, **setup)
+    tr = trainmem.trace(cfg, batch_size=b, seq_len=s, **setup)
+    return est.peak_allocated / tr.peak_allocated - 1
+
+
+@pytest.mark.parametrize("model_type,setup", QUICK)
+def test_derived_estimate_agrees_with_trace(model_type, setup):
+    assert abs(_agreement(model_type, SETUPS[setup])) <= 0.005
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setup", range(len(SETUPS)))
+@pytest.mark.parametrize("model_type", sorted(TYPES))
+def test_derived_estimate_agrees_with_trace_grid(model_type, setup):
+    """Must-show 2 of the any-architecture issue: within 0.5% over types and setups."""
+    assert abs(_agreement(model_type, SETUPS[setup], b=3, s=1536)) <= 0.005
+
+
+def test_derived_lora_estimate_agrees_with_trace():
+    # peft's adapters: within 2% (the derived adapter layers are measured; the gap is the
+    # engine's gradient timing of frozen layers, see the closing note of the issue)
+    assert abs(_agreement("qwen3", dict(precision="bf16", lora_rank=16))) <= 0.02
+
+
+@pytest.mark.parametrize("name", ["llama-3.2-1b", "qwen2.5-0.5b"])
+@pytest.mark.parametrize("setup", [dict(precision="bf16-amp"), dict(precision="bf16", attention="eager"),
+                                   dict(precision="bf16-amp", recompute="full", batch_size=4),
+                                   dict(precision="bf16-amp", dp=8, zero=3)])
+def test_derived_coefficients_reproduce_the_hand_formulas(name, setup):
+    """The same Llama/Qwen2 config through the derivation gives the hand-written layer's bytes
+    (measured: at most 0.072%)."""
+    cfg = dict(load_config(name)[1], _trainmem={"family": "derived"})
+    opts = dict(dict(batch_size=1, seq_len=2048), **setup)
+    hand = trainmem.estimate(name, **opts).peak_allocated
+    der = trainmem.estimate(cfg, **opts).peak_allocated
+    assert abs(der / hand - 1) <= 0.001
+
+
+def test_sliding_window_regimes_are_derived_separately():
+    """Above Mistral's 4096-token window transformers builds a sliding mask (SDPA leaves its
+    causal kernels): the derivation on that side agrees with the trace."""
+    cfg = dict(load_config("mistral-7b")[1], num_hidden_layers=2, _trainmem={"family": "derived"})
+    for s in (2048, 8192):
+        est = trainmem.estimate(cfg, batch_size=1, seq_len=s, precision="bf16-amp")
+        tr = trainmem.trace(cfg, batch_size=1, seq_len=s, precision="bf16-amp")
+        assert abs(est.peak_allocated / tr.peak_allocated - 1) <= 0.005
+    below = trainmem.estimate(cfg, batch_size=1, seq_len=2048, precision="bf16-amp")
+    above = trainmem.estimate(cfg, batch_size=1, seq_len=8192, precision="bf16-amp")
+    assert derived.regime(below.model, below.training) == "below"
+    assert derived.regime(above.model, above.training) == "above"
+
+
+# ----- what derivation cannot do: one line ---------------------------------------------------
+@pytest.mark.parametrize("args,message", [
+    (["qwen3-8b", "--tp", "2"], "--tp 2 is not modelled for an architecture without hand-written formulas"),
+    (["gemma-2-2b", "--cp", "2", "--seq-len", "4096"], "--cp 2 is not modelled"),
+])
+def test_cli_refuses_what_derivation_does_not_cover(capsys, args, message):
+    from trainmem.cli import main
+    assert main(["estimate", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+
+
+@pytest.mark.slow
+def test_sequence_dependent_op_count_is_refused():
+    """Mamba's reference scan loops over the sequence: its ops change with the length, so the
+    coefficients cannot be fitted; the estimate says so in one line (trace still answers)."""
+    with pytest.raises(trainmem.TrainmemError, match="different operations at different sizes|not polynomial"):
+        trainmem.estimate(dict(model_type="mamba", num_hidden_layers=2, hidden_size=256, vocab_size=1000),
+                          batch_size=2, seq_len=256)
+
+
+def test_unknown_model_type_is_one_line():
+    with pytest.raises(trainmem.TrainmemError, match="unsupported model_type 'no_such_arch'"):
+        trainmem.estimate(dict(model_type="no_such_arch", architectures=["NoSuchForCausalLM"]))
+
+
+def test_failing_step_is_one_line():
+    """A config whose real step fails on fake tensors (grouped_mm needs 16-byte strides) is one line."""
+    cfg = dict(model_type="deepseek_v2", num_hidden_layers=2, num_experts_per_tok=2, n_routed_experts=8,
+               first_k_dense_replace=1)
+    with pytest.raises(trainmem.TrainmemError, match="its training step fails when traced"):
+        trainmem.trace(cfg, batch_size=1, seq_len=256, precision="bf16", steps=1)
+
+
+# ----- the shipped files ----------------------------------------------------------------------
+def _derived_catalogue() -> list[str]:
+    return [n for n in catalogue_names() if trainmem.resolve_model(n).family == "derived"]
+
+
+def test_catalogue_has_at_least_45_entries_over_15_types():
+    names = catalogue_names()
+    types = {trainmem.resolve_model(n).model_type for n in names}
+    assert len(names) >= 45 and len(types) >= 15
+
+
+@pytest.mark.parametrize("name", ["qwen3-0.6b", "gemma-2-2b", "phi-2"])
+def test_shipped_coefficients_are_current(name):
+    """Re-deriving gives the shipped coefficients (else: make ship-derived)."""
+    from trainmem.trace.derive import derive_coefficients
+    r = trainmem.estimate(name, seq_len=2048)
+    shipped = read_cached("coefficients", derived.key(r.model, r.training))
+    assert shipped is not None
+    fresh = derive_coefficients(r.model, derived._canonical(r.training), derived.regime(r.model, r.training))
+    for kind, v in fresh["kinds"].items():
+        assert shipped["kinds"][kind]["tok"] == pytest.approx(v["tok"], rel=1e-9)
+        flat = [x for tr in v["transients"] for x in tr]
+        assert [x for tr in shipped["kinds"][kind]["transients"] for x in tr] == pytest.approx(flat, rel=1e-9, abs=1e-6)
+    assert shipped["embed"] == pytest.approx(fresh["embed"], rel=1e-9, abs=1e-6)
+
+
+def test_every_derived_catalogue_entry_has_shipped_coefficients():
+    missing = []
+    for name in _derived_catalogue():
+        m = trainmem.resolve_model(name)
+        from trainmem.spec.resolve import resolve
+        t = resolve(name, seq_len=min(2048, m.max_positions)).training
+        if read_cached("coefficients", derived.key(m, t)) is None:
+            missing.append(name)
+    assert not missing, f"run make ship-derived: {missing}"
+
+
+def test_catalogue_estimate_needs_no_torch(tmp_path):
+    code = ("import sys, trainmem\n"
+            "for n in ['qwen3-8b', 'gemma-2-9b', 'deepseek-v3', 'phi-3-mini']:\n"
+            "    trainmem.estimate(n, batch_size=2, seq_len=2048)\n"
+            "print(json.dumps(['torch' in sys.modules, 'transformers' in sys.modules]))\n")
+    out = subprocess.run([sys.executable, "-c", "import json\n" + code], capture_output=True, text=True,
+                         env={"TRAINMEM_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"}, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [False, False]
