@@ -27,7 +27,7 @@ from ..spec.profile import read_cached, write_cached
 from ..spec.training import TrainingSpec
 from .layers import LayerCoefs
 
-COEF_VERSION = 15
+COEF_VERSION = 16
 
 
 def derived_problems(m: ModelSpec, t: TrainingSpec) -> list[str]:
@@ -55,18 +55,27 @@ def regime(m: ModelSpec, t: TrainingSpec) -> str:
     each side has its own coefficients."""
     if m.family != "derived":
         return ""
-    from ..spec.profile import profile_for
-    window = int(profile_for(dict(m.config)).summary.get("sliding_window", 0) or 0)
+    window = _window(m)
     if not window or window >= m.max_positions:
         return ""
     return "above" if t.seq_len >= window else "below"
 
 
+@lru_cache(maxsize=1024)
+def _window(m: ModelSpec) -> int:
+    from ..spec.profile import profile_for
+    return int(profile_for(dict(m.config)).summary.get("sliding_window", 0) or 0)
+
+
 def key(m: ModelSpec, t: TrainingSpec) -> str:
     """The cache key of ``m``'s coefficients under ``t``: everything the traced layer depends on."""
     lora = (t.lora_rank, tuple(t.lora_targets or ()), t.lora_dropout, t.lora_half) if t.lora_rank else ()
-    parts = [COEF_VERSION, m.fingerprint, t.precision, t.attention, t.dropout, lora, regime(m, t), without_cache(t)]
-    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:24]
+    return _key(m.fingerprint, t.precision, t.attention, t.dropout, lora, regime(m, t), without_cache(t))
+
+
+@lru_cache(maxsize=4096)
+def _key(*parts: Any) -> str:
+    return hashlib.sha256(json.dumps([COEF_VERSION, *parts], default=str).encode()).hexdigest()[:24]
 
 
 @lru_cache(maxsize=512)
@@ -124,12 +133,20 @@ def layer_coefs(m: ModelSpec, t: TrainingSpec, stage: str) -> LayerCoefs:
     total = len(kinds)
     tok = sum(doc["kinds"][k]["tok"] * c for k, c in count.items()) / total
     sq = sum(doc["kinds"][k]["sq"] * c for k, c in count.items()) / total
+    typical = (tok, sq)
+    if t.pp == 1 or stage == "first":  # the model's first layer keeps what it keeps (see derive)
+        first_tok, _pos, first_sq = doc["first_layer"]
+        tok, sq = tok + first_tok / total, sq + first_sq / total
     parts: dict[str, list[float]] = {}
     for k, c in count.items():
         for name, (a, b) in doc["kinds"][k]["parts"].items():
             acc = parts.setdefault(name, [0.0, 0.0])
             acc[0] += a * c / total
             acc[1] += b * c / total
+    # the parts are a typical layer's; scaled to the stage's average layer
+    fa = tok / typical[0] if typical[0] else 1.0
+    fb = sq / typical[1] if typical[1] else 1.0
+    parts = {n: [a * fa, b * fb] for n, (a, b) in parts.items()}
     # the parts are fitted one by one; what they leave of the layer's total is one more part
     rest = (tok - sum(a for a, _ in parts.values()), sq - sum(b for _, b in parts.values()))
     if rest[0] > 1e-3 or rest[1] > 1e-6:  # (float noise otherwise: the fits add up)
@@ -165,6 +182,8 @@ def outer(m: ModelSpec, t: TrainingSpec, stage: str) -> tuple[list[tuple[str, fl
         pos = s
     # the layers' tensors sized by the sequence alone (not by the batch), counted with these
     pos += sum(doc["kinds"][k].get("pos", 0.0) for k in stage_kinds(m, t, stage, doc))
+    if t.pp == 1 or stage == "first":
+        pos += doc["first_layer"][1]
     if t.pp == 1 or stage == "last":
         tok, s, sq = doc["head"]
         out.append(("derived.head_side", tok + max(s, 0.0), sq))  # a per-position term read as per token
@@ -174,10 +193,21 @@ def outer(m: ModelSpec, t: TrainingSpec, stage: str) -> tuple[list[tuple[str, fl
 def notes(m: ModelSpec, t: TrainingSpec) -> list[str]:
     """What a derived estimate's report should say: that its activations were measured, and an
     attention implementation other than the one asked for (a class without SDPA runs eager)."""
-    doc = coefficients(m, t)
+    k = (m, key(m, t), t.attention)
+    hit = _NOTES.get(k)
+    if hit is None:
+        hit = _NOTES[k] = _notes(m, k[1], t.attention, _canonical(t))
+    return list(hit)
+
+
+_NOTES: dict[tuple, tuple[str, ...]] = {}
+
+
+def _notes(m: ModelSpec, k: str, attention: str, t: TrainingSpec) -> tuple[str, ...]:
+    doc = _coefficients(k, m, t, regime(m, t))
     out = [f"{m.model_type}: activations derived from traces of the real {m.architecture} "
            f"(trainmem.trace.derive), not hand-written formulas"]
     if doc.get("attention") == "eager" and t.attention != "eager":
         out.append(f"{m.architecture} has no SDPA attention in transformers: it runs eager attention "
-                   f"(--attention {t.attention} is not honoured)")
-    return out
+                   f"(--attention {attention} is not honoured)")
+    return tuple(out)

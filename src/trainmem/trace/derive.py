@@ -29,6 +29,7 @@ measured in the regime long sequences run in.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -66,7 +67,8 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "") -> dict
     points = [(2, s0), (4, s0), (2, 2 * s0), (3, s0 + s0 // 2)]
     check = (4, s0 + s0 // 2)
     try:
-        runs = [_measure(m, cfg, kinds_small, replace(base, batch_size=b, seq_len=s)) for b, s in points + [check]]
+        with _quiet():
+            runs = [_measure(m, cfg, kinds_small, replace(base, batch_size=b, seq_len=s)) for b, s in points + [check]]
     except TrainmemError:
         raise
     except Exception as e:  # the real model's step fails on fake tensors: say which and why, once
@@ -93,6 +95,8 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "") -> dict
         held = _fitted(m, f"layer {kind} output-held bytes", pts, [r["held"][kind] for r in runs], ("n",))[0]
         out["kinds"][kind] = {"tok": tok, "sq": sq, "pos": pos, "parts": parts, "transients": trans,
                               "cache": cache, "held": held}
+    out["first_layer"] = list(_fitted(m, "first layer's bytes", pts, [r["first"] for r in runs],
+                                      ("n", "s", "nsq", "1"))[:3])
     for side in ("embed", "head", "head_loss"):
         out[side] = list(_fitted(m, f"{side} bytes", pts, [r[side] for r in runs], ("n", "s", "nsq", "1"))[:3])
     return out
@@ -107,7 +111,8 @@ def _layer_types(cfg: dict[str, Any], n: int) -> list[str]:
 def reduced_config(m: ModelSpec) -> tuple[dict[str, Any], list[str], list[str]]:
     """(config of the model cut to its first K layers, the kind of each layer of the full model, the
     kind of each of the K layers). A kind is the layer's parameter signature and its ``layer_types``
-    entry (sliding or full attention). K is the smallest count (at least 2 when the model has 2)
+    entry (sliding or full attention). K is the smallest count (at least 3 when the model has 3:
+    the first, a middle and the top layer differ in what they keep)
     whose layers contain every kind; per-layer lists of the config are cut with it."""
     from ..spec.profile import profile_for
     full_cfg = {k: v for k, v in dict(m.config).items() if not k.startswith("_")}
@@ -115,7 +120,7 @@ def reduced_config(m: ModelSpec) -> tuple[dict[str, Any], list[str], list[str]]:
     L = m.num_layers
     full = [f"{k}:{a}" if a else k for k, a in zip(prof.layer_kinds, _layer_types(full_cfg, L))]
     want = set(full)
-    for k in range(min(2, L), L + 1):
+    for k in range(min(3, L), L + 1):
         cfg = _cut(full_cfg, L, k)
         small = build_profile(cfg)
         sig_small = {kind: tuple((p.name, p.shape) for p in ts) for kind, ts in small.kinds.items()}
@@ -231,6 +236,22 @@ def _storages(obj: Any, depth: int = 0, seen: set | None = None) -> set[int]:
     return out
 
 
+@contextlib.contextmanager
+def _quiet() -> Any:
+    """transformers' and Python's warnings off while the derivation's traces run (its notices about
+    the reference kernels or deprecated names are about the traced program, not the user's)."""
+    import warnings
+    import transformers
+    level = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        transformers.logging.set_verbosity(level)
+
+
 class _null:
     def __enter__(self) -> None:
         return None
@@ -296,12 +317,16 @@ def _analyse(tracker: Any, prefix: str, kinds: list[str], cache: list, released:
             embed += r.nbytes
         elif last_layer_ev < r.alloc_event < logits_ev:
             head += r.nbytes
-    # a kind's bytes come from a layer below the top one when the cut model has one: the top
-    # layer's output may be kept by what follows it (a post-norm model's final norm saves it,
-    # OLMo 2), which is the head's, not every layer's; the top layer's excess goes to the head
-    typical = {}
+    # a kind's bytes come from a layer between the first and the top one when the cut model has
+    # one. The top layer's output may be kept by what follows it (a post-norm model's final norm
+    # saves it, OLMo 2): that excess is the head's. The first layer may save less: with LoRA its
+    # input (frozen embeddings) needs no gradient, so a frozen branch that reads only the input
+    # saves nothing there (GPT-NeoX's parallel MLP): that difference is ``first`` (per layer 0).
+    top = len(kinds) - 1
+    rank = {i: (0 if 0 < i < top else 1 if i == 0 else 2) for i in range(len(kinds))}
+    typical: dict[str, int] = {}
     for i, kind in enumerate(kinds):
-        if kind not in typical or typical[kind] == len(kinds) - 1:
+        if kind not in typical or rank[i] < rank[typical[kind]]:
             typical[kind] = i
     saved: dict[str, int] = {}
     parts: dict[str, dict[str, int]] = {}
@@ -312,8 +337,8 @@ def _analyse(tracker: Any, prefix: str, kinds: list[str], cache: list, released:
             rel = pat.sub("", r.module or "", count=1).lstrip(".")
             by[f"{rel or 'layer'}.{r.op}"] += r.nbytes
         parts[kind] = dict(by)
-    top = len(kinds) - 1
-    head += sum(r.nbytes for r in saved_rec[top]) - saved[kinds[top]]
+    head += sum(r.nbytes for r in saved_rec[top]) - saved[kinds[top]] if top != typical[kinds[top]] else 0
+    first = sum(r.nbytes for r in saved_rec[0]) - saved[kinds[0]] if top > 0 and typical[kinds[0]] != 0 else 0
     trans, made, total_g = _transients(tracker, recs, layer_of, kinds, saved_rec, vocab)
     # the KV cache: all of it per layer, and what dies with the output (``held``: not saved)
     kv: dict[str, list[int]] = defaultdict(list)
@@ -325,7 +350,7 @@ def _analyse(tracker: Any, prefix: str, kinds: list[str], cache: list, released:
     return {"saved": saved,
             "cache": {k: max(v) for k, v in kv.items()}, "held": {k: max(v) for k, v in held.items()},
             "parts": parts,
-            "embed": embed, "head": head, "head_loss": head_loss - head, "transient": trans, "made": made, "total_g": total_g}
+            "embed": embed, "head": head, "head_loss": head_loss - head, "first": first, "transient": trans, "made": made, "total_g": total_g}
 
 
 def _transients(tracker: Any, recs: list, layer_of: Any, kinds: list[str], saved_rec: dict[int, list],
