@@ -25,7 +25,7 @@ warnings.filterwarnings("ignore")
 # the transformers default config of each type, cut to 3 layers (MoE types to 8 experts)
 TYPES = {
     "qwen3": {}, "gemma2": {}, "gemma3_text": {}, "phi": {}, "gpt_neox": {}, "olmo2": {}, "starcoder2": {},
-    "granite": {}, "qwen3_moe": {"num_experts": 8, "mlp_only_layers": [0]},
+    "granite": {}, "falcon": {}, "qwen3_moe": {"num_experts": 8, "mlp_only_layers": [0]},
     "deepseek_v2": {"num_experts_per_tok": 2, "first_k_dense_replace": 1, "n_routed_experts": 8,
                     "moe_intermediate_size": 1408},  # the default 1407 breaks grouped_mm in pure bf16
 }

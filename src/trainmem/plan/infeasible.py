@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from ..spec.layout import pp_problems, sequence_problems, tp_problems
+from ..spec.layout import cp_problems, pp_problems, sequence_problems, tp_problems
 from ._common import divisors
 
 LAYOUT_KEYS = ("tp", "pp", "cp", "dp")
@@ -61,7 +61,7 @@ def shape_reason(m: Any, tp: int, pp: int, cp: int, dp: int, seq: int, global_ba
     bad = tp_problems(m, tp)
     if bad:
         return f"tp={tp} " + _and([p.reason for p in bad])
-    bad = pp_problems(m, pp) + sequence_problems(seq, tp, cp, sequence_parallel=tp > 1)
+    bad = pp_problems(m, pp) + cp_problems(m, cp) + sequence_problems(seq, tp, cp, sequence_parallel=tp > 1)
     if bad:
         return f"{bad[0].label} {bad[0].reason}"
     if global_batch % dp:
@@ -85,7 +85,7 @@ def _filter_value_problems(m: Any, n_gpus: int, seq: int, global_batch: int, fil
             elif key == "pp":
                 why += [p.reason for p in pp_problems(m, v)]
             elif key == "cp":
-                why += [p.reason for p in sequence_problems(seq, 1, v, False)]
+                why += [p.reason for p in cp_problems(m, v) + sequence_problems(seq, 1, v, False)]
             elif global_batch % v:
                 why.append(f"does not divide the global batch of {global_batch} sequences")
             if why:

@@ -22,7 +22,7 @@ import numpy as np
 from ..errors import TrainmemError
 from ..report import MemoryReport
 from ..estimate.engine import estimate_layouts, group_rows
-from ..spec.layout import pp_problems, sequence_problems, tp_problems
+from ..spec.layout import cp_problems, pp_problems, sequence_problems, tp_problems
 from ..spec.training import RECOMPUTE, TrainingSpec, default_seq_len
 from ..render.text import wrap
 from ..units import fmt, scale
@@ -205,7 +205,7 @@ def enumerate_layouts(m, n_gpus: int, seq: int, global_batch: int, filters: dict
                 if f_dp is not None and dp not in f_dp:
                     continue
                 shape = f"dp={dp} tp={tp} pp={pp} cp={cp}"
-                bad = sequence_problems(seq, tp, cp, sequence_parallel=tp > 1)
+                bad = cp_problems(m, cp) + sequence_problems(seq, tp, cp, sequence_parallel=tp > 1)
                 if bad:
                     reject(shape, f"{bad[0].label} {bad[0].reason}")
                     continue

@@ -68,6 +68,15 @@ def pp_problems(model: Any, pp: int) -> list[Problem]:
     return []
 
 
+def cp_problems(model: Any, cp: int) -> list[Problem]:
+    """Why ``model`` cannot be estimated with context parallelism (its activations are derived
+    from one-GPU traces, estimate/derived.py)."""
+    if cp > 1 and getattr(model, "family", "") == "derived":
+        return [Problem("cp", cp, "is not modelled for an architecture without hand-written formulas",
+                        "use --cp 1")]
+    return []
+
+
 def sequence_problems(seq_len: int, tp: int, cp: int, sequence_parallel: bool) -> list[Problem]:
     """Why the sequence cannot be split over ``cp`` ranks and, with sequence parallelism, over ``tp``."""
     if seq_len % cp:
@@ -83,10 +92,7 @@ def sequence_problems(seq_len: int, tp: int, cp: int, sequence_parallel: bool) -
 def layout_problems(model: Any, tp: int = 1, pp: int = 1, cp: int = 1, seq_len: int | None = None,
                     sequence_parallel: bool = False) -> list[Problem]:
     """Every divisibility rule ``model`` and the layout break, tensor parallelism first."""
-    out = tp_problems(model, tp) + pp_problems(model, pp)
-    if cp > 1 and getattr(model, "family", "") == "derived":
-        out.append(Problem("cp", cp, "is not modelled for an architecture without hand-written formulas",
-                           "use --cp 1"))
+    out = tp_problems(model, tp) + pp_problems(model, pp) + cp_problems(model, cp)
     if seq_len is not None:
         out += sequence_problems(seq_len, tp, cp, sequence_parallel)
     return out
