@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from ..errors import TrainmemError
+from ..progress import progress
 from ..spec import ModelSpec, TrainingSpec
 from ..spec.profile import build_profile
 from ..workload import apply_lora, attention_implementation, hf_config
@@ -67,8 +68,11 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "") -> dict
     points = [(2, s0), (4, s0), (2, 2 * s0), (3, s0 + s0 // 2)]
     check = (4, s0 + s0 // 2)
     try:
-        with _quiet():
-            runs = [_measure(m, cfg, kinds_small, replace(base, batch_size=b, seq_len=s)) for b, s in points + [check]]
+        with _quiet(), progress(len(points) + 1, f"deriving {m.name}'s coefficients") as bar:
+            runs = []
+            for b, s in points + [check]:
+                runs.append(_measure(m, cfg, kinds_small, replace(base, batch_size=b, seq_len=s)))
+                bar.update(1)
     except TrainmemError:
         raise
     except Exception as e:  # the real model's step fails on fake tensors: say which and why, once
