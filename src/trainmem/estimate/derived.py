@@ -12,7 +12,8 @@ a derived architecture whose coefficients are nowhere stored.
 
 What the derivation does not cover is refused in one line (``derived_problems``): tensor and
 context parallelism and sequence parallelism (the traced model is one GPU's), bitsandbytes 4-bit
-bases (trace cannot build them).
+bases before 0.43.2 (their MatMul4Bit saves its input). Later 4-bit bases are derived as a frozen
+half base plus their dequantized weights (``layer_coefs``).
 """
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ def derived_problems(m: ModelSpec, t: TrainingSpec) -> list[str]:
         out.append(f"--tp {t.tp}" + (" --sequence-parallel" if t.sequence_parallel else ""))
     if t.cp > 1:
         out.append(f"--cp {t.cp}")
-    if t.quantize:
-        out.append(f"--quantize {t.quantize}")
+    if t.quantize and t.bnb_saves_input:
+        out.append(f"--quantize {t.quantize} with bitsandbytes < 0.43.2 (MatMul4Bit saves its input)")
     return out
 
 
@@ -111,9 +112,11 @@ def _canonical(t: TrainingSpec) -> TrainingSpec:
     """``t`` reduced to what the derivation reads (so that equal keys share one derivation):
     ``recompute`` "full" stands for "derive without the KV cache" (``without_cache``)."""
     from dataclasses import replace
+    # 4-bit bases (bitsandbytes >= 0.43.2) keep the activations of a frozen half base: derived
+    # without them; their dequantized weights are added by ``layer_coefs``
     return replace(t, batch_size=1, seq_len=128, grad_accum=1, dp=1, pp=1, zero=0,
                    recompute="full" if without_cache(t) else "none",
-                   recompute_every=1)
+                   recompute_every=1, quantize=None, quantize_via="transformers", bitsandbytes_version=None)
 
 
 def stage_kinds(m: ModelSpec, t: TrainingSpec, stage: str, doc: dict[str, Any]) -> list[str]:
@@ -156,8 +159,29 @@ def layer_coefs(m: ModelSpec, t: TrainingSpec, stage: str) -> LayerCoefs:
     after = tuple(float(g) for _k, _j, (_a, _b, _c, g) in cands)
     held = sum(doc["kinds"][k]["held"] * c for k, c in count.items()) / total
     cache = sum(doc["kinds"][k]["cache"] * c for k, c in count.items()) / total
+    fwd = (0.0, 0.0)
+    if t.quantize:
+        # bitsandbytes MatMul4Bit dequantizes its weight in forward and again in backward
+        # (quant4.py): the largest such copy of the stage's layers is the forward transient (with
+        # its matmul's output) and is added to every backward moment (an upper bound: the moment
+        # measured may be another linear's)
+        fwd = _largest_dequantized(m, t, stage)
+        trans = tuple((name, a, b, c + fwd[0]) for name, a, b, c in trans)
     return LayerCoefs(max(tok, 0.0), max(sq, 0.0), tuple((n, a, b) for n, (a, b) in sorted(parts.items())),
-                      trans, held=held, cache=cache, weights=1.0, after=after)
+                      trans, held=held, cache=cache, weights=1.0, after=after, fwd_const=fwd[0], fwd_tok=fwd[1])
+
+
+def _largest_dequantized(m: ModelSpec, t: TrainingSpec, stage: str) -> tuple[float, float]:
+    """(bytes of the largest dequantized 4-bit layer weight of the stage, its matmul output per
+    token in the compute dtype)."""
+    from .layers import Policy
+    from .quant4 import dequant_dtypes, is_quantized
+    dq, cast = dequant_dtypes(t)
+    per = m.num_layers // t.pp
+    lo, hi = (0, per) if stage == "first" else (m.num_layers - per, m.num_layers)
+    best = max(((p.numel, p.shape[0]) for p in m.parameter_tensors()
+                if p.layer is not None and lo <= p.layer < hi and is_quantized(p, t)), default=(0, 0))
+    return float(best[0] * (dq + cast)), float(best[1] * Policy.of(t.precision).half)
 
 
 def head_during_loss(m: ModelSpec, t: TrainingSpec, stage: str) -> float:
