@@ -192,3 +192,16 @@ def test_derived_qlora_follows_the_hand_formulas(setup):
 def test_derived_qlora_with_old_bitsandbytes_is_one_line():
     with pytest.raises(trainmem.TrainmemError, match="bitsandbytes < 0.43.2"):
         trainmem.estimate("qwen3-8b", quantize="nf4", lora_rank=16, bitsandbytes_version="0.42.0")
+
+
+def test_layout_arrays_across_the_sliding_window_equal_single_estimates():
+    """fit and the planner estimate arrays of sequences; on both sides of Gemma 2's 4096-token
+    window each row takes its side's coefficients, as a single estimate does."""
+    import numpy as np
+    from trainmem.estimate.engine import estimate, estimate_layouts
+    from trainmem.spec.resolve import resolve
+    r = resolve("gemma-2-2b", precision="bf16-amp", seq_len=2048)
+    seqs = np.array([1024, 2048, 4096, 8192])
+    out = estimate_layouts(r.model, r.training, seq_len=seqs)
+    for s, p in zip(seqs, out["peak_allocated"]):
+        assert p == estimate(r.model, r.replace(seq_len=int(s)).training).peak_allocated

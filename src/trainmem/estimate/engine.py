@@ -83,6 +83,16 @@ def estimate_layouts(m: ModelSpec, base: TrainingSpec, **layout: Any) -> dict[st
     larger stage). The layouts must be valid (``spec.layout.layout_problems``).
     """
     cols = _columns(base, layout)
+    parts = _regime_parts(m, base, cols)
+    if parts is not None:  # a derived architecture's sequences on both sides of its sliding window
+        n = len(cols["tp"])
+        out = {"peak_allocated": np.zeros(n, np.int64), "peak_reserved": np.zeros(n, np.int64),
+               "stage": np.zeros(n, np.int64), "params_rank": np.zeros(n, np.int64)}
+        for rows, b in parts:
+            sub = estimate_layouts(m, b, **{k: v[rows] for k, v in cols.items() if k in layout or k == "seq_len"})
+            for k in out:
+                out[k][rows] = sub[k]
+        return out
     out = _stage_arrays(m, base, cols, "first")
     out["stage"] = np.zeros(len(cols["tp"]), np.int64)
     sel = np.nonzero(cols["pp"] > 1)[0]
@@ -95,6 +105,23 @@ def estimate_layouts(m: ModelSpec, base: TrainingSpec, **layout: Any) -> dict[st
         out["params_rank"][sel] = np.maximum(out["params_rank"][sel], last["params_rank"])
     out["peak_reserved"] = out["peak_allocated"] + reserved_overhead(out["peak_allocated"])
     return out
+
+
+def _regime_parts(m: ModelSpec, base: TrainingSpec, cols: dict[str, np.ndarray]) -> list | None:
+    """For a derived architecture whose sequences fall on both sides of its sliding window (each
+    side has its own coefficients, ``derived.regime``): the rows of each side and a base setup on
+    that side. None when all rows are on one side (the usual case)."""
+    if m.family != "derived":
+        return None
+    from dataclasses import replace
+    from .derived import regime
+    seqs = cols["seq_len"]
+    sides: dict[str, list[int]] = {}
+    for s in np.unique(seqs):
+        sides.setdefault(regime(m, replace(base, seq_len=int(s))), []).append(int(s))
+    if len(sides) < 2:
+        return None if regime(m, base) in sides else [(np.arange(len(seqs)), replace(base, seq_len=int(seqs[0])))]
+    return [(np.nonzero(np.isin(seqs, v))[0], replace(base, seq_len=v[0])) for v in sides.values()]
 
 
 def _columns(base: TrainingSpec, layout: dict[str, Any]) -> dict[str, np.ndarray]:
