@@ -284,3 +284,15 @@ def test_cli_unknown_framework_is_one_line(capsys):
 def test_cli_without_a_framework_keeps_the_defaults(capsys):
     code, out, err = run_cli(capsys, "estimate", MODEL, "--json")
     assert code == 0 and json.loads(out)["training"] == TrainingSpec(seq_len=2048).to_dict()
+
+
+def test_hf_trainer_qlora_runs_the_kbit_prepared_model():
+    """peft's prepare_model_for_kbit_training casts what is not 4-bit to fp32 and the Trainer
+    autocasts: the preset's QLoRA is bf16-amp; an explicit --precision bf16 is kept and warned."""
+    import trainmem
+    r = trainmem.estimate("llama-3.1-8b", framework="hf-trainer", quantize="nf4", lora_rank=16, seq_len=1024)
+    assert r.training.precision == "bf16-amp"
+    r = trainmem.estimate("llama-3.1-8b", framework="hf-trainer", quantize="nf4", lora_rank=16, seq_len=1024,
+                          precision="bf16")
+    assert r.training.precision == "bf16"
+    assert any("prepare_model_for_kbit_training" in w for w in r.warnings)

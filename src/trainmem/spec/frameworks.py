@@ -131,7 +131,16 @@ def _half_master(view: Mapping[str, Any]) -> dict[str, Any]:
 
 def _hf_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] | None) -> dict[str, Any]:
     """transformers >= 5: ``from_pretrained`` loads the checkpoint's dtype, and ``bf16=False``
-    adds no autocast: a bf16 checkpoint trains in pure bf16."""
+    adds no autocast: a bf16 checkpoint trains in pure bf16.
+
+    QLoRA (a 4-bit base through transformers' ``BitsAndBytesConfig``): peft's
+    ``prepare_model_for_kbit_training`` (``src/peft/utils/other.py`` L130-215; TRL's SFTTrainer
+    calls it on every 4-bit model) casts each fp16/bf16 parameter that is not a ``Params4bit`` to
+    fp32 (embeddings, norms, an untied head), and ``TrainingArguments(bf16=True)`` runs the step
+    under autocast: trainmem's ``bf16-amp`` (``fp16-amp`` for an fp16 checkpoint) over the 4-bit
+    base. (Axolotl patches the cast away; give ``--precision`` then.)"""
+    if view.get("quantize") and view.get("quantize_via", "transformers") == "transformers":
+        return {"precision": "fp16-amp" if _dtype_precision(model) == "fp16" else "bf16-amp"}
     if version is not None and version < (5,):
         return {}
     p = _dtype_precision(model)
@@ -211,6 +220,10 @@ def _check_nanogpt(t: Any, model: Any, version: Any, given: frozenset[str]) -> l
 
 def _check_hf(t: Any, model: Any, version: tuple[int, ...] | None, given: frozenset[str]) -> list[str]:
     out = _others(t, "the HF Trainer", zero=False)
+    if t.quantize and "precision" in given and t.precision in ("bf16", "fp16") and t.quantize_via == "transformers":
+        out.append(f"--precision {t.precision} with --quantize: peft's prepare_model_for_kbit_training (which TRL's "
+                   f"SFTTrainer runs) casts the weights that are not 4-bit to fp32 and bf16=True autocasts: that run is "
+                   f"--precision {t.precision}-amp")
     if version is None or version >= (5,):
         out += _no_dtype(t, model, given)
     if version is not None and version < (4, 49) and "loss" not in given and getattr(model, "head", "") == "causal-lm":
