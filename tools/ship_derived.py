@@ -28,7 +28,7 @@ def main() -> None:
     from trainmem.spec.config import resolve_model
     from trainmem.spec.profile import build_profile, fingerprint
     from trainmem.spec.resolve import resolve
-    from trainmem.trace.derive import derive_coefficients, sliding_window
+    from trainmem.trace.derive import derive_coefficients
     spec_dir = os.path.join(ROOT, "src", "trainmem", "spec")
     written = 0
     for name in catalogue_names():
@@ -38,7 +38,7 @@ def main() -> None:
         cfg = {k: v for k, v in load_config(name)[1].items() if not k.startswith("_")}
         prof = build_profile(cfg)
         _write(os.path.join(spec_dir, "profiles", f"{fingerprint(load_config(name)[1])}.json"), prof.to_json())
-        window = sliding_window(m)
+        window = derived.sliding_window(m)
         seqs = [2048] if not window or window >= m.max_positions else [max(128, window // 2), 2 * window]
         for precision, recompute in [(p, r) for p in PRECISIONS for r in ("none", "full")]:
             for seq in seqs:

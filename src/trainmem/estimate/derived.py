@@ -56,14 +56,15 @@ def regime(m: ModelSpec, t: TrainingSpec) -> str:
     each side has its own coefficients."""
     if m.family != "derived":
         return ""
-    window = _window(m)
+    window = sliding_window(m)
     if not window or window >= m.max_positions:
         return ""
     return "above" if t.seq_len >= window else "below"
 
 
 @lru_cache(maxsize=1024)
-def _window(m: ModelSpec) -> int:
+def sliding_window(m: ModelSpec) -> int:
+    """The model's sliding attention window in tokens (0: none), as transformers' config reads it."""
     from ..spec.profile import profile_for
     return int(profile_for(dict(m.config)).summary.get("sliding_window", 0) or 0)
 
@@ -203,11 +204,9 @@ def outer(m: ModelSpec, t: TrainingSpec, stage: str) -> tuple[list[tuple[str, fl
     if t.pp == 1 or stage == "first":
         tok, s, sq = doc["embed"]
         out.append(("derived.embedding_side", tok, sq))
-        pos = s
+        pos = s + doc["first_layer"][1]
     # the layers' tensors sized by the sequence alone (not by the batch), counted with these
     pos += sum(doc["kinds"][k].get("pos", 0.0) for k in stage_kinds(m, t, stage, doc))
-    if t.pp == 1 or stage == "first":
-        pos += doc["first_layer"][1]
     if t.pp == 1 or stage == "last":
         tok, s, sq = doc["head"]
         out.append(("derived.head_side", tok + max(s, 0.0), sq))  # a per-position term read as per token
@@ -220,15 +219,16 @@ def notes(m: ModelSpec, t: TrainingSpec) -> list[str]:
     k = (m, key(m, t), t.attention)
     hit = _NOTES.get(k)
     if hit is None:
-        hit = _NOTES[k] = _notes(m, k[1], t.attention, _canonical(t))
+        hit = _NOTES[k] = _notes(m, k[1], t.attention, _canonical(t), regime(m, t))
     return list(hit)
 
 
 _NOTES: dict[tuple, tuple[str, ...]] = {}
 
 
-def _notes(m: ModelSpec, k: str, attention: str, t: TrainingSpec) -> tuple[str, ...]:
-    doc = _coefficients(k, m, t, regime(m, t))
+def _notes(m: ModelSpec, k: str, attention: str, t: TrainingSpec, side: str) -> tuple[str, ...]:
+    # ``side`` from the setup itself: ``t`` is the canonical one, whose sequence says nothing
+    doc = _coefficients(k, m, t, side)
     out = [f"{m.model_type}: activations derived from traces of the real {m.architecture} "
            f"(trainmem.trace.derive), not hand-written formulas"]
     if doc.get("attention") == "eager" and t.attention != "eager":

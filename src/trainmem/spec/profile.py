@@ -237,6 +237,7 @@ def summary(cfg: Any) -> dict[str, Any]:
         kv = 1
     head_dim = first("head_dim", "attention_head_dim", default=None)
     experts = int(first(*_EXPERT_KEYS, default=0) or 0)
+    window = first("sliding_window", "attention_window", default=0)
     if not first(*_TOPK_KEYS, default=0):
         experts = 0  # no top-k in the config: not read as a mixture of experts
     return {"num_layers": int(first("num_hidden_layers", "n_layer", "num_layers")), "hidden_size": h,
@@ -248,12 +249,11 @@ def summary(cfg: Any) -> dict[str, Any]:
             "num_experts": experts,
             "experts_top_k": int(first(*_TOPK_KEYS, default=0) or 0) if experts else 0,
             "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
-            "sliding_window": int(first("sliding_window", "attention_window", default=0) or 0)
-            if isinstance(first("sliding_window", "attention_window", default=0), int) else 0,
+            "sliding_window": window if isinstance(window, int) else 0,
             "use_cache": bool(getattr(cfg, "use_cache", True))}
 
 
-def _layers_list(model: Any, num_layers: int) -> str:
+def layers_list(model: Any, num_layers: int) -> str:
     """The dotted name of the decoder layers' ModuleList (the longest list of ``num_layers``)."""
     import torch
     found = [(name, mod) for name, mod in model.named_modules()
@@ -285,7 +285,7 @@ def _role(mod: Any, pname: str, param: Any, experts: int) -> str:
 def profile_of_module(model: Any, model_type: str, architecture: str, summ: dict[str, Any],
                       tf_version: str = "") -> Profile:
     """Read the parameters and buffers of a built (meta) model into a Profile."""
-    prefix = _layers_list(model, summ["num_layers"])
+    prefix = layers_list(model, summ["num_layers"])
     modules = dict(model.named_modules())
     pat = re.compile(re.escape(prefix) + r"\.(\d+)\.(.+)$")
     per_layer: dict[int, list[ParamTensor]] = {i: [] for i in range(summ["num_layers"])}

@@ -30,8 +30,6 @@ measured in the regime long sequences run in.
 from __future__ import annotations
 
 import contextlib
-import json
-import math
 import re
 from collections import defaultdict
 from dataclasses import replace
@@ -42,13 +40,13 @@ import torch
 from ..errors import TrainmemError
 from ..progress import progress
 from ..spec import ModelSpec, TrainingSpec
-from ..spec.profile import build_profile
-from ..workload import apply_lora, attention_implementation, hf_config
+from ..spec.profile import build_profile, layers_list
+from ..estimate.derived import sliding_window
+from ..workload import apply_lora, attention_implementation, hf_factory
 
 #: relative error a fitted quantity may show on the held-out point (plus DERIVE_SLACK bytes)
 DERIVE_TOLERANCE = 0.005
 DERIVE_SLACK = 4096
-COEF_VERSION = 1
 
 
 def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "") -> dict[str, Any]:
@@ -78,7 +76,7 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "") -> dict
     except Exception as e:  # the real model's step fails on fake tensors: say which and why, once
         raise TrainmemError(f"{m.name} ({m.architecture}): its training step fails when traced "
                             f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
-    out: dict[str, Any] = {"version": COEF_VERSION, "layer_kinds": kinds_full, "kinds": {}, "points": points + [check],
+    out: dict[str, Any] = {"layer_kinds": kinds_full, "kinds": {}, "points": points + [check],
                            "attention": attention_implementation(m, t)[0], "seq_base": s0}
     pts = points + [check]
     for kind in sorted(set(kinds_small)):
@@ -151,18 +149,13 @@ def _cut(cfg: dict[str, Any], L: int, k: int) -> dict[str, Any]:
     return out
 
 
-def sliding_window(m: ModelSpec) -> int:
-    """The model's sliding attention window in tokens (0: none), as transformers' config reads it."""
-    from ..spec.profile import profile_for
-    return int(profile_for(dict(m.config)).summary.get("sliding_window", 0) or 0)
-
-
 def _base_seq(m: ModelSpec, regime: str = "") -> int:
-    """The smallest sequence of the fitting points: 2048; with a sliding window, sequences that stay
+    """The smallest sequence of the fitting points: 2048; with a sliding window some sequence
+    reaches (``estimate.derived.regime``), sequences that stay
     on one side of it (``regime`` "below": every point shorter than the window, where transformers'
     ``sdpa_mask`` drops the mask for ``is_causal`` (``_ignore_causal_mask_sdpa``: kv length below
     the local attention size); "above": twice the window and more); within the learned positions."""
-    window = sliding_window(m)
+    window = sliding_window(m) if regime else 0  # "": no window, or one no sequence reaches
     s0 = 2048
     if window and regime == "below":
         s0 = max(128, window // 4)  # points up to half the window: transformers keeps is_causal only below it
@@ -180,20 +173,14 @@ def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpe
     small = replace(m, num_layers=len(kinds), config=cfg)
     dev = _device(True, None, t, False, None, None, None, None, False)
     tracker = dev.tracker
-    impl = attention_implementation(m, t)[0]
     amp = {"bf16-amp": torch.bfloat16, "fp16-amp": torch.float16}.get(t.precision)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision, torch.float32)
-    import transformers
     with dev.env, dev.emulation:
         with dev.build_ctx:
-            conf = hf_config(small, t)
-            cls = getattr(transformers, m.architecture)
-            model = cls._from_config(conf, attn_implementation=impl, dtype=dtype)
-            model = apply_lora(model, small, t)
+            model = apply_lora(hf_factory(small, t)(), small, t)
         with tracker:
             _load_to_device(tracker, model)
         tracker.name_modules(model)
-        prefix = _prefix(model, len(kinds))
+        prefix = layers_list(model, len(kinds))  # peft's wrapper adds ``base_model.model.``
         params = [p for p in model.parameters() if p.requires_grad]
         hooks = tracker.watch_parameters(params)
         try:
@@ -202,7 +189,7 @@ def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpe
                 tracker.begin_step(1)
                 ids = torch.randint(0, m.vocab_size, (t.batch_size, t.seq_len), device="cuda")
                 labels = torch.randint(0, m.vocab_size, (t.batch_size, t.seq_len), device="cuda")
-                ctx = torch.autocast("cuda", dtype=amp) if amp is not None else _null()
+                ctx = torch.autocast("cuda", dtype=amp) if amp is not None else contextlib.nullcontext()
                 with ctx:
                     out = model(input_ids=ids, labels=labels)  # the model's own loss, inside its forward
                     loss = out.loss
@@ -254,26 +241,6 @@ def _quiet() -> Any:
             yield
     finally:
         transformers.logging.set_verbosity(level)
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *a: Any) -> None:
-        return None
-
-
-def _prefix(model: torch.nn.Module, k: int) -> str:
-    """The tracker's module name of the decoder layers' list (peft adds ``base_model.model.``)."""
-    found = [(n, mod) for n, mod in model.named_modules()
-             if isinstance(mod, torch.nn.ModuleList) and len(mod) == k and n.rsplit(".", 1)[-1] in
-             ("layers", "h", "layer", "blocks", "block", "decoder_layers")]
-    if not found:
-        found = [(n, mod) for n, mod in model.named_modules() if isinstance(mod, torch.nn.ModuleList) and len(mod) == k]
-    if not found:
-        raise TrainmemError(f"{type(model).__name__}: no list of {k} layers among its modules")
-    return min(found, key=lambda nm: nm[0].count("."))[0]
 
 
 def _analyse(tracker: Any, prefix: str, kinds: list[str], cache: list, released: tuple[int, int],
@@ -452,8 +419,4 @@ def _fitted(m: ModelSpec, what: str, points: list[tuple[int, int]], ys: list[int
     return tuple(float(x) for x in coef)
 
 
-def to_json(doc: dict[str, Any]) -> str:
-    return json.dumps(doc, sort_keys=True)
-
-
-__all__ = ["derive_coefficients", "reduced_config", "DERIVE_TOLERANCE", "math"]
+__all__ = ["derive_coefficients", "reduced_config", "DERIVE_TOLERANCE"]
