@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 PY     := $(BIN)/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: run test test-slow bench validate ship-derived install install-test clean
+.PHONY: run test test-slow bench validate gpu-validate ship-derived install install-test clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,19 @@ bench: $(VENV)/.installed-test
 
 validate: $(VENV)/.installed-test
 	$(BIN)/trainmem validate
+
+# The GPU validation campaign (docs/measure.md): real training runs on the visible CUDA device, one
+# subprocess each, appended to RESULTS as they finish; stops before BUDGET seconds, and the same command
+# resumes it. It runs from src/ with the machine's own python (torch, transformers, peft, nvidia-ml-py)
+# and installs nothing. Fixtures of the finished runs go to FIXTURES; `make validate` scores them.
+CAMPAIGN   ?= validation/campaigns/gpu.json
+RESULTS    ?= validation/measured/gpu.jsonl
+FIXTURES   ?= validation/measured
+BUDGET     ?= 540
+GPU_PYTHON ?= python3
+gpu-validate:
+	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) -m trainmem validate --campaign $(CAMPAIGN) --results $(RESULTS) \
+		--into $(FIXTURES) --budget-s $(BUDGET) $(CAMPAIGN_FLAGS)
 
 # the catalogue's derived architectures: shipped profiles and coefficients (after a catalogue,
 # transformers or derivation change; tests/test_derived.py says when they are stale)

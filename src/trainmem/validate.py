@@ -266,6 +266,8 @@ def _predict(fn: Callable[..., MemoryReport], fx: dict[str, Any]) -> MemoryRepor
     opts = dict(fx["setup"])
     if fx.get("overrides"):
         opts["set"] = fx["overrides"]
+    if fx.get("device") == "cpu" and getattr(fn, "__name__", "") == "trace":
+        opts["device"] = "cpu"  # a run measured on the CPU is traced on the CPU (no CUDA kernels, no workspaces)
     return fn(fx["model"], **opts)
 
 
@@ -374,7 +376,9 @@ def summary(checks: list[Check]) -> dict[str, dict[str, Any]]:
         out[p] = {"overall": stats([c.error for c in primary]),  # type: ignore[misc]
                   "frameworks": _grouped(primary, lambda c: c.framework),
                   "sources": _grouped(primary, lambda c: c.source),
-                  "quantities": stats([c.error for c in scored])}  # type: ignore[misc]
+                  "quantities": stats([c.error for c in scored]),  # type: ignore[misc]
+                  "peaks": {q: stats([c.error for c in scored if c.quantity == q])  # type: ignore[misc]
+                            for q in PEAKS if any(c.quantity == q for c in scored)}}
     return out
 
 
@@ -446,6 +450,22 @@ def _summary_rows(s: dict[str, dict[str, Any]], group: str) -> list[str]:
     return lines
 
 
+def _peak_rows(s: dict[str, dict[str, Any]]) -> list[str]:
+    """Peak allocated, peak reserved and device used (reserved + context, the driver's figure),
+    each scored separately per predictor."""
+    lines = [f"{'quantity':16s} {'predictor':9s} {'cases':>5s} {'median|err|':>11s} {'p90|err|':>9s} "
+             f"{'within 5%':>9s} {'max|err|':>9s} {'bias':>8s}"]
+    for q in PEAKS:
+        for p, ps in s.items():
+            st = ps.get("peaks", {}).get(q)
+            if st is None:
+                continue
+            lines.append(f"{q:16s} {p:9s} {int(st['n']):5d} {100 * st['median']:10.2f}% {100 * st['p90']:8.2f}% "
+                         f"{int(st['within_5pct']):4d}/{int(st['n']):<4d} {100 * st['max']:8.2f}% "
+                         f"{_fmt_err(st['bias']):>8s}")
+    return lines
+
+
 def render(v: "Validation | list[Check]") -> str:
     """Plain text: every check, the runs that did not happen, and the summaries per framework and per
     source (cases scored on their primary quantity)."""
@@ -464,6 +484,8 @@ def render(v: "Validation | list[Check]") -> str:
         lines += _summary_rows(s, "frameworks")
         lines += ["", "accuracy per source"]
         lines += _summary_rows(s, "sources")
+        lines += ["", "accuracy per peak quantity (every case that measured it)"]
+        lines += _peak_rows(s)
         for p, ps in s.items():
             q = ps["quantities"]
             lines.append(f"{p}: {len({c.case for c in v.checks if c.predictor == p})} cases, "

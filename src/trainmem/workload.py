@@ -176,6 +176,7 @@ class TrainStep:
             self.optimizer = make_optimizer(t, params)
         self.amp = {"bf16-amp": torch.bfloat16, "fp16-amp": torch.float16}.get(t.precision)
         self.state: dict[str, Any] = {}
+        self.pin_sdpa = what == "measure" and str(device).startswith("cuda")  # trace pins in its CUDA emulation
 
     def batch(self) -> dict[str, torch.Tensor]:
         """A random batch: token ids and the labels the head needs."""
@@ -200,7 +201,24 @@ class TrainStep:
         if self.on_phase is not None:
             self.on_phase(name, step, micro)
 
+    def sdpa_pin(self) -> Any:
+        """On a real GPU, ``--attention sdpa-<backend>`` (and ``flash``, which trainmem runs as SDPA's
+        flash kernel) as ``torch.nn.attention.sdpa_kernel([backend])``. It sets PyTorch's global SDPA
+        flags (torch/nn/attention/__init__.py ``sdpa_kernel`` -> ``_cur_sdpa_kernel_backends`` /
+        ``torch._C._set_sdp_use_*``), so it also holds for the forward a checkpoint recomputes in
+        backward; entered around the whole step. A no-op otherwise."""
+        pin = {"flash": "FLASH_ATTENTION", "sdpa-flash": "FLASH_ATTENTION", "sdpa-efficient": "EFFICIENT_ATTENTION",
+               "sdpa-math": "MATH", "sdpa-cudnn": "CUDNN_ATTENTION"}.get(self.training.attention)
+        if not self.pin_sdpa or pin is None:
+            return contextlib.nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        return sdpa_kernel([getattr(SDPBackend, pin)])
+
     def __call__(self, i: int) -> None:
+        with self.sdpa_pin():
+            self._step(i)
+
+    def _step(self, i: int) -> None:
         t = self.training
         for micro in range(t.grad_accum):
             self.state["batch"] = self.batch()  # the previous batch lives until this one exists
