@@ -248,7 +248,7 @@ class Builder:
             v = T(heads * head_dim, 0, v.nbytes, "attn.v_repeated")
             kv_heads = heads
         if backend == "math":
-            return self._math_attention(v, heads, kv_heads, head_dim)
+            return self._math_attention(v, heads, kv_heads, head_dim, p_drop if self.dropout else 0.0)
         return self._fused_attention(backend, q, k, v, heads, kv_heads, head_dim)
 
     def _eager_attention(self, q: T, k: T, v: T, heads: float, kv_heads: float, head_dim: int,
@@ -279,11 +279,19 @@ class Builder:
         self.r.transient("attn.softmax.backward", T(0, heads, half), T(0, heads, F32))
         return T(heads * head_dim, 0, half, "attn.context")
 
-    def _math_attention(self, v: T, heads: float, kv_heads: float, head_dim: int) -> T:
+    def _math_attention(self, v: T, heads: float, kv_heads: float, head_dim: int, p_drop: float = 0.0) -> T:
         """at::_scaled_dot_product_attention_math: computes in fp32 (half inputs are upcast), scales
         q and k^T by sqrt(scale) (the matmul saves both; GQA expands k and v to all heads first),
         _safe_softmax saves its fp32 output and p @ v saves p and v (an fp32 copy when upcast or
-        expanded). Its (b, h, s, d) output is copied into the context by transpose().contiguous()."""
+        expanded). Its (b, h, s, d) output is copied into the context by transpose().contiguous().
+
+        With dropout (``dropout_p > 0`` in training) the math path does not call ``native_dropout``
+        (a bool mask): aten/src/ATen/native/transformers/attention.cpp builds the mask as
+        ``at::empty_like(attn).bernoulli_(1 - p).div_(1 - p)`` and multiplies, so ``attn * mask``
+        saves the fp32 mask (4 bytes per score) and p @ v saves the fp32 dropped probabilities
+        instead of the softmax output (which softmax's backward keeps). Read off the ops on a CPU
+        run of ``F.scaled_dot_product_attention`` under ``sdpa_kernel(MATH)`` (the same composite
+        runs on CUDA): 8 more bytes per score element, tested against trace."""
         half = self.p.half
         expand = heads != kv_heads
         vv = v if (not expand and half == F32) else T(heads * head_dim if expand else v.tok, 0, F32,
@@ -291,6 +299,8 @@ class Builder:
         self.r.save(T(heads * head_dim, 0, F32, "attn.math.q_scaled"),
                     T(heads * head_dim, 0, F32, "attn.math.k_scaled"), vv,
                     T(0, heads, F32, "attn.math.softmax"))
+        if p_drop > 0:
+            self.r.save(T(0, heads, F32, "attn.math.dropout_mask"), T(0, heads, F32, "attn.math.probs_dropped"))
         # backward: the gradient of the probabilities and softmax's gradient, both fp32
         self.r.transient("attn.math.backward", T(0, heads, F32), T(0, heads, F32))
         return T(heads * head_dim, 0, half, "attn.context")
