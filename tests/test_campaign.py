@@ -204,3 +204,12 @@ def test_measure_pins_the_sdpa_backend_on_a_gpu_for_the_whole_step():
     for device, what in (("cpu", "measure"), ("cuda", "trace")):
         with TrainStep(model, r.model, r.training, device, what=what).sdpa_pin():
             assert torch.backends.cuda.math_sdp_enabled() and torch.backends.cuda.flash_sdp_enabled()
+
+
+def test_dry_run_catches_a_backend_pytorch_would_refuse():
+    """Llama-3.2-1B has grouped-query attention: PyTorch's memory-efficient kernel takes none, so a
+    run pinning it would fail on the GPU; the grid check says so before."""
+    from trainmem.measure.campaign import Run
+    run = Run("llama-3.2-1b", (), (("attention", "sdpa-efficient"), ("batch_size", 1), ("precision", "bf16-amp"),
+                                   ("seq_len", 512)))
+    assert "grouped-query" in check_run(run)

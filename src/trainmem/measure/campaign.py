@@ -159,13 +159,16 @@ def load_campaign(path: str, device: str | None = None) -> tuple[str, list[Run]]
 
 
 def check_run(run: Run) -> str | None:
-    """Why ``measure`` would refuse the run (its inputs resolved and the single-process rules
-    checked, nothing built), else None: ``--dry-run`` catches a bad grid before a GPU is spent on it."""
+    """Why the run would be refused (its inputs resolved, measure's rules checked, and the estimate
+    made, which refuses what PyTorch refuses, e.g. an SDPA backend pinned where its kernel does not
+    apply), else None. Nothing is built: ``--dry-run`` catches a bad grid before a GPU is spent on it."""
+    from ..estimate.api import estimate
     from ..spec.resolve import resolve
     from ..workload import check_supported
     try:
         r = resolve(run.model, set=list(run.overrides), **run.options)
         check_supported(r.training, "measure")
+        estimate(r)
     except TrainmemError as e:
         return str(e)
     return None
