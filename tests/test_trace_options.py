@@ -1,0 +1,100 @@
+"""Nothing trace is given is silently ignored: every TrainingSpec option, set away from its default,
+either changes the traced step (its peak or a phase's allocated bytes) or is refused with one line
+naming it, or is listed here with the reason it cannot change this tiny model's memory."""
+import dataclasses
+
+import pytest
+
+from trainmem.errors import TrainmemError
+from trainmem.spec.training import TrainingSpec
+from trainmem.trace.api import trace
+
+TINY = ["num_hidden_layers=2", "hidden_size=64", "num_attention_heads=4", "num_key_value_heads=2",
+        "intermediate_size=128", "vocab_size=1000", "head_dim=16"]
+GPT2 = ["n_layer=2", "n_embd=64", "n_head=4", "vocab_size=1000", "n_positions=128"]
+BASE = {"batch_size": 2, "seq_len": 64, "precision": "bf16-amp"}
+
+CHANGED, REFUSED = "changed", "refused"
+#: (options, expected, what the refusal names / why the memory stays the same)
+CASES = [
+    ({"grad_accum": 2}, CHANGED, ""),
+    ({"precision": "fp32"}, CHANGED, ""), ({"precision": "bf16"}, CHANGED, ""), ({"precision": "fp16"}, CHANGED, ""),
+    ({"precision": "fp16-amp"}, "same", "fp16 and bf16 autocast keep tensors of the same sizes"),
+    ({"precision": "bf16-mp", "fsdp": "full", "dp": 2}, REFUSED, "--dp 2"),
+    ({"optimizer": "adam"}, "same", "Adam and AdamW keep the same two states"),
+    ({"optimizer": "sgd"}, CHANGED, ""), ({"optimizer": "sgd-momentum"}, CHANGED, ""),
+    ({"optimizer": "adafactor"}, CHANGED, ""),
+    ({"optimizer": "adamw-8bit"}, REFUSED, "--optimizer adamw-8bit"), ({"optimizer": "lion"}, REFUSED, "--optimizer lion"),
+    ({"optimizer": "paged-adamw-8bit"}, REFUSED, "--optimizer paged-adamw-8bit"),
+    ({"optimizer": "paged-adamw"}, REFUSED, "--optimizer paged-adamw"),
+    ({"optimizer_impl": "fused"}, CHANGED, ""),
+    ({"optimizer_impl": "foreach"}, "same", "foreach is PyTorch's CUDA default, which the baseline runs"),
+    ({"optimizer_impl": "for-loop"}, "same", "a for-loop step's one-parameter temporaries hide under this model's "
+                                           "peak (its largest parameter is tiny)"),
+    ({"zero": 1, "dp": 2}, REFUSED, "ZeRO stage 1"), ({"fsdp": "full", "dp": 2}, REFUSED, "--dp 2"),
+    ({"fsdp": "full", "dp": 2, "fsdp_version": 1}, REFUSED, "--dp 2"),
+    ({"fsdp": "hybrid", "dp": 4, "fsdp_node_size": 2}, REFUSED, "--dp 4"),
+    ({"dp": 2, "ddp_bucket_mb": 1.0}, REFUSED, "--dp 2"),
+    ({"tp": 2}, REFUSED, "--tp 2"), ({"pp": 2}, REFUSED, "--pp 2"), ({"cp": 2}, REFUSED, "--cp 2"),
+    ({"tp": 2, "sequence_parallel": True}, REFUSED, "--sequence-parallel"),
+    ({"pp": 2, "num_microbatches_in_flight": 2}, REFUSED, "--pp 2"),
+    ({"distributed_optimizer": True, "dp": 2}, REFUSED, "--distributed-optimizer"),
+    ({"offload_optimizer": True, "zero": 2, "dp": 2}, REFUSED, "--offload-optimizer"),
+    ({"optimizer_bucket_mb": 64.0, "distributed_optimizer": True, "dp": 2}, REFUSED, "--distributed-optimizer"),
+    ({"recompute": "selective"}, REFUSED, "--recompute selective"),
+    ({"recompute": "full"}, CHANGED, ""), ({"recompute": "full", "recompute_every": 2}, CHANGED, ""),
+    ({"attention": "eager"}, CHANGED, ""), ({"attention": "sdpa-math"}, CHANGED, ""),
+    ({"attention": "flash"}, "same", "the emulated GPU runs flash attention as SDPA's flash kernel, the "
+                                     "backend the baseline's dispatcher picks"),
+    ({"optimizer_in_backward": True}, CHANGED, ""),
+    ({"lora_rank": 8}, CHANGED, ""), ({"lora_rank": 8, "lora_targets": ("q_proj",)}, CHANGED, ""),
+    ({"lora_rank": 8, "lora_dropout": 0.1}, CHANGED, ""),
+    ({"lora_rank": 8, "lora_dtype": "half", "precision": "bf16"}, CHANGED, ""),
+    ({"lora_rank": 8, "quantize": "nf4"}, REFUSED, "--quantize nf4"),
+    ({"lora_rank": 8, "quantize": "nf4", "quantize_via": "fabric"}, REFUSED, "--quantize nf4"),
+    ({"lora_rank": 8, "quantize": "nf4", "bitsandbytes_version": "0.42.0"}, REFUSED, "--quantize nf4"),
+    ({"keep_logits": True}, CHANGED, ""), ({"zero_grad": "zeros"}, CHANGED, ""),
+    ({"hold_output": "backward"}, CHANGED, ""), ({"hold_output": "step"}, CHANGED, ""),
+    ({"compile": True}, REFUSED, "--compile"),
+    ({"loss_chunks": 4}, CHANGED, ""), ({"loss": "half"}, CHANGED, ""),
+    ({"loss": "chunked", "loss_chunks": 4}, CHANGED, ""),
+    ({"loss": "upcast"}, CHANGED, ""),  # the loop computes the loss from the output, not the model
+    ({"loss": "fused"}, REFUSED, "--loss fused"),
+    ({"master_weights": "fp32", "precision": "bf16"}, REFUSED, "--master-weights fp32"),
+    ({"dropout": False}, "same", "Llama has no dropout (GPT-2 below has)"),
+]
+GPT2_CASES = [({"dropout": False}, CHANGED, "")]
+
+
+def _fingerprint(r):
+    return r.peak_allocated, tuple(p.allocated for p in r.phases)
+
+
+@pytest.fixture(scope="module")
+def baselines():
+    return {"llama-3.2-1b": _fingerprint(trace("llama-3.2-1b", set=TINY, **BASE)),
+            "gpt2": _fingerprint(trace("gpt2", set=GPT2, **BASE))}
+
+
+@pytest.mark.parametrize("model, overrides, options, expected, why",
+                         [("llama-3.2-1b", TINY, *c) for c in CASES] + [("gpt2", GPT2, *c) for c in GPT2_CASES],
+                         ids=lambda v: str(v)[:40] if isinstance(v, dict) else None)
+def test_each_option_changes_the_trace_or_is_refused(baselines, model, overrides, options, expected, why):
+    try:
+        r = trace(model, set=overrides, **{**BASE, **options})
+    except TrainmemError as e:
+        assert expected == REFUSED, f"refused: {e}"
+        assert "\n" not in str(e) and why in str(e)
+        return
+    assert expected != REFUSED, "accepted an option it should refuse"
+    same = _fingerprint(r) == baselines[model]
+    assert same == (expected == "same"), why or "accepted and ignored"
+    for key, value in options.items():  # the report says what ran
+        assert getattr(r.training, key) == value or key == "keep_logits"
+
+
+def test_every_training_option_is_enumerated():
+    """A new TrainingSpec field needs a case above (so it cannot be added and silently ignored)."""
+    covered = {k for opts, _, _ in CASES + GPT2_CASES for k in opts}
+    fields = {f.name for f in dataclasses.fields(TrainingSpec)} - {"batch_size", "seq_len", "extra"}
+    assert fields - covered == set()
