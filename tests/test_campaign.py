@@ -213,3 +213,9 @@ def test_dry_run_catches_a_backend_pytorch_would_refuse():
     run = Run("llama-3.2-1b", (), (("attention", "sdpa-efficient"), ("batch_size", 1), ("precision", "bf16-amp"),
                                    ("seq_len", 512)))
     assert "grouped-query" in check_run(run)
+
+
+def test_validate_skips_campaign_files_under_its_root():
+    from trainmem.validate import load_fixtures
+    paths = [fx["_path"] for fx in load_fixtures()]
+    assert paths and not any(os.sep + "campaigns" + os.sep in p for p in paths)

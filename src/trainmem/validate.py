@@ -35,6 +35,7 @@ UNITS = {"bytes": 1, "mib": 2**20, "gib": 2**30}
 PEAKS = ("peak_allocated", "peak_reserved", "device_used")
 PHASE_FIELDS = ("allocated", "peak", "reserved")
 WITHIN = 0.05  # the "close" band of the summary: |error| <= 5 %
+CAMPAIGNS = "campaigns"  # the folder of campaign files under a validation root: not fixtures
 
 
 @dataclass(frozen=True)
@@ -150,13 +151,16 @@ def fixture_model(model: Any, path: str) -> Any:
 
 
 def load_fixtures(root: str | None = None) -> list[dict[str, Any]]:
-    """Every ``*.json`` fixture under ``root`` (recursively; default :func:`default_root`), each with
+    """Every ``*.json`` fixture under ``root`` (recursively, except in ``campaigns/`` folders, which
+    hold campaign files; default :func:`default_root`), each with
     its path, checked, and its ``model`` path resolved against its folder (:func:`fixture_model`)."""
     root = default_root() if root is None else root
     if not os.path.isdir(root):
         raise TrainmemError(f"no validation directory {root!r}: pass DIR, a folder of fixture .json files")
     out = []
     for path in sorted(glob.glob(os.path.join(root, "**", "*.json"), recursive=True)):
+        if CAMPAIGNS in os.path.relpath(path, root).split(os.sep)[:-1]:
+            continue  # a campaign file (trainmem.measure.campaign) is a grid of runs, not a fixture
         fx = _read_fixture(path)
         if not isinstance(fx, dict):
             raise TrainmemError(f"malformed fixture {path}: not a JSON object")
