@@ -267,7 +267,11 @@ def test_cli_argument_errors(capsys):
                          "--profile", "x"], capsys)
     assert code == 2 and "does not take --profile" in err
     code, _, err = _cli(["measure", "gpt2", "--device", "cpu", "--tp", "2"], capsys)
-    assert code == 2 and "measure runs one GPU" in err
+    assert code == 2 and "Llama, Mistral and Qwen2" in err  # measure's TP plan (measure/distributed.py)
+    code, _, err = _cli(["measure", "gpt2", "--device", "cpu", "--dp", "2"], capsys)
+    assert code == 2 and "--launcher torchrun --nproc-per-node 2" in err
+    code, _, err = _cli(["measure", "gpt2", "--device", "cpu", "--pp", "2"], capsys)
+    assert code == 2 and "not supported: --pp 2" in err
     code, _, err = _cli(["compare", "gpt2", "--reference", "measure"], capsys)
     assert code == 2 and "needs --measure" in err
     code, _, err = _cli(["measure", "gpt2", "--device", "cpu", "--save-fixture", "x.txt"], capsys)

@@ -254,6 +254,8 @@ class MemoryReport:
             d["hardware"] = self.hardware.to_dict()
         if self.extra:
             d["extra"] = self.extra
+        if self.extra.get("ranks") is not None:  # several ranks measured: one summary per rank, at the top
+            d["ranks"] = self.extra["ranks"]
         return d
 
 

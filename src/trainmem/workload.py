@@ -32,19 +32,25 @@ STEP_PHASES = ("forward", "backward", "optimizer_step", "zero_grad")
 
 
 def check_supported(t: TrainingSpec, what: str = "trace") -> None:
-    """Refuse the setups a single-process run cannot execute (parallelism, sharding, offload, ...)."""
+    """Refuse the setups a run cannot execute. ``trace`` runs one GPU: no parallelism or sharding.
+    ``measure`` also runs data parallelism (DDP, or FSDP with ``--fsdp``) and tensor parallelism
+    through PyTorch's own wrappers, one process per rank (``trainmem.measure.distributed``)."""
+    several = what == "measure"  # ranks of torch.distributed
     bad = []
     for key in ("dp", "tp", "pp", "cp"):
-        if getattr(t, key) != 1:
+        if getattr(t, key) != 1 and not (several and key in ("dp", "tp")):
             bad.append(f"--{key} {getattr(t, key)}")
-    if t.zero_stage:
-        bad.append(f"ZeRO stage {t.zero_stage}")
+    if t.zero_stage and not (several and t.fsdp is not None):
+        bad.append(f"ZeRO stage {t.zero_stage}" + (" (DeepSpeed)" if several else ""))
     if t.sequence_parallel:
         bad.append("--sequence-parallel")
     if t.offload_optimizer:
         bad.append("--offload-optimizer")
     if t.distributed_optimizer:
         bad.append("--distributed-optimizer")
+    if bad and several:
+        raise TrainmemError(f"{what} runs DDP (--dp), FSDP (--fsdp over --dp) and tensor parallelism (--tp) through "
+                            "torch.distributed; not supported: " + ", ".join(bad) + " (use `estimate` for those)")
     if bad:
         raise TrainmemError(f"{what} runs one GPU without parallelism or sharding; not supported: " + ", ".join(bad)
                             + " (use `estimate` for those)")

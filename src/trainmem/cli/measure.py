@@ -36,7 +36,32 @@ def _quiet_transformers() -> None:
 def _options(a: argparse.Namespace) -> dict[str, Any]:
     opts = training_options(a)
     opts.pop("optimizer_bucket_mb", None)
+    if getattr(a, "fsdp_version", None) is not None:
+        opts["fsdp_version"] = a.fsdp_version
     return opts
+
+
+def _check_launcher(a: argparse.Namespace) -> None:
+    """``--launcher`` / ``--nproc-per-node`` make sense together and outside a launcher; the
+    single-process outputs are refused with several ranks."""
+    launcher = getattr(a, "launcher", "none")
+    if a.nproc_per_node is not None and launcher != "torchrun":
+        raise TrainmemError("--nproc-per-node needs --launcher torchrun (inside torchrun or srun the launcher "
+                            "says how many ranks there are)")
+    from ..measure.distributed import launcher_env
+    env = launcher_env()
+    if launcher == "torchrun":
+        if env is not None:
+            raise TrainmemError(f"--launcher torchrun inside a launched job (rank {env['rank']} of "
+                                f"{env['world_size']}, {env['launcher']}): drop --launcher, each process is a rank")
+        if a.nproc_per_node is None:
+            raise TrainmemError("--launcher torchrun needs --nproc-per-node N (the ranks to start on this node)")
+    ranked = launcher == "torchrun" or (env is not None and env["world_size"] > 1)
+    if ranked:
+        bad = [f for f, v in (("--find-max-batch", a.find_max_batch), ("--save-fixture", a.save_fixture)) if v]
+        if bad:
+            raise TrainmemError(f"{', '.join(bad)} with several ranks is not supported yet: measure one rank's "
+                                "setup on one GPU for it")
 
 
 def command_line(a: argparse.Namespace) -> str:
@@ -73,6 +98,7 @@ def cmd_measure(a: argparse.Namespace) -> int:
     the GPU given, 2 when an output file cannot be written (checked before the run; after it the
     measurement is printed first)."""
     _check_common(a)
+    _check_launcher(a)
     if a.find_max_batch:
         bad = [f for f, v in (("--snapshot", a.snapshot), ("--html", a.html), ("--profile", a.profile),
                               ("--save-fixture", a.save_fixture)) if v]
@@ -86,16 +112,23 @@ def cmd_measure(a: argparse.Namespace) -> int:
     _quiet_transformers()
     from ..measure.runner import measure
     from ..render.measure import measure_details
+    run: Any = measure
+    launched: dict[str, Any] = {}
+    if a.launcher == "torchrun":  # start the ranks here (torchelastic, as torchrun --standalone)
+        from ..measure.distributed import launch
+        run, launched = launch, {"nproc_per_node": a.nproc_per_node}
     try:
-        r, failed = measure(a.model, a.steps, device=a.device, overrides=a.set or None, gpu=a.gpu,
-                            gpu_memory=a.gpu_memory, context_memory=a.context_memory, max_fraction=a.max_fraction,
-                            memory_limit=a.memory_limit, snapshot=a.snapshot, html=a.html, profile=a.profile,
-                            largest=a.largest, seed=a.seed, empty_cache=a.empty_cache, predict_by=a.predict_by,
-                            **_options(a)), None
+        r, failed = run(a.model, a.steps, device=a.device, overrides=a.set or None, gpu=a.gpu,
+                        gpu_memory=a.gpu_memory, context_memory=a.context_memory, max_fraction=a.max_fraction,
+                        memory_limit=a.memory_limit, snapshot=a.snapshot, html=a.html, profile=a.profile,
+                        largest=a.largest, seed=a.seed, empty_cache=a.empty_cache, predict_by=a.predict_by,
+                        **launched, **_options(a)), None
     except NotWritten as e:  # an output file failed after the run: show the measurement, then the error
         if e.report is None:
             raise
         r, failed = e.report, str(e)
+    if r.extra.get("gathered") is False:  # a rank other than 0 of a launched job: rank 0 prints for all
+        return 0
     code = emit(r, a)
     if not a.json:
         print(measure_details(r, a.units))
@@ -216,6 +249,13 @@ def _register_measure(sub: Any) -> None:
                         "and beside --find-max-batch); auto: trace on the CPU, estimate on CUDA")
     p.add_argument("--largest", type=positive_int, default=10, help="live tensors to list on out of memory")
     p.add_argument("--seed", type=int, default=0, help="torch.manual_seed before building the model")
+    p.add_argument("--launcher", choices=("none", "torchrun"), default="none",
+                   help="torchrun: start --nproc-per-node ranks on this node (torchelastic, as torchrun --standalone) "
+                        "and measure every rank through DDP / FSDP / TP; inside torchrun or srun no flag is needed")
+    p.add_argument("--nproc-per-node", type=positive_int, default=None, metavar="N",
+                   help="--launcher torchrun: ranks to start (= --dp × --tp)")
+    p.add_argument("--fsdp-version", type=int, choices=(1, 2), default=None,
+                   help="--fsdp through FSDP2 fully_shard (2, default) or FSDP1 FullyShardedDataParallel (1)")
     p.add_argument("--empty-cache", action="store_true",
                    help="gc.collect() + torch.cuda.empty_cache() after reading each phase (as Scherrmann's BERT-large notebook does)")
     p.set_defaults(func=cmd_measure, _parser=p)

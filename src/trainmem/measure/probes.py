@@ -40,9 +40,9 @@ class CpuProbe:
 
     kind = "cpu"
 
-    def __init__(self, limit: int | None = None) -> None:
+    def __init__(self, limit: int | None = None, watch_resize: bool = False) -> None:
         self.limit = limit
-        self.lb = LiveBytes(device="cpu", limit=limit)
+        self.lb = LiveBytes(device="cpu", limit=limit, watch_resize=watch_resize)
         self.notes: list[str] = []
         self.device = torch.device("cpu")
 
@@ -83,7 +83,7 @@ class CpuProbe:
 
     def alive_at_peak(self, t: torch.Tensor) -> bool | None:
         """Whether ``t`` (alive now) was already allocated when the phase's peak was reached."""
-        i = self.lb.allocation_index(t)
+        i = self.lb.allocation_index(getattr(t, "_local_tensor", t))
         return None if i is None else i <= self.lb.peak_seq
 
     def sync(self) -> None:
@@ -429,10 +429,12 @@ class PhaseRecord:
 
 
 def tensor_bytes(tensors: Iterable[Any], device: torch.device | None = None) -> int:
-    """Bytes of the distinct storages of ``tensors`` (on ``device`` when given)."""
+    """Bytes of the distinct storages of ``tensors`` (on ``device`` when given); a ``DTensor``
+    counts its local shard (``_local_tensor``), the memory this rank holds."""
     seen: set[int] = set()
     total = 0
     for t in tensors:
+        t = getattr(t, "_local_tensor", t)
         if not isinstance(t, torch.Tensor) or t.is_meta:
             continue
         if device is not None and t.device.type != device.type:

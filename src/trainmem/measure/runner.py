@@ -110,6 +110,7 @@ def _named_tensors(model: Any, optimizer: Any, batch: Mapping[str, Any] | None) 
 
     def put(t: Any, name: str, cat: str) -> None:
         """Name the storage of ``t`` (the first name given wins)."""
+        t = getattr(t, "_local_tensor", t)  # a DTensor: this rank's shard
         if isinstance(t, torch.Tensor) and not t.is_meta:
             out.setdefault(t.untyped_storage().data_ptr(), (name, cat))
 
@@ -310,6 +311,7 @@ class _Run:
     written: list[str] = field(default_factory=list)
     not_written: list[str] = field(default_factory=list)  # output files the run could not write, one line each
     on_step: Callable[[int], None] = lambda n: None  # the progress bar: 1 when the model is loaded, 1 per step
+    wrap: Callable[[Any], Any] | None = None  # several ranks: DDP / FSDP / TP around the loaded model (distributed.py)
 
 
 def measure(model: Any, steps: int = 2, *, device: str = "cuda", training: TrainingSpec | None = None,
@@ -342,9 +344,22 @@ def measure(model: Any, steps: int = 2, *, device: str = "cuda", training: Train
     if not isinstance(steps, int) or steps < 1:
         raise TrainmemError(f"--steps must be a positive integer, got {steps!r}")
     kind, index = parse_device(device)
+    given = overrides
     r, options, overrides = _inputs(model, training, overrides, dict(training_options, gpu=gpu, gpu_memory=gpu_memory,
                                                                      context_memory=context_memory,
                                                                      max_fraction=max_fraction))
+    from .distributed import check_layout, launcher_env, measure_rank, needs_launcher, several
+    env = launcher_env()
+    if probe is None and ((env is not None and env["world_size"] > 1) or several(r.training)):
+        if env is None:
+            check_layout(r.model, r.training, r.training.dp * r.training.tp)  # what no launcher would mend
+            raise TrainmemError(needs_launcher(r.training))
+        # one rank of torch.distributed: the wrappers, then every rank's report gathered on rank 0
+        return measure_rank(model, steps, device=device, training=training, overrides=given, gpu=gpu,
+                            gpu_memory=gpu_memory, context_memory=context_memory, max_fraction=max_fraction,
+                            memory_limit=memory_limit, snapshot=snapshot, html=html, profile=profile, largest=largest,
+                            seed=seed, empty_cache=empty_cache, predict_on_oom=predict_on_oom, predict_by=predict_by,
+                            progress_bar=progress_bar, env=env, **training_options)
     limit = _check_outputs(kind, memory_limit, snapshot, html, profile)
     if probe is None:
         probe = CpuProbe(limit) if kind == "cpu" else CudaProbe(index, limit, record_history=bool(snapshot or html))
@@ -410,6 +425,8 @@ def _train(run: _Run, largest: int, snapshot: str | None, html: str | None) -> N
         module = apply_lora(hf_factory(m, t)(), m, t)  # peft's LoRA when --lora-rank
         if run.kind == "cuda":
             module.to(probe.device)
+        if run.wrap is not None:
+            module = run.wrap(module)
         module.train()
         run.params_b = tensor_bytes(module.parameters())
         run.buffers_b = tensor_bytes(module.buffers())

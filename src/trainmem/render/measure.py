@@ -103,6 +103,8 @@ def measure_details(r: Any, units: str = "auto") -> str:
         lines += _driver_phases(rows, units)
     if ex.get("oom"):
         lines += _oom_lines(r, ex["oom"], units)
+    if ex.get("ranks"):
+        lines += rank_lines(ex, units)
     for n in ex.get("notes") or []:
         lines += wrap(f"note: {n}", indent=" " * 6)
     for f in ex.get("files") or []:
@@ -113,6 +115,28 @@ def measure_details(r: Any, units: str = "auto") -> str:
                         + ([f"CUDA {env.get('cuda')}", f"driver {env.get('driver')}"] if env.get("gpu") else [])
                         + [f"{ex.get('steps')} step{'' if ex.get('steps') == 1 else 's'} in {ex.get('runtime_s')} s"])
     return "\n".join(lines)
+
+
+def rank_lines(ex: dict[str, Any], units: str = "auto") -> list[str]:
+    """One line per rank of a run on several ranks (``measure.distributed``): its peak allocated,
+    reserved where known, and where the peak was; the rank the tables show is marked."""
+    ranks = ex["ranks"]
+    lines = ["", f"ranks: {len(ranks)} ({ex.get('wrapper') or 'torch.distributed'}); the tables above are rank "
+                 f"{ex.get('rank')}, the worst"]
+    for s in ranks:
+        mark = "*" if s["rank"] == ex.get("rank") else " "
+        parts = [f"peak allocated {fmt_bytes(s['peak_allocated'], units)}"]
+        if s.get("peak_reserved") is not None:
+            parts.append(f"reserved {fmt_bytes(s['peak_reserved'], units)}")
+        if s.get("device_used") is not None:
+            parts.append(f"device {fmt_bytes(s['device_used'], units)}")
+        parts.append(f"parameters {fmt_bytes(s.get('parameters_bytes'), units)}")
+        if s.get("peak_phase"):
+            parts.append(f"at {s['peak_phase']}")
+        if s.get("oom"):
+            parts.append(f"OUT OF MEMORY in {s['oom'].get('phase')}")
+        lines += wrap(f"{mark} rank {s['rank']:>3d}: " + ", ".join(parts), indent=" " * 12)
+    return lines
 
 
 def max_batch_try(row: dict[str, Any], units: str = "GiB") -> str:

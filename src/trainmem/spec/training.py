@@ -101,6 +101,8 @@ class TrainingSpec:
     #                          loss_chunks > 1
     master_weights: str | None = None  # an fp32 master copy beside bf16/fp16 weights; None: the framework's
     #                                    (DeepSpeed ZeRO and Megatron's distributed optimizer keep one, FSDP not)
+    fsdp_version: int = 2  # which FSDP ``measure`` wraps with: 2 = fully_shard (per-parameter DTensor shards),
+    #                        1 = FullyShardedDataParallel (flat parameters); estimate and trace model both alike
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -138,6 +140,11 @@ class TrainingSpec:
             object.__setattr__(self, "hold_output", "step")
         if self.zero not in (0, 1, 2, 3):
             raise TrainmemError(f"--zero {self.zero!r} is not one of: 0, 1, 2, 3")
+        if self.fsdp_version not in (1, 2) or isinstance(self.fsdp_version, bool):
+            raise TrainmemError(f"--fsdp-version {self.fsdp_version!r} is not one of: 1, 2")
+        if self.fsdp_version == 1 and self.fsdp is None:
+            raise TrainmemError("--fsdp-version 1 picks FullyShardedDataParallel for --fsdp: give --fsdp full "
+                                "(or grad-op, hybrid), or drop --fsdp-version")
         if self.fsdp is not None:
             _choice("fsdp", self.fsdp, FSDP_MODES)
             if self.zero:
