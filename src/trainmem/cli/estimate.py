@@ -13,7 +13,8 @@ def cmd_estimate(a: argparse.Namespace) -> int:
     from ..estimate.api import estimate
     require_gpu_for_max_fraction(a)
     r = estimate(a.model, method=a.method, set=a.set, gpu=a.gpu, gpu_memory=a.gpu_memory,
-                 context_memory=a.context_memory, max_fraction=a.max_fraction, **training_options(a))
+                 context_memory=a.context_memory, calibration=a.calibration, max_fraction=a.max_fraction,
+                 **training_options(a))
     return emit(r, a)
 
 

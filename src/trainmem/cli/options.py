@@ -138,6 +138,10 @@ def add_hardware(h: Any) -> None:
                    help="custom GPU memory, e.g. 40GiB, 80GB, 512MiB (a bare number is GiB, and says so)")
     h.add_argument("--context-memory", default=None, metavar="SIZE",
                    help="memory taken before training (CUDA context, other processes), e.g. 600MiB")
+    h.add_argument("--calibration", default=None, metavar="FILE",
+                   help="a profile written by `trainmem calibrate` on the GPU: when its GPU is --gpu, its measured "
+                        "CUDA context and cuBLAS workspace replace the catalogue's (--context-memory still wins); "
+                        "a bundled profile of the GPU is used without it (docs/measure.md, Calibration)")
     h.add_argument("--max-fraction", type=fraction, default=None, metavar="F",
                    help="exit 1 when peak device memory exceeds F of the GPU")
 

@@ -17,8 +17,8 @@ def _methods() -> list[str]:
 
 
 def _hardware(a: argparse.Namespace) -> dict[str, Any]:
-    return dict(gpu=a.gpu, gpu_memory=a.gpu_memory, context_memory=a.context_memory, max_fraction=a.max_fraction,
-                method=a.method, set=a.set)
+    return dict(gpu=a.gpu, gpu_memory=a.gpu_memory, context_memory=a.context_memory, calibration=a.calibration,
+                max_fraction=a.max_fraction, method=a.method, set=a.set)
 
 
 def _has(p: argparse.ArgumentParser, flag: str) -> bool:

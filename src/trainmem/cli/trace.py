@@ -30,7 +30,8 @@ def cmd_trace(a: argparse.Namespace) -> int:
     opts = training_options(a)
     opts.pop("optimizer_bucket_mb", None)
     r = trace(a.model, steps=a.steps, device=a.device, gpu=a.gpu, gpu_memory=a.gpu_memory,
-              context_memory=a.context_memory, max_fraction=a.max_fraction, set=a.set or None,
+              context_memory=a.context_memory, calibration=a.calibration, max_fraction=a.max_fraction,
+              set=a.set or None,
               expandable_segments=a.expandable_segments, simulate_oom=a.simulate_oom, **opts)
     code = emit(r, a)
     if not a.json:

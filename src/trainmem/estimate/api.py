@@ -41,9 +41,17 @@ def attach_hardware(report: MemoryReport, hw: Hardware | None, max_fraction: flo
                                            report.peak_reserved - report.peak_allocated, None,
                                            "reserved but unallocated: cached blocks freed earlier in the step"))
     if "cuda_context" not in names:
-        report.components.append(Component("cuda_context", "cuda_context", hw.context, None,
-                                           "CUDA context, driver and other processes before training", True))
+        report.components.append(Component("cuda_context", "cuda_context", hw.context, None, context_formula(hw),
+                                           True))
     return report
+
+
+def context_formula(hw: Hardware) -> str:
+    """Where the CUDA context figure comes from: the GPU catalogue (``gpus.json``, or
+    ``--context-memory``), or a calibration profile measured by ``trainmem calibrate``."""
+    if hw.calibration:
+        return f"CUDA context and driver memory measured by trainmem calibrate ({hw.calibration})"
+    return "CUDA context, driver and other processes before training"
 
 
 def allocator_overhead(report: MemoryReport) -> int:
@@ -79,7 +87,8 @@ def estimate(model: "str | ModelSpec | Mapping[str, Any] | Resolved", **options:
     ``options`` (keyword-only; None or absent means the option's default): the CLI flags in
     snake_case — the TrainingSpec fields (batch_size, seq_len,
     precision, optimizer, zero, tp, recompute, attention, lora_rank, ...), plus ``gpu``,
-    ``gpu_memory``, ``context_memory``, ``max_fraction``, ``method``, ``set`` (config overrides),
+    ``gpu_memory``, ``context_memory``, ``calibration`` (a ``trainmem calibrate`` profile),
+    ``max_fraction``, ``method``, ``set`` (config overrides),
     ``training`` (a TrainingSpec) and ``hardware`` (a Hardware); see ``trainmem.spec.resolve``.
     """
     r = model if isinstance(model, Resolved) and not options else resolve(model, **options)
@@ -103,7 +112,10 @@ estimate.__signature__ = _options_signature()  # type: ignore[attr-defined]
 def estimate_resolved(r: Resolved) -> MemoryReport:
     """Run ``r.method`` on the resolved inputs and attach the GPU (capacity, context, fit)."""
     fn = get_method(r.method)
-    report = fn(r.model, r.training)
+    ws = r.hardware.cublas_workspace if r.hardware is not None else None
+    # only the default engine counts cuBLAS workspaces; a calibration profile sets their size
+    report = fn(r.model, r.training, cublas_workspace=ws) if (r.method == "trainmem" and ws is not None) \
+        else fn(r.model, r.training)
     if r.method == "trainmem":
         bucket_check(report, r.model, r.training)
     report.method = r.method

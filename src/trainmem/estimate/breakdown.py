@@ -5,6 +5,7 @@ from typing import Any
 
 from ..report import Category
 from ..report import Component, Phase
+from ..spec.hardware import CUBLAS_WORKSPACE
 from ..spec.training import TrainingSpec
 from .moments import PARTS, Moment, Tokens
 from .quantities import HEAD_KEYS, Quantities, is_lm, loss_mode, loss_upcasts
@@ -51,8 +52,10 @@ def phases(moments: list[Moment], totals: list[int], ends: list[tuple], ga: int)
     return out
 
 
-def components(q: Quantities, tk: Tokens, mo: Moment, t: TrainingSpec, n: int, nsq: int, m: Any) -> list[Component]:
-    """The bytes alive at the peak moment ``mo``, by name and category."""
+def components(q: Quantities, tk: Tokens, mo: Moment, t: TrainingSpec, n: int, nsq: int, m: Any,
+               handle_ws: int = CUBLAS_WORKSPACE) -> list[Component]:
+    """The bytes alive at the peak moment ``mo``, by name and category (``handle_ws``: one cuBLAS
+    handle's workspace)."""
     st = q.detail.states
     parts = dict(zip(PARTS, mo.parts))
     half = HALF_NAMES.get(t.precision, "fp32")
@@ -80,7 +83,7 @@ def components(q: Quantities, tk: Tokens, mo: Moment, t: TrainingSpec, n: int, n
     out.append(Component("inputs", INPUTS, tk.inputs, "int64", "input_ids and labels"))
     if parts["workspace"]:
         out.append(Component("workspace.cublas", WORKSPACE, parts["workspace"], None,
-                             "8,519,680 B per cuBLAS handle: forward thread and autograd thread", True))
+                             f"{handle_ws:,} B per cuBLAS handle: forward thread and autograd thread", True))
     comm = q.fixed - st.weights - st.buffers - st.master
     if comm:
         out.append(Component(q.detail.comm_name, COMMUNICATION, comm, None, "DDP buckets / ZeRO-3 gathered layers",

@@ -23,6 +23,7 @@ import numpy as np
 
 from ..allocator_rules import reserved_overhead
 from ..report import MemoryReport
+from ..spec.hardware import CUBLAS_WORKSPACE
 from ..spec.model import ModelSpec
 from ..spec.training import RECOMPUTE, TrainingSpec
 from .derived import notes as derived_notes
@@ -38,14 +39,18 @@ COMPILE_WARNING = ("--compile: only the compiled loss is modelled (one fp32 logi
                    "fusion of elementwise chains inside the layers, which saves fewer tensors, is not")
 
 
-def estimate(m: ModelSpec, t: TrainingSpec) -> MemoryReport:
-    """One GPU's training memory for model ``m`` trained as ``t`` (the worst pipeline stage)."""
+def estimate(m: ModelSpec, t: TrainingSpec, cublas_workspace: int | None = None) -> MemoryReport:
+    """One GPU's training memory for model ``m`` trained as ``t`` (the worst pipeline stage).
+    ``cublas_workspace``: bytes of one cuBLAS handle's workspace (None: ``CUBLAS_WORKSPACE``,
+    PyTorch's default ``:4096:2:16:8``; a calibration profile gives the measured size,
+    ``Hardware.cublas_workspace``)."""
+    ws = CUBLAS_WORKSPACE if cublas_workspace is None else int(cublas_workspace)
     if t.pp > 1:
-        first = estimate_stage(m, t, "first")
-        last = estimate_stage(m, t, "last")
+        first = estimate_stage(m, t, "first", ws)
+        last = estimate_stage(m, t, "last", ws)
         rep = first if first.peak_allocated >= last.peak_allocated else last
     else:
-        rep = estimate_stage(m, t, "first")
+        rep = estimate_stage(m, t, "first", ws)
     if t.compile:
         rep.warnings.append(COMPILE_WARNING)
     if m.family == "derived":
@@ -53,18 +58,20 @@ def estimate(m: ModelSpec, t: TrainingSpec) -> MemoryReport:
     return rep
 
 
-def estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str) -> MemoryReport:
-    """The report of one pipeline stage (``first`` or ``last``)."""
+def estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str, handle_ws: int = CUBLAS_WORKSPACE) -> MemoryReport:
+    """The report of one pipeline stage (``first`` or ``last``); ``handle_ws``: one cuBLAS
+    handle's workspace in bytes."""
     q = quantities(m, t, stage)
     flags = StepFlags.of(m, t)
     b, ga = t.batch_size, t.grad_accum
     n = b * (t.seq_len // t.cp)      # tokens on this rank
     nsq = n * t.seq_len              # token x key pairs (context parallelism sees every key)
     tk = tokens(q, flags, n, nsq, b, ga)
-    moments, ends = walk(q, flags, tk, ga)
+    moments, ends = walk(q, flags, tk, ga, handle_ws)
     total, i, totals = peak(moments, q.fixed)
     mo = moments[i]
-    rep = MemoryReport(source="estimate", method="trainmem", components=components(q, tk, mo, t, n, nsq, m),
+    rep = MemoryReport(source="estimate", method="trainmem",
+                       components=components(q, tk, mo, t, n, nsq, m, handle_ws),
                        phases=phases(moments, totals, ends, ga), peak_allocated=total,
                        peak_phase=f"{phase_label(mo.phase, mo.micro, ga)}@{mo.step}",
                        peak_where=where_label(mo, q, tk), model=m, training=t)
@@ -73,7 +80,8 @@ def estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str) -> MemoryReport:
     return rep
 
 
-def estimate_layouts(m: ModelSpec, base: TrainingSpec, **layout: Any) -> dict[str, np.ndarray]:
+def estimate_layouts(m: ModelSpec, base: TrainingSpec, cublas_workspace: int | None = None,
+                     **layout: Any) -> dict[str, np.ndarray]:
     """Peak memory of one GPU for many layouts at once.
 
     ``layout``: any of ``SHAPE_FIELDS`` and ``TOKEN_FIELDS`` as equal-length arrays (``recompute``
@@ -81,7 +89,9 @@ def estimate_layouts(m: ModelSpec, base: TrainingSpec, **layout: Any) -> dict[st
     arrays: ``peak_allocated`` and ``peak_reserved`` (the worst pipeline stage, as ``estimate``),
     ``stage`` (0 first, 1 last) and ``params_rank`` (parameters on a rank before ZeRO sharding, the
     larger stage). The layouts must be valid (``spec.layout.layout_problems``).
+    ``cublas_workspace``: one cuBLAS handle's workspace, as for ``estimate``.
     """
+    ws = CUBLAS_WORKSPACE if cublas_workspace is None else int(cublas_workspace)
     cols = _columns(base, layout)
     parts = _regime_parts(m, base, cols)
     if parts is not None:  # a derived architecture's sequences on both sides of its sliding window
@@ -89,15 +99,15 @@ def estimate_layouts(m: ModelSpec, base: TrainingSpec, **layout: Any) -> dict[st
         out = {"peak_allocated": np.zeros(n, np.int64), "peak_reserved": np.zeros(n, np.int64),
                "stage": np.zeros(n, np.int64), "params_rank": np.zeros(n, np.int64)}
         for rows, b in parts:
-            sub = estimate_layouts(m, b, **{k: v[rows] for k, v in cols.items() if k in layout or k == "seq_len"})
+            sub = estimate_layouts(m, b, ws, **{k: v[rows] for k, v in cols.items() if k in layout or k == "seq_len"})
             for k in out:
                 out[k][rows] = sub[k]
         return out
-    out = _stage_arrays(m, base, cols, "first")
+    out = _stage_arrays(m, base, cols, "first", ws)
     out["stage"] = np.zeros(len(cols["tp"]), np.int64)
     sel = np.nonzero(cols["pp"] > 1)[0]
     if len(sel):
-        last = _stage_arrays(m, base, {k: v[sel] for k, v in cols.items()}, "last")
+        last = _stage_arrays(m, base, {k: v[sel] for k, v in cols.items()}, "last", ws)
         take = last["peak_allocated"] > out["peak_allocated"][sel]
         rows = sel[take]
         out["peak_allocated"][rows] = last["peak_allocated"][take]
@@ -138,7 +148,8 @@ def _columns(base: TrainingSpec, layout: dict[str, Any]) -> dict[str, np.ndarray
     return cols
 
 
-def _stage_arrays(m: ModelSpec, base: TrainingSpec, cols: dict[str, np.ndarray], stage: str) -> dict[str, np.ndarray]:
+def _stage_arrays(m: ModelSpec, base: TrainingSpec, cols: dict[str, np.ndarray], stage: str,
+                  handle_ws: int = CUBLAS_WORKSPACE) -> dict[str, np.ndarray]:
     """``quantities`` per distinct parallel shape, gathered; then ``tokens`` and ``walk`` on arrays."""
     first, inv = group_rows(*(cols[k] for k in SHAPE_FIELDS))
     rows = np.stack([cols[k][first] for k in SHAPE_FIELDS + TOKEN_FIELDS], 1).tolist()
@@ -149,7 +160,7 @@ def _stage_arrays(m: ModelSpec, base: TrainingSpec, cols: dict[str, np.ndarray],
     nsq = n * s
     flags = StepFlags.of(m, base)
     tk = tokens(q, flags, n, nsq, b, ga)
-    moments, _ = walk(q, flags, tk, ga)
+    moments, _ = walk(q, flags, tk, ga, handle_ws)
     total, _, _ = peak(moments, q.fixed)
     params = np.array([x[3] for x in shapes], dtype=np.int64)[inv]
     return {"peak_allocated": np.asarray(total, dtype=np.int64), "params_rank": params}

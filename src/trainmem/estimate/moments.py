@@ -164,10 +164,13 @@ class Kept:
         return (self.logits, self.kv_end) if self.persists else (0, 0)
 
 
-def walk(q: Quantities, flags: StepFlags, tk: Tokens, ga: Any) -> tuple[list[Moment], list[tuple]]:
+def walk(q: Quantities, flags: StepFlags, tk: Tokens, ga: Any,
+         handle_ws: int = CUBLAS_WORKSPACE) -> tuple[list[Moment], list[tuple]]:
     """The moments of two training steps in order, and the bytes allocated at the end of each
     phase as (phase, micro, step, bytes). With arrays both micro-steps are walked and the second
-    is marked invalid where ``ga == 1``."""
+    is marked invalid where ``ga == 1``. ``handle_ws``: the cuBLAS workspace of one handle
+    (``spec.hardware.CUBLAS_WORKSPACE`` unless a calibration profile measured it,
+    ``Hardware.cublas_workspace``)."""
     kept = Kept.of(q, flags, tk)
     moments = [_mo("model_loaded", 0, 0, "model.to(device)", (q.grads_loaded, 0, 0, 0, 0, 0))]
     ends = [("model_loaded", 0, 0, q.fixed + q.grads_loaded)]
@@ -177,18 +180,19 @@ def walk(q: Quantities, flags: StepFlags, tk: Tokens, ga: Any) -> tuple[list[Mom
         states_before = step > 1
         for micro in ((0, 1) if isinstance(ga, np.ndarray) else range(min(ga, 2))):
             valid = (ga > 1) if micro else True
-            ws_before = CUBLAS_WORKSPACE if (step == 1 and micro == 0) else 2 * CUBLAS_WORKSPACE
-            _micro_step(q, flags, tk, kept, step, micro, valid, states_before, ws_before, moments, ends)
+            ws_before = handle_ws if (step == 1 and micro == 0) else 2 * handle_ws
+            _micro_step(q, flags, tk, kept, step, micro, valid, states_before, (ws_before, 2 * handle_ws), moments,
+                        ends)
             states_before = states_before or flags.oib
-        _optimizer_step(q, flags, tk, kept, step, moments, ends)
+        _optimizer_step(q, flags, tk, kept, step, 2 * handle_ws, moments, ends)
     return moments, ends
 
 
 def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: int, micro: int, valid: Any,
-                states_before: bool, ws: int, moments: list, ends: list) -> None:
+                states_before: bool, workspaces: tuple[int, int], moments: list, ends: list) -> None:
     """Forward (the loss) and backward (head, last layer, first layer, embeddings, end) of one
-    micro-batch."""
-    ws2 = 2 * CUBLAS_WORKSPACE
+    micro-batch. ``workspaces``: the cuBLAS workspaces alive in its forward and in its backward."""
+    ws, ws2 = workspaces
     # gradients already allocated: accumulated by earlier micro-batches, Megatron's main-grad
     # buffers, or zeroed but kept by zero_grad(set_to_none=False) after the first step
     grads_before = q.grads if (micro > 0 or flags.grads_persistent or (step > 1 and flags.zeros)) else 0
@@ -252,15 +256,15 @@ def _dequant_forward(q: Quantities, tk: Tokens, four: tuple, prev: tuple, micro:
                        (prev_logits + tk.out_logits, prev_kv + tk.kv_held, 0), _both(valid, q.head_temp > 0)))
 
 
-def _optimizer_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: int, moments: list,
+def _optimizer_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: int, ws2: int, moments: list,
                     ends: list) -> None:
     """``optimizer.step()`` (its temporaries), then ``zero_grad``: with ``set_to_none=True`` the
     gradients are freed (but Megatron's main-grad buffers), with ``set_to_none=False`` zeroed in place."""
     logits, kv = kept.after_backward()
-    after = q.fixed + q.grads + q.states + tk.inputs + 2 * CUBLAS_WORKSPACE + logits + kv
+    after = q.fixed + q.grads + q.states + tk.inputs + ws2 + logits + kv
     if not flags.oib:
         moments.append(_mo("optimizer_step", 0, step, "optimizer.step",
-                           (q.grads, q.states, tk.inputs, 2 * CUBLAS_WORKSPACE, 0, q.step_temp), (logits, kv, 0)))
+                           (q.grads, q.states, tk.inputs, ws2, 0, q.step_temp), (logits, kv, 0)))
         ends.append(("optimizer_step", 0, step, after))
     ends.append(("zero_grad", 0, step, after - q.grads + (q.grads if flags.zeros else q.grads_loaded)))
 

@@ -26,7 +26,10 @@ class Hardware:
     """A GPU. ``capacity`` is total device memory in bytes as NVML reports it; ``context`` the
     bytes taken before the first tensor (CUDA context, driver, other processes). ``notes``: how
     the inputs were read (a size without a unit, a GPU ``--gpu auto`` did not find in the
-    catalogue), one line each; reports carry them as warnings. They take no part in equality."""
+    catalogue), one line each; reports carry them as warnings. They take no part in equality.
+    ``cublas_workspace``: bytes of one cuBLAS handle's workspace where a calibration profile
+    measured it (None: PyTorch's default, ``CUBLAS_WORKSPACE``); ``calibration``: the profile
+    that set ``context`` and ``cublas_workspace`` (``spec.calibration``; "" for none)."""
 
     name: str
     capacity: int
@@ -37,6 +40,8 @@ class Hardware:
     interconnect_gbs: float = 0.0
     notes: tuple[str, ...] = field(default=(), compare=False)
     capability: tuple[int, int] | None = None  # CUDA compute capability (gpus.json); None: not known
+    cublas_workspace: int | None = None
+    calibration: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         if self.capacity <= 0:
@@ -46,6 +51,8 @@ class Hardware:
         if self.context >= self.capacity:
             raise TrainmemError(f"GPU {self.name!r}: context memory ({self.context} B) leaves nothing of "
                                 f"its {self.capacity} B")
+        if self.cublas_workspace is not None and self.cublas_workspace < 0:
+            raise TrainmemError(f"GPU {self.name!r}: the cuBLAS workspace must be zero or more")
 
     def to_dict(self) -> dict[str, Any]:
         """The GPU's fields as a dict (JSON-ready: ``notes`` and ``capability`` lists)."""

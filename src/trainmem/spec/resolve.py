@@ -13,7 +13,9 @@ Options:
   ``seq_len`` None means :func:`default_seq_len` of the model;
 * ``training``: a ready TrainingSpec (training options given beside it apply on top of it);
 * ``gpu`` (a catalogue name or a :class:`Hardware`), ``gpu_memory``, ``context_memory``, or
-  ``hardware`` (a Hardware);
+  ``hardware`` (a Hardware); ``calibration`` (a profile file of ``trainmem calibrate``, or a loaded
+  profile): its measured CUDA context and cuBLAS workspace replace the catalogue's when its GPU is
+  the GPU chosen (``spec.calibration.calibrated``; a bundled profile of the GPU is used without it);
 * ``max_fraction`` (in (0, 1]), ``method`` (an estimate method), ``set`` / ``overrides`` (config
   overrides such as ``["num_hidden_layers=2"]``);
 * ``framework`` (a preset of ``spec.frameworks``: ``nanogpt``, ``torchtune``, ...) and
@@ -38,12 +40,13 @@ from ..errors import TrainmemError
 from ..units import parse_bytes
 from .config import resolve_model
 from .frameworks import FRAMEWORKS, LINKED, get_preset, parse_version, preset_options, preset_warnings
+from .calibration import calibrated
 from .hardware import Hardware, get_gpu
 from .model import ModelSpec
 from .training import TrainingSpec, check_against, default_seq_len
 
 TRAINING_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainingSpec) if f.name != "extra")
-HARDWARE_OPTIONS = frozenset({"gpu", "gpu_memory", "context_memory", "hardware"})
+HARDWARE_OPTIONS = frozenset({"gpu", "gpu_memory", "context_memory", "hardware", "calibration"})
 FRAMEWORK_OPTIONS = frozenset({"framework", "framework_version"})
 OTHER_OPTIONS = frozenset({"max_fraction", "method", "set", "overrides", "training"}) | FRAMEWORK_OPTIONS
 OPTIONS = TRAINING_FIELDS | HARDWARE_OPTIONS | OTHER_OPTIONS
@@ -60,7 +63,7 @@ def check_options(options: Mapping[str, Any], known: frozenset[str] = OPTIONS) -
         close = difflib.get_close_matches(name, sorted(known), n=1)
         hints.append(f"{name} (did you mean {close[0]}?)" if close else name)
     raise TrainmemError(f"unknown option(s): {', '.join(hints)}; options are the TrainingSpec fields "
-                        f"(batch_size, seq_len, precision, ...), gpu, gpu_memory, context_memory, max_fraction, "
+                        f"(batch_size, seq_len, precision, ...), gpu, gpu_memory, context_memory, calibration, max_fraction, "
                         f"method, set, framework and framework_version")
 
 
@@ -82,10 +85,20 @@ def training_values(options: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def hardware_from(gpu: "str | Hardware | None" = None, gpu_memory: Any = None, context_memory: Any = None,
-                  hardware: Hardware | None = None) -> Hardware | None:
-    """The GPU the options name (None without one): ``hardware`` or ``gpu`` as a Hardware (with
-    ``context_memory`` replacing its context when given), else the catalogue's ``gpu`` or a custom
-    GPU of ``gpu_memory`` (``spec.hardware.get_gpu``)."""
+                  hardware: Hardware | None = None, calibration: Any = None) -> Hardware | None:
+    """The GPU the options name (None without one), calibrated (``spec.calibration.calibrated``:
+    ``calibration``'s profile, else a bundled one of the GPU; ``context_memory`` wins over a
+    profile's context)."""
+    hw = _named_hardware(gpu, gpu_memory, context_memory, hardware)
+    if hw is not None and hw.calibration and calibration is None:
+        return hw  # calibrated already (a Resolved's GPU carried over)
+    return calibrated(hw, calibration, context_given=context_memory is not None)
+
+
+def _named_hardware(gpu: "str | Hardware | None", gpu_memory: Any, context_memory: Any,
+                    hardware: Hardware | None) -> Hardware | None:
+    """``hardware`` or ``gpu`` as a Hardware (with ``context_memory`` replacing its context when
+    given), else the catalogue's ``gpu`` or a custom GPU of ``gpu_memory`` (``spec.hardware.get_gpu``)."""
     if isinstance(gpu, Hardware):
         if hardware is not None and hardware != gpu:
             raise TrainmemError("gpu= and hardware= name two different GPUs: give one of them")
@@ -246,7 +259,7 @@ def _hardware(options: Mapping[str, Any], base: Hardware | None) -> Hardware | N
     gpu, memory, context, hw = (options.get(k) for k in ("gpu", "gpu_memory", "context_memory", "hardware"))
     if gpu is None and memory is None and hw is None:
         hw = base
-    return hardware_from(gpu, memory, context, hw)
+    return hardware_from(gpu, memory, context, hw, options.get("calibration"))
 
 
 def resolve(model: Any, **options: Any) -> Resolved:

@@ -69,7 +69,8 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
     fused dropout, SDPA backends, foreach optimizers); ``device="cpu"`` traces the same program for
     the CPU, byte-exact, with no CUDA behaviour. A GPU adds device_used (reserved + CUDA context)
     and the fit verdict; on a Hopper GPU the cuBLAS workspace is 32 MiB per handle (PyTorch's
-    default there), else 8,519,680 B, unless ``cublas_workspace`` says otherwise.
+    default there), else 8,519,680 B, unless ``cublas_workspace`` or a calibration profile
+    (``calibration=FILE``, ``Hardware.cublas_workspace``) says otherwise.
     ``simulate_oom=True`` limits the simulated device to the GPU's capacity minus its CUDA context:
     near the limit the allocator frees its cache and retries as PyTorch does, and a step that does
     not fit stops at the simulated out-of-memory (reported in ``warnings``).
@@ -165,6 +166,8 @@ def _device(cuda: bool, hw: Hardware | None, t: TrainingSpec, expandable_segment
     if capability is None:
         # the catalogue's compute capability (gpus.json); sm80 when the GPU is unknown or not given
         capability = hw.capability if hw is not None and hw.capability else (8, 0)
+    if cublas_workspace is None and hw is not None and hw.cublas_workspace is not None:
+        cublas_workspace = hw.cublas_workspace  # measured by trainmem calibrate (spec.calibration)
     if cublas_workspace is None:
         cublas_workspace = CUBLAS_WORKSPACE_SM90 if capability >= (9, 0) else CUBLAS_WORKSPACE
     if attention_backend is None and (t.attention == "flash" or t.attention.startswith("sdpa-")):
