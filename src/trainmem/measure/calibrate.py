@@ -299,8 +299,11 @@ def _block(nbytes: int) -> int:
 
 
 def _env_info() -> dict[str, Any]:
+    """The environment variables that change what is measured (the cuBLAS ones as
+    CublasHandlePool.cpp reads them; TORCH_CUBLASLT_WORKSPACE_SIZE too, in case a newer torch
+    reads that name), recorded with each item."""
     keys = ("CUDA_MODULE_LOADING", "CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE",
-            "TORCH_CUBLASLT_UNIFIED_WORKSPACE", "PYTORCH_CUDA_ALLOC_CONF", "CUDA_VISIBLE_DEVICES")
+            "TORCH_CUBLASLT_WORKSPACE_SIZE", "TORCH_CUBLASLT_UNIFIED_WORKSPACE", "PYTORCH_CUDA_ALLOC_CONF", "CUDA_VISIBLE_DEVICES")
     return {k: os.environ.get(k) for k in keys}
 
 
@@ -485,8 +488,9 @@ def measure_sdpa(drv: _Driver) -> tuple[dict, dict, dict]:
             got = _sdpa_backend(torch, drv, backend)
         except Exception as e:  # the backend refuses this GPU/dtype/shape, or does not exist in this torch
             got = {}
+            first = (str(e).strip().splitlines() or [""])[0][:200]
             for part in ("forward_extra", "backward_extra", "context"):
-                reasons[f"sdpa_{key}_{part}"] = f"{backend}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                reasons[f"sdpa_{key}_{part}"] = f"{backend}: {type(e).__name__}: {first}"
         for part, v in got.items():
             values[f"sdpa_{key}_{part}"] = v
     details = {"shape": "q, k, v bf16 2x8x1024x64, causal; extras beyond the output (forward) and dq, dk, dv "
