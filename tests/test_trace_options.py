@@ -62,7 +62,11 @@ CASES = [
     ({"loss": "fused"}, REFUSED, "--loss fused"),
     ({"master_weights": "fp32", "precision": "bf16"}, REFUSED, "--master-weights fp32"),
     ({"dropout": False}, "same", "Llama has no dropout (GPT-2 below has)"),
+    ({"grad_sync": "step"}, "same", "no_sync() matters only for FSDP's sharded gradients under accumulation"),
+    ({"lora_rank": 8, "fsdp_lora_units": "layer"}, "same", "FSDP units: one GPU has none (vs LoRA alone)"),
 ]
+#: the options a case is compared with instead of the baseline (the case's own options minus one)
+REFERENCE = {"fsdp_lora_units": {"lora_rank": 8}}
 GPT2_CASES = [({"dropout": False}, CHANGED, "")]
 
 
@@ -72,8 +76,11 @@ def _fingerprint(r):
 
 @pytest.fixture(scope="module")
 def baselines():
-    return {"llama-3.2-1b": _fingerprint(trace("llama-3.2-1b", set=TINY, **BASE)),
-            "gpt2": _fingerprint(trace("gpt2", set=GPT2, **BASE))}
+    out = {"llama-3.2-1b": _fingerprint(trace("llama-3.2-1b", set=TINY, **BASE)),
+           "gpt2": _fingerprint(trace("gpt2", set=GPT2, **BASE))}
+    for key, ref in REFERENCE.items():
+        out[key] = _fingerprint(trace("llama-3.2-1b", set=TINY, **BASE, **ref))
+    return out
 
 
 @pytest.mark.parametrize("model, overrides, options, expected, why",
@@ -87,7 +94,8 @@ def test_each_option_changes_the_trace_or_is_refused(baselines, model, overrides
         assert "\n" not in str(e) and why in str(e)
         return
     assert expected != REFUSED, "accepted an option it should refuse"
-    same = _fingerprint(r) == baselines[model]
+    ref = next((k for k in options if k in REFERENCE), model)
+    same = _fingerprint(r) == baselines[ref]
     assert same == (expected == "same"), why or "accepted and ignored"
     for key, value in options.items():  # the report says what ran
         assert getattr(r.training, key) == value or key == "keep_logits"

@@ -6,7 +6,8 @@ import argparse
 from typing import Any, Callable
 
 from ..spec.frameworks import FRAMEWORKS
-from ..spec.training import (ATTENTION, FSDP_MODES, HOLD_OUTPUT, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS,
+from ..spec.training import (ATTENTION, FSDP_LORA_UNITS, FSDP_MODES, GRAD_SYNC, HOLD_OUTPUT, OPTIMIZER_IMPLS,
+                             OPTIMIZERS, PRECISIONS,
                              RECOMPUTE, ZERO_GRAD, LOSSES, MASTER_WEIGHTS)
 
 
@@ -85,6 +86,13 @@ def add_training(g: Any) -> None:
     g.add_argument("--master-weights", choices=MASTER_WEIGHTS, default=None,
                    help="fp32 master copy beside bf16/fp16 weights (default: DeepSpeed ZeRO and the distributed "
                         "optimizer keep one; FSDP and plain PyTorch do not)")
+    g.add_argument("--grad-sync", choices=GRAD_SYNC, default=None,
+                   help="FSDP under --grad-accum: micro-batch (default: reduce-scatter after each) or step "
+                        "(no_sync() until the last micro-batch, as HF Trainer / accelerate and Lightning Fabric: "
+                        "the gradients accumulate unsharded)")
+    g.add_argument("--fsdp-lora-units", choices=FSDP_LORA_UNITS, default=None,
+                   help="FSDP1 + LoRA: separate (default; peft's fsdp_auto_wrap_policy) or layer (adapters in "
+                        "their layer's unit, Lightning/litgpt: gradients for the frozen weights too)")
     g.add_argument("--optimizer-bucket-mb", type=float, default=None, metavar="MiB",
                    help="distributed-optimizer bucket size (NeMo/apex); warns when larger than a layer")
     for k in ("dp", "tp", "pp", "cp"):
@@ -169,7 +177,8 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 lora_rank=a.lora_rank, lora_dropout=a.lora_dropout, lora_dtype=a.lora_dtype,
                 lora_targets=a.lora_targets, quantize=a.quantize, dropout=False if a.no_dropout else None,
                 optimizer_bucket_mb=a.optimizer_bucket_mb, loss_chunks=a.loss_chunks, loss=a.loss,
-                master_weights=a.master_weights, framework=a.framework, framework_version=a.framework_version)
+                master_weights=a.master_weights, framework=a.framework, framework_version=a.framework_version,
+                grad_sync=a.grad_sync, fsdp_lora_units=a.fsdp_lora_units)
     if a.fsdp is not None and a.zero in (0, None):
         opts.pop("zero")
     return opts

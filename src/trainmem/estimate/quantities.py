@@ -405,7 +405,8 @@ _CACHE = BoundedCache(8192)
 
 def quantities(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> Quantities:
     """The quantities of ``m`` trained as ``t`` on pipeline stage ``stage`` (cached)."""
-    key = (m, stage, _key_of(t), derived_regime(m, t))
+    # accumulation enters only through whether FSDP accumulates its gradients unsharded (no_sync)
+    key = (m, stage, _key_of(t), derived_regime(m, t), t.accumulates_unsharded)
     return _CACHE.get_or_build(key, lambda: _build(m, t, stage))
 
 
@@ -423,7 +424,7 @@ def shape_quantities(m: ModelSpec, base: TrainingSpec, stage: str, rows: list[li
     memo = _SHAPES.setdefault((m, stage, _key_of(base), derived_regime(m, base)), {})
     out = []
     for row in rows:
-        shape = tuple(row[:7])
+        shape = (*row[:7], base.grad_sync == "step" and row[9] > 1)  # + FSDP no_sync accumulation
         hit = memo.get(shape)
         if hit is None:
             tp, pp, cp, dp, zero, rec, sp, b, s, ga = row

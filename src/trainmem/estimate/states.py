@@ -191,7 +191,7 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
     sweep over activations reuses them."""
     key = (m, stage, t.tp, t.pp, t.precision, t.zero_stage, t.shard_group, t.optimizer, t.impl,
            t.lora_rank, t.lora_targets, t.lora_dtype, t.distributed_optimizer, t.offload_optimizer, t.fp32_master,
-           t.quantize, t.quantize_via)
+           t.quantize, t.quantize_via, t.accumulates_unsharded, t.fsdp_mixed_units)
     return _STATES_CACHE.get_or_build(key, lambda: _model_states(m, t, stage))
 
 
@@ -213,6 +213,8 @@ class _Rank:
     zero: int          # ZeRO stage
     zero_states: int   # ZeRO stage applied to master + states (>= 1 with the distributed optimizer)
     d: int             # ranks the states are sharded over
+    grads_sharded: bool  # gradients held as shards (ZeRO >= 2 / FSDP), not accumulated unsharded (no_sync)
+    mixed_units: bool  # FSDP1 + LoRA: frozen layer weights get gradients too (TrainingSpec.fsdp_mixed_units)
     gather: int        # bytes per element of a layer gathered for compute (bf16 under FSDP's mixed precision)
 
     @staticmethod
@@ -224,7 +226,13 @@ class _Rank:
         return _Rank(per_stage, lo, hi, stage, w, 4 if t.distributed_optimizer else w,
                      4 if (w == 4 or half_master) else w, half_master, t.zero_stage,
                      max(t.zero_stage, 1) if t.distributed_optimizer else t.zero_stage, t.shard_group,
+                     t.zero_stage >= 2 and not t.accumulates_unsharded, t.fsdp_mixed_units,
                      2 if t.precision == "bf16-mp" else w)
+
+    def grad_bytes(self, n: int) -> int:
+        """Allocator bytes of one gradient of ``n`` elements on this rank: a shard under ZeRO >= 2 /
+        FSDP, the whole tensor when not sharded or accumulated unsharded (``no_sync``)."""
+        return block_bytes(-(-n * self.gbytes // self.d) if self.grads_sharded else n * self.gbytes)
 
     def holds(self, m: ModelSpec, pp: int, p: ParamTensor) -> bool:
         """Whether this pipeline stage holds tensor ``p`` (the first stage the embeddings; the last
@@ -263,7 +271,7 @@ class _Tally:
         """Add gradient, master copy and optimizer states of ``k`` tensors of ``n`` elements on this
         rank; returns one tensor's gradient bytes."""
         self.trainable += k * n
-        g = block_bytes(-(-n * r.gbytes // r.d) if r.zero >= 2 else n * r.gbytes)
+        g = r.grad_bytes(n)
         self.grads += k * g
         sh = -(-n // r.d) if r.zero_states >= 1 else n
         if r.half_master:
@@ -341,6 +349,10 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
         elif p.is_matmul and t.amp:
             acc.hmh += n * 2
         if frozen:
+            if r.mixed_units and p.layer is not None:  # FSDP1 + LoRA: the layer's flat parameter gets a
+                g = r.grad_bytes(n)                     # gradient for its frozen part too (no states)
+                acc.grads += k * g
+                acc.layer_grads += g
             continue
         g = acc.trainable_tensor(t, r, p.shape, n, k)
         if p.layer is not None:

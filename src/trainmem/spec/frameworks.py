@@ -44,7 +44,7 @@ REPOS: dict[str, tuple[str, str]] = {
 #: the options a preset speaks for, in the table's order (``sharding`` is ``fsdp``/``zero``/
 #: ``distributed_optimizer``)
 COLUMNS = ("precision", "master_weights", "optimizer_impl", "zero_grad", "hold_output", "loss", "attention",
-           "recompute", "sharding", "dropout")
+           "recompute", "sharding", "grad_sync", "dropout")
 #: options a user gives together: giving one drops the preset's value for the others
 LINKED = (("recompute", "recompute_every"), ("loss", "loss_chunks"), ("zero", "fsdp"),
           ("hold_output", "keep_logits"))
@@ -284,6 +284,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
         "hold_output": Cell(shown=_NOT_SET), "loss": Cell(shown="the model's own"),
         "attention": Cell(shown="sdpa (trainmem default)"), "recompute": Cell(shown="none"),
         "sharding": Cell(shown="none"), "dropout": Cell(shown="the config's"),
+        "grad_sync": Cell(shown="micro-batch (trainmem default)"),
     }),
     Preset("hf-trainer", "Hugging Face Trainer", "transformers 5.23.0", {
         "precision": Cell(shown="the checkpoint's dtype (v5), fp32 (v4)",
@@ -311,6 +312,9 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
         "recompute": Cell("none", (_s("transformers", _TF + "training_args.py", "1544-1545"),),
                           note="activation_checkpointing (gradient_checkpointing) False"),
         "sharding": Cell(shown="none (DDP); --fsdp or --zero as configured"),
+        "grad_sync": Cell("step", (_s("transformers", _TF + "trainer.py", "1896-1908"),),
+                          note="every micro-batch but the last runs inside accelerator.no_sync (FSDP: the "
+                               "gradients accumulate unsharded), unless sync_each_batch or DeepSpeed"),
         "dropout": Cell(shown="the config's"),
     }, since=(
         Since("optimizer_impl", "4.31", "for-loop", _s("transformers-4.31", _TF + "training_args.py", "1026")),
@@ -337,6 +341,10 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                             note="outputs = model(**batch) lives until the next batch's forward replaces it"),
         "loss": Cell(shown="the model's own"), "attention": Cell(shown="the model's (sdpa)"),
         "recompute": Cell(shown="none"), "sharding": Cell(shown="as configured"), "dropout": Cell(shown="the config's"),
+        "grad_sync": Cell("step", (_s("accelerate", "src/accelerate/accelerator.py", "1133-1172"),
+                                   _s("accelerate", "src/accelerate/accelerator.py", "1288-1292")),
+                          note="accumulate() enters no_sync (FSDP1 model.no_sync, FSDP2 "
+                               "set_requires_gradient_sync(False)) unless sync_each_batch=True"),
     }, rules=_accelerate_rules, check=_check_accelerate),
     Preset("torchtune", "torchtune full_finetune_distributed", "torchtune 0.6.1", {
         "precision": Cell("bf16", (_s("torchtune", "recipes/configs/llama3_2/1B_full.yaml", "76"),
@@ -359,6 +367,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                          sources=(_s("torchtune", "recipes/full_finetune_distributed.py", "590-596"),
                                   _s("torchtune", "recipes/full_finetune_distributed.py", "299"))),
         "dropout": Cell(shown="the config's"),
+        "grad_sync": Cell(shown="micro-batch (trainmem default; the recipe calls no no_sync)"),
     }, rules=_torchtune_rules, check=_check_fsdp_only("torchtune")),
     Preset("torchtitan", "torchtitan", "torchtitan 0.2.2", {
         "precision": Cell(shown="bf16-mp with FSDP (--dp > 1), else bf16-amp (fp32 with TP/PP alone)",
@@ -385,6 +394,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                          sources=(_s("torchtitan", "torchtitan/config/job_config.py", "324"),
                                   _s("torchtitan", "torchtitan/models/llama3/infra/parallelize.py", "319-327"))),
         "dropout": Cell(shown="the config's"),
+        "grad_sync": Cell(shown="micro-batch (trainmem default)"),
     }, rules=_torchtitan_rules, check=_check_fsdp_only("torchtitan")),
     Preset("lightning", "PyTorch Lightning Trainer", "lightning 2.6.5", {
         "precision": Cell("fp32", (_s("lightning", "src/lightning/pytorch/trainer/connectors/accelerator_connector.py",
@@ -403,6 +413,9 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                             note="training_step returns the loss; its locals (the logits) are freed"),
         "loss": Cell(shown=_NOT_SET), "attention": Cell(shown="the model's (sdpa)"), "recompute": Cell(shown="none"),
         "sharding": Cell(shown="as the strategy says"), "dropout": Cell(shown="the config's"),
+        "grad_sync": Cell(shown="micro-batch (trainmem default); a Fabric loop under no_backward_sync: step",
+                          note="Fabric's no_backward_sync is FSDP's no_sync (lightning/fabric/strategies/fsdp.py "
+                               "_FSDPBackwardSyncControl); litgpt's finetune scripts use it while accumulating"),
     }, check=_check_lightning),
     Preset("nanogpt", "nanoGPT train.py", "nanoGPT 3adf61e", {
         "precision": Cell("bf16-amp", (_s("nanogpt", "train.py", "73"), _s("nanogpt", "train.py", "112")),
@@ -418,6 +431,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
         "recompute": Cell(shown="none"), "sharding": Cell(shown="none (DDP)"),
         "dropout": Cell(False, (_s("nanogpt", "train.py", "55"), _s("nanogpt", "train.py", "184")),
                         note="dropout = 0.0 is passed to the model"),
+        "grad_sync": Cell(shown="n/a (DDP, no sharded gradients)"),
     }, check=_check_nanogpt, notes=(
         "train.py compiles the model (compile = True, train.py:74); the preset leaves --compile off because "
         "trace and measure do not run it: add --compile to estimate the compiled loss",
@@ -442,6 +456,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
         "attention": Cell(shown="the model's (sdpa)"), "recompute": Cell(shown="none"),
         "sharding": Cell(shown="zero 0", sources=(_s("deepspeed", "deepspeed/runtime/zero/config.py", "95"),)),
         "dropout": Cell(shown="the config's"),
+        "grad_sync": Cell(shown="n/a (the engine accumulates into its gradient partitions)"),
     }, rules=lambda view, model, version: _half_master(view), check=_check_deepspeed),
     Preset("megatron", "Megatron-LM pretrain_gpt.py", "megatron-core 0.19.0", {
         "precision": Cell("fp32", (_s("megatron", "megatron/core/model_parallel_config.py", "177-183"),),
@@ -468,6 +483,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                         sources=(_s("megatron", "megatron/core/transformer/transformer_config.py", "181-184"),),
                         note="hidden_dropout and attention_dropout default to 0.1; trainmem takes the "
                              "probabilities from the model's config"),
+        "grad_sync": Cell(shown="n/a (no FSDP)"),
     }, rules=lambda view, model, version: _half_master(view), check=_check_megatron),
 )}
 

@@ -31,6 +31,14 @@ HOLD_OUTPUT = ("loss", "backward", "step")  # what the loop keeps of the model o
 #: fused linear + cross-entropy (no logits materialised)
 LOSSES = ("upcast", "half", "chunked", "fused")
 MASTER_WEIGHTS = ("none", "fp32")
+#: when sharded gradients are reduce-scattered under gradient accumulation: after every micro-batch
+#: (FSDP's default; torchtune, torchtitan) or only at the optimizer step, the other micro-batches'
+#: backward running inside FSDP's ``no_sync()`` (accelerate / HF Trainer, Lightning Fabric)
+GRAD_SYNC = ("micro-batch", "step")
+#: FSDP1 units of LoRA adapters: their own (peft's fsdp_auto_wrap_policy, which HF Trainer / accelerate
+#: use) or the decoder layer's (an auto-wrap policy over the layer class with use_orig_params=True:
+#: Lightning's FSDPStrategy, litgpt)
+FSDP_LORA_UNITS = ("separate", "layer")
 #: bitsandbytes 4-bit base weights (``Linear4bit``): quant type nf4/fp4, ``-dq`` = double quantization
 #: (transformers ``BitsAndBytesConfig(bnb_4bit_quant_type, bnb_4bit_use_double_quant)``; litgpt
 #: ``--quantize bnb.nf4``/``bnb.nf4-dq``, which is accepted too)
@@ -103,6 +111,8 @@ class TrainingSpec:
     #                                    (DeepSpeed ZeRO and Megatron's distributed optimizer keep one, FSDP not)
     fsdp_version: int = 2  # which FSDP ``measure`` wraps with: 2 = fully_shard (per-parameter DTensor shards),
     #                        1 = FullyShardedDataParallel (flat parameters); estimate and trace model both alike
+    grad_sync: str = "micro-batch"  # GRAD_SYNC: "step" accumulates FSDP's gradients unsharded (no_sync)
+    fsdp_lora_units: str = "separate"  # FSDP_LORA_UNITS: "layer" puts adapters in their layer's FSDP1 unit
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -121,6 +131,8 @@ class TrainingSpec:
         _choice("attention", self.attention, ATTENTION)
         _choice("zero_grad", self.zero_grad, ZERO_GRAD)
         _choice("hold_output", self.hold_output, HOLD_OUTPUT)
+        _choice("grad_sync", self.grad_sync, GRAD_SYNC)
+        _choice("fsdp_lora_units", self.fsdp_lora_units, FSDP_LORA_UNITS)
         self._check_loss()
         if self.recompute_every > 1 and self.recompute != "full":
             raise TrainmemError(f"--recompute-every {self.recompute_every} checkpoints every N-th layer: it needs "
@@ -272,6 +284,34 @@ class TrainingSpec:
         return self.distributed_optimizer or (self.zero >= 1 and self.fsdp is None)
 
     @property
+    def accumulates_unsharded(self) -> bool:
+        """FSDP gradients accumulated unsharded: ``--grad-sync step`` with accumulation, i.e. every
+        micro-batch but the last runs backward inside ``no_sync()``. torch 2.13
+        torch/distributed/fsdp/fully_sharded_data_parallel.py L1034-1046 (``no_sync``: "FSDP will
+        accumulate the full model gradients (instead of gradient shards) until the eventual sync");
+        FSDP2's ``set_requires_gradient_sync(False)`` is its equivalent (_fully_shard/_fully_shard.py
+        L413-421). Who enters it: transformers 5.23.0 src/transformers/trainer.py L1896-1908 (every
+        micro-batch but the last, unless ``sync_each_batch`` or DeepSpeed), accelerate 1.15.0
+        src/accelerate/accelerator.py L1133-1172 (``no_sync``: FSDP1 ``model.no_sync()``, FSDP2
+        ``set_requires_gradient_sync(False)``) and L1288-1292 (``accumulate``), Lightning Fabric's
+        ``fabric.no_backward_sync`` (lightning/fabric/strategies/fsdp.py ``_FSDPBackwardSyncControl``:
+        FSDP's ``no_sync``), which litgpt's finetune scripts use while accumulating."""
+        return self.grad_sync == "step" and self.grad_accum > 1 and self.fsdp is not None
+
+    @property
+    def fsdp_mixed_units(self) -> bool:
+        """FSDP1 whose decoder-layer units hold frozen base weights and LoRA adapters together
+        (``fsdp_lora_units="layer"``: Lightning's ``FSDPStrategy`` sets ``use_orig_params=True``
+        (lightning/fabric/strategies/fsdp.py ``FSDPStrategy.__init__``) and litgpt wraps each
+        ``Block``). FSDP then keeps a gradient for the whole flat parameter, frozen part included:
+        torch 2.13 torch/distributed/fsdp/fully_sharded_data_parallel.py L208-213 ("higher than
+        expected gradient memory usage"), _wrap_utils.py L164 (the warning; litgpt issue #1417 and
+        PR #1538 quote it: "1451376640 numel instead of 106496"). peft's ``fsdp_auto_wrap_policy``
+        (HF Trainer, accelerate) gives adapters units of their own; FSDP2 shards per parameter."""
+        return (self.fsdp is not None and self.fsdp_version == 1 and self.lora_rank > 0
+                and self.fsdp_lora_units == "layer")
+
+    @property
     def lora_half(self) -> bool:
         """LoRA adapters in the model's half dtype (``lora_dtype="half"``); else fp32 (peft's default)."""
         return self.lora_dtype == "half"
@@ -311,6 +351,9 @@ def setup_warnings(t: TrainingSpec) -> list[str]:
         out.append(f"{what} with --dp 1 shards the model states over one rank: it changes nothing")
     if t.distributed_optimizer and t.dp == 1:
         out.append("--distributed-optimizer with --dp 1 shards nothing (it keeps fp32 main grads and a master copy)")
+    if t.fsdp_lora_units == "layer" and not t.fsdp_mixed_units:
+        out.append("--fsdp-lora-units layer matters only with --fsdp, --fsdp-version 1 and --lora-rank (FSDP2 "
+                   "shards per parameter and gives frozen weights no gradient): it changes nothing here")
     tokens = t.batch_size * (t.seq_len // t.cp)
     if t.loss_chunks > tokens:
         out.append(f"--loss-chunks {t.loss_chunks} exceeds the {tokens} tokens of a micro-batch: "
