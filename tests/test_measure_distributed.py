@@ -142,6 +142,8 @@ def test_inside_torchrun_rank0_prints_for_all(single):
     (["--tp", "2", "--sequence-parallel", "--launcher", "torchrun", "--nproc-per-node", "2"], "--sequence-parallel"),
     (["--dp", "2", "--fsdp", "full", "--recompute", "full", "--launcher", "torchrun", "--nproc-per-node", "2"],
      "--recompute full with several ranks"),
+    (["--dp", "2", "--fsdp", "full", "--grad-accum", "2", "--grad-sync", "step", "--launcher", "torchrun",
+      "--nproc-per-node", "2"], "--grad-sync step with several ranks"),
     (["--dp", "2", "--launcher", "torchrun", "--nproc-per-node", "2", "--save-fixture", "/tmp/x.json"],
      "--save-fixture with several ranks"),
 ])

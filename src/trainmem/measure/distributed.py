@@ -138,7 +138,9 @@ def check_layout(model: Any, t: TrainingSpec, world_size: int) -> None:
             raise TrainmemError(f"--fsdp hybrid: --dp {t.dp} is not a multiple of the shard group "
                                 f"({shard} ranks, fsdp_node_size)")
     refuse = [("--recompute full", t.recompute != "none"), ("--lora-rank", bool(t.lora_rank)),
-              ("--optimizer-in-backward", t.optimizer_in_backward)]
+              ("--optimizer-in-backward", t.optimizer_in_backward),
+              # gradients accumulated unsharded under no_sync(): the measured loop syncs every micro-batch
+              ("--grad-sync step", t.accumulates_unsharded)]
     bad = [name for name, on in refuse if on]
     if bad:
         raise TrainmemError(f"{', '.join(bad)} with several ranks is not measured yet (the wrappers and "
