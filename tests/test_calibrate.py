@@ -25,7 +25,7 @@ from trainmem.cli import calibrate as cli_calibrate
 from trainmem.errors import TrainmemError
 from trainmem.measure.calibrate import ITEMS, build_profile, calibrate, plan, write_profile
 from trainmem.spec import calibration as cal
-from trainmem.spec.hardware import CUBLAS_WORKSPACE, catalogue
+from trainmem.spec.hardware import CUBLAS_WORKSPACE_SM90, catalogue
 from trainmem.units import MiB
 
 CUDA = False
@@ -162,7 +162,7 @@ def test_matching_profile_changes_device_used_by_the_context_difference(capsys, 
     got = estimate_json(capsys, "--gpu", "h200", "--calibration", path)
     catalogue_ctx = catalogue()["h200"]["context_mib"] * MiB
     # two cuBLAS handles at the peak (optimizer step of step 1: forward and autograd threads)
-    assert got["peak_allocated"] - base["peak_allocated"] == 2 * (WS - CUBLAS_WORKSPACE)
+    assert got["peak_allocated"] - base["peak_allocated"] == 2 * (WS - CUBLAS_WORKSPACE_SM90)  # H200: sm90 default
     extra = got["peak_reserved"] - base["peak_reserved"]     # the peak plus its 1/32 allocator margin
     assert got["device_used"] - base["device_used"] == extra + (CTX - catalogue_ctx)
     assert not got["warnings"]
@@ -200,7 +200,7 @@ def test_context_memory_flag_wins_over_the_profile(capsys, tmp_path):
     got = estimate_json(capsys, "--gpu", "h200", "--calibration", path, "--context-memory", "700MiB")
     base = estimate_json(capsys, "--gpu", "h200", "--context-memory", "700MiB")
     assert next(c for c in got["components"] if c["name"] == "cuda_context")["bytes"] == 700 * MiB
-    assert got["peak_allocated"] - base["peak_allocated"] == 2 * (WS - CUBLAS_WORKSPACE)
+    assert got["peak_allocated"] - base["peak_allocated"] == 2 * (WS - CUBLAS_WORKSPACE_SM90)  # H200: sm90 default
 
 
 @pytest.mark.parametrize("content, says", [
@@ -292,3 +292,17 @@ def test_the_profile_table_names_what_estimate_uses_within_100_columns():
     assert "used by estimate (from" in text and "item nccl failed: 1 GPU visible" in text
     text += "\n" + render_plan(plan(), "no CUDA GPU here", "/tmp/x/calibration.json")
     assert max(len(line) for line in text.splitlines()) <= 100
+
+
+def test_default_cublas_workspace_follows_the_compute_capability():
+    """CublasHandlePool.cpp: 32 MiB per handle on sm90 exactly (H100, H200), 8,519,680 B elsewhere;
+    estimate and trace use the same rule, so they agree on an H200 (trace was 0.5% above before)."""
+    from trainmem.spec.hardware import CUBLAS_WORKSPACE, default_cublas_workspace, get_gpu
+    assert get_gpu("h200").handle_workspace == CUBLAS_WORKSPACE_SM90 == default_cublas_workspace((9, 0))
+    assert get_gpu("a100-80gb").handle_workspace == CUBLAS_WORKSPACE == default_cublas_workspace(None)
+    from trainmem.estimate.api import estimate
+    from trainmem.trace.api import trace
+    kw = dict(set=["n_layer=2"], batch_size=2, seq_len=256, gpu="h200")
+    e, t = estimate("gpt2", **kw), trace("gpt2", **kw)
+    assert t.extra["cublas_workspace"] == CUBLAS_WORKSPACE_SM90
+    assert abs(e.peak_allocated / t.peak_allocated - 1) < 0.01

@@ -71,7 +71,7 @@ def _where(path: Path, line: int) -> str:
 def _cli_imports() -> list[str]:
     bad = []
     for path in _modules():
-        if CLI in path.parents:
+        if CLI in path.parents or path.name == "__main__.py":  # `python -m trainmem` is the CLI's entry point
             continue
         for line, mod, name in _imports(path):
             target = f"{mod}.{name}" if name is not None and _is_package(mod) else mod

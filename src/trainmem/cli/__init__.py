@@ -12,9 +12,10 @@ import sys
 from typing import Sequence
 
 from ..errors import TrainmemError
-from . import estimate, measure, plan, trace, validate
+from . import calibrate, estimate, measure, plan, trace, validate
 
-COMMANDS = (estimate.register, trace.register, measure.register, plan.register, validate.register)
+COMMANDS = (estimate.register, trace.register, measure.register, plan.register, validate.register,
+            calibrate.register)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -112,8 +112,8 @@ estimate.__signature__ = _options_signature()  # type: ignore[attr-defined]
 def estimate_resolved(r: Resolved) -> MemoryReport:
     """Run ``r.method`` on the resolved inputs and attach the GPU (capacity, context, fit)."""
     fn = get_method(r.method)
-    ws = r.hardware.cublas_workspace if r.hardware is not None else None
-    # only the default engine counts cuBLAS workspaces; a calibration profile sets their size
+    ws = r.hardware.handle_workspace if r.hardware is not None else None
+    # only the default engine counts cuBLAS workspaces: the GPU's default size, or a calibration profile's
     report = fn(r.model, r.training, cublas_workspace=ws) if (r.method == "trainmem" and ws is not None) \
         else fn(r.model, r.training)
     if r.method == "trainmem":

@@ -19,6 +19,16 @@ from ..units import MiB, is_bare_number, parse_bytes
 # handle per thread that runs matmuls: the forward thread and autograd's backward thread (Edward Rees,
 # "Transformer Memory Arithmetic: Understanding all the Bytes in nanoGPT", https://erees.dev/transformer-memory/).
 CUBLAS_WORKSPACE = 4096 * 1024 * 2 + 16 * 1024 * 8
+# Hopper (compute capability 9.0 exactly) defaults to ":4096:8", 32 MiB per handle
+# (aten/src/ATen/cuda/CublasHandlePool.cpp ``getChosenWorkspaceSize`` / ``parseChosenWorkspaceSize``,
+# read at commit 26a39059ec58); every other GPU keeps CUBLAS_WORKSPACE.
+CUBLAS_WORKSPACE_SM90 = 4096 * 8 * 1024
+
+
+def default_cublas_workspace(capability: tuple[int, int] | None) -> int:
+    """One cuBLAS handle's workspace with no CUBLAS_WORKSPACE_CONFIG set, by compute capability
+    (unknown: the pre-Hopper size)."""
+    return CUBLAS_WORKSPACE_SM90 if capability is not None and tuple(capability) == (9, 0) else CUBLAS_WORKSPACE
 
 
 @dataclass(frozen=True)
@@ -53,6 +63,14 @@ class Hardware:
                                 f"its {self.capacity} B")
         if self.cublas_workspace is not None and self.cublas_workspace < 0:
             raise TrainmemError(f"GPU {self.name!r}: the cuBLAS workspace must be zero or more")
+
+    @property
+    def handle_workspace(self) -> int:
+        """One cuBLAS handle's workspace on this GPU: measured (a calibration profile), else
+        PyTorch's default for its compute capability (``default_cublas_workspace``)."""
+        if self.cublas_workspace is not None:
+            return self.cublas_workspace
+        return default_cublas_workspace(self.capability)
 
     def to_dict(self) -> dict[str, Any]:
         """The GPU's fields as a dict (JSON-ready: ``notes`` and ``capability`` lists)."""

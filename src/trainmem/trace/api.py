@@ -26,7 +26,8 @@ from ..progress import progress
 from ..spec.resolve import TRAINING_FIELDS, Resolved, resolve, resolve_setup
 from .allocator import CachingAllocator, ExactAllocator, SimulatedOutOfMemory
 from .cuda import EMULATED, CudaEmulation, cuda_environment
-from .tracker import CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_SM90, Record, Tracker, module_pattern
+from ..spec.hardware import default_cublas_workspace
+from .tracker import CUBLAS_WORKSPACE, Record, Tracker, module_pattern
 # model building, optimizer and training step: shared with ``measure`` (trainmem.workload)
 from ..workload import DROPOUT_KEYS as _DROPOUT_KEYS  # noqa: F401
 from ..workload import check_supported as _check_supported
@@ -169,7 +170,7 @@ def _device(cuda: bool, hw: Hardware | None, t: TrainingSpec, expandable_segment
     if cublas_workspace is None and hw is not None and hw.cublas_workspace is not None:
         cublas_workspace = hw.cublas_workspace  # measured by trainmem calibrate (spec.calibration)
     if cublas_workspace is None:
-        cublas_workspace = CUBLAS_WORKSPACE_SM90 if capability >= (9, 0) else CUBLAS_WORKSPACE
+        cublas_workspace = default_cublas_workspace(capability)
     if attention_backend is None and (t.attention == "flash" or t.attention.startswith("sdpa-")):
         attention_backend = "flash" if t.attention == "flash" else t.attention[len("sdpa-"):]
     if simulate_oom and hw is None:

@@ -37,10 +37,8 @@ from torch.utils._pytree import tree_flatten
 
 from .allocator import CachingAllocator, ExactAllocator
 
-#: cuBLAS workspace per handle with PyTorch's default CUBLAS_WORKSPACE_CONFIG (":4096:2:16:8")
-#: before Hopper: 4096 KiB x 2 + 16 KiB x 8 = 8,519,680 B. Hopper (sm90) defaults to 32 MiB.
-from ..spec.hardware import CUBLAS_WORKSPACE
-CUBLAS_WORKSPACE_SM90 = 4096 * 8 * 1024
+#: cuBLAS workspace per handle (spec.hardware: 8,519,680 B, 32 MiB on sm90 exactly)
+from ..spec.hardware import CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_SM90  # noqa: F401  (re-exported)
 
 _aten = torch.ops.aten
 
