@@ -209,3 +209,25 @@ def test_the_worst_rank_is_reported():
     assert out.extra["rank"] == 1
     out = combine([rep(1, 100), rep(0, 100)], t)
     assert out.extra["rank"] == 0
+
+
+def test_srun_environment_is_a_launcher(single, tmp_path):
+    """Two processes started as ``srun`` starts them (SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID,
+    MASTER_ADDR and MASTER_PORT exported, no RANK): each is a rank, rank 0 prints for both."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = dict(_clean_env(), SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, "-m", "trainmem", *_args("--dp", "2", "--json")], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    assert outs[1][0] == ""  # rank 1 prints nothing
+    d = json.loads(outs[0][0])
+    _check_gathered(d)
+    assert d["extra"]["launcher"] == "srun"
+    assert all(s["parameters_bytes"] == single["params"] for s in d["ranks"])

@@ -308,7 +308,7 @@ def measure_rank(model: Any, steps: int = 2, *, device: str = "cuda", training: 
         report.extra["gathered"] = False
         return report
     assert gathered is not None
-    return combine(gathered, t)
+    return combine(gathered, t, env["launcher"])
 
 
 def rank_summary(report: MemoryReport, rank: int, world: int, local: int, params_b: int) -> dict[str, Any]:
@@ -333,14 +333,15 @@ def worst_key(summary: dict[str, Any]) -> tuple[int, int]:
     return 0, -int(summary["rank"])
 
 
-def combine(gathered: list[tuple[dict[str, Any], MemoryReport]], t: TrainingSpec) -> MemoryReport:
+def combine(gathered: list[tuple[dict[str, Any], MemoryReport]], t: TrainingSpec,
+            launcher: str | None = None) -> MemoryReport:
     """The worst rank's report, with every rank's summary in ``extra["ranks"]``."""
     gathered = sorted(gathered, key=lambda g: g[0]["rank"])
     summaries = [g[0] for g in gathered]
     worst_summary, worst = max(gathered, key=lambda g: worst_key(g[0]))
     worst.extra.update({"ranks": summaries, "rank": worst_summary["rank"], "world_size": len(summaries),
                         "gathered": True, "wrapper": wrapper_name(t),
-                        "launcher": (launcher_env() or {}).get("launcher")})
+                        "launcher": launcher})
     worst.warnings = list(worst.warnings)
     return worst
 
