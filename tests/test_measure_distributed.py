@@ -120,6 +120,17 @@ def test_tensor_parallel_halves_the_projections(single):
         assert s["parameters_bytes"] == single["params"] - PROJECTION_BYTES // 2
 
 
+def test_out_of_memory_on_every_rank():
+    """A LiveBytes limit each rank runs into at the same op: both report it, rank 0 gathers, exit 1."""
+    p = _run([sys.executable, "-m", "trainmem", *_args("--dp", "2", "--fsdp", "full", "--memory-limit", "800KiB",
+                                                       "--launcher", "torchrun", "--nproc-per-node", "2", "--json")])
+    assert p.returncode == 1, p.stderr[-3000:]
+    d = json.loads(p.stdout)
+    phases = [s["oom"]["phase"] for s in d["ranks"]]
+    assert phases[0] == phases[1] and phases[0].endswith("@1")  # the same op on both: no rank left waiting
+    assert d["extra"]["oom"]["phase"] == phases[0] and d["fits"] is False
+
+
 def test_inside_torchrun_rank0_prints_for_all(single):
     """Run as each rank of ``torchrun --standalone``: no flag; rank 0 prints the gathered JSON, the
     other rank nothing."""

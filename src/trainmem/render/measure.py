@@ -135,7 +135,8 @@ def rank_lines(ex: dict[str, Any], units: str = "auto") -> list[str]:
             parts.append(f"at {s['peak_phase']}")
         if s.get("oom"):
             parts.append(f"OUT OF MEMORY in {s['oom'].get('phase')}")
-        lines += wrap(f"{mark} rank {s['rank']:>3d}: " + ", ".join(parts), indent=" " * 12)
+        # wrap() keeps a line's leading blanks on its continuation lines: indent both kinds to column 12
+        lines += wrap(f"{mark} rank {s['rank']:>3d}: " + ", ".join(parts), indent=" " * (12 if mark == "*" else 10))
     return lines
 
 
