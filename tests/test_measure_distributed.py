@@ -242,3 +242,10 @@ def test_srun_environment_is_a_launcher(single, tmp_path):
     _check_gathered(d)
     assert d["extra"]["launcher"] == "srun"
     assert all(s["parameters_bytes"] == single["params"] for s in d["ranks"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this checks the refusal on a machine without CUDA")
+def test_cuda_without_cuda_refused_before_any_rank_starts(capsys):
+    assert main(_args("--dp", "2", "--device", "cuda", "--launcher", "torchrun", "--nproc-per-node", "2")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--device cuda" in err[0]

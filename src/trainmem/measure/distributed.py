@@ -269,6 +269,9 @@ def measure_rank(model: Any, steps: int = 2, *, device: str = "cuda", training: 
         if not torch.cuda.is_available():
             from .probes import cuda_unavailable_reason
             raise TrainmemError(f"--device cuda: {cuda_unavailable_reason() or 'CUDA is not available'}")
+        if local >= torch.cuda.device_count():
+            raise TrainmemError(f"rank {rank} is local rank {local}, but this node has {torch.cuda.device_count()} "
+                                "CUDA device(s) visible: one GPU per rank")
         index = local
         torch.cuda.set_device(index)
     dev = torch.device("cuda", index) if kind == "cuda" else torch.device("cpu")
@@ -389,7 +392,15 @@ def launch(model: Any, steps: int = 2, *, nproc_per_node: int, training: Trainin
     if not isinstance(steps, int) or steps < 1:
         raise TrainmemError(f"--steps must be a positive integer, got {steps!r}")
     kwargs.pop("probe", None)
-    parse_device(kwargs.get("device", "cuda"))
+    kind, _ = parse_device(kwargs.get("device", "cuda"))
+    if kind == "cuda":  # before any process starts (device_count does not create a CUDA context)
+        from .probes import cuda_unavailable_reason
+        why = cuda_unavailable_reason()
+        if why:
+            raise TrainmemError(why)
+        if torch.cuda.device_count() < nproc_per_node:
+            raise TrainmemError(f"--nproc-per-node {nproc_per_node}: this node has {torch.cuda.device_count()} "
+                                "CUDA device(s) visible, and each rank needs its own")
     r, _, _ = _inputs(model, training, overrides, {k: v for k, v in kwargs.items() if k not in RUN_OPTIONS})
     opts = dict(kwargs, training=training, overrides=overrides)
     check_layout(r.model, r.training, nproc_per_node)
