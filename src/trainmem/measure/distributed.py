@@ -275,17 +275,7 @@ def measure_rank(model: Any, steps: int = 2, *, device: str = "cuda", training: 
         index = local
         torch.cuda.set_device(index)
     dev = torch.device("cuda", index) if kind == "cuda" else torch.device("cpu")
-    own_group = not dist.is_initialized()
-    if own_group:
-        if env["launcher"] == "srun":
-            os.environ.setdefault("MASTER_PORT", "29500")
-            os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
-            os.environ["LOCAL_RANK"] = str(local)
-        kw: dict[str, Any] = {"backend": "nccl" if kind == "cuda" else "gloo",
-                              "timeout": datetime.timedelta(minutes=10)}
-        if kind == "cuda":
-            kw["device_id"] = dev
-        dist.init_process_group(**kw)
+    own_group = _init_group(env, dev)
     try:
         if dist.get_world_size() != world:
             raise TrainmemError(f"the process group has {dist.get_world_size()} ranks, the launcher said {world}")
@@ -312,6 +302,24 @@ def measure_rank(model: Any, steps: int = 2, *, device: str = "cuda", training: 
         return report
     assert gathered is not None
     return combine(gathered, t, env["launcher"])
+
+
+def _init_group(env: dict[str, Any], dev: torch.device) -> bool:
+    """Start the process group (NCCL on CUDA, bound to this rank's GPU; gloo on the CPU) from the
+    env:// variables, which are exported from srun's; False when one was running already."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        return False
+    if env["launcher"] == "srun":
+        os.environ.setdefault("MASTER_PORT", "29500")
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(env["rank"]), str(env["world_size"])
+        os.environ["LOCAL_RANK"] = str(env["local_rank"])
+    kw: dict[str, Any] = {"backend": "nccl" if dev.type == "cuda" else "gloo",
+                          "timeout": datetime.timedelta(minutes=10)}
+    if dev.type == "cuda":
+        kw["device_id"] = dev
+    dist.init_process_group(**kw)
+    return True
 
 
 def rank_summary(report: MemoryReport, rank: int, world: int, local: int, params_b: int) -> dict[str, Any]:
