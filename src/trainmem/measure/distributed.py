@@ -63,7 +63,7 @@ from ..errors import TrainmemError
 from ..progress import progress
 from ..report import MemoryReport
 from ..spec import TrainingSpec
-from .probes import CpuProbe, CudaProbe, PhaseRecorder, parse_device, tensor_bytes
+from .probes import CpuProbe, CudaProbe, PhaseRecorder, parse_device
 from .runner import _check_outputs, _inputs, _limit_hardware, _not_applied, _report, _Run, _run
 
 #: model types whose decoder layers have the attention and MLP projections the TP plan names
