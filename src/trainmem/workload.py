@@ -183,6 +183,7 @@ class TrainStep:
         self.amp = {"bf16-amp": torch.bfloat16, "fp16-amp": torch.float16}.get(t.precision)
         self.state: dict[str, Any] = {}
         self.pin_sdpa = what == "measure" and str(device).startswith("cuda")  # trace pins in its CUDA emulation
+        self.micro_batches = t.grad_accum  # micro-batches run per optimizer step (trace may run fewer)
 
     def batch(self) -> dict[str, torch.Tensor]:
         """A random batch: token ids and the labels the head needs."""
@@ -226,7 +227,7 @@ class TrainStep:
 
     def _step(self, i: int) -> None:
         t = self.training
-        for micro in range(t.grad_accum):
+        for micro in range(self.micro_batches):
             self.state["batch"] = self.batch()  # the previous batch lives until this one exists
             with self.autocast():
                 out, loss = self.forward_loss(self.state["batch"])
@@ -326,7 +327,11 @@ def _chunked_output_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torc
 
 def hf_step(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec, device: str,
             on_phase: Callable[[str, int, int | None], None] | None = None,
-            what: str = "trace") -> tuple[Any, Callable[[int], None]]:
-    """``(optimizer, step)`` for a transformers model: ``step(i)`` runs training step ``i``."""
+            what: str = "trace", micro_batches: int | None = None) -> tuple[Any, Callable[[int], None]]:
+    """``(optimizer, step)`` for a transformers model: ``step(i)`` runs training step ``i``.
+    ``micro_batches``: run at most that many of the ``grad_accum`` micro-batches per step (the
+    loss is still divided by ``grad_accum``)."""
     step = TrainStep(model, spec, t, device, on_phase=on_phase, what=what)
+    if micro_batches is not None:
+        step.micro_batches = min(step.micro_batches, micro_batches)
     return step.optimizer, step

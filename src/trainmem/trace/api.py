@@ -39,6 +39,13 @@ from ..workload import hf_step as _hf_step
 from ..workload import make_optimizer, optimizer_class  # noqa: F401
 
 _PERSISTENT = {"parameters", "buffers", "gradients", "optimizer_states", "master_weights", "workspace"}
+#: micro-batches traced per optimizer step under gradient accumulation. The first creates the
+#: gradients; from the second on each micro-batch finds them allocated and the previous one's
+#: output in the same state, so later ones repeat the same allocations and frees (same shapes,
+#: same order). The simulated allocator's reserved memory can still grow once, at the second or
+#: the third (tests/test_trace_accumulation.py); the fourth is traced to show it has settled.
+#: Tracing all of them (often 8-128) only multiplied the run time.
+TRACED_MICRO_BATCHES = 4
 
 
 def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device: str = "cuda",
@@ -228,7 +235,8 @@ def _run_steps(dev: _Device, module: torch.nn.Module, spec: ModelSpec | None, t:
         with run_ctx, tracker, tracker.hooks():
             if spec is not None:
                 module.train()
-                optimizer, step = _hf_step(module, spec, t, "cuda" if dev.cuda else "cpu")
+                optimizer, step = _hf_step(module, spec, t, "cuda" if dev.cuda else "cpu",
+                                           micro_batches=TRACED_MICRO_BATCHES)
             else:
                 optimizer = optimizer_fn(module) if optimizer_fn is not None else None
                 step = _user_step(step_fn, module, optimizer)
@@ -364,9 +372,10 @@ def _components(live: list[Record]) -> list[Component]:
     return comps
 
 
-def _phases(tracker: Tracker, cuda: bool) -> tuple[list[Phase], str]:
-    """The phases the step marked (a phase repeated within a step numbered per micro-step) and the
-    name of the one holding the peak."""
+def _phases(tracker: Tracker, cuda: bool, grad_accum: int = 1) -> tuple[list[Phase], str]:
+    """The phases the step marked (a phase repeated within a step numbered per micro-step; the last
+    traced micro-step stands for the rest, ``micro3-64``, when fewer than ``grad_accum`` were
+    traced) and the name of the one holding the peak."""
     peak_event = tracker.peak_event
     marks = tracker.phase_marks
     counts: dict[tuple[str, int], int] = defaultdict(int)
@@ -379,7 +388,9 @@ def _phases(tracker: Tracker, cuda: bool) -> tuple[list[Phase], str]:
         name = m.name
         if counts[(m.name, m.step)] > 1:
             seen[(m.name, m.step)] += 1
-            name = f"{m.name}.micro{seen[(m.name, m.step)]}"
+            k = seen[(m.name, m.step)]
+            last = k == counts[(m.name, m.step)] and grad_accum > k
+            name = f"{m.name}.micro{k}-{grad_accum}" if last else f"{m.name}.micro{k}"
         phases.append(Phase(name, m.step, m.allocated, m.peak, m.reserved if cuda else None, m.where))
         if m.start_event <= peak_event < max(m.end_event, m.start_event + 1):
             peak_phase = name if m.step == 0 else f"{name}@{m.step}"
@@ -399,6 +410,9 @@ def _warnings(tracker: Tracker, spec: ModelSpec | None, training: TrainingSpec |
         warnings.append(f"{emulation.host_reads} copy(ies) of device tensors to the host returned zeros")
     if oom is not None:
         warnings.append(f"simulated out of memory: {oom}")
+    if spec is not None and training is not None and training.grad_accum > TRACED_MICRO_BATCHES:
+        warnings.append(f"traced {TRACED_MICRO_BATCHES} of the {training.grad_accum} micro-batches of each step: "
+                        f"the later ones repeat micro-batch {TRACED_MICRO_BATCHES}'s allocations and frees")
     return warnings
 
 
@@ -410,7 +424,8 @@ def _report(tracker: Tracker, allocator: Any, spec: ModelSpec | None, training: 
     warnings and ``extra`` (largest tensors, timeline, allocator statistics)."""
     peak_event = tracker.peak_event
     live = tracker.live_at(peak_event) if peak_event >= 0 else []
-    phases, peak_phase = _phases(tracker, cuda)
+    ga = training.grad_accum if (spec is not None and training is not None) else 1
+    phases, peak_phase = _phases(tracker, cuda, ga)
     peak_alloc = tracker.peak
     peak_reserved = allocator.peak_reserved if cuda else None
     device_used = peak_reserved + hardware.context if (hardware is not None and peak_reserved is not None) else None
