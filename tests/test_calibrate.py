@@ -306,3 +306,16 @@ def test_default_cublas_workspace_follows_the_compute_capability():
     e, t = estimate("gpt2", **kw), trace("gpt2", **kw)
     assert t.extra["cublas_workspace"] == CUBLAS_WORKSPACE_SM90
     assert abs(e.peak_allocated / t.peak_allocated - 1) < 0.01
+
+
+def test_compare_passes_the_profile_and_measure_refuses_it(capsys, tmp_path):
+    """Never accepted and ignored: compare's estimate uses the profile; measure reads the GPU itself."""
+    path = profile_file(tmp_path)
+    code, out, err = run(capsys, "compare", *SETUP, "--gpu", "h200", "--calibration", path, "--json")
+    assert code in (0, 1), err
+    got = json.loads(out)["reports"]["estimate"]
+    calibrated = estimate_json(capsys, "--gpu", "h200", "--calibration", path)
+    plain = estimate_json(capsys, "--gpu", "h200")
+    assert got["device_used"] == calibrated["device_used"] != plain["device_used"]
+    code, out, err = run(capsys, "measure", *SETUP, "--calibration", path, "--device", "cpu")
+    assert code == 2 and "--calibration: measure reads" in err and err.count("\n") == 1

@@ -36,8 +36,6 @@ def _quiet_transformers() -> None:
 def _options(a: argparse.Namespace) -> dict[str, Any]:
     opts = training_options(a)
     opts.pop("optimizer_bucket_mb", None)
-    if getattr(a, "fsdp_version", None) is not None:
-        opts["fsdp_version"] = a.fsdp_version
     return opts
 
 
@@ -99,6 +97,9 @@ def cmd_measure(a: argparse.Namespace) -> int:
     measurement is printed first)."""
     _check_common(a)
     _check_launcher(a)
+    if a.calibration:
+        raise TrainmemError("--calibration: measure reads this GPU's context and workspaces itself; a calibration "
+                            "profile is for estimate, trace, fit, sweep, plan and compare")
     if a.find_max_batch:
         bad = [f for f, v in (("--snapshot", a.snapshot), ("--html", a.html), ("--profile", a.profile),
                               ("--save-fixture", a.save_fixture)) if v]
@@ -201,7 +202,8 @@ def cmd_compare(a: argparse.Namespace) -> int:
         raise TrainmemError(f"--reference {a.reference} needs --{a.reference}")
     c = compare_sources(a.model, trace=a.trace, measure=a.measure, device=a.device, steps=a.steps, method=a.method,
                         reference=a.reference, overrides=a.set or None, gpu=a.gpu, gpu_memory=a.gpu_memory,
-                        context_memory=a.context_memory, max_fraction=a.max_fraction, **_options(a))
+                        context_memory=a.context_memory, calibration=a.calibration, max_fraction=a.max_fraction,
+                        **_options(a))
     ref = c.reports[c.ref_index]
     if a.json:
         print_json(dict(c.to_dict(), fits=ref.fits))
@@ -254,8 +256,6 @@ def _register_measure(sub: Any) -> None:
                         "and measure every rank through DDP / FSDP / TP; inside torchrun or srun no flag is needed")
     p.add_argument("--nproc-per-node", type=positive_int, default=None, metavar="N",
                    help="--launcher torchrun: ranks to start (= --dp × --tp)")
-    p.add_argument("--fsdp-version", type=int, choices=(1, 2), default=None,
-                   help="--fsdp through FSDP2 fully_shard (2, default) or FSDP1 FullyShardedDataParallel (1)")
     p.add_argument("--empty-cache", action="store_true",
                    help="gc.collect() + torch.cuda.empty_cache() after reading each phase (as Scherrmann's BERT-large notebook does)")
     p.set_defaults(func=cmd_measure, _parser=p)

@@ -86,6 +86,9 @@ def add_training(g: Any) -> None:
     g.add_argument("--master-weights", choices=MASTER_WEIGHTS, default=None,
                    help="fp32 master copy beside bf16/fp16 weights (default: DeepSpeed ZeRO and the distributed "
                         "optimizer keep one; FSDP and plain PyTorch do not)")
+    g.add_argument("--fsdp-version", type=int, choices=(1, 2), default=None,
+                   help="--fsdp through FSDP2 fully_shard (2, default) or FSDP1 FullyShardedDataParallel (1: "
+                        "flat parameters; with --fsdp-lora-units layer its LoRA units keep gradients for frozen weights)")
     g.add_argument("--grad-sync", choices=GRAD_SYNC, default=None,
                    help="FSDP under --grad-accum: micro-batch (default: reduce-scatter after each) or step "
                         "(no_sync() until the last micro-batch, as HF Trainer / accelerate and Lightning Fabric: "
@@ -178,7 +181,7 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 lora_targets=a.lora_targets, quantize=a.quantize, dropout=False if a.no_dropout else None,
                 optimizer_bucket_mb=a.optimizer_bucket_mb, loss_chunks=a.loss_chunks, loss=a.loss,
                 master_weights=a.master_weights, framework=a.framework, framework_version=a.framework_version,
-                grad_sync=a.grad_sync, fsdp_lora_units=a.fsdp_lora_units)
+                grad_sync=a.grad_sync, fsdp_lora_units=a.fsdp_lora_units, fsdp_version=a.fsdp_version)
     if a.fsdp is not None and a.zero in (0, None):
         opts.pop("zero")
     return opts
