@@ -173,9 +173,13 @@ def test_tensor_parallel_refused_for_other_families(capsys):
 
 
 def test_trace_still_refuses_parallelism():
+    """trace runs data parallelism on a fake process group of the emulated GPU (tests/test_trace_distributed.py);
+    on the CPU, and tensor parallelism anywhere, it refuses in one line."""
     from trainmem.trace.api import trace
-    with pytest.raises(TrainmemError, match="trace runs one GPU"):
+    with pytest.raises(TrainmemError, match="trace --dp 2 runs on the emulated GPU"):
         trace(MODEL, overrides=SET, dp=2, device="cpu", **SETUP)
+    with pytest.raises(TrainmemError, match="trace runs one GPU or data parallelism"):
+        trace(MODEL, overrides=SET, tp=2, **SETUP)
 
 
 def test_fsdp_version_is_checked():

@@ -20,7 +20,7 @@ CASES = [
     ({"grad_accum": 2}, CHANGED, ""),
     ({"precision": "fp32"}, CHANGED, ""), ({"precision": "bf16"}, CHANGED, ""), ({"precision": "fp16"}, CHANGED, ""),
     ({"precision": "fp16-amp"}, "same", "fp16 and bf16 autocast keep tensors of the same sizes"),
-    ({"precision": "bf16-mp", "fsdp": "full", "dp": 2}, REFUSED, "--dp 2"),
+    ({"precision": "bf16-mp", "fsdp": "full", "dp": 2}, CHANGED, ""),
     ({"optimizer": "adam"}, "same", "Adam and AdamW keep the same two states"),
     ({"optimizer": "sgd"}, CHANGED, ""), ({"optimizer": "sgd-momentum"}, CHANGED, ""),
     ({"optimizer": "adafactor"}, CHANGED, ""),
@@ -31,10 +31,12 @@ CASES = [
     ({"optimizer_impl": "foreach"}, "same", "foreach is PyTorch's CUDA default, which the baseline runs"),
     ({"optimizer_impl": "for-loop"}, "same", "a for-loop step's one-parameter temporaries hide under this model's "
                                            "peak (its largest parameter is tiny)"),
-    ({"zero": 1, "dp": 2}, REFUSED, "ZeRO stage 1"), ({"fsdp": "full", "dp": 2}, REFUSED, "--dp 2"),
-    ({"fsdp": "full", "dp": 2, "fsdp_version": 1}, REFUSED, "--dp 2"),
-    ({"fsdp": "hybrid", "dp": 4, "fsdp_node_size": 2}, REFUSED, "--dp 4"),
-    ({"dp": 2, "ddp_bucket_mb": 1.0}, REFUSED, "--dp 2"),
+    ({"zero": 1, "dp": 2}, REFUSED, "ZeRO stage 1"), ({"fsdp": "full", "dp": 2}, CHANGED, ""),
+    ({"fsdp": "grad-op", "dp": 2}, CHANGED, ""), ({"dp": 2}, CHANGED, ""),
+    ({"fsdp": "full", "dp": 2, "fsdp_version": 1}, REFUSED, "--fsdp-version 1"),
+    ({"fsdp": "hybrid", "dp": 4, "fsdp_node_size": 2}, REFUSED, "--fsdp hybrid"),
+    ({"dp": 2, "ddp_bucket_mb": 1.0}, "same", "the cap regroups DDP's buckets, which together are as large as the "
+                                              "gradients (vs --dp 2 alone)"),
     ({"tp": 2}, REFUSED, "--tp 2"), ({"pp": 2}, REFUSED, "--pp 2"), ({"cp": 2}, REFUSED, "--cp 2"),
     ({"tp": 2, "sequence_parallel": True}, REFUSED, "--sequence-parallel"),
     ({"pp": 2, "num_microbatches_in_flight": 2}, REFUSED, "--pp 2"),
@@ -62,11 +64,12 @@ CASES = [
     ({"loss": "fused"}, REFUSED, "--loss fused"),
     ({"master_weights": "fp32", "precision": "bf16"}, REFUSED, "--master-weights fp32"),
     ({"dropout": False}, "same", "Llama has no dropout (GPT-2 below has)"),
-    ({"grad_sync": "step"}, "same", "no_sync() matters only for FSDP's sharded gradients under accumulation"),
+    ({"grad_sync": "step", "grad_accum": 2, "fsdp": "full", "dp": 2}, CHANGED, ""),  # vs the same without it
     ({"lora_rank": 8, "fsdp_lora_units": "layer"}, "same", "FSDP units: one GPU has none (vs LoRA alone)"),
 ]
 #: the options a case is compared with instead of the baseline (the case's own options minus one)
-REFERENCE = {"fsdp_lora_units": {"lora_rank": 8}}
+REFERENCE = {"fsdp_lora_units": {"lora_rank": 8}, "ddp_bucket_mb": {"dp": 2},
+             "grad_sync": {"grad_accum": 2, "fsdp": "full", "dp": 2}}
 GPT2_CASES = [({"dropout": False}, CHANGED, "")]
 
 

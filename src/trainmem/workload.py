@@ -32,16 +32,17 @@ STEP_PHASES = ("forward", "backward", "optimizer_step", "zero_grad")
 
 
 def check_supported(t: TrainingSpec, what: str = "trace") -> None:
-    """Refuse the setups a run cannot execute. ``trace`` runs one GPU: no parallelism or sharding.
-    ``measure`` also runs data parallelism (DDP, or FSDP with ``--fsdp``) and tensor parallelism
-    through PyTorch's own wrappers, one process per rank (``trainmem.measure.distributed``)."""
+    """Refuse the setups a run cannot execute. ``trace`` runs one GPU, or data parallelism (DDP, or
+    FSDP2 with ``--fsdp``) on a fake process group in one process (``trainmem.trace.distributed``);
+    no tensor, pipeline or context parallelism. ``measure`` also runs tensor parallelism through
+    PyTorch's own wrappers, one process per rank (``trainmem.measure.distributed``)."""
     several = what == "measure"  # ranks of torch.distributed
     bad = []
     for key in ("dp", "tp", "pp", "cp"):
-        if getattr(t, key) != 1 and not (several and key in ("dp", "tp")):
+        if getattr(t, key) != 1 and not ((several and key in ("dp", "tp")) or key == "dp"):
             bad.append(f"--{key} {getattr(t, key)}")
-    if t.zero_stage and not (several and t.fsdp is not None):
-        bad.append(f"ZeRO stage {t.zero_stage}" + (" (DeepSpeed)" if several else ""))
+    if t.zero_stage and t.fsdp is None:
+        bad.append(f"ZeRO stage {t.zero_stage} (DeepSpeed)")
     if t.sequence_parallel:
         bad.append("--sequence-parallel")
     if t.offload_optimizer:
@@ -52,8 +53,8 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
         raise TrainmemError(f"{what} runs DDP (--dp), FSDP (--fsdp over --dp) and tensor parallelism (--tp) through "
                             "torch.distributed; not supported: " + ", ".join(bad) + " (use `estimate` for those)")
     if bad:
-        raise TrainmemError(f"{what} runs one GPU without parallelism or sharding; not supported: " + ", ".join(bad)
-                            + " (use `estimate` for those)")
+        raise TrainmemError(f"{what} runs one GPU or data parallelism (DDP --dp, FSDP2 --fsdp over --dp, on a fake "
+                            "process group); not supported: " + ", ".join(bad) + " (use `estimate` for those)")
     if t.optimizer in ("lion", "adamw-8bit", "paged-adamw-8bit", "paged-adamw"):
         raise TrainmemError(f"--optimizer {t.optimizer} is not in torch.optim; {what} supports adamw, adam, sgd, "
                             f"sgd-momentum, adafactor")
@@ -166,10 +167,11 @@ class TrainStep:
     def __init__(self, model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec, device: str,
                  on_phase: Callable[[str, int, int | None], None] | None = None, what: str = "trace") -> None:
         if t.recompute == "full":
-            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+            inner = unwrapped(model)
+            enable = getattr(inner, "activation_checkpointing_enable", None) or inner.gradient_checkpointing_enable
             enable()
             if t.recompute_every > 1:
-                _checkpoint_every(model, t.recompute_every)
+                _checkpoint_every(inner, t.recompute_every)
         self.model, self.spec, self.training, self.device = model, spec, t, device
         self.on_phase = on_phase
         params = [p for p in model.parameters() if p.requires_grad]
@@ -227,7 +229,13 @@ class TrainStep:
 
     def _step(self, i: int) -> None:
         t = self.training
+        sync = getattr(unwrapped(self.model), "set_requires_gradient_sync", None) if t.accumulates_unsharded else None
         for micro in range(self.micro_batches):
+            if sync is not None:
+                # --grad-sync step on FSDP2: reduce-scatter at the last micro-batch only, the others
+                # accumulate unsharded gradients (accelerate 1.15.0 accelerator.py L1133-1172;
+                # torch 2.13 _fully_shard/_fully_shard.py L413-421)
+                sync(micro == self.micro_batches - 1)
             self.state["batch"] = self.batch()  # the previous batch lives until this one exists
             with self.autocast():
                 out, loss = self.forward_loss(self.state["batch"])
@@ -273,6 +281,16 @@ class TrainStep:
     def release(self) -> None:
         """Drop the last batch and loss (and with them what they keep alive)."""
         self.state.clear()
+
+
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside a ``DistributedDataParallel`` wrapper (its ``module``), else ``model``
+    (FSDP2's ``fully_shard`` keeps the model's own class and methods)."""
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+    except ImportError:  # a build without torch.distributed
+        return model
+    return model.module if isinstance(model, DistributedDataParallel) else model
 
 
 def apply_lora(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec) -> torch.nn.Module:

@@ -35,11 +35,13 @@ def cmd_trace(a: argparse.Namespace) -> int:
               expandable_segments=a.expandable_segments, simulate_oom=a.simulate_oom, **opts)
     code = emit(r, a)
     if not a.json:
-        from ..render.trace import largest_tensors
+        from ..render.trace import largest_tensors, rank_lines
         text = largest_tensors(r.extra.get("largest_tensors") or [], a.units, a.largest, a.detail)
         if text:
             print()
             print(text)
+        for line in rank_lines(r.extra, a.units):
+            print(line)
     if a.timeline:
         from ..render.plots import plot_timeline
         plot_timeline(r, a.timeline, a.units)

@@ -1,10 +1,11 @@
-"""What a traced report adds to the common table: the largest live tensors at the peak."""
+"""What a traced report adds to the common table: the largest live tensors at the peak, and the
+ranks of a data-parallel trace."""
 from __future__ import annotations
 
 from typing import Any
 
-from ..units import number, scale
-from .text import WIDTH, free_width, shorten
+from ..units import fmt, number, scale
+from .text import WIDTH, free_width, shorten, wrap
 
 
 def largest_tensors(rows: list[dict[str, Any]], units: str = "auto", top: int = 10, detail: bool = False) -> str:
@@ -29,3 +30,28 @@ def largest_tensors(rows: list[dict[str, Any]], units: str = "auto", top: int = 
         lines.append(f"  {size:>{w[0]}s}  {cat:{w[1]}s} {dtype:{w[2]}s} {shape:{w[3]}s} "
                      f"{shorten(module, wm) if not detail else module:{wm}s} {op}".rstrip())
     return "\n".join(lines)
+
+
+def rank_lines(extra: dict[str, Any], units: str = "auto") -> list[str]:
+    """The ranks of a data-parallel trace (``extra["ranks"]``, ``trace.distributed.rank_entries``):
+    the traced rank's peaks, then one line for the ranks that were not traced and why."""
+    ranks = extra.get("ranks") or []
+    if not ranks:
+        return []
+    traced = [s for s in ranks if s.get("traced")]
+    lines = ["", f"ranks: {len(ranks)} ({extra.get('wrapper') or 'torch.distributed'}, fake process group); "
+                 f"the tables above are rank {extra.get('rank', 0)}"]
+    for s in traced:
+        parts = [f"peak allocated {fmt(s['peak_allocated'], units)}"]
+        if s.get("peak_reserved") is not None:
+            parts.append(f"reserved {fmt(s['peak_reserved'], units)}")
+        parts.append(f"parameters {fmt(s.get('parameters_bytes'), units)}")
+        if s.get("peak_phase"):
+            parts.append(f"at {s['peak_phase']}")
+        lines += wrap(f"* rank {s['rank']:>3d}: traced, " + ", ".join(parts), indent=" " * 12)
+    rest = [s["rank"] for s in ranks if not s.get("traced")]
+    if rest:
+        span = f"{rest[0]}" if len(rest) == 1 else f"{rest[0]}-{rest[-1]}"
+        lines += wrap(f"  ranks {span}: not traced, the same program on shards no larger than rank 0's "
+                      f"(in --json, copies of rank 0 marked traced: false)", indent=" " * 10)
+    return lines

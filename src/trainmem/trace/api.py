@@ -25,7 +25,8 @@ from ..spec.training import report_warnings
 from ..progress import progress
 from ..spec.resolve import TRAINING_FIELDS, Resolved, resolve, resolve_setup
 from .allocator import CachingAllocator, ExactAllocator, SimulatedOutOfMemory
-from .cuda import EMULATED, CudaEmulation, cuda_environment
+from .cuda import EMULATED, CudaEmulation, _patched, cuda_environment
+from . import distributed as _dist
 from ..spec.hardware import default_cublas_workspace
 from .tracker import CUBLAS_WORKSPACE, Record, Tracker, module_pattern
 # model building, optimizer and training step: shared with ``measure`` (trainmem.workload)
@@ -94,11 +95,15 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
     options_given = any(options.get(k) is not None for k in TRAINING_FIELDS | {"training"})
     spec, t, hw, fraction = _inputs(model, options)
     _check_supported(t)
+    _dist.check(t, spec, device)
     factory = _factory(model, spec, t, step_fn)
     dev = _device(device == "cuda", hw, t, expandable_segments, max_split_size, cublas_workspace,
                   attention_backend, capability, simulate_oom)
+    several = _dist.distributed(t)
     with progress(steps + 1, "trace") as bar, dev.env, \
-            (dev.emulation if dev.emulation is not None else contextlib.nullcontext()):
+            (dev.emulation if dev.emulation is not None else contextlib.nullcontext()), \
+            (_dist.fake_group(t.dp) if several else contextlib.nullcontext()), \
+            _patched(_dist.patches(dev.tracker) if several else {}):
         module = _build(dev, factory, spec, t)
         bar.update(1)  # the model is built
         oom = _run_steps(dev, module, spec, t, step_fn, optimizer_fn, steps, bar.update)
@@ -107,6 +112,10 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
                      dev.cuda, dev.emulation, runtime, timeline_points, largest, oom, dev.cublas_workspace,
                      expandable_segments)
     report.max_fraction = fraction
+    if several:
+        report.extra.update({"ranks": _dist.rank_entries(report, t), "rank": 0, "world_size": t.dp,
+                             "traced_ranks": [0], "wrapper": _dist.wrapper_name(t)})
+        report.warnings.append(_dist.describe(t))
     if spec is not None:
         note = _attention_implementation(spec, t)[1]
         if note:
@@ -200,7 +209,9 @@ def _cast(module: torch.nn.Module, spec: ModelSpec | None, t: TrainingSpec) -> N
 
 def _build(dev: _Device, factory: Callable, spec: ModelSpec | None, t: TrainingSpec) -> torch.nn.Module:
     """Build the module and count its parameters and buffers as loading them would allocate them:
-    on the emulated GPU as ``model.to("cuda")`` moves them, on the CPU as they are created."""
+    on the emulated GPU as ``model.to("cuda")`` moves them, on the CPU as they are created. With
+    data parallelism the module returned is the wrapped one (FSDP2 shards it before it is loaded,
+    so only the shards are counted; DDP wraps the loaded model and allocates its buckets)."""
     tracker = dev.tracker
     if dev.cuda:
         with dev.build_ctx:
@@ -208,16 +219,21 @@ def _build(dev: _Device, factory: Callable, spec: ModelSpec | None, t: TrainingS
             module = _as_module(module)
             _cast(module, spec, t)
             module = apply_lora(module, spec, t) if spec is not None else module
+        wrapped = _dist.wrap(module, spec, t, tracker) if t.fsdp is not None else module
+        tracker.name_modules(module)
         with tracker:
-            _load_to_device(tracker, module)
-    else:
-        if spec is not None and t.lora_rank:
-            raise TrainmemError("trace --device cpu cannot wrap the model with peft under its byte counter "
-                                "(peft moves modules with tensor swaps); trace LoRA with --device cuda")
-        with dev.build_ctx, tracker:
-            module = _as_module(factory())
-            _cast(module, spec, t)
-            _mark_model(tracker, module)
+            _load_to_device(tracker, wrapped)
+        if t.dp > 1 and t.fsdp is None:
+            wrapped = _dist.wrap(module, spec, t, tracker)
+            tracker.module_names[id(wrapped)] = ""  # the modules keep their names under DDP's wrapper
+        return wrapped
+    if spec is not None and t.lora_rank:
+        raise TrainmemError("trace --device cpu cannot wrap the model with peft under its byte counter "
+                            "(peft moves modules with tensor swaps); trace LoRA with --device cuda")
+    with dev.build_ctx, tracker:
+        module = _as_module(factory())
+        _cast(module, spec, t)
+        _mark_model(tracker, module)
     tracker.name_modules(module)
     return module
 
@@ -344,6 +360,8 @@ def _component_key(rec: Record) -> str:
         return f"optimizer_states.{rec.label or 'state'}"
     if cat == "workspace":
         return f"workspace.{rec.label or 'other'}"
+    if cat == "communication":  # a wrapper's buffers (trace.distributed): one component per kind
+        return f"communication.{rec.label or 'other'}"
     if rec.label in ("autocast_weight_cache", "kernel_scratch"):
         return f"{cat}.{rec.label}"
     mod = module_pattern(rec.module) if rec.module else "top_level"

@@ -566,6 +566,15 @@ class _Stream:
     def wait_stream(self, *a: Any) -> None:
         pass
 
+    def wait_event(self, *a: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> "_Event":
+        return event if event is not None else _Event()
+
+    def query(self) -> bool:
+        return True
+
     def __enter__(self) -> "_Stream":
         return self
 
@@ -577,6 +586,9 @@ class _Event(_Stream):
     """A CUDA event that records nothing and measures zero time."""
 
     def record(self, *a: Any) -> None:
+        pass
+
+    def wait(self, *a: Any) -> None:
         pass
 
     def elapsed_time(self, *a: Any) -> float:
@@ -679,7 +691,32 @@ def _emulation_patches(emulation: CudaEmulation | None) -> dict[tuple[Any, str],
 
         patches[(_graph.saved_tensors_hooks, "__init__")] = init
         patches[(_fn.BackwardCFunction, "apply")] = apply
+        # tensor hooks and engine callbacks (FSDP2's pre-backward unshard and its end-of-backward
+        # callback, torch/distributed/fsdp/_fully_shard/_fsdp_state.py ``_register_pre_backward_hook``
+        # and ``_root_pre_forward``'s ``queue_callback``) allocate with ``device="cuda"`` too
+        register_hook = torch.Tensor.register_hook
+
+        def tensor_register_hook(self: Any, hook: Callable) -> Any:
+            return register_hook(self, _under(emulation, hook))
+
+        from torch.autograd.variable import Variable
+        patches[(torch.Tensor, "register_hook")] = tensor_register_hook
+        patches[(Variable, "_execution_engine")] = _EngineUnder(Variable._execution_engine, emulation)
     return patches
+
+
+class _EngineUnder:
+    """The autograd engine (``Variable._execution_engine``) whose ``queue_callback`` runs the
+    callback under the emulation; everything else is the engine's own."""
+
+    def __init__(self, engine: Any, emulation: CudaEmulation) -> None:
+        self._engine, self._emulation = engine, emulation
+
+    def queue_callback(self, callback: Callable) -> Any:
+        return self._engine.queue_callback(_under(self._emulation, callback))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
 
 
 @contextlib.contextmanager

@@ -68,6 +68,23 @@ _STATE_FACTORY = _overloads("zeros_like", "empty_like", "ones_like", "full_like"
 
 _HOST_COPIES = frozenset({_aten._to_copy.default, _aten.copy_.default})
 
+
+def _wrapper_types() -> tuple[type, ...]:
+    """Tensor subclasses whose storage is their local tensor's (DTensor), where torch.distributed exists."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except (ImportError, AttributeError):
+        return ()
+    return (DTensor,)
+
+
+_WRAPPERS = _wrapper_types()
+
+
+def local(t: Any) -> Any:
+    """The tensor holding the storage of ``t``: a DTensor's local shard, else ``t``."""
+    return t._local_tensor if _WRAPPERS and isinstance(t, _WRAPPERS) else t
+
 PHASES = ("model_loaded", "forward", "backward", "optimizer_step", "zero_grad")
 
 
@@ -162,9 +179,15 @@ class Tracker(TorchDispatchMode):
         self.ops_seen = 0
         self.data_dependent = 0
         self._scalar_producer: dict[int, str] = {}
+        self._scopes: list[tuple[str, str]] = []
 
     # ----- modes -------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _WRAPPERS and any(issubclass(t, _WRAPPERS) for t in types):
+            # a DTensor op (FSDP2's sharded parameters, their gradients and optimizer states): let the
+            # subclass run it, so that the ops on its local tensors come back here to be counted
+            # (as torch/distributed/_tools/fsdp2_mem_tracker.py ``FSDPMemTracker.__torch_dispatch__``)
+            return NotImplemented
         kwargs = kwargs or {}
         self.ops_seen += 1
         if func is _aten._local_scalar_dense.default and self._is_tracked_tensor(args[0]):
@@ -227,6 +250,7 @@ class Tracker(TorchDispatchMode):
 
     def _register(self, func: Any, t: torch.Tensor, category: str | None = None, label: str | None = None,
                   module: str | None = None, op: str | None = None) -> Record | None:
+        t = local(t)
         if t.device.type != self.device_type or t.is_sparse or t.layout != torch.strided:
             return None
         try:
@@ -241,6 +265,8 @@ class Tracker(TorchDispatchMode):
                 return rec
             # resize_ grew the storage: its old block is freed and a new one allocated
             self._on_free(key, rec.rid)
+        if category is None and self._scopes:
+            category, label = self._scopes[-1]
         if category is None:
             category, label2 = self._category_for(func)
             if label is None and label2:
@@ -375,6 +401,7 @@ class Tracker(TorchDispatchMode):
 
     def reclassify(self, t: torch.Tensor, category: str, label: str = "") -> None:
         """Give the storage of ``t`` a category (e.g. when it becomes a gradient)."""
+        t = local(t)
         if not self._is_tracked_tensor(t):
             return
         rec = self.live.get(id(t.untyped_storage()))
@@ -385,6 +412,43 @@ class Tracker(TorchDispatchMode):
     def register_existing(self, t: torch.Tensor, category: str, label: str, module: str) -> None:
         """Count a tensor created outside the tracker (e.g. a parameter moved to the device)."""
         self._register(None, t, category=category, label=label, module=module, op="to(device)")
+
+    @contextmanager
+    def scope(self, category: str, label: str) -> Iterator[None]:
+        """Give the storages allocated inside the block this category and label (a wrapper's
+        communication buffers: FSDP's all-gather and reduce-scatter, DDP's buckets)."""
+        self._scopes.append((category, label))
+        try:
+            yield
+        finally:
+            self._scopes.pop()
+
+    def resized(self, st: Any) -> None:
+        """``UntypedStorage.resize_`` changed a storage's size in place (FSDP frees an unsharded
+        parameter with ``resize_(0)`` and brings it back with ``resize_(n)``, which no dispatch mode
+        sees): its old block is freed and, when it has bytes again, a new one allocated."""
+        if self._closed or st.device.type != self.device_type:
+            return
+        key = id(st)
+        rec = self.live.get(key)
+        nbytes = st.nbytes()
+        if rec is not None:
+            if rec.nbytes == nbytes:
+                return
+            self._on_free(key, rec.rid)
+        if nbytes == 0:
+            return
+        category, label = self._scopes[-1] if self._scopes else self._category_for(None)
+        label = label or (rec.label if rec is not None else "")
+        handle = self.allocator.allocate(nbytes)
+        new = Record(len(self.records), handle, nbytes, self.allocator.block_size(handle),
+                     rec.category if (rec is not None and not self._scopes) else category, label,
+                     self._current_module(), "resize_", self.phase, self.step, len(self.ev_rec),
+                     dtype=rec.dtype if rec is not None else "", shape=rec.shape if rec is not None else ())
+        self.records.append(new)
+        self.live[key] = new
+        weakref.finalize(st, self._on_free, key, new.rid)
+        self._log(new.rid)
 
     @contextmanager
     def label(self, name: str) -> Iterator[None]:
@@ -491,13 +555,14 @@ class Tracker(TorchDispatchMode):
         elif isinstance(output, (tuple, list)):
             cand = [t for t in output if isinstance(t, torch.Tensor) and t.dim() >= 2][:1]
         for t in cand:
+            t = local(t)
             if self._is_tracked_tensor(t):
                 rec = self.live.get(id(t.untyped_storage()))
                 if rec is not None and rec.category == "activations":
                     rec.category = "logits"
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        if self._is_tracked_tensor(t):
+        if self._is_tracked_tensor(t) and not (_WRAPPERS and isinstance(t, _WRAPPERS)):
             rec = self.live.get(id(t.untyped_storage()))
             if rec is not None:
                 rec.saved = True
@@ -517,6 +582,7 @@ class Tracker(TorchDispatchMode):
         ]
         orig_backward = torch.autograd.backward
         orig_grad = torch.autograd.grad
+        orig_resize = torch.UntypedStorage.resize_
         orig_opt_zero = torch.optim.Optimizer.zero_grad
         orig_mod_zero = torch.nn.Module.zero_grad
         tracker = self
@@ -541,8 +607,14 @@ class Tracker(TorchDispatchMode):
                 tracker.enter_phase("zero_grad")
             return orig_mod_zero(self_, *a, **k)
 
+        def resize_(st: Any, size: int) -> Any:
+            out = orig_resize(st, size)
+            tracker.resized(st)
+            return out
+
         torch.autograd.backward = backward
         torch.autograd.grad = grad
+        torch.UntypedStorage.resize_ = resize_  # as fsdp2_mem_tracker's MemTracker._track_resize
         torch.optim.Optimizer.zero_grad = opt_zero
         torch.nn.Module.zero_grad = mod_zero
         try:
@@ -551,6 +623,7 @@ class Tracker(TorchDispatchMode):
         finally:
             torch.autograd.backward = orig_backward
             torch.autograd.grad = orig_grad
+            torch.UntypedStorage.resize_ = orig_resize
             torch.optim.Optimizer.zero_grad = orig_opt_zero
             torch.nn.Module.zero_grad = orig_mod_zero
             for h in handles:

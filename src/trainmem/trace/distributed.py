@@ -1,0 +1,223 @@
+"""Data parallelism traced on torch.distributed's own code, in one process.
+
+``trace(..., dp=N)`` (DDP) and ``trace(..., dp=N, fsdp="full"|"grad-op")`` (FSDP2) start a fake
+process group of N ranks in this process — PyTorch's ``fake`` backend
+(``torch/testing/_internal/distributed/fake_pg.py``: ``FakeStore`` and ``FakeProcessGroup``,
+whose collectives return at once and move no data) — and wrap the model with the real wrappers
+(:mod:`trainmem.wrappers`, the code ``measure`` runs on real ranks) on the emulated GPU. This
+process is rank 0. What the wrappers allocate goes through the same tracker and allocator
+simulation as the rest of the step: FSDP2's all-gather buffers and unsharded parameters, its
+reduce-scatter buffers and sharded gradients, DDP's gradient buckets.
+
+The emulated GPU's tensors live on ``meta`` (``trace/cuda.py``), which FSDP2 and DDP were not
+written for; :func:`patches` makes them take their CUDA paths (each patch cites the code it
+answers):
+
+* FSDP2 refuses to train parameters on ``meta`` (``FSDPParamGroup._validate_no_meta_params``,
+  torch 2.13 ``_fully_shard/_fsdp_param_group.py`` L1027-1038): here ``meta`` is the device.
+* ``_get_device_handle(device.type)`` (``torch/distributed/device_mesh.py`` L143-150) is
+  ``getattr(torch, device_type)``; for ``meta`` it answers ``torch.cuda`` (the emulated module:
+  streams and events that do nothing, one timeline).
+* DDP checks that every rank has the same parameters with an all-gather
+  (``_verify_param_shape_across_processes``, ``torch/nn/parallel/distributed.py`` L1064,
+  ``torch/distributed/utils.py`` L286); the fake group fills no outputs, so it is skipped.
+* DDP's default communication hook needs the all-reduce's future to hold the bucket
+  (``reducer.cpp``, comm.cpp L114 asserts it), and a fake ``Work``'s future holds None
+  (``FakeProcessGroup.hpp`` ``FakeWork::getFuture``): trace registers a hook that does what the
+  built-in ``AllReduceCommHook::runHook`` does (``default_comm_hooks.cpp``: divide the bucket in
+  place by the world size, all-reduce it in place) and returns the bucket.
+
+Attribution (:meth:`Tracker.scope`): FSDP2's ``foreach_all_gather`` (the flat all-gather output and,
+with a mixed-precision policy, the cast copy-in) is ``communication.fsdp_all_gather``;
+``foreach_all_gather_copy_out`` (the unsharded parameters, re-allocated with
+``UntypedStorage.resize_``) ``communication.fsdp_unsharded_params``; ``foreach_reduce`` (the
+reduce-scatter input and output) ``communication.fsdp_reduce_scatter``, whose output becomes the
+sharded gradients (FSDP2 calls the sharded parameters' post-accumulate-grad hooks); the unsharded
+gradients are ``gradients`` from ``post_backward`` on; DDP's buckets (built in ``__init__`` and
+rebuilt in the second step's ``_pre_forward``) ``communication.ddp_buckets``.
+
+Every rank runs the same program. DDP replicates everything, so the ranks are identical. FSDP2
+shards each parameter with ``torch.chunk`` on dim 0 and pads every rank's shard to the first
+rank's size (``_fsdp_param.py`` ``_init_sharded_param``); only the optimizer states, made with
+``zeros_like`` of the unpadded local shard, are smaller on the last ranks when a dimension does not
+divide. So rank 0 is the worst rank and is the one traced.
+
+Not modelled: the separate all-gather / reduce-scatter streams (the caching allocator keeps a
+pool per stream, so reserved memory on a GPU can be higher than one stream's simulation shows;
+allocated memory does not depend on it), and NCCL's own buffers (outside the caching allocator).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+from typing import Any, Callable, Iterator
+
+import torch
+
+from ..errors import TrainmemError
+from ..spec import TrainingSpec
+from ..wrappers import ddp, fsdp2, mesh, wrapper_name
+from .tracker import Tracker
+
+#: modules that hold their own reference to ``torch.distributed.device_mesh._get_device_handle``
+_DEVICE_HANDLE_USERS = ("torch.distributed.device_mesh", "torch.distributed.tensor._random",
+                        "torch.distributed.fsdp._fully_shard._fsdp_collectives",
+                        "torch.distributed.fsdp._fully_shard._fsdp_init",
+                        "torch.distributed.fsdp._fully_shard._fsdp_state",
+                        "torch.distributed.fsdp._fully_shard._fsdp_param_group")
+
+
+def distributed(t: TrainingSpec) -> bool:
+    """Whether the setup runs on several data-parallel ranks (DDP or FSDP)."""
+    return t.dp > 1 or t.fsdp is not None
+
+
+def check(t: TrainingSpec, spec: Any, device: str) -> None:
+    """Refuse, in one line, the data-parallel setups trace does not run."""
+    if not distributed(t):
+        return
+    what = f"--dp {t.dp}" + (f" --fsdp {t.fsdp}" if t.fsdp else "")
+    if device != "cuda":
+        raise TrainmemError(f"trace {what} runs on the emulated GPU: drop --device cpu")
+    if spec is None:
+        raise TrainmemError(f"trace {what} wraps a catalogue or transformers model (FSDP units are its decoder "
+                            "layers); for your own module and step_fn, wrap it yourself in the factory")
+    if t.fsdp == "hybrid":
+        raise TrainmemError("trace --fsdp hybrid (HSDP, a 2-D mesh) is not traced yet: use --fsdp full or grad-op, "
+                            "or estimate")
+    if t.fsdp is not None and t.fsdp_version == 1:
+        raise TrainmemError("trace --fsdp-version 1 (FullyShardedDataParallel) is not traced: FSDP1 flattens "
+                            "parameters with real storage; use --fsdp-version 2 (fully_shard), or estimate")
+    if t.loss == "chunked":
+        raise TrainmemError(f"trace {what} with --loss chunked is not traced: the chunked loss runs the model's body "
+                            "and head outside the wrapper's forward (DDP's reducer, FSDP2's root unit); use estimate")
+    if t.fsdp is not None and t.optimizer == "adafactor":
+        raise TrainmemError(f"trace {what} with --optimizer adafactor is not traced: transformers' Adafactor mixes "
+                            "plain tensors with FSDP2's DTensor shards, which DTensor refuses; use estimate")
+    if t.fsdp is None and t.optimizer_in_backward:
+        raise TrainmemError(f"trace {what} with --optimizer-in-backward is not traced: the per-parameter hooks run "
+                            "before DDP all-reduces the gradient (PyTorch's way is DDP._register_fused_optim); "
+                            "use --fsdp full or grad-op, or estimate")
+
+
+@contextlib.contextmanager
+def fake_group(world_size: int) -> Iterator[None]:
+    """A fake process group of ``world_size`` ranks in which this process is rank 0."""
+    import torch.distributed as dist
+    if not dist.is_available():
+        raise TrainmemError("this PyTorch build has no torch.distributed: trace cannot run data parallelism")
+    if dist.is_initialized():
+        raise TrainmemError("a torch.distributed process group is already initialised in this process; trace "
+                            "runs data parallelism on a fake group of its own (call it outside a distributed run)")
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+# ----- patches: the wrappers on the emulated GPU ------------------------------------------------------
+def _scoped(tracker: Tracker, category: str, label: str, fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with tracker.scope(category, label):
+            return fn(*args, **kwargs)
+    return run
+
+
+def _device_handle(orig: Callable) -> Callable:
+    def handle(device_type: str = "cuda") -> Any:
+        return torch.cuda if device_type == "meta" else orig(device_type)
+    return handle
+
+
+def _post_backward(tracker: Tracker, orig: Callable) -> Callable:
+    """``FSDPParamGroup.post_backward`` with its unsharded gradients counted as gradients."""
+    @functools.wraps(orig)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        for fsdp_param in self.fsdp_params:
+            param = getattr(fsdp_param, "_unsharded_param", None)
+            if param is not None and param.grad is not None:
+                tracker.reclassify(param.grad, "gradients", "unsharded")
+        return orig(self, *args, **kwargs)
+    return run
+
+
+def patches(tracker: Tracker) -> dict[tuple[Any, str], Any]:
+    """(object, attribute) -> value: FSDP2 and DDP on the emulated GPU, their buffers attributed."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as pg
+    import torch.distributed.utils as dist_utils
+    import torch.nn.parallel.distributed as ddp_module
+    out: dict[tuple[Any, str], Any] = {}
+    for name in _DEVICE_HANDLE_USERS:
+        mod = importlib.import_module(name)
+        out[(mod, "_get_device_handle")] = _device_handle(vars(mod)["_get_device_handle"])
+    out[(pg.FSDPParamGroup, "_validate_no_meta_params")] = lambda self: None
+    out[(pg.FSDPParamGroup, "post_backward")] = _post_backward(tracker, pg.FSDPParamGroup.post_backward)
+    out[(pg, "foreach_all_gather")] = _scoped(tracker, "communication", "fsdp_all_gather", pg.foreach_all_gather)
+    out[(pg, "foreach_all_gather_copy_out")] = _scoped(tracker, "communication", "fsdp_unsharded_params",
+                                                       pg.foreach_all_gather_copy_out)
+    out[(pg, "foreach_reduce")] = _scoped(tracker, "communication", "fsdp_reduce_scatter", pg.foreach_reduce)
+    out[(ddp_module, "_verify_param_shape_across_processes")] = lambda *a, **k: None
+    out[(dist_utils, "_verify_param_shape_across_processes")] = lambda *a, **k: None
+    dp_cls = ddp_module.DistributedDataParallel
+    out[(dp_cls, "_pre_forward")] = _scoped(tracker, "communication", "ddp_buckets", dp_cls._pre_forward)
+    return out
+
+
+def _allreduce_in_place(world: int) -> Callable:
+    """DDP's built-in all-reduce hook on the fake group: ``AllReduceCommHook::runHook``
+    (default_comm_hooks.cpp) divides the bucket by the world size and all-reduces it in place."""
+    def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks the annotations: none given
+        import torch.distributed as dist
+        buf = bucket.buffer()
+        buf.div_(world)
+        dist.all_reduce(buf)
+        fut = torch.futures.Future()
+        fut.set_result(buf)
+        return fut
+    return hook
+
+
+def wrap(module: torch.nn.Module, spec: Any, t: TrainingSpec, tracker: Tracker) -> torch.nn.Module:
+    """The model wrapped as ``t`` asks, on the fake group. FSDP2 shards the unmaterialised model
+    (as torchtitan does: built on ``meta``, sharded, then given memory), so only the shards are
+    ever loaded; DDP wraps the loaded model inside the tracker: its buckets are counted."""
+    device_mesh = mesh(t, "cuda")
+    if t.fsdp is not None:
+        fsdp2(module, spec, t, device_mesh["dp"])
+        return module
+    with tracker, tracker.scope("communication", "ddp_buckets"):
+        wrapped = ddp(module, t, torch.device("meta"))
+    wrapped.register_comm_hook(None, _allreduce_in_place(t.dp))
+    return wrapped
+
+
+def describe(t: TrainingSpec) -> str:
+    """The wrapper and which rank was traced, in words."""
+    why = ("every rank holds the same replicas and buckets" if t.fsdp is None else
+           "every rank's shards are padded to rank 0's size; only the optimizer states of the last ranks can be "
+           "smaller (torch.chunk gives the first ranks the extra rows)")
+    return (f"{wrapper_name(t)} on a fake process group of {t.dp} ranks (torch.distributed's fake backend): rank 0 "
+            f"traced, the worst rank ({why})")
+
+
+def rank_entries(report: Any, t: TrainingSpec) -> list[dict[str, Any]]:
+    """``extra["ranks"]`` (the JSON's ``ranks``) in ``measure``'s per-rank format: rank 0 as traced,
+    every other rank a copy of it marked ``traced: false`` and ``copied_from: 0``."""
+    params = sum(c.bytes for c in report.components if c.category == "parameters")
+    states = sum(c.bytes for c in report.components if c.category == "optimizer_states")
+    first = {"rank": 0, "world_size": t.dp, "local_rank": 0, "host": None, "device": report.extra.get("device"),
+             "peak_allocated": int(report.peak_allocated), "peak_reserved": report.peak_reserved,
+             "device_used": report.device_used, "peak_phase": report.peak_phase, "peak_where": report.peak_where,
+             "parameters_bytes": params, "optimizer_states_bytes": states,
+             "cuda_context": report.hardware.context if report.hardware is not None else None, "oom": None,
+             "components": [c.to_dict() for c in report.components],
+             "phases": [p.to_dict() for p in report.phases], "traced": True}
+    keep = ("world_size", "device", "peak_allocated", "peak_reserved", "device_used", "peak_phase",
+            "parameters_bytes", "optimizer_states_bytes", "cuda_context")
+    rest = [{"rank": r, "local_rank": r, **{k: first[k] for k in keep}, "traced": False, "copied_from": 0}
+            for r in range(1, t.dp)]
+    return [first] + rest

@@ -1,0 +1,122 @@
+"""Data parallelism traced on torch.distributed's own code in one process (trace.distributed):
+FSDP2 fully_shard and DDP on a fake process group, rank 0 traced; FSDP2 checked against PyTorch's
+own FSDPMemTracker on the same model, step and fake group (trace.fsdp_tracker)."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from trainmem.errors import TrainmemError
+from trainmem.trace.api import trace
+from trainmem.trace.fsdp_tracker import fsdp_mem_tracker
+
+TINY = ["num_hidden_layers=2", "hidden_size=64", "num_attention_heads=4", "num_key_value_heads=2",
+        "intermediate_size=128", "vocab_size=1000", "head_dim=16"]
+BASE = {"batch_size": 2, "seq_len": 64, "precision": "bf16-amp"}
+
+
+def _run(**options):
+    return trace("llama-3.2-1b", set=TINY, **{**BASE, **options})
+
+
+def _component(r, name):
+    return sum(c.bytes for c in r.components if c.name == name)
+
+
+def _explained(r):
+    """What trace counts on purpose and FSDPMemTracker does not: cuBLAS workspaces, kernel scratch,
+    and the allocator's rounding of the blocks live at the peak."""
+    return sum(c.bytes for c in r.components if c.category in ("workspace", "allocator_overhead")
+               or c.name.endswith("kernel_scratch"))
+
+
+@pytest.mark.parametrize("options", [
+    {"dp": 2, "fsdp": "full"},
+    {"dp": 2, "fsdp": "grad-op", "precision": "bf16-mp"},
+    {"dp": 4, "fsdp": "full", "precision": "bf16"},
+    {"dp": 2, "fsdp": "full", "recompute": "full", "attention": "eager", "precision": "fp32"},
+    {"dp": 2, "fsdp": "full", "grad_accum": 2, "grad_sync": "step"},
+    {"dp": 2, "fsdp": "full", "lora_rank": 8},
+], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_fsdp2_trace_matches_fsdp_mem_tracker(options):
+    """Rank 0's peak: trace's tensors live at its peak are within 1% of FSDPMemTracker's peak (they are
+    equal to the byte on these setups), and the rest of trace's peak is what it adds on purpose."""
+    r = _run(**options)
+    ref = fsdp_mem_tracker("llama-3.2-1b", set=TINY, **{**BASE, **options})["Total"]
+    tensors = r.peak_allocated - _explained(r)
+    assert abs(tensors - ref) <= 0.01 * ref, (tensors, ref)
+    assert _component(r, "workspace.cublas_forward") == _component(r, "workspace.cublas_backward") == 8_519_680
+
+
+def test_fsdp2_shards_states_and_gathers_layers():
+    single, full = _run(), _run(dp=2, fsdp="full")
+    grad_op = _run(dp=2, fsdp="grad-op")
+    load_single, load_full = single.phases[0].allocated, full.phases[0].allocated
+    # the shards only are loaded (each padded to a whole dim-0 chunk, each block rounded to 512 B)
+    assert load_single / 2 <= load_full <= load_single / 2 + 4096
+    assert _component(full, "optimizer_states.exp_avg") <= _component(single, "optimizer_states.exp_avg") / 2 + 4096
+    # the root unit (embeddings, head) stays gathered from forward to backward; the layers' are gathered again
+    assert _component(full, "communication.fsdp_unsharded_params") > 0
+    fwd_full, fwd_grad_op = (next(p.allocated for p in r.phases if p.name == "forward" and p.step == 1)
+                             for r in (full, grad_op))
+    # grad-op (reshard_after_forward=False) keeps both layers' unsharded fp32 weights through the forward
+    layer_params = 4 * (64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128 + 2 * 64)
+    assert fwd_grad_op - fwd_full >= 2 * layer_params
+    assert full.extra["world_size"] == 2 and full.extra["traced_ranks"] == [0]
+    assert "rank 0 traced" in full.warnings[-1]
+
+
+def test_ddp_buckets_are_a_second_copy_of_the_gradients():
+    single, ddp = _run(), _run(dp=2)
+    buckets = _component(ddp, "communication.ddp_buckets")
+    grads = sum(c.bytes for c in single.components if c.category == "parameters")  # fp32 grads = fp32 weights
+    assert buckets == grads
+    # allocated when DDP wraps the model (the blocks rounded to 512 B)
+    assert 0 <= ddp.phases[0].allocated - single.phases[0].allocated - buckets < 1024
+    assert ddp.peak_allocated >= single.peak_allocated + buckets
+
+
+def test_ranks_in_the_json_and_text():
+    r = _run(dp=2)
+    d = r.to_dict()
+    assert [s["rank"] for s in d["ranks"]] == [0, 1]
+    assert d["ranks"][0]["traced"] is True and d["ranks"][0]["components"]
+    assert d["ranks"][1] == {**{k: d["ranks"][0][k] for k in d["ranks"][1] if k not in ("rank", "local_rank",
+                                                                                      "traced", "copied_from")},
+                             "rank": 1, "local_rank": 1, "traced": False, "copied_from": 0}
+    json.dumps(d)
+
+
+@pytest.mark.parametrize("options, names", [
+    ({"dp": 4, "fsdp": "hybrid", "fsdp_node_size": 2}, "--fsdp hybrid"),
+    ({"dp": 2, "fsdp": "full", "fsdp_version": 1}, "--fsdp-version 1"),
+    ({"dp": 2, "tp": 2}, "--tp 2"),
+    ({"dp": 2, "zero": 2}, "ZeRO stage 2"),
+    ({"dp": 2, "loss_chunks": 4}, "--loss chunked"),
+    ({"dp": 2, "fsdp": "full", "optimizer": "adafactor"}, "--optimizer adafactor"),
+    ({"dp": 2, "optimizer_in_backward": True}, "--optimizer-in-backward"),
+])
+def test_refused_in_one_line(options, names):
+    with pytest.raises(TrainmemError) as e:
+        _run(**options)
+    assert names in str(e.value) and "\n" not in str(e.value)
+
+
+def test_refused_on_the_cpu_and_for_a_factory():
+    with pytest.raises(TrainmemError, match="--device cpu"):
+        trace("llama-3.2-1b", set=TINY, device="cpu", dp=2, **BASE)
+    import torch
+    with pytest.raises(TrainmemError, match="wrap it yourself"):
+        trace(lambda: torch.nn.Linear(4, 4), lambda m: None, dp=2)
+
+
+def test_cli_prints_the_ranks_and_exits_2_on_a_refusal():
+    args = [sys.executable, "-m", "trainmem", "trace", "llama-3.2-1b", "--batch-size", "2", "--seq-len", "64"]
+    for s in TINY:
+        args += ["--set", s]
+    out = subprocess.run(args + ["--dp", "2", "--fsdp", "full"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "rank   0: traced" in out.stdout and "ranks 1: not traced" in out.stdout
+    bad = subprocess.run(args + ["--dp", "4", "--fsdp", "hybrid"], capture_output=True, text=True)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
