@@ -120,3 +120,16 @@ def test_cli_prints_the_ranks_and_exits_2_on_a_refusal():
     assert "rank   0: traced" in out.stdout and "ranks 1: not traced" in out.stdout
     bad = subprocess.run(args + ["--dp", "4", "--fsdp", "hybrid"], capture_output=True, text=True)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_estimate_keeps_autocast_copies_under_fsdp():
+    """FSDP2 over fp32 shards under autocast: each matmul's bf16 copy of the gathered weight lives until
+    its layer's backward, after FSDP has resharded the fp32 weight (estimate.quantities, cast_layer).
+    Trace sees the whole model's copies; the estimate counted none before (llama-3.2-1b dp 8: -35%)."""
+    from trainmem import estimate
+    opts = dict(batch_size=1, seq_len=256, dp=8, fsdp="full", precision="bf16-amp")
+    r = trace("llama-3.2-1b", **opts)
+    e = estimate("llama-3.2-1b", **opts)
+    traced = _component(r, "activations.autocast_weight_cache")  # the 16 layers' copies at the peak
+    estimated = _component(e, "activations.autocast_weight_copies.layers")
+    assert traced > 1.9e9 and abs(estimated - traced) <= 0.001 * traced

@@ -459,9 +459,16 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     redo = redo if top_recomputed else (0.0, 0.0)
     head_here = t.pp == 1 or stage == "last"
     # autocast casts each fp32 leaf weight once per forward and caches it; the matmuls save the
-    # copies for backward. Sharded ZeRO-3/FSDP parameters are gathered per layer in the compute
-    # dtype and resharded after use, so no cast copies outlive their layer.
-    sharded = t.zero_stage == 3 and t.shard_group > 1
+    # copies for backward. Sharded DeepSpeed ZeRO-3 parameters are gathered per layer in the compute
+    # dtype and resharded after use, so no cast copies outlive their layer. FSDP under autocast
+    # (fp32 sharded parameters, --precision bf16-amp) is not that: the gathered fp32 weights are cast
+    # like any others and each matmul saves its half copy until its layer's backward, after FSDP has
+    # resharded the fp32 weight (resize_(0) frees only that storage). FSDP2's unsharded parameter is
+    # an nn.Parameter leaf, not a view (torch 2.13 _fully_shard/_fsdp_param.py init_unsharded_param),
+    # so autocast's cache takes it too (aten/src/ATen/autocast_mode.cpp cached_cast: fp32, requires
+    # grad, leaf, not a view). Found by trace on the fake group (docs/trace.md): llama-3.2-1b dp 8
+    # fsdp full bf16-amp was -35% against trace, the whole model's bf16 copies missing.
+    sharded = t.zero_stage == 3 and t.shard_group > 1 and t.fsdp is None
     cast_layer = st.layer_matmul_half if pol.amp and not sharded else 0
     cast_head = st.head_matmul_half if pol.amp and not sharded and head_here else 0
     outer, rest_pos = derived_outer(m, t, stage) if derived else (outer_tensors(m, t, pol, stage), 0.0)
