@@ -133,3 +133,16 @@ def test_estimate_keeps_autocast_copies_under_fsdp():
     traced = _component(r, "activations.autocast_weight_cache")  # the 16 layers' copies at the peak
     estimated = _component(e, "activations.autocast_weight_copies.layers")
     assert traced > 1.9e9 and abs(estimated - traced) <= 0.001 * traced
+
+
+def test_rank_zero_is_the_worst_rank_of_an_uneven_split():
+    """dp 3 over hidden 64 and vocabulary 1000: torch.chunk gives ranks 0 and 1 22 rows of 64, rank 2
+    20 (and 334/334/332 of the 1000 embeddings). Shards are padded alike, so only rank 2's optimizer
+    states are smaller and its peak is not above rank 0's."""
+    first, last = _run(dp=3, fsdp="full"), _run(dp=3, fsdp="full", rank=2)
+    assert last.extra["rank"] == 2 and last.extra["ranks"][2]["traced"] and last.extra["ranks"][0]["copied_from"] == 2
+    assert _component(last, "parameters") == _component(first, "parameters")
+    assert _component(last, "optimizer_states.exp_avg") < _component(first, "optimizer_states.exp_avg")
+    assert last.peak_allocated <= first.peak_allocated
+    with pytest.raises(TrainmemError, match="rank 3"):
+        _run(dp=3, fsdp="full", rank=3)

@@ -51,7 +51,9 @@ def rank_lines(extra: dict[str, Any], units: str = "auto") -> list[str]:
         lines += wrap(f"* rank {s['rank']:>3d}: traced, " + ", ".join(parts), indent=" " * 12)
     rest = [s["rank"] for s in ranks if not s.get("traced")]
     if rest:
-        span = f"{rest[0]}" if len(rest) == 1 else f"{rest[0]}-{rest[-1]}"
+        span = f"{rest[0]}" if len(rest) == 1 else (f"{rest[0]}-{rest[-1]}" if rest[-1] - rest[0] == len(rest) - 1
+                                                    else ", ".join(map(str, rest)))
+        src = traced[0]["rank"] if traced else 0
         lines += wrap(f"  ranks {span}: not traced, the same program on shards no larger than rank 0's "
-                      f"(in --json, copies of rank 0 marked traced: false)", indent=" " * 10)
+                      f"(in --json, copies of rank {src} marked traced: false)", indent=" " * 10)
     return lines

@@ -55,7 +55,7 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
           optimizer_fn: Callable | None = None, overrides: Any = None, expandable_segments: bool = False,
           max_split_size: int | None = None, cublas_workspace: int | None = None,
           attention_backend: str | None = None, capability: tuple[int, int] | None = None,
-          simulate_oom: bool = False, timeline_points: int = 4000, largest: int = 20,
+          simulate_oom: bool = False, timeline_points: int = 4000, largest: int = 20, rank: int = 0,
           **training_options: Any) -> MemoryReport:
     """Trace ``steps`` training steps and return their memory as a :class:`MemoryReport`.
 
@@ -84,6 +84,9 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
     near the limit the allocator frees its cache and retries as PyTorch does, and a step that does
     not fit stops at the simulated out-of-memory (reported in ``warnings``).
     ``expandable_segments`` and ``max_split_size`` mirror ``PYTORCH_CUDA_ALLOC_CONF``.
+    With data parallelism (``dp`` > 1, ``fsdp``) the step runs on a fake process group of ``dp``
+    ranks (``trace.distributed``) as rank ``rank`` (default 0, the worst: FSDP2 gives it the
+    largest shards); ``extra["ranks"]`` lists every rank, the others as copies of the traced one.
     """
     t0 = time.perf_counter()
     if device not in ("cuda", "cpu"):
@@ -96,13 +99,15 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
     spec, t, hw, fraction = _inputs(model, options)
     _check_supported(t)
     _dist.check(t, spec, device)
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < max(t.dp, 1):
+        raise TrainmemError(f"rank {rank!r}: trace one of the {t.dp} data-parallel ranks (0 to {t.dp - 1})")
     factory = _factory(model, spec, t, step_fn)
     dev = _device(device == "cuda", hw, t, expandable_segments, max_split_size, cublas_workspace,
                   attention_backend, capability, simulate_oom)
     several = _dist.distributed(t)
     with progress(steps + 1, "trace") as bar, dev.env, \
             (dev.emulation if dev.emulation is not None else contextlib.nullcontext()), \
-            (_dist.fake_group(t.dp) if several else contextlib.nullcontext()), \
+            (_dist.fake_group(t.dp, rank) if several else contextlib.nullcontext()), \
             _patched(_dist.patches(dev.tracker) if several else {}):
         module = _build(dev, factory, spec, t)
         bar.update(1)  # the model is built
@@ -113,9 +118,9 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
                      expandable_segments)
     report.max_fraction = fraction
     if several:
-        report.extra.update({"ranks": _dist.rank_entries(report, t), "rank": 0, "world_size": t.dp,
-                             "traced_ranks": [0], "wrapper": _dist.wrapper_name(t)})
-        report.warnings.append(_dist.describe(t))
+        report.extra.update({"ranks": _dist.rank_entries(report, t, rank), "rank": rank, "world_size": t.dp,
+                             "traced_ranks": [rank], "wrapper": _dist.wrapper_name(t)})
+        report.warnings.append(_dist.describe(t, rank))
     if spec is not None:
         note = _attention_implementation(spec, t)[1]
         if note:

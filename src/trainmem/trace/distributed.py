@@ -40,7 +40,8 @@ Every rank runs the same program. DDP replicates everything, so the ranks are id
 shards each parameter with ``torch.chunk`` on dim 0 and pads every rank's shard to the first
 rank's size (``_fsdp_param.py`` ``_init_sharded_param``); only the optimizer states, made with
 ``zeros_like`` of the unpadded local shard, are smaller on the last ranks when a dimension does not
-divide. So rank 0 is the worst rank and is the one traced.
+divide. So rank 0 is the worst rank and is the one traced (``trace(..., rank=k)`` traces another:
+``tests/test_trace_distributed.py`` checks that the last rank of an uneven split is not above it).
 
 Not modelled: the separate all-gather / reduce-scatter streams (the caching allocator keeps a
 pool per stream, so reserved memory on a GPU can be higher than one stream's simulation shows;
@@ -102,8 +103,8 @@ def check(t: TrainingSpec, spec: Any, device: str) -> None:
 
 
 @contextlib.contextmanager
-def fake_group(world_size: int) -> Iterator[None]:
-    """A fake process group of ``world_size`` ranks in which this process is rank 0."""
+def fake_group(world_size: int, rank: int = 0) -> Iterator[None]:
+    """A fake process group of ``world_size`` ranks in which this process is rank ``rank``."""
     import torch.distributed as dist
     if not dist.is_available():
         raise TrainmemError("this PyTorch build has no torch.distributed: trace cannot run data parallelism")
@@ -111,7 +112,7 @@ def fake_group(world_size: int) -> Iterator[None]:
         raise TrainmemError("a torch.distributed process group is already initialised in this process; trace "
                             "runs data parallelism on a fake group of its own (call it outside a distributed run)")
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
     try:
         yield
     finally:
@@ -195,29 +196,31 @@ def wrap(module: torch.nn.Module, spec: Any, t: TrainingSpec, tracker: Tracker) 
     return wrapped
 
 
-def describe(t: TrainingSpec) -> str:
+def describe(t: TrainingSpec, rank: int = 0) -> str:
     """The wrapper and which rank was traced, in words."""
     why = ("every rank holds the same replicas and buckets" if t.fsdp is None else
            "every rank's shards are padded to rank 0's size; only the optimizer states of the last ranks can be "
            "smaller (torch.chunk gives the first ranks the extra rows)")
-    return (f"{wrapper_name(t)} on a fake process group of {t.dp} ranks (torch.distributed's fake backend): rank 0 "
-            f"traced, the worst rank ({why})")
+    which = "rank 0 traced, the worst rank" if rank == 0 else f"rank {rank} traced (rank 0 is the worst)"
+    return (f"{wrapper_name(t)} on a fake process group of {t.dp} ranks (torch.distributed's fake backend): "
+            f"{which} ({why})")
 
 
-def rank_entries(report: Any, t: TrainingSpec) -> list[dict[str, Any]]:
-    """``extra["ranks"]`` (the JSON's ``ranks``) in ``measure``'s per-rank format: rank 0 as traced,
-    every other rank a copy of it marked ``traced: false`` and ``copied_from: 0``."""
+def rank_entries(report: Any, t: TrainingSpec, rank: int = 0) -> list[dict[str, Any]]:
+    """``extra["ranks"]`` (the JSON's ``ranks``) in ``measure``'s per-rank format: the traced rank as
+    traced, every other rank a copy of it marked ``traced: false`` and ``copied_from``."""
     params = sum(c.bytes for c in report.components if c.category == "parameters")
     states = sum(c.bytes for c in report.components if c.category == "optimizer_states")
-    first = {"rank": 0, "world_size": t.dp, "local_rank": 0, "host": None, "device": report.extra.get("device"),
-             "peak_allocated": int(report.peak_allocated), "peak_reserved": report.peak_reserved,
-             "device_used": report.device_used, "peak_phase": report.peak_phase, "peak_where": report.peak_where,
-             "parameters_bytes": params, "optimizer_states_bytes": states,
-             "cuda_context": report.hardware.context if report.hardware is not None else None, "oom": None,
-             "components": [c.to_dict() for c in report.components],
-             "phases": [p.to_dict() for p in report.phases], "traced": True}
+    traced = {"rank": rank, "world_size": t.dp, "local_rank": rank, "host": None,
+              "device": report.extra.get("device"), "peak_allocated": int(report.peak_allocated),
+              "peak_reserved": report.peak_reserved, "device_used": report.device_used,
+              "peak_phase": report.peak_phase, "peak_where": report.peak_where,
+              "parameters_bytes": params, "optimizer_states_bytes": states,
+              "cuda_context": report.hardware.context if report.hardware is not None else None, "oom": None,
+              "components": [c.to_dict() for c in report.components],
+              "phases": [p.to_dict() for p in report.phases], "traced": True}
     keep = ("world_size", "device", "peak_allocated", "peak_reserved", "device_used", "peak_phase",
             "parameters_bytes", "optimizer_states_bytes", "cuda_context")
-    rest = [{"rank": r, "local_rank": r, **{k: first[k] for k in keep}, "traced": False, "copied_from": 0}
-            for r in range(1, t.dp)]
-    return [first] + rest
+    return [traced if r == rank else
+            {"rank": r, "local_rank": r, **{k: traced[k] for k in keep}, "traced": False, "copied_from": rank}
+            for r in range(t.dp)]
