@@ -146,3 +146,20 @@ def test_rank_zero_is_the_worst_rank_of_an_uneven_split():
     assert last.peak_allocated <= first.peak_allocated
     with pytest.raises(TrainmemError, match="rank 3"):
         _run(dp=3, fsdp="full", rank=3)
+
+
+def test_estimate_models_grad_op_as_shards_plus_gathered_layers():
+    """FSDP grad-op is not ZeRO-2: the weights are shards (as with full) and each layer stays gathered
+    from its forward to its backward (estimate.states.fsdp_grad_op). Trace, at its peak in backward:
+    the shards, and every layer gathered but the last (already resharded) plus the root unit (the
+    tied embedding, which FSDP2 keeps gathered from forward to backward, not in the estimate)."""
+    from trainmem import estimate
+    opts = dict(batch_size=1, seq_len=256, dp=8, fsdp="grad-op", precision="bf16-mp")
+    r, e = trace("llama-3.2-1b", **opts), estimate("llama-3.2-1b", **opts)
+    full = estimate("llama-3.2-1b", **{**opts, "fsdp": "full"})
+    assert _component(e, "parameters") == _component(full, "parameters")
+    assert abs(_component(e, "parameters") - _component(r, "parameters")) <= 0.005 * _component(r, "parameters")
+    root = 128256 * 2048 * 2 + 2048 * 2  # embed_tokens (= lm_head) and the final norm, bf16
+    layers = _component(r, "communication.fsdp_unsharded_params") - root
+    gathered = _component(e, "communication.fsdp_gathered_layers")
+    assert gathered == 16 * (gathered // 16) and layers == 15 * (gathered // 16)

@@ -133,6 +133,11 @@ def activations(q: Quantities, tk: Tokens, at_peak: int, t: TrainingSpec, n: int
         listed.append(Component("activations.autocast_weight_copies.layers", ACTIVATIONS,
                                 q.cast_layer * q.layers, half,
                                 "half copies of matmul weights cast by autocast, saved for backward"))
+    if q.gathered_layer:
+        listed.append(Component("communication.fsdp_gathered_layers", COMMUNICATION, q.gathered_layer * q.layers,
+                                "bf16" if t.precision == "bf16-mp" else None,
+                                "FSDP grad-op: every layer's weights gathered at its forward, kept until its "
+                                "backward (reshard_after_forward=False)"))
     diff = at_peak - sum(c.bytes for c in listed)
     if diff:
         listed.append(Component("activations.rounding", ACTIVATIONS, diff, None, "integer rounding"))

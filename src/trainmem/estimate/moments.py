@@ -74,7 +74,9 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any) -
     batch ``b`` and ``ga`` accumulated micro-batches."""
     inflight = where(q.fixed_inflight > 0, q.fixed_inflight, minimum(q.pp_inflight, ga))
     layer = trunc(q.kept_tok * n + q.kept_sq * nsq)                        # (b, s, ...) per layer
-    layers = layer * q.layers * inflight + (q.cast_layer * q.layers - q.cast_forward_only)
+    # + autocast's copies of the weights and FSDP grad-op's gathered weights, each layer's from its
+    # forward to its backward
+    layers = layer * q.layers * inflight + ((q.cast_layer + q.gathered_layer) * q.layers - q.cast_forward_only)
     outer_rest = trunc(q.outer_rest_tok * n + q.outer_rest_sq * nsq + q.outer_rest_pos * (n // b)) * inflight
     outer_head = trunc(q.outer_head_tok * n)
     all_acts = layers + outer_rest + outer_head * inflight + q.cast_head

@@ -28,7 +28,7 @@ from .derived import regime as derived_regime
 from .derived import head_during_loss as derived_head_loss, layer_coefs as derived_layer, outer as derived_outer
 from .layers import LayerCoefs, LayerKey, Policy, layer_coefficients
 from .quant4 import dequant_dtypes, is_quantized
-from .states import States, block_bytes, default_lora_targets, model_states
+from .states import States, block_bytes, default_lora_targets, fsdp_grad_op, model_states
 
 F32 = 4
 HEAD_KEYS = ("final_norm", "lm_head.input", "mlm.transform", "pooler.input", "derived.head_side")
@@ -75,6 +75,7 @@ class Quantities:
     cast_layer: int        # autocast half copies of one layer's matmul weights, saved for backward
     cast_head: int         # the head's half copy
     cast_forward_only: int  # full recompute: the layers' copies live only until forward ends
+    gathered_layer: int    # FSDP grad-op: one layer's gathered weights, kept from its forward to its backward
     logit_chunks: int      # chunked cross-entropy: chunks of tokens
     logit_width: int       # vocabulary on this rank (LM heads) or labels (classifiers)
     tp: int
@@ -495,6 +496,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         outer_head_tok=head_tok, outer_rest_tok=rest_tok, outer_rest_sq=rest_sq, outer_rest_pos=rest_pos,
         head_loss_tok=derived_head_loss(m, t, stage) if derived else 0.0,
         cast_layer=cast_layer, cast_head=cast_head, cast_forward_only=cast_layer * checkpointed,
+        gathered_layer=st.layer_params_full if fsdp_grad_op(t) else 0,
         logit_chunks=t.loss_chunks, logit_width=m.vocab_size if is_lm(m) else m.num_labels,
         tp=t.tp if is_lm(m) else 1, logits_held=loss.held, logits_out=loss.out, loss_saved=loss.saved,
         loss_forward=loss.forward, loss_backward=loss.backward, loss_forward_chunk=loss.forward_chunk,

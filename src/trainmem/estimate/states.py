@@ -189,13 +189,23 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
 
     Cached on the fields that change model states (not batch, sequence, recomputation, ...), so a
     sweep over activations reuses them."""
-    key = (m, stage, t.tp, t.pp, t.precision, t.zero_stage, t.shard_group, t.optimizer, t.impl,
+    key = (m, stage, t.tp, t.pp, t.precision, t.zero_stage, t.fsdp, t.shard_group, t.optimizer, t.impl,
            t.lora_rank, t.lora_targets, t.lora_dtype, t.distributed_optimizer, t.offload_optimizer, t.fp32_master,
            t.quantize, t.quantize_via, t.accumulates_unsharded, t.fsdp_mixed_units)
     return _STATES_CACHE.get_or_build(key, lambda: _model_states(m, t, stage))
 
 
 TIED_NAMES = ("wte.weight", "embed_tokens.weight", "word_embeddings.weight")
+
+
+def fsdp_grad_op(t: TrainingSpec) -> bool:
+    """FSDP's SHARD_GRAD_OP over several ranks, which is not DeepSpeed's ZeRO-2: the parameters are
+    stored as shards too, and each layer is gathered at its forward and kept gathered until its
+    backward (torch 2.13 ``ShardingStrategy.SHARD_GRAD_OP``, torch/distributed/fsdp/api.py: "this
+    strategy unshards before the forward, does not reshard them after the forward, and only reshards
+    them after the backward computation"; FSDP2's ``reshard_after_forward=False``,
+    _fully_shard/_fully_shard.py). Found by trace on the fake group (docs/trace.md)."""
+    return t.fsdp == "grad-op" and t.shard_group > 1
 
 
 @dataclass(frozen=True)
@@ -216,6 +226,7 @@ class _Rank:
     grads_sharded: bool  # gradients held as shards (ZeRO >= 2 / FSDP), not accumulated unsharded (no_sync)
     mixed_units: bool  # FSDP1 + LoRA: frozen layer weights get gradients too (TrainingSpec.fsdp_mixed_units)
     gather: int        # bytes per element of a layer gathered for compute (bf16 under FSDP's mixed precision)
+    shard_weights: bool = False  # weights stored as shards: ZeRO-3 / FSDP full, and FSDP grad-op (below)
 
     @staticmethod
     def of(m: ModelSpec, t: TrainingSpec, stage: str) -> "_Rank":
@@ -227,7 +238,7 @@ class _Rank:
                      4 if (w == 4 or half_master) else w, half_master, t.zero_stage,
                      max(t.zero_stage, 1) if t.distributed_optimizer else t.zero_stage, t.shard_group,
                      t.zero_stage >= 2 and not t.accumulates_unsharded, t.fsdp_mixed_units,
-                     2 if t.precision == "bf16-mp" else w)
+                     2 if t.precision == "bf16-mp" else w, t.zero_stage == 3 or fsdp_grad_op(t))
 
     def grad_bytes(self, n: int) -> int:
         """Allocator bytes of one gradient of ``n`` elements on this rank: a shard under ZeRO >= 2 /
@@ -338,7 +349,7 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
             acc.q4 += k * sum(block_bytes(b) for b in parts)
             continue
         wb = n * r.w
-        item = (p.name, -(-wb // r.d) if r.zero == 3 else wb)
+        item = (p.name, -(-wb // r.d) if r.shard_weights else wb)
         dest.append(item)
         if p.layer is not None:
             lpf_of[p.layer] = lpf_of.get(p.layer, 0) + n * r.gather  # FSDP2 gathers in param_dtype (bf16)
@@ -383,7 +394,7 @@ def _lora_adapters(t: TrainingSpec, r: _Rank, acc: _Tally, lora: list[tuple[str,
             continue
         for n in parts:
             n = -(-n // t.tp) if t.tp > 1 else n
-            acc.lora_w += block_bytes(-(-n * r.w // r.d) if r.zero == 3 else n * r.w)
+            acc.lora_w += block_bytes(-(-n * r.w // r.d) if r.shard_weights else n * r.w)
             g = acc.trainable_tensor(t, r, (-(-n // r.d) if r.zero_states >= 1 else n,), n, 1)
             if lyr == r.lo:
                 acc.layer_grads += g
