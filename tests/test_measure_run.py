@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from trainmem.cli import main  # noqa: E402
-from trainmem.measure.probes import CpuProbe  # noqa: E402
+from campaign_probe import PretendGpu  # noqa: E402
 from trainmem.measure.runner import fixture, measure  # noqa: E402
 from trainmem.trace.api import trace  # noqa: E402
 
@@ -143,29 +143,7 @@ def test_profile_writes_a_chrome_trace(tmp_path):
     assert any(e.get("name") == "[memory]" for e in events)
 
 
-class PretendGpu(CpuProbe):
-    """A CPU probe that answers like a CUDA device: reserved in 2 MiB segments that are never
-    released, a driver figure 300 MiB above reserved (the context), 1 GiB in total."""
-
-    kind = "cuda"
-
-    def __init__(self, limit=None):
-        super().__init__(limit)
-        self.total = 2**30
-        self.top_reserved = 0
-
-    def reserved(self):
-        self.top_reserved = max(self.top_reserved, (self.lb.current + 2**21 - 1) // 2**21 * 2**21)
-        return self.top_reserved
-
-    def peak_reserved(self):
-        return max(self.reserved(), (self.lb.peak_since_mark + 2**21 - 1) // 2**21 * 2**21)
-
-    def driver(self):
-        return {"used": self.reserved() + 300 * 2**20, "process": None, "baseline": None, "source": "pretend"}
-
-    def describe(self):
-        return {"gpu": "Pretend GPU", "driver": "0.0"}
+# PretendGpu: a CPU probe that answers like a CUDA device (tests/campaign_probe.py, shared with the campaign)
 
 
 def test_cuda_bookkeeping_with_a_pretend_gpu():

@@ -87,8 +87,8 @@ def add_training(g: Any) -> None:
                    help="fp32 master copy beside bf16/fp16 weights (default: DeepSpeed ZeRO and the distributed "
                         "optimizer keep one; FSDP and plain PyTorch do not)")
     g.add_argument("--fsdp-version", type=int, choices=(1, 2), default=None,
-                   help="--fsdp through FSDP2 fully_shard (2, default) or FSDP1 FullyShardedDataParallel (1: "
-                        "flat parameters; with --fsdp-lora-units layer its LoRA units keep gradients for frozen weights)")
+                   help="--fsdp through FSDP2 fully_shard (2, default) or FSDP1 FullyShardedDataParallel (1: flat "
+                        "parameters; with --fsdp-lora-units layer, gradients for the frozen weights too)")
     g.add_argument("--grad-sync", choices=GRAD_SYNC, default=None,
                    help="FSDP under --grad-accum: micro-batch (default: reduce-scatter after each) or step "
                         "(no_sync() until the last micro-batch, as HF Trainer / accelerate and Lightning Fabric: "
