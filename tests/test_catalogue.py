@@ -68,6 +68,7 @@ EXPECTED_PARAMS = {
     "gemma-3-4b": 3_880_263_168,
     "granite-3.1-8b": 8_170_848_256,
     "llama-3.3-70b": 70_553_706_496,
+    "llama-4-scout": 107_769_861_120,  # the text model (Meta's 109B counts the vision tower too)
     "mistral-nemo-12b": 12_247_782_400,
     "mistral-small-24b": 23_572_403_200,
     "olmo-2-13b": 13_716_198_400,

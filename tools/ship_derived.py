@@ -6,7 +6,7 @@ and its derived coefficients (``spec/coefficients/<key>.json``) for the default 
 ``PRECISIONS``, with and without full recompute (no KV cache) and, for a model with a sliding window, both sides of it, so that ``estimate`` on
 the catalogue needs neither torch nor a derivation. Run after changing the catalogue, transformers,
 or the derivation (``make ship-derived``); ``tests/test_derived.py`` checks the shipped files are
-current.
+current. ``python tools/ship_derived.py NAME ...`` writes only the named models' files.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def main() -> None:
     from trainmem.trace.derive import derive_coefficients
     spec_dir = os.path.join(ROOT, "src", "trainmem", "spec")
     written = 0
-    for name in catalogue_names():
+    for name in sys.argv[1:] or catalogue_names():  # names given: only those (a new catalogue entry)
         m = resolve_model(name)
         if m.family != "derived":
             continue

@@ -173,11 +173,15 @@ def hf_config_object(config: Mapping[str, Any]) -> Any:
         raise TrainmemError(f"model_type {config.get('model_type')!r} has no bundled profile; reading it needs "
                             f"transformers: pip install transformers") from None
     d = {k: v for k, v in config.items() if not k.startswith("_") and k != "model_type"}
+    level = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # a published config's validation notes are not the user's
     try:
         return transformers.AutoConfig.for_model(str(config["model_type"]), **d)
     except (ValueError, KeyError) as e:
         raise TrainmemError(f"unsupported model_type {config['model_type']!r}: transformers "
                             f"{transformers.__version__} does not know it (a newer transformers may)") from None
+    finally:
+        transformers.logging.set_verbosity(level)
 
 
 def model_class(config: Mapping[str, Any], cfg_obj: Any) -> Any:
@@ -237,7 +241,9 @@ def summary(cfg: Any) -> dict[str, Any]:
         kv = 1
     head_dim = first("head_dim", "attention_head_dim", default=None)
     experts = int(first(*_EXPERT_KEYS, default=0) or 0)
-    window = first("sliding_window", "attention_window", default=0)
+    # a local window (Mistral, Gemma), or Llama 4's chunked attention: beyond it the mask is no
+    # longer the causal one, so derived coefficients need both sides (estimate.derived.regime)
+    window = first("sliding_window", "attention_window", "attention_chunk_size", default=0)
     if not first(*_TOPK_KEYS, default=0):
         experts = 0  # no top-k in the config: not read as a mixture of experts
     return {"num_layers": int(first("num_hidden_layers", "n_layer", "num_layers")), "hidden_size": h,
