@@ -63,6 +63,8 @@ from ..errors import TrainmemError
 from ..progress import progress
 from ..report import MemoryReport
 from ..spec import TrainingSpec
+from ..wrappers import mesh as _mesh
+from ..wrappers import wrap, wrapper_name  # noqa: F401  (the wrappers, shared with trace's fake process group)
 from .probes import CpuProbe, CudaProbe, PhaseRecorder, parse_device
 from .runner import _check_outputs, _inputs, _limit_hardware, _not_applied, _report, _Run, _run
 
@@ -146,88 +148,6 @@ def check_layout(model: Any, t: TrainingSpec, world_size: int) -> None:
         raise TrainmemError(f"{', '.join(bad)} with several ranks is not measured yet (the wrappers and "
                             "checkpointing / adapters / per-parameter hooks are not exercised together); "
                             "measure it on one GPU or use estimate")
-
-
-# ----- the wrappers -----------------------------------------------------------------------------------------
-def _mesh(t: TrainingSpec, device_type: str) -> Any:
-    """The DeviceMesh of the layout: (dp, tp), with dp split into (replicate, shard) for hybrid FSDP."""
-    from torch.distributed.device_mesh import init_device_mesh
-    dims: list[tuple[str, int]] = []
-    if t.fsdp == "hybrid":
-        dims += [("replicate", t.dp // t.shard_group), ("shard", t.shard_group)]
-    else:
-        dims.append(("dp", t.dp))
-    dims.append(("tp", t.tp))
-    return init_device_mesh(device_type, tuple(n for _, n in dims), mesh_dim_names=tuple(k for k, _ in dims))
-
-
-def _dp_mesh(mesh: Any, t: TrainingSpec) -> Any:
-    return mesh["replicate", "shard"] if t.fsdp == "hybrid" else mesh["dp"]
-
-
-def _layers(module: torch.nn.Module, spec: Any) -> torch.nn.ModuleList:
-    from ..spec.profile import layers_list
-    return module.get_submodule(layers_list(module, spec.num_layers))
-
-
-def _tensor_parallel(module: torch.nn.Module, spec: Any, tp_mesh: Any) -> None:
-    """ColwiseParallel / RowwiseParallel on every decoder layer's projections."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    for layer in _layers(module, spec):
-        plan = {name: ColwiseParallel() if style == "colwise" else RowwiseParallel()
-                for name, style in TP_PLAN.items()}
-        parallelize_module(layer, tp_mesh, plan)
-
-
-def _fsdp2(module: torch.nn.Module, spec: Any, t: TrainingSpec, mesh: Any) -> None:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    kw: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": t.fsdp != "grad-op"}
-    if t.precision == "bf16-mp":
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in _layers(module, spec):
-        fully_shard(layer, **kw)
-    fully_shard(module, **kw)
-
-
-def _fsdp1(module: torch.nn.Module, spec: Any, t: TrainingSpec, mesh: Any, device: torch.device) -> Any:
-    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-    strategy = {"full": ShardingStrategy.FULL_SHARD, "grad-op": ShardingStrategy.SHARD_GRAD_OP,
-                "hybrid": ShardingStrategy.HYBRID_SHARD}[t.fsdp]
-    kw: dict[str, Any] = {"sharding_strategy": strategy, "device_mesh": mesh,
-                          "auto_wrap_policy": ModuleWrapPolicy({type(layer) for layer in _layers(module, spec)}),
-                          "device_id": device}  # on the CPU too: without it FSDP1 asks for an accelerator
-    if t.precision == "bf16-mp":
-        kw["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return FullyShardedDataParallel(module, **kw)
-
-
-def wrap(module: torch.nn.Module, spec: Any, t: TrainingSpec, mesh: Any, device: torch.device) -> Any:
-    """The model as the TrainingSpec runs it on this rank: TP first, then FSDP2 / FSDP1 / DDP over dp."""
-    if t.tp > 1:
-        _tensor_parallel(module, spec, mesh["tp"])
-    if t.fsdp is not None and t.fsdp_version == 1:
-        return _fsdp1(module, spec, t, _dp_mesh(mesh, t), device)
-    if t.fsdp is not None:
-        _fsdp2(module, spec, t, _dp_mesh(mesh, t))
-        return module
-    if t.dp > 1:
-        from torch.nn.parallel import DistributedDataParallel
-        return DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None,
-                                       bucket_cap_mb=t.ddp_bucket_mb)
-    return module
-
-
-def wrapper_name(t: TrainingSpec) -> str:
-    parts = []
-    if t.tp > 1:
-        parts.append(f"tensor parallel ×{t.tp} (parallelize_module)")
-    if t.fsdp is not None:
-        parts.append(("FSDP1 FullyShardedDataParallel " if t.fsdp_version == 1 else "FSDP2 fully_shard ")
-                     + f"{t.fsdp} over {t.dp}")
-    elif t.dp > 1:
-        parts.append(f"DDP over {t.dp}")
-    return ", ".join(parts) or "none"
 
 
 # ----- one rank -------------------------------------------------------------------------------------------
