@@ -50,6 +50,7 @@ allocated memory does not depend on it), and NCCL's own buffers (outside the cac
 from __future__ import annotations
 
 import contextlib
+import warnings
 import functools
 import importlib
 from typing import Any, Callable, Iterator
@@ -115,7 +116,9 @@ def fake_group(world_size: int, rank: int = 0) -> Iterator[None]:
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
     try:
-        yield
+        with warnings.catch_warnings():  # the wrappers' advice to a training script (e.g. FSDP2's "returned a
+            warnings.filterwarnings("ignore", module=r"torch\.distributed")  # view tensor") is not the user's
+            yield
     finally:
         dist.destroy_process_group()
 
