@@ -89,6 +89,7 @@ synced = grad_bytes()
 if rank == 0:
     with open(out, "w") as f:
         json.dump({"accumulating": accumulating, "synced": synced}, f)
+dist.barrier()  # both ranks done before the group goes (an early exit aborts gloo's threads: SIGABRT)
 dist.destroy_process_group()
 '''
 
