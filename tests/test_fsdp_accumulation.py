@@ -177,3 +177,16 @@ def test_published_litgpt_fsdp_lora_runs():
     v = validate(None, ["estimate"], ["litgpt_rt_"])
     errs = [c.error for c in v.checks if "FSDP" in c.case and c.primary]
     assert len(errs) == 7 and max(abs(e) for e in errs) < 0.06, errs
+
+
+@pytest.mark.parametrize("framework, unsharded", [("hf-trainer", True), ("accelerate", True),
+                                                  ("torchtune", False), ("plain", False)])
+def test_presets_accumulate_as_their_loops_do(framework, unsharded):
+    """HF Trainer and accelerate enter no_sync() for every micro-batch but the last; torchtune's
+    recipe and a plain loop reduce-scatter after each."""
+    kw = dict(set=OVERRIDES, precision="bf16", fsdp="full", dp=4, grad_accum=4, batch_size=1, seq_len=64)
+    r = resolve("llama-3.2-1b", framework=framework, **kw)
+    assert r.training.accumulates_unsharded is unsharded
+    sharded = model_states(r.model, resolve("llama-3.2-1b", **kw).training).grads
+    got = model_states(r.model, r.training).grads
+    assert got == pytest.approx(4 * sharded if unsharded else sharded, rel=0.01)
