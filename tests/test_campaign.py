@@ -184,7 +184,12 @@ def test_campaign_cli_bad_input_is_one_line(tmp_path, capsys):
     assert "cannot read campaign" in capsys.readouterr().err
     assert main(["validate", "--campaign", TINY, "--results", str(tmp_path / "no" / "r.jsonl")]) == 2
     assert "does not exist or is not writable" in capsys.readouterr().err
-    assert main(["validate", "--campaign", TINY, "--device", "tpu"]) == 2
+    with pytest.raises(SystemExit) as e:  # argparse's type check: one line, exit 2
+        main(["validate", "--campaign", TINY, "--device", "tpu"])
+    assert e.value.code == 2 and "'tpu': use cpu, cuda or cuda:N" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["validate", "--campaign", TINY, "--limit", "0"])
+    assert e.value.code == 2
     assert main(["validate", "--fixtures-from", str(tmp_path / "none.jsonl")]) == 2
 
 

@@ -190,3 +190,17 @@ def test_presets_accumulate_as_their_loops_do(framework, unsharded):
     sharded = model_states(r.model, resolve("llama-3.2-1b", **kw).training).grads
     got = model_states(r.model, r.training).grads
     assert got == pytest.approx(4 * sharded if unsharded else sharded, rel=0.01)
+
+
+def test_nonsense_values_are_one_line(capsys):
+    from trainmem.cli import main
+    from trainmem.errors import TrainmemError
+    with pytest.raises(TrainmemError, match="--grad-sync .sometimes. is not one of: micro-batch, step"):
+        estimate("llama-3.2-1b", set=OVERRIDES, grad_sync="sometimes")
+    with pytest.raises(TrainmemError, match="--fsdp-lora-units .everywhere. is not one of: separate, layer"):
+        estimate("llama-3.2-1b", set=OVERRIDES, fsdp_lora_units="everywhere")
+    for flag, value in (("--grad-sync", "sometimes"), ("--fsdp-lora-units", "everywhere"), ("--fsdp-version", "3")):
+        with pytest.raises(SystemExit) as e:
+            main(["estimate", "llama-3.2-1b", flag, value])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and flag in err

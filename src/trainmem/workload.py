@@ -216,12 +216,13 @@ class TrainStep:
         flags (torch/nn/attention/__init__.py ``sdpa_kernel`` -> ``_cur_sdpa_kernel_backends`` /
         ``torch._C._set_sdp_use_*``), so it also holds for the forward a checkpoint recomputes in
         backward; entered around the whole step. A no-op otherwise."""
-        pin = {"flash": "FLASH_ATTENTION", "sdpa-flash": "FLASH_ATTENTION", "sdpa-efficient": "EFFICIENT_ATTENTION",
-               "sdpa-math": "MATH", "sdpa-cudnn": "CUDNN_ATTENTION"}.get(self.training.attention)
-        if not self.pin_sdpa or pin is None:
+        from .estimate.layers import SDPA_PINS  # --attention -> the backend it pins
+        backend = SDPA_PINS.get(self.training.attention)
+        if not self.pin_sdpa or backend is None:
             return contextlib.nullcontext()
         from torch.nn.attention import SDPBackend, sdpa_kernel
-        return sdpa_kernel([getattr(SDPBackend, pin)])
+        return sdpa_kernel([{"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                             "math": SDPBackend.MATH, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]])
 
     def __call__(self, i: int) -> None:
         with self.sdpa_pin():

@@ -13,15 +13,8 @@ from typing import Any
 
 from ..errors import TrainmemError
 from ..paths import NotWritten, check_file, not_written
-from .options import add_model_and_training, positive_int, training_options
+from .options import add_model_and_training, device_choice, positive_int, training_options
 from .output import emit, exit_code, print_json
-
-
-def _device(text: str) -> str:
-    t = text.strip().lower()
-    if t in ("cpu", "cuda") or (t.startswith("cuda:") and t[5:].isdigit()):
-        return t
-    raise argparse.ArgumentTypeError(f"{text!r}: use cpu, cuda or cuda:N")
 
 
 def _quiet_transformers() -> None:
@@ -226,7 +219,7 @@ def _verdict(r: Any, source: str, units: str) -> str:
 def _register_measure(sub: Any) -> None:
     p = sub.add_parser("measure", help="run real training steps (random weights) and record memory per phase")
     add_model_and_training(p)
-    p.add_argument("--device", type=_device, default="cuda",
+    p.add_argument("--device", type=device_choice, default="cuda",
                    help="cuda (the CUDA caching allocator, default), cuda:N, or cpu (real tensors counted by "
                         "LiveBytes)")
     p.add_argument("--steps", type=positive_int, default=2, help="training steps to run (default 2)")
@@ -268,7 +261,7 @@ def _register_compare(sub: Any) -> None:
     c.add_argument("--method", choices=list(METHODS), default="trainmem", help="formula set of the estimate")
     c.add_argument("--trace", action="store_true", help="add the tracer (fake tensors, on --device)")
     c.add_argument("--measure", action="store_true", help="add a measured run (real tensors, on --device)")
-    c.add_argument("--device", type=_device, default="cuda",
+    c.add_argument("--device", type=device_choice, default="cuda",
                    help="device for --trace (cuda: emulated GPU; cpu) and --measure (cuda, cuda:N, cpu)")
     c.add_argument("--steps", type=positive_int, default=2, help="training steps traced / measured (default 2)")
     c.add_argument("--reference", choices=("estimate", "trace", "measure"), default=None,

@@ -61,6 +61,14 @@ def add_model_and_training(p: argparse.ArgumentParser) -> None:
     add_output(p.add_argument_group("output"))
 
 
+def device_choice(text: str) -> str:
+    """``--device``: cpu, cuda or cuda:N."""
+    t = text.strip().lower()
+    if t in ("cpu", "cuda") or (t.startswith("cuda:") and t[5:].isdigit()):
+        return t
+    raise argparse.ArgumentTypeError(f"{text!r}: use cpu, cuda or cuda:N")
+
+
 def add_training(g: Any) -> None:
     """The training-setup flags (a parser or an argument group). Flags a framework preset sets
     default to None (not given), so that only an explicit flag overrides the preset."""

@@ -5,7 +5,7 @@ import argparse
 import math
 from typing import Any
 
-from ..errors import TrainmemError
+from .options import device_choice, positive_int
 from .output import print_json
 
 
@@ -66,18 +66,14 @@ def _campaign(a: argparse.Namespace) -> int:
     from ..measure.campaign import fixtures_from_results, read_results, run_campaign, summarize
     if a.dry_run:
         return _dry_run(a)
-    if a.device is not None and not (a.device in ("cpu", "cuda") or (a.device.startswith("cuda:")
-                                                                       and a.device[5:].isdigit())):
-        raise TrainmemError(f"--device {a.device!r}: use cpu, cuda or cuda:N")
-    if a.limit is not None and a.limit < 1:
-        raise TrainmemError(f"--limit {a.limit}: give a positive number of runs")
     results = a.results or _default_results(a.campaign)
     if a.results is None:  # the repository's validation/measured/ (git keeps no empty folder)
         os.makedirs(os.path.dirname(results), exist_ok=True)
     prog = run_campaign(a.campaign, results, budget_s=a.budget_s, run_timeout=a.run_timeout, device=a.device,
                         limit=a.limit, on_run=_run_line)
-    d = dict(prog.to_dict(), results=results, statuses=summarize(read_results(results)))
-    if a.into and any(r.get("status") == "ok" for r in read_results(results)):
+    records = read_results(results)
+    d = dict(prog.to_dict(), results=results, statuses=summarize(records))
+    if a.into and any(r.get("status") == "ok" for r in records):
         d["fixtures"] = len(fixtures_from_results(results, a.into, prog.name))
     if a.json:
         print_json(d)
@@ -166,10 +162,11 @@ def register(sub: Any) -> None:
                    help="stop cleanly before S seconds have passed (default 540)")
     c.add_argument("--run-timeout", type=_positive, default=120.0, metavar="S",
                    help="a run that takes longer is killed and recorded as timeout (default 120)")
-    c.add_argument("--device", default=None, help="run on this device instead of the campaign's (cuda, cuda:N, cpu)")
+    c.add_argument("--device", type=device_choice, default=None,
+                   help="run on this device instead of the campaign's (cuda, cuda:N, cpu)")
     c.add_argument("--dry-run", action="store_true",
                    help="list the campaign's runs in order and check each as measure would, running nothing")
-    c.add_argument("--limit", type=int, default=None, metavar="N", help="run at most N runs in this call")
+    c.add_argument("--limit", type=positive_int, default=None, metavar="N", help="run at most N runs in this call")
     c.add_argument("--fixtures-from", default=None, metavar="FILE.jsonl",
                    help="write one fixture per finished run of a campaign's results (to --into)")
     c.add_argument("--into", default=None, metavar="DIR",

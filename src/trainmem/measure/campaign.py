@@ -5,12 +5,13 @@
 hold yet as ``python -m trainmem.measure.campaign RUN.json RECORD.json`` — a fresh process per run,
 so a crash, a hang or an out-of-memory error in one run loses nothing else, and every run starts
 from an empty caching allocator and a new CUDA context, as a training script does. Each finished
-run is appended to one JSONL file at once (one record per line: the run, its status, the measured
-report's phases — allocated, reserved, peak, peak reserved, NVML's device and process figures, the
-CUDA context — the allocator's statistics including ``num_alloc_retries``, the environment, the
-fixture and the ``trainmem measure`` command that reproduces it). The campaign stops cleanly
-before the time budget (``budget_s``) runs out and resumes where it stopped on the next call: a
-run whose id is in the results file is not run again.
+run is appended to one JSONL file at once, one record per line: the run; its status (ok, oom,
+refused, error, crash or timeout); the measured report's phases (allocated, reserved, peak, peak
+reserved, NVML's device and process figures, the CUDA context); the allocator's statistics
+including ``num_alloc_retries``; the environment; the fixture; and the ``trainmem measure``
+command that reproduces it. The campaign stops cleanly before the time budget (``budget_s``) runs
+out and resumes where it stopped on the next call: a recorded run, whatever its status, is not
+run again.
 
 The campaign needs only what a GPU machine with PyTorch already has (torch, transformers, peft,
 nvidia-ml-py): it runs from a source checkout (``PYTHONPATH=src``) and installs nothing; each child
@@ -45,8 +46,6 @@ from typing import Any, Callable, Iterable
 
 from ..errors import TrainmemError
 
-#: statuses a run ends with; every one is final (a run is not retried on resume)
-STATUSES = ("ok", "oom", "refused", "error", "crash", "timeout")
 #: the environment variable a test sets to run children with another probe ("module:callable")
 PROBE_ENV = "TRAINMEM_CAMPAIGN_PROBE"
 
@@ -214,9 +213,8 @@ class Progress:
     left: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        by = {s: sum(r["status"] == s for r in self.ran) for s in STATUSES}
         return {"campaign": self.name, "runs": self.total, "done_before": self.done_before,
-                "ran_now": len(self.ran), "statuses_now": {k: v for k, v in by.items() if v},
+                "ran_now": len(self.ran), "statuses_now": summarize(self.ran),
                 "left": self.left, "stopped_by_budget": self.stopped_by_budget}
 
 
@@ -276,7 +274,7 @@ def run_campaign(path: str, results: str, *, budget_s: float = 540, run_timeout:
     todo = [r for r in runs if r.id not in done]
     prog = Progress(name, len(runs), len(runs) - len(todo))
     t0, walls = time.monotonic(), []
-    for i, run in enumerate(todo):
+    for run in todo:
         left = budget_s - (time.monotonic() - t0)
         if (limit is not None and len(prog.ran) >= limit) or not start_allowed(left, walls):
             prog.stopped_by_budget = limit is None or len(prog.ran) < limit

@@ -7,26 +7,9 @@ rank's report is gathered on rank 0 (``dist.gather_object``), which returns the 
 rank (the highest device memory, else the highest peak allocated) with ``extra["ranks"]``: one
 dict per rank (rank, world size, peaks, phases, its local parameter bytes, ...).
 
-Wrappers (PyTorch's own; line references are to torch 2.11-2.13):
-
-* ``--dp N`` without sharding: ``torch.nn.parallel.DistributedDataParallel`` with
-  ``bucket_cap_mb=ddp_bucket_mb`` (default 25, ``torch/nn/parallel/distributed.py``); on CUDA
-  ``device_ids=[LOCAL_RANK]``.
-* ``--fsdp full|grad-op|hybrid`` (``fsdp_version`` 2, the default): FSDP2
-  ``torch.distributed.fsdp.fully_shard`` on every decoder layer, then on the root
-  (``torch/distributed/fsdp/_fully_shard/_fully_shard.py``); ``grad-op`` is
-  ``reshard_after_forward=False``; ``hybrid`` a 2-D mesh (replicate, shard) with shard groups of
-  ``fsdp_node_size`` ranks (HSDP); ``--precision bf16-mp`` is
-  ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``.
-* ``fsdp_version=1``: ``FullyShardedDataParallel`` (``torch/distributed/fsdp/fully_sharded_data_parallel.py``)
-  with ``ShardingStrategy`` FULL_SHARD / SHARD_GRAD_OP / HYBRID_SHARD and
-  ``ModuleWrapPolicy({decoder layer class})`` (one flat parameter per layer, one for the rest).
-* ``--tp N``: ``torch.distributed.tensor.parallel.parallelize_module``
-  (``torch/distributed/tensor/parallel/api.py``) on every decoder layer of a Llama / Mistral / Qwen2
-  model: ``ColwiseParallel`` on q/k/v and gate/up, ``RowwiseParallel`` on o_proj and down_proj
-  (``torch/distributed/tensor/parallel/style.py``), as torchtitan's Llama plan does; embeddings,
-  norms and the head stay replicated. With ``--fsdp`` too, FSDP2 shards over the ``dp`` dimension
-  of the (dp, tp) ``DeviceMesh`` (2-D parallelism).
+Wrappers: ``trainmem.wrappers`` (DDP, FSDP2 ``fully_shard``, FSDP1 ``FullyShardedDataParallel``,
+tensor parallelism with ``parallelize_module``; each cited there), the same code trace runs on its
+fake process group.
 
 The layout is a ``DeviceMesh`` (``torch/distributed/device_mesh.py`` ``init_device_mesh``) of
 dp × tp ranks, which must be the world size. Out of scope, refused in one line: DeepSpeed ZeRO,

@@ -192,8 +192,9 @@ def _device(cuda: bool, hw: Hardware | None, t: TrainingSpec, expandable_segment
         cublas_workspace = hw.cublas_workspace  # measured by trainmem calibrate (spec.calibration)
     if cublas_workspace is None:
         cublas_workspace = default_cublas_workspace(capability)
-    if attention_backend is None and (t.attention == "flash" or t.attention.startswith("sdpa-")):
-        attention_backend = "flash" if t.attention == "flash" else t.attention[len("sdpa-"):]
+    if attention_backend is None:
+        from ..estimate.layers import SDPA_PINS  # --attention -> the backend it pins
+        attention_backend = SDPA_PINS.get(t.attention)
     if simulate_oom and hw is None:
         raise TrainmemError("simulate_oom needs a GPU (gpu= or hardware=) for its capacity")
     allocator = CachingAllocator(expandable_segments=expandable_segments, max_split_size=max_split_size,
