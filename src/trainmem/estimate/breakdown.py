@@ -88,8 +88,16 @@ def components(q: Quantities, tk: Tokens, mo: Moment, t: TrainingSpec, n: int, n
     if comm:
         out.append(Component(q.detail.comm_name, COMMUNICATION, comm, None, "DDP buckets / ZeRO-3 gathered layers",
                              True))
-    if parts["temporaries"]:
-        out.append(Component(f"temporaries.{where_label(mo, q, tk)}", TEMPORARIES, parts["temporaries"], None,
+    temp = parts["temporaries"]
+    if mo.phase.startswith("forward") and mo.where == "cross_entropy" and q.cast_forward_only:
+        # the forward moment's transient holds autocast's cache of the layers' half weight copies
+        # (moments._micro_step), kept until forward ends under full recompute: named as what it is
+        cast = min(q.cast_forward_only, temp)
+        out.append(Component("activations.autocast_weight_copies.layers", ACTIVATIONS, cast, half,
+                             "half copies of matmul weights autocast caches until forward ends (full recompute)"))
+        temp -= cast
+    if temp:
+        out.append(Component(f"temporaries.{where_label(mo, q, tk)}", TEMPORARIES, temp, None,
                              "tensors alive only at the peak moment"))
     return out
 
