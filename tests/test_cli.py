@@ -110,7 +110,7 @@ BAD_INPUT = [
     pytest.param(["gpt2", "--zero-grad", "maybe"], "invalid choice", id="zero-grad-choice"),
     pytest.param(["gpt2", "--hold-output", "forever"], "invalid choice", id="hold-output-choice"),
     pytest.param(["gpt2", "--loss", "chunked"], "--loss chunked needs --loss-chunks", id="chunked-no-chunks"),
-    pytest.param(["gpt2", "--loss", "half", "--loss-chunks", "4"], "needs --loss chunked", id="half-chunks"),
+    pytest.param(["gpt2", "--loss", "upcast", "--loss-chunks", "4"], "needs --loss chunked", id="upcast-chunks"),
     pytest.param(["gpt2", "--precision", "bf16-mp"], "bf16-mp is FSDP", id="mp-without-fsdp"),
     pytest.param(["gpt2", "--hold-output", "backward", "--keep-logits"], "contradicts", id="hold-keep"),
     pytest.param(["gpt2", "--seq-len", "512", "--set", "n_layer"], "key=value", id="set-no-value"),

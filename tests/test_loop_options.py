@@ -78,7 +78,8 @@ def test_keep_logits_is_hold_output_step():
 TINY_LLAMA = dict(set=["num_hidden_layers=2", "hidden_size=256", "intermediate_size=512", "num_attention_heads=4",
                        "num_key_value_heads=2", "head_dim=64", "vocab_size=32000"], seq_len=256, batch_size=2)
 LOSSES = [dict(loss="upcast"), dict(loss="half"), dict(loss="chunked", loss_chunks=4),
-          dict(loss="chunked", loss_chunks=4, hold_output="step")]
+          dict(loss="chunked", loss_chunks=4, hold_output="step"), dict(loss="half", loss_chunks=4),
+          dict(loss="half", loss_chunks=4, hold_output="step", precision="bf16")]
 
 
 @pytest.mark.parametrize("model,base", [("gpt2", TINY), ("llama-3.2-1b", TINY_LLAMA)], ids=["gpt2", "llama"])
@@ -92,11 +93,30 @@ def test_loss_estimate_agrees_with_trace(model, base, loss, one_torch_thread):
         assert est[(p.name, p.step)].allocated == pytest.approx(p.allocated, rel=0.015), (p.name, p.step)
 
 
-@pytest.mark.parametrize("loss", [dict(loss="half"), dict(loss="chunked", loss_chunks=4)], ids=["half", "chunked"])
+@pytest.mark.parametrize("loss", [dict(loss="half"), dict(loss="chunked", loss_chunks=4),
+                                  dict(loss="half", loss_chunks=4)], ids=["half", "chunked", "half-chunked"])
 def test_loss_trace_is_the_real_cpu_run(loss, one_torch_thread):
     r = trace("gpt2", device="cpu", **TINY, **loss)
     m = measure("gpt2", device="cpu", **TINY, **loss)
     assert [(p.name, p.step, p.allocated) for p in r.phases] == [(p.name, p.step, p.allocated) for p in m.phases]
+
+
+def test_half_chunks_keep_every_chunks_log_probs_but_one_chunks_gradients():
+    """litgpt's lm_head_chunk_size + chunked_cross_entropy (--loss half --loss-chunks N): the same
+    saved tensors as one half cross-entropy; backward's two bf16 gradients exist for one chunk of
+    the 2048 x 128,256 logits at a time, not for all of them."""
+    kw = dict(seq_len=2048, batch_size=4, precision="bf16", hold_output="step", optimizer="sgd", recompute="full",
+              set=["vocab_size=512000"])
+    whole = trainmem.estimate("llama-3.2-1b", loss="half", **kw)
+    chunks = trainmem.estimate("llama-3.2-1b", loss="half", loss_chunks=16, **kw)
+    assert whole.phase("forward", 2).allocated == chunks.phase("forward", 2).allocated
+    logits = 4 * 2048 * 512000 * 2
+    # both backward peaks are the loss's backward (the rest is small: full recompute, a huge vocabulary)
+    drop = whole.phase("backward", 2).peak - chunks.phase("backward", 2).peak
+    assert drop == pytest.approx(2 * logits * 15 / 16, rel=0.001)
+    assert chunks.peak_allocated < whole.peak_allocated
+    with pytest.raises(TrainmemError, match="--loss-chunks 4 needs"):
+        TrainingSpec(loss="upcast", loss_chunks=4)
 
 
 def test_fused_loss_keeps_liger_gradients_not_logits():

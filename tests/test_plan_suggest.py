@@ -61,7 +61,7 @@ def test_chunked_cross_entropy_upcasts_one_chunk_at_a_time():
     with pytest.raises(TrainmemError, match="--loss chunked needs --loss-chunks"):
         trainmem.estimate("llama-3.2-1b", loss="chunked")
     with pytest.raises(TrainmemError, match="needs --loss chunked"):
-        trainmem.estimate("llama-3.2-1b", loss="half", loss_chunks=4)
+        trainmem.estimate("llama-3.2-1b", loss="upcast", loss_chunks=4)
 
 
 def test_not_applicable_changes_are_left_out():

@@ -272,8 +272,8 @@ class TrainStep:
             out = self.model(**batch)
             return out, (out.loss if getattr(out, "loss", None) is not None else out[0].float().mean())
         labels = batch["labels"]
-        if t.loss == "chunked":
-            return _chunked_output_loss(self.model, batch["input_ids"], labels, t.loss_chunks)
+        if t.loss_chunks > 1:  # chunked (torchtune) or half (litgpt)
+            return _chunked_output_loss(self.model, batch["input_ids"], labels, t.loss_chunks, t.loss == "chunked")
         out = self.model(input_ids=batch["input_ids"])
         logits = out.logits.float() if t.loss == "upcast" else out.logits
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
@@ -328,19 +328,29 @@ def _checkpoint_every(model: torch.nn.Module, every: int) -> None:
         layer.gradient_checkpointing = (i + 1) % every == 0
 
 
-def _chunked_output_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, chunks: int
-                         ) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """torchtune's chunked output and loss on a transformers model: ``TransformerDecoder`` with
-    ``num_output_chunks`` projects each chunk of the final hidden states (``modules/transformer.py``,
-    a list of half logits), ``CEWithChunkedOutputLoss`` (``modules/loss/ce_chunked_output_loss.py``)
-    sums ``F.cross_entropy(chunk.float(), labels, reduction="sum")`` over the chunks and divides by
-    the token count. Returns (the list of logits, the loss)."""
+def _chunked_output_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, chunks: int,
+                         upcast: bool = True) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """A chunked output and loss on a transformers model: the head projects each chunk of the final
+    hidden states along the sequence (a list of half logits), then
+    * ``upcast`` (torchtune: ``TransformerDecoder`` with ``num_output_chunks``,
+      ``modules/transformer.py``; ``CEWithChunkedOutputLoss``, ``modules/loss/ce_chunked_output_loss.py``):
+      ``F.cross_entropy(chunk.float(), labels, reduction="sum")`` summed over the chunks, divided by
+      the token count;
+    * not ``upcast`` (litgpt: ``GPT.forward(x, lm_head_chunk_size)``, litgpt/model.py;
+      ``chunked_cross_entropy``, litgpt/utils.py): ``F.cross_entropy(chunk, labels,
+      reduction="none")`` on each half chunk, concatenated, summed and divided by the token count.
+    Returns (the list of logits, the loss)."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # through a peft wrapper
     hidden = inner.base_model(input_ids=ids)[0]
     head = inner.get_output_embeddings()
     logits = [head(h) for h in hidden.chunk(chunks, dim=1)]
-    total = sum(torch.nn.functional.cross_entropy(c.float().reshape(-1, c.shape[-1]), y.reshape(-1), reduction="sum")
-                for c, y in zip(logits, labels.chunk(chunks, dim=1)))
+    pairs = zip(logits, labels.chunk(chunks, dim=1))
+    if upcast:
+        total = sum(torch.nn.functional.cross_entropy(c.float().reshape(-1, c.shape[-1]), y.reshape(-1),
+                                                      reduction="sum") for c, y in pairs)
+    else:
+        total = torch.cat([torch.nn.functional.cross_entropy(c.reshape(-1, c.shape[-1]), y.reshape(-1),
+                                                             reduction="none") for c, y in pairs]).sum()
     return logits, total / labels.numel()
 
 

@@ -145,7 +145,9 @@ def add_training(g: Any) -> None:
                         "logits (nanoGPT, lit-gpt); chunked: torchtune's chunked output + loss (--loss-chunks N); "
                         "fused: Liger's fused linear cross-entropy (default: the model's own loss)")
     g.add_argument("--loss-chunks", type=positive_int, default=None, metavar="N",
-                   help="--loss chunked: the output projection and loss run in N chunks of tokens")
+                   help="--loss chunked (each chunk upcast, torchtune's num_output_chunks) or half (half "
+                        "chunks, litgpt's lm_head_chunk_size: N = ceil(seq / 128)): the output projection and "
+                        "loss run in N chunks of the sequence")
 
 
 def add_hardware(h: Any) -> None:

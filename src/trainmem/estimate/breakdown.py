@@ -88,6 +88,11 @@ def components(q: Quantities, tk: Tokens, mo: Moment, t: TrainingSpec, n: int, n
     if comm:
         out.append(Component(q.detail.comm_name, COMMUNICATION, comm, None, "DDP buckets / ZeRO-3 gathered layers",
                              True))
+    if parts["communication"]:
+        out.append(Component("communication.fsdp_unsharded", COMMUNICATION, parts["communication"],
+                             "bf16" if t.precision == "bf16-mp" else wdt,
+                             "FSDP: the root unit gathered from forward to the end of backward, the layers "
+                             "gathered and prefetched, the previous layer's reduce-scatter input", True))
     temp = parts["temporaries"]
     if mo.phase.startswith("forward") and mo.where == "cross_entropy" and q.cast_forward_only:
         # the forward moment's transient holds autocast's cache of the layers' half weight copies

@@ -24,8 +24,10 @@ from ..spec.training import TrainingSpec
 from .elementwise import NEVER, ceil_div, maximum, minimum, next_pow2, trunc, where
 from .quantities import Quantities, TransientTable, is_lm
 
-#: the parts of a moment, in this order; ``logits`` is itself (logits, KV cache, log-probabilities)
-PARTS = ("gradients", "optimizer_states", "inputs", "workspace", "activations", "logits", "temporaries")
+#: the parts of a moment, in this order; ``logits`` is itself (logits, KV cache, log-probabilities);
+#: ``communication``: FSDP's unsharded buffers of forward and backward (``quantities.fsdp_buffers``)
+PARTS = ("gradients", "optimizer_states", "inputs", "workspace", "activations", "logits", "temporaries",
+         "communication")
 
 
 @dataclass(frozen=True)
@@ -38,11 +40,12 @@ class StepFlags:
     lm: bool                # logits per token over the vocabulary (else per sample over labels)
     zeros: bool             # zero_grad(set_to_none=False): gradients stay allocated between steps
     quant4: bool = False    # 4-bit base weights: the dequantized-weight moments exist (quant4.py)
+    fsdp: bool = False      # FSDP over several ranks: gradients are created unsharded in every backward
 
     @staticmethod
     def of(m: ModelSpec, t: TrainingSpec) -> "StepFlags":
         return StepFlags(t.optimizer_in_backward, t.hold_output, t.distributed_optimizer, is_lm(m),
-                         t.zero_grad == "zeros", bool(t.quantize))
+                         t.zero_grad == "zeros", bool(t.quantize), t.fsdp is not None and t.shard_group > 1)
 
 
 @dataclass(eq=False)
@@ -131,11 +134,12 @@ class Moment(NamedTuple):
 
 
 def _mo(phase: str, micro: int, step: int, where_: str, six: tuple, logit_parts: tuple = (0, 0, 0),
-        valid: Any = True) -> Moment:
-    """A moment from (gradients, states, inputs, workspace, activations, temporaries) + logits."""
+        valid: Any = True, comm: Any = 0) -> Moment:
+    """A moment from (gradients, states, inputs, workspace, activations, temporaries) + logits
+    (+ FSDP's buffers)."""
     g, s, i, w, a, t = six
     held, kv, logp = logit_parts
-    return Moment(phase, micro, step, where_, (g, s, i, w, a, held + kv + logp, t), logit_parts, valid)
+    return Moment(phase, micro, step, where_, (g, s, i, w, a, held + kv + logp, t, comm), logit_parts, valid)
 
 
 @dataclass(eq=False)
@@ -193,7 +197,11 @@ def walk(q: Quantities, flags: StepFlags, tk: Tokens, ga: Any,
 def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: int, micro: int, valid: Any,
                 states_before: bool, workspaces: tuple[int, int], moments: list, ends: list) -> None:
     """Forward (the loss) and backward (head, last layer, first layer, embeddings, end) of one
-    micro-batch. ``workspaces``: the cuBLAS workspaces alive in its forward and in its backward."""
+    micro-batch. ``workspaces``: the cuBLAS workspaces alive in its forward and in its backward.
+    Under FSDP (``quantities.fsdp_buffers``) the root unit is gathered while the loss runs and from
+    the start to the end of backward; backward holds the layer being computed, the prefetched one (last layer first) and the
+    previous layer's reduce-scatter input; the head's and each layer's gradients are created
+    unsharded in every micro-batch's backward, and resharded when its unit's backward ends."""
     ws, ws2 = workspaces
     # gradients already allocated: accumulated by earlier micro-batches, Megatron's main-grad
     # buffers, or zeroed but kept by zero_grad(set_to_none=False) after the first step
@@ -201,41 +209,46 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     states = q.states if states_before else 0
     # the previous micro-batch's output, still referenced until this forward returns
     prev_logits, prev_kv = kept.after_backward() if (step > 1 or micro > 0) else (0, 0)
+    root, buf, rs = q.fsdp_root, q.fsdp_layer_buf, q.fsdp_rs_buf
     if flags.quant4:
         _dequant_forward(q, tk, (grads_before, states, tk.inputs, ws), (prev_logits, prev_kv), micro, step, valid,
                          moments)
     moments.append(_mo("forward", micro, step, "cross_entropy",
                        (grads_before, states, tk.inputs, ws, tk.all_acts, tk.loss_forward + q.cast_forward_only),
-                       (prev_logits + tk.out_logits, prev_kv + tk.kv_held, tk.loss_saved), valid))
+                       (prev_logits + tk.out_logits, prev_kv + tk.kv_held, tk.loss_saved), valid, root))
     ends.append(("forward", micro, step, q.fixed + grads_before + states + tk.inputs + ws + tk.all_acts
                  + kept.logits + kept.kv_forward + tk.loss_saved))
     moments.append(_mo("backward", micro, step, "cross_entropy.backward",
                        (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.loss_backward),
-                       (kept.logits, kept.kv_forward, tk.loss_saved), valid))
+                       (kept.logits, kept.kv_forward, tk.loss_saved), valid, root + buf))
     # a 4-bit LM head dequantizes its weight again for the input gradient (quant4.py)
     if flags.quant4:
         moments.append(_mo("backward", micro, step, "lm_head.backward",
                            (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.loss_backward + q.head_temp),
                            (kept.logits, kept.kv_forward, tk.loss_saved), _both(valid, q.head_temp > 0)))
     fresh = grads_before == 0                                  # gradients are being created, not added to
-    layer_grads = where(fresh, tk.layer_grad_part, 0)           # the later linears' of the layer in backward
+    # the later linears' gradients of the layer in backward (FSDP: unsharded, in every micro-batch)
+    layer_grads = tk.layer_grad_part if flags.fsdp else where(fresh, tk.layer_grad_part, 0)
+    head_grads = q.fsdp_head_full if flags.fsdp else where(fresh, q.head_grads, 0)
     states_mid = q.states if (states_before or flags.oib) else 0  # optimizer in backward creates them now
     # the layer's transient; a tied head's gradient waits in autograd's input buffer meanwhile
     temp = maximum(tk.redo, q.oib_mid) + q.tied_grad
-    top = grads_before + where(fresh, q.head_grads, 0) + layer_grads
+    top = grads_before + head_grads + layer_grads
     moments.append(_mo("backward", micro, step, "layer.top",
                        (top, states_mid, tk.inputs, ws2, tk.layers + tk.outer_rest, temp),
-                       (kept.logits, kept.kv_forward, 0), valid))
-    bottom = grads_before + where(fresh, q.head_grads + (q.layers - 1) * q.layer_grads, 0) + layer_grads
+                       (kept.logits, kept.kv_forward, 0), valid, root + 2 * buf))
+    above = where(fresh, (q.layers - 1) * q.layer_grads, 0)    # the layers above, reduced to shards
+    bottom = grads_before + head_grads + above + layer_grads
     moments.append(_mo("backward", micro, step, "layer.bottom",
                        (bottom, states_mid, tk.inputs, ws2, tk.layers // q.layers + tk.outer_rest, temp),
-                       (kept.logits, kept.kv_low, 0), _both(valid, q.layers > 1)))
+                       (kept.logits, kept.kv_low, 0), _both(valid, q.layers > 1), root + buf + rs))
     # the embedding's gradient and the out-of-place sum join the head's part in the input buffer
     tied = q.tied_grad
     temp_emb = 2 * tied + (tied if flags.oib else where(fresh, 0, tied))
+    emb_grads = q.grads + (q.fsdp_head_full + q.fsdp_emb_full if flags.fsdp else 0)
     moments.append(_mo("backward", micro, step, "embeddings.backward",
-                       (q.grads, states_mid, tk.inputs, ws2, 0, temp_emb), (kept.logits, kept.kv_end, 0),
-                       _both(valid, tied > 0)))
+                       (emb_grads, states_mid, tk.inputs, ws2, 0, temp_emb), (kept.logits, kept.kv_end, 0),
+                       _both(valid, tied > 0), root + rs))
     moments.append(_mo("backward", micro, step, "backward.end",
                        (q.grads, states_mid, tk.inputs, ws2, 0, q.oib_end), (kept.logits, kept.kv_end, 0), valid))
     after_logits, after_kv = kept.after_backward()   # hold_output="backward": freed as backward returns

@@ -97,6 +97,12 @@ class Quantities:
     fwd_temp: int = 0      # a layer's largest forward transient: a dequantized 4-bit weight (quant4.py)
     fwd_temp_tok: float = 0.0  # ... and its matmul output per token
     head_temp: int = 0     # the LM head's dequantized 4-bit weight, in its forward and its backward
+    # FSDP over several ranks (``fsdp_buffers``; 0 otherwise), alive only in forward and backward:
+    fsdp_root: int = 0        # the root unit's parameters, gathered from forward until backward ends
+    fsdp_layer_buf: int = 0   # one layer's all-gathered parameters (FSDP full / hybrid)
+    fsdp_rs_buf: int = 0      # one layer's reduce-scatter input, held until the next layer's (FSDP2)
+    fsdp_head_full: int = 0   # the head's and final norm's unsharded gradients, until backward ends
+    fsdp_emb_full: int = 0    # an untied embedding's unsharded gradient, at its backward
     detail: Detail | None = None
 
 
@@ -253,7 +259,12 @@ def loss_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy) -> LossBytes:
       starts with ``nll_loss_backward`` and ``_log_softmax_backward_data``, one fp32 tensor each.
     * half: ``F.cross_entropy`` on half logits under autocast: ``cross_entropy_loss`` has no
       autocast rule, so ``log_softmax`` keeps the half dtype and ``nll_loss`` (autocast fp32 list)
-      saves an fp32 copy; backward starts with one fp32 gradient. Pure half: all half.
+      saves an fp32 copy; backward starts with one fp32 gradient. Pure half: all half. With
+      ``loss_chunks`` N > 1, litgpt's chunked head and loss (``model(x, lm_head_chunk_size=128)``
+      returns the head's output per chunk of the sequence, litgpt/model.py ``GPT.forward``;
+      ``chunked_cross_entropy`` in litgpt/utils.py runs ``F.cross_entropy`` on each half chunk
+      and sums): every chunk's log-probabilities are saved, the backward gradients exist for one
+      chunk at a time.
     * chunked: torchtune ``modules/loss/ce_chunked_output_loss.py`` (``CEWithChunkedOutputLoss``):
       the model returns the output projection of each of ``num_output_chunks`` token chunks (all
       kept in a list, half), the loss upcasts one chunk at a time (``logits.float()``) and its
@@ -282,6 +293,10 @@ def loss_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy) -> LossBytes:
     if t.compile:
         return LossBytes(held, half, F32, 0, F32)
     if mode == "half" and half != F32:
+        if t.loss_chunks > 1:  # litgpt: each chunk's loss backward in turn
+            if pol.amp:
+                return LossBytes(held, half, half + F32, backward_chunk=F32)
+            return LossBytes(held, half, half, backward_chunk=2 * half)
         if pol.amp:
             return LossBytes(held, half, half + F32, 0, F32)
         return LossBytes(held, half, half, 0, 2 * half)
@@ -386,7 +401,8 @@ def tied_head_grad(m: ModelSpec, t: TrainingSpec) -> int:
     and their sum are alive together, then the sum becomes ``.grad``."""
     if not (m.tied_embeddings and is_lm(m)) or t.lora_rank or t.pp > 1:
         return 0
-    return _embedding_block(m, t.tp, t.weight_bytes)
+    # under FSDP's mixed precision the gradient is the bf16 unsharded parameter's
+    return _embedding_block(m, t.tp, 2 if t.precision == "bf16-mp" else t.weight_bytes)
 
 
 @lru_cache(maxsize=1024)
@@ -481,8 +497,11 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
             rest_tok, rest_sq = rest_tok + tok, rest_sq + sq
     loss = loss_bytes(m, t, pol) if head_here else LossBytes()
     comm, comm_name = _communication(t, st)
+    fsdp = fsdp_buffers(t, st)
     oib_mid, oib_end = oib_update_bytes(m, t, st) if oib else (0, 0)
-    gpw = st.layer_grads / lc.weights if (lc.weights and not oib) else 0.0
+    # gradients of the layer's linears as its backward creates them (per weight byte): unsharded under FSDP
+    layer_grads_live = st.layer_grads_full if fsdp else st.layer_grads
+    gpw = layer_grads_live / lc.weights if (lc.weights and not oib) else 0.0
     after = lc.after or (0.0,) * len(lc.transients)
     trans = tuple((a, b, c, int(w * gpw)) for (_, a, b, c), w in zip(lc.transients, after))
     inflight_fixed = 1 if (t.pp == 1 or stage != "first") else (t.num_microbatches_in_flight or 0)
@@ -504,7 +523,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         liger_factor=-(-m.vocab_size // m.hidden_size) if (head_here and is_lm(m) and loss_mode(m, t) == "fused") else 0,
         step_temp=step_temporaries(t, st), oib_mid=oib_mid, oib_end=oib_end,
         tied_grad=tied_head_grad(m, t), transients=trans, fwd_temp=int(lc.fwd_const), fwd_temp_tok=lc.fwd_tok,
-        head_temp=head_dequant_bytes(m, t) if head_here else 0,
+        head_temp=head_dequant_bytes(m, t) if head_here else 0, **fsdp,
         detail=Detail(st, lc, outer, comm_name, input_tok))
 
 
@@ -527,12 +546,44 @@ def _recompute(t: TrainingSpec, lc: LayerCoefs, input_tok: float, share: float
 
 def _communication(t: TrainingSpec, st: States) -> tuple[int, str]:
     """Buffers that exist from model wrap: DDP's flat gradient buckets (``gradient_as_bucket_view``
-    off: a copy of every gradient), or ZeRO-3's gathered layers (the current and the prefetched)."""
+    off: a copy of every gradient), or DeepSpeed ZeRO-3's gathered layers (the current and the
+    prefetched). FSDP's buffers live only in forward and backward (``fsdp_buffers``)."""
     if t.dp > 1 and t.zero_stage == 0 and not t.distributed_optimizer and st.trainable:
         return st.grads, "communication.ddp_buckets"
-    if t.zero_stage == 3 and t.shard_group > 1:
+    if t.zero_stage == 3 and t.shard_group > 1 and t.fsdp is None:
         return 2 * st.layer_params_full, "communication.zero3_gathered_layers"
     return 0, ""
+
+
+def fsdp_buffers(t: TrainingSpec, st: States) -> dict[str, int]:
+    """FSDP's unsharded tensors, which exist only between a forward and the end of its backward
+    (``moments`` places each), bytes on one rank in the gathered dtype (bf16 under ``bf16-mp``):
+
+    * the root unit (``fully_shard(model)`` / FSDP1's root: the embeddings, final norm and head)
+      is gathered through the model's forward, the loss included, and from the start of backward
+      (the root's pre-backward hook) until its post-backward at the end of backward; its gradients
+      are unsharded until then too. Left to itself FSDP does not reshard the root after forward at
+      all (torch 2.13 ``_fully_shard/_fsdp_state.py`` L203-207, "For the root, do not reshard after
+      forward", when ``reshard_after_forward`` is not given; FSDP1 ``_runtime_utils.py``
+      ``_post_forward_reshard``: ``not state._is_root``); torchtune, accelerate and trainmem's own
+      wrapper pass ``reshard_after_forward=True`` and re-gather it for backward: the same bytes at
+      every moment but the end of forward;
+    * with ``full`` / ``hybrid`` (reshard after forward) one layer's all-gather output per layer
+      being computed and one prefetched in backward (FSDP2 ``_backward_prefetch``, FSDP1
+      ``BackwardPrefetch.BACKWARD_PRE``); with ``grad-op`` the layers stay gathered
+      (``Quantities.gathered_layer``) and nothing more is gathered in backward;
+    * FSDP2 keeps the previous layer's reduce-scatter input (its gradients, flat, in the reduce
+      dtype: fp32 under ``bf16-mp``) until the next layer's post-backward
+      (``_fsdp_param_group.py`` ``post_backward``: ``reduce_scatter_states``, at most
+      ``reduce_scatter_max_input_buffers`` = 1 kept); FSDP1 frees it when the reduce-scatter is
+      issued (``_runtime_utils.py`` ``_reduce_grad``).
+    Found by trace on the fake process group (docs/trace.md, "FSDP2's root unit")."""
+    if t.fsdp is None or t.shard_group < 2:
+        return {}
+    return {"fsdp_root": st.root_full,
+            "fsdp_layer_buf": block_bytes(st.layer_params_full) if t.zero_stage == 3 else 0,
+            "fsdp_rs_buf": st.layer_rs if t.fsdp_version == 2 else 0,
+            "fsdp_head_full": st.head_grads_full, "fsdp_emb_full": st.emb_grads_full}
 
 
 _INT_FIELDS = tuple(f.name for f in fields(Quantities) if f.type == "int")

@@ -41,6 +41,12 @@ class States:
     layer_params_full: int    # bytes of one layer's weights unsharded (ZeRO-3 gather unit)
     lora_params: int
     quantized: int = 0        # of ``weights``: bitsandbytes 4-bit tensors (packed codes, absmax, codes)
+    # FSDP's unsharded tensors (``fsdp_unsharded``; 0 otherwise), in the gathered dtype:
+    root_full: int = 0        # the root unit's parameters (outside the layers) gathered, tensor by tensor
+    head_grads_full: int = 0  # the unsharded gradients of the head and final norm
+    emb_grads_full: int = 0   # the unsharded gradient of an untied input embedding
+    layer_grads_full: int = 0  # one layer's unsharded gradients, before its reduce-scatter
+    layer_rs: int = 0         # one layer's reduce-scatter input (a flat buffer in the reduce dtype)
 
 
 def _tp_div(p: ParamTensor, tp: int) -> int:
@@ -227,6 +233,7 @@ class _Rank:
     mixed_units: bool  # FSDP1 + LoRA: frozen layer weights get gradients too (TrainingSpec.fsdp_mixed_units)
     gather: int        # bytes per element of a layer gathered for compute (bf16 under FSDP's mixed precision)
     shard_weights: bool = False  # weights stored as shards: ZeRO-3 / FSDP full, and FSDP grad-op (below)
+    fsdp_unsharded: bool = False  # FSDP over several ranks: a root unit and per-layer unsharded tensors
 
     @staticmethod
     def of(m: ModelSpec, t: TrainingSpec, stage: str) -> "_Rank":
@@ -238,7 +245,8 @@ class _Rank:
                      4 if (w == 4 or half_master) else w, half_master, t.zero_stage,
                      max(t.zero_stage, 1) if t.distributed_optimizer else t.zero_stage, t.shard_group,
                      t.zero_stage >= 2 and not t.accumulates_unsharded, t.fsdp_mixed_units,
-                     2 if t.precision == "bf16-mp" else w, t.zero_stage == 3 or fsdp_grad_op(t))
+                     2 if t.precision == "bf16-mp" else w, t.zero_stage == 3 or fsdp_grad_op(t),
+                     t.fsdp is not None and t.shard_group > 1)
 
     def grad_bytes(self, n: int) -> int:
         """Allocator bytes of one gradient of ``n`` elements on this rank: a shard under ZeRO >= 2 /
@@ -277,6 +285,11 @@ class _Tally:
     group: int = 0
     lpf: int = 0             # one layer's weights, unsharded
     q4: int = 0              # bitsandbytes 4-bit tensors, allocator-rounded
+    root: int = 0            # FSDP: the root unit's parameters gathered (bytes, per tensor)
+    head_full: int = 0       # FSDP: unsharded head / final-norm gradients (bytes)
+    emb_full: int = 0        # FSDP: unsharded untied-embedding gradient (bytes)
+    layer_full: int = 0      # FSDP: one layer's unsharded gradients (bytes, per tensor)
+    layer_elems: int = 0     # FSDP: one layer's trainable elements (the reduce-scatter input)
 
     def trainable_tensor(self, t: TrainingSpec, r: _Rank, shape: tuple[int, ...], n: int, k: int) -> int:
         """Add gradient, master copy and optimizer states of ``k`` tensors of ``n`` elements on this
@@ -318,9 +331,10 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
     # bitsandbytes' paged optimizers put their states in CUDA unified memory (``cudaMallocManaged``,
     # ``bitsandbytes/functional.py`` get_paged / GlobalPageManager): not device memory the caching
     # allocator holds, paged to the GPU only while the step reads them
+    rs = block_bytes(acc.layer_elems * (4 if t.precision == "bf16-mp" else r.gather)) if r.fsdp_unsharded else 0
     return States(weights, acc.buffers, master, acc.grads, opt, step_t, acc.trainable, acc.params_rank,
                   acc.layer_grads, acc.head_grads, acc.lmh, acc.hmh, acc.largest, acc.group, acc.lpf,
-                  sum(x[1] for x in lora), acc.q4)
+                  sum(x[1] for x in lora), acc.q4, acc.root, acc.head_full, acc.emb_full, acc.layer_full, rs)
 
 
 def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: list, layer: list,
@@ -351,6 +365,8 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
         wb = n * r.w
         item = (p.name, -(-wb // r.d) if r.shard_weights else wb)
         dest.append(item)
+        if r.fsdp_unsharded and p.layer is None:
+            acc.root += block_bytes(n * r.gather)  # the root unit's unsharded parameter (fsdp_root below)
         if p.layer is not None:
             lpf_of[p.layer] = lpf_of.get(p.layer, 0) + n * r.gather  # FSDP2 gathers in param_dtype (bf16)
             # autocast caches half copies of the weights its matmuls cast; transformers' grouped_mm
@@ -366,10 +382,17 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
                 acc.layer_grads += g
             continue
         g = acc.trainable_tensor(t, r, p.shape, n, k)
+        full = block_bytes(n * r.gather) if r.fsdp_unsharded else 0  # its unsharded gradient under FSDP
         if p.layer is not None:
             acc.layer_grads += g
+            if uniform or p.layer == r.lo:  # one layer: layer 0 stands for each, else the stage's first
+                acc.layer_full += full
+                acc.layer_elems += n if full else 0
         elif p.role != "embedding":
             acc.head_grads += g
+            acc.head_full += full
+        elif not (m.tied_embeddings and p.name.endswith(TIED_NAMES)):
+            acc.emb_full += full
     acc.lpf = max(lpf_of.values(), default=0)
     if not uniform and r.per_stage:
         acc.layer_grads = -(-acc.layer_grads // r.per_stage)
@@ -398,6 +421,9 @@ def _lora_adapters(t: TrainingSpec, r: _Rank, acc: _Tally, lora: list[tuple[str,
             g = acc.trainable_tensor(t, r, (-(-n // r.d) if r.zero_states >= 1 else n,), n, 1)
             if lyr == r.lo:
                 acc.layer_grads += g
+                if r.fsdp_unsharded:  # FSDP: the adapter's unsharded gradient joins its layer's reduce-scatter
+                    acc.layer_full += block_bytes(n * r.w)
+                    acc.layer_elems += n
 
 
 def _buffers(m: ModelSpec, r: _Rank, acc: _Tally, before: list, layer: list, after: list) -> None:

@@ -246,9 +246,10 @@ class TrainingSpec:
         if self.loss == "chunked" and self.loss_chunks < 2:
             raise TrainmemError("--loss chunked needs --loss-chunks N >= 2 (torchtune's num_output_chunks; "
                                 "its recipes use 8)")
-        if self.loss in ("upcast", "half", "fused") and self.loss_chunks > 1:
+        if self.loss in ("upcast", "fused") and self.loss_chunks > 1:
             raise TrainmemError(f"--loss {self.loss} computes the loss in one piece (fused picks its own chunks); "
-                                f"--loss-chunks {self.loss_chunks} needs --loss chunked")
+                                f"--loss-chunks {self.loss_chunks} needs --loss chunked (upcast chunks, torchtune) "
+                                "or half (half chunks, litgpt)")
         if self.loss is None and self.loss_chunks > 1:
             object.__setattr__(self, "loss", "chunked")
 
