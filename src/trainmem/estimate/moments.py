@@ -215,7 +215,8 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
                          moments)
     moments.append(_mo("forward", micro, step, "cross_entropy",
                        (grads_before, states, tk.inputs, ws, tk.all_acts, tk.loss_forward + q.cast_forward_only),
-                       (prev_logits + tk.out_logits, prev_kv + tk.kv_held, tk.loss_saved), valid, root))
+                       (prev_logits + tk.out_logits, prev_kv + tk.kv_held, tk.loss_saved), valid,
+                       root + q.fsdp_ag_result))
     ends.append(("forward", micro, step, q.fixed + grads_before + states + tk.inputs + ws + tk.all_acts
                  + kept.logits + kept.kv_forward + tk.loss_saved))
     moments.append(_mo("backward", micro, step, "cross_entropy.backward",
@@ -245,7 +246,9 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     # the embedding's gradient and the out-of-place sum join the head's part in the input buffer
     tied = q.tied_grad
     temp_emb = 2 * tied + (tied if flags.oib else where(fresh, 0, tied))
-    emb_grads = q.grads + (q.fsdp_head_full + q.fsdp_emb_full if flags.fsdp else 0)
+    # FSDP: the root's gradients are still unsharded (a tied embedding's sum among them), not yet shards
+    emb_grads = q.grads + (q.fsdp_head_full + q.fsdp_emb_full + tied - where(fresh, q.fsdp_root_sharded, 0)
+                           if flags.fsdp else 0)
     moments.append(_mo("backward", micro, step, "embeddings.backward",
                        (emb_grads, states_mid, tk.inputs, ws2, 0, temp_emb), (kept.logits, kept.kv_end, 0),
                        _both(valid, tied > 0), root + rs))

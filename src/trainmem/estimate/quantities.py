@@ -103,6 +103,8 @@ class Quantities:
     fsdp_rs_buf: int = 0      # one layer's reduce-scatter input, held until the next layer's (FSDP2)
     fsdp_head_full: int = 0   # the head's and final norm's unsharded gradients, until backward ends
     fsdp_emb_full: int = 0    # an untied embedding's unsharded gradient, at its backward
+    fsdp_ag_result: int = 0   # FSDP2: the last layer's all-gather output, kept from its forward to the next
+    fsdp_root_sharded: int = 0  # of ``grads``: the root's sharded gradients (after the root's reduce-scatter)
     detail: Detail | None = None
 
 
@@ -572,6 +574,10 @@ def fsdp_buffers(t: TrainingSpec, st: States) -> dict[str, int]:
       being computed and one prefetched in backward (FSDP2 ``_backward_prefetch``, FSDP1
       ``BackwardPrefetch.BACKWARD_PRE``); with ``grad-op`` the layers stay gathered
       (``Quantities.gathered_layer``) and nothing more is gathered in backward;
+    * in forward FSDP2 keeps each unit's all-gather output (the flat buffer the parameters are copied
+      out of) until the next unit's all-gather is waited on (``_fsdp_param_group.py``
+      ``wait_for_unshard``: ``comm_ctx.all_gather_state``, "Defer free to allow for overlap of this
+      copy-out with next all-gather"), so the last layer's is alive while the loss runs;
     * FSDP2 keeps the previous layer's reduce-scatter input (its gradients, flat, in the reduce
       dtype: fp32 under ``bf16-mp``) until the next layer's post-backward
       (``_fsdp_param_group.py`` ``post_backward``: ``reduce_scatter_states``, at most
@@ -583,7 +589,9 @@ def fsdp_buffers(t: TrainingSpec, st: States) -> dict[str, int]:
     return {"fsdp_root": st.root_full,
             "fsdp_layer_buf": block_bytes(st.layer_params_full) if t.zero_stage == 3 else 0,
             "fsdp_rs_buf": st.layer_rs if t.fsdp_version == 2 else 0,
-            "fsdp_head_full": st.head_grads_full, "fsdp_emb_full": st.emb_grads_full}
+            "fsdp_head_full": st.head_grads_full, "fsdp_emb_full": st.emb_grads_full,
+            "fsdp_ag_result": block_bytes(st.layer_params_full) if t.fsdp_version == 2 else 0,
+            "fsdp_root_sharded": st.root_grads}
 
 
 _INT_FIELDS = tuple(f.name for f in fields(Quantities) if f.type == "int")

@@ -47,6 +47,7 @@ class States:
     emb_grads_full: int = 0   # the unsharded gradient of an untied input embedding
     layer_grads_full: int = 0  # one layer's unsharded gradients, before its reduce-scatter
     layer_rs: int = 0         # one layer's reduce-scatter input (a flat buffer in the reduce dtype)
+    root_grads: int = 0       # of ``grads``: the sharded gradients outside the layers (head, norms, embeddings)
 
 
 def _tp_div(p: ParamTensor, tp: int) -> int:
@@ -290,6 +291,7 @@ class _Tally:
     emb_full: int = 0        # FSDP: unsharded untied-embedding gradient (bytes)
     layer_full: int = 0      # FSDP: one layer's unsharded gradients (bytes, per tensor)
     layer_elems: int = 0     # FSDP: one layer's trainable elements (the reduce-scatter input)
+    root_g: int = 0          # FSDP: the sharded gradients outside the layers (bytes)
 
     def trainable_tensor(self, t: TrainingSpec, r: _Rank, shape: tuple[int, ...], n: int, k: int) -> int:
         """Add gradient, master copy and optimizer states of ``k`` tensors of ``n`` elements on this
@@ -334,7 +336,8 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
     rs = block_bytes(acc.layer_elems * (4 if t.precision == "bf16-mp" else r.gather)) if r.fsdp_unsharded else 0
     return States(weights, acc.buffers, master, acc.grads, opt, step_t, acc.trainable, acc.params_rank,
                   acc.layer_grads, acc.head_grads, acc.lmh, acc.hmh, acc.largest, acc.group, acc.lpf,
-                  sum(x[1] for x in lora), acc.q4, acc.root, acc.head_full, acc.emb_full, acc.layer_full, rs)
+                  sum(x[1] for x in lora), acc.q4, acc.root, acc.head_full, acc.emb_full, acc.layer_full, rs,
+                  acc.root_g)
 
 
 def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: list, layer: list,
@@ -388,7 +391,9 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
             if uniform or p.layer == r.lo:  # one layer: layer 0 stands for each, else the stage's first
                 acc.layer_full += full
                 acc.layer_elems += n if full else 0
-        elif p.role != "embedding":
+            continue
+        acc.root_g += g if full else 0
+        if p.role != "embedding":
             acc.head_grads += g
             acc.head_full += full
         elif not (m.tied_embeddings and p.name.endswith(TIED_NAMES)):
