@@ -136,3 +136,20 @@ def test_trace_refuses_what_it_cannot_run():
         trace("gpt2", device="cpu", **TINY, loss="fused")
     with pytest.raises(TrainmemError, match="--compile"):
         trace("gpt2", device="cpu", **TINY, compile=True)
+
+
+@pytest.mark.parametrize("model,base", [("gpt2", TINY), ("llama-3.2-1b", TINY_LLAMA)], ids=["gpt2", "llama"])
+def test_shifted_logits_copy_estimate_agrees_with_trace(model, base, one_torch_thread):
+    """--loss-shift logits: ``logits[..., :-1, :].contiguous()`` on the half logits before cross-entropy
+    (ColossalAI's GPTLMLoss, older transformers models): one more half logits-sized tensor while the
+    loss's forward runs; trace runs the real slice and copy."""
+    kw = dict(base, loss="half")
+    plain = trainmem.estimate(model, **kw)
+    e = trainmem.estimate(model, **kw, loss_shift="logits")
+    r = trace(model, device="cuda", **kw, loss_shift="logits")
+    assert e.peak_allocated == pytest.approx(r.peak_allocated, rel=0.006)
+    assert e.phase("forward", 2).peak == pytest.approx(r.phase("forward", 2).peak, rel=0.006)
+    n, v = kw["batch_size"] * kw["seq_len"], e.model.vocab_size
+    assert e.phase("forward", 2).peak - plain.phase("forward", 2).peak == pytest.approx(n * v * 2, rel=0.01)
+    with pytest.raises(TrainmemError, match="--loss-shift logits"):
+        TrainingSpec(loss_shift="logits", loss="upcast")

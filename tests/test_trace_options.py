@@ -57,6 +57,7 @@ CASES = [
     ({"lora_rank": 8, "quantize": "nf4", "bitsandbytes_version": "0.42.0"}, REFUSED, "--quantize nf4"),
     ({"keep_logits": True}, CHANGED, ""), ({"zero_grad": "zeros"}, CHANGED, ""),
     ({"hold_output": "backward"}, CHANGED, ""), ({"hold_output": "step"}, CHANGED, ""),
+    ({"loss": "half", "loss_shift": "logits"}, CHANGED, ""),
     ({"compile": True}, REFUSED, "--compile"),
     ({"loss_chunks": 4}, CHANGED, ""), ({"loss": "half"}, CHANGED, ""),
     ({"loss": "chunked", "loss_chunks": 4}, CHANGED, ""),

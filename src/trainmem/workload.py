@@ -265,7 +265,7 @@ class TrainStep:
         """The model's output and the loss, computed as ``--loss`` says (``estimate.quantities.loss_bytes``
         models each): the model's own loss; ``upcast`` / ``half`` cross-entropy on its logits
         (``logits.float()`` first, as transformers' ForCausalLMLoss, or on the half logits, as
-        nanoGPT); ``chunked`` as torchtune (the output projection of each token chunk, then
+        nanoGPT; with ``loss_shift="logits"`` on a shifted contiguous copy); ``chunked`` as torchtune (the output projection of each token chunk, then
         ``CEWithChunkedOutputLoss``: each chunk upcast and summed)."""
         t, spec = self.training, self.spec
         if t.loss is None or spec.head not in ("causal-lm", "masked-lm"):
@@ -276,6 +276,8 @@ class TrainStep:
             return _chunked_output_loss(self.model, batch["input_ids"], labels, t.loss_chunks, t.loss == "chunked")
         out = self.model(input_ids=batch["input_ids"])
         logits = out.logits.float() if t.loss == "upcast" else out.logits
+        if t.loss_shift == "logits":  # a shifted contiguous copy (older transformers models, GPTLMLoss)
+            logits, labels = logits[..., :-1, :].contiguous(), labels[..., 1:]
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
         return out, loss
 

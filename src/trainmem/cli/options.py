@@ -8,7 +8,7 @@ from typing import Any, Callable
 from ..spec.frameworks import FRAMEWORKS
 from ..spec.training import (ATTENTION, FSDP_LORA_UNITS, FSDP_MODES, GRAD_SYNC, HOLD_OUTPUT, OPTIMIZER_IMPLS,
                              OPTIMIZERS, PRECISIONS,
-                             RECOMPUTE, ZERO_GRAD, LOSSES, MASTER_WEIGHTS)
+                             RECOMPUTE, ZERO_GRAD, LOSSES, LOSS_SHIFTS, MASTER_WEIGHTS)
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:
@@ -144,6 +144,11 @@ def add_training(g: Any) -> None:
                    help="upcast: HF ForCausalLMLoss (fp32 copy of the logits); half: cross-entropy on the half "
                         "logits (nanoGPT, lit-gpt); chunked: torchtune's chunked output + loss (--loss-chunks N); "
                         "fused: Liger's fused linear cross-entropy (default: the model's own loss)")
+    g.add_argument("--loss-shift", choices=LOSS_SHIFTS, default=None,
+                   help="with --loss half: labels (default: the targets are shifted, as transformers' "
+                        "ForCausalLMLoss >= 4.46, nanoGPT, litgpt) or logits (the loop makes a shifted "
+                        "contiguous copy of the half logits, logits[..., :-1, :].contiguous(), as ColossalAI's "
+                        "GPTLMLoss and older transformers models: one more logits-sized tensor while the loss runs)")
     g.add_argument("--loss-chunks", type=positive_int, default=None, metavar="N",
                    help="--loss chunked (each chunk upcast, torchtune's num_output_chunks) or half (half "
                         "chunks, litgpt's lm_head_chunk_size: N = ceil(seq / 128)): the output projection and "
@@ -191,7 +196,8 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 lora_targets=a.lora_targets, quantize=a.quantize, dropout=False if a.no_dropout else None,
                 optimizer_bucket_mb=a.optimizer_bucket_mb, loss_chunks=a.loss_chunks, loss=a.loss,
                 master_weights=a.master_weights, framework=a.framework, framework_version=a.framework_version,
-                grad_sync=a.grad_sync, fsdp_lora_units=a.fsdp_lora_units, fsdp_version=a.fsdp_version)
+                grad_sync=a.grad_sync, fsdp_lora_units=a.fsdp_lora_units, fsdp_version=a.fsdp_version,
+                loss_shift=a.loss_shift)
     if a.fsdp is not None and a.zero in (0, None):
         opts.pop("zero")
     return opts

@@ -284,6 +284,19 @@ def loss_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy) -> LossBytes:
     Classifier heads: fp32 loss tensors of (b, labels).
     """
     held = pol.half if t.hold_output != "loss" else 0   # the loop's reference to the output keeps them
+    b = _loss_in_one_piece(m, t, pol, held)
+    if t.loss_shift == "logits" and is_lm(m):
+        # ``logits[..., :-1, :].contiguous()`` on the half logits (ColossalAI's GPTLMLoss, older
+        # transformers models before ForCausalLMLoss shifted the labels instead, 4.46, many
+        # hand-written loops): a half copy, alive while log_softmax runs (neither slice nor contiguous saves it
+        # for backward; SliceBackward's zero-filled gradient comes after log_softmax's has freed the
+        # log-probabilities, so backward's peak does not change)
+        b = b._replace(forward=b.forward + pol.half)
+    return b
+
+
+def _loss_in_one_piece(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int) -> LossBytes:
+    """``loss_bytes`` before the logits are shifted (see there)."""
     if not is_lm(m):
         return LossBytes(held, pol.half, F32, F32, 2 * F32)
     mode, half = loss_mode(m, t), pol.half

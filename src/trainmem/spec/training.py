@@ -30,6 +30,7 @@ HOLD_OUTPUT = ("loss", "backward", "step")  # what the loop keeps of the model o
 #: lit-gpt); chunked: torchtune's CEWithChunkedOutputLoss over --loss-chunks output chunks; fused: Liger's
 #: fused linear + cross-entropy (no logits materialised)
 LOSSES = ("upcast", "half", "chunked", "fused")
+LOSS_SHIFTS = ("labels", "logits")  # how next-token targets are aligned: shifted labels, or a shifted logits copy
 MASTER_WEIGHTS = ("none", "fp32")
 #: when sharded gradients are reduce-scattered under gradient accumulation: after every micro-batch
 #: (FSDP's default; torchtune, torchtitan) or only at the optimizer step, the other micro-batches'
@@ -113,6 +114,7 @@ class TrainingSpec:
     #                        1 = FullyShardedDataParallel (flat parameters); estimate models both alike except
     #                        FSDP1's LoRA units (``fsdp_lora_units``, ``fsdp_mixed_units``)
     grad_sync: str = "micro-batch"  # GRAD_SYNC: "step" accumulates FSDP's gradients unsharded (no_sync)
+    loss_shift: str = "labels"  # LOSS_SHIFTS: "logits" = ``logits[..., :-1, :].contiguous()`` before the loss
     fsdp_lora_units: str = "separate"  # FSDP_LORA_UNITS: "layer" puts adapters in their layer's FSDP1 unit
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
@@ -252,6 +254,11 @@ class TrainingSpec:
                                 "or half (half chunks, litgpt)")
         if self.loss is None and self.loss_chunks > 1:
             object.__setattr__(self, "loss", "chunked")
+        _choice("loss-shift", self.loss_shift, LOSS_SHIFTS)
+        if self.loss_shift == "logits" and (self.loss != "half" or self.loss_chunks > 1):
+            raise TrainmemError("--loss-shift logits is a loop that shifts the half logits before its cross-entropy "
+                                "(GPTLMLoss, older transformers models): give --loss half (in one piece), or drop "
+                                "--loss-shift (an upcast loop's copies depend on its order, not modelled)")
 
     # ----- derived -------------------------------------------------------------------------
     @property
