@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..spec.model import ModelSpec
-from ..spec.training import TrainingSpec
+from ..spec.training import RECOMPUTE, TrainingSpec
 from .cache import BoundedCache
 from .elementwise import NEVER
 from .derived import regime as derived_regime
@@ -31,6 +31,8 @@ from .quant4 import dequant_dtypes, is_quantized
 from .states import States, block_bytes, default_lora_targets, fsdp_grad_op, model_states
 
 F32 = 4
+#: outer tensors whose ``tok`` coefficient counts bytes per sequence position (shared by the micro-batch)
+PER_POSITION = ("rotary.cos_sin",)
 HEAD_KEYS = ("final_norm", "lm_head.input", "mlm.transform", "pooler.input", "derived.head_side")
 
 
@@ -133,7 +135,13 @@ def layer_key(m: ModelSpec, t: TrainingSpec) -> LayerKey:
                     m.num_kv_heads, m.head_dim, t.tp, t.sequence_parallel, m.num_experts,
                     m.experts_top_k, m.pre_norm, lora, t.lora_dropout if lora else 0.0,
                     bool(lora) and t.lora_half, dequant_dtypes(t) if t.quantize else (0, 0), t.bnb_saves_input,
-                    kv_cache(m, t))
+                    kv_cache(m, t), biased=biased_linears(m) if t.recompute == "op" else ())
+
+
+def biased_linears(m: ModelSpec) -> tuple[str, ...]:
+    """The modules of a layer whose linear has a bias: ``at::linear`` runs them as ``addmm``, the
+    others as ``mm`` (which torchtitan's per-op checkpointing policy counts, ``layers.op_checkpoint_saved``)."""
+    return tuple(sorted({p.module for p in m.parameter_tensors() if p.layer == 0 and p.role == "bias"}))
 
 
 def kv_cache(m: ModelSpec, t: TrainingSpec) -> bool:
@@ -142,7 +150,7 @@ def kv_cache(m: ModelSpec, t: TrainingSpec) -> bool:
     under gradient checkpointing (``merge_with_config_defaults`` turns it off); its ``torch.cat``
     copies of each layer's keys and values are what attention then consumes. Megatron-style
     tensor/pipeline/context parallel code has no such cache."""
-    if t.recompute == "full" or t.tp * t.pp * t.cp > 1:
+    if t.recompute in ("full", "op") or t.tp * t.pp * t.cp > 1:
         return False
     if m.head != "causal-lm" or m.family == "nanogpt":
         return False
@@ -188,9 +196,11 @@ def _embedding_side(m: ModelSpec, t: TrainingSpec, pol: Policy, h: int, sp: int)
         if drop:
             out.append(("embeddings.dropout.mask", h / sp, 0.0))
     if m.position == "rotary":
-        # cos and sin (b, s, head_dim) in the residual dtype, shared by every layer's rotary mul
+        # cos and sin in the residual dtype, shared by every layer's rotary mul: (1, s, head_dim), as
+        # transformers builds the position ids for the sequence (``cache_position.unsqueeze(0)``), so
+        # they are bytes per sequence position (PER_POSITION), not per token of the micro-batch
         out.append(("rotary.cos_sin", 2.0 * m.head_dim * pol.stream, 0.0))
-    if t.recompute == "full" and t.attention == "eager" and m.head == "causal-lm" and m.family != "nanogpt":
+    if t.recompute in ("full", "op") and t.attention == "eager" and m.head == "causal-lm" and m.family != "nanogpt":
         # transformers' eager attention adds a 4-D float causal mask (b, 1, s, s) in the
         # embeddings' dtype; checkpointed layers keep it as an input until the first layer's
         # backward (without recompute it dies with the base model's forward)
@@ -413,7 +423,7 @@ def quantities(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> Quantitie
 
 #: layout fields of a parallel shape, in the order ``shape_quantities`` reads its rows
 SHAPE_FIELDS = ("tp", "pp", "cp", "dp", "zero", "recompute", "sequence_parallel")
-_RECOMPUTE = ("none", "selective", "full")
+_RECOMPUTE = RECOMPUTE
 _SHAPES: dict[tuple, dict[tuple, tuple]] = {}
 
 
@@ -452,11 +462,11 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     oib = t.optimizer_in_backward
     sp = t.tp if t.sequence_parallel else 1
     input_tok = m.hidden_size * pol.stream / sp               # a layer's input (b, s, h), residual dtype
-    checkpointed = layers // t.recompute_every if t.recompute == "full" else 0
+    checkpointed = layers // t.recompute_every if t.recompute in ("full", "op") else 0
     kept, redo = _recompute(t, lc, input_tok, checkpointed / layers)
     # the recompute transient belongs to the top layer's backward moment only when the top layer is
     # checkpointed; otherwise it comes later, when the layers above it have freed more than it adds
-    top_recomputed = t.recompute != "full" or layers % t.recompute_every == 0
+    top_recomputed = t.recompute not in ("full", "op") or layers % t.recompute_every == 0
     redo = redo if top_recomputed else (0.0, 0.0)
     head_here = t.pp == 1 or stage == "last"
     # autocast casts each fp32 leaf weight once per forward and caches it; the matmuls save the
@@ -477,6 +487,8 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     for name, tok, sq in outer:
         if name in HEAD_KEYS:
             head_tok += tok
+        elif name in PER_POSITION:
+            rest_pos += tok
         else:
             rest_tok, rest_sq = rest_tok + tok, rest_sq + sq
     loss = loss_bytes(m, t, pol) if head_here else LossBytes()
@@ -484,7 +496,10 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     oib_mid, oib_end = oib_update_bytes(m, t, st) if oib else (0, 0)
     gpw = st.layer_grads / lc.weights if (lc.weights and not oib) else 0.0
     after = lc.after or (0.0,) * len(lc.transients)
-    trans = tuple((a, b, c, int(w * gpw)) for (_, a, b, c), w in zip(lc.transients, after))
+    # inside a layer's backward the half weight copies of its later linears (back-propagated already)
+    # were freed with their matmuls' saved tensors: each transient excludes them (2 bytes per element)
+    freed = 2.0 if cast_layer else 0.0
+    trans = tuple((a, b, c - w * freed, int(w * gpw)) for (_, a, b, c), w in zip(lc.transients, after))
     inflight_fixed = 1 if (t.pp == 1 or stage != "first") else (t.num_microbatches_in_flight or 0)
     return Quantities(
         fixed=st.weights + st.buffers + st.master + comm, grads=0 if oib else st.grads,
@@ -517,11 +532,19 @@ def _recompute(t: TrainingSpec, lc: LayerCoefs, input_tok: float, share: float
     torchtitan's and torchtune's ``ac_freq``/``ac_option`` wrap a layer when its 1-based count is a
     multiple of N, torchtitan ``distributed/activation_checkpoint.py``), so the average layer keeps
     ``share`` of an input and ``1 - share`` of everything."""
+    # a recomputed layer saves its input again only where it makes a copy of it: where a norm saves
+    # the input itself (an fp32 stream under autocast or in fp32), that tensor is the kept input
+    redo_tok = lc.tok - lc.input_saved
     if t.recompute == "full":
         kept = (share * input_tok + (1 - share) * lc.tok, (1 - share) * lc.sq) if share < 1 else (input_tok, 0.0)
-        return kept, ((lc.tok, lc.sq) if share > 0 else (0.0, 0.0))
+        return kept, ((redo_tok, lc.sq) if share > 0 else (0.0, 0.0))
     if t.recompute == "selective":
         return (lc.tok, 0.0), (0.0, lc.sq)
+    if t.recompute == "op":
+        # torchtitan's per-op policy: the input and the saved op outputs stay; in its backward the
+        # layer is recomputed around them (the cached outputs are handed back, not made again), so
+        # the layer then holds its input and everything it saves: redo = saved - what was kept
+        return (input_tok + lc.op_tok, lc.op_sq), (redo_tok - lc.op_tok, lc.sq - lc.op_sq)
     return (lc.tok, lc.sq), (0.0, 0.0)
 
 
