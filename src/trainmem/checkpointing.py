@@ -153,7 +153,8 @@ class OffloadActivations(saved_tensors_hooks):
         self.tensor_id += 1
         tid = self.tensor_id
         nbytes = activation.element_size() * activation.nelement()
-        if nbytes >= self.min_bytes and not isinstance(activation, (torch.nn.Parameter, torch.nn.Buffer)):
+        on_gpu = activation.device.type in ("cuda", _EMULATED)  # a CPU run has nothing to move off a device
+        if on_gpu and nbytes >= self.min_bytes and not isinstance(activation, (torch.nn.Parameter, torch.nn.Buffer)):
             for old in [k for k in self.fwd_stash if k <= tid - self.max_stash]:
                 del self.fwd_stash[old]   # the copy stream is done with it (s0.wait_event)
             self.tracker[tid] = (_to_host(activation, self.pin), True)

@@ -59,8 +59,8 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
         raise TrainmemError(f"--optimizer {t.optimizer} is not in torch.optim; {what} supports adamw, adam, sgd, "
                             f"sgd-momentum, adafactor")
     if t.recompute == "selective":
-        raise TrainmemError(f"--recompute selective is a Megatron feature; {what} supports none and full "
-                            "(transformers gradient checkpointing)")
+        raise TrainmemError(f"--recompute selective is a Megatron feature; {what} supports none, full and op "
+                            "(transformers gradient checkpointing, torchtitan's per-op policy)")
     if t.loss == "fused":
         raise TrainmemError(f"--loss fused runs Liger-Kernel's Triton kernels, which {what} cannot run here; "
                             "use estimate, or --loss chunked")

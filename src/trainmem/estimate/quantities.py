@@ -464,6 +464,8 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     input_tok = m.hidden_size * pol.stream / sp               # a layer's input (b, s, h), residual dtype
     checkpointed = layers // t.recompute_every if t.recompute in ("full", "op") else 0
     kept, redo = _recompute(t, lc, input_tok, checkpointed / layers)
+    if t.offload_activations:
+        kept, redo = _offloaded(kept, redo, input_tok)
     # the recompute transient belongs to the top layer's backward moment only when the top layer is
     # checkpointed; otherwise it comes later, when the layers above it have freed more than it adds
     top_recomputed = t.recompute not in ("full", "op") or layers % t.recompute_every == 0
@@ -500,6 +502,8 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     # were freed with their matmuls' saved tensors: each transient excludes them (2 bytes per element)
     freed = 2.0 if cast_layer else 0.0
     trans = tuple((a, b, c - w * freed, int(w * gpw)) for (_, a, b, c), w in zip(lc.transients, after))
+    if t.offload_activations and trans:
+        trans = trans[:-1] + ((trans[-1][0] + offload_previous(m), *trans[-1][1:]),)
     inflight_fixed = 1 if (t.pp == 1 or stage != "first") else (t.num_microbatches_in_flight or 0)
     return Quantities(
         fixed=st.weights + st.buffers + st.master + comm, grads=0 if oib else st.grads,
@@ -546,6 +550,27 @@ def _recompute(t: TrainingSpec, lc: LayerCoefs, input_tok: float, share: float
         # the layer then holds its input and everything it saves: redo = saved - what was kept
         return (input_tok + lc.op_tok, lc.op_sq), (redo_tok - lc.op_tok, lc.sq - lc.op_sq)
     return (lc.tok, lc.sq), (0.0, 0.0)
+
+
+def _offloaded(kept: tuple[float, float], redo: tuple[float, float], input_tok: float
+               ) -> tuple[tuple[float, float], tuple[float, float]]:
+    """torchtune's activation offloading over full recompute (``checkpointing.OffloadActivations``):
+    the checkpointed layer's input, which ``_NoopSaveInputs`` saves through the offloading hooks, leaves
+    the GPU once ``max_fwd_stash_size`` (5) later tensors were packed (a Llama layer packs one, the
+    final RMSNorm five, so none is left when forward ends), and comes back as a new tensor when the
+    layer is recomputed in its backward: kept per layer 0, the recomputed layer holds it again."""
+    return (kept[0] - input_tok, kept[1]), (redo[0] + input_tok, redo[1])
+
+
+def offload_previous(m: ModelSpec) -> float:
+    """Bytes per token that the first node of a layer's backward finds still on the GPU under
+    torchtune's offloading: the tensor the node before it brought back, freed only after this node
+    has run (``bwd_tensor_stash``, _activation_offloading.py L263-266, L334-338). Above the top layer
+    that is the final RMSNorm's fp32 input (transformers ``LlamaRMSNorm``: ``pow`` saves
+    ``hidden_states.to(float32)``), the largest such tensor; below, the next layer's input (in a half
+    residual stream; an fp32 one is saved by the recomputed norm itself and freed with it). The
+    larger is counted for every layer."""
+    return m.hidden_size * F32
 
 
 def _communication(t: TrainingSpec, st: States) -> tuple[int, str]:
