@@ -143,6 +143,9 @@ def _rec_filter(value: Any) -> list[int]:
     out = []
     for x in items:
         x = str(x).strip()
+        if x == "op":
+            raise TrainmemError("plan --recompute op: the planner's layouts and step-time model cover none, "
+                                "selective and full; estimate one layout with --recompute op")
         if x not in REC_CODES:
             raise TrainmemError(f"--recompute {x!r} is not one of: {', '.join(RECOMPUTE)}")
         out.append(REC_CODES[x])
