@@ -111,15 +111,7 @@ def add_training(g: Any) -> None:
                        help={"dp": "data-parallel size", "tp": "tensor-parallel size",
                              "pp": "pipeline-parallel size", "cp": "context-parallel size"}[k])
     g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--recompute", choices=RECOMPUTE, default=None,
-                   help="activation recomputation (default none): selective (Megatron: attention core), full "
-                        "(each layer checkpointed), op (torchtitan's per-op policy: every other matmul and "
-                        "the attention kernel saved)")
-    g.add_argument("--recompute-every", type=positive_int, default=None, metavar="N",
-                   help="with --recompute full: checkpoint only every N-th layer (torchtitan/torchtune ac_freq)")
-    g.add_argument("--offload-activations", action="store_true", default=None,
-                   help="with --recompute full: torchtune's activation offloading (the checkpointed layers' "
-                        "inputs in pinned CPU memory, brought back in backward)")
+    _add_recompute(g)
     g.add_argument("--compile", action="store_true", help="torch.compile (fused loss backward)")
     g.add_argument("--attention", choices=ATTENTION, default=None,
                    help="sdpa (default): the backend PyTorch picks; sdpa-flash|sdpa-efficient|sdpa-math|sdpa-cudnn "
@@ -178,6 +170,19 @@ def add_output(o: Any) -> None:
                    help="unit of the tables (default auto: MiB for small runs, GiB, TiB for huge ones; "
                         "one unit per table, always labelled; JSON stays in bytes)")
     o.add_argument("--detail", action="store_true", help="list every component, not categories")
+
+
+def _add_recompute(g: Any) -> None:
+    """--recompute, --recompute-every, --offload-activations."""
+    g.add_argument("--recompute", choices=RECOMPUTE, default=None,
+                   help="activation recomputation (default none): selective (Megatron: attention core), full "
+                        "(each layer checkpointed), op (torchtitan's per-op policy: every other matmul and "
+                        "the attention kernel saved)")
+    g.add_argument("--recompute-every", type=positive_int, default=None, metavar="N",
+                   help="with --recompute full: checkpoint only every N-th layer (torchtitan/torchtune ac_freq)")
+    g.add_argument("--offload-activations", action="store_true", default=None,
+                   help="with --recompute full: torchtune's activation offloading (the checkpointed layers' "
+                        "inputs in pinned CPU memory, brought back in backward)")
 
 
 def training_options(a: argparse.Namespace) -> dict[str, Any]:

@@ -139,10 +139,6 @@ class TrainingSpec:
         _choice("grad_sync", self.grad_sync, GRAD_SYNC)
         _choice("fsdp_lora_units", self.fsdp_lora_units, FSDP_LORA_UNITS)
         self._check_loss()
-        if self.recompute_every > 1 and self.recompute != "full":
-            raise TrainmemError(f"--recompute-every {self.recompute_every} checkpoints every N-th layer: it needs "
-                                "--recompute full (torchtitan's selective_ac_option is 'op' or a layer frequency, "
-                                "not both)")
         self._check_recompute()
         if self.precision == "bf16-mp" and self.fsdp is None:
             raise TrainmemError("--precision bf16-mp is FSDP's MixedPrecisionPolicy(param_dtype=bf16, "
@@ -204,7 +200,11 @@ class TrainingSpec:
                                 "or omit it for peft's defaults")
 
     def _check_recompute(self) -> None:
-        """``--recompute op`` and ``--offload-activations``: what trainmem models of them."""
+        """``--recompute-every``, ``--recompute op`` and ``--offload-activations``: what trainmem models."""
+        if self.recompute_every > 1 and self.recompute != "full":
+            raise TrainmemError(f"--recompute-every {self.recompute_every} checkpoints every N-th layer: it needs "
+                                "--recompute full (torchtitan's selective_ac_option is 'op' or a layer frequency, "
+                                "not both)")
         if self.recompute == "op":
             if self.lora_rank or self.quantize:
                 raise TrainmemError("--recompute op is modelled for full training: peft's adapter matmuls would "
