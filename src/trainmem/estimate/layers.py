@@ -650,7 +650,7 @@ def _gpt2_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: f
     x2 = T(h / sp_div, 0, pol.stream, "residual")
     m_in = B.layer_norm(x2, "ln_2")
     B.linear(T(h / sp_div, 0, m_in.nbytes, "ln_2.out"), f, "c_fc", "c_fc.input", h)
-    act = _gelu(B, k.act_impl, f)
+    act = _gelu(B, k.act_impl, f, h / sp_div)
     B.linear(act, h, "mlp.c_proj", "mlp.c_proj.input")
     B.drop(T(h / sp_div, 0, half, "resid"), k.hidden_dropout, "mlp.resid_dropout")
 
@@ -680,7 +680,7 @@ def _bert_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: f
         ln1 = B.layer_norm(sum1, "attention.output.LayerNorm")
         src2 = T(h / sp_div, 0, ln1.nbytes, "attention.output.LayerNorm.out")
     B.linear(src2, f, "intermediate.dense", "intermediate.dense.input", h)
-    act = _gelu(B, k.act_impl, f)
+    act = _gelu(B, k.act_impl, f, h / sp_div)
     B.linear(act, h, "output.dense", "output.dense.input")
     B.drop(T(h / sp_div, 0, half, "resid"), k.hidden_dropout, "output.dropout")
     if not k.pre_norm:
@@ -728,7 +728,7 @@ def _llama_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: 
         _swiglu(B, f, h, src2, "mlp", fused_gate_up=False)
 
 
-def _gelu(B: Builder, impl: str, f: float) -> T:
+def _gelu(B: Builder, impl: str, f: float, h: float = 0.0) -> T:
     """The MLP activation on the ``c_fc``/``intermediate`` output (half under autocast).
 
     ``gelu`` / ``gelu_pytorch_tanh`` (fused ``F.gelu``): saves its input, returns the input dtype.
@@ -743,8 +743,9 @@ def _gelu(B: Builder, impl: str, f: float) -> T:
         B.r.save(T(f, 0, wide, "mlp.act.pow_input"), T(f, 0, wide, "mlp.act.tanh"),
                  T(f, 0, half, "mlp.act.half_x"), T(f, 0, wide, "mlp.act.one_plus_tanh"))
         # backward: the incoming gradient (the next linear's input gradient, cast back to wide) and
-        # the two gradients the final product's MulBackward makes, all of the activation's size
-        B.r.transient("mlp.act.backward", T(f, 0, wide), T(f, 0, wide), T(f, 0, wide))
+        # the two gradients the final product's MulBackward makes, all of the activation's size; the
+        # residual stream's gradient (b, s, h) waits for the attention branch meanwhile
+        B.r.transient("mlp.act.backward", T(f, 0, wide), T(f, 0, wide), T(f, 0, wide), T(h, 0, B.p.stream))
         return T(f, 0, wide, "mlp.act.out")
     B.r.save(T(f, 0, half, "mlp.act.input"))
     return T(f, 0, half, "mlp.act.out")
