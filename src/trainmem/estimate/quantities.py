@@ -503,7 +503,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     freed = 2.0 if cast_layer else 0.0
     trans = tuple((a, b, c - w * freed, int(w * gpw)) for (_, a, b, c), w in zip(lc.transients, after))
     if t.offload_activations and trans:
-        trans = trans[:-1] + ((trans[-1][0] + offload_previous(m), *trans[-1][1:]),)
+        trans = trans[:-1] + ((trans[-1][0] + offload_previous(input_tok, pol), *trans[-1][1:]),)
     inflight_fixed = 1 if (t.pp == 1 or stage != "first") else (t.num_microbatches_in_flight or 0)
     return Quantities(
         fixed=st.weights + st.buffers + st.master + comm, grads=0 if oib else st.grads,
@@ -562,15 +562,16 @@ def _offloaded(kept: tuple[float, float], redo: tuple[float, float], input_tok: 
     return (kept[0] - input_tok, kept[1]), (redo[0] + input_tok, redo[1])
 
 
-def offload_previous(m: ModelSpec) -> float:
+def offload_previous(input_tok: float, pol: Policy) -> float:
     """Bytes per token that the first node of a layer's backward finds still on the GPU under
     torchtune's offloading: the tensor the node before it brought back, freed only after this node
-    has run (``bwd_tensor_stash``, _activation_offloading.py L263-266, L334-338). Above the top layer
-    that is the final RMSNorm's fp32 input (transformers ``LlamaRMSNorm``: ``pow`` saves
-    ``hidden_states.to(float32)``), the largest such tensor; below, the next layer's input (in a half
-    residual stream; an fp32 one is saved by the recomputed norm itself and freed with it). The
-    larger is counted for every layer."""
-    return m.hidden_size * F32
+    has run (``bwd_tensor_stash``, _activation_offloading.py L263-266, L334-338): the next layer's
+    input where the residual stream is half (an fp32 one is saved by the recomputed norm itself, so
+    torchtune lets it go with that reference, L315-323, freed before this layer). Above the top layer
+    it is the final RMSNorm's fp32 input instead (``LlamaRMSNorm``'s ``pow`` saves
+    ``hidden_states.to(float32)``), which this leaves out: the top layer's moment has fewer gradients
+    than the bottom one's, where the peak of a checkpointed backward falls."""
+    return input_tok if pol.stream != F32 else 0.0
 
 
 def _communication(t: TrainingSpec, st: States) -> tuple[int, str]:
