@@ -181,6 +181,10 @@ class TrainStep:
             if t.recompute_every > 1:
                 _checkpoint_every(inner, t.recompute_every)
         if t.offload_activations:
+            if not str(device).startswith("cuda"):
+                # torchtune refuses it off CUDA (full_finetune_distributed.py L205-209): nothing to move
+                raise TrainmemError(f"--offload-activations moves saved activations off a GPU; a {what} on "
+                                    f"{device} has none to move: drop it or run on cuda")
             self.offload = _offload_base_model(unwrapped(model))
         self.model, self.spec, self.training, self.device = model, spec, t, device
         self.on_phase = on_phase
