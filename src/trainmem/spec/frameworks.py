@@ -194,6 +194,10 @@ def _others(t: Any, framework: str, zero: bool = True, dist: bool = True) -> lis
         out.append(f"--zero {t.zero} is DeepSpeed's ZeRO: {framework} does not run it")
     if dist and t.distributed_optimizer:
         out.append(f"--distributed-optimizer is Megatron's (or NeMo's): {framework} does not run it")
+    if t.recompute == "op" and framework != "torchtitan":
+        out.append(f"--recompute op is torchtitan's per-op checkpointing policy: {framework} does not run it")
+    if t.offload_activations and framework != "torchtune":
+        out.append(f"--offload-activations is torchtune's OffloadActivations: {framework} does not run it")
     return out
 
 
