@@ -8,7 +8,7 @@
   (torchtitan/models/llama3/infra/parallelize.py L36-51) except every second ``aten.mm`` of the
   block, and recomputes every other op. ``checkpoint_kwargs`` gives what ``ptd_checkpoint_wrapper``
   passes to ``checkpoint`` there (non-reentrant, ``early_stop`` False: ActivationCheckpoint's default,
-  torchtitan/config/job_config.py).
+  torchtitan/config/job_config.py L651-675).
 * ``OffloadActivations``: torchtune's activation offloading (torchtune v0.6.1
   torchtune/training/_activation_offloading.py L24-353): a ``saved_tensors_hooks`` pair that copies
   every saved tensor of at least ``min_offload_size`` bytes that is not an ``nn.Parameter`` or
@@ -18,8 +18,8 @@
   until the next autograd node that brings one back has run, or, when something else took a
   reference to it, as long as that reference lives (``record_stream``). torchtune applies it with
   activation checkpointing only (recipes/full_finetune_distributed.py L205-213), so what leaves the
-  GPU is mostly the checkpointed layers' inputs (``_NoopSaveInputs`` saves them outside the
-  checkpoint's own hooks), and it exempts the output head (``get_act_offloading_ctx_manager``,
+  GPU is mostly the checkpointed layers' inputs (torch 2.13 torch/utils/checkpoint.py L842-847,
+  ``_CheckpointFrame.save_inputs``, saves them outside the checkpoint's own hooks), and it exempts the output head (``get_act_offloading_ctx_manager``,
   L393-418; here: the hooks are entered around the base model only, not the head or the loss).
 
 Under trace's CUDA emulation (``trace/cuda.py``: device tensors on ``meta``, streams and events no-ops)

@@ -531,8 +531,9 @@ def _recompute(t: TrainingSpec, lc: LayerCoefs, input_tok: float, share: float
                ) -> tuple[tuple[float, float], tuple[float, float]]:
     """(kept per layer, re-created while one layer is recomputed) as (per token, per token x key).
     none: everything is kept; selective (Megatron): the attention scores are recomputed; full: only
-    each checkpointed layer's input is kept, and one whole layer comes back during its backward.
-    ``share``: the checkpointed share of the rank's layers (1 unless ``recompute_every`` N > 1:
+    each checkpointed layer's input is kept, and one whole layer comes back during its backward;
+    op (torchtitan's per-op policy): the input and the op outputs the policy saves
+    (``layers.op_checkpoint_saved``), the rest of the layer coming back during its backward. ``share``: the checkpointed share of the rank's layers (1 unless ``recompute_every`` N > 1:
     torchtitan's and torchtune's ``ac_freq``/``ac_option`` wrap a layer when its 1-based count is a
     multiple of N, torchtitan ``distributed/activation_checkpoint.py``), so the average layer keeps
     ``share`` of an input and ``1 - share`` of everything."""
@@ -555,7 +556,8 @@ def _recompute(t: TrainingSpec, lc: LayerCoefs, input_tok: float, share: float
 def _offloaded(kept: tuple[float, float], redo: tuple[float, float], input_tok: float
                ) -> tuple[tuple[float, float], tuple[float, float]]:
     """torchtune's activation offloading over full recompute (``checkpointing.OffloadActivations``):
-    the checkpointed layer's input, which ``_NoopSaveInputs`` saves through the offloading hooks, leaves
+    the checkpointed layer's input, which the checkpoint frame saves through the offloading hooks
+    (torch 2.13 torch/utils/checkpoint.py L842-847, ``_CheckpointFrame.save_inputs``), leaves
     the GPU once ``max_fwd_stash_size`` (5) later tensors were packed (a Llama layer packs one, the
     final RMSNorm five, so none is left when forward ends), and comes back as a new tensor when the
     layer is recomputed in its backward: kept per layer 0, the recomputed layer holds it again."""
