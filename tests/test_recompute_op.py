@@ -129,3 +129,19 @@ def test_mixtral_op_and_offload_against_trace():
                         expandable_segments=True, **kw)
     assert tr[True].peak_allocated - tr[False].peak_allocated == 4 * 512 * 256 * 2  # one bf16 layer input
     assert est[True].peak_allocated - est[False].peak_allocated == 4 * 512 * 256 * 2
+
+
+@pytest.mark.parametrize("options, names", [({"recompute": "op"}, "--recompute op"),
+                                            ({"recompute": "full", "offload_activations": True},
+                                             "--offload-activations")])
+def test_plan_refuses_what_its_layouts_do_not_cover(options, names):
+    from trainmem.plan.planner import plan
+    with pytest.raises(TrainmemError) as e:
+        plan("llama-3.2-1b", gpus=8, global_batch=64, gpu="h100", **options)
+    assert names in str(e.value) and "\n" not in str(e.value)
+
+
+def test_suggest_offers_per_op_recompute_between_selective_and_full():
+    from trainmem.plan.suggest import suggest
+    names = [s.name for s in suggest("llama-3.2-1b", batch_size=8, seq_len=4096, gpu="a10g")]
+    assert "recompute-op" in names
