@@ -145,3 +145,24 @@ def test_suggest_offers_per_op_recompute_between_selective_and_full():
     from trainmem.plan.suggest import suggest
     names = [s.name for s in suggest("llama-3.2-1b", batch_size=8, seq_len=4096, gpu="a10g")]
     assert "recompute-op" in names
+
+
+@pytest.mark.parametrize("attention, kv_heads, op", [
+    ("sdpa", 2, "aten._scaled_dot_product_flash_attention.default"),
+    ("sdpa-efficient", 4, "aten._scaled_dot_product_efficient_attention.default"),
+    ("sdpa-cudnn", 2, "aten._scaled_dot_product_cudnn_attention.default"),
+])
+def test_emulated_sdpa_kernels_are_on_the_save_list(monkeypatch, attention, kv_heads, op):
+    """Under trace's CUDA emulation each SDPA backend runs the aten op a GPU runs, which torchtitan's
+    save list names: the policy saves one per layer and forward (2 layers x 2 steps)."""
+    import trainmem.checkpointing as ck
+    seen = []
+    init = ck.OpCheckpointPolicy.__init__
+
+    def record(self, *a, **k):
+        init(self, *a, **k)
+        seen.append(self)
+    monkeypatch.setattr(ck.OpCheckpointPolicy, "__init__", record)
+    cfg = [s if not s.startswith("num_key_value_heads") else f"num_key_value_heads={kv_heads}" for s in LLAMA]
+    trace("llama-3.2-1b", set=cfg, batch_size=1, seq_len=256, precision="bf16", recompute="op", attention=attention)
+    assert seen and seen[0].saved(op) == 2 * 2
