@@ -166,3 +166,11 @@ def test_emulated_sdpa_kernels_are_on_the_save_list(monkeypatch, attention, kv_h
     cfg = [s if not s.startswith("num_key_value_heads") else f"num_key_value_heads={kv_heads}" for s in LLAMA]
     trace("llama-3.2-1b", set=cfg, batch_size=1, seq_len=256, precision="bf16", recompute="op", attention=attention)
     assert seen and seen[0].saved(op) == 2 * 2
+
+
+@pytest.mark.parametrize("method", ["eleuther", "korthikanti", "nemo"])
+def test_published_methods_refuse_what_they_have_no_formula_for(method):
+    for options, names in (({"recompute": "op"}, "--recompute op"),
+                           ({"recompute": "full", "offload_activations": True}, "--offload-activations")):
+        with pytest.raises(TrainmemError, match=names):
+            trainmem.estimate("llama-3.2-1b", method=method, **options)
