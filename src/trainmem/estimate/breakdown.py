@@ -131,8 +131,9 @@ def activations(q: Quantities, tk: Tokens, at_peak: int, t: TrainingSpec, n: int
     elif t.recompute in ("full", "op"):
         stream = "fp32" if t.weight_bytes == 4 else half  # the residual stream's dtype
         inputs = int(q.detail.input_tok * n) if t.recompute == "op" else tk.layer
-        listed.append(Component("activations.layers.checkpointed_inputs", ACTIVATIONS, inputs * per_rank,
-                                stream, f"{t.recompute} recompute keeps each layer's input"))
+        if inputs:  # none with --offload-activations: the inputs are in CPU memory
+            listed.append(Component("activations.layers.checkpointed_inputs", ACTIVATIONS, inputs * per_rank,
+                                    stream, f"{t.recompute} recompute keeps each layer's input"))
         if tk.layer - inputs:
             listed.append(Component("activations.layers.op_saved", ACTIVATIONS, (tk.layer - inputs) * per_rank, None,
                                     "outputs torchtitan's per-op policy saves: every other matmul, the SDPA kernel"))
