@@ -115,7 +115,14 @@ def setups(draw, models=tuple(MODELS)):
         options["attention"] = "sdpa"  # a pinned kernel PyTorch refuses for this model
     if options["distributed_optimizer"]:
         options["zero"] = 0  # Megatron's distributed optimizer is its own ZeRO-1 (no --zero with it)
+    if options["recompute"] == "op" and not op_applies(m, options):
+        options["recompute"] = "full"  # torchtitan's per-op policy is modelled for full training, one TP rank
     return name, m, options
+
+
+def op_applies(m, o) -> bool:
+    """Where ``--recompute op`` is modelled (TrainingSpec._check_recompute, training.check_against)."""
+    return m.family != "derived" and not o.get("lora_rank") and o.get("tp", 1) == 1
 
 
 def stages(t: TrainingSpec) -> tuple[str, ...]:
@@ -205,6 +212,8 @@ def raw_setups(draw):
         why.append("sequence beyond learned positions")
     if o["lora_rank"] and o["lora_targets"] and set(o["lora_targets"].split(",")) - set(matmul_modules(m)):
         why.append("LoRA target the model lacks")
+    if o["recompute"] == "op" and not op_applies(m, o):
+        why.append("per-op recompute with LoRA, TP or a derived architecture")
     if m.family == "derived":  # measured on one GPU's real model (estimate/derived.py)
         if o["tp"] > 1:
             why.append("TP of a derived architecture")
@@ -304,6 +313,8 @@ def test_larger_tp_never_raises_model_states(case):
     values = []
     for tp in sizes:
         opts = dict(o, tp=tp, sequence_parallel=o["sequence_parallel"] and tp > 1)
+        if tp > 1 and opts["recompute"] == "op":
+            opts["recompute"] = "full"  # op is modelled on one TP rank; model states do not depend on it
         values.append(stage_states(m, TrainingSpec(**opts)))
     for a, b in zip(values, values[1:]):
         assert b["first"] <= a["first"] and b["last"] <= a["last"], (sizes, values)
@@ -322,7 +333,7 @@ def test_larger_pp_never_raises_model_states(case):
 @FAST
 @given(setups())
 def test_recompute_never_raises_activations(case):
-    """full <= selective <= none, compared at the end of forward, stage by stage.
+    """full <= selective <= none and full <= op <= none, compared at the end of forward, stage by stage.
 
     Only activations differ between the three setups at that moment (model states, inputs,
     workspace and logits do not depend on recomputation), so the allocated memory at the end of
@@ -332,7 +343,8 @@ def test_recompute_never_raises_activations(case):
     name, m, o = case
     per_mode = {}
     per_layer = {}
-    for mode in RECOMPUTE:
+    modes = [r for r in RECOMPUTE if r != "op" or op_applies(m, o)]
+    for mode in modes:
         t = TrainingSpec(**dict(o, recompute=mode))
         reps = stage_reports(m, t)
         per_mode[mode] = [forward_allocated(r) for r in reps]
@@ -341,6 +353,8 @@ def test_recompute_never_raises_activations(case):
         for step in range(len(per_mode["none"][i])):
             full, sel, none = (per_mode[k][i][step] for k in ("full", "selective", "none"))
             assert full <= sel <= none, (i, step, full, sel, none)
+            if "op" in per_mode:  # torchtitan's per-op policy keeps the input and some op outputs
+                assert full <= per_mode["op"][i][step] <= none
         assert per_layer["full"][i] <= per_layer["selective"][i] <= per_layer["none"][i]
 
 

@@ -39,6 +39,8 @@ def test_gelu_new_backward_under_recompute(precision, one_torch_thread):
     # gradients in the op's working dtype); it was 12% under trace before that transient was counted
     o = dict(set=["n_layer=4", "n_embd=256", "n_head=4", "vocab_size=1024"], seq_len=1024, batch_size=2,
              recompute="full", precision=precision)
+    # expandable segments: each tensor is charged its own rounded block, what the estimate counts (the
+    # default allocator adds 2% of unsplit block remainders under bf16-amp here, an allocator state)
     e = trainmem.estimate("gpt2", **o)
-    r = trace("gpt2", device="cuda", **o)
+    r = trace("gpt2", device="cuda", expandable_segments=True, **o)
     assert e.peak_allocated == pytest.approx(r.peak_allocated, rel=0.02)

@@ -45,6 +45,10 @@ CASES = [
     ({"optimizer_bucket_mb": 64.0, "distributed_optimizer": True, "dp": 2}, REFUSED, "--distributed-optimizer"),
     ({"recompute": "selective"}, REFUSED, "--recompute selective"),
     ({"recompute": "full"}, CHANGED, ""), ({"recompute": "full", "recompute_every": 2}, CHANGED, ""),
+    ({"recompute": "op"}, CHANGED, ""),
+    ({"recompute": "op", "recompute_every": 2}, REFUSED, "--recompute-every 2"),
+    ({"offload_activations": True}, REFUSED, "--offload-activations"),
+    ({"offload_activations": True, "recompute": "full"}, CHANGED, ""),  # vs --recompute full alone
     ({"attention": "eager"}, CHANGED, ""), ({"attention": "sdpa-math"}, CHANGED, ""),
     ({"attention": "flash"}, "same", "the emulated GPU runs flash attention as SDPA's flash kernel, the "
                                      "backend the baseline's dispatcher picks"),
@@ -70,7 +74,7 @@ CASES = [
 ]
 #: the options a case is compared with instead of the baseline (the case's own options minus one)
 REFERENCE = {"fsdp_lora_units": {"lora_rank": 8}, "ddp_bucket_mb": {"dp": 2},
-             "grad_sync": {"grad_accum": 2, "fsdp": "full", "dp": 2}}
+             "grad_sync": {"grad_accum": 2, "fsdp": "full", "dp": 2}, "offload_activations": {"recompute": "full"}}
 GPT2_CASES = [({"dropout": False}, CHANGED, "")]
 
 

@@ -59,8 +59,8 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
         raise TrainmemError(f"--optimizer {t.optimizer} is not in torch.optim; {what} supports adamw, adam, sgd, "
                             f"sgd-momentum, adafactor")
     if t.recompute == "selective":
-        raise TrainmemError(f"--recompute selective is a Megatron feature; {what} supports none and full "
-                            "(transformers gradient checkpointing)")
+        raise TrainmemError(f"--recompute selective is a Megatron feature; {what} supports none, full and op "
+                            "(transformers gradient checkpointing, torchtitan's per-op policy)")
     if t.loss == "fused":
         raise TrainmemError(f"--loss fused runs Liger-Kernel's Triton kernels, which {what} cannot run here; "
                             "use estimate, or --loss chunked")
@@ -166,12 +166,26 @@ class TrainStep:
 
     def __init__(self, model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec, device: str,
                  on_phase: Callable[[str, int, int | None], None] | None = None, what: str = "trace") -> None:
-        if t.recompute == "full":
+        self.checkpoint_policy = self.offload = None
+        if t.recompute in ("full", "op"):
             inner = unwrapped(model)
             enable = getattr(inner, "activation_checkpointing_enable", None) or inner.gradient_checkpointing_enable
-            enable()
+            if t.recompute == "op":
+                # torchtitan's per-op selective checkpointing of each decoder layer (checkpointing.py):
+                # transformers hands these keyword arguments to torch.utils.checkpoint.checkpoint
+                from .checkpointing import OpCheckpointPolicy
+                self.checkpoint_policy = OpCheckpointPolicy()
+                enable(self.checkpoint_policy.checkpoint_kwargs())
+            else:
+                enable()
             if t.recompute_every > 1:
                 _checkpoint_every(inner, t.recompute_every)
+        if t.offload_activations:
+            if not str(device).startswith("cuda"):
+                # torchtune refuses it off CUDA (full_finetune_distributed.py L205-209): nothing to move
+                raise TrainmemError(f"--offload-activations moves saved activations off a GPU; a {what} on "
+                                    f"{device} has none to move: drop it or run on cuda")
+            self.offload = _offload_base_model(unwrapped(model))
         self.model, self.spec, self.training, self.device = model, spec, t, device
         self.on_phase = on_phase
         params = [p for p in model.parameters() if p.requires_grad]
@@ -318,6 +332,19 @@ def apply_lora(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec) -> torc
             if p.requires_grad:
                 p.data = p.data.to(half)
     return model
+
+
+def _offload_base_model(model: torch.nn.Module) -> Any:
+    """torchtune's activation offloading (``checkpointing.OffloadActivations``) around the base model's
+    forward: the recipe enters it around ``self._model(**batch)`` and exempts the output head
+    (torchtune v0.6.1 recipes/full_finetune_distributed.py L786-787, _activation_offloading.py L393-418),
+    so here the embeddings, layers and final norm offload and the head and the loss do not."""
+    from .checkpointing import OffloadActivations
+    ctx = OffloadActivations()
+    body = getattr(model, "base_model", model)
+    body.register_forward_pre_hook(lambda *a: ctx.__enter__())
+    body.register_forward_hook(lambda *a: ctx.__exit__(None, None, None), always_call=True)
+    return ctx
 
 
 def _checkpoint_every(model: torch.nn.Module, every: int) -> None:

@@ -111,9 +111,7 @@ def add_training(g: Any) -> None:
                        help={"dp": "data-parallel size", "tp": "tensor-parallel size",
                              "pp": "pipeline-parallel size", "cp": "context-parallel size"}[k])
     g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--recompute", choices=RECOMPUTE, default=None, help="activation recomputation (default none)")
-    g.add_argument("--recompute-every", type=positive_int, default=None, metavar="N",
-                   help="with --recompute full: checkpoint only every N-th layer (torchtitan/torchtune ac_freq)")
+    _add_recompute(g)
     g.add_argument("--compile", action="store_true", help="torch.compile (fused loss backward)")
     g.add_argument("--attention", choices=ATTENTION, default=None,
                    help="sdpa (default): the backend PyTorch picks; sdpa-flash|sdpa-efficient|sdpa-math|sdpa-cudnn "
@@ -181,6 +179,19 @@ def add_output(o: Any) -> None:
     o.add_argument("--detail", action="store_true", help="list every component, not categories")
 
 
+def _add_recompute(g: Any) -> None:
+    """--recompute, --recompute-every, --offload-activations."""
+    g.add_argument("--recompute", choices=RECOMPUTE, default=None,
+                   help="activation recomputation (default none): selective (Megatron: attention core), full "
+                        "(each layer checkpointed), op (torchtitan's per-op policy: every other matmul and "
+                        "the attention kernel saved)")
+    g.add_argument("--recompute-every", type=positive_int, default=None, metavar="N",
+                   help="with --recompute full: checkpoint only every N-th layer (torchtitan/torchtune ac_freq)")
+    g.add_argument("--offload-activations", action="store_true", default=None,
+                   help="with --recompute full: torchtune's activation offloading (the checkpointed layers' "
+                        "inputs in pinned CPU memory, brought back in backward)")
+
+
 def training_options(a: argparse.Namespace) -> dict[str, Any]:
     """The TrainingSpec keyword options of parsed CLI flags (the API's names). An omitted flag is
     None, which ``spec.resolve`` fills with its one default (``--seq-len``: the model's
@@ -190,6 +201,7 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 offload_optimizer=a.offload_optimizer, distributed_optimizer=a.distributed_optimizer,
                 dp=a.dp, tp=a.tp, pp=a.pp, cp=a.cp, sequence_parallel=a.sequence_parallel,
                 recompute=a.recompute, recompute_every=a.recompute_every, attention=a.attention, compile=a.compile,
+                offload_activations=a.offload_activations,
                 keep_logits=a.keep_logits,
                 optimizer_in_backward=a.optimizer_in_backward, hold_output=a.hold_output, zero_grad=a.zero_grad,
                 lora_rank=a.lora_rank, lora_dropout=a.lora_dropout, lora_dtype=a.lora_dtype,

@@ -12,6 +12,7 @@ from ..spec.model import ModelSpec
 from ..spec.resolve import (HARDWARE_OPTIONS, OTHER_OPTIONS, TRAINING_DEFAULTS, TRAINING_FIELDS,  # noqa: F401
                             Resolved, check_max_fraction, check_options, hardware_from, resolve, training_values)
 from ..spec.training import TrainingSpec, report_warnings
+from ..errors import TrainmemError
 from .methods import get_method
 
 
@@ -112,6 +113,9 @@ estimate.__signature__ = _options_signature()  # type: ignore[attr-defined]
 def estimate_resolved(r: Resolved) -> MemoryReport:
     """Run ``r.method`` on the resolved inputs and attach the GPU (capacity, context, fit)."""
     fn = get_method(r.method)
+    if r.method != "trainmem" and (r.training.recompute == "op" or r.training.offload_activations):
+        what = "--recompute op" if r.training.recompute == "op" else "--offload-activations"
+        raise TrainmemError(f"--method {r.method}: the published formulas have no {what}; use --method trainmem")
     ws = r.hardware.handle_workspace if r.hardware is not None else None
     # only the default engine counts cuBLAS workspaces: the GPU's default size, or a calibration profile's
     report = fn(r.model, r.training, cublas_workspace=ws) if (r.method == "trainmem" and ws is not None) \

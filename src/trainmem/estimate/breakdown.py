@@ -8,7 +8,7 @@ from ..report import Component, Phase
 from ..spec.hardware import CUBLAS_WORKSPACE
 from ..spec.training import TrainingSpec
 from .moments import PARTS, Moment, Tokens
-from .quantities import HEAD_KEYS, Quantities, is_lm, loss_mode, loss_upcasts
+from .quantities import HEAD_KEYS, PER_POSITION, Quantities, is_lm, loss_mode, loss_upcasts
 
 # the categories as plain strings (an Enum attribute lookup costs a descriptor call per component)
 PARAMETERS, BUFFERS, MASTER = Category.PARAMETERS.value, Category.BUFFERS.value, Category.MASTER_WEIGHTS.value
@@ -99,7 +99,7 @@ def components(q: Quantities, tk: Tokens, mo: Moment, t: TrainingSpec, n: int, n
         # (moments._micro_step), kept until forward ends under full recompute: named as what it is
         cast = min(q.cast_forward_only, temp)
         out.append(Component("activations.autocast_weight_copies.layers", ACTIVATIONS, cast, half,
-                             "half copies of matmul weights autocast caches until forward ends (full recompute)"))
+                             "half copies of matmul weights autocast caches until forward ends (layers checkpointed)"))
         temp -= cast
     if temp:
         out.append(Component(f"temporaries.{where_label(mo, q, tk)}", TEMPORARIES, temp, None,
@@ -117,11 +117,12 @@ def activations(q: Quantities, tk: Tokens, at_peak: int, t: TrainingSpec, n: int
                           "activations of the layers not yet back-propagated at the peak")]
     listed = []
     for name, tok, sq in sorted(q.detail.outer):
-        v = int(tok * n + sq * nsq)
+        v = int(tok * (n // max(t.batch_size, 1)) if name in PER_POSITION else tok * n + sq * nsq)
         if v and (complete or name not in HEAD_KEYS):
             listed.append(Component(f"activations.{name}", ACTIVATIONS, v * tk.inflight, None,
                                     "embedding / head tensors saved for backward"))
-    pos = int(q.outer_rest_pos * (n // max(t.batch_size, 1)))
+    pos = int(q.outer_rest_pos * (n // max(t.batch_size, 1))) - sum(
+        int(tok * (n // max(t.batch_size, 1))) for name, tok, _ in q.detail.outer if name in PER_POSITION)
     if pos:  # derived architectures: tensors sized by the sequence alone (rotary tables, caches)
         listed.append(Component("activations.derived.per_position", ACTIVATIONS, pos * tk.inflight, None,
                                 "tensors sized by the sequence, shared by the micro-batch"))
@@ -132,10 +133,15 @@ def activations(q: Quantities, tk: Tokens, at_peak: int, t: TrainingSpec, n: int
     if t.recompute == "full" and t.recompute_every > 1:
         listed.append(Component("activations.layers.kept", ACTIVATIONS, tk.layer * per_rank, None,
                                 f"every {t.recompute_every}th layer keeps only its input, the others everything"))
-    elif t.recompute == "full":
+    elif t.recompute in ("full", "op"):
         stream = "fp32" if t.weight_bytes == 4 else half  # the residual stream's dtype
-        listed.append(Component("activations.layers.checkpointed_inputs", ACTIVATIONS, tk.layer * per_rank,
-                                stream, "full recompute keeps each layer's input"))
+        inputs = int(q.detail.input_tok * n) if t.recompute == "op" else tk.layer
+        if inputs:  # none with --offload-activations: the inputs are in CPU memory
+            listed.append(Component("activations.layers.checkpointed_inputs", ACTIVATIONS, inputs * per_rank,
+                                    stream, f"{t.recompute} recompute keeps each layer's input"))
+        if tk.layer - inputs:
+            listed.append(Component("activations.layers.op_saved", ACTIVATIONS, (tk.layer - inputs) * per_rank, None,
+                                    "outputs torchtitan's per-op policy saves: every other matmul, the SDPA kernel"))
     else:
         for name, a, b in q.detail.layer.parts:
             v = int(a * n) + (0 if t.recompute == "selective" else int(b * nsq))

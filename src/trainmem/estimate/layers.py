@@ -53,6 +53,11 @@ class Recipe:
     transients: list[tuple[str, float, float, float, float, float, float]] = field(default_factory=list)
     weights: float = 0.0
     fwd: tuple[float, float] = (0.0, 0.0)  # largest forward transient: (bytes, bytes per token of its output)
+    # outputs of the ops torchtitan's per-op selective checkpointing may save (``op_checkpoint_saved``):
+    # every ``aten.mm`` (a bias-free linear) in call order, and the fused SDPA kernels' outputs
+    mm_outs: list[T] = field(default_factory=list)
+    sdpa_outs: list[T] = field(default_factory=list)
+    input_saved: bool = False  # a saved tensor is the layer's input itself (a norm in the input's dtype)
 
     def save(self, *ts: T) -> None:
         for t in ts:
@@ -110,8 +115,9 @@ class Builder:
 
     def __init__(self, pol: Policy, dropout: bool, sp_div: int = 1, capability: tuple[int, int] = (8, 0),
                  lora: tuple[tuple[str, int, int], ...] = (), lora_dropout: float = 0.0, lora_half: bool = False,
-                 quant: tuple[int, int] = (0, 0), quant_saves_input: bool = False):
+                 quant: tuple[int, int] = (0, 0), quant_saves_input: bool = False, biased: tuple[str, ...] = ()):
         self.p = pol
+        self.biased = biased  # linears with a bias: ``addmm`` (not ``mm``) under F.linear / Conv1D
         # bitsandbytes 4-bit base weights (quant4.py): bytes per element of the dequantized weight and
         # of its cast to the compute dtype (0, 0: not quantized); old MatMul4Bit saves its input
         self.quant, self.quant_saves_input = quant, quant_saves_input
@@ -121,6 +127,7 @@ class Builder:
         self.frozen = bool(lora)
         self.capability = capability  # the GPU's compute capability: which SDPA kernel runs
         self.r = Recipe()
+        self.layer_input: T | None = None  # the layer's input (its residual stream), set by layer_coefficients
         self.dropout = dropout
         self.sp_div = sp_div
         # weight-gradient bytes per element while a linear's backward runs: the matmul's grad in
@@ -138,12 +145,17 @@ class Builder:
         self.r.save(x)
         return x
 
-    def linear(self, x: T, out: float, name: str, saved_name: str, in_features: float | None = None) -> T:
-        """``F.linear``/``addmm``: saves the (cast) input; weight copies are counted separately."""
+    def linear(self, x: T, out: float, name: str, saved_name: str, in_features: float | None = None,
+               out_name: str = "") -> T:
+        """``F.linear``/``addmm``: saves the (cast) input; weight copies are counted separately.
+        ``out_name``: the name of its output where a later op saves it. A linear without a bias
+        runs ``aten.mm`` (``at::linear`` folds a 3-D input into ``matmul``); with one ``addmm``."""
         if self.frozen:
             return self.frozen_linear(x, out, name, saved_name, in_features)
         xin = self.matmul_in(x, saved_name)
-        y = T(out, 0.0, self.p.half, name)
+        y = T(out, 0.0, self.p.half, out_name or name)
+        if not any(name == b or name.endswith("." + b) for b in self.biased):
+            self.r.mm_outs.append(y)
         in_features = xin.tok if in_features is None else in_features
         w = in_features * out
         # backward: grad_out, grad_in and the weight gradient alive together
@@ -200,6 +212,7 @@ class Builder:
         if self.p.amp and x.nbytes != F32:
             xin = T(x.tok, 0, F32, name)
         self.r.save(T(xin.tok, 0, xin.nbytes, name), T(2, 0, F32, name + ".stats"))
+        self.r.input_saved |= xin is x and x is self.layer_input  # no cast: the input itself is saved
         return T(x.tok, 0, F32 if self.p.amp else x.nbytes, name + ".out")
 
     def rms_norm_hf(self, x: T, name: str) -> T:
@@ -208,6 +221,7 @@ class Builder:
         multiply with the weight. Output dtype: weight dtype x input dtype promotion."""
         x32 = x if x.nbytes == F32 else T(x.tok, 0, F32, name)
         self.r.save(T(x32.tok, 0, F32, name), T(1, 0, F32, name + ".stats"))
+        self.r.input_saved |= x32 is x and x is self.layer_input  # x.float() of an fp32 input is the input
         normed = T(x.tok, 0, x.nbytes, name)  # fp32 normed.to(input_dtype) is a new tensor either way
         if not self.frozen:  # weight * normed saves normed only for the weight's gradient
             self.r.save(normed)
@@ -325,7 +339,9 @@ class Builder:
             k = T(kv_heads * dp, 0, half, "attn.k_padded")
             v = T(kv_heads * dp, 0, half, "attn.v_padded")
         out = T(heads * dp, 0, half, "attn.sdpa_out")
-        self.r.save(q, k, v, out, T(heads, 0, F32, "attn.logsumexp"))
+        lse = T(heads, 0, F32, "attn.logsumexp")
+        self.r.save(q, k, v, out, lse)
+        self.r.sdpa_outs += [out, lse]  # the kernel op's outputs (its RNG state tensors: a few bytes)
         ctx = out if dp == head_dim else T(heads * head_dim, 0, half, "attn.context")
         grads = T(q.tok + k.tok + v.tok + heads * dp, 0, half)  # dq, dk, dv and d(out) in flight
         if backend == "flash":
@@ -511,6 +527,7 @@ class LayerKey:
     quant_saves_input: bool = False  # bitsandbytes < 0.43.2: MatMul4Bit saves its input
     kv_cache: bool = False   # transformers builds a DynamicCache in training (config.use_cache)
     capability: tuple[int, int] = (8, 0)  # the GPU's compute capability (which SDPA kernel runs)
+    biased: tuple[str, ...] = ()  # modules of a layer whose linear has a bias (set for --recompute op only)
 
 
 @dataclass(frozen=True)
@@ -527,6 +544,9 @@ class LayerCoefs:
     after: tuple[float, ...] = ()  # per transient: weight elements of the linears back-propagated before it
     fwd_const: float = 0.0   # the largest forward transient of a linear (a dequantized 4-bit weight), bytes
     fwd_tok: float = 0.0     # ... and its matmul output, bytes per token
+    op_tok: float = 0.0      # --recompute op: bytes per token the selective policy saves (op_checkpoint_saved)
+    op_sq: float = 0.0       # ... per token x key
+    input_saved: float = 0.0  # bytes per token of the saved tensors that are the layer's input itself
 
     def bytes(self, n: int, nsq: int) -> int:
         return int(self.tok * n + self.sq * nsq)
@@ -558,10 +578,11 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
     t = k.tp
     sp_div = t if k.sp else 1  # sequence parallel splits the replicated regions over TP ranks
     B = Builder(pol, k.dropout, sp_div, k.capability, k.lora, k.lora_dropout, k.lora_half, k.quant,
-                k.quant_saves_input)
+                k.quant_saves_input, k.biased)
     h, f, q, kv = k.h, k.f / t, k.q / t, k.kv / t
     heads, kvh = k.heads / t, k.kv_heads / t  # whole heads per rank (spec.layout.tp_problems)
     x = T(h / sp_div, 0, pol.stream, "residual")
+    B.layer_input = x
     build = {"gpt2": _gpt2_layer, "nanogpt": _gpt2_layer, "bert": _bert_layer,
              "roberta-prenorm": _bert_layer}.get(k.family, _llama_layer)
     build(B, k, x, h, f, q, kv, heads, kvh, sp_div)
@@ -571,8 +592,25 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
     wall = B.r.weights
     after = tuple(max(0.0, wall - w) for *_, w in B.r.transients)
     held = sum(t.tok * t.nbytes for i, t in B.r.held.items() if i not in B.r.saved)
+    op_tok, op_sq = op_checkpoint_saved(B.r)
+    input_saved = B.r.input_saved or id(x) in B.r.saved
     return LayerCoefs(tok, sq, tuple((n, a, b) for n, (a, b) in parts.items()), trans, held, B.r.cache, wall,
-                      after, B.r.fwd[0], B.r.fwd[1])
+                      after, B.r.fwd[0], B.r.fwd[1], op_tok, op_sq, x.tok * x.nbytes if input_saved else 0.0)
+
+
+def op_checkpoint_saved(r: Recipe) -> tuple[float, float]:
+    """(bytes per token, per token x key) that torchtitan's per-op selective activation checkpointing
+    keeps of one layer besides its input: the outputs its policy marks ``MUST_SAVE``, cached by
+    ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` from the layer's forward until
+    its recompute in backward takes them back. torchtitan v0.2.2 ``_op_sac_save_list``
+    (torchtitan/models/llama3/infra/parallelize.py L36-51) and ``_apply_op_sac``'s policy
+    (torchtitan/distributed/activation_checkpoint.py L98-128): every ``aten.mm`` is counted per layer
+    call and the odd ones (1st, 3rd, ...) are saved, the even ones recomputed; the fused SDPA ops
+    (``_scaled_dot_product_{flash,efficient,cudnn}_attention``) are saved whole. ``addmm`` (linears
+    with a bias), ``bmm`` (eager attention) and the math SDPA path (a composite: its pieces reach the
+    dispatcher, not ``_scaled_dot_product_attention_math``) are not on the list and are recomputed."""
+    kept: dict[int, T] = {id(t): t for t in r.mm_outs[0::2] + r.sdpa_outs}
+    return (sum(t.tok * t.nbytes for t in kept.values()), sum(t.sq * t.nbytes for t in kept.values()))
 
 
 def _gpt2_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: float, heads: float, kvh: float, sp_div: int) -> None:
@@ -612,7 +650,7 @@ def _gpt2_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: f
     x2 = T(h / sp_div, 0, pol.stream, "residual")
     m_in = B.layer_norm(x2, "ln_2")
     B.linear(T(h / sp_div, 0, m_in.nbytes, "ln_2.out"), f, "c_fc", "c_fc.input", h)
-    act = _gelu(B, k.act_impl, f)
+    act = _gelu(B, k.act_impl, f, h / sp_div)
     B.linear(act, h, "mlp.c_proj", "mlp.c_proj.input")
     B.drop(T(h / sp_div, 0, half, "resid"), k.hidden_dropout, "mlp.resid_dropout")
 
@@ -642,7 +680,7 @@ def _bert_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: f
         ln1 = B.layer_norm(sum1, "attention.output.LayerNorm")
         src2 = T(h / sp_div, 0, ln1.nbytes, "attention.output.LayerNorm.out")
     B.linear(src2, f, "intermediate.dense", "intermediate.dense.input", h)
-    act = _gelu(B, k.act_impl, f)
+    act = _gelu(B, k.act_impl, f, h / sp_div)
     B.linear(act, h, "output.dense", "output.dense.input")
     B.drop(T(h / sp_div, 0, half, "resid"), k.hidden_dropout, "output.dropout")
     if not k.pre_norm:
@@ -657,10 +695,11 @@ def _llama_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: 
     src = T(h / sp_div, 0, a_in.nbytes, "input_layernorm.out")
     if not pol.amp and not B.frozen:
         B.r.save(src)  # shared input of q/k/v (no per-call casts without autocast; frozen linears save none)
-    for name, width in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-        B.linear(src, width, name, f"{name}.input", h)
-    # rotary: q*cos + rotate_half(q)*sin makes new q and k tensors; cos/sin are shared per model
-    qq, kk, vv = T(q, 0, half, "attn.q_rot"), T(kv, 0, half, "attn.k_rot"), T(kv, 0, half, "attn.v")
+    proj = {name: B.linear(src, width, name, f"{name}.input", h, out_name=out)
+            for name, width, out in (("q_proj", q, "attn.q"), ("k_proj", kv, "attn.k"), ("v_proj", kv, "attn.v"))}
+    # rotary: q*cos + rotate_half(q)*sin makes new q and k tensors; cos/sin are shared per model;
+    # v is v_proj's output itself
+    qq, kk, vv = T(q, 0, half, "attn.q_rot"), T(kv, 0, half, "attn.k_rot"), proj["v_proj"]
     if k.kv_cache and pol.amp:
         # Under autocast cos/sin are fp32 (the residual dtype), so the rotated k is fp32; the
         # cache is created in k's dtype and torch.cat promotes v into it, so the cache holds
@@ -689,7 +728,7 @@ def _llama_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: 
         _swiglu(B, f, h, src2, "mlp", fused_gate_up=False)
 
 
-def _gelu(B: Builder, impl: str, f: float) -> T:
+def _gelu(B: Builder, impl: str, f: float, h: float = 0.0) -> T:
     """The MLP activation on the ``c_fc``/``intermediate`` output (half under autocast).
 
     ``gelu`` / ``gelu_pytorch_tanh`` (fused ``F.gelu``): saves its input, returns the input dtype.
@@ -704,8 +743,9 @@ def _gelu(B: Builder, impl: str, f: float) -> T:
         B.r.save(T(f, 0, wide, "mlp.act.pow_input"), T(f, 0, wide, "mlp.act.tanh"),
                  T(f, 0, half, "mlp.act.half_x"), T(f, 0, wide, "mlp.act.one_plus_tanh"))
         # backward: the incoming gradient (the next linear's input gradient, cast back to wide) and
-        # the two gradients the final product's MulBackward makes, all of the activation's size
-        B.r.transient("mlp.act.backward", T(f, 0, wide), T(f, 0, wide), T(f, 0, wide))
+        # the two gradients the final product's MulBackward makes, all of the activation's size; the
+        # residual stream's gradient (b, s, h) waits for the attention branch meanwhile
+        B.r.transient("mlp.act.backward", T(f, 0, wide), T(f, 0, wide), T(f, 0, wide), T(h, 0, B.p.stream))
         return T(f, 0, wide, "mlp.act.out")
     B.r.save(T(f, 0, half, "mlp.act.input"))
     return T(f, 0, half, "mlp.act.out")
@@ -759,12 +799,16 @@ def _swiglu(B: Builder, f: float, h: float, src: T, name: str, fused_gate_up: bo
     saves the gate output; the product saves silu's output and the up output; down saves the
     product."""
     half = B.p.half
+    gate, up = T(f, 0, half, f"{name}.gate_out"), T(f, 0, half, f"{name}.up_out")
     if fused_gate_up:
         B.matmul_in(src, f"{name}.gate_up.input")
     else:
-        B.linear(src, f, f"{name}.gate_proj", f"{name}.gate_proj.input", h)
-        B.linear(src, f, f"{name}.up_proj", f"{name}.up_proj.input", h)
-    B.r.save(T(f, 0, half, f"{name}.gate_out"), T(f, 0, half, f"{name}.silu_out"),
-             T(f, 0, half, f"{name}.up_out"))
+        gate = B.linear(src, f, f"{name}.gate_proj", f"{name}.gate_proj.input", h, out_name=f"{name}.gate_out")
+        up = B.linear(src, f, f"{name}.up_proj", f"{name}.up_proj.input", h, out_name=f"{name}.up_out")
+    B.r.save(gate, T(f, 0, half, f"{name}.silu_out"), up)
+    # the product's backward (MulBackward0; the product itself, saved by down, is freed by then): down's
+    # input gradient and the product's two gradients, all (b, s, f), while the residual stream's
+    # gradient (b, s, h) in the stream's dtype waits for the attention branch
+    B.r.transient(f"{name}.act.backward", T(3 * f, 0, half), T(h / B.sp_div, 0, B.p.stream))
     prod = T(f, 0, half, f"{name}.act_product")
     B.linear(prod, h, f"{name}.down_proj", f"{name}.down_proj.input")

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..spec.model import ModelSpec
-from ..spec.training import TrainingSpec
+from ..spec.training import RECOMPUTE, TrainingSpec
 from .cache import BoundedCache
 from .elementwise import NEVER
 from .derived import regime as derived_regime
@@ -31,6 +31,8 @@ from .quant4 import dequant_dtypes, is_quantized
 from .states import States, block_bytes, default_lora_targets, fsdp_grad_op, model_states
 
 F32 = 4
+#: outer tensors whose ``tok`` coefficient counts bytes per sequence position (shared by the micro-batch)
+PER_POSITION = ("rotary.cos_sin",)
 HEAD_KEYS = ("final_norm", "lm_head.input", "mlm.transform", "pooler.input", "derived.head_side")
 
 
@@ -141,7 +143,13 @@ def layer_key(m: ModelSpec, t: TrainingSpec) -> LayerKey:
                     m.num_kv_heads, m.head_dim, t.tp, t.sequence_parallel, m.num_experts,
                     m.experts_top_k, m.pre_norm, lora, t.lora_dropout if lora else 0.0,
                     bool(lora) and t.lora_half, dequant_dtypes(t) if t.quantize else (0, 0), t.bnb_saves_input,
-                    kv_cache(m, t))
+                    kv_cache(m, t), biased=biased_linears(m) if t.recompute == "op" else ())
+
+
+def biased_linears(m: ModelSpec) -> tuple[str, ...]:
+    """The modules of a layer whose linear has a bias: ``at::linear`` runs them as ``addmm``, the
+    others as ``mm`` (which torchtitan's per-op checkpointing policy counts, ``layers.op_checkpoint_saved``)."""
+    return tuple(sorted({p.module for p in m.parameter_tensors() if p.layer == 0 and p.role == "bias"}))
 
 
 def kv_cache(m: ModelSpec, t: TrainingSpec) -> bool:
@@ -150,7 +158,7 @@ def kv_cache(m: ModelSpec, t: TrainingSpec) -> bool:
     under gradient checkpointing (``merge_with_config_defaults`` turns it off); its ``torch.cat``
     copies of each layer's keys and values are what attention then consumes. Megatron-style
     tensor/pipeline/context parallel code has no such cache."""
-    if t.recompute == "full" or t.tp * t.pp * t.cp > 1:
+    if t.recompute in ("full", "op") or t.tp * t.pp * t.cp > 1:
         return False
     if m.head != "causal-lm" or m.family == "nanogpt":
         return False
@@ -196,9 +204,11 @@ def _embedding_side(m: ModelSpec, t: TrainingSpec, pol: Policy, h: int, sp: int)
         if drop:
             out.append(("embeddings.dropout.mask", h / sp, 0.0))
     if m.position == "rotary":
-        # cos and sin (b, s, head_dim) in the residual dtype, shared by every layer's rotary mul
+        # cos and sin in the residual dtype, shared by every layer's rotary mul: (1, s, head_dim), as
+        # transformers builds the position ids for the sequence (``cache_position.unsqueeze(0)``), so
+        # they are bytes per sequence position (PER_POSITION), not per token of the micro-batch
         out.append(("rotary.cos_sin", 2.0 * m.head_dim * pol.stream, 0.0))
-    if t.recompute == "full" and t.attention == "eager" and m.head == "causal-lm" and m.family != "nanogpt":
+    if t.recompute in ("full", "op") and t.attention == "eager" and m.head == "causal-lm" and m.family != "nanogpt":
         # transformers' eager attention adds a 4-D float causal mask (b, 1, s, s) in the
         # embeddings' dtype; checkpointed layers keep it as an input until the first layer's
         # backward (without recompute it dies with the base model's forward)
@@ -444,7 +454,7 @@ def quantities(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> Quantitie
 
 #: layout fields of a parallel shape, in the order ``shape_quantities`` reads its rows
 SHAPE_FIELDS = ("tp", "pp", "cp", "dp", "zero", "recompute", "sequence_parallel")
-_RECOMPUTE = ("none", "selective", "full")
+_RECOMPUTE = RECOMPUTE
 _SHAPES: dict[tuple, dict[tuple, tuple]] = {}
 
 
@@ -483,11 +493,13 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     oib = t.optimizer_in_backward
     sp = t.tp if t.sequence_parallel else 1
     input_tok = m.hidden_size * pol.stream / sp               # a layer's input (b, s, h), residual dtype
-    checkpointed = layers // t.recompute_every if t.recompute == "full" else 0
+    checkpointed = layers // t.recompute_every if t.recompute in ("full", "op") else 0
     kept, redo = _recompute(t, lc, input_tok, checkpointed / layers)
+    if t.offload_activations:
+        kept, redo = _offloaded(kept, redo, input_tok)
     # the recompute transient belongs to the top layer's backward moment only when the top layer is
     # checkpointed; otherwise it comes later, when the layers above it have freed more than it adds
-    top_recomputed = t.recompute != "full" or layers % t.recompute_every == 0
+    top_recomputed = t.recompute not in ("full", "op") or layers % t.recompute_every == 0
     redo = redo if top_recomputed else (0.0, 0.0)
     head_here = t.pp == 1 or stage == "last"
     # autocast casts each fp32 leaf weight once per forward and caches it; the matmuls save the
@@ -508,6 +520,8 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     for name, tok, sq in outer:
         if name in HEAD_KEYS:
             head_tok += tok
+        elif name in PER_POSITION:
+            rest_pos += tok
         else:
             rest_tok, rest_sq = rest_tok + tok, rest_sq + sq
     loss = loss_bytes(m, t, pol) if head_here else LossBytes()
@@ -518,7 +532,12 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     layer_grads_live = st.layer_grads_full if fsdp else st.layer_grads
     gpw = layer_grads_live / lc.weights if (lc.weights and not oib) else 0.0
     after = lc.after or (0.0,) * len(lc.transients)
-    trans = tuple((a, b, c, int(w * gpw)) for (_, a, b, c), w in zip(lc.transients, after))
+    # inside a layer's backward the half weight copies of its later linears (back-propagated already)
+    # were freed with their matmuls' saved tensors: each transient excludes them (2 bytes per element)
+    freed = 2.0 if cast_layer else 0.0
+    trans = tuple((a, b, c - w * freed, int(w * gpw)) for (_, a, b, c), w in zip(lc.transients, after))
+    if t.offload_activations and trans:
+        trans = trans[:-1] + ((trans[-1][0] + offload_previous(input_tok, pol), *trans[-1][1:]),)
     inflight_fixed = 1 if (t.pp == 1 or stage != "first") else (t.num_microbatches_in_flight or 0)
     return Quantities(
         fixed=st.weights + st.buffers + st.master + comm, grads=0 if oib else st.grads,
@@ -546,17 +565,49 @@ def _recompute(t: TrainingSpec, lc: LayerCoefs, input_tok: float, share: float
                ) -> tuple[tuple[float, float], tuple[float, float]]:
     """(kept per layer, re-created while one layer is recomputed) as (per token, per token x key).
     none: everything is kept; selective (Megatron): the attention scores are recomputed; full: only
-    each checkpointed layer's input is kept, and one whole layer comes back during its backward.
-    ``share``: the checkpointed share of the rank's layers (1 unless ``recompute_every`` N > 1:
+    each checkpointed layer's input is kept, and one whole layer comes back during its backward;
+    op (torchtitan's per-op policy): the input and the op outputs the policy saves
+    (``layers.op_checkpoint_saved``), the rest of the layer coming back during its backward. ``share``: the checkpointed share of the rank's layers (1 unless ``recompute_every`` N > 1:
     torchtitan's and torchtune's ``ac_freq``/``ac_option`` wrap a layer when its 1-based count is a
     multiple of N, torchtitan ``distributed/activation_checkpoint.py``), so the average layer keeps
     ``share`` of an input and ``1 - share`` of everything."""
+    # a recomputed layer saves its input again only where it makes a copy of it: where a norm saves
+    # the input itself (an fp32 stream under autocast or in fp32), that tensor is the kept input
+    redo_tok = lc.tok - lc.input_saved
     if t.recompute == "full":
         kept = (share * input_tok + (1 - share) * lc.tok, (1 - share) * lc.sq) if share < 1 else (input_tok, 0.0)
-        return kept, ((lc.tok, lc.sq) if share > 0 else (0.0, 0.0))
+        return kept, ((redo_tok, lc.sq) if share > 0 else (0.0, 0.0))
     if t.recompute == "selective":
         return (lc.tok, 0.0), (0.0, lc.sq)
+    if t.recompute == "op":
+        # torchtitan's per-op policy: the input and the saved op outputs stay; in its backward the
+        # layer is recomputed around them (the cached outputs are handed back, not made again), so
+        # the layer then holds its input and everything it saves: redo = saved - what was kept
+        return (input_tok + lc.op_tok, lc.op_sq), (redo_tok - lc.op_tok, lc.sq - lc.op_sq)
     return (lc.tok, lc.sq), (0.0, 0.0)
+
+
+def _offloaded(kept: tuple[float, float], redo: tuple[float, float], input_tok: float
+               ) -> tuple[tuple[float, float], tuple[float, float]]:
+    """torchtune's activation offloading over full recompute (``checkpointing.OffloadActivations``):
+    the checkpointed layer's input, which the checkpoint frame saves through the offloading hooks
+    (torch 2.13 torch/utils/checkpoint.py L842-847, ``_CheckpointFrame.save_inputs``), leaves
+    the GPU once ``max_fwd_stash_size`` (5) later tensors were packed (a Llama layer packs one, the
+    final RMSNorm five, so none is left when forward ends), and comes back as a new tensor when the
+    layer is recomputed in its backward: kept per layer 0, the recomputed layer holds it again."""
+    return (kept[0] - input_tok, kept[1]), (redo[0] + input_tok, redo[1])
+
+
+def offload_previous(input_tok: float, pol: Policy) -> float:
+    """Bytes per token that the first node of a layer's backward finds still on the GPU under
+    torchtune's offloading: the tensor the node before it brought back, freed only after this node
+    has run (``bwd_tensor_stash``, _activation_offloading.py L263-266, L334-338): the next layer's
+    input where the residual stream is half (an fp32 one is saved by the recomputed norm itself, so
+    torchtune lets it go with that reference, L315-323, freed before this layer). Above the top layer
+    it is the final RMSNorm's fp32 input instead (``LlamaRMSNorm``'s ``pow`` saves
+    ``hidden_states.to(float32)``), which this leaves out: the top layer's moment has fewer gradients
+    than the bottom one's, where the peak of a checkpointed backward falls."""
+    return input_tok if pol.stream != F32 else 0.0
 
 
 def _communication(t: TrainingSpec, st: States) -> tuple[int, str]:

@@ -143,6 +143,9 @@ def _rec_filter(value: Any) -> list[int]:
     out = []
     for x in items:
         x = str(x).strip()
+        if x == "op":
+            raise TrainmemError("plan --recompute op: the planner's layouts and step-time model cover none, "
+                                "selective and full; estimate one layout with --recompute op")
         if x not in REC_CODES:
             raise TrainmemError(f"--recompute {x!r} is not one of: {', '.join(RECOMPUTE)}")
         out.append(REC_CODES[x])
@@ -391,6 +394,9 @@ def plan(model: Any, gpus: int, seq_len: int | None = None, global_batch: int | 
         raise TrainmemError(f"--global-batch must be a positive integer, got {global_batch!r}")
     if not isinstance(top, int) or top <= 0:
         raise TrainmemError(f"--top must be a positive integer, got {top!r}")
+    if options.get("offload_activations"):
+        raise TrainmemError("plan --offload-activations: the planner's layouts and step-time model do not cover "
+                            "activation offloading; estimate one layout with it")
     filters = {"tp": _filter(tp, "--tp"), "pp": _filter(pp, "--pp"), "cp": _filter(cp, "--cp"),
                "dp": _filter(dp, "--dp"), "b": _filter(batch_size, "--batch-size"),
                "ga": _filter(grad_accum, "--grad-accum"), "zero": _zero_values(zero), "rec": _rec_filter(recompute)}

@@ -30,6 +30,9 @@ grad accumulation                      halving below (matmuls over few rows run 
 fp32 -> bf16 autocast           0.05   faster; the standard mixed precision (Micikevicius et al. 2018,
                                        "Mixed Precision Training", arXiv:1710.03740)
 TP x 2, dp halved (same GPUs)   0.10   per-layer all-reduces on the critical path
+per-op recompute                0.17   torchtitan's per-op policy (--recompute op) re-runs every
+                                       second matmul and the elementwise ops, saves attention: about
+                                       half of full recompute's extra forward
 ZeRO-3 (dp > 1)                 0.15   parameters gathered in forward and backward: 1.5x DDP traffic
 full recompute                  0.33   one more forward of every layer: forward is ~1/3 of the
                                        forward + backward FLOPs (Chen et al. 2016, arXiv:1604.06174)
@@ -133,6 +136,10 @@ def _free_and_time(ev: Evaluator, t: Any) -> list[_Cand]:
     if t.recompute == "none":
         out.append(_Cand("recompute-selective", "recompute", "recompute none -> selective",
                          {"recompute": "selective"}, "≈3% (attention core re-run in backward)", 0.03, 0.03))
+    if t.recompute in ("none", "selective") and _op_recompute_applies(m, t):
+        out.append(_Cand("recompute-op", "recompute", f"recompute {t.recompute} -> op (torchtitan per-op)",
+                         {"recompute": "op"}, "≈17% (every second matmul and the elementwise ops re-run)",
+                         0.17, 0.17))
     if t.recompute != "full":
         out.append(_Cand("recompute-full", "recompute", f"recompute {t.recompute} -> full", {"recompute": "full"},
                          "≈33% (one more forward of every layer)", 0.33, 0.33))
@@ -143,6 +150,12 @@ def _free_and_time(ev: Evaluator, t: Any) -> list[_Cand]:
                          {"tp": tp2, "dp": t.dp // 2}, "≈10% (all-reduces in every layer); same GPU count",
                          0.10, 0.10))
     return out
+
+
+def _op_recompute_applies(m: Any, t: Any) -> bool:
+    """Whether ``--recompute op`` is a setup trainmem models here (``TrainingSpec._check_recompute``,
+    ``training.check_against``)."""
+    return m.family != "derived" and not (t.lora_rank or t.quantize or t.tp > 1 or t.offload_activations)
 
 
 def _micro_batches(t: Any) -> list[_Cand]:

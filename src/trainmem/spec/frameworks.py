@@ -194,6 +194,10 @@ def _others(t: Any, framework: str, zero: bool = True, dist: bool = True) -> lis
         out.append(f"--zero {t.zero} is DeepSpeed's ZeRO: {framework} does not run it")
     if dist and t.distributed_optimizer:
         out.append(f"--distributed-optimizer is Megatron's (or NeMo's): {framework} does not run it")
+    if t.recompute == "op" and framework != "torchtitan":
+        out.append(f"--recompute op is torchtitan's per-op checkpointing policy: {framework} does not run it")
+    if t.offload_activations and framework != "torchtune":
+        out.append(f"--offload-activations is torchtune's OffloadActivations: {framework} does not run it")
     return out
 
 
@@ -362,7 +366,10 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
         "loss_chunks": Cell(8, (_s("torchtune", "torchtune/modules/loss/ce_chunked_output_loss.py", "30"),
                                 _s("torchtune", "recipes/full_finetune_distributed.py", "348-349"))),
         "attention": Cell("sdpa", (_s("torchtune", "torchtune/modules/attention_utils.py", "185-259"),)),
-        "recompute": Cell("none", (_s("torchtune", "recipes/configs/llama3_2/1B_full.yaml", "69"),)),
+        "recompute": Cell("none", (_s("torchtune", "recipes/configs/llama3_2/1B_full.yaml", "69"),),
+                          note="enable_activation_offloading is off unless set; the recipes allow it only with "
+                               "activation checkpointing (full_finetune_distributed.py L205-213): "
+                               "--recompute full --offload-activations"),
         "sharding": Cell(shown="fsdp full with --dp > 1", option="fsdp",
                          sources=(_s("torchtune", "recipes/full_finetune_distributed.py", "590-596"),
                                   _s("torchtune", "recipes/full_finetune_distributed.py", "299"))),
@@ -387,8 +394,9 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                                "--attention sdpa-cudnn pins cuDNN alone"),
         "recompute": Cell("full", (_s("torchtitan", "torchtitan/config/job_config.py", "651-655"),
                                    _s("torchtitan", "torchtitan/distributed/activation_checkpoint.py", "39-40")),
-                          note="mode 'selective', selective_ac_option '2': every 2nd layer fully recomputed "
-                               "(the llama3 train_configs use per-op SAC, which trainmem does not model)"),
+                          note="mode 'selective', selective_ac_option '2': every 2nd layer fully recomputed; "
+                               "train_configs/llama3_8b.toml L57-59 sets selective_ac_option 'op' (per-op SAC): "
+                               "--recompute op. torchtitan main (SelectiveAC, June 2026) has only per-op SAC"),
         "recompute_every": Cell(2, (_s("torchtitan", "torchtitan/config/job_config.py", "655"),)),
         "sharding": Cell(shown="fsdp full with --dp > 1 (grad-op with --pp > 1)", option="fsdp",
                          sources=(_s("torchtitan", "torchtitan/config/job_config.py", "324"),

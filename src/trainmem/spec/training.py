@@ -19,7 +19,10 @@ PRECISIONS = ("fp32", "fp16-amp", "bf16-amp", "bf16", "fp16", "bf16-mp")
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adamw-8bit", "lion", "paged-adamw-8bit",
               "paged-adamw")
 OPTIMIZER_IMPLS = ("foreach", "fused", "for-loop")
-RECOMPUTE = ("none", "selective", "full")
+#: none; selective: Megatron's (the attention core recomputed); full: every layer checkpointed (only its input
+#: kept); op: torchtitan's per-op selective checkpointing (mode "selective", selective_ac_option "op": each layer
+#: checkpointed with a policy that saves every other matmul's output and the SDPA kernels' outputs)
+RECOMPUTE = ("none", "selective", "full", "op")
 #: eager: transformers' Python attention; sdpa: F.scaled_dot_product_attention with the backend PyTorch's
 #: CUDA dispatcher picks; flash: transformers' flash_attention_2; sdpa-<backend>: SDPA pinned to one
 #: backend (``torch.nn.attention.sdpa_kernel``)
@@ -83,6 +86,7 @@ class TrainingSpec:
     sequence_parallel: bool = False
     recompute: str = "none"
     recompute_every: int = 1  # full recompute of every N-th layer only (torchtitan/torchtune ac_freq)
+    offload_activations: bool = False  # torchtune's OffloadActivations: checkpointed layers' inputs in CPU memory
     attention: str = "sdpa"
     optimizer_in_backward: bool = False
     lora_rank: int = 0
@@ -137,9 +141,7 @@ class TrainingSpec:
         _choice("grad_sync", self.grad_sync, GRAD_SYNC)
         _choice("fsdp_lora_units", self.fsdp_lora_units, FSDP_LORA_UNITS)
         self._check_loss()
-        if self.recompute_every > 1 and self.recompute != "full":
-            raise TrainmemError(f"--recompute-every {self.recompute_every} checkpoints every N-th layer: it needs "
-                                "--recompute full")
+        self._check_recompute()
         if self.precision == "bf16-mp" and self.fsdp is None:
             raise TrainmemError("--precision bf16-mp is FSDP's MixedPrecisionPolicy(param_dtype=bf16, "
                                 "reduce_dtype=fp32): give --fsdp full (or grad-op, hybrid), or use --precision bf16-amp")
@@ -198,6 +200,29 @@ class TrainingSpec:
         if self.lora_targets is not None and not self.lora_targets:
             raise TrainmemError("--lora-targets is empty: name at least one module (e.g. q_proj,v_proj) "
                                 "or omit it for peft's defaults")
+
+    def _check_recompute(self) -> None:
+        """``--recompute-every``, ``--recompute op`` and ``--offload-activations``: what trainmem models."""
+        if self.recompute_every > 1 and self.recompute != "full":
+            raise TrainmemError(f"--recompute-every {self.recompute_every} checkpoints every N-th layer: it needs "
+                                "--recompute full (torchtitan's selective_ac_option is 'op' or a layer frequency, "
+                                "not both)")
+        if self.recompute == "op":
+            if self.lora_rank or self.quantize:
+                raise TrainmemError("--recompute op is modelled for full training: peft's adapter matmuls would "
+                                    "shift torchtitan's every-other-mm count; drop --lora-rank/--quantize or use "
+                                    "--recompute full")
+            if self.tp > 1:
+                raise TrainmemError("--recompute op with --tp > 1: the reduce-scatter outputs torchtitan's policy saves "
+                                    "under tensor parallelism are not modelled; use --recompute full")
+        if self.offload_activations and (self.recompute != "full" or self.recompute_every > 1):
+            # torchtune v0.6.1 recipes/full_finetune_distributed.py L205-213 (every recipe alike)
+            raise TrainmemError("--offload-activations needs --recompute full on every layer: torchtune offloads "
+                                "the checkpointed layers' inputs and refuses enable_activation_offloading without "
+                                "enable_activation_checkpointing")
+        if self.offload_activations and (self.tp * self.pp * self.cp > 1 or self.lora_rank or self.quantize):
+            raise TrainmemError("--offload-activations is modelled for one data-parallel rank's full training "
+                                "(no --tp/--pp/--cp, --lora-rank or --quantize); drop it or those options")
 
     def _check_quantize(self) -> None:
         """``quantize``: litgpt's ``bnb.`` prefix and ``none`` accepted; only over a frozen base (LoRA),
@@ -399,6 +424,12 @@ def check_against(model: Any, t: TrainingSpec) -> None:
     if t.quantize and model.num_experts:
         raise TrainmemError(f"--quantize {t.quantize} with {model.name}, a mixture-of-experts model: its experts "
                             "are not nn.Linear modules and are not modelled quantized; drop --quantize")
+    if t.recompute == "op" and model.family == "derived":
+        raise TrainmemError(f"--recompute op: {model.name} has no hand-written layer recipe (its coefficients are "
+                            "derived without recompute); use --recompute full or none")
+    if t.offload_activations and model.family not in ("llama", "mixtral"):
+        raise TrainmemError(f"--offload-activations is modelled for Llama-style decoders (llama, mistral, qwen2, "
+                            f"mixtral), not {model.name} ({model.family})")
     if t.lora_targets:
         known = {p.module for p in model.parameter_tensors() if p.is_matmul}
         bad = [x for x in t.lora_targets if x not in known]
