@@ -266,6 +266,7 @@ def loss_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy) -> LossBytes:
       saved for backward, and one logits chunk of ``next_power_of_2(ceil(BT / ceil(V / H)))``
       tokens at a time; backward returns the saved gradients (no new tensors when the loss's
       gradient is 1).
+    * loss parallel (upcast, ``--tp`` > 1): :func:`_loss_parallel_bytes`.
     * ``torch.compile`` (upcast or half): inductor fuses the loss and its backward: no fp32 copy in
       forward, one fp32 logits gradient in backward.
     Classifier heads: fp32 loss tensors of (b, labels).
@@ -281,11 +282,31 @@ def loss_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy) -> LossBytes:
         return LossBytes(held, half, F32, forward_chunk=F32 if half != F32 else 0, backward_chunk=2 * F32)
     if t.compile:
         return LossBytes(held, half, F32, 0, F32)
+    if t.tp > 1 and mode == "upcast":
+        return _loss_parallel_bytes(held, half)
     if mode == "half" and half != F32:
         if pol.amp:
             return LossBytes(held, half, half + F32, 0, F32)
         return LossBytes(held, half, half, 0, 2 * half)
     return LossBytes(held, half, F32, F32 if half != F32 else 0, 2 * F32)
+
+
+def _loss_parallel_bytes(held: int, half: int) -> LossBytes:
+    """The upcast loss on vocabulary-sharded logits under ``loss_parallel()`` (tensor parallelism:
+    the head's logits are (b, s, vocab / tp) DTensors, ``trainmem.wrappers.parallel_loss``). Its
+    handlers replace the fused CUDA kernels with decompositions (torch 2.13
+    ``torch/distributed/tensor/parallel/loss.py``), each (b, s, vocab / tp) tensor fp32:
+
+    * forward, ``_log_softmax`` (L197-221): the fp32 copy of the logits (``logits.float()``, none when
+      they are fp32 already), ``shifted = x - x_max`` and ``torch.exp(shifted)`` are alive together;
+      then ``result = shifted - logsumexp`` (saved by ``nll_loss``) replaces the exponentials: the
+      copy and ``shifted`` besides what is saved;
+    * backward, ``_nll_loss_and_log_softmax_backward`` (L451-518), which does the log-softmax's
+      backward too: ``grad_input = torch.zeros_like(x)``, ``torch.exp(x)`` and their sum, then the
+      product with the gradient replaces the exponentials: three fp32 tensors (the native kernels
+      make two, ``nll_loss_backward``'s and ``_log_softmax_backward_data``'s)."""
+    copy = F32 if half != F32 else 0   # logits.float(): a copy of half logits, fp32 ones returned as they are
+    return LossBytes(held, half, F32, copy + F32, 3 * F32)
 
 
 def _head_weight_numel(m: ModelSpec, tp: int) -> int:

@@ -59,7 +59,7 @@ import torch
 
 from ..errors import TrainmemError
 from ..spec import TrainingSpec
-from ..wrappers import ddp, fsdp2, mesh, wrapper_name
+from ..wrappers import TP_MODEL_TYPES, ddp, fsdp2, mesh, tensor_parallel, wrapper_name
 from .tracker import Tracker
 
 #: modules that hold their own reference to ``torch.distributed.device_mesh._get_device_handle``
@@ -71,15 +71,35 @@ _DEVICE_HANDLE_USERS = ("torch.distributed.device_mesh", "torch.distributed.tens
 
 
 def distributed(t: TrainingSpec) -> bool:
-    """Whether the setup runs on several data-parallel ranks (DDP or FSDP)."""
-    return t.dp > 1 or t.fsdp is not None
+    """Whether the setup runs on several ranks (DDP, FSDP or tensor parallelism)."""
+    return t.dp > 1 or t.fsdp is not None or t.tp > 1
+
+
+def world_size(t: TrainingSpec) -> int:
+    """The ranks of the layout: dp × tp (the mesh ``wrappers.mesh`` builds)."""
+    return t.dp * t.tp
+
+
+def sharded_unloaded(t: TrainingSpec) -> bool:
+    """Whether the wrappers shard the model before it is loaded (FSDP2, tensor parallelism: built on
+    ``meta``, sharded, then given memory, as torchtitan does), so only the shards are ever loaded."""
+    return t.fsdp is not None or t.tp > 1
+
+
+def _what(t: TrainingSpec) -> str:
+    parts = [f"--dp {t.dp}"] if t.dp > 1 or t.fsdp else []
+    parts += [f"--fsdp {t.fsdp}"] if t.fsdp else []
+    parts += [f"--tp {t.tp}"] if t.tp > 1 else []
+    return " ".join(parts + (["--sequence-parallel"] if t.sequence_parallel else []))
 
 
 def check(t: TrainingSpec, spec: Any, device: str) -> None:
-    """Refuse, in one line, the data-parallel setups trace does not run."""
+    """Refuse, in one line, the parallel setups trace does not run."""
     if not distributed(t):
         return
-    what = f"--dp {t.dp}" + (f" --fsdp {t.fsdp}" if t.fsdp else "")
+    what = _what(t)
+    if t.tp > 1:
+        _check_tp(t, spec, device, what)
     if device != "cuda":
         raise TrainmemError(f"trace {what} runs on the emulated GPU: drop --device cpu")
     if spec is None:
@@ -102,6 +122,28 @@ def check(t: TrainingSpec, spec: Any, device: str) -> None:
         raise TrainmemError(f"trace {what} with --optimizer-in-backward is not traced: the per-parameter hooks run "
                             "before DDP all-reduces the gradient (PyTorch's way is DDP._register_fused_optim); "
                             "use --fsdp full or grad-op, or estimate")
+
+
+def _check_tp(t: TrainingSpec, spec: Any, device: str, what: str) -> None:
+    """The tensor-parallel refusals: what the plan (``wrappers.tp_layer_plan``) does not cover."""
+    if device != "cuda" or spec is None:
+        return  # refused below with the data-parallel setups' reasons
+    if spec.model_type not in TP_MODEL_TYPES:
+        raise TrainmemError(f"trace {what}: the tensor-parallel plan is written for Llama, Mistral and Qwen2 layers "
+                            f"(q/k/v/o and gate/up/down projections), not {spec.model_type} ({spec.name}); "
+                            "use estimate")
+    if t.dp > 1 and t.fsdp is None:
+        raise TrainmemError(f"trace {what}: --dp with --tp needs --fsdp (FSDP2 over the dp dimension of the mesh); "
+                            "DDP does not wrap tensor-parallel DTensor parameters")
+    if t.lora_rank:
+        raise TrainmemError(f"trace {what} with --lora-rank is not traced: peft's LoRA linears replace the "
+                            "projections the tensor-parallel plan names; use estimate")
+    if t.loss == "chunked":
+        raise TrainmemError(f"trace {what} with --loss chunked is not traced: the chunked loss runs the head "
+                            "outside the plan's vocabulary-parallel output (loss_parallel); use estimate")
+    if t.optimizer == "adafactor":
+        raise TrainmemError(f"trace {what} with --optimizer adafactor is not traced: transformers' Adafactor mixes "
+                            "plain tensors with the DTensor shards, which DTensor refuses; use estimate")
 
 
 @contextlib.contextmanager
@@ -214,8 +256,12 @@ def wrap(module: torch.nn.Module, spec: Any, t: TrainingSpec, tracker: Tracker) 
     (as torchtitan does: built on ``meta``, sharded, then given memory), so only the shards are
     ever loaded; DDP wraps the loaded model inside the tracker: its buckets are counted."""
     device_mesh = mesh(t, "cuda")
+    if t.tp > 1:
+        tensor_parallel(module, spec, device_mesh["tp"], t.sequence_parallel)
     if t.fsdp is not None:
         fsdp2(module, spec, t, device_mesh["dp"])
+        return module
+    if t.dp == 1:
         return module
     with tracker, tracker.scope("communication", "ddp_buckets"):
         wrapped = ddp(module, t, torch.device("meta"))
@@ -225,12 +271,12 @@ def wrap(module: torch.nn.Module, spec: Any, t: TrainingSpec, tracker: Tracker) 
 
 def describe(t: TrainingSpec, rank: int = 0) -> str:
     """The wrapper and which rank was traced, in words."""
-    why = ("every rank holds the same replicas and buckets" if t.fsdp is None else
-           "every rank's shards are padded to rank 0's size; only the optimizer states of the last ranks can be "
-           "smaller (torch.chunk gives the first ranks the extra rows)")
+    why = ("every rank holds the same replicas and buckets" if t.fsdp is None and t.tp == 1 else
+           "every rank's shards are as large as rank 0's or smaller (torch.chunk gives the first ranks the extra "
+           "rows; FSDP2 pads its shards to rank 0's size)")
     which = "rank 0 traced, the worst rank" if rank == 0 else f"rank {rank} traced (rank 0 is the worst)"
-    return (f"{wrapper_name(t)} on a fake process group of {t.dp} ranks (torch.distributed's fake backend): "
-            f"{which} ({why})")
+    return (f"{wrapper_name(t)} on a fake process group of {world_size(t)} ranks (torch.distributed's fake "
+            f"backend): {which} ({why})")
 
 
 def rank_entries(report: Any, t: TrainingSpec, rank: int = 0) -> list[dict[str, Any]]:
@@ -238,7 +284,7 @@ def rank_entries(report: Any, t: TrainingSpec, rank: int = 0) -> list[dict[str, 
     traced, every other rank a copy of it marked ``traced: false`` and ``copied_from``."""
     params = sum(c.bytes for c in report.components if c.category == "parameters")
     states = sum(c.bytes for c in report.components if c.category == "optimizer_states")
-    traced = {"rank": rank, "world_size": t.dp, "local_rank": rank, "host": None,
+    traced = {"rank": rank, "world_size": world_size(t), "local_rank": rank, "host": None,
               "device": report.extra.get("device"), "peak_allocated": int(report.peak_allocated),
               "peak_reserved": report.peak_reserved, "device_used": report.device_used,
               "peak_phase": report.peak_phase, "peak_where": report.peak_where,
@@ -250,4 +296,4 @@ def rank_entries(report: Any, t: TrainingSpec, rank: int = 0) -> list[dict[str, 
             "parameters_bytes", "optimizer_states_bytes", "cuda_context")
     return [traced if r == rank else
             {"rank": r, "local_rank": r, **{k: traced[k] for k in keep}, "traced": False, "copied_from": rank}
-            for r in range(t.dp)]
+            for r in range(world_size(t))]
