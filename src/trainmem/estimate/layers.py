@@ -501,6 +501,7 @@ class LayerKey:
     head_dim: int
     tp: int
     sp: bool
+    sp_gathered: bool  # sequence parallel as PyTorch's plan runs it: linears save the gathered input
     experts: int
     top_k: int
     pre_norm: bool
@@ -660,12 +661,14 @@ def _llama_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: 
     ``PrepareModuleInput`` (torch 2.13 ``torch/distributed/tensor/parallel/style.py``,
     ``PrepareModuleInput._prepare_input_arg`` -> ``redistribute`` to ``Replicate``), outside the
     linear, and ``F.linear`` on the gathered DTensor saves its local tensor, the whole sequence.
-    Megatron-LM saves the shard instead and gathers it again in backward
-    (``megatron/core/tensor_parallel/layers.py``, ``LinearWithGradAccumulationAndAsyncCommunication``:
-    ``ctx.save_for_backward(input, weight)`` before the all-gather): that is ``--method korthikanti``."""
+    Megatron-LM (``--framework megatron``, ``LayerKey.sp_gathered`` false) saves the shard instead
+    and gathers it again in backward (``megatron/core/tensor_parallel/layers.py``,
+    ``LinearWithGradAccumulationAndAsyncCommunication.forward``: ``ctx.save_for_backward(input,
+    weight)`` before the all-gather into its global buffer)."""
     pol, half = B.p, B.p.half
     a_in = B.rms_norm_hf(x, "input_layernorm")
-    src = T(h, 0, a_in.nbytes, "input_layernorm.out")  # (b, s, h): all-gathered under sequence parallelism
+    gathered = h if k.sp_gathered else h / sp_div  # what the column-parallel linears get (and save)
+    src = T(gathered, 0, a_in.nbytes, "input_layernorm.out")
     if not pol.amp and not B.frozen:
         B.r.save(src)  # shared input of q/k/v (no per-call casts without autocast; frozen linears save none)
     for name, width in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
@@ -691,7 +694,7 @@ def _llama_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: 
     B.linear(ctx, h, "o_proj", "o_proj.input")
     x2 = T(h / sp_div, 0, pol.stream, "residual")
     m_in = B.rms_norm_hf(x2, "post_attention_layernorm")
-    src2 = T(h, 0, m_in.nbytes, "post_attention_layernorm.out")  # all-gathered as src
+    src2 = T(gathered, 0, m_in.nbytes, "post_attention_layernorm.out")
     if not pol.amp and not B.frozen:
         B.r.save(src2)
     if k.experts:

@@ -28,7 +28,7 @@ from .derived import regime as derived_regime
 from .derived import head_during_loss as derived_head_loss, layer_coefs as derived_layer, outer as derived_outer
 from .layers import LayerCoefs, LayerKey, Policy, layer_coefficients
 from .quant4 import dequant_dtypes, is_quantized
-from .states import States, block_bytes, default_lora_targets, fsdp_grad_op, model_states
+from .states import States, block_bytes, default_lora_targets, dtensor_tp, fsdp_grad_op, model_states
 
 F32 = 4
 HEAD_KEYS = ("final_norm", "lm_head.input", "mlm.transform", "pooler.input", "derived.head_side")
@@ -130,7 +130,8 @@ def layer_key(m: ModelSpec, t: TrainingSpec) -> LayerKey:
                      if p.layer == 0 and p.is_matmul and p.module in targets)
     return LayerKey(m.family, act_impl(m), t.precision, t.attention, t.dropout, m.hidden_dropout,
                     m.attention_dropout, m.hidden_size, m.ffn_size, m.q_size, m.kv_size, m.num_heads,
-                    m.num_kv_heads, m.head_dim, t.tp, t.sequence_parallel, m.num_experts,
+                    m.num_kv_heads, m.head_dim, t.tp, t.sequence_parallel, t.sequence_parallel and dtensor_tp(t),
+                    m.num_experts,
                     m.experts_top_k, m.pre_norm, lora, t.lora_dropout if lora else 0.0,
                     bool(lora) and t.lora_half, dequant_dtypes(t) if t.quantize else (0, 0), t.bnb_saves_input,
                     kv_cache(m, t))
@@ -196,6 +197,23 @@ def _embedding_side(m: ModelSpec, t: TrainingSpec, pol: Policy, h: int, sp: int)
         # backward (without recompute it dies with the base model's forward)
         out.append(("causal_mask", 0.0, float(pol.stream)))
     return out
+
+
+def head_during_loss(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) -> float:
+    """Bytes per token alive only while a causal-LM's own loss runs inside its forward: the final
+    norm's output. transformers' ``LlamaForCausalLM.forward`` / ``GPT2LMHeadModel.forward`` keep the
+    body's output (``outputs.last_hidden_state``, ``transformer_outputs[0]``) in a local until they
+    return, after ``self.loss_function``. Under autocast it is fp32 (the norm runs in fp32) and the
+    head saves its own half cast, so it is a tensor of its own; without autocast the head saves it
+    (``lm_head.input`` in ``_head_side``), counted already. Under sequence parallelism it is the
+    (b, s/tp, h) shard the final norm returns (``trainmem.wrappers.tp_model_plan``). None when the
+    loop computes the loss from the logits (``--loss``: the body's output is gone by then) or off the
+    last pipeline stage. Derived architectures measure the same tensor (``derived.head_during_loss``)."""
+    if t.loss is not None or m.head != "causal-lm" or not m.final_norm or not pol.amp:
+        return 0.0
+    if not (t.pp == 1 or stage == "last"):
+        return 0.0
+    return m.hidden_size * F32 / (t.tp if t.sequence_parallel else 1)
 
 
 def _head_side(m: ModelSpec, pol: Policy, h: int, sp: int, fused: bool = False) -> list[tuple[str, float, float]]:
@@ -266,7 +284,7 @@ def loss_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy) -> LossBytes:
       saved for backward, and one logits chunk of ``next_power_of_2(ceil(BT / ceil(V / H)))``
       tokens at a time; backward returns the saved gradients (no new tensors when the loss's
       gradient is 1).
-    * loss parallel (upcast, ``--tp`` > 1): :func:`_loss_parallel_bytes`.
+    * loss parallel (upcast, PyTorch's tensor parallelism, ``states.dtensor_tp``): :func:`_loss_parallel_bytes`.
     * ``torch.compile`` (upcast or half): inductor fuses the loss and its backward: no fp32 copy in
       forward, one fp32 logits gradient in backward.
     Classifier heads: fp32 loss tensors of (b, labels).
@@ -282,7 +300,7 @@ def loss_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy) -> LossBytes:
         return LossBytes(held, half, F32, forward_chunk=F32 if half != F32 else 0, backward_chunk=2 * F32)
     if t.compile:
         return LossBytes(held, half, F32, 0, F32)
-    if t.tp > 1 and mode == "upcast":
+    if dtensor_tp(t) and mode == "upcast":
         return _loss_parallel_bytes(held, half)
     if mode == "half" and half != F32:
         if pol.amp:
@@ -515,7 +533,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         kept_tok=kept[0], kept_sq=kept[1], redo_tok=redo[0], redo_sq=redo[1],
         redo_const=cast_layer if (checkpointed and top_recomputed) else 0, held_tok=lc.held, cache_tok=lc.cache,
         outer_head_tok=head_tok, outer_rest_tok=rest_tok, outer_rest_sq=rest_sq, outer_rest_pos=rest_pos,
-        head_loss_tok=derived_head_loss(m, t, stage) if derived else 0.0,
+        head_loss_tok=derived_head_loss(m, t, stage) if derived else head_during_loss(m, t, pol, stage),
         cast_layer=cast_layer, cast_head=cast_head, cast_forward_only=cast_layer * checkpointed,
         gathered_layer=st.layer_params_full if fsdp_grad_op(t) else 0,
         logit_chunks=t.loss_chunks, logit_width=m.vocab_size if is_lm(m) else m.num_labels,
