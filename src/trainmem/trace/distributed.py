@@ -157,12 +157,29 @@ def fake_group(world_size: int, rank: int = 0) -> Iterator[None]:
                             "runs data parallelism on a fake group of its own (call it outside a distributed run)")
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    _forget_local_shapes()
     try:
         with warnings.catch_warnings():  # the wrappers' advice to a training script (e.g. FSDP2's "returned a
             warnings.filterwarnings("ignore", module=r"torch\.distributed")  # view tensor") is not the user's
             yield
     finally:
         dist.destroy_process_group()
+        _forget_local_shapes()
+
+
+def _forget_local_shapes() -> None:
+    """Empty DTensor's sharding-propagation caches, Python's and the C++ fast path's (torch 2.13
+    ``distributed/tensor/debug/__init__.py`` ``_clear_sharding_prop_cache`` clears the same two;
+    ``_sharding_prop.py`` L385: ``propagate_op_sharding`` is an ``lru_cache`` keyed by the op
+    schema). Their answers hold this rank's local shapes (``compute_local_shape_and_global_offset``
+    for shape arguments such as a view's, ``_sharding_prop.py`` L1060), but the key names the mesh,
+    not the rank, since a real process is one rank for good. Trace runs one rank after another in
+    one process: a cached answer of rank 0 would give rank 2 of an uneven split rank 0's shapes."""
+    from torch.distributed.tensor import DTensor
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native is not None:
+        clear_native()
 
 
 # ----- patches: the wrappers on the emulated GPU ------------------------------------------------------
