@@ -142,8 +142,9 @@ def kv_cache(m: ModelSpec, t: TrainingSpec) -> bool:
     ``DynamicCache`` whenever ``config.use_cache`` (default True) is set, in training too, except
     under gradient checkpointing (``merge_with_config_defaults`` turns it off); its ``torch.cat``
     copies of each layer's keys and values are what attention then consumes. Megatron-style
-    tensor/pipeline/context parallel code has no such cache."""
-    if t.recompute == "full" or t.tp * t.pp * t.cp > 1:
+    tensor/pipeline/context parallel code has no such cache; PyTorch's tensor parallelism runs the
+    transformers model itself (``states.dtensor_tp``), whose cache then holds each rank's own heads."""
+    if t.recompute == "full" or t.pp * t.cp > 1 or (t.tp > 1 and not dtensor_tp(t)):
         return False
     if m.head != "causal-lm" or m.family == "nanogpt":
         return False
@@ -300,8 +301,8 @@ def loss_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy) -> LossBytes:
         return LossBytes(held, half, F32, forward_chunk=F32 if half != F32 else 0, backward_chunk=2 * F32)
     if t.compile:
         return LossBytes(held, half, F32, 0, F32)
-    if dtensor_tp(t) and mode == "upcast":
-        return _loss_parallel_bytes(held, half)
+    if dtensor_tp(t) and mode in ("upcast", "half"):
+        return _loss_parallel_bytes(held, half, mode == "half", pol.amp)
     if mode == "half" and half != F32:
         if pol.amp:
             return LossBytes(held, half, half + F32, 0, F32)
@@ -309,22 +310,30 @@ def loss_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy) -> LossBytes:
     return LossBytes(held, half, F32, F32 if half != F32 else 0, 2 * F32)
 
 
-def _loss_parallel_bytes(held: int, half: int) -> LossBytes:
-    """The upcast loss on vocabulary-sharded logits under ``loss_parallel()`` (tensor parallelism:
+def _loss_parallel_bytes(held: int, half: int, on_half: bool, amp: bool) -> LossBytes:
+    """The loss on vocabulary-sharded logits under ``loss_parallel()`` (PyTorch's tensor parallelism:
     the head's logits are (b, s, vocab / tp) DTensors, ``trainmem.wrappers.parallel_loss``). Its
     handlers replace the fused CUDA kernels with decompositions (torch 2.13
-    ``torch/distributed/tensor/parallel/loss.py``), each (b, s, vocab / tp) tensor fp32:
+    ``torch/distributed/tensor/parallel/loss.py``), each tensor (b, s, vocab / tp):
 
-    * forward, ``_log_softmax`` (L197-221): the fp32 copy of the logits (``logits.float()``, none when
-      they are fp32 already), ``shifted = x - x_max`` and ``torch.exp(shifted)`` are alive together;
-      then ``result = shifted - logsumexp`` (saved by ``nll_loss``) replaces the exponentials: the
-      copy and ``shifted`` besides what is saved;
+    * forward, ``_log_softmax`` (L197-221): the input in fp32 (``logits.float()`` for ``upcast``;
+      ``x.to(computation_dtype)``, fp32, of half logits for ``half``; none when they are fp32),
+      ``shifted = x - x_max`` and ``torch.exp(shifted)`` are alive together; ``result = shifted -
+      logsumexp`` replaces the exponentials and is cast back to half logits' dtype (``result.to(
+      result_dtype)``): three fp32 tensors, and the half result, at the most;
+    * saved: the log-probabilities (fp32 for ``upcast``; half for ``half``, plus the fp32 copy
+      autocast makes for ``nll_loss``, an fp32-list op);
     * backward, ``_nll_loss_and_log_softmax_backward`` (L451-518), which does the log-softmax's
-      backward too: ``grad_input = torch.zeros_like(x)``, ``torch.exp(x)`` and their sum, then the
-      product with the gradient replaces the exponentials: three fp32 tensors (the native kernels
-      make two, ``nll_loss_backward``'s and ``_log_softmax_backward_data``'s)."""
-    copy = F32 if half != F32 else 0   # logits.float(): a copy of half logits, fp32 ones returned as they are
-    return LossBytes(held, half, F32, copy + F32, 3 * F32)
+      backward too, in the saved log-probabilities' dtype: ``grad_input = torch.zeros_like(x)``,
+      ``torch.exp(x)`` and their sum, then the product with the gradient replaces the exponentials:
+      three tensors (the native kernels make two, ``nll_loss_backward``'s and
+      ``_log_softmax_backward_data``'s)."""
+    if not on_half or half == F32:
+        copy = F32 if half != F32 else 0   # logits.float(): a copy of half logits, fp32 ones returned as they are
+        return LossBytes(held, half, F32, copy + F32, 3 * F32)
+    if amp:
+        return LossBytes(held, half, half + F32, 2 * F32, 3 * F32)
+    return LossBytes(held, half, half, 3 * F32, 3 * half)
 
 
 def _head_weight_numel(m: ModelSpec, tp: int) -> int:

@@ -118,7 +118,7 @@ def check(t: TrainingSpec, spec: Any, device: str) -> None:
     if t.fsdp is not None and t.optimizer == "adafactor":
         raise TrainmemError(f"trace {what} with --optimizer adafactor is not traced: transformers' Adafactor mixes "
                             "plain tensors with FSDP2's DTensor shards, which DTensor refuses; use estimate")
-    if t.fsdp is None and t.optimizer_in_backward:
+    if t.fsdp is None and t.dp > 1 and t.optimizer_in_backward:
         raise TrainmemError(f"trace {what} with --optimizer-in-backward is not traced: the per-parameter hooks run "
                             "before DDP all-reduces the gradient (PyTorch's way is DDP._register_fused_optim); "
                             "use --fsdp full or grad-op, or estimate")
