@@ -84,8 +84,9 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
     near the limit the allocator frees its cache and retries as PyTorch does, and a step that does
     not fit stops at the simulated out-of-memory (reported in ``warnings``).
     ``expandable_segments`` and ``max_split_size`` mirror ``PYTORCH_CUDA_ALLOC_CONF``.
-    With data parallelism (``dp`` > 1, ``fsdp``) the step runs on a fake process group of ``dp``
-    ranks (``trace.distributed``) as rank ``rank`` (default 0, the worst: FSDP2 gives it the
+    With data or tensor parallelism (``dp`` > 1, ``fsdp``, ``tp`` > 1 with or without
+    ``sequence_parallel``) the step runs on a fake process group of ``dp`` × ``tp`` ranks
+    (``trace.distributed``) as rank ``rank`` (default 0, the worst: FSDP2 and DTensor give it the
     largest shards); ``extra["ranks"]`` lists every rank, the others as copies of the traced one.
     """
     t0 = time.perf_counter()
@@ -99,9 +100,7 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
     spec, t, hw, fraction = _inputs(model, options)
     _check_supported(t)
     _dist.check(t, spec, device)
-    world = _dist.world_size(t)
-    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world:
-        raise TrainmemError(f"rank {rank!r}: trace one of the {world} ranks (0 to {world - 1})")
+    world = _dist.check_rank(t, rank)
     factory = _factory(model, spec, t, step_fn)
     dev = _device(device == "cuda", hw, t, expandable_segments, max_split_size, cublas_workspace,
                   attention_backend, capability, simulate_oom)
@@ -119,9 +118,7 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
                      expandable_segments)
     report.max_fraction = fraction
     if several:
-        report.extra.update({"ranks": _dist.rank_entries(report, t, rank), "rank": rank, "world_size": world,
-                             "traced_ranks": [rank], "wrapper": _dist.wrapper_name(t)})
-        report.warnings.append(_dist.describe(t, rank))
+        _dist.annotate(report, t, rank)
     if spec is not None:
         note = _attention_implementation(spec, t)[1]
         if note:

@@ -1,13 +1,17 @@
-"""Data parallelism traced on torch.distributed's own code, in one process.
+"""Data and tensor parallelism traced on torch.distributed's own code, in one process.
 
-``trace(..., dp=N)`` (DDP) and ``trace(..., dp=N, fsdp="full"|"grad-op")`` (FSDP2) start a fake
-process group of N ranks in this process — PyTorch's ``fake`` backend
+``trace(..., dp=N)`` (DDP), ``trace(..., dp=N, fsdp="full"|"grad-op")`` (FSDP2) and
+``trace(..., tp=T)`` (``parallelize_module`` with torchtitan's Llama plan,
+``trainmem.wrappers.tensor_parallel``; with ``sequence_parallel``, and with FSDP2 over the ``dp``
+dimension of a (dp, tp) mesh) start a fake process group of N × T ranks in this process — PyTorch's ``fake`` backend
 (``torch/testing/_internal/distributed/fake_pg.py``: ``FakeStore`` and ``FakeProcessGroup``,
 whose collectives return at once and move no data) — and wrap the model with the real wrappers
 (:mod:`trainmem.wrappers`, the code ``measure`` runs on real ranks) on the emulated GPU. This
-process is rank 0. What the wrappers allocate goes through the same tracker and allocator
+process is rank 0 (or ``rank``). What the wrappers allocate goes through the same tracker and allocator
 simulation as the rest of the step: FSDP2's all-gather buffers and unsharded parameters, its
-reduce-scatter buffers and sharded gradients, DDP's gradient buckets.
+reduce-scatter buffers and sharded gradients, DDP's gradient buckets, DTensor's collectives
+(``_c10d_functional`` ops whose outputs are new tensors of the real shapes) and its ops on the
+local shards.
 
 The emulated GPU's tensors live on ``meta`` (``trace/cuda.py``), which FSDP2 and DDP were not
 written for; :func:`patches` makes them take their CUDA paths (each patch cites the code it
@@ -284,6 +288,21 @@ def wrap(module: torch.nn.Module, spec: Any, t: TrainingSpec, tracker: Tracker) 
         wrapped = ddp(module, t, torch.device("meta"))
     wrapped.register_comm_hook(None, _allreduce_in_place(t.dp))
     return wrapped
+
+
+def check_rank(t: TrainingSpec, rank: Any) -> int:
+    """The world size, once ``rank`` is known to be one of its ranks (else a one-line error)."""
+    world = world_size(t)
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world:
+        raise TrainmemError(f"rank {rank!r}: trace one of the {world} ranks (0 to {world - 1})")
+    return world
+
+
+def annotate(report: Any, t: TrainingSpec, rank: int) -> None:
+    """The ranks (``extra["ranks"]``, measure's per-rank format), the wrapper and which rank was traced."""
+    report.extra.update({"ranks": rank_entries(report, t, rank), "rank": rank, "world_size": world_size(t),
+                         "traced_ranks": [rank], "wrapper": wrapper_name(t)})
+    report.warnings.append(describe(t, rank))
 
 
 def describe(t: TrainingSpec, rank: int = 0) -> str:
