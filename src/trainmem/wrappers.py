@@ -59,12 +59,13 @@ def decoder_layers(module: torch.nn.Module, spec: Any) -> torch.nn.ModuleList:
 
 
 def tp_layer_plan(sequence_parallel: bool) -> dict[str, Any]:
-    """One decoder layer's plan, torchtitan's ``apply_tp`` (pytorch/torchtitan
-    ``torchtitan/models/llama3/infra/parallelize.py``, https://github.com/pytorch/torchtitan, the
-    ``layer_plan`` of ``apply_tp``) on transformers' module names: q/k/v and gate/up column-parallel
-    (each rank computes its heads / its slice of the MLP, local outputs), o_proj and down_proj
-    row-parallel. Without sequence parallelism their outputs are all-reduced to a replicated
-    (b, s, h) residual stream (Megatron-LM's layout); with it, the norms run on the sequence shard
+    """One decoder layer's plan, torchtitan's ``apply_tp`` (pytorch/torchtitan, commit 018740b,
+    ``torchtitan/models/llama3/infra/parallelize.py``, the ``layer_plan`` in ``apply_tp``,
+    https://github.com/pytorch/torchtitan) on transformers' module names: q/k/v and gate/up
+    column-parallel (each rank computes its heads / its slice of the MLP, local outputs), o_proj
+    and down_proj row-parallel. Without sequence parallelism their outputs are all-reduced to a
+    replicated (b, s, h) residual stream (Megatron-LM's layout) and the norms run whole on every
+    rank (:func:`replicated`); with it, the norms run on the sequence shard
     (``SequenceParallel``), ``PrepareModuleInput`` all-gathers the normed (b, s/tp, h) input before
     attention and the MLP, and o_proj / down_proj reduce-scatter to ``Shard(1)``, kept as DTensors
     (``use_local_output=False``) so the residual adds stay sharded. transformers calls ``self_attn``
@@ -139,7 +140,7 @@ def tensor_parallel(module: torch.nn.Module, spec: Any, tp_mesh: Any, sequence_p
     from torch.distributed.tensor.parallel import parallelize_module
     for layer in decoder_layers(module, spec):
         parallelize_module(layer, tp_mesh, tp_layer_plan(sequence_parallel))
-    inner, head = _body_and_head(module, spec)
+    inner, head = _body_and_head(module)
     tied = head is not None and head.weight is inner.get_input_embeddings().weight
     names = {"embed": inner.get_input_embeddings(), "norm": getattr(inner, "norm", None), "head": head}
     for key, style in tp_model_plan(sequence_parallel).items():
@@ -149,7 +150,7 @@ def tensor_parallel(module: torch.nn.Module, spec: Any, tp_mesh: Any, sequence_p
         head.weight = inner.get_input_embeddings().weight
 
 
-def _body_and_head(module: torch.nn.Module, spec: Any) -> tuple[torch.nn.Module, Any]:
+def _body_and_head(module: torch.nn.Module) -> tuple[torch.nn.Module, Any]:
     """The decoder body (``model.model``: embeddings, layers, final norm) and the output head
     (``lm_head``; None for a model without one)."""
     head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None

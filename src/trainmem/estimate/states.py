@@ -61,7 +61,7 @@ def dtensor_tp(t: TrainingSpec) -> bool:
 
 
 def _replicated_grad(m: ModelSpec, t: TrainingSpec, p: ParamTensor) -> bool:
-    """An untied input embedding under PyTorch's tensor parallelism without FSDP: its gradient is the
+    """An untied token embedding under PyTorch's tensor parallelism without FSDP: its gradient is the
     whole (vocab, hidden) table on every rank. ``RowwiseParallel`` shards the weight over the
     vocabulary (``Shard(0)``), but DTensor has no rule that gives ``embedding_dense_backward`` a
     ``Shard(0)`` output (torch 2.13 ``torch/distributed/tensor/_ops/_embedding_ops.py`` L62-97:
@@ -71,8 +71,8 @@ def _replicated_grad(m: ModelSpec, t: TrainingSpec, p: ParamTensor) -> bool:
     to the weight's shard op by op). FSDP2 redistributes it to the weight's placement before its
     reduce-scatter (``_fsdp_param.py`` ``_get_grad_inner_tensor``), so there it is transient. A tied
     embedding's gradient is accumulated into the head's ``Shard(0)`` one (transient too)."""
-    return (dtensor_tp(t) and p.role == "embedding" and t.fsdp is None and not t.zero_stage
-            and not (m.tied_embeddings and p.name.endswith(TIED_NAMES)))
+    return (dtensor_tp(t) and p.role == "embedding" and p.name.endswith(TIED_NAMES) and not m.tied_embeddings
+            and t.fsdp is None and not t.zero_stage)
 
 
 def _lora_tensors(m: ModelSpec, t: TrainingSpec) -> list[tuple[str, int, int | None, tuple[int, int]]]:
