@@ -29,6 +29,8 @@ SET = ["num_hidden_layers=2", "hidden_size=64", "num_attention_heads=4", "num_ke
 SETUP = dict(batch_size=2, seq_len=16, precision="fp32")
 #: the projections tensor parallelism splits: per layer q, o (64×64), k, v (64×32), gate, up, down (64×128)
 PROJECTION_BYTES = 2 * 4 * (64 * 64 * 2 + 64 * 32 * 2 + 64 * 128 * 3)
+#: and the vocabulary-parallel embedding (256×64), which is also the tied output head
+EMBEDDING_BYTES = 4 * 256 * 64
 
 
 def _args(*extra: str) -> list[str]:
@@ -112,12 +114,14 @@ def test_fsdp_full_shards_the_parameters_in_half(single, version):
     assert d["peak_allocated"] < single["report"].peak_allocated
 
 
-def test_tensor_parallel_halves_the_projections(single):
+def test_tensor_parallel_halves_the_projections_and_the_embedding(single):
+    """torchtitan's plan (trainmem.wrappers.tensor_parallel): the projections and the (tied)
+    embedding halved, the norms replicated; the loss runs under loss_parallel on gloo."""
     d = _launched("--tp", "2")
     ranks = _check_gathered(d)
     assert d["training"]["tp"] == 2
     for s in ranks:
-        assert s["parameters_bytes"] == single["params"] - PROJECTION_BYTES // 2
+        assert s["parameters_bytes"] == single["params"] - (PROJECTION_BYTES + EMBEDDING_BYTES) // 2
 
 
 def test_out_of_memory_on_every_rank():
@@ -173,13 +177,14 @@ def test_tensor_parallel_refused_for_other_families(capsys):
 
 
 def test_trace_still_refuses_parallelism():
-    """trace runs data parallelism on a fake process group of the emulated GPU (tests/test_trace_distributed.py);
-    on the CPU, and tensor parallelism anywhere, it refuses in one line."""
+    """trace runs data and tensor parallelism on a fake process group of the emulated GPU
+    (tests/test_trace_distributed.py, tests/test_trace_tp.py); on the CPU, and pipelines anywhere,
+    it refuses in one line."""
     from trainmem.trace.api import trace
     with pytest.raises(TrainmemError, match="trace --dp 2 runs on the emulated GPU"):
         trace(MODEL, overrides=SET, dp=2, device="cpu", **SETUP)
-    with pytest.raises(TrainmemError, match="trace runs one GPU or data parallelism"):
-        trace(MODEL, overrides=SET, tp=2, **SETUP)
+    with pytest.raises(TrainmemError, match="not supported: --pp 2"):
+        trace(MODEL, overrides=SET, pp=2, **SETUP)
 
 
 def test_fsdp_version_is_checked():

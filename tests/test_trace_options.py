@@ -37,8 +37,8 @@ CASES = [
     ({"fsdp": "hybrid", "dp": 4, "fsdp_node_size": 2}, REFUSED, "--fsdp hybrid"),
     ({"dp": 2, "ddp_bucket_mb": 1.0}, "same", "the cap regroups DDP's buckets, which together are as large as the "
                                               "gradients (vs --dp 2 alone)"),
-    ({"tp": 2}, REFUSED, "--tp 2"), ({"pp": 2}, REFUSED, "--pp 2"), ({"cp": 2}, REFUSED, "--cp 2"),
-    ({"tp": 2, "sequence_parallel": True}, REFUSED, "--sequence-parallel"),
+    ({"tp": 2}, CHANGED, ""), ({"pp": 2}, REFUSED, "--pp 2"), ({"cp": 2}, REFUSED, "--cp 2"),
+    ({"tp": 2, "sequence_parallel": True}, CHANGED, ""),  # vs --tp 2 alone
     ({"pp": 2, "num_microbatches_in_flight": 2}, REFUSED, "--pp 2"),
     ({"distributed_optimizer": True, "dp": 2}, REFUSED, "--distributed-optimizer"),
     ({"offload_optimizer": True, "zero": 2, "dp": 2}, REFUSED, "--offload-optimizer"),
@@ -73,7 +73,7 @@ CASES = [
     ({"lora_rank": 8, "fsdp_lora_units": "layer"}, "same", "FSDP units: one GPU has none (vs LoRA alone)"),
 ]
 #: the options a case is compared with instead of the baseline (the case's own options minus one)
-REFERENCE = {"fsdp_lora_units": {"lora_rank": 8}, "ddp_bucket_mb": {"dp": 2},
+REFERENCE = {"fsdp_lora_units": {"lora_rank": 8}, "ddp_bucket_mb": {"dp": 2}, "sequence_parallel": {"tp": 2},
              "grad_sync": {"grad_accum": 2, "fsdp": "full", "dp": 2}, "offload_activations": {"recompute": "full"}}
 GPT2_CASES = [({"dropout": False}, CHANGED, "")]
 

@@ -32,29 +32,25 @@ STEP_PHASES = ("forward", "backward", "optimizer_step", "zero_grad")
 
 
 def check_supported(t: TrainingSpec, what: str = "trace") -> None:
-    """Refuse the setups a run cannot execute. ``trace`` runs one GPU, or data parallelism (DDP, or
-    FSDP2 with ``--fsdp``) on a fake process group in one process (``trainmem.trace.distributed``);
-    no tensor, pipeline or context parallelism. ``measure`` also runs tensor parallelism through
-    PyTorch's own wrappers, one process per rank (``trainmem.measure.distributed``)."""
-    several = what == "measure"  # ranks of torch.distributed
-    bad = []
-    for key in ("dp", "tp", "pp", "cp"):
-        if getattr(t, key) != 1 and not ((several and key in ("dp", "tp")) or key == "dp"):
-            bad.append(f"--{key} {getattr(t, key)}")
+    """Refuse the setups a run cannot execute. ``trace`` runs one GPU, or data and tensor parallelism
+    (DDP, FSDP2 with ``--fsdp``, ``--tp`` with or without ``--sequence-parallel``) on a fake process
+    group in one process (``trainmem.trace.distributed``); no pipeline or context parallelism.
+    ``measure`` runs data and tensor parallelism through PyTorch's own wrappers, one process per rank
+    (``trainmem.measure.distributed``), without sequence parallelism."""
+    bad = [f"--{key} {getattr(t, key)}" for key in ("pp", "cp") if getattr(t, key) != 1]
     if t.zero_stage and t.fsdp is None:
         bad.append(f"ZeRO stage {t.zero_stage} (DeepSpeed)")
-    if t.sequence_parallel:
+    if t.sequence_parallel and what != "trace":
         bad.append("--sequence-parallel")
     if t.offload_optimizer:
         bad.append("--offload-optimizer")
     if t.distributed_optimizer:
         bad.append("--distributed-optimizer")
-    if bad and several:
-        raise TrainmemError(f"{what} runs DDP (--dp), FSDP (--fsdp over --dp) and tensor parallelism (--tp) through "
-                            "torch.distributed; not supported: " + ", ".join(bad) + " (use `estimate` for those)")
     if bad:
-        raise TrainmemError(f"{what} runs one GPU or data parallelism (DDP --dp, FSDP2 --fsdp over --dp, on a fake "
-                            "process group); not supported: " + ", ".join(bad) + " (use `estimate` for those)")
+        sp = ", --sequence-parallel" if what == "trace" else ""
+        raise TrainmemError(f"{what} runs DDP (--dp), FSDP (--fsdp over --dp) and tensor parallelism (--tp{sp}) "
+                            "through torch.distributed; not supported: " + ", ".join(bad) +
+                            " (use `estimate` for those)")
     if t.optimizer in ("lion", "adamw-8bit", "paged-adamw-8bit", "paged-adamw"):
         raise TrainmemError(f"--optimizer {t.optimizer} is not in torch.optim; {what} supports adamw, adam, sgd, "
                             f"sgd-momentum, adafactor")
@@ -219,6 +215,12 @@ class TrainStep:
             return contextlib.nullcontext()
         return torch.autocast("cuda" if self.device == "cuda" else "cpu", dtype=amp)
 
+    def loss_context(self) -> Any:
+        """``loss_parallel()`` around the loss and its backward when tensor parallelism leaves the logits
+        sharded over the vocabulary (``trainmem.wrappers.parallel_loss``); a no-op context otherwise."""
+        from .wrappers import parallel_loss
+        return parallel_loss(self.training, unwrapped(self.model))
+
     def _mark(self, name: str, step: int, micro: int | None) -> None:
         """Report the end of a phase to the ``on_phase`` callback, if any."""
         if self.on_phase is not None:
@@ -252,7 +254,7 @@ class TrainStep:
                 # torch 2.13 _fully_shard/_fully_shard.py L413-421)
                 sync(micro == self.micro_batches - 1)
             self.state["batch"] = self.batch()  # the previous batch lives until this one exists
-            with self.autocast():
+            with self.loss_context(), self.autocast():
                 out, loss = self.forward_loss(self.state["batch"])
                 # hold_output: "step" -- `outputs = model(...)` at loop level: the output lives until
                 # the next forward returns; "backward" -- a training_step that returns after
@@ -265,7 +267,8 @@ class TrainStep:
                 loss = loss / t.grad_accum
             self.state["loss"] = loss
             self._mark("forward", i, micro)
-            loss.backward()
+            with self.loss_context():
+                loss.backward()
             del loss, held  # a training_step holding its output returns here
             self._mark("backward", i, micro)
         self.optimizer.step()

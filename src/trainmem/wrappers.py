@@ -15,9 +15,12 @@ both run the same code). PyTorch's own wrappers; line references are to torch 2.
   ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``.
 * ``fsdp_version=1``: ``FullyShardedDataParallel`` with ``ShardingStrategy`` FULL_SHARD /
   SHARD_GRAD_OP / HYBRID_SHARD and ``ModuleWrapPolicy({decoder layer class})``.
-* ``--tp N``: ``parallelize_module`` on every decoder layer of a Llama / Mistral / Qwen2 model:
-  ``ColwiseParallel`` on q/k/v and gate/up, ``RowwiseParallel`` on o_proj and down_proj, as
-  torchtitan's Llama plan does. With ``--fsdp`` too, FSDP2 shards over the ``dp`` dimension.
+* ``--tp N``: ``parallelize_module`` with torchtitan's Llama plan (:func:`tensor_parallel`):
+  the vocabulary-parallel embedding and output head, ``ColwiseParallel`` on q/k/v and gate/up,
+  ``RowwiseParallel`` on o_proj and down_proj, and the loss on the vocabulary-sharded logits
+  (``loss_parallel``, :func:`parallel_loss`); ``--sequence-parallel`` adds ``SequenceParallel``
+  on the norms and ``PrepareModuleInput`` (all-gather) before attention and the MLP. With
+  ``--fsdp`` too, FSDP2 shards over the ``dp`` dimension of the (dp, tp) mesh.
 """
 from __future__ import annotations
 
@@ -29,9 +32,6 @@ from .spec import TrainingSpec
 
 #: model types whose decoder layers have the attention and MLP projections the TP plan names
 TP_MODEL_TYPES = ("llama", "mistral", "qwen2")
-TP_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
-           "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
-           "mlp.down_proj": "rowwise"}
 
 
 def mesh(t: TrainingSpec, device_type: str) -> Any:
@@ -58,14 +58,123 @@ def decoder_layers(module: torch.nn.Module, spec: Any) -> torch.nn.ModuleList:
     return module.get_submodule(layers_list(module, spec.num_layers))
 
 
-def tensor_parallel(module: torch.nn.Module, spec: Any, tp_mesh: Any) -> None:
-    """ColwiseParallel / RowwiseParallel on every decoder layer's projections
-    (``torch/distributed/tensor/parallel/api.py``, ``style.py``)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+def tp_layer_plan(sequence_parallel: bool) -> dict[str, Any]:
+    """One decoder layer's plan, torchtitan's ``apply_tp`` (pytorch/torchtitan, commit 018740b,
+    ``torchtitan/models/llama3/infra/parallelize.py``, the ``layer_plan`` in ``apply_tp``,
+    https://github.com/pytorch/torchtitan) on transformers' module names: q/k/v and gate/up
+    column-parallel (each rank computes its heads / its slice of the MLP, local outputs), o_proj
+    and down_proj row-parallel. Without sequence parallelism their outputs are all-reduced to a
+    replicated (b, s, h) residual stream (Megatron-LM's layout) and the norms run whole on every
+    rank (:func:`replicated`); with it, the norms run on the sequence shard
+    (``SequenceParallel``), ``PrepareModuleInput`` all-gathers the normed (b, s/tp, h) input before
+    attention and the MLP, and o_proj / down_proj reduce-scatter to ``Shard(1)``, kept as DTensors
+    (``use_local_output=False``) so the residual adds stay sharded. transformers calls ``self_attn``
+    with ``hidden_states=`` (``modeling_llama.py`` ``LlamaDecoderLayer.forward``), hence the kwarg
+    layouts."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+    plan: dict[str, Any] = {name: ColwiseParallel() for name in
+                            ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+                             "mlp.up_proj")}
+    if not sequence_parallel:
+        return {**plan, "self_attn.o_proj": RowwiseParallel(), "mlp.down_proj": RowwiseParallel(),
+                "input_layernorm": replicated(), "post_attention_layernorm": replicated()}
+    return {**plan,
+            "input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),
+            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                            desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)}
+
+
+def tp_model_plan(sequence_parallel: bool) -> dict[str, Any]:
+    """The plan outside the layers, torchtitan's ``apply_tp`` (same file, the ``parallelize_module``
+    call on ``tok_embeddings``, ``norm`` and ``output``): the embedding row-parallel over the
+    vocabulary (each rank looks up its rows, the partial sums are all-reduced, or reduce-scattered
+    to the sequence shard under sequence parallelism: the body then sees a (b, s, h) DTensor, so
+    transformers' positions and causal mask are the whole sequence's), the final norm on the sequence
+    shard, and the output head column-parallel over the vocabulary with its logits left sharded
+    (``Shard(-1)``, a DTensor) for :func:`parallel_loss`."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, Any] = {
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq, use_local_output=not sequence_parallel),
+        "head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)}
+    plan["norm"] = SequenceParallel() if sequence_parallel else replicated()
+    return plan
+
+
+def replicated() -> Any:
+    """A ``ParallelStyle`` that keeps a module's computation whole on every rank: its parameters
+    replicated DTensors (``distribute_module``'s default partition), its input made a replicated
+    DTensor and its output the local tensor again, as torchtitan's ``NoParallel``
+    (``torchtitan/distributed/__init__.py``) does for the MoE router. Without sequence parallelism
+    the norms run this way: left plain, their weights would sit next to DTensor weights in one
+    foreach optimizer step, which DTensor refuses (``aten._foreach_mul_`` "got mixed torch.Tensor
+    and DTensor")."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    def to_dtensor(module: Any, inputs: tuple[Any, ...], mesh: Any) -> tuple[Any, ...]:
+        return tuple(DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+                     if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+
+    def to_local(module: Any, outputs: Any, mesh: Any) -> Any:
+        return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+    class Replicated(ParallelStyle):
+        def _apply(self, module: torch.nn.Module, device_mesh: Any) -> torch.nn.Module:
+            return distribute_module(module, device_mesh, None, to_dtensor, to_local)
+
+    return Replicated()
+
+
+def tensor_parallel(module: torch.nn.Module, spec: Any, tp_mesh: Any, sequence_parallel: bool = False) -> None:
+    """``parallelize_module`` (``torch/distributed/tensor/parallel/api.py``, ``style.py``) with
+    :func:`tp_layer_plan` on every decoder layer and :func:`tp_model_plan` on the embedding, final
+    norm and output head. A tied output head is tied again to the sharded embedding (both are
+    ``Shard(0)`` over the vocabulary: the same shard)."""
+    from torch.distributed.tensor.parallel import parallelize_module
     for layer in decoder_layers(module, spec):
-        plan = {name: ColwiseParallel() if style == "colwise" else RowwiseParallel()
-                for name, style in TP_PLAN.items()}
-        parallelize_module(layer, tp_mesh, plan)
+        parallelize_module(layer, tp_mesh, tp_layer_plan(sequence_parallel))
+    inner, head = _body_and_head(module)
+    tied = head is not None and head.weight is inner.get_input_embeddings().weight
+    names = {"embed": inner.get_input_embeddings(), "norm": getattr(inner, "norm", None), "head": head}
+    for key, style in tp_model_plan(sequence_parallel).items():
+        if names[key] is not None:
+            parallelize_module(names[key], tp_mesh, style)
+    if tied:
+        head.weight = inner.get_input_embeddings().weight
+
+
+def _body_and_head(module: torch.nn.Module) -> tuple[torch.nn.Module, Any]:
+    """The decoder body (``model.model``: embeddings, layers, final norm) and the output head
+    (``lm_head``; None for a model without one)."""
+    head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+    body = getattr(module, getattr(module, "base_model_prefix", "model"), module)
+    return body, head
+
+
+def parallel_loss(t: TrainingSpec, module: torch.nn.Module) -> Any:
+    """``torch.distributed.tensor.parallel.loss_parallel()`` (``tensor/parallel/loss.py``) around the
+    loss and its backward when the output head is tensor-parallel (its logits are vocabulary-sharded
+    DTensors): cross-entropy computed on each rank's vocabulary slice, with the max and the sum of
+    exponentials all-reduced, as torchtitan's ``train_context`` does (``torchtitan/distributed/
+    utils.py`` ``get_train_context``); a no-op context otherwise."""
+    import contextlib
+    if t.tp <= 1 or not _head_is_parallel(module):
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+    return loss_parallel()
+
+
+def _head_is_parallel(module: torch.nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+    head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+    return head is not None and isinstance(head.weight, DTensor)
 
 
 def fsdp2(module: torch.nn.Module, spec: Any, t: TrainingSpec, fsdp_mesh: Any) -> None:
@@ -104,7 +213,7 @@ def ddp(module: torch.nn.Module, t: TrainingSpec, device: torch.device) -> Any:
 def wrap(module: torch.nn.Module, spec: Any, t: TrainingSpec, device_mesh: Any, device: torch.device) -> Any:
     """The model as the TrainingSpec runs it on this rank: TP first, then FSDP2 / FSDP1 / DDP over dp."""
     if t.tp > 1:
-        tensor_parallel(module, spec, device_mesh["tp"])
+        tensor_parallel(module, spec, device_mesh["tp"], t.sequence_parallel)
     if t.fsdp is not None and t.fsdp_version == 1:
         return fsdp1(module, spec, t, dp_mesh(device_mesh, t), device)
     if t.fsdp is not None:
@@ -119,7 +228,8 @@ def wrapper_name(t: TrainingSpec) -> str:
     """The wrappers of the layout in words (``DDP over 8``, ``FSDP2 fully_shard full over 8``)."""
     parts = []
     if t.tp > 1:
-        parts.append(f"tensor parallel ×{t.tp} (parallelize_module)")
+        parts.append(f"tensor parallel ×{t.tp}" + (" with sequence parallelism" if t.sequence_parallel else "")
+                     + " (parallelize_module)")
     if t.fsdp is not None:
         parts.append(("FSDP1 FullyShardedDataParallel " if t.fsdp_version == 1 else "FSDP2 fully_shard ")
                      + f"{t.fsdp} over {t.dp}")

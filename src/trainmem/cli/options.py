@@ -126,6 +126,12 @@ def add_training(g: Any) -> None:
                         "set_to_none=False keeps them allocated through the next step")
     g.add_argument("--optimizer-in-backward", action="store_true",
                    help="apply the optimizer per parameter inside backward, freeing each gradient")
+    _add_lora(g)
+    _add_loss(g)
+
+
+def _add_lora(g: Any) -> None:
+    """LoRA and QLoRA flags."""
     g.add_argument("--lora-rank", type=nonneg_int, default=0, metavar="R")
     g.add_argument("--lora-dropout", type=float, default=None, metavar="P",
                    help="LoRA dropout on the adapters' input (peft default 0; torchtune and litgpt use 0.05)")
@@ -137,6 +143,10 @@ def add_training(g: Any) -> None:
                                           "bnb.nf4-dq", "bnb.fp4-dq"), default=None,
                    help="QLoRA: bitsandbytes 4-bit base weights (BitsAndBytesConfig bnb_4bit_quant_type; -dq: "
                         "bnb_4bit_use_double_quant; litgpt's bnb.* names too); needs --lora-rank")
+
+
+def _add_loss(g: Any) -> None:
+    """Dropout and how the loss is computed."""
     g.add_argument("--no-dropout", action="store_true", help="train with dropout off (no masks stored)")
     g.add_argument("--loss", choices=LOSSES, default=None,
                    help="upcast: HF ForCausalLMLoss (fp32 copy of the logits); half: cross-entropy on the half "

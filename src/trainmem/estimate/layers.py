@@ -517,6 +517,7 @@ class LayerKey:
     head_dim: int
     tp: int
     sp: bool
+    sp_gathered: bool  # sequence parallel as PyTorch's plan runs it: linears save the gathered input
     experts: int
     top_k: int
     pre_norm: bool
@@ -689,10 +690,23 @@ def _bert_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: f
 
 
 def _llama_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: float, heads: float, kvh: float, sp_div: int) -> None:
-    """transformers LlamaDecoderLayer / MixtralDecoderLayer: RMSNorm, rotary, GQA, SwiGLU (MoE)."""
+    """transformers LlamaDecoderLayer / MixtralDecoderLayer: RMSNorm, rotary, GQA, SwiGLU (MoE).
+
+    Under sequence parallelism the norms run on the (b, s/tp, h) sequence shard, and the input of
+    attention and of the MLP is all-gathered before the column-parallel linears, which save that
+    gathered (b, s, h) tensor (their own half cast of it under autocast): PyTorch's plan
+    (``trainmem.wrappers.tp_layer_plan``, torchtitan's ``apply_tp``) all-gathers in
+    ``PrepareModuleInput`` (torch 2.13 ``torch/distributed/tensor/parallel/style.py``,
+    ``PrepareModuleInput._prepare_input_arg`` -> ``redistribute`` to ``Replicate``), outside the
+    linear, and ``F.linear`` on the gathered DTensor saves its local tensor, the whole sequence.
+    Megatron-LM (``--framework megatron``, ``LayerKey.sp_gathered`` false) saves the shard instead
+    and gathers it again in backward (``megatron/core/tensor_parallel/layers.py``,
+    ``LinearWithGradAccumulationAndAsyncCommunication.forward``: ``ctx.save_for_backward(input,
+    weight)`` before the all-gather into its global buffer)."""
     pol, half = B.p, B.p.half
     a_in = B.rms_norm_hf(x, "input_layernorm")
-    src = T(h / sp_div, 0, a_in.nbytes, "input_layernorm.out")
+    gathered = h if k.sp_gathered else h / sp_div  # what the column-parallel linears get (and save)
+    src = T(gathered, 0, a_in.nbytes, "input_layernorm.out")
     if not pol.amp and not B.frozen:
         B.r.save(src)  # shared input of q/k/v (no per-call casts without autocast; frozen linears save none)
     proj = {name: B.linear(src, width, name, f"{name}.input", h, out_name=out)
@@ -719,7 +733,7 @@ def _llama_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: 
     B.linear(ctx, h, "o_proj", "o_proj.input")
     x2 = T(h / sp_div, 0, pol.stream, "residual")
     m_in = B.rms_norm_hf(x2, "post_attention_layernorm")
-    src2 = T(h / sp_div, 0, m_in.nbytes, "post_attention_layernorm.out")
+    src2 = T(gathered, 0, m_in.nbytes, "post_attention_layernorm.out")
     if not pol.amp and not B.frozen:
         B.r.save(src2)
     if k.experts:

@@ -28,7 +28,7 @@ from .derived import regime as derived_regime
 from .derived import head_during_loss as derived_head_loss, layer_coefs as derived_layer, outer as derived_outer
 from .layers import LayerCoefs, LayerKey, Policy, layer_coefficients
 from .quant4 import dequant_dtypes, is_quantized
-from .states import States, block_bytes, default_lora_targets, fsdp_grad_op, model_states
+from .states import States, block_bytes, default_lora_targets, dtensor_tp, fsdp_grad_op, model_states
 
 F32 = 4
 #: outer tensors whose ``tok`` coefficient counts bytes per sequence position (shared by the micro-batch)
@@ -140,7 +140,8 @@ def layer_key(m: ModelSpec, t: TrainingSpec) -> LayerKey:
                      if p.layer == 0 and p.is_matmul and p.module in targets)
     return LayerKey(m.family, act_impl(m), t.precision, t.attention, t.dropout, m.hidden_dropout,
                     m.attention_dropout, m.hidden_size, m.ffn_size, m.q_size, m.kv_size, m.num_heads,
-                    m.num_kv_heads, m.head_dim, t.tp, t.sequence_parallel, m.num_experts,
+                    m.num_kv_heads, m.head_dim, t.tp, t.sequence_parallel, t.sequence_parallel and dtensor_tp(t),
+                    m.num_experts,
                     m.experts_top_k, m.pre_norm, lora, t.lora_dropout if lora else 0.0,
                     bool(lora) and t.lora_half, dequant_dtypes(t) if t.quantize else (0, 0), t.bnb_saves_input,
                     kv_cache(m, t), biased=biased_linears(m) if t.recompute == "op" else ())
@@ -157,8 +158,9 @@ def kv_cache(m: ModelSpec, t: TrainingSpec) -> bool:
     ``DynamicCache`` whenever ``config.use_cache`` (default True) is set, in training too, except
     under gradient checkpointing (``merge_with_config_defaults`` turns it off); its ``torch.cat``
     copies of each layer's keys and values are what attention then consumes. Megatron-style
-    tensor/pipeline/context parallel code has no such cache."""
-    if t.recompute in ("full", "op") or t.tp * t.pp * t.cp > 1:
+    tensor/pipeline/context parallel code has no such cache; PyTorch's tensor parallelism runs the
+    transformers model itself (``states.dtensor_tp``), whose cache then holds each rank's own heads."""
+    if t.recompute in ("full", "op") or t.pp * t.cp > 1 or (t.tp > 1 and not dtensor_tp(t)):
         return False
     if m.head != "causal-lm" or m.family == "nanogpt":
         return False
@@ -214,6 +216,23 @@ def _embedding_side(m: ModelSpec, t: TrainingSpec, pol: Policy, h: int, sp: int)
         # backward (without recompute it dies with the base model's forward)
         out.append(("causal_mask", 0.0, float(pol.stream)))
     return out
+
+
+def head_during_loss(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) -> float:
+    """Bytes per token alive only while a causal-LM's own loss runs inside its forward: the final
+    norm's output. transformers' ``LlamaForCausalLM.forward`` / ``GPT2LMHeadModel.forward`` keep the
+    body's output (``outputs.last_hidden_state``, ``transformer_outputs[0]``) in a local until they
+    return, after ``self.loss_function``. Under autocast it is fp32 (the norm runs in fp32) and the
+    head saves its own half cast, so it is a tensor of its own; without autocast the head saves it
+    (``lm_head.input`` in ``_head_side``), counted already. Under sequence parallelism it is the
+    (b, s/tp, h) shard the final norm returns (``trainmem.wrappers.tp_model_plan``). None when the
+    loop computes the loss from the logits (``--loss``: the body's output is gone by then) or off the
+    last pipeline stage. Derived architectures measure the same tensor (``derived.head_during_loss``)."""
+    if t.loss is not None or m.head != "causal-lm" or not m.final_norm or not pol.amp:
+        return 0.0
+    if not (t.pp == 1 or stage == "last"):
+        return 0.0
+    return m.hidden_size * F32 / (t.tp if t.sequence_parallel else 1)
 
 
 def _head_side(m: ModelSpec, pol: Policy, h: int, sp: int, fused: bool = False) -> list[tuple[str, float, float]]:
@@ -289,6 +308,7 @@ def loss_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy) -> LossBytes:
       saved for backward, and one logits chunk of ``next_power_of_2(ceil(BT / ceil(V / H)))``
       tokens at a time; backward returns the saved gradients (no new tensors when the loss's
       gradient is 1).
+    * loss parallel (upcast, PyTorch's tensor parallelism, ``states.dtensor_tp``): :func:`_loss_parallel_bytes`.
     * ``torch.compile`` (upcast or half): inductor fuses the loss and its backward: no fp32 copy in
       forward, one fp32 logits gradient in backward.
     Classifier heads: fp32 loss tensors of (b, labels).
@@ -317,6 +337,8 @@ def _loss_in_one_piece(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int) ->
         return LossBytes(held, half, F32, forward_chunk=F32 if half != F32 else 0, backward_chunk=2 * F32)
     if t.compile:
         return LossBytes(held, half, F32, 0, F32)
+    if dtensor_tp(t) and mode in ("upcast", "half"):
+        return _loss_parallel_bytes(held, half, mode == "half", pol.amp)
     if mode == "half" and half != F32:
         if t.loss_chunks > 1:  # litgpt: each chunk's loss backward in turn
             if pol.amp:
@@ -326,6 +348,32 @@ def _loss_in_one_piece(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int) ->
             return LossBytes(held, half, half + F32, 0, F32)
         return LossBytes(held, half, half, 0, 2 * half)
     return LossBytes(held, half, F32, F32 if half != F32 else 0, 2 * F32)
+
+
+def _loss_parallel_bytes(held: int, half: int, on_half: bool, amp: bool) -> LossBytes:
+    """The loss on vocabulary-sharded logits under ``loss_parallel()`` (PyTorch's tensor parallelism:
+    the head's logits are (b, s, vocab / tp) DTensors, ``trainmem.wrappers.parallel_loss``). Its
+    handlers replace the fused CUDA kernels with decompositions (torch 2.13
+    ``torch/distributed/tensor/parallel/loss.py``), each tensor (b, s, vocab / tp):
+
+    * forward, ``_log_softmax`` (L197-221): the input in fp32 (``logits.float()`` for ``upcast``;
+      ``x.to(computation_dtype)``, fp32, of half logits for ``half``; none when they are fp32),
+      ``shifted = x - x_max`` and ``torch.exp(shifted)`` are alive together; ``result = shifted -
+      logsumexp`` replaces the exponentials and is cast back to half logits' dtype (``result.to(
+      result_dtype)``): three fp32 tensors, and the half result, at the most;
+    * saved: the log-probabilities (fp32 for ``upcast``; half for ``half``, plus the fp32 copy
+      autocast makes for ``nll_loss``, an fp32-list op);
+    * backward, ``_nll_loss_and_log_softmax_backward`` (L451-518), which does the log-softmax's
+      backward too, in the saved log-probabilities' dtype: ``grad_input = torch.zeros_like(x)``,
+      ``torch.exp(x)`` and their sum, then the product with the gradient replaces the exponentials:
+      three tensors (the native kernels make two, ``nll_loss_backward``'s and
+      ``_log_softmax_backward_data``'s)."""
+    if not on_half or half == F32:
+        copy = F32 if half != F32 else 0   # logits.float(): a copy of half logits, fp32 ones returned as they are
+        return LossBytes(held, half, F32, copy + F32, 3 * F32)
+    if amp:
+        return LossBytes(held, half, half + F32, 2 * F32, 3 * F32)
+    return LossBytes(held, half, half, 3 * F32, 3 * half)
 
 
 def _head_weight_numel(m: ModelSpec, tp: int) -> int:
@@ -547,7 +595,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         kept_tok=kept[0], kept_sq=kept[1], redo_tok=redo[0], redo_sq=redo[1],
         redo_const=cast_layer if (checkpointed and top_recomputed) else 0, held_tok=lc.held, cache_tok=lc.cache,
         outer_head_tok=head_tok, outer_rest_tok=rest_tok, outer_rest_sq=rest_sq, outer_rest_pos=rest_pos,
-        head_loss_tok=derived_head_loss(m, t, stage) if derived else 0.0,
+        head_loss_tok=derived_head_loss(m, t, stage) if derived else head_during_loss(m, t, pol, stage),
         cast_layer=cast_layer, cast_head=cast_head, cast_forward_only=cast_layer * checkpointed,
         gathered_layer=st.layer_params_full if fsdp_grad_op(t) else 0,
         logit_chunks=t.loss_chunks, logit_width=m.vocab_size if is_lm(m) else m.num_labels,

@@ -58,6 +58,30 @@ def _tp_div(p: ParamTensor, tp: int) -> int:
     return -(-p.numel // tp)
 
 
+def dtensor_tp(t: TrainingSpec) -> bool:
+    """Whether tensor parallelism runs as PyTorch's DTensor plan (``trainmem.wrappers.tensor_parallel``,
+    torchtitan's ``apply_tp``; what ``trace`` and ``measure`` run), not as Megatron-LM's own
+    layers (``--framework megatron``). The two differ in what they keep: the sequence-parallel input
+    the column-parallel linears save (``layers._llama_layer``), the embedding's gradient
+    (``_replicated_grad``) and the vocabulary-parallel loss (``quantities.loss_bytes``)."""
+    return t.tp > 1 and t.extra.get("framework") != "megatron"
+
+
+def _replicated_grad(m: ModelSpec, t: TrainingSpec, p: ParamTensor) -> bool:
+    """An untied token embedding under PyTorch's tensor parallelism without FSDP: its gradient is the
+    whole (vocab, hidden) table on every rank. ``RowwiseParallel`` shards the weight over the
+    vocabulary (``Shard(0)``), but DTensor has no rule that gives ``embedding_dense_backward`` a
+    ``Shard(0)`` output (torch 2.13 ``torch/distributed/tensor/_ops/_embedding_ops.py`` L62-97:
+    ``Shard(1)``, ``Partial`` or replicated), and with the replicated gradient of the output and
+    replicated token ids the replicated strategy needs no communication, so it is chosen: a
+    ``Replicate`` gradient of the global shape, kept as ``param.grad`` (the optimizer redistributes it
+    to the weight's shard op by op). FSDP2 redistributes it to the weight's placement before its
+    reduce-scatter (``_fsdp_param.py`` ``_get_grad_inner_tensor``), so there it is transient. A tied
+    embedding's gradient is accumulated into the head's ``Shard(0)`` one (transient too)."""
+    return (dtensor_tp(t) and p.role == "embedding" and p.name.endswith(TIED_NAMES) and not m.tied_embeddings
+            and t.fsdp is None and not t.zero_stage)
+
+
 def _lora_tensors(m: ModelSpec, t: TrainingSpec) -> list[tuple[str, int, int | None, tuple[int, int]]]:
     """(module, elements, layer, (elements of A, of B)) of the LoRA A and B matrices on the targeted
     linear modules (peft's ``lora_A``/``lora_B`` are separate ``nn.Linear`` weights)."""
@@ -196,7 +220,7 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
 
     Cached on the fields that change model states (not batch, sequence, recomputation, ...), so a
     sweep over activations reuses them."""
-    key = (m, stage, t.tp, t.pp, t.precision, t.zero_stage, t.fsdp, t.shard_group, t.optimizer, t.impl,
+    key = (m, stage, t.tp, dtensor_tp(t), t.pp, t.precision, t.zero_stage, t.fsdp, t.shard_group, t.optimizer, t.impl,
            t.lora_rank, t.lora_targets, t.lora_dtype, t.distributed_optimizer, t.offload_optimizer, t.fp32_master,
            t.quantize, t.quantize_via, t.accumulates_unsharded, t.fsdp_mixed_units)
     return _STATES_CACHE.get_or_build(key, lambda: _model_states(m, t, stage))
@@ -293,11 +317,13 @@ class _Tally:
     layer_elems: int = 0     # FSDP: one layer's trainable elements (the reduce-scatter input)
     root_g: int = 0          # FSDP: the sharded gradients outside the layers (bytes)
 
-    def trainable_tensor(self, t: TrainingSpec, r: _Rank, shape: tuple[int, ...], n: int, k: int) -> int:
+    def trainable_tensor(self, t: TrainingSpec, r: _Rank, shape: tuple[int, ...], n: int, k: int,
+                         grad_n: int | None = None) -> int:
         """Add gradient, master copy and optimizer states of ``k`` tensors of ``n`` elements on this
-        rank; returns one tensor's gradient bytes."""
+        rank (the gradient of ``grad_n`` elements when it is not the weight's shard); returns one
+        tensor's gradient bytes."""
         self.trainable += k * n
-        g = r.grad_bytes(n)
+        g = r.grad_bytes(n if grad_n is None else grad_n)
         self.grads += k * g
         sh = -(-n // r.d) if r.zero_states >= 1 else n
         if r.half_master:
@@ -384,7 +410,7 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
                 acc.grads += k * g
                 acc.layer_grads += g
             continue
-        g = acc.trainable_tensor(t, r, p.shape, n, k)
+        g = acc.trainable_tensor(t, r, p.shape, n, k, p.numel if _replicated_grad(m, t, p) else n)
         full = block_bytes(n * r.gather) if r.fsdp_unsharded else 0  # its unsharded gradient under FSDP
         if p.layer is not None:
             acc.layer_grads += g

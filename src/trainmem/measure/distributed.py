@@ -46,17 +46,11 @@ from ..errors import TrainmemError
 from ..progress import progress
 from ..report import MemoryReport
 from ..spec import TrainingSpec
+from ..wrappers import TP_MODEL_TYPES
 from ..wrappers import mesh as _mesh
 from ..wrappers import wrap, wrapper_name  # noqa: F401  (the wrappers, shared with trace's fake process group)
 from .probes import CpuProbe, CudaProbe, PhaseRecorder, parse_device
 from .runner import _check_outputs, _inputs, _limit_hardware, _not_applied, _report, _Run, _run
-
-#: model types whose decoder layers have the attention and MLP projections the TP plan names
-TP_MODEL_TYPES = ("llama", "mistral", "qwen2")
-TP_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
-           "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
-           "mlp.down_proj": "rowwise"}
-
 
 # ----- where we run ---------------------------------------------------------------------------------------
 def launcher_env(environ: Any = None) -> dict[str, Any] | None:

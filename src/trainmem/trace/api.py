@@ -84,8 +84,9 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
     near the limit the allocator frees its cache and retries as PyTorch does, and a step that does
     not fit stops at the simulated out-of-memory (reported in ``warnings``).
     ``expandable_segments`` and ``max_split_size`` mirror ``PYTORCH_CUDA_ALLOC_CONF``.
-    With data parallelism (``dp`` > 1, ``fsdp``) the step runs on a fake process group of ``dp``
-    ranks (``trace.distributed``) as rank ``rank`` (default 0, the worst: FSDP2 gives it the
+    With data or tensor parallelism (``dp`` > 1, ``fsdp``, ``tp`` > 1 with or without
+    ``sequence_parallel``) the step runs on a fake process group of ``dp`` × ``tp`` ranks
+    (``trace.distributed``) as rank ``rank`` (default 0, the worst: FSDP2 and DTensor give it the
     largest shards); ``extra["ranks"]`` lists every rank, the others as copies of the traced one.
     """
     t0 = time.perf_counter()
@@ -99,15 +100,14 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
     spec, t, hw, fraction = _inputs(model, options)
     _check_supported(t)
     _dist.check(t, spec, device)
-    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < max(t.dp, 1):
-        raise TrainmemError(f"rank {rank!r}: trace one of the {t.dp} data-parallel ranks (0 to {t.dp - 1})")
+    world = _dist.check_rank(t, rank)
     factory = _factory(model, spec, t, step_fn)
     dev = _device(device == "cuda", hw, t, expandable_segments, max_split_size, cublas_workspace,
                   attention_backend, capability, simulate_oom)
     several = _dist.distributed(t)
     with progress(steps + 1, "trace") as bar, dev.env, \
             (dev.emulation if dev.emulation is not None else contextlib.nullcontext()), \
-            (_dist.fake_group(t.dp, rank) if several else contextlib.nullcontext()), \
+            (_dist.fake_group(world, rank) if several else contextlib.nullcontext()), \
             _patched(_dist.patches(dev.tracker) if several else {}):
         module = _build(dev, factory, spec, t)
         bar.update(1)  # the model is built
@@ -118,9 +118,7 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
                      expandable_segments)
     report.max_fraction = fraction
     if several:
-        report.extra.update({"ranks": _dist.rank_entries(report, t, rank), "rank": rank, "world_size": t.dp,
-                             "traced_ranks": [rank], "wrapper": _dist.wrapper_name(t)})
-        report.warnings.append(_dist.describe(t, rank))
+        _dist.annotate(report, t, rank)
     if spec is not None:
         note = _attention_implementation(spec, t)[1]
         if note:
@@ -225,11 +223,11 @@ def _build(dev: _Device, factory: Callable, spec: ModelSpec | None, t: TrainingS
             module = _as_module(module)
             _cast(module, spec, t)
             module = apply_lora(module, spec, t) if spec is not None else module
-        wrapped = _dist.wrap(module, spec, t, tracker) if t.fsdp is not None else module
+        wrapped = _dist.wrap(module, spec, t, tracker) if _dist.sharded_unloaded(t) else module
         tracker.name_modules(module)
         with tracker:
             _load_to_device(tracker, wrapped)
-        if t.dp > 1 and t.fsdp is None:
+        if _dist.distributed(t) and not _dist.sharded_unloaded(t):  # DDP wraps the loaded model
             wrapped = _dist.wrap(module, spec, t, tracker)
             tracker.module_names[id(wrapped)] = ""  # the modules keep their names under DDP's wrapper
         return wrapped

@@ -1,13 +1,17 @@
-"""Data parallelism traced on torch.distributed's own code, in one process.
+"""Data and tensor parallelism traced on torch.distributed's own code, in one process.
 
-``trace(..., dp=N)`` (DDP) and ``trace(..., dp=N, fsdp="full"|"grad-op")`` (FSDP2) start a fake
-process group of N ranks in this process — PyTorch's ``fake`` backend
+``trace(..., dp=N)`` (DDP), ``trace(..., dp=N, fsdp="full"|"grad-op")`` (FSDP2) and
+``trace(..., tp=T)`` (``parallelize_module`` with torchtitan's Llama plan,
+``trainmem.wrappers.tensor_parallel``; with ``sequence_parallel``, and with FSDP2 over the ``dp``
+dimension of a (dp, tp) mesh) start a fake process group of N × T ranks in this process — PyTorch's ``fake`` backend
 (``torch/testing/_internal/distributed/fake_pg.py``: ``FakeStore`` and ``FakeProcessGroup``,
 whose collectives return at once and move no data) — and wrap the model with the real wrappers
 (:mod:`trainmem.wrappers`, the code ``measure`` runs on real ranks) on the emulated GPU. This
-process is rank 0. What the wrappers allocate goes through the same tracker and allocator
+process is rank 0 (or ``rank``). What the wrappers allocate goes through the same tracker and allocator
 simulation as the rest of the step: FSDP2's all-gather buffers and unsharded parameters, its
-reduce-scatter buffers and sharded gradients, DDP's gradient buckets.
+reduce-scatter buffers and sharded gradients, DDP's gradient buckets, DTensor's collectives
+(``_c10d_functional`` ops whose outputs are new tensors of the real shapes) and its ops on the
+local shards.
 
 The emulated GPU's tensors live on ``meta`` (``trace/cuda.py``), which FSDP2 and DDP were not
 written for; :func:`patches` makes them take their CUDA paths (each patch cites the code it
@@ -59,7 +63,7 @@ import torch
 
 from ..errors import TrainmemError
 from ..spec import TrainingSpec
-from ..wrappers import ddp, fsdp2, mesh, wrapper_name
+from ..wrappers import TP_MODEL_TYPES, ddp, fsdp2, mesh, tensor_parallel, wrapper_name
 from .tracker import Tracker
 
 #: modules that hold their own reference to ``torch.distributed.device_mesh._get_device_handle``
@@ -71,15 +75,35 @@ _DEVICE_HANDLE_USERS = ("torch.distributed.device_mesh", "torch.distributed.tens
 
 
 def distributed(t: TrainingSpec) -> bool:
-    """Whether the setup runs on several data-parallel ranks (DDP or FSDP)."""
-    return t.dp > 1 or t.fsdp is not None
+    """Whether the setup runs on several ranks (DDP, FSDP or tensor parallelism)."""
+    return t.dp > 1 or t.fsdp is not None or t.tp > 1
+
+
+def world_size(t: TrainingSpec) -> int:
+    """The ranks of the layout: dp × tp (the mesh ``wrappers.mesh`` builds)."""
+    return t.dp * t.tp
+
+
+def sharded_unloaded(t: TrainingSpec) -> bool:
+    """Whether the wrappers shard the model before it is loaded (FSDP2, tensor parallelism: built on
+    ``meta``, sharded, then given memory, as torchtitan does), so only the shards are ever loaded."""
+    return t.fsdp is not None or t.tp > 1
+
+
+def _what(t: TrainingSpec) -> str:
+    parts = [f"--dp {t.dp}"] if t.dp > 1 or t.fsdp else []
+    parts += [f"--fsdp {t.fsdp}"] if t.fsdp else []
+    parts += [f"--tp {t.tp}"] if t.tp > 1 else []
+    return " ".join(parts + (["--sequence-parallel"] if t.sequence_parallel else []))
 
 
 def check(t: TrainingSpec, spec: Any, device: str) -> None:
-    """Refuse, in one line, the data-parallel setups trace does not run."""
+    """Refuse, in one line, the parallel setups trace does not run."""
     if not distributed(t):
         return
-    what = f"--dp {t.dp}" + (f" --fsdp {t.fsdp}" if t.fsdp else "")
+    what = _what(t)
+    if t.tp > 1:
+        _check_tp(t, spec, device, what)
     if device != "cuda":
         raise TrainmemError(f"trace {what} runs on the emulated GPU: drop --device cpu")
     if spec is None:
@@ -98,10 +122,32 @@ def check(t: TrainingSpec, spec: Any, device: str) -> None:
     if t.fsdp is not None and t.optimizer == "adafactor":
         raise TrainmemError(f"trace {what} with --optimizer adafactor is not traced: transformers' Adafactor mixes "
                             "plain tensors with FSDP2's DTensor shards, which DTensor refuses; use estimate")
-    if t.fsdp is None and t.optimizer_in_backward:
+    if t.fsdp is None and t.dp > 1 and t.optimizer_in_backward:
         raise TrainmemError(f"trace {what} with --optimizer-in-backward is not traced: the per-parameter hooks run "
                             "before DDP all-reduces the gradient (PyTorch's way is DDP._register_fused_optim); "
                             "use --fsdp full or grad-op, or estimate")
+
+
+def _check_tp(t: TrainingSpec, spec: Any, device: str, what: str) -> None:
+    """The tensor-parallel refusals: what the plan (``wrappers.tp_layer_plan``) does not cover."""
+    if device != "cuda" or spec is None:
+        return  # refused below with the data-parallel setups' reasons
+    if spec.model_type not in TP_MODEL_TYPES:
+        raise TrainmemError(f"trace {what}: the tensor-parallel plan is written for Llama, Mistral and Qwen2 layers "
+                            f"(q/k/v/o and gate/up/down projections), not {spec.model_type} ({spec.name}); "
+                            "use estimate")
+    if t.dp > 1 and t.fsdp is None:
+        raise TrainmemError(f"trace {what}: --dp with --tp needs --fsdp (FSDP2 over the dp dimension of the mesh); "
+                            "DDP does not wrap tensor-parallel DTensor parameters")
+    if t.lora_rank:
+        raise TrainmemError(f"trace {what} with --lora-rank is not traced: peft's LoRA linears replace the "
+                            "projections the tensor-parallel plan names; use estimate")
+    if t.loss == "chunked":
+        raise TrainmemError(f"trace {what} with --loss chunked is not traced: the chunked loss runs the head "
+                            "outside the plan's vocabulary-parallel output (loss_parallel); use estimate")
+    if t.optimizer == "adafactor":
+        raise TrainmemError(f"trace {what} with --optimizer adafactor is not traced: transformers' Adafactor mixes "
+                            "plain tensors with the DTensor shards, which DTensor refuses; use estimate")
 
 
 @contextlib.contextmanager
@@ -115,12 +161,29 @@ def fake_group(world_size: int, rank: int = 0) -> Iterator[None]:
                             "runs data parallelism on a fake group of its own (call it outside a distributed run)")
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    _forget_local_shapes()
     try:
         with warnings.catch_warnings():  # the wrappers' advice to a training script (e.g. FSDP2's "returned a
             warnings.filterwarnings("ignore", module=r"torch\.distributed")  # view tensor") is not the user's
             yield
     finally:
         dist.destroy_process_group()
+        _forget_local_shapes()
+
+
+def _forget_local_shapes() -> None:
+    """Empty DTensor's sharding-propagation caches, Python's and the C++ fast path's (torch 2.13
+    ``distributed/tensor/debug/__init__.py`` ``_clear_sharding_prop_cache`` clears the same two;
+    ``_sharding_prop.py`` L385: ``propagate_op_sharding`` is an ``lru_cache`` keyed by the op
+    schema). Their answers hold this rank's local shapes (``compute_local_shape_and_global_offset``
+    for shape arguments such as a view's, ``_sharding_prop.py`` L1060), but the key names the mesh,
+    not the rank, since a real process is one rank for good. Trace runs one rank after another in
+    one process: a cached answer of rank 0 would give rank 2 of an uneven split rank 0's shapes."""
+    from torch.distributed.tensor import DTensor
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native is not None:
+        clear_native()
 
 
 # ----- patches: the wrappers on the emulated GPU ------------------------------------------------------
@@ -214,8 +277,12 @@ def wrap(module: torch.nn.Module, spec: Any, t: TrainingSpec, tracker: Tracker) 
     (as torchtitan does: built on ``meta``, sharded, then given memory), so only the shards are
     ever loaded; DDP wraps the loaded model inside the tracker: its buckets are counted."""
     device_mesh = mesh(t, "cuda")
+    if t.tp > 1:
+        tensor_parallel(module, spec, device_mesh["tp"], t.sequence_parallel)
     if t.fsdp is not None:
         fsdp2(module, spec, t, device_mesh["dp"])
+        return module
+    if t.dp == 1:
         return module
     with tracker, tracker.scope("communication", "ddp_buckets"):
         wrapped = ddp(module, t, torch.device("meta"))
@@ -223,14 +290,29 @@ def wrap(module: torch.nn.Module, spec: Any, t: TrainingSpec, tracker: Tracker) 
     return wrapped
 
 
+def check_rank(t: TrainingSpec, rank: Any) -> int:
+    """The world size, once ``rank`` is known to be one of its ranks (else a one-line error)."""
+    world = world_size(t)
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world:
+        raise TrainmemError(f"rank {rank!r}: trace one of the {world} ranks (0 to {world - 1})")
+    return world
+
+
+def annotate(report: Any, t: TrainingSpec, rank: int) -> None:
+    """The ranks (``extra["ranks"]``, measure's per-rank format), the wrapper and which rank was traced."""
+    report.extra.update({"ranks": rank_entries(report, t, rank), "rank": rank, "world_size": world_size(t),
+                         "traced_ranks": [rank], "wrapper": wrapper_name(t)})
+    report.warnings.append(describe(t, rank))
+
+
 def describe(t: TrainingSpec, rank: int = 0) -> str:
     """The wrapper and which rank was traced, in words."""
-    why = ("every rank holds the same replicas and buckets" if t.fsdp is None else
-           "every rank's shards are padded to rank 0's size; only the optimizer states of the last ranks can be "
-           "smaller (torch.chunk gives the first ranks the extra rows)")
+    why = ("every rank holds the same replicas and buckets" if t.fsdp is None and t.tp == 1 else
+           "every rank's shards are as large as rank 0's or smaller (torch.chunk gives the first ranks the extra "
+           "rows; FSDP2 pads its shards to rank 0's size)")
     which = "rank 0 traced, the worst rank" if rank == 0 else f"rank {rank} traced (rank 0 is the worst)"
-    return (f"{wrapper_name(t)} on a fake process group of {t.dp} ranks (torch.distributed's fake backend): "
-            f"{which} ({why})")
+    return (f"{wrapper_name(t)} on a fake process group of {world_size(t)} ranks (torch.distributed's fake "
+            f"backend): {which} ({why})")
 
 
 def rank_entries(report: Any, t: TrainingSpec, rank: int = 0) -> list[dict[str, Any]]:
@@ -238,7 +320,7 @@ def rank_entries(report: Any, t: TrainingSpec, rank: int = 0) -> list[dict[str, 
     traced, every other rank a copy of it marked ``traced: false`` and ``copied_from``."""
     params = sum(c.bytes for c in report.components if c.category == "parameters")
     states = sum(c.bytes for c in report.components if c.category == "optimizer_states")
-    traced = {"rank": rank, "world_size": t.dp, "local_rank": rank, "host": None,
+    traced = {"rank": rank, "world_size": world_size(t), "local_rank": rank, "host": None,
               "device": report.extra.get("device"), "peak_allocated": int(report.peak_allocated),
               "peak_reserved": report.peak_reserved, "device_used": report.device_used,
               "peak_phase": report.peak_phase, "peak_where": report.peak_where,
@@ -250,4 +332,4 @@ def rank_entries(report: Any, t: TrainingSpec, rank: int = 0) -> list[dict[str, 
             "parameters_bytes", "optimizer_states_bytes", "cuda_context")
     return [traced if r == rank else
             {"rank": r, "local_rank": r, **{k: traced[k] for k in keep}, "traced": False, "copied_from": rank}
-            for r in range(t.dp)]
+            for r in range(world_size(t))]
