@@ -120,6 +120,10 @@ def activations(q: Quantities, tk: Tokens, at_peak: int, t: TrainingSpec, n: int
     if pos:  # derived architectures: tensors sized by the sequence alone (rotary tables, caches)
         listed.append(Component("activations.derived.per_position", ACTIVATIONS, pos * tk.inflight, None,
                                 "tensors sized by the sequence, shared by the micro-batch"))
+    ssq = int(q.outer_rest_ssq * (n // max(t.batch_size, 1)) ** 2)
+    if ssq:  # encoder-decoders: T5's (s, s) position buckets and its per-layer (1, heads, s, s) bias
+        listed.append(Component("activations.derived.per_position_squared", ACTIVATIONS, ssq * tk.inflight, None,
+                                "tensors sized by the sequence squared, shared by the micro-batch"))
     if q.cast_head and complete:
         listed.append(Component("activations.autocast_weight_copies.head", ACTIVATIONS, q.cast_head, half,
                                 "half copy of the LM head weight saved by its matmul"))

@@ -213,6 +213,26 @@ def outer(m: ModelSpec, t: TrainingSpec, stage: str) -> tuple[list[tuple[str, fl
     return out, pos
 
 
+def logits_bytes(m: ModelSpec, t: TrainingSpec) -> int:
+    """Bytes per element of the logits the traced model returns (an encoder-decoder's, measured by
+    the derivation; 0 when not measured)."""
+    return int(coefficients(m, t).get("logits_bytes", 0))
+
+
+def outer_ssq(m: ModelSpec, t: TrainingSpec, stage: str) -> float:
+    """Bytes per sequence position squared, shared by the micro-batch: an encoder-decoder's (s, s)
+    tensors (T5's relative position buckets, ``T5Attention.compute_bias``, which the first layer
+    of each stack makes and its embedding saves), over all its layers, the first-layer excess and
+    the embedding and head sides (0 for other architectures)."""
+    doc = coefficients(m, t)
+    ssq = doc.get("ssq")
+    if not ssq:
+        return 0.0
+    kinds = stage_kinds(m, t, stage, doc)
+    return (sum(ssq.get(f"kind.{k}", 0.0) for k in kinds)
+            + sum(ssq.get(side, 0.0) for side in ("first", "embed", "head")))
+
+
 def notes(m: ModelSpec, t: TrainingSpec) -> list[str]:
     """What a derived estimate's report should say: that its activations were measured, and an
     attention implementation other than the one asked for (a class without SDPA runs eager)."""

@@ -58,7 +58,7 @@ class Tokens:
     redo: Any              # the backward transient beyond the layer's saved tensors
     layer_grad_part: Any   # of it, the gradients of the layer's later linears
     transient_index: Any   # which op's backward that is
-    inputs: Any            # input ids and labels (int64)
+    inputs: Any            # input ids (an image model's pixel values) and labels (int64)
     held: Any              # logits the loop keeps
     out_logits: Any        # the head's output
     loss_saved: Any
@@ -77,7 +77,9 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any) -
     # + autocast's copies of the weights and FSDP grad-op's gathered weights, each layer's from its
     # forward to its backward
     layers = layer * q.layers * inflight + ((q.cast_layer + q.gathered_layer) * q.layers - q.cast_forward_only)
-    outer_rest = trunc(q.outer_rest_tok * n + q.outer_rest_sq * nsq + q.outer_rest_pos * (n // b)) * inflight
+    # + per sequence position and per position squared (T5's (s, s) position buckets), shared by the batch
+    outer_rest = trunc(q.outer_rest_tok * n + q.outer_rest_sq * nsq + q.outer_rest_pos * (n // b)
+                       + q.outer_rest_ssq * (n // b) ** 2) * inflight
     outer_head = trunc(q.outer_head_tok * n)
     all_acts = layers + outer_rest + outer_head * inflight + q.cast_head
     index, value, grads = best_transient(q.transients, n, nsq)
@@ -91,7 +93,8 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any) -
     labels = n if flags.lm else b
     kv_tok = trunc(q.held_tok * n)
     return Tokens(inflight, layer, layers, outer_rest, outer_head, all_acts, redo, grads, index,
-                  block_bytes(n * 8) + block_bytes(labels * 8), full * q.logits_held, full * q.logits_out,
+                  block_bytes(trunc(q.input_tok * n) - q.input_sample * b) + block_bytes(labels * 8),
+                  full * q.logits_held, full * q.logits_out,
                   saved, full * q.loss_forward + chunk * q.loss_forward_chunk + trunc(q.head_loss_tok * n),
                   full * q.loss_backward + chunk * q.loss_backward_chunk,
                   kv_tok * q.layers * inflight, trunc(q.cache_tok * n) - kv_tok,

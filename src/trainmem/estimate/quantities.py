@@ -26,6 +26,7 @@ from .cache import BoundedCache
 from .elementwise import NEVER
 from .derived import regime as derived_regime
 from .derived import head_during_loss as derived_head_loss, layer_coefs as derived_layer, outer as derived_outer
+from .derived import logits_bytes as derived_logits_bytes, outer_ssq as derived_outer_ssq
 from .layers import LayerCoefs, LayerKey, Policy, layer_coefficients
 from .quant4 import dequant_dtypes, is_quantized
 from .states import States, block_bytes, default_lora_targets, fsdp_grad_op, model_states
@@ -97,6 +98,9 @@ class Quantities:
     fwd_temp: int = 0      # a layer's largest forward transient: a dequantized 4-bit weight (quant4.py)
     fwd_temp_tok: float = 0.0  # ... and its matmul output per token
     head_temp: int = 0     # the LM head's dequantized 4-bit weight, in its forward and its backward
+    outer_rest_ssq: float = 0.0  # per sequence position squared, shared by the micro-batch (T5's position buckets)
+    input_tok: float = 8.0  # the input batch per token: int64 ids, or an image model's pixel values per patch
+    input_sample: int = 0   # ... less this per sample (an image model's class tokens have no pixels)
     detail: Detail | None = None
 
 
@@ -162,8 +166,19 @@ def loss_upcasts(m: ModelSpec) -> bool:
 
 
 def is_lm(m: ModelSpec) -> bool:
-    """A language-model head (logits over the vocabulary per token)."""
-    return m.head in ("causal-lm", "masked-lm")
+    """A language-model head (logits over the vocabulary per token; an encoder-decoder's per
+    decoder token)."""
+    return m.head in ("causal-lm", "masked-lm", "seq2seq-lm")
+
+
+def input_bytes(m: ModelSpec, t: TrainingSpec) -> tuple[float, int]:
+    """The input batch as (bytes per token, bytes less per sample): int64 token ids, or an image
+    model's pixel values (b, channels, N, N) in the weights' dtype (``workload.model_batch``):
+    channels x patch^2 values per patch token, none for its class tokens."""
+    if not m.is_image:
+        return 8.0, 0
+    per_patch = m.num_channels * m.patch_size ** 2 * (2 if t.precision in ("bf16", "fp16") else 4)
+    return float(per_patch), per_patch * m.class_tokens
 
 
 def outer_tensors(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) -> tuple[tuple[str, float, float], ...]:
@@ -274,6 +289,12 @@ def loss_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy) -> LossBytes:
     if not is_lm(m):
         return LossBytes(held, pol.half, F32, F32, 2 * F32)
     mode, half = loss_mode(m, t), pol.half
+    if m.family == "derived" and m.head == "seq2seq-lm" and half != F32 and derived_logits_bytes(m, t) == F32:
+        # fp32 logits under autocast (BART: ``lm_logits = self.lm_head(outputs[0]) +
+        # self.final_logits_bias``, a half output plus an fp32 buffer, promoted; measured by the
+        # derivation): CrossEntropyLoss's log_softmax saves fp32 log-probabilities, nll_loss needs no
+        # copy; backward starts with two fp32 gradients
+        return LossBytes(F32 if held else 0, F32, F32, 0, 2 * F32)
     if mode == "fused":
         grad_w = 0 if t.lora_rank else _head_weight_numel(m, t.tp) * t.weight_bytes
         return LossBytes(saved_tok=m.hidden_size * half + F32, saved_const=grad_w, forward_chunk=half)
@@ -505,6 +526,8 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         step_temp=step_temporaries(t, st), oib_mid=oib_mid, oib_end=oib_end,
         tied_grad=tied_head_grad(m, t), transients=trans, fwd_temp=int(lc.fwd_const), fwd_temp_tok=lc.fwd_tok,
         head_temp=head_dequant_bytes(m, t) if head_here else 0,
+        outer_rest_ssq=derived_outer_ssq(m, t, stage) if derived else 0.0,
+        input_tok=input_bytes(m, t)[0], input_sample=input_bytes(m, t)[1],
         detail=Detail(st, lc, outer, comm_name, input_tok))
 
 

@@ -368,13 +368,17 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
         g = acc.trainable_tensor(t, r, p.shape, n, k)
         if p.layer is not None:
             acc.layer_grads += g
-        elif p.role != "embedding":
+        elif p.role != "embedding" and layer:
+            # registered after the layers (final norm, head): made first in backward; those before
+            # them (ViT's patch projection, class token and position table) come last, with the
+            # embeddings' gradients
             acc.head_grads += g
     acc.lpf = max(lpf_of.values(), default=0)
     if not uniform and r.per_stage:
         acc.layer_grads = -(-acc.layer_grads // r.per_stage)
         acc.lmh = -(-acc.lmh // r.per_stage)
-    if m.tied_embeddings and t.amp and m.head in ("causal-lm", "masked-lm") and (t.pp == 1 or r.stage == "last"):
+    if m.tied_embeddings and t.amp and m.head in ("causal-lm", "masked-lm", "seq2seq-lm") and \
+            (t.pp == 1 or r.stage == "last"):
         # the tied embedding is also the LM head: autocast casts it for the head matmul
         emb = next(p for p in m.parameter_tensors() if p.role == "embedding")
         acc.hmh += _tp_div(emb, t.tp) * 2
