@@ -69,6 +69,10 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "") -> dict
     # T5's relative position buckets are (s, s) tensors whatever the batch (``T5Attention.
     # compute_bias``: the bucket indices its embedding saves): a fifth term, s^2, and a fifth point
     terms = ("n", "s", "nsq", "ssq", "1") if m.is_encoder_decoder else ("n", "s", "nsq", "1")
+    # refinements of the backward transients applied to the encoder-decoder and image models only
+    # (``_transients``' early frees, ``_candidates``' gradients): decoder LMs would need them too,
+    # but their shipped coefficients predate them and re-shipping is the lead's call
+    refined = m.is_encoder_decoder or m.is_image
     if m.is_encoder_decoder:
         points.append((2, seqs[2]))
     check = (4, seqs[2])
@@ -106,7 +110,7 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "") -> dict
             cp = fit("", ys, "", check_fit=False)
             parts[name] = [cp["n"], cp["nsq"]]
         trans = _candidates(m, pts, [r["transient"][kind] for r in runs], [r["made"][kind] for r in runs],
-                            runs[-1]["total_g"][kind], terms)
+                            runs[-1]["total_g"][kind], terms, with_grads=refined)
         cache = _fitted(m, f"layer {kind} KV cache", pts, [r["cache"][kind] for r in runs], ("n",))[0]
         held = _fitted(m, f"layer {kind} output-held bytes", pts, [r["held"][kind] for r in runs], ("n",))[0]
         out["kinds"][kind] = {"tok": c["n"], "sq": c["nsq"], "pos": c["s"], "parts": parts, "transients": trans,
@@ -254,7 +258,8 @@ def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpe
             tracker.finish()
             for h in hooks:
                 h.remove()
-    return _analyse(tracker, stacks, kinds, cache, released, m.vocab_size if is_lm(m) else -1)
+    return _analyse(tracker, stacks, kinds, cache, released, m.vocab_size if is_lm(m) else -1,
+                    early_frees=m.is_encoder_decoder or m.is_image)
 
 
 def _stacks(model: Any, m: ModelSpec, layers: int) -> list[tuple[str, int]]:
@@ -298,7 +303,7 @@ def _quiet() -> Any:
 
 
 def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cache: list, released: tuple[int, int],
-             vocab: int) -> dict[str, Any]:
+             vocab: int, early_frees: bool = False) -> dict[str, Any]:
     recs = tracker.records
     fwd = next(pm for pm in tracker.phase_marks if pm.name == "forward")
     end = fwd.end_event
@@ -382,7 +387,7 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
         return sum(r.nbytes for r in saved_rec[i]) - saved[kinds[i]] if typical[kinds[i]] != i else 0
     head += excess(top)
     first = sum(excess(i) for i in sorted(set(starts + ends) - {top})) if top > 0 else 0
-    trans, made, total_g = _transients(tracker, recs, layer_of, kinds, saved_rec, vocab)
+    trans, made, total_g = _transients(tracker, recs, layer_of, kinds, saved_rec, vocab, early_frees)
     # the KV cache: all of it per layer, and what dies with the output (``held``: not saved)
     kv: dict[str, list[int]] = defaultdict(list)
     held: dict[str, list[int]] = defaultdict(list)
@@ -407,7 +412,7 @@ def _numel(shape: Any) -> int:
 
 
 def _transients(tracker: Any, recs: list, layer_of: Any, kinds: list[str], saved_rec: dict[int, list],
-                vocab: int) -> tuple[dict[str, list[int]], dict[str, list[int]], dict[str, int]]:
+                vocab: int, early_frees: bool = False) -> tuple[dict[str, list[int]], dict[str, list[int]], dict[str, int]]:
     """Per kind (its last layer in the cut model), the backward transient after each event of the
     layer's backward (see the module docstring), the layer's gradient bytes made by then, and the
     layer's gradient bytes in all. The op sequence does not depend on batch or sequence, so event
@@ -428,7 +433,13 @@ def _transients(tracker: Any, recs: list, layer_of: Any, kinds: list[str], saved
                 len(r.shape) == 2 and r.shape[0] == vocab)
         temps = sum(r.nbytes for r in recs if r.alloc_event < w0 and (r.free_event is None or r.free_event >= w0)
                     and temp(r))
-        freed = made = 0
+        # the layer's tensors that outlived the forward but died before its backward began: the
+        # top layer's output that only the final norm saved (ViT's ``layernorm``), freed by the
+        # head's backward. Counted for encoder-decoder and image models (``early_frees``); decoder
+        # LMs have them too, but their shipped coefficients predate this (docs/architectures.md)
+        freed = sum(r.nbytes for r in saved_rec[i] if r.free_event is not None and r.free_event < w0) \
+            if early_frees else 0
+        made = 0
         series, mades = [], []
         for e in range(w0, w1 + 1):
             code = tracker.ev_rec[e]
@@ -451,11 +462,14 @@ def _transients(tracker: Any, recs: list, layer_of: Any, kinds: list[str], saved
 
 
 def _candidates(m: ModelSpec, pts: list[tuple[int, int]], series: list[list[int]], made: list[list[int]],
-                total_g: int, terms: tuple[str, ...] = ("n", "s", "nsq", "1")) -> list[list[float]]:
+                total_g: int, terms: tuple[str, ...] = ("n", "s", "nsq", "1"), with_grads: bool = False
+                ) -> list[list[float]]:
     """The backward transients worth keeping: each moment of the window fitted as
     ``a*n + b*nsq + c`` over all runs but the last and checked on it; of those, the ones
     that are the largest somewhere on a grid of batch and sequence. Each as [a, b, c, gradient
-    share]. With an ``ssq`` term (encoder-decoders: T5's position bias gradient is summed over
+    share]. ``with_grads`` (encoder-decoder and image models): the layer's gradients made by a
+    moment count when choosing the largest (two moments with the same temporaries, before and after
+    a weight gradient is made, differ by it). With an ``ssq`` term (encoder-decoders: T5's position bias gradient is summed over
     the batch to (s, s, heads) in the first layer's backward) the fit has ``d*s^2`` too, kept
     in ``b`` (``d*s^2 <= d*b*s^2``: exact at batch 1, an upper bound above)."""
     import numpy as np
@@ -475,9 +489,11 @@ def _candidates(m: ModelSpec, pts: list[tuple[int, int]], series: list[list[int]
         coef = np.vstack([coef[0], coef[1] + np.maximum(coef[3], 0.0), coef[2]])
     grid = np.array([_basis(b, s, ("n", "nsq", "1")) for b in (1, 4, 32) for s in (512, 4096, 32768)])
     vals = grid @ coef
+    g = np.array(made, dtype=np.float64).max(0)
+    if with_grads:  # a moment's own gradients made by then count in the choice (the engine adds them)
+        vals = vals + g
     vals[:, ~ok] = -np.inf
     keep = sorted(set(int(j) for j in vals.argmax(1)))
-    g = np.array(made, dtype=np.float64).max(0)
     return [[float(coef[0, j]), float(coef[1, j]), float(coef[2, j]), float(g[j] / total_g) if total_g else 0.0]
             for j in keep]
 
