@@ -29,11 +29,21 @@ from ..spec.training import TrainingSpec
 from .layers import LayerCoefs
 
 COEF_VERSION = 16
+#: the heads whose derived coefficients are checked against trace (tests/test_encdec_vit.py, test_derived.py)
+DERIVED_HEADS = ("causal-lm", "seq2seq-lm", "image-cls")
 
 
 def derived_problems(m: ModelSpec, t: TrainingSpec) -> list[str]:
     """What a derived architecture's estimate cannot model in setup ``t`` (empty when it can)."""
     out = []
+    if m.head not in DERIVED_HEADS:
+        out.append(f"its {m.head} head ({m.architecture}; the derived estimate covers causal-lm, seq2seq-lm and "
+                   f"image-classification heads)")
+    if m.is_encoder_decoder and t.decoder_len != t.seq_len:
+        out.append(f"--target-len {t.decoder_len} other than --seq-len {t.seq_len} (the coefficients are fitted with "
+                   f"equal encoder and decoder lengths)")
+    if m.is_encoder_decoder and t.pp > 1:
+        out.append(f"--pp {t.pp} (an encoder-decoder's stacks are not split into pipeline stages)")
     if t.tp > 1 or t.sequence_parallel:
         out.append(f"--tp {t.tp}" + (" --sequence-parallel" if t.sequence_parallel else ""))
     if t.cp > 1:

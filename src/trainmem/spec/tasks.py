@@ -51,7 +51,9 @@ def task_of_class(model_type: str, class_name: str) -> str | None:
         names = _mapping(task).get(model_type)
         if class_name == names or (isinstance(names, (list, tuple)) and class_name in names):
             return task
-    return None
+    # a class the mapping lists under a sibling type (Gemma3ForSequenceClassification is gemma3's,
+    # its text model is gemma3_text): the ending that names one task
+    return next((task for task, ends in _SUFFIXES.items() if class_name.endswith(ends)), None)
 
 
 def class_for_task(model_type: str, task: str) -> str:
