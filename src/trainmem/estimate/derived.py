@@ -169,6 +169,7 @@ def layer_coefs(m: ModelSpec, t: TrainingSpec, stage: str) -> LayerCoefs:
     trans = tuple((f"derived.{k}.backward.{j}", a, b, c) for k, j, (a, b, c, _g) in cands)
     after = tuple(float(g) for _k, _j, (_a, _b, _c, g) in cands)
     held = sum(doc["kinds"][k]["held"] * c for k, c in count.items()) / total
+    not_recomputed = sum(doc["kinds"][k].get("not_recomputed", 0.0) * c for k, c in count.items()) / total
     cache = sum(doc["kinds"][k]["cache"] * c for k, c in count.items()) / total
     fwd = (0.0, 0.0)
     if t.quantize:
@@ -179,7 +180,8 @@ def layer_coefs(m: ModelSpec, t: TrainingSpec, stage: str) -> LayerCoefs:
         fwd = _largest_dequantized(m, t, stage)
         trans = tuple((name, a, b, c + fwd[0]) for name, a, b, c in trans)
     return LayerCoefs(max(tok, 0.0), max(sq, 0.0), tuple((n, a, b) for n, (a, b) in sorted(parts.items())),
-                      trans, held=held, cache=cache, weights=1.0, after=after, fwd_const=fwd[0], fwd_tok=fwd[1])
+                      trans, held=held, cache=cache, weights=1.0, after=after, fwd_const=fwd[0], fwd_tok=fwd[1],
+                      not_recomputed=max(not_recomputed, 0.0))
 
 
 def _largest_dequantized(m: ModelSpec, t: TrainingSpec, stage: str) -> tuple[float, float]:

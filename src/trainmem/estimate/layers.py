@@ -527,6 +527,7 @@ class LayerCoefs:
     after: tuple[float, ...] = ()  # per transient: weight elements of the linears back-propagated before it
     fwd_const: float = 0.0   # the largest forward transient of a linear (a dequantized 4-bit weight), bytes
     fwd_tok: float = 0.0     # ... and its matmul output, bytes per token
+    not_recomputed: float = 0.0  # per token: the layer's output, kept by what follows it, not by a recomputed layer
 
     def bytes(self, n: int, nsq: int) -> int:
         return int(self.tok * n + self.sq * nsq)

@@ -542,7 +542,9 @@ def _recompute(t: TrainingSpec, lc: LayerCoefs, input_tok: float, share: float
     ``share`` of an input and ``1 - share`` of everything."""
     if t.recompute == "full":
         kept = (share * input_tok + (1 - share) * lc.tok, (1 - share) * lc.sq) if share < 1 else (input_tok, 0.0)
-        return kept, ((lc.tok, lc.sq) if share > 0 else (0.0, 0.0))
+        # a layer recomputed in its backward re-creates what its own ops save, not its output (which
+        # only the next layer saved): measured for derived encoder-decoder and image models
+        return kept, ((lc.tok - lc.not_recomputed, lc.sq) if share > 0 else (0.0, 0.0))
     if t.recompute == "selective":
         return (lc.tok, 0.0), (0.0, lc.sq)
     return (lc.tok, lc.sq), (0.0, 0.0)

@@ -115,6 +115,11 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "") -> dict
         held = _fitted(m, f"layer {kind} output-held bytes", pts, [r["held"][kind] for r in runs], ("n",))[0]
         out["kinds"][kind] = {"tok": c["n"], "sq": c["nsq"], "pos": c["s"], "parts": parts, "transients": trans,
                               "cache": cache, "held": held}
+        if refined:
+            # the layer's output, kept only by what follows the layer (the next layer, the final
+            # norm): a layer recomputed in its backward does not keep it (quantities._recompute)
+            out["kinds"][kind]["not_recomputed"] = _fitted(m, f"layer {kind} output", pts,
+                                                           [r["early"].get(kind, 0) for r in runs], ("n",))[0]
     c = fit("first layer's bytes", [r["first"] for r in runs], "first")
     out["first_layer"] = [c["n"], c["s"], c["nsq"]]
     for side in ("embed", "head", "head_loss"):
@@ -387,7 +392,7 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
         return sum(r.nbytes for r in saved_rec[i]) - saved[kinds[i]] if typical[kinds[i]] != i else 0
     head += excess(top)
     first = sum(excess(i) for i in sorted(set(starts + ends) - {top})) if top > 0 else 0
-    trans, made, total_g = _transients(tracker, recs, layer_of, kinds, saved_rec, vocab, early_frees)
+    trans, made, total_g, early = _transients(tracker, recs, layer_of, kinds, saved_rec, vocab, early_frees)
     # the KV cache: all of it per layer, and what dies with the output (``held``: not saved)
     kv: dict[str, list[int]] = defaultdict(list)
     held: dict[str, list[int]] = defaultdict(list)
@@ -401,7 +406,8 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
     return {"saved": saved, "logits_bytes": logits_bytes,
             "cache": {k: max(v) for k, v in kv.items()}, "held": {k: max(v) for k, v in held.items()},
             "parts": parts,
-            "embed": embed, "head": head, "head_loss": head_loss - head, "first": first, "transient": trans, "made": made, "total_g": total_g}
+            "embed": embed, "head": head, "head_loss": head_loss - head, "first": first, "transient": trans, "made": made, "total_g": total_g,
+            "early": early}
 
 
 def _numel(shape: Any) -> int:
@@ -412,12 +418,14 @@ def _numel(shape: Any) -> int:
 
 
 def _transients(tracker: Any, recs: list, layer_of: Any, kinds: list[str], saved_rec: dict[int, list],
-                vocab: int, early_frees: bool = False) -> tuple[dict[str, list[int]], dict[str, list[int]], dict[str, int]]:
+                vocab: int, early_frees: bool = False
+                ) -> tuple[dict[str, list[int]], dict[str, list[int]], dict[str, int], dict[str, int]]:
     """Per kind (its last layer in the cut model), the backward transient after each event of the
     layer's backward (see the module docstring), the layer's gradient bytes made by then, and the
     layer's gradient bytes in all. The op sequence does not depend on batch or sequence, so event
     ``j`` of the window is the same moment in every run."""
     trans: dict[str, list[int]] = {}
+    early: dict[str, int] = {}  # the layer's tensors freed before its backward began (its output, kept by what follows)
     made_at: dict[str, list[int]] = {}
     total_g: dict[str, int] = {}
     for i, kind in enumerate(kinds):
@@ -457,8 +465,9 @@ def _transients(tracker: Any, recs: list, layer_of: Any, kinds: list[str], saved
             series.append(temps - freed)
             mades.append(made)
         trans[kind], made_at[kind] = series, mades
+        early[kind] = sum(r.nbytes for r in saved_rec[i] if r.free_event is not None and r.free_event < w0)
         total_g[kind] = sum(r.nbytes for r in recs if r.category == "gradients" and layer_of(r) == i)
-    return trans, made_at, total_g
+    return trans, made_at, total_g, early
 
 
 def _candidates(m: ModelSpec, pts: list[tuple[int, int]], series: list[list[int]], made: list[list[int]],
