@@ -28,10 +28,11 @@ def phase_label(phase: str, micro: int, ga: int) -> str:
 
 def where_label(mo: Moment, q: Quantities, tk: Tokens) -> str:
     """Where a moment happens, with the layer index and the op whose backward runs."""
-    if mo.where not in ("layer.top", "layer.bottom"):
+    if mo.where not in ("layer.top", "layer.bottom", "layer.decoder_bottom"):
         return mo.where
     op = q.detail.layer.transients[tk.transient_index][0] if tk.transient_index >= 0 else "backward"
-    return f"layer[{q.layers - 1 if mo.where == 'layer.top' else 0}].{op or 'backward'}"
+    index = {"layer.top": q.layers - 1, "layer.bottom": 0}.get(mo.where, q.lower_layers)
+    return f"layer[{index}].{op or 'backward'}"
 
 
 def phases(moments: list[Moment], totals: list[int], ends: list[tuple], ga: int) -> list[Phase]:

@@ -233,6 +233,13 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     moments.append(_mo("backward", micro, step, "layer.bottom",
                        (bottom, states_mid, tk.inputs, ws2, tk.layers // q.layers + tk.outer_rest, temp),
                        (kept.logits, kept.kv_low, 0), _both(valid, q.layers > 1)))
+    # an encoder-decoder: the decoder's first layer's backward, with every encoder layer's kept
+    # tensors still alive (the encoder's backward comes after the decoder's)
+    lower = q.lower_layers
+    mid = grads_before + where(fresh, q.head_grads + (q.layers - lower - 1) * q.layer_grads, 0) + layer_grads
+    moments.append(_mo("backward", micro, step, "layer.decoder_bottom",
+                       (mid, states_mid, tk.inputs, ws2, tk.layers * (lower + 1) // q.layers + tk.outer_rest, temp),
+                       (kept.logits, kept.kv_low, 0), _both(valid, lower > 0)))
     # the embedding's gradient and the out-of-place sum join the head's part in the input buffer
     tied = q.tied_grad
     temp_emb = 2 * tied + (tied if flags.oib else where(fresh, 0, tied))

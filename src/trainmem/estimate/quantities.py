@@ -98,6 +98,7 @@ class Quantities:
     fwd_temp: int = 0      # a layer's largest forward transient: a dequantized 4-bit weight (quant4.py)
     fwd_temp_tok: float = 0.0  # ... and its matmul output per token
     head_temp: int = 0     # the LM head's dequantized 4-bit weight, in its forward and its backward
+    lower_layers: int = 0  # an encoder-decoder's encoder layers on this rank (backward after the decoder's)
     outer_rest_ssq: float = 0.0  # per sequence position squared, shared by the micro-batch (T5's position buckets)
     input_tok: float = 8.0  # the input batch per token: int64 ids, or an image model's pixel values per patch
     input_sample: int = 0   # ... less this per sample (an image model's class tokens have no pixels)
@@ -527,6 +528,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         tied_grad=tied_head_grad(m, t), transients=trans, fwd_temp=int(lc.fwd_const), fwd_temp_tok=lc.fwd_tok,
         head_temp=head_dequant_bytes(m, t) if head_here else 0,
         outer_rest_ssq=derived_outer_ssq(m, t, stage) if derived else 0.0,
+        lower_layers=m.num_layers - m.decoder_layers if m.is_encoder_decoder and t.pp == 1 else 0,
         input_tok=input_bytes(m, t)[0], input_sample=input_bytes(m, t)[1],
         detail=Detail(st, lc, outer, comm_name, input_tok))
 
