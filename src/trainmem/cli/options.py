@@ -84,12 +84,7 @@ def add_training(g: Any) -> None:
     g.add_argument("--batch-size", type=positive_int, default=1, help="micro-batch per data-parallel rank")
     g.add_argument("--seq-len", type=positive_int, default=None,
                    help="tokens per sample (default 2048, or the model's learned positions if fewer)")
-    g.add_argument("--target-len", type=positive_int, default=None, metavar="N",
-                   help="encoder-decoders (T5, BART): decoder tokens per sample, the labels' length "
-                        "(default: --seq-len, the encoder's tokens)")
-    g.add_argument("--image-size", type=positive_int, default=None, metavar="N",
-                   help="image models (ViT): N x N pixels (default: the config's image_size); it sets the sequence, "
-                        "(N / patch)^2 patches + the class token, so --seq-len is refused for them")
+    add_input_sizes(g)
     g.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
     g.add_argument("--precision", choices=PRECISIONS, default=None,
                    help="amp = fp32 weights + autocast; bf16/fp16 = weights in that dtype (default bf16-amp)")
@@ -156,6 +151,16 @@ def add_training(g: Any) -> None:
                         "fused: Liger's fused linear cross-entropy (default: the model's own loss)")
     g.add_argument("--loss-chunks", type=positive_int, default=None, metavar="N",
                    help="--loss chunked: the output projection and loss run in N chunks of tokens")
+
+
+def add_input_sizes(g: Any) -> None:
+    """The input sizes of encoder-decoders and image models, beside --seq-len."""
+    g.add_argument("--target-len", type=positive_int, default=None, metavar="N",
+                   help="encoder-decoders (T5, BART): decoder tokens per sample, the labels' length "
+                        "(default: --seq-len, the encoder's tokens)")
+    g.add_argument("--image-size", type=positive_int, default=None, metavar="N",
+                   help="image models (ViT): N x N pixels (default: the config's image_size); it sets the sequence, "
+                        "(N / patch)^2 patches + the class token, so --seq-len is refused for them")
 
 
 def add_hardware(h: Any) -> None:

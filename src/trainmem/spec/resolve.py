@@ -193,10 +193,11 @@ def _overrides(options: Mapping[str, Any]) -> Any:
 def _model(model: Any, overrides: Any, task: str | None = None) -> ModelSpec:
     """The ModelSpec of ``model`` (a name, path, config dict, ModelSpec or Resolved), overridden,
     with the head of ``task`` (``spec.tasks``)."""
+    extra = (task,) if task is not None else ()
     if isinstance(model, Resolved):
-        return resolve_model(model.model, overrides, task) if (overrides or task) else model.model
+        return resolve_model(model.model, overrides, *extra) if (overrides or task) else model.model
     if isinstance(model, (str, os.PathLike, ModelSpec, Mapping)):
-        return resolve_model(os.fspath(model) if isinstance(model, os.PathLike) else model, overrides, task)
+        return resolve_model(os.fspath(model) if isinstance(model, os.PathLike) else model, overrides, *extra)
     raise TrainmemError(f"model must be a catalogue name, config path, hub id, config dict, ModelSpec or "
                         f"Resolved, got {type(model).__name__}")
 

@@ -126,10 +126,6 @@ class TrainingSpec:
                 raise TrainmemError(f"--{key.replace('_', '-')} must be an integer, got {v!r}")
             if v <= 0:
                 raise TrainmemError(f"--{key.replace('_', '-')} must be a positive integer, got {v}")
-        for key in ("target_len", "image_size"):
-            v = getattr(self, key)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
-                raise TrainmemError(f"--{key.replace('_', '-')} must be a positive integer, got {v!r}")
         _choice("precision", self.precision, PRECISIONS)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         if self.optimizer_impl is not None:
@@ -141,9 +137,7 @@ class TrainingSpec:
         _choice("grad_sync", self.grad_sync, GRAD_SYNC)
         _choice("fsdp_lora_units", self.fsdp_lora_units, FSDP_LORA_UNITS)
         self._check_loss()
-        if self.recompute_every > 1 and self.recompute != "full":
-            raise TrainmemError(f"--recompute-every {self.recompute_every} checkpoints every N-th layer: it needs "
-                                "--recompute full")
+        self._check_counts()
         if self.precision == "bf16-mp" and self.fsdp is None:
             raise TrainmemError("--precision bf16-mp is FSDP's MixedPrecisionPolicy(param_dtype=bf16, "
                                 "reduce_dtype=fp32): give --fsdp full (or grad-op, hybrid), or use --precision bf16-amp")
@@ -202,6 +196,17 @@ class TrainingSpec:
         if self.lora_targets is not None and not self.lora_targets:
             raise TrainmemError("--lora-targets is empty: name at least one module (e.g. q_proj,v_proj) "
                                 "or omit it for peft's defaults")
+
+    def _check_counts(self) -> None:
+        """``recompute_every`` needs full recompute; ``target_len`` and ``image_size`` are None or
+        positive integers."""
+        if self.recompute_every > 1 and self.recompute != "full":
+            raise TrainmemError(f"--recompute-every {self.recompute_every} checkpoints every N-th layer: it needs "
+                                "--recompute full")
+        for key in ("target_len", "image_size"):
+            v = getattr(self, key)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+                raise TrainmemError(f"--{key.replace('_', '-')} must be a positive integer, got {v!r}")
 
     def _check_quantize(self) -> None:
         """``quantize``: litgpt's ``bnb.`` prefix and ``none`` accepted; only over a frozen base (LoRA),

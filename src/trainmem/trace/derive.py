@@ -312,17 +312,7 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
     recs = tracker.records
     fwd = next(pm for pm in tracker.phase_marks if pm.name == "forward")
     end = fwd.end_event
-    pat = re.compile("(" + "|".join(re.escape(p) for p, _ in stacks) + r")\.(\d+)(?:\.|$)")
-    first_of, start = {}, 0  # each list's first layer, numbered across the lists
-    for prefix, count in stacks:
-        first_of[prefix], start = start, start + count
-    starts = sorted(first_of.values())
-    ends = [i + c - 1 for i, (_, c) in zip(starts, stacks)]
-
-    def layer_of(r: Any) -> int | None:
-        mm = pat.match(r.module or "")
-        return first_of[mm.group(1)] + int(mm.group(2)) if mm else None
-
+    pat, layer_of, starts, ends = _layer_index(stacks)
     logits = [r for r in recs if r.category == "logits"]
     logits_ev = logits[0].alloc_event if logits else end
     events: dict[int, list[int]] = defaultdict(list)
@@ -373,20 +363,7 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
     # at the ends of its stacks (the encoder's last layer, the decoder's first), is ``first``
     # (once per model).
     top = len(kinds) - 1
-    rank = {i: (1 if i in starts else 2 if i in ends else 0) for i in range(len(kinds))}
-    typical: dict[str, int] = {}
-    for i, kind in enumerate(kinds):
-        if kind not in typical or rank[i] < rank[typical[kind]]:
-            typical[kind] = i
-    saved: dict[str, int] = {}
-    parts: dict[str, dict[str, int]] = {}
-    for kind, i in typical.items():
-        saved[kind] = sum(r.nbytes for r in saved_rec[i])
-        by: dict[str, int] = defaultdict(int)
-        for r in saved_rec[i]:
-            rel = pat.sub("", r.module or "", count=1).lstrip(".")
-            by[f"{rel or 'layer'}.{r.op}"] += r.nbytes
-        parts[kind] = dict(by)
+    typical, saved, parts = _typical_layers(kinds, starts, ends, saved_rec, pat)
 
     def excess(i: int) -> int:
         return sum(r.nbytes for r in saved_rec[i]) - saved[kinds[i]] if typical[kinds[i]] != i else 0
@@ -403,11 +380,47 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
     # the logits' element size: BART adds its fp32 ``final_logits_bias`` buffer to the half head
     # output under autocast, so its logits (and its loss) are fp32 (estimate.quantities.loss_bytes)
     logits_bytes = logits[0].nbytes // max(1, _numel(logits[0].shape)) if logits else 0
-    return {"saved": saved, "logits_bytes": logits_bytes,
+    return {"saved": saved, "logits_bytes": logits_bytes, "parts": parts,
             "cache": {k: max(v) for k, v in kv.items()}, "held": {k: max(v) for k, v in held.items()},
-            "parts": parts,
-            "embed": embed, "head": head, "head_loss": head_loss - head, "first": first, "transient": trans, "made": made, "total_g": total_g,
-            "early": early}
+            "embed": embed, "head": head, "head_loss": head_loss - head, "first": first, "transient": trans,
+            "made": made, "total_g": total_g, "early": early}
+
+
+def _layer_index(stacks: list[tuple[str, int]]) -> tuple[Any, Any, list[int], list[int]]:
+    """(the layers' module-name pattern, record -> model-wide layer number or None, each list's first
+    layer, each list's last layer): an encoder-decoder's lists are numbered on from one to the next."""
+    pat = re.compile("(" + "|".join(re.escape(p) for p, _ in stacks) + r")\.(\d+)(?:\.|$)")
+    first_of, start = {}, 0
+    for prefix, count in stacks:
+        first_of[prefix], start = start, start + count
+    starts = sorted(first_of.values())
+    ends = [i + c - 1 for i, (_, c) in zip(starts, stacks)]
+
+    def layer_of(r: Any) -> int | None:
+        mm = pat.match(r.module or "")
+        return first_of[mm.group(1)] + int(mm.group(2)) if mm else None
+    return pat, layer_of, starts, ends
+
+
+def _typical_layers(kinds: list[str], starts: list[int], ends: list[int], saved_rec: dict[int, list],
+                    pat: Any) -> tuple[dict[str, int], dict[str, int], dict[str, dict[str, int]]]:
+    """Per kind: the layer that stands for it (one inside its list when there is one, else its
+    list's first, else its last), its saved bytes and their parts by module and op."""
+    rank = {i: (1 if i in starts else 2 if i in ends else 0) for i in range(len(kinds))}
+    typical: dict[str, int] = {}
+    for i, kind in enumerate(kinds):
+        if kind not in typical or rank[i] < rank[typical[kind]]:
+            typical[kind] = i
+    saved: dict[str, int] = {}
+    parts: dict[str, dict[str, int]] = {}
+    for kind, i in typical.items():
+        saved[kind] = sum(r.nbytes for r in saved_rec[i])
+        by: dict[str, int] = defaultdict(int)
+        for r in saved_rec[i]:
+            rel = pat.sub("", r.module or "", count=1).lstrip(".")
+            by[f"{rel or 'layer'}.{r.op}"] += r.nbytes
+        parts[kind] = dict(by)
+    return typical, saved, parts
 
 
 def _numel(shape: Any) -> int:
