@@ -81,7 +81,10 @@ def components(q: Quantities, tk: Tokens, mo: Moment, t: TrainingSpec, n: int, n
         out += activations(q, tk, parts["activations"], t, n, nsq, half)
     if parts["logits"]:
         out += _logits(mo, m, half, loss_mode(m, t) if is_lm(m) else "")
-    out.append(Component("inputs", INPUTS, tk.inputs, "int64", "input_ids and labels"))
+    if getattr(m, "is_image", False):  # pixel values in the weights' dtype, int64 labels
+        out.append(Component("inputs", INPUTS, tk.inputs, None, "pixel_values and labels"))
+    else:
+        out.append(Component("inputs", INPUTS, tk.inputs, "int64", "input_ids and labels"))
     if parts["workspace"]:
         out.append(Component("workspace.cublas", WORKSPACE, parts["workspace"], None,
                              f"{handle_ws:,} B per cuBLAS handle: forward thread and autograd thread", True))
