@@ -138,3 +138,12 @@ def test_estimate_agrees_with_trace_grid(name):
         err = _error(name, batch_size=b, precision=precision, recompute=recompute, **_size(name, s))
         worst.append((abs(err), (b, s, precision, recompute), err))
     assert max(worst)[0] <= TOLERANCE, max(worst)
+
+
+def test_fit_searches_an_image_models_micro_batch():
+    """fit on an image model: the sequence is its image size's patches, the micro-batch is searched."""
+    from trainmem.plan.fit import fit
+    r = fit("vit-base-patch16-224", gpu="h100", image_size=384)
+    assert r.fits and r.seq_len == 577 and r.search == "batch_size"
+    over = trainmem.estimate("vit-base-patch16-224", gpu="h100", image_size=384, batch_size=r.batch_size + 1)
+    assert over.device_peak > r.limit >= r.device_used
