@@ -46,7 +46,6 @@ from trainmem.estimate.layers import F32, HALF, sdpa_pin_problem
 # TRAINMEM_PROPERTY_EXAMPLES=1000 searches deeper (minutes); the default keeps the file to seconds
 FAST = settings(max_examples=int(os.environ.get("TRAINMEM_PROPERTY_EXAMPLES", "40")), deadline=None,
                 suppress_health_check=[HealthCheck.too_slow])
-MODELS = catalogue_names()
 LEARNED_POSITIONS = {"gpt2", "nanogpt", "bert", "roberta-prenorm"}
 STATE_CATEGORIES = ("parameters", "master_weights", "gradients", "optimizer_states")
 
@@ -54,6 +53,13 @@ STATE_CATEGORIES = ("parameters", "master_weights", "gradients", "optimizer_stat
 @lru_cache(maxsize=None)
 def model(name: str):
     return resolve_model(name)
+
+
+#: the decoder-only and encoder-only catalogue models; encoder-decoders (two stacks, --target-len, no
+#: pipeline split) and image models (--image-size sets the sequence) have their own option space and
+#: their own tests (tests/test_encdec_vit.py)
+MODELS = [n for n in catalogue_names()
+          if not model(n).is_encoder_decoder and model(n).head != "image-cls"]
 
 
 def max_seq(m) -> int:
