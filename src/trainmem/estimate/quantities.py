@@ -333,7 +333,16 @@ def _adafactor_temporaries(t: TrainingSpec, st: States) -> int:
 
 def _copies_per_tensor(t: TrainingSpec, per_parameter: bool) -> int | None:
     """State-sized temporaries one optimizer step makes per tensor (None: the whole group's worth)."""
-    if t.optimizer in ("sgd", "adamw-8bit", "paged-adamw-8bit", "paged-adamw") or t.impl == "fused" or t.offload_optimizer:
+    if t.optimizer in ("sgd", "adamw-8bit", "paged-adamw-8bit", "paged-adamw") or t.offload_optimizer:
+        # bitsandbytes' step is one in-place CUDA kernel per tensor (``optimizer_update_8bit_blockwise``
+        # / ``optimizer_update_32bit`` write state1/2, absmax and the parameter in place)
+        return 0
+    if t.optimizer == "lion":
+        # lion-pytorch (lion_pytorch.py ``update_fn``), a loop over tensors whatever optimizer_impl says:
+        # ``update = exp_avg.clone().mul_(beta1).add(grad, alpha=1 - beta1).sign_()``: the clone and
+        # the sum coexist, two tensors of the parameter's size
+        return 2
+    if t.impl == "fused":
         return 0
     if t.impl == "foreach":
         return 1 if per_parameter else None
