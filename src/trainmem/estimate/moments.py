@@ -212,11 +212,13 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     moments.append(_mo("backward", micro, step, "cross_entropy.backward",
                        (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.loss_backward),
                        (kept.logits, kept.kv_forward, tk.loss_saved), valid))
-    # a 4-bit LM head dequantizes its weight again for the input gradient (quant4.py)
+    # a 4-bit LM head dequantizes its weight again for the input gradient (quant4.py): the loss's
+    # backward is over (its fp32 gradients and saved log-probabilities freed); the gradient of the
+    # head's output, in the output's dtype, is what MatMul4Bit.backward multiplies
     if flags.quant4:
         moments.append(_mo("backward", micro, step, "lm_head.backward",
-                           (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.loss_backward + q.head_temp),
-                           (kept.logits, kept.kv_forward, tk.loss_saved), _both(valid, q.head_temp > 0)))
+                           (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.out_logits + q.head_temp),
+                           (kept.logits, kept.kv_forward, 0), _both(valid, q.head_temp > 0)))
     fresh = grads_before == 0                                  # gradients are being created, not added to
     layer_grads = where(fresh, tk.layer_grad_part, 0)           # the later linears' of the layer in backward
     states_mid = q.states if (states_before or flags.oib) else 0  # optimizer in backward creates them now
@@ -254,8 +256,10 @@ def _dequant_forward(q: Quantities, tk: Tokens, four: tuple, prev: tuple, micro:
     prev_logits, prev_kv = prev
     moments.append(_mo("forward", micro, step, "layer.forward", (g, s, i, w, tk.layers + tk.outer_rest, tk.fwd_temp),
                        (prev_logits, prev_kv + tk.kv_held, 0), _both(valid, q.fwd_temp > 0)))
-    moments.append(_mo("forward", micro, step, "lm_head", (g, s, i, w, tk.all_acts, q.head_temp),
-                       (prev_logits + tk.out_logits, prev_kv + tk.kv_held, 0), _both(valid, q.head_temp > 0)))
+    # the head: its dequantized weight and the cast (inside .to()), then the cast beside the output
+    head = maximum(q.head_temp, q.head_read + tk.out_logits)
+    moments.append(_mo("forward", micro, step, "lm_head", (g, s, i, w, tk.all_acts, head),
+                       (prev_logits, prev_kv + tk.kv_held, 0), _both(valid, q.head_temp > 0)))
 
 
 def _optimizer_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: int, ws2: int, moments: list,

@@ -97,6 +97,7 @@ class Quantities:
     fwd_temp: int = 0      # a layer's largest forward transient: a dequantized 4-bit weight (quant4.py)
     fwd_temp_tok: float = 0.0  # ... and its matmul output per token
     head_temp: int = 0     # the LM head's dequantized 4-bit weight, in its forward and its backward
+    head_read: int = 0     # ... of it, the copy its matmul reads (the cast, else the dequantized weight)
     detail: Detail | None = None
 
 
@@ -373,16 +374,22 @@ def oib_update_bytes(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, in
     return one(n_mid), one(n_all)
 
 
-def head_dequant_bytes(m: ModelSpec, t: TrainingSpec) -> int:
-    """Bytes of the LM head's weight dequantized from 4 bits (plus its cast to the compute dtype),
-    alive while the head's forward runs and again in its backward, when the head is quantized
-    (Lightning Fabric converts ``lm_head`` too: ``quant4.is_quantized``); bitsandbytes 0.42.0
-    ``autograd/_functions.py`` L516 (forward) and L546 (backward). 0 otherwise."""
+def head_dequant_bytes(m: ModelSpec, t: TrainingSpec) -> tuple[int, int]:
+    """(bytes of the LM head's weight dequantized from 4 bits plus its cast to the compute dtype,
+    bytes of the copy the matmul reads: the cast, else the dequantized weight) when the head is
+    quantized (Lightning Fabric converts ``lm_head`` too: ``quant4.is_quantized``); (0, 0)
+    otherwise. In ``F.linear(A, F.dequantize_4bit(B, quant_state).to(A.dtype).t(), bias)``
+    (bitsandbytes 0.42.0 ``autograd/_functions.py`` L516; backward L546) the dequantized weight
+    and its cast coexist only inside ``.to()``: the dequantized one is a temporary of the
+    expression, freed before the matmul allocates its output, so the matmul runs beside the cast
+    alone (as trace of ``trainmem.bnb.MatMul4Bit`` shows)."""
     if not t.quantize:
-        return 0
+        return 0, 0
     dq, cast = dequant_dtypes(t)
     heads = [p for p in m.parameter_tensors() if p.layer is None and is_quantized(p, t)]
-    return max((block_bytes(p.numel * dq) + (block_bytes(p.numel * cast) if cast else 0) for p in heads), default=0)
+    both = max((block_bytes(p.numel * dq) + (block_bytes(p.numel * cast) if cast else 0) for p in heads), default=0)
+    read = max((block_bytes(p.numel * (cast or dq)) for p in heads), default=0)
+    return both, read
 
 
 def tied_head_grad(m: ModelSpec, t: TrainingSpec) -> int:
@@ -495,6 +502,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     after = lc.after or (0.0,) * len(lc.transients)
     trans = tuple((a, b, c, int(w * gpw)) for (_, a, b, c), w in zip(lc.transients, after))
     inflight_fixed = 1 if (t.pp == 1 or stage != "first") else (t.num_microbatches_in_flight or 0)
+    head_dq = head_dequant_bytes(m, t)  # the 4-bit LM head: (dequantized + cast, the cast) bytes
     return Quantities(
         fixed=st.weights + st.buffers + st.master + comm, grads=0 if oib else st.grads,
         grads_loaded=(0 if oib else st.grads) if t.distributed_optimizer else 0, states=st.optimizer + st.step_tensors,
@@ -513,7 +521,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         liger_factor=-(-m.vocab_size // m.hidden_size) if (head_here and is_lm(m) and loss_mode(m, t) == "fused") else 0,
         step_temp=step_temporaries(t, st), oib_mid=oib_mid, oib_end=oib_end,
         tied_grad=tied_head_grad(m, t), transients=trans, fwd_temp=int(lc.fwd_const), fwd_temp_tok=lc.fwd_tok,
-        head_temp=head_dequant_bytes(m, t) if head_here else 0,
+        head_temp=head_dq[0] if head_here else 0, head_read=head_dq[1] if head_here else 0,
         detail=Detail(st, lc, outer, comm_name, input_tok))
 
 
