@@ -277,9 +277,14 @@ class MatMul4Bit(torch.autograd.Function):
     freed when forward returns; it keeps the packed weight and the quant state, and before 0.43.2
     also its input A (``ctx.tensors = (A, B)``, L522-523 at 0.42.0; ``(None, B)`` since). Backward
     ``torch.matmul(grad_output, F.dequantize_4bit(B, ctx.state).to(grad_output.dtype).t())``
-    (L546 at 0.42.0): the weight dequantized again. bitsandbytes keeps A on ``ctx``; here it is
-    saved with ``save_for_backward`` (the same storage alive to the same moment) so that the
-    tracker names it an activation."""
+    (L546 at 0.42.0): the weight dequantized again.
+
+    ``ctx.tensors`` is a plain attribute, not ``save_for_backward``: autograd does not release it
+    when the node's backward has run, so A lives as long as the graph does -- through the whole
+    backward (not freed layer by layer as saved tensors are) and after it for as long as the loop
+    references the loss or the output (to the next forward's end in a loop that reassigns
+    ``loss``/``logits``). The emulation keeps A the same way; it also passes A to
+    ``save_for_backward`` only so that the tracker names it an activation (same storage, no bytes)."""
 
     @staticmethod
     def forward(ctx: Any, A: torch.Tensor, B: torch.Tensor, bias: torch.Tensor | None, module: Linear4bit
@@ -287,7 +292,8 @@ class MatMul4Bit(torch.autograd.Function):
         ctx.module = module
         ctx.dtype_bias = None if bias is None else bias.dtype
         output = torch.nn.functional.linear(A, module.dequantize(A.device).to(A.dtype), bias)
-        if module.saves_input and ctx.needs_input_grad[0]:
+        if module.saves_input and any(ctx.needs_input_grad[:2]):
+            ctx.tensors = (A, B)    # bitsandbytes < 0.43.2: held by the node until the graph is freed
             ctx.save_for_backward(A)
         return output
 

@@ -277,7 +277,11 @@ class TrainStep:
                 del out
             if t.grad_accum > 1:
                 loss = loss / t.grad_accum
-            self.state["loss"] = loss
+            # the loop's loss: with hold_output "loss" the HF Trainer's training_step returns
+            # ``loss.detach()`` (transformers trainer.py), so the graph dies when backward returns;
+            # a loop that keeps ``loss`` keeps the graph (and what its nodes hold outside
+            # save_for_backward, e.g. bitsandbytes < 0.43.2 MatMul4Bit's input) to the next forward
+            self.state["loss"] = loss.detach() if t.hold_output == "loss" else loss
             self._mark("forward", i, micro)
             loss.backward()
             del loss, held  # a training_step holding its output returns here

@@ -53,6 +53,7 @@ class Recipe:
     transients: list[tuple[str, float, float, float, float, float, float]] = field(default_factory=list)
     weights: float = 0.0
     fwd: tuple[float, float] = (0.0, 0.0)  # largest forward transient: (bytes, bytes per token of its output)
+    graph_held: dict[int, T] = field(default_factory=dict)  # kept by autograd nodes outside save_for_backward
 
     def save(self, *ts: T) -> None:
         for t in ts:
@@ -188,7 +189,10 @@ class Builder:
             return 0.0
         w = (x.tok if in_features is None else in_features) * out
         if self.quant_saves_input:
-            self.r.save(x if x.nbytes == self.p.half else T(x.tok, x.sq, self.p.half, f"{name}.input"))
+            # ``ctx.tensors = (A, B)``: A kept by the node itself, alive as long as the graph
+            kept = x if x.nbytes == self.p.half else T(x.tok, x.sq, self.p.half, f"{name}.input")
+            self.r.save(kept)
+            self.r.graph_held[id(kept)] = kept
         dq = w * (dq_bytes + cast_bytes)
         if dq > self.r.fwd[0]:
             self.r.fwd = (dq, out * self.p.half)
@@ -527,6 +531,7 @@ class LayerCoefs:
     after: tuple[float, ...] = ()  # per transient: weight elements of the linears back-propagated before it
     fwd_const: float = 0.0   # the largest forward transient of a linear (a dequantized 4-bit weight), bytes
     fwd_tok: float = 0.0     # ... and its matmul output, bytes per token
+    graph_held: float = 0.0  # of the saved bytes per token, those autograd does not free in backward (quant4.py)
 
     def bytes(self, n: int, nsq: int) -> int:
         return int(self.tok * n + self.sq * nsq)
@@ -572,7 +577,7 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
     after = tuple(max(0.0, wall - w) for *_, w in B.r.transients)
     held = sum(t.tok * t.nbytes for i, t in B.r.held.items() if i not in B.r.saved)
     return LayerCoefs(tok, sq, tuple((n, a, b) for n, (a, b) in parts.items()), trans, held, B.r.cache, wall,
-                      after, B.r.fwd[0], B.r.fwd[1])
+                      after, B.r.fwd[0], B.r.fwd[1], sum(t.tok * t.nbytes for t in B.r.graph_held.values()))
 
 
 def _gpt2_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: float, heads: float, kvh: float, sp_div: int) -> None:

@@ -98,6 +98,7 @@ class Quantities:
     fwd_temp_tok: float = 0.0  # ... and its matmul output per token
     head_temp: int = 0     # the LM head's dequantized 4-bit weight, in its forward and its backward
     head_read: int = 0     # ... of it, the copy its matmul reads (the cast, else the dequantized weight)
+    graph_tok: float = 0.0  # per layer, saved bytes per token the graph keeps until it is freed (bnb < 0.43.2)
     detail: Detail | None = None
 
 
@@ -522,6 +523,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         step_temp=step_temporaries(t, st), oib_mid=oib_mid, oib_end=oib_end,
         tied_grad=tied_head_grad(m, t), transients=trans, fwd_temp=int(lc.fwd_const), fwd_temp_tok=lc.fwd_tok,
         head_temp=head_dq[0] if head_here else 0, head_read=head_dq[1] if head_here else 0,
+        graph_tok=lc.graph_held,
         detail=Detail(st, lc, outer, comm_name, input_tok))
 
 
