@@ -111,15 +111,45 @@ def test_estimate_agrees_with_trace_on_bnb_optimizers(options):
     assert abs(e / t - 1) < 0.005, (t, e)
 
 
+FABRIC = {"quantize_via": "fabric", "precision": "bf16", "lora_dtype": "half"}
+
+
+QSMALL = ["num_hidden_layers=3", "hidden_size=512", "num_attention_heads=8", "num_key_value_heads=4",
+          "intermediate_size=1376", "vocab_size=2000", "head_dim=64", "tie_word_embeddings=false"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("options", [
-    {"quantize": "nf4", "quantize_via": "fabric", "precision": "bf16", "lora_dtype": "half"},
-    {"quantize": "nf4-dq", "quantize_via": "fabric", "precision": "bf16", "lora_dtype": "half",
-     "bitsandbytes_version": "0.42.0"},
+@pytest.mark.parametrize("options, tolerance", [
+    # bitsandbytes 0.42 (MatMul4Bit keeps its inputs on the graph) under Fabric: the mechanisms alone
+    ({"quantize": "nf4", **FABRIC, "bitsandbytes_version": "0.42.0", "hold_output": "step", "grad_accum": 2}, 0.005),
+    ({"quantize": "nf4-dq", **FABRIC, "bitsandbytes_version": "0.42.0", "hold_output": "backward",
+      "grad_accum": 2}, 0.005),
+    # the rest differ by a few MB of tensors outside bitsandbytes on this 3-layer model: the first
+    # layer's input norm saves nothing when the frozen embedding's output needs no gradient, which
+    # the estimate counts (a LoRA rule, ~1 % of this model's peak, 0.02 % of a 7B model's)
+    ({"quantize": "nf4", **FABRIC}, 0.025),
+    ({"quantize": "nf4"}, 0.025),  # transformers + prepare_model_for_kbit_training: fp32 linear outputs
+    ({"quantize": "fp4-dq", "bitsandbytes_version": "0.42.0", "hold_output": "step"}, 0.025),
+    ({"quantize": "nf4", "recompute": "full", "bitsandbytes_version": "0.42.0"}, 0.025),
 ], ids=str)
-def test_estimate_agrees_with_trace_on_qlora(options):
-    t, e = _agree(lora_rank=8, **options)
-    assert abs(e / t - 1) < 0.02, (t, e)
+def test_estimate_agrees_with_trace_on_qlora(options, tolerance):
+    kw = {**BASE, "seq_len": 512, "lora_rank": 8, **options}
+    t = trace("llama-3.2-1b", set=QSMALL, **kw).peak_allocated
+    e = estimate("llama-3.2-1b", set=QSMALL, **kw).peak_allocated
+    assert abs(e / t - 1) < tolerance, (t, e)
+
+
+def test_old_bitsandbytes_keeps_the_inputs_until_the_next_forward():
+    """bitsandbytes < 0.43.2: ``ctx.tensors = (A, B)`` outlives backward; with the loop holding its
+    loss the previous micro-batch's inputs are alive at the next forward's end, in trace and in
+    the estimate alike."""
+    kw = {**BASE, "seq_len": 512, "lora_rank": 8, "quantize": "nf4", **FABRIC, "hold_output": "step", "grad_accum": 2}
+    new = trace("llama-3.2-1b", set=QSMALL, **kw).peak_allocated
+    old = trace("llama-3.2-1b", set=QSMALL, bitsandbytes_version="0.42.0", **kw)
+    e = estimate("llama-3.2-1b", set=QSMALL, bitsandbytes_version="0.42.0", **kw)
+    held = e.component("activations.bnb_matmul4bit_inputs")
+    assert held > 0 and old.peak_allocated - new > held  # the previous graph's inputs + this one's
+    assert abs(e.peak_allocated / old.peak_allocated - 1) < 0.005
 
 
 def test_quantized_base_weights_are_the_packed_bytes():

@@ -175,8 +175,14 @@ class Builder:
             self.r.save(xin, T(rank, 0, HALF if self.p.amp else adapter, f"lora.{name}"))
         # backward: grad_out and grad_in, no weight gradient
         dq = self.dequantized(x, out, name, in_features)
-        self.r.transient(f"{name}.backward", T(out, 0, self.p.half), T(x.tok, 0, self.p.half), const=dq)
-        return T(out, 0.0, self.p.half, name)
+        # a bitsandbytes Linear4bit returns its output in its input's dtype (``Linear4bit.forward``:
+        # ``matmul_4bit(x.to(compute_dtype), ...).to(inp_dtype)``, nn/modules.py L251-258 at
+        # 0.42.0, L548-555 at 0.49.0): fp32 under autocast when its input is the fp32 residual
+        # stream (peft's prepare_model_for_kbit_training casts the norms and embeddings to fp32)
+        out_bytes = x.nbytes if self.quant[0] else self.p.half
+        self.r.transient(f"{name}.backward", T(out, 0, out_bytes), T(x.tok, 0, x.nbytes if self.quant[0] else
+                                                                       self.p.half), const=dq)
+        return T(out, 0.0, out_bytes, name)
 
     def dequantized(self, x: T, out: float, name: str, in_features: float | None) -> float:
         """A bitsandbytes 4-bit base weight (``Linear4bit`` -> ``MatMul4Bit``, quant4.py): bytes of its
@@ -189,10 +195,11 @@ class Builder:
             return 0.0
         w = (x.tok if in_features is None else in_features) * out
         if self.quant_saves_input:
-            # ``ctx.tensors = (A, B)``: A kept by the node itself, alive as long as the graph
-            kept = x if x.nbytes == self.p.half else T(x.tok, x.sq, self.p.half, f"{name}.input")
-            self.r.save(kept)
-            self.r.graph_held[id(kept)] = kept
+            # ``ctx.tensors = (A, B)``: A kept by the node itself, alive as long as the graph. A is
+            # ``x.to(compute_dtype)``, and before bitsandbytes 0.48 the first input's dtype (fp32 or
+            # bf16) becomes the compute dtype (``set_compute_type``), so A is the input itself
+            self.r.save(x)
+            self.r.graph_held[id(x)] = x
         dq = w * (dq_bytes + cast_bytes)
         if dq > self.r.fwd[0]:
             self.r.fwd = (dq, out * self.p.half)
@@ -763,13 +770,14 @@ def _swiglu(B: Builder, f: float, h: float, src: T, name: str, fused_gate_up: bo
     """SwiGLU MLP ``down(silu(gate(x)) * up(x))``: gate and up save their (cast) input; ``silu``
     saves the gate output; the product saves silu's output and the up output; down saves the
     product."""
-    half = B.p.half
+    half = gate = up = B.p.half
     if fused_gate_up:
         B.matmul_in(src, f"{name}.gate_up.input")
     else:
-        B.linear(src, f, f"{name}.gate_proj", f"{name}.gate_proj.input", h)
-        B.linear(src, f, f"{name}.up_proj", f"{name}.up_proj.input", h)
-    B.r.save(T(f, 0, half, f"{name}.gate_out"), T(f, 0, half, f"{name}.silu_out"),
-             T(f, 0, half, f"{name}.up_out"))
-    prod = T(f, 0, half, f"{name}.act_product")
+        # the outputs' dtype: half, or a 4-bit linear's input dtype (``Builder.frozen_linear``)
+        gate = B.linear(src, f, f"{name}.gate_proj", f"{name}.gate_proj.input", h).nbytes
+        up = B.linear(src, f, f"{name}.up_proj", f"{name}.up_proj.input", h).nbytes
+    B.r.save(T(f, 0, gate, f"{name}.gate_out"), T(f, 0, gate, f"{name}.silu_out"),
+             T(f, 0, up, f"{name}.up_out"))
+    prod = T(f, 0, max(gate, up, half), f"{name}.act_product")
     B.linear(prod, h, f"{name}.down_proj", f"{name}.down_proj.input")

@@ -69,6 +69,8 @@ class Tokens:
     fwd_temp: Any = 0      # a 4-bit base: the largest dequantized layer weight and its matmul output
     graph_layer: Any = 0   # of one layer's saved tensors, those the graph keeps until it is freed (bnb < 0.43.2)
     graph: Any = 0         # ... of all layers
+    graph_extra_layer: Any = 0  # of one layer's, those not among its kept activations (checkpointed layers)
+    graph_extra: Any = 0   # ... of all layers
 
 
 def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any) -> Tokens:
@@ -98,7 +100,8 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any) -
                   full * q.loss_backward + chunk * q.loss_backward_chunk,
                   kv_tok * q.layers * inflight, trunc(q.cache_tok * n) - kv_tok,
                   q.fwd_temp + trunc(q.fwd_temp_tok * n), trunc(q.graph_tok * n) * inflight,
-                  trunc(q.graph_tok * n) * inflight * q.layers)
+                  trunc(q.graph_tok * n) * inflight * q.layers, trunc(q.graph_extra_tok * n) * inflight,
+                  trunc(q.graph_extra_tok * n) * inflight * q.layers)
 
 
 def best_transient(tr: Any, n: Any, nsq: Any) -> tuple[Any, Any, Any]:
@@ -209,24 +212,25 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     prev_logits, prev_kv = kept.after_backward() if (step > 1 or micro > 0) else (0, 0)
     # the previous micro-batch's graph, alive until this forward's loss replaces the loop's `loss`
     prev_graph = tk.graph if (_graph_outlives_backward(flags) and (step > 1 or micro > 0)) else 0
+    own = tk.graph_extra  # this micro-batch's graph-kept tensors beyond the kept activations
     if flags.quant4:
         _dequant_forward(q, tk, (grads_before, states, tk.inputs, ws), (prev_logits, prev_kv), micro, step, valid,
-                         moments, prev_graph)
+                         moments, prev_graph + own)
     moments.append(_mo("forward", micro, step, "cross_entropy",
                        (grads_before, states, tk.inputs, ws, tk.all_acts, tk.loss_forward + q.cast_forward_only),
-                       (prev_logits + tk.out_logits, prev_kv + tk.kv_held, tk.loss_saved), valid, prev_graph))
+                       (prev_logits + tk.out_logits, prev_kv + tk.kv_held, tk.loss_saved), valid, prev_graph + own))
     ends.append(("forward", micro, step, q.fixed + grads_before + states + tk.inputs + ws + tk.all_acts
                  + kept.logits + kept.kv_forward + tk.loss_saved))
     moments.append(_mo("backward", micro, step, "cross_entropy.backward",
                        (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.loss_backward),
-                       (kept.logits, kept.kv_forward, tk.loss_saved), valid))
+                       (kept.logits, kept.kv_forward, tk.loss_saved), valid, own))
     # a 4-bit LM head dequantizes its weight again for the input gradient (quant4.py): the loss's
     # backward is over (its fp32 gradients and saved log-probabilities freed); the gradient of the
     # head's output, in the output's dtype, is what MatMul4Bit.backward multiplies
     if flags.quant4:
         moments.append(_mo("backward", micro, step, "lm_head.backward",
                            (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.out_logits + q.head_temp),
-                           (kept.logits, kept.kv_forward, 0), _both(valid, q.head_temp > 0)))
+                           (kept.logits, kept.kv_forward, 0), _both(valid, q.head_temp > 0), own))
     fresh = grads_before == 0                                  # gradients are being created, not added to
     layer_grads = where(fresh, tk.layer_grad_part, 0)           # the later linears' of the layer in backward
     states_mid = q.states if (states_before or flags.oib) else 0  # optimizer in backward creates them now
@@ -235,11 +239,12 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     top = grads_before + where(fresh, q.head_grads, 0) + layer_grads
     moments.append(_mo("backward", micro, step, "layer.top",
                        (top, states_mid, tk.inputs, ws2, tk.layers + tk.outer_rest, temp),
-                       (kept.logits, kept.kv_forward, 0), valid))
+                       (kept.logits, kept.kv_forward, 0), valid, own))
     bottom = grads_before + where(fresh, q.head_grads + (q.layers - 1) * q.layer_grads, 0) + layer_grads
     moments.append(_mo("backward", micro, step, "layer.bottom",
                        (bottom, states_mid, tk.inputs, ws2, tk.layers // q.layers + tk.outer_rest, temp),
-                       (kept.logits, kept.kv_low, 0), _both(valid, q.layers > 1), tk.graph - tk.graph_layer))
+                       (kept.logits, kept.kv_low, 0), _both(valid, q.layers > 1),
+                       tk.graph - tk.graph_layer + tk.graph_extra_layer))
     # the embedding's gradient and the out-of-place sum join the head's part in the input buffer
     tied = q.tied_grad
     temp_emb = 2 * tied + (tied if flags.oib else where(fresh, 0, tied))

@@ -99,6 +99,7 @@ class Quantities:
     head_temp: int = 0     # the LM head's dequantized 4-bit weight, in its forward and its backward
     head_read: int = 0     # ... of it, the copy its matmul reads (the cast, else the dequantized weight)
     graph_tok: float = 0.0  # per layer, saved bytes per token the graph keeps until it is freed (bnb < 0.43.2)
+    graph_extra_tok: float = 0.0  # ... of it, per layer on average, not among the kept activations (checkpointed)
     detail: Detail | None = None
 
 
@@ -176,7 +177,7 @@ def outer_tensors(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) -> tup
     if t.pp == 1 or stage == "first":
         out += _embedding_side(m, t, pol, h, sp)
     if t.pp == 1 or stage == "last":
-        out += _head_side(m, pol, h, sp, fused=is_lm(m) and loss_mode(m, t) == "fused")
+        out += _head_side(m, pol, h, sp, fused=is_lm(m) and loss_mode(m, t) == "fused", quant_head=_quant_head(m, t))
     return tuple(out)
 
 
@@ -200,9 +201,20 @@ def _embedding_side(m: ModelSpec, t: TrainingSpec, pol: Policy, h: int, sp: int)
     return out
 
 
-def _head_side(m: ModelSpec, pol: Policy, h: int, sp: int, fused: bool = False) -> list[tuple[str, float, float]]:
+def _quant_head(m: ModelSpec, t: TrainingSpec) -> str:
+    """"": the LM head is not a bitsandbytes 4-bit linear; "keeps": it is and its ``MatMul4Bit``
+    keeps its input (bitsandbytes < 0.43.2, ``ctx.tensors = (A, B)``), "none": it is and saves
+    nothing for backward (its weight is frozen, so no input is needed: ``ctx.tensors = (None, B)``)."""
+    if not t.quantize or not any(p.layer is None and is_quantized(p, t) for p in m.parameter_tensors()):
+        return ""
+    return "keeps" if t.bnb_saves_input else "none"
+
+
+def _head_side(m: ModelSpec, pol: Policy, h: int, sp: int, fused: bool = False, quant_head: str = ""
+               ) -> list[tuple[str, float, float]]:
     """The final norm's saved tensors and the head's input (which a fused linear cross-entropy
-    does not save: it keeps the gradients it computed in forward instead)."""
+    does not save: it keeps the gradients it computed in forward instead; a 4-bit head saves it
+    only before bitsandbytes 0.43.2, as the final norm's output itself: ``_quant_head``)."""
     out: list[tuple[str, float, float]] = []
     if m.final_norm and m.family != "bert":
         if m.norm == "rmsnorm":  # HF RMSNorm: fp32 input copy, the normed tensor, fp32 rstd
@@ -213,6 +225,9 @@ def _head_side(m: ModelSpec, pol: Policy, h: int, sp: int, fused: bool = False) 
         # transform: dense (saves its input) + activation + LayerNorm, then the decoder's input
         out.append(("mlm.transform", float(h * (pol.half + pol.half + pol.stream) + 8), 0.0))
         out.append(("lm_head.input", float(h * pol.half), 0.0))
+    elif m.head == "causal-lm" and quant_head:
+        if quant_head == "keeps":  # Linear4bit casts to the compute dtype, which is the input's then
+            out.append(("lm_head.input", float(h * pol.stream), 0.0))
     elif m.head == "causal-lm" and not fused:
         # lm_head saves its input: a half cast under autocast, else the final norm's output
         half_in = pol.amp or (m.norm == "rmsnorm" and pol.stream == 2)
@@ -523,7 +538,10 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         step_temp=step_temporaries(t, st), oib_mid=oib_mid, oib_end=oib_end,
         tied_grad=tied_head_grad(m, t), transients=trans, fwd_temp=int(lc.fwd_const), fwd_temp_tok=lc.fwd_tok,
         head_temp=head_dq[0] if head_here else 0, head_read=head_dq[1] if head_here else 0,
-        graph_tok=lc.graph_held,
+        # a checkpointed layer's first forward still builds MatMul4Bit nodes (non-reentrant
+        # checkpointing runs it with grad enabled), whose ctx.tensors keep the inputs the
+        # checkpoint does not save
+        graph_tok=lc.graph_held, graph_extra_tok=lc.graph_held * checkpointed / layers if layers else 0.0,
         detail=Detail(st, lc, outer, comm_name, input_tok))
 
 
