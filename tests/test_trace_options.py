@@ -28,6 +28,7 @@ CASES = [
     ({"optimizer": "paged-adamw-8bit"}, CHANGED, ""), ({"optimizer": "paged-adamw"}, "same", "every tensor of this tiny model is under bitsandbytes' 1e5-element "
                                       "paging threshold: fp32 device states, as AdamW (tests/test_trace_bnb.py pages)"),
     ({"optimizer": "lion", "optimizer_impl": "fused"}, REFUSED, "--optimizer-impl fused"),
+    ({"optimizer": "adamw-8bit", "fsdp": "full", "dp": 2}, REFUSED, "--optimizer adamw-8bit with --fsdp"),
     ({"optimizer_impl": "fused"}, CHANGED, ""),
     ({"optimizer_impl": "foreach"}, "same", "foreach is PyTorch's CUDA default, which the baseline runs"),
     ({"optimizer_impl": "for-loop"}, "same", "a for-loop step's one-parameter temporaries hide under this model's "

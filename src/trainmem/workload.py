@@ -63,6 +63,11 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
         if t.optimizer_impl is not None:
             raise TrainmemError(f"--optimizer-impl {t.optimizer_impl}: {EXTERNAL_OPTIMIZERS[t.optimizer]}'s "
                                 f"--optimizer {t.optimizer} has one implementation; drop --optimizer-impl")
+        if what == "trace" and t.fsdp is not None and EXTERNAL_OPTIMIZERS[t.optimizer] == "bitsandbytes":
+            # its kernels take plain CUDA tensors: FSDP2's DTensor shards (and their paged copies)
+            # are not what bitsandbytes' optimizer allocates for, so trace does not guess
+            raise TrainmemError(f"--optimizer {t.optimizer} with --fsdp: trace emulates bitsandbytes' optimizer "
+                                "on plain tensors, not FSDP2's DTensor shards; use estimate")
     if t.recompute == "selective":
         raise TrainmemError(f"--recompute selective is a Megatron feature; {what} supports none and full "
                             "(transformers gradient checkpointing)")
