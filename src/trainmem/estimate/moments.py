@@ -272,8 +272,9 @@ def _dequant_forward(q: Quantities, tk: Tokens, four: tuple, prev: tuple, micro:
     prev_logits, prev_kv = prev
     moments.append(_mo("forward", micro, step, "layer.forward", (g, s, i, w, tk.layers + tk.outer_rest, tk.fwd_temp),
                        (prev_logits, prev_kv + tk.kv_held, 0), _both(valid, q.fwd_temp > 0), prev_graph))
-    # the head: its dequantized weight and the cast (inside .to()), then the cast beside the output
-    head = maximum(q.head_temp, q.head_read + tk.out_logits)
+    # the head: its dequantized weight and the cast (inside .to()), then the cast beside the output;
+    # a LoRA adapter on it then holds three logits-sized tensors (quantities._head_is_lora_target)
+    head = maximum(maximum(q.head_temp, q.head_read + tk.out_logits), q.head_lora * tk.out_logits)
     moments.append(_mo("forward", micro, step, "lm_head", (g, s, i, w, tk.all_acts, head),
                        (prev_logits, prev_kv + tk.kv_held, 0), _both(valid, q.head_temp > 0), prev_graph))
 

@@ -98,6 +98,7 @@ class Quantities:
     fwd_temp_tok: float = 0.0  # ... and its matmul output per token
     head_temp: int = 0     # the LM head's dequantized 4-bit weight, in its forward and its backward
     head_read: int = 0     # ... of it, the copy its matmul reads (the cast, else the dequantized weight)
+    head_lora: int = 0     # a LoRA adapter on that 4-bit head: logits-sized tensors alive in its forward (3)
     graph_tok: float = 0.0  # per layer, saved bytes per token the graph keeps until it is freed (bnb < 0.43.2)
     graph_extra_tok: float = 0.0  # ... of it, per layer on average, not among the kept activations (checkpointed)
     detail: Detail | None = None
@@ -207,6 +208,8 @@ def _quant_head(m: ModelSpec, t: TrainingSpec) -> str:
     nothing for backward (its weight is frozen, so no input is needed: ``ctx.tensors = (None, B)``)."""
     if not t.quantize or not any(p.layer is None and is_quantized(p, t) for p in m.parameter_tensors()):
         return ""
+    if _head_is_lora_target(m, t):
+        return ""  # its LoRA adapter's lora_A saves the input as a plain head would
     return "keeps" if t.bnb_saves_input else "none"
 
 
@@ -390,6 +393,16 @@ def oib_update_bytes(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, in
     return one(n_mid), one(n_all)
 
 
+def _head_is_lora_target(m: ModelSpec, t: TrainingSpec) -> bool:
+    """Whether peft puts a LoRA adapter on the LM head (``lm_head`` among the target modules). Over
+    a 4-bit head its layer (peft ``tuners/lora/bnb.py`` ``Linear4bit.forward``) runs
+    ``result = result.clone()`` (the base output freed), then ``lora_B(lora_A(dropout(x))) *
+    scaling`` and ``result + output``: three logits-sized tensors alive at once (the clone, the
+    adapter's output and its scaled copy; then the clone, the scaled copy and the sum)."""
+    targets = set(t.lora_targets or default_lora_targets(m)) if t.lora_rank else set()
+    return any(p.layer is None and p.role == "linear" and p.module in targets for p in m.parameter_tensors())
+
+
 def head_dequant_bytes(m: ModelSpec, t: TrainingSpec) -> tuple[int, int]:
     """(bytes of the LM head's weight dequantized from 4 bits plus its cast to the compute dtype,
     bytes of the copy the matmul reads: the cast, else the dequantized weight) when the head is
@@ -538,6 +551,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         step_temp=step_temporaries(t, st), oib_mid=oib_mid, oib_end=oib_end,
         tied_grad=tied_head_grad(m, t), transients=trans, fwd_temp=int(lc.fwd_const), fwd_temp_tok=lc.fwd_tok,
         head_temp=head_dq[0] if head_here else 0, head_read=head_dq[1] if head_here else 0,
+        head_lora=3 if (head_here and head_dq[0] and _head_is_lora_target(m, t)) else 0,
         # a checkpointed layer's first forward still builds MatMul4Bit nodes (non-reentrant
         # checkpointing runs it with grad enabled), whose ctx.tensors keep the inputs the
         # checkpoint does not save
