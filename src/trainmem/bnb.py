@@ -254,10 +254,11 @@ class Linear4bit(torch.nn.Linear):
         return MatMul4Bit.apply(x, self.weight, bias, self).to(inp_dtype)
 
     def dequantize(self, device: torch.device) -> torch.Tensor:
-        """``F.dequantize_4bit`` (functional.py, L1011-1082 at 0.42.0): with double quantization the
+        """``F.dequantize_4bit`` (functional.py L979-1053 at 0.42.0): with double quantization the
         fp32 absmax first (``dequantize_blockwise(absmax, state2)``, then ``absmax += offset`` in
-        place), then ``out = torch.empty(shape, dtype=quant_state.dtype)`` filled by the kernel; the
-        absmax is freed when it returns. Returns ``out`` (out_features, in_features)."""
+        place, L1019-1024), then ``out = torch.empty(shape, dtype=quant_state.dtype)`` (L1026)
+        filled by the kernel; the absmax is freed when it returns. Returns ``out`` (out_features,
+        in_features)."""
         qs = self.quant_state
         absmax = None
         if qs.nested:
