@@ -16,6 +16,7 @@ operations in the same order, which is what makes their numbers comparable phase
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from typing import Any, Callable
 
 import torch
@@ -51,9 +52,18 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
         raise TrainmemError(f"{what} runs DDP (--dp), FSDP (--fsdp over --dp) and tensor parallelism (--tp{sp}) "
                             "through torch.distributed; not supported: " + ", ".join(bad) +
                             " (use `estimate` for those)")
-    if t.optimizer in ("lion", "adamw-8bit", "paged-adamw-8bit", "paged-adamw"):
-        raise TrainmemError(f"--optimizer {t.optimizer} is not in torch.optim; {what} supports adamw, adam, sgd, "
-                            f"sgd-momentum, adafactor")
+    if t.optimizer in EXTERNAL_OPTIMIZERS:
+        if what != "trace" and importlib.util.find_spec(EXTERNAL_OPTIMIZERS[t.optimizer]) is None:
+            raise TrainmemError(f"--optimizer {t.optimizer} needs {EXTERNAL_OPTIMIZERS[t.optimizer]} to {what}: "
+                                f"install it, or use trace or estimate")
+        if t.optimizer_impl is not None:
+            raise TrainmemError(f"--optimizer-impl {t.optimizer_impl}: {EXTERNAL_OPTIMIZERS[t.optimizer]}'s "
+                                f"--optimizer {t.optimizer} has one implementation; drop --optimizer-impl")
+        if what == "trace" and (t.fsdp is not None or t.tp > 1) and EXTERNAL_OPTIMIZERS[t.optimizer] == "bitsandbytes":
+            # its kernels take plain CUDA tensors: DTensor shards (FSDP2's, tensor parallelism's) are
+            # not what bitsandbytes' optimizer allocates for, so trace does not guess
+            raise TrainmemError(f"--optimizer {t.optimizer} with --fsdp or --tp: trace emulates bitsandbytes' "
+                                "optimizer on plain tensors, not DTensor shards; use estimate")
     if t.recompute == "selective":
         raise TrainmemError(f"--recompute selective is a Megatron feature; {what} supports none, full and op "
                             "(transformers gradient checkpointing, torchtitan's per-op policy)")
@@ -63,9 +73,12 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
     if t.compile:
         raise TrainmemError(f"--compile: {what} runs the step eagerly, and inductor changes what is saved; "
                             "use estimate for --compile")
-    if t.quantize:
-        raise TrainmemError(f"--quantize {t.quantize}: bitsandbytes' 4-bit Linear4bit needs its CUDA kernels and "
-                            f"{what} builds no quantized model (it would run the unquantized one); use estimate")
+    if t.quantize and what != "trace":
+        raise TrainmemError(f"--quantize {t.quantize}: {what} builds no quantized model (it would run the "
+                            "unquantized one); use trace (which emulates bitsandbytes' Linear4bit) or estimate")
+    if t.quantize and t.dp > 1:
+        raise TrainmemError(f"--quantize {t.quantize} with --dp {t.dp}: trace emulates bitsandbytes' 4-bit "
+                            "linears on one GPU; drop --dp (or use estimate)")
     if t.fp32_master:
         raise TrainmemError(f"--master-weights fp32: {what} runs torch.optim on the half parameters, which keeps "
                             "no fp32 master copy; use estimate for a framework that keeps one")
@@ -120,11 +133,30 @@ def attention_implementation(spec: ModelSpec, t: TrainingSpec) -> tuple[str, str
     return "sdpa", ""
 
 
-def optimizer_class(t: TrainingSpec, lr: float = 1e-4) -> tuple[type, dict[str, Any]]:
-    """The torch.optim class a TrainingSpec names and its keyword arguments (implementation per
-    ``optimizer_impl``; None leaves PyTorch's default, foreach on CUDA)."""
+#: optimizers outside torch.optim and the package that has them: trace runs their emulation
+#: (``trainmem.bnb``), measure the package
+EXTERNAL_OPTIMIZERS = {"adamw-8bit": "bitsandbytes", "paged-adamw-8bit": "bitsandbytes",
+                       "paged-adamw": "bitsandbytes", "lion": "lion_pytorch"}
+
+
+def optimizer_class(t: TrainingSpec, lr: float = 1e-4, emulate: bool = True) -> tuple[type, dict[str, Any]]:
+    """The optimizer class a TrainingSpec names and its keyword arguments (implementation per
+    ``optimizer_impl``; None leaves PyTorch's default, foreach on CUDA). bitsandbytes' AdamW8bit,
+    PagedAdamW8bit, PagedAdamW and lion-pytorch's Lion: their emulation on tensors without data
+    (``trainmem.bnb``) when ``emulate``, else the real classes (a real GPU)."""
     impl = t.optimizer_impl
     kw: dict[str, Any] = {"lr": lr}
+    if t.optimizer in EXTERNAL_OPTIMIZERS:
+        if emulate:
+            from . import bnb
+            cls, extra = bnb.optimizer_class(t.optimizer, t.bnb_blocksize)
+            return cls, {**kw, **extra}
+        if t.optimizer == "lion":
+            from lion_pytorch import Lion
+            return Lion, kw
+        import bitsandbytes as bnb_real
+        return {"adamw-8bit": bnb_real.optim.AdamW8bit, "paged-adamw-8bit": bnb_real.optim.PagedAdamW8bit,
+                "paged-adamw": bnb_real.optim.PagedAdamW}[t.optimizer], kw
     if impl == "fused":
         kw["fused"] = True
     elif impl == "foreach":
@@ -146,9 +178,9 @@ def optimizer_class(t: TrainingSpec, lr: float = 1e-4) -> tuple[type, dict[str, 
     raise TrainmemError(f"--optimizer {t.optimizer} is not supported by trace")
 
 
-def make_optimizer(t: TrainingSpec, params: list[torch.nn.Parameter], lr: float = 1e-4) -> Any:
-    """The torch.optim optimizer a TrainingSpec names, over ``params``."""
-    cls, kw = optimizer_class(t, lr)
+def make_optimizer(t: TrainingSpec, params: list[torch.nn.Parameter], lr: float = 1e-4, emulate: bool = True) -> Any:
+    """The optimizer a TrainingSpec names, over ``params`` (``emulate``: see ``optimizer_class``)."""
+    cls, kw = optimizer_class(t, lr, emulate)
     return cls(params, **kw)
 
 
@@ -187,12 +219,13 @@ class TrainStep:
         self.on_phase = on_phase
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer: Any
+        emulate = what == "trace"  # bitsandbytes' and lion-pytorch's optimizers emulated (trainmem.bnb)
         if t.optimizer_in_backward:
             from .optim.in_backward import optimizer_in_backward
-            cls, kw = optimizer_class(t)
+            cls, kw = optimizer_class(t, emulate=emulate)
             self.optimizer = optimizer_in_backward(params, cls, **kw)   # steps each parameter inside backward
         else:
-            self.optimizer = make_optimizer(t, params)
+            self.optimizer = make_optimizer(t, params, emulate=emulate)
         self.amp = {"bf16-amp": torch.bfloat16, "fp16-amp": torch.float16}.get(t.precision)
         self.state: dict[str, Any] = {}
         self.pin_sdpa = what == "measure" and str(device).startswith("cuda")  # trace pins in its CUDA emulation
@@ -259,7 +292,11 @@ class TrainStep:
                 del out
             if t.grad_accum > 1:
                 loss = loss / t.grad_accum
-            self.state["loss"] = loss
+            # the loop's loss: with hold_output "loss" the HF Trainer's training_step returns
+            # ``loss.detach()`` (transformers trainer.py), so the graph dies when backward returns;
+            # a loop that keeps ``loss`` keeps the graph (and what its nodes hold outside
+            # save_for_backward, e.g. bitsandbytes < 0.43.2 MatMul4Bit's input) to the next forward
+            self.state["loss"] = loss.detach() if t.hold_output == "loss" else loss
             self._mark("forward", i, micro)
             with self.loss_context():
                 loss.backward()
@@ -342,6 +379,18 @@ def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
+def apply_quantization(model: torch.nn.Module, t: TrainingSpec) -> torch.nn.Module:
+    """``--quantize``: the model's linears replaced by emulated bitsandbytes 4-bit ones
+    (``trainmem.bnb.quantize_linears``: which linears and the quant state's dtype per
+    ``quantize_via``; MatMul4Bit saving its input before bitsandbytes 0.43.2; the compute dtype
+    given at construction kept from 0.48.0). The model unchanged without ``--quantize``."""
+    if not t.quantize:
+        return model
+    from .bnb import quantize_linears
+    return quantize_linears(model, t.quantize, t.quantize_via, t.precision, t.bnb_saves_input,
+                            keep_compute_dtype=t.bitsandbytes_release() >= (0, 48, 0))
+
+
 def apply_lora(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec) -> torch.nn.Module:
     """peft's LoRA on the model (``get_peft_model`` with ``LoraConfig``; its defaults otherwise: the
     target modules of ``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``, adapters upcast to
@@ -356,6 +405,10 @@ def apply_lora(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec) -> torc
     targets = list(t.lora_targets or default_lora_targets(spec))
     config = LoraConfig(r=t.lora_rank, lora_alpha=2 * t.lora_rank, target_modules=targets,
                         lora_dropout=t.lora_dropout)
+    if t.quantize:
+        # peft's LoRA layer for a bitsandbytes 4-bit base (peft/tuners/lora/bnb.py Linear4bit)
+        from .bnb import Linear4bit, lora_layer_class
+        config._register_custom_module({Linear4bit: lora_layer_class()})
     model = get_peft_model(model, config, autocast_adapter_dtype=not t.lora_half)
     if t.lora_half and t.precision in ("bf16", "fp16"):
         # torchtune and litgpt build the adapters in the model's dtype (peft creates them in fp32)

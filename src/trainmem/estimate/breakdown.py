@@ -172,7 +172,7 @@ def activations(q: Quantities, tk: Tokens, at_peak: int, t: TrainingSpec, n: int
 
 
 def _logits(mo: Moment, m: Any, half: str, mode: str) -> list[Component]:
-    held, kv, logp = mo.logit_parts
+    held, kv, logp, graph = mo.logit_parts
     out = []
     if mode == "fused" and logp:  # Liger keeps the gradients it computed in forward, not log-probabilities
         out.append(Component("logits.fused_loss_gradients", LOGITS, logp, None,
@@ -189,4 +189,9 @@ def _logits(mo: Moment, m: Any, half: str, mode: str) -> list[Component]:
     if kv:
         out.append(Component("activations.kv_cache", ACTIVATIONS, kv, "fp32",
                              "KV-cache copies of the keys held by the model output (not saved by autograd)"))
+    if graph:
+        out.append(Component("activations.bnb_matmul4bit_inputs", ACTIVATIONS, graph, half,
+                             "inputs of the 4-bit linears that bitsandbytes < 0.43.2 MatMul4Bit keeps on its "
+                             "autograd node (ctx.tensors), alive until the graph is freed: the other layers' "
+                             "during backward, the previous micro-batch's while the loop keeps its loss"))
     return out

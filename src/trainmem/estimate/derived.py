@@ -12,8 +12,10 @@ a derived architecture whose coefficients are nowhere stored.
 
 What the derivation does not cover is refused in one line (``derived_problems``): tensor and
 context parallelism and sequence parallelism (the traced model is one GPU's), bitsandbytes 4-bit
-bases before 0.43.2 (their MatMul4Bit saves its input). Later 4-bit bases are derived as a frozen
-half base plus their dequantized weights (``layer_coefs``).
+bases before 0.43.2 (their MatMul4Bit keeps its input on the graph). Later 4-bit bases are traced
+as such (``trainmem.bnb`` emulates bitsandbytes' ``Linear4bit``: its outputs in its input's dtype,
+fp32 under autocast over prepare_model_for_kbit_training's fp32 residual stream, its
+dequantized weight in backward); the forward's dequantized weight is added by ``layer_coefs``.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from ..spec.profile import read_cached, write_cached
 from ..spec.training import TrainingSpec
 from .layers import LayerCoefs
 
-COEF_VERSION = 16
+COEF_VERSION = 16  # (quantized setups have keys of their own: ``key``)
 #: the heads whose derived coefficients are checked against trace (tests/test_encdec_vit.py, test_derived.py)
 DERIVED_HEADS = ("causal-lm", "seq2seq-lm", "image-cls")
 
@@ -82,7 +84,10 @@ def sliding_window(m: ModelSpec) -> int:
 def key(m: ModelSpec, t: TrainingSpec) -> str:
     """The cache key of ``m``'s coefficients under ``t``: everything the traced layer depends on."""
     lora = (t.lora_rank, tuple(t.lora_targets or ()), t.lora_dropout, t.lora_half) if t.lora_rank else ()
-    return _key(m.fingerprint, t.precision, t.attention, t.dropout, lora, regime(m, t), without_cache(t))
+    parts = [m.fingerprint, t.precision, t.attention, t.dropout, lora, regime(m, t), without_cache(t)]
+    if t.quantize:  # a 4-bit base is traced as one (the keys of other setups are unchanged)
+        parts.append(("quantize", t.quantize, t.quantize_via))
+    return _key(*parts)
 
 
 @lru_cache(maxsize=4096)
@@ -123,11 +128,10 @@ def _canonical(t: TrainingSpec) -> TrainingSpec:
     """``t`` reduced to what the derivation reads (so that equal keys share one derivation):
     ``recompute`` "full" stands for "derive without the KV cache" (``without_cache``)."""
     from dataclasses import replace
-    # 4-bit bases (bitsandbytes >= 0.43.2) keep the activations of a frozen half base: derived
-    # without them; their dequantized weights are added by ``layer_coefs``
+    # 4-bit bases (bitsandbytes >= 0.43.2, whose MatMul4Bit keeps no input) are traced as such
     return replace(t, batch_size=1, seq_len=128, grad_accum=1, dp=1, pp=1, zero=0,
                    recompute="full" if without_cache(t) else "none",
-                   recompute_every=1, quantize=None, quantize_via="transformers", bitsandbytes_version=None)
+                   recompute_every=1, bitsandbytes_version=None)
 
 
 def stage_kinds(m: ModelSpec, t: TrainingSpec, stage: str, doc: dict[str, Any]) -> list[str]:
@@ -173,12 +177,10 @@ def layer_coefs(m: ModelSpec, t: TrainingSpec, stage: str) -> LayerCoefs:
     cache = sum(doc["kinds"][k]["cache"] * c for k, c in count.items()) / total
     fwd = (0.0, 0.0)
     if t.quantize:
-        # bitsandbytes MatMul4Bit dequantizes its weight in forward and again in backward
-        # (quant4.py): the largest such copy of the stage's layers is the forward transient (with
-        # its matmul's output) and is added to every backward moment (an upper bound: the moment
-        # measured may be another linear's)
+        # bitsandbytes MatMul4Bit dequantizes its weight in forward (quant4.py): the largest such
+        # copy of the stage's layers is the forward transient (with its matmul's output); the
+        # backward's copies are in the traced backward moments
         fwd = _largest_dequantized(m, t, stage)
-        trans = tuple((name, a, b, c + fwd[0]) for name, a, b, c in trans)
     return LayerCoefs(max(tok, 0.0), max(sq, 0.0), tuple((n, a, b) for n, (a, b) in sorted(parts.items())),
                       trans, held=held, cache=cache, weights=1.0, after=after, fwd_const=fwd[0], fwd_tok=fwd[1],
                       not_recomputed=max(not_recomputed, 0.0))

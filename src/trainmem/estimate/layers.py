@@ -58,6 +58,7 @@ class Recipe:
     mm_outs: list[T] = field(default_factory=list)
     sdpa_outs: list[T] = field(default_factory=list)
     input_saved: bool = False  # a saved tensor is the layer's input itself (a norm in the input's dtype)
+    graph_held: dict[int, T] = field(default_factory=dict)  # kept by autograd nodes outside save_for_backward
 
     def save(self, *ts: T) -> None:
         for t in ts:
@@ -186,8 +187,14 @@ class Builder:
             self.r.save(xin, T(rank, 0, HALF if self.p.amp else adapter, f"lora.{name}"))
         # backward: grad_out and grad_in, no weight gradient
         dq = self.dequantized(x, out, name, in_features)
-        self.r.transient(f"{name}.backward", T(out, 0, self.p.half), T(x.tok, 0, self.p.half), const=dq)
-        return T(out, 0.0, self.p.half, name)
+        # a bitsandbytes Linear4bit returns its output in its input's dtype (``Linear4bit.forward``:
+        # ``matmul_4bit(x.to(compute_dtype), ...).to(inp_dtype)``, nn/modules.py L251-258 at
+        # 0.42.0, L548-555 at 0.49.0): fp32 under autocast when its input is the fp32 residual
+        # stream (peft's prepare_model_for_kbit_training casts the norms and embeddings to fp32)
+        out_bytes = x.nbytes if self.quant[0] else self.p.half
+        self.r.transient(f"{name}.backward", T(out, 0, out_bytes), T(x.tok, 0, x.nbytes if self.quant[0] else
+                                                                       self.p.half), const=dq)
+        return T(out, 0.0, out_bytes, name)
 
     def dequantized(self, x: T, out: float, name: str, in_features: float | None) -> float:
         """A bitsandbytes 4-bit base weight (``Linear4bit`` -> ``MatMul4Bit``, quant4.py): bytes of its
@@ -200,7 +207,11 @@ class Builder:
             return 0.0
         w = (x.tok if in_features is None else in_features) * out
         if self.quant_saves_input:
-            self.r.save(x if x.nbytes == self.p.half else T(x.tok, x.sq, self.p.half, f"{name}.input"))
+            # ``ctx.tensors = (A, B)``: A kept by the node itself, alive as long as the graph. A is
+            # ``x.to(compute_dtype)``, and before bitsandbytes 0.48 the first input's dtype (fp32 or
+            # bf16) becomes the compute dtype (``set_compute_type``), so A is the input itself
+            self.r.save(x)
+            self.r.graph_held[id(x)] = x
         dq = w * (dq_bytes + cast_bytes)
         if dq > self.r.fwd[0]:
             self.r.fwd = (dq, out * self.p.half)
@@ -549,6 +560,7 @@ class LayerCoefs:
     op_sq: float = 0.0       # ... per token x key
     input_saved: float = 0.0  # bytes per token of the saved tensors that are the layer's input itself
     not_recomputed: float = 0.0  # per token: the layer's output, kept by what follows it, not by a recomputed layer
+    graph_held: float = 0.0  # of the saved bytes per token, those autograd does not free in backward (quant4.py)
 
     def bytes(self, n: int, nsq: int) -> int:
         return int(self.tok * n + self.sq * nsq)
@@ -597,7 +609,8 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
     op_tok, op_sq = op_checkpoint_saved(B.r)
     input_saved = B.r.input_saved or id(x) in B.r.saved
     return LayerCoefs(tok, sq, tuple((n, a, b) for n, (a, b) in parts.items()), trans, held, B.r.cache, wall,
-                      after, B.r.fwd[0], B.r.fwd[1], op_tok, op_sq, x.tok * x.nbytes if input_saved else 0.0)
+                      after, B.r.fwd[0], B.r.fwd[1], op_tok, op_sq, x.tok * x.nbytes if input_saved else 0.0,
+                      graph_held=sum(t.tok * t.nbytes for t in B.r.graph_held.values()))
 
 
 def op_checkpoint_saved(r: Recipe) -> tuple[float, float]:
@@ -818,12 +831,16 @@ def _swiglu(B: Builder, f: float, h: float, src: T, name: str, fused_gate_up: bo
     if fused_gate_up:
         B.matmul_in(src, f"{name}.gate_up.input")
     else:
+        # the outputs, in half or, for a 4-bit linear, its input's dtype (``Builder.frozen_linear``)
         gate = B.linear(src, f, f"{name}.gate_proj", f"{name}.gate_proj.input", h, out_name=f"{name}.gate_out")
         up = B.linear(src, f, f"{name}.up_proj", f"{name}.up_proj.input", h, out_name=f"{name}.up_out")
-    B.r.save(gate, T(f, 0, half, f"{name}.silu_out"), up)
+        if B.frozen:  # a frozen linear's output is not an aten.mm output: name it as the others
+            gate, up = T(f, 0, gate.nbytes, f"{name}.gate_out"), T(f, 0, up.nbytes, f"{name}.up_out")
+    B.r.save(gate, T(f, 0, gate.nbytes, f"{name}.silu_out"), up)
+    pd = max(gate.nbytes, up.nbytes, half)  # the product's dtype (type promotion)
     # the product's backward (MulBackward0; the product itself, saved by down, is freed by then): down's
     # input gradient and the product's two gradients, all (b, s, f), while the residual stream's
     # gradient (b, s, h) in the stream's dtype waits for the attention branch
-    B.r.transient(f"{name}.act.backward", T(3 * f, 0, half), T(h / B.sp_div, 0, B.p.stream))
-    prod = T(f, 0, half, f"{name}.act_product")
+    B.r.transient(f"{name}.act.backward", T(3 * f, 0, pd), T(h / B.sp_div, 0, B.p.stream))
+    prod = T(f, 0, pd, f"{name}.act_product")
     B.linear(prod, h, f"{name}.down_proj", f"{name}.down_proj.input")

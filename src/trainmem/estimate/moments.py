@@ -70,6 +70,10 @@ class Tokens:
     kv_held: Any           # fp32 KV cache the output holds (autocast), all layers
     kv_saved: Any          # the rest of the KV cache of one layer
     fwd_temp: Any = 0      # a 4-bit base: the largest dequantized layer weight and its matmul output
+    graph_layer: Any = 0   # of one layer's saved tensors, those the graph keeps until it is freed (bnb < 0.43.2)
+    graph: Any = 0         # ... of all layers
+    graph_extra_layer: Any = 0  # of one layer's, those not among its kept activations (checkpointed layers)
+    graph_extra: Any = 0   # ... of all layers
 
 
 def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any) -> Tokens:
@@ -101,7 +105,9 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any) -
                   saved, full * q.loss_forward + chunk * q.loss_forward_chunk + trunc(q.head_loss_tok * n),
                   full * q.loss_backward + chunk * q.loss_backward_chunk,
                   kv_tok * q.layers * inflight, trunc(q.cache_tok * n) - kv_tok,
-                  q.fwd_temp + trunc(q.fwd_temp_tok * n))
+                  q.fwd_temp + trunc(q.fwd_temp_tok * n), trunc(q.graph_tok * n) * inflight,
+                  trunc(q.graph_tok * n) * inflight * q.layers, trunc(q.graph_extra_tok * n) * inflight,
+                  trunc(q.graph_extra_tok * n) * inflight * q.layers)
 
 
 def best_transient(tr: Any, n: Any, nsq: Any) -> tuple[Any, Any, Any]:
@@ -129,7 +135,7 @@ class Moment(NamedTuple):
     step: int
     where: str
     parts: tuple
-    logit_parts: tuple      # (logits, KV cache, log-probabilities)
+    logit_parts: tuple      # (logits, KV cache, log-probabilities, tensors a graph keeps)
     valid: Any = True       # False (or an array) where this moment does not happen
 
     def total(self, fixed: Any) -> Any:
@@ -137,12 +143,14 @@ class Moment(NamedTuple):
 
 
 def _mo(phase: str, micro: int, step: int, where_: str, six: tuple, logit_parts: tuple = (0, 0, 0),
-        valid: Any = True, comm: Any = 0) -> Moment:
-    """A moment from (gradients, states, inputs, workspace, activations, temporaries) + logits
-    (+ FSDP's buffers)."""
+        valid: Any = True, graph: Any = 0, comm: Any = 0) -> Moment:
+    """A moment from (gradients, states, inputs, workspace, activations, temporaries) + logits,
+    ``graph``: saved tensors an autograd graph still keeps outside the activations counted
+    (bitsandbytes < 0.43.2 ``MatMul4Bit`` inputs, see ``walk``), and ``comm``: FSDP's buffers."""
     g, s, i, w, a, t = six
     held, kv, logp = logit_parts
-    return Moment(phase, micro, step, where_, (g, s, i, w, a, held + kv + logp, t, comm), logit_parts, valid)
+    return Moment(phase, micro, step, where_, (g, s, i, w, a, held + kv + logp + graph, t, comm),
+                  (held, kv, logp, graph), valid)
 
 
 @dataclass(eq=False)
@@ -213,23 +221,28 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     # the previous micro-batch's output, still referenced until this forward returns
     prev_logits, prev_kv = kept.after_backward() if (step > 1 or micro > 0) else (0, 0)
     root, buf, rs = q.fsdp_root, q.fsdp_layer_buf, q.fsdp_rs_buf
+    # the previous micro-batch's graph, alive until this forward's loss replaces the loop's `loss`
+    prev_graph = tk.graph if (_graph_outlives_backward(flags) and (step > 1 or micro > 0)) else 0
+    own = tk.graph_extra  # this micro-batch's graph-kept tensors beyond the kept activations
     if flags.quant4:
         _dequant_forward(q, tk, (grads_before, states, tk.inputs, ws), (prev_logits, prev_kv), micro, step, valid,
-                         moments)
+                         moments, prev_graph + own)
     moments.append(_mo("forward", micro, step, "cross_entropy",
                        (grads_before, states, tk.inputs, ws, tk.all_acts, tk.loss_forward + q.cast_forward_only),
-                       (prev_logits + tk.out_logits, prev_kv + tk.kv_held, tk.loss_saved), valid,
-                       root + q.fsdp_ag_result))
+                       (prev_logits + tk.out_logits, prev_kv + tk.kv_held, tk.loss_saved), valid, prev_graph + own,
+                       comm=root + q.fsdp_ag_result))
     ends.append(("forward", micro, step, q.fixed + grads_before + states + tk.inputs + ws + tk.all_acts
                  + kept.logits + kept.kv_forward + tk.loss_saved))
     moments.append(_mo("backward", micro, step, "cross_entropy.backward",
                        (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.loss_backward),
-                       (kept.logits, kept.kv_forward, tk.loss_saved), valid, root + buf))
-    # a 4-bit LM head dequantizes its weight again for the input gradient (quant4.py)
+                       (kept.logits, kept.kv_forward, tk.loss_saved), valid, own, comm=root + buf))
+    # a 4-bit LM head dequantizes its weight again for the input gradient (quant4.py): the loss's
+    # backward is over (its fp32 gradients and saved log-probabilities freed); the gradient of the
+    # head's output, in the output's dtype, is what MatMul4Bit.backward multiplies
     if flags.quant4:
         moments.append(_mo("backward", micro, step, "lm_head.backward",
-                           (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.loss_backward + q.head_temp),
-                           (kept.logits, kept.kv_forward, tk.loss_saved), _both(valid, q.head_temp > 0)))
+                           (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.out_logits + q.head_temp),
+                           (kept.logits, kept.kv_forward, 0), _both(valid, q.head_temp > 0), own))
     fresh = grads_before == 0                                  # gradients are being created, not added to
     # the later linears' gradients of the layer in backward (FSDP: unsharded, in every micro-batch)
     layer_grads = tk.layer_grad_part if flags.fsdp else where(fresh, tk.layer_grad_part, 0)
@@ -240,19 +253,20 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     top = grads_before + head_grads + layer_grads
     moments.append(_mo("backward", micro, step, "layer.top",
                        (top, states_mid, tk.inputs, ws2, tk.layers + tk.outer_rest, temp),
-                       (kept.logits, kept.kv_forward, 0), valid, root + 2 * buf))
+                       (kept.logits, kept.kv_forward, 0), valid, own, comm=root + 2 * buf))
     above = where(fresh, (q.layers - 1) * q.layer_grads, 0)    # the layers above, reduced to shards
     bottom = grads_before + head_grads + above + layer_grads
+    low_graph = tk.graph - tk.graph_layer + tk.graph_extra_layer
     moments.append(_mo("backward", micro, step, "layer.bottom",
                        (bottom, states_mid, tk.inputs, ws2, tk.layers // q.layers + tk.outer_rest, temp),
-                       (kept.logits, kept.kv_low, 0), _both(valid, q.layers > 1), root + buf + rs))
+                       (kept.logits, kept.kv_low, 0), _both(valid, q.layers > 1), low_graph, comm=root + buf + rs))
     # an encoder-decoder: the decoder's first layer's backward, with every encoder layer's kept
     # tensors still alive (the encoder's backward comes after the decoder's)
     lower = q.lower_layers
     mid = grads_before + head_grads + where(fresh, (q.layers - lower - 1) * q.layer_grads, 0) + layer_grads
     moments.append(_mo("backward", micro, step, "layer.decoder_bottom",
                        (mid, states_mid, tk.inputs, ws2, tk.layers * (lower + 1) // q.layers + tk.outer_rest, temp),
-                       (kept.logits, kept.kv_low, 0), _both(valid, lower > 0), root + buf + rs))
+                       (kept.logits, kept.kv_low, 0), _both(valid, lower > 0), low_graph, comm=root + buf + rs))
     # the embedding's gradient and the out-of-place sum join the head's part in the input buffer
     tied = q.tied_grad
     temp_emb = 2 * tied + (tied if flags.oib else where(fresh, 0, tied))
@@ -261,15 +275,18 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
                            if flags.fsdp else 0)
     moments.append(_mo("backward", micro, step, "embeddings.backward",
                        (emb_grads, states_mid, tk.inputs, ws2, 0, temp_emb), (kept.logits, kept.kv_end, 0),
-                       _both(valid, tied > 0), root + rs))
+                       _both(valid, tied > 0), tk.graph, comm=root + rs))
     moments.append(_mo("backward", micro, step, "backward.end",
-                       (q.grads, states_mid, tk.inputs, ws2, 0, q.oib_end), (kept.logits, kept.kv_end, 0), valid))
+                       (q.grads, states_mid, tk.inputs, ws2, 0, q.oib_end), (kept.logits, kept.kv_end, 0), valid,
+                       tk.graph))
     after_logits, after_kv = kept.after_backward()   # hold_output="backward": freed as backward returns
-    ends.append(("backward", micro, step, q.fixed + q.grads + states_mid + tk.inputs + ws2 + after_logits + after_kv))
+    after_graph = tk.graph if _graph_outlives_backward(flags) else 0
+    ends.append(("backward", micro, step, q.fixed + q.grads + states_mid + tk.inputs + ws2 + after_logits + after_kv
+                 + after_graph))
 
 
 def _dequant_forward(q: Quantities, tk: Tokens, four: tuple, prev: tuple, micro: int, step: int, valid: Any,
-                     moments: list) -> None:
+                     moments: list, prev_graph: Any = 0) -> None:
     """Forward moments of a 4-bit base (``quant4.py``; none otherwise): the top layer's largest
     linear with its weight dequantized (bitsandbytes ``MatMul4Bit.forward``) and its output, every
     layer's saved tensors alive (an upper bound by that layer's tensors saved after it); then a
@@ -279,9 +296,12 @@ def _dequant_forward(q: Quantities, tk: Tokens, four: tuple, prev: tuple, micro:
     g, s, i, w = four
     prev_logits, prev_kv = prev
     moments.append(_mo("forward", micro, step, "layer.forward", (g, s, i, w, tk.layers + tk.outer_rest, tk.fwd_temp),
-                       (prev_logits, prev_kv + tk.kv_held, 0), _both(valid, q.fwd_temp > 0)))
-    moments.append(_mo("forward", micro, step, "lm_head", (g, s, i, w, tk.all_acts, q.head_temp),
-                       (prev_logits + tk.out_logits, prev_kv + tk.kv_held, 0), _both(valid, q.head_temp > 0)))
+                       (prev_logits, prev_kv + tk.kv_held, 0), _both(valid, q.fwd_temp > 0), prev_graph))
+    # the head: its dequantized weight and the cast (inside .to()), then the cast beside the output;
+    # a LoRA adapter on it then holds three logits-sized tensors (quantities._head_is_lora_target)
+    head = maximum(maximum(q.head_temp, q.head_read + tk.out_logits), q.head_lora * tk.out_logits)
+    moments.append(_mo("forward", micro, step, "lm_head", (g, s, i, w, tk.all_acts, head),
+                       (prev_logits, prev_kv + tk.kv_held, 0), _both(valid, q.head_temp > 0), prev_graph))
 
 
 def _optimizer_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: int, ws2: int, moments: list,
@@ -289,12 +309,23 @@ def _optimizer_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, ste
     """``optimizer.step()`` (its temporaries), then ``zero_grad``: with ``set_to_none=True`` the
     gradients are freed (but Megatron's main-grad buffers), with ``set_to_none=False`` zeroed in place."""
     logits, kv = kept.after_backward()
-    after = q.fixed + q.grads + q.states + tk.inputs + ws2 + logits + kv
+    graph = tk.graph if _graph_outlives_backward(flags) else 0
+    after = q.fixed + q.grads + q.states + tk.inputs + ws2 + logits + kv + graph
     if not flags.oib:
         moments.append(_mo("optimizer_step", 0, step, "optimizer.step",
-                           (q.grads, q.states, tk.inputs, ws2, 0, q.step_temp), (logits, kv, 0)))
+                           (q.grads, q.states, tk.inputs, ws2, 0, q.step_temp), (logits, kv, 0), True, graph))
         ends.append(("optimizer_step", 0, step, after))
     ends.append(("zero_grad", 0, step, after - q.grads + (q.grads if flags.zeros else q.grads_loaded)))
+
+
+def _graph_outlives_backward(flags: StepFlags) -> bool:
+    """Whether the loop keeps the loss (and so its autograd graph) after backward, to the next
+    forward: a loop that reassigns ``loss`` does (``hold_output`` step or backward); the HF
+    Trainer's ``training_step`` returns ``loss.detach()`` (hold_output loss), so the graph dies as
+    backward returns. Matters for what graph nodes keep outside ``save_for_backward``:
+    bitsandbytes < 0.43.2 ``MatMul4Bit`` keeps its input as ``ctx.tensors = (A, B)``
+    (``autograd/_functions.py`` L522-523 at 0.42.0), which backward does not free."""
+    return flags.hold != "loss"
 
 
 def _both(a: Any, b: Any) -> Any:

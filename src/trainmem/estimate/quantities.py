@@ -112,6 +112,10 @@ class Quantities:
     outer_rest_ssq: float = 0.0  # per sequence position squared, shared by the micro-batch (T5's position buckets)
     input_tok: float = 8.0  # the input batch per token: int64 ids, or an image model's pixel values per patch
     input_sample: int = 0   # ... less this per sample (an image model's class tokens have no pixels)
+    head_read: int = 0     # ... of it, the copy its matmul reads (the cast, else the dequantized weight)
+    head_lora: int = 0     # a LoRA adapter on that 4-bit head: logits-sized tensors alive in its forward (3)
+    graph_tok: float = 0.0  # per layer, saved bytes per token the graph keeps until it is freed (bnb < 0.43.2)
+    graph_extra_tok: float = 0.0  # ... of it, per layer on average, not among the kept activations (checkpointed)
     detail: Detail | None = None
 
 
@@ -208,7 +212,7 @@ def outer_tensors(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) -> tup
     if t.pp == 1 or stage == "first":
         out += _embedding_side(m, t, pol, h, sp)
     if t.pp == 1 or stage == "last":
-        out += _head_side(m, pol, h, sp, fused=is_lm(m) and loss_mode(m, t) == "fused")
+        out += _head_side(m, pol, h, sp, fused=is_lm(m) and loss_mode(m, t) == "fused", quant_head=_quant_head(m, t))
     return tuple(out)
 
 
@@ -251,9 +255,22 @@ def head_during_loss(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) -> 
     return m.hidden_size * F32 / (t.tp if t.sequence_parallel else 1)
 
 
-def _head_side(m: ModelSpec, pol: Policy, h: int, sp: int, fused: bool = False) -> list[tuple[str, float, float]]:
+def _quant_head(m: ModelSpec, t: TrainingSpec) -> str:
+    """"": the LM head is not a bitsandbytes 4-bit linear; "keeps": it is and its ``MatMul4Bit``
+    keeps its input (bitsandbytes < 0.43.2, ``ctx.tensors = (A, B)``), "none": it is and saves
+    nothing for backward (its weight is frozen, so no input is needed: ``ctx.tensors = (None, B)``)."""
+    if not t.quantize or not any(p.layer is None and is_quantized(p, t) for p in m.parameter_tensors()):
+        return ""
+    if _head_is_lora_target(m, t):
+        return ""  # its LoRA adapter's lora_A saves the input as a plain head would
+    return "keeps" if t.bnb_saves_input else "none"
+
+
+def _head_side(m: ModelSpec, pol: Policy, h: int, sp: int, fused: bool = False, quant_head: str = ""
+               ) -> list[tuple[str, float, float]]:
     """The final norm's saved tensors and the head's input (which a fused linear cross-entropy
-    does not save: it keeps the gradients it computed in forward instead)."""
+    does not save: it keeps the gradients it computed in forward instead; a 4-bit head saves it
+    only before bitsandbytes 0.43.2, as the final norm's output itself: ``_quant_head``)."""
     out: list[tuple[str, float, float]] = []
     if m.final_norm and m.family != "bert":
         if m.norm == "rmsnorm":  # HF RMSNorm: fp32 input copy, the normed tensor, fp32 rstd
@@ -264,6 +281,9 @@ def _head_side(m: ModelSpec, pol: Policy, h: int, sp: int, fused: bool = False) 
         # transform: dense (saves its input) + activation + LayerNorm, then the decoder's input
         out.append(("mlm.transform", float(h * (pol.half + pol.half + pol.stream) + 8), 0.0))
         out.append(("lm_head.input", float(h * pol.half), 0.0))
+    elif m.head == "causal-lm" and quant_head:
+        if quant_head == "keeps":  # Linear4bit casts to the compute dtype, which is the input's then
+            out.append(("lm_head.input", float(h * pol.stream), 0.0))
     elif m.head == "causal-lm" and not fused:
         # lm_head saves its input: a half cast under autocast, else the final norm's output
         half_in = pol.amp or (m.norm == "rmsnorm" and pol.stream == 2)
@@ -443,7 +463,16 @@ def _adafactor_temporaries(t: TrainingSpec, st: States) -> int:
 
 def _copies_per_tensor(t: TrainingSpec, per_parameter: bool) -> int | None:
     """State-sized temporaries one optimizer step makes per tensor (None: the whole group's worth)."""
-    if t.optimizer in ("sgd", "adamw-8bit", "paged-adamw-8bit", "paged-adamw") or t.impl == "fused" or t.offload_optimizer:
+    if t.optimizer in ("sgd", "adamw-8bit", "paged-adamw-8bit", "paged-adamw") or t.offload_optimizer:
+        # bitsandbytes' step is one in-place CUDA kernel per tensor (``optimizer_update_8bit_blockwise``
+        # / ``optimizer_update_32bit`` write state1/2, absmax and the parameter in place)
+        return 0
+    if t.optimizer == "lion":
+        # lion-pytorch (lion_pytorch.py ``update_fn``), a loop over tensors whatever optimizer_impl says:
+        # ``update = exp_avg.clone().mul_(beta1).add(grad, alpha=1 - beta1).sign_()``: the clone and
+        # the sum coexist, two tensors of the parameter's size
+        return 2
+    if t.impl == "fused":
         return 0
     if t.impl == "foreach":
         return 1 if per_parameter else None
@@ -474,16 +503,32 @@ def oib_update_bytes(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, in
     return one(n_mid), one(n_all)
 
 
-def head_dequant_bytes(m: ModelSpec, t: TrainingSpec) -> int:
-    """Bytes of the LM head's weight dequantized from 4 bits (plus its cast to the compute dtype),
-    alive while the head's forward runs and again in its backward, when the head is quantized
-    (Lightning Fabric converts ``lm_head`` too: ``quant4.is_quantized``); bitsandbytes 0.42.0
-    ``autograd/_functions.py`` L516 (forward) and L546 (backward). 0 otherwise."""
+def _head_is_lora_target(m: ModelSpec, t: TrainingSpec) -> bool:
+    """Whether peft puts a LoRA adapter on the LM head (``lm_head`` among the target modules). Over
+    a 4-bit head its layer (peft ``tuners/lora/bnb.py`` ``Linear4bit.forward``) runs
+    ``result = result.clone()`` (the base output freed), then ``lora_B(lora_A(dropout(x))) *
+    scaling`` and ``result + output``: three logits-sized tensors alive at once (the clone, the
+    adapter's output and its scaled copy; then the clone, the scaled copy and the sum)."""
+    targets = set(t.lora_targets or default_lora_targets(m)) if t.lora_rank else set()
+    return any(p.layer is None and p.role == "linear" and p.module in targets for p in m.parameter_tensors())
+
+
+def head_dequant_bytes(m: ModelSpec, t: TrainingSpec) -> tuple[int, int]:
+    """(bytes of the LM head's weight dequantized from 4 bits plus its cast to the compute dtype,
+    bytes of the copy the matmul reads: the cast, else the dequantized weight) when the head is
+    quantized (Lightning Fabric converts ``lm_head`` too: ``quant4.is_quantized``); (0, 0)
+    otherwise. In ``F.linear(A, F.dequantize_4bit(B, quant_state).to(A.dtype).t(), bias)``
+    (bitsandbytes 0.42.0 ``autograd/_functions.py`` L516; backward L546) the dequantized weight
+    and its cast coexist only inside ``.to()``: the dequantized one is a temporary of the
+    expression, freed before the matmul allocates its output, so the matmul runs beside the cast
+    alone (as trace of ``trainmem.bnb.MatMul4Bit`` shows)."""
     if not t.quantize:
-        return 0
+        return 0, 0
     dq, cast = dequant_dtypes(t)
     heads = [p for p in m.parameter_tensors() if p.layer is None and is_quantized(p, t)]
-    return max((block_bytes(p.numel * dq) + (block_bytes(p.numel * cast) if cast else 0) for p in heads), default=0)
+    both = max((block_bytes(p.numel * dq) + (block_bytes(p.numel * cast) if cast else 0) for p in heads), default=0)
+    read = max((block_bytes(p.numel * (cast or dq)) for p in heads), default=0)
+    return both, read
 
 
 def tied_head_grad(m: ModelSpec, t: TrainingSpec) -> int:
@@ -572,28 +617,9 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     top_recomputed = t.recompute not in ("full", "op") or layers % t.recompute_every == 0
     redo = redo if top_recomputed else (0.0, 0.0)
     head_here = t.pp == 1 or stage == "last"
-    # autocast casts each fp32 leaf weight once per forward and caches it; the matmuls save the
-    # copies for backward. Sharded DeepSpeed ZeRO-3 parameters are gathered per layer in the compute
-    # dtype and resharded after use, so no cast copies outlive their layer. FSDP under autocast
-    # (fp32 sharded parameters, --precision bf16-amp) is not that: the gathered fp32 weights are cast
-    # like any others and each matmul saves its half copy until its layer's backward, after FSDP has
-    # resharded the fp32 weight (resize_(0) frees only that storage). FSDP2's unsharded parameter is
-    # an nn.Parameter leaf, not a view (torch 2.13 _fully_shard/_fsdp_param.py init_unsharded_param),
-    # so autocast's cache takes it too (aten/src/ATen/autocast_mode.cpp cached_cast: fp32, requires
-    # grad, leaf, not a view). Found by trace on the fake group (docs/trace.md): llama-3.2-1b dp 8
-    # fsdp full bf16-amp was -35% against trace, the whole model's bf16 copies missing.
-    sharded = t.zero_stage == 3 and t.shard_group > 1 and t.fsdp is None
-    cast_layer = st.layer_matmul_half if pol.amp and not sharded else 0
-    cast_head = st.head_matmul_half if pol.amp and not sharded and head_here else 0
+    cast_layer, cast_head = _autocast_copies(t, st, pol, head_here)
     outer, rest_pos = derived_outer(m, t, stage) if derived else (outer_tensors(m, t, pol, stage), 0.0)
-    head_tok = rest_tok = rest_sq = 0.0  # per token: final norm / head input; the rest (embeddings, masks)
-    for name, tok, sq in outer:
-        if name in HEAD_KEYS:
-            head_tok += tok
-        elif name in PER_POSITION:
-            rest_pos += tok
-        else:
-            rest_tok, rest_sq = rest_tok + tok, rest_sq + sq
+    head_tok, rest_tok, rest_sq, rest_pos = _split_outer(outer, rest_pos)
     loss = loss_bytes(m, t, pol) if head_here else LossBytes()
     comm, comm_name = _communication(t, st)
     fsdp = fsdp_buffers(t, st)
@@ -609,6 +635,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     if t.offload_activations and trans:
         trans = trans[:-1] + ((trans[-1][0] + offload_previous(input_tok, pol), *trans[-1][1:]),)
     inflight_fixed = 1 if (t.pp == 1 or stage != "first") else (t.num_microbatches_in_flight or 0)
+    head_dq = head_dequant_bytes(m, t)  # the 4-bit LM head: (dequantized + cast, the cast) bytes
     return Quantities(
         fixed=st.weights + st.buffers + st.master + comm, grads=0 if oib else st.grads,
         grads_loaded=(0 if oib else st.grads) if t.distributed_optimizer else 0, states=st.optimizer + st.step_tensors,
@@ -627,11 +654,49 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         liger_factor=-(-m.vocab_size // m.hidden_size) if (head_here and is_lm(m) and loss_mode(m, t) == "fused") else 0,
         step_temp=step_temporaries(t, st), oib_mid=oib_mid, oib_end=oib_end,
         tied_grad=tied_head_grad(m, t), transients=trans, fwd_temp=int(lc.fwd_const), fwd_temp_tok=lc.fwd_tok,
-        head_temp=head_dequant_bytes(m, t) if head_here else 0, **fsdp,
+        head_temp=head_dq[0] if head_here else 0, head_read=head_dq[1] if head_here else 0,
+        head_lora=3 if (head_here and head_dq[0] and _head_is_lora_target(m, t)) else 0,
+        # a checkpointed layer's first forward still builds MatMul4Bit nodes (non-reentrant
+        # checkpointing runs it with grad enabled), whose ctx.tensors keep the inputs the
+        # checkpoint does not save
+        graph_tok=lc.graph_held, graph_extra_tok=lc.graph_held * checkpointed / layers if layers else 0.0, **fsdp,
         outer_rest_ssq=derived_outer_ssq(m, t, stage) if derived else 0.0,
         lower_layers=m.num_layers - m.decoder_layers if m.is_encoder_decoder and t.pp == 1 else 0,
         input_tok=input_bytes(m, t)[0], input_sample=input_bytes(m, t)[1],
         detail=Detail(st, lc, outer, comm_name, input_tok))
+
+
+def _autocast_copies(t: TrainingSpec, st: States, pol: Policy, head_here: bool) -> tuple[int, int]:
+    """(one layer's, the head's) half weight copies autocast caches and the matmuls save, bytes.
+
+    autocast casts each fp32 leaf weight once per forward and caches it; the matmuls save the
+    copies for backward. Sharded DeepSpeed ZeRO-3 parameters are gathered per layer in the compute
+    dtype and resharded after use, so no cast copies outlive their layer. FSDP under autocast
+    (fp32 sharded parameters, --precision bf16-amp) is not that: the gathered fp32 weights are cast
+    like any others and each matmul saves its half copy until its layer's backward, after FSDP has
+    resharded the fp32 weight (resize_(0) frees only that storage). FSDP2's unsharded parameter is
+    an nn.Parameter leaf, not a view (torch 2.13 _fully_shard/_fsdp_param.py init_unsharded_param),
+    so autocast's cache takes it too (aten/src/ATen/autocast_mode.cpp cached_cast: fp32, requires
+    grad, leaf, not a view). Found by trace on the fake group (docs/trace.md): llama-3.2-1b dp 8
+    fsdp full bf16-amp was -35% against trace, the whole model's bf16 copies missing."""
+    sharded = t.zero_stage == 3 and t.shard_group > 1 and t.fsdp is None
+    cast_layer = st.layer_matmul_half if pol.amp and not sharded else 0
+    cast_head = st.head_matmul_half if pol.amp and not sharded and head_here else 0
+    return cast_layer, cast_head
+
+
+def _split_outer(outer: list[tuple[str, float, float]], rest_pos: float) -> tuple[float, float, float, float]:
+    """The tensors outside the layers summed as (final norm / head input per token, the rest
+    (embeddings, masks) per token and per token x key, per sequence position)."""
+    head_tok = rest_tok = rest_sq = 0.0
+    for name, tok, sq in outer:
+        if name in HEAD_KEYS:
+            head_tok += tok
+        elif name in PER_POSITION:
+            rest_pos += tok
+        else:
+            rest_tok, rest_sq = rest_tok + tok, rest_sq + sq
+    return head_tok, rest_tok, rest_sq, rest_pos
 
 
 def _recompute(t: TrainingSpec, lc: LayerCoefs, input_tok: float, share: float

@@ -135,18 +135,22 @@ def derived_lora_targets(m: ModelSpec) -> tuple[str, ...]:
                         f"--lora-targets (its linear modules: {', '.join(linears)})")
 
 
-def state_bytes(optimizer: str, shape: tuple[int, ...], numel: int, sbytes: int, whole: int | None = None
-                ) -> tuple[int, ...]:
+def state_bytes(optimizer: str, shape: tuple[int, ...], numel: int, sbytes: int, whole: int | None = None,
+                blocksize: int = 256) -> tuple[int, ...]:
     """Optimizer state tensors of one parameter, in bytes each.
 
     adam/adamw: exp_avg and exp_avg_sq in the state dtype (torch.optim). sgd: none;
-    sgd-momentum: momentum_buffer. lion: exp_avg. adafactor (transformers, beta1=None): factored
+    sgd-momentum: momentum_buffer. lion: exp_avg (lion-pytorch ``lion_pytorch.py``:
+    ``state['exp_avg'] = torch.zeros_like(p)``). adafactor (transformers, beta1=None): factored
     second moment, row + column vectors for matrices, a full tensor for vectors, in fp32.
-    adamw-8bit (bitsandbytes): two uint8 states plus an fp32 absmax per 2048-element block for
-    tensors of >= 4096 elements, fp32 states below that (``Optimizer8bit.init_state``:
-    ``p.numel() < min_8bit_size``, default 4096). ``numel`` is this rank's shard; ``whole`` the
-    unsharded tensor, which decides the 8-bit threshold: ZeRO and FSDP hand the optimizer flat
-    partitions of many tensors, never a small slice of one.
+    adamw-8bit (bitsandbytes ``Optimizer2State.init_state``, ``optim/optimizer.py`` L492-532 at
+    95f9af30): tensors of fewer than ``min_8bit_size`` = 4096 elements get two fp32 states; larger
+    ones two uint8 states of the parameter's shape (``state1``, ``state2``) plus an fp32 ``absmax1``
+    and ``absmax2`` of ceil(n / ``blocksize``) elements (256 since bitsandbytes 0.44.0, 2048 before:
+    ``TrainingSpec.bnb_blocksize``). ``numel`` is this rank's shard; ``whole`` the unsharded tensor,
+    which decides the 8-bit threshold: ZeRO and FSDP hand the optimizer flat partitions of many
+    tensors, never a small slice of one. The two 256-entry quantization maps, one pair per
+    optimizer, are ``bnb_qmap_bytes``.
     """
     if optimizer in ("adam", "adamw"):
         return (numel * sbytes, numel * sbytes)
@@ -160,27 +164,44 @@ def state_bytes(optimizer: str, shape: tuple[int, ...], numel: int, sbytes: int,
             return (lead * shape[-2] * 4, lead * shape[-1] * 4)
         return (numel * 4,)
     if optimizer in ("paged-adamw-8bit", "paged-adamw"):
-        return _paged_states(optimizer, numel, numel if whole is None else whole)
+        return _paged_states(optimizer, numel, numel if whole is None else whole, blocksize)
     if optimizer == "adamw-8bit":
-        if (numel if whole is None else whole) < 4096:
+        if (numel if whole is None else whole) < MIN_8BIT_SIZE:
             return (numel * 4, numel * 4)
-        blocks = -(-numel // 2048)
-        return (numel + blocks * 4, numel + blocks * 4)
+        blocks = -(-numel // blocksize)
+        return (numel, numel, blocks * 4, blocks * 4)
     raise ValueError(optimizer)
 
 
-def _paged_states(optimizer: str, numel: int, whole: int) -> tuple[int, ...]:
+#: bitsandbytes ``Optimizer2State`` ``min_8bit_size``: smaller tensors keep fp32 states (optim/optimizer.py L414, L502)
+MIN_8BIT_SIZE = 4096
+#: bitsandbytes ``get_state_buffer`` pages a state only from 1e5 elements (optim/optimizer.py L383)
+PAGED_MIN = 100_000
+
+
+def bnb_qmap_bytes(optimizer: str, largest: int) -> int:
+    """Device bytes of the quantization maps of a bitsandbytes 8-bit optimizer whose largest
+    trainable tensor has ``largest`` elements: at the first 8-bit state, ``fill_qmap`` builds the
+    signed and unsigned dynamic maps (256 fp32 each, ``F.create_dynamic_map``) and ``init_state``
+    moves them to the device once (``self.name2qmap["dynamic"] = ....to(p.device)``, L513-516),
+    shared by every parameter's ``qmap1``/``qmap2``. Each is one 1 KiB block."""
+    if optimizer not in ("adamw-8bit", "paged-adamw-8bit") or largest < MIN_8BIT_SIZE:
+        return 0
+    return 2 * block_bytes(256 * 4)
+
+
+def _paged_states(optimizer: str, numel: int, whole: int, blocksize: int = 256) -> tuple[int, ...]:
     """Device bytes of a paged bitsandbytes optimizer's states for one tensor. ``get_state_buffer``
-    pages only tensors of at least 1e5 elements (``cudaMallocManaged``, outside the caching
-    allocator); smaller ones get ``torch.zeros_like`` on the device (bitsandbytes 0.42.0
-    ``optim/optimizer.py`` L304-312). PagedAdamW keeps fp32 states; PagedAdamW8bit fp32 states under
-    4096 elements, else uint8 states (paged from 1e5 elements) plus fp32 ``absmax1/2`` per 2048-block,
-    always ordinary device tensors (``Optimizer2State.init_state``, L400-430)."""
-    paged = whole >= 100_000
-    if optimizer == "paged-adamw" or whole < 4096:
+    pages only tensors of at least 1e5 elements (``F.get_paged``: ``cudaMallocManaged``, outside the
+    caching allocator); smaller ones get ``torch.zeros_like`` on the device (``optim/optimizer.py``
+    L374-390 at 95f9af30; L304-312 at 0.42.0). PagedAdamW keeps fp32 states; PagedAdamW8bit fp32
+    states under 4096 elements, else uint8 states (paged from 1e5 elements) plus fp32
+    ``absmax1/2`` per ``blocksize`` block, always ordinary device tensors (``init_state`` L518-529)."""
+    paged = whole >= PAGED_MIN
+    if optimizer == "paged-adamw" or whole < MIN_8BIT_SIZE:
         return () if paged else (numel * 4, numel * 4)
-    blocks = -(-numel // 2048)
-    return (blocks * 4, blocks * 4) + (() if paged else (numel, numel))
+    blocks = -(-numel // blocksize)
+    return (() if paged else (numel, numel)) + (blocks * 4, blocks * 4)
 
 
 def _insert_buffer(load: list[tuple[str, int]], name: str, nbytes: int) -> None:
@@ -222,7 +243,7 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
     sweep over activations reuses them."""
     key = (m, stage, t.tp, dtensor_tp(t), t.pp, t.precision, t.zero_stage, t.fsdp, t.shard_group, t.optimizer, t.impl,
            t.lora_rank, t.lora_targets, t.lora_dtype, t.distributed_optimizer, t.offload_optimizer, t.fp32_master,
-           t.quantize, t.quantize_via, t.accumulates_unsharded, t.fsdp_mixed_units)
+           t.quantize, t.quantize_via, t.bitsandbytes_version, t.accumulates_unsharded, t.fsdp_mixed_units)
     return _STATES_CACHE.get_or_build(key, lambda: _model_states(m, t, stage))
 
 
@@ -307,6 +328,7 @@ class _Tally:
     lmh: int = 0             # autocast half copies of one layer's matmul weights
     hmh: int = 0             # autocast half copies of the head's
     largest: int = 0
+    largest_n: int = 0       # elements of the largest trainable tensor (bitsandbytes' 8-bit threshold)
     group: int = 0
     lpf: int = 0             # one layer's weights, unsharded
     q4: int = 0              # bitsandbytes 4-bit tensors, allocator-rounded
@@ -328,11 +350,12 @@ class _Tally:
         sh = -(-n // r.d) if r.zero_states >= 1 else n
         if r.half_master:
             self.master += k * block_bytes(sh * 4)
-        for sb in state_bytes(t.optimizer, shape, sh, r.sbytes, whole=n):
+        for sb in state_bytes(t.optimizer, shape, sh, r.sbytes, whole=n, blocksize=t.bnb_blocksize):
             self.opt += k * block_bytes(sb)
         if t.impl == "fused" and t.optimizer in ("adam", "adamw"):
             self.step_t += k * block_bytes(4)
         self.largest = max(self.largest, n * r.sbytes)
+        self.largest_n = max(self.largest_n, n)
         self.group += k * block_bytes(sh * r.sbytes)
         return g
 
@@ -354,6 +377,7 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
                            r.per_stage if m.uniform_layers else 1, tuple(x for _, x in after))
     weights = placed - acc.buffers + acc.lora_w
     master, opt, step_t = acc.master, acc.opt, acc.step_t
+    opt += bnb_qmap_bytes(t.optimizer, acc.largest_n)  # bitsandbytes' two shared 256-entry maps (fp32)
     if t.offload_optimizer:  # ZeRO-Offload: fp32 master weights and optimizer states live in host memory
         master = opt = step_t = 0
     # bitsandbytes' paged optimizers put their states in CUDA unified memory (``cudaMallocManaged``,

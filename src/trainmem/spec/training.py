@@ -18,6 +18,8 @@ PRECISIONS = ("fp32", "fp16-amp", "bf16-amp", "bf16", "fp16", "bf16-mp")
 #: paged-*: bitsandbytes' paged optimizers (PagedAdamW8bit, PagedAdamW): states in CUDA unified memory
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adamw-8bit", "lion", "paged-adamw-8bit",
               "paged-adamw")
+#: the optimizers bitsandbytes implements (``bitsandbytes.optim`` AdamW8bit, PagedAdamW8bit, PagedAdamW)
+BNB_OPTIMIZERS = ("adamw-8bit", "paged-adamw-8bit", "paged-adamw")
 OPTIMIZER_IMPLS = ("foreach", "fused", "for-loop")
 #: none; selective: Megatron's (the attention core recomputed); full: every layer checkpointed (only its input
 #: kept); op: torchtitan's per-op selective checkpointing (mode "selective", selective_ac_option "op": each layer
@@ -245,9 +247,15 @@ class TrainingSpec:
         object.__setattr__(self, "quantize", q)
         _choice("quantize_via", self.quantize_via, QUANTIZE_VIA)
         if q is None:
-            if self.bitsandbytes_version is not None or self.quantize_via != "transformers":
-                raise TrainmemError("bitsandbytes_version and quantize_via describe 4-bit base weights: "
-                                    "give --quantize nf4 (or fp4, nf4-dq, fp4-dq) too")
+            if self.quantize_via != "transformers":
+                raise TrainmemError("quantize_via describes 4-bit base weights: give --quantize nf4 (or fp4, "
+                                    "nf4-dq, fp4-dq) too")
+            if self.bitsandbytes_version is not None and self.optimizer not in BNB_OPTIMIZERS:
+                raise TrainmemError("bitsandbytes_version describes bitsandbytes' 4-bit base weights or 8-bit/paged "
+                                    "optimizers: give --quantize nf4 or --optimizer adamw-8bit (or paged-adamw-8bit, "
+                                    "paged-adamw) too")
+            if self.bitsandbytes_version is not None:
+                self.bitsandbytes_release()
             return
         _choice("quantize", q, QUANTIZE)
         if not self.lora_rank:
@@ -268,6 +276,14 @@ class TrainingSpec:
             return tuple(int(x) for x in str(v).split(".")[:3])
         except ValueError:
             raise TrainmemError(f"bitsandbytes_version {v!r} is not a release number like 0.42.0") from None
+
+    @property
+    def bnb_blocksize(self) -> int:
+        """Elements per fp32 ``absmax`` of a bitsandbytes 8-bit optimizer state: 2048 before 0.44.0,
+        256 since ("The block size for all 8-bit optimizers has been reduced from 2048 to 256",
+        bitsandbytes CHANGELOG.md 0.44.0; ``optim/optimizer.py`` ``Optimizer2State.init_state``:
+        ``blocks = n // 2048`` at 0.43.3 L458, ``n // 256`` at 0.44.0 L480)."""
+        return 2048 if self.bitsandbytes_release() < (0, 44, 0) else 256
 
     @property
     def bnb_saves_input(self) -> bool:

@@ -34,7 +34,7 @@ from ..workload import DROPOUT_KEYS as _DROPOUT_KEYS  # noqa: F401
 from ..workload import check_supported as _check_supported
 from ..workload import hf_config as _hf_config  # noqa: F401
 from ..workload import hf_factory as _hf_factory
-from ..workload import apply_lora
+from ..workload import apply_lora, apply_quantization
 from ..workload import attention_implementation as _attention_implementation
 from ..workload import hf_step as _hf_step
 from ..workload import make_optimizer, optimizer_class  # noqa: F401
@@ -222,7 +222,8 @@ def _build(dev: _Device, factory: Callable, spec: ModelSpec | None, t: TrainingS
             module = factory()
             module = _as_module(module)
             _cast(module, spec, t)
-            module = apply_lora(module, spec, t) if spec is not None else module
+            if spec is not None:
+                module = apply_lora(apply_quantization(module, t), spec, t)
         wrapped = _dist.wrap(module, spec, t, tracker) if _dist.sharded_unloaded(t) else module
         tracker.name_modules(module)
         with tracker:

@@ -43,7 +43,7 @@ from ..spec import ModelSpec, TrainingSpec
 from ..spec.profile import build_profile, layer_stacks, layers_list
 from ..estimate.derived import sliding_window
 from ..estimate.quantities import is_lm
-from ..workload import apply_lora, attention_implementation, hf_factory, model_batch
+from ..workload import apply_lora, apply_quantization, attention_implementation, hf_factory, model_batch
 
 #: relative error a fitted quantity may show on the held-out point (plus DERIVE_SLACK bytes)
 DERIVE_TOLERANCE = 0.005
@@ -233,7 +233,7 @@ def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpe
     amp = {"bf16-amp": torch.bfloat16, "fp16-amp": torch.float16}.get(t.precision)
     with dev.env, dev.emulation:
         with dev.build_ctx:
-            model = apply_lora(hf_factory(small, t)(), small, t)
+            model = apply_lora(apply_quantization(hf_factory(small, t)(), t), small, t)
         with tracker:
             _load_to_device(tracker, model)
         tracker.name_modules(model)

@@ -253,6 +253,10 @@ class Tracker(TorchDispatchMode):
         t = local(t)
         if t.device.type != self.device_type or t.is_sparse or t.layout != torch.strided:
             return None
+        if getattr(t, "is_paged", False):
+            # bitsandbytes' paged tensors (``F.get_paged``: cudaMallocManaged, marked ``is_paged``) live
+            # in unified memory, outside the caching allocator (emulated: trainmem.bnb.paged_zeros)
+            return None
         try:
             st = t.untyped_storage()
         except (RuntimeError, NotImplementedError):
