@@ -94,10 +94,10 @@ def ep_problems(model: Any, ep: int, dp: int = 1, shard_group: int | None = None
         return []
     experts = getattr(model, "num_experts", 0)
     if not experts:
-        return [Problem("ep", ep, "splits experts, and there are none", "use --ep 1 (a dense model)")]
+        return [Problem("ep", ep, "needs a mixture-of-experts model, not the dense layers", "use --ep 1")]
     if getattr(model, "family", "") == "derived":
-        return [Problem("ep", ep, "is not modelled for an architecture without hand-written formulas (its MoE "
-                        "activations are fitted from one-GPU traces, with no all-to-all dispatch)", "use --ep 1")]
+        return [Problem("ep", ep, "is not modelled for the trace-fitted MoE layers",
+                        "use --ep 1 (their activations come from one-GPU traces, with no all-to-all dispatch)")]
     out = []
     if experts % ep:
         out.append(Problem("ep", ep, f"does not divide the {experts} experts per layer",
