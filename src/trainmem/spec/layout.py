@@ -17,8 +17,11 @@ data-parallel ranks that shard the states: transformers 5.23 ``DistributedConfig
 "`ep_size` must divide `fsdp_size * tp_size`"; ``MoEParamShard.shard_param`` in
 distributed/expert_parallel.py: "Cannot evenly shard {E} experts across {ep} expert-parallel ranks")
 and torchtitan's ``ParallelDims._validate`` (torchtitan/distributed/parallel_dims.py, ETP=1:
-``ep % (cp * tp) == 0 and (dp_shard * cp * tp) % ep == 0``) agree: with tp = cp = 1 (all trainmem
-models), ep divides the experts and the sharding group.
+``ep % (cp * tp) == 0 and (dp_shard * cp * tp) % ep == 0``) agree, and Megatron-LM, which also
+runs EP under plain data parallelism, asks ``world_size % (etp * ep * pp) == 0``
+(megatron/core/parallel_state.py ``initialize_model_parallel``: ``expert_data_parallel_size =
+world_size // expert_tensor_model_pipeline_parallel_size``): with tp = pp = cp = 1 (the only EP
+layouts trainmem models), ep divides the experts and the data-parallel (sharding) group.
 """
 from __future__ import annotations
 
