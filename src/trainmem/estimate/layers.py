@@ -839,10 +839,13 @@ def _moe_ep(B: Builder, src: T, h: float, f: float, experts: int, top_k: int, ep
       the (T*k, h) send rows and the ``all_to_all_single_autograd`` output (``rows`` per token,
       ``ep_rank_rows``) are not saved (the all-to-all's backward is the reverse all-to-all);
     - this rank's experts (``grouped_mm_experts_forward``, integrations/moe.py) on the received rows,
-      top-1 with unit weights in the rows' dtype: the gathered rows, perm // 1, perm, inverse perm
-      (int64), the unit weights gathered by ``perm``, the EP sentinel mask (bool, saved by
-      ``masked_fill_``/``masked_fill``), and the masked copies of gate_up's and down's outputs
-      (``masked_fill`` out of place; the grouped_mm outputs themselves are not kept);
+      top-1 with unit weights (``ones_like``, no gradient) in the rows' dtype: the gathered rows,
+      ``perm // 1`` and the inverse permutation (int64, saved by the two ``index`` ops that need a
+      gradient; ``sample_weights[perm]`` has none, so ``perm`` is not kept), the unit weights
+      gathered by ``perm`` (saved by the weighting multiply, which keeps no copy of down's output:
+      its other factor needs no gradient), the EP sentinel mask (bool, saved by ``masked_fill_`` /
+      ``masked_fill``) and the masked copy of gate_up's output (``masked_fill`` out of place; the
+      grouped_mm output itself is not kept), its SiLU and the product;
     - combine: the reverse all-to-all, ``token_outputs[order] = recv_out`` into a (T*k, h)
       ``empty_like``, multiplied by the fp32 routing weights (which saves ``token_outputs``) and
       summed over k.
@@ -861,7 +864,7 @@ def _moe_ep(B: Builder, src: T, h: float, f: float, experts: int, top_k: int, ep
     # (T*k, h) output and the scatter into the (T, h) input gradient
     B.r.transient("ep.dispatch.backward", T(rows * h, 0, wd), T(k * h, 0, wd), T(h, 0, wd))
     B.r.save(T(rows * h, 0, wd, "experts.input"), T(rows, 0, wd, "experts.routing_weights"),
-             T(3 * rows, 0, 8, "experts.indices"), T(rows, 0, 1, "experts.sentinel_mask"))
+             T(2 * rows, 0, 8, "experts.indices"), T(rows, 0, 1, "experts.sentinel_mask"))
     grad_w = wd
     B.r.transient("experts.gate_up.backward", T(2 * rows * f, 0, wd), T(rows * h, 0, wd),
                   const=el * 2 * f * h * grad_w, own_weights=el * 2 * f * h)
@@ -872,7 +875,6 @@ def _moe_ep(B: Builder, src: T, h: float, f: float, experts: int, top_k: int, ep
     B.r.transient("experts.down.backward", T(rows * h, 0, wd), T(rows * f, 0, wd),
                   const=el * f * h * grad_w, own_weights=el * f * h)
     B.r.weights += el * f * h
-    B.r.save(T(rows * h, 0, wd, "experts.down_out"))
     B.r.save(T(k * h, 0, wd, "ep.combine_rows"))
     # combine backward (first in backward): the fp32 product's gradient, token_outputs' gradient,
     # its gather by ``order`` and the reverse all-to-all's (rows, h) output
