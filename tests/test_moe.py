@@ -1,4 +1,10 @@
 """Mixture-of-experts routing imbalance (--moe-imbalance) and expert parallelism (--ep), docs/moe.md."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
 import pytest
 import torch
 import transformers
@@ -6,7 +12,8 @@ import transformers
 import trainmem
 from trainmem.cli import main
 from trainmem.errors import TrainmemError
-from trainmem.estimate.layers import ep_rank_rows
+from trainmem.estimate.layers import ep_rank_rows, layer_coefficients
+from trainmem.estimate.quantities import layer_key
 from trainmem.estimate.states import model_states
 from trainmem.measure.live import LiveBytes
 from trainmem.spec import TrainingSpec, resolve_model
@@ -209,3 +216,96 @@ def test_imbalance_is_capped_at_every_token():
     a, b = _est(dp=4, ep=4, moe_imbalance=2.0), _est(dp=4, ep=4, moe_imbalance=50.0)
     assert a.peak_allocated == b.peak_allocated
     assert ep_rank_rows(2, 4, 4, 2.0) == ep_rank_rows(2, 4, 4, 50.0) == 4.0
+
+
+# ----- the expert-parallel layer against transformers' AllToAllEP on two gloo ranks ---------------------
+EP_SCRIPT = r"""
+import json, sys, warnings
+import torch, torch.distributed as dist
+warnings.filterwarnings("ignore")
+rank, out = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", rank=rank, world_size=2)
+import transformers
+transformers.logging.set_verbosity_error()
+from torch.distributed.device_mesh import init_device_mesh
+from transformers.distributed.expert_parallel import AllToAllEP
+from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("ep", "tp"))
+T, H, FF, E, K = 64, 32, 48, 4, 2
+result = {}
+for dtype in ("float32", "bfloat16"):
+    for pattern in ("even", "skewed"):
+        cfg = transformers.MixtralConfig(hidden_size=H, intermediate_size=FF, num_local_experts=E,
+                                         num_experts_per_tok=K)
+        cfg._experts_implementation = "grouped_mm"
+        torch.manual_seed(0)
+        ex = MixtralExperts(cfg).to(getattr(torch, dtype))
+        # this rank's E/2 experts, as MoEParamShard (Shard(0)) leaves them, and its expert count
+        ex.gate_up_proj = torch.nn.Parameter(ex.gate_up_proj.data[2 * rank:2 * rank + 2].clone())
+        ex.down_proj = torch.nn.Parameter(ex.down_proj.data[2 * rank:2 * rank + 2].clone())
+        ex.num_experts, ex._is_expert_parallel = 2, True
+        ep = AllToAllEP(ex, mesh["ep"], mesh["tp"])
+        x = torch.randn(T, H, dtype=getattr(torch, dtype), requires_grad=True)
+        t = torch.arange(T)
+        if pattern == "even":   # every expert gets the mean, T*K/E pairs from each rank
+            idx = torch.stack([t % E, (t + 1) % E], 1)
+        else:                   # expert 0 gets every token (2x the mean), expert 1 the mean, 2 and 3 the rest
+            idx = torch.stack([t * 0, torch.where(t < T // 2, 1, torch.where(t < 3 * T // 4, 2, 3))], 1)
+        w = torch.rand(T, K, requires_grad=True)
+        skip = {p.untyped_storage().data_ptr() for p in (x, w, ex.gate_up_proj, ex.down_proj)}
+        seen, saved = set(), [0]
+        def pack(tensor):
+            s = tensor.untyped_storage()
+            if s.data_ptr() not in seen and s.data_ptr() not in skip:
+                seen.add(s.data_ptr())
+                saved[0] += s.nbytes()
+            return tensor
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = ep(x, idx, w)
+        y.float().sum().backward()
+        result[f"{dtype}-{pattern}"] = saved[0]
+with open(f"{out}.{rank}", "w") as f:
+    json.dump(result, f)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ep_saved(tmp_path_factory):
+    """Bytes autograd saves in transformers' AllToAllEP forward on each of two gloo ranks (the inputs,
+    routing weights and expert weights excluded), per dtype and routing pattern."""
+    tmp = tmp_path_factory.mktemp("ep")
+    script, out = tmp / "rank.py", tmp / "saved"
+    script.write_text(EP_SCRIPT)
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(out)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err[-2000:]
+    return [json.loads((tmp / f"saved.{r}").read_text()) for r in range(2)]
+
+
+@pytest.mark.parametrize("precision, dtype", [("fp32", "float32"), ("bf16", "bfloat16")])
+@pytest.mark.parametrize("pattern, imbalance", [("even", 1.0), ("skewed", 2.0)])
+def test_ep_layer_matches_all_to_all_ep(ep_saved, precision, dtype, pattern, imbalance):
+    """The recipe's dispatch, expert and combine tensors (``_moe_ep``) against what transformers'
+    AllToAllEP really saves on the busiest of two ranks: 64 tokens, hidden 32, MLP 48, 4 experts, top-2.
+    The skewed routing is the one ``ep_rank_rows`` assumes (expert 0 at 2x the mean, expert 1 at the
+    mean): rank 0 receives 192 rows, rank 1 64. Not counted: grouped_mm's int32 offsets (4 bytes per
+    local expert, no token dependence)."""
+    m = resolve_model("mixtral-8x7b", overrides=["hidden_size=32", "intermediate_size=48", "num_local_experts=4",
+                                                 "num_experts_per_tok=2", "num_attention_heads=4",
+                                                 "num_key_value_heads=2"])
+    t = TrainingSpec(precision=precision, dp=2, ep=2, moe_imbalance=imbalance)
+    coefs = layer_coefficients(layer_key(m, t))
+    per_token = sum(a for name, a, _ in coefs.parts if name.startswith(("ep.", "experts.")))
+    busiest = max(rank[f"{dtype}-{pattern}"] for rank in ep_saved)
+    assert busiest - 2 * 4 == per_token * 64
