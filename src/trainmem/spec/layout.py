@@ -107,10 +107,12 @@ def ep_problems(model: Any, ep: int, dp: int = 1, shard_group: int | None = None
                            f"choose an EP size that divides {experts}"))
     group = dp if shard_group is None else shard_group
     if group % ep:
-        what = "data-parallel ranks" if group == dp else "ranks of the FSDP sharding group (--fsdp hybrid)"
+        hybrid = group != dp
+        what = "ranks of the FSDP sharding group (--fsdp hybrid: a node)" if hybrid else "data-parallel ranks"
+        fix = (f"choose a node size (fsdp_node_size) that is a multiple of {ep}" if hybrid
+               else f"choose --dp a multiple of {ep}")
         out.append(Problem("ep", ep, f"does not divide the {group} {what}: expert parallelism is carved out of "
-                           "them (transformers' DistributedConfig, torchtitan's ParallelDims)",
-                           f"choose --dp (and --fsdp-node-size) a multiple of {ep}", of_model=False))
+                           "them (transformers' DistributedConfig, torchtitan's ParallelDims)", fix, of_model=False))
     return out
 
 
