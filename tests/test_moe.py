@@ -198,10 +198,19 @@ def test_cli_exit_codes(capsys):
     assert '"ep": 8' in out and '"moe_imbalance": 2.0' in out
 
 
-def test_trace_refuses_ep_in_one_line():
+def test_trace_and_measure_refuse_ep_in_one_line():
+    from trainmem.workload import check_supported
     with pytest.raises(TrainmemError) as e:
         trace("mixtral-8x7b", set=MIXTRAL, dp=2, ep=2)
     assert "--ep 2" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(TrainmemError, match="--ep 2"):
+        check_supported(TrainingSpec(dp=2, ep=2), "measure")
+
+
+def test_lora_on_expert_parallel_experts_is_refused():
+    with pytest.raises(TrainmemError, match="--lora-targets experts with --ep 2"):
+        _est(dp=2, ep=2, lora_rank=8, lora_targets="experts")
+    assert _est(dp=2, ep=2, lora_rank=8).training.ep == 2  # peft's defaults (q_proj, v_proj) are not experts
 
 
 def test_ep_shows_in_the_setup_line():

@@ -458,3 +458,7 @@ def check_against(model: Any, t: TrainingSpec) -> None:
         if bad:
             raise TrainmemError(f"--lora-targets {','.join(bad)}: no such linear module in {model.name} "
                                 f"(its linear modules: {', '.join(sorted(known))})")
+        experts = sorted({p.module for p in model.parameter_tensors() if p.role == "expert"} & set(t.lora_targets))
+        if experts and t.ep > 1:
+            raise TrainmemError(f"--lora-targets {','.join(experts)} with --ep {t.ep}: adapters on expert-parallel "
+                                "experts are not modelled; target the attention or router linears, or use --ep 1")
