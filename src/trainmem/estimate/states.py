@@ -238,9 +238,9 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
 
     Cached on the fields that change model states (not batch, sequence, recomputation, ...), so a
     sweep over activations reuses them."""
-    key = (m, stage, t.tp, t.ep, dtensor_tp(t), t.pp, t.precision, t.zero_stage, t.fsdp, t.shard_group, t.optimizer, t.impl,
-           t.lora_rank, t.lora_targets, t.lora_dtype, t.distributed_optimizer, t.offload_optimizer, t.fp32_master,
-           t.quantize, t.quantize_via, t.accumulates_unsharded, t.fsdp_mixed_units)
+    key = (m, stage, t.tp, t.ep, dtensor_tp(t), t.pp, t.precision, t.zero_stage, t.fsdp, t.shard_group, t.optimizer,
+           t.impl, t.lora_rank, t.lora_targets, t.lora_dtype, t.distributed_optimizer, t.offload_optimizer,
+           t.fp32_master, t.quantize, t.quantize_via, t.accumulates_unsharded, t.fsdp_mixed_units)
     return _STATES_CACHE.get_or_build(key, lambda: _model_states(m, t, stage))
 
 
