@@ -94,6 +94,15 @@ EXPECTED_PARAMS = {
     "smollm2-135m": 134_515_008,
     "smollm2-360m": 361_821_120,
     "starcoder2-3b": 3_030_371_328,
+    # encoder-decoders and vision transformers (--task seq2seq-lm / image-classification). transformers
+    # 5.23 ties T5's head always (T5Config.__post_init__ forces tie_word_embeddings=True; a config's
+    # False now only turns the decoder output scaling off), so Flan-T5 counts its lm_head once: Flan-T5-large
+    # 750,251,008 here against the 783,150,080 of transformers 4.x's untied head
+    "t5-base": 222_903_552,
+    "t5-large": 737_668_096,
+    "flan-t5-large": 750_251_008,
+    "flan-t5-xl": 2_783_959_040,
+    "vit-base-patch16-224": 86_567_656,  # the published ViT-B/16 figure, 1000-class head included
 }
 HF_NAMES = sorted(n for n in EXPECTED_PARAMS if n != "nanogpt-124m")
 
@@ -102,6 +111,8 @@ _AUTO_BY_SUFFIX = (
     ("LMHeadModel", transformers.AutoModelForCausalLM),
     ("ForMaskedLM", transformers.AutoModelForMaskedLM),
     ("ForSequenceClassification", transformers.AutoModelForSequenceClassification),
+    ("ForConditionalGeneration", transformers.AutoModelForSeq2SeqLM),
+    ("ForImageClassification", transformers.AutoModelForImageClassification),
     ("Model", transformers.AutoModel),
 )
 _BYTES = {"float32": 4, "int64": 8, "bool": 1, "bfloat16": 2, "float16": 2}
@@ -291,11 +302,17 @@ def test_nanogpt_module_runs():
     assert torch.allclose(a[:, :5], b[:, :5]) and not torch.allclose(a[:, 5:], b[:, 5:])
 
 
-@pytest.mark.parametrize("name", [n for n in HF_NAMES if trainmem.resolve_model(n).family == "derived"])
-def test_derived_architecture_refuses_other_heads(name):
-    """A model type without hand-written formulas is derived as a causal LM only: another head is
-    one line naming it."""
+@pytest.mark.parametrize("name", [n for n in HF_NAMES if trainmem.resolve_model(n).family == "derived"
+                                  and trainmem.resolve_model(n).head == "causal-lm"])
+def test_derived_sequence_classifier_is_traced_not_estimated(name):
+    """A derived model type's sequence-classification class (--task sequence-classification) is read
+    as such (its head's tensors), and the estimate, whose coefficients cover causal LM, seq2seq LM
+    and image classification heads, refuses it in one line."""
     cfg = _raw(name)
     arch = cfg["architectures"][0].replace("ForCausalLM", "ForSequenceClassification")
-    with pytest.raises(trainmem.TrainmemError, match="decoder-only causal LMs"):
-        trainmem.resolve_model(name, overrides={"architectures": [arch]})
+    if not hasattr(transformers, arch):
+        pytest.skip(f"transformers has no {arch}")
+    spec = trainmem.resolve_model(name, overrides={"architectures": [arch]})
+    assert spec.head == "seq-cls" and spec.architecture == arch
+    with pytest.raises(trainmem.TrainmemError, match="derived estimate covers"):
+        trainmem.estimate(spec, seq_len=128)

@@ -145,11 +145,17 @@ def test_catalogue_has_at_least_45_entries_over_15_types():
     assert len(names) >= 45 and len(types) >= 15
 
 
-@pytest.mark.parametrize("name", ["qwen3-0.6b", "gemma-2-2b", "phi-2"])
+def _default_size(m) -> dict:
+    """The default setup's size options: an image model's sequence comes from its image size."""
+    return {} if m.is_image else {"seq_len": min(2048, m.max_positions)}
+
+
+@pytest.mark.parametrize("name", ["qwen3-0.6b", "gemma-2-2b", "phi-2", "t5-base", "flan-t5-large",
+                                  "vit-base-patch16-224"])
 def test_shipped_coefficients_are_current(name):
     """Re-deriving gives the shipped coefficients (else: make ship-derived)."""
     from trainmem.trace.derive import derive_coefficients
-    r = trainmem.estimate(name, seq_len=2048)
+    r = trainmem.estimate(name, **_default_size(trainmem.resolve_model(name)))
     shipped = read_cached("coefficients", derived.key(r.model, r.training))
     assert shipped is not None
     fresh = derive_coefficients(r.model, derived._canonical(r.training), derived.regime(r.model, r.training))
@@ -158,6 +164,8 @@ def test_shipped_coefficients_are_current(name):
         flat = [x for tr in v["transients"] for x in tr]
         assert [x for tr in shipped["kinds"][kind]["transients"] for x in tr] == pytest.approx(flat, rel=1e-9, abs=1e-6)
     assert shipped["embed"] == pytest.approx(fresh["embed"], rel=1e-9, abs=1e-6)
+    assert shipped.get("ssq", {}) == pytest.approx(fresh.get("ssq", {}), rel=1e-9, abs=1e-6)
+    assert shipped.get("logits_bytes") == fresh.get("logits_bytes")
 
 
 def test_every_derived_catalogue_entry_has_shipped_coefficients():
@@ -165,7 +173,7 @@ def test_every_derived_catalogue_entry_has_shipped_coefficients():
     for name in _derived_catalogue():
         m = trainmem.resolve_model(name)
         from trainmem.spec.resolve import resolve
-        t = resolve(name, seq_len=min(2048, m.max_positions)).training
+        t = resolve(name, **_default_size(m)).training
         if read_cached("coefficients", derived.key(m, t)) is None:
             missing.append(name)
     assert not missing, f"run make ship-derived: {missing}"

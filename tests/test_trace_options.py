@@ -74,11 +74,18 @@ CASES = [
     ({"dropout": False}, "same", "Llama has no dropout (GPT-2 below has)"),
     ({"grad_sync": "step", "grad_accum": 2, "fsdp": "full", "dp": 2}, CHANGED, ""),  # vs the same without it
     ({"lora_rank": 8, "fsdp_lora_units": "layer"}, "same", "FSDP units: one GPU has none (vs LoRA alone)"),
+    ({"target_len": 32}, REFUSED, "--target-len 32"), ({"image_size": 64}, REFUSED, "--image-size 64"),
 ]
 #: the options a case is compared with instead of the baseline (the case's own options minus one)
 REFERENCE = {"fsdp_lora_units": {"lora_rank": 8}, "ddp_bucket_mb": {"dp": 2}, "sequence_parallel": {"tp": 2},
              "grad_sync": {"grad_accum": 2, "fsdp": "full", "dp": 2}, "offload_activations": {"recompute": "full"}}
 GPT2_CASES = [({"dropout": False}, CHANGED, "")]
+#: an encoder-decoder's decoder length and an image model's image size (their own baselines)
+T5 = ["num_layers=1", "num_decoder_layers=1", "d_model=64", "d_ff=128", "num_heads=4", "d_kv=16", "vocab_size=1000"]
+VIT = ["num_hidden_layers=1", "hidden_size=64", "intermediate_size=128", "num_attention_heads=4", "num_labels=10"]
+T5_CASES = [({"target_len": 32}, CHANGED, "")]
+VIT_CASES = [({"image_size": 64}, CHANGED, ""), ({"seq_len": 64}, REFUSED, "--seq-len")]
+MODEL_BASE = {"vit-base-patch16-224": {"batch_size": 2, "precision": "bf16-amp", "image_size": 32}}
 
 
 def _fingerprint(r):
@@ -88,18 +95,23 @@ def _fingerprint(r):
 @pytest.fixture(scope="module")
 def baselines():
     out = {"llama-3.2-1b": _fingerprint(trace("llama-3.2-1b", set=TINY, **BASE)),
-           "gpt2": _fingerprint(trace("gpt2", set=GPT2, **BASE))}
+           "gpt2": _fingerprint(trace("gpt2", set=GPT2, **BASE)),
+           "t5-base": _fingerprint(trace("t5-base", set=T5, **BASE)),
+           "vit-base-patch16-224": _fingerprint(trace("vit-base-patch16-224", set=VIT,
+                                                      **MODEL_BASE["vit-base-patch16-224"]))}
     for key, ref in REFERENCE.items():
         out[key] = _fingerprint(trace("llama-3.2-1b", set=TINY, **BASE, **ref))
     return out
 
 
 @pytest.mark.parametrize("model, overrides, options, expected, why",
-                         [("llama-3.2-1b", TINY, *c) for c in CASES] + [("gpt2", GPT2, *c) for c in GPT2_CASES],
+                         [("llama-3.2-1b", TINY, *c) for c in CASES] + [("gpt2", GPT2, *c) for c in GPT2_CASES]
+                         + [("t5-base", T5, *c) for c in T5_CASES]
+                         + [("vit-base-patch16-224", VIT, *c) for c in VIT_CASES],
                          ids=lambda v: str(v)[:40] if isinstance(v, dict) else None)
 def test_each_option_changes_the_trace_or_is_refused(baselines, model, overrides, options, expected, why):
     try:
-        r = trace(model, set=overrides, **{**BASE, **options})
+        r = trace(model, set=overrides, **{**MODEL_BASE.get(model, BASE), **options})
     except TrainmemError as e:
         assert expected == REFUSED, f"refused: {e}"
         assert "\n" not in str(e) and why in str(e)
@@ -114,6 +126,6 @@ def test_each_option_changes_the_trace_or_is_refused(baselines, model, overrides
 
 def test_every_training_option_is_enumerated():
     """A new TrainingSpec field needs a case above (so it cannot be added and silently ignored)."""
-    covered = {k for opts, _, _ in CASES + GPT2_CASES for k in opts}
+    covered = {k for opts, _, _ in CASES + GPT2_CASES + T5_CASES + VIT_CASES for k in opts}
     fields = {f.name for f in dataclasses.fields(TrainingSpec)} - {"batch_size", "seq_len", "extra"}
     assert fields - covered == set()

@@ -42,8 +42,9 @@ def main() -> None:
         seqs = [2048] if not window or window >= m.max_positions else [max(128, window // 2), 2 * window]
         for precision, recompute in [(p, r) for p in PRECISIONS for r in ("none", "full")]:
             for seq in seqs:
-                t = resolve(name, precision=precision, recompute=recompute,
-                            seq_len=min(seq, m.max_positions)).training
+                # an image model's sequence is its default image size's patches (--seq-len is refused)
+                size = {} if m.is_image else {"seq_len": min(seq, m.max_positions)}
+                t = resolve(name, precision=precision, recompute=recompute, **size).training
                 doc = derive_coefficients(m, derived._canonical(t), derived.regime(m, t))
                 doc["version"] = derived.COEF_VERSION
                 _write(os.path.join(spec_dir, "coefficients", f"{derived.key(m, t)}.json"), doc)

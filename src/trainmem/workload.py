@@ -96,7 +96,8 @@ def hf_factory(spec: ModelSpec, t: TrainingSpec) -> Callable[[], torch.nn.Module
         cls = getattr(transformers, spec.architecture, None) if spec.architecture else None
         if cls is None:
             auto = {"causal-lm": "AutoModelForCausalLM", "masked-lm": "AutoModelForMaskedLM",
-                    "seq-cls": "AutoModelForSequenceClassification", "base": "AutoModel"}[spec.head]
+                    "seq-cls": "AutoModelForSequenceClassification", "base": "AutoModel",
+                    "seq2seq-lm": "AutoModelForSeq2SeqLM", "image-cls": "AutoModelForImageClassification"}[spec.head]
             return getattr(transformers, auto).from_config(config, attn_implementation=impl, dtype=dtype)
         return cls._from_config(config, attn_implementation=impl, dtype=dtype)
 
@@ -197,16 +198,9 @@ class TrainStep:
         self.pin_sdpa = what == "measure" and str(device).startswith("cuda")  # trace pins in its CUDA emulation
         self.micro_batches = t.grad_accum  # micro-batches run per optimizer step (trace may run fewer)
 
-    def batch(self) -> dict[str, torch.Tensor]:
-        """A random batch: token ids and the labels the head needs."""
-        b, s, vocab, spec = self.training.batch_size, self.training.seq_len, self.spec.vocab_size, self.spec
-        ids = torch.randint(0, vocab, (b, s), device=self.device)
-        out = {"input_ids": ids}
-        if spec.head == "seq-cls":
-            out["labels"] = torch.randint(0, spec.num_labels, (b,), device=self.device)
-        elif spec.head in ("causal-lm", "masked-lm"):
-            out["labels"] = torch.randint(0, vocab, (b, s), device=self.device)
-        return out
+    def batch(self) -> dict[str, Any]:
+        """A random batch: the model's inputs and the labels its head needs (``model_batch``)."""
+        return model_batch(self.spec, self.training, self.device)
 
     def autocast(self) -> Any:
         """The autocast context of the precision (a no-op context without mixed precision)."""
@@ -301,6 +295,41 @@ class TrainStep:
     def release(self) -> None:
         """Drop the last batch and loss (and with them what they keep alive)."""
         self.state.clear()
+
+
+def model_batch(spec: ModelSpec, t: TrainingSpec, device: Any) -> dict[str, Any]:
+    """A random batch of ``t``'s micro-batch for ``spec``'s head, as ``model(**batch)`` takes it:
+
+    * causal / masked LM: ``input_ids`` and ``labels`` (b, seq_len); sequence classification:
+      labels (b,);
+    * seq2seq LM (T5, BART): ``input_ids`` (b, seq_len) for the encoder, ``labels`` (b, target_len);
+      the model makes its decoder input by shifting the labels right
+      (``T5ForConditionalGeneration.forward``: ``decoder_input_ids = self._shift_right(labels)``;
+      BART: ``shift_tokens_right``) and computes its own cross-entropy;
+    * image classification (ViT): ``pixel_values`` (b, channels, N, N) in the weights' dtype
+      (fp32 under autocast: ``ViTEmbeddings.forward`` casts them to the patch projection's dtype
+      anyway, so a half batch would only add a copy) and integer labels (b,) over the config's
+      labels; ``interpolate_pos_encoding`` when N is not the config's image size (ViT refuses
+      another size without it).
+    """
+    b, s = t.batch_size, t.seq_len
+    if spec.head == "image-cls":
+        size = t.image_size or spec.image_size
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision, torch.float32)
+        out: dict[str, Any] = {"pixel_values": torch.randn(b, spec.num_channels, size, size, dtype=dtype,
+                                                          device=device),
+                               "labels": torch.randint(0, spec.num_labels, (b,), device=device)}
+        if size != spec.image_size:
+            out["interpolate_pos_encoding"] = True
+        return out
+    out = {"input_ids": torch.randint(0, spec.vocab_size, (b, s), device=device)}
+    if spec.head == "seq-cls":
+        out["labels"] = torch.randint(0, spec.num_labels, (b,), device=device)
+    elif spec.head in ("causal-lm", "masked-lm"):
+        out["labels"] = torch.randint(0, spec.vocab_size, (b, s), device=device)
+    elif spec.head == "seq2seq-lm":
+        out["labels"] = torch.randint(0, spec.vocab_size, (b, t.decoder_len), device=device)
+    return out
 
 
 def unwrapped(model: torch.nn.Module) -> torch.nn.Module:

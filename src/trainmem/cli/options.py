@@ -6,6 +6,7 @@ import argparse
 from typing import Any, Callable
 
 from ..spec.frameworks import FRAMEWORKS
+from ..spec.tasks import TASKS
 from ..spec.training import (ATTENTION, FSDP_LORA_UNITS, FSDP_MODES, GRAD_SYNC, HOLD_OUTPUT, OPTIMIZER_IMPLS,
                              OPTIMIZERS, PRECISIONS,
                              RECOMPUTE, ZERO_GRAD, LOSSES, LOSS_SHIFTS, MASTER_WEIGHTS)
@@ -56,6 +57,9 @@ def add_model_and_training(p: argparse.ArgumentParser) -> None:
                    help="catalogue name (`trainmem models`), config.json path, model directory or hub id")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field (repeatable), e.g. --set num_hidden_layers=4")
+    p.add_argument("--task", choices=TASKS, default=None,
+                   help="the head trained, as transformers' architectures field picks the class (default: the "
+                        "config's architectures, else the model type's first of: " + ", ".join(TASKS) + ")")
     add_training(p.add_argument_group("training setup"))
     add_hardware(p.add_argument_group("hardware"))
     add_output(p.add_argument_group("output"))
@@ -80,6 +84,7 @@ def add_training(g: Any) -> None:
     g.add_argument("--batch-size", type=positive_int, default=1, help="micro-batch per data-parallel rank")
     g.add_argument("--seq-len", type=positive_int, default=None,
                    help="tokens per sample (default 2048, or the model's learned positions if fewer)")
+    add_input_sizes(g)
     g.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
     g.add_argument("--precision", choices=PRECISIONS, default=None,
                    help="amp = fp32 weights + autocast; bf16/fp16 = weights in that dtype (default bf16-amp)")
@@ -164,6 +169,16 @@ def _add_loss(g: Any) -> None:
                         "loss run in N chunks of the sequence")
 
 
+def add_input_sizes(g: Any) -> None:
+    """The input sizes of encoder-decoders and image models, beside --seq-len."""
+    g.add_argument("--target-len", type=positive_int, default=None, metavar="N",
+                   help="encoder-decoders (T5, BART): decoder tokens per sample, the labels' length "
+                        "(default: --seq-len, the encoder's tokens)")
+    g.add_argument("--image-size", type=positive_int, default=None, metavar="N",
+                   help="image models (ViT): N x N pixels (default: the config's image_size); it sets the sequence, "
+                        "(N / patch)^2 patches + the class token, so --seq-len is refused for them")
+
+
 def add_hardware(h: Any) -> None:
     """The GPU flags: which GPU, its memory, what is taken before training, the fraction allowed."""
     h.add_argument("--gpu", default=None, metavar="NAME",
@@ -231,7 +246,8 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 optimizer_bucket_mb=a.optimizer_bucket_mb, loss_chunks=a.loss_chunks, loss=a.loss,
                 master_weights=a.master_weights, framework=a.framework, framework_version=a.framework_version,
                 grad_sync=a.grad_sync, fsdp_lora_units=a.fsdp_lora_units, fsdp_version=a.fsdp_version,
-                loss_shift=a.loss_shift)
+                loss_shift=a.loss_shift, target_len=a.target_len, image_size=a.image_size,
+                task=getattr(a, "task", None))
     if a.fsdp is not None and a.zero in (0, None):
         opts.pop("zero")
     return opts

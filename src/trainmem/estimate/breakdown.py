@@ -28,10 +28,11 @@ def phase_label(phase: str, micro: int, ga: int) -> str:
 
 def where_label(mo: Moment, q: Quantities, tk: Tokens) -> str:
     """Where a moment happens, with the layer index and the op whose backward runs."""
-    if mo.where not in ("layer.top", "layer.bottom"):
+    if mo.where not in ("layer.top", "layer.bottom", "layer.decoder_bottom"):
         return mo.where
     op = q.detail.layer.transients[tk.transient_index][0] if tk.transient_index >= 0 else "backward"
-    return f"layer[{q.layers - 1 if mo.where == 'layer.top' else 0}].{op or 'backward'}"
+    index = {"layer.top": q.layers - 1, "layer.bottom": 0}.get(mo.where, q.lower_layers)
+    return f"layer[{index}].{op or 'backward'}"
 
 
 def phases(moments: list[Moment], totals: list[int], ends: list[tuple], ga: int) -> list[Phase]:
@@ -80,7 +81,10 @@ def components(q: Quantities, tk: Tokens, mo: Moment, t: TrainingSpec, n: int, n
         out += activations(q, tk, parts["activations"], t, n, nsq, half)
     if parts["logits"]:
         out += _logits(mo, m, half, loss_mode(m, t) if is_lm(m) else "")
-    out.append(Component("inputs", INPUTS, tk.inputs, "int64", "input_ids and labels"))
+    if getattr(m, "is_image", False):  # pixel values in the weights' dtype, int64 labels
+        out.append(Component("inputs", INPUTS, tk.inputs, None, "pixel_values and labels"))
+    else:
+        out.append(Component("inputs", INPUTS, tk.inputs, "int64", "input_ids and labels"))
     if parts["workspace"]:
         out.append(Component("workspace.cublas", WORKSPACE, parts["workspace"], None,
                              f"{handle_ws:,} B per cuBLAS handle: forward thread and autograd thread", True))
@@ -126,6 +130,10 @@ def activations(q: Quantities, tk: Tokens, at_peak: int, t: TrainingSpec, n: int
     if pos:  # derived architectures: tensors sized by the sequence alone (rotary tables, caches)
         listed.append(Component("activations.derived.per_position", ACTIVATIONS, pos * tk.inflight, None,
                                 "tensors sized by the sequence, shared by the micro-batch"))
+    ssq = int(q.outer_rest_ssq * (n // max(t.batch_size, 1)) ** 2)
+    if ssq:  # encoder-decoders: T5's (s, s) position buckets and its per-layer (1, heads, s, s) bias
+        listed.append(Component("activations.derived.per_position_squared", ACTIVATIONS, ssq * tk.inflight, None,
+                                "tensors sized by the sequence squared, shared by the micro-batch"))
     if q.cast_head and complete:
         listed.append(Component("activations.autocast_weight_copies.head", ACTIVATIONS, q.cast_head, half,
                                 "half copy of the LM head weight saved by its matmul"))

@@ -29,11 +29,21 @@ from ..spec.training import TrainingSpec
 from .layers import LayerCoefs
 
 COEF_VERSION = 16
+#: the heads whose derived coefficients are checked against trace (tests/test_encdec_vit.py, test_derived.py)
+DERIVED_HEADS = ("causal-lm", "seq2seq-lm", "image-cls")
 
 
 def derived_problems(m: ModelSpec, t: TrainingSpec) -> list[str]:
     """What a derived architecture's estimate cannot model in setup ``t`` (empty when it can)."""
     out = []
+    if m.head not in DERIVED_HEADS:
+        out.append(f"its {m.head} head ({m.architecture}; the derived estimate covers causal-lm, seq2seq-lm and "
+                   f"image-classification heads)")
+    if m.is_encoder_decoder and t.decoder_len != t.seq_len:
+        out.append(f"--target-len {t.decoder_len} other than --seq-len {t.seq_len} (the coefficients are fitted with "
+                   f"equal encoder and decoder lengths)")
+    if m.is_encoder_decoder and t.pp > 1:
+        out.append(f"--pp {t.pp} (an encoder-decoder's stacks are not split into pipeline stages)")
     if t.tp > 1 or t.sequence_parallel:
         out.append(f"--tp {t.tp}" + (" --sequence-parallel" if t.sequence_parallel else ""))
     if t.cp > 1:
@@ -159,6 +169,7 @@ def layer_coefs(m: ModelSpec, t: TrainingSpec, stage: str) -> LayerCoefs:
     trans = tuple((f"derived.{k}.backward.{j}", a, b, c) for k, j, (a, b, c, _g) in cands)
     after = tuple(float(g) for _k, _j, (_a, _b, _c, g) in cands)
     held = sum(doc["kinds"][k]["held"] * c for k, c in count.items()) / total
+    not_recomputed = sum(doc["kinds"][k].get("not_recomputed", 0.0) * c for k, c in count.items()) / total
     cache = sum(doc["kinds"][k]["cache"] * c for k, c in count.items()) / total
     fwd = (0.0, 0.0)
     if t.quantize:
@@ -169,7 +180,8 @@ def layer_coefs(m: ModelSpec, t: TrainingSpec, stage: str) -> LayerCoefs:
         fwd = _largest_dequantized(m, t, stage)
         trans = tuple((name, a, b, c + fwd[0]) for name, a, b, c in trans)
     return LayerCoefs(max(tok, 0.0), max(sq, 0.0), tuple((n, a, b) for n, (a, b) in sorted(parts.items())),
-                      trans, held=held, cache=cache, weights=1.0, after=after, fwd_const=fwd[0], fwd_tok=fwd[1])
+                      trans, held=held, cache=cache, weights=1.0, after=after, fwd_const=fwd[0], fwd_tok=fwd[1],
+                      not_recomputed=max(not_recomputed, 0.0))
 
 
 def _largest_dequantized(m: ModelSpec, t: TrainingSpec, stage: str) -> tuple[float, float]:
@@ -211,6 +223,26 @@ def outer(m: ModelSpec, t: TrainingSpec, stage: str) -> tuple[list[tuple[str, fl
         tok, s, sq = doc["head"]
         out.append(("derived.head_side", tok + max(s, 0.0), sq))  # a per-position term read as per token
     return out, pos
+
+
+def logits_bytes(m: ModelSpec, t: TrainingSpec) -> int:
+    """Bytes per element of the logits the traced model returns (an encoder-decoder's, measured by
+    the derivation; 0 when not measured)."""
+    return int(coefficients(m, t).get("logits_bytes", 0))
+
+
+def outer_ssq(m: ModelSpec, t: TrainingSpec, stage: str) -> float:
+    """Bytes per sequence position squared, shared by the micro-batch: an encoder-decoder's (s, s)
+    tensors (T5's relative position buckets, ``T5Attention.compute_bias``, which the first layer
+    of each stack makes and its embedding saves), over all its layers, the first-layer excess and
+    the embedding and head sides (0 for other architectures)."""
+    doc = coefficients(m, t)
+    ssq = doc.get("ssq")
+    if not ssq:
+        return 0.0
+    kinds = stage_kinds(m, t, stage, doc)
+    return (sum(ssq.get(f"kind.{k}", 0.0) for k in kinds)
+            + sum(ssq.get(side, 0.0) for side in ("first", "embed", "head")))
 
 
 def notes(m: ModelSpec, t: TrainingSpec) -> list[str]:

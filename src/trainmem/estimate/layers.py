@@ -565,6 +565,7 @@ class LayerCoefs:
     op_tok: float = 0.0      # --recompute op: bytes per token the selective policy saves (op_checkpoint_saved)
     op_sq: float = 0.0       # ... per token x key
     input_saved: float = 0.0  # bytes per token of the saved tensors that are the layer's input itself
+    not_recomputed: float = 0.0  # per token: the layer's output, kept by what follows it, not by a recomputed layer
 
     def bytes(self, n: int, nsq: int) -> int:
         return int(self.tok * n + self.sq * nsq)

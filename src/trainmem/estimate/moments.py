@@ -61,7 +61,7 @@ class Tokens:
     redo: Any              # the backward transient beyond the layer's saved tensors
     layer_grad_part: Any   # of it, the gradients of the layer's later linears
     transient_index: Any   # which op's backward that is
-    inputs: Any            # input ids and labels (int64)
+    inputs: Any            # input ids (an image model's pixel values) and labels (int64)
     held: Any              # logits the loop keeps
     out_logits: Any        # the head's output
     loss_saved: Any
@@ -80,7 +80,9 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any) -
     # + autocast's copies of the weights and FSDP grad-op's gathered weights, each layer's from its
     # forward to its backward
     layers = layer * q.layers * inflight + ((q.cast_layer + q.gathered_layer) * q.layers - q.cast_forward_only)
-    outer_rest = trunc(q.outer_rest_tok * n + q.outer_rest_sq * nsq + q.outer_rest_pos * (n // b)) * inflight
+    # + per sequence position and per position squared (T5's (s, s) position buckets), shared by the batch
+    outer_rest = trunc(q.outer_rest_tok * n + q.outer_rest_sq * nsq + q.outer_rest_pos * (n // b)
+                       + q.outer_rest_ssq * (n // b) ** 2) * inflight
     outer_head = trunc(q.outer_head_tok * n)
     all_acts = layers + outer_rest + outer_head * inflight + q.cast_head
     index, value, grads = best_transient(q.transients, n, nsq)
@@ -94,7 +96,8 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any) -
     labels = n if flags.lm else b
     kv_tok = trunc(q.held_tok * n)
     return Tokens(inflight, layer, layers, outer_rest, outer_head, all_acts, redo, grads, index,
-                  block_bytes(n * 8) + block_bytes(labels * 8), full * q.logits_held, full * q.logits_out,
+                  block_bytes(trunc(q.input_tok * n) - q.input_sample * b) + block_bytes(labels * 8),
+                  full * q.logits_held, full * q.logits_out,
                   saved, full * q.loss_forward + chunk * q.loss_forward_chunk + trunc(q.head_loss_tok * n),
                   full * q.loss_backward + chunk * q.loss_backward_chunk,
                   kv_tok * q.layers * inflight, trunc(q.cache_tok * n) - kv_tok,
@@ -243,6 +246,13 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     moments.append(_mo("backward", micro, step, "layer.bottom",
                        (bottom, states_mid, tk.inputs, ws2, tk.layers // q.layers + tk.outer_rest, temp),
                        (kept.logits, kept.kv_low, 0), _both(valid, q.layers > 1), root + buf + rs))
+    # an encoder-decoder: the decoder's first layer's backward, with every encoder layer's kept
+    # tensors still alive (the encoder's backward comes after the decoder's)
+    lower = q.lower_layers
+    mid = grads_before + head_grads + where(fresh, (q.layers - lower - 1) * q.layer_grads, 0) + layer_grads
+    moments.append(_mo("backward", micro, step, "layer.decoder_bottom",
+                       (mid, states_mid, tk.inputs, ws2, tk.layers * (lower + 1) // q.layers + tk.outer_rest, temp),
+                       (kept.logits, kept.kv_low, 0), _both(valid, lower > 0), root + buf + rs))
     # the embedding's gradient and the out-of-place sum join the head's part in the input buffer
     tied = q.tied_grad
     temp_emb = 2 * tied + (tied if flags.oib else where(fresh, 0, tied))

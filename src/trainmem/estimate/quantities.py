@@ -26,6 +26,7 @@ from .cache import BoundedCache
 from .elementwise import NEVER
 from .derived import regime as derived_regime
 from .derived import head_during_loss as derived_head_loss, layer_coefs as derived_layer, outer as derived_outer
+from .derived import logits_bytes as derived_logits_bytes, outer_ssq as derived_outer_ssq
 from .layers import LayerCoefs, LayerKey, Policy, ep_rank_rows, layer_coefficients
 from .quant4 import dequant_dtypes, is_quantized
 from .states import States, block_bytes, default_lora_targets, dtensor_tp, fsdp_grad_op, model_states
@@ -107,6 +108,10 @@ class Quantities:
     fsdp_emb_full: int = 0    # an untied embedding's unsharded gradient, at its backward
     fsdp_ag_result: int = 0   # FSDP2: the last layer's all-gather output, kept from its forward to the next
     fsdp_root_sharded: int = 0  # of ``grads``: the root's sharded gradients (after the root's reduce-scatter)
+    lower_layers: int = 0  # an encoder-decoder's encoder layers on this rank (backward after the decoder's)
+    outer_rest_ssq: float = 0.0  # per sequence position squared, shared by the micro-batch (T5's position buckets)
+    input_tok: float = 8.0  # the input batch per token: int64 ids, or an image model's pixel values per patch
+    input_sample: int = 0   # ... less this per sample (an image model's class tokens have no pixels)
     detail: Detail | None = None
 
 
@@ -181,8 +186,19 @@ def loss_upcasts(m: ModelSpec) -> bool:
 
 
 def is_lm(m: ModelSpec) -> bool:
-    """A language-model head (logits over the vocabulary per token)."""
-    return m.head in ("causal-lm", "masked-lm")
+    """A language-model head (logits over the vocabulary per token; an encoder-decoder's per
+    decoder token)."""
+    return m.head in ("causal-lm", "masked-lm", "seq2seq-lm")
+
+
+def input_bytes(m: ModelSpec, t: TrainingSpec) -> tuple[float, int]:
+    """The input batch as (bytes per token, bytes less per sample): int64 token ids, or an image
+    model's pixel values (b, channels, N, N) in the weights' dtype (``workload.model_batch``):
+    channels x patch^2 values per patch token, none for its class tokens."""
+    if not m.is_image:
+        return 8.0, 0
+    per_patch = m.num_channels * m.patch_size ** 2 * (2 if t.precision in ("bf16", "fp16") else 4)
+    return float(per_patch), per_patch * m.class_tokens
 
 
 def outer_tensors(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) -> tuple[tuple[str, float, float], ...]:
@@ -331,6 +347,12 @@ def _loss_in_one_piece(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int) ->
     if not is_lm(m):
         return LossBytes(held, pol.half, F32, F32, 2 * F32)
     mode, half = loss_mode(m, t), pol.half
+    if m.family == "derived" and m.head == "seq2seq-lm" and half != F32 and derived_logits_bytes(m, t) == F32:
+        # fp32 logits under autocast (BART: ``lm_logits = self.lm_head(outputs[0]) +
+        # self.final_logits_bias``, a half output plus an fp32 buffer, promoted; measured by the
+        # derivation): CrossEntropyLoss's log_softmax saves fp32 log-probabilities, nll_loss needs no
+        # copy; backward starts with two fp32 gradients
+        return LossBytes(F32 if held else 0, F32, F32, 0, 2 * F32)
     if mode == "fused":
         grad_w = 0 if t.lora_rank else _head_weight_numel(m, t.tp) * t.weight_bytes
         return LossBytes(saved_tok=m.hidden_size * half + F32, saved_const=grad_w, forward_chunk=half)
@@ -607,6 +629,9 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         step_temp=step_temporaries(t, st), oib_mid=oib_mid, oib_end=oib_end,
         tied_grad=tied_head_grad(m, t), transients=trans, fwd_temp=int(lc.fwd_const), fwd_temp_tok=lc.fwd_tok,
         head_temp=head_dequant_bytes(m, t) if head_here else 0, **fsdp,
+        outer_rest_ssq=derived_outer_ssq(m, t, stage) if derived else 0.0,
+        lower_layers=m.num_layers - m.decoder_layers if m.is_encoder_decoder and t.pp == 1 else 0,
+        input_tok=input_bytes(m, t)[0], input_sample=input_bytes(m, t)[1],
         detail=Detail(st, lc, outer, comm_name, input_tok))
 
 
@@ -625,7 +650,9 @@ def _recompute(t: TrainingSpec, lc: LayerCoefs, input_tok: float, share: float
     redo_tok = lc.tok - lc.input_saved
     if t.recompute == "full":
         kept = (share * input_tok + (1 - share) * lc.tok, (1 - share) * lc.sq) if share < 1 else (input_tok, 0.0)
-        return kept, ((redo_tok, lc.sq) if share > 0 else (0.0, 0.0))
+        # a layer recomputed in its backward re-creates what its own ops save, not its output (which
+        # only the next layer saved): measured for derived encoder-decoder and image models
+        return kept, ((redo_tok - lc.not_recomputed, lc.sq) if share > 0 else (0.0, 0.0))
     if t.recompute == "selective":
         return (lc.tok, 0.0), (0.0, lc.sq)
     if t.recompute == "op":

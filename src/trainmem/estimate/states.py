@@ -440,7 +440,10 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
                 acc.layer_elems += n if full else 0
             continue
         acc.root_g += g if full else 0
-        if p.role != "embedding":
+        if p.role != "embedding" and layer:
+            # registered after the layers (final norm, head): made first in backward; those before
+            # them (ViT's patch projection, class token and position table) come last, with the
+            # embeddings' gradients
             acc.head_grads += g
             acc.head_full += full
         elif not (m.tied_embeddings and p.name.endswith(TIED_NAMES)):
@@ -450,7 +453,8 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
     if not uniform and r.per_stage:
         acc.layer_grads = -(-acc.layer_grads // r.per_stage)
         acc.lmh = -(-acc.lmh // r.per_stage)
-    if m.tied_embeddings and t.amp and m.head in ("causal-lm", "masked-lm") and (t.pp == 1 or r.stage == "last"):
+    if m.tied_embeddings and t.amp and m.head in ("causal-lm", "masked-lm", "seq2seq-lm") and \
+            (t.pp == 1 or r.stage == "last"):
         # the tied embedding is also the LM head: autocast casts it for the head matmul
         emb = next(p for p in m.parameter_tensors() if p.role == "embedding")
         acc.hmh += _tp_div(emb, t.tp) * 2

@@ -136,12 +136,16 @@ def fit(model: Any, gpu: Any = None, by: str = "estimate", seq_multiple: int = 1
     if seq_len is not None and batch_size is not None:
         raise TrainmemError("fit searches one size: give seq_len (to find the largest micro-batch) or "
                             "batch_size (to find the longest sequence), not both")
-    if seq_len is None and batch_size is None:
-        raise TrainmemError("fit needs --seq-len N (to find the largest micro-batch) or --batch-size N "
-                            "(to find the longest sequence)")
     if not isinstance(seq_multiple, int) or seq_multiple <= 0:
         raise TrainmemError(f"--seq-multiple must be a positive integer, got {seq_multiple!r}")
-    if seq_len is not None:
+    if seq_len is None and batch_size is None:
+        # an image model's sequence is its image size's patches (--image-size): the micro-batch is searched
+        ev = Evaluator(model, by=by, gpu=gpu, **options)
+        if not ev.model.is_image:
+            raise TrainmemError("fit needs --seq-len N (to find the largest micro-batch) or --batch-size N "
+                                "(to find the longest sequence)")
+        search, step, fixed, k_max, cap_reason = "batch_size", 1, {}, BATCH_CAP, "search_cap"
+    elif seq_len is not None:
         ev = Evaluator(model, by=by, gpu=gpu, seq_len=seq_len, **options)
         search, step, fixed, k_max, cap_reason = "batch_size", 1, {"seq_len": seq_len}, BATCH_CAP, "search_cap"
     else:
@@ -209,7 +213,7 @@ def _search(ev: Evaluator, by: str, search: str, step: int, fixed: dict[str, int
     return FitResult(
         model=ev.model.name, gpu=ev.hardware.name, capacity=ev.hardware.capacity, limit=limit, search=search,
         batch_size=found if search == "batch_size" else fixed["batch_size"],
-        seq_len=found if search == "seq_len" else fixed["seq_len"],
+        seq_len=found if search == "seq_len" else fixed.get("seq_len", rep.training.seq_len),
         fits=ok, peak_allocated=rep.peak_allocated, device_used=rep.device_peak, margin=limit - rep.device_peak,
         limited_by="memory" if first_bad is not None else cap_reason, step=step, evaluations=evaluated,
         method=ev.method if by == "estimate" else "trace", report=rep,

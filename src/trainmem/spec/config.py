@@ -514,19 +514,30 @@ def _derived_spec(cfg: dict[str, Any], arch: str, name: str, common: dict[str, A
                   s["max_positions"] <= p.shape[0] <= s["max_positions"] + 2 and p.shape[0] != s["vocab_size"]
                   for p in prof.outer)
     heads, kv = s["num_heads"], s["num_kv_heads"]
+    from .tasks import HEAD_OF_TASK
+    head = HEAD_OF_TASK[s.get("task", "causal-lm")]
+    image = dict(image_size=s["image_size"], patch_size=s["patch_size"], num_channels=s.get("num_channels", 3),
+                 class_tokens=s.get("class_tokens", 0)) if head == "image-cls" else {}
     return ModelSpec(
-        family="derived", head="causal-lm", num_layers=s["num_layers"], hidden_size=s["hidden_size"],
+        family="derived", head=head, num_layers=s["num_layers"], hidden_size=s["hidden_size"],
+        decoder_layers=s.get("decoder_layers", 0), **image,
         num_heads=heads, num_kv_heads=kv if kv and heads % kv == 0 else heads,
         head_dim=s["head_dim"] or max(1, s["hidden_size"] // heads), vocab_size=s["vocab_size"],
         ffn_size=s["ffn_size"], activation="gelu", max_positions=s["max_positions"],
         tied_embeddings=s["tie_word_embeddings"], position="learned" if learned else "rotary",
         num_experts=s["num_experts"], experts_top_k=s["experts_top_k"] if s["num_experts"] else 0,
-        fingerprint=fingerprint(cfg), **dict(common, architecture=arch or prof.architecture))
+        fingerprint=fingerprint(cfg), **dict(common, architecture=prof.architecture))
 
 
 def resolve_model(model: "str | ModelSpec | Mapping[str, Any]",
-                  overrides: Mapping[str, Any] | list[str] | None = None) -> ModelSpec:
-    """A ModelSpec from whatever the user gave: spec, config dict, name, path or hub id."""
+                  overrides: Mapping[str, Any] | list[str] | None = None, task: str | None = None) -> ModelSpec:
+    """A ModelSpec from whatever the user gave: spec, config dict, name, path or hub id; with
+    ``task``, the class transformers has for that task (``spec.tasks.with_task``)."""
+    if task is not None:
+        from .tasks import with_task
+        base = resolve_model(model, overrides)
+        cfg = with_task(dict(base.config), task, base.name)
+        return base if cfg == dict(base.config) else _cached_spec(base.name, json.dumps(cfg, sort_keys=True))
     if isinstance(model, ModelSpec):
         if overrides:
             return spec_from_config(apply_overrides(dict(model.config), overrides), model.name)

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 from ..errors import TrainmemError
 
 FAMILIES = ("gpt2", "nanogpt", "bert", "roberta-prenorm", "llama", "mixtral", "gpt-next", "derived")
-HEADS = ("causal-lm", "masked-lm", "seq-cls", "base")
+HEADS = ("causal-lm", "masked-lm", "seq-cls", "base", "seq2seq-lm", "image-cls")
 ACTIVATIONS = ("gelu", "swiglu", "relu")
 NORMS = ("layernorm", "rmsnorm")
 
@@ -88,6 +88,11 @@ class ModelSpec:
     pre_norm: bool = True
     embedding_norm: bool = False
     final_norm: bool = True
+    decoder_layers: int = 0  # an encoder-decoder (head seq2seq-lm): the last decoder_layers of num_layers
+    image_size: int = 0      # an image model (head image-cls): the config's square image side in pixels
+    patch_size: int = 0      # ... its patch side: a sequence of (image_size / patch_size)^2 patches
+    num_channels: int = 3    # ... colour channels of its pixel values
+    class_tokens: int = 0    # ... tokens added to the patches (ViT's class token)
     architecture: str = ""  # the config's architectures[0], e.g. "LlamaForCausalLM"
     model_type: str = ""
     fingerprint: str = ""  # family "derived": the config's hash, which names its profile (spec.profile)
@@ -143,6 +148,21 @@ class ModelSpec:
         """Whether positions are a learned table (sequences longer than it cannot run)."""
         return self.family in ("gpt2", "nanogpt", "bert", "roberta-prenorm") or (
             self.family == "derived" and self.position == "learned")
+
+    @property
+    def is_image(self) -> bool:
+        """An image model: its sequence is its patches, read from ``--image-size``."""
+        return self.head == "image-cls"
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return self.head == "seq2seq-lm" and self.decoder_layers > 0
+
+    def image_tokens(self, image_size: int) -> int:
+        """The sequence of an ``image_size`` x ``image_size`` image: its patches and class tokens
+        (transformers ``ViTPatchEmbeddings``: a convolution of stride ``patch_size``; ``ViTEmbeddings``
+        prepends the class token)."""
+        return (image_size // self.patch_size) ** 2 + self.class_tokens
 
     @property
     def is_moe(self) -> bool:

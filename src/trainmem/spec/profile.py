@@ -63,15 +63,25 @@ class Profile:
     layer_kinds: tuple[str, ...]               # the kind of each layer
     buffers: tuple[BufferTensor, ...]
     transformers_version: str = ""
+    #: an encoder-decoder's two layer lists, (dotted name, layers) each, encoder first; their layers
+    #: are numbered on from one list to the next. Empty: one list, ``layers_prefix``
+    stacks: tuple[tuple[str, int], ...] = ()
+
+    def layer_names(self) -> list[tuple[str, int]]:
+        """(the list's dotted name, the index in it) of each layer, in the model's numbering."""
+        stacks = self.stacks or ((self.layers_prefix, len(self.layer_kinds)),)
+        return [(prefix, j) for prefix, count in stacks for j in range(count)]
 
     def parameter_tensors(self) -> list[ParamTensor]:
-        """Every parameter, layers in order between the tensors registered before and after them."""
+        """Every parameter, layers in order between the tensors registered before and after them
+        (an encoder-decoder's tensors between its two lists, e.g. the encoder's final norm, come
+        after the layers)."""
         before = [p for p in self.outer if p.layer == -1]
         after = [p for p in self.outer if p.layer != -1]
         out = [ParamTensor(p.name, p.shape, p.role, p.module, None) for p in before]
-        for i, kind in enumerate(self.layer_kinds):
+        for i, (kind, (prefix, j)) in enumerate(zip(self.layer_kinds, self.layer_names())):
             for p in self.kinds[kind]:
-                out.append(ParamTensor(f"{self.layers_prefix}.{i}.{p.name}", p.shape, p.role, p.module, i))
+                out.append(ParamTensor(f"{prefix}.{j}.{p.name}", p.shape, p.role, p.module, i))
         out += [ParamTensor(p.name, p.shape, p.role, p.module, None) for p in after]
         return out
 
@@ -88,7 +98,8 @@ class Profile:
                 "kinds": {k: [row(p) for p in v] for k, v in self.kinds.items()},
                 "layer_kinds": list(self.layer_kinds),
                 "buffers": [[b.name, list(b.shape), b.dtype] for b in self.buffers],
-                "transformers_version": self.transformers_version}
+                "transformers_version": self.transformers_version,
+                **({"stacks": [list(x) for x in self.stacks]} if self.stacks else {})}
 
     @staticmethod
     def from_json(d: Mapping[str, Any]) -> "Profile":
@@ -98,7 +109,7 @@ class Profile:
                        tuple(tensor(r, None) for r in d["outer"]),
                        {k: tuple(tensor(r, 0) for r in v) for k, v in d["kinds"].items()},
                        tuple(d["layer_kinds"]), tuple(BufferTensor(n, tuple(s), dt) for n, s, dt in d["buffers"]),
-                       d.get("transformers_version", ""))
+                       d.get("transformers_version", ""), tuple((str(a), int(b)) for a, b in d.get("stacks", ())))
 
 
 # ----- where profiles live --------------------------------------------------------------------
@@ -185,21 +196,24 @@ def hf_config_object(config: Mapping[str, Any]) -> Any:
 
 
 def model_class(config: Mapping[str, Any], cfg_obj: Any) -> Any:
-    """The causal-LM class of the config: its ``architectures[0]`` when transformers has it, else
-    ``AutoModelForCausalLM``'s class for the config."""
+    """The class of the config: its ``architectures[0]`` when transformers has it and it has a
+    head, else its model type's natural head (``spec.tasks.natural_class``: a decoder's causal LM, T5's seq2seq LM,
+    ViT's image classifier)."""
     import transformers
+    from .tasks import is_base_class, natural_class
     archs = config.get("architectures") or []
     cls = getattr(transformers, archs[0], None) if archs else None
     if archs and cls is None:
-        raise TrainmemError(f"architecture {archs[0]!r}: transformers {transformers.__version__} has no such class "
-                            f"(trainmem derives decoder-only causal LMs, *ForCausalLM)")
+        raise TrainmemError(f"architecture {archs[0]!r}: transformers {transformers.__version__} has no such class")
+    if cls is not None and is_base_class(str(config["model_type"]), cls.__name__):
+        cls = None  # a headless base model (ViT-in21k's ViTModel): trained with its type's natural head
     if cls is None:
-        mapping = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING
-        try:
-            cls = mapping[type(cfg_obj)]
-        except KeyError:
-            raise TrainmemError(f"model_type {config['model_type']!r}: transformers has no causal-LM class for it "
-                                f"(trainmem derives decoder-only causal LMs)") from None
+        name = natural_class(str(config["model_type"]))
+        cls = getattr(transformers, name, None) if name else None
+        if cls is None:
+            raise TrainmemError(f"model_type {config['model_type']!r}: transformers has no class for any task "
+                                f"trainmem trains (causal LM, seq2seq LM, image, masked-LM or sequence "
+                                f"classification) for it") from None
     return cls
 
 
@@ -211,21 +225,25 @@ def build_profile(config: Mapping[str, Any]) -> Profile:
     mtype = str(config.get("model_type"))
     cfg = hf_config_object(config)
     cls = model_class(config, cfg)
-    if not cls.__name__.endswith("ForCausalLM"):
-        raise TrainmemError(f"model_type {mtype!r} ({cls.__name__}): trainmem derives decoder-only causal LMs "
-                            f"(a *ForCausalLM class); this architecture is not one")
+    from .tasks import TASKS, task_of_class
+    task = task_of_class(mtype, cls.__name__)
+    if task is None:
+        raise TrainmemError(f"model_type {mtype!r} ({cls.__name__}): trainmem derives the classes of the tasks "
+                            f"{', '.join(TASKS)}; this class is none of them (give --task)")
     try:
         with torch.device("meta"):
             model = cls._from_config(cfg, dtype=torch.float32)  # buffers as an fp32 build makes them
     except Exception as e:  # a config that does not build: say which and why, once
         raise TrainmemError(f"model_type {mtype!r}: {cls.__name__} does not build from this config on the meta "
                             f"device ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
-    return profile_of_module(model, mtype, cls.__name__, summary(cfg), transformers.__version__)
+    return profile_of_module(model, mtype, cls.__name__, dict(summary(cfg), task=task), transformers.__version__)
 
 
 def summary(cfg: Any) -> dict[str, Any]:
     """The sizes a ModelSpec needs, read from transformers' config object (defaults and aliases
-    resolved by transformers)."""
+    resolved by transformers). An encoder-decoder counts the layers of both stacks
+    (``decoder_layers`` of them in the decoder); an image model (``image_size`` and ``patch_size``
+    in its config) has no vocabulary: its ``vocab_size`` is its label count."""
     def first(*keys: str, default: Any = None) -> Any:
         for k in keys:
             v = getattr(cfg, k, None)
@@ -239,24 +257,60 @@ def summary(cfg: Any) -> dict[str, Any]:
     kv = first("num_key_value_heads", "num_kv_heads", "n_head_kv", default=None)
     if kv is None and getattr(cfg, "multi_query", False):
         kv = 1
-    head_dim = first("head_dim", "attention_head_dim", default=None)
+    head_dim = first("head_dim", "attention_head_dim", "d_kv", default=None)
     experts = int(first(*_EXPERT_KEYS, default=0) or 0)
     # a local window (Mistral, Gemma), or Llama 4's chunked attention: beyond it the mask is no
     # longer the causal one, so derived coefficients need both sides (estimate.derived.regime)
     window = first("sliding_window", "attention_window", "attention_chunk_size", default=0)
     if not first(*_TOPK_KEYS, default=0):
         experts = 0  # no top-k in the config: not read as a mixture of experts
-    return {"num_layers": int(first("num_hidden_layers", "n_layer", "num_layers")), "hidden_size": h,
-            "num_heads": heads, "num_kv_heads": int(kv) if kv else heads,
-            "head_dim": int(head_dim) if head_dim else (h // heads if h % heads == 0 else None),
-            "vocab_size": int(first("vocab_size")),
-            "ffn_size": int(first("intermediate_size", "ffn_hidden_size", "n_inner", "d_ff", default=4 * h) or 4 * h),
-            "max_positions": int(first("max_position_embeddings", "n_positions", "max_seq_len", default=2048)),
-            "num_experts": experts,
-            "experts_top_k": int(first(*_TOPK_KEYS, default=0) or 0) if experts else 0,
-            "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
-            "sliding_window": window if isinstance(window, int) else 0,
-            "use_cache": bool(getattr(cfg, "use_cache", True))}
+    layers = int(first("encoder_layers", "num_hidden_layers", "n_layer", "num_layers"))
+    decoder = int(first("decoder_layers", "num_decoder_layers", default=layers)) \
+        if getattr(cfg, "is_encoder_decoder", False) else 0
+    image = first("image_size", default=None), first("patch_size", default=None)
+    labels = len(getattr(cfg, "id2label", None) or {}) or int(first("num_labels", default=2))
+    out = {"num_layers": layers + decoder, "decoder_layers": decoder, "hidden_size": h,
+           "num_heads": heads, "num_kv_heads": int(kv) if kv else heads,
+           "head_dim": int(head_dim) if head_dim else (h // heads if h % heads == 0 else None),
+           "vocab_size": int(first("vocab_size", default=labels)),
+           "ffn_size": int(first("intermediate_size", "ffn_hidden_size", "n_inner", "d_ff", "encoder_ffn_dim",
+                                 default=4 * h) or 4 * h),
+           "max_positions": int(first("max_position_embeddings", "n_positions", "max_seq_len", default=2048)),
+           "num_experts": experts,
+           "experts_top_k": int(first(*_TOPK_KEYS, default=0) or 0) if experts else 0,
+           "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
+           "sliding_window": window if isinstance(window, int) else 0,
+           "use_cache": bool(getattr(cfg, "use_cache", True))}
+    if isinstance(image[0], int) and isinstance(image[1], int):
+        out.update(image_size=image[0], patch_size=image[1], num_channels=int(first("num_channels", default=3)))
+    return out
+
+
+def image_class_tokens(model: Any, summ: Mapping[str, Any]) -> int:
+    """Tokens an image model adds to its patches (ViT's and CLIP's class token: 1; SigLIP: 0): the
+    rows of its position embeddings beyond the patches of its ``image_size``."""
+    patches = (summ["image_size"] // summ["patch_size"]) ** 2
+    for name, p in model.named_parameters():
+        if "position_embedding" in name and p.dim() >= 2 and p.shape[-1] == summ["hidden_size"]:
+            return max(p.numel() // summ["hidden_size"] - patches, 0)
+    return 0
+
+
+def layer_stacks(model: Any, summ: Mapping[str, Any]) -> list[tuple[str, int]]:
+    """The layer lists: an encoder-decoder's encoder and decoder lists (the ModuleLists of
+    ``GradientCheckpointingLayer``s, encoder first), else the one list ``layers_list`` finds."""
+    dec = summ.get("decoder_layers", 0)
+    if not dec:
+        return [(layers_list(model, summ["num_layers"]), summ["num_layers"])]
+    import torch
+    from transformers.modeling_layers import GradientCheckpointingLayer
+    found = [(name, len(mod)) for name, mod in model.named_modules() if isinstance(mod, torch.nn.ModuleList)
+             and len(mod) and all(isinstance(x, GradientCheckpointingLayer) for x in mod)]
+    enc = summ["num_layers"] - dec
+    if len(found) != 2 or [n for _, n in found] != [enc, dec]:
+        raise TrainmemError(f"{type(model).__name__}: expected an encoder list of {enc} layers and a decoder list "
+                            f"of {dec}, found {found}")
+    return found
 
 
 def layers_list(model: Any, num_layers: int) -> str:
@@ -291,9 +345,12 @@ def _role(mod: Any, pname: str, param: Any, experts: int) -> str:
 def profile_of_module(model: Any, model_type: str, architecture: str, summ: dict[str, Any],
                       tf_version: str = "") -> Profile:
     """Read the parameters and buffers of a built (meta) model into a Profile."""
-    prefix = layers_list(model, summ["num_layers"])
+    stacks = layer_stacks(model, summ)
     modules = dict(model.named_modules())
-    pat = re.compile(re.escape(prefix) + r"\.(\d+)\.(.+)$")
+    first_of, start = {}, 0  # each list's name -> the model-wide number of its first layer
+    for prefix, count in stacks:
+        first_of[prefix], start = start, start + count
+    pat = re.compile("(" + "|".join(re.escape(p) for p, _ in stacks) + r")\.(\d+)\.(.+)$")
     per_layer: dict[int, list[ParamTensor]] = {i: [] for i in range(summ["num_layers"])}
     outer: list[ParamTensor] = []
     seen_layers = False
@@ -305,7 +362,8 @@ def profile_of_module(model: Any, model_type: str, architecture: str, summ: dict
         m = pat.match(name)
         if m:
             seen_layers = True
-            per_layer[int(m.group(1))].append(ParamTensor(m.group(2), tuple(p.shape), role, leaf, 0))
+            per_layer[first_of[m.group(1)] + int(m.group(2))].append(ParamTensor(m.group(3), tuple(p.shape), role,
+                                                                                  leaf, 0))
         else:
             outer.append(ParamTensor(name, tuple(p.shape), role, leaf, None if seen_layers else -1))
     kinds: dict[str, tuple[ParamTensor, ...]] = {}
@@ -326,5 +384,7 @@ def profile_of_module(model: Any, model_type: str, architecture: str, summ: dict
     summ = dict(summ, tie_word_embeddings=not any(p.role != "embedding" and p.layer is None and
                                                   len(p.shape) == 2 and p.shape[0] == summ["vocab_size"]
                                                   for p in outer if p.layer != -1))
-    return Profile(model_type, architecture, prefix, summ, tuple(outer), kinds, tuple(layer_kinds), tuple(bufs),
-                   tf_version)
+    if "image_size" in summ:
+        summ["class_tokens"] = image_class_tokens(model, summ)
+    return Profile(model_type, architecture, stacks[0][0], summ, tuple(outer), kinds, tuple(layer_kinds), tuple(bufs),
+                   tf_version, tuple(stacks) if len(stacks) > 1 else ())

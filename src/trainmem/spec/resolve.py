@@ -17,7 +17,10 @@ Options:
   profile): its measured CUDA context and cuBLAS workspace replace the catalogue's when its GPU is
   the GPU chosen (``spec.calibration.calibrated``; a bundled profile of the GPU is used without it);
 * ``max_fraction`` (in (0, 1]), ``method`` (an estimate method), ``set`` / ``overrides`` (config
-  overrides such as ``["num_hidden_layers=2"]``);
+  overrides such as ``["num_hidden_layers=2"]``), ``task`` (the head trained, ``spec.tasks.TASKS``:
+  the class transformers has for it replaces the config's ``architectures``);
+* ``image_size`` (image models: sets ``seq_len``, which is then refused) and ``target_len``
+  (encoder-decoders: the decoder's tokens, default ``seq_len``) are TrainingSpec fields;
 * ``framework`` (a preset of ``spec.frameworks``: ``nanogpt``, ``torchtune``, ...) and
   ``framework_version``: the preset's option values go first, the explicit training options on
   top (``preset_training``); the setup remembers the framework in ``TrainingSpec.extra``
@@ -43,12 +46,12 @@ from .frameworks import FRAMEWORKS, LINKED, get_preset, parse_version, preset_op
 from .calibration import calibrated
 from .hardware import Hardware, get_gpu
 from .model import ModelSpec
-from .training import TrainingSpec, check_against, default_seq_len
+from .training import TrainingSpec, check_against, default_seq_len, image_sizes
 
 TRAINING_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainingSpec) if f.name != "extra")
 HARDWARE_OPTIONS = frozenset({"gpu", "gpu_memory", "context_memory", "hardware", "calibration"})
 FRAMEWORK_OPTIONS = frozenset({"framework", "framework_version"})
-OTHER_OPTIONS = frozenset({"max_fraction", "method", "set", "overrides", "training"}) | FRAMEWORK_OPTIONS
+OTHER_OPTIONS = frozenset({"max_fraction", "method", "set", "overrides", "training", "task"}) | FRAMEWORK_OPTIONS
 OPTIONS = TRAINING_FIELDS | HARDWARE_OPTIONS | OTHER_OPTIONS
 TRAINING_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainingSpec) if f.name != "extra"}
 
@@ -173,6 +176,9 @@ class Resolved:
         for k, v in training_changes.items():
             if v is None:
                 changes[k] = default_seq_len(self.model) if k == "seq_len" else TRAINING_DEFAULTS[k]
+        if self.model.is_image and "seq_len" not in training_values(training_changes):
+            changes = image_sizes(self.model, {k: v for k, v in changes.items() if k != "seq_len"},
+                                  self.training.image_size)
         return dataclasses.replace(self, training=dataclasses.replace(self.training, **changes))
 
 
@@ -184,12 +190,14 @@ def _overrides(options: Mapping[str, Any]) -> Any:
     return s or o or None
 
 
-def _model(model: Any, overrides: Any) -> ModelSpec:
-    """The ModelSpec of ``model`` (a name, path, config dict, ModelSpec or Resolved), overridden."""
+def _model(model: Any, overrides: Any, task: str | None = None) -> ModelSpec:
+    """The ModelSpec of ``model`` (a name, path, config dict, ModelSpec or Resolved), overridden,
+    with the head of ``task`` (``spec.tasks``)."""
+    extra = (task,) if task is not None else ()
     if isinstance(model, Resolved):
-        return resolve_model(model.model, overrides) if overrides else model.model
+        return resolve_model(model.model, overrides, *extra) if (overrides or task) else model.model
     if isinstance(model, (str, os.PathLike, ModelSpec, Mapping)):
-        return resolve_model(os.fspath(model) if isinstance(model, os.PathLike) else model, overrides)
+        return resolve_model(os.fspath(model) if isinstance(model, os.PathLike) else model, overrides, *extra)
     raise TrainmemError(f"model must be a catalogue name, config path, hub id, config dict, ModelSpec or "
                         f"Resolved, got {type(model).__name__}")
 
@@ -206,6 +214,8 @@ def training_from(options: Mapping[str, Any], model: ModelSpec | None = None,
         start = base
     if start is not None and not isinstance(start, TrainingSpec):
         raise TrainmemError(f"training= must be a TrainingSpec, got {type(start).__name__}")
+    if model is not None:  # an image model's sequence comes from its image size
+        given = image_sizes(model, given, start.image_size if start is not None else None)
     framework, version = options.get("framework"), options.get("framework_version")
     prior = start.extra if start is not None and start.extra.get("framework") else None
     if prior is not None:
@@ -271,7 +281,7 @@ def resolve(model: Any, **options: Any) -> Resolved:
     """
     check_options(options)
     base = model if isinstance(model, Resolved) else None
-    spec = _model(model, _overrides(options))
+    spec = _model(model, _overrides(options), options.get("task"))
     training = training_from(options, spec, base.training if base else None)
     hardware = _hardware(options, base.hardware if base else None)
     method = options.get("method") or (base.method if base else "trainmem")

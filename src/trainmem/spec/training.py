@@ -122,6 +122,8 @@ class TrainingSpec:
     grad_sync: str = "micro-batch"  # GRAD_SYNC: "step" accumulates FSDP's gradients unsharded (no_sync)
     loss_shift: str = "labels"  # LOSS_SHIFTS: "logits" = ``logits[..., :-1, :].contiguous()`` before the loss
     fsdp_lora_units: str = "separate"  # FSDP_LORA_UNITS: "layer" puts adapters in their layer's FSDP1 unit
+    target_len: int | None = None  # an encoder-decoder's decoder tokens (its labels); None: seq_len
+    image_size: int | None = None  # an image model's square image side in pixels; sets seq_len (its patches)
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -145,6 +147,7 @@ class TrainingSpec:
         self._check_loss()
         self._check_recompute()
         self._check_moe()
+        self._check_counts()
         if self.precision == "bf16-mp" and self.fsdp is None:
             raise TrainmemError("--precision bf16-mp is FSDP's MixedPrecisionPolicy(param_dtype=bf16, "
                                 "reduce_dtype=fp32): give --fsdp full (or grad-op, hybrid), or use --precision bf16-amp")
@@ -240,6 +243,13 @@ class TrainingSpec:
             raise TrainmemError("--offload-activations is modelled for one data-parallel rank's full training "
                                 "(no --tp/--pp/--cp, --lora-rank or --quantize); drop it or those options")
 
+    def _check_counts(self) -> None:
+        """``target_len`` and ``image_size`` are None or positive integers."""
+        for key in ("target_len", "image_size"):
+            v = getattr(self, key)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+                raise TrainmemError(f"--{key.replace('_', '-')} must be a positive integer, got {v!r}")
+
     def _check_quantize(self) -> None:
         """``quantize``: litgpt's ``bnb.`` prefix and ``none`` accepted; only over a frozen base (LoRA),
         one GPU's whole layers (no TP, no ZeRO-3/FSDP sharding of the 4-bit tensors)."""
@@ -302,6 +312,11 @@ class TrainingSpec:
                                 "--loss-shift (an upcast loop's copies depend on its order, not modelled)")
 
     # ----- derived -------------------------------------------------------------------------
+    @property
+    def decoder_len(self) -> int:
+        """An encoder-decoder's decoder tokens per sample: ``target_len``, else ``seq_len``."""
+        return self.target_len if self.target_len is not None else self.seq_len
+
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
@@ -425,15 +440,55 @@ LEARNED_POSITION_FAMILIES = ("gpt2", "nanogpt", "bert", "roberta-prenorm")
 
 def default_seq_len(model: Any) -> int:
     """The sequence length used when none is given: 2048 tokens, or the model's learned positions
-    when it has fewer (GPT-2: 1024, BERT: 512)."""
+    when it has fewer (GPT-2: 1024, BERT: 512); an image model's patches of its config's image size."""
+    if model.is_image:
+        return model.image_tokens(model.image_size)
     if model.learned_positions:
         return min(2048, model.max_positions)
     return 2048
 
 
+def image_sizes(model: Any, given: dict[str, Any], current: int | None = None) -> dict[str, Any]:
+    """``given`` training options with an image model's sequence set from its image size: the
+    ``image_size`` given, else ``current`` (the setup's), else the config's; ``--seq-len`` is refused
+    (the image size sets it). Other models: ``given`` unchanged."""
+    if not model.is_image:
+        return given
+    if given.get("seq_len") is not None:
+        raise TrainmemError(f"--seq-len: {model.name} is an image model; its sequence is set by --image-size "
+                            f"(default {model.image_size}: {default_seq_len(model)} tokens)")
+    size = given.get("image_size") or current or model.image_size
+    return dict(given, image_size=size, seq_len=model.image_tokens(size))
+
+
+def _size_problems(model: Any, t: TrainingSpec) -> str | None:
+    """An image size, target length or loss the model cannot take (None: none)."""
+    if t.image_size is not None and not model.is_image:
+        return f"--image-size {t.image_size}: {model.name} is not an image model; give --seq-len"
+    if model.is_image:
+        if t.image_size is None:
+            return f"{model.name} is an image model: give image_size (--image-size; default {model.image_size})"
+        if t.image_size % model.patch_size:
+            return (f"--image-size {t.image_size} is not a multiple of {model.name}'s {model.patch_size}-pixel "
+                    f"patches")
+        if t.seq_len != model.image_tokens(t.image_size):
+            return (f"--seq-len {t.seq_len}: {model.name}'s sequence is its {model.image_tokens(t.image_size)} "
+                    f"patch tokens at --image-size {t.image_size}; give --image-size only")
+    if t.target_len is not None and not model.is_encoder_decoder:
+        return f"--target-len {t.target_len}: {model.name} is not an encoder-decoder (seq2seq-lm); drop it"
+    if model.head in ("seq2seq-lm", "image-cls") and t.loss is not None:
+        return (f"--loss {t.loss}: {model.name}'s {model.head} head computes its own loss "
+                f"({model.architecture}.forward with labels); drop --loss")
+    return None
+
+
 def check_against(model: Any, t: TrainingSpec) -> None:
     """Checks that need both the model and the setup: the layout's divisibility rules
-    (``spec.layout.layout_problems``), learned positions, LoRA target modules."""
+    (``spec.layout.layout_problems``), learned positions, LoRA target modules, an image model's
+    size, an encoder-decoder's target length."""
+    bad = _size_problems(model, t)
+    if bad:
+        raise TrainmemError(bad)
     problems = layout_problems(model, t.tp, t.pp, t.cp, t.seq_len, t.sequence_parallel, t.ep, t.dp, t.shard_group)
     if problems:
         raise TrainmemError(problems[0].message(model.name))
@@ -443,6 +498,9 @@ def check_against(model: Any, t: TrainingSpec) -> None:
     if model.learned_positions and t.seq_len > model.max_positions:
         raise TrainmemError(f"--seq-len {t.seq_len} exceeds the {model.max_positions} learned positions of "
                             f"{model.name}; use --seq-len <= {model.max_positions}")
+    if model.learned_positions and model.is_encoder_decoder and t.decoder_len > model.max_positions:
+        raise TrainmemError(f"--target-len {t.decoder_len} exceeds the {model.max_positions} learned positions of "
+                            f"{model.name}'s decoder; use --target-len <= {model.max_positions}")
     if t.quantize and model.num_experts:
         raise TrainmemError(f"--quantize {t.quantize} with {model.name}, a mixture-of-experts model: its experts "
                             "are not nn.Linear modules and are not modelled quantized; drop --quantize")

@@ -40,9 +40,10 @@ import torch
 from ..errors import TrainmemError
 from ..progress import progress
 from ..spec import ModelSpec, TrainingSpec
-from ..spec.profile import build_profile, layers_list
+from ..spec.profile import build_profile, layer_stacks, layers_list
 from ..estimate.derived import sliding_window
-from ..workload import apply_lora, attention_implementation, hf_factory
+from ..estimate.quantities import is_lm
+from ..workload import apply_lora, attention_implementation, hf_factory, model_batch
 
 #: relative error a fitted quantity may show on the held-out point (plus DERIVE_SLACK bytes)
 DERIVE_TOLERANCE = 0.005
@@ -63,13 +64,24 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "") -> dict
     s0 = _base_seq(m, regime)
     # batch 1 is a special case (some transposes are views there, copies for larger batches): the
     # points use batches of 2 and more, so batch 1 is estimated with the copies (slightly high)
-    points = [(2, s0), (4, s0), (2, 2 * s0), (3, s0 + s0 // 2)]
-    check = (4, s0 + s0 // 2)
+    seqs = _image_seqs(m, s0) if m.is_image else (s0, 2 * s0, s0 + s0 // 2)
+    points = [(2, seqs[0]), (4, seqs[0]), (2, seqs[1]), (3, seqs[2])]
+    # T5's relative position buckets are (s, s) tensors whatever the batch (``T5Attention.
+    # compute_bias``: the bucket indices its embedding saves): a fifth term, s^2, and a fifth point
+    terms = ("n", "s", "nsq", "ssq", "1") if m.is_encoder_decoder else ("n", "s", "nsq", "1")
+    # refinements of the backward transients applied to the encoder-decoder and image models only
+    # (``_transients``' early frees, ``_candidates``' gradients): decoder LMs would need them too,
+    # but their shipped coefficients predate them and re-shipping is the lead's call
+    refined = m.is_encoder_decoder or m.is_image
+    if m.is_encoder_decoder:
+        points.append((2, seqs[2]))
+    check = (4, seqs[2])
     try:
         with _quiet(), progress(len(points) + 1, f"deriving {m.name}'s coefficients") as bar:
             runs = []
             for b, s in points + [check]:
-                runs.append(_measure(m, cfg, kinds_small, replace(base, batch_size=b, seq_len=s)))
+                runs.append(_measure(m, cfg, kinds_small, replace(base, batch_size=b, seq_len=s,
+                                                                  image_size=_image_side(m, s))))
                 bar.update(1)
     except TrainmemError:
         raise
@@ -79,28 +91,43 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "") -> dict
     out: dict[str, Any] = {"layer_kinds": kinds_full, "kinds": {}, "points": points + [check],
                            "attention": attention_implementation(m, t)[0], "seq_base": s0}
     pts = points + [check]
+    ssq: dict[str, float] = {}  # the s^2 coefficients (encoder-decoders), per kind and side
+
+    def fit(what: str, ys: list[int], key: str, check_fit: bool = True) -> dict[str, float]:
+        c = dict(zip(terms, _fitted(m, what, pts, ys, terms, check_fit)))
+        if key:
+            ssq[key] = c.get("ssq", 0.0)
+        return c
     for kind in sorted(set(kinds_small)):
         # a layer may keep tensors sized by the sequence alone (Falcon's rotary cos/sin cache)
         # and a few bytes per layer whatever the size (a norm's ``1 + weight``): fitted, then left out
-        tok, pos, sq, _c = _fitted(m, f"layer {kind} saved bytes", pts, [r["saved"][kind] for r in runs],
-                                   ("n", "s", "nsq", "1"))
+        c = fit(f"layer {kind} saved bytes", [r["saved"][kind] for r in runs], f"kind.{kind}")
         parts = {}
         for name in runs[-1]["parts"][kind]:
             ys = [r["parts"][kind].get(name, 0) for r in runs]
             # the same terms as the layer's total, so the parts' coefficients add up to it (least
             # squares is linear in the data); their per-position terms are in the total's ``pos``
-            a, _pos, b, _c = _fitted(m, "", pts, ys, ("n", "s", "nsq", "1"), check_fit=False)
-            parts[name] = [a, b]
+            cp = fit("", ys, "", check_fit=False)
+            parts[name] = [cp["n"], cp["nsq"]]
         trans = _candidates(m, pts, [r["transient"][kind] for r in runs], [r["made"][kind] for r in runs],
-                            runs[-1]["total_g"][kind])
+                            runs[-1]["total_g"][kind], terms, with_grads=refined)
         cache = _fitted(m, f"layer {kind} KV cache", pts, [r["cache"][kind] for r in runs], ("n",))[0]
         held = _fitted(m, f"layer {kind} output-held bytes", pts, [r["held"][kind] for r in runs], ("n",))[0]
-        out["kinds"][kind] = {"tok": tok, "sq": sq, "pos": pos, "parts": parts, "transients": trans,
+        out["kinds"][kind] = {"tok": c["n"], "sq": c["nsq"], "pos": c["s"], "parts": parts, "transients": trans,
                               "cache": cache, "held": held}
-    out["first_layer"] = list(_fitted(m, "first layer's bytes", pts, [r["first"] for r in runs],
-                                      ("n", "s", "nsq", "1"))[:3])
+        if refined:
+            # the layer's output, kept only by what follows the layer (the next layer, the final
+            # norm): a layer recomputed in its backward does not keep it (quantities._recompute)
+            out["kinds"][kind]["not_recomputed"] = _fitted(m, f"layer {kind} output", pts,
+                                                           [r["early"].get(kind, 0) for r in runs], ("n",))[0]
+    c = fit("first layer's bytes", [r["first"] for r in runs], "first")
+    out["first_layer"] = [c["n"], c["s"], c["nsq"]]
     for side in ("embed", "head", "head_loss"):
-        out[side] = list(_fitted(m, f"{side} bytes", pts, [r[side] for r in runs], ("n", "s", "nsq", "1"))[:3])
+        c = fit(f"{side} bytes", [r[side] for r in runs], side)
+        out[side] = [c["n"], c["s"], c["nsq"]]
+    if m.is_encoder_decoder:
+        out["ssq"] = ssq
+        out["logits_bytes"] = runs[-1]["logits_bytes"]
     return out
 
 
@@ -122,13 +149,14 @@ def reduced_config(m: ModelSpec) -> tuple[dict[str, Any], list[str], list[str]]:
     L = m.num_layers
     full = [f"{k}:{a}" if a else k for k, a in zip(prof.layer_kinds, _layer_types(full_cfg, L))]
     want = set(full)
-    for k in range(min(3, L), L + 1):
-        cfg = _cut(full_cfg, L, k)
+    dec = m.decoder_layers  # an encoder-decoder: both stacks cut to k layers (k <= the shorter one)
+    for k in range(min(3, L - dec, dec) if dec else min(3, L), (min(L - dec, dec) if dec else L) + 1):
+        cfg = _cut(full_cfg, L, k, dec)
         small = build_profile(cfg)
         sig_small = {kind: tuple((p.name, p.shape) for p in ts) for kind, ts in small.kinds.items()}
         sig_full = {tuple((p.name, p.shape) for p in ts): kind for kind, ts in prof.kinds.items()}
         names = [sig_full.get(sig_small[kd], "?") for kd in small.layer_kinds]
-        kinds = [f"{k_}:{a}" if a else k_ for k_, a in zip(names, _layer_types(cfg, k))]
+        kinds = [f"{k_}:{a}" if a else k_ for k_, a in zip(names, _layer_types(cfg, len(names)))]
         if want <= set(kinds):
             return cfg, full, kinds
         if k >= 16:
@@ -137,10 +165,24 @@ def reduced_config(m: ModelSpec) -> tuple[dict[str, Any], list[str], list[str]]:
                         f"layers; trainmem cannot derive its coefficients (use trace)")
 
 
-def _cut(cfg: dict[str, Any], L: int, k: int) -> dict[str, Any]:
+#: an encoder-decoder's layer counts: T5's num_layers / num_decoder_layers, BART's encoder_layers /
+#: decoder_layers (its num_hidden_layers is an alias of encoder_layers)
+_ENCODER_KEYS = ("num_layers", "encoder_layers", "num_hidden_layers")
+_DECODER_KEYS = ("num_decoder_layers", "decoder_layers")
+
+
+def _cut(cfg: dict[str, Any], L: int, k: int, dec: int = 0) -> dict[str, Any]:
+    """``cfg`` cut to its first ``k`` layers (an encoder-decoder: ``k`` in each stack)."""
     out = {}
     for key, v in cfg.items():
         out[key] = v[:k] if isinstance(v, list) and len(v) == L and key != "architectures" else v
+    if dec:
+        for key in _ENCODER_KEYS + _DECODER_KEYS:
+            if key in out:
+                out[key] = k
+        if not any(key in cfg for key in _DECODER_KEYS):
+            out["num_decoder_layers" if "num_layers" in cfg else "decoder_layers"] = k
+        return out
     for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
         if key in out:
             out[key] = k
@@ -166,11 +208,26 @@ def _base_seq(m: ModelSpec, regime: str = "") -> int:
     return max(128, s0 // 128 * 128)
 
 
+def _image_seqs(m: ModelSpec, s0: int) -> tuple[int, int, int]:
+    """An image model's sequences near ``s0``, ``2 s0`` and ``1.5 s0``: squares of whole patch
+    rows plus the class tokens (each is an image size the model takes)."""
+    def near(s: float) -> int:
+        return m.image_tokens(max(2, round((s - m.class_tokens) ** 0.5)) * m.patch_size)
+    return near(s0), near(2 * s0), near(1.5 * s0)
+
+
+def _image_side(m: ModelSpec, s: int) -> int | None:
+    """The image side in pixels whose patches make sequence ``s`` (None: not an image model)."""
+    if not m.is_image:
+        return None
+    return round((s - m.class_tokens) ** 0.5) * m.patch_size
+
+
 # ----- one trace ------------------------------------------------------------------------------------
 def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpec) -> dict[str, Any]:
     """Trace forward + loss + backward of the cut model at ``t``'s batch and sequence."""
     from .api import _device, _load_to_device
-    small = replace(m, num_layers=len(kinds), config=cfg)
+    small = replace(m, num_layers=len(kinds), config=cfg, decoder_layers=len(kinds) // 2 if m.decoder_layers else 0)
     dev = _device(True, None, t, False, None, None, None, None, False)
     tracker = dev.tracker
     amp = {"bf16-amp": torch.bfloat16, "fp16-amp": torch.float16}.get(t.precision)
@@ -180,18 +237,17 @@ def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpe
         with tracker:
             _load_to_device(tracker, model)
         tracker.name_modules(model)
-        prefix = layers_list(model, len(kinds))  # peft's wrapper adds ``base_model.model.``
+        stacks = _stacks(model, m, len(kinds))  # peft's wrapper adds ``base_model.model.``
         params = [p for p in model.parameters() if p.requires_grad]
         hooks = tracker.watch_parameters(params)
         try:
             with tracker, tracker.hooks():
                 model.train()
                 tracker.begin_step(1)
-                ids = torch.randint(0, m.vocab_size, (t.batch_size, t.seq_len), device="cuda")
-                labels = torch.randint(0, m.vocab_size, (t.batch_size, t.seq_len), device="cuda")
+                batch = model_batch(small, t, "cuda")  # ids and labels; an image model's pixel values
                 ctx = torch.autocast("cuda", dtype=amp) if amp is not None else contextlib.nullcontext()
                 with ctx:
-                    out = model(input_ids=ids, labels=labels)  # the model's own loss, inside its forward
+                    out = model(**batch)  # the model's own loss, inside its forward
                     loss = out.loss
                 # the KV cache the output references (transformers builds one whenever use_cache is set)
                 cache = [tracker.live[i] for i in _storages(getattr(out, "past_key_values", None))
@@ -207,7 +263,15 @@ def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpe
             tracker.finish()
             for h in hooks:
                 h.remove()
-    return _analyse(tracker, prefix, kinds, cache, released, m.vocab_size)
+    return _analyse(tracker, stacks, kinds, cache, released, m.vocab_size if is_lm(m) else -1,
+                    early_frees=m.is_encoder_decoder or m.is_image)
+
+
+def _stacks(model: Any, m: ModelSpec, layers: int) -> list[tuple[str, int]]:
+    """The cut model's layer lists (name, layers): an encoder-decoder's two, else one."""
+    if m.is_encoder_decoder:
+        return layer_stacks(model, {"num_layers": layers, "decoder_layers": layers // 2})
+    return [(layers_list(model, layers), layers)]
 
 
 def _storages(obj: Any, depth: int = 0, seen: set | None = None) -> set[int]:
@@ -243,22 +307,25 @@ def _quiet() -> Any:
         transformers.logging.set_verbosity(level)
 
 
-def _analyse(tracker: Any, prefix: str, kinds: list[str], cache: list, released: tuple[int, int],
-             vocab: int) -> dict[str, Any]:
+def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cache: list, released: tuple[int, int],
+             vocab: int, early_frees: bool = False) -> dict[str, Any]:
     recs = tracker.records
     fwd = next(pm for pm in tracker.phase_marks if pm.name == "forward")
     end = fwd.end_event
-    pat = re.compile(re.escape(prefix) + r"\.(\d+)(?:\.|$)")
-
-    def layer_of(r: Any) -> int | None:
-        mm = pat.match(r.module or "")
-        return int(mm.group(1)) if mm else None
-
+    pat, layer_of, starts, ends = _layer_index(stacks)
     logits = [r for r in recs if r.category == "logits"]
     logits_ev = logits[0].alloc_event if logits else end
-    layer_events = [r.alloc_event for r in recs if r.phase == "forward" and layer_of(r) is not None]
+    events: dict[int, list[int]] = defaultdict(list)
+    for r in recs:
+        i = layer_of(r) if r.phase == "forward" else None
+        if i is not None:
+            events[i].append(r.alloc_event)
+    layer_events = [e for v in events.values() for e in v]
     first_layer_ev = min(layer_events, default=0)
     last_layer_ev = max(layer_events, default=0)
+    # an encoder-decoder's tensors made between its stacks (the encoder's final norm, the decoder's
+    # embeddings and masks) are the embedding side's, like those made before the first layer
+    gaps = [(max(events[e], default=0), min(events[s_], default=0)) for e, s_ in zip(ends, starts[1:])]
 
     def alive_at(r: Any, e: int) -> bool:
         return r.alloc_event <= e and (r.free_event is None or r.free_event > e)
@@ -284,17 +351,62 @@ def _analyse(tracker: Any, prefix: str, kinds: list[str], cache: list, released:
         i = layer_of(r)
         if i is not None:
             saved_rec[i].append(r)
-        elif r.alloc_event < first_layer_ev:
+        elif r.alloc_event < first_layer_ev or any(a < r.alloc_event < b for a, b in gaps):
             embed += r.nbytes
         elif last_layer_ev < r.alloc_event < logits_ev:
             head += r.nbytes
-    # a kind's bytes come from a layer between the first and the top one when the cut model has
-    # one. The top layer's output may be kept by what follows it (a post-norm model's final norm
-    # saves it, OLMo 2): that excess is the head's. The first layer may save less: with LoRA its
-    # input (frozen embeddings) needs no gradient, so a frozen branch that reads only the input
-    # saves nothing there (GPT-NeoX's parallel MLP): that difference is ``first`` (per layer 0).
+    # a kind's bytes come from a layer between the first and the last of its stack when the cut
+    # model has one. The top layer's output may be kept by what follows it (a post-norm model's
+    # final norm saves it, OLMo 2): that excess is the head's. The first layer may save less: with
+    # LoRA its input (frozen embeddings) needs no gradient, so a frozen branch that reads only the
+    # input saves nothing there (GPT-NeoX's parallel MLP). That difference, and an encoder-decoder's
+    # at the ends of its stacks (the encoder's last layer, the decoder's first), is ``first``
+    # (once per model).
     top = len(kinds) - 1
-    rank = {i: (0 if 0 < i < top else 1 if i == 0 else 2) for i in range(len(kinds))}
+    typical, saved, parts = _typical_layers(kinds, starts, ends, saved_rec, pat)
+
+    def excess(i: int) -> int:
+        return sum(r.nbytes for r in saved_rec[i]) - saved[kinds[i]] if typical[kinds[i]] != i else 0
+    head += excess(top)
+    first = sum(excess(i) for i in sorted(set(starts + ends) - {top})) if top > 0 else 0
+    trans, made, total_g, early = _transients(tracker, recs, layer_of, kinds, saved_rec, vocab, early_frees)
+    # the KV cache: all of it per layer, and what dies with the output (``held``: not saved)
+    kv: dict[str, list[int]] = defaultdict(list)
+    held: dict[str, list[int]] = defaultdict(list)
+    for kind, i in typical.items():
+        kv[kind].append(sum(r.nbytes for r in cache if layer_of(r) == i))
+        held[kind].append(sum(r.nbytes for r in recs if layer_of(r) == i and r.free_event is not None
+                              and released[0] <= r.free_event < released[1]))
+    # the logits' element size: BART adds its fp32 ``final_logits_bias`` buffer to the half head
+    # output under autocast, so its logits (and its loss) are fp32 (estimate.quantities.loss_bytes)
+    logits_bytes = logits[0].nbytes // max(1, _numel(logits[0].shape)) if logits else 0
+    return {"saved": saved, "logits_bytes": logits_bytes, "parts": parts,
+            "cache": {k: max(v) for k, v in kv.items()}, "held": {k: max(v) for k, v in held.items()},
+            "embed": embed, "head": head, "head_loss": head_loss - head, "first": first, "transient": trans,
+            "made": made, "total_g": total_g, "early": early}
+
+
+def _layer_index(stacks: list[tuple[str, int]]) -> tuple[Any, Any, list[int], list[int]]:
+    """(the layers' module-name pattern, record -> model-wide layer number or None, each list's first
+    layer, each list's last layer): an encoder-decoder's lists are numbered on from one to the next."""
+    pat = re.compile("(" + "|".join(re.escape(p) for p, _ in stacks) + r")\.(\d+)(?:\.|$)")
+    first_of, start = {}, 0
+    for prefix, count in stacks:
+        first_of[prefix], start = start, start + count
+    starts = sorted(first_of.values())
+    ends = [i + c - 1 for i, (_, c) in zip(starts, stacks)]
+
+    def layer_of(r: Any) -> int | None:
+        mm = pat.match(r.module or "")
+        return first_of[mm.group(1)] + int(mm.group(2)) if mm else None
+    return pat, layer_of, starts, ends
+
+
+def _typical_layers(kinds: list[str], starts: list[int], ends: list[int], saved_rec: dict[int, list],
+                    pat: Any) -> tuple[dict[str, int], dict[str, int], dict[str, dict[str, int]]]:
+    """Per kind: the layer that stands for it (one inside its list when there is one, else its
+    list's first, else its last), its saved bytes and their parts by module and op."""
+    rank = {i: (1 if i in starts else 2 if i in ends else 0) for i in range(len(kinds))}
     typical: dict[str, int] = {}
     for i, kind in enumerate(kinds):
         if kind not in typical or rank[i] < rank[typical[kind]]:
@@ -308,29 +420,25 @@ def _analyse(tracker: Any, prefix: str, kinds: list[str], cache: list, released:
             rel = pat.sub("", r.module or "", count=1).lstrip(".")
             by[f"{rel or 'layer'}.{r.op}"] += r.nbytes
         parts[kind] = dict(by)
-    head += sum(r.nbytes for r in saved_rec[top]) - saved[kinds[top]] if top != typical[kinds[top]] else 0
-    first = sum(r.nbytes for r in saved_rec[0]) - saved[kinds[0]] if top > 0 and typical[kinds[0]] != 0 else 0
-    trans, made, total_g = _transients(tracker, recs, layer_of, kinds, saved_rec, vocab)
-    # the KV cache: all of it per layer, and what dies with the output (``held``: not saved)
-    kv: dict[str, list[int]] = defaultdict(list)
-    held: dict[str, list[int]] = defaultdict(list)
-    for kind, i in typical.items():
-        kv[kind].append(sum(r.nbytes for r in cache if layer_of(r) == i))
-        held[kind].append(sum(r.nbytes for r in recs if layer_of(r) == i and r.free_event is not None
-                              and released[0] <= r.free_event < released[1]))
-    return {"saved": saved,
-            "cache": {k: max(v) for k, v in kv.items()}, "held": {k: max(v) for k, v in held.items()},
-            "parts": parts,
-            "embed": embed, "head": head, "head_loss": head_loss - head, "first": first, "transient": trans, "made": made, "total_g": total_g}
+    return typical, saved, parts
+
+
+def _numel(shape: Any) -> int:
+    out = 1
+    for d in shape:
+        out *= int(d)
+    return out
 
 
 def _transients(tracker: Any, recs: list, layer_of: Any, kinds: list[str], saved_rec: dict[int, list],
-                vocab: int) -> tuple[dict[str, list[int]], dict[str, list[int]], dict[str, int]]:
+                vocab: int, early_frees: bool = False
+                ) -> tuple[dict[str, list[int]], dict[str, list[int]], dict[str, int], dict[str, int]]:
     """Per kind (its last layer in the cut model), the backward transient after each event of the
     layer's backward (see the module docstring), the layer's gradient bytes made by then, and the
     layer's gradient bytes in all. The op sequence does not depend on batch or sequence, so event
     ``j`` of the window is the same moment in every run."""
     trans: dict[str, list[int]] = {}
+    early: dict[str, int] = {}  # the layer's tensors freed before its backward began (its output, kept by what follows)
     made_at: dict[str, list[int]] = {}
     total_g: dict[str, int] = {}
     for i, kind in enumerate(kinds):
@@ -346,7 +454,13 @@ def _transients(tracker: Any, recs: list, layer_of: Any, kinds: list[str], saved
                 len(r.shape) == 2 and r.shape[0] == vocab)
         temps = sum(r.nbytes for r in recs if r.alloc_event < w0 and (r.free_event is None or r.free_event >= w0)
                     and temp(r))
-        freed = made = 0
+        # the layer's tensors that outlived the forward but died before its backward began: the
+        # top layer's output that only the final norm saved (ViT's ``layernorm``), freed by the
+        # head's backward. Counted for encoder-decoder and image models (``early_frees``); decoder
+        # LMs have them too, but their shipped coefficients predate this (docs/architectures.md)
+        freed = sum(r.nbytes for r in saved_rec[i] if r.free_event is not None and r.free_event < w0) \
+            if early_frees else 0
+        made = 0
         series, mades = [], []
         for e in range(w0, w1 + 1):
             code = tracker.ev_rec[e]
@@ -364,40 +478,51 @@ def _transients(tracker: Any, recs: list, layer_of: Any, kinds: list[str], saved
             series.append(temps - freed)
             mades.append(made)
         trans[kind], made_at[kind] = series, mades
+        early[kind] = sum(r.nbytes for r in saved_rec[i] if r.free_event is not None and r.free_event < w0)
         total_g[kind] = sum(r.nbytes for r in recs if r.category == "gradients" and layer_of(r) == i)
-    return trans, made_at, total_g
+    return trans, made_at, total_g, early
 
 
 def _candidates(m: ModelSpec, pts: list[tuple[int, int]], series: list[list[int]], made: list[list[int]],
-                total_g: int) -> list[list[float]]:
+                total_g: int, terms: tuple[str, ...] = ("n", "s", "nsq", "1"), with_grads: bool = False
+                ) -> list[list[float]]:
     """The backward transients worth keeping: each moment of the window fitted as
-    ``a*n + b*nsq + c`` over the first three runs and checked on the fourth; of those, the ones
+    ``a*n + b*nsq + c`` over all runs but the last and checked on it; of those, the ones
     that are the largest somewhere on a grid of batch and sequence. Each as [a, b, c, gradient
-    share]."""
+    share]. ``with_grads`` (encoder-decoder and image models): the layer's gradients made by a
+    moment count when choosing the largest (two moments with the same temporaries, before and after
+    a weight gradient is made, differ by it). With an ``ssq`` term (encoder-decoders: T5's position bias gradient is summed over
+    the batch to (s, s, heads) in the first layer's backward) the fit has ``d*s^2`` too, kept
+    in ``b`` (``d*s^2 <= d*b*s^2``: exact at batch 1, an upper bound above)."""
     import numpy as np
     if len({len(x) for x in series}) != 1:
         raise TrainmemError(f"{m.name}: its backward runs different operations at different sizes; trainmem "
                             "cannot derive its transients (use trace)")
     y = np.array(series, dtype=np.float64)           # runs x moments
-    a = np.array([_basis(b, s, ("n", "nsq", "1")) for b, s in pts])
+    basis = ("n", "nsq", "1") + (("ssq",) if "ssq" in terms else ())
+    a = np.array([_basis(b, s, basis) for b, s in pts])
     coef = np.linalg.lstsq(a[:-1], y[:-1], rcond=None)[0]   # 3 x moments
     pred = a[-1] @ coef
     ok = np.abs(pred - y[-1]) <= DERIVE_TOLERANCE * np.abs(y[-1]) + DERIVE_SLACK
     if not ok.any() or abs(pred[ok].max() - y[-1].max()) > DERIVE_TOLERANCE * abs(y[-1].max()) + DERIVE_SLACK:
         raise TrainmemError(f"{m.name}: the derived backward transient is not polynomial in the batch and "
                             f"sequence; trainmem will not extrapolate it: use trace")
+    if "ssq" in terms:  # folded into the b*s^2 term (see the docstring)
+        coef = np.vstack([coef[0], coef[1] + np.maximum(coef[3], 0.0), coef[2]])
     grid = np.array([_basis(b, s, ("n", "nsq", "1")) for b in (1, 4, 32) for s in (512, 4096, 32768)])
     vals = grid @ coef
+    g = np.array(made, dtype=np.float64).max(0)
+    if with_grads:  # a moment's own gradients made by then count in the choice (the engine adds them)
+        vals = vals + g
     vals[:, ~ok] = -np.inf
     keep = sorted(set(int(j) for j in vals.argmax(1)))
-    g = np.array(made, dtype=np.float64).max(0)
     return [[float(coef[0, j]), float(coef[1, j]), float(coef[2, j]), float(g[j] / total_g) if total_g else 0.0]
             for j in keep]
 
 
 # ----- fitting --------------------------------------------------------------------------------------
 def _basis(b: int, s: int, terms: tuple[str, ...]) -> list[float]:
-    v = {"n": b * s, "s": s, "nsq": b * s * s, "1": 1}
+    v = {"n": b * s, "s": s, "nsq": b * s * s, "ssq": s * s, "1": 1}
     return [float(v[k]) for k in terms]
 
 

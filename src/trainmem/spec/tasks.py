@@ -1,0 +1,107 @@
+"""Which head is trained: ``--task``, as transformers' ``architectures`` field picks the class.
+
+A config's ``architectures[0]`` names the class ``from_pretrained`` builds; the same model type has
+one class per task (``T5Model``, ``T5ForConditionalGeneration``, ``T5ForSequenceClassification``).
+``--task`` picks the class of another task through transformers' auto mappings (model type ->
+class name, ``transformers/models/auto/modeling_auto.py``: ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``
+and its siblings), the way ``AutoModelForSeq2SeqLM.from_config`` would. Without ``--task`` the
+config's ``architectures`` decides; a config without one gets its model type's natural head: the
+first task of ``TASKS`` whose mapping has the type (a decoder's causal LM, T5's seq2seq LM, ViT's
+image classifier).
+
+Importing this module imports nothing heavy; the mappings are read only when a task has to be
+looked up (``with_task`` for a class the config does not name, ``natural_class``).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ..errors import TrainmemError
+
+#: task -> transformers' auto mapping of model type to class name, in the natural-head order
+TASKS = {
+    "causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "seq2seq-lm": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    "image-classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+    "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "sequence-classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+}
+#: task -> ModelSpec.head
+HEAD_OF_TASK = {"causal-lm": "causal-lm", "seq2seq-lm": "seq2seq-lm", "image-classification": "image-cls",
+                "masked-lm": "masked-lm", "sequence-classification": "seq-cls"}
+#: class-name endings that name one task whatever the model type ("ForConditionalGeneration" does
+#: not: Gemma 3's and Llava's are multimodal causal LMs, T5's and BART's seq2seq LMs)
+_SUFFIXES = {"causal-lm": ("ForCausalLM", "LMHeadModel"), "masked-lm": ("ForMaskedLM",),
+             "sequence-classification": ("ForSequenceClassification",),
+             "image-classification": ("ForImageClassification",)}
+
+
+def _mapping(task: str) -> Mapping[str, Any]:
+    try:
+        from transformers.models.auto import modeling_auto
+    except ImportError:
+        raise TrainmemError(f"--task {task}: looking up the class needs transformers: pip install transformers") \
+            from None
+    return getattr(modeling_auto, TASKS[task])
+
+
+def task_of_class(model_type: str, class_name: str) -> str | None:
+    """The task whose auto mapping gives ``class_name`` for ``model_type`` (None: none of TASKS)."""
+    for task in TASKS:
+        names = _mapping(task).get(model_type)
+        if class_name == names or (isinstance(names, (list, tuple)) and class_name in names):
+            return task
+    # a class the mapping lists under a sibling type (Gemma3ForSequenceClassification is gemma3's,
+    # its text model is gemma3_text): the ending that names one task
+    return next((task for task, ends in _SUFFIXES.items() if class_name.endswith(ends)), None)
+
+
+def class_for_task(model_type: str, task: str) -> str:
+    """The class transformers builds for ``task`` on ``model_type``; one line when there is none."""
+    if task not in TASKS:
+        raise TrainmemError(f"--task {task!r} is not one of: {', '.join(TASKS)}")
+    name = _mapping(task).get(model_type)
+    if isinstance(name, (list, tuple)):
+        name = name[0] if name else None
+    if not name:
+        have = [t for t in TASKS if _mapping(t).get(model_type)]
+        raise TrainmemError(f"--task {task}: transformers has no {task} class for model_type {model_type!r} "
+                            f"(its tasks: {', '.join(have) or 'none of ' + ', '.join(TASKS)})")
+    return str(name)
+
+
+def is_base_class(model_type: str, class_name: str) -> bool:
+    """Whether ``class_name`` is ``model_type``'s headless base model (``MODEL_MAPPING_NAMES``)."""
+    from transformers.models.auto import modeling_auto
+    names = modeling_auto.MODEL_MAPPING_NAMES.get(model_type)
+    return class_name == names or (isinstance(names, (list, tuple)) and class_name in names)
+
+
+def natural_class(model_type: str) -> str | None:
+    """The class of the first task in TASKS that ``model_type`` has (None: none)."""
+    for task in TASKS:
+        name = _mapping(task).get(model_type)
+        if name:
+            return str(name[0] if isinstance(name, (list, tuple)) else name)
+    return None
+
+
+def with_task(config: Mapping[str, Any], task: str | None, name: str) -> dict[str, Any]:
+    """``config`` with ``architectures`` naming the class of ``task`` (unchanged without a task,
+    or when its class already is that task's)."""
+    cfg = dict(config)
+    if task is None:
+        return cfg
+    if task not in TASKS:
+        raise TrainmemError(f"--task {task!r} is not one of: {', '.join(TASKS)}")
+    mtype = str(cfg.get("model_type") or "")
+    if not mtype:
+        raise TrainmemError(f"model {name!r}: --task {task} needs the config's model_type")
+    archs = cfg.get("architectures") or []
+    current = archs[0] if archs and isinstance(archs[0], str) else ""
+    if current and current.endswith(_SUFFIXES.get(task, ("\0",))):
+        return cfg
+    cls = class_for_task(mtype, task)
+    if cls != current:
+        cfg["architectures"] = [cls]
+    return cfg

@@ -1,0 +1,149 @@
+"""Encoder-decoders (T5, BART) and vision transformers (ViT): ``--task``, ``--target-len``,
+``--image-size``, and the derived estimate against the trace of the real model.
+
+The estimate is compared with a trace whose allocator runs with expandable segments
+(``trace(..., expandable_segments=True)``): there a block is the request rounded to 512 bytes,
+so the comparison is of the tensors themselves. With the default allocator a request between
+1 and 10 MiB may leave an unsplit remainder of its 20 MiB segment (PyTorch
+``c10/cuda/CUDACachingAllocator.cpp``, ``should_split``), which these small models' activations
+and gradients meet often and which the estimate's allocator model does not place (up to 3% of
+the peak of ViT-Base at batch 4 x 577 tokens; the allocator model is not this module's subject).
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from transformers import BartConfig, T5Config, ViTConfig
+
+import trainmem
+from trainmem.errors import TrainmemError
+
+from test_cli import ERROR_PREFIX, run_cli
+
+T5_SMALL = T5Config(d_model=256, d_ff=1024, num_layers=3, num_heads=4, d_kv=64, vocab_size=2000,
+                    decoder_start_token_id=0, pad_token_id=0, feed_forward_proj="gated-gelu",
+                    tie_word_embeddings=False, architectures=["T5ForConditionalGeneration"]).to_dict()
+BART_SMALL = BartConfig(d_model=256, encoder_ffn_dim=1024, decoder_ffn_dim=1024, encoder_layers=3, decoder_layers=3,
+                        encoder_attention_heads=4, decoder_attention_heads=4, vocab_size=2000,
+                        max_position_embeddings=1024, architectures=["BartForConditionalGeneration"]).to_dict()
+VIT_SMALL = ViTConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=3, num_attention_heads=4,
+                      num_labels=10, architectures=["ViTForImageClassification"]).to_dict()
+MODELS = {"t5": T5_SMALL, "bart": BART_SMALL, "vit": VIT_SMALL}
+TOLERANCE = 0.005
+
+
+def _size(name: str, s: int) -> dict:
+    """``s`` as the model takes it: image models a side in pixels (224 -> 197 tokens, 384 -> 577)."""
+    return {"image_size": {128: 224, 512: 384}[s]} if name == "vit" else {"seq_len": s}
+
+
+def _error(name: str, **setup) -> float:
+    est = trainmem.estimate(MODELS[name], **setup).peak_allocated
+    tr = trainmem.trace(MODELS[name], expandable_segments=True, **setup).peak_allocated
+    return est / tr - 1
+
+
+# ----- the head, the sizes ---------------------------------------------------------------------
+def test_natural_head_without_architectures():
+    t5 = trainmem.resolve_model({k: v for k, v in T5_SMALL.items() if k != "architectures"})
+    vit = trainmem.resolve_model({k: v for k, v in VIT_SMALL.items() if k != "architectures"})
+    assert (t5.architecture, t5.head, t5.decoder_layers, t5.num_layers) == \
+        ("T5ForConditionalGeneration", "seq2seq-lm", 3, 6)
+    assert (vit.architecture, vit.head) == ("ViTForImageClassification", "image-cls")
+
+
+def test_headless_base_model_is_trained_with_its_natural_head():
+    """ViT-in21k's config names ViTModel (no head): it is trained as ViTForImageClassification."""
+    spec = trainmem.resolve_model(dict(VIT_SMALL, architectures=["ViTModel"]))
+    assert spec.architecture == "ViTForImageClassification" and spec.head == "image-cls"
+
+
+def test_task_picks_transformers_class():
+    spec = trainmem.resolve_model("t5-base", task="sequence-classification")
+    assert spec.architecture == "T5ForSequenceClassification" and spec.head == "seq-cls"
+    assert trainmem.resolve("t5-base", task="seq2seq-lm").model == trainmem.resolve_model("t5-base")
+
+
+def test_image_size_sets_the_sequence():
+    r = trainmem.resolve("vit-base-patch16-224", image_size=384)
+    assert (r.training.image_size, r.training.seq_len) == (384, (384 // 16) ** 2 + 1)
+    assert trainmem.resolve("vit-base-patch16-224").training.seq_len == 197
+    assert r.replace(image_size=224).training.seq_len == 197
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["vit-base-patch16-224", "--task", "seq2seq-lm"], "--task seq2seq-lm"),
+    (["vit-base-patch16-224", "--seq-len", "128"], "--seq-len"),
+    (["vit-base-patch16-224", "--image-size", "100"], "--image-size 100"),
+    (["llama-3.2-1b", "--image-size", "224"], "--image-size 224"),
+    (["qwen3-0.6b", "--target-len", "64"], "--target-len 64"),
+    (["t5-base", "--seq-len", "256", "--target-len", "64"], "--target-len 64"),
+    (["t5-base", "--loss", "upcast"], "--loss upcast"),
+])
+def test_refusals_are_one_line(capsys, argv, names):
+    code, out, err = run_cli(capsys, "estimate", *argv)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(ERROR_PREFIX) and names in lines[0], err
+
+
+def test_trace_runs_the_target_length():
+    """The decoder's labels are --target-len tokens: its logits shrink with it."""
+    short = trainmem.trace(T5_SMALL, batch_size=2, seq_len=256, target_len=64, steps=1)
+    full = trainmem.trace(T5_SMALL, batch_size=2, seq_len=256, steps=1)
+    assert short.training.decoder_len == 64 and full.training.decoder_len == 256
+    assert short.phases[1].peak < full.phases[1].peak
+
+
+def test_estimate_refuses_a_target_length_it_was_not_fitted_for():
+    with pytest.raises(TrainmemError, match="--target-len 64 other than --seq-len 256"):
+        trainmem.estimate(T5_SMALL, seq_len=256, target_len=64)
+
+
+# ----- estimate against trace ----------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_estimate_agrees_with_trace(name):
+    """One setup per model, kept fast; the grid below is slow."""
+    assert abs(_error(name, batch_size=2, precision="bf16-amp", **_size(name, 512))) <= TOLERANCE
+
+
+GRID = list(itertools.product((1, 4), (128, 512), ("bf16-amp", "fp32"), ("none", "full")))
+
+
+def _known_gap(name: str, b: int, s: int, recompute: str) -> bool:
+    """The setups not yet within 0.5% (docs/architectures.md, measured on this grid):
+
+    * T5 and BART under full recompute: the engine re-creates the average layer's saved tensors in
+      a recomputed layer's backward, and a decoder layer (cross-attention) saves more than the
+      average of an encoder and a decoder layer; T5 also keeps each stack's position bias as an
+      input of its checkpointed layers and makes the decoder's cross-attention bias a leaf that
+      requires grad (``modeling_t5.py`` ``T5Attention.forward``: ``position_bias.requires_grad =
+      True`` under gradient checkpointing), alive with its gradient until the next step
+      (T5 -2.1% to +2.9%, BART -1.9% and -4.3% at batch 4 x 512);
+    * ViT at 384 pixels under full recompute, batch 1 (-0.8%): the peak is the optimizer step, where
+      the trace keeps a (1, 576, hidden) fp32 tensor of the interpolated position table's backward
+      among the gradients; not explained yet."""
+    return recompute == "full" and (name in ("t5", "bart") or (name == "vit" and s == 512 and b == 1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_estimate_agrees_with_trace_grid(name):
+    """Batch 1 and 4, sequence 128 and 512 (ViT: 224 and 384 pixels), bf16-amp and fp32, recompute
+    none and full: within 0.5% of the trace's peak, but for the setups ``_known_gap`` names."""
+    worst = []
+    for b, s, precision, recompute in GRID:
+        if _known_gap(name, b, s, recompute):
+            continue
+        err = _error(name, batch_size=b, precision=precision, recompute=recompute, **_size(name, s))
+        worst.append((abs(err), (b, s, precision, recompute), err))
+    assert max(worst)[0] <= TOLERANCE, max(worst)
+
+
+def test_fit_searches_an_image_models_micro_batch():
+    """fit on an image model: the sequence is its image size's patches, the micro-batch is searched."""
+    from trainmem.plan.fit import fit
+    r = fit("vit-base-patch16-224", gpu="h100", image_size=384)
+    assert r.fits and r.seq_len == 577 and r.search == "batch_size"
+    over = trainmem.estimate("vit-base-patch16-224", gpu="h100", image_size=384, batch_size=r.batch_size + 1)
+    assert over.device_peak > r.limit >= r.device_used
