@@ -40,6 +40,9 @@ CASES = [
     ({"dp": 2, "ddp_bucket_mb": 1.0}, "same", "the cap regroups DDP's buckets, which together are as large as the "
                                               "gradients (vs --dp 2 alone)"),
     ({"tp": 2}, CHANGED, ""), ({"pp": 2}, REFUSED, "--pp 2"), ({"cp": 2}, REFUSED, "--cp 2"),
+    # expert parallelism and the routing imbalance need experts; on Mixtral (tests/test_moe.py) trace refuses
+    # --ep and runs --moe-imbalance as the GPU would: grouped_mm's rows do not depend on the routing
+    ({"ep": 2, "dp": 2}, REFUSED, "--ep 2"), ({"moe_imbalance": 2.0}, REFUSED, "--moe-imbalance 2"),
     ({"tp": 2, "sequence_parallel": True}, CHANGED, ""),  # vs --tp 2 alone
     ({"pp": 2, "num_microbatches_in_flight": 2}, REFUSED, "--pp 2"),
     ({"distributed_optimizer": True, "dp": 2}, REFUSED, "--distributed-optimizer"),

@@ -38,7 +38,7 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
     group in one process (``trainmem.trace.distributed``); no pipeline or context parallelism.
     ``measure`` runs data and tensor parallelism through PyTorch's own wrappers, one process per rank
     (``trainmem.measure.distributed``), without sequence parallelism."""
-    bad = [f"--{key} {getattr(t, key)}" for key in ("pp", "cp") if getattr(t, key) != 1]
+    bad = [f"--{key} {getattr(t, key)}" for key in ("pp", "cp", "ep") if getattr(t, key) != 1]
     if t.zero_stage and t.fsdp is None:
         bad.append(f"ZeRO stage {t.zero_stage} (DeepSpeed)")
     if t.sequence_parallel and what != "trace":

@@ -116,6 +116,7 @@ def add_training(g: Any) -> None:
                        help={"dp": "data-parallel size", "tp": "tensor-parallel size",
                              "pp": "pipeline-parallel size", "cp": "context-parallel size"}[k])
     g.add_argument("--sequence-parallel", action="store_true")
+    _add_moe(g)
     _add_recompute(g)
     g.add_argument("--compile", action="store_true", help="torch.compile (fused loss backward)")
     g.add_argument("--attention", choices=ATTENTION, default=None,
@@ -204,6 +205,16 @@ def add_output(o: Any) -> None:
     o.add_argument("--detail", action="store_true", help="list every component, not categories")
 
 
+def _add_moe(g: Any) -> None:
+    """Mixture-of-experts flags: expert parallelism and the routing imbalance (docs/moe.md)."""
+    g.add_argument("--ep", type=positive_int, default=1,
+                   help="expert-parallel size: each MoE layer's experts split over this many of the --dp ranks, "
+                        "tokens exchanged by all-to-all (transformers' AllToAllEP; estimate only)")
+    g.add_argument("--moe-imbalance", type=float, default=1.0, metavar="F",
+                   help="the busiest expert receives F times the mean token load (F >= 1, default 1: uniform "
+                        "routing); it raises the busiest rank's expert activations under --ep")
+
+
 def _add_recompute(g: Any) -> None:
     """--recompute, --recompute-every, --offload-activations."""
     g.add_argument("--recompute", choices=RECOMPUTE, default=None,
@@ -224,7 +235,8 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
     opts = dict(batch_size=a.batch_size, seq_len=a.seq_len, grad_accum=a.grad_accum, precision=a.precision,
                 optimizer=a.optimizer, optimizer_impl=a.optimizer_impl, zero=a.zero, fsdp=a.fsdp,
                 offload_optimizer=a.offload_optimizer, distributed_optimizer=a.distributed_optimizer,
-                dp=a.dp, tp=a.tp, pp=a.pp, cp=a.cp, sequence_parallel=a.sequence_parallel,
+                dp=a.dp, tp=a.tp, pp=a.pp, cp=a.cp, ep=a.ep, moe_imbalance=a.moe_imbalance,
+                sequence_parallel=a.sequence_parallel,
                 recompute=a.recompute, recompute_every=a.recompute_every, attention=a.attention, compile=a.compile,
                 offload_activations=a.offload_activations,
                 keep_logits=a.keep_logits,

@@ -540,6 +540,23 @@ class LayerKey:
     kv_cache: bool = False   # transformers builds a DynamicCache in training (config.use_cache)
     capability: tuple[int, int] = (8, 0)  # the GPU's compute capability (which SDPA kernel runs)
     biased: tuple[str, ...] = ()  # modules of a layer whose linear has a bias (set for --recompute op only)
+    ep: int = 1               # expert parallelism: ranks the experts are split over (AllToAllEP)
+    ep_rows: float = 0.0      # ... token rows per own token that this rank's experts run on (ep_rank_rows)
+
+
+def ep_rank_rows(top_k: int, experts: int, ep: int, imbalance: float) -> float:
+    """Rows the experts of the busiest expert-parallel rank run on, per token of a rank's own
+    micro-batch (T = b*s tokens per rank, each routed to ``top_k`` experts).
+
+    Every one of the ``ep`` ranks routes T*k (token, expert) pairs; the mean expert receives
+    m = ep*T*k/E of them, so a rank's E/ep experts receive T*k on average. ``imbalance`` F puts
+    F*m on one expert, capped at ep*T (a token picks an expert at most once, so an expert sees at
+    most every token of the group: F <= E/k); the other experts of that rank keep the mean and the
+    extra (F-1)*m is taken from experts on other ranks. The rank then receives
+    T*k + (F-1)*m = T*k*(1 + (F-1)*ep/E) rows, at most all ep*T*k pairs of the group. With ep = 1
+    every expert is on the rank and it always runs T*k rows, whatever the routing."""
+    f = min(imbalance, experts / top_k)
+    return top_k * min(float(ep), 1.0 + (f - 1.0) * ep / experts)
 
 
 @dataclass(frozen=True)
@@ -750,7 +767,9 @@ def _llama_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: 
     src2 = T(gathered, 0, m_in.nbytes, "post_attention_layernorm.out")
     if not pol.amp and not B.frozen:
         B.r.save(src2)
-    if k.experts:
+    if k.experts and k.ep > 1:
+        _moe_ep(B, src2, h, f, k.experts, k.top_k, k.ep, k.ep_rows)
+    elif k.experts:
         _moe(B, src2, h, f, k.experts, k.top_k)
     else:
         _swiglu(B, f, h, src2, "mlp", fused_gate_up=False)
@@ -820,6 +839,60 @@ def _moe(B: Builder, src: T, h: float, f: float, experts: int, top_k: int) -> No
     # combine backward: index_put of the gradient into zeros, both products' gradients (fp32)
     # and the cast back to the experts' dtype
     B.r.transient("experts.combine.backward", T(3 * k * h, 0, F32), T(k * h, 0, wd))
+
+
+def _moe_ep(B: Builder, src: T, h: float, f: float, experts: int, top_k: int, ep: int, rows: float) -> None:
+    """The sparse MoE block under expert parallelism, as transformers 5.23 runs it in training
+    (``DistributedConfig(ep_size=N)``, ``AutoEP`` -> ``AllToAllEP``, src/transformers/distributed/
+    expert_parallel.py): this rank holds E/N experts (``MoEParamShard``: ``Shard(0)``, and
+    ``_is_expert_parallel`` set). Per token of its own micro-batch (k = top_k):
+
+    - the router, as without EP;
+    - dispatch: ``order = argsort(expert_ids)`` and ``hidden_states[order // k]`` (``index`` saves
+      ``order // k``; ``order`` is kept for the combine's ``index_put``, which saves it): 2k int64;
+      the (T*k, h) send rows and the ``all_to_all_single_autograd`` output (``rows`` per token,
+      ``ep_rank_rows``) are not saved (the all-to-all's backward is the reverse all-to-all);
+    - this rank's experts (``grouped_mm_experts_forward``, integrations/moe.py) on the received rows,
+      top-1 with unit weights (``ones_like``, no gradient) in the rows' dtype: the gathered rows,
+      ``perm // 1`` and the inverse permutation (int64, saved by the two ``index`` ops that need a
+      gradient; ``sample_weights[perm]`` has none, so ``perm`` is not kept), the unit weights
+      gathered by ``perm`` (saved by the weighting multiply, which keeps no copy of down's output:
+      its other factor needs no gradient), the EP sentinel mask (bool, saved by ``masked_fill_`` /
+      ``masked_fill``) and the masked copy of gate_up's output (``masked_fill`` out of place; the
+      grouped_mm output itself is not kept), its SiLU and the product;
+    - combine: the reverse all-to-all, ``token_outputs[order] = recv_out`` into a (T*k, h)
+      ``empty_like``, multiplied by the fp32 routing weights (which saves ``token_outputs``) and
+      summed over k.
+
+    Every expert-side tensor has ``rows`` rows per token: the busiest rank's load. Forward-only
+    copies (the send rows, the grouped_mm outputs before masking) are not counted as transients.
+    """
+    wd = B.p.weight  # the rows' dtype: the MoE input (fp32 under autocast, else the weights') = the experts'
+    k = top_k
+    el = experts / ep  # experts on this rank
+    B.linear(src, experts, "mlp.gate", "router.input", h)
+    B.r.save(T(experts, 0, F32, "router.softmax"), T(k, 0, 8, "router.topk_index"),
+             T(k + 1, 0, F32, "router.topk_weights"))
+    B.r.save(T(2 * k, 0, 8, "ep.dispatch_indices"))
+    # dispatch backward (last in backward): the received rows' gradient, the reverse all-to-all's
+    # (T*k, h) output and the scatter into the (T, h) input gradient
+    B.r.transient("ep.dispatch.backward", T(rows * h, 0, wd), T(k * h, 0, wd), T(h, 0, wd))
+    B.r.save(T(rows * h, 0, wd, "experts.input"), T(rows, 0, wd, "experts.routing_weights"),
+             T(2 * rows, 0, 8, "experts.indices"), T(rows, 0, 1, "experts.sentinel_mask"))
+    grad_w = wd
+    B.r.transient("experts.gate_up.backward", T(2 * rows * f, 0, wd), T(rows * h, 0, wd),
+                  const=el * 2 * f * h * grad_w, own_weights=el * 2 * f * h)
+    B.r.weights += el * 2 * f * h
+    B.r.save(T(2 * rows * f, 0, wd, "experts.gate_up_out"), T(rows * f, 0, wd, "experts.silu_out"))
+    B.r.transient("experts.act.backward", T(3 * rows * f, 0, wd))
+    B.r.save(T(rows * f, 0, wd, "experts.act_product"))
+    B.r.transient("experts.down.backward", T(rows * h, 0, wd), T(rows * f, 0, wd),
+                  const=el * f * h * grad_w, own_weights=el * f * h)
+    B.r.weights += el * f * h
+    B.r.save(T(k * h, 0, wd, "ep.combine_rows"))
+    # combine backward (first in backward): the fp32 product's gradient, token_outputs' gradient,
+    # its gather by ``order`` and the reverse all-to-all's (rows, h) output
+    B.r.transient("ep.combine.backward", T(k * h, 0, F32), T(2 * k * h, 0, wd), T(rows * h, 0, wd))
 
 
 def _swiglu(B: Builder, f: float, h: float, src: T, name: str, fused_gate_up: bool) -> None:

@@ -58,6 +58,24 @@ def _tp_div(p: ParamTensor, tp: int) -> int:
     return -(-p.numel // tp)
 
 
+def _ep_div(p: ParamTensor, ep: int) -> int:
+    """Elements of an expert tensor (``(E, out, in)``) on one expert-parallel rank: E/ep whole
+    experts (transformers' ``MoEParamShard``: ``Shard(0)`` on the EP mesh; torchtitan's
+    ``ExpertParallel`` likewise). ``spec.layout.ep_problems`` makes ep divide E."""
+    return p.numel // ep if ep > 1 else p.numel
+
+
+def _expert_rank(r: "_Rank", t: TrainingSpec) -> "_Rank":
+    """How expert tensors are sharded: the EP ranks hold different experts, so ZeRO/FSDP shards
+    each over the ranks that hold the same experts, the sharding group divided by ep
+    (transformers' ``DistributedConfig.efsdp_size = fsdp_size * tp_size // ep_size``, torchtitan's
+    ``dp_shard_in_ep``); without sharding, DDP all-reduces them over those ranks (Megatron-LM's
+    expert data-parallel group). So a sharded expert state keeps 1/(ep * d/ep) = 1/d of the whole."""
+    if t.ep == 1:
+        return r
+    return replace(r, d=max(1, r.d // t.ep))
+
+
 def dtensor_tp(t: TrainingSpec) -> bool:
     """Whether tensor parallelism runs as PyTorch's DTensor plan (``trainmem.wrappers.tensor_parallel``,
     torchtitan's ``apply_tp``; what ``trace`` and ``measure`` run), not as Megatron-LM's own
@@ -241,9 +259,10 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
 
     Cached on the fields that change model states (not batch, sequence, recomputation, ...), so a
     sweep over activations reuses them."""
-    key = (m, stage, t.tp, dtensor_tp(t), t.pp, t.precision, t.zero_stage, t.fsdp, t.shard_group, t.optimizer, t.impl,
-           t.lora_rank, t.lora_targets, t.lora_dtype, t.distributed_optimizer, t.offload_optimizer, t.fp32_master,
-           t.quantize, t.quantize_via, t.bitsandbytes_version, t.accumulates_unsharded, t.fsdp_mixed_units)
+    key = (m, stage, t.tp, t.ep, dtensor_tp(t), t.pp, t.precision, t.zero_stage, t.fsdp, t.shard_group, t.optimizer,
+           t.impl, t.lora_rank, t.lora_targets, t.lora_dtype, t.distributed_optimizer, t.offload_optimizer,
+           t.fp32_master, t.quantize, t.quantize_via, t.bitsandbytes_version, t.accumulates_unsharded,
+           t.fsdp_mixed_units)
     return _STATES_CACHE.get_or_build(key, lambda: _model_states(m, t, stage))
 
 
@@ -399,13 +418,16 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
     frozen = bool(t.lora_rank)
     uniform = m.uniform_layers
     lpf_of: dict[int, int] = {}
+    rank = r
+    expert_rank = _expert_rank(r, t)
     for p in (m.first_layer_and_outer_tensors if uniform else m.parameter_tensors()):
-        if p.layer is None and not r.holds(m, t.pp, p):
+        if p.layer is None and not rank.holds(m, t.pp, p):
             continue
-        if p.layer is not None and not uniform and not r.lo <= p.layer < r.hi:
+        if p.layer is not None and not uniform and not rank.lo <= p.layer < rank.hi:
             continue
+        r = expert_rank if p.role == "expert" else rank
         k = r.per_stage if (p.layer is not None and uniform) else 1  # identical layers on this rank
-        n = _tp_div(p, t.tp)
+        n = _tp_div(p, t.tp) if p.role != "expert" else _ep_div(p, t.ep)
         acc.params_rank += k * n
         dest = layer if p.layer is not None else (after if layer else before)
         if is_quantized(p, t):
@@ -451,6 +473,7 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
             acc.head_full += full
         elif not (m.tied_embeddings and p.name.endswith(TIED_NAMES)):
             acc.emb_full += full
+    r = rank
     acc.lpf = max(lpf_of.values(), default=0)
     if not uniform and r.per_stage:
         acc.layer_grads = -(-acc.layer_grads // r.per_stage)

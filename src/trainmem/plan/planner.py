@@ -394,6 +394,9 @@ def plan(model: Any, gpus: int, seq_len: int | None = None, global_batch: int | 
         raise TrainmemError(f"--global-batch must be a positive integer, got {global_batch!r}")
     if not isinstance(top, int) or top <= 0:
         raise TrainmemError(f"--top must be a positive integer, got {top!r}")
+    if (options.get("ep") or 1) > 1:
+        raise TrainmemError("plan --ep: the planner's layouts and step-time model do not cover expert parallelism "
+                            "(its all-to-all time); estimate one layout with it")
     if options.get("offload_activations"):
         raise TrainmemError("plan --offload-activations: the planner's layouts and step-time model do not cover "
                             "activation offloading; estimate one layout with it")

@@ -19,7 +19,7 @@ def setup_parts(r: MemoryReport) -> list[str]:
     t, m = r.training, r.model
     if t is None or m is None:
         return []
-    par = [f"{k}={getattr(t, k)}" for k in ("dp", "tp", "pp", "cp") if getattr(t, k) > 1]
+    par = [f"{k}={getattr(t, k)}" for k in ("dp", "tp", "pp", "cp", "ep") if getattr(t, k) > 1]
     if t.zero_stage:
         par.append(f"zero={t.zero_stage}" if t.fsdp is None else f"fsdp={t.fsdp}")
     extras = [f"recompute={t.recompute}"] if t.recompute != "none" else []
@@ -44,7 +44,7 @@ def setup_parts(r: MemoryReport) -> list[str]:
 
 
 _SHOWN = {"batch_size", "seq_len", "grad_accum", "precision", "optimizer", "attention", "dp", "tp", "pp", "cp",
-          "zero", "fsdp", "recompute", "lora_rank", "optimizer_in_backward", "keep_logits", "extra"}
+          "ep", "zero", "fsdp", "recompute", "lora_rank", "optimizer_in_backward", "keep_logits", "extra"}
 
 
 def _other_options(t: Any) -> list[str]:

@@ -11,6 +11,17 @@ rank (Megatron-LM ``megatron/core/transformer/attention.py``, ``Attention.__init
 ``(bs, seq, -1, head_dim)`` per rank, so a TP size above the KV heads would split a head) and the
 MLP's intermediate size; pipeline stages hold whole layers; context
 parallelism splits the sequence; sequence parallelism splits each rank's local sequence over TP.
+Expert parallelism (``ep_problems``) gives each rank whole experts and is carved out of the
+data-parallel ranks that shard the states: transformers 5.23 ``DistributedConfig._validate_mesh_config``
+(src/transformers/distributed/configuration_utils.py: "`ep_size` must be a multiple of `tp_size`",
+"`ep_size` must divide `fsdp_size * tp_size`"; ``MoEParamShard.shard_param`` in
+distributed/expert_parallel.py: "Cannot evenly shard {E} experts across {ep} expert-parallel ranks")
+and torchtitan's ``ParallelDims._validate`` (torchtitan/distributed/parallel_dims.py, ETP=1:
+``ep % (cp * tp) == 0 and (dp_shard * cp * tp) % ep == 0``) agree, and Megatron-LM, which also
+runs EP under plain data parallelism, asks ``world_size % (etp * ep * pp) == 0``
+(megatron/core/parallel_state.py ``initialize_model_parallel``: ``expert_data_parallel_size =
+world_size // expert_tensor_model_pipeline_parallel_size``): with tp = pp = cp = 1 (the only EP
+layouts trainmem models), ep divides the experts and the data-parallel (sharding) group.
 """
 from __future__ import annotations
 
@@ -77,6 +88,34 @@ def cp_problems(model: Any, cp: int) -> list[Problem]:
     return []
 
 
+def ep_problems(model: Any, ep: int, dp: int = 1, shard_group: int | None = None) -> list[Problem]:
+    """Why ``ep`` ranks cannot split ``model``'s experts: a model without experts, a derived
+    architecture (its activations are fitted from one-GPU traces), experts or the data-parallel
+    group (``shard_group``: the ranks the states are sharded over, a node under hybrid FSDP) that
+    ``ep`` does not divide. See the module doc for the sources."""
+    if ep == 1:
+        return []
+    experts = getattr(model, "num_experts", 0)
+    if not experts:
+        return [Problem("ep", ep, "needs a mixture-of-experts model, not the dense layers", "use --ep 1")]
+    if getattr(model, "family", "") == "derived":
+        return [Problem("ep", ep, "is not modelled for the trace-fitted MoE layers",
+                        "use --ep 1 (their activations come from one-GPU traces, with no all-to-all dispatch)")]
+    out = []
+    if experts % ep:
+        out.append(Problem("ep", ep, f"does not divide the {experts} experts per layer",
+                           f"choose an EP size that divides {experts}"))
+    group = dp if shard_group is None else shard_group
+    if group % ep:
+        hybrid = group != dp
+        what = "ranks of the FSDP sharding group (--fsdp hybrid: a node)" if hybrid else "data-parallel ranks"
+        fix = (f"choose a node size (fsdp_node_size) that is a multiple of {ep}" if hybrid
+               else f"choose --dp a multiple of {ep}")
+        out.append(Problem("ep", ep, f"does not divide the {group} {what}: expert parallelism is carved out of "
+                           "them (transformers' DistributedConfig, torchtitan's ParallelDims)", fix, of_model=False))
+    return out
+
+
 def sequence_problems(seq_len: int, tp: int, cp: int, sequence_parallel: bool) -> list[Problem]:
     """Why the sequence cannot be split over ``cp`` ranks and, with sequence parallelism, over ``tp``."""
     if seq_len % cp:
@@ -90,9 +129,11 @@ def sequence_problems(seq_len: int, tp: int, cp: int, sequence_parallel: bool) -
 
 
 def layout_problems(model: Any, tp: int = 1, pp: int = 1, cp: int = 1, seq_len: int | None = None,
-                    sequence_parallel: bool = False) -> list[Problem]:
+                    sequence_parallel: bool = False, ep: int = 1, dp: int = 1,
+                    shard_group: int | None = None) -> list[Problem]:
     """Every divisibility rule ``model`` and the layout break, tensor parallelism first."""
-    out = tp_problems(model, tp) + pp_problems(model, pp) + cp_problems(model, cp)
+    out = tp_problems(model, tp) + pp_problems(model, pp) + cp_problems(model, cp) + \
+        ep_problems(model, ep, dp, shard_group)
     if seq_len is not None:
         out += sequence_problems(seq_len, tp, cp, sequence_parallel)
     return out

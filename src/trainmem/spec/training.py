@@ -85,6 +85,8 @@ class TrainingSpec:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1  # expert parallelism: each MoE layer's experts split over ep ranks of the data-parallel group
+    moe_imbalance: float = 1.0  # the busiest expert receives this many times the mean token load (>= 1)
     sequence_parallel: bool = False
     recompute: str = "none"
     recompute_every: int = 1  # full recompute of every N-th layer only (torchtitan/torchtune ac_freq)
@@ -127,8 +129,8 @@ class TrainingSpec:
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
-        for key in ("batch_size", "seq_len", "grad_accum", "dp", "tp", "pp", "cp", "fsdp_node_size", "loss_chunks",
-                    "recompute_every"):
+        for key in ("batch_size", "seq_len", "grad_accum", "dp", "tp", "pp", "cp", "ep", "fsdp_node_size",
+                    "loss_chunks", "recompute_every"):
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool):
                 raise TrainmemError(f"--{key.replace('_', '-')} must be an integer, got {v!r}")
@@ -146,6 +148,7 @@ class TrainingSpec:
         _choice("fsdp_lora_units", self.fsdp_lora_units, FSDP_LORA_UNITS)
         self._check_loss()
         self._check_recompute()
+        self._check_moe()
         self._check_counts()
         if self.precision == "bf16-mp" and self.fsdp is None:
             raise TrainmemError("--precision bf16-mp is FSDP's MixedPrecisionPolicy(param_dtype=bf16, "
@@ -205,6 +208,19 @@ class TrainingSpec:
         if self.lora_targets is not None and not self.lora_targets:
             raise TrainmemError("--lora-targets is empty: name at least one module (e.g. q_proj,v_proj) "
                                 "or omit it for peft's defaults")
+
+    def _check_moe(self) -> None:
+        """``moe_imbalance`` (a load factor >= 1) and ``ep``: expert parallelism is modelled as transformers'
+        ``AllToAllEP`` runs it on data-parallel ranks alone (``estimate.layers.ep_rank_rows``); its layout
+        rules that need the model are in ``spec.layout.ep_problems``."""
+        f = self.moe_imbalance
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not f >= 1 or f == float("inf"):
+            raise TrainmemError(f"--moe-imbalance must be a number >= 1 (the busiest expert's load over the mean), "
+                                f"got {f!r}")
+        object.__setattr__(self, "moe_imbalance", float(f))
+        if self.ep > 1 and self.tp * self.pp * self.cp > 1:
+            raise TrainmemError(f"--ep {self.ep} with --tp/--pp/--cp > 1 is not modelled (experts split over "
+                                "data-parallel ranks only); use --tp 1 --pp 1 --cp 1 or --ep 1")
 
     def _check_recompute(self) -> None:
         """``--recompute-every``, ``--recompute op`` and ``--offload-activations``: what trainmem models."""
@@ -419,6 +435,9 @@ def setup_warnings(t: TrainingSpec) -> list[str]:
     if t.fsdp_lora_units == "layer" and not t.fsdp_mixed_units:
         out.append("--fsdp-lora-units layer matters only with --fsdp, --fsdp-version 1 and --lora-rank (FSDP2 "
                    "shards per parameter and gives frozen weights no gradient): it changes nothing here")
+    if t.moe_imbalance > 1 and t.ep == 1:
+        out.append(f"--moe-imbalance {t.moe_imbalance:g} without --ep: transformers' grouped_mm experts hold the "
+                   "same b*s*top_k rows whatever the routing, so the imbalance changes nothing on one rank")
     tokens = t.batch_size * (t.seq_len // t.cp)
     if t.loss_chunks > tokens:
         out.append(f"--loss-chunks {t.loss_chunks} exceeds the {tokens} tokens of a micro-batch: "
@@ -486,9 +505,12 @@ def check_against(model: Any, t: TrainingSpec) -> None:
     bad = _size_problems(model, t)
     if bad:
         raise TrainmemError(bad)
-    problems = layout_problems(model, t.tp, t.pp, t.cp, t.seq_len, t.sequence_parallel)
+    problems = layout_problems(model, t.tp, t.pp, t.cp, t.seq_len, t.sequence_parallel, t.ep, t.dp, t.shard_group)
     if problems:
         raise TrainmemError(problems[0].message(model.name))
+    if t.moe_imbalance > 1 and not model.num_experts:
+        raise TrainmemError(f"--moe-imbalance {t.moe_imbalance:g}: {model.name} has no experts to route to; "
+                            "drop --moe-imbalance")
     if model.learned_positions and t.seq_len > model.max_positions:
         raise TrainmemError(f"--seq-len {t.seq_len} exceeds the {model.max_positions} learned positions of "
                             f"{model.name}; use --seq-len <= {model.max_positions}")
@@ -510,3 +532,7 @@ def check_against(model: Any, t: TrainingSpec) -> None:
         if bad:
             raise TrainmemError(f"--lora-targets {','.join(bad)}: no such linear module in {model.name} "
                                 f"(its linear modules: {', '.join(sorted(known))})")
+        experts = sorted({p.module for p in model.parameter_tensors() if p.role == "expert"} & set(t.lora_targets))
+        if experts and t.ep > 1:
+            raise TrainmemError(f"--lora-targets {','.join(experts)} with --ep {t.ep}: adapters on expert-parallel "
+                                "experts are not modelled; target the attention or router linears, or use --ep 1")
