@@ -176,7 +176,7 @@ def test_a_refused_run_is_recorded_and_the_campaign_goes_on(tmp_path):
     assert main(["validate", "--campaign", str(camp), "--dry-run"]) == 2  # the grid check catches it first
     prog = run_campaign(str(camp), results, budget_s=300)
     assert [r["status"] for r in prog.ran] == ["refused", "ok"]
-    assert "not in torch.optim" in prog.ran[0]["message"]
+    assert "--optimizer lion" in prog.ran[0]["message"]
 
 
 def test_campaign_cli_bad_input_is_one_line(tmp_path, capsys):

@@ -190,15 +190,18 @@ def _device(cuda: bool, hw: Hardware | None, t: TrainingSpec, expandable_segment
         cublas_workspace = hw.cublas_workspace  # measured by trainmem calibrate (spec.calibration)
     if cublas_workspace is None:
         cublas_workspace = default_cublas_workspace(capability)
+    flag = None  # the --attention value that pins the backend, named in PyTorch's refusals
     if attention_backend is None:
         from ..estimate.layers import SDPA_PINS  # --attention -> the backend it pins
         attention_backend = SDPA_PINS.get(t.attention)
+        flag = t.attention if attention_backend else None
     if simulate_oom and hw is None:
         raise TrainmemError("simulate_oom needs a GPU (gpu= or hardware=) for its capacity")
     allocator = CachingAllocator(expandable_segments=expandable_segments, max_split_size=max_split_size,
                                  capacity=hw.capacity - hw.context if (simulate_oom and hw is not None) else None)
     tracker = Tracker(allocator, device_type=EMULATED, cublas_workspace=cublas_workspace, emulate_cuda_kernels=True)
-    emulation = CudaEmulation(tracker, attention_backend=attention_backend, capability=capability)
+    emulation = CudaEmulation(tracker, attention_backend=attention_backend, capability=capability,
+                              attention_flag=flag)
     env = cuda_environment(allocator, capability=capability, emulation=emulation,
                            capacity=hw.capacity if hw else None)
     return _Device(True, allocator, tracker, emulation, env, torch.device(EMULATED), cublas_workspace)

@@ -97,12 +97,14 @@ class CudaEmulation(TorchFunctionMode):
     """Make code written for CUDA run on ``meta`` tensors with CUDA's dtype and kernel choices."""
 
     def __init__(self, tracker: Any = None, *, attention_backend: str | None = None,
-                 capability: tuple[int, int] = (8, 0)) -> None:
+                 capability: tuple[int, int] = (8, 0), attention_flag: str | None = None) -> None:
+        """``attention_flag``: the ``--attention`` value that pinned the backend, named in refusals."""
         super().__init__()
         if attention_backend not in (None, "flash", "efficient", "math", "cudnn"):
             raise ValueError(f"attention_backend {attention_backend!r}: use flash, efficient, math, cudnn or None")
         self.tracker = tracker
         self.attention_backend = attention_backend
+        self.attention_flag = attention_flag or (f"sdpa-{attention_backend}" if attention_backend else None)
         self.capability = capability
         self._cast_cache: dict[int, tuple[Any, torch.Tensor]] = {}
         self.sdpa_choices: dict[str, int] = {}
@@ -306,7 +308,9 @@ class CudaEmulation(TorchFunctionMode):
             why = reasons[self.attention_backend]
             if why:
                 from trainmem.errors import TrainmemError
-                raise TrainmemError(f"--attention sdpa-{self.attention_backend}: PyTorch refuses this call: {why}; "
+                how = (" (trainmem runs flash_attention_2 as SDPA's flash kernel, on the model's SDPA call)"
+                       if self.attention_flag == "flash" else "")
+                raise TrainmemError(f"--attention {self.attention_flag}{how}: PyTorch refuses this call: {why}; "
                                     "use --attention sdpa to let it choose")
             return self.attention_backend
         cuda = torch.backends.cuda
