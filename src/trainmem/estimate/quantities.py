@@ -213,7 +213,8 @@ def outer_tensors(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) -> tup
     if t.pp == 1 or stage == "first":
         out += _embedding_side(m, t, pol, h, sp)
     if t.pp == 1 or stage == "last":
-        out += _head_side(m, pol, h, sp, fused=is_lm(m) and loss_mode(m, t) == "fused", quant_head=_quant_head(m, t))
+        out += _head_side(m, pol, h, sp, fused=is_lm(m) and loss_mode(m, t) == "fused", quant_head=_quant_head(m, t),
+                          frozen=bool(t.lora_rank), head_adapted=_head_is_lora_target(m, t))
     return tuple(out)
 
 
@@ -267,11 +268,15 @@ def _quant_head(m: ModelSpec, t: TrainingSpec) -> str:
     return "keeps" if t.bnb_saves_input else "none"
 
 
-def _head_side(m: ModelSpec, pol: Policy, h: int, sp: int, fused: bool = False, quant_head: str = ""
-               ) -> list[tuple[str, float, float]]:
+def _head_side(m: ModelSpec, pol: Policy, h: int, sp: int, fused: bool = False, quant_head: str = "",
+               frozen: bool = False, head_adapted: bool = False) -> list[tuple[str, float, float]]:
     """The final norm's saved tensors and the head's input (which a fused linear cross-entropy
     does not save: it keeps the gradients it computed in forward instead; a 4-bit head saves it
-    only before bitsandbytes 0.43.2, as the final norm's output itself: ``_quant_head``)."""
+    only before bitsandbytes 0.43.2, as the final norm's output itself: ``_quant_head``).
+    ``frozen`` (LoRA: the base weights need no gradient): the head's ``mm`` saves its input only for
+    the weight's gradient (tools/autograd/derivatives.yaml ``mm``: ``self`` is saved for ``mat2``'s
+    gradient), unless peft puts an adapter on the head (``head_adapted``: its ``lora_A`` saves the
+    input). Trace on a 3-layer QLoRA model: the frozen head's bf16 input cast is not alive."""
     out: list[tuple[str, float, float]] = []
     if m.final_norm and m.family != "bert":
         if m.norm == "rmsnorm":  # HF RMSNorm: fp32 input copy, the normed tensor, fp32 rstd
@@ -285,7 +290,7 @@ def _head_side(m: ModelSpec, pol: Policy, h: int, sp: int, fused: bool = False, 
     elif m.head == "causal-lm" and quant_head:
         if quant_head == "keeps":  # Linear4bit casts to the compute dtype, which is the input's then
             out.append(("lm_head.input", float(h * pol.stream), 0.0))
-    elif m.head == "causal-lm" and not fused:
+    elif m.head == "causal-lm" and not fused and (head_adapted or not frozen):
         # lm_head saves its input: a half cast under autocast, else the final norm's output
         half_in = pol.amp or (m.norm == "rmsnorm" and pol.stream == 2)
         out.append(("lm_head.input", float(h * (pol.half if half_in else pol.stream)), 0.0))
