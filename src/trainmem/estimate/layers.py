@@ -59,10 +59,34 @@ class Recipe:
     sdpa_outs: list[T] = field(default_factory=list)
     input_saved: bool = False  # a saved tensor is the layer's input itself (a norm in the input's dtype)
     graph_held: dict[int, T] = field(default_factory=dict)  # kept by autograd nodes outside save_for_backward
+    # LoRA, the first layer (``first_layer_unsaved``): its input needs no gradient, so what the ops
+    # before the first adapter save, and the frozen linears on that grad-free input, autograd never keeps
+    adapter_seen: bool = False
+    free_input: int | None = None        # id of the grad-free tensor the first adapter reads
+    prefix: frozenset = frozenset()      # ids saved before the first adapter
+    post: set = field(default_factory=set)          # ids saved from the first adapter on
+    free_extra: dict = field(default_factory=dict)  # saved in later layers only (adapter dropout masks)
+    free_weights: list = field(default_factory=list)  # weight elements of the frozen linears on it
 
     def save(self, *ts: T) -> None:
         for t in ts:
             self.saved[id(t)] = t
+            if self.adapter_seen:
+                self.post.add(id(t))
+
+    def first_layer_unsaved(self) -> list[T]:
+        """Of the tensors a layer saves, those the first layer does not under LoRA: peft freezes the
+        embeddings too, so the first layer's input requires no gradient, and autograd records no
+        node (saves nothing) for an op none of whose inputs requires one (``torch/csrc/autograd``
+        ``compute_requires_grad``; generated ``VariableType`` code builds ``grad_fn`` and its
+        ``SavedVariable``s only under ``if (_any_requires_grad)``). Gradients start at the first
+        adapter (``lora_A``'s weight), so the ops before it save nothing, nor does an adapter's
+        dropout on the grad-free input save its mask (its output does not require grad)."""
+        if not self.adapter_seen:
+            return []
+        out = {i: self.saved[i] for i in self.prefix if i not in self.post}
+        out.update(self.free_extra)
+        return list(out.values())
 
     def hold(self, *ts: T) -> None:
         for t in ts:
@@ -173,11 +197,20 @@ class Builder:
         (``_cast_input_dtype``; adapters are fp32 over half weights, ``autocast_adapter_dtype``),
         ``lora_A`` saves that input (under autocast its half cast), ``lora_B`` the rank-r result."""
         rank = next((r for t, r in self.lora.items() if name == t or name.endswith("." + t)), 0)
+        # the first layer (Recipe.first_layer_unsaved): is this linear's input the grad-free one?
+        free_in = not self.r.adapter_seen or id(x) == self.r.free_input
+        if free_in:
+            self.r.free_weights.append((x.tok if in_features is None else in_features) * out)
+        if rank and not self.r.adapter_seen:
+            self.r.prefix, self.r.free_input, self.r.adapter_seen = frozenset(self.r.saved), id(x), True
         if rank:
             adapter = x.nbytes if (self.lora_half or x.nbytes == F32) else F32   # peft upcasts to fp32
             if self.lora_dropout > 0:
                 # nn.Dropout on the (cast) input: a 1-byte mask and a new dropped tensor
-                self.r.save(T(x.tok, x.sq, 1, f"lora.{name}.dropout_mask"))
+                mask = T(x.tok, x.sq, 1, f"lora.{name}.dropout_mask")
+                self.r.save(mask)
+                if free_in:
+                    self.r.free_extra[id(mask)] = mask
             if self.p.amp:
                 xin = T(x.tok, x.sq, HALF, saved_name)        # autocast's cast for lora_A, per call
             elif adapter != x.nbytes or self.lora_dropout > 0:
@@ -257,7 +290,7 @@ class Builder:
                             pinned=impl if impl in SDPA_PINS else None, dropout=p)
 
     def attention(self, q: T, k: T, v: T, heads: float, kv_heads: float, head_dim: int, impl: str,
-                  p_drop: float, softmax_fp32_then_cast: bool) -> T:
+                  p_drop: float, softmax_fp32_then_cast: bool, dropout_before_cast: bool = False) -> T:
         """Scaled dot-product attention; returns the context tensor the output projection consumes.
 
         eager: Python ops (``_eager_attention``). ``sdpa`` and the pinned kinds run the backend
@@ -266,7 +299,8 @@ class Builder:
         are what the kernel then saves).
         """
         if impl == "eager":
-            return self._eager_attention(q, k, v, heads, kv_heads, head_dim, p_drop, softmax_fp32_then_cast)
+            return self._eager_attention(q, k, v, heads, kv_heads, head_dim, p_drop, softmax_fp32_then_cast,
+                                         dropout_before_cast)
         backend = self.sdpa(impl, head_dim, heads, kv_heads, p_drop)
         if sdpa_repeats_kv(heads, kv_heads, head_dim):
             k = T(heads * head_dim, 0, k.nbytes, "attn.k_repeated")
@@ -277,11 +311,21 @@ class Builder:
         return self._fused_attention(backend, q, k, v, heads, kv_heads, head_dim)
 
     def _eager_attention(self, q: T, k: T, v: T, heads: float, kv_heads: float, head_dim: int,
-                         p_drop: float, softmax_fp32_then_cast: bool) -> T:
+                         p_drop: float, softmax_fp32_then_cast: bool, dropout_before_cast: bool = False) -> T:
         """``matmul(q, k^T)`` saves q and k (GQA: the repeated k/v copies), softmax saves its fp32
         output (autocast runs softmax in fp32), the probabilities cast back to half are saved by
         ``matmul(p, v)`` (or the dropout output and its mask); the ``(b, h, s, d)`` result is copied
-        by ``transpose(1, 2).contiguous()`` into the context."""
+        by ``transpose(1, 2).contiguous()`` into the context.
+
+        Backward runs ``p @ v``'s, the dropout's, the cast's and softmax's in reverse order, each
+        holding the gradient it receives and the one it makes, while only the tensors saved before it
+        are still alive (``Recipe.transient``): ``p @ v`` with every probability tensor saved; the
+        dropout with the mask and softmax's output; softmax with its output alone. transformers'
+        eager attention casts before the dropout (Llama: ``softmax(dtype=float32).to(q.dtype)``,
+        GPT-2: ``.type(value.dtype)``) except BERT's (``dropout_before_cast``: dropout in the softmax
+        dtype, then autocast's cast inside the matmul). Found by trace: BERT-base pure bf16 at 1 x
+        2048 with recompute, where layer 0's attention backward is the peak: +26% before (one
+        backward moment holding the dropped probabilities, the mask and an fp32 gradient)."""
         half = self.p.half
         rep = heads / kv_heads
         if rep > 1:  # repeat_kv materialises expanded copies that matmul saves
@@ -293,15 +337,25 @@ class Builder:
         sm = F32 if (self.p.amp or half == F32 or softmax_fp32_then_cast) else half
         probs = T(0, heads, sm, "attn.softmax")
         self.r.save(probs)
-        if p_drop > 0 and self.dropout:
+        # softmax's backward: the gradient of its output and ``_softmax_backward_data``'s, in its dtype
+        self.r.transient("attn.softmax.backward", T(0, heads, sm), T(0, heads, sm))
+        drop = p_drop > 0 and self.dropout
+        dd = sm if dropout_before_cast else half  # the dtype the dropout runs in
+        if sm != half and not (drop and dropout_before_cast):  # the half cast's backward: half in, fp32 out
+            self.r.transient("attn.probs_cast.backward", T(0, heads, half), T(0, heads, sm))
+        if drop:
             self.r.save(T(0, heads, 1, "attn.probs_dropout.mask"))
+            self.r.transient("attn.dropout.backward", T(0, heads, dd), T(0, heads, dd))
+            if dd != half:  # autocast's cast of the dropped probabilities, after the dropout
+                self.r.transient("attn.probs_cast.backward", T(0, heads, half), T(0, heads, dd))
             pv = T(0, heads, half, "attn.probs")  # dropout output (or its half cast) feeds p @ v
         elif sm != half:
             pv = T(0, heads, half, "attn.probs")  # the half copy p @ v consumes
         else:
             pv = probs
         self.r.save(pv)
-        self.r.transient("attn.softmax.backward", T(0, heads, half), T(0, heads, F32))
+        # p @ v's backward: the probabilities' gradient (half) and v's
+        self.r.transient("attn.pv.backward", T(0, heads, half), T(v.tok, 0, half))
         return T(heads * head_dim, 0, half, "attn.context")
 
     def _math_attention(self, v: T, heads: float, kv_heads: float, head_dim: int, p_drop: float = 0.0) -> T:
@@ -324,10 +378,15 @@ class Builder:
         self.r.save(T(heads * head_dim, 0, F32, "attn.math.q_scaled"),
                     T(heads * head_dim, 0, F32, "attn.math.k_scaled"), vv,
                     T(0, heads, F32, "attn.math.softmax"))
-        if p_drop > 0:
-            self.r.save(T(0, heads, F32, "attn.math.dropout_mask"), T(0, heads, F32, "attn.math.probs_dropped"))
-        # backward: the gradient of the probabilities and softmax's gradient, both fp32
+        # backward, in reverse (as ``_eager_attention``): softmax's with its output alone alive, then
+        # the dropout multiply's with its mask, then p @ v's with every probability tensor; each
+        # holds the fp32 gradient it receives and the one it makes
         self.r.transient("attn.math.backward", T(0, heads, F32), T(0, heads, F32))
+        if p_drop > 0:
+            self.r.save(T(0, heads, F32, "attn.math.dropout_mask"))
+            self.r.transient("attn.math.dropout.backward", T(0, heads, F32), T(0, heads, F32))
+            self.r.save(T(0, heads, F32, "attn.math.probs_dropped"))
+        self.r.transient("attn.math.pv.backward", T(0, heads, F32), T(vv.tok, 0, F32))
         return T(heads * head_dim, 0, half, "attn.context")
 
     def _fused_attention(self, backend: str, q: T, k: T, v: T, heads: float, kv_heads: float,
@@ -578,6 +637,10 @@ class LayerCoefs:
     input_saved: float = 0.0  # bytes per token of the saved tensors that are the layer's input itself
     not_recomputed: float = 0.0  # per token: the layer's output, kept by what follows it, not by a recomputed layer
     graph_held: float = 0.0  # of the saved bytes per token, those autograd does not free in backward (quant4.py)
+    # LoRA: of ``parts``, what the first layer does not save (``Recipe.first_layer_unsaved``), and the
+    # weight elements of its frozen linears on the grad-free input (their half copies are not kept)
+    first_unsaved: tuple[tuple[str, float, float], ...] = ()
+    first_free_weights: tuple[float, ...] = ()
 
     def bytes(self, n: int, nsq: int) -> int:
         return int(self.tok * n + self.sq * nsq)
@@ -625,9 +688,11 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
     held = sum(t.tok * t.nbytes for i, t in B.r.held.items() if i not in B.r.saved)
     op_tok, op_sq = op_checkpoint_saved(B.r)
     input_saved = B.r.input_saved or id(x) in B.r.saved
+    unsaved = tuple((t.name or "other", *t.bytes_coef()) for t in B.r.first_layer_unsaved())
     return LayerCoefs(tok, sq, tuple((n, a, b) for n, (a, b) in parts.items()), trans, held, B.r.cache, wall,
                       after, B.r.fwd[0], B.r.fwd[1], op_tok, op_sq, x.tok * x.nbytes if input_saved else 0.0,
-                      graph_held=sum(t.tok * t.nbytes for t in B.r.graph_held.values()))
+                      graph_held=sum(t.tok * t.nbytes for t in B.r.graph_held.values()),
+                      first_unsaved=unsaved, first_free_weights=tuple(B.r.free_weights) if B.r.adapter_seen else ())
 
 
 def op_checkpoint_saved(r: Recipe) -> tuple[float, float]:
@@ -700,7 +765,7 @@ def _bert_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: f
     vv = B.linear(src, kv, "value", "qkv.input", h)
     qq, kk, vv = T(q, 0, half, "attn.q"), T(kv, 0, half, "attn.k"), T(kv, 0, half, "attn.v")
     ctx = B.attention(qq, kk, vv, heads, kvh, k.head_dim, k.attention, k.attention_dropout,
-                      softmax_fp32_then_cast=False)
+                      softmax_fp32_then_cast=False, dropout_before_cast=True)
     B.linear(ctx, h, "attention.output.dense", "attention.output.dense.input")
     B.drop(T(h / sp_div, 0, half, "resid"), k.hidden_dropout, "attention.output.dropout")
     if k.pre_norm:
@@ -809,9 +874,16 @@ def _moe(B: Builder, src: T, h: float, f: float, experts: int, top_k: int) -> No
     so under autocast (fp32 weights) the experts compute and save fp32 tensors, and no half copies
     of the expert weights are made. The routing weights are fp32, so the weighted output and its
     gradients are fp32 too.
+
+    Under LoRA the experts are frozen (peft's targets are ``nn.Linear`` modules; transformers' grouped
+    experts are bare parameters): ``_grouped_mm`` saves an operand only for the other's gradient
+    (``derivatives.yaml``, ``_grouped_mm``: ``self`` from ``mat2``, ``mat2`` from ``self``), so the
+    gathered rows and the product, which only the weight gradients need, are not kept, and no expert
+    weight gradient is made in backward.
     """
     wd = B.p.weight
     k = top_k
+    trainable = not B.frozen
     # router: saves its (cast) input, the fp32 softmax, top-k indices, the sum and the pre-division
     # weights of the in-place renormalisation
     B.linear(src, experts, "mlp.gate", "router.input", h)
@@ -820,21 +892,24 @@ def _moe(B: Builder, src: T, h: float, f: float, experts: int, top_k: int) -> No
     # gather: the token rows in expert order, their routing weights, and the int64 permutations
     # (sorted expert ids, perm // top_k, inverse permutation) the index backward needs
     xin = T(k * h, 0, wd, "experts.input")
-    B.r.save(xin, T(k, 0, F32, "experts.routing_weights"), T(3 * k, 0, 8, "experts.indices"))
+    B.r.save(T(k, 0, F32, "experts.routing_weights"), T(3 * k, 0, 8, "experts.indices"))
+    if trainable:
+        B.r.save(xin)
     # gate_up: saves the gathered rows; its (S, 2f) output is saved by silu (gate) and the
     # product (up) as views; the product is saved by down; down's output by the routing multiply
     grad_w = wd  # the weight gradient comes in the parameter's dtype and layout (stolen as .grad)
     B.r.transient("experts.gate_up.backward", T(2 * k * f, 0, wd), T(k * h, 0, wd),
-                  const=experts * 2 * f * h * grad_w, own_weights=experts * 2 * f * h)
-    B.r.weights += experts * 2 * f * h
+                  const=experts * 2 * f * h * grad_w * trainable, own_weights=experts * 2 * f * h * trainable)
+    B.r.weights += experts * 2 * f * h * trainable
     B.r.save(T(2 * k * f, 0, wd, "experts.gate_up_out"), T(k * f, 0, wd, "experts.silu_out"))
     # SwiGLU backward (the product, saved by down, is freed by then): down's input gradient and the
     # product's two gradients
     B.r.transient("experts.act.backward", T(3 * k * f, 0, wd))
-    B.r.save(T(k * f, 0, wd, "experts.act_product"))
+    if trainable:
+        B.r.save(T(k * f, 0, wd, "experts.act_product"))
     B.r.transient("experts.down.backward", T(k * h, 0, wd), T(k * f, 0, wd),
-                  const=experts * f * h * grad_w, own_weights=experts * f * h)
-    B.r.weights += experts * f * h
+                  const=experts * f * h * grad_w * trainable, own_weights=experts * f * h * trainable)
+    B.r.weights += experts * f * h * trainable
     B.r.save(T(k * h, 0, wd, "experts.down_out"))
     # combine backward: index_put of the gradient into zeros, both products' gradients (fp32)
     # and the cast back to the experts' dtype

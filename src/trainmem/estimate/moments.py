@@ -41,11 +41,13 @@ class StepFlags:
     zeros: bool             # zero_grad(set_to_none=False): gradients stay allocated between steps
     quant4: bool = False    # 4-bit base weights: the dequantized-weight moments exist (quant4.py)
     fsdp: bool = False      # FSDP over several ranks: gradients are created unsharded in every backward
+    fsdp_sync: bool = False  # ... and reduce-scattered after every micro-batch (no unsharded .grad kept)
 
     @staticmethod
     def of(m: ModelSpec, t: TrainingSpec) -> "StepFlags":
         return StepFlags(t.optimizer_in_backward, t.hold_output, t.distributed_optimizer, is_lm(m),
-                         t.zero_grad == "zeros", bool(t.quantize), t.fsdp is not None and t.shard_group > 1)
+                         t.zero_grad == "zeros", bool(t.quantize), t.fsdp is not None and t.shard_group > 1,
+                         t.fsdp is not None and t.shard_group > 1 and not t.accumulates_unsharded)
 
 
 @dataclass(eq=False)
@@ -74,6 +76,9 @@ class Tokens:
     graph: Any = 0         # ... of all layers
     graph_extra_layer: Any = 0  # of one layer's, those not among its kept activations (checkpointed layers)
     graph_extra: Any = 0   # ... of all layers
+    head_chunk: Any = 0    # chunked loss: the chunks' logits gradients and the head's chunk gradients being summed
+    head_chunk_first: Any = 0  # ... at the first chunk's head backward: every chunk's logits gradient, one weight gradient
+    logits_grad: Any = 0   # the gradient of the logits (their dtype), when the loss's backward hands it on
 
 
 def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any) -> Tokens:
@@ -83,7 +88,9 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any) -
     layer = trunc(q.kept_tok * n + q.kept_sq * nsq)                        # (b, s, ...) per layer
     # + autocast's copies of the weights and FSDP grad-op's gathered weights, each layer's from its
     # forward to its backward
-    layers = layer * q.layers * inflight + ((q.cast_layer + q.gathered_layer) * q.layers - q.cast_forward_only)
+    layers = layer * q.layers * inflight + ((q.cast_layer + q.gathered_layer) * q.layers - q.cast_checkpointed)
+    # LoRA: the first layer's input needs no gradient, so it keeps less (quantities.first_layer_unsaved)
+    layers = layers - trunc(q.first_unsaved_tok * n + q.first_unsaved_sq * nsq) * inflight - q.cast_first_free
     # + per sequence position and per position squared (T5's (s, s) position buckets), shared by the batch
     outer_rest = trunc(q.outer_rest_tok * n + q.outer_rest_sq * nsq + q.outer_rest_pos * (n // b)
                        + q.outer_rest_ssq * (n // b) ** 2) * inflight
@@ -105,9 +112,13 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any) -
                   saved, full * q.loss_forward + chunk * q.loss_forward_chunk + trunc(q.head_loss_tok * n),
                   full * q.loss_backward + chunk * q.loss_backward_chunk,
                   kv_tok * q.layers * inflight, trunc(q.cache_tok * n) - kv_tok,
-                  q.fwd_temp + trunc(q.fwd_temp_tok * n), trunc(q.graph_tok * n) * inflight,
-                  trunc(q.graph_tok * n) * inflight * q.layers, trunc(q.graph_extra_tok * n) * inflight,
-                  trunc(q.graph_extra_tok * n) * inflight * q.layers)
+                  q.fwd_temp + trunc(q.fwd_temp_tok * n), graph_layer=trunc(q.graph_tok * n) * inflight,
+                  graph=trunc(q.graph_tok * n) * inflight * q.layers,
+                  graph_extra_layer=trunc(q.graph_extra_tok * n) * inflight,
+                  graph_extra=trunc(q.graph_extra_tok * n) * inflight * q.layers,
+                  head_chunk=where(q.chunk_head_grads > 0, (full - 2 * chunk) * q.logits_out + q.chunk_head_grads, 0),
+                  head_chunk_first=where(q.chunk_head_grads > 0, full * q.logits_out + q.chunk_head_grads // 3, 0),
+                  logits_grad=full * q.logits_out)
 
 
 def best_transient(tr: Any, n: Any, nsq: Any) -> tuple[Any, Any, Any]:
@@ -205,12 +216,54 @@ def walk(q: Quantities, flags: StepFlags, tk: Tokens, ga: Any,
     return moments, ends
 
 
+def _fsdp_layer_unshard(q: Quantities, tk: Tokens, before: tuple, prev: tuple, step: int, micro: int,
+                        valid: Any) -> Moment:
+    """FSDP2 (full): the last layer's forward unshard, the layers below it done; the root is gathered,
+    the previous layer's all-gather output is kept until this one's is waited on and this layer's
+    parameters are copied out of its own (``_fsdp_param_group.py`` ``wait_for_unshard``,
+    ``comm_ctx.all_gather_state``). ``before``: (gradients, states, workspace); ``prev``: the previous
+    micro-batch's logits and KV cache. Found by trace: Mixtral (2 layers) dp 4 LoRA: -8.8% before;
+    grad-op (dp 2, fp32, the output kept): -2.6%."""
+    grads_before, states, ws = before
+    below = tk.layers * (q.layers - 1) // q.layers + tk.outer_rest
+    # this layer's unsharded parameters: resharded after forward (full) or kept (grad-op, whose
+    # gathered layers ``tokens`` counts with the activations: the layers below are in ``below``)
+    current = q.fsdp_layer_buf + q.gathered_layer
+    return _mo("forward", micro, step, "fsdp.layer_unshard", (grads_before, states, tk.inputs, ws, below, 0),
+               (prev[0], prev[1], 0), _both(valid, _both(q.fsdp_ag_result > 0, current > 0)),
+               comm=q.fsdp_root + 2 * q.fsdp_ag_result + current)
+
+
+def _head_backward(q: Quantities, tk: Tokens, kept: Kept, before: tuple, step: int, micro: int,
+                   valid: Any) -> list[Moment]:
+    """Backward moments between the loss's and the last layer's. ``before``: (gradients, states,
+    workspace).
+
+    * FSDP2 with the loop's loss: the root is gathered again when the logits' gradient reaches the
+      pre-backward hook on them (``quantities.root_resharded_for_loss``).
+    * A chunked loss: autograd runs every chunk's loss backward first (those nodes were created after
+      all the head's calls, and the engine runs the highest sequence number first), so the chunks'
+      logits gradients wait for the head's backward, which consumes them one by one; at the first
+      chunk's one weight gradient is made, at the second's two and their sum exist
+      (``quantities.chunk_head_grads``)."""
+    grads_before, states, ws2 = before
+    out = [_mo("backward", micro, step, "fsdp.root_unshard",
+               (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.logits_grad), (kept.logits, kept.kv_forward, 0),
+               _both(valid, q.fsdp_root_regather > 0), comm=2 * q.fsdp_root_regather)]
+    for where_, temp in (("lm_head.backward", tk.head_chunk_first), ("lm_head.backward.sum", tk.head_chunk)):
+        out.append(_mo("backward", micro, step, where_, (grads_before, states, tk.inputs, ws2, tk.all_acts, temp),
+                       (kept.logits, kept.kv_forward, 0), _both(valid, q.chunk_head_grads > 0),
+                       comm=q.fsdp_loss_root + q.fsdp_loss_buf))
+    return out
+
+
 def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: int, micro: int, valid: Any,
                 states_before: bool, workspaces: tuple[int, int], moments: list, ends: list) -> None:
     """Forward (the loss) and backward (head, last layer, first layer, embeddings, end) of one
     micro-batch. ``workspaces``: the cuBLAS workspaces alive in its forward and in its backward.
     Under FSDP (``quantities.fsdp_buffers``) the root unit is gathered while the loss runs and from
-    the start to the end of backward; backward holds the layer being computed, the prefetched one (last layer first) and the
+    the start to the end of backward (unless the loop's loss runs after FSDP2 resharded it:
+    ``quantities.root_resharded_for_loss``); backward holds the layer being computed, the prefetched one (last layer first) and the
     previous layer's reduce-scatter input; the head's and each layer's gradients are created
     unsharded in every micro-batch's backward, and resharded when its unit's backward ends."""
     ws, ws2 = workspaces
@@ -227,15 +280,20 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     if flags.quant4:
         _dequant_forward(q, tk, (grads_before, states, tk.inputs, ws), (prev_logits, prev_kv), micro, step, valid,
                          moments, prev_graph + own)
+    moments.append(_fsdp_layer_unshard(q, tk, (grads_before, states, ws), (prev_logits, prev_kv), step, micro,
+                                       valid))
     moments.append(_mo("forward", micro, step, "cross_entropy",
                        (grads_before, states, tk.inputs, ws, tk.all_acts, tk.loss_forward + q.cast_forward_only),
                        (prev_logits + tk.out_logits, prev_kv + tk.kv_held, tk.loss_saved), valid, prev_graph + own,
-                       comm=root + q.fsdp_ag_result))
+                       comm=q.fsdp_loss_root + q.fsdp_loss_ag))
+    # FSDP grad-op (and FSDP1) keep the root gathered from its forward to its backward
     ends.append(("forward", micro, step, q.fixed + grads_before + states + tk.inputs + ws + tk.all_acts
-                 + kept.logits + kept.kv_forward + tk.loss_saved))
+                 + kept.logits + kept.kv_forward + tk.loss_saved + q.fsdp_root_kept))
     moments.append(_mo("backward", micro, step, "cross_entropy.backward",
                        (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.loss_backward),
-                       (kept.logits, kept.kv_forward, tk.loss_saved), valid, own, comm=root + buf))
+                       (kept.logits, kept.kv_forward, tk.loss_saved), valid, own,
+                       comm=q.fsdp_loss_root + q.fsdp_loss_buf))
+    moments.extend(_head_backward(q, tk, kept, (grads_before, states, ws2), step, micro, valid))
     # a 4-bit LM head dequantizes its weight again for the input gradient (quant4.py): the loss's
     # backward is over (its fp32 gradients and saved log-probabilities freed); the gradient of the
     # head's output, in the output's dtype, is what MatMul4Bit.backward multiplies
@@ -243,11 +301,26 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
         moments.append(_mo("backward", micro, step, "lm_head.backward",
                            (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.out_logits + q.head_temp),
                            (kept.logits, kept.kv_forward, 0), _both(valid, q.head_temp > 0), own))
+    states_mid = q.states if (states_before or flags.oib) else 0  # optimizer in backward creates them now
+    _layers_backward(q, flags, tk, kept, (step, micro, valid), (grads_before, states_mid, ws2, own), moments)
+    after_logits, after_kv = kept.after_backward()   # hold_output="backward": freed as backward returns
+    after_graph = tk.graph if _graph_outlives_backward(flags) else 0
+    ends.append(("backward", micro, step, q.fixed + q.grads + states_mid + tk.inputs + ws2 + after_logits + after_kv
+                 + after_graph))
+
+
+def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, when: tuple, before: tuple,
+                     moments: list) -> None:
+    """The backward moments from the last layer's to the end of backward (``_micro_step``).
+    ``when``: (step, micro-step, valid); ``before``: (gradients before this micro-step, optimizer
+    states, the backward's workspace, the graph-kept tensors of this micro-batch)."""
+    step, micro, valid = when
+    grads_before, states_mid, ws2, own = before
+    root, buf, rs = q.fsdp_root, q.fsdp_layer_buf, q.fsdp_rs_buf
     fresh = grads_before == 0                                  # gradients are being created, not added to
     # the later linears' gradients of the layer in backward (FSDP: unsharded, in every micro-batch)
     layer_grads = tk.layer_grad_part if flags.fsdp else where(fresh, tk.layer_grad_part, 0)
     head_grads = q.fsdp_head_full if flags.fsdp else where(fresh, q.head_grads, 0)
-    states_mid = q.states if (states_before or flags.oib) else 0  # optimizer in backward creates them now
     # the layer's transient; a tied head's gradient waits in autograd's input buffer meanwhile
     temp = maximum(tk.redo, q.oib_mid) + q.tied_grad
     top = grads_before + head_grads + layer_grads
@@ -269,7 +342,12 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
                        (kept.logits, kept.kv_low, 0), _both(valid, lower > 0), low_graph, comm=root + buf + rs))
     # the embedding's gradient and the out-of-place sum join the head's part in the input buffer
     tied = q.tied_grad
-    temp_emb = 2 * tied + (tied if flags.oib else where(fresh, 0, tied))
+    # an existing .grad (accumulation) adds one more; not under FSDP2 reduce-scattering every
+    # micro-batch: the unsharded parameter has no .grad when its backward runs (FSDPParam's
+    # ``unsharded_param.grad`` is moved into the reduce-scatter and set to None, _fsdp_param_group.py
+    # ``post_backward``); found by trace: Qwen2 FSDP2 dp 4, 2 micro-batches, +21% before
+    accumulated = 0 if flags.fsdp_sync else where(fresh, 0, tied)
+    temp_emb = 2 * tied + (tied if flags.oib else accumulated) + q.tied_replicated
     # FSDP: the root's gradients are still unsharded (a tied embedding's sum among them), not yet shards
     emb_grads = q.grads + (q.fsdp_head_full + q.fsdp_emb_full + tied - where(fresh, q.fsdp_root_sharded, 0)
                            if flags.fsdp else 0)
@@ -279,10 +357,6 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     moments.append(_mo("backward", micro, step, "backward.end",
                        (q.grads, states_mid, tk.inputs, ws2, 0, q.oib_end), (kept.logits, kept.kv_end, 0), valid,
                        tk.graph))
-    after_logits, after_kv = kept.after_backward()   # hold_output="backward": freed as backward returns
-    after_graph = tk.graph if _graph_outlives_backward(flags) else 0
-    ends.append(("backward", micro, step, q.fixed + q.grads + states_mid + tk.inputs + ws2 + after_logits + after_kv
-                 + after_graph))
 
 
 def _dequant_forward(q: Quantities, tk: Tokens, four: tuple, prev: tuple, micro: int, step: int, valid: Any,

@@ -116,6 +116,23 @@ class Quantities:
     head_lora: int = 0     # a LoRA adapter on that 4-bit head: logits-sized tensors alive in its forward (3)
     graph_tok: float = 0.0  # per layer, saved bytes per token the graph keeps until it is freed (bnb < 0.43.2)
     graph_extra_tok: float = 0.0  # ... of it, per layer on average, not among the kept activations (checkpointed)
+    # ... while the loss and its backward run: the root and the prefetched last layer, or nothing when
+    # the loop computes the loss after FSDP2 resharded the root (``root_resharded_for_loss``)
+    fsdp_loss_root: int = 0
+    fsdp_loss_buf: int = 0
+    fsdp_root_regather: int = 0  # ... then the root gathered again (its all-gather buffer and parameters)
+    fsdp_loss_ag: int = 0     # FSDP2: the last layer's all-gather output while the loss runs (model's own loss)
+    fsdp_root_kept: int = 0   # the root's gathered parameters between forward and backward (not resharded)
+    # checkpointed layers' autocast weight copies: none saved. autocast caches the cast of a leaf that
+    # requires grad until forward ends (``cast_forward_only``); a frozen one (LoRA's base weights) is
+    # not cached (``autocast_mode.cpp`` ``cached_cast``), so its copy dies with the checkpointed op
+    cast_checkpointed: int = 0
+    # LoRA: what the first layer does not save (its input needs no gradient; ``first_layer_unsaved``)
+    first_unsaved_tok: float = 0.0
+    first_unsaved_sq: float = 0.0
+    cast_first_free: int = 0  # ... and the half weight copies of its frozen linears on that input
+    tied_replicated: int = 0  # DTensor TP: the tied embedding's whole-vocabulary gradient at its backward
+    chunk_head_grads: int = 0  # chunked output loss: the head's per-chunk weight gradients being summed
     detail: Detail | None = None
 
 
@@ -273,20 +290,24 @@ def _head_side(m: ModelSpec, pol: Policy, h: int, sp: int, fused: bool = False, 
     """The final norm's saved tensors and the head's input (which a fused linear cross-entropy
     does not save: it keeps the gradients it computed in forward instead; a 4-bit head saves it
     only before bitsandbytes 0.43.2, as the final norm's output itself: ``_quant_head``).
-    ``frozen`` (LoRA: the base weights need no gradient): the head's ``mm`` saves its input only for
-    the weight's gradient (tools/autograd/derivatives.yaml ``mm``: ``self`` is saved for ``mat2``'s
-    gradient), unless peft puts an adapter on the head (``head_adapted``: its ``lora_A`` saves the
-    input). Trace on a 3-layer QLoRA model: the frozen head's bf16 input cast is not alive."""
+
+    ``frozen`` (LoRA: peft freezes the head and the norms): a linear with a frozen weight saves no
+    input (``mm`` saves ``self`` only when ``mat2`` requires grad: ``derivatives.yaml``, ``mm``:
+    ``self: mm_mat1_backward(grad, mat2, ...)``, ``mat2: mm_mat2_backward(grad, self, ...)``), so
+    neither the head's input nor a dense transform's is kept unless peft adapts the head
+    (``head_adapted``: its ``lora_A`` saves the input); HF RMSNorm's ``weight * normed`` saves
+    ``normed`` only for the weight's gradient (as ``layers.Builder.rms_norm_hf``)."""
     out: list[tuple[str, float, float]] = []
     if m.final_norm and m.family != "bert":
-        if m.norm == "rmsnorm":  # HF RMSNorm: fp32 input copy, the normed tensor, fp32 rstd
-            out.append(("final_norm", (h * (F32 + pol.stream) + 4) / sp, 0.0))
+        if m.norm == "rmsnorm":  # HF RMSNorm: fp32 input copy, the normed tensor (trainable weight), fp32 rstd
+            out.append(("final_norm", (h * (F32 + (0 if frozen else pol.stream)) + 4) / sp, 0.0))
         else:                    # layer_norm: input + fp32 mean/rstd
             out.append(("final_norm", (h * pol.stream + 8) / sp, 0.0))
     if m.head == "masked-lm":
         # transform: dense (saves its input) + activation + LayerNorm, then the decoder's input
-        out.append(("mlm.transform", float(h * (pol.half + pol.half + pol.stream) + 8), 0.0))
-        out.append(("lm_head.input", float(h * pol.half), 0.0))
+        out.append(("mlm.transform", float(h * ((0 if frozen else pol.half) + pol.half + pol.stream) + 8), 0.0))
+        if not frozen:
+            out.append(("lm_head.input", float(h * pol.half), 0.0))
     elif m.head == "causal-lm" and quant_head:
         if quant_head == "keeps":  # Linear4bit casts to the compute dtype, which is the input's then
             out.append(("lm_head.input", float(h * pol.stream), 0.0))
@@ -468,8 +489,15 @@ def _adafactor_temporaries(t: TrainingSpec, st: States) -> int:
 
 
 def _copies_per_tensor(t: TrainingSpec, per_parameter: bool) -> int | None:
-    """State-sized temporaries one optimizer step makes per tensor (None: the whole group's worth)."""
-    if t.optimizer in ("sgd", "adamw-8bit", "paged-adamw-8bit", "paged-adamw") or t.offload_optimizer:
+    """State-sized temporaries one optimizer step makes per tensor (None: the whole group's worth).
+    SGD, with momentum or not, makes none: without weight decay or ``maximize`` (torch.optim.SGD's
+    defaults, which the workload keeps) the foreach step is ``_foreach_mul_``/``_foreach_add_`` on
+    the momentum buffers and ``_foreach_add_(params, grads, alpha=-lr)``, all in place, and the
+    first step's buffers are ``grad.detach().clone()``, the state itself (torch 2.13
+    ``torch/optim/sgd.py`` ``_multi_tensor_sgd`` L403-472; the for-loop ``_single_tensor_sgd`` alike).
+    Found by trace: Mistral (2 layers) fp16-amp SGD momentum: +6.4% before (a gradient-sized
+    temporary charged at the step)."""
+    if t.optimizer in ("sgd", "sgd-momentum", "adamw-8bit", "paged-adamw-8bit", "paged-adamw") or t.offload_optimizer:
         # bitsandbytes' step is one in-place CUDA kernel per tensor (``optimizer_update_8bit_blockwise``
         # / ``optimizer_update_32bit`` write state1/2, absmax and the parameter in place)
         return 0
@@ -551,6 +579,37 @@ def tied_head_grad(m: ModelSpec, t: TrainingSpec) -> int:
     return _embedding_block(m, t.tp, 2 if t.precision == "bf16-mp" else t.weight_bytes)
 
 
+def chunk_head_grads(m: ModelSpec, t: TrainingSpec, pol: Policy) -> int:
+    """A loss over ``--loss-chunks`` output chunks calls the head once per chunk, and each call's
+    backward makes a weight gradient of the whole head (vocab x hidden, in the matmul's dtype: the
+    half copy's under autocast). They meet in one input buffer (the weight's ``AccumulateGrad``, or
+    autocast's cached cast's ``ToCopyBackward0``): the first is ``TBackward0``'s transposed view of
+    the ``mm`` output, which ``InputBuffer::accumulate`` cannot reuse (``can_accumulate_inplace``:
+    not a view), so the second chunk's add is out of place: two chunk gradients and their sum at once
+    (the later adds go into the sum in place). Returns those three gradients' bytes (0 without
+    chunks, with a frozen head, or off one GPU, where trace does not run the chunked loop). Found by
+    trace: Llama-3.2 (2 layers, tied head) pure bf16, 4 chunks: -11.6% before; the chunks' logits
+    gradients waiting meanwhile are the moments' (``moments._micro_step``)."""
+    if not (is_lm(m) and t.loss_chunks > 1 and loss_mode(m, t) in ("chunked", "half")) or t.lora_rank:
+        return 0
+    if t.dp > 1 or t.tp > 1 or t.pp > 1 or t.cp > 1 or t.fsdp is not None or t.zero_stage:
+        return 0
+    return 3 * block_bytes(_head_weight_numel(m, 1) * pol.half)
+
+
+def tied_replicated_grad(m: ModelSpec, t: TrainingSpec) -> int:
+    """PyTorch's tensor parallelism (alone or under FSDP2), a tied embedding: bytes of the embedding's own
+    gradient, which DTensor computes replicated, the whole (vocab, hidden) table
+    (``embedding_dense_backward`` has no ``Shard(0)`` output strategy: ``states._replicated_grad``),
+    and which lives while ``InputBuffer::accumulate`` redistributes it to the head's ``Shard(0)``
+    gradient (a copy of this rank's rows) and adds the two: replicated table, its shard, the head's
+    part and their sum at once. Found by trace: Llama-3.2 (2 layers) --tp 2 --recompute full, where
+    the embedding's backward is the peak: -8.3% before."""
+    if not tied_head_grad(m, t) or not dtensor_tp(t):
+        return 0
+    return _embedding_block(m, 1, 2 if t.precision == "bf16-mp" else t.weight_bytes)
+
+
 @lru_cache(maxsize=1024)
 def _embedding_block(m: ModelSpec, tp: int, nbytes: int) -> int:
     emb = next((p for p in m.parameter_tensors() if p.role == "embedding"), None)
@@ -623,12 +682,13 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     top_recomputed = t.recompute not in ("full", "op") or layers % t.recompute_every == 0
     redo = redo if top_recomputed else (0.0, 0.0)
     head_here = t.pp == 1 or stage == "last"
-    cast_layer, cast_head = _autocast_copies(t, st, pol, head_here)
+    cast_layer, cast_head = _autocast_copies(m, t, st, pol, head_here)
+    first = first_layer_unsaved(t, lc, stage)
     outer, rest_pos = derived_outer(m, t, stage) if derived else (outer_tensors(m, t, pol, stage), 0.0)
     head_tok, rest_tok, rest_sq, rest_pos = _split_outer(outer, rest_pos)
     loss = loss_bytes(m, t, pol) if head_here else LossBytes()
     comm, comm_name = _communication(t, st)
-    fsdp = fsdp_buffers(t, st)
+    fsdp = fsdp_buffers(m, t, st)
     oib_mid, oib_end = oib_update_bytes(m, t, st) if oib else (0, 0)
     # gradients of the layer's linears as its backward creates them (per weight byte): unsharded under FSDP
     layer_grads_live = st.layer_grads_full if fsdp else st.layer_grads
@@ -643,15 +703,18 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     inflight_fixed = 1 if (t.pp == 1 or stage != "first") else (t.num_microbatches_in_flight or 0)
     head_dq = head_dequant_bytes(m, t)  # the 4-bit LM head: (dequantized + cast, the cast) bytes
     return Quantities(
+        first_unsaved_tok=sum(a for _, a, _ in first), first_unsaved_sq=sum(b for _, _, b in first),
+        cast_first_free=int(sum(lc.first_free_weights) * 2) if (first and cast_layer) else 0,  # bf16/fp16 copies
         fixed=st.weights + st.buffers + st.master + comm, grads=0 if oib else st.grads,
         grads_loaded=(0 if oib else st.grads) if t.distributed_optimizer else 0, states=st.optimizer + st.step_tensors,
         layer_grads=0 if oib else st.layer_grads, head_grads=0 if oib else st.head_grads, layers=layers,
         pp_inflight=t.pp, fixed_inflight=inflight_fixed, saved_tok=lc.tok, saved_sq=lc.sq,
         kept_tok=kept[0], kept_sq=kept[1], redo_tok=redo[0], redo_sq=redo[1],
-        redo_const=cast_layer if (checkpointed and top_recomputed) else 0, held_tok=lc.held, cache_tok=lc.cache,
+        redo_const=cast_layer if (checkpointed and top_recomputed) else 0, held_tok=lc.held * output_holds_cache(m, t), cache_tok=lc.cache * output_holds_cache(m, t),
         outer_head_tok=head_tok, outer_rest_tok=rest_tok, outer_rest_sq=rest_sq, outer_rest_pos=rest_pos,
         head_loss_tok=derived_head_loss(m, t, stage) if derived else head_during_loss(m, t, pol, stage),
-        cast_layer=cast_layer, cast_head=cast_head, cast_forward_only=cast_layer * checkpointed,
+        cast_layer=cast_layer, cast_head=cast_head, cast_checkpointed=cast_layer * checkpointed,
+        cast_forward_only=0 if t.lora_rank else cast_layer * checkpointed,  # see cast_checkpointed
         gathered_layer=st.layer_params_full if fsdp_grad_op(t) else 0,
         logit_chunks=t.loss_chunks, logit_width=m.vocab_size if is_lm(m) else m.num_labels,
         tp=t.tp if is_lm(m) else 1, logits_held=loss.held, logits_out=loss.out, loss_saved=loss.saved,
@@ -659,7 +722,9 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         loss_backward_chunk=loss.backward_chunk, loss_saved_tok=loss.saved_tok, loss_saved_const=loss.saved_const,
         liger_factor=-(-m.vocab_size // m.hidden_size) if (head_here and is_lm(m) and loss_mode(m, t) == "fused") else 0,
         step_temp=step_temporaries(t, st), oib_mid=oib_mid, oib_end=oib_end,
-        tied_grad=tied_head_grad(m, t), transients=trans, fwd_temp=int(lc.fwd_const), fwd_temp_tok=lc.fwd_tok,
+        tied_grad=tied_head_grad(m, t), tied_replicated=tied_replicated_grad(m, t),
+        chunk_head_grads=chunk_head_grads(m, t, pol) if head_here else 0, transients=trans,
+        fwd_temp=int(lc.fwd_const), fwd_temp_tok=lc.fwd_tok,
         head_temp=head_dq[0] if head_here else 0, head_read=head_dq[1] if head_here else 0,
         head_lora=3 if (head_here and head_dq[0] and _head_is_lora_target(m, t)) else 0,
         # a checkpointed layer's first forward still builds MatMul4Bit nodes (non-reentrant
@@ -672,7 +737,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         detail=Detail(st, lc, outer, comm_name, input_tok))
 
 
-def _autocast_copies(t: TrainingSpec, st: States, pol: Policy, head_here: bool) -> tuple[int, int]:
+def _autocast_copies(m: ModelSpec, t: TrainingSpec, st: States, pol: Policy, head_here: bool) -> tuple[int, int]:
     """(one layer's, the head's) half weight copies autocast caches and the matmuls save, bytes.
 
     autocast casts each fp32 leaf weight once per forward and caches it; the matmuls save the
@@ -687,7 +752,8 @@ def _autocast_copies(t: TrainingSpec, st: States, pol: Policy, head_here: bool) 
     fsdp full bf16-amp was -35% against trace, the whole model's bf16 copies missing."""
     sharded = t.zero_stage == 3 and t.shard_group > 1 and t.fsdp is None
     cast_layer = st.layer_matmul_half if pol.amp and not sharded else 0
-    cast_head = st.head_matmul_half if pol.amp and not sharded and head_here else 0
+    # the head's copies: one, or one per loss chunk for a frozen head (``head_casts``)
+    cast_head = st.head_matmul_half * head_casts(m, t) if pol.amp and not sharded and head_here else 0
     return cast_layer, cast_head
 
 
@@ -767,7 +833,77 @@ def _communication(t: TrainingSpec, st: States) -> tuple[int, str]:
     return 0, ""
 
 
-def fsdp_buffers(t: TrainingSpec, st: States) -> dict[str, int]:
+def output_holds_cache(m: ModelSpec, t: TrainingSpec) -> bool:
+    """Whether the output the loop holds references the KV cache. A loss over ``--loss-chunks``
+    output chunks (torchtune's ``TransformerDecoder`` with ``num_output_chunks``, litgpt's
+    ``lm_head_chunk_size``; ``workload._chunked_output_loss``) runs the body and keeps only its hidden
+    states (``base_model(...)[0]``): the cache object is dropped as the body returns, so its copies
+    that attention does not save (the fp32 keys and values under autocast, ``kv_cache``) are freed
+    before the head and the loss run, and none outlive backward. Found by trace: Llama (2 layers)
+    2 x 1024 fp16-amp, 4 half chunks: +1.3% before (the 64 MiB fp32 cache counted at the loss)."""
+    return not (is_lm(m) and t.loss_chunks > 1)
+
+
+def head_casts(m: ModelSpec, t: TrainingSpec) -> int:
+    """How many half copies of the LM head's weight autocast makes and the head's matmuls save. It
+    caches the cast of an fp32 leaf only when it requires grad (``aten/src/ATen/autocast_mode.cpp``
+    ``cached_cast``: ``arg.requires_grad() && arg.is_leaf() && !arg.is_view()``), so a trainable head
+    is cast once per forward whatever the number of calls. A frozen one (LoRA) is cast at every call,
+    and a loss that runs the head over ``--loss-chunks`` token chunks (torchtune's chunked output,
+    litgpt's chunked half loss; ``workload._chunked_output_loss``) calls it once per chunk, each
+    matmul saving its own copy for the input's gradient. Found by trace: Llama-3.2 (2 layers), LoRA,
+    4 chunks, fp16-amp: -27.9% before (one 501 MiB copy counted of four)."""
+    frozen = bool(t.lora_rank) and "lm_head" not in (t.lora_targets or ())
+    chunked = is_lm(m) and t.loss_chunks > 1 and loss_mode(m, t) in ("chunked", "half")
+    return t.loss_chunks if (frozen and chunked) else 1
+
+
+def first_layer_unsaved(t: TrainingSpec, lc: LayerCoefs, stage: str) -> tuple[tuple[str, float, float], ...]:
+    """LoRA: the tensors the first layer does not save, because its input (the frozen embedding's
+    output) requires no gradient and autograd keeps nothing for an op none of whose inputs needs one
+    (``layers.Recipe.first_layer_unsaved``): the ops before the first adapter, the frozen linears on
+    that input (their half weight copies: ``Quantities.cast_first_free``), an adapter dropout's mask
+    on it. Only without recompute: a checkpointed layer's recompute runs under its own rules, and
+    only on the stage holding the first layer. Found by trace (benchmarks/bench_agreement.py: Llama
+    2 layers, LoRA on q/v, +2.8%; on gate_proj alone +15.9%)."""
+    if not t.lora_rank or t.recompute != "none" or t.offload_activations or not (t.pp == 1 or stage == "first"):
+        return ()
+    return lc.first_unsaved
+
+
+def loss_outside_root(m: ModelSpec, t: TrainingSpec) -> bool:
+    """Whether the loop computes the loss after the root module's forward has returned (``--loss
+    upcast`` / ``half`` on the logits, ``workload.forward_loss``). Under FSDP2 the root's
+    post-forward then has freed the last layer's all-gather output, which is otherwise kept until the
+    next all-gather is waited on (torch 2.13 ``_fully_shard/_fsdp_state.py`` L333-343,
+    ``_post_forward``: "free the all-gather result" when ``iter_forward_root is self``). Found by
+    trace: GPT-2 FSDP2 grad-op dp 4 ``--loss half``: +1.3% before."""
+    return t.loss in ("upcast", "half") and m.head in ("causal-lm", "masked-lm") and t.pp == 1
+
+
+def root_resharded_for_loss(m: ModelSpec, t: TrainingSpec) -> bool:
+    """Whether FSDP2's root unit is sharded while the loop's loss and the loss's backward run.
+
+    ``fully_shard(model, reshard_after_forward=True)`` (trainmem's wrapper, torchtune, accelerate)
+    reshards the root when its forward returns (torch 2.13 ``_fully_shard/_fsdp_state.py`` L203-207
+    skip this only when ``reshard_after_forward`` is left unset; ``_fsdp_param_group.py``
+    ``post_forward`` -> ``reshard``) and gathers it again in the root's pre-backward hook, which
+    ``_register_pre_backward_hook`` puts on the forward's output tensors (``_fsdp_state.py``
+    L434). When the model computes its own loss that output is the loss, so the root is gathered
+    from the first op of backward on. When the loop computes ``cross_entropy`` on the returned
+    logits (``--loss upcast`` / ``half``; ``workload.forward_loss``), the hook fires only once the
+    logits' gradient exists: the loss's forward and its backward (``nll_loss_backward``,
+    ``_log_softmax_backward_data``) run with the root sharded and no layer prefetched; then the
+    root's all-gather output and the parameters copied out of it (kept until the next unit's
+    all-gather, ``_fsdp_param_group.py`` ``wait_for_unshard``) exist beside the logits' gradient
+    (``Quantities.fsdp_root_regather``; Mistral dp 8 fp32 --loss upcast: -10.6% before). FSDP1 and
+    ``grad-op`` (``reshard_after_forward=False``) keep the root gathered. Found by trace on the
+    fake process group (benchmarks/bench_agreement.py, the sampled grid: Qwen2 +12.6% before)."""
+    return (t.fsdp is not None and t.fsdp_version == 2 and t.zero_stage == 3 and t.loss in ("upcast", "half")
+            and m.head in ("causal-lm", "masked-lm") and t.pp == 1)
+
+
+def fsdp_buffers(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, int]:
     """FSDP's unsharded tensors, which exist only between a forward and the end of its backward
     (``moments`` places each), bytes on one rank in the gathered dtype (bf16 under ``bf16-mp``):
 
@@ -796,8 +932,14 @@ def fsdp_buffers(t: TrainingSpec, st: States) -> dict[str, int]:
     Found by trace on the fake process group (docs/trace.md, "FSDP2's root unit")."""
     if t.fsdp is None or t.shard_group < 2:
         return {}
+    layer_buf = block_bytes(st.layer_params_full) if t.zero_stage == 3 else 0
+    resharded = root_resharded_for_loss(m, t)
     return {"fsdp_root": st.root_full,
-            "fsdp_layer_buf": block_bytes(st.layer_params_full) if t.zero_stage == 3 else 0,
+            "fsdp_layer_buf": layer_buf,
+            "fsdp_loss_root": 0 if resharded else st.root_full, "fsdp_loss_buf": 0 if resharded else layer_buf,
+            "fsdp_root_regather": st.root_full if resharded else 0,
+            "fsdp_loss_ag": 0 if loss_outside_root(m, t) or t.fsdp_version != 2 else block_bytes(st.layer_params_full),
+            "fsdp_root_kept": st.root_full if (t.zero_stage != 3 or t.fsdp_version == 1) else 0,
             "fsdp_rs_buf": st.layer_rs if t.fsdp_version == 2 else 0,
             "fsdp_head_full": st.head_grads_full, "fsdp_emb_full": st.emb_grads_full,
             "fsdp_ag_result": block_bytes(st.layer_params_full) if t.fsdp_version == 2 else 0,
