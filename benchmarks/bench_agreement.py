@@ -130,6 +130,166 @@ QUICK = (
 )
 
 
+# --- the sampled option grid (issue 11: >= 200 setups over the option space trace runs) -----------
+
+#: families of the sampled grid: the six above plus Mistral (sliding-window config, GQA) and three
+#: architectures the estimate only knows through derived coefficients (spec/coefficients)
+GRID_FAMILIES: dict[str, tuple[str, list[str]]] = {
+    **FAMILIES,
+    # Mistral-7B shape narrowed: GQA 16 / 4, untied head, vocab 32000
+    "mistral": ("mistral-7b", ["num_hidden_layers=2", "hidden_size=1024", "intermediate_size=3584",
+                               "num_attention_heads=16", "num_key_value_heads=4"]),
+    # Qwen3-0.6B: q/k norms, GQA 16 / 8, head_dim 128, tied head, vocab 151936 (derived)
+    "qwen3": ("qwen3-0.6b", ["num_hidden_layers=2"]),
+    # Gemma-2-2B: soft-capped logits, sandwich norms, head_dim 256, vocab 256000 (derived)
+    "gemma2": ("gemma-2-2b", ["num_hidden_layers=2"]),
+    # Phi-3-mini narrowed: fused qkv_proj and gate_up_proj, vocab 32064 (derived)
+    "phi3": ("phi-3-mini", ["num_hidden_layers=2", "hidden_size=1024", "intermediate_size=2816",
+                            "num_attention_heads=16", "num_key_value_heads=16"]),
+}
+#: families whose layers have hand-written recipes (recompute op, offload); TP: torchtitan's plan
+RECIPE_FAMILIES = ("gpt2", "bert", "llama", "llama-gqa", "qwen2", "mixtral", "mistral")
+TP_FAMILIES = {"llama": 16, "llama-gqa": 8, "qwen2": 2, "mistral": 4}  # -> kv heads (TP degree divides it)
+CAUSAL = tuple(f for f in GRID_FAMILIES if f != "bert")
+LORA_TARGETS = {"phi3": ("qkv_proj", "o_proj")}  # peft has no default for phi3
+GRID_SHAPES = ((1, 2048), (2, 1024), (4, 512), (8, 256), (2, 512), (1, 1024))
+#: data / tensor parallel layouts (each on a fake process group; one rank traced)
+LAYOUTS = (
+    ("single", {}), ("ddp2", {"dp": 2}), ("ddp4", {"dp": 4}),
+    ("fsdp2", {"fsdp": "full", "dp": 2}), ("fsdp4", {"fsdp": "full", "dp": 4}), ("fsdp8", {"fsdp": "full", "dp": 8}),
+    ("gradop2", {"fsdp": "grad-op", "dp": 2}), ("gradop4", {"fsdp": "grad-op", "dp": 4}),
+    ("tp2", {"tp": 2}), ("tp2sp", {"tp": 2, "sequence_parallel": True}),
+    ("tp4sp", {"tp": 4, "sequence_parallel": True}), ("tp2xfsdp2", {"tp": 2, "fsdp": "full", "dp": 2}),
+)
+LAYOUT_WEIGHTS = (9, 1, 1, 2, 2, 1, 1, 1, 1, 2, 1, 1)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One setup of the sampled grid: a family, a shape and the TrainingSpec options away from the
+    defaults (sorted (name, value) pairs, so a Case is hashable and prints the same every run)."""
+    family: str
+    batch: int
+    seq: int
+    options: tuple[tuple[str, object], ...] = ()
+
+    @property
+    def name(self) -> str:
+        def short(k, v):
+            if v is True:
+                return k
+            if isinstance(v, tuple):
+                v = "+".join(v)
+            return f"{k}={v}"
+        return f"{self.family} {self.batch}x{self.seq} " + " ".join(short(k, v) for k, v in self.options)
+
+    def specs(self):
+        model, overrides = GRID_FAMILIES[self.family]
+        m = resolve_model(model, overrides=overrides)
+        t = TrainingSpec(batch_size=self.batch, seq_len=self.seq, **dict(self.options))
+        return m, t
+
+
+def _pick(rng, choices, weights=None):
+    return rng.choices(choices, weights=weights)[0]
+
+
+def sample_case(rng, family: str) -> Case:
+    """Draw one setup for ``family``: every axis on its own, then the combinations trace or the
+    spec refuses are steered to the nearest accepted one (TP only on torchtitan's Llama-style plan,
+    ``bf16-mp`` only under FSDP, ``op`` recompute and offloading only where a recipe exists ...)."""
+    o: dict = {}
+    b, s = _pick(rng, GRID_SHAPES)
+    o["precision"] = _pick(rng, ("fp32", "bf16-amp", "bf16", "fp16-amp"), (3, 5, 3, 1))
+    o["attention"] = _pick(rng, ("eager", "sdpa", "sdpa-math"), (3, 6, 1))
+    o["recompute"] = _pick(rng, ("none", "full", "op"), (5, 3, 2))
+    name, lay = _pick(rng, LAYOUTS, LAYOUT_WEIGHTS)
+    if "tp" in lay and (family not in TP_FAMILIES or TP_FAMILIES[family] % lay["tp"]):
+        name, lay = ("fsdp2", {"fsdp": "full", "dp": 2}) if rng.random() < 0.5 else ("single", {})
+    o.update(lay)
+    if o.get("fsdp") == "full" and rng.random() < 0.5:
+        o["precision"] = "bf16-mp"  # FSDP2's MixedPrecisionPolicy(param_dtype=bf16)
+    o["optimizer"] = _pick(rng, ("adamw", "adam", "sgd", "sgd-momentum", "adafactor"), (8, 1, 1, 1, 1))
+    impl = _pick(rng, (None, "fused", "for-loop"), (8, 1, 1))
+    if impl and o["optimizer"] != "adafactor":
+        o["optimizer_impl"] = impl
+    if rng.random() < 0.2 and o["recompute"] != "op":  # peft's LoRA (op recompute is full training only)
+        o["lora_rank"] = _pick(rng, (8, 16, 64))
+        if family in LORA_TARGETS:
+            o["lora_targets"] = LORA_TARGETS[family]
+        if rng.random() < 0.3:
+            o["lora_dropout"] = 0.05
+    if family in CAUSAL and "tp" not in o:
+        loss = _pick(rng, ("model", "upcast", "half", "half-chunks", "chunked", "shift"), (10, 2, 2, 1, 2, 1))
+        if loss == "upcast":
+            o["loss"] = "upcast"
+        elif loss == "half":
+            o["loss"] = "half"
+        elif loss == "half-chunks":
+            o["loss"], o["loss_chunks"] = "half", 4
+        elif loss == "chunked":
+            o["loss"], o["loss_chunks"] = "chunked", _pick(rng, (4, 8))
+        elif loss == "shift":
+            o["loss"], o["loss_shift"] = "half", "logits"
+    o["hold_output"] = _pick(rng, ("loss", "backward", "step"), (6, 1, 1))
+    if rng.random() < 0.15:
+        o["zero_grad"] = "zeros"
+    if rng.random() < 0.2:
+        o["grad_accum"] = 2
+    # what trace refuses (trace/distributed.py ``check``), or cannot run on meta tensors: adafactor
+    # over DTensor shards, LoRA under the TP plan, a loss outside the wrapper's forward, fused SGD
+    dtensor = "fsdp" in o or "tp" in o
+    if dtensor and o["optimizer"] == "adafactor":
+        o["optimizer"] = "adamw"
+    if "tp" in o:
+        for k in ("lora_rank", "lora_targets", "lora_dropout"):
+            o.pop(k, None)
+    if o.get("dp", 1) > 1 and (o.get("loss") == "chunked" or o.get("loss_chunks", 1) > 1):
+        o.pop("loss_chunks", None)
+        o["loss"] = "half"
+    if o["optimizer"].startswith("sgd") and o.get("optimizer_impl") == "fused":
+        del o["optimizer_impl"]  # aten::_fused_sgd_ has no meta kernel
+    if family not in RECIPE_FAMILIES and o.get("loss_shift"):
+        del o["loss_shift"]
+    if family not in RECIPE_FAMILIES and o["recompute"] == "op":
+        o["recompute"] = "full"
+    if o["recompute"] == "op" and o.get("tp", 1) > 1:
+        o["recompute"] = "full"
+    if (o["recompute"] == "full" and family in ("llama", "llama-gqa", "qwen2", "mixtral", "mistral")
+            and name == "single" and "lora_rank" not in o and rng.random() < 0.3):
+        o["offload_activations"] = True
+    if o["attention"] == "sdpa-math" and o["precision"] in ("fp32",):
+        o["attention"] = "sdpa"
+    defaults = {"precision": "bf16-amp", "attention": "sdpa", "recompute": "none", "optimizer": "adamw",
+                "hold_output": "loss"}
+    opts = tuple(sorted((k, v) for k, v in o.items() if defaults.get(k, object()) != v))
+    return Case(family, b, s, opts)
+
+
+def sampled_grid(n: int = 240, seed: int = 11) -> list[Case]:
+    """``n`` distinct setups drawn with ``random.Random(seed)``, the families in turn (so each has
+    n / len(GRID_FAMILIES) of them): deterministic, the same list on every run."""
+    import random
+    rng = random.Random(seed)
+    fams = list(GRID_FAMILIES)
+    out: list[Case] = []
+    seen: set[Case] = set()
+    i = 0
+    while len(out) < n:
+        c = sample_case(rng, fams[i % len(fams)])
+        if c not in seen:
+            seen.add(c)
+            out.append(c)
+            i += 1
+    return out
+
+
+def grid_subset(n: int = 40) -> list[Case]:
+    """Every k-th setup of the sampled grid, ``n`` of them (the slow test's deterministic subset)."""
+    g = sampled_grid()
+    return g[::len(g) // n][:n]
+
+
 def compare(setup: Setup) -> Row:
     from trainmem.trace.api import trace
     m, t = setup.specs()
