@@ -199,7 +199,8 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     """Forward (the loss) and backward (head, last layer, first layer, embeddings, end) of one
     micro-batch. ``workspaces``: the cuBLAS workspaces alive in its forward and in its backward.
     Under FSDP (``quantities.fsdp_buffers``) the root unit is gathered while the loss runs and from
-    the start to the end of backward; backward holds the layer being computed, the prefetched one (last layer first) and the
+    the start to the end of backward (unless the loop's loss runs after FSDP2 resharded it:
+    ``quantities.root_resharded_for_loss``); backward holds the layer being computed, the prefetched one (last layer first) and the
     previous layer's reduce-scatter input; the head's and each layer's gradients are created
     unsharded in every micro-batch's backward, and resharded when its unit's backward ends."""
     ws, ws2 = workspaces
@@ -216,12 +217,12 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     moments.append(_mo("forward", micro, step, "cross_entropy",
                        (grads_before, states, tk.inputs, ws, tk.all_acts, tk.loss_forward + q.cast_forward_only),
                        (prev_logits + tk.out_logits, prev_kv + tk.kv_held, tk.loss_saved), valid,
-                       root + q.fsdp_ag_result))
+                       q.fsdp_loss_root + q.fsdp_ag_result))
     ends.append(("forward", micro, step, q.fixed + grads_before + states + tk.inputs + ws + tk.all_acts
                  + kept.logits + kept.kv_forward + tk.loss_saved))
     moments.append(_mo("backward", micro, step, "cross_entropy.backward",
                        (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.loss_backward),
-                       (kept.logits, kept.kv_forward, tk.loss_saved), valid, root + buf))
+                       (kept.logits, kept.kv_forward, tk.loss_saved), valid, q.fsdp_loss_root + q.fsdp_loss_buf))
     # a 4-bit LM head dequantizes its weight again for the input gradient (quant4.py)
     if flags.quant4:
         moments.append(_mo("backward", micro, step, "lm_head.backward",

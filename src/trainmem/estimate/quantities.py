@@ -107,6 +107,10 @@ class Quantities:
     fsdp_emb_full: int = 0    # an untied embedding's unsharded gradient, at its backward
     fsdp_ag_result: int = 0   # FSDP2: the last layer's all-gather output, kept from its forward to the next
     fsdp_root_sharded: int = 0  # of ``grads``: the root's sharded gradients (after the root's reduce-scatter)
+    # ... while the loss and its backward run: the root and the prefetched last layer, or nothing when
+    # the loop computes the loss after FSDP2 resharded the root (``root_resharded_for_loss``)
+    fsdp_loss_root: int = 0
+    fsdp_loss_buf: int = 0
     detail: Detail | None = None
 
 
@@ -574,7 +578,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
             rest_tok, rest_sq = rest_tok + tok, rest_sq + sq
     loss = loss_bytes(m, t, pol) if head_here else LossBytes()
     comm, comm_name = _communication(t, st)
-    fsdp = fsdp_buffers(t, st)
+    fsdp = fsdp_buffers(m, t, st)
     oib_mid, oib_end = oib_update_bytes(m, t, st) if oib else (0, 0)
     # gradients of the layer's linears as its backward creates them (per weight byte): unsharded under FSDP
     layer_grads_live = st.layer_grads_full if fsdp else st.layer_grads
@@ -669,7 +673,26 @@ def _communication(t: TrainingSpec, st: States) -> tuple[int, str]:
     return 0, ""
 
 
-def fsdp_buffers(t: TrainingSpec, st: States) -> dict[str, int]:
+def root_resharded_for_loss(m: ModelSpec, t: TrainingSpec) -> bool:
+    """Whether FSDP2's root unit is sharded while the loop's loss and the loss's backward run.
+
+    ``fully_shard(model, reshard_after_forward=True)`` (trainmem's wrapper, torchtune, accelerate)
+    reshards the root when its forward returns (torch 2.13 ``_fully_shard/_fsdp_state.py`` L203-207
+    skip this only when ``reshard_after_forward`` is left unset; ``_fsdp_param_group.py``
+    ``post_forward`` -> ``reshard``) and gathers it again in the root's pre-backward hook, which
+    ``_register_pre_backward_hook`` puts on the forward's output tensors (``_fsdp_state.py``
+    L434). When the model computes its own loss that output is the loss, so the root is gathered
+    from the first op of backward on. When the loop computes ``cross_entropy`` on the returned
+    logits (``--loss upcast`` / ``half``; ``workload.forward_loss``), the hook fires only once the
+    logits' gradient exists: the loss's forward and its backward (``nll_loss_backward``,
+    ``_log_softmax_backward_data``) run with the root sharded and no layer prefetched. FSDP1 and
+    ``grad-op`` (``reshard_after_forward=False``) keep the root gathered. Found by trace on the
+    fake process group (benchmarks/bench_agreement.py, the sampled grid: Qwen2 +12.6% before)."""
+    return (t.fsdp is not None and t.fsdp_version == 2 and t.zero_stage == 3 and t.loss in ("upcast", "half")
+            and m.head in ("causal-lm", "masked-lm") and t.pp == 1)
+
+
+def fsdp_buffers(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, int]:
     """FSDP's unsharded tensors, which exist only between a forward and the end of its backward
     (``moments`` places each), bytes on one rank in the gathered dtype (bf16 under ``bf16-mp``):
 
@@ -698,8 +721,11 @@ def fsdp_buffers(t: TrainingSpec, st: States) -> dict[str, int]:
     Found by trace on the fake process group (docs/trace.md, "FSDP2's root unit")."""
     if t.fsdp is None or t.shard_group < 2:
         return {}
+    layer_buf = block_bytes(st.layer_params_full) if t.zero_stage == 3 else 0
+    resharded = root_resharded_for_loss(m, t)
     return {"fsdp_root": st.root_full,
-            "fsdp_layer_buf": block_bytes(st.layer_params_full) if t.zero_stage == 3 else 0,
+            "fsdp_layer_buf": layer_buf,
+            "fsdp_loss_root": 0 if resharded else st.root_full, "fsdp_loss_buf": 0 if resharded else layer_buf,
             "fsdp_rs_buf": st.layer_rs if t.fsdp_version == 2 else 0,
             "fsdp_head_full": st.head_grads_full, "fsdp_emb_full": st.emb_grads_full,
             "fsdp_ag_result": block_bytes(st.layer_params_full) if t.fsdp_version == 2 else 0,

@@ -1,0 +1,58 @@
+"""The sampled option grid of ``benchmarks/bench_agreement.py`` (docs/agreement.md, "The sampled
+grid"): estimate against trace over LoRA, FSDP2, DDP, tensor and sequence parallelism, recompute,
+optimizers, loss modes and loops. Each focused test below isolates one mechanism a grid row found,
+on a setup small enough for the fast suite; the ~40-setup subset of the grid is marked slow."""
+from __future__ import annotations
+
+import pytest
+from conftest import load_benchmark
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+MEDIAN, MAX = 0.002, 0.02
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_benchmark("bench_agreement")
+
+
+def _case(bench, family, shape, **options):
+    b, s = shape
+    return bench.compare(bench.Case(family, b, s, tuple(sorted(options.items()))))
+
+
+def test_grid_is_deterministic_and_covers_the_options(bench):
+    a, b = bench.sampled_grid(), bench.sampled_grid()
+    assert a == b and len(a) >= 200 and len(set(a)) == len(a)
+    opts = [dict(c.options) for c in a]
+    assert {c.family for c in a} == set(bench.GRID_FAMILIES)
+    for key, value in [("lora_rank", 8), ("fsdp", "full"), ("fsdp", "grad-op"), ("sequence_parallel", True),
+                       ("recompute", "op"), ("recompute", "full"), ("offload_activations", True),
+                       ("precision", "bf16-mp"), ("loss", "chunked"), ("loss_shift", "logits"),
+                       ("optimizer", "adafactor"), ("hold_output", "step"), ("zero_grad", "zeros")]:
+        assert any(o.get(key) == value for o in opts), (key, value)
+    assert any(o.get("tp") == 2 and o.get("fsdp") == "full" for o in opts)
+
+
+@pytest.mark.parametrize("fsdp", ["full", "grad-op"])
+def test_fsdp2_root_is_resharded_while_the_loops_loss_runs(bench, fsdp):
+    """``--loss upcast``: the loop's cross-entropy runs after ``fully_shard(model,
+    reshard_after_forward=True)`` resharded the root; its pre-backward hook sits on the logits
+    (estimate.quantities.root_resharded_for_loss). grad-op keeps the root gathered. Before the fix
+    the estimate charged the gathered root there: +12.6% on Qwen2 at 2 x 1024."""
+    r = _case(bench, "qwen2", (2, 1024), fsdp=fsdp, dp=2, loss="upcast")
+    assert abs(r.diff) < 0.005, (r.estimate.peak_allocated, r.trace.peak_allocated)
+    assert r.estimate.peak_where == "cross_entropy.backward"
+
+
+@pytest.mark.slow
+def test_grid_subset(bench):
+    """Every sixth setup of the sampled grid (40): median |estimate / trace - 1| <= 0.2%, max <= 2%."""
+    rows = [bench.compare(c) for c in bench.grid_subset()]
+    med, mx = bench.summary(rows)
+    worst = ", ".join(f"{r.setup.name}: {100 * r.diff:+.2f}%" for r in sorted(rows, key=lambda r: -abs(r.diff))[:3])
+    assert len(rows) >= 40
+    assert med <= MEDIAN, f"median {100 * med:.2f}% (worst: {worst})"
+    assert mx <= MAX, f"max {100 * mx:.2f}% (worst: {worst})"
