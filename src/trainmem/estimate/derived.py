@@ -72,7 +72,7 @@ def sliding_window(m: ModelSpec) -> int:
 def key(m: ModelSpec, t: TrainingSpec) -> str:
     """The cache key of ``m``'s coefficients under ``t``: everything the traced layer depends on."""
     lora = (t.lora_rank, tuple(t.lora_targets or ()), t.lora_dropout, t.lora_half) if t.lora_rank else ()
-    return _key(m.fingerprint, t.precision, t.attention, t.dropout, lora, regime(m, t), without_cache(t))
+    return _key(m.fingerprint, activation_precision(t), t.attention, t.dropout, lora, regime(m, t), without_cache(t))
 
 
 @lru_cache(maxsize=4096)
@@ -109,13 +109,25 @@ def without_cache(t: TrainingSpec) -> bool:
     return t.recompute == "full" or t.pp > 1
 
 
+def activation_precision(t: TrainingSpec) -> str:
+    """The precision the layers compute in, for the one-GPU derivation. ``bf16-mp`` is FSDP2's
+    ``MixedPrecisionPolicy(param_dtype=bf16)``: the forward runs on the all-gathered bf16 parameters
+    (``_fsdp_param.py`` ``init_unsharded_param`` casts to ``param_dtype``) with its floating inputs
+    cast to bf16 (``cast_forward_inputs=True``, ``_fsdp_state.py`` ``_root_pre_forward``), and no
+    autocast: what every layer saves is what pure ``bf16`` training saves. Traced on one GPU as
+    ``bf16-mp`` the model would keep its fp32 weights (no FSDP to gather them in bf16) and the
+    activations would come out fp32, twice the real bytes (Phi-3 FSDP2 bf16-mp: +10.8% vs trace)."""
+    return "bf16" if t.precision == "bf16-mp" else t.precision
+
+
 def _canonical(t: TrainingSpec) -> TrainingSpec:
     """``t`` reduced to what the derivation reads (so that equal keys share one derivation):
     ``recompute`` "full" stands for "derive without the KV cache" (``without_cache``)."""
     from dataclasses import replace
     # 4-bit bases (bitsandbytes >= 0.43.2) keep the activations of a frozen half base: derived
     # without them; their dequantized weights are added by ``layer_coefs``
-    return replace(t, batch_size=1, seq_len=128, grad_accum=1, dp=1, pp=1, zero=0,
+    return replace(t, batch_size=1, seq_len=128, grad_accum=1, dp=1, pp=1, zero=0, fsdp=None,
+                   precision=activation_precision(t),
                    recompute="full" if without_cache(t) else "none",
                    recompute_every=1, quantize=None, quantize_via="transformers", bitsandbytes_version=None)
 
