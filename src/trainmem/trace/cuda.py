@@ -476,7 +476,11 @@ class _GroupedMMFallback(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, offs: Any, bias: Any, out_dtype: Any) -> torch.Tensor:
-        ctx.save_for_backward(a, b)
+        # GroupedMmBackward0 saves each operand only for the other's gradient (derivatives.yaml,
+        # ``_grouped_mm``: ``self`` from ``mat2``, ``mat2`` from ``self``): frozen experts (LoRA) keep
+        # no input rows
+        ctx.save_for_backward(a if ctx.needs_input_grad[1] else None, b if ctx.needs_input_grad[0] else None)
+        ctx.a_dtype, ctx.b_layout = a.dtype, (b.size(), b.stride(), b.dtype, b.device)
         ctx.offs = offs
         ctx.bias = None if bias is None else (bias.shape, bias.dtype)
         out = _grouped_mm_out(a, b, offs, out_dtype or a.dtype)
@@ -486,13 +490,14 @@ class _GroupedMMFallback(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        a, b = ctx.saved_tensors
+        _, b = ctx.saved_tensors
         ga = gb = None
         if ctx.needs_input_grad[0]:   # _grouped_mm(grad, mat_b^T, offs): an output of mat_a's shape
-            ga = _grouped_mm_out(grad, b.transpose(-2, -1), ctx.offs, a.dtype)
+            ga = _grouped_mm_out(grad, b.transpose(-2, -1), ctx.offs, ctx.a_dtype)
         if ctx.needs_input_grad[1]:   # laid out as mat_b is (as mm's mat2 gradient), so that a
             # transposed weight's gradient comes back in the parameter's own layout
-            gb = torch.empty_strided(b.size(), b.stride(), dtype=b.dtype, device=b.device)
+            size, stride, dtype, device = ctx.b_layout
+            gb = torch.empty_strided(size, stride, dtype=dtype, device=device)
         gbias = None
         if ctx.needs_input_grad[3] and ctx.bias is not None:
             gbias = torch.empty(ctx.bias[0], dtype=ctx.bias[1], device=grad.device)
