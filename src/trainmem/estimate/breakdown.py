@@ -143,14 +143,18 @@ def activations(q: Quantities, tk: Tokens, at_peak: int, t: TrainingSpec, n: int
             listed.append(Component("activations.layers.op_saved", ACTIVATIONS, (tk.layer - inputs) * per_rank, None,
                                     "outputs torchtitan's per-op policy saves: every other matmul, the SDPA kernel"))
     else:
+        first = {}  # LoRA: what the first layer does not save (quantities.first_layer_unsaved)
+        if q.first_unsaved_tok or q.first_unsaved_sq:
+            for name, a, b in q.detail.layer.first_unsaved:
+                first[name] = first.get(name, 0) + int(a * n + b * nsq) * tk.inflight
         for name, a, b in q.detail.layer.parts:
             v = int(a * n) + (0 if t.recompute == "selective" else int(b * nsq))
-            if v:
-                listed.append(Component(f"activations.layers.{name}", ACTIVATIONS, v * per_rank, None,
+            if v * per_rank - first.get(name, 0):
+                listed.append(Component(f"activations.layers.{name}", ACTIVATIONS, v * per_rank - first.get(name, 0), None,
                                         "saved per layer x layers on this rank x micro-batches in flight"))
     if q.cast_layer and not q.cast_forward_only:
         listed.append(Component("activations.autocast_weight_copies.layers", ACTIVATIONS,
-                                q.cast_layer * q.layers, half,
+                                q.cast_layer * q.layers - q.cast_first_free, half,
                                 "half copies of matmul weights cast by autocast, saved for backward"))
     if q.gathered_layer:
         listed.append(Component("communication.fsdp_gathered_layers", COMMUNICATION, q.gathered_layer * q.layers,

@@ -58,10 +58,34 @@ class Recipe:
     mm_outs: list[T] = field(default_factory=list)
     sdpa_outs: list[T] = field(default_factory=list)
     input_saved: bool = False  # a saved tensor is the layer's input itself (a norm in the input's dtype)
+    # LoRA, the first layer (``first_layer_unsaved``): its input needs no gradient, so what the ops
+    # before the first adapter save, and the frozen linears on that grad-free input, autograd never keeps
+    adapter_seen: bool = False
+    free_input: int | None = None        # id of the grad-free tensor the first adapter reads
+    prefix: frozenset = frozenset()      # ids saved before the first adapter
+    post: set = field(default_factory=set)          # ids saved from the first adapter on
+    free_extra: dict = field(default_factory=dict)  # saved in later layers only (adapter dropout masks)
+    free_weights: list = field(default_factory=list)  # weight elements of the frozen linears on it
 
     def save(self, *ts: T) -> None:
         for t in ts:
             self.saved[id(t)] = t
+            if self.adapter_seen:
+                self.post.add(id(t))
+
+    def first_layer_unsaved(self) -> list[T]:
+        """Of the tensors a layer saves, those the first layer does not under LoRA: peft freezes the
+        embeddings too, so the first layer's input requires no gradient, and autograd records no
+        node (saves nothing) for an op none of whose inputs requires one (``torch/csrc/autograd``
+        ``compute_requires_grad``; generated ``VariableType`` code builds ``grad_fn`` and its
+        ``SavedVariable``s only under ``if (_any_requires_grad)``). Gradients start at the first
+        adapter (``lora_A``'s weight), so the ops before it save nothing, nor does an adapter's
+        dropout on the grad-free input save its mask (its output does not require grad)."""
+        if not self.adapter_seen:
+            return []
+        out = {i: self.saved[i] for i in self.prefix if i not in self.post}
+        out.update(self.free_extra)
+        return list(out.values())
 
     def hold(self, *ts: T) -> None:
         for t in ts:
@@ -172,11 +196,20 @@ class Builder:
         (``_cast_input_dtype``; adapters are fp32 over half weights, ``autocast_adapter_dtype``),
         ``lora_A`` saves that input (under autocast its half cast), ``lora_B`` the rank-r result."""
         rank = next((r for t, r in self.lora.items() if name == t or name.endswith("." + t)), 0)
+        # the first layer (Recipe.first_layer_unsaved): is this linear's input the grad-free one?
+        free_in = not self.r.adapter_seen or id(x) == self.r.free_input
+        if free_in:
+            self.r.free_weights.append((x.tok if in_features is None else in_features) * out)
+        if rank and not self.r.adapter_seen:
+            self.r.prefix, self.r.free_input, self.r.adapter_seen = frozenset(self.r.saved), id(x), True
         if rank:
             adapter = x.nbytes if (self.lora_half or x.nbytes == F32) else F32   # peft upcasts to fp32
             if self.lora_dropout > 0:
                 # nn.Dropout on the (cast) input: a 1-byte mask and a new dropped tensor
-                self.r.save(T(x.tok, x.sq, 1, f"lora.{name}.dropout_mask"))
+                mask = T(x.tok, x.sq, 1, f"lora.{name}.dropout_mask")
+                self.r.save(mask)
+                if free_in:
+                    self.r.free_extra[id(mask)] = mask
             if self.p.amp:
                 xin = T(x.tok, x.sq, HALF, saved_name)        # autocast's cast for lora_A, per call
             elif adapter != x.nbytes or self.lora_dropout > 0:
@@ -548,6 +581,10 @@ class LayerCoefs:
     op_tok: float = 0.0      # --recompute op: bytes per token the selective policy saves (op_checkpoint_saved)
     op_sq: float = 0.0       # ... per token x key
     input_saved: float = 0.0  # bytes per token of the saved tensors that are the layer's input itself
+    # LoRA: of ``parts``, what the first layer does not save (``Recipe.first_layer_unsaved``), and the
+    # weight elements of its frozen linears on the grad-free input (their half copies are not kept)
+    first_unsaved: tuple[tuple[str, float, float], ...] = ()
+    first_free_weights: tuple[float, ...] = ()
 
     def bytes(self, n: int, nsq: int) -> int:
         return int(self.tok * n + self.sq * nsq)
@@ -595,8 +632,10 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
     held = sum(t.tok * t.nbytes for i, t in B.r.held.items() if i not in B.r.saved)
     op_tok, op_sq = op_checkpoint_saved(B.r)
     input_saved = B.r.input_saved or id(x) in B.r.saved
+    unsaved = tuple((t.name or "other", *t.bytes_coef()) for t in B.r.first_layer_unsaved())
     return LayerCoefs(tok, sq, tuple((n, a, b) for n, (a, b) in parts.items()), trans, held, B.r.cache, wall,
-                      after, B.r.fwd[0], B.r.fwd[1], op_tok, op_sq, x.tok * x.nbytes if input_saved else 0.0)
+                      after, B.r.fwd[0], B.r.fwd[1], op_tok, op_sq, x.tok * x.nbytes if input_saved else 0.0,
+                      unsaved, tuple(B.r.free_weights) if B.r.adapter_seen else ())
 
 
 def op_checkpoint_saved(r: Recipe) -> tuple[float, float]:

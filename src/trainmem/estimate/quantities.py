@@ -111,6 +111,10 @@ class Quantities:
     # the loop computes the loss after FSDP2 resharded the root (``root_resharded_for_loss``)
     fsdp_loss_root: int = 0
     fsdp_loss_buf: int = 0
+    # LoRA: what the first layer does not save (its input needs no gradient; ``first_layer_unsaved``)
+    first_unsaved_tok: float = 0.0
+    first_unsaved_sq: float = 0.0
+    cast_first_free: int = 0  # ... and the half weight copies of its frozen linears on that input
     detail: Detail | None = None
 
 
@@ -196,7 +200,8 @@ def outer_tensors(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) -> tup
     if t.pp == 1 or stage == "first":
         out += _embedding_side(m, t, pol, h, sp)
     if t.pp == 1 or stage == "last":
-        out += _head_side(m, pol, h, sp, fused=is_lm(m) and loss_mode(m, t) == "fused")
+        out += _head_side(m, pol, h, sp, fused=is_lm(m) and loss_mode(m, t) == "fused",
+                          frozen=bool(t.lora_rank) and "lm_head" not in (t.lora_targets or ()))
     return tuple(out)
 
 
@@ -239,20 +244,28 @@ def head_during_loss(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) -> 
     return m.hidden_size * F32 / (t.tp if t.sequence_parallel else 1)
 
 
-def _head_side(m: ModelSpec, pol: Policy, h: int, sp: int, fused: bool = False) -> list[tuple[str, float, float]]:
+def _head_side(m: ModelSpec, pol: Policy, h: int, sp: int, fused: bool = False,
+               frozen: bool = False) -> list[tuple[str, float, float]]:
     """The final norm's saved tensors and the head's input (which a fused linear cross-entropy
-    does not save: it keeps the gradients it computed in forward instead)."""
+    does not save: it keeps the gradients it computed in forward instead).
+
+    ``frozen`` (LoRA: peft freezes the head and the norms): a linear with a frozen weight saves no
+    input (``mm`` saves ``self`` only when ``mat2`` requires grad: ``derivatives.yaml``, ``mm``:
+    ``self: mm_mat1_backward(grad, mat2, ...)``, ``mat2: mm_mat2_backward(grad, self, ...)``), so
+    neither the head's input nor a dense transform's is kept; HF RMSNorm's ``weight * normed``
+    saves ``normed`` only for the weight's gradient (as ``layers.Builder.rms_norm_hf``)."""
     out: list[tuple[str, float, float]] = []
     if m.final_norm and m.family != "bert":
-        if m.norm == "rmsnorm":  # HF RMSNorm: fp32 input copy, the normed tensor, fp32 rstd
-            out.append(("final_norm", (h * (F32 + pol.stream) + 4) / sp, 0.0))
+        if m.norm == "rmsnorm":  # HF RMSNorm: fp32 input copy, the normed tensor (trainable weight), fp32 rstd
+            out.append(("final_norm", (h * (F32 + (0 if frozen else pol.stream)) + 4) / sp, 0.0))
         else:                    # layer_norm: input + fp32 mean/rstd
             out.append(("final_norm", (h * pol.stream + 8) / sp, 0.0))
     if m.head == "masked-lm":
         # transform: dense (saves its input) + activation + LayerNorm, then the decoder's input
-        out.append(("mlm.transform", float(h * (pol.half + pol.half + pol.stream) + 8), 0.0))
-        out.append(("lm_head.input", float(h * pol.half), 0.0))
-    elif m.head == "causal-lm" and not fused:
+        out.append(("mlm.transform", float(h * ((0 if frozen else pol.half) + pol.half + pol.stream) + 8), 0.0))
+        if not frozen:
+            out.append(("lm_head.input", float(h * pol.half), 0.0))
+    elif m.head == "causal-lm" and not fused and not frozen:
         # lm_head saves its input: a half cast under autocast, else the final norm's output
         half_in = pol.amp or (m.norm == "rmsnorm" and pol.stream == 2)
         out.append(("lm_head.input", float(h * (pol.half if half_in else pol.stream)), 0.0))
@@ -566,6 +579,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     # fsdp full bf16-amp was -35% against trace, the whole model's bf16 copies missing.
     sharded = t.zero_stage == 3 and t.shard_group > 1 and t.fsdp is None
     cast_layer = st.layer_matmul_half if pol.amp and not sharded else 0
+    first = first_layer_unsaved(t, lc, stage)
     cast_head = st.head_matmul_half if pol.amp and not sharded and head_here else 0
     outer, rest_pos = derived_outer(m, t, stage) if derived else (outer_tensors(m, t, pol, stage), 0.0)
     head_tok = rest_tok = rest_sq = 0.0  # per token: final norm / head input; the rest (embeddings, masks)
@@ -592,6 +606,8 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         trans = trans[:-1] + ((trans[-1][0] + offload_previous(input_tok, pol), *trans[-1][1:]),)
     inflight_fixed = 1 if (t.pp == 1 or stage != "first") else (t.num_microbatches_in_flight or 0)
     return Quantities(
+        first_unsaved_tok=sum(a for _, a, _ in first), first_unsaved_sq=sum(b for _, _, b in first),
+        cast_first_free=int(sum(lc.first_free_weights) * 2) if (first and cast_layer) else 0,  # bf16/fp16 copies
         fixed=st.weights + st.buffers + st.master + comm, grads=0 if oib else st.grads,
         grads_loaded=(0 if oib else st.grads) if t.distributed_optimizer else 0, states=st.optimizer + st.step_tensors,
         layer_grads=0 if oib else st.layer_grads, head_grads=0 if oib else st.head_grads, layers=layers,
@@ -671,6 +687,19 @@ def _communication(t: TrainingSpec, st: States) -> tuple[int, str]:
     if t.zero_stage == 3 and t.shard_group > 1 and t.fsdp is None:
         return 2 * st.layer_params_full, "communication.zero3_gathered_layers"
     return 0, ""
+
+
+def first_layer_unsaved(t: TrainingSpec, lc: LayerCoefs, stage: str) -> tuple[tuple[str, float, float], ...]:
+    """LoRA: the tensors the first layer does not save, because its input (the frozen embedding's
+    output) requires no gradient and autograd keeps nothing for an op none of whose inputs needs one
+    (``layers.Recipe.first_layer_unsaved``): the ops before the first adapter, the frozen linears on
+    that input (their half weight copies: ``Quantities.cast_first_free``), an adapter dropout's mask
+    on it. Only without recompute: a checkpointed layer's recompute runs under its own rules, and
+    only on the stage holding the first layer. Found by trace (benchmarks/bench_agreement.py: Llama
+    2 layers, LoRA on q/v, +2.8%; on gate_proj alone +15.9%)."""
+    if not t.lora_rank or t.recompute != "none" or t.offload_activations or not (t.pp == 1 or stage == "first"):
+        return ()
+    return lc.first_unsaved
 
 
 def root_resharded_for_loss(m: ModelSpec, t: TrainingSpec) -> bool:
