@@ -815,9 +815,16 @@ def _moe(B: Builder, src: T, h: float, f: float, experts: int, top_k: int) -> No
     so under autocast (fp32 weights) the experts compute and save fp32 tensors, and no half copies
     of the expert weights are made. The routing weights are fp32, so the weighted output and its
     gradients are fp32 too.
+
+    Under LoRA the experts are frozen (peft's targets are ``nn.Linear`` modules; transformers' grouped
+    experts are bare parameters): ``_grouped_mm`` saves an operand only for the other's gradient
+    (``derivatives.yaml``, ``_grouped_mm``: ``self`` from ``mat2``, ``mat2`` from ``self``), so the
+    gathered rows and the product, which only the weight gradients need, are not kept, and no expert
+    weight gradient is made in backward.
     """
     wd = B.p.weight
     k = top_k
+    trainable = not B.frozen
     # router: saves its (cast) input, the fp32 softmax, top-k indices, the sum and the pre-division
     # weights of the in-place renormalisation
     B.linear(src, experts, "mlp.gate", "router.input", h)
@@ -826,21 +833,24 @@ def _moe(B: Builder, src: T, h: float, f: float, experts: int, top_k: int) -> No
     # gather: the token rows in expert order, their routing weights, and the int64 permutations
     # (sorted expert ids, perm // top_k, inverse permutation) the index backward needs
     xin = T(k * h, 0, wd, "experts.input")
-    B.r.save(xin, T(k, 0, F32, "experts.routing_weights"), T(3 * k, 0, 8, "experts.indices"))
+    B.r.save(T(k, 0, F32, "experts.routing_weights"), T(3 * k, 0, 8, "experts.indices"))
+    if trainable:
+        B.r.save(xin)
     # gate_up: saves the gathered rows; its (S, 2f) output is saved by silu (gate) and the
     # product (up) as views; the product is saved by down; down's output by the routing multiply
     grad_w = wd  # the weight gradient comes in the parameter's dtype and layout (stolen as .grad)
     B.r.transient("experts.gate_up.backward", T(2 * k * f, 0, wd), T(k * h, 0, wd),
-                  const=experts * 2 * f * h * grad_w, own_weights=experts * 2 * f * h)
-    B.r.weights += experts * 2 * f * h
+                  const=experts * 2 * f * h * grad_w * trainable, own_weights=experts * 2 * f * h * trainable)
+    B.r.weights += experts * 2 * f * h * trainable
     B.r.save(T(2 * k * f, 0, wd, "experts.gate_up_out"), T(k * f, 0, wd, "experts.silu_out"))
     # SwiGLU backward (the product, saved by down, is freed by then): down's input gradient and the
     # product's two gradients
     B.r.transient("experts.act.backward", T(3 * k * f, 0, wd))
-    B.r.save(T(k * f, 0, wd, "experts.act_product"))
+    if trainable:
+        B.r.save(T(k * f, 0, wd, "experts.act_product"))
     B.r.transient("experts.down.backward", T(k * h, 0, wd), T(k * f, 0, wd),
-                  const=experts * f * h * grad_w, own_weights=experts * f * h)
-    B.r.weights += experts * f * h
+                  const=experts * f * h * grad_w * trainable, own_weights=experts * f * h * trainable)
+    B.r.weights += experts * f * h * trainable
     B.r.save(T(k * h, 0, wd, "experts.down_out"))
     # combine backward: index_put of the gradient into zeros, both products' gradients (fp32)
     # and the cast back to the experts' dtype
