@@ -152,7 +152,7 @@ def activations(q: Quantities, tk: Tokens, at_peak: int, t: TrainingSpec, n: int
             if v * per_rank - first.get(name, 0):
                 listed.append(Component(f"activations.layers.{name}", ACTIVATIONS, v * per_rank - first.get(name, 0), None,
                                         "saved per layer x layers on this rank x micro-batches in flight"))
-    if q.cast_layer and not q.cast_forward_only:
+    if q.cast_layer and not q.cast_checkpointed:
         listed.append(Component("activations.autocast_weight_copies.layers", ACTIVATIONS,
                                 q.cast_layer * q.layers - q.cast_first_free, half,
                                 "half copies of matmul weights cast by autocast, saved for backward"))

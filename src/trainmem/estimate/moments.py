@@ -79,7 +79,7 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any) -
     layer = trunc(q.kept_tok * n + q.kept_sq * nsq)                        # (b, s, ...) per layer
     # + autocast's copies of the weights and FSDP grad-op's gathered weights, each layer's from its
     # forward to its backward
-    layers = layer * q.layers * inflight + ((q.cast_layer + q.gathered_layer) * q.layers - q.cast_forward_only)
+    layers = layer * q.layers * inflight + ((q.cast_layer + q.gathered_layer) * q.layers - q.cast_checkpointed)
     # LoRA: the first layer's input needs no gradient, so it keeps less (quantities.first_layer_unsaved)
     layers = layers - trunc(q.first_unsaved_tok * n + q.first_unsaved_sq * nsq) * inflight - q.cast_first_free
     outer_rest = trunc(q.outer_rest_tok * n + q.outer_rest_sq * nsq + q.outer_rest_pos * (n // b)) * inflight

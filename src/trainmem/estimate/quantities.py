@@ -111,6 +111,10 @@ class Quantities:
     # the loop computes the loss after FSDP2 resharded the root (``root_resharded_for_loss``)
     fsdp_loss_root: int = 0
     fsdp_loss_buf: int = 0
+    # checkpointed layers' autocast weight copies: none saved. autocast caches the cast of a leaf that
+    # requires grad until forward ends (``cast_forward_only``); a frozen one (LoRA's base weights) is
+    # not cached (``autocast_mode.cpp`` ``cached_cast``), so its copy dies with the checkpointed op
+    cast_checkpointed: int = 0
     # LoRA: what the first layer does not save (its input needs no gradient; ``first_layer_unsaved``)
     first_unsaved_tok: float = 0.0
     first_unsaved_sq: float = 0.0
@@ -616,7 +620,8 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         redo_const=cast_layer if (checkpointed and top_recomputed) else 0, held_tok=lc.held * output_holds_cache(m, t), cache_tok=lc.cache * output_holds_cache(m, t),
         outer_head_tok=head_tok, outer_rest_tok=rest_tok, outer_rest_sq=rest_sq, outer_rest_pos=rest_pos,
         head_loss_tok=derived_head_loss(m, t, stage) if derived else head_during_loss(m, t, pol, stage),
-        cast_layer=cast_layer, cast_head=cast_head, cast_forward_only=cast_layer * checkpointed,
+        cast_layer=cast_layer, cast_head=cast_head, cast_checkpointed=cast_layer * checkpointed,
+        cast_forward_only=0 if t.lora_rank else cast_layer * checkpointed,  # see cast_checkpointed
         gathered_layer=st.layer_params_full if fsdp_grad_op(t) else 0,
         logit_chunks=t.loss_chunks, logit_width=m.vocab_size if is_lm(m) else m.num_labels,
         tp=t.tp if is_lm(m) else 1, logits_held=loss.held, logits_out=loss.out, loss_saved=loss.saved,
