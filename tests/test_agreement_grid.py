@@ -117,3 +117,13 @@ def test_chunked_output_loss_under_lora(bench, options, before):
     r = _case(bench, "llama-gqa", (1, 1024), **options)
     assert abs(r.diff) < 0.015, (r.estimate.peak_allocated, r.trace.peak_allocated)
     assert abs(r.diff) < abs(before) / 5
+
+
+@pytest.mark.parametrize("impl", [None, "for-loop"])
+def test_sgd_momentum_step_makes_no_temporaries(bench, impl):
+    """torch.optim.SGD(momentum=0.9) updates in place (``_multi_tensor_sgd``): the estimate charged
+    a gradient-sized temporary at the step (+6.4% on Mistral, +30.9% on Llama, fp16-amp)."""
+    opts = {"optimizer": "sgd-momentum", "precision": "fp16-amp"} | ({"optimizer_impl": impl} if impl else {})
+    r = _case(bench, "llama", (1, 1024), **opts)
+    assert abs(r.diff) < 0.005, (r.estimate.peak_allocated, r.trace.peak_allocated)
+    assert abs(r.phase_diff["opt1"]) < 0.006
