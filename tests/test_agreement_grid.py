@@ -127,3 +127,13 @@ def test_sgd_momentum_step_makes_no_temporaries(bench, impl):
     r = _case(bench, "llama", (1, 1024), **opts)
     assert abs(r.diff) < 0.005, (r.estimate.peak_allocated, r.trace.peak_allocated)
     assert abs(r.phase_diff["opt1"]) < 0.006
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32", "bf16-amp"])
+def test_eager_attention_backward_in_order(bench, precision):
+    """BERT at 1 x 2048 with recompute: layer 0's attention backward is the peak. ``p @ v``, the
+    dropout, the cast and softmax are back-propagated in turn, each with only the tensors saved
+    before it alive (layers.Builder._eager_attention). Before: +26% (bf16), +13% (fp32)."""
+    r = _case(bench, "bert", (1, 2048), attention="eager", precision=precision, recompute="full")
+    assert r.estimate.peak_where.startswith("layer[0].attn.")
+    assert abs(r.diff) < 0.02, (r.estimate.peak_allocated, r.trace.peak_allocated)

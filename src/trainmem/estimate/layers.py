@@ -279,7 +279,7 @@ class Builder:
                             pinned=impl if impl in SDPA_PINS else None, dropout=p)
 
     def attention(self, q: T, k: T, v: T, heads: float, kv_heads: float, head_dim: int, impl: str,
-                  p_drop: float, softmax_fp32_then_cast: bool) -> T:
+                  p_drop: float, softmax_fp32_then_cast: bool, dropout_before_cast: bool = False) -> T:
         """Scaled dot-product attention; returns the context tensor the output projection consumes.
 
         eager: Python ops (``_eager_attention``). ``sdpa`` and the pinned kinds run the backend
@@ -288,7 +288,8 @@ class Builder:
         are what the kernel then saves).
         """
         if impl == "eager":
-            return self._eager_attention(q, k, v, heads, kv_heads, head_dim, p_drop, softmax_fp32_then_cast)
+            return self._eager_attention(q, k, v, heads, kv_heads, head_dim, p_drop, softmax_fp32_then_cast,
+                                         dropout_before_cast)
         backend = self.sdpa(impl, head_dim, heads, kv_heads, p_drop)
         if sdpa_repeats_kv(heads, kv_heads, head_dim):
             k = T(heads * head_dim, 0, k.nbytes, "attn.k_repeated")
@@ -299,11 +300,21 @@ class Builder:
         return self._fused_attention(backend, q, k, v, heads, kv_heads, head_dim)
 
     def _eager_attention(self, q: T, k: T, v: T, heads: float, kv_heads: float, head_dim: int,
-                         p_drop: float, softmax_fp32_then_cast: bool) -> T:
+                         p_drop: float, softmax_fp32_then_cast: bool, dropout_before_cast: bool = False) -> T:
         """``matmul(q, k^T)`` saves q and k (GQA: the repeated k/v copies), softmax saves its fp32
         output (autocast runs softmax in fp32), the probabilities cast back to half are saved by
         ``matmul(p, v)`` (or the dropout output and its mask); the ``(b, h, s, d)`` result is copied
-        by ``transpose(1, 2).contiguous()`` into the context."""
+        by ``transpose(1, 2).contiguous()`` into the context.
+
+        Backward runs ``p @ v``'s, the dropout's, the cast's and softmax's in reverse order, each
+        holding the gradient it receives and the one it makes, while only the tensors saved before it
+        are still alive (``Recipe.transient``): ``p @ v`` with every probability tensor saved; the
+        dropout with the mask and softmax's output; softmax with its output alone. transformers'
+        eager attention casts before the dropout (Llama: ``softmax(dtype=float32).to(q.dtype)``,
+        GPT-2: ``.type(value.dtype)``) except BERT's (``dropout_before_cast``: dropout in the softmax
+        dtype, then autocast's cast inside the matmul). Found by trace: BERT-base pure bf16 at 1 x
+        2048 with recompute, where layer 0's attention backward is the peak: +26% before (one
+        backward moment holding the dropped probabilities, the mask and an fp32 gradient)."""
         half = self.p.half
         rep = heads / kv_heads
         if rep > 1:  # repeat_kv materialises expanded copies that matmul saves
@@ -315,15 +326,25 @@ class Builder:
         sm = F32 if (self.p.amp or half == F32 or softmax_fp32_then_cast) else half
         probs = T(0, heads, sm, "attn.softmax")
         self.r.save(probs)
-        if p_drop > 0 and self.dropout:
+        # softmax's backward: the gradient of its output and ``_softmax_backward_data``'s, in its dtype
+        self.r.transient("attn.softmax.backward", T(0, heads, sm), T(0, heads, sm))
+        drop = p_drop > 0 and self.dropout
+        dd = sm if dropout_before_cast else half  # the dtype the dropout runs in
+        if sm != half and not (drop and dropout_before_cast):  # the half cast's backward: half in, fp32 out
+            self.r.transient("attn.probs_cast.backward", T(0, heads, half), T(0, heads, sm))
+        if drop:
             self.r.save(T(0, heads, 1, "attn.probs_dropout.mask"))
+            self.r.transient("attn.dropout.backward", T(0, heads, dd), T(0, heads, dd))
+            if dd != half:  # autocast's cast of the dropped probabilities, after the dropout
+                self.r.transient("attn.probs_cast.backward", T(0, heads, half), T(0, heads, dd))
             pv = T(0, heads, half, "attn.probs")  # dropout output (or its half cast) feeds p @ v
         elif sm != half:
             pv = T(0, heads, half, "attn.probs")  # the half copy p @ v consumes
         else:
             pv = probs
         self.r.save(pv)
-        self.r.transient("attn.softmax.backward", T(0, heads, half), T(0, heads, F32))
+        # p @ v's backward: the probabilities' gradient (half) and v's
+        self.r.transient("attn.pv.backward", T(0, heads, half), T(v.tok, 0, half))
         return T(heads * head_dim, 0, half, "attn.context")
 
     def _math_attention(self, v: T, heads: float, kv_heads: float, head_dim: int, p_drop: float = 0.0) -> T:
@@ -708,7 +729,7 @@ def _bert_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: f
     vv = B.linear(src, kv, "value", "qkv.input", h)
     qq, kk, vv = T(q, 0, half, "attn.q"), T(kv, 0, half, "attn.k"), T(kv, 0, half, "attn.v")
     ctx = B.attention(qq, kk, vv, heads, kvh, k.head_dim, k.attention, k.attention_dropout,
-                      softmax_fp32_then_cast=False)
+                      softmax_fp32_then_cast=False, dropout_before_cast=True)
     B.linear(ctx, h, "attention.output.dense", "attention.output.dense.input")
     B.drop(T(h / sp_div, 0, half, "resid"), k.hidden_dropout, "attention.output.dropout")
     if k.pre_norm:
