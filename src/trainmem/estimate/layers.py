@@ -367,10 +367,15 @@ class Builder:
         self.r.save(T(heads * head_dim, 0, F32, "attn.math.q_scaled"),
                     T(heads * head_dim, 0, F32, "attn.math.k_scaled"), vv,
                     T(0, heads, F32, "attn.math.softmax"))
-        if p_drop > 0:
-            self.r.save(T(0, heads, F32, "attn.math.dropout_mask"), T(0, heads, F32, "attn.math.probs_dropped"))
-        # backward: the gradient of the probabilities and softmax's gradient, both fp32
+        # backward, in reverse (as ``_eager_attention``): softmax's with its output alone alive, then
+        # the dropout multiply's with its mask, then p @ v's with every probability tensor; each
+        # holds the fp32 gradient it receives and the one it makes
         self.r.transient("attn.math.backward", T(0, heads, F32), T(0, heads, F32))
+        if p_drop > 0:
+            self.r.save(T(0, heads, F32, "attn.math.dropout_mask"))
+            self.r.transient("attn.math.dropout.backward", T(0, heads, F32), T(0, heads, F32))
+            self.r.save(T(0, heads, F32, "attn.math.probs_dropped"))
+        self.r.transient("attn.math.pv.backward", T(0, heads, F32), T(vv.tok, 0, F32))
         return T(heads * head_dim, 0, half, "attn.context")
 
     def _fused_attention(self, backend: str, q: T, k: T, v: T, heads: float, kv_heads: float,
