@@ -146,3 +146,14 @@ def test_math_sdpa_backward_in_order(bench, precision):
     r = _case(bench, "bert", (1, 2048), attention="sdpa-math", precision=precision, recompute="full")
     assert r.estimate.peak_where.startswith("layer[0].attn.math")
     assert abs(r.diff) < 0.02, (r.estimate.peak_allocated, r.trace.peak_allocated)
+
+
+@pytest.mark.parametrize("options", [{}, {"dp": 2, "fsdp": "full"}])
+def test_tied_embedding_gradient_is_replicated_under_tp(bench, options):
+    """DTensor TP, tied head, recompute (the embedding's backward is the peak): the embedding's
+    gradient is the whole replicated table while it is added to the head's shard
+    (estimate.quantities.tied_replicated_grad). Before: -8.3% (TP), -6.8% (TP x FSDP2)."""
+    r = _case(bench, "llama-gqa", (2, 1024), recompute="full", tp=2, **options)
+    assert r.estimate.peak_where == "embeddings.backward"
+    assert "embed_tokens" in r.trace.peak_where
+    assert abs(r.diff) < 0.005, (r.estimate.peak_allocated, r.trace.peak_allocated)

@@ -248,7 +248,7 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
                        (kept.logits, kept.kv_low, 0), _both(valid, q.layers > 1), root + buf + rs))
     # the embedding's gradient and the out-of-place sum join the head's part in the input buffer
     tied = q.tied_grad
-    temp_emb = 2 * tied + (tied if flags.oib else where(fresh, 0, tied))
+    temp_emb = 2 * tied + (tied if flags.oib else where(fresh, 0, tied)) + q.tied_replicated
     # FSDP: the root's gradients are still unsharded (a tied embedding's sum among them), not yet shards
     emb_grads = q.grads + (q.fsdp_head_full + q.fsdp_emb_full + tied - where(fresh, q.fsdp_root_sharded, 0)
                            if flags.fsdp else 0)
