@@ -157,3 +157,12 @@ def test_tied_embedding_gradient_is_replicated_under_tp(bench, options):
     assert r.estimate.peak_where == "embeddings.backward"
     assert "embed_tokens" in r.trace.peak_where
     assert abs(r.diff) < 0.005, (r.estimate.peak_allocated, r.trace.peak_allocated)
+
+
+def test_fsdp2_tied_embedding_has_no_grad_to_add_to_in_later_micro_batches(bench):
+    """FSDP2 reduce-scatters every micro-batch: at the second micro-batch's embedding backward the
+    unsharded tied weight has no .grad, so head part, embedding part and their sum are all (not four
+    copies, as with a kept .grad). Before: +21% (Qwen2 dp 4, 2 micro-batches, recompute)."""
+    r = _case(bench, "qwen2", (2, 512), dp=4, fsdp="full", grad_accum=2, recompute="full", loss="half", optimizer="sgd")
+    assert r.estimate.peak_where == "embeddings.backward"
+    assert abs(r.diff) < 0.005, (r.estimate.peak_allocated, r.trace.peak_allocated)
