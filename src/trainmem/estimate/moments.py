@@ -72,6 +72,8 @@ class Tokens:
     kv_held: Any           # fp32 KV cache the output holds (autocast), all layers
     kv_saved: Any          # the rest of the KV cache of one layer
     fwd_temp: Any = 0      # a 4-bit base: the largest dequantized layer weight and its matmul output
+    head_chunk: Any = 0    # chunked loss: the chunks' logits gradients and the head's chunk gradients being summed
+    head_chunk_first: Any = 0  # ... at the first chunk's head backward: every chunk's logits gradient, one weight gradient
 
 
 def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any) -> Tokens:
@@ -102,7 +104,9 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any) -
                   saved, full * q.loss_forward + chunk * q.loss_forward_chunk + trunc(q.head_loss_tok * n),
                   full * q.loss_backward + chunk * q.loss_backward_chunk,
                   kv_tok * q.layers * inflight, trunc(q.cache_tok * n) - kv_tok,
-                  q.fwd_temp + trunc(q.fwd_temp_tok * n))
+                  q.fwd_temp + trunc(q.fwd_temp_tok * n),
+                  where(q.chunk_head_grads > 0, (full - 2 * chunk) * q.logits_out + q.chunk_head_grads, 0),
+                  where(q.chunk_head_grads > 0, full * q.logits_out + q.chunk_head_grads // 3, 0))
 
 
 def best_transient(tr: Any, n: Any, nsq: Any) -> tuple[Any, Any, Any]:
@@ -227,6 +231,16 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     moments.append(_mo("backward", micro, step, "cross_entropy.backward",
                        (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.loss_backward),
                        (kept.logits, kept.kv_forward, tk.loss_saved), valid, q.fsdp_loss_root + q.fsdp_loss_buf))
+    # a chunked loss: autograd runs every chunk's loss backward first (those nodes were created
+    # after all the head's calls, and the engine runs the highest sequence number first), so the
+    # chunks' logits gradients wait for the head's backward, which consumes them one by one; at the
+    # first chunk's, one weight gradient is made, at the second's two and their sum exist
+    # (quantities.chunk_head_grads)
+    for where_, temp in (("lm_head.backward", tk.head_chunk_first), ("lm_head.backward.sum", tk.head_chunk)):
+        moments.append(_mo("backward", micro, step, where_,
+                           (grads_before, states, tk.inputs, ws2, tk.all_acts, temp),
+                           (kept.logits, kept.kv_forward, 0), _both(valid, q.chunk_head_grads > 0),
+                           q.fsdp_loss_root + q.fsdp_loss_buf))
     # a 4-bit LM head dequantizes its weight again for the input gradient (quant4.py)
     if flags.quant4:
         moments.append(_mo("backward", micro, step, "lm_head.backward",

@@ -120,6 +120,7 @@ class Quantities:
     first_unsaved_sq: float = 0.0
     cast_first_free: int = 0  # ... and the half weight copies of its frozen linears on that input
     tied_replicated: int = 0  # DTensor TP: the tied embedding's whole-vocabulary gradient at its backward
+    chunk_head_grads: int = 0  # chunked output loss: the head's per-chunk weight gradients being summed
     detail: Detail | None = None
 
 
@@ -507,6 +508,24 @@ def tied_head_grad(m: ModelSpec, t: TrainingSpec) -> int:
     return _embedding_block(m, t.tp, 2 if t.precision == "bf16-mp" else t.weight_bytes)
 
 
+def chunk_head_grads(m: ModelSpec, t: TrainingSpec, pol: Policy) -> int:
+    """A loss over ``--loss-chunks`` output chunks calls the head once per chunk, and each call's
+    backward makes a weight gradient of the whole head (vocab x hidden, in the matmul's dtype: the
+    half copy's under autocast). They meet in one input buffer (the weight's ``AccumulateGrad``, or
+    autocast's cached cast's ``ToCopyBackward0``): the first is ``TBackward0``'s transposed view of
+    the ``mm`` output, which ``InputBuffer::accumulate`` cannot reuse (``can_accumulate_inplace``:
+    not a view), so the second chunk's add is out of place: two chunk gradients and their sum at once
+    (the later adds go into the sum in place). Returns those three gradients' bytes (0 without
+    chunks, with a frozen head, or off one GPU, where trace does not run the chunked loop). Found by
+    trace: Llama-3.2 (2 layers, tied head) pure bf16, 4 chunks: -11.6% before; the chunks' logits
+    gradients waiting meanwhile are the moments' (``moments._micro_step``)."""
+    if not (is_lm(m) and t.loss_chunks > 1 and loss_mode(m, t) in ("chunked", "half")) or t.lora_rank:
+        return 0
+    if t.dp > 1 or t.tp > 1 or t.pp > 1 or t.cp > 1 or t.fsdp is not None or t.zero_stage:
+        return 0
+    return 3 * block_bytes(_head_weight_numel(m, 1) * pol.half)
+
+
 def tied_replicated_grad(m: ModelSpec, t: TrainingSpec) -> int:
     """PyTorch's tensor parallelism (alone or under FSDP2), a tied embedding: bytes of the embedding's own
     gradient, which DTensor computes replicated, the whole (vocab, hidden) table
@@ -650,7 +669,8 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         loss_backward_chunk=loss.backward_chunk, loss_saved_tok=loss.saved_tok, loss_saved_const=loss.saved_const,
         liger_factor=-(-m.vocab_size // m.hidden_size) if (head_here and is_lm(m) and loss_mode(m, t) == "fused") else 0,
         step_temp=step_temporaries(t, st), oib_mid=oib_mid, oib_end=oib_end,
-        tied_grad=tied_head_grad(m, t), tied_replicated=tied_replicated_grad(m, t), transients=trans, fwd_temp=int(lc.fwd_const), fwd_temp_tok=lc.fwd_tok,
+        tied_grad=tied_head_grad(m, t), tied_replicated=tied_replicated_grad(m, t),
+        chunk_head_grads=chunk_head_grads(m, t, pol) if head_here else 0, transients=trans, fwd_temp=int(lc.fwd_const), fwd_temp_tok=lc.fwd_tok,
         head_temp=head_dequant_bytes(m, t) if head_here else 0, **fsdp,
         detail=Detail(st, lc, outer, comm_name, input_tok))
 
