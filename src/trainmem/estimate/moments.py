@@ -74,6 +74,7 @@ class Tokens:
     fwd_temp: Any = 0      # a 4-bit base: the largest dequantized layer weight and its matmul output
     head_chunk: Any = 0    # chunked loss: the chunks' logits gradients and the head's chunk gradients being summed
     head_chunk_first: Any = 0  # ... at the first chunk's head backward: every chunk's logits gradient, one weight gradient
+    logits_grad: Any = 0   # the gradient of the logits (their dtype), when the loss's backward hands it on
 
 
 def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any) -> Tokens:
@@ -106,7 +107,8 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any) -
                   kv_tok * q.layers * inflight, trunc(q.cache_tok * n) - kv_tok,
                   q.fwd_temp + trunc(q.fwd_temp_tok * n),
                   where(q.chunk_head_grads > 0, (full - 2 * chunk) * q.logits_out + q.chunk_head_grads, 0),
-                  where(q.chunk_head_grads > 0, full * q.logits_out + q.chunk_head_grads // 3, 0))
+                  where(q.chunk_head_grads > 0, full * q.logits_out + q.chunk_head_grads // 3, 0),
+                  full * q.logits_out)
 
 
 def best_transient(tr: Any, n: Any, nsq: Any) -> tuple[Any, Any, Any]:
@@ -231,6 +233,12 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     moments.append(_mo("backward", micro, step, "cross_entropy.backward",
                        (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.loss_backward),
                        (kept.logits, kept.kv_forward, tk.loss_saved), valid, q.fsdp_loss_root + q.fsdp_loss_buf))
+    # FSDP2 with the loop's loss: the root is gathered again when the logits' gradient reaches the
+    # pre-backward hook on them (quantities.root_resharded_for_loss)
+    moments.append(_mo("backward", micro, step, "fsdp.root_unshard",
+                       (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.logits_grad),
+                       (kept.logits, kept.kv_forward, 0), _both(valid, q.fsdp_root_regather > 0),
+                       2 * q.fsdp_root_regather))
     # a chunked loss: autograd runs every chunk's loss backward first (those nodes were created
     # after all the head's calls, and the engine runs the highest sequence number first), so the
     # chunks' logits gradients wait for the head's backward, which consumes them one by one; at the

@@ -111,6 +111,7 @@ class Quantities:
     # the loop computes the loss after FSDP2 resharded the root (``root_resharded_for_loss``)
     fsdp_loss_root: int = 0
     fsdp_loss_buf: int = 0
+    fsdp_root_regather: int = 0  # ... then the root gathered again (its all-gather buffer and parameters)
     # checkpointed layers' autocast weight copies: none saved. autocast caches the cast of a leaf that
     # requires grad until forward ends (``cast_forward_only``); a frozen one (LoRA's base weights) is
     # not cached (``autocast_mode.cpp`` ``cached_cast``), so its copy dies with the checkpointed op
@@ -785,7 +786,10 @@ def root_resharded_for_loss(m: ModelSpec, t: TrainingSpec) -> bool:
     from the first op of backward on. When the loop computes ``cross_entropy`` on the returned
     logits (``--loss upcast`` / ``half``; ``workload.forward_loss``), the hook fires only once the
     logits' gradient exists: the loss's forward and its backward (``nll_loss_backward``,
-    ``_log_softmax_backward_data``) run with the root sharded and no layer prefetched. FSDP1 and
+    ``_log_softmax_backward_data``) run with the root sharded and no layer prefetched; then the
+    root's all-gather output and the parameters copied out of it (kept until the next unit's
+    all-gather, ``_fsdp_param_group.py`` ``wait_for_unshard``) exist beside the logits' gradient
+    (``Quantities.fsdp_root_regather``; Mistral dp 8 fp32 --loss upcast: -10.6% before). FSDP1 and
     ``grad-op`` (``reshard_after_forward=False``) keep the root gathered. Found by trace on the
     fake process group (benchmarks/bench_agreement.py, the sampled grid: Qwen2 +12.6% before)."""
     return (t.fsdp is not None and t.fsdp_version == 2 and t.zero_stage == 3 and t.loss in ("upcast", "half")
@@ -826,6 +830,7 @@ def fsdp_buffers(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, int]:
     return {"fsdp_root": st.root_full,
             "fsdp_layer_buf": layer_buf,
             "fsdp_loss_root": 0 if resharded else st.root_full, "fsdp_loss_buf": 0 if resharded else layer_buf,
+            "fsdp_root_regather": st.root_full if resharded else 0,
             "fsdp_rs_buf": st.layer_rs if t.fsdp_version == 2 else 0,
             "fsdp_head_full": st.head_grads_full, "fsdp_emb_full": st.emb_grads_full,
             "fsdp_ag_result": block_bytes(st.layer_params_full) if t.fsdp_version == 2 else 0,
