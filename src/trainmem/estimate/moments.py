@@ -204,6 +204,43 @@ def walk(q: Quantities, flags: StepFlags, tk: Tokens, ga: Any,
     return moments, ends
 
 
+def _fsdp_layer_unshard(q: Quantities, tk: Tokens, before: tuple, prev: tuple, step: int, micro: int,
+                        valid: Any) -> Moment:
+    """FSDP2 (full): the last layer's forward unshard, the layers below it done; the root is gathered,
+    the previous layer's all-gather output is kept until this one's is waited on and this layer's
+    parameters are copied out of its own (``_fsdp_param_group.py`` ``wait_for_unshard``,
+    ``comm_ctx.all_gather_state``). ``before``: (gradients, states, workspace); ``prev``: the previous
+    micro-batch's logits and KV cache. Found by trace: Mixtral (2 layers) dp 4 LoRA: -8.8% before."""
+    grads_before, states, ws = before
+    below = tk.layers * (q.layers - 1) // q.layers + tk.outer_rest
+    return _mo("forward", micro, step, "fsdp.layer_unshard", (grads_before, states, tk.inputs, ws, below, 0),
+               (prev[0], prev[1], 0), _both(valid, _both(q.fsdp_ag_result > 0, q.fsdp_layer_buf > 0)),
+               q.fsdp_root + 2 * q.fsdp_ag_result + q.fsdp_layer_buf)
+
+
+def _head_backward(q: Quantities, tk: Tokens, kept: Kept, before: tuple, step: int, micro: int,
+                   valid: Any) -> list[Moment]:
+    """Backward moments between the loss's and the last layer's. ``before``: (gradients, states,
+    workspace).
+
+    * FSDP2 with the loop's loss: the root is gathered again when the logits' gradient reaches the
+      pre-backward hook on them (``quantities.root_resharded_for_loss``).
+    * A chunked loss: autograd runs every chunk's loss backward first (those nodes were created after
+      all the head's calls, and the engine runs the highest sequence number first), so the chunks'
+      logits gradients wait for the head's backward, which consumes them one by one; at the first
+      chunk's one weight gradient is made, at the second's two and their sum exist
+      (``quantities.chunk_head_grads``)."""
+    grads_before, states, ws2 = before
+    out = [_mo("backward", micro, step, "fsdp.root_unshard",
+               (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.logits_grad), (kept.logits, kept.kv_forward, 0),
+               _both(valid, q.fsdp_root_regather > 0), 2 * q.fsdp_root_regather)]
+    for where_, temp in (("lm_head.backward", tk.head_chunk_first), ("lm_head.backward.sum", tk.head_chunk)):
+        out.append(_mo("backward", micro, step, where_, (grads_before, states, tk.inputs, ws2, tk.all_acts, temp),
+                       (kept.logits, kept.kv_forward, 0), _both(valid, q.chunk_head_grads > 0),
+                       q.fsdp_loss_root + q.fsdp_loss_buf))
+    return out
+
+
 def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: int, micro: int, valid: Any,
                 states_before: bool, workspaces: tuple[int, int], moments: list, ends: list) -> None:
     """Forward (the loss) and backward (head, last layer, first layer, embeddings, end) of one
@@ -224,15 +261,8 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     if flags.quant4:
         _dequant_forward(q, tk, (grads_before, states, tk.inputs, ws), (prev_logits, prev_kv), micro, step, valid,
                          moments)
-    # FSDP2 (full): the last layer's forward unshard, the layers below it done; the root is gathered,
-    # the previous layer's all-gather output is kept until this one's is waited on and this layer's
-    # parameters are copied out of its own (``_fsdp_param_group.py`` ``wait_for_unshard``,
-    # ``comm_ctx.all_gather_state``). Found by trace: Mixtral (2 layers) dp 4 LoRA: -8.8% before
-    below = tk.layers * (q.layers - 1) // q.layers + tk.outer_rest
-    moments.append(_mo("forward", micro, step, "fsdp.layer_unshard",
-                       (grads_before, states, tk.inputs, ws, below, 0), (prev_logits, prev_kv, 0),
-                       _both(valid, _both(q.fsdp_ag_result > 0, q.fsdp_layer_buf > 0)),
-                       root + 2 * q.fsdp_ag_result + q.fsdp_layer_buf))
+    moments.append(_fsdp_layer_unshard(q, tk, (grads_before, states, ws), (prev_logits, prev_kv), step, micro,
+                                       valid))
     moments.append(_mo("forward", micro, step, "cross_entropy",
                        (grads_before, states, tk.inputs, ws, tk.all_acts, tk.loss_forward + q.cast_forward_only),
                        (prev_logits + tk.out_logits, prev_kv + tk.kv_held, tk.loss_saved), valid,
@@ -242,22 +272,7 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     moments.append(_mo("backward", micro, step, "cross_entropy.backward",
                        (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.loss_backward),
                        (kept.logits, kept.kv_forward, tk.loss_saved), valid, q.fsdp_loss_root + q.fsdp_loss_buf))
-    # FSDP2 with the loop's loss: the root is gathered again when the logits' gradient reaches the
-    # pre-backward hook on them (quantities.root_resharded_for_loss)
-    moments.append(_mo("backward", micro, step, "fsdp.root_unshard",
-                       (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.logits_grad),
-                       (kept.logits, kept.kv_forward, 0), _both(valid, q.fsdp_root_regather > 0),
-                       2 * q.fsdp_root_regather))
-    # a chunked loss: autograd runs every chunk's loss backward first (those nodes were created
-    # after all the head's calls, and the engine runs the highest sequence number first), so the
-    # chunks' logits gradients wait for the head's backward, which consumes them one by one; at the
-    # first chunk's, one weight gradient is made, at the second's two and their sum exist
-    # (quantities.chunk_head_grads)
-    for where_, temp in (("lm_head.backward", tk.head_chunk_first), ("lm_head.backward.sum", tk.head_chunk)):
-        moments.append(_mo("backward", micro, step, where_,
-                           (grads_before, states, tk.inputs, ws2, tk.all_acts, temp),
-                           (kept.logits, kept.kv_forward, 0), _both(valid, q.chunk_head_grads > 0),
-                           q.fsdp_loss_root + q.fsdp_loss_buf))
+    moments.extend(_head_backward(q, tk, kept, (grads_before, states, ws2), step, micro, valid))
     # a 4-bit LM head dequantizes its weight again for the input gradient (quant4.py)
     if flags.quant4:
         moments.append(_mo("backward", micro, step, "lm_head.backward",
