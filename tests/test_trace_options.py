@@ -65,6 +65,7 @@ CASES = [
     ({"compile": True}, REFUSED, "--compile"),
     ({"loss_chunks": 4}, CHANGED, ""), ({"loss": "half"}, CHANGED, ""),
     ({"loss": "chunked", "loss_chunks": 4}, CHANGED, ""),
+    ({"loss": "half", "loss_chunks": 4, "fsdp": "full", "dp": 2}, REFUSED, "--loss-chunks 4"),
     ({"loss": "upcast"}, CHANGED, ""),  # the loop computes the loss from the output, not the model
     ({"loss": "fused"}, REFUSED, "--loss fused"),
     ({"master_weights": "fp32", "precision": "bf16"}, REFUSED, "--master-weights fp32"),

@@ -116,8 +116,9 @@ def check(t: TrainingSpec, spec: Any, device: str) -> None:
         raise TrainmemError("trace --fsdp-version 1 (FullyShardedDataParallel) is not traced: FSDP1 takes parameters "
                             "on meta, where the emulated GPU keeps them, for unmaterialised ones (_init_utils.py "
                             "_materialize_meta_module, _get_compute_device); use --fsdp-version 2, or estimate")
-    if t.loss == "chunked":
-        raise TrainmemError(f"trace {what} with --loss chunked is not traced: the chunked loss runs the model's body "
+    if t.loss == "chunked" or t.loss_chunks > 1:
+        what_loss = "--loss chunked" if t.loss == "chunked" else f"--loss-chunks {t.loss_chunks}"
+        raise TrainmemError(f"trace {what} with {what_loss} is not traced: the chunked loss runs the model's body "
                             "and head outside the wrapper's forward (DDP's reducer, FSDP2's root unit); use estimate")
     if t.fsdp is not None and t.optimizer == "adafactor":
         raise TrainmemError(f"trace {what} with --optimizer adafactor is not traced: transformers' Adafactor mixes "
