@@ -192,11 +192,17 @@ def test_fsdp2_root_gathered_again_beside_the_logits_gradient(bench, precision):
     assert abs(r.diff) < 0.005, (r.estimate.peak_allocated, r.trace.peak_allocated)
 
 
-def test_fsdp2_forward_unshard_moment(bench):
-    """FSDP2 full: the last layer's forward unshard holds the root, two all-gather outputs and the
-    layer's unsharded parameters (moment ``fsdp.layer_unshard``); with LoRA's small activations it
-    is the step's peak. Before: -8.8% (Mixtral, 2 layers, dp 4)."""
-    r = _case(bench, "mixtral", (2, 512), dp=4, fsdp="full", lora_rank=8)
+@pytest.mark.parametrize("options", [
+    {"dp": 4, "fsdp": "full", "lora_rank": 8},
+    {"dp": 2, "fsdp": "grad-op", "precision": "fp32", "hold_output": "step", "optimizer": "sgd-momentum",
+     "zero_grad": "zeros", "recompute": "full", "attention": "eager"},
+])
+def test_fsdp2_forward_unshard_moment(bench, options):
+    """FSDP2: the last layer's forward unshard holds the root, two all-gather outputs and the
+    layer's unsharded parameters (grad-op: every layer's so far) (moment ``fsdp.layer_unshard``);
+    with small activations it is the step's peak. Before: -8.8% (Mixtral, 2 layers, dp 4, LoRA),
+    -2.6% (grad-op)."""
+    r = _case(bench, "mixtral", (2, 512), **options)
     assert r.estimate.peak_where == "fsdp.layer_unshard"
     assert "fsdp_unsharded_params" in r.trace.peak_where
     assert abs(r.diff) < 0.006, (r.estimate.peak_allocated, r.trace.peak_allocated)
