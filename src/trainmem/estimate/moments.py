@@ -270,9 +270,10 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     moments.append(_mo("forward", micro, step, "cross_entropy",
                        (grads_before, states, tk.inputs, ws, tk.all_acts, tk.loss_forward + q.cast_forward_only),
                        (prev_logits + tk.out_logits, prev_kv + tk.kv_held, tk.loss_saved), valid,
-                       q.fsdp_loss_root + q.fsdp_ag_result))
+                       q.fsdp_loss_root + q.fsdp_loss_ag))
+    # FSDP grad-op (and FSDP1) keep the root gathered from its forward to its backward
     ends.append(("forward", micro, step, q.fixed + grads_before + states + tk.inputs + ws + tk.all_acts
-                 + kept.logits + kept.kv_forward + tk.loss_saved))
+                 + kept.logits + kept.kv_forward + tk.loss_saved + q.fsdp_root_kept))
     moments.append(_mo("backward", micro, step, "cross_entropy.backward",
                        (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.loss_backward),
                        (kept.logits, kept.kv_forward, tk.loss_saved), valid, q.fsdp_loss_root + q.fsdp_loss_buf))

@@ -112,6 +112,8 @@ class Quantities:
     fsdp_loss_root: int = 0
     fsdp_loss_buf: int = 0
     fsdp_root_regather: int = 0  # ... then the root gathered again (its all-gather buffer and parameters)
+    fsdp_loss_ag: int = 0     # FSDP2: the last layer's all-gather output while the loss runs (model's own loss)
+    fsdp_root_kept: int = 0   # the root's gathered parameters between forward and backward (not resharded)
     # checkpointed layers' autocast weight copies: none saved. autocast caches the cast of a leaf that
     # requires grad until forward ends (``cast_forward_only``); a frozen one (LoRA's base weights) is
     # not cached (``autocast_mode.cpp`` ``cached_cast``), so its copy dies with the checkpointed op
@@ -774,6 +776,16 @@ def first_layer_unsaved(t: TrainingSpec, lc: LayerCoefs, stage: str) -> tuple[tu
     return lc.first_unsaved
 
 
+def loss_outside_root(m: ModelSpec, t: TrainingSpec) -> bool:
+    """Whether the loop computes the loss after the root module's forward has returned (``--loss
+    upcast`` / ``half`` on the logits, ``workload.forward_loss``). Under FSDP2 the root's
+    post-forward then has freed the last layer's all-gather output, which is otherwise kept until the
+    next all-gather is waited on (torch 2.13 ``_fully_shard/_fsdp_state.py`` L333-343,
+    ``_post_forward``: "free the all-gather result" when ``iter_forward_root is self``). Found by
+    trace: GPT-2 FSDP2 grad-op dp 4 ``--loss half``: +1.3% before."""
+    return t.loss in ("upcast", "half") and m.head in ("causal-lm", "masked-lm") and t.pp == 1
+
+
 def root_resharded_for_loss(m: ModelSpec, t: TrainingSpec) -> bool:
     """Whether FSDP2's root unit is sharded while the loop's loss and the loss's backward run.
 
@@ -831,6 +843,8 @@ def fsdp_buffers(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, int]:
             "fsdp_layer_buf": layer_buf,
             "fsdp_loss_root": 0 if resharded else st.root_full, "fsdp_loss_buf": 0 if resharded else layer_buf,
             "fsdp_root_regather": st.root_full if resharded else 0,
+            "fsdp_loss_ag": 0 if loss_outside_root(m, t) or t.fsdp_version != 2 else block_bytes(st.layer_params_full),
+            "fsdp_root_kept": st.root_full if (t.zero_stage != 3 or t.fsdp_version == 1) else 0,
             "fsdp_rs_buf": st.layer_rs if t.fsdp_version == 2 else 0,
             "fsdp_head_full": st.head_grads_full, "fsdp_emb_full": st.emb_grads_full,
             "fsdp_ag_result": block_bytes(st.layer_params_full) if t.fsdp_version == 2 else 0,
