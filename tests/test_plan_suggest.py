@@ -53,11 +53,14 @@ def test_chunked_cross_entropy_upcasts_one_chunk_at_a_time():
     # + the final norm's fp32 output, which the model's own loss (not the chunked one) runs beside
     # (estimate.quantities.head_during_loss)
     assert one.phase("forward", 2).peak - four.phase("forward", 2).peak == (n - n // 4) * v * 4 + n * 2048 * 4
-    assert one.phase("backward", 2).peak - four.phase("backward", 2).peak == (n - n // 4) * v * 8
+    # backward: the two fp32 gradients exist for one chunk, but every chunk's half logits gradient
+    # waits for the head's backward (moments._head_backward; trace agrees, test_loop_options)
+    drop = one.phase("backward", 2).peak - four.phase("backward", 2).peak
+    assert (n - n // 4) * v * 8 - n * v * 2 <= drop < (n - n // 4) * v * 8
     assert one.component("logits.logits") == n * v * 2 and one.component("logits.log_probs") == n * v * 4
     three = trainmem.estimate("llama-3.2-1b", batch_size=2, seq_len=1024, loss_chunks=3, keep_logits=True)
     chunk = -(-n // 3)  # ceil: the largest chunk
-    assert one.phase("backward", 2).peak - three.phase("backward", 2).peak == (n - chunk) * v * 8
+    assert (n - chunk) * v * 8 - n * v * 2 <= one.phase("backward", 2).peak - three.phase("backward", 2).peak
     with pytest.raises(TrainmemError, match="loss-chunks"):
         trainmem.estimate("llama-3.2-1b", loss_chunks=0)
     with pytest.raises(TrainmemError, match="--loss chunked needs --loss-chunks"):

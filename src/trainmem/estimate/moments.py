@@ -318,9 +318,10 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     grads_before, states_mid, ws2, own = before
     root, buf, rs = q.fsdp_root, q.fsdp_layer_buf, q.fsdp_rs_buf
     fresh = grads_before == 0                                  # gradients are being created, not added to
-    # the later linears' gradients of the layer in backward (FSDP: unsharded, in every micro-batch)
-    layer_grads = tk.layer_grad_part if flags.fsdp else where(fresh, tk.layer_grad_part, 0)
-    head_grads = q.fsdp_head_full if flags.fsdp else where(fresh, q.head_grads, 0)
+    # the later linears' gradients of the layer in backward (FSDP reduce-scattering each micro-batch:
+    # unsharded, in every micro-batch; under no_sync they accumulate in .grad as without FSDP)
+    layer_grads = tk.layer_grad_part if flags.fsdp_sync else where(fresh, tk.layer_grad_part, 0)
+    head_grads = q.fsdp_head_full if flags.fsdp_sync else where(fresh, q.head_grads, 0)
     # the layer's transient; a tied head's gradient waits in autograd's input buffer meanwhile
     temp = maximum(tk.redo, q.oib_mid) + q.tied_grad
     top = grads_before + head_grads + layer_grads
@@ -350,7 +351,7 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     temp_emb = 2 * tied + (tied if flags.oib else accumulated) + q.tied_replicated
     # FSDP: the root's gradients are still unsharded (a tied embedding's sum among them), not yet shards
     emb_grads = q.grads + (q.fsdp_head_full + q.fsdp_emb_full + tied - where(fresh, q.fsdp_root_sharded, 0)
-                           if flags.fsdp else 0)
+                           if flags.fsdp_sync else 0)
     moments.append(_mo("backward", micro, step, "embeddings.backward",
                        (emb_grads, states_mid, tk.inputs, ws2, 0, temp_emb), (kept.logits, kept.kv_end, 0),
                        _both(valid, tied > 0), tk.graph, comm=root + rs))

@@ -852,11 +852,15 @@ def first_layer_unsaved(t: TrainingSpec, lc: LayerCoefs, stage: str) -> tuple[tu
     output) requires no gradient and autograd keeps nothing for an op none of whose inputs needs one
     (``layers.Recipe.first_layer_unsaved``): the ops before the first adapter, the frozen linears on
     that input (their half weight copies: ``Quantities.cast_first_free``), an adapter dropout's mask
-    on it. Only without recompute: a checkpointed layer's recompute runs under its own rules, and
-    only on the stage holding the first layer. Found by trace (benchmarks/bench_agreement.py: Llama
-    2 layers, LoRA on q/v, +2.8%; on gate_proj alone +15.9%)."""
-    if not t.lora_rank or t.recompute != "none" or t.offload_activations or not (t.pp == 1 or stage == "first"):
+    on it. Without recompute, and under selective recompute less its s x s terms (which selective
+    does not keep anyway): a checkpointed layer's recompute runs under its own rules; only on the
+    stage holding the first layer. Found by trace (benchmarks/bench_agreement.py: Llama 2 layers,
+    LoRA on q/v, +2.8%; on gate_proj alone +15.9%)."""
+    if not t.lora_rank or t.recompute not in ("none", "selective") or t.offload_activations \
+            or not (t.pp == 1 or stage == "first"):
         return ()
+    if t.recompute == "selective":
+        return tuple((name, tok, 0.0) for name, tok, _sq in lc.first_unsaved)
     return lc.first_unsaved
 
 
