@@ -273,7 +273,6 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     states = q.states if states_before else 0
     # the previous micro-batch's output, still referenced until this forward returns
     prev_logits, prev_kv = kept.after_backward() if (step > 1 or micro > 0) else (0, 0)
-    root, buf, rs = q.fsdp_root, q.fsdp_layer_buf, q.fsdp_rs_buf
     # the previous micro-batch's graph, alive until this forward's loss replaces the loop's `loss`
     prev_graph = tk.graph if (_graph_outlives_backward(flags) and (step > 1 or micro > 0)) else 0
     own = tk.graph_extra  # this micro-batch's graph-kept tensors beyond the kept activations
