@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import trainmem
-from trainmem.trace.allocator import (CachingAllocator, ExactAllocator, SimulatedOutOfMemory, round_size,
+from trainmem.allocator import (CachingAllocator, ExactAllocator, SimulatedOutOfMemory, round_size,
                                       segment_size)
 
 KiB = 1024

@@ -90,7 +90,7 @@ def test_periodic_load_simulation_equals_the_full_allocator_simulation(monkeypat
     """The model-load placement extrapolates repeating layers and forgets dead remainders; it must
     give exactly what the caching-allocator simulation of the whole sequence gives."""
     from trainmem.estimate import states
-    from trainmem.trace.allocator import CachingAllocator
+    from trainmem.allocator import CachingAllocator
     exact = states._placed_bytes.__wrapped__
     checked = []
 

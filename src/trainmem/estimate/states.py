@@ -7,7 +7,7 @@ stage 1/2/3 (or FSDP) divides optimizer states / gradients / weights over the sh
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from ..spec.model import ModelSpec, ParamTensor
@@ -48,6 +48,12 @@ class States:
     layer_grads_full: int = 0  # one layer's unsharded gradients, before its reduce-scatter
     layer_rs: int = 0         # one layer's reduce-scatter input (a flat buffer in the reduce dtype)
     root_grads: int = 0       # of ``grads``: the sharded gradients outside the layers (head, norms, embeddings)
+    # tensor by tensor, for replaying the step through the caching allocator (``reserved.py``):
+    load: tuple[int, ...] = ()  # bytes of each weight and buffer in load order (every layer on the rank)
+    # each trainable tensor: (where: "before"/"after" the layers, "layer" (one in each layer on the rank)
+    # or "layerI" (the rank's I-th layer only), copies, gradient bytes, bytes of each optimizer-state
+    # tensor, fp32 master bytes)
+    trainables: tuple[tuple[str, int, int, tuple[int, ...], int], ...] = ()
 
 
 def _tp_div(p: ParamTensor, tp: int) -> int:
@@ -348,6 +354,7 @@ class _Tally:
     hmh: int = 0             # autocast half copies of the head's
     largest: int = 0
     largest_n: int = 0       # elements of the largest trainable tensor (bitsandbytes' 8-bit threshold)
+    items: list = field(default_factory=list)  # States.trainables, as they are counted
     group: int = 0
     lpf: int = 0             # one layer's weights, unsharded
     q4: int = 0              # bitsandbytes 4-bit tensors, allocator-rounded
@@ -359,7 +366,7 @@ class _Tally:
     root_g: int = 0          # FSDP: the sharded gradients outside the layers (bytes)
 
     def trainable_tensor(self, t: TrainingSpec, r: _Rank, shape: tuple[int, ...], n: int, k: int,
-                         grad_n: int | None = None) -> int:
+                         grad_n: int | None = None, where: str = "layer") -> int:
         """Add gradient, master copy and optimizer states of ``k`` tensors of ``n`` elements on this
         rank (the gradient of ``grad_n`` elements when it is not the weight's shard); returns one
         tensor's gradient bytes."""
@@ -367,10 +374,12 @@ class _Tally:
         g = r.grad_bytes(n if grad_n is None else grad_n)
         self.grads += k * g
         sh = -(-n // r.d) if r.zero_states >= 1 else n
-        if r.half_master:
-            self.master += k * block_bytes(sh * 4)
-        for sb in state_bytes(t.optimizer, shape, sh, r.sbytes, whole=n, blocksize=t.bnb_blocksize):
-            self.opt += k * block_bytes(sb)
+        master = block_bytes(sh * 4) if r.half_master else 0
+        self.master += k * master
+        sts = tuple(block_bytes(sb) for sb in state_bytes(t.optimizer, shape, sh, r.sbytes, whole=n,
+                                                          blocksize=t.bnb_blocksize))
+        self.opt += k * sum(sts)
+        self.items.append((where, k, g, sts, master))
         if t.impl == "fused" and t.optimizer in ("adam", "adamw"):
             self.step_t += k * block_bytes(4)
         self.largest = max(self.largest, n * r.sbytes)
@@ -406,7 +415,13 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
     return States(weights, acc.buffers, master, acc.grads, opt, step_t, acc.trainable, acc.params_rank,
                   acc.layer_grads, acc.head_grads, acc.lmh, acc.hmh, acc.largest, acc.group, acc.lpf,
                   sum(x[1] for x in lora), acc.q4, acc.root, acc.head_full, acc.emb_full, acc.layer_full, rs,
-                  acc.root_g)
+                  acc.root_g, _load_list(before, layer, r.per_stage if m.uniform_layers else 1, after),
+                  tuple(acc.items))
+
+
+def _load_list(before: list, layer: list, k: int, after: list) -> tuple[int, ...]:
+    """Bytes of every tensor moved to the device, in load order (``layer`` repeated ``k`` times)."""
+    return tuple(x for _, x in before) + tuple(x for _, x in layer) * k + tuple(x for _, x in after)
 
 
 def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: list, layer: list,
@@ -456,7 +471,8 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
                 acc.grads += k * g
                 acc.layer_grads += g
             continue
-        g = acc.trainable_tensor(t, r, p.shape, n, k, p.numel if _replicated_grad(m, t, p) else n)
+        g = acc.trainable_tensor(t, r, p.shape, n, k, p.numel if _replicated_grad(m, t, p) else n,
+                                 "layer" if p.layer is not None else ("after" if layer else "before"))
         full = block_bytes(n * r.gather) if r.fsdp_unsharded else 0  # its unsharded gradient under FSDP
         if p.layer is not None:
             acc.layer_grads += g
@@ -500,7 +516,8 @@ def _lora_adapters(t: TrainingSpec, r: _Rank, acc: _Tally, lora: list[tuple[str,
         for n in parts:
             n = -(-n // t.tp) if t.tp > 1 else n
             acc.lora_w += block_bytes(-(-n * r.w // r.d) if r.shard_weights else n * r.w)
-            g = acc.trainable_tensor(t, r, (-(-n // r.d) if r.zero_states >= 1 else n,), n, 1)
+            g = acc.trainable_tensor(t, r, (-(-n // r.d) if r.zero_states >= 1 else n,), n, 1,
+                                     where=f"layer{lyr - r.lo}" if lyr is not None else "after")
             if lyr == r.lo:
                 acc.layer_grads += g
                 if r.fsdp_unsharded:  # FSDP: the adapter's unsharded gradient joins its layer's reduce-scatter

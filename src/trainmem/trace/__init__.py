@@ -6,7 +6,7 @@ caching-allocator simulation (:mod:`.allocator`), the allocation tracker (:mod:`
 CUDA emulation for machines without a GPU (:mod:`.cuda`).
 """
 from ..callable_package import make_callable
-from .allocator import CachingAllocator, ExactAllocator, SimulatedOutOfMemory, round_size, segment_size
+from ..allocator import CachingAllocator, ExactAllocator, SimulatedOutOfMemory, round_size, segment_size
 
 __all__ = ["trace", "CachingAllocator", "ExactAllocator", "SimulatedOutOfMemory", "round_size", "segment_size"]
 

@@ -24,7 +24,7 @@ from ..spec.config import input_notes
 from ..spec.training import report_warnings
 from ..progress import progress
 from ..spec.resolve import TRAINING_FIELDS, Resolved, resolve, resolve_setup
-from .allocator import CachingAllocator, ExactAllocator, SimulatedOutOfMemory
+from ..allocator import CachingAllocator, ExactAllocator, SimulatedOutOfMemory
 from .cuda import EMULATED, CudaEmulation, _patched, cuda_environment
 from . import distributed as _dist
 from ..spec.hardware import default_cublas_workspace

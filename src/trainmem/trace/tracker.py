@@ -3,7 +3,7 @@
 A :class:`Tracker` is a ``TorchDispatchMode``. Every ATen operation that runs while it is active —
 in the forward, inside autograd's backward, in the optimizer — passes through it; each output whose
 storage it has not seen before is an *allocation* of ``storage.nbytes()`` bytes, handed to an
-allocator simulation (:mod:`trainmem.trace.allocator`). A ``weakref.finalize`` on the storage
+allocator simulation (:mod:`trainmem.allocator`). A ``weakref.finalize`` on the storage
 object reports the *free* at the moment the last tensor using it dies, exactly when PyTorch would
 give the block back. Views, in-place ops and ``detach`` share storages and so cost nothing.
 
@@ -35,7 +35,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .allocator import CachingAllocator, ExactAllocator
+from ..allocator import CachingAllocator, ExactAllocator
 
 #: cuBLAS workspace per handle (spec.hardware: 8,519,680 B, 32 MiB on sm90 exactly)
 from ..spec.hardware import CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_SM90  # noqa: F401  (re-exported)

@@ -43,7 +43,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from ..allocator_rules import (LARGE_BUFFER, MIN_BLOCK, MIN_LARGE_ALLOC, ROUND_LARGE, SMALL_BUFFER,  # noqa: F401
+from .allocator_rules import (LARGE_BUFFER, MIN_BLOCK, MIN_LARGE_ALLOC, ROUND_LARGE, SMALL_BUFFER,  # noqa: F401
                                SMALL_SIZE, MiB, round_size, segment_size, splits)
 
 KiB = 1024
