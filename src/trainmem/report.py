@@ -133,13 +133,16 @@ class MemoryReport:
         """What the fit verdict counts against the GPU, by one rule for every source.
 
         A measurement counts what the device really held (``device_used``: reserved + CUDA context,
-        else reserved, else allocated); so does an estimate, whose reserved memory is already the
-        verdict's model (``allocator_rules.reserved_overhead``: 1/32 of the allocated peak, for the
-        trainmem method; a published method keeps its own). A trace counts its peak allocated plus
-        the same 1/32 margin plus the GPU's context, so estimate and trace reach the same verdict
-        whenever they agree on the allocated peak. trace's block-by-block allocator simulation is
-        still reported (``peak_reserved``, ``device_used``) and a disagreement with the verdict
-        becomes a warning (``verdict_warnings``); a trace that stopped at a simulated out-of-memory
+        else reserved, else allocated); so does a published method's estimate (its own figure). A
+        trace and a trainmem estimate count their peak allocated plus a 1/32 margin
+        (``allocator_rules.reserved_overhead``) plus the GPU's context, so the two reach the same
+        verdict whenever they agree on the allocated peak: the caching allocator frees its cached
+        blocks and retries before it reports out-of-memory (``CUDACachingAllocator.cpp``
+        ``release_cached_blocks`` in ``malloc``), so the reserved high-water mark of a run with room
+        to spare is not what a full GPU must hold. Their allocator simulations (trace block by block,
+        the estimate on its replayed step, ``estimate/reserved.py``) are still reported
+        (``peak_reserved``, ``device_used``) and a disagreement with the verdict becomes a warning
+        (``verdict_warnings``); a trace that stopped at a simulated out-of-memory
         (``extra["simulated_oom"]``) counts what the simulation needed there. ``fit_basis`` says
         which rule applied.
         """
@@ -154,6 +157,8 @@ class MemoryReport:
         """Whether the verdict applies the estimate's margin rule to this report's allocated peak: a
         trace of the emulated GPU that ran to the end (a CPU trace has no caching allocator and no
         context; a simulated out-of-memory counts what the simulation needed)."""
+        if self.source == "estimate":
+            return self.method in ("", "trainmem")
         return (self.source == "trace" and self.extra.get("device") != "cpu"
                 and not self.extra.get("simulated_oom"))
 
@@ -161,8 +166,7 @@ class MemoryReport:
     def fit_context(self) -> int:
         """The CUDA context bytes the margin rule adds (trace, and the trainmem estimate whose device
         memory already holds it); 0 where the verdict counts a measured or method's own figure."""
-        rule = self._margin_rule or (self.source == "estimate" and self.method in ("", "trainmem"))
-        return int(getattr(self.hardware, "context", 0) or 0) if rule else 0
+        return int(getattr(self.hardware, "context", 0) or 0) if self._margin_rule else 0
 
     @property
     def fit_basis(self) -> str:
@@ -179,8 +183,9 @@ class MemoryReport:
         return "peak allocated + 1/32 allocator margin" + (" + CUDA context" if self.fit_context else "")
 
     def verdict_warnings(self) -> list[str]:
-        """One line when trace's allocator simulation disagrees with the verdict's reserved model."""
-        if self.source != "trace" or self.capacity is None or self.device_used is None:
+        """One line when the allocator simulation (trace's, or the estimate's replay) disagrees with
+        the verdict's reserved model."""
+        if not self._margin_rule or self.capacity is None or self.device_used is None:
             return []
         limit = self.max_fraction * self.capacity
         if (self.device_used <= limit) == (self.device_peak <= limit):

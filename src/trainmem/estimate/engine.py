@@ -23,6 +23,7 @@ import numpy as np
 
 from ..allocator_rules import reserved_overhead
 from .reserved import reserved_gap
+from .quantities import step_copies
 from ..report import MemoryReport
 from ..spec.hardware import CUBLAS_WORKSPACE
 from ..spec.model import ModelSpec
@@ -77,7 +78,7 @@ def estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str, handle_ws: int = C
                        peak_phase=f"{phase_label(mo.phase, mo.micro, ga)}@{mo.step}",
                        peak_where=where_label(mo, q, tk), model=m, training=t)
     # reserved: the step replayed through the caching allocator (reserved.py)
-    rep.peak_reserved = total + reserved_gap(q, flags, tk, n, nsq, b, ga, t.recompute)
+    rep.peak_reserved = total + reserved_gap(q, flags, tk, n, nsq, b, ga, t.recompute, step_copies(t))
     rep.extra["pipeline_stage"] = stage if t.pp > 1 else None
     rep.extra["activations_per_layer"] = tk.layer
     return rep

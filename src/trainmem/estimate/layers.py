@@ -641,6 +641,9 @@ class LayerCoefs:
     # weight elements of its frozen linears on the grad-free input (their half copies are not kept)
     first_unsaved: tuple[tuple[str, float, float], ...] = ()
     first_free_weights: tuple[float, ...] = ()
+    # each saved tensor in the order autograd saves it: (bytes per token, per token x key), for the
+    # allocator replay of the step (reserved.py)
+    tensors: tuple[tuple[float, float], ...] = ()
 
     def bytes(self, n: int, nsq: int) -> int:
         return int(self.tok * n + self.sq * nsq)
@@ -692,7 +695,8 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
     return LayerCoefs(tok, sq, tuple((n, a, b) for n, (a, b) in parts.items()), trans, held, B.r.cache, wall,
                       after, B.r.fwd[0], B.r.fwd[1], op_tok, op_sq, x.tok * x.nbytes if input_saved else 0.0,
                       graph_held=sum(t.tok * t.nbytes for t in B.r.graph_held.values()),
-                      first_unsaved=unsaved, first_free_weights=tuple(B.r.free_weights) if B.r.adapter_seen else ())
+                      first_unsaved=unsaved, first_free_weights=tuple(B.r.free_weights) if B.r.adapter_seen else (),
+                      tensors=tuple(t.bytes_coef() for t in B.r.saved.values()))
 
 
 def op_checkpoint_saved(r: Recipe) -> tuple[float, float]:

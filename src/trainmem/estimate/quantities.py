@@ -475,6 +475,14 @@ def step_temporaries(t: TrainingSpec, st: States) -> int:
     return k * block_bytes(st.largest_param)
 
 
+def step_copies(t: TrainingSpec) -> int | None:
+    """Temporaries per tensor of an optimizer step that loops over tensors (None: a foreach step
+    makes one per tensor for the whole group at once; 0: none), as ``step_temporaries`` counts them."""
+    if t.optimizer == "adafactor" and not t.offload_optimizer:
+        return 2 if (t.weight_bytes == 4 or t.fp32_master) else 4
+    return _copies_per_tensor(t, t.optimizer_in_backward)
+
+
 def _adafactor_temporaries(t: TrainingSpec, st: States) -> int:
     """transformers' Adafactor (``optimization.py``, ``Adafactor.step``) is a loop over tensors in
     fp32 (there is no foreach version): ``update = grad**2 + eps`` and the factored approximation

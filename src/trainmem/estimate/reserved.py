@@ -13,7 +13,7 @@ runs it through the same simulator as ``trace`` (``trainmem.allocator.CachingAll
 * load: each weight and buffer in load order (``States.load``), an fp32 master copy per trainable
   tensor where one is kept;
 * each micro-batch: the input batch; forward: the embeddings' saved tensors, per layer FSDP's gathered
-  parameters, the tensors autograd saves (``LayerCoefs.parts``, one block per named part) or, under
+  parameters, the tensors autograd saves (``LayerCoefs.tensors``, one block each) or, under
   recomputation, the kept input with the layer's tensors made and freed again; the head's input, the
   logits, the loss's transient and saved tensors; backward: the loss gradients, the head's gradients,
   per layer (last first) the recomputed tensors, the largest backward transient, the gradients of the
@@ -24,7 +24,7 @@ runs it through the same simulator as ``trace`` (``trainmem.allocator.CachingAll
 
 Two steps are replayed with up to two micro-batches each, as the moments are (``moments.py``). The
 result is the reserved-minus-allocated gap at the end, added to the estimate's own allocated peak:
-the replay is coarser than the moments (a named part is one block, transients are one block), so its
+the replay is coarser than the moments (a backward transient is one block, a selective policy's kept tensors are scaled), so its
 allocated peak is not the estimate's, but the segments it leaves behind are those of tensors of the
 estimate's sizes in the step's order. Used for one layout at a time (``estimate``); the layout arrays
 of the planner keep the 1/32 rule (``allocator_rules.reserved_overhead``).
@@ -32,6 +32,7 @@ of the planner keep the 1/32 rule (``allocator_rules.reserved_overhead``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 from ..allocator import CachingAllocator
@@ -65,12 +66,13 @@ class _Step:
     """What the replay keeps between phases: gradients, states, the held output."""
 
     grads: dict = field(default_factory=dict)    # (trainable index, copy) -> handle
+    made: dict = field(default_factory=dict)     # trainable index -> copies with a gradient (per-layer tensors)
     states: list = field(default_factory=list)   # optimizer-state handles (created by the first step)
     held: list = field(default_factory=list)     # the model output the loop keeps (hold "step")
 
 
 def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, b: int, ga: int,
-                 recompute: str) -> int:
+                 recompute: str, temp_copies: int | None) -> int:
     """Bytes reserved but not allocated at the end of two replayed steps (the allocator's cache)."""
     st = q.detail.states
     R = _Replay()
@@ -78,28 +80,34 @@ def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, 
     R.allocs(m for (_w, k, _g, _s, m) in st.trainables for _ in range(k) if m)  # fp32 master copies
     s = _Step()
     if flags.grads_persistent:                                          # Megatron main-grad buffers
-        _make_grads(R, s, st.trainables, lambda w: True)
+        for _ in range(max((k for _w, k, *_r in st.trainables), default=0)):
+            _make_grads(R, s, st.trainables, tuple({w for w, *_r in st.trainables}))
     for step in (1, 2):
         for _micro in range(min(ga, 2)):
             _micro_step(R, s, q, flags, tk, n, nsq, recompute, b)
-        _optimizer_step(R, s, q, flags, step)
+        _optimizer_step(R, s, q, flags, step, temp_copies)
     return max(0, R.a.peak_reserved - R.a.peak_allocated)
 
 
-def _logit_tensors(total: int, per_elem: int, elems: int) -> list[int]:
+def _logit_tensors(total: int, per_elem: int, elems: int, chunks: int = 1) -> list[int]:
     """A logits-sized term as the tensors it is made of: ``per_elem`` bytes per logit element are
     fp32 tensors (4 B each) and at most one half tensor (2 B), each of ``elems`` elements (the loss
-    keeps whole logits-sized tensors: the fp32 upcast, log-probabilities, their gradients); what is
-    left of ``total`` (a chunk's tensors, per-token terms) is one more block."""
-    per_elem = int(per_elem)
-    sizes = [elems * 4] * (per_elem // 4) + [elems * 2] * ((per_elem % 4) // 2) + [elems] * (per_elem % 2)
-    rest = int(total) - sum(sizes)
+    keeps whole logits-sized tensors: the fp32 upcast, log-probabilities, their gradients), or
+    ``chunks`` tensors each under a chunked loss (torchtune's ``CEWithChunkedOutputLoss`` and
+    litgpt's ``chunked_cross_entropy`` keep a list of per-chunk logits); what is left of ``total``
+    (one chunk's transient tensors, per-token terms) is one more block."""
+    per_elem, part = int(per_elem), -(-elems // chunks)
+    sizes = [part * 4] * (chunks * (per_elem // 4)) + [part * 2] * (chunks * ((per_elem % 4) // 2))
+    sizes += [part] * (chunks * (per_elem % 2))
+    rest = int(total) - elems * per_elem
     return sizes + [rest] if rest > 0 else sizes
 
 
 def _layer_parts(q: Quantities, n: int, nsq: int) -> list[int]:
-    """Bytes of each named part one layer saves for backward (``LayerCoefs.parts``), one block each."""
-    return [int(a * n + b * nsq) for _name, a, b in q.detail.layer.parts]
+    """Bytes of each tensor one layer saves for backward, in the order it saves them
+    (``LayerCoefs.tensors``; a derived architecture's named parts, one block each)."""
+    lc = q.detail.layer
+    return [int(a * n + b * nsq) for a, b in (lc.tensors or [(a, b) for _name, a, b in lc.parts])]
 
 
 def _micro_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int,
@@ -113,22 +121,26 @@ def _micro_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Token
     head_in = R.alloc(tk.outer_head)                              # final norm output / head input
     cast_head = R.alloc(q.cast_head)                              # autocast's half copy of the head
     full = n * q.logit_width // q.tp if flags.lm else b * q.logit_width   # logit elements
-    out = R.allocs(_logit_tensors(tk.out_logits, q.logits_out, full))     # (b, s, vocab) logits
+    chunks = max(1, int(q.logit_chunks)) if q.liger_factor == 0 else 1   # a chunked loss: one tensor per chunk
+    out = R.allocs(_logit_tensors(tk.out_logits, q.logits_out, full, chunks))  # (b, s, vocab) logits
     R.frees(s.held)                                               # the previous step's output, replaced
     s.held = []
-    fwd = R.allocs(_logit_tensors(tk.loss_forward, q.loss_forward, full))  # the loss's fp32 copy, transient
-    saved = R.allocs(_logit_tensors(tk.loss_saved, q.loss_saved, full))    # log-probabilities saved
+    fwd = R.allocs(_logit_tensors(tk.loss_forward, q.loss_forward, full, chunks))  # the fp32 copy, transient
+    saved = R.allocs(_logit_tensors(tk.loss_saved, q.loss_saved, full, chunks))    # log-probabilities
     R.frees(fwd)
     if flags.hold == "loss":
         R.frees(out)
-    lb = R.allocs(_logit_tensors(tk.loss_backward, q.loss_backward, full))  # gradients of the logits
+    lb = R.allocs(_logit_tensors(tk.loss_backward, q.loss_backward, full, chunks))  # logits' gradients
     R.frees(saved)
-    _make_grads(R, s, q.detail.states.trainables, lambda w: w == "after", flags.oib)   # head, final norm
-    R.frees(lb + [head_in, cast_head])
+    dlogits = R.allocs(_logit_tensors(tk.logits_grad, q.logits_out, full, chunks))  # in the head's dtype
+    R.frees(lb)
+    _make_grads(R, s, q.detail.states.trainables, ("after",), flags.oib)   # head, final norm
+    tied = R.alloc(q.tied_grad)                                   # a tied head's gradient, until the embedding's
+    R.frees(dlogits + [head_in, cast_head])
     for i in reversed(range(q.layers)):
         _layer_backward(R, s, q, parts, kept[i], i, n, nsq, recompute, flags.oib)
-    _make_grads(R, s, q.detail.states.trainables, lambda w: w == "before", flags.oib)  # embeddings
-    R.frees([emb, root, inputs])
+    _make_grads(R, s, q.detail.states.trainables, ("before",), flags.oib)  # embeddings
+    R.frees([tied, emb, root, inputs])
     if flags.hold == "step":
         s.held = out
     elif flags.hold == "backward":
@@ -141,10 +153,20 @@ def _layer_forward(R: _Replay, q: Quantities, parts: list[int], tk: Tokens, reco
     if recompute == "none":
         kept = R.allocs(parts) + [R.alloc(q.cast_layer)]          # saved tensors + autocast weight copies
     else:
-        kept = [R.alloc(tk.layer)]                                # the checkpoint's kept tensors
         R.frees(R.allocs(parts))                                  # made and freed in the no-grad forward
+        kept = R.allocs(_kept_blocks(parts, tk.layer, recompute))  # what the checkpoint keeps
     R.free(buf)
     return kept
+
+
+def _kept_blocks(parts: list[int], kept: int, recompute: str) -> list[int]:
+    """What a checkpointed layer keeps, as blocks: under full recomputation its input (one tensor);
+    under a selective policy (Megatron's, torchtitan's per-op) a share of the saved tensors, here
+    each part scaled to the kept total (the policy's own tensors are not listed one by one)."""
+    total = sum(parts)
+    if recompute == "full" or total <= 0:
+        return [kept]
+    return [p * kept // total for p in parts]
 
 
 def _layer_backward(R: _Replay, s: _Step, q: Quantities, parts: list[int], kept: list, i: int, n: int,
@@ -155,43 +177,59 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, parts: list[int], kept:
     _idx, value, grads = best_transient(q.transients, n, nsq)
     tr = R.alloc(max(0, value - grads))                           # grad_out, grad_in of the worst op
     full = R.alloc(q.detail.states.layer_grads_full)              # FSDP: unsharded gradients
-    _make_grads(R, s, q.detail.states.trainables, lambda w: w == "layer" or w == f"layer{i}", oib)
+    _make_grads(R, s, q.detail.states.trainables, ("layer", f"layer{i}"), oib)
     rs = R.alloc(q.fsdp_rs_buf)                                   # FSDP: the reduce-scatter input
     R.frees([tr, full, rs, buf])
     R.frees(redo)
     R.frees(kept)
 
 
-def _make_grads(R: _Replay, s: _Step, trainables: tuple, pick: Any, oib: bool = False) -> None:
-    """Allocate the gradients of the trainable tensors ``pick(where)`` selects that do not exist yet
-    (one copy of a per-layer tensor per call: the layer being back-propagated). ``oib``: the optimizer
-    steps inside backward and a hook frees each gradient at once (``optim/in_backward.py``)."""
-    for j, (where, k, g, _sts, _m) in enumerate(trainables):
-        if not pick(where):
+def _make_grads(R: _Replay, s: _Step, trainables: tuple, where: tuple[str, ...], oib: bool = False) -> None:
+    """Allocate the gradients that do not exist yet of the trainable tensors placed at one of
+    ``where`` (one copy of a per-layer tensor per call: the layer being back-propagated). ``oib``:
+    the optimizer steps inside backward and a hook frees each gradient at once
+    (``optim/in_backward.py``)."""
+    for j in _placed(trainables, where):
+        _w, k, g, _sts, _m = trainables[j]
+        copy = s.made.get(j, 0) if _w == "layer" else 0
+        if copy >= k or (j, copy) in s.grads:
             continue
-        copy = sum(1 for key in s.grads if key[0] == j) if where == "layer" else 0
-        if where == "layer" and copy >= k:
-            continue
-        if (j, copy) not in s.grads:
-            s.grads[(j, copy)] = R.alloc(g)
-            if oib:
-                R.free(s.grads[(j, copy)])
-                s.grads[(j, copy)] = None
+        s.made[j] = copy + 1
+        s.grads[(j, copy)] = R.alloc(g)
+        if oib:
+            R.free(s.grads[(j, copy)])
+            s.grads[(j, copy)] = None
 
 
-def _optimizer_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, step: int) -> None:
-    """``optimizer.step()``: states at the first step, temporaries, then ``zero_grad``."""
+@lru_cache(maxsize=256)
+def _placed(trainables: tuple, where: tuple[str, ...]) -> tuple[int, ...]:
+    """Indices of the trainable tensors placed at one of ``where``."""
+    return tuple(j for j, item in enumerate(trainables) if item[0] in where)
+
+
+def _scaled(sizes: list[int], total: int) -> list[int]:
+    """``sizes`` scaled to sum to ``total`` (their proportions kept)."""
+    whole = sum(sizes)
+    return [x * total // whole for x in sizes] if whole > 0 and total > 0 else []
+
+
+def _optimizer_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, step: int,
+                    temp_copies: int | None) -> None:
+    """``optimizer.step()``: states at the first step, temporaries, then ``zero_grad``.
+    ``temp_copies``: the step's temporaries per tensor of a per-tensor loop (for-loop Adam 2,
+    transformers' Adafactor 2 or 4, none for fused / in-place steps), None for a foreach step: one
+    state-sized temporary per tensor of the group, all alive at once (``quantities.step_temporaries``);
+    ``q.step_temp`` sets their total (the group's, or the largest tensor's ``temp_copies``)."""
     st = q.detail.states
     if step == 1:
         s.states = [R.alloc(x) for (_w, k, _g, sts, _m) in st.trainables for _ in range(k) for x in sts]
-    temps, left = [], q.step_temp
-    for (_w, k, g, _sts, _m) in st.trainables:                   # per-tensor temporaries, in order
-        for _ in range(k):
-            if left <= 0:
-                break
-            temps.append(R.alloc(min(g, left)))
-            left -= g
-    R.frees(temps)
+    sizes = [(sts[0] if sts else g) for (_w, k, g, sts, _m) in st.trainables for _ in range(k)]
+    if temp_copies is None:                                      # foreach: the whole group's at once
+        R.frees(R.allocs(_scaled(sizes, q.step_temp)))
+    elif temp_copies and sizes:                                  # a loop over tensors: each in turn
+        per = _scaled(sizes, q.step_temp * sum(sizes) // (temp_copies * max(sizes)))
+        for x in per:
+            R.frees(R.allocs([x] * temp_copies))
     if flags.oib or not (flags.zeros or flags.grads_persistent):  # zero_grad(set_to_none=True)
         R.frees(list(s.grads.values()))
-        s.grads = {}
+        s.grads, s.made = {}, {}
