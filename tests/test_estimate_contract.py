@@ -87,9 +87,11 @@ def check_contract(d: dict, with_gpu: bool) -> None:
         assert type(d["peak_reserved"]) is int and d["peak_reserved"] >= d["peak_allocated"]
         assert type(d["device_used"]) is int and type(d["fits"]) is bool
         assert d["device_used"] > d["peak_reserved"]  # reserved + CUDA context
-        assert d["fits"] == (d["device_used"] <= d["max_fraction"] * d["capacity"])
+        assert d["fits"] == (d["margin"] >= 0)
     else:
         assert d["fits"] is None and d["device_used"] is None
+        if d["method"] == "trainmem":  # reserved from the replayed step; the published methods have none
+            assert type(d["peak_reserved"]) is int and d["peak_reserved"] >= d["peak_allocated"]
     assert isinstance(d["components"], list) and d["components"]
     for c in d["components"]:
         assert {"name", "category", "bytes"} <= set(c)
@@ -143,7 +145,8 @@ def test_device_used_is_reserved_plus_cuda_context():
 def test_without_gpu_fits_and_device_memory_are_null():
     d = trainmem.estimate("gpt2", seq_len=256).to_dict()
     assert d["fits"] is None and d["device_used"] is None and d["capacity"] is None
-    assert d["peak_reserved"] is None  # the formulas know allocated memory only until a GPU is given
+    # reserved memory needs no GPU: the step replayed through the caching allocator (estimate/reserved.py)
+    assert d["peak_reserved"] >= d["peak_allocated"]
 
 
 @pytest.mark.parametrize("method", list(METHODS))

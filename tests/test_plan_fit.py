@@ -68,13 +68,13 @@ def test_fit_by_arrays_equals_a_search_over_the_scalar_estimate():
 
     def fits(b: int) -> bool:
         e = trainmem.estimate("qwen2.5-1.5b", batch_size=b, **opts)
-        return e.device_used <= e.capacity
+        return e.device_peak <= e.capacity
     assert (r.batch_size, r.next_value) == search_max(fits, 1 << 20)
     r = fit("llama-3.2-1b", batch_size=2, gpu="a100-40gb", seq_multiple=256)
 
     def fits_seq(k: int) -> bool:
         e = trainmem.estimate("llama-3.2-1b", batch_size=2, seq_len=256 * k, gpu="a100-40gb")
-        return e.device_used <= e.capacity
+        return e.device_peak <= e.capacity
     k, bad = search_max(fits_seq, (1 << 22) // 256)
     assert (r.seq_len, r.next_value) == (256 * k, 256 * bad)
 
