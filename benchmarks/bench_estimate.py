@@ -7,15 +7,18 @@ Setups vary model (the whole catalogue) x micro-batch x sequence x precision x r
 ZeRO stage x TP size (valid combinations only), drawn with a fixed seed. Three ways in:
 
   api          ``trainmem.estimate(name, **options)``: resolves the model, builds and checks the
-               TrainingSpec, runs the engine, attaches the (absent) hardware — what users call —
-               with the engine's caches cleared first (after one untimed warm-up pass of the process);
+               TrainingSpec, runs the engine, replays the step through the caching-allocator
+               simulation for the reserved memory (``estimate/reserved.py``: thousands of simulated
+               allocations, milliseconds), attaches the (absent) hardware — what users call — with
+               the engine's caches cleared first (after one untimed warm-up pass of the process);
   engine cold  ``trainmem.estimate.engine.estimate(model_spec, training_spec)`` with the specs
                built beforehand and the engine's caches cleared first;
   engine again the same 10,000 calls a second time (a repeated sweep): model states are cached per
                sharding setup (not per batch or sequence), per-layer recipes per layer setup;
   engine hit   one setup 10,000 times: every cache hits, the ceiling of the present engine.
 
-Target: >= 10,000 estimates/s on one core. Below it, ``--profile`` (or the automatic profile when a
+Target: >= 10,000 estimates/s on one core for the engine rows (what fit, plan and sweeps of the
+engine run); the api row carries the allocator replay and has no target. Below it, ``--profile`` (or the automatic profile when a
 row misses the target) prints the functions where the time goes, over the first ``--profile-n``
 setups (cProfile triples the run time).
 """
@@ -57,6 +60,8 @@ def make_setups(n: int, seed: int = 0) -> list[tuple[str, dict]]:
     while len(out) < n:
         name = rng.choice(names)
         m = specs[name]
+        if m.head == "image-cls":  # an image model's sequence comes from --image-size, not --seq-len
+            continue
         limit = m.max_positions if m.family in LEARNED else 1 << 30
         tps = [tp for tp in TPS if not tp_problems(m, tp)]
         zero = rng.choice(ZERO)
@@ -141,10 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, t in rows:
         rate = a.n / t
         ok = rate >= TARGET
-        if not ok:
+        if not ok and not name.startswith("api"):
             slow.append(name)
-        print(f"{name:54s} {t:8.3f} {rate:12,.0f} {1e6 * t / a.n:12.1f} {'ok' if ok else 'BELOW':>8s}")
-    print(f"(target >= {TARGET:,}/s on one core)")
+        mark = "-" if name.startswith("api") else ("ok" if ok else "BELOW")
+        print(f"{name:54s} {t:8.3f} {rate:12,.0f} {1e6 * t / a.n:12.1f} {mark:>8s}")
+    print(f"(target >= {TARGET:,}/s on one core for the engine; the api row includes the allocator replay)")
     if a.profile or slow:
         k = min(a.profile_n, a.n)
         for name, fn, items in (("api", api, setups[:k]), ("engine cold", direct, pairs[:k])):

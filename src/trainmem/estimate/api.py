@@ -118,7 +118,8 @@ def estimate_resolved(r: Resolved) -> MemoryReport:
         raise TrainmemError(f"--method {r.method}: the published formulas have no {what}; use --method trainmem")
     ws = r.hardware.handle_workspace if r.hardware is not None else None
     # only the default engine counts cuBLAS workspaces: the GPU's default size, or a calibration profile's
-    report = fn(r.model, r.training, cublas_workspace=ws) if (r.method == "trainmem" and ws is not None) \
+    # the trainmem engine also replays the step through the caching allocator (peak reserved)
+    report = fn(r.model, r.training, cublas_workspace=ws, reserved=True) if r.method == "trainmem" \
         else fn(r.model, r.training)
     if r.method == "trainmem":
         bucket_check(report, r.model, r.training)

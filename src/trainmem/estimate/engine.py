@@ -41,18 +41,21 @@ COMPILE_WARNING = ("--compile: only the compiled loss is modelled (one fp32 logi
                    "fusion of elementwise chains inside the layers, which saves fewer tensors, is not")
 
 
-def estimate(m: ModelSpec, t: TrainingSpec, cublas_workspace: int | None = None) -> MemoryReport:
+def estimate(m: ModelSpec, t: TrainingSpec, cublas_workspace: int | None = None,
+             reserved: bool = False) -> MemoryReport:
     """One GPU's training memory for model ``m`` trained as ``t`` (the worst pipeline stage).
     ``cublas_workspace``: bytes of one cuBLAS handle's workspace (None: ``CUBLAS_WORKSPACE``,
     PyTorch's default ``:4096:2:16:8``; a calibration profile gives the measured size,
-    ``Hardware.cublas_workspace``)."""
+    ``Hardware.cublas_workspace``). ``reserved``: also replay the step through the caching
+    allocator for ``peak_reserved`` (``reserved.py``; milliseconds, where the rest takes
+    microseconds: ``trainmem.estimate`` asks for it, sweeps of the engine do not)."""
     ws = CUBLAS_WORKSPACE if cublas_workspace is None else int(cublas_workspace)
     if t.pp > 1:
-        first = estimate_stage(m, t, "first", ws)
-        last = estimate_stage(m, t, "last", ws)
+        first = estimate_stage(m, t, "first", ws, reserved)
+        last = estimate_stage(m, t, "last", ws, reserved)
         rep = first if first.peak_allocated >= last.peak_allocated else last
     else:
-        rep = estimate_stage(m, t, "first", ws)
+        rep = estimate_stage(m, t, "first", ws, reserved)
     if t.compile:
         rep.warnings.append(COMPILE_WARNING)
     if m.family == "derived":
@@ -60,9 +63,10 @@ def estimate(m: ModelSpec, t: TrainingSpec, cublas_workspace: int | None = None)
     return rep
 
 
-def estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str, handle_ws: int = CUBLAS_WORKSPACE) -> MemoryReport:
+def estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str, handle_ws: int = CUBLAS_WORKSPACE,
+                   reserved: bool = False) -> MemoryReport:
     """The report of one pipeline stage (``first`` or ``last``); ``handle_ws``: one cuBLAS
-    handle's workspace in bytes."""
+    handle's workspace in bytes; ``reserved``: replay the step for ``peak_reserved``."""
     q = quantities(m, t, stage)
     flags = StepFlags.of(m, t)
     b, ga = t.batch_size, t.grad_accum
@@ -78,7 +82,8 @@ def estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str, handle_ws: int = C
                        peak_phase=f"{phase_label(mo.phase, mo.micro, ga)}@{mo.step}",
                        peak_where=where_label(mo, q, tk), model=m, training=t)
     # reserved: the step replayed through the caching allocator (reserved.py)
-    rep.peak_reserved = total + reserved_gap(q, flags, tk, n, nsq, b, ga, t.recompute, step_copies(t))
+    if reserved:
+        rep.peak_reserved = total + reserved_gap(q, flags, tk, n, nsq, b, ga, t.recompute, step_copies(t))
     rep.extra["pipeline_stage"] = stage if t.pp > 1 else None
     rep.extra["activations_per_layer"] = tk.layer
     return rep
