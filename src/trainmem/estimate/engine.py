@@ -83,7 +83,10 @@ def estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str, handle_ws: int = C
                        peak_where=where_label(mo, q, tk), model=m, training=t)
     # reserved: the step replayed through the caching allocator (reserved.py)
     if reserved:
-        rep.peak_reserved = total + reserved_gap(q, flags, tk, n, nsq, b, ga, t.recompute, step_copies(t))
+        gap, marks = reserved_gap(q, flags, tk, n, nsq, b, ga, t.recompute, step_copies(t))
+        rep.peak_reserved = total + gap
+        for p in rep.phases:  # reserved at each phase's end, as the replay reached it
+            p.reserved = marks.get((p.name, p.step))
     rep.extra["pipeline_stage"] = stage if t.pp > 1 else None
     rep.extra["activations_per_layer"] = tk.layer
     return rep

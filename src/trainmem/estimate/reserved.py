@@ -45,6 +45,10 @@ class _Replay:
     """The simulated allocator and the handles of what is alive."""
 
     a: CachingAllocator = field(default_factory=CachingAllocator)
+    marks: dict = field(default_factory=dict)    # (phase label, step) -> reserved bytes at its end
+
+    def mark(self, label: str, step: int) -> None:
+        self.marks[(label, step)] = self.a.reserved
 
     def alloc(self, nbytes: Any) -> int | None:
         return self.a.allocate(int(nbytes)) if nbytes > 0 else None
@@ -69,24 +73,30 @@ class _Step:
     made: dict = field(default_factory=dict)     # trainable index -> copies with a gradient (per-layer tensors)
     states: list = field(default_factory=list)   # optimizer-state handles (created by the first step)
     held: list = field(default_factory=list)     # the model output the loop keeps (hold "step")
+    step: int = 0                                # the step being replayed (1 or 2)
+    suffix: str = ""                             # its micro-step's phase suffix under accumulation
 
 
 def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, b: int, ga: int,
-                 recompute: str, temp_copies: int | None) -> int:
-    """Bytes reserved but not allocated at the end of two replayed steps (the allocator's cache)."""
+                 recompute: str, temp_copies: int | None) -> tuple[int, dict]:
+    """Bytes reserved but not allocated at the end of two replayed steps (the allocator's cache),
+    and the reserved bytes at the end of each phase, by (phase label, step) as ``breakdown.phases``
+    labels them."""
     st = q.detail.states
     R = _Replay()
     R.allocs(st.load)                                                   # weights and buffers, load order
     R.allocs(m for (_w, k, _g, _s, m) in st.trainables for _ in range(k) if m)  # fp32 master copies
+    R.mark("model_loaded", 0)
     s = _Step()
     if flags.grads_persistent:                                          # Megatron main-grad buffers
         for _ in range(max((k for _w, k, *_r in st.trainables), default=0)):
             _make_grads(R, s, st.trainables, tuple({w for w, *_r in st.trainables}))
     for step in (1, 2):
-        for _micro in range(min(ga, 2)):
+        for micro in range(min(ga, 2)):
+            s.step, s.suffix = step, "" if ga == 1 else (".micro1" if micro == 0 else f".micro2-{ga}")
             _micro_step(R, s, q, flags, tk, n, nsq, recompute, b)
         _optimizer_step(R, s, q, flags, step, temp_copies)
-    return max(0, R.a.peak_reserved - R.a.peak_allocated)
+    return max(0, R.a.peak_reserved - R.a.peak_allocated), R.marks
 
 
 def _logit_tensors(total: int, per_elem: int, elems: int, chunks: int = 1) -> list[int]:
@@ -130,6 +140,7 @@ def _micro_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Token
     R.frees(fwd)
     if flags.hold == "loss":
         R.frees(out)
+    R.mark("forward" + s.suffix, s.step)
     lb = R.allocs(_logit_tensors(tk.loss_backward, q.loss_backward, full, chunks))  # logits' gradients
     R.frees(saved)
     dlogits = R.allocs(_logit_tensors(tk.logits_grad, q.logits_out, full, chunks))  # in the head's dtype
@@ -141,6 +152,7 @@ def _micro_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Token
         _layer_backward(R, s, q, parts, kept[i], i, n, nsq, recompute, flags.oib)
     _make_grads(R, s, q.detail.states.trainables, ("before",), flags.oib)  # embeddings
     R.frees([tied, emb, root, inputs])
+    R.mark("backward" + s.suffix, s.step)
     if flags.hold == "step":
         s.held = out
     elif flags.hold == "backward":
@@ -230,6 +242,8 @@ def _optimizer_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, step:
         per = _scaled(sizes, q.step_temp * sum(sizes) // (temp_copies * max(sizes)))
         for x in per:
             R.frees(R.allocs([x] * temp_copies))
+    R.mark("optimizer_step", step)
     if flags.oib or not (flags.zeros or flags.grads_persistent):  # zero_grad(set_to_none=True)
         R.frees(list(s.grads.values()))
         s.grads, s.made = {}, {}
+    R.mark("zero_grad", step)
