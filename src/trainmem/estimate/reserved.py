@@ -123,11 +123,13 @@ def _layer_parts(q: Quantities, n: int, nsq: int) -> list[int]:
 def _micro_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int,
                 recompute: str, b: int) -> None:
     """One micro-batch's forward and backward."""
+    st = q.detail.states
     inputs = R.alloc(tk.inputs)                                   # int64 ids and labels
-    root = R.alloc(q.fsdp_root)                                   # FSDP: the root unit gathered
+    fs = _Fsdp(q.fsdp_ag_result > 0)
+    root = fs.unshard(R, q.fsdp_root, st.root_tensors)            # FSDP: the root unit gathered
     emb = R.alloc(tk.outer_rest)                                  # embeddings' saved tensors
     parts = _layer_parts(q, n, nsq)
-    kept = [_layer_forward(R, q, parts, tk, recompute) for _ in range(q.layers)]
+    kept = [_layer_forward(R, q, fs, parts, tk, recompute) for _ in range(q.layers)]
     head_in = R.alloc(tk.outer_head)                              # final norm output / head input
     cast_head = R.alloc(q.cast_head)                              # autocast's half copy of the head
     full = n * q.logit_width // q.tp if flags.lm else b * q.logit_width   # logit elements
@@ -145,13 +147,16 @@ def _micro_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Token
     R.frees(saved)
     dlogits = R.allocs(_logit_tensors(tk.logits_grad, q.logits_out, full, chunks))  # in the head's dtype
     R.frees(lb)
-    _make_grads(R, s, q.detail.states.trainables, ("after",), flags.oib)   # head, final norm
+    head_full = R.alloc(st.head_grads_full)                       # FSDP: the head's unsharded gradients
     tied = R.alloc(q.tied_grad)                                   # a tied head's gradient, until the embedding's
     R.frees(dlogits + [head_in, cast_head])
     for i in reversed(range(q.layers)):
-        _layer_backward(R, s, q, parts, kept[i], i, n, nsq, recompute, flags.oib)
-    _make_grads(R, s, q.detail.states.trainables, ("before",), flags.oib)  # embeddings
-    R.frees([tied, emb, root, inputs])
+        _layer_backward(R, s, q, fs, parts, kept[i], i, n, nsq, recompute, flags.oib)
+    emb_full = R.alloc(st.emb_grads_full)                         # FSDP: the embedding's unsharded gradient
+    fs.reduce(R, [head_full, emb_full], (st.head_grads_full + st.emb_grads_full) * fs.rs_factor(q))
+    _make_grads(R, s, st.trainables, ("after", "before"), flags.oib)  # head, final norm, embeddings
+    R.frees([tied, emb, inputs] + root)
+    fs.done(R)
     R.mark("backward" + s.suffix, s.step)
     if flags.hold == "step":
         s.held = out
@@ -159,15 +164,59 @@ def _micro_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Token
         R.frees(out)
 
 
-def _layer_forward(R: _Replay, q: Quantities, parts: list[int], tk: Tokens, recompute: str) -> list:
+@dataclass
+class _Fsdp:
+    """FSDP's unsharded parameters and gradients over one micro-batch. FSDP2 (``v2``) all-gathers a
+    unit into one flat output, copies each parameter out of it and frees the output only when the
+    next unit's all-gather is waited on (torch 2.13 ``_fsdp_param_group.py`` ``wait_for_unshard``);
+    its ``post_backward`` copies the unsharded gradients into one flat reduce-scatter input in the
+    reduce dtype and keeps the last one until the next unit's (``reduce_scatter_states``). FSDP1's
+    flat parameter is one block, and its reduce-scatter input is freed when the collective is
+    issued (``_runtime_utils.py`` ``_reduce_grad``)."""
+
+    v2: bool
+    ag: int | None = None      # the last all-gather output (FSDP2)
+    rs: int | None = None      # the last reduce-scatter input (FSDP2)
+
+    def unshard(self, R: _Replay, flat: int, tensors: tuple[int, ...]) -> list:
+        if flat <= 0:
+            return []
+        if not self.v2 or not tensors:
+            return [R.alloc(flat)]
+        ag = R.alloc(flat)                                        # the all-gather output, flat
+        R.free(self.ag)
+        self.ag = ag
+        return R.allocs(tensors)                                  # each parameter copied out
+
+    @staticmethod
+    def rs_factor(q: Quantities) -> int:
+        """Reduce-scatter input bytes per unsharded gradient byte: 2 when fp32 reduces bf16 gradients."""
+        full = q.detail.states.layer_grads_full
+        return max(1, round(q.fsdp_rs_buf / full)) if q.fsdp_rs_buf and full else 1
+
+    def reduce(self, R: _Replay, grads: list, rs_bytes: int) -> None:
+        rs = R.alloc(rs_bytes)                                    # the unsharded gradients, flat
+        R.frees(grads)
+        if self.v2:
+            R.free(self.rs)
+            self.rs = rs
+        else:
+            R.free(rs)
+
+    def done(self, R: _Replay) -> None:
+        R.frees([self.ag, self.rs])
+        self.ag = self.rs = None
+
+
+def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: list[int], tk: Tokens, recompute: str) -> list:
     """One layer's forward: what it keeps for backward (a list of handles)."""
-    buf = R.alloc(q.fsdp_layer_buf)                               # FSDP: this layer's gathered weights
+    params = fs.unshard(R, q.fsdp_layer_buf, q.detail.states.layer_tensors)  # FSDP: this layer gathered
     if recompute == "none":
         kept = R.allocs(parts) + [R.alloc(q.cast_layer)]          # saved tensors + autocast weight copies
     else:
         R.frees(R.allocs(parts))                                  # made and freed in the no-grad forward
         kept = R.allocs(_kept_blocks(parts, tk.layer, recompute))  # what the checkpoint keeps
-    R.free(buf)
+    R.frees(params)                                               # resharded after forward
     return kept
 
 
@@ -181,17 +230,19 @@ def _kept_blocks(parts: list[int], kept: int, recompute: str) -> list[int]:
     return [p * kept // total for p in parts]
 
 
-def _layer_backward(R: _Replay, s: _Step, q: Quantities, parts: list[int], kept: list, i: int, n: int,
-                    nsq: int, recompute: str, oib: bool) -> None:
+def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[int], kept: list, i: int,
+                    n: int, nsq: int, recompute: str, oib: bool) -> None:
     """One layer's backward: recompute, the largest transient, the gradients, then its tensors freed."""
-    buf = R.alloc(q.fsdp_layer_buf)                               # FSDP: gathered again for backward
+    st = q.detail.states
+    params = fs.unshard(R, q.fsdp_layer_buf, st.layer_tensors)   # FSDP: gathered again for backward
     redo = R.allocs(parts) if recompute != "none" else []         # the checkpointed forward again
     _idx, value, grads = best_transient(q.transients, n, nsq)
     tr = R.alloc(max(0, value - grads))                           # grad_out, grad_in of the worst op
-    full = R.alloc(q.detail.states.layer_grads_full)              # FSDP: unsharded gradients
-    _make_grads(R, s, q.detail.states.trainables, ("layer", f"layer{i}"), oib)
-    rs = R.alloc(q.fsdp_rs_buf)                                   # FSDP: the reduce-scatter input
-    R.frees([tr, full, rs, buf])
+    if st.layer_grads_full:                                       # FSDP: unsharded gradients, reduce-scattered
+        full = R.allocs(st.layer_tensors) if fs.v2 and st.layer_tensors else [R.alloc(st.layer_grads_full)]
+        fs.reduce(R, full, q.fsdp_rs_buf or st.layer_grads_full)
+    _make_grads(R, s, st.trainables, ("layer", f"layer{i}"), oib)
+    R.frees([tr] + params)
     R.frees(redo)
     R.frees(kept)
 

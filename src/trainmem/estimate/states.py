@@ -54,6 +54,10 @@ class States:
     # or "layerI" (the rank's I-th layer only), copies, gradient bytes, bytes of each optimizer-state
     # tensor, fp32 master bytes)
     trainables: tuple[tuple[str, int, int, tuple[int, ...], int], ...] = ()
+    # FSDP over several ranks: each unsharded parameter of the root unit and of one layer, gathered
+    # dtype, bytes (FSDP2 copies each out of the all-gather output)
+    root_tensors: tuple[int, ...] = ()
+    layer_tensors: tuple[int, ...] = ()
 
 
 def _tp_div(p: ParamTensor, tp: int) -> int:
@@ -355,6 +359,8 @@ class _Tally:
     largest: int = 0
     largest_n: int = 0       # elements of the largest trainable tensor (bitsandbytes' 8-bit threshold)
     items: list = field(default_factory=list)  # States.trainables, as they are counted
+    root_list: list = field(default_factory=list)   # States.root_tensors
+    layer_list: list = field(default_factory=list)  # States.layer_tensors
     group: int = 0
     lpf: int = 0             # one layer's weights, unsharded
     q4: int = 0              # bitsandbytes 4-bit tensors, allocator-rounded
@@ -416,7 +422,7 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
                   acc.layer_grads, acc.head_grads, acc.lmh, acc.hmh, acc.largest, acc.group, acc.lpf,
                   sum(x[1] for x in lora), acc.q4, acc.root, acc.head_full, acc.emb_full, acc.layer_full, rs,
                   acc.root_g, _load_list(before, layer, r.per_stage if m.uniform_layers else 1, after),
-                  tuple(acc.items))
+                  tuple(acc.items), tuple(acc.root_list), tuple(acc.layer_list))
 
 
 def _load_list(before: list, layer: list, k: int, after: list) -> tuple[int, ...]:
@@ -457,6 +463,9 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
         dest.append(item)
         if r.fsdp_unsharded and p.layer is None:
             acc.root += block_bytes(n * r.gather)  # the root unit's unsharded parameter (fsdp_root below)
+            acc.root_list.append(n * r.gather)
+        if r.fsdp_unsharded and p.layer is not None and (uniform or p.layer == r.lo):
+            acc.layer_list.append(n * r.gather)   # one layer's unsharded parameter
         if p.layer is not None:
             lpf_of[p.layer] = lpf_of.get(p.layer, 0) + n * r.gather  # FSDP2 gathers in param_dtype (bf16)
             # autocast caches half copies of the weights its matmuls cast; transformers' grouped_mm
