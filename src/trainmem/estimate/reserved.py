@@ -85,7 +85,8 @@ def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, 
     st = q.detail.states
     R = _Replay()
     R.allocs(st.load)                                                   # weights and buffers, load order
-    R.allocs(m for (_w, k, _g, _s, m) in st.trainables for _ in range(k) if m)  # fp32 master copies
+    if st.master:                                                       # fp32 master copies (not offloaded)
+        R.allocs(m for (_w, k, _g, _s, m) in st.trainables for _ in range(k) if m)
     R.mark("model_loaded", 0)
     s = _Step()
     if flags.grads_persistent:                                          # Megatron main-grad buffers
@@ -284,7 +285,7 @@ def _optimizer_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, step:
     state-sized temporary per tensor of the group, all alive at once (``quantities.step_temporaries``);
     ``q.step_temp`` sets their total (the group's, or the largest tensor's ``temp_copies``)."""
     st = q.detail.states
-    if step == 1:
+    if step == 1 and st.optimizer:                               # lazily, unless offloaded to the host
         s.states = [R.alloc(x) for (_w, k, _g, sts, _m) in st.trainables for _ in range(k) for x in sts]
     sizes = [(sts[0] if sts else g) for (_w, k, g, sts, _m) in st.trainables for _ in range(k)]
     if temp_copies is None:                                      # foreach: the whole group's at once
