@@ -33,11 +33,13 @@ def test_every_fixture_names_its_source_and_setup():
 
 
 def test_reference_reproductions_stay_exact():
-    """Rees's nanoGPT and Scherrmann's BERT-large: every printed quantity within 0.5 % (these two are
-    the reproductions the formulas were built on, not the published set's accuracy, which is reported)."""
+    """Rees's nanoGPT and Scherrmann's BERT-large: every printed allocated quantity within 0.5 % (these
+    two are the reproductions the formulas were built on, not the published set's accuracy, which is
+    reported). Scherrmann's reserved figures come from the allocator replay, held to 1 % in
+    tests/test_reserved_replay.py."""
     v = validate(ROOT, ["estimate"], cases=REFERENCE)
     assert {c.case for c in v.checks} == {"nanoGPT GPT-2 small (Rees)", "BERT-large fp32 b4 s512 (Scherrmann)"}
-    errors = [abs(c.error) for c in v.checks if c.error is not None]
+    errors = [abs(c.error) for c in v.checks if c.error is not None and not c.quantity.endswith(":reserved")]
     assert len(errors) >= 12 and max(errors) < 0.005
 
 
