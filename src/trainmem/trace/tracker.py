@@ -180,6 +180,8 @@ class Tracker(TorchDispatchMode):
         self.data_dependent = 0
         self._scalar_producer: dict[int, str] = {}
         self._scopes: list[tuple[str, str]] = []
+        self._paused = False      # ops pass through uncounted (trace --compile: fused kernels' insides)
+        self._suspended = False   # module hooks ignored too (trace --compile: tracing the graph)
 
     # ----- modes -------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -189,6 +191,8 @@ class Tracker(TorchDispatchMode):
             # (as torch/distributed/_tools/fsdp2_mem_tracker.py ``FSDPMemTracker.__torch_dispatch__``)
             return NotImplemented
         kwargs = kwargs or {}
+        if self._paused:
+            return func(*args, **kwargs)
         self.ops_seen += 1
         if func is _aten._local_scalar_dense.default and self._is_tracked_tensor(args[0]):
             # data-dependent Python control flow on a tensor that holds no data. Answer as a clean
@@ -290,6 +294,26 @@ class Tracker(TorchDispatchMode):
         weakref.finalize(st, self._on_free, key, rec.rid)
         self._log(rec.rid)
         return rec
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Run the block without counting its outputs (``trace.compiled``: an intermediate inside a
+        fused kernel, which never takes device memory)."""
+        was, self._paused = self._paused, True
+        try:
+            yield
+        finally:
+            self._paused = was
+
+    @contextmanager
+    def tracing(self) -> Iterator[None]:
+        """Capture a graph on fake tensors (``trace.compiled``): no op counted, no module hook."""
+        was = self._paused, self._suspended
+        self._paused = self._suspended = True
+        try:
+            yield
+        finally:
+            self._paused, self._suspended = was
 
     def _free_block(self, rec: Record) -> None:
         self.allocator.free(rec.handle)
@@ -529,6 +553,8 @@ class Tracker(TorchDispatchMode):
         return self._seq_names[i] if i >= 0 else ""
 
     def _pre_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if self._suspended:
+            return
         name = self.module_names.get(id(module))
         if name is None:
             name = type(module).__name__
@@ -542,6 +568,8 @@ class Tracker(TorchDispatchMode):
         self._seq_names.append(name)
 
     def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self._suspended:
+            return
         if self.module_stack:
             self.module_stack.pop()
         self._seq_starts.append(torch._C._autograd._get_sequence_nr())
@@ -592,12 +620,12 @@ class Tracker(TorchDispatchMode):
         tracker = self
 
         def backward(*a: Any, **k: Any) -> Any:
-            if torch._C._current_graph_task_id() == -1:
+            if torch._C._current_graph_task_id() == -1 and not tracker._suspended:
                 tracker.enter_phase("backward")
             return orig_backward(*a, **k)
 
         def grad(*a: Any, **k: Any) -> Any:
-            if torch._C._current_graph_task_id() == -1:
+            if torch._C._current_graph_task_id() == -1 and not tracker._suspended:
                 tracker.enter_phase("backward")
             return orig_grad(*a, **k)
 
