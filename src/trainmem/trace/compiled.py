@@ -53,49 +53,81 @@ def prepare() -> None:
 
 
 # ----- which graph nodes inductor materializes --------------------------------------------------------
-#: ops inductor lowers to a view or reinterpretation of their input (no buffer of their own)
-_VIEW_OPS = frozenset(getattr(_aten, n).default for n in (
-    "view", "_unsafe_view", "reshape", "expand", "permute", "t", "transpose", "squeeze", "unsqueeze", "slice",
-    "select", "alias", "as_strided", "unfold", "split", "split_with_sizes", "diagonal", "unbind", "view_as_real",
-    "view_as_complex") if hasattr(_aten, n) and "default" in getattr(_aten, n).overloads())
+def _packets(*names: str) -> frozenset:
+    """The ATen (and prims) op packets of these names that this PyTorch build has."""
+    out = set()
+    for n in names:
+        for ns in (_aten, torch.ops.prims):
+            if hasattr(ns, n):
+                out.add(getattr(ns, n))
+    return frozenset(out)
+
+
+#: ops inductor lowers to a view of their input (``torch/_inductor/lowering.py``: ``view``,
+#: ``permute``, ``expand``... return ``ir.View``/``ReinterpretView``): they take no memory and read
+#: through to an unrealized input
+_VIEWS = _packets("view", "_unsafe_view", "reshape", "expand", "permute", "t", "transpose", "squeeze", "unsqueeze",
+                  "slice", "select", "alias", "as_strided", "unfold", "split", "split_with_sizes", "diagonal",
+                  "unbind", "view_as_real", "view_as_complex", "_reshape_alias", "expand_copy", "permute_copy",
+                  "view_copy")
+#: ops without ``Tag.pointwise`` that inductor still lowers to a ``Pointwise`` loop body
+#: (``lowering.py``: indexing through ``ops.indirect_indexing`` -- gather, index, embedding --,
+#: copies and dtype conversions, padding, scatter-free concatenation, constant and random
+#: factories through ``ops.constant``/``ops.index_expr``/``inductor_random``)
+_POINTWISE_EXTRA = _packets("gather", "index", "embedding", "clone", "_to_copy", "convert_element_type", "copy",
+                            "constant_pad_nd", "slice_scatter", "select_scatter", "iota", "full", "scalar_tensor",
+                            "full_like", "zeros_like", "ones_like", "rand", "randn", "rand_like", "randn_like",
+                            "lift_fresh_copy", "masked_fill", "where", "_unsafe_index", "cat")
+#: reductions: inductor reads a pointwise producer inside the reduction's own loop
+_REDUCTIONS = _packets("sum", "mean", "amax", "amin", "max", "min", "prod", "var", "var_mean", "std", "argmax",
+                       "argmin", "any", "all", "logsumexp")
+
+
+def _packet(node: torch.fx.Node) -> Any:
+    return getattr(node.target, "overloadpacket", None)
 
 
 def _is_pointwise(node: torch.fx.Node) -> bool:
-    """An op inductor lowers to a ``Pointwise`` IR node (``torch.Tag.pointwise`` on its overload,
-    as ``torch/_inductor/lowering.py`` registers pointwise lowerings), or a dtype conversion."""
-    t = node.target
-    tags = getattr(t, "tags", ())
-    if torch.Tag.pointwise in tags:
-        return True
-    return t in (torch.ops.prims.convert_element_type.default, _aten._to_copy.default)
+    """An op inductor lowers to a ``Pointwise`` IR node: ``torch.Tag.pointwise`` on its overload (the
+    ops ``lowering.py`` registers with ``make_pointwise``), or one of :data:`_POINTWISE_EXTRA`."""
+    if node.op != "call_function":
+        return False
+    return torch.Tag.pointwise in getattr(node.target, "tags", ()) or _packet(node) in _POINTWISE_EXTRA
 
 
 def fused_away(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
-    """The nodes of ``gm`` whose output inductor never writes to memory: pointwise ops whose every
-    user is another pointwise op or a view of one, inside the same graph. Inductor keeps such a
-    node as an unrealized ``Pointwise`` and inlines its expression into each consumer's kernel
-    (``torch/_inductor/graph.py`` realizes a buffer when an extern kernel, a reduction over many
-    reads, or a graph output needs it; ``ir.Pointwise`` otherwise stays a loop body). Reductions,
-    matmuls, attention and graph outputs (what the forward returns and saves) are materialized."""
-    out = set()
-    outputs = {a for a in next(n for n in gm.graph.nodes if n.op == "output").all_input_nodes}
-    for node in reversed(gm.graph.nodes):
-        if node.op != "call_function" or node in outputs or not _is_pointwise(node):
-            continue
-        users = list(node.users)
-        if users and all(_fusible_user(u, out) for u in users):
-            out.add(node)
-    return out
+    """The nodes of ``gm`` whose output inductor never writes to memory: pointwise ops (and views
+    of them) all of whose users read them inside their own kernel -- another pointwise op, a
+    reduction, or a view read that way. Inductor keeps such a node as an unrealized
+    ``ir.Pointwise`` and inlines its expression into each consumer's loop
+    (``torch/_inductor/graph.py`` ``GraphLowering``: a buffer is realized when an extern kernel --
+    matmul, attention, a fallback op -- reads it, or when it is a graph output: what the forward
+    returns and saves, what the backward returns). Not modelled: ``realize_reads_threshold`` and
+    ``realize_opcount_threshold`` (inductor also realizes a pointwise node read by more than 4
+    consumers or built from more than 30 ops, to bound recomputation)."""
+    outputs = set(next(n for n in gm.graph.nodes if n.op == "output").all_input_nodes)
+    fused: set[torch.fx.Node] = set()
 
-
-def _fusible_user(user: torch.fx.Node, fused: set[torch.fx.Node]) -> bool:
-    """True when ``user`` reads its input inside a fused kernel: a pointwise op, or a view whose
-    own users are all fused."""
-    if user.op != "call_function":
+    def inlined(user: torch.fx.Node) -> bool:
+        """``user`` reads its input inside its own loop."""
+        if user.op != "call_function" or user in outputs:
+            return False
+        if _is_pointwise(user) or _packet(user) in _REDUCTIONS:
+            return True
+        if _packet(user) in _VIEWS or user.target is operator.getitem:
+            return bool(user.users) and all(inlined(u) for u in user.users)
         return False
-    if _is_pointwise(user):
-        return True
-    return False
+
+    for node in reversed(gm.graph.nodes):
+        if node in outputs or not _is_pointwise(node):
+            continue
+        if node.users and all(inlined(u) for u in node.users):
+            fused.add(node)
+    for node in gm.graph.nodes:  # a view of a fused value is never materialized either
+        if (_packet(node) in _VIEWS or node.target is operator.getitem) and node.args \
+                and node.args[0] in fused:
+            fused.add(node)
+    return fused
 
 
 class GraphRunner:
@@ -104,7 +136,8 @@ class GraphRunner:
 
     * **Liveness.** Inductor's generated code deletes each buffer after its last read (``del
       buf3`` in the wrapper code, ``torch/_inductor/codegen/wrapper.py`` ``FreeIfNotReusedLine``);
-      the runner drops its reference at the same point. The boxed inputs (AOTAutograd's calling
+      the runner drops its reference at the same point.
+    * **Modules.** Each op's allocations are charged to the module it was traced in. The boxed inputs (AOTAutograd's calling
       convention, ``_boxed_call``) are cleared once read, so a saved tensor dies at its last use in
       the backward, as in the compiled backward.
     * **Fusion.** With ``fuse``, the pointwise nodes of :func:`fused_away` run with the tracker
@@ -113,10 +146,14 @@ class GraphRunner:
 
     _boxed_call = True
 
-    def __init__(self, gm: torch.fx.GraphModule, pause: Callable[[], Any], fuse: bool = True) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, tracker: Any, fuse: bool = True) -> None:
         self.gm = gm
         self.nodes = list(gm.graph.nodes)
-        self.pause = pause
+        self.tracker = tracker
+        self.pause = tracker.paused
+        # the module each node was traced in (:func:`_tag_modules`; a backward node inherits its
+        # forward node's, AOTAutograd ``copy_fwd_metadata_to_bw_nodes``)
+        self.modules = [(n.meta.get("custom") or {}).get(_MODULE, "") for n in self.nodes]
         self.fused = fused_away(gm) if fuse else set()
         last: dict[torch.fx.Node, int] = {}
         for i, n in enumerate(self.nodes):
@@ -141,8 +178,12 @@ class GraphRunner:
                     args.clear()   # the graph owns its inputs now (boxed calling convention)
             elif n.op == "call_function":
                 ctx = self.pause() if n in self.fused else contextlib.nullcontext()
-                with ctx:
-                    env[n] = n.target(*load(n.args), **load(n.kwargs))
+                self.tracker.graph_module = self.modules[i]
+                try:
+                    with ctx:
+                        env[n] = _call(n.target, load(n.args), load(n.kwargs))
+                finally:
+                    self.tracker.graph_module = None
             elif n.op == "get_attr":
                 env[n] = getattr(self.gm, n.target)
             elif n.op == "output":
@@ -153,6 +194,21 @@ class GraphRunner:
             for d in self.free_at[i]:
                 env.pop(d, None)
         raise AssertionError("graph without output")
+
+
+def _call(target: Any, args: tuple, kwargs: dict) -> Any:
+    """Run one node. The RNG wrappers the partitioner puts around a random op it recomputes
+    (``run_and_save_rng_state`` in the forward, ``run_with_rng_state`` in the backward,
+    ``torch/_prims/rng_prims.py``) run the op itself; the saved state is the generator's 16-byte
+    host tensor on CUDA (``torch.cuda.get_rng_state()``), no device memory."""
+    name = getattr(target, "__name__", "")
+    if name == "run_and_save_rng_state":
+        op, *rest = args
+        return torch.zeros(16, dtype=torch.uint8), op(*rest, **kwargs)
+    if name == "run_with_rng_state":
+        _, op, *rest = args
+        return op(*rest, **kwargs)
+    return target(*args, **kwargs)
 
 
 # ----- the compiled model ---------------------------------------------------------------------------------
@@ -275,13 +331,86 @@ class CompiledModel(torch.nn.Module):
         def compiler(kind: str) -> Callable:
             def compile_graph(gm: torch.fx.GraphModule, example_inputs: Any) -> Callable:
                 self.graphs.append((kind, gm))
-                return GraphRunner(gm, tracker.paused, self._fuse)
+                return GraphRunner(gm, tracker, self._fuse)
             return compile_graph
 
-        compiled = aot_function(fn, fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
+        def traced(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            with _tag_modules(tracker.module_names), _tag_checkpoints(module):
+                return fn(*flat)
+
+        compiled = aot_function(traced, fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
                                 partition_fn=_partition, decompositions=select_decomp_table(),
                                 num_params_buffers=len(names), keep_inference_input_mutations=True)
         return _Traced(compiled, tracker), rebuild
+
+
+#: the key of ``node.meta["custom"]`` that names the module a node was traced in
+_MODULE = "trainmem_module"
+
+
+@contextlib.contextmanager
+def _tag_modules(names: dict[int, str]):
+    """While the joint graph is traced, give each node the name of the module running
+    (``node.meta["custom"]``: ``torch.fx.proxy`` copies ``fx.traceback``'s current meta onto every
+    node it creates while AOTAutograd preserves node meta)."""
+    from torch.fx import traceback as fx_traceback
+    from torch.nn.modules import module as _module
+    stack: list[str] = []
+
+    def set_meta() -> None:
+        fx_traceback.get_current_meta()["custom"] = {_MODULE: stack[-1] if stack else ""}
+
+    def pre(mod: torch.nn.Module, args: Any) -> None:
+        stack.append(names.get(id(mod), type(mod).__name__))
+        set_meta()
+
+    def post(mod: torch.nn.Module, args: Any, out: Any) -> None:
+        if stack:
+            stack.pop()
+        set_meta()
+
+    handles = [_module.register_module_forward_pre_hook(pre),
+               _module.register_module_forward_hook(post, always_call=True)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        fx_traceback.get_current_meta().pop("custom", None)
+
+
+@contextlib.contextmanager
+def _tag_checkpoints(module: torch.nn.Module):
+    """transformers' gradient checkpointing as dynamo compiles it. Dynamo turns a non-reentrant
+    ``torch.utils.checkpoint.checkpoint`` into the ``tag_activation_checkpoint`` higher-order op,
+    whose body AOTAutograd inlines with every node tagged ``recompute=PREFER_RECOMPUTE`` and one
+    ``ac_graph_id`` per region (``torch/_higher_order_ops/wrap.py``); the min-cut partitioner then
+    recomputes those nodes in the backward and saves none of them (``must_recompute``,
+    ``torch/_functorch/partitioners.py``). Here each checkpointing layer's
+    ``_gradient_checkpointing_func`` runs its body directly with the same tags."""
+    from torch.fx import traceback as fx_traceback
+    from torch.utils.checkpoint import CheckpointPolicy
+    layers = [m for m in module.modules() if getattr(m, "gradient_checkpointing", False)
+              and "_gradient_checkpointing_func" in vars(m)]
+    ids = iter(range(1, 1 << 30))
+
+    def run(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        meta = fx_traceback.get_current_meta()
+        meta["recompute"], meta["ac_graph_id"] = CheckpointPolicy.PREFER_RECOMPUTE, next(ids)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            meta.pop("recompute", None)
+            meta.pop("ac_graph_id", None)
+
+    saved = {m: m._gradient_checkpointing_func for m in layers}
+    for m in layers:
+        m._gradient_checkpointing_func = run
+    try:
+        yield
+    finally:
+        for m, f in saved.items():
+            m._gradient_checkpointing_func = f
 
 
 class _Traced:

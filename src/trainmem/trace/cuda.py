@@ -137,12 +137,14 @@ class CudaEmulation(TorchFunctionMode):
 
     def _host_read(self, name: str, t: torch.Tensor) -> Any:
         self.host_reads += 1
-        host = torch.zeros(t.shape, dtype=t.dtype, device="cpu")
-        if name == "cpu":
-            return host
         if name == "pin_memory":
             return t
-        return getattr(host, name)()
+        from torch.utils._python_dispatch import _disable_current_modes
+        # outside every dispatch mode: while trace --compile captures a graph (trace.compiled), a
+        # fake or proxy mode would otherwise turn the host zeros into a symbolic, unreadable value
+        with _disable_current_modes():
+            host = torch.zeros(t.shape, dtype=t.dtype, device="cpu")
+            return host if name == "cpu" else getattr(host, name)()
 
     # ----- autocast ----------------------------------------------------------------------------------
     def clear_cache(self) -> None:

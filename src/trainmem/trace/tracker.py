@@ -182,6 +182,7 @@ class Tracker(TorchDispatchMode):
         self._scopes: list[tuple[str, str]] = []
         self._paused = False      # ops pass through uncounted (trace --compile: fused kernels' insides)
         self._suspended = False   # module hooks ignored too (trace --compile: tracing the graph)
+        self.graph_module: str | None = None  # the module a compiled graph's node came from
 
     # ----- modes -------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -539,6 +540,8 @@ class Tracker(TorchDispatchMode):
             self.param_names.setdefault(id(p), name)
 
     def _current_module(self) -> str:
+        if self.graph_module is not None:
+            return self.graph_module
         if self.module_stack:
             return self.module_stack[-1]
         node = torch._C._current_autograd_node() if self.phase == "backward" else None
