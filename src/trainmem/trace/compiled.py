@@ -109,12 +109,13 @@ def fused_away(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
     fused: set[torch.fx.Node] = set()
 
     def inlined(user: torch.fx.Node) -> bool:
-        """``user`` reads its input inside its own loop."""
-        if user.op != "call_function" or user in outputs:
+        """``user`` reads its input inside its own loop (whether or not ``user``'s own result is
+        then written out); a view that is itself returned or saved needs its base in memory."""
+        if user.op != "call_function":
             return False
         if _is_pointwise(user) or _packet(user) in _REDUCTIONS:
             return True
-        if _packet(user) in _VIEWS or user.target is operator.getitem:
+        if (_packet(user) in _VIEWS or user.target is operator.getitem) and user not in outputs:
             return bool(user.users) and all(inlined(u) for u in user.users)
         return False
 
@@ -274,8 +275,34 @@ def _partition(gm: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> An
     sizes), none of which is a saved activation."""
     from torch._inductor import config
     from torch._inductor.compile_fx import partition_fn
-    with config.patch(joint_graph_constant_folding=False):
+    with config.patch(joint_graph_constant_folding=False), _meta_as_device():
         return partition_fn(gm, joint_inputs, **kwargs)
+
+
+@contextlib.contextmanager
+def _meta_as_device():
+    """Let inductor's joint-graph patterns see the emulated GPU's ``meta`` tensors as device tensors.
+
+    ``PatternMatcherPass.apply`` skips every node ``fallback_node_due_to_unsupported_type`` marks,
+    and ``torch/_inductor/lowering.py`` ``unsupported_input_tensor``/``unsupported_output_tensor``
+    mark any ``meta`` tensor: on the emulated GPU no pattern would apply (the full + scatter of the
+    loss backward would not become a pointwise ``where``, ``scatter_upon_const_tensor``). While
+    the partition runs, a meta tensor is judged as the device tensor it stands for."""
+    from torch._inductor import lowering
+    orig_in, orig_out = lowering.unsupported_input_tensor, lowering.unsupported_output_tensor
+
+    def judge(orig: Callable) -> Callable:
+        def check(t: torch.Tensor, *args: Any, **kwargs: Any) -> bool:
+            if t.is_meta:
+                return bool(t.is_complex() or t.is_sparse)
+            return orig(t, *args, **kwargs)
+        return check
+
+    lowering.unsupported_input_tensor, lowering.unsupported_output_tensor = judge(orig_in), judge(orig_out)
+    try:
+        yield
+    finally:
+        lowering.unsupported_input_tensor, lowering.unsupported_output_tensor = orig_in, orig_out
 
 
 class CompiledModel(torch.nn.Module):
@@ -342,6 +369,36 @@ class CompiledModel(torch.nn.Module):
                                 partition_fn=_partition, decompositions=select_decomp_table(),
                                 num_params_buffers=len(names), keep_inference_input_mutations=True)
         return _Traced(compiled, tracker), rebuild
+
+
+@contextlib.contextmanager
+def _composites_decomposed():
+    """Trace CompositeImplicitAutograd ops through their decomposition, as on a GPU.
+
+    PyTorch registers Python ``Meta`` kernels for some composite ops (``torch/_meta_registrations.py``,
+    ``torch/_refs``: ``nll_loss``, ``dropout``, ``_fused_rms_norm`` ...). Under AOTAutograd's Python
+    dispatcher a ``meta`` tensor takes that kernel instead of the composite's decomposition, and
+    the op gets no autograd formula (autograd's not-implemented fallback): the loss's backward
+    would be missing from the joint graph. CUDA tensors never see those kernels, so while the
+    graph is traced they are set aside."""
+    from torch._C import DispatchKey
+    removed = []
+    for name in dir(_aten):
+        packet = getattr(_aten, name, None)
+        if not isinstance(packet, torch._ops.OpOverloadPacket):
+            continue
+        for ov in packet.overloads():
+            op = getattr(packet, ov)
+            if DispatchKey.Meta in op.py_kernels and \
+                    torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"):
+                removed.append((op, op.py_kernels.pop(DispatchKey.Meta)))
+                op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        for op, kernel in removed:
+            op.py_kernels[DispatchKey.Meta] = kernel
+            op._dispatch_cache.clear()
 
 
 #: the key of ``node.meta["custom"]`` that names the module a node was traced in
@@ -429,7 +486,7 @@ class _Traced:
             # DynamicLayer starts its cache as ``torch.tensor([])``, a plain meta tensor here)
             mode = FakeTensorMode(allow_non_fake_inputs=True)
             fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
-            with self.tracker.tracing():
+            with self.tracker.tracing(), _composites_decomposed():
                 self.compiled(*fake)
             self.traced = True
         return self.compiled(*args)
@@ -446,6 +503,13 @@ def check(t: Any, spec: Any, device: str) -> None:
     if t.dp > 1 or t.tp > 1 or t.fsdp is not None:
         raise TrainmemError("--compile with --dp/--tp/--fsdp: trace compiles one GPU's model; the "
                             "distributed wrappers' hooks are not captured in the graph (use estimate)")
+    if t.recompute == "op":
+        raise TrainmemError("--compile with --recompute op: torchtitan's per-op policy tags each op for the "
+                            "partitioner inside dynamo's checkpoint region, which trace does not capture; "
+                            "use --recompute full or none")
+    if t.offload_activations:
+        raise TrainmemError("--compile with --offload-activations: torchtune's saved-tensor hooks run "
+                            "outside the compiled graph, which trace does not capture; drop one of them")
     if t.loss_chunks > 1:
         raise TrainmemError(f"--compile with --loss-chunks {t.loss_chunks}: the chunked loss calls the model's "
                             f"body and head itself, outside the compiled call; drop one of them")
