@@ -275,7 +275,12 @@ def _partition(gm: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> An
     sizes), none of which is a saved activation."""
     from torch._inductor import config
     from torch._inductor.compile_fx import partition_fn
-    with config.patch(joint_graph_constant_folding=False), _meta_as_device():
+    from torch._guards import detect_fake_mode
+    from torch._inductor.virtualized import V
+    # inductor's compile_fx sets its fake mode around AOTAutograd (``V.set_fake_mode``); the RNG
+    # pass (``replace_random.fuse_seed_creation_pass``) creates its seed tensor in it
+    with config.patch(joint_graph_constant_folding=False), _meta_as_device(), \
+            V.set_fake_mode(detect_fake_mode(joint_inputs)):
         return partition_fn(gm, joint_inputs, **kwargs)
 
 
