@@ -137,10 +137,10 @@ class GraphRunner:
 
     * **Liveness.** Inductor's generated code deletes each buffer after its last read (``del
       buf3`` in the wrapper code, ``torch/_inductor/codegen/wrapper.py`` ``FreeIfNotReusedLine``);
-      the runner drops its reference at the same point.
-    * **Modules.** Each op's allocations are charged to the module it was traced in. The boxed inputs (AOTAutograd's calling
+      the runner drops its reference at the same point. The boxed inputs (AOTAutograd's calling
       convention, ``_boxed_call``) are cleared once read, so a saved tensor dies at its last use in
       the backward, as in the compiled backward.
+    * **Modules.** Each op's allocations are charged to the module it was traced in.
     * **Fusion.** With ``fuse``, the pointwise nodes of :func:`fused_away` run with the tracker
       paused: their outputs exist only inside a fused kernel and never take device memory.
     """
