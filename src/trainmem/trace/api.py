@@ -107,8 +107,7 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
                   attention_backend, capability, simulate_oom)
     several = _dist.distributed(t)
     if t.compile:
-        compiled.check(t, spec, device)
-        compiled.prepare()  # before the CUDA emulation says a GPU exists
+        compiled.setup(t, spec, device)
     with progress(steps + 1, "trace") as bar, dev.env, \
             (dev.emulation if dev.emulation is not None else contextlib.nullcontext()), \
             (_dist.fake_group(world, rank) if several else contextlib.nullcontext()), \

@@ -221,29 +221,18 @@ def _flatten_output(out: Any) -> tuple[list[torch.Tensor], Callable[[list[torch.
         return [out], lambda ts: ts[0]
     if isinstance(out, (tuple, list)):
         parts = [_flatten_output(o) for o in out]
-        sizes = [len(p[0]) for p in parts]
 
         def rebuild_seq(ts: list[torch.Tensor]) -> Any:
-            res, k = [], 0
-            for (_, fn), n in zip(parts, sizes):
-                res.append(fn(ts[k:k + n]))
-                k += n
-            return type(out)(res) if isinstance(out, tuple) and type(out) is not tuple and hasattr(out, "_fields") \
-                else type(out)(res) if isinstance(out, list) else tuple(res)
+            res = _rebuild_parts(parts, ts)
+            if isinstance(out, list):
+                return res
+            return type(out)(*res) if hasattr(out, "_fields") else tuple(res)  # a namedtuple, or a tuple
         return [t for p in parts for t in p[0]], rebuild_seq
     if isinstance(out, dict) or hasattr(out, "keys"):
         keys = list(out.keys())
         parts = [_flatten_output(out[k]) for k in keys]
-        sizes = [len(p[0]) for p in parts]
         cls = type(out)
-
-        def rebuild_map(ts: list[torch.Tensor]) -> Any:
-            vals, k = {}, 0
-            for key, (_, fn), n in zip(keys, parts, sizes):
-                vals[key] = fn(ts[k:k + n])
-                k += n
-            return cls(**vals)
-        return [t for p in parts for t in p[0]], rebuild_map
+        return [t for p in parts for t in p[0]], lambda ts: cls(**dict(zip(keys, _rebuild_parts(parts, ts))))
     if out is None or isinstance(out, (int, float, bool, str)):
         return [], lambda ts: out
     tensors = _cache_tensors(out)
@@ -251,6 +240,15 @@ def _flatten_output(out: Any) -> tuple[list[torch.Tensor], Callable[[list[torch.
         return tensors, lambda ts: tuple(ts)
     raise TrainmemError(f"--compile: the model returned a {type(out).__name__}, which trace cannot pass "
                         f"through the compiled graph")
+
+
+def _rebuild_parts(parts: list[tuple[list, Callable]], ts: list[torch.Tensor]) -> list[Any]:
+    """Each part rebuilt from its own slice of ``ts`` (the parts' tensors, in order)."""
+    out, k = [], 0
+    for tensors, rebuild in parts:
+        out.append(rebuild(ts[k:k + len(tensors)]))
+        k += len(tensors)
+    return out
 
 
 def _cache_tensors(cache: Any) -> list[torch.Tensor] | None:
@@ -518,3 +516,10 @@ def check(t: Any, spec: Any, device: str) -> None:
     if t.loss_chunks > 1:
         raise TrainmemError(f"--compile with --loss-chunks {t.loss_chunks}: the chunked loss calls the model's "
                             f"body and head itself, outside the compiled call; drop one of them")
+
+
+def setup(t: Any, spec: Any, device: str) -> None:
+    """Before a ``--compile`` trace: refuse what it cannot run (:func:`check`), then build
+    inductor's pattern tables while no GPU is emulated (:func:`prepare`)."""
+    check(t, spec, device)
+    prepare()
