@@ -252,7 +252,11 @@ def _rebuild_parts(parts: list[tuple[list, Callable]], ts: list[torch.Tensor]) -
 
 
 def _cache_tensors(cache: Any) -> list[torch.Tensor] | None:
-    """The key and value tensors of a transformers ``Cache`` (``layers[i].keys``/``.values``)."""
+    """The key and value tensors of a transformers ``Cache`` (``layers[i].keys``/``.values``; an
+    ``EncoderDecoderCache``'s self-attention then cross-attention caches)."""
+    inner = [getattr(cache, n, None) for n in ("self_attention_cache", "cross_attention_cache")]
+    if any(c is not None for c in inner):
+        return [t for c in inner if c is not None for t in (_cache_tensors(c) or [])]
     layers = getattr(cache, "layers", None)
     if layers is None:
         return None

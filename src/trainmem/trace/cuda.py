@@ -121,7 +121,10 @@ class CudaEmulation(TorchFunctionMode):
         elif name == "cuda":
             return args[0].to(EMULATED, non_blocking=kwargs.get("non_blocking", False))
         elif name in ("cpu", "numpy", "tolist", "item", "pin_memory") and args \
-                and isinstance(args[0], torch.Tensor) and args[0].device.type == EMULATED:
+                and isinstance(args[0], torch.Tensor) and args[0].device.type == EMULATED \
+                and not getattr(self.tracker, "_suspended", False):
+            # (while trace --compile captures a graph, a read reaches the tracker, which answers
+            # it as in the eager step)
             return self._host_read(name, args[0])
         elif name == "pin_memory":
             return args[0]
@@ -137,14 +140,12 @@ class CudaEmulation(TorchFunctionMode):
 
     def _host_read(self, name: str, t: torch.Tensor) -> Any:
         self.host_reads += 1
+        host = torch.zeros(t.shape, dtype=t.dtype, device="cpu")
+        if name == "cpu":
+            return host
         if name == "pin_memory":
             return t
-        from torch.utils._python_dispatch import _disable_current_modes
-        # outside every dispatch mode: while trace --compile captures a graph (trace.compiled), a
-        # fake or proxy mode would otherwise turn the host zeros into a symbolic, unreadable value
-        with _disable_current_modes():
-            host = torch.zeros(t.shape, dtype=t.dtype, device="cpu")
-            return host if name == "cpu" else getattr(host, name)()
+        return getattr(host, name)()
 
     # ----- autocast ----------------------------------------------------------------------------------
     def clear_cache(self) -> None:
