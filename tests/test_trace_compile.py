@@ -86,6 +86,11 @@ def test_compiled_forward_saves_what_the_partitioner_chose(monkeypatch):
     assert sum(rec.nbytes for rec in saved) == expected
     assert all(rec.free_event is None or rec.free_event > fwd_end for rec in saved)
     assert r.peak_allocated > 0
+    # the loss's own backward is in the graph: its incoming gradient (the first tangent) is read
+    # (on meta tensors nll_loss once lost its autograd formula and the backward started at the logits)
+    bw = catch.graph("backward")
+    tangents = [n for n in bw.graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")]
+    assert tangents and tangents[0].users
 
 
 def test_compile_peak_below_eager_and_same_model_states(monkeypatch, eager):
