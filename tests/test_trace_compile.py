@@ -37,25 +37,34 @@ def _bytes(node):
     return v.untyped_storage().nbytes() if isinstance(v, torch.Tensor) else 0
 
 
-def _saved_storage_bytes(fw, user_outputs):
-    """Bytes of the distinct storages the partitioned forward returns for the backward (its outputs
-    after the user's), leaving out graph inputs (parameters, the batch), which exist anyway."""
+def _saved_storages(fw, user_outputs):
+    """(shape, dtype, bytes) of the distinct storages the partitioned forward returns for the
+    backward (its outputs after the user's), each view followed to the tensor it views, leaving out
+    graph inputs and views of them (parameters, the batch), which exist anyway."""
+    import operator
     outs = [a for a in next(n for n in fw.graph.nodes if n.op == "output").args[0]]
-    seen, total = set(), 0
+    seen, found = set(), []
     for n in outs[user_outputs:]:
-        if not isinstance(n, torch.fx.Node) or n.op == "placeholder":
+        if not isinstance(n, torch.fx.Node):
             continue
         base = n
         while base.op == "call_function" and (compiled._packet(base) in compiled._VIEWS
-                                              or base.target is __import__("operator").getitem) \
-                and isinstance(base.args[0], torch.fx.Node) and base.args[0].op != "placeholder" \
+                                              or base.target is operator.getitem) \
+                and isinstance(base.args[0], torch.fx.Node) \
                 and not isinstance(base.args[0].meta.get("val"), (tuple, list)):
             base = base.args[0]
         if base.op == "placeholder" or base in seen:
             continue
         seen.add(base)
-        total += _bytes(base)
-    return total
+        v = base.meta.get("val")
+        if not isinstance(v, torch.Tensor):  # the RNG state of a recomputed random op: a host tensor
+            continue
+        found.append((tuple(v.shape), str(v.dtype), _bytes(base)))
+    return sorted(found)
+
+
+def _saved_storage_bytes(fw, user_outputs):
+    return sum(b for _, _, b in _saved_storages(fw, user_outputs))
 
 
 @pytest.fixture(scope="module")
@@ -142,3 +151,37 @@ def test_compile_refusals_name_the_option(options, names):
 def test_compile_on_the_cpu_is_refused():
     with pytest.raises(TrainmemError, match="--compile"):
         trace("llama-3.2-1b", set=TINY, compile=True, device="cpu", **BASE)
+
+
+def test_capture_partitions_as_dynamo_does(monkeypatch):
+    """trace captures the model call with ``aot_function`` on the emulated GPU, not with dynamo
+    (trace/compiled.py says why). On a setup where the CPU and the emulated GPU run the same ops
+    (fp32, eager attention, no dropout), the real ``torch.compile`` path -- dynamo, then
+    AOTAutograd with inductor's decompositions and partition -- on the CPU saves the same tensors
+    (shape and dtype, views of parameters aside) as trace's capture."""
+    import transformers
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.decomposition import select_decomp_table
+    from functorch.compile import make_boxed_func
+    catch = _Catch(monkeypatch)
+    trace("llama-3.2-1b", set=TINY, compile=True, batch_size=2, seq_len=64, precision="fp32", attention="eager")
+    mine = _saved_storages(catch.graph("forward"), 2 + 2 * 2)
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=keep, bw_compiler=keep, partition_fn=compiled._partition,
+                           decompositions=select_decomp_table())
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=128, vocab_size=1000, head_dim=16)
+    model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="eager").train()
+    ids = torch.randint(0, 1000, (2, 64))
+    torch.compile(model, backend=backend)(input_ids=ids, labels=ids).loss.backward()
+    torch._dynamo.reset()
+    assert len(graphs) == 2  # one forward, one backward: no graph break
+    assert _saved_storages(graphs[0], 2 + 2 * 2) == mine
+    assert mine
