@@ -166,7 +166,6 @@ class GraphRunner:
         for i, n in enumerate(self.nodes):
             if n.op != "output" and n not in last:
                 self.free_at[i].append(n)   # an output no one reads: freed at once
-        self.n_inputs = sum(1 for n in self.nodes if n.op == "placeholder")
 
     def __call__(self, args: list[Any]) -> Any:
         env: dict[torch.fx.Node, Any] = {}
