@@ -70,9 +70,9 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
     if t.loss == "fused":
         raise TrainmemError(f"--loss fused runs Liger-Kernel's Triton kernels, which {what} cannot run here; "
                             "use estimate, or --loss chunked")
-    if t.compile:
+    if t.compile and what != "trace":
         raise TrainmemError(f"--compile: {what} runs the step eagerly, and inductor changes what is saved; "
-                            "use estimate for --compile")
+                            "use trace (AOTAutograd's partition run op by op) or estimate for --compile")
     if t.quantize and what != "trace":
         raise TrainmemError(f"--quantize {t.quantize}: {what} builds no quantized model (it would run the "
                             "unquantized one); use trace (which emulates bitsandbytes' Linear4bit) or estimate")

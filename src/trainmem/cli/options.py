@@ -118,7 +118,8 @@ def add_training(g: Any) -> None:
     g.add_argument("--sequence-parallel", action="store_true")
     _add_moe(g)
     _add_recompute(g)
-    g.add_argument("--compile", action="store_true", help="torch.compile (fused loss backward)")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile with inductor (estimate: its fused loss; trace: AOTAutograd's partition)")
     g.add_argument("--attention", choices=ATTENTION, default=None,
                    help="sdpa (default): the backend PyTorch picks; sdpa-flash|sdpa-efficient|sdpa-math|sdpa-cudnn "
                         "pin one (torch.nn.attention.sdpa_kernel); flash: flash_attention_2; eager: Python attention")

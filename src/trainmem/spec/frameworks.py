@@ -442,7 +442,8 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
         "grad_sync": Cell(shown="n/a (DDP, no sharded gradients)"),
     }, check=_check_nanogpt, notes=(
         "train.py compiles the model (compile = True, train.py:74); the preset leaves --compile off because "
-        "trace and measure do not run it: add --compile to estimate the compiled loss",
+        "measure does not run it and trace compiles only the transformers models it builds (nanoGPT is "
+        "traced from a factory): add --compile to estimate (or trace a transformers GPT-2) compiled",
     )),
     Preset("deepspeed", "DeepSpeed engine", "deepspeed 0.19.5", {
         "precision": Cell("fp32", (_s("deepspeed", "deepspeed/runtime/constants.py", "138"),

@@ -26,6 +26,7 @@ from ..progress import progress
 from ..spec.resolve import TRAINING_FIELDS, Resolved, resolve, resolve_setup
 from ..allocator import CachingAllocator, ExactAllocator, SimulatedOutOfMemory
 from .cuda import EMULATED, CudaEmulation, _patched, cuda_environment
+from . import compiled
 from . import distributed as _dist
 from ..spec.hardware import default_cublas_workspace
 from .tracker import CUBLAS_WORKSPACE, Record, Tracker, module_pattern
@@ -105,6 +106,8 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
     dev = _device(device == "cuda", hw, t, expandable_segments, max_split_size, cublas_workspace,
                   attention_backend, capability, simulate_oom)
     several = _dist.distributed(t)
+    if t.compile:
+        compiled.setup(t, spec, device)
     with progress(steps + 1, "trace") as bar, dev.env, \
             (dev.emulation if dev.emulation is not None else contextlib.nullcontext()), \
             (_dist.fake_group(world, rank) if several else contextlib.nullcontext()), \
@@ -261,6 +264,9 @@ def _run_steps(dev: _Device, module: torch.nn.Module, spec: ModelSpec | None, t:
                 module.train()
                 optimizer, step = _hf_step(module, spec, t, "cuda" if dev.cuda else "cpu",
                                            micro_batches=TRACED_MICRO_BATCHES)
+                if t.compile:  # torch.compile(model): AOTAutograd's partition, run op by op
+                    step.model = compiled.CompiledModel(module, tracker)
+                    tracker.module_names[id(step.model)] = ""
             else:
                 optimizer = optimizer_fn(module) if optimizer_fn is not None else None
                 step = _user_step(step_fn, module, optimizer)

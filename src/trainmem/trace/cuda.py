@@ -121,7 +121,10 @@ class CudaEmulation(TorchFunctionMode):
         elif name == "cuda":
             return args[0].to(EMULATED, non_blocking=kwargs.get("non_blocking", False))
         elif name in ("cpu", "numpy", "tolist", "item", "pin_memory") and args \
-                and isinstance(args[0], torch.Tensor) and args[0].device.type == EMULATED:
+                and isinstance(args[0], torch.Tensor) and args[0].device.type == EMULATED \
+                and not getattr(self.tracker, "_suspended", False):
+            # (while trace --compile captures a graph, a read reaches the tracker, which answers
+            # it as in the eager step)
             return self._host_read(name, args[0])
         elif name == "pin_memory":
             return args[0]

@@ -180,6 +180,9 @@ class Tracker(TorchDispatchMode):
         self.data_dependent = 0
         self._scalar_producer: dict[int, str] = {}
         self._scopes: list[tuple[str, str]] = []
+        self._paused = False      # ops pass through uncounted (trace --compile: fused kernels' insides)
+        self._suspended = False   # module hooks ignored too (trace --compile: tracing the graph)
+        self.graph_module: str | None = None  # the module a compiled graph's node came from
 
     # ----- modes -------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -189,16 +192,23 @@ class Tracker(TorchDispatchMode):
             # (as torch/distributed/_tools/fsdp2_mem_tracker.py ``FSDPMemTracker.__torch_dispatch__``)
             return NotImplemented
         kwargs = kwargs or {}
-        self.ops_seen += 1
-        if func is _aten._local_scalar_dense.default and self._is_tracked_tensor(args[0]):
-            # data-dependent Python control flow on a tensor that holds no data. Answer as a clean
-            # batch would: all(...) is True and any(...) is False (no padding, no packed sequences,
-            # no inf/nan), other booleans False, numbers 1 (a step counter, a loss).
+        if func is _aten._local_scalar_dense.default and self._is_tracked_tensor(args[0]) \
+                and (self._suspended or not self._paused):
+            # data-dependent Python control flow on a tensor that holds no data (also while a
+            # --compile graph is captured, which specializes on the answer, as dynamo does). Answer
+            # as a clean batch would: all(...) is True and any(...) is False (no padding, no packed
+            # sequences, no inf/nan), other booleans False, numbers 1 (a step counter, a loss).
             self.data_dependent += 1
             t = args[0]
             if t.dtype == torch.bool:
-                return self._scalar_producer.get(id(t.untyped_storage())) == "all"
+                return self._scalar_producer.get(self._scalar_key(t)) == "all"
             return 1.0 if t.is_floating_point() else 1
+        if self._paused:
+            out = func(*args, **kwargs)
+            if self._suspended:
+                self._note_scalar(func, out)
+            return out
+        self.ops_seen += 1
         if self.phase != "backward" and torch._C._current_graph_task_id() != -1:
             self.enter_phase("backward")
         if self.emulate_cuda_kernels and func in _HOST_COPIES:
@@ -207,17 +217,28 @@ class Tracker(TorchDispatchMode):
                 return host
         out = func(*args, **kwargs)
         self._register_outputs(func, out)
-        if isinstance(out, torch.Tensor) and out.dtype == torch.bool and out.dim() == 0 \
-                and out.device.type == self.device_type:
-            name = _op_name(func).split(".")[0]
-            if len(self._scalar_producer) > 64:
-                self._scalar_producer.clear()
-            self._scalar_producer[id(out.untyped_storage())] = name
+        self._note_scalar(func, out)
         if self.cublas_workspace and func in MATMUL_OPS:
             self._cublas(func)
         if self.emulate_cuda_kernels:
             self._kernel_scratch(func, args, out)
         return out
+
+    def _note_scalar(self, func: Any, out: Any) -> None:
+        """Remember which op made a device bool scalar (``all``, ``any``...), for its host read."""
+        if isinstance(out, torch.Tensor) and out.dtype == torch.bool and out.dim() == 0 \
+                and out.device.type == self.device_type:
+            if len(self._scalar_producer) > 64:
+                self._scalar_producer.clear()
+            self._scalar_producer[self._scalar_key(out)] = _op_name(func).split(".")[0]
+
+    @staticmethod
+    def _scalar_key(t: torch.Tensor) -> int:
+        """A scalar's identity: its storage (a fake tensor's, while a graph is captured)."""
+        try:
+            return id(t.untyped_storage())
+        except (RuntimeError, NotImplementedError):
+            return id(t)
 
     def _host_copy(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """A device-to-host copy (e.g. the gradient of ``cpu_tensor.cuda()``): zeros on the host."""
@@ -290,6 +311,26 @@ class Tracker(TorchDispatchMode):
         weakref.finalize(st, self._on_free, key, rec.rid)
         self._log(rec.rid)
         return rec
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Run the block without counting its outputs (``trace.compiled``: an intermediate inside a
+        fused kernel, which never takes device memory)."""
+        was, self._paused = self._paused, True
+        try:
+            yield
+        finally:
+            self._paused = was
+
+    @contextmanager
+    def tracing(self) -> Iterator[None]:
+        """Capture a graph on fake tensors (``trace.compiled``): no op counted, no module hook."""
+        was = self._paused, self._suspended
+        self._paused = self._suspended = True
+        try:
+            yield
+        finally:
+            self._paused, self._suspended = was
 
     def _free_block(self, rec: Record) -> None:
         self.allocator.free(rec.handle)
@@ -515,6 +556,8 @@ class Tracker(TorchDispatchMode):
             self.param_names.setdefault(id(p), name)
 
     def _current_module(self) -> str:
+        if self.graph_module is not None:
+            return self.graph_module
         if self.module_stack:
             return self.module_stack[-1]
         node = torch._C._current_autograd_node() if self.phase == "backward" else None
@@ -529,6 +572,8 @@ class Tracker(TorchDispatchMode):
         return self._seq_names[i] if i >= 0 else ""
 
     def _pre_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if self._suspended:
+            return
         name = self.module_names.get(id(module))
         if name is None:
             name = type(module).__name__
@@ -542,6 +587,8 @@ class Tracker(TorchDispatchMode):
         self._seq_names.append(name)
 
     def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self._suspended:
+            return
         if self.module_stack:
             self.module_stack.pop()
         self._seq_starts.append(torch._C._autograd._get_sequence_nr())
@@ -592,12 +639,12 @@ class Tracker(TorchDispatchMode):
         tracker = self
 
         def backward(*a: Any, **k: Any) -> Any:
-            if torch._C._current_graph_task_id() == -1:
+            if torch._C._current_graph_task_id() == -1 and not tracker._suspended:
                 tracker.enter_phase("backward")
             return orig_backward(*a, **k)
 
         def grad(*a: Any, **k: Any) -> Any:
-            if torch._C._current_graph_task_id() == -1:
+            if torch._C._current_graph_task_id() == -1 and not tracker._suspended:
                 tracker.enter_phase("backward")
             return orig_grad(*a, **k)
 
