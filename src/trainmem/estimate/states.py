@@ -7,7 +7,7 @@ stage 1/2/3 (or FSDP) divides optimizer states / gradients / weights over the sh
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from ..spec.model import ModelSpec, ParamTensor
@@ -48,6 +48,9 @@ class States:
     layer_grads_full: int = 0  # one layer's unsharded gradients, before its reduce-scatter
     layer_rs: int = 0         # one layer's reduce-scatter input (a flat buffer in the reduce dtype)
     root_grads: int = 0       # of ``grads``: the sharded gradients outside the layers (head, norms, embeddings)
+    # gradient bytes of each of the stage's layers, in order, when they differ (``uniform_layers``
+    # false: an encoder-decoder's decoder layers hold cross-attention); () when identical
+    each_layer_grads: tuple[int, ...] = ()
 
 
 def _tp_div(p: ParamTensor, tp: int) -> int:
@@ -357,6 +360,7 @@ class _Tally:
     layer_full: int = 0      # FSDP: one layer's unsharded gradients (bytes, per tensor)
     layer_elems: int = 0     # FSDP: one layer's trainable elements (the reduce-scatter input)
     root_g: int = 0          # FSDP: the sharded gradients outside the layers (bytes)
+    each: dict = field(default_factory=dict)  # layer -> its gradient bytes (layers that differ)
 
     def trainable_tensor(self, t: TrainingSpec, r: _Rank, shape: tuple[int, ...], n: int, k: int,
                          grad_n: int | None = None) -> int:
@@ -406,7 +410,7 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
     return States(weights, acc.buffers, master, acc.grads, opt, step_t, acc.trainable, acc.params_rank,
                   acc.layer_grads, acc.head_grads, acc.lmh, acc.hmh, acc.largest, acc.group, acc.lpf,
                   sum(x[1] for x in lora), acc.q4, acc.root, acc.head_full, acc.emb_full, acc.layer_full, rs,
-                  acc.root_g)
+                  acc.root_g, tuple(g for _, g in sorted(acc.each.items())) if not lora else ())
 
 
 def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: list, layer: list,
@@ -460,6 +464,8 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
         full = block_bytes(n * r.gather) if r.fsdp_unsharded else 0  # its unsharded gradient under FSDP
         if p.layer is not None:
             acc.layer_grads += g
+            if not uniform:
+                acc.each[p.layer] = acc.each.get(p.layer, 0) + g
             if uniform or p.layer == r.lo:  # one layer: layer 0 stands for each, else the stage's first
                 acc.layer_full += full
                 acc.layer_elems += n if full else 0
