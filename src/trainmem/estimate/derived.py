@@ -192,12 +192,18 @@ def layer_coefs(m: ModelSpec, t: TrainingSpec, stage: str) -> LayerCoefs:
     if rest[0] > 1e-3 or rest[1] > 1e-6:  # (float noise otherwise: the fits add up)
         parts["other"] = [max(rest[0], 0.0), max(rest[1], 0.0)]
     cands = [(k, j, tr) for k in count for j, tr in enumerate(doc["kinds"][k]["transients"])]
+    moments = _moments_of(m, t, doc["layer_kinds"])
+    at = [moments[k] for k, _j, _tr in cands] if moments else []
+    if moments:  # an encoder-decoder: its bottom and decoder-bottom layers' own transients
+        from .layers import BOTTOM, DECODER_BOTTOM
+        for name, bit in (("bottom", BOTTOM), ("decoder_bottom", DECODER_BOTTOM)):
+            for j, tr in enumerate(doc.get("moments", {}).get(name, [])):
+                cands.append((name, j, tr))
+                at.append(bit)
     trans = tuple((f"derived.{k}.backward.{j}", a, b, c) for k, j, (a, b, c, _g, *_d) in cands)
     after = tuple(float(g) for _k, _j, (_a, _b, _c, g, *_d) in cands)
     # an encoder-decoder's (s, s) tensors of the moment, shared by the batch (T5's position bias)
     ssq = tuple(float(d[0]) if d else 0.0 for _k, _j, (_a, _b, _c, _g, *d) in cands)
-    moments = _moments_of(m, t, doc["layer_kinds"])
-    at = tuple(moments[k] for k, _j, _tr in cands) if moments else ()
     held = sum(doc["kinds"][k]["held"] * c for k, c in count.items()) / total
     not_recomputed = sum(doc["kinds"][k].get("not_recomputed", 0.0) * c for k, c in count.items()) / total
     cache = sum(doc["kinds"][k]["cache"] * c for k, c in count.items()) / total
@@ -210,27 +216,27 @@ def layer_coefs(m: ModelSpec, t: TrainingSpec, stage: str) -> LayerCoefs:
     return LayerCoefs(max(tok, 0.0), max(sq, 0.0), tuple((n, a, b) for n, (a, b) in sorted(parts.items())),
                       trans, held=held, cache=cache, weights=1.0, after=after, fwd_const=fwd[0], fwd_tok=fwd[1],
                       not_recomputed=max(not_recomputed, 0.0), checkpointed=bool(doc.get("checkpointed")),
-                      transients_ssq=ssq if any(ssq) else (), transients_at=at)
+                      transients_ssq=ssq if any(ssq) else (), transients_at=tuple(at))
 
 
 def _moments_of(m: ModelSpec, t: TrainingSpec, kinds: list[str]) -> dict[str, int]:
-    """An encoder-decoder's layer kinds mapped to the engine's backward moments whose transients they
-    are (``moments._layers_backward``; empty for other models, whose every kind's transient is a
-    candidate at every moment): the top layer's kind (the decoder's last layer) at the top, the
-    decoder's first layer's at the decoder bottom, the encoder's first layer's at the bottom. The
-    kinds between run their backward between those moments: the decoder's middle layers' with the
-    top's and the decoder bottom's, the encoder's middle layers' with the decoder bottom's and the
-    bottom's."""
+    """An encoder-decoder's layer kinds mapped to the engine's backward moments at which their
+    transients (measured at the kind's last layer, ``trace.derive``) are candidates
+    (``moments._layers_backward``; empty for other models, whose every kind's transient is a
+    candidate at every moment): a kind whose last layer is the top layer (the decoder's last) at
+    the top, the decoder's first at the decoder bottom, the encoder's first at the bottom; a kind
+    whose last layer runs its backward between those moments at the two moments around it (the
+    decoder's middle layers: the top and the decoder bottom; the encoder's: the decoder bottom and
+    the bottom). The bottom and decoder-bottom layers' own transients are measured too
+    (``doc["moments"]``) and belong to their moment alone."""
     from .layers import BOTTOM, DECODER_BOTTOM, TOP
     if not m.is_encoder_decoder or t.pp > 1:
         return {}
     lower = m.num_layers - m.decoder_layers
     named = {len(kinds) - 1: TOP, lower: DECODER_BOTTOM, 0: BOTTOM}  # the layers the moments are named after
-    out: dict[str, int] = {}
-    for i, k in enumerate(kinds):
-        between = (TOP | DECODER_BOTTOM) if i >= lower else (DECODER_BOTTOM | BOTTOM)
-        out[k] = out.get(k, 0) | named.get(i, between)
-    return out
+    last = {k: i for i, k in enumerate(kinds)}
+    return {k: named.get(i, (TOP | DECODER_BOTTOM) if i >= lower else (DECODER_BOTTOM | BOTTOM))
+            for k, i in last.items()}
 
 
 def _largest_dequantized(m: ModelSpec, t: TrainingSpec, stage: str) -> tuple[float, float]:

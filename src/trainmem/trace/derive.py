@@ -124,6 +124,11 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "") -> dict
             # norm): a layer recomputed in its backward does not keep it (quantities._recompute)
             out["kinds"][kind]["not_recomputed"] = _fitted(m, f"layer {kind} output", pts,
                                                            [r["early"].get(kind, 0) for r in runs], ("n",))[0]
+    if m.is_encoder_decoder:  # the bottom and decoder-bottom layers' own (``_analyse``)
+        out["moments"] = {name: _candidates(m, pts, [r["transient"][f"@{name}"] for r in runs],
+                                            [r["made"][f"@{name}"] for r in runs],
+                                            runs[-1]["total_g"][f"@{name}"], terms, with_grads=refined)
+                          for name in ("bottom", "decoder_bottom")}
     c = fit("first layer's bytes", [r["first"] for r in runs], "first")
     out["first_layer"] = [c["n"], c["s"], c["nsq"]]
     for side in ("embed", "head", "head_loss"):
@@ -379,8 +384,11 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
         return sum(r.nbytes for r in saved_rec[i]) - saved[kinds[i]] if typical[kinds[i]] != i else 0
     head += excess(top)
     first = sum(excess(i) for i in sorted(set(starts + ends) - {top})) if top > 0 else 0
+    # an encoder-decoder's bottom layer and decoder-bottom layer, each measured as such (the engine's
+    # moments of their backward; a kind's transient is its last layer's)
+    at = {"bottom": 0, "decoder_bottom": starts[1]} if len(starts) > 1 else {}
     trans, made, total_g, early = _transients(tracker, recs, layer_of, kinds, saved_rec, vocab, early_frees,
-                                              shared_frees)
+                                              shared_frees, at)
     # the KV cache: all of it per layer, and what dies with the output (``held``: not saved)
     kv: dict[str, list[int]] = defaultdict(list)
     held: dict[str, list[int]] = defaultdict(list)
@@ -442,12 +450,13 @@ def _numel(shape: Any) -> int:
 
 
 def _transients(tracker: Any, recs: list, layer_of: Any, kinds: list[str], saved_rec: dict[int, list],
-                vocab: int, early_frees: bool = False, shared_frees: int = 0
+                vocab: int, early_frees: bool = False, shared_frees: int = 0, at: dict[str, int] | None = None
                 ) -> tuple[dict[str, list[int]], dict[str, list[int]], dict[str, int], dict[str, int]]:
     """Per kind (its last layer in the cut model), the backward transient after each event of the
     layer's backward (see the module docstring), the layer's gradient bytes made by then, and the
     layer's gradient bytes in all. The op sequence does not depend on batch or sequence, so event
-    ``j`` of the window is the same moment in every run."""
+    ``j`` of the window is the same moment in every run. ``at``: more layers measured, by name
+    (an encoder-decoder's bottom and decoder-bottom layers, ``@name`` in the results)."""
     trans: dict[str, list[int]] = {}
     early: dict[str, int] = {}  # the layer's tensors freed before its backward began (its output, kept by what follows)
     made_at: dict[str, list[int]] = {}
@@ -497,9 +506,10 @@ def _transients(tracker: Any, recs: list, layer_of: Any, kinds: list[str], saved
                     freed += r.nbytes
             series.append(temps - freed)
             mades.append(made)
-        trans[kind], made_at[kind] = series, mades
-        early[kind] = sum(r.nbytes for r in saved_rec[i] if r.free_event is not None and r.free_event < w0)
-        total_g[kind] = sum(r.nbytes for r in recs if r.category == "gradients" and layer_of(r) == i)
+        for key in [kind] + [f"@{name}" for name, pos in (at or {}).items() if pos == i]:
+            trans[key], made_at[key] = series, mades
+            early[key] = sum(r.nbytes for r in saved_rec[i] if r.free_event is not None and r.free_event < w0)
+            total_g[key] = sum(r.nbytes for r in recs if r.category == "gradients" and layer_of(r) == i)
     return trans, made_at, total_g, early
 
 
