@@ -44,6 +44,9 @@ def derived_problems(m: ModelSpec, t: TrainingSpec) -> list[str]:
     if m.is_encoder_decoder and t.decoder_len != t.seq_len:
         out.append(f"--target-len {t.decoder_len} other than --seq-len {t.seq_len} (the coefficients are fitted with "
                    f"equal encoder and decoder lengths)")
+    if checkpointed(m, t) and t.recompute_every > 1:
+        out.append(f"--recompute-every {t.recompute_every} (an encoder-decoder's full-recompute coefficients are "
+                   f"traced with every layer checkpointed)")
     if m.is_encoder_decoder and t.pp > 1:
         out.append(f"--pp {t.pp} (an encoder-decoder's stacks are not split into pipeline stages)")
     if t.tp > 1 or t.sequence_parallel:
