@@ -713,11 +713,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     if t.offload_activations and trans:
         trans = trans[:-1] + ((trans[-1][0] + offload_previous(input_tok, pol), *trans[-1][1:]),)
     inflight_fixed = 1 if (t.pp == 1 or stage != "first") else (t.num_microbatches_in_flight or 0)
-    lower = m.num_layers - m.decoder_layers if m.is_encoder_decoder and t.pp == 1 else 0
-    layer_grads = 0 if oib else st.layer_grads
-    # the layers' own gradient bytes where they differ (a derived encoder-decoder's decoder layers
-    # hold cross-attention): the gradients made before the bottom and decoder-bottom layers' backward
-    each = st.each_layer_grads if (derived and lower and not oib and len(st.each_layer_grads) == layers) else ()
+    lower, above_bottom, above_decoder_bottom = _grads_above(m, t, st, layers)
     head_dq = head_dequant_bytes(m, t)  # the 4-bit LM head: (dequantized + cast, the cast) bytes
     return Quantities(
         first_unsaved_tok=sum(a for _, a, _ in first), first_unsaved_sq=sum(b for _, _, b in first),
@@ -750,11 +746,23 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         # checkpoint does not save
         graph_tok=lc.graph_held, graph_extra_tok=lc.graph_held * checkpointed / layers if layers else 0.0, **fsdp,
         outer_rest_ssq=derived_outer_ssq(m, t, stage) if derived else 0.0,
-        lower_layers=lower,
-        above_bottom=sum(each[1:]) if each else (layers - 1) * layer_grads,
-        above_decoder_bottom=sum(each[lower + 1:]) if each else max(layers - lower - 1, 0) * layer_grads,
+        lower_layers=lower, above_bottom=above_bottom, above_decoder_bottom=above_decoder_bottom,
         input_tok=input_bytes(m, t)[0], input_sample=input_bytes(m, t)[1],
         detail=Detail(st, lc, outer, comm_name, input_tok))
+
+
+def _grads_above(m: ModelSpec, t: TrainingSpec, st: States, layers: int) -> tuple[int, int, int]:
+    """(an encoder-decoder's encoder layers on this rank (0 otherwise), gradient bytes of the layers
+    above the bottom layer, of those above the decoder-bottom layer): the gradients made before those
+    layers' backward. The layers' own bytes where they differ (a derived encoder-decoder's decoder
+    layers hold cross-attention, ``States.each_layer_grads``), else the average layer's."""
+    lower = m.num_layers - m.decoder_layers if m.is_encoder_decoder and t.pp == 1 else 0
+    if t.optimizer_in_backward:
+        return lower, 0, 0
+    each = st.each_layer_grads if (m.family == "derived" and lower and len(st.each_layer_grads) == layers) else ()
+    if each:
+        return lower, sum(each[1:]), sum(each[lower + 1:])
+    return lower, (layers - 1) * st.layer_grads, max(layers - lower - 1, 0) * st.layer_grads
 
 
 def _autocast_copies(m: ModelSpec, t: TrainingSpec, st: States, pol: Policy, head_here: bool) -> tuple[int, int]:

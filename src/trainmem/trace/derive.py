@@ -52,7 +52,8 @@ DERIVE_SLACK = 4096
 
 def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "") -> dict[str, Any]:
     """The coefficients of ``m`` trained as ``t`` (one GPU, no recompute; ``t.recompute == "full"``
-    derives them without the KV cache, as transformers runs checkpointed layers), as a JSON-ready dict:
+    derives them without the KV cache, as transformers runs checkpointed layers, and an
+    encoder-decoder's with its layers checkpointed, ``estimate.derived.checkpointed``), as a JSON-ready dict:
     ``kinds`` (per layer kind: saved tok/sq and parts, transient a/b/c and gradient share),
     ``layer_kinds`` (the kind of each of the model's layers), ``embed``/``head`` (tok, sq)."""
     no_cache = t.recompute == "full"  # estimate.derived.without_cache: derive with use_cache off
@@ -78,18 +79,7 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "") -> dict
     if m.is_encoder_decoder:
         points.append((2, seqs[2]))
     check = (4, seqs[2])
-    try:
-        with _quiet(), progress(len(points) + 1, f"deriving {m.name}'s coefficients") as bar:
-            runs = []
-            for b, s in points + [check]:
-                runs.append(_measure(m, cfg, kinds_small, replace(base, batch_size=b, seq_len=s,
-                                                                  image_size=_image_side(m, s)), ckpt))
-                bar.update(1)
-    except TrainmemError:
-        raise
-    except Exception as e:  # the real model's step fails on fake tensors: say which and why, once
-        raise TrainmemError(f"{m.name} ({m.architecture}): its training step fails when traced "
-                            f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
+    runs = _runs(m, cfg, kinds_small, base, points + [check], ckpt)
     out: dict[str, Any] = {"layer_kinds": kinds_full, "kinds": {}, "points": points + [check],
                            "attention": attention_implementation(m, t)[0], "seq_base": s0}
     if ckpt:
@@ -138,6 +128,24 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "") -> dict
         out["ssq"] = ssq
         out["logits_bytes"] = runs[-1]["logits_bytes"]
     return out
+
+
+def _runs(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], base: TrainingSpec, points: list[tuple[int, int]],
+          ckpt: bool) -> list[dict[str, Any]]:
+    """``_measure`` at each (batch, sequence) point; a step that fails on fake tensors is one line."""
+    try:
+        with _quiet(), progress(len(points), f"deriving {m.name}'s coefficients") as bar:
+            runs = []
+            for b, s in points:
+                runs.append(_measure(m, cfg, kinds, replace(base, batch_size=b, seq_len=s,
+                                                            image_size=_image_side(m, s)), ckpt))
+                bar.update(1)
+            return runs
+    except TrainmemError:
+        raise
+    except Exception as e:  # the real model's step fails on fake tensors: say which and why, once
+        raise TrainmemError(f"{m.name} ({m.architecture}): its training step fails when traced "
+                            f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
 
 
 # ----- the model cut to a few layers ----------------------------------------------------------------
@@ -384,8 +392,7 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
         return sum(r.nbytes for r in saved_rec[i]) - saved[kinds[i]] if typical[kinds[i]] != i else 0
     head += excess(top)
     first = sum(excess(i) for i in sorted(set(starts + ends) - {top})) if top > 0 else 0
-    # an encoder-decoder's bottom layer and decoder-bottom layer, each measured as such (the engine's
-    # moments of their backward; a kind's transient is its last layer's)
+    # an encoder-decoder's bottom and decoder-bottom layers measured as such (a kind's: its last layer)
     at = {"bottom": 0, "decoder_bottom": starts[1]} if len(starts) > 1 else {}
     trans, made, total_g, early = _transients(tracker, recs, layer_of, kinds, saved_rec, vocab, early_frees,
                                               shared_frees, at)
