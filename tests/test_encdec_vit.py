@@ -80,6 +80,7 @@ def test_image_size_sets_the_sequence():
     (["qwen3-0.6b", "--target-len", "64"], "--target-len 64"),
     (["t5-base", "--seq-len", "256", "--target-len", "64"], "--target-len 64"),
     (["t5-base", "--loss", "upcast"], "--loss upcast"),
+    (["t5-base", "--recompute", "full", "--recompute-every", "2"], "--recompute-every 2"),
 ])
 def test_refusals_are_one_line(capsys, argv, names):
     code, out, err = run_cli(capsys, "estimate", *argv)
