@@ -287,7 +287,7 @@ def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpe
                 h.remove()
     return _analyse(tracker, stacks, kinds, cache, released, m.vocab_size if is_lm(m) else -1,
                     early_frees=m.is_encoder_decoder or m.is_image,
-                    shared_frees=t.batch_size if m.is_encoder_decoder else 0)
+                    shared_frees=t.batch_size if (m.is_encoder_decoder and ckpt) else 0)
 
 
 def _stacks(model: Any, m: ModelSpec, layers: int) -> list[tuple[str, int]]:
@@ -488,10 +488,11 @@ def _transients(tracker: Any, recs: list, layer_of: Any, kinds: list[str], saved
         freed = sum(r.nbytes for r in saved_rec[i] if r.free_event is not None and r.free_event < w0) \
             if early_frees else 0
         if shared_frees:
-            # an encoder-decoder: the tensors shared by the batch (a first dimension other than the
-            # batch: T5's position biases, (s, s, heads) embedding outputs or (1, heads, s, s), kept as
-            # inputs of the checkpointed layers that read them) that other layers kept and that were
-            # freed before this layer's backward began; the engine counts them at every moment
+            # an encoder-decoder traced checkpointed, whose layers keep only their checkpoint inputs:
+            # the tensors shared by the batch (a first dimension other than the batch: T5's position
+            # biases, (s, s, heads) embedding outputs or (1, heads, s, s), kept as inputs of the
+            # checkpointed layers that read them) that other layers kept and that were freed before
+            # this layer's backward began; the engine counts them at every moment
             # (``derived.outer_ssq``), so this layer's transient takes them off
             freed += sum(r.nbytes for j, rs in saved_rec.items() if j != i for r in rs
                          if len(r.shape) > 1 and int(r.shape[0]) != shared_frees and r.free_event is not None
