@@ -90,6 +90,8 @@ def key(m: ModelSpec, t: TrainingSpec) -> str:
     parts = [m.fingerprint, activation_precision(t), t.attention, t.dropout, lora, regime(m, t), without_cache(t)]
     if t.quantize:  # a 4-bit base is traced as one (the keys of other setups are unchanged)
         parts.append(("quantize", t.quantize, t.quantize_via))
+    if m.is_encoder_decoder:  # measured per backward moment (keys of earlier derivations no longer match)
+        parts.append("by-moment")
     if checkpointed(m, t):  # traced with its layers checkpointed (the keys of other setups are unchanged)
         parts.append("checkpointed")
     return _key(*parts)
