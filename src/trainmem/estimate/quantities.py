@@ -25,10 +25,9 @@ from ..spec.training import RECOMPUTE, TrainingSpec
 from .cache import BoundedCache
 from .elementwise import NEVER
 from .derived import regime as derived_regime
-from .layers import ALL_MOMENTS
 from .derived import head_during_loss as derived_head_loss, layer_coefs as derived_layer, outer as derived_outer
 from .derived import logits_bytes as derived_logits_bytes, outer_ssq as derived_outer_ssq
-from .layers import LayerCoefs, LayerKey, Policy, ep_rank_rows, layer_coefficients
+from .layers import ALL_MOMENTS, LayerCoefs, LayerKey, Policy, ep_rank_rows, layer_coefficients
 from .quant4 import dequant_dtypes, is_quantized
 from .states import States, block_bytes, default_lora_targets, dtensor_tp, fsdp_grad_op, model_states
 
@@ -724,7 +723,8 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         pp_inflight=t.pp, fixed_inflight=inflight_fixed, saved_tok=lc.tok, saved_sq=lc.sq,
         kept_tok=kept[0], kept_sq=kept[1], redo_tok=redo[0], redo_sq=redo[1],
         # (a layer traced checkpointed has its recomputed copies in its measured transients)
-        redo_const=cast_layer if (checkpointed and top_recomputed and not lc.checkpointed) else 0, held_tok=lc.held, cache_tok=lc.cache,
+        redo_const=cast_layer if (checkpointed and top_recomputed and not lc.checkpointed) else 0,
+        held_tok=lc.held, cache_tok=lc.cache,
         outer_head_tok=head_tok, outer_rest_tok=rest_tok, outer_rest_sq=rest_sq, outer_rest_pos=rest_pos,
         head_loss_tok=derived_head_loss(m, t, stage) if derived else head_during_loss(m, t, pol, stage),
         cast_layer=cast_layer, cast_head=cast_head, cast_checkpointed=cast_layer * checkpointed,
