@@ -103,6 +103,8 @@ EXPECTED_PARAMS = {
     "flan-t5-large": 750_251_008,
     "flan-t5-xl": 2_783_959_040,
     "vit-base-patch16-224": 86_567_656,  # the published ViT-B/16 figure, 1000-class head included
+    "vit-large-patch16-224": 304_326_632,
+    "bart-large": 406_291_456,
 }
 HF_NAMES = sorted(n for n in EXPECTED_PARAMS if n != "nanogpt-124m")
 

@@ -30,7 +30,8 @@ def where_label(mo: Moment, q: Quantities, tk: Tokens) -> str:
     """Where a moment happens, with the layer index and the op whose backward runs."""
     if mo.where not in ("layer.top", "layer.bottom", "layer.decoder_bottom"):
         return mo.where
-    op = q.detail.layer.transients[tk.transient_index][0] if tk.transient_index >= 0 else "backward"
+    i = {"layer.top": tk.transient_index, "layer.bottom": tk.bottom[0]}.get(mo.where, tk.decoder_bottom[0])
+    op = q.detail.layer.transients[i][0] if i >= 0 else "backward"
     index = {"layer.top": q.layers - 1, "layer.bottom": 0}.get(mo.where, q.lower_layers)
     return f"layer[{index}].{op or 'backward'}"
 

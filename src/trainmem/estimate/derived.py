@@ -44,6 +44,9 @@ def derived_problems(m: ModelSpec, t: TrainingSpec) -> list[str]:
     if m.is_encoder_decoder and t.decoder_len != t.seq_len:
         out.append(f"--target-len {t.decoder_len} other than --seq-len {t.seq_len} (the coefficients are fitted with "
                    f"equal encoder and decoder lengths)")
+    if checkpointed(m, t) and t.recompute_every > 1:
+        out.append(f"--recompute-every {t.recompute_every} (an encoder-decoder's full-recompute coefficients are "
+                   f"traced with every layer checkpointed)")
     if m.is_encoder_decoder and t.pp > 1:
         out.append(f"--pp {t.pp} (an encoder-decoder's stacks are not split into pipeline stages)")
     if t.tp > 1 or t.sequence_parallel:
@@ -87,6 +90,10 @@ def key(m: ModelSpec, t: TrainingSpec) -> str:
     parts = [m.fingerprint, activation_precision(t), t.attention, t.dropout, lora, regime(m, t), without_cache(t)]
     if t.quantize:  # a 4-bit base is traced as one (the keys of other setups are unchanged)
         parts.append(("quantize", t.quantize, t.quantize_via))
+    if m.is_encoder_decoder:  # measured per backward moment (keys of earlier derivations no longer match)
+        parts.append("by-moment")
+    if checkpointed(m, t):  # traced with its layers checkpointed (the keys of other setups are unchanged)
+        parts.append("checkpointed")
     return _key(*parts)
 
 
@@ -122,6 +129,13 @@ def without_cache(t: TrainingSpec) -> bool:
     checkpointing (``merge_with_config_defaults``), and pipeline-parallel loops (torchtitan,
     Megatron) run the layers without one (``quantities.kv_cache`` for the hand families)."""
     return t.recompute == "full" or t.pp > 1
+
+
+def checkpointed(m: ModelSpec, t: TrainingSpec) -> bool:
+    """Whether ``m``'s coefficients under ``t`` are derived from traces with every layer checkpointed
+    (``trace.derive``): an encoder-decoder under full recompute, whose checkpointed layers keep more
+    than their input (see ``layer_coefs``)."""
+    return m.is_encoder_decoder and t.recompute == "full"
 
 
 def activation_precision(t: TrainingSpec) -> str:
@@ -183,8 +197,18 @@ def layer_coefs(m: ModelSpec, t: TrainingSpec, stage: str) -> LayerCoefs:
     if rest[0] > 1e-3 or rest[1] > 1e-6:  # (float noise otherwise: the fits add up)
         parts["other"] = [max(rest[0], 0.0), max(rest[1], 0.0)]
     cands = [(k, j, tr) for k in count for j, tr in enumerate(doc["kinds"][k]["transients"])]
-    trans = tuple((f"derived.{k}.backward.{j}", a, b, c) for k, j, (a, b, c, _g) in cands)
-    after = tuple(float(g) for _k, _j, (_a, _b, _c, g) in cands)
+    moments = _moments_of(m, t, doc["layer_kinds"])
+    at = [moments[k] for k, _j, _tr in cands] if moments else []
+    if moments:  # an encoder-decoder: its bottom and decoder-bottom layers' own transients
+        from .layers import BOTTOM, DECODER_BOTTOM
+        for name, bit in (("bottom", BOTTOM), ("decoder_bottom", DECODER_BOTTOM)):
+            for j, tr in enumerate(doc.get("moments", {}).get(name, [])):
+                cands.append((name, j, tr))
+                at.append(bit)
+    trans = tuple((f"derived.{k}.backward.{j}", a, b, c) for k, j, (a, b, c, _g, *_d) in cands)
+    after = tuple(float(g) for _k, _j, (_a, _b, _c, g, *_d) in cands)
+    # an encoder-decoder's (s, s) tensors of the moment, shared by the batch (T5's position bias)
+    ssq = tuple(float(d[0]) if d else 0.0 for _k, _j, (_a, _b, _c, _g, *d) in cands)
     held = sum(doc["kinds"][k]["held"] * c for k, c in count.items()) / total
     not_recomputed = sum(doc["kinds"][k].get("not_recomputed", 0.0) * c for k, c in count.items()) / total
     cache = sum(doc["kinds"][k]["cache"] * c for k, c in count.items()) / total
@@ -196,7 +220,28 @@ def layer_coefs(m: ModelSpec, t: TrainingSpec, stage: str) -> LayerCoefs:
         fwd = _largest_dequantized(m, t, stage)
     return LayerCoefs(max(tok, 0.0), max(sq, 0.0), tuple((n, a, b) for n, (a, b) in sorted(parts.items())),
                       trans, held=held, cache=cache, weights=1.0, after=after, fwd_const=fwd[0], fwd_tok=fwd[1],
-                      not_recomputed=max(not_recomputed, 0.0))
+                      not_recomputed=max(not_recomputed, 0.0), checkpointed=bool(doc.get("checkpointed")),
+                      transients_ssq=ssq if any(ssq) else (), transients_at=tuple(at))
+
+
+def _moments_of(m: ModelSpec, t: TrainingSpec, kinds: list[str]) -> dict[str, int]:
+    """An encoder-decoder's layer kinds mapped to the engine's backward moments at which their
+    transients (measured at the kind's last layer, ``trace.derive``) are candidates
+    (``moments._layers_backward``; empty for other models, whose every kind's transient is a
+    candidate at every moment): a kind whose last layer is the top layer (the decoder's last) at
+    the top, the decoder's first at the decoder bottom, the encoder's first at the bottom; a kind
+    whose last layer runs its backward between those moments at the two moments around it (the
+    decoder's middle layers: the top and the decoder bottom; the encoder's: the decoder bottom and
+    the bottom). The bottom and decoder-bottom layers' own transients are measured too
+    (``doc["moments"]``) and belong to their moment alone."""
+    from .layers import BOTTOM, DECODER_BOTTOM, TOP
+    if not m.is_encoder_decoder or t.pp > 1:
+        return {}
+    lower = m.num_layers - m.decoder_layers
+    named = {len(kinds) - 1: TOP, lower: DECODER_BOTTOM, 0: BOTTOM}  # the layers the moments are named after
+    last = {k: i for i, k in enumerate(kinds)}
+    return {k: named.get(i, (TOP | DECODER_BOTTOM) if i >= lower else (DECODER_BOTTOM | BOTTOM))
+            for k, i in last.items()}
 
 
 def _largest_dequantized(m: ModelSpec, t: TrainingSpec, stage: str) -> tuple[float, float]:

@@ -618,6 +618,12 @@ def ep_rank_rows(top_k: int, experts: int, ep: int, imbalance: float) -> float:
     return top_k * min(float(ep), 1.0 + (f - 1.0) * ep / experts)
 
 
+#: the layer backward moments of the engine (``moments._layers_backward``), as bits of a mask: the top
+#: layer's, the bottom layer's and an encoder-decoder's decoder-bottom layer's
+TOP, BOTTOM, DECODER_BOTTOM = 1, 2, 4
+ALL_MOMENTS = TOP | BOTTOM | DECODER_BOTTOM
+
+
 @dataclass(frozen=True)
 class LayerCoefs:
     """Saved bytes of one layer: ``tok * b*s + sq * b*s*s_kv`` plus its largest backward transient."""
@@ -644,6 +650,11 @@ class LayerCoefs:
     # each saved tensor in the order autograd saves it: (bytes per token, per token x key), for the
     # allocator replay of the step (reserved.py)
     tensors: tuple[tuple[float, float], ...] = ()
+    # measured with the layers checkpointed (a derived encoder-decoder under full recompute): ``tok``,
+    # ``sq`` are what a checkpointed layer keeps, the transients include its recomputation
+    checkpointed: bool = False
+    transients_ssq: tuple[float, ...] = ()  # per transient: bytes per sequence position squared (shared by the batch)
+    transients_at: tuple[int, ...] = ()  # per transient: the backward moments it belongs to (bit mask; () all)
 
     def bytes(self, n: int, nsq: int) -> int:
         return int(self.tok * n + self.sq * nsq)

@@ -22,6 +22,7 @@ from ..spec.hardware import CUBLAS_WORKSPACE  # 8,519,680 B per cuBLAS handle
 from ..spec.model import ModelSpec
 from ..spec.training import TrainingSpec
 from .elementwise import NEVER, ceil_div, maximum, minimum, next_pow2, trunc, where
+from .layers import ALL_MOMENTS, BOTTOM, DECODER_BOTTOM, TOP
 from .quantities import Quantities, TransientTable, is_lm
 
 #: the parts of a moment, in this order; ``logits`` is itself (logits, KV cache, log-probabilities);
@@ -42,12 +43,14 @@ class StepFlags:
     quant4: bool = False    # 4-bit base weights: the dequantized-weight moments exist (quant4.py)
     fsdp: bool = False      # FSDP over several ranks: gradients are created unsharded in every backward
     fsdp_sync: bool = False  # ... and reduce-scattered after every micro-batch (no unsharded .grad kept)
+    by_moment: bool = False  # the layer backward moments have transients of their own (a derived encoder-decoder)
 
     @staticmethod
     def of(m: ModelSpec, t: TrainingSpec) -> "StepFlags":
         return StepFlags(t.optimizer_in_backward, t.hold_output, t.distributed_optimizer, is_lm(m),
                          t.zero_grad == "zeros", bool(t.quantize), t.fsdp is not None and t.shard_group > 1,
-                         t.fsdp is not None and t.shard_group > 1 and not t.accumulates_unsharded)
+                         t.fsdp is not None and t.shard_group > 1 and not t.accumulates_unsharded,
+                         m.family == "derived" and m.is_encoder_decoder)
 
 
 @dataclass(eq=False)
@@ -63,6 +66,8 @@ class Tokens:
     redo: Any              # the backward transient beyond the layer's saved tensors
     layer_grad_part: Any   # of it, the gradients of the layer's later linears
     transient_index: Any   # which op's backward that is
+    bottom: Any            # (index, redo, gradient part) of the bottom layer's backward
+    decoder_bottom: Any    # ... of an encoder-decoder's decoder-bottom layer's
     inputs: Any            # input ids (an image model's pixel values) and labels (int64)
     held: Any              # logits the loop keeps
     out_logits: Any        # the head's output
@@ -96,8 +101,18 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any) -
                        + q.outer_rest_ssq * (n // b) ** 2) * inflight
     outer_head = trunc(q.outer_head_tok * n)
     all_acts = layers + outer_rest + outer_head * inflight + q.cast_head
-    index, value, grads = best_transient(q.transients, n, nsq)
-    redo = maximum(0, value - grads + trunc(q.redo_tok * n + q.redo_sq * nsq) + q.redo_const)
+    ssq = (n // b) ** 2
+    index, value, grads = best_transient(q.transients, n, nsq, ssq, TOP)
+    recompute = trunc(q.redo_tok * n + q.redo_sq * nsq) + q.redo_const
+    redo = maximum(0, value - grads + recompute)
+    # a derived encoder-decoder's bottom and decoder-bottom layers have transients of their own kinds
+    lower = (index, redo, grads)
+    bottom = (index, redo, grads)
+    if flags.by_moment:
+        i, v, g = best_transient(q.transients, n, nsq, ssq, BOTTOM)
+        bottom = (i, maximum(0, v - g + recompute), g)
+        i, v, g = best_transient(q.transients, n, nsq, ssq, DECODER_BOTTOM)
+        lower = (i, maximum(0, v - g + recompute), g)
     # logits: (b, s, vocab / tp) for LM heads, (b, labels) for classifiers; one loss chunk of them
     # (chunked: s / chunks tokens; fused: Liger's next_power_of_2(ceil(BT / ceil(V / H))) tokens)
     full = n * q.logit_width // q.tp if flags.lm else b * q.logit_width
@@ -106,7 +121,7 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any) -
     saved = full * q.loss_saved + n * q.loss_saved_tok + q.loss_saved_const
     labels = n if flags.lm else b
     kv_tok = trunc(q.held_tok * n)
-    return Tokens(inflight, layer, layers, outer_rest, outer_head, all_acts, redo, grads, index,
+    return Tokens(inflight, layer, layers, outer_rest, outer_head, all_acts, redo, grads, index, bottom, lower,
                   block_bytes(trunc(q.input_tok * n) - q.input_sample * b) + block_bytes(labels * 8),
                   full * q.logits_held, full * q.logits_out,
                   saved, full * q.loss_forward + chunk * q.loss_forward_chunk + trunc(q.head_loss_tok * n),
@@ -121,18 +136,23 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any) -
                   logits_grad=full * q.logits_out)
 
 
-def best_transient(tr: Any, n: Any, nsq: Any) -> tuple[Any, Any, Any]:
+def best_transient(tr: Any, n: Any, nsq: Any, ssq: Any = 0, at: int = ALL_MOMENTS) -> tuple[Any, Any, Any]:
     """The layer op whose backward adds the most on top of the layer's saved tensors: (its index,
-    its bytes, of which gradients of the layer's later linears). Ties: the first op."""
+    its bytes, of which gradients of the layer's later linears). Ties: the first op. ``ssq``: the
+    sequence squared (tensors shared by the micro-batch, ``d``: a derived encoder-decoder's);
+    ``at``: the backward moment (``layers.TOP``...), whose transients alone are candidates."""
     if isinstance(tr, TransientTable):
-        nn, qq = np.asarray(n)[:, None], np.asarray(nsq)[:, None]
-        vals = (tr.a * nn + tr.b * qq + tr.c).astype(np.int64) + tr.g + tr.pad
+        nn, qq, ss = np.asarray(n)[:, None], np.asarray(nsq)[:, None], np.asarray(ssq)[..., None]
+        vals = (tr.a * nn + tr.b * qq + tr.c + tr.d * ss).astype(np.int64) + tr.g + tr.pad
+        vals = np.where((tr.at & at) != 0, vals, NEVER)
         idx = vals.argmax(1)
         rows = np.arange(len(idx))
         return idx, vals[rows, idx], tr.g[rows, idx]
     best = (-1, NEVER, 0)
-    for i, (a, b, c, g) in enumerate(tr):
-        v = int(a * n + b * nsq + c) + g
+    for i, (a, b, c, g, d, k) in enumerate(tr):
+        if not k & at:
+            continue
+        v = int(a * n + b * nsq + c + d * ssq) + g
         if v > best[1]:
             best = (i, v, g)
     return best
@@ -319,7 +339,9 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     fresh = grads_before == 0                                  # gradients are being created, not added to
     # the later linears' gradients of the layer in backward (FSDP reduce-scattering each micro-batch:
     # unsharded, in every micro-batch; under no_sync they accumulate in .grad as without FSDP)
-    layer_grads = tk.layer_grad_part if flags.fsdp_sync else where(fresh, tk.layer_grad_part, 0)
+    def part(g: Any) -> Any:
+        return g if flags.fsdp_sync else where(fresh, g, 0)
+    layer_grads = part(tk.layer_grad_part)
     head_grads = q.fsdp_head_full if flags.fsdp_sync else where(fresh, q.head_grads, 0)
     # the layer's transient; a tied head's gradient waits in autograd's input buffer meanwhile
     temp = maximum(tk.redo, q.oib_mid) + q.tied_grad
@@ -327,16 +349,20 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     moments.append(_mo("backward", micro, step, "layer.top",
                        (top, states_mid, tk.inputs, ws2, tk.layers + tk.outer_rest, temp),
                        (kept.logits, kept.kv_forward, 0), valid, own, comm=root + 2 * buf))
-    above = where(fresh, (q.layers - 1) * q.layer_grads, 0)    # the layers above, reduced to shards
-    bottom = grads_before + head_grads + above + layer_grads
+    above = where(fresh, q.above_bottom, 0)    # the layers above, reduced to shards
+    _i, redo, grads = tk.bottom
+    bottom = grads_before + head_grads + above + part(grads)
     low_graph = tk.graph - tk.graph_layer + tk.graph_extra_layer
+    temp = maximum(redo, q.oib_mid) + q.tied_grad
     moments.append(_mo("backward", micro, step, "layer.bottom",
                        (bottom, states_mid, tk.inputs, ws2, tk.layers // q.layers + tk.outer_rest, temp),
                        (kept.logits, kept.kv_low, 0), _both(valid, q.layers > 1), low_graph, comm=root + buf + rs))
     # an encoder-decoder: the decoder's first layer's backward, with every encoder layer's kept
     # tensors still alive (the encoder's backward comes after the decoder's)
     lower = q.lower_layers
-    mid = grads_before + head_grads + where(fresh, (q.layers - lower - 1) * q.layer_grads, 0) + layer_grads
+    _i, redo, grads = tk.decoder_bottom
+    mid = grads_before + head_grads + where(fresh, q.above_decoder_bottom, 0) + part(grads)
+    temp = maximum(redo, q.oib_mid) + q.tied_grad
     moments.append(_mo("backward", micro, step, "layer.decoder_bottom",
                        (mid, states_mid, tk.inputs, ws2, tk.layers * (lower + 1) // q.layers + tk.outer_rest, temp),
                        (kept.logits, kept.kv_low, 0), _both(valid, lower > 0), low_graph, comm=root + buf + rs))

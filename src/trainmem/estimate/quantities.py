@@ -27,7 +27,7 @@ from .elementwise import NEVER
 from .derived import regime as derived_regime
 from .derived import head_during_loss as derived_head_loss, layer_coefs as derived_layer, outer as derived_outer
 from .derived import logits_bytes as derived_logits_bytes, outer_ssq as derived_outer_ssq
-from .layers import LayerCoefs, LayerKey, Policy, ep_rank_rows, layer_coefficients
+from .layers import ALL_MOMENTS, LayerCoefs, LayerKey, Policy, ep_rank_rows, layer_coefficients
 from .quant4 import dequant_dtypes, is_quantized
 from .states import States, block_bytes, default_lora_targets, dtensor_tp, fsdp_grad_op, model_states
 
@@ -96,7 +96,7 @@ class Quantities:
     oib_mid: int           # optimizer in backward: one update's gradient + temporaries, mid-backward
     oib_end: int           # ... for the embeddings, updated last
     tied_grad: int         # a tied head's gradient waiting in autograd's input buffer
-    transients: Any        # per layer-op backward transient: tuple of (a, b, c, g), or a TransientTable
+    transients: Any        # per layer-op backward transient: tuple of (a, b, c, g, d, at), or a TransientTable
     fwd_temp: int = 0      # a layer's largest forward transient: a dequantized 4-bit weight (quant4.py)
     fwd_temp_tok: float = 0.0  # ... and its matmul output per token
     head_temp: int = 0     # the LM head's dequantized 4-bit weight, in its forward and its backward
@@ -109,6 +109,8 @@ class Quantities:
     fsdp_ag_result: int = 0   # FSDP2: the last layer's all-gather output, kept from its forward to the next
     fsdp_root_sharded: int = 0  # of ``grads``: the root's sharded gradients (after the root's reduce-scatter)
     lower_layers: int = 0  # an encoder-decoder's encoder layers on this rank (backward after the decoder's)
+    above_bottom: int = 0  # gradient bytes of the layers above the bottom one (made before its backward)
+    above_decoder_bottom: int = 0  # ... above an encoder-decoder's decoder-bottom layer
     outer_rest_ssq: float = 0.0  # per sequence position squared, shared by the micro-batch (T5's position buckets)
     input_tok: float = 8.0  # the input batch per token: int64 ids, or an image model's pixel values per patch
     input_sample: int = 0   # ... less this per sample (an image model's class tokens have no pixels)
@@ -138,13 +140,17 @@ class Quantities:
 
 @dataclass(frozen=True)
 class TransientTable:
-    """Backward transients of many layouts: (layouts x ops) arrays, padded with ``pad`` = NEVER."""
+    """Backward transients of many layouts: (layouts x ops) arrays, padded with ``pad`` = NEVER:
+    ``a * b*s + b * b*s^2 + c + d * s^2 + g`` bytes (``d``: tensors shared by the micro-batch), at the
+    backward moments ``at`` names (a bit mask of ``layers.TOP``, ``BOTTOM``, ``DECODER_BOTTOM``)."""
 
     a: np.ndarray
     b: np.ndarray
     c: np.ndarray
     g: np.ndarray
     pad: np.ndarray
+    d: np.ndarray
+    at: np.ndarray
 
 
 # ----------------------------------------------------------------------------------------------
@@ -705,10 +711,16 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     # inside a layer's backward the half weight copies of its later linears (back-propagated already)
     # were freed with their matmuls' saved tensors: each transient excludes them (2 bytes per element)
     freed = 2.0 if cast_layer else 0.0
-    trans = tuple((a, b, c - w * freed, int(w * gpw)) for (_, a, b, c), w in zip(lc.transients, after))
+    # (a per token, b per token x key, c bytes, g gradient bytes made by then, d per position squared,
+    # the backward moments it happens at: a bit mask, every layer's by default)
+    ssq = lc.transients_ssq or (0.0,) * len(lc.transients)
+    at = lc.transients_at or (ALL_MOMENTS,) * len(lc.transients)
+    trans = tuple((a, b, c - w * freed, int(w * gpw), d, k)
+                  for (_, a, b, c), w, d, k in zip(lc.transients, after, ssq, at))
     if t.offload_activations and trans:
         trans = trans[:-1] + ((trans[-1][0] + offload_previous(input_tok, pol), *trans[-1][1:]),)
     inflight_fixed = 1 if (t.pp == 1 or stage != "first") else (t.num_microbatches_in_flight or 0)
+    lower, above_bottom, above_decoder_bottom = _grads_above(m, t, st, layers)
     head_dq = head_dequant_bytes(m, t)  # the 4-bit LM head: (dequantized + cast, the cast) bytes
     return Quantities(
         first_unsaved_tok=sum(a for _, a, _ in first), first_unsaved_sq=sum(b for _, _, b in first),
@@ -718,7 +730,9 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         layer_grads=0 if oib else st.layer_grads, head_grads=0 if oib else st.head_grads, layers=layers,
         pp_inflight=t.pp, fixed_inflight=inflight_fixed, saved_tok=lc.tok, saved_sq=lc.sq,
         kept_tok=kept[0], kept_sq=kept[1], redo_tok=redo[0], redo_sq=redo[1],
-        redo_const=cast_layer if (checkpointed and top_recomputed) else 0, held_tok=lc.held, cache_tok=lc.cache,
+        # (a layer traced checkpointed has its recomputed copies in its measured transients)
+        redo_const=cast_layer if (checkpointed and top_recomputed and not lc.checkpointed) else 0,
+        held_tok=lc.held, cache_tok=lc.cache,
         outer_head_tok=head_tok, outer_rest_tok=rest_tok, outer_rest_sq=rest_sq, outer_rest_pos=rest_pos,
         head_loss_tok=derived_head_loss(m, t, stage) if derived else head_during_loss(m, t, pol, stage),
         cast_layer=cast_layer, cast_head=cast_head, cast_checkpointed=cast_layer * checkpointed,
@@ -740,9 +754,23 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         # checkpoint does not save
         graph_tok=lc.graph_held, graph_extra_tok=lc.graph_held * checkpointed / layers if layers else 0.0, **fsdp,
         outer_rest_ssq=derived_outer_ssq(m, t, stage) if derived else 0.0,
-        lower_layers=m.num_layers - m.decoder_layers if m.is_encoder_decoder and t.pp == 1 else 0,
+        lower_layers=lower, above_bottom=above_bottom, above_decoder_bottom=above_decoder_bottom,
         input_tok=input_bytes(m, t)[0], input_sample=input_bytes(m, t)[1],
         detail=Detail(st, lc, outer, comm_name, input_tok))
+
+
+def _grads_above(m: ModelSpec, t: TrainingSpec, st: States, layers: int) -> tuple[int, int, int]:
+    """(an encoder-decoder's encoder layers on this rank (0 otherwise), gradient bytes of the layers
+    above the bottom layer, of those above the decoder-bottom layer): the gradients made before those
+    layers' backward. The layers' own bytes where they differ (a derived encoder-decoder's decoder
+    layers hold cross-attention, ``States.each_layer_grads``), else the average layer's."""
+    lower = m.num_layers - m.decoder_layers if m.is_encoder_decoder and t.pp == 1 else 0
+    if t.optimizer_in_backward:
+        return lower, 0, 0
+    each = st.each_layer_grads if (m.family == "derived" and lower and len(st.each_layer_grads) == layers) else ()
+    if each:
+        return lower, sum(each[1:]), sum(each[lower + 1:])
+    return lower, (layers - 1) * st.layer_grads, max(layers - lower - 1, 0) * st.layer_grads
 
 
 def _autocast_copies(m: ModelSpec, t: TrainingSpec, st: States, pol: Policy, head_here: bool) -> tuple[int, int]:
@@ -792,6 +820,10 @@ def _recompute(t: TrainingSpec, lc: LayerCoefs, input_tok: float, share: float
     # a recomputed layer saves its input again only where it makes a copy of it: where a norm saves
     # the input itself (an fp32 stream under autocast or in fp32), that tensor is the kept input
     redo_tok = lc.tok - lc.input_saved
+    if t.recompute == "full" and lc.checkpointed:
+        # measured from traces with the layers checkpointed (``derived.layer_coefs``): what each
+        # layer keeps is measured, and its recomputation is in its backward transients
+        return (lc.tok, lc.sq), (0.0, 0.0)
     if t.recompute == "full":
         kept = (share * input_tok + (1 - share) * lc.tok, (1 - share) * lc.sq) if share < 1 else (input_tok, 0.0)
         # a layer recomputed in its backward re-creates what its own ops save, not its output (which
@@ -961,9 +993,9 @@ def gather(rows: list[tuple], index: np.ndarray) -> Quantities:
     arrays: dict[str, Any] = {k: ints[:, j] for j, k in enumerate(_INT_FIELDS)}
     arrays.update({k: floats[:, j] for j, k in enumerate(_FLOAT_FIELDS)})
     width = max(max((len(r[2]) for r in rows), default=0), 1)
-    pad = (0.0, 0.0, 0.0, 0.0, float(NEVER))
+    pad = (0.0, 0.0, 0.0, 0.0, 0.0, float(ALL_MOMENTS), float(NEVER))
     tab = np.array([[tr + (0.0,) for tr in r[2]] + [pad] * (width - len(r[2])) for r in rows],
                    dtype=np.float64)[index]
     table = TransientTable(tab[:, :, 0], tab[:, :, 1], tab[:, :, 2], tab[:, :, 3].astype(np.int64),
-                           tab[:, :, 4].astype(np.int64))
+                           tab[:, :, 6].astype(np.int64), tab[:, :, 4], tab[:, :, 5].astype(np.int64))
     return Quantities(**arrays, transients=table, detail=None)

@@ -58,6 +58,9 @@ class States:
     # dtype, bytes (FSDP2 copies each out of the all-gather output)
     root_tensors: tuple[int, ...] = ()
     layer_tensors: tuple[int, ...] = ()
+    # gradient bytes of each of the stage's layers, in order, when they differ (``uniform_layers``
+    # false: an encoder-decoder's decoder layers hold cross-attention); () when identical
+    each_layer_grads: tuple[int, ...] = ()
 
 
 def _tp_div(p: ParamTensor, tp: int) -> int:
@@ -370,6 +373,7 @@ class _Tally:
     layer_full: int = 0      # FSDP: one layer's unsharded gradients (bytes, per tensor)
     layer_elems: int = 0     # FSDP: one layer's trainable elements (the reduce-scatter input)
     root_g: int = 0          # FSDP: the sharded gradients outside the layers (bytes)
+    each: dict = field(default_factory=dict)  # layer -> its gradient bytes (layers that differ)
 
     def trainable_tensor(self, t: TrainingSpec, r: _Rank, shape: tuple[int, ...], n: int, k: int,
                          grad_n: int | None = None, where: str = "layer") -> int:
@@ -422,7 +426,8 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
                   acc.layer_grads, acc.head_grads, acc.lmh, acc.hmh, acc.largest, acc.group, acc.lpf,
                   sum(x[1] for x in lora), acc.q4, acc.root, acc.head_full, acc.emb_full, acc.layer_full, rs,
                   acc.root_g, _load_list(before, layer, r.per_stage if m.uniform_layers else 1, after),
-                  tuple(acc.items), tuple(acc.root_list), tuple(acc.layer_list))
+                  tuple(acc.items), tuple(acc.root_list), tuple(acc.layer_list),
+                  each_layer_grads=tuple(g for _, g in sorted(acc.each.items())) if not lora else ())
 
 
 def _load_list(before: list, layer: list, k: int, after: list) -> tuple[int, ...]:
@@ -485,6 +490,8 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
         full = block_bytes(n * r.gather) if r.fsdp_unsharded else 0  # its unsharded gradient under FSDP
         if p.layer is not None:
             acc.layer_grads += g
+            if not uniform:
+                acc.each[p.layer] = acc.each.get(p.layer, 0) + g
             if uniform or p.layer == r.lo:  # one layer: layer 0 stands for each, else the stage's first
                 acc.layer_full += full
                 acc.layer_elems += n if full else 0

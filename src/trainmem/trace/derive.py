@@ -41,9 +41,9 @@ from ..errors import TrainmemError
 from ..progress import progress
 from ..spec import ModelSpec, TrainingSpec
 from ..spec.profile import build_profile, layer_stacks, layers_list
-from ..estimate.derived import sliding_window
+from ..estimate.derived import checkpointed, sliding_window
 from ..estimate.quantities import is_lm
-from ..workload import apply_lora, apply_quantization, attention_implementation, hf_factory, model_batch
+from ..workload import apply_lora, apply_quantization, attention_implementation, hf_factory, model_batch, unwrapped
 
 #: relative error a fitted quantity may show on the held-out point (plus DERIVE_SLACK bytes)
 DERIVE_TOLERANCE = 0.005
@@ -52,10 +52,13 @@ DERIVE_SLACK = 4096
 
 def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "") -> dict[str, Any]:
     """The coefficients of ``m`` trained as ``t`` (one GPU, no recompute; ``t.recompute == "full"``
-    derives them without the KV cache, as transformers runs checkpointed layers), as a JSON-ready dict:
+    derives them without the KV cache, as transformers runs checkpointed layers, and an
+    encoder-decoder's with its layers checkpointed, ``estimate.derived.checkpointed``), as a JSON-ready dict:
     ``kinds`` (per layer kind: saved tok/sq and parts, transient a/b/c and gradient share),
     ``layer_kinds`` (the kind of each of the model's layers), ``embed``/``head`` (tok, sq)."""
     no_cache = t.recompute == "full"  # estimate.derived.without_cache: derive with use_cache off
+    # an encoder-decoder under full recompute is traced with its layers checkpointed (``checkpointed``)
+    ckpt = checkpointed(m, t)
     base = replace(t, recompute="none", recompute_every=1, grad_accum=1, hold_output="loss", loss="upcast",
                    loss_chunks=1, optimizer_in_backward=False, zero_grad="none")
     cfg, kinds_full, kinds_small = reduced_config(m)
@@ -76,20 +79,11 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "") -> dict
     if m.is_encoder_decoder:
         points.append((2, seqs[2]))
     check = (4, seqs[2])
-    try:
-        with _quiet(), progress(len(points) + 1, f"deriving {m.name}'s coefficients") as bar:
-            runs = []
-            for b, s in points + [check]:
-                runs.append(_measure(m, cfg, kinds_small, replace(base, batch_size=b, seq_len=s,
-                                                                  image_size=_image_side(m, s))))
-                bar.update(1)
-    except TrainmemError:
-        raise
-    except Exception as e:  # the real model's step fails on fake tensors: say which and why, once
-        raise TrainmemError(f"{m.name} ({m.architecture}): its training step fails when traced "
-                            f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
+    runs = _runs(m, cfg, kinds_small, base, points + [check], ckpt)
     out: dict[str, Any] = {"layer_kinds": kinds_full, "kinds": {}, "points": points + [check],
                            "attention": attention_implementation(m, t)[0], "seq_base": s0}
+    if ckpt:
+        out["checkpointed"] = True
     pts = points + [check]
     ssq: dict[str, float] = {}  # the s^2 coefficients (encoder-decoders), per kind and side
 
@@ -115,11 +109,16 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "") -> dict
         held = _fitted(m, f"layer {kind} output-held bytes", pts, [r["held"][kind] for r in runs], ("n",))[0]
         out["kinds"][kind] = {"tok": c["n"], "sq": c["nsq"], "pos": c["s"], "parts": parts, "transients": trans,
                               "cache": cache, "held": held}
-        if refined:
+        if refined and not ckpt:  # (traced checkpointed, the recomputation is measured as such)
             # the layer's output, kept only by what follows the layer (the next layer, the final
             # norm): a layer recomputed in its backward does not keep it (quantities._recompute)
             out["kinds"][kind]["not_recomputed"] = _fitted(m, f"layer {kind} output", pts,
                                                            [r["early"].get(kind, 0) for r in runs], ("n",))[0]
+    if m.is_encoder_decoder:  # the bottom and decoder-bottom layers' own (``_analyse``)
+        out["moments"] = {name: _candidates(m, pts, [r["transient"][f"@{name}"] for r in runs],
+                                            [r["made"][f"@{name}"] for r in runs],
+                                            runs[-1]["total_g"][f"@{name}"], terms, with_grads=refined)
+                          for name in ("bottom", "decoder_bottom")}
     c = fit("first layer's bytes", [r["first"] for r in runs], "first")
     out["first_layer"] = [c["n"], c["s"], c["nsq"]]
     for side in ("embed", "head", "head_loss"):
@@ -129,6 +128,24 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "") -> dict
         out["ssq"] = ssq
         out["logits_bytes"] = runs[-1]["logits_bytes"]
     return out
+
+
+def _runs(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], base: TrainingSpec, points: list[tuple[int, int]],
+          ckpt: bool) -> list[dict[str, Any]]:
+    """``_measure`` at each (batch, sequence) point; a step that fails on fake tensors is one line."""
+    try:
+        with _quiet(), progress(len(points), f"deriving {m.name}'s coefficients") as bar:
+            runs = []
+            for b, s in points:
+                runs.append(_measure(m, cfg, kinds, replace(base, batch_size=b, seq_len=s,
+                                                            image_size=_image_side(m, s)), ckpt))
+                bar.update(1)
+            return runs
+    except TrainmemError:
+        raise
+    except Exception as e:  # the real model's step fails on fake tensors: say which and why, once
+        raise TrainmemError(f"{m.name} ({m.architecture}): its training step fails when traced "
+                            f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
 
 
 # ----- the model cut to a few layers ----------------------------------------------------------------
@@ -224,8 +241,10 @@ def _image_side(m: ModelSpec, s: int) -> int | None:
 
 
 # ----- one trace ------------------------------------------------------------------------------------
-def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpec) -> dict[str, Any]:
-    """Trace forward + loss + backward of the cut model at ``t``'s batch and sequence."""
+def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpec, ckpt: bool = False
+             ) -> dict[str, Any]:
+    """Trace forward + loss + backward of the cut model at ``t``'s batch and sequence (``ckpt``: with
+    every layer checkpointed, as ``workload.TrainStep`` enables it for ``--recompute full``)."""
     from .api import _device, _load_to_device
     small = replace(m, num_layers=len(kinds), config=cfg, decoder_layers=len(kinds) // 2 if m.decoder_layers else 0)
     dev = _device(True, None, t, False, None, None, None, None, False)
@@ -234,6 +253,9 @@ def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpe
     with dev.env, dev.emulation:
         with dev.build_ctx:
             model = apply_lora(apply_quantization(hf_factory(small, t)(), t), small, t)
+            if ckpt:  # transformers' GradientCheckpointingLayer, non-reentrant (as TrainStep enables it)
+                inner = unwrapped(model)
+                (getattr(inner, "activation_checkpointing_enable", None) or inner.gradient_checkpointing_enable)()
         with tracker:
             _load_to_device(tracker, model)
         tracker.name_modules(model)
@@ -264,7 +286,8 @@ def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpe
             for h in hooks:
                 h.remove()
     return _analyse(tracker, stacks, kinds, cache, released, m.vocab_size if is_lm(m) else -1,
-                    early_frees=m.is_encoder_decoder or m.is_image)
+                    early_frees=m.is_encoder_decoder or m.is_image,
+                    shared_frees=t.batch_size if (m.is_encoder_decoder and ckpt) else 0)
 
 
 def _stacks(model: Any, m: ModelSpec, layers: int) -> list[tuple[str, int]]:
@@ -308,7 +331,7 @@ def _quiet() -> Any:
 
 
 def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cache: list, released: tuple[int, int],
-             vocab: int, early_frees: bool = False) -> dict[str, Any]:
+             vocab: int, early_frees: bool = False, shared_frees: int = 0) -> dict[str, Any]:
     recs = tracker.records
     fwd = next(pm for pm in tracker.phase_marks if pm.name == "forward")
     end = fwd.end_event
@@ -369,7 +392,10 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
         return sum(r.nbytes for r in saved_rec[i]) - saved[kinds[i]] if typical[kinds[i]] != i else 0
     head += excess(top)
     first = sum(excess(i) for i in sorted(set(starts + ends) - {top})) if top > 0 else 0
-    trans, made, total_g, early = _transients(tracker, recs, layer_of, kinds, saved_rec, vocab, early_frees)
+    # an encoder-decoder's bottom and decoder-bottom layers measured as such (a kind's: its last layer)
+    at = {"bottom": 0, "decoder_bottom": starts[1]} if len(starts) > 1 else {}
+    trans, made, total_g, early = _transients(tracker, recs, layer_of, kinds, saved_rec, vocab, early_frees,
+                                              shared_frees, at)
     # the KV cache: all of it per layer, and what dies with the output (``held``: not saved)
     kv: dict[str, list[int]] = defaultdict(list)
     held: dict[str, list[int]] = defaultdict(list)
@@ -431,12 +457,13 @@ def _numel(shape: Any) -> int:
 
 
 def _transients(tracker: Any, recs: list, layer_of: Any, kinds: list[str], saved_rec: dict[int, list],
-                vocab: int, early_frees: bool = False
+                vocab: int, early_frees: bool = False, shared_frees: int = 0, at: dict[str, int] | None = None
                 ) -> tuple[dict[str, list[int]], dict[str, list[int]], dict[str, int], dict[str, int]]:
     """Per kind (its last layer in the cut model), the backward transient after each event of the
     layer's backward (see the module docstring), the layer's gradient bytes made by then, and the
     layer's gradient bytes in all. The op sequence does not depend on batch or sequence, so event
-    ``j`` of the window is the same moment in every run."""
+    ``j`` of the window is the same moment in every run. ``at``: more layers measured, by name
+    (an encoder-decoder's bottom and decoder-bottom layers, ``@name`` in the results)."""
     trans: dict[str, list[int]] = {}
     early: dict[str, int] = {}  # the layer's tensors freed before its backward began (its output, kept by what follows)
     made_at: dict[str, list[int]] = {}
@@ -460,6 +487,16 @@ def _transients(tracker: Any, recs: list, layer_of: Any, kinds: list[str], saved
         # LMs have them too, but their shipped coefficients predate this (docs/architectures.md)
         freed = sum(r.nbytes for r in saved_rec[i] if r.free_event is not None and r.free_event < w0) \
             if early_frees else 0
+        if shared_frees:
+            # an encoder-decoder traced checkpointed, whose layers keep only their checkpoint inputs:
+            # the tensors shared by the batch (a first dimension other than the batch: T5's position
+            # biases, (s, s, heads) embedding outputs or (1, heads, s, s), kept as inputs of the
+            # checkpointed layers that read them) that other layers kept and that were freed before
+            # this layer's backward began; the engine counts them at every moment
+            # (``derived.outer_ssq``), so this layer's transient takes them off
+            freed += sum(r.nbytes for j, rs in saved_rec.items() if j != i for r in rs
+                         if len(r.shape) > 1 and int(r.shape[0]) != shared_frees and r.free_event is not None
+                         and r.free_event < w0)
         made = 0
         series, mades = [], []
         for e in range(w0, w1 + 1):
@@ -477,9 +514,10 @@ def _transients(tracker: Any, recs: list, layer_of: Any, kinds: list[str], saved
                     freed += r.nbytes
             series.append(temps - freed)
             mades.append(made)
-        trans[kind], made_at[kind] = series, mades
-        early[kind] = sum(r.nbytes for r in saved_rec[i] if r.free_event is not None and r.free_event < w0)
-        total_g[kind] = sum(r.nbytes for r in recs if r.category == "gradients" and layer_of(r) == i)
+        for key in [kind] + [f"@{name}" for name, pos in (at or {}).items() if pos == i]:
+            trans[key], made_at[key] = series, mades
+            early[key] = sum(r.nbytes for r in saved_rec[i] if r.free_event is not None and r.free_event < w0)
+            total_g[key] = sum(r.nbytes for r in recs if r.category == "gradients" and layer_of(r) == i)
     return trans, made_at, total_g, early
 
 
@@ -491,9 +529,10 @@ def _candidates(m: ModelSpec, pts: list[tuple[int, int]], series: list[list[int]
     that are the largest somewhere on a grid of batch and sequence. Each as [a, b, c, gradient
     share]. ``with_grads`` (encoder-decoder and image models): the layer's gradients made by a
     moment count when choosing the largest (two moments with the same temporaries, before and after
-    a weight gradient is made, differ by it). With an ``ssq`` term (encoder-decoders: T5's position bias gradient is summed over
-    the batch to (s, s, heads) in the first layer's backward) the fit has ``d*s^2`` too, kept
-    in ``b`` (``d*s^2 <= d*b*s^2``: exact at batch 1, an upper bound above)."""
+    a weight gradient is made, differ by it). With an ``ssq`` term (encoder-decoders: T5's position
+    bias gradient is summed over the batch to (s, s, heads) in the first layer's backward, and a
+    checkpointed layer's recomputation makes its stack's position bias again) the fit has
+    ``d*s^2`` too, returned as a fifth coefficient (bytes per position squared)."""
     import numpy as np
     if len({len(x) for x in series}) != 1:
         raise TrainmemError(f"{m.name}: its backward runs different operations at different sizes; trainmem "
@@ -507,17 +546,16 @@ def _candidates(m: ModelSpec, pts: list[tuple[int, int]], series: list[list[int]
     if not ok.any() or abs(pred[ok].max() - y[-1].max()) > DERIVE_TOLERANCE * abs(y[-1].max()) + DERIVE_SLACK:
         raise TrainmemError(f"{m.name}: the derived backward transient is not polynomial in the batch and "
                             f"sequence; trainmem will not extrapolate it: use trace")
-    if "ssq" in terms:  # folded into the b*s^2 term (see the docstring)
-        coef = np.vstack([coef[0], coef[1] + np.maximum(coef[3], 0.0), coef[2]])
-    grid = np.array([_basis(b, s, ("n", "nsq", "1")) for b in (1, 4, 32) for s in (512, 4096, 32768)])
+    grid = np.array([_basis(b, s, basis) for b in (1, 4, 32) for s in (512, 4096, 32768)])
     vals = grid @ coef
     g = np.array(made, dtype=np.float64).max(0)
     if with_grads:  # a moment's own gradients made by then count in the choice (the engine adds them)
         vals = vals + g
     vals[:, ~ok] = -np.inf
     keep = sorted(set(int(j) for j in vals.argmax(1)))
+    # [a, b, c, gradient share] and, with the s^2 term, d (bytes per position squared)
     return [[float(coef[0, j]), float(coef[1, j]), float(coef[2, j]), float(g[j] / total_g) if total_g else 0.0]
-            for j in keep]
+            + ([float(coef[3, j])] if "ssq" in terms else []) for j in keep]
 
 
 # ----- fitting --------------------------------------------------------------------------------------
