@@ -29,7 +29,8 @@ from .derived import head_during_loss as derived_head_loss, layer_coefs as deriv
 from .derived import logits_bytes as derived_logits_bytes, outer_ssq as derived_outer_ssq
 from .layers import LayerCoefs, LayerKey, Policy, ep_rank_rows, layer_coefficients
 from .quant4 import dequant_dtypes, is_quantized
-from .states import States, block_bytes, default_lora_targets, dtensor_tp, fsdp_grad_op, model_states
+from .states import (States, block_bytes, default_lora_targets, dtensor_tp, fsdp_grad_op, model_states,
+                     torch_pipeline)
 
 F32 = 4
 #: outer tensors whose ``tok`` coefficient counts bytes per sequence position (shared by the micro-batch)
@@ -116,6 +117,9 @@ class Quantities:
     head_lora: int = 0     # a LoRA adapter on that 4-bit head: logits-sized tensors alive in its forward (3)
     graph_tok: float = 0.0  # per layer, saved bytes per token the graph keeps until it is freed (bnb < 0.43.2)
     graph_extra_tok: float = 0.0  # ... of it, per layer on average, not among the kept activations (checkpointed)
+    pipe_batch: int = 0    # 1: torch's pipeline schedule takes the whole step's batch (every micro-batch's ids, labels)
+    pipe_recv: int = 0     # torch's pipeline receive buffers per micro-batch on this stage (pipeline_buffers)
+    pipe_buf_tok: float = 0.0  # ... bytes per token of one
     # ... while the loss and its backward run: the root and the prefetched last layer, or nothing when
     # the loop computes the loss after FSDP2 resharded the root (``root_resharded_for_loss``)
     fsdp_loss_root: int = 0
@@ -232,7 +236,29 @@ def outer_tensors(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) -> tup
     if t.pp == 1 or stage == "last":
         out += _head_side(m, pol, h, sp, fused=is_lm(m) and loss_mode(m, t) == "fused", quant_head=_quant_head(m, t),
                           frozen=bool(t.lora_rank), head_adapted=_head_is_lora_target(m, t))
+    elif torch_pipeline(t):
+        # the stage's output (b, s, h), residual dtype: torch's PipelineStage keeps it in ``fwd_cache``
+        # from the micro-batch's forward to its backward (torch 2.13 distributed/pipelining/stage.py
+        # ``forward_one_chunk`` stores ``(output_tuple, input_values)``, ``backward_one_chunk`` pops it);
+        # on one GPU it is the final norm's saved input, counted on the last stage. Found by trace:
+        # llama-3.2-1b (4 layers) --pp 2, fp32, first stage -1.8% before
+        out.append(("pipeline.stage_output", h * pol.stream / sp, 0.0))
     return tuple(out)
+
+
+def pipeline_buffers(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) -> tuple[int, float]:
+    """torch.distributed.pipelining's receive buffers of one stage: (how many per micro-batch, bytes
+    per token of one). ``PipelineStage`` allocates, when the schedule first runs, one buffer per
+    micro-batch of the step for each tensor it receives, and keeps them for the schedule's life
+    (torch 2.13 ``stage.py`` ``_setup_forward_recv_info``: every stage but the first receives its
+    input activations, ``_make_tensor_from_meta`` for each ``chunk_id in range(num_microbatches)``;
+    ``_setup_backward_recv_info`` / ``_create_grad_recv_info``: every stage but the last receives
+    the gradient of its output). Each is a (b, s, h) tensor of the residual stream's dtype (the
+    hidden states between stages). Not Megatron's (``states.torch_pipeline``)."""
+    if not torch_pipeline(t):
+        return 0, 0.0
+    count = (stage != "first") + (stage != "last")
+    return count, m.hidden_size * pol.stream / (t.tp if t.sequence_parallel else 1)
 
 
 def _embedding_side(m: ModelSpec, t: TrainingSpec, pol: Policy, h: int, sp: int) -> list[tuple[str, float, float]]:
@@ -376,7 +402,12 @@ def loss_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy) -> LossBytes:
       forward, one fp32 logits gradient in backward.
     Classifier heads: fp32 loss tensors of (b, labels).
     """
-    held = pol.half if t.hold_output != "loss" else 0   # the loop's reference to the output keeps them
+    # the loop's reference to the output keeps them; on a pipeline's last stage (the only one with a
+    # loss) torch's PipelineStage keeps the logits in ``fwd_cache`` until the micro-batch's backward
+    # has run (stage.py ``backward_one_chunk``: ``stage_output`` is popped and held through it), as a
+    # loop holding its output until backward ends would (Kept). Found by trace: llama-3.2-1b (4
+    # layers) --pp 2, fp32, last stage -7.7% before
+    held = pol.half if (t.hold_output != "loss" or torch_pipeline(t)) else 0
     b = _loss_in_one_piece(m, t, pol, held)
     if t.loss_shift == "logits" and is_lm(m):
         # ``logits[..., :-1, :].contiguous()`` on the half logits (ColossalAI's GPTLMLoss, older
@@ -702,6 +733,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         trans = trans[:-1] + ((trans[-1][0] + offload_previous(input_tok, pol), *trans[-1][1:]),)
     inflight_fixed = 1 if (t.pp == 1 or stage != "first") else (t.num_microbatches_in_flight or 0)
     head_dq = head_dequant_bytes(m, t)  # the 4-bit LM head: (dequantized + cast, the cast) bytes
+    pipe = pipeline_buffers(m, t, pol, stage)
     return Quantities(
         first_unsaved_tok=sum(a for _, a, _ in first), first_unsaved_sq=sum(b for _, _, b in first),
         cast_first_free=int(sum(lc.first_free_weights) * 2) if (first and cast_layer) else 0,  # bf16/fp16 copies
@@ -734,6 +766,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         outer_rest_ssq=derived_outer_ssq(m, t, stage) if derived else 0.0,
         lower_layers=m.num_layers - m.decoder_layers if m.is_encoder_decoder and t.pp == 1 else 0,
         input_tok=input_bytes(m, t)[0], input_sample=input_bytes(m, t)[1],
+        pipe_batch=int(torch_pipeline(t)), pipe_recv=pipe[0], pipe_buf_tok=pipe[1],
         detail=Detail(st, lc, outer, comm_name, input_tok))
 
 
