@@ -279,9 +279,13 @@ class PipelineStageModule(torch.nn.Module):
         self.loss_function = getattr(model, "loss_function", None)
         self.vocab_size = spec.vocab_size
 
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: Any = None) -> None:
+    def activation_checkpointing_enable(self, checkpointing_kwargs: Any = None) -> None:
         """transformers' gradient checkpointing on this stage's layers (the body's method)."""
-        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs)
+        body = self.model
+        (getattr(body, "activation_checkpointing_enable", None) or body.gradient_checkpointing_enable)(
+            checkpointing_kwargs)
+
+    gradient_checkpointing_enable = activation_checkpointing_enable
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kw = {"input_ids": x} if self.first else {"inputs_embeds": x}

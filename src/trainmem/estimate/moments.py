@@ -81,10 +81,18 @@ class Tokens:
     logits_grad: Any = 0   # the gradient of the logits (their dtype), when the loss's backward hands it on
 
 
-def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any) -> Tokens:
+def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, later: bool = False) -> Tokens:
     """The per-micro-batch terms for ``n`` tokens on this rank, ``nsq`` token x key pairs, micro-
-    batch ``b`` and ``ga`` accumulated micro-batches."""
-    inflight = where(q.fixed_inflight > 0, q.fixed_inflight, minimum(q.pp_inflight, ga))
+    batch ``b`` and ``ga`` accumulated micro-batches; ``later``: at the micro-steps after the first.
+
+    Micro-batches in flight on a pipeline's first stage under 1F1B: ``min(pp, ga)`` until the first
+    backward (the warm-up forwards); at the backward of micro-batch k the forwards of k to
+    ``min(k + pp, ga) - 1`` have run (torch ``schedules.py`` ``Schedule1F1B._step_microbatches``:
+    ``pp`` warm-up forwards, then one backward and one forward), so once gradients exist (k >= 1)
+    at most ``min(pp, ga - 1)``. Found by trace: llama-3.2-1b (4 layers) --pp 2 --grad-accum 2,
+    first stage +8.7% before."""
+    pending = maximum(ga - 1, 1) if later else ga
+    inflight = where(q.fixed_inflight > 0, q.fixed_inflight, minimum(q.pp_inflight, pending))
     layer = trunc(q.kept_tok * n + q.kept_sq * nsq)                        # (b, s, ...) per layer
     # + autocast's copies of the weights and FSDP grad-op's gathered weights, each layer's from its
     # forward to its backward
@@ -201,14 +209,15 @@ class Kept:
         return (self.logits, self.kv_end) if self.persists else (0, 0)
 
 
-def walk(q: Quantities, flags: StepFlags, tk: Tokens, ga: Any,
-         handle_ws: int = CUBLAS_WORKSPACE) -> tuple[list[Moment], list[tuple]]:
+def walk(q: Quantities, flags: StepFlags, tk: Tokens, ga: Any, handle_ws: int = CUBLAS_WORKSPACE,
+         tk_later: Tokens | None = None) -> tuple[list[Moment], list[tuple]]:
     """The moments of two training steps in order, and the bytes allocated at the end of each
     phase as (phase, micro, step, bytes). With arrays both micro-steps are walked and the second
     is marked invalid where ``ga == 1``. ``handle_ws``: the cuBLAS workspace of one handle
     (``spec.hardware.CUBLAS_WORKSPACE`` unless a calibration profile measured it,
-    ``Hardware.cublas_workspace``)."""
-    kept = Kept.of(q, flags, tk)
+    ``Hardware.cublas_workspace``); ``tk_later``: the terms of the micro-steps after the first
+    (``tokens(..., later=True)``; ``tk`` when None)."""
+    tk_later = tk if tk_later is None else tk_later
     moments = [_mo("model_loaded", 0, 0, "model.to(device)", (q.grads_loaded, 0, 0, 0, 0, 0))]
     ends = [("model_loaded", 0, 0, q.fixed + q.grads_loaded)]
     for step in (1, 2):
@@ -218,10 +227,11 @@ def walk(q: Quantities, flags: StepFlags, tk: Tokens, ga: Any,
         for micro in ((0, 1) if isinstance(ga, np.ndarray) else range(min(ga, 2))):
             valid = (ga > 1) if micro else True
             ws_before = handle_ws if (step == 1 and micro == 0) else 2 * handle_ws
-            _micro_step(q, flags, tk, kept, step, micro, valid, states_before, (ws_before, 2 * handle_ws), moments,
-                        ends)
+            here = tk_later if micro else tk
+            _micro_step(q, flags, here, Kept.of(q, flags, here), step, micro, valid, states_before,
+                        (ws_before, 2 * handle_ws), moments, ends)
             states_before = states_before or flags.oib
-        _optimizer_step(q, flags, tk, kept, step, 2 * handle_ws, moments, ends)
+        _optimizer_step(q, flags, tk, Kept.of(q, flags, tk), step, 2 * handle_ws, moments, ends)
     return moments, ends
 
 
