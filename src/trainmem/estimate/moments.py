@@ -79,6 +79,7 @@ class Tokens:
     head_chunk: Any = 0    # chunked loss: the chunks' logits gradients and the head's chunk gradients being summed
     head_chunk_first: Any = 0  # ... at the first chunk's head backward: every chunk's logits gradient, one weight gradient
     logits_grad: Any = 0   # the gradient of the logits (their dtype), when the loss's backward hands it on
+    others: Any = 0        # the other micro-batches in flight: their layers' and embeddings' saved tensors
 
 
 def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, later: bool = False) -> Tokens:
@@ -135,7 +136,7 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
                   graph_extra=trunc(q.graph_extra_tok * n) * inflight * q.layers,
                   head_chunk=where(q.chunk_head_grads > 0, (full - 2 * chunk) * q.logits_out + q.chunk_head_grads, 0),
                   head_chunk_first=where(q.chunk_head_grads > 0, full * q.logits_out + q.chunk_head_grads // 3, 0),
-                  logits_grad=full * q.logits_out)
+                  logits_grad=full * q.logits_out, others=(layers + outer_rest) * (inflight - 1) // inflight)
 
 
 def best_transient(tr: Any, n: Any, nsq: Any) -> tuple[Any, Any, Any]:
@@ -366,16 +367,19 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     # ``unsharded_param.grad`` is moved into the reduce-scatter and set to None, _fsdp_param_group.py
     # ``post_backward``); found by trace: Qwen2 FSDP2 dp 4, 2 micro-batches, +21% before
     accumulated = 0 if flags.fsdp_sync else where(fresh, 0, tied)
-    temp_emb = 2 * tied + (tied if flags.oib else accumulated) + q.tied_replicated
+    # an untied embedding's new gradient beside the accumulated one (quantities.emb_accumulated)
+    emb_new = where(fresh, 0, q.emb_grad)
+    temp_emb = 2 * tied + (tied if flags.oib else accumulated) + q.tied_replicated + emb_new
     # FSDP: the root's gradients are still unsharded (a tied embedding's sum among them), not yet shards
     emb_grads = q.grads + (q.fsdp_head_full + q.fsdp_emb_full + tied - where(fresh, q.fsdp_root_sharded, 0)
                            if flags.fsdp_sync else 0)
+    # tk.others: a pipeline stage's other micro-batches in flight keep their activations meanwhile
     moments.append(_mo("backward", micro, step, "embeddings.backward",
-                       (emb_grads, states_mid, tk.inputs, ws2, 0, temp_emb), (kept.logits, kept.kv_end, 0),
-                       _both(valid, tied > 0), tk.graph, comm=root + rs))
+                       (emb_grads, states_mid, tk.inputs, ws2, tk.others, temp_emb), (kept.logits, kept.kv_end, 0),
+                       _both(valid, _either(tied > 0, emb_new > 0)), tk.graph, comm=root + rs))
     moments.append(_mo("backward", micro, step, "backward.end",
-                       (q.grads, states_mid, tk.inputs, ws2, 0, q.oib_end), (kept.logits, kept.kv_end, 0), valid,
-                       tk.graph))
+                       (q.grads, states_mid, tk.inputs, ws2, tk.others, q.oib_end), (kept.logits, kept.kv_end, 0),
+                       valid, tk.graph))
 
 
 def _dequant_forward(q: Quantities, tk: Tokens, four: tuple, prev: tuple, micro: int, step: int, valid: Any,
@@ -419,6 +423,13 @@ def _graph_outlives_backward(flags: StepFlags) -> bool:
     bitsandbytes < 0.43.2 ``MatMul4Bit`` keeps its input as ``ctx.tensors = (A, B)``
     (``autograd/_functions.py`` L522-523 at 0.42.0), which backward does not free."""
     return flags.hold != "loss"
+
+
+def _either(a: Any, b: Any) -> Any:
+    """``a or b`` for bools or bool arrays."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return np.logical_or(a, b)
+    return bool(a) or bool(b)
 
 
 def _both(a: Any, b: Any) -> Any:

@@ -62,6 +62,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..errors import TrainmemError
+from ..units import fmt
 from ..spec import TrainingSpec
 from ..wrappers import (PP_MODEL_TYPES, TP_MODEL_TYPES, ddp, fsdp2, mesh, pipeline_stage_module, tensor_parallel,
                         wrapper_name)
@@ -437,9 +438,11 @@ def pipeline_report(reports: dict[int, Any], t: TrainingSpec) -> Any:
     ranks = [entries.get(r, {"rank": r, "local_rank": r, "world_size": t.pp, "pipeline_stage": r, "traced": False,
                              "not_traced": "a middle stage: fewer micro-batches in flight than the first, "
                                            "no embeddings or head"}) for r in range(t.pp)]
+    # the estimate's names for the stage (its ``extra["pipeline_stage"]``): first, last or middle
+    name = "first" if worst == 0 else ("last" if worst == t.pp - 1 else "middle")
     report.extra.update({"ranks": ranks, "rank": worst, "world_size": t.pp, "traced_ranks": sorted(reports),
-                         "wrapper": wrapper_name(t), "pipeline_stage": worst})
-    peaks = ", ".join(f"stage {r} {reports[r].peak_allocated:,} B" for r in sorted(reports))
+                         "wrapper": wrapper_name(t), "pipeline_stage": name})
+    peaks = ", ".join(f"stage {r} {fmt(reports[r].peak_allocated, 'auto')}" for r in sorted(reports))
     report.warnings.append(f"{wrapper_name(t)} on a fake process group of {t.pp} ranks (torch.distributed's fake "
                            f"backend): stages {', '.join(map(str, sorted(reports)))} traced, one rank each "
                            f"(peak allocated {peaks}); the report is stage {worst}'s, the worst")
