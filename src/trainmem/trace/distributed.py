@@ -1,4 +1,4 @@
-"""Data and tensor parallelism traced on torch.distributed's own code, in one process.
+"""Data, tensor and pipeline parallelism traced on torch.distributed's own code, in one process.
 
 ``trace(..., dp=N)`` (DDP), ``trace(..., dp=N, fsdp="full"|"grad-op")`` (FSDP2) and
 ``trace(..., tp=T)`` (``parallelize_module`` with torchtitan's Llama plan,
@@ -46,6 +46,14 @@ rank's size (``_fsdp_param.py`` ``_init_sharded_param``); only the optimizer sta
 ``zeros_like`` of the unpadded local shard, are smaller on the last ranks when a dimension does not
 divide. So rank 0 is the worst rank and is the one traced (``trace(..., rank=k)`` traces another:
 ``tests/test_trace_distributed.py`` checks that the last rank of an uneven split is not above it).
+
+Pipeline parallelism (``--pp``, alone): the model is cut to one stage before it is loaded
+(``wrappers.PipelineStageModule``, torchtitan's split) and ``workload.PipelineTrainStep`` runs
+torch's ``PipelineStage`` and ``Schedule1F1B`` as that stage's rank of a fake group of ``pp``;
+``pipeline_ranks`` says which stages are traced (the first and the last), each on its own emulated
+GPU, and ``pipeline_report`` keeps the worse. Two patches make the schedule run on the fake group
+(``_static_vote``, ``_p2p_one_by_one``); sends and receives move nothing, so a stage computes on
+its receive buffers, which have the real shapes and dtypes.
 
 Not modelled: the separate all-gather / reduce-scatter streams (the caching allocator keeps a
 pool per stream, so reserved memory on a GPU can be higher than one stream's simulation shows;
@@ -114,8 +122,9 @@ def check(t: TrainingSpec, spec: Any, device: str) -> None:
     if device != "cuda":
         raise TrainmemError(f"trace {what} runs on the emulated GPU: drop --device cpu")
     if spec is None:
-        raise TrainmemError(f"trace {what} wraps a catalogue or transformers model (FSDP units are its decoder "
-                            "layers); for your own module and step_fn, wrap it yourself in the factory")
+        raise TrainmemError(f"trace {what} wraps a catalogue or transformers model (FSDP units, the TP plan and "
+                            "pipeline stages follow its decoder layers); for your own module and step_fn, wrap "
+                            "it yourself in the factory")
     if t.fsdp == "hybrid":
         raise TrainmemError("trace --fsdp hybrid (HSDP, a 2-D mesh) is not traced yet: use --fsdp full or grad-op, "
                             "or estimate")
