@@ -279,6 +279,12 @@ class PipelineStageModule(torch.nn.Module):
         self.loss_function = getattr(model, "loss_function", None)
         self.vocab_size = spec.vocab_size
 
+    @property
+    def returns_logits(self) -> bool:
+        """Whether the stage's output is the logits (the last stage), else hidden states (the trace's
+        tracker names the outermost module's output ``logits`` only when this is true)."""
+        return self.last
+
     def activation_checkpointing_enable(self, checkpointing_kwargs: Any = None) -> None:
         """transformers' gradient checkpointing on this stage's layers (the body's method)."""
         body = self.model
