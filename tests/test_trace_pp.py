@@ -98,3 +98,20 @@ def test_a_model_without_the_split_is_refused():
     gpt2 = ["n_layer=2", "n_embd=64", "n_head=4", "vocab_size=1000", "n_positions=128"]
     with pytest.raises(TrainmemError, match="pipeline split is written for Llama"):
         trace("gpt2", set=gpt2, batch_size=2, seq_len=64, pp=2, grad_accum=2)
+
+
+def test_the_command_line_traces_both_stages_and_refuses_in_one_line(capsys):
+    import json
+    from trainmem.cli import main
+    args = ["trace", "llama-3.2-1b", *[x for o in SMALL for x in ("--set", o)], "--batch-size", "2",
+            "--seq-len", "128", "--pp", "2"]
+    assert main([*args, "--grad-accum", "2", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert [(e["rank"], e["traced"]) for e in d["ranks"]] == [(0, True), (1, True)]
+    assert d["peak_allocated"] == max(e["peak_allocated"] for e in d["ranks"])
+    assert main([*args, "--grad-accum", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "ranks: 2 (pipeline ×2" in text and "* rank   0: traced" in text and "* rank   1: traced" in text
+    assert main(args) == 2  # --grad-accum 1 < --pp 2: Schedule1F1B refuses it
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--grad-accum 1" in err[0]
