@@ -45,6 +45,9 @@ CASES = [
     ({"pp": 2, "grad_accum": 2, "tp": 2}, REFUSED, "--pp 2 --tp 2"),
     ({"pp": 2, "grad_accum": 2, "lora_rank": 8}, REFUSED, "--lora-rank"),
     ({"pp": 2, "grad_accum": 2, "hold_output": "step"}, REFUSED, "--hold-output step"),
+    ({"pp_schedule": "gpipe", "pp": 2, "grad_accum": 2}, CHANGED, ""),  # vs 1F1B (REFERENCE)
+    ({"pp_schedule": "gpipe", "pp": 2, "grad_accum": 2, "num_microbatches_in_flight": 1}, REFUSED,
+     "--num-microbatches-in-flight 1"),
     # expert parallelism and the routing imbalance need experts; on Mixtral (tests/test_moe.py) trace refuses
     # --ep and runs --moe-imbalance as the GPU would: grouped_mm's rows do not depend on the routing
     ({"ep": 2, "dp": 2}, REFUSED, "--ep 2"), ({"moe_imbalance": 2.0}, REFUSED, "--moe-imbalance 2"),
@@ -94,7 +97,8 @@ REFERENCE = {"fsdp_lora_units": {"lora_rank": 8}, "ddp_bucket_mb": {"dp": 2}, "s
              "quantize": {"lora_rank": 8}, "quantize_via": {"lora_rank": 8, "quantize": "nf4"},
              "bitsandbytes_version": {"lora_rank": 8, "quantize": "nf4"},
              "grad_sync": {"grad_accum": 2, "fsdp": "full", "dp": 2}, "offload_activations": {"recompute": "full"},
-             "pp": {"grad_accum": 2}, "num_microbatches_in_flight": {"pp": 2, "grad_accum": 2}}
+             "pp": {"grad_accum": 2}, "num_microbatches_in_flight": {"pp": 2, "grad_accum": 2},
+             "pp_schedule": {"pp": 2, "grad_accum": 2}}
 GPT2_CASES = [({"dropout": False}, CHANGED, "")]
 #: an encoder-decoder's decoder length and an image model's image size (their own baselines)
 T5 = ["num_layers=1", "num_decoder_layers=1", "d_model=64", "d_ff=128", "num_heads=4", "d_kv=16", "vocab_size=1000"]

@@ -48,12 +48,30 @@ def test_each_traced_stage_agrees_with_the_estimate(overrides, options):
     assert abs(worst.peak_allocated / r.peak_allocated - 1) < TOLERANCE
 
 
+@pytest.mark.parametrize("overrides, options", [
+    (SMALL, {"pp": 2, "grad_accum": 4, "precision": "bf16-amp"}),
+    (EIGHT, {"pp": 4, "grad_accum": 2, "precision": "bf16", "recompute": "full"}),
+], ids=["pp2-ga4-amp", "pp4-ga2-bf16-full"])
+def test_gpipe_keeps_every_micro_batch_and_agrees_with_the_estimate(overrides, options):
+    r, stages = _stages(overrides, pp_schedule="gpipe", **options)
+    for stage, (traced, est) in stages.items():
+        assert abs(est / traced - 1) < TOLERANCE, (stage, traced, est)
+    assert "ScheduleGPipe" in r.extra["wrapper"]
+    # GPipe's last stage holds every micro-batch's activations and logits: above 1F1B's, which holds one
+    _, one = _stages(overrides, **options) if options["grad_accum"] >= options["pp"] else (None, None)
+    if one is not None:
+        last = options["pp"] - 1
+        assert stages[last][0] > one[last][0]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("pp, ga", [(2, 2), (2, 4), (4, 4), (4, 8)])
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-amp"])
 @pytest.mark.parametrize("recompute", ["none", "full"])
-def test_pipeline_grid_agrees_with_the_estimate(pp, ga, precision, recompute):
-    _, stages = _stages(SMALL if pp == 2 else EIGHT, pp=pp, grad_accum=ga, precision=precision, recompute=recompute)
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_pipeline_grid_agrees_with_the_estimate(pp, ga, precision, recompute, schedule):
+    _, stages = _stages(SMALL if pp == 2 else EIGHT, pp=pp, grad_accum=ga, precision=precision, recompute=recompute,
+                        pp_schedule=schedule)
     for stage, (traced, est) in stages.items():
         assert abs(est / traced - 1) < TOLERANCE, (stage, traced, est)
 
@@ -86,6 +104,8 @@ def test_a_middle_stage_is_traced_on_request():
     ({"pp": 2, "grad_accum": 2, "optimizer_in_backward": True}, "--optimizer-in-backward"),
     ({"pp": 2, "grad_accum": 2, "loss": "chunked", "loss_chunks": 4}, "chunked loss"),
     ({"pp": 2, "grad_accum": 2, "num_microbatches_in_flight": 1}, "--num-microbatches-in-flight 1"),
+    ({"pp": 2, "grad_accum": 4, "num_microbatches_in_flight": 2, "pp_schedule": "gpipe"},
+     "--num-microbatches-in-flight 2"),
     ({"pp": 2, "grad_accum": 2, "device": "cpu"}, "--device cpu"),
 ])
 def test_combinations_not_built_are_refused_in_one_line(options, names):

@@ -478,8 +478,9 @@ class PipelineTrainStep(TrainStep):
     of ``grad_accum`` micro-batches (input ids and labels, on every stage) goes to
     ``schedule.step(ids, target=labels, losses=losses, return_outputs=False)`` (the first stage
     passes the ids, the others only the target), the schedule (torch
-    ``distributed/pipelining/schedules.py`` ``Schedule1F1B``) splits it into micro-batches and runs
-    their forwards and backwards in 1F1B order; then ``optimizer.step()`` and ``zero_grad``.
+    ``distributed/pipelining/schedules.py`` ``Schedule1F1B``, or ``ScheduleGPipe`` with
+    ``pp_schedule="gpipe"``) splits it into micro-batches and runs their forwards and backwards in
+    its order; then ``optimizer.step()`` and ``zero_grad``.
 
     ``model`` is a :class:`trainmem.wrappers.PipelineStageModule`. Its ``PipelineStage`` is given
     example input and output tensors (``input_args``, ``output_args``: the ids (b, s) or hidden
@@ -491,7 +492,7 @@ class PipelineTrainStep(TrainStep):
     def __init__(self, model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec, device: str,
                  on_phase: Callable[[str, int, int | None], None] | None = None, what: str = "trace") -> None:
         super().__init__(model, spec, t, device, on_phase=on_phase, what=what)
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
         if self.amp is not None:
             ctx = torch.autocast("cuda" if device == "cuda" else "cpu", dtype=self.amp)
             # the hooks return None: the inputs and the output unchanged
@@ -501,7 +502,8 @@ class PipelineTrainStep(TrainStep):
         self.stage = PipelineStage(model, stage, t.pp, torch.device(device), input_args=self._example(stage, True),
                                    output_args=self._example(stage, False))
         # every rank passes the loss: the schedule runs backward only with one (``_has_backward``)
-        self.schedule = Schedule1F1B(self.stage, t.grad_accum, loss_fn=self.pipeline_loss)
+        schedule = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[t.pp_schedule]
+        self.schedule = schedule(self.stage, t.grad_accum, loss_fn=self.pipeline_loss)
         self.micro_batches = t.grad_accum
 
     def _example(self, stage: int, inputs: bool) -> torch.Tensor:

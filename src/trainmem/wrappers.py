@@ -226,7 +226,8 @@ def wrap(module: torch.nn.Module, spec: Any, t: TrainingSpec, device_mesh: Any, 
 
 def wrapper_name(t: TrainingSpec) -> str:
     """The wrappers of the layout in words (``DDP over 8``, ``FSDP2 fully_shard full over 8``)."""
-    parts = [f"pipeline ×{t.pp} (torch.distributed.pipelining Schedule1F1B, one stage per rank)"] if t.pp > 1 else []
+    schedule = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe"}[t.pp_schedule]
+    parts = [f"pipeline ×{t.pp} (torch.distributed.pipelining {schedule}, one stage per rank)"] if t.pp > 1 else []
     if t.tp > 1:
         parts.append(f"tensor parallel ×{t.tp}" + (" with sequence parallelism" if t.sequence_parallel else "")
                      + " (parallelize_module)")

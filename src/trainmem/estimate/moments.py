@@ -80,6 +80,8 @@ class Tokens:
     head_chunk_first: Any = 0  # ... at the first chunk's head backward: every chunk's logits gradient, one weight gradient
     logits_grad: Any = 0   # the gradient of the logits (their dtype), when the loss's backward hands it on
     others: Any = 0        # the other micro-batches in flight: their layers' and embeddings' saved tensors
+    others_loss: Any = 0   # ... and on a pipeline's last stage their logits and what their loss saved (GPipe)
+    sent: Any = 0          # the previous micro-batch's input gradient a later 1F1B stage's send ops hold
 
 
 def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, later: bool = False) -> Tokens:
@@ -100,7 +102,8 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
     # (under torch's pipeline schedule each micro-batch in flight ran its own forward, whose autocast
     # region cast the weights again: its copies are saved with its activations; trace, llama-3.2-1b
     # (4 layers) --pp 2 bf16-amp, first stage: -3.3% before)
-    casts = ((q.cast_layer + q.gathered_layer) * q.layers - q.cast_checkpointed) * where(q.pipe_batch > 0, inflight, 1)
+    per_forward = where(q.pipe_batch > 0, inflight, 1)  # forwards whose autocast copies are alive
+    casts = ((q.cast_layer + q.gathered_layer) * q.layers - q.cast_checkpointed) * per_forward
     layers = layer * q.layers * inflight + casts
     # LoRA: the first layer's input needs no gradient, so it keeps less (quantities.first_layer_unsaved)
     layers = layers - trunc(q.first_unsaved_tok * n + q.first_unsaved_sq * nsq) * inflight - q.cast_first_free
@@ -108,7 +111,7 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
     outer_rest = trunc(q.outer_rest_tok * n + q.outer_rest_sq * nsq + q.outer_rest_pos * (n // b)
                        + q.outer_rest_ssq * (n // b) ** 2) * inflight
     outer_head = trunc(q.outer_head_tok * n)
-    all_acts = layers + outer_rest + outer_head * inflight + q.cast_head
+    all_acts = layers + outer_rest + outer_head * inflight + q.cast_head * per_forward
     index, value, grads = best_transient(q.transients, n, nsq)
     redo = maximum(0, value - grads + trunc(q.redo_tok * n + q.redo_sq * nsq) + q.redo_const)
     # logits: (b, s, vocab / tp) for LM heads, (b, labels) for classifiers; one loss chunk of them
@@ -136,7 +139,9 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
                   graph_extra=trunc(q.graph_extra_tok * n) * inflight * q.layers,
                   head_chunk=where(q.chunk_head_grads > 0, (full - 2 * chunk) * q.logits_out + q.chunk_head_grads, 0),
                   head_chunk_first=where(q.chunk_head_grads > 0, full * q.logits_out + q.chunk_head_grads // 3, 0),
-                  logits_grad=full * q.logits_out, others=(layers + outer_rest) * (inflight - 1) // inflight)
+                  logits_grad=full * q.logits_out, others=(layers + outer_rest) * (inflight - 1) // inflight,
+                  others_loss=(full * q.logits_held + saved) * (inflight - 1),
+                  sent=trunc(q.pipe_sent_tok * n) if later else 0)
 
 
 def best_transient(tr: Any, n: Any, nsq: Any) -> tuple[Any, Any, Any]:
@@ -229,8 +234,10 @@ def walk(q: Quantities, flags: StepFlags, tk: Tokens, ga: Any, handle_ws: int = 
             valid = (ga > 1) if micro else True
             ws_before = handle_ws if (step == 1 and micro == 0) else 2 * handle_ws
             here = tk_later if micro else tk
+            start, start_ends = len(moments), len(ends)
             _micro_step(q, flags, here, Kept.of(q, flags, here), step, micro, valid, states_before,
                         (ws_before, 2 * handle_ws), moments, ends)
+            _add_others_loss(moments, ends, start, start_ends, here.others_loss, here.sent)
             states_before = states_before or flags.oib
         _optimizer_step(q, flags, tk, Kept.of(q, flags, tk), step, 2 * handle_ws, moments, ends)
     return moments, ends
@@ -423,6 +430,26 @@ def _graph_outlives_backward(flags: StepFlags) -> bool:
     bitsandbytes < 0.43.2 ``MatMul4Bit`` keeps its input as ``ctx.tensors = (A, B)``
     (``autograd/_functions.py`` L522-523 at 0.42.0), which backward does not free."""
     return flags.hold != "loss"
+
+
+def _add_others_loss(moments: list, ends: list, start: int, start_ends: int, extra: Any, sent: Any) -> None:
+    """The other micro-batches' logits and loss tensors, alive through a micro-step on a pipeline's
+    last stage when it keeps several in flight (GPipe runs every micro-batch's forward, and its
+    loss, before the first backward: torch ``schedules.py`` ``ScheduleGPipe._step_microbatches``;
+    the stage keeps each output in ``fwd_cache`` and autograd what each loss saved): added to the
+    logits of the moments and phase ends from ``start`` / ``start_ends`` on (1F1B's last stage has
+    one micro-batch in flight). ``sent``: from the second micro-step on, the previous micro-batch's
+    input gradient that a later 1F1B stage's send ops still reference (``Quantities.pipe_sent_tok``;
+    found by trace: the last stage of --pp 2 was -0.4% to -0.65% once its received input was no
+    longer counted twice), added to the temporaries."""
+    if not any(isinstance(x, np.ndarray) or x for x in (extra, sent)):
+        return
+    for i in range(start, len(moments)):
+        mo = moments[i]
+        parts = mo.parts[:5] + (mo.parts[5] + extra, mo.parts[6] + sent) + mo.parts[7:]
+        moments[i] = mo._replace(parts=parts, logit_parts=(mo.logit_parts[0] + extra,) + mo.logit_parts[1:])
+    for i in range(start_ends, len(ends)):
+        ends[i] = ends[i][:3] + (ends[i][3] + extra + sent,)
 
 
 def _either(a: Any, b: Any) -> Any:

@@ -33,6 +33,8 @@ from .states import (States, block_bytes, default_lora_targets, dtensor_tp, fsdp
                      torch_pipeline)
 
 F32 = 4
+#: ``pp_inflight`` under GPipe: no bound below the step's micro-batches (min(this, grad_accum) = grad_accum)
+GPIPE_INFLIGHT = 1 << 30
 #: outer tensors whose ``tok`` coefficient counts bytes per sequence position (shared by the micro-batch)
 PER_POSITION = ("rotary.cos_sin",)
 HEAD_KEYS = ("final_norm", "lm_head.input", "mlm.transform", "pooler.input", "derived.head_side")
@@ -47,6 +49,7 @@ class Detail:
     outer: tuple[tuple[str, float, float], ...]   # tensors outside the layers: (name, tok, sq)
     comm_name: str
     input_tok: float                              # a layer's input per token (full recompute keeps it)
+    received_tok: float = 0.0                     # of the first layer's saved input, the pipeline's receive buffer
 
 
 @dataclass(eq=False)  # not frozen: built once per setup and cached; nothing changes one afterwards
@@ -60,7 +63,7 @@ class Quantities:
     layer_grads: int       # one layer's gradients
     head_grads: int        # gradients of the head and final norm (first in backward)
     layers: int            # layers on this rank
-    pp_inflight: int       # 1F1B keeps min(pp, grad_accum) micro-batches in flight on the first stage
+    pp_inflight: int       # 1F1B keeps min(pp, grad_accum) micro-batches in flight on the first stage (GPipe all)
     fixed_inflight: int    # micro-batches in flight when fixed (else 0)
     saved_tok: float       # one layer, everything autograd saves
     saved_sq: float
@@ -120,6 +123,7 @@ class Quantities:
     pipe_batch: int = 0    # 1: torch's pipeline schedule takes the whole step's batch (every micro-batch's ids, labels)
     pipe_recv: int = 0     # torch's pipeline receive buffers per micro-batch on this stage (pipeline_buffers)
     pipe_buf_tok: float = 0.0  # ... bytes per token of one
+    pipe_sent_tok: float = 0.0  # 1F1B, a later stage: the previous micro-batch's input gradient its send ops hold
     # ... while the loss and its backward run: the root and the prefetched last layer, or nothing when
     # the loop computes the loss after FSDP2 resharded the root (``root_resharded_for_loss``)
     fsdp_loss_root: int = 0
@@ -258,6 +262,9 @@ def pipeline_buffers(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) -> 
     hidden states between stages). Not Megatron's (``states.torch_pipeline``)."""
     if not torch_pipeline(t):
         return 0, 0.0
+    # (the input gradient a later stage sends back is a tensor of the same kind: under 1F1B the list of
+    # send ops holding it, ``bwd_sends`` in ``Schedule1F1B._step_microbatches``, is rebound only after
+    # the next micro-batch's backward: ``Quantities.pipe_sent_tok``, moments.tokens)
     count = (stage != "first") + (stage != "last")
     return count, m.hidden_size * pol.stream / (t.tp if t.sequence_parallel else 1)
 
@@ -733,7 +740,9 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     redo = redo if top_recomputed else (0.0, 0.0)
     head_here = t.pp == 1 or stage == "last"
     cast_layer, cast_head = _autocast_copies(m, t, st, pol, head_here)
-    first = first_layer_unsaved(t, lc, stage)
+    lora_first = first_layer_unsaved(t, lc, stage)
+    pipe, received = _pipeline_terms(m, t, pol, stage, input_tok)
+    first = lora_first + received
     outer, rest_pos = derived_outer(m, t, stage) if derived else (outer_tensors(m, t, pol, stage), 0.0)
     head_tok, rest_tok, rest_sq, rest_pos = _split_outer(outer, rest_pos)
     loss = loss_bytes(m, t, pol) if head_here else LossBytes()
@@ -750,16 +759,19 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     trans = tuple((a, b, c - w * freed, int(w * gpw)) for (_, a, b, c), w in zip(lc.transients, after))
     if t.offload_activations and trans:
         trans = trans[:-1] + ((trans[-1][0] + offload_previous(input_tok, pol), *trans[-1][1:]),)
-    inflight_fixed = 1 if (t.pp == 1 or stage != "first") else (t.num_microbatches_in_flight or 0)
+    # micro-batches in flight: 1F1B's first stage min(pp, grad_accum) (``pp_inflight``, moments.tokens),
+    # its later stages fewer (the last one); GPipe runs every forward of the step before the first
+    # backward on every stage (torch schedules.py ``ScheduleGPipe._step_microbatches``): all of them
+    gpipe = t.pp > 1 and t.pp_schedule == "gpipe"
+    inflight_fixed = 1 if (t.pp == 1 or (stage != "first" and not gpipe)) else (t.num_microbatches_in_flight or 0)
     head_dq = head_dequant_bytes(m, t)  # the 4-bit LM head: (dequantized + cast, the cast) bytes
-    pipe = pipeline_buffers(m, t, pol, stage)
     return Quantities(
         first_unsaved_tok=sum(a for _, a, _ in first), first_unsaved_sq=sum(b for _, _, b in first),
-        cast_first_free=int(sum(lc.first_free_weights) * 2) if (first and cast_layer) else 0,  # bf16/fp16 copies
+        cast_first_free=int(sum(lc.first_free_weights) * 2) if (lora_first and cast_layer) else 0,  # bf16/fp16 copies
         fixed=st.weights + st.buffers + st.master + comm, grads=0 if oib else st.grads,
         grads_loaded=(0 if oib else st.grads) if t.distributed_optimizer else 0, states=st.optimizer + st.step_tensors,
         layer_grads=0 if oib else st.layer_grads, head_grads=0 if oib else st.head_grads, layers=layers,
-        pp_inflight=t.pp, fixed_inflight=inflight_fixed, saved_tok=lc.tok, saved_sq=lc.sq,
+        pp_inflight=GPIPE_INFLIGHT if gpipe else t.pp, fixed_inflight=inflight_fixed, saved_tok=lc.tok, saved_sq=lc.sq,
         kept_tok=kept[0], kept_sq=kept[1], redo_tok=redo[0], redo_sq=redo[1],
         redo_const=cast_layer if (checkpointed and top_recomputed) else 0, held_tok=lc.held, cache_tok=lc.cache,
         outer_head_tok=head_tok, outer_rest_tok=rest_tok, outer_rest_sq=rest_sq, outer_rest_pos=rest_pos,
@@ -786,8 +798,8 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         outer_rest_ssq=derived_outer_ssq(m, t, stage) if derived else 0.0,
         lower_layers=m.num_layers - m.decoder_layers if m.is_encoder_decoder and t.pp == 1 else 0,
         input_tok=input_bytes(m, t)[0], input_sample=input_bytes(m, t)[1],
-        pipe_batch=int(torch_pipeline(t)), pipe_recv=pipe[0], pipe_buf_tok=pipe[1],
-        detail=Detail(st, lc, outer, comm_name, input_tok))
+        **pipe,
+        detail=Detail(st, lc, outer, comm_name, input_tok, sum(a for _, a, _ in received)))
 
 
 def _autocast_copies(m: ModelSpec, t: TrainingSpec, st: States, pol: Policy, head_here: bool) -> tuple[int, int]:
@@ -808,6 +820,22 @@ def _autocast_copies(m: ModelSpec, t: TrainingSpec, st: States, pol: Policy, hea
     # the head's copies: one, or one per loss chunk for a frozen head (``head_casts``)
     cast_head = st.head_matmul_half * head_casts(m, t) if pol.amp and not sharded and head_here else 0
     return cast_layer, cast_head
+
+
+def _pipeline_terms(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str, input_tok: float
+                    ) -> tuple[dict[str, Any], tuple[tuple[str, float, float], ...]]:
+    """torch.distributed.pipelining's terms of one stage (none off it, or under Megatron's):
+    the ``Quantities`` fields (``pipe_batch``, ``pipe_recv``, ``pipe_buf_tok``, ``pipe_sent_tok``)
+    and what the first layer does not save beyond the inputs. A later stage's first layer saves its
+    input, the receive buffer itself (the stage runs on it: torch ``stage.py``
+    ``_retrieve_recv_activations``), counted with the inputs (``pipeline_buffers``). Found by trace:
+    llama-3.2-1b (4 layers) --pp 2 --pp-schedule gpipe --grad-accum 8, fp32, last stage +0.7% before
+    (one (b, s, h) per micro-batch in flight)."""
+    count, per_tok = pipeline_buffers(m, t, pol, stage)
+    later = torch_pipeline(t) and stage != "first"
+    received = (("pipeline.received_input", input_tok, 0.0),) if later else ()
+    return {"pipe_batch": int(torch_pipeline(t)), "pipe_recv": count, "pipe_buf_tok": per_tok,
+            "pipe_sent_tok": per_tok if (later and t.pp_schedule == "1f1b") else 0.0}, received
 
 
 def _split_outer(outer: list[tuple[str, float, float]], rest_pos: float) -> tuple[float, float, float, float]:

@@ -157,12 +157,15 @@ def _check_pp(t: TrainingSpec, spec: Any, device: str, what: str) -> None:
     if t.dp > 1 or t.tp > 1 or t.fsdp is not None:
         raise TrainmemError(f"trace {what}: pipeline parallelism is traced alone, not with --dp, --tp or --fsdp; "
                             "use estimate for those layouts")
-    if t.grad_accum < t.pp:
+    if t.grad_accum < t.pp and t.pp_schedule == "1f1b":
         raise TrainmemError(f"trace {what} with --grad-accum {t.grad_accum}: torch's Schedule1F1B needs at least as "
-                            f"many micro-batches as stages (schedules.py); use --grad-accum {t.pp} or more")
-    if t.num_microbatches_in_flight not in (None, t.pp):
+                            f"many micro-batches as stages (schedules.py); use --grad-accum {t.pp} or more, or "
+                            "--pp-schedule gpipe")
+    inflight = t.pp if t.pp_schedule == "1f1b" else t.grad_accum
+    if t.num_microbatches_in_flight not in (None, inflight):
         raise TrainmemError(f"trace {what} with --num-microbatches-in-flight {t.num_microbatches_in_flight}: trace "
-                            f"runs torch's Schedule1F1B, whose first stage keeps {t.pp} in flight; drop it")
+                            f"runs torch's {t.pp_schedule} schedule, whose first stage keeps {inflight} in flight; "
+                            "drop it")
     refused = [(t.lora_rank, "--lora-rank (peft's wrapper around the stage split)"),
                (t.quantize, "--quantize"), (t.loss_chunks > 1 or t.loss in ("chunked", "fused"), "a chunked loss"),
                (t.hold_output != "loss", f"--hold-output {t.hold_output} (the schedule returns no output to the "
