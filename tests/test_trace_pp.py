@@ -118,6 +118,9 @@ def test_a_model_without_the_split_is_refused():
     gpt2 = ["n_layer=2", "n_embd=64", "n_head=4", "vocab_size=1000", "n_positions=128"]
     with pytest.raises(TrainmemError, match="pipeline split is written for Llama"):
         trace("gpt2", set=gpt2, batch_size=2, seq_len=64, pp=2, grad_accum=2)
+    with pytest.raises(TrainmemError, match="not a llama seq-cls model"):  # the split's last stage is an LM head
+        trace("llama-3.2-1b", set=SMALL, task="sequence-classification", batch_size=2, seq_len=64, pp=2,
+              grad_accum=2)
 
 
 def test_the_command_line_traces_both_stages_and_refuses_in_one_line(capsys):

@@ -36,7 +36,7 @@ STEP_PHASES = ("forward", "backward", "optimizer_step", "zero_grad")
 def check_supported(t: TrainingSpec, what: str = "trace") -> None:
     """Refuse the setups a run cannot execute. ``trace`` runs one GPU, or data and tensor parallelism
     (DDP, FSDP2 with ``--fsdp``, ``--tp`` with or without ``--sequence-parallel``) and pipeline
-    parallelism (``--pp``, torch's Schedule1F1B) on a fake process group in one process
+    parallelism (``--pp``, torch's Schedule1F1B or ScheduleGPipe) on a fake process group in one process
     (``trainmem.trace.distributed``); no context parallelism.
     ``measure`` runs data and tensor parallelism through PyTorch's own wrappers, one process per rank
     (``trainmem.measure.distributed``), without sequence parallelism."""

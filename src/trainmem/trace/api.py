@@ -456,7 +456,8 @@ def _warnings(tracker: Tracker, spec: ModelSpec | None, training: TrainingSpec |
         warnings.append(f"{emulation.host_reads} copy(ies) of device tensors to the host returned zeros")
     if oom is not None:
         warnings.append(f"simulated out of memory: {oom}")
-    if spec is not None and training is not None and training.grad_accum > TRACED_MICRO_BATCHES:
+    if spec is not None and training is not None and training.grad_accum > TRACED_MICRO_BATCHES \
+            and training.pp == 1:  # a pipeline schedule runs every micro-batch
         warnings.append(f"traced {TRACED_MICRO_BATCHES} of the {training.grad_accum} micro-batches of each step: "
                         f"the later ones repeat micro-batch {TRACED_MICRO_BATCHES}'s allocations and frees")
     return warnings

@@ -150,10 +150,10 @@ def _check_pp(t: TrainingSpec, spec: Any, device: str, what: str) -> None:
     PipelineTrainStep`` (torch's ``Schedule1F1B``, one stage per rank) do not run."""
     if device != "cuda" or spec is None:
         return  # refused below with the data-parallel setups' reasons
-    if spec.model_type not in PP_MODEL_TYPES:
+    if spec.model_type not in PP_MODEL_TYPES or spec.head != "causal-lm":
         raise TrainmemError(f"trace {what}: the pipeline split is written for Llama, Mistral and Qwen2 (embeddings, "
-                            f"decoder layers, final norm and head of a causal LM), not {spec.model_type} "
-                            f"({spec.name}); use estimate")
+                            f"decoder layers, final norm and head of a causal LM), not a {spec.model_type} "
+                            f"{spec.head} model ({spec.name}); use estimate")
     if t.dp > 1 or t.tp > 1 or t.fsdp is not None:
         raise TrainmemError(f"trace {what}: pipeline parallelism is traced alone, not with --dp, --tp or --fsdp; "
                             "use estimate for those layouts")
