@@ -80,6 +80,8 @@ class Tokens:
     head_chunk_first: Any = 0  # ... at the first chunk's head backward: every chunk's logits gradient, one weight gradient
     logits_grad: Any = 0   # the gradient of the logits (their dtype), when the loss's backward hands it on
     others: Any = 0        # the other micro-batches in flight: their layers' and embeddings' saved tensors
+    others_layers: Any = 0  # ... of it, their layers'
+    others_head: Any = 0   # ... and their final norm / head input (the last stage)
     others_loss: Any = 0   # ... and on a pipeline's last stage their logits and what their loss saved (GPipe)
     sent: Any = 0          # the previous micro-batch's input gradient a later 1F1B stage's send ops hold
 
@@ -140,6 +142,7 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
                   head_chunk=where(q.chunk_head_grads > 0, (full - 2 * chunk) * q.logits_out + q.chunk_head_grads, 0),
                   head_chunk_first=where(q.chunk_head_grads > 0, full * q.logits_out + q.chunk_head_grads // 3, 0),
                   logits_grad=full * q.logits_out, others=(layers + outer_rest) * (inflight - 1) // inflight,
+                  others_layers=layers * (inflight - 1) // inflight, others_head=outer_head * (inflight - 1),
                   others_loss=(full * q.logits_held + saved) * (inflight - 1),
                   sent=trunc(q.pipe_sent_tok * n) if later else 0)
 
@@ -351,21 +354,24 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     # the layer's transient; a tied head's gradient waits in autograd's input buffer meanwhile
     temp = maximum(tk.redo, q.oib_mid) + q.tied_grad
     top = grads_before + head_grads + layer_grads
+    # a pipeline stage's other micro-batches in flight keep all their layers' tensors and their head side
+    own_layers, others_all = tk.layers - tk.others_layers, tk.others_layers + tk.others_head
     moments.append(_mo("backward", micro, step, "layer.top",
-                       (top, states_mid, tk.inputs, ws2, tk.layers + tk.outer_rest, temp),
+                       (top, states_mid, tk.inputs, ws2, tk.layers + tk.outer_rest + tk.others_head, temp),
                        (kept.logits, kept.kv_forward, 0), valid, own, comm=root + 2 * buf))
     above = where(fresh, (q.layers - 1) * q.layer_grads, 0)    # the layers above, reduced to shards
     bottom = grads_before + head_grads + above + layer_grads
     low_graph = tk.graph - tk.graph_layer + tk.graph_extra_layer
     moments.append(_mo("backward", micro, step, "layer.bottom",
-                       (bottom, states_mid, tk.inputs, ws2, tk.layers // q.layers + tk.outer_rest, temp),
+                       (bottom, states_mid, tk.inputs, ws2, own_layers // q.layers + others_all + tk.outer_rest, temp),
                        (kept.logits, kept.kv_low, 0), _both(valid, q.layers > 1), low_graph, comm=root + buf + rs))
     # an encoder-decoder: the decoder's first layer's backward, with every encoder layer's kept
     # tensors still alive (the encoder's backward comes after the decoder's)
     lower = q.lower_layers
     mid = grads_before + head_grads + where(fresh, (q.layers - lower - 1) * q.layer_grads, 0) + layer_grads
     moments.append(_mo("backward", micro, step, "layer.decoder_bottom",
-                       (mid, states_mid, tk.inputs, ws2, tk.layers * (lower + 1) // q.layers + tk.outer_rest, temp),
+                       (mid, states_mid, tk.inputs, ws2, own_layers * (lower + 1) // q.layers + others_all + tk.outer_rest,
+                        temp),
                        (kept.logits, kept.kv_low, 0), _both(valid, lower > 0), low_graph, comm=root + buf + rs))
     # the embedding's gradient and the out-of-place sum join the head's part in the input buffer
     tied = q.tied_grad
@@ -382,10 +388,12 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
                            if flags.fsdp_sync else 0)
     # tk.others: a pipeline stage's other micro-batches in flight keep their activations meanwhile
     moments.append(_mo("backward", micro, step, "embeddings.backward",
-                       (emb_grads, states_mid, tk.inputs, ws2, tk.others, temp_emb), (kept.logits, kept.kv_end, 0),
+                       (emb_grads, states_mid, tk.inputs, ws2, tk.others + tk.others_head, temp_emb),
+                       (kept.logits, kept.kv_end, 0),
                        _both(valid, _either(tied > 0, emb_new > 0)), tk.graph, comm=root + rs))
     moments.append(_mo("backward", micro, step, "backward.end",
-                       (q.grads, states_mid, tk.inputs, ws2, tk.others, q.oib_end), (kept.logits, kept.kv_end, 0),
+                       (q.grads, states_mid, tk.inputs, ws2, tk.others + tk.others_head, q.oib_end),
+                       (kept.logits, kept.kv_end, 0),
                        valid, tk.graph))
 
 
