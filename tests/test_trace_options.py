@@ -39,12 +39,22 @@ CASES = [
     ({"fsdp": "hybrid", "dp": 4, "fsdp_node_size": 2}, REFUSED, "--fsdp hybrid"),
     ({"dp": 2, "ddp_bucket_mb": 1.0}, "same", "the cap regroups DDP's buckets, which together are as large as the "
                                               "gradients (vs --dp 2 alone)"),
-    ({"tp": 2}, CHANGED, ""), ({"pp": 2}, REFUSED, "--pp 2"), ({"cp": 2}, REFUSED, "--cp 2"),
+    ({"tp": 2}, CHANGED, ""), ({"cp": 2}, REFUSED, "--cp 2"),
+    # pipeline parallelism: torch's Schedule1F1B on the fake group (vs --grad-accum 2 alone, REFERENCE)
+    ({"pp": 2, "grad_accum": 2}, CHANGED, ""), ({"pp": 2}, REFUSED, "--grad-accum 1"),
+    ({"pp": 2, "grad_accum": 2, "tp": 2}, REFUSED, "--pp 2 --tp 2"),
+    ({"pp": 2, "grad_accum": 2, "lora_rank": 8}, REFUSED, "--lora-rank"),
+    ({"pp": 2, "grad_accum": 2, "hold_output": "step"}, REFUSED, "--hold-output step"),
+    ({"pp_schedule": "gpipe", "pp": 2, "grad_accum": 2}, CHANGED, ""),  # vs 1F1B (REFERENCE)
+    ({"pp_schedule": "gpipe", "pp": 2, "grad_accum": 2, "num_microbatches_in_flight": 1}, REFUSED,
+     "--num-microbatches-in-flight 1"),
     # expert parallelism and the routing imbalance need experts; on Mixtral (tests/test_moe.py) trace refuses
     # --ep and runs --moe-imbalance as the GPU would: grouped_mm's rows do not depend on the routing
     ({"ep": 2, "dp": 2}, REFUSED, "--ep 2"), ({"moe_imbalance": 2.0}, REFUSED, "--moe-imbalance 2"),
     ({"tp": 2, "sequence_parallel": True}, CHANGED, ""),  # vs --tp 2 alone
-    ({"pp": 2, "num_microbatches_in_flight": 2}, REFUSED, "--pp 2"),
+    ({"num_microbatches_in_flight": 2, "pp": 2, "grad_accum": 2}, "same",
+     "2 is what 1F1B keeps in flight on the first of 2 stages, the schedule trace runs (vs without it)"),
+    ({"num_microbatches_in_flight": 1, "pp": 2, "grad_accum": 2}, REFUSED, "--num-microbatches-in-flight 1"),
     ({"distributed_optimizer": True, "dp": 2}, REFUSED, "--distributed-optimizer"),
     ({"offload_optimizer": True, "zero": 2, "dp": 2}, REFUSED, "--offload-optimizer"),
     ({"optimizer_bucket_mb": 64.0, "distributed_optimizer": True, "dp": 2}, REFUSED, "--distributed-optimizer"),
@@ -86,7 +96,9 @@ CASES = [
 REFERENCE = {"fsdp_lora_units": {"lora_rank": 8}, "ddp_bucket_mb": {"dp": 2}, "sequence_parallel": {"tp": 2},
              "quantize": {"lora_rank": 8}, "quantize_via": {"lora_rank": 8, "quantize": "nf4"},
              "bitsandbytes_version": {"lora_rank": 8, "quantize": "nf4"},
-             "grad_sync": {"grad_accum": 2, "fsdp": "full", "dp": 2}, "offload_activations": {"recompute": "full"}}
+             "grad_sync": {"grad_accum": 2, "fsdp": "full", "dp": 2}, "offload_activations": {"recompute": "full"},
+             "pp": {"grad_accum": 2}, "num_microbatches_in_flight": {"pp": 2, "grad_accum": 2},
+             "pp_schedule": {"pp": 2, "grad_accum": 2}}
 GPT2_CASES = [({"dropout": False}, CHANGED, "")]
 #: an encoder-decoder's decoder length and an image model's image size (their own baselines)
 T5 = ["num_layers=1", "num_decoder_layers=1", "d_model=64", "d_ff=128", "num_heads=4", "d_kv=16", "vocab_size=1000"]

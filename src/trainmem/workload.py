@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
@@ -34,11 +35,13 @@ STEP_PHASES = ("forward", "backward", "optimizer_step", "zero_grad")
 
 def check_supported(t: TrainingSpec, what: str = "trace") -> None:
     """Refuse the setups a run cannot execute. ``trace`` runs one GPU, or data and tensor parallelism
-    (DDP, FSDP2 with ``--fsdp``, ``--tp`` with or without ``--sequence-parallel``) on a fake process
-    group in one process (``trainmem.trace.distributed``); no pipeline or context parallelism.
+    (DDP, FSDP2 with ``--fsdp``, ``--tp`` with or without ``--sequence-parallel``) and pipeline
+    parallelism (``--pp``, torch's Schedule1F1B or ScheduleGPipe) on a fake process group in one process
+    (``trainmem.trace.distributed``); no context parallelism.
     ``measure`` runs data and tensor parallelism through PyTorch's own wrappers, one process per rank
     (``trainmem.measure.distributed``), without sequence parallelism."""
-    bad = [f"--{key} {getattr(t, key)}" for key in ("pp", "cp", "ep") if getattr(t, key) != 1]
+    bad = [f"--{key} {getattr(t, key)}" for key in ("pp", "cp", "ep")
+           if getattr(t, key) != 1 and not (key == "pp" and what == "trace")]
     if t.zero_stage and t.fsdp is None:
         bad.append(f"ZeRO stage {t.zero_stage} (DeepSpeed)")
     if t.sequence_parallel and what != "trace":
@@ -49,7 +52,8 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
         bad.append("--distributed-optimizer")
     if bad:
         sp = ", --sequence-parallel" if what == "trace" else ""
-        raise TrainmemError(f"{what} runs DDP (--dp), FSDP (--fsdp over --dp) and tensor parallelism (--tp{sp}) "
+        pp = ", pipeline parallelism (--pp)" if what == "trace" else ""
+        raise TrainmemError(f"{what} runs DDP (--dp), FSDP (--fsdp over --dp){pp} and tensor parallelism (--tp{sp}) "
                             "through torch.distributed; not supported: " + ", ".join(bad) +
                             " (use `estimate` for those)")
     if t.optimizer in EXTERNAL_OPTIMIZERS:
@@ -468,12 +472,92 @@ def _chunked_output_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torc
     return logits, total / labels.numel()
 
 
+class PipelineTrainStep(TrainStep):
+    """The training step of one pipeline stage (``--pp``), as torchtitan's trainer runs it
+    (torchtitan ``train.py`` ``forward_backward_step``, the ``pp_enabled`` branch): the whole batch
+    of ``grad_accum`` micro-batches (input ids and labels, on every stage) goes to
+    ``schedule.step(ids, target=labels, losses=losses, return_outputs=False)`` (the first stage
+    passes the ids, the others only the target), the schedule (torch
+    ``distributed/pipelining/schedules.py`` ``Schedule1F1B``, or ``ScheduleGPipe`` with
+    ``pp_schedule="gpipe"``) splits it into micro-batches and runs their forwards and backwards in
+    its order; then ``optimizer.step()`` and ``zero_grad``.
+
+    ``model`` is a :class:`trainmem.wrappers.PipelineStageModule`. Its ``PipelineStage`` is given
+    example input and output tensors (``input_args``, ``output_args``: the ids (b, s) or hidden
+    states (b, s, h) in, hidden states or logits out), so no metadata is exchanged between ranks
+    (static mode, ``stage.py`` ``PipelineStage``). The loss is the schedule's ``loss_fn`` on the
+    last stage (:meth:`pipeline_loss`); with autocast each stage forward and the loss run in their
+    own autocast region, as the model call and its loss do on one GPU."""
+
+    def __init__(self, model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec, device: str,
+                 on_phase: Callable[[str, int, int | None], None] | None = None, what: str = "trace") -> None:
+        super().__init__(model, spec, t, device, on_phase=on_phase, what=what)
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        if self.amp is not None:
+            ctx = torch.autocast("cuda" if device == "cuda" else "cpu", dtype=self.amp)
+            # the hooks return None: the inputs and the output unchanged
+            model.register_forward_pre_hook(lambda *a: (ctx.__enter__(), None)[1])
+            model.register_forward_hook(lambda *a: (ctx.__exit__(None, None, None), None)[1], always_call=True)
+        stage = model.stage_index
+        self.stage = PipelineStage(model, stage, t.pp, torch.device(device), input_args=self._example(stage, True),
+                                   output_args=self._example(stage, False))
+        # every rank passes the loss: the schedule runs backward only with one (``_has_backward``)
+        schedule = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[t.pp_schedule]
+        self.schedule = schedule(self.stage, t.grad_accum, loss_fn=self.pipeline_loss)
+        self.micro_batches = t.grad_accum
+
+    def _example(self, stage: int, inputs: bool) -> torch.Tensor:
+        """An example (meta) tensor of one micro-batch at the stage's input or output: the ids
+        (b, s) int64 into the first stage, the logits (b, s, vocab) out of the last, hidden states
+        (b, s, h) in the residual stream's dtype (fp32 under autocast) between stages."""
+        t, spec = self.training, self.spec
+        b, s = t.batch_size, t.seq_len
+        if inputs and stage == 0:
+            return torch.empty(b, s, dtype=torch.long, device="meta")
+        half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision, torch.float32)
+        if not inputs and stage == t.pp - 1:
+            return torch.empty(b, s, spec.vocab_size, dtype=self.amp or half, device="meta", requires_grad=True)
+        return torch.empty(b, s, spec.hidden_size, dtype=half, device="meta", requires_grad=True)
+
+    def pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The loss of one micro-batch on the last stage, as ``forward_loss`` computes it from the
+        logits: the model's own loss function (transformers' ``ForCausalLMLoss``: upcast, labels
+        shifted) or ``--loss upcast`` / ``half`` cross-entropy."""
+        t = self.training
+        with self.autocast():
+            if t.loss is None:
+                return self.model.loss_function(logits=logits, labels=labels, vocab_size=self.spec.vocab_size)
+            logits = logits.float() if t.loss == "upcast" else logits
+            if t.loss_shift == "logits":
+                logits, labels = logits[..., :-1, :].contiguous(), labels[..., 1:]
+            return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+    def _step(self, i: int) -> None:
+        t = self.training
+        b = replace(t, batch_size=t.batch_size * t.grad_accum)
+        self.state["batch"] = model_batch(self.spec, b, self.device)  # every stage holds the whole batch
+        ids, labels = self.state["batch"]["input_ids"], self.state["batch"]["labels"]
+        last = self.model.last
+        losses: list[torch.Tensor] | None = [] if last else None
+        args = (ids,) if self.model.first else ()
+        self.schedule.step(*args, target=labels if last else None, losses=losses, return_outputs=False)
+        self.state["losses"] = losses
+        self._mark("backward", i, None)
+        self.optimizer.step()
+        self._mark("optimizer_step", i, None)
+        self.optimizer.zero_grad(set_to_none=t.zero_grad == "none")
+        self._mark("zero_grad", i, None)
+
+
 def hf_step(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec, device: str,
             on_phase: Callable[[str, int, int | None], None] | None = None,
             what: str = "trace", micro_batches: int | None = None) -> tuple[Any, Callable[[int], None]]:
     """``(optimizer, step)`` for a transformers model: ``step(i)`` runs training step ``i``.
     ``micro_batches``: run at most that many of the ``grad_accum`` micro-batches per step (the
     loss is still divided by ``grad_accum``)."""
+    if t.pp > 1:  # the schedule runs every micro-batch: 1F1B's order is what sets the peak
+        step = PipelineTrainStep(model, spec, t, device, on_phase=on_phase, what=what)
+        return step.optimizer, step
     step = TrainStep(model, spec, t, device, on_phase=on_phase, what=what)
     if micro_batches is not None:
         step.micro_batches = min(step.micro_batches, micro_batches)

@@ -226,7 +226,8 @@ def wrap(module: torch.nn.Module, spec: Any, t: TrainingSpec, device_mesh: Any, 
 
 def wrapper_name(t: TrainingSpec) -> str:
     """The wrappers of the layout in words (``DDP over 8``, ``FSDP2 fully_shard full over 8``)."""
-    parts = []
+    schedule = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe"}[t.pp_schedule]
+    parts = [f"pipeline ×{t.pp} (torch.distributed.pipelining {schedule}, one stage per rank)"] if t.pp > 1 else []
     if t.tp > 1:
         parts.append(f"tensor parallel ×{t.tp}" + (" with sequence parallelism" if t.sequence_parallel else "")
                      + " (parallelize_module)")
@@ -236,3 +237,69 @@ def wrapper_name(t: TrainingSpec) -> str:
     elif t.dp > 1:
         parts.append(f"DDP over {t.dp}")
     return ", ".join(parts) or "none"
+
+
+# ----- pipeline parallelism -------------------------------------------------------------------------
+#: model types whose transformers body (``model.model``) takes ``inputs_embeds`` and runs its layers,
+#: rotary embeddings and final norm as torchtitan's Llama does: the pipeline split below applies
+PP_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+def stage_layers(num_layers: int, pp: int, stage: int) -> tuple[int, int]:
+    """The decoder layers ``[lo, hi)`` of pipeline stage ``stage`` of ``pp``: an even split, as
+    torchtitan's ``pipeline_module_split`` with one stage per rank and the layers dividing evenly
+    (``spec.layout`` refuses ``--pp`` that does not divide the layers)."""
+    per = num_layers // pp
+    return stage * per, (stage + 1) * per
+
+
+class PipelineStageModule(torch.nn.Module):
+    """One pipeline stage of a transformers decoder-only causal LM, split as torchtitan splits its
+    Llama (pytorch/torchtitan ``torchtitan/distributed/pipeline_parallel.py``
+    ``pipeline_module_split``: a copy of the model per stage with the modules of other stages set to
+    None; ``models/llama3/model/model.py`` ``Transformer.forward`` skips a None ``tok_embeddings``,
+    ``norm`` and ``output``): the first stage keeps the token embeddings, every stage its own decoder
+    layers and the rotary embedding (buffers only), the last stage the final norm and the output
+    head. ``forward`` takes token ids (first stage) or the previous stage's hidden states (b, s, h)
+    and returns hidden states, or the logits (b, s, vocab) on the last stage; the loss is the
+    schedule's ``loss_fn``. The body runs without a KV cache (``use_cache=False``), as the
+    pipelined models of torchtitan and Megatron-LM have none."""
+
+    def __init__(self, model: torch.nn.Module, spec: Any, pp: int, stage: int) -> None:
+        super().__init__()
+        body, head = _body_and_head(model)
+        lo, hi = stage_layers(spec.num_layers, pp, stage)
+        self.stage_index, self.first, self.last = stage, stage == 0, stage == pp - 1
+        body.layers = torch.nn.ModuleList(list(body.layers)[lo:hi])
+        if not self.first:
+            body.embed_tokens = None  # transformers' body embeds only when given no inputs_embeds
+        if not self.last:
+            body.norm = torch.nn.Identity()
+        self.model = body                      # named as in the causal LM, so module names match it
+        self.lm_head = head if self.last else None
+        self.loss_function = getattr(model, "loss_function", None)
+        self.vocab_size = spec.vocab_size
+
+    @property
+    def returns_logits(self) -> bool:
+        """Whether the stage's output is the logits (the last stage), else hidden states (the trace's
+        tracker names the outermost module's output ``logits`` only when this is true)."""
+        return self.last
+
+    def activation_checkpointing_enable(self, checkpointing_kwargs: Any = None) -> None:
+        """transformers' gradient checkpointing on this stage's layers (the body's method)."""
+        body = self.model
+        (getattr(body, "activation_checkpointing_enable", None) or body.gradient_checkpointing_enable)(
+            checkpointing_kwargs)
+
+    gradient_checkpointing_enable = activation_checkpointing_enable
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kw = {"input_ids": x} if self.first else {"inputs_embeds": x}
+        hidden = self.model(**kw, use_cache=False).last_hidden_state
+        return self.lm_head(hidden) if self.last else hidden
+
+
+def pipeline_stage_module(module: torch.nn.Module, spec: Any, pp: int, stage: int) -> PipelineStageModule:
+    """The causal LM cut to pipeline stage ``stage`` of ``pp`` (:class:`PipelineStageModule`)."""
+    return PipelineStageModule(module, spec, pp, stage)

@@ -8,7 +8,7 @@ from typing import Any, Callable
 from ..spec.frameworks import FRAMEWORKS
 from ..spec.tasks import TASKS
 from ..spec.training import (ATTENTION, FSDP_LORA_UNITS, FSDP_MODES, GRAD_SYNC, HOLD_OUTPUT, OPTIMIZER_IMPLS,
-                             OPTIMIZERS, PRECISIONS,
+                             OPTIMIZERS, PP_SCHEDULES, PRECISIONS,
                              RECOMPUTE, ZERO_GRAD, LOSSES, LOSS_SHIFTS, MASTER_WEIGHTS)
 
 
@@ -115,6 +115,9 @@ def add_training(g: Any) -> None:
         g.add_argument(f"--{k}", type=positive_int, default=1,
                        help={"dp": "data-parallel size", "tp": "tensor-parallel size",
                              "pp": "pipeline-parallel size", "cp": "context-parallel size"}[k])
+    g.add_argument("--pp-schedule", choices=PP_SCHEDULES, default=None,
+                   help="pipeline schedule under --pp: 1f1b (default; the first stage keeps pp micro-batches in "
+                        "flight) or gpipe (every stage keeps all --grad-accum micro-batches until its backwards)")
     g.add_argument("--sequence-parallel", action="store_true")
     _add_moe(g)
     _add_recompute(g)
@@ -236,7 +239,7 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
     opts = dict(batch_size=a.batch_size, seq_len=a.seq_len, grad_accum=a.grad_accum, precision=a.precision,
                 optimizer=a.optimizer, optimizer_impl=a.optimizer_impl, zero=a.zero, fsdp=a.fsdp,
                 offload_optimizer=a.offload_optimizer, distributed_optimizer=a.distributed_optimizer,
-                dp=a.dp, tp=a.tp, pp=a.pp, cp=a.cp, ep=a.ep, moe_imbalance=a.moe_imbalance,
+                dp=a.dp, tp=a.tp, pp=a.pp, pp_schedule=a.pp_schedule, cp=a.cp, ep=a.ep, moe_imbalance=a.moe_imbalance,
                 sequence_parallel=a.sequence_parallel,
                 recompute=a.recompute, recompute_every=a.recompute_every, attention=a.attention, compile=a.compile,
                 offload_activations=a.offload_activations,

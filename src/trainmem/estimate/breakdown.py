@@ -135,27 +135,35 @@ def activations(q: Quantities, tk: Tokens, at_peak: int, t: TrainingSpec, n: int
     if ssq:  # encoder-decoders: T5's (s, s) position buckets and its per-layer (1, heads, s, s) bias
         listed.append(Component("activations.derived.per_position_squared", ACTIVATIONS, ssq * tk.inflight, None,
                                 "tensors sized by the sequence squared, shared by the micro-batch"))
+    # under torch's pipeline schedule each micro-batch in flight has its own autocast copies (moments.tokens)
+    per_forward = tk.inflight if q.pipe_batch else 1
     if q.cast_head and complete:
-        listed.append(Component("activations.autocast_weight_copies.head", ACTIVATIONS, q.cast_head, half,
-                                "half copy of the LM head weight saved by its matmul"))
+        listed.append(Component("activations.autocast_weight_copies.head", ACTIVATIONS, q.cast_head * per_forward,
+                                half, "half copy of the LM head weight saved by its matmul"))
     per_rank = q.layers * tk.inflight
+    # a later pipeline stage's first layer saves the receive buffer, counted with the inputs
+    received = int(q.detail.received_tok * n) * tk.inflight
     if t.recompute == "full" and t.recompute_every > 1:
         listed.append(Component("activations.layers.kept", ACTIVATIONS, tk.layer * per_rank, None,
                                 f"every {t.recompute_every}th layer keeps only its input, the others everything"))
     elif t.recompute in ("full", "op"):
         stream = "fp32" if t.weight_bytes == 4 else half  # the residual stream's dtype
         inputs = int(q.detail.input_tok * n) if t.recompute == "op" else tk.layer
-        if inputs:  # none with --offload-activations: the inputs are in CPU memory
-            listed.append(Component("activations.layers.checkpointed_inputs", ACTIVATIONS, inputs * per_rank,
-                                    stream, f"{t.recompute} recompute keeps each layer's input"))
+        if inputs * per_rank - received:  # none with --offload-activations: the inputs are in CPU memory
+            listed.append(Component("activations.layers.checkpointed_inputs", ACTIVATIONS,
+                                    inputs * per_rank - received, stream,
+                                    f"{t.recompute} recompute keeps each layer's input"))
         if tk.layer - inputs:
             listed.append(Component("activations.layers.op_saved", ACTIVATIONS, (tk.layer - inputs) * per_rank, None,
                                     "outputs torchtitan's per-op policy saves: every other matmul, the SDPA kernel"))
     else:
         first = {}  # LoRA: what the first layer does not save (quantities.first_layer_unsaved)
-        if q.first_unsaved_tok or q.first_unsaved_sq:
+        if q.first_unsaved_tok - q.detail.received_tok or q.first_unsaved_sq:
             for name, a, b in q.detail.layer.first_unsaved:
                 first[name] = first.get(name, 0) + int(a * n + b * nsq) * tk.inflight
+        if received and q.detail.layer.parts:  # the layer's first op saves its input
+            name = q.detail.layer.parts[0][0]
+            first[name] = first.get(name, 0) + received
         for name, a, b in q.detail.layer.parts:
             v = int(a * n) + (0 if t.recompute == "selective" else int(b * nsq))
             if v * per_rank - first.get(name, 0):
@@ -163,7 +171,7 @@ def activations(q: Quantities, tk: Tokens, at_peak: int, t: TrainingSpec, n: int
                                         "saved per layer x layers on this rank x micro-batches in flight"))
     if q.cast_layer and not q.cast_checkpointed:
         listed.append(Component("activations.autocast_weight_copies.layers", ACTIVATIONS,
-                                q.cast_layer * q.layers - q.cast_first_free, half,
+                                (q.cast_layer * q.layers - q.cast_first_free) * per_forward, half,
                                 "half copies of matmul weights cast by autocast, saved for backward"))
     if q.gathered_layer:
         listed.append(Component("communication.fsdp_gathered_layers", COMMUNICATION, q.gathered_layer * q.layers,

@@ -74,10 +74,11 @@ def estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str, handle_ws: int = C
     b, ga = t.batch_size, t.grad_accum
     n = b * (t.seq_len // t.cp)      # tokens on this rank
     nsq = n * t.seq_len              # token x key pairs (context parallelism sees every key)
-    tk = tokens(q, flags, n, nsq, b, ga)
-    moments, ends = walk(q, flags, tk, ga, handle_ws)
+    tk, tk_later = tokens(q, flags, n, nsq, b, ga), tokens(q, flags, n, nsq, b, ga, later=True)
+    moments, ends = walk(q, flags, tk, ga, handle_ws, tk_later)
     total, i, totals = peak(moments, q.fixed)
     mo = moments[i]
+    tk = tk_later if mo.micro else tk  # the terms of the peak's micro-step
     rep = MemoryReport(source="estimate", method="trainmem",
                        components=components(q, tk, mo, t, n, nsq, m, handle_ws),
                        phases=phases(moments, totals, ends, ga), peak_allocated=total,
@@ -174,7 +175,7 @@ def _stage_arrays(m: ModelSpec, base: TrainingSpec, cols: dict[str, np.ndarray],
     nsq = n * s
     flags = StepFlags.of(m, base)
     tk = tokens(q, flags, n, nsq, b, ga)
-    moments, _ = walk(q, flags, tk, ga, handle_ws)
+    moments, _ = walk(q, flags, tk, ga, handle_ws, tokens(q, flags, n, nsq, b, ga, later=True))
     total, _, _ = peak(moments, q.fixed)
     params = np.array([x[3] for x in shapes], dtype=np.int64)[inv]
     return {"peak_allocated": np.asarray(total, dtype=np.int64), "params_rank": params}

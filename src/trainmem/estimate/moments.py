@@ -84,23 +84,41 @@ class Tokens:
     head_chunk: Any = 0    # chunked loss: the chunks' logits gradients and the head's chunk gradients being summed
     head_chunk_first: Any = 0  # ... at the first chunk's head backward: every chunk's logits gradient, one weight gradient
     logits_grad: Any = 0   # the gradient of the logits (their dtype), when the loss's backward hands it on
+    others: Any = 0        # the other micro-batches in flight: their layers' and embeddings' saved tensors
+    others_layers: Any = 0  # ... of it, their layers'
+    others_head: Any = 0   # ... and their final norm / head input (the last stage)
+    others_loss: Any = 0   # ... and on a pipeline's last stage their logits and what their loss saved (GPipe)
+    sent: Any = 0          # the previous micro-batch's input gradient a later 1F1B stage's send ops hold
 
 
-def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any) -> Tokens:
+def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, later: bool = False) -> Tokens:
     """The per-micro-batch terms for ``n`` tokens on this rank, ``nsq`` token x key pairs, micro-
-    batch ``b`` and ``ga`` accumulated micro-batches."""
-    inflight = where(q.fixed_inflight > 0, q.fixed_inflight, minimum(q.pp_inflight, ga))
+    batch ``b`` and ``ga`` accumulated micro-batches; ``later``: at the micro-steps after the first.
+
+    Micro-batches in flight on a pipeline's first stage under 1F1B: ``min(pp, ga)`` until the first
+    backward (the warm-up forwards); at the backward of micro-batch k the forwards of k to
+    ``min(k + pp, ga) - 1`` have run (torch ``schedules.py`` ``Schedule1F1B._step_microbatches``:
+    ``pp`` warm-up forwards, then one backward and one forward), so once gradients exist (k >= 1)
+    at most ``min(pp, ga - 1)``. Found by trace: llama-3.2-1b (4 layers) --pp 2 --grad-accum 2,
+    first stage +8.7% before."""
+    pending = maximum(ga - 1, 1) if later else ga
+    inflight = where(q.fixed_inflight > 0, q.fixed_inflight, minimum(q.pp_inflight, pending))
     layer = trunc(q.kept_tok * n + q.kept_sq * nsq)                        # (b, s, ...) per layer
     # + autocast's copies of the weights and FSDP grad-op's gathered weights, each layer's from its
     # forward to its backward
-    layers = layer * q.layers * inflight + ((q.cast_layer + q.gathered_layer) * q.layers - q.cast_checkpointed)
+    # (under torch's pipeline schedule each micro-batch in flight ran its own forward, whose autocast
+    # region cast the weights again: its copies are saved with its activations; trace, llama-3.2-1b
+    # (4 layers) --pp 2 bf16-amp, first stage: -3.3% before)
+    per_forward = where(q.pipe_batch > 0, inflight, 1)  # forwards whose autocast copies are alive
+    casts = ((q.cast_layer + q.gathered_layer) * q.layers - q.cast_checkpointed) * per_forward
+    layers = layer * q.layers * inflight + casts
     # LoRA: the first layer's input needs no gradient, so it keeps less (quantities.first_layer_unsaved)
     layers = layers - trunc(q.first_unsaved_tok * n + q.first_unsaved_sq * nsq) * inflight - q.cast_first_free
     # + per sequence position and per position squared (T5's (s, s) position buckets), shared by the batch
     outer_rest = trunc(q.outer_rest_tok * n + q.outer_rest_sq * nsq + q.outer_rest_pos * (n // b)
                        + q.outer_rest_ssq * (n // b) ** 2) * inflight
     outer_head = trunc(q.outer_head_tok * n)
-    all_acts = layers + outer_rest + outer_head * inflight + q.cast_head
+    all_acts = layers + outer_rest + outer_head * inflight + q.cast_head * per_forward
     ssq = (n // b) ** 2
     index, value, grads = best_transient(q.transients, n, nsq, ssq, TOP)
     recompute = trunc(q.redo_tok * n + q.redo_sq * nsq) + q.redo_const
@@ -121,8 +139,14 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any) -
     saved = full * q.loss_saved + n * q.loss_saved_tok + q.loss_saved_const
     labels = n if flags.lm else b
     kv_tok = trunc(q.held_tok * n)
+    # torch's pipeline schedule takes the step's whole batch (torchtitan: ``pp_schedule.step(inputs,
+    # target=labels)`` on every stage) and splits it into views; its stage keeps a receive buffer
+    # per micro-batch (quantities.pipeline_buffers), from the first step's schedule on
+    batch = where(q.pipe_batch > 0, ga, 1)
+    inputs = (block_bytes((trunc(q.input_tok * n) - q.input_sample * b) * batch) + block_bytes(labels * 8 * batch)
+              + q.pipe_recv * ga * block_bytes(trunc(q.pipe_buf_tok * n)))
     return Tokens(inflight, layer, layers, outer_rest, outer_head, all_acts, redo, grads, index, bottom, lower,
-                  block_bytes(trunc(q.input_tok * n) - q.input_sample * b) + block_bytes(labels * 8),
+                  inputs,
                   full * q.logits_held, full * q.logits_out,
                   saved, full * q.loss_forward + chunk * q.loss_forward_chunk + trunc(q.head_loss_tok * n),
                   full * q.loss_backward + chunk * q.loss_backward_chunk,
@@ -133,7 +157,10 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any) -
                   graph_extra=trunc(q.graph_extra_tok * n) * inflight * q.layers,
                   head_chunk=where(q.chunk_head_grads > 0, (full - 2 * chunk) * q.logits_out + q.chunk_head_grads, 0),
                   head_chunk_first=where(q.chunk_head_grads > 0, full * q.logits_out + q.chunk_head_grads // 3, 0),
-                  logits_grad=full * q.logits_out)
+                  logits_grad=full * q.logits_out, others=(layers + outer_rest) * (inflight - 1) // inflight,
+                  others_layers=layers * (inflight - 1) // inflight, others_head=outer_head * (inflight - 1),
+                  others_loss=(full * q.logits_held + saved) * (inflight - 1),
+                  sent=trunc(q.pipe_sent_tok * n) if later else 0)
 
 
 def best_transient(tr: Any, n: Any, nsq: Any, ssq: Any = 0, at: int = ALL_MOMENTS) -> tuple[Any, Any, Any]:
@@ -212,14 +239,15 @@ class Kept:
         return (self.logits, self.kv_end) if self.persists else (0, 0)
 
 
-def walk(q: Quantities, flags: StepFlags, tk: Tokens, ga: Any,
-         handle_ws: int = CUBLAS_WORKSPACE) -> tuple[list[Moment], list[tuple]]:
+def walk(q: Quantities, flags: StepFlags, tk: Tokens, ga: Any, handle_ws: int = CUBLAS_WORKSPACE,
+         tk_later: Tokens | None = None) -> tuple[list[Moment], list[tuple]]:
     """The moments of two training steps in order, and the bytes allocated at the end of each
     phase as (phase, micro, step, bytes). With arrays both micro-steps are walked and the second
     is marked invalid where ``ga == 1``. ``handle_ws``: the cuBLAS workspace of one handle
     (``spec.hardware.CUBLAS_WORKSPACE`` unless a calibration profile measured it,
-    ``Hardware.cublas_workspace``)."""
-    kept = Kept.of(q, flags, tk)
+    ``Hardware.cublas_workspace``); ``tk_later``: the terms of the micro-steps after the first
+    (``tokens(..., later=True)``; ``tk`` when None)."""
+    tk_later = tk if tk_later is None else tk_later
     moments = [_mo("model_loaded", 0, 0, "model.to(device)", (q.grads_loaded, 0, 0, 0, 0, 0))]
     ends = [("model_loaded", 0, 0, q.fixed + q.grads_loaded)]
     for step in (1, 2):
@@ -229,10 +257,13 @@ def walk(q: Quantities, flags: StepFlags, tk: Tokens, ga: Any,
         for micro in ((0, 1) if isinstance(ga, np.ndarray) else range(min(ga, 2))):
             valid = (ga > 1) if micro else True
             ws_before = handle_ws if (step == 1 and micro == 0) else 2 * handle_ws
-            _micro_step(q, flags, tk, kept, step, micro, valid, states_before, (ws_before, 2 * handle_ws), moments,
-                        ends)
+            here = tk_later if micro else tk
+            start, start_ends = len(moments), len(ends)
+            _micro_step(q, flags, here, Kept.of(q, flags, here), step, micro, valid, states_before,
+                        (ws_before, 2 * handle_ws), moments, ends)
+            _add_others_loss(moments, ends, start, start_ends, here.others_loss, here.sent)
             states_before = states_before or flags.oib
-        _optimizer_step(q, flags, tk, kept, step, 2 * handle_ws, moments, ends)
+        _optimizer_step(q, flags, tk, Kept.of(q, flags, tk), step, 2 * handle_ws, moments, ends)
     return moments, ends
 
 
@@ -346,8 +377,10 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     # the layer's transient; a tied head's gradient waits in autograd's input buffer meanwhile
     temp = maximum(tk.redo, q.oib_mid) + q.tied_grad
     top = grads_before + head_grads + layer_grads
+    # a pipeline stage's other micro-batches in flight keep all their layers' tensors and their head side
+    own_layers, others_all = tk.layers - tk.others_layers, tk.others_layers + tk.others_head
     moments.append(_mo("backward", micro, step, "layer.top",
-                       (top, states_mid, tk.inputs, ws2, tk.layers + tk.outer_rest, temp),
+                       (top, states_mid, tk.inputs, ws2, tk.layers + tk.outer_rest + tk.others_head, temp),
                        (kept.logits, kept.kv_forward, 0), valid, own, comm=root + 2 * buf))
     above = where(fresh, q.above_bottom, 0)    # the layers above, reduced to shards
     _i, redo, grads = tk.bottom
@@ -355,7 +388,7 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     low_graph = tk.graph - tk.graph_layer + tk.graph_extra_layer
     temp = maximum(redo, q.oib_mid) + q.tied_grad
     moments.append(_mo("backward", micro, step, "layer.bottom",
-                       (bottom, states_mid, tk.inputs, ws2, tk.layers // q.layers + tk.outer_rest, temp),
+                       (bottom, states_mid, tk.inputs, ws2, own_layers // q.layers + others_all + tk.outer_rest, temp),
                        (kept.logits, kept.kv_low, 0), _both(valid, q.layers > 1), low_graph, comm=root + buf + rs))
     # an encoder-decoder: the decoder's first layer's backward, with every encoder layer's kept
     # tensors still alive (the encoder's backward comes after the decoder's)
@@ -364,7 +397,8 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     mid = grads_before + head_grads + where(fresh, q.above_decoder_bottom, 0) + part(grads)
     temp = maximum(redo, q.oib_mid) + q.tied_grad
     moments.append(_mo("backward", micro, step, "layer.decoder_bottom",
-                       (mid, states_mid, tk.inputs, ws2, tk.layers * (lower + 1) // q.layers + tk.outer_rest, temp),
+                       (mid, states_mid, tk.inputs, ws2, own_layers * (lower + 1) // q.layers + others_all + tk.outer_rest,
+                        temp),
                        (kept.logits, kept.kv_low, 0), _both(valid, lower > 0), low_graph, comm=root + buf + rs))
     # the embedding's gradient and the out-of-place sum join the head's part in the input buffer
     tied = q.tied_grad
@@ -373,16 +407,21 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     # ``unsharded_param.grad`` is moved into the reduce-scatter and set to None, _fsdp_param_group.py
     # ``post_backward``); found by trace: Qwen2 FSDP2 dp 4, 2 micro-batches, +21% before
     accumulated = 0 if flags.fsdp_sync else where(fresh, 0, tied)
-    temp_emb = 2 * tied + (tied if flags.oib else accumulated) + q.tied_replicated
+    # an untied embedding's new gradient beside the accumulated one (quantities.emb_accumulated)
+    emb_new = where(fresh, 0, q.emb_grad)
+    temp_emb = 2 * tied + (tied if flags.oib else accumulated) + q.tied_replicated + emb_new
     # FSDP: the root's gradients are still unsharded (a tied embedding's sum among them), not yet shards
     emb_grads = q.grads + (q.fsdp_head_full + q.fsdp_emb_full + tied - where(fresh, q.fsdp_root_sharded, 0)
                            if flags.fsdp_sync else 0)
+    # tk.others: a pipeline stage's other micro-batches in flight keep their activations meanwhile
     moments.append(_mo("backward", micro, step, "embeddings.backward",
-                       (emb_grads, states_mid, tk.inputs, ws2, 0, temp_emb), (kept.logits, kept.kv_end, 0),
-                       _both(valid, tied > 0), tk.graph, comm=root + rs))
+                       (emb_grads, states_mid, tk.inputs, ws2, tk.others + tk.others_head, temp_emb),
+                       (kept.logits, kept.kv_end, 0),
+                       _both(valid, _either(tied > 0, emb_new > 0)), tk.graph, comm=root + rs))
     moments.append(_mo("backward", micro, step, "backward.end",
-                       (q.grads, states_mid, tk.inputs, ws2, 0, q.oib_end), (kept.logits, kept.kv_end, 0), valid,
-                       tk.graph))
+                       (q.grads, states_mid, tk.inputs, ws2, tk.others + tk.others_head, q.oib_end),
+                       (kept.logits, kept.kv_end, 0),
+                       valid, tk.graph))
 
 
 def _dequant_forward(q: Quantities, tk: Tokens, four: tuple, prev: tuple, micro: int, step: int, valid: Any,
@@ -426,6 +465,33 @@ def _graph_outlives_backward(flags: StepFlags) -> bool:
     bitsandbytes < 0.43.2 ``MatMul4Bit`` keeps its input as ``ctx.tensors = (A, B)``
     (``autograd/_functions.py`` L522-523 at 0.42.0), which backward does not free."""
     return flags.hold != "loss"
+
+
+def _add_others_loss(moments: list, ends: list, start: int, start_ends: int, extra: Any, sent: Any) -> None:
+    """The other micro-batches' logits and loss tensors, alive through a micro-step on a pipeline's
+    last stage when it keeps several in flight (GPipe runs every micro-batch's forward, and its
+    loss, before the first backward: torch ``schedules.py`` ``ScheduleGPipe._step_microbatches``;
+    the stage keeps each output in ``fwd_cache`` and autograd what each loss saved): added to the
+    logits of the moments and phase ends from ``start`` / ``start_ends`` on (1F1B's last stage has
+    one micro-batch in flight). ``sent``: from the second micro-step on, the previous micro-batch's
+    input gradient that a later 1F1B stage's send ops still reference (``Quantities.pipe_sent_tok``;
+    found by trace: the last stage of --pp 2 was -0.4% to -0.65% once its received input was no
+    longer counted twice), added to the temporaries."""
+    if not any(isinstance(x, np.ndarray) or x for x in (extra, sent)):
+        return
+    for i in range(start, len(moments)):
+        mo = moments[i]
+        parts = mo.parts[:5] + (mo.parts[5] + extra, mo.parts[6] + sent) + mo.parts[7:]
+        moments[i] = mo._replace(parts=parts, logit_parts=(mo.logit_parts[0] + extra,) + mo.logit_parts[1:])
+    for i in range(start_ends, len(ends)):
+        ends[i] = ends[i][:3] + (ends[i][3] + extra + sent,)
+
+
+def _either(a: Any, b: Any) -> Any:
+    """``a or b`` for bools or bool arrays."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return np.logical_or(a, b)
+    return bool(a) or bool(b)
 
 
 def _both(a: Any, b: Any) -> Any:

@@ -29,9 +29,12 @@ from .derived import head_during_loss as derived_head_loss, layer_coefs as deriv
 from .derived import logits_bytes as derived_logits_bytes, outer_ssq as derived_outer_ssq
 from .layers import ALL_MOMENTS, LayerCoefs, LayerKey, Policy, ep_rank_rows, layer_coefficients
 from .quant4 import dequant_dtypes, is_quantized
-from .states import States, block_bytes, default_lora_targets, dtensor_tp, fsdp_grad_op, model_states
+from .states import (States, block_bytes, default_lora_targets, dtensor_tp, fsdp_grad_op, model_states,
+                     torch_pipeline)
 
 F32 = 4
+#: ``pp_inflight`` under GPipe: no bound below the step's micro-batches (min(this, grad_accum) = grad_accum)
+GPIPE_INFLIGHT = 1 << 30
 #: outer tensors whose ``tok`` coefficient counts bytes per sequence position (shared by the micro-batch)
 PER_POSITION = ("rotary.cos_sin",)
 HEAD_KEYS = ("final_norm", "lm_head.input", "mlm.transform", "pooler.input", "derived.head_side")
@@ -46,6 +49,7 @@ class Detail:
     outer: tuple[tuple[str, float, float], ...]   # tensors outside the layers: (name, tok, sq)
     comm_name: str
     input_tok: float                              # a layer's input per token (full recompute keeps it)
+    received_tok: float = 0.0                     # of the first layer's saved input, the pipeline's receive buffer
 
 
 @dataclass(eq=False)  # not frozen: built once per setup and cached; nothing changes one afterwards
@@ -59,7 +63,7 @@ class Quantities:
     layer_grads: int       # one layer's gradients
     head_grads: int        # gradients of the head and final norm (first in backward)
     layers: int            # layers on this rank
-    pp_inflight: int       # 1F1B keeps min(pp, grad_accum) micro-batches in flight on the first stage
+    pp_inflight: int       # 1F1B keeps min(pp, grad_accum) micro-batches in flight on the first stage (GPipe all)
     fixed_inflight: int    # micro-batches in flight when fixed (else 0)
     saved_tok: float       # one layer, everything autograd saves
     saved_sq: float
@@ -118,6 +122,10 @@ class Quantities:
     head_lora: int = 0     # a LoRA adapter on that 4-bit head: logits-sized tensors alive in its forward (3)
     graph_tok: float = 0.0  # per layer, saved bytes per token the graph keeps until it is freed (bnb < 0.43.2)
     graph_extra_tok: float = 0.0  # ... of it, per layer on average, not among the kept activations (checkpointed)
+    pipe_batch: int = 0    # 1: torch's pipeline schedule takes the whole step's batch (every micro-batch's ids, labels)
+    pipe_recv: int = 0     # torch's pipeline receive buffers per micro-batch on this stage (pipeline_buffers)
+    pipe_buf_tok: float = 0.0  # ... bytes per token of one
+    pipe_sent_tok: float = 0.0  # 1F1B, a later stage: the previous micro-batch's input gradient its send ops hold
     # ... while the loss and its backward run: the root and the prefetched last layer, or nothing when
     # the loop computes the loss after FSDP2 resharded the root (``root_resharded_for_loss``)
     fsdp_loss_root: int = 0
@@ -134,6 +142,7 @@ class Quantities:
     first_unsaved_sq: float = 0.0
     cast_first_free: int = 0  # ... and the half weight copies of its frozen linears on that input
     tied_replicated: int = 0  # DTensor TP: the tied embedding's whole-vocabulary gradient at its backward
+    emb_grad: int = 0      # an untied embedding's new gradient, added to the accumulated .grad (emb_accumulated)
     chunk_head_grads: int = 0  # chunked output loss: the head's per-chunk weight gradients being summed
     detail: Detail | None = None
 
@@ -238,7 +247,32 @@ def outer_tensors(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) -> tup
     if t.pp == 1 or stage == "last":
         out += _head_side(m, pol, h, sp, fused=is_lm(m) and loss_mode(m, t) == "fused", quant_head=_quant_head(m, t),
                           frozen=bool(t.lora_rank), head_adapted=_head_is_lora_target(m, t))
+    elif torch_pipeline(t):
+        # the stage's output (b, s, h), residual dtype: torch's PipelineStage keeps it in ``fwd_cache``
+        # from the micro-batch's forward to its backward (torch 2.13 distributed/pipelining/stage.py
+        # ``forward_one_chunk`` stores ``(output_tuple, input_values)``, ``backward_one_chunk`` pops it);
+        # on one GPU it is the final norm's saved input, counted on the last stage. Found by trace:
+        # llama-3.2-1b (4 layers) --pp 2, fp32, first stage -1.8% before
+        out.append(("pipeline.stage_output", h * pol.stream / sp, 0.0))
     return tuple(out)
+
+
+def pipeline_buffers(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) -> tuple[int, float]:
+    """torch.distributed.pipelining's receive buffers of one stage: (how many per micro-batch, bytes
+    per token of one). ``PipelineStage`` allocates, when the schedule first runs, one buffer per
+    micro-batch of the step for each tensor it receives, and keeps them for the schedule's life
+    (torch 2.13 ``stage.py`` ``_setup_forward_recv_info``: every stage but the first receives its
+    input activations, ``_make_tensor_from_meta`` for each ``chunk_id in range(num_microbatches)``;
+    ``_setup_backward_recv_info`` / ``_create_grad_recv_info``: every stage but the last receives
+    the gradient of its output). Each is a (b, s, h) tensor of the residual stream's dtype (the
+    hidden states between stages). Not Megatron's (``states.torch_pipeline``)."""
+    if not torch_pipeline(t):
+        return 0, 0.0
+    # (the input gradient a later stage sends back is a tensor of the same kind: under 1F1B the list of
+    # send ops holding it, ``bwd_sends`` in ``Schedule1F1B._step_microbatches``, is rebound only after
+    # the next micro-batch's backward: ``Quantities.pipe_sent_tok``, moments.tokens)
+    count = (stage != "first") + (stage != "last")
+    return count, m.hidden_size * pol.stream / (t.tp if t.sequence_parallel else 1)
 
 
 def _embedding_side(m: ModelSpec, t: TrainingSpec, pol: Policy, h: int, sp: int) -> list[tuple[str, float, float]]:
@@ -382,7 +416,12 @@ def loss_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy) -> LossBytes:
       forward, one fp32 logits gradient in backward.
     Classifier heads: fp32 loss tensors of (b, labels).
     """
-    held = pol.half if t.hold_output != "loss" else 0   # the loop's reference to the output keeps them
+    # the loop's reference to the output keeps them; on a pipeline's last stage (the only one with a
+    # loss) torch's PipelineStage keeps the logits in ``fwd_cache`` until the micro-batch's backward
+    # has run (stage.py ``backward_one_chunk``: ``stage_output`` is popped and held through it), as a
+    # loop holding its output until backward ends would (Kept). Found by trace: llama-3.2-1b (4
+    # layers) --pp 2, fp32, last stage -7.7% before
+    held = pol.half if (t.hold_output != "loss" or torch_pipeline(t)) else 0
     b = _loss_in_one_piece(m, t, pol, held)
     if t.loss_shift == "logits" and is_lm(m):
         # ``logits[..., :-1, :].contiguous()`` on the half logits (ColossalAI's GPTLMLoss, older
@@ -611,6 +650,24 @@ def chunk_head_grads(m: ModelSpec, t: TrainingSpec, pol: Policy) -> int:
     return 3 * block_bytes(_head_weight_numel(m, 1) * pol.half)
 
 
+def emb_accumulated(m: ModelSpec, t: TrainingSpec, stage: str) -> int:
+    """Bytes of an untied token embedding's gradient as its backward makes it, when an earlier
+    micro-batch's gradient is already in ``.grad``: ``embedding_dense_backward`` returns the whole
+    (vocab, hidden) gradient in the weight's dtype and ``AccumulateGrad`` then adds it to ``.grad``
+    (torch ``csrc/autograd/functions/accumulate_grad.h`` ``accumulateGrad``: ``variable_grad +=
+    new_grad``), so both exist for a moment (``moments._layers_backward``, valid from the second
+    micro-step on). It is the first pipeline stage's peak when the other micro-batches in flight
+    keep their activations meanwhile. Found by trace: llama-3.2-1b --pp 4 --grad-accum 8 bf16, b 1,
+    s 1024, first stage -0.8% before. 0 for a tied embedding (``tied_head_grad``), a frozen one
+    (LoRA), FSDP / ZeRO (sharded gradients) and PyTorch's tensor parallelism (``tied_replicated_grad``
+    and ``states._replicated_grad`` count its gradient)."""
+    if not (t.pp == 1 or stage == "first") or t.lora_rank or t.optimizer_in_backward or tied_head_grad(m, t):
+        return 0
+    if t.fsdp is not None or t.zero_stage or dtensor_tp(t):
+        return 0
+    return _embedding_block(m, t.tp, t.weight_bytes)
+
+
 def tied_replicated_grad(m: ModelSpec, t: TrainingSpec) -> int:
     """PyTorch's tensor parallelism (alone or under FSDP2), a tied embedding: bytes of the embedding's own
     gradient, which DTensor computes replicated, the whole (vocab, hidden) table
@@ -697,7 +754,9 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     redo = redo if top_recomputed else (0.0, 0.0)
     head_here = t.pp == 1 or stage == "last"
     cast_layer, cast_head = _autocast_copies(m, t, st, pol, head_here)
-    first = first_layer_unsaved(t, lc, stage)
+    lora_first = first_layer_unsaved(t, lc, stage)
+    pipe, received = _pipeline_terms(m, t, pol, stage, input_tok)
+    first = lora_first + received
     outer, rest_pos = derived_outer(m, t, stage) if derived else (outer_tensors(m, t, pol, stage), 0.0)
     head_tok, rest_tok, rest_sq, rest_pos = _split_outer(outer, rest_pos)
     loss = loss_bytes(m, t, pol) if head_here else LossBytes()
@@ -707,28 +766,21 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     # gradients of the layer's linears as its backward creates them (per weight byte): unsharded under FSDP
     layer_grads_live = st.layer_grads_full if fsdp else st.layer_grads
     gpw = layer_grads_live / lc.weights if (lc.weights and not oib) else 0.0
-    after = lc.after or (0.0,) * len(lc.transients)
-    # inside a layer's backward the half weight copies of its later linears (back-propagated already)
-    # were freed with their matmuls' saved tensors: each transient excludes them (2 bytes per element)
-    freed = 2.0 if cast_layer else 0.0
-    # (a per token, b per token x key, c bytes, g gradient bytes made by then, d per position squared,
-    # the backward moments it happens at: a bit mask, every layer's by default)
-    ssq = lc.transients_ssq or (0.0,) * len(lc.transients)
-    at = lc.transients_at or (ALL_MOMENTS,) * len(lc.transients)
-    trans = tuple((a, b, c - w * freed, int(w * gpw), d, k)
-                  for (_, a, b, c), w, d, k in zip(lc.transients, after, ssq, at))
-    if t.offload_activations and trans:
-        trans = trans[:-1] + ((trans[-1][0] + offload_previous(input_tok, pol), *trans[-1][1:]),)
-    inflight_fixed = 1 if (t.pp == 1 or stage != "first") else (t.num_microbatches_in_flight or 0)
+    trans = _layer_transients(t, lc, pol, gpw, 2.0 if cast_layer else 0.0, input_tok)
+    # micro-batches in flight: 1F1B's first stage min(pp, grad_accum) (``pp_inflight``, moments.tokens),
+    # its later stages fewer (the last one); GPipe runs every forward of the step before the first
+    # backward on every stage (torch schedules.py ``ScheduleGPipe._step_microbatches``): all of them
+    gpipe = t.pp > 1 and t.pp_schedule == "gpipe"
+    inflight_fixed = 1 if (t.pp == 1 or (stage != "first" and not gpipe)) else (t.num_microbatches_in_flight or 0)
     lower, above_bottom, above_decoder_bottom = _grads_above(m, t, st, layers)
     head_dq = head_dequant_bytes(m, t)  # the 4-bit LM head: (dequantized + cast, the cast) bytes
     return Quantities(
         first_unsaved_tok=sum(a for _, a, _ in first), first_unsaved_sq=sum(b for _, _, b in first),
-        cast_first_free=int(sum(lc.first_free_weights) * 2) if (first and cast_layer) else 0,  # bf16/fp16 copies
+        cast_first_free=int(sum(lc.first_free_weights) * 2) if (lora_first and cast_layer) else 0,  # bf16/fp16 copies
         fixed=st.weights + st.buffers + st.master + comm, grads=0 if oib else st.grads,
         grads_loaded=(0 if oib else st.grads) if t.distributed_optimizer else 0, states=st.optimizer + st.step_tensors,
         layer_grads=0 if oib else st.layer_grads, head_grads=0 if oib else st.head_grads, layers=layers,
-        pp_inflight=t.pp, fixed_inflight=inflight_fixed, saved_tok=lc.tok, saved_sq=lc.sq,
+        pp_inflight=GPIPE_INFLIGHT if gpipe else t.pp, fixed_inflight=inflight_fixed, saved_tok=lc.tok, saved_sq=lc.sq,
         kept_tok=kept[0], kept_sq=kept[1], redo_tok=redo[0], redo_sq=redo[1],
         # (a layer traced checkpointed has its recomputed copies in its measured transients)
         redo_const=cast_layer if (checkpointed and top_recomputed and not lc.checkpointed) else 0,
@@ -745,6 +797,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         liger_factor=-(-m.vocab_size // m.hidden_size) if (head_here and is_lm(m) and loss_mode(m, t) == "fused") else 0,
         step_temp=step_temporaries(t, st), oib_mid=oib_mid, oib_end=oib_end,
         tied_grad=tied_head_grad(m, t), tied_replicated=tied_replicated_grad(m, t),
+        emb_grad=emb_accumulated(m, t, stage),
         chunk_head_grads=chunk_head_grads(m, t, pol) if head_here else 0, transients=trans,
         fwd_temp=int(lc.fwd_const), fwd_temp_tok=lc.fwd_tok,
         head_temp=head_dq[0] if head_here else 0, head_read=head_dq[1] if head_here else 0,
@@ -756,7 +809,25 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         outer_rest_ssq=derived_outer_ssq(m, t, stage) if derived else 0.0,
         lower_layers=lower, above_bottom=above_bottom, above_decoder_bottom=above_decoder_bottom,
         input_tok=input_bytes(m, t)[0], input_sample=input_bytes(m, t)[1],
-        detail=Detail(st, lc, outer, comm_name, input_tok))
+        **pipe,
+        detail=Detail(st, lc, outer, comm_name, input_tok, sum(a for _, a, _ in received)))
+
+
+def _layer_transients(t: TrainingSpec, lc: LayerCoefs, pol: Policy, gpw: float, freed: float,
+                      input_tok: float) -> tuple:
+    """Each op's backward transient of one layer: (a per token, b per token x key, c bytes, g
+    gradient bytes made by then, d per position squared, the backward moments it happens at: a bit
+    mask, every layer's by default). ``gpw``: gradient bytes per weight element; ``freed``: inside
+    a layer's backward the half weight copies of its later linears (back-propagated already) were
+    freed with their matmuls' saved tensors, so each transient excludes them (2 bytes per element)."""
+    after = lc.after or (0.0,) * len(lc.transients)
+    ssq = lc.transients_ssq or (0.0,) * len(lc.transients)
+    at = lc.transients_at or (ALL_MOMENTS,) * len(lc.transients)
+    trans = tuple((a, b, c - w * freed, int(w * gpw), d, k)
+                  for (_, a, b, c), w, d, k in zip(lc.transients, after, ssq, at))
+    if t.offload_activations and trans:
+        trans = trans[:-1] + ((trans[-1][0] + offload_previous(input_tok, pol), *trans[-1][1:]),)
+    return trans
 
 
 def _grads_above(m: ModelSpec, t: TrainingSpec, st: States, layers: int) -> tuple[int, int, int]:
@@ -791,6 +862,22 @@ def _autocast_copies(m: ModelSpec, t: TrainingSpec, st: States, pol: Policy, hea
     # the head's copies: one, or one per loss chunk for a frozen head (``head_casts``)
     cast_head = st.head_matmul_half * head_casts(m, t) if pol.amp and not sharded and head_here else 0
     return cast_layer, cast_head
+
+
+def _pipeline_terms(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str, input_tok: float
+                    ) -> tuple[dict[str, Any], tuple[tuple[str, float, float], ...]]:
+    """torch.distributed.pipelining's terms of one stage (none off it, or under Megatron's):
+    the ``Quantities`` fields (``pipe_batch``, ``pipe_recv``, ``pipe_buf_tok``, ``pipe_sent_tok``)
+    and what the first layer does not save beyond the inputs. A later stage's first layer saves its
+    input, the receive buffer itself (the stage runs on it: torch ``stage.py``
+    ``_retrieve_recv_activations``), counted with the inputs (``pipeline_buffers``). Found by trace:
+    llama-3.2-1b (4 layers) --pp 2 --pp-schedule gpipe --grad-accum 8, fp32, last stage +0.7% before
+    (one (b, s, h) per micro-batch in flight)."""
+    count, per_tok = pipeline_buffers(m, t, pol, stage)
+    later = torch_pipeline(t) and stage != "first"
+    received = (("pipeline.received_input", input_tok, 0.0),) if later else ()
+    return {"pipe_batch": int(torch_pipeline(t)), "pipe_recv": count, "pipe_buf_tok": per_tok,
+            "pipe_sent_tok": per_tok if (later and t.pp_schedule == "1f1b") else 0.0}, received
 
 
 def _split_outer(outer: list[tuple[str, float, float]], rest_pos: float) -> tuple[float, float, float, float]:

@@ -98,6 +98,18 @@ def dtensor_tp(t: TrainingSpec) -> bool:
     return t.tp > 1 and t.extra.get("framework") != "megatron"
 
 
+def torch_pipeline(t: TrainingSpec) -> bool:
+    """Whether pipeline parallelism runs as torch.distributed.pipelining's schedules
+    (``PipelineStage`` + ``Schedule1F1B``, torchtitan's; what ``trace`` runs), not as Megatron-LM's
+    (``--framework megatron``). They differ in what a stage holds beside its layers' activations
+    (``quantities.pipeline_buffers``, ``quantities.outer_tensors``, ``quantities.loss_bytes``):
+    torch's stage keeps each micro-batch's output until its backward and allocates a receive buffer
+    per micro-batch, where Megatron frees the output's data once sent
+    (``megatron/core/pipeline_parallel/schedules.py`` ``deallocate_output_tensor``) and receives
+    into fresh tensors."""
+    return t.pp > 1 and t.extra.get("framework") != "megatron"
+
+
 def _replicated_grad(m: ModelSpec, t: TrainingSpec, p: ParamTensor) -> bool:
     """An untied token embedding under PyTorch's tensor parallelism without FSDP: its gradient is the
     whole (vocab, hidden) table on every rank. ``RowwiseParallel`` shards the weight over the

@@ -34,7 +34,8 @@ def largest_tensors(rows: list[dict[str, Any]], units: str = "auto", top: int = 
 
 def rank_lines(extra: dict[str, Any], units: str = "auto") -> list[str]:
     """The ranks of a data-parallel trace (``extra["ranks"]``, ``trace.distributed.rank_entries``):
-    the traced rank's peaks, then one line for the ranks that were not traced and why."""
+    the traced ranks' peaks (a pipeline's first and last stages), then one line for the ranks that were
+    not traced and why."""
     ranks = extra.get("ranks") or []
     if not ranks:
         return []
@@ -54,6 +55,8 @@ def rank_lines(extra: dict[str, Any], units: str = "auto") -> list[str]:
         span = f"{rest[0]}" if len(rest) == 1 else (f"{rest[0]}-{rest[-1]}" if rest[-1] - rest[0] == len(rest) - 1
                                                     else ", ".join(map(str, rest)))
         src = traced[0]["rank"] if traced else 0
-        lines += wrap(f"  ranks {span}: not traced, the same program on shards no larger than rank 0's "
+        why = next((s["not_traced"] for s in ranks if s.get("not_traced")), None)  # pipeline: middle stages
+        lines += wrap(f"  ranks {span}: not traced, {why}" if why else
+                      f"  ranks {span}: not traced, the same program on shards no larger than rank 0's "
                       f"(in --json, copies of rank {src} marked traced: false)", indent=" " * 10)
     return lines

@@ -41,6 +41,9 @@ MASTER_WEIGHTS = ("none", "fp32")
 #: (FSDP's default; torchtune, torchtitan) or only at the optimizer step, the other micro-batches'
 #: backward running inside FSDP's ``no_sync()`` (accelerate / HF Trainer, Lightning Fabric)
 GRAD_SYNC = ("micro-batch", "step")
+#: pipeline schedules (torch.distributed.pipelining's Schedule1F1B and ScheduleGPipe): how many
+#: micro-batches a stage keeps in flight (1F1B: pp - stage; GPipe: every micro-batch of the step)
+PP_SCHEDULES = ("1f1b", "gpipe")
 #: FSDP1 units of LoRA adapters: their own (peft's fsdp_auto_wrap_policy, which HF Trainer / accelerate
 #: use) or the decoder layer's (an auto-wrap policy over the layer class with use_orig_params=True:
 #: Lightning's FSDPStrategy, litgpt)
@@ -112,7 +115,8 @@ class TrainingSpec:
     compile: bool = False  # torch.compile: inductor fuses the loss backward (one fp32 logits gradient)
     offload_optimizer: bool = False  # ZeRO-Offload: optimizer states (and fp32 master) in CPU memory
     dropout: bool = True  # apply the config's dropout (masks are stored when p > 0)
-    num_microbatches_in_flight: int | None = None  # pipeline; None = 1F1B default (pp)
+    num_microbatches_in_flight: int | None = None  # pipeline; None = the schedule's (1F1B: pp; GPipe: grad_accum)
+    pp_schedule: str = "1f1b"  # PP_SCHEDULES: the pipeline schedule
     loss_chunks: int = 1  # chunked cross-entropy: head + loss run over the tokens in this many chunks
     loss: str | None = None  # how the loss is computed (LOSSES); None: the model's own loss, chunked when
     #                          loss_chunks > 1
@@ -140,12 +144,10 @@ class TrainingSpec:
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         if self.optimizer_impl is not None:
             _choice("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS)
-        _choice("recompute", self.recompute, RECOMPUTE)
-        _choice("attention", self.attention, ATTENTION)
-        _choice("zero_grad", self.zero_grad, ZERO_GRAD)
-        _choice("hold_output", self.hold_output, HOLD_OUTPUT)
-        _choice("grad_sync", self.grad_sync, GRAD_SYNC)
-        _choice("fsdp_lora_units", self.fsdp_lora_units, FSDP_LORA_UNITS)
+        for key, choices in (("recompute", RECOMPUTE), ("attention", ATTENTION), ("zero_grad", ZERO_GRAD),
+                             ("hold_output", HOLD_OUTPUT), ("grad_sync", GRAD_SYNC), ("pp_schedule", PP_SCHEDULES),
+                             ("fsdp_lora_units", FSDP_LORA_UNITS)):
+            _choice(key, getattr(self, key), choices)
         self._check_loss()
         self._check_recompute()
         self._check_moe()
@@ -438,6 +440,9 @@ def setup_warnings(t: TrainingSpec) -> list[str]:
     if t.moe_imbalance > 1 and t.ep == 1:
         out.append(f"--moe-imbalance {t.moe_imbalance:g} without --ep: transformers' grouped_mm experts hold the "
                    "same b*s*top_k rows whatever the routing, so the imbalance changes nothing on one rank")
+    if t.pp_schedule != "1f1b" and t.pp == 1:
+        out.append(f"--pp-schedule {t.pp_schedule} without --pp: one stage has no pipeline schedule, so it "
+                   "changes nothing")
     tokens = t.batch_size * (t.seq_len // t.cp)
     if t.loss_chunks > tokens:
         out.append(f"--loss-chunks {t.loss_chunks} exceeds the {tokens} tokens of a micro-batch: "

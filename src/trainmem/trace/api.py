@@ -8,6 +8,7 @@ result is what ``torch.cuda.memory_allocated()`` / ``memory_reserved()`` would s
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import os
 import time
@@ -89,6 +90,11 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
     ``sequence_parallel``) the step runs on a fake process group of ``dp`` × ``tp`` ranks
     (``trace.distributed``) as rank ``rank`` (default 0, the worst: FSDP2 and DTensor give it the
     largest shards); ``extra["ranks"]`` lists every rank, the others as copies of the traced one.
+    With ``pp`` > 1 (alone; ``grad_accum`` >= ``pp`` under 1F1B) each pipeline stage is a rank of a
+    fake group of ``pp`` running torch's ``PipelineStage`` and ``Schedule1F1B`` (``ScheduleGPipe``
+    with ``pp_schedule="gpipe"``): the first and the last stage
+    (and ``rank``) are traced, one after the other, and the report is the worse one's, with every
+    traced stage in ``extra["ranks"]``.
     """
     t0 = time.perf_counter()
     if device not in ("cuda", "cpu"):
@@ -101,27 +107,22 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
     spec, t, hw, fraction = _inputs(model, options)
     _check_supported(t)
     _dist.check(t, spec, device)
-    world = _dist.check_rank(t, rank)
+    _dist.check_rank(t, rank)
     factory = _factory(model, spec, t, step_fn)
-    dev = _device(device == "cuda", hw, t, expandable_segments, max_split_size, cublas_workspace,
-                  attention_backend, capability, simulate_oom)
-    several = _dist.distributed(t)
     if t.compile:
         compiled.setup(t, spec, device)
-    with progress(steps + 1, "trace") as bar, dev.env, \
-            (dev.emulation if dev.emulation is not None else contextlib.nullcontext()), \
-            (_dist.fake_group(world, rank) if several else contextlib.nullcontext()), \
-            _patched(_dist.patches(dev.tracker) if several else {}):
-        module = _build(dev, factory, spec, t)
-        bar.update(1)  # the model is built
-        oom = _run_steps(dev, module, spec, t, step_fn, optimizer_fn, steps, bar.update)
-    runtime = time.perf_counter() - t0
-    report = _report(dev.tracker, dev.allocator, spec, t if (spec is not None or options_given) else None, hw,
-                     dev.cuda, dev.emulation, runtime, timeline_points, largest, oom, dev.cublas_workspace,
-                     expandable_segments)
+    device_options = (device == "cuda", hw, t, expandable_segments, max_split_size, cublas_workspace,
+                      attention_backend, capability, simulate_oom)
+    run = functools.partial(_trace_rank, factory, spec, t, hw, device_options, step_fn, optimizer_fn, steps,
+                            t if (spec is not None or options_given) else None, (timeline_points, largest))
+    if t.pp > 1:  # the first stage and the last (and rank), each a rank of the fake group (trace.distributed)
+        reports = {r: run(r, t0) for r in _dist.pipeline_ranks(t, rank)}
+        report = _dist.pipeline_report(reports, t)
+    else:
+        report = run(rank, t0)
+        if _dist.distributed(t):
+            _dist.annotate(report, t, rank)
     report.max_fraction = fraction
-    if several:
-        _dist.annotate(report, t, rank)
     if spec is not None:
         note = _attention_implementation(spec, t)[1]
         if note:
@@ -130,6 +131,26 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
         report.warnings.append("training options are recorded but not applied to a user step_fn: "
                                "the step function decides batch, precision and optimizer")
     return report
+
+
+def _trace_rank(factory: Callable, spec: ModelSpec | None, t: TrainingSpec, hw: Hardware | None,
+                device_options: tuple, step_fn: Callable | None, optimizer_fn: Callable | None, steps: int,
+                recorded: TrainingSpec | None, shown: tuple[int, int], rank: int, t0: float) -> MemoryReport:
+    """One rank's trace on a device of its own: the model built (wrapped, sharded or cut to this
+    rank's pipeline stage) and ``steps`` steps run; on a fake group of the layout's ranks when
+    ``t`` is distributed. ``recorded``: the TrainingSpec the report records; ``shown``: (timeline
+    points, largest tensors listed)."""
+    dev = _device(*device_options)
+    several = _dist.distributed(t)
+    with progress(steps + 1, "trace") as bar, dev.env, \
+            (dev.emulation if dev.emulation is not None else contextlib.nullcontext()), \
+            (_dist.fake_group(_dist.world_size(t), rank) if several else contextlib.nullcontext()), \
+            _patched(_dist.patches(dev.tracker) if several else {}):
+        module = _build(dev, factory, spec, t)
+        bar.update(1)  # the model is built
+        oom = _run_steps(dev, module, spec, t, step_fn, optimizer_fn, steps, bar.update)
+    return _report(dev.tracker, dev.allocator, spec, recorded, hw, dev.cuda, dev.emulation,
+                   time.perf_counter() - t0, shown[0], shown[1], oom, dev.cublas_workspace, device_options[3])
 
 
 # ----- inputs ---------------------------------------------------------------------------------------
@@ -442,7 +463,8 @@ def _warnings(tracker: Tracker, spec: ModelSpec | None, training: TrainingSpec |
         warnings.append(f"{emulation.host_reads} copy(ies) of device tensors to the host returned zeros")
     if oom is not None:
         warnings.append(f"simulated out of memory: {oom}")
-    if spec is not None and training is not None and training.grad_accum > TRACED_MICRO_BATCHES:
+    if spec is not None and training is not None and training.grad_accum > TRACED_MICRO_BATCHES \
+            and training.pp == 1:  # a pipeline schedule runs every micro-batch
         warnings.append(f"traced {TRACED_MICRO_BATCHES} of the {training.grad_accum} micro-batches of each step: "
                         f"the later ones repeat micro-batch {TRACED_MICRO_BATCHES}'s allocations and frees")
     return warnings
@@ -456,7 +478,8 @@ def _report(tracker: Tracker, allocator: Any, spec: ModelSpec | None, training: 
     warnings and ``extra`` (largest tensors, timeline, allocator statistics)."""
     peak_event = tracker.peak_event
     live = tracker.live_at(peak_event) if peak_event >= 0 else []
-    ga = training.grad_accum if (spec is not None and training is not None) else 1
+    # micro-batch numbering: the last traced one stands for the rest, unless the pipeline schedule ran them all
+    ga = training.grad_accum if (spec is not None and training is not None and training.pp == 1) else 1
     phases, peak_phase = _phases(tracker, cuda, ga)
     peak_alloc = tracker.peak
     peak_reserved = allocator.peak_reserved if cuda else None

@@ -506,9 +506,10 @@ def check(t: Any, spec: Any, device: str) -> None:
     if device != "cuda":
         raise TrainmemError("--compile traces on the emulated GPU only (--device cuda): the partition is "
                             "inductor's CUDA one")
-    if t.dp > 1 or t.tp > 1 or t.fsdp is not None:
-        raise TrainmemError("--compile with --dp/--tp/--fsdp: trace compiles one GPU's model; the "
-                            "distributed wrappers' hooks are not captured in the graph (use estimate)")
+    if t.dp > 1 or t.tp > 1 or t.pp > 1 or t.fsdp is not None:
+        raise TrainmemError("--compile with --dp/--tp/--pp/--fsdp: trace compiles one GPU's whole model; "
+                            "the distributed wrappers' hooks and pipeline stages are not captured in the "
+                            "graph (use estimate)")
     if t.recompute == "op":
         raise TrainmemError("--compile with --recompute op: torchtitan's per-op policy tags each op for the "
                             "partitioner inside dynamo's checkpoint region, which trace does not capture; "

@@ -1,4 +1,4 @@
-"""Data and tensor parallelism traced on torch.distributed's own code, in one process.
+"""Data, tensor and pipeline parallelism traced on torch.distributed's own code, in one process.
 
 ``trace(..., dp=N)`` (DDP), ``trace(..., dp=N, fsdp="full"|"grad-op")`` (FSDP2) and
 ``trace(..., tp=T)`` (``parallelize_module`` with torchtitan's Llama plan,
@@ -47,6 +47,14 @@ rank's size (``_fsdp_param.py`` ``_init_sharded_param``); only the optimizer sta
 divide. So rank 0 is the worst rank and is the one traced (``trace(..., rank=k)`` traces another:
 ``tests/test_trace_distributed.py`` checks that the last rank of an uneven split is not above it).
 
+Pipeline parallelism (``--pp``, alone): the model is cut to one stage before it is loaded
+(``wrappers.PipelineStageModule``, torchtitan's split) and ``workload.PipelineTrainStep`` runs
+torch's ``PipelineStage`` and ``Schedule1F1B`` as that stage's rank of a fake group of ``pp``;
+``pipeline_ranks`` says which stages are traced (the first and the last), each on its own emulated
+GPU, and ``pipeline_report`` keeps the worse. Two patches make the schedule run on the fake group
+(``_static_vote``, ``_p2p_one_by_one``); sends and receives move nothing, so a stage computes on
+its receive buffers, which have the real shapes and dtypes.
+
 Not modelled: the separate all-gather / reduce-scatter streams (the caching allocator keeps a
 pool per stream, so reserved memory on a GPU can be higher than one stream's simulation shows;
 allocated memory does not depend on it), and NCCL's own buffers (outside the caching allocator).
@@ -62,8 +70,10 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..errors import TrainmemError
+from ..units import fmt
 from ..spec import TrainingSpec
-from ..wrappers import TP_MODEL_TYPES, ddp, fsdp2, mesh, tensor_parallel, wrapper_name
+from ..wrappers import (PP_MODEL_TYPES, TP_MODEL_TYPES, ddp, fsdp2, mesh, pipeline_stage_module, tensor_parallel,
+                        wrapper_name)
 from .tracker import Tracker
 
 #: modules that hold their own reference to ``torch.distributed.device_mesh._get_device_handle``
@@ -75,23 +85,26 @@ _DEVICE_HANDLE_USERS = ("torch.distributed.device_mesh", "torch.distributed.tens
 
 
 def distributed(t: TrainingSpec) -> bool:
-    """Whether the setup runs on several ranks (DDP, FSDP or tensor parallelism)."""
-    return t.dp > 1 or t.fsdp is not None or t.tp > 1
+    """Whether the setup runs on several ranks (DDP, FSDP, tensor or pipeline parallelism)."""
+    return t.dp > 1 or t.fsdp is not None or t.tp > 1 or t.pp > 1
 
 
 def world_size(t: TrainingSpec) -> int:
-    """The ranks of the layout: dp × tp (the mesh ``wrappers.mesh`` builds)."""
-    return t.dp * t.tp
+    """The ranks of the layout: dp × tp (the mesh ``wrappers.mesh`` builds), or the pp stages
+    (pipeline parallelism is traced alone: ``check`` refuses it with dp, tp or FSDP)."""
+    return t.dp * t.tp * t.pp
 
 
 def sharded_unloaded(t: TrainingSpec) -> bool:
-    """Whether the wrappers shard the model before it is loaded (FSDP2, tensor parallelism: built on
-    ``meta``, sharded, then given memory, as torchtitan does), so only the shards are ever loaded."""
-    return t.fsdp is not None or t.tp > 1
+    """Whether the wrappers shard the model before it is loaded (FSDP2, tensor parallelism, a
+    pipeline stage's split: built on ``meta``, sharded or cut, then given memory, as torchtitan
+    does), so only the rank's part is ever loaded."""
+    return t.fsdp is not None or t.tp > 1 or t.pp > 1
 
 
 def _what(t: TrainingSpec) -> str:
-    parts = [f"--dp {t.dp}"] if t.dp > 1 or t.fsdp else []
+    parts = [f"--pp {t.pp}"] if t.pp > 1 else []
+    parts += [f"--dp {t.dp}"] if t.dp > 1 or t.fsdp else []
     parts += [f"--fsdp {t.fsdp}"] if t.fsdp else []
     parts += [f"--tp {t.tp}"] if t.tp > 1 else []
     return " ".join(parts + (["--sequence-parallel"] if t.sequence_parallel else []))
@@ -102,13 +115,16 @@ def check(t: TrainingSpec, spec: Any, device: str) -> None:
     if not distributed(t):
         return
     what = _what(t)
+    if t.pp > 1:
+        _check_pp(t, spec, device, what)
     if t.tp > 1:
         _check_tp(t, spec, device, what)
     if device != "cuda":
         raise TrainmemError(f"trace {what} runs on the emulated GPU: drop --device cpu")
     if spec is None:
-        raise TrainmemError(f"trace {what} wraps a catalogue or transformers model (FSDP units are its decoder "
-                            "layers); for your own module and step_fn, wrap it yourself in the factory")
+        raise TrainmemError(f"trace {what} wraps a catalogue or transformers model (FSDP units, the TP plan and "
+                            "pipeline stages follow its decoder layers); for your own module and step_fn, wrap "
+                            "it yourself in the factory")
     if t.fsdp == "hybrid":
         raise TrainmemError("trace --fsdp hybrid (HSDP, a 2-D mesh) is not traced yet: use --fsdp full or grad-op, "
                             "or estimate")
@@ -127,6 +143,37 @@ def check(t: TrainingSpec, spec: Any, device: str) -> None:
         raise TrainmemError(f"trace {what} with --optimizer-in-backward is not traced: the per-parameter hooks run "
                             "before DDP all-reduces the gradient (PyTorch's way is DDP._register_fused_optim); "
                             "use --fsdp full or grad-op, or estimate")
+
+
+def _check_pp(t: TrainingSpec, spec: Any, device: str, what: str) -> None:
+    """The pipeline-parallel refusals: what ``wrappers.PipelineStageModule`` and ``workload.
+    PipelineTrainStep`` (torch's ``Schedule1F1B``, one stage per rank) do not run."""
+    if device != "cuda" or spec is None:
+        return  # refused below with the data-parallel setups' reasons
+    if spec.model_type not in PP_MODEL_TYPES or spec.head != "causal-lm":
+        raise TrainmemError(f"trace {what}: the pipeline split is written for Llama, Mistral and Qwen2 (embeddings, "
+                            f"decoder layers, final norm and head of a causal LM), not a {spec.model_type} "
+                            f"{spec.head} model ({spec.name}); use estimate")
+    if t.dp > 1 or t.tp > 1 or t.fsdp is not None:
+        raise TrainmemError(f"trace {what}: pipeline parallelism is traced alone, not with --dp, --tp or --fsdp; "
+                            "use estimate for those layouts")
+    if t.grad_accum < t.pp and t.pp_schedule == "1f1b":
+        raise TrainmemError(f"trace {what} with --grad-accum {t.grad_accum}: torch's Schedule1F1B needs at least as "
+                            f"many micro-batches as stages (schedules.py); use --grad-accum {t.pp} or more, or "
+                            "--pp-schedule gpipe")
+    inflight = t.pp if t.pp_schedule == "1f1b" else t.grad_accum
+    if t.num_microbatches_in_flight not in (None, inflight):
+        raise TrainmemError(f"trace {what} with --num-microbatches-in-flight {t.num_microbatches_in_flight}: trace "
+                            f"runs torch's {t.pp_schedule} schedule, whose first stage keeps {inflight} in flight; "
+                            "drop it")
+    refused = [(t.lora_rank, "--lora-rank (peft's wrapper around the stage split)"),
+               (t.quantize, "--quantize"), (t.loss_chunks > 1 or t.loss in ("chunked", "fused"), "a chunked loss"),
+               (t.hold_output != "loss", f"--hold-output {t.hold_output} (the schedule returns no output to the "
+                                         "loop: return_outputs=False)"),
+               (t.optimizer_in_backward, "--optimizer-in-backward")]
+    bad = [name for flag, name in refused if flag]
+    if bad:
+        raise TrainmemError(f"trace {what} with {bad[0]} is not traced; use estimate")
 
 
 def _check_tp(t: TrainingSpec, spec: Any, device: str, what: str) -> None:
@@ -236,7 +283,50 @@ def patches(tracker: Tracker) -> dict[tuple[Any, str], Any]:
         sharding_prop._propagate_use_strided_shard_flag)
     dp_cls = ddp_module.DistributedDataParallel
     out[(dp_cls, "_pre_forward")] = _scoped(tracker, "communication", "ddp_buckets", dp_cls._pre_forward)
+    from torch.distributed.pipelining import schedules
+    out[(schedules._PipelineSchedule, "_warmup_p2p")] = _static_vote(schedules._PipelineSchedule._warmup_p2p)
+    import torch.distributed as dist
+    out[(dist, "batch_isend_irecv")] = _p2p_one_by_one
     return out
+
+
+def _p2p_one_by_one(p2p_op_list: list) -> list:
+    """``dist.batch_isend_irecv`` as its branch for a backend without coalescing (torch 2.13
+    ``distributed_c10d.py`` ``batch_isend_irecv``: each ``P2POp`` issued in order, their works
+    returned). The pipeline schedules call it for a mixed batch of sends and receives
+    (``schedules.py`` ``_batch_p2p``); its coalescing branch asks the group for the backend of the
+    tensors' device, and the emulated GPU's tensors are on ``meta``, which the fake group has no
+    backend for. Coalescing groups NCCL's launches and allocates nothing the caching allocator sees."""
+    reqs = []
+    for op in p2p_op_list:
+        key = "group_dst" if op.op is torch.distributed.isend else "group_src"
+        work = op.op(op.tensor, group=op.group, tag=op.tag, **{key: op.group_peer})
+        if work:
+            reqs.append(work)
+    return reqs
+
+
+def _static_vote(orig: Callable) -> Callable:
+    """The pipeline schedule's warm-up vote on the fake group (torch 2.13
+    ``distributed/pipelining/schedules.py`` ``_warmup_p2p``; ``stage.py`` ``_warmup_forward_vote`` /
+    ``_warmup_backward_result``): each stage votes 1 (static: its example inputs and outputs were
+    given) or 0, the product travels to the last stage and back with ``dist.send`` / ``dist.recv``,
+    and ``result.item() == 1`` selects the static mode. On the fake group a receive leaves its
+    buffer as allocated and ``.item()`` of an emulated tensor reads 0, so every stage would fall to
+    the dynamic mode, whose metadata exchange (``recv_object_list``) the fake group cannot answer.
+    Every rank's ``PipelineTrainStep`` gives its stage both example tensors, so every real vote is
+    1: the stages are set to the static mode the vote would have reached."""
+    from torch.distributed.pipelining._utils import InferenceMode
+    from torch.distributed.pipelining.stage import PipelineStage
+
+    @functools.wraps(orig)
+    def run(self: Any, stages: list, has_backward: bool, p2p_done: bool) -> None:
+        if not all(isinstance(s, PipelineStage) and not InferenceMode.needs_dynamic(s._user_meta, has_backward)
+                   for s in stages):
+            return orig(self, stages, has_backward, p2p_done)
+        for s in stages:
+            s._inference_mode = InferenceMode.STATIC
+    return run
 
 
 def _strided_flag_once(orig: Callable) -> Callable:
@@ -276,7 +366,11 @@ def _allreduce_in_place(world: int) -> Callable:
 def wrap(module: torch.nn.Module, spec: Any, t: TrainingSpec, tracker: Tracker) -> torch.nn.Module:
     """The model wrapped as ``t`` asks, on the fake group. FSDP2 shards the unmaterialised model
     (as torchtitan does: built on ``meta``, sharded, then given memory), so only the shards are
-    ever loaded; DDP wraps the loaded model inside the tracker: its buckets are counted."""
+    ever loaded; DDP wraps the loaded model inside the tracker: its buckets are counted. A pipeline
+    stage is cut from the unmaterialised model (``wrappers.PipelineStageModule``, this rank's stage)."""
+    if t.pp > 1:
+        import torch.distributed as dist
+        return pipeline_stage_module(module, spec, t.pp, dist.get_rank())
     device_mesh = mesh(t, "cuda")
     if t.tp > 1:
         tensor_parallel(module, spec, device_mesh["tp"], t.sequence_parallel)
@@ -334,3 +428,34 @@ def rank_entries(report: Any, t: TrainingSpec, rank: int = 0) -> list[dict[str, 
     return [traced if r == rank else
             {"rank": r, "local_rank": r, **{k: traced[k] for k in keep}, "traced": False, "copied_from": rank}
             for r in range(world_size(t))]
+
+
+# ----- pipeline parallelism: the stages traced and the report of the worst ----------------------------
+def pipeline_ranks(t: TrainingSpec, rank: int = 0) -> list[int]:
+    """The pipeline stages traced, one rank each: the first (embeddings, the most micro-batches in
+    flight under 1F1B: ``pp`` of them) and the last (final norm, head and loss, one micro-batch in
+    flight), plus ``rank`` if another was asked for. A middle stage holds its layers' activations
+    for fewer micro-batches than the first (``pp - stage``) and neither the embeddings nor the
+    head, so it is below the first stage unless the embedding table is smaller than the activations
+    one micro-batch of its layers keeps; it is traced on request (``rank=k``)."""
+    return sorted({0, t.pp - 1, rank})
+
+
+def pipeline_report(reports: dict[int, Any], t: TrainingSpec) -> Any:
+    """The report of the worst traced stage (highest peak allocated), with ``extra["ranks"]``
+    listing every traced stage as traced and the others as not traced."""
+    worst = max(reports, key=lambda r: (reports[r].peak_allocated, -r))
+    report = reports[worst]
+    entries = {r: {**rank_entries(rep, t, r)[r], "pipeline_stage": r} for r, rep in reports.items()}
+    ranks = [entries.get(r, {"rank": r, "local_rank": r, "world_size": t.pp, "pipeline_stage": r, "traced": False,
+                             "not_traced": "a middle stage: fewer micro-batches in flight than the first, "
+                                           "no embeddings or head"}) for r in range(t.pp)]
+    # the estimate's names for the stage (its ``extra["pipeline_stage"]``): first, last or middle
+    name = "first" if worst == 0 else ("last" if worst == t.pp - 1 else "middle")
+    report.extra.update({"ranks": ranks, "rank": worst, "world_size": t.pp, "traced_ranks": sorted(reports),
+                         "wrapper": wrapper_name(t), "pipeline_stage": name})
+    peaks = ", ".join(f"stage {r} {fmt(reports[r].peak_allocated, 'auto')}" for r in sorted(reports))
+    report.warnings.append(f"{wrapper_name(t)} on a fake process group of {t.pp} ranks (torch.distributed's fake "
+                           f"backend): stages {', '.join(map(str, sorted(reports)))} traced, one rank each "
+                           f"(peak allocated {peaks}); the report is stage {worst}'s, the worst")
+    return report

@@ -593,7 +593,9 @@ class Tracker(TorchDispatchMode):
             self.module_stack.pop()
         self._seq_starts.append(torch._C._autograd._get_sequence_nr())
         self._seq_names.append(self.module_stack[-1] if self.module_stack else "")
-        if not self.module_stack and self.phase == "forward":
+        # the outermost module's output is the logits, except a pipeline stage's before the last
+        # (hidden states: wrappers.PipelineStageModule.returns_logits)
+        if not self.module_stack and self.phase == "forward" and getattr(module, "returns_logits", True):
             self._mark_logits(output)
 
     def _mark_logits(self, output: Any) -> None:

@@ -1,0 +1,140 @@
+"""Pipeline parallelism traced on torch.distributed.pipelining's own code in one process
+(trace.distributed, wrappers.PipelineStageModule, workload.PipelineTrainStep): each stage a rank of a
+fake process group running PipelineStage + Schedule1F1B; the first and the last stage traced; the
+estimate checked against each stage."""
+import pytest
+
+from trainmem import estimate
+from trainmem.errors import TrainmemError
+from trainmem.estimate.engine import estimate_stage
+from trainmem.spec.resolve import resolve
+from trainmem.trace.api import trace
+
+#: llama-3.2-1b's shape, cut down: 4 layers (2 per stage at --pp 2), untied head (vocab 4096)
+SMALL = ["num_hidden_layers=4", "hidden_size=256", "num_attention_heads=8", "num_key_value_heads=4",
+         "intermediate_size=1024", "vocab_size=4096", "head_dim=32", "tie_word_embeddings=false"]
+#: the same with 8 layers (2 per stage at --pp 4)
+EIGHT = ["num_hidden_layers=8"] + SMALL[1:]
+BASE = {"batch_size": 2, "seq_len": 256}
+#: estimate vs trace, each stage's peak allocated. Measured on these shapes (docs/trace.md, pipeline
+#: section): -0.35% to +0.58% over pp 2 and 4, 1 and 2 micro-batches per stage, fp32 / bf16 /
+#: bf16-amp, recompute none / full
+TOLERANCE = 0.01
+
+
+def _stages(overrides, **options):
+    """{stage: (trace's peak allocated of that rank, estimate's peak allocated of that stage)}."""
+    r = trace("llama-3.2-1b", set=overrides, **BASE, **options)
+    res = resolve("llama-3.2-1b", set=overrides, **BASE, **options)
+    traced = {e["rank"]: e["peak_allocated"] for e in r.extra["ranks"] if e["traced"]}
+    pp = res.training.pp
+    return r, {k: (v, estimate_stage(res.model, res.training, "first" if k == 0 else "last").peak_allocated)
+               for k, v in traced.items() if k in (0, pp - 1)}
+
+
+@pytest.mark.parametrize("overrides, options", [
+    (SMALL, {"pp": 2, "grad_accum": 2, "precision": "bf16-amp"}),
+    (SMALL, {"pp": 2, "grad_accum": 4, "precision": "fp32", "recompute": "full"}),
+    (EIGHT, {"pp": 4, "grad_accum": 4, "precision": "bf16"}),
+], ids=["pp2-ga2-amp", "pp2-ga4-fp32-full", "pp4-ga4-bf16"])
+def test_each_traced_stage_agrees_with_the_estimate(overrides, options):
+    r, stages = _stages(overrides, **options)
+    assert sorted(stages) == [0, options["pp"] - 1]
+    for stage, (traced, est) in stages.items():
+        assert abs(est / traced - 1) < TOLERANCE, (stage, traced, est)
+    # the report is the worst traced stage's, and the estimate reports its worst stage too
+    assert r.peak_allocated == max(t for t, _ in stages.values())
+    worst = estimate("llama-3.2-1b", set=overrides, **BASE, **options)
+    assert abs(worst.peak_allocated / r.peak_allocated - 1) < TOLERANCE
+
+
+@pytest.mark.parametrize("overrides, options", [
+    (SMALL, {"pp": 2, "grad_accum": 4, "precision": "bf16-amp"}),
+    (EIGHT, {"pp": 4, "grad_accum": 2, "precision": "bf16", "recompute": "full"}),
+], ids=["pp2-ga4-amp", "pp4-ga2-bf16-full"])
+def test_gpipe_keeps_every_micro_batch_and_agrees_with_the_estimate(overrides, options):
+    r, stages = _stages(overrides, pp_schedule="gpipe", **options)
+    for stage, (traced, est) in stages.items():
+        assert abs(est / traced - 1) < TOLERANCE, (stage, traced, est)
+    assert "ScheduleGPipe" in r.extra["wrapper"]
+    # GPipe's last stage holds every micro-batch's activations and logits: above 1F1B's, which holds one
+    _, one = _stages(overrides, **options) if options["grad_accum"] >= options["pp"] else (None, None)
+    if one is not None:
+        last = options["pp"] - 1
+        assert stages[last][0] > one[last][0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pp, ga", [(2, 2), (2, 4), (4, 4), (4, 8)])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-amp"])
+@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_pipeline_grid_agrees_with_the_estimate(pp, ga, precision, recompute, schedule):
+    _, stages = _stages(SMALL if pp == 2 else EIGHT, pp=pp, grad_accum=ga, precision=precision, recompute=recompute,
+                        pp_schedule=schedule)
+    for stage, (traced, est) in stages.items():
+        assert abs(est / traced - 1) < TOLERANCE, (stage, traced, est)
+
+
+def test_ranks_list_every_stage_and_the_first_holds_more_micro_batches():
+    r = trace("llama-3.2-1b", set=EIGHT, **BASE, pp=4, grad_accum=4, precision="bf16")
+    ranks = r.extra["ranks"]
+    assert [e["rank"] for e in ranks] == [0, 1, 2, 3]
+    assert [e["traced"] for e in ranks] == [True, False, False, True]
+    assert r.extra["traced_ranks"] == [0, 3] and r.extra["world_size"] == 4
+    first, last = ranks[0], ranks[3]
+    # stage 0 holds the embedding (4096 x 256 fp32... here bf16), stage 3 the final norm and the head
+    assert first["parameters_bytes"] != last["parameters_bytes"]
+    # 1F1B: the first stage keeps 4 micro-batches' activations, the last one: more on the first stage
+    acts = lambda e: sum(c["bytes"] for c in e["components"] if c["category"] == "activations")  # noqa: E731
+    assert acts(first) > 2 * acts(last)
+    assert r.extra["rank"] == (0 if first["peak_allocated"] >= last["peak_allocated"] else 3)
+    assert any("Schedule1F1B" in w for w in r.warnings)
+
+
+def test_a_middle_stage_is_traced_on_request():
+    r = trace("llama-3.2-1b", set=EIGHT, **BASE, pp=4, grad_accum=4, precision="bf16", rank=1)
+    assert [e["traced"] for e in r.extra["ranks"]] == [True, True, False, True]
+
+
+@pytest.mark.parametrize("options, names", [
+    ({"pp": 2}, "--grad-accum 1"),
+    ({"pp": 2, "grad_accum": 2, "dp": 2}, "--pp 2 --dp 2"),
+    ({"pp": 2, "grad_accum": 2, "lora_rank": 8}, "--lora-rank"),
+    ({"pp": 2, "grad_accum": 2, "optimizer_in_backward": True}, "--optimizer-in-backward"),
+    ({"pp": 2, "grad_accum": 2, "loss": "chunked", "loss_chunks": 4}, "chunked loss"),
+    ({"pp": 2, "grad_accum": 2, "num_microbatches_in_flight": 1}, "--num-microbatches-in-flight 1"),
+    ({"pp": 2, "grad_accum": 4, "num_microbatches_in_flight": 2, "pp_schedule": "gpipe"},
+     "--num-microbatches-in-flight 2"),
+    ({"pp": 2, "grad_accum": 2, "device": "cpu"}, "--device cpu"),
+])
+def test_combinations_not_built_are_refused_in_one_line(options, names):
+    with pytest.raises(TrainmemError) as e:
+        trace("llama-3.2-1b", set=SMALL, **BASE, **options)
+    assert names in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_model_without_the_split_is_refused():
+    gpt2 = ["n_layer=2", "n_embd=64", "n_head=4", "vocab_size=1000", "n_positions=128"]
+    with pytest.raises(TrainmemError, match="pipeline split is written for Llama"):
+        trace("gpt2", set=gpt2, batch_size=2, seq_len=64, pp=2, grad_accum=2)
+    with pytest.raises(TrainmemError, match="not a llama seq-cls model"):  # the split's last stage is an LM head
+        trace("llama-3.2-1b", set=SMALL, task="sequence-classification", batch_size=2, seq_len=64, pp=2,
+              grad_accum=2)
+
+
+def test_the_command_line_traces_both_stages_and_refuses_in_one_line(capsys):
+    import json
+    from trainmem.cli import main
+    args = ["trace", "llama-3.2-1b", *[x for o in SMALL for x in ("--set", o)], "--batch-size", "2",
+            "--seq-len", "128", "--pp", "2"]
+    assert main([*args, "--grad-accum", "2", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert [(e["rank"], e["traced"]) for e in d["ranks"]] == [(0, True), (1, True)]
+    assert d["peak_allocated"] == max(e["peak_allocated"] for e in d["ranks"])
+    assert main([*args, "--grad-accum", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "ranks: 2 (pipeline ×2" in text and "* rank   0: traced" in text and "* rank   1: traced" in text
+    assert main(args) == 2  # --grad-accum 1 < --pp 2: Schedule1F1B refuses it
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--grad-accum 1" in err[0]
