@@ -74,7 +74,6 @@ class _Step:
     states: list = field(default_factory=list)   # optimizer-state handles (created by the first step)
     held: list = field(default_factory=list)     # the model output the loop keeps (hold "step")
     step: int = 0                                # the step being replayed (1 or 2)
-    suffix: str = ""                             # its micro-step's phase suffix under accumulation
 
 
 def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, b: int, ga: int,
@@ -93,9 +92,8 @@ def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, 
         for _ in range(max((k for _w, k, *_r in st.trainables), default=0)):
             _make_grads(R, s, st.trainables, tuple({w for w, *_r in st.trainables}))
     for step in (1, 2):
-        for micro in range(min(ga, 2)):
-            s.step, s.suffix = step, "" if ga == 1 else (".micro1" if micro == 0 else f".micro2-{ga}")
-            _micro_step(R, s, q, flags, tk, n, nsq, recompute, b)
+        s.step = step
+        _micro_batches(R, s, q, flags, tk, n, nsq, recompute, b, ga)
         _optimizer_step(R, s, q, flags, step, temp_copies)
     return max(0, R.a.peak_reserved - R.a.peak_allocated), R.marks
 
@@ -121,19 +119,32 @@ def _layer_parts(q: Quantities, n: int, nsq: int) -> list[int]:
     return [int(a * n + b * nsq) for a, b in (lc.tensors or [(a, b) for _name, a, b in lc.parts])]
 
 
-def _micro_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int,
-                recompute: str, b: int) -> None:
-    """One micro-batch's forward and backward."""
+@dataclass
+class _Forward:
+    """What one micro-batch's forward leaves for its backward (handles, and the logits' shape)."""
+
+    inputs: Any
+    fs: "_Fsdp"
+    root: list
+    emb: Any
+    kept: list
+    head: list                                   # the head's input and autocast copy
+    out: list                                    # the logits
+    saved: list                                  # what the loss saved
+    full: int                                    # logit elements
+    chunks: int
+
+
+def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, parts: list[int],
+             recompute: str, full: int, suffix: str) -> _Forward:
+    """One micro-batch's forward, the loss included."""
     st = q.detail.states
     inputs = R.alloc(tk.inputs)                                   # int64 ids and labels
     fs = _Fsdp(q.fsdp_ag_result > 0)
     root = fs.unshard(R, q.fsdp_root, st.root_tensors)            # FSDP: the root unit gathered
     emb = R.alloc(tk.outer_rest)                                  # embeddings' saved tensors
-    parts = _layer_parts(q, n, nsq)
     kept = [_layer_forward(R, q, fs, parts, tk, recompute) for _ in range(q.layers)]
-    head_in = R.alloc(tk.outer_head)                              # final norm output / head input
-    cast_head = R.alloc(q.cast_head)                              # autocast's half copy of the head
-    full = n * q.logit_width // q.tp if flags.lm else b * q.logit_width   # logit elements
+    head = [R.alloc(tk.outer_head), R.alloc(q.cast_head)]        # head input, autocast's half copy of the head
     chunks = max(1, int(q.logit_chunks)) if q.liger_factor == 0 else 1   # a chunked loss: one tensor per chunk
     out = R.allocs(_logit_tensors(tk.out_logits, q.logits_out, full, chunks))  # (b, s, vocab) logits
     R.frees(s.held)                                               # the previous step's output, replaced
@@ -143,26 +154,54 @@ def _micro_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Token
     R.frees(fwd)
     if flags.hold == "loss":
         R.frees(out)
-    R.mark("forward" + s.suffix, s.step)
-    lb = R.allocs(_logit_tensors(tk.loss_backward, q.loss_backward, full, chunks))  # logits' gradients
-    R.frees(saved)
-    dlogits = R.allocs(_logit_tensors(tk.logits_grad, q.logits_out, full, chunks))  # in the head's dtype
+        out = []
+    R.mark("forward" + suffix, s.step)
+    return _Forward(inputs, fs, root, emb, kept, head, out, saved, full, chunks)
+
+
+def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, f: _Forward, parts: list[int],
+              n: int, nsq: int, recompute: str, suffix: str) -> None:
+    """One micro-batch's backward, from the loss to the embeddings."""
+    st = q.detail.states
+    lb = R.allocs(_logit_tensors(tk.loss_backward, q.loss_backward, f.full, f.chunks))  # logits' gradients
+    R.frees(f.saved)
+    dlogits = R.allocs(_logit_tensors(tk.logits_grad, q.logits_out, f.full, f.chunks))  # in the head's dtype
     R.frees(lb)
     head_full = R.alloc(st.head_grads_full)                       # FSDP: the head's unsharded gradients
     tied = R.alloc(q.tied_grad)                                   # a tied head's gradient, until the embedding's
-    R.frees(dlogits + [head_in, cast_head])
+    R.frees(dlogits + f.head)
     for i in reversed(range(q.layers)):
-        _layer_backward(R, s, q, fs, parts, kept[i], i, n, nsq, recompute, flags.oib)
+        _layer_backward(R, s, q, f.fs, parts, f.kept[i], i, n, nsq, recompute, flags.oib)
     emb_full = R.alloc(st.emb_grads_full)                         # FSDP: the embedding's unsharded gradient
-    fs.reduce(R, [head_full, emb_full], (st.head_grads_full + st.emb_grads_full) * fs.rs_factor(q))
+    f.fs.reduce(R, [head_full, emb_full], (st.head_grads_full + st.emb_grads_full) * f.fs.rs_factor(q))
     _make_grads(R, s, st.trainables, ("after", "before"), flags.oib)  # head, final norm, embeddings
-    R.frees([tied, emb, inputs] + root)
-    fs.done(R)
-    R.mark("backward" + s.suffix, s.step)
+    R.frees([tied, f.emb, f.inputs] + f.root)
+    f.fs.done(R)
+    R.mark("backward" + suffix, s.step)
     if flags.hold == "step":
-        s.held = out
+        s.held = f.out
     elif flags.hold == "backward":
-        R.frees(out)
+        R.frees(f.out)
+
+
+def _micro_batches(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int,
+                   recompute: str, b: int, ga: int) -> None:
+    """A step's micro-batches: each forward, then its backward once ``tk.inflight`` forwards are in
+    flight (1: one after the other; a pipeline stage under 1F1B: min(pp, grad_accum) on the first
+    stage, every micro-batch under GPipe, ``moments.tokens``), the rest drained at the end. Up to
+    one micro-batch more than are in flight is replayed (two without a pipeline)."""
+    inflight = max(1, int(tk.inflight))
+    parts = _layer_parts(q, n, nsq)
+    full = n * q.logit_width // q.tp if flags.lm else b * q.logit_width   # logit elements
+    pending: list = []
+    for micro in range(min(ga, inflight + 1)):
+        suffix = "" if ga == 1 else (".micro1" if micro == 0 else f".micro2-{ga}")
+        pending.append((_forward(R, s, q, flags, tk, parts, recompute, full, suffix), suffix))
+        if len(pending) >= inflight:
+            f, sfx = pending.pop(0)
+            _backward(R, s, q, flags, tk, f, parts, n, nsq, recompute, sfx)
+    for f, sfx in pending:
+        _backward(R, s, q, flags, tk, f, parts, n, nsq, recompute, sfx)
 
 
 @dataclass
