@@ -177,13 +177,13 @@ def test_tensor_parallel_refused_for_other_families(capsys):
 
 
 def test_trace_still_refuses_parallelism():
-    """trace runs data and tensor parallelism on a fake process group of the emulated GPU
-    (tests/test_trace_distributed.py, tests/test_trace_tp.py); on the CPU, and pipelines anywhere,
-    it refuses in one line."""
+    """trace runs data, tensor and pipeline parallelism on a fake process group of the emulated GPU
+    (tests/test_trace_distributed.py, tests/test_trace_tp.py, tests/test_trace_pp.py); on the CPU,
+    and a 1F1B pipeline with fewer micro-batches than stages, it refuses in one line."""
     from trainmem.trace.api import trace
     with pytest.raises(TrainmemError, match="trace --dp 2 runs on the emulated GPU"):
         trace(MODEL, overrides=SET, dp=2, device="cpu", **SETUP)
-    with pytest.raises(TrainmemError, match="not supported: --pp 2"):
+    with pytest.raises(TrainmemError, match="needs at least as many micro-batches as stages"):
         trace(MODEL, overrides=SET, pp=2, **SETUP)
 
 

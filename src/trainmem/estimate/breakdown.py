@@ -161,9 +161,11 @@ def activations(q: Quantities, tk: Tokens, at_peak: int, t: TrainingSpec, n: int
         if q.first_unsaved_tok - q.detail.received_tok or q.first_unsaved_sq:
             for name, a, b in q.detail.layer.first_unsaved:
                 first[name] = first.get(name, 0) + int(a * n + b * nsq) * tk.inflight
-        if received and q.detail.layer.parts:  # the layer's first op saves its input
-            name = q.detail.layer.parts[0][0]
-            first[name] = first.get(name, 0) + received
+        left = received  # the layer's first op saves its input: taken off the first parts that hold it
+        for name, a, b in q.detail.layer.parts:
+            v = (int(a * n) + (0 if t.recompute == "selective" else int(b * nsq))) * per_rank - first.get(name, 0)
+            take = min(left, max(v, 0))
+            first[name], left = first.get(name, 0) + take, left - take
         for name, a, b in q.detail.layer.parts:
             v = int(a * n) + (0 if t.recompute == "selective" else int(b * nsq))
             if v * per_rank - first.get(name, 0):

@@ -113,7 +113,9 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
     casts = ((q.cast_layer + q.gathered_layer) * q.layers - q.cast_checkpointed) * per_forward
     layers = layer * q.layers * inflight + casts
     # LoRA: the first layer's input needs no gradient, so it keeps less (quantities.first_layer_unsaved)
-    layers = layers - trunc(q.first_unsaved_tok * n + q.first_unsaved_sq * nsq) * inflight - q.cast_first_free
+    # (and the half copies of its frozen linears on that input are not kept, in each forward's region)
+    layers = (layers - trunc(q.first_unsaved_tok * n + q.first_unsaved_sq * nsq) * inflight
+              - q.cast_first_free * per_forward)
     # + per sequence position and per position squared (T5's (s, s) position buckets), shared by the batch
     outer_rest = trunc(q.outer_rest_tok * n + q.outer_rest_sq * nsq + q.outer_rest_pos * (n // b)
                        + q.outer_rest_ssq * (n // b) ** 2) * inflight
