@@ -149,7 +149,7 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
                   inputs,
                   full * q.logits_held, full * q.logits_out,
                   saved, full * q.loss_forward + chunk * q.loss_forward_chunk + trunc(q.head_loss_tok * n),
-                  full * q.loss_backward + chunk * q.loss_backward_chunk,
+                  full * q.loss_backward + chunk * q.loss_backward_chunk + trunc(q.loss_backward_tok * n),
                   kv_tok * q.layers * inflight, trunc(q.cache_tok * n) - kv_tok,
                   q.fwd_temp + trunc(q.fwd_temp_tok * n), graph_layer=trunc(q.graph_tok * n) * inflight,
                   graph=trunc(q.graph_tok * n) * inflight * q.layers,

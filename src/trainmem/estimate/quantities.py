@@ -116,6 +116,7 @@ class Quantities:
     above_bottom: int = 0  # gradient bytes of the layers above the bottom one (made before its backward)
     above_decoder_bottom: int = 0  # ... above an encoder-decoder's decoder-bottom layer
     outer_rest_ssq: float = 0.0  # per sequence position squared, shared by the micro-batch (T5's position buckets)
+    loss_backward_tok: float = 0.0  # per token, alive at the start of backward (--compile: the KV cache's zero gradients)
     input_tok: float = 8.0  # the input batch per token: int64 ids, or an image model's pixel values per patch
     input_sample: int = 0   # ... less this per sample (an image model's class tokens have no pixels)
     head_read: int = 0     # ... of it, the copy its matmul reads (the cast, else the dequantized weight)
@@ -412,8 +413,10 @@ def loss_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy) -> LossBytes:
       tokens at a time; backward returns the saved gradients (no new tensors when the loss's
       gradient is 1).
     * loss parallel (upcast, PyTorch's tensor parallelism, ``states.dtensor_tp``): :func:`_loss_parallel_bytes`.
-    * ``torch.compile`` (upcast or half): inductor fuses the loss and its backward: no fp32 copy in
-      forward, one fp32 logits gradient in backward.
+    * ``torch.compile`` with the model's own loss (``--loss`` not given): :func:`_compiled_loss_bytes`.
+      A loss the loop computes from the logits (``--loss upcast|half``) runs eagerly outside the
+      compiled call (trace/compiled.py): the eager formulas (the KV cache's zero gradients are
+      added in ``_build``).
     Classifier heads: fp32 loss tensors of (b, labels).
     """
     # the loop's reference to the output keeps them; on a pipeline's last stage (the only one with a
@@ -449,8 +452,15 @@ def _loss_in_one_piece(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int) ->
         return LossBytes(saved_tok=m.hidden_size * half + F32, saved_const=grad_w, forward_chunk=half)
     if mode == "chunked":
         return LossBytes(held, half, F32, forward_chunk=F32 if half != F32 else 0, backward_chunk=2 * F32)
-    if t.compile:
-        return LossBytes(held, half, F32, 0, F32)
+    if t.compile and t.loss is None:
+        return _compiled_loss_bytes(m, t, held, half)
+    if t.compile:   # the loop's loss, eager, on the compiled model's outputs
+        return _eager_loss_bytes(m, t, pol, held, mode, half)
+    return _eager_loss_bytes(m, t, pol, held, mode, half)
+
+
+def _eager_loss_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int, mode: str, half: int) -> LossBytes:
+    """The upcast / half loss run eagerly (``loss_bytes``)."""
     if dtensor_tp(t) and mode in ("upcast", "half"):
         return _loss_parallel_bytes(held, half, mode == "half", pol.amp)
     if mode == "half" and half != F32:
@@ -462,6 +472,38 @@ def _loss_in_one_piece(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int) ->
             return LossBytes(held, half, half + F32, 0, F32)
         return LossBytes(held, half, half, 0, 2 * half)
     return LossBytes(held, half, F32, F32 if half != F32 else 0, 2 * F32)
+
+
+def _compiled_loss_bytes(m: ModelSpec, t: TrainingSpec, held: int, half: int) -> LossBytes:
+    """The model's own causal-LM loss inside ``torch.compile(model)`` (the graph trace --compile
+    runs: AOTAutograd's joint graph with inductor's decompositions, split by inductor's
+    ``partition_fn``, ``torch/_functorch/partitioners.py`` ``min_cut_rematerialization_partition``).
+
+    * Forward: inductor's decomposition of ``_log_softmax`` (``torch/_decomp/decompositions.py``
+      ``_log_softmax``: ``x - amax(x) - log(sum(exp(x - amax)))``, computed in fp32 from the half
+      logits that ``ForCausalLMLoss``'s ``logits.float()`` upcasts) and of ``nll_loss_forward``
+      (a gather of one log-probability per token) are pointwise ops and reductions: no
+      (tokens, vocab) tensor is written but the head's output. The min cut saves, besides it, the
+      per-token ``amax`` and ``log(sum(exp))`` (fp32, (tokens, 1) each) and the labels shifted by
+      ``ForCausalLMLoss`` (``F.pad(labels, (0, 1), value=-100)``: int64, (b, s + 1)): 16 bytes per
+      token. The logits (half, (b, s, vocab)) are saved too: they are the loop's output when it
+      holds it (counted there: ``held``), else saved for backward only.
+    * Backward: AOTAutograd's ``CompiledFunction`` is an autograd function, which materializes a
+      zero gradient for every output the loss does not reach (``torch/_functorch/_aot_autograd/
+      runtime_wrappers.py``: tangents of unused outputs are ``zeros_like``): the logits' (half) and
+      every KV-cache tensor's (``Quantities.loss_backward_tok``, set in ``_build``). The loss's backward (``_log_softmax_backward_data``
+      and ``nll_loss_backward`` decomposed: ``grad - exp(x - amax - log) * sum(grad)`` with the
+      ``where`` inductor's joint-graph pass makes of the scatter) is fused into one kernel that reads
+      the saved logits and the zero tangent and writes the logits' gradient in the logits' dtype.
+      Trace's graph runner frees the saved logits at the fused chain's first read (their last use
+      in the graph, node ``convert_element_type`` of the logits) and the tangent after the ``add``
+      that writes the gradient: at the start of backward the saved logits and the zero tangent
+      are alive (one half logits-sized tensor on top of the saved ones); the gradient then
+      replaces the saved logits.
+    Checked against trace --compile (tests/test_estimate_compile.py).
+    """
+    saved = 0 if held else half  # the logits: the held output, else saved for the backward only
+    return LossBytes(held, half if held else 0, saved, 0, half, saved_tok=2 * F32 + 8)
 
 
 def _loss_parallel_bytes(held: int, half: int, on_half: bool, amp: bool) -> LossBytes:
@@ -794,6 +836,9 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         tp=t.tp if is_lm(m) else 1, logits_held=loss.held, logits_out=loss.out, loss_saved=loss.saved,
         loss_forward=loss.forward, loss_backward=loss.backward, loss_forward_chunk=loss.forward_chunk,
         loss_backward_chunk=loss.backward_chunk, loss_saved_tok=loss.saved_tok, loss_saved_const=loss.saved_const,
+        # --compile: AOTAutograd's backward makes a zero gradient for each KV-cache tensor the
+        # compiled model returns (same shape and dtype; _compiled_loss_bytes)
+        loss_backward_tok=lc.cache if t.compile else 0.0,
         liger_factor=-(-m.vocab_size // m.hidden_size) if (head_here and is_lm(m) and loss_mode(m, t) == "fused") else 0,
         step_temp=step_temporaries(t, st), oib_mid=oib_mid, oib_end=oib_end,
         tied_grad=tied_head_grad(m, t), tied_replicated=tied_replicated_grad(m, t),
