@@ -500,11 +500,13 @@ def _compiled_loss_bytes(m: ModelSpec, t: TrainingSpec, held: int, half: int) ->
       in the graph, node ``convert_element_type`` of the logits) and the tangent after the ``add``
       that writes the gradient: at the start of backward the saved logits and the zero tangent
       are alive (one half logits-sized tensor on top of the saved ones); the gradient then
-      replaces the saved logits.
+      replaces the saved logits. When the loop holds the output (``--hold-output step|backward``)
+      the logits outlive the graph's read, and the gradient comes on top: two half tensors.
     Checked against trace --compile (tests/test_estimate_compile.py).
     """
     saved = 0 if held else half  # the logits: the held output, else saved for the backward only
-    return LossBytes(held, half if held else 0, saved, 0, half, saved_tok=2 * F32 + 8)
+    # backward: the zero tangent (half), and the gradient (half) when the held logits outlive the read
+    return LossBytes(held, half if held else 0, saved, 0, (2 if held else 1) * half, saved_tok=2 * F32 + 8)
 
 
 def _loss_parallel_bytes(held: int, half: int, on_half: bool, amp: bool) -> LossBytes:
@@ -839,7 +841,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         loss_backward_chunk=loss.backward_chunk, loss_saved_tok=loss.saved_tok, loss_saved_const=loss.saved_const,
         # --compile: AOTAutograd's backward makes a zero gradient for each KV-cache tensor the
         # compiled model returns (same shape and dtype; _compiled_loss_bytes)
-        loss_backward_tok=lc.cache if t.compile else 0.0,
+        loss_backward_tok=lc.cache * layers if t.compile else 0.0,
         liger_factor=-(-m.vocab_size // m.hidden_size) if (head_here and is_lm(m) and loss_mode(m, t) == "fused") else 0,
         step_temp=step_temporaries(t, st), oib_mid=oib_mid, oib_end=oib_end,
         tied_grad=tied_head_grad(m, t), tied_replicated=tied_replicated_grad(m, t),
