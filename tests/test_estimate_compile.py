@@ -86,10 +86,12 @@ def test_a_layer_saves_what_the_partition_saves(monkeypatch, model, precision):
         trace(model, set=[f"{LAYERS[model]}={n_layers}"], compile=True, batch_size=b, seq_len=s,
               precision=precision, steps=1)
         got.append(_saved_bytes(catch.forward(), user_outputs=2 + 2 * n_layers))  # loss, logits, K and V
-    m, t = resolve(model, batch_size=b, seq_len=s, precision=precision, compile=True)
+    r = resolve(model, batch_size=b, seq_len=s, precision=precision, compile=True)
+    m, t = r.model, r.training
     coefs = layer_coefficients(layer_key(m, t))
     assert coefs.sq == 0
-    assert got[1] - got[0] == coefs.tok * b * s
+    # + the SDPA kernel's RNG seed and offset (uint64 (2,) and (), 24 bytes), not modelled
+    assert 0 <= got[1] - got[0] - coefs.tok * b * s <= 24
 
 
 def test_the_loss_saves_the_logits_and_16_bytes_per_token(monkeypatch):
@@ -105,11 +107,12 @@ def test_the_loss_saves_the_logits_and_16_bytes_per_token(monkeypatch):
     fw = catch.forward()
     tagged = [(n, v) for n, v in _saved(fw, 2 + 2 * 2)
               if not (n.meta.get("custom") or {}).get(compiled._MODULE, "")]  # the loss: no module
-    m, t = resolve("llama-3.2-1b", batch_size=b, seq_len=s, precision="bf16-amp", compile=True)
+    r = resolve("llama-3.2-1b", batch_size=b, seq_len=s, precision="bf16-amp", compile=True)
+    m, t = r.model, r.training
     lb: LossBytes = loss_bytes(m, t, Policy.of("bf16-amp"))
     per_token = sum(v.untyped_storage().nbytes() for _, v in tagged if v.numel() >= b * s)
     assert per_token == lb.saved_tok * b * s + 2 * 8  # + the padding column of the labels (one per sample)
-    logits = [v for n, v in _saved(fw, 1) if v.dim() == 3 and v.shape[-1] == m.vocab_size]
+    logits = [v for n, v in _saved(fw, 1) if v.numel() == b * s * m.vocab_size]
     assert logits and logits[0].dtype == torch.bfloat16 and lb.saved == 2  # half logits, saved (hold_output loss)
 
 
