@@ -120,7 +120,6 @@ SETUPS = [("llama-3.2-1b", 4, 2048, "bf16-amp"), ("llama-3.2-1b", 4, 2048, "bf16
           ("gpt2", 8, 1024, "bf16-amp"), ("gpt2", 8, 1024, "bf16")]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("model,b,s,precision", SETUPS)
 def test_estimate_compile_within_2_percent_of_trace(model, b, s, precision):
     """The step's peak (two steps, AdamW, SDPA, two layers): estimate --compile within 2% of

@@ -694,7 +694,7 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
     B.layer_input = x
     build = {"gpt2": _gpt2_layer, "nanogpt": _gpt2_layer, "bert": _bert_layer,
              "roberta-prenorm": _bert_layer}.get(k.family, _llama_layer)
-    if compiled_recipe(k, B):
+    if compiled_recipe(k):
         build = _gpt2_layer_compiled if build is _gpt2_layer else _llama_layer_compiled
     build(B, k, x, h, f, q, kv, heads, kvh, sp_div)
 
@@ -858,17 +858,20 @@ def _llama_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: 
         _swiglu(B, f, h, src2, "mlp", fused_gate_up=False)
 
 
-def compiled_recipe(k: LayerKey, B: Builder) -> bool:
+def compiled_recipe(k: LayerKey) -> bool:
     """Whether the layer has a ``torch.compile`` recipe (``_llama_layer_compiled``,
-    ``_gpt2_layer_compiled``): under ``--compile``, for the llama and GPT-2 families with a fused
+    ``_gpt2_layer_compiled``): under ``--compile``, for the llama (Llama, Mistral, Qwen2) and
+    transformers' GPT-2 families with a fused
     SDPA kernel, without LoRA, 4-bit bases, experts or tensor parallelism (the setups whose
     partition was read off trace --compile). Other layers keep the eager recipe (the estimate warns)."""
-    if not k.compiled or k.family == "bert" or k.family == "roberta-prenorm":
+    if not k.compiled or k.family not in ("llama", "gpt2"):   # (nanoGPT's own modules: not read off)
         return False
     if k.lora or k.quant[0] or k.experts or k.tp > 1 or k.attention == "eager":
         return False
-    return B.sdpa(k.attention, k.head_dim, k.heads, k.kv_heads, k.attention_dropout) in ("flash", "efficient", "cudnn") \
-        and not (k.head_dim % 8)
+    p = k.attention_dropout if (k.attention_dropout > 0 and k.dropout) else 0.0
+    backend = sdpa_backend(Policy.of(k.precision).half, k.head_dim, k.heads != k.kv_heads, capability=k.capability,
+                           pinned=k.attention if k.attention in SDPA_PINS else None, dropout=p)
+    return backend in ("flash", "efficient", "cudnn") and not (k.head_dim % 8)
 
 
 # ----- torch.compile: the tensors inductor's partition saves --------------------------------------
