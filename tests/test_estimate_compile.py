@@ -135,3 +135,15 @@ def test_estimate_compile_small_setup_within_2_percent():
               compile=True)
     e, t = trainmem.estimate("llama-3.2-1b", **kw), trace("llama-3.2-1b", **kw)
     assert abs(e.peak_allocated / t.peak_allocated - 1) < 0.02
+
+
+@pytest.mark.parametrize("options,warned", [
+    (dict(), False),
+    (dict(attention="eager"), True),      # hand-written attention: the eager layers
+    (dict(lora_rank=8), True),            # LoRA: not read off a partition
+])
+def test_the_warning_names_layers_without_a_compiled_recipe(options, warned):
+    """``estimate --compile`` warns exactly where its layers keep the eager step's saved tensors."""
+    from trainmem.estimate.engine import COMPILE_WARNING
+    r = trainmem.estimate("llama-3.2-1b", batch_size=1, seq_len=512, precision="bf16-amp", compile=True, **options)
+    assert (COMPILE_WARNING in r.warnings) == warned

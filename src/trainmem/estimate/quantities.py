@@ -414,7 +414,8 @@ def loss_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy) -> LossBytes:
       tokens at a time; backward returns the saved gradients (no new tensors when the loss's
       gradient is 1).
     * loss parallel (upcast, PyTorch's tensor parallelism, ``states.dtensor_tp``): :func:`_loss_parallel_bytes`.
-    * ``torch.compile`` with the model's own loss (``--loss`` not given): :func:`_compiled_loss_bytes`.
+    * ``torch.compile`` with the model's own upcast loss (transformers' ``ForCausalLMLoss``,
+      ``--loss`` not given): :func:`_compiled_loss_bytes`.
       A loss the loop computes from the logits (``--loss upcast|half``) runs eagerly outside the
       compiled call (trace/compiled.py): the eager formulas (the KV cache's zero gradients are
       added in ``_build``).
@@ -453,8 +454,13 @@ def _loss_in_one_piece(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int) ->
         return LossBytes(saved_tok=m.hidden_size * half + F32, saved_const=grad_w, forward_chunk=half)
     if mode == "chunked":
         return LossBytes(held, half, F32, forward_chunk=F32 if half != F32 else 0, backward_chunk=2 * F32)
-    if t.compile and t.loss is None:
+    if t.compile and t.loss is None and mode == "upcast":
         return _compiled_loss_bytes(m, t, held, half)
+    if t.compile and t.loss is None:
+        # a model's own loss on half logits (nanoGPT's F.cross_entropy), fused by inductor; trace
+        # --compile cannot run nanoGPT (it needs a step_fn), so this is not read off a partition:
+        # no fp32 copy in forward, one fp32 logits gradient in backward (the layers warn, too)
+        return LossBytes(held, half, F32, 0, F32)
     if t.compile:   # the loop's loss, eager, on the compiled model's outputs
         return _eager_loss_bytes(m, t, pol, held, mode, half)
     return _eager_loss_bytes(m, t, pol, held, mode, half)
