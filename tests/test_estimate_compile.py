@@ -147,3 +147,15 @@ def test_the_warning_names_layers_without_a_compiled_recipe(options, warned):
     from trainmem.estimate.engine import COMPILE_WARNING
     r = trainmem.estimate("llama-3.2-1b", batch_size=1, seq_len=512, precision="bf16-amp", compile=True, **options)
     assert (COMPILE_WARNING in r.warnings) == warned
+
+
+@pytest.mark.parametrize("precision", ["bf16", "bf16-amp"])
+def test_tied_embedding_backward_under_compile(precision):
+    """A tied embedding's compiled backward (``quantities.compiled_tied_grads``: the head's part and
+    two fp32 tables of the embedding's, summed in the graph): llama-3.2-1b with two layers, where
+    the backward's peak is that moment; the backward phase's peak within 2% of trace --compile
+    (the eager quantities: bf16 -20%, bf16-amp +14%)."""
+    kw = dict(set=["num_hidden_layers=2"], batch_size=2, seq_len=1024, precision=precision, compile=True)
+    e, t = trainmem.estimate("llama-3.2-1b", **kw), trace("llama-3.2-1b", **kw)
+    pe, pt = ({(p.name, p.step): p.peak for p in r.phases} for r in (e, t))
+    assert abs(pe[("backward", 2)] / pt[("backward", 2)] - 1) < 0.02

@@ -117,6 +117,8 @@ class Quantities:
     above_decoder_bottom: int = 0  # ... above an encoder-decoder's decoder-bottom layer
     outer_rest_ssq: float = 0.0  # per sequence position squared, shared by the micro-batch (T5's position buckets)
     loss_backward_tok: float = 0.0  # per token, alive at the start of backward (--compile: the KV cache's zero gradients)
+    tied_compiled: int = 0  # --compile: a tied embedding's backward tables (compiled_tied_grads)
+    tied_final: int = 0     # --compile: ... and its gradient in the weight's dtype (in ``grads``, made last)
     input_tok: float = 8.0  # the input batch per token: int64 ids, or an image model's pixel values per patch
     input_sample: int = 0   # ... less this per sample (an image model's class tokens have no pixels)
     head_read: int = 0     # ... of it, the copy its matmul reads (the cast, else the dequantized weight)
@@ -683,6 +685,26 @@ def tied_head_grad(m: ModelSpec, t: TrainingSpec) -> int:
     return _embedding_block(m, t.tp, 2 if t.precision == "bf16-mp" else t.weight_bytes)
 
 
+def compiled_tied_grads(m: ModelSpec, t: TrainingSpec, pol: Policy) -> tuple[int, int]:
+    """A tied embedding's gradient under ``torch.compile`` (the backward graph trace --compile runs):
+    (the head's part, held while the layers' backward runs; the embedding's part, at its backward).
+
+    The weight is one graph input read twice, so the backward graph sums its two gradients itself
+    and returns the sum: the head's part is the ``mm`` of the logits' gradient and the head's input,
+    in the compute dtype, read again only by the final ``add``; the embedding's part is inductor's
+    decomposition of ``embedding_dense_backward`` (``torch/_decomp/decompositions.py``: an fp32
+    ``new_zeros`` table, ``full`` in the graph, and ``_unsafe_masked_index_put_accumulate`` into it,
+    out of place: two fp32 (vocab, hidden) tables), then cast and added. Under autocast the head's
+    part is cast to fp32 first (a pointwise op fused into the ``add``); trace's runner frees a fused
+    chain's inputs at its first read, so there the head's part is not held (0): a GPU kernel would
+    hold the half ``mm`` output until the ``add``. Measured against trace --compile on
+    llama-3.2-1b (tied; tests/test_estimate_compile.py)."""
+    elems = tied_head_grad(m, t) // max(t.weight_bytes, 1) if tied_head_grad(m, t) else 0
+    if not elems:
+        return 0, 0
+    return (0 if pol.amp else elems * pol.half), 2 * F32 * elems
+
+
 def chunk_head_grads(m: ModelSpec, t: TrainingSpec, pol: Policy) -> int:
     """A loss over ``--loss-chunks`` output chunks calls the head once per chunk, and each call's
     backward makes a weight gradient of the whole head (vocab x hidden, in the matmul's dtype: the
@@ -824,6 +846,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     gpipe = t.pp > 1 and t.pp_schedule == "gpipe"
     inflight_fixed = 1 if (t.pp == 1 or (stage != "first" and not gpipe)) else (t.num_microbatches_in_flight or 0)
     lower, above_bottom, above_decoder_bottom = _grads_above(m, t, st, layers)
+    compiled_tied = compiled_tied_grads(m, t, pol)
     head_dq = head_dequant_bytes(m, t)  # the 4-bit LM head: (dequantized + cast, the cast) bytes
     return Quantities(
         first_unsaved_tok=sum(a for _, a, _ in first), first_unsaved_sq=sum(b for _, _, b in first),
@@ -850,7 +873,8 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         loss_backward_tok=lc.cache * layers if t.compile else 0.0,
         liger_factor=-(-m.vocab_size // m.hidden_size) if (head_here and is_lm(m) and loss_mode(m, t) == "fused") else 0,
         step_temp=step_temporaries(t, st), oib_mid=oib_mid, oib_end=oib_end,
-        tied_grad=tied_head_grad(m, t), tied_replicated=tied_replicated_grad(m, t),
+        tied_grad=compiled_tied[0] if t.compile else tied_head_grad(m, t), tied_replicated=tied_replicated_grad(m, t),
+        tied_compiled=compiled_tied[1] if t.compile else 0, tied_final=tied_head_grad(m, t) if t.compile else 0,
         emb_grad=emb_accumulated(m, t, stage),
         chunk_head_grads=chunk_head_grads(m, t, pol) if head_here else 0, transients=trans,
         fwd_temp=int(lc.fwd_const), fwd_temp_tok=lc.fwd_tok,
