@@ -868,8 +868,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         tp=t.tp if is_lm(m) else 1, logits_held=loss.held, logits_out=loss.out, loss_saved=loss.saved,
         loss_forward=loss.forward, loss_backward=loss.backward, loss_forward_chunk=loss.forward_chunk,
         loss_backward_chunk=loss.backward_chunk, loss_saved_tok=loss.saved_tok, loss_saved_const=loss.saved_const,
-        # --compile: AOTAutograd's backward makes a zero gradient for each KV-cache tensor the
-        # compiled model returns (same shape and dtype; _compiled_loss_bytes)
+        # --compile: the zero gradients of the KV-cache tensors the model returns (_compiled_loss_bytes)
         loss_backward_tok=lc.cache * layers if t.compile else 0.0,
         liger_factor=-(-m.vocab_size // m.hidden_size) if (head_here and is_lm(m) and loss_mode(m, t) == "fused") else 0,
         step_temp=step_temporaries(t, st), oib_mid=oib_mid, oib_end=oib_end,
