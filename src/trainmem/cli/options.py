@@ -122,7 +122,8 @@ def add_training(g: Any) -> None:
     _add_moe(g)
     _add_recompute(g)
     g.add_argument("--compile", action="store_true",
-                   help="torch.compile with inductor (estimate: its fused loss; trace: AOTAutograd's partition)")
+                   help="torch.compile with inductor (estimate: the partition's saved loss and llama/GPT-2 layers; "
+                        "trace: AOTAutograd's partition)")
     g.add_argument("--attention", choices=ATTENTION, default=None,
                    help="sdpa (default): the backend PyTorch picks; sdpa-flash|sdpa-efficient|sdpa-math|sdpa-cudnn "
                         "pin one (torch.nn.attention.sdpa_kernel); flash: flash_attention_2; eager: Python attention")

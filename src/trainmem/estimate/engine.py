@@ -31,16 +31,25 @@ from ..spec.training import RECOMPUTE, TrainingSpec
 from .derived import notes as derived_notes
 from .breakdown import components, phase_label, phases, where_label
 from .moments import StepFlags, peak, tokens, walk
-from .quantities import SHAPE_FIELDS, gather, quantities, shape_quantities
+from .layers import compiled_recipe
+from .quantities import SHAPE_FIELDS, gather, layer_key, quantities, shape_quantities
 
 #: layout fields ``estimate_layouts`` takes as arrays: SHAPE_FIELDS pick the quantities
 TOKEN_FIELDS = ("batch_size", "seq_len", "grad_accum")
 
 
-COMPILE_WARNING = ("--compile: only the compiled loss is modelled (one fp32 logits gradient); inductor's "
-                   "fusion of elementwise chains inside the layers, which saves fewer tensors, is not "
-                   "(trace --compile runs inductor's partition: 15-56% below eager on GPT-2 and Llama, "
-                   "docs/trace.md)")
+COMPILE_WARNING = ("--compile: the layers are the eager step's saved tensors (inductor's partition, which "
+                   "recomputes their elementwise chains and saves fewer, is modelled for the llama and GPT-2 "
+                   "families with a fused SDPA kernel, without LoRA, 4-bit bases, experts or --tp); "
+                   "use trace --compile for this model (docs/trace.md)")
+
+
+def compile_warning(m: ModelSpec, t: TrainingSpec) -> str | None:
+    """The warning of an ``estimate --compile`` whose layers have no compiled recipe
+    (``layers.compiled_recipe``: they keep the eager step's saved tensors, an overestimate)."""
+    if not t.compile or (m.family != "derived" and compiled_recipe(layer_key(m, t))):
+        return None
+    return COMPILE_WARNING
 
 
 def estimate(m: ModelSpec, t: TrainingSpec, cublas_workspace: int | None = None,
@@ -58,8 +67,9 @@ def estimate(m: ModelSpec, t: TrainingSpec, cublas_workspace: int | None = None,
         rep = first if first.peak_allocated >= last.peak_allocated else last
     else:
         rep = estimate_stage(m, t, "first", ws, reserved)
-    if t.compile:
-        rep.warnings.append(COMPILE_WARNING)
+    warning = compile_warning(m, t)
+    if warning:
+        rep.warnings.append(warning)
     if m.family == "derived":
         rep.warnings.extend(derived_notes(m, t))
     return rep

@@ -601,6 +601,7 @@ class LayerKey:
     biased: tuple[str, ...] = ()  # modules of a layer whose linear has a bias (set for --recompute op only)
     ep: int = 1               # expert parallelism: ranks the experts are split over (AllToAllEP)
     ep_rows: float = 0.0      # ... token rows per own token that this rank's experts run on (ep_rank_rows)
+    compiled: bool = False    # torch.compile: the saved set of inductor's partition (compiled_recipe)
 
 
 def ep_rank_rows(top_k: int, experts: int, ep: int, imbalance: float) -> float:
@@ -693,6 +694,8 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
     B.layer_input = x
     build = {"gpt2": _gpt2_layer, "nanogpt": _gpt2_layer, "bert": _bert_layer,
              "roberta-prenorm": _bert_layer}.get(k.family, _llama_layer)
+    if compiled_recipe(k):
+        build = _gpt2_layer_compiled if build is _gpt2_layer else _llama_layer_compiled
     build(B, k, x, h, f, q, kv, heads, kvh, sp_div)
 
     tok, sq, parts = B.r.coefficients()
@@ -853,6 +856,118 @@ def _llama_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: 
         _moe(B, src2, h, f, k.experts, k.top_k)
     else:
         _swiglu(B, f, h, src2, "mlp", fused_gate_up=False)
+
+
+def compiled_recipe(k: LayerKey) -> bool:
+    """Whether the layer has a ``torch.compile`` recipe (``_llama_layer_compiled``,
+    ``_gpt2_layer_compiled``): under ``--compile``, for the llama (Llama, Mistral, Qwen2) and
+    transformers' GPT-2 families with a fused
+    SDPA kernel, without LoRA, 4-bit bases, experts or tensor parallelism (the setups whose
+    partition was read off trace --compile). Other layers keep the eager recipe (the estimate warns)."""
+    if not k.compiled or k.family not in ("llama", "gpt2"):   # (nanoGPT's own modules: not read off)
+        return False
+    if k.lora or k.quant[0] or k.experts or k.tp > 1 or k.attention == "eager":
+        return False
+    p = k.attention_dropout if (k.attention_dropout > 0 and k.dropout) else 0.0
+    backend = sdpa_backend(Policy.of(k.precision).half, k.head_dim, k.heads != k.kv_heads, capability=k.capability,
+                           pinned=k.attention if k.attention in SDPA_PINS else None, dropout=p)
+    return backend in ("flash", "efficient", "cudnn") and not (k.head_dim % 8)
+
+
+# ----- torch.compile: the tensors inductor's partition saves --------------------------------------
+# Under ``torch.compile`` AOTAutograd traces the joint forward and backward graph with inductor's
+# decompositions (``torch/_inductor/decomposition.py`` ``select_decomp_table``: ``F.layer_norm``,
+# ``F.gelu``, SiLU, the RMSNorm's Python ops and autocast's casts all become pointwise ops and
+# reductions) and inductor's ``partition_fn`` splits it with ``min_cut_rematerialization_partition``
+# (``torch/_functorch/partitioners.py``): every pointwise op and reduction may be recomputed in the
+# backward (``is_fusible``; ``should_ban_recomputation`` bans matmuls, SDPA and random ops), so the
+# forward saves the cheapest cut of tensors from which the backward's fused kernels recompute the
+# rest: the matmuls' inputs and outputs in their compute dtype, SDPA's outputs, the per-token
+# statistics of the norms, and the residual stream where it is cheaper than the normalized tensor.
+# The recipes below are that cut for transformers' Llama and GPT-2 blocks, read off the partitioned
+# forward graph of trace --compile (``trainmem.trace.compiled``; a middle layer of a four-layer
+# model; the first layer may pick a tensor of equal cost elsewhere) and checked against it in
+# tests/test_estimate_compile.py.
+
+
+def _llama_layer_compiled(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: float, heads: float,
+                          kvh: float, sp_div: int) -> None:
+    """LlamaDecoderLayer under ``torch.compile``. Saved per token: the layer's input (the residual
+    stream, its dtype) and the residual after attention, from which the backward recomputes each
+    RMSNorm (``hidden.float().pow(2).mean(-1)``...), with the norms' fp32 ``rsqrt`` (1 per token
+    each); each norm's output in the compute dtype, the one input of q/k/v and of gate/up (``mm``
+    saves its input; under autocast the cast is the saved tensor, made once for the three
+    linears, where eager autocast makes one per call); the rotated q and k and v in the compute
+    dtype, SDPA's output and fp32 logsumexp (the kernel's saved tensors; the rotary products and
+    their fp32 intermediates under autocast are recomputed); the gate and up outputs and their
+    SiLU product (down's input), the SiLU itself recomputed (eager saves it too)."""
+    pol, half = B.p, B.p.half
+    B.r.save(x, T(1, 0, F32, "input_layernorm.stats"))   # (b, s, h) stream dtype; rsqrt (b, s, 1) fp32
+    src = T(h, 0, half, "input_layernorm.out")          # (b, s, h) compute dtype: q/k/v's shared input
+    proj = {name: B.linear(src, width, name, f"{name}.input", h, out_name=out)
+            for name, width, out in (("q_proj", q, "attn.q"), ("k_proj", kv, "attn.k"), ("v_proj", kv, "attn.v"))}
+    # rotary outputs (b, heads, s, d) in the compute dtype (autocast: the casts SDPA gets), v as v_proj made it
+    qq, kk, vv = T(q, 0, half, "attn.q_rot"), T(kv, 0, half, "attn.k_rot"), T(kv, 0, half, "attn.v")
+    if not pol.amp:
+        vv = proj["v_proj"]
+    if k.kv_cache and pol.amp:
+        # the cache's fp32 k and v (fp32 rotary under autocast, see _llama_layer): returned outputs
+        B.r.hold(T(kv, 0, F32, "kv_cache.k"), T(kv, 0, F32, "kv_cache.v"))
+    if k.kv_cache:
+        B.r.cache = 2 * kv * (F32 if pol.amp else half)
+    ctx = B.attention(qq, kk, vv, heads, kvh, k.head_dim, k.attention, k.attention_dropout,
+                      softmax_fp32_then_cast=True)       # saves q, k, v, out (b, s, q) half, lse (b, heads, s) fp32
+    B.linear(ctx, h, "o_proj", "o_proj.input")
+    # the residual after attention (b, s, h) stream dtype, and post_attention_layernorm's rsqrt
+    B.r.save(T(h, 0, pol.stream, "residual"), T(1, 0, F32, "post_attention_layernorm.stats"))
+    src2 = T(h, 0, half, "post_attention_layernorm.out")  # (b, s, h) compute dtype: gate/up's input
+    gate = B.linear(src2, f, "mlp.gate_proj", "mlp.gate_proj.input", h, out_name="mlp.gate_out")
+    up = B.linear(src2, f, "mlp.up_proj", "mlp.up_proj.input", h, out_name="mlp.up_out")
+    B.r.save(gate, up)                                    # (b, s, f) compute dtype each
+    B.r.transient("mlp.act.backward", T(3 * f, 0, half), T(h, 0, pol.stream))  # as _swiglu's (fused here)
+    B.linear(T(f, 0, half, "mlp.act_product"), h, "mlp.down_proj", "mlp.down_proj.input")  # (b, s, f) saved
+
+
+def _compiled_layer_norm(B: Builder, x: T, name: str) -> None:
+    """``F.layer_norm`` under ``torch.compile`` (inductor's ``native_layer_norm`` decomposition):
+    the backward needs the normalized input and ``rstd``; the min cut saves the normalized tensor
+    (fp32, (b, s, h)) and ``rstd`` when the input is fp32 (autocast over an fp32 residual stream:
+    equal cost to the input, and ``mean`` is then not needed), else the half input with the fp32
+    ``mean`` and ``rstd`` ((b, s, 1) each), from which it recomputes the normalized tensor."""
+    if x.nbytes == F32:
+        B.r.save(T(x.tok, 0, F32, name + ".normalized"), T(1, 0, F32, name + ".stats"))
+    else:
+        B.r.save(x, T(2, 0, F32, name + ".stats"))
+
+
+def _gpt2_layer_compiled(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: float, heads: float,
+                         kvh: float, sp_div: int) -> None:
+    """GPT2Block under ``torch.compile``. Saved per token: each LayerNorm's cut
+    (``_compiled_layer_norm``) and its output in the compute dtype (the input of ``c_attn`` /
+    ``c_fc``, Conv1D's ``addmm``); ``c_attn``'s whole output (q is a view of it), the KV cache's
+    copies of k and v when transformers makes one (SDPA saves those), SDPA's output and fp32
+    logsumexp; the residual dropouts' bool masks (random ops are not recomputed: partitioners.py
+    ``should_ban_recomputation`` keeps their outputs); ``c_fc``'s output and the GELU output
+    (``c_proj``'s input: the tanh chain between them is recomputed, eager saves four tensors)."""
+    half = B.p.half
+    _compiled_layer_norm(B, x, "ln_1")
+    B.linear(T(h, 0, half, "ln_1.out"), q + 2 * kv, "c_attn", "c_attn.input", h)   # (b, s, h) half saved
+    B.r.save(T(q + 2 * kv, 0, half, "attn.qkv"))          # c_attn's output (b, s, 3h) half, kept by q's view
+    qq = kk = vv = T(0, 0, half, "attn.qkv")
+    if k.kv_cache:                                        # torch.cat's copies (b, heads, s, d) half
+        kk, vv = T(kv, 0, half, "attn.k_cache"), T(kv, 0, half, "attn.v_cache")
+        B.r.cache = 2 * kv * half
+    ctx = B.attention(qq, kk, vv, heads, kvh, k.head_dim, k.attention, k.attention_dropout,
+                      softmax_fp32_then_cast=False)       # out (b, s, q) half, lse (b, heads, s) fp32
+    B.linear(ctx, h, "c_proj", "c_proj.input")
+    B.drop(T(h, 0, half, "resid"), k.hidden_dropout, "attn.resid_dropout")      # bool (b, s, h)
+    _compiled_layer_norm(B, T(h, 0, B.p.stream, "residual"), "ln_2")
+    fc = B.linear(T(h, 0, half, "ln_2.out"), f, "c_fc", "c_fc.input", h)       # (b, s, h) half saved
+    B.r.save(T(f, 0, half, "mlp.c_fc_out"))               # (b, s, f) half
+    B.r.transient("mlp.act.backward", T(2 * f, 0, half), T(h, 0, B.p.stream))  # d(gelu out), d(c_fc out)
+    del fc
+    B.linear(T(f, 0, half, "mlp.act"), h, "mlp.c_proj", "mlp.c_proj.input")   # GELU output (b, s, f) half
+    B.drop(T(h, 0, half, "resid"), k.hidden_dropout, "mlp.resid_dropout")       # bool (b, s, h)
 
 
 def _gelu(B: Builder, impl: str, f: float, h: float = 0.0) -> T:

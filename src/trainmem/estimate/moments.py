@@ -151,7 +151,7 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
                   inputs,
                   full * q.logits_held, full * q.logits_out,
                   saved, full * q.loss_forward + chunk * q.loss_forward_chunk + trunc(q.head_loss_tok * n),
-                  full * q.loss_backward + chunk * q.loss_backward_chunk,
+                  full * q.loss_backward + chunk * q.loss_backward_chunk + trunc(q.loss_backward_tok * n),
                   kv_tok * q.layers * inflight, trunc(q.cache_tok * n) - kv_tok,
                   q.fwd_temp + trunc(q.fwd_temp_tok * n), graph_layer=trunc(q.graph_tok * n) * inflight,
                   graph=trunc(q.graph_tok * n) * inflight * q.layers,
@@ -408,10 +408,16 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     # micro-batch: the unsharded parameter has no .grad when its backward runs (FSDPParam's
     # ``unsharded_param.grad`` is moved into the reduce-scatter and set to None, _fsdp_param_group.py
     # ``post_backward``); found by trace: Qwen2 FSDP2 dp 4, 2 micro-batches, +21% before
-    accumulated = 0 if flags.fsdp_sync else where(fresh, 0, tied)
+    eager_tied = where(q.tied_compiled > 0, q.tied_final, tied)  # --compile: the eager quantity, see below
+    accumulated = 0 if flags.fsdp_sync else where(fresh, 0, eager_tied)
     # an untied embedding's new gradient beside the accumulated one (quantities.emb_accumulated)
     emb_new = where(fresh, 0, q.emb_grad)
-    temp_emb = 2 * tied + (tied if flags.oib else accumulated) + q.tied_replicated + emb_new
+    temp_emb = 2 * eager_tied + (eager_tied if flags.oib else accumulated) + q.tied_replicated + emb_new
+    # --compile: the backward graph sums the tied weight's gradients itself (quantities.compiled_tied_grads):
+    # the head's part and two fp32 tables of the embedding's, no .grad yet. Only where gradients are
+    # fresh: under accumulation the graph also holds every other new gradient until it returns, which
+    # is not read off (the eager quantities stay: llama-3.2-1b, three layers, --grad-accum 2: +3.0%)
+    temp_emb = where((q.tied_compiled > 0) & fresh, tied + q.tied_compiled - q.tied_final, temp_emb)
     # FSDP: the root's gradients are still unsharded (a tied embedding's sum among them), not yet shards
     emb_grads = q.grads + (q.fsdp_head_full + q.fsdp_emb_full + tied - where(fresh, q.fsdp_root_sharded, 0)
                            if flags.fsdp_sync else 0)
@@ -419,7 +425,8 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     moments.append(_mo("backward", micro, step, "embeddings.backward",
                        (emb_grads, states_mid, tk.inputs, ws2, tk.others + tk.others_head, temp_emb),
                        (kept.logits, kept.kv_end, 0),
-                       _both(valid, _either(tied > 0, emb_new > 0)), tk.graph, comm=root + rs))
+                       _both(valid, _either(_either(tied > 0, emb_new > 0), q.tied_compiled > 0)), tk.graph,
+                       comm=root + rs))
     moments.append(_mo("backward", micro, step, "backward.end",
                        (q.grads, states_mid, tk.inputs, ws2, tk.others + tk.others_head, q.oib_end),
                        (kept.logits, kept.kv_end, 0),

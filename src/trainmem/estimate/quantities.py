@@ -116,6 +116,9 @@ class Quantities:
     above_bottom: int = 0  # gradient bytes of the layers above the bottom one (made before its backward)
     above_decoder_bottom: int = 0  # ... above an encoder-decoder's decoder-bottom layer
     outer_rest_ssq: float = 0.0  # per sequence position squared, shared by the micro-batch (T5's position buckets)
+    loss_backward_tok: float = 0.0  # per token, alive at the start of backward (--compile: the KV cache's zero gradients)
+    tied_compiled: int = 0  # --compile: a tied embedding's backward tables (compiled_tied_grads)
+    tied_final: int = 0     # --compile: ... and its gradient in the weight's dtype (in ``grads``, made last)
     input_tok: float = 8.0  # the input batch per token: int64 ids, or an image model's pixel values per patch
     input_sample: int = 0   # ... less this per sample (an image model's class tokens have no pixels)
     head_read: int = 0     # ... of it, the copy its matmul reads (the cast, else the dequantized weight)
@@ -186,7 +189,8 @@ def layer_key(m: ModelSpec, t: TrainingSpec) -> LayerKey:
                     m.experts_top_k, m.pre_norm, lora, t.lora_dropout if lora else 0.0,
                     bool(lora) and t.lora_half, dequant_dtypes(t) if t.quantize else (0, 0), t.bnb_saves_input,
                     kv_cache(m, t), biased=biased_linears(m) if t.recompute == "op" else (), ep=t.ep,
-                    ep_rows=ep_rank_rows(m.experts_top_k, m.num_experts, t.ep, t.moe_imbalance) if t.ep > 1 else 0.0)
+                    ep_rows=ep_rank_rows(m.experts_top_k, m.num_experts, t.ep, t.moe_imbalance) if t.ep > 1 else 0.0,
+                    compiled=t.compile)
 
 
 def biased_linears(m: ModelSpec) -> tuple[str, ...]:
@@ -412,8 +416,11 @@ def loss_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy) -> LossBytes:
       tokens at a time; backward returns the saved gradients (no new tensors when the loss's
       gradient is 1).
     * loss parallel (upcast, PyTorch's tensor parallelism, ``states.dtensor_tp``): :func:`_loss_parallel_bytes`.
-    * ``torch.compile`` (upcast or half): inductor fuses the loss and its backward: no fp32 copy in
-      forward, one fp32 logits gradient in backward.
+    * ``torch.compile`` with the model's own upcast loss (transformers' ``ForCausalLMLoss``,
+      ``--loss`` not given): :func:`_compiled_loss_bytes`.
+      A loss the loop computes from the logits (``--loss upcast|half``) runs eagerly outside the
+      compiled call (trace/compiled.py): the eager formulas (the KV cache's zero gradients are
+      added in ``_build``).
     Classifier heads: fp32 loss tensors of (b, labels).
     """
     # the loop's reference to the output keeps them; on a pipeline's last stage (the only one with a
@@ -449,8 +456,20 @@ def _loss_in_one_piece(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int) ->
         return LossBytes(saved_tok=m.hidden_size * half + F32, saved_const=grad_w, forward_chunk=half)
     if mode == "chunked":
         return LossBytes(held, half, F32, forward_chunk=F32 if half != F32 else 0, backward_chunk=2 * F32)
-    if t.compile:
+    if t.compile and t.loss is None and mode == "upcast":
+        return _compiled_loss_bytes(m, t, held, half)
+    if t.compile and t.loss is None:
+        # a model's own loss on half logits (nanoGPT's F.cross_entropy), fused by inductor; trace
+        # --compile cannot run nanoGPT (it needs a step_fn), so this is not read off a partition:
+        # no fp32 copy in forward, one fp32 logits gradient in backward (the layers warn, too)
         return LossBytes(held, half, F32, 0, F32)
+    if t.compile:   # the loop's loss, eager, on the compiled model's outputs
+        return _eager_loss_bytes(m, t, pol, held, mode, half)
+    return _eager_loss_bytes(m, t, pol, held, mode, half)
+
+
+def _eager_loss_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int, mode: str, half: int) -> LossBytes:
+    """The upcast / half loss run eagerly (``loss_bytes``)."""
     if dtensor_tp(t) and mode in ("upcast", "half"):
         return _loss_parallel_bytes(held, half, mode == "half", pol.amp)
     if mode == "half" and half != F32:
@@ -462,6 +481,40 @@ def _loss_in_one_piece(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int) ->
             return LossBytes(held, half, half + F32, 0, F32)
         return LossBytes(held, half, half, 0, 2 * half)
     return LossBytes(held, half, F32, F32 if half != F32 else 0, 2 * F32)
+
+
+def _compiled_loss_bytes(m: ModelSpec, t: TrainingSpec, held: int, half: int) -> LossBytes:
+    """The model's own causal-LM loss inside ``torch.compile(model)`` (the graph trace --compile
+    runs: AOTAutograd's joint graph with inductor's decompositions, split by inductor's
+    ``partition_fn``, ``torch/_functorch/partitioners.py`` ``min_cut_rematerialization_partition``).
+
+    * Forward: inductor's decomposition of ``_log_softmax`` (``torch/_decomp/decompositions.py``
+      ``_log_softmax``: ``x - amax(x) - log(sum(exp(x - amax)))``, computed in fp32 from the half
+      logits that ``ForCausalLMLoss``'s ``logits.float()`` upcasts) and of ``nll_loss_forward``
+      (a gather of one log-probability per token) are pointwise ops and reductions: no
+      (tokens, vocab) tensor is written but the head's output. The min cut saves, besides it, the
+      per-token ``amax`` and ``log(sum(exp))`` (fp32, (tokens, 1) each) and the labels shifted by
+      ``ForCausalLMLoss`` (``F.pad(labels, (0, 1), value=-100)``: int64, (b, s + 1)): 16 bytes per
+      token. The logits (half, (b, s, vocab)) are saved too: they are the loop's output when it
+      holds it (counted there: ``held``), else saved for backward only.
+    * Backward: AOTAutograd's ``CompiledFunction`` is an autograd function, which materializes a
+      zero gradient for every output the loss does not reach (``torch/_functorch/_aot_autograd/
+      runtime_wrappers.py``: tangents of unused outputs are ``zeros_like``): the logits' (half) and
+      every KV-cache tensor's (``Quantities.loss_backward_tok``, set in ``_build``). The loss's backward (``_log_softmax_backward_data``
+      and ``nll_loss_backward`` decomposed: ``grad - exp(x - amax - log) * sum(grad)`` with the
+      ``where`` inductor's joint-graph pass makes of the scatter) is fused into one kernel that reads
+      the saved logits and the zero tangent and writes the logits' gradient in the logits' dtype.
+      Trace's graph runner frees the saved logits at the fused chain's first read (their last use
+      in the graph, node ``convert_element_type`` of the logits) and the tangent after the ``add``
+      that writes the gradient: at the start of backward the saved logits and the zero tangent
+      are alive (one half logits-sized tensor on top of the saved ones); the gradient then
+      replaces the saved logits. When the loop holds the output (``--hold-output step|backward``)
+      the logits outlive the graph's read, and the gradient comes on top: two half tensors.
+    Checked against trace --compile (tests/test_estimate_compile.py).
+    """
+    saved = 0 if held else half  # the logits: the held output, else saved for the backward only
+    # backward: the zero tangent (half), and the gradient (half) when the held logits outlive the read
+    return LossBytes(held, half if held else 0, saved, 0, (2 if held else 1) * half, saved_tok=2 * F32 + 8)
 
 
 def _loss_parallel_bytes(held: int, half: int, on_half: bool, amp: bool) -> LossBytes:
@@ -632,6 +685,26 @@ def tied_head_grad(m: ModelSpec, t: TrainingSpec) -> int:
     return _embedding_block(m, t.tp, 2 if t.precision == "bf16-mp" else t.weight_bytes)
 
 
+def compiled_tied_grads(m: ModelSpec, t: TrainingSpec, pol: Policy) -> tuple[int, int]:
+    """A tied embedding's gradient under ``torch.compile`` (the backward graph trace --compile runs):
+    (the head's part, held while the layers' backward runs; the embedding's part, at its backward).
+
+    The weight is one graph input read twice, so the backward graph sums its two gradients itself
+    and returns the sum: the head's part is the ``mm`` of the logits' gradient and the head's input,
+    in the compute dtype, read again only by the final ``add``; the embedding's part is inductor's
+    decomposition of ``embedding_dense_backward`` (``torch/_decomp/decompositions.py``: an fp32
+    ``new_zeros`` table, ``full`` in the graph, and ``_unsafe_masked_index_put_accumulate`` into it,
+    out of place: two fp32 (vocab, hidden) tables), then cast and added. Under autocast the head's
+    part is cast to fp32 first (a pointwise op fused into the ``add``); trace's runner frees a fused
+    chain's inputs at its first read, so there the head's part is not held (0): a GPU kernel would
+    hold the half ``mm`` output until the ``add``. Measured against trace --compile on
+    llama-3.2-1b (tied; tests/test_estimate_compile.py)."""
+    elems = tied_head_grad(m, t) // max(t.weight_bytes, 1) if tied_head_grad(m, t) else 0
+    if not elems:
+        return 0, 0
+    return (0 if pol.amp else elems * pol.half), 2 * F32 * elems
+
+
 def chunk_head_grads(m: ModelSpec, t: TrainingSpec, pol: Policy) -> int:
     """A loss over ``--loss-chunks`` output chunks calls the head once per chunk, and each call's
     backward makes a weight gradient of the whole head (vocab x hidden, in the matmul's dtype: the
@@ -773,6 +846,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     gpipe = t.pp > 1 and t.pp_schedule == "gpipe"
     inflight_fixed = 1 if (t.pp == 1 or (stage != "first" and not gpipe)) else (t.num_microbatches_in_flight or 0)
     lower, above_bottom, above_decoder_bottom = _grads_above(m, t, st, layers)
+    compiled_tied = compiled_tied_grads(m, t, pol)
     head_dq = head_dequant_bytes(m, t)  # the 4-bit LM head: (dequantized + cast, the cast) bytes
     return Quantities(
         first_unsaved_tok=sum(a for _, a, _ in first), first_unsaved_sq=sum(b for _, _, b in first),
@@ -794,9 +868,12 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         tp=t.tp if is_lm(m) else 1, logits_held=loss.held, logits_out=loss.out, loss_saved=loss.saved,
         loss_forward=loss.forward, loss_backward=loss.backward, loss_forward_chunk=loss.forward_chunk,
         loss_backward_chunk=loss.backward_chunk, loss_saved_tok=loss.saved_tok, loss_saved_const=loss.saved_const,
+        # --compile: the zero gradients of the KV-cache tensors the model returns (_compiled_loss_bytes)
+        loss_backward_tok=lc.cache * layers if t.compile else 0.0,
         liger_factor=-(-m.vocab_size // m.hidden_size) if (head_here and is_lm(m) and loss_mode(m, t) == "fused") else 0,
         step_temp=step_temporaries(t, st), oib_mid=oib_mid, oib_end=oib_end,
-        tied_grad=tied_head_grad(m, t), tied_replicated=tied_replicated_grad(m, t),
+        tied_grad=compiled_tied[0] if t.compile else tied_head_grad(m, t), tied_replicated=tied_replicated_grad(m, t),
+        tied_compiled=compiled_tied[1] if t.compile else 0, tied_final=tied_head_grad(m, t) if t.compile else 0,
         emb_grad=emb_accumulated(m, t, stage),
         chunk_head_grads=chunk_head_grads(m, t, pol) if head_here else 0, transients=trans,
         fwd_temp=int(lc.fwd_const), fwd_temp_tok=lc.fwd_tok,
