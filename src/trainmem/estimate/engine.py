@@ -98,11 +98,24 @@ def estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str, handle_ws: int = C
     if reserved:
         gap, marks = reserved_gap(q, flags, tk, n, nsq, b, ga, t.recompute, step_copies(t))
         rep.peak_reserved = total + gap
-        for p in rep.phases:  # reserved at each phase's end, as the replay reached it
-            p.reserved = marks.get((p.name, p.step))
+        _phase_reserved(rep, marks)
     rep.extra["pipeline_stage"] = stage if t.pp > 1 else None
     rep.extra["activations_per_layer"] = tk.layer
     return rep
+
+
+def _phase_reserved(rep: MemoryReport, marks: dict) -> None:
+    """Reserved memory at each phase's end: the replay's (``reserved.py``) plus what the replay's
+    allocated peak so far falls short of the estimate's (the replay lists fewer tensors; at the
+    end this gives the report's peak reserved), never below the estimate's allocated peak so far
+    nor above the peak reserved (without ``empty_cache`` reserved memory only grows)."""
+    high = 0
+    for p in rep.phases:
+        high = max(high, p.peak)
+        mark = marks.get((p.name, p.step))
+        if mark is not None:
+            reserved, replay_high = mark
+            p.reserved = min(rep.peak_reserved, max(reserved + max(0, high - replay_high), high))
 
 
 def estimate_layouts(m: ModelSpec, base: TrainingSpec, cublas_workspace: int | None = None,

@@ -45,10 +45,11 @@ class _Replay:
     """The simulated allocator and the handles of what is alive."""
 
     a: CachingAllocator = field(default_factory=CachingAllocator)
-    marks: dict = field(default_factory=dict)    # (phase label, step) -> reserved bytes at its end
+    # (phase label, step) -> (reserved bytes at its end, the replay's allocated peak so far)
+    marks: dict = field(default_factory=dict)
 
     def mark(self, label: str, step: int) -> None:
-        self.marks[(label, step)] = self.a.reserved
+        self.marks[(label, step)] = (self.a.reserved, self.a.peak_allocated)
 
     def alloc(self, nbytes: Any) -> int | None:
         return self.a.allocate(int(nbytes)) if nbytes > 0 else None
@@ -79,8 +80,8 @@ class _Step:
 def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, b: int, ga: int,
                  recompute: str, temp_copies: int | None) -> tuple[int, dict]:
     """Bytes reserved but not allocated at the end of two replayed steps (the allocator's cache),
-    and the reserved bytes at the end of each phase, by (phase label, step) as ``breakdown.phases``
-    labels them."""
+    and at the end of each phase, by (phase label, step) as ``breakdown.phases`` labels them, the
+    replay's reserved bytes and its allocated peak so far."""
     st = q.detail.states
     R = _Replay()
     R.allocs(st.load)                                                   # weights and buffers, load order
