@@ -9,7 +9,6 @@ inductor's min-cut partitioner and run op by op, ``trainmem.trace.compiled``).
   _compiled_loss_bytes``), read off the same graph.
 * The step's peak: estimate --compile within 2% of trace --compile on the setups the recipes were
   read from (before this change: +26% to +46% on the same setups)."""
-import operator
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from trainmem.estimate.layers import layer_coefficients
 from trainmem.estimate.quantities import layer_key
 from trainmem.spec.resolve import resolve
 from trainmem.trace.api import trace
+from compile_graphs import saved_bases
 
 
 class _Catch:
@@ -39,26 +39,9 @@ class _Catch:
 
 
 def _saved(fw: torch.fx.GraphModule, user_outputs: int) -> list[tuple[torch.fx.Node, torch.Tensor]]:
-    """The distinct storages the partitioned forward returns for the backward (its outputs after
-    the user's), each view followed to the tensor it views; graph inputs (parameters, the batch)
-    and autocast's casts of the weights (counted by the estimate apart, ``cast_layer``) left out."""
-    outs = next(n for n in fw.graph.nodes if n.op == "output").args[0]
-    seen, found = set(), []
-    for n in outs[user_outputs:]:
-        if not isinstance(n, torch.fx.Node):
-            continue
-        base = n
-        while base.op == "call_function" and (compiled._packet(base) in compiled._VIEWS
-                                              or base.target is operator.getitem) \
-                and isinstance(base.args[0], torch.fx.Node) \
-                and not isinstance(base.args[0].meta.get("val"), (tuple, list)):
-            base = base.args[0]
-        if base.op == "placeholder" or base in seen:
-            continue
-        seen.add(base)
-        v = base.meta.get("val")
-        if not isinstance(v, torch.Tensor):
-            continue
+    """``saved_bases`` less autocast's casts of the weights (counted by the estimate apart, ``cast_layer``)."""
+    found = []
+    for base, v in saved_bases(fw, user_outputs):
         src = base.args[0] if base.args else None
         if isinstance(src, torch.fx.Node) and src.op == "placeholder" and src.meta["val"].is_floating_point() \
                 and "convert_element_type" in str(base.target):

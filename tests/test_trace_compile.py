@@ -10,6 +10,7 @@ import torch
 import trainmem.trace.compiled as compiled
 from trainmem.errors import TrainmemError
 from trainmem.trace.api import trace
+from compile_graphs import saved_bases
 
 TINY = ["num_hidden_layers=2", "hidden_size=64", "num_attention_heads=4", "num_key_value_heads=2",
         "intermediate_size=128", "vocab_size=1000", "head_dim=16"]
@@ -39,28 +40,8 @@ def _bytes(node):
 
 def _saved_storages(fw, user_outputs):
     """(shape, dtype, bytes) of the distinct storages the partitioned forward returns for the
-    backward (its outputs after the user's), each view followed to the tensor it views, leaving out
-    graph inputs and views of them (parameters, the batch), which exist anyway."""
-    import operator
-    outs = [a for a in next(n for n in fw.graph.nodes if n.op == "output").args[0]]
-    seen, found = set(), []
-    for n in outs[user_outputs:]:
-        if not isinstance(n, torch.fx.Node):
-            continue
-        base = n
-        while base.op == "call_function" and (compiled._packet(base) in compiled._VIEWS
-                                              or base.target is operator.getitem) \
-                and isinstance(base.args[0], torch.fx.Node) \
-                and not isinstance(base.args[0].meta.get("val"), (tuple, list)):
-            base = base.args[0]
-        if base.op == "placeholder" or base in seen:
-            continue
-        seen.add(base)
-        v = base.meta.get("val")
-        if not isinstance(v, torch.Tensor):  # the RNG state of a recomputed random op: a host tensor
-            continue
-        found.append((tuple(v.shape), str(v.dtype), _bytes(base)))
-    return sorted(found)
+    backward (``saved_bases``), sorted."""
+    return sorted((tuple(v.shape), str(v.dtype), _bytes(base)) for base, v in saved_bases(fw, user_outputs))
 
 
 def _saved_storage_bytes(fw, user_outputs):
