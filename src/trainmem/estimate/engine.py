@@ -61,12 +61,14 @@ def estimate(m: ModelSpec, t: TrainingSpec, cublas_workspace: int | None = None,
     allocator for ``peak_reserved`` (``reserved.py``; milliseconds, where the rest takes
     microseconds: ``trainmem.estimate`` asks for it, sweeps of the engine do not)."""
     ws = CUBLAS_WORKSPACE if cublas_workspace is None else int(cublas_workspace)
-    if t.pp > 1:
-        first = estimate_stage(m, t, "first", ws, reserved)
-        last = estimate_stage(m, t, "last", ws, reserved)
-        rep = first if first.peak_allocated >= last.peak_allocated else last
-    else:
-        rep = estimate_stage(m, t, "first", ws, reserved)
+    stage = "first"
+    if t.pp > 1:  # the worse stage by allocated memory; only it is replayed for reserved memory
+        first = estimate_stage(m, t, "first", ws)
+        last = estimate_stage(m, t, "last", ws)
+        stage = "first" if first.peak_allocated >= last.peak_allocated else "last"
+        rep = first if stage == "first" else last
+    if t.pp == 1 or reserved:
+        rep = estimate_stage(m, t, stage, ws, reserved)
     warning = compile_warning(m, t)
     if warning:
         rep.warnings.append(warning)

@@ -565,9 +565,9 @@ def step_temporaries(t: TrainingSpec, st: States) -> int:
     Under optimizer-in-backward each parameter has its own optimizer: foreach is a group of one
     (1 x the parameter), for-loop 2 x, fused none; the largest parameter sets the peak.
     """
+    k = step_copies(t)
     if t.optimizer == "adafactor" and not t.offload_optimizer:
-        return _adafactor_temporaries(t, st)
-    k = _copies_per_tensor(t, t.optimizer_in_backward)
+        return _adafactor_temporaries(t, st, k)
     if k is None:
         return st.foreach_group
     return k * block_bytes(st.largest_param)
@@ -581,17 +581,16 @@ def step_copies(t: TrainingSpec) -> int | None:
     return _copies_per_tensor(t, t.optimizer_in_backward)
 
 
-def _adafactor_temporaries(t: TrainingSpec, st: States) -> int:
+def _adafactor_temporaries(t: TrainingSpec, st: States, copies: int) -> int:
     """transformers' Adafactor (``optimization.py``, ``Adafactor.step``) is a loop over tensors in
     fp32 (there is no foreach version): ``update = grad**2 + eps`` and the factored approximation
     that replaces it, then ``-update * lr``, leave two fp32 tensors of the parameter's size alive at
     once; a bf16/fp16 parameter adds its fp32 copy (``p.float()``) and its gradient's
     (``grad.float()``). The largest parameter sets the peak (2x or 4x its fp32 size, as trace of
-    the real optimizer shows: tests/test_optim_transients.py)."""
-    fp32 = t.weight_bytes == 4 or t.fp32_master
-    sb = 4 if fp32 else t.weight_bytes
+    the real optimizer shows: tests/test_optim_transients.py; ``copies``: ``step_copies``)."""
+    sb = 4 if (t.weight_bytes == 4 or t.fp32_master) else t.weight_bytes
     elems = st.largest_param // sb
-    return (2 if fp32 else 4) * block_bytes(elems * 4)
+    return copies * block_bytes(elems * 4)
 
 
 def _copies_per_tensor(t: TrainingSpec, per_parameter: bool) -> int | None:
