@@ -57,6 +57,11 @@ CASES = [
     ({"num_microbatches_in_flight": 1, "pp": 2, "grad_accum": 2}, REFUSED, "--num-microbatches-in-flight 1"),
     ({"distributed_optimizer": True, "dp": 2}, REFUSED, "--distributed-optimizer"),
     ({"offload_optimizer": True, "zero": 2, "dp": 2}, REFUSED, "--offload-optimizer"),
+    # DeepSpeed ZeRO's engine options configure --zero, which trace refuses (ZeRO stage N)
+    ({"reduce_bucket_size": 1000, "zero": 2, "dp": 2}, REFUSED, "ZeRO stage 2"),
+    ({"overlap_comm": True, "zero": 1, "dp": 2}, REFUSED, "ZeRO stage 1"),
+    ({"contiguous_gradients": False, "zero": 2, "dp": 2}, REFUSED, "ZeRO stage 2"),
+    ({"sub_group_size": 1000, "zero": 3, "dp": 2}, REFUSED, "ZeRO stage 3"),
     ({"optimizer_bucket_mb": 64.0, "distributed_optimizer": True, "dp": 2}, REFUSED, "--distributed-optimizer"),
     ({"recompute": "selective"}, REFUSED, "--recompute selective"),
     ({"recompute": "full"}, CHANGED, ""), ({"recompute": "full", "recompute_every": 2}, CHANGED, ""),

@@ -94,6 +94,19 @@ def add_training(g: Any) -> None:
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None, help="ZeRO stage over the DP group")
     g.add_argument("--fsdp", choices=FSDP_MODES, default=None)
     g.add_argument("--offload-optimizer", action="store_true", help="ZeRO-Offload: optimizer states in CPU memory")
+    g.add_argument("--deepspeed-config", default=None, metavar="FILE",
+                   help="a DeepSpeed JSON config: its zero_optimization stage, buckets and optimizer offload "
+                        "(\"auto\" as the HF Trainer fills it); explicit flags win")
+    g.add_argument("--reduce-bucket-size", type=_elements, default=None, metavar="N",
+                   help="DeepSpeed ZeRO: elements per gradient bucket buffer (default 5e8; 2 buffers in "
+                        "backward under --overlap-comm with stages 1-2, one kept buffer with stage 3)")
+    g.add_argument("--overlap-comm", type=_true_false, default=None, metavar="{true,false}",
+                   help="DeepSpeed ZeRO's overlap_comm (default: true for stage 3, false for 1-2)")
+    g.add_argument("--contiguous-gradients", type=_true_false, default=None, metavar="{true,false}",
+                   help="DeepSpeed ZeRO: copy gradients into the bucket buffer (default true)")
+    g.add_argument("--sub-group-size", type=_elements, default=None, metavar="N",
+                   help="DeepSpeed ZeRO-3: parameters per optimizer sub-group (default 1e9): bounds the fp32 "
+                        "gradient its step makes")
     g.add_argument("--distributed-optimizer", action="store_true",
                    help="Megatron/NeMo distributed optimizer (fp32 main grads, sharded states)")
     g.add_argument("--master-weights", choices=MASTER_WEIGHTS, default=None,
@@ -233,6 +246,25 @@ def _add_recompute(g: Any) -> None:
                         "inputs in pinned CPU memory, brought back in backward)")
 
 
+def _true_false(text: str) -> bool:
+    """A DeepSpeed boolean as its config writes it."""
+    low = text.strip().lower()
+    if low not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"{text!r}: give true or false")
+    return low == "true"
+
+
+def _elements(text: str) -> int:
+    """A DeepSpeed size in elements: an integer, or a whole number written as 5e8."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of elements (e.g. 500000000 or 5e8)")
+    if value < 0 or value != int(value):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole, non-negative number of elements")
+    return int(value)
+
+
 def training_options(a: argparse.Namespace) -> dict[str, Any]:
     """The TrainingSpec keyword options of parsed CLI flags (the API's names). An omitted flag is
     None, which ``spec.resolve`` fills with its one default (``--seq-len``: the model's
@@ -252,6 +284,9 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 master_weights=a.master_weights, framework=a.framework, framework_version=a.framework_version,
                 grad_sync=a.grad_sync, fsdp_lora_units=a.fsdp_lora_units, fsdp_version=a.fsdp_version,
                 loss_shift=a.loss_shift, target_len=a.target_len, image_size=a.image_size,
+                deepspeed_config=a.deepspeed_config, reduce_bucket_size=a.reduce_bucket_size,
+                overlap_comm=a.overlap_comm, contiguous_gradients=a.contiguous_gradients,
+                sub_group_size=a.sub_group_size,
                 task=getattr(a, "task", None))
     if a.fsdp is not None and a.zero in (0, None):
         opts.pop("zero")

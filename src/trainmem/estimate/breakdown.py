@@ -91,9 +91,14 @@ def components(q: Quantities, tk: Tokens, mo: Moment, t: TrainingSpec, n: int, n
                              f"{handle_ws:,} B per cuBLAS handle: forward thread and autograd thread", True))
     comm = q.fixed - st.weights - st.buffers - st.master
     if comm:
-        out.append(Component(q.detail.comm_name, COMMUNICATION, comm, None, "DDP buckets / ZeRO-3 gathered layers",
+        out.append(Component(q.detail.comm_name, COMMUNICATION, comm, None,
+                             "DDP buckets / ZeRO-3 gathered layers / DeepSpeed ZeRO-3's gradient bucket buffer", True))
+    if parts["communication"] and t.fsdp is None:  # DeepSpeed ZeRO-1/2 (quantities.deepspeed_buckets)
+        out.append(Component("communication.deepspeed_buckets", COMMUNICATION, parts["communication"], wdt,
+                             f"DeepSpeed ZeRO-{t.zero}: {parts['communication'] // max(q.ds_bucket, 1)} gradient "
+                             f"bucket buffer(s) of reduce_bucket_size {t.ds_reduce_bucket:,} elements, through backward",
                              True))
-    if parts["communication"]:
+    elif parts["communication"]:
         out.append(Component("communication.fsdp_unsharded", COMMUNICATION, parts["communication"],
                              "bf16" if t.precision == "bf16-mp" else wdt,
                              "FSDP: the root unit gathered from forward to the end of backward, the layers "

@@ -302,11 +302,11 @@ def _head_backward(q: Quantities, tk: Tokens, kept: Kept, before: tuple, step: i
     grads_before, states, ws2 = before
     out = [_mo("backward", micro, step, "fsdp.root_unshard",
                (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.logits_grad), (kept.logits, kept.kv_forward, 0),
-               _both(valid, q.fsdp_root_regather > 0), comm=2 * q.fsdp_root_regather)]
+               _both(valid, q.fsdp_root_regather > 0), comm=2 * q.fsdp_root_regather + q.ds_backward_buf)]
     for where_, temp in (("lm_head.backward", tk.head_chunk_first), ("lm_head.backward.sum", tk.head_chunk)):
         out.append(_mo("backward", micro, step, where_, (grads_before, states, tk.inputs, ws2, tk.all_acts, temp),
                        (kept.logits, kept.kv_forward, 0), _both(valid, q.chunk_head_grads > 0),
-                       comm=q.fsdp_loss_root + q.fsdp_loss_buf))
+                       comm=q.fsdp_loss_root + q.fsdp_loss_buf + q.ds_backward_buf))
     return out
 
 
@@ -321,8 +321,9 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     unsharded in every micro-batch's backward, and resharded when its unit's backward ends."""
     ws, ws2 = workspaces
     # gradients already allocated: accumulated by earlier micro-batches, Megatron's main-grad
-    # buffers, or zeroed but kept by zero_grad(set_to_none=False) after the first step
-    grads_before = q.grads if (micro > 0 or flags.grads_persistent or (step > 1 and flags.zeros)) else 0
+    # buffers, or zeroed but kept by zero_grad(set_to_none=False) after the first step; else those
+    # that exist from model wrap in this layout (DeepSpeed ZeRO-3's flat buffer: ``grads_loaded``)
+    grads_before = q.grads if (micro > 0 or flags.grads_persistent or (step > 1 and flags.zeros)) else q.grads_loaded
     states = q.states if states_before else 0
     # the previous micro-batch's output, still referenced until this forward returns
     prev_logits, prev_kv = kept.after_backward() if (step > 1 or micro > 0) else (0, 0)
@@ -344,7 +345,7 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     moments.append(_mo("backward", micro, step, "cross_entropy.backward",
                        (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.loss_backward),
                        (kept.logits, kept.kv_forward, tk.loss_saved), valid, own,
-                       comm=q.fsdp_loss_root + q.fsdp_loss_buf))
+                       comm=q.fsdp_loss_root + q.fsdp_loss_buf + q.ds_backward_buf))
     moments.extend(_head_backward(q, tk, kept, (grads_before, states, ws2), step, micro, valid))
     # a 4-bit LM head dequantizes its weight again for the input gradient (quant4.py): the loss's
     # backward is over (its fp32 gradients and saved log-probabilities freed); the gradient of the
@@ -352,7 +353,8 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     if flags.quant4:
         moments.append(_mo("backward", micro, step, "lm_head.backward",
                            (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.out_logits + q.head_temp),
-                           (kept.logits, kept.kv_forward, 0), _both(valid, q.head_temp > 0), own))
+                           (kept.logits, kept.kv_forward, 0), _both(valid, q.head_temp > 0), own,
+                           comm=q.ds_backward_buf))
     states_mid = q.states if (states_before or flags.oib) else 0  # optimizer in backward creates them now
     _layers_backward(q, flags, tk, kept, (step, micro, valid), (grads_before, states_mid, ws2, own), moments)
     after_logits, after_kv = kept.after_backward()   # hold_output="backward": freed as backward returns
@@ -369,6 +371,7 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     step, micro, valid = when
     grads_before, states_mid, ws2, own = before
     root, buf, rs = q.fsdp_root, q.fsdp_layer_buf, q.fsdp_rs_buf
+    root = root + q.ds_backward_buf   # + DeepSpeed ZeRO-1/2's bucket buffers, alive through backward
     fresh = grads_before == 0                                  # gradients are being created, not added to
     # the later linears' gradients of the layer in backward (FSDP reduce-scattering each micro-batch:
     # unsharded, in every micro-batch; under no_sync they accumulate in .grad as without FSDP)
@@ -430,7 +433,7 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     moments.append(_mo("backward", micro, step, "backward.end",
                        (q.grads, states_mid, tk.inputs, ws2, tk.others + tk.others_head, q.oib_end),
                        (kept.logits, kept.kv_end, 0),
-                       valid, tk.graph))
+                       valid, tk.graph, comm=q.ds_backward_buf))
 
 
 def _dequant_forward(q: Quantities, tk: Tokens, four: tuple, prev: tuple, micro: int, step: int, valid: Any,

@@ -123,6 +123,10 @@ class Quantities:
     input_sample: int = 0   # ... less this per sample (an image model's class tokens have no pixels)
     head_read: int = 0     # ... of it, the copy its matmul reads (the cast, else the dequantized weight)
     head_lora: int = 0     # a LoRA adapter on that 4-bit head: logits-sized tensors alive in its forward (3)
+    ds_backward_buf: int = 0  # DeepSpeed ZeRO-1/2's gradient bucket buffers, alive during backward (``deepspeed_buckets``)
+    ds_bucket: int = 0        # one DeepSpeed bucket buffer (ZeRO-3's is kept from engine start, in ``fixed``)
+    ds_step_fp32: int = 0     # DeepSpeed's step: the group's fp32 gradient (``deepspeed_step_grad``) ...
+    ds_step_flat: int = 0     # ... and the flat copy in the gradient dtype beside it during the cast
     graph_tok: float = 0.0  # per layer, saved bytes per token the graph keeps until it is freed (bnb < 0.43.2)
     graph_extra_tok: float = 0.0  # ... of it, per layer on average, not among the kept activations (checkpointed)
     pipe_batch: int = 0    # 1: torch's pipeline schedule takes the whole step's batch (every micro-batch's ids, labels)
@@ -566,11 +570,96 @@ def step_temporaries(t: TrainingSpec, st: States) -> int:
     (1 x the parameter), for-loop 2 x, fused none; the largest parameter sets the peak.
     """
     k = step_copies(t)
+    if deepspeed_zero(t) and not t.offload_optimizer and st.trainable:
+        # DeepSpeed hands the optimizer one flat fp32 partition per group: a per-tensor loop or a
+        # foreach step sees that one tensor (``deepspeed_group_elems``); fused steps make none
+        flat = block_bytes(deepspeed_group_elems(t, st) * 4)
+        return deepspeed_step_grad(t, st) + (flat if k is None else k * flat)
     if t.optimizer == "adafactor" and not t.offload_optimizer:
         return _adafactor_temporaries(t, st, k)
     if k is None:
         return st.foreach_group
     return k * block_bytes(st.largest_param)
+
+
+def deepspeed_zero(t: TrainingSpec) -> bool:
+    """Whether DeepSpeed's ZeRO engine runs the step: ``--zero`` 1-3 (FSDP and Megatron's
+    distributed optimizer shard their own way)."""
+    return t.zero >= 1 and t.fsdp is None and not t.distributed_optimizer
+
+
+def grads_from_wrap(t: TrainingSpec) -> bool:
+    """Whether the gradients' memory exists from model wrap and is never freed: Megatron's main-grad
+    buffers (the distributed optimizer), DeepSpeed ZeRO-3's ``grad_partitions_flat_buffer``
+    (``torch.zeros`` of this rank's partition in the engine's dtype, made in ``__init__``, the
+    partitioned gradients are views of it: ``stage3.py`` L542-557 at 38327e0; in host memory when
+    the optimizer is offloaded)."""
+    return t.distributed_optimizer or (deepspeed_zero(t) and t.zero == 3 and not t.offload_optimizer)
+
+
+def deepspeed_buckets(t: TrainingSpec) -> tuple[int, int]:
+    """(bytes from engine start, bytes alive only during backward) of DeepSpeed ZeRO's gradient
+    bucket buffers: ``reduce_bucket_size`` elements each in the engine's dtype (fp16/bf16 weights:
+    2 bytes, else 4), allocated whatever the model's size. DeepSpeed at commit 38327e0:
+
+    * stage 3 (``deepspeed/runtime/zero/stage3.py`` L536-540): with ``contiguous_gradients`` one
+      ``__ipg_bucket_flat_buffer = torch.empty(reduce_bucket_size)``, made in ``__init__`` and kept;
+    * stages 1 and 2 (``stage_1_and_2.py`` ``backward`` L2047-2061): with ``contiguous_gradients``
+      every backward makes ``buf_0`` and, under ``overlap_comm``, a second ``buf_1`` (its comment:
+      double buffers to avoid a data access conflict); ``_release_ipg_buffers`` (L676-679, called
+      when backward's gradients are reduced, L802) drops them.
+
+    Without ``contiguous_gradients`` gradients stay where autograd made them (no buffer)."""
+    if not deepspeed_zero(t) or not t.contiguous_gradients:
+        return 0, 0
+    one = block_bytes(t.ds_reduce_bucket * t.weight_bytes)  # (reduce_bucket_size,) fp16/bf16 or fp32
+    if t.zero == 3:
+        return one, 0
+    return 0, (2 if t.ds_overlap_comm else 1) * one
+
+
+def _deepspeed_fields(t: TrainingSpec, st: States) -> dict[str, int]:
+    """The ``Quantities`` fields of DeepSpeed's ZeRO engine (all 0 off it)."""
+    kept, backward = deepspeed_buckets(t)
+    fp32, flat = deepspeed_step_parts(t, st)
+    each = kept or (backward // (2 if t.ds_overlap_comm else 1))
+    return {"ds_backward_buf": backward, "ds_bucket": each, "ds_step_fp32": fp32, "ds_step_flat": flat}
+
+
+def deepspeed_group_elems(t: TrainingSpec, st: States) -> int:
+    """Elements of the largest flat fp32 partition DeepSpeed's ZeRO optimizer steps at once on this
+    rank: the parameter group's partition, ceil(trainable / dp) (stages 1 and 2: one flat group per
+    optimizer parameter group, ``stage_1_and_2.py`` L1870-1917; the decay group holds nearly every
+    element), or under stage 3 one sub-group: parameters join it until their partitions reach
+    ``sub_group_size`` (``stage3.py`` ``_create_fp16_sub_groups`` L943-966), so a sub-group holds
+    fewer than ``sub_group_size`` + the largest parameter's partition elements."""
+    d = t.shard_group
+    part = -(-st.trainable // d)
+    if t.zero != 3:
+        return part
+    sb = 4 if (t.weight_bytes == 4 or t.fp32_master) else t.weight_bytes
+    return min(part, t.ds_sub_group - 1 + -(-(st.largest_param // sb) // d))
+
+
+def deepspeed_step_parts(t: TrainingSpec, st: States) -> tuple[int, int]:
+    """(the fp32 gradient, the flat copy in the gradient dtype) of ``deepspeed_step_grad``."""
+    if not deepspeed_zero(t) or t.offload_optimizer or not st.trainable:
+        return 0, 0
+    n = deepspeed_group_elems(t, st)
+    gb = t.weight_bytes
+    return block_bytes(n * 4), (block_bytes(n * gb) if gb != 4 else 0)  # (n,) fp32; (n,) fp16/bf16
+
+
+def deepspeed_step_grad(t: TrainingSpec, st: States) -> int:
+    """Bytes DeepSpeed's ZeRO step adds on the GPU before the optimizer runs (0 off DeepSpeed, or
+    with the optimizer offloaded: its fp32 gradients are in host memory). For each group it
+    flattens the group's gradient partition (``self.flatten``, torch ``_flatten_dense_tensors``: a
+    ``cat``, a new tensor in the gradient dtype) and casts it to the fp32 partition's dtype, so the
+    flat copy and the fp32 gradient exist together during the cast; the fp32 gradient then lives
+    through the optimizer's step and is dropped after it (``stage_1_and_2.py`` L1892-1917,
+    ``stage3.py`` ``_prepare_fp32_grad_for_sub_group`` L1895-1905 and ``_release_sub_group``). An
+    fp32 engine's cast returns the flat copy itself: one fp32 tensor."""
+    return sum(deepspeed_step_parts(t, st))
 
 
 def step_copies(t: TrainingSpec) -> int | None:
@@ -851,7 +940,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         first_unsaved_tok=sum(a for _, a, _ in first), first_unsaved_sq=sum(b for _, _, b in first),
         cast_first_free=int(sum(lc.first_free_weights) * 2) if (lora_first and cast_layer) else 0,  # bf16/fp16 copies
         fixed=st.weights + st.buffers + st.master + comm, grads=0 if oib else st.grads,
-        grads_loaded=(0 if oib else st.grads) if t.distributed_optimizer else 0, states=st.optimizer + st.step_tensors,
+        grads_loaded=(0 if oib else st.grads) if grads_from_wrap(t) else 0, states=st.optimizer + st.step_tensors,
         layer_grads=0 if oib else st.layer_grads, head_grads=0 if oib else st.head_grads, layers=layers,
         pp_inflight=GPIPE_INFLIGHT if gpipe else t.pp, fixed_inflight=inflight_fixed, saved_tok=lc.tok, saved_sq=lc.sq,
         kept_tok=kept[0], kept_sq=kept[1], redo_tok=redo[0], redo_sq=redo[1],
@@ -870,7 +959,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         # --compile: the zero gradients of the KV-cache tensors the model returns (_compiled_loss_bytes)
         loss_backward_tok=lc.cache * layers if t.compile else 0.0,
         liger_factor=-(-m.vocab_size // m.hidden_size) if (head_here and is_lm(m) and loss_mode(m, t) == "fused") else 0,
-        step_temp=step_temporaries(t, st), oib_mid=oib_mid, oib_end=oib_end,
+        step_temp=step_temporaries(t, st), oib_mid=oib_mid, oib_end=oib_end, **_deepspeed_fields(t, st),
         tied_grad=compiled_tied[0] if t.compile else tied_head_grad(m, t), tied_replicated=tied_replicated_grad(m, t),
         tied_compiled=compiled_tied[1] if t.compile else 0, tied_final=tied_head_grad(m, t) if t.compile else 0,
         emb_grad=emb_accumulated(m, t, stage),
@@ -1028,11 +1117,14 @@ def offload_previous(input_tok: float, pol: Policy) -> float:
 def _communication(t: TrainingSpec, st: States) -> tuple[int, str]:
     """Buffers that exist from model wrap: DDP's flat gradient buckets (``gradient_as_bucket_view``
     off: a copy of every gradient), or DeepSpeed ZeRO-3's gathered layers (the current and the
-    prefetched). FSDP's buffers live only in forward and backward (``fsdp_buffers``)."""
+    prefetched) and its gradient bucket buffer (``deepspeed_buckets``). FSDP's buffers live only in forward and backward (``fsdp_buffers``)."""
     if t.dp > 1 and t.zero_stage == 0 and not t.distributed_optimizer and st.trainable:
         return st.grads, "communication.ddp_buckets"
+    bucket = deepspeed_buckets(t)[0]   # DeepSpeed ZeRO-3's gradient bucket buffer, from engine start
     if t.zero_stage == 3 and t.shard_group > 1 and t.fsdp is None:
-        return 2 * st.layer_params_full, "communication.zero3_gathered_layers"
+        return 2 * st.layer_params_full + bucket, "communication.zero3_gathered_layers"
+    if bucket:
+        return bucket, "communication.deepspeed_ipg_bucket"
     return 0, ""
 
 

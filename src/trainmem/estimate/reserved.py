@@ -87,9 +87,11 @@ def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, 
     R.allocs(st.load)                                                   # weights and buffers, load order
     if st.master:                                                       # fp32 master copies (not offloaded)
         R.allocs(m for (_w, k, _g, _s, m) in st.trainables for _ in range(k) if m)
+    if q.ds_bucket and not q.ds_backward_buf:                         # DeepSpeed ZeRO-3's bucket, from engine start
+        R.alloc(q.ds_bucket)
     R.mark("model_loaded", 0)
     s = _Step()
-    if flags.grads_persistent:                                          # Megatron main-grad buffers
+    if flags.grads_persistent or q.grads_loaded:                        # Megatron main grads, DeepSpeed ZeRO-3's
         for _ in range(max((k for _w, k, *_r in st.trainables), default=0)):
             _make_grads(R, s, st.trainables, tuple({w for w, *_r in st.trainables}))
     for step in (1, 2):
@@ -164,6 +166,7 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
               n: int, nsq: int, recompute: str, suffix: str) -> None:
     """One micro-batch's backward, from the loss to the embeddings."""
     st = q.detail.states
+    buckets = R.allocs([q.ds_bucket] * (q.ds_backward_buf // q.ds_bucket if q.ds_bucket else 0))  # DeepSpeed ZeRO-1/2
     lb = R.allocs(_logit_tensors(tk.loss_backward, q.loss_backward, f.full, f.chunks))  # logits' gradients
     R.frees(f.saved)
     dlogits = R.allocs(_logit_tensors(tk.logits_grad, q.logits_out, f.full, f.chunks))  # in the head's dtype
@@ -176,7 +179,7 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     emb_full = R.alloc(st.emb_grads_full)                         # FSDP: the embedding's unsharded gradient
     f.fs.reduce(R, [head_full, emb_full], (st.head_grads_full + st.emb_grads_full) * f.fs.rs_factor(q))
     _make_grads(R, s, st.trainables, ("after", "before"), flags.oib)  # head, final norm, embeddings
-    R.frees([tied, f.emb, f.inputs] + f.root)
+    R.frees([tied, f.emb, f.inputs] + f.root + buckets)
     f.fs.done(R)
     R.mark("backward" + suffix, s.step)
     if flags.hold == "step":
@@ -328,14 +331,19 @@ def _optimizer_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, step:
     if step == 1 and st.optimizer:                               # lazily, unless offloaded to the host
         s.states = [R.alloc(x) for (_w, k, _g, sts, _m) in st.trainables for _ in range(k) for x in sts]
     sizes = [(sts[0] if sts else g) for (_w, k, g, sts, _m) in st.trainables for _ in range(k)]
-    if temp_copies is None:                                      # foreach: the whole group's at once
+    if q.ds_step_fp32:                                           # DeepSpeed: one flat fp32 partition per group
+        flat, fp32 = R.alloc(q.ds_step_flat), R.alloc(q.ds_step_fp32)   # the cast: flat copy, then fp32
+        R.free(flat)
+        R.free(R.alloc(q.step_temp - q.ds_step_fp32 - q.ds_step_flat))  # the optimizer's own, on that tensor
+        R.free(fp32)
+    elif temp_copies is None:                                    # foreach: the whole group's at once
         R.frees(R.allocs(_scaled(sizes, q.step_temp)))
     elif temp_copies and sizes:                                  # a loop over tensors: each in turn
         per = _scaled(sizes, q.step_temp * sum(sizes) // (temp_copies * max(sizes)))
         for x in per:
             R.frees(R.allocs([x] * temp_copies))
     R.mark("optimizer_step", step)
-    if flags.oib or not (flags.zeros or flags.grads_persistent):  # zero_grad(set_to_none=True)
+    if flags.oib or not (flags.zeros or flags.grads_persistent or q.grads_loaded):  # zero_grad(set_to_none=True)
         R.frees(list(s.grads.values()))
         s.grads, s.made = {}, {}
     R.mark("zero_grad", step)

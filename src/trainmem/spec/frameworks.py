@@ -147,6 +147,20 @@ def _hf_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] | No
     return {"precision": p} if p else {}
 
 
+def _lightning_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] | None) -> dict[str, Any]:
+    """With ``--zero`` (``strategy="deepspeed_stage_N"``) Lightning's ``DeepSpeedStrategy`` passes its
+    own ``zero_optimization`` values, not DeepSpeed's defaults: buckets of 2e8 elements, ``overlap_comm``
+    and ``contiguous_gradients`` on, ``sub_group_size`` 1e12 (lightning 2.4.0
+    ``src/lightning/pytorch/strategies/deepspeed.py`` L96-102, the same in Fabric's strategy L74-80)."""
+    zero = view.get("zero") or 0
+    if not zero or view.get("fsdp") is not None:
+        return {}
+    out: dict[str, Any] = {"reduce_bucket_size": 200_000_000, "overlap_comm": True}
+    if zero == 3:
+        out["sub_group_size"] = 1_000_000_000_000
+    return out
+
+
 def _accelerate_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] | None) -> dict[str, Any]:
     """``mixed_precision="no"``: the model as loaded (transformers >= 5: the checkpoint's dtype)."""
     p = _dtype_precision(model)
@@ -424,7 +438,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
         "grad_sync": Cell(shown="micro-batch (trainmem default); a Fabric loop under no_backward_sync: step",
                           note="Fabric's no_backward_sync is FSDP's no_sync (lightning/fabric/strategies/fsdp.py "
                                "_FSDPBackwardSyncControl); litgpt's finetune scripts use it while accumulating"),
-    }, check=_check_lightning),
+    }, rules=_lightning_rules, check=_check_lightning),
     Preset("nanogpt", "nanoGPT train.py", "nanoGPT 3adf61e", {
         "precision": Cell("bf16-amp", (_s("nanogpt", "train.py", "73"), _s("nanogpt", "train.py", "112")),
                           note="bfloat16 autocast where supported, else float16 with a GradScaler"),

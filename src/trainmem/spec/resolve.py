@@ -46,12 +46,14 @@ from .frameworks import FRAMEWORKS, LINKED, get_preset, parse_version, preset_op
 from .calibration import calibrated
 from .hardware import Hardware, get_gpu
 from .model import ModelSpec
-from .training import TrainingSpec, check_against, default_seq_len, image_sizes
+from .deepspeed import zero_options
+from .training import TrainingSpec, check_against, deepspeed_problems, default_seq_len, image_sizes
 
 TRAINING_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainingSpec) if f.name != "extra")
 HARDWARE_OPTIONS = frozenset({"gpu", "gpu_memory", "context_memory", "hardware", "calibration"})
 FRAMEWORK_OPTIONS = frozenset({"framework", "framework_version"})
-OTHER_OPTIONS = frozenset({"max_fraction", "method", "set", "overrides", "training", "task"}) | FRAMEWORK_OPTIONS
+OTHER_OPTIONS = (frozenset({"max_fraction", "method", "set", "overrides", "training", "task", "deepspeed_config"})
+                 | FRAMEWORK_OPTIONS)
 OPTIONS = TRAINING_FIELDS | HARDWARE_OPTIONS | OTHER_OPTIONS
 TRAINING_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainingSpec) if f.name != "extra"}
 
@@ -207,8 +209,18 @@ def training_from(options: Mapping[str, Any], model: ModelSpec | None = None,
     """The TrainingSpec of ``options``: their training fields on top of ``training=`` (or ``base``),
     else a new one whose ``seq_len`` defaults to the model's ``default_seq_len`` (2048 without a
     model). With ``framework`` (or a base made under one) the preset goes between the base and the
-    options (``preset_training``)."""
+    options (``preset_training``). DeepSpeed's engine options without its ZeRO stage are refused."""
+    t = _training_from(options, model, base)
+    problem = deepspeed_problems(t)
+    if problem:
+        raise TrainmemError(problem)
+    return t
+
+
+def _training_from(options: Mapping[str, Any], model: ModelSpec | None, base: TrainingSpec | None) -> TrainingSpec:
     given = training_values(options)
+    if options.get("deepspeed_config") is not None:
+        given = _with_deepspeed_config(options["deepspeed_config"], given, model)
     start = options.get("training")
     if start is None:
         start = base
@@ -234,6 +246,16 @@ def training_from(options: Mapping[str, Any], model: ModelSpec | None = None,
     if "seq_len" not in given and model is not None:
         given["seq_len"] = default_seq_len(model)
     return TrainingSpec(**given)
+
+
+def _with_deepspeed_config(source: Any, given: dict[str, Any], model: ModelSpec | None) -> dict[str, Any]:
+    """``given`` completed by a DeepSpeed config's ``zero_optimization`` (``spec.deepspeed``): a flag
+    given explicitly wins, but not a ``--zero`` stage other than the file's."""
+    from_file = zero_options(source, model.hidden_size if model is not None else None)
+    if "zero" in given and given["zero"] != from_file["zero"]:
+        raise TrainmemError(f"--zero {given['zero']} contradicts the DeepSpeed config's zero_optimization.stage "
+                            f"{from_file['zero']}: give one of them")
+    return {**from_file, **given}
 
 
 def preset_training(framework: str, version: Any, given: Mapping[str, Any], model: ModelSpec | None = None,

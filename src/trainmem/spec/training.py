@@ -59,6 +59,24 @@ QUANTIZE_VIA = ("transformers", "fabric")
 FSDP_MODES = ("full", "grad-op", "hybrid")
 
 
+#: DeepSpeed's ``zero_optimization`` defaults (deepspeed/runtime/zero/config.py L109, L168 at 38327e0)
+DS_REDUCE_BUCKET = 500_000_000
+DS_SUB_GROUP = 1_000_000_000
+
+
+def deepspeed_problems(t: "TrainingSpec") -> str | None:
+    """One line when DeepSpeed's engine options are given without the DeepSpeed ZeRO stage they
+    configure (they would be ignored), else None."""
+    given = [k for k in ("reduce_bucket_size", "overlap_comm", "sub_group_size") if getattr(t, k) is not None]
+    given += [] if t.contiguous_gradients else ["contiguous_gradients"]
+    if given and (not t.zero or t.fsdp is not None):
+        flag = given[0].replace("_", "-")
+        return f"--{flag} configures DeepSpeed ZeRO's engine: give --zero 1, 2 or 3 (not --fsdp) too, or drop it"
+    if t.sub_group_size is not None and t.zero != 3:
+        return "--sub-group-size splits DeepSpeed ZeRO-3's optimizer step: give --zero 3, or drop it"
+    return None
+
+
 def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise TrainmemError(f"--{name.replace('_', '-')} {value!r} is not one of: {', '.join(choices)}")
@@ -130,6 +148,12 @@ class TrainingSpec:
     fsdp_lora_units: str = "separate"  # FSDP_LORA_UNITS: "layer" puts adapters in their layer's FSDP1 unit
     target_len: int | None = None  # an encoder-decoder's decoder tokens (its labels); None: seq_len
     image_size: int | None = None  # an image model's square image side in pixels; sets seq_len (its patches)
+    # DeepSpeed ZeRO's engine buffers (with --zero): the ``zero_optimization`` keys of a DeepSpeed config,
+    # None for DeepSpeed's defaults (``deepspeed.zero_config``; ``spec/deepspeed.py`` reads a config file)
+    reduce_bucket_size: int | None = None  # elements per gradient bucket; None: 500,000,000
+    overlap_comm: bool | None = None       # None: DeepSpeed's (on for stage 3, off for stages 1 and 2)
+    contiguous_gradients: bool = True      # gradients copied into the bucket buffer as they are produced
+    sub_group_size: int | None = None      # stage 3: parameters per optimizer sub-group; None: 1,000,000,000
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -248,11 +272,17 @@ class TrainingSpec:
                                 "(no --tp/--pp/--cp, --lora-rank or --quantize); drop it or those options")
 
     def _check_counts(self) -> None:
-        """``target_len`` and ``image_size`` are None or positive integers."""
-        for key in ("target_len", "image_size"):
+        """``target_len``, ``image_size`` and ``sub_group_size`` are None or positive integers;
+        ``reduce_bucket_size`` a non-negative one (DeepSpeed accepts 0). That DeepSpeed's options come
+        with ``--zero`` is checked on the user's options (``deepspeed_problems``): the planner varies
+        the stage of one spec."""
+        for key in ("target_len", "image_size", "sub_group_size"):
             v = getattr(self, key)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
                 raise TrainmemError(f"--{key.replace('_', '-')} must be a positive integer, got {v!r}")
+        v = self.reduce_bucket_size
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise TrainmemError(f"--reduce-bucket-size must be a non-negative integer (elements), got {v!r}")
 
     def _check_quantize(self) -> None:
         """``quantize``: litgpt's ``bnb.`` prefix and ``none`` accepted; only over a frozen base (LoRA),
@@ -345,6 +375,23 @@ class TrainingSpec:
         if self.fsdp is not None:
             return {"full": 3, "grad-op": 2, "hybrid": 3}[self.fsdp]
         return self.zero
+
+    @property
+    def ds_reduce_bucket(self) -> int:
+        """DeepSpeed's ``reduce_bucket_size`` in elements (its default 500,000,000: DeepSpeed
+        ``deepspeed/runtime/zero/config.py`` L109, at commit 38327e0)."""
+        return DS_REDUCE_BUCKET if self.reduce_bucket_size is None else self.reduce_bucket_size
+
+    @property
+    def ds_overlap_comm(self) -> bool:
+        """DeepSpeed's ``overlap_comm``: when not given, on for stage 3 only (``config.py`` L351-353,
+        ``overlap_comm_valid``)."""
+        return self.zero == 3 if self.overlap_comm is None else self.overlap_comm
+
+    @property
+    def ds_sub_group(self) -> int:
+        """DeepSpeed ZeRO-3's ``sub_group_size`` in elements (default 1,000,000,000: ``config.py`` L168)."""
+        return DS_SUB_GROUP if self.sub_group_size is None else self.sub_group_size
 
     @property
     def shard_group(self) -> int:

@@ -1,0 +1,85 @@
+"""A DeepSpeed config file read as trainmem options.
+
+``--deepspeed-config ds_config.json`` (``deepspeed_config=`` in the API) takes the ``zero_optimization``
+section a DeepSpeed user already has: ``stage`` -> ``zero``, ``reduce_bucket_size``,
+``overlap_comm``, ``contiguous_gradients``, ``sub_group_size``, and ``offload_optimizer.device``
+``cpu``/``nvme`` -> ``offload_optimizer``. ``"auto"`` values are resolved the way the Hugging Face
+Trainer fills them before it starts DeepSpeed (transformers ``integrations/deepspeed.py``,
+``HfTrainerDeepSpeedConfig.trainer_config_finalize`` L232 in transformers 5.23: ``reduce_bucket_size``
+= hidden_size x hidden_size; the other two ``auto`` keys it fills, ``stage3_prefetch_bucket_size`` and
+``stage3_param_persistence_threshold``, are not trainmem options). Keys trainmem does not model are
+named in one line, not silently dropped, when they would change memory (``offload_param``).
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Mapping
+
+from ..errors import TrainmemError
+
+#: zero_optimization keys read as TrainingSpec fields of the same name
+_SAME = ("reduce_bucket_size", "overlap_comm", "contiguous_gradients", "sub_group_size")
+
+
+def load_config(source: Any) -> dict:
+    """The config as a dict: ``source`` a dict, or a path to a JSON file."""
+    if isinstance(source, Mapping):
+        return dict(source)
+    path = os.fspath(source)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except OSError as e:
+        raise TrainmemError(f"--deepspeed-config {path}: cannot read it ({e.strerror}); give a DeepSpeed JSON config")
+    except json.JSONDecodeError as e:
+        raise TrainmemError(f"--deepspeed-config {path}: not valid JSON (line {e.lineno}: {e.msg})")
+    if not isinstance(data, dict):
+        raise TrainmemError(f"--deepspeed-config {path}: a DeepSpeed config is a JSON object")
+    return data
+
+
+def zero_options(source: Any, hidden_size: int | None) -> dict[str, Any]:
+    """TrainingSpec options from a DeepSpeed config's ``zero_optimization`` section (see the module
+    docstring); ``hidden_size`` resolves ``"auto"`` (None: ``auto`` is refused)."""
+    cfg = load_config(source)
+    zo = cfg.get("zero_optimization") or {}
+    if not isinstance(zo, Mapping):
+        raise TrainmemError("--deepspeed-config: zero_optimization must be a JSON object")
+    out: dict[str, Any] = {}
+    stage = zo.get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise TrainmemError(f"--deepspeed-config: zero_optimization.stage {stage!r} is not one of 0, 1, 2, 3")
+    out["zero"] = stage
+    for key in _SAME:
+        if key in zo:
+            out[key] = _value(key, zo[key], hidden_size)
+    offload = zo.get("offload_optimizer") or {}
+    if isinstance(offload, Mapping) and offload.get("device") in ("cpu", "nvme"):
+        out["offload_optimizer"] = True
+    param = zo.get("offload_param") or {}
+    if isinstance(param, Mapping) and param.get("device") in ("cpu", "nvme"):
+        raise TrainmemError("--deepspeed-config: zero_optimization.offload_param (ZeRO-Infinity parameter "
+                            "offload) is not modelled; remove it from the config, or estimate without it")
+    if stage == 0:  # the engine options configure ZeRO only
+        out = {"zero": 0}
+    return out
+
+
+def _value(key: str, value: Any, hidden_size: int | None) -> Any:
+    """One key's value: booleans as booleans, sizes as integers (``5e8`` accepted), ``auto`` as the
+    Hugging Face Trainer fills it."""
+    if key in ("overlap_comm", "contiguous_gradients"):
+        if not isinstance(value, bool):
+            raise TrainmemError(f"--deepspeed-config: zero_optimization.{key} must be true or false, got {value!r}")
+        return value
+    if value == "auto":
+        if key != "reduce_bucket_size":
+            raise TrainmemError(f"--deepspeed-config: zero_optimization.{key} 'auto' is not filled by the HF "
+                                "Trainer; give a number")
+        if hidden_size is None:
+            raise TrainmemError("--deepspeed-config: reduce_bucket_size 'auto' needs the model's hidden size")
+        return hidden_size * hidden_size  # transformers 5.23 integrations/deepspeed.py L232
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise TrainmemError(f"--deepspeed-config: zero_optimization.{key} must be a whole number, got {value!r}")
+    return int(value)
