@@ -94,19 +94,7 @@ def add_training(g: Any) -> None:
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None, help="ZeRO stage over the DP group")
     g.add_argument("--fsdp", choices=FSDP_MODES, default=None)
     g.add_argument("--offload-optimizer", action="store_true", help="ZeRO-Offload: optimizer states in CPU memory")
-    g.add_argument("--deepspeed-config", default=None, metavar="FILE",
-                   help="a DeepSpeed JSON config: its zero_optimization stage, buckets and optimizer offload "
-                        "(\"auto\" as the HF Trainer fills it); explicit flags win")
-    g.add_argument("--reduce-bucket-size", type=_elements, default=None, metavar="N",
-                   help="DeepSpeed ZeRO: elements per gradient bucket buffer (default 5e8; 2 buffers in "
-                        "backward under --overlap-comm with stages 1-2, one kept buffer with stage 3)")
-    g.add_argument("--overlap-comm", type=_true_false, default=None, metavar="{true,false}",
-                   help="DeepSpeed ZeRO's overlap_comm (default: true for stage 3, false for 1-2)")
-    g.add_argument("--contiguous-gradients", type=_true_false, default=None, metavar="{true,false}",
-                   help="DeepSpeed ZeRO: copy gradients into the bucket buffer (default true)")
-    g.add_argument("--sub-group-size", type=_elements, default=None, metavar="N",
-                   help="DeepSpeed ZeRO-3: parameters per optimizer sub-group (default 1e9): bounds the fp32 "
-                        "gradient its step makes")
+    add_deepspeed(g)
     g.add_argument("--distributed-optimizer", action="store_true",
                    help="Megatron/NeMo distributed optimizer (fp32 main grads, sharded states)")
     g.add_argument("--master-weights", choices=MASTER_WEIGHTS, default=None,
@@ -246,6 +234,28 @@ def _add_recompute(g: Any) -> None:
                         "inputs in pinned CPU memory, brought back in backward)")
 
 
+def add_deepspeed(g: Any) -> None:
+    """DeepSpeed ZeRO's engine options, named as its ``zero_optimization`` config names them."""
+    g.add_argument("--deepspeed-config", default=None, metavar="FILE",
+                   help="a DeepSpeed JSON config: its zero_optimization stage, buckets and optimizer offload "
+                        "(\"auto\" as the HF Trainer fills it); explicit flags win")
+    g.add_argument("--reduce-bucket-size", type=_elements, default=None, metavar="N",
+                   help="DeepSpeed ZeRO: elements per gradient bucket buffer (default 5e8; 2 buffers in "
+                        "backward under --overlap-comm with stages 1-2, one kept buffer with stage 3)")
+    g.add_argument("--overlap-comm", type=_true_false, default=None, metavar="{true,false}",
+                   help="DeepSpeed ZeRO's overlap_comm (default: true for stage 3, false for 1-2)")
+    g.add_argument("--contiguous-gradients", type=_true_false, default=None, metavar="{true,false}",
+                   help="DeepSpeed ZeRO: copy gradients into the bucket buffer (default true)")
+    g.add_argument("--sub-group-size", type=_elements, default=None, metavar="N",
+                   help="DeepSpeed ZeRO-3: parameters per optimizer sub-group (default 1e9): bounds the fp32 "
+                        "gradient its step makes")
+    g.add_argument("--stage3-max-reuse-distance", type=_elements, default=None, metavar="N",
+                   help="DeepSpeed ZeRO-3: a gathered parameter reused within N elements stays gathered "
+                        "(default 1e9: the head and the top layers at the end of forward)")
+    g.add_argument("--stage3-prefetch-bucket-size", type=_elements, default=None, metavar="N",
+                   help="DeepSpeed ZeRO-3: parameter elements gathered ahead (default 5e7)")
+
+
 def _true_false(text: str) -> bool:
     """A DeepSpeed boolean as its config writes it."""
     low = text.strip().lower()
@@ -286,7 +296,8 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 loss_shift=a.loss_shift, target_len=a.target_len, image_size=a.image_size,
                 deepspeed_config=a.deepspeed_config, reduce_bucket_size=a.reduce_bucket_size,
                 overlap_comm=a.overlap_comm, contiguous_gradients=a.contiguous_gradients,
-                sub_group_size=a.sub_group_size,
+                sub_group_size=a.sub_group_size, stage3_max_reuse_distance=a.stage3_max_reuse_distance,
+                stage3_prefetch_bucket_size=a.stage3_prefetch_bucket_size,
                 task=getattr(a, "task", None))
     if a.fsdp is not None and a.zero in (0, None):
         opts.pop("zero")

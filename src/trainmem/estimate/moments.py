@@ -306,7 +306,7 @@ def _head_backward(q: Quantities, tk: Tokens, kept: Kept, before: tuple, step: i
     for where_, temp in (("lm_head.backward", tk.head_chunk_first), ("lm_head.backward.sum", tk.head_chunk)):
         out.append(_mo("backward", micro, step, where_, (grads_before, states, tk.inputs, ws2, tk.all_acts, temp),
                        (kept.logits, kept.kv_forward, 0), _both(valid, q.chunk_head_grads > 0),
-                       comm=q.fsdp_loss_root + q.fsdp_loss_buf + q.ds_backward_buf))
+                       comm=q.fsdp_loss_root + q.fsdp_loss_buf + q.ds_backward_buf + q.ds_gathered_top))
     return out
 
 
@@ -338,14 +338,14 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     moments.append(_mo("forward", micro, step, "cross_entropy",
                        (grads_before, states, tk.inputs, ws, tk.all_acts, tk.loss_forward + q.cast_forward_only),
                        (prev_logits + tk.out_logits, prev_kv + tk.kv_held, tk.loss_saved), valid, prev_graph + own,
-                       comm=q.fsdp_loss_root + q.fsdp_loss_ag))
+                       comm=q.fsdp_loss_root + q.fsdp_loss_ag + q.ds_gathered_top))
     # FSDP grad-op (and FSDP1) keep the root gathered from its forward to its backward
     ends.append(("forward", micro, step, q.fixed + grads_before + states + tk.inputs + ws + tk.all_acts
-                 + kept.logits + kept.kv_forward + tk.loss_saved + q.fsdp_root_kept))
+                 + kept.logits + kept.kv_forward + tk.loss_saved + q.fsdp_root_kept + q.ds_gathered_top))
     moments.append(_mo("backward", micro, step, "cross_entropy.backward",
                        (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.loss_backward),
                        (kept.logits, kept.kv_forward, tk.loss_saved), valid, own,
-                       comm=q.fsdp_loss_root + q.fsdp_loss_buf + q.ds_backward_buf))
+                       comm=q.fsdp_loss_root + q.fsdp_loss_buf + q.ds_backward_buf + q.ds_gathered_top))
     moments.extend(_head_backward(q, tk, kept, (grads_before, states, ws2), step, micro, valid))
     # a 4-bit LM head dequantizes its weight again for the input gradient (quant4.py): the loss's
     # backward is over (its fp32 gradients and saved log-probabilities freed); the gradient of the
@@ -354,7 +354,7 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
         moments.append(_mo("backward", micro, step, "lm_head.backward",
                            (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.out_logits + q.head_temp),
                            (kept.logits, kept.kv_forward, 0), _both(valid, q.head_temp > 0), own,
-                           comm=q.ds_backward_buf))
+                           comm=q.ds_backward_buf + q.ds_gathered_top))
     states_mid = q.states if (states_before or flags.oib) else 0  # optimizer in backward creates them now
     _layers_backward(q, flags, tk, kept, (step, micro, valid), (grads_before, states_mid, ws2, own), moments)
     after_logits, after_kv = kept.after_backward()   # hold_output="backward": freed as backward returns
@@ -372,6 +372,8 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     grads_before, states_mid, ws2, own = before
     root, buf, rs = q.fsdp_root, q.fsdp_layer_buf, q.fsdp_rs_buf
     root = root + q.ds_backward_buf   # + DeepSpeed ZeRO-1/2's bucket buffers, alive through backward
+    # DeepSpeed ZeRO-3's gathered parameters: the head and the top layers kept, then the current module
+    top_ds, low_ds = q.ds_gathered_top, q.ds_gathered_low
     fresh = grads_before == 0                                  # gradients are being created, not added to
     # the later linears' gradients of the layer in backward (FSDP reduce-scattering each micro-batch:
     # unsharded, in every micro-batch; under no_sync they accumulate in .grad as without FSDP)
@@ -386,7 +388,7 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     own_layers, others_all = tk.layers - tk.others_layers, tk.others_layers + tk.others_head
     moments.append(_mo("backward", micro, step, "layer.top",
                        (top, states_mid, tk.inputs, ws2, tk.layers + tk.outer_rest + tk.others_head, temp),
-                       (kept.logits, kept.kv_forward, 0), valid, own, comm=root + 2 * buf))
+                       (kept.logits, kept.kv_forward, 0), valid, own, comm=root + 2 * buf + top_ds))
     above = where(fresh, q.above_bottom, 0)    # the layers above, reduced to shards
     _i, redo, grads = tk.bottom
     bottom = grads_before + head_grads + above + part(grads)
@@ -394,7 +396,8 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     temp = maximum(redo, q.oib_mid) + q.tied_grad
     moments.append(_mo("backward", micro, step, "layer.bottom",
                        (bottom, states_mid, tk.inputs, ws2, own_layers // q.layers + others_all + tk.outer_rest, temp),
-                       (kept.logits, kept.kv_low, 0), _both(valid, q.layers > 1), low_graph, comm=root + buf + rs))
+                       (kept.logits, kept.kv_low, 0), _both(valid, q.layers > 1), low_graph,
+                       comm=root + buf + rs + low_ds))
     # an encoder-decoder: the decoder's first layer's backward, with every encoder layer's kept
     # tensors still alive (the encoder's backward comes after the decoder's)
     lower = q.lower_layers
@@ -404,7 +407,8 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     moments.append(_mo("backward", micro, step, "layer.decoder_bottom",
                        (mid, states_mid, tk.inputs, ws2, own_layers * (lower + 1) // q.layers + others_all + tk.outer_rest,
                         temp),
-                       (kept.logits, kept.kv_low, 0), _both(valid, lower > 0), low_graph, comm=root + buf + rs))
+                       (kept.logits, kept.kv_low, 0), _both(valid, lower > 0), low_graph,
+                       comm=root + buf + rs + low_ds))
     # the embedding's gradient and the out-of-place sum join the head's part in the input buffer
     tied = q.tied_grad
     # an existing .grad (accumulation) adds one more; not under FSDP2 reduce-scattering every
@@ -429,11 +433,11 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
                        (emb_grads, states_mid, tk.inputs, ws2, tk.others + tk.others_head, temp_emb),
                        (kept.logits, kept.kv_end, 0),
                        _both(valid, _either(_either(tied > 0, emb_new > 0), q.tied_compiled > 0)), tk.graph,
-                       comm=root + rs))
+                       comm=root + rs + low_ds))
     moments.append(_mo("backward", micro, step, "backward.end",
                        (q.grads, states_mid, tk.inputs, ws2, tk.others + tk.others_head, q.oib_end),
                        (kept.logits, kept.kv_end, 0),
-                       valid, tk.graph, comm=q.ds_backward_buf))
+                       valid, tk.graph, comm=q.ds_backward_buf + low_ds))
 
 
 def _dequant_forward(q: Quantities, tk: Tokens, four: tuple, prev: tuple, micro: int, step: int, valid: Any,

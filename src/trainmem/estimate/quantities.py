@@ -127,6 +127,8 @@ class Quantities:
     ds_bucket: int = 0        # one DeepSpeed bucket buffer (ZeRO-3's is kept from engine start, in ``fixed``)
     ds_step_fp32: int = 0     # DeepSpeed's step: the group's fp32 gradient (``deepspeed_step_grad``) ...
     ds_step_flat: int = 0     # ... and the flat copy in the gradient dtype beside it during the cast
+    ds_gathered_top: int = 0  # DeepSpeed ZeRO-3's gathered parameters from forward's end to the top layer's backward
+    ds_gathered_low: int = 0  # ... in the rest of backward (``deepspeed_gathered``)
     graph_tok: float = 0.0  # per layer, saved bytes per token the graph keeps until it is freed (bnb < 0.43.2)
     graph_extra_tok: float = 0.0  # ... of it, per layer on average, not among the kept activations (checkpointed)
     pipe_batch: int = 0    # 1: torch's pipeline schedule takes the whole step's batch (every micro-batch's ids, labels)
@@ -618,12 +620,51 @@ def deepspeed_buckets(t: TrainingSpec) -> tuple[int, int]:
     return 0, (2 if t.ds_overlap_comm else 1) * one
 
 
-def _deepspeed_fields(t: TrainingSpec, st: States) -> dict[str, int]:
+def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, int]:
     """The ``Quantities`` fields of DeepSpeed's ZeRO engine (all 0 off it)."""
     kept, backward = deepspeed_buckets(t)
     fp32, flat = deepspeed_step_parts(t, st)
     each = kept or (backward // (2 if t.ds_overlap_comm else 1))
-    return {"ds_backward_buf": backward, "ds_bucket": each, "ds_step_fp32": fp32, "ds_step_flat": flat}
+    top, low = deepspeed_gathered(m, t, st)
+    return {"ds_backward_buf": backward, "ds_bucket": each, "ds_step_fp32": fp32, "ds_step_flat": flat,
+            "ds_gathered_top": top, "ds_gathered_low": low}
+
+
+def deepspeed_gathered(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, int]:
+    """DeepSpeed ZeRO-3's gathered (whole) parameters in the engine's dtype: (from the end of
+    forward to the top layer's backward, in the rest of backward); (0, 0) off ZeRO-3 over several
+    ranks. None at the optimizer step: ``step`` starts by releasing every parameter
+    (``stage3.py`` ``_partition_all_parameters``).
+
+    ZeRO-3 gathers a submodule's own parameters when its forward or backward hook fires and
+    releases them after it, except a parameter that comes up again within the next
+    ``stage3_max_reuse_distance`` parameter elements of the module order recorded in the first
+    step (``partitioned_param_coordinator.py`` ``__params_to_release`` L524-554, at 38327e0). So at
+    the end of forward the LM head stays (its backward comes next; a tied embedding is the head),
+    and so do the top K layers: between a layer's forward and its next use run the head's forward
+    and backward (2 x head elements) and, for each layer above it, that layer's backward and, under
+    full recompute, its recomputed forward first: the j-th layer from the top (j = 0, 1, ...) stays
+    while 2 head + c j layer < the distance (c = 2, or 3 recomputed). Beside them the module being
+    computed (at most a layer, or an untied embedding) and the prefetch
+    (``stage3_prefetch_bucket_size`` elements gathered ahead, L285-418). The kept layers are
+    released as backward passes them, so below the top only the current module and the prefetch
+    are gathered. Modules within a layer are taken as the layer (their offsets in it neglected)."""
+    if not (deepspeed_zero(t) and t.zero == 3 and t.shard_group > 1):
+        return 0, 0
+    wb = t.weight_bytes
+    layer = st.layer_params_full                            # one layer's weights, whole, engine dtype
+    layer_n = layer // wb
+    head_n = _head_weight_numel(m, t.tp) if is_lm(m) else 0  # (vocab, hidden) elements
+    emb_n = 0 if m.tied_embeddings else next((-(-p.numel // t.tp) for p in m.parameter_tensors()
+                                               if p.role == "embedding"), 0)
+    dist = t.ds_reuse_distance
+    c = 3 if t.recompute == "full" else 2
+    layers = m.num_layers // t.pp
+    k = min(layers, -(-(dist - 2 * head_n) // (c * layer_n))) if (layer_n and dist > 2 * head_n) else 0
+    prefetch = block_bytes(t.ds_prefetch * wb)              # (stage3_prefetch_bucket_size,) gathered ahead
+    current = max(layer, block_bytes(emb_n * wb))
+    head = block_bytes(head_n * wb) if dist > 0 else 0
+    return head + max(k, 1) * layer + prefetch, current + prefetch
 
 
 def deepspeed_group_elems(t: TrainingSpec, st: States) -> int:
@@ -959,7 +1000,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         # --compile: the zero gradients of the KV-cache tensors the model returns (_compiled_loss_bytes)
         loss_backward_tok=lc.cache * layers if t.compile else 0.0,
         liger_factor=-(-m.vocab_size // m.hidden_size) if (head_here and is_lm(m) and loss_mode(m, t) == "fused") else 0,
-        step_temp=step_temporaries(t, st), oib_mid=oib_mid, oib_end=oib_end, **_deepspeed_fields(t, st),
+        step_temp=step_temporaries(t, st), oib_mid=oib_mid, oib_end=oib_end, **_deepspeed_fields(m, t, st),
         tied_grad=compiled_tied[0] if t.compile else tied_head_grad(m, t), tied_replicated=tied_replicated_grad(m, t),
         tied_compiled=compiled_tied[1] if t.compile else 0, tied_final=tied_head_grad(m, t) if t.compile else 0,
         emb_grad=emb_accumulated(m, t, stage),
@@ -1116,13 +1157,12 @@ def offload_previous(input_tok: float, pol: Policy) -> float:
 
 def _communication(t: TrainingSpec, st: States) -> tuple[int, str]:
     """Buffers that exist from model wrap: DDP's flat gradient buckets (``gradient_as_bucket_view``
-    off: a copy of every gradient), or DeepSpeed ZeRO-3's gathered layers (the current and the
-    prefetched) and its gradient bucket buffer (``deepspeed_buckets``). FSDP's buffers live only in forward and backward (``fsdp_buffers``)."""
+    off: a copy of every gradient), or DeepSpeed ZeRO-3's gradient bucket buffer
+    (``deepspeed_buckets``). Its gathered parameters live in forward and backward only
+    (``deepspeed_gathered``), as FSDP's buffers (``fsdp_buffers``). FSDP's buffers live only in forward and backward (``fsdp_buffers``)."""
     if t.dp > 1 and t.zero_stage == 0 and not t.distributed_optimizer and st.trainable:
         return st.grads, "communication.ddp_buckets"
     bucket = deepspeed_buckets(t)[0]   # DeepSpeed ZeRO-3's gradient bucket buffer, from engine start
-    if t.zero_stage == 3 and t.shard_group > 1 and t.fsdp is None:
-        return 2 * st.layer_params_full + bucket, "communication.zero3_gathered_layers"
     if bucket:
         return bucket, "communication.deepspeed_ipg_bucket"
     return 0, ""

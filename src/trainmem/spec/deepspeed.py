@@ -2,12 +2,14 @@
 
 ``--deepspeed-config ds_config.json`` (``deepspeed_config=`` in the API) takes the ``zero_optimization``
 section a DeepSpeed user already has: ``stage`` -> ``zero``, ``reduce_bucket_size``,
-``overlap_comm``, ``contiguous_gradients``, ``sub_group_size``, and ``offload_optimizer.device``
-``cpu``/``nvme`` -> ``offload_optimizer``. ``"auto"`` values are resolved the way the Hugging Face
+``overlap_comm``, ``contiguous_gradients``, ``sub_group_size``, ``stage3_max_reuse_distance``,
+``stage3_prefetch_bucket_size`` (the last three only under stage 3, which alone reads them), and
+``offload_optimizer.device`` ``cpu``/``nvme`` -> ``offload_optimizer``. ``"auto"`` values are resolved the way the Hugging Face
 Trainer fills them before it starts DeepSpeed (transformers ``integrations/deepspeed.py``,
 ``HfTrainerDeepSpeedConfig.trainer_config_finalize`` L232 in transformers 5.23: ``reduce_bucket_size``
-= hidden_size x hidden_size; the other two ``auto`` keys it fills, ``stage3_prefetch_bucket_size`` and
-``stage3_param_persistence_threshold``, are not trainmem options). Keys trainmem does not model are
+= hidden_size x hidden_size, ``stage3_prefetch_bucket_size`` = 0.9 x hidden_size^2; the third ``auto`` key it fills,
+``stage3_param_persistence_threshold``, is not a trainmem option: parameters below it, norms and
+biases, stay whole, a few MiB). Keys trainmem does not model are
 named in one line, not silently dropped, when they would change memory (``offload_param``).
 """
 from __future__ import annotations
@@ -19,7 +21,10 @@ from typing import Any, Mapping
 from ..errors import TrainmemError
 
 #: zero_optimization keys read as TrainingSpec fields of the same name
-_SAME = ("reduce_bucket_size", "overlap_comm", "contiguous_gradients", "sub_group_size")
+_SAME = ("reduce_bucket_size", "overlap_comm", "contiguous_gradients", "sub_group_size",
+         "stage3_max_reuse_distance", "stage3_prefetch_bucket_size")
+#: ... of them, those every stage reads
+_ALL_STAGES = ("reduce_bucket_size", "overlap_comm", "contiguous_gradients")
 
 
 def load_config(source: Any) -> dict:
@@ -52,7 +57,7 @@ def zero_options(source: Any, hidden_size: int | None) -> dict[str, Any]:
         raise TrainmemError(f"--deepspeed-config: zero_optimization.stage {stage!r} is not one of 0, 1, 2, 3")
     out["zero"] = stage
     for key in _SAME:
-        if key in zo:
+        if key in zo and (stage == 3 or key in _ALL_STAGES):
             out[key] = _value(key, zo[key], hidden_size)
     offload = zo.get("offload_optimizer") or {}
     if isinstance(offload, Mapping) and offload.get("device") in ("cpu", "nvme"):
@@ -74,12 +79,13 @@ def _value(key: str, value: Any, hidden_size: int | None) -> Any:
             raise TrainmemError(f"--deepspeed-config: zero_optimization.{key} must be true or false, got {value!r}")
         return value
     if value == "auto":
-        if key != "reduce_bucket_size":
+        if key not in ("reduce_bucket_size", "stage3_prefetch_bucket_size"):
             raise TrainmemError(f"--deepspeed-config: zero_optimization.{key} 'auto' is not filled by the HF "
                                 "Trainer; give a number")
         if hidden_size is None:
-            raise TrainmemError("--deepspeed-config: reduce_bucket_size 'auto' needs the model's hidden size")
-        return hidden_size * hidden_size  # transformers 5.23 integrations/deepspeed.py L232
+            raise TrainmemError(f"--deepspeed-config: {key} 'auto' needs the model's hidden size")
+        # transformers 5.23 integrations/deepspeed.py L232 and L236-237
+        return hidden_size * hidden_size if key == "reduce_bucket_size" else int(0.9 * hidden_size * hidden_size)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
         raise TrainmemError(f"--deepspeed-config: zero_optimization.{key} must be a whole number, got {value!r}")
     return int(value)

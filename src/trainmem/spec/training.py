@@ -67,13 +67,15 @@ DS_SUB_GROUP = 1_000_000_000
 def deepspeed_problems(t: "TrainingSpec") -> str | None:
     """One line when DeepSpeed's engine options are given without the DeepSpeed ZeRO stage they
     configure (they would be ignored), else None."""
-    given = [k for k in ("reduce_bucket_size", "overlap_comm", "sub_group_size") if getattr(t, k) is not None]
+    given = [k for k in ("reduce_bucket_size", "overlap_comm", "sub_group_size", "stage3_max_reuse_distance",
+                         "stage3_prefetch_bucket_size") if getattr(t, k) is not None]
     given += [] if t.contiguous_gradients else ["contiguous_gradients"]
     if given and (not t.zero or t.fsdp is not None):
         flag = given[0].replace("_", "-")
         return f"--{flag} configures DeepSpeed ZeRO's engine: give --zero 1, 2 or 3 (not --fsdp) too, or drop it"
-    if t.sub_group_size is not None and t.zero != 3:
-        return "--sub-group-size splits DeepSpeed ZeRO-3's optimizer step: give --zero 3, or drop it"
+    for key in ("sub_group_size", "stage3_max_reuse_distance", "stage3_prefetch_bucket_size"):
+        if getattr(t, key) is not None and t.zero != 3:
+            return f"--{key.replace('_', '-')} configures DeepSpeed ZeRO-3: give --zero 3, or drop it"
     return None
 
 
@@ -154,6 +156,9 @@ class TrainingSpec:
     overlap_comm: bool | None = None       # None: DeepSpeed's (on for stage 3, off for stages 1 and 2)
     contiguous_gradients: bool = True      # gradients copied into the bucket buffer as they are produced
     sub_group_size: int | None = None      # stage 3: parameters per optimizer sub-group; None: 1,000,000,000
+    stage3_max_reuse_distance: int | None = None  # stage 3: keep a gathered parameter reused within this many
+    #                                               parameter elements; None: 1,000,000,000
+    stage3_prefetch_bucket_size: int | None = None  # stage 3: elements gathered ahead; None: 50,000,000
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -280,6 +285,10 @@ class TrainingSpec:
             v = getattr(self, key)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
                 raise TrainmemError(f"--{key.replace('_', '-')} must be a positive integer, got {v!r}")
+        for key in ("stage3_max_reuse_distance", "stage3_prefetch_bucket_size"):
+            v = getattr(self, key)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise TrainmemError(f"--{key.replace('_', '-')} must be a non-negative integer (elements), got {v!r}")
         v = self.reduce_bucket_size
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
             raise TrainmemError(f"--reduce-bucket-size must be a non-negative integer (elements), got {v!r}")
@@ -392,6 +401,17 @@ class TrainingSpec:
     def ds_sub_group(self) -> int:
         """DeepSpeed ZeRO-3's ``sub_group_size`` in elements (default 1,000,000,000: ``config.py`` L168)."""
         return DS_SUB_GROUP if self.sub_group_size is None else self.sub_group_size
+
+    @property
+    def ds_reuse_distance(self) -> int:
+        """DeepSpeed ZeRO-3's ``stage3_max_reuse_distance`` (default 1,000,000,000: DeepSpeed
+        ``deepspeed/runtime/zero/config.py`` L237 at 38327e0)."""
+        return 1_000_000_000 if self.stage3_max_reuse_distance is None else self.stage3_max_reuse_distance
+
+    @property
+    def ds_prefetch(self) -> int:
+        """DeepSpeed ZeRO-3's ``stage3_prefetch_bucket_size`` (default 50,000,000: ``config.py`` L208)."""
+        return 50_000_000 if self.stage3_prefetch_bucket_size is None else self.stage3_prefetch_bucket_size
 
     @property
     def shard_group(self) -> int:
