@@ -141,3 +141,21 @@ def test_zero3_keeps_the_head_and_the_top_layers_gathered_until_backward():
     # the head and nine more layers than the one current module (per-tensor rounding: within 1 MiB)
     assert abs(diff - (head_n + 9 * layer_n) * 2) < 2**20, (diff, (head_n + 9 * layer_n) * 2)
     assert _phase(far, "optimizer_step").allocated == _phase(near, "optimizer_step").allocated
+
+
+def test_zero2_gradient_partition_is_whole_once_backward_reduces():
+    """ZeRO-2's ``grads_in_partition`` is one buffer of the whole partition, made at the first
+    bucket reduction: in the layers' backward every gradient byte of the rank is allocated, so a
+    layer-backward moment holds at least the states, the weights and that partition."""
+    from trainmem.estimate.quantities import quantities
+    from trainmem.estimate.states import model_states
+    from trainmem.spec.resolve import resolve
+    res = resolve("bert-large-uncased", zero=2, dp=2, precision="fp32", seq_len=128, batch_size=1)
+    q = quantities(res.model, res.training)
+    assert q.ds_partition_grads == model_states(res.model, res.training).grads > 0
+    for other in (dict(zero=1), dict(zero=3), dict(zero=2, offload_optimizer=True)):
+        r = resolve("bert-large-uncased", dp=2, precision="fp32", seq_len=128, batch_size=1, **other)
+        assert quantities(r.model, r.training).ds_partition_grads == 0
+    rep = trainmem.estimate("bert-large-uncased", zero=2, dp=2, precision="fp32", seq_len=128, batch_size=1)
+    # step 2 backward: the weights, the states and the whole partition at once
+    assert _phase(rep, "backward", 2).peak >= q.fixed + q.states + q.grads

@@ -356,7 +356,9 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
                            (kept.logits, kept.kv_forward, 0), _both(valid, q.head_temp > 0), own,
                            comm=q.ds_backward_buf + q.ds_gathered_top))
     states_mid = q.states if (states_before or flags.oib) else 0  # optimizer in backward creates them now
-    _layers_backward(q, flags, tk, kept, (step, micro, valid), (grads_before, states_mid, ws2, own), moments)
+    # DeepSpeed ZeRO-2 allocates its whole gradient partition at the first bucket reduction (the head's)
+    layer_grads_before = maximum(grads_before, q.ds_partition_grads)
+    _layers_backward(q, flags, tk, kept, (step, micro, valid), (layer_grads_before, states_mid, ws2, own), moments)
     after_logits, after_kv = kept.after_backward()   # hold_output="backward": freed as backward returns
     after_graph = tk.graph if _graph_outlives_backward(flags) else 0
     ends.append(("backward", micro, step, q.fixed + q.grads + states_mid + tk.inputs + ws2 + after_logits + after_kv

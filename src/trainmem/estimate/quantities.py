@@ -129,6 +129,7 @@ class Quantities:
     ds_step_flat: int = 0     # ... and the flat copy in the gradient dtype beside it during the cast
     ds_gathered_top: int = 0  # DeepSpeed ZeRO-3's gathered parameters from forward's end to the top layer's backward
     ds_gathered_low: int = 0  # ... in the rest of backward (``deepspeed_gathered``)
+    ds_partition_grads: int = 0  # DeepSpeed ZeRO-2's gradient partition, whole from the first reduction (``grads``)
     graph_tok: float = 0.0  # per layer, saved bytes per token the graph keeps until it is freed (bnb < 0.43.2)
     graph_extra_tok: float = 0.0  # ... of it, per layer on average, not among the kept activations (checkpointed)
     pipe_batch: int = 0    # 1: torch's pipeline schedule takes the whole step's batch (every micro-batch's ids, labels)
@@ -626,8 +627,12 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
     fp32, flat = deepspeed_step_parts(t, st)
     each = kept or (backward // (2 if t.ds_overlap_comm else 1))
     top, low = deepspeed_gathered(m, t, st)
+    # ZeRO-2 copies each reduced bucket's share into ``grads_in_partition``, one buffer of the whole
+    # partition made at the first reduction (``stage_1_and_2.py`` L1349-1356), which the head's gradients
+    # trigger: the layers' backward finds all of this rank's gradient bytes allocated
+    part = st.grads if (deepspeed_zero(t) and t.zero == 2 and not t.offload_optimizer and st.trainable) else 0
     return {"ds_backward_buf": backward, "ds_bucket": each, "ds_step_fp32": fp32, "ds_step_flat": flat,
-            "ds_gathered_top": top, "ds_gathered_low": low}
+            "ds_gathered_top": top, "ds_gathered_low": low, "ds_partition_grads": part}
 
 
 def deepspeed_gathered(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, int]:
