@@ -159,3 +159,11 @@ def test_zero2_gradient_partition_is_whole_once_backward_reduces():
     rep = trainmem.estimate("bert-large-uncased", zero=2, dp=2, precision="fp32", seq_len=128, batch_size=1)
     # step 2 backward: the weights, the states and the whole partition at once
     assert _phase(rep, "backward", 2).peak >= q.fixed + q.states + q.grads
+
+
+def test_plan_takes_deepspeed_engine_options_for_the_stages_it_explores():
+    from trainmem.plan import plan
+    r = plan(MODEL, 8, seq_len=1024, global_batch=16, gpu="h100", zero="2,3", reduce_bucket_size=10**8)
+    assert r.top and all(x.zero in (2, 3) for x in r.top)
+    with pytest.raises(TrainmemError, match="explore --zero 1, 2 or 3"):
+        plan(MODEL, 8, seq_len=1024, global_batch=16, gpu="h100", zero="0", reduce_bucket_size=10**8)

@@ -239,6 +239,25 @@ def enumerate_layouts(m, n_gpus: int, seq: int, global_batch: int, filters: dict
     return arrays, [(w, r, n, u) for (w, r, u), n in rejected.items()]
 
 
+#: DeepSpeed ZeRO's engine options (``TrainingSpec``): they configure the ZeRO stages the plan explores
+DS_ENGINE = ("reduce_bucket_size", "overlap_comm", "sub_group_size", "stage3_max_reuse_distance",
+             "stage3_prefetch_bucket_size")
+
+
+def _deepspeed_stage(options: dict[str, Any], filters: dict[str, Any]) -> dict[str, Any]:
+    """With DeepSpeed's engine options, the base spec takes the highest DeepSpeed stage the plan may
+    explore (each layout then sets its own; the options apply where it is one), so that they are
+    validated; none explored is refused (``spec.training.deepspeed_problems``)."""
+    given = any(options.get(k) is not None for k in DS_ENGINE) or options.get("contiguous_gradients") is False
+    if not given or options.get("deepspeed_config") is not None:
+        return {}
+    stages = [z for z in (filters.get("zero") or [1, 2, 3]) if z >= 1]
+    if not stages:
+        raise TrainmemError("DeepSpeed's engine options (--reduce-bucket-size, --overlap-comm, ...) configure "
+                            "ZeRO: let the plan explore --zero 1, 2 or 3, or drop them")
+    return {"zero": max(stages)}
+
+
 class Planner:
     """The fixed part of a plan (model, hardware, training settings) evaluated for any GPU count."""
 
@@ -250,6 +269,7 @@ class Planner:
         for k in ("batch_size", "seq_len", "grad_accum", "dp", "tp", "pp", "cp", "zero", "recompute",
                   "sequence_parallel"):
             options.pop(k, None)
+        options.update(_deepspeed_stage(options, filters))
         self.ev = Evaluator(model, **options)
         if self.ev.hardware is None:
             raise TrainmemError("plan needs a GPU: give --gpu NAME or --gpu-memory SIZE")
