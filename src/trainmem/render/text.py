@@ -31,7 +31,7 @@ def wrap_parts(parts: Sequence[str], sep: str = " · ", width: int = WIDTH, inde
             continue
         if not cur:
             cur = (indent if lines else "") + p
-        elif len(cur) + len(sep) + len(p) <= width:
+        elif len(cur) + len(sep) + len(p) + len(sep.rstrip()) <= width:  # room left for the break's mark
             cur += sep + p
         else:
             lines.append(cur + sep.rstrip())
