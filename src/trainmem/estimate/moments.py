@@ -157,8 +157,12 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
                   graph=trunc(q.graph_tok * n) * inflight * q.layers,
                   graph_extra_layer=trunc(q.graph_extra_tok * n) * inflight,
                   graph_extra=trunc(q.graph_extra_tok * n) * inflight * q.layers,
-                  head_chunk=where(q.chunk_head_grads > 0, (full - 2 * chunk) * q.logits_out + q.chunk_head_grads, 0),
-                  head_chunk_first=where(q.chunk_head_grads > 0, full * q.logits_out + q.chunk_head_grads // 3, 0),
+                  # (a soft-capped head: the chunks back-propagated so far have freed their saved tanh,
+                  # which ``all_acts``' head side counts for every chunk: one chunk, then two)
+                  head_chunk=where(q.chunk_head_grads > 0, (full - 2 * chunk) * q.logits_out + q.chunk_head_grads
+                                   - 2 * chunk * q.softcap_saved, 0),
+                  head_chunk_first=where(q.chunk_head_grads > 0, full * q.logits_out + q.chunk_head_grads // 3
+                                         - chunk * q.softcap_saved, 0),
                   logits_grad=full * q.logits_out, others=(layers + outer_rest) * (inflight - 1) // inflight,
                   others_layers=layers * (inflight - 1) // inflight, others_head=outer_head * (inflight - 1),
                   others_loss=(full * q.logits_held + saved) * (inflight - 1),

@@ -147,6 +147,9 @@ class Quantities:
     tied_replicated: int = 0  # DTensor TP: the tied embedding's whole-vocabulary gradient at its backward
     emb_grad: int = 0      # an untied embedding's new gradient, added to the accumulated .grad (emb_accumulated)
     chunk_head_grads: int = 0  # chunked output loss: the head's per-chunk weight gradients being summed
+    # ... and the bytes per logit element a final soft-cap's tanh saves (part of the derived head side),
+    # freed chunk by chunk before that chunk's head backward (``softcap_saved``)
+    softcap_saved: int = 0
     detail: Detail | None = None
 
 
@@ -722,6 +725,21 @@ def chunk_head_grads(m: ModelSpec, t: TrainingSpec, pol: Policy) -> int:
     return 3 * block_bytes(_head_weight_numel(m, 1) * pol.half)
 
 
+def softcap_saved(m: ModelSpec, out_bytes: int) -> int:
+    """Bytes per logit element that a final logit soft-cap saves: transformers'
+    ``Gemma2ForCausalLM.forward`` (and Gemma-3's) computes ``logits / cap``, ``torch.tanh``,
+    ``* cap`` on the head's output (``models/gemma2/modeling_gemma2.py``), and ``TanhBackward0``
+    saves its result, a (b, s, vocab) tensor in the head output's dtype (``out_bytes``;
+    derivatives.yaml ``tanh``: ``tanh_backward(grad, result)``); the division and the scalar
+    product save nothing. A derived architecture's head side counts it already (measured through
+    the model's forward); the chunked loss loop caps each chunk the same way
+    (``workload._chunked_output_loss``), so each chunk's copy is freed when that chunk's tanh is
+    back-propagated, just before its head backward (``moments._head_backward``). 0 without a
+    ``final_logit_softcapping`` in the config."""
+    cap = m.config.get("final_logit_softcapping") if m.config else None
+    return out_bytes if (is_lm(m) and cap is not None) else 0
+
+
 def emb_accumulated(m: ModelSpec, t: TrainingSpec, stage: str) -> int:
     """Bytes of an untied token embedding's gradient as its backward makes it, when an earlier
     micro-batch's gradient is already in ``.grad``: ``embedding_dense_backward`` returns the whole
@@ -875,6 +893,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         tied_compiled=compiled_tied[1] if t.compile else 0, tied_final=tied_head_grad(m, t) if t.compile else 0,
         emb_grad=emb_accumulated(m, t, stage),
         chunk_head_grads=chunk_head_grads(m, t, pol) if head_here else 0, transients=trans,
+        softcap_saved=softcap_saved(m, loss.out) if head_here else 0,
         fwd_temp=int(lc.fwd_const), fwd_temp_tok=lc.fwd_tok,
         head_temp=head_dq[0] if head_here else 0, head_read=head_dq[1] if head_here else 0,
         head_lora=3 if (head_here and head_dq[0] and _head_is_lora_target(m, t)) else 0,
