@@ -291,6 +291,26 @@ def _fsdp_layer_unshard(q: Quantities, tk: Tokens, before: tuple, prev: tuple, s
                comm=q.fsdp_root + 2 * q.fsdp_ag_result + current)
 
 
+def _fsdp_first_unshard(q: Quantities, tk: Tokens, before: tuple, prev: tuple, step: int, micro: int,
+                        valid: Any) -> Moment:
+    """FSDP2: the first layer's forward unshard. The root's pre-forward gathered it (embeddings,
+    final norm, head) and its all-gather output, the flat buffer its parameters were copied out
+    of, is kept until the next unit's all-gather is waited on (``_fsdp_param_group.py``
+    ``wait_for_unshard``: ``comm_ctx.all_gather_state``), which is the first layer's: so the root's
+    buffer, the root's parameters, the first layer's all-gather output and its parameters copied
+    out of it exist at once, with only the embedding side's activations. A root larger than the
+    layers (a wide vocabulary) makes this the forward's highest point; once optimizer states exist
+    (the second step) it can be the step's. ``before``: (gradients, states, workspace); ``prev``:
+    the previous micro-batch's logits and KV cache. Found by trace: Mistral (2 layers, h 1024,
+    vocab 32000) FSDP2 dp 2, 2 x 256, recompute, pure bf16: -1.6% before."""
+    grads_before, states, ws = before
+    current = q.fsdp_layer_buf + q.gathered_layer
+    return _mo("forward", micro, step, "fsdp.first_layer_unshard",
+               (grads_before, states, tk.inputs, ws, tk.outer_rest, 0),
+               (prev[0], prev[1], 0), _both(valid, _both(q.fsdp_ag_result > 0, current > 0)),
+               comm=2 * q.fsdp_root + q.fsdp_ag_result + current)
+
+
 def _head_backward(q: Quantities, tk: Tokens, kept: Kept, before: tuple, step: int, micro: int,
                    valid: Any) -> list[Moment]:
     """Backward moments between the loss's and the last layer's. ``before``: (gradients, states,
@@ -336,6 +356,8 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     if flags.quant4:
         _dequant_forward(q, tk, (grads_before, states, tk.inputs, ws), (prev_logits, prev_kv), micro, step, valid,
                          moments, prev_graph + own)
+    moments.append(_fsdp_first_unshard(q, tk, (grads_before, states, ws), (prev_logits, prev_kv), step, micro,
+                                       valid))
     moments.append(_fsdp_layer_unshard(q, tk, (grads_before, states, ws), (prev_logits, prev_kv), step, micro,
                                        valid))
     moments.append(_mo("forward", micro, step, "cross_entropy",
@@ -431,6 +453,14 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
                        (kept.logits, kept.kv_end, 0),
                        _both(valid, _either(_either(tied > 0, emb_new > 0), q.tied_compiled > 0)), tk.graph,
                        comm=root + rs))
+    # FSDP2's root post-backward: its reduce-scatter input and the root's last unsharded gradient
+    # beside the new sharded gradients (quantities.fsdp_buffers); under accumulation the new shards
+    # are added to the accumulated ones (``foreach_reduce_scatter_copy_out``: ``grad += new``)
+    moments.append(_mo("backward", micro, step, "fsdp.root_reduce",
+                       (q.grads + where(fresh, 0, q.fsdp_root_sharded), states_mid, tk.inputs, ws2,
+                        tk.others + tk.others_head, 0),
+                       (kept.logits, kept.kv_end, 0), _both(valid, q.fsdp_root_rs > 0), tk.graph,
+                       comm=q.fsdp_root_rs + q.fsdp_root_last))
     moments.append(_mo("backward", micro, step, "backward.end",
                        (q.grads, states_mid, tk.inputs, ws2, tk.others + tk.others_head, q.oib_end),
                        (kept.logits, kept.kv_end, 0),

@@ -112,6 +112,8 @@ class Quantities:
     fsdp_emb_full: int = 0    # an untied embedding's unsharded gradient, at its backward
     fsdp_ag_result: int = 0   # FSDP2: the last layer's all-gather output, kept from its forward to the next
     fsdp_root_sharded: int = 0  # of ``grads``: the root's sharded gradients (after the root's reduce-scatter)
+    fsdp_root_rs: int = 0     # FSDP2: the root's reduce-scatter input, at its post-backward (end of backward)
+    fsdp_root_last: int = 0   # ... and the root's last unsharded gradient, alive until the reduce returns
     lower_layers: int = 0  # an encoder-decoder's encoder layers on this rank (backward after the decoder's)
     above_bottom: int = 0  # gradient bytes of the layers above the bottom one (made before its backward)
     above_decoder_bottom: int = 0  # ... above an encoder-decoder's decoder-bottom layer
@@ -1143,7 +1145,18 @@ def fsdp_buffers(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, int]:
       dtype: fp32 under ``bf16-mp``) until the next layer's post-backward
       (``_fsdp_param_group.py`` ``post_backward``: ``reduce_scatter_states``, at most
       ``reduce_scatter_max_input_buffers`` = 1 kept); FSDP1 frees it when the reduce-scatter is
-      issued (``_runtime_utils.py`` ``_reduce_grad``).
+      issued (``_runtime_utils.py`` ``_reduce_grad``);
+    * FSDP2's root post-backward, at the end of backward, reduce-scatters the root's gradients:
+      ``foreach_reduce`` (``_fsdp_collectives.py``) allocates the reduce-scatter input (the root's
+      gradients, flat and padded, in the reduce dtype: fp32 under ``bf16-mp``), copies them in and
+      clears its list of the unsharded gradients, then allocates the output (the sharded gradients,
+      counted in ``grads``). Before the copy-in, the loop ``for i, (fsdp_param, unsharded_grad) in
+      enumerate(zip(fsdp_params, unsharded_grads))`` (the dim-0 check) leaves its variable bound to
+      the last gradient of the list, so that one survives ``unsharded_grads.clear()`` until
+      ``foreach_reduce`` returns: the root's last parameter, an untied LM head (registered after the
+      body in every transformers causal LM). The layers' last is a norm's weight (small). Found by
+      trace: Phi-3 (2 layers) FSDP2 dp 2 bf16-mp, full recompute: -5.2% before
+      (``moments._layers_backward``, moment ``fsdp.root_reduce``).
     Found by trace on the fake process group (docs/trace.md, "FSDP2's root unit")."""
     if t.fsdp is None or t.shard_group < 2:
         return {}
@@ -1158,7 +1171,9 @@ def fsdp_buffers(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, int]:
             "fsdp_rs_buf": st.layer_rs if t.fsdp_version == 2 else 0,
             "fsdp_head_full": st.head_grads_full, "fsdp_emb_full": st.emb_grads_full,
             "fsdp_ag_result": block_bytes(st.layer_params_full) if t.fsdp_version == 2 else 0,
-            "fsdp_root_sharded": st.root_grads}
+            "fsdp_root_sharded": st.root_grads,
+            "fsdp_root_rs": st.root_rs if t.fsdp_version == 2 else 0,
+            "fsdp_root_last": st.root_last_grad if t.fsdp_version == 2 else 0}
 
 
 _INT_FIELDS = tuple(f.name for f in fields(Quantities) if f.type == "int")
