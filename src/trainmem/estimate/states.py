@@ -405,6 +405,15 @@ class _Tally:
     root_last: int = 0       # FSDP: the unsharded gradient of the root's last trainable tensor (bytes)
     each: dict = field(default_factory=dict)  # layer -> its gradient bytes (layers that differ)
 
+    def root_gradient(self, shape: tuple[int, ...], n: int, d: int, g: int, full: int) -> None:
+        """A trainable tensor of the FSDP root unit (``full``: its unsharded gradient's bytes, 0
+        without FSDP): its sharded gradient ``g``, and, in registration order, its part of the root's
+        post-backward reduce-scatter (``quantities.fsdp_buffers``)."""
+        if full:
+            self.root_g += g
+            self.root_rs_elems += _dim0_padded(shape, n, d)
+            self.root_last = full
+
     def trainable_tensor(self, t: TrainingSpec, r: _Rank, shape: tuple[int, ...], n: int, k: int,
                          grad_n: int | None = None, where: str = "layer") -> int:
         """Add gradient, master copy and optimizer states of ``k`` tensors of ``n`` elements on this
@@ -529,10 +538,7 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
                 acc.layer_full += full
                 acc.layer_elems += n if full else 0
             continue
-        acc.root_g += g if full else 0
-        if full:  # the root's post-backward reduce-scatter (``fsdp_buffers``), in registration order
-            acc.root_rs_elems += _dim0_padded(p.shape, n, r.d)
-            acc.root_last = full
+        acc.root_gradient(p.shape, n, r.d, g, full)
         if p.role != "embedding" and layer:
             # registered after the layers (final norm, head): made first in backward; those before
             # them (ViT's patch projection, class token and position table) come last, with the
