@@ -1,6 +1,6 @@
 """``estimate`` (formulas) against ``trace`` (the real training step on tensors without data).
 
-    .venv/bin/python benchmarks/bench_agreement.py               # the sampled option grid (240 setups)
+    .venv/bin/python benchmarks/bench_agreement.py               # the sampled option grid (300 setups)
     .venv/bin/python benchmarks/bench_agreement.py --write       # ... and write docs/agreement.md's grid section
     .venv/bin/python benchmarks/bench_agreement.py --subset      # its 40-setup subset (the slow test)
     .venv/bin/python benchmarks/bench_agreement.py --classic     # six families x precision x attention x recompute (72)
@@ -16,6 +16,9 @@ parallel layouts on a fake process group (DDP 2/4, FSDP2 full 2/4/8 and grad-op 
 without sequence parallelism, TP 4 + SP, TP 2 x FSDP2 2), activation offloading, the loss (the
 model's, upcast, half, half in chunks, torchtune's chunked, a shifted-logits copy), the loop (output
 held until the loss, backward or the next step; ``zero_grad(set_to_none=False)``; two micro-batches).
+A second draw of 60 (``_extra_axes``) adds pipeline parallelism (``--pp 2``, 1F1B or GPipe, 2 to 4
+micro-batches, on Llama, Llama-3.2, Qwen2 and Mistral) and the optimizers trace emulates outside
+torch.optim (bitsandbytes' AdamW8bit, PagedAdamW8bit, PagedAdamW; lion-pytorch's Lion).
 What trace refuses is steered to the nearest setup it runs (``sample_case``).
 
 Classic grid (``grid``): six model families (2 layers each, realistic widths, full vocabularies, so the s x s
@@ -486,7 +489,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--classic", action="store_true",
                     help="the 72-setup grid of six families x precision x attention x recompute")
     ap.add_argument("--subset", action="store_true", help="the sampled grid's 40-setup subset (the slow test's)")
-    ap.add_argument("-n", type=int, default=240, help="setups of the sampled grid (default 240)")
+    ap.add_argument("-n", type=int, default=240, help="setups of the sampled grid's first draw (default 240; "
+                    "the 60 of the second draw follow)")
     ap.add_argument("--family", action="append", help="only these families (repeatable)")
     ap.add_argument("--explain", type=int, default=0, metavar="N", help="break down the N largest disagreements")
     ap.add_argument("--keep-logits", action="store_true",
