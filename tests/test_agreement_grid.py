@@ -300,3 +300,17 @@ def test_grouped_experts_have_no_half_copies_to_free(bench, recompute):
     assert r.estimate.peak_where == "layer[0].experts.gate_up.backward"
     assert "experts" in r.trace.peak_where
     assert abs(r.diff) < 0.006, (r.estimate.peak_allocated, r.trace.peak_allocated)
+
+
+@pytest.mark.parametrize("family, options, before", [
+    ("llama", {"dp": 4}, 0.0298),
+    ("phi3", {"dp": 2, "lora_targets": ("qkv_proj", "o_proj")}, 0.0171),  # derived: derived with half adapters
+])
+def test_lora_adapters_gathered_in_bf16_under_fsdp_mixed_precision(bench, family, options, before):
+    """FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)`` gathers peft's fp32 adapters in bf16 too,
+    so ``_cast_input_dtype`` copies nothing (estimate.derived.adapters_computed_half). Before, the
+    estimate counted an fp32 copy of each adapted linear's input."""
+    r = _case(bench, family, (1, 2048), fsdp="full", precision="bf16-mp", lora_rank=16, **options)
+    assert abs(r.diff) < 0.004, (r.estimate.peak_allocated, r.trace.peak_allocated)
+    assert abs(r.diff) < before / 5
+    assert abs(r.phase_diff["fwd1"]) < 0.01, r.phase_diff

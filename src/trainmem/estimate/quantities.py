@@ -24,7 +24,7 @@ from ..spec.model import ModelSpec
 from ..spec.training import RECOMPUTE, TrainingSpec
 from .cache import BoundedCache
 from .elementwise import NEVER
-from .derived import regime as derived_regime
+from .derived import adapters_computed_half, regime as derived_regime
 from .derived import head_during_loss as derived_head_loss, layer_coefs as derived_layer, outer as derived_outer
 from .derived import logits_bytes as derived_logits_bytes, outer_ssq as derived_outer_ssq
 from .layers import ALL_MOMENTS, LayerCoefs, LayerKey, Policy, ep_rank_rows, layer_coefficients
@@ -192,7 +192,8 @@ def layer_key(m: ModelSpec, t: TrainingSpec) -> LayerKey:
                     m.num_kv_heads, m.head_dim, t.tp, t.sequence_parallel, t.sequence_parallel and dtensor_tp(t),
                     m.num_experts,
                     m.experts_top_k, m.pre_norm, lora, t.lora_dropout if lora else 0.0,
-                    bool(lora) and t.lora_half, dequant_dtypes(t) if t.quantize else (0, 0), t.bnb_saves_input,
+                    bool(lora) and adapters_computed_half(t), dequant_dtypes(t) if t.quantize else (0, 0),
+                    t.bnb_saves_input,
                     kv_cache(m, t), biased=biased_linears(m) if t.recompute == "op" else (), ep=t.ep,
                     ep_rows=ep_rank_rows(m.experts_top_k, m.num_experts, t.ep, t.moe_imbalance) if t.ep > 1 else 0.0,
                     compiled=t.compile)
