@@ -457,7 +457,7 @@ def _chunked_output_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torc
     * not ``upcast`` (litgpt: ``GPT.forward(x, lm_head_chunk_size)``, litgpt/model.py;
       ``chunked_cross_entropy``, litgpt/utils.py): ``F.cross_entropy(chunk, labels,
       reduction="none")`` on each half chunk, concatenated, summed and divided by the token count.
-    A model whose config sets ``final_logit_softcapping`` (Gemma-2, Gemma-3) soft-caps each chunk's
+    A model whose config sets ``final_logit_softcapping`` (Gemma-2; Gemma-3 when set) soft-caps each chunk's
     logits as its own forward caps them (transformers ``Gemma2ForCausalLM.forward``:
     ``logits / cap``, ``tanh``, ``* cap``; litgpt's ``GPT.forward`` applies ``do_softcapping`` to
     each ``lm_head`` chunk the same way): ``tanh`` saves its output, one logits-sized tensor per chunk.

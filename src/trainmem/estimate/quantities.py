@@ -730,8 +730,8 @@ def chunk_head_grads(m: ModelSpec, t: TrainingSpec, pol: Policy) -> int:
 
 def softcap_saved(m: ModelSpec, out_bytes: int) -> int:
     """Bytes per logit element that a final logit soft-cap saves: transformers'
-    ``Gemma2ForCausalLM.forward`` (and Gemma-3's) computes ``logits / cap``, ``torch.tanh``,
-    ``* cap`` on the head's output (``models/gemma2/modeling_gemma2.py``), and ``TanhBackward0``
+    ``Gemma2ForCausalLM.forward`` (Gemma-3's too, when its config sets one) computes ``logits / cap``,
+    ``torch.tanh``, ``* cap`` on the head's output (``models/gemma2/modeling_gemma2.py``), and ``TanhBackward0``
     saves its result, a (b, s, vocab) tensor in the head output's dtype (``out_bytes``;
     derivatives.yaml ``tanh``: ``tanh_backward(grad, result)``); the division and the scalar
     product save nothing. A derived architecture's head side counts it already (measured through
