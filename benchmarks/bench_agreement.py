@@ -1,6 +1,6 @@
 """``estimate`` (formulas) against ``trace`` (the real training step on tensors without data).
 
-    .venv/bin/python benchmarks/bench_agreement.py               # the sampled option grid (240 setups)
+    .venv/bin/python benchmarks/bench_agreement.py               # the sampled option grid (300 setups)
     .venv/bin/python benchmarks/bench_agreement.py --write       # ... and write docs/agreement.md's grid section
     .venv/bin/python benchmarks/bench_agreement.py --subset      # its 40-setup subset (the slow test)
     .venv/bin/python benchmarks/bench_agreement.py --classic     # six families x precision x attention x recompute (72)
@@ -16,6 +16,9 @@ parallel layouts on a fake process group (DDP 2/4, FSDP2 full 2/4/8 and grad-op 
 without sequence parallelism, TP 4 + SP, TP 2 x FSDP2 2), activation offloading, the loss (the
 model's, upcast, half, half in chunks, torchtune's chunked, a shifted-logits copy), the loop (output
 held until the loss, backward or the next step; ``zero_grad(set_to_none=False)``; two micro-batches).
+A second draw of 60 (``_extra_axes``) adds pipeline parallelism (``--pp 2``, 1F1B or GPipe, 2 to 4
+micro-batches, on Llama, Llama-3.2, Qwen2 and Mistral) and the optimizers trace emulates outside
+torch.optim (bitsandbytes' AdamW8bit, PagedAdamW8bit, PagedAdamW; lion-pytorch's Lion).
 What trace refuses is steered to the nearest setup it runs (``sample_case``).
 
 Classic grid (``grid``): six model families (2 layers each, realistic widths, full vocabularies, so the s x s
@@ -206,14 +209,59 @@ class Case:
         return m, t
 
 
+#: families whose transformers body trace cuts into pipeline stages (``wrappers.PP_MODEL_TYPES``:
+#: Llama, Mistral, Qwen2 causal LMs)
+PP_FAMILIES = ("llama", "llama-gqa", "qwen2", "mistral")
+#: bitsandbytes' 8-bit and paged optimizers and lion-pytorch's Lion (trace emulates them, ``trainmem.bnb``)
+EXTERNAL_OPTIMIZERS = ("adamw-8bit", "paged-adamw-8bit", "paged-adamw", "lion")
+#: setups of the second draw (``sampled_grid``): pipeline parallelism and the external optimizers
+EXTRA_SETUPS, EXTRA_SEED = 60, 12
+
+
 def _pick(rng, choices, weights=None):
     return rng.choices(choices, weights=weights)[0]
 
 
-def sample_case(rng, family: str) -> Case:
-    """Draw one setup for ``family``: every axis on its own, then the combinations trace or the
-    spec refuses are steered to the nearest accepted one (TP only on torchtitan's Llama-style plan,
-    ``bf16-mp`` only under FSDP, ``op`` recompute and offloading only where a recipe exists ...)."""
+def _extra_axes(rng, family: str, o: dict) -> None:
+    """The second draw's axes on top of a first-draw setup: pipeline parallelism (``--pp 2``, one
+    stage per layer, 1F1B or GPipe, 2 to 4 micro-batches) on the families trace pipelines, else
+    (and on a third of the pipelined ones) an external optimizer. What trace does not pipeline
+    (``trace/distributed.py`` ``_check_pp``: other layouts, LoRA, a chunked loss, a held output)
+    and bitsandbytes over DTensor shards are steered to setups it runs."""
+    if family in PP_FAMILIES and rng.random() < 0.6:
+        for k in ("dp", "tp", "fsdp", "sequence_parallel", "lora_rank", "lora_targets", "lora_dropout",
+                  "loss_chunks", "offload_activations"):
+            o.pop(k, None)
+        if o["precision"] == "bf16-mp":
+            o["precision"] = "bf16-amp"
+        if o.get("loss") == "chunked":
+            o["loss"] = "half"
+        o["hold_output"] = "loss"
+        o["pp"] = 2
+        o["grad_accum"] = _pick(rng, (2, 3, 4))
+        if rng.random() < 0.25:
+            o["pp_schedule"] = "gpipe"
+        if rng.random() < 0.33:
+            o["optimizer"] = _pick(rng, EXTERNAL_OPTIMIZERS, (3, 2, 1, 1))
+    else:
+        o["optimizer"] = _pick(rng, EXTERNAL_OPTIMIZERS, (3, 2, 1, 1))
+        if "fsdp" in o or "tp" in o:  # bitsandbytes takes plain tensors: DDP or one GPU instead
+            for k in ("fsdp", "tp", "sequence_parallel"):
+                o.pop(k, None)
+            o["dp"] = _pick(rng, (1, 2))
+            if o["dp"] == 1:
+                del o["dp"]
+            if o["precision"] == "bf16-mp":
+                o["precision"] = "bf16-amp"
+    if o["optimizer"] in EXTERNAL_OPTIMIZERS:
+        o.pop("optimizer_impl", None)  # one implementation each (workload.check_supported)
+
+
+def sample_case(rng, family: str, extra: bool = False) -> Case:
+    """Draw one setup for ``family``: every axis on its own (``extra``: then the second draw's
+    pipeline and optimizer axes, ``_extra_axes``), then the combinations trace or the spec refuses
+    are steered to the nearest accepted one (TP only on torchtitan's Llama-style plan, ``bf16-mp``
+    only under FSDP, ``op`` recompute and offloading only where a recipe exists ...)."""
     o: dict = {}
     b, s = _pick(rng, GRID_SHAPES)
     o["precision"] = _pick(rng, ("fp32", "bf16-amp", "bf16", "fp16-amp"), (3, 5, 3, 1))
@@ -252,6 +300,8 @@ def sample_case(rng, family: str) -> Case:
         o["zero_grad"] = "zeros"
     if rng.random() < 0.2:
         o["grad_accum"] = 2
+    if extra:
+        _extra_axes(rng, family, o)
     # what trace refuses (trace/distributed.py ``check``), or cannot run on meta tensors: adafactor
     # over DTensor shards, LoRA under the TP plan, a loss outside the wrapper's forward, fused SGD
     dtensor = "fsdp" in o or "tp" in o
@@ -272,31 +322,33 @@ def sample_case(rng, family: str) -> Case:
     if o["recompute"] == "op" and o.get("tp", 1) > 1:
         o["recompute"] = "full"
     if (o["recompute"] == "full" and family in ("llama", "llama-gqa", "qwen2", "mixtral", "mistral")
-            and name == "single" and "lora_rank" not in o and rng.random() < 0.3):
+            and name == "single" and "lora_rank" not in o and "pp" not in o and rng.random() < 0.3):
         o["offload_activations"] = True
     if o["attention"] == "sdpa-math" and o["precision"] in ("fp32",):
         o["attention"] = "sdpa"
     defaults = {"precision": "bf16-amp", "attention": "sdpa", "recompute": "none", "optimizer": "adamw",
-                "hold_output": "loss"}
+                "hold_output": "loss", "dp": 1}
     opts = tuple(sorted((k, v) for k, v in o.items() if defaults.get(k, object()) != v))
     return Case(family, b, s, opts)
 
 
-def sampled_grid(n: int = 240, seed: int = 11) -> list[Case]:
+def sampled_grid(n: int = 240, seed: int = 11, extra: int = EXTRA_SETUPS) -> list[Case]:
     """``n`` distinct setups drawn with ``random.Random(seed)``, the families in turn (so each has
-    n / len(GRID_FAMILIES) of them): deterministic, the same list on every run."""
+    n / len(GRID_FAMILIES) of them), then ``extra`` more drawn with ``random.Random(EXTRA_SEED)``
+    with the pipeline and external-optimizer axes (``_extra_axes``; added after the first 240 were
+    published, so those stay the same setups): deterministic, the same list on every run."""
     import random
-    rng = random.Random(seed)
     fams = list(GRID_FAMILIES)
     out: list[Case] = []
     seen: set[Case] = set()
-    i = 0
-    while len(out) < n:
-        c = sample_case(rng, fams[i % len(fams)])
-        if c not in seen:
-            seen.add(c)
-            out.append(c)
-            i += 1
+    for rng, count, second in ((random.Random(seed), n, False), (random.Random(EXTRA_SEED), extra, True)):
+        i = start = len(out)
+        while len(out) < start + count:
+            c = sample_case(rng, fams[(i - start) % len(fams)], extra=second)
+            if c not in seen:
+                seen.add(c)
+                out.append(c)
+                i += 1
     return out
 
 
@@ -437,7 +489,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--classic", action="store_true",
                     help="the 72-setup grid of six families x precision x attention x recompute")
     ap.add_argument("--subset", action="store_true", help="the sampled grid's 40-setup subset (the slow test's)")
-    ap.add_argument("-n", type=int, default=240, help="setups of the sampled grid (default 240)")
+    ap.add_argument("-n", type=int, default=240, help="setups of the sampled grid's first draw (default 240; "
+                    "the 60 of the second draw follow)")
     ap.add_argument("--family", action="append", help="only these families (repeatable)")
     ap.add_argument("--explain", type=int, default=0, metavar="N", help="break down the N largest disagreements")
     ap.add_argument("--keep-logits", action="store_true",

@@ -457,11 +457,16 @@ def _chunked_output_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torc
     * not ``upcast`` (litgpt: ``GPT.forward(x, lm_head_chunk_size)``, litgpt/model.py;
       ``chunked_cross_entropy``, litgpt/utils.py): ``F.cross_entropy(chunk, labels,
       reduction="none")`` on each half chunk, concatenated, summed and divided by the token count.
+    A model whose config sets ``final_logit_softcapping`` (Gemma-2; Gemma-3 when set) soft-caps each chunk's
+    logits as its own forward caps them (transformers ``Gemma2ForCausalLM.forward``:
+    ``logits / cap``, ``tanh``, ``* cap``; litgpt's ``GPT.forward`` applies ``do_softcapping`` to
+    each ``lm_head`` chunk the same way): ``tanh`` saves its output, one logits-sized tensor per chunk.
     Returns (the list of logits, the loss)."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # through a peft wrapper
     hidden = inner.base_model(input_ids=ids)[0]
     head = inner.get_output_embeddings()
-    logits = [head(h) for h in hidden.chunk(chunks, dim=1)]
+    cap = getattr(inner.config, "final_logit_softcapping", None)
+    logits = [_softcap(head(h), cap) for h in hidden.chunk(chunks, dim=1)]
     pairs = zip(logits, labels.chunk(chunks, dim=1))
     if upcast:
         total = sum(torch.nn.functional.cross_entropy(c.float().reshape(-1, c.shape[-1]), y.reshape(-1),
@@ -470,6 +475,14 @@ def _chunked_output_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torc
         total = torch.cat([torch.nn.functional.cross_entropy(c.reshape(-1, c.shape[-1]), y.reshape(-1),
                                                              reduction="none") for c, y in pairs]).sum()
     return logits, total / labels.numel()
+
+
+def _softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``cap * tanh(logits / cap)`` (each op out of place, as transformers and litgpt write it), or
+    the logits unchanged when the model has no final soft-cap."""
+    if cap is None:
+        return logits
+    return torch.tanh(logits / cap) * cap
 
 
 class PipelineTrainStep(TrainStep):

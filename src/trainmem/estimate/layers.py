@@ -50,8 +50,11 @@ class Recipe:
     saved: dict[int, T] = field(default_factory=dict)
     held: dict[int, T] = field(default_factory=dict)
     cache: float = 0.0  # bytes per token of the KV-cache copies the model output references
-    transients: list[tuple[str, float, float, float, float, float, float]] = field(default_factory=list)
+    transients: list[tuple[str, float, float, float, float, float, float, float]] = field(default_factory=list)
     weights: float = 0.0
+    # of ``weights``: those of transformers' grouped experts, which ``_grouped_mm`` reads as they are
+    # (no autocast rule: no half copy made, none freed in backward)
+    uncast: float = 0.0
     fwd: tuple[float, float] = (0.0, 0.0)  # largest forward transient: (bytes, bytes per token of its output)
     # outputs of the ops torchtitan's per-op selective checkpointing may save (``op_checkpoint_saved``):
     # every ``aten.mm`` (a bias-free linear) in call order, and the fused SDPA kernels' outputs
@@ -92,16 +95,19 @@ class Recipe:
         for t in ts:
             self.held[id(t)] = t
 
-    def transient(self, name: str, *ts: T, const: float = 0.0, own_weights: float = 0.0) -> None:
+    def transient(self, name: str, *ts: T, const: float = 0.0, own_weights: float = 0.0,
+                  own_uncast: float = 0.0) -> None:
         """A moment of this op's backward where ``ts`` are alive. Ops after it in forward order
         were back-propagated already, so only the tensors saved so far are still alive then:
         the recorded excess is relative to the whole layer's saved tensors. ``own_weights``: the
-        weight elements of this op (a linear), whose gradient is part of ``const``."""
+        weight elements of this op (a linear), whose gradient is part of ``const``; ``own_uncast``:
+        of those, the elements autocast does not copy (grouped experts)."""
         tok = sum(t.tok * t.nbytes for t in ts)
         sq = sum(t.sq * t.nbytes for t in ts)
         so_tok = sum(t.tok * t.nbytes for t in self.saved.values())
         so_sq = sum(t.sq * t.nbytes for t in self.saved.values())
-        self.transients.append((name, tok, sq, const, so_tok, so_sq, self.weights + own_weights))
+        self.transients.append((name, tok, sq, const, so_tok, so_sq, self.weights + own_weights,
+                                self.uncast + own_uncast))
 
     def coefficients(self) -> tuple[float, float, dict[str, tuple[float, float]]]:
         """(bytes per token, bytes per token x key, per-name breakdown) of the saved tensors."""
@@ -656,6 +662,8 @@ class LayerCoefs:
     checkpointed: bool = False
     transients_ssq: tuple[float, ...] = ()  # per transient: bytes per sequence position squared (shared by the batch)
     transients_at: tuple[int, ...] = ()  # per transient: the backward moments it belongs to (bit mask; () all)
+    # per transient: of ``after``, the grouped experts' weight elements (no autocast copies to free)
+    after_uncast: tuple[float, ...] = ()
 
     def bytes(self, n: int, nsq: int) -> int:
         return int(self.tok * n + self.sq * nsq)
@@ -699,9 +707,10 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
     build(B, k, x, h, f, q, kv, heads, kvh, sp_div)
 
     tok, sq, parts = B.r.coefficients()
-    trans = tuple((name, a + st - tok, b + ss - sq, c) for name, a, b, c, st, ss, _ in B.r.transients)
+    trans = tuple((name, a + st - tok, b + ss - sq, c) for name, a, b, c, st, ss, _w, _u in B.r.transients)
     wall = B.r.weights
-    after = tuple(max(0.0, wall - w) for *_, w in B.r.transients)
+    after = tuple(max(0.0, wall - w) for *_, w, _u in B.r.transients)
+    after_uncast = tuple(max(0.0, B.r.uncast - u) for *_, u in B.r.transients)
     held = sum(t.tok * t.nbytes for i, t in B.r.held.items() if i not in B.r.saved)
     op_tok, op_sq = op_checkpoint_saved(B.r)
     input_saved = B.r.input_saved or id(x) in B.r.saved
@@ -710,7 +719,8 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
                       after, B.r.fwd[0], B.r.fwd[1], op_tok, op_sq, x.tok * x.nbytes if input_saved else 0.0,
                       graph_held=sum(t.tok * t.nbytes for t in B.r.graph_held.values()),
                       first_unsaved=unsaved, first_free_weights=tuple(B.r.free_weights) if B.r.adapter_seen else (),
-                      tensors=tuple(t.bytes_coef() for t in B.r.saved.values()))
+                      tensors=tuple(t.bytes_coef() for t in B.r.saved.values()),
+                      after_uncast=after_uncast if any(after_uncast) else ())
 
 
 def op_checkpoint_saved(r: Recipe) -> tuple[float, float]:
@@ -1029,8 +1039,10 @@ def _moe(B: Builder, src: T, h: float, f: float, experts: int, top_k: int) -> No
     # product (up) as views; the product is saved by down; down's output by the routing multiply
     grad_w = wd  # the weight gradient comes in the parameter's dtype and layout (stolen as .grad)
     B.r.transient("experts.gate_up.backward", T(2 * k * f, 0, wd), T(k * h, 0, wd),
-                  const=experts * 2 * f * h * grad_w * trainable, own_weights=experts * 2 * f * h * trainable)
+                  const=experts * 2 * f * h * grad_w * trainable, own_weights=experts * 2 * f * h * trainable,
+                  own_uncast=experts * 2 * f * h * trainable)
     B.r.weights += experts * 2 * f * h * trainable
+    B.r.uncast += experts * 2 * f * h * trainable
     B.r.save(T(2 * k * f, 0, wd, "experts.gate_up_out"), T(k * f, 0, wd, "experts.silu_out"))
     # SwiGLU backward (the product, saved by down, is freed by then): down's input gradient and the
     # product's two gradients
@@ -1038,8 +1050,10 @@ def _moe(B: Builder, src: T, h: float, f: float, experts: int, top_k: int) -> No
     if trainable:
         B.r.save(T(k * f, 0, wd, "experts.act_product"))
     B.r.transient("experts.down.backward", T(k * h, 0, wd), T(k * f, 0, wd),
-                  const=experts * f * h * grad_w * trainable, own_weights=experts * f * h * trainable)
+                  const=experts * f * h * grad_w * trainable, own_weights=experts * f * h * trainable,
+                  own_uncast=experts * f * h * trainable)
     B.r.weights += experts * f * h * trainable
+    B.r.uncast += experts * f * h * trainable
     B.r.save(T(k * h, 0, wd, "experts.down_out"))
     # combine backward: index_put of the gradient into zeros, both products' gradients (fp32)
     # and the cast back to the experts' dtype
@@ -1086,14 +1100,17 @@ def _moe_ep(B: Builder, src: T, h: float, f: float, experts: int, top_k: int, ep
              T(2 * rows, 0, 8, "experts.indices"), T(rows, 0, 1, "experts.sentinel_mask"))
     grad_w = wd
     B.r.transient("experts.gate_up.backward", T(2 * rows * f, 0, wd), T(rows * h, 0, wd),
-                  const=el * 2 * f * h * grad_w, own_weights=el * 2 * f * h)
+                  const=el * 2 * f * h * grad_w, own_weights=el * 2 * f * h, own_uncast=el * 2 * f * h)
     B.r.weights += el * 2 * f * h
+    B.r.uncast += el * 2 * f * h
     B.r.save(T(2 * rows * f, 0, wd, "experts.gate_up_out"), T(rows * f, 0, wd, "experts.silu_out"))
     B.r.transient("experts.act.backward", T(3 * rows * f, 0, wd))
     B.r.save(T(rows * f, 0, wd, "experts.act_product"))
     B.r.transient("experts.down.backward", T(rows * h, 0, wd), T(rows * f, 0, wd),
-                  const=el * f * h * grad_w, own_weights=el * f * h)
+                  const=el * f * h * grad_w, own_weights=el * f * h,
+                  own_uncast=el * f * h)
     B.r.weights += el * f * h
+    B.r.uncast += el * f * h
     B.r.save(T(k * h, 0, wd, "ep.combine_rows"))
     # combine backward (first in backward): the fp32 product's gradient, token_outputs' gradient,
     # its gather by ``order`` and the reverse all-to-all's (rows, h) output

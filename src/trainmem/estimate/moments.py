@@ -157,8 +157,12 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
                   graph=trunc(q.graph_tok * n) * inflight * q.layers,
                   graph_extra_layer=trunc(q.graph_extra_tok * n) * inflight,
                   graph_extra=trunc(q.graph_extra_tok * n) * inflight * q.layers,
-                  head_chunk=where(q.chunk_head_grads > 0, (full - 2 * chunk) * q.logits_out + q.chunk_head_grads, 0),
-                  head_chunk_first=where(q.chunk_head_grads > 0, full * q.logits_out + q.chunk_head_grads // 3, 0),
+                  # (a soft-capped head: the chunks back-propagated so far have freed their saved tanh,
+                  # which ``all_acts``' head side counts for every chunk: one chunk, then two)
+                  head_chunk=where(q.chunk_head_grads > 0, (full - 2 * chunk) * q.logits_out + q.chunk_head_grads
+                                   - 2 * chunk * q.softcap_saved, 0),
+                  head_chunk_first=where(q.chunk_head_grads > 0, full * q.logits_out + q.chunk_head_grads // 3
+                                         - chunk * q.softcap_saved, 0),
                   logits_grad=full * q.logits_out, others=(layers + outer_rest) * (inflight - 1) // inflight,
                   others_layers=layers * (inflight - 1) // inflight, others_head=outer_head * (inflight - 1),
                   others_loss=(full * q.logits_held + saved) * (inflight - 1),
@@ -287,6 +291,26 @@ def _fsdp_layer_unshard(q: Quantities, tk: Tokens, before: tuple, prev: tuple, s
                comm=q.fsdp_root + 2 * q.fsdp_ag_result + current)
 
 
+def _fsdp_first_unshard(q: Quantities, tk: Tokens, before: tuple, prev: tuple, step: int, micro: int,
+                        valid: Any) -> Moment:
+    """FSDP2: the first layer's forward unshard. The root's pre-forward gathered it (embeddings,
+    final norm, head) and its all-gather output, the flat buffer its parameters were copied out
+    of, is kept until the next unit's all-gather is waited on (``_fsdp_param_group.py``
+    ``wait_for_unshard``: ``comm_ctx.all_gather_state``), which is the first layer's: so the root's
+    buffer, the root's parameters, the first layer's all-gather output and its parameters copied
+    out of it exist at once, with only the embedding side's activations. A root larger than the
+    layers (a wide vocabulary) makes this the forward's highest point; once optimizer states exist
+    (the second step) it can be the step's. ``before``: (gradients, states, workspace); ``prev``:
+    the previous micro-batch's logits and KV cache. Found by trace: Mistral (2 layers, h 1024,
+    vocab 32000) FSDP2 dp 2, 2 x 256, recompute, pure bf16: -1.6% before."""
+    grads_before, states, ws = before
+    current = q.fsdp_layer_buf + q.gathered_layer
+    return _mo("forward", micro, step, "fsdp.first_layer_unshard",
+               (grads_before, states, tk.inputs, ws, tk.outer_rest, 0),
+               (prev[0], prev[1], 0), _both(valid, _both(q.fsdp_ag_result > 0, current > 0)),
+               comm=2 * q.fsdp_root + q.fsdp_ag_result + current)
+
+
 def _head_backward(q: Quantities, tk: Tokens, kept: Kept, before: tuple, step: int, micro: int,
                    valid: Any) -> list[Moment]:
     """Backward moments between the loss's and the last layer's. ``before``: (gradients, states,
@@ -333,6 +357,8 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     if flags.quant4:
         _dequant_forward(q, tk, (grads_before, states, tk.inputs, ws), (prev_logits, prev_kv), micro, step, valid,
                          moments, prev_graph + own)
+    moments.append(_fsdp_first_unshard(q, tk, (grads_before, states, ws), (prev_logits, prev_kv), step, micro,
+                                       valid))
     moments.append(_fsdp_layer_unshard(q, tk, (grads_before, states, ws), (prev_logits, prev_kv), step, micro,
                                        valid))
     moments.append(_mo("forward", micro, step, "cross_entropy",
@@ -372,10 +398,9 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     states, the backward's workspace, the graph-kept tensors of this micro-batch)."""
     step, micro, valid = when
     grads_before, states_mid, ws2, own = before
-    root, buf, rs = q.fsdp_root, q.fsdp_layer_buf, q.fsdp_rs_buf
-    root = root + q.ds_backward_buf   # + DeepSpeed ZeRO-1/2's bucket buffers, alive through backward
-    # DeepSpeed ZeRO-3's gathered parameters: the head and the top layers kept, then the current module
-    top_ds, low_ds = q.ds_gathered_top, q.ds_gathered_low
+    # (+ DeepSpeed ZeRO-1/2's bucket buffers, alive through backward; ZeRO-3's gathered parameters:
+    # the head and the top layers kept, ``ds_gathered_top``, then the current module, ``low_ds``)
+    root, buf, rs, low_ds = q.fsdp_root + q.ds_backward_buf, q.fsdp_layer_buf, q.fsdp_rs_buf, q.ds_gathered_low
     fresh = grads_before == 0                                  # gradients are being created, not added to
     # the later linears' gradients of the layer in backward (FSDP reduce-scattering each micro-batch:
     # unsharded, in every micro-batch; under no_sync they accumulate in .grad as without FSDP)
@@ -390,7 +415,7 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     own_layers, others_all = tk.layers - tk.others_layers, tk.others_layers + tk.others_head
     moments.append(_mo("backward", micro, step, "layer.top",
                        (top, states_mid, tk.inputs, ws2, tk.layers + tk.outer_rest + tk.others_head, temp),
-                       (kept.logits, kept.kv_forward, 0), valid, own, comm=root + 2 * buf + top_ds))
+                       (kept.logits, kept.kv_forward, 0), valid, own, comm=root + 2 * buf + q.ds_gathered_top))
     above = where(fresh, q.above_bottom, 0)    # the layers above, reduced to shards
     _i, redo, grads = tk.bottom
     bottom = grads_before + head_grads + above + part(grads)
@@ -436,10 +461,26 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
                        (kept.logits, kept.kv_end, 0),
                        _both(valid, _either(_either(tied > 0, emb_new > 0), q.tied_compiled > 0)), tk.graph,
                        comm=root + rs + low_ds))
-    moments.append(_mo("backward", micro, step, "backward.end",
-                       (q.grads, states_mid, tk.inputs, ws2, tk.others + tk.others_head, q.oib_end),
-                       (kept.logits, kept.kv_end, 0),
-                       valid, tk.graph, comm=q.ds_backward_buf + low_ds))
+    moments.extend(_backward_end(q, tk, kept, when, (fresh, states_mid, ws2, low_ds)))
+
+
+def _backward_end(q: Quantities, tk: Tokens, kept: Kept, when: tuple, now: tuple) -> list[Moment]:
+    """The last backward moments (``_layers_backward``): FSDP2's root post-backward, then backward's
+    end. ``now``: (gradients being created, not added to; optimizer states; the backward's workspace;
+    DeepSpeed ZeRO-3's gathered parameters below the top layers)."""
+    step, micro, valid = when
+    fresh, states_mid, ws2, low_ds = now
+    # FSDP2's root post-backward: its reduce-scatter input and the root's last unsharded gradient
+    # beside the new sharded gradients (quantities.fsdp_buffers); under accumulation the new shards
+    # are added to the accumulated ones (``foreach_reduce_scatter_copy_out``: ``grad += new``)
+    return [_mo("backward", micro, step, "fsdp.root_reduce",
+                (q.grads + where(fresh, 0, q.fsdp_root_sharded), states_mid, tk.inputs, ws2,
+                 tk.others + tk.others_head, 0),
+                (kept.logits, kept.kv_end, 0), _both(valid, q.fsdp_root_rs > 0), tk.graph,
+                comm=q.fsdp_root_rs + q.fsdp_root_last),
+            _mo("backward", micro, step, "backward.end",
+                (q.grads, states_mid, tk.inputs, ws2, tk.others + tk.others_head, q.oib_end),
+                (kept.logits, kept.kv_end, 0), valid, tk.graph, comm=q.ds_backward_buf + low_ds)]
 
 
 def _dequant_forward(q: Quantities, tk: Tokens, four: tuple, prev: tuple, micro: int, step: int, valid: Any,

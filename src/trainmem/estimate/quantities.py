@@ -24,7 +24,7 @@ from ..spec.model import ModelSpec
 from ..spec.training import RECOMPUTE, TrainingSpec
 from .cache import BoundedCache
 from .elementwise import NEVER
-from .derived import regime as derived_regime
+from .derived import adapters_computed_half, regime as derived_regime
 from .derived import head_during_loss as derived_head_loss, layer_coefs as derived_layer, outer as derived_outer
 from .derived import logits_bytes as derived_logits_bytes, outer_ssq as derived_outer_ssq
 from .layers import ALL_MOMENTS, LayerCoefs, LayerKey, Policy, ep_rank_rows, layer_coefficients
@@ -112,6 +112,8 @@ class Quantities:
     fsdp_emb_full: int = 0    # an untied embedding's unsharded gradient, at its backward
     fsdp_ag_result: int = 0   # FSDP2: the last layer's all-gather output, kept from its forward to the next
     fsdp_root_sharded: int = 0  # of ``grads``: the root's sharded gradients (after the root's reduce-scatter)
+    fsdp_root_rs: int = 0     # FSDP2: the root's reduce-scatter input, at its post-backward (end of backward)
+    fsdp_root_last: int = 0   # ... and the root's last unsharded gradient, alive until the reduce returns
     lower_layers: int = 0  # an encoder-decoder's encoder layers on this rank (backward after the decoder's)
     above_bottom: int = 0  # gradient bytes of the layers above the bottom one (made before its backward)
     above_decoder_bottom: int = 0  # ... above an encoder-decoder's decoder-bottom layer
@@ -154,6 +156,9 @@ class Quantities:
     tied_replicated: int = 0  # DTensor TP: the tied embedding's whole-vocabulary gradient at its backward
     emb_grad: int = 0      # an untied embedding's new gradient, added to the accumulated .grad (emb_accumulated)
     chunk_head_grads: int = 0  # chunked output loss: the head's per-chunk weight gradients being summed
+    # ... and the bytes per logit element a final soft-cap's tanh saves (part of the derived head side),
+    # freed chunk by chunk before that chunk's head backward (``softcap_saved``)
+    softcap_saved: int = 0
     detail: Detail | None = None
 
 
@@ -194,7 +199,8 @@ def layer_key(m: ModelSpec, t: TrainingSpec) -> LayerKey:
                     m.num_kv_heads, m.head_dim, t.tp, t.sequence_parallel, t.sequence_parallel and dtensor_tp(t),
                     m.num_experts,
                     m.experts_top_k, m.pre_norm, lora, t.lora_dropout if lora else 0.0,
-                    bool(lora) and t.lora_half, dequant_dtypes(t) if t.quantize else (0, 0), t.bnb_saves_input,
+                    bool(lora) and adapters_computed_half(t), dequant_dtypes(t) if t.quantize else (0, 0),
+                    t.bnb_saves_input,
                     kv_cache(m, t), biased=biased_linears(m) if t.recompute == "op" else (), ep=t.ep,
                     ep_rows=ep_rank_rows(m.experts_top_k, m.num_experts, t.ep, t.moe_imbalance) if t.ep > 1 else 0.0,
                     compiled=t.compile)
@@ -857,6 +863,21 @@ def chunk_head_grads(m: ModelSpec, t: TrainingSpec, pol: Policy) -> int:
     return 3 * block_bytes(_head_weight_numel(m, 1) * pol.half)
 
 
+def softcap_saved(m: ModelSpec, out_bytes: int) -> int:
+    """Bytes per logit element that a final logit soft-cap saves: transformers'
+    ``Gemma2ForCausalLM.forward`` (Gemma-3's too, when its config sets one) computes ``logits / cap``,
+    ``torch.tanh``, ``* cap`` on the head's output (``models/gemma2/modeling_gemma2.py``), and ``TanhBackward0``
+    saves its result, a (b, s, vocab) tensor in the head output's dtype (``out_bytes``;
+    derivatives.yaml ``tanh``: ``tanh_backward(grad, result)``); the division and the scalar
+    product save nothing. A derived architecture's head side counts it already (measured through
+    the model's forward); the chunked loss loop caps each chunk the same way
+    (``workload._chunked_output_loss``), so each chunk's copy is freed when that chunk's tanh is
+    back-propagated, just before its head backward (``moments._head_backward``). 0 without a
+    ``final_logit_softcapping`` in the config."""
+    cap = m.config.get("final_logit_softcapping") if m.config else None
+    return out_bytes if (is_lm(m) and cap is not None) else 0
+
+
 def emb_accumulated(m: ModelSpec, t: TrainingSpec, stage: str) -> int:
     """Bytes of an untied token embedding's gradient as its backward makes it, when an earlier
     micro-batch's gradient is already in ``.grad``: ``embedding_dense_backward`` returns the whole
@@ -1008,7 +1029,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         step_temp=step_temporaries(t, st), oib_mid=oib_mid, oib_end=oib_end, **_deepspeed_fields(m, t, st),
         tied_grad=compiled_tied[0] if t.compile else tied_head_grad(m, t), tied_replicated=tied_replicated_grad(m, t),
         tied_compiled=compiled_tied[1] if t.compile else 0, tied_final=tied_head_grad(m, t) if t.compile else 0,
-        emb_grad=emb_accumulated(m, t, stage),
+        emb_grad=emb_accumulated(m, t, stage), softcap_saved=softcap_saved(m, loss.out) if head_here else 0,
         chunk_head_grads=chunk_head_grads(m, t, pol) if head_here else 0, transients=trans,
         fwd_temp=int(lc.fwd_const), fwd_temp_tok=lc.fwd_tok,
         head_temp=head_dq[0] if head_here else 0, head_read=head_dq[1] if head_here else 0,
@@ -1030,12 +1051,16 @@ def _layer_transients(t: TrainingSpec, lc: LayerCoefs, pol: Policy, gpw: float, 
     gradient bytes made by then, d per position squared, the backward moments it happens at: a bit
     mask, every layer's by default). ``gpw``: gradient bytes per weight element; ``freed``: inside
     a layer's backward the half weight copies of its later linears (back-propagated already) were
-    freed with their matmuls' saved tensors, so each transient excludes them (2 bytes per element)."""
+    freed with their matmuls' saved tensors, so each transient excludes them (2 bytes per element),
+    except for grouped experts, which autocast does not copy (``LayerCoefs.after_uncast``; found by
+    trace: Mixtral, 2 layers, full recompute, bf16-amp, the first layer's ``gate_up`` backward:
+    -3.2% before)."""
     after = lc.after or (0.0,) * len(lc.transients)
+    uncast = lc.after_uncast or (0.0,) * len(lc.transients)
     ssq = lc.transients_ssq or (0.0,) * len(lc.transients)
     at = lc.transients_at or (ALL_MOMENTS,) * len(lc.transients)
-    trans = tuple((a, b, c - w * freed, int(w * gpw), d, k)
-                  for (_, a, b, c), w, d, k in zip(lc.transients, after, ssq, at))
+    trans = tuple((a, b, c - (w - u) * freed, int(w * gpw), d, k)
+                  for (_, a, b, c), w, u, d, k in zip(lc.transients, after, uncast, ssq, at))
     if t.offload_activations and trans:
         trans = trans[:-1] + ((trans[-1][0] + offload_previous(input_tok, pol), *trans[-1][1:]),)
     return trans
@@ -1261,7 +1286,18 @@ def fsdp_buffers(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, int]:
       dtype: fp32 under ``bf16-mp``) until the next layer's post-backward
       (``_fsdp_param_group.py`` ``post_backward``: ``reduce_scatter_states``, at most
       ``reduce_scatter_max_input_buffers`` = 1 kept); FSDP1 frees it when the reduce-scatter is
-      issued (``_runtime_utils.py`` ``_reduce_grad``).
+      issued (``_runtime_utils.py`` ``_reduce_grad``);
+    * FSDP2's root post-backward, at the end of backward, reduce-scatters the root's gradients:
+      ``foreach_reduce`` (``_fsdp_collectives.py``) allocates the reduce-scatter input (the root's
+      gradients, flat and padded, in the reduce dtype: fp32 under ``bf16-mp``), copies them in and
+      clears its list of the unsharded gradients, then allocates the output (the sharded gradients,
+      counted in ``grads``). Before the copy-in, the loop ``for i, (fsdp_param, unsharded_grad) in
+      enumerate(zip(fsdp_params, unsharded_grads))`` (the dim-0 check) leaves its variable bound to
+      the last gradient of the list, so that one survives ``unsharded_grads.clear()`` until
+      ``foreach_reduce`` returns: the root's last parameter, an untied LM head (registered after the
+      body in every transformers causal LM). The layers' last is a norm's weight (small). Found by
+      trace: Phi-3 (2 layers) FSDP2 dp 2 bf16-mp, full recompute: -5.2% before
+      (``moments._layers_backward``, moment ``fsdp.root_reduce``).
     Found by trace on the fake process group (docs/trace.md, "FSDP2's root unit")."""
     if t.fsdp is None or t.shard_group < 2:
         return {}
@@ -1276,7 +1312,9 @@ def fsdp_buffers(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, int]:
             "fsdp_rs_buf": st.layer_rs if t.fsdp_version == 2 else 0,
             "fsdp_head_full": st.head_grads_full, "fsdp_emb_full": st.emb_grads_full,
             "fsdp_ag_result": block_bytes(st.layer_params_full) if t.fsdp_version == 2 else 0,
-            "fsdp_root_sharded": st.root_grads}
+            "fsdp_root_sharded": st.root_grads,
+            "fsdp_root_rs": st.root_rs if t.fsdp_version == 2 else 0,
+            "fsdp_root_last": st.root_last_grad if t.fsdp_version == 2 else 0}
 
 
 _INT_FIELDS = tuple(f.name for f in fields(Quantities) if f.type == "int")

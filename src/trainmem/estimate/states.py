@@ -61,6 +61,22 @@ class States:
     # gradient bytes of each of the stage's layers, in order, when they differ (``uniform_layers``
     # false: an encoder-decoder's decoder layers hold cross-attention); () when identical
     each_layer_grads: tuple[int, ...] = ()
+    # FSDP2's root post-backward (``fsdp_buffers``): its reduce-scatter input, a flat buffer of the
+    # root's trainable gradients (each padded along dim 0 to the shard count) in the reduce dtype, and
+    # the unsharded gradient of the root's last trainable parameter, in the gathered dtype
+    root_rs: int = 0
+    root_last_grad: int = 0
+
+
+def _dim0_padded(shape: tuple[int, ...], n: int, d: int) -> int:
+    """Elements of a gradient of ``n`` elements (``shape``'s trailing dims) padded along dim 0 to a
+    multiple of ``d`` ranks, as FSDP2 lays it into the reduce-scatter input (torch
+    ``_fully_shard/_fsdp_collectives.py`` ``_get_dim0_padded_size``)."""
+    row = 1
+    for x in shape[1:]:
+        row *= x
+    rows = -(-n // max(row, 1))
+    return -(-rows // d) * d * row
 
 
 def _tp_div(p: ParamTensor, tp: int) -> int:
@@ -385,7 +401,18 @@ class _Tally:
     layer_full: int = 0      # FSDP: one layer's unsharded gradients (bytes, per tensor)
     layer_elems: int = 0     # FSDP: one layer's trainable elements (the reduce-scatter input)
     root_g: int = 0          # FSDP: the sharded gradients outside the layers (bytes)
+    root_rs_elems: int = 0   # FSDP: the root's trainable elements, padded (its reduce-scatter input)
+    root_last: int = 0       # FSDP: the unsharded gradient of the root's last trainable tensor (bytes)
     each: dict = field(default_factory=dict)  # layer -> its gradient bytes (layers that differ)
+
+    def root_gradient(self, shape: tuple[int, ...], n: int, d: int, g: int, full: int) -> None:
+        """A trainable tensor of the FSDP root unit (``full``: its unsharded gradient's bytes, 0
+        without FSDP): its sharded gradient ``g``, and, in registration order, its part of the root's
+        post-backward reduce-scatter (``quantities.fsdp_buffers``)."""
+        if full:
+            self.root_g += g
+            self.root_rs_elems += _dim0_padded(shape, n, d)
+            self.root_last = full
 
     def trainable_tensor(self, t: TrainingSpec, r: _Rank, shape: tuple[int, ...], n: int, k: int,
                          grad_n: int | None = None, where: str = "layer") -> int:
@@ -433,13 +460,16 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
     # bitsandbytes' paged optimizers put their states in CUDA unified memory (``cudaMallocManaged``,
     # ``bitsandbytes/functional.py`` get_paged / GlobalPageManager): not device memory the caching
     # allocator holds, paged to the GPU only while the step reads them
-    rs = block_bytes(acc.layer_elems * (4 if t.precision == "bf16-mp" else r.gather)) if r.fsdp_unsharded else 0
+    reduce = 4 if t.precision == "bf16-mp" else r.gather  # MixedPrecisionPolicy(reduce_dtype=fp32), else the grads'
+    rs = block_bytes(acc.layer_elems * reduce) if r.fsdp_unsharded else 0
+    root_rs = block_bytes(acc.root_rs_elems * reduce) if (r.fsdp_unsharded and acc.root_rs_elems) else 0
     return States(weights, acc.buffers, master, acc.grads, opt, step_t, acc.trainable, acc.params_rank,
                   acc.layer_grads, acc.head_grads, acc.lmh, acc.hmh, acc.largest, acc.group, acc.lpf,
                   sum(x[1] for x in lora), acc.q4, acc.root, acc.head_full, acc.emb_full, acc.layer_full, rs,
                   acc.root_g, _load_list(before, layer, r.per_stage if m.uniform_layers else 1, after),
                   tuple(acc.items), tuple(acc.root_list), tuple(acc.layer_list),
-                  each_layer_grads=tuple(g for _, g in sorted(acc.each.items())) if not lora else ())
+                  each_layer_grads=tuple(g for _, g in sorted(acc.each.items())) if not lora else (),
+                  root_rs=root_rs, root_last_grad=acc.root_last if root_rs else 0)
 
 
 def _load_list(before: list, layer: list, k: int, after: list) -> tuple[int, ...]:
@@ -508,7 +538,7 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
                 acc.layer_full += full
                 acc.layer_elems += n if full else 0
             continue
-        acc.root_g += g if full else 0
+        acc.root_gradient(p.shape, n, r.d, g, full)
         if p.role != "embedding" and layer:
             # registered after the layers (final norm, head): made first in backward; those before
             # them (ViT's patch projection, class token and position table) come last, with the
