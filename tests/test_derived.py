@@ -218,3 +218,20 @@ def test_layout_arrays_across_the_sliding_window_equal_single_estimates():
     out = estimate_layouts(r.model, r.training, seq_len=seqs)
     for s, p in zip(seqs, out["peak_allocated"]):
         assert p == estimate(r.model, r.replace(seq_len=int(s)).training).peak_allocated
+
+
+def test_derived_model_takes_a_shifted_logits_copy():
+    """--loss-shift logits on a derived architecture: the derivation traces the layers with the
+    model's own loss and no shift (trace/derive.py), so the option reaches the loss terms only
+    (it was refused: the derivation kept the shift beside the loss it replaced)."""
+    import trainmem
+    # a config no shipped coefficients cover: the estimate derives it (OPT, as a fixture of the set)
+    opt = {"architectures": ["OPTForCausalLM"], "model_type": "opt", "hidden_size": 256, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "ffn_dim": 1024, "vocab_size": 32000, "max_position_embeddings": 1024,
+           "word_embed_proj_dim": 256}
+    opts = dict(batch_size=4, seq_len=512, precision="fp16", loss="half", optimizer="sgd")
+    shifted = trainmem.estimate(opt, loss_shift="logits", **opts)  # first: the derivation runs for it
+    plain = trainmem.estimate(opt, **opts)
+    # the half copy lives while log_softmax runs: the forward's peak, not backward's (quantities.loss_bytes)
+    fwd = [next(p.peak for p in r.phases if p.name == "forward" and p.step == 2) for r in (plain, shifted)]
+    assert fwd[1] - fwd[0] == 4 * 512 * 32000 * 2
