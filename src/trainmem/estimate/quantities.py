@@ -190,7 +190,7 @@ def layer_key(m: ModelSpec, t: TrainingSpec) -> LayerKey:
                     bool(lora) and t.lora_half, dequant_dtypes(t) if t.quantize else (0, 0), t.bnb_saves_input,
                     kv_cache(m, t), biased=biased_linears(m) if t.recompute == "op" else (), ep=t.ep,
                     ep_rows=ep_rank_rows(m.experts_top_k, m.num_experts, t.ep, t.moe_imbalance) if t.ep > 1 else 0.0,
-                    compiled=t.compile)
+                    compiled=t.compile, lora_base_trains=bool(lora) and t.fsdp_mixed_units)
 
 
 def biased_linears(m: ModelSpec) -> tuple[str, ...]:
