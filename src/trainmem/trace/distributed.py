@@ -556,6 +556,11 @@ def describe(t: TrainingSpec, rank: int = 0) -> str:
            "every rank's shards are as large as rank 0's or smaller (torch.chunk gives the first ranks the extra "
            "rows; FSDP2 pads its shards to rank 0's size)")
     which = "rank 0 traced, the worst rank" if rank == 0 else f"rank {rank} traced (rank 0 is the worst)"
+    if t.fsdp is not None and t.fsdp_version == 1:
+        why = ("FSDP1 pads every rank's flat shard to one size; the optimizer keeps a state per piece of an original "
+               "parameter in the rank's shard, so a rank whose shard cuts more parameters rounds a few more "
+               "512-byte blocks: other ranks may differ by some KiB")
+        which = "rank 0 traced" if rank == 0 else f"rank {rank} traced"
     return (f"{wrapper_name(t)} on a fake process group of {world_size(t)} ranks (torch.distributed's fake "
             f"backend): {which} ({why})")
 
