@@ -41,6 +41,8 @@ CASES = [
     ({"fsdp_version": 1, "fsdp": "full", "dp": 2, "tp": 2}, REFUSED, "--fsdp-version 1"),
     ({"fsdp_version": 1, "fsdp": "full", "dp": 2, "precision": "bf16-mp", "lora_rank": 8}, REFUSED,
      "--precision bf16-mp with --lora-rank"),
+    ({"fsdp_version": 1, "fsdp": "full", "dp": 2, "precision": "bf16", "lora_rank": 8, "fsdp_lora_units": "layer"},
+     REFUSED, "Must flatten tensors with uniform dtype"),
     ({"fsdp": "hybrid", "dp": 4, "fsdp_node_size": 2}, REFUSED, "--fsdp hybrid"),
     ({"dp": 2, "ddp_bucket_mb": 1.0}, "same", "the cap regroups DDP's buckets, which together are as large as the "
                                               "gradients (vs --dp 2 alone)"),

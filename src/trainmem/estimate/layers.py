@@ -67,6 +67,7 @@ class Recipe:
     post: set = field(default_factory=set)          # ids saved from the first adapter on
     free_extra: dict = field(default_factory=dict)  # saved in later layers only (adapter dropout masks)
     free_weights: list = field(default_factory=list)  # weight elements of the frozen linears on it
+    first_adapter_op: int = -1  # index in ``transients`` of the first adapted linear (forward order)
 
     def save(self, *ts: T) -> None:
         for t in ts:
@@ -226,6 +227,7 @@ class Builder:
             self.r.free_weights.append((x.tok if in_features is None else in_features) * out)
         if rank and not self.r.adapter_seen:
             self.r.prefix, self.r.free_input, self.r.adapter_seen = frozenset(self.r.saved), id(x), True
+            self.r.first_adapter_op = len(self.r.transients)  # this linear's transient comes next
         if rank:
             self.adapter(x, name, saved_name, rank, free_in)
         # backward: grad_out and grad_in, no weight gradient
@@ -697,6 +699,7 @@ class LayerCoefs:
     checkpointed: bool = False
     transients_ssq: tuple[float, ...] = ()  # per transient: bytes per sequence position squared (shared by the batch)
     transients_at: tuple[int, ...] = ()  # per transient: the backward moments it belongs to (bit mask; () all)
+    first_adapter_op: int = -1  # LoRA: the transient of the first adapted linear (forward order); -1 none
 
     def bytes(self, n: int, nsq: int) -> int:
         return int(self.tok * n + self.sq * nsq)
@@ -751,7 +754,8 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
                       after, B.r.fwd[0], B.r.fwd[1], op_tok, op_sq, x.tok * x.nbytes if input_saved else 0.0,
                       graph_held=sum(t.tok * t.nbytes for t in B.r.graph_held.values()),
                       first_unsaved=unsaved, first_free_weights=tuple(B.r.free_weights) if B.r.adapter_seen else (),
-                      tensors=tuple(t.bytes_coef() for t in B.r.saved.values()))
+                      tensors=tuple(t.bytes_coef() for t in B.r.saved.values()),
+                      first_adapter_op=B.r.first_adapter_op)
 
 
 def op_checkpoint_saved(r: Recipe) -> tuple[float, float]:

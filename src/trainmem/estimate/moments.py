@@ -381,9 +381,26 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     top = grads_before + head_grads + layer_grads
     # a pipeline stage's other micro-batches in flight keep all their layers' tensors and their head side
     own_layers, others_all = tk.layers - tk.others_layers, tk.others_layers + tk.others_head
+    # the layer gathered and the previous one prefetched, unless FSDP1 has not reached it yet (its
+    # LoRA units of their own come first in the prefetch order: quantities.fsdp1_unprefetched)
+    unprefetched = _both(q.fsdp1_unprefetched >= 0, tk.transient_index > q.fsdp1_unprefetched)
     moments.append(_mo("backward", micro, step, "layer.top",
                        (top, states_mid, tk.inputs, ws2, tk.layers + tk.outer_rest + tk.others_head, temp),
-                       (kept.logits, kept.kv_forward, 0), valid, own, comm=root + 2 * buf))
+                       (kept.logits, kept.kv_forward, 0), valid, own, comm=root + buf + where(unprefetched, 0, buf)))
+    # FSDP1, the end of the top layer's backward: its activations freed, its gradients concatenated into
+    # the flat gradient with it and the prefetched layer gathered (quantities.fsdp1_flat_gradient); then
+    # its post-backward hook, the layer resharded: the flat gradient, its copy in the reduce dtype and the
+    # new shard (quantities.fsdp1_post_backward)
+    rest = tk.layers - own_layers // q.layers + tk.outer_rest + tk.others_head  # the layers below, the outer tensors
+    moments.append(_mo("backward", micro, step, "layer.flat_gradient",
+                       (grads_before + head_grads + q.fsdp1_flat, states_mid, tk.inputs, ws2, rest, q.tied_grad),
+                       (kept.logits, kept.kv_forward, 0), _both(valid, q.fsdp1_flat > 0), own,
+                       comm=root + 2 * buf + q.gathered_layer))  # grad-op: the layer still gathered (not in rest)
+    moments.append(_mo("backward", micro, step, "layer.reduce_scatter",
+                       (grads_before + head_grads + q.fsdp1_post, states_mid,
+                        tk.inputs, ws2, rest, q.tied_grad),
+                       (kept.logits, kept.kv_forward, 0), _both(valid, _both(q.fsdp1_post > 0, flags.fsdp_sync)),
+                       own, comm=root + buf))
     above = where(fresh, q.above_bottom, 0)    # the layers above, reduced to shards
     _i, redo, grads = tk.bottom
     bottom = grads_before + head_grads + above + part(grads)

@@ -512,6 +512,9 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
                 g = r.grad_bytes(n)                     # gradient for its frozen part too (no states)
                 acc.grads += k * g
                 acc.layer_grads += g
+                if r.fsdp_unsharded and (uniform or p.layer == r.lo):  # ... unsharded in its backward, and
+                    acc.layer_full += block_bytes(n * r.gather)       # reduce-scattered with the adapters'
+                    acc.layer_elems += n
             continue
         g = acc.trainable_tensor(t, r, p.shape, n, k, p.numel if _replicated_grad(m, t, p) else n,
                                  "layer" if p.layer is not None else ("after" if layer else "before"))

@@ -160,6 +160,11 @@ def _check_fsdp1(t: TrainingSpec, what: str) -> None:
                             "and the unit, gathered in bf16, does not cast its inputs (MixedPrecision."
                             "cast_forward_inputs=False), so F.linear gets fp32 and bf16; use --fsdp-lora-units layer, "
                             "--precision bf16-amp or --fsdp-version 2")
+    if t.fsdp_mixed_units and t.precision in ("bf16", "fp16") and not t.lora_half:
+        raise TrainmemError(f"trace {what} --fsdp-lora-units layer --precision {t.precision}: FSDP1 refuses a unit "
+                            f"holding {t.precision} base weights and fp32 adapters (_flat_param.py "
+                            "_validate_tensors_to_flatten: 'Must flatten tensors with uniform dtype'); add "
+                            "--lora-dtype half (litgpt builds the adapters in the model's dtype)")
     if t.optimizer == "adafactor":
         raise TrainmemError(f"trace {what} with --optimizer adafactor is not traced: FSDP1 hands the optimizer "
                             "1-D views of its flat shards (use_orig_params=True, _flat_param.py "
