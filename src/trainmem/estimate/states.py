@@ -403,6 +403,18 @@ class _Tally:
     root_g: int = 0          # FSDP: the sharded gradients outside the layers (bytes)
     each: dict = field(default_factory=dict)  # layer -> its gradient bytes (layers that differ)
 
+    def mixed_unit_grad(self, r: _Rank, n: int, k: int, counted_layer: bool) -> None:
+        """A frozen layer tensor of ``n`` elements (``k`` of them) in an FSDP1 unit with LoRA adapters
+        (``TrainingSpec.fsdp_mixed_units``): the unit's flat parameter gets a gradient for it too (no
+        states), unsharded in the layer's backward and reduce-scattered with the adapters'.
+        ``counted_layer``: the layer standing for each in the per-layer sums."""
+        g = r.grad_bytes(n)
+        self.grads += k * g
+        self.layer_grads += g
+        if r.fsdp_unsharded and counted_layer:
+            self.layer_full += block_bytes(n * r.gather)
+            self.layer_elems += n
+
     def trainable_tensor(self, t: TrainingSpec, r: _Rank, shape: tuple[int, ...], n: int, k: int,
                          grad_n: int | None = None, where: str = "layer") -> int:
         """Add gradient, master copy and optimizer states of ``k`` tensors of ``n`` elements on this
@@ -508,13 +520,8 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
         elif p.is_matmul and t.amp:
             acc.hmh += n * 2
         if frozen:
-            if r.mixed_units and p.layer is not None:  # FSDP1 + LoRA: the layer's flat parameter gets a
-                g = r.grad_bytes(n)                     # gradient for its frozen part too (no states)
-                acc.grads += k * g
-                acc.layer_grads += g
-                if r.fsdp_unsharded and (uniform or p.layer == r.lo):  # ... unsharded in its backward, and
-                    acc.layer_full += block_bytes(n * r.gather)       # reduce-scattered with the adapters'
-                    acc.layer_elems += n
+            if r.mixed_units and p.layer is not None:
+                acc.mixed_unit_grad(r, n, k, uniform or p.layer == r.lo)
             continue
         g = acc.trainable_tensor(t, r, p.shape, n, k, p.numel if _replicated_grad(m, t, p) else n,
                                  "layer" if p.layer is not None else ("after" if layer else "before"))
