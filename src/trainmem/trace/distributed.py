@@ -1,6 +1,7 @@
 """Data, tensor and pipeline parallelism traced on torch.distributed's own code, in one process.
 
-``trace(..., dp=N)`` (DDP), ``trace(..., dp=N, fsdp="full"|"grad-op")`` (FSDP2) and
+``trace(..., dp=N)`` (DDP), ``trace(..., dp=N, fsdp="full"|"grad-op")`` (FSDP2; with
+``fsdp_version=1`` FSDP1 ``FullyShardedDataParallel``, ``wrappers.fsdp1``) and
 ``trace(..., tp=T)`` (``parallelize_module`` with torchtitan's Llama plan,
 ``trainmem.wrappers.tensor_parallel``; with ``sequence_parallel``, and with FSDP2 over the ``dp``
 dimension of a (dp, tp) mesh) start a fake process group of N × T ranks in this process — PyTorch's ``fake`` backend
@@ -39,6 +40,16 @@ reduce-scatter input and output) ``communication.fsdp_reduce_scatter``, whose ou
 sharded gradients (FSDP2 calls the sharded parameters' post-accumulate-grad hooks); the unsharded
 gradients are ``gradients`` from ``post_backward`` on; DDP's buckets (built in ``__init__`` and
 rebuilt in the second step's ``_pre_forward``) ``communication.ddp_buckets``.
+
+FSDP1 (:func:`_fsdp1_patches`) is built on the emulated GPU and wrapped with
+``device_id=torch.device("meta")``: its initialisation takes ``meta`` for the device, not for an
+unmaterialised model (:func:`_fsdp1_init_patches`); the FSDP1 functions that compare data pointers
+see an emulated storage's address (:func:`_with_addresses`); ``FlatParamHandle.unshard`` (the
+padded unsharded flat parameter) is ``communication.fsdp_unsharded_params``, the mixed-precision
+shard ``communication.fsdp_all_gather``, the post-backward hook's copies
+``communication.fsdp_reduce_scatter`` (:func:`_fsdp1_post_backward`). FSDP1 pads every rank's flat
+shard to one size; ranks differ by the 512-byte rounding of the optimizer states of the parameter
+pieces their shard holds (:func:`describe`).
 
 Every rank runs the same program. DDP replicates everything, so the ranks are identical. FSDP2
 shards each parameter with ``torch.chunk`` on dim 0 and pads every rank's shard to the first
