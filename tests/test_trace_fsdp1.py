@@ -112,6 +112,8 @@ def test_ranks_of_an_uneven_split_differ_by_block_rounding_only():
     ("llama-3.2-1b", LLAMA2L, {"precision": "fp32", "lora_rank": 8, "fsdp_lora_units": "layer"}, 0.005),
     ("llama-3.2-1b", LLAMA2L, {"precision": "bf16-mp", "lora_rank": 8, "fsdp_lora_units": "layer", "dp": 4}, 0.005),
     ("gpt2", None, {"precision": "fp32", "lora_rank": 8, "fsdp_lora_units": "layer", "seq_len": 1024}, 0.015),
+    # the loop's loss: the last layer prefetched only after its backward: +2.1% before
+    ("llama-3.2-1b", LLAMA2L, {"loss": "upcast"}, 0.005),
     # no_sync accumulation under bf16-mp: +10.3% before
     ("llama-3.2-1b", LLAMA2L, {"precision": "bf16-mp", "fsdp": "grad-op", "grad_accum": 2, "grad_sync": "step"},
      0.005),
@@ -124,7 +126,8 @@ def test_ranks_of_an_uneven_split_differ_by_block_rounding_only():
 ], ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()) if isinstance(v, dict) else None)
 def test_estimate_agrees_with_fsdp1_traced(model, overrides, options, bound):
     """Peak allocated, estimate against FSDP1 traced; the comments say how far off the estimate was
-    before its FSDP1 mechanisms (docs/trace.md, "FSDP1"), the first three cases aside."""
+    before its FSDP1 mechanisms (docs/trace.md, "FSDP1"), the first three cases aside (bf16-amp
+    when no precision is given)."""
     opts = {"batch_size": 2, "seq_len": 2048, **FSDP1, **options}
     t, e = trace(model, set=overrides, **opts), estimate(model, set=overrides, **opts)
     assert abs(e.peak_allocated / t.peak_allocated - 1) <= bound, (e.peak_allocated, t.peak_allocated)

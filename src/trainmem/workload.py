@@ -64,10 +64,12 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
             raise TrainmemError(f"--optimizer-impl {t.optimizer_impl}: {EXTERNAL_OPTIMIZERS[t.optimizer]}'s "
                                 f"--optimizer {t.optimizer} has one implementation; drop --optimizer-impl")
         if what == "trace" and (t.fsdp is not None or t.tp > 1) and EXTERNAL_OPTIMIZERS[t.optimizer] == "bitsandbytes":
-            # its kernels take plain CUDA tensors: DTensor shards (FSDP2's, tensor parallelism's) are
-            # not what bitsandbytes' optimizer allocates for, so trace does not guess
+            # its kernels take plain CUDA tensors: DTensor shards (FSDP2's, tensor parallelism's) and
+            # FSDP1's 1-D views of flat shards are not what bitsandbytes' optimizer allocates for, so
+            # trace does not guess
             raise TrainmemError(f"--optimizer {t.optimizer} with --fsdp or --tp: trace emulates bitsandbytes' "
-                                "optimizer on plain tensors, not DTensor shards; use estimate")
+                                "optimizer on whole parameters, not DTensor shards (FSDP2, TP) or FSDP1's 1-D "
+                                "flat-shard views; use estimate")
     if t.recompute == "selective":
         raise TrainmemError(f"--recompute selective is a Megatron feature; {what} supports none, full and op "
                             "(transformers gradient checkpointing, torchtitan's per-op policy)")

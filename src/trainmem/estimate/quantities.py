@@ -1081,6 +1081,20 @@ def loss_outside_root(m: ModelSpec, t: TrainingSpec) -> bool:
     return t.loss in ("upcast", "half") and m.head in ("causal-lm", "masked-lm") and t.pp == 1
 
 
+def fsdp1_prefetch_after_loss(m: ModelSpec, t: TrainingSpec) -> bool:
+    """Whether FSDP1 prefetches the last layer only after the loop's loss has run its backward. The
+    root's pre-backward hook, which unshards the root and prefetches the next unit in backward order
+    (``BACKWARD_PRE``), is registered on the tensors the root's forward returns (torch 2.13
+    ``fsdp/_runtime_utils.py`` ``_register_pre_backward_hooks``, ``_pre_backward_hook`` L630-697).
+    With the model's own loss among them it fires at the first op of backward, so the last layer is
+    gathered while the loss's backward runs; when the loop computes ``cross_entropy`` on the
+    returned logits (``--loss upcast`` / ``half``, ``loss_outside_root``) it fires once the logits'
+    gradient exists, after the loss's backward. The root itself stays gathered: FSDP1 does not
+    reshard the root after forward (``_post_forward_reshard``). Found by trace: Llama-3.2-1B cut to
+    2 layers, bf16-amp ``--loss upcast``, +2.1% before."""
+    return t.fsdp is not None and t.fsdp_version == 1 and loss_outside_root(m, t)
+
+
 def root_resharded_for_loss(m: ModelSpec, t: TrainingSpec) -> bool:
     """Whether FSDP2's root unit is sharded while the loop's loss and the loss's backward run.
 
@@ -1136,7 +1150,8 @@ def fsdp_buffers(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, int]:
     resharded = root_resharded_for_loss(m, t)
     return {"fsdp_root": st.root_full,
             "fsdp_layer_buf": layer_buf,
-            "fsdp_loss_root": 0 if resharded else st.root_full, "fsdp_loss_buf": 0 if resharded else layer_buf,
+            "fsdp_loss_root": 0 if resharded else st.root_full,
+            "fsdp_loss_buf": 0 if resharded or fsdp1_prefetch_after_loss(m, t) else layer_buf,
             "fsdp_root_regather": st.root_full if resharded else 0,
             "fsdp_loss_ag": 0 if loss_outside_root(m, t) or t.fsdp_version != 2 else block_bytes(st.layer_params_full),
             "fsdp_root_kept": st.root_full if (t.zero_stage != 3 or t.fsdp_version == 1) else 0,
