@@ -63,7 +63,7 @@ def test_fsdp1_runs_its_flat_parameters_on_the_fake_group(unshards):
     assert all(back for back, _, _ in backward) and unshards[6:] == unshards[:6]
     assert "FSDP1 FullyShardedDataParallel full over 2" in r.extra["wrapper"]
     assert [e["rank"] for e in r.extra["ranks"]] == [0, 1] and r.extra["ranks"][0]["traced"]
-    assert r.extra["ranks"][1]["copied_from"] == 0
+    assert r.extra["ranks"][1]["copied_from"] == 0 and "FSDP1 pads" in r.extra["ranks"][1]["not_traced"]
     assert _component(r, "communication.fsdp_unsharded_params") > 0
     # the flat shards only are loaded: half the single GPU's parameters, plus FSDP1's padding
     single = _tiny()

@@ -596,8 +596,11 @@ def rank_entries(report: Any, t: TrainingSpec, rank: int = 0) -> list[dict[str, 
               "phases": [p.to_dict() for p in report.phases], "traced": True}
     keep = ("world_size", "device", "peak_allocated", "peak_reserved", "device_used", "peak_phase",
             "parameters_bytes", "optimizer_states_bytes", "cuda_context")
+    why = ({"not_traced": "the same program; FSDP1 pads every rank's flat shard to one size, and the optimizer "
+                          "states of the parameter pieces in it may round to some KiB more or less"}
+           if t.fsdp is not None and t.fsdp_version == 1 else {})
     return [traced if r == rank else
-            {"rank": r, "local_rank": r, **{k: traced[k] for k in keep}, "traced": False, "copied_from": rank}
+            {"rank": r, "local_rank": r, **{k: traced[k] for k in keep}, "traced": False, "copied_from": rank, **why}
             for r in range(world_size(t))]
 
 
