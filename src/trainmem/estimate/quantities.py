@@ -837,7 +837,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     head_tok, rest_tok, rest_sq, rest_pos = _split_outer(outer, rest_pos)
     loss = loss_bytes(m, t, pol) if head_here else LossBytes()
     comm, comm_name = _communication(t, st)
-    fsdp = {**fsdp_buffers(m, t, st), "fsdp1_unprefetched": fsdp1_unprefetched(t, lc)}
+    fsdp = fsdp_buffers(m, t, st, lc)
     oib_mid, oib_end = oib_update_bytes(m, t, st) if oib else (0, 0)
     # gradients of the layer's linears as its backward creates them (per weight byte): unsharded under FSDP
     layer_grads_live = st.layer_grads_full if fsdp else st.layer_grads
@@ -1117,7 +1117,7 @@ def root_resharded_for_loss(m: ModelSpec, t: TrainingSpec) -> bool:
             and m.head in ("causal-lm", "masked-lm") and t.pp == 1)
 
 
-def fsdp_buffers(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, int]:
+def fsdp_buffers(m: ModelSpec, t: TrainingSpec, st: States, lc: LayerCoefs) -> dict[str, int]:
     """FSDP's unsharded tensors, which exist only between a forward and the end of its backward
     (``moments`` places each), bytes on one rank in the gathered dtype (bf16 under ``bf16-mp``):
 
@@ -1160,7 +1160,8 @@ def fsdp_buffers(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, int]:
             "fsdp_ag_result": block_bytes(st.layer_params_full) if t.fsdp_version == 2 else 0,
             "fsdp_root_sharded": st.root_grads,
             "fsdp1_post": fsdp1_post_backward(t, st) if t.fsdp_version == 1 else 0,
-            "fsdp1_flat": fsdp1_flat_gradient(st) if t.fsdp_version == 1 else 0}
+            "fsdp1_flat": fsdp1_flat_gradient(st) if t.fsdp_version == 1 else 0,
+            "fsdp1_unprefetched": fsdp1_unprefetched(t, lc)}
 
 
 def fsdp1_flat_gradient(st: States) -> int:
