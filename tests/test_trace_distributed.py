@@ -90,7 +90,7 @@ def test_ranks_in_the_json_and_text():
 
 @pytest.mark.parametrize("options, names", [
     ({"dp": 4, "fsdp": "hybrid", "fsdp_node_size": 2}, "--fsdp hybrid"),
-    ({"dp": 2, "fsdp": "full", "fsdp_version": 1}, "--fsdp-version 1"),
+    ({"dp": 2, "fsdp": "full", "fsdp_version": 1, "optimizer": "adafactor"}, "--fsdp-version 1 with --optimizer"),
     ({"dp": 2, "tp": 2}, "--tp 2"),
     ({"dp": 2, "zero": 2}, "ZeRO stage 2"),
     ({"dp": 2, "loss_chunks": 4}, "--loss chunked"),

@@ -35,7 +35,14 @@ CASES = [
                                            "peak (its largest parameter is tiny)"),
     ({"zero": 1, "dp": 2}, REFUSED, "ZeRO stage 1"), ({"fsdp": "full", "dp": 2}, CHANGED, ""),
     ({"fsdp": "grad-op", "dp": 2}, CHANGED, ""), ({"dp": 2}, CHANGED, ""),
-    ({"fsdp": "full", "dp": 2, "fsdp_version": 1}, REFUSED, "--fsdp-version 1"),
+    # FSDP1 FullyShardedDataParallel on the fake group (vs FSDP2 with the same options, REFERENCE)
+    ({"fsdp_version": 1, "fsdp": "full", "dp": 2}, CHANGED, ""),
+    ({"fsdp_version": 1, "fsdp": "full", "dp": 2, "optimizer_in_backward": True}, REFUSED, "--optimizer-in-backward"),
+    ({"fsdp_version": 1, "fsdp": "full", "dp": 2, "tp": 2}, REFUSED, "--fsdp-version 1"),
+    ({"fsdp_version": 1, "fsdp": "full", "dp": 2, "precision": "bf16-mp", "lora_rank": 8}, REFUSED,
+     "--precision bf16-mp with --lora-rank"),
+    ({"fsdp_version": 1, "fsdp": "full", "dp": 2, "precision": "bf16", "lora_rank": 8, "fsdp_lora_units": "layer"},
+     REFUSED, "Must flatten tensors with uniform dtype"),
     ({"fsdp": "hybrid", "dp": 4, "fsdp_node_size": 2}, REFUSED, "--fsdp hybrid"),
     ({"dp": 2, "ddp_bucket_mb": 1.0}, "same", "the cap regroups DDP's buckets, which together are as large as the "
                                               "gradients (vs --dp 2 alone)"),
@@ -100,7 +107,8 @@ CASES = [
     ({"target_len": 32}, REFUSED, "--target-len 32"), ({"image_size": 64}, REFUSED, "--image-size 64"),
 ]
 #: the options a case is compared with instead of the baseline (the case's own options minus one)
-REFERENCE = {"fsdp_lora_units": {"lora_rank": 8}, "ddp_bucket_mb": {"dp": 2}, "sequence_parallel": {"tp": 2},
+REFERENCE = {"fsdp_version": {"fsdp": "full", "dp": 2},
+             "fsdp_lora_units": {"lora_rank": 8}, "ddp_bucket_mb": {"dp": 2}, "sequence_parallel": {"tp": 2},
              "quantize": {"lora_rank": 8}, "quantize_via": {"lora_rank": 8, "quantize": "nf4"},
              "bitsandbytes_version": {"lora_rank": 8, "quantize": "nf4"},
              "grad_sync": {"grad_accum": 2, "fsdp": "full", "dp": 2}, "offload_activations": {"recompute": "full"},

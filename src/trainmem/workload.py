@@ -64,10 +64,12 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
             raise TrainmemError(f"--optimizer-impl {t.optimizer_impl}: {EXTERNAL_OPTIMIZERS[t.optimizer]}'s "
                                 f"--optimizer {t.optimizer} has one implementation; drop --optimizer-impl")
         if what == "trace" and (t.fsdp is not None or t.tp > 1) and EXTERNAL_OPTIMIZERS[t.optimizer] == "bitsandbytes":
-            # its kernels take plain CUDA tensors: DTensor shards (FSDP2's, tensor parallelism's) are
-            # not what bitsandbytes' optimizer allocates for, so trace does not guess
+            # its kernels take plain CUDA tensors: DTensor shards (FSDP2's, tensor parallelism's) and
+            # FSDP1's 1-D views of flat shards are not what bitsandbytes' optimizer allocates for, so
+            # trace does not guess
             raise TrainmemError(f"--optimizer {t.optimizer} with --fsdp or --tp: trace emulates bitsandbytes' "
-                                "optimizer on plain tensors, not DTensor shards; use estimate")
+                                "optimizer on whole parameters, not DTensor shards (FSDP2, TP) or FSDP1's 1-D "
+                                "flat-shard views; use estimate")
     if t.recompute == "selective":
         raise TrainmemError(f"--recompute selective is a Megatron feature; {what} supports none, full and op "
                             "(transformers gradient checkpointing, torchtitan's per-op policy)")
@@ -285,33 +287,38 @@ class TrainStep:
                 # torch 2.13 _fully_shard/_fully_shard.py L413-421)
                 sync(micro == self.micro_batches - 1)
             self.state["batch"] = self.batch()  # the previous batch lives until this one exists
-            with self.loss_context(), self.autocast():
-                out, loss = self.forward_loss(self.state["batch"])
-                # hold_output: "step" -- `outputs = model(...)` at loop level: the output lives until
-                # the next forward returns; "backward" -- a training_step that returns after
-                # backward; "loss" -- only the loss is kept (HF Trainer)
-                if t.hold_output == "step":
-                    self.state["out"] = out
-                held = out if t.hold_output == "backward" else None
-                del out
-            if t.grad_accum > 1:
-                loss = loss / t.grad_accum
-            # the loop's loss: with hold_output "loss" the HF Trainer's training_step returns
-            # ``loss.detach()`` (transformers trainer.py), so the graph dies when backward returns;
-            # a loop that keeps ``loss`` keeps the graph (and what its nodes hold outside
-            # save_for_backward, e.g. bitsandbytes < 0.43.2 MatMul4Bit's input) to the next forward
-            self.state["loss"] = loss.detach() if t.hold_output == "loss" else loss
-            self._mark("forward", i, micro)
-            with self.loss_context():
-                loss.backward()
-            del loss, held  # a training_step holding its output returns here
-            self._mark("backward", i, micro)
+            with _no_sync(self.model, t, micro == self.micro_batches - 1):
+                self._micro(t, i, micro)
         self.optimizer.step()
         self._mark("optimizer_step", i, None)
         # "none": zero_grad(set_to_none=True) frees the gradients (PyTorch >= 2.0's default);
         # "zeros": set_to_none=False zeroes them in place (older PyTorch, model.zero_grad() loops)
         self.optimizer.zero_grad(set_to_none=t.zero_grad == "none")
         self._mark("zero_grad", i, None)
+
+    def _micro(self, t: TrainingSpec, i: int, micro: int) -> None:
+        """One micro-batch: forward and loss under autocast, the loop's references, backward."""
+        with self.loss_context(), self.autocast():
+            out, loss = self.forward_loss(self.state["batch"])
+            # hold_output: "step" -- `outputs = model(...)` at loop level: the output lives until
+            # the next forward returns; "backward" -- a training_step that returns after
+            # backward; "loss" -- only the loss is kept (HF Trainer)
+            if t.hold_output == "step":
+                self.state["out"] = out
+            held = out if t.hold_output == "backward" else None
+            del out
+        if t.grad_accum > 1:
+            loss = loss / t.grad_accum
+        # the loop's loss: with hold_output "loss" the HF Trainer's training_step returns
+        # ``loss.detach()`` (transformers trainer.py), so the graph dies when backward returns;
+        # a loop that keeps ``loss`` keeps the graph (and what its nodes hold outside
+        # save_for_backward, e.g. bitsandbytes < 0.43.2 MatMul4Bit's input) to the next forward
+        self.state["loss"] = loss.detach() if t.hold_output == "loss" else loss
+        self._mark("forward", i, micro)
+        with self.loss_context():
+            loss.backward()
+        del loss, held  # a training_step holding its output returns here
+        self._mark("backward", i, micro)
 
     def forward_loss(self, batch: dict[str, torch.Tensor]) -> tuple[Any, torch.Tensor]:
         """The model's output and the loss, computed as ``--loss`` says (``estimate.quantities.loss_bytes``
@@ -374,13 +381,26 @@ def model_batch(spec: ModelSpec, t: TrainingSpec, device: Any) -> dict[str, Any]
 
 
 def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
-    """The model inside a ``DistributedDataParallel`` wrapper (its ``module``), else ``model``
-    (FSDP2's ``fully_shard`` keeps the model's own class and methods)."""
+    """The model inside a ``DistributedDataParallel`` or FSDP1 ``FullyShardedDataParallel`` wrapper
+    (their ``module``), else ``model`` (FSDP2's ``fully_shard`` keeps the model's own class and methods)."""
     try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.nn.parallel import DistributedDataParallel
     except ImportError:  # a build without torch.distributed
         return model
-    return model.module if isinstance(model, DistributedDataParallel) else model
+    return model.module if isinstance(model, (DistributedDataParallel, FullyShardedDataParallel)) else model
+
+
+def _no_sync(model: torch.nn.Module, t: TrainingSpec, last: bool) -> Any:
+    """``--grad-sync step`` on FSDP1: every micro-batch but the last runs forward and backward inside
+    the root's ``no_sync()`` (torch 2.13 fully_sharded_data_parallel.py L1034-1071: the unsharded
+    gradients accumulate in ``.grad``), as accelerate's ``accumulate`` (accelerator.py L1133-1172:
+    ``model.no_sync`` for FSDP1) and Lightning Fabric's ``no_backward_sync`` enter it; a no-op
+    context otherwise (FSDP2 uses ``set_requires_gradient_sync``, in ``TrainStep._step``)."""
+    no_sync = getattr(type(model), "no_sync", None)
+    if not t.accumulates_unsharded or last or no_sync is None or unwrapped(model) is model:
+        return contextlib.nullcontext()
+    return model.no_sync()
 
 
 def apply_quantization(model: torch.nn.Module, t: TrainingSpec) -> torch.nn.Module:

@@ -14,7 +14,9 @@ both run the same code). PyTorch's own wrappers; line references are to torch 2.
   ``fsdp_node_size`` ranks (HSDP); ``--precision bf16-mp`` is
   ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``.
 * ``fsdp_version=1``: ``FullyShardedDataParallel`` with ``ShardingStrategy`` FULL_SHARD /
-  SHARD_GRAD_OP / HYBRID_SHARD and ``ModuleWrapPolicy({decoder layer class})``.
+  SHARD_GRAD_OP / HYBRID_SHARD, ``ModuleWrapPolicy({decoder layer class})`` (LoRA: peft's
+  ``fsdp_auto_wrap_policy`` unless ``fsdp_lora_units="layer"``), ``use_orig_params=True``,
+  ``BackwardPrefetch.BACKWARD_PRE``, ``limit_all_gathers=True`` (:func:`fsdp1`).
 * ``--tp N``: ``parallelize_module`` with torchtitan's Llama plan (:func:`tensor_parallel`):
   the vocabulary-parallel embedding and output head, ``ColwiseParallel`` on q/k/v and gate/up,
   ``RowwiseParallel`` on o_proj and down_proj, and the loss on the vocabulary-sharded logits
@@ -190,17 +192,38 @@ def fsdp2(module: torch.nn.Module, spec: Any, t: TrainingSpec, fsdp_mesh: Any) -
 
 
 def fsdp1(module: torch.nn.Module, spec: Any, t: TrainingSpec, fsdp_mesh: Any, device: torch.device) -> Any:
-    """FSDP1 ``FullyShardedDataParallel`` with one unit per decoder layer (``ModuleWrapPolicy``)."""
-    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    """FSDP1 ``FullyShardedDataParallel`` as Lightning's ``FSDPStrategy`` and accelerate run it: one
+    unit per decoder layer plus the root (embeddings, final norm, head), ``use_orig_params=True``
+    (lightning/fabric/strategies/fsdp.py ``FSDPStrategy.__init__``: ``setdefault("use_orig_params",
+    True)``; accelerate's ``fsdp_use_orig_params``), ``BackwardPrefetch.BACKWARD_PRE`` and
+    ``limit_all_gathers=True`` (torch 2.13 fully_sharded_data_parallel.py L404-411, the defaults,
+    given explicitly), ``--precision bf16-mp`` as ``MixedPrecision(param_dtype=bf16,
+    reduce_dtype=fp32)``. LoRA adapters get units of their own (peft's ``fsdp_auto_wrap_policy``,
+    which HF Trainer and accelerate use: every leaf module with a trainable weight, and the layer
+    classes) unless ``fsdp_lora_units="layer"`` puts them in their layer's unit (litgpt's policy
+    over ``Block``)."""
+    from torch.distributed.fsdp import BackwardPrefetch, FullyShardedDataParallel, MixedPrecision, ShardingStrategy
     strategy = {"full": ShardingStrategy.FULL_SHARD, "grad-op": ShardingStrategy.SHARD_GRAD_OP,
                 "hybrid": ShardingStrategy.HYBRID_SHARD}[t.fsdp]
     kw: dict[str, Any] = {"sharding_strategy": strategy, "device_mesh": fsdp_mesh,
-                          "auto_wrap_policy": ModuleWrapPolicy({type(layer) for layer in decoder_layers(module, spec)}),
+                          "auto_wrap_policy": fsdp1_wrap_policy(module, spec, t), "use_orig_params": True,
+                          "backward_prefetch": BackwardPrefetch.BACKWARD_PRE, "limit_all_gathers": True,
                           "device_id": device}  # on the CPU too: without it FSDP1 asks for an accelerator
     if t.precision == "bf16-mp":
         kw["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return FullyShardedDataParallel(module, **kw)
+
+
+def fsdp1_wrap_policy(module: torch.nn.Module, spec: Any, t: TrainingSpec) -> Any:
+    """FSDP1's auto-wrap policy: the decoder layer class (``ModuleWrapPolicy``); with LoRA in units
+    of their own (``fsdp_lora_units="separate"``) peft's ``fsdp_auto_wrap_policy``
+    (peft/utils/other.py: ``lambda_auto_wrap_policy`` on leaf modules whose ``weight`` requires
+    grad, or'ed with ``transformer_auto_wrap_policy`` over the model's ``_no_split_modules``)."""
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    if t.lora_rank and t.fsdp_lora_units == "separate":
+        from peft.utils.other import fsdp_auto_wrap_policy
+        return fsdp_auto_wrap_policy(module)
+    return ModuleWrapPolicy({type(layer) for layer in decoder_layers(module, spec)})
 
 
 def ddp(module: torch.nn.Module, t: TrainingSpec, device: torch.device) -> Any:

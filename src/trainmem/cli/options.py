@@ -102,7 +102,8 @@ def add_training(g: Any) -> None:
                         "optimizer keep one; FSDP and plain PyTorch do not)")
     g.add_argument("--fsdp-version", type=int, choices=(1, 2), default=None,
                    help="--fsdp through FSDP2 fully_shard (2, default) or FSDP1 FullyShardedDataParallel (1: flat "
-                        "parameters; with --fsdp-lora-units layer, gradients for the frozen weights too)")
+                        "parameters, use_orig_params=True; with --fsdp-lora-units layer, gradients for the frozen "
+                        "weights too)")
     g.add_argument("--grad-sync", choices=GRAD_SYNC, default=None,
                    help="FSDP under --grad-accum: micro-batch (default: reduce-scatter after each) or step "
                         "(no_sync() until the last micro-batch, as HF Trainer / accelerate and Lightning Fabric: "

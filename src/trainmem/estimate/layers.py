@@ -70,6 +70,7 @@ class Recipe:
     post: set = field(default_factory=set)          # ids saved from the first adapter on
     free_extra: dict = field(default_factory=dict)  # saved in later layers only (adapter dropout masks)
     free_weights: list = field(default_factory=list)  # weight elements of the frozen linears on it
+    first_adapter_op: int = -1  # index in ``transients`` of the first adapted linear (forward order)
 
     def save(self, *ts: T) -> None:
         for t in ts:
@@ -146,7 +147,8 @@ class Builder:
 
     def __init__(self, pol: Policy, dropout: bool, sp_div: int = 1, capability: tuple[int, int] = (8, 0),
                  lora: tuple[tuple[str, int, int], ...] = (), lora_dropout: float = 0.0, lora_half: bool = False,
-                 quant: tuple[int, int] = (0, 0), quant_saves_input: bool = False, biased: tuple[str, ...] = ()):
+                 quant: tuple[int, int] = (0, 0), quant_saves_input: bool = False, biased: tuple[str, ...] = (),
+                 base_trains: bool = False):
         self.p = pol
         self.biased = biased  # linears with a bias: ``addmm`` (not ``mm``) under F.linear / Conv1D
         # bitsandbytes 4-bit base weights (quant4.py): bytes per element of the dequantized weight and
@@ -155,7 +157,10 @@ class Builder:
         self.lora_dropout, self.lora_half = lora_dropout, lora_half
         # LoRA (peft): the base weights are frozen; the adapters' ranks by target module name
         self.lora = {name: rank for name, rank, _ in lora}
-        self.frozen = bool(lora)
+        # ... unless FSDP1 puts them in one flat parameter with the adapters (``base_trains``,
+        # ``LayerKey.lora_base_trains``): then autograd treats them as trainable
+        self.base_trains = bool(lora) and base_trains
+        self.frozen = bool(lora) and not base_trains
         self.capability = capability  # the GPU's compute capability: which SDPA kernel runs
         self.r = Recipe()
         self.layer_input: T | None = None  # the layer's input (its residual stream), set by layer_coefficients
@@ -183,6 +188,9 @@ class Builder:
         runs ``aten.mm`` (``at::linear`` folds a 3-D input into ``matmul``); with one ``addmm``."""
         if self.frozen:
             return self.frozen_linear(x, out, name, saved_name, in_features)
+        free_in = self.grad_starts(x) if self.base_trains else False
+        if free_in:
+            self.r.free_weights.append((x.tok if in_features is None else in_features) * out)
         xin = self.matmul_in(x, saved_name)
         y = T(out, 0.0, self.p.half, out_name or name)
         if not any(name == b or name.endswith("." + b) for b in self.biased):
@@ -193,7 +201,23 @@ class Builder:
         self.r.transient(f"{name}.backward", T(out, 0, self.p.half), T(xin.tok, 0, self.p.half),
                          const=w * self.wgrad_bytes, own_weights=w)
         self.r.weights += w
+        rank = self.lora_rank_of(name)
+        if rank:  # a LoRA target in a mixed FSDP1 unit: the trainable base, then the adapter
+            self.adapter(x, name, saved_name, rank, free_in)
         return y
+
+    def grad_starts(self, x: T) -> bool:
+        """A trainable weight meets ``x`` (``base_trains``: the layer's base weights are views of a
+        flat parameter that requires grad). In the first layer, whose input (the frozen embedding's
+        output) requires no gradient, this is where gradients start: what was saved before is
+        not (``Recipe.first_layer_unsaved``). Returns whether ``x`` is that grad-free input."""
+        if not self.r.adapter_seen:
+            self.r.prefix, self.r.free_input, self.r.adapter_seen = frozenset(self.r.saved), id(x), True
+        return id(x) == self.r.free_input
+
+    def lora_rank_of(self, name: str) -> int:
+        """The LoRA rank of the linear ``name`` (0: not a target)."""
+        return next((r for t, r in self.lora.items() if name == t or name.endswith("." + t)), 0)
 
     def frozen_linear(self, x: T, out: float, name: str, saved_name: str, in_features: float | None = None) -> T:
         """A linear whose weight is frozen (LoRA training, peft ``tuners/lora/layer.py`` ``Linear``).
@@ -202,28 +226,16 @@ class Builder:
         A LoRA target adds ``lora_B(lora_A(dropout(x)))``: peft casts ``x`` to the adapter's dtype
         (``_cast_input_dtype``; adapters are fp32 over half weights, ``autocast_adapter_dtype``),
         ``lora_A`` saves that input (under autocast its half cast), ``lora_B`` the rank-r result."""
-        rank = next((r for t, r in self.lora.items() if name == t or name.endswith("." + t)), 0)
+        rank = self.lora_rank_of(name)
         # the first layer (Recipe.first_layer_unsaved): is this linear's input the grad-free one?
         free_in = not self.r.adapter_seen or id(x) == self.r.free_input
         if free_in:
             self.r.free_weights.append((x.tok if in_features is None else in_features) * out)
         if rank and not self.r.adapter_seen:
             self.r.prefix, self.r.free_input, self.r.adapter_seen = frozenset(self.r.saved), id(x), True
+            self.r.first_adapter_op = len(self.r.transients)  # this linear's transient comes next
         if rank:
-            adapter = x.nbytes if (self.lora_half or x.nbytes == F32) else F32   # peft upcasts to fp32
-            if self.lora_dropout > 0:
-                # nn.Dropout on the (cast) input: a 1-byte mask and a new dropped tensor
-                mask = T(x.tok, x.sq, 1, f"lora.{name}.dropout_mask")
-                self.r.save(mask)
-                if free_in:
-                    self.r.free_extra[id(mask)] = mask
-            if self.p.amp:
-                xin = T(x.tok, x.sq, HALF, saved_name)        # autocast's cast for lora_A, per call
-            elif adapter != x.nbytes or self.lora_dropout > 0:
-                xin = T(x.tok, x.sq, adapter, saved_name)     # the cast and/or dropped copy lora_A saves
-            else:
-                xin = x                                       # the input itself
-            self.r.save(xin, T(rank, 0, HALF if self.p.amp else adapter, f"lora.{name}"))
+            self.adapter(x, name, saved_name, rank, free_in)
         # backward: grad_out and grad_in, no weight gradient
         dq = self.dequantized(x, out, name, in_features)
         # a bitsandbytes Linear4bit returns its output in its input's dtype (``Linear4bit.forward``:
@@ -234,6 +246,31 @@ class Builder:
         self.r.transient(f"{name}.backward", T(out, 0, out_bytes), T(x.tok, 0, x.nbytes if self.quant[0] else
                                                                        self.p.half), const=dq)
         return T(out, 0.0, out_bytes, name)
+
+    def adapter(self, x: T, name: str, saved_name: str, rank: int, free_in: bool) -> None:
+        """peft's ``lora_B(lora_A(dropout(x)))`` beside the base linear (``tuners/lora/layer.py``
+        ``Linear.forward``): ``x`` cast to the adapter's dtype (``_cast_input_dtype``; fp32 adapters
+        over half weights, ``autocast_adapter_dtype``), ``lora_A`` saves that input (under autocast
+        its half cast), ``lora_B`` the rank-r result. In a mixed FSDP1 unit (``base_trains``) the
+        adapters are views of the unit's flat parameter, in its dtype: the stored weights' (fp32 under
+        autocast), ``param_dtype`` (bf16) under FSDP's mixed precision."""
+        if self.base_trains:
+            adapter = self.p.weight                                        # the flat parameter's dtype
+        else:
+            adapter = x.nbytes if (self.lora_half or x.nbytes == F32) else F32   # peft upcasts to fp32
+        if self.lora_dropout > 0:
+            # nn.Dropout on the (cast) input: a 1-byte mask and a new dropped tensor
+            mask = T(x.tok, x.sq, 1, f"lora.{name}.dropout_mask")
+            self.r.save(mask)
+            if free_in:
+                self.r.free_extra[id(mask)] = mask
+        if self.p.amp:
+            xin = T(x.tok, x.sq, HALF, saved_name)        # autocast's cast for lora_A, per call
+        elif adapter != x.nbytes or self.lora_dropout > 0:
+            xin = T(x.tok, x.sq, adapter, saved_name)     # the cast and/or dropped copy lora_A saves
+        else:
+            xin = x                                       # the input itself
+        self.r.save(xin, T(rank, 0, HALF if self.p.amp else adapter, f"lora.{name}"))
 
     def dequantized(self, x: T, out: float, name: str, in_features: float | None) -> float:
         """A bitsandbytes 4-bit base weight (``Linear4bit`` -> ``MatMul4Bit``, quant4.py): bytes of its
@@ -261,6 +298,8 @@ class Builder:
         xin = x
         if self.p.amp and x.nbytes != F32:
             xin = T(x.tok, 0, F32, name)
+        if self.base_trains:  # one op with the trainable weight: it saves all of it
+            self.grad_starts(x)
         self.r.save(T(xin.tok, 0, xin.nbytes, name), T(2, 0, F32, name + ".stats"))
         self.r.input_saved |= xin is x and x is self.layer_input  # no cast: the input itself is saved
         return T(x.tok, 0, F32 if self.p.amp else x.nbytes, name + ".out")
@@ -274,6 +313,8 @@ class Builder:
         self.r.input_saved |= x32 is x and x is self.layer_input  # x.float() of an fp32 input is the input
         normed = T(x.tok, 0, x.nbytes, name)  # fp32 normed.to(input_dtype) is a new tensor either way
         if not self.frozen:  # weight * normed saves normed only for the weight's gradient
+            if self.base_trains:  # the first op with a trainable weight (x.float(), pow, rsqrt are not)
+                self.grad_starts(x)
             self.r.save(normed)
         return T(x.tok, 0, max(self.p.weight, x.nbytes), name + ".out")
 
@@ -608,6 +649,8 @@ class LayerKey:
     ep: int = 1               # expert parallelism: ranks the experts are split over (AllToAllEP)
     ep_rows: float = 0.0      # ... token rows per own token that this rank's experts run on (ep_rank_rows)
     compiled: bool = False    # torch.compile: the saved set of inductor's partition (compiled_recipe)
+    lora_base_trains: bool = False  # FSDP1 mixed units: LoRA's base weights are views of a flat parameter
+    #                                 that requires grad, so autograd treats them as trainable
 
 
 def ep_rank_rows(top_k: int, experts: int, ep: int, imbalance: float) -> float:
@@ -664,6 +707,7 @@ class LayerCoefs:
     transients_at: tuple[int, ...] = ()  # per transient: the backward moments it belongs to (bit mask; () all)
     # per transient: of ``after``, the grouped experts' weight elements (no autocast copies to free)
     after_uncast: tuple[float, ...] = ()
+    first_adapter_op: int = -1  # LoRA: the transient of the first adapted linear (forward order); -1 none
 
     def bytes(self, n: int, nsq: int) -> int:
         return int(self.tok * n + self.sq * nsq)
@@ -695,7 +739,7 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
     t = k.tp
     sp_div = t if k.sp else 1  # sequence parallel splits the replicated regions over TP ranks
     B = Builder(pol, k.dropout, sp_div, k.capability, k.lora, k.lora_dropout, k.lora_half, k.quant,
-                k.quant_saves_input, k.biased)
+                k.quant_saves_input, k.biased, k.lora_base_trains)
     h, f, q, kv = k.h, k.f / t, k.q / t, k.kv / t
     heads, kvh = k.heads / t, k.kv_heads / t  # whole heads per rank (spec.layout.tp_problems)
     x = T(h / sp_div, 0, pol.stream, "residual")
@@ -720,7 +764,8 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
                       graph_held=sum(t.tok * t.nbytes for t in B.r.graph_held.values()),
                       first_unsaved=unsaved, first_free_weights=tuple(B.r.free_weights) if B.r.adapter_seen else (),
                       tensors=tuple(t.bytes_coef() for t in B.r.saved.values()),
-                      after_uncast=after_uncast if any(after_uncast) else ())
+                      after_uncast=after_uncast if any(after_uncast) else (),
+                      first_adapter_op=B.r.first_adapter_op)
 
 
 def op_checkpoint_saved(r: Recipe) -> tuple[float, float]:

@@ -413,9 +413,14 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     top = grads_before + head_grads + layer_grads
     # a pipeline stage's other micro-batches in flight keep all their layers' tensors and their head side
     own_layers, others_all = tk.layers - tk.others_layers, tk.others_layers + tk.others_head
+    # the layer gathered and the previous one prefetched, unless FSDP1 has not reached it yet (its
+    # LoRA units of their own come first in the prefetch order: quantities.fsdp1_unprefetched)
+    unprefetched = _both(q.fsdp1_unprefetched >= 0, tk.transient_index > q.fsdp1_unprefetched)
     moments.append(_mo("backward", micro, step, "layer.top",
                        (top, states_mid, tk.inputs, ws2, tk.layers + tk.outer_rest + tk.others_head, temp),
-                       (kept.logits, kept.kv_forward, 0), valid, own, comm=root + 2 * buf + q.ds_gathered_top))
+                       (kept.logits, kept.kv_forward, 0), valid, own, comm=root + buf + where(unprefetched, 0, buf) + q.ds_gathered_top))
+    _fsdp1_layer_end(q, flags, tk, kept, (step, micro, valid), (grads_before + head_grads, states_mid, ws2, own),
+                     own_layers, root, buf, moments)
     above = where(fresh, q.above_bottom, 0)    # the layers above, reduced to shards
     _i, redo, grads = tk.bottom
     bottom = grads_before + head_grads + above + part(grads)
@@ -481,6 +486,26 @@ def _backward_end(q: Quantities, tk: Tokens, kept: Kept, when: tuple, now: tuple
             _mo("backward", micro, step, "backward.end",
                 (q.grads, states_mid, tk.inputs, ws2, tk.others + tk.others_head, q.oib_end),
                 (kept.logits, kept.kv_end, 0), valid, tk.graph, comm=q.ds_backward_buf + low_ds)]
+
+
+def _fsdp1_layer_end(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, when: tuple, before: tuple,
+                     own_layers: Any, root: Any, buf: Any, moments: list) -> None:
+    """FSDP1, the end of the top layer's backward (``_layers_backward``): its activations freed, its
+    gradients concatenated into the flat gradient with it and the prefetched layer gathered
+    (``quantities.fsdp1_flat_gradient``); then its post-backward hook, the layer resharded: the
+    flat gradient, its copy in the reduce dtype and the new shard (``quantities.fsdp1_post_backward``).
+    ``before``: (gradients before, states, the backward's workspace, the graph-kept tensors)."""
+    step, micro, valid = when
+    grads, states_mid, ws2, own = before
+    rest = tk.layers - own_layers // q.layers + tk.outer_rest + tk.others_head  # the layers below, the outer tensors
+    moments.append(_mo("backward", micro, step, "layer.flat_gradient",
+                       (grads + q.fsdp1_flat, states_mid, tk.inputs, ws2, rest, q.tied_grad),
+                       (kept.logits, kept.kv_forward, 0), _both(valid, q.fsdp1_flat > 0), own,
+                       comm=root + 2 * buf + q.gathered_layer))  # grad-op: the layer still gathered (not in rest)
+    moments.append(_mo("backward", micro, step, "layer.reduce_scatter",
+                       (grads + q.fsdp1_post, states_mid, tk.inputs, ws2, rest, q.tied_grad),
+                       (kept.logits, kept.kv_forward, 0), _both(valid, _both(q.fsdp1_post > 0, flags.fsdp_sync)),
+                       own, comm=root + buf))
 
 
 def _dequant_forward(q: Quantities, tk: Tokens, four: tuple, prev: tuple, micro: int, step: int, valid: Any,

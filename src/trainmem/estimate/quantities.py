@@ -114,6 +114,10 @@ class Quantities:
     fsdp_root_sharded: int = 0  # of ``grads``: the root's sharded gradients (after the root's reduce-scatter)
     fsdp_root_rs: int = 0     # FSDP2: the root's reduce-scatter input, at its post-backward (end of backward)
     fsdp_root_last: int = 0   # ... and the root's last unsharded gradient, alive until the reduce returns
+    fsdp1_post: int = 0       # FSDP1: a layer's gradients in its post-backward hook (fsdp1_post_backward)
+    fsdp1_flat: int = 0       # FSDP1: a layer's gradients as its flat gradient is made (fsdp1_flat_gradient)
+    fsdp1_unprefetched: int = -1  # FSDP1, LoRA units of their own: layer ops from this one on (forward
+    #                               order) run their backward before the previous layer is prefetched
     lower_layers: int = 0  # an encoder-decoder's encoder layers on this rank (backward after the decoder's)
     above_bottom: int = 0  # gradient bytes of the layers above the bottom one (made before its backward)
     above_decoder_bottom: int = 0  # ... above an encoder-decoder's decoder-bottom layer
@@ -203,7 +207,7 @@ def layer_key(m: ModelSpec, t: TrainingSpec) -> LayerKey:
                     t.bnb_saves_input,
                     kv_cache(m, t), biased=biased_linears(m) if t.recompute == "op" else (), ep=t.ep,
                     ep_rows=ep_rank_rows(m.experts_top_k, m.num_experts, t.ep, t.moe_imbalance) if t.ep > 1 else 0.0,
-                    compiled=t.compile)
+                    compiled=t.compile, lora_base_trains=bool(lora) and t.fsdp_mixed_units)
 
 
 def biased_linears(m: ModelSpec) -> tuple[str, ...]:
@@ -989,7 +993,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     head_tok, rest_tok, rest_sq, rest_pos = _split_outer(outer, rest_pos)
     loss = loss_bytes(m, t, pol) if head_here else LossBytes()
     comm, comm_name = _communication(t, st)
-    fsdp = fsdp_buffers(m, t, st)
+    fsdp = fsdp_buffers(m, t, st, lc)
     oib_mid, oib_end = oib_update_bytes(m, t, st) if oib else (0, 0)
     # gradients of the layer's linears as its backward creates them (per weight byte): unsharded under FSDP
     layer_grads_live = st.layer_grads_full if fsdp else st.layer_grads
@@ -1239,6 +1243,20 @@ def loss_outside_root(m: ModelSpec, t: TrainingSpec) -> bool:
     return t.loss in ("upcast", "half") and m.head in ("causal-lm", "masked-lm") and t.pp == 1
 
 
+def fsdp1_prefetch_after_loss(m: ModelSpec, t: TrainingSpec) -> bool:
+    """Whether FSDP1 prefetches the last layer only after the loop's loss has run its backward. The
+    root's pre-backward hook, which unshards the root and prefetches the next unit in backward order
+    (``BACKWARD_PRE``), is registered on the tensors the root's forward returns (torch 2.13
+    ``fsdp/_runtime_utils.py`` ``_register_pre_backward_hooks``, ``_pre_backward_hook`` L630-697).
+    With the model's own loss among them it fires at the first op of backward, so the last layer is
+    gathered while the loss's backward runs; when the loop computes ``cross_entropy`` on the
+    returned logits (``--loss upcast`` / ``half``, ``loss_outside_root``) it fires once the logits'
+    gradient exists, after the loss's backward. The root itself stays gathered: FSDP1 does not
+    reshard the root after forward (``_post_forward_reshard``). Found by trace: Llama-3.2-1B cut to
+    2 layers, bf16-amp ``--loss upcast``, +2.1% before."""
+    return t.fsdp is not None and t.fsdp_version == 1 and loss_outside_root(m, t)
+
+
 def root_resharded_for_loss(m: ModelSpec, t: TrainingSpec) -> bool:
     """Whether FSDP2's root unit is sharded while the loop's loss and the loss's backward run.
 
@@ -1261,7 +1279,7 @@ def root_resharded_for_loss(m: ModelSpec, t: TrainingSpec) -> bool:
             and m.head in ("causal-lm", "masked-lm") and t.pp == 1)
 
 
-def fsdp_buffers(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, int]:
+def fsdp_buffers(m: ModelSpec, t: TrainingSpec, st: States, lc: LayerCoefs) -> dict[str, int]:
     """FSDP's unsharded tensors, which exist only between a forward and the end of its backward
     (``moments`` places each), bytes on one rank in the gathered dtype (bf16 under ``bf16-mp``):
 
@@ -1305,7 +1323,8 @@ def fsdp_buffers(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, int]:
     resharded = root_resharded_for_loss(m, t)
     return {"fsdp_root": st.root_full,
             "fsdp_layer_buf": layer_buf,
-            "fsdp_loss_root": 0 if resharded else st.root_full, "fsdp_loss_buf": 0 if resharded else layer_buf,
+            "fsdp_loss_root": 0 if resharded else st.root_full,
+            "fsdp_loss_buf": 0 if resharded or fsdp1_prefetch_after_loss(m, t) else layer_buf,
             "fsdp_root_regather": st.root_full if resharded else 0,
             "fsdp_loss_ag": 0 if loss_outside_root(m, t) or t.fsdp_version != 2 else block_bytes(st.layer_params_full),
             "fsdp_root_kept": st.root_full if (t.zero_stage != 3 or t.fsdp_version == 1) else 0,
@@ -1314,7 +1333,64 @@ def fsdp_buffers(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, int]:
             "fsdp_ag_result": block_bytes(st.layer_params_full) if t.fsdp_version == 2 else 0,
             "fsdp_root_sharded": st.root_grads,
             "fsdp_root_rs": st.root_rs if t.fsdp_version == 2 else 0,
-            "fsdp_root_last": st.root_last_grad if t.fsdp_version == 2 else 0}
+            "fsdp_root_last": st.root_last_grad if t.fsdp_version == 2 else 0,
+            "fsdp1_post": fsdp1_post_backward(t, st) if t.fsdp_version == 1 else 0,
+            "fsdp1_flat": fsdp1_flat_gradient(st) if t.fsdp_version == 1 else 0,
+            "fsdp1_unprefetched": fsdp1_unprefetched(t, lc)}
+
+
+def fsdp1_flat_gradient(st: States) -> int:
+    """Bytes of a layer's gradients, on one rank, as FSDP1 makes its flat gradient: twice its
+    unsharded gradients (``st.layer_grads_full``). Under FSDP1 with
+    ``use_orig_params=True`` a unit's parameters in forward and backward are views of its unsharded
+    flat parameter, made by one ``torch.split`` (torch 2.13 ``fsdp/_flat_param.py``
+    ``_get_unflat_views_aligned`` L1911-1947, used by ``_use_unsharded_views`` L1949). Each view gets
+    its own gradient (in the unsharded parameter's dtype: bf16 under ``bf16-mp``, fp32 under
+    autocast, whose cast backward returns the fp32 view's gradient), and when the last of them
+    exists autograd runs ``SplitWithSizesBackward0``, which concatenates them into the flat
+    gradient (``torch.cat``) before ``AccumulateGrad`` makes it ``flat_param.grad``: the layer's
+    gradients twice, at the end of its backward, with both it and the prefetched layer gathered.
+    Found by trace: a 4-layer Llama (hidden 1024, vocabulary 1000) dp 2 fp32, peak at that ``cat``:
+    -5.3% before."""
+    return 2 * st.layer_grads_full   # the views' gradients and their concatenation
+
+
+def fsdp1_unprefetched(t: TrainingSpec, lc: LayerCoefs) -> int:
+    """FSDP1 with LoRA adapters in units of their own (peft's ``fsdp_auto_wrap_policy``): the index
+    (forward order, ``LayerCoefs.transients``) of the layer's first adapted linear; -1 otherwise.
+    ``BackwardPrefetch.BACKWARD_PRE`` prefetches the unit that ran its post-forward just before the
+    current one (torch 2.13 ``fsdp/_runtime_utils.py`` ``_get_handle_to_prefetch`` L1597-1640,
+    ``_exec_order_utils.py`` ``get_handle_to_backward_prefetch``: the previous entry of
+    ``handles_post_forward_order``). The adapters' units finish their forward inside their layer's,
+    so a decoder layer prefetches its own last adapter, each adapter the one before it, and the
+    previous decoder layer is gathered only when the backward reaches the layer's first adapter
+    (``lora_A`` of ``q_proj`` for peft's Llama targets: its pre-backward hook, before its own
+    backward): the ops after that linear in forward order (attention's core, the MLP) run their
+    backward with one decoder layer gathered. Found by trace:
+    a 4-layer Llama (hidden 1024, vocabulary 1000) dp 2 bf16-amp LoRA r=8: +11.6% before."""
+    if t.fsdp_version != 1 or not t.lora_rank or t.fsdp_lora_units != "separate" or t.zero_stage != 3:
+        return -1
+    return lc.first_adapter_op
+
+
+def fsdp1_post_backward(t: TrainingSpec, st: States) -> int:
+    """Bytes of a layer's gradients in FSDP1's post-backward hook, on one rank: its unsharded flat
+    gradient (``st.layer_grads_full``, the compute dtype) and what the hook allocates beside it. torch 2.13
+    ``fsdp/_runtime_utils.py`` ``_post_backward_hook`` L700-773: the layer is resharded first
+    (``_post_backward_reshard``), then, when the gradient's dtype is not ``reduce_dtype``
+    (``bf16-mp``: bf16 gradients, fp32 reduction), ``flat_param.grad.to(reduce_dtype)`` makes an
+    fp32 copy of the whole flat gradient (L754-762) while the bf16 one stays referenced
+    (``autograd_computed_grad``); ``_reduce_grad`` (L776-835) -> ``_get_reduce_scatter_tensors``
+    (L838-850) allocates the new shard, ``torch.empty_like(chunks[0])``, one rank's part in the
+    reduce dtype (``F.pad`` copies the flat gradient only when the world size does not divide it:
+    not counted). The shard becomes ``_saved_grad_shard``; the copies are freed when the hook
+    returns. FSDP2 copies every gradient into its reduce-scatter buffer instead and keeps it to the
+    next layer's (``fsdp_rs_buf``). Found by trace: a 4-layer Llama (hidden 1024, vocabulary 1000)
+    dp 4 bf16-mp, whose peak is this hook: -8.0% before."""
+    if not st.layer_rs:
+        return 0
+    cast = st.layer_rs if t.precision == "bf16-mp" else 0   # the flat gradient in fp32 (reduce dtype)
+    return st.layer_grads_full + cast + block_bytes(-(-st.layer_rs // t.shard_group))  # + the new shard
 
 
 _INT_FIELDS = tuple(f.name for f in fields(Quantities) if f.type == "int")

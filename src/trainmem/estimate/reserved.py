@@ -36,6 +36,7 @@ from functools import lru_cache
 from typing import Any
 
 from ..allocator import CachingAllocator
+from ..allocator_rules import block_bytes
 from .moments import StepFlags, Tokens, best_transient
 from .quantities import Quantities
 
@@ -282,13 +283,32 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
     redo = R.allocs(parts) if recompute != "none" else []         # the checkpointed forward again
     _idx, value, grads = best_transient(q.transients, n, nsq)
     tr = R.alloc(max(0, value - grads))                           # grad_out, grad_in of the worst op
-    if st.layer_grads_full:                                       # FSDP: unsharded gradients, reduce-scattered
+    if st.layer_grads_full and not fs.v2 and q.fsdp1_post:        # FSDP1: the flat gradient, then its hook
+        params = _fsdp1_reduce(R, q, st, params)
+    elif st.layer_grads_full:                                     # FSDP: unsharded gradients, reduce-scattered
         full = R.allocs(st.layer_tensors) if fs.v2 and st.layer_tensors else [R.alloc(st.layer_grads_full)]
         fs.reduce(R, full, q.fsdp_rs_buf or st.layer_grads_full)
     _make_grads(R, s, st.trainables, ("layer", f"layer{i}"), oib)
     R.frees([tr] + params)
     R.frees(redo)
     R.frees(kept)
+
+
+def _fsdp1_reduce(R: _Replay, q: Quantities, st: Any, params: list) -> list:
+    """The end of an FSDP1 layer's backward (``quantities.fsdp1_flat_gradient``,
+    ``fsdp1_post_backward``): each parameter view's gradient, when every parameter of the layer trains
+    (else the adapters' as one block), concatenated into the flat gradient; then the post-backward
+    hook reshards the layer (its gathered parameters freed) and allocates the reduce dtype's copy and
+    the new shard beside the flat gradient, all freed when it returns (the shard stands for the
+    sharded gradients ``_make_grads`` allocates next). Returns the gathered parameters left to free."""
+    whole = sum(block_bytes(x) for x in st.layer_tensors) == st.layer_grads_full
+    views = R.allocs(st.layer_tensors) if whole else [R.alloc(st.layer_grads_full)]
+    flat = R.alloc(st.layer_grads_full)                           # SplitWithSizesBackward's cat
+    R.frees(views)
+    R.frees(params)                                               # _post_backward_reshard
+    hook = R.alloc(q.fsdp1_post - st.layer_grads_full)            # the reduce dtype's copy, the new shard
+    R.frees([flat, hook])
+    return []
 
 
 def _make_grads(R: _Replay, s: _Step, trainables: tuple, where: tuple[str, ...], oib: bool = False) -> None:

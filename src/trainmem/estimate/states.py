@@ -303,7 +303,7 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
     key = (m, stage, t.tp, t.ep, dtensor_tp(t), t.pp, t.precision, t.zero_stage, t.fsdp, t.shard_group, t.optimizer,
            t.impl, t.lora_rank, t.lora_targets, t.lora_dtype, t.distributed_optimizer, t.offload_optimizer,
            t.fp32_master, t.quantize, t.quantize_via, t.bitsandbytes_version, t.accumulates_unsharded,
-           t.fsdp_mixed_units)
+           t.fsdp_mixed_units, t.fsdp_version)
     return _STATES_CACHE.get_or_build(key, lambda: _model_states(m, t, stage))
 
 
@@ -318,6 +318,22 @@ def fsdp_grad_op(t: TrainingSpec) -> bool:
     them after the backward computation"; FSDP2's ``reshard_after_forward=False``,
     _fully_shard/_fully_shard.py). Found by trace on the fake group (docs/trace.md)."""
     return t.fsdp == "grad-op" and t.shard_group > 1
+
+
+def fsdp1_accumulated_bytes(t: TrainingSpec, w: int) -> int:
+    """Bytes per element of the gradients FSDP1 accumulates unsharded under ``no_sync()``: the
+    dtype of the unsharded flat parameter autograd accumulates into, ``param_dtype`` (bf16) under
+    ``bf16-mp``, not the fp32 of the stored weights. FSDP1's post-backward hook returns before its
+    cast to ``reduce_dtype`` when it does not sync (torch 2.13 ``fsdp/_runtime_utils.py`` L740-744:
+    ``if not state._sync_gradients: ... return``; the cast is L754-762), and the pre-backward hook
+    keeps an unsharded ``.grad`` of the unpadded size as it is (``_flat_param.py`` L1614-1677
+    ``prepare_gradient_for_backward``). FSDP2 accumulates in the reduce dtype instead
+    (``_fully_shard/_fsdp_param.py`` ``to_accumulated_grad_if_needed``). ``w`` otherwise. Found by
+    trace on the fake group: Llama-3.2-1B cut to 2 layers, grad-op bf16-mp, 2 micro-batches under
+    ``--grad-sync step``, +10.3% before."""
+    if t.fsdp_version == 1 and t.precision == "bf16-mp" and t.accumulates_unsharded:
+        return 2
+    return w
 
 
 @dataclass(frozen=True)
@@ -347,7 +363,7 @@ class _Rank:
         lo, hi = (0, per_stage) if stage == "first" else (m.num_layers - per_stage, m.num_layers)
         w = t.weight_bytes
         half_master = t.fp32_master
-        return _Rank(per_stage, lo, hi, stage, w, 4 if t.distributed_optimizer else w,
+        return _Rank(per_stage, lo, hi, stage, w, 4 if t.distributed_optimizer else fsdp1_accumulated_bytes(t, w),
                      4 if (w == 4 or half_master) else w, half_master, t.zero_stage,
                      max(t.zero_stage, 1) if t.distributed_optimizer else t.zero_stage, t.shard_group,
                      t.zero_stage >= 2 and not t.accumulates_unsharded, t.fsdp_mixed_units,
@@ -413,6 +429,18 @@ class _Tally:
             self.root_g += g
             self.root_rs_elems += _dim0_padded(shape, n, d)
             self.root_last = full
+
+    def mixed_unit_grad(self, r: _Rank, n: int, k: int, counted_layer: bool) -> None:
+        """A frozen layer tensor of ``n`` elements (``k`` of them) in an FSDP1 unit with LoRA adapters
+        (``TrainingSpec.fsdp_mixed_units``): the unit's flat parameter gets a gradient for it too (no
+        states), unsharded in the layer's backward and reduce-scattered with the adapters'.
+        ``counted_layer``: the layer standing for each in the per-layer sums."""
+        g = r.grad_bytes(n)
+        self.grads += k * g
+        self.layer_grads += g
+        if r.fsdp_unsharded and counted_layer:
+            self.layer_full += block_bytes(n * r.gather)
+            self.layer_elems += n
 
     def trainable_tensor(self, t: TrainingSpec, r: _Rank, shape: tuple[int, ...], n: int, k: int,
                          grad_n: int | None = None, where: str = "layer") -> int:
@@ -522,10 +550,8 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
         elif p.is_matmul and t.amp:
             acc.hmh += n * 2
         if frozen:
-            if r.mixed_units and p.layer is not None:  # FSDP1 + LoRA: the layer's flat parameter gets a
-                g = r.grad_bytes(n)                     # gradient for its frozen part too (no states)
-                acc.grads += k * g
-                acc.layer_grads += g
+            if r.mixed_units and p.layer is not None:
+                acc.mixed_unit_grad(r, n, k, uniform or p.layer == r.lo)
             continue
         g = acc.trainable_tensor(t, r, p.shape, n, k, p.numel if _replicated_grad(m, t, p) else n,
                                  "layer" if p.layer is not None else ("after" if layer else "before"))

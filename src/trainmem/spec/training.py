@@ -142,9 +142,9 @@ class TrainingSpec:
     #                          loss_chunks > 1
     master_weights: str | None = None  # an fp32 master copy beside bf16/fp16 weights; None: the framework's
     #                                    (DeepSpeed ZeRO and Megatron's distributed optimizer keep one, FSDP not)
-    fsdp_version: int = 2  # which FSDP ``measure`` wraps with: 2 = fully_shard (per-parameter DTensor shards),
-    #                        1 = FullyShardedDataParallel (flat parameters); estimate models both alike except
-    #                        FSDP1's LoRA units (``fsdp_lora_units``, ``fsdp_mixed_units``)
+    fsdp_version: int = 2  # which FSDP trace and measure wrap with: 2 = fully_shard (per-parameter DTensor
+    #                        shards), 1 = FullyShardedDataParallel (flat parameters, use_orig_params=True);
+    #                        the estimate models where they differ (docs/trace.md, "FSDP1")
     grad_sync: str = "micro-batch"  # GRAD_SYNC: "step" accumulates FSDP's gradients unsharded (no_sync)
     loss_shift: str = "labels"  # LOSS_SHIFTS: "logits" = ``logits[..., :-1, :].contiguous()`` before the loss
     fsdp_lora_units: str = "separate"  # FSDP_LORA_UNITS: "layer" puts adapters in their layer's FSDP1 unit

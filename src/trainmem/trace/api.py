@@ -86,8 +86,8 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
     near the limit the allocator frees its cache and retries as PyTorch does, and a step that does
     not fit stops at the simulated out-of-memory (reported in ``warnings``).
     ``expandable_segments`` and ``max_split_size`` mirror ``PYTORCH_CUDA_ALLOC_CONF``.
-    With data or tensor parallelism (``dp`` > 1, ``fsdp``, ``tp`` > 1 with or without
-    ``sequence_parallel``) the step runs on a fake process group of ``dp`` × ``tp`` ranks
+    With data or tensor parallelism (``dp`` > 1, ``fsdp`` with FSDP2 or, ``fsdp_version=1``, FSDP1,
+    ``tp`` > 1 with or without ``sequence_parallel``) the step runs on a fake process group of ``dp`` × ``tp`` ranks
     (``trace.distributed``) as rank ``rank`` (default 0, the worst: FSDP2 and DTensor give it the
     largest shards); ``extra["ranks"]`` lists every rank, the others as copies of the traced one.
     With ``pp`` > 1 (alone; ``grad_accum`` >= ``pp`` under 1F1B) each pipeline stage is a rank of a

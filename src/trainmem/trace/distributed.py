@@ -1,6 +1,7 @@
 """Data, tensor and pipeline parallelism traced on torch.distributed's own code, in one process.
 
-``trace(..., dp=N)`` (DDP), ``trace(..., dp=N, fsdp="full"|"grad-op")`` (FSDP2) and
+``trace(..., dp=N)`` (DDP), ``trace(..., dp=N, fsdp="full"|"grad-op")`` (FSDP2; with
+``fsdp_version=1`` FSDP1 ``FullyShardedDataParallel``, ``wrappers.fsdp1``) and
 ``trace(..., tp=T)`` (``parallelize_module`` with torchtitan's Llama plan,
 ``trainmem.wrappers.tensor_parallel``; with ``sequence_parallel``, and with FSDP2 over the ``dp``
 dimension of a (dp, tp) mesh) start a fake process group of N × T ranks in this process — PyTorch's ``fake`` backend
@@ -40,6 +41,16 @@ sharded gradients (FSDP2 calls the sharded parameters' post-accumulate-grad hook
 gradients are ``gradients`` from ``post_backward`` on; DDP's buckets (built in ``__init__`` and
 rebuilt in the second step's ``_pre_forward``) ``communication.ddp_buckets``.
 
+FSDP1 (:func:`_fsdp1_patches`) is built on the emulated GPU and wrapped with
+``device_id=torch.device("meta")``: its initialisation takes ``meta`` for the device, not for an
+unmaterialised model (:func:`_fsdp1_init_patches`); the FSDP1 functions that compare data pointers
+see an emulated storage's address (:func:`_with_addresses`); ``FlatParamHandle.unshard`` (the
+padded unsharded flat parameter) is ``communication.fsdp_unsharded_params``, the mixed-precision
+shard ``communication.fsdp_all_gather``, the post-backward hook's copies
+``communication.fsdp_reduce_scatter`` (:func:`_fsdp1_post_backward`). FSDP1 pads every rank's flat
+shard to one size; ranks differ by the 512-byte rounding of the optimizer states of the parameter
+pieces their shard holds (:func:`describe`).
+
 Every rank runs the same program. DDP replicates everything, so the ranks are identical. FSDP2
 shards each parameter with ``torch.chunk`` on dim 0 and pads every rank's shard to the first
 rank's size (``_fsdp_param.py`` ``_init_sharded_param``); only the optimizer states, made with
@@ -72,8 +83,9 @@ import torch
 from ..errors import TrainmemError
 from ..units import fmt
 from ..spec import TrainingSpec
-from ..wrappers import (PP_MODEL_TYPES, TP_MODEL_TYPES, ddp, fsdp2, mesh, pipeline_stage_module, tensor_parallel,
+from ..wrappers import (PP_MODEL_TYPES, TP_MODEL_TYPES, ddp, fsdp1, fsdp2, mesh, pipeline_stage_module, tensor_parallel,
                         wrapper_name)
+from .cuda import _patched
 from .tracker import Tracker
 
 #: modules that hold their own reference to ``torch.distributed.device_mesh._get_device_handle``
@@ -129,20 +141,46 @@ def check(t: TrainingSpec, spec: Any, device: str) -> None:
         raise TrainmemError("trace --fsdp hybrid (HSDP, a 2-D mesh) is not traced yet: use --fsdp full or grad-op, "
                             "or estimate")
     if t.fsdp is not None and t.fsdp_version == 1:
-        raise TrainmemError("trace --fsdp-version 1 (FullyShardedDataParallel) is not traced: FSDP1 takes parameters "
-                            "on meta, where the emulated GPU keeps them, for unmaterialised ones (_init_utils.py "
-                            "_materialize_meta_module, _get_compute_device); use --fsdp-version 2, or estimate")
+        _check_fsdp1(t, what)
     if t.loss == "chunked" or t.loss_chunks > 1:
         what_loss = "--loss chunked" if t.loss == "chunked" else f"--loss-chunks {t.loss_chunks}"
         raise TrainmemError(f"trace {what} with {what_loss} is not traced: the chunked loss runs the model's body "
                             "and head outside the wrapper's forward (DDP's reducer, FSDP2's root unit); use estimate")
-    if t.fsdp is not None and t.optimizer == "adafactor":
+    if t.fsdp is not None and t.fsdp_version == 2 and t.optimizer == "adafactor":
         raise TrainmemError(f"trace {what} with --optimizer adafactor is not traced: transformers' Adafactor mixes "
                             "plain tensors with FSDP2's DTensor shards, which DTensor refuses; use estimate")
     if t.fsdp is None and t.dp > 1 and t.optimizer_in_backward:
         raise TrainmemError(f"trace {what} with --optimizer-in-backward is not traced: the per-parameter hooks run "
                             "before DDP all-reduces the gradient (PyTorch's way is DDP._register_fused_optim); "
                             "use --fsdp full or grad-op, or estimate")
+
+
+def _check_fsdp1(t: TrainingSpec, what: str) -> None:
+    """The FSDP1 refusals: what ``wrappers.fsdp1`` on the fake group does not run as a real job would."""
+    what = f"{what} --fsdp-version 1"
+    if t.tp > 1:
+        raise TrainmemError(f"trace {what}: FSDP1 over tensor-parallel DTensor parameters is not traced (measure "
+                            "refuses it too); use --fsdp-version 2, or estimate")
+    if t.optimizer_in_backward:
+        raise TrainmemError(f"trace {what} with --optimizer-in-backward is not traced: with use_orig_params=True "
+                            "autograd accumulates into FSDP1's flat parameter, so the original parameters' "
+                            "post-accumulate-grad hooks never fire; use --fsdp-version 2, or estimate")
+    if t.precision == "bf16-mp" and t.lora_rank and t.fsdp_lora_units == "separate" and not t.lora_half:
+        raise TrainmemError(f"trace {what} --precision bf16-mp with --lora-rank fails in FSDP1 itself: peft casts "
+                            "the input to its adapter's dtype, read outside the adapter's own unit as the fp32 shard, "
+                            "and the unit, gathered in bf16, does not cast its inputs (MixedPrecision."
+                            "cast_forward_inputs=False), so F.linear gets fp32 and bf16; use --fsdp-lora-units layer, "
+                            "--precision bf16-amp or --fsdp-version 2")
+    if t.fsdp_mixed_units and t.precision in ("bf16", "fp16") and not t.lora_half:
+        raise TrainmemError(f"trace {what} --fsdp-lora-units layer --precision {t.precision}: FSDP1 refuses a unit "
+                            f"holding {t.precision} base weights and fp32 adapters (_flat_param.py "
+                            "_validate_tensors_to_flatten: 'Must flatten tensors with uniform dtype'); add "
+                            "--lora-dtype half (litgpt builds the adapters in the model's dtype)")
+    if t.optimizer == "adafactor":
+        raise TrainmemError(f"trace {what} with --optimizer adafactor is not traced: FSDP1 hands the optimizer "
+                            "1-D views of its flat shards (use_orig_params=True, _flat_param.py "
+                            "_use_sharded_views), so Adafactor would keep unfactored states the estimate does not "
+                            "model; use --fsdp-version 2, or estimate")
 
 
 def _check_pp(t: TrainingSpec, spec: Any, device: str, what: str) -> None:
@@ -261,8 +299,133 @@ def _post_backward(tracker: Tracker, orig: Callable) -> Callable:
     return run
 
 
+def _fsdp1_post_backward(tracker: Tracker, orig: Callable) -> Callable:
+    """FSDP1's ``_post_backward_hook`` (torch 2.13 ``fsdp/_runtime_utils.py`` L700-773) with its
+    buffers named: the flat parameter's unsharded gradient (made by autograd's ``AccumulateGrad``)
+    is ``gradients.unsharded``; what the hook allocates (the gradient cast to ``reduce_dtype``,
+    ``F.pad``'s padded copy when the world size does not divide it, ``_get_reduce_scatter_tensors``'
+    new shard) ``communication.fsdp_reduce_scatter``; the reduced shard it keeps
+    (``_saved_grad_shard``, the optimizer's gradient) ``gradients``."""
+    @functools.wraps(orig)
+    def run(state: Any, handle: Any, flat_param: Any, *unused: Any) -> Any:
+        flat = handle.flat_param
+        if flat.grad is not None:
+            tracker.reclassify(flat.grad, "gradients", "unsharded")
+        with tracker.scope("communication", "fsdp_reduce_scatter"):
+            out = orig(state, handle, flat_param, *unused)
+        shard = getattr(flat, "_saved_grad_shard", None)
+        if shard is not None:
+            tracker.reclassify(shard, "gradients", "")
+        return out
+    return run
+
+
+def _fsdp1_device_handle(orig: Callable) -> Callable:
+    """``_FSDPDeviceHandle.from_device`` (torch 2.13 ``fsdp/_common_utils.py`` L236-248) answers
+    ``getattr(torch, device.type)``; for ``meta``, the emulated GPU, it is ``torch.cuda`` (the
+    emulated module), as ``_device_handle`` answers FSDP2."""
+    def from_device(device: torch.device) -> Any:
+        return torch.cuda if device.type == "meta" else orig(device)
+    return from_device
+
+
+def _fsdp1_init_patches() -> dict[tuple[Any, str], Any]:
+    """FSDP1's initialisation on the emulated GPU (``device_id=torch.device("meta")``,
+    ``wrappers.fsdp1``). ``_init_param_handle_from_module`` (torch 2.13 ``fsdp/_init_utils.py``
+    L563-640) takes ``meta`` parameters for a model not yet materialised
+    (``_need_to_materialize_module`` L873-900) and would ``to_empty`` + ``reset_parameters()`` it;
+    on the emulated GPU ``meta`` is the device and the model is already there, so nothing is to be
+    materialised. ``_get_device_from_device_id`` (L843-870) replaces a device without an index by
+    ``torch.device(current_device())``, which ``_get_compute_device`` (L1075-1104) then finds
+    inconsistent with the parameters' ``meta``: the emulated device is kept as given. The flat
+    parameters are then built, sharded and run by FSDP1's own code."""
+    from torch.distributed.fsdp import _common_utils as common
+    from torch.distributed.fsdp import _init_utils as init
+    from_device = _fsdp1_device_handle(common._FSDPDeviceHandle.from_device)
+    materialize = init._need_to_materialize_module
+    from_id = init._get_device_from_device_id
+
+    def need_to_materialize(module: Any, ignored_params: Any, ignored_modules: Any) -> tuple[bool, bool]:
+        if all(p.device.type == "meta" for p in module.parameters()):
+            return False, False
+        return materialize(module, ignored_params, ignored_modules)
+
+    def device_from_id(device_id: Any, rank: int, device_handle: Any) -> Any:
+        if isinstance(device_id, torch.device) and device_id.type == "meta":
+            return device_id
+        return from_id(device_id, rank, device_handle)
+
+    return {(common._FSDPDeviceHandle, "from_device"): staticmethod(from_device),
+            (init, "_need_to_materialize_module"): need_to_materialize,
+            (init, "_get_device_from_device_id"): device_from_id}
+
+
+def _storage_address(st: Any) -> int:
+    """An emulated GPU storage's address: the ``StorageImpl``'s (``UntypedStorage._cdata``), one per
+    allocation and stable across ``resize_``, or 0 once it has no bytes, as CUDA's null pointer of a
+    freed (``resize_(0)``) storage; a ``meta`` storage's ``data_ptr()`` is always 0."""
+    return st._cdata if st.nbytes() > 0 else 0
+
+
+@contextlib.contextmanager
+def _addresses() -> Iterator[None]:
+    """``Tensor.data_ptr`` and ``UntypedStorage.data_ptr`` of the emulated GPU's tensors as
+    :func:`_storage_address` (plus the tensor's offset), for the FSDP1 code that compares or tests
+    data pointers."""
+    tensor_ptr, storage_ptr = torch.Tensor.data_ptr, torch.UntypedStorage.data_ptr
+
+    def tensor_address(t: torch.Tensor) -> int:
+        if t.device.type != "meta":
+            return tensor_ptr(t)
+        base = _storage_address(t.untyped_storage())
+        return base + t.storage_offset() * t.element_size() if base else 0
+
+    def storage_address(st: Any) -> int:
+        return _storage_address(st) if st.device.type == "meta" else storage_ptr(st)
+
+    with _patched({(torch.Tensor, "data_ptr"): tensor_address, (torch.UntypedStorage, "data_ptr"): storage_address}):
+        yield
+
+
+def _with_addresses(fn: Callable) -> Callable:
+    """``fn`` run under :func:`_addresses`. FSDP1 asks whether the flat parameter is back on its
+    sharded storage by comparing data pointers (torch 2.13 ``fsdp/_runtime_utils.py`` L1145-1150,
+    ``_catch_all_reshard``: ``flat_param.data_ptr() == flat_param._local_shard.data_ptr()``), and,
+    before each unshard, whether the unsharded flat parameter kept for SHARD_GRAD_OP's skipped views
+    is allocated and whether the original parameters still share its storage
+    (``_flat_param.py`` L2241-2330 ``_writeback_orig_params``: ``_data_ptr_allocated``,
+    ``_same_storage``). On ``meta`` every pointer is 0: the first answer would always be "already
+    resharded" (a unit whose post-backward hook did not run would stay gathered), the second "not
+    allocated" (SHARD_GRAD_OP stops on its assertion)."""
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with _addresses():
+            return fn(*args, **kwargs)
+    return run
+
+
+def _fsdp1_patches(tracker: Tracker) -> dict[tuple[Any, str], Any]:
+    """FSDP1 on the emulated GPU (:func:`_fsdp1_init_patches`) with its buffers attributed:
+    ``FlatParamHandle.unshard`` (the padded unsharded flat parameter, allocated with
+    ``_alloc_storage``, i.e. ``UntypedStorage.resize_``, and all-gathered into) is
+    ``communication.fsdp_unsharded_params``; ``_use_low_precision_shard`` (the shard cast to
+    ``param_dtype`` under mixed precision, the all-gather's input, freed by ``post_unshard``)
+    ``communication.fsdp_all_gather``; ``_post_backward_hook`` as :func:`_fsdp1_post_backward`."""
+    from torch.distributed.fsdp import _flat_param as fp
+    from torch.distributed.fsdp import _runtime_utils as rt
+    out = _fsdp1_init_patches()
+    handle = fp.FlatParamHandle
+    out[(handle, "unshard")] = _scoped(tracker, "communication", "fsdp_unsharded_params", handle.unshard)
+    out[(handle, "_use_low_precision_shard")] = _scoped(tracker, "communication", "fsdp_all_gather",
+                                                        handle._use_low_precision_shard)
+    out[(rt, "_post_backward_hook")] = _fsdp1_post_backward(tracker, rt._post_backward_hook)
+    out[(rt, "_catch_all_reshard")] = _with_addresses(rt._catch_all_reshard)
+    out[(handle, "_writeback_orig_params")] = _with_addresses(handle._writeback_orig_params)
+    return out
+
+
 def patches(tracker: Tracker) -> dict[tuple[Any, str], Any]:
-    """(object, attribute) -> value: FSDP2 and DDP on the emulated GPU, their buffers attributed."""
+    """(object, attribute) -> value: FSDP2, FSDP1 and DDP on the emulated GPU, their buffers attributed."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as pg
     import torch.distributed.utils as dist_utils
     import torch.nn.parallel.distributed as ddp_module
@@ -287,6 +450,7 @@ def patches(tracker: Tracker) -> dict[tuple[Any, str], Any]:
     out[(schedules._PipelineSchedule, "_warmup_p2p")] = _static_vote(schedules._PipelineSchedule._warmup_p2p)
     import torch.distributed as dist
     out[(dist, "batch_isend_irecv")] = _p2p_one_by_one
+    out.update(_fsdp1_patches(tracker))
     return out
 
 
@@ -374,6 +538,8 @@ def wrap(module: torch.nn.Module, spec: Any, t: TrainingSpec, tracker: Tracker) 
     device_mesh = mesh(t, "cuda")
     if t.tp > 1:
         tensor_parallel(module, spec, device_mesh["tp"], t.sequence_parallel)
+    if t.fsdp is not None and t.fsdp_version == 1:  # the flat parameters built and sharded on the emulated GPU
+        return fsdp1(module, spec, t, device_mesh["dp"], torch.device("meta"))
     if t.fsdp is not None:
         fsdp2(module, spec, t, device_mesh["dp"])
         return module
@@ -406,6 +572,11 @@ def describe(t: TrainingSpec, rank: int = 0) -> str:
            "every rank's shards are as large as rank 0's or smaller (torch.chunk gives the first ranks the extra "
            "rows; FSDP2 pads its shards to rank 0's size)")
     which = "rank 0 traced, the worst rank" if rank == 0 else f"rank {rank} traced (rank 0 is the worst)"
+    if t.fsdp is not None and t.fsdp_version == 1:
+        why = ("FSDP1 pads every rank's flat shard to one size; the optimizer keeps a state per piece of an original "
+               "parameter in the rank's shard, so a rank whose shard cuts more parameters rounds a few more "
+               "512-byte blocks: other ranks may differ by some KiB")
+        which = "rank 0 traced" if rank == 0 else f"rank {rank} traced"
     return (f"{wrapper_name(t)} on a fake process group of {world_size(t)} ranks (torch.distributed's fake "
             f"backend): {which} ({why})")
 
@@ -425,8 +596,11 @@ def rank_entries(report: Any, t: TrainingSpec, rank: int = 0) -> list[dict[str, 
               "phases": [p.to_dict() for p in report.phases], "traced": True}
     keep = ("world_size", "device", "peak_allocated", "peak_reserved", "device_used", "peak_phase",
             "parameters_bytes", "optimizer_states_bytes", "cuda_context")
+    why = ({"not_traced": "the same program; FSDP1 pads every rank's flat shard to one size, and the optimizer "
+                          "states of the parameter pieces in it may round to some KiB more or less"}
+           if t.fsdp is not None and t.fsdp_version == 1 else {})
     return [traced if r == rank else
-            {"rank": r, "local_rank": r, **{k: traced[k] for k in keep}, "traced": False, "copied_from": rank}
+            {"rank": r, "local_rank": r, **{k: traced[k] for k in keep}, "traced": False, "copied_from": rank, **why}
             for r in range(world_size(t))]
 
 
