@@ -61,6 +61,10 @@ class States:
     # gradient bytes of each of the stage's layers, in order, when they differ (``uniform_layers``
     # false: an encoder-decoder's decoder layers hold cross-attention); () when identical
     each_layer_grads: tuple[int, ...] = ()
+    # an encoder-decoder's untied position tables of its decoder (BART's ``decoder.embed_positions``):
+    # registered after the encoder's layers, their gradients are made by the decoder's embedding
+    # backward, after its first layer's backward and before the encoder's (``quantities._grads_above``)
+    between_grads: int = 0
 
 
 def _tp_div(p: ParamTensor, tp: int) -> int:
@@ -386,6 +390,7 @@ class _Tally:
     layer_elems: int = 0     # FSDP: one layer's trainable elements (the reduce-scatter input)
     root_g: int = 0          # FSDP: the sharded gradients outside the layers (bytes)
     each: dict = field(default_factory=dict)  # layer -> its gradient bytes (layers that differ)
+    between: int = 0         # States.between_grads: an encoder-decoder's embedding tables after its encoder's layers
 
     def trainable_tensor(self, t: TrainingSpec, r: _Rank, shape: tuple[int, ...], n: int, k: int,
                          grad_n: int | None = None, where: str = "layer") -> int:
@@ -439,7 +444,8 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
                   sum(x[1] for x in lora), acc.q4, acc.root, acc.head_full, acc.emb_full, acc.layer_full, rs,
                   acc.root_g, _load_list(before, layer, r.per_stage if m.uniform_layers else 1, after),
                   tuple(acc.items), tuple(acc.root_list), tuple(acc.layer_list),
-                  each_layer_grads=tuple(g for _, g in sorted(acc.each.items())) if not lora else ())
+                  each_layer_grads=tuple(g for _, g in sorted(acc.each.items())) if not lora else (),
+                  between_grads=acc.between)
 
 
 def _load_list(before: list, layer: list, k: int, after: list) -> tuple[int, ...]:
@@ -516,7 +522,7 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
             acc.head_grads += g
             acc.head_full += full
         elif not (m.tied_embeddings and p.name.endswith(TIED_NAMES)):
-            acc.emb_full += full
+            acc.emb_full, acc.between = acc.emb_full + full, acc.between + (g if layer and m.is_encoder_decoder else 0)
     r = rank
     acc.lpf = max(lpf_of.values(), default=0)
     if not uniform and r.per_stage:
