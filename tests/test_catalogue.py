@@ -105,6 +105,11 @@ EXPECTED_PARAMS = {
     "vit-base-patch16-224": 86_567_656,  # the published ViT-B/16 figure, 1000-class head included
     "vit-large-patch16-224": 304_326_632,
     "bart-large": 406_291_456,
+    # the model cards' 248M (flan-t5-base, with transformers 4's untied head: 247,577,856), 139M and 632M
+    # (vit-huge's ViTModel; trained here with the 2-label classifier from_pretrained builds, no pooler)
+    "flan-t5-base": 222_903_552,
+    "bart-base": 139_420_416,
+    "vit-huge-patch14-224-in21k": 630_767_362,
 }
 HF_NAMES = sorted(n for n in EXPECTED_PARAMS if n != "nanogpt-124m")
 

@@ -236,20 +236,27 @@ def build_profile(config: Mapping[str, Any]) -> Profile:
     except Exception as e:  # a config that does not build: say which and why, once
         raise TrainmemError(f"model_type {mtype!r}: {cls.__name__} does not build from this config on the meta "
                             f"device ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
-    return profile_of_module(model, mtype, cls.__name__, dict(summary(cfg), task=task), transformers.__version__)
+    # a vision tower's classifier on a composite config (SigLIP's, CLIP's): its sizes are the vision config's
+    vision = getattr(cfg, "vision_config", None) if task == "image-classification" else None
+    summ = dict(summary(vision), vocab_size=summary(cfg, labels_only=True)["vocab_size"]) if vision is not None \
+        else summary(cfg)
+    return profile_of_module(model, mtype, cls.__name__, dict(summ, task=task), transformers.__version__)
 
 
-def summary(cfg: Any) -> dict[str, Any]:
+def summary(cfg: Any, labels_only: bool = False) -> dict[str, Any]:
     """The sizes a ModelSpec needs, read from transformers' config object (defaults and aliases
     resolved by transformers). An encoder-decoder counts the layers of both stacks
     (``decoder_layers`` of them in the decoder); an image model (``image_size`` and ``patch_size``
-    in its config) has no vocabulary: its ``vocab_size`` is its label count."""
+    in its config) has no vocabulary: its ``vocab_size`` is its label count (``labels_only``: that
+    alone, of a composite config whose vision config has the sizes)."""
     def first(*keys: str, default: Any = None) -> Any:
         for k in keys:
             v = getattr(cfg, k, None)
             if v is not None and not isinstance(v, bool):
                 return v
         return default
+    if labels_only:
+        return {"vocab_size": len(getattr(cfg, "id2label", None) or {}) or int(first("num_labels", default=2))}
     text = getattr(cfg, "get_text_config", lambda: cfg)()
     cfg = text if text is not None else cfg
     h = int(first("hidden_size", "d_model", "n_embd", "dim"))
