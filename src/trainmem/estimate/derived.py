@@ -36,10 +36,10 @@ COEF_VERSION = 16  # (quantized setups have keys of their own: ``key``)
 DERIVED_HEADS = ("causal-lm", "seq2seq-lm", "image-cls")
 #: the model types whose image classifier's derived estimate is checked against trace (ViT's); the
 #: vision towers of CLIP and SigLIP (``CLIPForImageClassification``, ``SiglipForImageClassification``)
-#: trace, but their estimates are not within 0.5% yet on 3-layer towers: CLIP +0.7% to +4.4% (the top
-#: layer's output, which its classifier's slice-and-mean does not save, is counted until that layer's
-#: backward), SigLIP +2% to +17% (its attention-pooling head is built but not run by the classifier,
-#: so it gets no gradient nor optimizer states, which the estimate counts for every parameter)
+#: trace, but their estimates are not within 0.5% yet on 3-layer towers: CLIP within 0.15% without
+#: recompute, +0.5% to +1.5% under full recompute (the first layer's kept input, the embedding side's
+#: output, counted twice), SigLIP +2% to +17% (its attention-pooling head is built but not run by the
+#: classifier, so it gets no gradient nor optimizer states, which the estimate counts for every parameter)
 DERIVED_IMAGE_TYPES = ("vit",)
 
 

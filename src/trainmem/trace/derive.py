@@ -108,9 +108,11 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "") -> dict
                               "cache": cache, "held": held}
         if refined and not ckpt:  # (traced checkpointed, the recomputation is measured as such)
             # the layer's output, kept only by what follows the layer (the next layer, the final
-            # norm): a layer recomputed in its backward does not keep it (quantities._recompute)
+            # norm): a layer recomputed in its backward does not keep it (quantities._recompute);
+            # measured at the kind's typical layer (``_analyse``'s ``at``), whose output the next
+            # layer keeps (CLIP's top layer's, which nothing after it saves, is freed in forward)
             out["kinds"][kind]["not_recomputed"] = _fitted(m, f"layer {kind} output", pts,
-                                                           [r["early"].get(kind, 0) for r in runs], ("n",))[0]
+                                                           [r["early"][f"@typical.{kind}"] for r in runs], ("n",))[0]
     c = fit("first layer's bytes", [r["first"] for r in runs])
     out["first_layer"] = [c["n"], c["s"], c["nsq"]]
     for side in ("embed", "head", "head_loss"):
@@ -435,22 +437,22 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
             embed += r.nbytes
         elif last_layer_ev < r.alloc_event < logits_ev:
             head += r.nbytes
-    # a kind's bytes come from a layer between the first and the last of its stack when the cut
-    # model has one. The top layer's output may be kept by what follows it (a post-norm model's
-    # final norm saves it, OLMo 2): that excess is the head's. The first layer may save less: with
-    # LoRA its input (frozen embeddings) needs no gradient, so a frozen branch that reads only the
-    # input saves nothing there (GPT-NeoX's parallel MLP). That difference, and an encoder-decoder's
-    # at the ends of its stacks (the encoder's last layer, the decoder's first), is ``first``
-    # (once per model).
-    top = len(kinds) - 1
+    # a kind's bytes come from a layer inside its stack when the cut model has one. The top layer's
+    # output may be kept by what follows it (a post-norm model's final norm saves it, OLMo 2): that
+    # excess is the head's; an image model's top layer may keep less (nothing after it saves its
+    # output: CLIP's classifier slices and means it), a difference of the layers' (``first``), as
+    # the first layer's: with LoRA its frozen input saves nothing in a frozen branch (GPT-NeoX's
+    # parallel MLP), and an encoder-decoder's at the ends of its stacks (once per model).
+    top, image = len(kinds) - 1, vocab == -1 and early_frees
     typical, saved, parts = _typical_layers(kinds, starts, ends, saved_rec, pat)
 
     def excess(i: int) -> int:
         return sum(r.nbytes for r in saved_rec[i]) - saved[kinds[i]] if typical[kinds[i]] != i else 0
-    head += excess(top)
-    first = sum(excess(i) for i in sorted(set(starts + ends) - {top})) if top > 0 else 0
+    top_less = min(excess(top), 0) if image else 0
+    head += excess(top) - top_less
+    first = sum(excess(i) for i in sorted(set(starts + ends) - {top})) + top_less if top > 0 else 0
     # an encoder-decoder's bottom and decoder-bottom layers measured as such (a kind's: its last layer)
-    at = {"bottom": 0, "decoder_bottom": starts[1]} if len(starts) > 1 else {}
+    at = {"bottom": 0, "decoder_bottom": starts[1]} if len(starts) > 1 else {f"typical.{k}": typical[k] for k in typical}
     trans, made, total_g, early = _transients(tracker, recs, layer_of, kinds, saved_rec, vocab, early_frees,
                                               shared_frees, at)
     base = _moment_bases(recs, layer_of, at, saved_rec, shared_frees, (end, logits_ev))
