@@ -230,3 +230,17 @@ def test_vision_tower_of_a_composite_config_is_traced_and_not_estimated(model_ty
     with pytest.raises(TrainmemError, match=f"its {arch} image classifier") as e:
         trainmem.estimate(cfg, batch_size=2)
     assert "\n" not in str(e.value)
+
+
+def test_layouts_read_each_sequence_at_its_own_target_ratio():
+    """The planner's arrays (estimate_layouts) with a fixed --target-len and sequences that vary:
+    each sequence's coefficients are read at its own decoder-to-encoder ratio, byte for byte as the
+    scalar estimate (fit searches the sequence this way)."""
+    import numpy as np
+    from trainmem.estimate.engine import estimate_layouts
+    r = trainmem.resolve("t5-base", batch_size=4, seq_len=512, target_len=128)
+    seqs = [128, 512, 1792, 512]
+    out = estimate_layouts(r.model, r.training, seq_len=np.array(seqs))["peak_allocated"]
+    assert list(out) == [trainmem.estimate("t5-base", batch_size=4, seq_len=s, target_len=128).peak_allocated
+                         for s in seqs]
+    assert out[0] < out[1] < out[2]
