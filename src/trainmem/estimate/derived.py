@@ -34,13 +34,12 @@ from .layers import LayerCoefs
 COEF_VERSION = 16  # (quantized setups have keys of their own: ``key``)
 #: the heads whose derived coefficients are checked against trace (tests/test_encdec_vit.py, test_derived.py)
 DERIVED_HEADS = ("causal-lm", "seq2seq-lm", "image-cls")
-#: the model types whose image classifier's derived estimate is checked against trace (ViT's); the
-#: vision towers of CLIP and SigLIP (``CLIPForImageClassification``, ``SiglipForImageClassification``)
-#: trace, but their estimates are not within 0.5% yet on 3-layer towers: CLIP within 0.15% without
-#: recompute, +0.5% to +1.5% under full recompute (the first layer's kept input, the embedding side's
-#: output, counted twice), SigLIP +2% to +17% (its attention-pooling head is built but not run by the
-#: classifier, so it gets no gradient nor optimizer states, which the estimate counts for every parameter)
-DERIVED_IMAGE_TYPES = ("vit",)
+#: the model types whose image classifier's derived estimate is checked against trace (ViT's and
+#: SigLIP's vision tower, ``SiglipForImageClassification``); CLIP's (``CLIPForImageClassification``)
+#: traces, but its estimate is not within 0.5% yet on 3-layer towers: within 0.15% without recompute,
+#: +0.5% to +1.5% under full recompute (the first layer's kept input, the embedding side's output,
+#: counted twice)
+DERIVED_IMAGE_TYPES = ("vit", "siglip")
 
 
 def derived_problems(m: ModelSpec, t: TrainingSpec) -> list[str]:
@@ -214,7 +213,8 @@ def moment_activations(m: ModelSpec, t: TrainingSpec) -> tuple[tuple[float, ...]
         if name == "decoder_bottom":
             for k, c in extra.items():
                 v = doc["kinds"][k]
-                n, nsq, pos, ssq = n + c * v["tok"], nsq + c * v["sq"], pos + c * v["pos"], ssq + c * doc["ssq"][f"kind.{k}"]
+                n, nsq, pos = n + c * v["tok"], nsq + c * v["sq"], pos + c * v["pos"]
+                ssq += c * doc["ssq"][f"kind.{k}"]
         out.append((n, nsq, pos, ssq))
     return out[0], out[1]
 
@@ -360,6 +360,17 @@ def head_during_loss(m: ModelSpec, t: TrainingSpec, stage: str) -> float:
     if t.loss is not None or not (t.pp == 1 or stage == "last"):
         return 0.0
     tok, s, _sq = coefficients(m, t)["head_loss"]
+    return max(tok + s, 0.0)
+
+
+def head_forward(m: ModelSpec, t: TrainingSpec, stage: str) -> float:
+    """Bytes per token an image model's head holds at its forward's highest point beyond the head
+    side's saved tensors (``trace.derive._head_forward``: SigLIP's attention-pooling head, run but
+    not read); 0 when not measured (other models, coefficients derived before it was) or off the
+    last pipeline stage."""
+    if not (t.pp == 1 or stage == "last"):
+        return 0.0
+    tok, s, _sq = coefficients(m, t).get("head_forward", (0.0, 0.0, 0.0))
     return max(tok + s, 0.0)
 
 

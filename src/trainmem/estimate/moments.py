@@ -89,6 +89,7 @@ class Tokens:
     others_head: Any = 0   # ... and their final norm / head input (the last stage)
     others_loss: Any = 0   # ... and on a pipeline's last stage their logits and what their loss saved (GPipe)
     sent: Any = 0          # the previous micro-batch's input gradient a later 1F1B stage's send ops hold
+    tokens: Any = 0        # the micro-batch's tokens on this rank
     # a derived encoder-decoder's activations at its bottom and decoder-bottom layer moments (measured)
     bottom_acts: Any = 0
     decoder_bottom_acts: Any = 0
@@ -164,7 +165,7 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
                   logits_grad=full * q.logits_out, others=(layers + outer_rest) * (inflight - 1) // inflight,
                   others_layers=layers * (inflight - 1) // inflight, others_head=outer_head * (inflight - 1),
                   others_loss=(full * q.logits_held + saved) * (inflight - 1),
-                  sent=trunc(q.pipe_sent_tok * n) if later else 0, bottom_acts=bottom_acts,
+                  sent=trunc(q.pipe_sent_tok * n) if later else 0, bottom_acts=bottom_acts, tokens=n,
                   decoder_bottom_acts=decoder_bottom_acts)
 
 
@@ -180,7 +181,8 @@ def _bottom_moments(q: Quantities, sizes: tuple, recompute: Any, casts: Any) -> 
     for at in (BOTTOM, DECODER_BOTTOM):
         i, v, g = best_transient(q.transients, n, nsq, s * s, at)
         out.append((i, maximum(0, v - g + recompute), g))
-    bottom_acts = trunc(q.bottom_tok * n + q.bottom_sq * nsq + q.bottom_pos * s + q.bottom_ssq * s * s) + casts // q.layers
+    bottom_acts = (trunc(q.bottom_tok * n + q.bottom_sq * nsq + q.bottom_pos * s + q.bottom_ssq * s * s)
+                   + casts // q.layers)
     decoder_bottom_acts = (trunc(q.decb_tok * n + q.decb_sq * nsq + q.decb_pos * s + q.decb_ssq * s * s)
                            + casts * (q.lower_layers + 1) // q.layers)
     return out[0], out[1], bottom_acts, decoder_bottom_acts
@@ -361,6 +363,10 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
                          moments, prev_graph + own)
     moments.append(_fsdp_layer_unshard(q, tk, (grads_before, states, ws), (prev_logits, prev_kv), step, micro,
                                        valid))
+    # a derived image model's head forward (SigLIP's pooling head, run but not read), all layers' tensors saved
+    moments.append(_mo("forward", micro, step, "head.forward",
+                       (grads_before, states, tk.inputs, ws, tk.all_acts, trunc(q.head_fwd_tok * tk.tokens)),
+                       (prev_logits, prev_kv + tk.kv_held, 0), _both(valid, q.head_fwd_tok > 0), prev_graph + own))
     moments.append(_mo("forward", micro, step, "cross_entropy",
                        (grads_before, states, tk.inputs, ws, tk.all_acts, tk.loss_forward + q.cast_forward_only),
                        (prev_logits + tk.out_logits, prev_kv + tk.kv_held, tk.loss_saved), valid, prev_graph + own,

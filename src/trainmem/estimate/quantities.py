@@ -27,7 +27,7 @@ from .elementwise import NEVER
 from .derived import regime as derived_regime
 from .derived import head_during_loss as derived_head_loss, layer_coefs as derived_layer, outer as derived_outer
 from .derived import logits_bytes as derived_logits_bytes, outer_ssq as derived_outer_ssq
-from .derived import decoder_ratio, moment_activations
+from .derived import decoder_ratio, head_forward as derived_head_forward, moment_activations
 from .layers import ALL_MOMENTS, LayerCoefs, LayerKey, Policy, ep_rank_rows, layer_coefficients
 from .quant4 import dequant_dtypes, is_quantized
 from .states import (States, block_bytes, default_lora_targets, dtensor_tp, fsdp_grad_op, model_states,
@@ -128,6 +128,7 @@ class Quantities:
     dec_den: int = 1
     # a derived encoder-decoder's activations alive at its bottom and decoder-bottom backward moments
     # (``derived.moment_activations``): per token, per token x key, per position, per position squared
+    head_fwd_tok: float = 0.0  # a derived image model's head forward beyond its saved tensors (derived.head_forward)
     bottom_tok: float = 0.0
     bottom_sq: float = 0.0
     bottom_pos: float = 0.0
@@ -901,17 +902,22 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         outer_rest_ssq=derived_outer_ssq(m, t, stage) if derived else 0.0,
         lower_layers=lower, above_bottom=above_bottom, above_decoder_bottom=above_decoder_bottom,
         input_tok=input_bytes(m, t)[0], input_sample=input_bytes(m, t)[1],
-        dec_num=decoder_ratio(m, t)[0], dec_den=decoder_ratio(m, t)[1], **_moment_fields(m, t), **pipe,
+        dec_num=decoder_ratio(m, t)[0], dec_den=decoder_ratio(m, t)[1], **_derived_fields(m, t, stage), **pipe,
         detail=Detail(st, lc, outer, comm_name, input_tok, sum(a for _, a, _ in received)))
 
 
-def _moment_fields(m: ModelSpec, t: TrainingSpec) -> dict[str, float]:
-    """The ``Quantities`` fields of a derived encoder-decoder's bottom and decoder-bottom moments."""
-    if m.family != "derived" or not m.is_encoder_decoder:
+def _derived_fields(m: ModelSpec, t: TrainingSpec, stage: str) -> dict[str, float]:
+    """The ``Quantities`` fields of a derived architecture's head forward (an image model's) and of
+    an encoder-decoder's bottom and decoder-bottom moments."""
+    if m.family != "derived":
         return {}
-    bottom, decb = moment_activations(m, t)
-    names = ("tok", "sq", "pos", "ssq")
-    return {**{f"bottom_{k}": v for k, v in zip(names, bottom)}, **{f"decb_{k}": v for k, v in zip(names, decb)}}
+    out = {"head_fwd_tok": derived_head_forward(m, t, stage)}
+    if m.is_encoder_decoder:
+        bottom, decb = moment_activations(m, t)
+        names = ("tok", "sq", "pos", "ssq")
+        out.update({f"bottom_{k}": v for k, v in zip(names, bottom)})
+        out.update({f"decb_{k}": v for k, v in zip(names, decb)})
+    return out
 
 
 def _layer_transients(t: TrainingSpec, lc: LayerCoefs, pol: Policy, gpw: float, freed: float,

@@ -497,7 +497,7 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
                 acc.lmh += n * 2
         elif p.is_matmul and t.amp:
             acc.hmh += n * 2
-        if frozen:
+        if frozen or p.role == "unused":  # (unused: built, never given a gradient, spec.profile.without_gradient)
             if r.mixed_units and p.layer is not None:  # FSDP1 + LoRA: the layer's flat parameter gets a
                 g = r.grad_bytes(n)                     # gradient for its frozen part too (no states)
                 acc.grads += k * g

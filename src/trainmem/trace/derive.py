@@ -115,7 +115,7 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "") -> dict
                                                            [r["early"][f"@typical.{kind}"] for r in runs], ("n",))[0]
     c = fit("first layer's bytes", [r["first"] for r in runs])
     out["first_layer"] = [c["n"], c["s"], c["nsq"]]
-    for side in ("embed", "head", "head_loss"):
+    for side in ("embed", "head", "head_loss") + (("head_forward",) if m.is_image else ()):
         c = fit(f"{side} bytes", [r[side] for r in runs])
         out[side] = [c["n"], c["s"], c["nsq"]]
     return out
@@ -457,8 +457,7 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
                                               shared_frees, at)
     base = _moment_bases(recs, layer_of, at, saved_rec, shared_frees, (end, logits_ev))
     # the KV cache: all of it per layer, and what dies with the output (``held``: not saved)
-    kv: dict[str, list[int]] = defaultdict(list)
-    held: dict[str, list[int]] = defaultdict(list)
+    kv, held = defaultdict(list), defaultdict(list)  # kind -> bytes
     for kind, i in typical.items():
         kv[kind].append(sum(r.nbytes for r in cache if layer_of(r) == i))
         held[kind].append(sum(r.nbytes for r in recs if layer_of(r) == i and r.free_event is not None
@@ -466,10 +465,30 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
     # the logits' element size: BART adds its fp32 ``final_logits_bias`` buffer to the half head
     # output under autocast, so its logits (and its loss) are fp32 (estimate.quantities.loss_bytes)
     logits_bytes = logits[0].nbytes // max(1, _numel(logits[0].shape)) if logits else 0
-    return {"saved": saved, "logits_bytes": logits_bytes, "parts": parts,
+    return {"saved": saved, "logits_bytes": logits_bytes, "parts": parts, "early": early, "base": base,
             "cache": {k: max(v) for k, v in kv.items()}, "held": {k: max(v) for k, v in held.items()},
             "embed": embed, "head": head, "head_loss": head_loss - head, "first": first, "transient": trans,
-            "made": made, "total_g": total_g, "early": early, "base": base}
+            "made": made, "total_g": total_g,
+            "head_forward": _head_forward(tracker, recs, (last_layer_ev, logits_ev), head) if image else 0}
+
+
+def _head_forward(tracker: Any, recs: list, window: tuple[int, int], head: int) -> int:
+    """An image model's head forward: the most bytes its tensors made after the last layer hold at
+    once before the logits (SigLIP's vision tower runs its attention-pooling head, whose keys and
+    values are (b, s, h) projections of the whole sequence, though its classifier mean-pools and
+    never reads the head's output), less the head side's tensors that outlive the forward (``head``,
+    which the engine counts with the activations)."""
+    start, stop = window
+    cur = best = 0
+    for e in range(start + 1, stop):
+        code = tracker.ev_rec[e]
+        r = recs[code] if code >= 0 else recs[~code]
+        if r.phase != "forward" or r.category not in ("activations", "temporaries") or r.alloc_event <= start \
+                or r.label == "autocast_weight_cache":
+            continue
+        cur += r.nbytes if code >= 0 else -r.nbytes
+        best = max(best, cur)
+    return max(best - head, 0)
 
 
 def _moment_bases(recs: list, layer_of: Any, at: dict[str, int], saved_rec: dict[int, list], shared: int,
