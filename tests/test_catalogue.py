@@ -105,6 +105,13 @@ EXPECTED_PARAMS = {
     "vit-base-patch16-224": 86_567_656,  # the published ViT-B/16 figure, 1000-class head included
     "vit-large-patch16-224": 304_326_632,
     "bart-large": 406_291_456,
+    # the model cards' 248M (flan-t5-base, with transformers 4's untied head: 247,577,856), 139M and 632M
+    # (vit-huge's ViTModel; trained here with the 2-label classifier from_pretrained builds, no pooler)
+    "flan-t5-base": 222_903_552,
+    "bart-base": 139_420_416,
+    "vit-huge-patch14-224-in21k": 630_767_362,
+    # SiglipModel (both towers) 203,155,970, the model card's 203M; its vision tower's classifier trained
+    "siglip-base-patch16-224": 92_885_762,
 }
 HF_NAMES = sorted(n for n in EXPECTED_PARAMS if n != "nanogpt-124m")
 
@@ -132,6 +139,13 @@ def _hf_config(cfg: dict) -> dict:
 
 def _layers_key(cfg: dict) -> str:
     return "n_layer" if cfg["model_type"] == "gpt2" else "num_hidden_layers"
+
+
+def _with_layers(cfg: dict, k: int) -> dict:
+    """``cfg`` with ``k`` layers (a vision tower's classifier, SigLIP's: its vision config's)."""
+    if "vision_config" in cfg:
+        return dict(cfg, vision_config=dict(cfg["vision_config"], num_hidden_layers=k))
+    return dict(cfg, **{_layers_key(cfg): k})
 
 
 @lru_cache(maxsize=None)
@@ -194,9 +208,8 @@ def test_layer_and_non_layer_params(name):
     cfg = _raw(name)
     if not trainmem.resolve_model(name).uniform_layers:
         pytest.skip("layers differ: no single layer size")
-    key = _layers_key(cfg)
-    one, _, _ = real_counts(dict(cfg, **{key: 1}))
-    two, _, _ = real_counts(dict(cfg, **{key: 2}))
+    one, _, _ = real_counts(_with_layers(cfg, 1))
+    two, _, _ = real_counts(_with_layers(cfg, 2))
     spec = trainmem.resolve_model(name)
     assert spec.layer_params == two - one
     assert spec.embedding_params == one - (two - one)

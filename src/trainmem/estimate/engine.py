@@ -159,18 +159,23 @@ def estimate_layouts(m: ModelSpec, base: TrainingSpec, cublas_workspace: int | N
 
 def _regime_parts(m: ModelSpec, base: TrainingSpec, cols: dict[str, np.ndarray]) -> list | None:
     """For a derived architecture whose sequences fall on both sides of its sliding window (each
-    side has its own coefficients, ``derived.regime``): the rows of each side and a base setup on
-    that side. None when all rows are on one side (the usual case)."""
+    side has its own coefficients, ``derived.regime``), or an encoder-decoder whose decoder-to-
+    encoder length ratio differs between the sequences (a fixed ``--target-len``: its coefficients
+    are read at each ratio, ``derived.decoder_ratio``): the rows of each side or ratio and a base
+    setup there. None when all rows share one (the usual case)."""
     if m.family != "derived":
         return None
     from dataclasses import replace
-    from .derived import regime
+    from .derived import decoder_ratio, regime
+
+    def side(t: TrainingSpec) -> tuple:
+        return regime(m, t), decoder_ratio(m, t)
     seqs = cols["seq_len"]
-    sides: dict[str, list[int]] = {}
+    sides: dict[tuple, list[int]] = {}
     for s in np.unique(seqs):
-        sides.setdefault(regime(m, replace(base, seq_len=int(s))), []).append(int(s))
+        sides.setdefault(side(replace(base, seq_len=int(s))), []).append(int(s))
     if len(sides) < 2:
-        return None if regime(m, base) in sides else [(np.arange(len(seqs)), replace(base, seq_len=int(seqs[0])))]
+        return None if side(base) in sides else [(np.arange(len(seqs)), replace(base, seq_len=int(seqs[0])))]
     return [(np.nonzero(np.isin(seqs, v))[0], replace(base, seq_len=v[0])) for v in sides.values()]
 
 

@@ -89,6 +89,10 @@ class Tokens:
     others_head: Any = 0   # ... and their final norm / head input (the last stage)
     others_loss: Any = 0   # ... and on a pipeline's last stage their logits and what their loss saved (GPipe)
     sent: Any = 0          # the previous micro-batch's input gradient a later 1F1B stage's send ops hold
+    tokens: Any = 0        # the micro-batch's tokens on this rank
+    # a derived encoder-decoder's activations at its bottom and decoder-bottom layer moments (measured)
+    bottom_acts: Any = 0
+    decoder_bottom_acts: Any = 0
 
 
 def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, later: bool = False) -> Tokens:
@@ -126,20 +130,19 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
     recompute = trunc(q.redo_tok * n + q.redo_sq * nsq) + q.redo_const
     redo = maximum(0, value - grads + recompute)
     # a derived encoder-decoder's bottom and decoder-bottom layers have transients of their own kinds
-    lower = (index, redo, grads)
-    bottom = (index, redo, grads)
+    lower = bottom = (index, redo, grads)
+    bottom_acts = decoder_bottom_acts = 0
     if flags.by_moment:
-        i, v, g = best_transient(q.transients, n, nsq, ssq, BOTTOM)
-        bottom = (i, maximum(0, v - g + recompute), g)
-        i, v, g = best_transient(q.transients, n, nsq, ssq, DECODER_BOTTOM)
-        lower = (i, maximum(0, v - g + recompute), g)
+        bottom, lower, bottom_acts, decoder_bottom_acts = _bottom_moments(q, (n, nsq, b), recompute, casts)
     # logits: (b, s, vocab / tp) for LM heads, (b, labels) for classifiers; one loss chunk of them
-    # (chunked: s / chunks tokens; fused: Liger's next_power_of_2(ceil(BT / ceil(V / H))) tokens)
-    full = n * q.logit_width // q.tp if flags.lm else b * q.logit_width
-    liger = minimum(next_pow2(ceil_div(n, maximum(q.liger_factor, 1))), n)
-    chunk = where(q.liger_factor > 0, liger, ceil_div(n, q.logit_chunks)) * q.logit_width // q.tp if flags.lm else 0
-    saved = full * q.loss_saved + n * q.loss_saved_tok + q.loss_saved_const
-    labels = n if flags.lm else b
+    # (chunked: s / chunks tokens; fused: Liger's next_power_of_2(ceil(BT / ceil(V / H))) tokens);
+    # an encoder-decoder's are its decoder's tokens
+    nl = label_tokens(q, n)
+    full = nl * q.logit_width // q.tp if flags.lm else b * q.logit_width
+    liger = minimum(next_pow2(ceil_div(nl, maximum(q.liger_factor, 1))), nl)
+    chunk = where(q.liger_factor > 0, liger, ceil_div(nl, q.logit_chunks)) * q.logit_width // q.tp if flags.lm else 0
+    saved = full * q.loss_saved + nl * q.loss_saved_tok + q.loss_saved_const
+    labels = nl if flags.lm else b
     kv_tok = trunc(q.held_tok * n)
     # torch's pipeline schedule takes the step's whole batch (torchtitan: ``pp_schedule.step(inputs,
     # target=labels)`` on every stage) and splits it into views; its stage keeps a receive buffer
@@ -166,7 +169,33 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
                   logits_grad=full * q.logits_out, others=(layers + outer_rest) * (inflight - 1) // inflight,
                   others_layers=layers * (inflight - 1) // inflight, others_head=outer_head * (inflight - 1),
                   others_loss=(full * q.logits_held + saved) * (inflight - 1),
-                  sent=trunc(q.pipe_sent_tok * n) if later else 0)
+                  sent=trunc(q.pipe_sent_tok * n) if later else 0, bottom_acts=bottom_acts, tokens=n,
+                  decoder_bottom_acts=decoder_bottom_acts)
+
+
+def _bottom_moments(q: Quantities, sizes: tuple, recompute: Any, casts: Any) -> tuple:
+    """A derived encoder-decoder's bottom and decoder-bottom layer moments: each one's (transient
+    index, transient, gradient part), then the activations alive at each, measured
+    (``derived.moment_activations``), with the autocast weight copies of the layers not yet
+    back-propagated (the bottom layer's; the encoder's and the decoder-bottom layer's).
+    ``sizes``: (tokens, token x key pairs, micro-batch)."""
+    n, nsq, b = sizes
+    s = n // b
+    out = []
+    for at in (BOTTOM, DECODER_BOTTOM):
+        i, v, g = best_transient(q.transients, n, nsq, s * s, at)
+        out.append((i, maximum(0, v - g + recompute), g))
+    bottom_acts = (trunc(q.bottom_tok * n + q.bottom_sq * nsq + q.bottom_pos * s + q.bottom_ssq * s * s)
+                   + casts // q.layers)
+    decoder_bottom_acts = (trunc(q.decb_tok * n + q.decb_sq * nsq + q.decb_pos * s + q.decb_ssq * s * s)
+                           + casts * (q.lower_layers + 1) // q.layers)
+    return out[0], out[1], bottom_acts, decoder_bottom_acts
+
+
+def label_tokens(q: Quantities, n: Any) -> Any:
+    """The tokens with a label (and a row of logits) of a micro-batch of ``n`` tokens: all of them,
+    or an encoder-decoder's decoder tokens, b*target_len (``Quantities.dec_num`` / ``dec_den``)."""
+    return n * q.dec_num // q.dec_den
 
 
 def best_transient(tr: Any, n: Any, nsq: Any, ssq: Any = 0, at: int = ALL_MOMENTS) -> tuple[Any, Any, Any]:
@@ -361,6 +390,10 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
                                        valid))
     moments.append(_fsdp_layer_unshard(q, tk, (grads_before, states, ws), (prev_logits, prev_kv), step, micro,
                                        valid))
+    # a derived image model's head forward (SigLIP's pooling head, run but not read), all layers' tensors saved
+    moments.append(_mo("forward", micro, step, "head.forward",
+                       (grads_before, states, tk.inputs, ws, tk.all_acts, trunc(q.head_fwd_tok * tk.tokens)),
+                       (prev_logits, prev_kv + tk.kv_held, 0), _both(valid, q.head_fwd_tok > 0), prev_graph + own))
     moments.append(_mo("forward", micro, step, "cross_entropy",
                        (grads_before, states, tk.inputs, ws, tk.all_acts, tk.loss_forward + q.cast_forward_only),
                        (prev_logits + tk.out_logits, prev_kv + tk.kv_held, tk.loss_saved), valid, prev_graph + own,
@@ -426,21 +459,22 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     bottom = grads_before + head_grads + above + part(grads)
     low_graph = tk.graph - tk.graph_layer + tk.graph_extra_layer
     temp = maximum(redo, q.oib_mid) + q.tied_grad
+    # (a derived encoder-decoder: the activations measured alive there, else one average layer's)
+    acts = tk.bottom_acts if flags.by_moment else own_layers // q.layers + others_all + tk.outer_rest
     moments.append(_mo("backward", micro, step, "layer.bottom",
-                       (bottom, states_mid, tk.inputs, ws2, own_layers // q.layers + others_all + tk.outer_rest, temp),
-                       (kept.logits, kept.kv_low, 0), _both(valid, q.layers > 1), low_graph,
-                       comm=root + buf + rs + low_ds))
+                       (bottom, states_mid, tk.inputs, ws2, acts, temp),
+                       (kept.logits, kept.kv_low, 0), _both(valid, q.layers > 1), low_graph, comm=root + buf + rs + low_ds))
     # an encoder-decoder: the decoder's first layer's backward, with every encoder layer's kept
     # tensors still alive (the encoder's backward comes after the decoder's)
     lower = q.lower_layers
     _i, redo, grads = tk.decoder_bottom
     mid = grads_before + head_grads + where(fresh, q.above_decoder_bottom, 0) + part(grads)
     temp = maximum(redo, q.oib_mid) + q.tied_grad
+    acts = tk.decoder_bottom_acts if flags.by_moment else \
+        own_layers * (lower + 1) // q.layers + others_all + tk.outer_rest
     moments.append(_mo("backward", micro, step, "layer.decoder_bottom",
-                       (mid, states_mid, tk.inputs, ws2, own_layers * (lower + 1) // q.layers + others_all + tk.outer_rest,
-                        temp),
-                       (kept.logits, kept.kv_low, 0), _both(valid, lower > 0), low_graph,
-                       comm=root + buf + rs + low_ds))
+                       (mid, states_mid, tk.inputs, ws2, acts, temp),
+                       (kept.logits, kept.kv_low, 0), _both(valid, lower > 0), low_graph, comm=root + buf + rs + low_ds))
     # the embedding's gradient and the out-of-place sum join the head's part in the input buffer
     tied = q.tied_grad
     # an existing .grad (accumulation) adds one more; not under FSDP2 reduce-scattering every

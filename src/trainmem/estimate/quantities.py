@@ -27,6 +27,7 @@ from .elementwise import NEVER
 from .derived import adapters_computed_half, regime as derived_regime
 from .derived import head_during_loss as derived_head_loss, layer_coefs as derived_layer, outer as derived_outer
 from .derived import logits_bytes as derived_logits_bytes, outer_ssq as derived_outer_ssq
+from .derived import decoder_ratio, head_forward as derived_head_forward, moment_activations
 from .layers import ALL_MOMENTS, LayerCoefs, LayerKey, Policy, ep_rank_rows, layer_coefficients
 from .quant4 import dequant_dtypes, is_quantized
 from .states import (States, block_bytes, default_lora_targets, dtensor_tp, fsdp_grad_op, model_states,
@@ -127,6 +128,21 @@ class Quantities:
     tied_final: int = 0     # --compile: ... and its gradient in the weight's dtype (in ``grads``, made last)
     input_tok: float = 8.0  # the input batch per token: int64 ids, or an image model's pixel values per patch
     input_sample: int = 0   # ... less this per sample (an image model's class tokens have no pixels)
+    # an encoder-decoder's decoder tokens per encoder token, dec_num / dec_den (``derived.decoder_ratio``):
+    # its labels and logits are (b, target_len), b*s * dec_num // dec_den tokens
+    dec_num: int = 1
+    dec_den: int = 1
+    # a derived encoder-decoder's activations alive at its bottom and decoder-bottom backward moments
+    # (``derived.moment_activations``): per token, per token x key, per position, per position squared
+    head_fwd_tok: float = 0.0  # a derived image model's head forward beyond its saved tensors (derived.head_forward)
+    bottom_tok: float = 0.0
+    bottom_sq: float = 0.0
+    bottom_pos: float = 0.0
+    bottom_ssq: float = 0.0
+    decb_tok: float = 0.0
+    decb_sq: float = 0.0
+    decb_pos: float = 0.0
+    decb_ssq: float = 0.0
     head_read: int = 0     # ... of it, the copy its matmul reads (the cast, else the dequantized weight)
     head_lora: int = 0     # a LoRA adapter on that 4-bit head: logits-sized tensors alive in its forward (3)
     ds_backward_buf: int = 0  # DeepSpeed ZeRO-1/2's gradient bucket buffers, alive during backward (``deepspeed_buckets``)
@@ -931,7 +947,8 @@ _CACHE = BoundedCache(8192)
 def quantities(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> Quantities:
     """The quantities of ``m`` trained as ``t`` on pipeline stage ``stage`` (cached)."""
     # accumulation enters only through whether FSDP accumulates its gradients unsharded (no_sync)
-    key = (m, stage, _key_of(t), derived_regime(m, t), t.accumulates_unsharded)
+    # (an encoder-decoder's coefficients are read at its decoder-to-encoder length ratio)
+    key = (m, stage, _key_of(t), derived_regime(m, t), decoder_ratio(m, t), t.accumulates_unsharded)
     return _CACHE.get_or_build(key, lambda: _build(m, t, stage))
 
 
@@ -946,7 +963,7 @@ def shape_quantities(m: ModelSpec, base: TrainingSpec, stage: str, rows: list[li
     floats, transients, parameters on the rank). A row is the ``SHAPE_FIELDS`` (recompute as an index
     into none/selective/full, sequence parallelism as 0/1) then a valid batch, sequence and
     accumulation, used only to build the spec the first time a shape is met."""
-    memo = _SHAPES.setdefault((m, stage, _key_of(base), derived_regime(m, base)), {})
+    memo = _SHAPES.setdefault((m, stage, _key_of(base), derived_regime(m, base), decoder_ratio(m, base)), {})
     out = []
     for row in rows:
         shape = (*row[:7], base.grad_sync == "step" and row[9] > 1)  # + FSDP no_sync accumulation
@@ -1045,8 +1062,22 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         outer_rest_ssq=derived_outer_ssq(m, t, stage) if derived else 0.0,
         lower_layers=lower, above_bottom=above_bottom, above_decoder_bottom=above_decoder_bottom,
         input_tok=input_bytes(m, t)[0], input_sample=input_bytes(m, t)[1],
-        **pipe,
+        dec_num=decoder_ratio(m, t)[0], dec_den=decoder_ratio(m, t)[1], **_derived_fields(m, t, stage), **pipe,
         detail=Detail(st, lc, outer, comm_name, input_tok, sum(a for _, a, _ in received)))
+
+
+def _derived_fields(m: ModelSpec, t: TrainingSpec, stage: str) -> dict[str, float]:
+    """The ``Quantities`` fields of a derived architecture's head forward (an image model's) and of
+    an encoder-decoder's bottom and decoder-bottom moments."""
+    if m.family != "derived":
+        return {}
+    out = {"head_fwd_tok": derived_head_forward(m, t, stage)}
+    if m.is_encoder_decoder:
+        bottom, decb = moment_activations(m, t)
+        names = ("tok", "sq", "pos", "ssq")
+        out.update({f"bottom_{k}": v for k, v in zip(names, bottom)})
+        out.update({f"decb_{k}": v for k, v in zip(names, decb)})
+    return out
 
 
 def _layer_transients(t: TrainingSpec, lc: LayerCoefs, pol: Policy, gpw: float, freed: float,
@@ -1079,8 +1110,8 @@ def _grads_above(m: ModelSpec, t: TrainingSpec, st: States, layers: int) -> tupl
     if t.optimizer_in_backward:
         return lower, 0, 0
     each = st.each_layer_grads if (m.family == "derived" and lower and len(st.each_layer_grads) == layers) else ()
-    if each:
-        return lower, sum(each[1:]), sum(each[lower + 1:])
+    if each:  # (the decoder's position tables' gradients are made before the encoder's backward)
+        return lower, sum(each[1:]) + st.between_grads, sum(each[lower + 1:])
     return lower, (layers - 1) * st.layer_grads, max(layers - lower - 1, 0) * st.layer_grads
 
 

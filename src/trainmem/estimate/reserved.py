@@ -37,7 +37,7 @@ from typing import Any
 
 from ..allocator import CachingAllocator
 from ..allocator_rules import block_bytes
-from .moments import StepFlags, Tokens, best_transient
+from .moments import StepFlags, Tokens, best_transient, label_tokens
 from .quantities import Quantities
 
 
@@ -197,7 +197,7 @@ def _micro_batches(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: To
     one micro-batch more than are in flight is replayed (two without a pipeline)."""
     inflight = max(1, int(tk.inflight))
     parts = _layer_parts(q, n, nsq)
-    full = n * q.logit_width // q.tp if flags.lm else b * q.logit_width   # logit elements
+    full = label_tokens(q, n) * q.logit_width // q.tp if flags.lm else b * q.logit_width   # logit elements
     pending: list = []
     for micro in range(min(ga, inflight + 1)):
         suffix = "" if ga == 1 else (".micro1" if micro == 0 else f".micro2-{ga}")

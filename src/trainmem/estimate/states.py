@@ -67,6 +67,11 @@ class States:
     root_rs: int = 0
     root_last_grad: int = 0
 
+    # an encoder-decoder's untied position tables of its decoder (BART's ``decoder.embed_positions``):
+    # registered after the encoder's layers, their gradients are made by the decoder's embedding
+    # backward, after its first layer's backward and before the encoder's (``quantities._grads_above``)
+    between_grads: int = 0
+
 
 def _dim0_padded(shape: tuple[int, ...], n: int, d: int) -> int:
     """Elements of a gradient of ``n`` elements (``shape``'s trailing dims) padded along dim 0 to a
@@ -420,6 +425,7 @@ class _Tally:
     root_rs_elems: int = 0   # FSDP: the root's trainable elements, padded (its reduce-scatter input)
     root_last: int = 0       # FSDP: the unsharded gradient of the root's last trainable tensor (bytes)
     each: dict = field(default_factory=dict)  # layer -> its gradient bytes (layers that differ)
+    between: int = 0         # States.between_grads: an encoder-decoder's embedding tables after its encoder's layers
 
     def root_gradient(self, shape: tuple[int, ...], n: int, d: int, g: int, full: int) -> None:
         """A trainable tensor of the FSDP root unit (``full``: its unsharded gradient's bytes, 0
@@ -497,7 +503,8 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
                   acc.root_g, _load_list(before, layer, r.per_stage if m.uniform_layers else 1, after),
                   tuple(acc.items), tuple(acc.root_list), tuple(acc.layer_list),
                   each_layer_grads=tuple(g for _, g in sorted(acc.each.items())) if not lora else (),
-                  root_rs=root_rs, root_last_grad=acc.root_last if root_rs else 0)
+                  root_rs=root_rs, root_last_grad=acc.root_last if root_rs else 0,
+                  between_grads=acc.between)
 
 
 def _load_list(before: list, layer: list, k: int, after: list) -> tuple[int, ...]:
@@ -549,7 +556,7 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
                 acc.lmh += n * 2
         elif p.is_matmul and t.amp:
             acc.hmh += n * 2
-        if frozen:
+        if frozen or p.role == "unused":  # (unused: built, never given a gradient, spec.profile.without_gradient)
             if r.mixed_units and p.layer is not None:
                 acc.mixed_unit_grad(r, n, k, uniform or p.layer == r.lo)
             continue
@@ -572,7 +579,7 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
             acc.head_grads += g
             acc.head_full += full
         elif not (m.tied_embeddings and p.name.endswith(TIED_NAMES)):
-            acc.emb_full += full
+            acc.emb_full, acc.between = acc.emb_full + full, acc.between + (g if layer and m.is_encoder_decoder else 0)
     r = rank
     acc.lpf = max(lpf_of.values(), default=0)
     if not uniform and r.per_stage:

@@ -236,20 +236,48 @@ def build_profile(config: Mapping[str, Any]) -> Profile:
     except Exception as e:  # a config that does not build: say which and why, once
         raise TrainmemError(f"model_type {mtype!r}: {cls.__name__} does not build from this config on the meta "
                             f"device ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
-    return profile_of_module(model, mtype, cls.__name__, dict(summary(cfg), task=task), transformers.__version__)
+    # a vision tower's classifier on a composite config (SigLIP's, CLIP's): its sizes are the vision config's
+    vision = getattr(cfg, "vision_config", None) if task == "image-classification" else None
+    summ = dict(summary(vision), vocab_size=summary(cfg, labels_only=True)["vocab_size"]) if vision is not None \
+        else summary(cfg)
+    unused = without_gradient(model, summ) if task == "image-classification" else frozenset()
+    return profile_of_module(model, mtype, cls.__name__, dict(summ, task=task), transformers.__version__, unused)
 
 
-def summary(cfg: Any) -> dict[str, Any]:
+def without_gradient(model: Any, summ: Mapping[str, Any]) -> frozenset[str]:
+    """The parameters an image classifier's training step leaves without a gradient: modules it
+    builds but its forward does not run (SigLIP's vision tower builds its attention-pooling
+    ``head``, ``SiglipVisionTransformer.__init__``, which ``SiglipForImageClassification.forward``
+    skips: it mean-pools the last hidden state). Found by running the step, forward, the model's own
+    loss and backward, on meta tensors of one image (no memory): a parameter whose ``.grad`` is still
+    None gets no gradient and no optimizer state (``torch.optim`` skips it)."""
+    import torch
+    side = summ.get("image_size")
+    if not isinstance(side, int):
+        return frozenset()
+    pixels = torch.empty(1, int(summ.get("num_channels", 3)), side, side, device="meta")
+    try:
+        out = model(pixel_values=pixels, labels=torch.zeros(1, dtype=torch.long, device="meta"))
+        out.loss.backward()
+    except Exception:  # a step that does not run on meta tensors: every parameter is taken as trained
+        return frozenset()
+    return frozenset(name for name, p in model.named_parameters() if p.requires_grad and p.grad is None)
+
+
+def summary(cfg: Any, labels_only: bool = False) -> dict[str, Any]:
     """The sizes a ModelSpec needs, read from transformers' config object (defaults and aliases
     resolved by transformers). An encoder-decoder counts the layers of both stacks
     (``decoder_layers`` of them in the decoder); an image model (``image_size`` and ``patch_size``
-    in its config) has no vocabulary: its ``vocab_size`` is its label count."""
+    in its config) has no vocabulary: its ``vocab_size`` is its label count (``labels_only``: that
+    alone, of a composite config whose vision config has the sizes)."""
     def first(*keys: str, default: Any = None) -> Any:
         for k in keys:
             v = getattr(cfg, k, None)
             if v is not None and not isinstance(v, bool):
                 return v
         return default
+    if labels_only:
+        return {"vocab_size": len(getattr(cfg, "id2label", None) or {}) or int(first("num_labels", default=2))}
     text = getattr(cfg, "get_text_config", lambda: cfg)()
     cfg = text if text is not None else cfg
     h = int(first("hidden_size", "d_model", "n_embd", "dim"))
@@ -343,8 +371,9 @@ def _role(mod: Any, pname: str, param: Any, experts: int) -> str:
 
 
 def profile_of_module(model: Any, model_type: str, architecture: str, summ: dict[str, Any],
-                      tf_version: str = "") -> Profile:
-    """Read the parameters and buffers of a built (meta) model into a Profile."""
+                      tf_version: str = "", unused: frozenset[str] = frozenset()) -> Profile:
+    """Read the parameters and buffers of a built (meta) model into a Profile; ``unused``: the
+    parameters the training step leaves without a gradient (role ``unused``, ``without_gradient``)."""
     stacks = layer_stacks(model, summ)
     modules = dict(model.named_modules())
     first_of, start = {}, 0  # each list's name -> the model-wide number of its first layer
@@ -357,7 +386,7 @@ def profile_of_module(model: Any, model_type: str, architecture: str, summ: dict
     for name, p in model.named_parameters():
         mod_name, _, pname = name.rpartition(".")
         mod = modules.get(mod_name)
-        role = _role(mod, pname, p, summ["num_experts"])
+        role = "unused" if name in unused else _role(mod, pname, p, summ["num_experts"])
         leaf = mod_name.rsplit(".", 1)[-1] if mod_name else ""
         m = pat.match(name)
         if m:

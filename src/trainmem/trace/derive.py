@@ -6,7 +6,8 @@ layers (``reduced_config``: enough to contain each kind of layer), is traced —
 backward, on the emulated GPU, no optimizer — at four batch/sequence points, and each quantity
 the engine needs is fitted exactly as ``tok * b*s + pos * s + sq * b*s^2 + const`` (a backward
 transient as ``a * b*s + b * b*s^2 + c``), then checked on a fifth point. A quantity that the fit does not reproduce there is
-refused with one line rather than extrapolated.
+refused with one line rather than extrapolated. An encoder-decoder's quantities are fitted in its
+two lengths, the encoder's and the decoder's (``ENCDEC_TERMS``, ``encdec_coefficients``).
 
 What is measured in one trace (``_measure``), with ``n = b*s`` tokens:
 
@@ -65,19 +66,19 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "") -> dict
     if no_cache:
         cfg = dict(cfg, use_cache=False)
     s0 = _base_seq(m, regime)
+    if m.is_encoder_decoder:  # two lengths: the encoder's and the decoder's (``encdec_coefficients``)
+        return encdec_coefficients(m, t, cfg, (kinds_full, kinds_small), base, s0)
     # batch 1 is a special case (some transposes are views there, copies for larger batches): the
     # points use batches of 2 and more, so batch 1 is estimated with the copies (slightly high)
     seqs = _image_seqs(m, s0) if m.is_image else (s0, 2 * s0, s0 + s0 // 2)
     points = [(2, seqs[0]), (4, seqs[0]), (2, seqs[1]), (3, seqs[2])]
     # T5's relative position buckets are (s, s) tensors whatever the batch (``T5Attention.
     # compute_bias``: the bucket indices its embedding saves): a fifth term, s^2, and a fifth point
-    terms = ("n", "s", "nsq", "ssq", "1") if m.is_encoder_decoder else ("n", "s", "nsq", "1")
+    terms = ("n", "s", "nsq", "1")
     # refinements of the backward transients applied to the encoder-decoder and image models only
     # (``_transients``' early frees, ``_candidates``' gradients): decoder LMs would need them too,
     # but their shipped coefficients predate them and re-shipping is the lead's call
-    refined = m.is_encoder_decoder or m.is_image
-    if m.is_encoder_decoder:
-        points.append((2, seqs[2]))
+    refined = m.is_image
     check = (4, seqs[2])
     runs = _runs(m, cfg, kinds_small, base, points + [check], ckpt)
     out: dict[str, Any] = {"layer_kinds": kinds_full, "kinds": {}, "points": points + [check],
@@ -85,23 +86,19 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "") -> dict
     if ckpt:
         out["checkpointed"] = True
     pts = points + [check]
-    ssq: dict[str, float] = {}  # the s^2 coefficients (encoder-decoders), per kind and side
 
-    def fit(what: str, ys: list[int], key: str, check_fit: bool = True) -> dict[str, float]:
-        c = dict(zip(terms, _fitted(m, what, pts, ys, terms, check_fit)))
-        if key:
-            ssq[key] = c.get("ssq", 0.0)
-        return c
+    def fit(what: str, ys: list[int], check_fit: bool = True) -> dict[str, float]:
+        return dict(zip(terms, _fitted(m, what, pts, ys, terms, check_fit)))
     for kind in sorted(set(kinds_small)):
         # a layer may keep tensors sized by the sequence alone (Falcon's rotary cos/sin cache)
         # and a few bytes per layer whatever the size (a norm's ``1 + weight``): fitted, then left out
-        c = fit(f"layer {kind} saved bytes", [r["saved"][kind] for r in runs], f"kind.{kind}")
+        c = fit(f"layer {kind} saved bytes", [r["saved"][kind] for r in runs])
         parts = {}
         for name in runs[-1]["parts"][kind]:
             ys = [r["parts"][kind].get(name, 0) for r in runs]
             # the same terms as the layer's total, so the parts' coefficients add up to it (least
             # squares is linear in the data); their per-position terms are in the total's ``pos``
-            cp = fit("", ys, "", check_fit=False)
+            cp = fit("", ys, check_fit=False)
             parts[name] = [cp["n"], cp["nsq"]]
         trans = _candidates(m, pts, [r["transient"][kind] for r in runs], [r["made"][kind] for r in runs],
                             runs[-1]["total_g"][kind], terms, with_grads=refined)
@@ -111,33 +108,96 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "") -> dict
                               "cache": cache, "held": held}
         if refined and not ckpt:  # (traced checkpointed, the recomputation is measured as such)
             # the layer's output, kept only by what follows the layer (the next layer, the final
-            # norm): a layer recomputed in its backward does not keep it (quantities._recompute)
+            # norm): a layer recomputed in its backward does not keep it (quantities._recompute);
+            # measured at the kind's typical layer (``_analyse``'s ``at``), whose output the next
+            # layer keeps (CLIP's top layer's, which nothing after it saves, is freed in forward)
             out["kinds"][kind]["not_recomputed"] = _fitted(m, f"layer {kind} output", pts,
-                                                           [r["early"].get(kind, 0) for r in runs], ("n",))[0]
-    if m.is_encoder_decoder:  # the bottom and decoder-bottom layers' own (``_analyse``)
-        out["moments"] = {name: _candidates(m, pts, [r["transient"][f"@{name}"] for r in runs],
-                                            [r["made"][f"@{name}"] for r in runs],
-                                            runs[-1]["total_g"][f"@{name}"], terms, with_grads=refined)
-                          for name in ("bottom", "decoder_bottom")}
-    c = fit("first layer's bytes", [r["first"] for r in runs], "first")
+                                                           [r["early"][f"@typical.{kind}"] for r in runs], ("n",))[0]
+    c = fit("first layer's bytes", [r["first"] for r in runs])
     out["first_layer"] = [c["n"], c["s"], c["nsq"]]
-    for side in ("embed", "head", "head_loss"):
-        c = fit(f"{side} bytes", [r[side] for r in runs], side)
+    for side in ("embed", "head", "head_loss") + (("head_forward",) if m.is_image else ()):
+        c = fit(f"{side} bytes", [r[side] for r in runs])
         out[side] = [c["n"], c["s"], c["nsq"]]
-    if m.is_encoder_decoder:
-        out["ssq"] = ssq
-        out["logits_bytes"] = runs[-1]["logits_bytes"]
     return out
 
 
-def _runs(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], base: TrainingSpec, points: list[tuple[int, int]],
+#: an encoder-decoder's quantities are polynomials in the batch b, the encoder's length s
+#: (``--seq-len``) and the decoder's d (``--target-len``): bytes per token of each stack (``n`` =
+#: b*s, ``nd`` = b*d), per query x key pair of the encoder's self-attention (``nsq`` = b*s^2), the
+#: decoder's (``nsqd`` = b*d^2) and its cross-attention (``nsqx`` = b*d*s), per position of each
+#: (``s``, ``sd``), per position pair shared by the batch (``ssq`` = s^2, ``ssqd`` = d^2, ``ssqx`` =
+#: d*s: T5's position buckets and biases, ``T5Attention.compute_bias``, and the (1, heads, d, s)
+#: cross-attention bias it makes of zeros), and a constant
+ENCDEC_TERMS = ("n", "nd", "nsq", "nsqd", "nsqx", "s", "sd", "ssq", "ssqd", "ssqx", "1")
+#: the terms of a backward transient of an encoder-decoder (no per-position terms, as for one length)
+ENCDEC_TRANSIENT = ("n", "nd", "nsq", "nsqd", "nsqx", "1", "ssq", "ssqd", "ssqx")
+
+
+def encdec_points(s0: int) -> list[tuple[int, int, int]]:
+    """An encoder-decoder's (batch, encoder length, decoder length) points, the held-out one last:
+    six length pairs (equal, either twice the other, one three times the other), not on one conic,
+    so that the quadratic in the two lengths is determined, each at batches 2 and 3, which separates
+    the per-sample terms from those shared by the batch (11 terms, 12 points); held out: batch 4
+    at lengths (1.5 s0, s0), a pair none of the others has."""
+    h = s0 // 2
+    pairs = [(s0, s0), (2 * s0, 2 * s0), (2 * s0, s0), (s0, 2 * s0), (s0 + h, h), (h, s0 + h)]
+    return [(b, s, d) for s, d in pairs for b in (2, 3)] + [(4, s0 + h, s0)]
+
+
+def encdec_coefficients(m: ModelSpec, t: TrainingSpec, cfg: dict[str, Any], kinds: tuple[list[str], list[str]],
+                        base: TrainingSpec, s0: int) -> dict[str, Any]:
+    """``derive_coefficients`` of an encoder-decoder: every quantity fitted in ``ENCDEC_TERMS`` (a
+    dict of term -> coefficient, a backward transient ``{"coef": ..., "g": gradient share}``), so the
+    estimate takes any target length (``estimate.derived.at_lengths`` reads them at the setup's)."""
+    kinds_full, kinds_small = kinds
+    ckpt = checkpointed(m, t)
+    pts = encdec_points(s0)
+    runs = _runs(m, cfg, kinds_small, base, pts, ckpt)
+    terms = ENCDEC_TERMS
+    out: dict[str, Any] = {"terms": list(terms), "layer_kinds": kinds_full, "kinds": {}, "points": pts,
+                           "attention": attention_implementation(m, t)[0], "seq_base": s0,
+                           "logits_bytes": runs[-1]["logits_bytes"]}
+    if ckpt:
+        out["checkpointed"] = True
+
+    def fit(what: str, ys: list[int], names: tuple[str, ...] = terms, check_fit: bool = True) -> dict[str, float]:
+        return dict(zip(names, _fitted(m, what, pts, ys, names, check_fit)))
+
+    def moment(key: str) -> list[dict[str, Any]]:
+        return _candidates(m, pts, [r["transient"][key] for r in runs], [r["made"][key] for r in runs],
+                           runs[-1]["total_g"][key], ENCDEC_TRANSIENT, with_grads=True)
+    per_token = ("n", "nd")  # what the KV cache, the output's tensors hold: (b, s, ...) and (b, d, ...)
+    for kind in sorted(set(kinds_small)):
+        v = out["kinds"][kind] = {
+            "saved": fit(f"layer {kind} saved bytes", [r["saved"][kind] for r in runs]),
+            # (fitted in the same terms as the total, so they add up to it; not checked one by one)
+            "parts": {name: fit("", [r["parts"][kind].get(name, 0) for r in runs], check_fit=False)
+                      for name in runs[-1]["parts"][kind]},
+            "transients": moment(kind),
+            "cache": fit(f"layer {kind} KV cache", [r["cache"][kind] for r in runs], per_token),
+            "held": fit(f"layer {kind} output-held bytes", [r["held"][kind] for r in runs], per_token)}
+        if not ckpt:  # the layer's output, which a recomputed layer does not keep (see derive_coefficients)
+            v["not_recomputed"] = fit(f"layer {kind} output", [r["early"].get(kind, 0) for r in runs], per_token)
+    out["moments"] = {name: moment(f"@{name}") for name in ("bottom", "decoder_bottom")}
+    # what those two moments' transients are measured over (``_moment_base``), and the cut model's
+    # layer kinds (the full model's decoder bottom has more encoder layers alive)
+    out["moment_base"] = {name: fit(f"{name} layer's activations", [r["base"][name] for r in runs])
+                          for name in ("bottom", "decoder_bottom")}
+    out["cut_kinds"] = kinds_small
+    out["first_layer"] = fit("first layer's bytes", [r["first"] for r in runs])
+    for side in ("embed", "head", "head_loss"):
+        out[side] = fit(f"{side} bytes", [r[side] for r in runs])
+    return out
+
+
+def _runs(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], base: TrainingSpec, points: list[tuple[int, ...]],
           ckpt: bool) -> list[dict[str, Any]]:
     """``_measure`` at each (batch, sequence) point; a step that fails on fake tensors is one line."""
     try:
         with _quiet(), progress(len(points), f"deriving {m.name}'s coefficients") as bar:
             runs = []
-            for b, s in points:
-                runs.append(_measure(m, cfg, kinds, replace(base, batch_size=b, seq_len=s,
+            for b, s, *d in points:  # (an encoder-decoder's points carry the decoder's length)
+                runs.append(_measure(m, cfg, kinds, replace(base, batch_size=b, seq_len=s, target_len=d[0] if d else None,
                                                             image_size=_image_side(m, s)), ckpt))
                 bar.update(1)
             return runs
@@ -337,8 +397,7 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
     end = fwd.end_event
     pat, layer_of, starts, ends = _layer_index(stacks)
     logits = [r for r in recs if r.category == "logits"]
-    logits_ev = logits[0].alloc_event if logits else end
-    events: dict[int, list[int]] = defaultdict(list)
+    logits_ev, events = logits[0].alloc_event if logits else end, defaultdict(list)
     for r in recs:
         i = layer_of(r) if r.phase == "forward" else None
         if i is not None:
@@ -378,27 +437,27 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
             embed += r.nbytes
         elif last_layer_ev < r.alloc_event < logits_ev:
             head += r.nbytes
-    # a kind's bytes come from a layer between the first and the last of its stack when the cut
-    # model has one. The top layer's output may be kept by what follows it (a post-norm model's
-    # final norm saves it, OLMo 2): that excess is the head's. The first layer may save less: with
-    # LoRA its input (frozen embeddings) needs no gradient, so a frozen branch that reads only the
-    # input saves nothing there (GPT-NeoX's parallel MLP). That difference, and an encoder-decoder's
-    # at the ends of its stacks (the encoder's last layer, the decoder's first), is ``first``
-    # (once per model).
-    top = len(kinds) - 1
+    # a kind's bytes come from a layer inside its stack when the cut model has one. The top layer's
+    # output may be kept by what follows it (a post-norm model's final norm saves it, OLMo 2): that
+    # excess is the head's; an image model's top layer may keep less (nothing after it saves its
+    # output: CLIP's classifier slices and means it), a difference of the layers' (``first``), as
+    # the first layer's: with LoRA its frozen input saves nothing in a frozen branch (GPT-NeoX's
+    # parallel MLP), and an encoder-decoder's at the ends of its stacks (once per model).
+    top, image = len(kinds) - 1, vocab == -1 and early_frees
     typical, saved, parts = _typical_layers(kinds, starts, ends, saved_rec, pat)
 
     def excess(i: int) -> int:
         return sum(r.nbytes for r in saved_rec[i]) - saved[kinds[i]] if typical[kinds[i]] != i else 0
-    head += excess(top)
-    first = sum(excess(i) for i in sorted(set(starts + ends) - {top})) if top > 0 else 0
+    top_less = min(excess(top), 0) if image else 0
+    head += excess(top) - top_less
+    first = sum(excess(i) for i in sorted(set(starts + ends) - {top})) + top_less if top > 0 else 0
     # an encoder-decoder's bottom and decoder-bottom layers measured as such (a kind's: its last layer)
-    at = {"bottom": 0, "decoder_bottom": starts[1]} if len(starts) > 1 else {}
+    at = {"bottom": 0, "decoder_bottom": starts[1]} if len(starts) > 1 else {f"typical.{k}": typical[k] for k in typical}
     trans, made, total_g, early = _transients(tracker, recs, layer_of, kinds, saved_rec, vocab, early_frees,
                                               shared_frees, at)
+    base = _moment_bases(recs, layer_of, at, saved_rec, shared_frees, (end, logits_ev))
     # the KV cache: all of it per layer, and what dies with the output (``held``: not saved)
-    kv: dict[str, list[int]] = defaultdict(list)
-    held: dict[str, list[int]] = defaultdict(list)
+    kv, held = defaultdict(list), defaultdict(list)  # kind -> bytes
     for kind, i in typical.items():
         kv[kind].append(sum(r.nbytes for r in cache if layer_of(r) == i))
         held[kind].append(sum(r.nbytes for r in recs if layer_of(r) == i and r.free_event is not None
@@ -406,10 +465,59 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
     # the logits' element size: BART adds its fp32 ``final_logits_bias`` buffer to the half head
     # output under autocast, so its logits (and its loss) are fp32 (estimate.quantities.loss_bytes)
     logits_bytes = logits[0].nbytes // max(1, _numel(logits[0].shape)) if logits else 0
-    return {"saved": saved, "logits_bytes": logits_bytes, "parts": parts,
+    return {"saved": saved, "logits_bytes": logits_bytes, "parts": parts, "early": early, "base": base,
             "cache": {k: max(v) for k, v in kv.items()}, "held": {k: max(v) for k, v in held.items()},
             "embed": embed, "head": head, "head_loss": head_loss - head, "first": first, "transient": trans,
-            "made": made, "total_g": total_g, "early": early}
+            "made": made, "total_g": total_g,
+            "head_forward": _head_forward(tracker, recs, (last_layer_ev, logits_ev), head) if image else 0}
+
+
+def _head_forward(tracker: Any, recs: list, window: tuple[int, int], head: int) -> int:
+    """An image model's head forward: the most bytes its tensors made after the last layer hold at
+    once before the logits (SigLIP's vision tower runs its attention-pooling head, whose keys and
+    values are (b, s, h) projections of the whole sequence, though its classifier mean-pools and
+    never reads the head's output), less the head side's tensors that outlive the forward (``head``,
+    which the engine counts with the activations)."""
+    start, stop = window
+    cur = best = 0
+    for e in range(start + 1, stop):
+        code = tracker.ev_rec[e]
+        r = recs[code] if code >= 0 else recs[~code]
+        if r.phase != "forward" or r.category not in ("activations", "temporaries") or r.alloc_event <= start \
+                or r.label == "autocast_weight_cache":
+            continue
+        cur += r.nbytes if code >= 0 else -r.nbytes
+        best = max(best, cur)
+    return max(best - head, 0)
+
+
+def _moment_bases(recs: list, layer_of: Any, at: dict[str, int], saved_rec: dict[int, list], shared: int,
+                  ends: tuple[int, int]) -> dict[str, int]:
+    """``_moment_base`` of each layer ``at`` names; ``ends``: the forward's last event, the logits' first."""
+    end, logits_ev = ends
+    fwd_saved = [r for r in recs if r.phase == "forward" and r.category in ("activations", "temporaries")
+                 and r.label != "autocast_weight_cache" and r.alloc_event < logits_ev
+                 and (r.free_event is None or r.free_event > end - 1)]
+    return {name: _moment_base(recs, layer_of, i, fwd_saved, saved_rec, shared) for name, i in at.items()}
+
+
+def _moment_base(recs: list, layer_of: Any, i: int, fwd_saved: list, saved_rec: dict[int, list], shared: int) -> int:
+    """The bytes an encoder-decoder's layer ``i``'s backward transient (``_transients``) is measured
+    over: everything the forward saved (outside the loss) that is still alive when the layer's
+    backward begins, the layer's own saved tensors all counted (its transient takes off those freed),
+    and, traced checkpointed (``shared``: the batch), the tensors shared by the batch that other
+    layers kept and that were freed before then (its transient takes those off too). At the bottom
+    layer these are its own tensors and the encoder's embedding side, not the other layers' nor the
+    decoder's embedding side (freed by the decoder's backward): the engine counts these bytes at
+    the bottom and decoder-bottom moments (``derived.moment_activations``) rather than an average
+    layer's share."""
+    w0 = min(r.alloc_event for r in recs if r.phase == "backward" and layer_of(r) == i)
+    own = {r.rid for r in saved_rec[i]}
+    out = sum(r.nbytes for r in fwd_saved if r.rid in own or r.free_event is None or r.free_event >= w0)
+    if shared:
+        out += sum(r.nbytes for j, rs in saved_rec.items() if j != i for r in rs
+                   if len(r.shape) > 1 and int(r.shape[0]) != shared and r.free_event is not None and r.free_event < w0)
+    return out
 
 
 def _layer_index(stacks: list[tuple[str, int]]) -> tuple[Any, Any, list[int], list[int]]:
@@ -521,65 +629,88 @@ def _transients(tracker: Any, recs: list, layer_of: Any, kinds: list[str], saved
     return trans, made_at, total_g, early
 
 
-def _candidates(m: ModelSpec, pts: list[tuple[int, int]], series: list[list[int]], made: list[list[int]],
+def _candidates(m: ModelSpec, pts: list[tuple[int, ...]], series: list[list[int]], made: list[list[int]],
                 total_g: int, terms: tuple[str, ...] = ("n", "s", "nsq", "1"), with_grads: bool = False
-                ) -> list[list[float]]:
+                ) -> list[Any]:
     """The backward transients worth keeping: each moment of the window fitted as
     ``a*n + b*nsq + c`` over all runs but the last and checked on it; of those, the ones
     that are the largest somewhere on a grid of batch and sequence. Each as [a, b, c, gradient
     share]. ``with_grads`` (encoder-decoder and image models): the layer's gradients made by a
     moment count when choosing the largest (two moments with the same temporaries, before and after
-    a weight gradient is made, differ by it). With an ``ssq`` term (encoder-decoders: T5's position
-    bias gradient is summed over the batch to (s, s, heads) in the first layer's backward, and a
-    checkpointed layer's recomputation makes its stack's position bias again) the fit has
-    ``d*s^2`` too, returned as a fifth coefficient (bytes per position squared)."""
+    a weight gradient is made, differ by it). ``terms`` ``ENCDEC_TRANSIENT`` (an encoder-decoder):
+    the moment is fitted in those terms of the two lengths (T5's position bias gradient is summed
+    over the batch to (s, s, heads) in the first layer's backward, and a checkpointed layer's
+    recomputation makes its stack's position bias again: the terms shared by the batch), the grid
+    has decoder lengths of its own, and each is returned as ``{"coef": {term: ...}, "g": share}``."""
     import numpy as np
     if len({len(x) for x in series}) != 1:
         raise TrainmemError(f"{m.name}: its backward runs different operations at different sizes; trainmem "
                             "cannot derive its transients (use trace)")
     y = np.array(series, dtype=np.float64)           # runs x moments
-    basis = ("n", "nsq", "1") + (("ssq",) if "ssq" in terms else ())
-    a = np.array([_basis(b, s, basis) for b, s in pts])
-    coef = np.linalg.lstsq(a[:-1], y[:-1], rcond=None)[0]   # 3 x moments
+    two = "nd" in terms
+    basis = terms if two else ("n", "nsq", "1")
+    a = np.array([_basis(p, basis) for p in pts])
+    coef = _lstsq(a[:-1], y[:-1], two)               # terms x moments
     pred = a[-1] @ coef
     ok = np.abs(pred - y[-1]) <= DERIVE_TOLERANCE * np.abs(y[-1]) + DERIVE_SLACK
     if not ok.any() or abs(pred[ok].max() - y[-1].max()) > DERIVE_TOLERANCE * abs(y[-1].max()) + DERIVE_SLACK:
         raise TrainmemError(f"{m.name}: the derived backward transient is not polynomial in the batch and "
                             f"sequence; trainmem will not extrapolate it: use trace")
-    grid = np.array([_basis(b, s, basis) for b in (1, 4, 32) for s in (512, 4096, 32768)])
+    lengths = (512, 4096, 32768)
+    grid = np.array([_basis((b, s, d) if two else (b, s), basis) for b in (1, 4, 32) for s in lengths
+                     for d in ((128,) + lengths if two else (0,))])
     vals = grid @ coef
     g = np.array(made, dtype=np.float64).max(0)
     if with_grads:  # a moment's own gradients made by then count in the choice (the engine adds them)
         vals = vals + g
     vals[:, ~ok] = -np.inf
     keep = sorted(set(int(j) for j in vals.argmax(1)))
-    # [a, b, c, gradient share] and, with the s^2 term, d (bytes per position squared)
-    return [[float(coef[0, j]), float(coef[1, j]), float(coef[2, j]), float(g[j] / total_g) if total_g else 0.0]
-            + ([float(coef[3, j])] if "ssq" in terms else []) for j in keep]
+    share = [float(g[j] / total_g) if total_g else 0.0 for j in range(len(g))]
+    if two:
+        return [{"coef": {k: float(coef[i, j]) for i, k in enumerate(basis)}, "g": share[j]} for j in keep]
+    return [[float(coef[0, j]), float(coef[1, j]), float(coef[2, j]), share[j]] for j in keep]
 
 
 # ----- fitting --------------------------------------------------------------------------------------
-def _basis(b: int, s: int, terms: tuple[str, ...]) -> list[float]:
-    v = {"n": b * s, "s": s, "nsq": b * s * s, "ssq": s * s, "1": 1}
+def _basis(point: tuple[int, ...], terms: tuple[str, ...]) -> list[float]:
+    """The terms at ``point``: (batch, sequence) or an encoder-decoder's (batch, encoder length,
+    decoder length) (see ``ENCDEC_TERMS``)."""
+    b, s, *rest = point
+    d = rest[0] if rest else s
+    v = {"n": b * s, "s": s, "nsq": b * s * s, "ssq": s * s, "1": 1,
+         "nd": b * d, "sd": d, "nsqd": b * d * d, "nsqx": b * d * s, "ssqd": d * d, "ssqx": d * s}
     return [float(v[k]) for k in terms]
 
 
-def _fitted(m: ModelSpec, what: str, points: list[tuple[int, int]], ys: list[int], terms: tuple[str, ...],
-            check_fit: bool = True) -> tuple[float, ...]:
-    """Coefficients of ``terms`` (``n`` = b*s, ``s``, ``nsq`` = b*s^2, ``1``) fitted by least squares
-    to all points but the last, which they must reproduce (``DERIVE_TOLERANCE``)."""
+def _lstsq(a: Any, y: Any, scaled: bool) -> Any:
+    """Least squares of ``a @ x = y``; ``scaled``: with each column divided by its largest value
+    first (the two-length terms span 1 to 10^11, beyond what unscaled least squares resolves)."""
     import numpy as np
-    a = np.array([_basis(b, s, terms) for b, s in points[:-1]])
-    coef = np.linalg.lstsq(a, np.array(ys[:-1], dtype=np.float64), rcond=None)[0]
+    if not scaled:
+        return np.linalg.lstsq(a, y, rcond=None)[0]
+    norm = np.abs(a).max(0)
+    norm[norm == 0] = 1.0
+    x = np.linalg.lstsq(a / norm, y, rcond=None)[0]
+    return x / (norm[:, None] if x.ndim == 2 else norm)
+
+
+def _fitted(m: ModelSpec, what: str, points: list[tuple[int, ...]], ys: list[int], terms: tuple[str, ...],
+            check_fit: bool = True) -> tuple[float, ...]:
+    """Coefficients of ``terms`` (``n`` = b*s, ``s``, ``nsq`` = b*s^2, ``1``; an encoder-decoder's
+    ``ENCDEC_TERMS``) fitted by least squares to all points but the last, which they must reproduce
+    (``DERIVE_TOLERANCE``)."""
+    import numpy as np
+    a = np.array([_basis(p, terms) for p in points[:-1]])
+    coef = _lstsq(a, np.array(ys[:-1], dtype=np.float64), "nd" in terms)
     if check_fit:
-        b, s = points[-1]
-        predicted = float(np.dot(coef, _basis(b, s, terms)))
+        predicted = float(np.dot(coef, _basis(points[-1], terms)))
         actual = ys[-1]
         if abs(predicted - actual) > DERIVE_TOLERANCE * abs(actual) + DERIVE_SLACK:
+            at = ", ".join(f"{k}={v}" for k, v in zip(("b", "s", "target"), points[-1]))
             raise TrainmemError(f"{m.name}: the derived {what} is not polynomial in the batch and sequence "
-                                f"(predicted {predicted:,.0f} B, traced {actual:,} B at b={b}, s={s}); trainmem "
+                                f"(predicted {predicted:,.0f} B, traced {actual:,} B at {at}); trainmem "
                                 f"will not extrapolate it: use trace")
     return tuple(float(x) for x in coef)
 
 
-__all__ = ["derive_coefficients", "reduced_config", "DERIVE_TOLERANCE"]
+__all__ = ["derive_coefficients", "encdec_coefficients", "reduced_config", "DERIVE_TOLERANCE", "ENCDEC_TERMS"]
