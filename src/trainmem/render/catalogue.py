@@ -6,11 +6,16 @@ from typing import Any
 
 def render_models(rows: list[dict[str, Any]]) -> str:
     """One line per catalogue model: family, head, parameters and shape."""
-    lines = [f"{'name':18s} {'family':15s} {'head':10s} {'params':>16s} {'layers':>6s} {'hidden':>6s} "
-             f"{'heads':>5s} {'kv':>4s} {'vocab':>7s}"]
+    # columns as wide as their widest cell, so that the longest names still fit the terminal
+    w = {k: max([len(h)] + [len(f"{r[k]:,d}" if k == "params" else str(r[k])) for r in rows])
+         for k, h in (("name", "name"), ("family", "family"), ("head", "head"), ("params", "params"),
+                      ("vocab", "vocab"))}
+    lines = [f"{'name':{w['name']}s} {'family':{w['family']}s} {'head':{w['head']}s} {'params':>{w['params']}s} "
+             f"{'layer':>5s} {'hidden':>6s} {'heads':>5s} {'kv':>4s} {'vocab':>{w['vocab']}s}"]
     for r in rows:
-        lines.append(f"{r['name']:18s} {r['family']:15s} {r['head']:10s} {r['params']:>16,d} {r['layers']:>6d} "
-                     f"{r['hidden']:>6d} {r['heads']:>5d} {r['kv_heads']:>4d} {r['vocab']:>7d}")
+        lines.append(f"{r['name']:{w['name']}s} {r['family']:{w['family']}s} {r['head']:{w['head']}s} "
+                     f"{r['params']:>{w['params']},d} {r['layers']:>5d} {r['hidden']:>6d} {r['heads']:>5d} "
+                     f"{r['kv_heads']:>4d} {r['vocab']:>{w['vocab']}d}")
     return "\n".join(lines)
 
 
