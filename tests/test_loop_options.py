@@ -155,3 +155,15 @@ def test_shifted_logits_copy_estimate_agrees_with_trace(model, base, one_torch_t
     assert e.phase("forward", 2).peak - plain.phase("forward", 2).peak == pytest.approx(n * v * 2, rel=0.01)
     with pytest.raises(TrainmemError, match="--loss-shift logits"):
         TrainingSpec(loss_shift="logits", loss="upcast")
+
+
+def test_more_loss_chunks_than_tokens_is_refused():
+    """A chunked loss splits the sequence: more chunks than tokens is bad input (one line), not a
+    replay of millions of empty chunks (the CLI fuzz test found --loss-chunks 99999999 eating the
+    memory of the reserved-memory replay)."""
+    import pytest
+    import trainmem
+    from trainmem.errors import TrainmemError
+    with pytest.raises(TrainmemError, match="exceeds --seq-len 128"):
+        trainmem.estimate("gpt2", seq_len=128, loss="half", loss_chunks=99999999)
+    assert trainmem.estimate("gpt2", seq_len=128, loss="half", loss_chunks=128).peak_allocated > 0
