@@ -199,6 +199,10 @@ def _check_pp(t: TrainingSpec, spec: Any, device: str, what: str) -> None:
         raise TrainmemError(f"trace {what} with --grad-accum {t.grad_accum}: torch's Schedule1F1B needs at least as "
                             f"many micro-batches as stages (schedules.py); use --grad-accum {t.pp} or more, or "
                             "--pp-schedule gpipe")
+    if t.pp_schedule == "interleaved-1f1b" and t.num_microbatches_in_flight is not None:
+        raise TrainmemError(f"trace {what} with --num-microbatches-in-flight {t.num_microbatches_in_flight}: trace "
+                            "runs torch's ScheduleInterleaved1F1B, whose virtual stages each keep their own count "
+                            "in flight; drop it")
     inflight = t.pp if t.pp_schedule == "1f1b" else t.grad_accum
     if t.num_microbatches_in_flight not in (None, inflight):
         raise TrainmemError(f"trace {what} with --num-microbatches-in-flight {t.num_microbatches_in_flight}: trace "
@@ -534,7 +538,7 @@ def wrap(module: torch.nn.Module, spec: Any, t: TrainingSpec, tracker: Tracker) 
     stage is cut from the unmaterialised model (``wrappers.PipelineStageModule``, this rank's stage)."""
     if t.pp > 1:
         import torch.distributed as dist
-        return pipeline_stage_module(module, spec, t.pp, dist.get_rank())
+        return pipeline_stage_module(module, spec, t.pp, dist.get_rank(), t.virtual_stages)
     device_mesh = mesh(t, "cuda")
     if t.tp > 1:
         tensor_parallel(module, spec, device_mesh["tp"], t.sequence_parallel)
