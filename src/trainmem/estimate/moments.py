@@ -93,6 +93,9 @@ class Tokens:
     # a derived encoder-decoder's activations at its bottom and decoder-bottom layer moments (measured)
     bottom_acts: Any = 0
     decoder_bottom_acts: Any = 0
+    fed: Any = 0           # interleaved 1F1B: pairs in flight whose first layer saved a receive buffer ...
+    head_units: Any = 0    # ... the head stage's micro-batches in flight (1 on the last rank) ...
+    stage_out: Any = 0     # ... and the other pairs' stage outputs there
 
 
 def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, later: bool = False) -> Tokens:
@@ -107,6 +110,12 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
     first stage +8.7% before."""
     pending = maximum(ga - 1, 1) if later else ga
     inflight = where(q.fixed_inflight > 0, q.fixed_inflight, minimum(q.pp_inflight, pending))
+    # interleaved 1F1B: (stage, micro-batch) pairs of the rank's stages, each one stage's layers
+    # (quantities._interleaved_terms)
+    inflight = where(q.pipe_units > 0, q.pipe_units_later if later else q.pipe_units, inflight)
+    # the last rank's head stage: one micro-batch in flight; the other pairs keep their stage output
+    head_units = where(q.pipe_head_once > 0, 1, inflight)
+    stage_out = trunc(q.pipe_out_tok * n) * (inflight - head_units)
     layer = trunc(q.kept_tok * n + q.kept_sq * nsq)                        # (b, s, ...) per layer
     # + autocast's copies of the weights and FSDP grad-op's gathered weights, each layer's from its
     # forward to its backward
@@ -118,13 +127,16 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
     layers = layer * q.layers * inflight + casts
     # LoRA: the first layer's input needs no gradient, so it keeps less (quantities.first_layer_unsaved)
     # (and the half copies of its frozen linears on that input are not kept, in each forward's region)
-    layers = (layers - trunc(q.first_unsaved_tok * n + q.first_unsaved_sq * nsq) * inflight
+    # (interleaved: only the pairs of stages fed by a receive buffer, quantities.Quantities.pipe_fed)
+    fed = where(q.pipe_units > 0, q.pipe_fed_later if later else q.pipe_fed, inflight)
+    layers = (layers - trunc(q.first_unsaved_tok * n + q.first_unsaved_sq * nsq) * fed
               - q.cast_first_free * per_forward)
     # + per sequence position and per position squared (T5's (s, s) position buckets), shared by the batch
     outer_rest = trunc(q.outer_rest_tok * n + q.outer_rest_sq * nsq + q.outer_rest_pos * (n // b)
                        + q.outer_rest_ssq * (n // b) ** 2) * inflight
     outer_head = trunc(q.outer_head_tok * n)
-    all_acts = layers + outer_rest + outer_head * inflight + q.cast_head * per_forward
+    all_acts = layers + outer_rest + outer_head * head_units + stage_out + q.cast_head * where(
+        q.pipe_head_once > 0, 1, per_forward)
     ssq = (n // b) ** 2
     index, value, grads = best_transient(q.transients, n, nsq, ssq, TOP)
     recompute = trunc(q.redo_tok * n + q.redo_sq * nsq) + q.redo_const
@@ -166,11 +178,13 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
                                    - 2 * chunk * q.softcap_saved, 0),
                   head_chunk_first=where(q.chunk_head_grads > 0, full * q.logits_out + q.chunk_head_grads // 3
                                          - chunk * q.softcap_saved, 0),
-                  logits_grad=full * q.logits_out, others=(layers + outer_rest) * (inflight - 1) // inflight,
-                  others_layers=layers * (inflight - 1) // inflight, others_head=outer_head * (inflight - 1),
-                  others_loss=(full * q.logits_held + saved) * (inflight - 1),
+                  logits_grad=full * q.logits_out,
+                  others=(layers + outer_rest) * (inflight - 1) // inflight + stage_out,
+                  others_layers=layers * (inflight - 1) // inflight + stage_out,
+                  others_head=outer_head * (head_units - 1),
+                  others_loss=(full * q.logits_held + saved) * (head_units - 1),
                   sent=trunc(q.pipe_sent_tok * n) if later else 0, bottom_acts=bottom_acts, tokens=n,
-                  decoder_bottom_acts=decoder_bottom_acts)
+                  decoder_bottom_acts=decoder_bottom_acts, fed=fed, head_units=head_units, stage_out=stage_out)
 
 
 def _bottom_moments(q: Quantities, sizes: tuple, recompute: Any, casts: Any) -> tuple:

@@ -30,6 +30,7 @@ from .derived import logits_bytes as derived_logits_bytes, outer_ssq as derived_
 from .derived import decoder_ratio, head_forward as derived_head_forward, moment_activations
 from .layers import ALL_MOMENTS, LayerCoefs, LayerKey, Policy, ep_rank_rows, layer_coefficients
 from .quant4 import dequant_dtypes, is_quantized
+from .schedules import in_flight_at_backwards
 from .states import (States, block_bytes, default_lora_targets, dtensor_tp, fsdp_grad_op, model_states,
                      torch_pipeline)
 
@@ -158,6 +159,14 @@ class Quantities:
     pipe_recv: int = 0     # torch's pipeline receive buffers per micro-batch on this stage (pipeline_buffers)
     pipe_buf_tok: float = 0.0  # ... bytes per token of one
     pipe_sent_tok: float = 0.0  # 1F1B, a later stage: the previous micro-batch's input gradient its send ops hold
+    # interleaved 1F1B (several stages per rank, ``--pp-schedule interleaved-1f1b``): ``layers`` is one
+    # stage's and a "micro-batch in flight" one (stage, micro-batch) pair (schedules.in_flight_at_backwards)
+    pipe_units: int = 0        # pairs in flight at the rank's first backward (0: not interleaved)
+    pipe_units_later: int = 0  # ... the most at a later one
+    pipe_fed: int = 0          # ... of them, pairs of a stage fed by a receive buffer (not the model's first)
+    pipe_fed_later: int = 0
+    pipe_head_once: int = 0    # 1: the last rank, whose head stage holds one micro-batch in flight; the others ...
+    pipe_out_tok: float = 0.0  # ... keep their stage's output (b, s, h), bytes per token
     # ... while the loss and its backward run: the root and the prefetched last layer, or nothing when
     # the loop computes the loss after FSDP2 resharded the root (``root_resharded_for_loss``)
     fsdp_loss_root: int = 0
@@ -308,7 +317,9 @@ def pipeline_buffers(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) -> 
     # (the input gradient a later stage sends back is a tensor of the same kind: under 1F1B the list of
     # send ops holding it, ``bwd_sends`` in ``Schedule1F1B._step_microbatches``, is rebound only after
     # the next micro-batch's backward: ``Quantities.pipe_sent_tok``, moments.tokens)
-    count = (stage != "first") + (stage != "last")
+    # interleaved: each of the rank's ``virtual_stages`` stages has its own; only the model's first stage
+    # receives no activations and only its last no gradient
+    count = 2 * t.virtual_stages - (stage == "first") - (stage == "last")
     return count, m.hidden_size * pol.stream / (t.tp if t.sequence_parallel else 1)
 
 
@@ -989,7 +1000,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     st = model_states(m, t, stage)
     derived = m.family == "derived"
     lc = derived_layer(m, t, stage) if derived else layer_coefficients(layer_key(m, t))
-    layers = m.num_layers // t.pp
+    layers = m.num_layers // (t.pp * t.virtual_stages)  # one stage's (interleaved: a rank holds several)
     oib = t.optimizer_in_backward
     sp = t.tp if t.sequence_parallel else 1
     input_tok = m.hidden_size * pol.stream / sp               # a layer's input (b, s, h), residual dtype
@@ -1146,9 +1157,31 @@ def _pipeline_terms(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str, inpu
     (one (b, s, h) per micro-batch in flight)."""
     count, per_tok = pipeline_buffers(m, t, pol, stage)
     later = torch_pipeline(t) and stage != "first"
-    received = (("pipeline.received_input", input_tok, 0.0),) if later else ()
+    # (interleaved: the first rank's other stages are fed too, ``Quantities.pipe_fed`` says how many pairs)
+    fed = later or (torch_pipeline(t) and t.virtual_stages > 1)
+    received = (("pipeline.received_input", input_tok, 0.0),) if fed else ()
     return {"pipe_batch": int(torch_pipeline(t)), "pipe_recv": count, "pipe_buf_tok": per_tok,
-            "pipe_sent_tok": per_tok if (later and t.pp_schedule == "1f1b") else 0.0}, received
+            "pipe_sent_tok": per_tok if (later and t.pp_schedule == "1f1b") else 0.0,
+            **_interleaved_terms(m, t, stage, per_tok)}, received
+
+
+def _interleaved_terms(m: ModelSpec, t: TrainingSpec, stage: str, per_tok: float) -> dict[str, Any]:
+    """Interleaved 1F1B's ``Quantities`` fields: the rank holds ``virtual_stages`` stages (rank r:
+    r, r + pp, ...; ``wrappers.PipelineRankModule``), each micro-batch's forward and backward run
+    per stage in ``ScheduleInterleaved1F1B``'s order (``schedules.rank_order``), so what a rank keeps
+    is one stage's layers' activations (and output, autocast copies, rotary tables) for each
+    (stage, micro-batch) pair forwarded and not yet backwarded: ``pipe_units`` of them at the
+    rank's first backward, ``pipe_units_later`` at most afterwards (schedules.in_flight_at_backwards).
+    The last rank's peak is its head stage's backward, with one micro-batch of that stage in flight
+    (its forward is followed by its backward, the loss in between) and the others its other stages'
+    pairs, each holding its stage output (``pipe_out_tok``, torch ``stage.py`` ``fwd_cache``)."""
+    if not (torch_pipeline(t) and t.virtual_stages > 1):
+        return {}
+    rank, v = (0 if stage == "first" else t.pp - 1), t.virtual_stages
+    head = v - 1 if stage == "last" else None
+    first, later, fed, fed_later = in_flight_at_backwards(t.pp, v, t.grad_accum, rank, head)
+    return {"pipe_units": first, "pipe_units_later": later, "pipe_fed": fed, "pipe_fed_later": fed_later, "pipe_head_once": int(stage == "last"),
+            "pipe_out_tok": per_tok if stage == "last" else 0.0}
 
 
 def _split_outer(outer: list[tuple[str, float, float]], rest_pos: float) -> tuple[float, float, float, float]:
