@@ -96,6 +96,7 @@ class Tokens:
     fed: Any = 0           # interleaved 1F1B: pairs in flight whose first layer saved a receive buffer ...
     head_units: Any = 0    # ... the head stage's micro-batches in flight (1 on the last rank) ...
     stage_out: Any = 0     # ... and the other pairs' stage outputs there
+    grads_absent: Any = 0  # ... and the gradients of the rank's stages not yet back-propagated (later micro-steps)
 
 
 def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, later: bool = False) -> Tokens:
@@ -112,7 +113,12 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
     inflight = where(q.fixed_inflight > 0, q.fixed_inflight, minimum(q.pp_inflight, pending))
     # interleaved 1F1B: (stage, micro-batch) pairs of the rank's stages, each one stage's layers
     # (quantities._interleaved_terms)
-    inflight = where(q.pipe_units > 0, q.pipe_units_later if later else q.pipe_units, inflight)
+    # (of two later backwards, the larger: the most pairs or the most gradients, schedules.in_flight_at_backwards)
+    unit = trunc(q.kept_tok * n + q.kept_sq * nsq) * q.layers + trunc(q.pipe_buf_tok * n)
+    alt = later & ((q.pipe_units_later - q.pipe_units_alt) * unit < q.pipe_grads_absent - q.pipe_grads_absent_alt)
+    inflight = where(q.pipe_units > 0, where(alt, q.pipe_units_alt, q.pipe_units_later) if later else q.pipe_units,
+                     inflight)
+    grads_absent = where(alt, q.pipe_grads_absent_alt, q.pipe_grads_absent) if later else 0
     # the last rank's head stage: one micro-batch in flight; the other pairs keep their stage output
     head_units = where(q.pipe_head_once > 0, 1, inflight)
     stage_out = trunc(q.pipe_out_tok * n) * (inflight - head_units)
@@ -128,7 +134,7 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
     # LoRA: the first layer's input needs no gradient, so it keeps less (quantities.first_layer_unsaved)
     # (and the half copies of its frozen linears on that input are not kept, in each forward's region)
     # (interleaved: only the pairs of stages fed by a receive buffer, quantities.Quantities.pipe_fed)
-    fed = where(q.pipe_units > 0, q.pipe_fed_later if later else q.pipe_fed, inflight)
+    fed = where(q.pipe_units > 0, where(alt, q.pipe_fed_alt, q.pipe_fed_later) if later else q.pipe_fed, inflight)
     layers = (layers - trunc(q.first_unsaved_tok * n + q.first_unsaved_sq * nsq) * fed
               - q.cast_first_free * per_forward)
     # + per sequence position and per position squared (T5's (s, s) position buckets), shared by the batch
@@ -184,7 +190,8 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
                   others_head=outer_head * (head_units - 1),
                   others_loss=(full * q.logits_held + saved) * (head_units - 1),
                   sent=trunc(q.pipe_sent_tok * n) if later else 0, bottom_acts=bottom_acts, tokens=n,
-                  decoder_bottom_acts=decoder_bottom_acts, fed=fed, head_units=head_units, stage_out=stage_out)
+                  decoder_bottom_acts=decoder_bottom_acts, fed=fed, head_units=head_units, stage_out=stage_out,
+                  grads_absent=grads_absent)
 
 
 def _bottom_moments(q: Quantities, sizes: tuple, recompute: Any, casts: Any) -> tuple:
@@ -391,6 +398,9 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     # buffers, or zeroed but kept by zero_grad(set_to_none=False) after the first step; else those
     # that exist from model wrap in this layout (DeepSpeed ZeRO-3's flat buffer: ``grads_loaded``)
     grads_before = q.grads if (micro > 0 or flags.grads_persistent or (step > 1 and flags.zeros)) else q.grads_loaded
+    # (interleaved 1F1B: at the later backward some of the rank's stages have no gradient yet)
+    grads_before = grads_before - tk.grads_absent if (micro > 0 and not flags.grads_persistent
+                                                          and not (step > 1 and flags.zeros)) else grads_before
     states = q.states if states_before else 0
     # the previous micro-batch's output, still referenced until this forward returns
     prev_logits, prev_kv = kept.after_backward() if (step > 1 or micro > 0) else (0, 0)

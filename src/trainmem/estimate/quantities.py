@@ -165,6 +165,10 @@ class Quantities:
     pipe_units_later: int = 0  # ... the most at a later one
     pipe_fed: int = 0          # ... of them, pairs of a stage fed by a receive buffer (not the model's first)
     pipe_fed_later: int = 0
+    pipe_grads_absent: int = 0  # ... the gradients of its stages not yet back-propagated at the later one
+    pipe_units_alt: int = 0     # another later backward (the most gradients), its pairs in flight ...
+    pipe_fed_alt: int = 0
+    pipe_grads_absent_alt: int = 0
     pipe_head_once: int = 0    # 1: the last rank, whose head stage holds one micro-batch in flight; the others ...
     pipe_out_tok: float = 0.0  # ... keep their stage's output (b, s, h), bytes per token
     # ... while the loss and its backward run: the root and the prefetched last layer, or nothing when
@@ -1015,7 +1019,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     head_here = t.pp == 1 or stage == "last"
     cast_layer, cast_head = _autocast_copies(m, t, st, pol, head_here)
     lora_first = first_layer_unsaved(t, lc, stage)
-    pipe, received = _pipeline_terms(m, t, pol, stage, input_tok)
+    pipe, received = _pipeline_terms(m, t, st, pol, stage, input_tok)
     first = lora_first + received
     outer, rest_pos = derived_outer(m, t, stage) if derived else (outer_tensors(m, t, pol, stage), 0.0)
     head_tok, rest_tok, rest_sq, rest_pos = _split_outer(outer, rest_pos)
@@ -1146,7 +1150,7 @@ def _autocast_copies(m: ModelSpec, t: TrainingSpec, st: States, pol: Policy, hea
     return cast_layer, cast_head
 
 
-def _pipeline_terms(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str, input_tok: float
+def _pipeline_terms(m: ModelSpec, t: TrainingSpec, st: States, pol: Policy, stage: str, input_tok: float
                     ) -> tuple[dict[str, Any], tuple[tuple[str, float, float], ...]]:
     """torch.distributed.pipelining's terms of one stage (none off it, or under Megatron's):
     the ``Quantities`` fields (``pipe_batch``, ``pipe_recv``, ``pipe_buf_tok``, ``pipe_sent_tok``)
@@ -1162,10 +1166,10 @@ def _pipeline_terms(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str, inpu
     received = (("pipeline.received_input", input_tok, 0.0),) if fed else ()
     return {"pipe_batch": int(torch_pipeline(t)), "pipe_recv": count, "pipe_buf_tok": per_tok,
             "pipe_sent_tok": per_tok if (later and t.pp_schedule == "1f1b") else 0.0,
-            **_interleaved_terms(m, t, stage, per_tok)}, received
+            **_interleaved_terms(m, t, st, stage, per_tok)}, received
 
 
-def _interleaved_terms(m: ModelSpec, t: TrainingSpec, stage: str, per_tok: float) -> dict[str, Any]:
+def _interleaved_terms(m: ModelSpec, t: TrainingSpec, st: States, stage: str, per_tok: float) -> dict[str, Any]:
     """Interleaved 1F1B's ``Quantities`` fields: the rank holds ``virtual_stages`` stages (rank r:
     r, r + pp, ...; ``wrappers.PipelineRankModule``), each micro-batch's forward and backward run
     per stage in ``ScheduleInterleaved1F1B``'s order (``schedules.rank_order``), so what a rank keeps
@@ -1179,8 +1183,19 @@ def _interleaved_terms(m: ModelSpec, t: TrainingSpec, stage: str, per_tok: float
         return {}
     rank, v = (0 if stage == "first" else t.pp - 1), t.virtual_stages
     head = v - 1 if stage == "last" else None
-    first, later, fed, fed_later = in_flight_at_backwards(t.pp, v, t.grad_accum, rank, head)
-    return {"pipe_units": first, "pipe_units_later": later, "pipe_fed": fed, "pipe_fed_later": fed_later, "pipe_head_once": int(stage == "last"),
+    first, fed, most, grads = in_flight_at_backwards(t.pp, v, t.grad_accum, rank, head)
+    # a stage's gradients: its layers', and on the first rank's first stage the embedding's (the rest of
+    # the rank's); the head stage's are never absent at the last rank's later head backward
+    per_stage = st.layer_grads * (m.num_layers // (t.pp * v))
+    outside = st.grads - per_stage * v
+
+    def absent(stages: tuple[int, ...]) -> int:
+        if t.optimizer_in_backward:
+            return 0
+        return sum(per_stage + (outside if (u == 0 and stage == "first") else 0) for u in stages)
+    return {"pipe_units": first, "pipe_units_later": most[0], "pipe_fed": fed, "pipe_fed_later": most[1],
+            "pipe_units_alt": grads[0], "pipe_fed_alt": grads[1], "pipe_grads_absent_alt": absent(grads[2]),
+            "pipe_grads_absent": absent(most[2]), "pipe_head_once": int(stage == "last"),
             "pipe_out_tok": per_tok if stage == "last" else 0.0}
 
 

@@ -55,21 +55,29 @@ def rank_order(pp: int, local: int, micro: int, rank: int) -> tuple[tuple[str, i
 
 
 def in_flight_at_backwards(pp: int, local: int, micro: int, rank: int,
-                           stage: int | None = None) -> tuple[int, int, int, int]:
-    """(pairs in flight at the rank's first backward, the most at any later backward, and of each
-    count the pairs not of the model's first stage, whose first layer saved the receive buffer): the
-    (stage, micro-batch) pairs forwarded and not yet backwarded, the one being backwarded included.
-    ``stage``: only the backwards of that local stage count (the last rank's head stage, whose
-    backward also holds the logits)."""
+                           stage: int | None = None) -> tuple[int, int, tuple, tuple]:
+    """The rank's backwards as the estimate's moments: (pairs in flight at its first backward, of
+    them the pairs not of the model's first stage, whose first layer saved the receive buffer; then
+    two later backwards as (pairs, of them fed by a receive buffer, the local stages with no
+    gradient yet): the one with the most pairs and the one with the most gradients). Pairs
+    in flight: the (stage, micro-batch) pairs forwarded and not yet backwarded, the one being
+    backwarded included. Ties go to the most stages whose gradients exist, resp. the most pairs (each
+    stage's are created by its first backward; a stage being backwarded for the first time counts
+    as without); the estimate keeps the larger of the two (``moments.tokens``). ``stage``: only the backwards of that local
+    stage count (the last rank's head stage, whose backward also holds the logits)."""
     alive: set[tuple[int, int]] = set()
-    counts: list[tuple[int, int]] = []
+    done: set[int] = set()
+    counts: list[tuple[int, int, int, tuple[int, ...]]] = []
     for kind, v, mb in rank_order(pp, local, micro, rank):
         if kind == FORWARD:
             alive.add((v, mb))
             continue
         if stage is None or v == stage:
             fed = sum(1 for u, _ in alive if u > 0 or rank > 0)
-            counts.append((len(alive), fed))
+            counts.append((len(alive), len(done), fed, tuple(u for u in range(local) if u not in done)))
         alive.discard((v, mb))
-    later = max(counts[1:], default=counts[0])
-    return counts[0][0], later[0], counts[0][1], later[1]
+        done.add(v)
+    first = counts[0]
+    most = max(counts[1:], default=first, key=lambda c: c[:2])                   # the most pairs ...
+    grads = max(counts[1:], default=first, key=lambda c: (c[1], c[0]))           # ... the most gradients
+    return first[0], first[2], (most[0], most[2], most[3]), (grads[0], grads[2], grads[3])
