@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ..errors import TrainmemError
 from ..spec.model import ModelSpec
 from ..spec.training import RECOMPUTE, TrainingSpec
 from .cache import BoundedCache
@@ -1000,6 +1001,9 @@ def clear_cache() -> None:
 
 
 def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
+    if t.virtual_stages > 1 and not torch_pipeline(t):
+        raise TrainmemError("--pp-schedule interleaved-1f1b is modelled as torch's ScheduleInterleaved1F1B, not "
+                            "Megatron-LM's interleaved schedule (--framework megatron); drop one of them")
     pol = Policy.of(t.precision)
     st = model_states(m, t, stage)
     derived = m.family == "derived"

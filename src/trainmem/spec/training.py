@@ -44,7 +44,7 @@ GRAD_SYNC = ("micro-batch", "step")
 #: pipeline schedules (torch.distributed.pipelining's Schedule1F1B, ScheduleGPipe and
 #: ScheduleInterleaved1F1B): how many micro-batches a stage keeps in flight (1F1B: pp - stage; GPipe:
 #: every micro-batch of the step; interleaved: per virtual stage, as its op order keeps them)
-PP_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
+PP_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zero-bubble")
 #: virtual stages per rank under ``--pp-schedule interleaved-1f1b`` when not given
 PP_VIRTUAL_STAGES = 2
 #: FSDP1 units of LoRA adapters: their own (peft's fsdp_auto_wrap_policy, which HF Trainer / accelerate
@@ -303,9 +303,16 @@ class TrainingSpec:
         (None there means ``PP_VIRTUAL_STAGES``); torch's ``ScheduleInterleaved1F1B`` splits the step
         into rounds of ``max(1, grad_accum // pp)`` and refuses a ``grad_accum`` they do not divide
         (torch 2.13 ``distributed/pipelining/schedules.py`` ``ScheduleInterleaved1F1B.__init__``)."""
+        if self.pp_schedule == "zero-bubble":
+            raise TrainmemError("--pp-schedule zero-bubble (torch's ScheduleInterleavedZeroBubble, backward split into "
+                                "input and weight gradients whose saved tensors live on) is not modelled yet; use "
+                                "--pp-schedule interleaved-1f1b or 1f1b")
         v = self.pp_virtual_stages
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
             raise TrainmemError(f"--pp-virtual-stages must be a positive integer, got {v!r}")
+        if v == 1 and self.pp_schedule == "interleaved-1f1b":
+            raise TrainmemError("--pp-virtual-stages 1 is one stage per rank: use --pp-schedule 1f1b (Schedule1F1B), "
+                                "or --pp-virtual-stages 2 or more")
         if v is not None and self.pp_schedule != "interleaved-1f1b":
             raise TrainmemError(f"--pp-virtual-stages {v} is for --pp-schedule interleaved-1f1b (several stages per "
                                 f"rank); {self.pp_schedule} runs one stage per rank: drop it or change the schedule")
