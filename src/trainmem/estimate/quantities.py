@@ -964,7 +964,9 @@ def quantities(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> Quantitie
     """The quantities of ``m`` trained as ``t`` on pipeline stage ``stage`` (cached)."""
     # accumulation enters only through whether FSDP accumulates its gradients unsharded (no_sync)
     # (an encoder-decoder's coefficients are read at its decoder-to-encoder length ratio)
-    key = (m, stage, _key_of(t), derived_regime(m, t), decoder_ratio(m, t), t.accumulates_unsharded)
+    # (and interleaved 1F1B's pairs in flight, from the schedule of grad_accum micro-batches)
+    key = (m, stage, _key_of(t), derived_regime(m, t), decoder_ratio(m, t), t.accumulates_unsharded,
+           t.grad_accum if t.virtual_stages > 1 else 0)
     return _CACHE.get_or_build(key, lambda: _build(m, t, stage))
 
 
@@ -982,7 +984,8 @@ def shape_quantities(m: ModelSpec, base: TrainingSpec, stage: str, rows: list[li
     memo = _SHAPES.setdefault((m, stage, _key_of(base), derived_regime(m, base), decoder_ratio(m, base)), {})
     out = []
     for row in rows:
-        shape = (*row[:7], base.grad_sync == "step" and row[9] > 1)  # + FSDP no_sync accumulation
+        # + FSDP no_sync accumulation, and interleaved 1F1B's micro-batches (its pairs in flight)
+        shape = (*row[:7], base.grad_sync == "step" and row[9] > 1, row[9] if base.virtual_stages > 1 else 0)
         hit = memo.get(shape)
         if hit is None:
             tp, pp, cp, dp, zero, rec, sp, b, s, ga = row
@@ -1023,7 +1026,11 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     head_here = t.pp == 1 or stage == "last"
     cast_layer, cast_head = _autocast_copies(m, t, st, pol, head_here)
     lora_first = first_layer_unsaved(t, lc, stage)
-    pipe, received = _pipeline_terms(m, t, st, pol, stage, input_tok)
+    # the layer saves its input itself (a norm on it in its dtype; a checkpointed layer's input): on a
+    # later stage the receive buffer (pure bf16/fp16 Llama: RMSNorm saves its fp32 copy, a new tensor;
+    # found by trace, the last rank of --pp-schedule interleaved-1f1b --precision bf16: -1.4% before)
+    saves_input = t.recompute in ("full", "op") or lc.input_saved > 0
+    pipe, received = _pipeline_terms(m, t, st, pol, stage, input_tok if saves_input else 0.0)
     first = lora_first + received
     outer, rest_pos = derived_outer(m, t, stage) if derived else (outer_tensors(m, t, pol, stage), 0.0)
     head_tok, rest_tok, rest_sq, rest_pos = _split_outer(outer, rest_pos)
@@ -1167,7 +1174,7 @@ def _pipeline_terms(m: ModelSpec, t: TrainingSpec, st: States, pol: Policy, stag
     later = torch_pipeline(t) and stage != "first"
     # (interleaved: the first rank's other stages are fed too, ``Quantities.pipe_fed`` says how many pairs)
     fed = later or (torch_pipeline(t) and t.virtual_stages > 1)
-    received = (("pipeline.received_input", input_tok, 0.0),) if fed else ()
+    received = (("pipeline.received_input", input_tok, 0.0),) if (fed and input_tok) else ()
     return {"pipe_batch": int(torch_pipeline(t)), "pipe_recv": count, "pipe_buf_tok": per_tok,
             "pipe_sent_tok": per_tok if (later and t.pp_schedule == "1f1b") else 0.0,
             **_interleaved_terms(m, t, st, stage, per_tok)}, received
