@@ -99,6 +99,22 @@ class Tokens:
     grads_absent: Any = 0  # ... and the gradients of the rank's stages not yet back-propagated (later micro-steps)
 
 
+def _interleaved(q: Quantities, n: Any, nsq: Any, later: bool, inflight: Any) -> tuple[Any, ...]:
+    """Interleaved 1F1B's terms (``quantities._interleaved_terms``; else ``inflight`` as given):
+    (stage, micro-batch) pairs in flight, each one stage's layers, of two later backwards the
+    larger (the most pairs or the most gradients, ``schedules.in_flight_at_backwards``); of them the
+    pairs fed by a receive buffer; the head stage's micro-batches in flight (one on the last rank,
+    whose other pairs keep their stage output) and those outputs; the gradients not yet created."""
+    unit = trunc(q.kept_tok * n + q.kept_sq * nsq) * q.layers + trunc(q.pipe_buf_tok * n)
+    alt = later & ((q.pipe_units_later - q.pipe_units_alt) * unit < q.pipe_grads_absent - q.pipe_grads_absent_alt)
+    on = q.pipe_units > 0
+    inflight = where(on, where(alt, q.pipe_units_alt, q.pipe_units_later) if later else q.pipe_units, inflight)
+    fed = where(on, where(alt, q.pipe_fed_alt, q.pipe_fed_later) if later else q.pipe_fed, inflight)
+    grads_absent = where(alt, q.pipe_grads_absent_alt, q.pipe_grads_absent) if later else 0
+    head_units = where(q.pipe_head_once > 0, 1, inflight)
+    return inflight, fed, head_units, trunc(q.pipe_out_tok * n) * (inflight - head_units), grads_absent
+
+
 def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, later: bool = False) -> Tokens:
     """The per-micro-batch terms for ``n`` tokens on this rank, ``nsq`` token x key pairs, micro-
     batch ``b`` and ``ga`` accumulated micro-batches; ``later``: at the micro-steps after the first.
@@ -111,30 +127,17 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
     first stage +8.7% before."""
     pending = maximum(ga - 1, 1) if later else ga
     inflight = where(q.fixed_inflight > 0, q.fixed_inflight, minimum(q.pp_inflight, pending))
-    # interleaved 1F1B: (stage, micro-batch) pairs of the rank's stages, each one stage's layers
-    # (quantities._interleaved_terms)
-    # (of two later backwards, the larger: the most pairs or the most gradients, schedules.in_flight_at_backwards)
-    unit = trunc(q.kept_tok * n + q.kept_sq * nsq) * q.layers + trunc(q.pipe_buf_tok * n)
-    alt = later & ((q.pipe_units_later - q.pipe_units_alt) * unit < q.pipe_grads_absent - q.pipe_grads_absent_alt)
-    inflight = where(q.pipe_units > 0, where(alt, q.pipe_units_alt, q.pipe_units_later) if later else q.pipe_units,
-                     inflight)
-    grads_absent = where(alt, q.pipe_grads_absent_alt, q.pipe_grads_absent) if later else 0
-    # the last rank's head stage: one micro-batch in flight; the other pairs keep their stage output
-    head_units = where(q.pipe_head_once > 0, 1, inflight)
-    stage_out = trunc(q.pipe_out_tok * n) * (inflight - head_units)
+    inflight, fed, head_units, stage_out, grads_absent = _interleaved(q, n, nsq, later, inflight)
     layer = trunc(q.kept_tok * n + q.kept_sq * nsq)                        # (b, s, ...) per layer
     # + autocast's copies of the weights and FSDP grad-op's gathered weights, each layer's from its
-    # forward to its backward
-    # (under torch's pipeline schedule each micro-batch in flight ran its own forward, whose autocast
-    # region cast the weights again: its copies are saved with its activations; trace, llama-3.2-1b
-    # (4 layers) --pp 2 bf16-amp, first stage: -3.3% before)
+    # forward to its backward (under torch's pipeline schedule each micro-batch in flight ran its own
+    # forward, whose autocast region cast the weights again: its copies are saved with its
+    # activations; trace, llama-3.2-1b (4 layers) --pp 2 bf16-amp, first stage: -3.3% before)
     per_forward = where(q.pipe_batch > 0, inflight, 1)  # forwards whose autocast copies are alive
     casts = ((q.cast_layer + q.gathered_layer) * q.layers - q.cast_checkpointed) * per_forward
     layers = layer * q.layers * inflight + casts
     # LoRA: the first layer's input needs no gradient, so it keeps less (quantities.first_layer_unsaved)
     # (and the half copies of its frozen linears on that input are not kept, in each forward's region)
-    # (interleaved: only the pairs of stages fed by a receive buffer, quantities.Quantities.pipe_fed)
-    fed = where(q.pipe_units > 0, where(alt, q.pipe_fed_alt, q.pipe_fed_later) if later else q.pipe_fed, inflight)
     layers = (layers - trunc(q.first_unsaved_tok * n + q.first_unsaved_sq * nsq) * fed
               - q.cast_first_free * per_forward)
     # + per sequence position and per position squared (T5's (s, s) position buckets), shared by the batch

@@ -962,6 +962,9 @@ _CACHE = BoundedCache(8192)
 
 def quantities(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> Quantities:
     """The quantities of ``m`` trained as ``t`` on pipeline stage ``stage`` (cached)."""
+    if t.virtual_stages > 1 and not torch_pipeline(t):
+        raise TrainmemError("--pp-schedule interleaved-1f1b is modelled as torch's ScheduleInterleaved1F1B, not "
+                            "Megatron-LM's interleaved schedule (--framework megatron); drop one of them")
     # accumulation enters only through whether FSDP accumulates its gradients unsharded (no_sync)
     # (an encoder-decoder's coefficients are read at its decoder-to-encoder length ratio)
     # (and interleaved 1F1B's pairs in flight, from the schedule of grad_accum micro-batches)
@@ -1004,9 +1007,6 @@ def clear_cache() -> None:
 
 
 def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
-    if t.virtual_stages > 1 and not torch_pipeline(t):
-        raise TrainmemError("--pp-schedule interleaved-1f1b is modelled as torch's ScheduleInterleaved1F1B, not "
-                            "Megatron-LM's interleaved schedule (--framework megatron); drop one of them")
     pol = Policy.of(t.precision)
     st = model_states(m, t, stage)
     derived = m.family == "derived"
@@ -1026,11 +1026,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     head_here = t.pp == 1 or stage == "last"
     cast_layer, cast_head = _autocast_copies(m, t, st, pol, head_here)
     lora_first = first_layer_unsaved(t, lc, stage)
-    # the layer saves its input itself (a norm on it in its dtype; a checkpointed layer's input): on a
-    # later stage the receive buffer (pure bf16/fp16 Llama: RMSNorm saves its fp32 copy, a new tensor;
-    # found by trace, the last rank of --pp-schedule interleaved-1f1b --precision bf16: -1.4% before)
-    saves_input = t.recompute in ("full", "op") or lc.input_saved > 0
-    pipe, received = _pipeline_terms(m, t, st, pol, stage, input_tok if saves_input else 0.0)
+    pipe, received = _pipeline_terms(m, t, st, pol, stage, input_tok, lc)
     first = lora_first + received
     outer, rest_pos = derived_outer(m, t, stage) if derived else (outer_tensors(m, t, pol, stage), 0.0)
     head_tok, rest_tok, rest_sq, rest_pos = _split_outer(outer, rest_pos)
@@ -1161,8 +1157,8 @@ def _autocast_copies(m: ModelSpec, t: TrainingSpec, st: States, pol: Policy, hea
     return cast_layer, cast_head
 
 
-def _pipeline_terms(m: ModelSpec, t: TrainingSpec, st: States, pol: Policy, stage: str, input_tok: float
-                    ) -> tuple[dict[str, Any], tuple[tuple[str, float, float], ...]]:
+def _pipeline_terms(m: ModelSpec, t: TrainingSpec, st: States, pol: Policy, stage: str, input_tok: float,
+                    lc: LayerCoefs) -> tuple[dict[str, Any], tuple[tuple[str, float, float], ...]]:
     """torch.distributed.pipelining's terms of one stage (none off it, or under Megatron's):
     the ``Quantities`` fields (``pipe_batch``, ``pipe_recv``, ``pipe_buf_tok``, ``pipe_sent_tok``)
     and what the first layer does not save beyond the inputs. A later stage's first layer saves its
@@ -1171,6 +1167,10 @@ def _pipeline_terms(m: ModelSpec, t: TrainingSpec, st: States, pol: Policy, stag
     llama-3.2-1b (4 layers) --pp 2 --pp-schedule gpipe --grad-accum 8, fp32, last stage +0.7% before
     (one (b, s, h) per micro-batch in flight)."""
     count, per_tok = pipeline_buffers(m, t, pol, stage)
+    # only when the layer saves its input itself (a norm on it in its dtype; a checkpointed layer's
+    # input): pure bf16/fp16 Llama's RMSNorm saves its fp32 copy, a new tensor (found by trace: the
+    # last rank of --pp-schedule interleaved-1f1b --precision bf16 was -1.4% before, 1F1B's -0.35%)
+    input_tok = input_tok if (t.recompute in ("full", "op") or lc.input_saved > 0) else 0.0
     later = torch_pipeline(t) and stage != "first"
     # (interleaved: the first rank's other stages are fed too, ``Quantities.pipe_fed`` says how many pairs)
     fed = later or (torch_pipeline(t) and t.virtual_stages > 1)

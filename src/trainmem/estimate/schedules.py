@@ -63,8 +63,9 @@ def in_flight_at_backwards(pp: int, local: int, micro: int, rank: int,
     in flight: the (stage, micro-batch) pairs forwarded and not yet backwarded, the one being
     backwarded included. Ties go to the most stages whose gradients exist, resp. the most pairs (each
     stage's are created by its first backward; a stage being backwarded for the first time counts
-    as without); the estimate keeps the larger of the two (``moments.tokens``). ``stage``: only the backwards of that local
-    stage count (the last rank's head stage, whose backward also holds the logits)."""
+    as without); the estimate keeps the larger of the two (``moments.tokens``). ``stage``: only
+    the backwards of that local stage count (the last rank's head stage, whose backward also holds
+    the logits)."""
     alive: set[tuple[int, int]] = set()
     done: set[int] = set()
     counts: list[tuple[int, int, int, tuple[int, ...]]] = []
