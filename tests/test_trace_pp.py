@@ -216,3 +216,20 @@ def test_the_command_line_takes_the_virtual_stages(capsys):
     assert main([*args, "--pp-virtual-stages", "4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "do not split into 8" in err[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ga", [2, 4, 8])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-amp"])
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_interleaved_grid_agrees_with_the_estimate(ga, precision, recompute):
+    r, stages = _stages(SMALL, pp=2, grad_accum=ga, precision=precision, recompute=recompute,
+                        pp_schedule="interleaved-1f1b")
+    for stage, (traced, est) in stages.items():
+        assert abs(est / traced - 1) < TOLERANCE, (stage, traced, est)
+    # the estimate's components add up to its peak on each rank
+    res = resolve("llama-3.2-1b", set=SMALL, **BASE, pp=2, grad_accum=ga, precision=precision, recompute=recompute,
+                  pp_schedule="interleaved-1f1b")
+    for stage in ("first", "last"):
+        rep = estimate_stage(res.model, res.training, stage)
+        assert sum(c.bytes for c in rep.components) == rep.peak_allocated
