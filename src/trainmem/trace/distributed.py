@@ -60,7 +60,9 @@ divide. So rank 0 is the worst rank and is the one traced (``trace(..., rank=k)`
 
 Pipeline parallelism (``--pp``, alone): the model is cut to one stage before it is loaded
 (``wrappers.PipelineStageModule``, torchtitan's split) and ``workload.PipelineTrainStep`` runs
-torch's ``PipelineStage`` and ``Schedule1F1B`` as that stage's rank of a fake group of ``pp``;
+torch's ``PipelineStage`` and ``Schedule1F1B`` (or ``ScheduleGPipe``; or ``ScheduleInterleaved1F1B``
+over the rank's ``--pp-virtual-stages`` stages, ``wrappers.PipelineRankModule``) as that stage's rank
+of a fake group of ``pp``;
 ``pipeline_ranks`` says which stages are traced (the first and the last), each on its own emulated
 GPU, and ``pipeline_report`` keeps the worse. Two patches make the schedule run on the fake group
 (``_static_vote``, ``_p2p_one_by_one``); sends and receives move nothing, so a stage computes on
@@ -185,7 +187,8 @@ def _check_fsdp1(t: TrainingSpec, what: str) -> None:
 
 def _check_pp(t: TrainingSpec, spec: Any, device: str, what: str) -> None:
     """The pipeline-parallel refusals: what ``wrappers.PipelineStageModule`` and ``workload.
-    PipelineTrainStep`` (torch's ``Schedule1F1B``, one stage per rank) do not run."""
+    PipelineTrainStep`` (torch's ``Schedule1F1B``, ``ScheduleGPipe``, ``ScheduleInterleaved1F1B``) do
+    not run (the zero-bubble schedule and the virtual stages' own rules: ``TrainingSpec``)."""
     if device != "cuda" or spec is None:
         return  # refused below with the data-parallel setups' reasons
     if spec.model_type not in PP_MODEL_TYPES or spec.head != "causal-lm":
