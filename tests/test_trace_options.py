@@ -59,7 +59,7 @@ CASES = [
     # (traced and checked against the estimate on 4 and 8 layers: tests/test_trace_pp.py)
     ({"pp_schedule": "interleaved-1f1b", "pp": 2, "grad_accum": 2}, REFUSED, "do not split into 4 pipeline stages"),
     ({"pp_virtual_stages": 2, "pp": 2, "grad_accum": 2}, REFUSED, "--pp-virtual-stages 2 is for"),
-    ({"pp_schedule": "zero-bubble", "pp": 2, "grad_accum": 2}, REFUSED, "--pp-schedule zero-bubble"),
+    ({"pp_schedule": "zero-bubble", "pp": 2, "grad_accum": 2}, REFUSED, "do not split into 4 pipeline stages"),
     # expert parallelism and the routing imbalance need experts; on Mixtral (tests/test_moe.py) trace refuses
     # --ep and runs --moe-imbalance as the GPU would: grouped_mm's rows do not depend on the routing
     ({"ep": 2, "dp": 2}, REFUSED, "--ep 2"), ({"moe_imbalance": 2.0}, REFUSED, "--moe-imbalance 2"),

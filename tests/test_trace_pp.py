@@ -182,13 +182,15 @@ def test_interleaved_last_rank_keeps_its_other_stages_micro_batches():
 
 
 @pytest.mark.parametrize("options, names", [
-    ({"pp": 2, "grad_accum": 2, "pp_schedule": "zero-bubble"}, "--pp-schedule zero-bubble"),
     ({"pp": 2, "grad_accum": 2, "pp_virtual_stages": 2}, "--pp-virtual-stages 2 is for"),
     ({"pp": 2, "grad_accum": 2, "pp_schedule": "interleaved-1f1b", "pp_virtual_stages": 1}, "--pp-virtual-stages 1"),
     ({"pp": 2, "grad_accum": 2, "pp_schedule": "interleaved-1f1b", "pp_virtual_stages": 3}, "do not split into 6"),
     ({"pp": 2, "grad_accum": 5, "pp_schedule": "interleaved-1f1b"}, "--grad-accum 5"),
     ({"pp": 2, "grad_accum": 2, "pp_schedule": "interleaved-1f1b", "num_microbatches_in_flight": 2},
      "--num-microbatches-in-flight 2"),
+    ({"pp": 2, "grad_accum": 2, "pp_schedule": "zero-bubble", "num_microbatches_in_flight": 2},
+     "ScheduleInterleavedZeroBubble, whose virtual stages"),
+    ({"pp": 2, "grad_accum": 5, "pp_schedule": "zero-bubble"}, "--grad-accum 5"),
 ])
 def test_interleaved_options_not_built_are_refused_in_one_line(options, names):
     with pytest.raises(TrainmemError) as e:
@@ -233,3 +235,18 @@ def test_interleaved_grid_agrees_with_the_estimate(ga, precision, recompute):
     for stage in ("first", "last"):
         rep = estimate_stage(res.model, res.training, stage)
         assert sum(c.bytes for c in rep.components) == rep.peak_allocated
+
+
+def test_zero_bubble_is_traced_and_the_estimate_refuses_it_in_one_line():
+    """ScheduleInterleavedZeroBubble runs on the fake group (its input-gradient backward retains the
+    graph until the weight-gradient backward): the last rank holds more than under interleaved 1F1B
+    with the same stages; the estimate, which does not model the split backward, refuses it."""
+    zb = trace("llama-3.2-1b", set=SMALL, **BASE, pp=2, grad_accum=4, precision="fp32", pp_schedule="zero-bubble")
+    assert "ScheduleInterleavedZeroBubble, 2 stages per rank" in zb.extra["wrapper"]
+    il = trace("llama-3.2-1b", set=SMALL, **BASE, pp=2, grad_accum=4, precision="fp32",
+               pp_schedule="interleaved-1f1b")
+    last = lambda r: next(e["peak_allocated"] for e in r.extra["ranks"] if e["rank"] == 1)  # noqa: E731
+    assert last(zb) > last(il)
+    with pytest.raises(TrainmemError) as e:
+        estimate("llama-3.2-1b", set=SMALL, **BASE, pp=2, grad_accum=4, pp_schedule="zero-bubble")
+    assert "--pp-schedule zero-bubble" in str(e.value) and "use trace" in str(e.value) and "\n" not in str(e.value)

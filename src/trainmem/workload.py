@@ -512,8 +512,8 @@ class PipelineTrainStep(TrainStep):
     ``schedule.step(ids, target=labels, losses=losses, return_outputs=False)`` (the first stage
     passes the ids, the others only the target), the schedule (torch
     ``distributed/pipelining/schedules.py`` ``Schedule1F1B``, ``ScheduleGPipe`` with
-    ``pp_schedule="gpipe"``, or ``ScheduleInterleaved1F1B`` over the rank's virtual stages with
-    ``pp_schedule="interleaved-1f1b"``) splits it into micro-batches and runs their forwards and backwards in
+    ``pp_schedule="gpipe"``, or ``ScheduleInterleaved1F1B`` / ``ScheduleInterleavedZeroBubble`` over
+    the rank's virtual stages with ``pp_schedule="interleaved-1f1b"`` / ``"zero-bubble"``) splits it into micro-batches and runs their forwards and backwards in
     its order; then ``optimizer.step()`` and ``zero_grad``.
 
     ``model`` is a :class:`trainmem.wrappers.PipelineStageModule` (a ``PipelineRankModule`` of them
@@ -528,7 +528,7 @@ class PipelineTrainStep(TrainStep):
                  on_phase: Callable[[str, int, int | None], None] | None = None, what: str = "trace") -> None:
         super().__init__(model, spec, t, device, on_phase=on_phase, what=what)
         from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                                   ScheduleInterleaved1F1B)
+                                                   ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)
         # one stage module, or under the interleaved schedule the rank's ``virtual_stages`` of them
         # (wrappers.PipelineRankModule: stages rank, rank + pp, ... of pp x virtual_stages)
         modules = list(model.stages) if t.virtual_stages > 1 else [model]
@@ -544,7 +544,8 @@ class PipelineTrainStep(TrainStep):
                                      output_args=self._example(module.stage_index, False)) for module in modules]
         # every rank passes the loss: the schedule runs backward only with one (``_has_backward``)
         if t.virtual_stages > 1:
-            self.schedule = ScheduleInterleaved1F1B(self.stages, t.grad_accum, loss_fn=self.pipeline_loss)
+            cls = ScheduleInterleavedZeroBubble if t.pp_schedule == "zero-bubble" else ScheduleInterleaved1F1B
+            self.schedule = cls(self.stages, t.grad_accum, loss_fn=self.pipeline_loss)
         else:
             schedule = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[t.pp_schedule]
             self.schedule = schedule(self.stages[0], t.grad_accum, loss_fn=self.pipeline_loss)

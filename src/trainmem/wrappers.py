@@ -247,10 +247,14 @@ def wrap(module: torch.nn.Module, spec: Any, t: TrainingSpec, device_mesh: Any, 
     return module
 
 
+#: torch.distributed.pipelining's schedule class of each ``--pp-schedule``
+SCHEDULE_NAMES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "interleaved-1f1b": "ScheduleInterleaved1F1B",
+                  "zero-bubble": "ScheduleInterleavedZeroBubble"}
+
+
 def wrapper_name(t: TrainingSpec) -> str:
     """The wrappers of the layout in words (``DDP over 8``, ``FSDP2 fully_shard full over 8``)."""
-    schedule = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe",
-                "interleaved-1f1b": "ScheduleInterleaved1F1B"}[t.pp_schedule]
+    schedule = SCHEDULE_NAMES[t.pp_schedule]
     per_rank = f"{t.virtual_stages} stages per rank" if t.virtual_stages > 1 else "one stage per rank"
     parts = [f"pipeline ×{t.pp} (torch.distributed.pipelining {schedule}, {per_rank})"] if t.pp > 1 else []
     if t.tp > 1:

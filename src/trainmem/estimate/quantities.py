@@ -962,6 +962,10 @@ _CACHE = BoundedCache(8192)
 
 def quantities(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> Quantities:
     """The quantities of ``m`` trained as ``t`` on pipeline stage ``stage`` (cached)."""
+    if t.pp > 1 and t.pp_schedule == "zero-bubble":
+        raise TrainmemError("--pp-schedule zero-bubble: the estimate does not model ScheduleInterleavedZeroBubble's "
+                            "split backward (each input-gradient backward retains its graph, saved tensors and "
+                            "output gradients, until the weight-gradient backward); use trace")
     if t.virtual_stages > 1 and not torch_pipeline(t):
         raise TrainmemError("--pp-schedule interleaved-1f1b is modelled as torch's ScheduleInterleaved1F1B, not "
                             "Megatron-LM's interleaved schedule (--framework megatron); drop one of them")
