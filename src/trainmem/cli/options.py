@@ -119,11 +119,12 @@ def add_training(g: Any) -> None:
                              "pp": "pipeline-parallel size", "cp": "context-parallel size"}[k])
     g.add_argument("--pp-schedule", choices=PP_SCHEDULES, default=None,
                    help="pipeline schedule under --pp: 1f1b (default; the first stage keeps pp micro-batches in "
-                        "flight), gpipe (every stage keeps all --grad-accum micro-batches until its backwards) or "
-                        "interleaved-1f1b (torch's ScheduleInterleaved1F1B: --pp-virtual-stages stages per rank)")
+                        "flight), gpipe (every stage keeps all --grad-accum micro-batches until its backwards), "
+                        "interleaved-1f1b (torch's ScheduleInterleaved1F1B: --pp-virtual-stages stages per rank) "
+                        "or zero-bubble (ScheduleInterleavedZeroBubble: traced; the estimate refuses it)")
     g.add_argument("--pp-virtual-stages", type=positive_int, default=None, metavar="V",
-                   help="stages per rank under --pp-schedule interleaved-1f1b (default 2): the layers split into "
-                        "pp*V stages, rank r holding stages r, r+pp, ...")
+                   help="stages per rank under --pp-schedule interleaved-1f1b or zero-bubble (default 2): the "
+                        "layers split into pp*V stages, rank r holding stages r, r+pp, ...")
     g.add_argument("--sequence-parallel", action="store_true")
     _add_moe(g)
     _add_recompute(g)
