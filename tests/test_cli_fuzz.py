@@ -32,6 +32,7 @@ ESTIMATE_OPTIONS = {
     "--optimizer": ["adamw", "sgd", "adafactor", "adamw8bit", "lion", "paged_adamw_8bit", "x"],
     "--zero": NUMBERS, "--fsdp": ["full", "hybrid", "grad-op", "none", "x"], "--dp": NUMBERS,
     "--tp": NUMBERS, "--pp": NUMBERS, "--cp": NUMBERS, "--sequence-parallel": None,
+    "--pp-schedule": ["1f1b", "gpipe", "interleaved-1f1b", "zero-bubble", "x"], "--pp-virtual-stages": NUMBERS,
     "--distributed-optimizer": None, "--offload-optimizer": ["cpu", "none", "x"],
     "--recompute": ["none", "full", "selective", "x"], "--recompute-every": NUMBERS,
     "--attention": ["eager", "sdpa", "flash", "sdpa-flash", "sdpa-math", "sdpa-efficient", "sdpa-cudnn", "x"],

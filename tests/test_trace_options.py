@@ -55,6 +55,11 @@ CASES = [
     ({"pp_schedule": "gpipe", "pp": 2, "grad_accum": 2}, CHANGED, ""),  # vs 1F1B (REFERENCE)
     ({"pp_schedule": "gpipe", "pp": 2, "grad_accum": 2, "num_microbatches_in_flight": 1}, REFUSED,
      "--num-microbatches-in-flight 1"),
+    # interleaved 1F1B needs pp x virtual stages dividing the layers: this model's 2 do not split into 4
+    # (traced and checked against the estimate on 4 and 8 layers: tests/test_trace_pp.py)
+    ({"pp_schedule": "interleaved-1f1b", "pp": 2, "grad_accum": 2}, REFUSED, "do not split into 4 pipeline stages"),
+    ({"pp_virtual_stages": 2, "pp": 2, "grad_accum": 2}, REFUSED, "--pp-virtual-stages 2 is for"),
+    ({"pp_schedule": "zero-bubble", "pp": 2, "grad_accum": 2}, REFUSED, "do not split into 4 pipeline stages"),
     # expert parallelism and the routing imbalance need experts; on Mixtral (tests/test_moe.py) trace refuses
     # --ep and runs --moe-imbalance as the GPU would: grouped_mm's rows do not depend on the routing
     ({"ep": 2, "dp": 2}, REFUSED, "--ep 2"), ({"moe_imbalance": 2.0}, REFUSED, "--moe-imbalance 2"),

@@ -138,3 +138,115 @@ def test_the_command_line_traces_both_stages_and_refuses_in_one_line(capsys):
     assert main(args) == 2  # --grad-accum 1 < --pp 2: Schedule1F1B refuses it
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--grad-accum 1" in err[0]
+
+
+# ----- interleaved 1F1B: torch's ScheduleInterleaved1F1B, several stages per rank ----------------------
+def test_the_estimates_interleaved_order_is_torchs():
+    """estimate.schedules replays ScheduleInterleaved1F1B's op order without torch: each rank's
+    compute actions equal torch's own (``_calculate_single_rank_operations``, padding dropped)."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+    from trainmem.estimate.schedules import rank_order
+    for pp, local, micro in [(2, 2, 2), (2, 2, 4), (2, 3, 8), (4, 2, 4), (4, 2, 8), (4, 4, 12), (3, 2, 2), (8, 2, 16)]:
+        for rank in range(pp):
+            sch = ScheduleInterleaved1F1B.__new__(ScheduleInterleaved1F1B)
+            sch.pp_group_size, sch.n_local_stages, sch.rank, sch._n_microbatches = pp, local, rank, micro
+            sch.number_of_rounds = max(1, micro // pp)
+            sch.microbatches_per_round = micro // sch.number_of_rounds
+            ops = [("F" if a.computation_type == _ComputationType.FORWARD else "B", (a.stage_index - rank) // pp,
+                    a.microbatch_index) for a in sch._calculate_single_rank_operations(rank) if a is not None]
+            assert tuple(ops) == rank_order(pp, local, micro, rank), (pp, local, micro, rank)
+
+
+@pytest.mark.parametrize("overrides, options", [
+    (SMALL, {"pp": 2, "grad_accum": 2, "precision": "fp32"}),
+    (SMALL, {"pp": 2, "grad_accum": 4, "precision": "bf16-amp", "recompute": "full"}),
+    (EIGHT, {"pp": 2, "grad_accum": 4, "precision": "bf16", "pp_virtual_stages": 4}),
+    (EIGHT, {"pp": 4, "grad_accum": 8, "precision": "fp32"}),
+], ids=["pp2-v2-ga2-fp32", "pp2-v2-ga4-amp-full", "pp2-v4-ga4-bf16", "pp4-v2-ga8-fp32"])
+def test_interleaved_ranks_agree_with_the_estimate(overrides, options):
+    r, stages = _stages(overrides, pp_schedule="interleaved-1f1b", **options)
+    assert sorted(stages) == [0, options["pp"] - 1]
+    for stage, (traced, est) in stages.items():
+        assert abs(est / traced - 1) < TOLERANCE, (stage, traced, est)
+    v = options.get("pp_virtual_stages", 2)
+    assert f"ScheduleInterleaved1F1B, {v} stages per rank" in r.extra["wrapper"]
+
+
+def test_interleaved_last_rank_keeps_its_other_stages_micro_batches():
+    """Under 1F1B the last stage has one micro-batch in flight; interleaved, the last rank also
+    holds its other stage's micro-batches (forwarded in the warm-up) at its head stage's backward,
+    so its peak is above 1F1B's with the same layers and weights on the rank."""
+    _, one = _stages(SMALL, pp=2, grad_accum=2, precision="fp32")
+    _, two = _stages(SMALL, pp=2, grad_accum=2, precision="fp32", pp_schedule="interleaved-1f1b")
+    assert two[1][0] > one[1][0] and two[1][1] > one[1][1]
+
+
+@pytest.mark.parametrize("options, names", [
+    ({"pp": 2, "grad_accum": 2, "pp_virtual_stages": 2}, "--pp-virtual-stages 2 is for"),
+    ({"pp": 2, "grad_accum": 2, "pp_schedule": "interleaved-1f1b", "pp_virtual_stages": 1}, "--pp-virtual-stages 1"),
+    ({"pp": 2, "grad_accum": 2, "pp_schedule": "interleaved-1f1b", "pp_virtual_stages": 3}, "do not split into 6"),
+    ({"pp": 2, "grad_accum": 5, "pp_schedule": "interleaved-1f1b"}, "--grad-accum 5"),
+    ({"pp": 2, "grad_accum": 2, "pp_schedule": "interleaved-1f1b", "num_microbatches_in_flight": 2},
+     "--num-microbatches-in-flight 2"),
+    ({"pp": 2, "grad_accum": 2, "pp_schedule": "zero-bubble", "num_microbatches_in_flight": 2},
+     "ScheduleInterleavedZeroBubble, whose virtual stages"),
+    ({"pp": 2, "grad_accum": 5, "pp_schedule": "zero-bubble"}, "--grad-accum 5"),
+])
+def test_interleaved_options_not_built_are_refused_in_one_line(options, names):
+    with pytest.raises(TrainmemError) as e:
+        trace("llama-3.2-1b", set=SMALL, **BASE, **options)
+    assert names in str(e.value) and "\n" not in str(e.value)
+    if "num_microbatches_in_flight" not in options:  # the estimate refuses the same setups
+        with pytest.raises(TrainmemError):
+            estimate("llama-3.2-1b", set=SMALL, **BASE, **options)
+
+
+def test_the_estimate_refuses_megatrons_interleaved_schedule():
+    with pytest.raises(TrainmemError, match="not Megatron-LM's interleaved"):
+        estimate("llama-3.2-1b", set=SMALL, **BASE, pp=2, grad_accum=2, pp_schedule="interleaved-1f1b",
+                 framework="megatron")
+
+
+def test_the_command_line_takes_the_virtual_stages(capsys):
+    import json
+    from trainmem.cli import main
+    args = ["estimate", "llama-3.2-1b", *[x for o in SMALL for x in ("--set", o)], "--batch-size", "2",
+            "--seq-len", "128", "--pp", "2", "--grad-accum", "2", "--pp-schedule", "interleaved-1f1b"]
+    assert main([*args, "--json"]) == 0
+    two = json.loads(capsys.readouterr().out)
+    assert two["training"]["pp_virtual_stages"] is None and two["peak_allocated"] > 0
+    assert main([*args, "--pp-virtual-stages", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "do not split into 8" in err[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ga", [2, 4, 8])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-amp"])
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_interleaved_grid_agrees_with_the_estimate(ga, precision, recompute):
+    r, stages = _stages(SMALL, pp=2, grad_accum=ga, precision=precision, recompute=recompute,
+                        pp_schedule="interleaved-1f1b")
+    for stage, (traced, est) in stages.items():
+        assert abs(est / traced - 1) < TOLERANCE, (stage, traced, est)
+    # the estimate's components add up to its peak on each rank
+    res = resolve("llama-3.2-1b", set=SMALL, **BASE, pp=2, grad_accum=ga, precision=precision, recompute=recompute,
+                  pp_schedule="interleaved-1f1b")
+    for stage in ("first", "last"):
+        rep = estimate_stage(res.model, res.training, stage)
+        assert sum(c.bytes for c in rep.components) == rep.peak_allocated
+
+
+def test_zero_bubble_is_traced_and_the_estimate_refuses_it_in_one_line():
+    """ScheduleInterleavedZeroBubble runs on the fake group (its input-gradient backward retains the
+    graph until the weight-gradient backward): the last rank holds more than under interleaved 1F1B
+    with the same stages; the estimate, which does not model the split backward, refuses it."""
+    zb = trace("llama-3.2-1b", set=SMALL, **BASE, pp=2, grad_accum=4, precision="fp32", pp_schedule="zero-bubble")
+    assert "ScheduleInterleavedZeroBubble, 2 stages per rank" in zb.extra["wrapper"]
+    il = trace("llama-3.2-1b", set=SMALL, **BASE, pp=2, grad_accum=4, precision="fp32",
+               pp_schedule="interleaved-1f1b")
+    last = lambda r: next(e["peak_allocated"] for e in r.extra["ranks"] if e["rank"] == 1)  # noqa: E731
+    assert last(zb) > last(il)
+    with pytest.raises(TrainmemError) as e:
+        estimate("llama-3.2-1b", set=SMALL, **BASE, pp=2, grad_accum=4, pp_schedule="zero-bubble")
+    assert "--pp-schedule zero-bubble" in str(e.value) and "use trace" in str(e.value) and "\n" not in str(e.value)

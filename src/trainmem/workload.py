@@ -511,11 +511,13 @@ class PipelineTrainStep(TrainStep):
     of ``grad_accum`` micro-batches (input ids and labels, on every stage) goes to
     ``schedule.step(ids, target=labels, losses=losses, return_outputs=False)`` (the first stage
     passes the ids, the others only the target), the schedule (torch
-    ``distributed/pipelining/schedules.py`` ``Schedule1F1B``, or ``ScheduleGPipe`` with
-    ``pp_schedule="gpipe"``) splits it into micro-batches and runs their forwards and backwards in
+    ``distributed/pipelining/schedules.py`` ``Schedule1F1B``, ``ScheduleGPipe`` with
+    ``pp_schedule="gpipe"``, or ``ScheduleInterleaved1F1B`` / ``ScheduleInterleavedZeroBubble`` over
+    the rank's virtual stages with ``pp_schedule="interleaved-1f1b"`` / ``"zero-bubble"``) splits it into micro-batches and runs their forwards and backwards in
     its order; then ``optimizer.step()`` and ``zero_grad``.
 
-    ``model`` is a :class:`trainmem.wrappers.PipelineStageModule`. Its ``PipelineStage`` is given
+    ``model`` is a :class:`trainmem.wrappers.PipelineStageModule` (a ``PipelineRankModule`` of them
+    under the interleaved schedule). Each ``PipelineStage`` is given
     example input and output tensors (``input_args``, ``output_args``: the ids (b, s) or hidden
     states (b, s, h) in, hidden states or logits out), so no metadata is exchanged between ranks
     (static mode, ``stage.py`` ``PipelineStage``). The loss is the schedule's ``loss_fn`` on the
@@ -525,18 +527,28 @@ class PipelineTrainStep(TrainStep):
     def __init__(self, model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec, device: str,
                  on_phase: Callable[[str, int, int | None], None] | None = None, what: str = "trace") -> None:
         super().__init__(model, spec, t, device, on_phase=on_phase, what=what)
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                                   ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)
+        # one stage module, or under the interleaved schedule the rank's ``virtual_stages`` of them
+        # (wrappers.PipelineRankModule: stages rank, rank + pp, ... of pp x virtual_stages)
+        modules = list(model.stages) if t.virtual_stages > 1 else [model]
+        self.num_stages = t.pp * t.virtual_stages
         if self.amp is not None:
             ctx = torch.autocast("cuda" if device == "cuda" else "cpu", dtype=self.amp)
-            # the hooks return None: the inputs and the output unchanged
-            model.register_forward_pre_hook(lambda *a: (ctx.__enter__(), None)[1])
-            model.register_forward_hook(lambda *a: (ctx.__exit__(None, None, None), None)[1], always_call=True)
-        stage = model.stage_index
-        self.stage = PipelineStage(model, stage, t.pp, torch.device(device), input_args=self._example(stage, True),
-                                   output_args=self._example(stage, False))
+            for module in modules:  # each stage forward its own autocast region
+                # the hooks return None: the inputs and the output unchanged
+                module.register_forward_pre_hook(lambda *a: (ctx.__enter__(), None)[1])
+                module.register_forward_hook(lambda *a: (ctx.__exit__(None, None, None), None)[1], always_call=True)
+        self.stages = [PipelineStage(module, module.stage_index, self.num_stages, torch.device(device),
+                                     input_args=self._example(module.stage_index, True),
+                                     output_args=self._example(module.stage_index, False)) for module in modules]
         # every rank passes the loss: the schedule runs backward only with one (``_has_backward``)
-        schedule = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[t.pp_schedule]
-        self.schedule = schedule(self.stage, t.grad_accum, loss_fn=self.pipeline_loss)
+        if t.virtual_stages > 1:
+            cls = ScheduleInterleavedZeroBubble if t.pp_schedule == "zero-bubble" else ScheduleInterleaved1F1B
+            self.schedule = cls(self.stages, t.grad_accum, loss_fn=self.pipeline_loss)
+        else:
+            schedule = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[t.pp_schedule]
+            self.schedule = schedule(self.stages[0], t.grad_accum, loss_fn=self.pipeline_loss)
         self.micro_batches = t.grad_accum
 
     def _example(self, stage: int, inputs: bool) -> torch.Tensor:
@@ -548,7 +560,7 @@ class PipelineTrainStep(TrainStep):
         if inputs and stage == 0:
             return torch.empty(b, s, dtype=torch.long, device="meta")
         half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision, torch.float32)
-        if not inputs and stage == t.pp - 1:
+        if not inputs and stage == self.num_stages - 1:
             return torch.empty(b, s, spec.vocab_size, dtype=self.amp or half, device="meta", requires_grad=True)
         return torch.empty(b, s, spec.hidden_size, dtype=half, device="meta", requires_grad=True)
 

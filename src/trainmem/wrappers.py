@@ -247,10 +247,16 @@ def wrap(module: torch.nn.Module, spec: Any, t: TrainingSpec, device_mesh: Any, 
     return module
 
 
+#: torch.distributed.pipelining's schedule class of each ``--pp-schedule``
+SCHEDULE_NAMES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "interleaved-1f1b": "ScheduleInterleaved1F1B",
+                  "zero-bubble": "ScheduleInterleavedZeroBubble"}
+
+
 def wrapper_name(t: TrainingSpec) -> str:
     """The wrappers of the layout in words (``DDP over 8``, ``FSDP2 fully_shard full over 8``)."""
-    schedule = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe"}[t.pp_schedule]
-    parts = [f"pipeline ×{t.pp} (torch.distributed.pipelining {schedule}, one stage per rank)"] if t.pp > 1 else []
+    schedule = SCHEDULE_NAMES[t.pp_schedule]
+    per_rank = f"{t.virtual_stages} stages per rank" if t.virtual_stages > 1 else "one stage per rank"
+    parts = [f"pipeline ×{t.pp} (torch.distributed.pipelining {schedule}, {per_rank})"] if t.pp > 1 else []
     if t.tp > 1:
         parts.append(f"tensor parallel ×{t.tp}" + (" with sequence parallelism" if t.sequence_parallel else "")
                      + " (parallelize_module)")
@@ -291,7 +297,7 @@ class PipelineStageModule(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, spec: Any, pp: int, stage: int) -> None:
         super().__init__()
         body, head = _body_and_head(model)
-        lo, hi = stage_layers(spec.num_layers, pp, stage)
+        lo, hi = stage_layers(spec.num_layers, pp, stage)  # pp: the number of stages (pp x virtual stages)
         self.stage_index, self.first, self.last = stage, stage == 0, stage == pp - 1
         body.layers = torch.nn.ModuleList(list(body.layers)[lo:hi])
         if not self.first:
@@ -323,6 +329,36 @@ class PipelineStageModule(torch.nn.Module):
         return self.lm_head(hidden) if self.last else hidden
 
 
-def pipeline_stage_module(module: torch.nn.Module, spec: Any, pp: int, stage: int) -> PipelineStageModule:
-    """The causal LM cut to pipeline stage ``stage`` of ``pp`` (:class:`PipelineStageModule`)."""
+class PipelineRankModule(torch.nn.Module):
+    """The stages one rank holds under an interleaved schedule (``--pp-schedule interleaved-1f1b``):
+    of ``pp * virtual`` stages, rank ``r`` holds ``r, r + pp, ...`` (torchtitan
+    ``pipeline_module_split`` with ``stages_per_rank`` > 1, the "loop" style its interleaved
+    schedules take), each a :class:`PipelineStageModule` cut from its own copy of the unmaterialised
+    model (torchtitan deep-copies the whole model per stage). The schedule calls each stage module
+    itself; this module only holds them, so the optimizer, loading and checkpointing see them all."""
+
+    def __init__(self, model: torch.nn.Module, spec: Any, pp: int, virtual: int, rank: int) -> None:
+        super().__init__()
+        import copy
+        total = pp * virtual
+        self.stages = torch.nn.ModuleList(
+            PipelineStageModule(copy.deepcopy(model) if v < virtual - 1 else model, spec, total, rank + v * pp)
+            for v in range(virtual))
+        self.first, self.last = rank == 0, rank == pp - 1   # holds stage 0 / the last stage
+        self.loss_function = self.stages[-1].loss_function
+
+    def activation_checkpointing_enable(self, checkpointing_kwargs: Any = None) -> None:
+        """transformers' gradient checkpointing on every stage's layers."""
+        for stage in self.stages:
+            stage.activation_checkpointing_enable(checkpointing_kwargs)
+
+    gradient_checkpointing_enable = activation_checkpointing_enable
+
+
+def pipeline_stage_module(module: torch.nn.Module, spec: Any, pp: int, stage: int,
+                          virtual: int = 1) -> torch.nn.Module:
+    """The causal LM cut to pipeline stage ``stage`` of ``pp`` (:class:`PipelineStageModule`), or,
+    with ``virtual`` > 1, to the ``virtual`` stages rank ``stage`` holds (:class:`PipelineRankModule`)."""
+    if virtual > 1:
+        return PipelineRankModule(module, spec, pp, virtual, stage)
     return PipelineStageModule(module, spec, pp, stage)

@@ -119,7 +119,12 @@ def add_training(g: Any) -> None:
                              "pp": "pipeline-parallel size", "cp": "context-parallel size"}[k])
     g.add_argument("--pp-schedule", choices=PP_SCHEDULES, default=None,
                    help="pipeline schedule under --pp: 1f1b (default; the first stage keeps pp micro-batches in "
-                        "flight) or gpipe (every stage keeps all --grad-accum micro-batches until its backwards)")
+                        "flight), gpipe (every stage keeps all --grad-accum micro-batches until its backwards), "
+                        "interleaved-1f1b (torch's ScheduleInterleaved1F1B: --pp-virtual-stages stages per rank) "
+                        "or zero-bubble (ScheduleInterleavedZeroBubble: traced; the estimate refuses it)")
+    g.add_argument("--pp-virtual-stages", type=positive_int, default=None, metavar="V",
+                   help="stages per rank under --pp-schedule interleaved-1f1b or zero-bubble (default 2): the "
+                        "layers split into pp*V stages, rank r holding stages r, r+pp, ...")
     g.add_argument("--sequence-parallel", action="store_true")
     _add_moe(g)
     _add_recompute(g)
@@ -283,7 +288,8 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
     opts = dict(batch_size=a.batch_size, seq_len=a.seq_len, grad_accum=a.grad_accum, precision=a.precision,
                 optimizer=a.optimizer, optimizer_impl=a.optimizer_impl, zero=a.zero, fsdp=a.fsdp,
                 offload_optimizer=a.offload_optimizer, distributed_optimizer=a.distributed_optimizer,
-                dp=a.dp, tp=a.tp, pp=a.pp, pp_schedule=a.pp_schedule, cp=a.cp, ep=a.ep, moe_imbalance=a.moe_imbalance,
+                dp=a.dp, tp=a.tp, pp=a.pp, pp_schedule=a.pp_schedule,
+                pp_virtual_stages=a.pp_virtual_stages, cp=a.cp, ep=a.ep, moe_imbalance=a.moe_imbalance,
                 sequence_parallel=a.sequence_parallel,
                 recompute=a.recompute, recompute_every=a.recompute_every, attention=a.attention, compile=a.compile,
                 offload_activations=a.offload_activations,

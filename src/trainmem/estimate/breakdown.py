@@ -129,8 +129,12 @@ def activations(q: Quantities, tk: Tokens, at_peak: int, t: TrainingSpec, n: int
     for name, tok, sq in sorted(q.detail.outer):
         v = int(tok * (n // max(t.batch_size, 1)) if name in PER_POSITION else tok * n + sq * nsq)
         if v and (complete or name not in HEAD_KEYS):
-            listed.append(Component(f"activations.{name}", ACTIVATIONS, v * tk.inflight, None,
+            units = tk.head_units if name in HEAD_KEYS else tk.inflight  # (interleaved: one head micro-batch)
+            listed.append(Component(f"activations.{name}", ACTIVATIONS, v * units, None,
                                     "embedding / head tensors saved for backward"))
+    if tk.stage_out:
+        listed.append(Component("activations.pipeline.stage_output", ACTIVATIONS, int(tk.stage_out), None,
+                                "outputs of the rank's other stages' micro-batches in flight (fwd_cache)"))
     pos = int(q.outer_rest_pos * (n // max(t.batch_size, 1))) - sum(
         int(tok * (n // max(t.batch_size, 1))) for name, tok, _ in q.detail.outer if name in PER_POSITION)
     if pos:  # derived architectures: tensors sized by the sequence alone (rotary tables, caches)
@@ -143,11 +147,12 @@ def activations(q: Quantities, tk: Tokens, at_peak: int, t: TrainingSpec, n: int
     # under torch's pipeline schedule each micro-batch in flight has its own autocast copies (moments.tokens)
     per_forward = tk.inflight if q.pipe_batch else 1
     if q.cast_head and complete:
+        per_forward = 1 if q.pipe_head_once else per_forward
         listed.append(Component("activations.autocast_weight_copies.head", ACTIVATIONS, q.cast_head * per_forward,
                                 half, "half copy of the LM head weight saved by its matmul"))
     per_rank = q.layers * tk.inflight
     # a later pipeline stage's first layer saves the receive buffer, counted with the inputs
-    received = int(q.detail.received_tok * n) * tk.inflight
+    received = int(q.detail.received_tok * n) * tk.fed
     if t.recompute == "full" and t.recompute_every > 1:
         listed.append(Component("activations.layers.kept", ACTIVATIONS, tk.layer * per_rank, None,
                                 f"every {t.recompute_every}th layer keeps only its input, the others everything"))

@@ -93,6 +93,26 @@ class Tokens:
     # a derived encoder-decoder's activations at its bottom and decoder-bottom layer moments (measured)
     bottom_acts: Any = 0
     decoder_bottom_acts: Any = 0
+    fed: Any = 0           # interleaved 1F1B: pairs in flight whose first layer saved a receive buffer ...
+    head_units: Any = 0    # ... the head stage's micro-batches in flight (1 on the last rank) ...
+    stage_out: Any = 0     # ... and the other pairs' stage outputs there
+    grads_absent: Any = 0  # ... and the gradients of the rank's stages not yet back-propagated (later micro-steps)
+
+
+def _interleaved(q: Quantities, n: Any, nsq: Any, later: bool, inflight: Any) -> tuple[Any, ...]:
+    """Interleaved 1F1B's terms (``quantities._interleaved_terms``; else ``inflight`` as given):
+    (stage, micro-batch) pairs in flight, each one stage's layers, of two later backwards the
+    larger (the most pairs or the most gradients, ``schedules.in_flight_at_backwards``); of them the
+    pairs fed by a receive buffer; the head stage's micro-batches in flight (one on the last rank,
+    whose other pairs keep their stage output) and those outputs; the gradients not yet created."""
+    unit = trunc(q.kept_tok * n + q.kept_sq * nsq) * q.layers + trunc(q.pipe_buf_tok * n)
+    alt = later & ((q.pipe_units_later - q.pipe_units_alt) * unit < q.pipe_grads_absent - q.pipe_grads_absent_alt)
+    on = q.pipe_units > 0
+    inflight = where(on, where(alt, q.pipe_units_alt, q.pipe_units_later) if later else q.pipe_units, inflight)
+    fed = where(on, where(alt, q.pipe_fed_alt, q.pipe_fed_later) if later else q.pipe_fed, inflight)
+    grads_absent = where(alt, q.pipe_grads_absent_alt, q.pipe_grads_absent) if later else 0
+    head_units = where(q.pipe_head_once > 0, 1, inflight)
+    return inflight, fed, head_units, trunc(q.pipe_out_tok * n) * (inflight - head_units), grads_absent
 
 
 def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, later: bool = False) -> Tokens:
@@ -107,24 +127,25 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
     first stage +8.7% before."""
     pending = maximum(ga - 1, 1) if later else ga
     inflight = where(q.fixed_inflight > 0, q.fixed_inflight, minimum(q.pp_inflight, pending))
+    inflight, fed, head_units, stage_out, grads_absent = _interleaved(q, n, nsq, later, inflight)
     layer = trunc(q.kept_tok * n + q.kept_sq * nsq)                        # (b, s, ...) per layer
     # + autocast's copies of the weights and FSDP grad-op's gathered weights, each layer's from its
-    # forward to its backward
-    # (under torch's pipeline schedule each micro-batch in flight ran its own forward, whose autocast
-    # region cast the weights again: its copies are saved with its activations; trace, llama-3.2-1b
-    # (4 layers) --pp 2 bf16-amp, first stage: -3.3% before)
+    # forward to its backward (under torch's pipeline schedule each micro-batch in flight ran its own
+    # forward, whose autocast region cast the weights again: its copies are saved with its
+    # activations; trace, llama-3.2-1b (4 layers) --pp 2 bf16-amp, first stage: -3.3% before)
     per_forward = where(q.pipe_batch > 0, inflight, 1)  # forwards whose autocast copies are alive
     casts = ((q.cast_layer + q.gathered_layer) * q.layers - q.cast_checkpointed) * per_forward
     layers = layer * q.layers * inflight + casts
     # LoRA: the first layer's input needs no gradient, so it keeps less (quantities.first_layer_unsaved)
     # (and the half copies of its frozen linears on that input are not kept, in each forward's region)
-    layers = (layers - trunc(q.first_unsaved_tok * n + q.first_unsaved_sq * nsq) * inflight
+    layers = (layers - trunc(q.first_unsaved_tok * n + q.first_unsaved_sq * nsq) * fed
               - q.cast_first_free * per_forward)
     # + per sequence position and per position squared (T5's (s, s) position buckets), shared by the batch
     outer_rest = trunc(q.outer_rest_tok * n + q.outer_rest_sq * nsq + q.outer_rest_pos * (n // b)
                        + q.outer_rest_ssq * (n // b) ** 2) * inflight
     outer_head = trunc(q.outer_head_tok * n)
-    all_acts = layers + outer_rest + outer_head * inflight + q.cast_head * per_forward
+    all_acts = layers + outer_rest + outer_head * head_units + stage_out + q.cast_head * where(
+        q.pipe_head_once > 0, 1, per_forward)
     ssq = (n // b) ** 2
     index, value, grads = best_transient(q.transients, n, nsq, ssq, TOP)
     recompute = trunc(q.redo_tok * n + q.redo_sq * nsq) + q.redo_const
@@ -166,11 +187,14 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
                                    - 2 * chunk * q.softcap_saved, 0),
                   head_chunk_first=where(q.chunk_head_grads > 0, full * q.logits_out + q.chunk_head_grads // 3
                                          - chunk * q.softcap_saved, 0),
-                  logits_grad=full * q.logits_out, others=(layers + outer_rest) * (inflight - 1) // inflight,
-                  others_layers=layers * (inflight - 1) // inflight, others_head=outer_head * (inflight - 1),
-                  others_loss=(full * q.logits_held + saved) * (inflight - 1),
+                  logits_grad=full * q.logits_out,
+                  others=(layers + outer_rest) * (inflight - 1) // inflight + stage_out,
+                  others_layers=layers * (inflight - 1) // inflight + stage_out,
+                  others_head=outer_head * (head_units - 1),
+                  others_loss=(full * q.logits_held + saved) * (head_units - 1),
                   sent=trunc(q.pipe_sent_tok * n) if later else 0, bottom_acts=bottom_acts, tokens=n,
-                  decoder_bottom_acts=decoder_bottom_acts)
+                  decoder_bottom_acts=decoder_bottom_acts, fed=fed, head_units=head_units, stage_out=stage_out,
+                  grads_absent=grads_absent)
 
 
 def _bottom_moments(q: Quantities, sizes: tuple, recompute: Any, casts: Any) -> tuple:
@@ -377,6 +401,9 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     # buffers, or zeroed but kept by zero_grad(set_to_none=False) after the first step; else those
     # that exist from model wrap in this layout (DeepSpeed ZeRO-3's flat buffer: ``grads_loaded``)
     grads_before = q.grads if (micro > 0 or flags.grads_persistent or (step > 1 and flags.zeros)) else q.grads_loaded
+    # (interleaved 1F1B: at the later backward some of the rank's stages have no gradient yet)
+    grads_before = grads_before - tk.grads_absent if (micro > 0 and not flags.grads_persistent
+                                                          and not (step > 1 and flags.zeros)) else grads_before
     states = q.states if states_before else 0
     # the previous micro-batch's output, still referenced until this forward returns
     prev_logits, prev_kv = kept.after_backward() if (step > 1 or micro > 0) else (0, 0)

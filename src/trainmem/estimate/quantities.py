@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ..errors import TrainmemError
 from ..spec.model import ModelSpec
 from ..spec.training import RECOMPUTE, TrainingSpec
 from .cache import BoundedCache
@@ -30,6 +31,7 @@ from .derived import logits_bytes as derived_logits_bytes, outer_ssq as derived_
 from .derived import decoder_ratio, head_forward as derived_head_forward, moment_activations
 from .layers import ALL_MOMENTS, LayerCoefs, LayerKey, Policy, ep_rank_rows, layer_coefficients
 from .quant4 import dequant_dtypes, is_quantized
+from .schedules import in_flight_at_backwards
 from .states import (States, block_bytes, default_lora_targets, dtensor_tp, fsdp_grad_op, model_states,
                      torch_pipeline)
 
@@ -158,6 +160,18 @@ class Quantities:
     pipe_recv: int = 0     # torch's pipeline receive buffers per micro-batch on this stage (pipeline_buffers)
     pipe_buf_tok: float = 0.0  # ... bytes per token of one
     pipe_sent_tok: float = 0.0  # 1F1B, a later stage: the previous micro-batch's input gradient its send ops hold
+    # interleaved 1F1B (several stages per rank, ``--pp-schedule interleaved-1f1b``): ``layers`` is one
+    # stage's and a "micro-batch in flight" one (stage, micro-batch) pair (schedules.in_flight_at_backwards)
+    pipe_units: int = 0        # pairs in flight at the rank's first backward (0: not interleaved)
+    pipe_units_later: int = 0  # ... the most at a later one
+    pipe_fed: int = 0          # ... of them, pairs of a stage fed by a receive buffer (not the model's first)
+    pipe_fed_later: int = 0
+    pipe_grads_absent: int = 0  # ... the gradients of its stages not yet back-propagated at the later one
+    pipe_units_alt: int = 0     # another later backward (the most gradients), its pairs in flight ...
+    pipe_fed_alt: int = 0
+    pipe_grads_absent_alt: int = 0
+    pipe_head_once: int = 0    # 1: the last rank, whose head stage holds one micro-batch in flight; the others ...
+    pipe_out_tok: float = 0.0  # ... keep their stage's output (b, s, h), bytes per token
     # ... while the loss and its backward run: the root and the prefetched last layer, or nothing when
     # the loop computes the loss after FSDP2 resharded the root (``root_resharded_for_loss``)
     fsdp_loss_root: int = 0
@@ -308,7 +322,9 @@ def pipeline_buffers(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) -> 
     # (the input gradient a later stage sends back is a tensor of the same kind: under 1F1B the list of
     # send ops holding it, ``bwd_sends`` in ``Schedule1F1B._step_microbatches``, is rebound only after
     # the next micro-batch's backward: ``Quantities.pipe_sent_tok``, moments.tokens)
-    count = (stage != "first") + (stage != "last")
+    # interleaved: each of the rank's ``virtual_stages`` stages has its own; only the model's first stage
+    # receives no activations and only its last no gradient
+    count = 2 * t.virtual_stages - (stage == "first") - (stage == "last")
     return count, m.hidden_size * pol.stream / (t.tp if t.sequence_parallel else 1)
 
 
@@ -946,9 +962,18 @@ _CACHE = BoundedCache(8192)
 
 def quantities(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> Quantities:
     """The quantities of ``m`` trained as ``t`` on pipeline stage ``stage`` (cached)."""
+    if t.pp > 1 and t.pp_schedule == "zero-bubble":
+        raise TrainmemError("--pp-schedule zero-bubble: the estimate does not model ScheduleInterleavedZeroBubble's "
+                            "split backward (each input-gradient backward retains its graph, saved tensors and "
+                            "output gradients, until the weight-gradient backward); use trace")
+    if t.virtual_stages > 1 and not torch_pipeline(t):
+        raise TrainmemError("--pp-schedule interleaved-1f1b is modelled as torch's ScheduleInterleaved1F1B, not "
+                            "Megatron-LM's interleaved schedule (--framework megatron); drop one of them")
     # accumulation enters only through whether FSDP accumulates its gradients unsharded (no_sync)
     # (an encoder-decoder's coefficients are read at its decoder-to-encoder length ratio)
-    key = (m, stage, _key_of(t), derived_regime(m, t), decoder_ratio(m, t), t.accumulates_unsharded)
+    # (and interleaved 1F1B's pairs in flight, from the schedule of grad_accum micro-batches)
+    key = (m, stage, _key_of(t), derived_regime(m, t), decoder_ratio(m, t), t.accumulates_unsharded,
+           t.grad_accum if t.virtual_stages > 1 else 0)
     return _CACHE.get_or_build(key, lambda: _build(m, t, stage))
 
 
@@ -966,7 +991,8 @@ def shape_quantities(m: ModelSpec, base: TrainingSpec, stage: str, rows: list[li
     memo = _SHAPES.setdefault((m, stage, _key_of(base), derived_regime(m, base), decoder_ratio(m, base)), {})
     out = []
     for row in rows:
-        shape = (*row[:7], base.grad_sync == "step" and row[9] > 1)  # + FSDP no_sync accumulation
+        # + FSDP no_sync accumulation, and interleaved 1F1B's micro-batches (its pairs in flight)
+        shape = (*row[:7], base.grad_sync == "step" and row[9] > 1, row[9] if base.virtual_stages > 1 else 0)
         hit = memo.get(shape)
         if hit is None:
             tp, pp, cp, dp, zero, rec, sp, b, s, ga = row
@@ -989,7 +1015,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     st = model_states(m, t, stage)
     derived = m.family == "derived"
     lc = derived_layer(m, t, stage) if derived else layer_coefficients(layer_key(m, t))
-    layers = m.num_layers // t.pp
+    layers = m.num_layers // (t.pp * t.virtual_stages)  # one stage's (interleaved: a rank holds several)
     oib = t.optimizer_in_backward
     sp = t.tp if t.sequence_parallel else 1
     input_tok = m.hidden_size * pol.stream / sp               # a layer's input (b, s, h), residual dtype
@@ -1004,7 +1030,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     head_here = t.pp == 1 or stage == "last"
     cast_layer, cast_head = _autocast_copies(m, t, st, pol, head_here)
     lora_first = first_layer_unsaved(t, lc, stage)
-    pipe, received = _pipeline_terms(m, t, pol, stage, input_tok)
+    pipe, received = _pipeline_terms(m, t, st, pol, stage, input_tok, lc)
     first = lora_first + received
     outer, rest_pos = derived_outer(m, t, stage) if derived else (outer_tensors(m, t, pol, stage), 0.0)
     head_tok, rest_tok, rest_sq, rest_pos = _split_outer(outer, rest_pos)
@@ -1135,8 +1161,8 @@ def _autocast_copies(m: ModelSpec, t: TrainingSpec, st: States, pol: Policy, hea
     return cast_layer, cast_head
 
 
-def _pipeline_terms(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str, input_tok: float
-                    ) -> tuple[dict[str, Any], tuple[tuple[str, float, float], ...]]:
+def _pipeline_terms(m: ModelSpec, t: TrainingSpec, st: States, pol: Policy, stage: str, input_tok: float,
+                    lc: LayerCoefs) -> tuple[dict[str, Any], tuple[tuple[str, float, float], ...]]:
     """torch.distributed.pipelining's terms of one stage (none off it, or under Megatron's):
     the ``Quantities`` fields (``pipe_batch``, ``pipe_recv``, ``pipe_buf_tok``, ``pipe_sent_tok``)
     and what the first layer does not save beyond the inputs. A later stage's first layer saves its
@@ -1145,10 +1171,47 @@ def _pipeline_terms(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str, inpu
     llama-3.2-1b (4 layers) --pp 2 --pp-schedule gpipe --grad-accum 8, fp32, last stage +0.7% before
     (one (b, s, h) per micro-batch in flight)."""
     count, per_tok = pipeline_buffers(m, t, pol, stage)
+    # only when the layer saves its input itself (a norm on it in its dtype; a checkpointed layer's
+    # input): pure bf16/fp16 Llama's RMSNorm saves its fp32 copy, a new tensor (found by trace: the
+    # last rank of --pp-schedule interleaved-1f1b --precision bf16 was -1.4% before, 1F1B's -0.35%)
+    input_tok = input_tok if (t.recompute in ("full", "op") or lc.input_saved > 0) else 0.0
     later = torch_pipeline(t) and stage != "first"
-    received = (("pipeline.received_input", input_tok, 0.0),) if later else ()
+    # (interleaved: the first rank's other stages are fed too, ``Quantities.pipe_fed`` says how many pairs)
+    fed = later or (torch_pipeline(t) and t.virtual_stages > 1)
+    received = (("pipeline.received_input", input_tok, 0.0),) if (fed and input_tok) else ()
     return {"pipe_batch": int(torch_pipeline(t)), "pipe_recv": count, "pipe_buf_tok": per_tok,
-            "pipe_sent_tok": per_tok if (later and t.pp_schedule == "1f1b") else 0.0}, received
+            "pipe_sent_tok": per_tok if (later and t.pp_schedule == "1f1b") else 0.0,
+            **_interleaved_terms(m, t, st, stage, per_tok)}, received
+
+
+def _interleaved_terms(m: ModelSpec, t: TrainingSpec, st: States, stage: str, per_tok: float) -> dict[str, Any]:
+    """Interleaved 1F1B's ``Quantities`` fields: the rank holds ``virtual_stages`` stages (rank r:
+    r, r + pp, ...; ``wrappers.PipelineRankModule``), each micro-batch's forward and backward run
+    per stage in ``ScheduleInterleaved1F1B``'s order (``schedules.rank_order``), so what a rank keeps
+    is one stage's layers' activations (and output, autocast copies, rotary tables) for each
+    (stage, micro-batch) pair forwarded and not yet backwarded: ``pipe_units`` of them at the
+    rank's first backward, ``pipe_units_later`` at most afterwards (schedules.in_flight_at_backwards).
+    The last rank's peak is its head stage's backward, with one micro-batch of that stage in flight
+    (its forward is followed by its backward, the loss in between) and the others its other stages'
+    pairs, each holding its stage output (``pipe_out_tok``, torch ``stage.py`` ``fwd_cache``)."""
+    if not (torch_pipeline(t) and t.virtual_stages > 1):
+        return {}
+    rank, v = (0 if stage == "first" else t.pp - 1), t.virtual_stages
+    head = v - 1 if stage == "last" else None
+    first, fed, most, grads = in_flight_at_backwards(t.pp, v, t.grad_accum, rank, head)
+    # a stage's gradients: its layers', and on the first rank's first stage the embedding's (the rest of
+    # the rank's); the head stage's are never absent at the last rank's later head backward
+    per_stage = st.layer_grads * (m.num_layers // (t.pp * v))
+    outside = st.grads - per_stage * v
+
+    def absent(stages: tuple[int, ...]) -> int:
+        if t.optimizer_in_backward:
+            return 0
+        return sum(per_stage + (outside if (u == 0 and stage == "first") else 0) for u in stages)
+    return {"pipe_units": first, "pipe_units_later": most[0], "pipe_fed": fed, "pipe_fed_later": most[1],
+            "pipe_units_alt": grads[0], "pipe_fed_alt": grads[1], "pipe_grads_absent_alt": absent(grads[2]),
+            "pipe_grads_absent": absent(most[2]), "pipe_head_once": int(stage == "last"),
+            "pipe_out_tok": per_tok if stage == "last" else 0.0}
 
 
 def _split_outer(outer: list[tuple[str, float, float]], rest_pos: float) -> tuple[float, float, float, float]:

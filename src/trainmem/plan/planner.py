@@ -417,6 +417,11 @@ def plan(model: Any, gpus: int, seq_len: int | None = None, global_batch: int | 
     if (options.get("ep") or 1) > 1:
         raise TrainmemError("plan --ep: the planner's layouts and step-time model do not cover expert parallelism "
                             "(its all-to-all time); estimate one layout with it")
+    sched = options.get("pp_schedule")
+    if sched in ("interleaved-1f1b", "zero-bubble") or options.get("pp_virtual_stages"):
+        name = f"--pp-schedule {sched}" if sched else "--pp-virtual-stages"
+        raise TrainmemError(f"plan {name}: the planner's layouts and step-time model cover one pipeline stage per "
+                            "rank (its bubble); estimate one layout with it")
     if options.get("offload_activations"):
         raise TrainmemError("plan --offload-activations: the planner's layouts and step-time model do not cover "
                             "activation offloading; estimate one layout with it")

@@ -41,9 +41,14 @@ MASTER_WEIGHTS = ("none", "fp32")
 #: (FSDP's default; torchtune, torchtitan) or only at the optimizer step, the other micro-batches'
 #: backward running inside FSDP's ``no_sync()`` (accelerate / HF Trainer, Lightning Fabric)
 GRAD_SYNC = ("micro-batch", "step")
-#: pipeline schedules (torch.distributed.pipelining's Schedule1F1B and ScheduleGPipe): how many
-#: micro-batches a stage keeps in flight (1F1B: pp - stage; GPipe: every micro-batch of the step)
-PP_SCHEDULES = ("1f1b", "gpipe")
+#: pipeline schedules (torch.distributed.pipelining's Schedule1F1B, ScheduleGPipe,
+#: ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble): how many micro-batches a stage keeps in
+#: flight (1F1B: pp - stage; GPipe: every micro-batch of the step; interleaved: per virtual stage, as
+#: its op order keeps them; zero-bubble: traced only, the estimate refuses it)
+PP_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zero-bubble")
+#: the schedules with several stages per rank, and how many when not given
+MULTI_STAGE_SCHEDULES = ("interleaved-1f1b", "zero-bubble")
+PP_VIRTUAL_STAGES = 2
 #: FSDP1 units of LoRA adapters: their own (peft's fsdp_auto_wrap_policy, which HF Trainer / accelerate
 #: use) or the decoder layer's (an auto-wrap policy over the layer class with use_orig_params=True:
 #: Lightning's FSDPStrategy, litgpt)
@@ -137,6 +142,7 @@ class TrainingSpec:
     dropout: bool = True  # apply the config's dropout (masks are stored when p > 0)
     num_microbatches_in_flight: int | None = None  # pipeline; None = the schedule's (1F1B: pp; GPipe: grad_accum)
     pp_schedule: str = "1f1b"  # PP_SCHEDULES: the pipeline schedule
+    pp_virtual_stages: int | None = None  # interleaved-1f1b, zero-bubble: stages per rank (None: PP_VIRTUAL_STAGES)
     loss_chunks: int = 1  # chunked cross-entropy: head + loss run over the tokens in this many chunks
     loss: str | None = None  # how the loss is computed (LOSSES); None: the model's own loss, chunked when
     #                          loss_chunks > 1
@@ -181,6 +187,7 @@ class TrainingSpec:
         self._check_recompute()
         self._check_moe()
         self._check_counts()
+        self._check_pipeline()
         if self.precision == "bf16-mp" and self.fsdp is None:
             raise TrainmemError("--precision bf16-mp is FSDP's MixedPrecisionPolicy(param_dtype=bf16, "
                                 "reduce_dtype=fp32): give --fsdp full (or grad-op, hybrid), or use --precision bf16-amp")
@@ -292,6 +299,37 @@ class TrainingSpec:
         v = self.reduce_bucket_size
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
             raise TrainmemError(f"--reduce-bucket-size must be a non-negative integer (elements), got {v!r}")
+
+    def _check_pipeline(self) -> None:
+        """``pp_virtual_stages``: a positive integer, only under ``--pp-schedule interleaved-1f1b``
+        or ``zero-bubble`` (None there means ``PP_VIRTUAL_STAGES``); torch's
+        ``ScheduleInterleaved1F1B`` and ``ScheduleInterleavedZeroBubble`` split the step into rounds
+        of ``max(1, grad_accum // pp)`` and refuse a ``grad_accum`` they do not divide (torch 2.13
+        ``distributed/pipelining/schedules.py``, their ``__init__``)."""
+        v = self.pp_virtual_stages
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+            raise TrainmemError(f"--pp-virtual-stages must be a positive integer, got {v!r}")
+        if v == 1 and self.pp_schedule in MULTI_STAGE_SCHEDULES:
+            raise TrainmemError(f"--pp-virtual-stages 1 with --pp-schedule {self.pp_schedule} is one stage per rank: "
+                                "use --pp-schedule 1f1b (Schedule1F1B), or --pp-virtual-stages 2 or more")
+        if v is not None and self.pp_schedule not in MULTI_STAGE_SCHEDULES:
+            raise TrainmemError(f"--pp-virtual-stages {v} is for --pp-schedule interleaved-1f1b or zero-bubble "
+                                f"(several stages per rank); {self.pp_schedule} runs one stage per rank: drop it or "
+                                "change the schedule")
+        rounds = max(1, self.grad_accum // self.pp)
+        if self.pp_schedule in MULTI_STAGE_SCHEDULES and self.pp > 1 and self.grad_accum % rounds:
+            raise TrainmemError(f"--grad-accum {self.grad_accum} with --pp-schedule {self.pp_schedule}: torch's "
+                                f"interleaved schedules need a multiple of their {rounds} rounds "
+                                f"(grad_accum // pp); use --grad-accum {rounds * self.pp} or another multiple of "
+                                f"{self.pp}")
+
+    @property
+    def virtual_stages(self) -> int:
+        """Pipeline stages per rank: ``pp_virtual_stages`` (default ``PP_VIRTUAL_STAGES``) under the
+        interleaved schedules, else 1."""
+        if self.pp_schedule not in MULTI_STAGE_SCHEDULES or self.pp == 1:
+            return 1
+        return self.pp_virtual_stages or PP_VIRTUAL_STAGES
 
     def _check_quantize(self) -> None:
         """``quantize``: litgpt's ``bnb.`` prefix and ``none`` accepted; only over a frozen base (LoRA),
@@ -584,6 +622,11 @@ def check_against(model: Any, t: TrainingSpec) -> None:
     problems = layout_problems(model, t.tp, t.pp, t.cp, t.seq_len, t.sequence_parallel, t.ep, t.dp, t.shard_group)
     if problems:
         raise TrainmemError(problems[0].message(model.name))
+    stages = t.pp * t.virtual_stages
+    if t.virtual_stages > 1 and model.num_layers % stages:
+        raise TrainmemError(f"--pp {t.pp} --pp-virtual-stages {t.virtual_stages}: the {model.num_layers} layers of "
+                            f"{model.name} do not split into {stages} pipeline stages of whole layers; use a "
+                            f"--pp-virtual-stages whose product with --pp divides {model.num_layers}")
     if t.moe_imbalance > 1 and not model.num_experts:
         raise TrainmemError(f"--moe-imbalance {t.moe_imbalance:g}: {model.name} has no experts to route to; "
                             "drop --moe-imbalance")

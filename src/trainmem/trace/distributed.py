@@ -60,7 +60,10 @@ divide. So rank 0 is the worst rank and is the one traced (``trace(..., rank=k)`
 
 Pipeline parallelism (``--pp``, alone): the model is cut to one stage before it is loaded
 (``wrappers.PipelineStageModule``, torchtitan's split) and ``workload.PipelineTrainStep`` runs
-torch's ``PipelineStage`` and ``Schedule1F1B`` as that stage's rank of a fake group of ``pp``;
+torch's ``PipelineStage`` and ``Schedule1F1B`` (or ``ScheduleGPipe``; or ``ScheduleInterleaved1F1B`` or
+``ScheduleInterleavedZeroBubble`` over the rank's ``--pp-virtual-stages`` stages,
+``wrappers.PipelineRankModule``) as that stage's rank
+of a fake group of ``pp``;
 ``pipeline_ranks`` says which stages are traced (the first and the last), each on its own emulated
 GPU, and ``pipeline_report`` keeps the worse. Two patches make the schedule run on the fake group
 (``_static_vote``, ``_p2p_one_by_one``); sends and receives move nothing, so a stage computes on
@@ -83,7 +86,7 @@ import torch
 from ..errors import TrainmemError
 from ..units import fmt
 from ..spec import TrainingSpec
-from ..wrappers import (PP_MODEL_TYPES, TP_MODEL_TYPES, ddp, fsdp1, fsdp2, mesh, pipeline_stage_module, tensor_parallel,
+from ..wrappers import (PP_MODEL_TYPES, SCHEDULE_NAMES, TP_MODEL_TYPES, ddp, fsdp1, fsdp2, mesh, pipeline_stage_module, tensor_parallel,
                         wrapper_name)
 from .cuda import _patched
 from .tracker import Tracker
@@ -185,7 +188,8 @@ def _check_fsdp1(t: TrainingSpec, what: str) -> None:
 
 def _check_pp(t: TrainingSpec, spec: Any, device: str, what: str) -> None:
     """The pipeline-parallel refusals: what ``wrappers.PipelineStageModule`` and ``workload.
-    PipelineTrainStep`` (torch's ``Schedule1F1B``, one stage per rank) do not run."""
+    PipelineTrainStep`` (torch's ``Schedule1F1B``, ``ScheduleGPipe``, ``ScheduleInterleaved1F1B``,
+    ``ScheduleInterleavedZeroBubble``) do not run (the virtual stages' own rules: ``TrainingSpec``)."""
     if device != "cuda" or spec is None:
         return  # refused below with the data-parallel setups' reasons
     if spec.model_type not in PP_MODEL_TYPES or spec.head != "causal-lm":
@@ -199,6 +203,10 @@ def _check_pp(t: TrainingSpec, spec: Any, device: str, what: str) -> None:
         raise TrainmemError(f"trace {what} with --grad-accum {t.grad_accum}: torch's Schedule1F1B needs at least as "
                             f"many micro-batches as stages (schedules.py); use --grad-accum {t.pp} or more, or "
                             "--pp-schedule gpipe")
+    if t.pp_schedule in ("interleaved-1f1b", "zero-bubble") and t.num_microbatches_in_flight is not None:
+        raise TrainmemError(f"trace {what} with --num-microbatches-in-flight {t.num_microbatches_in_flight}: trace "
+                            f"runs torch's {SCHEDULE_NAMES[t.pp_schedule]}, whose virtual stages each keep their "
+                            "own count in flight; drop it")
     inflight = t.pp if t.pp_schedule == "1f1b" else t.grad_accum
     if t.num_microbatches_in_flight not in (None, inflight):
         raise TrainmemError(f"trace {what} with --num-microbatches-in-flight {t.num_microbatches_in_flight}: trace "
@@ -534,7 +542,7 @@ def wrap(module: torch.nn.Module, spec: Any, t: TrainingSpec, tracker: Tracker) 
     stage is cut from the unmaterialised model (``wrappers.PipelineStageModule``, this rank's stage)."""
     if t.pp > 1:
         import torch.distributed as dist
-        return pipeline_stage_module(module, spec, t.pp, dist.get_rank())
+        return pipeline_stage_module(module, spec, t.pp, dist.get_rank(), t.virtual_stages)
     device_mesh = mesh(t, "cuda")
     if t.tp > 1:
         tensor_parallel(module, spec, device_mesh["tp"], t.sequence_parallel)
