@@ -441,9 +441,7 @@ def patches(tracker: Tracker) -> dict[tuple[Any, str], Any]:
     out[(pg, "foreach_reduce")] = _scoped(tracker, "communication", "fsdp_reduce_scatter", pg.foreach_reduce)
     out[(ddp_module, "_verify_param_shape_across_processes")] = lambda *a, **k: None
     out[(dist_utils, "_verify_param_shape_across_processes")] = lambda *a, **k: None
-    import torch.distributed.tensor._sharding_prop as sharding_prop
-    out[(sharding_prop, "_propagate_use_strided_shard_flag")] = _strided_flag_once(
-        sharding_prop._propagate_use_strided_shard_flag)
+    out.update(_speed_patches())
     dp_cls = ddp_module.DistributedDataParallel
     out[(dp_cls, "_pre_forward")] = _scoped(tracker, "communication", "ddp_buckets", dp_cls._pre_forward)
     from torch.distributed.pipelining import schedules
@@ -511,6 +509,92 @@ def _strided_flag_once(orig: Callable) -> Callable:
         if last[1]:
             orig(op_strategy, op_schema)
     return run
+
+
+def _speed_patches() -> dict[tuple[Any, str], Any]:
+    """DTensor's sharding propagation made cheaper for a foreach optimizer step over many shards,
+    the same strategies coming out (:func:`_strided_flag_once`, :func:`_foreach_deduplicated`);
+    ``tests/test_trace_speed.py`` traces with and without them and compares the reports."""
+    import torch.distributed.tensor._sharding_prop as sharding_prop
+    return {(sharding_prop, "_propagate_use_strided_shard_flag"): _strided_flag_once(
+                sharding_prop._propagate_use_strided_shard_flag),
+            (sharding_prop, "_expand_single_dim_strategy_to_mesh"): _foreach_deduplicated(
+                sharding_prop._expand_single_dim_strategy_to_mesh)}
+
+
+_FOREACH_PREFIXES = ("aten::_foreach_", "aten::_amp_foreach_", "aten::_fused_")
+
+
+def _foreach_deduplicated(orig: Callable) -> Callable:
+    """``_expand_single_dim_strategy_to_mesh`` (torch 2.13 ``distributed/tensor/_ops/
+    single_dim_strategy.py`` L627-745) for a foreach op expands a strategy for every index of its
+    tensor lists (``expanded_foreach_strategy``: the per-index schema, L698-725, then the full-mesh
+    expansion, L653-676), each from that index's input specs and output metadata alone (the other
+    arguments, such as a scalar list, are passed whole to every index). An AdamW step over the 723
+    FSDP2 shards of a 70B model repeats that 723 times per foreach op for a dozen distinct specs,
+    and the per-index schema copies the op's scalar lists each time (quadratic): most of the step.
+    Here the expansion runs once per distinct (input specs, output metadata) — the key DTensor's
+    own sharding cache uses (``DTensorSpec.__hash__``/``__eq__``: mesh, placements, shard order,
+    shape, stride, dtype), plus ``use_strided_shard_as_shard_order`` — and each index gets its
+    group's strategy (shared: ``_propagate_use_strided_shard_flag``, L48-90, then sets every
+    ``_StridedShard`` spec of a child to one value computed from the whole schema, so fixing a
+    shared child up twice is fixing it once). A wrapped input with more than one strategy, or an
+    unhashable (symbolic) spec, takes the original path."""
+    from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, TupleStrategy
+
+    def expand(mesh: Any, op_schema: Any, strategy_info: Any, output_tensor_meta: Any) -> Any:
+        groups = _foreach_groups(op_schema, output_tensor_meta, OpStrategy, TupleStrategy)
+        if groups is None:
+            return orig(mesh, op_schema, strategy_info, output_tensor_meta)
+        firsts, group_of = groups
+        args = tuple(type(a)(tuple(a.children[i] for i in firsts)) if isinstance(a, TupleStrategy) else a
+                     for a in op_schema.args_schema)
+        metas = None if output_tensor_meta is None else [output_tensor_meta[i] for i in firsts]
+        schema = OpSchema(op_schema.op, args, op_schema.kwargs_schema, schema_info=op_schema.schema_info)
+        fn = orig(mesh, schema, strategy_info, metas)
+
+        def strategy(op: Any, args_schema: Any, kwargs_schema: Any) -> Any:
+            done = fn(op, args_schema, kwargs_schema)
+            return TupleStrategy([done.children[g] for g in group_of])
+        return strategy
+    return expand
+
+
+def _foreach_groups(op_schema: Any, output_tensor_meta: Any, op_strategy: type,
+                    tuple_strategy: type) -> tuple[list[int], list[int]] | None:
+    """For a foreach op whose list indices repeat: the first index of each distinct (input specs,
+    output metadata) and each index's group; None where :func:`_foreach_deduplicated` keeps the
+    original path (not a foreach op, no repeat, or a case it does not take)."""
+    lists = [a for a in op_schema.args_schema if isinstance(a, tuple_strategy)]
+    if not lists or not op_schema.op.name().startswith(_FOREACH_PREFIXES) or any(
+            isinstance(v, tuple_strategy) for v in op_schema.kwargs_schema.values()):
+        return None
+    n = len(lists[0].children)
+    if any(len(a.children) != n for a in lists) or (output_tensor_meta is not None and (
+            not isinstance(output_tensor_meta, (list, tuple)) or len(output_tensor_meta) != n)):
+        return None  # left to the original, which checks the lengths
+    keys = []
+    for i in range(n):
+        key = []
+        for a in lists:
+            child = a.children[i]
+            if not isinstance(child, op_strategy) or len(child.strategies) != 1:
+                return None
+            spec = child.strategies[0].output_specs
+            key.append((spec, getattr(spec, "use_strided_shard_as_shard_order", None)))
+        key.append(None if output_tensor_meta is None else output_tensor_meta[i])
+        keys.append(tuple(key))
+    index: dict[Any, int] = {}
+    try:
+        group_of = [index.setdefault(k, len(index)) for k in keys]
+    except TypeError:  # a symbolic shape: not hashable
+        return None
+    if len(index) == n:
+        return None
+    firsts = [0] * len(index)
+    for i in reversed(range(n)):
+        firsts[group_of[i]] = i
+    return firsts, group_of
 
 
 def _allreduce_in_place(world: int) -> Callable:
