@@ -532,8 +532,9 @@ class PipelineTrainStep(TrainStep):
             model.register_forward_pre_hook(lambda *a: (ctx.__enter__(), None)[1])
             model.register_forward_hook(lambda *a: (ctx.__exit__(None, None, None), None)[1], always_call=True)
         stage = model.stage_index
+        # with --tp the stage sends over its (pp, tp) mesh's pp dimension (trace.distributed._pipeline_stage)
         self.stage = PipelineStage(model, stage, t.pp, torch.device(device), input_args=self._example(stage, True),
-                                   output_args=self._example(stage, False))
+                                   output_args=self._example(stage, False), group=getattr(model, "pp_group", None))
         # every rank passes the loss: the schedule runs backward only with one (``_has_backward``)
         schedule = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[t.pp_schedule]
         self.schedule = schedule(self.stage, t.grad_accum, loss_fn=self.pipeline_loss)
@@ -573,7 +574,8 @@ class PipelineTrainStep(TrainStep):
         last = self.model.last
         losses: list[torch.Tensor] | None = [] if last else None
         args = (ids,) if self.model.first else ()
-        self.schedule.step(*args, target=labels if last else None, losses=losses, return_outputs=False)
+        with self.loss_context():  # loss_parallel around the schedule's losses and backwards (--tp), as torchtitan
+            self.schedule.step(*args, target=labels if last else None, losses=losses, return_outputs=False)
         self.state["losses"] = losses
         self._mark("backward", i, None)
         self.optimizer.step()

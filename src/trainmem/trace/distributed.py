@@ -102,8 +102,8 @@ def distributed(t: TrainingSpec) -> bool:
 
 
 def world_size(t: TrainingSpec) -> int:
-    """The ranks of the layout: dp × tp (the mesh ``wrappers.mesh`` builds), or the pp stages
-    (pipeline parallelism is traced alone: ``check`` refuses it with dp, tp or FSDP)."""
+    """The ranks of the layout: dp × tp (the mesh ``wrappers.mesh`` builds), or pp × tp (the
+    pipeline stages, each tensor-parallel over tp: ``check`` refuses pp with dp or FSDP)."""
     return t.dp * t.tp * t.pp
 
 
@@ -192,9 +192,14 @@ def _check_pp(t: TrainingSpec, spec: Any, device: str, what: str) -> None:
         raise TrainmemError(f"trace {what}: the pipeline split is written for Llama, Mistral and Qwen2 (embeddings, "
                             f"decoder layers, final norm and head of a causal LM), not a {spec.model_type} "
                             f"{spec.head} model ({spec.name}); use estimate")
-    if t.dp > 1 or t.tp > 1 or t.fsdp is not None:
-        raise TrainmemError(f"trace {what}: pipeline parallelism is traced alone, not with --dp, --tp or --fsdp; "
-                            "use estimate for those layouts")
+    if t.dp > 1 or t.fsdp is not None:
+        raise TrainmemError(f"trace {what}: pipeline parallelism is traced alone or with --tp, not with --dp or "
+                            "--fsdp; use estimate for those layouts")
+    if t.tp > 1 and t.sequence_parallel:
+        raise TrainmemError(f"trace {what}: the tensor-parallel plan keeps the sequence-parallel residual stream as "
+                            "Shard(1) DTensors, and a pipeline stage sends, receives and back-propagates plain "
+                            "tensors (DTensor's redistribute backward refuses the received plain gradient); drop "
+                            "--sequence-parallel, or use estimate")
     if t.grad_accum < t.pp and t.pp_schedule == "1f1b":
         raise TrainmemError(f"trace {what} with --grad-accum {t.grad_accum}: torch's Schedule1F1B needs at least as "
                             f"many micro-batches as stages (schedules.py); use --grad-accum {t.pp} or more, or "
@@ -617,8 +622,7 @@ def wrap(module: torch.nn.Module, spec: Any, t: TrainingSpec, tracker: Tracker) 
     ever loaded; DDP wraps the loaded model inside the tracker: its buckets are counted. A pipeline
     stage is cut from the unmaterialised model (``wrappers.PipelineStageModule``, this rank's stage)."""
     if t.pp > 1:
-        import torch.distributed as dist
-        return pipeline_stage_module(module, spec, t.pp, dist.get_rank())
+        return _pipeline_stage(module, spec, t)
     device_mesh = mesh(t, "cuda")
     if t.tp > 1:
         tensor_parallel(module, spec, device_mesh["tp"], t.sequence_parallel)
@@ -633,6 +637,23 @@ def wrap(module: torch.nn.Module, spec: Any, t: TrainingSpec, tracker: Tracker) 
         wrapped = ddp(module, t, torch.device("meta"))
     wrapped.register_comm_hook(None, _allreduce_in_place(t.dp))
     return wrapped
+
+
+def _pipeline_stage(module: torch.nn.Module, spec: Any, t: TrainingSpec) -> torch.nn.Module:
+    """This rank's pipeline stage (``wrappers.PipelineStageModule``, cut from the unmaterialised
+    model); with ``--tp``, on a (pp, tp) ``DeviceMesh`` (row-major: rank = stage × tp + tp rank, as
+    torchtitan's ``ParallelDims`` orders pp before tp), the stage parallelized with the TP plan over
+    its ``tp`` dimension and its ``PipelineStage`` sending over its ``pp`` dimension's group
+    (``pp_group``)."""
+    import torch.distributed as dist
+    if t.tp == 1:
+        return pipeline_stage_module(module, spec, t.pp, dist.get_rank())
+    from torch.distributed.device_mesh import init_device_mesh
+    device_mesh = init_device_mesh("cuda", (t.pp, t.tp), mesh_dim_names=("pp", "tp"))
+    stage = pipeline_stage_module(module, spec, t.pp, device_mesh["pp"].get_local_rank())
+    tensor_parallel(stage, spec, device_mesh["tp"], t.sequence_parallel)
+    stage.pp_group = device_mesh["pp"].get_group()
+    return stage
 
 
 def check_rank(t: TrainingSpec, rank: Any) -> int:
@@ -690,13 +711,15 @@ def rank_entries(report: Any, t: TrainingSpec, rank: int = 0) -> list[dict[str, 
 
 # ----- pipeline parallelism: the stages traced and the report of the worst ----------------------------
 def pipeline_ranks(t: TrainingSpec, rank: int = 0) -> list[int]:
-    """The pipeline stages traced, one rank each: the first (embeddings, the most micro-batches in
-    flight under 1F1B: ``pp`` of them) and the last (final norm, head and loss, one micro-batch in
-    flight), plus ``rank`` if another was asked for. A middle stage holds its layers' activations
+    """The ranks traced, one per pipeline stage traced: the first stage (embeddings, the most
+    micro-batches in flight under 1F1B: ``pp`` of them) and the last (final norm, head and loss, one
+    micro-batch in flight), plus ``rank`` if another was asked for. With ``--tp`` a stage's ranks are
+    ``stage × tp`` to ``stage × tp + tp − 1``, and its first (tp rank 0, the largest shards of an
+    uneven split, as without pipelining) is traced. A middle stage holds its layers' activations
     for fewer micro-batches than the first (``pp - stage``) and neither the embeddings nor the
     head, so it is below the first stage unless the embedding table is smaller than the activations
     one micro-batch of its layers keeps; it is traced on request (``rank=k``)."""
-    return sorted({0, t.pp - 1, rank})
+    return sorted({0, (t.pp - 1) * t.tp, rank})
 
 
 def pipeline_report(reports: dict[int, Any], t: TrainingSpec) -> Any:
@@ -704,16 +727,24 @@ def pipeline_report(reports: dict[int, Any], t: TrainingSpec) -> Any:
     listing every traced stage as traced and the others as not traced."""
     worst = max(reports, key=lambda r: (reports[r].peak_allocated, -r))
     report = reports[worst]
-    entries = {r: {**rank_entries(rep, t, r)[r], "pipeline_stage": r} for r, rep in reports.items()}
-    ranks = [entries.get(r, {"rank": r, "local_rank": r, "world_size": t.pp, "pipeline_stage": r, "traced": False,
-                             "not_traced": "a middle stage: fewer micro-batches in flight than the first, "
-                                           "no embeddings or head"}) for r in range(t.pp)]
+    world, tp = world_size(t), t.tp
+    entries = {r: {**rank_entries(rep, t, r)[r], "pipeline_stage": r // tp} for r, rep in reports.items()}
+
+    def untraced(r: int) -> dict[str, Any]:
+        why = (f"tensor-parallel rank {r % tp} of stage {r // tp}: its shards are no larger than rank "
+               f"{r - r % tp}'s" if r - r % tp in reports else
+               "a middle stage: fewer micro-batches in flight than the first, no embeddings or head")
+        return {"rank": r, "local_rank": r, "world_size": world, "pipeline_stage": r // tp, "traced": False,
+                "not_traced": why}
+    ranks = [entries.get(r) or untraced(r) for r in range(world)]
     # the estimate's names for the stage (its ``extra["pipeline_stage"]``): first, last or middle
-    name = "first" if worst == 0 else ("last" if worst == t.pp - 1 else "middle")
-    report.extra.update({"ranks": ranks, "rank": worst, "world_size": t.pp, "traced_ranks": sorted(reports),
+    stage = worst // tp
+    name = "first" if stage == 0 else ("last" if stage == t.pp - 1 else "middle")
+    report.extra.update({"ranks": ranks, "rank": worst, "world_size": world, "traced_ranks": sorted(reports),
                          "wrapper": wrapper_name(t), "pipeline_stage": name})
-    peaks = ", ".join(f"stage {r} {fmt(reports[r].peak_allocated, 'auto')}" for r in sorted(reports))
-    report.warnings.append(f"{wrapper_name(t)} on a fake process group of {t.pp} ranks (torch.distributed's fake "
-                           f"backend): stages {', '.join(map(str, sorted(reports)))} traced, one rank each "
-                           f"(peak allocated {peaks}); the report is stage {worst}'s, the worst")
+    peaks = ", ".join(f"stage {r // tp} {fmt(reports[r].peak_allocated, 'auto')}" for r in sorted(reports))
+    which = "one rank each" if tp == 1 else f"one rank each (tensor-parallel rank 0 of {tp})"
+    report.warnings.append(f"{wrapper_name(t)} on a fake process group of {world} ranks (torch.distributed's fake "
+                           f"backend): stages {', '.join(str(r // tp) for r in sorted(reports))} traced, {which} "
+                           f"(peak allocated {peaks}); the report is stage {stage}'s, the worst")
     return report
