@@ -731,8 +731,8 @@ def pipeline_report(reports: dict[int, Any], t: TrainingSpec) -> Any:
     entries = {r: {**rank_entries(rep, t, r)[r], "pipeline_stage": r // tp} for r, rep in reports.items()}
 
     def untraced(r: int) -> dict[str, Any]:
-        why = (f"tensor-parallel rank {r % tp} of stage {r // tp}: its shards are no larger than rank "
-               f"{r - r % tp}'s" if r - r % tp in reports else
+        why = ("a tensor-parallel rank of a traced stage: the same program on shards no larger than its stage's "
+               "tensor-parallel rank 0's" if r - r % tp in reports else
                "a middle stage: fewer micro-batches in flight than the first, no embeddings or head")
         return {"rank": r, "local_rank": r, "world_size": world, "pipeline_stage": r // tp, "traced": False,
                 "not_traced": why}
