@@ -58,11 +58,13 @@ rank's size (``_fsdp_param.py`` ``_init_sharded_param``); only the optimizer sta
 divide. So rank 0 is the worst rank and is the one traced (``trace(..., rank=k)`` traces another:
 ``tests/test_trace_distributed.py`` checks that the last rank of an uneven split is not above it).
 
-Pipeline parallelism (``--pp``, alone): the model is cut to one stage before it is loaded
-(``wrappers.PipelineStageModule``, torchtitan's split) and ``workload.PipelineTrainStep`` runs
-torch's ``PipelineStage`` and ``Schedule1F1B`` as that stage's rank of a fake group of ``pp``;
-``pipeline_ranks`` says which stages are traced (the first and the last), each on its own emulated
-GPU, and ``pipeline_report`` keeps the worse. Two patches make the schedule run on the fake group
+Pipeline parallelism (``--pp``, alone or with ``--tp``): the model is cut to one stage before it
+is loaded (``wrappers.PipelineStageModule``, torchtitan's split; with ``--tp`` the stage is then
+parallelized over the ``tp`` dimension of a (pp, tp) mesh, :func:`_pipeline_stage`) and
+``workload.PipelineTrainStep`` runs torch's ``PipelineStage`` and ``Schedule1F1B`` as that stage's
+rank of a fake group of ``pp`` (× ``tp``); ``pipeline_ranks`` says which ranks are traced (the first
+and the last stage's, tp rank 0), each on its own emulated GPU, and ``pipeline_report`` keeps the
+worse. Two patches make the schedule run on the fake group
 (``_static_vote``, ``_p2p_one_by_one``); sends and receives move nothing, so a stage computes on
 its receive buffers, which have the real shapes and dtypes.
 
