@@ -541,7 +541,10 @@ class PipelineTrainStep(TrainStep):
                 module.register_forward_hook(lambda *a: (ctx.__exit__(None, None, None), None)[1], always_call=True)
         self.stages = [PipelineStage(module, module.stage_index, self.num_stages, torch.device(device),
                                      input_args=self._example(module.stage_index, True),
-                                     output_args=self._example(module.stage_index, False)) for module in modules]
+                                     output_args=self._example(module.stage_index, False),
+                                     # with --tp the stage sends over its (pp, tp) mesh's pp dimension
+                                     # (trace.distributed._pipeline_stage)
+                                     group=getattr(module, "pp_group", None)) for module in modules]
         # every rank passes the loss: the schedule runs backward only with one (``_has_backward``)
         if t.virtual_stages > 1:
             cls = ScheduleInterleavedZeroBubble if t.pp_schedule == "zero-bubble" else ScheduleInterleaved1F1B
@@ -585,7 +588,8 @@ class PipelineTrainStep(TrainStep):
         last = self.model.last
         losses: list[torch.Tensor] | None = [] if last else None
         args = (ids,) if self.model.first else ()
-        self.schedule.step(*args, target=labels if last else None, losses=losses, return_outputs=False)
+        with self.loss_context():  # loss_parallel around the schedule's losses and backwards (--tp), as torchtitan
+            self.schedule.step(*args, target=labels if last else None, losses=losses, return_outputs=False)
         self.state["losses"] = losses
         self._mark("backward", i, None)
         self.optimizer.step()

@@ -140,16 +140,19 @@ def tensor_parallel(module: torch.nn.Module, spec: Any, tp_mesh: Any, sequence_p
     norm and output head. A tied output head is tied again to the sharded embedding (both are
     ``Shard(0)`` over the vocabulary: the same shard)."""
     from torch.distributed.tensor.parallel import parallelize_module
-    for layer in decoder_layers(module, spec):
+    stage = isinstance(module, PipelineStageModule)  # a pipeline stage: its own layers, embeddings or head
+    for layer in (module.model.layers if stage else decoder_layers(module, spec)):
         parallelize_module(layer, tp_mesh, tp_layer_plan(sequence_parallel))
     inner, head = _body_and_head(module)
-    tied = head is not None and head.weight is inner.get_input_embeddings().weight
-    names = {"embed": inner.get_input_embeddings(), "norm": getattr(inner, "norm", None), "head": head}
+    embed = inner.embed_tokens if stage else inner.get_input_embeddings()  # None on a later stage
+    tied = head is not None and embed is not None and head.weight is embed.weight
+    norm = getattr(inner, "norm", None)
+    names = {"embed": embed, "norm": None if stage and not module.last else norm, "head": head}
     for key, style in tp_model_plan(sequence_parallel).items():
         if names[key] is not None:
             parallelize_module(names[key], tp_mesh, style)
     if tied:
-        head.weight = inner.get_input_embeddings().weight
+        head.weight = embed.weight
 
 
 def _body_and_head(module: torch.nn.Module) -> tuple[torch.nn.Module, Any]:
@@ -308,6 +311,10 @@ class PipelineStageModule(torch.nn.Module):
         self.lm_head = head if self.last else None
         self.loss_function = getattr(model, "loss_function", None)
         self.vocab_size = spec.vocab_size
+
+    def get_output_embeddings(self) -> Any:
+        """The output head on the last stage, else None (``tensor_parallel``, ``parallel_loss``)."""
+        return self.lm_head
 
     @property
     def returns_logits(self) -> bool:

@@ -50,13 +50,24 @@ def rank_lines(extra: dict[str, Any], units: str = "auto") -> list[str]:
         if s.get("peak_phase"):
             parts.append(f"at {s['peak_phase']}")
         lines += wrap(f"* rank {s['rank']:>3d}: traced, " + ", ".join(parts), indent=" " * 12)
-    rest = [s["rank"] for s in ranks if not s.get("traced")]
-    if rest:
-        span = f"{rest[0]}" if len(rest) == 1 else (f"{rest[0]}-{rest[-1]}" if rest[-1] - rest[0] == len(rest) - 1
-                                                    else ", ".join(map(str, rest)))
-        src = traced[0]["rank"] if traced else 0
-        why = next((s["not_traced"] for s in ranks if s.get("not_traced")), None)  # pipeline: middle stages
-        lines += wrap(f"  ranks {span}: not traced, {why}" if why else
-                      f"  ranks {span}: not traced, the same program on shards no larger than rank 0's "
+    groups: dict[str | None, list[int]] = {}  # the ranks not traced, by reason (pipeline: middle stages, TP ranks)
+    for s in ranks:
+        if not s.get("traced"):
+            groups.setdefault(s.get("not_traced"), []).append(s["rank"])
+    src = traced[0]["rank"] if traced else 0
+    for why, rest in groups.items():
+        lines += wrap(f"  ranks {_span(rest)}: not traced, {why}" if why else
+                      f"  ranks {_span(rest)}: not traced, the same program on shards no larger than rank 0's "
                       f"(in --json, copies of rank {src} marked traced: false)", indent=" " * 10)
     return lines
+
+
+def _span(ranks: list[int]) -> str:
+    """Sorted ranks as runs: ``1-7, 9-15``."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

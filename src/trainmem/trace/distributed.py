@@ -58,14 +58,15 @@ rank's size (``_fsdp_param.py`` ``_init_sharded_param``); only the optimizer sta
 divide. So rank 0 is the worst rank and is the one traced (``trace(..., rank=k)`` traces another:
 ``tests/test_trace_distributed.py`` checks that the last rank of an uneven split is not above it).
 
-Pipeline parallelism (``--pp``, alone): the model is cut to one stage before it is loaded
-(``wrappers.PipelineStageModule``, torchtitan's split) and ``workload.PipelineTrainStep`` runs
-torch's ``PipelineStage`` and ``Schedule1F1B`` (or ``ScheduleGPipe``; or ``ScheduleInterleaved1F1B`` or
-``ScheduleInterleavedZeroBubble`` over the rank's ``--pp-virtual-stages`` stages,
-``wrappers.PipelineRankModule``) as that stage's rank
-of a fake group of ``pp``;
-``pipeline_ranks`` says which stages are traced (the first and the last), each on its own emulated
-GPU, and ``pipeline_report`` keeps the worse. Two patches make the schedule run on the fake group
+Pipeline parallelism (``--pp``, alone or with ``--tp``): the model is cut to one stage before it
+is loaded (``wrappers.PipelineStageModule``, torchtitan's split; with ``--tp`` the stage is then
+parallelized over the ``tp`` dimension of a (pp, tp) mesh, :func:`_pipeline_stage`) and
+``workload.PipelineTrainStep`` runs torch's ``PipelineStage`` and ``Schedule1F1B`` (or
+``ScheduleGPipe``; or ``ScheduleInterleaved1F1B`` or ``ScheduleInterleavedZeroBubble`` over the rank's
+``--pp-virtual-stages`` stages, ``wrappers.PipelineRankModule``, without ``--tp``) as that stage's
+rank of a fake group of ``pp`` (× ``tp``); ``pipeline_ranks`` says which ranks are traced (the first
+and the last stage's, tp rank 0), each on its own emulated GPU, and ``pipeline_report`` keeps the
+worse. Two patches make the schedule run on the fake group
 (``_static_vote``, ``_p2p_one_by_one``); sends and receives move nothing, so a stage computes on
 its receive buffers, which have the real shapes and dtypes.
 
@@ -105,8 +106,8 @@ def distributed(t: TrainingSpec) -> bool:
 
 
 def world_size(t: TrainingSpec) -> int:
-    """The ranks of the layout: dp × tp (the mesh ``wrappers.mesh`` builds), or the pp stages
-    (pipeline parallelism is traced alone: ``check`` refuses it with dp, tp or FSDP)."""
+    """The ranks of the layout: dp × tp (the mesh ``wrappers.mesh`` builds), or pp × tp (the
+    pipeline stages, each tensor-parallel over tp: ``check`` refuses pp with dp or FSDP)."""
     return t.dp * t.tp * t.pp
 
 
@@ -196,9 +197,18 @@ def _check_pp(t: TrainingSpec, spec: Any, device: str, what: str) -> None:
         raise TrainmemError(f"trace {what}: the pipeline split is written for Llama, Mistral and Qwen2 (embeddings, "
                             f"decoder layers, final norm and head of a causal LM), not a {spec.model_type} "
                             f"{spec.head} model ({spec.name}); use estimate")
-    if t.dp > 1 or t.tp > 1 or t.fsdp is not None:
-        raise TrainmemError(f"trace {what}: pipeline parallelism is traced alone, not with --dp, --tp or --fsdp; "
-                            "use estimate for those layouts")
+    if t.dp > 1 or t.fsdp is not None:
+        raise TrainmemError(f"trace {what}: pipeline parallelism is traced alone or with --tp, not with --dp or "
+                            "--fsdp; use estimate for those layouts")
+    if t.tp > 1 and t.sequence_parallel:
+        raise TrainmemError(f"trace {what}: the tensor-parallel plan keeps the sequence-parallel residual stream as "
+                            "Shard(1) DTensors, and a pipeline stage sends, receives and back-propagates plain "
+                            "tensors (DTensor's redistribute backward refuses the received plain gradient); drop "
+                            "--sequence-parallel, or use estimate")
+    if t.tp > 1 and t.virtual_stages > 1:
+        raise TrainmemError(f"trace {what}: --pp-schedule {t.pp_schedule} with --tp is not traced (each rank's "
+                            "virtual stages would need a (pp, tp) mesh of their own); use --pp-schedule 1f1b or "
+                            "gpipe with --tp, or estimate")
     if t.grad_accum < t.pp and t.pp_schedule == "1f1b":
         raise TrainmemError(f"trace {what} with --grad-accum {t.grad_accum}: torch's Schedule1F1B needs at least as "
                             f"many micro-batches as stages (schedules.py); use --grad-accum {t.pp} or more, or "
@@ -449,9 +459,7 @@ def patches(tracker: Tracker) -> dict[tuple[Any, str], Any]:
     out[(pg, "foreach_reduce")] = _scoped(tracker, "communication", "fsdp_reduce_scatter", pg.foreach_reduce)
     out[(ddp_module, "_verify_param_shape_across_processes")] = lambda *a, **k: None
     out[(dist_utils, "_verify_param_shape_across_processes")] = lambda *a, **k: None
-    import torch.distributed.tensor._sharding_prop as sharding_prop
-    out[(sharding_prop, "_propagate_use_strided_shard_flag")] = _strided_flag_once(
-        sharding_prop._propagate_use_strided_shard_flag)
+    out.update(_speed_patches())
     dp_cls = ddp_module.DistributedDataParallel
     out[(dp_cls, "_pre_forward")] = _scoped(tracker, "communication", "ddp_buckets", dp_cls._pre_forward)
     from torch.distributed.pipelining import schedules
@@ -521,6 +529,92 @@ def _strided_flag_once(orig: Callable) -> Callable:
     return run
 
 
+def _speed_patches() -> dict[tuple[Any, str], Any]:
+    """DTensor's sharding propagation made cheaper for a foreach optimizer step over many shards,
+    the same strategies coming out (:func:`_strided_flag_once`, :func:`_foreach_deduplicated`);
+    ``tests/test_trace_speed.py`` traces with and without them and compares the reports."""
+    import torch.distributed.tensor._sharding_prop as sharding_prop
+    return {(sharding_prop, "_propagate_use_strided_shard_flag"): _strided_flag_once(
+                sharding_prop._propagate_use_strided_shard_flag),
+            (sharding_prop, "_expand_single_dim_strategy_to_mesh"): _foreach_deduplicated(
+                sharding_prop._expand_single_dim_strategy_to_mesh)}
+
+
+_FOREACH_PREFIXES = ("aten::_foreach_", "aten::_amp_foreach_", "aten::_fused_")
+
+
+def _foreach_deduplicated(orig: Callable) -> Callable:
+    """``_expand_single_dim_strategy_to_mesh`` (torch 2.13 ``distributed/tensor/_ops/
+    single_dim_strategy.py`` L627-745) for a foreach op expands a strategy for every index of its
+    tensor lists (``expanded_foreach_strategy``: the per-index schema, L698-725, then the full-mesh
+    expansion, L653-676), each from that index's input specs and output metadata alone (the other
+    arguments, such as a scalar list, are passed whole to every index). An AdamW step over the 723
+    FSDP2 shards of a 70B model repeats that 723 times per foreach op for a dozen distinct specs,
+    and the per-index schema copies the op's scalar lists each time (quadratic): most of the step.
+    Here the expansion runs once per distinct (input specs, output metadata) — the key DTensor's
+    own sharding cache uses (``DTensorSpec.__hash__``/``__eq__``: mesh, placements, shard order,
+    shape, stride, dtype), plus ``use_strided_shard_as_shard_order`` — and each index gets its
+    group's strategy (shared: ``_propagate_use_strided_shard_flag``, L48-90, then sets every
+    ``_StridedShard`` spec of a child to one value computed from the whole schema, so fixing a
+    shared child up twice is fixing it once). A wrapped input with more than one strategy, or an
+    unhashable (symbolic) spec, takes the original path."""
+    from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, TupleStrategy
+
+    def expand(mesh: Any, op_schema: Any, strategy_info: Any, output_tensor_meta: Any) -> Any:
+        groups = _foreach_groups(op_schema, output_tensor_meta, OpStrategy, TupleStrategy)
+        if groups is None:
+            return orig(mesh, op_schema, strategy_info, output_tensor_meta)
+        firsts, group_of = groups
+        args = tuple(type(a)(tuple(a.children[i] for i in firsts)) if isinstance(a, TupleStrategy) else a
+                     for a in op_schema.args_schema)
+        metas = None if output_tensor_meta is None else [output_tensor_meta[i] for i in firsts]
+        schema = OpSchema(op_schema.op, args, op_schema.kwargs_schema, schema_info=op_schema.schema_info)
+        fn = orig(mesh, schema, strategy_info, metas)
+
+        def strategy(op: Any, args_schema: Any, kwargs_schema: Any) -> Any:
+            done = fn(op, args_schema, kwargs_schema)
+            return TupleStrategy([done.children[g] for g in group_of])
+        return strategy
+    return expand
+
+
+def _foreach_groups(op_schema: Any, output_tensor_meta: Any, op_strategy: type,
+                    tuple_strategy: type) -> tuple[list[int], list[int]] | None:
+    """For a foreach op whose list indices repeat: the first index of each distinct (input specs,
+    output metadata) and each index's group; None where :func:`_foreach_deduplicated` keeps the
+    original path (not a foreach op, no repeat, or a case it does not take)."""
+    lists = [a for a in op_schema.args_schema if isinstance(a, tuple_strategy)]
+    if not lists or not op_schema.op.name().startswith(_FOREACH_PREFIXES) or any(
+            isinstance(v, tuple_strategy) for v in op_schema.kwargs_schema.values()):
+        return None
+    n = len(lists[0].children)
+    if any(len(a.children) != n for a in lists) or (output_tensor_meta is not None and (
+            not isinstance(output_tensor_meta, (list, tuple)) or len(output_tensor_meta) != n)):
+        return None  # left to the original, which checks the lengths
+    keys = []
+    for i in range(n):
+        key = []
+        for a in lists:
+            child = a.children[i]
+            if not isinstance(child, op_strategy) or len(child.strategies) != 1:
+                return None
+            spec = child.strategies[0].output_specs
+            key.append((spec, getattr(spec, "use_strided_shard_as_shard_order", None)))
+        key.append(None if output_tensor_meta is None else output_tensor_meta[i])
+        keys.append(tuple(key))
+    index: dict[Any, int] = {}
+    try:
+        group_of = [index.setdefault(k, len(index)) for k in keys]
+    except TypeError:  # a symbolic shape: not hashable
+        return None
+    if len(index) == n:
+        return None
+    firsts = [0] * len(index)
+    for i in reversed(range(n)):
+        firsts[group_of[i]] = i
+    return firsts, group_of
+
+
 def _allreduce_in_place(world: int) -> Callable:
     """DDP's built-in all-reduce hook on the fake group: ``AllReduceCommHook::runHook``
     (default_comm_hooks.cpp) divides the bucket by the world size and all-reduces it in place."""
@@ -541,6 +635,8 @@ def wrap(module: torch.nn.Module, spec: Any, t: TrainingSpec, tracker: Tracker) 
     ever loaded; DDP wraps the loaded model inside the tracker: its buckets are counted. A pipeline
     stage is cut from the unmaterialised model (``wrappers.PipelineStageModule``, this rank's stage)."""
     if t.pp > 1:
+        if t.tp > 1:
+            return _pipeline_stage(module, spec, t)
         import torch.distributed as dist
         return pipeline_stage_module(module, spec, t.pp, dist.get_rank(), t.virtual_stages)
     device_mesh = mesh(t, "cuda")
@@ -557,6 +653,23 @@ def wrap(module: torch.nn.Module, spec: Any, t: TrainingSpec, tracker: Tracker) 
         wrapped = ddp(module, t, torch.device("meta"))
     wrapped.register_comm_hook(None, _allreduce_in_place(t.dp))
     return wrapped
+
+
+def _pipeline_stage(module: torch.nn.Module, spec: Any, t: TrainingSpec) -> torch.nn.Module:
+    """This rank's pipeline stage (``wrappers.PipelineStageModule``, cut from the unmaterialised
+    model); with ``--tp``, on a (pp, tp) ``DeviceMesh`` (row-major: rank = stage × tp + tp rank, as
+    torchtitan's ``ParallelDims`` orders pp before tp), the stage parallelized with the TP plan over
+    its ``tp`` dimension and its ``PipelineStage`` sending over its ``pp`` dimension's group
+    (``pp_group``)."""
+    import torch.distributed as dist
+    if t.tp == 1:
+        return pipeline_stage_module(module, spec, t.pp, dist.get_rank())
+    from torch.distributed.device_mesh import init_device_mesh
+    device_mesh = init_device_mesh("cuda", (t.pp, t.tp), mesh_dim_names=("pp", "tp"))
+    stage = pipeline_stage_module(module, spec, t.pp, device_mesh["pp"].get_local_rank())
+    tensor_parallel(stage, spec, device_mesh["tp"], t.sequence_parallel)
+    stage.pp_group = device_mesh["pp"].get_group()
+    return stage
 
 
 def check_rank(t: TrainingSpec, rank: Any) -> int:
@@ -614,13 +727,15 @@ def rank_entries(report: Any, t: TrainingSpec, rank: int = 0) -> list[dict[str, 
 
 # ----- pipeline parallelism: the stages traced and the report of the worst ----------------------------
 def pipeline_ranks(t: TrainingSpec, rank: int = 0) -> list[int]:
-    """The pipeline stages traced, one rank each: the first (embeddings, the most micro-batches in
-    flight under 1F1B: ``pp`` of them) and the last (final norm, head and loss, one micro-batch in
-    flight), plus ``rank`` if another was asked for. A middle stage holds its layers' activations
+    """The ranks traced, one per pipeline stage traced: the first stage (embeddings, the most
+    micro-batches in flight under 1F1B: ``pp`` of them) and the last (final norm, head and loss, one
+    micro-batch in flight), plus ``rank`` if another was asked for. With ``--tp`` a stage's ranks are
+    ``stage × tp`` to ``stage × tp + tp − 1``, and its first (tp rank 0, the largest shards of an
+    uneven split, as without pipelining) is traced. A middle stage holds its layers' activations
     for fewer micro-batches than the first (``pp - stage``) and neither the embeddings nor the
     head, so it is below the first stage unless the embedding table is smaller than the activations
     one micro-batch of its layers keeps; it is traced on request (``rank=k``)."""
-    return sorted({0, t.pp - 1, rank})
+    return sorted({0, (t.pp - 1) * t.tp, rank})
 
 
 def pipeline_report(reports: dict[int, Any], t: TrainingSpec) -> Any:
@@ -628,16 +743,24 @@ def pipeline_report(reports: dict[int, Any], t: TrainingSpec) -> Any:
     listing every traced stage as traced and the others as not traced."""
     worst = max(reports, key=lambda r: (reports[r].peak_allocated, -r))
     report = reports[worst]
-    entries = {r: {**rank_entries(rep, t, r)[r], "pipeline_stage": r} for r, rep in reports.items()}
-    ranks = [entries.get(r, {"rank": r, "local_rank": r, "world_size": t.pp, "pipeline_stage": r, "traced": False,
-                             "not_traced": "a middle stage: fewer micro-batches in flight than the first, "
-                                           "no embeddings or head"}) for r in range(t.pp)]
+    world, tp = world_size(t), t.tp
+    entries = {r: {**rank_entries(rep, t, r)[r], "pipeline_stage": r // tp} for r, rep in reports.items()}
+
+    def untraced(r: int) -> dict[str, Any]:
+        why = ("a tensor-parallel rank of a traced stage: the same program on shards no larger than its stage's "
+               "tensor-parallel rank 0's" if r - r % tp in reports else
+               "a middle stage: fewer micro-batches in flight than the first, no embeddings or head")
+        return {"rank": r, "local_rank": r, "world_size": world, "pipeline_stage": r // tp, "traced": False,
+                "not_traced": why}
+    ranks = [entries.get(r) or untraced(r) for r in range(world)]
     # the estimate's names for the stage (its ``extra["pipeline_stage"]``): first, last or middle
-    name = "first" if worst == 0 else ("last" if worst == t.pp - 1 else "middle")
-    report.extra.update({"ranks": ranks, "rank": worst, "world_size": t.pp, "traced_ranks": sorted(reports),
+    stage = worst // tp
+    name = "first" if stage == 0 else ("last" if stage == t.pp - 1 else "middle")
+    report.extra.update({"ranks": ranks, "rank": worst, "world_size": world, "traced_ranks": sorted(reports),
                          "wrapper": wrapper_name(t), "pipeline_stage": name})
-    peaks = ", ".join(f"stage {r} {fmt(reports[r].peak_allocated, 'auto')}" for r in sorted(reports))
-    report.warnings.append(f"{wrapper_name(t)} on a fake process group of {t.pp} ranks (torch.distributed's fake "
-                           f"backend): stages {', '.join(map(str, sorted(reports)))} traced, one rank each "
-                           f"(peak allocated {peaks}); the report is stage {worst}'s, the worst")
+    peaks = ", ".join(f"stage {r // tp} {fmt(reports[r].peak_allocated, 'auto')}" for r in sorted(reports))
+    which = "one rank each" if tp == 1 else f"one rank each (tensor-parallel rank 0 of {tp})"
+    report.warnings.append(f"{wrapper_name(t)} on a fake process group of {world} ranks (torch.distributed's fake "
+                           f"backend): stages {', '.join(str(r // tp) for r in sorted(reports))} traced, {which} "
+                           f"(peak allocated {peaks}); the report is stage {stage}'s, the worst")
     return report
