@@ -149,7 +149,8 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     emb = R.alloc(tk.outer_rest)                                  # embeddings' saved tensors
     kept = [_layer_forward(R, q, fs, parts, tk, recompute) for _ in range(q.layers)]
     head = [R.alloc(tk.outer_head), R.alloc(q.cast_head)]        # head input, autocast's half copy of the head
-    chunks = max(1, int(q.logit_chunks)) if q.liger_factor == 0 else 1   # a chunked loss: one tensor per chunk
+    # a chunked loss: one tensor per chunk, at most one chunk per token (more are not made: setup_warnings)
+    chunks = max(1, min(int(q.logit_chunks), int(tk.tokens))) if q.liger_factor == 0 else 1
     out = R.allocs(_logit_tensors(tk.out_logits, q.logits_out, full, chunks))  # (b, s, vocab) logits
     R.frees(s.held)                                               # the previous step's output, replaced
     s.held = []

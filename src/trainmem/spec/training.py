@@ -398,10 +398,6 @@ class TrainingSpec:
             raise TrainmemError(f"--loss {self.loss} computes the loss in one piece (fused picks its own chunks); "
                                 f"--loss-chunks {self.loss_chunks} needs --loss chunked (upcast chunks, torchtune) "
                                 "or half (half chunks, litgpt)")
-        if self.loss_chunks > self.seq_len:
-            # torchtune's ``chunk`` and litgpt's ``split`` of the sequence give at most one token a chunk
-            raise TrainmemError(f"--loss-chunks {self.loss_chunks} exceeds --seq-len {self.seq_len}: the loss splits the "
-                                f"sequence into chunks of at least one token; give at most {self.seq_len}")
         if self.loss is None and self.loss_chunks > 1:
             object.__setattr__(self, "loss", "chunked")
         _choice("loss-shift", self.loss_shift, LOSS_SHIFTS)
