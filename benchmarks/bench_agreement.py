@@ -216,6 +216,30 @@ PP_FAMILIES = ("llama", "llama-gqa", "qwen2", "mistral")
 EXTERNAL_OPTIMIZERS = ("adamw-8bit", "paged-adamw-8bit", "paged-adamw", "lion")
 #: setups of the second draw (``sampled_grid``): pipeline parallelism and the external optimizers
 EXTRA_SETUPS, EXTRA_SEED = 60, 12
+#: setups of the third draw: FSDP1 (FullyShardedDataParallel, ``--fsdp-version 1``)
+FSDP1_SETUPS, FSDP1_SEED = 40, 13
+FSDP1_LAYOUTS = ({"fsdp": "full", "dp": 2}, {"fsdp": "full", "dp": 4}, {"fsdp": "grad-op", "dp": 2},
+                 {"fsdp": "grad-op", "dp": 4})
+
+
+def _fsdp1_axes(rng, o: dict) -> None:
+    """The third draw's axes on top of a first-draw setup: the layout becomes FSDP1 (full or grad-op
+    over 2 or 4 ranks; tensor parallelism dropped), LoRA adapters in units of their own or in their
+    layer's (``--fsdp-lora-units``), gradients synced every micro-batch or under ``no_sync``
+    (``--grad-sync step``). Steered away from what FSDP1 itself fails on (``trace/distributed.py``):
+    bf16-mp with adapters in units of their own (fp32 input into bf16 weights), pure half weights
+    with fp32 adapters in one flat parameter (FSDP1's uniform dtype)."""
+    for k in ("tp", "sequence_parallel", "fsdp", "dp", "offload_activations"):
+        o.pop(k, None)
+    o.update(_pick(rng, FSDP1_LAYOUTS))
+    o["fsdp_version"] = 1
+    if o.get("lora_rank"):
+        if o["precision"] == "bf16-mp" or rng.random() < 0.5:
+            o["fsdp_lora_units"] = "layer"
+        if o.get("fsdp_lora_units") == "layer" and o["precision"] in ("bf16", "fp16"):
+            o["lora_dtype"] = "half"
+    if o.get("grad_accum", 1) > 1 and rng.random() < 0.5:
+        o["grad_sync"] = "step"
 
 
 def _pick(rng, choices, weights=None):
@@ -257,7 +281,7 @@ def _extra_axes(rng, family: str, o: dict) -> None:
         o.pop("optimizer_impl", None)  # one implementation each (workload.check_supported)
 
 
-def sample_case(rng, family: str, extra: bool = False) -> Case:
+def sample_case(rng, family: str, extra: bool | str = False) -> Case:
     """Draw one setup for ``family``: every axis on its own (``extra``: then the second draw's
     pipeline and optimizer axes, ``_extra_axes``), then the combinations trace or the spec refuses
     are steered to the nearest accepted one (TP only on torchtitan's Llama-style plan, ``bf16-mp``
@@ -300,7 +324,9 @@ def sample_case(rng, family: str, extra: bool = False) -> Case:
         o["zero_grad"] = "zeros"
     if rng.random() < 0.2:
         o["grad_accum"] = 2
-    if extra:
+    if extra == "fsdp1":
+        _fsdp1_axes(rng, o)
+    elif extra:
         _extra_axes(rng, family, o)
     # what trace refuses (trace/distributed.py ``check``), or cannot run on meta tensors: adafactor
     # over DTensor shards, LoRA under the TP plan, a loss outside the wrapper's forward, fused SGD
@@ -336,12 +362,15 @@ def sampled_grid(n: int = 240, seed: int = 11, extra: int = EXTRA_SETUPS) -> lis
     """``n`` distinct setups drawn with ``random.Random(seed)``, the families in turn (so each has
     n / len(GRID_FAMILIES) of them), then ``extra`` more drawn with ``random.Random(EXTRA_SEED)``
     with the pipeline and external-optimizer axes (``_extra_axes``; added after the first 240 were
-    published, so those stay the same setups): deterministic, the same list on every run."""
+    published, so those stay the same setups), then ``FSDP1_SETUPS`` FSDP1 setups
+    (``_fsdp1_axes``, ``random.Random(FSDP1_SEED)``): deterministic, the same list on every run."""
     import random
     fams = list(GRID_FAMILIES)
     out: list[Case] = []
     seen: set[Case] = set()
-    for rng, count, second in ((random.Random(seed), n, False), (random.Random(EXTRA_SEED), extra, True)):
+    draws = ((random.Random(seed), n, False), (random.Random(EXTRA_SEED), extra, True),
+             (random.Random(FSDP1_SEED), FSDP1_SETUPS if extra else 0, "fsdp1"))
+    for rng, count, second in draws:
         i = start = len(out)
         while len(out) < start + count:
             c = sample_case(rng, fams[(i - start) % len(fams)], extra=second)
@@ -354,7 +383,7 @@ def sampled_grid(n: int = 240, seed: int = 11, extra: int = EXTRA_SETUPS) -> lis
 
 def grid_subset(n: int = 40) -> list[Case]:
     """Every k-th setup of the sampled grid, ``n`` of them (the slow test's deterministic subset)."""
-    g = sampled_grid()
+    g = sampled_grid()[:240 + EXTRA_SETUPS]  # the first two draws: the subset predates the FSDP1 draw
     return g[::len(g) // n][:n]
 
 
