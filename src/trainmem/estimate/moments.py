@@ -467,7 +467,7 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     def part(g: Any) -> Any:
         return g if flags.fsdp_sync else where(fresh, g, 0)
     layer_grads = part(tk.layer_grad_part)
-    head_grads = q.fsdp_head_full if flags.fsdp_sync else where(fresh, q.head_grads, 0)
+    head_grads = q.fsdp_head_full if flags.fsdp_sync else maximum(where(fresh, q.head_grads, 0), q.fsdp1_head_wait)
     # the layer's transient; a tied head's gradient waits in autograd's input buffer meanwhile
     temp = maximum(tk.redo, q.oib_mid) + q.tied_grad
     top = grads_before + head_grads + layer_grads

@@ -118,6 +118,7 @@ class Quantities:
     fsdp_root_rs: int = 0     # FSDP2: the root's reduce-scatter input, at its post-backward (end of backward)
     fsdp_root_last: int = 0   # ... and the root's last unsharded gradient, alive until the reduce returns
     fsdp1_post: int = 0       # FSDP1: a layer's gradients in its post-backward hook (fsdp1_post_backward)
+    fsdp1_head_wait: int = 0  # FSDP1: the head's unsharded gradient, waiting for the root's flat gradient
     fsdp1_flat: int = 0       # FSDP1: a layer's gradients as its flat gradient is made (fsdp1_flat_gradient)
     fsdp1_unprefetched: int = -1  # FSDP1, LoRA units of their own: layer ops from this one on (forward
     #                               order) run their backward before the previous layer is prefetched
@@ -1429,6 +1430,11 @@ def fsdp_buffers(m: ModelSpec, t: TrainingSpec, st: States, lc: LayerCoefs) -> d
             "fsdp_root_rs": st.root_rs if t.fsdp_version == 2 else 0,
             "fsdp_root_last": st.root_last_grad if t.fsdp_version == 2 else 0,
             "fsdp1_post": fsdp1_post_backward(t, st) if t.fsdp_version == 1 else 0,
+            # under FSDP1 (use_orig_params) the root's parameters are views of its flat parameter: the
+            # head's view gradient waits for ``SplitWithSizesBackward``'s cat at the embedding's backward
+            # (fsdp1_flat_gradient), also when it will be added to an accumulated .grad (no_sync). Found
+            # by the sampled grid: Mistral FSDP1 --grad-sync step, 2 micro-batches, -9.4% before
+            "fsdp1_head_wait": st.head_grads_full if t.fsdp_version == 1 else 0,
             "fsdp1_flat": fsdp1_flat_gradient(st) if t.fsdp_version == 1 else 0,
             "fsdp1_unprefetched": fsdp1_unprefetched(t, lc)}
 
