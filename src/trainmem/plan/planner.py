@@ -23,7 +23,7 @@ from ..errors import TrainmemError
 from ..report import MemoryReport
 from ..estimate.engine import estimate_layouts, group_rows
 from ..spec.layout import cp_problems, pp_problems, sequence_problems, tp_problems
-from ..spec.training import RECOMPUTE, TrainingSpec, default_seq_len
+from ..spec.training import RECOMPUTE, TrainingSpec, deepspeed_given, default_seq_len
 from ..render.text import wrap
 from ..units import fmt, scale
 from ._common import Evaluator, divisors, gpu_extras, hardware_with_speeds, parse_int_list
@@ -239,17 +239,11 @@ def enumerate_layouts(m, n_gpus: int, seq: int, global_batch: int, filters: dict
     return arrays, [(w, r, n, u) for (w, r, u), n in rejected.items()]
 
 
-#: DeepSpeed ZeRO's engine options (``TrainingSpec``): they configure the ZeRO stages the plan explores
-DS_ENGINE = ("reduce_bucket_size", "overlap_comm", "sub_group_size", "stage3_max_reuse_distance",
-             "stage3_prefetch_bucket_size")
-
-
 def _deepspeed_stage(options: dict[str, Any], filters: dict[str, Any]) -> dict[str, Any]:
     """With DeepSpeed's engine options, the base spec takes the highest DeepSpeed stage the plan may
     explore (each layout then sets its own; the options apply where it is one), so that they are
     validated; none explored is refused (``spec.training.deepspeed_problems``)."""
-    given = any(options.get(k) is not None for k in DS_ENGINE) or options.get("contiguous_gradients") is False
-    if not given or options.get("deepspeed_config") is not None:
+    if not deepspeed_given(options.get) or options.get("deepspeed_config") is not None:
         return {}
     stages = [z for z in (filters.get("zero") or [1, 2, 3]) if z >= 1]
     if not stages:

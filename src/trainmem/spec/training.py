@@ -69,12 +69,22 @@ DS_REDUCE_BUCKET = 500_000_000
 DS_SUB_GROUP = 1_000_000_000
 
 
+#: DeepSpeed ZeRO's engine options (None when not given; ``contiguous_gradients`` is given when False)
+DS_ENGINE_OPTIONS = ("reduce_bucket_size", "overlap_comm", "sub_group_size", "stage3_max_reuse_distance",
+                     "stage3_prefetch_bucket_size")
+
+
+def deepspeed_given(get: Any) -> list[str]:
+    """The DeepSpeed engine options given, read with ``get(name)`` (a spec's attribute or an options
+    mapping's ``get``)."""
+    given = [k for k in DS_ENGINE_OPTIONS if get(k) is not None]
+    return given + (["contiguous_gradients"] if get("contiguous_gradients") is False else [])
+
+
 def deepspeed_problems(t: "TrainingSpec") -> str | None:
     """One line when DeepSpeed's engine options are given without the DeepSpeed ZeRO stage they
     configure (they would be ignored), else None."""
-    given = [k for k in ("reduce_bucket_size", "overlap_comm", "sub_group_size", "stage3_max_reuse_distance",
-                         "stage3_prefetch_bucket_size") if getattr(t, k) is not None]
-    given += [] if t.contiguous_gradients else ["contiguous_gradients"]
+    given = deepspeed_given(lambda k: getattr(t, k))
     if given and (not t.zero or t.fsdp is not None):
         flag = given[0].replace("_", "-")
         return f"--{flag} configures DeepSpeed ZeRO's engine: give --zero 1, 2 or 3 (not --fsdp) too, or drop it"
