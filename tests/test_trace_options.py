@@ -97,6 +97,8 @@ CASES = [
      "Llama-3.2-1B ties its head to the embedding, which neither converts, and Fabric's fp16 dequantized "
      "copies hide under this tiny model's loss peak (tests/test_trace_bnb.py: an untied head)"),
     ({"bitsandbytes_version": "0.42.0", "lora_rank": 8, "quantize": "nf4"}, CHANGED, ""),  # vs a current release
+    # another PyTorch release: trace runs the installed one (the estimate models older ones)
+    ({"torch_version": "1.10", "attention": "eager"}, REFUSED, "--torch-version 1.10: trace runs the installed PyTorch"),
     ({"quantize": "nf4", "lora_rank": 8, "dp": 2}, REFUSED, "--quantize nf4"),
     ({"keep_logits": True}, CHANGED, ""), ({"zero_grad": "zeros"}, CHANGED, ""),
     ({"hold_output": "backward"}, CHANGED, ""), ({"hold_output": "step"}, CHANGED, ""),

@@ -33,6 +33,17 @@ DROPOUT_KEYS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "resid_pd
 STEP_PHASES = ("forward", "backward", "optimizer_step", "zero_grad")
 
 
+def _check_release(t: TrainingSpec, what: str) -> None:
+    """``--torch-version``: trace and measure run the installed PyTorch, so they refuse another release
+    (only its major.minor is compared); the estimate models older ones (``spec.releases``)."""
+    if t.torch_version is None:
+        return
+    installed = torch.__version__.split("+")[0]
+    if tuple(t.torch_release[:2]) != tuple(int(x) for x in installed.split(".")[:2]):
+        raise TrainmemError(f"--torch-version {t.torch_version}: {what} runs the installed PyTorch {installed}; use "
+                            f"estimate for another release, or drop --torch-version")
+
+
 def check_supported(t: TrainingSpec, what: str = "trace") -> None:
     """Refuse the setups a run cannot execute. ``trace`` runs one GPU, or data and tensor parallelism
     (DDP, FSDP2 with ``--fsdp``, ``--tp`` with or without ``--sequence-parallel``) and pipeline
@@ -40,6 +51,7 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
     (``trainmem.trace.distributed``); no context parallelism.
     ``measure`` runs data and tensor parallelism through PyTorch's own wrappers, one process per rank
     (``trainmem.measure.distributed``), without sequence parallelism."""
+    _check_release(t, what)
     bad = [f"--{key} {getattr(t, key)}" for key in ("pp", "cp", "ep")
            if getattr(t, key) != 1 and not (key == "pp" and what == "trace")]
     if t.zero_stage and t.fsdp is None:

@@ -81,6 +81,9 @@ def add_training(g: Any) -> None:
                         "docs/frameworks.md); explicit flags override it")
     g.add_argument("--framework-version", default=None, metavar="V",
                    help="the framework's release where a default changed (e.g. 4.45 for hf-trainer)")
+    g.add_argument("--torch-version", default=None, metavar="V",
+                   help="the PyTorch release the run uses (default: a current 2.x); an older one changes defaults "
+                        "(zero_grad, optimizer loop, attention) and, before 1.11, what softmax saves (estimate only)")
     g.add_argument("--batch-size", type=positive_int, default=1, help="micro-batch per data-parallel rank")
     g.add_argument("--seq-len", type=positive_int, default=None,
                    help="tokens per sample (default 2048, or the model's learned positions if fewer)")
@@ -299,7 +302,7 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 lora_targets=a.lora_targets, quantize=a.quantize, dropout=False if a.no_dropout else None,
                 optimizer_bucket_mb=a.optimizer_bucket_mb, loss_chunks=a.loss_chunks, loss=a.loss,
                 master_weights=a.master_weights, framework=a.framework, framework_version=a.framework_version,
-                grad_sync=a.grad_sync, fsdp_lora_units=a.fsdp_lora_units, fsdp_version=a.fsdp_version,
+                torch_version=a.torch_version, grad_sync=a.grad_sync, fsdp_lora_units=a.fsdp_lora_units, fsdp_version=a.fsdp_version,
                 loss_shift=a.loss_shift, target_len=a.target_len, image_size=a.image_size,
                 deepspeed_config=a.deepspeed_config, reduce_bucket_size=a.reduce_bucket_size,
                 overlap_comm=a.overlap_comm, contiguous_gradients=a.contiguous_gradients,

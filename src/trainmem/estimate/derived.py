@@ -60,6 +60,9 @@ def derived_problems(m: ModelSpec, t: TrainingSpec) -> list[str]:
         out.append(f"--tp {t.tp}" + (" --sequence-parallel" if t.sequence_parallel else ""))
     if t.cp > 1:
         out.append(f"--cp {t.cp}")
+    if t.softmax_saves_input:
+        out.append(f"--torch-version {t.torch_version} (before 1.11 softmax also saves its input; the traces run "
+                   f"the installed PyTorch)")
     if t.quantize and t.bnb_saves_input:
         out.append(f"--quantize {t.quantize} with bitsandbytes < 0.43.2 (MatMul4Bit saves its input)")
     return out

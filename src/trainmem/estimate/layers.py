@@ -148,8 +148,9 @@ class Builder:
     def __init__(self, pol: Policy, dropout: bool, sp_div: int = 1, capability: tuple[int, int] = (8, 0),
                  lora: tuple[tuple[str, int, int], ...] = (), lora_dropout: float = 0.0, lora_half: bool = False,
                  quant: tuple[int, int] = (0, 0), quant_saves_input: bool = False, biased: tuple[str, ...] = (),
-                 base_trains: bool = False):
+                 base_trains: bool = False, softmax_saves_input: bool = False):
         self.p = pol
+        self.softmax_saves_input = softmax_saves_input  # PyTorch < 1.11 (spec.releases)
         self.biased = biased  # linears with a bias: ``addmm`` (not ``mm``) under F.linear / Conv1D
         # bitsandbytes 4-bit base weights (quant4.py): bytes per element of the dequantized weight and
         # of its cast to the compute dtype (0, 0: not quantized); old MatMul4Bit saves its input
@@ -379,6 +380,11 @@ class Builder:
             k = T(k.tok * rep, 0, k.nbytes, "attn.k_repeated")
             v = T(v.tok * rep, 0, v.nbytes, "attn.v_repeated")
         self.r.save(q, k, v)
+        if self.softmax_saves_input:
+            # PyTorch < 1.11 (``spec.releases``): SoftmaxBackward keeps softmax's input, the masked
+            # scores (b, heads, s, s): fp32 under autocast (its fp32 cast) or in fp32 training; in
+            # pure half the half scores (``dtype=float32`` upcasts inside the kernel, half_to_float)
+            self.r.save(T(0, heads, F32 if (self.p.amp or half == F32) else half, "attn.softmax.input"))
         # softmax output as saved: fp32 under autocast, in fp32 training, or when the model asks
         # for dtype=float32 (Llama); else the half type
         sm = F32 if (self.p.amp or half == F32 or softmax_fp32_then_cast) else half
@@ -651,6 +657,7 @@ class LayerKey:
     compiled: bool = False    # torch.compile: the saved set of inductor's partition (compiled_recipe)
     lora_base_trains: bool = False  # FSDP1 mixed units: LoRA's base weights are views of a flat parameter
     #                                 that requires grad, so autograd treats them as trainable
+    softmax_saves_input: bool = False  # PyTorch < 1.11: softmax's node saves its input too (spec.releases)
 
 
 def ep_rank_rows(top_k: int, experts: int, ep: int, imbalance: float) -> float:
@@ -739,7 +746,7 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
     t = k.tp
     sp_div = t if k.sp else 1  # sequence parallel splits the replicated regions over TP ranks
     B = Builder(pol, k.dropout, sp_div, k.capability, k.lora, k.lora_dropout, k.lora_half, k.quant,
-                k.quant_saves_input, k.biased, k.lora_base_trains)
+                k.quant_saves_input, k.biased, k.lora_base_trains, k.softmax_saves_input)
     h, f, q, kv = k.h, k.f / t, k.q / t, k.kv / t
     heads, kvh = k.heads / t, k.kv_heads / t  # whole heads per rank (spec.layout.tp_problems)
     x = T(h / sp_div, 0, pol.stream, "residual")

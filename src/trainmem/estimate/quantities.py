@@ -238,7 +238,8 @@ def layer_key(m: ModelSpec, t: TrainingSpec) -> LayerKey:
                     t.bnb_saves_input,
                     kv_cache(m, t), biased=biased_linears(m) if t.recompute == "op" else (), ep=t.ep,
                     ep_rows=ep_rank_rows(m.experts_top_k, m.num_experts, t.ep, t.moe_imbalance) if t.ep > 1 else 0.0,
-                    compiled=t.compile, lora_base_trains=bool(lora) and t.fsdp_mixed_units)
+                    compiled=t.compile, lora_base_trains=bool(lora) and t.fsdp_mixed_units,
+                    softmax_saves_input=t.softmax_saves_input)
 
 
 def biased_linears(m: ModelSpec) -> tuple[str, ...]:
@@ -487,7 +488,23 @@ def loss_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy) -> LossBytes:
         # for backward; SliceBackward's zero-filled gradient comes after log_softmax's has freed the
         # log-probabilities, so backward's peak does not change)
         b = b._replace(forward=b.forward + pol.half)
+    if t.softmax_saves_input and is_lm(m):
+        b = _log_softmax_keeps_input(b, t, pol, loss_mode(m, t))
     return b
+
+
+def _log_softmax_keeps_input(b: LossBytes, t: TrainingSpec, pol: Policy, mode: str) -> LossBytes:
+    """PyTorch < 1.11 (``spec.releases``): ``LogSoftmaxBackward`` saves the tensor ``log_softmax``
+    read until the loss's backward, per logit element: the fp32 copy of an upcast loss under
+    autocast or in pure half (moved from the forward-only bytes to the saved ones); else the
+    shifted half copy (``loss_shift logits``); else the logits themselves, which stay alive when the
+    loop does not hold them anyway (``held``). Chunked and fused losses are refused for these
+    releases (``releases.torch_problems``)."""
+    if mode == "upcast" and pol.half != F32:
+        return b._replace(saved=b.saved + F32, forward=b.forward - F32)   # the .float() copy, fp32
+    if t.loss_shift == "logits":
+        return b._replace(saved=b.saved + pol.half, forward=b.forward - pol.half)  # the shifted copy
+    return b if b.held else b._replace(saved=b.saved + b.out)   # the logits, in their dtype
 
 
 def _loss_in_one_piece(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int) -> LossBytes:

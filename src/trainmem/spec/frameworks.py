@@ -106,6 +106,11 @@ class Preset:
     rules: Callable[[Mapping[str, Any], Any, tuple[int, ...] | None], dict[str, Any]] | None = None
     check: Callable[[Any, Any, tuple[int, ...] | None, frozenset[str]], list[str]] | None = None
     notes: tuple[str, ...] = field(default=())
+    # options whose cell is PyTorch's own default as the framework calls it (``zero_grad()`` with no
+    # argument, ``foreach=None``, sdpa where torch has it): an older --torch-version changes them
+    # (``spec.releases.torch_defaults``); the other cells are the framework's explicit choices
+    torch_derived: tuple[str, ...] = ()
+    min_torch: str | None = None  # the oldest PyTorch the framework's current release runs on
 
     @property
     def current(self) -> str:
@@ -303,7 +308,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
         "attention": Cell(shown="sdpa (trainmem default)"), "recompute": Cell(shown="none"),
         "sharding": Cell(shown="none"), "dropout": Cell(shown="the config's"),
         "grad_sync": Cell(shown="micro-batch (trainmem default)"),
-    }),
+    }, torch_derived=("zero_grad",)),
     Preset("hf-trainer", "Hugging Face Trainer", "transformers 5.23.0", {
         "precision": Cell(shown="the checkpoint's dtype (v5), fp32 (v4)",
                           sources=(_s("transformers", _TF + "training_args.py", "874-885"),
@@ -340,7 +345,8 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
         Since("optimizer_impl", "4.54", "fused", _s("transformers-4.54", _TF + "training_args.py", "1286-1291")),
         Since("precision", "4.31", "fp32", _s("transformers-4.54", _TF + "modeling_utils.py", "4430-4436")),
         Since("precision", "5.0", None, _s("transformers-5.0", _TF + "modeling_utils.py", "3934-3935")),
-    ), oldest="4.31", rules=_hf_rules, check=_check_hf, notes=(
+    ), oldest="4.31", rules=_hf_rules, check=_check_hf, torch_derived=("zero_grad", "attention", "optimizer_impl"),
+        notes=(
         "optim='adamw_hf' (before 4.32) is transformers' own AdamW, a loop over the parameters with one "
         "temporary per tensor (optimization.py:468 in 4.31.0); trainmem counts it as for-loop (two)",
         "before 4.49 the loss copied the shifted fp32 logits (4.45.2 modeling_llama.py:1219-1229, 4.48.0 "
@@ -363,7 +369,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                                    _s("accelerate", "src/accelerate/accelerator.py", "1288-1292")),
                           note="accumulate() enters no_sync (FSDP1 model.no_sync, FSDP2 "
                                "set_requires_gradient_sync(False)) unless sync_each_batch=True"),
-    }, rules=_accelerate_rules, check=_check_accelerate),
+    }, rules=_accelerate_rules, check=_check_accelerate, torch_derived=("zero_grad",)),
     Preset("torchtune", "torchtune full_finetune_distributed", "torchtune 0.6.1", {
         "precision": Cell("bf16", (_s("torchtune", "recipes/configs/llama3_2/1B_full.yaml", "76"),
                                    _s("torchtune", "recipes/full_finetune_distributed.py", "539")),
@@ -389,7 +395,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                                   _s("torchtune", "recipes/full_finetune_distributed.py", "299"))),
         "dropout": Cell(shown="the config's"),
         "grad_sync": Cell(shown="micro-batch (trainmem default; the recipe calls no no_sync)"),
-    }, rules=_torchtune_rules, check=_check_fsdp_only("torchtune")),
+    }, rules=_torchtune_rules, check=_check_fsdp_only("torchtune"), min_torch="2.0"),
     Preset("torchtitan", "torchtitan", "torchtitan 0.2.2", {
         "precision": Cell(shown="bf16-mp with FSDP (--dp > 1), else bf16-amp (fp32 with TP/PP alone)",
                           sources=(_s("torchtitan", "torchtitan/config/job_config.py", "282-290"),
@@ -417,7 +423,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                                   _s("torchtitan", "torchtitan/models/llama3/infra/parallelize.py", "319-327"))),
         "dropout": Cell(shown="the config's"),
         "grad_sync": Cell(shown="micro-batch (trainmem default)"),
-    }, rules=_torchtitan_rules, check=_check_fsdp_only("torchtitan")),
+    }, rules=_torchtitan_rules, check=_check_fsdp_only("torchtitan"), min_torch="2.0"),
     Preset("lightning", "PyTorch Lightning Trainer", "lightning 2.6.5", {
         "precision": Cell("fp32", (_s("lightning", "src/lightning/pytorch/trainer/connectors/accelerator_connector.py",
                                       "265"),),
@@ -454,7 +460,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
         "dropout": Cell(False, (_s("nanogpt", "train.py", "55"), _s("nanogpt", "train.py", "184")),
                         note="dropout = 0.0 is passed to the model"),
         "grad_sync": Cell(shown="n/a (DDP, no sharded gradients)"),
-    }, check=_check_nanogpt, notes=(
+    }, check=_check_nanogpt, torch_derived=("attention", "optimizer_impl"), notes=(
         "train.py compiles the model (compile = True, train.py:74); the preset leaves --compile off because "
         "measure does not run it and trace compiles only the transformers models it builds (nanoGPT is "
         "traced from a factory): add --compile to estimate (or trace a transformers GPT-2) compiled",
@@ -599,6 +605,11 @@ def markdown_table() -> str:
         for r in p.since:
             value = "—" if r.value is None else f"`{r.value}`"
             rows.append(f"| {p.name} | {r.option} | {r.version} | {value} | [{r.source.text}]({r.source.url}) |")
+    rows += ["", "Older PyTorch (`--torch-version`, `spec/releases.py`): these cells are PyTorch's own defaults as the "
+             "framework calls them, so an older release changes them (before 2.0: zero_grad `zeros`, "
+             "optimizer_impl `for-loop`, attention `eager`); the other cells are the framework's explicit choices:", ""]
+    rows += [f"- {p.name}: {', '.join(p.torch_derived)}" for p in PRESETS.values() if p.torch_derived]
+    rows += [f"- {p.name} needs PyTorch {p.min_torch} or newer" for p in PRESETS.values() if p.min_torch]
     rows += ["", "Notes:", ""]
     for p in PRESETS.values():
         for k, c in p.cells.items():

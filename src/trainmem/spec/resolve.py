@@ -47,6 +47,7 @@ from .calibration import calibrated
 from .hardware import Hardware, get_gpu
 from .model import ModelSpec
 from .deepspeed import zero_options
+from .releases import parse_torch_version, torch_defaults
 from .training import TrainingSpec, check_against, deepspeed_problems, default_seq_len, image_sizes
 
 TRAINING_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainingSpec) if f.name != "extra")
@@ -181,6 +182,10 @@ class Resolved:
         if self.model.is_image and "seq_len" not in training_values(training_changes):
             changes = image_sizes(self.model, {k: v for k, v in changes.items() if k != "seq_len"},
                                   self.training.image_size)
+        # an option set back to None takes its release's default (``_release_defaults``)
+        kept = set(training_values(training_changes)) | {
+            f for f in TRAINING_DEFAULTS if f not in training_changes and getattr(self.training, f) != TRAINING_DEFAULTS[f]}
+        changes = _release_defaults({**_fields(self.training), **changes}, kept)
         return dataclasses.replace(self, training=dataclasses.replace(self.training, **changes))
 
 
@@ -242,10 +247,27 @@ def _training_from(options: Mapping[str, Any], model: ModelSpec | None, base: Tr
     if version is not None:
         raise TrainmemError(f"--framework-version needs --framework NAME (one of: {', '.join(FRAMEWORKS)})")
     if start is not None:
-        return dataclasses.replace(start, **given) if given else start
+        if not given:
+            return start
+        kept = set(given) | {f for f in TRAINING_DEFAULTS if getattr(start, f) != TRAINING_DEFAULTS[f]}
+        return dataclasses.replace(start, **_release_defaults({**_fields(start), **given}, kept))
     if "seq_len" not in given and model is not None:
         given["seq_len"] = default_seq_len(model)
-    return TrainingSpec(**given)
+    return TrainingSpec(**_release_defaults(given, set(given)))
+
+
+def _fields(t: TrainingSpec) -> dict[str, Any]:
+    return {f: getattr(t, f) for f in TRAINING_DEFAULTS}
+
+
+def _release_defaults(fields: dict[str, Any], kept: set[str]) -> dict[str, Any]:
+    """``fields`` with the defaults of their ``torch_version`` (``spec.releases.torch_defaults``: an
+    older PyTorch's zero_grad, optimizer loop and attention) for the options not in ``kept``."""
+    version = fields.get("torch_version")
+    if version is None:
+        return fields
+    implied = torch_defaults(parse_torch_version(version), fields)
+    return {**fields, **{k: v for k, v in implied.items() if k not in kept}}
 
 
 def _with_deepspeed_config(source: Any, given: dict[str, Any], model: ModelSpec | None) -> dict[str, Any]:
@@ -278,6 +300,14 @@ def preset_training(framework: str, version: Any, given: Mapping[str, Any], mode
             for k in group:
                 values.pop(k, None)
     fields = {**base, **values, **given}
+    preset = get_preset(name)
+    if fields.get("torch_version") is not None and preset.min_torch is not None and \
+            parse_torch_version(fields["torch_version"]) < parse_torch_version(preset.min_torch):
+        raise TrainmemError(f"--framework {name} runs on PyTorch {preset.min_torch} or newer: --torch-version "
+                            f"{fields['torch_version']} is older; drop one of them")
+    # the release's defaults replace what neither the user nor the framework chose explicitly
+    explicit = set(given) | {k for k in values if k not in preset.torch_derived}
+    fields = _release_defaults(fields, explicit)
     if "seq_len" not in fields and model is not None:
         fields["seq_len"] = default_seq_len(model)
     extra: dict[str, Any] = {"framework": name, "framework_version": text, "framework_given": dict(given)}

@@ -10,6 +10,7 @@ from typing import Any
 
 from ..errors import TrainmemError
 from .layout import layout_problems
+from .releases import parse_torch_version, softmax_saves_input, torch_problems
 
 #: fp32; fp16-amp/bf16-amp: fp32 weights + autocast; bf16/fp16: everything in that dtype ("pure",
 #: Lightning's bf16-true); bf16-mp: FSDP's mixed-precision policy (fp32 sharded parameters, gradients
@@ -139,6 +140,7 @@ class TrainingSpec:
     quantize: str | None = None  # 4-bit base weights (QUANTIZE); None: none (needs LoRA: the base is frozen)
     quantize_via: str = "transformers"  # QUANTIZE_VIA: which modules are quantized, the quant state's dtype
     bitsandbytes_version: str | None = None  # None: current (>= 0.43.2); older MatMul4Bit saves its input
+    torch_version: str | None = None  # the PyTorch release (spec.releases); None: a current one (2.x)
     distributed_optimizer: bool = False  # Megatron/NeMo: fp32 main grads + sharded states
     ddp_bucket_mb: float = 25.0
     optimizer_bucket_mb: float | None = None  # NeMo distributed_fused_adam bucket
@@ -234,6 +236,7 @@ class TrainingSpec:
         if self.lora_targets is not None and not self.lora_rank:
             raise TrainmemError("--lora-targets needs --lora-rank R (the adapter rank)")
         self._check_quantize()
+        self._check_torch()
         if self.attention in ("flash", "sdpa-flash", "sdpa-cudnn") and self.precision == "fp32":
             raise TrainmemError(f"--attention {self.attention} needs half precision: use --precision bf16-amp "
                                 "(or fp16-amp, bf16, fp16), or --attention sdpa")
@@ -371,6 +374,27 @@ class TrainingSpec:
                                 "ZeRO-3/FSDP sharding (or --quantize)")
         if self.bitsandbytes_version is not None:
             self.bitsandbytes_release()
+
+    def _check_torch(self) -> None:
+        """``torch_version``: a release trainmem models, and nothing asked of it that it did not have
+        (``spec.releases.torch_problems``)."""
+        if self.torch_version is None:
+            return
+        object.__setattr__(self, "torch_version", ".".join(map(str, parse_torch_version(self.torch_version))))
+        bad = torch_problems(self)
+        if bad:
+            raise TrainmemError(f"{'; '.join(bad)}: drop those options or give a newer --torch-version")
+
+    @property
+    def torch_release(self) -> tuple[int, ...] | None:
+        """``torch_version`` as numbers (None: a current release)."""
+        return None if self.torch_version is None else parse_torch_version(self.torch_version)
+
+    @property
+    def softmax_saves_input(self) -> bool:
+        """PyTorch < 1.11: softmax and log_softmax save their input for backward too
+        (``spec.releases``)."""
+        return softmax_saves_input(self.torch_release)
 
     def bitsandbytes_release(self) -> tuple[int, ...]:
         """``bitsandbytes_version`` as numbers (``"0.42.0"`` -> (0, 42, 0)); None: a current release."""
@@ -642,6 +666,9 @@ def check_against(model: Any, t: TrainingSpec) -> None:
     if model.learned_positions and model.is_encoder_decoder and t.decoder_len > model.max_positions:
         raise TrainmemError(f"--target-len {t.decoder_len} exceeds the {model.max_positions} learned positions of "
                             f"{model.name}'s decoder; use --target-len <= {model.max_positions}")
+    if t.torch_version is not None and model.num_experts and t.torch_release < (2, 0):
+        raise TrainmemError(f"--torch-version {t.torch_version} with {model.name}: its experts are modelled as current "
+                            "transformers runs them on PyTorch 2 (torch._grouped_mm); give --torch-version 2.x or drop it")
     if t.quantize and model.num_experts:
         raise TrainmemError(f"--quantize {t.quantize} with {model.name}, a mixture-of-experts model: its experts "
                             "are not nn.Linear modules and are not modelled quantized; drop --quantize")

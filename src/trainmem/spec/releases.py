@@ -1,0 +1,109 @@
+"""The PyTorch release a run uses (``--torch-version``): what older releases did differently.
+
+trainmem's formulas follow the current PyTorch. Published measurements (and some users' clusters)
+ran older releases, whose defaults and autograd formulas differ in ways that change memory by
+gigabytes. ``TrainingSpec.torch_version`` names the release; None means a current one (2.x, the
+release trace runs). What depends on it:
+
+* **Defaults** (``torch_defaults``), applied in ``spec.resolve`` to the options not given:
+  - ``zero_grad``: before 2.0, ``Optimizer.zero_grad`` and ``nn.Module.zero_grad`` default to
+    ``set_to_none=False`` (torch 1.13 ``torch/optim/optimizer.py`` ``zero_grad(self,
+    set_to_none: bool = False)``; 2.0 made ``set_to_none=True`` the default): the gradients stay
+    allocated (zeroed) through the next step (``zeros``).
+  - ``optimizer_impl``: before 2.0, ``torch.optim.Adam``/``AdamW`` with ``foreach=None`` run the
+    per-parameter loop (torch 1.13 ``torch/optim/adamw.py`` ``adamw``: ``if foreach is None:
+    foreach = False``, then ``_single_tensor_adamw``); 2.0 defaults to foreach on CUDA
+    (``_default_to_fused_or_foreach``).
+  - ``attention``: ``torch.nn.functional.scaled_dot_product_attention`` first shipped in 2.0, and
+    transformers uses it by default only from torch 2.1.1 (``is_torch_sdpa_available``): eager.
+* **What autograd saves** (``softmax_saves_input``): before 1.11 the derivative of ``_softmax``
+  and ``_log_softmax`` was ``_softmax_backward_data(grad, result, dim, self)``, so autograd saved
+  the input ``self`` beside the output although the kernel reads only the output (PyTorch issue
+  #64000, "Softmax/logsoftmax use more memory for backward than needed"; 1.11 passes
+  ``self.scalar_type()`` instead). transformers kept both call forms side by side
+  (``src/transformers/pytorch_utils.py`` ``softmax_backward_data``: ``if is_torch_less_than_1_11:
+  ... _softmax_backward_data(grad_output, output, parent.dim, self)``, 4.21). Every eager
+  attention layer then keeps its scores (b, heads, s, s) until its backward, and the loss keeps
+  the tensor its ``log_softmax`` read.
+* **What did not exist** (``torch_problems``): ``--compile``, SDPA kernels, fused AdamW and
+  ``--optimizer-in-backward`` (``register_post_accumulate_grad_hook``, 2.1) are refused with one
+  line each for an older release; so are the setups trainmem models only as PyTorch 2 frameworks
+  run them (FSDP2, chunked and fused losses, mixture-of-experts layers on ``_grouped_mm``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import TrainmemError
+
+#: the oldest release trainmem models: torch.cuda.amp (autocast and GradScaler) arrived in 1.6
+TORCH_OLDEST = (1, 6)
+#: attention values that name F.scaled_dot_product_attention (PyTorch >= 2.0)
+SDPA_ATTENTION = ("sdpa", "sdpa-flash", "sdpa-efficient", "sdpa-math", "sdpa-cudnn")
+
+
+def parse_torch_version(text: Any) -> tuple[int, ...]:
+    """``"1.10"``, ``"1.10.1+cu113"`` or ``"v2.1"`` as (1, 10), (1, 10, 1), (2, 1); a TrainmemError
+    naming the option for anything else, or for a release older than ``TORCH_OLDEST``."""
+    raw = str(text).strip().lstrip("v").split("+")[0]
+    parts = raw.split(".")
+    if not 2 <= len(parts) <= 3 or not all(p.isdigit() for p in parts):
+        raise TrainmemError(f"--torch-version {text!r} is not a PyTorch release like 1.10 or 2.1.2")
+    v = tuple(int(p) for p in parts)
+    if v < TORCH_OLDEST:
+        raise TrainmemError(f"--torch-version {raw}: trainmem models PyTorch 1.6 and later (autocast arrived in "
+                            f"1.6); give 1.6 or newer")
+    return v
+
+
+def torch_defaults(version: tuple[int, ...] | None, options: Any = None) -> dict[str, Any]:
+    """The option values a release implies when the user gives none (see the module docstring):
+    ``zeros`` gradients, the for-loop optimizer and eager attention before 2.0; fp16 autocast
+    instead of trainmem's default bf16 autocast before 1.10; ``options`` (the
+    setup's values) decides whether FSDP is in use, which is FSDP1 before 2.4 (FSDP2's
+    ``fully_shard`` was released, as a prototype under ``torch.distributed._composable.fsdp``, with 2.4)."""
+    if version is None:
+        return {}
+    out: dict[str, Any] = {}
+    if version < (1, 10):  # no bf16 autocast on CUDA before 1.10: trainmem's default becomes fp16's
+        out["precision"] = "fp16-amp"
+    if version < (2, 0):
+        out.update(zero_grad="zeros", optimizer_impl="for-loop", attention="eager")
+    fsdp = (options or {}).get("fsdp") if isinstance(options, dict) else getattr(options, "fsdp", None)
+    if version < (2, 4) and fsdp is not None:
+        out["fsdp_version"] = 1
+    return out
+
+
+def torch_problems(t: Any) -> list[str]:
+    """What ``t`` asks of its ``torch_version`` that the release did not have (empty when fine)."""
+    if t.torch_version is None:
+        return []
+    v = parse_torch_version(t.torch_version)
+    name = ".".join(map(str, v))
+    out = []
+    if v < (2, 0):
+        if t.compile:
+            out.append("--compile (torch.compile arrived in 2.0)")
+        if t.attention in SDPA_ATTENTION:
+            out.append(f"--attention {t.attention} (scaled_dot_product_attention arrived in 2.0; use eager or flash)")
+        if t.optimizer_impl == "fused" and not (t.optimizer == "adam" and v >= (1, 13)):
+            out.append("--optimizer-impl fused (Adam's fused=True arrived in 1.13, AdamW's in 2.0)")
+        if t.loss in ("chunked", "fused") or t.loss_chunks > 1:
+            out.append("chunked or fused losses (modelled as torchtune, litgpt and Liger run them on PyTorch 2)")
+        if t.offload_activations or t.recompute == "op":
+            out.append("--offload-activations and --recompute op (torchtune's and torchtitan's, PyTorch 2)")
+    if v < (2, 1) and t.optimizer_in_backward:
+        out.append("--optimizer-in-backward (register_post_accumulate_grad_hook arrived in 2.1)")
+    if v < (1, 10) and t.precision == "bf16-amp":
+        out.append("--precision bf16-amp (CUDA autocast to bfloat16 arrived in 1.10)")
+    if v < (1, 11) and t.fsdp is not None:
+        out.append(f"--fsdp {t.fsdp} (FullyShardedDataParallel arrived in 1.11)")
+    if v < (2, 4) and t.fsdp is not None and t.fsdp_version == 2:
+        out.append("--fsdp-version 2 (fully_shard arrived in 2.4; give --fsdp-version 1)")
+    return [f"--torch-version {name} has no {x}" for x in out]
+
+
+def softmax_saves_input(version: tuple[int, ...] | None) -> bool:
+    """PyTorch < 1.11: ``_softmax`` and ``_log_softmax`` save their input too (module docstring)."""
+    return version is not None and version < (1, 11)
