@@ -1,4 +1,4 @@
-"""A simulation of PyTorch's CUDA caching allocator (one device, one stream).
+"""A simulation of PyTorch's CUDA caching allocator (one device; a pool per stream).
 
 It reproduces what ``torch.cuda.memory_allocated()`` and ``torch.cuda.memory_reserved()`` report
 for a sequence of allocations and frees, without a GPU. The rules modelled are those of
@@ -18,6 +18,12 @@ for a sequence of allocations and frees, without a GPU. The rules modelled are t
   Otherwise the whole block is handed out, and counts as allocated in full — the reason the
   119.23 MiB word-embedding matrix of BERT-large occupies 120.00 MiB.
 * **Coalescing.** A freed block merges with free neighbours of the same segment.
+* **Streams.** A block is only reused by the stream it was allocated on: ``BlockComparatorSize``
+  orders a pool's free blocks by stream first and ``get_free_block`` searches from (stream, size)
+  and stops at another stream's blocks (``CUDACachingAllocator.cpp``), so each stream has pools of
+  its own and the memory one stream cached is reserved but not usable by another. The stream is
+  :attr:`CachingAllocator.current_stream` when ``allocate`` is called (trace's CUDA emulation sets it
+  inside ``torch.cuda.stream(s)``: FSDP2's all-gather and reduce-scatter buffers).
 * **Caching.** Freed blocks stay reserved. ``empty_cache()`` returns every segment that is
   entirely free. When a device capacity is given and a new segment would exceed it, the allocator
   first releases cached segments (as PyTorch does before raising out-of-memory) and retries;
@@ -33,7 +39,8 @@ needed. Blocks of such a segment are split whenever at least 512 B remain (no 1 
 memory is mapped at the lowest address where free plus unmapped space can hold the request, so
 the free tail of the mapped range is reused; ``reserved`` is the mapped memory; ``empty_cache()``
 unmaps every page that lies wholly inside a free block. Not modelled: page-by-page physical
-allocation failure mid-request, peer access, IPC, several streams, CUDA graphs' private pools,
+allocation failure mid-request, peer access, IPC, ``record_stream`` (a freed block is reusable at
+once, as when the other streams' work is done), CUDA graphs' private pools,
 ``garbage_collection_threshold`` and ``roundup_power2_divisions``.
 """
 from __future__ import annotations
@@ -61,9 +68,11 @@ class SimulatedOutOfMemory(RuntimeError):
 
 class _Block:
     __slots__ = ("addr", "size", "requested", "allocated", "prev", "next", "small", "mapped",
-                 "expandable", "handle", "tag")
+                 "expandable", "handle", "tag", "stream")
 
-    def __init__(self, addr: int, size: int, small: bool, expandable: bool = False, mapped: bool = True) -> None:
+    def __init__(self, addr: int, size: int, small: bool, expandable: bool = False, mapped: bool = True,
+                 stream: int = 0) -> None:
+        self.stream = stream
         self.addr = addr
         self.size = size
         self.requested = 0
@@ -151,6 +160,7 @@ class AllocatorStats:
 @dataclass
 class _Pool:
     small: bool
+    stream: int = 0
     free: _SortedBlocks = field(default_factory=lambda: _SortedBlocks(by_size=True))
     unmapped: _SortedBlocks = field(default_factory=lambda: _SortedBlocks(by_size=False))
 
@@ -174,14 +184,14 @@ class CachingAllocator:
         self.max_split_size = max_split_size if max_split_size is not None else 1 << 62
         self.capacity = capacity
         self.stats = AllocatorStats()
-        self._small = _Pool(small=True)
-        self._large = _Pool(small=False)
+        self.current_stream = 0  # the stream new requests are made on (0: the default stream)
+        self._pools: dict[int, tuple[_Pool, _Pool]] = {}  # stream -> (small pool, large pool)
         self._live: dict[int, _Block] = {}
         self._handles = itertools.count(1)
         self._next_addr = self._BASE
         # expandable mode: one reserved address range per pool
         self._address_space = address_space or (capacity + capacity // 8 if capacity else 1 << 40)
-        self._es_base: dict[bool, int] = {}
+        self._es_base: dict[tuple[int, bool], int] = {}
 
     # ----- public ------------------------------------------------------------------------------
     @property
@@ -213,14 +223,15 @@ class CachingAllocator:
         """Bytes the block of ``handle`` occupies (what it adds to ``allocated``)."""
         return 0 if handle is None else self._live[handle].size
 
-    def allocate(self, nbytes: int, tag: Any = None) -> int | None:
-        """Allocate ``nbytes``; returns a handle for :meth:`free` (None for a 0-byte request)."""
+    def allocate(self, nbytes: int, tag: Any = None, stream: int | None = None) -> int | None:
+        """Allocate ``nbytes`` on ``stream`` (default :attr:`current_stream`); returns a handle for
+        :meth:`free` (None for a 0-byte request)."""
         if nbytes < 0:
             raise ValueError("cannot allocate a negative number of bytes")
         if nbytes == 0:
             return None
         size = round_size(nbytes)
-        pool = self._small if size <= SMALL_SIZE else self._large
+        pool = self._pool(self.current_stream if stream is None else stream, size <= SMALL_SIZE)
         block = self._get_free_block(pool, size)
         if block is None:
             block = self._new_memory(pool, size, nbytes)
@@ -255,15 +266,16 @@ class CachingAllocator:
         block.handle = None
         block.tag = None
         block.requested = 0
-        pool = self._small if block.small else self._large
+        pool = self._pool(block.stream, block.small)
         for other in (block.prev, block.next):
             self._try_merge(pool, block, other)
         pool.free.add(block)
 
     def empty_cache(self) -> None:
         """Release every entirely free segment (and, with expandable segments, free pages)."""
-        for pool in (self._large, self._small):
-            self._release_blocks(pool)
+        for small, large in self._pools.values():
+            self._release_blocks(large)
+            self._release_blocks(small)
 
     def segments(self) -> list[dict[str, Any]]:
         """Segments with their blocks, like ``torch.cuda.memory_snapshot()``, sorted by address."""
@@ -292,7 +304,7 @@ class CachingAllocator:
                 used += b.size if b.allocated else 0
                 b = b.next
             out.append({"address": head.addr, "total_size": total, "allocated_size": used,
-                        "segment_type": "small" if head.small else "large",
+                        "segment_type": "small" if head.small else "large", "stream": head.stream,
                         "is_expandable": head.expandable, "blocks": blocks})
         return out
 
@@ -304,8 +316,15 @@ class CachingAllocator:
     # ----- internals ---------------------------------------------------------------------------
     def _all_blocks(self) -> Iterator[_Block]:
         yield from self._live.values()
-        for pool in (self._small, self._large):
-            yield from pool.free
+        for pools in self._pools.values():
+            for pool in pools:
+                yield from pool.free
+
+    def _pool(self, stream: int, small: bool) -> _Pool:
+        """The small or large pool of ``stream`` (made at its first request)."""
+        if stream not in self._pools:
+            self._pools[stream] = (_Pool(small=True, stream=stream), _Pool(small=False, stream=stream))
+        return self._pools[stream][0 if small else 1]
 
     def _get_free_block(self, pool: _Pool, size: int) -> _Block | None:
         free = pool.free
@@ -336,7 +355,7 @@ class CachingAllocator:
 
     def _split(self, pool: _Pool, block: _Block, size: int) -> _Block:
         """Cut ``size`` bytes off the front of ``block``; the rest goes back to the pool."""
-        front = _Block(block.addr, size, block.small, block.expandable)
+        front = _Block(block.addr, size, block.small, block.expandable, stream=block.stream)
         front.prev = block.prev
         if front.prev is not None:
             front.prev.next = front
@@ -389,7 +408,7 @@ class CachingAllocator:
             return None
         addr = self._next_addr
         self._next_addr += seg + 64 * MiB  # leave a gap: segments are never adjacent
-        block = _Block(addr, seg, pool.small)
+        block = _Block(addr, seg, pool.small, stream=pool.stream)
         s = self.stats
         s.reserved += seg
         s.num_device_alloc += 1
@@ -410,15 +429,16 @@ class CachingAllocator:
         return SMALL_BUFFER if pool.small else LARGE_BUFFER
 
     def _expandable_base(self, pool: _Pool) -> int:
-        if pool.small not in self._es_base:
+        key = (pool.stream, pool.small)
+        if key not in self._es_base:
             page = self._page(pool)
             space = ((self._address_space + page - 1) // page) * page
             base = self._next_addr
             self._next_addr += space + 64 * MiB
-            self._es_base[pool.small] = base
-            whole = _Block(base, space, pool.small, expandable=True, mapped=False)
+            self._es_base[key] = base
+            whole = _Block(base, space, pool.small, expandable=True, mapped=False, stream=pool.stream)
             pool.unmapped.add(whole)
-        return self._es_base[pool.small]
+        return self._es_base[key]
 
     def _expand(self, pool: _Pool, size: int) -> _Block | None:
         base = self._expandable_base(pool)
@@ -470,7 +490,7 @@ class CachingAllocator:
         mapped_size = min(end - block.addr, block.size)
         if mapped_size < block.size:
             rest = _Block(block.addr + mapped_size, block.size - mapped_size, pool.small,
-                          expandable=True, mapped=False)
+                          expandable=True, mapped=False, stream=pool.stream)
             rest.prev, rest.next = block, block.next
             if block.next is not None:
                 block.next.prev = rest
@@ -489,7 +509,7 @@ class CachingAllocator:
 
     def _unmap(self, pool: _Pool, block: _Block) -> None:
         """Unmap the pages lying wholly inside free ``block``."""
-        base = self._es_base[pool.small]
+        base = self._es_base[(pool.stream, pool.small)]
         page = self._page(pool)
         lo = base + -(-(block.addr - base) // page) * page
         hi = base + ((block.addr + block.size - base) // page) * page
@@ -497,14 +517,14 @@ class CachingAllocator:
             return
         pool.free.remove(block)
         if lo > block.addr:
-            before = _Block(block.addr, lo - block.addr, pool.small, expandable=True)
+            before = _Block(block.addr, lo - block.addr, pool.small, expandable=True, stream=pool.stream)
             before.prev, before.next = block.prev, block
             if block.prev is not None:
                 block.prev.next = before
             block.prev = before
             pool.free.add(before)
         if hi < block.addr + block.size:
-            after = _Block(hi, block.addr + block.size - hi, pool.small, expandable=True)
+            after = _Block(hi, block.addr + block.size - hi, pool.small, expandable=True, stream=pool.stream)
             after.prev, after.next = block, block.next
             if block.next is not None:
                 block.next.prev = after
@@ -527,6 +547,7 @@ class ExactAllocator:
     expandable_segments = False
 
     def __init__(self) -> None:
+        self.current_stream = 0  # host memory has no streams: kept for the interface
         self.stats = AllocatorStats()
         self._live: dict[int, tuple[int, Any]] = {}
         self._handles = itertools.count(1)
@@ -558,7 +579,7 @@ class ExactAllocator:
     def block_size(self, handle: int | None) -> int:
         return 0 if handle is None else self._live[handle][0]
 
-    def allocate(self, nbytes: int, tag: Any = None) -> int | None:
+    def allocate(self, nbytes: int, tag: Any = None, stream: int | None = None) -> int | None:
         if nbytes < 0:
             raise ValueError("cannot allocate a negative number of bytes")
         if nbytes == 0:

@@ -98,7 +98,7 @@ def estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str, handle_ws: int = C
                        peak_where=where_label(mo, q, tk), model=m, training=t)
     # reserved: the step replayed through the caching allocator (reserved.py)
     if reserved:
-        gap, marks = reserved_gap(q, flags, tk, n, nsq, b, ga, t.recompute, step_copies(t))
+        gap, marks = reserved_gap(q, flags, tk, n, nsq, b, ga, t.recompute, step_copies(t), handle_ws)
         rep.peak_reserved = total + gap
         _phase_reserved(rep, marks)
     rep.extra["pipeline_stage"] = stage if t.pp > 1 else None

@@ -71,6 +71,7 @@ class Recipe:
     free_extra: dict = field(default_factory=dict)  # saved in later layers only (adapter dropout masks)
     free_weights: list = field(default_factory=list)  # weight elements of the frozen linears on it
     first_adapter_op: int = -1  # index in ``transients`` of the first adapted linear (forward order)
+    frozen_inputs: dict = field(default_factory=dict)  # inputs of frozen linears (forward-only when unsaved)
 
     def save(self, *ts: T) -> None:
         for t in ts:
@@ -228,6 +229,7 @@ class Builder:
         (``_cast_input_dtype``; adapters are fp32 over half weights, ``autocast_adapter_dtype``),
         ``lora_A`` saves that input (under autocast its half cast), ``lora_B`` the rank-r result."""
         rank = self.lora_rank_of(name)
+        self.r.frozen_inputs[id(x)] = x
         # the first layer (Recipe.first_layer_unsaved): is this linear's input the grad-free one?
         free_in = not self.r.adapter_seen or id(x) == self.r.free_input
         if free_in:
@@ -707,6 +709,9 @@ class LayerCoefs:
     # each saved tensor in the order autograd saves it: (bytes per token, per token x key), for the
     # allocator replay of the step (reserved.py)
     tensors: tuple[tuple[float, float], ...] = ()
+    # tensors made and freed within the layer's forward (the inputs of frozen linears nothing saves),
+    # as ``tensors``: the free blocks they leave in the allocator's cache (reserved.py)
+    fwd_free: tuple[tuple[float, float], ...] = ()
     # measured with the layers checkpointed (a derived encoder-decoder under full recompute): ``tok``,
     # ``sq`` are what a checkpointed layer keeps, the transients include its recomputation
     checkpointed: bool = False
@@ -771,6 +776,8 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
                       graph_held=sum(t.tok * t.nbytes for t in B.r.graph_held.values()),
                       first_unsaved=unsaved, first_free_weights=tuple(B.r.free_weights) if B.r.adapter_seen else (),
                       tensors=tuple(t.bytes_coef() for t in B.r.saved.values()),
+                      fwd_free=tuple(t.bytes_coef() for i, t in B.r.frozen_inputs.items()
+                                     if i not in B.r.saved and t is not x),
                       after_uncast=after_uncast if any(after_uncast) else (),
                       first_adapter_op=B.r.first_adapter_op)
 

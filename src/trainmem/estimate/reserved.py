@@ -52,11 +52,11 @@ class _Replay:
     def mark(self, label: str, step: int) -> None:
         self.marks[(label, step)] = (self.a.reserved, self.a.peak_allocated)
 
-    def alloc(self, nbytes: Any) -> int | None:
-        return self.a.allocate(int(nbytes)) if nbytes > 0 else None
+    def alloc(self, nbytes: Any, stream: int = 0) -> int | None:
+        return self.a.allocate(int(nbytes), stream=stream) if nbytes > 0 else None
 
-    def allocs(self, sizes: Any) -> list:
-        return [self.alloc(x) for x in sizes]
+    def allocs(self, sizes: Any, stream: int = 0) -> list:
+        return [self.alloc(x, stream) for x in sizes]
 
     def free(self, h: int | None) -> None:
         if h is not None:
@@ -76,10 +76,18 @@ class _Step:
     states: list = field(default_factory=list)   # optimizer-state handles (created by the first step)
     held: list = field(default_factory=list)     # the model output the loop keeps (hold "step")
     step: int = 0                                # the step being replayed (1 or 2)
+    handle_ws: int = 0                           # one cuBLAS handle's workspace (Hardware.handle_workspace)
+    workspaces: list = field(default_factory=list)  # the forward thread's, then autograd's (kept)
+
+    def workspace(self, R: "_Replay", thread: int) -> None:
+        """The cuBLAS workspace of the forward (0) or the autograd (1) thread, at its first matmul
+        (kept: PyTorch caches one per handle and stream, ``CUDABlas.cpp`` ``getCUDABlasLtWorkspace``)."""
+        if len(self.workspaces) == thread and self.handle_ws:
+            self.workspaces.append(R.alloc(self.handle_ws))
 
 
 def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, b: int, ga: int,
-                 recompute: str, temp_copies: int | None) -> tuple[int, dict]:
+                 recompute: str, temp_copies: int | None, handle_ws: int = 0) -> tuple[int, dict]:
     """Bytes reserved but not allocated at the end of two replayed steps (the allocator's cache),
     and at the end of each phase, by (phase label, step) as ``breakdown.phases`` labels them, the
     replay's reserved bytes and its allocated peak so far."""
@@ -91,7 +99,7 @@ def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, 
     if q.ds_bucket and not q.ds_backward_buf:                         # DeepSpeed ZeRO-3's bucket, from engine start
         R.alloc(q.ds_bucket)
     R.mark("model_loaded", 0)
-    s = _Step()
+    s = _Step(handle_ws=handle_ws)
     if flags.grads_persistent or q.grads_loaded:                        # Megatron main grads, DeepSpeed ZeRO-3's
         for _ in range(max((k for _w, k, *_r in st.trainables), default=0)):
             _make_grads(R, s, st.trainables, tuple({w for w, *_r in st.trainables}))
@@ -116,11 +124,20 @@ def _logit_tensors(total: int, per_elem: int, elems: int, chunks: int = 1) -> li
     return sizes + [rest] if rest > 0 else sizes
 
 
-def _layer_parts(q: Quantities, n: int, nsq: int) -> list[int]:
+class _Parts(list):
+    """Bytes of each tensor one layer saves for backward, in order; ``forward_only``: those it makes
+    and frees in its forward (``LayerCoefs.fwd_free``)."""
+
+    forward_only: list = []
+
+
+def _layer_parts(q: Quantities, n: int, nsq: int) -> _Parts:
     """Bytes of each tensor one layer saves for backward, in the order it saves them
     (``LayerCoefs.tensors``; a derived architecture's named parts, one block each)."""
     lc = q.detail.layer
-    return [int(a * n + b * nsq) for a, b in (lc.tensors or [(a, b) for _name, a, b in lc.parts])]
+    parts = _Parts(int(a * n + b * nsq) for a, b in (lc.tensors or [(a, b) for _name, a, b in lc.parts]))
+    parts.forward_only = [int(a * n + b * nsq) for a, b in lc.fwd_free]
+    return parts
 
 
 @dataclass
@@ -144,9 +161,10 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     """One micro-batch's forward, the loss included."""
     st = q.detail.states
     inputs = R.alloc(tk.inputs)                                   # int64 ids and labels
-    fs = _Fsdp(q.fsdp_ag_result > 0)
+    fs = _Fsdp(q.fsdp_ag_result > 0, _fsdp_streams(q))
     root = fs.unshard(R, q.fsdp_root, st.root_tensors)            # FSDP: the root unit gathered
     emb = R.alloc(tk.outer_rest)                                  # embeddings' saved tensors
+    s.workspace(R, 0)                                             # the first layer's first matmul
     kept = [_layer_forward(R, q, fs, parts, tk, recompute) for _ in range(q.layers)]
     head = [R.alloc(tk.outer_head), R.alloc(q.cast_head)]        # head input, autocast's half copy of the head
     # a chunked loss: one tensor per chunk, at most one chunk per token (more are not made: setup_warnings)
@@ -160,8 +178,20 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     if flags.hold == "loss":
         R.frees(out)
         out = []
+    if _root_resharded(q, fs):                                    # FSDP2 reshards the root after its forward
+        R.frees(root)
+        root = []
+    if fs.v2:                                                     # ... and frees the last all-gather output
+        R.free(fs.ag)                                             # (``_fsdp_state.py`` ``_post_forward``)
+        fs.ag = None
     R.mark("forward" + suffix, s.step)
     return _Forward(inputs, fs, root, emb, kept, head, out, saved, full, chunks)
+
+
+def _root_resharded(q: Quantities, fs: "_Fsdp") -> bool:
+    """FSDP2 reshards the root unit when its forward returns and gathers it again at its pre-backward
+    (``quantities.root_resharded_for_loss``): under ``--fsdp full``/``hybrid``, not grad-op."""
+    return fs.v2 and q.fsdp_root > 0 and not q.fsdp_root_kept
 
 
 def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, f: _Forward, parts: list[int],
@@ -169,18 +199,30 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     """One micro-batch's backward, from the loss to the embeddings."""
     st = q.detail.states
     buckets = R.allocs([q.ds_bucket] * (q.ds_backward_buf // q.ds_bucket if q.ds_bucket else 0))  # DeepSpeed ZeRO-1/2
+    if _root_resharded(q, f.fs) and not q.fsdp_root_regather:     # the root's pre-backward: the loss is its output
+        f.root = f.fs.unshard(R, q.fsdp_root, st.root_tensors, backward=True)
     lb = R.allocs(_logit_tensors(tk.loss_backward, q.loss_backward, f.full, f.chunks))  # logits' gradients
     R.frees(f.saved)
     dlogits = R.allocs(_logit_tensors(tk.logits_grad, q.logits_out, f.full, f.chunks))  # in the head's dtype
     R.frees(lb)
+    if _root_resharded(q, f.fs) and q.fsdp_root_regather:         # ... the logits (a loss outside the model)
+        f.root = f.fs.unshard(R, q.fsdp_root, st.root_tensors, backward=True)
     head_full = R.alloc(st.head_grads_full)                       # FSDP: the head's unsharded gradients
+    s.workspace(R, 1)                                             # the head's backward matmuls
     tied = R.alloc(q.tied_grad)                                   # a tied head's gradient, until the embedding's
     R.frees(dlogits + f.head)
     for i in reversed(range(q.layers)):
         _layer_backward(R, s, q, f.fs, parts, f.kept[i], i, n, nsq, recompute, flags.oib)
     emb_full = R.alloc(st.emb_grads_full)                         # FSDP: the embedding's unsharded gradient
-    f.fs.reduce(R, [head_full, emb_full], (st.head_grads_full + st.emb_grads_full) * f.fs.rs_factor(q))
-    _make_grads(R, s, st.trainables, ("after", "before"), flags.oib)  # head, final norm, embeddings
+    if tied is not None and _root_resharded(q, f.fs):             # FSDP2, a tied head: the embedding's own
+        emb_out = R.alloc(q.tied_grad)                            # gradient, then autograd's InputBuffer adds
+        acc = R.alloc(q.tied_grad)                                # it to the head's into a new tensor, the
+        R.frees([tied, emb_out])                                  # unsharded gradient reduce-scattered
+        tied = None
+        emb_full = acc if emb_full is None else emb_full
+    f.fs.reduce(R, [head_full, emb_full],                         # the root's reduce-scatter input
+                q.fsdp_root_rs or (st.head_grads_full + st.emb_grads_full) * f.fs.rs_factor(q))
+    _make_grads(R, s, st.trainables, ("after", "before"), flags.oib, f.fs.grad_stream)  # head, norm, embeddings
     R.frees([tied, f.emb, f.inputs] + f.root + buckets)
     f.fs.done(R)
     R.mark("backward" + suffix, s.step)
@@ -210,6 +252,28 @@ def _micro_batches(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: To
         _backward(R, s, q, flags, tk, f, parts, n, nsq, recompute, sfx)
 
 
+#: the side streams of PyTorch FSDP (ids of the replay's allocator pools; 0 is the default stream)
+GATHER_STREAM, GRAD_STREAM = 1, 2
+
+
+def _fsdp_streams(q: Quantities) -> tuple[int, int]:
+    """Where PyTorch FSDP allocates its buffers: the caching allocator keeps a pool per stream and
+    reuses a block only on the stream that allocated it (``allocator.py``, "Streams"). FSDP2 makes
+    the all-gather output on its all-gather copy-in stream (torch 2.13
+    ``_fully_shard/_fsdp_collectives.py`` ``foreach_all_gather``: ``all_gather_comm.allocate`` inside
+    ``device_handle.stream(all_gather_copy_in_stream)``) and the reduce-scatter output, which the
+    sharded gradients are views of, on its reduce-scatter stream (``foreach_reduce``: ``reduce_output``
+    inside ``device_handle.stream(reduce_scatter_stream)``; the input is made on the current
+    stream before it). FSDP1 unshards its flat parameter on its unshard stream and makes the reduce
+    dtype's copy and the new gradient shard on its post-backward stream (``fsdp/_runtime_utils.py``
+    ``_unshard``, ``_post_backward_hook``). Found by the torchtitan benchmark (Llama 3.1 8B, FSDP2
+    over 8 H100s): trace with one pool -7.1% on max reserved, with a pool per stream +0.2%.
+    DeepSpeed's streams are not modelled (0, 0)."""
+    if q.fsdp_root <= 0 and q.fsdp_layer_buf <= 0:
+        return (0, 0)
+    return (GATHER_STREAM, GRAD_STREAM)
+
+
 @dataclass
 class _Fsdp:
     """FSDP's unsharded parameters and gradients over one micro-batch. FSDP2 (``v2``) all-gathers a
@@ -221,18 +285,31 @@ class _Fsdp:
     issued (``_runtime_utils.py`` ``_reduce_grad``)."""
 
     v2: bool
+    streams: tuple[int, int] = (0, 0)  # (all-gather, gradient) streams: ``_fsdp_streams``
     ag: int | None = None      # the last all-gather output (FSDP2)
     rs: int | None = None      # the last reduce-scatter input (FSDP2)
 
-    def unshard(self, R: _Replay, flat: int, tensors: tuple[int, ...]) -> list:
+    @property
+    def grad_stream(self) -> int:
+        return self.streams[1]
+
+    def unshard(self, R: _Replay, flat: int, tensors: tuple[int, ...], backward: bool = False) -> list:
+        """A unit gathered: FSDP1's flat parameter; FSDP2's flat all-gather output and each parameter
+        copied out of it. In forward the output is freed at the next unit's copy-out
+        (``comm_ctx.all_gather_state``), in backward right after its own (torch 2.13
+        ``_fsdp_param_group.py`` ``wait_for_unshard``)."""
         if flat <= 0:
             return []
         if not self.v2 or not tensors:
-            return [R.alloc(flat)]
-        ag = R.alloc(flat)                                        # the all-gather output, flat
+            return [R.alloc(flat, self.streams[0])]               # FSDP1's unsharded flat parameter
+        ag = R.alloc(flat, self.streams[0])                       # the all-gather output, flat
         R.free(self.ag)
         self.ag = ag
-        return R.allocs(tensors)                                  # each parameter copied out
+        params = R.allocs(tensors)                                # each parameter copied out
+        if backward:
+            R.free(self.ag)
+            self.ag = None
+        return params
 
     @staticmethod
     def rs_factor(q: Quantities) -> int:
@@ -259,6 +336,7 @@ def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: list[int], tk: T
     params = fs.unshard(R, q.fsdp_layer_buf, q.detail.states.layer_tensors)  # FSDP: this layer gathered
     if recompute == "none":
         kept = R.allocs(parts) + [R.alloc(q.cast_layer)]          # saved tensors + autocast weight copies
+        R.frees(R.allocs(getattr(parts, "forward_only", [])))     # the frozen linears' unsaved inputs
     else:
         R.frees(R.allocs(parts))                                  # made and freed in the no-grad forward
         kept = R.allocs(_kept_blocks(parts, tk.layer, recompute))  # what the checkpoint keeps
@@ -280,7 +358,7 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
                     n: int, nsq: int, recompute: str, oib: bool) -> None:
     """One layer's backward: recompute, the largest transient, the gradients, then its tensors freed."""
     st = q.detail.states
-    params = fs.unshard(R, q.fsdp_layer_buf, st.layer_tensors)   # FSDP: gathered again for backward
+    params = fs.unshard(R, q.fsdp_layer_buf, st.layer_tensors, backward=True)  # FSDP: gathered again
     redo = R.allocs(parts) if recompute != "none" else []         # the checkpointed forward again
     _idx, value, grads = best_transient(q.transients, n, nsq)
     tr = R.alloc(max(0, value - grads))                           # grad_out, grad_in of the worst op
@@ -289,7 +367,7 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
     elif st.layer_grads_full:                                     # FSDP: unsharded gradients, reduce-scattered
         full = R.allocs(st.layer_tensors) if fs.v2 and st.layer_tensors else [R.alloc(st.layer_grads_full)]
         fs.reduce(R, full, q.fsdp_rs_buf or st.layer_grads_full)
-    _make_grads(R, s, st.trainables, ("layer", f"layer{i}"), oib)
+    _make_grads(R, s, st.trainables, ("layer", f"layer{i}"), oib, fs.grad_stream)
     R.frees([tr] + params)
     R.frees(redo)
     R.frees(kept)
@@ -307,23 +385,24 @@ def _fsdp1_reduce(R: _Replay, q: Quantities, st: Any, params: list) -> list:
     flat = R.alloc(st.layer_grads_full)                           # SplitWithSizesBackward's cat
     R.frees(views)
     R.frees(params)                                               # _post_backward_reshard
-    hook = R.alloc(q.fsdp1_post - st.layer_grads_full)            # the reduce dtype's copy, the new shard
+    hook = R.alloc(q.fsdp1_post - st.layer_grads_full, GRAD_STREAM)  # the reduce dtype's copy, the new shard
     R.frees([flat, hook])
     return []
 
 
-def _make_grads(R: _Replay, s: _Step, trainables: tuple, where: tuple[str, ...], oib: bool = False) -> None:
+def _make_grads(R: _Replay, s: _Step, trainables: tuple, where: tuple[str, ...], oib: bool = False,
+                stream: int = 0) -> None:
     """Allocate the gradients that do not exist yet of the trainable tensors placed at one of
-    ``where`` (one copy of a per-layer tensor per call: the layer being back-propagated). ``oib``:
-    the optimizer steps inside backward and a hook frees each gradient at once
-    (``optim/in_backward.py``)."""
+    ``where`` (one copy of a per-layer tensor per call: the layer being back-propagated), on
+    ``stream`` (FSDP's sharded gradients: its reduce-scatter stream). ``oib``: the optimizer steps
+    inside backward and a hook frees each gradient at once (``optim/in_backward.py``)."""
     for j in _placed(trainables, where):
         _w, k, g, _sts, _m = trainables[j]
         copy = s.made.get(j, 0) if _w == "layer" else 0
         if copy >= k or (j, copy) in s.grads:
             continue
         s.made[j] = copy + 1
-        s.grads[(j, copy)] = R.alloc(g)
+        s.grads[(j, copy)] = R.alloc(g, stream)
         if oib:
             R.free(s.grads[(j, copy)])
             s.grads[(j, copy)] = None

@@ -33,6 +33,7 @@ the ``meta`` device — they have storages of the right size and no data — and
 from __future__ import annotations
 
 import contextlib
+import itertools
 import functools
 import types
 from typing import Any, Callable, Iterator
@@ -594,6 +595,58 @@ class _Stream:
         pass
 
 
+def _stream_patches(allocator: Any) -> dict[tuple[Any, str], Any]:
+    """``torch.cuda``'s streams, each with an id the allocator keys its pools by: inside
+    ``torch.cuda.stream(s)`` (or ``with s:``) the allocator's ``current_stream`` is ``s``'s, so what
+    FSDP2 allocates on its all-gather and reduce-scatter streams is cached in those streams' pools,
+    as the caching allocator does (``allocator.py``, "Streams"). Work still runs on one timeline:
+    waits and events do nothing."""
+    ids = itertools.count(1)
+    streams: dict[int, _Stream] = {}
+
+    class Stream(_Stream):
+        def __init__(self, *a: Any, **k: Any) -> None:
+            super().__init__()
+            self.stream_id = next(ids)
+            streams[self.stream_id] = self
+
+        def __enter__(self) -> "_Stream":
+            self._outer = allocator.current_stream
+            allocator.current_stream = self.stream_id
+            return self
+
+        def __exit__(self, *a: Any) -> None:
+            allocator.current_stream = self._outer
+
+    default = Stream()
+    del streams[default.stream_id]
+    default.stream_id = 0
+    streams[0] = default
+
+    @contextlib.contextmanager
+    def stream(s: Any) -> Any:
+        if s is None or not hasattr(s, "stream_id"):
+            yield
+            return
+        outer = allocator.current_stream
+        allocator.current_stream = s.stream_id
+        try:
+            yield
+        finally:
+            allocator.current_stream = outer
+
+    def set_stream(s: Any) -> None:
+        allocator.current_stream = getattr(s, "stream_id", 0)
+
+    return {
+        (torch.cuda, "current_stream"): lambda *a, **k: streams.get(allocator.current_stream, default),
+        (torch.cuda, "default_stream"): lambda *a, **k: default,
+        (torch.cuda, "Stream"): Stream,
+        (torch.cuda, "stream"): stream,
+        (torch.cuda, "set_stream"): set_stream,
+    }
+
+
 class _Event(_Stream):
     """A CUDA event that records nothing and measures zero time."""
 
@@ -640,12 +693,9 @@ def _torch_cuda_patches(allocator: Any, capability: tuple[int, int], cap: int,
         (torch.cuda, "set_rng_state"): lambda *a, **k: None,
         (torch.cuda, "get_rng_state_all"): lambda *a, **k: [torch.zeros(16, dtype=torch.uint8)],
         (torch.cuda, "set_rng_state_all"): lambda *a, **k: None,
-        (torch.cuda, "current_stream"): lambda *a, **k: _Stream(),
-        (torch.cuda, "default_stream"): lambda *a, **k: _Stream(),
-        (torch.cuda, "Stream"): _Stream,
         (torch.cuda, "Event"): _Event,
-        (torch.cuda, "stream"): lambda *a, **k: contextlib.nullcontext(),
         (torch.cuda, "device"): lambda *a, **k: contextlib.nullcontext(),
+        **_stream_patches(allocator),
     }
 
 

@@ -22,7 +22,7 @@ answers):
   torch 2.13 ``_fully_shard/_fsdp_param_group.py`` L1027-1038): here ``meta`` is the device.
 * ``_get_device_handle(device.type)`` (``torch/distributed/device_mesh.py`` L143-150) is
   ``getattr(torch, device_type)``; for ``meta`` it answers ``torch.cuda`` (the emulated module:
-  streams and events that do nothing, one timeline).
+  one timeline, events that do nothing, streams that only choose the allocator's pool).
 * DDP checks that every rank has the same parameters with an all-gather
   (``_verify_param_shape_across_processes``, ``torch/nn/parallel/distributed.py`` L1064,
   ``torch/distributed/utils.py`` L286); the fake group fills no outputs, so it is skipped.
@@ -70,9 +70,9 @@ worse. Two patches make the schedule run on the fake group
 (``_static_vote``, ``_p2p_one_by_one``); sends and receives move nothing, so a stage computes on
 its receive buffers, which have the real shapes and dtypes.
 
-Not modelled: the separate all-gather / reduce-scatter streams (the caching allocator keeps a
-pool per stream, so reserved memory on a GPU can be higher than one stream's simulation shows;
-allocated memory does not depend on it), and NCCL's own buffers (outside the caching allocator).
+FSDP's all-gather / reduce-scatter streams are emulated as streams with pools of their own in the
+allocator simulation (``cuda._stream_patches``; the caching allocator reuses a block only on the
+stream that allocated it). Not modelled: NCCL's own buffers (outside the caching allocator).
 """
 from __future__ import annotations
 
