@@ -634,7 +634,10 @@ def _optimizer_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, ste
         moments.append(_mo("optimizer_step", 0, step, "optimizer.step",
                            (grads, q.states, tk.inputs, ws2, 0, q.step_temp), (logits, kv, 0), True, graph))
         ends.append(("optimizer_step", 0, step, after))
-    ends.append(("zero_grad", 0, step, after - grads + (grads if flags.zeros else q.grads_loaded)))
+    # (FSDP1, use_orig_params: zero_grad(set_to_none=True) clears the views' .grad; the flat
+    # parameter's sharded .grad is freed only by the next forward's root pre-forward, torch 2.13
+    # fsdp/_runtime_utils.py L594 ``_reset_flat_param_grad_info_if_needed``, _flat_param.py L2447-2475)
+    ends.append(("zero_grad", 0, step, after - grads + (grads if (flags.zeros or flags.fsdp1_views) else q.grads_loaded)))
 
 
 def _graph_outlives_backward(flags: StepFlags) -> bool:
