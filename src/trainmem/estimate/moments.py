@@ -519,6 +519,19 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
                        (mid, states_mid, tk.inputs, ws2, acts, temp),
                        (kept.logits, kept.kv_low, 0), _both(valid, lower > 0), low_graph,
                        comm=root + buf + rs + low_ds + above_mid * kept_layer))
+    _embedding_backward(q, flags, tk, kept, when, (fresh, states_mid, ws2, low_ds, root, rs, reduced, kept_layer),
+                        moments)
+    moments.extend(_backward_end(q, tk, kept, when, (fresh, states_mid, ws2, low_ds)))
+
+
+def _embedding_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, when: tuple, now: tuple,
+                        moments: list) -> None:
+    """The embedding's backward (``_layers_backward``), then FSDP1's root flat gradient. ``now``:
+    (gradients being created, not added to; optimizer states; the backward's workspace; DeepSpeed
+    ZeRO-3's gathered parameters below the top layers; the root gathered; the reduce-scatter buffer;
+    FSDP1's no_sync: what each layer's gradients shrank by, what each layer keeps gathered)."""
+    step, micro, valid, _final = when
+    fresh, states_mid, ws2, low_ds, root, rs, reduced, kept_layer = now
     # the embedding's gradient and the out-of-place sum join the head's part in the input buffer
     tied = q.tied_grad
     # an existing .grad (accumulation) adds one more; not under FSDP2 reduce-scattering every
@@ -552,7 +565,6 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
                        (flat_grads, states_mid, tk.inputs, ws2, tk.others + tk.others_head, 0),
                        (kept.logits, kept.kv_end, 0), _both(valid, q.fsdp1_root_flat > 0), tk.graph,
                        comm=root + rs + low_ds + q.layers * kept_layer))
-    moments.extend(_backward_end(q, tk, kept, when, (fresh, states_mid, ws2, low_ds)))
 
 
 def _backward_end(q: Quantities, tk: Tokens, kept: Kept, when: tuple, now: tuple) -> list[Moment]:

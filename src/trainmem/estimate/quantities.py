@@ -1046,7 +1046,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     head_tok, rest_tok, rest_sq, rest_pos = _split_outer(outer, rest_pos)
     loss = loss_bytes(m, t, pol) if head_here else LossBytes()
     comm, comm_name = _communication(t, st)
-    fsdp = fsdp_buffers(m, t, st, lc)
+    fsdp = {**fsdp_buffers(m, t, st, lc), **fsdp1_no_sync(m, t, st, stage)}
     oib_mid, oib_end = oib_update_bytes(m, t, st) if oib else (0, 0)
     # gradients of the layer's linears as its backward creates them (per weight byte): unsharded under FSDP
     layer_grads_live = st.layer_grads_full if fsdp else st.layer_grads
@@ -1097,7 +1097,6 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         graph_tok=lc.graph_held, graph_extra_tok=lc.graph_held * checkpointed / layers if layers else 0.0, **fsdp,
         outer_rest_ssq=derived_outer_ssq(m, t, stage) if derived else 0.0,
         lower_layers=lower, above_bottom=above_bottom, above_decoder_bottom=above_decoder_bottom,
-        **fsdp1_no_sync(m, t, st, stage),
         input_tok=input_bytes(m, t)[0], input_sample=input_bytes(m, t)[1],
         dec_num=decoder_ratio(m, t)[0], dec_den=decoder_ratio(m, t)[1], **_derived_fields(m, t, stage), **pipe,
         detail=Detail(st, lc, outer, comm_name, input_tok, sum(a for _, a, _ in received)))
