@@ -604,6 +604,9 @@ def _fsdp1_layer_end(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     ``before``: (gradients before, states, the backward's workspace, the graph-kept tensors)."""
     step, micro, valid = when
     grads, states_mid, ws2, own = before
+    # the hook reduces in every micro-batch, or under no_sync in the last (a later micro-step: with
+    # more than two, micro-step 2 stands for the middle ones, but the last one's hook happens too)
+    sync = flags.fsdp_sync or micro > 0
     rest = tk.layers - own_layers // q.layers + tk.outer_rest + tk.others_head  # the layers below, the outer tensors
     moments.append(_mo("backward", micro, step, "layer.flat_gradient",
                        (grads + q.fsdp1_flat, states_mid, tk.inputs, ws2, rest, q.tied_grad),
@@ -611,7 +614,7 @@ def _fsdp1_layer_end(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
                        comm=root + 2 * buf + q.gathered_layer))  # grad-op: the layer still gathered (not in rest)
     moments.append(_mo("backward", micro, step, "layer.reduce_scatter",
                        (grads + q.fsdp1_post, states_mid, tk.inputs, ws2, rest, q.tied_grad),
-                       (kept.logits, kept.kv_forward, 0), _both(valid, _both(q.fsdp1_post > 0, flags.fsdp_sync)),
+                       (kept.logits, kept.kv_forward, 0), _both(valid, _both(q.fsdp1_post > 0, sync)),
                        own, comm=root + buf))
 
 
