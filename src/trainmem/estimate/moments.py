@@ -42,7 +42,8 @@ class StepFlags:
     zeros: bool             # zero_grad(set_to_none=False): gradients stay allocated between steps
     quant4: bool = False    # 4-bit base weights: the dequantized-weight moments exist (quant4.py)
     fsdp: bool = False      # FSDP over several ranks: gradients are created unsharded in every backward
-    fsdp_sync: bool = False  # ... and reduce-scattered after every micro-batch (no unsharded .grad kept)
+    # (reduce-scattered after every micro-batch, or accumulated unsharded under no_sync: layout by
+    # layout, ``Quantities.fsdp_accumulates``, as the accumulation may vary: ``fsdp_sync``)
     by_moment: bool = False  # the layer backward moments have transients of their own (a derived encoder-decoder)
     fsdp1_views: bool = False  # FSDP1: parameters are views of the flat parameter (quantities.fsdp1_views)
 
@@ -50,7 +51,6 @@ class StepFlags:
     def of(m: ModelSpec, t: TrainingSpec) -> "StepFlags":
         return StepFlags(t.optimizer_in_backward, t.hold_output, t.distributed_optimizer, is_lm(m),
                          t.zero_grad == "zeros", bool(t.quantize), t.fsdp is not None and t.shard_group > 1,
-                         t.fsdp is not None and t.shard_group > 1 and not t.accumulates_unsharded,
                          m.family == "derived" and m.is_encoder_decoder,
                          t.fsdp is not None and t.shard_group > 1 and t.fsdp_version == 1)
 
@@ -318,7 +318,7 @@ def walk(q: Quantities, flags: StepFlags, tk: Tokens, ga: Any, handle_ws: int = 
         for micro in ((0, 1) if isinstance(ga, np.ndarray) else range(min(ga, 2))):
             valid = (ga > 1) if micro else True
             # the step's last micro-batch (micro-step 2 stands for 2..N: the last one only when N = 2;
-            # with more, the middle ones, which under FSDP1's no_sync hold more: quantities.fsdp1_no_sync)
+            # with more, the middle ones, which under FSDP1's no_sync hold more: quantities.fsdp_no_sync)
             final = (ga == 2) if micro else (ga == 1)
             ws_before = handle_ws if (step == 1 and micro == 0) else 2 * handle_ws
             here = tk_later if micro else tk
@@ -467,7 +467,7 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     states, the backward's workspace, the graph-kept tensors of this micro-batch)."""
     step, micro, valid, final = when
     grads_before, states_mid, ws2, own = before
-    # FSDP1's no_sync (quantities.fsdp1_no_sync): in the last micro-batch the layers back-propagated
+    # FSDP1's no_sync (quantities.fsdp_no_sync): in the last micro-batch the layers back-propagated
     # hold shards; in the others, under grad-op, they stay gathered
     reduced, kept_layer = where(final, q.nosync_layer_reduce, 0), where(final, 0, q.nosync_kept_layer)
     # (+ DeepSpeed ZeRO-1/2's bucket buffers, alive through backward; ZeRO-3's gathered parameters:
@@ -478,10 +478,11 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     # unsharded, in every micro-batch; under FSDP2's no_sync they accumulate in .grad as without FSDP;
     # FSDP1's are the gradients of views of the flat parameter, new tensors in every micro-batch until
     # the layer's flat gradient is concatenated from them and added to .grad: fsdp1_flat_gradient)
+    sync = fsdp_sync(q, flags)
     def part(g: Any) -> Any:
-        return g if (flags.fsdp_sync or flags.fsdp1_views) else where(fresh, g, 0)
+        return g if flags.fsdp1_views else where(_either(sync, fresh), g, 0)
     layer_grads = part(tk.layer_grad_part)
-    head_grads = q.fsdp_head_full if flags.fsdp_sync else maximum(where(fresh, q.head_grads, 0), q.fsdp1_head_wait)
+    head_grads = where(sync, q.fsdp_head_full, maximum(where(fresh, q.head_grads, 0), q.fsdp1_head_wait))
     # the layer's transient; a tied head's gradient waits in autograd's input buffer meanwhile
     temp = maximum(tk.redo, q.oib_mid) + q.tied_grad
     top = grads_before + head_grads + layer_grads
@@ -539,7 +540,8 @@ def _embedding_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept,
     # ``unsharded_param.grad`` is moved into the reduce-scatter and set to None, _fsdp_param_group.py
     # ``post_backward``); found by trace: Qwen2 FSDP2 dp 4, 2 micro-batches, +21% before
     eager_tied = where(q.tied_compiled > 0, q.tied_final, tied)  # --compile: the eager quantity, see below
-    accumulated = 0 if flags.fsdp_sync else where(fresh, 0, eager_tied)
+    sync = fsdp_sync(q, flags)
+    accumulated = where(_either(sync, fresh), 0, eager_tied)
     # an untied embedding's new gradient beside the accumulated one (quantities.emb_accumulated)
     emb_new = where(fresh, 0, q.emb_grad)
     temp_emb = 2 * eager_tied + (eager_tied if flags.oib else accumulated) + q.tied_replicated + emb_new
@@ -549,8 +551,8 @@ def _embedding_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept,
     # is not read off (the eager quantities stay: llama-3.2-1b, three layers, --grad-accum 2: +3.0%)
     temp_emb = where((q.tied_compiled > 0) & fresh, tied + q.tied_compiled - q.tied_final, temp_emb)
     # FSDP: the root's gradients are still unsharded (a tied embedding's sum among them), not yet shards
-    emb_grads = q.grads + (q.fsdp_head_full + q.fsdp_emb_full + tied - where(fresh, q.fsdp_root_sharded, 0)
-                           if flags.fsdp_sync else 0) - q.layers * reduced
+    emb_grads = q.grads + where(sync, q.fsdp_head_full + q.fsdp_emb_full + tied - where(fresh, q.fsdp_root_sharded, 0),
+                                0) - q.layers * reduced
     # tk.others: a pipeline stage's other micro-batches in flight keep their activations meanwhile
     moments.append(_mo("backward", micro, step, "embeddings.backward",
                        (emb_grads, states_mid, tk.inputs, ws2, tk.others + tk.others_head, temp_emb),
@@ -573,25 +575,34 @@ def _backward_end(q: Quantities, tk: Tokens, kept: Kept, when: tuple, now: tuple
     DeepSpeed ZeRO-3's gathered parameters below the top layers)."""
     step, micro, valid, final = when
     fresh, states_mid, ws2, low_ds = now
-    # FSDP1's no_sync (quantities.fsdp1_no_sync): shards after the last micro-batch, else (grad-op)
-    # every unit still gathered
+    # FSDP's no_sync (quantities.fsdp_no_sync): shards after the last micro-batch, else (FSDP1
+    # grad-op) every unit still gathered
     grads_end, kept_end = q.grads - where(final, q.nosync_reduce, 0), where(final, 0, _nosync_kept(q))
     # FSDP2's root post-backward: its reduce-scatter input and the root's last unsharded gradient
     # beside the new sharded gradients (quantities.fsdp_buffers); under accumulation the new shards
-    # are added to the accumulated ones (``foreach_reduce_scatter_copy_out``: ``grad += new``)
+    # are added to the accumulated ones (``foreach_reduce_scatter_copy_out``: ``grad += new``); under
+    # no_sync only in the last micro-batch, where no shards exist yet
+    nosync, synced = q.nosync_reduce > 0, q.nosync_reduce == 0
     return [_mo("backward", micro, step, "fsdp.root_reduce",
-                (q.grads + where(fresh, 0, q.fsdp_root_sharded), states_mid, tk.inputs, ws2,
+                (grads_end + where(_either(fresh, nosync), 0, q.fsdp_root_sharded), states_mid, tk.inputs, ws2,
                  tk.others + tk.others_head, 0),
-                (kept.logits, kept.kv_end, 0), _both(valid, q.fsdp_root_rs > 0), tk.graph,
-                comm=q.fsdp_root_rs + q.fsdp_root_last),
+                (kept.logits, kept.kv_end, 0), _both(_both(valid, q.fsdp_root_rs > 0), _either(synced, final)),
+                tk.graph, comm=q.fsdp_root_rs + q.fsdp_root_last),
             _mo("backward", micro, step, "backward.end",
                 (grads_end, states_mid, tk.inputs, ws2, tk.others + tk.others_head, q.oib_end),
                 (kept.logits, kept.kv_end, 0), valid, tk.graph, comm=q.ds_backward_buf + low_ds + kept_end)]
 
 
+def fsdp_sync(q: Quantities, flags: StepFlags) -> Any:
+    """Whether FSDP over several ranks reduce-scatters after every micro-batch (no unsharded .grad
+    kept), layout by layout: not where it accumulates unsharded under no_sync
+    (``Quantities.fsdp_accumulates``, ``quantities.fsdp_no_sync``)."""
+    return flags.fsdp and (q.fsdp_accumulates == 0)
+
+
 def _nosync_kept(q: Quantities) -> Any:
     """FSDP1 grad-op under no_sync: every unit's parameters still gathered after backward (the
-    layers' and the root's, ``quantities.fsdp1_no_sync``); 0 otherwise."""
+    layers' and the root's, ``quantities.fsdp_no_sync``); 0 otherwise."""
     return q.layers * q.nosync_kept_layer + q.nosync_kept_root
 
 
@@ -606,7 +617,7 @@ def _fsdp1_layer_end(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     grads, states_mid, ws2, own = before
     # the hook reduces in every micro-batch, or under no_sync in the last (a later micro-step: with
     # more than two, micro-step 2 stands for the middle ones, but the last one's hook happens too)
-    sync = flags.fsdp_sync or micro > 0
+    sync = _either(fsdp_sync(q, flags), micro > 0)
     rest = tk.layers - own_layers // q.layers + tk.outer_rest + tk.others_head  # the layers below, the outer tensors
     moments.append(_mo("backward", micro, step, "layer.flat_gradient",
                        (grads + q.fsdp1_flat, states_mid, tk.inputs, ws2, rest, q.tied_grad),
@@ -643,7 +654,7 @@ def _optimizer_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, ste
     gradients are freed (but Megatron's main-grad buffers), with ``set_to_none=False`` zeroed in place."""
     logits, kv = kept.after_backward()
     graph = tk.graph if _graph_outlives_backward(flags) else 0
-    grads = q.grads - q.nosync_reduce  # FSDP1's no_sync: the last micro-batch left shards (fsdp1_no_sync)
+    grads = q.grads - q.nosync_reduce  # FSDP1's no_sync: the last micro-batch left shards (fsdp_no_sync)
     after = q.fixed + grads + q.states + tk.inputs + ws2 + logits + kv + graph
     if not flags.oib:
         moments.append(_mo("optimizer_step", 0, step, "optimizer.step",

@@ -122,11 +122,12 @@ class Quantities:
     fsdp1_flat: int = 0       # FSDP1: a layer's gradients as its flat gradient is made (fsdp1_flat_gradient)
     fsdp1_root_views: int = 0  # FSDP1: the root's unsharded view gradients at its flat gradient's cat ...
     fsdp1_root_flat: int = 0   # ... and that flat gradient (fsdp1_root_flat_gradient)
-    # FSDP1 accumulating unsharded gradients (no_sync, ``fsdp1_no_sync``): what one layer's and all the
+    # FSDP accumulating unsharded gradients (no_sync, ``fsdp_no_sync``): what one layer's and all the
     # rank's gradients shrink by when the step's last micro-batch reduce-scatters them to shards ...
+    fsdp_accumulates: int = 0  # 1 where FSDP accumulates unsharded (no_sync), else 0
     nosync_layer_reduce: int = 0
     nosync_reduce: int = 0
-    # ... and, under SHARD_GRAD_OP, a layer's and the root's parameters kept gathered after a no_sync backward
+    # ... and, under FSDP1's SHARD_GRAD_OP, a layer's and the root's parameters kept gathered after a no_sync backward
     nosync_kept_layer: int = 0
     nosync_kept_root: int = 0
     fsdp1_unprefetched: int = -1  # FSDP1, LoRA units of their own: layer ops from this one on (forward
@@ -1046,7 +1047,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     head_tok, rest_tok, rest_sq, rest_pos = _split_outer(outer, rest_pos)
     loss = loss_bytes(m, t, pol) if head_here else LossBytes()
     comm, comm_name = _communication(t, st)
-    fsdp = {**fsdp_buffers(m, t, st, lc), **fsdp1_no_sync(m, t, st, stage)}
+    fsdp = {**fsdp_buffers(m, t, st, lc), **fsdp_no_sync(m, t, st, stage)}
     oib_mid, oib_end = oib_update_bytes(m, t, st) if oib else (0, 0)
     # gradients of the layer's linears as its backward creates them (per weight byte): unsharded under FSDP
     layer_grads_live = st.layer_grads_full if fsdp else st.layer_grads
@@ -1493,15 +1494,18 @@ def fsdp1_root_flat_gradient(st: States) -> int:
     return st.root_flat
 
 
-def fsdp1_no_sync(m: ModelSpec, t: TrainingSpec, st: States, stage: str) -> dict[str, int]:
-    """FSDP1 accumulating unsharded gradients (``--grad-sync step``: every micro-batch but the last
-    inside ``no_sync()``), the ``Quantities`` fields ``nosync_*``; none otherwise.
+def fsdp_no_sync(m: ModelSpec, t: TrainingSpec, st: States, stage: str) -> dict[str, int]:
+    """FSDP accumulating unsharded gradients (``--grad-sync step``: every micro-batch but the last
+    inside FSDP1's ``no_sync()`` or under FSDP2's ``set_requires_gradient_sync(False)``), the
+    ``Quantities`` fields ``nosync_*``; none otherwise.
 
     * In the step's last micro-batch each unit's post-backward hook reduce-scatters its gradient,
       the accumulated unsharded one with this micro-batch's added in place, and keeps only the shard:
-      torch 2.13 ``fsdp/_runtime_utils.py`` ``_reduce_grad`` L831-885 (``unsharded_grad =
+      FSDP1, torch 2.13 ``fsdp/_runtime_utils.py`` ``_reduce_grad`` L831-885 (``unsharded_grad =
       flat_param.grad.data; flat_param.grad = None``, the new shard from
-      ``_get_reduce_scatter_tensors`` kept as ``_saved_grad_shard``). So the layers already
+      ``_get_reduce_scatter_tensors`` kept as ``_saved_grad_shard``); FSDP2,
+      ``_fully_shard/_fsdp_param_group.py`` ``post_backward`` (``unsharded_accumulated_grad = None``
+      once in the reduce-scatter's list; nothing is reduced while ``reduce_grads`` is off). So the layers already
       back-propagated hold shards at the bottom layer's and the embedding's backward, and after
       backward every gradient is a shard: the optimizer step sees shards (``grads`` counts the
       unsharded accumulation). Per layer and in all: the unsharded gradients less their shards
@@ -1509,14 +1513,16 @@ def fsdp1_no_sync(m: ModelSpec, t: TrainingSpec, st: States, stage: str) -> dict
     * Under SHARD_GRAD_OP a unit is not resharded in a backward that does not synchronise
       (``_should_free_in_backward`` L810-827: ``state._sync_gradients or`` a strategy that reshards
       after forward), so after every micro-batch but the last the layers and the root stay gathered
-      until the next micro-batch's backward.
+      until the next micro-batch's backward (FSDP2 reshards after every backward,
+      ``reshard_after_backward``).
     Found by the sampled grid: Gemma-2 FSDP1 grad-op dp 4, 2 micro-batches, ``--grad-sync step``:
-    +3.33% at the last micro-batch's embedding backward before (mechanism 33)."""
-    if t.fsdp_version != 1 or not t.accumulates_unsharded or t.shard_group < 2:
+    +3.33% at the last micro-batch's embedding backward before (mechanism 33; FSDP2: +3.24%)."""
+    if not t.accumulates_unsharded or t.shard_group < 2:
         return {}
     synced = model_states(m, replace(t, grad_sync="micro-batch"), stage)
-    kept = fsdp_grad_op(t)
-    return {"nosync_layer_reduce": st.layer_grads - synced.layer_grads, "nosync_reduce": st.grads - synced.grads,
+    kept = fsdp_grad_op(t) and t.fsdp_version == 1
+    return {"fsdp_accumulates": 1, "nosync_layer_reduce": st.layer_grads - synced.layer_grads,
+            "nosync_reduce": st.grads - synced.grads,
             "nosync_kept_layer": st.layer_params_full if kept else 0, "nosync_kept_root": st.root_full if kept else 0}
 
 
