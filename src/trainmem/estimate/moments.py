@@ -318,7 +318,7 @@ def walk(q: Quantities, flags: StepFlags, tk: Tokens, ga: Any, handle_ws: int = 
         for micro in ((0, 1) if isinstance(ga, np.ndarray) else range(min(ga, 2))):
             valid = (ga > 1) if micro else True
             # the step's last micro-batch (micro-step 2 stands for 2..N: the last one only when N = 2;
-            # with more, the middle ones, which under FSDP1's no_sync hold more: quantities.fsdp_no_sync)
+            # with more, the middle ones, which under FSDP's no_sync hold more: quantities.fsdp_no_sync)
             final = (ga == 2) if micro else (ga == 1)
             ws_before = handle_ws if (step == 1 and micro == 0) else 2 * handle_ws
             here = tk_later if micro else tk
@@ -401,7 +401,7 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     ``quantities.root_resharded_for_loss``); backward holds the layer being computed, the prefetched one (last layer first) and the
     previous layer's reduce-scatter input; the head's and each layer's gradients are created
     unsharded in every micro-batch's backward, and resharded when its unit's backward ends.
-    ``final``: whether this is the step's last micro-batch (FSDP1's no_sync: the one that reduces)."""
+    ``final``: whether this is the step's last micro-batch (FSDP's no_sync: the one that reduces)."""
     ws, ws2 = workspaces
     # gradients already allocated: accumulated by earlier micro-batches, Megatron's main-grad
     # buffers, or zeroed but kept by zero_grad(set_to_none=False) after the first step; else those
@@ -454,7 +454,7 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
                      moments)
     after_logits, after_kv = kept.after_backward()   # hold_output="backward": freed as backward returns
     after_graph = tk.graph if _graph_outlives_backward(flags) else 0
-    # FSDP1's no_sync: shards after the last micro-batch, the units kept gathered after the others
+    # FSDP's no_sync: shards after the last micro-batch; FSDP1 grad-op's units kept gathered after the others
     grads_end, kept_end = q.grads - where(final, q.nosync_reduce, 0), where(final, 0, _nosync_kept(q))
     ends.append(("backward", micro, step, q.fixed + grads_end + states_mid + tk.inputs + ws2 + after_logits + after_kv
                  + after_graph + kept_end))
@@ -463,12 +463,13 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
 def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, when: tuple, before: tuple,
                      moments: list) -> None:
     """The backward moments from the last layer's to the end of backward (``_micro_step``).
-    ``when``: (step, micro-step, valid); ``before``: (gradients before this micro-step, optimizer
-    states, the backward's workspace, the graph-kept tensors of this micro-batch)."""
+    ``when``: (step, micro-step, valid, the step's last micro-batch); ``before``: (gradients before
+    this micro-step, optimizer states, the backward's workspace, the graph-kept tensors of this
+    micro-batch)."""
     step, micro, valid, final = when
     grads_before, states_mid, ws2, own = before
-    # FSDP1's no_sync (quantities.fsdp_no_sync): in the last micro-batch the layers back-propagated
-    # hold shards; in the others, under grad-op, they stay gathered
+    # FSDP's no_sync (quantities.fsdp_no_sync): in the last micro-batch the layers back-propagated
+    # hold shards; in the others, under FSDP1's grad-op, they stay gathered
     reduced, kept_layer = where(final, q.nosync_layer_reduce, 0), where(final, 0, q.nosync_kept_layer)
     # (+ DeepSpeed ZeRO-1/2's bucket buffers, alive through backward; ZeRO-3's gathered parameters:
     # the head and the top layers kept, ``ds_gathered_top``, then the current module, ``low_ds``)
@@ -530,7 +531,7 @@ def _embedding_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept,
     """The embedding's backward (``_layers_backward``), then FSDP1's root flat gradient. ``now``:
     (gradients being created, not added to; optimizer states; the backward's workspace; DeepSpeed
     ZeRO-3's gathered parameters below the top layers; the root gathered; the reduce-scatter buffer;
-    FSDP1's no_sync: what each layer's gradients shrank by, what each layer keeps gathered)."""
+    FSDP's no_sync: what each layer's gradients shrank by, what each layer keeps gathered)."""
     step, micro, valid, _final = when
     fresh, states_mid, ws2, low_ds, root, rs, reduced, kept_layer = now
     # the embedding's gradient and the out-of-place sum join the head's part in the input buffer
@@ -654,7 +655,7 @@ def _optimizer_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, ste
     gradients are freed (but Megatron's main-grad buffers), with ``set_to_none=False`` zeroed in place."""
     logits, kv = kept.after_backward()
     graph = tk.graph if _graph_outlives_backward(flags) else 0
-    grads = q.grads - q.nosync_reduce  # FSDP1's no_sync: the last micro-batch left shards (fsdp_no_sync)
+    grads = q.grads - q.nosync_reduce  # FSDP's no_sync: the last micro-batch left shards (fsdp_no_sync)
     after = q.fixed + grads + q.states + tk.inputs + ws2 + logits + kv + graph
     if not flags.oib:
         moments.append(_mo("optimizer_step", 0, step, "optimizer.step",
@@ -663,7 +664,8 @@ def _optimizer_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, ste
     # (FSDP1, use_orig_params: zero_grad(set_to_none=True) clears the views' .grad; the flat
     # parameter's sharded .grad is freed only by the next forward's root pre-forward, torch 2.13
     # fsdp/_runtime_utils.py L594 ``_reset_flat_param_grad_info_if_needed``, _flat_param.py L2447-2475)
-    ends.append(("zero_grad", 0, step, after - grads + (grads if (flags.zeros or flags.fsdp1_views) else q.grads_loaded)))
+    kept_grads = grads if (flags.zeros or flags.fsdp1_views) else q.grads_loaded
+    ends.append(("zero_grad", 0, step, after - grads + kept_grads))
 
 
 def _graph_outlives_backward(flags: StepFlags) -> bool:
