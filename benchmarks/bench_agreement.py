@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_agreement.py               # the sampled option grid (300 setups)
     .venv/bin/python benchmarks/bench_agreement.py --write       # ... and write docs/agreement.md's grid section
     .venv/bin/python benchmarks/bench_agreement.py --subset      # its 40-setup subset (the slow test)
+    .venv/bin/python benchmarks/bench_agreement.py --draw 3 --write   # re-run the FSDP1 draw only, keep the rest
     .venv/bin/python benchmarks/bench_agreement.py --classic     # six families x precision x attention x recompute (72)
     .venv/bin/python benchmarks/bench_agreement.py --quick       # the representative subset (14)
     .venv/bin/python benchmarks/bench_agreement.py --classic --family qwen2 --explain 2   # why rows differ
@@ -44,6 +45,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from trainmem.estimate.engine import estimate
 from trainmem.report import MemoryReport
@@ -222,19 +224,21 @@ FSDP1_LAYOUTS = ({"fsdp": "full", "dp": 2}, {"fsdp": "full", "dp": 4}, {"fsdp": 
                  {"fsdp": "grad-op", "dp": 4})
 
 
-def _fsdp1_axes(rng, o: dict) -> None:
+def _fsdp1_axes(rng, o: dict, family: str = "") -> None:
     """The third draw's axes on top of a first-draw setup: the layout becomes FSDP1 (full or grad-op
     over 2 or 4 ranks; tensor parallelism dropped), LoRA adapters in units of their own or in their
     layer's (``--fsdp-lora-units``), gradients synced every micro-batch or under ``no_sync``
     (``--grad-sync step``). Steered away from what FSDP1 itself fails on (``trace/distributed.py``):
     bf16-mp with adapters in units of their own (fp32 input into bf16 weights), pure half weights
-    with fp32 adapters in one flat parameter (FSDP1's uniform dtype)."""
+    with fp32 adapters in one flat parameter (FSDP1's uniform dtype), and BERT's adapters in units
+    of their own (peft's policy splits its tied embedding from the head: ``spec.training.fsdp1_tied_split``;
+    tested after the draw, so the other setups stay the ones drawn before)."""
     for k in ("tp", "sequence_parallel", "fsdp", "dp", "offload_activations"):
         o.pop(k, None)
     o.update(_pick(rng, FSDP1_LAYOUTS))
     o["fsdp_version"] = 1
     if o.get("lora_rank"):
-        if o["precision"] == "bf16-mp" or rng.random() < 0.5:
+        if o["precision"] == "bf16-mp" or rng.random() < 0.5 or family in ("bert",):
             o["fsdp_lora_units"] = "layer"
         if o.get("fsdp_lora_units") == "layer" and o["precision"] in ("bf16", "fp16"):
             o["lora_dtype"] = "half"
@@ -325,7 +329,7 @@ def sample_case(rng, family: str, extra: bool | str = False) -> Case:
     if rng.random() < 0.2:
         o["grad_accum"] = 2
     if extra == "fsdp1":
-        _fsdp1_axes(rng, o)
+        _fsdp1_axes(rng, o, family)
     elif extra:
         _extra_axes(rng, family, o)
     # what trace refuses (trace/distributed.py ``check``), or cannot run on meta tensors: adafactor
@@ -500,6 +504,41 @@ def write_doc(rows: list[Row], st: dict, doc: Path, js: Path) -> None:
          "estimate_at": r.estimate.peak_where, "trace_at": r.trace.peak_where} for r in rows]}, indent=1) + "\n")
 
 
+def draw_cases(draw: int, n: int = 240) -> list[Case]:
+    """The sampled grid's ``draw``-th draw: 1, the first ``n``; 2, the pipeline and external-optimizer
+    setups after them; 3, the FSDP1 setups."""
+    g = sampled_grid(n)
+    return {1: g[:n], 2: g[n:n + EXTRA_SETUPS], 3: g[n + EXTRA_SETUPS:]}[draw]
+
+
+@dataclass
+class StoredRow:
+    """A row of docs/agreement_grid.json kept as it was (``--draw N --write`` re-runs one draw):
+    its setup, both peaks and where each is, as ``grid_markdown`` and ``write_doc`` read a Row."""
+    setup: Case
+    estimate: Any
+    trace: Any
+    diff: float
+
+
+def stored_rows(js: Path) -> dict[str, StoredRow]:
+    """The rows of ``js`` by setup name."""
+    from types import SimpleNamespace
+    out = {}
+    for r in json.loads(js.read_text())["rows"]:
+        opts = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in r["options"].items()))
+        case = Case(r["family"], r["batch"], r["seq"], opts)
+        out[case.name] = StoredRow(case, SimpleNamespace(peak_allocated=r["estimate"], peak_where=r["estimate_at"]),
+                                   SimpleNamespace(peak_allocated=r["trace"], peak_where=r["trace_at"]), r["diff"])
+    return out
+
+
+def merged_rows(rows: list, js: Path, n: int = 240) -> list:
+    """The whole grid's rows in grid order: ``rows`` where re-run, else the stored one (if any)."""
+    fresh, stored = {r.setup.name: r for r in rows}, stored_rows(js)
+    return [fresh.get(c.name) or stored[c.name] for c in sampled_grid(n) if c.name in fresh or c.name in stored]
+
+
 def run_grid(cases: list[Case]) -> tuple[list[Row], list[tuple[Case, str]]]:
     """Compare every case; the ones the spec or trace refuses are returned apart (with the reason)."""
     from trainmem.errors import TrainmemError
@@ -520,6 +559,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--subset", action="store_true", help="the sampled grid's 40-setup subset (the slow test's)")
     ap.add_argument("-n", type=int, default=240, help="setups of the sampled grid's first draw (default 240; "
                     "the 60 of the second draw follow)")
+    ap.add_argument("--draw", type=int, choices=(1, 2, 3), help="only the sampled grid's Nth draw (3: the 40 FSDP1 "
+                    "setups); with --write the other rows are kept as docs/agreement_grid.json has them")
     ap.add_argument("--family", action="append", help="only these families (repeatable)")
     ap.add_argument("--explain", type=int, default=0, metavar="N", help="break down the N largest disagreements")
     ap.add_argument("--keep-logits", action="store_true",
@@ -537,14 +578,18 @@ def main(argv: list[str] | None = None) -> int:
         rows = [compare(s) for s in setups]
         print_table(rows)
     else:
-        cases = grid_subset() if a.subset else sampled_grid(a.n)
+        cases = grid_subset() if a.subset else draw_cases(a.draw, a.n) if a.draw else sampled_grid(a.n)
         if a.family:
             cases = [c for c in cases if c.family in a.family]
         rows, refused = run_grid(cases)
         st = print_grid(rows, refused)
         if a.write:
             root = Path(__file__).resolve().parents[1]
-            write_doc(rows, st, root / "docs" / "agreement.md", root / "docs" / "agreement_grid.json")
+            js = root / "docs" / "agreement_grid.json"
+            every = merged_rows(rows, js, a.n) if a.draw else rows
+            write_doc(every, grid_stats(every) if a.draw else st, root / "docs" / "agreement.md", js)
+            if a.draw:
+                print(f"written with the other draws' stored rows: {len(every)} setups")
     print(f"{len(rows)} traces in {time.perf_counter() - t0:.1f} s "
           f"(trace median {statistics.median(r.seconds for r in rows):.2f} s)")
     for r in sorted(rows, key=lambda r: -abs(r.diff))[:a.explain]:

@@ -124,6 +124,10 @@ REFERENCE = {"fsdp_version": {"fsdp": "full", "dp": 2},
              "pp": {"grad_accum": 2}, "num_microbatches_in_flight": {"pp": 2, "grad_accum": 2},
              "pp_schedule": {"pp": 2, "grad_accum": 2}}
 GPT2_CASES = [({"dropout": False}, CHANGED, "")]
+#: FSDP1 with LoRA adapters in units of their own on BERT: peft's policy wraps its embeddings apart
+#: from the masked-LM head that ties their weight (spec.training.fsdp1_tied_split)
+BERT = ["num_hidden_layers=2", "hidden_size=64", "num_attention_heads=4", "intermediate_size=128", "vocab_size=1000"]
+BERT_CASES = [({"fsdp_version": 1, "fsdp": "full", "dp": 2, "lora_rank": 8}, REFUSED, "--fsdp-lora-units layer")]
 #: an encoder-decoder's decoder length and an image model's image size (their own baselines)
 T5 = ["num_layers=1", "num_decoder_layers=1", "d_model=64", "d_ff=128", "num_heads=4", "d_kv=16", "vocab_size=1000"]
 VIT = ["num_hidden_layers=1", "hidden_size=64", "intermediate_size=128", "num_attention_heads=4", "num_labels=10"]
@@ -151,6 +155,7 @@ def baselines():
 @pytest.mark.parametrize("model, overrides, options, expected, why",
                          [("llama-3.2-1b", TINY, *c) for c in CASES] + [("gpt2", GPT2, *c) for c in GPT2_CASES]
                          + [("t5-base", T5, *c) for c in T5_CASES]
+                         + [("bert-base-uncased", BERT, *c) for c in BERT_CASES]
                          + [("vit-base-patch16-224", VIT, *c) for c in VIT_CASES],
                          ids=lambda v: str(v)[:40] if isinstance(v, dict) else None)
 def test_each_option_changes_the_trace_or_is_refused(baselines, model, overrides, options, expected, why):
@@ -170,6 +175,6 @@ def test_each_option_changes_the_trace_or_is_refused(baselines, model, overrides
 
 def test_every_training_option_is_enumerated():
     """A new TrainingSpec field needs a case above (so it cannot be added and silently ignored)."""
-    covered = {k for opts, _, _ in CASES + GPT2_CASES + T5_CASES + VIT_CASES for k in opts}
+    covered = {k for opts, _, _ in CASES + GPT2_CASES + T5_CASES + VIT_CASES + BERT_CASES for k in opts}
     fields = {f.name for f in dataclasses.fields(TrainingSpec)} - {"batch_size", "seq_len", "extra"}
     assert fields - covered == set()

@@ -214,7 +214,33 @@ def fsdp1(module: torch.nn.Module, spec: Any, t: TrainingSpec, fsdp_mesh: Any, d
                           "device_id": device}  # on the CPU too: without it FSDP1 asks for an accelerator
     if t.precision == "bf16-mp":
         kw["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return FullyShardedDataParallel(module, **kw)
+    wrapped = FullyShardedDataParallel(module, **kw)
+    split = tied_across_units(wrapped)
+    if split:  # (spec.training.fsdp1_tied_split refuses the known families at input)
+        from .errors import TrainmemError
+        raise TrainmemError(f"--fsdp-version 1: {split} is tied to a parameter FSDP1 put in another unit, so it "
+                            "would compute on a shard; use --fsdp-lora-units layer (or --fsdp-version 2)")
+    return wrapped
+
+
+def tied_across_units(root: torch.nn.Module) -> str:
+    """The name of a module parameter that FSDP1 flattened into a unit the module is not part of
+    (a tied weight whose modules the wrap policy put in different units), or "". Such a module keeps
+    the original Parameter, whose data ``use_orig_params`` sets to that unit's flat shard (torch 2.13
+    ``fsdp/_flat_param.py`` ``_use_sharded_views``), and only the unit's own modules
+    (``FlatParameter._modules``) get the unsharded views in forward."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    owner: dict[int, Any] = {}
+    for unit in FullyShardedDataParallel.fsdp_modules(root):
+        handle = getattr(unit, "_handle", None)
+        if handle is not None and handle.flat_param._params is not None:
+            owner.update((id(p), handle.flat_param._modules) for p in handle.flat_param._params)
+    for name, mod in root.named_modules():
+        for pname, p in mod._parameters.items():
+            mods = owner.get(id(p)) if p is not None else None
+            if mods is not None and mod not in mods:
+                return f"{name}.{pname}".replace("_fsdp_wrapped_module.", "")
+    return ""
 
 
 def fsdp1_wrap_policy(module: torch.nn.Module, spec: Any, t: TrainingSpec) -> Any:

@@ -112,7 +112,8 @@ def add_training(g: Any) -> None:
                         "(no_sync() until the last micro-batch, as HF Trainer / accelerate and Lightning Fabric: "
                         "the gradients accumulate unsharded)")
     g.add_argument("--fsdp-lora-units", choices=FSDP_LORA_UNITS, default=None,
-                   help="FSDP1 + LoRA: separate (default; peft's fsdp_auto_wrap_policy) or layer (adapters in "
+                   help="FSDP1 + LoRA: separate (default; peft's fsdp_auto_wrap_policy: refused on BERT / "
+                        "XLM-RoBERTa-XL, whose embeddings it splits from their tied head) or layer (adapters in "
                         "their layer's unit, Lightning/litgpt: gradients for the frozen weights too)")
     g.add_argument("--optimizer-bucket-mb", type=float, default=None, metavar="MiB",
                    help="distributed-optimizer bucket size (NeMo/apex); warns when larger than a layer")

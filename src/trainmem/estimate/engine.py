@@ -196,7 +196,10 @@ def _columns(base: TrainingSpec, layout: dict[str, Any]) -> dict[str, np.ndarray
 def _stage_arrays(m: ModelSpec, base: TrainingSpec, cols: dict[str, np.ndarray], stage: str,
                   handle_ws: int = CUBLAS_WORKSPACE) -> dict[str, np.ndarray]:
     """``quantities`` per distinct parallel shape, gathered; then ``tokens`` and ``walk`` on arrays."""
-    first, inv = group_rows(*(cols[k] for k in SHAPE_FIELDS))
+    # (+ whether FSDP accumulates unsharded, and interleaved 1F1B's micro-batches: shape_quantities' key)
+    ga = cols["grad_accum"]
+    accumulation = ga if base.virtual_stages > 1 else (ga > 1) * int(base.grad_sync == "step")
+    first, inv = group_rows(*(cols[k] for k in SHAPE_FIELDS), np.asarray(accumulation, dtype=np.int64))
     rows = np.stack([cols[k][first] for k in SHAPE_FIELDS + TOKEN_FIELDS], 1).tolist()
     shapes = shape_quantities(m, base, stage, rows)
     q = gather(shapes, inv)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Any
 
 from trainmem.errors import TrainmemError
 
@@ -65,7 +66,9 @@ class Recipe:
     # LoRA, the first layer (``first_layer_unsaved``): its input needs no gradient, so what the ops
     # before the first adapter save, and the frozen linears on that grad-free input, autograd never keeps
     adapter_seen: bool = False
-    free_input: int | None = None        # id of the grad-free tensor the first adapter reads
+    # the grad-free tensor the first adapter reads, kept (not its id: once the tensor is gone, Python
+    # may give a later tensor the same id, which then passed for it, run by run)
+    free_input: Any = None
     prefix: frozenset = frozenset()      # ids saved before the first adapter
     post: set = field(default_factory=set)          # ids saved from the first adapter on
     free_extra: dict = field(default_factory=dict)  # saved in later layers only (adapter dropout masks)
@@ -214,8 +217,8 @@ class Builder:
         output) requires no gradient, this is where gradients start: what was saved before is
         not (``Recipe.first_layer_unsaved``). Returns whether ``x`` is that grad-free input."""
         if not self.r.adapter_seen:
-            self.r.prefix, self.r.free_input, self.r.adapter_seen = frozenset(self.r.saved), id(x), True
-        return id(x) == self.r.free_input
+            self.r.prefix, self.r.free_input, self.r.adapter_seen = frozenset(self.r.saved), x, True
+        return x is self.r.free_input
 
     def lora_rank_of(self, name: str) -> int:
         """The LoRA rank of the linear ``name`` (0: not a target)."""
@@ -231,11 +234,11 @@ class Builder:
         rank = self.lora_rank_of(name)
         self.r.frozen_inputs[id(x)] = x
         # the first layer (Recipe.first_layer_unsaved): is this linear's input the grad-free one?
-        free_in = not self.r.adapter_seen or id(x) == self.r.free_input
+        free_in = not self.r.adapter_seen or x is self.r.free_input
         if free_in:
             self.r.free_weights.append((x.tok if in_features is None else in_features) * out)
         if rank and not self.r.adapter_seen:
-            self.r.prefix, self.r.free_input, self.r.adapter_seen = frozenset(self.r.saved), id(x), True
+            self.r.prefix, self.r.free_input, self.r.adapter_seen = frozenset(self.r.saved), x, True
             self.r.first_adapter_op = len(self.r.transients)  # this linear's transient comes next
         if rank:
             self.adapter(x, name, saved_name, rank, free_in)

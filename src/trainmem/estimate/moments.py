@@ -42,15 +42,17 @@ class StepFlags:
     zeros: bool             # zero_grad(set_to_none=False): gradients stay allocated between steps
     quant4: bool = False    # 4-bit base weights: the dequantized-weight moments exist (quant4.py)
     fsdp: bool = False      # FSDP over several ranks: gradients are created unsharded in every backward
-    fsdp_sync: bool = False  # ... and reduce-scattered after every micro-batch (no unsharded .grad kept)
+    # (reduce-scattered after every micro-batch, or accumulated unsharded under no_sync: layout by
+    # layout, ``Quantities.fsdp_accumulates``, as the accumulation may vary: ``fsdp_sync``)
     by_moment: bool = False  # the layer backward moments have transients of their own (a derived encoder-decoder)
+    fsdp1_views: bool = False  # FSDP1: parameters are views of the flat parameter (quantities.fsdp1_views)
 
     @staticmethod
     def of(m: ModelSpec, t: TrainingSpec) -> "StepFlags":
         return StepFlags(t.optimizer_in_backward, t.hold_output, t.distributed_optimizer, is_lm(m),
                          t.zero_grad == "zeros", bool(t.quantize), t.fsdp is not None and t.shard_group > 1,
-                         t.fsdp is not None and t.shard_group > 1 and not t.accumulates_unsharded,
-                         m.family == "derived" and m.is_encoder_decoder)
+                         m.family == "derived" and m.is_encoder_decoder,
+                         t.fsdp is not None and t.shard_group > 1 and t.fsdp_version == 1)
 
 
 @dataclass(eq=False)
@@ -315,11 +317,14 @@ def walk(q: Quantities, flags: StepFlags, tk: Tokens, ga: Any, handle_ws: int = 
         states_before = step > 1
         for micro in ((0, 1) if isinstance(ga, np.ndarray) else range(min(ga, 2))):
             valid = (ga > 1) if micro else True
+            # the step's last micro-batch (micro-step 2 stands for 2..N: the last one only when N = 2;
+            # with more, the middle ones, which under FSDP's no_sync hold more: quantities.fsdp_no_sync)
+            final = (ga == 2) if micro else (ga == 1)
             ws_before = handle_ws if (step == 1 and micro == 0) else 2 * handle_ws
             here = tk_later if micro else tk
             start, start_ends = len(moments), len(ends)
             _micro_step(q, flags, here, Kept.of(q, flags, here), step, micro, valid, states_before,
-                        (ws_before, 2 * handle_ws), moments, ends)
+                        (ws_before, 2 * handle_ws), moments, ends, final)
             _add_others_loss(moments, ends, start, start_ends, here.others_loss, here.sent)
             states_before = states_before or flags.oib
         _optimizer_step(q, flags, tk, Kept.of(q, flags, tk), step, 2 * handle_ws, moments, ends)
@@ -388,14 +393,15 @@ def _head_backward(q: Quantities, tk: Tokens, kept: Kept, before: tuple, step: i
 
 
 def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: int, micro: int, valid: Any,
-                states_before: bool, workspaces: tuple[int, int], moments: list, ends: list) -> None:
+                states_before: bool, workspaces: tuple[int, int], moments: list, ends: list, final: Any = True) -> None:
     """Forward (the loss) and backward (head, last layer, first layer, embeddings, end) of one
     micro-batch. ``workspaces``: the cuBLAS workspaces alive in its forward and in its backward.
     Under FSDP (``quantities.fsdp_buffers``) the root unit is gathered while the loss runs and from
     the start to the end of backward (unless the loop's loss runs after FSDP2 resharded it:
     ``quantities.root_resharded_for_loss``); backward holds the layer being computed, the prefetched one (last layer first) and the
     previous layer's reduce-scatter input; the head's and each layer's gradients are created
-    unsharded in every micro-batch's backward, and resharded when its unit's backward ends."""
+    unsharded in every micro-batch's backward, and resharded when its unit's backward ends.
+    ``final``: whether this is the step's last micro-batch (FSDP's no_sync: the one that reduces)."""
     ws, ws2 = workspaces
     # gradients already allocated: accumulated by earlier micro-batches, Megatron's main-grad
     # buffers, or zeroed but kept by zero_grad(set_to_none=False) after the first step; else those
@@ -444,30 +450,40 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     states_mid = q.states if (states_before or flags.oib) else 0  # optimizer in backward creates them now
     # DeepSpeed ZeRO-2 allocates its whole gradient partition at the first bucket reduction (the head's)
     layer_grads_before = maximum(grads_before, q.ds_partition_grads)
-    _layers_backward(q, flags, tk, kept, (step, micro, valid), (layer_grads_before, states_mid, ws2, own), moments)
+    _layers_backward(q, flags, tk, kept, (step, micro, valid, final), (layer_grads_before, states_mid, ws2, own),
+                     moments)
     after_logits, after_kv = kept.after_backward()   # hold_output="backward": freed as backward returns
     after_graph = tk.graph if _graph_outlives_backward(flags) else 0
-    ends.append(("backward", micro, step, q.fixed + q.grads + states_mid + tk.inputs + ws2 + after_logits + after_kv
-                 + after_graph))
+    # FSDP's no_sync: shards after the last micro-batch; FSDP1 grad-op's units kept gathered after the others
+    grads_end, kept_end = q.grads - where(final, q.nosync_reduce, 0), where(final, 0, _nosync_kept(q))
+    ends.append(("backward", micro, step, q.fixed + grads_end + states_mid + tk.inputs + ws2 + after_logits + after_kv
+                 + after_graph + kept_end))
 
 
 def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, when: tuple, before: tuple,
                      moments: list) -> None:
     """The backward moments from the last layer's to the end of backward (``_micro_step``).
-    ``when``: (step, micro-step, valid); ``before``: (gradients before this micro-step, optimizer
-    states, the backward's workspace, the graph-kept tensors of this micro-batch)."""
-    step, micro, valid = when
+    ``when``: (step, micro-step, valid, the step's last micro-batch); ``before``: (gradients before
+    this micro-step, optimizer states, the backward's workspace, the graph-kept tensors of this
+    micro-batch)."""
+    step, micro, valid, final = when
     grads_before, states_mid, ws2, own = before
+    # FSDP's no_sync (quantities.fsdp_no_sync): in the last micro-batch the layers back-propagated
+    # hold shards; in the others, under FSDP1's grad-op, they stay gathered
+    reduced, kept_layer = where(final, q.nosync_layer_reduce, 0), where(final, 0, q.nosync_kept_layer)
     # (+ DeepSpeed ZeRO-1/2's bucket buffers, alive through backward; ZeRO-3's gathered parameters:
     # the head and the top layers kept, ``ds_gathered_top``, then the current module, ``low_ds``)
     root, buf, rs, low_ds = q.fsdp_root + q.ds_backward_buf, q.fsdp_layer_buf, q.fsdp_rs_buf, q.ds_gathered_low
     fresh = grads_before == 0                                  # gradients are being created, not added to
     # the later linears' gradients of the layer in backward (FSDP reduce-scattering each micro-batch:
-    # unsharded, in every micro-batch; under no_sync they accumulate in .grad as without FSDP)
+    # unsharded, in every micro-batch; under FSDP2's no_sync they accumulate in .grad as without FSDP;
+    # FSDP1's are the gradients of views of the flat parameter, new tensors in every micro-batch until
+    # the layer's flat gradient is concatenated from them and added to .grad: fsdp1_flat_gradient)
+    sync = fsdp_sync(q, flags)
     def part(g: Any) -> Any:
-        return g if flags.fsdp_sync else where(fresh, g, 0)
+        return g if flags.fsdp1_views else where(_either(sync, fresh), g, 0)
     layer_grads = part(tk.layer_grad_part)
-    head_grads = q.fsdp_head_full if flags.fsdp_sync else maximum(where(fresh, q.head_grads, 0), q.fsdp1_head_wait)
+    head_grads = where(sync, q.fsdp_head_full, maximum(where(fresh, q.head_grads, 0), q.fsdp1_head_wait))
     # the layer's transient; a tied head's gradient waits in autograd's input buffer meanwhile
     temp = maximum(tk.redo, q.oib_mid) + q.tied_grad
     top = grads_before + head_grads + layer_grads
@@ -483,25 +499,41 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
                      own_layers, root, buf, moments)
     above = where(fresh, q.above_bottom, 0)    # the layers above, reduced to shards
     _i, redo, grads = tk.bottom
-    bottom = grads_before + head_grads + above + part(grads)
+    bottom = grads_before + head_grads + above + part(grads) - (q.layers - 1) * reduced
     low_graph = tk.graph - tk.graph_layer + tk.graph_extra_layer
     temp = maximum(redo, q.oib_mid) + q.tied_grad
     # (a derived encoder-decoder: the activations measured alive there, else one average layer's)
     acts = tk.bottom_acts if flags.by_moment else own_layers // q.layers + others_all + tk.outer_rest
     moments.append(_mo("backward", micro, step, "layer.bottom",
                        (bottom, states_mid, tk.inputs, ws2, acts, temp),
-                       (kept.logits, kept.kv_low, 0), _both(valid, q.layers > 1), low_graph, comm=root + buf + rs + low_ds))
+                       (kept.logits, kept.kv_low, 0), _both(valid, q.layers > 1), low_graph,
+                       comm=root + buf + rs + low_ds + (q.layers - 1) * kept_layer))
     # an encoder-decoder: the decoder's first layer's backward, with every encoder layer's kept
     # tensors still alive (the encoder's backward comes after the decoder's)
     lower = q.lower_layers
     _i, redo, grads = tk.decoder_bottom
-    mid = grads_before + head_grads + where(fresh, q.above_decoder_bottom, 0) + part(grads)
+    above_mid = maximum(q.layers - lower - 1, 0)
+    mid = grads_before + head_grads + where(fresh, q.above_decoder_bottom, 0) + part(grads) - above_mid * reduced
     temp = maximum(redo, q.oib_mid) + q.tied_grad
     acts = tk.decoder_bottom_acts if flags.by_moment else \
         own_layers * (lower + 1) // q.layers + others_all + tk.outer_rest
     moments.append(_mo("backward", micro, step, "layer.decoder_bottom",
                        (mid, states_mid, tk.inputs, ws2, acts, temp),
-                       (kept.logits, kept.kv_low, 0), _both(valid, lower > 0), low_graph, comm=root + buf + rs + low_ds))
+                       (kept.logits, kept.kv_low, 0), _both(valid, lower > 0), low_graph,
+                       comm=root + buf + rs + low_ds + above_mid * kept_layer))
+    _embedding_backward(q, flags, tk, kept, when, (fresh, states_mid, ws2, low_ds, root, rs, reduced, kept_layer),
+                        moments)
+    moments.extend(_backward_end(q, tk, kept, when, (fresh, states_mid, ws2, low_ds)))
+
+
+def _embedding_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, when: tuple, now: tuple,
+                        moments: list) -> None:
+    """The embedding's backward (``_layers_backward``), then FSDP1's root flat gradient. ``now``:
+    (gradients being created, not added to; optimizer states; the backward's workspace; DeepSpeed
+    ZeRO-3's gathered parameters below the top layers; the root gathered; the reduce-scatter buffer;
+    FSDP's no_sync: what each layer's gradients shrank by, what each layer keeps gathered)."""
+    step, micro, valid, _final = when
+    fresh, states_mid, ws2, low_ds, root, rs, reduced, kept_layer = now
     # the embedding's gradient and the out-of-place sum join the head's part in the input buffer
     tied = q.tied_grad
     # an existing .grad (accumulation) adds one more; not under FSDP2 reduce-scattering every
@@ -509,7 +541,8 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     # ``unsharded_param.grad`` is moved into the reduce-scatter and set to None, _fsdp_param_group.py
     # ``post_backward``); found by trace: Qwen2 FSDP2 dp 4, 2 micro-batches, +21% before
     eager_tied = where(q.tied_compiled > 0, q.tied_final, tied)  # --compile: the eager quantity, see below
-    accumulated = 0 if flags.fsdp_sync else where(fresh, 0, eager_tied)
+    sync = fsdp_sync(q, flags)
+    accumulated = where(_either(sync, fresh), 0, eager_tied)
     # an untied embedding's new gradient beside the accumulated one (quantities.emb_accumulated)
     emb_new = where(fresh, 0, q.emb_grad)
     temp_emb = 2 * eager_tied + (eager_tied if flags.oib else accumulated) + q.tied_replicated + emb_new
@@ -519,34 +552,59 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     # is not read off (the eager quantities stay: llama-3.2-1b, three layers, --grad-accum 2: +3.0%)
     temp_emb = where((q.tied_compiled > 0) & fresh, tied + q.tied_compiled - q.tied_final, temp_emb)
     # FSDP: the root's gradients are still unsharded (a tied embedding's sum among them), not yet shards
-    emb_grads = q.grads + (q.fsdp_head_full + q.fsdp_emb_full + tied - where(fresh, q.fsdp_root_sharded, 0)
-                           if flags.fsdp_sync else 0)
+    emb_grads = q.grads + where(sync, q.fsdp_head_full + q.fsdp_emb_full + tied - where(fresh, q.fsdp_root_sharded, 0),
+                                0) - q.layers * reduced
     # tk.others: a pipeline stage's other micro-batches in flight keep their activations meanwhile
     moments.append(_mo("backward", micro, step, "embeddings.backward",
                        (emb_grads, states_mid, tk.inputs, ws2, tk.others + tk.others_head, temp_emb),
                        (kept.logits, kept.kv_end, 0),
                        _both(valid, _either(_either(tied > 0, emb_new > 0), q.tied_compiled > 0)), tk.graph,
-                       comm=root + rs + low_ds))
-    moments.extend(_backward_end(q, tk, kept, when, (fresh, states_mid, ws2, low_ds)))
+                       comm=root + rs + low_ds + q.layers * kept_layer))
+    # FSDP1: the root's flat gradient concatenated from its views' (quantities.fsdp1_root_flat_gradient),
+    # beside the gradients before the root's (its own part of ``grads`` when fresh: not yet made)
+    flat_grads = (q.grads - where(fresh, q.fsdp_root_sharded, 0) - q.layers * reduced + q.fsdp1_root_views
+                  + q.fsdp1_root_flat)
+    moments.append(_mo("backward", micro, step, "fsdp1.root_flat_gradient",
+                       (flat_grads, states_mid, tk.inputs, ws2, tk.others + tk.others_head, 0),
+                       (kept.logits, kept.kv_end, 0), _both(valid, q.fsdp1_root_flat > 0), tk.graph,
+                       comm=root + rs + low_ds + q.layers * kept_layer))
 
 
 def _backward_end(q: Quantities, tk: Tokens, kept: Kept, when: tuple, now: tuple) -> list[Moment]:
     """The last backward moments (``_layers_backward``): FSDP2's root post-backward, then backward's
     end. ``now``: (gradients being created, not added to; optimizer states; the backward's workspace;
     DeepSpeed ZeRO-3's gathered parameters below the top layers)."""
-    step, micro, valid = when
+    step, micro, valid, final = when
     fresh, states_mid, ws2, low_ds = now
+    # FSDP's no_sync (quantities.fsdp_no_sync): shards after the last micro-batch, else (FSDP1
+    # grad-op) every unit still gathered
+    grads_end, kept_end = q.grads - where(final, q.nosync_reduce, 0), where(final, 0, _nosync_kept(q))
     # FSDP2's root post-backward: its reduce-scatter input and the root's last unsharded gradient
     # beside the new sharded gradients (quantities.fsdp_buffers); under accumulation the new shards
-    # are added to the accumulated ones (``foreach_reduce_scatter_copy_out``: ``grad += new``)
+    # are added to the accumulated ones (``foreach_reduce_scatter_copy_out``: ``grad += new``); under
+    # no_sync only in the last micro-batch, where no shards exist yet
+    nosync, synced = q.nosync_reduce > 0, q.nosync_reduce == 0
     return [_mo("backward", micro, step, "fsdp.root_reduce",
-                (q.grads + where(fresh, 0, q.fsdp_root_sharded), states_mid, tk.inputs, ws2,
+                (grads_end + where(_either(fresh, nosync), 0, q.fsdp_root_sharded), states_mid, tk.inputs, ws2,
                  tk.others + tk.others_head, 0),
-                (kept.logits, kept.kv_end, 0), _both(valid, q.fsdp_root_rs > 0), tk.graph,
-                comm=q.fsdp_root_rs + q.fsdp_root_last),
+                (kept.logits, kept.kv_end, 0), _both(_both(valid, q.fsdp_root_rs > 0), _either(synced, final)),
+                tk.graph, comm=q.fsdp_root_rs + q.fsdp_root_last),
             _mo("backward", micro, step, "backward.end",
-                (q.grads, states_mid, tk.inputs, ws2, tk.others + tk.others_head, q.oib_end),
-                (kept.logits, kept.kv_end, 0), valid, tk.graph, comm=q.ds_backward_buf + low_ds)]
+                (grads_end, states_mid, tk.inputs, ws2, tk.others + tk.others_head, q.oib_end),
+                (kept.logits, kept.kv_end, 0), valid, tk.graph, comm=q.ds_backward_buf + low_ds + kept_end)]
+
+
+def fsdp_sync(q: Quantities, flags: StepFlags) -> Any:
+    """Whether FSDP over several ranks reduce-scatters after every micro-batch (no unsharded .grad
+    kept), layout by layout: not where it accumulates unsharded under no_sync
+    (``Quantities.fsdp_accumulates``, ``quantities.fsdp_no_sync``)."""
+    return flags.fsdp and (q.fsdp_accumulates == 0)
+
+
+def _nosync_kept(q: Quantities) -> Any:
+    """FSDP1 grad-op under no_sync: every unit's parameters still gathered after backward (the
+    layers' and the root's, ``quantities.fsdp_no_sync``); 0 otherwise."""
+    return q.layers * q.nosync_kept_layer + q.nosync_kept_root
 
 
 def _fsdp1_layer_end(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, when: tuple, before: tuple,
@@ -558,6 +616,9 @@ def _fsdp1_layer_end(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     ``before``: (gradients before, states, the backward's workspace, the graph-kept tensors)."""
     step, micro, valid = when
     grads, states_mid, ws2, own = before
+    # the hook reduces in every micro-batch, or under no_sync in the last (a later micro-step: with
+    # more than two, micro-step 2 stands for the middle ones, but the last one's hook happens too)
+    sync = _either(fsdp_sync(q, flags), micro > 0)
     rest = tk.layers - own_layers // q.layers + tk.outer_rest + tk.others_head  # the layers below, the outer tensors
     moments.append(_mo("backward", micro, step, "layer.flat_gradient",
                        (grads + q.fsdp1_flat, states_mid, tk.inputs, ws2, rest, q.tied_grad),
@@ -565,7 +626,7 @@ def _fsdp1_layer_end(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
                        comm=root + 2 * buf + q.gathered_layer))  # grad-op: the layer still gathered (not in rest)
     moments.append(_mo("backward", micro, step, "layer.reduce_scatter",
                        (grads + q.fsdp1_post, states_mid, tk.inputs, ws2, rest, q.tied_grad),
-                       (kept.logits, kept.kv_forward, 0), _both(valid, _both(q.fsdp1_post > 0, flags.fsdp_sync)),
+                       (kept.logits, kept.kv_forward, 0), _both(valid, _both(q.fsdp1_post > 0, sync)),
                        own, comm=root + buf))
 
 
@@ -594,12 +655,17 @@ def _optimizer_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, ste
     gradients are freed (but Megatron's main-grad buffers), with ``set_to_none=False`` zeroed in place."""
     logits, kv = kept.after_backward()
     graph = tk.graph if _graph_outlives_backward(flags) else 0
-    after = q.fixed + q.grads + q.states + tk.inputs + ws2 + logits + kv + graph
+    grads = q.grads - q.nosync_reduce  # FSDP's no_sync: the last micro-batch left shards (fsdp_no_sync)
+    after = q.fixed + grads + q.states + tk.inputs + ws2 + logits + kv + graph
     if not flags.oib:
         moments.append(_mo("optimizer_step", 0, step, "optimizer.step",
-                           (q.grads, q.states, tk.inputs, ws2, 0, q.step_temp), (logits, kv, 0), True, graph))
+                           (grads, q.states, tk.inputs, ws2, 0, q.step_temp), (logits, kv, 0), True, graph))
         ends.append(("optimizer_step", 0, step, after))
-    ends.append(("zero_grad", 0, step, after - q.grads + (q.grads if flags.zeros else q.grads_loaded)))
+    # (FSDP1, use_orig_params: zero_grad(set_to_none=True) clears the views' .grad; the flat
+    # parameter's sharded .grad is freed only by the next forward's root pre-forward, torch 2.13
+    # fsdp/_runtime_utils.py L594 ``_reset_flat_param_grad_info_if_needed``, _flat_param.py L2447-2475)
+    kept_grads = grads if (flags.zeros or flags.fsdp1_views) else q.grads_loaded
+    ends.append(("zero_grad", 0, step, after - grads + kept_grads))
 
 
 def _graph_outlives_backward(flags: StepFlags) -> bool:

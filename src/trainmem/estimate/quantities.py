@@ -120,6 +120,16 @@ class Quantities:
     fsdp1_post: int = 0       # FSDP1: a layer's gradients in its post-backward hook (fsdp1_post_backward)
     fsdp1_head_wait: int = 0  # FSDP1: the head's unsharded gradient, waiting for the root's flat gradient
     fsdp1_flat: int = 0       # FSDP1: a layer's gradients as its flat gradient is made (fsdp1_flat_gradient)
+    fsdp1_root_views: int = 0  # FSDP1: the root's unsharded view gradients at its flat gradient's cat ...
+    fsdp1_root_flat: int = 0   # ... and that flat gradient (fsdp1_root_flat_gradient)
+    # FSDP accumulating unsharded gradients (no_sync, ``fsdp_no_sync``): what one layer's and all the
+    # rank's gradients shrink by when the step's last micro-batch reduce-scatters them to shards ...
+    fsdp_accumulates: int = 0  # 1 where FSDP accumulates unsharded (no_sync), else 0
+    nosync_layer_reduce: int = 0
+    nosync_reduce: int = 0
+    # ... and, under FSDP1's SHARD_GRAD_OP, a layer's and the root's parameters kept gathered after a no_sync backward
+    nosync_kept_layer: int = 0
+    nosync_kept_root: int = 0
     fsdp1_unprefetched: int = -1  # FSDP1, LoRA units of their own: layer ops from this one on (forward
     #                               order) run their backward before the previous layer is prefetched
     lower_layers: int = 0  # an encoder-decoder's encoder layers on this rank (backward after the decoder's)
@@ -1054,7 +1064,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     head_tok, rest_tok, rest_sq, rest_pos = _split_outer(outer, rest_pos)
     loss = loss_bytes(m, t, pol) if head_here else LossBytes()
     comm, comm_name = _communication(t, st)
-    fsdp = fsdp_buffers(m, t, st, lc)
+    fsdp = {**fsdp_buffers(m, t, st, lc), **fsdp_no_sync(m, t, st, stage)}
     oib_mid, oib_end = oib_update_bytes(m, t, st) if oib else (0, 0)
     # gradients of the layer's linears as its backward creates them (per weight byte): unsharded under FSDP
     layer_grads_live = st.layer_grads_full if fsdp else st.layer_grads
@@ -1082,7 +1092,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         outer_head_tok=head_tok, outer_rest_tok=rest_tok, outer_rest_sq=rest_sq, outer_rest_pos=rest_pos,
         head_loss_tok=derived_head_loss(m, t, stage) if derived else head_during_loss(m, t, pol, stage),
         cast_layer=cast_layer, cast_head=cast_head, cast_checkpointed=cast_layer * checkpointed,
-        cast_forward_only=0 if t.lora_rank else cast_layer * checkpointed,  # see cast_checkpointed
+        cast_forward_only=0 if (t.lora_rank or fsdp1_views(t)) else cast_layer * checkpointed,  # see cast_checkpointed
         gathered_layer=st.layer_params_full if fsdp_grad_op(t) else 0,
         logit_chunks=t.loss_chunks, logit_width=m.vocab_size if is_lm(m) else m.num_labels,
         tp=t.tp if is_lm(m) else 1, logits_held=loss.held, logits_out=loss.out, loss_saved=loss.saved,
@@ -1453,7 +1463,22 @@ def fsdp_buffers(m: ModelSpec, t: TrainingSpec, st: States, lc: LayerCoefs) -> d
             # by the sampled grid: Mistral FSDP1 --grad-sync step, 2 micro-batches, -9.4% before
             "fsdp1_head_wait": st.head_grads_full if t.fsdp_version == 1 else 0,
             "fsdp1_flat": fsdp1_flat_gradient(st) if t.fsdp_version == 1 else 0,
+            "fsdp1_root_views": st.root_views if t.fsdp_version == 1 and st.root_flat else 0,
+            "fsdp1_root_flat": fsdp1_root_flat_gradient(st) if t.fsdp_version == 1 else 0,
             "fsdp1_unprefetched": fsdp1_unprefetched(t, lc)}
+
+
+def fsdp1_views(t: TrainingSpec) -> bool:
+    """Whether the layers compute on views of FSDP1's unsharded flat parameter, which autocast does
+    not cache. Under FSDP1 with ``use_orig_params=True`` a unit's parameters in forward are views of
+    its flat parameter (torch 2.13 ``fsdp/_flat_param.py`` ``_use_unsharded_views`` L1949, the views of
+    ``_get_unflat_views_aligned`` L1911-1947, set as plain tensors in forward), and autocast caches a
+    cast only for a leaf that is not a view (``aten/src/ATen/autocast_mode.cpp`` ``cached_cast``:
+    ``arg.requires_grad() && arg.is_leaf() && !arg.is_view()``). So a checkpointed layer's half
+    weight copies die with the op that made them instead of living in the cache until forward ends
+    (``cast_forward_only`` is 0). Found by the sampled grid: Llama FSDP1 grad-op, bf16-amp, full
+    recompute, the output held to the next step: +2.32% at the loss before (mechanism 36)."""
+    return t.fsdp is not None and t.fsdp_version == 1
 
 
 def fsdp1_flat_gradient(st: States) -> int:
@@ -1470,6 +1495,52 @@ def fsdp1_flat_gradient(st: States) -> int:
     Found by trace: a 4-layer Llama (hidden 1024, vocabulary 1000) dp 2 fp32, peak at that ``cat``:
     -5.3% before."""
     return 2 * st.layer_grads_full   # the views' gradients and their concatenation
+
+
+def fsdp1_root_flat_gradient(st: States) -> int:
+    """Bytes of FSDP1's root flat gradient, on one rank: the root unit's unsharded gradients as one
+    tensor (``st.root_flat``, the gathered dtype). The root's parameters (embeddings, final norm,
+    head) are views of its flat parameter (``fsdp1_flat_gradient``), so at the end of backward,
+    after the embedding's backward, ``SplitWithSizesBackward0`` concatenates their gradients
+    (``torch.cat``) while every one of them (``st.root_views``: the head's, waiting since the start
+    of backward, ``fsdp1_head_wait``, and the embedding's) is still referenced: the root's gradients
+    twice, with the root gathered (moment ``fsdp1.root_flat_gradient``). For an untied head this is
+    the end of backward's highest point, which no other moment had. Found by the sampled grid:
+    Llama (untied, vocabulary 32000) FSDP1 grad-op dp 4, 2 x 512, full recompute with activation
+    offloading: -2.39% before (mechanism 35)."""
+    return st.root_flat
+
+
+def fsdp_no_sync(m: ModelSpec, t: TrainingSpec, st: States, stage: str) -> dict[str, int]:
+    """FSDP accumulating unsharded gradients (``--grad-sync step``: every micro-batch but the last
+    inside FSDP1's ``no_sync()`` or under FSDP2's ``set_requires_gradient_sync(False)``), the
+    ``Quantities`` fields ``nosync_*``; none otherwise.
+
+    * In the step's last micro-batch each unit's post-backward hook reduce-scatters its gradient,
+      the accumulated unsharded one with this micro-batch's added in place, and keeps only the shard:
+      FSDP1, torch 2.13 ``fsdp/_runtime_utils.py`` ``_reduce_grad`` L831-885 (``unsharded_grad =
+      flat_param.grad.data; flat_param.grad = None``, the new shard from
+      ``_get_reduce_scatter_tensors`` kept as ``_saved_grad_shard``); FSDP2,
+      ``_fully_shard/_fsdp_param_group.py`` ``post_backward`` (``unsharded_accumulated_grad = None``
+      once in the reduce-scatter's list; nothing is reduced while ``reduce_grads`` is off). So the layers already
+      back-propagated hold shards at the bottom layer's and the embedding's backward, and after
+      backward every gradient is a shard: the optimizer step sees shards (``grads`` counts the
+      unsharded accumulation). Per layer and in all: the unsharded gradients less their shards
+      (``model_states`` of the same setup synchronising every micro-batch).
+    * Under SHARD_GRAD_OP a unit is not resharded in a backward that does not synchronise
+      (``_should_free_in_backward`` L810-827: ``state._sync_gradients or`` a strategy that reshards
+      after forward), so after every micro-batch but the last the layers and the root stay gathered
+      until the next micro-batch's backward (FSDP2 reshards after every backward,
+      ``reshard_after_backward``).
+    Found by the sampled grid: Gemma-2 FSDP1 grad-op dp 4, 2 micro-batches, ``--grad-sync step``:
+    +3.33% at the last micro-batch's embedding backward before (mechanism 33; FSDP2: +3.24%)."""
+    if not t.accumulates_unsharded or t.shard_group < 2:
+        return {}
+    synced = model_states(m, replace(t, grad_sync="micro-batch"), stage)
+    kept = fsdp_grad_op(t) and t.fsdp_version == 1
+    return {"fsdp_accumulates": 1, "nosync_layer_reduce": st.layer_grads - synced.layer_grads,
+            "nosync_reduce": st.grads - synced.grads,
+            "nosync_kept_layer": st.layer_params_full if kept else 0, "nosync_kept_root": st.root_full if kept else 0}
 
 
 def fsdp1_unprefetched(t: TrainingSpec, lc: LayerCoefs) -> int:

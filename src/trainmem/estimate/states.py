@@ -71,6 +71,11 @@ class States:
     # registered after the encoder's layers, their gradients are made by the decoder's embedding
     # backward, after its first layer's backward and before the encoder's (``quantities._grads_above``)
     between_grads: int = 0
+    # FSDP1's root unit at the end of backward (``quantities.fsdp1_root_flat_gradient``): the unsharded
+    # gradients of its parameters (views of its flat parameter), tensor by tensor, and its flat
+    # gradient, one tensor of all of them, both in the gathered dtype
+    root_views: int = 0
+    root_flat: int = 0
 
 
 def _dim0_padded(shape: tuple[int, ...], n: int, d: int) -> int:
@@ -424,14 +429,19 @@ class _Tally:
     root_g: int = 0          # FSDP: the sharded gradients outside the layers (bytes)
     root_rs_elems: int = 0   # FSDP: the root's trainable elements, padded (its reduce-scatter input)
     root_last: int = 0       # FSDP: the unsharded gradient of the root's last trainable tensor (bytes)
+    root_views: int = 0      # FSDP: the root's unsharded gradients, tensor by tensor (bytes)
+    root_flat_bytes: int = 0  # FSDP: the root's unsharded gradients as one flat tensor (bytes, unrounded)
     each: dict = field(default_factory=dict)  # layer -> its gradient bytes (layers that differ)
     between: int = 0         # States.between_grads: an encoder-decoder's embedding tables after its encoder's layers
 
-    def root_gradient(self, shape: tuple[int, ...], n: int, d: int, g: int, full: int) -> None:
+    def root_gradient(self, shape: tuple[int, ...], n: int, d: int, g: int, full: int, gather: int = 0) -> None:
         """A trainable tensor of the FSDP root unit (``full``: its unsharded gradient's bytes, 0
-        without FSDP): its sharded gradient ``g``, and, in registration order, its part of the root's
-        post-backward reduce-scatter (``quantities.fsdp_buffers``)."""
+        without FSDP; ``gather``: bytes per element of it): its sharded gradient ``g``, and, in
+        registration order, its part of the root's post-backward reduce-scatter
+        (``quantities.fsdp_buffers``) and of FSDP1's flat gradient."""
         if full:
+            self.root_views += full
+            self.root_flat_bytes += n * gather
             self.root_g += g
             self.root_rs_elems += _dim0_padded(shape, n, d)
             self.root_last = full
@@ -504,7 +514,8 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
                   tuple(acc.items), tuple(acc.root_list), tuple(acc.layer_list),
                   each_layer_grads=tuple(g for _, g in sorted(acc.each.items())) if not lora else (),
                   root_rs=root_rs, root_last_grad=acc.root_last if root_rs else 0,
-                  between_grads=acc.between)
+                  between_grads=acc.between, root_views=acc.root_views,
+                  root_flat=block_bytes(acc.root_flat_bytes) if acc.root_flat_bytes else 0)
 
 
 def _load_list(before: list, layer: list, k: int, after: list) -> tuple[int, ...]:
@@ -571,7 +582,7 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
                 acc.layer_full += full
                 acc.layer_elems += n if full else 0
             continue
-        acc.root_gradient(p.shape, n, r.d, g, full)
+        acc.root_gradient(p.shape, n, r.d, g, full, r.gather)
         if p.role != "embedding" and layer:
             # registered after the layers (final norm, head): made first in backward; those before
             # them (ViT's patch projection, class token and position table) come last, with the

@@ -688,3 +688,31 @@ def check_against(model: Any, t: TrainingSpec) -> None:
         if experts and t.ep > 1:
             raise TrainmemError(f"--lora-targets {','.join(experts)} with --ep {t.ep}: adapters on expert-parallel "
                                 "experts are not modelled; target the attention or router linears, or use --ep 1")
+    split = fsdp1_tied_split(model, t)
+    if split:
+        raise TrainmemError(split)
+
+
+#: families whose transformers class lists its embeddings module in ``_no_split_modules`` (so peft's
+#: FSDP wrap policy gives it a unit of its own): BERT (modeling_bert.py ``BertPreTrainedModel``,
+#: ``_no_split_modules = ["BertEmbeddings", "BertLayer"]``) and XLM-RoBERTa-XL (``["XLMRobertaXLEmbeddings",
+#: "XLMRobertaXLLayer"]``), transformers 5.x
+EMBEDDINGS_UNIT_FAMILIES = ("bert", "roberta-prenorm")
+
+
+def fsdp1_tied_split(model: Any, t: TrainingSpec) -> str:
+    """Why FSDP1 cannot run this model with LoRA adapters in units of their own, or "". peft's
+    ``fsdp_auto_wrap_policy`` (peft/utils/other.py) wraps every class of the model's
+    ``_no_split_modules``, which for BERT and XLM-RoBERTa-XL includes the embeddings module: the word
+    embedding goes into that unit's flat parameter while the masked-LM head that ties its weight stays
+    in the root unit. With ``use_orig_params=True`` the tied Parameter's data is then the embedding
+    unit's flat shard (torch 2.13 ``fsdp/_flat_param.py`` ``_use_sharded_views``), and only the
+    modules of that unit get the unsharded views, so the head's linear gets a 1-D shard (the traced
+    step fails in ``mm``: "b must be 2D"). ``--fsdp-lora-units layer`` wraps the layers only."""
+    if not (t.fsdp is not None and t.fsdp_version == 1 and t.lora_rank and t.fsdp_lora_units == "separate"):
+        return ""
+    if model.family not in EMBEDDINGS_UNIT_FAMILIES or not model.tied_embeddings:
+        return ""
+    return (f"--fsdp-version 1 with LoRA on {model.name}: peft's FSDP wrap policy puts its embeddings in a unit "
+            "of their own, apart from the masked-LM head that ties their weight, which then computes on a shard "
+            "and fails; use --fsdp-lora-units layer (or --fsdp-version 2)")
