@@ -104,6 +104,8 @@ class Quantities:
     oib_end: int           # ... for the embeddings, updated last
     tied_grad: int         # a tied head's gradient waiting in autograd's input buffer
     transients: Any        # per layer-op backward transient: tuple of (a, b, c, g, d, at), or a TransientTable
+    logits_cast: int = 0   # --cast-output: the fp32 copy of the head's output (0: fp32 logits, nothing to cast)
+    cast_output: int = 0   # 1: --cast-output, the loop rebinds its output before its loss (litgpt under Fabric)
     fwd_temp: int = 0      # a layer's largest forward transient: a dequantized 4-bit weight (quant4.py)
     fwd_temp_tok: float = 0.0  # ... and its matmul output per token
     head_temp: int = 0     # the LM head's dequantized 4-bit weight, in its forward and its backward
@@ -428,6 +430,7 @@ class LossBytes(NamedTuple):
     backward_chunk: int = 0  # per element of one chunk: its backward
     saved_tok: int = 0      # per token, saved (Liger: the input gradient in the compute dtype, fp32 loss)
     saved_const: int = 0    # in total, saved (Liger: the head weight's gradient)
+    cast: int = 0           # the fp32 copy a wrapper makes of the head's output as forward returns (--cast-output)
 
 
 def loss_mode(m: ModelSpec, t: TrainingSpec) -> str:
@@ -520,6 +523,8 @@ def _loss_in_one_piece(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int) ->
 
 def _eager_loss_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int, mode: str, half: int) -> LossBytes:
     """The upcast / half loss run eagerly (``loss_bytes``)."""
+    if t.cast_output:
+        return _cast_output_loss_bytes(t, held, half)
     if dtensor_tp(t) and mode in ("upcast", "half"):
         return _loss_parallel_bytes(held, half, mode == "half", pol.amp)
     if mode == "half" and half != F32:
@@ -530,7 +535,40 @@ def _eager_loss_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int, mod
         if pol.amp:
             return LossBytes(held, half, half + F32, 0, F32)
         return LossBytes(held, half, half, 0, 2 * half)
+    if mode == "half" and t.loss_chunks > 1:  # fp32 logits, litgpt's chunked loss: one chunk's gradients at a time
+        return LossBytes(held, F32, F32, backward_chunk=2 * F32)
     return LossBytes(held, half, F32, F32 if half != F32 else 0, 2 * F32)
+
+
+def _cast_output_loss_bytes(t: TrainingSpec, held: int, half: int) -> LossBytes:
+    """The loss on the fp32 copy of the logits that Lightning Fabric hands the loop (``--cast-output``).
+
+    ``_FabricModule.forward`` ends with ``output = precision.convert_output(output)``, and every
+    precision plugin a half run uses (``HalfPrecision`` for bf16-true, ``MixedPrecision``,
+    ``FSDPPrecision``, ``BitsandbytesPrecision``) converts each floating tensor of the output, a list
+    of chunks included, with ``tensor.to(torch.get_default_dtype())`` (lightning 2.4.0
+    ``fabric/wrappers.py`` L135-146, ``fabric/plugins/precision/half.py`` L61-62,
+    ``bitsandbytes.py`` L155-156, ``fsdp.py`` L121-122; the same at Lightning master of 2023-09,
+    https://github.com/Lightning-AI/pytorch-lightning/blob/master/src/lightning/fabric/wrappers.py).
+    So the head's half output (``out``, per element: 2 B) and its fp32 copy (``cast``: 4 B) both
+    exist as forward returns; the half one is then unreferenced (``ToCopyBackward`` saves no tensor)
+    and the loop keeps the fp32 one (``held``: 4 B). litgpt's loop (``finetune/lora.py``: ``logits =
+    model(input_ids, lm_head_chunk_size=128)``, then ``chunked_cross_entropy(logits, ...)``) rebinds
+    ``logits`` before its loss, so the previous micro-batch's copy is freed before the loss runs
+    (``moments._micro_step``). ``F.cross_entropy`` on fp32 logits: ``log_softmax`` saves fp32
+    log-probabilities (4 B; no autocast copy: the input is fp32 already); backward starts with
+    ``nll_loss_backward``'s and ``_log_softmax_backward_data``'s fp32 gradients (8 B), one chunk at
+    a time under litgpt's chunked loss (``utils.py`` ``chunked_cross_entropy``: one
+    ``cross_entropy(reduction="none")`` per chunk), each chunk's gradient cast back to the head's
+    dtype by ``ToCopyBackward``. Not counted: the copy ``reshape`` makes of the last chunk when
+    litgpt slices it (``logits[-1][..., :-1, :]``) with a micro-batch above 1, alive until the loss
+    returns (4 B per element of one chunk, below the backward's 8). With fp32 logits (``--precision
+    fp32``) ``.to(fp32)`` returns the tensor itself: nothing is cast, the loop's rebinding stays."""
+    kept = F32 if held else 0  # the loop's fp32 copy (fp32 logits: the output itself, nothing cast)
+    cast = F32 if half != F32 else 0
+    if t.loss_chunks > 1:
+        return LossBytes(kept, half, F32, backward_chunk=2 * F32, cast=cast)
+    return LossBytes(kept, half, F32, 0, 2 * F32, cast=cast)
 
 
 def _compiled_loss_bytes(m: ModelSpec, t: TrainingSpec, held: int, half: int) -> LossBytes:
@@ -1069,6 +1107,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         gathered_layer=st.layer_params_full if fsdp_grad_op(t) else 0,
         logit_chunks=t.loss_chunks, logit_width=m.vocab_size if is_lm(m) else m.num_labels,
         tp=t.tp if is_lm(m) else 1, logits_held=loss.held, logits_out=loss.out, loss_saved=loss.saved,
+        logits_cast=loss.cast, cast_output=int(bool(t.cast_output and is_lm(m))),
         loss_forward=loss.forward, loss_backward=loss.backward, loss_forward_chunk=loss.forward_chunk,
         loss_backward_chunk=loss.backward_chunk, loss_saved_tok=loss.saved_tok, loss_saved_const=loss.saved_const,
         # --compile: the zero gradients of the KV-cache tensors the model returns (_compiled_loss_bytes)
