@@ -1011,8 +1011,9 @@ def quantities(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> Quantitie
     # accumulation enters only through whether FSDP accumulates its gradients unsharded (no_sync)
     # (an encoder-decoder's coefficients are read at its decoder-to-encoder length ratio)
     # (and interleaved 1F1B's pairs in flight, from the schedule of grad_accum micro-batches)
+    # (and whether the model builds a KV cache: config.use_cache, which ModelSpec's equality leaves out)
     key = (m, stage, _key_of(t), derived_regime(m, t), decoder_ratio(m, t), t.accumulates_unsharded,
-           t.grad_accum if t.virtual_stages > 1 else 0)
+           t.grad_accum if t.virtual_stages > 1 else 0, kv_cache(m, t))
     return _CACHE.get_or_build(key, lambda: _build(m, t, stage))
 
 
