@@ -81,3 +81,29 @@ def test_fp32_chunked_half_loss_agrees_with_trace():
     (the estimate counted them for the whole micro-batch: +10.6% on this setup before)."""
     e, t = _both(**{**BASE, "loss_chunks": 4, "lora_rank": 8, "precision": "fp32"})
     assert e.peak_allocated == pytest.approx(t.peak_allocated, rel=0.01)
+
+
+def test_use_cache_false_is_not_answered_from_the_cache():
+    """``--set use_cache=false`` (litgpt's GPT has no KV cache in training): ModelSpec's equality
+    leaves the config out, so the estimate's quantities cache must key on the cache itself (two
+    specs differing only in ``use_cache`` got one answer before)."""
+    opts = dict(batch_size=1, seq_len=512, precision="bf16", loss="half", hold_output="step")
+    with_cache = estimate("llama-3.2-1b", set=["tie_word_embeddings=false"], **opts)
+    without = estimate("llama-3.2-1b", set=["tie_word_embeddings=false", "use_cache=false"], **opts)
+    assert any(c.name == "activations.kv_cache" for c in with_cache.components)
+    assert not any(c.name == "activations.kv_cache" for c in without.components)
+
+
+def test_derived_model_without_cache_agrees_with_trace():
+    """A derived architecture (Phi) with ``use_cache=false`` is derived without the KV cache, as
+    transformers then builds none (the profile's fingerprint leaves ``use_cache`` out)."""
+    from trainmem.estimate import derived
+    from trainmem.spec.resolve import resolve
+    opts = dict(batch_size=2, seq_len=256, precision="bf16", loss="half", loss_chunks=2, hold_output="step",
+                grad_accum=2, lora_rank=8, lora_dtype="half", cast_output=True, gpu="a100-40gb")
+    cut = ["num_hidden_layers=2"]
+    runs = [resolve("phi-2", set=s, **opts) for s in (cut, cut + ["use_cache=false"])]
+    keys = {derived.key(r.model, r.training) for r in runs}
+    assert len(keys) == 2
+    e, t = (f("phi-2", set=cut + ["use_cache=false"], **opts) for f in (estimate, trace))
+    assert e.peak_allocated == pytest.approx(t.peak_allocated, rel=0.01)

@@ -1100,7 +1100,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         kept_tok=kept[0], kept_sq=kept[1], redo_tok=redo[0], redo_sq=redo[1],
         # (a layer traced checkpointed has its recomputed copies in its measured transients)
         redo_const=cast_layer if (checkpointed and top_recomputed and not lc.checkpointed) else 0,
-        held_tok=lc.held, cache_tok=lc.cache,
+        held_tok=lc.held, cache_tok=lc.cache, loss_forward_chunk=loss.forward_chunk,
         outer_head_tok=head_tok, outer_rest_tok=rest_tok, outer_rest_sq=rest_sq, outer_rest_pos=rest_pos,
         head_loss_tok=derived_head_loss(m, t, stage) if derived else head_during_loss(m, t, pol, stage),
         cast_layer=cast_layer, cast_head=cast_head, cast_checkpointed=cast_layer * checkpointed,
@@ -1108,8 +1108,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         gathered_layer=st.layer_params_full if fsdp_grad_op(t) else 0,
         logit_chunks=t.loss_chunks, logit_width=m.vocab_size if is_lm(m) else m.num_labels,
         tp=t.tp if is_lm(m) else 1, logits_held=loss.held, logits_out=loss.out, loss_saved=loss.saved,
-        logits_cast=loss.cast, cast_output=int(bool(t.cast_output and is_lm(m))),
-        loss_forward=loss.forward, loss_backward=loss.backward, loss_forward_chunk=loss.forward_chunk,
+        logits_cast=loss.cast, cast_output=int(t.cast_output), loss_forward=loss.forward, loss_backward=loss.backward,
         loss_backward_chunk=loss.backward_chunk, loss_saved_tok=loss.saved_tok, loss_saved_const=loss.saved_const,
         # --compile: the zero gradients of the KV-cache tensors the model returns (_compiled_loss_bytes)
         loss_backward_tok=lc.cache * layers if t.compile else 0.0,
