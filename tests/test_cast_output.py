@@ -41,6 +41,8 @@ def test_the_cast_copy_is_the_peak_of_a_half_lora_run():
     e, t = _both(**opts, cast_output=True)
     assert e.peak_where == "output.cast"
     assert "_to_copy" in t.peak_where
+    # the replayed step (estimate/reserved.py) makes the fp32 copies too
+    assert e.peak_reserved == pytest.approx(t.peak_reserved, rel=0.02)
     plain = trace("llama-3.2-1b", **opts)
     # per logit element: 4 B (previous copy) + 2 B (half) + 4 B (fp32) at the cast against the plain
     # loop's half logits and log-probabilities; the copy adds at least one half logits' worth
