@@ -109,3 +109,16 @@ def test_derived_model_without_cache_agrees_with_trace():
     assert len(keys) == 2
     e, t = (f("phi-2", set=cut + ["use_cache=false"], **opts) for f in (estimate, trace))
     assert e.peak_allocated == pytest.approx(t.peak_allocated, rel=0.01)
+
+
+@pytest.mark.parametrize("layout", [
+    dict(dp=2),
+    dict(dp=2, fsdp="full", lora_rank=8, lora_dtype="half"),
+    # Lightning Fabric's FSDPStrategy as litgpt configures it: FSDP1, adapters in their layer's unit,
+    # activation checkpointing of every block, no_sync while accumulating
+    dict(dp=2, fsdp="full", fsdp_version=1, lora_rank=8, lora_dtype="half", fsdp_lora_units="layer",
+         grad_sync="step", recompute="full"),
+], ids=["ddp", "fsdp2-lora", "fsdp1-litgpt"])
+def test_estimate_agrees_with_trace_data_parallel(layout):
+    e, t = _both(**{**BASE, "precision": "bf16", "cast_output": True, **layout})
+    assert e.peak_allocated == pytest.approx(t.peak_allocated, rel=0.01)
