@@ -122,3 +122,55 @@ def test_derived_model_without_cache_agrees_with_trace():
 def test_estimate_agrees_with_trace_data_parallel(layout):
     e, t = _both(**{**BASE, "precision": "bf16", "cast_output": True, **layout})
     assert e.peak_allocated == pytest.approx(t.peak_allocated, rel=0.01)
+
+
+# ----- --fused-qkv: litgpt's fused q/k/v linear ---------------------------------------------------------
+def _litgpt_attention_saves_fused_output(groups: int, q_per_kv: int) -> bool:
+    """litgpt's CausalSelfAttention reshaping (litgpt 0.5.3 ``model.py`` L268-290) on real CPU
+    tensors: does a tensor autograd saves share the fused q/k/v output's storage?"""
+    import torch
+    b, t, hs = 2, 8, 16
+    heads = groups * q_per_kv
+    x = torch.randn(b, t, 32, requires_grad=True)
+    w = torch.randn((heads + 2 * groups) * hs, 32)
+    fused = torch.nn.functional.linear(x, w)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda s: saved.append(s) or s, lambda s: s):
+        qkv = fused.view(b, t, groups, q_per_kv + 2, hs).permute(0, 2, 3, 1, 4)
+        q, k, v = qkv.split((q_per_kv, 1, 1), dim=2)
+        if q_per_kv > 1:
+            k, v = k.expand(b, groups, q_per_kv, t, hs), v.expand(b, groups, q_per_kv, t, hs)
+        q, k, v = (z.reshape(b, -1, t, hs) for z in (q, k, v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    y.sum().backward()
+    ptr = fused.untyped_storage().data_ptr()
+    return any(s.untyped_storage().data_ptr() == ptr for s in saved)
+
+
+def test_fused_qkv_output_is_kept_only_with_one_query_head_per_group():
+    assert _litgpt_attention_saves_fused_output(groups=4, q_per_kv=1)
+    assert not _litgpt_attention_saves_fused_output(groups=2, q_per_kv=2)
+
+
+@pytest.mark.parametrize("model", ["llama-2-7b", "mistral-7b"])
+def test_fused_qkv_adds_the_query_and_key_widths_per_layer(model):
+    """The estimate keeps, per layer, the fused output's query and key part (the value part is what
+    transformers' attention saves too) when the model has as many key/value heads as query heads."""
+    from trainmem.spec.config import resolve_model
+    m = resolve_model(model)
+    opts = dict(batch_size=1, seq_len=512, precision="bf16", lora_rank=8, lora_targets="q_proj,v_proj",
+                lora_dtype="half", loss="half", hold_output="step")
+    plain, fused = (estimate(model, fused_qkv=f, **opts) for f in (False, True))
+    parts = {c.name: c.bytes for c in fused.components}
+    expected = (m.q_size + m.kv_size) * 2 * 512 * m.num_layers if m.num_heads == m.num_kv_heads else 0
+    assert parts.get("activations.layers.attn.fused_qkv", 0) == pytest.approx(expected, rel=1e-6)
+    assert fused.peak_allocated - plain.peak_allocated == pytest.approx(expected, abs=2 ** 21)
+
+
+def test_fused_qkv_is_refused_where_transformers_fuses_or_trace_runs():
+    with pytest.raises(TrainmemError, match="--fused-qkv"):
+        estimate("phi-3-mini", seq_len=64, fused_qkv=True)
+    with pytest.raises(TrainmemError, match="--fused-qkv"):
+        trace("llama-3.2-1b", seq_len=64, set=TWO_LAYERS, fused_qkv=True)
+    with pytest.raises(TrainmemError, match="--fused-qkv"):
+        TrainingSpec(batch_size=1, seq_len=64, fused_qkv=True, tp=2)

@@ -109,6 +109,7 @@ CASES = [
     # Lightning Fabric's fp32 copy of the half logits (vs --loss half alone)
     ({"cast_output": True, "loss": "half"}, CHANGED, ""),
     ({"cast_output": True}, REFUSED, "--cast-output"),  # the model's own loss reads no returned logits
+    ({"fused_qkv": True}, REFUSED, "--fused-qkv"),  # litgpt's attention; trace runs transformers' (estimate only)
     ({"loss": "fused"}, REFUSED, "--loss fused"),
     ({"master_weights": "fp32", "precision": "bf16"}, REFUSED, "--master-weights fp32"),
     ({"dropout": False}, "same", "Llama has no dropout (GPT-2 below has)"),

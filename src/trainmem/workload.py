@@ -44,6 +44,8 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
            if getattr(t, key) != 1 and not (key == "pp" and what == "trace")]
     if t.zero_stage and t.fsdp is None:
         bad.append(f"ZeRO stage {t.zero_stage} (DeepSpeed)")
+    if t.fused_qkv:  # transformers' attention computes q, k and v with separate linears
+        bad.append("--fused-qkv (litgpt's attention; this runs transformers')")
     if t.sequence_parallel and what != "trace":
         bad.append("--sequence-parallel")
     if t.offload_optimizer:

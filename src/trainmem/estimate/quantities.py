@@ -540,6 +540,25 @@ def _eager_loss_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int, mod
     return LossBytes(held, half, F32, F32 if half != F32 else 0, 2 * F32)
 
 
+def fused_qkv_kept(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs) -> LayerCoefs:
+    """``--fused-qkv``: litgpt's ``CausalSelfAttention`` computes q, k and v with one linear of
+    ``(n_head + 2 * n_query_groups) * head_size`` outputs, views it as (B, T, groups, q_per_kv + 2,
+    head) and permutes it to (B, groups, q_per_kv + 2, T, head), splits q, k and v and reshapes each
+    to (B, heads, T, head) (litgpt 0.5.3 ``litgpt/model.py`` L268-290; the same at 00af8b0d). With
+    one query head per key/value group (q_per_kv = 1) those reshapes are views of the fused output,
+    and the value goes to SDPA as such: SDPA saves it, so the whole fused output (with LoRA, the sum
+    ``pretrained + lora``) stays alive until the layer's backward. transformers' attention (separate
+    ``q_proj``/``k_proj``/``v_proj``) keeps only the value projection's output, counted already: the
+    difference is the query and key widths, per token, in the matmul dtype (``pol.half``; shape
+    (b, s, q_size + kv_size)). With grouped-query heads (q_per_kv > 1) ``expand`` then ``reshape``
+    copies, and nothing more is kept."""
+    if not t.fused_qkv or m.num_heads != m.num_kv_heads:
+        return lc
+    extra = float((m.q_size + m.kv_size) * pol.half)  # bytes per token: (b, s, q + k) of the fused output
+    tensors = lc.tensors + ((extra, 0.0),) if lc.tensors else lc.tensors
+    return replace(lc, tok=lc.tok + extra, parts=lc.parts + (("attn.fused_qkv", extra, 0.0),), tensors=tensors)
+
+
 def _cast_output_loss_bytes(t: TrainingSpec, held: int, half: int) -> LossBytes:
     """The loss on the fp32 copy of the logits that Lightning Fabric hands the loop (``--cast-output``).
 
@@ -1054,7 +1073,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     pol = Policy.of(t.precision)
     st = model_states(m, t, stage)
     derived = m.family == "derived"
-    lc = derived_layer(m, t, stage) if derived else layer_coefficients(layer_key(m, t))
+    lc = fused_qkv_kept(m, t, pol, derived_layer(m, t, stage) if derived else layer_coefficients(layer_key(m, t)))
     layers = m.num_layers // (t.pp * t.virtual_stages)  # one stage's (interleaved: a rank holds several)
     oib = t.optimizer_in_backward
     sp = t.tp if t.sequence_parallel else 1

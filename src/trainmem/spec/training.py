@@ -165,6 +165,8 @@ class TrainingSpec:
     loss_shift: str = "labels"  # LOSS_SHIFTS: "logits" = ``logits[..., :-1, :].contiguous()`` before the loss
     cast_output: bool = False  # the model's output is cast to fp32 as forward returns, and the loop's loss runs on
     #                            that copy (Lightning Fabric's ``_FabricModule.forward``: ``convert_output``; litgpt)
+    fused_qkv: bool = False  # q, k, v from one fused linear whose output the attention keeps while a view of it is
+    #                          saved (litgpt's CausalSelfAttention); the model's transformers class has separate ones
     fsdp_lora_units: str = "separate"  # FSDP_LORA_UNITS: "layer" puts adapters in their layer's FSDP1 unit
     target_len: int | None = None  # an encoder-decoder's decoder tokens (its labels); None: seq_len
     image_size: int | None = None  # an image model's square image side in pixels; sets seq_len (its patches)
@@ -400,6 +402,11 @@ class TrainingSpec:
         mem bug: delete useless buffered activation", 2024-07-16)."""
         return self.quantize is not None and self.bitsandbytes_release() < (0, 43, 2)
 
+    def _check_fused_qkv(self) -> None:
+        if self.fused_qkv and (self.tp > 1 or self.pp > 1):
+            raise TrainmemError(f"--fused-qkv is litgpt's attention on one GPU or data parallelism; drop "
+                                f"{'--tp' if self.tp > 1 else '--pp'} or --fused-qkv")
+
     def _check_cast_output(self) -> None:
         """``--cast-output`` is Lightning Fabric's wrapper around a model whose logits the loop's own
         loss reads (``--loss half`` or ``upcast``); one GPU's or a data-parallel rank's output."""
@@ -432,6 +439,7 @@ class TrainingSpec:
             object.__setattr__(self, "loss", "chunked")
         _choice("loss-shift", self.loss_shift, LOSS_SHIFTS)
         self._check_cast_output()
+        self._check_fused_qkv()
         if self.loss_shift == "logits" and (self.loss != "half" or self.loss_chunks > 1):
             raise TrainmemError("--loss-shift logits is a loop that shifts the half logits before its cross-entropy "
                                 "(GPTLMLoss, older transformers models): give --loss half (in one piece), or drop "
@@ -636,6 +644,9 @@ def _size_problems(model: Any, t: TrainingSpec) -> str | None:
     if model.head in ("seq2seq-lm", "image-cls") and t.loss is not None:
         return (f"--loss {t.loss}: {model.name}'s {model.head} head computes its own loss "
                 f"({model.architecture}.forward with labels); drop --loss")
+    if t.fused_qkv and not {"q_proj", "k_proj", "v_proj"} <= {p.module for p in model.parameter_tensors()}:
+        return (f"--fused-qkv models litgpt's fused q/k/v linear over a transformers attention with separate "
+                f"q_proj, k_proj and v_proj; {model.name}'s has none (it fuses them itself): drop --fused-qkv")
     if t.cast_output and model.head != "causal-lm":
         return (f"--cast-output is modelled for causal-LM heads (litgpt's GPT under Lightning Fabric); "
                 f"{model.name} has a {model.head} head: drop --cast-output")
