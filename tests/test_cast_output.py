@@ -174,3 +174,33 @@ def test_fused_qkv_is_refused_where_transformers_fuses_or_trace_runs():
         trace("llama-3.2-1b", seq_len=64, set=TWO_LAYERS, fused_qkv=True)
     with pytest.raises(TrainmemError, match="--fused-qkv"):
         TrainingSpec(batch_size=1, seq_len=64, fused_qkv=True, tp=2)
+
+
+def test_layout_arrays_equal_the_scalar_estimate():
+    """The planner's engine on arrays of layouts counts the cast copy and the fused q/k/v output as
+    the scalar estimate does (``plan`` keeps ``--tp 1 --pp 1`` with these options)."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    from trainmem.estimate.engine import estimate_layouts
+    from trainmem.spec.config import resolve_model
+    m = resolve_model("llama-2-7b")
+    for base in (TrainingSpec(precision="bf16", loss="half", loss_chunks=4, hold_output="step", cast_output=True,
+                              fused_qkv=True, lora_rank=8, lora_dtype="half", grad_accum=4),
+                 TrainingSpec(precision="bf16-amp", loss="upcast", cast_output=True, fused_qkv=True, dp=4,
+                              fsdp="full")):
+        b, seq = np.array([1, 2, 4, 3]), np.array([512, 1024, 2048, 1304])
+        out = estimate_layouts(m, base, batch_size=b, seq_len=seq)
+        for i in range(len(b)):
+            r = estimate(m, training=replace(base, batch_size=int(b[i]), seq_len=int(seq[i])))
+            assert int(out["peak_allocated"][i]) == r.peak_allocated
+
+
+def test_plan_keeps_one_gpu_layouts_for_litgpt_options():
+    from trainmem.plan.planner import plan
+    res = plan("llama-3.2-1b", gpus=4, global_batch=16, seq_len=512, gpu="a100-40gb", loss="half", cast_output=True)
+    assert res.top and all(lay.tp == 1 and lay.pp == 1 for lay in res.top)
+    with pytest.raises(TrainmemError, match="--cast-output --tp 1,2"):
+        plan("llama-3.2-1b", gpus=4, global_batch=16, seq_len=512, gpu="a100-40gb", loss="half", cast_output=True,
+             tp="1,2")
