@@ -158,7 +158,7 @@ def test_shipped_coefficients_are_current(name):
     r = trainmem.estimate(name, **_default_size(trainmem.resolve_model(name)))
     shipped = read_cached("coefficients", derived.key(r.model, r.training))
     assert shipped is not None
-    fresh = derive_coefficients(r.model, derived._canonical(r.training), derived.regime(r.model, r.training))
+    fresh = derive_coefficients(r.model, derived._canonical(r.training, r.model), derived.regime(r.model, r.training))
     if "terms" in fresh:  # an encoder-decoder's, fitted in its two lengths: compared at two ratios
         for ratio in (1.0, 0.25):
             shipped_at, fresh_at = derived.at_lengths(shipped, ratio), derived.at_lengths(fresh, ratio)

@@ -108,6 +108,10 @@ CASES = [
     ({"loss": "chunked", "loss_chunks": 4}, CHANGED, ""),
     ({"loss": "half", "loss_chunks": 4, "fsdp": "full", "dp": 2}, REFUSED, "--loss-chunks 4"),
     ({"loss": "upcast"}, CHANGED, ""),  # the loop computes the loss from the output, not the model
+    # Lightning Fabric's fp32 copy of the half logits (vs --loss half alone)
+    ({"cast_output": True, "loss": "half"}, CHANGED, ""),
+    ({"cast_output": True}, REFUSED, "--cast-output"),  # the model's own loss reads no returned logits
+    ({"fused_qkv": True}, REFUSED, "--fused-qkv"),  # litgpt's attention; trace runs transformers' (estimate only)
     ({"loss": "fused"}, REFUSED, "--loss fused"),
     ({"master_weights": "fp32", "precision": "bf16"}, REFUSED, "--master-weights fp32"),
     ({"dropout": False}, "same", "Llama has no dropout (GPT-2 below has)"),
@@ -122,7 +126,7 @@ REFERENCE = {"fsdp_version": {"fsdp": "full", "dp": 2},
              "bitsandbytes_version": {"lora_rank": 8, "quantize": "nf4"},
              "grad_sync": {"grad_accum": 2, "fsdp": "full", "dp": 2}, "offload_activations": {"recompute": "full"},
              "pp": {"grad_accum": 2}, "num_microbatches_in_flight": {"pp": 2, "grad_accum": 2},
-             "pp_schedule": {"pp": 2, "grad_accum": 2}}
+             "pp_schedule": {"pp": 2, "grad_accum": 2}, "cast_output": {"loss": "half"}}
 GPT2_CASES = [({"dropout": False}, CHANGED, "")]
 #: FSDP1 with LoRA adapters in units of their own on BERT: peft's policy wraps its embeddings apart
 #: from the masked-LM head that ties their weight (spec.training.fsdp1_tied_split)

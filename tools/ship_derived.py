@@ -45,7 +45,7 @@ def main() -> None:
                 # an image model's sequence is its default image size's patches (--seq-len is refused)
                 size = {} if m.is_image else {"seq_len": min(seq, m.max_positions)}
                 t = resolve(name, precision=precision, recompute=recompute, **size).training
-                doc = derive_coefficients(m, derived._canonical(t), derived.regime(m, t))
+                doc = derive_coefficients(m, derived._canonical(t, m), derived.regime(m, t))
                 doc["version"] = derived.COEF_VERSION
                 _write(os.path.join(spec_dir, "coefficients", f"{derived.key(m, t)}.json"), doc)
                 written += 1

@@ -56,6 +56,8 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
            if getattr(t, key) != 1 and not (key == "pp" and what == "trace")]
     if t.zero_stage and t.fsdp is None:
         bad.append(f"ZeRO stage {t.zero_stage} (DeepSpeed)")
+    if t.fused_qkv:  # transformers' attention computes q, k and v with separate linears
+        bad.append("--fused-qkv (litgpt's attention; this runs transformers')")
     if t.sequence_parallel and what != "trace":
         bad.append("--sequence-parallel")
     if t.offload_optimizer:
@@ -343,6 +345,8 @@ class TrainStep:
             out = self.model(**batch)
             return out, (out.loss if getattr(out, "loss", None) is not None else out[0].float().mean())
         labels = batch["labels"]
+        if t.cast_output:
+            return self._cast_output_loss(batch["input_ids"], labels)
         if t.loss_chunks > 1:  # chunked (torchtune) or half (litgpt)
             return _chunked_output_loss(self.model, batch["input_ids"], labels, t.loss_chunks, t.loss == "chunked")
         out = self.model(input_ids=batch["input_ids"])
@@ -351,6 +355,34 @@ class TrainStep:
             logits, labels = logits[..., :-1, :].contiguous(), labels[..., 1:]
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
         return out, loss
+
+    def _cast_output_loss(self, ids: torch.Tensor, labels: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        """``--cast-output``: litgpt's step under Lightning Fabric. The model's output (the head's
+        chunks with ``--loss-chunks``, litgpt's ``model(input_ids, lm_head_chunk_size=128)``) is cast
+        as Fabric's ``_FabricModule.forward`` does (``precision.convert_output``: ``tensor.to(
+        torch.get_default_dtype())`` for each floating tensor, a new list built while the half one
+        is alive), the loop rebinds its name to it (``hold_output`` step: the previous output freed
+        before the loss), then ``--loss half`` runs ``cross_entropy`` on the fp32 logits (litgpt's
+        ``chunked_cross_entropy``: per chunk, ``reduction="none"``, concatenated and summed)."""
+        t, chunks = self.training, self.training.loss_chunks
+        if chunks > 1:
+            half = _chunked_output(self.model, ids, chunks)
+            out: Any = [c.to(torch.get_default_dtype()) for c in half]
+            del half
+            logits = out
+        else:
+            out = self.model(input_ids=ids)
+            out["logits"] = out.logits.to(torch.get_default_dtype())  # the half logits are dropped
+            logits = [out.logits]
+        if t.hold_output == "step":
+            self.state["out"] = out
+        pairs = zip(logits, labels.chunk(chunks, dim=1) if chunks > 1 else [labels])
+        if chunks > 1:
+            loss = torch.cat([torch.nn.functional.cross_entropy(c.reshape(-1, c.shape[-1]), y.reshape(-1),
+                                                                reduction="none") for c, y in pairs]).sum()
+            return out, loss / labels.numel()
+        (c, y), = pairs
+        return out, torch.nn.functional.cross_entropy(c.float().reshape(-1, c.shape[-1]), y.reshape(-1))
 
     def release(self) -> None:
         """Drop the last batch and loss (and with them what they keep alive)."""
@@ -494,11 +526,7 @@ def _chunked_output_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torc
     ``logits / cap``, ``tanh``, ``* cap``; litgpt's ``GPT.forward`` applies ``do_softcapping`` to
     each ``lm_head`` chunk the same way): ``tanh`` saves its output, one logits-sized tensor per chunk.
     Returns (the list of logits, the loss)."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # through a peft wrapper
-    hidden = inner.base_model(input_ids=ids)[0]
-    head = inner.get_output_embeddings()
-    cap = getattr(inner.config, "final_logit_softcapping", None)
-    logits = [_softcap(head(h), cap) for h in hidden.chunk(chunks, dim=1)]
+    logits = _chunked_output(model, ids, chunks)
     pairs = zip(logits, labels.chunk(chunks, dim=1))
     if upcast:
         total = sum(torch.nn.functional.cross_entropy(c.float().reshape(-1, c.shape[-1]), y.reshape(-1),
@@ -507,6 +535,16 @@ def _chunked_output_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torc
         total = torch.cat([torch.nn.functional.cross_entropy(c.reshape(-1, c.shape[-1]), y.reshape(-1),
                                                              reduction="none") for c, y in pairs]).sum()
     return logits, total / labels.numel()
+
+
+def _chunked_output(model: torch.nn.Module, ids: torch.Tensor, chunks: int) -> list[torch.Tensor]:
+    """The head's output over ``chunks`` chunks of the final hidden states along the sequence, each
+    soft-capped as the model's forward caps it (see ``_chunked_output_loss``)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # through a peft wrapper
+    hidden = inner.base_model(input_ids=ids)[0]
+    head = inner.get_output_embeddings()
+    cap = getattr(inner.config, "final_logit_softcapping", None)
+    return [_softcap(head(h), cap) for h in hidden.chunk(chunks, dim=1)]
 
 
 def _softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:

@@ -179,6 +179,14 @@ def _add_loss(g: Any) -> None:
                         "ForCausalLMLoss >= 4.46, nanoGPT, litgpt) or logits (the loop makes a shifted "
                         "contiguous copy of the half logits, logits[..., :-1, :].contiguous(), as ColossalAI's "
                         "GPTLMLoss and older transformers models: one more logits-sized tensor while the loss runs)")
+    g.add_argument("--cast-output", action="store_true", default=None,
+                   help="the model's logits are cast to fp32 as forward returns and the loop's loss (--loss half "
+                        "or upcast) reads that copy: Lightning Fabric's module wrapper (convert_output), as "
+                        "litgpt's finetune scripts run")
+    g.add_argument("--fused-qkv", action="store_true", default=None,
+                   help="the attention computes q, k and v with one fused linear and keeps its whole output while "
+                        "the value (a view of it when each query head has its own key/value head) is saved: "
+                        "litgpt's CausalSelfAttention (estimate only)")
     g.add_argument("--loss-chunks", type=positive_int, default=None, metavar="N",
                    help="--loss chunked (each chunk upcast, torchtune's num_output_chunks) or half (half "
                         "chunks, litgpt's lm_head_chunk_size: N = ceil(seq / 128)): the output projection and "
@@ -303,8 +311,9 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 lora_targets=a.lora_targets, quantize=a.quantize, dropout=False if a.no_dropout else None,
                 optimizer_bucket_mb=a.optimizer_bucket_mb, loss_chunks=a.loss_chunks, loss=a.loss,
                 master_weights=a.master_weights, framework=a.framework, framework_version=a.framework_version,
-                torch_version=a.torch_version, grad_sync=a.grad_sync, fsdp_lora_units=a.fsdp_lora_units, fsdp_version=a.fsdp_version,
-                loss_shift=a.loss_shift, target_len=a.target_len, image_size=a.image_size,
+                torch_version=a.torch_version, grad_sync=a.grad_sync, fsdp_lora_units=a.fsdp_lora_units,
+                fsdp_version=a.fsdp_version, loss_shift=a.loss_shift, cast_output=a.cast_output, fused_qkv=a.fused_qkv,
+                target_len=a.target_len, image_size=a.image_size,
                 deepspeed_config=a.deepspeed_config, reduce_bucket_size=a.reduce_bucket_size,
                 overlap_comm=a.overlap_comm, contiguous_gradients=a.contiguous_gradients,
                 sub_group_size=a.sub_group_size, stage3_max_reuse_distance=a.stage3_max_reuse_distance,

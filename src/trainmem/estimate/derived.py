@@ -97,7 +97,7 @@ def sliding_window(m: ModelSpec) -> int:
 def key(m: ModelSpec, t: TrainingSpec) -> str:
     """The cache key of ``m``'s coefficients under ``t``: everything the traced layer depends on."""
     lora = (t.lora_rank, tuple(t.lora_targets or ()), t.lora_dropout, adapters_computed_half(t)) if t.lora_rank else ()
-    parts = [m.fingerprint, activation_precision(t), t.attention, t.dropout, lora, regime(m, t), without_cache(t)]
+    parts = [m.fingerprint, activation_precision(t), t.attention, t.dropout, lora, regime(m, t), without_cache(t, m)]
     if t.quantize:  # a 4-bit base is traced as one (the keys of other setups are unchanged)
         parts.append(("quantize", t.quantize, t.quantize_via))
     if m.is_encoder_decoder:  # measured per backward moment (keys of earlier derivations no longer match)
@@ -133,7 +133,7 @@ def coefficients(m: ModelSpec, t: TrainingSpec) -> dict[str, Any]:
     """The derived coefficients of ``m`` under ``t`` (stored, cached, or derived now); an
     encoder-decoder's read at ``t``'s ratio of decoder to encoder length (``at_lengths``)."""
     check(m, t)
-    doc = _coefficients(key(m, t), m, _canonical(t), regime(m, t))
+    doc = _coefficients(key(m, t), m, _canonical(t, m), regime(m, t))
     if "terms" not in doc:
         return doc
     return _at_ratio(key(m, t), doc, *decoder_ratio(m, t))
@@ -222,11 +222,14 @@ def moment_activations(m: ModelSpec, t: TrainingSpec) -> tuple[tuple[float, ...]
     return out[0], out[1]
 
 
-def without_cache(t: TrainingSpec) -> bool:
+def without_cache(t: TrainingSpec, m: ModelSpec | None = None) -> bool:
     """Whether the run builds no KV cache: transformers turns ``use_cache`` off under gradient
-    checkpointing (``merge_with_config_defaults``), and pipeline-parallel loops (torchtitan,
-    Megatron) run the layers without one (``quantities.kv_cache`` for the hand families)."""
-    return t.recompute == "full" or t.pp > 1
+    checkpointing (``merge_with_config_defaults``), pipeline-parallel loops (torchtitan,
+    Megatron) run the layers without one (``quantities.kv_cache`` for the hand families), and a
+    decoder-only config with ``use_cache`` false (``--set use_cache=false``) builds none. The
+    profile's fingerprint leaves ``use_cache`` out, so this is what tells the two derivations apart."""
+    off = m is not None and not m.is_encoder_decoder and not (m.config or {}).get("use_cache", True)
+    return t.recompute == "full" or t.pp > 1 or off
 
 
 def checkpointed(m: ModelSpec, t: TrainingSpec) -> bool:
@@ -260,7 +263,7 @@ def adapters_computed_half(t: TrainingSpec) -> bool:
     return t.lora_half or t.precision == "bf16-mp"
 
 
-def _canonical(t: TrainingSpec) -> TrainingSpec:
+def _canonical(t: TrainingSpec, m: ModelSpec | None = None) -> TrainingSpec:
     """``t`` reduced to what the derivation reads (so that equal keys share one derivation):
     ``recompute`` "full" stands for "derive without the KV cache" (``without_cache``)."""
     from dataclasses import replace
@@ -270,7 +273,7 @@ def _canonical(t: TrainingSpec) -> TrainingSpec:
                    fsdp_lora_units="separate", grad_sync="micro-batch",
                    precision=activation_precision(t),
                    lora_dtype="half" if (t.lora_rank and adapters_computed_half(t)) else t.lora_dtype,
-                   recompute="full" if without_cache(t) else "none",
+                   recompute="full" if without_cache(t, m) else "none",
                    recompute_every=1, bitsandbytes_version=None)
 
 
@@ -435,7 +438,7 @@ def notes(m: ModelSpec, t: TrainingSpec) -> list[str]:
     k = (m, key(m, t), t.attention)
     hit = _NOTES.get(k)
     if hit is None:
-        hit = _NOTES[k] = _notes(m, k[1], t.attention, _canonical(t), regime(m, t))
+        hit = _NOTES[k] = _notes(m, k[1], t.attention, _canonical(t, m), regime(m, t))
     return list(hit)
 
 

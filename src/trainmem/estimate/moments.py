@@ -86,6 +86,7 @@ class Tokens:
     head_chunk: Any = 0    # chunked loss: the chunks' logits gradients and the head's chunk gradients being summed
     head_chunk_first: Any = 0  # ... at the first chunk's head backward: every chunk's logits gradient, one weight gradient
     logits_grad: Any = 0   # the gradient of the logits (their dtype), when the loss's backward hands it on
+    cast_logits: Any = 0   # --cast-output: the fp32 copy of the head's output
     others: Any = 0        # the other micro-batches in flight: their layers' and embeddings' saved tensors
     others_layers: Any = 0  # ... of it, their layers'
     others_head: Any = 0   # ... and their final norm / head input (the last stage)
@@ -189,7 +190,7 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
                                    - 2 * chunk * q.softcap_saved, 0),
                   head_chunk_first=where(q.chunk_head_grads > 0, full * q.logits_out + q.chunk_head_grads // 3
                                          - chunk * q.softcap_saved, 0),
-                  logits_grad=full * q.logits_out,
+                  logits_grad=full * q.logits_out, cast_logits=full * q.logits_cast,
                   others=(layers + outer_rest) * (inflight - 1) // inflight + stage_out,
                   others_layers=layers * (inflight - 1) // inflight + stage_out,
                   others_head=outer_head * (head_units - 1),
@@ -427,9 +428,20 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     moments.append(_mo("forward", micro, step, "head.forward",
                        (grads_before, states, tk.inputs, ws, tk.all_acts, trunc(q.head_fwd_tok * tk.tokens)),
                        (prev_logits, prev_kv + tk.kv_held, 0), _both(valid, q.head_fwd_tok > 0), prev_graph + own))
+    # --cast-output (Lightning Fabric, quantities._cast_output_loss_bytes): as forward returns, the
+    # head's half output and its fp32 copy exist while the loop still holds the previous output; the
+    # loop then rebinds its name (the previous output freed) and its loss reads the fp32 copy (the
+    # half output freed; with fp32 logits nothing is cast and the loss reads them)
+    cast = q.cast_output > 0
+    moments.append(_mo("forward", micro, step, "output.cast",
+                       (grads_before, states, tk.inputs, ws, tk.all_acts, 0),
+                       (prev_logits + tk.out_logits + tk.cast_logits, prev_kv + tk.kv_held, 0),
+                       _both(valid, _both(cast, q.logits_cast > 0)), prev_graph + own,
+                       comm=q.fsdp_loss_root + q.fsdp_loss_ag + q.ds_gathered_top))
+    loss_logits = where(cast, where(q.logits_cast > 0, tk.cast_logits, tk.out_logits), prev_logits + tk.out_logits)
     moments.append(_mo("forward", micro, step, "cross_entropy",
                        (grads_before, states, tk.inputs, ws, tk.all_acts, tk.loss_forward + q.cast_forward_only),
-                       (prev_logits + tk.out_logits, prev_kv + tk.kv_held, tk.loss_saved), valid, prev_graph + own,
+                       (loss_logits, where(cast, 0, prev_kv) + tk.kv_held, tk.loss_saved), valid, prev_graph + own,
                        comm=q.fsdp_loss_root + q.fsdp_loss_ag + q.ds_gathered_top))
     # FSDP grad-op (and FSDP1) keep the root gathered from its forward to its backward
     ends.append(("forward", micro, step, q.fixed + grads_before + states + tk.inputs + ws + tk.all_acts

@@ -104,6 +104,8 @@ class Quantities:
     oib_end: int           # ... for the embeddings, updated last
     tied_grad: int         # a tied head's gradient waiting in autograd's input buffer
     transients: Any        # per layer-op backward transient: tuple of (a, b, c, g, d, at), or a TransientTable
+    logits_cast: int = 0   # --cast-output: the fp32 copy of the head's output (0: fp32 logits, nothing to cast)
+    cast_output: int = 0   # 1: --cast-output, the loop rebinds its output before its loss (litgpt under Fabric)
     fwd_temp: int = 0      # a layer's largest forward transient: a dequantized 4-bit weight (quant4.py)
     fwd_temp_tok: float = 0.0  # ... and its matmul output per token
     head_temp: int = 0     # the LM head's dequantized 4-bit weight, in its forward and its backward
@@ -439,6 +441,7 @@ class LossBytes(NamedTuple):
     backward_chunk: int = 0  # per element of one chunk: its backward
     saved_tok: int = 0      # per token, saved (Liger: the input gradient in the compute dtype, fp32 loss)
     saved_const: int = 0    # in total, saved (Liger: the head weight's gradient)
+    cast: int = 0           # the fp32 copy a wrapper makes of the head's output as forward returns (--cast-output)
 
 
 def loss_mode(m: ModelSpec, t: TrainingSpec) -> str:
@@ -547,6 +550,8 @@ def _loss_in_one_piece(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int) ->
 
 def _eager_loss_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int, mode: str, half: int) -> LossBytes:
     """The upcast / half loss run eagerly (``loss_bytes``)."""
+    if t.cast_output:
+        return _cast_output_loss_bytes(t, held, half)
     if dtensor_tp(t) and mode in ("upcast", "half"):
         return _loss_parallel_bytes(held, half, mode == "half", pol.amp)
     if mode == "half" and half != F32:
@@ -557,7 +562,59 @@ def _eager_loss_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int, mod
         if pol.amp:
             return LossBytes(held, half, half + F32, 0, F32)
         return LossBytes(held, half, half, 0, 2 * half)
+    if mode == "half" and t.loss_chunks > 1:  # fp32 logits, litgpt's chunked loss: one chunk's gradients at a time
+        return LossBytes(held, F32, F32, backward_chunk=2 * F32)
     return LossBytes(held, half, F32, F32 if half != F32 else 0, 2 * F32)
+
+
+def fused_qkv_kept(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs) -> LayerCoefs:
+    """``--fused-qkv``: litgpt's ``CausalSelfAttention`` computes q, k and v with one linear of
+    ``(n_head + 2 * n_query_groups) * head_size`` outputs, views it as (B, T, groups, q_per_kv + 2,
+    head) and permutes it to (B, groups, q_per_kv + 2, T, head), splits q, k and v and reshapes each
+    to (B, heads, T, head) (litgpt 0.5.3 ``litgpt/model.py`` L268-290; the same at 00af8b0d). With
+    one query head per key/value group (q_per_kv = 1) those reshapes are views of the fused output,
+    and the value goes to SDPA as such: SDPA saves it, so the whole fused output (with LoRA, the sum
+    ``pretrained + lora``) stays alive until the layer's backward. transformers' attention (separate
+    ``q_proj``/``k_proj``/``v_proj``) keeps only the value projection's output, counted already: the
+    difference is the query and key widths, per token, in the matmul dtype (``pol.half``; shape
+    (b, s, q_size + kv_size)). With grouped-query heads (q_per_kv > 1) ``expand`` then ``reshape``
+    copies, and nothing more is kept."""
+    if not t.fused_qkv or m.num_heads != m.num_kv_heads:
+        return lc
+    extra = float((m.q_size + m.kv_size) * pol.half)  # bytes per token: (b, s, q + k) of the fused output
+    tensors = lc.tensors + ((extra, 0.0),) if lc.tensors else lc.tensors
+    return replace(lc, tok=lc.tok + extra, parts=lc.parts + (("attn.fused_qkv", extra, 0.0),), tensors=tensors)
+
+
+def _cast_output_loss_bytes(t: TrainingSpec, held: int, half: int) -> LossBytes:
+    """The loss on the fp32 copy of the logits that Lightning Fabric hands the loop (``--cast-output``).
+
+    ``_FabricModule.forward`` ends with ``output = precision.convert_output(output)``, and every
+    precision plugin a half run uses (``HalfPrecision`` for bf16-true, ``MixedPrecision``,
+    ``FSDPPrecision``, ``BitsandbytesPrecision``) converts each floating tensor of the output, a list
+    of chunks included, with ``tensor.to(torch.get_default_dtype())`` (lightning 2.4.0
+    ``fabric/wrappers.py`` L135-146, ``fabric/plugins/precision/half.py`` L61-62,
+    ``bitsandbytes.py`` L155-156, ``fsdp.py`` L121-122; the same at Lightning master of 2023-09,
+    https://github.com/Lightning-AI/pytorch-lightning/blob/master/src/lightning/fabric/wrappers.py).
+    So the head's half output (``out``, per element: 2 B) and its fp32 copy (``cast``: 4 B) both
+    exist as forward returns; the half one is then unreferenced (``ToCopyBackward`` saves no tensor)
+    and the loop keeps the fp32 one (``held``: 4 B). litgpt's loop (``finetune/lora.py``: ``logits =
+    model(input_ids, lm_head_chunk_size=128)``, then ``chunked_cross_entropy(logits, ...)``) rebinds
+    ``logits`` before its loss, so the previous micro-batch's copy is freed before the loss runs
+    (``moments._micro_step``). ``F.cross_entropy`` on fp32 logits: ``log_softmax`` saves fp32
+    log-probabilities (4 B; no autocast copy: the input is fp32 already); backward starts with
+    ``nll_loss_backward``'s and ``_log_softmax_backward_data``'s fp32 gradients (8 B), one chunk at
+    a time under litgpt's chunked loss (``utils.py`` ``chunked_cross_entropy``: one
+    ``cross_entropy(reduction="none")`` per chunk), each chunk's gradient cast back to the head's
+    dtype by ``ToCopyBackward``. Not counted: the copy ``reshape`` makes of the last chunk when
+    litgpt slices it (``logits[-1][..., :-1, :]``) with a micro-batch above 1, alive until the loss
+    returns (4 B per element of one chunk, below the backward's 8). With fp32 logits (``--precision
+    fp32``) ``.to(fp32)`` returns the tensor itself: nothing is cast, the loop's rebinding stays."""
+    kept = F32 if held else 0  # the loop's fp32 copy (fp32 logits: the output itself, nothing cast)
+    cast = F32 if half != F32 else 0
+    if t.loss_chunks > 1:
+        return LossBytes(kept, half, F32, backward_chunk=2 * F32, cast=cast)
+    return LossBytes(kept, half, F32, 0, 2 * F32, cast=cast)
 
 
 def _compiled_loss_bytes(m: ModelSpec, t: TrainingSpec, held: int, half: int) -> LossBytes:
@@ -1000,8 +1057,9 @@ def quantities(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> Quantitie
     # accumulation enters only through whether FSDP accumulates its gradients unsharded (no_sync)
     # (an encoder-decoder's coefficients are read at its decoder-to-encoder length ratio)
     # (and interleaved 1F1B's pairs in flight, from the schedule of grad_accum micro-batches)
+    # (and whether the model builds a KV cache: config.use_cache, which ModelSpec's equality leaves out)
     key = (m, stage, _key_of(t), derived_regime(m, t), decoder_ratio(m, t), t.accumulates_unsharded,
-           t.grad_accum if t.virtual_stages > 1 else 0)
+           t.grad_accum if t.virtual_stages > 1 else 0, kv_cache(m, t))
     return _CACHE.get_or_build(key, lambda: _build(m, t, stage))
 
 
@@ -1042,7 +1100,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     pol = Policy.of(t.precision)
     st = model_states(m, t, stage)
     derived = m.family == "derived"
-    lc = derived_layer(m, t, stage) if derived else layer_coefficients(layer_key(m, t))
+    lc = fused_qkv_kept(m, t, pol, derived_layer(m, t, stage) if derived else layer_coefficients(layer_key(m, t)))
     layers = m.num_layers // (t.pp * t.virtual_stages)  # one stage's (interleaved: a rank holds several)
     oib = t.optimizer_in_backward
     sp = t.tp if t.sequence_parallel else 1
@@ -1088,7 +1146,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         kept_tok=kept[0], kept_sq=kept[1], redo_tok=redo[0], redo_sq=redo[1],
         # (a layer traced checkpointed has its recomputed copies in its measured transients)
         redo_const=cast_layer if (checkpointed and top_recomputed and not lc.checkpointed) else 0,
-        held_tok=lc.held, cache_tok=lc.cache,
+        held_tok=lc.held, cache_tok=lc.cache, loss_forward_chunk=loss.forward_chunk,
         outer_head_tok=head_tok, outer_rest_tok=rest_tok, outer_rest_sq=rest_sq, outer_rest_pos=rest_pos,
         head_loss_tok=derived_head_loss(m, t, stage) if derived else head_during_loss(m, t, pol, stage),
         cast_layer=cast_layer, cast_head=cast_head, cast_checkpointed=cast_layer * checkpointed,
@@ -1096,7 +1154,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         gathered_layer=st.layer_params_full if fsdp_grad_op(t) else 0,
         logit_chunks=t.loss_chunks, logit_width=m.vocab_size if is_lm(m) else m.num_labels,
         tp=t.tp if is_lm(m) else 1, logits_held=loss.held, logits_out=loss.out, loss_saved=loss.saved,
-        loss_forward=loss.forward, loss_backward=loss.backward, loss_forward_chunk=loss.forward_chunk,
+        logits_cast=loss.cast, cast_output=int(t.cast_output), loss_forward=loss.forward, loss_backward=loss.backward,
         loss_backward_chunk=loss.backward_chunk, loss_saved_tok=loss.saved_tok, loss_saved_const=loss.saved_const,
         # --compile: the zero gradients of the KV-cache tensors the model returns (_compiled_loss_bytes)
         loss_backward_tok=lc.cache * layers if t.compile else 0.0,

@@ -170,6 +170,10 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     # a chunked loss: one tensor per chunk, at most one chunk per token (more are not made: setup_warnings)
     chunks = max(1, min(int(q.logit_chunks), int(tk.tokens))) if q.liger_factor == 0 else 1
     out = R.allocs(_logit_tensors(tk.out_logits, q.logits_out, full, chunks))  # (b, s, vocab) logits
+    if q.logits_cast:  # --cast-output: Fabric's fp32 copies, made while the half output is alive
+        cast = R.allocs(_logit_tensors(tk.cast_logits, q.logits_cast, full, chunks))
+        R.frees(out)
+        out = cast
     R.frees(s.held)                                               # the previous step's output, replaced
     s.held = []
     fwd = R.allocs(_logit_tensors(tk.loss_forward, q.loss_forward, full, chunks))  # the fp32 copy, transient

@@ -130,6 +130,19 @@ class PlanResult:
 
 
 # ---------------------------------------------------------------------------------------------
+def _data_parallel_only(options: dict[str, Any], filters: dict[str, Any]) -> None:
+    """litgpt's options (``--cast-output``, ``--fused-qkv``) are modelled on one GPU and data
+    parallelism: the search keeps ``--tp 1 --pp 1``; a list asking for more is refused."""
+    given = [f"--{k.replace('_', '-')}" for k in ("cast_output", "fused_qkv") if options.get(k)]
+    if not given:
+        return
+    for key in ("tp", "pp"):
+        if filters[key] is not None and any(v > 1 for v in filters[key]):
+            raise TrainmemError(f"plan {given[0]} --{key} {','.join(map(str, filters[key]))}: {given[0]} is "
+                                f"modelled on one GPU and data parallelism; give --{key} 1 or drop {given[0]}")
+        filters[key] = [1]
+
+
 def _filter(value: Any, what: str) -> list[int] | None:
     if value is None:
         return None
@@ -422,6 +435,7 @@ def plan(model: Any, gpus: int, seq_len: int | None = None, global_batch: int | 
     filters = {"tp": _filter(tp, "--tp"), "pp": _filter(pp, "--pp"), "cp": _filter(cp, "--cp"),
                "dp": _filter(dp, "--dp"), "b": _filter(batch_size, "--batch-size"),
                "ga": _filter(grad_accum, "--grad-accum"), "zero": _zero_values(zero), "rec": _rec_filter(recompute)}
+    _data_parallel_only(options, filters)
     P = Planner(model, seq_len, global_batch, mfu, internode_gbs, gpus_per_node, filters, gpu=gpu, **options)
     a, rejected, mem, t, fits = P.evaluate(gpus)
     n_valid = len(a["tp"])

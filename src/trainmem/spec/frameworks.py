@@ -439,7 +439,10 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
         "hold_output": Cell("loss", (_s("lightning", "src/lightning/pytorch/loops/optimization/automatic.py",
                                         "62-74"),),
                             note="training_step returns the loss; its locals (the logits) are freed"),
-        "loss": Cell(shown=_NOT_SET), "attention": Cell(shown="the model's (sdpa)"), "recompute": Cell(shown="none"),
+        "loss": Cell(shown=_NOT_SET, note="a Fabric loop (litgpt's finetune scripts) gets the model's output as "
+                                          "an fp32 copy (_FabricModule.forward: precision.convert_output) and "
+                                          "computes its loss on it: --loss half --cast-output"),
+        "attention": Cell(shown="the model's (sdpa)"), "recompute": Cell(shown="none"),
         "sharding": Cell(shown="as the strategy says"), "dropout": Cell(shown="the config's"),
         "grad_sync": Cell(shown="micro-batch (trainmem default); a Fabric loop under no_backward_sync: step",
                           note="Fabric's no_backward_sync is FSDP's no_sync (lightning/fabric/strategies/fsdp.py "

@@ -165,6 +165,10 @@ class TrainingSpec:
     #                        the estimate models where they differ (docs/trace.md, "FSDP1")
     grad_sync: str = "micro-batch"  # GRAD_SYNC: "step" accumulates FSDP's gradients unsharded (no_sync)
     loss_shift: str = "labels"  # LOSS_SHIFTS: "logits" = ``logits[..., :-1, :].contiguous()`` before the loss
+    cast_output: bool = False  # the model's output is cast to fp32 as forward returns, and the loop's loss runs on
+    #                            that copy (Lightning Fabric's ``_FabricModule.forward``: ``convert_output``; litgpt)
+    fused_qkv: bool = False  # q, k, v from one fused linear whose output the attention keeps while a view of it is
+    #                          saved (litgpt's CausalSelfAttention); the model's transformers class has separate ones
     fsdp_lora_units: str = "separate"  # FSDP_LORA_UNITS: "layer" puts adapters in their layer's FSDP1 unit
     target_len: int | None = None  # an encoder-decoder's decoder tokens (its labels); None: seq_len
     image_size: int | None = None  # an image model's square image side in pixels; sets seq_len (its patches)
@@ -422,6 +426,29 @@ class TrainingSpec:
         mem bug: delete useless buffered activation", 2024-07-16)."""
         return self.quantize is not None and self.bitsandbytes_release() < (0, 43, 2)
 
+    def _check_fused_qkv(self) -> None:
+        if self.fused_qkv and (self.tp > 1 or self.pp > 1):
+            raise TrainmemError(f"--fused-qkv is litgpt's attention on one GPU or data parallelism; drop "
+                                f"{'--tp' if self.tp > 1 else '--pp'} or --fused-qkv")
+
+    def _check_cast_output(self) -> None:
+        """``--cast-output`` is Lightning Fabric's wrapper around a model whose logits the loop's own
+        loss reads (``--loss half`` or ``upcast``); one GPU's or a data-parallel rank's output."""
+        if not self.cast_output:
+            return
+        if self.loss not in ("half", "upcast"):
+            shown = f"--loss {self.loss}" if self.loss else "the model's own loss (no --loss)"
+            raise TrainmemError(f"--cast-output casts the logits that the loop's loss reads; {shown} is not "
+                                "computed from the returned logits: give --loss half (litgpt's "
+                                "chunked_cross_entropy) or --loss upcast")
+        if self.loss_shift == "logits":
+            raise TrainmemError("--cast-output with --loss-shift logits is not modelled (the shifted copy would be "
+                                "fp32); drop --loss-shift")
+        if self.pp > 1 or self.tp > 1 or self.compile:
+            what = "--pp" if self.pp > 1 else ("--tp" if self.tp > 1 else "--compile")
+            raise TrainmemError(f"--cast-output is modelled for one GPU and data parallelism (Lightning Fabric's "
+                                f"single-device, DDP and FSDP strategies); drop {what} or --cast-output")
+
     def _check_loss(self) -> None:
         if self.loss is not None:
             _choice("loss", self.loss, LOSSES)
@@ -435,6 +462,8 @@ class TrainingSpec:
         if self.loss is None and self.loss_chunks > 1:
             object.__setattr__(self, "loss", "chunked")
         _choice("loss-shift", self.loss_shift, LOSS_SHIFTS)
+        self._check_cast_output()
+        self._check_fused_qkv()
         if self.loss_shift == "logits" and (self.loss != "half" or self.loss_chunks > 1):
             raise TrainmemError("--loss-shift logits is a loop that shifts the half logits before its cross-entropy "
                                 "(GPTLMLoss, older transformers models): give --loss half (in one piece), or drop "
@@ -639,6 +668,12 @@ def _size_problems(model: Any, t: TrainingSpec) -> str | None:
     if model.head in ("seq2seq-lm", "image-cls") and t.loss is not None:
         return (f"--loss {t.loss}: {model.name}'s {model.head} head computes its own loss "
                 f"({model.architecture}.forward with labels); drop --loss")
+    if t.fused_qkv and not {"q_proj", "k_proj", "v_proj"} <= {p.module for p in model.parameter_tensors()}:
+        return (f"--fused-qkv models litgpt's fused q/k/v linear over a transformers attention with separate "
+                f"q_proj, k_proj and v_proj; {model.name}'s has none (it fuses them itself): drop --fused-qkv")
+    if t.cast_output and model.head != "causal-lm":
+        return (f"--cast-output is modelled for causal-LM heads (litgpt's GPT under Lightning Fabric); "
+                f"{model.name} has a {model.head} head: drop --cast-output")
     return None
 
 
