@@ -74,7 +74,9 @@ class Recipe:
     free_extra: dict = field(default_factory=dict)  # saved in later layers only (adapter dropout masks)
     free_weights: list = field(default_factory=list)  # weight elements of the frozen linears on it
     first_adapter_op: int = -1  # index in ``transients`` of the first adapted linear (forward order)
-    frozen_inputs: dict = field(default_factory=dict)  # inputs of frozen linears (forward-only when unsaved)
+    # tensors a layer makes in forward that may be freed there: frozen linears' inputs (when nothing
+    # saves them) and RMSNorm's fp32 intermediates (``LayerCoefs.fwd_free``, the replay's free blocks)
+    forward_only: dict = field(default_factory=dict)
 
     def save(self, *ts: T) -> None:
         for t in ts:
@@ -232,7 +234,7 @@ class Builder:
         (``_cast_input_dtype``; adapters are fp32 over half weights, ``autocast_adapter_dtype``),
         ``lora_A`` saves that input (under autocast its half cast), ``lora_B`` the rank-r result."""
         rank = self.lora_rank_of(name)
-        self.r.frozen_inputs[id(x)] = x
+        self.r.forward_only[id(x)] = x
         # the first layer (Recipe.first_layer_unsaved): is this linear's input the grad-free one?
         free_in = not self.r.adapter_seen or x is self.r.free_input
         if free_in:
@@ -316,6 +318,11 @@ class Builder:
         multiply with the weight. Output dtype: weight dtype x input dtype promotion."""
         x32 = x if x.nbytes == F32 else T(x.tok, 0, F32, name)
         self.r.save(T(x32.tok, 0, F32, name), T(1, 0, F32, name + ".stats"))
+        # forward only: ``pow(2)``'s fp32 output (reduced by ``mean``) and ``x * rsqrt(...)``'s fp32
+        # product (cast to the input dtype): freed within the forward (the replay's free blocks)
+        for part in ("pow", "normed32"):
+            t = T(x.tok, 0, F32, f"{name}.{part}")
+            self.r.forward_only[id(t)] = t
         self.r.input_saved |= x32 is x and x is self.layer_input  # x.float() of an fp32 input is the input
         normed = T(x.tok, 0, x.nbytes, name)  # fp32 normed.to(input_dtype) is a new tensor either way
         if not self.frozen:  # weight * normed saves normed only for the weight's gradient
@@ -712,8 +719,8 @@ class LayerCoefs:
     # each saved tensor in the order autograd saves it: (bytes per token, per token x key), for the
     # allocator replay of the step (reserved.py)
     tensors: tuple[tuple[float, float], ...] = ()
-    # tensors made and freed within the layer's forward (the inputs of frozen linears nothing saves),
-    # as ``tensors``: the free blocks they leave in the allocator's cache (reserved.py)
+    # tensors made and freed within the layer's forward (the inputs of frozen linears nothing saves,
+    # RMSNorm's fp32 intermediates), as ``tensors``: the free blocks they leave in the cache (reserved.py)
     fwd_free: tuple[tuple[float, float], ...] = ()
     # measured with the layers checkpointed (a derived encoder-decoder under full recompute): ``tok``,
     # ``sq`` are what a checkpointed layer keeps, the transients include its recomputation
@@ -779,7 +786,7 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
                       graph_held=sum(t.tok * t.nbytes for t in B.r.graph_held.values()),
                       first_unsaved=unsaved, first_free_weights=tuple(B.r.free_weights) if B.r.adapter_seen else (),
                       tensors=tuple(t.bytes_coef() for t in B.r.saved.values()),
-                      fwd_free=tuple(t.bytes_coef() for i, t in B.r.frozen_inputs.items()
+                      fwd_free=tuple(t.bytes_coef() for i, t in B.r.forward_only.items()
                                      if i not in B.r.saved and t is not x),
                       after_uncast=after_uncast if any(after_uncast) else (),
                       first_adapter_op=B.r.first_adapter_op)

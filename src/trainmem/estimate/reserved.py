@@ -192,6 +192,29 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     return _Forward(inputs, fs, root, emb, kept, head, out, saved, full, chunks)
 
 
+def _cast_chunks_backward(R: _Replay, q: Quantities, f: _Forward) -> list:
+    """The backward of a chunked loss on Fabric's fp32 copies of the head's chunks (``--cast-output``,
+    ``quantities._cast_output_loss_bytes``), chunk by chunk as autograd runs them, the last first:
+    ``nll_loss_backward``'s and ``_log_softmax_backward_data``'s fp32 gradients, the first freed with
+    the chunk's saved log-probabilities, the second kept until the copy's own backward, which runs
+    after every chunk's loss and casts it to the head's dtype (the gradients returned)."""
+    part = -(-f.full // f.chunks)                                 # logit elements of one chunk
+    pending = []
+    saved = list(f.saved)
+    for _c in range(f.chunks):
+        g1, g2 = R.alloc(part * 4), R.alloc(part * 4)             # fp32, one chunk
+        R.free(g1)
+        if saved:
+            R.free(saved.pop())
+        pending.append(g2)
+    R.frees(saved)
+    out = []
+    for g in pending:                                             # ToCopyBackward: to the head's dtype
+        out.append(R.alloc(part * q.logits_out))
+        R.free(g)
+    return out
+
+
 def _root_resharded(q: Quantities, fs: "_Fsdp") -> bool:
     """FSDP2 reshards the root unit when its forward returns and gathers it again at its pre-backward
     (``quantities.root_resharded_for_loss``): under ``--fsdp full``/``hybrid``, not grad-op."""
@@ -205,15 +228,18 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     buckets = R.allocs([q.ds_bucket] * (q.ds_backward_buf // q.ds_bucket if q.ds_bucket else 0))  # DeepSpeed ZeRO-1/2
     if _root_resharded(q, f.fs) and not q.fsdp_root_regather:     # the root's pre-backward: the loss is its output
         f.root = f.fs.unshard(R, q.fsdp_root, st.root_tensors, backward=True)
-    lb = R.allocs(_logit_tensors(tk.loss_backward, q.loss_backward, f.full, f.chunks))  # logits' gradients
-    R.frees(f.saved)
-    dlogits = R.allocs(_logit_tensors(tk.logits_grad, q.logits_out, f.full, f.chunks))  # in the head's dtype
-    R.frees(lb)
+    if q.logits_cast and f.chunks > 1:
+        dlogits = _cast_chunks_backward(R, q, f)
+    else:
+        lb = R.allocs(_logit_tensors(tk.loss_backward, q.loss_backward, f.full, f.chunks))  # logits' gradients
+        R.frees(f.saved)
+        dlogits = R.allocs(_logit_tensors(tk.logits_grad, q.logits_out, f.full, f.chunks))  # in the head's dtype
+        R.frees(lb)
     if _root_resharded(q, f.fs) and q.fsdp_root_regather:         # ... the logits (a loss outside the model)
         f.root = f.fs.unshard(R, q.fsdp_root, st.root_tensors, backward=True)
     head_full = R.alloc(st.head_grads_full)                       # FSDP: the head's unsharded gradients
-    s.workspace(R, 1)                                             # the head's backward matmuls
     tied = R.alloc(q.tied_grad)                                   # a tied head's gradient, until the embedding's
+    s.workspace(R, 1)                                             # after the head's first backward matmul
     R.frees(dlogits + f.head)
     for i in reversed(range(q.layers)):
         _layer_backward(R, s, q, f.fs, parts, f.kept[i], i, n, nsq, recompute, flags.oib)
@@ -340,7 +366,7 @@ def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: list[int], tk: T
     params = fs.unshard(R, q.fsdp_layer_buf, q.detail.states.layer_tensors)  # FSDP: this layer gathered
     if recompute == "none":
         kept = R.allocs(parts) + [R.alloc(q.cast_layer)]          # saved tensors + autocast weight copies
-        R.frees(R.allocs(getattr(parts, "forward_only", [])))     # the frozen linears' unsaved inputs
+        R.frees(R.allocs(getattr(parts, "forward_only", [])))     # what the forward makes and frees
     else:
         R.frees(R.allocs(parts))                                  # made and freed in the no-grad forward
         kept = R.allocs(_kept_blocks(parts, tk.layer, recompute))  # what the checkpoint keeps
