@@ -172,11 +172,24 @@ def test_layer_units_without_fsdp1_and_lora_is_a_warning():
 
 def test_published_litgpt_fsdp_lora_runs():
     """lit-gpt's FSDP LoRA resource table (Fabric FSDP1, Block units, no_backward_sync): 7 runs that
-    trainmem missed by 36-75% before these two mechanisms."""
+    trainmem missed by 36-75% before these two mechanisms. The estimate is the steady state (the
+    unsharded no_sync gradients beside a full-length micro-batch); lit-gpt 8641822 puts its longest
+    sample in the first iteration only, when no gradient exists yet, so a published peak lies at
+    most the gradients below the estimate (phi-1.5 at micro-batch 2 and 4 with Fabric's fp32
+    logits: +10% and +16%, docs/validation.md) and never more than 6% above it."""
+    import json
+    from pathlib import Path
     from trainmem.validate import validate
     v = validate(None, ["estimate"], ["litgpt_rt_"])
-    errs = [c.error for c in v.checks if "FSDP" in c.case and c.primary]
-    assert len(errs) == 7 and max(abs(e) for e in errs) < 0.06, errs
+    checks = [c for c in v.checks if "FSDP" in c.case and c.primary]
+    assert len(checks) == 7
+    for c in checks:
+        assert c.error > -0.06, (c.case, c.error)
+        fx = next(json.loads(p.read_text()) for p in Path(__file__).resolve().parents[1].glob(
+            "validation/published/litgpt_rt_*.json") if json.loads(p.read_text())["name"] == c.case)
+        setup = {k: v for k, v in fx["setup"].items() if k not in ("gpu",)}
+        grads = estimate(fx["model"], set=fx.get("overrides"), **setup).component("gradients")
+        assert c.predicted - c.measured <= grads, (c.case, c.error)
 
 
 @pytest.mark.parametrize("framework, unsharded", [("hf-trainer", True), ("accelerate", True),

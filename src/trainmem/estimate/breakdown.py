@@ -170,7 +170,9 @@ def activations(q: Quantities, tk: Tokens, at_peak: int, t: TrainingSpec, n: int
         first = {}  # LoRA: what the first layer does not save (quantities.first_layer_unsaved)
         if q.first_unsaved_tok - q.detail.received_tok or q.first_unsaved_sq:
             for name, a, b in q.detail.layer.first_unsaved:
-                first[name] = first.get(name, 0) + int(a * n + b * nsq) * tk.inflight
+                # per token x key terms are the core attention's, which selective recompute does not keep
+                sq = 0 if t.recompute == "selective" else b * nsq
+                first[name] = first.get(name, 0) + int(a * n + sq) * tk.inflight
         left = received  # the layer's first op saves its input: taken off the first parts that hold it
         for name, a, b in q.detail.layer.parts:
             v = (int(a * n) + (0 if t.recompute == "selective" else int(b * nsq))) * per_rank - first.get(name, 0)
