@@ -526,7 +526,11 @@ def _chunked_output_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torc
     ``logits / cap``, ``tanh``, ``* cap``; litgpt's ``GPT.forward`` applies ``do_softcapping`` to
     each ``lm_head`` chunk the same way): ``tanh`` saves its output, one logits-sized tensor per chunk.
     Returns (the list of logits, the loss)."""
-    logits = _chunked_output(model, ids, chunks)
+    # the final hidden states stay referenced until the loss is computed, as this workload has always
+    # run it (the estimate's chunked loss is checked against that; a frozen head's real loop frees them
+    # when the model's forward returns, docs/agreement.md)
+    hidden: list = []
+    logits = _chunked_output(model, ids, chunks, keep=hidden)
     pairs = zip(logits, labels.chunk(chunks, dim=1))
     if upcast:
         total = sum(torch.nn.functional.cross_entropy(c.float().reshape(-1, c.shape[-1]), y.reshape(-1),
@@ -537,11 +541,15 @@ def _chunked_output_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torc
     return logits, total / labels.numel()
 
 
-def _chunked_output(model: torch.nn.Module, ids: torch.Tensor, chunks: int) -> list[torch.Tensor]:
+def _chunked_output(model: torch.nn.Module, ids: torch.Tensor, chunks: int,
+                    keep: list | None = None) -> list[torch.Tensor]:
     """The head's output over ``chunks`` chunks of the final hidden states along the sequence, each
-    soft-capped as the model's forward caps it (see ``_chunked_output_loss``)."""
+    soft-capped as the model's forward caps it (see ``_chunked_output_loss``). ``keep``: a list the
+    final hidden states are appended to, for a caller that keeps them alive through its loss."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # through a peft wrapper
     hidden = inner.base_model(input_ids=ids)[0]
+    if keep is not None:
+        keep.append(hidden)
     head = inner.get_output_embeddings()
     cap = getattr(inner.config, "final_logit_softcapping", None)
     return [_softcap(head(h), cap) for h in hidden.chunk(chunks, dim=1)]
