@@ -128,16 +128,17 @@ class _Parts(list):
     """Bytes of each tensor one layer saves for backward, in order; ``forward_only``: those it makes
     and frees in its forward (``LayerCoefs.fwd_free``)."""
 
-    forward_only: list = []
+    def __init__(self, saved: Any, forward_only: list[int]) -> None:
+        super().__init__(saved)
+        self.forward_only = forward_only
 
 
 def _layer_parts(q: Quantities, n: int, nsq: int) -> _Parts:
     """Bytes of each tensor one layer saves for backward, in the order it saves them
     (``LayerCoefs.tensors``; a derived architecture's named parts, one block each)."""
     lc = q.detail.layer
-    parts = _Parts(int(a * n + b * nsq) for a, b in (lc.tensors or [(a, b) for _name, a, b in lc.parts]))
-    parts.forward_only = [int(a * n + b * nsq) for a, b in lc.fwd_free]
-    return parts
+    return _Parts((int(a * n + b * nsq) for a, b in (lc.tensors or [(a, b) for _name, a, b in lc.parts])),
+                  [int(a * n + b * nsq) for a, b in lc.fwd_free])
 
 
 @dataclass
@@ -361,12 +362,12 @@ class _Fsdp:
         self.ag = self.rs = None
 
 
-def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: list[int], tk: Tokens, recompute: str) -> list:
+def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: _Parts, tk: Tokens, recompute: str) -> list:
     """One layer's forward: what it keeps for backward (a list of handles)."""
     params = fs.unshard(R, q.fsdp_layer_buf, q.detail.states.layer_tensors)  # FSDP: this layer gathered
     if recompute == "none":
         kept = R.allocs(parts) + [R.alloc(q.cast_layer)]          # saved tensors + autocast weight copies
-        R.frees(R.allocs(getattr(parts, "forward_only", [])))     # what the forward makes and frees
+        R.frees(R.allocs(parts.forward_only))                     # what the forward makes and frees
     else:
         R.frees(R.allocs(parts))                                  # made and freed in the no-grad forward
         kept = R.allocs(_kept_blocks(parts, tk.layer, recompute))  # what the checkpoint keeps

@@ -56,11 +56,11 @@ def parse_torch_version(text: Any) -> tuple[int, ...]:
     return v
 
 
-def torch_defaults(version: tuple[int, ...] | None, options: Any = None) -> dict[str, Any]:
+def torch_defaults(version: tuple[int, ...] | None, fsdp: str | None = None) -> dict[str, Any]:
     """The option values a release implies when the user gives none (see the module docstring):
     ``zeros`` gradients, the for-loop optimizer and eager attention before 2.0; fp16 autocast
-    instead of trainmem's default bf16 autocast before 1.10; ``options`` (the
-    setup's values) decides whether FSDP is in use, which is FSDP1 before 2.4 (FSDP2's
+    instead of trainmem's default bf16 autocast before 1.10; with ``fsdp`` (the setup's
+    ``--fsdp``) FSDP is FSDP1 before 2.4 (FSDP2's
     ``fully_shard`` was released, as a prototype under ``torch.distributed._composable.fsdp``, with 2.4)."""
     if version is None:
         return {}
@@ -69,7 +69,6 @@ def torch_defaults(version: tuple[int, ...] | None, options: Any = None) -> dict
         out["precision"] = "fp16-amp"
     if version < (2, 0):
         out.update(zero_grad="zeros", optimizer_impl="for-loop", attention="eager")
-    fsdp = (options or {}).get("fsdp") if isinstance(options, dict) else getattr(options, "fsdp", None)
     if version < (2, 4) and fsdp is not None:
         out["fsdp_version"] = 1
     return out

@@ -182,10 +182,12 @@ class Resolved:
         if self.model.is_image and "seq_len" not in training_values(training_changes):
             changes = image_sizes(self.model, {k: v for k, v in changes.items() if k != "seq_len"},
                                   self.training.image_size)
-        # an option set back to None takes its release's default (``_release_defaults``)
-        kept = set(training_values(training_changes)) | {
-            f for f in TRAINING_DEFAULTS if f not in training_changes and getattr(self.training, f) != TRAINING_DEFAULTS[f]}
-        changes = _release_defaults({**_fields(self.training), **changes}, kept)
+        if changes.get("torch_version", self.training.torch_version) is not None:
+            # an option set back to None takes its release's default (``_release_defaults``)
+            kept = set(training_values(training_changes)) | {
+                f for f in TRAINING_DEFAULTS
+                if f not in training_changes and getattr(self.training, f) != TRAINING_DEFAULTS[f]}
+            changes = _release_defaults({**_fields(self.training), **changes}, kept)
         return dataclasses.replace(self, training=dataclasses.replace(self.training, **changes))
 
 
@@ -266,7 +268,7 @@ def _release_defaults(fields: dict[str, Any], kept: set[str]) -> dict[str, Any]:
     version = fields.get("torch_version")
     if version is None:
         return fields
-    implied = torch_defaults(parse_torch_version(version), fields)
+    implied = torch_defaults(parse_torch_version(version), fields.get("fsdp"))
     return {**fields, **{k: v for k, v in implied.items() if k not in kept}}
 
 

@@ -605,9 +605,9 @@ def _stream_patches(allocator: Any) -> dict[tuple[Any, str], Any]:
     streams: dict[int, _Stream] = {}
 
     class Stream(_Stream):
-        def __init__(self, *a: Any, **k: Any) -> None:
+        def __init__(self, *a: Any, _id: int | None = None, **k: Any) -> None:
             super().__init__()
-            self.stream_id = next(ids)
+            self.stream_id = next(ids) if _id is None else _id
             streams[self.stream_id] = self
 
         def __enter__(self) -> "_Stream":
@@ -618,10 +618,7 @@ def _stream_patches(allocator: Any) -> dict[tuple[Any, str], Any]:
         def __exit__(self, *a: Any) -> None:
             allocator.current_stream = self._outer
 
-    default = Stream()
-    del streams[default.stream_id]
-    default.stream_id = 0
-    streams[0] = default
+    default = Stream(_id=0)
 
     @contextlib.contextmanager
     def stream(s: Any) -> Any:
