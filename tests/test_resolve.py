@@ -269,3 +269,41 @@ def test_estimate_and_the_evaluator_take_the_framework():
     assert ev.report(dp=8).training.precision == "bf16-mp"
     assert estimate("llama-3.2-1b", framework="torchtitan", batch_size=1, seq_len=512).training == \
         ev.resolved.training
+
+
+# ----- a framework's own names of a precision or an optimizer ---------------------------------------
+@pytest.mark.parametrize("name, ours", [("bf16-true", "bf16"), ("bf16-mixed", "bf16-amp"), ("16-true", "fp16"),
+                                        ("16-mixed", "fp16-amp"), ("32-true", "fp32")])
+def test_lightning_precision_names_are_trainmems(name, ours):
+    a = estimate("llama-3.2-1b", seq_len=256, precision=name)
+    b = estimate("llama-3.2-1b", seq_len=256, precision=ours)
+    assert a.training.precision == ours and a.peak_allocated == b.peak_allocated
+    # under a preset too: the user's name replaces the preset's precision
+    assert resolve("gpt2", framework="lightning", precision=name).training.precision == ours
+
+
+@pytest.mark.parametrize("optim, ours, impl", [("adamw_torch", "adamw", None), ("adamw_torch_fused", "adamw", "fused"),
+                                               ("adamw_bnb_8bit", "adamw-8bit", None),
+                                               ("adamw_8bit", "adamw-8bit", None),
+                                               ("paged_adamw_8bit", "paged-adamw-8bit", None),
+                                               ("paged_adamw_32bit", "paged-adamw", None)])
+def test_hf_trainer_optim_names_are_trainmems(optim, ours, impl):
+    t = resolve("gpt2", optimizer=optim).training
+    assert t.optimizer == ours and t.optimizer_impl == impl
+    assert resolve("gpt2", optimizer=optim, optimizer_impl=impl).training == t
+    # the Trainer preset's own implementation gives way to the one the name says
+    if impl:
+        assert resolve("gpt2", framework="hf-trainer", optimizer=optim).training.optimizer_impl == impl
+
+
+def test_an_optim_name_that_contradicts_optimizer_impl_is_refused():
+    with pytest.raises(TrainmemError, match="adamw_torch_fused runs the fused implementation.*foreach"):
+        resolve("gpt2", optimizer="adamw_torch_fused", optimizer_impl="foreach")
+
+
+def test_names_trainmem_does_not_model_are_refused_at_the_cli():
+    from trainmem.cli import main
+    for args in (["--optimizer", "lion_8bit"], ["--precision", "transformer-engine"]):
+        with pytest.raises(SystemExit) as e:
+            main(["estimate", "gpt2", *args])
+        assert e.value.code == 2

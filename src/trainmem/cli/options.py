@@ -8,7 +8,7 @@ from typing import Any, Callable
 from ..spec.frameworks import FRAMEWORKS
 from ..spec.tasks import TASKS
 from ..spec.training import (ATTENTION, FSDP_LORA_UNITS, FSDP_MODES, GRAD_SYNC, HOLD_OUTPUT, OPTIMIZER_IMPLS,
-                             OPTIMIZERS, PP_SCHEDULES, PRECISIONS,
+                             OPTIMIZER_ALIASES, OPTIMIZERS, PP_SCHEDULES, PRECISION_ALIASES, PRECISIONS,
                              RECOMPUTE, ZERO_GRAD, LOSSES, LOSS_SHIFTS, MASTER_WEIGHTS)
 
 
@@ -73,6 +73,20 @@ def device_choice(text: str) -> str:
     raise argparse.ArgumentTypeError(f"{text!r}: use cpu, cuda or cuda:N")
 
 
+def add_precision_optimizer(g: Any) -> None:
+    """--precision and --optimizer: trainmem's names, and the names Lightning and the HF Trainer use
+    (``spec.training.PRECISION_ALIASES``, ``OPTIMIZER_ALIASES``; read by ``spec.resolve``)."""
+    g.add_argument("--precision", choices=PRECISIONS + tuple(PRECISION_ALIASES), default=None,
+                   metavar="{" + ",".join(PRECISIONS) + "}",
+                   help="amp = fp32 weights + autocast; bf16/fp16 = weights in that dtype (default bf16-amp); "
+                        "Lightning's names are read too: bf16-true = bf16, bf16-mixed = bf16-amp, 16-true = fp16, "
+                        "16-mixed = fp16-amp, 32-true = fp32")
+    g.add_argument("--optimizer", choices=OPTIMIZERS + tuple(OPTIMIZER_ALIASES), default=None,
+                   metavar="{" + ",".join(OPTIMIZERS) + "}",
+                   help="(default adamw); the HF Trainer's optim names are read too: adamw_torch, adamw_torch_fused "
+                        "(fused), adamw_bnb_8bit/adamw_8bit, paged_adamw_8bit, paged_adamw_32bit, sgd, adafactor")
+
+
 def add_training(g: Any) -> None:
     """The training-setup flags (a parser or an argument group). Flags a framework preset sets
     default to None (not given), so that only an explicit flag overrides the preset."""
@@ -89,9 +103,7 @@ def add_training(g: Any) -> None:
                    help="tokens per sample (default 2048, or the model's learned positions if fewer)")
     add_input_sizes(g)
     g.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
-    g.add_argument("--precision", choices=PRECISIONS, default=None,
-                   help="amp = fp32 weights + autocast; bf16/fp16 = weights in that dtype (default bf16-amp)")
-    g.add_argument("--optimizer", choices=OPTIMIZERS, default=None, help="(default adamw)")
+    add_precision_optimizer(g)
     g.add_argument("--optimizer-impl", choices=OPTIMIZER_IMPLS, default=None,
                    help="torch.optim implementation (default foreach, as PyTorch on CUDA)")
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None, help="ZeRO stage over the DP group")

@@ -48,7 +48,8 @@ from .hardware import Hardware, get_gpu
 from .model import ModelSpec
 from .deepspeed import zero_options
 from .releases import parse_torch_version, torch_defaults
-from .training import TrainingSpec, check_against, deepspeed_problems, default_seq_len, image_sizes
+from .training import (OPTIMIZER_ALIASES, PRECISION_ALIASES, TrainingSpec, check_against, deepspeed_problems, default_seq_len,
+                       image_sizes)
 
 TRAINING_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainingSpec) if f.name != "extra")
 HARDWARE_OPTIONS = frozenset({"gpu", "gpu_memory", "context_memory", "hardware", "calibration"})
@@ -85,8 +86,31 @@ def check_max_fraction(value: Any) -> Any:
 def training_values(options: Mapping[str, Any]) -> dict[str, Any]:
     """The TrainingSpec fields among ``options`` that are given (not None), ``lora_targets`` as a tuple."""
     out = {k: v for k, v in options.items() if k in TRAINING_FIELDS and v is not None}
+    out = framework_names(out)
     if isinstance(out.get("lora_targets"), str):
         out["lora_targets"] = tuple(x.strip() for x in out["lora_targets"].split(",") if x.strip())
+    return out
+
+
+def framework_names(given: dict[str, Any]) -> dict[str, Any]:
+    """``given`` with a framework's own names of a precision or an optimizer read as trainmem's
+    (``spec.training.PRECISION_ALIASES``: Lightning's "bf16-true", "16-mixed"...;
+    ``OPTIMIZER_ALIASES``: the HF Trainer's ``optim`` names). An optimizer name that implies an
+    implementation (``adamw_torch_fused``) sets ``optimizer_impl`` too, and contradicting an
+    ``optimizer_impl`` also given is refused in one line."""
+    out = dict(given)
+    p = out.get("precision")
+    if isinstance(p, str) and p.strip().lower() in PRECISION_ALIASES:
+        out["precision"] = PRECISION_ALIASES[p.strip().lower()]
+    o = out.get("optimizer")
+    if isinstance(o, str) and o.strip().lower() in OPTIMIZER_ALIASES:
+        name, impl = OPTIMIZER_ALIASES[o.strip().lower()]
+        out["optimizer"] = name
+        if impl is not None:
+            if out.get("optimizer_impl") not in (None, impl):
+                raise TrainmemError(f"--optimizer {o} runs the {impl} implementation, but --optimizer-impl is "
+                                    f"{out['optimizer_impl']}: drop one of them")
+            out["optimizer_impl"] = impl
     return out
 
 

@@ -19,6 +19,21 @@ PRECISIONS = ("fp32", "fp16-amp", "bf16-amp", "bf16", "fp16", "bf16-mp")
 #: paged-*: bitsandbytes' paged optimizers (PagedAdamW8bit, PagedAdamW): states in CUDA unified memory
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adamw-8bit", "lion", "paged-adamw-8bit",
               "paged-adamw")
+#: a framework's own precision names, as trainmem's (Lightning's ``precision=`` strings:
+#: ``_PRECISION_INPUT_STR`` in lightning 2.6.5 src/lightning/fabric/plugins/precision/precision.py; "-true" = the weights in that dtype, "-mixed" =
+#: fp32 weights under autocast). Lightning's legacy "bf16"/"16" (mixed) are not taken: trainmem's "bf16" is
+#: the pure-bf16 run Lightning calls "bf16-true".
+PRECISION_ALIASES = {"32-true": "fp32", "16-mixed": "fp16-amp", "bf16-mixed": "bf16-amp", "16-true": "fp16",
+                     "bf16-true": "bf16"}
+#: the HF Trainer's ``optim=`` names trainmem models, as (optimizer, optimizer_impl or None): transformers
+#: 5.23.0 ``trainer_optimizer.py`` L201-208 (``adamw_torch`` is ``torch.optim.AdamW`` with its own default
+#: implementation, ``adamw_torch_fused`` adds ``fused=True``), L246-268 (the bitsandbytes names: "8bit" in
+#: the name = 8-bit states, "paged" = a paged optimizer, else 32-bit), L317-330 (``sgd``: ``torch.optim.SGD``
+#: without momentum unless ``optim_args`` gives one: trainmem's "sgd") and L195-198 (``adafactor``:
+#: transformers' Adafactor, trainmem's "adafactor")
+OPTIMIZER_ALIASES = {"adamw_torch": ("adamw", None), "adamw_torch_fused": ("adamw", "fused"),
+                     "adamw_bnb_8bit": ("adamw-8bit", None), "adamw_8bit": ("adamw-8bit", None),
+                     "paged_adamw_8bit": ("paged-adamw-8bit", None), "paged_adamw_32bit": ("paged-adamw", None)}
 #: the optimizers bitsandbytes implements (``bitsandbytes.optim`` AdamW8bit, PagedAdamW8bit, PagedAdamW)
 BNB_OPTIMIZERS = ("adamw-8bit", "paged-adamw-8bit", "paged-adamw")
 OPTIMIZER_IMPLS = ("foreach", "fused", "for-loop")
