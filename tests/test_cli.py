@@ -294,3 +294,21 @@ def test_default_sequence_fits_the_models_learned_positions(capsys):
     assert json.loads(capsys.readouterr().out)["training"]["seq_len"] == 512
     assert main(["estimate", "llama-3.2-1b", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["training"]["seq_len"] == 2048
+
+
+def test_framework_flag_names_are_the_same_options(capsys):
+    """--per-device-train-batch-size / --micro-batch-size, --gradient-accumulation-steps, --seq-length /
+    --max-seq-len set the same fields as --batch-size, --grad-accum, --seq-len (estimate, sweep, plan)."""
+    def training(*argv):
+        rc, out, _ = run_cli(capsys, "estimate", "gpt2", "--json", *argv)
+        assert rc == 0
+        t = json.loads(out)["training"]
+        return t["batch_size"], t["seq_len"], t["grad_accum"]
+    ours = training("--batch-size", "3", "--seq-len", "256", "--grad-accum", "4")
+    assert ours == (3, 256, 4)
+    assert training("--per-device-train-batch-size", "3", "--max-seq-len", "256",
+                    "--gradient-accumulation-steps", "4") == ours
+    assert training("--micro-batch-size", "3", "--seq-length", "256", "--grad-accum", "4") == ours
+    rc, out, _ = run_cli(capsys, "sweep", "gpt2", "--micro-batch-size", "1,2", "--max-seq-len", "128,256", "--json")
+    d = json.loads(out)
+    assert rc == 0 and d["batch_sizes"] == [1, 2] and d["seq_lens"] == [128, 256] and len(d["cells"]) == 4

@@ -51,6 +51,15 @@ def units_choice(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+#: the flags of the micro-batch, the sequence length and the accumulation, with the names frameworks give
+#: them (HF Trainer per_device_train_batch_size and gradient_accumulation_steps; Megatron's and litgpt's
+#: micro_batch_size; Megatron's seq_length; torchtune's max_seq_len). fit, sweep and plan redefine them
+#: with all their names (argparse's conflict_handler="resolve" drops an action only when every name is).
+BATCH_FLAGS = ("--batch-size", "--per-device-train-batch-size", "--micro-batch-size")
+SEQ_FLAGS = ("--seq-len", "--seq-length", "--max-seq-len")
+ACCUM_FLAGS = ("--grad-accum", "--gradient-accumulation-steps")
+
+
 def add_model_and_training(p: argparse.ArgumentParser) -> None:
     """MODEL and the training flags shared by estimate, trace, measure, compare, fit, sweep."""
     p.add_argument("model", metavar="MODEL",
@@ -98,11 +107,14 @@ def add_training(g: Any) -> None:
     g.add_argument("--torch-version", default=None, metavar="V",
                    help="the PyTorch release the run uses (default: a current 2.x); an older one changes defaults "
                         "(zero_grad, optimizer loop, attention) and, before 1.11, what softmax saves (estimate only)")
-    g.add_argument("--batch-size", type=positive_int, default=1, help="micro-batch per data-parallel rank")
-    g.add_argument("--seq-len", type=positive_int, default=None,
+    g.add_argument(*BATCH_FLAGS, dest="batch_size", type=positive_int, default=1,
+                   help="micro-batch per data-parallel rank (the HF Trainer's per_device_train_batch_size, "
+                        "Megatron's and litgpt's micro_batch_size)")
+    g.add_argument(*SEQ_FLAGS, dest="seq_len", type=positive_int, default=None,
                    help="tokens per sample (default 2048, or the model's learned positions if fewer)")
     add_input_sizes(g)
-    g.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
+    g.add_argument(*ACCUM_FLAGS, dest="grad_accum", type=positive_int, default=1,
+                   help="micro-batches per optimizer step")
     add_precision_optimizer(g)
     g.add_argument("--optimizer-impl", choices=OPTIMIZER_IMPLS, default=None,
                    help="torch.optim implementation (default foreach, as PyTorch on CUDA)")

@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .options import add_model_and_training, fraction, positive_int, training_options
+from .options import (ACCUM_FLAGS, BATCH_FLAGS, SEQ_FLAGS, add_model_and_training, fraction, positive_int,
+                      training_options)
 from .output import print_json, warn_pointless
 
 _LAYOUT_KEYS = ("batch_size", "seq_len", "grad_accum", "dp", "tp", "pp", "cp", "zero", "recompute",
@@ -128,9 +129,9 @@ def _register_sweep(sub: Any) -> None:
                                    "(fits / does not fit) or stacked bars by component category.")
     add_model_and_training(s)
     _common(s)
-    s.add_argument("--batch-size", default="1", metavar="LIST",
+    s.add_argument(*BATCH_FLAGS, dest="batch_size", default="1", metavar="LIST",
                    help="micro-batch sizes: 1,2,4 or START:STOP[:STEP] (default 1)")
-    s.add_argument("--seq-len", default=None, metavar="LIST",
+    s.add_argument(*SEQ_FLAGS, dest="seq_len", default=None, metavar="LIST",
                    help="sequence lengths: 512,1024 or 128:4096:128 (default 2048, or the model's learned "
                         "positions when fewer)")
     s.add_argument("--plot", action="append", default=[], metavar="[KIND=]PATH",
@@ -158,8 +159,8 @@ def _register_plan(sub: Any) -> None:
         p.add_argument(f"--{k}", default=None, metavar="LIST", help=f"only these {what} sizes, e.g. 1,2,4")
     p.add_argument("--zero", default=None, metavar="LIST", help="only these ZeRO stages, e.g. 1,2,3")
     p.add_argument("--recompute", default=None, metavar="LIST", help="only these, e.g. none,full")
-    p.add_argument("--batch-size", default=None, metavar="LIST", help="only these micro-batch sizes")
-    p.add_argument("--grad-accum", default=None, metavar="LIST", help="only these accumulation counts")
+    p.add_argument(*BATCH_FLAGS, dest="batch_size", default=None, metavar="LIST", help="only these micro-batch sizes")
+    p.add_argument(*ACCUM_FLAGS, dest="grad_accum", default=None, metavar="LIST", help="only these accumulation counts")
     p.add_argument("--top", type=positive_int, default=5, help="layouts to show (default 5)")
     p.add_argument("--explain", action="store_true", help="why the other layouts were rejected")
     p.add_argument("--all", action="store_true", help="list every valid layout, fitting or not")
