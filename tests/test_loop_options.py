@@ -166,3 +166,27 @@ def test_more_loss_chunks_than_tokens_are_as_many_as_tokens():
     one_per_token = trainmem.estimate("gpt2", seq_len=128, loss="half", loss_chunks=128)
     assert many.peak_reserved == one_per_token.peak_reserved
     assert any("--loss-chunks 99999999 exceeds the 128 tokens" in w for w in many.warnings)
+
+
+LLAMA = dict(set=["num_hidden_layers=4"], seq_len=512, batch_size=2, lora_rank=8, precision="bf16", hold_output="step")
+
+
+def test_a_model_without_kv_cache(one_torch_thread):
+    """--use-cache false (torchtune's, torchtitan's and litgpt's own model code): the held output keeps no
+    copies of the keys and values. Both estimate and trace drop them (trace builds the transformers model
+    with config.use_cache=False); the two agree with and without, and the presets of those frameworks set it."""
+    from trainmem.workload import hf_config
+    from trainmem.spec.resolve import resolve
+    runs = {}
+    for cache in (None, False):
+        e = trainmem.estimate("llama-2-7b", **LLAMA, use_cache=cache)
+        r = trace("llama-2-7b", device="cuda", **LLAMA, use_cache=cache)
+        assert e.peak_allocated == pytest.approx(r.peak_allocated, rel=0.006)
+        runs[cache] = (e.peak_allocated, r.peak_allocated)
+    assert runs[False][0] < runs[None][0] and runs[False][1] < runs[None][1]
+    rs = resolve("llama-2-7b", use_cache=False)
+    assert hf_config(rs.model, rs.training).use_cache is False
+    for framework in ("torchtune", "torchtitan"):
+        assert resolve("llama-2-7b", framework=framework).training.use_cache is False
+    assert resolve("llama-2-7b", framework="torchtune", use_cache=True).training.use_cache is True
+    assert resolve("llama-2-7b", framework="hf-trainer").training.use_cache is None

@@ -111,6 +111,8 @@ CASES = [
     # Lightning Fabric's fp32 copy of the half logits (vs --loss half alone)
     ({"cast_output": True, "loss": "half"}, CHANGED, ""),
     ({"cast_output": True}, REFUSED, "--cast-output"),  # the model's own loss reads no returned logits
+    # no KV cache (torchtune's, torchtitan's, litgpt's models): the held output keeps no cache (vs hold step alone)
+    ({"use_cache": False, "hold_output": "step"}, CHANGED, ""),
     ({"fused_qkv": True}, REFUSED, "--fused-qkv"),  # litgpt's attention; trace runs transformers' (estimate only)
     ({"loss": "fused"}, REFUSED, "--loss fused"),
     ({"master_weights": "fp32", "precision": "bf16"}, REFUSED, "--master-weights fp32"),
@@ -120,7 +122,7 @@ CASES = [
     ({"target_len": 32}, REFUSED, "--target-len 32"), ({"image_size": 64}, REFUSED, "--image-size 64"),
 ]
 #: the options a case is compared with instead of the baseline (the case's own options minus one)
-REFERENCE = {"fsdp_version": {"fsdp": "full", "dp": 2},
+REFERENCE = {"fsdp_version": {"fsdp": "full", "dp": 2}, "use_cache": {"hold_output": "step"},
              "fsdp_lora_units": {"lora_rank": 8}, "ddp_bucket_mb": {"dp": 2}, "sequence_parallel": {"tp": 2},
              "quantize": {"lora_rank": 8}, "quantize_via": {"lora_rank": 8, "quantize": "nf4"},
              "bitsandbytes_version": {"lora_rank": 8, "quantize": "nf4"},

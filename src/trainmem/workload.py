@@ -105,9 +105,12 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
 
 
 def hf_config(spec: ModelSpec, t: TrainingSpec) -> Any:
-    """The transformers config of a ModelSpec (dropout zeroed when the training turns it off)."""
+    """The transformers config of a ModelSpec (dropout zeroed when the training turns it off,
+    ``use_cache`` as ``--use-cache`` sets it)."""
     import transformers
     cfg = {k: v for k, v in dict(spec.config).items() if not k.startswith("_") and k != "model_type"}
+    if t.use_cache is not None:
+        cfg["use_cache"] = t.use_cache
     if not t.dropout:
         for k in DROPOUT_KEYS:
             if isinstance(cfg.get(k), (int, float)) and not isinstance(cfg.get(k), bool):

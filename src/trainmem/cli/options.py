@@ -211,6 +211,10 @@ def _add_loss(g: Any) -> None:
                    help="the attention computes q, k and v with one fused linear and keeps its whole output while "
                         "the value (a view of it when each query head has its own key/value head) is saved: "
                         "litgpt's CausalSelfAttention (estimate only)")
+    g.add_argument("--use-cache", type=_true_false, default=None, metavar="{true,false}",
+                   help="whether the forward builds a KV cache in training (transformers' config.use_cache; "
+                        "default: the config's). false: the loop's model builds none (torchtune's, torchtitan's and "
+                        "litgpt's own model code, whose presets set it)")
     g.add_argument("--loss-chunks", type=positive_int, default=None, metavar="N",
                    help="--loss chunked (each chunk upcast, torchtune's num_output_chunks) or half (half "
                         "chunks, litgpt's lm_head_chunk_size: N = ceil(seq / 128)): the output projection and "
@@ -337,6 +341,7 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 master_weights=a.master_weights, framework=a.framework, framework_version=a.framework_version,
                 torch_version=a.torch_version, grad_sync=a.grad_sync, fsdp_lora_units=a.fsdp_lora_units,
                 fsdp_version=a.fsdp_version, loss_shift=a.loss_shift, cast_output=a.cast_output, fused_qkv=a.fused_qkv,
+                use_cache=a.use_cache,
                 target_len=a.target_len, image_size=a.image_size,
                 deepspeed_config=a.deepspeed_config, reduce_bucket_size=a.reduce_bucket_size,
                 overlap_comm=a.overlap_comm, contiguous_gradients=a.contiguous_gradients,

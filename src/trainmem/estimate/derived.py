@@ -28,7 +28,7 @@ from typing import Any
 from ..errors import TrainmemError
 from ..spec.model import ModelSpec
 from ..spec.profile import read_cached, write_cached
-from ..spec.training import TrainingSpec
+from ..spec.training import TrainingSpec, config_use_cache
 from .layers import LayerCoefs
 
 COEF_VERSION = 16  # (quantized setups have keys of their own: ``key``)
@@ -226,9 +226,9 @@ def without_cache(t: TrainingSpec, m: ModelSpec | None = None) -> bool:
     """Whether the run builds no KV cache: transformers turns ``use_cache`` off under gradient
     checkpointing (``merge_with_config_defaults``), pipeline-parallel loops (torchtitan,
     Megatron) run the layers without one (``quantities.kv_cache`` for the hand families), and a
-    decoder-only config with ``use_cache`` false (``--set use_cache=false``) builds none. The
+    decoder-only config with ``use_cache`` false (``--set use_cache=false``, or ``--use-cache false``) builds none. The
     profile's fingerprint leaves ``use_cache`` out, so this is what tells the two derivations apart."""
-    off = m is not None and not m.is_encoder_decoder and not (m.config or {}).get("use_cache", True)
+    off = m is not None and not m.is_encoder_decoder and not config_use_cache(m.config, t)
     return t.recompute == "full" or t.pp > 1 or off
 
 

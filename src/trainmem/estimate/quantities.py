@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import TrainmemError
 from ..spec.model import ModelSpec
-from ..spec.training import RECOMPUTE, TrainingSpec
+from ..spec.training import RECOMPUTE, TrainingSpec, config_use_cache
 from .cache import BoundedCache
 from .elementwise import NEVER
 from .derived import adapters_computed_half, regime as derived_regime
@@ -271,7 +271,7 @@ def kv_cache(m: ModelSpec, t: TrainingSpec) -> bool:
         return False
     if m.head != "causal-lm" or m.family == "nanogpt":
         return False
-    return bool((m.config or {}).get("use_cache", True))
+    return config_use_cache(m.config, t)
 
 
 def loss_upcasts(m: ModelSpec) -> bool:

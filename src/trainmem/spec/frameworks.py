@@ -179,8 +179,9 @@ def _sharded(view: Mapping[str, Any]) -> bool:
 def _torchtitan_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] | None) -> dict[str, Any]:
     """FSDP2 over every data-parallel rank (``data_parallel_shard_degree=-1``), resharding after
     forward unless pipelined; its MixedPrecisionPolicy is the precision when FSDP is on, else
-    autocast (DDP or one GPU) or none (TP/PP without FSDP)."""
-    out: dict[str, Any] = {}
+    autocast (DDP or one GPU) or none (TP/PP without FSDP). torchtitan trains its own model code,
+    which builds no KV cache (transformers' builds a DynamicCache unless ``use_cache`` is off)."""
+    out: dict[str, Any] = {"use_cache": False}  # its own Transformer (models/llama3/model/model.py) has no KV cache
     fsdp = view.get("fsdp")
     if fsdp is None and not view.get("zero") and _sharded(view):
         fsdp = out["fsdp"] = "grad-op" if view.get("pp", 1) > 1 else "full"
@@ -197,8 +198,10 @@ def _torchtune_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ..
     """full_finetune_distributed shards every rank's model with FSDP2 (reshard after forward). The
     LoRA recipes build the model, adapters included, in the recipe's dtype
     (recipes/lora_finetune_single_device.py ``_setup_model``: ``with training.set_default_dtype(
-    self._dtype), self._device: model = config.instantiate(cfg_model)``): half adapters."""
-    out: dict[str, Any] = {}
+    self._dtype), self._device: model = config.instantiate(cfg_model)``): half adapters. torchtune's
+    ``TransformerDecoder`` has KV caches only after ``setup_caches`` (generation; torchtune/modules/
+    transformer.py), so training builds none: ``use_cache`` false."""
+    out: dict[str, Any] = {"use_cache": False}
     if view.get("fsdp") is None and not view.get("zero") and _sharded(view):
         out["fsdp"] = "full"
     if view.get("lora_rank") and view.get("lora_dtype") is None:

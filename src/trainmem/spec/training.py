@@ -110,6 +110,12 @@ def deepspeed_problems(t: "TrainingSpec") -> str | None:
     return None
 
 
+def config_use_cache(config: Any, t: "TrainingSpec") -> bool:
+    """``config.use_cache`` as the run sets it: ``--use-cache`` (a framework whose own model code has
+    no cache sets it false), else the model config's (transformers' default True)."""
+    return t.use_cache if t.use_cache is not None else bool((config or {}).get("use_cache", True))
+
+
 def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise TrainmemError(f"--{name.replace('_', '-')} {value!r} is not one of: {', '.join(choices)}")
@@ -184,6 +190,9 @@ class TrainingSpec:
     #                            that copy (Lightning Fabric's ``_FabricModule.forward``: ``convert_output``; litgpt)
     fused_qkv: bool = False  # q, k, v from one fused linear whose output the attention keeps while a view of it is
     #                          saved (litgpt's CausalSelfAttention); the model's transformers class has separate ones
+    use_cache: bool | None = None  # whether the forward builds a KV cache in training (transformers' DynamicCache,
+    #                                config.use_cache); None: the model config's. False: the loop's model builds none
+    #                                (torchtune's, torchtitan's and litgpt's own model code; use_cache=False)
     fsdp_lora_units: str = "separate"  # FSDP_LORA_UNITS: "layer" puts adapters in their layer's FSDP1 unit
     target_len: int | None = None  # an encoder-decoder's decoder tokens (its labels); None: seq_len
     image_size: int | None = None  # an image model's square image side in pixels; sets seq_len (its patches)
