@@ -32,7 +32,7 @@ def est(framework=None, **options):
 
 # ----- every preset ------------------------------------------------------------------------------------
 def test_the_issue_lists_nine_frameworks():
-    assert FRAMEWORKS == ("plain", "hf-trainer", "accelerate", "torchtune", "torchtitan", "lightning", "nanogpt",
+    assert FRAMEWORKS == ("plain", "hf-trainer", "accelerate", "torchtune", "torchtitan", "lightning", "litgpt", "nanogpt",
                           "deepspeed", "megatron")
 
 
@@ -176,7 +176,12 @@ def test_setups_a_framework_does_not_run_are_named(framework, options, words):
 
 def test_the_presets_own_setups_have_no_warnings():
     for name in FRAMEWORKS:
-        assert resolve(MODEL, framework=name).training.extra["framework_warnings"] == (), name
+        if name != "litgpt":
+            assert resolve(MODEL, framework=name).training.extra["framework_warnings"] == (), name
+    # litgpt's GPT unties a tied head (MODEL ties it): one line says so; an untied model has none
+    tied = resolve(MODEL, framework="litgpt").training.extra["framework_warnings"]
+    assert len(tied) == 1 and "no weight tying" in tied[0]
+    assert resolve("llama-3.1-8b", framework="litgpt").training.extra["framework_warnings"] == ()
     assert resolve(MODEL, framework="deepspeed", precision="bf16", zero=3, dp=8).training.extra[
         "framework_warnings"] == ()
     # a config without a dtype: transformers 5 loads whatever the weights are, unknown here
@@ -296,3 +301,41 @@ def test_hf_trainer_qlora_runs_the_kbit_prepared_model():
                           precision="bf16")
     assert r.training.precision == "bf16"
     assert any("prepare_model_for_kbit_training" in w for w in r.warnings)
+
+
+# ----- litgpt ---------------------------------------------------------------------------------------------
+#: what a litgpt user gives on the command line: the rest is the preset's
+LITGPT_GIVEN = ("batch_size", "seq_len", "grad_accum", "lora_rank", "lora_targets", "gpu")
+
+
+def _litgpt_fixtures():
+    from trainmem.validate import load_fixtures
+    return [fx for fx in load_fixtures() if fx["framework"] == "litgpt" and fx["setup"].get("lora_rank")
+            and fx["setup"].get("dp", 1) == 1 and not fx["setup"].get("quantize")]
+
+
+@pytest.mark.parametrize("fx", _litgpt_fixtures(), ids=lambda fx: fx["name"])
+def test_litgpt_preset_is_the_published_runs_mapping(fx):
+    """The single-GPU LoRA runs of litgpt's config hub and lit-gpt's resource tables were mapped by hand,
+    option by option, from the scripts' source (each fixture's setup_note). --framework litgpt with only
+    what the command line gives (and bf16-true, the configs' precision) makes the same estimate."""
+    s = fx["setup"]
+    opts = {"set": fx["overrides"]} if fx.get("overrides") else {}
+    mine = {k: v for k, v in s.items() if k in LITGPT_GIVEN}
+    assert s["precision"] == "bf16"
+    hand = trainmem.estimate(fx["model"], **s, **opts)
+    preset = trainmem.estimate(fx["model"], framework="litgpt", precision="bf16-true", **mine, **opts)
+    assert preset.peak_allocated == hand.peak_allocated
+
+
+def test_litgpt_preset_follows_the_setup():
+    t = resolve("llama-3.1-8b", framework="litgpt", lora_rank=8, seq_len=1000).training
+    assert (t.loss, t.loss_chunks, t.cast_output, t.fused_qkv, t.use_cache, t.lora_dropout) == \
+        ("half", 8, True, True, False, 0.05)
+    assert resolve("llama-3.1-8b", framework="litgpt", precision="32-true").training.cast_output is False
+    dist = resolve("llama-3.1-8b", framework="litgpt", dp=4).training     # finetune/full.py: FSDP1
+    assert (dist.fsdp, dist.fsdp_version, dist.recompute) == ("full", 1, "full")
+    assert resolve("llama-3.1-8b", framework="litgpt", dp=4, lora_rank=8).training.fsdp_version == 2
+    q = resolve("llama-3.1-8b", framework="litgpt", lora_rank=8, quantize="nf4", precision="bf16-true").training
+    assert (q.optimizer, q.quantize_via) == ("paged-adamw", "fabric")
+    assert not resolve("falcon-7b", framework="litgpt").training.fused_qkv  # transformers' Falcon fuses them

@@ -60,8 +60,8 @@ def _other_options(t: Any) -> list[str]:
             out.append("no-dropout")
         elif k == "optimizer_impl":
             out.append(f"optimizer-impl={v}")
-        elif isinstance(v, bool):
-            out.append(flag)
+        elif isinstance(v, bool):  # a flag on; off where the default is on or unset (use_cache, overlap_comm)
+            out.append(flag if v else f"{flag}=false")
         else:
             out.append(f"{flag}={','.join(v) if isinstance(v, list) else v}")
     return out

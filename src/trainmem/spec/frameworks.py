@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from ..errors import TrainmemError
+from .training import default_seq_len
 
 #: the repository and the release tag (or commit) every cited line is read at
 REPOS: dict[str, tuple[str, str]] = {
@@ -36,6 +37,7 @@ REPOS: dict[str, tuple[str, str]] = {
     "torchtune": ("pytorch/torchtune", "v0.6.1"),
     "torchtitan": ("pytorch/torchtitan", "v0.2.2"),
     "lightning": ("Lightning-AI/pytorch-lightning", "2.6.5"),
+    "litgpt": ("Lightning-AI/litgpt", "v0.5.13"),
     "nanogpt": ("karpathy/nanoGPT", "3adf61e154c3fe3fca428ad6bc3818b27a3b8291"),
     "deepspeed": ("deepspeedai/DeepSpeed", "v0.19.5"),
     "megatron": ("NVIDIA/Megatron-LM", "core_v0.19.0"),
@@ -172,6 +174,38 @@ def _accelerate_rules(view: Mapping[str, Any], model: Any, version: tuple[int, .
     return {"precision": p} if p else {}
 
 
+def _litgpt_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] | None) -> dict[str, Any]:
+    """What litgpt's finetune scripts (v0.5.13) run besides the table's cells. Its own model code
+    (``litgpt/model.py``): q, k and v from one fused linear (L394, L472: ``--fused-qkv`` where
+    transformers' class has them apart), no KV cache in training (``use_cache`` false), and under
+    LoRA the head computed in 128-token chunks (``model(input_ids, lm_head_chunk_size=128)``,
+    finetune/lora.py L355, model.py L177-179: ``--loss-chunks`` ceil(seq/128)). Lightning Fabric
+    hands the loop an fp32 copy of a half output (``_FabricModule.forward``: ``convert_output``) under
+    every half or mixed precision (``--cast-output``). LoRA's defaults (lora.py L56-64): dropout 0.05,
+    adapters built in the weights' dtype by ``fabric.init_module`` (L209-210). With ``--dp`` > 1 the
+    LoRA script shards with FSDP2 and checkpoints every block (``ModelParallelStrategy`` and
+    ``parallelize_fn``, L152-166, L522-543), the full script with FSDP1 (``FSDPStrategy(auto_wrap_policy=
+    {Block}, activation_checkpointing_policy={Block})``, finetune/full.py L107-114). With ``--quantize``
+    Fabric's ``BitsandbytesPrecision`` quantizes (L141-150) and the optimizer is bitsandbytes'
+    ``PagedAdamW`` (L218-219, utils.py L619-633)."""
+    out: dict[str, Any] = {"use_cache": False, "cast_output": view.get("precision") != "fp32"}
+    modules = {p.module for p in model.parameter_tensors()} if model is not None else set()
+    if {"q_proj", "k_proj", "v_proj"} <= modules and view.get("tp", 1) == 1 and view.get("pp", 1) == 1:
+        out["fused_qkv"] = True
+    lora = bool(view.get("lora_rank"))
+    if lora:
+        seq = view.get("seq_len") or (default_seq_len(model) if model is not None else 2048)
+        out["loss_chunks"] = max(1, -(-seq // 128))
+        out["lora_dropout"] = 0.05
+        if view.get("precision") in ("bf16", "fp16"):
+            out["lora_dtype"] = "half"
+    if view.get("quantize"):
+        out.update(quantize_via="fabric", optimizer="paged-adamw")
+    if view.get("fsdp") is None and not view.get("zero") and _sharded(view):
+        out.update(fsdp="full", fsdp_version=2 if lora else 1, recompute="full")
+    return out
+
+
 def _sharded(view: Mapping[str, Any]) -> bool:
     return view.get("dp", 1) > 1 or view.get("cp", 1) > 1
 
@@ -272,6 +306,19 @@ def _check_fsdp_only(name: str) -> Callable[..., list[str]]:
 
 def _check_lightning(t: Any, model: Any, version: Any, given: frozenset[str]) -> list[str]:
     return _others(t, "Lightning", zero=False)
+
+
+def _check_litgpt(t: Any, model: Any, version: Any, given: frozenset[str]) -> list[str]:
+    out = _others(t, "litgpt")
+    if t.quantize and t.precision.endswith("-amp"):
+        out.append(f"--quantize with --precision {t.precision}: litgpt refuses quantization with a mixed precision "
+                   f"(finetune/lora.py L142-143); give --precision bf16-true")
+    if t.quantize and t.dp > 1:
+        out.append("--quantize with --dp > 1: litgpt quantizes on one device only (finetune/lora.py L153-157)")
+    if getattr(model, "tied_embeddings", False):
+        out.append("litgpt's GPT has no weight tying (model.py L28-31: lm_head and wte apart): trainmem counts this "
+                   "model's tied head once; give --set tie_word_embeddings=false")
+    return out
 
 
 def _check_deepspeed(t: Any, model: Any, version: Any, given: frozenset[str]) -> list[str]:
@@ -451,6 +498,37 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                           note="Fabric's no_backward_sync is FSDP's no_sync (lightning/fabric/strategies/fsdp.py "
                                "_FSDPBackwardSyncControl); litgpt's finetune scripts use it while accumulating"),
     }, rules=_lightning_rules, check=_check_lightning),
+    Preset("litgpt", "LitGPT finetune scripts (Lightning Fabric)", "litgpt 0.5.13", {
+        "precision": Cell("bf16-amp", (_s("litgpt", "litgpt/utils.py", "363-380"),
+                                       _s("litgpt", "litgpt/finetune/lora.py", "131")),
+                          note="get_default_supported_precision(training=True) is 'bf16-mixed' (fp32 weights, "
+                               "autocast); the config_hub YAMLs set 'bf16-true': --precision bf16-true"),
+        "master_weights": Cell(shown="none"),
+        "optimizer_impl": Cell(shown="foreach (torch.optim.AdamW by name)",
+                               sources=(_s("litgpt", "litgpt/finetune/lora.py", "231"),
+                                        _s("litgpt", "litgpt/utils.py", "636-653"))),
+        "zero_grad": Cell("none", (_s("litgpt", "litgpt/finetune/lora.py", "365"),),
+                          note="optimizer.zero_grad(): set_to_none"),
+        "hold_output": Cell("step", (_s("litgpt", "litgpt/finetune/lora.py", "355"),),
+                            note="logits = model(...) lives until the next forward replaces it"),
+        "loss": Cell("half", (_s("litgpt", "litgpt/finetune/lora.py", "355-358"),
+                              _s("litgpt", "litgpt/utils.py", "302-331")),
+                     note="chunked_cross_entropy on Fabric's fp32 copy of the output (--cast-output)"),
+        "loss_chunks": Cell(shown="ceil(seq / 128) with LoRA (lm_head_chunk_size=128)",
+                            sources=(_s("litgpt", "litgpt/model.py", "177-179"),)),
+        "attention": Cell("sdpa", (_s("litgpt", "litgpt/model.py", "593-595"),),
+                          note="is_causal without a mask; grouped K/V repeated first (model.py L533-539)"),
+        "recompute": Cell(shown="none; full with --dp > 1",
+                          sources=(_s("litgpt", "litgpt/finetune/lora.py", "522-529"),
+                                   _s("litgpt", "litgpt/finetune/full.py", "107-114"))),
+        "sharding": Cell(shown="fsdp full with --dp > 1 (FSDP2 for LoRA, FSDP1 for full fine-tuning)", option="fsdp",
+                         sources=(_s("litgpt", "litgpt/finetune/lora.py", "152-166"),
+                                  _s("litgpt", "litgpt/finetune/full.py", "107-114"))),
+        "dropout": Cell(False, (_s("litgpt", "litgpt/model.py", "594"),),
+                        note="litgpt's GPT has no dropout modules (SDPA's dropout_p=0.0)"),
+        "grad_sync": Cell("step", (_s("litgpt", "litgpt/finetune/lora.py", "353-354"),),
+                          note="fabric.no_backward_sync while accumulating"),
+    }, rules=_litgpt_rules, check=_check_litgpt, torch_derived=("zero_grad",), min_torch="2.0"),
     Preset("nanogpt", "nanoGPT train.py", "nanoGPT 3adf61e", {
         "precision": Cell("bf16-amp", (_s("nanogpt", "train.py", "73"), _s("nanogpt", "train.py", "112")),
                           note="bfloat16 autocast where supported, else float16 with a GradScaler"),
