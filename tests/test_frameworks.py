@@ -339,3 +339,11 @@ def test_litgpt_preset_follows_the_setup():
     q = resolve("llama-3.1-8b", framework="litgpt", lora_rank=8, quantize="nf4", precision="bf16-true").training
     assert (q.optimizer, q.quantize_via) == ("paged-adamw", "fabric")
     assert not resolve("falcon-7b", framework="litgpt").training.fused_qkv  # transformers' Falcon fuses them
+
+
+def test_other_names_of_a_framework():
+    assert resolve(MODEL, framework="Trainer").training == resolve(MODEL, framework="hf-trainer").training
+    assert resolve(MODEL, framework="lit-gpt").training.extra["framework"] == "litgpt"
+    assert resolve(MODEL, framework="pytorch-lightning").training.extra["framework"] == "lightning"
+    with pytest.raises(TrainmemError, match="did you mean"):
+        resolve(MODEL, framework="torchtitn")

@@ -603,10 +603,19 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
 FRAMEWORKS = tuple(PRESETS)
 
 
+#: other names users give a framework
+FRAMEWORK_ALIASES = {"trainer": "hf-trainer", "transformers": "hf-trainer", "hf": "hf-trainer",
+                     "lit-gpt": "litgpt", "pytorch-lightning": "lightning", "pl": "lightning",
+                     "torch": "plain", "pytorch": "plain", "megatron-lm": "megatron", "megatron-core": "megatron"}
+
+
 def get_preset(name: str) -> Preset:
-    """The preset called ``name``; one-line TrainmemError naming the nearest one otherwise."""
-    if isinstance(name, str) and name.strip().lower() in PRESETS:
-        return PRESETS[name.strip().lower()]
+    """The preset called ``name`` (or one of its ``FRAMEWORK_ALIASES``); one-line TrainmemError naming
+    the nearest one otherwise."""
+    key = name.strip().lower() if isinstance(name, str) else name
+    key = FRAMEWORK_ALIASES.get(key, key)
+    if isinstance(key, str) and key in PRESETS:
+        return PRESETS[key]
     close = difflib.get_close_matches(str(name).lower(), FRAMEWORKS, n=1)
     hint = f" (did you mean {close[0]}?)" if close else ""
     raise TrainmemError(f"--framework {name!r} is not one of: {', '.join(FRAMEWORKS)}{hint}")
