@@ -37,11 +37,16 @@ def where_label(mo: Moment, q: Quantities, tk: Tokens) -> str:
 
 
 def phases(moments: list[Moment], totals: list[int], ends: list[tuple], ga: int) -> list[Phase]:
-    """Each phase's allocated bytes at its end and the largest moment inside it. ``walk`` lists a
-    phase's moments just before its end, so one pass pairs them."""
+    """Each phase's allocated bytes at its end and its peak: the largest moment inside it, or the
+    bytes it starts with (the previous phase's end) when nothing inside goes higher, as
+    ``torch.cuda.max_memory_allocated()`` reads it after ``reset_peak_memory_stats()`` at the phase's
+    start (zero_grad's peak is the step's end, before the gradients go). ``walk`` lists a phase's
+    moments just before its end, so one pass pairs them."""
     out, i, n = [], 0, len(moments)
+    start: Any = 0
     for phase, micro, step, alloc in ends:
-        top = alloc
+        top = max(alloc, start)
+        start = alloc
         while i < n:
             mo = moments[i]
             if mo.phase != phase or mo.micro != micro or mo.step != step:
