@@ -87,6 +87,10 @@ def add_training(g: Any) -> None:
     g.add_argument("--batch-size", type=positive_int, default=1, help="micro-batch per data-parallel rank")
     g.add_argument("--seq-len", type=positive_int, default=None,
                    help="tokens per sample (default 2048, or the model's learned positions if fewer)")
+    g.add_argument("--later-seq-len", type=positive_int, default=None, metavar="N",
+                   help="the micro-batches after the run's first are padded to N tokens; the first is --seq-len "
+                        "long (lit-gpt's finetune scripts force the longest sample into the first iteration and pad "
+                        "each later batch to its own longest). Default: --seq-len")
     add_input_sizes(g)
     g.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
     g.add_argument("--precision", choices=PRECISIONS, default=None,
@@ -313,7 +317,7 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 master_weights=a.master_weights, framework=a.framework, framework_version=a.framework_version,
                 torch_version=a.torch_version, grad_sync=a.grad_sync, fsdp_lora_units=a.fsdp_lora_units,
                 fsdp_version=a.fsdp_version, loss_shift=a.loss_shift, cast_output=a.cast_output, fused_qkv=a.fused_qkv,
-                target_len=a.target_len, image_size=a.image_size,
+                target_len=a.target_len, image_size=a.image_size, later_seq_len=a.later_seq_len,
                 deepspeed_config=a.deepspeed_config, reduce_bucket_size=a.reduce_bucket_size,
                 overlap_comm=a.overlap_comm, contiguous_gradients=a.contiguous_gradients,
                 sub_group_size=a.sub_group_size, stage3_max_reuse_distance=a.stage3_max_reuse_distance,

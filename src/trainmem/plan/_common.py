@@ -48,6 +48,11 @@ class Evaluator:
         self.resolved: Resolved = resolve(model, **{k: v for k, v in options.items() if k not in self.trace_options})
         self.options = {k: v for k, v in options.items() if k in TRAINING_FIELDS and v is not None}
         self.calls = 0
+        later = self.resolved.training.later_seq_len
+        if later is not None:
+            raise TrainmemError(f"--later-seq-len {later}: fit, sweep and plan vary the batch and sequence of one "
+                                "setup, whose micro-batches they take to be of one length; --later-seq-len is "
+                                "modelled by estimate and trace: drop it")
 
     @property
     def model(self) -> ModelSpec:
