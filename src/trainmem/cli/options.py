@@ -87,10 +87,6 @@ def add_training(g: Any) -> None:
     g.add_argument("--batch-size", type=positive_int, default=1, help="micro-batch per data-parallel rank")
     g.add_argument("--seq-len", type=positive_int, default=None,
                    help="tokens per sample (default 2048, or the model's learned positions if fewer)")
-    g.add_argument("--later-seq-len", type=positive_int, default=None, metavar="N",
-                   help="the micro-batches after the run's first are padded to N tokens; the first is --seq-len "
-                        "long (lit-gpt's finetune scripts force the longest sample into the first iteration and pad "
-                        "each later batch to its own longest). Default: --seq-len")
     add_input_sizes(g)
     g.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
     g.add_argument("--precision", choices=PRECISIONS, default=None,
@@ -198,7 +194,12 @@ def _add_loss(g: Any) -> None:
 
 
 def add_input_sizes(g: Any) -> None:
-    """The input sizes of encoder-decoders and image models, beside --seq-len."""
+    """The later micro-batches' length and the input sizes of encoder-decoders and image models,
+    beside --seq-len."""
+    g.add_argument("--later-seq-len", type=positive_int, default=None, metavar="N",
+                   help="the micro-batches after the run's first are padded to N tokens; the first is --seq-len "
+                        "long (lit-gpt's finetune scripts force the longest sample into the first iteration and pad "
+                        "each later batch to its own longest). Default: --seq-len")
     g.add_argument("--target-len", type=positive_int, default=None, metavar="N",
                    help="encoder-decoders (T5, BART): decoder tokens per sample, the labels' length "
                         "(default: --seq-len, the encoder's tokens)")

@@ -98,14 +98,16 @@ def estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str, handle_ws: int = C
     total, i, totals = peak(moments, q.fixed)
     mo = moments[i]
     if after is not None and (mo.micro or mo.step > 1):  # the peak is in a micro-batch after the first
-        tk, n, nsq = after[0 if not mo.micro else 1], after[2], after[3]
+        at, an, ansq = after[0 if not mo.micro else 1], after[2], after[3]
     else:
-        tk = tk_later if mo.micro else tk  # the terms of the peak's micro-step
+        at, an, ansq = (tk_later if mo.micro else tk), n, nsq  # the terms of the peak's micro-step
     rep = MemoryReport(source="estimate", method="trainmem",
-                       components=components(q, tk, mo, t, n, nsq, m, handle_ws),
+                       components=components(q, at, mo, t, an, ansq, m, handle_ws),
                        phases=phases(moments, totals, ends, ga), peak_allocated=total,
                        peak_phase=f"{phase_label(mo.phase, mo.micro, ga)}@{mo.step}",
-                       peak_where=where_label(mo, q, tk), model=m, training=t)
+                       peak_where=where_label(mo, q, at), model=m, training=t)
+    tk = at if after is None else tk  # (--later-seq-len: the replay is of micro-batches at seq_len, the
+    # first's, whose blocks the allocator keeps cached for the shorter ones after it)
     # reserved: the step replayed through the caching allocator (reserved.py)
     if reserved:
         gap, marks = reserved_gap(q, flags, tk, n, nsq, b, ga, t.recompute, step_copies(t), handle_ws)

@@ -422,12 +422,7 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     grads_before = grads_before - tk.grads_absent if (micro > 0 and not flags.grads_persistent
                                                           and not (step > 1 and flags.zeros)) else grads_before
     states = q.states if states_before else 0
-    # the previous micro-batch's output, still referenced until this forward returns
-    before = tk if prev is None else prev
-    prev_kept = kept if prev is None else Kept.of(q, flags, prev)
-    prev_logits, prev_kv = prev_kept.after_backward() if (step > 1 or micro > 0) else (0, 0)
-    # the previous micro-batch's graph, alive until this forward's loss replaces the loop's `loss`
-    prev_graph = before.graph if (_graph_outlives_backward(flags) and (step > 1 or micro > 0)) else 0
+    prev_logits, prev_kv, prev_graph = _previous(q, flags, (kept, tk) if prev is None else prev, step > 1 or micro > 0)
     own = tk.graph_extra  # this micro-batch's graph-kept tensors beyond the kept activations
     if flags.quant4:
         _dequant_forward(q, tk, (grads_before, states, tk.inputs, ws), (prev_logits, prev_kv), micro, step, valid,
@@ -482,6 +477,18 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     grads_end, kept_end = q.grads - where(final, q.nosync_reduce, 0), where(final, 0, _nosync_kept(q))
     ends.append(("backward", micro, step, q.fixed + grads_end + states_mid + tk.inputs + ws2 + after_logits + after_kv
                  + after_graph + kept_end))
+
+
+def _previous(q: Quantities, flags: StepFlags, before: Any, exists: bool) -> tuple[Any, Any, Any]:
+    """What the loop still holds of the previous micro-batch as this one's forward runs: (its
+    output's logits and KV cache, referenced until this forward returns; its graph, alive until this
+    forward's loss replaces the loop's ``loss``). ``before``: its ``Tokens`` (``--later-seq-len``:
+    of another length) or, of this micro-batch's length, (``Kept``, ``Tokens``); ``exists``: whether
+    there is one."""
+    if not exists:
+        return 0, 0, 0
+    kept, tk = before if isinstance(before, tuple) else (Kept.of(q, flags, before), before)
+    return (*kept.after_backward(), tk.graph if _graph_outlives_backward(flags) else 0)
 
 
 def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, when: tuple, before: tuple,
