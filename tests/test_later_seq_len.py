@@ -68,7 +68,7 @@ def test_published_litgpt_fsdp_rows_lie_between_the_first_iteration_and_the_long
     the first (the fixtures' setup); the single-GPU rows' peak is in the first iteration."""
     rows = [fx for fx in load_fixtures() if "litgpt_rt_" in fx["_path"] and "lora" in fx["_path"]]
     fsdp = [fx for fx in rows if "_fsdp" in fx["_path"]]
-    assert len(fsdp) == 7
+    assert len(fsdp) >= 7
     for fx in rows:
         measured = fx["measured"][0]["bytes"]
         low = _predict(estimate, dict(fx, setup=dict(fx["setup"], later_seq_len=128))).peak_allocated
