@@ -97,8 +97,18 @@ def test_image_model_refuses_it():
         estimate("vit-base-patch16-224", later_seq_len=64)
 
 
-@pytest.mark.parametrize("tool", ["fit", "sweep"])
+@pytest.mark.parametrize("tool", ["fit", "sweep", "plan"])
 def test_planner_refuses_it(tool):
     from trainmem import plan
+    args = {"plan": dict(gpus=8)}.get(tool, {})
     with pytest.raises(TrainmemError, match="--later-seq-len 128: fit, sweep and plan"):
-        getattr(plan, tool)("llama-3.2-1b", gpu="a100-40gb", seq_len=256, later_seq_len=128)
+        getattr(plan, tool)("llama-3.2-1b", gpu="a100-40gb", seq_len=256, later_seq_len=128, **args)
+
+
+def test_suggestions_keep_it():
+    """A setup that does not fit gets suggestions, each re-estimated with the later length."""
+    from trainmem.plan import suggest_for_report
+    rep = estimate("llama-3.1-8b", gpu="t4", seq_len=4096, later_seq_len=2048, grad_accum=2)
+    assert rep.fits is False
+    out = suggest_for_report(rep)
+    assert out and all(s.report.training.later_seq_len == 2048 for s in out if s.report is not None)
