@@ -253,10 +253,18 @@ class TrainStep:
         self.state: dict[str, Any] = {}
         self.pin_sdpa = what == "measure" and str(device).startswith("cuda")  # trace pins in its CUDA emulation
         self.micro_batches = t.grad_accum  # micro-batches run per optimizer step (trace may run fewer)
+        self.batches_made = 0
 
     def batch(self) -> dict[str, Any]:
-        """A random batch: the model's inputs and the labels its head needs (``model_batch``)."""
-        return model_batch(self.spec, self.training, self.device)
+        """A random batch: the model's inputs and the labels its head needs (``model_batch``). With
+        ``--later-seq-len`` only the run's first batch is ``seq_len`` long and every later one
+        ``later_seq_len`` (lit-gpt 8641822 ``finetune/lora.py``: ``get_batch(fabric, train_data,
+        longest_seq_ix if iter_num == 0 else None)`` pads each batch to its longest sample)."""
+        t = self.training
+        if self.batches_made and t.later_seq_len is not None:
+            t = replace(t, seq_len=t.later_seq_len, later_seq_len=None)
+        self.batches_made += 1
+        return model_batch(self.spec, t, self.device)
 
     def autocast(self) -> Any:
         """The autocast context of the precision (a no-op context without mixed precision)."""

@@ -222,7 +222,12 @@ def _add_loss(g: Any) -> None:
 
 
 def add_input_sizes(g: Any) -> None:
-    """The input sizes of encoder-decoders and image models, beside --seq-len."""
+    """The later micro-batches' length and the input sizes of encoder-decoders and image models,
+    beside --seq-len."""
+    g.add_argument("--later-seq-len", type=positive_int, default=None, metavar="N",
+                   help="the micro-batches after the run's first are padded to N tokens; the first is --seq-len "
+                        "long (lit-gpt's finetune scripts force the longest sample into the first iteration and pad "
+                        "each later batch to its own longest). Default: --seq-len")
     g.add_argument("--target-len", type=positive_int, default=None, metavar="N",
                    help="encoder-decoders (T5, BART): decoder tokens per sample, the labels' length "
                         "(default: --seq-len, the encoder's tokens)")
@@ -342,7 +347,7 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 torch_version=a.torch_version, grad_sync=a.grad_sync, fsdp_lora_units=a.fsdp_lora_units,
                 fsdp_version=a.fsdp_version, loss_shift=a.loss_shift, cast_output=a.cast_output, fused_qkv=a.fused_qkv,
                 use_cache=a.use_cache,
-                target_len=a.target_len, image_size=a.image_size,
+                target_len=a.target_len, image_size=a.image_size, later_seq_len=a.later_seq_len,
                 deepspeed_config=a.deepspeed_config, reduce_bucket_size=a.reduce_bucket_size,
                 overlap_comm=a.overlap_comm, contiguous_gradients=a.contiguous_gradients,
                 sub_group_size=a.sub_group_size, stage3_max_reuse_distance=a.stage3_max_reuse_distance,

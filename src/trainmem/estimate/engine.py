@@ -17,11 +17,13 @@ on the arrays, so both paths give the same bytes (tests/test_plan_layouts.py che
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from ..allocator_rules import reserved_overhead
+from ..errors import TrainmemError
 from .reserved import reserved_gap
 from .quantities import step_copies
 from ..report import MemoryReport
@@ -87,15 +89,25 @@ def estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str, handle_ws: int = C
     n = b * (t.seq_len // t.cp)      # tokens on this rank
     nsq = n * t.seq_len              # token x key pairs (context parallelism sees every key)
     tk, tk_later = tokens(q, flags, n, nsq, b, ga), tokens(q, flags, n, nsq, b, ga, later=True)
-    moments, ends = walk(q, flags, tk, ga, handle_ws, tk_later)
+    after = later_tokens(m, t, stage, flags)
+    if after is None:
+        moments, ends = walk(q, flags, tk, ga, handle_ws, tk_later)
+    else:  # --later-seq-len: the run's first micro-batch at seq_len, every later one shorter
+        tk_later = after[1]
+        moments, ends = walk(q, flags, tk, ga, handle_ws, tk_later, after[0])
     total, i, totals = peak(moments, q.fixed)
     mo = moments[i]
-    tk = tk_later if mo.micro else tk  # the terms of the peak's micro-step
+    if after is not None and (mo.micro or mo.step > 1):  # the peak is in a micro-batch after the first
+        at, an, ansq = after[0 if not mo.micro else 1], after[2], after[3]
+    else:
+        at, an, ansq = (tk_later if mo.micro else tk), n, nsq  # the terms of the peak's micro-step
     rep = MemoryReport(source="estimate", method="trainmem",
-                       components=components(q, tk, mo, t, n, nsq, m, handle_ws),
+                       components=components(q, at, mo, t, an, ansq, m, handle_ws),
                        phases=phases(moments, totals, ends, ga), peak_allocated=total,
                        peak_phase=f"{phase_label(mo.phase, mo.micro, ga)}@{mo.step}",
-                       peak_where=where_label(mo, q, tk), model=m, training=t)
+                       peak_where=where_label(mo, q, at), model=m, training=t)
+    tk = at if after is None else tk  # (--later-seq-len: the replay is of micro-batches at seq_len, the
+    # first's, whose blocks the allocator keeps cached for the shorter ones after it)
     # reserved: the step replayed through the caching allocator (reserved.py)
     if reserved:
         gap, marks = reserved_gap(q, flags, tk, n, nsq, b, ga, t.recompute, step_copies(t), handle_ws)
@@ -104,6 +116,22 @@ def estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str, handle_ws: int = C
     rep.extra["pipeline_stage"] = stage if t.pp > 1 else None
     rep.extra["activations_per_layer"] = tk.layer
     return rep
+
+
+def later_tokens(m: ModelSpec, t: TrainingSpec, stage: str, flags: StepFlags) -> tuple | None:
+    """``--later-seq-len``: the terms of the micro-batches after the run's first, which are padded to
+    ``later_seq_len`` tokens per sample where the first has ``seq_len`` (lit-gpt's ``get_batch``):
+    (the terms of a step's first micro-step, of its later micro-steps, their tokens on this rank,
+    their token x key pairs), from the setup at that length (its own quantities: a derived model's
+    coefficients can depend on the length); None without the option or at ``seq_len``."""
+    if t.later_seq_len is None or t.later_seq_len == t.seq_len:
+        return None
+    tl = replace(t, seq_len=t.later_seq_len, later_seq_len=None)
+    ql = quantities(m, tl, stage)
+    b, ga = t.batch_size, t.grad_accum
+    n = b * tl.seq_len               # tokens on this rank (no context parallelism: TrainingSpec refuses it)
+    nsq = n * tl.seq_len
+    return tokens(ql, flags, n, nsq, b, ga), tokens(ql, flags, n, nsq, b, ga, later=True), n, nsq
 
 
 def _phase_reserved(rep: MemoryReport, marks: dict) -> None:
@@ -132,6 +160,9 @@ def estimate_layouts(m: ModelSpec, base: TrainingSpec, cublas_workspace: int | N
     ``cublas_workspace``: one cuBLAS handle's workspace, as for ``estimate``.
     """
     ws = CUBLAS_WORKSPACE if cublas_workspace is None else int(cublas_workspace)
+    if base.later_seq_len is not None:
+        raise TrainmemError(f"--later-seq-len {base.later_seq_len} is modelled by estimate and trace of one setup; "
+                            "fit, sweep and plan evaluate layouts without it: drop --later-seq-len")
     cols = _columns(base, layout)
     parts = _regime_parts(m, base, cols)
     if parts is not None:  # a derived architecture's sequences on both sides of its sliding window

@@ -302,33 +302,40 @@ class Kept:
 
 
 def walk(q: Quantities, flags: StepFlags, tk: Tokens, ga: Any, handle_ws: int = CUBLAS_WORKSPACE,
-         tk_later: Tokens | None = None) -> tuple[list[Moment], list[tuple]]:
+         tk_later: Tokens | None = None, tk_next: Tokens | None = None) -> tuple[list[Moment], list[tuple]]:
     """The moments of two training steps in order, and the bytes allocated at the end of each
     phase as (phase, micro, step, bytes). With arrays both micro-steps are walked and the second
     is marked invalid where ``ga == 1``. ``handle_ws``: the cuBLAS workspace of one handle
     (``spec.hardware.CUBLAS_WORKSPACE`` unless a calibration profile measured it,
     ``Hardware.cublas_workspace``); ``tk_later``: the terms of the micro-steps after the first
-    (``tokens(..., later=True)``; ``tk`` when None)."""
+    (``tokens(..., later=True)``; ``tk`` when None). ``tk_next`` (``--later-seq-len``, scalars
+    only): the terms of the second step's first micro-step; the run's first micro-batch (``tk``)
+    is then the only one at its length, and each micro-batch's forward meets the output the loop
+    still holds of the one before it, of that one's length (``hold_output`` step)."""
     tk_later = tk if tk_later is None else tk_later
     moments = [_mo("model_loaded", 0, 0, "model.to(device)", (q.grads_loaded, 0, 0, 0, 0, 0))]
     ends = [("model_loaded", 0, 0, q.fixed + q.grads_loaded)]
+    prev = None  # the previous micro-batch's terms (``tk_next`` given), else each micro-step's own
     for step in (1, 2):
         # optimizer states exist from the first step's optimizer.step() (or its first backward,
         # with optimizer in backward); the autograd thread's cuBLAS workspace from the first backward
         states_before = step > 1
+        first = tk if (step == 1 or tk_next is None) else tk_next
         for micro in ((0, 1) if isinstance(ga, np.ndarray) else range(min(ga, 2))):
             valid = (ga > 1) if micro else True
             # the step's last micro-batch (micro-step 2 stands for 2..N: the last one only when N = 2;
             # with more, the middle ones, which under FSDP's no_sync hold more: quantities.fsdp_no_sync)
             final = (ga == 2) if micro else (ga == 1)
             ws_before = handle_ws if (step == 1 and micro == 0) else 2 * handle_ws
-            here = tk_later if micro else tk
+            here = tk_later if micro else first
             start, start_ends = len(moments), len(ends)
             _micro_step(q, flags, here, Kept.of(q, flags, here), step, micro, valid, states_before,
-                        (ws_before, 2 * handle_ws), moments, ends, final)
+                        (ws_before, 2 * handle_ws), moments, ends, final, prev if tk_next is not None else None)
             _add_others_loss(moments, ends, start, start_ends, here.others_loss, here.sent)
             states_before = states_before or flags.oib
-        _optimizer_step(q, flags, tk, Kept.of(q, flags, tk), step, 2 * handle_ws, moments, ends)
+            prev = here
+        last = tk if tk_next is None else prev  # the step's last micro-batch: what the loop holds at the step
+        _optimizer_step(q, flags, last, Kept.of(q, flags, last), step, 2 * handle_ws, moments, ends)
     return moments, ends
 
 
@@ -394,7 +401,8 @@ def _head_backward(q: Quantities, tk: Tokens, kept: Kept, before: tuple, step: i
 
 
 def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: int, micro: int, valid: Any,
-                states_before: bool, workspaces: tuple[int, int], moments: list, ends: list, final: Any = True) -> None:
+                states_before: bool, workspaces: tuple[int, int], moments: list, ends: list, final: Any = True,
+                prev: Tokens | None = None) -> None:
     """Forward (the loss) and backward (head, last layer, first layer, embeddings, end) of one
     micro-batch. ``workspaces``: the cuBLAS workspaces alive in its forward and in its backward.
     Under FSDP (``quantities.fsdp_buffers``) the root unit is gathered while the loss runs and from
@@ -402,7 +410,9 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     ``quantities.root_resharded_for_loss``); backward holds the layer being computed, the prefetched one (last layer first) and the
     previous layer's reduce-scatter input; the head's and each layer's gradients are created
     unsharded in every micro-batch's backward, and resharded when its unit's backward ends.
-    ``final``: whether this is the step's last micro-batch (FSDP's no_sync: the one that reduces)."""
+    ``final``: whether this is the step's last micro-batch (FSDP's no_sync: the one that reduces).
+    ``prev``: the previous micro-batch's terms where its length differs (``--later-seq-len``; None:
+    the same as this one's)."""
     ws, ws2 = workspaces
     # gradients already allocated: accumulated by earlier micro-batches, Megatron's main-grad
     # buffers, or zeroed but kept by zero_grad(set_to_none=False) after the first step; else those
@@ -412,10 +422,7 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     grads_before = grads_before - tk.grads_absent if (micro > 0 and not flags.grads_persistent
                                                           and not (step > 1 and flags.zeros)) else grads_before
     states = q.states if states_before else 0
-    # the previous micro-batch's output, still referenced until this forward returns
-    prev_logits, prev_kv = kept.after_backward() if (step > 1 or micro > 0) else (0, 0)
-    # the previous micro-batch's graph, alive until this forward's loss replaces the loop's `loss`
-    prev_graph = tk.graph if (_graph_outlives_backward(flags) and (step > 1 or micro > 0)) else 0
+    prev_logits, prev_kv, prev_graph = _previous(q, flags, (kept, tk) if prev is None else prev, step > 1 or micro > 0)
     own = tk.graph_extra  # this micro-batch's graph-kept tensors beyond the kept activations
     if flags.quant4:
         _dequant_forward(q, tk, (grads_before, states, tk.inputs, ws), (prev_logits, prev_kv), micro, step, valid,
@@ -470,6 +477,18 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     grads_end, kept_end = q.grads - where(final, q.nosync_reduce, 0), where(final, 0, _nosync_kept(q))
     ends.append(("backward", micro, step, q.fixed + grads_end + states_mid + tk.inputs + ws2 + after_logits + after_kv
                  + after_graph + kept_end))
+
+
+def _previous(q: Quantities, flags: StepFlags, before: Any, exists: bool) -> tuple[Any, Any, Any]:
+    """What the loop still holds of the previous micro-batch as this one's forward runs: (its
+    output's logits and KV cache, referenced until this forward returns; its graph, alive until this
+    forward's loss replaces the loop's ``loss``). ``before``: its ``Tokens`` (``--later-seq-len``:
+    of another length) or, of this micro-batch's length, (``Kept``, ``Tokens``); ``exists``: whether
+    there is one."""
+    if not exists:
+        return 0, 0, 0
+    kept, tk = before if isinstance(before, tuple) else (Kept.of(q, flags, before), before)
+    return (*kept.after_backward(), tk.graph if _graph_outlives_backward(flags) else 0)
 
 
 def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, when: tuple, before: tuple,

@@ -194,6 +194,9 @@ class TrainingSpec:
     #                                config.use_cache); None: the model config's. False: the loop's model builds none
     #                                (torchtune's, torchtitan's and litgpt's own model code; use_cache=False)
     fsdp_lora_units: str = "separate"  # FSDP_LORA_UNITS: "layer" puts adapters in their layer's FSDP1 unit
+    later_seq_len: int | None = None  # the padded length of every micro-batch after the run's first, which is
+    #                                   seq_len long (lit-gpt forces its longest sample into the first iteration
+    #                                   only and pads each later batch to its own longest); None: seq_len
     target_len: int | None = None  # an encoder-decoder's decoder tokens (its labels); None: seq_len
     image_size: int | None = None  # an image model's square image side in pixels; sets seq_len (its patches)
     # DeepSpeed ZeRO's engine buffers (with --zero): the ``zero_optimization`` keys of a DeepSpeed config,
@@ -329,7 +332,7 @@ class TrainingSpec:
         ``reduce_bucket_size`` a non-negative one (DeepSpeed accepts 0). That DeepSpeed's options come
         with ``--zero`` is checked on the user's options (``deepspeed_problems``): the planner varies
         the stage of one spec."""
-        for key in ("target_len", "image_size", "sub_group_size"):
+        for key in ("target_len", "image_size", "sub_group_size", "later_seq_len"):
             v = getattr(self, key)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
                 raise TrainmemError(f"--{key.replace('_', '-')} must be a positive integer, got {v!r}")
@@ -340,6 +343,24 @@ class TrainingSpec:
         v = self.reduce_bucket_size
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
             raise TrainmemError(f"--reduce-bucket-size must be a non-negative integer (elements), got {v!r}")
+        self._check_later_seq_len()
+
+    def _check_later_seq_len(self) -> None:
+        """``later_seq_len``: the micro-batches after the run's first are padded to it; the first, at
+        ``seq_len``, is the longest (lit-gpt 8641822 ``finetune/lora.py`` ``get_batch(fabric, train_data,
+        longest_seq_ix if iter_num == 0 else None)`` pads each batch to its longest sample and forces the
+        dataset's longest into iteration 0 only). Modelled for one pipeline stage and the whole sequence
+        on each rank."""
+        v = self.later_seq_len
+        if v is None:
+            return
+        if v > self.seq_len:
+            raise TrainmemError(f"--later-seq-len {v} exceeds --seq-len {self.seq_len}: --seq-len is the first "
+                                f"micro-batch's length, the longest; give --later-seq-len <= {self.seq_len}")
+        if self.pp > 1 or self.cp > 1:
+            what = f"--pp {self.pp}" if self.pp > 1 else f"--cp {self.cp}"
+            raise TrainmemError(f"--later-seq-len with {what} is not modelled (a pipeline schedule's or a context-"
+                                "parallel group's micro-batches share one shape); drop --later-seq-len")
 
     def _check_pipeline(self) -> None:
         """``pp_virtual_stages``: a positive integer, only under ``--pp-schedule interleaved-1f1b``
@@ -687,6 +708,9 @@ def _size_problems(model: Any, t: TrainingSpec) -> str | None:
         if t.seq_len != model.image_tokens(t.image_size):
             return (f"--seq-len {t.seq_len}: {model.name}'s sequence is its {model.image_tokens(t.image_size)} "
                     f"patch tokens at --image-size {t.image_size}; give --image-size only")
+    if t.later_seq_len is not None and model.is_image:
+        return (f"--later-seq-len {t.later_seq_len}: {model.name} is an image model, every batch has its image "
+                f"size's patches; drop --later-seq-len")
     if t.target_len is not None and not model.is_encoder_decoder:
         return f"--target-len {t.target_len}: {model.name} is not an encoder-decoder (seq2seq-lm); drop it"
     if model.head in ("seq2seq-lm", "image-cls") and t.loss is not None:
