@@ -51,7 +51,9 @@ CASES = [
     ({"pp": 2, "grad_accum": 2}, CHANGED, ""), ({"pp": 2}, REFUSED, "--grad-accum 1"),
     ({"pp": 2, "grad_accum": 2, "tp": 2}, CHANGED, ""),  # each stage tensor-parallel (tests/test_trace_pp.py)
     ({"pp": 2, "grad_accum": 2, "tp": 2, "sequence_parallel": True}, REFUSED, "--sequence-parallel"),
-    ({"pp": 2, "grad_accum": 2, "dp": 2}, REFUSED, "--pp 2 --dp 2"),
+    ({"pp": 2, "grad_accum": 2, "dp": 2}, CHANGED, ""),  # DDP replicas of each stage (tests/test_trace_pp.py)
+    ({"pp": 2, "grad_accum": 2, "dp": 2, "fsdp": "full"}, REFUSED, "not with FSDP"),
+    ({"pp": 2, "grad_accum": 2, "dp": 2, "tp": 2}, REFUSED, "--dp (DDP) or with --tp, not both"),
     ({"pp": 2, "grad_accum": 2, "lora_rank": 8}, REFUSED, "--lora-rank"),
     ({"pp": 2, "grad_accum": 2, "hold_output": "step"}, REFUSED, "--hold-output step"),
     ({"pp_schedule": "gpipe", "pp": 2, "grad_accum": 2}, CHANGED, ""),  # vs 1F1B (REFERENCE)

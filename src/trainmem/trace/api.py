@@ -255,9 +255,11 @@ def _build(dev: _Device, factory: Callable, spec: ModelSpec | None, t: TrainingS
         tracker.name_modules(module)
         with tracker:
             _load_to_device(tracker, wrapped)
-        if _dist.distributed(t) and not _dist.sharded_unloaded(t):  # DDP wraps the loaded model
-            wrapped = _dist.wrap(module, spec, t, tracker)
-            tracker.module_names[id(wrapped)] = ""  # the modules keep their names under DDP's wrapper
+        if _dist.wraps_loaded(t):  # DDP wraps the loaded model (each pipeline stage's module)
+            names = {id(m): tracker.module_names.get(id(m), "") for m in _dist.ddp_targets(wrapped, t)}
+            wrapped = _dist.wrap_loaded(wrapped, t, tracker)
+            for ddp_module in _dist.ddp_targets(wrapped, t):  # the modules keep their names under DDP's wrapper
+                tracker.module_names[id(ddp_module)] = names[id(ddp_module.module)]
         return wrapped
     if spec is not None and t.lora_rank:
         raise TrainmemError("trace --device cpu cannot wrap the model with peft under its byte counter "
