@@ -36,6 +36,15 @@ def test_grid_is_deterministic_and_covers_the_options(bench):
                        ("optimizer", "paged-adamw-8bit"), ("optimizer", "paged-adamw"), ("optimizer", "lion")]:
         assert any(o.get(key) == value for o in opts), (key, value)
     assert any(o.get("tp") == 2 and o.get("fsdp") == "full" for o in opts)
+    # the fourth draw: 4-layer pipelines, interleaved 1F1B and DDP replicas of each stage among them
+    pipes = [c for c in a if c.layers == 4]
+    assert pipes and all(dict(c.options).get("pp") == 2 for c in pipes)
+    assert any(dict(c.options).get("pp_schedule") == "interleaved-1f1b" and dict(c.options).get("dp", 1) > 1
+               for c in pipes)
+    assert any(dict(c.options).get("pp_schedule") == "interleaved-1f1b" and "dp" not in dict(c.options)
+               for c in pipes)
+    # and the slow test's subset runs some of them
+    assert any(c.layers == 4 and dict(c.options).get("dp", 1) > 1 for c in bench.grid_subset())
 
 
 @pytest.mark.parametrize("fsdp", ["full", "grad-op"])
@@ -51,7 +60,9 @@ def test_fsdp2_root_is_resharded_while_the_loops_loss_runs(bench, fsdp):
 
 @pytest.mark.slow
 def test_grid_subset(bench):
-    """Every seventh setup of the sampled grid (40): median |estimate / trace - 1| <= 0.2%, max <= 2%."""
+    """Every seventh setup of the sampled grid's first two draws (40) and every fifth pipeline of
+    its fourth (6: interleaved 1F1B, DDP replicas of stages): median |estimate / trace - 1| <= 0.2%,
+    max <= 2%."""
     rows = [bench.compare(c) for c in bench.grid_subset()]
     med, mx = bench.summary(rows)
     worst = ", ".join(f"{r.setup.name}: {100 * r.diff:+.2f}%" for r in sorted(rows, key=lambda r: -abs(r.diff))[:3])

@@ -200,9 +200,10 @@ def _check_pp(t: TrainingSpec, spec: Any, device: str, what: str) -> None:
                             f"{spec.head} model ({spec.name}); use estimate")
     if t.fsdp is not None:
         raise TrainmemError(f"trace {what}: pipeline parallelism is traced with DDP replicas of each stage (--dp "
-                            "without --fsdp), not with FSDP (torch's PipelineStage keeps FSDP units gathered "
-                            "across micro-batches and reduces them after the schedule, which the fake-group "
-                            "run does not model yet); drop --fsdp, or use estimate")
+                            "without --fsdp), not with FSDP (torch's PipelineStage keeps FSDP2 units unsharded "
+                            "through every micro-batch's backward and reduces them after the schedule, stage.py "
+                            "perform_reduce_grad, which the estimate's FSDP moments do not model); drop --fsdp, "
+                            "or use estimate")
     if t.dp > 1 and t.tp > 1:
         raise TrainmemError(f"trace {what}: pipeline stages are traced with --dp (DDP) or with --tp, not both (DDP "
                             "does not wrap tensor-parallel DTensor parameters, and FSDP is not pipelined here); "
