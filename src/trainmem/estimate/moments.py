@@ -446,6 +446,12 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     # FSDP grad-op (and FSDP1) keep the root gathered from its forward to its backward
     ends.append(("forward", micro, step, q.fixed + grads_before + states + tk.inputs + ws + tk.all_acts
                  + kept.logits + kept.kv_forward + tk.loss_saved + q.fsdp_root_kept + q.ds_gathered_top))
+    # FSDP2 full, the model's own loss: the resharded root gathered again at the loss's first backward
+    # node (all-gather output + parameters), beside the saved log-probabilities (root_regathered_at_loss)
+    moments.append(_mo("backward", micro, step, "fsdp.root_unshard",
+                       (grads_before, states, tk.inputs, ws2, tk.all_acts, 0),
+                       (kept.logits, kept.kv_forward, tk.loss_saved), _both(valid, q.fsdp_root_regather_own > 0), own,
+                       comm=2 * q.fsdp_root_regather_own + q.ds_backward_buf))
     moments.append(_mo("backward", micro, step, "cross_entropy.backward",
                        (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.loss_backward),
                        (kept.logits, kept.kv_forward, tk.loss_saved), valid, own,

@@ -58,14 +58,16 @@ rank's size (``_fsdp_param.py`` ``_init_sharded_param``); only the optimizer sta
 divide. So rank 0 is the worst rank and is the one traced (``trace(..., rank=k)`` traces another:
 ``tests/test_trace_distributed.py`` checks that the last rank of an uneven split is not above it).
 
-Pipeline parallelism (``--pp``, alone or with ``--tp``): the model is cut to one stage before it
+Pipeline parallelism (``--pp``, alone, with ``--tp`` or with ``--dp``): the model is cut to one stage before it
 is loaded (``wrappers.PipelineStageModule``, torchtitan's split; with ``--tp`` the stage is then
-parallelized over the ``tp`` dimension of a (pp, tp) mesh, :func:`_pipeline_stage`) and
+parallelized over the ``tp`` dimension of a (pp, tp) mesh, :func:`_pipeline_stage`; with ``--dp``
+each stage module is wrapped in DDP over the ``dp`` group of a (pp, dp) mesh once loaded,
+:func:`wrap_loaded`) and
 ``workload.PipelineTrainStep`` runs torch's ``PipelineStage`` and ``Schedule1F1B`` (or
 ``ScheduleGPipe``; or ``ScheduleInterleaved1F1B`` or ``ScheduleInterleavedZeroBubble`` over the rank's
 ``--pp-virtual-stages`` stages, ``wrappers.PipelineRankModule``, without ``--tp``) as that stage's
-rank of a fake group of ``pp`` (× ``tp``); ``pipeline_ranks`` says which ranks are traced (the first
-and the last stage's, tp rank 0), each on its own emulated GPU, and ``pipeline_report`` keeps the
+rank of a fake group of ``pp`` (× ``tp`` or × ``dp``); ``pipeline_ranks`` says which ranks are traced (the first
+and the last stage's, tp rank 0 or DDP replica 0), each on its own emulated GPU, and ``pipeline_report`` keeps the
 worse. Two patches make the schedule run on the fake group
 (``_static_vote``, ``_p2p_one_by_one``); sends and receives move nothing, so a stage computes on
 its receive buffers, which have the real shapes and dtypes.
