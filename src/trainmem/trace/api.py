@@ -90,12 +90,10 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
     ``tp`` > 1 with or without ``sequence_parallel``) the step runs on a fake process group of ``dp`` × ``tp`` ranks
     (``trace.distributed``) as rank ``rank`` (default 0, the worst: FSDP2 and DTensor give it the
     largest shards); ``extra["ranks"]`` lists every rank, the others as copies of the traced one.
-    With ``pp`` > 1 (``grad_accum`` >= ``pp`` under 1F1B) each pipeline stage is a rank of a
-    fake group of ``pp`` (× ``tp`` with each stage tensor-parallel, or × ``dp`` with DDP replicas of
-    each stage) running torch's ``PipelineStage`` and ``Schedule1F1B`` (``ScheduleGPipe`` with
-    ``pp_schedule="gpipe"``, ``ScheduleInterleaved1F1B`` with ``"interleaved-1f1b"``): the first
-    and the last stage (and ``rank``) are traced, one after the other, and the report is the worse
-    one's, with every traced stage in ``extra["ranks"]``.
+    With ``pp`` > 1 each stage is a rank of a fake group of ``pp`` (× ``tp``: tensor-parallel
+    stages; × ``dp``: DDP replicas of each) running torch's ``PipelineStage`` and its schedule
+    (``pp_schedule``): the first and the last stage (and ``rank``) are traced, one after the
+    other, and the report is the worse one's, with every traced stage in ``extra["ranks"]``.
     """
     t0 = time.perf_counter()
     if device not in ("cuda", "cpu"):
