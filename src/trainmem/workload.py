@@ -623,7 +623,9 @@ class PipelineTrainStep(TrainStep):
         b, s = t.batch_size, t.seq_len
         if inputs and stage == 0:
             return torch.empty(b, s, dtype=torch.long, device="meta")
-        half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision, torch.float32)
+        # (bf16-mp: FSDP2 gathers bf16 parameters, so the residual stream and the logits are bf16)
+        half = {"bf16": torch.bfloat16, "fp16": torch.float16, "bf16-mp": torch.bfloat16}.get(t.precision,
+                                                                                            torch.float32)
         if not inputs and stage == self.num_stages - 1:
             return torch.empty(b, s, spec.vocab_size, dtype=self.amp or half, device="meta", requires_grad=True)
         return torch.empty(b, s, spec.hidden_size, dtype=half, device="meta", requires_grad=True)

@@ -62,7 +62,7 @@ Pipeline parallelism (``--pp``, alone, with ``--tp`` or with ``--dp``): the mode
 is loaded (``wrappers.PipelineStageModule``, torchtitan's split; with ``--tp`` the stage is then
 parallelized over the ``tp`` dimension of a (pp, tp) mesh, :func:`_pipeline_stage`; with ``--dp``
 each stage module is wrapped in DDP over the ``dp`` group of a (pp, dp) mesh once loaded,
-:func:`wrap_loaded`) and
+:func:`wrap_loaded`, or with ``--fsdp`` sharded with FSDP2 over it before loading) and
 ``workload.PipelineTrainStep`` runs torch's ``PipelineStage`` and ``Schedule1F1B`` (or
 ``ScheduleGPipe``; or ``ScheduleInterleaved1F1B`` or ``ScheduleInterleavedZeroBubble`` over the rank's
 ``--pp-virtual-stages`` stages, ``wrappers.PipelineRankModule``, without ``--tp``) as that stage's
@@ -200,16 +200,18 @@ def _check_pp(t: TrainingSpec, spec: Any, device: str, what: str) -> None:
         raise TrainmemError(f"trace {what}: the pipeline split is written for Llama, Mistral and Qwen2 (embeddings, "
                             f"decoder layers, final norm and head of a causal LM), not a {spec.model_type} "
                             f"{spec.head} model ({spec.name}); use estimate")
-    if t.fsdp is not None:
-        raise TrainmemError(f"trace {what}: pipeline parallelism is traced with DDP replicas of each stage (--dp "
-                            "without --fsdp), not with FSDP (torch's PipelineStage keeps FSDP2 units unsharded "
-                            "through every micro-batch's backward and reduces them after the schedule, stage.py "
-                            "perform_reduce_grad, which the estimate's FSDP moments do not model); drop --fsdp, "
-                            "or use estimate")
+    if t.fsdp is not None and t.fsdp_version == 1:
+        raise TrainmemError(f"trace {what} --fsdp-version 1: torch's PipelineStage drives FSDP2 (FSDPModule) and "
+                            "DDP modules (stage.py backward_maybe_with_nosync), not FSDP1's FullyShardedDataParallel; "
+                            "use --fsdp-version 2, or estimate")
+    if t.fsdp is not None and t.grad_sync != "step" and t.grad_accum > 1:
+        raise TrainmemError(f"trace {what} with --grad-sync {t.grad_sync}: torch's PipelineStage keeps FSDP2's "
+                            "gradients unsharded through every micro-batch and reduce-scatters them once after the "
+                            "schedule (stage.py backward_maybe_with_nosync, perform_reduce_grad), which is "
+                            "--grad-sync step; add it (or use estimate)")
     if t.dp > 1 and t.tp > 1:
-        raise TrainmemError(f"trace {what}: pipeline stages are traced with --dp (DDP) or with --tp, not both (DDP "
-                            "does not wrap tensor-parallel DTensor parameters, and FSDP is not pipelined here); "
-                            "use estimate")
+        raise TrainmemError(f"trace {what}: pipeline stages are traced with --dp (DDP or FSDP2) or with --tp, not "
+                            "both (a (pp, dp, tp) mesh is not built); use estimate")
     if t.tp > 1 and t.sequence_parallel:
         raise TrainmemError(f"trace {what}: the tensor-parallel plan keeps the sequence-parallel residual stream as "
                             "Shard(1) DTensors, and a pipeline stage sends, receives and back-propagates plain "
@@ -701,8 +703,12 @@ def _pipeline_stage(module: torch.nn.Module, spec: Any, t: TrainingSpec) -> torc
     ``--tp`` or ``--dp``, on a (pp, tp) or (pp, dp) ``DeviceMesh`` (row-major: rank = stage × tp +
     tp rank, or stage × dp + dp rank, as torchtitan's ``ParallelDims`` orders pp before the data and
     tensor dimensions): with tp the stage parallelized with the TP plan over its ``tp`` dimension;
-    with dp its data-parallel group kept (``dp_group``) for DDP once loaded (:func:`wrap_loaded`);
-    its ``PipelineStage`` sends over the ``pp`` dimension's group (``pp_group``)."""
+    with dp and FSDP each stage module sharded with FSDP2 over the ``dp`` dimension (its decoder
+    layers, then the stage: torchtitan's ``apply_fsdp`` on each model part; ``PipelineStage`` then
+    drives the units itself, stage.py ``backward_maybe_with_nosync`` and ``perform_reduce_grad``),
+    with dp alone its data-parallel group kept (``dp_group``) for DDP once loaded
+    (:func:`wrap_loaded`); its ``PipelineStage`` sends over the ``pp`` dimension's group
+    (``pp_group``)."""
     import torch.distributed as dist
     if t.tp == 1 and t.dp == 1:
         return pipeline_stage_module(module, spec, t.pp, dist.get_rank(), t.virtual_stages)
@@ -716,6 +722,8 @@ def _pipeline_stage(module: torch.nn.Module, spec: Any, t: TrainingSpec) -> torc
         stage.dp_group = device_mesh["dp"].get_group()
     for part in (stage.stages if t.virtual_stages > 1 else [stage]):
         part.pp_group = device_mesh["pp"].get_group()
+        if t.fsdp is not None:  # each stage module sharded over dp (its own layers, then itself)
+            fsdp2(part, spec, t, device_mesh["dp"], part.model.layers)
     return stage
 
 
@@ -794,7 +802,9 @@ def pipeline_report(reports: dict[int, Any], t: TrainingSpec) -> Any:
     report = reports[worst]
     world, tp = world_size(t), t.tp * t.dp  # ranks per stage: its tensor-parallel ranks or its DDP replicas
     entries = {r: {**rank_entries(rep, t, r)[r], "pipeline_stage": r // tp} for r, rep in reports.items()}
-    replica = ("a DDP replica of a traced stage: the same program on the same tensors" if t.dp > 1 else
+    replica = ("an FSDP2 rank of a traced stage: the same program on shards no larger than its data-parallel rank "
+               "0's" if t.fsdp is not None else
+               "a DDP replica of a traced stage: the same program on the same tensors" if t.dp > 1 else
                "a tensor-parallel rank of a traced stage: the same program on shards no larger than its stage's "
                "tensor-parallel rank 0's")
 
@@ -811,7 +821,7 @@ def pipeline_report(reports: dict[int, Any], t: TrainingSpec) -> Any:
                          "wrapper": wrapper_name(t), "pipeline_stage": name})
     peaks = ", ".join(f"stage {r // tp} {fmt(reports[r].peak_allocated, 'auto')}" for r in sorted(reports))
     which = ("one rank each" if tp == 1 else f"one rank each (tensor-parallel rank 0 of {tp})" if t.tp > 1 else
-             f"one rank each (DDP replica 0 of {tp})")
+             f"one rank each (data-parallel rank 0 of {tp})")
     report.warnings.append(f"{wrapper_name(t)} on a fake process group of {world} ranks (torch.distributed's fake "
                            f"backend): stages {', '.join(str(r // tp) for r in sorted(reports))} traced, {which} "
                            f"(peak allocated {peaks}); the report is stage {stage}'s, the worst")
