@@ -590,8 +590,8 @@ class PipelineTrainStep(TrainStep):
         # one stage module, or under the interleaved schedule the rank's ``virtual_stages`` of them
         # (wrappers.PipelineRankModule: stages rank, rank + pp, ... of pp x virtual_stages)
         # with --dp each stage module is wrapped in DDP over its data-parallel group (the schedule's
-        # stage takes the DDP module: stage.py runs no_sync and the reducer around it); ``unwrapped``
-        # reaches the stage itself
+        # stage takes the DDP module: stage.py runs no_sync and the reducer around it; ``unwrapped``
+        # reaches the stage itself) or, with --fsdp, is an FSDP2 module, which stage.py drives too
         modules = list(model.stages) if t.virtual_stages > 1 else [model]
         self.num_stages = t.pp * t.virtual_stages
         if self.amp is not None:

@@ -91,7 +91,7 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
     (``trace.distributed``) as rank ``rank`` (default 0, the worst: FSDP2 and DTensor give it the
     largest shards); ``extra["ranks"]`` lists every rank, the others as copies of the traced one.
     With ``pp`` > 1 each stage is a rank of a fake group of ``pp`` (× ``tp``: tensor-parallel
-    stages; × ``dp``: DDP replicas of each) running torch's ``PipelineStage`` and its schedule
+    stages; × ``dp``: DDP replicas or FSDP2 shards of each) running torch's ``PipelineStage`` and its schedule
     (``pp_schedule``): the first and the last stage (and ``rank``) are traced, one after the
     other, and the report is the worse one's, with every traced stage in ``extra["ranks"]``.
     """

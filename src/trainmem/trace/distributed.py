@@ -67,7 +67,7 @@ each stage module is wrapped in DDP over the ``dp`` group of a (pp, dp) mesh onc
 ``ScheduleGPipe``; or ``ScheduleInterleaved1F1B`` or ``ScheduleInterleavedZeroBubble`` over the rank's
 ``--pp-virtual-stages`` stages, ``wrappers.PipelineRankModule``, without ``--tp``) as that stage's
 rank of a fake group of ``pp`` (× ``tp`` or × ``dp``); ``pipeline_ranks`` says which ranks are traced (the first
-and the last stage's, tp rank 0 or DDP replica 0), each on its own emulated GPU, and ``pipeline_report`` keeps the
+and the last stage's, tp rank 0 or data-parallel rank 0), each on its own emulated GPU, and ``pipeline_report`` keeps the
 worse. Two patches make the schedule run on the fake group
 (``_static_vote``, ``_p2p_one_by_one``); sends and receives move nothing, so a stage computes on
 its receive buffers, which have the real shapes and dtypes.
@@ -109,8 +109,8 @@ def distributed(t: TrainingSpec) -> bool:
 
 def world_size(t: TrainingSpec) -> int:
     """The ranks of the layout: dp × tp (the mesh ``wrappers.mesh`` builds), or pp × tp or pp × dp
-    (the pipeline stages, each tensor-parallel over tp or replicated by DDP over dp: ``check``
-    refuses pp with FSDP and with both dp and tp)."""
+    (the pipeline stages, each tensor-parallel over tp, or replicated by DDP or sharded by FSDP2
+    over dp: ``check`` refuses pp with both dp and tp)."""
     return t.dp * t.tp * t.pp
 
 
@@ -790,8 +790,9 @@ def pipeline_ranks(t: TrainingSpec, rank: int = 0) -> list[int]:
     for fewer micro-batches than the first (``pp - stage``) and neither the embeddings nor the
     head, so it is below the first stage unless the embedding table is smaller than the activations
     one micro-batch of its layers keeps; it is traced on request (``rank=k``). With ``--dp`` a
-    stage's ranks are its DDP replicas, ``stage × dp`` to ``stage × dp + dp − 1``, all running the
-    same program on the same tensors; the first is traced."""
+    stage's ranks are ``stage × dp`` to ``stage × dp + dp − 1``, its DDP replicas (the same program
+    on the same tensors) or FSDP2 ranks (the first holds the largest shards, as without
+    pipelining); the first is traced."""
     return sorted({0, (t.pp - 1) * t.tp * t.dp, rank})
 
 
