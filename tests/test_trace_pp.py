@@ -141,6 +141,11 @@ def test_fsdp2_shards_each_stage_and_the_pipeline_reduces_once(options):
             names |= {c["name"] for c in e["components"]}
     assert any(n.startswith("communication.fsdp") for n in names), names
     assert r.peak_allocated == max(e["peak_allocated"] for e in ranks if e["traced"])
+    # the estimate says that it does not model PipelineStage's FSDP2 handling (and only then)
+    from trainmem.estimate.engine import PIPELINE_FSDP_WARNING
+    assert PIPELINE_FSDP_WARNING in estimate("llama-3.2-1b", set=SMALL, **setup).warnings
+    ddp = {**{k: v for k, v in setup.items() if k not in ("fsdp", "grad_sync")}, "precision": "bf16-amp"}
+    assert PIPELINE_FSDP_WARNING not in estimate("llama-3.2-1b", set=SMALL, **ddp).warnings
 
 
 @pytest.mark.parametrize("overrides, options", [
