@@ -1,6 +1,6 @@
 """``estimate`` (formulas) against ``trace`` (the real training step on tensors without data).
 
-    .venv/bin/python benchmarks/bench_agreement.py               # the sampled option grid (300 setups)
+    .venv/bin/python benchmarks/bench_agreement.py               # the sampled option grid (370 setups)
     .venv/bin/python benchmarks/bench_agreement.py --write       # ... and write docs/agreement.md's grid section
     .venv/bin/python benchmarks/bench_agreement.py --subset      # its 40-setup subset (the slow test)
     .venv/bin/python benchmarks/bench_agreement.py --draw 3 --write   # re-run the FSDP1 draw only, keep the rest
@@ -20,6 +20,9 @@ held until the loss, backward or the next step; ``zero_grad(set_to_none=False)``
 A second draw of 60 (``_extra_axes``) adds pipeline parallelism (``--pp 2``, 1F1B or GPipe, 2 to 4
 micro-batches, on Llama, Llama-3.2, Qwen2 and Mistral) and the optimizers trace emulates outside
 torch.optim (bitsandbytes' AdamW8bit, PagedAdamW8bit, PagedAdamW; lion-pytorch's Lion).
+A third draw of 40 is FSDP1's (``_fsdp1_axes``); a fourth of 30 (``_pp_axes``) is pipelines of
+4-layer Llama, Llama-3.2, Qwen2 and Mistral: interleaved 1F1B (two virtual stages per rank), 1F1B
+and GPipe, alone, with DDP replicas of each stage or tensor-parallel stages.
 What trace refuses is steered to the nearest setup it runs (``sample_case``).
 
 Classic grid (``grid``): six model families (2 layers each, realistic widths, full vocabularies, so the s x s
@@ -193,6 +196,7 @@ class Case:
     batch: int
     seq: int
     options: tuple[tuple[str, object], ...] = ()
+    layers: int = 2  # decoder layers (the fourth draw's pipelines have 4: two stages of two virtual stages)
 
     @property
     def name(self) -> str:
@@ -202,11 +206,14 @@ class Case:
             if isinstance(v, tuple):
                 v = "+".join(v)
             return f"{k}={v}"
-        return f"{self.family} {self.batch}x{self.seq} " + " ".join(short(k, v) for k, v in self.options)
+        layers = f"layers={self.layers} " if self.layers != 2 else ""
+        return f"{self.family} {self.batch}x{self.seq} {layers}" + " ".join(short(k, v) for k, v in self.options)
 
     def specs(self):
         model, overrides = GRID_FAMILIES[self.family]
-        m = resolve_model(model, overrides=overrides)
+        # the families of the pipelined draw (PP_FAMILIES) all name their depth num_hidden_layers
+        more = [f"num_hidden_layers={self.layers}"] if self.layers != 2 else []
+        m = resolve_model(model, overrides=overrides + more)
         t = TrainingSpec(batch_size=self.batch, seq_len=self.seq, **dict(self.options))
         return m, t
 
@@ -222,6 +229,44 @@ EXTRA_SETUPS, EXTRA_SEED = 60, 12
 FSDP1_SETUPS, FSDP1_SEED = 40, 13
 FSDP1_LAYOUTS = ({"fsdp": "full", "dp": 2}, {"fsdp": "full", "dp": 4}, {"fsdp": "grad-op", "dp": 2},
                  {"fsdp": "grad-op", "dp": 4})
+#: setups of the fourth draw: pipelines of 4 layers (interleaved 1F1B, 1F1B, GPipe; DDP replicas of
+#: each stage, tensor-parallel stages), on PP_FAMILIES
+PP_SETUPS, PP_SEED = 30, 14
+#: the fourth draw's schedules and the layout around the pipeline ((name, options), weights)
+PP_SCHEDULES, PP_SCHEDULE_WEIGHTS = ("interleaved-1f1b", "1f1b", "gpipe"), (5, 2, 1)
+PP_LAYOUTS, PP_LAYOUT_WEIGHTS = (("alone", {}), ("ddp2", {"dp": 2}), ("ddp4", {"dp": 4}), ("tp2", {"tp": 2})), (4, 3, 1, 2)
+
+
+def _pp_axes(rng, family: str, o: dict) -> int:
+    """The fourth draw's axes on top of a first-draw setup, on a 4-layer model (returned: the
+    layers): ``--pp 2`` under torch's ScheduleInterleaved1F1B (two virtual stages of one layer per
+    rank), Schedule1F1B or ScheduleGPipe (two layers per stage), 2, 4 or 8 micro-batches, alone,
+    with DDP replicas of each stage (``--dp 2``/``4``) or, under the one-stage schedules,
+    tensor-parallel stages (``--tp 2``). What trace does not pipeline (``trace/distributed.py``
+    ``_check_pp``: FSDP, LoRA, a chunked loss, a held output; ``--tp`` under an interleaved
+    schedule) is steered to setups it runs, as in ``_extra_axes``; the external optimizers of the
+    second draw on a third of the setups without TP."""
+    for k in ("dp", "tp", "fsdp", "sequence_parallel", "lora_rank", "lora_targets", "lora_dropout",
+              "loss_chunks", "offload_activations"):
+        o.pop(k, None)
+    if o["precision"] == "bf16-mp":
+        o["precision"] = "bf16-amp"
+    if o.get("loss") == "chunked":
+        o["loss"] = "half"
+    o["hold_output"] = "loss"
+    o["pp"] = 2
+    o["grad_accum"] = _pick(rng, (2, 4, 8), (3, 3, 1))
+    o["pp_schedule"] = _pick(rng, PP_SCHEDULES, PP_SCHEDULE_WEIGHTS)
+    _, lay = _pick(rng, PP_LAYOUTS, PP_LAYOUT_WEIGHTS)
+    if "tp" in lay and (o["pp_schedule"] == "interleaved-1f1b" or TP_FAMILIES[family] % lay["tp"]):
+        lay = {"dp": 2}
+    o.update(lay)
+    if "tp" not in o and rng.random() < 0.33:
+        o["optimizer"] = _pick(rng, EXTERNAL_OPTIMIZERS, (3, 2, 1, 1))
+        o.pop("optimizer_impl", None)  # one implementation each (workload.check_supported)
+    if "tp" in o and o["recompute"] == "op":
+        o["recompute"] = "full"
+    return 4
 
 
 def _fsdp1_axes(rng, o: dict, family: str = "") -> None:
@@ -328,8 +373,11 @@ def sample_case(rng, family: str, extra: bool | str = False) -> Case:
         o["zero_grad"] = "zeros"
     if rng.random() < 0.2:
         o["grad_accum"] = 2
+    layers = 2
     if extra == "fsdp1":
         _fsdp1_axes(rng, o, family)
+    elif extra == "pp":
+        layers = _pp_axes(rng, family, o)
     elif extra:
         _extra_axes(rng, family, o)
     # what trace refuses (trace/distributed.py ``check``), or cannot run on meta tensors: adafactor
@@ -359,7 +407,7 @@ def sample_case(rng, family: str, extra: bool | str = False) -> Case:
     defaults = {"precision": "bf16-amp", "attention": "sdpa", "recompute": "none", "optimizer": "adamw",
                 "hold_output": "loss", "dp": 1}
     opts = tuple(sorted((k, v) for k, v in o.items() if defaults.get(k, object()) != v))
-    return Case(family, b, s, opts)
+    return Case(family, b, s, opts, layers)
 
 
 def sampled_grid(n: int = 240, seed: int = 11, extra: int = EXTRA_SETUPS) -> list[Case]:
@@ -367,14 +415,17 @@ def sampled_grid(n: int = 240, seed: int = 11, extra: int = EXTRA_SETUPS) -> lis
     n / len(GRID_FAMILIES) of them), then ``extra`` more drawn with ``random.Random(EXTRA_SEED)``
     with the pipeline and external-optimizer axes (``_extra_axes``; added after the first 240 were
     published, so those stay the same setups), then ``FSDP1_SETUPS`` FSDP1 setups
-    (``_fsdp1_axes``, ``random.Random(FSDP1_SEED)``): deterministic, the same list on every run."""
+    (``_fsdp1_axes``, ``random.Random(FSDP1_SEED)``), then ``PP_SETUPS`` pipelines of the
+    ``PP_FAMILIES`` (``_pp_axes``, ``random.Random(PP_SEED)``): deterministic, the same list on
+    every run."""
     import random
-    fams = list(GRID_FAMILIES)
     out: list[Case] = []
     seen: set[Case] = set()
     draws = ((random.Random(seed), n, False), (random.Random(EXTRA_SEED), extra, True),
-             (random.Random(FSDP1_SEED), FSDP1_SETUPS if extra else 0, "fsdp1"))
+             (random.Random(FSDP1_SEED), FSDP1_SETUPS if extra else 0, "fsdp1"),
+             (random.Random(PP_SEED), PP_SETUPS if extra else 0, "pp"))
     for rng, count, second in draws:
+        fams = list(PP_FAMILIES if second == "pp" else GRID_FAMILIES)
         i = start = len(out)
         while len(out) < start + count:
             c = sample_case(rng, fams[(i - start) % len(fams)], extra=second)
@@ -385,10 +436,13 @@ def sampled_grid(n: int = 240, seed: int = 11, extra: int = EXTRA_SETUPS) -> lis
     return out
 
 
-def grid_subset(n: int = 40) -> list[Case]:
-    """Every k-th setup of the sampled grid, ``n`` of them (the slow test's deterministic subset)."""
-    g = sampled_grid()[:240 + EXTRA_SETUPS]  # the first two draws: the subset predates the FSDP1 draw
-    return g[::len(g) // n][:n]
+def grid_subset(n: int = 40, pipelines: int = 6) -> list[Case]:
+    """Every k-th setup of the first two draws, ``n`` of them (the slow test's deterministic subset,
+    which predates the FSDP1 draw), and every k-th of the fourth draw's pipelines, ``pipelines`` of
+    them (interleaved 1F1B and DDP replicas of stages)."""
+    g = sampled_grid()[:240 + EXTRA_SETUPS]
+    pp = draw_cases(4)
+    return g[::len(g) // n][:n] + pp[::len(pp) // pipelines][:pipelines]
 
 
 def compare(setup: Setup) -> Row:
@@ -499,6 +553,7 @@ def write_doc(rows: list[Row], st: dict, doc: Path, js: Path) -> None:
     doc.write_text(text[:a] + "\n" + grid_markdown(rows, st) + text[b:])
     js.write_text(json.dumps({"summary": st, "rows": [
         {"family": r.setup.family, "batch": r.setup.batch, "seq": r.setup.seq,
+         **({"layers": r.setup.layers} if r.setup.layers != 2 else {}),
          "options": {k: list(v) if isinstance(v, tuple) else v for k, v in r.setup.options},
          "estimate": r.estimate.peak_allocated, "trace": r.trace.peak_allocated, "diff": round(r.diff, 6),
          "estimate_at": r.estimate.peak_where, "trace_at": r.trace.peak_where} for r in rows]}, indent=1) + "\n")
@@ -506,9 +561,10 @@ def write_doc(rows: list[Row], st: dict, doc: Path, js: Path) -> None:
 
 def draw_cases(draw: int, n: int = 240) -> list[Case]:
     """The sampled grid's ``draw``-th draw: 1, the first ``n``; 2, the pipeline and external-optimizer
-    setups after them; 3, the FSDP1 setups."""
+    setups after them; 3, the FSDP1 setups; 4, the 4-layer pipelines."""
     g = sampled_grid(n)
-    return {1: g[:n], 2: g[n:n + EXTRA_SETUPS], 3: g[n + EXTRA_SETUPS:]}[draw]
+    third = n + EXTRA_SETUPS + FSDP1_SETUPS
+    return {1: g[:n], 2: g[n:n + EXTRA_SETUPS], 3: g[n + EXTRA_SETUPS:third], 4: g[third:]}[draw]
 
 
 @dataclass
@@ -527,7 +583,7 @@ def stored_rows(js: Path) -> dict[str, StoredRow]:
     out = {}
     for r in json.loads(js.read_text())["rows"]:
         opts = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in r["options"].items()))
-        case = Case(r["family"], r["batch"], r["seq"], opts)
+        case = Case(r["family"], r["batch"], r["seq"], opts, r.get("layers", 2))
         out[case.name] = StoredRow(case, SimpleNamespace(peak_allocated=r["estimate"], peak_where=r["estimate_at"]),
                                    SimpleNamespace(peak_allocated=r["trace"], peak_where=r["trace_at"]), r["diff"])
     return out
@@ -559,8 +615,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--subset", action="store_true", help="the sampled grid's 40-setup subset (the slow test's)")
     ap.add_argument("-n", type=int, default=240, help="setups of the sampled grid's first draw (default 240; "
                     "the 60 of the second draw follow)")
-    ap.add_argument("--draw", type=int, choices=(1, 2, 3), help="only the sampled grid's Nth draw (3: the 40 FSDP1 "
-                    "setups); with --write the other rows are kept as docs/agreement_grid.json has them")
+    ap.add_argument("--draw", type=int, choices=(1, 2, 3, 4), help="only the sampled grid's Nth draw (3: the 40 "
+                    "FSDP1 setups; 4: the 30 pipelines of 4 layers); with --write the other rows are kept as "
+                    "docs/agreement_grid.json has them")
     ap.add_argument("--family", action="append", help="only these families (repeatable)")
     ap.add_argument("--explain", type=int, default=0, metavar="N", help="break down the N largest disagreements")
     ap.add_argument("--keep-logits", action="store_true",

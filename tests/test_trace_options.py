@@ -51,7 +51,13 @@ CASES = [
     ({"pp": 2, "grad_accum": 2}, CHANGED, ""), ({"pp": 2}, REFUSED, "--grad-accum 1"),
     ({"pp": 2, "grad_accum": 2, "tp": 2}, CHANGED, ""),  # each stage tensor-parallel (tests/test_trace_pp.py)
     ({"pp": 2, "grad_accum": 2, "tp": 2, "sequence_parallel": True}, REFUSED, "--sequence-parallel"),
-    ({"pp": 2, "grad_accum": 2, "dp": 2}, REFUSED, "--pp 2 --dp 2"),
+    ({"pp": 2, "grad_accum": 2, "dp": 2}, CHANGED, ""),  # DDP replicas of each stage (tests/test_trace_pp.py)
+    # FSDP2 on each stage, driven by torch's PipelineStage, which reduces once per step: --grad-sync step
+    ({"pp": 2, "grad_accum": 2, "dp": 2, "fsdp": "full", "grad_sync": "step"}, CHANGED, ""),
+    ({"pp": 2, "grad_accum": 2, "dp": 2, "fsdp": "full"}, REFUSED, "--grad-sync micro-batch"),
+    ({"pp": 2, "grad_accum": 2, "dp": 2, "fsdp": "full", "grad_sync": "step", "fsdp_version": 1}, REFUSED,
+     "--fsdp-version 1"),
+    ({"pp": 2, "grad_accum": 2, "dp": 2, "tp": 2}, REFUSED, "--dp (DDP or FSDP2) or with --tp, not both"),
     ({"pp": 2, "grad_accum": 2, "lora_rank": 8}, REFUSED, "--lora-rank"),
     ({"pp": 2, "grad_accum": 2, "hold_output": "step"}, REFUSED, "--hold-output step"),
     ({"pp_schedule": "gpipe", "pp": 2, "grad_accum": 2}, CHANGED, ""),  # vs 1F1B (REFERENCE)

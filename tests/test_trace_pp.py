@@ -23,13 +23,14 @@ TOLERANCE = 0.01
 
 
 def _stages(overrides, **options):
-    """{stage: (trace's peak allocated of that rank, estimate's peak allocated of that stage)}."""
+    """{rank: (trace's peak allocated of that rank, estimate's peak allocated of its stage)} for the
+    traced ranks of the first and the last stage."""
     r = trace("llama-3.2-1b", set=overrides, **BASE, **options)
     res = resolve("llama-3.2-1b", set=overrides, **BASE, **options)
-    traced = {e["rank"]: e["peak_allocated"] for e in r.extra["ranks"] if e["traced"]}
+    traced = {e["rank"]: (e["pipeline_stage"], e["peak_allocated"]) for e in r.extra["ranks"] if e["traced"]}
     pp = res.training.pp
-    return r, {k: (v, estimate_stage(res.model, res.training, "first" if k == 0 else "last").peak_allocated)
-               for k, v in traced.items() if k in (0, pp - 1)}
+    return r, {k: (v, estimate_stage(res.model, res.training, "first" if st == 0 else "last").peak_allocated)
+               for k, (st, v) in traced.items() if st in (0, pp - 1)}
 
 
 @pytest.mark.parametrize("overrides, options", [
@@ -71,6 +72,80 @@ def test_tensor_parallel_stages_agree_with_the_estimate(options):
         alone = next(x for x in single.extra["ranks"] if x["rank"] == e["pipeline_stage"])
         assert e["parameters_bytes"] < 0.6 * alone["parameters_bytes"]
     assert r.peak_allocated == max(ranks[0]["peak_allocated"], ranks[2]["peak_allocated"])
+
+
+@pytest.mark.parametrize("overrides, options", [
+    (SMALL, {"pp": 2, "dp": 2, "grad_accum": 2, "precision": "bf16-amp"}),
+    (SMALL, {"pp": 2, "dp": 2, "grad_accum": 4, "precision": "fp32", "recompute": "full"}),
+    (SMALL, {"pp": 2, "dp": 2, "grad_accum": 2, "precision": "bf16-amp", "pp_schedule": "interleaved-1f1b"}),
+    (SMALL, {"pp": 2, "dp": 4, "grad_accum": 4, "precision": "bf16", "pp_schedule": "gpipe"}),
+], ids=["pp2-dp2-ga2-amp", "pp2-dp2-ga4-fp32-full", "pp2-dp2-interleaved", "pp2-dp4-gpipe-bf16"])
+def test_ddp_replicas_of_each_stage_agree_with_the_estimate(overrides, options):
+    """--pp with --dp: each stage's module wrapped in DDP over its data-parallel group of a (pp, dp)
+    mesh (trace.distributed.wrap_loaded), run by torch's PipelineStage, which keeps every micro-batch
+    but the last under no_sync; DDP replica 0 of the first and of the last stage traced. Each within
+    1% of the estimate's stage (measured: first +0.00% to +0.46%, last -0.51% to -0.09%: the last
+    stage's gap is the allocator's rounding of its activations, which DDP's buckets shift)."""
+    r, stages = _stages(overrides, **options)
+    dp, pp = options["dp"], options["pp"]
+    assert sorted(stages) == [0, (pp - 1) * dp] and r.extra["traced_ranks"] == [0, (pp - 1) * dp]
+    ranks = r.extra["ranks"]
+    assert [e["pipeline_stage"] for e in ranks] == [k // dp for k in range(pp * dp)]
+    assert all("DDP replica" in e["not_traced"] for e in ranks if not e["traced"])
+    assert f"DDP over {dp}" in r.extra["wrapper"]
+    for stage, (traced, est) in stages.items():
+        assert abs(est / traced - 1) < TOLERANCE, (stage, traced, est)
+    # each traced stage holds DDP buckets as large as its own weights (one copy of every gradient, in
+    # the weights' dtype: gradient_as_bucket_view off), so the two stages' buckets differ
+    buckets = {}
+    for e in ranks:
+        if e["traced"]:
+            buckets[e["rank"]] = sum(c["bytes"] for c in e["components"] if c["name"] == "communication.ddp_buckets")
+            assert abs(buckets[e["rank"]] / e["parameters_bytes"] - 1) < 0.001, (e["rank"], buckets)
+    assert len(set(buckets.values())) == 2
+    assert r.peak_allocated == max(t for t, _ in stages.values())
+
+
+@pytest.mark.parametrize("options", [
+    {"fsdp": "full", "precision": "bf16-amp"},
+    {"fsdp": "full", "precision": "bf16-mp"},
+    {"fsdp": "grad-op", "precision": "bf16-amp", "pp_schedule": "interleaved-1f1b"},
+], ids=["full-amp", "full-bf16-mp", "grad-op-interleaved"])
+def test_fsdp2_shards_each_stage_and_the_pipeline_reduces_once(options):
+    """--pp with --fsdp (FSDP2, --grad-sync step): each stage module sharded over the dp dimension of a
+    (pp, dp) mesh, run by torch's PipelineStage, which keeps the units' gradients unsharded through
+    every micro-batch and reduce-scatters them after the schedule. Checked on the run itself: each
+    traced stage holds a 1/dp shard of its weights (against the same stage traced without --dp) and,
+    at its peak (in a backward after the first) its whole stage's gradients unsharded (dp x the shard);
+    FSDP2's buffers are there; the other ranks are listed as FSDP2 ranks of their stage. (The
+    estimate does not model PipelineStage's FSDP2 handling: docs/trace.md gives its difference.)"""
+    setup = {**BASE, "pp": 2, "dp": 2, "grad_accum": 4, "grad_sync": "step", **options}
+    r = trace("llama-3.2-1b", set=SMALL, **setup)
+    single = {k: v for k, v in setup.items() if k not in ("dp", "fsdp", "grad_sync")}
+    if single["precision"] == "bf16-mp":  # (FSDP's policy only) the same fp32 weights without FSDP
+        single["precision"] = "bf16-amp"
+    alone = trace("llama-3.2-1b", set=SMALL, **single)
+    assert r.extra["traced_ranks"] == [0, 2] and f"FSDP2 fully_shard {options['fsdp']} over 2" in r.extra["wrapper"]
+    ranks = r.extra["ranks"]
+    assert [e["pipeline_stage"] for e in ranks] == [0, 0, 1, 1]
+    assert all("FSDP2 rank of a traced stage" in e["not_traced"] for e in ranks if not e["traced"])
+    names = set()
+    for e in ranks:
+        if e["traced"]:
+            whole = next(x for x in alone.extra["ranks"] if x["rank"] == e["pipeline_stage"])
+            assert abs(e["parameters_bytes"] / whole["parameters_bytes"] - 0.5) < 0.01, (e, whole)
+            grads = sum(c["bytes"] for c in e["components"] if c["category"] == "gradients")
+            # (under bf16-mp the first stage peaks before its gradients exist)
+            if options["precision"] != "bf16-mp":
+                assert abs(grads / (2 * e["parameters_bytes"]) - 1) < 0.01, (e["rank"], grads, e["parameters_bytes"])
+            names |= {c["name"] for c in e["components"]}
+    assert any(n.startswith("communication.fsdp") for n in names), names
+    assert r.peak_allocated == max(e["peak_allocated"] for e in ranks if e["traced"])
+    # the estimate says that it does not model PipelineStage's FSDP2 handling (and only then)
+    from trainmem.estimate.engine import PIPELINE_FSDP_WARNING
+    assert PIPELINE_FSDP_WARNING in estimate("llama-3.2-1b", set=SMALL, **setup).warnings
+    ddp = {**{k: v for k, v in setup.items() if k not in ("fsdp", "grad_sync")}, "precision": "bf16-amp"}
+    assert PIPELINE_FSDP_WARNING not in estimate("llama-3.2-1b", set=SMALL, **ddp).warnings
 
 
 @pytest.mark.parametrize("overrides, options", [
@@ -124,7 +199,10 @@ def test_a_middle_stage_is_traced_on_request():
 
 @pytest.mark.parametrize("options, names", [
     ({"pp": 2}, "--grad-accum 1"),
-    ({"pp": 2, "grad_accum": 2, "dp": 2}, "--pp 2 --dp 2"),
+    ({"pp": 2, "grad_accum": 2, "dp": 2, "fsdp": "full"}, "with --grad-sync micro-batch"),
+    ({"pp": 2, "grad_accum": 2, "dp": 2, "fsdp": "full", "grad_sync": "step", "fsdp_version": 1},
+     "--fsdp-version 1: torch's PipelineStage drives FSDP2"),
+    ({"pp": 2, "grad_accum": 2, "dp": 2, "tp": 2}, "with --dp (DDP or FSDP2) or with --tp, not both"),
     ({"pp": 2, "grad_accum": 2, "lora_rank": 8}, "--lora-rank"),
     ({"pp": 2, "grad_accum": 2, "optimizer_in_backward": True}, "--optimizer-in-backward"),
     ({"pp": 2, "grad_accum": 2, "loss": "chunked", "loss_chunks": 4}, "chunked loss"),

@@ -600,6 +600,9 @@ class PipelineTrainStep(TrainStep):
                                                    ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)
         # one stage module, or under the interleaved schedule the rank's ``virtual_stages`` of them
         # (wrappers.PipelineRankModule: stages rank, rank + pp, ... of pp x virtual_stages)
+        # with --dp each stage module is wrapped in DDP over its data-parallel group (the schedule's
+        # stage takes the DDP module: stage.py runs no_sync and the reducer around it; ``unwrapped``
+        # reaches the stage itself) or, with --fsdp, is an FSDP2 module, which stage.py drives too
         modules = list(model.stages) if t.virtual_stages > 1 else [model]
         self.num_stages = t.pp * t.virtual_stages
         if self.amp is not None:
@@ -608,12 +611,12 @@ class PipelineTrainStep(TrainStep):
                 # the hooks return None: the inputs and the output unchanged
                 module.register_forward_pre_hook(lambda *a: (ctx.__enter__(), None)[1])
                 module.register_forward_hook(lambda *a: (ctx.__exit__(None, None, None), None)[1], always_call=True)
-        self.stages = [PipelineStage(module, module.stage_index, self.num_stages, torch.device(device),
-                                     input_args=self._example(module.stage_index, True),
-                                     output_args=self._example(module.stage_index, False),
-                                     # with --tp the stage sends over its (pp, tp) mesh's pp dimension
+        self.stages = [PipelineStage(module, unwrapped(module).stage_index, self.num_stages, torch.device(device),
+                                     input_args=self._example(unwrapped(module).stage_index, True),
+                                     output_args=self._example(unwrapped(module).stage_index, False),
+                                     # with --tp or --dp the stage sends over its mesh's pp dimension
                                      # (trace.distributed._pipeline_stage)
-                                     group=getattr(module, "pp_group", None)) for module in modules]
+                                     group=getattr(unwrapped(module), "pp_group", None)) for module in modules]
         # every rank passes the loss: the schedule runs backward only with one (``_has_backward``)
         if t.virtual_stages > 1:
             cls = ScheduleInterleavedZeroBubble if t.pp_schedule == "zero-bubble" else ScheduleInterleaved1F1B
@@ -631,7 +634,9 @@ class PipelineTrainStep(TrainStep):
         b, s = t.batch_size, t.seq_len
         if inputs and stage == 0:
             return torch.empty(b, s, dtype=torch.long, device="meta")
-        half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision, torch.float32)
+        # (bf16-mp: FSDP2 gathers bf16 parameters, so the residual stream and the logits are bf16)
+        half = {"bf16": torch.bfloat16, "fp16": torch.float16, "bf16-mp": torch.bfloat16}.get(t.precision,
+                                                                                            torch.float32)
         if not inputs and stage == self.num_stages - 1:
             return torch.empty(b, s, spec.vocab_size, dtype=self.amp or half, device="meta", requires_grad=True)
         return torch.empty(b, s, spec.hidden_size, dtype=half, device="meta", requires_grad=True)
@@ -643,7 +648,7 @@ class PipelineTrainStep(TrainStep):
         t = self.training
         with self.autocast():
             if t.loss is None:
-                return self.model.loss_function(logits=logits, labels=labels, vocab_size=self.spec.vocab_size)
+                return unwrapped(self.model).loss_function(logits=logits, labels=labels, vocab_size=self.spec.vocab_size)
             logits = logits.float() if t.loss == "upcast" else logits
             if t.loss_shift == "logits":
                 logits, labels = logits[..., :-1, :].contiguous(), labels[..., 1:]
@@ -654,9 +659,10 @@ class PipelineTrainStep(TrainStep):
         b = replace(t, batch_size=t.batch_size * t.grad_accum)
         self.state["batch"] = model_batch(self.spec, b, self.device)  # every stage holds the whole batch
         ids, labels = self.state["batch"]["input_ids"], self.state["batch"]["labels"]
-        last = self.model.last
+        stage = unwrapped(self.model)
+        last = stage.last
         losses: list[torch.Tensor] | None = [] if last else None
-        args = (ids,) if self.model.first else ()
+        args = (ids,) if stage.first else ()
         with self.loss_context():  # loss_parallel around the schedule's losses and backwards (--tp), as torchtitan
             self.schedule.step(*args, target=labels if last else None, losses=losses, return_outputs=False)
         self.state["losses"] = losses

@@ -182,14 +182,15 @@ def _head_is_parallel(module: torch.nn.Module) -> bool:
     return head is not None and isinstance(head.weight, DTensor)
 
 
-def fsdp2(module: torch.nn.Module, spec: Any, t: TrainingSpec, fsdp_mesh: Any) -> None:
+def fsdp2(module: torch.nn.Module, spec: Any, t: TrainingSpec, fsdp_mesh: Any, layers: Any = None) -> None:
     """FSDP2 ``fully_shard`` on each decoder layer, then on the root (``reshard_after_forward`` off
-    for grad-op; bf16-mp as ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``)."""
+    for grad-op; bf16-mp as ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``).
+    ``layers``: the decoder layers (None: the model's, ``decoder_layers``; a pipeline stage's own)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     kw: dict[str, Any] = {"mesh": fsdp_mesh, "reshard_after_forward": t.fsdp != "grad-op"}
     if t.precision == "bf16-mp":
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in decoder_layers(module, spec):
+    for layer in (decoder_layers(module, spec) if layers is None else layers):
         fully_shard(layer, **kw)
     fully_shard(module, **kw)
 
@@ -255,11 +256,12 @@ def fsdp1_wrap_policy(module: torch.nn.Module, spec: Any, t: TrainingSpec) -> An
     return ModuleWrapPolicy({type(layer) for layer in decoder_layers(module, spec)})
 
 
-def ddp(module: torch.nn.Module, t: TrainingSpec, device: torch.device) -> Any:
-    """``DistributedDataParallel`` with ``bucket_cap_mb=ddp_bucket_mb`` (``device_ids`` on CUDA)."""
+def ddp(module: torch.nn.Module, t: TrainingSpec, device: torch.device, process_group: Any = None) -> Any:
+    """``DistributedDataParallel`` with ``bucket_cap_mb=ddp_bucket_mb`` (``device_ids`` on CUDA), over
+    ``process_group`` (None: the default group; a pipeline stage's replicas: its data-parallel group)."""
     from torch.nn.parallel import DistributedDataParallel
     return DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None,
-                                   bucket_cap_mb=t.ddp_bucket_mb)
+                                   bucket_cap_mb=t.ddp_bucket_mb, process_group=process_group)
 
 
 def wrap(module: torch.nn.Module, spec: Any, t: TrainingSpec, device_mesh: Any, device: torch.device) -> Any:
@@ -382,8 +384,8 @@ class PipelineRankModule(torch.nn.Module):
 
     def activation_checkpointing_enable(self, checkpointing_kwargs: Any = None) -> None:
         """transformers' gradient checkpointing on every stage's layers."""
-        for stage in self.stages:
-            stage.activation_checkpointing_enable(checkpointing_kwargs)
+        for stage in self.stages:  # a stage may be wrapped in DDP (its ``module``) with --dp
+            getattr(stage, "module", stage).activation_checkpointing_enable(checkpointing_kwargs)
 
     gradient_checkpointing_enable = activation_checkpointing_enable
 

@@ -45,6 +45,13 @@ COMPILE_WARNING = ("--compile: the layers are the eager step's saved tensors (in
                    "families with a fused SDPA kernel, without LoRA, 4-bit bases, experts or --tp); "
                    "use trace --compile for this model (docs/trace.md)")
 
+#: the warning of an estimate of pipeline stages sharded with FSDP (docs/trace.md, the pipeline section)
+PIPELINE_FSDP_WARNING = ("--pp with --fsdp: FSDP's units are counted as a plain loop runs them (resharded after each "
+                         "backward, gradients reduced per micro-batch or, under --grad-sync step, accumulated "
+                         "unsharded); torch's PipelineStage keeps them gathered from their first backward to the end "
+                         "of the schedule and reduces once after it, which trace runs (-1% to +11% against this "
+                         "estimate on the setups of docs/trace.md)")
+
 
 def compile_warning(m: ModelSpec, t: TrainingSpec) -> str | None:
     """The warning of an ``estimate --compile`` whose layers have no compiled recipe
@@ -74,6 +81,8 @@ def estimate(m: ModelSpec, t: TrainingSpec, cublas_workspace: int | None = None,
     warning = compile_warning(m, t)
     if warning:
         rep.warnings.append(warning)
+    if t.pp > 1 and t.fsdp is not None:
+        rep.warnings.append(PIPELINE_FSDP_WARNING)
     if m.family == "derived":
         rep.warnings.extend(derived_notes(m, t))
     return rep

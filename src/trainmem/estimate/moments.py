@@ -400,6 +400,18 @@ def _head_backward(q: Quantities, tk: Tokens, kept: Kept, before: tuple, step: i
     return out
 
 
+def _root_regather_at_loss(q: Quantities, tk: Tokens, kept: Kept, before: tuple, step: int, micro: int,
+                           valid: Any) -> Moment:
+    """FSDP2 full with the model's own loss: the root, resharded when its forward returned, gathered
+    again at the loss's first backward node (its all-gather output and parameters), beside the
+    saved log-probabilities and before any of the loss's gradients (``quantities.
+    root_regathered_at_loss``). ``before``: (gradients, states, workspace, graph-kept tensors)."""
+    grads_before, states, ws2, own = before
+    return _mo("backward", micro, step, "fsdp.root_unshard", (grads_before, states, tk.inputs, ws2, tk.all_acts, 0),
+               (kept.logits, kept.kv_forward, tk.loss_saved), _both(valid, q.fsdp_root_regather_own > 0), own,
+               comm=2 * q.fsdp_root_regather_own + q.ds_backward_buf)
+
+
 def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: int, micro: int, valid: Any,
                 states_before: bool, workspaces: tuple[int, int], moments: list, ends: list, final: Any = True,
                 prev: Tokens | None = None) -> None:
@@ -453,6 +465,7 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     # FSDP grad-op (and FSDP1) keep the root gathered from its forward to its backward
     ends.append(("forward", micro, step, q.fixed + grads_before + states + tk.inputs + ws + tk.all_acts
                  + kept.logits + kept.kv_forward + tk.loss_saved + q.fsdp_root_kept + q.ds_gathered_top))
+    moments.append(_root_regather_at_loss(q, tk, kept, (grads_before, states, ws2, own), step, micro, valid))
     moments.append(_mo("backward", micro, step, "cross_entropy.backward",
                        (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.loss_backward),
                        (kept.logits, kept.kv_forward, tk.loss_saved), valid, own,

@@ -190,6 +190,7 @@ class Quantities:
     fsdp_loss_root: int = 0
     fsdp_loss_buf: int = 0
     fsdp_root_regather: int = 0  # ... then the root gathered again (its all-gather buffer and parameters)
+    fsdp_root_regather_own: int = 0  # FSDP2 full, the model's own loss: the root gathered again at its first node
     fsdp_loss_ag: int = 0     # FSDP2: the last layer's all-gather output while the loss runs (model's own loss)
     fsdp_root_kept: int = 0   # the root's gathered parameters between forward and backward (not resharded)
     # checkpointed layers' autocast weight copies: none saved. autocast caches the cast of a leaf that
@@ -1459,6 +1460,27 @@ def root_resharded_for_loss(m: ModelSpec, t: TrainingSpec) -> bool:
             and m.head in ("causal-lm", "masked-lm") and t.pp == 1)
 
 
+def root_regathered_at_loss(m: ModelSpec, t: TrainingSpec) -> bool:
+    """Whether FSDP2 gathers its resharded root again at the first node of the loss's backward,
+    before any of the loss's gradients exist: ``fully_shard(model, reshard_after_forward=True)``
+    (``--fsdp full``/``hybrid``, ``wrappers.fsdp2``) reshards the root when its forward returns
+    (torch 2.13 ``_fully_shard/_fsdp_state.py`` L203-207 keep it only when ``reshard_after_forward``
+    is left unset; ``_post_forward`` also frees the last layer's all-gather output, L333-343), and
+    when the model computes its own loss that loss is among the forward's outputs, on which
+    ``_register_pre_backward_hook`` (L434) puts the root's pre-backward unshard: a tensor hook, run
+    before the loss's ``NllLossBackward0``. So the root's all-gather output (its flat buffer,
+    ``foreach_all_gather``) and the parameters copied out of it (``foreach_all_gather_copy_out``)
+    exist together beside the log-probabilities the loss saved; the all-gather output is freed when
+    the root's backward prefetch of the last layer is issued, before the loss's gradients are
+    allocated (the ``cross_entropy.backward`` moment: the root and that layer's buffer). With a
+    wide vocabulary and few tokens (root > the loss's backward temporaries + the layer's buffer)
+    this is the backward's peak. The loop's loss (``root_resharded_for_loss``) regathers later,
+    at the logits' gradient. Found by trace: Llama 2 layers (vocabulary 32000, h 2048), 2 x 512,
+    FSDP2 full over 4, 2 micro-batches: -2.19% before (moment ``fsdp.root_unshard``)."""
+    return (t.fsdp is not None and t.fsdp_version == 2 and t.zero_stage == 3 and t.pp == 1
+            and not root_resharded_for_loss(m, t))
+
+
 def fsdp_buffers(m: ModelSpec, t: TrainingSpec, st: States, lc: LayerCoefs) -> dict[str, int]:
     """FSDP's unsharded tensors, which exist only between a forward and the end of its backward
     (``moments`` places each), bytes on one rank in the gathered dtype (bf16 under ``bf16-mp``):
@@ -1506,6 +1528,7 @@ def fsdp_buffers(m: ModelSpec, t: TrainingSpec, st: States, lc: LayerCoefs) -> d
             "fsdp_loss_root": 0 if resharded else st.root_full,
             "fsdp_loss_buf": 0 if resharded or fsdp1_prefetch_after_loss(m, t) else layer_buf,
             "fsdp_root_regather": st.root_full if resharded else 0,
+            "fsdp_root_regather_own": st.root_full if root_regathered_at_loss(m, t) else 0,
             "fsdp_loss_ag": 0 if loss_outside_root(m, t) or t.fsdp_version != 2 else block_bytes(st.layer_params_full),
             "fsdp_root_kept": st.root_full if (t.zero_stage != 3 or t.fsdp_version == 1) else 0,
             "fsdp_rs_buf": st.layer_rs if t.fsdp_version == 2 else 0,

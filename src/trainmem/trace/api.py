@@ -90,11 +90,10 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
     ``tp`` > 1 with or without ``sequence_parallel``) the step runs on a fake process group of ``dp`` × ``tp`` ranks
     (``trace.distributed``) as rank ``rank`` (default 0, the worst: FSDP2 and DTensor give it the
     largest shards); ``extra["ranks"]`` lists every rank, the others as copies of the traced one.
-    With ``pp`` > 1 (alone; ``grad_accum`` >= ``pp`` under 1F1B) each pipeline stage is a rank of a
-    fake group of ``pp`` running torch's ``PipelineStage`` and ``Schedule1F1B`` (``ScheduleGPipe``
-    with ``pp_schedule="gpipe"``): the first and the last stage
-    (and ``rank``) are traced, one after the other, and the report is the worse one's, with every
-    traced stage in ``extra["ranks"]``.
+    With ``pp`` > 1 each stage is a rank of a fake group of ``pp`` (× ``tp``: tensor-parallel
+    stages; × ``dp``: DDP replicas or FSDP2 shards of each) running torch's ``PipelineStage`` and its schedule
+    (``pp_schedule``): the first and the last stage (and ``rank``) are traced, one after the
+    other, and the report is the worse one's, with every traced stage in ``extra["ranks"]``.
     """
     t0 = time.perf_counter()
     if device not in ("cuda", "cpu"):
@@ -255,9 +254,11 @@ def _build(dev: _Device, factory: Callable, spec: ModelSpec | None, t: TrainingS
         tracker.name_modules(module)
         with tracker:
             _load_to_device(tracker, wrapped)
-        if _dist.distributed(t) and not _dist.sharded_unloaded(t):  # DDP wraps the loaded model
-            wrapped = _dist.wrap(module, spec, t, tracker)
-            tracker.module_names[id(wrapped)] = ""  # the modules keep their names under DDP's wrapper
+        if _dist.wraps_loaded(t):  # DDP wraps the loaded model (each pipeline stage's module)
+            names = {id(m): tracker.module_names.get(id(m), "") for m in _dist.ddp_targets(wrapped, t)}
+            wrapped = _dist.wrap_loaded(wrapped, t, tracker)
+            for ddp_module in _dist.ddp_targets(wrapped, t):  # the modules keep their names under DDP's wrapper
+                tracker.module_names[id(ddp_module)] = names[id(ddp_module.module)]
         return wrapped
     if spec is not None and t.lora_rank:
         raise TrainmemError("trace --device cpu cannot wrap the model with peft under its byte counter "

@@ -58,14 +58,16 @@ rank's size (``_fsdp_param.py`` ``_init_sharded_param``); only the optimizer sta
 divide. So rank 0 is the worst rank and is the one traced (``trace(..., rank=k)`` traces another:
 ``tests/test_trace_distributed.py`` checks that the last rank of an uneven split is not above it).
 
-Pipeline parallelism (``--pp``, alone or with ``--tp``): the model is cut to one stage before it
+Pipeline parallelism (``--pp``, alone, with ``--tp`` or with ``--dp``): the model is cut to one stage before it
 is loaded (``wrappers.PipelineStageModule``, torchtitan's split; with ``--tp`` the stage is then
-parallelized over the ``tp`` dimension of a (pp, tp) mesh, :func:`_pipeline_stage`) and
+parallelized over the ``tp`` dimension of a (pp, tp) mesh, :func:`_pipeline_stage`; with ``--dp``
+each stage module is wrapped in DDP over the ``dp`` group of a (pp, dp) mesh once loaded,
+:func:`wrap_loaded`, or with ``--fsdp`` sharded with FSDP2 over it before loading) and
 ``workload.PipelineTrainStep`` runs torch's ``PipelineStage`` and ``Schedule1F1B`` (or
 ``ScheduleGPipe``; or ``ScheduleInterleaved1F1B`` or ``ScheduleInterleavedZeroBubble`` over the rank's
 ``--pp-virtual-stages`` stages, ``wrappers.PipelineRankModule``, without ``--tp``) as that stage's
-rank of a fake group of ``pp`` (× ``tp``); ``pipeline_ranks`` says which ranks are traced (the first
-and the last stage's, tp rank 0), each on its own emulated GPU, and ``pipeline_report`` keeps the
+rank of a fake group of ``pp`` (× ``tp`` or × ``dp``); ``pipeline_ranks`` says which ranks are traced (the first
+and the last stage's, tp rank 0 or data-parallel rank 0), each on its own emulated GPU, and ``pipeline_report`` keeps the
 worse. Two patches make the schedule run on the fake group
 (``_static_vote``, ``_p2p_one_by_one``); sends and receives move nothing, so a stage computes on
 its receive buffers, which have the real shapes and dtypes.
@@ -106,8 +108,9 @@ def distributed(t: TrainingSpec) -> bool:
 
 
 def world_size(t: TrainingSpec) -> int:
-    """The ranks of the layout: dp × tp (the mesh ``wrappers.mesh`` builds), or pp × tp (the
-    pipeline stages, each tensor-parallel over tp: ``check`` refuses pp with dp or FSDP)."""
+    """The ranks of the layout: dp × tp (the mesh ``wrappers.mesh`` builds), or pp × tp or pp × dp
+    (the pipeline stages, each tensor-parallel over tp, or replicated by DDP or sharded by FSDP2
+    over dp: ``check`` refuses pp with both dp and tp)."""
     return t.dp * t.tp * t.pp
 
 
@@ -197,9 +200,18 @@ def _check_pp(t: TrainingSpec, spec: Any, device: str, what: str) -> None:
         raise TrainmemError(f"trace {what}: the pipeline split is written for Llama, Mistral and Qwen2 (embeddings, "
                             f"decoder layers, final norm and head of a causal LM), not a {spec.model_type} "
                             f"{spec.head} model ({spec.name}); use estimate")
-    if t.dp > 1 or t.fsdp is not None:
-        raise TrainmemError(f"trace {what}: pipeline parallelism is traced alone or with --tp, not with --dp or "
-                            "--fsdp; use estimate for those layouts")
+    if t.fsdp is not None and t.fsdp_version == 1:
+        raise TrainmemError(f"trace {what} --fsdp-version 1: torch's PipelineStage drives FSDP2 (FSDPModule) and "
+                            "DDP modules (stage.py backward_maybe_with_nosync), not FSDP1's FullyShardedDataParallel; "
+                            "use --fsdp-version 2, or estimate")
+    if t.fsdp is not None and t.grad_sync != "step" and t.grad_accum > 1:
+        raise TrainmemError(f"trace {what} with --grad-sync {t.grad_sync}: torch's PipelineStage keeps FSDP2's "
+                            "gradients unsharded through every micro-batch and reduce-scatters them once after the "
+                            "schedule (stage.py backward_maybe_with_nosync, perform_reduce_grad), which is "
+                            "--grad-sync step; add it (or use estimate)")
+    if t.dp > 1 and t.tp > 1:
+        raise TrainmemError(f"trace {what}: pipeline stages are traced with --dp (DDP or FSDP2) or with --tp, not "
+                            "both (a (pp, dp, tp) mesh is not built); use estimate")
     if t.tp > 1 and t.sequence_parallel:
         raise TrainmemError(f"trace {what}: the tensor-parallel plan keeps the sequence-parallel residual stream as "
                             "Shard(1) DTensors, and a pipeline stage sends, receives and back-propagates plain "
@@ -615,14 +627,15 @@ def _foreach_groups(op_schema: Any, output_tensor_meta: Any, op_strategy: type,
     return firsts, group_of
 
 
-def _allreduce_in_place(world: int) -> Callable:
+def _allreduce_in_place(world: int, group: Any = None) -> Callable:
     """DDP's built-in all-reduce hook on the fake group: ``AllReduceCommHook::runHook``
-    (default_comm_hooks.cpp) divides the bucket by the world size and all-reduces it in place."""
+    (default_comm_hooks.cpp) divides the bucket by the world size and all-reduces it in place
+    (over ``group``, DDP's process group; None: the default group)."""
     def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks the annotations: none given
         import torch.distributed as dist
         buf = bucket.buffer()
         buf.div_(world)
-        dist.all_reduce(buf)
+        dist.all_reduce(buf, group=group)
         fut = torch.futures.Future()
         fut.set_result(buf)
         return fut
@@ -635,10 +648,7 @@ def wrap(module: torch.nn.Module, spec: Any, t: TrainingSpec, tracker: Tracker) 
     ever loaded; DDP wraps the loaded model inside the tracker: its buckets are counted. A pipeline
     stage is cut from the unmaterialised model (``wrappers.PipelineStageModule``, this rank's stage)."""
     if t.pp > 1:
-        if t.tp > 1:
-            return _pipeline_stage(module, spec, t)
-        import torch.distributed as dist
-        return pipeline_stage_module(module, spec, t.pp, dist.get_rank(), t.virtual_stages)
+        return _pipeline_stage(module, spec, t)
     device_mesh = mesh(t, "cuda")
     if t.tp > 1:
         tensor_parallel(module, spec, device_mesh["tp"], t.sequence_parallel)
@@ -647,28 +657,73 @@ def wrap(module: torch.nn.Module, spec: Any, t: TrainingSpec, tracker: Tracker) 
     if t.fsdp is not None:
         fsdp2(module, spec, t, device_mesh["dp"])
         return module
-    if t.dp == 1:
+    return module
+
+
+def wraps_loaded(t: TrainingSpec) -> bool:
+    """Whether DDP wraps the model once it is loaded (``wrap_loaded``): ``--dp`` without FSDP, on
+    one model or on each pipeline stage."""
+    return t.dp > 1 and t.fsdp is None
+
+
+def wrap_loaded(module: torch.nn.Module, t: TrainingSpec, tracker: Tracker) -> torch.nn.Module:
+    """DDP around the loaded model, its buckets counted (``communication.ddp_buckets``). Under
+    pipeline parallelism each stage module is wrapped over its stage's data-parallel group, as
+    torchtitan's ``apply_ddp`` wraps each model part; the schedule's ``PipelineStage`` takes the DDP
+    module (torch 2.13 ``pipelining/stage.py`` ``forward_maybe_with_nosync`` and
+    ``backward_maybe_with_nosync``: every micro-batch under ``no_sync`` but the stage's last backward,
+    before which it calls the reducer's ``prepare_for_backward``)."""
+    if t.pp == 1:
+        return _ddp(module, t, tracker, None)
+    group = module.dp_group
+    if t.virtual_stages > 1:  # the rank's stages, each its own DDP module
+        for i, stage in enumerate(list(module.stages)):
+            module.stages[i] = _ddp(stage, t, tracker, group)
         return module
+    return _ddp(module, t, tracker, group)
+
+
+def ddp_targets(module: torch.nn.Module, t: TrainingSpec) -> list[torch.nn.Module]:
+    """The modules :func:`wrap_loaded` wraps in DDP (before it) or its DDP modules (after): the
+    model, or the rank's virtual pipeline stages."""
+    return list(module.stages) if t.pp > 1 and t.virtual_stages > 1 else [module]
+
+
+def _ddp(module: torch.nn.Module, t: TrainingSpec, tracker: Tracker, group: Any) -> torch.nn.Module:
+    """``wrappers.ddp`` on the emulated GPU, inside the tracker, with the in-place all-reduce hook."""
     with tracker, tracker.scope("communication", "ddp_buckets"):
-        wrapped = ddp(module, t, torch.device("meta"))
-    wrapped.register_comm_hook(None, _allreduce_in_place(t.dp))
+        wrapped = ddp(module, t, torch.device("meta"), group)
+    wrapped.register_comm_hook(None, _allreduce_in_place(t.dp, group))
     return wrapped
 
 
 def _pipeline_stage(module: torch.nn.Module, spec: Any, t: TrainingSpec) -> torch.nn.Module:
     """This rank's pipeline stage (``wrappers.PipelineStageModule``, cut from the unmaterialised
-    model); with ``--tp``, on a (pp, tp) ``DeviceMesh`` (row-major: rank = stage × tp + tp rank, as
-    torchtitan's ``ParallelDims`` orders pp before tp), the stage parallelized with the TP plan over
-    its ``tp`` dimension and its ``PipelineStage`` sending over its ``pp`` dimension's group
+    model; the rank's virtual stages, ``PipelineRankModule``, under an interleaved schedule). With
+    ``--tp`` or ``--dp``, on a (pp, tp) or (pp, dp) ``DeviceMesh`` (row-major: rank = stage × tp +
+    tp rank, or stage × dp + dp rank, as torchtitan's ``ParallelDims`` orders pp before the data and
+    tensor dimensions): with tp the stage parallelized with the TP plan over its ``tp`` dimension;
+    with dp and FSDP each stage module sharded with FSDP2 over the ``dp`` dimension (its decoder
+    layers, then the stage: torchtitan's ``apply_fsdp`` on each model part; ``PipelineStage`` then
+    drives the units itself, stage.py ``backward_maybe_with_nosync`` and ``perform_reduce_grad``),
+    with dp alone its data-parallel group kept (``dp_group``) for DDP once loaded
+    (:func:`wrap_loaded`); its ``PipelineStage`` sends over the ``pp`` dimension's group
     (``pp_group``)."""
     import torch.distributed as dist
-    if t.tp == 1:
-        return pipeline_stage_module(module, spec, t.pp, dist.get_rank())
+    if t.tp == 1 and t.dp == 1:
+        return pipeline_stage_module(module, spec, t.pp, dist.get_rank(), t.virtual_stages)
     from torch.distributed.device_mesh import init_device_mesh
-    device_mesh = init_device_mesh("cuda", (t.pp, t.tp), mesh_dim_names=("pp", "tp"))
-    stage = pipeline_stage_module(module, spec, t.pp, device_mesh["pp"].get_local_rank())
-    tensor_parallel(stage, spec, device_mesh["tp"], t.sequence_parallel)
-    stage.pp_group = device_mesh["pp"].get_group()
+    other = "tp" if t.tp > 1 else "dp"
+    device_mesh = init_device_mesh("cuda", (t.pp, t.tp * t.dp), mesh_dim_names=("pp", other))
+    stage = pipeline_stage_module(module, spec, t.pp, device_mesh["pp"].get_local_rank(), t.virtual_stages)
+    if t.tp > 1:
+        tensor_parallel(stage, spec, device_mesh["tp"], t.sequence_parallel)
+    else:
+        stage.dp_group = device_mesh["dp"].get_group()
+    for part in (stage.stages if t.virtual_stages > 1 else [stage]):
+        part.pp_group = device_mesh["pp"].get_group()
+        if t.fsdp is not None:  # each stage module sharded over dp (its own layers, then itself)
+            fsdp2(part, spec, t, device_mesh["dp"], part.model.layers)
     return stage
 
 
@@ -734,8 +789,11 @@ def pipeline_ranks(t: TrainingSpec, rank: int = 0) -> list[int]:
     uneven split, as without pipelining) is traced. A middle stage holds its layers' activations
     for fewer micro-batches than the first (``pp - stage``) and neither the embeddings nor the
     head, so it is below the first stage unless the embedding table is smaller than the activations
-    one micro-batch of its layers keeps; it is traced on request (``rank=k``)."""
-    return sorted({0, (t.pp - 1) * t.tp, rank})
+    one micro-batch of its layers keeps; it is traced on request (``rank=k``). With ``--dp`` a
+    stage's ranks are ``stage × dp`` to ``stage × dp + dp − 1``, its DDP replicas (the same program
+    on the same tensors) or FSDP2 ranks (the first holds the largest shards, as without
+    pipelining); the first is traced."""
+    return sorted({0, (t.pp - 1) * t.tp * t.dp, rank})
 
 
 def pipeline_report(reports: dict[int, Any], t: TrainingSpec) -> Any:
@@ -743,12 +801,16 @@ def pipeline_report(reports: dict[int, Any], t: TrainingSpec) -> Any:
     listing every traced stage as traced and the others as not traced."""
     worst = max(reports, key=lambda r: (reports[r].peak_allocated, -r))
     report = reports[worst]
-    world, tp = world_size(t), t.tp
+    world, tp = world_size(t), t.tp * t.dp  # ranks per stage: its tensor-parallel ranks or its DDP replicas
     entries = {r: {**rank_entries(rep, t, r)[r], "pipeline_stage": r // tp} for r, rep in reports.items()}
+    replica = ("an FSDP2 rank of a traced stage: the same program on shards no larger than its data-parallel rank "
+               "0's" if t.fsdp is not None else
+               "a DDP replica of a traced stage: the same program on the same tensors" if t.dp > 1 else
+               "a tensor-parallel rank of a traced stage: the same program on shards no larger than its stage's "
+               "tensor-parallel rank 0's")
 
     def untraced(r: int) -> dict[str, Any]:
-        why = ("a tensor-parallel rank of a traced stage: the same program on shards no larger than its stage's "
-               "tensor-parallel rank 0's" if r - r % tp in reports else
+        why = (replica if r - r % tp in reports else
                "a middle stage: fewer micro-batches in flight than the first, no embeddings or head")
         return {"rank": r, "local_rank": r, "world_size": world, "pipeline_stage": r // tp, "traced": False,
                 "not_traced": why}
@@ -759,7 +821,8 @@ def pipeline_report(reports: dict[int, Any], t: TrainingSpec) -> Any:
     report.extra.update({"ranks": ranks, "rank": worst, "world_size": world, "traced_ranks": sorted(reports),
                          "wrapper": wrapper_name(t), "pipeline_stage": name})
     peaks = ", ".join(f"stage {r // tp} {fmt(reports[r].peak_allocated, 'auto')}" for r in sorted(reports))
-    which = "one rank each" if tp == 1 else f"one rank each (tensor-parallel rank 0 of {tp})"
+    which = ("one rank each" if tp == 1 else f"one rank each (tensor-parallel rank 0 of {tp})" if t.tp > 1 else
+             f"one rank each (data-parallel rank 0 of {tp})")
     report.warnings.append(f"{wrapper_name(t)} on a fake process group of {world} ranks (torch.distributed's fake "
                            f"backend): stages {', '.join(str(r // tp) for r in sorted(reports))} traced, {which} "
                            f"(peak allocated {peaks}); the report is stage {stage}'s, the worst")
