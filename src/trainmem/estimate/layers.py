@@ -154,8 +154,10 @@ class Builder:
     def __init__(self, pol: Policy, dropout: bool, sp_div: int = 1, capability: tuple[int, int] = (8, 0),
                  lora: tuple[tuple[str, int, int], ...] = (), lora_dropout: float = 0.0, lora_half: bool = False,
                  quant: tuple[int, int] = (0, 0), quant_saves_input: bool = False, biased: tuple[str, ...] = (),
-                 base_trains: bool = False, softmax_saves_input: bool = False):
+                 base_trains: bool = False, softmax_saves_input: bool = False, repeat_kv: bool = False):
         self.p = pol
+        # --attention-call repeat-kv: SDPA gets K and V copied to the query's heads (litgpt's call)
+        self.repeat_kv = repeat_kv
         self.softmax_saves_input = softmax_saves_input  # PyTorch < 1.11 (spec.releases)
         self.biased = biased  # linears with a bias: ``addmm`` (not ``mm``) under F.linear / Conv1D
         # bitsandbytes 4-bit base weights (quant4.py): bytes per element of the dequantized weight and
@@ -346,7 +348,8 @@ class Builder:
     def sdpa(self, impl: str, head_dim: int, heads: float, kv_heads: float, p_drop: float) -> str:
         """The SDPA backend for this layer (``sdpa_backend``; ``impl`` may pin one)."""
         p = p_drop if (p_drop > 0 and self.dropout) else 0.0
-        return sdpa_backend(self.p.half, head_dim, heads != kv_heads, capability=self.capability,
+        gqa = heads != kv_heads and not self.repeat_kv  # repeat-kv: SDPA sees the copies, equal heads
+        return sdpa_backend(self.p.half, head_dim, gqa, capability=self.capability,
                             pinned=impl if impl in SDPA_PINS else None, dropout=p)
 
     def attention(self, q: T, k: T, v: T, heads: float, kv_heads: float, head_dim: int, impl: str,
@@ -362,9 +365,15 @@ class Builder:
             return self._eager_attention(q, k, v, heads, kv_heads, head_dim, p_drop, softmax_fp32_then_cast,
                                          dropout_before_cast)
         backend = self.sdpa(impl, head_dim, heads, kv_heads, p_drop)
-        if sdpa_repeats_kv(heads, kv_heads, head_dim):
-            k = T(heads * head_dim, 0, k.nbytes, "attn.k_repeated")
-            v = T(heads * head_dim, 0, v.nbytes, "attn.v_repeated")
+        if heads != kv_heads and (self.repeat_kv or sdpa_repeats_kv(heads, kv_heads, head_dim)):
+            # (b, heads, s, d) copies of K and V in their dtype: transformers' repeat_kv, or litgpt's
+            # ``k.expand(B, groups, q_per_kv, T, hs).reshape(B, -1, T, hs)`` (``--attention-call
+            # repeat-kv``, trace/cuda.py ``litgpt_call``), which is what the kernel then saves. With
+            # one key/value head (multi-query) the reshape only drops a size-1 dimension: a view with
+            # a zero head stride, so the kernel saves K and V themselves (nothing new)
+            if kv_heads > 1:
+                k = T(heads * head_dim, 0, k.nbytes, "attn.k_repeated")
+                v = T(heads * head_dim, 0, v.nbytes, "attn.v_repeated")
             kv_heads = heads
         if backend == "math":
             return self._math_attention(v, heads, kv_heads, head_dim, p_drop if self.dropout else 0.0)
@@ -670,6 +679,7 @@ class LayerKey:
     lora_base_trains: bool = False  # FSDP1 mixed units: LoRA's base weights are views of a flat parameter
     #                                 that requires grad, so autograd treats them as trainable
     softmax_saves_input: bool = False  # PyTorch < 1.11: softmax's node saves its input too (spec.releases)
+    attention_call: str = "model"  # "repeat-kv": SDPA called as litgpt does (K/V copied to the query's heads)
 
 
 def ep_rank_rows(top_k: int, experts: int, ep: int, imbalance: float) -> float:
@@ -761,7 +771,8 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
     t = k.tp
     sp_div = t if k.sp else 1  # sequence parallel splits the replicated regions over TP ranks
     B = Builder(pol, k.dropout, sp_div, k.capability, k.lora, k.lora_dropout, k.lora_half, k.quant,
-                k.quant_saves_input, k.biased, k.lora_base_trains, k.softmax_saves_input)
+                k.quant_saves_input, k.biased, k.lora_base_trains, k.softmax_saves_input,
+                k.attention_call == "repeat-kv")
     h, f, q, kv = k.h, k.f / t, k.q / t, k.kv / t
     heads, kvh = k.heads / t, k.kv_heads / t  # whole heads per rank (spec.layout.tp_problems)
     x = T(h / sp_div, 0, pol.stream, "residual")

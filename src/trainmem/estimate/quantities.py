@@ -29,7 +29,7 @@ from .derived import adapters_computed_half, regime as derived_regime
 from .derived import head_during_loss as derived_head_loss, layer_coefs as derived_layer, outer as derived_outer
 from .derived import logits_bytes as derived_logits_bytes, outer_ssq as derived_outer_ssq
 from .derived import decoder_ratio, head_forward as derived_head_forward, moment_activations
-from .layers import ALL_MOMENTS, LayerCoefs, LayerKey, Policy, ep_rank_rows, layer_coefficients
+from .layers import ALL_MOMENTS, HALF, LayerCoefs, LayerKey, Policy, ep_rank_rows, layer_coefficients
 from .quant4 import dequant_dtypes, is_quantized
 from .schedules import in_flight_at_backwards
 from .states import (States, block_bytes, default_lora_targets, dtensor_tp, fsdp_grad_op, model_states,
@@ -251,7 +251,7 @@ def layer_key(m: ModelSpec, t: TrainingSpec) -> LayerKey:
                     kv_cache(m, t), biased=biased_linears(m) if t.recompute == "op" else (), ep=t.ep,
                     ep_rows=ep_rank_rows(m.experts_top_k, m.num_experts, t.ep, t.moe_imbalance) if t.ep > 1 else 0.0,
                     compiled=t.compile, lora_base_trains=bool(lora) and t.fsdp_mixed_units,
-                    softmax_saves_input=t.softmax_saves_input)
+                    softmax_saves_input=t.softmax_saves_input, attention_call=t.attention_call)
 
 
 def biased_linears(m: ModelSpec) -> tuple[str, ...]:
@@ -579,11 +579,48 @@ def fused_qkv_kept(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs) -
     difference is the query and key widths, per token, in the matmul dtype (``pol.half``; shape
     (b, s, q_size + kv_size)). With grouped-query heads (q_per_kv > 1) ``expand`` then ``reshape``
     copies, and nothing more is kept."""
-    if not t.fused_qkv or m.num_heads != m.num_kv_heads:
+    if not t.fused_qkv:
         return lc
-    extra = float((m.q_size + m.kv_size) * pol.half)  # bytes per token: (b, s, q + k) of the fused output
-    tensors = lc.tensors + ((extra, 0.0),) if lc.tensors else lc.tensors
-    return replace(lc, tok=lc.tok + extra, parts=lc.parts + (("attn.fused_qkv", extra, 0.0),), tensors=tensors)
+    parts = [(n, b) for n, b in fused_qkv_lora(m, t, pol) if b]
+    if m.num_heads == m.num_kv_heads:
+        parts.append(("attn.fused_qkv", float((m.q_size + m.kv_size) * pol.half)))  # (b, s, q + k) of the output
+    if not parts:
+        return lc
+    extra = sum(b for _, b in parts)
+    tensors = lc.tensors + tuple((b, 0.0) for _, b in parts) if lc.tensors else lc.tensors
+    return replace(lc, tok=lc.tok + extra, parts=lc.parts + tuple((n, b, 0.0) for n, b in parts), tensors=tensors)
+
+
+def fused_qkv_lora(m: ModelSpec, t: TrainingSpec, pol: Policy) -> tuple[tuple[str, float], ...]:
+    """LoRA on litgpt's fused q/k/v linear (``LoRAQKVLinear``), against peft's adapters on the
+    separate ``q_proj``/``k_proj``/``v_proj`` that the layer recipe counts: bytes per token, by name.
+
+    * One dropout, one ``lora_A``: ``F.linear(self.lora_dropout(x), self.lora_A)`` runs once over the
+      shared input with ``lora_A`` of ``r * n`` rows for the n enabled parts (litgpt/lora.py
+      ``LoRAQKVLinear.__init__`` and ``forward``, at 43c44323 and 00af8b0d; lit_gpt/lora.py at
+      29de2828), where peft puts an ``nn.Dropout`` and an ``lora_A`` on each of the n linears, each
+      saving a 1-byte mask and its dropped (b, s, h) copy: n - 1 of those are not made (negative).
+    * ``zero_pad``: with some but not all of q, k and v enabled the delta (b, s, widths of the enabled
+      parts) is scattered into zeros of the fused width with ``index_copy`` (or ``index_copy_``,
+      litgpt from f247be87), whose backward formula reads ``source`` (tools/autograd's
+      derivatives.yaml, ``index_copy``: ``source.dim() > 0 ? grad.index_select(dim, index).expand_as(
+      source) : ...``), so autograd saves the delta until the layer's backward (checked on the CPU:
+      ``IndexCopyBackward0._saved_source``).
+    The delta and the dropped copy are in the adapters' dtype (``pol.half`` for half adapters, else
+    fp32; under autocast lora_A saves its half cast and lora_B's output is half)."""
+    if not t.lora_rank:
+        return ()
+    targets = set(t.lora_targets or default_lora_targets(m))
+    widths = {"q_proj": m.q_size, "k_proj": m.kv_size, "v_proj": m.kv_size}
+    on = [w for name, w in widths.items() if name in targets]
+    adapter = pol.half if adapters_computed_half(t) else F32
+    dropped = HALF if pol.amp else adapter   # lora_A's saved input (Builder.adapter)
+    out = []
+    if t.lora_dropout > 0 and len(on) > 1:  # (b, s, h) mask (1 B) and dropped copy per extra peft adapter
+        out.append(("lora.qkv.one_dropout", -float((len(on) - 1) * m.hidden_size * (1 + dropped))))
+    if 0 < len(on) < 3:
+        out.append(("lora.qkv.zero_pad", float(sum(on) * (HALF if pol.amp else adapter))))
+    return tuple(out)
 
 
 def _cast_output_loss_bytes(t: TrainingSpec, held: int, half: int) -> LossBytes:

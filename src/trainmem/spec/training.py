@@ -10,7 +10,7 @@ from typing import Any
 
 from ..errors import TrainmemError
 from .layout import layout_problems
-from .releases import parse_torch_version, softmax_saves_input, torch_problems
+from .releases import SDPA_ATTENTION, parse_torch_version, softmax_saves_input, torch_problems
 
 #: fp32; fp16-amp/bf16-amp: fp32 weights + autocast; bf16/fp16: everything in that dtype ("pure",
 #: Lightning's bf16-true); bf16-mp: FSDP's mixed-precision policy (fp32 sharded parameters, gradients
@@ -30,6 +30,10 @@ RECOMPUTE = ("none", "selective", "full", "op")
 #: CUDA dispatcher picks; flash: transformers' flash_attention_2; sdpa-<backend>: SDPA pinned to one
 #: backend (``torch.nn.attention.sdpa_kernel``)
 ATTENTION = ("eager", "sdpa", "flash", "sdpa-flash", "sdpa-efficient", "sdpa-math", "sdpa-cudnn")
+#: how SDPA is called: model = as transformers' attention calls it (its mask or is_causal, enable_gqa or
+#: repeat_kv); repeat-kv = with is_causal and no mask, K and V first copied to the query's heads
+#: (``expand`` + ``reshape``), as litgpt's CausalSelfAttention does in training (lit-gpt 50b1974b on)
+ATTENTION_CALLS = ("model", "repeat-kv")
 ZERO_GRAD = ("none", "zeros")           # optimizer.zero_grad(set_to_none=True) / (set_to_none=False)
 HOLD_OUTPUT = ("loss", "backward", "step")  # what the loop keeps of the model output, and until when
 #: upcast: HF ForCausalLMLoss (logits.float() first); half: F.cross_entropy on the half logits (nanoGPT,
@@ -169,6 +173,7 @@ class TrainingSpec:
     #                            that copy (Lightning Fabric's ``_FabricModule.forward``: ``convert_output``; litgpt)
     fused_qkv: bool = False  # q, k, v from one fused linear whose output the attention keeps while a view of it is
     #                          saved (litgpt's CausalSelfAttention); the model's transformers class has separate ones
+    attention_call: str = "model"  # ATTENTION_CALLS: "repeat-kv" = litgpt's SDPA call (causal, K/V copied to all heads)
     fsdp_lora_units: str = "separate"  # FSDP_LORA_UNITS: "layer" puts adapters in their layer's FSDP1 unit
     target_len: int | None = None  # an encoder-decoder's decoder tokens (its labels); None: seq_len
     image_size: int | None = None  # an image model's square image side in pixels; sets seq_len (its patches)
@@ -431,6 +436,20 @@ class TrainingSpec:
             raise TrainmemError(f"--fused-qkv is litgpt's attention on one GPU or data parallelism; drop "
                                 f"{'--tp' if self.tp > 1 else '--pp'} or --fused-qkv")
 
+    def _check_attention_call(self) -> None:
+        """``--attention-call repeat-kv`` is litgpt's SDPA call: SDPA only (not eager attention nor
+        transformers' flash_attention_2), one GPU or data parallelism (as ``--fused-qkv``)."""
+        _choice("attention-call", self.attention_call, ATTENTION_CALLS)
+        if self.attention_call == "model":
+            return
+        if self.attention not in SDPA_ATTENTION:
+            raise TrainmemError(f"--attention-call {self.attention_call} changes how F.scaled_dot_product_attention "
+                                f"is called; --attention {self.attention} does not call it: give --attention sdpa")
+        if self.tp > 1 or self.pp > 1 or self.cp > 1 or self.compile:
+            what = "--tp" if self.tp > 1 else ("--pp" if self.pp > 1 else ("--cp" if self.cp > 1 else "--compile"))
+            raise TrainmemError(f"--attention-call {self.attention_call} is litgpt's attention on one GPU or data "
+                                f"parallelism; drop {what} or --attention-call")
+
     def _check_cast_output(self) -> None:
         """``--cast-output`` is Lightning Fabric's wrapper around a model whose logits the loop's own
         loss reads (``--loss half`` or ``upcast``); one GPU's or a data-parallel rank's output."""
@@ -464,6 +483,7 @@ class TrainingSpec:
         _choice("loss-shift", self.loss_shift, LOSS_SHIFTS)
         self._check_cast_output()
         self._check_fused_qkv()
+        self._check_attention_call()
         if self.loss_shift == "logits" and (self.loss != "half" or self.loss_chunks > 1):
             raise TrainmemError("--loss-shift logits is a loop that shifts the half logits before its cross-entropy "
                                 "(GPTLMLoss, older transformers models): give --loss half (in one piece), or drop "
@@ -671,6 +691,9 @@ def _size_problems(model: Any, t: TrainingSpec) -> str | None:
     if t.fused_qkv and not {"q_proj", "k_proj", "v_proj"} <= {p.module for p in model.parameter_tensors()}:
         return (f"--fused-qkv models litgpt's fused q/k/v linear over a transformers attention with separate "
                 f"q_proj, k_proj and v_proj; {model.name}'s has none (it fuses them itself): drop --fused-qkv")
+    if t.attention_call != "model" and (model.head != "causal-lm" or model.family == "nanogpt"):
+        return (f"--attention-call {t.attention_call} calls SDPA with is_causal (litgpt's decoder); {model.name} "
+                f"is not a transformers causal-LM decoder: drop --attention-call")
     if t.cast_output and model.head != "causal-lm":
         return (f"--cast-output is modelled for causal-LM heads (litgpt's GPT under Lightning Fabric); "
                 f"{model.name} has a {model.head} head: drop --cast-output")

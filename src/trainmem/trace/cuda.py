@@ -98,9 +98,12 @@ class CudaEmulation(TorchFunctionMode):
     """Make code written for CUDA run on ``meta`` tensors with CUDA's dtype and kernel choices."""
 
     def __init__(self, tracker: Any = None, *, attention_backend: str | None = None,
-                 capability: tuple[int, int] = (8, 0), attention_flag: str | None = None) -> None:
-        """``attention_flag``: the ``--attention`` value that pinned the backend, named in refusals."""
+                 capability: tuple[int, int] = (8, 0), attention_flag: str | None = None,
+                 attention_call: str = "model") -> None:
+        """``attention_flag``: the ``--attention`` value that pinned the backend, named in refusals;
+        ``attention_call``: ``repeat-kv`` calls SDPA as litgpt does (``litgpt_call``)."""
         super().__init__()
+        self.attention_call = attention_call
         if attention_backend not in (None, "flash", "efficient", "math", "cudnn"):
             raise ValueError(f"attention_backend {attention_backend!r}: use flash, efficient, math, cudnn or None")
         self.tracker = tracker
@@ -267,6 +270,8 @@ class CudaEmulation(TorchFunctionMode):
         if not (isinstance(q, torch.Tensor) and q.device.type == EMULATED):
             return torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, scale=scale, enable_gqa=gqa)
+        if self.attention_call == "repeat-kv":
+            k, v, mask, causal, gqa = litgpt_call(q, k, v)
         backend = self._choose_backend(q, k, v, mask, p, causal, gqa)
         self.sdpa_choices[backend] = self.sdpa_choices.get(backend, 0) + 1
         return self._run_sdpa(backend, q, k, v, mask, p, causal, scale, gqa)
@@ -406,6 +411,28 @@ class CudaEmulation(TorchFunctionMode):
         if q.shape[0] > 65535 or q.shape[1] > 65535 or k.shape[-2] == 1 or (p > 0 and q.shape[-2] == 1):
             return "cuDNN attention does not take these sizes (check_cudnn_tensor_shapes)"
         return ""
+
+
+def litgpt_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[Any, Any, None, bool, bool]:
+    """``--attention-call repeat-kv``: the SDPA call of litgpt's ``CausalSelfAttention.forward`` in
+    training, made from transformers' tensors. litgpt (lit-gpt 50b1974b, 2023-10-24, to litgpt 0.5.x,
+    ``litgpt/model.py``: ``if n_query_groups != n_head and (input_pos is None or n_query_groups != 1)``)
+    expands k and v (b, groups, 1, s, d) to (b, groups, q_per_kv, s, d) and ``reshape``s them to
+    (b, heads, s, d), which copies them (an expanded view is not viewable as one head dimension), then
+    calls ``scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=True)`` (its ``mask`` is
+    None without a KV cache). Each key/value head is repeated for its group's consecutive query heads,
+    the order transformers' ``repeat_kv`` has. Returns (k, v, mask, is_causal, enable_gqa): the copies
+    (b, heads, s, d) in k's and v's dtype, no mask (transformers' causal mask for an unpadded batch is
+    the one ``is_causal`` builds), causal, no enable_gqa."""
+    heads = q.shape[-3]
+
+    def repeated(x: torch.Tensor) -> torch.Tensor:
+        b, g, s, d = x.shape
+        if g == heads:
+            return x
+        return x[:, :, None].expand(b, g, heads // g, s, d).reshape(b, heads, s, d)  # (b, heads, s, d) copy
+
+    return repeated(k), repeated(v), None, True, False
 
 
 def _dtype_name(t: torch.Tensor) -> str:
