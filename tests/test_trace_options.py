@@ -112,6 +112,9 @@ CASES = [
     ({"cast_output": True, "loss": "half"}, CHANGED, ""),
     ({"cast_output": True}, REFUSED, "--cast-output"),  # the model's own loss reads no returned logits
     ({"fused_qkv": True}, REFUSED, "--fused-qkv"),  # litgpt's attention; trace runs transformers' (estimate only)
+    # litgpt's SDPA call: K/V copied to the query's heads (this model has 2 key/value heads for 4 query heads)
+    ({"attention_call": "repeat-kv"}, CHANGED, ""),
+    ({"attention_call": "repeat-kv", "attention": "eager"}, REFUSED, "--attention-call repeat-kv"),
     ({"loss": "fused"}, REFUSED, "--loss fused"),
     ({"master_weights": "fp32", "precision": "bf16"}, REFUSED, "--master-weights fp32"),
     ({"dropout": False}, "same", "Llama has no dropout (GPT-2 below has)"),
