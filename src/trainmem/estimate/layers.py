@@ -154,8 +154,10 @@ class Builder:
     def __init__(self, pol: Policy, dropout: bool, sp_div: int = 1, capability: tuple[int, int] = (8, 0),
                  lora: tuple[tuple[str, int, int], ...] = (), lora_dropout: float = 0.0, lora_half: bool = False,
                  quant: tuple[int, int] = (0, 0), quant_saves_input: bool = False, biased: tuple[str, ...] = (),
-                 base_trains: bool = False, softmax_saves_input: bool = False, repeat_kv: bool = False):
+                 base_trains: bool = False, softmax_saves_input: bool = False, repeat_kv: bool = False,
+                 math_upcast: bool = True):
         self.p = pol
+        self.math_upcast = math_upcast  # PyTorch >= 2.5: SDPA's math kernel computes in fp32 (spec.releases)
         # --attention-call repeat-kv: SDPA gets K and V copied to the query's heads (litgpt's call)
         self.repeat_kv = repeat_kv
         self.softmax_saves_input = softmax_saves_input  # PyTorch < 1.11 (spec.releases)
@@ -445,6 +447,8 @@ class Builder:
         instead of the softmax output (which softmax's backward keeps). Read off the ops on a CPU
         run of ``F.scaled_dot_product_attention`` under ``sdpa_kernel(MATH)`` (the same composite
         runs on CUDA): 8 more bytes per score element, tested against trace."""
+        if not self.math_upcast:
+            return self._math_attention_input_dtype(v, heads, kv_heads, head_dim, p_drop)
         half = self.p.half
         expand = heads != kv_heads
         vv = v if (not expand and half == F32) else T(heads * head_dim if expand else v.tok, 0, F32,
@@ -462,6 +466,30 @@ class Builder:
             self.r.save(T(0, heads, F32, "attn.math.probs_dropped"))
         self.r.transient("attn.math.pv.backward", T(0, heads, F32), T(vv.tok, 0, F32))
         return T(heads * head_dim, 0, half, "attn.context")
+
+    def _math_attention_input_dtype(self, v: T, heads: float, kv_heads: float, head_dim: int,
+                                    p_drop: float) -> T:
+        """The math kernel before PyTorch 2.5 (``spec.releases.math_sdpa_upcasts``), in its inputs'
+        dtype ``d`` (``self.p.half``): pytorch/pytorch 008887dc (the 2.1 line) attention.cpp
+        ``_scaled_dot_product_attention_math``: ``query = query_ * sqrt(scale)`` (b, h, s, hd) and
+        ``key.transpose(-2, -1) * sqrt(scale)``, both saved by ``at::matmul``'s bmm (a key with fewer
+        heads is broadcast: ``expand`` + ``reshape``, a copy at the query's heads); the causal mask
+        (``ones(L, S, bool).tril()`` made additive) is added in place, ``at::softmax`` saves its
+        (b, h, s, s) output in d, ``at::dropout`` (CUDA: ``native_dropout``, a 1-byte mask) saves its
+        mask and ``matmul(attn, value)`` the dropped probabilities and the value (a broadcast one
+        copied at the query's heads). Backward holds two (b, h, s, s) gradients in d at a time."""
+        d = self.p.half
+        expand = heads != kv_heads
+        vv = T(heads * head_dim, 0, d, "attn.math.v") if expand else v
+        self.r.save(T(heads * head_dim, 0, d, "attn.math.q_scaled"),    # (b, h, s, hd) query * sqrt(scale)
+                    T(heads * head_dim, 0, d, "attn.math.k_scaled"),    # (b, h, hd, s) scaled key (copy)
+                    vv, T(0, heads, d, "attn.math.softmax"))            # (b, h, s, s) probabilities
+        self.r.transient("attn.math.backward", T(0, heads, d), T(0, heads, d))
+        if p_drop > 0:
+            self.r.save(T(0, heads, 1, "attn.math.dropout_mask"), T(0, heads, d, "attn.math.probs_dropped"))
+            self.r.transient("attn.math.dropout.backward", T(0, heads, d), T(0, heads, d))
+        self.r.transient("attn.math.pv.backward", T(0, heads, d), T(vv.tok, 0, d))
+        return T(heads * head_dim, 0, d, "attn.context")
 
     def _fused_attention(self, backend: str, q: T, k: T, v: T, heads: float, kv_heads: float,
                          head_dim: int) -> T:
@@ -680,6 +708,7 @@ class LayerKey:
     #                                 that requires grad, so autograd treats them as trainable
     softmax_saves_input: bool = False  # PyTorch < 1.11: softmax's node saves its input too (spec.releases)
     attention_call: str = "model"  # "repeat-kv": SDPA called as litgpt does (K/V copied to the query's heads)
+    math_upcast: bool = True  # PyTorch >= 2.5: SDPA's math kernel upcasts half inputs (spec.releases)
 
 
 def ep_rank_rows(top_k: int, experts: int, ep: int, imbalance: float) -> float:
@@ -772,7 +801,7 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
     sp_div = t if k.sp else 1  # sequence parallel splits the replicated regions over TP ranks
     B = Builder(pol, k.dropout, sp_div, k.capability, k.lora, k.lora_dropout, k.lora_half, k.quant,
                 k.quant_saves_input, k.biased, k.lora_base_trains, k.softmax_saves_input,
-                k.attention_call == "repeat-kv")
+                k.attention_call == "repeat-kv", k.math_upcast)
     h, f, q, kv = k.h, k.f / t, k.q / t, k.kv / t
     heads, kvh = k.heads / t, k.kv_heads / t  # whole heads per rank (spec.layout.tp_problems)
     x = T(h / sp_div, 0, pol.stream, "residual")

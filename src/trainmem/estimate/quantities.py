@@ -251,7 +251,8 @@ def layer_key(m: ModelSpec, t: TrainingSpec) -> LayerKey:
                     kv_cache(m, t), biased=biased_linears(m) if t.recompute == "op" else (), ep=t.ep,
                     ep_rows=ep_rank_rows(m.experts_top_k, m.num_experts, t.ep, t.moe_imbalance) if t.ep > 1 else 0.0,
                     compiled=t.compile, lora_base_trains=bool(lora) and t.fsdp_mixed_units,
-                    softmax_saves_input=t.softmax_saves_input, attention_call=t.attention_call)
+                    softmax_saves_input=t.softmax_saves_input, attention_call=t.attention_call,
+                    math_upcast=t.math_sdpa_upcasts)
 
 
 def biased_linears(m: ModelSpec) -> tuple[str, ...]:

@@ -10,7 +10,8 @@ from typing import Any
 
 from ..errors import TrainmemError
 from .layout import layout_problems
-from .releases import SDPA_ATTENTION, parse_torch_version, softmax_saves_input, torch_problems
+from .releases import (SDPA_ATTENTION, math_sdpa_upcasts, parse_torch_version, softmax_saves_input,
+                       torch_problems)
 
 #: fp32; fp16-amp/bf16-amp: fp32 weights + autocast; bf16/fp16: everything in that dtype ("pure",
 #: Lightning's bf16-true); bf16-mp: FSDP's mixed-precision policy (fp32 sharded parameters, gradients
@@ -404,6 +405,11 @@ class TrainingSpec:
         """PyTorch < 1.11: softmax and log_softmax save their input for backward too
         (``spec.releases``)."""
         return softmax_saves_input(self.torch_release)
+
+    @property
+    def math_sdpa_upcasts(self) -> bool:
+        """PyTorch >= 2.5: SDPA's math kernel computes half inputs in fp32 (``spec.releases``)."""
+        return math_sdpa_upcasts(self.torch_release)
 
     def bitsandbytes_release(self) -> tuple[int, ...]:
         """``bitsandbytes_version`` as numbers (``"0.42.0"`` -> (0, 42, 0)); None: a current release."""
