@@ -185,14 +185,13 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
                   graph=trunc(q.graph_tok * n) * inflight * q.layers,
                   graph_extra_layer=trunc(q.graph_extra_tok * n) * inflight,
                   graph_extra=trunc(q.graph_extra_tok * n) * inflight * q.layers,
-                  # (a soft-capped head: the chunks back-propagated so far have freed their saved tanh,
-                  # which ``all_acts``' head side counts for every chunk: one chunk, then two)
+                  # (soft-capped head: the chunks back-propagated so far freed their saved tanh, counted by all_acts)
                   head_chunk=where(q.chunk_head_grads > 0, (full - 2 * chunk) * q.logits_out + q.chunk_head_grads
                                    - 2 * chunk * q.softcap_saved, 0),
                   head_chunk_first=where(q.chunk_head_grads > 0, full * q.logits_out + q.chunk_head_grads // 3
                                          - chunk * q.softcap_saved, 0),
                   logits_grad=full * q.logits_out, cast_logits=full * q.logits_cast,
-                  early_chunks=where(q.logit_chunks > 1, (full - chunk) * q.logits_out, 0),
+                  early_chunks=where(q.logit_chunks > 1, (full - chunk) * q.logits_out, 0),  # (b, s - s/N, V)
                   others=(layers + outer_rest) * (inflight - 1) // inflight + stage_out,
                   others_layers=layers * (inflight - 1) // inflight + stage_out,
                   others_head=outer_head * (head_units - 1),
