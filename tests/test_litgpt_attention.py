@@ -180,3 +180,14 @@ def test_math_kernel_of_torch_2_1_estimate_agrees_with_trace(monkeypatch, model,
     t = trace(model, set=sets, torch_version="2.1", **opts)
     assert e.peak_allocated == pytest.approx(t.peak_allocated, rel=0.01)
     assert e.peak_allocated < estimate(model, set=sets, **opts).peak_allocated
+
+
+def test_plan_keeps_data_parallel_layouts_with_the_litgpt_call():
+    """``plan`` searches only --tp 1 --pp 1 --cp 1 under --attention-call repeat-kv (TrainingSpec refuses
+    the others); a list asking for more is refused in one line."""
+    from trainmem.plan.planner import plan
+    res = plan("llama-3.2-1b", gpus=4, global_batch=16, seq_len=512, gpu="a100-40gb", attention_call="repeat-kv")
+    assert res.top and all(lay.tp == 1 and lay.pp == 1 and lay.cp == 1 for lay in res.top)
+    with pytest.raises(TrainmemError, match="--attention-call --cp 1,2"):
+        plan("llama-3.2-1b", gpus=4, global_batch=16, seq_len=512, gpu="a100-40gb", attention_call="repeat-kv",
+             cp="1,2")
