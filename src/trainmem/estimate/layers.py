@@ -372,11 +372,12 @@ class Builder:
             # ``k.expand(B, groups, q_per_kv, T, hs).reshape(B, -1, T, hs)`` (``--attention-call
             # repeat-kv``, trace/cuda.py ``litgpt_call``), which is what the kernel then saves. With
             # one key/value head (multi-query) the reshape only drops a size-1 dimension: a view with
-            # a zero head stride, so the kernel saves K and V themselves (nothing new)
+            # a zero head stride, so the kernel saves K and V themselves (nothing new) and its
+            # backward makes dk, dv at the query's heads, as for grouped-query heads (kv_heads kept)
             if kv_heads > 1:
                 k = T(heads * head_dim, 0, k.nbytes, "attn.k_repeated")
                 v = T(heads * head_dim, 0, v.nbytes, "attn.v_repeated")
-            kv_heads = heads
+                kv_heads = heads
         if backend == "math":
             return self._math_attention(v, heads, kv_heads, head_dim, p_drop if self.dropout else 0.0)
         return self._fused_attention(backend, q, k, v, heads, kv_heads, head_dim)
