@@ -191,3 +191,43 @@ def test_plan_keeps_data_parallel_layouts_with_the_litgpt_call():
     with pytest.raises(TrainmemError, match="--attention-call --cp 1,2"):
         plan("llama-3.2-1b", gpus=4, global_batch=16, seq_len=512, gpu="a100-40gb", attention_call="repeat-kv",
              cp="1,2")
+
+
+# ----- --split-gate-up: litgpt's LLaMAMLP over transformers' fused gate_up_proj (Phi-3) -----------------
+def test_split_gate_up_saves_one_more_dropout_and_lora_input_than_peft_on_the_fused_linear():
+    """peft's adapter on a fused ``gate_up_proj`` (the real peft) against litgpt's ``fc_1`` and ``fc_2``
+    (two ``LoRALinear``s, each ``linear(x) + lora_B(lora_A(dropout(x)))``, litgpt/lora.py at
+    f247be87), on CPU tensors: litgpt saves one more dropout mask and dropped (b, s, h) input and one
+    more rank-r output; the estimate's term is those bytes (1 + 2 + 2 r / h per hidden element, bf16)."""
+    peft = pytest.importorskip("peft")
+    b, s, h, f, r = 2, 8, 32, 64, 4
+    fused = torch.nn.Module()
+    fused.gate_up_proj = torch.nn.Linear(h, 2 * f, bias=False)
+    lora = peft.get_peft_model(fused, peft.LoraConfig(r=r, target_modules=["gate_up_proj"], lora_dropout=0.05))
+    lora.train()
+    x = torch.randn(b, s, h, requires_grad=True) * 1.0
+    peft_saved, _ = _saved(lambda: lora.base_model.model.gate_up_proj(x))
+    w1, w2 = (torch.randn(f, h) for _ in range(2))
+    a1, a2 = (torch.randn(r, h, requires_grad=True) for _ in range(2))
+    b1, b2 = (torch.randn(f, r, requires_grad=True) for _ in range(2))
+
+    def litgpt_mlp():
+        drop = torch.nn.functional.dropout
+        return [torch.nn.functional.linear(x, w) + drop(x, 0.05, True) @ a.t() @ bb.t()
+                for w, a, bb in ((w1, a1, b1), (w2, a2, b2))]
+    lit_saved, _ = _saved(litgpt_mlp)
+
+    def count(saved, width):  # distinct storages of b*s rows of this width (matmul saves flattened views)
+        return len({t.untyped_storage().data_ptr() for t in saved
+                    if t.shape[-1] == width and t.numel() == b * s * width and t is not x})
+    assert count(lit_saved, h) - count(peft_saved, h) == 2  # a mask and a dropped input (CPU: a float mask)
+    assert count(lit_saved, r) - count(peft_saved, r) == 1  # lora_A's output, saved by lora_B
+    from trainmem.spec.config import resolve_model
+    m = resolve_model("phi-3-mini")
+    opts = dict(batch_size=1, seq_len=512, precision="bf16", lora_rank=8, lora_dropout=0.05, lora_dtype="half",
+                lora_targets="qkv_proj,gate_up_proj", loss="half", hold_output="step", set=["use_cache=false"])
+    plain, split = (estimate("phi-3-mini", split_gate_up=v, **opts) for v in (False, True))
+    per_token = m.hidden_size * (1 + 2) + 8 * 2
+    assert split.peak_allocated - plain.peak_allocated == pytest.approx(per_token * 512 * m.num_layers, abs=2 ** 21)
+    with pytest.raises(TrainmemError, match="--split-gate-up"):
+        estimate("llama-3.2-1b", seq_len=64, split_gate_up=True)

@@ -112,6 +112,7 @@ CASES = [
     ({"cast_output": True, "loss": "half"}, CHANGED, ""),
     ({"cast_output": True}, REFUSED, "--cast-output"),  # the model's own loss reads no returned logits
     ({"fused_qkv": True}, REFUSED, "--fused-qkv"),  # litgpt's attention; trace runs transformers' (estimate only)
+    ({"split_gate_up": True}, REFUSED, "--split-gate-up"),  # litgpt's MLP over a fused gate_up_proj (estimate only)
     # litgpt's SDPA call: K/V copied to the query's heads (this model has 2 key/value heads for 4 query heads)
     ({"attention_call": "repeat-kv"}, CHANGED, ""),
     ({"attention_call": "repeat-kv", "attention": "eager"}, REFUSED, "--attention-call repeat-kv"),

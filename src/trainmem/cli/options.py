@@ -187,6 +187,10 @@ def _add_loss(g: Any) -> None:
                    help="the attention computes q, k and v with one fused linear and keeps its whole output while "
                         "the value (a view of it when each query head has its own key/value head) is saved: "
                         "litgpt's CausalSelfAttention (estimate only)")
+    g.add_argument("--split-gate-up", action="store_true", default=None,
+                   help="the MLP's gate and up projections are two linears, each with its own LoRA adapter and "
+                        "dropout, where the transformers model fuses them (gate_up_proj): litgpt's LLaMAMLP over "
+                        "Phi-3 (estimate only)")
     g.add_argument("--attention-call", choices=ATTENTION_CALLS, default=None,
                    help="model (default): SDPA called as transformers' attention calls it; repeat-kv: with "
                         "is_causal and no mask, K and V first copied to the query's heads, as litgpt's "
@@ -317,7 +321,7 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 master_weights=a.master_weights, framework=a.framework, framework_version=a.framework_version,
                 torch_version=a.torch_version, grad_sync=a.grad_sync, fsdp_lora_units=a.fsdp_lora_units,
                 fsdp_version=a.fsdp_version, loss_shift=a.loss_shift, cast_output=a.cast_output, fused_qkv=a.fused_qkv,
-                attention_call=a.attention_call,
+                attention_call=a.attention_call, split_gate_up=a.split_gate_up,
                 target_len=a.target_len, image_size=a.image_size,
                 deepspeed_config=a.deepspeed_config, reduce_bucket_size=a.reduce_bucket_size,
                 overlap_comm=a.overlap_comm, contiguous_gradients=a.contiguous_gradients,

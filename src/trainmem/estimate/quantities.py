@@ -592,6 +592,32 @@ def fused_qkv_kept(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs) -
     return replace(lc, tok=lc.tok + extra, parts=lc.parts + tuple((n, b, 0.0) for n, b in parts), tensors=tensors)
 
 
+def litgpt_terms(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs) -> LayerCoefs:
+    """A layer of transformers' model as litgpt's own modules differ from it (``--fused-qkv``,
+    ``--split-gate-up``): ``lc`` with their per-token terms added."""
+    return split_gate_up_kept(m, t, pol, fused_qkv_kept(m, t, pol, lc))
+
+
+def split_gate_up_kept(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs) -> LayerCoefs:
+    """``--split-gate-up``: litgpt's ``LLaMAMLP`` runs the gate and up projections as two
+    ``LoRALinear``s, ``fc_1`` and ``fc_2``, each with its own ``nn.Dropout`` and ``lora_A``
+    (litgpt/lora.py ``LLaMAMLP.__init__`` at f247be87; litgpt/config.py there gives Phi-3
+    ``mlp_class_name="LLaMAMLP"``, and scripts/convert_hf_checkpoint.py L294-298 splits the
+    checkpoint's ``gate_up_proj`` into ``fc_1`` and ``fc_2``), where transformers' ``Phi3MLP`` has one
+    fused ``gate_up_proj`` and peft one adapter on it. With LoRA on it and a LoRA dropout, litgpt
+    keeps one more 1-byte mask and dropped (b, s, h) copy per layer (in the adapters' dtype; lora_A's
+    half cast under autocast) and one more rank-r ``lora_A`` output; the projections' outputs are the
+    same bytes (``fc_1``'s saved by the SiLU, ``fc_2``'s by the product, where transformers' two
+    chunks are views that keep the fused output)."""
+    if not (t.split_gate_up and t.lora_rank and "gate_up_proj" in set(t.lora_targets or default_lora_targets(m))):
+        return lc
+    adapter = pol.half if adapters_computed_half(t) else F32
+    dropped = HALF if pol.amp else adapter
+    extra = float(m.hidden_size * (1 + dropped) if t.lora_dropout > 0 else 0) + t.lora_rank * dropped
+    tensors = lc.tensors + ((extra, 0.0),) if lc.tensors else lc.tensors
+    return replace(lc, tok=lc.tok + extra, parts=lc.parts + (("lora.mlp.split_gate_up", extra, 0.0),), tensors=tensors)
+
+
 def fused_qkv_lora(m: ModelSpec, t: TrainingSpec, pol: Policy) -> tuple[tuple[str, float], ...]:
     """LoRA on litgpt's fused q/k/v linear (``LoRAQKVLinear``), against peft's adapters on the
     separate ``q_proj``/``k_proj``/``v_proj`` that the layer recipe counts: bytes per token, by name.
@@ -1138,7 +1164,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     pol = Policy.of(t.precision)
     st = model_states(m, t, stage)
     derived = m.family == "derived"
-    lc = fused_qkv_kept(m, t, pol, derived_layer(m, t, stage) if derived else layer_coefficients(layer_key(m, t)))
+    lc = litgpt_terms(m, t, pol, derived_layer(m, t, stage) if derived else layer_coefficients(layer_key(m, t)))
     layers = m.num_layers // (t.pp * t.virtual_stages)  # one stage's (interleaved: a rank holds several)
     oib = t.optimizer_in_backward
     sp = t.tp if t.sequence_parallel else 1

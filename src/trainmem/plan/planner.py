@@ -131,10 +131,10 @@ class PlanResult:
 
 # ---------------------------------------------------------------------------------------------
 def _data_parallel_only(options: dict[str, Any], filters: dict[str, Any]) -> None:
-    """litgpt's options (``--cast-output``, ``--fused-qkv``, ``--attention-call repeat-kv``) are
+    """litgpt's options (``--cast-output``, ``--fused-qkv``, ``--split-gate-up``, ``--attention-call``) are
     modelled on one GPU and data parallelism: the search keeps ``--tp 1 --pp 1``; a list asking for
     more is refused."""
-    given = [f"--{k.replace('_', '-')}" for k in ("cast_output", "fused_qkv") if options.get(k)]
+    given = [f"--{k.replace('_', '-')}" for k in ("cast_output", "fused_qkv", "split_gate_up") if options.get(k)]
     call = options.get("attention_call") not in (None, "model")  # its SDPA call: no context parallelism either
     if call:
         given.append("--attention-call")

@@ -175,6 +175,8 @@ class TrainingSpec:
     fused_qkv: bool = False  # q, k, v from one fused linear whose output the attention keeps while a view of it is
     #                          saved (litgpt's CausalSelfAttention); the model's transformers class has separate ones
     attention_call: str = "model"  # ATTENTION_CALLS: "repeat-kv" = litgpt's SDPA call (causal, K/V copied to all heads)
+    split_gate_up: bool = False  # the MLP's gate and up projections as two linears (litgpt's LLaMAMLP fc_1, fc_2)
+    #                              where the model's transformers class fuses them (gate_up_proj: Phi-3)
     fsdp_lora_units: str = "separate"  # FSDP_LORA_UNITS: "layer" puts adapters in their layer's FSDP1 unit
     target_len: int | None = None  # an encoder-decoder's decoder tokens (its labels); None: seq_len
     image_size: int | None = None  # an image model's square image side in pixels; sets seq_len (its patches)
@@ -438,9 +440,10 @@ class TrainingSpec:
         return self.quantize is not None and self.bitsandbytes_release() < (0, 43, 2)
 
     def _check_fused_qkv(self) -> None:
-        if self.fused_qkv and (self.tp > 1 or self.pp > 1):
-            raise TrainmemError(f"--fused-qkv is litgpt's attention on one GPU or data parallelism; drop "
-                                f"{'--tp' if self.tp > 1 else '--pp'} or --fused-qkv")
+        for flag, on in (("--fused-qkv", self.fused_qkv), ("--split-gate-up", self.split_gate_up)):
+            if on and (self.tp > 1 or self.pp > 1):
+                raise TrainmemError(f"{flag} is litgpt's model on one GPU or data parallelism; drop "
+                                    f"{'--tp' if self.tp > 1 else '--pp'} or {flag}")
 
     def _check_attention_call(self) -> None:
         """``--attention-call repeat-kv`` is litgpt's SDPA call: SDPA only (not eager attention nor
@@ -697,6 +700,9 @@ def _size_problems(model: Any, t: TrainingSpec) -> str | None:
     if t.fused_qkv and not {"q_proj", "k_proj", "v_proj"} <= {p.module for p in model.parameter_tensors()}:
         return (f"--fused-qkv models litgpt's fused q/k/v linear over a transformers attention with separate "
                 f"q_proj, k_proj and v_proj; {model.name}'s has none (it fuses them itself): drop --fused-qkv")
+    if t.split_gate_up and "gate_up_proj" not in {p.module for p in model.parameter_tensors()}:
+        return (f"--split-gate-up models litgpt's separate fc_1 and fc_2 over a transformers MLP that fuses them "
+                f"(gate_up_proj); {model.name}'s has no gate_up_proj: drop --split-gate-up")
     if t.attention_call != "model" and (model.head != "causal-lm" or model.family == "nanogpt"):
         return (f"--attention-call {t.attention_call} calls SDPA with is_causal (litgpt's decoder); {model.name} "
                 f"is not a transformers causal-LM decoder: drop --attention-call")
