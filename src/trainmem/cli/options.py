@@ -7,8 +7,8 @@ from typing import Any, Callable
 
 from ..spec.frameworks import FRAMEWORKS
 from ..spec.tasks import TASKS
-from ..spec.training import (ATTENTION, ATTENTION_CALLS, FSDP_LORA_UNITS, FSDP_MODES, GRAD_SYNC, HOLD_OUTPUT, OPTIMIZER_IMPLS,
-                             OPTIMIZERS, PP_SCHEDULES, PRECISIONS,
+from ..spec.training import (ATTENTION, ATTENTION_CALLS, FSDP_LORA_UNITS, FSDP_MODES, GRAD_SYNC, HOLD_OUTPUT,
+                             OPTIMIZER_IMPLS, OPTIMIZERS, PP_SCHEDULES, PRECISIONS,
                              RECOMPUTE, ZERO_GRAD, LOSSES, LOSS_SHIFTS, MASTER_WEIGHTS)
 
 

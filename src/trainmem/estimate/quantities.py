@@ -579,7 +579,7 @@ def fused_qkv_kept(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs) -
     ``q_proj``/``k_proj``/``v_proj``) keeps only the value projection's output, counted already: the
     difference is the query and key widths, per token, in the matmul dtype (``pol.half``; shape
     (b, s, q_size + kv_size)). With grouped-query heads (q_per_kv > 1) ``expand`` then ``reshape``
-    copies, and nothing more is kept."""
+    copies, and nothing more is kept. With LoRA on q, k or v, ``fused_qkv_lora``'s terms too."""
     if not t.fused_qkv:
         return lc
     parts = [(n, b) for n, b in fused_qkv_lora(m, t, pol) if b]
