@@ -311,7 +311,8 @@ LITGPT_GIVEN = ("batch_size", "seq_len", "grad_accum", "lora_rank", "lora_target
 def _litgpt_fixtures():
     from trainmem.validate import load_fixtures
     return [fx for fx in load_fixtures() if fx["framework"] == "litgpt" and fx["setup"].get("lora_rank")
-            and fx["setup"].get("dp", 1) == 1 and not fx["setup"].get("quantize")]
+            and fx["setup"].get("dp", 1) == 1 and not fx["setup"].get("quantize")
+            and fx["setup"].get("torch_version") is None]  # the Sept. 2023 Falcon tutorial: older attention call
 
 
 @pytest.mark.parametrize("fx", _litgpt_fixtures(), ids=lambda fx: fx["name"])
@@ -330,8 +331,9 @@ def test_litgpt_preset_is_the_published_runs_mapping(fx):
 
 def test_litgpt_preset_follows_the_setup():
     t = resolve("llama-3.1-8b", framework="litgpt", lora_rank=8, seq_len=1000).training
-    assert (t.loss, t.loss_chunks, t.cast_output, t.fused_qkv, t.use_cache, t.lora_dropout) == \
-        ("half", 8, True, True, False, 0.05)
+    assert (t.loss, t.loss_chunks, t.cast_output, t.fused_qkv, t.use_cache, t.lora_dropout, t.attention_call) == \
+        ("half", 8, True, True, False, 0.05, "repeat-kv")
+    assert resolve("phi-3-mini", framework="litgpt").training.split_gate_up is True
     assert resolve("llama-3.1-8b", framework="litgpt", precision="32-true").training.cast_output is False
     dist = resolve("llama-3.1-8b", framework="litgpt", dp=4).training     # finetune/full.py: FSDP1
     assert (dist.fsdp, dist.fsdp_version, dist.recompute) == ("full", 1, "full")

@@ -120,6 +120,10 @@ CASES = [
     # no KV cache (torchtune's, torchtitan's, litgpt's models): the held output keeps no cache (vs hold step alone)
     ({"use_cache": False, "hold_output": "step"}, CHANGED, ""),
     ({"fused_qkv": True}, REFUSED, "--fused-qkv"),  # litgpt's attention; trace runs transformers' (estimate only)
+    ({"split_gate_up": True}, REFUSED, "--split-gate-up"),  # litgpt's MLP over a fused gate_up_proj (estimate only)
+    # litgpt's SDPA call: K/V copied to the query's heads (this model has 2 key/value heads for 4 query heads)
+    ({"attention_call": "repeat-kv"}, CHANGED, ""),
+    ({"attention_call": "repeat-kv", "attention": "eager"}, REFUSED, "--attention-call repeat-kv"),
     ({"loss": "fused"}, REFUSED, "--loss fused"),
     ({"master_weights": "fp32", "precision": "bf16"}, REFUSED, "--master-weights fp32"),
     ({"dropout": False}, "same", "Llama has no dropout (GPT-2 below has)"),

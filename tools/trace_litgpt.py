@@ -2,7 +2,14 @@
 docs/validation.md, "Lightning Fabric's fp32 logits, litgpt's missing KV cache").
 
 It needs litgpt importable (``pip install litgpt==0.5.3`` in another environment, or
-``PYTHONPATH`` pointing at an unpacked wheel); trainmem does not depend on it. The step is
+``PYTHONPATH`` pointing at an unpacked wheel, or at a tree exported from the litgpt repository at a
+commit: ``litgpt/model.py``, ``config.py``, ``lora.py``, an ``__init__.py`` importing ``GPT`` and
+``Config``, and a ``utils.py`` holding ``find_multiple``, ``map_old_state_dict_weights`` and
+``chunked_cross_entropy`` from that commit's; lit-gpt 2023's ``lit_gpt`` package renamed so); trainmem
+does not depend on it. lit-gpt 2023's LoRA ``Config`` names (``r``, ``alpha``, ``to_query``, ...) are
+recognised. ``--quantize nf4`` replaces every ``nn.Linear`` by trainmem's emulated bitsandbytes
+``Linear4bit`` as Lightning Fabric's ``BitsandbytesPrecision`` does (``trainmem.bnb``, bitsandbytes
+0.42.0's ``MatMul4Bit``, which keeps its input). The step is
 ``litgpt/finetune/lora.py``'s: ``logits = model(input_ids, lm_head_chunk_size=128)``, the last
 chunk shifted, ``chunked_cross_entropy``, ``backward`` of the loss over the accumulation, then
 ``optimizer.step()`` and ``zero_grad()``. ``--cast`` emulates Lightning Fabric's
@@ -15,6 +22,7 @@ chunk shifted, ``chunked_cross_entropy``, ``backward`` of the loss over the accu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -34,6 +42,7 @@ def main() -> None:
     p.add_argument("--grad-accum", type=int, default=2)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--gpu", default="a100-40gb")
+    p.add_argument("--quantize", choices=("nf4",), default=None, help="Fabric's 4-bit linears (QLoRA)")
     a = p.parse_args()
     import torch
     import trainmem
@@ -41,9 +50,12 @@ def main() -> None:
     from litgpt.utils import chunked_cross_entropy
 
     def factory() -> torch.nn.Module:
-        kw = dict(lora_r=a.lora_r, lora_alpha=16, lora_dropout=0.05, lora_query=True, lora_value=True)
+        old = "r" in {f.name for f in dataclasses.fields(Config)}  # lit-gpt 2023: r, alpha, to_query, ...
+        pre = ("", "to_") if old else ("lora_", "lora_")
+        kw = {("r" if old else "lora_r"): a.lora_r, ("alpha" if old else "lora_alpha"): 16,
+              ("dropout" if old else "lora_dropout"): 0.05, f"{pre[1]}query": True, f"{pre[1]}value": True}
         if a.all_layers:
-            kw.update(lora_key=True, lora_projection=True, lora_mlp=True, lora_head=True)
+            kw.update({f"{pre[1]}{k}": True for k in ("key", "projection", "mlp", "head")})
         cfg = Config.from_name(a.name, **kw)
         before = torch.get_default_dtype()
         torch.set_default_dtype(torch.bfloat16)  # precision bf16-true: Fabric builds the model in bf16
@@ -54,6 +66,9 @@ def main() -> None:
             torch.set_default_dtype(before)
         model.max_seq_length = a.seq_len  # fit() sets it to the longest sample (its RoPE cache)
         mark_only_lora_as_trainable(model)
+        if a.quantize:
+            from trainmem.bnb import quantize_linears
+            quantize_linears(model, a.quantize, "fabric", "bf16", saves_input=True, keep_compute_dtype=False)
         return model
 
     def optimizer_fn(model: torch.nn.Module) -> torch.optim.Optimizer:

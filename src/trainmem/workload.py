@@ -58,8 +58,12 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
         bad.append(f"ZeRO stage {t.zero_stage} (DeepSpeed)")
     if t.fused_qkv:  # transformers' attention computes q, k and v with separate linears
         bad.append("--fused-qkv (litgpt's attention; this runs transformers')")
+    if t.split_gate_up:  # transformers' MLP fuses the gate and up projections
+        bad.append("--split-gate-up (litgpt's MLP; this runs transformers')")
     if t.sequence_parallel and what != "trace":
         bad.append("--sequence-parallel")
+    if t.attention_call != "model" and what != "trace":  # trace rewrites the call in its CUDA emulation
+        bad.append(f"--attention-call {t.attention_call} (litgpt's SDPA call; trace and estimate run it)")
     if t.offload_optimizer:
         bad.append("--offload-optimizer")
     if t.distributed_optimizer:

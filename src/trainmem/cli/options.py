@@ -7,9 +7,9 @@ from typing import Any, Callable
 
 from ..spec.frameworks import FRAMEWORKS
 from ..spec.tasks import TASKS
-from ..spec.training import (ATTENTION, FSDP_LORA_UNITS, FSDP_MODES, GRAD_SYNC, HOLD_OUTPUT, OPTIMIZER_IMPLS,
-                             OPTIMIZER_ALIASES, OPTIMIZERS, PP_SCHEDULES, PRECISION_ALIASES, PRECISIONS,
-                             RECOMPUTE, ZERO_GRAD, LOSSES, LOSS_SHIFTS, MASTER_WEIGHTS)
+from ..spec.training import (ATTENTION, ATTENTION_CALLS, FSDP_LORA_UNITS, FSDP_MODES, GRAD_SYNC, HOLD_OUTPUT,
+                             OPTIMIZER_ALIASES, OPTIMIZER_IMPLS, OPTIMIZERS, PP_SCHEDULES, PRECISION_ALIASES,
+                             PRECISIONS, RECOMPUTE, ZERO_GRAD, LOSSES, LOSS_SHIFTS, MASTER_WEIGHTS)
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:
@@ -215,6 +215,14 @@ def _add_loss(g: Any) -> None:
                    help="whether the forward builds a KV cache in training (transformers' config.use_cache; "
                         "default: the config's). false: the loop's model builds none (torchtune's, torchtitan's and "
                         "litgpt's own model code, whose presets set it)")
+    g.add_argument("--split-gate-up", action="store_true", default=None,
+                   help="the MLP's gate and up projections are two linears, each with its own LoRA adapter and "
+                        "dropout, where the transformers model fuses them (gate_up_proj): litgpt's LLaMAMLP over "
+                        "Phi-3 (estimate only)")
+    g.add_argument("--attention-call", choices=ATTENTION_CALLS, default=None,
+                   help="model (default): SDPA called as transformers' attention calls it; repeat-kv: with "
+                        "is_causal and no mask, K and V first copied to the query's heads, as litgpt's "
+                        "CausalSelfAttention does in training (estimate and trace)")
     g.add_argument("--loss-chunks", type=positive_int, default=None, metavar="N",
                    help="--loss chunked (each chunk upcast, torchtune's num_output_chunks) or half (half "
                         "chunks, litgpt's lm_head_chunk_size: N = ceil(seq / 128)): the output projection and "
@@ -346,7 +354,7 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 master_weights=a.master_weights, framework=a.framework, framework_version=a.framework_version,
                 torch_version=a.torch_version, grad_sync=a.grad_sync, fsdp_lora_units=a.fsdp_lora_units,
                 fsdp_version=a.fsdp_version, loss_shift=a.loss_shift, cast_output=a.cast_output, fused_qkv=a.fused_qkv,
-                use_cache=a.use_cache,
+                use_cache=a.use_cache, attention_call=a.attention_call, split_gate_up=a.split_gate_up,
                 target_len=a.target_len, image_size=a.image_size, later_seq_len=a.later_seq_len,
                 deepspeed_config=a.deepspeed_config, reduce_bucket_size=a.reduce_bucket_size,
                 overlap_comm=a.overlap_comm, contiguous_gradients=a.contiguous_gradients,

@@ -98,6 +98,10 @@ def key(m: ModelSpec, t: TrainingSpec) -> str:
     """The cache key of ``m``'s coefficients under ``t``: everything the traced layer depends on."""
     lora = (t.lora_rank, tuple(t.lora_targets or ()), t.lora_dropout, adapters_computed_half(t)) if t.lora_rank else ()
     parts = [m.fingerprint, activation_precision(t), t.attention, t.dropout, lora, regime(m, t), without_cache(t, m)]
+    if t.attention_call != "model":  # traced with litgpt's SDPA call (the keys of other setups are unchanged)
+        parts.append(("attention-call", t.attention_call))
+    if not t.math_sdpa_upcasts:  # PyTorch < 2.5: traced with SDPA's math kernel in the inputs' dtype
+        parts.append(("math-sdpa", "input-dtype"))
     if t.quantize:  # a 4-bit base is traced as one (the keys of other setups are unchanged)
         parts.append(("quantize", t.quantize, t.quantize_via))
     if m.is_encoder_decoder:  # measured per backward moment (keys of earlier derivations no longer match)

@@ -154,8 +154,12 @@ class Builder:
     def __init__(self, pol: Policy, dropout: bool, sp_div: int = 1, capability: tuple[int, int] = (8, 0),
                  lora: tuple[tuple[str, int, int], ...] = (), lora_dropout: float = 0.0, lora_half: bool = False,
                  quant: tuple[int, int] = (0, 0), quant_saves_input: bool = False, biased: tuple[str, ...] = (),
-                 base_trains: bool = False, softmax_saves_input: bool = False):
+                 base_trains: bool = False, softmax_saves_input: bool = False, repeat_kv: bool = False,
+                 math_upcast: bool = True):
         self.p = pol
+        self.math_upcast = math_upcast  # PyTorch >= 2.5: SDPA's math kernel computes in fp32 (spec.releases)
+        # --attention-call repeat-kv: SDPA gets K and V copied to the query's heads (litgpt's call)
+        self.repeat_kv = repeat_kv
         self.softmax_saves_input = softmax_saves_input  # PyTorch < 1.11 (spec.releases)
         self.biased = biased  # linears with a bias: ``addmm`` (not ``mm``) under F.linear / Conv1D
         # bitsandbytes 4-bit base weights (quant4.py): bytes per element of the dequantized weight and
@@ -346,7 +350,8 @@ class Builder:
     def sdpa(self, impl: str, head_dim: int, heads: float, kv_heads: float, p_drop: float) -> str:
         """The SDPA backend for this layer (``sdpa_backend``; ``impl`` may pin one)."""
         p = p_drop if (p_drop > 0 and self.dropout) else 0.0
-        return sdpa_backend(self.p.half, head_dim, heads != kv_heads, capability=self.capability,
+        gqa = heads != kv_heads and not self.repeat_kv  # repeat-kv: SDPA sees the copies, equal heads
+        return sdpa_backend(self.p.half, head_dim, gqa, capability=self.capability,
                             pinned=impl if impl in SDPA_PINS else None, dropout=p)
 
     def attention(self, q: T, k: T, v: T, heads: float, kv_heads: float, head_dim: int, impl: str,
@@ -362,10 +367,17 @@ class Builder:
             return self._eager_attention(q, k, v, heads, kv_heads, head_dim, p_drop, softmax_fp32_then_cast,
                                          dropout_before_cast)
         backend = self.sdpa(impl, head_dim, heads, kv_heads, p_drop)
-        if sdpa_repeats_kv(heads, kv_heads, head_dim):
-            k = T(heads * head_dim, 0, k.nbytes, "attn.k_repeated")
-            v = T(heads * head_dim, 0, v.nbytes, "attn.v_repeated")
-            kv_heads = heads
+        if heads != kv_heads and (self.repeat_kv or sdpa_repeats_kv(heads, kv_heads, head_dim)):
+            # (b, heads, s, d) copies of K and V in their dtype: transformers' repeat_kv, or litgpt's
+            # ``k.expand(B, groups, q_per_kv, T, hs).reshape(B, -1, T, hs)`` (``--attention-call
+            # repeat-kv``, trace/cuda.py ``litgpt_call``), which is what the kernel then saves. With
+            # one key/value head (multi-query) the reshape only drops a size-1 dimension: a view with
+            # a zero head stride, so the kernel saves K and V themselves (nothing new) and its
+            # backward makes dk, dv at the query's heads, as for grouped-query heads (kv_heads kept)
+            if kv_heads > 1:
+                k = T(heads * head_dim, 0, k.nbytes, "attn.k_repeated")
+                v = T(heads * head_dim, 0, v.nbytes, "attn.v_repeated")
+                kv_heads = heads
         if backend == "math":
             return self._math_attention(v, heads, kv_heads, head_dim, p_drop if self.dropout else 0.0)
         return self._fused_attention(backend, q, k, v, heads, kv_heads, head_dim)
@@ -436,6 +448,8 @@ class Builder:
         instead of the softmax output (which softmax's backward keeps). Read off the ops on a CPU
         run of ``F.scaled_dot_product_attention`` under ``sdpa_kernel(MATH)`` (the same composite
         runs on CUDA): 8 more bytes per score element, tested against trace."""
+        if not self.math_upcast:
+            return self._math_attention_input_dtype(v, heads, kv_heads, head_dim, p_drop)
         half = self.p.half
         expand = heads != kv_heads
         vv = v if (not expand and half == F32) else T(heads * head_dim if expand else v.tok, 0, F32,
@@ -453,6 +467,30 @@ class Builder:
             self.r.save(T(0, heads, F32, "attn.math.probs_dropped"))
         self.r.transient("attn.math.pv.backward", T(0, heads, F32), T(vv.tok, 0, F32))
         return T(heads * head_dim, 0, half, "attn.context")
+
+    def _math_attention_input_dtype(self, v: T, heads: float, kv_heads: float, head_dim: int,
+                                    p_drop: float) -> T:
+        """The math kernel before PyTorch 2.5 (``spec.releases.math_sdpa_upcasts``), in its inputs'
+        dtype ``d`` (``self.p.half``): pytorch/pytorch 008887dc (the 2.1 line) attention.cpp
+        ``_scaled_dot_product_attention_math``: ``query = query_ * sqrt(scale)`` (b, h, s, hd) and
+        ``key.transpose(-2, -1) * sqrt(scale)``, both saved by ``at::matmul``'s bmm (a key with fewer
+        heads is broadcast: ``expand`` + ``reshape``, a copy at the query's heads); the causal mask
+        (``ones(L, S, bool).tril()`` made additive) is added in place, ``at::softmax`` saves its
+        (b, h, s, s) output in d, ``at::dropout`` (CUDA: ``native_dropout``, a 1-byte mask) saves its
+        mask and ``matmul(attn, value)`` the dropped probabilities and the value (a broadcast one
+        copied at the query's heads). Backward holds two (b, h, s, s) gradients in d at a time."""
+        d = self.p.half
+        expand = heads != kv_heads
+        vv = T(heads * head_dim, 0, d, "attn.math.v") if expand else v
+        self.r.save(T(heads * head_dim, 0, d, "attn.math.q_scaled"),    # (b, h, s, hd) query * sqrt(scale)
+                    T(heads * head_dim, 0, d, "attn.math.k_scaled"),    # (b, h, hd, s) scaled key (copy)
+                    vv, T(0, heads, d, "attn.math.softmax"))            # (b, h, s, s) probabilities
+        self.r.transient("attn.math.backward", T(0, heads, d), T(0, heads, d))
+        if p_drop > 0:
+            self.r.save(T(0, heads, 1, "attn.math.dropout_mask"), T(0, heads, d, "attn.math.probs_dropped"))
+            self.r.transient("attn.math.dropout.backward", T(0, heads, d), T(0, heads, d))
+        self.r.transient("attn.math.pv.backward", T(0, heads, d), T(vv.tok, 0, d))
+        return T(heads * head_dim, 0, d, "attn.context")
 
     def _fused_attention(self, backend: str, q: T, k: T, v: T, heads: float, kv_heads: float,
                          head_dim: int) -> T:
@@ -670,6 +708,8 @@ class LayerKey:
     lora_base_trains: bool = False  # FSDP1 mixed units: LoRA's base weights are views of a flat parameter
     #                                 that requires grad, so autograd treats them as trainable
     softmax_saves_input: bool = False  # PyTorch < 1.11: softmax's node saves its input too (spec.releases)
+    attention_call: str = "model"  # "repeat-kv": SDPA called as litgpt does (K/V copied to the query's heads)
+    math_upcast: bool = True  # PyTorch >= 2.5: SDPA's math kernel upcasts half inputs (spec.releases)
 
 
 def ep_rank_rows(top_k: int, experts: int, ep: int, imbalance: float) -> float:
@@ -761,7 +801,8 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
     t = k.tp
     sp_div = t if k.sp else 1  # sequence parallel splits the replicated regions over TP ranks
     B = Builder(pol, k.dropout, sp_div, k.capability, k.lora, k.lora_dropout, k.lora_half, k.quant,
-                k.quant_saves_input, k.biased, k.lora_base_trains, k.softmax_saves_input)
+                k.quant_saves_input, k.biased, k.lora_base_trains, k.softmax_saves_input,
+                k.attention_call == "repeat-kv", k.math_upcast)
     h, f, q, kv = k.h, k.f / t, k.q / t, k.kv / t
     heads, kvh = k.heads / t, k.kv_heads / t  # whole heads per rank (spec.layout.tp_problems)
     x = T(h / sp_div, 0, pol.stream, "residual")

@@ -87,6 +87,7 @@ class Tokens:
     head_chunk_first: Any = 0  # ... at the first chunk's head backward: every chunk's logits gradient, one weight gradient
     logits_grad: Any = 0   # the gradient of the logits (their dtype), when the loss's backward hands it on
     cast_logits: Any = 0   # --cast-output: the fp32 copy of the head's output
+    early_chunks: Any = 0  # a head run per chunk (--loss-chunks N): the outputs of its first N - 1 chunks
     others: Any = 0        # the other micro-batches in flight: their layers' and embeddings' saved tensors
     others_layers: Any = 0  # ... of it, their layers'
     others_head: Any = 0   # ... and their final norm / head input (the last stage)
@@ -184,13 +185,13 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
                   graph=trunc(q.graph_tok * n) * inflight * q.layers,
                   graph_extra_layer=trunc(q.graph_extra_tok * n) * inflight,
                   graph_extra=trunc(q.graph_extra_tok * n) * inflight * q.layers,
-                  # (a soft-capped head: the chunks back-propagated so far have freed their saved tanh,
-                  # which ``all_acts``' head side counts for every chunk: one chunk, then two)
+                  # (soft-capped head: the chunks back-propagated so far freed their saved tanh, counted by all_acts)
                   head_chunk=where(q.chunk_head_grads > 0, (full - 2 * chunk) * q.logits_out + q.chunk_head_grads
                                    - 2 * chunk * q.softcap_saved, 0),
                   head_chunk_first=where(q.chunk_head_grads > 0, full * q.logits_out + q.chunk_head_grads // 3
                                          - chunk * q.softcap_saved, 0),
                   logits_grad=full * q.logits_out, cast_logits=full * q.logits_cast,
+                  early_chunks=where(q.logit_chunks > 1, (full - chunk) * q.logits_out, 0),  # (b, s - s/N, V)
                   others=(layers + outer_rest) * (inflight - 1) // inflight + stage_out,
                   others_layers=layers * (inflight - 1) // inflight + stage_out,
                   others_head=outer_head * (head_units - 1),
@@ -687,8 +688,11 @@ def _dequant_forward(q: Quantities, tk: Tokens, four: tuple, prev: tuple, micro:
     moments.append(_mo("forward", micro, step, "layer.forward", (g, s, i, w, tk.layers + tk.outer_rest, tk.fwd_temp),
                        (prev_logits, prev_kv + tk.kv_held, 0), _both(valid, q.fwd_temp > 0), prev_graph))
     # the head: its dequantized weight and the cast (inside .to()), then the cast beside the output;
-    # a LoRA adapter on it then holds three logits-sized tensors (quantities._head_is_lora_target)
-    head = maximum(maximum(q.head_temp, q.head_read + tk.out_logits), q.head_lora * tk.out_logits)
+    # a LoRA adapter on it then holds three logits-sized tensors (quantities._head_is_lora_target).
+    # A head run chunk by chunk (litgpt's ``[self.lm_head(x_i) for x_i in x.split(128, dim=1)]``,
+    # --loss-chunks N) dequantizes its weight for every chunk, so the last chunk's dequantized
+    # weight and cast coexist with the first N - 1 chunks' outputs (b, s - s/N, vocab) in half
+    head = maximum(maximum(q.head_temp + tk.early_chunks, q.head_read + tk.out_logits), q.head_lora * tk.out_logits)
     moments.append(_mo("forward", micro, step, "lm_head", (g, s, i, w, tk.all_acts, head),
                        (prev_logits, prev_kv + tk.kv_held, 0), _both(valid, q.head_temp > 0), prev_graph))
 

@@ -29,7 +29,7 @@ from .derived import adapters_computed_half, regime as derived_regime
 from .derived import head_during_loss as derived_head_loss, layer_coefs as derived_layer, outer as derived_outer
 from .derived import logits_bytes as derived_logits_bytes, outer_ssq as derived_outer_ssq
 from .derived import decoder_ratio, head_forward as derived_head_forward, moment_activations
-from .layers import ALL_MOMENTS, LayerCoefs, LayerKey, Policy, ep_rank_rows, layer_coefficients
+from .layers import ALL_MOMENTS, HALF, LayerCoefs, LayerKey, Policy, ep_rank_rows, layer_coefficients
 from .quant4 import dequant_dtypes, is_quantized
 from .schedules import in_flight_at_backwards
 from .states import (States, block_bytes, default_lora_targets, dtensor_tp, fsdp_grad_op, model_states,
@@ -252,7 +252,8 @@ def layer_key(m: ModelSpec, t: TrainingSpec) -> LayerKey:
                     kv_cache(m, t), biased=biased_linears(m) if t.recompute == "op" else (), ep=t.ep,
                     ep_rows=ep_rank_rows(m.experts_top_k, m.num_experts, t.ep, t.moe_imbalance) if t.ep > 1 else 0.0,
                     compiled=t.compile, lora_base_trains=bool(lora) and t.fsdp_mixed_units,
-                    softmax_saves_input=t.softmax_saves_input)
+                    softmax_saves_input=t.softmax_saves_input, attention_call=t.attention_call,
+                    math_upcast=t.math_sdpa_upcasts)
 
 
 def biased_linears(m: ModelSpec) -> tuple[str, ...]:
@@ -579,12 +580,75 @@ def fused_qkv_kept(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs) -
     ``q_proj``/``k_proj``/``v_proj``) keeps only the value projection's output, counted already: the
     difference is the query and key widths, per token, in the matmul dtype (``pol.half``; shape
     (b, s, q_size + kv_size)). With grouped-query heads (q_per_kv > 1) ``expand`` then ``reshape``
-    copies, and nothing more is kept."""
-    if not t.fused_qkv or m.num_heads != m.num_kv_heads:
+    copies, and nothing more is kept. With LoRA on q, k or v, ``fused_qkv_lora``'s terms too."""
+    if not t.fused_qkv:
         return lc
-    extra = float((m.q_size + m.kv_size) * pol.half)  # bytes per token: (b, s, q + k) of the fused output
+    parts = [(n, b) for n, b in fused_qkv_lora(m, t, pol) if b]
+    if m.num_heads == m.num_kv_heads:
+        parts.append(("attn.fused_qkv", float((m.q_size + m.kv_size) * pol.half)))  # (b, s, q + k) of the output
+    if not parts:
+        return lc
+    extra = sum(b for _, b in parts)
+    tensors = lc.tensors + tuple((b, 0.0) for _, b in parts) if lc.tensors else lc.tensors
+    return replace(lc, tok=lc.tok + extra, parts=lc.parts + tuple((n, b, 0.0) for n, b in parts), tensors=tensors)
+
+
+def litgpt_terms(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs) -> LayerCoefs:
+    """A layer of transformers' model as litgpt's own modules differ from it (``--fused-qkv``,
+    ``--split-gate-up``): ``lc`` with their per-token terms added."""
+    return split_gate_up_kept(m, t, pol, fused_qkv_kept(m, t, pol, lc))
+
+
+def split_gate_up_kept(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs) -> LayerCoefs:
+    """``--split-gate-up``: litgpt's ``LLaMAMLP`` runs the gate and up projections as two
+    ``LoRALinear``s, ``fc_1`` and ``fc_2``, each with its own ``nn.Dropout`` and ``lora_A``
+    (litgpt/lora.py ``LLaMAMLP.__init__`` at f247be87; litgpt/config.py there gives Phi-3
+    ``mlp_class_name="LLaMAMLP"``, and scripts/convert_hf_checkpoint.py L294-298 splits the
+    checkpoint's ``gate_up_proj`` into ``fc_1`` and ``fc_2``), where transformers' ``Phi3MLP`` has one
+    fused ``gate_up_proj`` and peft one adapter on it. With LoRA on it and a LoRA dropout, litgpt
+    keeps one more 1-byte mask and dropped (b, s, h) copy per layer (in the adapters' dtype; lora_A's
+    half cast under autocast) and one more rank-r ``lora_A`` output; the projections' outputs are the
+    same bytes (``fc_1``'s saved by the SiLU, ``fc_2``'s by the product, where transformers' two
+    chunks are views that keep the fused output)."""
+    if not (t.split_gate_up and t.lora_rank and "gate_up_proj" in set(t.lora_targets or default_lora_targets(m))):
+        return lc
+    adapter = pol.half if adapters_computed_half(t) else F32
+    dropped = HALF if pol.amp else adapter
+    extra = float(m.hidden_size * (1 + dropped) if t.lora_dropout > 0 else 0) + t.lora_rank * dropped
     tensors = lc.tensors + ((extra, 0.0),) if lc.tensors else lc.tensors
-    return replace(lc, tok=lc.tok + extra, parts=lc.parts + (("attn.fused_qkv", extra, 0.0),), tensors=tensors)
+    return replace(lc, tok=lc.tok + extra, parts=lc.parts + (("lora.mlp.split_gate_up", extra, 0.0),), tensors=tensors)
+
+
+def fused_qkv_lora(m: ModelSpec, t: TrainingSpec, pol: Policy) -> tuple[tuple[str, float], ...]:
+    """LoRA on litgpt's fused q/k/v linear (``LoRAQKVLinear``), against peft's adapters on the
+    separate ``q_proj``/``k_proj``/``v_proj`` that the layer recipe counts: bytes per token, by name.
+
+    * One dropout, one ``lora_A``: ``F.linear(self.lora_dropout(x), self.lora_A)`` runs once over the
+      shared input with ``lora_A`` of ``r * n`` rows for the n enabled parts (litgpt/lora.py
+      ``LoRAQKVLinear.__init__`` and ``forward``, at 43c44323 and 00af8b0d; lit_gpt/lora.py at
+      29de2828), where peft puts an ``nn.Dropout`` and an ``lora_A`` on each of the n linears, each
+      saving a 1-byte mask and its dropped (b, s, h) copy: n - 1 of those are not made (negative).
+    * ``zero_pad``: with some but not all of q, k and v enabled the delta (b, s, widths of the enabled
+      parts) is scattered into zeros of the fused width with ``index_copy`` (or ``index_copy_``,
+      litgpt from f247be87), whose backward formula reads ``source`` (tools/autograd's
+      derivatives.yaml, ``index_copy``: ``source.dim() > 0 ? grad.index_select(dim, index).expand_as(
+      source) : ...``), so autograd saves the delta until the layer's backward (checked on the CPU:
+      ``IndexCopyBackward0._saved_source``).
+    The delta and the dropped copy are in the adapters' dtype (``pol.half`` for half adapters, else
+    fp32; under autocast lora_A saves its half cast and lora_B's output is half)."""
+    if not t.lora_rank:
+        return ()
+    targets = set(t.lora_targets or default_lora_targets(m))
+    widths = {"q_proj": m.q_size, "k_proj": m.kv_size, "v_proj": m.kv_size}
+    on = [w for name, w in widths.items() if name in targets]
+    adapter = pol.half if adapters_computed_half(t) else F32
+    dropped = HALF if pol.amp else adapter   # lora_A's saved input (Builder.adapter)
+    out = []
+    if t.lora_dropout > 0 and len(on) > 1:  # (b, s, h) mask (1 B) and dropped copy per extra peft adapter
+        out.append(("lora.qkv.one_dropout", -float((len(on) - 1) * m.hidden_size * (1 + dropped))))
+    if 0 < len(on) < 3:
+        out.append(("lora.qkv.zero_pad", float(sum(on) * (HALF if pol.amp else adapter))))
+    return tuple(out)
 
 
 def _cast_output_loss_bytes(t: TrainingSpec, held: int, half: int) -> LossBytes:
@@ -1101,7 +1165,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     pol = Policy.of(t.precision)
     st = model_states(m, t, stage)
     derived = m.family == "derived"
-    lc = fused_qkv_kept(m, t, pol, derived_layer(m, t, stage) if derived else layer_coefficients(layer_key(m, t)))
+    lc = litgpt_terms(m, t, pol, derived_layer(m, t, stage) if derived else layer_coefficients(layer_key(m, t)))
     layers = m.num_layers // (t.pp * t.virtual_stages)  # one stage's (interleaved: a rank holds several)
     oib = t.optimizer_in_backward
     sp = t.tp if t.sequence_parallel else 1

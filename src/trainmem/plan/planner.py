@@ -131,12 +131,16 @@ class PlanResult:
 
 # ---------------------------------------------------------------------------------------------
 def _data_parallel_only(options: dict[str, Any], filters: dict[str, Any]) -> None:
-    """litgpt's options (``--cast-output``, ``--fused-qkv``) are modelled on one GPU and data
-    parallelism: the search keeps ``--tp 1 --pp 1``; a list asking for more is refused."""
-    given = [f"--{k.replace('_', '-')}" for k in ("cast_output", "fused_qkv") if options.get(k)]
+    """litgpt's options (``--cast-output``, ``--fused-qkv``, ``--split-gate-up``, ``--attention-call``) are
+    modelled on one GPU and data parallelism: the search keeps ``--tp 1 --pp 1``; a list asking for
+    more is refused."""
+    given = [f"--{k.replace('_', '-')}" for k in ("cast_output", "fused_qkv", "split_gate_up") if options.get(k)]
+    call = options.get("attention_call") not in (None, "model")  # its SDPA call: no context parallelism either
+    if call:
+        given.append("--attention-call")
     if not given:
         return
-    for key in ("tp", "pp"):
+    for key in ("tp", "pp", "cp") if call else ("tp", "pp"):
         if filters[key] is not None and any(v > 1 for v in filters[key]):
             raise TrainmemError(f"plan {given[0]} --{key} {','.join(map(str, filters[key]))}: {given[0]} is "
                                 f"modelled on one GPU and data parallelism; give --{key} 1 or drop {given[0]}")

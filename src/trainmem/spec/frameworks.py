@@ -177,7 +177,10 @@ def _accelerate_rules(view: Mapping[str, Any], model: Any, version: tuple[int, .
 def _litgpt_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] | None) -> dict[str, Any]:
     """What litgpt's finetune scripts (v0.5.13) run besides the table's cells. Its own model code
     (``litgpt/model.py``): q, k and v from one fused linear (L394, L472: ``--fused-qkv`` where
-    transformers' class has them apart), no KV cache in training (``use_cache`` false), and under
+    transformers' class has them apart), grouped keys and values repeated to the query heads before
+    SDPA with ``is_causal`` and no mask (L533-539, L593-595: ``--attention-call repeat-kv``), the MLP's
+    gate and up projections apart (``LLaMAMLP`` fc_1, fc_2: ``--split-gate-up`` where transformers
+    fuses them), no KV cache in training (``use_cache`` false), and under
     LoRA the head computed in 128-token chunks (``model(input_ids, lm_head_chunk_size=128)``,
     finetune/lora.py L355, model.py L177-179: ``--loss-chunks`` ceil(seq/128)). Lightning Fabric
     hands the loop an fp32 copy of a half output (``_FabricModule.forward``: ``convert_output``) under
@@ -190,8 +193,15 @@ def _litgpt_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] 
     ``PagedAdamW`` (L218-219, utils.py L619-633)."""
     out: dict[str, Any] = {"use_cache": False, "cast_output": view.get("precision") != "fp32"}
     modules = {p.module for p in model.parameter_tensors()} if model is not None else set()
-    if {"q_proj", "k_proj", "v_proj"} <= modules and view.get("tp", 1) == 1 and view.get("pp", 1) == 1:
+    single = view.get("tp", 1) == 1 and view.get("pp", 1) == 1
+    if {"q_proj", "k_proj", "v_proj"} <= modules and single:
         out["fused_qkv"] = True
+    if "gate_up_proj" in modules and single:
+        out["split_gate_up"] = True  # LLaMAMLP's fc_1 and fc_2 where transformers fuses them (Phi-3)
+    causal = model is None or (getattr(model, "head", "") == "causal-lm" and getattr(model, "family", "") != "nanogpt")
+    if single and view.get("cp", 1) == 1 and not view.get("compile") and causal and \
+            view.get("attention", "sdpa") in ("sdpa", "sdpa-flash", "sdpa-efficient", "sdpa-math", "sdpa-cudnn"):
+        out["attention_call"] = "repeat-kv"  # K/V repeated to the query heads, SDPA with is_causal (L533-539, L593-595)
     lora = bool(view.get("lora_rank"))
     if lora:
         seq = view.get("seq_len") or (default_seq_len(model) if model is not None else 2048)

@@ -25,6 +25,12 @@ release trace runs). What depends on it:
   ... _softmax_backward_data(grad_output, output, parent.dim, self)``, 4.21). Every eager
   attention layer then keeps its scores (b, heads, s, s) until its backward, and the loss keeps
   the tensor its ``log_softmax`` read.
+* **SDPA's math kernel** (``math_sdpa_upcasts``): before 2.5 ``at::_scaled_dot_product_attention_math``
+  ran in its inputs' dtype: with half q, k, v it saved half q·√scale, k·√scale (broadcast heads
+  expanded by ``matmul``), v and a half softmax ``(b, h, s, s)``. pytorch/pytorch PR #128922 ("Always
+  use high precision for SDPA math backend", merged 2024-07, first in 2.5.0) upcasts half inputs to
+  fp32 and computes in fp32, which is what the installed release traces; the estimate's layer
+  recipes and the derived coefficients follow ``TrainingSpec.math_sdpa_upcasts``.
 * **What did not exist** (``torch_problems``): ``--compile``, SDPA kernels, fused AdamW and
   ``--optimizer-in-backward`` (``register_post_accumulate_grad_hook``, 2.1) are refused with one
   line each for an older release; so are the setups trainmem models only as PyTorch 2 frameworks
@@ -106,3 +112,10 @@ def torch_problems(t: Any) -> list[str]:
 def softmax_saves_input(version: tuple[int, ...] | None) -> bool:
     """PyTorch < 1.11: ``_softmax`` and ``_log_softmax`` save their input too (module docstring)."""
     return version is not None and version < (1, 11)
+
+
+def math_sdpa_upcasts(version: tuple[int, ...] | None) -> bool:
+    """PyTorch >= 2.5 (and a current release): SDPA's math kernel upcasts fp16/bf16 inputs to fp32
+    (pytorch/pytorch PR #128922, https://github.com/pytorch/pytorch/pull/128922); before, it ran in
+    the inputs' dtype (module docstring)."""
+    return version is None or version >= (2, 5)

@@ -10,7 +10,8 @@ from typing import Any
 
 from ..errors import TrainmemError
 from .layout import layout_problems
-from .releases import parse_torch_version, softmax_saves_input, torch_problems
+from .releases import (SDPA_ATTENTION, math_sdpa_upcasts, parse_torch_version, softmax_saves_input,
+                       torch_problems)
 
 #: fp32; fp16-amp/bf16-amp: fp32 weights + autocast; bf16/fp16: everything in that dtype ("pure",
 #: Lightning's bf16-true); bf16-mp: FSDP's mixed-precision policy (fp32 sharded parameters, gradients
@@ -45,6 +46,10 @@ RECOMPUTE = ("none", "selective", "full", "op")
 #: CUDA dispatcher picks; flash: transformers' flash_attention_2; sdpa-<backend>: SDPA pinned to one
 #: backend (``torch.nn.attention.sdpa_kernel``)
 ATTENTION = ("eager", "sdpa", "flash", "sdpa-flash", "sdpa-efficient", "sdpa-math", "sdpa-cudnn")
+#: how SDPA is called: model = as transformers' attention calls it (its mask or is_causal, enable_gqa or
+#: repeat_kv); repeat-kv = with is_causal and no mask, K and V first copied to the query's heads
+#: (``expand`` + ``reshape``), as litgpt's CausalSelfAttention does in training (lit-gpt 50b1974b on)
+ATTENTION_CALLS = ("model", "repeat-kv")
 ZERO_GRAD = ("none", "zeros")           # optimizer.zero_grad(set_to_none=True) / (set_to_none=False)
 HOLD_OUTPUT = ("loss", "backward", "step")  # what the loop keeps of the model output, and until when
 #: upcast: HF ForCausalLMLoss (logits.float() first); half: F.cross_entropy on the half logits (nanoGPT,
@@ -193,6 +198,9 @@ class TrainingSpec:
     use_cache: bool | None = None  # whether the forward builds a KV cache in training (transformers' DynamicCache,
     #                                config.use_cache); None: the model config's. False: the loop's model builds none
     #                                (torchtune's, torchtitan's and litgpt's own model code; use_cache=False)
+    attention_call: str = "model"  # ATTENTION_CALLS: "repeat-kv" = litgpt's SDPA call (causal, K/V copied to all heads)
+    split_gate_up: bool = False  # the MLP's gate and up projections as two linears (litgpt's LLaMAMLP fc_1, fc_2)
+    #                              where the model's transformers class fuses them (gate_up_proj: Phi-3)
     fsdp_lora_units: str = "separate"  # FSDP_LORA_UNITS: "layer" puts adapters in their layer's FSDP1 unit
     later_seq_len: int | None = None  # the padded length of every micro-batch after the run's first, which is
     #                                   seq_len long (lit-gpt forces its longest sample into the first iteration
@@ -445,6 +453,11 @@ class TrainingSpec:
         (``spec.releases``)."""
         return softmax_saves_input(self.torch_release)
 
+    @property
+    def math_sdpa_upcasts(self) -> bool:
+        """PyTorch >= 2.5: SDPA's math kernel computes half inputs in fp32 (``spec.releases``)."""
+        return math_sdpa_upcasts(self.torch_release)
+
     def bitsandbytes_release(self) -> tuple[int, ...]:
         """``bitsandbytes_version`` as numbers (``"0.42.0"`` -> (0, 42, 0)); None: a current release."""
         v = self.bitsandbytes_version
@@ -472,9 +485,24 @@ class TrainingSpec:
         return self.quantize is not None and self.bitsandbytes_release() < (0, 43, 2)
 
     def _check_fused_qkv(self) -> None:
-        if self.fused_qkv and (self.tp > 1 or self.pp > 1):
-            raise TrainmemError(f"--fused-qkv is litgpt's attention on one GPU or data parallelism; drop "
-                                f"{'--tp' if self.tp > 1 else '--pp'} or --fused-qkv")
+        for flag, on in (("--fused-qkv", self.fused_qkv), ("--split-gate-up", self.split_gate_up)):
+            if on and (self.tp > 1 or self.pp > 1):
+                raise TrainmemError(f"{flag} is litgpt's model on one GPU or data parallelism; drop "
+                                    f"{'--tp' if self.tp > 1 else '--pp'} or {flag}")
+
+    def _check_attention_call(self) -> None:
+        """``--attention-call repeat-kv`` is litgpt's SDPA call: SDPA only (not eager attention nor
+        transformers' flash_attention_2), one GPU or data parallelism (as ``--fused-qkv``)."""
+        _choice("attention-call", self.attention_call, ATTENTION_CALLS)
+        if self.attention_call == "model":
+            return
+        if self.attention not in SDPA_ATTENTION:
+            raise TrainmemError(f"--attention-call {self.attention_call} changes how F.scaled_dot_product_attention "
+                                f"is called; --attention {self.attention} does not call it: give --attention sdpa")
+        if self.tp > 1 or self.pp > 1 or self.cp > 1 or self.compile:
+            what = "--tp" if self.tp > 1 else ("--pp" if self.pp > 1 else ("--cp" if self.cp > 1 else "--compile"))
+            raise TrainmemError(f"--attention-call {self.attention_call} is litgpt's attention on one GPU or data "
+                                f"parallelism; drop {what} or --attention-call")
 
     def _check_cast_output(self) -> None:
         """``--cast-output`` is Lightning Fabric's wrapper around a model whose logits the loop's own
@@ -509,6 +537,7 @@ class TrainingSpec:
         _choice("loss-shift", self.loss_shift, LOSS_SHIFTS)
         self._check_cast_output()
         self._check_fused_qkv()
+        self._check_attention_call()
         if self.loss_shift == "logits" and (self.loss != "half" or self.loss_chunks > 1):
             raise TrainmemError("--loss-shift logits is a loop that shifts the half logits before its cross-entropy "
                                 "(GPTLMLoss, older transformers models): give --loss half (in one piece), or drop "
@@ -719,6 +748,12 @@ def _size_problems(model: Any, t: TrainingSpec) -> str | None:
     if t.fused_qkv and not {"q_proj", "k_proj", "v_proj"} <= {p.module for p in model.parameter_tensors()}:
         return (f"--fused-qkv models litgpt's fused q/k/v linear over a transformers attention with separate "
                 f"q_proj, k_proj and v_proj; {model.name}'s has none (it fuses them itself): drop --fused-qkv")
+    if t.split_gate_up and "gate_up_proj" not in {p.module for p in model.parameter_tensors()}:
+        return (f"--split-gate-up models litgpt's separate fc_1 and fc_2 over a transformers MLP that fuses them "
+                f"(gate_up_proj); {model.name}'s has no gate_up_proj: drop --split-gate-up")
+    if t.attention_call != "model" and (model.head != "causal-lm" or model.family == "nanogpt"):
+        return (f"--attention-call {t.attention_call} calls SDPA with is_causal (litgpt's decoder); {model.name} "
+                f"is not a transformers causal-LM decoder: drop --attention-call")
     if t.cast_output and model.head != "causal-lm":
         return (f"--cast-output is modelled for causal-LM heads (litgpt's GPT under Lightning Fabric); "
                 f"{model.name} has a {model.head} head: drop --cast-output")

@@ -224,7 +224,8 @@ def _device(cuda: bool, hw: Hardware | None, t: TrainingSpec, expandable_segment
                                  capacity=hw.capacity - hw.context if (simulate_oom and hw is not None) else None)
     tracker = Tracker(allocator, device_type=EMULATED, cublas_workspace=cublas_workspace, emulate_cuda_kernels=True)
     emulation = CudaEmulation(tracker, attention_backend=attention_backend, capability=capability,
-                              attention_flag=flag)
+                              attention_flag=flag, attention_call=t.attention_call,
+                              math_upcast=t.math_sdpa_upcasts)
     env = cuda_environment(allocator, capability=capability, emulation=emulation,
                            capacity=hw.capacity if hw else None)
     return _Device(True, allocator, tracker, emulation, env, torch.device(EMULATED), cublas_workspace)

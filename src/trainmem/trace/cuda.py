@@ -33,6 +33,7 @@ the ``meta`` device — they have storages of the right size and no data — and
 from __future__ import annotations
 
 import contextlib
+import math
 import itertools
 import functools
 import types
@@ -98,9 +99,15 @@ class CudaEmulation(TorchFunctionMode):
     """Make code written for CUDA run on ``meta`` tensors with CUDA's dtype and kernel choices."""
 
     def __init__(self, tracker: Any = None, *, attention_backend: str | None = None,
-                 capability: tuple[int, int] = (8, 0), attention_flag: str | None = None) -> None:
-        """``attention_flag``: the ``--attention`` value that pinned the backend, named in refusals."""
+                 capability: tuple[int, int] = (8, 0), attention_flag: str | None = None,
+                 attention_call: str = "model", math_upcast: bool = True) -> None:
+        """``attention_flag``: the ``--attention`` value that pinned the backend, named in refusals;
+        ``attention_call``: ``repeat-kv`` calls SDPA as litgpt does (``litgpt_call``);
+        ``math_upcast`` False: the math kernel as before PyTorch 2.5 (``math_in_input_dtype``), for
+        the derived coefficients of an older ``--torch-version`` (trace itself runs the installed one)."""
         super().__init__()
+        self.attention_call = attention_call
+        self.math_upcast = math_upcast
         if attention_backend not in (None, "flash", "efficient", "math", "cudnn"):
             raise ValueError(f"attention_backend {attention_backend!r}: use flash, efficient, math, cudnn or None")
         self.tracker = tracker
@@ -267,6 +274,8 @@ class CudaEmulation(TorchFunctionMode):
         if not (isinstance(q, torch.Tensor) and q.device.type == EMULATED):
             return torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, scale=scale, enable_gqa=gqa)
+        if self.attention_call == "repeat-kv":
+            k, v, mask, causal, gqa = litgpt_call(q, k, v)
         backend = self._choose_backend(q, k, v, mask, p, causal, gqa)
         self.sdpa_choices[backend] = self.sdpa_choices.get(backend, 0) + 1
         return self._run_sdpa(backend, q, k, v, mask, p, causal, scale, gqa)
@@ -287,6 +296,8 @@ class CudaEmulation(TorchFunctionMode):
             if mask is not None:
                 mask = _preprocess_mask(mask, q, k)
             return aten._scaled_dot_product_efficient_attention(q, k, v, mask, lse, p, causal, scale=scale)[0]
+        if not self.math_upcast and q.dtype in (torch.float16, torch.bfloat16):
+            return math_in_input_dtype(q, k, v, mask, p, causal, scale, gqa)
         return aten._scaled_dot_product_attention_math(q, k, v, mask, p, causal, None, scale=scale,
                                                        enable_gqa=gqa)[0]
 
@@ -406,6 +417,53 @@ class CudaEmulation(TorchFunctionMode):
         if q.shape[0] > 65535 or q.shape[1] > 65535 or k.shape[-2] == 1 or (p > 0 and q.shape[-2] == 1):
             return "cuDNN attention does not take these sizes (check_cudnn_tensor_shapes)"
         return ""
+
+
+def math_in_input_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, p: float, causal: bool,
+                       scale: Any, gqa: bool) -> torch.Tensor:
+    """SDPA's math kernel before PyTorch 2.5, which computed half inputs in their own dtype
+    (pytorch/pytorch PR #128922 added the fp32 upcast, first in 2.5.0): the ops of
+    ``_scaled_dot_product_attention_math`` in aten/src/ATen/native/transformers/attention.cpp at
+    pytorch/pytorch 008887dc (the 2.1 line), so autograd saves what it saved there. ``enable_gqa``
+    did not exist before 2.5; a grouped call is run as its math kernel runs it since (K/V
+    ``repeat_interleave``d to the query's heads)."""
+    if gqa and k.shape[-3] != q.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+    root = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))  # sqrt of the scale
+    query = q * root
+    if causal:  # ones(L, S, bool).tril(), made additive (convert_boolean_attn_mask)
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    mask = _additive_mask(mask, q.dtype, float("-inf"))
+    attn = torch.matmul(query, k.transpose(-2, -1) * root)
+    if mask is not None:
+        attn.add_(mask)
+    attn = torch.softmax(attn, -1)
+    if p > 0:  # at::dropout -> native_dropout on CUDA
+        attn = torch.native_dropout(attn, p, True)[0]
+    return torch.matmul(attn, v)
+
+
+def litgpt_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[Any, Any, None, bool, bool]:
+    """``--attention-call repeat-kv``: the SDPA call of litgpt's ``CausalSelfAttention.forward`` in
+    training, made from transformers' tensors. litgpt (lit-gpt 50b1974b, 2023-10-24, to litgpt 0.5.x,
+    ``litgpt/model.py``: ``if n_query_groups != n_head and (input_pos is None or n_query_groups != 1)``)
+    expands k and v (b, groups, 1, s, d) to (b, groups, q_per_kv, s, d) and ``reshape``s them to
+    (b, heads, s, d), which copies them (an expanded view is not viewable as one head dimension), then
+    calls ``scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=True)`` (its ``mask`` is
+    None without a KV cache). Each key/value head is repeated for its group's consecutive query heads,
+    the order transformers' ``repeat_kv`` has. Returns (k, v, mask, is_causal, enable_gqa): the copies
+    (b, heads, s, d) in k's and v's dtype, no mask (transformers' causal mask for an unpadded batch is
+    the one ``is_causal`` builds), causal, no enable_gqa."""
+    heads = q.shape[-3]
+
+    def repeated(x: torch.Tensor) -> torch.Tensor:
+        b, g, s, d = x.shape
+        if g == heads:
+            return x
+        return x[:, :, None].expand(b, g, heads // g, s, d).reshape(b, heads, s, d)  # (b, heads, s, d) copy
+
+    return repeated(k), repeated(v), None, True, False
 
 
 def _dtype_name(t: torch.Tensor) -> str:
