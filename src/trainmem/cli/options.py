@@ -7,8 +7,8 @@ from typing import Any, Callable
 
 from ..spec.frameworks import FRAMEWORKS
 from ..spec.tasks import TASKS
-from ..spec.training import (ATTENTION, FSDP_LORA_UNITS, FSDP_MODES, GRAD_SYNC, HOLD_OUTPUT, OPTIMIZER_IMPLS,
-                             OPTIMIZERS, PP_SCHEDULES, PRECISIONS,
+from ..spec.training import (ATTENTION, FSDP_GATHERED, FSDP_LORA_UNITS, FSDP_MODES, GRAD_SYNC, HOLD_OUTPUT,
+                             OPTIMIZER_IMPLS, OPTIMIZERS, PP_SCHEDULES, PRECISIONS,
                              RECOMPUTE, ZERO_GRAD, LOSSES, LOSS_SHIFTS, MASTER_WEIGHTS)
 
 
@@ -115,6 +115,9 @@ def add_training(g: Any) -> None:
                    help="FSDP1 + LoRA: separate (default; peft's fsdp_auto_wrap_policy: refused on BERT / "
                         "XLM-RoBERTa-XL, whose embeddings it splits from their tied head) or layer (adapters in "
                         "their layer's unit, Lightning/litgpt: gradients for the frozen weights too)")
+    g.add_argument("--fsdp-gathered", choices=FSDP_GATHERED, default=None, help="FSDP2 units kept gathered after "
+                   "forward: none (default), root (PyTorch < 2.8 kept it whatever reshard_after_forward said), "
+                   "root-last (and the last decoder layer: torchtitan 2024-2025)")
     g.add_argument("--optimizer-bucket-mb", type=float, default=None, metavar="MiB",
                    help="distributed-optimizer bucket size (NeMo/apex); warns when larger than a layer")
     for k in ("dp", "tp", "pp", "cp"):
@@ -312,6 +315,7 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 optimizer_bucket_mb=a.optimizer_bucket_mb, loss_chunks=a.loss_chunks, loss=a.loss,
                 master_weights=a.master_weights, framework=a.framework, framework_version=a.framework_version,
                 torch_version=a.torch_version, grad_sync=a.grad_sync, fsdp_lora_units=a.fsdp_lora_units,
+                fsdp_gathered=a.fsdp_gathered,
                 fsdp_version=a.fsdp_version, loss_shift=a.loss_shift, cast_output=a.cast_output, fused_qkv=a.fused_qkv,
                 target_len=a.target_len, image_size=a.image_size,
                 deepspeed_config=a.deepspeed_config, reduce_bucket_size=a.reduce_bucket_size,

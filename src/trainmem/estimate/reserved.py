@@ -166,7 +166,8 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     root = fs.unshard(R, q.fsdp_root, st.root_tensors)            # FSDP: the root unit gathered
     emb = R.alloc(tk.outer_rest)                                  # embeddings' saved tensors
     s.workspace(R, 0)                                             # the first layer's first matmul
-    kept = [_layer_forward(R, q, fs, parts, tk, recompute) for _ in range(q.layers)]
+    kept = [_layer_forward(R, q, fs, parts, tk, recompute, keep=(i == q.layers - 1 and q.fsdp_last_kept > 0))
+            for i in range(q.layers)]
     head = [R.alloc(tk.outer_head), R.alloc(q.cast_head)]        # head input, autocast's half copy of the head
     # a chunked loss: one tensor per chunk, at most one chunk per token (more are not made: setup_warnings)
     chunks = max(1, min(int(q.logit_chunks), int(tk.tokens))) if q.liger_factor == 0 else 1
@@ -319,6 +320,7 @@ class _Fsdp:
     streams: tuple[int, int] = (0, 0)  # (all-gather, gradient) streams: ``_fsdp_streams``
     ag: int | None = None      # the last all-gather output (FSDP2)
     rs: int | None = None      # the last reduce-scatter input (FSDP2)
+    last: list = field(default_factory=list)  # the last layer's parameters, kept gathered (--fsdp-gathered root-last)
 
     @property
     def grad_stream(self) -> int:
@@ -362,8 +364,10 @@ class _Fsdp:
         self.ag = self.rs = None
 
 
-def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: _Parts, tk: Tokens, recompute: str) -> list:
-    """One layer's forward: what it keeps for backward (a list of handles)."""
+def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: _Parts, tk: Tokens, recompute: str,
+                   keep: bool = False) -> list:
+    """One layer's forward: what it keeps for backward (a list of handles). ``keep``: its gathered
+    parameters stay until its backward (``quantities.fsdp2_last_gathered``)."""
     params = fs.unshard(R, q.fsdp_layer_buf, q.detail.states.layer_tensors)  # FSDP: this layer gathered
     if recompute == "none":
         kept = R.allocs(parts) + [R.alloc(q.cast_layer)]          # saved tensors + autocast weight copies
@@ -371,7 +375,10 @@ def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: _Parts, tk: Toke
     else:
         R.frees(R.allocs(parts))                                  # made and freed in the no-grad forward
         kept = R.allocs(_kept_blocks(parts, tk.layer, recompute))  # what the checkpoint keeps
-    R.frees(params)                                               # resharded after forward
+    if keep:
+        fs.last = params                                          # not resharded after forward
+    else:
+        R.frees(params)                                           # resharded after forward
     return kept
 
 
@@ -389,7 +396,10 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
                     n: int, nsq: int, recompute: str, oib: bool) -> None:
     """One layer's backward: recompute, the largest transient, the gradients, then its tensors freed."""
     st = q.detail.states
-    params = fs.unshard(R, q.fsdp_layer_buf, st.layer_tensors, backward=True)  # FSDP: gathered again
+    if fs.last:                                                   # kept gathered since its forward
+        params, fs.last = fs.last, []
+    else:
+        params = fs.unshard(R, q.fsdp_layer_buf, st.layer_tensors, backward=True)  # FSDP: gathered again
     redo = R.allocs(parts) if recompute != "none" else []         # the checkpointed forward again
     _idx, value, grads = best_transient(q.transients, n, nsq)
     tr = R.alloc(max(0, value - grads))                           # grad_out, grad_in of the worst op
