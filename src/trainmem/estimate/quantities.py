@@ -1536,7 +1536,8 @@ def fsdp_buffers(m: ModelSpec, t: TrainingSpec, st: States, lc: LayerCoefs) -> d
                                    or (fsdp2_root_gathered(t) and loss_outside_root(m, t))) else layer_buf,
             "fsdp_root_regather": st.root_full if resharded else 0,
             "fsdp_loss_ag": 0 if loss_outside_root(m, t) or t.fsdp_version != 2 else block_bytes(st.layer_params_full),
-            "fsdp_root_kept": st.root_full if (t.zero_stage != 3 or t.fsdp_version == 1 or fsdp2_root_gathered(t)) else 0,
+            "fsdp_root_kept": st.root_full if (t.zero_stage != 3 or t.fsdp_version == 1
+                                               or fsdp2_root_gathered(t)) else 0,
             # one layer's parameters, unsharded (the per-parameter tensors FSDP2 copies out)
             "fsdp_last_kept": sum(block_bytes(x) for x in st.layer_tensors) if fsdp2_last_gathered(t) else 0,
             "fsdp_rs_buf": st.layer_rs if t.fsdp_version == 2 else 0,

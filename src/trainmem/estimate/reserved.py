@@ -24,7 +24,7 @@ runs it through the same simulator as ``trace`` (``trainmem.allocator.CachingAll
 
 Two steps are replayed with up to two micro-batches each, as the moments are (``moments.py``). The
 result is the reserved-minus-allocated gap at the end, added to the estimate's own allocated peak:
-the replay is coarser than the moments (a backward transient is one block, a selective policy's kept tensors are scaled), so its
+the replay is coarser than the moments (a backward transient is one block, Megatron's selective policy's kept tensors are scaled), so its
 allocated peak is not the estimate's, but the segments it leaves behind are those of tensors of the
 estimate's sizes in the step's order. Used for one layout at a time (``estimate``); the layout arrays
 of the planner keep the 1/32 rule (``allocator_rules.reserved_overhead``).
@@ -128,9 +128,10 @@ class _Parts(list):
     """Bytes of each tensor one layer saves for backward, in order; ``forward_only``: those it makes
     and frees in its forward (``LayerCoefs.fwd_free``)."""
 
-    def __init__(self, saved: Any, forward_only: list[int]) -> None:
+    def __init__(self, saved: Any, forward_only: list[int], op: list[int] | None = None) -> None:
         super().__init__(saved)
         self.forward_only = forward_only
+        self.op = op or []     # the op outputs torchtitan's per-op policy keeps (``LayerCoefs.op_tensors``)
 
 
 def _layer_parts(q: Quantities, n: int, nsq: int) -> _Parts:
@@ -138,7 +139,8 @@ def _layer_parts(q: Quantities, n: int, nsq: int) -> _Parts:
     (``LayerCoefs.tensors``; a derived architecture's named parts, one block each)."""
     lc = q.detail.layer
     return _Parts((int(a * n + b * nsq) for a, b in (lc.tensors or [(a, b) for _name, a, b in lc.parts])),
-                  [int(a * n + b * nsq) for a, b in lc.fwd_free])
+                  [int(a * n + b * nsq) for a, b in lc.fwd_free],
+                  [int(a * n + b * nsq) for a, b in lc.op_tensors])
 
 
 @dataclass
@@ -384,11 +386,17 @@ def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: _Parts, tk: Toke
 
 def _kept_blocks(parts: list[int], kept: int, recompute: str) -> list[int]:
     """What a checkpointed layer keeps, as blocks: under full recomputation its input (one tensor);
-    under a selective policy (Megatron's, torchtitan's per-op) a share of the saved tensors, here
-    each part scaled to the kept total (the policy's own tensors are not listed one by one)."""
+    under torchtitan's per-op policy its input and each op output the policy saves, at its own size
+    (``parts.op``: ``LayerCoefs.op_tensors``; a share of every saved tensor left other holes: the
+    torchtitan PR #165 'SAC' rows, FSDP2 -7.0 % and FSDP1 -9.1 % against trace's reserved memory,
+    tests/test_op_replay.py); under Megatron's selective recomputation a share of the saved tensors,
+    each part scaled to the kept total."""
     total = sum(parts)
     if recompute == "full" or total <= 0:
         return [kept]
+    op = getattr(parts, "op", [])
+    if recompute == "op" and op and kept >= sum(op):
+        return [kept - sum(op)] + list(op)                        # the input, then the policy's outputs
     return [p * kept // total for p in parts]
 
 
