@@ -129,13 +129,18 @@ CASES = [
     ({"dropout": False}, "same", "Llama has no dropout (GPT-2 below has)"),
     ({"grad_sync": "step", "grad_accum": 2, "fsdp": "full", "dp": 2}, CHANGED, ""),  # vs the same without it
     ({"lora_rank": 8, "fsdp_lora_units": "layer"}, "same", "FSDP units: one GPU has none (vs LoRA alone)"),
+    # FSDP2 units kept gathered after forward (vs --fsdp full --dp 2 alone; tests/test_fsdp_gathered.py)
+    ({"fsdp_gathered": "root", "fsdp": "full", "dp": 2}, CHANGED, ""),
+    ({"fsdp_gathered": "root-last", "fsdp": "full", "dp": 2}, CHANGED, ""),
+    ({"fsdp_gathered": "root"}, REFUSED, "--fsdp-gathered root"),
     ({"target_len": 32}, REFUSED, "--target-len 32"), ({"image_size": 64}, REFUSED, "--image-size 64"),
     # the run's first micro-batch at --seq-len, the later ones shorter (tests/test_later_seq_len.py)
     ({"later_seq_len": 32}, CHANGED, ""), ({"later_seq_len": 32, "pp": 2, "grad_accum": 2}, REFUSED, "--later-seq-len"),
 ]
 #: the options a case is compared with instead of the baseline (the case's own options minus one)
 REFERENCE = {"fsdp_version": {"fsdp": "full", "dp": 2}, "use_cache": {"hold_output": "step"},
-             "fsdp_lora_units": {"lora_rank": 8}, "ddp_bucket_mb": {"dp": 2}, "sequence_parallel": {"tp": 2},
+             "fsdp_lora_units": {"lora_rank": 8}, "fsdp_gathered": {"fsdp": "full", "dp": 2}, "ddp_bucket_mb": {"dp": 2},
+             "sequence_parallel": {"tp": 2},
              "quantize": {"lora_rank": 8}, "quantize_via": {"lora_rank": 8, "quantize": "nf4"},
              "bitsandbytes_version": {"lora_rank": 8, "quantize": "nf4"},
              "grad_sync": {"grad_accum": 2, "fsdp": "full", "dp": 2}, "offload_activations": {"recompute": "full"},

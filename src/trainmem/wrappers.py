@@ -185,14 +185,18 @@ def _head_is_parallel(module: torch.nn.Module) -> bool:
 def fsdp2(module: torch.nn.Module, spec: Any, t: TrainingSpec, fsdp_mesh: Any, layers: Any = None) -> None:
     """FSDP2 ``fully_shard`` on each decoder layer, then on the root (``reshard_after_forward`` off
     for grad-op; bf16-mp as ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``).
-    ``layers``: the decoder layers (None: the model's, ``decoder_layers``; a pipeline stage's own)."""
+    ``layers``: the decoder layers (None: the model's, ``decoder_layers``; a pipeline stage's own).
+    ``--fsdp-gathered``: off for the root (what PyTorch before 2.8 did whatever it was given) and,
+    with ``root-last``, for the last decoder layer too (torchtitan's ``parallelize_llama``)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     kw: dict[str, Any] = {"mesh": fsdp_mesh, "reshard_after_forward": t.fsdp != "grad-op"}
     if t.precision == "bf16-mp":
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in (decoder_layers(module, spec) if layers is None else layers):
-        fully_shard(layer, **kw)
-    fully_shard(module, **kw)
+    kept = {**kw, "reshard_after_forward": False}
+    layers = list(decoder_layers(module, spec) if layers is None else layers)
+    for i, layer in enumerate(layers):
+        fully_shard(layer, **(kept if t.fsdp_gathered == "root-last" and i == len(layers) - 1 else kw))
+    fully_shard(module, **(kept if t.fsdp_gathered != "none" else kw))
 
 
 def fsdp1(module: torch.nn.Module, spec: Any, t: TrainingSpec, fsdp_mesh: Any, device: torch.device) -> Any:

@@ -7,9 +7,9 @@ from typing import Any, Callable
 
 from ..spec.frameworks import FRAMEWORKS
 from ..spec.tasks import TASKS
-from ..spec.training import (ATTENTION, ATTENTION_CALLS, FSDP_LORA_UNITS, FSDP_MODES, GRAD_SYNC, HOLD_OUTPUT,
-                             OPTIMIZER_ALIASES, OPTIMIZER_IMPLS, OPTIMIZERS, PP_SCHEDULES, PRECISION_ALIASES,
-                             PRECISIONS, RECOMPUTE, ZERO_GRAD, LOSSES, LOSS_SHIFTS, MASTER_WEIGHTS)
+from ..spec.training import (ATTENTION, ATTENTION_CALLS, FSDP_GATHERED, FSDP_LORA_UNITS, FSDP_MODES, GRAD_SYNC,
+                             HOLD_OUTPUT, OPTIMIZER_ALIASES, OPTIMIZER_IMPLS, OPTIMIZERS, PP_SCHEDULES,
+                             PRECISION_ALIASES, PRECISIONS, RECOMPUTE, ZERO_GRAD, LOSSES, LOSS_SHIFTS, MASTER_WEIGHTS)
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:
@@ -127,18 +127,7 @@ def add_training(g: Any) -> None:
     g.add_argument("--master-weights", choices=MASTER_WEIGHTS, default=None,
                    help="fp32 master copy beside bf16/fp16 weights (default: DeepSpeed ZeRO and the distributed "
                         "optimizer keep one; FSDP and plain PyTorch do not)")
-    g.add_argument("--fsdp-version", type=int, choices=(1, 2), default=None,
-                   help="--fsdp through FSDP2 fully_shard (2, default) or FSDP1 FullyShardedDataParallel (1: flat "
-                        "parameters, use_orig_params=True; with --fsdp-lora-units layer, gradients for the frozen "
-                        "weights too)")
-    g.add_argument("--grad-sync", choices=GRAD_SYNC, default=None,
-                   help="FSDP under --grad-accum: micro-batch (default: reduce-scatter after each) or step "
-                        "(no_sync() until the last micro-batch, as HF Trainer / accelerate and Lightning Fabric: "
-                        "the gradients accumulate unsharded)")
-    g.add_argument("--fsdp-lora-units", choices=FSDP_LORA_UNITS, default=None,
-                   help="FSDP1 + LoRA: separate (default; peft's fsdp_auto_wrap_policy: refused on BERT / "
-                        "XLM-RoBERTa-XL, whose embeddings it splits from their tied head) or layer (adapters in "
-                        "their layer's unit, Lightning/litgpt: gradients for the frozen weights too)")
+    _add_fsdp(g)
     g.add_argument("--optimizer-bucket-mb", type=float, default=None, metavar="MiB",
                    help="distributed-optimizer bucket size (NeMo/apex); warns when larger than a layer")
     for k in ("dp", "tp", "pp", "cp"):
@@ -174,6 +163,25 @@ def add_training(g: Any) -> None:
                    help="apply the optimizer per parameter inside backward, freeing each gradient")
     _add_lora(g)
     _add_loss(g)
+
+
+def _add_fsdp(g: Any) -> None:
+    """FSDP's version, gradient sync, LoRA units and the units kept gathered."""
+    g.add_argument("--fsdp-version", type=int, choices=(1, 2), default=None,
+                   help="--fsdp through FSDP2 fully_shard (2, default) or FSDP1 FullyShardedDataParallel (1: flat "
+                        "parameters, use_orig_params=True; with --fsdp-lora-units layer, gradients for the frozen "
+                        "weights too)")
+    g.add_argument("--grad-sync", choices=GRAD_SYNC, default=None,
+                   help="FSDP under --grad-accum: micro-batch (default: reduce-scatter after each) or step "
+                        "(no_sync() until the last micro-batch, as HF Trainer / accelerate and Lightning Fabric: "
+                        "the gradients accumulate unsharded)")
+    g.add_argument("--fsdp-lora-units", choices=FSDP_LORA_UNITS, default=None,
+                   help="FSDP1 + LoRA: separate (default; peft's fsdp_auto_wrap_policy: refused on BERT / "
+                        "XLM-RoBERTa-XL, whose embeddings it splits from their tied head) or layer (adapters in "
+                        "their layer's unit, Lightning/litgpt: gradients for the frozen weights too)")
+    g.add_argument("--fsdp-gathered", choices=FSDP_GATHERED, default=None, help="FSDP2 units kept gathered after "
+                   "forward: none (default), root (PyTorch < 2.8 kept it whatever reshard_after_forward said), "
+                   "root-last (and the last decoder layer: torchtitan 2024-2025)")
 
 
 def _add_lora(g: Any) -> None:
@@ -353,6 +361,7 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 optimizer_bucket_mb=a.optimizer_bucket_mb, loss_chunks=a.loss_chunks, loss=a.loss,
                 master_weights=a.master_weights, framework=a.framework, framework_version=a.framework_version,
                 torch_version=a.torch_version, grad_sync=a.grad_sync, fsdp_lora_units=a.fsdp_lora_units,
+                fsdp_gathered=a.fsdp_gathered,
                 fsdp_version=a.fsdp_version, loss_shift=a.loss_shift, cast_output=a.cast_output, fused_qkv=a.fused_qkv,
                 use_cache=a.use_cache, attention_call=a.attention_call, split_gate_up=a.split_gate_up,
                 target_len=a.target_len, image_size=a.image_size, later_seq_len=a.later_seq_len,

@@ -765,6 +765,8 @@ class LayerCoefs:
     # measured with the layers checkpointed (a derived encoder-decoder under full recompute): ``tok``,
     # ``sq`` are what a checkpointed layer keeps, the transients include its recomputation
     checkpointed: bool = False
+    # --recompute op: each op output the per-op policy keeps (``op_checkpoint_saved``), as ``tensors``
+    op_tensors: tuple[tuple[float, float], ...] = ()
     transients_ssq: tuple[float, ...] = ()  # per transient: bytes per sequence position squared (shared by the batch)
     transients_at: tuple[int, ...] = ()  # per transient: the backward moments it belongs to (bit mask; () all)
     # per transient: of ``after``, the grouped experts' weight elements (no autocast copies to free)
@@ -830,7 +832,14 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
                       fwd_free=tuple(t.bytes_coef() for i, t in B.r.forward_only.items()
                                      if i not in B.r.saved and t is not x),
                       after_uncast=after_uncast if any(after_uncast) else (),
-                      first_adapter_op=B.r.first_adapter_op)
+                      first_adapter_op=B.r.first_adapter_op,
+                      op_tensors=tuple(t.bytes_coef() for t in op_checkpoint_kept(B.r)))
+
+
+def op_checkpoint_kept(r: Recipe) -> list[T]:
+    """The op outputs torchtitan's per-op policy keeps of one layer, each storage once, in call order
+    (``op_checkpoint_saved``)."""
+    return list({id(t): t for t in r.mm_outs[0::2] + r.sdpa_outs}.values())
 
 
 def op_checkpoint_saved(r: Recipe) -> tuple[float, float]:

@@ -397,7 +397,8 @@ def _head_backward(q: Quantities, tk: Tokens, kept: Kept, before: tuple, step: i
     for where_, temp in (("lm_head.backward", tk.head_chunk_first), ("lm_head.backward.sum", tk.head_chunk)):
         out.append(_mo("backward", micro, step, where_, (grads_before, states, tk.inputs, ws2, tk.all_acts, temp),
                        (kept.logits, kept.kv_forward, 0), _both(valid, q.chunk_head_grads > 0),
-                       comm=q.fsdp_loss_root + q.fsdp_loss_buf + q.ds_backward_buf + q.ds_gathered_top))
+                       comm=q.fsdp_loss_root + q.fsdp_last_kept + q.fsdp_loss_buf + q.ds_backward_buf
+                       + q.ds_gathered_top))
     return out
 
 
@@ -457,20 +458,22 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
                        (grads_before, states, tk.inputs, ws, tk.all_acts, 0),
                        (prev_logits + tk.out_logits + tk.cast_logits, prev_kv + tk.kv_held, 0),
                        _both(valid, _both(cast, q.logits_cast > 0)), prev_graph + own,
-                       comm=q.fsdp_loss_root + q.fsdp_loss_ag + q.ds_gathered_top))
+                       comm=q.fsdp_loss_root + q.fsdp_last_kept + q.fsdp_loss_ag + q.ds_gathered_top))
     loss_logits = where(cast, where(q.logits_cast > 0, tk.cast_logits, tk.out_logits), prev_logits + tk.out_logits)
     moments.append(_mo("forward", micro, step, "cross_entropy",
                        (grads_before, states, tk.inputs, ws, tk.all_acts, tk.loss_forward + q.cast_forward_only),
                        (loss_logits, where(cast, 0, prev_kv) + tk.kv_held, tk.loss_saved), valid, prev_graph + own,
-                       comm=q.fsdp_loss_root + q.fsdp_loss_ag + q.ds_gathered_top))
+                       comm=q.fsdp_loss_root + q.fsdp_last_kept + q.fsdp_loss_ag + q.ds_gathered_top))
     # FSDP grad-op (and FSDP1) keep the root gathered from its forward to its backward
     ends.append(("forward", micro, step, q.fixed + grads_before + states + tk.inputs + ws + tk.all_acts
-                 + kept.logits + kept.kv_forward + tk.loss_saved + q.fsdp_root_kept + q.ds_gathered_top))
+                 + kept.logits + kept.kv_forward + tk.loss_saved + q.fsdp_root_kept + q.fsdp_last_kept
+                 + q.ds_gathered_top))
     moments.append(_root_regather_at_loss(q, tk, kept, (grads_before, states, ws2, own), step, micro, valid))
     moments.append(_mo("backward", micro, step, "cross_entropy.backward",
                        (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.loss_backward),
                        (kept.logits, kept.kv_forward, tk.loss_saved), valid, own,
-                       comm=q.fsdp_loss_root + q.fsdp_loss_buf + q.ds_backward_buf + q.ds_gathered_top))
+                       comm=q.fsdp_loss_root + q.fsdp_last_kept + q.fsdp_loss_buf + q.ds_backward_buf
+                       + q.ds_gathered_top))
     moments.extend(_head_backward(q, tk, kept, (grads_before, states, ws2), step, micro, valid))
     # a 4-bit LM head dequantizes its weight again for the input gradient (quant4.py): the loss's
     # backward is over (its fp32 gradients and saved log-probabilities freed); the gradient of the

@@ -193,6 +193,7 @@ class Quantities:
     fsdp_root_regather_own: int = 0  # FSDP2 full, the model's own loss: the root gathered again at its first node
     fsdp_loss_ag: int = 0     # FSDP2: the last layer's all-gather output while the loss runs (model's own loss)
     fsdp_root_kept: int = 0   # the root's gathered parameters between forward and backward (not resharded)
+    fsdp_last_kept: int = 0   # FSDP2 --fsdp-gathered root-last: the last layer's, from its forward to its backward
     # checkpointed layers' autocast weight copies: none saved. autocast caches the cast of a leaf that
     # requires grad until forward ends (``cast_forward_only``); a frozen one (LoRA's base weights) is
     # not cached (``autocast_mode.cpp`` ``cached_cast``), so its copy dies with the checkpointed op
@@ -1521,7 +1522,32 @@ def root_resharded_for_loss(m: ModelSpec, t: TrainingSpec) -> bool:
     ``grad-op`` (``reshard_after_forward=False``) keep the root gathered. Found by trace on the
     fake process group (benchmarks/bench_agreement.py, the sampled grid: Qwen2 +12.6% before)."""
     return (t.fsdp is not None and t.fsdp_version == 2 and t.zero_stage == 3 and t.loss in ("upcast", "half")
-            and m.head in ("causal-lm", "masked-lm") and t.pp == 1)
+            and m.head in ("causal-lm", "masked-lm") and t.pp == 1 and t.fsdp_gathered == "none")
+
+
+def fsdp2_root_gathered(t: TrainingSpec) -> bool:
+    """Whether FSDP2 keeps the root unit gathered from its forward to its backward (``--fsdp-gathered
+    root`` / ``root-last``). Before PyTorch 2.8 ``FSDPState._lazy_init`` set the root's
+    ``post_forward_mesh_info = None`` whatever ``reshard_after_forward`` the user passed ("For the
+    root, do not reshard after forward since for training, the parameters would be freed and
+    all-gathered immediately"); pytorch/pytorch PR #154704 (Wei Feng, "[FSDP2] respect
+    reshard_after_forward=True for root model", June 2025) made ``True`` respected and PR #155319 keeps
+    the root gathered only when the argument is left unset (torch 2.13 ``_fsdp_state.py`` L203-207).
+    With the loop's loss on the returned logits the root's pre-backward hook fires once their gradient
+    exists, and its prefetch of the last layer only then (as FSDP1's, ``fsdp1_prefetch_after_loss``)."""
+    return t.fsdp is not None and t.fsdp_version == 2 and t.zero_stage == 3 and t.fsdp_gathered != "none"
+
+
+def fsdp2_last_gathered(t: TrainingSpec) -> bool:
+    """Whether FSDP2 keeps the last decoder layer gathered from its forward to its backward
+    (``--fsdp-gathered root-last``): torchtitan's ``parallelize_llama`` passes
+    ``reshard_after_forward=layer_id < len(model.layers) - 1`` ("As an optimization, do not reshard
+    after forward for the last transformer block since FSDP would prefetch it immediately";
+    torchtitan 83c879f18 ``torchtrain/parallelisms/parallelize_llama.py`` L219-229, 5940ddeb5
+    ``torchtitan/parallelisms/parallelize_llama.py`` ``apply_fsdp``). Its parameters, unsharded bf16
+    tensors copied out of the all-gather output, stay through the loss and are not gathered again
+    for its backward; its post-backward reshards them."""
+    return fsdp2_root_gathered(t) and t.fsdp_gathered == "root-last"
 
 
 def root_regathered_at_loss(m: ModelSpec, t: TrainingSpec) -> bool:
@@ -1542,7 +1568,7 @@ def root_regathered_at_loss(m: ModelSpec, t: TrainingSpec) -> bool:
     at the logits' gradient. Found by trace: Llama 2 layers (vocabulary 32000, h 2048), 2 x 512,
     FSDP2 full over 4, 2 micro-batches: -2.19% before (moment ``fsdp.root_unshard``)."""
     return (t.fsdp is not None and t.fsdp_version == 2 and t.zero_stage == 3 and t.pp == 1
-            and not root_resharded_for_loss(m, t))
+            and t.fsdp_gathered == "none" and not root_resharded_for_loss(m, t))  # a root kept gathered: none
 
 
 def fsdp_buffers(m: ModelSpec, t: TrainingSpec, st: States, lc: LayerCoefs) -> dict[str, int]:
@@ -1590,11 +1616,17 @@ def fsdp_buffers(m: ModelSpec, t: TrainingSpec, st: States, lc: LayerCoefs) -> d
     return {"fsdp_root": st.root_full,
             "fsdp_layer_buf": layer_buf,
             "fsdp_loss_root": 0 if resharded else st.root_full,
-            "fsdp_loss_buf": 0 if resharded or fsdp1_prefetch_after_loss(m, t) else layer_buf,
+            # the last layer prefetched while the loss's backward runs: not when the loop's loss runs before
+            # the root's pre-backward hook (FSDP1; FSDP2 with its root gathered) or it is gathered already
+            "fsdp_loss_buf": 0 if (resharded or fsdp1_prefetch_after_loss(m, t) or fsdp2_last_gathered(t)
+                                   or (fsdp2_root_gathered(t) and loss_outside_root(m, t))) else layer_buf,
             "fsdp_root_regather": st.root_full if resharded else 0,
             "fsdp_root_regather_own": st.root_full if root_regathered_at_loss(m, t) else 0,
             "fsdp_loss_ag": 0 if loss_outside_root(m, t) or t.fsdp_version != 2 else block_bytes(st.layer_params_full),
-            "fsdp_root_kept": st.root_full if (t.zero_stage != 3 or t.fsdp_version == 1) else 0,
+            "fsdp_root_kept": st.root_full if (t.zero_stage != 3 or t.fsdp_version == 1
+                                               or fsdp2_root_gathered(t)) else 0,
+            # one layer's parameters, unsharded (the per-parameter tensors FSDP2 copies out)
+            "fsdp_last_kept": sum(block_bytes(x) for x in st.layer_tensors) if fsdp2_last_gathered(t) else 0,
             "fsdp_rs_buf": st.layer_rs if t.fsdp_version == 2 else 0,
             "fsdp_head_full": st.head_grads_full, "fsdp_emb_full": st.emb_grads_full,
             "fsdp_ag_result": block_bytes(st.layer_params_full) if t.fsdp_version == 2 else 0,

@@ -24,7 +24,7 @@ runs it through the same simulator as ``trace`` (``trainmem.allocator.CachingAll
 
 Two steps are replayed with up to two micro-batches each, as the moments are (``moments.py``). The
 result is the reserved-minus-allocated gap at the end, added to the estimate's own allocated peak:
-the replay is coarser than the moments (a backward transient is one block, a selective policy's kept tensors are scaled), so its
+the replay is coarser than the moments (a backward transient is one block, Megatron's selective policy's kept tensors are scaled), so its
 allocated peak is not the estimate's, but the segments it leaves behind are those of tensors of the
 estimate's sizes in the step's order. Used for one layout at a time (``estimate``); the layout arrays
 of the planner keep the 1/32 rule (``allocator_rules.reserved_overhead``).
@@ -128,9 +128,10 @@ class _Parts(list):
     """Bytes of each tensor one layer saves for backward, in order; ``forward_only``: those it makes
     and frees in its forward (``LayerCoefs.fwd_free``)."""
 
-    def __init__(self, saved: Any, forward_only: list[int]) -> None:
+    def __init__(self, saved: Any, forward_only: list[int], op: list[int] | None = None) -> None:
         super().__init__(saved)
         self.forward_only = forward_only
+        self.op = op or []     # the op outputs torchtitan's per-op policy keeps (``LayerCoefs.op_tensors``)
 
 
 def _layer_parts(q: Quantities, n: int, nsq: int) -> _Parts:
@@ -138,7 +139,8 @@ def _layer_parts(q: Quantities, n: int, nsq: int) -> _Parts:
     (``LayerCoefs.tensors``; a derived architecture's named parts, one block each)."""
     lc = q.detail.layer
     return _Parts((int(a * n + b * nsq) for a, b in (lc.tensors or [(a, b) for _name, a, b in lc.parts])),
-                  [int(a * n + b * nsq) for a, b in lc.fwd_free])
+                  [int(a * n + b * nsq) for a, b in lc.fwd_free],
+                  [int(a * n + b * nsq) for a, b in lc.op_tensors])
 
 
 @dataclass
@@ -166,7 +168,8 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     root = fs.unshard(R, q.fsdp_root, st.root_tensors)            # FSDP: the root unit gathered
     emb = R.alloc(tk.outer_rest)                                  # embeddings' saved tensors
     s.workspace(R, 0)                                             # the first layer's first matmul
-    kept = [_layer_forward(R, q, fs, parts, tk, recompute) for _ in range(q.layers)]
+    kept = [_layer_forward(R, q, fs, parts, tk, recompute, keep=(i == q.layers - 1 and q.fsdp_last_kept > 0))
+            for i in range(q.layers)]
     head = [R.alloc(tk.outer_head), R.alloc(q.cast_head)]        # head input, autocast's half copy of the head
     # a chunked loss: one tensor per chunk, at most one chunk per token (more are not made: setup_warnings)
     chunks = max(1, min(int(q.logit_chunks), int(tk.tokens))) if q.liger_factor == 0 else 1
@@ -319,6 +322,7 @@ class _Fsdp:
     streams: tuple[int, int] = (0, 0)  # (all-gather, gradient) streams: ``_fsdp_streams``
     ag: int | None = None      # the last all-gather output (FSDP2)
     rs: int | None = None      # the last reduce-scatter input (FSDP2)
+    last: list = field(default_factory=list)  # the last layer's parameters, kept gathered (--fsdp-gathered root-last)
 
     @property
     def grad_stream(self) -> int:
@@ -362,8 +366,10 @@ class _Fsdp:
         self.ag = self.rs = None
 
 
-def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: _Parts, tk: Tokens, recompute: str) -> list:
-    """One layer's forward: what it keeps for backward (a list of handles)."""
+def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: _Parts, tk: Tokens, recompute: str,
+                   keep: bool = False) -> list:
+    """One layer's forward: what it keeps for backward (a list of handles). ``keep``: its gathered
+    parameters stay until its backward (``quantities.fsdp2_last_gathered``)."""
     params = fs.unshard(R, q.fsdp_layer_buf, q.detail.states.layer_tensors)  # FSDP: this layer gathered
     if recompute == "none":
         kept = R.allocs(parts) + [R.alloc(q.cast_layer)]          # saved tensors + autocast weight copies
@@ -371,17 +377,26 @@ def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: _Parts, tk: Toke
     else:
         R.frees(R.allocs(parts))                                  # made and freed in the no-grad forward
         kept = R.allocs(_kept_blocks(parts, tk.layer, recompute))  # what the checkpoint keeps
-    R.frees(params)                                               # resharded after forward
+    if keep:
+        fs.last = params                                          # not resharded after forward
+    else:
+        R.frees(params)                                           # resharded after forward
     return kept
 
 
 def _kept_blocks(parts: list[int], kept: int, recompute: str) -> list[int]:
     """What a checkpointed layer keeps, as blocks: under full recomputation its input (one tensor);
-    under a selective policy (Megatron's, torchtitan's per-op) a share of the saved tensors, here
-    each part scaled to the kept total (the policy's own tensors are not listed one by one)."""
+    under torchtitan's per-op policy its input and each op output the policy saves, at its own size
+    (``parts.op``: ``LayerCoefs.op_tensors``; a share of every saved tensor left other holes: the
+    torchtitan PR #165 'SAC' rows, FSDP2 -7.0 % and FSDP1 -9.1 % against trace's reserved memory,
+    tests/test_op_replay.py); under Megatron's selective recomputation a share of the saved tensors,
+    each part scaled to the kept total."""
     total = sum(parts)
     if recompute == "full" or total <= 0:
         return [kept]
+    op = getattr(parts, "op", [])
+    if recompute == "op" and op and kept >= sum(op):
+        return [kept - sum(op)] + list(op)                        # the input, then the policy's outputs
     return [p * kept // total for p in parts]
 
 
@@ -389,7 +404,10 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
                     n: int, nsq: int, recompute: str, oib: bool) -> None:
     """One layer's backward: recompute, the largest transient, the gradients, then its tensors freed."""
     st = q.detail.states
-    params = fs.unshard(R, q.fsdp_layer_buf, st.layer_tensors, backward=True)  # FSDP: gathered again
+    if fs.last:                                                   # kept gathered since its forward
+        params, fs.last = fs.last, []
+    else:
+        params = fs.unshard(R, q.fsdp_layer_buf, st.layer_tensors, backward=True)  # FSDP: gathered again
     redo = R.allocs(parts) if recompute != "none" else []         # the checkpointed forward again
     _idx, value, grads = best_transient(q.transients, n, nsq)
     tr = R.alloc(max(0, value - grads))                           # grad_out, grad_in of the worst op

@@ -416,6 +416,7 @@ class _Tally:
     largest: int = 0
     largest_n: int = 0       # elements of the largest trainable tensor (bitsandbytes' 8-bit threshold)
     items: list = field(default_factory=list)  # States.trainables, as they are counted
+    item_elems: list = field(default_factory=list)  # ... each one's unsharded elements
     root_list: list = field(default_factory=list)   # States.root_tensors
     layer_list: list = field(default_factory=list)  # States.layer_tensors
     group: int = 0
@@ -473,6 +474,7 @@ class _Tally:
                                                           blocksize=t.bnb_blocksize))
         self.opt += k * sum(sts)
         self.items.append((where, k, g, sts, master))
+        self.item_elems.append(n)
         if t.impl == "fused" and t.optimizer in ("adam", "adamw"):
             self.step_t += k * block_bytes(4)
         self.largest = max(self.largest, n * r.sbytes)
@@ -511,11 +513,49 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
                   acc.layer_grads, acc.head_grads, acc.lmh, acc.hmh, acc.largest, acc.group, acc.lpf,
                   sum(x[1] for x in lora), acc.q4, acc.root, acc.head_full, acc.emb_full, acc.layer_full, rs,
                   acc.root_g, _load_list(before, layer, r.per_stage if m.uniform_layers else 1, after),
-                  tuple(acc.items), tuple(acc.root_list), tuple(acc.layer_list),
+                  fsdp1_rank0_items(t, r, acc), tuple(acc.root_list), tuple(acc.layer_list),
                   each_layer_grads=tuple(g for _, g in sorted(acc.each.items())) if not lora else (),
                   root_rs=root_rs, root_last_grad=acc.root_last if root_rs else 0,
                   between_grads=acc.between, root_views=acc.root_views,
                   root_flat=block_bytes(acc.root_flat_bytes) if acc.root_flat_bytes else 0)
+
+
+#: optimizers whose states are element-wise copies of the parameter (one state-dtype element each)
+ELEMENTWISE_STATES = ("adamw", "adam", "sgd-momentum", "lion", "sgd")
+
+
+def fsdp1_rank0_items(t: TrainingSpec, r: _Rank, acc: _Tally) -> tuple:
+    """``States.trainables`` as rank 0 holds them under FSDP1 (what the reserved-memory replay
+    allocates tensor by tensor). FSDP1 flattens a unit's parameters, in registration order, into one
+    flat parameter padded to a multiple of the ranks and gives rank ``i`` the ``i``-th contiguous chunk
+    (torch 2.13 ``fsdp/_flat_param.py`` ``FlatParamHandle._get_shard``: ``chunk = ceil(numel /
+    world_size)``); with ``use_orig_params=True`` the optimizer sees each original parameter's part of
+    that chunk, so rank 0 holds the first parameters of the unit whole and nothing of the last ones
+    (a Llama layer: q whole and part of k), and its optimizer states and ``foreach`` temporaries have
+    those sizes, not a 1/d share of every tensor. Its sharded gradient is one tensor, the flat
+    parameter's ``.grad`` of ``chunk`` elements, which the original parameters' gradients view. The
+    units: each layer, and the root (the tensors before and after the layers). Totals hardly change
+    (the padding); the blocks do. Plain FSDP1 over several ranks with element-wise optimizer states
+    only (LoRA's mixed units and factored or 8-bit states keep the 1/d shares). Found by trace on the
+    fake group (real FSDP1, rank 0): Llama-2-7B dp 8 bf16-mp, full recompute, reserved -6.7% against
+    trace -12.7% before (docs/validation.md, the torchtitan PR #165 FSDP1 rows)."""
+    items = tuple(acc.items)
+    if (t.fsdp is None or t.fsdp_version != 1 or r.d < 2 or t.lora_rank or r.half_master
+            or t.optimizer not in ELEMENTWISE_STATES):
+        return items
+    out = list(items)
+    for unit in (["layer"], ["before", "after"]):
+        idx = [j for j, it in enumerate(items) if it[0] in unit]
+        elems = [acc.item_elems[j] for j in idx]
+        chunk = -(-sum(elems) // r.d)
+        offset = 0
+        for pos, (j, n) in enumerate(zip(idx, elems)):
+            mine = max(0, min(n, chunk - offset))           # this parameter's part of rank 0's chunk
+            offset += n
+            where, k, _g, sts, master = items[j]
+            g = block_bytes(chunk * r.gbytes) if pos == 0 else 0  # the flat gradient, on the unit's first
+            out[j] = (where, k, g, tuple(block_bytes(mine * r.sbytes) if mine else 0 for _ in sts), master)
+    return tuple(out)
 
 
 def _load_list(before: list, layer: list, k: int, after: list) -> tuple[int, ...]:

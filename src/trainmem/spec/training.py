@@ -74,6 +74,13 @@ PP_VIRTUAL_STAGES = 2
 #: use) or the decoder layer's (an auto-wrap policy over the layer class with use_orig_params=True:
 #: Lightning's FSDPStrategy, litgpt)
 FSDP_LORA_UNITS = ("separate", "layer")
+#: FSDP2 units that stay gathered after their forward (``fully_shard(..., reshard_after_forward=False)``):
+#: none (every unit resharded, ``reshard_after_forward=True`` respected: PyTorch >= 2.8); root (the root
+#: unit, embeddings + final norm + head: before PyTorch 2.8 ``fully_shard`` clamped the root's
+#: ``reshard_after_forward`` to False, pytorch/pytorch PR #154704); root-last (the root and the last
+#: decoder layer: torchtitan's ``parallelize_llama`` from March 2024 to 2025, "do not reshard after
+#: forward for the last transformer block", on a PyTorch of that time)
+FSDP_GATHERED = ("none", "root", "root-last")
 #: bitsandbytes 4-bit base weights (``Linear4bit``): quant type nf4/fp4, ``-dq`` = double quantization
 #: (transformers ``BitsAndBytesConfig(bnb_4bit_quant_type, bnb_4bit_use_double_quant)``; litgpt
 #: ``--quantize bnb.nf4``/``bnb.nf4-dq``, which is accepted too)
@@ -205,6 +212,7 @@ class TrainingSpec:
     later_seq_len: int | None = None  # the padded length of every micro-batch after the run's first, which is
     #                                   seq_len long (lit-gpt forces its longest sample into the first iteration
     #                                   only and pads each later batch to its own longest); None: seq_len
+    fsdp_gathered: str = "none"  # FSDP_GATHERED: FSDP2 units kept gathered from their forward to their backward
     target_len: int | None = None  # an encoder-decoder's decoder tokens (its labels); None: seq_len
     image_size: int | None = None  # an image model's square image side in pixels; sets seq_len (its patches)
     # DeepSpeed ZeRO's engine buffers (with --zero): the ``zero_optimization`` keys of a DeepSpeed config,
@@ -232,7 +240,7 @@ class TrainingSpec:
             _choice("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS)
         for key, choices in (("recompute", RECOMPUTE), ("attention", ATTENTION), ("zero_grad", ZERO_GRAD),
                              ("hold_output", HOLD_OUTPUT), ("grad_sync", GRAD_SYNC), ("pp_schedule", PP_SCHEDULES),
-                             ("fsdp_lora_units", FSDP_LORA_UNITS)):
+                             ("fsdp_lora_units", FSDP_LORA_UNITS), ("fsdp_gathered", FSDP_GATHERED)):
             _choice(key, getattr(self, key), choices)
         self._check_loss()
         self._check_recompute()
@@ -254,16 +262,7 @@ class TrainingSpec:
             object.__setattr__(self, "hold_output", "step")
         if self.zero not in (0, 1, 2, 3):
             raise TrainmemError(f"--zero {self.zero!r} is not one of: 0, 1, 2, 3")
-        if self.fsdp_version not in (1, 2) or isinstance(self.fsdp_version, bool):
-            raise TrainmemError(f"--fsdp-version {self.fsdp_version!r} is not one of: 1, 2")
-        if self.fsdp_version == 1 and self.fsdp is None:
-            raise TrainmemError("--fsdp-version 1 picks FullyShardedDataParallel for --fsdp: give --fsdp full "
-                                "(or grad-op, hybrid), or drop --fsdp-version")
-        if self.fsdp is not None:
-            _choice("fsdp", self.fsdp, FSDP_MODES)
-            if self.zero:
-                raise TrainmemError(f"--fsdp {self.fsdp} and --zero {self.zero} both shard the model states "
-                                    "(FSDP or DeepSpeed ZeRO): give one of them")
+        self._check_fsdp()
         if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
             raise TrainmemError(f"--lora-rank must be zero or a positive integer, got {self.lora_rank!r}")
         if not 0 <= self.lora_dropout < 1:
@@ -334,6 +333,22 @@ class TrainingSpec:
         if self.offload_activations and (self.tp * self.pp * self.cp > 1 or self.lora_rank or self.quantize):
             raise TrainmemError("--offload-activations is modelled for one data-parallel rank's full training "
                                 "(no --tp/--pp/--cp, --lora-rank or --quantize); drop it or those options")
+
+    def _check_fsdp(self) -> None:
+        """``fsdp``, ``fsdp_version`` and ``fsdp_gathered`` against each other and ``zero``."""
+        if self.fsdp_version not in (1, 2) or isinstance(self.fsdp_version, bool):
+            raise TrainmemError(f"--fsdp-version {self.fsdp_version!r} is not one of: 1, 2")
+        if self.fsdp_version == 1 and self.fsdp is None:
+            raise TrainmemError("--fsdp-version 1 picks FullyShardedDataParallel for --fsdp: give --fsdp full "
+                                "(or grad-op, hybrid), or drop --fsdp-version")
+        if self.fsdp is not None:
+            _choice("fsdp", self.fsdp, FSDP_MODES)
+            if self.zero:
+                raise TrainmemError(f"--fsdp {self.fsdp} and --zero {self.zero} both shard the model states "
+                                    "(FSDP or DeepSpeed ZeRO): give one of them")
+        if self.fsdp_gathered != "none" and (self.fsdp is None or self.fsdp_version != 2 or self.pp > 1):
+            raise TrainmemError(f"--fsdp-gathered {self.fsdp_gathered} says which FSDP2 units stay gathered after "
+                                "forward: give --fsdp full (FSDP2, without --pp), or drop it")
 
     def _check_counts(self) -> None:
         """``target_len``, ``image_size`` and ``sub_group_size`` are None or positive integers;
@@ -679,6 +694,9 @@ def setup_warnings(t: TrainingSpec) -> list[str]:
     if t.fsdp_lora_units == "layer" and not t.fsdp_mixed_units:
         out.append("--fsdp-lora-units layer matters only with --fsdp, --fsdp-version 1 and --lora-rank (FSDP2 "
                    "shards per parameter and gives frozen weights no gradient): it changes nothing here")
+    if t.fsdp_gathered != "none" and (t.fsdp == "grad-op" or t.shard_group == 1):
+        out.append(f"--fsdp-gathered {t.fsdp_gathered} with --fsdp {t.fsdp} --dp {t.dp}: no unit is resharded after "
+                   "forward here anyway, so it changes nothing")
     if t.moe_imbalance > 1 and t.ep == 1:
         out.append(f"--moe-imbalance {t.moe_imbalance:g} without --ep: transformers' grouped_mm experts hold the "
                    "same b*s*top_k rows whatever the routing, so the imbalance changes nothing on one rank")
