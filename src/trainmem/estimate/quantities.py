@@ -203,6 +203,8 @@ class Quantities:
     tied_replicated: int = 0  # DTensor TP: the tied embedding's whole-vocabulary gradient at its backward
     emb_grad: int = 0      # an untied embedding's new gradient, added to the accumulated .grad (emb_accumulated)
     chunk_head_grads: int = 0  # chunked output loss: the head's per-chunk weight gradients being summed
+    # autocast, a trainable head: its weight gradient in the compute dtype (``head_weight_grad_half``)
+    head_wgrad_half: int = 0
     # ... and the bytes per logit element a final soft-cap's tanh saves (part of the derived head side),
     # freed chunk by chunk before that chunk's head backward (``softcap_saved``)
     softcap_saved: int = 0
@@ -1164,6 +1166,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         tied_compiled=compiled_tied[1] if t.compile else 0, tied_final=tied_head_grad(m, t) if t.compile else 0,
         emb_grad=emb_accumulated(m, t, stage), softcap_saved=softcap_saved(m, loss.out) if head_here else 0,
         chunk_head_grads=chunk_head_grads(m, t, pol) if head_here else 0, transients=trans,
+        head_wgrad_half=head_weight_grad_half(m, t, cast_head),
         fwd_temp=int(lc.fwd_const), fwd_temp_tok=lc.fwd_tok,
         head_temp=head_dq[0] if head_here else 0, head_read=head_dq[1] if head_here else 0,
         head_lora=3 if (head_here and head_dq[0] and _head_is_lora_target(m, t)) else 0,
@@ -1380,6 +1383,21 @@ def _communication(t: TrainingSpec, st: States) -> tuple[int, str]:
     if bucket:
         return bucket, "communication.deepspeed_ipg_bucket"
     return 0, ""
+
+
+def head_weight_grad_half(m: ModelSpec, t: TrainingSpec, cast_head: int) -> int:
+    """Bytes of the LM head's weight gradient as its matmul's backward makes it under autocast: the
+    ``mm`` of the logits' gradient and the head's input runs on autocast's half copy of the weight
+    (``cast_head``, one (vocab, hidden) tensor in bf16/fp16), so its output is in that dtype, and
+    autocast's ``ToCopyBackward0`` casts it to the fp32 weight's dtype afterwards (the head's gradient,
+    or a tied embedding's part in its input buffer); the half gradient is freed when the cast returns
+    (``torch/csrc/autograd/generated/Functions.cpp`` ``ToCopyBackward0::apply``). Used by the
+    allocator replay (``reserved.py``), where its block stands between the logits' gradients and the
+    fp32 one. 0 without autocast (the ``mm`` output is the gradient itself), for a frozen head (LoRA),
+    a chunked loss (one such gradient per chunk: ``chunk_head_grads``) and ``--compile``."""
+    if not cast_head or t.lora_rank or t.loss_chunks > 1 or t.compile:
+        return 0
+    return cast_head
 
 
 def head_casts(m: ModelSpec, t: TrainingSpec) -> int:

@@ -37,6 +37,7 @@ from typing import Any
 
 from ..allocator import CachingAllocator
 from ..allocator_rules import block_bytes
+from .layers import F32, HALF
 from .moments import StepFlags, Tokens, best_transient, label_tokens
 from .quantities import Quantities
 
@@ -238,13 +239,15 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
         R.frees(lb)
     if _root_resharded(q, f.fs) and q.fsdp_root_regather:         # ... the logits (a loss outside the model)
         f.root = f.fs.unshard(R, q.fsdp_root, st.root_tensors, backward=True)
-    head_full = R.alloc(st.head_grads_full)                       # FSDP: the head's unsharded gradients
-    tied = R.alloc(q.tied_grad)                                   # a tied head's gradient, until the embedding's
-    s.workspace(R, 1)                                             # after the head's first backward matmul
-    R.frees(dlogits + f.head)
+    head_full, tied = _head_backward(R, s, q, flags, f, dlogits)
     for i in reversed(range(q.layers)):
         _layer_backward(R, s, q, f.fs, parts, f.kept[i], i, n, nsq, recompute, flags.oib)
     emb_full = R.alloc(st.emb_grads_full)                         # FSDP: the embedding's unsharded gradient
+    if tied is not None and not _fsdp(q):                         # the embedding's own gradient, then
+        emb_out = R.alloc(q.tied_grad)                            # autograd's InputBuffer adds it to the
+        _make_grads(R, s, st.trainables, ("before",), flags.oib)  # head's out of place: the sum is .grad
+        R.frees([tied, emb_out])                                  # (``quantities.tied_head_grad``)
+        tied = None
     if tied is not None and _root_resharded(q, f.fs):             # FSDP2, a tied head: the embedding's own
         emb_out = R.alloc(q.tied_grad)                            # gradient, then autograd's InputBuffer adds
         acc = R.alloc(q.tied_grad)                                # it to the head's into a new tensor, the
@@ -261,6 +264,38 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
         s.held = f.out
     elif flags.hold == "backward":
         R.frees(f.out)
+
+
+def _fsdp(q: Quantities) -> bool:
+    """Whether FSDP wraps the model (its units gathered and reduce-scattered)."""
+    return q.fsdp_root > 0 or q.fsdp_layer_buf > 0
+
+
+def _head_backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, f: _Forward, dlogits: list) -> tuple:
+    """The head's matmuls' backward: the weight's gradient (under autocast first in the compute dtype,
+    ``quantities.head_weight_grad_half``, then cast to fp32 once the logits' gradient, the head's
+    input and its half copy are freed), the cuBLAS workspace of autograd's thread at its first
+    matmul. The gradient is a tied head's part, waiting in the embedding's input buffer
+    (``q.tied_grad``), FSDP's unsharded head gradients, or, outside FSDP, the ``.grad`` of an untied
+    head, made here with the final norm's (autograd's order: the head is back-propagated first).
+    Returns (FSDP's unsharded head gradients, the tied part)."""
+    st = q.detail.states
+    half = R.alloc(q.head_wgrad_half)                             # (vocab, hidden) in the compute dtype
+
+    def gradients() -> tuple:
+        head_full = R.alloc(st.head_grads_full)                   # FSDP: the head's unsharded gradients
+        tied = R.alloc(q.tied_grad)                               # a tied head's, until the embedding's
+        if not _fsdp(q):
+            _make_grads(R, s, st.trainables, ("after",), flags.oib)  # an untied head's, the final norm's
+        return head_full, tied
+
+    made = gradients() if half is None else None                  # the matmul's output is the gradient
+    s.workspace(R, 1)                                             # after the head's first backward matmul
+    R.frees(dlogits + f.head)
+    if half is not None:
+        made = gradients()                                        # ToCopyBackward0: the fp32 cast
+        R.free(half)
+    return made
 
 
 def _micro_batches(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int,
@@ -366,13 +401,82 @@ def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: _Parts, tk: Toke
     """One layer's forward: what it keeps for backward (a list of handles)."""
     params = fs.unshard(R, q.fsdp_layer_buf, q.detail.states.layer_tensors)  # FSDP: this layer gathered
     if recompute == "none":
-        kept = R.allocs(parts) + [R.alloc(q.cast_layer)]          # saved tensors + autocast weight copies
+        kept = _saved_and_casts(R, q, parts)                      # saved tensors + autocast weight copies
         R.frees(R.allocs(parts.forward_only))                     # what the forward makes and frees
     else:
         R.frees(R.allocs(parts))                                  # made and freed in the no-grad forward
-        kept = R.allocs(_kept_blocks(parts, tk.layer, recompute))  # what the checkpoint keeps
+        kept = _Kept(R.allocs(_kept_blocks(parts, tk.layer, recompute)))  # what the checkpoint keeps
     R.frees(params)                                               # resharded after forward
     return kept
+
+
+class _Kept(list):
+    """Handles of what one layer keeps for its backward; ``casts``: autocast's half copies of its
+    linears' weights, one handle per linear in forward order (``_linear_casts``), kept apart so that
+    each linear's backward frees its own."""
+
+    def __init__(self, handles: list, casts: list | None = None) -> None:
+        super().__init__(handles)
+        self.casts = casts or []
+
+
+def _linear_casts(q: Quantities) -> list[tuple[int, int, bool]] | None:
+    """Autocast's half copy of each linear's weight in one layer, in forward order: (saved tensors
+    before it, bytes, whether the weight trains). ``cached_cast`` casts an fp32 weight at its
+    linear's first call, after the linear's input is cast (``F.linear`` under autocast: ``at::linear``
+    is on the lower-precision list, its arguments cast in order), one tensor per weight, and the
+    matmul saves it for the input's gradient (``aten/src/ATen/autocast_mode.cpp`` ``cached_cast``;
+    ``derivatives.yaml`` ``mm``: ``mat2`` saved when ``self`` requires grad). From the layer's recipe
+    (``LayerCoefs.casts``); None without autocast copies, or where the recipe's linears are not the
+    tensors autocast copies (a derived architecture has no recipe: its copies are one block)."""
+    lc = q.detail.layer
+    if not q.cast_layer or not lc.casts:
+        return None
+    casts = [(pos, round(w) * HALF, trains) for pos, w, trains in lc.casts]
+    return casts if sum(b for _p, b, _t in casts) == q.cast_layer else None
+
+
+def _saved_and_casts(R: _Replay, q: Quantities, parts: list[int]) -> _Kept:
+    """One layer's forward without recomputation: the tensors it saves, in order, with autocast's
+    weight copies made between them at their linears (``_linear_casts``; else one block after them)."""
+    casts = _linear_casts(q)
+    if casts is None:
+        return _Kept(R.allocs(parts) + [R.alloc(q.cast_layer)])
+    handles: list = []
+    copies: list = []
+    done = 0
+    for pos, nbytes, _trains in casts:
+        handles += R.allocs(parts[done:pos])                      # saved before this linear's weight cast
+        done = max(done, pos)
+        copies.append(R.alloc(nbytes))                            # (out, in) in bf16/fp16
+    return _Kept(handles + R.allocs(parts[done:]), copies)
+
+
+def _linears_backward(R: _Replay, s: _Step, q: Quantities, kept: _Kept, where: tuple[str, ...], oib: bool) -> set:
+    """Under autocast, each linear's weight gradient, last linear first, as autograd makes it: ``mm``
+    gives it in the compute dtype (the shape of the half copy), the copy is freed (its last reader),
+    then autocast's ``ToCopyBackward0`` casts the gradient to the fp32 weight's dtype, which
+    ``AccumulateGrad`` keeps as ``.grad``, and the half one is freed (``torch/csrc/autograd/generated/
+    Functions.cpp`` ``ToCopyBackward0::apply``; trace shows this order for every linear). The fp32
+    gradient is the layer's trainable tensor of that size (``States.trainables`` lists tensors, not
+    linears). Returns the trainable indices whose gradient was made (the layer's others, its norms,
+    follow in ``_layer_backward``)."""
+    st = q.detail.states
+    casts = _linear_casts(q) or []
+    pending = list(_placed(st.trainables, where))
+    made: set = set()
+    for (_pos, nbytes, trains), copy in reversed(list(zip(casts, kept.casts))):
+        half = R.alloc(nbytes) if trains else None                # the weight's gradient, compute dtype
+        R.free(copy)
+        want = block_bytes(nbytes // HALF * F32)                  # ... cast to fp32: the weight's .grad
+        j = next((j for j in pending if trains and st.trainables[j][2] == want), None)
+        if j is not None:
+            pending.remove(j)
+            made.add(j)
+            _grad_of(R, s, st.trainables, j, oib)
+        R.free(half)
+    kept.casts = []
+    return made
 
 
 def _kept_blocks(parts: list[int], kept: int, recompute: str) -> list[int]:
@@ -398,10 +502,12 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
     elif st.layer_grads_full:                                     # FSDP: unsharded gradients, reduce-scattered
         full = R.allocs(st.layer_tensors) if fs.v2 and st.layer_tensors else [R.alloc(st.layer_grads_full)]
         fs.reduce(R, full, q.fsdp_rs_buf or st.layer_grads_full)
-    _make_grads(R, s, st.trainables, ("layer", f"layer{i}"), oib, fs.grad_stream)
+    where = ("layer", f"layer{i}")
+    made = _linears_backward(R, s, q, kept, where, oib) if (kept.casts and not _fsdp(q)) else set()
+    _make_grads(R, s, st.trainables, where, oib, fs.grad_stream, made)
     R.frees([tr] + params)
     R.frees(redo)
-    R.frees(kept)
+    R.frees(kept + kept.casts)
 
 
 def _fsdp1_reduce(R: _Replay, q: Quantities, st: Any, params: list) -> list:
@@ -422,27 +528,51 @@ def _fsdp1_reduce(R: _Replay, q: Quantities, st: Any, params: list) -> list:
 
 
 def _make_grads(R: _Replay, s: _Step, trainables: tuple, where: tuple[str, ...], oib: bool = False,
-                stream: int = 0) -> None:
+                stream: int = 0, made: set | frozenset = frozenset()) -> None:
     """Allocate the gradients that do not exist yet of the trainable tensors placed at one of
-    ``where`` (one copy of a per-layer tensor per call: the layer being back-propagated), on
-    ``stream`` (FSDP's sharded gradients: its reduce-scatter stream). ``oib``: the optimizer steps
-    inside backward and a hook frees each gradient at once (``optim/in_backward.py``)."""
+    ``where`` (one copy of a per-layer tensor per call: the layer being back-propagated; ``made``:
+    those whose copy this layer made already), on ``stream`` (FSDP's sharded gradients: its
+    reduce-scatter stream)."""
     for j in _placed(trainables, where):
-        _w, k, g, _sts, _m = trainables[j]
-        copy = s.made.get(j, 0) if _w == "layer" else 0
-        if copy >= k or (j, copy) in s.grads:
-            continue
-        s.made[j] = copy + 1
-        s.grads[(j, copy)] = R.alloc(g, stream)
-        if oib:
-            R.free(s.grads[(j, copy)])
-            s.grads[(j, copy)] = None
+        if j not in made:
+            _grad_of(R, s, trainables, j, oib, stream)
+
+
+def _grad_of(R: _Replay, s: _Step, trainables: tuple, j: int, oib: bool = False, stream: int = 0) -> None:
+    """The gradient of trainable tensor ``j`` (its next copy, for a per-layer tensor), unless it
+    exists. ``oib``: the optimizer steps inside backward and a hook frees it at once
+    (``optim/in_backward.py``)."""
+    _w, k, g, _sts, _m = trainables[j]
+    copy = s.made.get(j, 0) if _w == "layer" else 0
+    if copy >= k or (j, copy) in s.grads:
+        return
+    s.made[j] = copy + 1
+    s.grads[(j, copy)] = R.alloc(g, stream)
+    if oib:
+        R.free(s.grads[(j, copy)])
+        s.grads[(j, copy)] = None
 
 
 @lru_cache(maxsize=256)
 def _placed(trainables: tuple, where: tuple[str, ...]) -> tuple[int, ...]:
     """Indices of the trainable tensors placed at one of ``where``."""
     return tuple(j for j, item in enumerate(trainables) if item[0] in where)
+
+
+@lru_cache(maxsize=256)
+def _parameter_order(trainables: tuple) -> tuple[int, ...]:
+    """The trainable tensors in the order ``model.parameters()`` yields them, one index per tensor
+    (a per-layer item once per layer): those registered before the layers, then each layer's own
+    (the items of every layer, then that layer's only ones, such as its LoRA adapters), then those
+    after. ``torch.optim``'s ``_init_group`` creates the states in this order and a foreach step
+    makes its temporaries in it (``torch/optim/adam.py`` ``_init_group``, ``_multi_tensor_adam``)."""
+    layers = max((k for w, k, *_r in trainables if w == "layer"), default=0)
+    layers = max([layers] + [int(w[5:]) + 1 for w, *_r in trainables if w.startswith("layer") and w != "layer"])
+    out = [j for j, item in enumerate(trainables) if item[0] == "before"]
+    for i in range(layers):
+        out += [j for j, (w, k, *_r) in enumerate(trainables) if w == "layer" and i < k]
+        out += [j for j, item in enumerate(trainables) if item[0] == f"layer{i}"]
+    return tuple(out + [j for j, item in enumerate(trainables) if item[0] == "after"])
 
 
 def _scaled(sizes: list[int], total: int) -> list[int]:
@@ -459,9 +589,10 @@ def _optimizer_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, step:
     state-sized temporary per tensor of the group, all alive at once (``quantities.step_temporaries``);
     ``q.step_temp`` sets their total (the group's, or the largest tensor's ``temp_copies``)."""
     st = q.detail.states
+    order = [st.trainables[j] for j in _parameter_order(st.trainables)]
     if step == 1 and st.optimizer:                               # lazily, unless offloaded to the host
-        s.states = [R.alloc(x) for (_w, k, _g, sts, _m) in st.trainables for _ in range(k) for x in sts]
-    sizes = [(sts[0] if sts else g) for (_w, k, g, sts, _m) in st.trainables for _ in range(k)]
+        s.states = [R.alloc(x) for (_w, _k, _g, sts, _m) in order for x in sts]
+    sizes = [(sts[0] if sts else g) for (_w, _k, g, sts, _m) in order]
     if q.ds_step_fp32:                                           # DeepSpeed: one flat fp32 partition per group
         flat, fp32 = R.alloc(q.ds_step_flat), R.alloc(q.ds_step_fp32)   # the cast: flat copy, then fp32
         R.free(flat)
