@@ -420,20 +420,20 @@ class _Kept(list):
         self.casts = casts or []
 
 
-def _linear_casts(q: Quantities) -> list[tuple[int, int, bool]] | None:
-    """Autocast's half copy of each linear's weight in one layer, in forward order: (saved tensors
-    before it, bytes, whether the weight trains). ``cached_cast`` casts an fp32 weight at its
-    linear's first call, after the linear's input is cast (``F.linear`` under autocast: ``at::linear``
-    is on the lower-precision list, its arguments cast in order), one tensor per weight, and the
-    matmul saves it for the input's gradient (``aten/src/ATen/autocast_mode.cpp`` ``cached_cast``;
-    ``derivatives.yaml`` ``mm``: ``mat2`` saved when ``self`` requires grad). From the layer's recipe
-    (``LayerCoefs.casts``); None without autocast copies, or where the recipe's linears are not the
-    tensors autocast copies (a derived architecture has no recipe: its copies are one block)."""
-    lc = q.detail.layer
-    if not q.cast_layer or not lc.casts:
+def _linear_casts(q: Quantities) -> list[int] | None:
+    """Bytes of autocast's half copy of each linear's weight in one layer, in forward order.
+    ``cached_cast`` casts an fp32 weight at its linear's first call, after the linear's input is cast
+    (``F.linear`` under autocast: ``at::linear`` is on the lower-precision list, its arguments cast
+    in order), one tensor per weight, and the matmul saves it for the input's gradient
+    (``aten/src/ATen/autocast_mode.cpp`` ``cached_cast``; ``derivatives.yaml`` ``mm``: ``mat2`` saved
+    when ``self`` requires grad). From the layer's recipe (``LayerCoefs.linears``); None without
+    autocast copies, or where the recipe's linears are not the tensors autocast copies (a derived
+    architecture has no recipe: its copies are one block)."""
+    linears = q.detail.layer.linears
+    if not q.cast_layer or not linears:
         return None
-    casts = [(pos, round(w) * HALF, trains) for pos, w, trains in lc.casts]
-    return casts if sum(b for _p, b, _t in casts) == q.cast_layer else None
+    casts = [round(w) * HALF for _pos, w, _g in linears]
+    return casts if sum(casts) == q.cast_layer else None
 
 
 def _saved_and_casts(R: _Replay, q: Quantities, parts: list[int]) -> _Kept:
@@ -445,31 +445,41 @@ def _saved_and_casts(R: _Replay, q: Quantities, parts: list[int]) -> _Kept:
     handles: list = []
     copies: list = []
     done = 0
-    for pos, nbytes, _trains in casts:
+    for (pos, _w, _g), nbytes in zip(q.detail.layer.linears, casts):
         handles += R.allocs(parts[done:pos])                      # saved before this linear's weight cast
         done = max(done, pos)
         copies.append(R.alloc(nbytes))                            # (out, in) in bf16/fp16
     return _Kept(handles + R.allocs(parts[done:]), copies)
 
 
+def _per_linear(q: Quantities, kept: _Kept, recompute: str) -> bool:
+    """Whether a layer's backward is replayed linear by linear (``_linears_backward``): without
+    recomputation and FSDP, where the recipe lists the layer's linears and, under autocast, their
+    weight copies are the replay's blocks."""
+    lin = q.detail.layer.linears
+    return bool(lin) and recompute == "none" and not _fsdp(q) and (bool(kept.casts) or not q.cast_layer)
+
+
 def _linears_backward(R: _Replay, s: _Step, q: Quantities, kept: _Kept, where: tuple[str, ...], oib: bool) -> set:
-    """Under autocast, each linear's weight gradient, last linear first, as autograd makes it: ``mm``
+    """Each linear's weight gradient, last linear first, as autograd makes it. Without autocast the
+    ``mm`` output is the gradient, which ``AccumulateGrad`` keeps as ``.grad``. Under autocast ``mm``
     gives it in the compute dtype (the shape of the half copy), the copy is freed (its last reader),
-    then autocast's ``ToCopyBackward0`` casts the gradient to the fp32 weight's dtype, which
-    ``AccumulateGrad`` keeps as ``.grad``, and the half one is freed (``torch/csrc/autograd/generated/
-    Functions.cpp`` ``ToCopyBackward0::apply``; trace shows this order for every linear). The fp32
-    gradient is the layer's trainable tensor of that size (``States.trainables`` lists tensors, not
-    linears). Returns the trainable indices whose gradient was made (the layer's others, its norms,
-    follow in ``_layer_backward``)."""
+    then autocast's ``ToCopyBackward0`` casts the gradient to the fp32 weight's dtype (the ``.grad``)
+    and the half one is freed (``torch/csrc/autograd/generated/Functions.cpp``
+    ``ToCopyBackward0::apply``; trace shows this order for every linear). The gradient is the layer's
+    trainable tensor of that size (``States.trainables`` lists tensors, not linears; a sharded one
+    matches none and is made with the layer's others). Returns the trainable indices whose gradient
+    was made (the layer's others, its norms, follow in ``_layer_backward``)."""
     st = q.detail.states
-    casts = _linear_casts(q) or []
+    linears = q.detail.layer.linears
+    copies = kept.casts or [None] * len(linears)
     pending = list(_placed(st.trainables, where))
     made: set = set()
-    for (_pos, nbytes, trains), copy in reversed(list(zip(casts, kept.casts))):
-        half = R.alloc(nbytes) if trains else None                # the weight's gradient, compute dtype
+    for (_pos, w, gbytes), copy in reversed(list(zip(linears, copies))):
+        half = R.alloc(round(w) * HALF) if (copy is not None and gbytes) else None  # mm's, compute dtype
         R.free(copy)
-        want = block_bytes(nbytes // HALF * F32)                  # ... cast to fp32: the weight's .grad
-        j = next((j for j in pending if trains and st.trainables[j][2] == want), None)
+        want = block_bytes(round(w) * gbytes)                     # the weight's .grad, its dtype
+        j = next((j for j in pending if gbytes and st.trainables[j][2] == want), None)
         if j is not None:
             pending.remove(j)
             made.add(j)
@@ -495,19 +505,35 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
     st = q.detail.states
     params = fs.unshard(R, q.fsdp_layer_buf, st.layer_tensors, backward=True)  # FSDP: gathered again
     redo = R.allocs(parts) if recompute != "none" else []         # the checkpointed forward again
-    _idx, value, grads = best_transient(q.transients, n, nsq)
-    tr = R.alloc(max(0, value - grads))                           # grad_out, grad_in of the worst op
+    per_linear = _per_linear(q, kept, recompute)                  # the weights' gradients linear by linear
+    tr = R.alloc(_activation_transient(q, n, nsq) if per_linear else _transient(q, n, nsq))
     if st.layer_grads_full and not fs.v2 and q.fsdp1_post:        # FSDP1: the flat gradient, then its hook
         params = _fsdp1_reduce(R, q, st, params)
     elif st.layer_grads_full:                                     # FSDP: unsharded gradients, reduce-scattered
         full = R.allocs(st.layer_tensors) if fs.v2 and st.layer_tensors else [R.alloc(st.layer_grads_full)]
         fs.reduce(R, full, q.fsdp_rs_buf or st.layer_grads_full)
     where = ("layer", f"layer{i}")
-    made = _linears_backward(R, s, q, kept, where, oib) if (kept.casts and not _fsdp(q)) else set()
+    made = _linears_backward(R, s, q, kept, where, oib) if per_linear else set()
     _make_grads(R, s, st.trainables, where, oib, fs.grad_stream, made)
     R.frees([tr] + params)
     R.frees(redo)
     R.frees(kept + kept.casts)
+
+
+def _transient(q: Quantities, n: int, nsq: int) -> int:
+    """Bytes of a layer's worst backward moment above its saved tensors, less the gradients of its
+    later linears (made by then, replayed as gradients): one block."""
+    _idx, value, grads = best_transient(q.transients, n, nsq)
+    return max(0, value - grads)
+
+
+def _activation_transient(q: Quantities, n: int, nsq: int) -> int:
+    """``_transient`` without its constant bytes, where the replay makes each linear's weight
+    gradients and frees its weight copy itself (``_linears_backward``): the constant of an op's
+    transient is its own weight's gradients less the copies of the linears after it
+    (``quantities._layer_transients``); what is left, per token and per token x key, is the
+    gradients of the activations in flight, one block."""
+    return max([0] + [int(a * n + b * nsq) for a, b, *_rest in q.transients])
 
 
 def _fsdp1_reduce(R: _Replay, q: Quantities, st: Any, params: list) -> list:
