@@ -13,14 +13,18 @@ runs it through the same simulator as ``trace`` (``trainmem.allocator.CachingAll
 * load: each weight and buffer in load order (``States.load``), an fp32 master copy per trainable
   tensor where one is kept;
 * each micro-batch: the input batch; forward: the embeddings' saved tensors, per layer FSDP's gathered
-  parameters, the tensors autograd saves (``LayerCoefs.tensors``, one block each) or, under
-  recomputation, the kept input with the layer's tensors made and freed again; the head's input, the
-  logits, the loss's transient and saved tensors; backward: the loss gradients, the head's gradients,
-  per layer (last first) the recomputed tensors, the largest backward transient, the gradients of the
-  layer's tensors, FSDP's unsharded gradients; the embeddings' gradients;
-* the optimizer step: the states of every trainable tensor at the first step (``torch.optim``'s lazy
-  ``_init_group``), then the step's temporaries as per-tensor blocks; ``zero_grad(set_to_none=True)``
-  frees the gradients.
+  parameters, the tensors autograd saves (``LayerCoefs.tensors``, one block each) with autocast's
+  half copy of each linear's weight made between them where its linear runs (``LayerCoefs.linears``)
+  or, under recomputation, the kept input with the layer's tensors made and freed again; the head's
+  input and half copy, the logits, the loss's transient and saved tensors; backward: the loss
+  gradients, the head's weight gradient (under autocast its half form first), a tied head's part,
+  the untied head's and final norm's gradients, per layer (last first) the recomputed tensors, the
+  largest backward transient, each linear's weight gradient as its backward makes it (under
+  autocast: half gradient, copy freed, fp32 ``.grad``), the layer's other gradients, FSDP's
+  unsharded gradients; the embeddings' gradients (a tied one: its own part and the sum);
+* the optimizer step: the states of every trainable tensor at the first step, in parameter order
+  (``torch.optim``'s lazy ``_init_group``), then the step's temporaries as per-tensor blocks;
+  ``zero_grad(set_to_none=True)`` frees the gradients.
 
 Two steps are replayed with up to two micro-batches each, as the moments are (``moments.py``). The
 result is the reserved-minus-allocated gap at the end, added to the estimate's own allocated peak:
@@ -233,9 +237,10 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     if q.logits_cast and f.chunks > 1:
         dlogits = _cast_chunks_backward(R, q, f)
     else:
-        lb = R.allocs(_logit_tensors(tk.loss_backward, q.loss_backward, f.full, f.chunks))  # logits' gradients
+        sizes = _logit_tensors(tk.loss_backward, q.loss_backward, f.full, f.chunks)
+        lb = R.allocs(sizes)                                      # the loss's backward tensors
         R.frees(f.saved)
-        dlogits = R.allocs(_logit_tensors(tk.logits_grad, q.logits_out, f.full, f.chunks))  # in the head's dtype
+        dlogits = _logits_gradient(R, q, tk, f, lb, sizes)        # in the head's dtype
         R.frees(lb)
     if _root_resharded(q, f.fs) and q.fsdp_root_regather:         # ... the logits (a loss outside the model)
         f.root = f.fs.unshard(R, q.fsdp_root, st.root_tensors, backward=True)
@@ -264,6 +269,19 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
         s.held = f.out
     elif flags.hold == "backward":
         R.frees(f.out)
+
+
+def _logits_gradient(R: _Replay, q: Quantities, tk: Tokens, f: _Forward, lb: list, sizes: list[int]) -> list:
+    """The logits' gradient that the head's backward reads. After the loss's fp32 upcast it is
+    ``ToCopyBackward0``'s copy in the head's dtype, a new tensor. Where the loss made no copy
+    (``q.loss_forward`` 0: fp32 logits, whose ``logits.float()`` returns the tensor itself) the
+    loss's last backward tensor, ``_log_softmax_backward_data``'s, is that gradient: it is taken out
+    of ``lb`` (the loss's backward tensors of ``sizes`` bytes, freed by the caller) and kept."""
+    size = f.full * q.logits_out                                  # one logits-sized tensor, head's dtype
+    if q.loss_forward == 0 and f.chunks == 1 and not q.logits_cast and size in sizes:
+        k = len(sizes) - 1 - sizes[::-1].index(size)
+        return [lb.pop(k)]
+    return R.allocs(_logit_tensors(tk.logits_grad, q.logits_out, f.full, f.chunks))
 
 
 def _fsdp(q: Quantities) -> bool:
@@ -427,10 +445,11 @@ def _linear_casts(q: Quantities) -> list[int] | None:
     in order), one tensor per weight, and the matmul saves it for the input's gradient
     (``aten/src/ATen/autocast_mode.cpp`` ``cached_cast``; ``derivatives.yaml`` ``mm``: ``mat2`` saved
     when ``self`` requires grad). From the layer's recipe (``LayerCoefs.linears``); None without
-    autocast copies, or where the recipe's linears are not the tensors autocast copies (a derived
-    architecture has no recipe: its copies are one block)."""
+    autocast copies, where the replay keeps one block for them (``quantities.per_linear_replay``),
+    or where the recipe's linears are not the tensors autocast copies (a derived architecture has
+    no recipe: its copies are one block)."""
     linears = q.detail.layer.linears
-    if not q.cast_layer or not linears:
+    if not q.cast_layer or not linears or not q.linear_replay:
         return None
     casts = [round(w) * HALF for _pos, w, _g in linears]
     return casts if sum(casts) == q.cast_layer else None
@@ -454,10 +473,10 @@ def _saved_and_casts(R: _Replay, q: Quantities, parts: list[int]) -> _Kept:
 
 def _per_linear(q: Quantities, kept: _Kept, recompute: str) -> bool:
     """Whether a layer's backward is replayed linear by linear (``_linears_backward``): without
-    recomputation and FSDP, where the recipe lists the layer's linears and, under autocast, their
-    weight copies are the replay's blocks."""
+    recomputation, where ``quantities.per_linear_replay`` allows it, the recipe lists the layer's
+    linears and, under autocast, their weight copies are the replay's blocks."""
     lin = q.detail.layer.linears
-    return bool(lin) and recompute == "none" and not _fsdp(q) and (bool(kept.casts) or not q.cast_layer)
+    return bool(lin) and recompute == "none" and bool(q.linear_replay) and (bool(kept.casts) or not q.cast_layer)
 
 
 def _linears_backward(R: _Replay, s: _Step, q: Quantities, kept: _Kept, where: tuple[str, ...], oib: bool) -> set:
