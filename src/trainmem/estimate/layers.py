@@ -77,6 +77,9 @@ class Recipe:
     # tensors a layer makes in forward that may be freed there: frozen linears' inputs (when nothing
     # saves them) and RMSNorm's fp32 intermediates (``LayerCoefs.fwd_free``, the replay's free blocks)
     forward_only: dict = field(default_factory=dict)
+    # each linear in forward order: (saved tensors before its weight is cast under autocast, weight
+    # elements, bytes per element of its weight's gradient, 0 for a frozen one) (``LayerCoefs.linears``)
+    linears: list = field(default_factory=list)
 
     def save(self, *ts: T) -> None:
         for t in ts:
@@ -208,6 +211,7 @@ class Builder:
             self.r.mm_outs.append(y)
         in_features = xin.tok if in_features is None else in_features
         w = in_features * out
+        self.r.linears.append((len(self.r.saved), w, self.p.weight))  # (under autocast, cast after its input)
         # backward: grad_out, grad_in and the weight gradient alive together
         self.r.transient(f"{name}.backward", T(out, 0, self.p.half), T(xin.tok, 0, self.p.half),
                          const=w * self.wgrad_bytes, own_weights=w)
@@ -239,6 +243,8 @@ class Builder:
         ``lora_A`` saves that input (under autocast its half cast), ``lora_B`` the rank-r result."""
         rank = self.lora_rank_of(name)
         self.r.forward_only[id(x)] = x
+        if not self.quant[0]:  # (a 4-bit weight is dequantized instead: ``dequantized``)
+            self.r.linears.append((len(self.r.saved), (x.tok if in_features is None else in_features) * out, 0))
         # the first layer (Recipe.first_layer_unsaved): is this linear's input the grad-free one?
         free_in = not self.r.adapter_seen or x is self.r.free_input
         if free_in:
@@ -772,6 +778,10 @@ class LayerCoefs:
     # per transient: of ``after``, the grouped experts' weight elements (no autocast copies to free)
     after_uncast: tuple[float, ...] = ()
     first_adapter_op: int = -1  # LoRA: the transient of the first adapted linear (forward order); -1 none
+    # each linear of the layer in forward order: (how many of ``tensors`` are saved before autocast
+    # casts its weight, the weight's elements, bytes per element of its gradient (the weight's dtype;
+    # 0: frozen)), for the allocator replay (reserved.py)
+    linears: tuple[tuple[int, float, int], ...] = ()
 
     def bytes(self, n: int, nsq: int) -> int:
         return int(self.tok * n + self.sq * nsq)
@@ -832,7 +842,7 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
                       fwd_free=tuple(t.bytes_coef() for i, t in B.r.forward_only.items()
                                      if i not in B.r.saved and t is not x),
                       after_uncast=after_uncast if any(after_uncast) else (),
-                      first_adapter_op=B.r.first_adapter_op,
+                      first_adapter_op=B.r.first_adapter_op, linears=tuple(B.r.linears),
                       op_tensors=tuple(t.bytes_coef() for t in op_checkpoint_kept(B.r)))
 
 

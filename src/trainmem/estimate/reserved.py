@@ -13,14 +13,18 @@ runs it through the same simulator as ``trace`` (``trainmem.allocator.CachingAll
 * load: each weight and buffer in load order (``States.load``), an fp32 master copy per trainable
   tensor where one is kept;
 * each micro-batch: the input batch; forward: the embeddings' saved tensors, per layer FSDP's gathered
-  parameters, the tensors autograd saves (``LayerCoefs.tensors``, one block each) or, under
-  recomputation, the kept input with the layer's tensors made and freed again; the head's input, the
-  logits, the loss's transient and saved tensors; backward: the loss gradients, the head's gradients,
-  per layer (last first) the recomputed tensors, the largest backward transient, the gradients of the
-  layer's tensors, FSDP's unsharded gradients; the embeddings' gradients;
-* the optimizer step: the states of every trainable tensor at the first step (``torch.optim``'s lazy
-  ``_init_group``), then the step's temporaries as per-tensor blocks; ``zero_grad(set_to_none=True)``
-  frees the gradients.
+  parameters, the tensors autograd saves (``LayerCoefs.tensors``, one block each) with autocast's
+  half copy of each linear's weight made between them where its linear runs (``LayerCoefs.linears``)
+  or, under recomputation, the kept input with the layer's tensors made and freed again; the head's
+  input and half copy, the logits, the loss's transient and saved tensors; backward: the loss
+  gradients, the head's weight gradient (under autocast its half form first), a tied head's part,
+  the untied head's and final norm's gradients, per layer (last first) the recomputed tensors, the
+  largest backward transient, each linear's weight gradient as its backward makes it (under
+  autocast: half gradient, copy freed, fp32 ``.grad``), the layer's other gradients, FSDP's
+  unsharded gradients; the embeddings' gradients (a tied one: its own part and the sum);
+* the optimizer step: the states of every trainable tensor at the first step, in parameter order
+  (``torch.optim``'s lazy ``_init_group``), then the step's temporaries as per-tensor blocks;
+  ``zero_grad(set_to_none=True)`` frees the gradients.
 
 Two steps are replayed with up to two micro-batches each, as the moments are (``moments.py``). The
 result is the reserved-minus-allocated gap at the end, added to the estimate's own allocated peak:
@@ -37,6 +41,7 @@ from typing import Any
 
 from ..allocator import CachingAllocator
 from ..allocator_rules import block_bytes
+from .layers import F32, HALF
 from .moments import StepFlags, Tokens, best_transient, label_tokens
 from .quantities import Quantities
 
@@ -235,19 +240,22 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     if q.logits_cast and f.chunks > 1:
         dlogits = _cast_chunks_backward(R, q, f)
     else:
-        lb = R.allocs(_logit_tensors(tk.loss_backward, q.loss_backward, f.full, f.chunks))  # logits' gradients
+        sizes = _logit_tensors(tk.loss_backward, q.loss_backward, f.full, f.chunks)
+        lb = R.allocs(sizes)                                      # the loss's backward tensors
         R.frees(f.saved)
-        dlogits = R.allocs(_logit_tensors(tk.logits_grad, q.logits_out, f.full, f.chunks))  # in the head's dtype
+        dlogits = _logits_gradient(R, q, tk, f, lb, sizes)        # in the head's dtype
         R.frees(lb)
     if _root_resharded(q, f.fs) and q.fsdp_root_regather:         # ... the logits (a loss outside the model)
         f.root = f.fs.unshard(R, q.fsdp_root, st.root_tensors, backward=True)
-    head_full = R.alloc(st.head_grads_full)                       # FSDP: the head's unsharded gradients
-    tied = R.alloc(q.tied_grad)                                   # a tied head's gradient, until the embedding's
-    s.workspace(R, 1)                                             # after the head's first backward matmul
-    R.frees(dlogits + f.head)
+    head_full, tied = _head_backward(R, s, q, flags, f, dlogits)
     for i in reversed(range(q.layers)):
         _layer_backward(R, s, q, f.fs, parts, f.kept[i], i, n, nsq, recompute, flags.oib)
     emb_full = R.alloc(st.emb_grads_full)                         # FSDP: the embedding's unsharded gradient
+    if tied is not None and not _fsdp(q):                         # the embedding's own gradient, then
+        emb_out = R.alloc(q.tied_grad)                            # autograd's InputBuffer adds it to the
+        _make_grads(R, s, st.trainables, ("before",), flags.oib)  # head's out of place: the sum is .grad
+        R.frees([tied, emb_out])                                  # (``quantities.tied_head_grad``)
+        tied = None
     if tied is not None and _root_resharded(q, f.fs):             # FSDP2, a tied head: the embedding's own
         emb_out = R.alloc(q.tied_grad)                            # gradient, then autograd's InputBuffer adds
         acc = R.alloc(q.tied_grad)                                # it to the head's into a new tensor, the
@@ -264,6 +272,51 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
         s.held = f.out
     elif flags.hold == "backward":
         R.frees(f.out)
+
+
+def _logits_gradient(R: _Replay, q: Quantities, tk: Tokens, f: _Forward, lb: list, sizes: list[int]) -> list:
+    """The logits' gradient that the head's backward reads. After the loss's fp32 upcast it is
+    ``ToCopyBackward0``'s copy in the head's dtype, a new tensor. Where the loss made no copy
+    (``q.loss_forward`` 0: fp32 logits, whose ``logits.float()`` returns the tensor itself) the
+    loss's last backward tensor, ``_log_softmax_backward_data``'s, is that gradient: it is taken out
+    of ``lb`` (the loss's backward tensors of ``sizes`` bytes, freed by the caller) and kept."""
+    size = f.full * q.logits_out                                  # one logits-sized tensor, head's dtype
+    if q.loss_forward == 0 and f.chunks == 1 and not q.logits_cast and size in sizes:
+        k = len(sizes) - 1 - sizes[::-1].index(size)
+        return [lb.pop(k)]
+    return R.allocs(_logit_tensors(tk.logits_grad, q.logits_out, f.full, f.chunks))
+
+
+def _fsdp(q: Quantities) -> bool:
+    """Whether FSDP wraps the model (its units gathered and reduce-scattered)."""
+    return q.fsdp_root > 0 or q.fsdp_layer_buf > 0
+
+
+def _head_backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, f: _Forward, dlogits: list) -> tuple:
+    """The head's matmuls' backward: the weight's gradient (under autocast first in the compute dtype,
+    ``quantities.head_weight_grad_half``, then cast to fp32 once the logits' gradient, the head's
+    input and its half copy are freed), the cuBLAS workspace of autograd's thread at its first
+    matmul. The gradient is a tied head's part, waiting in the embedding's input buffer
+    (``q.tied_grad``), FSDP's unsharded head gradients, or, outside FSDP, the ``.grad`` of an untied
+    head, made here with the final norm's (autograd's order: the head is back-propagated first).
+    Returns (FSDP's unsharded head gradients, the tied part)."""
+    st = q.detail.states
+    half = R.alloc(q.head_wgrad_half)                             # (vocab, hidden) in the compute dtype
+
+    def gradients() -> tuple:
+        head_full = R.alloc(st.head_grads_full)                   # FSDP: the head's unsharded gradients
+        tied = R.alloc(q.tied_grad)                               # a tied head's, until the embedding's
+        if not _fsdp(q):
+            _make_grads(R, s, st.trainables, ("after",), flags.oib)  # an untied head's, the final norm's
+        return head_full, tied
+
+    made = gradients() if half is None else None                  # the matmul's output is the gradient
+    s.workspace(R, 1)                                             # after the head's first backward matmul
+    R.frees(dlogits + f.head)
+    if half is not None:
+        made = gradients()                                        # ToCopyBackward0: the fp32 cast
+        R.free(half)
+    return made
 
 
 def _micro_batches(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int,
@@ -372,16 +425,105 @@ def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: _Parts, tk: Toke
     parameters stay until its backward (``quantities.fsdp2_last_gathered``)."""
     params = fs.unshard(R, q.fsdp_layer_buf, q.detail.states.layer_tensors)  # FSDP: this layer gathered
     if recompute == "none":
-        kept = R.allocs(parts) + [R.alloc(q.cast_layer)]          # saved tensors + autocast weight copies
+        kept = _saved_and_casts(R, q, parts)                      # saved tensors + autocast weight copies
         R.frees(R.allocs(parts.forward_only))                     # what the forward makes and frees
     else:
         R.frees(R.allocs(parts))                                  # made and freed in the no-grad forward
-        kept = R.allocs(_kept_blocks(parts, tk.layer, recompute))  # what the checkpoint keeps
+        kept = _Kept(R.allocs(_kept_blocks(parts, tk.layer, recompute)))  # what the checkpoint keeps
     if keep:
         fs.last = params                                          # not resharded after forward
     else:
         R.frees(params)                                           # resharded after forward
     return kept
+
+
+class _Kept(list):
+    """Handles of what one layer keeps for its backward; ``casts``: autocast's half copies of its
+    linears' weights, one handle per linear in forward order (``_linear_casts``), kept apart so that
+    each linear's backward frees its own."""
+
+    def __init__(self, handles: list, casts: list | None = None) -> None:
+        super().__init__(handles)
+        self.casts = casts or []
+
+
+def _linear_casts(q: Quantities) -> list[int] | None:
+    """Bytes of autocast's half copy of each linear's weight in one layer, in forward order.
+    ``cached_cast`` casts an fp32 weight at its linear's first call, after the linear's input is cast
+    (``F.linear`` under autocast: ``at::linear`` is on the lower-precision list, its arguments cast
+    in order), one tensor per weight, and the matmul saves it for the input's gradient
+    (``aten/src/ATen/autocast_mode.cpp`` ``cached_cast``; ``derivatives.yaml`` ``mm``: ``mat2`` saved
+    when ``self`` requires grad). From the layer's recipe (``LayerCoefs.linears``); None without
+    autocast copies, where the replay keeps one block for them (``_linear_replay``), or where the
+    recipe's linears are not the tensors autocast copies (a derived architecture has no recipe: its
+    copies are one block)."""
+    if not q.cast_layer or not _linear_replay(q):
+        return None
+    casts = [round(w) * HALF for _pos, w, _g in q.detail.layer.linears]
+    return casts if sum(casts) == q.cast_layer else None
+
+
+def _saved_and_casts(R: _Replay, q: Quantities, parts: list[int]) -> _Kept:
+    """One layer's forward without recomputation: the tensors it saves, in order, with autocast's
+    weight copies made between them at their linears (``_linear_casts``; else one block after them)."""
+    casts = _linear_casts(q)
+    if casts is None:
+        return _Kept(R.allocs(parts) + [R.alloc(q.cast_layer)])
+    handles: list = []
+    copies: list = []
+    done = 0
+    for (pos, _w, _g), nbytes in zip(q.detail.layer.linears, casts):
+        handles += R.allocs(parts[done:pos])                      # saved before this linear's weight cast
+        done = max(done, pos)
+        copies.append(R.alloc(nbytes))                            # (out, in) in bf16/fp16
+    return _Kept(handles + R.allocs(parts[done:]), copies)
+
+
+def _per_linear(q: Quantities, kept: _Kept, recompute: str) -> bool:
+    """Whether a layer's backward is replayed linear by linear (``_linears_backward``): without
+    recomputation, where ``_linear_replay`` allows it and, under autocast, the weight copies are
+    the replay's blocks."""
+    return _linear_replay(q) and recompute == "none" and (bool(kept.casts) or not q.cast_layer)
+
+
+def _linear_replay(q: Quantities) -> bool:
+    """Whether the replay follows the layer's linears (``quantities.per_linear_replay``, and the
+    recipe lists them: ``LayerCoefs.linears``). Not for a layer with grouped experts
+    (``LayerCoefs.after_uncast``): their weight gradients are no linears of the recipe and are made
+    inside the experts' backward, which the replay does not place among the linears' (Mixtral-shaped,
+    1 layer, 4 experts, against trace with one block and linear by linear: pure bf16 +1.2% and
+    +7.2%, bf16-amp +5.5% and +0.3%; neither places the experts' gradients where trace does)."""
+    lc = q.detail.layer
+    return bool(q.linear_replay) and bool(lc.linears) and not lc.after_uncast
+
+
+def _linears_backward(R: _Replay, s: _Step, q: Quantities, kept: _Kept, where: tuple[str, ...], oib: bool) -> set:
+    """Each linear's weight gradient, last linear first, as autograd makes it. Without autocast the
+    ``mm`` output is the gradient, which ``AccumulateGrad`` keeps as ``.grad``. Under autocast ``mm``
+    gives it in the compute dtype (the shape of the half copy), the copy is freed (its last reader),
+    then autocast's ``ToCopyBackward0`` casts the gradient to the fp32 weight's dtype (the ``.grad``)
+    and the half one is freed (``torch/csrc/autograd/generated/Functions.cpp``
+    ``ToCopyBackward0::apply``; trace shows this order for every linear). The gradient is the layer's
+    trainable tensor of that size (``States.trainables`` lists tensors, not linears; a sharded one
+    matches none and is made with the layer's others). Returns the trainable indices whose gradient
+    was made (the layer's others, its norms, follow in ``_layer_backward``)."""
+    st = q.detail.states
+    linears = q.detail.layer.linears
+    copies = kept.casts or [None] * len(linears)
+    pending = list(_placed(st.trainables, where))
+    made: set = set()
+    for (_pos, w, gbytes), copy in reversed(list(zip(linears, copies))):
+        half = R.alloc(round(w) * HALF) if (copy is not None and gbytes) else None  # mm's, compute dtype
+        R.free(copy)
+        want = block_bytes(round(w) * gbytes)                     # the weight's .grad, its dtype
+        j = next((j for j in pending if gbytes and st.trainables[j][2] == want), None)
+        if j is not None:
+            pending.remove(j)
+            made.add(j)
+            _grad_of(R, s, st.trainables, j, oib)
+        R.free(half)
+    kept.casts = []
+    return made
 
 
 def _kept_blocks(parts: list[int], kept: int, recompute: str) -> list[int]:
@@ -409,17 +551,35 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
     else:
         params = fs.unshard(R, q.fsdp_layer_buf, st.layer_tensors, backward=True)  # FSDP: gathered again
     redo = R.allocs(parts) if recompute != "none" else []         # the checkpointed forward again
-    _idx, value, grads = best_transient(q.transients, n, nsq)
-    tr = R.alloc(max(0, value - grads))                           # grad_out, grad_in of the worst op
+    per_linear = _per_linear(q, kept, recompute)                  # the weights' gradients linear by linear
+    tr = R.alloc(_activation_transient(q, n, nsq) if per_linear else _transient(q, n, nsq))
     if st.layer_grads_full and not fs.v2 and q.fsdp1_post:        # FSDP1: the flat gradient, then its hook
         params = _fsdp1_reduce(R, q, st, params)
     elif st.layer_grads_full:                                     # FSDP: unsharded gradients, reduce-scattered
         full = R.allocs(st.layer_tensors) if fs.v2 and st.layer_tensors else [R.alloc(st.layer_grads_full)]
         fs.reduce(R, full, q.fsdp_rs_buf or st.layer_grads_full)
-    _make_grads(R, s, st.trainables, ("layer", f"layer{i}"), oib, fs.grad_stream)
+    where = ("layer", f"layer{i}")
+    made = _linears_backward(R, s, q, kept, where, oib) if per_linear else set()
+    _make_grads(R, s, st.trainables, where, oib, fs.grad_stream, made)
     R.frees([tr] + params)
     R.frees(redo)
-    R.frees(kept)
+    R.frees(kept + kept.casts)
+
+
+def _transient(q: Quantities, n: int, nsq: int) -> int:
+    """Bytes of a layer's worst backward moment above its saved tensors, less the gradients of its
+    later linears (made by then, replayed as gradients): one block."""
+    _idx, value, grads = best_transient(q.transients, n, nsq)
+    return max(0, value - grads)
+
+
+def _activation_transient(q: Quantities, n: int, nsq: int) -> int:
+    """``_transient`` without its constant bytes, where the replay makes each linear's weight
+    gradients and frees its weight copy itself (``_linears_backward``): the constant of an op's
+    transient is its own weight's gradients less the copies of the linears after it
+    (``quantities._layer_transients``); what is left, per token and per token x key, is the
+    gradients of the activations in flight, one block."""
+    return max([0] + [int(a * n + b * nsq) for a, b, *_rest in q.transients])
 
 
 def _fsdp1_reduce(R: _Replay, q: Quantities, st: Any, params: list) -> list:
@@ -440,27 +600,51 @@ def _fsdp1_reduce(R: _Replay, q: Quantities, st: Any, params: list) -> list:
 
 
 def _make_grads(R: _Replay, s: _Step, trainables: tuple, where: tuple[str, ...], oib: bool = False,
-                stream: int = 0) -> None:
+                stream: int = 0, made: set | frozenset = frozenset()) -> None:
     """Allocate the gradients that do not exist yet of the trainable tensors placed at one of
-    ``where`` (one copy of a per-layer tensor per call: the layer being back-propagated), on
-    ``stream`` (FSDP's sharded gradients: its reduce-scatter stream). ``oib``: the optimizer steps
-    inside backward and a hook frees each gradient at once (``optim/in_backward.py``)."""
+    ``where`` (one copy of a per-layer tensor per call: the layer being back-propagated; ``made``:
+    those whose copy this layer made already), on ``stream`` (FSDP's sharded gradients: its
+    reduce-scatter stream)."""
     for j in _placed(trainables, where):
-        _w, k, g, _sts, _m = trainables[j]
-        copy = s.made.get(j, 0) if _w == "layer" else 0
-        if copy >= k or (j, copy) in s.grads:
-            continue
-        s.made[j] = copy + 1
-        s.grads[(j, copy)] = R.alloc(g, stream)
-        if oib:
-            R.free(s.grads[(j, copy)])
-            s.grads[(j, copy)] = None
+        if j not in made:
+            _grad_of(R, s, trainables, j, oib, stream)
+
+
+def _grad_of(R: _Replay, s: _Step, trainables: tuple, j: int, oib: bool = False, stream: int = 0) -> None:
+    """The gradient of trainable tensor ``j`` (its next copy, for a per-layer tensor), unless it
+    exists. ``oib``: the optimizer steps inside backward and a hook frees it at once
+    (``optim/in_backward.py``)."""
+    _w, k, g, _sts, _m = trainables[j]
+    copy = s.made.get(j, 0) if _w == "layer" else 0
+    if copy >= k or (j, copy) in s.grads:
+        return
+    s.made[j] = copy + 1
+    s.grads[(j, copy)] = R.alloc(g, stream)
+    if oib:
+        R.free(s.grads[(j, copy)])
+        s.grads[(j, copy)] = None
 
 
 @lru_cache(maxsize=256)
 def _placed(trainables: tuple, where: tuple[str, ...]) -> tuple[int, ...]:
     """Indices of the trainable tensors placed at one of ``where``."""
     return tuple(j for j, item in enumerate(trainables) if item[0] in where)
+
+
+@lru_cache(maxsize=256)
+def _parameter_order(trainables: tuple) -> tuple[int, ...]:
+    """The trainable tensors in the order ``model.parameters()`` yields them, one index per tensor
+    (a per-layer item once per layer): those registered before the layers, then each layer's own
+    (the items of every layer, then that layer's only ones, such as its LoRA adapters), then those
+    after. ``torch.optim``'s ``_init_group`` creates the states in this order and a foreach step
+    makes its temporaries in it (``torch/optim/adam.py`` ``_init_group``, ``_multi_tensor_adam``)."""
+    layers = max((k for w, k, *_r in trainables if w == "layer"), default=0)
+    layers = max([layers] + [int(w[5:]) + 1 for w, *_r in trainables if w.startswith("layer") and w != "layer"])
+    out = [j for j, item in enumerate(trainables) if item[0] == "before"]
+    for i in range(layers):
+        out += [j for j, (w, k, *_r) in enumerate(trainables) if w == "layer" and i < k]
+        out += [j for j, item in enumerate(trainables) if item[0] == f"layer{i}"]
+    return tuple(out + [j for j, item in enumerate(trainables) if item[0] == "after"])
 
 
 def _scaled(sizes: list[int], total: int) -> list[int]:
@@ -477,9 +661,10 @@ def _optimizer_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, step:
     state-sized temporary per tensor of the group, all alive at once (``quantities.step_temporaries``);
     ``q.step_temp`` sets their total (the group's, or the largest tensor's ``temp_copies``)."""
     st = q.detail.states
+    order = [st.trainables[j] for j in _parameter_order(st.trainables)]
     if step == 1 and st.optimizer:                               # lazily, unless offloaded to the host
-        s.states = [R.alloc(x) for (_w, k, _g, sts, _m) in st.trainables for _ in range(k) for x in sts]
-    sizes = [(sts[0] if sts else g) for (_w, k, g, sts, _m) in st.trainables for _ in range(k)]
+        s.states = [R.alloc(x) for (_w, _k, _g, sts, _m) in order for x in sts]
+    sizes = [(sts[0] if sts else g) for (_w, _k, g, sts, _m) in order]
     if q.ds_step_fp32:                                           # DeepSpeed: one flat fp32 partition per group
         flat, fp32 = R.alloc(q.ds_step_flat), R.alloc(q.ds_step_fp32)   # the cast: flat copy, then fp32
         R.free(flat)
