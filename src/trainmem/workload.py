@@ -350,6 +350,8 @@ class TrainStep:
         labels = batch["labels"]
         if t.cast_output:
             return self._cast_output_loss(batch["input_ids"], labels)
+        if t.loss == "chunked-nll":
+            return None, _chunked_nll_loss(self.model, batch["input_ids"], labels)
         if t.loss_chunks > 1:  # chunked (torchtune) or half (litgpt)
             return _chunked_output_loss(self.model, batch["input_ids"], labels, t.loss_chunks, t.loss == "chunked")
         out = self.model(input_ids=batch["input_ids"])
@@ -542,6 +544,62 @@ def _chunked_output_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torc
         total = torch.cat([torch.nn.functional.cross_entropy(c.reshape(-1, c.shape[-1]), y.reshape(-1),
                                                              reduction="none") for c, y in pairs]).sum()
     return logits, total / labels.numel()
+
+
+def _chunked_nll_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """TRL's SFTTrainer ``loss_type="chunked_nll"`` (trl v1.9.0 trl/trainer/sft_trainer.py
+    ``_chunked_ce_forward`` L270-371 and ``_chunked_cross_entropy_loss`` L117-234), as it runs on
+    this workload's batch: the decoder up to its last hidden state (no head, ``use_cache=False``),
+    the shifted hidden states flattened (a copy when the micro-batch has more than one sequence),
+    the labelled tokens moved to the front (``argsort`` of the int8 label mask, then ``hidden[order]``
+    and ``labels[order]``: copies), and ``_trl_chunk`` on each 256 of them under non-reentrant
+    ``torch.utils.checkpoint``, summing the loss and the accuracy and entropy counts. The workload's
+    labels have no -100, so every token is labelled and the chunk count is ``ceil(tokens / 256)``
+    (TRL reads it from the mask: a host sync that fake tensors cannot make). Returns the loss."""
+    from torch.utils.checkpoint import checkpoint
+    from .spec.training import CHUNKED_NLL_TOKENS
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # TRL patches the inner model
+    cfg = inner.config
+    scale, cap = getattr(cfg, "logit_scale", 1.0), getattr(cfg, "final_logit_softcapping", None)
+    head = inner.get_output_embeddings()
+    states = inner.base_model(input_ids=ids, use_cache=False)[0]   # outputs.last_hidden_state (B, S, H)
+    hidden = states[..., :-1, :].reshape(-1, states.size(-1))
+    del states
+    labels = labels[..., 1:].reshape(-1)
+    valid = labels != -100
+    n_valid = valid.sum()                                      # an int64 scalar, as TRL keeps it
+    zero = hidden.new_zeros((), dtype=torch.float32)
+    correct, entropy = zero, hidden.new_zeros((), dtype=torch.float32)
+    order = valid.to(torch.int8).argsort(descending=True, stable=True)
+    hidden, labels = hidden[order], labels[order]
+    loss = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, -(-labels.numel() // CHUNKED_NLL_TOKENS) * CHUNKED_NLL_TOKENS, CHUNKED_NLL_TOKENS):
+        end = start + CHUNKED_NLL_TOKENS
+        part, right, ent = checkpoint(_trl_chunk, hidden[start:end], head.weight, head.bias, labels[start:end],
+                                      scale, cap, use_reentrant=False)
+        loss, correct, entropy = loss + part, correct + right, entropy + ent
+    return loss / n_valid
+
+
+def _trl_chunk(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, lbl: torch.Tensor, logit_scale: float,
+               cap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """TRL's ``_chunk`` (trl v1.9.0 trl/trainer/sft_trainer.py L99-114) without its DeepSpeed ZeRO-3
+    gather: the chunk's logits ``h.float() @ w.float().t()`` (under autocast the matmul runs in the
+    half dtype), scaled and soft-capped as the model's config says, ``log_softmax``, ``nll_loss``
+    summed, the argmax accuracy count and the entropy sum ``-(exp(log_p) * log_p).sum(-1)``."""
+    logits = h.float() @ w.float().t()
+    if b is not None:
+        logits = logits + b.float()
+    if logit_scale != 1.0:
+        logits = logits * logit_scale
+    if cap is not None:
+        logits = cap * torch.tanh(logits / cap)
+    log_p = torch.nn.functional.log_softmax(logits, dim=-1)
+    loss = torch.nn.functional.nll_loss(log_p, lbl, ignore_index=-100, reduction="sum")
+    valid = lbl != -100
+    correct = ((logits.argmax(dim=-1) == lbl) & valid).sum().float()
+    entropy = (-(log_p.exp() * log_p).sum(dim=-1) * valid).sum()
+    return loss, correct, entropy
 
 
 def _chunked_output(model: torch.nn.Module, ids: torch.Tensor, chunks: int,

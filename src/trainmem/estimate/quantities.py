@@ -525,6 +525,13 @@ def _loss_in_one_piece(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int) ->
     if not is_lm(m):
         return LossBytes(held, pol.half, F32, F32, 2 * F32)
     mode, half = loss_mode(m, t), pol.half
+    if mode == "chunked-nll":
+        # TRL's per-chunk transients (a half or fp32 copy of the head weight per chunk's matmul and
+        # its recompute, four logits-chunk tensors, the head weight's gradient per chunk) are not
+        # written as formulas yet: trace runs the loss itself (workload._chunked_nll_loss)
+        raise TrainmemError("--loss chunked-nll (TRL's chunked_nll) is run by trace and measure, not modelled by "
+                            "estimate: use trainmem trace, or drop --loss chunked-nll for the model's own loss "
+                            "over the whole logits (an upper bound)")
     if m.family == "derived" and m.head == "seq2seq-lm" and half != F32 and derived_logits_bytes(m, t) == F32:
         # fp32 logits under autocast (BART: ``lm_logits = self.lm_head(outputs[0]) +
         # self.final_logits_bias``, a half output plus an fp32 buffer, promoted; measured by the

@@ -323,9 +323,9 @@ def _check_trl(t: Any, model: Any, version: tuple[int, ...] | None, given: froze
     lm = getattr(model, "head", "") == "causal-lm"
     if lm and "loss" not in given and (version is None or version >= (1, 7)):
         out.append("TRL >= 1.7 computes loss_type='chunked_nll' (the head and cross-entropy over 256-token chunks "
-                   "of the labelled tokens, each chunk recomputed in backward: no whole logits tensor): trainmem "
-                   "counts the model's own loss over the whole logits, an upper bound; it is exact for "
-                   "loss_type='nll' (or --framework-version 1.6)")
+                   "of the labelled tokens, each recomputed in backward: no whole logits tensor); the preset counts "
+                   "the model's own loss over the whole logits, an upper bound (exact for loss_type='nll'); "
+                   "trainmem trace --loss chunked-nll runs TRL's")
     if t.quantize and t.lora_rank and version is not None and version < (0, 22) and t.precision == "bf16-amp" \
             and t.quantize_via == "transformers":
         out.append("TRL < 0.22 with bf16: peft_module_casting_to_bf16 casts the embeddings and head back to bf16 after "

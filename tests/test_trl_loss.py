@@ -1,0 +1,54 @@
+"""TRL's SFTTrainer ``loss_type="chunked_nll"`` (``--loss chunked-nll``, the default from TRL 1.7):
+trace and measure run it as TRL writes it (``workload._chunked_nll_loss``); the estimate refuses it
+with one line (its per-chunk transients are not written as formulas), and the trl preset, which
+counts the model's own loss over the whole logits, says so in a warning."""
+import pytest
+
+import trainmem
+from trainmem.errors import TrainmemError
+from trainmem.spec.resolve import resolve
+
+pytest.importorskip("transformers")
+from trainmem.measure.runner import measure  # noqa: E402
+from trainmem.trace import trace  # noqa: E402
+
+GPT2 = dict(set=["n_layer=2", "n_embd=256", "n_head=4"], seq_len=256, batch_size=2)
+LLAMA = ["num_hidden_layers=2"]   # Llama 3.2's 128256-token vocabulary, two layers
+
+
+def test_trace_is_the_real_cpu_run(one_torch_thread):
+    """The chunked loss on fake tensors is the real one on the CPU, byte for byte, phase by phase."""
+    r = trace("gpt2", device="cpu", loss="chunked-nll", **GPT2)
+    m = measure("gpt2", device="cpu", loss="chunked-nll", **GPT2)
+    assert [(p.name, p.step, p.allocated, p.peak) for p in r.phases] == \
+        [(p.name, p.step, p.allocated, p.peak) for p in m.phases]
+
+
+def _forward_peak(loss, batch):
+    r = trace("llama-3.2-1b", device="cuda", set=LLAMA, loss=loss, batch_size=batch, seq_len=512,
+              precision="bf16-amp", lora_rank=8, recompute="full")
+    return r.phase("forward", 1).peak
+
+
+def test_no_logits_tensor_of_the_micro_batch():
+    """Two more sequences of 512 tokens grow the chunked loss's forward peak by less than their half
+    logits (the chunks' logits do not grow with the batch); the upcast loss by more than their fp32
+    logits."""
+    vocab, tokens = 128256, 2 * 512
+    chunked = _forward_peak("chunked-nll", 4) - _forward_peak("chunked-nll", 2)
+    upcast = _forward_peak("upcast", 4) - _forward_peak("upcast", 2)
+    assert chunked < tokens * vocab * 2 < tokens * vocab * 4 < upcast
+
+
+def test_estimate_refuses_it_in_one_line():
+    with pytest.raises(TrainmemError) as e:
+        trainmem.estimate("llama-3.2-1b", loss="chunked-nll", seq_len=512)
+    assert "\n" not in str(e.value) and "--loss chunked-nll" in str(e.value) and "trace" in str(e.value)
+    with pytest.raises(TrainmemError) as e:
+        resolve("bert-base-uncased", loss="chunked-nll")
+    assert "causal LMs" in str(e.value)
+
+
+def test_the_trl_preset_points_at_trace():
+    warnings = resolve("llama-3.2-1b", framework="trl").training.extra["framework_warnings"]
+    assert any("chunked_nll" in w and "trace --loss chunked-nll" in w for w in warnings)
