@@ -52,3 +52,17 @@ def test_estimate_refuses_it_in_one_line():
 def test_the_trl_preset_points_at_trace():
     warnings = resolve("llama-3.2-1b", framework="trl").training.extra["framework_warnings"]
     assert any("chunked_nll" in w and "trace --loss chunked-nll" in w for w in warnings)
+
+
+TINY = ["num_hidden_layers=2", "hidden_size=64", "num_attention_heads=4", "num_key_value_heads=2",
+        "intermediate_size=128", "vocab_size=1000", "head_dim=16"]
+
+
+@pytest.mark.parametrize("wrap", [dict(dp=2), dict(dp=2, fsdp="full"), dict(dp=2, fsdp="full", fsdp_version=1)],
+                         ids=["ddp", "fsdp2", "fsdp1"])
+def test_it_runs_inside_the_data_parallel_wrappers(wrap):
+    """TRL patches the model's forward, so DDP's and FSDP's hooks (FSDP's root unshard of the head
+    and embeddings) run around it: the traced step runs and differs from the upcast loss's."""
+    runs = {loss: trace("llama-3.2-1b", set=TINY, batch_size=2, seq_len=64, precision="bf16-amp", loss=loss, **wrap)
+            for loss in ("upcast", "chunked-nll")}
+    assert runs["chunked-nll"].peak_allocated != runs["upcast"].peak_allocated
