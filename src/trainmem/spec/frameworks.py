@@ -467,7 +467,8 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                                  "outside autocast: 3 x 128 x vocab half elements beside the held logits, less "
                                  "than the loss's own fp32 copy of the logits once a micro-batch has 192 tokens "
                                  "(argmax adds int64 per token): it does not set the peak"),
-        "loss": Cell(shown="the model's own (upcast) to 1.6; chunked_nll from 1.7 (not modelled, warned)",
+        "loss": Cell(shown="the model's own (upcast) to 1.6; chunked_nll from 1.7 (trace --loss chunked-nll; "
+                           "the estimate counts the upcast loss, warned)",
                      sources=(_s("trl", "trl/trainer/sft_config.py", "283-295"),
                               _s("trl", "trl/trainer/sft_config.py", "335-336"),
                               _s("trl", "trl/trainer/sft_trainer.py", "99-234")),
