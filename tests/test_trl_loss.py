@@ -66,3 +66,51 @@ def test_it_runs_inside_the_data_parallel_wrappers(wrap):
     runs = {loss: trace("llama-3.2-1b", set=TINY, batch_size=2, seq_len=64, precision="bf16-amp", loss=loss, **wrap)
             for loss in ("upcast", "chunked-nll")}
     assert runs["chunked-nll"].peak_allocated != runs["upcast"].peak_allocated
+
+
+# ----- the metrics of a loss_type='nll' run (TRL 0.15 to 1.6) -----------------------------------------------
+def _entropy_from_logits(logits, chunk_size=128):
+    """trl v1.9.0 trl/trainer/utils.py L526-560, as written there."""
+    import torch
+    import torch.nn.functional as F
+    original_shape = logits.shape[:-1]
+    num_classes = logits.shape[-1]
+    flat_logits = logits.reshape(-1, num_classes)
+    entropies = []
+    for chunk in flat_logits.split(chunk_size, dim=0):
+        logps = F.log_softmax(chunk, dim=-1)
+        chunk_entropy = -(torch.exp(logps) * logps).sum(-1)
+        entropies.append(chunk_entropy)
+    entropies = torch.cat(entropies, dim=0)
+    return entropies.reshape(original_shape)
+
+
+@pytest.mark.parametrize("b, s, vocab", [(2, 300, 1000), (1, 300, 1000), (4, 513, 3000)])
+def test_the_metrics_warning_is_what_trls_metric_code_holds(b, s, vocab):
+    """SFTTrainer.compute_loss's nll-path metrics (trl v1.9.0 sft_trainer.py L1762-1797, the shifted view,
+    entropy, argmax), run for real on the CPU over held fp32 logits: their peak is the warning's
+    figure (trl_metric_bytes) within the small per-token tensors."""
+    import torch
+    from trainmem.measure.live import LiveBytes
+    from trainmem.spec.frameworks import trl_metric_bytes
+    labels = torch.randint(0, vocab, (b, s))
+    with LiveBytes() as lb:
+        logits = torch.randn(b, s, vocab)        # outputs.logits, fp32 (accelerate's convert_outputs_to_fp32)
+        with torch.no_grad():
+            shift_logits, shift_labels = logits[..., :-1, :], labels[..., 1:]
+            per_token_entropy = _entropy_from_logits(shift_logits)
+            predictions = shift_logits.argmax(dim=-1)
+            mask = shift_labels != -100
+            entropy_sum = (per_token_entropy * mask).sum()
+            correct = ((predictions == shift_labels) & mask).sum()
+        del logits, per_token_entropy, predictions, mask, entropy_sum, correct
+    expected = trl_metric_bytes(b, s, vocab, 4, (1, 6))
+    assert expected <= lb.peak <= expected * 1.02
+
+
+def test_the_metrics_warning_names_the_nll_runs_only():
+    def warned(**options):
+        return [w for w in resolve("llama-3.2-1b", framework="trl", **options).training.extra["framework_warnings"]
+                if "accuracy" in w]
+    assert warned(framework_version="1.6") and warned(loss="upcast") and warned(framework_version="0.15")
+    assert not warned() and not warned(framework_version="0.14") and not warned(framework_version="1.6", loss="half")

@@ -324,13 +324,51 @@ def _check_trl(t: Any, model: Any, version: tuple[int, ...] | None, given: froze
     if lm and "loss" not in given and (version is None or version >= (1, 7)):
         out.append("TRL >= 1.7 computes loss_type='chunked_nll' (the head and cross-entropy over 256-token chunks "
                    "of the labelled tokens, each recomputed in backward: no whole logits tensor); the preset counts "
-                   "the model's own loss over the whole logits, an upper bound (exact for loss_type='nll'); "
-                   "trainmem trace --loss chunked-nll runs TRL's")
+                   "the model's own loss over the whole logits (loss_type='nll'), an upper bound; trainmem trace "
+                   "--loss chunked-nll runs TRL's")
+    metrics = _trl_metrics(t, model, version, given) if lm else None
+    if metrics:
+        out.append(metrics)
     if t.quantize and t.lora_rank and version is not None and version < (0, 22) and t.precision == "bf16-amp" \
             and t.quantize_via == "transformers":
         out.append("TRL < 0.22 with bf16: peft_module_casting_to_bf16 casts the embeddings and head back to bf16 after "
                    "prepare_model_for_kbit_training; trainmem counts them fp32 (2 bytes per parameter more)")
     return out
+
+
+def trl_metric_bytes(batch: int, seq: int, vocab: int, elem: int, version: tuple[int, ...] | None) -> int:
+    """The most bytes SFTTrainer's metrics hold at once after a loss_type='nll' loss: the held
+    (b, s, vocab) logits, a contiguous copy of the shifted (b, s - 1, vocab) logits when b > 1
+    (``.contiguous()`` in the accuracy code, or ``entropy_from_logits``' reshape of the shifted view
+    in 1.x; one sequence's slice is contiguous already) and, from 0.22, one entropy chunk's log_softmax, exp and product (rows x vocab each: one
+    sequence in 0.22, 128 rows from 0.23), ``elem`` bytes per logit."""
+    held = batch * seq * vocab * elem
+    shifted = batch * (seq - 1) * vocab * elem if batch > 1 else 0   # one sequence's shifted slice is contiguous
+    rows = 128 if version is None or version >= (0, 23) else seq
+    chunk = 3 * min(rows, batch * (seq - 1)) * vocab * elem if version is None or version >= (0, 22) else 0
+    return held + shifted + chunk
+
+
+def _trl_metrics(t: Any, model: Any, version: tuple[int, ...] | None, given: frozenset[str]) -> str | None:
+    """With the model's own loss (loss_type 'nll': TRL 0.15 to 1.6, or asked for later), SFTTrainer's
+    ``compute_loss`` keeps the outputs after the loss and computes, under no_grad, the token accuracy
+    from ``outputs.logits[..., :-1, :].contiguous()`` (0.15 on: a copy of the shifted logits) and,
+    from 0.22, the entropy with ``entropy_from_logits`` (log_softmax, exp and their product, one
+    sequence at a time in 0.22, 128 rows at a time from 0.23; trl/trainer/utils.py L526-560 at v1.9.0).
+    Under bf16/fp16 autocast the logits it reads are fp32: accelerate wraps the model's forward in
+    ``convert_outputs_to_fp32`` (accelerate src/accelerate/accelerator.py ``prepare_model``). trainmem
+    frees the output after the loss (``--hold-output loss``) and counts none of these; the line says
+    how large they are."""
+    nll = (version is not None and (0, 15) <= version < (1, 7)) or ("loss" in given and t.loss in (None, "upcast"))
+    if not nll or t.loss in ("fused", "chunked", "chunked-nll", "half") or t.loss_chunks > 1:
+        return None
+    elem = 4 if t.precision.endswith("-amp") or t.precision == "fp32" else 2   # bytes per logit it reads
+    entropy = version is None or version >= (0, 22)
+    gib = trl_metric_bytes(t.batch_size, t.seq_len, model.vocab_size, elem, version) / 2**30
+    return (f"TRL's compute_loss keeps the {'fp32 ' if elem == 4 else ''}logits after the loss for its token "
+            f"accuracy{' and entropy' if entropy else ''} metrics (a shifted contiguous copy"
+            f"{', log_softmax/exp chunks' if entropy else ''}), under no_grad, before backward: up to "
+            f"{gib:.2f} GiB at that moment that trainmem does not count")
 
 
 def _check_accelerate(t: Any, model: Any, version: Any, given: frozenset[str]) -> list[str]:
@@ -460,13 +498,13 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
         "zero_grad": Cell("none", (_s("transformers", _TF + "trainer.py", "1946"),),
                           note="the HF Trainer's model.zero_grad() (set_to_none=True)"),
         "hold_output": Cell("loss", (_s("trl", "trl/trainer/sft_trainer.py", "1700-1832"),),
-                            note="compute_loss keeps the outputs only for its token-accuracy and entropy metrics, "
-                                 "under no_grad, and returns the loss: they are freed before backward. With "
-                                 "loss_type='nll' (0.22 to 1.6) entropy_from_logits (utils.py L526-560) runs "
-                                 "log_softmax, exp and their product over 128 rows of the half logits at a time, "
-                                 "outside autocast: 3 x 128 x vocab half elements beside the held logits, less "
-                                 "than the loss's own fp32 copy of the logits once a micro-batch has 192 tokens "
-                                 "(argmax adds int64 per token): it does not set the peak"),
+                            note="compute_loss keeps the outputs after the loss for its token-accuracy and entropy "
+                                 "metrics, under no_grad, and returns the loss: they are freed before backward. "
+                                 "With loss_type='nll' (0.15 to 1.6) the metrics read the logits, fp32 under "
+                                 "autocast (accelerate's convert_outputs_to_fp32), copy the shifted logits when "
+                                 "the micro-batch has several sequences and run entropy_from_logits (utils.py "
+                                 "L526-560) over 128 rows at a time: not counted, one warning line gives their "
+                                 "size"),
         "loss": Cell(shown="the model's own (upcast) to 1.6; chunked_nll from 1.7 (trace --loss chunked-nll; "
                            "the estimate counts the upcast loss, warned)",
                      sources=(_s("trl", "trl/trainer/sft_config.py", "283-295"),
