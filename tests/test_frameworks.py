@@ -403,3 +403,15 @@ def test_trl_preset_is_the_published_runs_mapping(fx):
     preset = trainmem.estimate(fx["model"], framework="trl", framework_version="0.12",
                                **{k: v for k, v in s.items() if k in FMS_GIVEN}, **opts)
     assert preset.peak_allocated == hand.peak_allocated
+
+
+@pytest.mark.parametrize("version", [None, "0.20"])
+@pytest.mark.parametrize("lora", [{}, {"lora_rank": 16}], ids=["full", "lora"])
+def test_trl_preset_estimate_agrees_with_trace(version, lora):
+    """The preset's setup (bf16 autocast over fp32 weights, checkpointed layers from 0.22, no KV cache,
+    seq 1024, the model's own loss) traced as transformers runs it gives the estimate's peak."""
+    from trainmem.trace import trace
+    kw = dict(framework="trl", framework_version=version, set=["num_hidden_layers=2"], batch_size=2, **lora)
+    e, t = trainmem.estimate(MODEL, **kw), trace(MODEL, **kw)
+    assert e.training.recompute == ("full" if version is None else "none") and t.training.seq_len == 1024
+    assert e.peak_allocated == pytest.approx(t.peak_allocated, rel=0.002)
