@@ -406,10 +406,12 @@ def test_trl_preset_is_the_published_runs_mapping(fx):
 
 
 @pytest.mark.parametrize("version", [None, "0.20"])
-@pytest.mark.parametrize("lora", [{}, {"lora_rank": 16}], ids=["full", "lora"])
+@pytest.mark.parametrize("lora", [{}, {"lora_rank": 16}, {"lora_rank": 16, "quantize": "nf4"}],
+                         ids=["full", "lora", "qlora"])
 def test_trl_preset_estimate_agrees_with_trace(version, lora):
     """The preset's setup (bf16 autocast over fp32 weights, checkpointed layers from 0.22, no KV cache,
-    seq 1024, the model's own loss) traced as transformers runs it gives the estimate's peak."""
+    seq 1024, the model's own loss; QLoRA's bf16 adapters from 0.26) traced as transformers runs it
+    gives the estimate's peak."""
     from trainmem.trace import trace
     kw = dict(framework="trl", framework_version=version, set=["num_hidden_layers=2"], batch_size=2, **lora)
     e, t = trainmem.estimate(MODEL, **kw), trace(MODEL, **kw)
