@@ -1,7 +1,8 @@
 """TRL's SFTTrainer ``loss_type="chunked_nll"`` (``--loss chunked-nll``, the default from TRL 1.7):
-trace and measure run it as TRL writes it (``workload._chunked_nll_loss``); the estimate refuses it
-with one line (its per-chunk transients are not written as formulas), and the trl preset, which
-counts the model's own loss over the whole logits, says so in a warning."""
+trace and measure run it as TRL writes it (``workload._patch_chunked_nll``); the estimate models it
+over a frozen LoRA head (``quantities._chunked_nll_bytes``), checked against trace, and refuses the
+rest in one line; the trl preset sets it where the estimate models it and warns elsewhere. Also
+the metrics of the older loss_type='nll' path (``frameworks.trl_metric_bytes``)."""
 import pytest
 
 import trainmem
@@ -40,6 +41,21 @@ def test_no_logits_tensor_of_the_micro_batch():
     assert chunked < tokens * vocab * 2 < tokens * vocab * 4 < upcast
 
 
+@pytest.mark.parametrize("precision", ["bf16-amp", "bf16", "fp32"])
+@pytest.mark.parametrize("batch, seq", [(2, 512), (1, 300), (1, 100)])
+def test_estimate_agrees_with_trace_over_a_frozen_head(precision, batch, seq):
+    """A LoRA run's chunked loss: the head weight's copy per chunk (half under autocast, fp32 in pure
+    bf16, none in fp32), the chunk's four logits-sized tensors, the gathered hidden states; one chunk
+    (100 tokens) or several, the last one partial."""
+    kw = dict(set=LLAMA, batch_size=batch, seq_len=seq, precision=precision, lora_rank=8, recompute="full",
+              use_cache=False, loss="chunked-nll")
+    e, t = trainmem.estimate("llama-3.2-1b", **kw), trace("llama-3.2-1b", device="cuda", **kw)
+    assert e.peak_allocated == pytest.approx(t.peak_allocated, rel=0.003)
+    est = {(p.name, p.step): p for p in e.phases}
+    for p in t.phases:
+        assert est[(p.name, p.step)].peak == pytest.approx(p.peak, rel=0.003), (p.name, p.step)
+
+
 def test_estimate_refuses_it_in_one_line():
     with pytest.raises(TrainmemError) as e:
         trainmem.estimate("llama-3.2-1b", loss="chunked-nll", seq_len=512)
@@ -49,9 +65,13 @@ def test_estimate_refuses_it_in_one_line():
     assert "causal LMs" in str(e.value)
 
 
-def test_the_trl_preset_points_at_trace():
-    warnings = resolve("llama-3.2-1b", framework="trl").training.extra["framework_warnings"]
-    assert any("chunked_nll" in w and "trace --loss chunked-nll" in w for w in warnings)
+def test_the_trl_preset_sets_it_where_the_estimate_models_it():
+    lora = resolve("llama-3.2-1b", framework="trl", lora_rank=16).training
+    assert lora.loss == "chunked-nll" and lora.extra["framework_warnings"] == ()
+    assert resolve("llama-3.2-1b", framework="trl", lora_rank=16, framework_version="1.6").training.loss is None
+    full = resolve("llama-3.2-1b", framework="trl").training     # a trained head: the upper bound, warned
+    assert full.loss is None
+    assert any("chunked_nll" in w and "trace --loss chunked-nll" in w for w in full.extra["framework_warnings"])
 
 
 TINY = ["num_hidden_layers=2", "hidden_size=64", "num_attention_heads=4", "num_key_value_heads=2",
