@@ -1,7 +1,7 @@
 """TRL's SFTTrainer ``loss_type="chunked_nll"`` (``--loss chunked-nll``, the default from TRL 1.7):
 trace and measure run it as TRL writes it (``workload._patch_chunked_nll``); the estimate models it
-over a frozen LoRA head (``quantities._chunked_nll_bytes``), checked against trace, and refuses the
-rest in one line; the trl preset sets it where the estimate models it and warns elsewhere. Also
+(``quantities._chunked_nll_bytes``), checked against trace, and refuses a derived architecture or a
+4-bit head in one line; the trl preset sets it where the estimate models it and warns elsewhere. Also
 the metrics of the older loss_type='nll' path (``frameworks.trl_metric_bytes``)."""
 import pytest
 
@@ -56,22 +56,42 @@ def test_estimate_agrees_with_trace_over_a_frozen_head(precision, batch, seq):
         assert est[(p.name, p.step)].peak == pytest.approx(p.peak, rel=0.003), (p.name, p.step)
 
 
-def test_estimate_refuses_it_in_one_line():
-    with pytest.raises(TrainmemError) as e:
-        trainmem.estimate("llama-3.2-1b", loss="chunked-nll", seq_len=512)
-    assert "\n" not in str(e.value) and "--loss chunked-nll" in str(e.value) and "trace" in str(e.value)
+@pytest.mark.parametrize("precision", ["bf16-amp", "bf16", "fp32"])
+@pytest.mark.parametrize("model, batch, seq", [("llama-3.1-8b", 2, 512), ("llama-3.1-8b", 1, 100),
+                                               ("llama-3.2-1b", 1, 300)])
+def test_estimate_agrees_with_trace_over_a_trained_head(model, precision, batch, seq):
+    """Full fine-tuning: the head weight's gradient per chunk, cast to the weight's dtype and summed
+    out of place in autograd's input buffer (several chunks) or not (one); an untied head (Llama 3.1)
+    and a tied one (Llama 3.2, whose buffer waits for the embedding's gradient)."""
+    kw = dict(set=LLAMA, batch_size=batch, seq_len=seq, precision=precision, recompute="full", use_cache=False,
+              loss="chunked-nll")
+    e, t = trainmem.estimate(model, **kw), trace(model, device="cuda", **kw)
+    assert e.peak_allocated == pytest.approx(t.peak_allocated, rel=0.003)
+    est = {(p.name, p.step): p for p in e.phases}
+    for p in t.phases:
+        if p.name in ("forward", "backward"):
+            assert est[(p.name, p.step)].peak == pytest.approx(p.peak, rel=0.003), (p.name, p.step)
+
+
+def test_estimate_refuses_what_it_does_not_model_in_one_line():
+    for model, options in (("gemma-2-2b", {}), ("llama-3.2-1b", dict(lora_rank=8, quantize="nf4",
+                                                                       quantize_via="fabric"))):
+        with pytest.raises(TrainmemError) as e:
+            trainmem.estimate(model, loss="chunked-nll", seq_len=512, **options)
+        assert "\n" not in str(e.value) and "--loss chunked-nll" in str(e.value) and "trace" in str(e.value)
     with pytest.raises(TrainmemError) as e:
         resolve("bert-base-uncased", loss="chunked-nll")
     assert "causal LMs" in str(e.value)
 
 
 def test_the_trl_preset_sets_it_where_the_estimate_models_it():
-    lora = resolve("llama-3.2-1b", framework="trl", lora_rank=16).training
-    assert lora.loss == "chunked-nll" and lora.extra["framework_warnings"] == ()
-    assert resolve("llama-3.2-1b", framework="trl", lora_rank=16, framework_version="1.6").training.loss is None
-    full = resolve("llama-3.2-1b", framework="trl").training     # a trained head: the upper bound, warned
-    assert full.loss is None
-    assert any("chunked_nll" in w and "trace --loss chunked-nll" in w for w in full.extra["framework_warnings"])
+    for options in ({}, dict(lora_rank=16), dict(lora_rank=16, quantize="nf4")):
+        t = resolve("llama-3.2-1b", framework="trl", **options).training
+        assert t.loss == "chunked-nll" and t.extra["framework_warnings"] == (), options
+    assert resolve("llama-3.2-1b", framework="trl", framework_version="1.6").training.loss is None
+    derived = resolve("gemma-2-2b", framework="trl").training    # the model's own loss, an upper bound, warned
+    assert derived.loss is None
+    assert any("chunked_nll" in w and "trace --loss chunked-nll" in w for w in derived.extra["framework_warnings"])
 
 
 TINY = ["num_hidden_layers=2", "hidden_size=64", "num_attention_heads=4", "num_key_value_heads=2",

@@ -125,7 +125,8 @@ def _loss_transients(q: Quantities, full: Any, chunk: Any, n: Any) -> tuple[Any,
     forward = full * q.loss_forward + maximum(chunk * q.loss_forward_chunk,
                                               q.loss_matmul_const + chunk * q.loss_matmul_chunk)
     backward = full * q.loss_backward + chunk * q.loss_backward_chunk + q.loss_backward_const
-    return forward + trunc(q.head_loss_tok * n), backward + trunc(q.loss_backward_tok * n)
+    more = where(n > q.loss_chunk_tokens, q.loss_backward_more, 0)   # several chunks: a gradient summed
+    return forward + trunc(q.head_loss_tok * n), backward + more + trunc(q.loss_backward_tok * n)
 
 
 def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, later: bool = False) -> Tokens:

@@ -145,6 +145,7 @@ class Quantities:
     loss_matmul_const: int = 0
     loss_matmul_chunk: int = 0
     loss_backward_const: int = 0
+    loss_backward_more: int = 0
     tied_compiled: int = 0  # --compile: a tied embedding's backward tables (compiled_tied_grads)
     tied_final: int = 0     # --compile: ... and its gradient in the weight's dtype (in ``grads``, made last)
     input_tok: float = 8.0  # the input batch per token: int64 ids, or an image model's pixel values per patch
@@ -316,7 +317,7 @@ def outer_tensors(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) -> tup
     if t.pp == 1 or stage == "first":
         out += _embedding_side(m, t, pol, h, sp)
     if t.pp == 1 or stage == "last":
-        out += _head_side(m, pol, h, sp, fused=is_lm(m) and loss_mode(m, t) == "fused", quant_head=_quant_head(m, t),
+        out += _head_side(m, pol, h, sp, fused=is_lm(m) and loss_mode(m, t) in ("fused", "chunked-nll"), quant_head=_quant_head(m, t),
                           frozen=bool(t.lora_rank), head_adapted=_head_is_lora_target(m, t))
     elif torch_pipeline(t):
         # the stage's output (b, s, h), residual dtype: torch's PipelineStage keeps it in ``fwd_cache``
@@ -453,6 +454,7 @@ class LossBytes(NamedTuple):
     matmul_const: int = 0   # chunked-nll: alive at a chunk's head matmul, whatever the chunk (the weight's copy)
     matmul_chunk: int = 0   # ... per element of the chunk's logits then
     backward_const: int = 0  # chunked-nll: alive through a chunk's backward whatever the chunk (the weight's copy)
+    backward_more: int = 0  # chunked-nll, a trained head: more in backward when there are several chunks
 
 
 def loss_mode(m: ModelSpec, t: TrainingSpec) -> str:
@@ -577,20 +579,45 @@ def _chunked_nll_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy) -> LossBytes:
     states' gradient: the weight's copy and the same four tensors at once, beside the gradient of the
     gathered hidden states (``loss_backward_tok``). The final norm's output, kept by TRL's forward
     until the loss returns, is ``head_during_loss``."""
-    problem = chunked_nll_problem(m, t.lora_rank, t.lora_targets, t.quantize and t.quantize_via == "fabric")
+    problem = chunked_nll_problem(m, bool(t.quantize) and t.quantize_via == "fabric")
     if problem:
-        raise TrainmemError(f"--loss chunked-nll (TRL's chunked_nll): {problem}; the estimate models it over a "
-                            "frozen LoRA head only: use trainmem trace, or drop --loss chunked-nll for the model's "
-                            "own loss over the whole logits (an upper bound)")
+        raise TrainmemError(f"--loss chunked-nll (TRL's chunked_nll): {problem}, which the estimate does not "
+                            "model: use trainmem trace, or drop --loss chunked-nll for the model's own loss over the "
+                            "whole logits (an upper bound)")
     half = pol.half
     w = m.vocab_size * m.hidden_size   # the head weight's elements
     copy = half if pol.amp else (F32 if half != F32 else 0)   # the weight's copy per matmul, bytes per element
     logit = half if pol.amp else F32
     per_logit = logit + 3 * F32
     weight = int(block_bytes(w * copy)) if copy else 0   # the copy's block (an unsplit remainder included)
-    return LossBytes(saved_tok=m.hidden_size * pol.stream + 8 + 8, forward_chunk=per_logit,
-                     backward_chunk=per_logit, matmul_const=weight + CHUNKED_NLL_TOKENS * m.hidden_size * logit,
-                     matmul_chunk=logit, backward_const=weight)
+    frozen = LossBytes(saved_tok=m.hidden_size * pol.stream + 8 + 8, forward_chunk=per_logit,
+                       backward_chunk=per_logit, matmul_const=weight + CHUNKED_NLL_TOKENS * m.hidden_size * logit,
+                       matmul_chunk=logit, backward_const=weight)
+    if t.lora_rank and "lm_head" not in (t.lora_targets or ()):
+        return frozen
+    return _chunked_nll_trained(frozen, w, weight, pol)
+
+
+def _chunked_nll_trained(frozen: LossBytes, w: int, weight: int, pol: Policy) -> LossBytes:
+    """``_chunked_nll_bytes`` over a trained head (full fine-tuning; ``frozen``: the same over a frozen
+    one, ``w`` the head weight's elements, ``weight`` its copy's block). The forward is the frozen
+    head's: ``w.float().t()`` is a view, which autocast does not cache. In backward each chunk's
+    matmul makes the weight's gradient in its copy's dtype (the copy, saved by the matmul, freed
+    then), ``ToCopyBackward`` casts it to the weight's dtype and autograd's input buffer for the
+    weight sums it with the earlier chunks' out of place (a transposed gradient): from the second
+    chunk on the buffer, the new gradient and their sum, three weight-sized tensors in the weight's
+    dtype (``backward_more`` adds them). The largest of these moments, per precision: under autocast
+    the half gradient with its fp32 cast (one chunk), the sum (several: 3 x fp32); in pure half the
+    fp32 copy with its fp32 gradient and the chunk's fp32 logits gradient, plus the half buffer when
+    there are several; in fp32 the gradient (one), the sum (several). The chunk's other logits-sized
+    tensors are freed by then (they are smaller than the weight once the hidden size passes ~700)."""
+    if pol.amp:
+        single, several, chunk = w * (pol.half + F32), 3 * w * F32, 0
+    elif weight:
+        single, several, chunk = weight + w * F32, weight + w * F32 + w * pol.half, F32
+    else:
+        single, several, chunk = w * F32, 3 * w * F32, 0
+    return frozen._replace(backward_chunk=chunk, backward_const=single, backward_more=several - single)
 
 
 def _chunked_nll_fields(m: ModelSpec, t: TrainingSpec, pol: Policy, loss: LossBytes, head_here: bool) -> dict:
@@ -601,7 +628,7 @@ def _chunked_nll_fields(m: ModelSpec, t: TrainingSpec, pol: Policy, loss: LossBy
         return {}
     return dict(loss_backward_tok=float(m.hidden_size * pol.stream), loss_chunk_tokens=CHUNKED_NLL_TOKENS,
                 loss_matmul_const=loss.matmul_const, loss_matmul_chunk=loss.matmul_chunk,
-                loss_backward_const=loss.backward_const)
+                loss_backward_const=loss.backward_const, loss_backward_more=loss.backward_more)
 
 
 def _eager_loss_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int, mode: str, half: int) -> LossBytes:

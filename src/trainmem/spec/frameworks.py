@@ -188,8 +188,8 @@ def _trl_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] | N
     no KV cache. QLoRA (a model transformers loaded in 4 bits): from 0.26 every trainable parameter
     (the adapters) is cast to bf16 after ``get_peft_model`` (sft_trainer.py L1127-1130 at v1.9.0, L718
     at v0.26.0): ``--lora-dtype half``. From 1.7 ``loss_type`` defaults to ``chunked_nll`` (sft_config.py
-    L335-336): ``--loss chunked-nll`` where the estimate models it (a frozen LoRA head,
-    ``training.chunked_nll_problem``); elsewhere the model's own loss stays, with a warning. Before, peft's ``autocast_adapter_dtype`` keeps them fp32: 0.12-0.21
+    L335-336): ``--loss chunked-nll`` where the estimate models it (``training.chunked_nll_problem``:
+    not a derived architecture); elsewhere the model's own loss stays, with a warning. Before, peft's ``autocast_adapter_dtype`` keeps them fp32: 0.12-0.21
     run ``prepare_model_for_kbit_training`` (the weights that are not 4-bit to fp32) and, with bf16,
     ``peft_module_casting_to_bf16`` (utils.py L842-849 at v0.12.0), which casts norms to fp32 and the
     embeddings and head back to bf16 but leaves the adapters alone; 0.22-0.25 cast nothing."""
@@ -197,8 +197,7 @@ def _trl_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] | N
     if version is None or version >= (0, 22):
         out["use_cache"] = False
     if _trl_chunked(view, model, version) and chunked_nll_problem(
-            model, view.get("lora_rank"), view.get("lora_targets"),
-            bool(view.get("quantize")) and view.get("quantize_via") == "fabric") is None:
+            model, bool(view.get("quantize")) and view.get("quantize_via") == "fabric") is None:
         out["loss"] = "chunked-nll"
     quantized = view.get("quantize") and view.get("quantize_via", "transformers") == "transformers"
     if quantized and view.get("lora_rank") and (version is None or version >= (0, 26)):
@@ -335,11 +334,11 @@ def _check_trl(t: Any, model: Any, version: tuple[int, ...] | None, given: froze
     out = _others(t, "TRL's SFTTrainer", zero=False)
     lm = getattr(model, "head", "") == "causal-lm"
     if lm and "loss" not in given and t.loss is None and (version is None or version >= (1, 7)):
-        why = chunked_nll_problem(model, t.lora_rank, t.lora_targets, bool(t.quantize) and t.quantize_via == "fabric")
+        why = chunked_nll_problem(model, bool(t.quantize) and t.quantize_via == "fabric")
         out.append(f"TRL >= 1.7 computes loss_type='chunked_nll' (the head and cross-entropy over 256-token chunks "
                    f"of the labelled tokens, each recomputed in backward: no whole logits tensor), which the estimate "
-                   f"models over a frozen LoRA head only ({why}): the preset counts the model's own loss over the "
-                   f"whole logits (loss_type='nll'), an upper bound; trainmem trace --loss chunked-nll runs TRL's")
+                   f"does not model here ({why}): the preset counts the model's own loss over the whole logits "
+                   f"(loss_type='nll'), an upper bound; trainmem trace --loss chunked-nll runs TRL's")
     metrics = _trl_metrics(t, model, version, given) if lm else None
     if metrics:
         out.append(metrics)
@@ -519,8 +518,8 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                                  "the micro-batch has several sequences and run entropy_from_logits (utils.py "
                                  "L526-560) over 128 rows at a time: not counted, one warning line gives their "
                                  "size"),
-        "loss": Cell(shown="the model's own (upcast) to 1.6; from 1.7 chunked-nll with LoRA (full fine-tuning: "
-                           "the model's own, an upper bound, warned; trace --loss chunked-nll runs it)",
+        "loss": Cell(shown="the model's own (upcast) to 1.6; chunked-nll from 1.7 (a derived architecture: the "
+                           "model's own, an upper bound, warned; trace --loss chunked-nll runs it)",
                      sources=(_s("trl", "trl/trainer/sft_config.py", "283-295"),
                               _s("trl", "trl/trainer/sft_config.py", "335-336"),
                               _s("trl", "trl/trainer/sft_trainer.py", "99-234")),

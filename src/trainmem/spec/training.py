@@ -713,14 +713,12 @@ def _size_problems(model: Any, t: TrainingSpec) -> str | None:
     return None
 
 
-def chunked_nll_problem(model: Any, lora_rank: int | None, lora_targets: Any, head_quantized: bool) -> str | None:
+def chunked_nll_problem(model: Any, head_quantized: bool) -> str | None:
     """Why the estimate cannot model ``--loss chunked-nll`` (TRL's chunked_nll) for this setup (None:
-    it can): it is written for a frozen LM head that is not 4-bit (LoRA without ``lm_head`` among the
-    targets, which TRL refuses anyway) on a hand-written architecture; trace runs every case."""
+    it can): it is written for the hand-written architectures' LM heads, not 4-bit ones; trace runs
+    every case."""
     if getattr(model, "family", "") == "derived":
         return f"{model.name} is a derived architecture"
-    if not lora_rank or "lm_head" in (lora_targets or ()):
-        return "the LM head is trained (full fine-tuning): its weight's gradient per chunk is not written as formulas"
     if head_quantized:
         return "the LM head is a 4-bit linear"
     return None
