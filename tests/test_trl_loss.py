@@ -154,3 +154,13 @@ def test_the_metrics_warning_names_the_nll_runs_only():
                 if "accuracy" in w]
     assert warned(framework_version="1.6") and warned(loss="upcast") and warned(framework_version="0.15")
     assert not warned() and not warned(framework_version="0.14") and not warned(framework_version="1.6", loss="half")
+
+
+@pytest.mark.parametrize("setup", [dict(dp=2, fsdp="full"), dict(dp=2, fsdp="full", lora_rank=8), dict(grad_accum=2)],
+                         ids=["fsdp2", "fsdp2-lora", "accumulation"])
+def test_estimate_agrees_with_trace_sharded_and_accumulating(setup):
+    """Under FSDP2 the root's head is unsharded while TRL's loss runs (its copies and gradient are
+    whole); with accumulation the step holds the first micro-batch's gradients through the second."""
+    kw = dict(set=LLAMA, batch_size=2, seq_len=512, recompute="full", loss="chunked-nll", **setup)
+    e, t = trainmem.estimate("llama-3.1-8b", **kw), trace("llama-3.1-8b", device="cuda", **kw)
+    assert e.peak_allocated == pytest.approx(t.peak_allocated, rel=0.003)
