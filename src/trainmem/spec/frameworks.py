@@ -37,8 +37,6 @@ REPOS: dict[str, tuple[str, str]] = {
     "trl-0.19": ("huggingface/trl", "v0.19.0"),
     "trl-0.21": ("huggingface/trl", "v0.21.0"),
     "trl-0.22": ("huggingface/trl", "v0.22.0"),
-    "trl-0.26": ("huggingface/trl", "v0.26.0"),
-    "trl-1.7": ("huggingface/trl", "v1.7.0"),
     "accelerate": ("huggingface/accelerate", "v1.15.0"),
     "accelerate-main": ("huggingface/accelerate", "16cb6eb80dd9aa8b4df1a63ef57863e455d53b83"),
     "torchtune": ("pytorch/torchtune", "v0.6.1"),
@@ -187,12 +185,13 @@ def _trl_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] | N
     ``use_cache=False`` to the model (trl/trainer/sft_trainer.py L1710 at v1.9.0, L1040 at v0.22.0):
     no KV cache. QLoRA (a model transformers loaded in 4 bits): from 0.26 every trainable parameter
     (the adapters) is cast to bf16 after ``get_peft_model`` (sft_trainer.py L1127-1130 at v1.9.0, L718
-    at v0.26.0): ``--lora-dtype half``. From 1.7 ``loss_type`` defaults to ``chunked_nll`` (sft_config.py
-    L335-336): ``--loss chunked-nll`` where the estimate models it (``training.chunked_nll_problem``:
-    not a derived architecture); elsewhere the model's own loss stays, with a warning. Before, peft's ``autocast_adapter_dtype`` keeps them fp32: 0.12-0.21
-    run ``prepare_model_for_kbit_training`` (the weights that are not 4-bit to fp32) and, with bf16,
-    ``peft_module_casting_to_bf16`` (utils.py L842-849 at v0.12.0), which casts norms to fp32 and the
-    embeddings and head back to bf16 but leaves the adapters alone; 0.22-0.25 cast nothing."""
+    at v0.26.0): ``--lora-dtype half``. Before, peft's ``autocast_adapter_dtype`` keeps them fp32:
+    0.12-0.21 run ``prepare_model_for_kbit_training`` (the weights that are not 4-bit to fp32) and,
+    with bf16, ``peft_module_casting_to_bf16`` (utils.py L842-849 at v0.12.0), which casts norms to
+    fp32 and the embeddings and head back to bf16 but leaves the adapters alone; 0.22-0.25 cast
+    nothing. From 1.7 ``loss_type`` defaults to ``chunked_nll`` (sft_config.py L335-336 at v1.9.0):
+    ``--loss chunked-nll`` where the estimate models it (``training.chunked_nll_problem``: not a
+    derived architecture); elsewhere the model's own loss stays, with a warning."""
     out: dict[str, Any] = {}
     if version is None or version >= (0, 22):
         out["use_cache"] = False
@@ -353,8 +352,9 @@ def trl_metric_bytes(batch: int, seq: int, vocab: int, elem: int, version: tuple
     """The most bytes SFTTrainer's metrics hold at once after a loss_type='nll' loss: the held
     (b, s, vocab) logits, a contiguous copy of the shifted (b, s - 1, vocab) logits when b > 1
     (``.contiguous()`` in the accuracy code, or ``entropy_from_logits``' reshape of the shifted view
-    in 1.x; one sequence's slice is contiguous already) and, from 0.22, one entropy chunk's log_softmax, exp and product (rows x vocab each: one
-    sequence in 0.22, 128 rows from 0.23), ``elem`` bytes per logit."""
+    in 1.x; one sequence's slice is contiguous already) and, from 0.22, one entropy chunk's
+    log_softmax, exp and product (rows x vocab each: one sequence in 0.22, 128 rows from 0.23),
+    ``elem`` bytes per logit."""
     held = batch * seq * vocab * elem
     shifted = batch * (seq - 1) * vocab * elem if batch > 1 else 0   # one sequence's shifted slice is contiguous
     rows = 128 if version is None or version >= (0, 23) else seq
