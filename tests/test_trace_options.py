@@ -125,6 +125,8 @@ CASES = [
     ({"attention_call": "repeat-kv"}, CHANGED, ""),
     ({"attention_call": "repeat-kv", "attention": "eager"}, REFUSED, "--attention-call repeat-kv"),
     ({"loss": "fused"}, REFUSED, "--loss fused"),
+    ({"loss": "chunked-nll"}, CHANGED, ""),  # TRL's chunked_nll, run as TRL writes it (workload._chunked_nll_loss)
+    ({"loss": "chunked-nll", "tp": 2}, REFUSED, "--loss chunked-nll"),
     ({"master_weights": "fp32", "precision": "bf16"}, REFUSED, "--master-weights fp32"),
     ({"dropout": False}, "same", "Llama has no dropout (GPT-2 below has)"),
     ({"grad_sync": "step", "grad_accum": 2, "fsdp": "full", "dp": 2}, CHANGED, ""),  # vs the same without it
@@ -146,7 +148,7 @@ REFERENCE = {"fsdp_version": {"fsdp": "full", "dp": 2}, "use_cache": {"hold_outp
              "grad_sync": {"grad_accum": 2, "fsdp": "full", "dp": 2}, "offload_activations": {"recompute": "full"},
              "pp": {"grad_accum": 2}, "num_microbatches_in_flight": {"pp": 2, "grad_accum": 2},
              "pp_schedule": {"pp": 2, "grad_accum": 2}, "cast_output": {"loss": "half"}}
-GPT2_CASES = [({"dropout": False}, CHANGED, "")]
+GPT2_CASES = [({"dropout": False}, CHANGED, ""), ({"loss": "chunked-nll"}, CHANGED, "")]
 #: FSDP1 with LoRA adapters in units of their own on BERT: peft's policy wraps its embeddings apart
 #: from the masked-LM head that ties their weight (spec.training.fsdp1_tied_split)
 BERT = ["num_hidden_layers=2", "hidden_size=64", "num_attention_heads=4", "intermediate_size=128", "vocab_size=1000"]

@@ -236,6 +236,8 @@ class TrainStep:
                 enable()
             if t.recompute_every > 1:
                 _checkpoint_every(inner, t.recompute_every)
+        if t.loss == "chunked-nll" and spec.head == "causal-lm":
+            _patch_chunked_nll(unwrapped(model))
         if t.offload_activations:
             if not str(device).startswith("cuda"):
                 # torchtune refuses it off CUDA (full_finetune_distributed.py L205-209): nothing to move
@@ -362,6 +364,9 @@ class TrainStep:
         labels = batch["labels"]
         if t.cast_output:
             return self._cast_output_loss(batch["input_ids"], labels)
+        if t.loss == "chunked-nll":  # the model's forward is TRL's (_patch_chunked_nll): it returns the loss
+            out = self.model(input_ids=batch["input_ids"], labels=labels)
+            return out, out.loss
         if t.loss_chunks > 1:  # chunked (torchtune) or half (litgpt)
             return _chunked_output_loss(self.model, batch["input_ids"], labels, t.loss_chunks, t.loss == "chunked")
         out = self.model(input_ids=batch["input_ids"])
@@ -554,6 +559,83 @@ def _chunked_output_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torc
         total = torch.cat([torch.nn.functional.cross_entropy(c.reshape(-1, c.shape[-1]), y.reshape(-1),
                                                              reduction="none") for c, y in pairs]).sum()
     return logits, total / labels.numel()
+
+
+def _patch_chunked_nll(model: torch.nn.Module) -> None:
+    """TRL's SFTTrainer ``loss_type="chunked_nll"``: the causal LM's ``forward`` replaced by
+    ``_chunked_ce_forward`` (trl v1.9.0 trl/trainer/sft_trainer.py ``_patch_chunked_ce_lm_head``
+    L237-378; through peft, the base model's: L1300-1319), so a data-parallel wrapper's hooks still run
+    around it. With labels it runs the decoder to its last hidden state (``use_cache=False``, no head)
+    and returns only the loss of :func:`_chunked_nll` (``logits=None``); ``outputs`` stays referenced
+    until it returns, as in TRL."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = inner.get_output_embeddings()
+    scale = getattr(inner.config, "logit_scale", 1.0)
+    cap = getattr(inner.config, "final_logit_softcapping", None)
+
+    def forward(input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None, **kwargs: Any) -> Any:
+        kwargs.pop("use_cache", None)
+        outputs = inner.base_model(input_ids=input_ids, use_cache=False, **kwargs)
+        hidden_states = outputs.last_hidden_state
+        weight, bias = head.weight, head.bias
+        if hasattr(weight, "full_tensor"):   # a DTensor head (TRL L348-351)
+            weight = weight.full_tensor()
+            bias = bias.full_tensor() if bias is not None else None
+        loss = _chunked_nll(hidden_states, weight, bias, labels, scale, cap)
+        return CausalLMOutputWithPast(loss=loss, logits=None)
+
+    inner.forward = forward
+
+
+def _chunked_nll(hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 labels: torch.Tensor, scale: float, cap: float | None) -> torch.Tensor:
+    """TRL's ``_chunked_cross_entropy_loss`` (trl v1.9.0 sft_trainer.py L117-234) on this workload's
+    batch: the shifted hidden states flattened (a copy when the micro-batch has more than one
+    sequence), the labelled tokens moved to the front (``argsort`` of the int8 label mask, then
+    ``hidden[order]`` and ``labels[order]``: copies) and :func:`_trl_chunk` on each 256 of them under
+    non-reentrant ``torch.utils.checkpoint``, summing the loss and the accuracy and entropy counts.
+    The workload's labels have no -100, so every token is labelled and the chunk count is
+    ``ceil(tokens / 256)`` (TRL reads it from the mask, a host sync fake tensors cannot make; its
+    all-masked branch never runs here). The loss is divided by the labelled-token count."""
+    from torch.utils.checkpoint import checkpoint
+    from .spec.training import CHUNKED_NLL_TOKENS
+    hidden = hidden_states[..., :-1, :].reshape(-1, hidden_states.size(-1))
+    labels = labels[..., 1:].reshape(-1)
+    valid = labels != -100
+    n_valid = valid.sum()                                      # an int64 scalar, as TRL keeps it
+    correct = hidden.new_zeros((), dtype=torch.float32)
+    entropy = hidden.new_zeros((), dtype=torch.float32)
+    order = valid.to(torch.int8).argsort(descending=True, stable=True)
+    hidden, labels = hidden[order], labels[order]
+    loss = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, -(-labels.numel() // CHUNKED_NLL_TOKENS) * CHUNKED_NLL_TOKENS, CHUNKED_NLL_TOKENS):
+        end = start + CHUNKED_NLL_TOKENS
+        part, right, ent = checkpoint(_trl_chunk, hidden[start:end], weight, bias, labels[start:end], scale, cap,
+                                      use_reentrant=False)
+        loss, correct, entropy = loss + part, correct + right, entropy + ent
+    return loss / n_valid
+
+
+def _trl_chunk(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, lbl: torch.Tensor, logit_scale: float,
+               cap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """TRL's ``_chunk`` (trl v1.9.0 trl/trainer/sft_trainer.py L99-114) without its DeepSpeed ZeRO-3
+    gather: the chunk's logits ``h.float() @ w.float().t()`` (under autocast the matmul runs in the
+    half dtype), scaled and soft-capped as the model's config says, ``log_softmax``, ``nll_loss``
+    summed, the argmax accuracy count and the entropy sum ``-(exp(log_p) * log_p).sum(-1)``."""
+    logits = h.float() @ w.float().t()
+    if b is not None:
+        logits = logits + b.float()
+    if logit_scale != 1.0:
+        logits = logits * logit_scale
+    if cap is not None:
+        logits = cap * torch.tanh(logits / cap)
+    log_p = torch.nn.functional.log_softmax(logits, dim=-1)
+    loss = torch.nn.functional.nll_loss(log_p, lbl, ignore_index=-100, reduction="sum")
+    valid = lbl != -100
+    correct = ((logits.argmax(dim=-1) == lbl) & valid).sum().float()
+    entropy = (-(log_p.exp() * log_p).sum(dim=-1) * valid).sum()
+    return loss, correct, entropy
 
 
 def _chunked_output(model: torch.nn.Module, ids: torch.Tensor, chunks: int,

@@ -206,6 +206,11 @@ def activations(q: Quantities, tk: Tokens, at_peak: int, t: TrainingSpec, n: int
 def _logits(mo: Moment, m: Any, half: str, mode: str) -> list[Component]:
     held, kv, logp, graph = mo.logit_parts
     out = []
+    if mode == "chunked-nll" and logp:  # TRL's chunked_nll saves no log-probabilities
+        out.append(Component("logits.chunked_nll_saved", LOGITS, logp, None,
+                             "TRL's chunked_nll: the labelled tokens' hidden states gathered to the front, their "
+                             "labels and the gather's int64 indices, kept for the checkpointed chunks"))
+        logp = 0
     if mode == "fused" and logp:  # Liger keeps the gradients it computed in forward, not log-probabilities
         out.append(Component("logits.fused_loss_gradients", LOGITS, logp, None,
                              "fused linear cross-entropy: input and head-weight gradients and the fp32 loss per "

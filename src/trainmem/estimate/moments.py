@@ -119,6 +119,17 @@ def _interleaved(q: Quantities, n: Any, nsq: Any, later: bool, inflight: Any) ->
     return inflight, fed, head_units, trunc(q.pipe_out_tok * n) * (inflight - head_units), grads_absent
 
 
+def _loss_transients(q: Quantities, full: Any, chunk: Any, n: Any) -> tuple[Any, Any]:
+    """The loss's forward and backward transients: per logit of the micro-batch, per element of one
+    chunk and per token; TRL's chunked_nll peaks in forward either at a chunk's head matmul (with the
+    weight's copy) or at its later logits-chunk tensors, and keeps the weight's copy in backward."""
+    forward = full * q.loss_forward + maximum(chunk * q.loss_forward_chunk,
+                                              q.loss_matmul_const + chunk * q.loss_matmul_chunk)
+    backward = full * q.loss_backward + chunk * q.loss_backward_chunk + q.loss_backward_const
+    more = where(n > q.loss_chunk_tokens, q.loss_backward_more, 0)   # several chunks: a gradient summed
+    return forward + trunc(q.head_loss_tok * n), backward + more + trunc(q.loss_backward_tok * n)
+
+
 def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, later: bool = False) -> Tokens:
     """The per-micro-batch terms for ``n`` tokens on this rank, ``nsq`` token x key pairs, micro-
     batch ``b`` and ``ga`` accumulated micro-batches; ``later``: at the micro-steps after the first.
@@ -165,7 +176,8 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
     nl = label_tokens(q, n)
     full = nl * q.logit_width // q.tp if flags.lm else b * q.logit_width
     liger = minimum(next_pow2(ceil_div(nl, maximum(q.liger_factor, 1))), nl)
-    chunk = where(q.liger_factor > 0, liger, ceil_div(nl, q.logit_chunks)) * q.logit_width // q.tp if flags.lm else 0
+    chunk_tok = where(q.loss_chunk_tokens > 0, minimum(q.loss_chunk_tokens, nl), ceil_div(nl, q.logit_chunks))
+    chunk = where(q.liger_factor > 0, liger, chunk_tok) * q.logit_width // q.tp if flags.lm else 0
     saved = full * q.loss_saved + nl * q.loss_saved_tok + q.loss_saved_const
     labels = nl if flags.lm else b
     kv_tok = trunc(q.held_tok * n)
@@ -178,8 +190,7 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
     return Tokens(inflight, layer, layers, outer_rest, outer_head, all_acts, redo, grads, index, bottom, lower,
                   inputs,
                   full * q.logits_held, full * q.logits_out,
-                  saved, full * q.loss_forward + chunk * q.loss_forward_chunk + trunc(q.head_loss_tok * n),
-                  full * q.loss_backward + chunk * q.loss_backward_chunk + trunc(q.loss_backward_tok * n),
+                  saved, *_loss_transients(q, full, chunk, n),
                   kv_tok * q.layers * inflight, trunc(q.cache_tok * n) - kv_tok,
                   q.fwd_temp + trunc(q.fwd_temp_tok * n), graph_layer=trunc(q.graph_tok * n) * inflight,
                   graph=trunc(q.graph_tok * n) * inflight * q.layers,

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import TrainmemError
 from ..spec.model import ModelSpec
-from ..spec.training import RECOMPUTE, TrainingSpec, config_use_cache
+from ..spec.training import CHUNKED_NLL_TOKENS, RECOMPUTE, TrainingSpec, chunked_nll_problem, config_use_cache
 from .cache import BoundedCache
 from .elementwise import NEVER
 from .derived import adapters_computed_half, regime as derived_regime
@@ -139,6 +139,13 @@ class Quantities:
     above_decoder_bottom: int = 0  # ... above an encoder-decoder's decoder-bottom layer
     outer_rest_ssq: float = 0.0  # per sequence position squared, shared by the micro-batch (T5's position buckets)
     loss_backward_tok: float = 0.0  # per token, alive at the start of backward (--compile: the KV cache's zero gradients)
+    # TRL's chunked_nll (``loss_bytes``): tokens per chunk (0: another loss), and its forward's matmul
+    # moment (the head weight's cast, then the chunk's logits) and its backward's constant
+    loss_chunk_tokens: int = 0
+    loss_matmul_const: int = 0
+    loss_matmul_chunk: int = 0
+    loss_backward_const: int = 0
+    loss_backward_more: int = 0
     tied_compiled: int = 0  # --compile: a tied embedding's backward tables (compiled_tied_grads)
     tied_final: int = 0     # --compile: ... and its gradient in the weight's dtype (in ``grads``, made last)
     input_tok: float = 8.0  # the input batch per token: int64 ids, or an image model's pixel values per patch
@@ -316,7 +323,7 @@ def outer_tensors(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) -> tup
     if t.pp == 1 or stage == "first":
         out += _embedding_side(m, t, pol, h, sp)
     if t.pp == 1 or stage == "last":
-        out += _head_side(m, pol, h, sp, fused=is_lm(m) and loss_mode(m, t) == "fused", quant_head=_quant_head(m, t),
+        out += _head_side(m, pol, h, sp, fused=is_lm(m) and loss_mode(m, t) in ("fused", "chunked-nll"), quant_head=_quant_head(m, t),
                           frozen=bool(t.lora_rank), head_adapted=_head_is_lora_target(m, t))
     elif torch_pipeline(t):
         # the stage's output (b, s, h), residual dtype: torch's PipelineStage keeps it in ``fwd_cache``
@@ -380,6 +387,8 @@ def head_during_loss(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) -> 
     (b, s/tp, h) shard the final norm returns (``trainmem.wrappers.tp_model_plan``). None when the
     loop computes the loss from the logits (``--loss``: the body's output is gone by then) or off the
     last pipeline stage. Derived architectures measure the same tensor (``derived.head_during_loss``)."""
+    if t.loss == "chunked-nll" and m.head == "causal-lm" and (t.pp == 1 or stage == "last"):
+        return float(m.hidden_size * pol.stream)   # TRL's forward keeps ``outputs`` until the loss returns
     if t.loss is not None or m.head != "causal-lm" or not m.final_norm or not pol.amp:
         return 0.0
     if not (t.pp == 1 or stage == "last"):
@@ -448,6 +457,10 @@ class LossBytes(NamedTuple):
     saved_tok: int = 0      # per token, saved (Liger: the input gradient in the compute dtype, fp32 loss)
     saved_const: int = 0    # in total, saved (Liger: the head weight's gradient)
     cast: int = 0           # the fp32 copy a wrapper makes of the head's output as forward returns (--cast-output)
+    matmul_const: int = 0   # chunked-nll: alive at a chunk's head matmul, whatever the chunk (the weight's copy)
+    matmul_chunk: int = 0   # ... per element of the chunk's logits then
+    backward_const: int = 0  # chunked-nll: alive through a chunk's backward whatever the chunk (the weight's copy)
+    backward_more: int = 0  # chunked-nll, a trained head: more in backward when there are several chunks
 
 
 def loss_mode(m: ModelSpec, t: TrainingSpec) -> str:
@@ -531,6 +544,8 @@ def _loss_in_one_piece(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int) ->
     if not is_lm(m):
         return LossBytes(held, pol.half, F32, F32, 2 * F32)
     mode, half = loss_mode(m, t), pol.half
+    if mode == "chunked-nll":
+        return _chunked_nll_bytes(m, t, pol)
     if m.family == "derived" and m.head == "seq2seq-lm" and half != F32 and derived_logits_bytes(m, t) == F32:
         # fp32 logits under autocast (BART: ``lm_logits = self.lm_head(outputs[0]) +
         # self.final_logits_bias``, a half output plus an fp32 buffer, promoted; measured by the
@@ -552,6 +567,74 @@ def _loss_in_one_piece(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int) ->
     if t.compile:   # the loop's loss, eager, on the compiled model's outputs
         return _eager_loss_bytes(m, t, pol, held, mode, half)
     return _eager_loss_bytes(m, t, pol, held, mode, half)
+
+
+def _chunked_nll_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy) -> LossBytes:
+    """TRL's ``loss_type="chunked_nll"`` over a frozen head (trl v1.9.0 trl/trainer/sft_trainer.py
+    L99-378; run by ``workload._patch_chunked_nll``). No logits of the micro-batch exist; per token it
+    saves the labelled tokens' hidden states gathered to the front (``hidden[order]``, the residual
+    stream's dtype), their labels and the gather's int64 indices (``IndexBackward`` keeps them); the
+    chunks (``CHUNKED_NLL_TOKENS`` tokens, ``torch.utils.checkpoint``) keep nothing. ``_chunk`` computes
+    ``h.float() @ w.float().t()``: under autocast the frozen fp32 weight is cast to the half dtype at
+    every call (not cached: it requires no grad), in pure half ``w.float()`` is an fp32 copy, in fp32
+    nothing is copied. A chunk's forward peaks either at the matmul (the weight's copy, the chunk's
+    hidden cast and its logits, half under autocast, else fp32) or when ``log_p.exp() * log_p`` is made
+    (the logits, log_softmax's fp32 output, exp and the product; under autocast also log_softmax's
+    fp32 copy of the half logits, freed before): 2 + 4 + 4 + 4 bytes per logit under autocast, 16
+    otherwise. Its backward first recomputes it, the matmul saving the weight's copy for the hidden
+    states' gradient: the weight's copy and the same four tensors at once, beside the gradient of the
+    gathered hidden states (``loss_backward_tok``). The final norm's output, kept by TRL's forward
+    until the loss returns, is ``head_during_loss``."""
+    problem = chunked_nll_problem(m, bool(t.quantize) and t.quantize_via == "fabric")
+    if problem:
+        raise TrainmemError(f"--loss chunked-nll (TRL's chunked_nll): {problem}, which the estimate does not "
+                            "model: use trainmem trace, or drop --loss chunked-nll for the model's own loss over the "
+                            "whole logits (an upper bound)")
+    half = pol.half
+    w = m.vocab_size * m.hidden_size   # the head weight's elements
+    copy = half if pol.amp else (F32 if half != F32 else 0)   # the weight's copy per matmul, bytes per element
+    logit = half if pol.amp else F32
+    per_logit = logit + 3 * F32
+    weight = int(block_bytes(w * copy)) if copy else 0   # the copy's block (an unsplit remainder included)
+    frozen = LossBytes(saved_tok=m.hidden_size * pol.stream + 8 + 8, forward_chunk=per_logit,
+                       backward_chunk=per_logit, matmul_const=weight + CHUNKED_NLL_TOKENS * m.hidden_size * logit,
+                       matmul_chunk=logit, backward_const=weight)
+    if t.lora_rank and "lm_head" not in (t.lora_targets or ()):
+        return frozen
+    return _chunked_nll_trained(frozen, w, weight, pol)
+
+
+def _chunked_nll_trained(frozen: LossBytes, w: int, weight: int, pol: Policy) -> LossBytes:
+    """``_chunked_nll_bytes`` over a trained head (full fine-tuning; ``frozen``: the same over a frozen
+    one, ``w`` the head weight's elements, ``weight`` its copy's block). The forward is the frozen
+    head's: ``w.float().t()`` is a view, which autocast does not cache. In backward each chunk's
+    matmul makes the weight's gradient in its copy's dtype (the copy, saved by the matmul, freed
+    then), ``ToCopyBackward`` casts it to the weight's dtype and autograd's input buffer for the
+    weight sums it with the earlier chunks' out of place (a transposed gradient): from the second
+    chunk on the buffer, the new gradient and their sum, three weight-sized tensors in the weight's
+    dtype (``backward_more`` adds them). The largest of these moments, per precision: under autocast
+    the half gradient with its fp32 cast (one chunk), the sum (several: 3 x fp32); in pure half the
+    fp32 copy with its fp32 gradient and the chunk's fp32 logits gradient, plus the half buffer when
+    there are several; in fp32 the gradient (one), the sum (several). The chunk's other logits-sized
+    tensors are freed by then (they are smaller than the weight once the hidden size passes ~700)."""
+    if pol.amp:
+        single, several, chunk = w * (pol.half + F32), 3 * w * F32, 0
+    elif weight:
+        single, several, chunk = weight + w * F32, weight + w * F32 + w * pol.half, F32
+    else:
+        single, several, chunk = w * F32, 3 * w * F32, 0
+    return frozen._replace(backward_chunk=chunk, backward_const=single, backward_more=several - single)
+
+
+def _chunked_nll_fields(m: ModelSpec, t: TrainingSpec, pol: Policy, loss: LossBytes, head_here: bool) -> dict:
+    """``Quantities``' fields of TRL's chunked_nll (``_chunked_nll_bytes``): its chunk of tokens, the
+    matmul moment's and the backward's constants, and the gathered hidden states' gradient per token,
+    alive from the second chunk's backward on (the first, a partial chunk, has none yet)."""
+    if not (head_here and loss_mode(m, t) == "chunked-nll"):
+        return {}
+    return dict(loss_backward_tok=float(m.hidden_size * pol.stream), loss_chunk_tokens=CHUNKED_NLL_TOKENS,
+                loss_matmul_const=loss.matmul_const, loss_matmul_chunk=loss.matmul_chunk,
+                loss_backward_const=loss.backward_const, loss_backward_more=loss.backward_more)
 
 
 def _eager_loss_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int, mode: str, half: int) -> LossBytes:
@@ -1226,7 +1309,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         logits_cast=loss.cast, cast_output=int(t.cast_output), loss_forward=loss.forward, loss_backward=loss.backward,
         loss_backward_chunk=loss.backward_chunk, loss_saved_tok=loss.saved_tok, loss_saved_const=loss.saved_const,
         # --compile: the zero gradients of the KV-cache tensors the model returns (_compiled_loss_bytes)
-        loss_backward_tok=lc.cache * layers if t.compile else 0.0,
+        **{"loss_backward_tok": lc.cache * layers if t.compile else 0.0, **_chunked_nll_fields(m, t, pol, loss, head_here)},
         liger_factor=-(-m.vocab_size // m.hidden_size) if (head_here and is_lm(m) and loss_mode(m, t) == "fused") else 0,
         step_temp=step_temporaries(t, st), linear_replay=int(per_linear_replay(t)), oib_mid=oib_mid, oib_end=oib_end, **_deepspeed_fields(m, t, st),
         tied_grad=compiled_tied[0] if t.compile else tied_head_grad(m, t), tied_replicated=tied_replicated_grad(m, t),
@@ -1488,6 +1571,8 @@ def head_casts(m: ModelSpec, t: TrainingSpec) -> int:
     litgpt's chunked half loss; ``workload._chunked_output_loss``) calls it once per chunk, each
     matmul saving its own copy for the input's gradient. Found by trace: Llama-3.2 (2 layers), LoRA,
     4 chunks, fp16-amp: -27.9% before (one 501 MiB copy counted of four)."""
+    if t.loss == "chunked-nll":
+        return 0   # each chunk's cast is a transient of the loss (_chunked_nll_bytes)
     frozen = bool(t.lora_rank) and "lm_head" not in (t.lora_targets or ())
     chunked = is_lm(m) and t.loss_chunks > 1 and loss_mode(m, t) in ("chunked", "half")
     return t.loss_chunks if (frozen and chunked) else 1

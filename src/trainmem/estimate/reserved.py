@@ -185,8 +185,11 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
         out = cast
     R.frees(s.held)                                               # the previous step's output, replaced
     s.held = []
-    fwd = R.allocs(_logit_tensors(tk.loss_forward, q.loss_forward, full, chunks))  # the fp32 copy, transient
-    saved = R.allocs(_logit_tensors(tk.loss_saved, q.loss_saved, full, chunks))    # log-probabilities
+    if q.loss_chunk_tokens:   # TRL's chunked_nll: its tensors one by one (quantities._chunked_nll_bytes)
+        fwd, saved = _chunked_nll_forward(R, q, tk)
+    else:
+        fwd = R.allocs(_logit_tensors(tk.loss_forward, q.loss_forward, full, chunks))  # the fp32 copy, transient
+        saved = R.allocs(_logit_tensors(tk.loss_saved, q.loss_saved, full, chunks))    # log-probabilities
     R.frees(fwd)
     if flags.hold == "loss":
         R.frees(out)
@@ -199,6 +202,26 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
         fs.ag = None
     R.mark("forward" + suffix, s.step)
     return _Forward(inputs, fs, root, emb, kept, head, out, saved, full, chunks)
+
+
+def _chunked_nll_forward(R: _Replay, q: Quantities, tk: Tokens) -> tuple[list, list]:
+    """TRL's chunked_nll forward: the final norm's output (kept until the loss returns), the gathered
+    hidden states, labels and indices (saved), then one chunk's transients (its head-weight copy and
+    logits-chunk tensors). Returns (transients, saved)."""
+    n = int(tk.tokens)
+    last = R.alloc(int(q.head_loss_tok * n))
+    saved = R.allocs([int(q.loss_saved_tok - 16) * n, 8 * n, 8 * n])
+    rest = int(tk.loss_forward) - int(q.head_loss_tok * n) - q.loss_backward_const
+    chunk = R.allocs([q.loss_backward_const, rest])
+    R.frees(chunk)
+    return [last], saved
+
+
+def _chunked_nll_backward(R: _Replay, q: Quantities, tk: Tokens) -> list:
+    """TRL's chunked_nll backward: the gathered hidden states' gradient, then a chunk's recompute (the
+    head-weight copy its matmul saves and the logits-chunk tensors)."""
+    grad = int(q.loss_backward_tok * int(tk.tokens))
+    return R.allocs([grad, q.loss_backward_const, int(tk.loss_backward) - grad - q.loss_backward_const])
 
 
 def _cast_chunks_backward(R: _Replay, q: Quantities, f: _Forward) -> list:
@@ -240,8 +263,8 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     if q.logits_cast and f.chunks > 1:
         dlogits = _cast_chunks_backward(R, q, f)
     else:
-        sizes = _logit_tensors(tk.loss_backward, q.loss_backward, f.full, f.chunks)
-        lb = R.allocs(sizes)                                      # the loss's backward tensors
+        sizes = [] if q.loss_chunk_tokens else _logit_tensors(tk.loss_backward, q.loss_backward, f.full, f.chunks)
+        lb = _chunked_nll_backward(R, q, tk) if q.loss_chunk_tokens else R.allocs(sizes)  # the loss's backward
         R.frees(f.saved)
         dlogits = _logits_gradient(R, q, tk, f, lb, sizes)        # in the head's dtype
         R.frees(lb)

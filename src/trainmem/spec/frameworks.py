@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from ..errors import TrainmemError
-from .training import default_seq_len
+from .training import chunked_nll_problem, default_seq_len
 
 #: the repository and the release tag (or commit) every cited line is read at
 REPOS: dict[str, tuple[str, str]] = {
@@ -32,6 +32,11 @@ REPOS: dict[str, tuple[str, str]] = {
     "transformers-4.49": ("huggingface/transformers", "v4.49.0"),
     "transformers-4.54": ("huggingface/transformers", "v4.54.0"),
     "transformers-5.0": ("huggingface/transformers", "v5.0.0"),
+    "trl": ("huggingface/trl", "v1.9.0"),
+    "trl-0.12": ("huggingface/trl", "v0.12.0"),
+    "trl-0.19": ("huggingface/trl", "v0.19.0"),
+    "trl-0.21": ("huggingface/trl", "v0.21.0"),
+    "trl-0.22": ("huggingface/trl", "v0.22.0"),
     "accelerate": ("huggingface/accelerate", "v1.15.0"),
     "accelerate-main": ("huggingface/accelerate", "16cb6eb80dd9aa8b4df1a63ef57863e455d53b83"),
     "torchtune": ("pytorch/torchtune", "v0.6.1"),
@@ -165,6 +170,37 @@ def _lightning_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ..
     out: dict[str, Any] = {"reduce_bucket_size": 200_000_000, "overlap_comm": True}
     if zero == 3:
         out["sub_group_size"] = 1_000_000_000_000
+    return out
+
+
+def _trl_chunked(view: Mapping[str, Any], model: Any, version: tuple[int, ...] | None) -> bool:
+    """Whether the run computes TRL's chunked_nll by default: from 1.7, on a causal LM, unless the
+    loss is given (``--loss``: loss_type, or Liger's ``--loss fused``)."""
+    return (version is None or version >= (1, 7)) and getattr(model, "head", "") == "causal-lm" \
+        and view.get("loss") in (None, "chunked-nll") and view.get("loss_chunks", 1) == 1
+
+
+def _trl_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] | None) -> dict[str, Any]:
+    """What TRL's SFTTrainer does besides the table's cells. From 0.22 its ``compute_loss`` passes
+    ``use_cache=False`` to the model (trl/trainer/sft_trainer.py L1710 at v1.9.0, L1040 at v0.22.0):
+    no KV cache. QLoRA (a model transformers loaded in 4 bits): from 0.26 every trainable parameter
+    (the adapters) is cast to bf16 after ``get_peft_model`` (sft_trainer.py L1127-1130 at v1.9.0, L718
+    at v0.26.0): ``--lora-dtype half``. Before, peft's ``autocast_adapter_dtype`` keeps them fp32:
+    0.12-0.21 run ``prepare_model_for_kbit_training`` (the weights that are not 4-bit to fp32) and,
+    with bf16, ``peft_module_casting_to_bf16`` (utils.py L842-849 at v0.12.0), which casts norms to
+    fp32 and the embeddings and head back to bf16 but leaves the adapters alone; 0.22-0.25 cast
+    nothing. From 1.7 ``loss_type`` defaults to ``chunked_nll`` (sft_config.py L335-336 at v1.9.0):
+    ``--loss chunked-nll`` where the estimate models it (``training.chunked_nll_problem``: not a
+    derived architecture); elsewhere the model's own loss stays, with a warning."""
+    out: dict[str, Any] = {}
+    if version is None or version >= (0, 22):
+        out["use_cache"] = False
+    if _trl_chunked(view, model, version) and chunked_nll_problem(
+            model, bool(view.get("quantize")) and view.get("quantize_via") == "fabric") is None:
+        out["loss"] = "chunked-nll"
+    quantized = view.get("quantize") and view.get("quantize_via", "transformers") == "transformers"
+    if quantized and view.get("lora_rank") and (version is None or version >= (0, 26)):
+        out["lora_dtype"] = "half"
     return out
 
 
@@ -303,6 +339,61 @@ def _check_hf(t: Any, model: Any, version: tuple[int, ...] | None, given: frozen
     return out
 
 
+def _check_trl(t: Any, model: Any, version: tuple[int, ...] | None, given: frozenset[str]) -> list[str]:
+    out = _others(t, "TRL's SFTTrainer", zero=False)
+    lm = getattr(model, "head", "") == "causal-lm"
+    if lm and "loss" not in given and t.loss is None and (version is None or version >= (1, 7)):
+        why = chunked_nll_problem(model, bool(t.quantize) and t.quantize_via == "fabric")
+        out.append(f"TRL >= 1.7 computes loss_type='chunked_nll' (the head and cross-entropy over 256-token chunks "
+                   f"of the labelled tokens, each recomputed in backward: no whole logits tensor), which the estimate "
+                   f"does not model here ({why}): the preset counts the model's own loss over the whole logits "
+                   f"(loss_type='nll'), an upper bound; trainmem trace --loss chunked-nll runs TRL's")
+    metrics = _trl_metrics(t, model, version, given) if lm else None
+    if metrics:
+        out.append(metrics)
+    if t.quantize and t.lora_rank and version is not None and version < (0, 22) and t.precision == "bf16-amp" \
+            and t.quantize_via == "transformers":
+        out.append("TRL < 0.22 with bf16: peft_module_casting_to_bf16 casts the embeddings and head back to bf16 after "
+                   "prepare_model_for_kbit_training; trainmem counts them fp32 (2 bytes per parameter more)")
+    return out
+
+
+def trl_metric_bytes(batch: int, seq: int, vocab: int, elem: int, version: tuple[int, ...] | None) -> int:
+    """The most bytes SFTTrainer's metrics hold at once after a loss_type='nll' loss: the held
+    (b, s, vocab) logits, a contiguous copy of the shifted (b, s - 1, vocab) logits when b > 1
+    (``.contiguous()`` in the accuracy code, or ``entropy_from_logits``' reshape of the shifted view
+    in 1.x; one sequence's slice is contiguous already) and, from 0.22, one entropy chunk's
+    log_softmax, exp and product (rows x vocab each: one sequence in 0.22, 128 rows from 0.23),
+    ``elem`` bytes per logit."""
+    held = batch * seq * vocab * elem
+    shifted = batch * (seq - 1) * vocab * elem if batch > 1 else 0   # one sequence's shifted slice is contiguous
+    rows = 128 if version is None or version >= (0, 23) else seq
+    chunk = 3 * min(rows, batch * (seq - 1)) * vocab * elem if version is None or version >= (0, 22) else 0
+    return held + shifted + chunk
+
+
+def _trl_metrics(t: Any, model: Any, version: tuple[int, ...] | None, given: frozenset[str]) -> str | None:
+    """With the model's own loss (loss_type 'nll': TRL 0.15 to 1.6, or asked for later), SFTTrainer's
+    ``compute_loss`` keeps the outputs after the loss and computes, under no_grad, the token accuracy
+    from ``outputs.logits[..., :-1, :].contiguous()`` (0.15 on: a copy of the shifted logits) and,
+    from 0.22, the entropy with ``entropy_from_logits`` (log_softmax, exp and their product, one
+    sequence at a time in 0.22, 128 rows at a time from 0.23; trl/trainer/utils.py L526-560 at v1.9.0).
+    Under bf16/fp16 autocast the logits it reads are fp32: accelerate wraps the model's forward in
+    ``convert_outputs_to_fp32`` (accelerate src/accelerate/accelerator.py ``prepare_model``). trainmem
+    frees the output after the loss (``--hold-output loss``) and counts none of these; the line says
+    how large they are."""
+    nll = (version is not None and (0, 15) <= version < (1, 7)) or ("loss" in given and t.loss in (None, "upcast"))
+    if not nll or t.loss in ("fused", "chunked", "chunked-nll", "half") or t.loss_chunks > 1:
+        return None
+    elem = 4 if t.precision.endswith("-amp") or t.precision == "fp32" else 2   # bytes per logit it reads
+    entropy = version is None or version >= (0, 22)
+    gib = trl_metric_bytes(t.batch_size, t.seq_len, model.vocab_size, elem, version) / 2**30
+    return (f"TRL's compute_loss keeps the {'fp32 ' if elem == 4 else ''}logits after the loss for its token "
+            f"accuracy{' and entropy' if entropy else ''} metrics (a shifted contiguous copy"
+            f"{', log_softmax/exp chunks' if entropy else ''}), under no_grad, before backward: up to "
+            f"{gib:.2f} GiB at that moment that trainmem does not count")
+
+
 def _check_accelerate(t: Any, model: Any, version: Any, given: frozenset[str]) -> list[str]:
     return _others(t, "Accelerate", zero=False) + _no_dtype(t, model, given)
 
@@ -411,6 +502,75 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
         "temporary per tensor (optimization.py:468 in 4.31.0); trainmem counts it as for-loop (two)",
         "before 4.49 the loss copied the shifted fp32 logits (4.45.2 modeling_llama.py:1219-1229, 4.48.0 "
         "loss/loss_utils.py:39); the report warns that trainmem does not count that copy",
+    )),
+    Preset("trl", "TRL SFTTrainer (a Hugging Face Trainer subclass)", "trl 1.9.0", {
+        "precision": Cell("bf16-amp", (_s("trl", "trl/trainer/base_config.py", "67-74"),
+                                       _s("trl", "trl/trainer/base_config.py", "105"),
+                                       _s("trl", "trl/trainer/utils.py", "1144")),
+                          note="bf16=None becomes True unless fp16 is set (from 0.19; before, TrainingArguments' "
+                               "False: fp32); a model given by name is loaded in float32 (model_init_kwargs' dtype "
+                               "defaults to 'float32' from 0.27; transformers 4 loaded fp32 anyway): fp32 weights "
+                               "under bf16 autocast. A model you load in bf16 and pass in trains in bf16: "
+                               "--precision bf16"),
+        "master_weights": Cell(shown="none"),
+        "optimizer_impl": Cell("fused", (_s("transformers", _TF + "training_args.py", "806-811"),
+                                         _s("trl-0.21", "setup.cfg", "32")),
+                               note="the Trainer's optim default: adamw_torch_fused from transformers 4.54, which "
+                                    "TRL requires from 0.21 (transformers>=4.55.0); 0.12-0.20 ran with older "
+                                    "transformers: foreach"),
+        "zero_grad": Cell("none", (_s("transformers", _TF + "trainer.py", "1946"),),
+                          note="the HF Trainer's model.zero_grad() (set_to_none=True)"),
+        "hold_output": Cell("loss", (_s("trl", "trl/trainer/sft_trainer.py", "1700-1832"),),
+                            note="compute_loss keeps the outputs after the loss for its token-accuracy and entropy "
+                                 "metrics, under no_grad, and returns the loss: they are freed before backward. "
+                                 "With loss_type='nll' (0.15 to 1.6) the metrics read the logits, fp32 under "
+                                 "autocast (accelerate's convert_outputs_to_fp32), copy the shifted logits when "
+                                 "the micro-batch has several sequences and run entropy_from_logits (utils.py "
+                                 "L526-560) over 128 rows at a time: not counted, one warning line gives their "
+                                 "size"),
+        "loss": Cell(shown="the model's own (upcast) to 1.6; chunked-nll from 1.7 (a derived architecture: the "
+                           "model's own, an upper bound, warned; trace --loss chunked-nll runs it)",
+                     sources=(_s("trl", "trl/trainer/sft_config.py", "283-295"),
+                              _s("trl", "trl/trainer/sft_config.py", "335-336"),
+                              _s("trl", "trl/trainer/sft_trainer.py", "99-234")),
+                     note="loss_type None is 'chunked_nll' from 1.7 unless use_liger_kernel: the patched forward "
+                          "stops at the last hidden state, gathers the labelled tokens (hidden[order]) and runs the "
+                          "head in fp32 and the cross-entropy on 256 of them at a time inside "
+                          "torch.utils.checkpoint; 'dft' (0.23 on) multiplies the loss by the detached "
+                          "probabilities; use_liger_kernel=True is Liger's fused linear cross-entropy: --loss fused"),
+        "attention": Cell("sdpa", (_s("transformers", _TF + "modeling_utils.py", "1846"),),
+                          note="padding_free (False by default; on with packing's 'bfd' strategy) flattens the "
+                               "micro-batch into one sequence for flash attention: give --attention flash and "
+                               "--batch-size 1 --seq-len <tokens of the micro-batch>"),
+        "recompute": Cell("full", (_s("trl", "trl/trainer/base_config.py", "61-66"),),
+                          note="gradient_checkpointing defaults to True from 0.22 (TRL's own config), with "
+                               "use_reentrant=False under transformers 4 (sft_trainer.py L1332-1334)"),
+        "sharding": Cell(shown="none (DDP); --fsdp or --zero as configured"),
+        "grad_sync": Cell("step", (_s("transformers", _TF + "trainer.py", "1896-1908"),),
+                          note="the HF Trainer's accelerator.no_sync while accumulating"),
+        "dropout": Cell(shown="the config's"),
+        "seq_len": Cell(1024, (_s("trl", "trl/trainer/sft_config.py", "205-212"),),
+                        note="max_length (max_seq_length before 0.16; 0.12-0.14 took min(model_max_length, 1024)) "
+                             "1024: samples are truncated to it and a micro-batch is padded to its longest sample, "
+                             "so 1024 is the worst case and, with packing, the length of every block; "
+                             "--seq-len gives the real one"),
+    }, since=(
+        Since("precision", "0.12", "fp32", _s("transformers", _TF + "training_args.py", "874-885")),
+        Since("precision", "0.19", "bf16-amp", _s("trl-0.19", "trl/trainer/sft_config.py", "252")),
+        Since("optimizer_impl", "0.12", "foreach", _s("trl-0.12", "setup.py", "82")),
+        Since("optimizer_impl", "0.21", "fused", _s("trl-0.21", "setup.cfg", "32")),
+        Since("recompute", "0.12", "none", _s("transformers", _TF + "training_args.py", "1544-1545")),
+        Since("recompute", "0.22", "full", _s("trl-0.22", "trl/trainer/sft_config.py", "111-115")),
+    ), oldest="0.12", rules=_trl_rules, check=_check_trl, torch_derived=("zero_grad", "attention", "optimizer_impl"),
+        notes=(
+        "the preset's seq_len is max_length's 1024 (sft_config.py:205-212), the longest a micro-batch can be",
+        "QLoRA: the model's weights that are not 4-bit stay as loaded (float32 by default) under bf16 autocast "
+        "(--precision bf16-amp); from 0.26 the adapters are cast to bf16 (sft_trainer.py:1127-1130, --lora-dtype "
+        "half); 0.12-0.21 ran peft's prepare_model_for_kbit_training and peft_module_casting_to_bf16 "
+        "(embeddings and head to bf16, norms fp32; the report warns that trainmem counts them fp32)",
+        "use_cache=False in compute_loss from 0.22 (sft_trainer.py:1710): no KV cache",
+        "use_liger_kernel (False) and activation_offloading (False) are off by default; "
+        "completion_only_loss and assistant_only_loss change which labels are -100, not a tensor's size",
     )),
     Preset("accelerate", "Hugging Face Accelerate", "accelerate 1.15.0", {
         "precision": Cell(shown="the checkpoint's dtype",

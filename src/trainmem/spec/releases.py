@@ -94,8 +94,8 @@ def torch_problems(t: Any) -> list[str]:
             out.append(f"--attention {t.attention} (scaled_dot_product_attention arrived in 2.0; use eager or flash)")
         if t.optimizer_impl == "fused" and not (t.optimizer == "adam" and v >= (1, 13)):
             out.append("--optimizer-impl fused (Adam's fused=True arrived in 1.13, AdamW's in 2.0)")
-        if t.loss in ("chunked", "fused") or t.loss_chunks > 1:
-            out.append("chunked or fused losses (modelled as torchtune, litgpt and Liger run them on PyTorch 2)")
+        if t.loss in ("chunked", "fused", "chunked-nll") or t.loss_chunks > 1:
+            out.append("chunked or fused losses (modelled as torchtune, litgpt, Liger and TRL run them on PyTorch 2)")
         if t.offload_activations or t.recompute == "op":
             out.append("--offload-activations and --recompute op (torchtune's and torchtitan's, PyTorch 2)")
     if v < (2, 1) and t.optimizer_in_backward:

@@ -54,8 +54,12 @@ ZERO_GRAD = ("none", "zeros")           # optimizer.zero_grad(set_to_none=True) 
 HOLD_OUTPUT = ("loss", "backward", "step")  # what the loop keeps of the model output, and until when
 #: upcast: HF ForCausalLMLoss (logits.float() first); half: F.cross_entropy on the half logits (nanoGPT,
 #: lit-gpt); chunked: torchtune's CEWithChunkedOutputLoss over --loss-chunks output chunks; fused: Liger's
-#: fused linear + cross-entropy (no logits materialised)
-LOSSES = ("upcast", "half", "chunked", "fused")
+#: fused linear + cross-entropy (no logits materialised); chunked-nll: TRL's SFTTrainer loss_type
+#: 'chunked_nll' (the head and an fp32 cross-entropy over 256 labelled tokens at a time, each chunk
+#: checkpointed)
+LOSSES = ("upcast", "half", "chunked", "fused", "chunked-nll")
+#: TRL's chunk of labelled tokens (trl/trainer/sft_trainer.py ``_CHUNKED_LM_HEAD_CHUNK_SIZE``, L86 at v1.9.0)
+CHUNKED_NLL_TOKENS = 256
 LOSS_SHIFTS = ("labels", "logits")  # how next-token targets are aligned: shifted labels, or a shifted logits copy
 MASTER_WEIGHTS = ("none", "fp32")
 #: when sharded gradients are reduce-scattered under gradient accumulation: after every micro-batch
@@ -543,13 +547,18 @@ class TrainingSpec:
         if self.loss == "chunked" and self.loss_chunks < 2:
             raise TrainmemError("--loss chunked needs --loss-chunks N >= 2 (torchtune's num_output_chunks; "
                                 "its recipes use 8)")
-        if self.loss in ("upcast", "fused") and self.loss_chunks > 1:
-            raise TrainmemError(f"--loss {self.loss} computes the loss in one piece (fused picks its own chunks); "
+        if self.loss in ("upcast", "fused", "chunked-nll") and self.loss_chunks > 1:
+            raise TrainmemError(f"--loss {self.loss} computes the loss in one piece (fused and chunked-nll pick "
+                                f"their own chunks); "
                                 f"--loss-chunks {self.loss_chunks} needs --loss chunked (upcast chunks, torchtune) "
                                 "or half (half chunks, litgpt)")
         if self.loss is None and self.loss_chunks > 1:
             object.__setattr__(self, "loss", "chunked")
         _choice("loss-shift", self.loss_shift, LOSS_SHIFTS)
+        if self.loss == "chunked-nll" and (self.tp > 1 or self.pp > 1 or self.compile):
+            what = "--tp" if self.tp > 1 else "--pp" if self.pp > 1 else "--compile"
+            raise TrainmemError(f"--loss chunked-nll with {what}: TRL's chunked loss is modelled on whole head "
+                                f"weights and run eagerly; drop {what} or --loss chunked-nll")
         self._check_cast_output()
         self._check_fused_qkv()
         self._check_attention_call()
@@ -772,9 +781,23 @@ def _size_problems(model: Any, t: TrainingSpec) -> str | None:
     if t.attention_call != "model" and (model.head != "causal-lm" or model.family == "nanogpt"):
         return (f"--attention-call {t.attention_call} calls SDPA with is_causal (litgpt's decoder); {model.name} "
                 f"is not a transformers causal-LM decoder: drop --attention-call")
+    if t.loss == "chunked-nll" and model.head != "causal-lm":
+        return (f"--loss chunked-nll is TRL's SFTTrainer loss for causal LMs (it reads the output embedding "
+                f"directly); {model.name} has a {model.head} head: drop --loss chunked-nll")
     if t.cast_output and model.head != "causal-lm":
         return (f"--cast-output is modelled for causal-LM heads (litgpt's GPT under Lightning Fabric); "
                 f"{model.name} has a {model.head} head: drop --cast-output")
+    return None
+
+
+def chunked_nll_problem(model: Any, head_quantized: bool) -> str | None:
+    """Why the estimate cannot model ``--loss chunked-nll`` (TRL's chunked_nll) for this setup (None:
+    it can): it is written for the hand-written architectures' LM heads, not 4-bit ones; trace runs
+    every case."""
+    if getattr(model, "family", "") == "derived":
+        return f"{model.name} is a derived architecture"
+    if head_quantized:
+        return "the LM head is a 4-bit linear"
     return None
 
 
