@@ -237,15 +237,9 @@ PP_SCHEDULES, PP_SCHEDULE_WEIGHTS = ("interleaved-1f1b", "1f1b", "gpipe"), (5, 2
 PP_LAYOUTS, PP_LAYOUT_WEIGHTS = (("alone", {}), ("ddp2", {"dp": 2}), ("ddp4", {"dp": 4}), ("tp2", {"tp": 2})), (4, 3, 1, 2)
 
 
-def _pp_axes(rng, family: str, o: dict) -> int:
-    """The fourth draw's axes on top of a first-draw setup, on a 4-layer model (returned: the
-    layers): ``--pp 2`` under torch's ScheduleInterleaved1F1B (two virtual stages of one layer per
-    rank), Schedule1F1B or ScheduleGPipe (two layers per stage), 2, 4 or 8 micro-batches, alone,
-    with DDP replicas of each stage (``--dp 2``/``4``) or, under the one-stage schedules,
-    tensor-parallel stages (``--tp 2``). What trace does not pipeline (``trace/distributed.py``
-    ``_check_pp``: FSDP, LoRA, a chunked loss, a held output; ``--tp`` under an interleaved
-    schedule) is steered to setups it runs, as in ``_extra_axes``; the external optimizers of the
-    second draw on a third of the setups without TP."""
+def _pipelined(o: dict) -> None:
+    """A setup turned into one trace pipelines (``trace/distributed.py`` ``_check_pp``): two stages,
+    no other layout, LoRA, chunked loss, offloading or held output; bf16-mp as bf16 autocast."""
     for k in ("dp", "tp", "fsdp", "sequence_parallel", "lora_rank", "lora_targets", "lora_dropout",
               "loss_chunks", "offload_activations"):
         o.pop(k, None)
@@ -255,6 +249,18 @@ def _pp_axes(rng, family: str, o: dict) -> int:
         o["loss"] = "half"
     o["hold_output"] = "loss"
     o["pp"] = 2
+
+
+def _pp_axes(rng, family: str, o: dict) -> int:
+    """The fourth draw's axes on top of a first-draw setup, on a 4-layer model (returned: the
+    layers): ``--pp 2`` under torch's ScheduleInterleaved1F1B (two virtual stages of one layer per
+    rank), Schedule1F1B or ScheduleGPipe (two layers per stage), 2, 4 or 8 micro-batches, alone,
+    with DDP replicas of each stage (``--dp 2``/``4``) or, under the one-stage schedules,
+    tensor-parallel stages (``--tp 2``). What trace does not pipeline (``trace/distributed.py``
+    ``_check_pp``: FSDP, LoRA, a chunked loss, a held output; ``--tp`` under an interleaved
+    schedule) is steered to setups it runs, as in ``_extra_axes``; the external optimizers of the
+    second draw on a third of the setups without TP."""
+    _pipelined(o)
     o["grad_accum"] = _pick(rng, (2, 4, 8), (3, 3, 1))
     o["pp_schedule"] = _pick(rng, PP_SCHEDULES, PP_SCHEDULE_WEIGHTS)
     _, lay = _pick(rng, PP_LAYOUTS, PP_LAYOUT_WEIGHTS)
@@ -302,15 +308,7 @@ def _extra_axes(rng, family: str, o: dict) -> None:
     (``trace/distributed.py`` ``_check_pp``: other layouts, LoRA, a chunked loss, a held output)
     and bitsandbytes over DTensor shards are steered to setups it runs."""
     if family in PP_FAMILIES and rng.random() < 0.6:
-        for k in ("dp", "tp", "fsdp", "sequence_parallel", "lora_rank", "lora_targets", "lora_dropout",
-                  "loss_chunks", "offload_activations"):
-            o.pop(k, None)
-        if o["precision"] == "bf16-mp":
-            o["precision"] = "bf16-amp"
-        if o.get("loss") == "chunked":
-            o["loss"] = "half"
-        o["hold_output"] = "loss"
-        o["pp"] = 2
+        _pipelined(o)
         o["grad_accum"] = _pick(rng, (2, 3, 4))
         if rng.random() < 0.25:
             o["pp_schedule"] = "gpipe"
