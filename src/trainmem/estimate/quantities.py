@@ -1273,8 +1273,9 @@ def _layer_transients(t: TrainingSpec, lc: LayerCoefs, pol: Policy, gpw: float, 
     uncast = lc.after_uncast or (0.0,) * len(lc.transients)
     ssq = lc.transients_ssq or (0.0,) * len(lc.transients)
     at = lc.transients_at or (ALL_MOMENTS,) * len(lc.transients)
-    trans = tuple((a, b, c - (w - u) * freed, int(w * gpw), d, k)
-                  for (_, a, b, c), w, u, d, k in zip(lc.transients, after, uncast, ssq, at))
+    own = lc.own_cast or (0.0,) * len(lc.transients)  # (a linear's fp32 cast of its weight gradient)
+    trans = tuple((a, b, c - (w - u + o) * freed, int(w * gpw), d, k)
+                  for (_, a, b, c), w, u, o, d, k in zip(lc.transients, after, uncast, own, ssq, at))
     if t.offload_activations and trans:
         trans = trans[:-1] + ((trans[-1][0] + offload_previous(input_tok, pol), *trans[-1][1:]),)
     return trans
