@@ -7,8 +7,10 @@ from ..report import Category
 from ..report import Component, Phase
 from ..spec.hardware import CUBLAS_WORKSPACE
 from ..spec.training import TrainingSpec
-from .moments import PARTS, Moment, Tokens
+from .moments import MIDDLE, PARTS, Moment, Tokens, middle_index
 from .quantities import HEAD_KEYS, PER_POSITION, Quantities, is_lm, loss_mode, loss_upcasts
+
+MIDDLE_NAMES = frozenset(name for name, _k, _n in MIDDLE)  # FSDP's moments of the layers in between
 
 # the categories as plain strings (an Enum attribute lookup costs a descriptor call per component)
 PARAMETERS, BUFFERS, MASTER = Category.PARAMETERS.value, Category.BUFFERS.value, Category.MASTER_WEIGHTS.value
@@ -28,11 +30,13 @@ def phase_label(phase: str, micro: int, ga: int) -> str:
 
 def where_label(mo: Moment, q: Quantities, tk: Tokens) -> str:
     """Where a moment happens, with the layer index and the op whose backward runs."""
-    if mo.where not in ("layer.top", "layer.bottom", "layer.decoder_bottom"):
+    middle = {name: middle_index(name, q.layers) for name, _k, _n in MIDDLE}  # FSDP's layers in between
+    if mo.where not in ("layer.top", "layer.bottom", "layer.decoder_bottom", *middle):
         return mo.where
-    i = {"layer.top": tk.transient_index, "layer.bottom": tk.bottom[0]}.get(mo.where, tk.decoder_bottom[0])
+    i = {"layer.top": tk.transient_index, "layer.bottom": tk.bottom[0]}.get(
+        mo.where, tk.transient_index if mo.where in middle else tk.decoder_bottom[0])
     op = q.detail.layer.transients[i][0] if i >= 0 else "backward"
-    index = {"layer.top": q.layers - 1, "layer.bottom": 0}.get(mo.where, q.lower_layers)
+    index = {"layer.top": q.layers - 1, "layer.bottom": 0, **middle}.get(mo.where, q.lower_layers)
     return f"layer[{index}].{op or 'backward'}"
 
 
@@ -84,7 +88,9 @@ def components(q: Quantities, tk: Tokens, mo: Moment, t: TrainingSpec, n: int, n
         out.append(Component("optimizer_states", STATES, parts["optimizer_states"], None,
                              f"{t.optimizer} states of trainable tensors [/dp under ZeRO>=1]", True))
     if parts["activations"]:
-        out += activations(q, tk, parts["activations"], t, n, nsq, half)
+        # FSDP's moments of a layer below the top one (moments.MIDDLE): the layers up to it are alive
+        alive = middle_index(mo.where, q.layers) + 1 if mo.where in MIDDLE_NAMES else None
+        out += activations(q, tk, parts["activations"], t, n, nsq, half, alive)
     if parts["logits"]:
         out += _logits(mo, m, half, loss_mode(m, t) if is_lm(m) else "")
     if getattr(m, "is_image", False):  # pixel values in the weights' dtype, int64 labels
@@ -123,13 +129,14 @@ def components(q: Quantities, tk: Tokens, mo: Moment, t: TrainingSpec, n: int, n
 
 
 def activations(q: Quantities, tk: Tokens, at_peak: int, t: TrainingSpec, n: int, nsq: int,
-                half: str) -> list[Component]:
-    """The activations alive at the peak: every saved tensor by name when all layers' are alive
-    (end of forward, or the head's backward), else what remains of them."""
-    complete = at_peak == tk.all_acts
-    if not (complete or at_peak == tk.layers + tk.outer_rest):
+                half: str, alive: int | None = None) -> list[Component]:
+    """The activations alive at the peak by name where known (``_named_layers``; ``alive``: at FSDP's
+    backward of a layer below the top one, the lowest layers alive), else what remains of them."""
+    named = _named_layers(q, tk, at_peak, alive)
+    if named is None:
         return [Component("activations.remaining", ACTIVATIONS, at_peak, None,
                           "activations of the layers not yet back-propagated at the peak")]
+    complete, headless, alive = named
     listed = []
     for name, tok, sq in sorted(q.detail.outer):
         v = int(tok * (n // max(t.batch_size, 1)) if name in PER_POSITION else tok * n + sq * nsq)
@@ -151,11 +158,11 @@ def activations(q: Quantities, tk: Tokens, at_peak: int, t: TrainingSpec, n: int
                                 "tensors sized by the sequence squared, shared by the micro-batch"))
     # under torch's pipeline schedule each micro-batch in flight has its own autocast copies (moments.tokens)
     per_forward = tk.inflight if q.pipe_batch else 1
-    if q.cast_head and complete:
+    if q.cast_head and complete and not headless:
         per_forward = 1 if q.pipe_head_once else per_forward
         listed.append(Component("activations.autocast_weight_copies.head", ACTIVATIONS, q.cast_head * per_forward,
                                 half, "half copy of the LM head weight saved by its matmul"))
-    per_rank = q.layers * tk.inflight
+    per_rank = alive * tk.inflight  # the layers whose tensors are alive (all of them but at a middle moment)
     # a later pipeline stage's first layer saves the receive buffer, counted with the inputs
     received = int(q.detail.received_tok * n) * tk.fed
     if t.recompute == "full" and t.recompute_every > 1:
@@ -190,10 +197,10 @@ def activations(q: Quantities, tk: Tokens, at_peak: int, t: TrainingSpec, n: int
                                         "saved per layer x layers on this rank x micro-batches in flight"))
     if q.cast_layer and not q.cast_checkpointed:
         listed.append(Component("activations.autocast_weight_copies.layers", ACTIVATIONS,
-                                (q.cast_layer * q.layers - q.cast_first_free) * per_forward, half,
+                                (q.cast_layer * alive - q.cast_first_free) * per_forward, half,
                                 "half copies of matmul weights cast by autocast, saved for backward"))
     if q.gathered_layer:
-        listed.append(Component("communication.fsdp_gathered_layers", COMMUNICATION, q.gathered_layer * q.layers,
+        listed.append(Component("communication.fsdp_gathered_layers", COMMUNICATION, q.gathered_layer * alive,
                                 "bf16" if t.precision == "bf16-mp" else None,
                                 "FSDP grad-op: every layer's weights gathered at its forward, kept until its "
                                 "backward (reshard_after_forward=False)"))
@@ -201,6 +208,21 @@ def activations(q: Quantities, tk: Tokens, at_peak: int, t: TrainingSpec, n: int
     if diff:
         listed.append(Component("activations.rounding", ACTIVATIONS, diff, None, "integer rounding"))
     return listed
+
+
+def _named_layers(q: Quantities, tk: Tokens, at_peak: int, alive: int | None) -> tuple[bool, bool, int] | None:
+    """Whether ``activations`` can name the tensors alive at the peak: (all of them, all but the
+    head's half weight copy, how many layers' tensors), or None when only their total is known.
+    All are alive at the end of forward and at the loss's backward; at the head's weight gradient
+    its matmul has released the half copy (``quantities.head_wgrad``); at the top layer's backward
+    every layer's are; at FSDP's backward of a layer below it, the ``alive`` lowest layers'."""
+    headless = bool(q.head_wgrad) and at_peak == tk.all_acts - q.cast_head
+    complete = at_peak == tk.all_acts or headless
+    own = tk.layers - tk.others_layers
+    some = alive is not None and at_peak == own * alive // q.layers + tk.others_layers + tk.others_head + tk.outer_rest
+    if not (complete or some or at_peak == tk.layers + tk.outer_rest):
+        return None
+    return complete, headless, alive if some else q.layers
 
 
 def _logits(mo: Moment, m: Any, half: str, mode: str) -> list[Component]:

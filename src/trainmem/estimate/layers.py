@@ -53,6 +53,8 @@ class Recipe:
     cache: float = 0.0  # bytes per token of the KV-cache copies the model output references
     transients: list[tuple[str, float, float, float, float, float, float, float]] = field(default_factory=list)
     weights: float = 0.0
+    # per transient: the weight elements of the op itself whose autocast copy its backward has released
+    own_cast: list[float] = field(default_factory=list)
     # of ``weights``: those of transformers' grouped experts, which ``_grouped_mm`` reads as they are
     # (no autocast rule: no half copy made, none freed in backward)
     uncast: float = 0.0
@@ -106,7 +108,7 @@ class Recipe:
             self.held[id(t)] = t
 
     def transient(self, name: str, *ts: T, const: float = 0.0, own_weights: float = 0.0,
-                  own_uncast: float = 0.0) -> None:
+                  own_uncast: float = 0.0, own_cast: float = 0.0) -> None:
         """A moment of this op's backward where ``ts`` are alive. Ops after it in forward order
         were back-propagated already, so only the tensors saved so far are still alive then:
         the recorded excess is relative to the whole layer's saved tensors. ``own_weights``: the
@@ -118,6 +120,7 @@ class Recipe:
         so_sq = sum(t.sq * t.nbytes for t in self.saved.values())
         self.transients.append((name, tok, sq, const, so_tok, so_sq, self.weights + own_weights,
                                 self.uncast + own_uncast))
+        self.own_cast.append(own_cast)  # this op's weight elements whose half copy is freed by then
 
     def coefficients(self) -> tuple[float, float, dict[str, tuple[float, float]]]:
         """(bytes per token, bytes per token x key, per-name breakdown) of the saved tensors."""
@@ -212,14 +215,33 @@ class Builder:
         in_features = xin.tok if in_features is None else in_features
         w = in_features * out
         self.r.linears.append((len(self.r.saved), w, self.p.weight))  # (under autocast, cast after its input)
-        # backward: grad_out, grad_in and the weight gradient alive together
-        self.r.transient(f"{name}.backward", T(out, 0, self.p.half), T(xin.tok, 0, self.p.half),
-                         const=w * self.wgrad_bytes, own_weights=w)
+        self._linear_backward(name, x, xin, out, w)
         self.r.weights += w
         rank = self.lora_rank_of(name)
         if rank:  # a LoRA target in a mixed FSDP1 unit: the trainable base, then the adapter
             self.adapter(x, name, saved_name, rank, free_in)
         return y
+
+    def _linear_backward(self, name: str, x: T, xin: T, out: float, w: float) -> None:
+        """A linear's backward moments. Without autocast: grad_out, grad_in and the weight gradient
+        alive together. Under autocast (fp32 weights) ``MmBackward0`` makes grad_in and the weight
+        gradient in the half dtype beside grad_out and everything saved; when it returns autograd
+        releases what it saved (``Node::release_variables``: the half copy of the weight and, when
+        autocast cast the input for it alone, that copy) and grad_out, and ``ToCopyBackward0`` then
+        casts the weight gradient to fp32 while the half one is referenced: two moments, each below
+        the sum of all of them. Found by trace: Llama-2-7B's ``down_proj`` (bf16-amp, 4 layers,
+        FSDP2 dp 8, full recompute), 376 MiB counted where 204 and 172 MiB are alive."""
+        if not (self.p.amp and self.wgrad_bytes == HALF + F32):
+            self.r.transient(f"{name}.backward", T(out, 0, self.p.half), T(xin.tok, 0, self.p.half),
+                             const=w * self.wgrad_bytes, own_weights=w)
+            return
+        # MmBackward0: (b, s, out) and (b, s, in) gradients, the (in, out) weight gradient, half
+        self.r.transient(f"{name}.backward", T(out, 0, self.p.half), T(xin.tok, 0, self.p.half),
+                         const=w * HALF, own_weights=w)
+        # ToCopyBackward0: grad_in, the half and the fp32 weight gradients; the input's own half copy freed
+        own_input = [T(-xin.tok, 0, HALF)] if xin is not x else []
+        self.r.transient(f"{name}.backward.cast", T(xin.tok, 0, self.p.half), *own_input,
+                         const=w * (HALF + F32), own_weights=w, own_cast=w)
 
     def grad_starts(self, x: T) -> bool:
         """A trainable weight meets ``x`` (``base_trains``: the layer's base weights are views of a
@@ -777,6 +799,7 @@ class LayerCoefs:
     transients_at: tuple[int, ...] = ()  # per transient: the backward moments it belongs to (bit mask; () all)
     # per transient: of ``after``, the grouped experts' weight elements (no autocast copies to free)
     after_uncast: tuple[float, ...] = ()
+    own_cast: tuple[float, ...] = ()  # per transient: the op's own weight elements whose half copy is freed
     first_adapter_op: int = -1  # LoRA: the transient of the first adapted linear (forward order); -1 none
     # each linear of the layer in forward order: (how many of ``tensors`` are saved before autocast
     # casts its weight, the weight's elements, bytes per element of its gradient (the weight's dtype;
@@ -830,6 +853,7 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
     wall = B.r.weights
     after = tuple(max(0.0, wall - w) for *_, w, _u in B.r.transients)
     after_uncast = tuple(max(0.0, B.r.uncast - u) for *_, u in B.r.transients)
+    own_cast = tuple(B.r.own_cast)
     held = sum(t.tok * t.nbytes for i, t in B.r.held.items() if i not in B.r.saved)
     op_tok, op_sq = op_checkpoint_saved(B.r)
     input_saved = B.r.input_saved or id(x) in B.r.saved
@@ -842,6 +866,7 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
                       fwd_free=tuple(t.bytes_coef() for i, t in B.r.forward_only.items()
                                      if i not in B.r.saved and t is not x),
                       after_uncast=after_uncast if any(after_uncast) else (),
+                      own_cast=own_cast if any(own_cast) else (),
                       first_adapter_op=B.r.first_adapter_op, linears=tuple(B.r.linears),
                       op_tensors=tuple(t.bytes_coef() for t in op_checkpoint_kept(B.r)))
 

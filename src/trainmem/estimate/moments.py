@@ -389,7 +389,7 @@ def _fsdp_first_unshard(q: Quantities, tk: Tokens, before: tuple, prev: tuple, s
                comm=2 * q.fsdp_root + q.fsdp_ag_result + current)
 
 
-def _head_backward(q: Quantities, tk: Tokens, kept: Kept, before: tuple, step: int, micro: int,
+def _head_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, before: tuple, step: int, micro: int,
                    valid: Any) -> list[Moment]:
     """Backward moments between the loss's and the last layer's. ``before``: (gradients, states,
     workspace).
@@ -400,7 +400,8 @@ def _head_backward(q: Quantities, tk: Tokens, kept: Kept, before: tuple, step: i
       all the head's calls, and the engine runs the highest sequence number first), so the chunks'
       logits gradients wait for the head's backward, which consumes them one by one; at the first
       chunk's one weight gradient is made, at the second's two and their sum exist
-      (``quantities.chunk_head_grads``)."""
+      (``quantities.chunk_head_grads``).
+    * Under autocast, the head's weight gradient cast to fp32 (``_head_weight_grad``)."""
     grads_before, states, ws2 = before
     out = [_mo("backward", micro, step, "fsdp.root_unshard",
                (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.logits_grad), (kept.logits, kept.kv_forward, 0),
@@ -410,7 +411,26 @@ def _head_backward(q: Quantities, tk: Tokens, kept: Kept, before: tuple, step: i
                        (kept.logits, kept.kv_forward, 0), _both(valid, q.chunk_head_grads > 0),
                        comm=q.fsdp_loss_root + q.fsdp_last_kept + q.fsdp_loss_buf + q.ds_backward_buf
                        + q.ds_gathered_top))
+    out.append(_head_weight_grad(q, flags, tk, kept, before, step, micro, valid))
     return out
+
+
+def _head_weight_grad(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, before: tuple, step: int,
+                      micro: int, valid: Any) -> Moment:
+    """The LM head's weight gradient cast to fp32 under autocast (``quantities.head_wgrad``): the
+    half gradient and its fp32 cast (a tied head's waits in autograd's input buffer, ``tied_grad``;
+    an untied head's is its ``.grad``, unsharded under FSDP), every activation but the head's half
+    weight copy (released by its matmul's backward), the root gathered with the last layer
+    prefetched (FSDP, as at the loss's backward). Only where gradients are being created (not
+    added to an accumulated ``.grad``). ``before``: (gradients, states, workspace)."""
+    grads_before, states, ws2 = before
+    fresh, sync = grads_before == 0, fsdp_sync(q, flags)
+    head = where(q.tied_grad > 0, 0, where(sync, q.fsdp_head_full, where(fresh, q.head_grads, q.fsdp1_head_wait)))
+    return _mo("backward", micro, step, "lm_head.weight_grad",
+               (grads_before + head, states, tk.inputs, ws2, tk.all_acts - q.cast_head, q.head_wgrad + q.tied_grad),
+               (kept.logits, kept.kv_forward, 0), _both(valid, _both(q.head_wgrad > 0, _either(fresh, sync))),
+               comm=q.fsdp_loss_root + q.fsdp_root_regather + q.fsdp_last_kept
+               + q.fsdp_loss_buf + q.ds_backward_buf + q.ds_gathered_top)
 
 
 def _root_regather_at_loss(q: Quantities, tk: Tokens, kept: Kept, before: tuple, step: int, micro: int,
@@ -485,7 +505,7 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
                        (kept.logits, kept.kv_forward, tk.loss_saved), valid, own,
                        comm=q.fsdp_loss_root + q.fsdp_last_kept + q.fsdp_loss_buf + q.ds_backward_buf
                        + q.ds_gathered_top))
-    moments.extend(_head_backward(q, tk, kept, (grads_before, states, ws2), step, micro, valid))
+    moments.extend(_head_backward(q, flags, tk, kept, (grads_before, states, ws2), step, micro, valid))
     # a 4-bit LM head dequantizes its weight again for the input gradient (quant4.py): the loss's
     # backward is over (its fp32 gradients and saved log-probabilities freed); the gradient of the
     # head's output, in the output's dtype, is what MatMul4Bit.backward multiplies
@@ -556,6 +576,10 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
                        (kept.logits, kept.kv_forward, 0), valid, own, comm=root + buf + where(unprefetched, 0, buf) + q.ds_gathered_top))
     _fsdp1_layer_end(q, flags, tk, kept, (step, micro, valid), (grads_before + head_grads, states_mid, ws2, own),
                      own_layers, root, buf, moments)
+    _fsdp_middle_layers(q, flags, tk, kept, when, (grads_before + head_grads + layer_grads, states_mid, ws2, temp),
+                        (own_layers, others_all, fresh, reduced, kept_layer),
+                        (root + buf + where(unprefetched, 0, buf) + rs + low_ds, root, buf, grads_before + head_grads),
+                        moments)
     above = where(fresh, q.above_bottom, 0)    # the layers above, reduced to shards
     _i, redo, grads = tk.bottom
     bottom = grads_before + head_grads + above + part(grads) - (q.layers - 1) * reduced
@@ -653,6 +677,70 @@ def _backward_end(q: Quantities, tk: Tokens, kept: Kept, when: tuple, now: tuple
                 (kept.logits, kept.kv_end, 0), valid, tk.graph, comm=q.ds_backward_buf + low_ds + kept_end)]
 
 
+#: the FSDP backward moments of the layers between the top and the bottom one (``_fsdp_middle_layers``):
+#: their name and the layer's index counted from the top (1: the second from the top, ``layers - 2``: the
+#: second from the bottom) and the fewest layers for which that moment differs from those before it
+MIDDLE = (("layer.below_top", 1, 3), ("layer.above_bottom", -2, 4))
+
+
+def middle_index(where_: str, layers: Any) -> Any:
+    """The index (from the bottom, 0-based) of the layer a ``MIDDLE`` moment is at, for ``layers`` layers."""
+    k = dict((name, k) for name, k, _n in MIDDLE)[where_]
+    return layers - 1 - k if k > 0 else -k - 1
+
+
+def _fsdp_middle_layers(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, when: tuple, top: tuple,
+                        own: tuple, comm: Any, moments: list) -> None:
+    """FSDP, the backward of a layer below the top one and above the bottom one: every buffer FSDP
+    holds in backward is alive at once. torch 2.13 ``_fully_shard/_fsdp_param_group.py``: layer i's
+    ``pre_backward`` (L576-586) waits for its all-gather, issued by the upper layer's backward
+    prefetch, and copies its parameters out (``wait_for_unshard`` L417-489; in backward the
+    all-gather output is freed right after the copy-out, L487-489), then ``_backward_prefetch``
+    (L795-831) -> ``_prefetch_unshard`` (L833-847) issues the all-gather of the layer below (its
+    output, the flat unsharded parameters, allocated now) before layer i's backward computes; the
+    upper layer's reduce-scatter input (its unsharded gradients, flat, in the reduce dtype) is kept in
+    ``comm_ctx.reduce_scatter_states`` until layer i's own ``post_backward`` pops it (L645-657,
+    ``reduce_scatter_max_input_buffers`` = 1) and appends its own (L717-719). So layer i computes
+    with the root gathered, its own unsharded parameters, the lower layer's all-gather output, the
+    upper layer's reduce-scatter input, the shards of the layers above (``foreach_reduce``'s output,
+    ``_fsdp_collectives.py``) and the activations of layers 0..i. The top layer has no reduce-scatter
+    input before it (moment ``layer.top``), the bottom one prefetches nothing (``curr_index`` 0:
+    ``layer.bottom``). Between them a layer lower down holds one layer's activations fewer and one
+    layer's gradient shards more; both change linearly with the layer's index, so the largest of
+    these moments is at one of the two ends: the second layer from the top and from the bottom.
+    FSDP1 (``BACKWARD_PRE``: the next unit's flat parameter unsharded in the pre-backward hook, the
+    reduce-scatter input freed when issued, ``fsdp/_runtime_utils.py`` ``_reduce_grad``) holds the
+    same but for the reduce-scatter input (``fsdp_rs_buf`` is 0). Found by trace: Llama-2-7B cut
+    to 4 layers, FSDP2 dp 8, 2 x 2048, full recompute: -5.0% before (the trace's peak in
+    ``model.layers.1``'s backward). ``top``: (gradients as at the top layer's moment, states, the
+    backward's workspace, the layer's transient); ``own``: (this micro-batch's layers' activations,
+    the other micro-batches' in flight, whether gradients are being created, what each layer's
+    gradients shrank by under no_sync, what each keeps gathered under no_sync); ``comm``: (the root,
+    this layer's and the prefetched layer's parameters and the upper layer's reduce-scatter input;
+    the root; one layer's parameters; the gradients before FSDP1's layer-end moments)."""
+    step, micro, valid, _final = when
+    grads_top, states_mid, ws2, temp = top
+    own_layers, others_all, fresh, reduced, kept_layer = own
+    comm, root, buf, fsdp1_grads = comm
+    span = maximum(q.layers - 1, 1)
+    for name, k, fewest in MIDDLE:
+        i = middle_index(name, q.layers)          # the layer's index from the bottom
+        above = q.layers - 1 - i                  # layers already back-propagated, reduced to shards
+        # (b, s, h)-shaped saved tensors of layers 0..i in their dtypes (tokens); the shards, in the
+        # gradients' dtype, of the layers above, from their reduce-scatter outputs (above_bottom: L - 1 of them)
+        grads = grads_top + where(fresh, q.above_bottom * above // span, 0) - above * reduced
+        acts = own_layers * (i + 1) // q.layers + others_all + tk.outer_rest
+        # the KV cache of the layers above, released by their backward (Kept.kv_low: all L - 1 above the bottom)
+        kv = kept.kv_forward + (kept.kv_low - kept.kv_forward) * above // span
+        graph = tk.graph_layer * above + tk.graph_extra_layer * (i + 1)
+        here = _both(valid, _both(flags.fsdp and not flags.by_moment, q.layers >= fewest))
+        moments.append(_mo("backward", micro, step, name, (grads, states_mid, tk.inputs, ws2, acts, temp),
+                           (kept.logits, kv, 0), here, graph, comm=comm + above * kept_layer))
+        # FSDP1: the end of this layer's backward, its flat gradient and post-backward hook
+        _fsdp1_layer_end(q, flags, tk, kept, (step, micro, here), (fsdp1_grads, states_mid, ws2, 0), own_layers,
+                         root, buf, moments, (name, i, grads - grads_top, kv, graph))
+
+
 def fsdp_sync(q: Quantities, flags: StepFlags) -> Any:
     """Whether FSDP over several ranks reduce-scatters after every micro-batch (no unsharded .grad
     kept), layout by layout: not where it accumulates unsharded under no_sync
@@ -667,25 +755,32 @@ def _nosync_kept(q: Quantities) -> Any:
 
 
 def _fsdp1_layer_end(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, when: tuple, before: tuple,
-                     own_layers: Any, root: Any, buf: Any, moments: list) -> None:
+                     own_layers: Any, root: Any, buf: Any, moments: list, below: tuple | None = None) -> None:
     """FSDP1, the end of the top layer's backward (``_layers_backward``): its activations freed, its
     gradients concatenated into the flat gradient with it and the prefetched layer gathered
     (``quantities.fsdp1_flat_gradient``); then its post-backward hook, the layer resharded: the
     flat gradient, its copy in the reduce dtype and the new shard (``quantities.fsdp1_post_backward``).
-    ``before``: (gradients before, states, the backward's workspace, the graph-kept tensors)."""
+    ``before``: (gradients before, states, the backward's workspace, the graph-kept tensors).
+    ``below``: the same at a layer below the top one (``_fsdp_middle_layers``): (its name, its index
+    from the bottom, the layers' shards above it, the KV cache then, the graph-kept tensors then)."""
     step, micro, valid = when
     grads, states_mid, ws2, own = before
+    name, i, above, kv = "layer", q.layers - 1, 0, kept.kv_forward
+    if below is not None:
+        name, i, above, kv, own = below
     # the hook reduces in every micro-batch, or under no_sync in the last (a later micro-step: with
     # more than two, micro-step 2 stands for the middle ones, but the last one's hook happens too)
     sync = _either(fsdp_sync(q, flags), micro > 0)
-    rest = tk.layers - own_layers // q.layers + tk.outer_rest + tk.others_head  # the layers below, the outer tensors
-    moments.append(_mo("backward", micro, step, "layer.flat_gradient",
-                       (grads + q.fsdp1_flat, states_mid, tk.inputs, ws2, rest, q.tied_grad),
-                       (kept.logits, kept.kv_forward, 0), _both(valid, q.fsdp1_flat > 0), own,
+    # the layers below (0..i-1: i of them), the outer tensors
+    layers_below = tk.layers - own_layers // q.layers if below is None else own_layers * i // q.layers + tk.others_layers
+    rest = layers_below + tk.outer_rest + tk.others_head
+    moments.append(_mo("backward", micro, step, f"{name}.flat_gradient",
+                       (grads + above + q.fsdp1_flat, states_mid, tk.inputs, ws2, rest, q.tied_grad),
+                       (kept.logits, kv, 0), _both(valid, q.fsdp1_flat > 0), own,
                        comm=root + 2 * buf + q.gathered_layer))  # grad-op: the layer still gathered (not in rest)
-    moments.append(_mo("backward", micro, step, "layer.reduce_scatter",
-                       (grads + q.fsdp1_post, states_mid, tk.inputs, ws2, rest, q.tied_grad),
-                       (kept.logits, kept.kv_forward, 0), _both(valid, _both(q.fsdp1_post > 0, sync)),
+    moments.append(_mo("backward", micro, step, f"{name}.reduce_scatter",
+                       (grads + above + q.fsdp1_post, states_mid, tk.inputs, ws2, rest, q.tied_grad),
+                       (kept.logits, kv, 0), _both(valid, _both(q.fsdp1_post > 0, sync)),
                        own, comm=root + buf))
 
 

@@ -106,6 +106,7 @@ class Quantities:
     transients: Any        # per layer-op backward transient: tuple of (a, b, c, g, d, at), or a TransientTable
     logits_cast: int = 0   # --cast-output: the fp32 copy of the head's output (0: fp32 logits, nothing to cast)
     cast_output: int = 0   # 1: --cast-output, the loop rebinds its output before its loss (litgpt under Fabric)
+    head_wgrad: int = 0    # autocast: the LM head's weight gradient in the half dtype, beside its fp32 cast (head_wgrad)
     fwd_temp: int = 0      # a layer's largest forward transient: a dequantized 4-bit weight (quant4.py)
     fwd_temp_tok: float = 0.0  # ... and its matmul output per token
     head_temp: int = 0     # the LM head's dequantized 4-bit weight, in its forward and its backward
@@ -1301,7 +1302,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         held_tok=lc.held, cache_tok=lc.cache, loss_forward_chunk=loss.forward_chunk,
         outer_head_tok=head_tok, outer_rest_tok=rest_tok, outer_rest_sq=rest_sq, outer_rest_pos=rest_pos,
         head_loss_tok=derived_head_loss(m, t, stage) if derived else head_during_loss(m, t, pol, stage),
-        cast_layer=cast_layer, cast_head=cast_head, cast_checkpointed=cast_layer * checkpointed,
+        cast_layer=cast_layer, cast_head=cast_head, cast_checkpointed=cast_layer * checkpointed, head_wgrad=head_wgrad(m, t, cast_head),
         cast_forward_only=0 if (t.lora_rank or fsdp1_views(t)) else cast_layer * checkpointed,  # see cast_checkpointed
         gathered_layer=st.layer_params_full if fsdp_grad_op(t) else 0,
         logit_chunks=t.loss_chunks, logit_width=m.vocab_size if is_lm(m) else m.num_labels,
@@ -1358,8 +1359,9 @@ def _layer_transients(t: TrainingSpec, lc: LayerCoefs, pol: Policy, gpw: float, 
     uncast = lc.after_uncast or (0.0,) * len(lc.transients)
     ssq = lc.transients_ssq or (0.0,) * len(lc.transients)
     at = lc.transients_at or (ALL_MOMENTS,) * len(lc.transients)
-    trans = tuple((a, b, c - (w - u) * freed, int(w * gpw), d, k)
-                  for (_, a, b, c), w, u, d, k in zip(lc.transients, after, uncast, ssq, at))
+    own = lc.own_cast or (0.0,) * len(lc.transients)  # (a linear's fp32 cast of its weight gradient)
+    trans = tuple((a, b, c - (w - u + o) * freed, int(w * gpw), d, k)
+                  for (_, a, b, c), w, u, o, d, k in zip(lc.transients, after, uncast, own, ssq, at))
     if t.offload_activations and trans:
         trans = trans[:-1] + ((trans[-1][0] + offload_previous(input_tok, pol), *trans[-1][1:]),)
     return trans
@@ -1377,6 +1379,23 @@ def _grads_above(m: ModelSpec, t: TrainingSpec, st: States, layers: int) -> tupl
     if each:  # (the decoder's position tables' gradients are made before the encoder's backward)
         return lower, sum(each[1:]) + st.between_grads, sum(each[lower + 1:])
     return lower, (layers - 1) * st.layer_grads, max(layers - lower - 1, 0) * st.layer_grads
+
+
+def head_wgrad(m: ModelSpec, t: TrainingSpec, cast_head: int) -> int:
+    """Bytes of the LM head's weight gradient as its matmul's backward makes it under autocast: in
+    the half dtype (the shape of the head's half copy, ``cast_head``), then cast to the weight's
+    fp32 by ``ToCopyBackward0`` while it is still referenced. The head's ``MmBackward0`` releases
+    what it saved (the half copy of the weight, the input) and the logits' gradient when it returns
+    (``torch/csrc/autograd`` ``Node::release_variables``), so at the cast the half gradient, the fp32
+    one (the tied weight's part in autograd's input buffer, ``tied_head_grad``, or an untied head's
+    ``.grad``) and the layers' activations are alive, without the logits' gradient (moment
+    ``lm_head.weight_grad``). It matters where the head's weight outweighs the logits: a wide
+    vocabulary and few tokens. Found by trace: Llama-3.2-1B (tied), FSDP2 dp 8, bf16-amp, 1 x 256:
+    the trace's peak is this cast (``lm_head`` ``ToCopyBackward0``), 1.5% above the estimate's
+    highest moment before. 0 without an autocast copy of a trainable head run in one piece (LoRA
+    freezes it; a chunked, fused or compiled loss, a 4-bit head have moments of their own)."""
+    one_piece = t.loss_chunks == 1 and loss_mode(m, t) in ("upcast", "half") and not t.compile and not t.quantize
+    return cast_head if (cast_head and is_lm(m) and not t.lora_rank and one_piece) else 0
 
 
 def _autocast_copies(m: ModelSpec, t: TrainingSpec, st: States, pol: Policy, head_here: bool) -> tuple[int, int]:

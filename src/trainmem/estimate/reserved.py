@@ -398,6 +398,7 @@ class _Fsdp:
     streams: tuple[int, int] = (0, 0)  # (all-gather, gradient) streams: ``_fsdp_streams``
     ag: int | None = None      # the last all-gather output (FSDP2)
     rs: int | None = None      # the last reduce-scatter input (FSDP2)
+    prefetched: int | None = None  # in backward, the lower layer's all-gather output, issued by the prefetch (FSDP2)
     last: list = field(default_factory=list)  # the last layer's parameters, kept gathered (--fsdp-gathered root-last)
 
     @property
@@ -422,6 +423,33 @@ class _Fsdp:
             self.ag = None
         return params
 
+    def unshard_backward(self, R: _Replay, flat: int, tensors: tuple[int, ...], prefetch: bool) -> list:
+        """A layer gathered in backward. FSDP2 (torch 2.13 ``_fsdp_param_group.py``): its
+        ``pre_backward`` (L576-586) copies its parameters out of the all-gather output that the
+        upper layer's backward prefetch allocated (the top layer's: allocated here), frees that
+        output (``wait_for_unshard`` L487-489), then ``_backward_prefetch`` (L795-831) allocates the
+        lower layer's (``prefetch``; none below the bottom layer), alive through this layer's
+        backward (``moments._fsdp_middle_layers``). FSDP1: ``unshard``."""
+        if flat <= 0 or not self.v2 or not tensors:
+            return self.unshard(R, flat, tensors, backward=True)
+        ag = self.prefetched if self.prefetched is not None else R.alloc(flat, self.streams[0])
+        self.prefetched = None
+        params = R.allocs(tensors)                                # each parameter copied out
+        R.free(ag)
+        if prefetch:
+            self.prefetched = R.alloc(flat, self.streams[0])      # the lower layer's all-gather output
+        return params
+
+    def post_backward(self, R: _Replay, params: list, grads: list, rs_bytes: int) -> None:
+        """FSDP2's ``post_backward`` (``_fsdp_param_group.py`` L588-719): the layer resharded (its
+        parameters freed), the upper layer's reduce-scatter input popped from
+        ``reduce_scatter_states`` and freed (L645-657), then ``foreach_reduce`` allocates this
+        layer's input, copies the unsharded gradients in and frees them (``reduce``)."""
+        R.frees(params)
+        R.free(self.rs)
+        self.rs = None
+        self.reduce(R, grads, rs_bytes)
+
     @staticmethod
     def rs_factor(q: Quantities) -> int:
         """Reduce-scatter input bytes per unsharded gradient byte: 2 when fp32 reduces bf16 gradients."""
@@ -438,8 +466,8 @@ class _Fsdp:
             R.free(rs)
 
     def done(self, R: _Replay) -> None:
-        R.frees([self.ag, self.rs])
-        self.ag = self.rs = None
+        R.frees([self.ag, self.rs, self.prefetched])
+        self.ag = self.rs = self.prefetched = None
 
 
 def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: _Parts, tk: Tokens, recompute: str,
@@ -571,16 +599,21 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
     st = q.detail.states
     if fs.last:                                                   # kept gathered since its forward
         params, fs.last = fs.last, []
-    else:
-        params = fs.unshard(R, q.fsdp_layer_buf, st.layer_tensors, backward=True)  # FSDP: gathered again
+    else:  # FSDP: gathered again (FSDP2: and the layer below prefetched)
+        params = fs.unshard_backward(R, q.fsdp_layer_buf, st.layer_tensors, prefetch=i > 0)
     redo = R.allocs(parts) if recompute != "none" else []         # the checkpointed forward again
     per_linear = _per_linear(q, kept, recompute)                  # the weights' gradients linear by linear
     tr = R.alloc(_activation_transient(q, n, nsq) if per_linear else _transient(q, n, nsq))
     if st.layer_grads_full and not fs.v2 and q.fsdp1_post:        # FSDP1: the flat gradient, then its hook
         params = _fsdp1_reduce(R, q, st, params)
-    elif st.layer_grads_full:                                     # FSDP: unsharded gradients, reduce-scattered
-        full = R.allocs(st.layer_tensors) if fs.v2 and st.layer_tensors else [R.alloc(st.layer_grads_full)]
-        fs.reduce(R, full, q.fsdp_rs_buf or st.layer_grads_full)
+    elif st.layer_grads_full and fs.v2:                           # FSDP2: the unsharded gradients made, the
+        full = R.allocs(st.layer_tensors) if st.layer_tensors else [R.alloc(st.layer_grads_full)]
+        R.frees([tr] + redo + kept + kept.casts)                  # layer's backward done, its tensors freed;
+        tr, redo, kept = None, [], _Kept([])                      # then its post-backward hook
+        fs.post_backward(R, params, full, q.fsdp_rs_buf or st.layer_grads_full)
+        params = []
+    elif st.layer_grads_full:                                     # FSDP1 without a hook of its own
+        fs.reduce(R, [R.alloc(st.layer_grads_full)], q.fsdp_rs_buf or st.layer_grads_full)
     where = ("layer", f"layer{i}")
     made = _linears_backward(R, s, q, kept, where, oib) if per_linear else set()
     _make_grads(R, s, st.trainables, where, oib, fs.grad_stream, made)
