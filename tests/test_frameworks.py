@@ -430,3 +430,15 @@ def test_trl_preset_estimate_agrees_with_trace(version, lora):
     e, t = trainmem.estimate(MODEL, **kw), trace(MODEL, **kw)
     assert e.training.recompute == ("full" if version is None else "none") and t.training.seq_len == 1024
     assert e.peak_allocated == pytest.approx(t.peak_allocated, rel=0.002)
+
+
+def test_torchtitan_zero_0_is_replicated_and_plan_explores_its_layouts():
+    """--zero 0 given with --dp is a replicated run (torchtitan's DDP: autocast, no FSDP policy); the
+    planner, which gives every layout its zero stage and recompute, runs under the preset (the
+    preset's --recompute-every 2 applies to full recompute only)."""
+    t = resolve("llama-3.1-8b", framework="torchtitan", dp=8, zero=0).training
+    assert (t.fsdp, t.precision) == (None, "bf16-amp")
+    assert resolve("llama-3.1-8b", framework="torchtitan", dp=8).training.precision == "bf16-mp"
+    from trainmem.plan import plan
+    p = plan("llama-3.1-8b", gpus=16, gpu="h100", global_batch=64, seq_len=4096, framework="torchtitan")
+    assert p.fitting > 0 and p.top

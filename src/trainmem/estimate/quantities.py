@@ -1235,8 +1235,9 @@ def shape_quantities(m: ModelSpec, base: TrainingSpec, stage: str, rows: list[li
         hit = memo.get(shape)
         if hit is None:
             tp, pp, cp, dp, zero, rec, sp, b, s, ga = row
+            every = base.recompute_every if _RECOMPUTE[rec] == "full" else 1  # every N-th layer: full only
             t = replace(base, tp=tp, pp=pp, cp=cp, dp=dp, zero=zero, recompute=_RECOMPUTE[rec],
-                        sequence_parallel=bool(sp), batch_size=b, seq_len=s, grad_accum=ga)
+                        recompute_every=every, sequence_parallel=bool(sp), batch_size=b, seq_len=s, grad_accum=ga)
             q = quantities(m, t, stage)
             hit = memo[shape] = (_ints_of(q), _floats_of(q), q.transients, q.detail.states.params_rank)
         out.append(hit)

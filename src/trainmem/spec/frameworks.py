@@ -263,7 +263,7 @@ def _torchtitan_rules(view: Mapping[str, Any], model: Any, version: tuple[int, .
     which builds no KV cache (transformers' builds a DynamicCache unless ``use_cache`` is off)."""
     out: dict[str, Any] = {"use_cache": False}  # its own Transformer (models/llama3/model/model.py) has no KV cache
     fsdp = view.get("fsdp")
-    if fsdp is None and not view.get("zero") and _sharded(view):
+    if fsdp is None and view.get("zero") is None and _sharded(view):  # --zero 0 given: replicated (DDP)
         fsdp = out["fsdp"] = "grad-op" if view.get("pp", 1) > 1 else "full"
     if fsdp is not None:
         out["precision"] = "bf16-mp"

@@ -320,7 +320,9 @@ def preset_training(framework: str, version: Any, given: Mapping[str, Any], mode
     given = {k: v for k, v in given.items() if v is not None and not (k == "keep_logits" and v is False)}
     base = {} if start is None else {f.name: getattr(start, f.name) for f in dataclasses.fields(start)
                                      if f.name not in ("extra", "keep_logits")}
-    values = preset_options(name, text, given, model, {**TRAINING_DEFAULTS, **base})
+    # the rules see ``zero`` only where it was given (``--zero 0`` is a choice: no sharding)
+    defaults = {k: v for k, v in TRAINING_DEFAULTS.items() if k != "zero"}
+    values = preset_options(name, text, given, model, {**defaults, **base})
     for group in LINKED:
         if any(k in given for k in group):
             for k in group:
