@@ -442,3 +442,12 @@ def test_torchtitan_zero_0_is_replicated_and_plan_explores_its_layouts():
     from trainmem.plan import plan
     p = plan("llama-3.1-8b", gpus=16, gpu="h100", global_batch=64, seq_len=4096, framework="torchtitan")
     assert p.fitting > 0 and p.top
+
+
+@pytest.mark.parametrize("framework", ["litgpt", "trl"])
+def test_plan_keeps_a_presets_data_parallel_options_to_their_layouts(framework):
+    """litgpt's attention call and fused q/k/v, TRL's chunked loss are modelled on one GPU and data
+    parallelism: under their presets the planner keeps tp, pp (and for litgpt cp) at 1 instead of failing."""
+    from trainmem.plan import plan
+    p = plan("llama-3.1-8b", gpus=16, gpu="h100", global_batch=64, seq_len=4096, framework=framework)
+    assert p.top and all(x.tp == 1 and x.pp == 1 for x in p.top)

@@ -131,10 +131,13 @@ class PlanResult:
 
 # ---------------------------------------------------------------------------------------------
 def _data_parallel_only(options: dict[str, Any], filters: dict[str, Any]) -> None:
-    """litgpt's options (``--cast-output``, ``--fused-qkv``, ``--split-gate-up``, ``--attention-call``) are
-    modelled on one GPU and data parallelism: the search keeps ``--tp 1 --pp 1``; a list asking for
-    more is refused."""
+    """litgpt's options (``--cast-output``, ``--fused-qkv``, ``--split-gate-up``, ``--attention-call``) and
+    TRL's ``--loss chunked-nll`` are modelled on one GPU and data parallelism: the search keeps ``--tp 1
+    --pp 1``; a list asking for more is refused. ``options``: the user's, then (``Planner``) the
+    setup a framework preset made of them."""
     given = [f"--{k.replace('_', '-')}" for k in ("cast_output", "fused_qkv", "split_gate_up") if options.get(k)]
+    if options.get("loss") == "chunked-nll":  # TRL's chunked loss: whole head weights, no pipeline
+        given.append("--loss chunked-nll")
     call = options.get("attention_call") not in (None, "model")  # its SDPA call: no context parallelism either
     if call:
         given.append("--attention-call")
@@ -286,6 +289,7 @@ class Planner:
             raise TrainmemError("plan needs a GPU: give --gpu NAME or --gpu-memory SIZE")
         seq = seq or default_seq_len(self.ev.model)
         self.base: TrainingSpec = self.ev.resolved.replace(seq_len=seq).training  # validated against the model
+        _data_parallel_only(self.base.to_dict(), filters)  # what a preset set (litgpt's, TRL's) too
         if not 0 < mfu <= 1:
             raise TrainmemError(f"--mfu must be in (0, 1], got {mfu}")
         extras = gpu_extras(self.ev.hardware)
