@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 from typing import Any
@@ -122,7 +123,7 @@ def cmd_measure(a: argparse.Namespace) -> int:
             raise
         r, failed = e.report, str(e)
     if r.extra.get("gathered") is False:  # a rank other than 0 of a launched job: rank 0 prints for all
-        return 0
+        return _rank_exit(0)
     code = emit(r, a)
     if not a.json:
         print(measure_details(r, a.units))
@@ -131,8 +132,23 @@ def cmd_measure(a: argparse.Namespace) -> int:
     if failed is not None:
         sys.stdout.flush()
         sys.stderr.write(f"trainmem: error: {failed}\n")
-        return 2
-    return 1 if r.extra.get("oom") else code
+        return _rank_exit(2)
+    return _rank_exit(1 if r.extra.get("oom") else code)
+
+
+def _rank_exit(code: int) -> int:
+    """``code``; a rank that torchrun or srun started leaves at once, its output flushed, without the
+    interpreter's finalization. The distributed wrappers' DeviceMesh stays in torch's global mesh
+    registry, so the process group it holds (and gloo's worker threads, which can still hold a
+    finished collective's work) would be destroyed during finalization, where that can abort the
+    process (SIGABRT, "terminate called without an active exception"; PyTorch PR #179291 describes
+    the teardown). Seen once in CI on a rank whose measurement was already gathered."""
+    from ..measure.distributed import launcher_env
+    if launcher_env() is None:
+        return code
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _save_fixture(r: Any, a: argparse.Namespace) -> str | None:
