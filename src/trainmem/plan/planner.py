@@ -133,8 +133,8 @@ class PlanResult:
 def _data_parallel_only(options: dict[str, Any], filters: dict[str, Any]) -> None:
     """litgpt's options (``--cast-output``, ``--fused-qkv``, ``--split-gate-up``, ``--attention-call``) and
     TRL's ``--loss chunked-nll`` are modelled on one GPU and data parallelism: the search keeps ``--tp 1
-    --pp 1``; a list asking for more is refused. ``options``: the user's, then (``Planner``) the
-    setup a framework preset made of them."""
+    --pp 1``; a list asking for more is refused. ``options``: the resolved setup (``Planner``), the
+    user's options with what a framework preset made of them."""
     given = [f"--{k.replace('_', '-')}" for k in ("cast_output", "fused_qkv", "split_gate_up") if options.get(k)]
     if options.get("loss") == "chunked-nll":  # TRL's chunked loss: whole head weights, no pipeline
         given.append("--loss chunked-nll")
@@ -444,7 +444,6 @@ def plan(model: Any, gpus: int, seq_len: int | None = None, global_batch: int | 
     filters = {"tp": _filter(tp, "--tp"), "pp": _filter(pp, "--pp"), "cp": _filter(cp, "--cp"),
                "dp": _filter(dp, "--dp"), "b": _filter(batch_size, "--batch-size"),
                "ga": _filter(grad_accum, "--grad-accum"), "zero": _zero_values(zero), "rec": _rec_filter(recompute)}
-    _data_parallel_only(options, filters)
     P = Planner(model, seq_len, global_batch, mfu, internode_gbs, gpus_per_node, filters, gpu=gpu, **options)
     a, rejected, mem, t, fits = P.evaluate(gpus)
     n_valid = len(a["tp"])

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from ..errors import TrainmemError
+from .releases import SDPA_ATTENTION
 from .training import chunked_nll_problem, default_seq_len
 
 #: the repository and the release tag (or commit) every cited line is read at
@@ -236,7 +237,7 @@ def _litgpt_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] 
         out["split_gate_up"] = True  # LLaMAMLP's fc_1 and fc_2 where transformers fuses them (Phi-3)
     causal = model is None or (getattr(model, "head", "") == "causal-lm" and getattr(model, "family", "") != "nanogpt")
     if single and view.get("cp", 1) == 1 and not view.get("compile") and causal and \
-            view.get("attention", "sdpa") in ("sdpa", "sdpa-flash", "sdpa-efficient", "sdpa-math", "sdpa-cudnn"):
+            view.get("attention", "sdpa") in SDPA_ATTENTION:
         out["attention_call"] = "repeat-kv"  # K/V repeated to the query heads, SDPA with is_causal (L533-539, L593-595)
     lora = bool(view.get("lora_rank"))
     if lora:
