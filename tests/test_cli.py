@@ -312,3 +312,10 @@ def test_framework_flag_names_are_the_same_options(capsys):
     rc, out, _ = run_cli(capsys, "sweep", "gpt2", "--micro-batch-size", "1,2", "--max-seq-len", "128,256", "--json")
     d = json.loads(out)
     assert rc == 0 and d["batch_sizes"] == [1, 2] and d["seq_lens"] == [128, 256] and len(d["cells"]) == 4
+
+
+def test_use_cache_takes_true_or_false(capsys):
+    rc, _, err = run_cli(capsys, "estimate", "gpt2", "--use-cache", "maybe")
+    assert rc == 2 and err.count("\n") == 1 and "--use-cache" in err
+    rc, out, _ = run_cli(capsys, "estimate", "gpt2", "--use-cache", "false", "--json")
+    assert rc == 0 and json.loads(out)["training"]["use_cache"] is False
