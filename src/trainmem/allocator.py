@@ -24,6 +24,16 @@ for a sequence of allocations and frees, without a GPU. The rules modelled are t
   its own and the memory one stream cached is reserved but not usable by another. The stream is
   :attr:`CachingAllocator.current_stream` when ``allocate`` is called (trace's CUDA emulation sets it
   inside ``torch.cuda.stream(s)``: FSDP2's all-gather and reduce-scatter buffers).
+* **Frees another stream still uses** (``Tensor.record_stream``). A block whose tensor was recorded
+  on a stream other than its own is not returned to its pool when freed: ``free`` calls
+  ``insert_events`` (an event recorded on each such stream) and the block rejoins its pool only when a
+  later ``malloc`` finds those events complete (``process_events``); meanwhile it counts as reserved
+  but not as allocated (``CUDACachingAllocator.cpp``: ``recordStream`` adds to ``stream_uses``,
+  ``free`` -> ``insert_events``, ``malloc`` -> ``process_events`` -> ``free_block``). When a new
+  segment does not fit the device, ``release_cached_blocks`` first waits for every pending event
+  (``synchronize_and_free_events``). Modelled by :meth:`CachingAllocator.free_pending` (the free)
+  and :meth:`CachingAllocator.release` (the events found complete): when they complete is the
+  caller's model of how far the GPU lags behind the CPU (``estimate/reserved.py``, FSDP1).
 * **Caching.** Freed blocks stay reserved. ``empty_cache()`` returns every segment that is
   entirely free. When a device capacity is given and a new segment would exceed it, the allocator
   first releases cached segments (as PyTorch does before raising out-of-memory) and retries;
@@ -39,8 +49,7 @@ needed. Blocks of such a segment are split whenever at least 512 B remain (no 1 
 memory is mapped at the lowest address where free plus unmapped space can hold the request, so
 the free tail of the mapped range is reused; ``reserved`` is the mapped memory; ``empty_cache()``
 unmaps every page that lies wholly inside a free block. Not modelled: page-by-page physical
-allocation failure mid-request, peer access, IPC, ``record_stream`` (a freed block is reusable at
-once, as when the other streams' work is done), CUDA graphs' private pools,
+allocation failure mid-request, peer access, IPC, CUDA graphs' private pools,
 ``garbage_collection_threshold`` and ``roundup_power2_divisions``.
 """
 from __future__ import annotations
@@ -152,6 +161,7 @@ class AllocatorStats:
     num_device_free: int = 0      # cudaFree calls / page unmappings
     num_alloc_retries: int = 0
     num_ooms: int = 0
+    pending: int = 0              # bytes freed but awaiting another stream's events (record_stream)
 
     def to_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -187,6 +197,8 @@ class CachingAllocator:
         self.current_stream = 0  # the stream new requests are made on (0: the default stream)
         self._pools: dict[int, tuple[_Pool, _Pool]] = {}  # stream -> (small pool, large pool)
         self._live: dict[int, _Block] = {}
+        self._pending: dict[int, _Block] = {}  # token -> a block freed while another stream uses it
+        self._free_ticks = 0                    # pending frees made so far (the latest token)
         self._handles = itertools.count(1)
         self._next_addr = self._BASE
         # expandable mode: one reserved address range per pool
@@ -223,6 +235,10 @@ class CachingAllocator:
         """Bytes the block of ``handle`` occupies (what it adds to ``allocated``)."""
         return 0 if handle is None else self._live[handle].size
 
+    def block_stream(self, handle: int | None) -> int:
+        """The stream the block of ``handle`` was allocated on (its pool's)."""
+        return 0 if handle is None else self._live[handle].stream
+
     def allocate(self, nbytes: int, tag: Any = None, stream: int | None = None) -> int | None:
         """Allocate ``nbytes`` on ``stream`` (default :attr:`current_stream`); returns a handle for
         :meth:`free` (None for a 0-byte request)."""
@@ -256,16 +272,63 @@ class CachingAllocator:
         """Return the block of ``handle`` to its pool (it stays reserved)."""
         if handle is None:
             return
+        self._to_pool(self._unlive(handle))
+
+    def free_pending(self, handle: int | None) -> int | None:
+        """Free the block of ``handle`` while another stream still uses it (``record_stream``): it
+        stops counting as allocated but stays out of its pool, unusable and unmergeable, until
+        :meth:`release` of the returned token (its events found complete by a later ``malloc``).
+        Tokens increase in the order of the frees (:meth:`release_upto`)."""
+        if handle is None:
+            return None
+        block = self._unlive(handle)
+        block.allocated = True            # not free: neither handed out nor merged (event_count > 0)
+        self._free_ticks += 1
+        self._pending[self._free_ticks] = block
+        self.stats.pending += block.size
+        return self._free_ticks
+
+    @property
+    def pending_tick(self) -> int:
+        """The token of the latest :meth:`free_pending`: an event recorded now, on the stream the
+        pending frees wait for, completes after all of them (:meth:`release_upto`)."""
+        return self._free_ticks
+
+    def release_upto(self, tick: int) -> None:
+        """Release every pending block whose token is at most ``tick`` (an event recorded at
+        :attr:`pending_tick` = ``tick`` has completed, and the next ``malloc`` processes them)."""
+        for token in [k for k in self._pending if k <= tick]:
+            self.release(token)
+
+    def release(self, token: int | None) -> None:
+        """A block freed by :meth:`free_pending` rejoins its pool (``process_events`` -> ``free_block``)."""
+        block = self._pending.pop(token, None) if token is not None else None
+        if block is None:
+            return
+        self.stats.pending -= block.size
+        self._to_pool(block)
+
+    def release_all(self) -> None:
+        """Every pending block rejoins its pool (``synchronize_and_free_events``)."""
+        for token in list(self._pending):
+            self.release(token)
+
+    def _unlive(self, handle: int) -> _Block:
+        """Take the block of ``handle`` out of use: the counters of a free."""
         block = self._live.pop(handle)
         s = self.stats
         s.allocated -= block.size
         s.requested -= block.requested
         s.active_blocks -= 1
         s.num_frees += 1
-        block.allocated = False
         block.handle = None
         block.tag = None
         block.requested = 0
+        return block
+
+    def _to_pool(self, block: _Block) -> None:
+        """Put a freed block back into its pool, merged with its free neighbours."""
+        block.allocated = False
         pool = self._pool(block.stream, block.small)
         for other in (block.prev, block.next):
             self._try_merge(pool, block, other)
@@ -297,11 +360,12 @@ class CachingAllocator:
             b: _Block | None = head
             total = used = 0
             while b is not None and b.mapped:
+                in_use = b.allocated and b.handle is not None    # else freed, awaiting events
+                state = "active_allocated" if in_use else ("active_pending_free" if b.allocated else "inactive")
                 blocks.append({"address": b.addr, "size": b.size, "requested_size": b.requested,
-                               "state": "active_allocated" if b.allocated else "inactive",
-                               "tag": b.tag})
+                               "state": state, "tag": b.tag})
                 total += b.size
-                used += b.size if b.allocated else 0
+                used += b.size if in_use else 0
                 b = b.next
             out.append({"address": head.addr, "total_size": total, "allocated_size": used,
                         "segment_type": "small" if head.small else "large", "stream": head.stream,
@@ -316,6 +380,7 @@ class CachingAllocator:
     # ----- internals ---------------------------------------------------------------------------
     def _all_blocks(self) -> Iterator[_Block]:
         yield from self._live.values()
+        yield from self._pending.values()
         for pools in self._pools.values():
             for pool in pools:
                 yield from pool.free
@@ -392,6 +457,7 @@ class CachingAllocator:
         block = self._device_alloc(pool, size)
         if block is None:
             self.stats.num_alloc_retries += 1
+            self.release_all()    # release_cached_blocks: synchronize_and_free_events first
             self.empty_cache()
             block = self._device_alloc(pool, size)
         if block is None:
@@ -578,6 +644,17 @@ class ExactAllocator:
 
     def block_size(self, handle: int | None) -> int:
         return 0 if handle is None else self._live[handle][0]
+
+    def block_stream(self, handle: int | None) -> int:
+        return 0  # host memory has no streams: nothing waits for another stream
+
+    pending_tick = 0
+
+    def release_upto(self, tick: int) -> None:
+        pass
+
+    def release_all(self) -> None:
+        pass
 
     def allocate(self, nbytes: int, tag: Any = None, stream: int | None = None) -> int | None:
         if nbytes < 0:

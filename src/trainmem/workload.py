@@ -270,6 +270,12 @@ class TrainStep:
         if self.batches_made and t.later_seq_len is not None:
             t = replace(t, seq_len=t.later_seq_len, later_seq_len=None)
         self.batches_made += 1
+        if str(self.device).startswith("cuda"):
+            # a training loop copies each batch from the host with a blocking copy, which waits for
+            # the GPU (ATen native/cuda/Copy.cu: non_blocking=False synchronizes the stream); the
+            # random batch is made on the device, so wait as that copy would (under trace: every
+            # free still waiting for the GPU is done, trace/cuda.py ``_synchronize``)
+            torch.cuda.synchronize()
         return model_batch(self.spec, t, self.device)
 
     def autocast(self) -> Any:

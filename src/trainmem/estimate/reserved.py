@@ -53,6 +53,7 @@ class _Replay:
     a: CachingAllocator = field(default_factory=CachingAllocator)
     # (phase label, step) -> (reserved bytes at its end, the replay's allocated peak so far)
     marks: dict = field(default_factory=dict)
+    lag: "_Fsdp1Lag | None" = None   # FSDP1: frees awaiting other streams, released by its rate limiter
 
     def mark(self, label: str, step: int) -> None:
         self.marks[(label, step)] = (self.a.reserved, self.a.peak_allocated)
@@ -97,7 +98,7 @@ def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, 
     and at the end of each phase, by (phase label, step) as ``breakdown.phases`` labels them, the
     replay's reserved bytes and its allocated peak so far."""
     st = q.detail.states
-    R = _Replay()
+    R = _Replay(lag=_Fsdp1Lag() if _fsdp1_limited(q) else None)
     R.allocs(st.load)                                                   # weights and buffers, load order
     if st.master:                                                       # fp32 master copies (not offloaded)
         R.allocs(m for (_w, k, _g, _s, m) in st.trainables for _ in range(k) if m)
@@ -168,8 +169,10 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
              recompute: str, full: int, suffix: str) -> _Forward:
     """One micro-batch's forward, the loss included."""
     st = q.detail.states
+    if R.lag is not None:                                         # the batch's blocking host-to-device copy
+        R.lag.synchronize(R)
     inputs = R.alloc(tk.inputs)                                   # int64 ids and labels
-    fs = _Fsdp(q.fsdp_ag_result > 0, _fsdp_streams(q))
+    fs = _Fsdp(q.fsdp_ag_result > 0, _fsdp_streams(q), lag=R.lag)
     root = fs.unshard(R, q.fsdp_root, st.root_tensors)            # FSDP: the root unit gathered
     emb = R.alloc(tk.outer_rest)                                  # embeddings' saved tensors
     s.workspace(R, 0)                                             # the first layer's first matmul
@@ -270,6 +273,7 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
         R.frees(lb)
     if _root_resharded(q, f.fs) and q.fsdp_root_regather:         # ... the logits (a loss outside the model)
         f.root = f.fs.unshard(R, q.fsdp_root, st.root_tensors, backward=True)
+    f.fs.root_pre_backward(R, q.fsdp_layer_buf)                  # FSDP1: the top layer prefetched
     head_full, tied = _head_backward(R, s, q, flags, f, dlogits)
     for i in reversed(range(q.layers)):
         _layer_backward(R, s, q, f.fs, parts, f.kept[i], i, n, nsq, recompute, flags.oib)
@@ -288,7 +292,8 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     f.fs.reduce(R, [head_full, emb_full],                         # the root's reduce-scatter input
                 q.fsdp_root_rs or (st.head_grads_full + st.emb_grads_full) * f.fs.rs_factor(q))
     _make_grads(R, s, st.trainables, ("after", "before"), flags.oib, f.fs.grad_stream)  # head, norm, embeddings
-    R.frees([tied, f.emb, f.inputs] + f.root + buckets)
+    R.frees([tied, f.emb, f.inputs] + buckets)
+    f.fs.reshard(R, f.root)                                       # the root's post-backward
     f.fs.done(R)
     R.mark("backward" + suffix, s.step)
     if flags.hold == "step":
@@ -398,8 +403,9 @@ class _Fsdp:
     streams: tuple[int, int] = (0, 0)  # (all-gather, gradient) streams: ``_fsdp_streams``
     ag: int | None = None      # the last all-gather output (FSDP2)
     rs: int | None = None      # the last reduce-scatter input (FSDP2)
-    prefetched: int | None = None  # in backward, the lower layer's all-gather output, issued by the prefetch (FSDP2)
+    prefetched: int | None = None  # in backward, the lower layer's all-gather output, issued by the prefetch
     last: list = field(default_factory=list)  # the last layer's parameters, kept gathered (--fsdp-gathered root-last)
+    lag: "_Fsdp1Lag | None" = None  # FSDP1's rate limiter and its pending frees (``_fsdp1_limited``)
 
     @property
     def grad_stream(self) -> int:
@@ -413,6 +419,8 @@ class _Fsdp:
         if flat <= 0:
             return []
         if not self.v2 or not tensors:
+            if self.lag is not None and not self.v2:              # FSDP1's ``_unshard``: the rate limiter
+                self.lag.wait(R)
             return [R.alloc(flat, self.streams[0])]               # FSDP1's unsharded flat parameter
         ag = R.alloc(flat, self.streams[0])                       # the all-gather output, flat
         R.free(self.ag)
@@ -429,7 +437,16 @@ class _Fsdp:
         upper layer's backward prefetch allocated (the top layer's: allocated here), frees that
         output (``wait_for_unshard`` L487-489), then ``_backward_prefetch`` (L795-831) allocates the
         lower layer's (``prefetch``; none below the bottom layer), alive through this layer's
-        backward (``moments._fsdp_middle_layers``). FSDP1: ``unshard``."""
+        backward (``moments._fsdp_middle_layers``). FSDP1 with its rate limiter (``_fsdp1_limited``):
+        ``_pre_backward_hook`` (torch 2.13 ``fsdp/_runtime_utils.py`` L672-694) uses the flat parameter
+        the upper layer prefetched and, ``BackwardPrefetch.BACKWARD_PRE``, unshards the lower layer
+        (``_prefetch_handle`` L1208-1235: ``_unshard``, its limiter wait first); otherwise ``unshard``."""
+        if flat > 0 and not self.v2 and self.lag is not None:
+            params = [self.prefetched] if self.prefetched is not None else self.unshard(R, flat, tensors)
+            self.prefetched = None
+            if prefetch:
+                self.prefetched = self.unshard(R, flat, tensors)[0]   # the lower layer's flat parameter
+            return params
         if flat <= 0 or not self.v2 or not tensors:
             return self.unshard(R, flat, tensors, backward=True)
         ag = self.prefetched if self.prefetched is not None else R.alloc(flat, self.streams[0])
@@ -439,6 +456,28 @@ class _Fsdp:
         if prefetch:
             self.prefetched = R.alloc(flat, self.streams[0])      # the lower layer's all-gather output
         return params
+
+    def root_pre_backward(self, R: _Replay, flat: int) -> None:
+        """FSDP1's root pre-backward hook, once the loss's gradient reaches the root's output: its
+        ``_unshard`` (already gathered: only the limiter's dequeue and wait) and the top layer's
+        ``BACKWARD_PRE`` prefetch (``_runtime_utils.py`` L672-694, L1208-1235)."""
+        if self.v2 or self.lag is None or flat <= 0:
+            return
+        self.lag.wait(R)
+        self.prefetched = self.unshard(R, flat, ())[0]
+
+    def reshard(self, R: _Replay, params: list) -> None:
+        """A unit resharded: its gathered parameters freed. FSDP1 (``_reshard``, torch 2.13
+        ``_runtime_utils.py`` L310-330) frees the flat parameter after ``record_stream`` on the
+        current stream (``_flat_param.py`` ``_free_unsharded_flat_param`` L1807-1821: allocated on
+        the unshard stream, read by the default stream), then records the limiter's free event
+        there: the block is reusable once the GPU has run the default stream to this point."""
+        if self.v2 or self.lag is None or not params:
+            R.frees(params)
+            return
+        t = self.lag.event()
+        for h in params:
+            self.lag.defer(R, h, t)
 
     def post_backward(self, R: _Replay, params: list, grads: list, rs_bytes: int) -> None:
         """FSDP2's ``post_backward`` (``_fsdp_param_group.py`` L588-719): the layer resharded (its
@@ -484,7 +523,7 @@ def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: _Parts, tk: Toke
     if keep:
         fs.last = params                                          # not resharded after forward
     else:
-        R.frees(params)                                           # resharded after forward
+        fs.reshard(R, params)                                     # resharded after forward
     return kept
 
 
@@ -605,7 +644,7 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
     per_linear = _per_linear(q, kept, recompute)                  # the weights' gradients linear by linear
     tr = R.alloc(_activation_transient(q, n, nsq) if per_linear else _transient(q, n, nsq))
     if st.layer_grads_full and not fs.v2 and q.fsdp1_post:        # FSDP1: the flat gradient, then its hook
-        params = _fsdp1_reduce(R, q, st, params)
+        params = _fsdp1_reduce(R, q, st, params, fs)
     elif st.layer_grads_full and fs.v2:                           # FSDP2: the unsharded gradients made, the
         full = R.allocs(st.layer_tensors) if st.layer_tensors else [R.alloc(st.layer_grads_full)]
         R.frees([tr] + redo + kept + kept.casts)                  # layer's backward done, its tensors freed;
@@ -638,21 +677,96 @@ def _activation_transient(q: Quantities, n: int, nsq: int) -> int:
     return max([0] + [int(a * n + b * nsq) for a, b, *_rest in q.transients])
 
 
-def _fsdp1_reduce(R: _Replay, q: Quantities, st: Any, params: list) -> list:
+def _fsdp1_reduce(R: _Replay, q: Quantities, st: Any, params: list, fs: "_Fsdp") -> list:
     """The end of an FSDP1 layer's backward (``quantities.fsdp1_flat_gradient``,
     ``fsdp1_post_backward``): each parameter view's gradient, when every parameter of the layer trains
     (else the adapters' as one block), concatenated into the flat gradient; then the post-backward
-    hook reshards the layer (its gathered parameters freed) and allocates the reduce dtype's copy and
-    the new shard beside the flat gradient, all freed when it returns (the shard stands for the
-    sharded gradients ``_make_grads`` allocates next). Returns the gathered parameters left to free."""
+    hook reshards the layer (its gathered parameters freed, ``_Fsdp.reshard``) and allocates the
+    reduce dtype's copy and the new shard beside the flat gradient, all freed when it returns (the
+    shard stands for the sharded gradients ``_make_grads`` allocates next). Returns the gathered
+    parameters left to free."""
     whole = sum(block_bytes(x) for x in st.layer_tensors) == st.layer_grads_full
     views = R.allocs(st.layer_tensors) if whole else [R.alloc(st.layer_grads_full)]
     flat = R.alloc(st.layer_grads_full)                           # SplitWithSizesBackward's cat
     R.frees(views)
-    R.frees(params)                                               # _post_backward_reshard
+    fs.reshard(R, params)                                         # _post_backward_reshard
     hook = R.alloc(q.fsdp1_post - st.layer_grads_full, GRAD_STREAM)  # the reduce dtype's copy, the new shard
     R.frees([flat, hook])
     return []
+
+
+def _fsdp1_limited(q: Quantities) -> bool:
+    """Whether the replay models FSDP1's rate limiter and the frees that wait for the default stream
+    (``_Fsdp1Lag``): FSDP1 (``FullyShardedDataParallel``, whose ``limit_all_gathers`` defaults to True
+    and which trainmem's wrapper, Lightning's ``FSDPStrategy`` and torchtitan's and torchtune's FSDP1
+    code leave on) resharding its layers (``--fsdp full``/``hybrid``)."""
+    return _fsdp(q) and q.fsdp_ag_result == 0 and q.fsdp_layer_buf > 0
+
+
+@dataclass
+class _Fsdp1Lag:
+    """How far the GPU may lag behind the CPU under FSDP1, and the frees that wait for it.
+
+    FSDP1 frees a unit's gathered flat parameter, allocated on its unshard stream, after
+    ``record_stream`` on the current stream, the default stream that computed with it (torch 2.13
+    ``fsdp/_flat_param.py`` ``_free_unsharded_flat_param`` L1807-1821, "Do not free the memory until
+    all ops in the current stream finish"). The caching allocator keeps such a block out of its pool
+    until a later ``malloc`` finds the recorded event complete (``allocator.CachingAllocator.free_pending``),
+    so it is reusable only once the GPU has run the default stream past the free. How far the CPU
+    runs ahead is bounded by FSDP1's rate limiter, with no timing constant: every ``_reshard`` records
+    a free event on the default stream right after that free, and every ``_unshard`` dequeues the
+    oldest once two are queued and waits for it on the CPU (``_runtime_utils.py`` ``_unshard``
+    L277-307, ``_reshard`` L310-330; ``_limiter_utils.py`` ``_FreeEventQueue``: at most 2). The
+    replay takes the worst case that code allows: the GPU has done exactly what the CPU waited for.
+    So a unit's all-gather finds the unit freed two reshards earlier reusable and the one freed just
+    before still pending: in forward two flat parameters per layer slot, in backward three (the one
+    in use, the lower layer's prefetched by ``BACKWARD_PRE``, the upper layer's pending).
+
+    Not modelled, as the code bounds no lag for them or they are not replayed: autograd's flat
+    gradient, recorded on the post-backward stream (``_post_backward_hook`` L770-775), is reusable
+    only once that stream has reduce-scattered it, which the default stream waits for only at the
+    end of backward (before PyTorch 2.8 indirectly, through the process group's single NCCL stream
+    that also runs the later all-gathers; from 2.8 a synchronous collective runs on the current
+    stream, pytorch/pytorch PR #150398); the low-precision shard (``_free_low_precision_sharded_param``,
+    1/world of a layer, not replayed). The process group's collectives record nothing: with
+    ``async_op=False`` ``_allgather_base`` and ``_reduce_scatter_base`` stash their tensors instead of
+    ``recordStream`` (``avoidRecordStreams = avoidRecordStreams_ || (!opts.asyncOp)`` in
+    ProcessGroupNCCL.cpp since late 2023, "added for libraries like FSDP"), and FSDP2 calls no
+    ``record_stream``: neither is a pending free."""
+
+    queue: list = field(default_factory=list)      # ticks of the queued free events (``_FreeEventQueue``)
+    now: int = 0                                   # free events recorded so far
+    done: int = 0                                  # the last one the CPU waited for
+    pending: list = field(default_factory=list)    # (tick of the free, allocator token)
+
+    def event(self) -> int:
+        """``_reshard``'s free event, recorded on the default stream and queued: its tick."""
+        self.now += 1
+        self.queue.append(self.now)
+        return self.now
+
+    def wait(self, R: _Replay) -> None:
+        """``_unshard``'s limiter: with two free events queued, the CPU waits for the oldest; the next
+        ``malloc`` finds every free made before it released."""
+        if len(self.queue) >= 2:
+            self.done = max(self.done, self.queue.pop(0))
+            self._release(R, self.done)
+
+    def defer(self, R: _Replay, handle: int | None, tick: int) -> None:
+        """Free ``handle`` pending until the default stream passes ``tick``."""
+        if handle is not None:
+            self.pending.append((tick, R.a.free_pending(handle)))
+
+    def synchronize(self, R: _Replay) -> None:
+        """The host waits for the GPU: a blocking copy of the batch to the device (``copy_`` with
+        ``non_blocking=False`` synchronizes the stream, ATen ``native/cuda/Copy.cu``)."""
+        self.done = self.now
+        self._release(R, self.now)
+
+    def _release(self, R: _Replay, upto: int) -> None:
+        for _tick, token in [p for p in self.pending if p[0] <= upto]:
+            R.a.release(token)
+        self.pending = [p for p in self.pending if p[0] > upto]
 
 
 def _make_grads(R: _Replay, s: _Step, trainables: tuple, where: tuple[str, ...], oib: bool = False,

@@ -715,6 +715,38 @@ class _Event(_Stream):
         return 0.0
 
 
+def _event_class(allocator: Any) -> type:
+    """``torch.cuda.Event`` over the allocator's pending frees (``CachingAllocator.free_pending``:
+    blocks freed while the default stream may still read them, ``Tracker.record_stream``). The
+    emulation has one timeline and the GPU is taken to lag as far behind the CPU as the code allows:
+    an event recorded on it completes only when the CPU waits for it (``synchronize``), and then
+    every pending free made before its ``record`` is done (the next ``malloc`` finds it so). This is
+    FSDP1's rate limiter, which records a free event after each reshard and waits on the CPU for
+    the oldest of two (``fsdp/_runtime_utils.py`` ``_reshard``, ``_unshard``)."""
+
+    class Event(_Event):
+        tick = 0
+
+        def record(self, *a: Any) -> None:
+            self.tick = getattr(allocator, "pending_tick", 0)
+
+        def synchronize(self) -> None:
+            release = getattr(allocator, "release_upto", None)
+            if release is not None:
+                release(self.tick)
+
+    return Event
+
+
+def _synchronize(allocator: Any) -> Callable[..., None]:
+    """``torch.cuda.synchronize``: the host waits for the GPU, every pending free is done."""
+    def synchronize(*a: Any, **k: Any) -> None:
+        release = getattr(allocator, "release_all", None)
+        if release is not None:
+            release()
+    return synchronize
+
+
 def _torch_cuda_patches(allocator: Any, capability: tuple[int, int], cap: int,
                         name: str) -> dict[tuple[Any, str], Any]:
     """``torch.cuda``'s device queries, memory statistics (from ``allocator``), RNG and streams."""
@@ -727,7 +759,7 @@ def _torch_cuda_patches(allocator: Any, capability: tuple[int, int], cap: int,
         (torch.cuda, "device_count"): lambda: 1,
         (torch.cuda, "current_device"): lambda: 0,
         (torch.cuda, "set_device"): lambda *a, **k: None,
-        (torch.cuda, "synchronize"): lambda *a, **k: None,
+        (torch.cuda, "synchronize"): _synchronize(allocator),
         (torch.cuda, "is_bf16_supported"): lambda *a, **k: capability >= (8, 0),
         (torch.cuda, "get_device_capability"): lambda *a, **k: capability,
         (torch.cuda, "get_device_name"): lambda *a, **k: name,
@@ -748,7 +780,7 @@ def _torch_cuda_patches(allocator: Any, capability: tuple[int, int], cap: int,
         (torch.cuda, "set_rng_state"): lambda *a, **k: None,
         (torch.cuda, "get_rng_state_all"): lambda *a, **k: [torch.zeros(16, dtype=torch.uint8)],
         (torch.cuda, "set_rng_state_all"): lambda *a, **k: None,
-        (torch.cuda, "Event"): _Event,
+        (torch.cuda, "Event"): _event_class(allocator),
         (torch.cuda, "device"): lambda *a, **k: contextlib.nullcontext(),
         **_stream_patches(allocator),
     }
@@ -778,6 +810,23 @@ def _device_check_patches() -> dict[tuple[Any, str], Any]:
     return patches
 
 
+def _record_stream_patches(tracker: Any) -> dict[tuple[Any, str], Any]:
+    """FSDP1's ``_no_dispatch_record_stream`` (``fsdp/_common_utils.py``, imported by
+    ``_flat_param.py`` and ``_runtime_utils.py``) returns at once for a ``meta`` tensor; here it tells
+    the tracker (``Tracker.record_stream``), so that the free that follows waits as the caching
+    allocator makes it wait."""
+    patches: dict[tuple[Any, str], Any] = {}
+    try:
+        import torch.distributed.fsdp._flat_param as _fp
+        import torch.distributed.fsdp._runtime_utils as _ru
+    except ImportError:  # a torch built without distributed
+        return patches
+    for mod in (_fp, _ru):
+        if hasattr(mod, "_no_dispatch_record_stream"):
+            patches[(mod, "_no_dispatch_record_stream")] = tracker.record_stream
+    return patches
+
+
 def _emulation_patches(emulation: CudaEmulation | None) -> dict[tuple[Any, str], Any]:
     """``torch.clear_autocast_cache`` also clears the emulation's weight-cast cache; Python that
     runs inside backward runs under the emulation."""
@@ -790,6 +839,8 @@ def _emulation_patches(emulation: CudaEmulation | None) -> dict[tuple[Any, str],
             emulation.clear_cache()
 
     patches[(torch, "clear_autocast_cache")] = clear_autocast_cache
+    if emulation is not None and emulation.tracker is not None:
+        patches.update(_record_stream_patches(emulation.tracker))
     if emulation is not None:
         # The autograd engine does not carry TorchFunctionModes into backward, yet Python runs there:
         # activation-checkpoint recomputation (a saved-tensor unpack hook or a custom Function's

@@ -153,6 +153,7 @@ class Tracker(TorchDispatchMode):
         self.emulate_cuda_kernels = emulate_cuda_kernels
         self.records: list[Record] = []
         self.live: dict[int, Record] = {}          # id(untyped storage) -> record
+        self.recorded: set[int] = set()            # storages whose free waits for the default stream
         # event log: record id (>= 0 allocation, ~rid free) and allocator state after the event
         self.ev_rec: list[int] = []
         self.ev_alloc: list[int] = []
@@ -332,8 +333,29 @@ class Tracker(TorchDispatchMode):
         finally:
             self._paused, self._suspended = was
 
-    def _free_block(self, rec: Record) -> None:
-        self.allocator.free(rec.handle)
+    def record_stream(self, tensor: Any, stream: Any) -> None:
+        """``tensor.record_stream(stream)``: when ``stream`` is the default stream and the tensor's
+        block was allocated on another, its free waits until the GPU has run the default stream past
+        it (``CachingAllocator.free_pending``, released by ``torch.cuda.Event.synchronize`` or
+        ``torch.cuda.synchronize``: ``cuda._event_class``). A use recorded on a side stream is not
+        modelled (freed at once): no wait of the code bounds when such a stream's work completes.
+        FSDP1 records its gathered flat parameter on the default stream before freeing it
+        (``fsdp/_flat_param.py`` ``_free_unsharded_flat_param``)."""
+        if self._closed or getattr(stream, "stream_id", None) != 0:
+            return
+        try:
+            key = id(tensor.untyped_storage())
+        except (RuntimeError, NotImplementedError):
+            return
+        rec = self.live.get(key)
+        if rec is not None and self.allocator.block_stream(rec.handle) != 0:
+            self.recorded.add(key)
+
+    def _free_block(self, rec: Record, pending: bool = False) -> None:
+        if pending:
+            self.allocator.free_pending(rec.handle)
+        else:
+            self.allocator.free(rec.handle)
         rec.handle = None
 
     def _on_free(self, key: int, rid: int) -> None:
@@ -343,7 +365,9 @@ class Tracker(TorchDispatchMode):
         if rec is None or rec.rid != rid:
             return
         del self.live[key]
-        self._free_block(rec)
+        pending = key in self.recorded
+        self.recorded.discard(key)
+        self._free_block(rec, pending)
         rec.free_event = len(self.ev_rec)
         self._log(~rid)
 
