@@ -10,7 +10,8 @@ replays that worst case (``estimate/reserved.py`` ``_Fsdp1Lag``); trace runs FSD
 ``record_stream`` and the limiter's ``Event.synchronize`` seen by its CUDA emulation. The checks
 below: the allocator rule, the limiter's order in the replay, and trace against the estimate on
 what the mechanism adds to reserved memory (one gathered layer in every setup tried: 118 MiB for a
-4-layer Llama-3.2-1B shape, 388 MiB for a Llama-2-7B layer, with and without full recomputation).
+4-layer Llama-3.2-1B shape, 388 MiB for a Llama-2-7B layer, with and without full recomputation,
+under ``no_sync`` accumulation too).
 """
 from __future__ import annotations
 
@@ -87,6 +88,8 @@ L4 = ["num_hidden_layers=4", "vocab_size=1024"]
 CASES = [
     ("llama-3.2-1b", dict(set=L4, batch_size=2, seq_len=512, precision="bf16-mp", recompute="none")),
     ("llama-3.2-1b", dict(set=L4, batch_size=2, seq_len=512, precision="bf16", recompute="full")),
+    # FSDP1's no_sync while accumulating: the layers are still resharded in backward
+    ("llama-3.2-1b", dict(set=L4, batch_size=2, seq_len=512, precision="bf16", grad_accum=2, grad_sync="step")),
 ]
 
 
@@ -98,7 +101,7 @@ def _no_deferral(monkeypatch):
     monkeypatch.setattr(tc, "_record_stream_patches", lambda tracker: {})
 
 
-@pytest.mark.parametrize("model,kw", CASES, ids=["bf16-mp", "bf16-full-recompute"])
+@pytest.mark.parametrize("model,kw", CASES, ids=["bf16-mp", "bf16-full-recompute", "bf16-no-sync"])
 def test_fsdp1_pending_frees_add_the_same_bytes_in_trace_and_estimate(model, kw, monkeypatch):
     kw = dict(kw, fsdp="full", fsdp_version=1, dp=4, gpu="h100")
     est, tr = trainmem.estimate(model, **kw), trainmem.trace(model, **kw)

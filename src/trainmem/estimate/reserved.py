@@ -656,7 +656,8 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
     where = ("layer", f"layer{i}")
     made = _linears_backward(R, s, q, kept, where, oib) if per_linear else set()
     _make_grads(R, s, st.trainables, where, oib, fs.grad_stream, made)
-    R.frees([tr] + params)
+    R.free(tr)
+    fs.reshard(R, params)                                         # FSDP1 without its reduce hook (no_sync)
     R.frees(redo)
     R.frees(kept + kept.casts)
 
