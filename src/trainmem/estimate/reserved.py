@@ -22,6 +22,8 @@ runs it through the same simulator as ``trace`` (``trainmem.allocator.CachingAll
   largest backward transient, each linear's weight gradient as its backward makes it (under
   autocast: half gradient, copy freed, fp32 ``.grad``), the layer's other gradients, FSDP's
   unsharded gradients; the embeddings' gradients (a tied one: its own part and the sum);
+* FSDP1: each gathered flat parameter freed pending until the GPU passes its free, as far behind as
+  FSDP1's rate limiter lets the GPU be (``_Fsdp1Lag``), and the backward prefetch of the layer below;
 * the optimizer step: the states of every trainable tensor at the first step, in parameter order
   (``torch.optim``'s lazy ``_init_group``), then the step's temporaries as per-tensor blocks;
   ``zero_grad(set_to_none=True)`` frees the gradients.
