@@ -372,7 +372,7 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
     key = (m, stage, t.tp, t.ep, dtensor_tp(t), t.pp, t.precision, t.zero_stage, t.fsdp, t.shard_group, t.optimizer,
            t.impl, t.lora_rank, t.lora_targets, t.lora_dtype, t.distributed_optimizer, t.offload_optimizer,
            t.fp32_master, t.quantize, t.quantize_via, t.bitsandbytes_version, t.accumulates_unsharded,
-           t.fsdp_mixed_units, t.fsdp_version)
+           t.fsdp_mixed_units, t.fsdp_version, t.fused_qkv, t.split_gate_up)
     return _STATES_CACHE.get_or_build(key, lambda: _model_states(m, t, stage))
 
 
