@@ -153,3 +153,30 @@ def test_litgpt_estimate_agrees_with_trace(family, lora, precision, recompute):
     assert t.training.fused_qkv and t.training.attention_call == "repeat-kv"
     e = estimate(name, set=sets, **opts)
     assert e.peak_allocated == pytest.approx(t.peak_allocated, rel=0.005)
+
+
+DERIVED = {"phi3": ("phi-3-mini", ["num_hidden_layers=2", "hidden_size=1024", "intermediate_size=2816",
+                                   "num_attention_heads=16", "num_key_value_heads=16"], "qkv_proj,o_proj,gate_up_proj"),
+           "falcon": ("falcon-7b", ["num_hidden_layers=2", "hidden_size=1024", "num_attention_heads=16"], None)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(DERIVED))
+@pytest.mark.parametrize("lora", [0, 16], ids=["full", "lora"])
+@pytest.mark.parametrize("precision", ["bf16-amp", "bf16-true"])
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_litgpt_derived_estimate_agrees_with_trace(family, lora, precision, recompute):
+    """Phi-3 (transformers fuses gate_up_proj: ``--split-gate-up``, trace runs litgpt's fc_1 and fc_2)
+    and Falcon (transformers fuses q/k/v itself: only litgpt's SDPA call): derived architectures,
+    whose coefficients are traced from transformers' model and fitted, within 1 %; the same setups
+    without the split are as far apart (−0.41 … +0.82 % on Phi-3 under full recompute, docs/validation.md,
+    sixth session), so the bound is the derived coefficients', not litgpt's modules'."""
+    name, sets, targets = DERIVED[family]
+    opts = dict(batch_size=2, seq_len=1024, framework="litgpt", precision=precision, recompute=recompute,
+                gpu="a100-40gb", loss="half", loss_chunks=1)
+    if lora:
+        opts.update(lora_rank=lora, **({"lora_targets": targets} if targets else {}))
+    t = trace(name, set=sets, **opts)
+    assert t.training.split_gate_up == (family == "phi3") and not t.training.fused_qkv
+    e = estimate(name, set=sets, **opts)
+    assert e.peak_allocated == pytest.approx(t.peak_allocated, rel=0.01)
