@@ -119,8 +119,11 @@ CASES = [
     ({"cast_output": True}, REFUSED, "--cast-output"),  # the model's own loss reads no returned logits
     # no KV cache (torchtune's, torchtitan's, litgpt's models): the held output keeps no cache (vs hold step alone)
     ({"use_cache": False, "hold_output": "step"}, CHANGED, ""),
-    ({"fused_qkv": True}, REFUSED, "--fused-qkv"),  # litgpt's attention; trace runs transformers' (estimate only)
-    ({"split_gate_up": True}, REFUSED, "--split-gate-up"),  # litgpt's MLP over a fused gate_up_proj (estimate only)
+    # litgpt's fused q/k/v linear (trainmem.litgpt_modules): under autocast one input cast saved, not three
+    ({"fused_qkv": True}, CHANGED, ""),
+    ({"fused_qkv": True, "quantize": "nf4", "lora_rank": 8}, REFUSED, "--fused-qkv with --quantize nf4"),
+    # litgpt's fc_1/fc_2 where transformers fuses gate_up_proj (Phi-3; tests/test_litgpt_modules.py): Llama has none
+    ({"split_gate_up": True}, REFUSED, "--split-gate-up"),
     # litgpt's SDPA call: K/V copied to the query's heads (this model has 2 key/value heads for 4 query heads)
     ({"attention_call": "repeat-kv"}, CHANGED, ""),
     ({"attention_call": "repeat-kv", "attention": "eager"}, REFUSED, "--attention-call repeat-kv"),

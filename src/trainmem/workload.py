@@ -56,9 +56,9 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
            if getattr(t, key) != 1 and not (key == "pp" and what == "trace")]
     if t.zero_stage and t.fsdp is None:
         bad.append(f"ZeRO stage {t.zero_stage} (DeepSpeed)")
-    if t.fused_qkv:  # transformers' attention computes q, k and v with separate linears
+    if t.fused_qkv and what != "trace":  # trace puts litgpt's linears in the model (litgpt_modules)
         bad.append("--fused-qkv (litgpt's attention; this runs transformers')")
-    if t.split_gate_up:  # transformers' MLP fuses the gate and up projections
+    if t.split_gate_up and what != "trace":
         bad.append("--split-gate-up (litgpt's MLP; this runs transformers')")
     if t.sequence_parallel and what != "trace":
         bad.append("--sequence-parallel")
@@ -88,6 +88,7 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
             raise TrainmemError(f"--optimizer {t.optimizer} with --fsdp or --tp: trace emulates bitsandbytes' "
                                 "optimizer on whole parameters, not DTensor shards (FSDP2, TP) or FSDP1's 1-D "
                                 "flat-shard views; use estimate")
+    _check_litgpt_modules(t)
     if t.recompute == "selective":
         raise TrainmemError(f"--recompute selective is a Megatron feature; {what} supports none, full and op "
                             "(transformers gradient checkpointing, torchtitan's per-op policy)")
@@ -106,6 +107,21 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
     if t.fp32_master:
         raise TrainmemError(f"--master-weights fp32: {what} runs torch.optim on the half parameters, which keeps "
                             "no fp32 master copy; use estimate for a framework that keeps one")
+
+
+def _check_litgpt_modules(t: TrainingSpec) -> None:
+    """``--fused-qkv`` / ``--split-gate-up`` (``litgpt_modules``): litgpt's linears are plain ones, and its
+    adapters compute in the input's dtype (``LoRALinear.forward`` casts nothing, so litgpt builds them
+    in the weights' dtype under a pure half precision: ``fabric.init_module``)."""
+    flag = "--fused-qkv" if t.fused_qkv else "--split-gate-up" if t.split_gate_up else ""
+    if not flag:
+        return
+    if t.quantize:
+        raise TrainmemError(f"{flag} with --quantize {t.quantize}: trace rebuilds litgpt's linears as plain "
+                            "ones, not 4-bit; use estimate")
+    if t.lora_rank and t.precision in ("bf16", "fp16") and not t.lora_half:
+        raise TrainmemError(f"{flag} with --lora-rank and --precision {t.precision}: litgpt's adapters compute in "
+                            "the weights' dtype (its LoRALinear casts no input); add --lora-dtype half")
 
 
 def hf_config(spec: ModelSpec, t: TrainingSpec) -> Any:

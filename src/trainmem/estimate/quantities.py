@@ -668,12 +668,20 @@ def fused_qkv_kept(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs) -
     ``q_proj``/``k_proj``/``v_proj``) keeps only the value projection's output, counted already: the
     difference is the query and key widths, per token, in the matmul dtype (``pol.half``; shape
     (b, s, q_size + kv_size)). With grouped-query heads (q_per_kv > 1) ``expand`` then ``reshape``
-    copies, and nothing more is kept. With LoRA on q, k or v, ``fused_qkv_lora``'s terms too."""
+    copies, and nothing more is kept (litgpt v0.5.13 ``litgpt/model.py`` L472-479, L490-499,
+    L536-539 splits the fused output into q, k and v views and repeats k and v with
+    ``repeat_interleave``: the same tensors kept). Under autocast with the weights trained (no
+    LoRA), each of transformers' three linears casts the fp32 input to half for itself and saves
+    that cast (autocast caches weights, not activations); litgpt's one linear makes and saves one:
+    two (b, s, h) half casts fewer (found by trace: Mistral-shaped, bf16-amp, 16 MiB over 2 layers at
+    2 x 1024 tokens). With LoRA on q, k or v, ``fused_qkv_lora``'s terms too."""
     if not t.fused_qkv:
         return lc
     parts = [(n, b) for n, b in fused_qkv_lora(m, t, pol) if b]
     if m.num_heads == m.num_kv_heads:
         parts.append(("attn.fused_qkv", float((m.q_size + m.kv_size) * pol.half)))  # (b, s, q + k) of the output
+    if pol.amp and not t.lora_rank:  # (b, s, h) half casts of the input: transformers' three, litgpt's one
+        parts.append(("attn.fused_qkv.one_cast", -2.0 * m.hidden_size * HALF))
     if not parts:
         return lc
     extra = sum(b for _, b in parts)
@@ -697,12 +705,22 @@ def split_gate_up_kept(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoef
     keeps one more 1-byte mask and dropped (b, s, h) copy per layer (in the adapters' dtype; lora_A's
     half cast under autocast) and one more rank-r ``lora_A`` output; the projections' outputs are the
     same bytes (``fc_1``'s saved by the SiLU, ``fc_2``'s by the product, where transformers' two
-    chunks are views that keep the fused output)."""
-    if not (t.split_gate_up and t.lora_rank and "gate_up_proj" in set(t.lora_targets or default_lora_targets(m))):
+    chunks are views that keep the fused output). Under autocast with the weights trained (no LoRA)
+    each of the two linears casts the fp32 input to half for itself and saves that cast, where
+    transformers' one linear saves one: one (b, s, h) half cast more (found by trace: Phi-3-shaped,
+    bf16-amp, 8 MiB over 2 layers at 2 x 1024 tokens)."""
+    if not t.split_gate_up:
         return lc
-    adapter = pol.half if adapters_computed_half(t) else F32
-    dropped = HALF if pol.amp else adapter
-    extra = float(m.hidden_size * (1 + dropped) if t.lora_dropout > 0 else 0) + t.lora_rank * dropped
+    if pol.amp and not t.lora_rank:
+        extra = float(m.hidden_size * HALF)  # fc_2's own (b, s, h) half cast of the input
+    elif t.lora_rank and "gate_up_proj" in set(t.lora_targets or default_lora_targets(m)):
+        adapter = pol.half if adapters_computed_half(t) else F32
+        dropped = HALF if pol.amp else adapter
+        # a dropout: its mask and dropped copy; none: under autocast the second lora_A's own half cast
+        own = m.hidden_size * (1 + dropped) if t.lora_dropout > 0 else (m.hidden_size * HALF if pol.amp else 0)
+        extra = float(own + t.lora_rank * dropped)
+    else:
+        return lc
     tensors = lc.tensors + ((extra, 0.0),) if lc.tensors else lc.tensors
     return replace(lc, tok=lc.tok + extra, parts=lc.parts + (("lora.mlp.split_gate_up", extra, 0.0),), tensors=tensors)
 
@@ -734,6 +752,8 @@ def fused_qkv_lora(m: ModelSpec, t: TrainingSpec, pol: Policy) -> tuple[tuple[st
     out = []
     if t.lora_dropout > 0 and len(on) > 1:  # (b, s, h) mask (1 B) and dropped copy per extra peft adapter
         out.append(("lora.qkv.one_dropout", -float((len(on) - 1) * m.hidden_size * (1 + dropped))))
+    elif pol.amp and len(on) > 1:  # no dropout: each peft lora_A saves its own half cast of the fp32 input
+        out.append(("lora.qkv.one_cast", -float((len(on) - 1) * m.hidden_size * HALF)))
     if 0 < len(on) < 3:
         out.append(("lora.qkv.zero_pad", float(sum(on) * (HALF if pol.amp else adapter))))
     return tuple(out)

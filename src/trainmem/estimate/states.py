@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
+from typing import Any
 
 from ..spec.model import ModelSpec, ParamTensor
 from ..spec.training import TrainingSpec
@@ -166,7 +167,65 @@ def _lora_tensors(m: ModelSpec, t: TrainingSpec) -> list[tuple[str, int, int | N
             experts = p.shape[0] if len(p.shape) == 3 else 1
             a, b = experts * t.lora_rank * cols, experts * t.lora_rank * rows
             out.append((p.module, a + b, p.layer, (a, b)))
-    return out
+    return _litgpt_adapters(out, t)
+
+
+QKV_MODULES = ("q_proj", "k_proj", "v_proj")
+
+
+def litgpt_tensors(tensors: Any, t: TrainingSpec) -> tuple[ParamTensor, ...]:
+    """``tensors`` as litgpt v0.5.13 holds them: with ``--fused-qkv`` each layer's q, k and v weights
+    (and biases) one ``qkv`` tensor of their rows stacked, where q's was (``litgpt/model.py`` L394-398:
+    ``nn.Linear(n_embd, (n_head + 2 * n_query_groups) * head_size)``); with ``--split-gate-up`` the
+    fused ``gate_up_proj`` two tensors of half its rows, ``fc_1`` and ``fc_2`` (L822-823). The
+    allocator places and rounds one block where transformers has three (or two where it has one)."""
+    if not (t.fused_qkv or t.split_gate_up):
+        return tuple(tensors)
+    out: list[ParamTensor] = []
+    merged: dict[str, int] = {}
+    for p in tensors:
+        kind = p.name.rsplit(".", 1)[1]  # weight / bias
+        if t.fused_qkv and p.module in QKV_MODULES:
+            name = f"{p.name.rsplit('.', 2)[0]}.qkv.{kind}"  # ...self_attn.qkv.weight
+            if name in merged:
+                q = out[merged[name]]
+                out[merged[name]] = replace(q, shape=(q.shape[0] + p.shape[0], *p.shape[1:]))
+            else:
+                merged[name] = len(out)
+                out.append(replace(p, name=name, module="qkv"))
+        elif t.split_gate_up and p.module == "gate_up_proj":
+            base = p.name.rsplit(".", 2)[0]
+            out.extend(replace(p, name=f"{base}.{fc}.{kind}", shape=(p.shape[0] // 2, *p.shape[1:]), module=fc)
+                       for fc in ("fc_1", "fc_2"))
+        else:
+            out.append(p)
+    return tuple(out)
+
+
+def _litgpt_adapters(out: list[tuple[str, int, int | None, tuple[int, int]]], t: TrainingSpec
+                     ) -> list[tuple[str, int, int | None, tuple[int, int]]]:
+    """peft's adapters (``_lora_tensors``) as litgpt's: with ``--fused-qkv`` one ``LoRAQKVLinear`` pair
+    per layer over the enabled parts, ``lora_A`` (r * n, h) and ``lora_B`` (enabled widths, r)
+    (litgpt/lora.py L232-244: the elements of peft's n pairs in two tensors); with
+    ``--split-gate-up`` a ``LoRALinear`` on each of fc_1 and fc_2 (lora.py L615-622), each with its
+    own ``lora_A`` (r, h) and a ``lora_B`` of half the fused rows."""
+    if not (t.fused_qkv or t.split_gate_up):
+        return out
+    merged: dict[int | None, int] = {}
+    new: list[tuple[str, int, int | None, tuple[int, int]]] = []
+    for mod, n, lyr, (a, b) in out:
+        if t.fused_qkv and mod in QKV_MODULES:
+            if lyr in merged:
+                _, n0, _, (a0, b0) = new[merged[lyr]]
+                new[merged[lyr]] = ("qkv", n0 + n, lyr, (a0 + a, b0 + b))
+            else:
+                merged[lyr] = len(new)
+                new.append(("qkv", n, lyr, (a, b)))
+        elif t.split_gate_up and mod == "gate_up_proj":
+            new.extend((fc, a + b // 2, lyr, (a, b // 2)) for fc in ("fc_1", "fc_2"))
+        else:
+            new.append((mod, n, lyr, (a, b)))
+    return new
 
 
 def default_lora_targets(m: ModelSpec) -> tuple[str, ...]:
@@ -313,7 +372,7 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
     key = (m, stage, t.tp, t.ep, dtensor_tp(t), t.pp, t.precision, t.zero_stage, t.fsdp, t.shard_group, t.optimizer,
            t.impl, t.lora_rank, t.lora_targets, t.lora_dtype, t.distributed_optimizer, t.offload_optimizer,
            t.fp32_master, t.quantize, t.quantize_via, t.bitsandbytes_version, t.accumulates_unsharded,
-           t.fsdp_mixed_units, t.fsdp_version)
+           t.fsdp_mixed_units, t.fsdp_version, t.fused_qkv, t.split_gate_up)
     return _STATES_CACHE.get_or_build(key, lambda: _model_states(m, t, stage))
 
 
@@ -574,7 +633,7 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
     lpf_of: dict[int, int] = {}
     rank = r
     expert_rank = _expert_rank(r, t)
-    for p in (m.first_layer_and_outer_tensors if uniform else m.parameter_tensors()):
+    for p in litgpt_tensors(m.first_layer_and_outer_tensors if uniform else m.parameter_tensors(), t):
         if p.layer is None and not rank.holds(m, t.pp, p):
             continue
         if p.layer is not None and not uniform and not rank.lo <= p.layer < rank.hi:

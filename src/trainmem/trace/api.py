@@ -37,6 +37,7 @@ from ..workload import check_supported as _check_supported
 from ..workload import hf_config as _hf_config  # noqa: F401
 from ..workload import hf_factory as _hf_factory
 from ..workload import apply_lora, apply_quantization
+from .. import litgpt_modules
 from ..workload import attention_implementation as _attention_implementation
 from ..workload import hf_step as _hf_step
 from ..workload import make_optimizer, optimizer_class  # noqa: F401
@@ -251,6 +252,7 @@ def _build(dev: _Device, factory: Callable, spec: ModelSpec | None, t: TrainingS
             _cast(module, spec, t)
             if spec is not None:
                 module = apply_lora(apply_quantization(module, t), spec, t)
+                module = litgpt_modules.apply(module, t)  # --fused-qkv, --split-gate-up: litgpt's linears
         wrapped = _dist.wrap(module, spec, t, tracker) if _dist.sharded_unloaded(t) else module
         tracker.name_modules(module)
         with tracker:

@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import TrainmemError
 from ..spec.resolve import resolve
+from .. import litgpt_modules
 from ..workload import TrainStep, apply_lora, hf_factory
 from ..wrappers import fsdp2, mesh
 from . import distributed as _dist
@@ -83,7 +84,7 @@ def fsdp_mem_tracker(model: Any, steps: int = 2, **options: Any) -> dict[str, in
         with dev.build_ctx:
             module = hf_factory(spec, t)()
             _cast(module, spec, t)
-            module = apply_lora(module, spec, t)
+            module = litgpt_modules.apply(apply_lora(module, spec, t), t)
         fsdp2(module, spec, t, mesh(t, "cuda")["dp"])
         module.train()
         fmt: Any = None

@@ -1,0 +1,182 @@
+"""trace runs litgpt's fused q/k/v and split gate/up linears (``trainmem.litgpt_modules``).
+
+The surgery is checked on real CPU tensors against litgpt v0.5.13's own ops written out from
+``litgpt/model.py`` (``CausalSelfAttention.forward``: one linear, ``split``, ``view``, ``transpose``)
+and ``litgpt/lora.py`` (``LoRAQKVLinear``: one dropout, ``lora_A`` of r * n rows, ``conv1d``,
+``zero_pad``), https://github.com/Lightning-AI/litgpt/tree/v0.5.13; then the estimate against trace
+for ``--framework litgpt`` on small Llama (multi-head) and Mistral (grouped-query) shapes."""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from trainmem import estimate, trace  # noqa: E402
+from trainmem import litgpt_modules  # noqa: E402
+from trainmem.errors import TrainmemError  # noqa: E402
+from trainmem.spec.training import TrainingSpec  # noqa: E402
+
+
+def _tiny_llama(kv_heads: int, lora_targets: tuple[str, ...] = ()):
+    import transformers
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                   num_key_value_heads=kv_heads, head_dim=16, num_hidden_layers=1, vocab_size=100)
+    model = transformers.LlamaForCausalLM(cfg)
+    if lora_targets:
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=list(lora_targets),
+                                                 lora_dropout=0.0))
+    return model
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_fused_parts_are_views_of_one_linear_output(kv_heads):
+    """q, k and v handed to transformers' attention are the slices of one fused output that litgpt's
+    ``qkv.split`` makes (views of one storage), and the model still runs forward and backward."""
+    model = _tiny_llama(kv_heads)
+    litgpt_modules.apply(model, TrainingSpec(batch_size=1, seq_len=8, fused_qkv=True))
+    attn = model.model.layers[0].self_attn
+    assert attn.qkv.linear.out_features == 64 + 2 * 16 * kv_heads
+    x = torch.randn(2, 8, 64)
+    q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    assert q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+    assert (q.shape[-1], k.shape[-1], v.shape[-1]) == (64, 16 * kv_heads, 16 * kv_heads)
+    assert not attn.__dict__["_qkv_parts"]  # nothing kept once the three are taken
+    model(torch.randint(0, 100, (2, 8)), labels=torch.randint(0, 100, (2, 8))).loss.backward()
+    assert attn.qkv.linear.weight.grad is not None
+
+
+def _saved(fn):
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda s: saved.append(s) or s, lambda s: s):
+        out = fn()
+    return saved, out
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_lora_qkv_saves_what_litgpts_ops_save(kv_heads):
+    """LoRA on q and v (litgpt's default ``lora_query``, ``lora_value``): the surgery's adapter saves
+    the tensors of litgpt's ``LoRAQKVLinear.forward`` written out here, shape for shape: one
+    ``lora_A`` (2r, h) input, ``conv1d``'s inputs, ``index_copy_``'s source (the delta of q + v
+    width); litgpt's parameter shapes (lora_A (r * 2, h), lora_B (q + v, r))."""
+    model = _tiny_llama(kv_heads, ("q_proj", "v_proj"))
+    litgpt_modules.apply(model, TrainingSpec(batch_size=1, seq_len=8, fused_qkv=True, lora_rank=4,
+                                             lora_dropout=0.0))
+    qkv = model.base_model.model.model.layers[0].self_attn.qkv
+    width = (4 + 2 * kv_heads) * 16
+    assert qkv.lora_A.shape == (8, 64) and qkv.lora_B.shape == (64 + 16 * kv_heads, 4)
+    assert qkv.lora_A.requires_grad and not qkv.linear.weight.requires_grad
+    x = torch.randn(2, 8, 64, requires_grad=True)
+    ours, out = _saved(lambda: qkv(x))
+    assert out.shape == (2, 8, width)
+
+    a, b = qkv.lora_A.detach().clone().requires_grad_(), qkv.lora_B.detach().clone().requires_grad_()
+    w = qkv.linear.weight.detach()
+    ind = torch.tensor(list(range(64)) + list(range(64 + 16 * kv_heads, width)))
+
+    def litgpt():  # lora.py L402-414, conv1d L349-362, zero_pad L321-326 (enable_lora (True, False, True))
+        pretrained = torch.nn.functional.linear(x, w)
+        after_a = torch.nn.functional.linear(x, a)
+        inp, wb = after_a.transpose(-2, -1), b.unsqueeze(-1)
+        if kv_heads == 4:
+            after_b = torch.nn.functional.conv1d(inp, wb, groups=2)
+        else:
+            after_b = torch.cat([torch.nn.functional.conv1d(i, j) for i, j in
+                                 zip(inp.chunk(2, dim=1), wb.split((64, 16 * kv_heads)))], dim=1)
+        after_b = after_b.transpose(-2, -1)
+        lora = after_b.new_zeros(2, 8, width).index_copy_(dim=-1, index=ind, source=after_b) * 2.0
+        return pretrained + lora
+
+    theirs, _ = _saved(litgpt)
+    shapes = sorted(tuple(s.shape) for s in ours if s.is_floating_point())
+    assert shapes == sorted(tuple(s.shape) for s in theirs if s.is_floating_point())
+    assert (2, 8, 64 + 16 * kv_heads) in shapes or (2, 64 + 16 * kv_heads, 8) in shapes  # the delta
+
+
+def test_split_gate_up_runs_litgpts_mlp():
+    """Phi-3's fused ``gate_up_proj`` becomes litgpt's ``fc_1`` (the gate half) and ``fc_2``, each with
+    its own adapter under LoRA; the MLP computes ``down_proj(silu(fc_1(x)) * fc_2(x))``."""
+    import transformers
+    cfg = transformers.Phi3Config(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                  num_hidden_layers=1, vocab_size=100, pad_token_id=0)
+    model = transformers.Phi3ForCausalLM(cfg)
+    from peft import LoraConfig, get_peft_model
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["gate_up_proj"]))
+    litgpt_modules.apply(model, TrainingSpec(batch_size=1, seq_len=8, split_gate_up=True, lora_rank=4))
+    mlp = model.base_model.model.model.layers[0].mlp
+    assert not hasattr(mlp, "gate_up_proj")
+    assert mlp.fc_1.linear.weight.shape == mlp.fc_2.linear.weight.shape == (128, 64)
+    assert mlp.fc_1.lora_A.shape == mlp.fc_2.lora_A.shape == (4, 64)
+    x = torch.randn(2, 8, 64)
+    with torch.no_grad():
+        for p in mlp.parameters():  # the surgery's new tensors are uninitialized (trace runs without data)
+            p.normal_()
+        want = mlp.down_proj(torch.nn.functional.silu(mlp.fc_1(x)) * mlp.fc_2(x))
+        assert torch.equal(mlp(x), want)
+    model(input_ids=torch.randint(0, 100, (2, 8)), labels=torch.randint(0, 100, (2, 8))).loss.backward()
+    assert mlp.fc_1.lora_B.grad is not None
+
+
+def test_refusals_in_one_line():
+    from trainmem.workload import check_supported
+    for options, names in [(dict(quantize="nf4", lora_rank=8), "--quantize nf4"),
+                           (dict(lora_rank=8, precision="bf16"), "--lora-dtype half")]:
+        with pytest.raises(TrainmemError, match=names) as e:
+            check_supported(TrainingSpec(batch_size=1, seq_len=64, fused_qkv=True, **options))
+        assert "\n" not in str(e.value)
+    with pytest.raises(TrainmemError, match="--fused-qkv"):
+        check_supported(TrainingSpec(batch_size=1, seq_len=64, fused_qkv=True), "measure")
+
+
+MODELS = {"llama-mha": ("llama-2-7b", ["num_hidden_layers=2", "hidden_size=2048", "intermediate_size=5504",
+                                       "num_attention_heads=16", "num_key_value_heads=16"]),
+          "mistral-gqa": ("mistral-7b", ["num_hidden_layers=2", "hidden_size=1024", "intermediate_size=3584",
+                                         "num_attention_heads=16", "num_key_value_heads=4"])}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(MODELS))
+@pytest.mark.parametrize("lora", [0, 16], ids=["full", "lora"])
+@pytest.mark.parametrize("precision", ["bf16-amp", "bf16-true"])
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_litgpt_estimate_agrees_with_trace(family, lora, precision, recompute):
+    """``--framework litgpt`` (fused q/k/v, litgpt's SDPA call, Fabric's fp32 output copy, LoRA's
+    dropout 0.05 on q and v): the estimate within 0.5 % of the trace, which runs litgpt's modules.
+    The head's loss unchunked (``--loss-chunks 1``): litgpt's 128-token head chunks are a separate
+    mechanism, compared in docs/validation.md."""
+    name, sets = MODELS[family]
+    opts = dict(batch_size=2, seq_len=1024, framework="litgpt", precision=precision, recompute=recompute,
+                gpu="a100-40gb", loss="half", loss_chunks=1, **({"lora_rank": lora} if lora else {}))
+    t = trace(name, set=sets, **opts)
+    assert t.training.fused_qkv and t.training.attention_call == "repeat-kv"
+    e = estimate(name, set=sets, **opts)
+    assert e.peak_allocated == pytest.approx(t.peak_allocated, rel=0.005)
+
+
+DERIVED = {"phi3": ("phi-3-mini", ["num_hidden_layers=2", "hidden_size=1024", "intermediate_size=2816",
+                                   "num_attention_heads=16", "num_key_value_heads=16"], "qkv_proj,o_proj,gate_up_proj"),
+           "falcon": ("falcon-7b", ["num_hidden_layers=2", "hidden_size=1024", "num_attention_heads=16"], None)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(DERIVED))
+@pytest.mark.parametrize("lora", [0, 16], ids=["full", "lora"])
+@pytest.mark.parametrize("precision", ["bf16-amp", "bf16-true"])
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_litgpt_derived_estimate_agrees_with_trace(family, lora, precision, recompute):
+    """Phi-3 (transformers fuses gate_up_proj: ``--split-gate-up``, trace runs litgpt's fc_1 and fc_2)
+    and Falcon (transformers fuses q/k/v itself: only litgpt's SDPA call): derived architectures,
+    whose coefficients are traced from transformers' model and fitted, within 1 %; the same setups
+    without the split are as far apart (−0.41 … +0.82 % on Phi-3 under full recompute, docs/validation.md,
+    sixth session), so the bound is the derived coefficients', not litgpt's modules'."""
+    name, sets, targets = DERIVED[family]
+    opts = dict(batch_size=2, seq_len=1024, framework="litgpt", precision=precision, recompute=recompute,
+                gpu="a100-40gb", loss="half", loss_chunks=1)
+    if lora:
+        opts.update(lora_rank=lora, **({"lora_targets": targets} if targets else {}))
+    t = trace(name, set=sets, **opts)
+    assert t.training.split_gate_up == (family == "phi3") and not t.training.fused_qkv
+    e = estimate(name, set=sets, **opts)
+    assert e.peak_allocated == pytest.approx(t.peak_allocated, rel=0.01)
