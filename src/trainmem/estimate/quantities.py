@@ -722,6 +722,14 @@ def fused_qkv_kept(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs) -
     return replace(lc, tok=lc.tok + extra, parts=lc.parts + tuple((n, b, 0.0) for n, b in parts), tensors=tensors)
 
 
+def _stage_layer(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) -> LayerCoefs:
+    """The stage's layer: a derived architecture's traced coefficients (with an older release's
+    clamp, ``derived_clamp``), else the hand-written recipe's."""
+    if m.family == "derived":
+        return derived_clamp(m, t, pol, derived_layer(m, t, stage))
+    return layer_coefficients(layer_key(m, t))
+
+
 def derived_clamp(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs) -> LayerCoefs:
     """A derived layer (traced from the installed transformers) as an older release's eager
     attention runs it, where the two differ by one saved tensor (``spec.tf_releases.eager_clamp``:
@@ -1315,8 +1323,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     pol = Policy.of(t.precision)
     st = model_states(m, t, stage)
     derived = m.family == "derived"
-    lc = derived_clamp(m, t, pol, derived_layer(m, t, stage)) if derived else layer_coefficients(layer_key(m, t))
-    lc = litgpt_terms(m, t, pol, lc)
+    lc = litgpt_terms(m, t, pol, _stage_layer(m, t, pol, stage))
     layers = m.num_layers // (t.pp * t.virtual_stages)  # one stage's (interleaved: a rank holds several)
     oib = t.optimizer_in_backward
     sp = t.tp if t.sequence_parallel else 1

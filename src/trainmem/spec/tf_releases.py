@@ -26,6 +26,9 @@ numbers are those files'. What depends on it, for the hand-written families:
     L32-47: ``labels = nn.functional.pad(labels, (0, 1), value=ignore_index)``): the installed code,
     trainmem's model's own loss. GPT-2 and OPT call it from 4.49 (4.49.0 ``modeling_gpt2.py``
     L1084-1093, ``modeling_opt.py`` L1202).
+  Granite (derived) 4.45-4.47 is ``"forward-fp32"``: ``logits = logits / self.config.logits_scaling``
+  then ``logits = logits.float()`` (4.45.2 ``modeling_granite.py`` L1102-1108; 4.46.0 and 4.47.0 upcast
+  with labels only, L1103-1110), 4.48 ``"loss-fp32-shift"`` (4.48.0 L862-866), 4.49 ``"labels"``.
   BERT's masked-LM and classification heads call ``CrossEntropyLoss`` on their logits in every
   release read (4.16.2 to 5.23): unchanged.
 * **The default attention** (``default_attention``): eager until the family's transformers class
@@ -44,9 +47,14 @@ numbers are those files'. What depends on it, for the hand-written families:
   (``_prepare_decoder_attention_mask``), so fp32 under autocast (fp32 embeddings), else the
   weights' dtype. Other eager differences of those releases save nothing more (GPT-2's ``torch.where``
   with its bool buffer, BERT's mask addition, the scaling by a 0-dim tensor).
+* **Derived architectures** (their layers are traced from the installed transformers): OPT and
+  Granite only. OPT's layer of those releases differs from the installed one by the clamp alone in
+  fp16 and fp32 (its softmax upcasts fp16 scores as the installed one does; bf16 ones it did not),
+  so other precisions are refused before 4.49. Granite's decoder layer of 4.45.2
+  (``GraniteDecoderLayer.forward`` L602-624; eager attention L320-335: ``softmax(dtype=float32)
+  .to(query_states.dtype)``, no clamp) is the installed one's, op for op.
 * **What cannot be expressed** (``transformers_problems``): a release before a family existed,
-  derived architectures (their layers and loss are traced from the installed transformers) except
-  OPT in fp16 or fp32, whose eager softmax path is the installed one there; trace and measure
+  other derived architectures; trace and measure
   refuse any release but the installed one (``workload``).
 """
 from __future__ import annotations
@@ -60,10 +68,10 @@ TRANSFORMERS_OLDEST = (4, 16)
 LOSS_KINDS = ("labels", "loss-fp32-shift", "forward-fp32", "shift-half")
 #: the first release with each hand-written family's (and OPT's) model class
 ADDED = {"llama": (4, 28), "mistral": (4, 34), "mixtral": (4, 36), "qwen2": (4, 37), "gpt2": (4, 16),
-         "bert": (4, 16), "opt": (4, 19)}
+         "bert": (4, 16), "opt": (4, 19), "granite": (4, 45)}
 #: the first release whose class supports SDPA (and so uses it by default)
 SDPA_SINCE = {"llama": (4, 36), "mistral": (4, 37), "mixtral": (4, 37), "qwen2": (4, 37), "bert": (4, 41),
-              "gpt2": (4, 42), "opt": (4, 47)}
+              "gpt2": (4, 42), "opt": (4, 47), "granite": (4, 45)}
 #: per model type, the loss kind from each release on (ascending); before the first: the first's
 _LOSS = {
     "gpt2": (((4, 16), "shift-half"), ((4, 49), "labels")),
@@ -72,11 +80,12 @@ _LOSS = {
     "mistral": (((4, 34), "forward-fp32"), ((4, 48), "loss-fp32-shift"), ((4, 49), "labels")),
     "mixtral": (((4, 36), "forward-fp32"), ((4, 46), "loss-fp32-shift"), ((4, 49), "labels")),
     "qwen2": (((4, 37), "forward-fp32"), ((4, 46), "loss-fp32-shift"), ((4, 49), "labels")),
+    "granite": (((4, 45), "forward-fp32"), ((4, 48), "loss-fp32-shift"), ((4, 49), "labels")),
 }
 #: the releases (from, until) whose eager attention clamps the masked scores with ``torch.max``
 _CLAMP = {"llama": ((4, 28), (4, 31)), "opt": ((4, 19), (4, 49))}
 #: derived model types whose older code trainmem corrects (their layers are traced from the installed code)
-DERIVED_TYPES = ("opt",)
+DERIVED_TYPES = ("opt", "granite")
 
 
 def parse_transformers_version(text: Any) -> tuple[int, ...]:
@@ -99,7 +108,7 @@ def parse_transformers_version(text: Any) -> tuple[int, ...]:
 
 def model_key(model: Any) -> str:
     """The model code a release table is read for: the config's ``model_type`` of a Llama-style
-    family (llama, mistral, qwen2, mixtral), else the family (gpt2, bert), a derived OPT's "opt";
+    family (llama, mistral, qwen2, mixtral), else the family (gpt2, bert), a derived OPT or Granite model type;
     "" for what the tables do not cover."""
     family, mtype = getattr(model, "family", ""), getattr(model, "model_type", "")
     if family in ("llama", "mixtral") and mtype in ("llama", "mistral", "qwen2", "mixtral"):
