@@ -878,6 +878,11 @@ def markdown_table() -> str:
              "optimizer_impl `for-loop`, attention `eager`); the other cells are the framework's explicit choices:", ""]
     rows += [f"- {p.name}: {', '.join(p.torch_derived)}" for p in PRESETS.values() if p.torch_derived]
     rows += [f"- {p.name} needs PyTorch {p.min_torch} or newer" for p in PRESETS.values() if p.min_torch]
+    rows += ["", "Older transformers (`--transformers-version`, `spec/tf_releases.py`): `--framework hf-trainer "
+             "--framework-version V` sets `--transformers-version V` for the models the release table covers (llama, "
+             "mistral, qwen2, mixtral, gpt2, bert, OPT, Granite), so the release's model code is counted: eager attention "
+             "before the family's SDPA support (the attention cell, like PyTorch's defaults, gives way) and the loss's "
+             "logits copies before 4.49; other models keep the installed code, with a warning."]
     rows += ["", "Notes:", ""]
     for p in PRESETS.values():
         for k, c in p.cells.items():
