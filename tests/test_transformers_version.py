@@ -157,6 +157,8 @@ def test_hf_trainer_version_sets_the_transformers_release():
 @pytest.mark.parametrize("options,text", [
     (dict(model="llama-3.2-1b", transformers_version="4.30", attention="sdpa"), "does not support SDPA"),
     (dict(model="qwen2.5-0.5b", transformers_version="4.36"), "has no qwen2 model"),
+    (dict(model="gpt2", transformers_version="4.39", attention="flash", precision="bf16-amp"),
+     "does not support flash_attention_2"),
     (dict(model="llama-3.2-1b", transformers_version="4.45", compile=True), "drop --compile"),
     (dict(model="llama-3.2-1b", transformers_version="4.12"), "4.16 and later"),
     (dict(model="llama-3.2-1b", transformers_version="four"), "is not a transformers release"),

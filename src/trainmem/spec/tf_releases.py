@@ -36,7 +36,8 @@ numbers are those files'. What depends on it, for the hand-written families:
   torch >= 2.1.1, ``modeling_utils._check_and_enable_sdpa``, 4.36.0 L1456): Llama 4.36 (absent in
   4.35.2), Mistral, Mixtral and Qwen2 4.37 (absent in 4.36.0's Mistral and Mixtral), BERT 4.41
   (absent in 4.40.0), GPT-2 4.42 (absent in 4.41.0), OPT 4.47. Applied by ``spec.resolve`` only
-  when ``--attention`` is not given; ``--attention sdpa`` before that release is refused.
+  when ``--attention`` is not given; ``--attention sdpa`` before that release is refused, and so is
+  ``--attention flash`` before the class supports flash_attention_2 (``FLASH_SINCE``).
 * **Eager attention's clamp** (``eager_clamp``): Llama 4.28-4.30 (4.28.1 ``modeling_llama.py``
   L227-228, 4.30.2 L226-228; gone in 4.31.0) and OPT before 4.49 (4.28.1 ``modeling_opt.py`` L224-225,
   4.48.0 L201-203) follow the mask addition with ``attn_weights = torch.max(attn_weights,
@@ -72,6 +73,12 @@ ADDED = {"llama": (4, 28), "mistral": (4, 34), "mixtral": (4, 36), "qwen2": (4, 
 #: the first release whose class supports SDPA (and so uses it by default)
 SDPA_SINCE = {"llama": (4, 36), "mistral": (4, 37), "mixtral": (4, 37), "qwen2": (4, 37), "bert": (4, 41),
               "gpt2": (4, 42), "opt": (4, 47), "granite": (4, 45)}
+#: the first release whose class supports transformers' flash_attention_2 (``_supports_flash_attn_2 = True``:
+#: Llama and Mistral 4.34.0, absent in Llama's 4.32.0; Mixtral 4.36.0; Qwen2 4.37.0; GPT-2 4.40.0, absent in
+#: 4.39.0; OPT 4.36.0, absent in 4.35.2; Granite 4.45.2; BERT ``_supports_flash_attn = True`` in 5.0.0, absent
+#: in 4.54.0)
+FLASH_SINCE = {"llama": (4, 34), "mistral": (4, 34), "mixtral": (4, 36), "qwen2": (4, 37), "gpt2": (4, 40),
+               "opt": (4, 36), "granite": (4, 45), "bert": (5, 0)}
 #: per model type, the loss kind from each release on (ascending); before the first: the first's
 _LOSS = {
     "gpt2": (((4, 16), "shift-half"), ((4, 49), "labels")),
@@ -163,9 +170,12 @@ def transformers_problems(model: Any, t: Any) -> str | None:
     if v < ADDED[key]:
         return f"{name} has no {key} model (added in {'.'.join(map(str, ADDED[key]))}); give a later release"
     since = SDPA_SINCE[key]
-    if v < since and t.attention != "eager" and t.attention != "flash":
+    if v < since and t.attention not in ("eager", "flash"):
         return (f"{name}: its {key} class does not support SDPA (from {'.'.join(map(str, since))}); give --attention "
-                "eager (or flash) or a later release")
+                "eager or a later release")
+    if v < FLASH_SINCE[key] and t.attention == "flash":
+        return (f"{name}: its {key} class does not support flash_attention_2 (from "
+                f"{'.'.join(map(str, FLASH_SINCE[key]))}); give --attention eager or a later release")
     loop = [f for f, on in (("--compile", t.compile), (f"--tp {t.tp}", t.tp > 1), (f"--pp {t.pp}", t.pp > 1)) if on]
     if t.loss is None and causal_lm_loss(model, v) != "labels" and loop:
         return (f"{name}: its {key} loss copies the logits, which trainmem models for the eager loss on one "
