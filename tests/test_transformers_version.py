@@ -81,13 +81,16 @@ def test_release_losses_differ_as_their_copies():
     assert sizes == sorted(sizes) and len({round(x, 1) for x in sizes}) == 4
 
 
-def _clamped_attention_saved(clamp: bool, dtype: torch.dtype, heads: int = 4, s: int = 32) -> int:
-    """Bytes autograd saves in Llama 4.28's eager attention (modeling_llama.py L215-235 of 4.28.1),
-    with or without its torch.max clamp, counted by saved-tensor hooks on a real CPU run."""
-    q = torch.randn(1, heads, s, 16, dtype=dtype, requires_grad=True)
-    k = torch.randn(1, heads, s, 16, dtype=dtype, requires_grad=True)
-    v = torch.randn(1, heads, s, 16, dtype=dtype, requires_grad=True)
-    mask = torch.full((s, s), torch.finfo(dtype).min, dtype=dtype).triu(1)[None, None]
+def _clamped_attention_saved(clamp: bool, precision: str, heads: int = 4, s: int = 32) -> int:
+    """Bytes of (b, heads, s, s) tensors autograd saves in Llama 4.28's eager attention
+    (modeling_llama.py L215-235 of 4.28.1), with or without its torch.max clamp, counted by
+    saved-tensor hooks on a real CPU run: q, k, v in the compute dtype, the causal mask in the
+    embeddings' dtype (``_prepare_decoder_attention_mask``: fp32 under autocast), CPU autocast to
+    bf16 for ``bf16-amp``."""
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    q, k, v = (torch.randn(1, heads, s, 16, dtype=dtype, requires_grad=True) for _ in range(3))
+    mask_dtype = torch.float32 if precision != "bf16" else torch.bfloat16
+    mask = torch.full((s, s), torch.finfo(mask_dtype).min, dtype=mask_dtype).triu(1)[None, None]
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -95,24 +98,27 @@ def _clamped_attention_saved(clamp: bool, dtype: torch.dtype, heads: int = 4, s:
             seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-amp"):
         w = torch.matmul(q, k.transpose(2, 3)) / 4.0
         w = w + mask
         if clamp:
             w = torch.max(w, torch.tensor(torch.finfo(w.dtype).min))
         p = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
-        torch.matmul(p, v).sum().backward()
+        out = torch.matmul(p, v)
+    out.float().sum().backward()
     return sum(seen.values())
 
 
-def test_llama_clamp_saves_one_scores_tensor_as_the_real_op_does():
+@pytest.mark.parametrize("precision", ["fp32", "bf16-amp", "bf16"])
+def test_llama_clamp_saves_one_scores_tensor_as_the_real_op_does(precision):
     """Llama 4.28-4.30's clamp: the layer recipe's extra (b, heads, s, s) bytes per token x key
-    equal what the clamped attention saves more than the unclamped one, run on the CPU."""
+    equal what the clamped attention saves more than the unclamped one, run on the CPU (fp32 scores
+    under autocast, where the fp32 mask promotes the sum)."""
     heads, s = 4, 32
-    extra = _clamped_attention_saved(True, torch.float32, heads, s) - _clamped_attention_saved(False, torch.float32,
-                                                                                              heads, s)
-    r_old = resolve("llama-3.2-1b", precision="fp32", transformers_version="4.30", seq_len=S)
-    r_new = resolve("llama-3.2-1b", precision="fp32", attention="eager", seq_len=S)
+    extra = _clamped_attention_saved(True, precision, heads, s) - _clamped_attention_saved(False, precision, heads, s)
+    r_old = resolve("llama-3.2-1b", precision=precision, transformers_version="4.30", seq_len=S)
+    r_new = resolve("llama-3.2-1b", precision=precision, attention="eager", seq_len=S)
     per_head = (layer_coefficients(layer_key(r_old.model, r_old.training)).sq
                 - layer_coefficients(layer_key(r_new.model, r_new.training)).sq) / r_old.model.num_heads
     assert extra == per_head * heads * s * s > 0

@@ -45,8 +45,8 @@ numbers are those files'. What depends on it, for the hand-written families:
   (tools/autograd/derivatives.yaml ``maximum``: ``at::where(self == other, grad / 2, grad)
   .masked_fill_(self < other, 0)``), so autograd saves the masked scores ``(b, heads, s, s)`` until
   the layer's backward, in the sum's dtype: the mask is built in ``inputs_embeds.dtype``
-  (``_prepare_decoder_attention_mask``), so fp32 under autocast (fp32 embeddings), else the
-  weights' dtype. Other eager differences of those releases save nothing more (GPT-2's ``torch.where``
+  (``_prepare_decoder_attention_mask``, 4.28.1 ``modeling_llama.py`` L464-473, ``modeling_opt.py``
+  L538-547), so fp32 under autocast (fp32 embeddings), else the weights' dtype. Other eager differences of those releases save nothing more (GPT-2's ``torch.where``
   with its bool buffer, BERT's mask addition, the scaling by a 0-dim tensor).
 * **Derived architectures** (their layers are traced from the installed transformers): OPT and
   Granite only. OPT's layer of those releases differs from the installed one by the clamp alone in
