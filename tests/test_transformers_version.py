@@ -166,6 +166,7 @@ def test_hf_trainer_version_sets_the_transformers_release():
     (dict(model="gpt2", transformers_version="4.39", attention="flash", precision="bf16-amp"),
      "does not support flash_attention_2"),
     (dict(model="llama-3.2-1b", transformers_version="4.45", compile=True), "drop --compile"),
+    (dict(model="llama-3.2-1b", transformers_version="4.39"), "materialised (b, 1, s, s) causal mask"),
     (dict(model="llama-3.2-1b", transformers_version="4.12"), "4.16 and later"),
     (dict(model="llama-3.2-1b", transformers_version="four"), "is not a transformers release"),
 ])
@@ -187,3 +188,16 @@ def test_cli_refusal_exits_2_with_one_line():
     out = subprocess.run([sys.executable, "-m", "trainmem", "estimate", "llama-3.2-1b", "--transformers-version",
                           "4.30", "--attention", "sdpa"], capture_output=True, text=True)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_sdpa_before_4_54_keeps_the_repeated_keys_and_values():
+    """Before 4.54 transformers' Llama-style SDPA call repeats grouped K/V to the query's heads
+    (spec.tf_releases.sdpa_repeats_kv): the layer is the one litgpt's repeat-kv call gives, which
+    tests/test_litgpt_attention.py checks against trace; 4.54 and the installed code pass
+    enable_gqa and keep the grouped tensors."""
+    def layer(**kw):
+        r = resolve("llama-3.2-1b", precision="bf16", seq_len=S, **kw)
+        return layer_coefficients(layer_key(r.model, r.training))
+    old, call, new = layer(transformers_version="4.45.2"), layer(attention_call="repeat-kv"), layer()
+    assert old.tok == call.tok > new.tok and layer(transformers_version="4.54").tok == new.tok
+    assert any(n == "attn.k_repeated" for n, *_ in old.parts)

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import TrainmemError
 from ..spec.model import ModelSpec
-from ..spec.tf_releases import causal_lm_loss, eager_clamp
+from ..spec.tf_releases import causal_lm_loss, eager_clamp, sdpa_repeats_kv
 from ..spec.training import CHUNKED_NLL_TOKENS, RECOMPUTE, TrainingSpec, chunked_nll_problem, config_use_cache
 from .cache import BoundedCache
 from .elementwise import NEVER
@@ -265,9 +265,19 @@ def layer_key(m: ModelSpec, t: TrainingSpec) -> LayerKey:
                     kv_cache(m, t), biased=biased_linears(m) if t.recompute == "op" else (), ep=t.ep,
                     ep_rows=ep_rank_rows(m.experts_top_k, m.num_experts, t.ep, t.moe_imbalance) if t.ep > 1 else 0.0,
                     compiled=t.compile, lora_base_trains=bool(lora) and t.fsdp_mixed_units,
-                    softmax_saves_input=t.softmax_saves_input, attention_call=t.attention_call,
+                    softmax_saves_input=t.softmax_saves_input, attention_call=release_attention_call(m, t),
                     math_upcast=t.math_sdpa_upcasts,
                     eager_clamp=t.attention == "eager" and eager_clamp(m, t.transformers_release))
+
+
+def release_attention_call(m: ModelSpec, t: TrainingSpec) -> str:
+    """How the layer calls SDPA: ``t.attention_call``, or "repeat-kv" where the run's transformers
+    release copies grouped keys and values to the query's heads before the call
+    (``spec.tf_releases.sdpa_repeats_kv``: before 4.54), which is litgpt's call's memory."""
+    if t.attention_call == "model" and t.attention.startswith("sdpa") and m.num_heads != m.num_kv_heads \
+            and sdpa_repeats_kv(m, t.transformers_release):
+        return "repeat-kv"
+    return t.attention_call
 
 
 def biased_linears(m: ModelSpec) -> tuple[str, ...]:

@@ -38,6 +38,16 @@ numbers are those files'. What depends on it, for the hand-written families:
   (absent in 4.40.0), GPT-2 4.42 (absent in 4.41.0), OPT 4.47. Applied by ``spec.resolve`` only
   when ``--attention`` is not given; ``--attention sdpa`` before that release is refused, and so is
   ``--attention flash`` before the class supports flash_attention_2 (``FLASH_SINCE``).
+* **SDPA with grouped keys and values** (``sdpa_repeats_kv``): before 4.54 the Llama-style classes
+  copy K and V to the query's heads before ``scaled_dot_product_attention`` (``repeat_kv``); the
+  kernel saves the copies. The estimate's layer recipe then runs as under ``--attention-call
+  repeat-kv`` (the same ``expand`` + ``reshape``, ``is_causal`` and no mask). Granite (derived) with
+  grouped heads refuses SDPA there.
+* **Llama's SDPA call of 4.38-4.39**: ``LlamaModel._update_causal_mask`` materialises the causal
+  mask and ``LlamaSdpaAttention`` passes it as ``attn_mask`` without ``is_causal`` (4.39.0
+  ``modeling_llama.py`` L1058-1097, L674; 4.38.0 registers a ``causal_mask`` buffer), so CUDA runs the
+  memory-efficient kernel with a mask; 4.40 skips the mask when it is only causal
+  (``AttentionMaskConverter._ignore_causal_mask_sdpa``). Not modelled: refused.
 * **Eager attention's clamp** (``eager_clamp``): Llama 4.28-4.30 (4.28.1 ``modeling_llama.py``
   L227-228, 4.30.2 L226-228; gone in 4.31.0) and OPT before 4.49 (4.28.1 ``modeling_opt.py`` L224-225,
   4.48.0 L201-203) follow the mask addition with ``attn_weights = torch.max(attn_weights,
@@ -146,6 +156,17 @@ def eager_clamp(model: Any, version: tuple[int, ...] | None) -> bool:
     return version is not None and span is not None and span[0] <= version < span[1]
 
 
+def sdpa_repeats_kv(model: Any, version: tuple[int, ...] | None) -> bool:
+    """Whether a release's SDPA call copies grouped keys and values to the query's heads first
+    (``repeat_kv``, ``expand`` + ``reshape``) for a Llama-style family: every release before 4.54
+    (4.36.0 ``modeling_llama.py`` L710-719, 4.44.2 L642-660, 4.53.3 ``integrations/sdpa_attention.py``
+    L41-42); 4.54 passes ``enable_gqa=True`` instead when there is no mask and torch >= 2.5
+    (4.54.0 ``integrations/sdpa_attention.py`` L27-33, ``use_gqa_in_sdpa``). The kernel then saves the
+    copies, as under litgpt's call (``--attention-call repeat-kv``, which the estimate reuses)."""
+    return (version is not None and version < (4, 54)
+            and model_key(model) in ("llama", "mistral", "qwen2", "mixtral", "granite"))
+
+
 def default_attention(model: Any, version: tuple[int, ...] | None) -> str | None:
     """The attention a release uses when none is asked for: "eager" before the family's SDPA
     support (``SDPA_SINCE``), else None (trainmem's default stays)."""
@@ -173,6 +194,9 @@ def transformers_problems(model: Any, t: Any) -> str | None:
     if v < since and t.attention not in ("eager", "flash"):
         return (f"{name}: its {key} class does not support SDPA (from {'.'.join(map(str, since))}); give --attention "
                 "eager or a later release")
+    if key == "llama" and (4, 38) <= v < (4, 40) and t.attention.startswith("sdpa"):
+        return (f"{name}: Llama's SDPA call of 4.38-4.39 passes a materialised (b, 1, s, s) causal mask instead of "
+                "is_causal, which trainmem does not model; give --attention eager or flash, or another release")
     if v < FLASH_SINCE[key] and t.attention == "flash":
         return (f"{name}: its {key} class does not support flash_attention_2 (from "
                 f"{'.'.join(map(str, FLASH_SINCE[key]))}); give --attention eager or a later release")
@@ -180,6 +204,11 @@ def transformers_problems(model: Any, t: Any) -> str | None:
     if t.loss is None and causal_lm_loss(model, v) != "labels" and loop:
         return (f"{name}: its {key} loss copies the logits, which trainmem models for the eager loss on one "
                 f"pipeline stage without tensor parallelism; drop {loop[0]} or --transformers-version")
+    gqa = getattr(model, "num_heads", 0) != getattr(model, "num_kv_heads", 0)
+    if key == "granite" and gqa and t.attention.startswith("sdpa") and sdpa_repeats_kv(model, v):
+        return (f"{name}: Granite's SDPA call of that release copies the grouped keys and values to the query's "
+                "heads, which its derived coefficients (traced from the installed call) do not hold; give "
+                "--attention flash or eager, or a release from 4.54")
     if key in DERIVED_TYPES and t.precision not in ("fp16", "fp32") and eager_clamp(model, v):
         return (f"{name} with {model.name} and --precision {t.precision}: OPT's eager softmax of that release runs in "
                 "the scores' dtype where the installed one upcasts, so only fp16 and fp32 are modelled; use one of "
