@@ -166,6 +166,7 @@ def test_hf_trainer_version_sets_the_transformers_release():
     (dict(model="gpt2", transformers_version="4.39", attention="flash", precision="bf16-amp"),
      "does not support flash_attention_2"),
     (dict(model="llama-3.2-1b", transformers_version="4.45", compile=True), "drop --compile"),
+    (dict(model="llama-3.2-1b", transformers_version="4.45", tp=2), "drop --tp 2"),
     (dict(model="llama-3.2-1b", transformers_version="4.39"), "materialised (b, 1, s, s) causal mask"),
     (dict(model="llama-3.2-1b", transformers_version="4.12"), "4.16 and later"),
     (dict(model="llama-3.2-1b", transformers_version="four"), "is not a transformers release"),

@@ -65,8 +65,9 @@ numbers are those files'. What depends on it, for the hand-written families:
   (``GraniteDecoderLayer.forward`` L602-624; eager attention L320-335: ``softmax(dtype=float32)
   .to(query_states.dtype)``, no clamp) is the installed one's, op for op.
 * **What cannot be expressed** (``transformers_problems``): a release before a family existed,
-  other derived architectures; trace and measure
-  refuse any release but the installed one (``workload``).
+  other derived architectures, ``--compile`` before 4.54, the older losses under ``--tp`` or
+  ``--pp``, SDPA or flash before a class supports them; trace and measure refuse any release but
+  the installed one (``workload``).
 """
 from __future__ import annotations
 
@@ -200,7 +201,10 @@ def transformers_problems(model: Any, t: Any) -> str | None:
     if v < FLASH_SINCE[key] and t.attention == "flash":
         return (f"{name}: its {key} class does not support flash_attention_2 (from "
                 f"{'.'.join(map(str, FLASH_SINCE[key]))}); give --attention eager or a later release")
-    loop = [f for f, on in (("--compile", t.compile), (f"--tp {t.tp}", t.tp > 1), (f"--pp {t.pp}", t.pp > 1)) if on]
+    if t.compile and v < (4, 54):
+        return (f"{name}: torch.compile's partition of that release's model code is not modelled (the compiled "
+                "recipes are read off the installed code's graphs); drop --compile or give a release from 4.54")
+    loop = [f for f, on in ((f"--tp {t.tp}", t.tp > 1), (f"--pp {t.pp}", t.pp > 1)) if on]
     if t.loss is None and causal_lm_loss(model, v) != "labels" and loop:
         return (f"{name}: its {key} loss copies the logits, which trainmem models for the eager loss on one "
                 f"pipeline stage without tensor parallelism; drop {loop[0]} or --transformers-version")
