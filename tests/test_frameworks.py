@@ -166,7 +166,6 @@ def test_the_header_names_the_preset_first():
     ("torchtitan", dict(dp=8, zero=1), "is DeepSpeed's ZeRO"),
     ("deepspeed", dict(dp=8, fsdp="full"), "DeepSpeed shards with --zero"),
     ("megatron", dict(precision="bf16"), "fp32 main gradients"),
-    ("hf-trainer", dict(framework_version="4.45"), "shifted fp32 logits"),
     ("lightning", dict(distributed_optimizer=True), "Megatron's"),
 ])
 def test_setups_a_framework_does_not_run_are_named(framework, options, words):
@@ -396,8 +395,10 @@ def test_trl_computes_its_chunked_loss_from_1_7():
 
 #: what fms-hf-tuning's benchmark gives SFTTrainer (its TrainingArguments and model loading); the rest
 #: is TRL's (9b80f3d, between 0.11 and 0.12: --framework-version 0.12)
+#: (and the transformers release its requirements pin, which TRL's preset does not imply)
 FMS_GIVEN = ("batch_size", "seq_len", "grad_accum", "gpu", "lora_rank", "lora_targets", "lora_dropout", "dp",
-             "fsdp", "attention", "recompute", "precision", "quantize", "quantize_via", "bitsandbytes_version")
+             "fsdp", "attention", "recompute", "precision", "quantize", "quantize_via", "bitsandbytes_version",
+             "transformers_version")
 
 
 def _fms_fixtures():
@@ -451,3 +452,14 @@ def test_plan_keeps_a_presets_data_parallel_options_to_their_layouts(framework):
     from trainmem.plan import plan
     p = plan("llama-3.1-8b", gpus=16, gpu="h100", global_batch=64, seq_len=4096, framework=framework)
     assert p.top and all(x.tp == 1 and x.pp == 1 for x in p.top)
+
+
+def test_hf_trainer_version_without_a_release_table_warns_of_the_shifted_logits():
+    """--framework-version sets --transformers-version for the models spec/tf_releases.py covers
+    (tests/test_transformers_version.py); another model keeps the installed code, and the report says
+    its older loss may copy the shifted logits."""
+    r = resolve("phi-2", framework="hf-trainer", framework_version="4.45")
+    assert r.training.transformers_version is None
+    warnings = r.training.extra["framework_warnings"]
+    assert any("shifted logits" in w and "\n" not in w for w in warnings), warnings
+    assert resolve(MODEL, framework="hf-trainer", framework_version="4.45").training.transformers_version == "4.45"

@@ -24,6 +24,7 @@ import torch
 
 from .errors import TrainmemError
 from .spec import ModelSpec, TrainingSpec
+from .spec.tf_releases import installed_version, same_release
 
 DROPOUT_KEYS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "resid_pdrop", "embd_pdrop", "attn_pdrop",
                 "summary_first_dropout", "attention_dropout", "hidden_dropout", "classifier_dropout",
@@ -34,8 +35,12 @@ STEP_PHASES = ("forward", "backward", "optimizer_step", "zero_grad")
 
 
 def _check_release(t: TrainingSpec, what: str) -> None:
-    """``--torch-version``: trace and measure run the installed PyTorch, so they refuse another release
-    (only its major.minor is compared); the estimate models older ones (``spec.releases``)."""
+    """``--torch-version`` and ``--transformers-version``: trace and measure run the installed PyTorch and
+    transformers, so they refuse another release (only its major.minor is compared); the estimate models
+    older ones (``spec.releases``, ``spec.tf_releases``)."""
+    if t.transformers_version is not None and not same_release(t.transformers_version, installed_version()):
+        raise TrainmemError(f"--transformers-version {t.transformers_version}: {what} runs the installed transformers "
+                            f"{installed_version()}; use estimate for another release, or drop --transformers-version")
     if t.torch_version is None:
         return
     installed = torch.__version__.split("+")[0]

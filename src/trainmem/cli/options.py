@@ -107,6 +107,10 @@ def add_training(g: Any) -> None:
     g.add_argument("--torch-version", default=None, metavar="V",
                    help="the PyTorch release the run uses (default: a current 2.x); an older one changes defaults "
                         "(zero_grad, optimizer loop, attention) and, before 1.11, what softmax saves (estimate only)")
+    g.add_argument("--transformers-version", default=None, metavar="V",
+                   help="the transformers release whose model code the run uses (default: the installed one); an "
+                        "older one changes the default attention and the causal-LM loss's logits copies of llama, "
+                        "mistral, qwen2, mixtral, gpt2, bert and opt (estimate only; docs/estimate.md)")
     g.add_argument(*BATCH_FLAGS, dest="batch_size", type=positive_int, default=1,
                    help="micro-batch per data-parallel rank (the HF Trainer's per_device_train_batch_size, "
                         "Megatron's and litgpt's micro_batch_size)")
@@ -363,6 +367,7 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 optimizer_bucket_mb=a.optimizer_bucket_mb, loss_chunks=a.loss_chunks, loss=a.loss,
                 master_weights=a.master_weights, framework=a.framework, framework_version=a.framework_version,
                 torch_version=a.torch_version, grad_sync=a.grad_sync, fsdp_lora_units=a.fsdp_lora_units,
+                transformers_version=a.transformers_version,
                 fsdp_gathered=a.fsdp_gathered,
                 fsdp_version=a.fsdp_version, loss_shift=a.loss_shift, cast_output=a.cast_output, fused_qkv=a.fused_qkv,
                 use_cache=a.use_cache, attention_call=a.attention_call, split_gate_up=a.split_gate_up,

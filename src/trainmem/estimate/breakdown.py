@@ -243,7 +243,7 @@ def _logits(mo: Moment, m: Any, half: str, mode: str) -> list[Component]:
                              "b x s x vocab / tp in the matmul dtype: the model output's (and the previous "
                              "step's while the loop keeps it)"))
     if logp:
-        out.append(Component("logits.log_probs", LOGITS, logp, "fp32" if loss_upcasts(m) else None,
+        out.append(Component("logits.log_probs", LOGITS, logp, "fp32" if loss_upcasts(m) and mode != "half" else None,
                              "log-softmax saved by cross-entropy (and nll_loss's fp32 copy under autocast)"))
     if kv:
         out.append(Component("activations.kv_cache", ACTIVATIONS, kv, "fp32",

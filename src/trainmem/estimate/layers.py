@@ -167,6 +167,7 @@ class Builder:
         # --attention-call repeat-kv: SDPA gets K and V copied to the query's heads (litgpt's call)
         self.repeat_kv = repeat_kv
         self.softmax_saves_input = softmax_saves_input  # PyTorch < 1.11 (spec.releases)
+        self.eager_clamp = False  # transformers' torch.max clamp of the masked scores (spec.tf_releases)
         self.biased = biased  # linears with a bias: ``addmm`` (not ``mm``) under F.linear / Conv1D
         # bitsandbytes 4-bit base weights (quant4.py): bytes per element of the dequantized weight and
         # of its cast to the compute dtype (0, 0: not quantized); old MatMul4Bit saves its input
@@ -432,6 +433,12 @@ class Builder:
             k = T(k.tok * rep, 0, k.nbytes, "attn.k_repeated")
             v = T(v.tok * rep, 0, v.nbytes, "attn.v_repeated")
         self.r.save(q, k, v)
+        if self.eager_clamp:
+            # ``torch.max(attn_weights, torch.tensor(finfo.min))`` after the mask is added (older
+            # transformers, ``spec.tf_releases.eager_clamp``): MaximumBackward saves its input, the
+            # masked scores (b, heads, s, s), in the dtype of scores + mask: the mask is built in the
+            # embeddings' dtype, the residual stream's (fp32 under autocast), so the wider of the two
+            self.r.save(T(0, heads, max(half, self.p.stream), "attn.scores_clamp_input"))
         if self.softmax_saves_input:
             # PyTorch < 1.11 (``spec.releases``): SoftmaxBackward keeps softmax's input, the masked
             # scores (b, heads, s, s): fp32 under autocast (its fp32 cast) or in fp32 training; in
@@ -738,6 +745,7 @@ class LayerKey:
     softmax_saves_input: bool = False  # PyTorch < 1.11: softmax's node saves its input too (spec.releases)
     attention_call: str = "model"  # "repeat-kv": SDPA called as litgpt does (K/V copied to the query's heads)
     math_upcast: bool = True  # PyTorch >= 2.5: SDPA's math kernel upcasts half inputs (spec.releases)
+    eager_clamp: bool = False  # transformers' eager attention clamps the masked scores (spec.tf_releases)
 
 
 def ep_rank_rows(top_k: int, experts: int, ep: int, imbalance: float) -> float:
@@ -838,6 +846,7 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
     B = Builder(pol, k.dropout, sp_div, k.capability, k.lora, k.lora_dropout, k.lora_half, k.quant,
                 k.quant_saves_input, k.biased, k.lora_base_trains, k.softmax_saves_input,
                 k.attention_call == "repeat-kv", k.math_upcast)
+    B.eager_clamp = k.eager_clamp
     h, f, q, kv = k.h, k.f / t, k.q / t, k.kv / t
     heads, kvh = k.heads / t, k.kv_heads / t  # whole heads per rank (spec.layout.tp_problems)
     x = T(h / sp_div, 0, pol.stream, "residual")

@@ -22,6 +22,7 @@ import numpy as np
 
 from ..errors import TrainmemError
 from ..spec.model import ModelSpec
+from ..spec.tf_releases import causal_lm_loss, eager_clamp, sdpa_repeats_kv
 from ..spec.training import CHUNKED_NLL_TOKENS, RECOMPUTE, TrainingSpec, chunked_nll_problem, config_use_cache
 from .cache import BoundedCache
 from .elementwise import NEVER
@@ -264,8 +265,19 @@ def layer_key(m: ModelSpec, t: TrainingSpec) -> LayerKey:
                     kv_cache(m, t), biased=biased_linears(m) if t.recompute == "op" else (), ep=t.ep,
                     ep_rows=ep_rank_rows(m.experts_top_k, m.num_experts, t.ep, t.moe_imbalance) if t.ep > 1 else 0.0,
                     compiled=t.compile, lora_base_trains=bool(lora) and t.fsdp_mixed_units,
-                    softmax_saves_input=t.softmax_saves_input, attention_call=t.attention_call,
-                    math_upcast=t.math_sdpa_upcasts)
+                    softmax_saves_input=t.softmax_saves_input, attention_call=release_attention_call(m, t),
+                    math_upcast=t.math_sdpa_upcasts,
+                    eager_clamp=t.attention == "eager" and eager_clamp(m, t.transformers_release))
+
+
+def release_attention_call(m: ModelSpec, t: TrainingSpec) -> str:
+    """How the layer calls SDPA: ``t.attention_call``, or "repeat-kv" where the run's transformers
+    release copies grouped keys and values to the query's heads before the call
+    (``spec.tf_releases.sdpa_repeats_kv``: before 4.54), which is litgpt's call's memory."""
+    if t.attention_call == "model" and t.attention.startswith("sdpa") and m.num_heads != m.num_kv_heads \
+            and sdpa_repeats_kv(m, t.transformers_release):
+        return "repeat-kv"
+    return t.attention_call
 
 
 def biased_linears(m: ModelSpec) -> tuple[str, ...]:
@@ -470,7 +482,18 @@ def loss_mode(m: ModelSpec, t: TrainingSpec) -> str:
     the logits as they are (half)."""
     if t.loss is not None:
         return t.loss
+    if release_loss(m, t) == "shift-half":
+        return "half"
     return "upcast" if loss_upcasts(m) else "half"
+
+
+def release_loss(m: ModelSpec, t: TrainingSpec) -> str:
+    """How the model's own causal-LM loss treats the logits in the run's transformers release
+    (``spec.tf_releases.causal_lm_loss``: "labels", "loss-fp32-shift", "forward-fp32" or
+    "shift-half"); "labels" when the loop computes the loss (``--loss`` given)."""
+    if t.loss is not None or t.transformers_version is None:
+        return "labels"
+    return causal_lm_loss(m, t.transformers_release)
 
 
 def loss_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy) -> LossBytes:
@@ -514,19 +537,47 @@ def loss_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy) -> LossBytes:
     # layers) --pp 2, fp32, last stage -7.7% before
     held = pol.half if (t.hold_output != "loss" or torch_pipeline(t)) else 0
     b = _loss_in_one_piece(m, t, pol, held)
-    if t.loss_shift == "logits" and is_lm(m):
+    kind = release_loss(m, t)
+    if kind in ("forward-fp32", "loss-fp32-shift"):
+        b = _release_upcast_bytes(b, pol, kind)
+    if (t.loss_shift == "logits" or kind == "shift-half") and is_lm(m):
         # ``logits[..., :-1, :].contiguous()`` on the half logits (ColossalAI's GPTLMLoss, older
-        # transformers models before ForCausalLMLoss shifted the labels instead, 4.46, many
+        # transformers models before ForCausalLMLoss shifted the labels instead, 4.49, many
         # hand-written loops): a half copy, alive while log_softmax runs (neither slice nor contiguous saves it
         # for backward; SliceBackward's zero-filled gradient comes after log_softmax's has freed the
         # log-probabilities, so backward's peak does not change)
         b = b._replace(forward=b.forward + pol.half)
     if t.softmax_saves_input and is_lm(m):
-        b = _log_softmax_keeps_input(b, t, pol, loss_mode(m, t))
+        b = _log_softmax_keeps_input(b, t, pol, loss_mode(m, t), kind == "shift-half")
     return b
 
 
-def _log_softmax_keeps_input(b: LossBytes, t: TrainingSpec, pol: Policy, mode: str) -> LossBytes:
+def _release_upcast_bytes(b: LossBytes, pol: Policy, kind: str) -> LossBytes:
+    """The model's own upcast loss (``b``: the installed ``ForCausalLMLoss``, which shifts the labels)
+    as an older transformers release computes it (``spec.tf_releases``), per logit element:
+
+    * ``loss-fp32-shift`` (4.46-4.48 ``ForCausalLMLoss``): besides the fp32 copy of the half logits
+      (``logits = logits.float()``, a local alive until the loss returns; none when they are fp32),
+      ``shift_logits = logits[..., :-1, :].contiguous()`` is a second fp32 tensor, alive while
+      ``cross_entropy`` runs: ``forward`` + 4 B. The saved fp32 log-probabilities and the backward's
+      two fp32 gradients are as before (one token fewer); ``SliceBackward``'s zero-filled fp32 gradient
+      comes after the log-probabilities are freed.
+    * ``forward-fp32`` (Llama 4.31-4.45, Mistral to 4.47, ...): the model's forward upcasts
+      (``logits = logits.float()``) and returns the fp32 tensor; its half output is freed by the
+      upcast (rebound or a temporary). While the loss runs, the fp32 logits and their fp32 shifted
+      copy are alive: counted as the half output (``out``, as the gradient handed back to the head
+      is half again after ``ToCopyBackward``) plus ``forward`` = 4 - 2 + 4 B (4 B with fp32 logits,
+      whose ``.float()`` is the tensor itself). A loop that holds the output holds fp32 logits
+      (``held`` 4 B)."""
+    half = pol.half
+    if kind == "loss-fp32-shift":
+        return b._replace(forward=b.forward + F32)   # (b, s - 1, vocab) fp32: the shifted copy
+    upcast = F32 - half if half != F32 else 0        # the fp32 logits in place of the half output
+    return b._replace(held=F32 if b.held else 0, forward=upcast + F32)
+
+
+def _log_softmax_keeps_input(b: LossBytes, t: TrainingSpec, pol: Policy, mode: str,
+                             shifted: bool = False) -> LossBytes:
     """PyTorch < 1.11 (``spec.releases``): ``LogSoftmaxBackward`` saves the tensor ``log_softmax``
     read until the loss's backward, per logit element: the fp32 copy of an upcast loss under
     autocast or in pure half (moved from the forward-only bytes to the saved ones); else the
@@ -535,7 +586,7 @@ def _log_softmax_keeps_input(b: LossBytes, t: TrainingSpec, pol: Policy, mode: s
     releases (``releases.torch_problems``)."""
     if mode == "upcast" and pol.half != F32:
         return b._replace(saved=b.saved + F32, forward=b.forward - F32)   # the .float() copy, fp32
-    if t.loss_shift == "logits":
+    if t.loss_shift == "logits" or shifted:
         return b._replace(saved=b.saved + pol.half, forward=b.forward - pol.half)  # the shifted copy
     return b if b.held else b._replace(saved=b.saved + b.out)   # the logits, in their dtype
 
@@ -687,6 +738,34 @@ def fused_qkv_kept(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs) -
     extra = sum(b for _, b in parts)
     tensors = lc.tensors + tuple((b, 0.0) for _, b in parts) if lc.tensors else lc.tensors
     return replace(lc, tok=lc.tok + extra, parts=lc.parts + tuple((n, b, 0.0) for n, b in parts), tensors=tensors)
+
+
+def _stage_layer(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) -> LayerCoefs:
+    """The stage's layer: a derived architecture's traced coefficients (with an older release's
+    clamp, ``derived_clamp``), else the hand-written recipe's."""
+    if m.family == "derived":
+        return derived_clamp(m, t, pol, derived_layer(m, t, stage))
+    return layer_coefficients(layer_key(m, t))
+
+
+def derived_clamp(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs) -> LayerCoefs:
+    """A derived layer (traced from the installed transformers) as an older release's eager
+    attention runs it, where the two differ by one saved tensor (``spec.tf_releases.eager_clamp``:
+    OPT before 4.49). ``OPTAttention.forward`` adds the (b, 1, s, s) mask to the (b, heads, s, s) bmm
+    scores and clamps the sum with ``torch.max(attn_weights, torch.tensor(finfo.min))`` (4.28.1
+    ``modeling_opt.py`` L224-225; with ``device=`` from 4.30: a 0-dim tensor per layer, not counted),
+    whose backward keeps the sum: per layer, heads x dtype bytes per token x key, in the scores'
+    dtype. ``spec.tf_releases.transformers_problems`` admits fp16 and fp32 only, where the rest of
+    that release's eager path (``softmax(dtype=float32).to(float16)`` for fp16 scores, plain softmax
+    for fp32, dropout, ``bmm`` with the values) saves what the installed ``eager_attention_forward``
+    saves. The layer's traced backward transients are kept as measured relative to its saved
+    tensors: exact for the moments before ``MaximumBackward`` runs (the MLP, the output projection,
+    ``bmm``'s and softmax's backward), one tensor high for the q/k/v projections' backward after it."""
+    if not (t.attention == "eager" and eager_clamp(m, t.transformers_release)):
+        return lc
+    sq = float(m.num_heads * pol.half)  # (b, heads, s, s) in the scores' dtype: fp16 or fp32
+    tensors = lc.tensors + ((0.0, sq),) if lc.tensors else lc.tensors
+    return replace(lc, sq=lc.sq + sq, parts=lc.parts + (("attn.scores_clamp_input", 0.0, sq),), tensors=tensors)
 
 
 def litgpt_terms(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs) -> LayerCoefs:
@@ -1274,7 +1353,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     pol = Policy.of(t.precision)
     st = model_states(m, t, stage)
     derived = m.family == "derived"
-    lc = litgpt_terms(m, t, pol, derived_layer(m, t, stage) if derived else layer_coefficients(layer_key(m, t)))
+    lc = litgpt_terms(m, t, pol, _stage_layer(m, t, pol, stage))
     layers = m.num_layers // (t.pp * t.virtual_stages)  # one stage's (interleaved: a rank holds several)
     oib = t.optimizer_in_backward
     sp = t.tp if t.sequence_parallel else 1

@@ -333,10 +333,12 @@ def _check_hf(t: Any, model: Any, version: tuple[int, ...] | None, given: frozen
                    f"--precision {t.precision}-amp")
     if version is None or version >= (5,):
         out += _no_dtype(t, model, given)
-    if version is not None and version < (4, 49) and "loss" not in given and getattr(model, "head", "") == "causal-lm":
-        where = "the model's forward (logits.float())" if version < (4, 46) else "ForCausalLMLoss"
-        out.append(f"transformers {'.'.join(map(str, version))}: {where} also copies the shifted fp32 logits "
-                   f"(shift_logits.contiguous(), removed in 4.49): one fp32 logits tensor more than trainmem counts")
+    if version is not None and version < (4, 49) and "loss" not in given and getattr(model, "head", "") == "causal-lm" \
+            and t.transformers_version is None:
+        # a model without a release table (spec.tf_releases): the preset does not imply --transformers-version
+        out.append(f"transformers {'.'.join(map(str, version))}: {getattr(model, 'name', 'the model')}'s loss of that "
+                   f"release may also copy the shifted logits (removed in 4.49), which trainmem does not count: "
+                   f"its release table covers llama, mistral, qwen2, mixtral, gpt2, bert and opt")
     return out
 
 
@@ -501,8 +503,10 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
         notes=(
         "optim='adamw_hf' (before 4.32) is transformers' own AdamW, a loop over the parameters with one "
         "temporary per tensor (optimization.py:468 in 4.31.0); trainmem counts it as for-loop (two)",
-        "before 4.49 the loss copied the shifted fp32 logits (4.45.2 modeling_llama.py:1219-1229, 4.48.0 "
-        "loss/loss_utils.py:39); the report warns that trainmem does not count that copy",
+        "--framework-version X sets --transformers-version X (the Trainer is transformers) for the families of "
+        "spec/tf_releases.py: before 4.49 the loss copied the shifted logits (4.45.2 modeling_llama.py:1214-1221, "
+        "4.48.0 loss/loss_utils.py:32-47), before each family's SDPA support attention was eager; other models "
+        "keep the installed code with a warning",
     )),
     Preset("trl", "TRL SFTTrainer (a Hugging Face Trainer subclass)", "trl 1.9.0", {
         "precision": Cell("bf16-amp", (_s("trl", "trl/trainer/base_config.py", "67-74"),
@@ -874,6 +878,11 @@ def markdown_table() -> str:
              "optimizer_impl `for-loop`, attention `eager`); the other cells are the framework's explicit choices:", ""]
     rows += [f"- {p.name}: {', '.join(p.torch_derived)}" for p in PRESETS.values() if p.torch_derived]
     rows += [f"- {p.name} needs PyTorch {p.min_torch} or newer" for p in PRESETS.values() if p.min_torch]
+    rows += ["", "Older transformers (`--transformers-version`, `spec/tf_releases.py`): `--framework hf-trainer "
+             "--framework-version V` sets `--transformers-version V` for the models the release table covers (llama, "
+             "mistral, qwen2, mixtral, gpt2, bert, OPT, Granite), so the release's model code is counted: eager attention "
+             "before the family's SDPA support (the attention cell, like PyTorch's defaults, gives way) and the loss's "
+             "logits copies before 4.49; other models keep the installed code, with a warning."]
     rows += ["", "Notes:", ""]
     for p in PRESETS.values():
         for k, c in p.cells.items():

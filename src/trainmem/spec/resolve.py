@@ -48,6 +48,7 @@ from .hardware import Hardware, get_gpu
 from .model import ModelSpec
 from .deepspeed import zero_options
 from .releases import parse_torch_version, torch_defaults
+from .tf_releases import default_attention, model_key, parse_transformers_version
 from .training import (OPTIMIZER_ALIASES, PRECISION_ALIASES, TrainingSpec, check_against, deepspeed_problems, default_seq_len,
                        image_sizes)
 
@@ -206,12 +207,12 @@ class Resolved:
         if self.model.is_image and "seq_len" not in training_values(training_changes):
             changes = image_sizes(self.model, {k: v for k, v in changes.items() if k != "seq_len"},
                                   self.training.image_size)
-        if changes.get("torch_version", self.training.torch_version) is not None:
+        if any(changes.get(k, getattr(self.training, k)) is not None for k in ("torch_version", "transformers_version")):
             # an option set back to None takes its release's default (``_release_defaults``)
             kept = set(training_values(training_changes)) | {
                 f for f in TRAINING_DEFAULTS
                 if f not in training_changes and getattr(self.training, f) != TRAINING_DEFAULTS[f]}
-            changes = _release_defaults({**_fields(self.training), **changes}, kept)
+            changes = _release_defaults({**_fields(self.training), **changes}, kept, self.model)
         return dataclasses.replace(self, training=dataclasses.replace(self.training, **changes))
 
 
@@ -276,23 +277,30 @@ def _training_from(options: Mapping[str, Any], model: ModelSpec | None, base: Tr
         if not given:
             return start
         kept = set(given) | {f for f in TRAINING_DEFAULTS if getattr(start, f) != TRAINING_DEFAULTS[f]}
-        return dataclasses.replace(start, **_release_defaults({**_fields(start), **given}, kept))
+        return dataclasses.replace(start, **_release_defaults({**_fields(start), **given}, kept, model))
     if "seq_len" not in given and model is not None:
         given["seq_len"] = default_seq_len(model)
-    return TrainingSpec(**_release_defaults(given, set(given)))
+    return TrainingSpec(**_release_defaults(given, set(given), model))
 
 
 def _fields(t: TrainingSpec) -> dict[str, Any]:
     return {f: getattr(t, f) for f in TRAINING_DEFAULTS}
 
 
-def _release_defaults(fields: dict[str, Any], kept: set[str]) -> dict[str, Any]:
+def _release_defaults(fields: dict[str, Any], kept: set[str], model: ModelSpec | None = None) -> dict[str, Any]:
     """``fields`` with the defaults of their ``torch_version`` (``spec.releases.torch_defaults``: an
-    older PyTorch's zero_grad, optimizer loop and attention) for the options not in ``kept``."""
+    older PyTorch's zero_grad, optimizer loop and attention) and of their ``transformers_version``
+    for ``model`` (``spec.tf_releases.default_attention``: eager before the family's SDPA support)
+    for the options not in ``kept``. Eager wins when either release implies it."""
+    implied: dict[str, Any] = {}
     version = fields.get("torch_version")
-    if version is None:
-        return fields
-    implied = torch_defaults(parse_torch_version(version), fields.get("fsdp"))
+    if version is not None:
+        implied = torch_defaults(parse_torch_version(version), fields.get("fsdp"))
+    tf = fields.get("transformers_version")
+    if tf is not None and model is not None:
+        attention = default_attention(model, parse_transformers_version(tf))
+        if attention is not None:
+            implied["attention"] = attention
     return {**fields, **{k: v for k, v in implied.items() if k not in kept}}
 
 
@@ -328,6 +336,11 @@ def preset_training(framework: str, version: Any, given: Mapping[str, Any], mode
             for k in group:
                 values.pop(k, None)
     fields = {**base, **values, **given}
+    if name == "hf-trainer" and text is not None and fields.get("transformers_version") is None \
+            and model is not None and model_key(model):
+        # the Trainer is transformers itself: its release is the model code's (a derived model other than
+        # OPT keeps the installed code, with the preset's warning, spec.frameworks._check_hf)
+        fields["transformers_version"] = text
     preset = get_preset(name)
     if fields.get("torch_version") is not None and preset.min_torch is not None and \
             parse_torch_version(fields["torch_version"]) < parse_torch_version(preset.min_torch):
@@ -335,7 +348,7 @@ def preset_training(framework: str, version: Any, given: Mapping[str, Any], mode
                             f"{fields['torch_version']} is older; drop one of them")
     # the release's defaults replace what neither the user nor the framework chose explicitly
     explicit = set(given) | {k for k in values if k not in preset.torch_derived}
-    fields = _release_defaults(fields, explicit)
+    fields = _release_defaults(fields, explicit, model)
     if "seq_len" not in fields and model is not None:
         fields["seq_len"] = default_seq_len(model)
     extra: dict[str, Any] = {"framework": name, "framework_version": text, "framework_given": dict(given)}

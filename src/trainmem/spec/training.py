@@ -12,6 +12,7 @@ from ..errors import TrainmemError
 from .layout import layout_problems
 from .releases import (SDPA_ATTENTION, math_sdpa_upcasts, parse_torch_version, softmax_saves_input,
                        torch_problems)
+from .tf_releases import parse_transformers_version, transformers_problems
 
 #: fp32; fp16-amp/bf16-amp: fp32 weights + autocast; bf16/fp16: everything in that dtype ("pure",
 #: Lightning's bf16-true); bf16-mp: FSDP's mixed-precision policy (fp32 sharded parameters, gradients
@@ -178,6 +179,7 @@ class TrainingSpec:
     quantize_via: str = "transformers"  # QUANTIZE_VIA: which modules are quantized, the quant state's dtype
     bitsandbytes_version: str | None = None  # None: current (>= 0.43.2); older MatMul4Bit saves its input
     torch_version: str | None = None  # the PyTorch release (spec.releases); None: a current one (2.x)
+    transformers_version: str | None = None  # the transformers release (spec.tf_releases); None: the installed one
     distributed_optimizer: bool = False  # Megatron/NeMo: fp32 main grads + sharded states
     ddp_bucket_mb: float = 25.0
     optimizer_bucket_mb: float | None = None  # NeMo distributed_fused_adam bucket
@@ -279,6 +281,7 @@ class TrainingSpec:
             raise TrainmemError("--lora-targets needs --lora-rank R (the adapter rank)")
         self._check_quantize()
         self._check_torch()
+        self._check_transformers()
         if self.attention in ("flash", "sdpa-flash", "sdpa-cudnn") and self.precision == "fp32":
             raise TrainmemError(f"--attention {self.attention} needs half precision: use --precision bf16-amp "
                                 "(or fp16-amp, bf16, fp16), or --attention sdpa")
@@ -460,6 +463,20 @@ class TrainingSpec:
         bad = torch_problems(self)
         if bad:
             raise TrainmemError(f"{'; '.join(bad)}: drop those options or give a newer --torch-version")
+
+    def _check_transformers(self) -> None:
+        """``transformers_version``: a release trainmem models, kept as given (``4.45.2``); what it
+        cannot model for a model is refused in ``check_against`` (``tf_releases.transformers_problems``)."""
+        if self.transformers_version is None:
+            return
+        parse_transformers_version(self.transformers_version)
+        object.__setattr__(self, "transformers_version", str(self.transformers_version).strip().lstrip("v"))
+
+    @property
+    def transformers_release(self) -> tuple[int, ...] | None:
+        """``transformers_version`` as numbers (None: the installed release)."""
+        v = self.transformers_version
+        return None if v is None else parse_transformers_version(v)
 
     @property
     def torch_release(self) -> tuple[int, ...] | None:
@@ -828,6 +845,9 @@ def check_against(model: Any, t: TrainingSpec) -> None:
     if t.torch_version is not None and model.num_experts and t.torch_release < (2, 0):
         raise TrainmemError(f"--torch-version {t.torch_version} with {model.name}: its experts are modelled as current "
                             "transformers runs them on PyTorch 2 (torch._grouped_mm); give --torch-version 2.x or drop it")
+    release = transformers_problems(model, t)
+    if release:
+        raise TrainmemError(release)
     if t.quantize and model.num_experts:
         raise TrainmemError(f"--quantize {t.quantize} with {model.name}, a mixture-of-experts model: its experts "
                             "are not nn.Linear modules and are not modelled quantized; drop --quantize")

@@ -1,0 +1,231 @@
+"""The transformers release a run uses (``--transformers-version``): what older model code holds.
+
+trainmem's layer recipes and loss follow the installed transformers (5.x). Published runs, and
+many users, ran older releases whose model code keeps other tensors. ``TrainingSpec.
+transformers_version`` names the release; None means the installed one. Read from the wheels
+of each release on PyPI (``transformers-X-py3-none-any.whl``, ``transformers/models/...``); line
+numbers are those files'. What depends on it, for the hand-written families:
+
+* **The causal-LM loss** (``causal_lm_loss``), one of ``LOSS_KINDS``:
+  - ``"shift-half"``: ``shift_logits = logits[..., :-1, :].contiguous()`` on the head's output as it
+    is, then ``CrossEntropyLoss``: trainmem's ``--loss half --loss-shift logits``. GPT-2 before 4.49
+    (4.16.2 ``modeling_gpt2.py`` L1069-1078; 4.48.0 L1083-1094); Llama 4.28-4.30 (4.28.1
+    ``modeling_llama.py`` L705, 4.30.2 L706); OPT before 4.49 (4.28.1 ``modeling_opt.py``
+    L950-959, 4.48.0 L1188-1199).
+  - ``"forward-fp32"``: the model's forward upcasts the logits (``logits = logits.float()``) and
+    returns the fp32 tensor; the loss copies the shifted fp32 logits. Llama 4.31-4.45 (4.31.0
+    ``modeling_llama.py`` L825-830; 4.44.2 L1209-1214; 4.45.2 L1214-1221: ``self.lm_head(...).float()``),
+    Mistral 4.34-4.47 (4.35.2 L1023-1028; 4.46.0 and 4.47.0 upcast with labels only, rebinding the
+    returned ``logits``: 4.46.0 L1080-1103), Mixtral 4.36-4.45 (4.36.0 L1227-1232; 4.44.2 L1290-1295),
+    Qwen2 4.37-4.45 (4.40.0 L1183-1188; 4.45.2 L1187-1194).
+  - ``"loss-fp32-shift"``: the model returns the half logits; ``loss_utils.ForCausalLMLoss``
+    upcasts them (``logits = logits.float()``, alive until it returns) and copies the shifted fp32
+    logits (4.46.0 ``loss/loss_utils.py`` L32-46, 4.48.0 L32-47). Llama, Qwen2, Mixtral 4.46-4.48
+    (4.46.0 ``modeling_llama.py`` L1210-1214), Mistral 4.48.
+  - ``"labels"``: ``ForCausalLMLoss`` pads and shifts the labels instead (4.49.0 ``loss_utils.py``
+    L32-47: ``labels = nn.functional.pad(labels, (0, 1), value=ignore_index)``): the installed code,
+    trainmem's model's own loss. GPT-2 and OPT call it from 4.49 (4.49.0 ``modeling_gpt2.py``
+    L1084-1093, ``modeling_opt.py`` L1202).
+  Granite (derived) 4.45-4.47 is ``"forward-fp32"``: ``logits = logits / self.config.logits_scaling``
+  then ``logits = logits.float()`` (4.45.2 ``modeling_granite.py`` L1102-1108; 4.46.0 and 4.47.0 upcast
+  with labels only, L1103-1110), 4.48 ``"loss-fp32-shift"`` (4.48.0 L862-866), 4.49 ``"labels"``.
+  BERT's masked-LM and classification heads call ``CrossEntropyLoss`` on their logits in every
+  release read (4.16.2 to 5.23): unchanged.
+* **The default attention** (``default_attention``): eager until the family's transformers class
+  declares ``_supports_sdpa = True``, from which release transformers picks SDPA by default (with
+  torch >= 2.1.1, ``modeling_utils._check_and_enable_sdpa``, 4.36.0 L1456): Llama 4.36 (absent in
+  4.35.2), Mistral, Mixtral and Qwen2 4.37 (absent in 4.36.0's Mistral and Mixtral), BERT 4.41
+  (absent in 4.40.0), GPT-2 4.42 (absent in 4.41.0), OPT 4.47. Applied by ``spec.resolve`` only
+  when ``--attention`` is not given; ``--attention sdpa`` before that release is refused, and so is
+  ``--attention flash`` before the class supports flash_attention_2 (``FLASH_SINCE``).
+* **SDPA with grouped keys and values** (``sdpa_repeats_kv``): before 4.54 the Llama-style classes
+  copy K and V to the query's heads before ``scaled_dot_product_attention`` (``repeat_kv``); the
+  kernel saves the copies. The estimate's layer recipe then runs as under ``--attention-call
+  repeat-kv`` (the same ``expand`` + ``reshape``, ``is_causal`` and no mask). Granite (derived) with
+  grouped heads refuses SDPA there.
+* **Llama's SDPA call of 4.38-4.39**: ``LlamaModel._update_causal_mask`` materialises the causal
+  mask and ``LlamaSdpaAttention`` passes it as ``attn_mask`` without ``is_causal`` (4.39.0
+  ``modeling_llama.py`` L1058-1097, L674; 4.38.0 registers a ``causal_mask`` buffer), so CUDA runs the
+  memory-efficient kernel with a mask; 4.40 skips the mask when it is only causal
+  (``AttentionMaskConverter._ignore_causal_mask_sdpa``). Not modelled: refused.
+* **Eager attention's clamp** (``eager_clamp``): Llama 4.28-4.30 (4.28.1 ``modeling_llama.py``
+  L227-228, 4.30.2 L226-228; gone in 4.31.0) and OPT before 4.49 (4.28.1 ``modeling_opt.py`` L224-225,
+  4.48.0 L201-203) follow the mask addition with ``attn_weights = torch.max(attn_weights,
+  torch.tensor(torch.finfo(attn_weights.dtype).min))``. ``maximum``'s derivative reads both inputs
+  (tools/autograd/derivatives.yaml ``maximum``: ``at::where(self == other, grad / 2, grad)
+  .masked_fill_(self < other, 0)``), so autograd saves the masked scores ``(b, heads, s, s)`` until
+  the layer's backward, in the sum's dtype: the mask is built in ``inputs_embeds.dtype``
+  (``_prepare_decoder_attention_mask``, 4.28.1 ``modeling_llama.py`` L464-473, ``modeling_opt.py``
+  L538-547), so fp32 under autocast (fp32 embeddings), else the weights' dtype. Other eager differences of those releases save nothing more (GPT-2's ``torch.where``
+  with its bool buffer, BERT's mask addition, the scaling by a 0-dim tensor).
+* **Derived architectures** (their layers are traced from the installed transformers): OPT and
+  Granite only. OPT's layer of those releases differs from the installed one by the clamp alone in
+  fp16 and fp32 (its softmax upcasts fp16 scores as the installed one does; bf16 ones it did not),
+  so other precisions are refused before 4.49. Granite's decoder layer of 4.45.2
+  (``GraniteDecoderLayer.forward`` L602-624; eager attention L320-335: ``softmax(dtype=float32)
+  .to(query_states.dtype)``, no clamp) is the installed one's, op for op.
+* **What cannot be expressed** (``transformers_problems``): a release before a family existed,
+  other derived architectures, ``--compile`` before 4.54, the older losses under ``--tp`` or
+  ``--pp``, SDPA or flash before a class supports them; trace and measure refuse any release but
+  the installed one (``workload``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import TrainmemError
+
+#: the oldest release trainmem models (the oldest read: BERT's and GPT-2's code of 4.16.2)
+TRANSFORMERS_OLDEST = (4, 16)
+LOSS_KINDS = ("labels", "loss-fp32-shift", "forward-fp32", "shift-half")
+#: the first release with each hand-written family's (and OPT's) model class
+ADDED = {"llama": (4, 28), "mistral": (4, 34), "mixtral": (4, 36), "qwen2": (4, 37), "gpt2": (4, 16),
+         "bert": (4, 16), "opt": (4, 19), "granite": (4, 45)}
+#: the first release whose class supports SDPA (and so uses it by default)
+SDPA_SINCE = {"llama": (4, 36), "mistral": (4, 37), "mixtral": (4, 37), "qwen2": (4, 37), "bert": (4, 41),
+              "gpt2": (4, 42), "opt": (4, 47), "granite": (4, 45)}
+#: the first release whose class supports transformers' flash_attention_2 (``_supports_flash_attn_2 = True``:
+#: Llama and Mistral 4.34.0, absent in Llama's 4.32.0; Mixtral 4.36.0; Qwen2 4.37.0; GPT-2 4.40.0, absent in
+#: 4.39.0; OPT 4.36.0, absent in 4.35.2; Granite 4.45.2; BERT ``_supports_flash_attn = True`` in 5.0.0, absent
+#: in 4.54.0)
+FLASH_SINCE = {"llama": (4, 34), "mistral": (4, 34), "mixtral": (4, 36), "qwen2": (4, 37), "gpt2": (4, 40),
+               "opt": (4, 36), "granite": (4, 45), "bert": (5, 0)}
+#: per model type, the loss kind from each release on (ascending); before the first: the first's
+_LOSS = {
+    "gpt2": (((4, 16), "shift-half"), ((4, 49), "labels")),
+    "opt": (((4, 19), "shift-half"), ((4, 49), "labels")),
+    "llama": (((4, 28), "shift-half"), ((4, 31), "forward-fp32"), ((4, 46), "loss-fp32-shift"), ((4, 49), "labels")),
+    "mistral": (((4, 34), "forward-fp32"), ((4, 48), "loss-fp32-shift"), ((4, 49), "labels")),
+    "mixtral": (((4, 36), "forward-fp32"), ((4, 46), "loss-fp32-shift"), ((4, 49), "labels")),
+    "qwen2": (((4, 37), "forward-fp32"), ((4, 46), "loss-fp32-shift"), ((4, 49), "labels")),
+    "granite": (((4, 45), "forward-fp32"), ((4, 48), "loss-fp32-shift"), ((4, 49), "labels")),
+}
+#: the releases (from, until) whose eager attention clamps the masked scores with ``torch.max``
+_CLAMP = {"llama": ((4, 28), (4, 31)), "opt": ((4, 19), (4, 49))}
+#: derived model types whose older code trainmem corrects (their layers are traced from the installed code)
+DERIVED_TYPES = ("opt", "granite")
+
+
+def parse_transformers_version(text: Any) -> tuple[int, ...]:
+    """``"4.45.2"``, ``"v4.36"`` or ``"4.49.0.dev0"`` as (4, 45, 2), (4, 36), (4, 49, 0); a
+    TrainmemError naming the option for anything else or a release older than ``TRANSFORMERS_OLDEST``."""
+    raw = str(text).strip().lstrip("v").split("+")[0]
+    nums = []
+    for p in raw.split(".")[:3]:  # major.minor[.patch], a suffix such as ".dev0" ignored
+        if not p.isdigit():
+            break
+        nums.append(p)
+    if len(nums) < 2:
+        raise TrainmemError(f"--transformers-version {text!r} is not a transformers release like 4.45.2 or 4.36")
+    v = tuple(int(p) for p in nums)
+    if v < TRANSFORMERS_OLDEST:
+        raise TrainmemError(f"--transformers-version {raw}: trainmem models transformers 4.16 and later; give 4.16 "
+                            "or newer, or drop it")
+    return v
+
+
+def model_key(model: Any) -> str:
+    """The model code a release table is read for: the config's ``model_type`` of a Llama-style
+    family (llama, mistral, qwen2, mixtral), else the family (gpt2, bert), a derived OPT or Granite model type;
+    "" for what the tables do not cover."""
+    family, mtype = getattr(model, "family", ""), getattr(model, "model_type", "")
+    if family in ("llama", "mixtral") and mtype in ("llama", "mistral", "qwen2", "mixtral"):
+        return mtype
+    if family in ("gpt2", "bert"):
+        return family
+    if family == "derived" and mtype in DERIVED_TYPES:
+        return mtype
+    return ""
+
+
+def causal_lm_loss(model: Any, version: tuple[int, ...] | None) -> str:
+    """How the model's own causal-LM loss treats the logits in ``version`` (``LOSS_KINDS``; module
+    docstring); "labels" (the installed code) for None or a family without a table."""
+    rules = _LOSS.get(model_key(model))
+    if version is None or not rules or getattr(model, "head", "") != "causal-lm":
+        return "labels"
+    kind = rules[0][1]
+    for since, value in rules:
+        if version >= since:
+            kind = value
+    return kind
+
+
+def eager_clamp(model: Any, version: tuple[int, ...] | None) -> bool:
+    """Whether eager attention saves its masked scores for ``torch.max``'s backward (module docstring)."""
+    span = _CLAMP.get(model_key(model))
+    return version is not None and span is not None and span[0] <= version < span[1]
+
+
+def sdpa_repeats_kv(model: Any, version: tuple[int, ...] | None) -> bool:
+    """Whether a release's SDPA call copies grouped keys and values to the query's heads first
+    (``repeat_kv``, ``expand`` + ``reshape``) for a Llama-style family: every release before 4.54
+    (4.36.0 ``modeling_llama.py`` L710-719, 4.44.2 L642-660, 4.53.3 ``integrations/sdpa_attention.py``
+    L41-42); 4.54 passes ``enable_gqa=True`` instead when there is no mask and torch >= 2.5
+    (4.54.0 ``integrations/sdpa_attention.py`` L27-33, ``use_gqa_in_sdpa``). The kernel then saves the
+    copies, as under litgpt's call (``--attention-call repeat-kv``, which the estimate reuses)."""
+    return (version is not None and version < (4, 54)
+            and model_key(model) in ("llama", "mistral", "qwen2", "mixtral", "granite"))
+
+
+def default_attention(model: Any, version: tuple[int, ...] | None) -> str | None:
+    """The attention a release uses when none is asked for: "eager" before the family's SDPA
+    support (``SDPA_SINCE``), else None (trainmem's default stays)."""
+    since = SDPA_SINCE.get(model_key(model))
+    if version is None or since is None or version >= since:
+        return None
+    return "eager"
+
+
+def transformers_problems(model: Any, t: Any) -> str | None:
+    """One line saying what ``t.transformers_version`` cannot model for ``model`` (None: fine)."""
+    if t.transformers_version is None:
+        return None
+    v = parse_transformers_version(t.transformers_version)
+    key = model_key(model)
+    name = f"--transformers-version {t.transformers_version}"
+    if not key:
+        what = (f"{model.name} is a derived architecture: its layers and loss are traced from the installed "
+                "transformers" if getattr(model, "family", "") == "derived" else
+                f"{model.name} ({model.family}) has no release table")
+        return f"{name}: {what}; drop --transformers-version (its code of that release is not modelled)"
+    if v < ADDED[key]:
+        return f"{name} has no {key} model (added in {'.'.join(map(str, ADDED[key]))}); give a later release"
+    since = SDPA_SINCE[key]
+    if v < since and t.attention not in ("eager", "flash"):
+        return (f"{name}: its {key} class does not support SDPA (from {'.'.join(map(str, since))}); give --attention "
+                "eager or a later release")
+    if key == "llama" and (4, 38) <= v < (4, 40) and t.attention.startswith("sdpa"):
+        return (f"{name}: Llama's SDPA call of 4.38-4.39 passes a materialised (b, 1, s, s) causal mask instead of "
+                "is_causal, which trainmem does not model; give --attention eager or flash, or another release")
+    if v < FLASH_SINCE[key] and t.attention == "flash":
+        return (f"{name}: its {key} class does not support flash_attention_2 (from "
+                f"{'.'.join(map(str, FLASH_SINCE[key]))}); give --attention eager or a later release")
+    if t.compile and v < (4, 54):
+        return (f"{name}: torch.compile's partition of that release's model code is not modelled (the compiled "
+                "recipes are read off the installed code's graphs); drop --compile or give a release from 4.54")
+    loop = [f for f, on in ((f"--tp {t.tp}", t.tp > 1), (f"--pp {t.pp}", t.pp > 1)) if on]
+    if t.loss is None and causal_lm_loss(model, v) != "labels" and loop:
+        return (f"{name}: its {key} loss copies the logits, which trainmem models for the eager loss on one "
+                f"pipeline stage without tensor parallelism; drop {loop[0]} or --transformers-version")
+    gqa = getattr(model, "num_heads", 0) != getattr(model, "num_kv_heads", 0)
+    if key == "granite" and gqa and t.attention.startswith("sdpa") and sdpa_repeats_kv(model, v):
+        return (f"{name}: Granite's SDPA call of that release copies the grouped keys and values to the query's "
+                "heads, which its derived coefficients (traced from the installed call) do not hold; give "
+                "--attention flash or eager, or a release from 4.54")
+    if key in DERIVED_TYPES and t.precision not in ("fp16", "fp32") and eager_clamp(model, v):
+        return (f"{name} with {model.name} and --precision {t.precision}: OPT's eager softmax of that release runs in "
+                "the scores' dtype where the installed one upcasts, so only fp16 and fp32 are modelled; use one of "
+                "them or a release from 4.49")
+    return None
+
+
+def installed_version() -> str:
+    """The installed transformers' version (trace and measure run it)."""
+    from importlib import metadata
+    return metadata.version("transformers")
+
+
+def same_release(version: str, installed: str) -> bool:
+    """Whether two versions name the same major.minor release."""
+    return parse_transformers_version(version)[:2] == parse_transformers_version(installed)[:2]
