@@ -24,6 +24,8 @@ runs it through the same simulator as ``trace`` (``trainmem.allocator.CachingAll
   unsharded gradients; the embeddings' gradients (a tied one: its own part and the sum);
 * FSDP1: each gathered flat parameter freed pending until the GPU passes its free, as far behind as
   FSDP1's rate limiter lets the GPU be (``_Fsdp1Lag``), and the backward prefetch of the layer below;
+  FSDP2 before PyTorch 2.5: each reduce-scatter input on the reduce-scatter stream, freed when the
+  reduce returns (``_Fsdp.reduce``);
 * the optimizer step: the states of every trainable tensor at the first step, in parameter order
   (``torch.optim``'s lazy ``_init_group``), then the step's temporaries as per-tensor blocks;
   ``zero_grad(set_to_none=True)`` frees the gradients.
@@ -382,9 +384,10 @@ def _fsdp_streams(q: Quantities) -> tuple[int, int]:
     ``device_handle.stream(all_gather_copy_in_stream)``) and the reduce-scatter output, which the
     sharded gradients are views of, on its reduce-scatter stream (``foreach_reduce``: ``reduce_output``
     inside ``device_handle.stream(reduce_scatter_stream)``; the input is made on the current
-    stream before it). FSDP1 unshards its flat parameter on its unshard stream and makes the reduce
-    dtype's copy and the new gradient shard on its post-backward stream (``fsdp/_runtime_utils.py``
-    ``_unshard``, ``_post_backward_hook``). Found by the torchtitan benchmark (Llama 3.1 8B, FSDP2
+    stream before it, from PyTorch 2.5: before, on the reduce-scatter stream too, ``_Fsdp.reduce``).
+    FSDP1 unshards its flat parameter on its unshard stream and makes the reduce dtype's copy and
+    the new gradient shard on its post-backward stream (``fsdp/_runtime_utils.py`` ``_unshard``,
+    ``_post_backward_hook``). Found by the torchtitan benchmark (Llama 3.1 8B, FSDP2
     over 8 H100s): trace with one pool -7.1% on max reserved, with a pool per stream +0.2%.
     DeepSpeed's streams are not modelled (0, 0)."""
     if q.fsdp_root <= 0 and q.fsdp_layer_buf <= 0:
