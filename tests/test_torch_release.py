@@ -44,7 +44,7 @@ def test_release_defaults_apply_to_what_is_not_given():
     (dict(torch_version="2.0", optimizer_in_backward=True), "--optimizer-in-backward"),
     (dict(torch_version="1.9", precision="bf16-amp"), "--precision bf16-amp"),
     (dict(torch_version="1.10", fsdp="full", dp=2), "--fsdp full"),
-    (dict(torch_version="2.3", fsdp="full", dp=2, fsdp_version=2), "--fsdp-version 2"),
+    (dict(torch_version="2.2", fsdp="full", dp=2, fsdp_version=2), "--fsdp-version 2"),
     (dict(torch_version="1.5"), "1.6 and later"),
     (dict(torch_version="two"), "not a PyTorch release"),
     (dict(torch_version="1.13", framework="torchtune"), "runs on PyTorch 2.0 or newer"),

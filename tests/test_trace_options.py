@@ -107,6 +107,8 @@ CASES = [
     ({"torch_version": "1.10", "attention": "eager"}, REFUSED, "--torch-version 1.10: trace runs the installed PyTorch"),
     # another transformers release: trace runs the installed one (the estimate models older model code)
     ({"transformers_version": "4.45.2"}, REFUSED, "--transformers-version 4.45.2: trace runs the installed transformers"),
+    # FSDP2 before 2.5 kept its reduce-scatter input on another stream (spec.releases): the installed FSDP2 does not
+    ({"torch_version": "2.4", "fsdp": "full", "dp": 2}, REFUSED, "--torch-version 2.4: trace runs the installed PyTorch"),
     ({"quantize": "nf4", "lora_rank": 8, "dp": 2}, REFUSED, "--quantize nf4"),
     ({"keep_logits": True}, CHANGED, ""), ({"zero_grad": "zeros"}, CHANGED, ""),
     ({"hold_output": "backward"}, CHANGED, ""), ({"hold_output": "step"}, CHANGED, ""),

@@ -700,14 +700,16 @@ def _fsdp_middle_layers(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept,
     output, the flat unsharded parameters, allocated now) before layer i's backward computes; the
     upper layer's reduce-scatter input (its unsharded gradients, flat, in the reduce dtype) is kept in
     ``comm_ctx.reduce_scatter_states`` until layer i's own ``post_backward`` pops it (L645-657,
-    ``reduce_scatter_max_input_buffers`` = 1) and appends its own (L717-719). So layer i computes
-    with the root gathered, its own unsharded parameters, the lower layer's all-gather output, the
-    upper layer's reduce-scatter input, the shards of the layers above (``foreach_reduce``'s output,
-    ``_fsdp_collectives.py``) and the activations of layers 0..i. The top layer has no reduce-scatter
-    input before it (moment ``layer.top``), the bottom one prefetches nothing (``curr_index`` 0:
-    ``layer.bottom``). Between them a layer lower down holds one layer's activations fewer and one
-    layer's gradient shards more; both change linearly with the layer's index, so the largest of
-    these moments is at one of the two ends: the second layer from the top and from the bottom.
+    ``reduce_scatter_max_input_buffers`` = 1) and appends its own (L717-719; before PyTorch 2.5 the
+    input was freed when the reduce returned and ``fsdp_rs_buf`` is 0, ``quantities.fsdp_buffers``).
+    So layer i computes with the root gathered, its own unsharded parameters, the lower layer's
+    all-gather output, the upper layer's reduce-scatter input, the shards of the layers above
+    (``foreach_reduce``'s output, ``_fsdp_collectives.py``) and the activations of layers 0..i.
+    The top layer has no reduce-scatter input before it (moment ``layer.top``), the bottom one
+    prefetches nothing (``curr_index`` 0: ``layer.bottom``). Between them a layer lower down holds
+    one layer's activations fewer and one layer's gradient shards more; both change linearly with
+    the layer's index, so the largest of these moments is at one of the two ends: the second layer
+    from the top and from the bottom.
     FSDP1 (``BACKWARD_PRE``: the next unit's flat parameter unsharded in the pre-backward hook, the
     reduce-scatter input freed when issued, ``fsdp/_runtime_utils.py`` ``_reduce_grad``) holds the
     same but for the reduce-scatter input (``fsdp_rs_buf`` is 0). Found by trace: Llama-2-7B cut

@@ -114,7 +114,8 @@ class Quantities:
     # FSDP over several ranks (``fsdp_buffers``; 0 otherwise), alive only in forward and backward:
     fsdp_root: int = 0        # the root unit's parameters, gathered from forward until backward ends
     fsdp_layer_buf: int = 0   # one layer's all-gathered parameters (FSDP full / hybrid)
-    fsdp_rs_buf: int = 0      # one layer's reduce-scatter input, held until the next layer's (FSDP2)
+    fsdp_rs_buf: int = 0      # one layer's reduce-scatter input, held until the next layer's (FSDP2, torch >= 2.5)
+    fsdp_rs_side: int = 0     # ... before 2.5: made on the reduce-scatter stream, freed when the reduce returns
     fsdp_head_full: int = 0   # the head's and final norm's unsharded gradients, until backward ends
     fsdp_emb_full: int = 0    # an untied embedding's unsharded gradient, at its backward
     fsdp_ag_result: int = 0   # FSDP2: the last layer's all-gather output, kept from its forward to the next
@@ -1831,7 +1832,11 @@ def fsdp_buffers(m: ModelSpec, t: TrainingSpec, st: States, lc: LayerCoefs) -> d
       dtype: fp32 under ``bf16-mp``) until the next layer's post-backward
       (``_fsdp_param_group.py`` ``post_backward``: ``reduce_scatter_states``, at most
       ``reduce_scatter_max_input_buffers`` = 1 kept); FSDP1 frees it when the reduce-scatter is
-      issued (``_runtime_utils.py`` ``_reduce_grad``);
+      issued (``_runtime_utils.py`` ``_reduce_grad``). FSDP2 before PyTorch 2.5 (pytorch/pytorch
+      PR #129721, ``TrainingSpec.fsdp2_rs_on_default_stream``) made it on its reduce-scatter stream
+      inside ``foreach_reduce_scatter`` and held it only until that returned (``fsdp_rs_side``: the
+      same bytes, in no moment's communication buffers; the replay allocates it on that stream's
+      pool, ``reserved._Fsdp.reduce``);
     * FSDP2's root post-backward, at the end of backward, reduce-scatters the root's gradients:
       ``foreach_reduce`` (``_fsdp_collectives.py``) allocates the reduce-scatter input (the root's
       gradients, flat and padded, in the reduce dtype: fp32 under ``bf16-mp``), copies them in and
@@ -1862,7 +1867,8 @@ def fsdp_buffers(m: ModelSpec, t: TrainingSpec, st: States, lc: LayerCoefs) -> d
                                                or fsdp2_root_gathered(t)) else 0,
             # one layer's parameters, unsharded (the per-parameter tensors FSDP2 copies out)
             "fsdp_last_kept": sum(block_bytes(x) for x in st.layer_tensors) if fsdp2_last_gathered(t) else 0,
-            "fsdp_rs_buf": st.layer_rs if t.fsdp_version == 2 else 0,
+            "fsdp_rs_buf": st.layer_rs if t.fsdp_version == 2 and t.fsdp2_rs_on_default_stream else 0,
+            "fsdp_rs_side": st.layer_rs if t.fsdp_version == 2 and not t.fsdp2_rs_on_default_stream else 0,
             "fsdp_head_full": st.head_grads_full, "fsdp_emb_full": st.emb_grads_full,
             "fsdp_ag_result": block_bytes(st.layer_params_full) if t.fsdp_version == 2 else 0,
             "fsdp_root_sharded": st.root_grads,

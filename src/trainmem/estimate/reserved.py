@@ -24,6 +24,8 @@ runs it through the same simulator as ``trace`` (``trainmem.allocator.CachingAll
   unsharded gradients; the embeddings' gradients (a tied one: its own part and the sum);
 * FSDP1: each gathered flat parameter freed pending until the GPU passes its free, as far behind as
   FSDP1's rate limiter lets the GPU be (``_Fsdp1Lag``), and the backward prefetch of the layer below;
+  FSDP2 before PyTorch 2.5: each reduce-scatter input on the reduce-scatter stream, freed when the
+  reduce returns (``_Fsdp.reduce``);
 * the optimizer step: the states of every trainable tensor at the first step, in parameter order
   (``torch.optim``'s lazy ``_init_group``), then the step's temporaries as per-tensor blocks;
   ``zero_grad(set_to_none=True)`` frees the gradients.
@@ -174,7 +176,7 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     if R.lag is not None:                                         # the batch's blocking host-to-device copy
         R.lag.synchronize(R)
     inputs = R.alloc(tk.inputs)                                   # int64 ids and labels
-    fs = _Fsdp(q.fsdp_ag_result > 0, _fsdp_streams(q), lag=R.lag)
+    fs = _Fsdp(q.fsdp_ag_result > 0, _fsdp_streams(q), lag=R.lag, rs_side=q.fsdp_rs_side > 0)
     root = fs.unshard(R, q.fsdp_root, st.root_tensors)            # FSDP: the root unit gathered
     emb = R.alloc(tk.outer_rest)                                  # embeddings' saved tensors
     s.workspace(R, 0)                                             # the first layer's first matmul
@@ -294,6 +296,7 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     f.fs.reduce(R, [head_full, emb_full],                         # the root's reduce-scatter input
                 q.fsdp_root_rs or (st.head_grads_full + st.emb_grads_full) * f.fs.rs_factor(q))
     _make_grads(R, s, st.trainables, ("after", "before"), flags.oib, f.fs.grad_stream)  # head, norm, embeddings
+    f.fs.reduced(R)                                               # torch < 2.5: the input dropped on return
     R.frees([tied, f.emb, f.inputs] + buckets)
     f.fs.reshard(R, f.root)                                       # the root's post-backward
     f.fs.done(R)
@@ -381,9 +384,10 @@ def _fsdp_streams(q: Quantities) -> tuple[int, int]:
     ``device_handle.stream(all_gather_copy_in_stream)``) and the reduce-scatter output, which the
     sharded gradients are views of, on its reduce-scatter stream (``foreach_reduce``: ``reduce_output``
     inside ``device_handle.stream(reduce_scatter_stream)``; the input is made on the current
-    stream before it). FSDP1 unshards its flat parameter on its unshard stream and makes the reduce
-    dtype's copy and the new gradient shard on its post-backward stream (``fsdp/_runtime_utils.py``
-    ``_unshard``, ``_post_backward_hook``). Found by the torchtitan benchmark (Llama 3.1 8B, FSDP2
+    stream before it, from PyTorch 2.5: before, on the reduce-scatter stream too, ``_Fsdp.reduce``).
+    FSDP1 unshards its flat parameter on its unshard stream and makes the reduce dtype's copy and
+    the new gradient shard on its post-backward stream (``fsdp/_runtime_utils.py`` ``_unshard``,
+    ``_post_backward_hook``). Found by the torchtitan benchmark (Llama 3.1 8B, FSDP2
     over 8 H100s): trace with one pool -7.1% on max reserved, with a pool per stream +0.2%.
     DeepSpeed's streams are not modelled (0, 0)."""
     if q.fsdp_root <= 0 and q.fsdp_layer_buf <= 0:
@@ -408,6 +412,7 @@ class _Fsdp:
     prefetched: int | None = None  # in backward, the lower layer's all-gather output, issued by the prefetch
     last: list = field(default_factory=list)  # the last layer's parameters, kept gathered (--fsdp-gathered root-last)
     lag: "_Fsdp1Lag | None" = None  # FSDP1's rate limiter and its pending frees (``_fsdp1_limited``)
+    rs_side: bool = False      # FSDP2 before PyTorch 2.5: the reduce-scatter input on the gradient stream (``reduce``)
 
     @property
     def grad_stream(self) -> int:
@@ -495,16 +500,41 @@ class _Fsdp:
     def rs_factor(q: Quantities) -> int:
         """Reduce-scatter input bytes per unsharded gradient byte: 2 when fp32 reduces bf16 gradients."""
         full = q.detail.states.layer_grads_full
-        return max(1, round(q.fsdp_rs_buf / full)) if q.fsdp_rs_buf and full else 1
+        rs = q.fsdp_rs_buf or q.fsdp_rs_side
+        return max(1, round(rs / full)) if rs and full else 1
 
     def reduce(self, R: _Replay, grads: list, rs_bytes: int) -> None:
-        rs = R.alloc(rs_bytes)                                    # the unsharded gradients, flat
+        """The reduce-scatter input: the unsharded gradients copied into one flat buffer in the reduce
+        dtype, then freed. FSDP1 frees it when the collective is issued. FSDP2 from PyTorch 2.5 makes it
+        on the default stream and keeps it until the next unit's ``post_backward``
+        (``reduce_scatter_states``). FSDP2 before 2.5 (``rs_side``; pytorch/pytorch PR #129721 moved
+        it, ``spec.releases.fsdp2_rs_on_default_stream``) made it on its reduce-scatter stream:
+        ``foreach_reduce_scatter`` (pytorch/pytorch@01d66d21f38a
+        ``torch/distributed/_composable/fsdp/_fsdp_collectives.py``; the same in the ``foreach_reduce``
+        of June 2024) runs ``reduce_scatter_input = torch.empty(...)`` and the copy-in inside
+        ``with torch.cuda.stream(reduce_scatter_stream):``, clears the unsharded gradients, allocates
+        the output there too (``reduce_scatter_input.new_empty``: the sharded gradients, made by
+        ``_make_grads`` on that stream) and drops its last reference to the input when it returns;
+        ``post_backward`` keeps nothing of it (pytorch/pytorch@012c62d62004 ``_fsdp_param_group.py``
+        ``post_backward``: ``self._reduce_scatter_view_out_event = foreach_reduce_scatter(...)``).
+        The process group stashes the input during the collective, not past its ``wait`` (``async_op``
+        False: ``WorkNCCL::synchronizeStreams`` clears ``stashed_for_allocator_safety_``), so the block
+        returns to the reduce-scatter stream's pool at once, where the next unit's input reuses it:
+        one layer's input held in that pool beside the default stream's (``reduced``)."""
+        rs = R.alloc(rs_bytes, self.grad_stream if self.rs_side else 0)  # the unsharded gradients, flat
         R.frees(grads)
         if self.v2:
             R.free(self.rs)
             self.rs = rs
         else:
             R.free(rs)
+
+    def reduced(self, R: _Replay) -> None:
+        """FSDP2 before PyTorch 2.5: ``foreach_reduce_scatter`` returns, once the sharded gradients are
+        made, and its reduce-scatter input is freed (``reduce``)."""
+        if self.rs_side:
+            R.free(self.rs)
+            self.rs = None
 
     def done(self, R: _Replay) -> None:
         R.frees([self.ag, self.rs, self.prefetched])
@@ -651,13 +681,14 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
         full = R.allocs(st.layer_tensors) if st.layer_tensors else [R.alloc(st.layer_grads_full)]
         R.frees([tr] + redo + kept + kept.casts)                  # layer's backward done, its tensors freed;
         tr, redo, kept = None, [], _Kept([])                      # then its post-backward hook
-        fs.post_backward(R, params, full, q.fsdp_rs_buf or st.layer_grads_full)
+        fs.post_backward(R, params, full, q.fsdp_rs_buf or q.fsdp_rs_side or st.layer_grads_full)
         params = []
     elif st.layer_grads_full:                                     # FSDP1 without a hook of its own
         fs.reduce(R, [R.alloc(st.layer_grads_full)], q.fsdp_rs_buf or st.layer_grads_full)
     where = ("layer", f"layer{i}")
     made = _linears_backward(R, s, q, kept, where, oib) if per_linear else set()
     _make_grads(R, s, st.trainables, where, oib, fs.grad_stream, made)
+    fs.reduced(R)                                                 # FSDP2 < 2.5: its reduce-scatter input dropped
     R.free(tr)
     fs.reshard(R, params)                                         # FSDP1 without its reduce hook (no_sync)
     R.frees(redo)

@@ -31,10 +31,24 @@ release trace runs). What depends on it:
   use high precision for SDPA math backend", merged 2024-07, first in 2.5.0) upcasts half inputs to
   fp32 and computes in fp32, which is what the installed release traces; the estimate's layer
   recipes and the derived coefficients follow ``TrainingSpec.math_sdpa_upcasts``.
+* **Where FSDP2 made its reduce-scatter input** (``fsdp2_rs_on_default_stream``): before 2.5,
+  ``foreach_reduce_scatter`` / ``foreach_reduce`` (``torch/distributed/_composable/fsdp/
+  _fsdp_collectives.py``) allocated the flat reduce-scatter input inside
+  ``torch.cuda.stream(reduce_scatter_stream)`` and dropped it when it returned; pytorch/pytorch PR
+  #129721 (Andrew Gu, "[FSDP2] Ran reduce-scatter copy-in in default stream", opened 2024-06-27,
+  after the 2.4 branch cut of 2024-06-12, PR #128514; first in 2.5.0) allocates it on the default
+  stream and keeps it until the next unit's post-backward (``reduce_scatter_states``), which is
+  what trace runs. The estimate's replay and moments follow ``TrainingSpec.fsdp2_rs_on_default_stream``.
 * **What did not exist** (``torch_problems``): ``--compile``, SDPA kernels, fused AdamW and
   ``--optimizer-in-backward`` (``register_post_accumulate_grad_hook``, 2.1) are refused with one
   line each for an older release; so are the setups trainmem models only as PyTorch 2 frameworks
   run them (FSDP2, chunked and fused losses, mixture-of-experts layers on ``_grouped_mm``).
+  FSDP2 (``fully_shard``) is refused before 2.3: its code entered main in early 2024 (the stack of
+  pytorch/pytorch PR #117776, Andrew Gu, January 2024) and torchtitan ran it from nightlies in
+  March 2024, before the 2.3 branch cut (pytorch/pytorch PR #121974, "[release] Increase version
+  2.3.0->2.4.0", 2024-03-15), so 2.3.0 ships it, undocumented, as
+  ``torch.distributed._composable.fsdp``; 2.4 announced it as a prototype. ``--fsdp`` alone still
+  means FSDP1 before 2.4 (``torch_defaults``).
 """
 from __future__ import annotations
 
@@ -66,8 +80,9 @@ def torch_defaults(version: tuple[int, ...] | None, fsdp: str | None = None) -> 
     """The option values a release implies when the user gives none (see the module docstring):
     ``zeros`` gradients, the for-loop optimizer and eager attention before 2.0; fp16 autocast
     instead of trainmem's default bf16 autocast before 1.10; with ``fsdp`` (the setup's
-    ``--fsdp``) FSDP is FSDP1 before 2.4 (FSDP2's
-    ``fully_shard`` was released, as a prototype under ``torch.distributed._composable.fsdp``, with 2.4)."""
+    ``--fsdp``) FSDP is FSDP1 before 2.4 (FSDP2's ``fully_shard`` was announced, as a prototype
+    under ``torch.distributed._composable.fsdp``, with 2.4; 2.3 shipped its code undocumented, so
+    ``--fsdp-version 2`` is accepted from 2.3, ``torch_problems``)."""
     if version is None:
         return {}
     out: dict[str, Any] = {}
@@ -104,14 +119,23 @@ def torch_problems(t: Any) -> list[str]:
         out.append("--precision bf16-amp (CUDA autocast to bfloat16 arrived in 1.10)")
     if v < (1, 11) and t.fsdp is not None:
         out.append(f"--fsdp {t.fsdp} (FullyShardedDataParallel arrived in 1.11)")
-    if v < (2, 4) and t.fsdp is not None and t.fsdp_version == 2:
-        out.append("--fsdp-version 2 (fully_shard arrived in 2.4; give --fsdp-version 1)")
+    if v < (2, 3) and t.fsdp is not None and t.fsdp_version == 2:
+        out.append("--fsdp-version 2 (fully_shard's code first shipped in 2.3, as torch.distributed._composable.fsdp; "
+                   "give --fsdp-version 1)")
     return [f"--torch-version {name} has no {x}" for x in out]
 
 
 def softmax_saves_input(version: tuple[int, ...] | None) -> bool:
     """PyTorch < 1.11: ``_softmax`` and ``_log_softmax`` save their input too (module docstring)."""
     return version is not None and version < (1, 11)
+
+
+def fsdp2_rs_on_default_stream(version: tuple[int, ...] | None) -> bool:
+    """PyTorch >= 2.5 (and a current release): FSDP2 allocates a unit's reduce-scatter input on the
+    default stream and keeps it until the next unit's post-backward (pytorch/pytorch PR #129721,
+    https://github.com/pytorch/pytorch/pull/129721); before, on its reduce-scatter stream, freed when
+    ``foreach_reduce_scatter`` returned (module docstring)."""
+    return version is None or version >= (2, 5)
 
 
 def math_sdpa_upcasts(version: tuple[int, ...] | None) -> bool:

@@ -10,8 +10,8 @@ from typing import Any
 
 from ..errors import TrainmemError
 from .layout import layout_problems
-from .releases import (SDPA_ATTENTION, math_sdpa_upcasts, parse_torch_version, softmax_saves_input,
-                       torch_problems)
+from .releases import (SDPA_ATTENTION, fsdp2_rs_on_default_stream, math_sdpa_upcasts, parse_torch_version,
+                       softmax_saves_input, torch_problems)
 from .tf_releases import parse_transformers_version, transformers_problems
 
 #: fp32; fp16-amp/bf16-amp: fp32 weights + autocast; bf16/fp16: everything in that dtype ("pure",
@@ -493,6 +493,13 @@ class TrainingSpec:
     def math_sdpa_upcasts(self) -> bool:
         """PyTorch >= 2.5: SDPA's math kernel computes half inputs in fp32 (``spec.releases``)."""
         return math_sdpa_upcasts(self.torch_release)
+
+    @property
+    def fsdp2_rs_on_default_stream(self) -> bool:
+        """PyTorch >= 2.5: FSDP2's reduce-scatter input is made on the default stream and kept until
+        the next unit's post-backward; before, on the reduce-scatter stream and freed at once
+        (``spec.releases``)."""
+        return fsdp2_rs_on_default_stream(self.torch_release)
 
     def bitsandbytes_release(self) -> tuple[int, ...]:
         """``bitsandbytes_version`` as numbers (``"0.42.0"`` -> (0, 42, 0)); None: a current release."""
