@@ -35,6 +35,7 @@ def attach_hardware(report: MemoryReport, hw: Hardware | None, max_fraction: flo
         # the published methods compare allocated + context with the GPU; ours adds the allocator's cache
         extra = allocator_overhead(report) if report.method in ("trainmem", "") else 0
         report.peak_reserved = report.peak_allocated + extra
+    _bound_by_device(report, hw)
     report.device_used = report.peak_reserved + hw.context
     names = {c.name for c in report.components}
     if "allocator_overhead" not in names and report.peak_reserved > report.peak_allocated:
@@ -45,6 +46,31 @@ def attach_hardware(report: MemoryReport, hw: Hardware | None, max_fraction: flo
         report.components.append(Component("cuda_context", "cuda_context", hw.context, None, context_formula(hw),
                                            True))
     return report
+
+
+def _bound_by_device(report: MemoryReport, hw: Hardware) -> None:
+    """A trainmem estimate's replayed reserved memory (``reserved.py``) bounded by the GPU: the caching
+    allocator never holds more than the device has beside the CUDA context. When ``cudaMalloc`` fails
+    it first waits for pending events and returns every cached unsplit segment to the driver, then
+    retries (PyTorch ``c10/cuda/CUDACachingAllocator.cpp`` ``DeviceCachingAllocator::malloc``:
+    ``alloc_block`` -> ``release_available_cached_blocks`` -> ``release_cached_blocks`` ->
+    ``alloc_block`` again, counted in ``num_alloc_retries``), so ``max_memory_reserved`` stays at most
+    ``capacity - context`` (bytes) in a run whose allocated peak fits. The replay knows no capacity
+    (its segments come from the step alone), so a replay above that bound is cut to it, with one
+    warning: the run flushes its cache under pressure, and how far below the bound its reserved
+    peak settles depends on which segments were free at the flush. A report whose allocated peak
+    itself exceeds the bound is left as replayed (it does not fit either way)."""
+    if report.source != "estimate" or report.method not in ("trainmem", "") or report.peak_reserved is None:
+        return
+    room = hw.capacity - hw.context   # bytes cudaMalloc can hand out beside the context
+    if report.peak_allocated <= room < report.peak_reserved:
+        replayed = report.peak_reserved
+        report.peak_reserved = room
+        report.extra["replayed_reserved"] = replayed
+        report.warnings.append(
+            f"the replayed step reserves {replayed / 2**30:.2f} GiB, more than the {hw.name} has beside its CUDA "
+            f"context ({room / 2**30:.2f} GiB): the caching allocator frees its cached segments and retries "
+            f"(num_alloc_retries > 0), so peak reserved is at most {room / 2**30:.2f} GiB")
 
 
 def context_formula(hw: Hardware) -> str:
