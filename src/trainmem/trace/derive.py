@@ -23,7 +23,12 @@ block remainders, which the trace's totals include, are not part of the coeffici
 * ``transient[kind]``: the backward of a layer at its highest point, over the tensors the engine
   already counts there (every layer's saved tensors, parameter gradients, the workspace): the
   backward temporaries alive (the incoming gradient included) less the layer's saved tensors freed
-  by then; ``grads``: the share of the layer's parameter gradients already made at that point.
+  by then; ``grads``: the share of the layer's parameter gradients already made at that point;
+* for full recompute, which the engine models as each layer keeping its input and one layer
+  re-created in its backward: ``first_input`` (the embedding side's bytes that are the first
+  layer's input, which its checkpoint keeps again), ``top_kept`` (the top layer's output, which
+  the final norm saves) and ``not_recomputed`` (a layer's output, which only what follows it
+  saved and a recomputation does not make again).
 
 The sequence points straddle the model's sliding window, if any, so that sliding layers are
 measured in the regime long sequences run in.
