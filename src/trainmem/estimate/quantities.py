@@ -1511,7 +1511,7 @@ def _recompute(t: TrainingSpec, lc: LayerCoefs, input_tok: float, share: float
     if t.recompute == "full":
         kept = (share * input_tok + (1 - share) * lc.tok, (1 - share) * lc.sq) if share < 1 else (input_tok, 0.0)
         # a layer recomputed in its backward re-creates what its own ops save, not its output (which
-        # only the next layer saved): measured for derived encoder-decoder and image models
+        # only the next layer saved): measured for derived architectures (``trace.derive``)
         return kept, ((redo_tok - lc.not_recomputed, lc.sq) if share > 0 else (0.0, 0.0))
     if t.recompute == "selective":
         return (lc.tok, 0.0), (0.0, lc.sq)
