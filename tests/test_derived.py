@@ -50,17 +50,22 @@ def test_derived_estimate_agrees_with_trace(model_type, setup):
     assert abs(_agreement(model_type, SETUPS[setup])) <= 0.005
 
 
-GRID = [pytest.param(ty, i, marks=pytest.mark.xfail(strict=True, reason=(
-             "known: Falcon under full recompute is +0.83% at b=3, s=1536 (+0.05% at b=2, s=1024); "
-             "not diagnosed")) if (ty, i) == ("falcon", 3) else ())
-        for ty in sorted(TYPES) for i in range(len(SETUPS))]
+#: (batch, sequence) of the grid: a long sequence and a larger batch of shorter ones. Batch 1 is not
+#: in it: the derivation's points have batches 2 to 4 (some transposes are views at batch 1, copies
+#: above), so batch 1 is estimated with those copies (Falcon, bf16-amp, 1 x 3072: +1.2%)
+SIZES = ((3, 1536), (4, 768))
+GRID = [(ty, i, size) for ty in sorted(TYPES) for i in range(len(SETUPS)) for size in SIZES]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type,setup", GRID)
-def test_derived_estimate_agrees_with_trace_grid(model_type, setup):
-    """Must-show 2 of the any-architecture issue: within 0.5% over types and setups."""
-    assert abs(_agreement(model_type, SETUPS[setup], b=3, s=1536)) <= 0.005
+@pytest.mark.parametrize("model_type,setup,size", GRID)
+def test_derived_estimate_agrees_with_trace_grid(model_type, setup, size):
+    """Must-show 2 of the any-architecture issue: within 0.5% over types and setups. (Falcon under
+    full recompute was +0.83% at b=3, s=1536: its first layer's input, the word embeddings' fp32
+    output that the input norm saves, was counted in the embedding side and again as the
+    checkpoint's kept input, and the recomputed layer counted its output, which only the next
+    layer's norm saved and a recomputation does not make: +0.035% since.)"""
+    assert abs(_agreement(model_type, SETUPS[setup], *size)) <= 0.005
 
 
 @pytest.mark.parametrize("model_type,targets", [("qwen3", None), ("gpt_neox", None),
@@ -132,6 +137,20 @@ def test_failing_step_is_one_line():
                first_k_dense_replace=1)
     with pytest.raises(trainmem.TrainmemError, match="its training step fails when traced"):
         trainmem.trace(cfg, batch_size=1, seq_len=256, precision="bf16", steps=1)
+
+
+@pytest.mark.parametrize("command", ["estimate", "trace"])
+def test_cli_failing_step_is_one_line_and_exit_2(capsys, tmp_path, command):
+    """The same config from a file at the command line: the estimate (which derives its coefficients
+    by tracing) and the trace each answer one line, exit status 2."""
+    from trainmem.cli import main
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"],
+                                    num_hidden_layers=2, num_experts_per_tok=2, n_routed_experts=8,
+                                    first_k_dense_replace=1)))
+    assert main([command, str(path), "--precision", "bf16", "--batch-size", "1", "--seq-len", "256"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "its training step fails when traced" in err[0], err
 
 
 # ----- the shipped files ----------------------------------------------------------------------
@@ -249,3 +268,49 @@ def test_derived_model_takes_a_shifted_logits_copy():
     # the half copy lives while log_softmax runs: the forward's peak, not backward's (quantities.loss_bytes)
     fwd = [next(p.peak for p in r.phases if p.name == "forward" and p.step == 2) for r in (plain, shifted)]
     assert fwd[1] - fwd[0] == 4 * 512 * 32000 * 2
+
+
+def _catalogue_types() -> dict[str, str]:
+    """One catalogue entry per model type (the first by name)."""
+    out: dict[str, str] = {}
+    for name in catalogue_names():
+        out.setdefault(trainmem.resolve_model(name).model_type, name)
+    return out
+
+
+def _cut_to(name: str, k: int) -> dict:
+    """The catalogue entry's config with at most ``k`` layers per stack (its widths, heads and
+    vocabulary kept; per-layer lists such as ``layer_types`` cut with it)."""
+    from trainmem.trace.derive import _cut
+    m = trainmem.resolve_model(name)
+    cfg = dict(load_config(name)[1])
+    dec = m.decoder_layers
+    return _cut(cfg, m.num_layers, min(k, dec, m.num_layers - dec) if dec else min(k, m.num_layers), dec)
+
+
+#: measured, not yet within 0.5%: phi-2 (4 layers) +0.73%, its peak the optimizer step, where the
+#: parameters, gradients, both AdamW states and the foreach temporary each carry 16 MiB of the
+#: 2 MiB rounding of blocks over 10 MiB that the estimate's allocator model applies and a trace with
+#: expandable segments does not (against the default allocator's trace it is within 0.5%; there
+#: BERT, GPT-2, BART, T5 and ViT are not, by their unsplit 1-10 MiB segment remainders)
+CATALOGUE_GAPS = {"phi": "2 MiB block rounding of phi-2's tensors over 10 MiB (+0.73%)"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", [
+    pytest.param(ty, marks=pytest.mark.xfail(strict=True, reason=CATALOGUE_GAPS[ty])) if ty in CATALOGUE_GAPS
+    else ty for ty in sorted(_catalogue_types())])
+def test_every_catalogue_model_type_agrees_with_trace(model_type):
+    """Each model type of the catalogue (hand-written families and derived architectures), its
+    first entry cut to 4 layers (an encoder-decoder to 2 + 2; DeepSeek-V3 keeps one MoE layer after
+    its 3 dense ones), bf16-amp, batch 2 x 512 tokens (an image model at its image size): the
+    estimate within 0.5% of the trace with expandable segments (so that the allocator's unsplit
+    1-10 MiB block remainders, which the estimate does not place, do not enter)."""
+    name = _catalogue_types()[model_type]
+    cfg = _cut_to(name, 2 if trainmem.resolve_model(name).is_encoder_decoder else 4)
+    m = trainmem.resolve_model(cfg)
+    size = {} if m.is_image else {"seq_len": 512}
+    setup = dict(batch_size=2, precision="bf16-amp", **size)
+    est = trainmem.estimate(cfg, **setup).peak_allocated
+    tr = trainmem.trace(cfg, expandable_segments=True, **setup).peak_allocated
+    assert abs(est / tr - 1) <= 0.005, (name, est / tr - 1)

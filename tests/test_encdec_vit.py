@@ -215,8 +215,8 @@ def test_vision_tower_of_a_composite_config(model_type):
     attention-pooling head its classifier runs but never reads (it mean-pools; CLIP's, its pooled
     output's norm): those parameters get no gradient in the real step (the trace's optimizer states
     are the trained parameters') and none in the estimate, whose
-    head forward holds the head's (b, s, h) key and value projections; its estimate is within 0.5%
-    of the trace. CLIP's, not yet within 0.5% under full recompute, is refused in one line."""
+    head forward holds the head's (b, s, h) key and value projections; the estimate is within 0.5%
+    of the trace."""
     import torch
     import transformers
     from transformers import CLIPConfig, SiglipConfig
@@ -235,14 +235,95 @@ def test_vision_tower_of_a_composite_config(model_type):
     setup = dict(batch_size=4, image_size=96, precision="bf16-amp")
     tr = trainmem.trace(cfg, expandable_segments=True, **setup)
     assert tr.training.seq_len == spec.image_tokens(96)
-    if model_type == "clip":
-        with pytest.raises(TrainmemError, match=f"its {arch} image classifier") as e:
-            trainmem.estimate(cfg, **setup)
-        assert "\n" not in str(e.value)
-        return
     est = trainmem.estimate(cfg, **setup)
     assert abs(est.peak_allocated / tr.peak_allocated - 1) <= TOLERANCE
     # the optimizer states of the trained parameters only: AdamW's two fp32 tensors per trained element
     trained = spec.num_params - sum(p.numel for p in spec.parameter_tensors() if p.role == "unused")
     states = sum(c.bytes for c in tr.components if c.name.startswith("optimizer_states"))
     assert 8 * trained <= states < 8 * spec.num_params
+
+
+#: 3-layer vision towers of width 256 (224 px, patches of 16), as ViT's above: CLIP's and SigLIP's
+#: image classifiers in their composite configs, and ViT's
+def _tower256(config_cls, arch: str) -> dict:
+    return config_cls(vision_config=dict(hidden_size=256, image_size=224, intermediate_size=1024,
+                                         num_attention_heads=4, num_hidden_layers=3, patch_size=16),
+                      text_config=dict(hidden_size=128, intermediate_size=512, num_attention_heads=4,
+                                       num_hidden_layers=1, vocab_size=1000),
+                      architectures=[arch], num_labels=10).to_dict()
+
+
+def _towers() -> dict:
+    from transformers import CLIPConfig, SiglipConfig
+    return {"clip": _tower256(CLIPConfig, "CLIPForImageClassification"),
+            "siglip": _tower256(SiglipConfig, "SiglipForImageClassification"), "vit": VIT_SMALL}
+
+
+def _tower_error(name: str, **setup) -> float:
+    cfg = _towers()[name]
+    est = trainmem.estimate(cfg, **setup).peak_allocated
+    return est / trainmem.trace(cfg, expandable_segments=True, **setup).peak_allocated - 1
+
+
+@pytest.mark.parametrize("name", ["clip", "siglip", "vit"])
+@pytest.mark.parametrize("setup", [
+    # full recompute, bf16-amp: CLIP was +1.5% (the first layer's kept input, the embedding side's
+    # output, counted twice; the recomputed layer's output counted though a recomputation does not
+    # make it; ViT had both and a transient net of its top layer's output, which cancelled)
+    dict(batch_size=4, image_size=384, precision="bf16-amp", recompute="full"),
+    # eager attention at 224 px: -7.5% (ViT) before the transients were chosen over image lengths
+    # (the MLP's backward, the largest at 197 tokens, was dropped for the attention's at >= 512)
+    dict(batch_size=4, image_size=224, precision="fp32", recompute="full", attention="eager"),
+    # eager, bf16-amp, 384 px: +0.5% to +1% before a layer's cached half weight copies were counted
+    # freed by its backward (the attention's softmax backward comes after the MLP's)
+    dict(batch_size=1, image_size=384, precision="bf16-amp", attention="eager"),
+])
+def test_vision_tower_agrees_with_trace(name, setup):
+    assert abs(_tower_error(name, **setup)) <= TOLERANCE
+
+
+TOWER_GRID = list(itertools.product((1, 4), (224, 384), ("bf16-amp", "fp32"), ("none", "full"), ("sdpa", "eager")))
+
+
+def _tower_known_gap(name: str, b: int, px: int, precision: str, recompute: str, attention: str) -> bool:
+    """Not within 0.5% yet (docs/architectures.md): ViT at batch 1 x 384 px under full recompute with
+    SDPA (-0.8%, ``_known_gap``); SigLIP at batch 1 x 384 px, bf16-amp, no recompute, SDPA (+0.7%):
+    its pooling head's ``nn.MultiheadAttention`` projects a (s, 1, h) input with one addmm at batch
+    1 but copies the transposed input and adds the bias apart at larger batches, the copies the
+    derivation (batches 2 to 4) measures."""
+    small = b == 1 and px == 384 and attention == "sdpa"
+    return small and ((name == "vit" and recompute == "full")
+                      or (name == "siglip" and precision == "bf16-amp" and recompute == "none"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["clip", "siglip", "vit"])
+def test_vision_tower_grid(name):
+    """Batch 1 and 4, 224 and 384 px, bf16-amp and fp32, recompute none and full, SDPA and eager
+    attention (32 setups): within 0.5% of the trace but for ``_tower_known_gap``'s."""
+    worst = []
+    for b, px, precision, recompute, attention in TOWER_GRID:
+        if _tower_known_gap(name, b, px, precision, recompute, attention):
+            continue
+        err = _tower_error(name, batch_size=b, image_size=px, precision=precision, recompute=recompute,
+                           attention=attention)
+        worst.append((abs(err), (b, px, precision, recompute, attention), err))
+    assert max(worst)[0] <= TOLERANCE, max(worst)
+
+
+def test_image_derivation_refuses_a_fit_that_misses_its_held_out_point(monkeypatch):
+    """An image model's fit is checked on a held-out (batch, image size) point too: a traced quantity
+    it does not reproduce there is refused in one line."""
+    from trainmem.estimate import derived
+    from trainmem.trace import derive
+    real = derive._runs
+
+    def off_at_the_held_out_point(*args, **kwargs):
+        runs = real(*args, **kwargs)
+        runs[-1]["first_input"] = int(runs[-1]["first_input"] * 1.1) + 10 ** 6
+        return runs
+    monkeypatch.setattr(derive, "_runs", off_at_the_held_out_point)
+    r = trainmem.resolve(_towers()["clip"], image_size=224, recompute="full")
+    with pytest.raises(TrainmemError, match="first layer's input is not polynomial") as e:
+        derive.derive_coefficients(r.model, derived._canonical(r.training, r.model))
+    assert "\n" not in str(e.value)

@@ -147,17 +147,9 @@ def activations(q: Quantities, tk: Tokens, at_peak: int, t: TrainingSpec, n: int
     if tk.stage_out:
         listed.append(Component("activations.pipeline.stage_output", ACTIVATIONS, int(tk.stage_out), None,
                                 "outputs of the rank's other stages' micro-batches in flight (fwd_cache)"))
-    pos = int(q.outer_rest_pos * (n // max(t.batch_size, 1))) - sum(
-        int(tok * (n // max(t.batch_size, 1))) for name, tok, _ in q.detail.outer if name in PER_POSITION)
-    if pos:  # derived architectures: tensors sized by the sequence alone (rotary tables, caches)
-        listed.append(Component("activations.derived.per_position", ACTIVATIONS, pos * tk.inflight, None,
-                                "tensors sized by the sequence, shared by the micro-batch"))
-    ssq = int(q.outer_rest_ssq * (n // max(t.batch_size, 1)) ** 2)
-    if ssq:  # encoder-decoders: T5's (s, s) position buckets and its per-layer (1, heads, s, s) bias
-        listed.append(Component("activations.derived.per_position_squared", ACTIVATIONS, ssq * tk.inflight, None,
-                                "tensors sized by the sequence squared, shared by the micro-batch"))
     # under torch's pipeline schedule each micro-batch in flight has its own autocast copies (moments.tokens)
     per_forward = tk.inflight if q.pipe_batch else 1
+    listed += _shared(q, tk, t, n, per_forward, half)
     if q.cast_head and complete and not headless:
         per_forward = 1 if q.pipe_head_once else per_forward
         listed.append(Component("activations.autocast_weight_copies.head", ACTIVATIONS, q.cast_head * per_forward,
@@ -208,6 +200,25 @@ def activations(q: Quantities, tk: Tokens, at_peak: int, t: TrainingSpec, n: int
     if diff:
         listed.append(Component("activations.rounding", ACTIVATIONS, diff, None, "integer rounding"))
     return listed
+
+
+def _shared(q: Quantities, tk: Tokens, t: TrainingSpec, n: int, per_forward: int, half: str) -> list[Component]:
+    """The embedding side's tensors shared by the micro-batch: a derived architecture's sized by the
+    sequence alone or its square, and the patch embedding's half weight copy."""
+    out = []
+    pos = int(q.outer_rest_pos * (n // max(t.batch_size, 1))) - sum(
+        int(tok * (n // max(t.batch_size, 1))) for name, tok, _ in q.detail.outer if name in PER_POSITION)
+    if pos:  # derived architectures: tensors sized by the sequence alone (rotary tables, caches)
+        out.append(Component("activations.derived.per_position", ACTIVATIONS, pos * tk.inflight, None,
+                             "tensors sized by the sequence, shared by the micro-batch"))
+    ssq = int(q.outer_rest_ssq * (n // max(t.batch_size, 1)) ** 2)
+    if ssq:  # encoder-decoders: T5's (s, s) position buckets and its per-layer (1, heads, s, s) bias
+        out.append(Component("activations.derived.per_position_squared", ACTIVATIONS, ssq * tk.inflight, None,
+                             "tensors sized by the sequence squared, shared by the micro-batch"))
+    if q.cast_embed:  # (quantities._autocast_copies)
+        out.append(Component("activations.autocast_weight_copies.embeddings", ACTIVATIONS, q.cast_embed * per_forward,
+                             half, "half copy of the patch-embedding weight, saved by its convolution"))
+    return out
 
 
 def _named_layers(q: Quantities, tk: Tokens, at_peak: int, alive: int | None) -> tuple[bool, bool, int] | None:

@@ -31,15 +31,12 @@ from ..spec.profile import read_cached, write_cached
 from ..spec.training import TrainingSpec, config_use_cache
 from .layers import LayerCoefs
 
-COEF_VERSION = 16  # (quantized setups have keys of their own: ``key``)
+COEF_VERSION = 17  # (quantized setups have keys of their own: ``key``)
 #: the heads whose derived coefficients are checked against trace (tests/test_encdec_vit.py, test_derived.py)
 DERIVED_HEADS = ("causal-lm", "seq2seq-lm", "image-cls")
-#: the model types whose image classifier's derived estimate is checked against trace (ViT's and
-#: SigLIP's vision tower, ``SiglipForImageClassification``); CLIP's (``CLIPForImageClassification``)
-#: traces, but its estimate is not within 0.5% yet on 3-layer towers: within 0.15% without recompute,
-#: +0.5% to +1.5% under full recompute (the first layer's kept input, the embedding side's output,
-#: counted twice)
-DERIVED_IMAGE_TYPES = ("vit", "siglip")
+#: the model types whose image classifier's derived estimate is checked against trace (ViT's, and the
+#: vision towers of SigLIP's and CLIP's, ``SiglipForImageClassification``, ``CLIPForImageClassification``)
+DERIVED_IMAGE_TYPES = ("vit", "siglip", "clip")
 
 
 def derived_problems(m: ModelSpec, t: TrainingSpec) -> list[str]:
@@ -318,6 +315,11 @@ def layer_coefs(m: ModelSpec, t: TrainingSpec, stage: str) -> LayerCoefs:
     if rest[0] > 1e-3 or rest[1] > 1e-6:  # (float noise otherwise: the fits add up)
         parts["other"] = [max(rest[0], 0.0), max(rest[1], 0.0)]
     cands = [(k, j, tr) for k in count for j, tr in enumerate(doc["kinds"][k]["transients"])]
+    if t.recompute == "full" and not doc.get("checkpointed") and recomputed_ends(m, t)[1]:
+        # the transients are net of what their layer lost before its backward began (ViT's top
+        # layer's output, freed by the final norm's backward: ``trace.derive._transients``); a
+        # recomputed layer never made it again, and ``not_recomputed`` already leaves it out
+        cands = [(k, j, [tr[0] + doc["kinds"].get(k, {}).get("transient_freed", 0.0), *tr[1:]]) for k, j, tr in cands]
     moments = _moments_of(m, t, doc["layer_kinds"])
     at = [moments[k] for k, _j, _tr in cands] if moments else []
     if moments:  # an encoder-decoder: its bottom and decoder-bottom layers' own transients
@@ -331,7 +333,12 @@ def layer_coefs(m: ModelSpec, t: TrainingSpec, stage: str) -> LayerCoefs:
     # an encoder-decoder's (s, s) tensors of the moment, shared by the batch (T5's position bias)
     ssq = tuple(float(d[0]) if d else 0.0 for _k, _j, (_a, _b, _c, _g, *d) in cands)
     held = sum(doc["kinds"][k]["held"] * c for k, c in count.items()) / total
+    # per token: the average layer's output, which a recomputed layer does not make again; its end
+    # layers' own where they differ, as ``tok`` takes the first layer's excess (CLIP's top layer
+    # keeps no output: nothing after it saves it)
     not_recomputed = sum(doc["kinds"][k].get("not_recomputed", 0.0) * c for k, c in count.items()) / total
+    if t.pp == 1 or stage == "first":
+        not_recomputed += doc.get("first_early", 0.0) / total
     cache = sum(doc["kinds"][k]["cache"] * c for k, c in count.items()) / total
     fwd = (0.0, 0.0)
     if t.quantize:
@@ -405,16 +412,35 @@ def outer(m: ModelSpec, t: TrainingSpec, stage: str) -> tuple[list[tuple[str, fl
     doc = coefficients(m, t)
     out: list[tuple[str, float, float]] = []
     pos = 0.0
+    first_ckpt, top_ckpt = recomputed_ends(m, t) if not doc.get("checkpointed") else (False, False)
     if t.pp == 1 or stage == "first":
         tok, s, sq = doc["embed"]
+        # a checkpointed first layer keeps its input, counted with the layers' kept inputs: where
+        # the embedding side holds that tensor too (a norm saved it: CLIP's pre_layrnorm output,
+        # ViT's and Falcon's embeddings), it is not counted twice
+        tok -= doc.get("first_input", 0.0) if first_ckpt else 0.0
         out.append(("derived.embedding_side", tok, sq))
         pos = s + doc["first_layer"][1]
     # the layers' tensors sized by the sequence alone (not by the batch), counted with these
     pos += sum(doc["kinds"][k].get("pos", 0.0) for k in stage_kinds(m, t, stage, doc))
     if t.pp == 1 or stage == "last":
         tok, s, sq = doc["head"]
+        # a checkpointed top layer keeps only its input; its output, which the final norm saves,
+        # is then the head side's until the head's backward (measured: ``trace.derive._layer_outputs``)
+        tok += doc.get("top_kept", 0.0) if top_ckpt else 0.0
         out.append(("derived.head_side", tok + max(s, 0.0), sq))  # a per-position term read as per token
     return out, pos
+
+
+def recomputed_ends(m: ModelSpec, t: TrainingSpec) -> tuple[bool, bool]:
+    """Whether a stage's first and top layers are checkpointed under ``t``'s full recompute: a layer
+    is when its 1-based count on the stage is a multiple of ``recompute_every`` (torchtitan
+    ``distributed/activation_checkpoint.py``, as ``quantities._build`` reads it), so the first one
+    only when every layer is, the top one when the stage's layer count is a multiple."""
+    if t.recompute != "full":
+        return False, False
+    layers = m.num_layers // (t.pp * t.virtual_stages)
+    return t.recompute_every == 1, layers % t.recompute_every == 0
 
 
 def logits_bytes(m: ModelSpec, t: TrainingSpec) -> int:

@@ -204,6 +204,7 @@ class Quantities:
     fsdp_loss_ag: int = 0     # FSDP2: the last layer's all-gather output while the loss runs (model's own loss)
     fsdp_root_kept: int = 0   # the root's gathered parameters between forward and backward (not resharded)
     fsdp_last_kept: int = 0   # FSDP2 --fsdp-gathered root-last: the last layer's, from its forward to its backward
+    cast_embed: int = 0    # the half weight copies of the matmuls before the layers (``_autocast_copies``)
     # checkpointed layers' autocast weight copies: none saved. autocast caches the cast of a leaf that
     # requires grad until forward ends (``cast_forward_only``); a frozen one (LoRA's base weights) is
     # not cached (``autocast_mode.cpp`` ``cached_cast``), so its copy dies with the checkpointed op
@@ -1368,7 +1369,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     top_recomputed = t.recompute not in ("full", "op") or layers % t.recompute_every == 0
     redo = redo if top_recomputed else (0.0, 0.0)
     head_here = t.pp == 1 or stage == "last"
-    cast_layer, cast_head = _autocast_copies(m, t, st, pol, head_here)
+    cast_layer, cast_head, cast_embed = _autocast_copies(m, t, st, pol, head_here, stage)
     lora_first = first_layer_unsaved(t, lc, stage)
     pipe, received = _pipeline_terms(m, t, st, pol, stage, input_tok, lc)
     first = lora_first + received
@@ -1403,7 +1404,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         held_tok=lc.held, cache_tok=lc.cache, loss_forward_chunk=loss.forward_chunk,
         outer_head_tok=head_tok, outer_rest_tok=rest_tok, outer_rest_sq=rest_sq, outer_rest_pos=rest_pos,
         head_loss_tok=derived_head_loss(m, t, stage) if derived else head_during_loss(m, t, pol, stage),
-        cast_layer=cast_layer, cast_head=cast_head, cast_checkpointed=cast_layer * checkpointed, head_wgrad=head_wgrad(m, t, cast_head),
+        cast_layer=cast_layer, cast_head=cast_head, cast_embed=cast_embed, cast_checkpointed=cast_layer * checkpointed, head_wgrad=head_wgrad(m, t, cast_head),
         cast_forward_only=0 if (t.lora_rank or fsdp1_views(t)) else cast_layer * checkpointed,  # see cast_checkpointed
         gathered_layer=st.layer_params_full if fsdp_grad_op(t) else 0,
         logit_chunks=t.loss_chunks, logit_width=m.vocab_size if is_lm(m) else m.num_labels,
@@ -1499,8 +1500,11 @@ def head_wgrad(m: ModelSpec, t: TrainingSpec, cast_head: int) -> int:
     return cast_head if (cast_head and is_lm(m) and not t.lora_rank and one_piece) else 0
 
 
-def _autocast_copies(m: ModelSpec, t: TrainingSpec, st: States, pol: Policy, head_here: bool) -> tuple[int, int]:
-    """(one layer's, the head's) half weight copies autocast caches and the matmuls save, bytes.
+def _autocast_copies(m: ModelSpec, t: TrainingSpec, st: States, pol: Policy, head_here: bool,
+                     stage: str = "first") -> tuple[int, int, int]:
+    """(one layer's, the head's, the embedding side's) half weight copies autocast caches and the
+    matmuls save, bytes (the embedding side's: a matmul before the layers, an image model's
+    patch-embedding convolution, whose copy lives until the embeddings' backward).
 
     autocast casts each fp32 leaf weight once per forward and caches it; the matmuls save the
     copies for backward. Sharded DeepSpeed ZeRO-3 parameters are gathered per layer in the compute
@@ -1516,7 +1520,8 @@ def _autocast_copies(m: ModelSpec, t: TrainingSpec, st: States, pol: Policy, hea
     cast_layer = st.layer_matmul_half if pol.amp and not sharded else 0
     # the head's copies: one, or one per loss chunk for a frozen head (``head_casts``)
     cast_head = st.head_matmul_half * head_casts(m, t) if pol.amp and not sharded and head_here else 0
-    return cast_layer, cast_head
+    cast_embed = st.embed_matmul_half if pol.amp and not sharded and (t.pp == 1 or stage == "first") else 0
+    return cast_layer, cast_head, cast_embed
 
 
 def _pipeline_terms(m: ModelSpec, t: TrainingSpec, st: States, pol: Policy, stage: str, input_tok: float,
@@ -1606,7 +1611,7 @@ def _recompute(t: TrainingSpec, lc: LayerCoefs, input_tok: float, share: float
     if t.recompute == "full":
         kept = (share * input_tok + (1 - share) * lc.tok, (1 - share) * lc.sq) if share < 1 else (input_tok, 0.0)
         # a layer recomputed in its backward re-creates what its own ops save, not its output (which
-        # only the next layer saved): measured for derived encoder-decoder and image models
+        # only the next layer saved): measured for derived architectures (``trace.derive``)
         return kept, ((redo_tok - lc.not_recomputed, lc.sq) if share > 0 else (0.0, 0.0))
     if t.recompute == "selective":
         return (lc.tok, 0.0), (0.0, lc.sq)

@@ -77,6 +77,9 @@ class States:
     # gradient, one tensor of all of them, both in the gathered dtype
     root_views: int = 0
     root_flat: int = 0
+    # autocast's half copies of the matmul weights before the layers (an image model's patch
+    # embedding), saved until the embeddings' backward
+    embed_matmul_half: int = 0
 
 
 def _dim0_padded(shape: tuple[int, ...], n: int, d: int) -> int:
@@ -472,6 +475,7 @@ class _Tally:
     head_grads: int = 0
     lmh: int = 0             # autocast half copies of one layer's matmul weights
     hmh: int = 0             # autocast half copies of the head's
+    emh: int = 0             # ... of the matmuls before the layers (an image model's patch embedding)
     largest: int = 0
     largest_n: int = 0       # elements of the largest trainable tensor (bitsandbytes' 8-bit threshold)
     items: list = field(default_factory=list)  # States.trainables, as they are counted
@@ -576,7 +580,8 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
                   each_layer_grads=tuple(g for _, g in sorted(acc.each.items())) if not lora else (),
                   root_rs=root_rs, root_last_grad=acc.root_last if root_rs else 0,
                   between_grads=acc.between, root_views=acc.root_views,
-                  root_flat=block_bytes(acc.root_flat_bytes) if acc.root_flat_bytes else 0)
+                  root_flat=block_bytes(acc.root_flat_bytes) if acc.root_flat_bytes else 0,
+                  embed_matmul_half=acc.emh)
 
 
 #: optimizers whose states are element-wise copies of the parameter (one state-dtype element each)
@@ -664,8 +669,8 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
             # experts have no autocast rule and run in the weights' dtype (no copies)
             if p.is_matmul and t.amp and p.role != "expert":
                 acc.lmh += n * 2
-        elif p.is_matmul and t.amp:
-            acc.hmh += n * 2
+        elif p.is_matmul and t.amp:  # (before the layers, a patch embedding's: kept to the embeddings' backward)
+            acc.hmh, acc.emh = (acc.hmh + n * 2, acc.emh) if layer else (acc.hmh, acc.emh + n * 2)
         if frozen or p.role == "unused":  # (unused: built, never given a gradient, spec.profile.without_gradient)
             if r.mixed_units and p.layer is not None:
                 acc.mixed_unit_grad(r, n, k, uniform or p.layer == r.lo)

@@ -23,7 +23,12 @@ block remainders, which the trace's totals include, are not part of the coeffici
 * ``transient[kind]``: the backward of a layer at its highest point, over the tensors the engine
   already counts there (every layer's saved tensors, parameter gradients, the workspace): the
   backward temporaries alive (the incoming gradient included) less the layer's saved tensors freed
-  by then; ``grads``: the share of the layer's parameter gradients already made at that point.
+  by then; ``grads``: the share of the layer's parameter gradients already made at that point;
+* for full recompute, which the engine models as each layer keeping its input and one layer
+  re-created in its backward: ``first_input`` (the embedding side's bytes that are the first
+  layer's input, which its checkpoint keeps again), ``top_kept`` (the top layer's output, which
+  the final norm saves) and ``not_recomputed`` (a layer's output, which only what follows it
+  saved and a recomputation does not make again).
 
 The sequence points straddle the model's sliding window, if any, so that sliding layers are
 measured in the regime long sequences run in.
@@ -107,15 +112,26 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "") -> dict
         held = _fitted(m, f"layer {kind} output-held bytes", pts, [r["held"][kind] for r in runs], ("n",))[0]
         out["kinds"][kind] = {"tok": c["n"], "sq": c["nsq"], "pos": c["s"], "parts": parts, "transients": trans,
                               "cache": cache, "held": held}
-        if refined and not ckpt:  # (traced checkpointed, the recomputation is measured as such)
-            # the layer's output, kept only by what follows the layer (the next layer, the final
-            # norm): a layer recomputed in its backward does not keep it (quantities._recompute);
-            # measured at the kind's typical layer (``_analyse``'s ``at``), whose output the next
-            # layer keeps (CLIP's top layer's, which nothing after it saves, is freed in forward)
-            out["kinds"][kind]["not_recomputed"] = _fitted(m, f"layer {kind} output", pts,
-                                                           [r["early"][f"@typical.{kind}"] for r in runs], ("n",))[0]
+        # the layer's output, kept only by what follows the layer (the next layer, the final norm):
+        # a layer recomputed in its backward does not make it again (quantities._recompute);
+        # measured at the kind's typical layer (``_analyse``'s ``at``), whose output the next layer
+        # keeps (CLIP's top layer's, which nothing after it saves, is freed in forward)
+        out["kinds"][kind]["not_recomputed"] = _fitted(m, f"layer {kind} output", pts,
+                                                       [r["early"][f"@typical.{kind}"] for r in runs], ("n",))[0]
+        if refined:
+            # the bytes the transients took off as freed before the backward began (``_transients``'
+            # early frees, at the kind's last layer: ViT's top layer's output, saved by the final
+            # norm): a recomputed layer never made them again (derived.layer_coefs adds them back)
+            out["kinds"][kind]["transient_freed"] = _fitted(m, f"layer {kind} early-freed bytes", pts,
+                                                            [r["early"][kind] for r in runs], ("n",))[0]
     c = fit("first layer's bytes", [r["first"] for r in runs])
     out["first_layer"] = [c["n"], c["s"], c["nsq"]]
+    # full recompute (``derived.layer_coefs``, ``derived.outer``): the first layer's input where the
+    # embedding side holds it (kept again as a checkpoint input), the top layer's output kept by what
+    # follows it, and the end layers' outputs beside their kinds' (``_layer_outputs``), per token
+    for name, what in (("first_input", "first layer's input"), ("top_kept", "top layer's kept output"),
+                       ("first_early", "end layers' outputs")):
+        out[name] = _fitted(m, what, pts, [r[name] for r in runs], ("n",))[0]
     for side in ("embed", "head", "head_loss") + (("head_forward",) if m.is_image else ()):
         c = fit(f"{side} bytes", [r[side] for r in runs])
         out[side] = [c["n"], c["s"], c["nsq"]]
@@ -323,6 +339,9 @@ def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpe
         stacks = _stacks(model, m, len(kinds))  # peft's wrapper adds ``base_model.model.``
         params = [p for p in model.parameters() if p.requires_grad]
         hooks = tracker.watch_parameters(params)
+        first_in: list[Any] = []  # the record of the first layer's hidden-state input (``_first_input``)
+        hooks.append(model.get_submodule(f"{stacks[0][0]}.0").register_forward_pre_hook(
+            _first_input(tracker, first_in), with_kwargs=True))
         try:
             with tracker, tracker.hooks():
                 model.train()
@@ -348,7 +367,20 @@ def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpe
                 h.remove()
     return _analyse(tracker, stacks, kinds, cache, released, m.vocab_size if is_lm(m) else -1,
                     early_frees=m.is_encoder_decoder or m.is_image,
-                    shared_frees=t.batch_size if (m.is_encoder_decoder and ckpt) else 0)
+                    shared_frees=t.batch_size if (m.is_encoder_decoder and ckpt) else 0, first_in=first_in)
+
+
+def _first_input(tracker: Any, out: list[Any]) -> Any:
+    """A forward pre-hook for the first layer that appends the tracker's record of its hidden-state
+    input (the first positional tensor, else the ``hidden_states`` keyword) to ``out``: the tensor a
+    checkpointed first layer keeps (``torch/utils/checkpoint.py``, the non-reentrant frame saves the
+    layer's tensor inputs), which the embedding side may already hold (``_analyse``'s ``first_input``)."""
+    def hook(_module: Any, args: tuple, kwargs: dict) -> None:
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
+        rec = tracker.live.get(id(x.untyped_storage())) if isinstance(x, torch.Tensor) else None
+        if rec is not None and not out:
+            out.append(rec)
+    return hook
 
 
 def _stacks(model: Any, m: ModelSpec, layers: int) -> list[tuple[str, int]]:
@@ -392,8 +424,10 @@ def _quiet() -> Any:
 
 
 def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cache: list, released: tuple[int, int],
-             vocab: int, early_frees: bool = False, shared_frees: int = 0) -> dict[str, Any]:
+             vocab: int, early_frees: bool = False, shared_frees: int = 0, first_in: list | None = None
+             ) -> dict[str, Any]:
     recs = tracker.records
+    first_ids = {r.rid for r in first_in or ()}  # the first layer's hidden-state input (``_first_input``)
     fwd = next(pm for pm in tracker.phase_marks if pm.name == "forward")
     end = fwd.end_event
     pat, layer_of, starts, ends = _layer_index(stacks)
@@ -414,19 +448,8 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
         return r.alloc_event <= e and (r.free_event is None or r.free_event > e)
 
     saved_rec: dict[int, list[Any]] = defaultdict(list)
-    embed = head = 0
-    # the head's tensors alive while the loss runs inside the forward (the final norm's output,
-    # referenced by the forward's locals), beyond those that outlive the forward
-    # (at the loss's highest point: a tensor the head replaces, e.g. Granite's logits before
-    # ``logits / logits_scaling``, is gone by then)
-    cur, best, loss_peak = 0, -1, logits_ev
-    for e, code in enumerate(tracker.ev_rec[:end]):
-        cur += recs[code].nbytes if code >= 0 else -recs[~code].nbytes
-        if e > logits_ev and cur > best:
-            best, loss_peak = cur, e
-    head_loss = sum(r.nbytes for r in recs if r.phase == "forward" and last_layer_ev < r.alloc_event < logits_ev
-                    and r.category in ("activations", "temporaries") and r.label != "autocast_weight_cache"
-                    and alive_at(r, loss_peak))
+    embed = head = first_input = 0
+    head_loss = _head_loss(tracker, recs, end, (last_layer_ev, logits_ev))
     for r in recs:
         if r.phase != "forward" or r.category not in ("activations", "temporaries") or \
                 r.label == "autocast_weight_cache" or not alive_at(r, end - 1):
@@ -436,6 +459,8 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
             saved_rec[i].append(r)
         elif r.alloc_event < first_layer_ev or any(a < r.alloc_event < b for a, b in gaps):
             embed += r.nbytes
+            # of it, the first layer's input, which something saved (its norm, in the input's dtype)
+            first_input += r.nbytes if r.rid in first_ids else 0
         elif last_layer_ev < r.alloc_event < logits_ev:
             head += r.nbytes
     # a kind's bytes come from a layer inside its stack when the cut model has one. The top layer's
@@ -455,8 +480,10 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
     # an encoder-decoder's bottom and decoder-bottom layers measured as such (a kind's: its last layer)
     at = {"bottom": 0, "decoder_bottom": starts[1]} if len(starts) > 1 else {f"typical.{k}": typical[k] for k in typical}
     trans, made, total_g, early = _transients(tracker, recs, layer_of, kinds, saved_rec, vocab, early_frees,
-                                              shared_frees, at)
+                                              shared_frees, at, cast_frees=image)
     base = _moment_bases(recs, layer_of, at, saved_rec, shared_frees, (end, logits_ev))
+    outputs = _layer_outputs(recs, layer_of, saved_rec, kinds, typical, top, image and top_less != 0,
+                             sorted(set(starts + ends) - {top}))
     # the KV cache: all of it per layer, and what dies with the output (``held``: not saved)
     kv, held = defaultdict(list), defaultdict(list)  # kind -> bytes
     for kind, i in typical.items():
@@ -469,8 +496,45 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
     return {"saved": saved, "logits_bytes": logits_bytes, "parts": parts, "early": early, "base": base,
             "cache": {k: max(v) for k, v in kv.items()}, "held": {k: max(v) for k, v in held.items()},
             "embed": embed, "head": head, "head_loss": head_loss - head, "first": first, "transient": trans,
-            "made": made, "total_g": total_g,
+            "made": made, "total_g": total_g, "first_input": first_input, **outputs,
             "head_forward": _head_forward(tracker, recs, (last_layer_ev, logits_ev), head) if image else 0}
+
+
+def _head_loss(tracker: Any, recs: list, end: int, window: tuple[int, int]) -> int:
+    """The head's tensors alive while the loss runs inside the forward (the final norm's output,
+    referenced by the forward's locals), those that outlive the forward included, at the loss's
+    highest point (a tensor the head replaces, e.g. Granite's logits before ``logits /
+    logits_scaling``, is gone by then). ``window``: the last layer's last event, the logits' first."""
+    last_layer_ev, logits_ev = window
+    cur, best, loss_peak = 0, -1, logits_ev
+    for e, code in enumerate(tracker.ev_rec[:end]):
+        cur += recs[code].nbytes if code >= 0 else -recs[~code].nbytes
+        if e > logits_ev and cur > best:
+            best, loss_peak = cur, e
+    return sum(r.nbytes for r in recs if r.phase == "forward" and last_layer_ev < r.alloc_event < logits_ev
+               and r.category in ("activations", "temporaries") and r.label != "autocast_weight_cache"
+               and r.alloc_event <= loss_peak and (r.free_event is None or r.free_event > loss_peak))
+
+
+def _layer_outputs(recs: list, layer_of: Any, saved_rec: dict[int, list], kinds: list[str], typical: dict[str, int],
+                   top: int, top_in_first: bool, ends: list[int]) -> dict[str, int]:
+    """What each layer kept at the end of the forward and lost before its own backward began: its
+    output, which only what follows the layer saved (the next layer's norm, the final norm) and
+    which a recomputed layer does not make again (``torch/utils/checkpoint.py``: the non-reentrant
+    recomputation stops once the tensors the layer's backward unpacks exist). ``top_kept``: the top
+    layer's (kept by the final norm, or nothing when the head does not save it: CLIP's);
+    ``first_early``: the end layers' difference from their kind's typical layer, counted as the
+    first layer's excess is (``_analyse``'s ``first``: the top layer's only when its own saved bytes'
+    difference is, ``top_in_first``)."""
+    def early(i: int) -> int:
+        w0 = min((r.alloc_event for r in recs if r.phase == "backward" and layer_of(r) == i), default=None)
+        return 0 if w0 is None else sum(r.nbytes for r in saved_rec[i] if r.free_event is not None
+                                         and r.free_event < w0)
+
+    def excess(i: int) -> int:
+        return early(i) - early(typical[kinds[i]]) if typical[kinds[i]] != i else 0
+    first = sum(excess(i) for i in ends) + (excess(top) if top_in_first else 0) if top > 0 else 0
+    return {"top_kept": early(top), "first_early": first}
 
 
 def _head_forward(tracker: Any, recs: list, window: tuple[int, int], head: int) -> int:
@@ -566,13 +630,20 @@ def _numel(shape: Any) -> int:
 
 
 def _transients(tracker: Any, recs: list, layer_of: Any, kinds: list[str], saved_rec: dict[int, list],
-                vocab: int, early_frees: bool = False, shared_frees: int = 0, at: dict[str, int] | None = None
-                ) -> tuple[dict[str, list[int]], dict[str, list[int]], dict[str, int], dict[str, int]]:
+                vocab: int, early_frees: bool = False, shared_frees: int = 0, at: dict[str, int] | None = None,
+                cast_frees: bool = False) -> tuple[dict[str, list[int]], dict[str, list[int]], dict[str, int],
+                                                   dict[str, int]]:
     """Per kind (its last layer in the cut model), the backward transient after each event of the
     layer's backward (see the module docstring), the layer's gradient bytes made by then, and the
     layer's gradient bytes in all. The op sequence does not depend on batch or sequence, so event
     ``j`` of the window is the same moment in every run. ``at``: more layers measured, by name
-    (an encoder-decoder's bottom and decoder-bottom layers, ``@name`` in the results)."""
+    (an encoder-decoder's bottom and decoder-bottom layers, ``@name`` in the results).
+    ``cast_frees`` (image models): the layer's half weight copies that autocast cached in its
+    forward count as freed when its backward frees them (the matmul that saved one is done with it:
+    ``aten/src/ATen/autocast_mode.cpp`` ``cached_cast`` keeps a leaf's copy for the autocast region,
+    and the matmul's saved reference is what outlives it); the engine counts every layer's copies
+    at a layer's moment (``quantities._autocast_copies``). Decoder LMs' shipped coefficients
+    predate this; their linears' copies are taken off by the engine's gradient share."""
     trans: dict[str, list[int]] = {}
     early: dict[str, int] = {}  # the layer's tensors freed before its backward began (its output, kept by what follows)
     made_at: dict[str, list[int]] = {}
@@ -583,6 +654,9 @@ def _transients(tracker: Any, recs: list, layer_of: Any, kinds: list[str], saved
             continue
         w0, w1 = min(evs), max(evs)
         saved_ids = {r.rid for r in saved_rec[i]}
+        if cast_frees:
+            saved_ids |= {r.rid for r in recs if r.label == "autocast_weight_cache" and r.phase == "forward"
+                          and layer_of(r) == i}
         def temp(r: Any) -> bool:
             # a backward temporary (not a parameter gradient, not a workspace); a tied head's
             # weight gradient waiting for the embedding's is the engine's ``tied_grad``
@@ -657,7 +731,7 @@ def _candidates(m: ModelSpec, pts: list[tuple[int, ...]], series: list[list[int]
     if not ok.any() or abs(pred[ok].max() - y[-1].max()) > DERIVE_TOLERANCE * abs(y[-1].max()) + DERIVE_SLACK:
         raise TrainmemError(f"{m.name}: the derived backward transient is not polynomial in the batch and "
                             f"sequence; trainmem will not extrapolate it: use trace")
-    lengths = (512, 4096, 32768)
+    lengths = (16, 128, 512, 4096, 32768) if m.is_image else (512, 4096, 32768)
     grid = np.array([_basis((b, s, d) if two else (b, s), basis) for b in (1, 4, 32) for s in lengths
                      for d in ((128,) + lengths if two else (0,))])
     vals = grid @ coef
