@@ -24,6 +24,7 @@ import torch
 
 from .errors import TrainmemError
 from .spec import ModelSpec, TrainingSpec
+from .spec.training import padded_lengths
 
 DROPOUT_KEYS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "resid_pdrop", "embd_pdrop", "attn_pdrop",
                 "summary_first_dropout", "attention_dropout", "hidden_dropout", "classifier_dropout",
@@ -260,15 +261,19 @@ class TrainStep:
         self.pin_sdpa = what == "measure" and str(device).startswith("cuda")  # trace pins in its CUDA emulation
         self.micro_batches = t.grad_accum  # micro-batches run per optimizer step (trace may run fewer)
         self.batches_made = 0
+        self.varying = padded_steps(t)     # --min-seq-len: steps 3, 4, ...: each micro-batch's padded length
 
-    def batch(self) -> dict[str, Any]:
+    def batch(self, length: int | None = None) -> dict[str, Any]:
         """A random batch: the model's inputs and the labels its head needs (``model_batch``). With
         ``--later-seq-len`` only the run's first batch is ``seq_len`` long and every later one
         ``later_seq_len`` (lit-gpt 8641822 ``finetune/lora.py``: ``get_batch(fabric, train_data,
-        longest_seq_ix if iter_num == 0 else None)`` pads each batch to its longest sample)."""
+        longest_seq_ix if iter_num == 0 else None)`` pads each batch to its longest sample).
+        ``length``: this batch's padded length (``--min-seq-len``), else ``seq_len``."""
         t = self.training
         if self.batches_made and t.later_seq_len is not None:
             t = replace(t, seq_len=t.later_seq_len, later_seq_len=None)
+        if length is not None:
+            t = replace(t, seq_len=length, min_seq_len=None)
         self.batches_made += 1
         return model_batch(self.spec, t, self.device)
 
@@ -311,14 +316,17 @@ class TrainStep:
     def _step(self, i: int) -> None:
         t = self.training
         sync = getattr(unwrapped(self.model), "set_requires_gradient_sync", None) if t.accumulates_unsharded else None
-        for micro in range(self.micro_batches):
+        # --min-seq-len: after two steps at seq_len, steps of micro-batches padded to varying lengths
+        lengths = self.varying[i - 3] if 3 <= i < 3 + len(self.varying) else [None] * self.micro_batches
+        for micro, length in enumerate(lengths):
+            last = micro == len(lengths) - 1
             if sync is not None:
                 # --grad-sync step on FSDP2: reduce-scatter at the last micro-batch only, the others
                 # accumulate unsharded gradients (accelerate 1.15.0 accelerator.py L1133-1172;
                 # torch 2.13 _fully_shard/_fully_shard.py L413-421)
-                sync(micro == self.micro_batches - 1)
-            self.state["batch"] = self.batch()  # the previous batch lives until this one exists
-            with _no_sync(self.model, t, micro == self.micro_batches - 1):
+                sync(last)
+            self.state["batch"] = self.batch(length)  # the previous batch lives until this one exists
+            with _no_sync(self.model, t, last):
                 self._micro(t, i, micro)
         self.optimizer.step()
         self._mark("optimizer_step", i, None)
@@ -757,6 +765,14 @@ class PipelineTrainStep(TrainStep):
         self._mark("optimizer_step", i, None)
         self.optimizer.zero_grad(set_to_none=t.zero_grad == "none")
         self._mark("zero_grad", i, None)
+
+
+def padded_steps(t: TrainingSpec) -> list[list[int]]:
+    """``--min-seq-len``: the padded length of each micro-batch of the steps run after the first two
+    (``training.padded_lengths``), in steps of ``grad_accum`` micro-batches (the last one partial),
+    as the estimate's reserved replay runs them (``estimate.engine.varying_steps``)."""
+    lengths = list(padded_lengths(t))
+    return [lengths[k:k + t.grad_accum] for k in range(0, len(lengths), t.grad_accum)]
 
 
 def hf_step(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec, device: str,

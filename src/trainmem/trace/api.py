@@ -38,6 +38,7 @@ from ..workload import hf_config as _hf_config  # noqa: F401
 from ..workload import hf_factory as _hf_factory
 from ..workload import apply_lora, apply_quantization
 from ..workload import attention_implementation as _attention_implementation
+from ..workload import padded_steps
 from ..workload import hf_step as _hf_step
 from ..workload import make_optimizer, optimizer_class  # noqa: F401
 
@@ -86,6 +87,8 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
     near the limit the allocator frees its cache and retries as PyTorch does, and a step that does
     not fit stops at the simulated out-of-memory (reported in ``warnings``).
     ``expandable_segments`` and ``max_split_size`` mirror ``PYTORCH_CUDA_ALLOC_CONF``.
+    With ``min_seq_len`` the model's step runs at least two steps at ``seq_len`` and then the steps
+    of micro-batches padded to varying lengths (``workload.padded_steps``).
     With data or tensor parallelism (``dp`` > 1, ``fsdp`` with FSDP2 or, ``fsdp_version=1``, FSDP1,
     ``tp`` > 1 with or without ``sequence_parallel``) the step runs on a fake process group of ``dp`` × ``tp`` ranks
     (``trace.distributed``) as rank ``rank`` (default 0, the worst: FSDP2 and DTensor give it the
@@ -105,6 +108,8 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
     options_given = any(options.get(k) is not None for k in TRAINING_FIELDS | {"training"})
     spec, t, hw, fraction = _inputs(model, options)
     _check_supported(t)
+    if spec is not None and t.min_seq_len is not None:  # the two steps at seq_len, then the varying lengths'
+        steps = max(steps, 2 + len(padded_steps(t)))    # (workload.TrainStep._step)
     _dist.check(t, spec, device)
     _dist.check_rank(t, rank)
     factory = _factory(model, spec, t, step_fn)
