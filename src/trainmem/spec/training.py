@@ -716,7 +716,7 @@ class TrainingSpec:
 
 #: ``--min-seq-len``: how many micro-batches of varying padded length are replayed after the run's
 #: fixed-length steps, and the seed of their lengths (``padded_lengths``)
-PADDED_MICRO_BATCHES = 48
+PADDED_MICRO_BATCHES = 128
 PADDED_SEED = 0
 
 
