@@ -87,8 +87,6 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
     near the limit the allocator frees its cache and retries as PyTorch does, and a step that does
     not fit stops at the simulated out-of-memory (reported in ``warnings``).
     ``expandable_segments`` and ``max_split_size`` mirror ``PYTORCH_CUDA_ALLOC_CONF``.
-    With ``min_seq_len`` the model's step runs at least two steps at ``seq_len`` and then the steps
-    of micro-batches padded to varying lengths (``workload.padded_steps``).
     With data or tensor parallelism (``dp`` > 1, ``fsdp`` with FSDP2 or, ``fsdp_version=1``, FSDP1,
     ``tp`` > 1 with or without ``sequence_parallel``) the step runs on a fake process group of ``dp`` × ``tp`` ranks
     (``trace.distributed``) as rank ``rank`` (default 0, the worst: FSDP2 and DTensor give it the
@@ -108,8 +106,7 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
     options_given = any(options.get(k) is not None for k in TRAINING_FIELDS | {"training"})
     spec, t, hw, fraction = _inputs(model, options)
     _check_supported(t)
-    if spec is not None and t.min_seq_len is not None:  # the two steps at seq_len, then the varying lengths'
-        steps = max(steps, 2 + len(padded_steps(t)))    # (workload.TrainStep._step)
+    steps = _steps_run(spec, t, steps)
     _dist.check(t, spec, device)
     _dist.check_rank(t, rank)
     factory = _factory(model, spec, t, step_fn)
@@ -135,6 +132,15 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
         report.warnings.append("training options are recorded but not applied to a user step_fn: "
                                "the step function decides batch, precision and optimizer")
     return report
+
+
+def _steps_run(spec: ModelSpec | None, t: TrainingSpec, steps: int) -> int:
+    """The steps a model's trace runs: ``steps``, and with ``min_seq_len`` at least the two steps at
+    ``seq_len`` and then the steps of micro-batches padded to varying lengths (``workload.padded_steps``,
+    run by ``workload.TrainStep._step``)."""
+    if spec is None or t.min_seq_len is None:
+        return steps
+    return max(steps, 2 + len(padded_steps(t)))
 
 
 def _trace_rank(factory: Callable, spec: ModelSpec | None, t: TrainingSpec, hw: Hardware | None,
