@@ -105,3 +105,22 @@ def test_layout_arrays_refuse_it():
     r = resolve("llama-3.2-1b", seq_len=256, min_seq_len=128)
     with pytest.raises(TrainmemError, match="--min-seq-len 128"):
         estimate_layouts(r.model, r.training)
+
+
+def test_command_line(capsys):
+    """``--min-seq-len`` on the command line: estimate answers (its reserved memory above the fixed-length
+    run's), fit refuses it with one line and exit status 2."""
+    import json
+    from trainmem.cli import main
+    args = ["estimate", "llama-3.2-1b", "--seq-len", "512", "--batch-size", "2", "--precision", "bf16",
+            "--hold-output", "step", "--json"]
+    assert main(args) == 0
+    fixed = json.loads(capsys.readouterr().out)
+    assert main(args + ["--min-seq-len", "64"]) == 0
+    varying = json.loads(capsys.readouterr().out)
+    assert varying["training"]["min_seq_len"] == 64
+    assert varying["peak_allocated"] == fixed["peak_allocated"]
+    assert varying["peak_reserved"] >= fixed["peak_reserved"]
+    assert main(["fit", "llama-3.2-1b", "--gpu", "a100-40gb", "--seq-len", "512", "--min-seq-len", "64"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--min-seq-len 64" in err
