@@ -140,6 +140,7 @@ CASES = [
     ({"later_seq_len": 32}, CHANGED, ""), ({"later_seq_len": 32, "pp": 2, "grad_accum": 2}, REFUSED, "--later-seq-len"),
     # each micro-batch padded to its own longest: steps at varying lengths after two (tests/test_min_seq_len.py)
     ({"min_seq_len": 16}, CHANGED, ""), ({"min_seq_len": 16, "pp": 2, "grad_accum": 2}, REFUSED, "--min-seq-len"),
+    ({"layer_rope_cache": 128}, CHANGED, ""),  # torchtune's per-layer RoPE buffers (tests/test_min_seq_len.py)
 ]
 #: the options a case is compared with instead of the baseline (the case's own options minus one)
 REFERENCE = {"fsdp_version": {"fsdp": "full", "dp": 2}, "use_cache": {"hold_output": "step"},
@@ -150,7 +151,8 @@ REFERENCE = {"fsdp_version": {"fsdp": "full", "dp": 2}, "use_cache": {"hold_outp
              "grad_sync": {"grad_accum": 2, "fsdp": "full", "dp": 2}, "offload_activations": {"recompute": "full"},
              "pp": {"grad_accum": 2}, "num_microbatches_in_flight": {"pp": 2, "grad_accum": 2},
              "pp_schedule": {"pp": 2, "grad_accum": 2}, "cast_output": {"loss": "half"}}
-GPT2_CASES = [({"dropout": False}, CHANGED, ""), ({"loss": "chunked-nll"}, CHANGED, "")]
+GPT2_CASES = [({"dropout": False}, CHANGED, ""), ({"loss": "chunked-nll"}, CHANGED, ""),
+              ({"layer_rope_cache": 128}, REFUSED, "--layer-rope-cache 128")]
 #: FSDP1 with LoRA adapters in units of their own on BERT: peft's policy wraps its embeddings apart
 #: from the masked-LM head that ties their weight (spec.training.fsdp1_tied_split)
 BERT = ["num_hidden_layers=2", "hidden_size=64", "num_attention_heads=4", "intermediate_size=128", "vocab_size=1000"]

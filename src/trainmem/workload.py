@@ -145,6 +145,25 @@ def hf_factory(spec: ModelSpec, t: TrainingSpec) -> Callable[[], torch.nn.Module
     return build
 
 
+def add_layer_rope_cache(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec) -> None:
+    """``--layer-rope-cache N``: each decoder layer's attention gets the buffers of torchtune's own
+    ``RotaryPositionalEmbeddings`` (``theta`` [head_dim/2] and ``cache`` [N, head_dim/2, 2], fp32,
+    non-persistent: torchtune ff594c231 ``torchtune/modules/position_embeddings.py`` L38, L57-73),
+    which its Llama-2 builder up to v0.5.0 deep-copies with every layer (``estimate.states._layer_rope_cache``).
+    transformers' model computes its rotary tables from one ``inv_freq`` per forward; these buffers are
+    only held, as torchtune's are between their use, so the forward is left as it is. Registered after
+    any dtype cast of the model (torchtune computes them in fp32 whatever the default dtype)."""
+    if t.layer_rope_cache is None:
+        return
+    half = spec.head_dim // 2
+    for module in model.modules():
+        if type(module).__name__.endswith("DecoderLayer") and hasattr(module, "self_attn"):
+            attn = module.self_attn
+            attn.register_buffer("rope_theta_cache", torch.zeros(half, dtype=torch.float32), persistent=False)
+            attn.register_buffer("rope_cache", torch.zeros(t.layer_rope_cache, half, 2, dtype=torch.float32),
+                                 persistent=False)
+
+
 def attention_implementation(spec: ModelSpec, t: TrainingSpec) -> tuple[str, str]:
     """transformers' ``attn_implementation`` for the setup and a note when it is not what was asked:
     SDPA for ``sdpa``, a pinned SDPA backend and flash (the emulated GPU runs flash attention through

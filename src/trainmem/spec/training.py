@@ -219,6 +219,10 @@ class TrainingSpec:
     min_seq_len: int | None = None  # each micro-batch padded to its own longest sample, from min_seq_len to
     #                                 seq_len tokens (pad-to-longest collation); None: every one seq_len long.
     #                                 The lengths replayed for reserved memory: ``padded_lengths``
+    layer_rope_cache: int | None = None  # positions of the fp32 RoPE cache each decoder layer keeps as its own
+    #                                      buffers (torchtune's Llama-2/3 builders before v0.6 deep-copy the layer
+    #                                      with its RotaryPositionalEmbeddings: cache [N, head_dim/2, 2] and theta
+    #                                      [head_dim/2], fp32); None: none (transformers' model keeps one inv_freq)
     fsdp_gathered: str = "none"  # FSDP_GATHERED: FSDP2 units kept gathered from their forward to their backward
     target_len: int | None = None  # an encoder-decoder's decoder tokens (its labels); None: seq_len
     image_size: int | None = None  # an image model's square image side in pixels; sets seq_len (its patches)
@@ -362,7 +366,8 @@ class TrainingSpec:
         ``reduce_bucket_size`` a non-negative one (DeepSpeed accepts 0). That DeepSpeed's options come
         with ``--zero`` is checked on the user's options (``deepspeed_problems``): the planner varies
         the stage of one spec."""
-        for key in ("target_len", "image_size", "sub_group_size", "later_seq_len", "min_seq_len"):
+        for key in ("target_len", "image_size", "sub_group_size", "later_seq_len", "min_seq_len",
+                    "layer_rope_cache"):
             v = getattr(self, key)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
                 raise TrainmemError(f"--{key.replace('_', '-')} must be a positive integer, got {v!r}")
@@ -809,6 +814,9 @@ def _size_problems(model: Any, t: TrainingSpec) -> str | None:
         if t.seq_len != model.image_tokens(t.image_size):
             return (f"--seq-len {t.seq_len}: {model.name}'s sequence is its {model.image_tokens(t.image_size)} "
                     f"patch tokens at --image-size {t.image_size}; give --image-size only")
+    if t.layer_rope_cache is not None and (model.family != "llama" or model.is_encoder_decoder):
+        return (f"--layer-rope-cache {t.layer_rope_cache} is the RoPE cache of torchtune's Llama layers; {model.name} "
+                f"is a {model.family} model: drop --layer-rope-cache")
     if t.min_seq_len is not None and model.is_image:
         return (f"--min-seq-len {t.min_seq_len}: {model.name} is an image model, every batch has its image "
                 f"size's patches; drop --min-seq-len")

@@ -38,7 +38,7 @@ from ..workload import hf_config as _hf_config  # noqa: F401
 from ..workload import hf_factory as _hf_factory
 from ..workload import apply_lora, apply_quantization
 from ..workload import attention_implementation as _attention_implementation
-from ..workload import padded_steps
+from ..workload import add_layer_rope_cache, padded_steps
 from ..workload import hf_step as _hf_step
 from ..workload import make_optimizer, optimizer_class  # noqa: F401
 
@@ -261,6 +261,7 @@ def _build(dev: _Device, factory: Callable, spec: ModelSpec | None, t: TrainingS
             module = _as_module(module)
             _cast(module, spec, t)
             if spec is not None:
+                add_layer_rope_cache(module, spec, t)
                 module = apply_lora(apply_quantization(module, t), spec, t)
         wrapped = _dist.wrap(module, spec, t, tracker) if _dist.sharded_unloaded(t) else module
         tracker.name_modules(module)
