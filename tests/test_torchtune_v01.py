@@ -3,11 +3,11 @@ what the LoRA tutorial fixtures' ~6 % gap is made of.
 
 * the build reproduces the memory torchtune printed after model init (QLoRA tutorial at ff594c231,
   docs/source/tutorials/qlora_finetune.rst L154-157: 13.96 GB allocated, 13.98 GB reserved);
-* at the fixtures' fixed 2 x 512 batch the traced step's allocated peak is the estimate's plus the
-  two terms trainmem does not count for this torchtune (the loop's shifted fp32 logits instead of
-  the half output, each layer's fp32 RoPE cache);
+* at the fixtures' fixed 2 x 512 batch the traced step's allocated peak is the estimate's (the
+  fixtures say ``--cast-output`` and ``--layer-rope-cache 4096``) but for the loop's shifted fp32
+  logits, one row per sample shorter than the fp32 output ``--cast-output`` holds;
 * batches whose padded length changes every micro-batch make the caching allocator reserve more
-  than fixed-length batches do: the mechanism the estimate lacks.
+  than fixed-length batches do (``--min-seq-len``, tests/test_min_seq_len.py).
 """
 from __future__ import annotations
 
@@ -43,14 +43,16 @@ def test_build_reproduces_the_published_model_init_memory(tt):
 
 def test_fixed_length_step_is_the_estimate_plus_two_named_terms(tt):
     """4 layers of the q, v rank-8 case at 2 x 512: trace(torchtune's step) = estimate(fixture) + the
-    shifted fp32 logits the loop holds - the half logits trainmem holds + 4 fp32 RoPE caches."""
+    shifted fp32 logits the loop holds - the unshifted fp32 logits ``--cast-output`` holds (one row
+    per sample more). The fixture's ``--layer-rope-cache 4096`` counts the layers' RoPE buffers (its
+    theta in a 512-byte block where the replica's 256 B are counted as such); its ``--min-seq-len``
+    changes reserved memory only: the allocated peak is the 512-token micro-batch's."""
     layers, b, s, vocab = 4, 2, 512, tt.VOCAB
     est, _published = tt.estimated("qv_r8", layers)
     got = tt.traced("qv_r8", layers, [s], 3, 2, template=False)
-    held_fp32 = b * (s - 1) * vocab * 4                     # logits[..., :-1, :].contiguous(), fp32
-    held_half = b * s * vocab * 2                           # what --hold-output step keeps: the bf16 output
-    rope = layers * tt.MAX_SEQ * (tt.DIM // tt.HEADS) * 4   # [4096, 64, 2] fp32 per layer
-    expected = est.peak_allocated + held_fp32 - held_half + rope
+    held_shifted = b * (s - 1) * vocab * 4                  # logits[..., :-1, :].contiguous(), fp32
+    held_cast = b * s * vocab * 4                           # what --cast-output keeps: the fp32 output
+    expected = est.peak_allocated + held_shifted - held_cast
     assert abs(got.peak_allocated - expected) < 0.002 * got.peak_allocated
 
 

@@ -145,6 +145,9 @@ CASES = [
     ({"target_len": 32}, REFUSED, "--target-len 32"), ({"image_size": 64}, REFUSED, "--image-size 64"),
     # the run's first micro-batch at --seq-len, the later ones shorter (tests/test_later_seq_len.py)
     ({"later_seq_len": 32}, CHANGED, ""), ({"later_seq_len": 32, "pp": 2, "grad_accum": 2}, REFUSED, "--later-seq-len"),
+    # each micro-batch padded to its own longest: steps at varying lengths after two (tests/test_min_seq_len.py)
+    ({"min_seq_len": 16}, CHANGED, ""), ({"min_seq_len": 16, "pp": 2, "grad_accum": 2}, REFUSED, "--min-seq-len"),
+    ({"layer_rope_cache": 128}, CHANGED, ""),  # torchtune's per-layer RoPE buffers (tests/test_min_seq_len.py)
 ]
 #: the options a case is compared with instead of the baseline (the case's own options minus one)
 REFERENCE = {"fsdp_version": {"fsdp": "full", "dp": 2}, "use_cache": {"hold_output": "step"},
@@ -155,7 +158,8 @@ REFERENCE = {"fsdp_version": {"fsdp": "full", "dp": 2}, "use_cache": {"hold_outp
              "grad_sync": {"grad_accum": 2, "fsdp": "full", "dp": 2}, "offload_activations": {"recompute": "full"},
              "pp": {"grad_accum": 2}, "num_microbatches_in_flight": {"pp": 2, "grad_accum": 2},
              "pp_schedule": {"pp": 2, "grad_accum": 2}, "cast_output": {"loss": "half"}}
-GPT2_CASES = [({"dropout": False}, CHANGED, ""), ({"loss": "chunked-nll"}, CHANGED, "")]
+GPT2_CASES = [({"dropout": False}, CHANGED, ""), ({"loss": "chunked-nll"}, CHANGED, ""),
+              ({"layer_rope_cache": 128}, REFUSED, "--layer-rope-cache 128")]
 #: FSDP1 with LoRA adapters in units of their own on BERT: peft's policy wraps its embeddings apart
 #: from the masked-LM head that ties their weight (spec.training.fsdp1_tied_split)
 BERT = ["num_hidden_layers=2", "hidden_size=64", "num_attention_heads=4", "intermediate_size=128", "vocab_size=1000"]
@@ -165,7 +169,7 @@ T5 = ["num_layers=1", "num_decoder_layers=1", "d_model=64", "d_ff=128", "num_hea
 VIT = ["num_hidden_layers=1", "hidden_size=64", "intermediate_size=128", "num_attention_heads=4", "num_labels=10"]
 T5_CASES = [({"target_len": 32}, CHANGED, "")]
 VIT_CASES = [({"image_size": 64}, CHANGED, ""), ({"seq_len": 64}, REFUSED, "--seq-len"),
-             ({"later_seq_len": 32}, REFUSED, "--later-seq-len 32")]
+             ({"later_seq_len": 32}, REFUSED, "--later-seq-len 32"), ({"min_seq_len": 32}, REFUSED, "--min-seq-len 32")]
 MODEL_BASE = {"vit-base-patch16-224": {"batch_size": 2, "precision": "bf16-amp", "image_size": 32}}
 
 

@@ -25,6 +25,7 @@ import torch
 from .errors import TrainmemError
 from .spec import ModelSpec, TrainingSpec
 from .spec.tf_releases import installed_version, same_release
+from .spec.training import padded_lengths
 
 DROPOUT_KEYS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "resid_pdrop", "embd_pdrop", "attn_pdrop",
                 "summary_first_dropout", "attention_dropout", "hidden_dropout", "classifier_dropout",
@@ -165,6 +166,25 @@ def hf_factory(spec: ModelSpec, t: TrainingSpec) -> Callable[[], torch.nn.Module
     return build
 
 
+def add_layer_rope_cache(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec) -> None:
+    """``--layer-rope-cache N``: each decoder layer's attention gets the buffers of torchtune's own
+    ``RotaryPositionalEmbeddings`` (``theta`` [head_dim/2] and ``cache`` [N, head_dim/2, 2], fp32,
+    non-persistent: torchtune ff594c231 ``torchtune/modules/position_embeddings.py`` L38, L57-73),
+    which its Llama-2 builder up to v0.5.0 deep-copies with every layer (``estimate.states._layer_rope_cache``).
+    transformers' model computes its rotary tables from one ``inv_freq`` per forward; these buffers are
+    only held, as torchtune's are between their use, so the forward is left as it is. Registered after
+    any dtype cast of the model (torchtune computes them in fp32 whatever the default dtype)."""
+    if t.layer_rope_cache is None:
+        return
+    half = spec.head_dim // 2
+    for module in model.modules():
+        if type(module).__name__.endswith("DecoderLayer") and hasattr(module, "self_attn"):
+            attn = module.self_attn
+            attn.register_buffer("rope_theta_cache", torch.zeros(half, dtype=torch.float32), persistent=False)
+            attn.register_buffer("rope_cache", torch.zeros(t.layer_rope_cache, half, 2, dtype=torch.float32),
+                                 persistent=False)
+
+
 def attention_implementation(spec: ModelSpec, t: TrainingSpec) -> tuple[str, str]:
     """transformers' ``attn_implementation`` for the setup and a note when it is not what was asked:
     SDPA for ``sdpa``, a pinned SDPA backend and flash (the emulated GPU runs flash attention through
@@ -281,15 +301,19 @@ class TrainStep:
         self.pin_sdpa = what == "measure" and str(device).startswith("cuda")  # trace pins in its CUDA emulation
         self.micro_batches = t.grad_accum  # micro-batches run per optimizer step (trace may run fewer)
         self.batches_made = 0
+        self.varying = padded_steps(t)     # --min-seq-len: steps 3, 4, ...: each micro-batch's padded length
 
-    def batch(self) -> dict[str, Any]:
+    def batch(self, length: int | None = None) -> dict[str, Any]:
         """A random batch: the model's inputs and the labels its head needs (``model_batch``). With
         ``--later-seq-len`` only the run's first batch is ``seq_len`` long and every later one
         ``later_seq_len`` (lit-gpt 8641822 ``finetune/lora.py``: ``get_batch(fabric, train_data,
-        longest_seq_ix if iter_num == 0 else None)`` pads each batch to its longest sample)."""
+        longest_seq_ix if iter_num == 0 else None)`` pads each batch to its longest sample).
+        ``length``: this batch's padded length (``--min-seq-len``), else ``seq_len``."""
         t = self.training
         if self.batches_made and t.later_seq_len is not None:
             t = replace(t, seq_len=t.later_seq_len, later_seq_len=None)
+        if length is not None:
+            t = replace(t, seq_len=length, min_seq_len=None)
         self.batches_made += 1
         if str(self.device).startswith("cuda"):
             # a training loop copies each batch from the host with a blocking copy, which waits for
@@ -338,14 +362,17 @@ class TrainStep:
     def _step(self, i: int) -> None:
         t = self.training
         sync = getattr(unwrapped(self.model), "set_requires_gradient_sync", None) if t.accumulates_unsharded else None
-        for micro in range(self.micro_batches):
+        # --min-seq-len: after two steps at seq_len, steps of micro-batches padded to varying lengths
+        lengths = self.varying[i - 3] if 3 <= i < 3 + len(self.varying) else [None] * self.micro_batches
+        for micro, length in enumerate(lengths):
+            last = micro == len(lengths) - 1
             if sync is not None:
                 # --grad-sync step on FSDP2: reduce-scatter at the last micro-batch only, the others
                 # accumulate unsharded gradients (accelerate 1.15.0 accelerator.py L1133-1172;
                 # torch 2.13 _fully_shard/_fully_shard.py L413-421)
-                sync(micro == self.micro_batches - 1)
-            self.state["batch"] = self.batch()  # the previous batch lives until this one exists
-            with _no_sync(self.model, t, micro == self.micro_batches - 1):
+                sync(last)
+            self.state["batch"] = self.batch(length)  # the previous batch lives until this one exists
+            with _no_sync(self.model, t, last):
                 self._micro(t, i, micro)
         self.optimizer.step()
         self._mark("optimizer_step", i, None)
@@ -784,6 +811,14 @@ class PipelineTrainStep(TrainStep):
         self._mark("optimizer_step", i, None)
         self.optimizer.zero_grad(set_to_none=t.zero_grad == "none")
         self._mark("zero_grad", i, None)
+
+
+def padded_steps(t: TrainingSpec) -> list[list[int]]:
+    """``--min-seq-len``: the padded length of each micro-batch of the steps run after the first two
+    (``training.padded_lengths``), in steps of ``grad_accum`` micro-batches (the last one partial),
+    as the estimate's reserved replay runs them (``estimate.engine.varying_steps``)."""
+    lengths = list(padded_lengths(t))
+    return [lengths[k:k + t.grad_accum] for k in range(0, len(lengths), t.grad_accum)]
 
 
 def hf_step(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec, device: str,

@@ -250,6 +250,15 @@ def add_input_sizes(g: Any) -> None:
                    help="the micro-batches after the run's first are padded to N tokens; the first is --seq-len "
                         "long (lit-gpt's finetune scripts force the longest sample into the first iteration and pad "
                         "each later batch to its own longest). Default: --seq-len")
+    g.add_argument("--min-seq-len", type=positive_int, default=None, metavar="N",
+                   help="each micro-batch is padded to its own longest sample, N to --seq-len tokens (pad-to-longest "
+                        "collation: HF DataCollatorWithPadding, torchtune's padded_collate, TRL without packing): "
+                        "the allocated peak is the --seq-len micro-batch's, reserved memory is replayed over a "
+                        "fixed draw of lengths. Default: every micro-batch --seq-len long")
+    g.add_argument("--layer-rope-cache", type=positive_int, default=None, metavar="N",
+                   help="each decoder layer keeps its own fp32 RoPE cache of N positions (torchtune's Llama-2/3 "
+                        "builders before v0.6 copy RotaryPositionalEmbeddings into every layer; max_seq_len 4096 "
+                        "for Llama-2). Default: none, transformers' one rotary table")
     g.add_argument("--target-len", type=positive_int, default=None, metavar="N",
                    help="encoder-decoders (T5, BART): decoder tokens per sample, the labels' length "
                         "(default: --seq-len, the encoder's tokens)")
@@ -372,6 +381,7 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 fsdp_version=a.fsdp_version, loss_shift=a.loss_shift, cast_output=a.cast_output, fused_qkv=a.fused_qkv,
                 use_cache=a.use_cache, attention_call=a.attention_call, split_gate_up=a.split_gate_up,
                 target_len=a.target_len, image_size=a.image_size, later_seq_len=a.later_seq_len,
+                min_seq_len=a.min_seq_len, layer_rope_cache=a.layer_rope_cache,
                 deepspeed_config=a.deepspeed_config, reduce_bucket_size=a.reduce_bucket_size,
                 overlap_comm=a.overlap_comm, contiguous_gradients=a.contiguous_gradients,
                 sub_group_size=a.sub_group_size, stage3_max_reuse_distance=a.stage3_max_reuse_distance,

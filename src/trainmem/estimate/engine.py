@@ -29,7 +29,7 @@ from .quantities import step_copies
 from ..report import MemoryReport
 from ..spec.hardware import CUBLAS_WORKSPACE
 from ..spec.model import ModelSpec
-from ..spec.training import RECOMPUTE, TrainingSpec
+from ..spec.training import RECOMPUTE, TrainingSpec, padded_lengths
 from .derived import notes as derived_notes
 from .breakdown import components, phase_label, phases, where_label
 from .moments import StepFlags, peak, tokens, walk
@@ -119,7 +119,8 @@ def estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str, handle_ws: int = C
     # first's, whose blocks the allocator keeps cached for the shorter ones after it)
     # reserved: the step replayed through the caching allocator (reserved.py)
     if reserved:
-        gap, marks = reserved_gap(q, flags, tk, n, nsq, b, ga, t.recompute, step_copies(t), handle_ws)
+        gap, marks = reserved_gap(q, flags, tk, n, nsq, b, ga, t.recompute, step_copies(t), handle_ws,
+                                  varying_steps(m, t, stage, flags))
         rep.peak_reserved = total + gap
         _phase_reserved(rep, marks)
     rep.extra["pipeline_stage"] = stage if t.pp > 1 else None
@@ -141,6 +142,23 @@ def later_tokens(m: ModelSpec, t: TrainingSpec, stage: str, flags: StepFlags) ->
     n = b * tl.seq_len               # tokens on this rank (no context parallelism: TrainingSpec refuses it)
     nsq = n * tl.seq_len
     return tokens(ql, flags, n, nsq, b, ga), tokens(ql, flags, n, nsq, b, ga, later=True), n, nsq
+
+
+def varying_steps(m: ModelSpec, t: TrainingSpec, stage: str, flags: StepFlags) -> list:
+    """``--min-seq-len``: the micro-batches the reserved replay runs after the run's first two steps
+    at ``seq_len``, at the padded lengths of ``training.padded_lengths``, grouped into steps of
+    ``grad_accum`` (the last one partial), each micro-batch as (its quantities, its Tokens, tokens
+    on this rank, token x key pairs). Empty without the option. The allocated peak stays that of
+    the steps at ``seq_len``: a shorter micro-batch saves less, and meets at most the output a
+    micro-batch as long as the longest left held."""
+    lengths = padded_lengths(t)
+    b, ga = t.batch_size, t.grad_accum
+    micro = []
+    for length in lengths:
+        ql = quantities(m, replace(t, seq_len=length, min_seq_len=None), stage)
+        n = b * length               # tokens on this rank (no context parallelism: TrainingSpec refuses it)
+        micro.append((ql, tokens(ql, flags, n, n * length, b, ga, later=True), n, n * length))
+    return [micro[i:i + ga] for i in range(0, len(micro), ga)]
 
 
 def _phase_reserved(rep: MemoryReport, marks: dict) -> None:
@@ -172,6 +190,9 @@ def estimate_layouts(m: ModelSpec, base: TrainingSpec, cublas_workspace: int | N
     if base.later_seq_len is not None:
         raise TrainmemError(f"--later-seq-len {base.later_seq_len} is modelled by estimate and trace of one setup; "
                             "fit, sweep and plan evaluate layouts without it: drop --later-seq-len")
+    if base.min_seq_len is not None:
+        raise TrainmemError(f"--min-seq-len {base.min_seq_len} is modelled by estimate and trace of one setup; "
+                            "fit, sweep and plan evaluate layouts without it: drop --min-seq-len")
     cols = _columns(base, layout)
     parts = _regime_parts(m, base, cols)
     if parts is not None:  # a derived architecture's sequences on both sides of its sliding window

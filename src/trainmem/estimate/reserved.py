@@ -97,10 +97,13 @@ class _Step:
 
 
 def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, b: int, ga: int,
-                 recompute: str, temp_copies: int | None, handle_ws: int = 0) -> tuple[int, dict]:
+                 recompute: str, temp_copies: int | None, handle_ws: int = 0,
+                 varying: list | None = None) -> tuple[int, dict]:
     """Bytes reserved but not allocated at the end of two replayed steps (the allocator's cache),
     and at the end of each phase, by (phase label, step) as ``breakdown.phases`` labels them, the
-    replay's reserved bytes and its allocated peak so far."""
+    replay's reserved bytes and its allocated peak so far. ``varying`` (``--min-seq-len``): more
+    steps replayed after those two, each a list of micro-batches as (Tokens, tokens, token x key
+    pairs) at its own padded length, with its quantities first (``_varying_steps``)."""
     st = q.detail.states
     R = _Replay(lag=_Fsdp1Lag() if _fsdp1_limited(q) else None)
     R.allocs(st.load)                                                   # weights and buffers, load order
@@ -117,7 +120,26 @@ def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, 
         s.step = step
         _micro_batches(R, s, q, flags, tk, n, nsq, recompute, b, ga)
         _optimizer_step(R, s, q, flags, step, temp_copies)
+    _varying_steps(R, s, q, flags, varying or [], recompute, b, temp_copies)
     return max(0, R.a.peak_reserved - R.a.peak_allocated), R.marks
+
+
+def _varying_steps(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, steps: list, recompute: str, b: int,
+                   temp_copies: int | None) -> None:
+    """``--min-seq-len``: steps after the first two whose micro-batches are padded to lengths that
+    change every micro-batch, each micro-batch's forward and backward at its own sizes (one stage,
+    one micro-batch in flight: ``TrainingSpec`` refuses the option under a pipeline), then the
+    optimizer step. Each length's tensors are requests of another size, so the blocks an earlier,
+    longer micro-batch left cached are split by a shorter one (``get_free_block`` best fit,
+    ``shouldSplit``) and a later longer one may need a fresh segment: reserved memory grows."""
+    for k, micro in enumerate(steps):
+        s.step = 3 + k
+        for ql, tk, n, nsq in micro:   # the quantities at that length (a derived model's may differ)
+            parts = _layer_parts(ql, n, nsq)
+            full = label_tokens(ql, n) * ql.logit_width // ql.tp if flags.lm else b * ql.logit_width
+            f = _forward(R, s, ql, flags, tk, parts, recompute, full, ".varying")
+            _backward(R, s, ql, flags, tk, f, parts, n, nsq, recompute, ".varying")
+        _optimizer_step(R, s, q, flags, s.step, temp_copies)
 
 
 def _logit_tensors(total: int, per_elem: int, elems: int, chunks: int = 1) -> list[int]:

@@ -375,7 +375,7 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
     key = (m, stage, t.tp, t.ep, dtensor_tp(t), t.pp, t.precision, t.zero_stage, t.fsdp, t.shard_group, t.optimizer,
            t.impl, t.lora_rank, t.lora_targets, t.lora_dtype, t.distributed_optimizer, t.offload_optimizer,
            t.fp32_master, t.quantize, t.quantize_via, t.bitsandbytes_version, t.accumulates_unsharded,
-           t.fsdp_mixed_units, t.fsdp_version, t.fused_qkv, t.split_gate_up)
+           t.fsdp_mixed_units, t.fsdp_version, t.fused_qkv, t.split_gate_up, t.layer_rope_cache)
     return _STATES_CACHE.get_or_build(key, lambda: _model_states(m, t, stage))
 
 
@@ -559,6 +559,7 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
     lora = _lora_tensors(m, t)
     _lora_adapters(t, r, acc, lora)
     _buffers(m, r, acc, before, layer, after)
+    _layer_rope_cache(m, t, r, acc, layer)
     placed = _placed_bytes(tuple(x for _, x in before), tuple(x for _, x in layer),
                            r.per_stage if m.uniform_layers else 1, tuple(x for _, x in after))
     weights = placed - acc.buffers + acc.lora_w
@@ -746,6 +747,24 @@ def _buffers(m: ModelSpec, r: _Rank, acc: _Tally, before: list, layer: list, aft
             continue
         acc.buffers += block_bytes(numel * nb)
         _insert_buffer(after if not b.name.startswith("embeddings") else before, b.name, numel * nb)
+
+
+def _layer_rope_cache(m: ModelSpec, t: TrainingSpec, r: "_Rank", acc: "_Tally", layer: list) -> None:
+    """``--layer-rope-cache N``: each decoder layer's own ``RotaryPositionalEmbeddings`` buffers, as
+    torchtune's Llama-2 builder up to v0.5.0 makes them (it builds one layer with its ``rope`` and
+    ``TransformerDecoder`` deep-copies it num_layers times, ``_get_clones``: torchtune ff594c231
+    ``torchtune/models/llama2/_component_builders.py`` L84-114, ``torchtune/modules/transformer.py``
+    L93, L137; v0.6.0 builds the layers in a loop around one shared ``rope``). Per layer, fp32 and
+    non-persistent: ``theta`` [head_dim/2] and ``cache`` [N, head_dim/2, 2] (``torchtune/modules/
+    position_embeddings.py`` L38, L57-73 at ff594c231), moved after the attention's linears
+    (``Module._apply`` moves a module's children before its own buffers)."""
+    if t.layer_rope_cache is None:
+        return
+    half = m.head_dim // 2
+    for name, numel in (("theta", half), ("cache", t.layer_rope_cache * half * 2)):   # fp32 each
+        acc.buffers += r.per_stage * block_bytes(numel * 4)
+        at = max((i for i, (n, _) in enumerate(layer) if ".self_attn." in n), default=len(layer) - 1) + 1
+        layer.insert(at, (f"layers.0.self_attn.pos_embeddings.{name}", numel * 4))
 
 
 model_states.cache_clear = _STATES_CACHE.clear  # type: ignore[attr-defined]

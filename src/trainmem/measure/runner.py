@@ -48,7 +48,7 @@ from ..spec import Hardware, TrainingSpec, get_gpu
 from ..spec.training import report_warnings
 from ..spec.resolve import TRAINING_FIELDS, Resolved, resolve
 from ..units import parse_bytes
-from ..workload import TrainStep, apply_lora, check_supported, hf_factory
+from ..workload import TrainStep, add_layer_rope_cache, apply_lora, check_supported, hf_factory
 from .probes import CpuProbe, CudaProbe, PhaseRecorder, optimizer_tensors, parse_device, tensor_bytes
 
 MiB = 2**20
@@ -422,7 +422,9 @@ def _train(run: _Run, largest: int, snapshot: str | None, html: str | None) -> N
     step: TrainStep | None = None
     snap: Any = None
     try:
-        module = apply_lora(hf_factory(m, t)(), m, t)  # peft's LoRA when --lora-rank
+        module = hf_factory(m, t)()
+        add_layer_rope_cache(module, m, t)             # --layer-rope-cache: torchtune's per-layer buffers
+        module = apply_lora(module, m, t)              # peft's LoRA when --lora-rank
         if run.kind == "cuda":
             module.to(probe.device)
         if run.wrap is not None:

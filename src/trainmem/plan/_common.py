@@ -31,8 +31,13 @@ def _trace_function() -> Callable[..., MemoryReport]:
 
 def refuse_later_seq_len(options: dict[str, Any]) -> None:
     """fit, sweep and plan vary the batch and the sequence and evaluate layouts as arrays
-    (``estimate_layouts``), whose micro-batches are of one length: ``--later-seq-len`` is refused
-    there (suggestions, which re-estimate one setup at a time, keep it)."""
+    (``estimate_layouts``), whose micro-batches are of one length: ``--later-seq-len`` and
+    ``--min-seq-len`` are refused there (suggestions, which re-estimate one setup at a time, keep them)."""
+    low = options.get("min_seq_len")
+    if low is not None:
+        raise TrainmemError(f"--min-seq-len {low}: fit, sweep and plan vary the batch and sequence of one setup, "
+                            "whose micro-batches they take to be of one length; --min-seq-len is modelled by "
+                            "estimate and trace: drop it")
     later = options.get("later_seq_len")
     if later is not None:
         raise TrainmemError(f"--later-seq-len {later}: fit, sweep and plan vary the batch and sequence of one "

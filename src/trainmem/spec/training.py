@@ -218,6 +218,13 @@ class TrainingSpec:
     later_seq_len: int | None = None  # the padded length of every micro-batch after the run's first, which is
     #                                   seq_len long (lit-gpt forces its longest sample into the first iteration
     #                                   only and pads each later batch to its own longest); None: seq_len
+    min_seq_len: int | None = None  # each micro-batch padded to its own longest sample, from min_seq_len to
+    #                                 seq_len tokens (pad-to-longest collation); None: every one seq_len long.
+    #                                 The lengths replayed for reserved memory: ``padded_lengths``
+    layer_rope_cache: int | None = None  # positions of the fp32 RoPE cache each decoder layer keeps as its own
+    #                                      buffers (torchtune's Llama-2/3 builders before v0.6 deep-copy the layer
+    #                                      with its RotaryPositionalEmbeddings: cache [N, head_dim/2, 2] and theta
+    #                                      [head_dim/2], fp32); None: none (transformers' model keeps one inv_freq)
     fsdp_gathered: str = "none"  # FSDP_GATHERED: FSDP2 units kept gathered from their forward to their backward
     target_len: int | None = None  # an encoder-decoder's decoder tokens (its labels); None: seq_len
     image_size: int | None = None  # an image model's square image side in pixels; sets seq_len (its patches)
@@ -362,7 +369,8 @@ class TrainingSpec:
         ``reduce_bucket_size`` a non-negative one (DeepSpeed accepts 0). That DeepSpeed's options come
         with ``--zero`` is checked on the user's options (``deepspeed_problems``): the planner varies
         the stage of one spec."""
-        for key in ("target_len", "image_size", "sub_group_size", "later_seq_len"):
+        for key in ("target_len", "image_size", "sub_group_size", "later_seq_len", "min_seq_len",
+                    "layer_rope_cache"):
             v = getattr(self, key)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
                 raise TrainmemError(f"--{key.replace('_', '-')} must be a positive integer, got {v!r}")
@@ -374,6 +382,25 @@ class TrainingSpec:
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
             raise TrainmemError(f"--reduce-bucket-size must be a non-negative integer (elements), got {v!r}")
         self._check_later_seq_len()
+        self._check_min_seq_len()
+
+    def _check_min_seq_len(self) -> None:
+        """``min_seq_len``: micro-batches padded to their own longest sample, ``min_seq_len`` to
+        ``seq_len`` tokens (``padded_lengths``). One pipeline stage and the whole sequence on each rank,
+        as ``later_seq_len``, which describes another data path and is not combined with it."""
+        v = self.min_seq_len
+        if v is None:
+            return
+        if v > self.seq_len:
+            raise TrainmemError(f"--min-seq-len {v} exceeds --seq-len {self.seq_len}: --seq-len is the longest "
+                                f"padded micro-batch; give --min-seq-len <= {self.seq_len}")
+        if self.later_seq_len is not None:
+            raise TrainmemError("--min-seq-len and --later-seq-len describe two data paths (lengths varying every "
+                                "micro-batch, or one shorter length after the first): give one of them")
+        if self.pp > 1 or self.cp > 1:
+            what = f"--pp {self.pp}" if self.pp > 1 else f"--cp {self.cp}"
+            raise TrainmemError(f"--min-seq-len with {what} is not modelled (a pipeline schedule's or a context-"
+                                "parallel group's micro-batches share one shape); drop --min-seq-len")
 
     def _check_later_seq_len(self) -> None:
         """``later_seq_len``: the micro-batches after the run's first are padded to it; the first, at
@@ -716,6 +743,33 @@ class TrainingSpec:
         return d
 
 
+#: ``--min-seq-len``: how many micro-batches of varying padded length are replayed after the run's
+#: fixed-length steps, and the seed of their lengths (``padded_lengths``)
+PADDED_MICRO_BATCHES = 128
+PADDED_SEED = 0
+
+
+def padded_lengths(t: TrainingSpec, count: int = PADDED_MICRO_BATCHES, seed: int = PADDED_SEED) -> tuple[int, ...]:
+    """``--min-seq-len``: the padded lengths of the ``count`` micro-batches that estimate and trace
+    replay after the run's first two steps at ``seq_len`` (the longest micro-batch, whose steps give
+    the allocated peak): integers drawn uniformly from [min_seq_len, seq_len] by Python's
+    ``random.Random(seed).randint`` (Mersenne Twister, the same on every platform). Uniform is an
+    assumption about the data, a batch's longest sample (HF ``DataCollatorWithPadding``, torchtune's
+    ``padded_collate``); what the caching allocator keeps depends on how often lengths change and
+    over what range, docs/validation.md "Padded lengths that vary per micro-batch". Reserved memory
+    grows in steps of one logits-sized segment until every order of lengths that needs one more has
+    occurred: on torchtune's LoRA tutorial setup (Llama-2-7B, 2 x 512, lengths from 64) six seeds
+    spread the estimate by about one segment at 128 micro-batches (-5.15 ... -4.11 % of the published
+    figure on the q, v rank-8 row; -4.36 ... -4.11 % at 300, which costs the estimate 2-3 times
+    more). Empty without the option or when min_seq_len is seq_len."""
+    import random
+    lo = t.min_seq_len
+    if lo is None or lo >= t.seq_len:
+        return ()
+    rng = random.Random(seed)
+    return tuple(rng.randint(lo, t.seq_len) for _ in range(count))
+
+
 def setup_warnings(t: TrainingSpec) -> list[str]:
     """One line for each legal but pointless choice in ``t`` (the run works; the option does nothing)."""
     out = []
@@ -788,6 +842,12 @@ def _size_problems(model: Any, t: TrainingSpec) -> str | None:
         if t.seq_len != model.image_tokens(t.image_size):
             return (f"--seq-len {t.seq_len}: {model.name}'s sequence is its {model.image_tokens(t.image_size)} "
                     f"patch tokens at --image-size {t.image_size}; give --image-size only")
+    if t.layer_rope_cache is not None and (model.family != "llama" or model.is_encoder_decoder):
+        return (f"--layer-rope-cache {t.layer_rope_cache} is the RoPE cache of torchtune's Llama layers; {model.name} "
+                f"is a {model.family} model: drop --layer-rope-cache")
+    if t.min_seq_len is not None and model.is_image:
+        return (f"--min-seq-len {t.min_seq_len}: {model.name} is an image model, every batch has its image "
+                f"size's patches; drop --min-seq-len")
     if t.later_seq_len is not None and model.is_image:
         return (f"--later-seq-len {t.later_seq_len}: {model.name} is an image model, every batch has its image "
                 f"size's patches; drop --later-seq-len")

@@ -39,6 +39,7 @@ from ..workload import hf_factory as _hf_factory
 from ..workload import apply_lora, apply_quantization
 from .. import litgpt_modules
 from ..workload import attention_implementation as _attention_implementation
+from ..workload import add_layer_rope_cache, padded_steps
 from ..workload import hf_step as _hf_step
 from ..workload import make_optimizer, optimizer_class  # noqa: F401
 
@@ -106,6 +107,7 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
     options_given = any(options.get(k) is not None for k in TRAINING_FIELDS | {"training"})
     spec, t, hw, fraction = _inputs(model, options)
     _check_supported(t)
+    steps = _steps_run(spec, t, steps)
     _dist.check(t, spec, device)
     _dist.check_rank(t, rank)
     factory = _factory(model, spec, t, step_fn)
@@ -131,6 +133,15 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
         report.warnings.append("training options are recorded but not applied to a user step_fn: "
                                "the step function decides batch, precision and optimizer")
     return report
+
+
+def _steps_run(spec: ModelSpec | None, t: TrainingSpec, steps: int) -> int:
+    """The steps a model's trace runs: ``steps``, and with ``min_seq_len`` at least the two steps at
+    ``seq_len`` and then the steps of micro-batches padded to varying lengths (``workload.padded_steps``,
+    run by ``workload.TrainStep._step``)."""
+    if spec is None or t.min_seq_len is None:
+        return steps
+    return max(steps, 2 + len(padded_steps(t)))
 
 
 def _trace_rank(factory: Callable, spec: ModelSpec | None, t: TrainingSpec, hw: Hardware | None,
@@ -251,6 +262,7 @@ def _build(dev: _Device, factory: Callable, spec: ModelSpec | None, t: TrainingS
             module = _as_module(module)
             _cast(module, spec, t)
             if spec is not None:
+                add_layer_rope_cache(module, spec, t)
                 module = apply_lora(apply_quantization(module, t), spec, t)
                 module = litgpt_modules.apply(module, t)  # --fused-qkv, --split-gate-up: litgpt's linears
         wrapped = _dist.wrap(module, spec, t, tracker) if _dist.sharded_unloaded(t) else module

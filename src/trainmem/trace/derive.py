@@ -66,7 +66,7 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "") -> dict
     # an encoder-decoder under full recompute is traced with its layers checkpointed (``checkpointed``)
     ckpt = checkpointed(m, t)
     base = replace(t, recompute="none", recompute_every=1, grad_accum=1, hold_output="loss", loss="upcast",
-                   later_seq_len=None,
+                   later_seq_len=None, min_seq_len=None,
                    loss_chunks=1, loss_shift="labels", optimizer_in_backward=False, zero_grad="none")
     cfg, kinds_full, kinds_small = reduced_config(m)
     if no_cache:
