@@ -136,8 +136,11 @@ def _options_signature() -> inspect.Signature:
 estimate.__signature__ = _options_signature()  # type: ignore[attr-defined]
 
 
-def estimate_resolved(r: Resolved) -> MemoryReport:
-    """Run ``r.method`` on the resolved inputs and attach the GPU (capacity, context, fit)."""
+def estimate_resolved(r: Resolved, replay: bool = True) -> MemoryReport:
+    """Run ``r.method`` on the resolved inputs and attach the GPU (capacity, context, fit).
+    ``replay``: the trainmem engine also replays the step through the caching allocator for peak
+    reserved (milliseconds; seconds under ``--min-seq-len``); callers that read only the fit verdict
+    (allocated + 1/32 + context, ``MemoryReport.device_peak``) skip it."""
     fn = get_method(r.method)
     if r.method != "trainmem" and (r.training.recompute == "op" or r.training.offload_activations):
         what = "--recompute op" if r.training.recompute == "op" else "--offload-activations"
@@ -145,7 +148,7 @@ def estimate_resolved(r: Resolved) -> MemoryReport:
     ws = r.hardware.handle_workspace if r.hardware is not None else None
     # only the default engine counts cuBLAS workspaces: the GPU's default size, or a calibration profile's
     # the trainmem engine also replays the step through the caching allocator (peak reserved)
-    report = fn(r.model, r.training, cublas_workspace=ws, reserved=True) if r.method == "trainmem" \
+    report = fn(r.model, r.training, cublas_workspace=ws, reserved=replay) if r.method == "trainmem" \
         else fn(r.model, r.training)
     if r.method == "trainmem":
         bucket_check(report, r.model, r.training)

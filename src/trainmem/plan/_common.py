@@ -52,13 +52,16 @@ class Evaluator:
     ``trainmem.spec.resolve``); ``model`` may be a ``Resolved``. ``by``: ``estimate`` (formulas)
     or ``trace`` (the fake-tensor tracer, when installed; options ``resolve`` does not know, such
     as ``device``, go to the tracer). ``report(**changes)`` varies the training setup with
-    ``Resolved.replace``. ``options`` keeps the training options given (None left out).
+    ``Resolved.replace``. ``options`` keeps the training options given (None left out). ``replay``:
+    estimates replay the step through the caching allocator for peak reserved (False where only the
+    fit verdict is read: it counts allocated + 1/32 + context, ``MemoryReport.device_peak``).
     """
 
-    def __init__(self, model: Any, by: str = "estimate", **options: Any):
+    def __init__(self, model: Any, by: str = "estimate", replay: bool = True, **options: Any):
         if by not in BYS:
             raise TrainmemError(f"--by {by!r} is not one of: {', '.join(BYS)}")
         self.by = by
+        self.replay = replay
         self._fn = _trace_function() if by == "trace" else None
         self.trace_options = {k: v for k, v in options.items() if k not in OPTIONS} if by == "trace" else {}
         self.resolved: Resolved = resolve(model, **{k: v for k, v in options.items() if k not in self.trace_options})
@@ -101,7 +104,7 @@ class Evaluator:
             return rep if rep.capacity is not None or r.hardware is None else \
                 attach_hardware(rep, r.hardware, r.max_fraction)
         from ..estimate.api import estimate_resolved
-        return estimate_resolved(r)
+        return estimate_resolved(r, self.replay)
 
 
 def gpu_extras(hw: Hardware | None) -> dict[str, float]:

@@ -240,7 +240,7 @@ def suggest(model: Any, base: MemoryReport | None = None, by: str = "estimate", 
     changes together fit more cheaply than any single one (or none fits alone).
     ``base`` may pass the report already computed for ``options``.
     """
-    ev = Evaluator(model, by=by, **options)
+    ev = Evaluator(model, by=by, replay=False, **options)  # verdicts only: no allocator replay
     return suggest_for(ev, base)
 
 
@@ -251,8 +251,9 @@ def suggest_for_report(report: MemoryReport) -> list[Suggestion]:
     if report.model is None or report.training is None:
         raise TrainmemError("this report does not carry its model and training setup")
     opts = {k: v for k, v in report.training.to_dict().items() if v is not None}
+    # the suggestions compare fit verdicts (device_peak: allocated + 1/32 + context): no allocator replay
     ev = Evaluator(report.model, method=report.method or "trainmem", gpu=report.hardware,
-                   max_fraction=report.max_fraction, **opts)
+                   max_fraction=report.max_fraction, replay=False, **opts)
     return suggest_for(ev, report)
 
 
