@@ -167,3 +167,23 @@ def test_plan_takes_deepspeed_engine_options_for_the_stages_it_explores():
     assert r.top and all(x.zero in (2, 3) for x in r.top)
     with pytest.raises(TrainmemError, match="explore --zero 1, 2 or 3"):
         plan(MODEL, 8, seq_len=1024, global_batch=16, gpu="h100", zero="0", reduce_bucket_size=10**8)
+
+
+def test_published_lsaie_llama8b_zero3_sdpa_on_repeated_kv():
+    """The ETH LSAIE Llama-8B ZeRO-3 rows: the course's model (src/model.py at 0202e41,
+    Attention.forward) copies its 8 key/value heads to the 32 query heads (repeat_kv: expand +
+    reshape) before F.scaled_dot_product_attention(is_causal=True), so SDPA saves K and V of
+    (1, 32, 2048, 128) bf16 instead of (1, 8, 2048, 128). Every layer's activations are alive at the
+    peak (no recompute), so the fixture's --attention-call repeat-kv adds exactly 32 layers x 2 x
+    2048 x (32 - 8) x 128 x 2 bytes over transformers' enable_gqa call; both rows within 2%."""
+    for name in ("lsaie_llama8b_zero3_b1_s2048", "lsaie_llama8b_zero3_offload_b1_s2048"):
+        fx = json.loads((ROOT / "validation" / "published" / f"{name}.json").read_text())
+        setup = dict(fx["setup"])
+        assert setup["attention_call"] == "repeat-kv"
+        copied = trainmem.estimate(fx["model"], **setup)
+        grouped = trainmem.estimate(fx["model"], **{**setup, "attention_call": "model"})
+        extra = 32 * 2 * 2048 * (32 - 8) * 128 * 2   # layers x (K, V) x tokens x added heads x head dim x bf16
+        assert copied.peak_allocated - grouped.peak_allocated == extra
+        v = validate(str(ROOT / "validation" / "published"), ["estimate"], [name])
+        (check,) = [c for c in v.checks if c.quantity == "peak_allocated"]
+        assert abs(check.error) < 0.02, (name, check.error)
