@@ -1720,6 +1720,15 @@ def first_layer_unsaved(t: TrainingSpec, lc: LayerCoefs, stage: str) -> tuple[tu
     return lc.first_unsaved
 
 
+def pipeline_fsdp(t: TrainingSpec) -> bool:
+    """Whether pipeline stages are sharded with FSDP2 and driven by torch's ``PipelineStage``
+    (``--pp`` with ``--fsdp``). The schedule computes the loss with its ``loss_fn`` on the last
+    stage's returned logits (torch 2.13 ``distributed/pipelining/stage.py`` ``_PipelineStageBase``
+    ``forward_one_chunk`` returns the submodule's output; ``schedules.py`` ``_maybe_compute_loss``),
+    outside the stage module, as a loop's ``--loss upcast`` is (``loss_outside_root``)."""
+    return t.pp > 1 and t.fsdp is not None
+
+
 def loss_outside_root(m: ModelSpec, t: TrainingSpec) -> bool:
     """Whether the loop computes the loss after the root module's forward has returned (``--loss
     upcast`` / ``half`` on the logits, ``workload.forward_loss``). Under FSDP2 the root's
@@ -1727,7 +1736,7 @@ def loss_outside_root(m: ModelSpec, t: TrainingSpec) -> bool:
     next all-gather is waited on (torch 2.13 ``_fully_shard/_fsdp_state.py`` L333-343,
     ``_post_forward``: "free the all-gather result" when ``iter_forward_root is self``). Found by
     trace: GPT-2 FSDP2 grad-op dp 4 ``--loss half``: +1.3% before."""
-    return t.loss in ("upcast", "half") and m.head in ("causal-lm", "masked-lm") and t.pp == 1
+    return (t.loss in ("upcast", "half") and m.head in ("causal-lm", "masked-lm") and t.pp == 1) or pipeline_fsdp(t)
 
 
 def fsdp1_prefetch_after_loss(m: ModelSpec, t: TrainingSpec) -> bool:
@@ -1762,8 +1771,8 @@ def root_resharded_for_loss(m: ModelSpec, t: TrainingSpec) -> bool:
     (``Quantities.fsdp_root_regather``; Mistral dp 8 fp32 --loss upcast: -10.6% before). FSDP1 and
     ``grad-op`` (``reshard_after_forward=False``) keep the root gathered. Found by trace on the
     fake process group (benchmarks/bench_agreement.py, the sampled grid: Qwen2 +12.6% before)."""
-    return (t.fsdp is not None and t.fsdp_version == 2 and t.zero_stage == 3 and t.loss in ("upcast", "half")
-            and m.head in ("causal-lm", "masked-lm") and t.pp == 1 and t.fsdp_gathered == "none")
+    return (t.fsdp is not None and t.fsdp_version == 2 and t.zero_stage == 3 and t.fsdp_gathered == "none"
+            and (loss_outside_root(m, t) or pipeline_fsdp(t)))
 
 
 def fsdp2_root_gathered(t: TrainingSpec) -> bool:
