@@ -149,7 +149,11 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
     # forward, whose autocast region cast the weights again: its copies are saved with its
     # activations; trace, llama-3.2-1b (4 layers) --pp 2 bf16-amp, first stage: -3.3% before)
     per_forward = where(q.pipe_batch > 0, inflight, 1)  # forwards whose autocast copies are alive
-    casts = ((q.cast_layer + q.gathered_layer) * q.layers - q.cast_checkpointed) * per_forward
+    # (grad-op's gathered weights are one copy per layer however many micro-batches are in flight: a
+    # unit is all-gathered once and kept, torch 2.13 _fully_shard/_fsdp_param_group.py ``unshard``
+    # returns when ``_all_gather_result`` or the unsharded parameters exist; interleaved: each of the
+    # rank's stages, all forwarded before its first backward)
+    casts = (q.cast_layer * q.layers - q.cast_checkpointed) * per_forward + q.gathered_layer * q.layers * q.pipe_stages
     layers = layer * q.layers * inflight + casts
     # LoRA: the first layer's input needs no gradient, so it keeps less (quantities.first_layer_unsaved)
     # (and the half copies of its frozen linears on that input are not kept, in each forward's region)

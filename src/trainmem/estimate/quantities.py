@@ -195,6 +195,7 @@ class Quantities:
     pipe_grads_absent_alt: int = 0
     pipe_head_once: int = 0    # 1: the last rank, whose head stage holds one micro-batch in flight; the others ...
     pipe_out_tok: float = 0.0  # ... keep their stage's output (b, s, h), bytes per token
+    pipe_stages: int = 1       # stages this rank holds (interleaved: virtual_stages), each with its gathered layers
     # ... while the loss and its backward run: the root and the prefetched last layer, or nothing when
     # the loop computes the loss after FSDP2 resharded the root (``root_resharded_for_loss``)
     fsdp_loss_root: int = 0
@@ -1574,7 +1575,7 @@ def _interleaved_terms(m: ModelSpec, t: TrainingSpec, st: States, stage: str, pe
     return {"pipe_units": first, "pipe_units_later": most[0], "pipe_fed": fed, "pipe_fed_later": most[1],
             "pipe_units_alt": grads[0], "pipe_fed_alt": grads[1], "pipe_grads_absent_alt": absent(grads[2]),
             "pipe_grads_absent": absent(most[2]), "pipe_head_once": int(stage == "last"),
-            "pipe_out_tok": per_tok if stage == "last" else 0.0}
+            "pipe_out_tok": per_tok if stage == "last" else 0.0, "pipe_stages": v}
 
 
 def _split_outer(outer: list[tuple[str, float, float]], rest_pos: float) -> tuple[float, float, float, float]:
