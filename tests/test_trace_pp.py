@@ -118,7 +118,7 @@ def test_fsdp2_shards_each_stage_and_the_pipeline_reduces_once(options):
     traced stage holds a 1/dp shard of its weights (against the same stage traced without --dp) and,
     at its peak (in a backward after the first) its whole stage's gradients unsharded (dp x the shard);
     FSDP2's buffers are there; the other ranks are listed as FSDP2 ranks of their stage. (The
-    estimate does not model PipelineStage's FSDP2 handling: docs/trace.md gives its difference.)"""
+    estimate's agreement: test_pipeline_fsdp2_agrees_with_the_estimate.)"""
     setup = {**BASE, "pp": 2, "dp": 2, "grad_accum": 4, "grad_sync": "step", **options}
     r = trace("llama-3.2-1b", set=SMALL, **setup)
     single = {k: v for k, v in setup.items() if k not in ("dp", "fsdp", "grad_sync")}
@@ -141,11 +141,44 @@ def test_fsdp2_shards_each_stage_and_the_pipeline_reduces_once(options):
             names |= {c["name"] for c in e["components"]}
     assert any(n.startswith("communication.fsdp") for n in names), names
     assert r.peak_allocated == max(e["peak_allocated"] for e in ranks if e["traced"])
-    # the estimate says that it does not model PipelineStage's FSDP2 handling (and only then)
+    # the estimate warns where FSDP2 reshards after forward (units kept gathered after their backward are
+    # not counted), and only then: not under grad-op, not for DDP stages
     from trainmem.estimate.engine import PIPELINE_FSDP_WARNING
-    assert PIPELINE_FSDP_WARNING in estimate("llama-3.2-1b", set=SMALL, **setup).warnings
+    warned = PIPELINE_FSDP_WARNING in estimate("llama-3.2-1b", set=SMALL, **setup).warnings
+    assert warned == (options["fsdp"] == "full")
     ddp = {**{k: v for k, v in setup.items() if k not in ("fsdp", "grad_sync")}, "precision": "bf16-amp"}
     assert PIPELINE_FSDP_WARNING not in estimate("llama-3.2-1b", set=SMALL, **ddp).warnings
+
+
+#: PP x FSDP2 (--grad-sync step) where the estimate models torch's PipelineStage: the schedule's loss
+#: outside the stage root (quantities.pipeline_fsdp), grad-op's layers gathered once per stage
+#: (moments.tokens, interleaved: each of the rank's stages). (stages checked, setup)
+PP_FSDP = [
+    ("both", SMALL, {"pp": 2, "grad_accum": 4, "fsdp": "grad-op", "precision": "bf16-amp"}),
+    ("both", SMALL, {"pp": 2, "grad_accum": 4, "fsdp": "grad-op", "precision": "bf16-amp",
+                     "pp_schedule": "interleaved-1f1b"}),
+    ("both", EIGHT, {"pp": 4, "grad_accum": 4, "fsdp": "grad-op", "precision": "bf16-mp"}),
+    # full (reshard after forward): the last stage, whose peak is the loss's backward with every unit
+    # resharded by the forward before it (the first stage's units kept gathered after a backward are
+    # not modelled: PIPELINE_FSDP_WARNING)
+    ("last", SMALL, {"pp": 2, "grad_accum": 2, "fsdp": "full", "precision": "bf16-amp"}),
+    ("last", SMALL, {"pp": 2, "grad_accum": 2, "fsdp": "full", "precision": "bf16-mp"}),
+    ("last", SMALL, {"pp": 2, "grad_accum": 4, "fsdp": "full", "precision": "bf16-amp", "recompute": "full"}),
+]
+
+
+@pytest.mark.parametrize("which, overrides, options", PP_FSDP,
+                         ids=["gradop-pp2", "gradop-interleaved", "gradop-pp4-mp", "full-amp-last",
+                              "full-mp-last", "full-recompute-last"])
+def test_pipeline_fsdp2_agrees_with_the_estimate(which, overrides, options):
+    """Each checked stage's peak allocated, estimate against the traced PipelineStage + FSDP2 run
+    (before these mechanisms: -0.1% to +11.7%; after: -0.6% to +0.5%, docs/trace.md)."""
+    _, stages = _stages(overrides, dp=2, grad_sync="step", **options)
+    last = options["pp"] - 1
+    for stage, (traced, est) in stages.items():
+        rank_stage = 0 if stage == 0 else last
+        if which == "both" or rank_stage == last:
+            assert abs(est / traced - 1) < TOLERANCE, (stage, traced, est)
 
 
 @pytest.mark.parametrize("overrides, options", [

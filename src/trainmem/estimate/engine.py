@@ -26,6 +26,7 @@ from ..allocator_rules import reserved_overhead
 from ..errors import TrainmemError
 from .reserved import reserved_gap
 from .quantities import step_copies
+from .states import fsdp_grad_op
 from ..report import MemoryReport
 from ..spec.hardware import CUBLAS_WORKSPACE
 from ..spec.model import ModelSpec
@@ -45,12 +46,25 @@ COMPILE_WARNING = ("--compile: the layers are the eager step's saved tensors (in
                    "families with a fused SDPA kernel, without LoRA, 4-bit bases, experts or --tp); "
                    "use trace --compile for this model (docs/trace.md)")
 
-#: the warning of an estimate of pipeline stages sharded with FSDP (docs/trace.md, the pipeline section)
-PIPELINE_FSDP_WARNING = ("--pp with --fsdp: FSDP's units are counted as a plain loop runs them (resharded after each "
-                         "backward, gradients reduced per micro-batch or, under --grad-sync step, accumulated "
-                         "unsharded); torch's PipelineStage keeps them gathered from their first backward to the end "
-                         "of the schedule and reduces once after it, which trace runs (-1% to +11% against this "
-                         "estimate on the setups of docs/trace.md)")
+#: the warning of an estimate of pipeline stages sharded with FSDP2 that reshards after forward (``full``,
+#: ``hybrid``; docs/trace.md, the pipeline section). What is modelled: the schedule's loss outside the stage
+#: root (``quantities.pipeline_fsdp``), gradients accumulated unsharded through the schedule, ``grad-op``'s
+#: layers gathered once per stage (``moments.tokens``). What is not: units resharded after each forward and
+#: gathered again in backward, where torch's PipelineStage keeps them gathered after their backward
+#: (stage.py ``backward_maybe_with_nosync``: ``set_reshard_after_backward(False)``)
+PIPELINE_FSDP_WARNING = ("--pp with --fsdp full: torch's PipelineStage keeps each FSDP2 unit gathered from its "
+                         "backward to its next forward, which this estimate does not count (units resharded as a "
+                         "plain loop's are); trace runs it (-5.7% to +2.2% against this estimate on the setups of "
+                         "docs/trace.md; --fsdp grad-op is modelled)")
+
+
+def pipeline_fsdp_warning(t: TrainingSpec) -> str | None:
+    """The warning of an estimate of pipeline stages whose FSDP2 units reshard after forward
+    (``PIPELINE_FSDP_WARNING``); None otherwise (no pipeline, no FSDP, or ``grad-op``, which keeps its
+    units gathered through the schedule as the estimate counts them)."""
+    if t.pp > 1 and t.fsdp is not None and t.shard_group > 1 and not fsdp_grad_op(t):
+        return PIPELINE_FSDP_WARNING
+    return None
 
 
 def compile_warning(m: ModelSpec, t: TrainingSpec) -> str | None:
@@ -81,8 +95,9 @@ def estimate(m: ModelSpec, t: TrainingSpec, cublas_workspace: int | None = None,
     warning = compile_warning(m, t)
     if warning:
         rep.warnings.append(warning)
-    if t.pp > 1 and t.fsdp is not None:
-        rep.warnings.append(PIPELINE_FSDP_WARNING)
+    warning = pipeline_fsdp_warning(t)
+    if warning:
+        rep.warnings.append(warning)
     if m.family == "derived":
         rep.warnings.extend(derived_notes(m, t))
     return rep
