@@ -409,7 +409,8 @@ def _head_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, befo
     grads_before, states, ws2 = before
     out = [_mo("backward", micro, step, "fsdp.root_unshard",
                (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.logits_grad), (kept.logits, kept.kv_forward, 0),
-               _both(valid, q.fsdp_root_regather > 0), comm=2 * q.fsdp_root_regather + q.ds_backward_buf)]
+               _both(valid, q.fsdp_root_regather > 0),
+               comm=2 * q.fsdp_root_regather + q.fsdp_pipe_top + q.ds_backward_buf)]
     for where_, temp in (("lm_head.backward", tk.head_chunk_first), ("lm_head.backward.sum", tk.head_chunk)):
         out.append(_mo("backward", micro, step, where_, (grads_before, states, tk.inputs, ws2, tk.all_acts, temp),
                        (kept.logits, kept.kv_forward, 0), _both(valid, q.chunk_head_grads > 0),
