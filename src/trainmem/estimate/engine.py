@@ -47,15 +47,17 @@ COMPILE_WARNING = ("--compile: the layers are the eager step's saved tensors (in
                    "use trace --compile for this model (docs/trace.md)")
 
 #: the warning of an estimate of pipeline stages sharded with FSDP2 that reshards after forward (``full``,
-#: ``hybrid``; docs/trace.md, the pipeline section). What is modelled: the schedule's loss outside the stage
-#: root (``quantities.pipeline_fsdp``), gradients accumulated unsharded through the schedule, ``grad-op``'s
-#: layers gathered once per stage (``moments.tokens``). What is not: units resharded after each forward and
-#: gathered again in backward, where torch's PipelineStage keeps them gathered after their backward
-#: (stage.py ``backward_maybe_with_nosync``: ``set_reshard_after_backward(False)``)
+#: ``hybrid``; docs/trace.md, the pipeline section). Modelled: the schedule's loss outside the stage root
+#: (``quantities.pipeline_fsdp``), gradients accumulated unsharded through the schedule, the first stage's
+#: top layer gathered before its root (``quantities.pipeline_top_first``), ``grad-op``'s layers gathered
+#: once per stage (``moments.tokens``). Not modelled: units that torch's PipelineStage keeps gathered after
+#: a backward (stage.py ``backward_maybe_with_nosync``: ``set_reshard_after_backward(False)``) into a
+#: following backward of the rank (interleaved orders, 1F1B's cool-down), and FSDP2's accumulation of the
+#: unsharded gradients in the reduce dtype under ``bf16-mp``
 PIPELINE_FSDP_WARNING = ("--pp with --fsdp full: torch's PipelineStage keeps each FSDP2 unit gathered from its "
-                         "backward to its next forward, which this estimate does not count (units resharded as a "
-                         "plain loop's are); trace runs it (-5.7% to +2.2% against this estimate on the setups of "
-                         "docs/trace.md; --fsdp grad-op is modelled)")
+                         "backward to its next forward, which this estimate counts only where a forward follows "
+                         "(not across consecutive backwards of interleaved schedules); trace runs it (-4.5% to "
+                         "+2.2% against this estimate on the setups of docs/trace.md; --fsdp grad-op is modelled)")
 
 
 def pipeline_fsdp_warning(t: TrainingSpec) -> str | None:

@@ -144,15 +144,11 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
     inflight = where(q.fixed_inflight > 0, q.fixed_inflight, minimum(q.pp_inflight, pending))
     inflight, fed, head_units, stage_out, grads_absent = _interleaved(q, n, nsq, later, inflight)
     layer = trunc(q.kept_tok * n + q.kept_sq * nsq)                        # (b, s, ...) per layer
-    # + autocast's copies of the weights and FSDP grad-op's gathered weights, each layer's from its
-    # forward to its backward (under torch's pipeline schedule each micro-batch in flight ran its own
-    # forward, whose autocast region cast the weights again: its copies are saved with its
-    # activations; trace, llama-3.2-1b (4 layers) --pp 2 bf16-amp, first stage: -3.3% before)
+    # + autocast's copies of the weights and FSDP grad-op's gathered weights (once per layer of each of the
+    # rank's stages, Quantities.pipe_stages), each from its forward to its backward (under torch's pipeline
+    # schedule each micro-batch in flight ran its own forward, whose autocast region cast the weights again: its
+    # copies are saved with its activations; trace, llama-3.2-1b (4 layers) --pp 2 bf16-amp, first: -3.3% before)
     per_forward = where(q.pipe_batch > 0, inflight, 1)  # forwards whose autocast copies are alive
-    # (grad-op's gathered weights are one copy per layer however many micro-batches are in flight: a
-    # unit is all-gathered once and kept, torch 2.13 _fully_shard/_fsdp_param_group.py ``unshard``
-    # returns when ``_all_gather_result`` or the unsharded parameters exist; interleaved: each of the
-    # rank's stages, all forwarded before its first backward)
     casts = (q.cast_layer * q.layers - q.cast_checkpointed) * per_forward + q.gathered_layer * q.layers * q.pipe_stages
     layers = layer * q.layers * inflight + casts
     # LoRA: the first layer's input needs no gradient, so it keeps less (quantities.first_layer_unsaved)

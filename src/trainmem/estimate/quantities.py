@@ -195,14 +195,17 @@ class Quantities:
     pipe_grads_absent_alt: int = 0
     pipe_head_once: int = 0    # 1: the last rank, whose head stage holds one micro-batch in flight; the others ...
     pipe_out_tok: float = 0.0  # ... keep their stage's output (b, s, h), bytes per token
-    pipe_stages: int = 1       # stages this rank holds (interleaved: virtual_stages), each with its gathered layers
+    # stages this rank holds (interleaved: virtual_stages). Under FSDP grad-op each layer of each is
+    # gathered once, however many micro-batches are in flight (torch 2.13 _fully_shard/_fsdp_param_group.py
+    # ``unshard`` returns when the parameters are unsharded), all forwarded before the rank's first backward
+    pipe_stages: int = 1
     # ... while the loss and its backward run: the root and the prefetched last layer, or nothing when
     # the loop computes the loss after FSDP2 resharded the root (``root_resharded_for_loss``)
     fsdp_loss_root: int = 0
     fsdp_loss_buf: int = 0
     fsdp_root_regather: int = 0  # ... then the root gathered again (its all-gather buffer and parameters)
     fsdp_root_regather_own: int = 0  # FSDP2 full, the model's own loss: the root gathered again at its first node
-    fsdp_pipe_top: int = 0  # pipeline first stage, FSDP2 full: the top layer gathered before the root (pipeline_top_first)
+    fsdp_pipe_top: int = 0  # pipeline first stage, FSDP2 full: its top layer gathered first (pipeline_top_first)
     fsdp_loss_ag: int = 0     # FSDP2: the last layer's all-gather output while the loss runs (model's own loss)
     fsdp_root_kept: int = 0   # the root's gathered parameters between forward and backward (not resharded)
     fsdp_last_kept: int = 0   # FSDP2 --fsdp-gathered root-last: the last layer's, from its forward to its backward
@@ -1379,7 +1382,8 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     head_tok, rest_tok, rest_sq, rest_pos = _split_outer(outer, rest_pos)
     loss = loss_bytes(m, t, pol) if head_here else LossBytes()
     comm, comm_name = _communication(t, st)
-    fsdp = {**fsdp_buffers(m, t, st, lc), **fsdp_no_sync(m, t, st, stage), "fsdp_pipe_top": pipeline_top_first(t, st, stage)}
+    fsdp = {**fsdp_buffers(m, t, st, lc), **fsdp_no_sync(m, t, st, stage),
+            "fsdp_pipe_top": pipeline_top_first(t, st, stage)}
     oib_mid, oib_end = oib_update_bytes(m, t, st) if oib else (0, 0)
     # gradients of the layer's linears as its backward creates them (per weight byte): unsharded under FSDP
     layer_grads_live = st.layer_grads_full if fsdp else st.layer_grads
