@@ -1382,8 +1382,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     head_tok, rest_tok, rest_sq, rest_pos = _split_outer(outer, rest_pos)
     loss = loss_bytes(m, t, pol) if head_here else LossBytes()
     comm, comm_name = _communication(t, st)
-    fsdp = {**fsdp_buffers(m, t, st, lc), **fsdp_no_sync(m, t, st, stage),
-            "fsdp_pipe_top": pipeline_top_first(t, st, stage)}
+    fsdp = {**fsdp_buffers(m, t, st, lc), **fsdp_no_sync(m, t, st, stage), "fsdp_pipe_top": pipeline_top_first(t, st, stage)}
     oib_mid, oib_end = oib_update_bytes(m, t, st) if oib else (0, 0)
     # gradients of the layer's linears as its backward creates them (per weight byte): unsharded under FSDP
     layer_grads_live = st.layer_grads_full if fsdp else st.layer_grads
