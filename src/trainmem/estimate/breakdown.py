@@ -192,7 +192,8 @@ def activations(q: Quantities, tk: Tokens, at_peak: int, t: TrainingSpec, n: int
                                 (q.cast_layer * alive - q.cast_first_free) * per_forward, half,
                                 "half copies of matmul weights cast by autocast, saved for backward"))
     if q.gathered_layer:
-        listed.append(Component("communication.fsdp_gathered_layers", COMMUNICATION, q.gathered_layer * alive,
+        listed.append(Component("communication.fsdp_gathered_layers", COMMUNICATION,
+                                q.gathered_layer * (q.layers * q.pipe_stages if q.pipe_batch else alive),
                                 "bf16" if t.precision == "bf16-mp" else None,
                                 "FSDP grad-op: every layer's weights gathered at its forward, kept until its "
                                 "backward (reshard_after_forward=False)"))

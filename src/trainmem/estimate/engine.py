@@ -26,6 +26,7 @@ from ..allocator_rules import reserved_overhead
 from ..errors import TrainmemError
 from .reserved import reserved_gap
 from .quantities import step_copies
+from .states import fsdp_grad_op
 from ..report import MemoryReport
 from ..spec.hardware import CUBLAS_WORKSPACE
 from ..spec.model import ModelSpec
@@ -45,12 +46,35 @@ COMPILE_WARNING = ("--compile: the layers are the eager step's saved tensors (in
                    "families with a fused SDPA kernel, without LoRA, 4-bit bases, experts or --tp); "
                    "use trace --compile for this model (docs/trace.md)")
 
-#: the warning of an estimate of pipeline stages sharded with FSDP (docs/trace.md, the pipeline section)
-PIPELINE_FSDP_WARNING = ("--pp with --fsdp: FSDP's units are counted as a plain loop runs them (resharded after each "
-                         "backward, gradients reduced per micro-batch or, under --grad-sync step, accumulated "
-                         "unsharded); torch's PipelineStage keeps them gathered from their first backward to the end "
-                         "of the schedule and reduces once after it, which trace runs (-1% to +11% against this "
-                         "estimate on the setups of docs/trace.md)")
+#: the warning of an estimate of pipeline stages sharded with FSDP2 outside the setups checked against
+#: trace (docs/trace.md, the pipeline section). Modelled: the schedule's loss outside the stage root
+#: (``quantities.pipeline_fsdp``), gradients accumulated unsharded through the schedule, the first stage's
+#: top layer gathered before its root (``quantities.pipeline_top_first``), ``grad-op``'s layers gathered
+#: once per stage (``moments.tokens``). Not modelled: units that torch's PipelineStage keeps gathered after
+#: a backward (stage.py ``backward_maybe_with_nosync``: ``set_reshard_after_backward(False)``) into a
+#: following backward of the rank (``full`` under interleaved orders), what full recompute's backward
+#: holds beside the unsharded gradients FSDP2 accumulates (first stage over by 2% to 4%), and under
+#: ``full`` with ``bf16-mp`` the new bf16 gradients beside the fp32 ones FSDP2 accumulates (last stage,
+#: weights dominant: -4%)
+PIPELINE_FSDP_WARNING = ("--pp with --fsdp: torch's PipelineStage keeps FSDP2's units gathered from a backward "
+                         "to the stage's next forward and their gradients unsharded; the estimate is checked "
+                         "against trace for 1F1B (full: not under bf16-mp; grad-op: also interleaved) without "
+                         "recompute; here "
+                         "use trace (-4.5% to +4.3% against this estimate on the setups of docs/trace.md)")
+
+
+def pipeline_fsdp_warning(t: TrainingSpec) -> str | None:
+    """The warning of an estimate of pipeline stages under FSDP2 outside the setups the estimate is
+    checked on (``PIPELINE_FSDP_WARNING``): None without a pipeline or FSDP, and without recompute
+    for ``grad-op`` under 1F1B or interleaved 1F1B and ``full`` under 1F1B but with ``bf16-mp``."""
+    if not (t.pp > 1 and t.fsdp is not None and t.shard_group > 1):
+        return None
+    if fsdp_grad_op(t):
+        checked = t.pp_schedule in ("1f1b", "interleaved-1f1b")
+    else:
+        checked = t.pp_schedule == "1f1b" and t.precision != "bf16-mp"
+    checked = checked and t.recompute == "none"
+    return None if checked else PIPELINE_FSDP_WARNING
 
 
 def compile_warning(m: ModelSpec, t: TrainingSpec) -> str | None:
@@ -81,8 +105,9 @@ def estimate(m: ModelSpec, t: TrainingSpec, cublas_workspace: int | None = None,
     warning = compile_warning(m, t)
     if warning:
         rep.warnings.append(warning)
-    if t.pp > 1 and t.fsdp is not None:
-        rep.warnings.append(PIPELINE_FSDP_WARNING)
+    warning = pipeline_fsdp_warning(t)
+    if warning:
+        rep.warnings.append(warning)
     if m.family == "derived":
         rep.warnings.extend(derived_notes(m, t))
     return rep

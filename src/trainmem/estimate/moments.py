@@ -144,12 +144,12 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
     inflight = where(q.fixed_inflight > 0, q.fixed_inflight, minimum(q.pp_inflight, pending))
     inflight, fed, head_units, stage_out, grads_absent = _interleaved(q, n, nsq, later, inflight)
     layer = trunc(q.kept_tok * n + q.kept_sq * nsq)                        # (b, s, ...) per layer
-    # + autocast's copies of the weights and FSDP grad-op's gathered weights, each layer's from its
-    # forward to its backward (under torch's pipeline schedule each micro-batch in flight ran its own
-    # forward, whose autocast region cast the weights again: its copies are saved with its
-    # activations; trace, llama-3.2-1b (4 layers) --pp 2 bf16-amp, first stage: -3.3% before)
+    # + autocast's copies of the weights and FSDP grad-op's gathered weights (once per layer of each of the
+    # rank's stages, Quantities.pipe_stages), each from its forward to its backward (under torch's pipeline
+    # schedule each micro-batch in flight ran its own forward, whose autocast region cast the weights again: its
+    # copies are saved with its activations; trace, llama-3.2-1b (4 layers) --pp 2 bf16-amp, first: -3.3% before)
     per_forward = where(q.pipe_batch > 0, inflight, 1)  # forwards whose autocast copies are alive
-    casts = ((q.cast_layer + q.gathered_layer) * q.layers - q.cast_checkpointed) * per_forward
+    casts = (q.cast_layer * q.layers - q.cast_checkpointed) * per_forward + q.gathered_layer * q.layers * q.pipe_stages
     layers = layer * q.layers * inflight + casts
     # LoRA: the first layer's input needs no gradient, so it keeps less (quantities.first_layer_unsaved)
     # (and the half copies of its frozen linears on that input are not kept, in each forward's region)
@@ -405,7 +405,8 @@ def _head_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, befo
     grads_before, states, ws2 = before
     out = [_mo("backward", micro, step, "fsdp.root_unshard",
                (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.logits_grad), (kept.logits, kept.kv_forward, 0),
-               _both(valid, q.fsdp_root_regather > 0), comm=2 * q.fsdp_root_regather + q.ds_backward_buf)]
+               _both(valid, q.fsdp_root_regather > 0),
+               comm=2 * q.fsdp_root_regather + q.fsdp_pipe_top + q.ds_backward_buf)]
     for where_, temp in (("lm_head.backward", tk.head_chunk_first), ("lm_head.backward.sum", tk.head_chunk)):
         out.append(_mo("backward", micro, step, where_, (grads_before, states, tk.inputs, ws2, tk.all_acts, temp),
                        (kept.logits, kept.kv_forward, 0), _both(valid, q.chunk_head_grads > 0),

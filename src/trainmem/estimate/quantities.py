@@ -195,12 +195,17 @@ class Quantities:
     pipe_grads_absent_alt: int = 0
     pipe_head_once: int = 0    # 1: the last rank, whose head stage holds one micro-batch in flight; the others ...
     pipe_out_tok: float = 0.0  # ... keep their stage's output (b, s, h), bytes per token
+    # stages this rank holds (interleaved: virtual_stages). Under FSDP grad-op each layer of each is
+    # gathered once, however many micro-batches are in flight (torch 2.13 _fully_shard/_fsdp_param_group.py
+    # ``unshard`` returns when the parameters are unsharded), all forwarded before the rank's first backward
+    pipe_stages: int = 1
     # ... while the loss and its backward run: the root and the prefetched last layer, or nothing when
     # the loop computes the loss after FSDP2 resharded the root (``root_resharded_for_loss``)
     fsdp_loss_root: int = 0
     fsdp_loss_buf: int = 0
     fsdp_root_regather: int = 0  # ... then the root gathered again (its all-gather buffer and parameters)
     fsdp_root_regather_own: int = 0  # FSDP2 full, the model's own loss: the root gathered again at its first node
+    fsdp_pipe_top: int = 0  # pipeline first stage, FSDP2 full: its top layer gathered first (pipeline_top_first)
     fsdp_loss_ag: int = 0     # FSDP2: the last layer's all-gather output while the loss runs (model's own loss)
     fsdp_root_kept: int = 0   # the root's gathered parameters between forward and backward (not resharded)
     fsdp_last_kept: int = 0   # FSDP2 --fsdp-gathered root-last: the last layer's, from its forward to its backward
@@ -1377,7 +1382,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     head_tok, rest_tok, rest_sq, rest_pos = _split_outer(outer, rest_pos)
     loss = loss_bytes(m, t, pol) if head_here else LossBytes()
     comm, comm_name = _communication(t, st)
-    fsdp = {**fsdp_buffers(m, t, st, lc), **fsdp_no_sync(m, t, st, stage)}
+    fsdp = {**fsdp_buffers(m, t, st, lc), **fsdp_no_sync(m, t, st, stage), "fsdp_pipe_top": pipeline_top_first(t, st, stage)}
     oib_mid, oib_end = oib_update_bytes(m, t, st) if oib else (0, 0)
     # gradients of the layer's linears as its backward creates them (per weight byte): unsharded under FSDP
     layer_grads_live = st.layer_grads_full if fsdp else st.layer_grads
@@ -1574,7 +1579,7 @@ def _interleaved_terms(m: ModelSpec, t: TrainingSpec, st: States, stage: str, pe
     return {"pipe_units": first, "pipe_units_later": most[0], "pipe_fed": fed, "pipe_fed_later": most[1],
             "pipe_units_alt": grads[0], "pipe_fed_alt": grads[1], "pipe_grads_absent_alt": absent(grads[2]),
             "pipe_grads_absent": absent(most[2]), "pipe_head_once": int(stage == "last"),
-            "pipe_out_tok": per_tok if stage == "last" else 0.0}
+            "pipe_out_tok": per_tok if stage == "last" else 0.0, "pipe_stages": v}
 
 
 def _split_outer(outer: list[tuple[str, float, float]], rest_pos: float) -> tuple[float, float, float, float]:
@@ -1720,6 +1725,34 @@ def first_layer_unsaved(t: TrainingSpec, lc: LayerCoefs, stage: str) -> tuple[tu
     return lc.first_unsaved
 
 
+def pipeline_fsdp(t: TrainingSpec) -> bool:
+    """Whether pipeline stages are sharded with FSDP2 and driven by torch's ``PipelineStage``
+    (``--pp`` with ``--fsdp``). The schedule computes the loss with its ``loss_fn`` on the last
+    stage's returned logits (torch 2.13 ``distributed/pipelining/stage.py`` ``_PipelineStageBase``
+    ``forward_one_chunk`` returns the submodule's output; ``schedules.py`` ``_maybe_compute_loss``),
+    outside the stage module, as a loop's ``--loss upcast`` is (``loss_outside_root``)."""
+    return t.pp > 1 and t.fsdp is not None
+
+
+def pipeline_top_first(t: TrainingSpec, st: States, stage: str) -> int:
+    """Bytes a pipeline's first stage under FSDP2 ``full`` holds, beside its root's all-gather output
+    and parameters, when its root is gathered at the start of a backward: the top layer's unsharded
+    parameters (the per-parameter tensors copied out of its all-gather) and the all-gather output of
+    the layer below it, prefetched (``_fsdp_param_group.py`` ``_backward_prefetch``). The first stage
+    returns its top layer's output, on which both that layer's and the stage root's pre-backward hooks
+    are registered (``_fsdp_state.py`` ``_register_pre_backward_hook``, the layer's first, at its
+    post-forward); the layer's runs first: it gathers itself and prefetches the layer below, then the
+    root's gathers the root (``pre_backward`` -> ``unshard``, ``wait_for_unshard``, whose all-gather
+    output is freed after its copy-out). A stage whose output is its head's logits (the last) has the
+    root's hook alone on it. The forward before each backward resharded every unit (1F1B), so this
+    happens at each backward after a forward. Found by trace (hook order seen on the run): llama-3.2-1b
+    cut to 4 layers, --pp 2 --dp 2 full, b 1 s 32: first stage -5.7% before."""
+    if not (pipeline_fsdp(t) and stage == "first" and t.fsdp_version == 2 and t.zero_stage == 3
+            and t.shard_group > 1):
+        return 0
+    return sum(block_bytes(x) for x in st.layer_tensors) + block_bytes(st.layer_params_full)
+
+
 def loss_outside_root(m: ModelSpec, t: TrainingSpec) -> bool:
     """Whether the loop computes the loss after the root module's forward has returned (``--loss
     upcast`` / ``half`` on the logits, ``workload.forward_loss``). Under FSDP2 the root's
@@ -1727,7 +1760,7 @@ def loss_outside_root(m: ModelSpec, t: TrainingSpec) -> bool:
     next all-gather is waited on (torch 2.13 ``_fully_shard/_fsdp_state.py`` L333-343,
     ``_post_forward``: "free the all-gather result" when ``iter_forward_root is self``). Found by
     trace: GPT-2 FSDP2 grad-op dp 4 ``--loss half``: +1.3% before."""
-    return t.loss in ("upcast", "half") and m.head in ("causal-lm", "masked-lm") and t.pp == 1
+    return (t.loss in ("upcast", "half") and m.head in ("causal-lm", "masked-lm") and t.pp == 1) or pipeline_fsdp(t)
 
 
 def fsdp1_prefetch_after_loss(m: ModelSpec, t: TrainingSpec) -> bool:
@@ -1762,8 +1795,8 @@ def root_resharded_for_loss(m: ModelSpec, t: TrainingSpec) -> bool:
     (``Quantities.fsdp_root_regather``; Mistral dp 8 fp32 --loss upcast: -10.6% before). FSDP1 and
     ``grad-op`` (``reshard_after_forward=False``) keep the root gathered. Found by trace on the
     fake process group (benchmarks/bench_agreement.py, the sampled grid: Qwen2 +12.6% before)."""
-    return (t.fsdp is not None and t.fsdp_version == 2 and t.zero_stage == 3 and t.loss in ("upcast", "half")
-            and m.head in ("causal-lm", "masked-lm") and t.pp == 1 and t.fsdp_gathered == "none")
+    return (t.fsdp is not None and t.fsdp_version == 2 and t.zero_stage == 3 and t.fsdp_gathered == "none"
+            and (loss_outside_root(m, t) or pipeline_fsdp(t)))
 
 
 def fsdp2_root_gathered(t: TrainingSpec) -> bool:
