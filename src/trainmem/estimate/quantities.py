@@ -1382,7 +1382,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     head_tok, rest_tok, rest_sq, rest_pos = _split_outer(outer, rest_pos)
     loss = loss_bytes(m, t, pol) if head_here else LossBytes()
     comm, comm_name = _communication(t, st)
-    fsdp = {**fsdp_buffers(m, t, st, lc), **fsdp_no_sync(m, t, st, stage), "fsdp_pipe_top": pipeline_top_first(t, st, stage)}
+    fsdp = {**fsdp_buffers(m, t, st, lc), **fsdp_no_sync(m, t, st, stage)}   # empty without FSDP
     oib_mid, oib_end = oib_update_bytes(m, t, st) if oib else (0, 0)
     # gradients of the layer's linears as its backward creates them (per weight byte): unsharded under FSDP
     layer_grads_live = st.layer_grads_full if fsdp else st.layer_grads
@@ -1431,6 +1431,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         # checkpointing runs it with grad enabled), whose ctx.tensors keep the inputs the
         # checkpoint does not save
         graph_tok=lc.graph_held, graph_extra_tok=lc.graph_held * checkpointed / layers if layers else 0.0, **fsdp,
+        fsdp_pipe_top=pipeline_top_first(t, st, stage),
         outer_rest_ssq=derived_outer_ssq(m, t, stage) if derived else 0.0,
         lower_layers=lower, above_bottom=above_bottom, above_decoder_bottom=above_decoder_bottom,
         input_tok=input_bytes(m, t)[0], input_sample=input_bytes(m, t)[1],
