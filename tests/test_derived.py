@@ -91,21 +91,22 @@ def test_batch_1_fit_that_misses_its_held_out_point_is_one_line(monkeypatch):
     monkeypatch.setattr(derive, "_runs", off_at_the_held_out_point)
     r = trainmem.resolve(dict(_cfg("qwen3"), hidden_size=256, intermediate_size=512, num_attention_heads=4,
                               num_key_value_heads=2, head_dim=64), batch_size=1, seq_len=512)
-    assert derive.batch1_points(r.model, 2048) == [(1, 1024), (1, 2048), (1, 4096), (1, 3072)]
+    assert derive.batch1_points(r.model, 2048) == [(1, 2048), (1, 3072), (1, 4096), (1, 2560)]
     with pytest.raises(trainmem.TrainmemError, match="embed bytes is not polynomial") as e:
         derive.derive_coefficients(r.model, derived._canonical(r.training, r.model), batch1=True)
     assert "\n" not in str(e.value)
 
 
-def test_batch_1_without_its_stored_set_takes_the_shipped_one_with_a_note(monkeypatch):
-    """A catalogue setup whose batch-1 set is stored nowhere (not shipped) is estimated with its
-    shipped batch >= 2 set, never a derivation (the estimate needs no torch), and says so."""
+def test_batch_1_without_its_stored_set_nor_torch_takes_the_stored_one_with_a_note(monkeypatch):
+    """A setup whose batch-1 set is stored nowhere, where the derivation cannot run (no torch), is
+    estimated with its stored batch >= 2 set, and says so in one warning."""
     from trainmem.estimate import quantities
     from trainmem.spec.resolve import resolve
     r = resolve("qwen3-0.6b", seq_len=2048, precision="bf16")
     one, more = derived.key(r.model, r.training), derived.key(r.model, r.training, False)
     real = derived.read_cached
     monkeypatch.setattr(derived, "read_cached", lambda kind, k: None if k == one else real(kind, k))
+    monkeypatch.setitem(sys.modules, "trainmem.trace.derive", None)  # import fails as without torch
 
     def fresh():
         derived._coefficients.cache_clear()

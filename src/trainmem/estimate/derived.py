@@ -134,19 +134,18 @@ def _stored(k: str) -> dict[str, Any] | None:
 def _coefficients(k: str, m: ModelSpec, t: TrainingSpec, side: str, one: bool = False,
                   general: str = "") -> dict[str, Any]:
     """The coefficients stored under key ``k``, else derived now. ``one``: the micro-batch-1 set
-    (``batch1``); when it is stored nowhere but the batch >= 2 set (key ``general``) is (a shipped
-    setup whose batch-1 set was not shipped), that set is used, marked ``batch1_fallback`` (its
-    batch-1 copies make it slightly high: ``notes`` says so), so a catalogue estimate never needs torch."""
+    (``batch1``); when it is stored nowhere and cannot be derived (no torch) but the batch >= 2 set
+    (key ``general``) is stored, that set is used, marked ``batch1_fallback`` (its batch-1 copies
+    make it slightly high: ``notes`` says so), so an estimate that worked without torch still does."""
     doc = _stored(k)
     if doc is not None:
         return doc
-    if one and general:
-        doc = _stored(general)
-        if doc is not None:
-            return dict(doc, batch1_fallback=True)
     try:
         from ..trace.derive import derive_coefficients
     except ImportError as e:
+        doc = _stored(general) if one and general else None
+        if doc is not None:
+            return dict(doc, batch1_fallback=True)
         raise TrainmemError(f"{m.name}: no stored coefficients for this setup, and deriving them needs torch and "
                             f"transformers ({e.name} is not installed)") from None
     doc = derive_coefficients(m, t, side, batch1=one)
@@ -511,9 +510,9 @@ def _notes(m: ModelSpec, doc: dict[str, Any], attention: str, t: TrainingSpec) -
     out = [f"{m.model_type}: activations derived from traces of the real {m.architecture} "
            f"(trainmem.trace.derive), not hand-written formulas"]
     if doc.get("batch1_fallback"):
-        out.append(f"{m.model_type}: no micro-batch-1 coefficients are stored for this setup: it is estimated "
-                   f"with those fitted on batches of 2 and more, which count as copies a few tensors that are "
-                   f"views at batch 1 (slightly high; trace is exact)")
+        out.append(f"{m.model_type}: no micro-batch-1 coefficients are stored for this setup and deriving them "
+                   f"needs torch: it is estimated with those fitted on batches of 2 and more, which count as "
+                   f"copies a few tensors that are views at batch 1 (slightly high)")
     if doc.get("attention") == "eager" and t.attention != "eager":
         out.append(f"{m.architecture} has no SDPA attention in transformers: it runs eager attention "
                    f"(--attention {attention} is not honoured)")

@@ -152,14 +152,14 @@ BATCH1_TERMS = ("n", "nsq", "1")
 
 def batch1_points(m: ModelSpec, s0: int) -> list[tuple[int, int]]:
     """The (batch, sequence) points of a micro-batch-1 fit, the held-out one last: batch 1 at
-    ``s0 / 2``, ``s0`` and ``2 s0`` (three points for ``BATCH1_TERMS``' three terms), checked at
-    ``1.5 s0``; an image model's are whole patch grids near those lengths (``_image_seqs``). The
-    lengths stay on the side of a sliding window ``s0`` is on (``_base_seq``)."""
+    ``s0``, ``1.5 s0`` and ``2 s0`` (three points for ``BATCH1_TERMS``' three terms, the sequences
+    of the batch >= 2 points), checked at ``1.25 s0``; an image model's are whole patch grids near
+    those lengths (``_image_seqs``). They stay on the side of a sliding window ``s0`` is on
+    (``_base_seq``: a shorter point crossed Phi-3-medium's, whose mask then takes other operations)."""
     if m.is_image:
         s1, s2, s15 = _image_seqs(m, s0)
-        half = _image_seqs(m, max(s0 // 2, 2 * m.class_tokens + 4))[0]
-        return [(1, half), (1, s1), (1, s2), (1, s15)]
-    return [(1, max(64, s0 // 2)), (1, s0), (1, 2 * s0), (1, s0 + s0 // 2)]
+        return [(1, s1), (1, s15), (1, s2), (1, _image_seqs(m, s0 + s0 // 4)[0])]
+    return [(1, s0), (1, s0 + s0 // 2), (1, 2 * s0), (1, s0 + s0 // 4)]
 
 
 #: an encoder-decoder's quantities are polynomials in the batch b, the encoder's length s
