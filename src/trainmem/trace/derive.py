@@ -77,15 +77,7 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1:
     s0 = _base_seq(m, regime)
     if m.is_encoder_decoder:  # two lengths: the encoder's and the decoder's (``encdec_coefficients``)
         return encdec_coefficients(m, t, cfg, (kinds_full, kinds_small), base, s0)
-    # batch 1 is a special case (some transposes are views there, copies for larger batches): the
-    # points use batches of 2 and more, and batch 1 has its own set (``batch1``: ``batch1_points``)
-    seqs = _image_seqs(m, s0) if m.is_image else (s0, 2 * s0, s0 + s0 // 2)
-    points = [(2, seqs[0]), (4, seqs[0]), (2, seqs[1]), (3, seqs[2])]
-    terms = ("n", "s", "nsq", "1")
-    check = (4, seqs[2])
-    if batch1:
-        *points, check = batch1_points(m, s0)
-        terms = BATCH1_TERMS
+    points, check, terms = _points(m, s0, batch1)
     # refinements of the backward transients applied to the encoder-decoder and image models only
     # (``_transients``' early frees, ``_candidates``' gradients): decoder LMs would need them too,
     # but their shipped coefficients predate them and re-shipping is the lead's call
@@ -143,6 +135,17 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1:
         c = fit(f"{side} bytes", [r[side] for r in runs])
         out[side] = [c["n"], c["s"], c["nsq"]]
     return out
+
+
+def _points(m: ModelSpec, s0: int, batch1: bool) -> tuple[list[tuple[int, int]], tuple[int, int], tuple[str, ...]]:
+    """(the fitting points, the held-out one, the terms) of a decoder or image model. Batch 1 is a
+    special case (some transposes are views there, copies for larger batches): the points use
+    batches of 2 and more, and batch 1 has its own set (``batch1``: ``batch1_points``)."""
+    if batch1:
+        *points, check = batch1_points(m, s0)
+        return points, check, BATCH1_TERMS
+    seqs = _image_seqs(m, s0) if m.is_image else (s0, 2 * s0, s0 + s0 // 2)
+    return [(2, seqs[0]), (4, seqs[0]), (2, seqs[1]), (3, seqs[2])], (4, seqs[2]), ("n", "s", "nsq", "1")
 
 
 #: the terms of a micro-batch-1 fit: at b = 1 the tokens are the positions (``n`` = ``s``), so a
