@@ -318,6 +318,7 @@ def test_catalogue_estimate_needs_no_torch(tmp_path):
     code = ("import sys, trainmem\n"
             "for n in ['qwen3-8b', 'gemma-2-9b', 'deepseek-v3', 'phi-3-mini']:\n"
             "    trainmem.estimate(n, batch_size=2, seq_len=2048)\n"
+            "    trainmem.estimate(n, batch_size=1, seq_len=2048)\n"  # the shipped micro-batch-1 sets
             "print(json.dumps(['torch' in sys.modules, 'transformers' in sys.modules]))\n")
     out = subprocess.run([sys.executable, "-c", "import json\n" + code], capture_output=True, text=True,
                          env={"TRAINMEM_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"}, check=True)
