@@ -52,7 +52,8 @@ def main() -> None:
                 # the batch >= 2 set, then the micro-batch-1 set (an encoder-decoder has one set)
                 for b in ((1,) if only1 else (2, 1)) if derived.batch1(m, replace(t, batch_size=1)) else (2,):
                     tb = replace(t, batch_size=b)
-                    doc = derive_coefficients(m, derived._canonical(tb, m), derived.regime(m, tb), derived.batch1(m, tb))
+                    doc = derive_coefficients(m, derived._canonical(tb, m), derived.regime(m, tb),
+                                              derived.batch1(m, tb))
                     doc["version"] = derived.COEF_VERSION
                     _write(os.path.join(spec_dir, "coefficients", f"{derived.key(m, tb)}.json"), doc)
                     written += 1

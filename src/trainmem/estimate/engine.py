@@ -200,7 +200,8 @@ def estimate_layouts(m: ModelSpec, base: TrainingSpec, cublas_workspace: int | N
         out = {"peak_allocated": np.zeros(n, np.int64), "peak_reserved": np.zeros(n, np.int64),
                "stage": np.zeros(n, np.int64), "params_rank": np.zeros(n, np.int64)}
         for rows, b in parts:
-            sub = estimate_layouts(m, b, ws, **{k: v[rows] for k, v in cols.items() if k in layout or k in ("seq_len", "batch_size")})
+            sub = estimate_layouts(m, b, ws, **{k: v[rows] for k, v in cols.items()
+                                                if k in layout or k in ("seq_len", "batch_size")})
             for k in out:
                 out[k][rows] = sub[k]
         return out

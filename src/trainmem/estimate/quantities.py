@@ -1313,8 +1313,8 @@ def quantities(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> Quantitie
     # (and interleaved 1F1B's pairs in flight, from the schedule of grad_accum micro-batches)
     # (and whether the model builds a KV cache: config.use_cache, which ModelSpec's equality leaves out)
     # (and, for a derived architecture, whether the micro-batch is 1: its batch-1 coefficients)
-    key = (m, stage, _key_of(t), derived_regime(m, t), derived_batch1(m, t), decoder_ratio(m, t), t.accumulates_unsharded,
-           t.grad_accum if t.virtual_stages > 1 else 0, kv_cache(m, t))
+    key = (m, stage, _key_of(t), derived_regime(m, t), derived_batch1(m, t), decoder_ratio(m, t),
+           t.accumulates_unsharded, t.grad_accum if t.virtual_stages > 1 else 0, kv_cache(m, t))
     return _CACHE.get_or_build(key, lambda: _build(m, t, stage))
 
 

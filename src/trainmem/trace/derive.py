@@ -5,9 +5,11 @@ architecture transformers ships, the same coefficients are measured: the real mo
 layers (``reduced_config``: enough to contain each kind of layer), is traced — forward, the loss,
 backward, on the emulated GPU, no optimizer — at four batch/sequence points, and each quantity
 the engine needs is fitted exactly as ``tok * b*s + pos * s + sq * b*s^2 + const`` (a backward
-transient as ``a * b*s + b * b*s^2 + c``), then checked on a fifth point. A quantity that the fit does not reproduce there is
-refused with one line rather than extrapolated. An encoder-decoder's quantities are fitted in its
-two lengths, the encoder's and the decoder's (``ENCDEC_TERMS``, ``encdec_coefficients``).
+transient as ``a * b*s + b * b*s^2 + c``), then checked on a fifth point. A quantity that the fit
+does not reproduce there is refused with one line rather than extrapolated. Micro-batch 1, where
+some tensors are views that larger batches copy, has a set of its own, fitted on batch-1 points
+(``batch1_points``, ``BATCH1_TERMS``). An encoder-decoder's quantities are fitted in its two
+lengths, the encoder's and the decoder's (``ENCDEC_TERMS``, ``encdec_coefficients``).
 
 What is measured in one trace (``_measure``), with ``n = b*s`` tokens:
 
