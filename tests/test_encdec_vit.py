@@ -277,6 +277,11 @@ def _tower_error(name: str, **setup) -> float:
     # eager, bf16-amp, 384 px: +0.5% to +1% before a layer's cached half weight copies were counted
     # freed by its backward (the attention's softmax backward comes after the MLP's)
     dict(batch_size=1, image_size=384, precision="bf16-amp", attention="eager"),
+    # batch 1 (its own coefficients, ``derived.batch1``): SigLIP was +0.72% with those of batches 2
+    # to 4, where its pooling head's ``nn.MultiheadAttention`` copies the transposed (s, b, h) input
+    # and adds the bias apart, while at batch 1 one addmm projects the (s, 1, h) input (a view)
+    dict(batch_size=1, image_size=384, precision="bf16-amp"),
+    dict(batch_size=1, image_size=224, precision="fp32", recompute="full"),
 ])
 def test_vision_tower_agrees_with_trace(name, setup):
     assert abs(_tower_error(name, **setup)) <= TOLERANCE
@@ -287,13 +292,11 @@ TOWER_GRID = list(itertools.product((1, 4), (224, 384), ("bf16-amp", "fp32"), ("
 
 def _tower_known_gap(name: str, b: int, px: int, precision: str, recompute: str, attention: str) -> bool:
     """Not within 0.5% yet (docs/architectures.md): ViT at batch 1 x 384 px under full recompute with
-    SDPA (-0.8%, ``_known_gap``); SigLIP at batch 1 x 384 px, bf16-amp, no recompute, SDPA (+0.7%):
-    its pooling head's ``nn.MultiheadAttention`` projects a (s, 1, h) input with one addmm at batch
-    1 but copies the transposed input and adds the bias apart at larger batches, the copies the
-    derivation (batches 2 to 4) measures."""
+    SDPA (-0.8%, ``_known_gap``: at the optimizer step, not in the layers; the batch-1 coefficients
+    leave it as it was). (SigLIP at batch 1 x 384 px, bf16-amp, no recompute, SDPA, +0.72% with the
+    batch >= 2 coefficients, is within 0.03% with its batch-1 set.)"""
     small = b == 1 and px == 384 and attention == "sdpa"
-    return small and ((name == "vit" and recompute == "full")
-                      or (name == "siglip" and precision == "bf16-amp" and recompute == "none"))
+    return small and name == "vit" and recompute == "full"
 
 
 @pytest.mark.slow

@@ -4,9 +4,11 @@ For every catalogue model without hand-written formulas (``ModelSpec.family == "
 writes its profile (``spec/profiles/<fingerprint>.json``: its tensors as transformers builds them)
 and its derived coefficients (``spec/coefficients/<key>.json``) for the default setup in each of
 ``PRECISIONS``, with and without full recompute (no KV cache) and, for a model with a sliding window, both sides of it, so that ``estimate`` on
-the catalogue needs neither torch nor a derivation. Run after changing the catalogue, transformers,
+the catalogue needs neither torch nor a derivation; each at batch >= 2 and, for a decoder or image
+model, its micro-batch-1 set (``estimate.derived.batch1``). Run after changing the catalogue, transformers,
 or the derivation (``make ship-derived``); ``tests/test_derived.py`` checks the shipped files are
-current. ``python tools/ship_derived.py NAME ...`` writes only the named models' files.
+current. ``python tools/ship_derived.py NAME ...`` writes only the named models' files;
+``--batch1-only`` only their micro-batch-1 sets.
 """
 from __future__ import annotations
 
@@ -31,9 +33,11 @@ def main() -> None:
     from trainmem.trace.derive import derive_coefficients
     spec_dir = os.path.join(ROOT, "src", "trainmem", "spec")
     written = 0
-    for name in sys.argv[1:] or catalogue_names():  # names given: only those (a new catalogue entry)
+    args = [a for a in sys.argv[1:] if a != "--batch1-only"]
+    only1 = len(args) < len(sys.argv) - 1
+    for name in args or catalogue_names():  # names given: only those (a new catalogue entry)
         m = resolve_model(name)
-        if m.family != "derived":
+        if m.family != "derived" or (only1 and m.is_encoder_decoder):  # (an encoder-decoder has no batch-1 set)
             continue
         cfg = {k: v for k, v in load_config(name)[1].items() if not k.startswith("_")}
         prof = build_profile(cfg)
@@ -45,11 +49,15 @@ def main() -> None:
                 # an image model's sequence is its default image size's patches (--seq-len is refused)
                 size = {} if m.is_image else {"seq_len": min(seq, m.max_positions)}
                 t = resolve(name, precision=precision, recompute=recompute, **size).training
-                doc = derive_coefficients(m, derived._canonical(t, m), derived.regime(m, t))
-                doc["version"] = derived.COEF_VERSION
-                _write(os.path.join(spec_dir, "coefficients", f"{derived.key(m, t)}.json"), doc)
-                written += 1
-        print(f"{name}: profile and {2 * len(PRECISIONS) * len(seqs)} coefficient sets", flush=True)
+                # the batch >= 2 set, then the micro-batch-1 set (an encoder-decoder has one set)
+                for b in ((1,) if only1 else (2, 1)) if derived.batch1(m, replace(t, batch_size=1)) else (2,):
+                    tb = replace(t, batch_size=b)
+                    doc = derive_coefficients(m, derived._canonical(tb, m), derived.regime(m, tb),
+                                              derived.batch1(m, tb))
+                    doc["version"] = derived.COEF_VERSION
+                    _write(os.path.join(spec_dir, "coefficients", f"{derived.key(m, tb)}.json"), doc)
+                    written += 1
+        print(f"{name}: profile and its coefficient sets ({written} so far)", flush=True)
     print(f"{written} coefficient sets written")
 
 

@@ -91,8 +91,17 @@ def sliding_window(m: ModelSpec) -> int:
     return int(profile_for(dict(m.config)).summary.get("sliding_window", 0) or 0)
 
 
-def key(m: ModelSpec, t: TrainingSpec) -> str:
-    """The cache key of ``m``'s coefficients under ``t``: everything the traced layer depends on."""
+def batch1(m: ModelSpec, t: TrainingSpec) -> bool:
+    """Whether ``m``'s coefficients under ``t`` are its micro-batch-1 set (``trace.derive.
+    batch1_points``): a derived decoder or image model at batch 1, where some of transformers'
+    tensors are views that larger batches copy. An encoder-decoder's two-length fit keeps its
+    batch >= 2 points (not measured at batch 1)."""
+    return m.family == "derived" and not m.is_encoder_decoder and t.batch_size == 1
+
+
+def key(m: ModelSpec, t: TrainingSpec, one: bool | None = None) -> str:
+    """The cache key of ``m``'s coefficients under ``t``: everything the traced layer depends on;
+    ``one``: of its micro-batch-1 set or not (default: ``batch1``)."""
     lora = (t.lora_rank, tuple(t.lora_targets or ()), t.lora_dropout, adapters_computed_half(t)) if t.lora_rank else ()
     parts = [m.fingerprint, activation_precision(t), t.attention, t.dropout, lora, regime(m, t), without_cache(t, m)]
     if t.attention_call != "model":  # traced with litgpt's SDPA call (the keys of other setups are unchanged)
@@ -106,6 +115,8 @@ def key(m: ModelSpec, t: TrainingSpec) -> str:
         parts.append("two-lengths")  # fitted in the encoder's and the decoder's lengths (``at_lengths``)
     if checkpointed(m, t):  # traced with its layers checkpointed (the keys of other setups are unchanged)
         parts.append("checkpointed")
+    if batch1(m, t) if one is None else one:  # fitted on batch-1 points (the keys of other batches are unchanged)
+        parts.append("batch-1")
     return _key(*parts)
 
 
@@ -114,30 +125,49 @@ def _key(*parts: Any) -> str:
     return hashlib.sha256(json.dumps([COEF_VERSION, *parts], default=str).encode()).hexdigest()[:24]
 
 
-@lru_cache(maxsize=512)
-def _coefficients(k: str, m: ModelSpec, t: TrainingSpec, side: str) -> dict[str, Any]:
+def _stored(k: str) -> dict[str, Any] | None:
     doc = read_cached("coefficients", k)
-    if doc is not None and doc.get("version") == COEF_VERSION:
+    return doc if doc is not None and doc.get("version") == COEF_VERSION else None
+
+
+@lru_cache(maxsize=512)
+def _coefficients(k: str, m: ModelSpec, t: TrainingSpec, side: str, one: bool = False,
+                  general: str = "") -> dict[str, Any]:
+    """The coefficients stored under key ``k``, else derived now. ``one``: the micro-batch-1 set
+    (``batch1``); when it is stored nowhere and cannot be derived (no torch) but the batch >= 2 set
+    (key ``general``) is stored, that set is used, marked ``batch1_fallback`` (its batch-1 copies
+    make it slightly high: ``notes`` says so), so an estimate that worked without torch still does."""
+    doc = _stored(k)
+    if doc is not None:
         return doc
     try:
         from ..trace.derive import derive_coefficients
     except ImportError as e:
+        doc = _stored(general) if one and general else None
+        if doc is not None:
+            return dict(doc, batch1_fallback=True)
         raise TrainmemError(f"{m.name}: no stored coefficients for this setup, and deriving them needs torch and "
                             f"transformers ({e.name} is not installed)") from None
-    doc = derive_coefficients(m, t, side)
+    doc = derive_coefficients(m, t, side, batch1=one)
     doc["version"] = COEF_VERSION
     write_cached("coefficients", k, doc)
     return doc
 
 
 def coefficients(m: ModelSpec, t: TrainingSpec) -> dict[str, Any]:
-    """The derived coefficients of ``m`` under ``t`` (stored, cached, or derived now); an
-    encoder-decoder's read at ``t``'s ratio of decoder to encoder length (``at_lengths``)."""
+    """The derived coefficients of ``m`` under ``t`` (stored, cached, or derived now; at micro-batch
+    1 its batch-1 set, ``batch1``); an encoder-decoder's read at ``t``'s ratio of decoder to encoder
+    length (``at_lengths``)."""
     check(m, t)
-    doc = _coefficients(key(m, t), m, _canonical(t, m), regime(m, t))
+    doc = _lookup(m, t)
     if "terms" not in doc:
         return doc
     return _at_ratio(key(m, t), doc, *decoder_ratio(m, t))
+
+
+def _lookup(m: ModelSpec, t: TrainingSpec) -> dict[str, Any]:
+    one = batch1(m, t)
+    return _coefficients(key(m, t), m, _canonical(t, m), regime(m, t), one, key(m, t, False) if one else "")
 
 
 def decoder_ratio(m: ModelSpec, t: TrainingSpec) -> tuple[int, int]:
@@ -469,18 +499,20 @@ def notes(m: ModelSpec, t: TrainingSpec) -> list[str]:
     k = (m, key(m, t), t.attention)
     hit = _NOTES.get(k)
     if hit is None:
-        hit = _NOTES[k] = _notes(m, k[1], t.attention, _canonical(t, m), regime(m, t))
+        hit = _NOTES[k] = _notes(m, _lookup(m, t), t.attention, _canonical(t, m))
     return list(hit)
 
 
 _NOTES: dict[tuple, tuple[str, ...]] = {}
 
 
-def _notes(m: ModelSpec, k: str, attention: str, t: TrainingSpec, side: str) -> tuple[str, ...]:
-    # ``side`` from the setup itself: ``t`` is the canonical one, whose sequence says nothing
-    doc = _coefficients(k, m, t, side)
+def _notes(m: ModelSpec, doc: dict[str, Any], attention: str, t: TrainingSpec) -> tuple[str, ...]:
     out = [f"{m.model_type}: activations derived from traces of the real {m.architecture} "
            f"(trainmem.trace.derive), not hand-written formulas"]
+    if doc.get("batch1_fallback"):
+        out.append(f"{m.model_type}: no micro-batch-1 coefficients are stored for this setup and deriving them "
+                   f"needs torch: it is estimated with those fitted on batches of 2 and more, which count as "
+                   f"copies a few tensors that are views at batch 1 (slightly high)")
     if doc.get("attention") == "eager" and t.attention != "eager":
         out.append(f"{m.architecture} has no SDPA attention in transformers: it runs eager attention "
                    f"(--attention {attention} is not honoured)")

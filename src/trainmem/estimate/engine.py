@@ -220,12 +220,13 @@ def estimate_layouts(m: ModelSpec, base: TrainingSpec, cublas_workspace: int | N
                             "fit, sweep and plan evaluate layouts without it: drop --min-seq-len")
     cols = _columns(base, layout)
     parts = _regime_parts(m, base, cols)
-    if parts is not None:  # a derived architecture's sequences on both sides of its sliding window
+    if parts is not None:  # a derived architecture's sequences on both sides of its sliding window, or batch 1 and more
         n = len(cols["tp"])
         out = {"peak_allocated": np.zeros(n, np.int64), "peak_reserved": np.zeros(n, np.int64),
                "stage": np.zeros(n, np.int64), "params_rank": np.zeros(n, np.int64)}
         for rows, b in parts:
-            sub = estimate_layouts(m, b, ws, **{k: v[rows] for k, v in cols.items() if k in layout or k == "seq_len"})
+            sub = estimate_layouts(m, b, ws, **{k: v[rows] for k, v in cols.items()
+                                                if k in layout or k in ("seq_len", "batch_size")})
             for k in out:
                 out[k][rows] = sub[k]
         return out
@@ -247,22 +248,28 @@ def _regime_parts(m: ModelSpec, base: TrainingSpec, cols: dict[str, np.ndarray])
     """For a derived architecture whose sequences fall on both sides of its sliding window (each
     side has its own coefficients, ``derived.regime``), or an encoder-decoder whose decoder-to-
     encoder length ratio differs between the sequences (a fixed ``--target-len``: its coefficients
-    are read at each ratio, ``derived.decoder_ratio``): the rows of each side or ratio and a base
-    setup there. None when all rows share one (the usual case)."""
+    are read at each ratio, ``derived.decoder_ratio``), or whose micro-batches are 1 in some rows and
+    larger in others (batch 1 has coefficients of its own, ``derived.batch1``): the rows of each side,
+    ratio or batch class and a base setup there. None when all rows share one (the usual case)."""
     if m.family != "derived":
         return None
     from dataclasses import replace
-    from .derived import decoder_ratio, regime
+    from .derived import batch1, decoder_ratio, regime
 
     def side(t: TrainingSpec) -> tuple:
-        return regime(m, t), decoder_ratio(m, t)
-    seqs = cols["seq_len"]
-    sides: dict[tuple, list[int]] = {}
-    for s in np.unique(seqs):
-        sides.setdefault(side(replace(base, seq_len=int(s))), []).append(int(s))
+        return regime(m, t), decoder_ratio(m, t), batch1(m, t)
+    seqs, batches = cols["seq_len"], cols["batch_size"]
+    sides: dict[tuple, list[tuple[int, int]]] = {}
+    for s, b in {(int(s), int(b)) for s, b in zip(seqs, batches)}:
+        sides.setdefault(side(replace(base, seq_len=s, batch_size=b)), []).append((s, b))
+
+    def rows(pairs: list[tuple[int, int]]) -> np.ndarray:
+        keys = seqs * (int(batches.max()) + 1) + batches
+        return np.nonzero(np.isin(keys, [s * (int(batches.max()) + 1) + b for s, b in pairs]))[0]
     if len(sides) < 2:
-        return None if side(base) in sides else [(np.arange(len(seqs)), replace(base, seq_len=int(seqs[0])))]
-    return [(np.nonzero(np.isin(seqs, v))[0], replace(base, seq_len=v[0])) for v in sides.values()]
+        return None if side(base) in sides else [(np.arange(len(seqs)), replace(base, seq_len=int(seqs[0]),
+                                                                                batch_size=int(batches[0])))]
+    return [(rows(v), replace(base, seq_len=v[0][0], batch_size=v[0][1])) for v in sides.values()]
 
 
 def _columns(base: TrainingSpec, layout: dict[str, Any]) -> dict[str, np.ndarray]:

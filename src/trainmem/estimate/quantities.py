@@ -26,7 +26,7 @@ from ..spec.tf_releases import causal_lm_loss, eager_clamp, sdpa_repeats_kv
 from ..spec.training import CHUNKED_NLL_TOKENS, RECOMPUTE, TrainingSpec, chunked_nll_problem, config_use_cache
 from .cache import BoundedCache
 from .elementwise import NEVER
-from .derived import adapters_computed_half, regime as derived_regime
+from .derived import adapters_computed_half, batch1 as derived_batch1, regime as derived_regime
 from .derived import head_during_loss as derived_head_loss, layer_coefs as derived_layer, outer as derived_outer
 from .derived import logits_bytes as derived_logits_bytes, outer_ssq as derived_outer_ssq
 from .derived import decoder_ratio, head_forward as derived_head_forward, moment_activations
@@ -1317,8 +1317,9 @@ def quantities(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> Quantitie
     # (an encoder-decoder's coefficients are read at its decoder-to-encoder length ratio)
     # (and interleaved 1F1B's pairs in flight, from the schedule of grad_accum micro-batches)
     # (and whether the model builds a KV cache: config.use_cache, which ModelSpec's equality leaves out)
-    key = (m, stage, _key_of(t), derived_regime(m, t), decoder_ratio(m, t), t.accumulates_unsharded,
-           t.grad_accum if t.virtual_stages > 1 else 0, kv_cache(m, t))
+    # (and, for a derived architecture, whether the micro-batch is 1: its batch-1 coefficients)
+    key = (m, stage, _key_of(t), derived_regime(m, t), derived_batch1(m, t), decoder_ratio(m, t),
+           t.accumulates_unsharded, t.grad_accum if t.virtual_stages > 1 else 0, kv_cache(m, t))
     return _CACHE.get_or_build(key, lambda: _build(m, t, stage))
 
 
@@ -1333,7 +1334,8 @@ def shape_quantities(m: ModelSpec, base: TrainingSpec, stage: str, rows: list[li
     floats, transients, parameters on the rank). A row is the ``SHAPE_FIELDS`` (recompute as an index
     into none/selective/full, sequence parallelism as 0/1) then a valid batch, sequence and
     accumulation, used only to build the spec the first time a shape is met."""
-    memo = _SHAPES.setdefault((m, stage, _key_of(base), derived_regime(m, base), decoder_ratio(m, base)), {})
+    memo = _SHAPES.setdefault((m, stage, _key_of(base), derived_regime(m, base), derived_batch1(m, base),
+                               decoder_ratio(m, base)), {})
     out = []
     for row in rows:
         # + FSDP no_sync accumulation, and interleaved 1F1B's micro-batches (its pairs in flight)

@@ -5,9 +5,11 @@ architecture transformers ships, the same coefficients are measured: the real mo
 layers (``reduced_config``: enough to contain each kind of layer), is traced — forward, the loss,
 backward, on the emulated GPU, no optimizer — at four batch/sequence points, and each quantity
 the engine needs is fitted exactly as ``tok * b*s + pos * s + sq * b*s^2 + const`` (a backward
-transient as ``a * b*s + b * b*s^2 + c``), then checked on a fifth point. A quantity that the fit does not reproduce there is
-refused with one line rather than extrapolated. An encoder-decoder's quantities are fitted in its
-two lengths, the encoder's and the decoder's (``ENCDEC_TERMS``, ``encdec_coefficients``).
+transient as ``a * b*s + b * b*s^2 + c``), then checked on a fifth point. A quantity that the fit
+does not reproduce there is refused with one line rather than extrapolated. Micro-batch 1, where
+some tensors are views that larger batches copy, has a set of its own, fitted on batch-1 points
+(``batch1_points``, ``BATCH1_TERMS``). An encoder-decoder's quantities are fitted in its two
+lengths, the encoder's and the decoder's (``ENCDEC_TERMS``, ``encdec_coefficients``).
 
 What is measured in one trace (``_measure``), with ``n = b*s`` tokens:
 
@@ -56,12 +58,15 @@ DERIVE_TOLERANCE = 0.005
 DERIVE_SLACK = 4096
 
 
-def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "") -> dict[str, Any]:
+def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1: bool = False) -> dict[str, Any]:
     """The coefficients of ``m`` trained as ``t`` (one GPU, no recompute; ``t.recompute == "full"``
     derives them without the KV cache, as transformers runs checkpointed layers, and an
     encoder-decoder's with its layers checkpointed, ``estimate.derived.checkpointed``), as a JSON-ready dict:
     ``kinds`` (per layer kind: saved tok/sq and parts, transient a/b/c and gradient share),
-    ``layer_kinds`` (the kind of each of the model's layers), ``embed``/``head`` (tok, sq)."""
+    ``layer_kinds`` (the kind of each of the model's layers), ``embed``/``head`` (tok, sq).
+
+    ``batch1``: the coefficients of micro-batch 1 (a decoder or image model), fitted on points of
+    batch 1 alone (``batch1_points``), in the same format (``batch: 1``); see ``BATCH1_TERMS``."""
     no_cache = t.recompute == "full"  # estimate.derived.without_cache: derive with use_cache off
     # an encoder-decoder under full recompute is traced with its layers checkpointed (``checkpointed``)
     ckpt = checkpointed(m, t)
@@ -74,27 +79,23 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "") -> dict
     s0 = _base_seq(m, regime)
     if m.is_encoder_decoder:  # two lengths: the encoder's and the decoder's (``encdec_coefficients``)
         return encdec_coefficients(m, t, cfg, (kinds_full, kinds_small), base, s0)
-    # batch 1 is a special case (some transposes are views there, copies for larger batches): the
-    # points use batches of 2 and more, so batch 1 is estimated with the copies (slightly high)
-    seqs = _image_seqs(m, s0) if m.is_image else (s0, 2 * s0, s0 + s0 // 2)
-    points = [(2, seqs[0]), (4, seqs[0]), (2, seqs[1]), (3, seqs[2])]
-    # T5's relative position buckets are (s, s) tensors whatever the batch (``T5Attention.
-    # compute_bias``: the bucket indices its embedding saves): a fifth term, s^2, and a fifth point
-    terms = ("n", "s", "nsq", "1")
+    points, check, terms = _points(m, s0, batch1)
     # refinements of the backward transients applied to the encoder-decoder and image models only
     # (``_transients``' early frees, ``_candidates``' gradients): decoder LMs would need them too,
     # but their shipped coefficients predate them and re-shipping is the lead's call
     refined = m.is_image
-    check = (4, seqs[2])
     runs = _runs(m, cfg, kinds_small, base, points + [check], ckpt)
     out: dict[str, Any] = {"layer_kinds": kinds_full, "kinds": {}, "points": points + [check],
                            "attention": attention_implementation(m, t)[0], "seq_base": s0}
     if ckpt:
         out["checkpointed"] = True
+    if batch1:
+        out["batch"] = 1
     pts = points + [check]
 
     def fit(what: str, ys: list[int], check_fit: bool = True) -> dict[str, float]:
-        return dict(zip(terms, _fitted(m, what, pts, ys, terms, check_fit)))
+        # (at batch 1 the per-position term is the per-token one: ``BATCH1_TERMS`` has no ``s``)
+        return dict({"s": 0.0}, **dict(zip(terms, _fitted(m, what, pts, ys, terms, check_fit))))
     for kind in sorted(set(kinds_small)):
         # a layer may keep tensors sized by the sequence alone (Falcon's rotary cos/sin cache)
         # and a few bytes per layer whatever the size (a norm's ``1 + weight``): fitted, then left out
@@ -136,6 +137,34 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "") -> dict
         c = fit(f"{side} bytes", [r[side] for r in runs])
         out[side] = [c["n"], c["s"], c["nsq"]]
     return out
+
+
+def _points(m: ModelSpec, s0: int, batch1: bool) -> tuple[list[tuple[int, int]], tuple[int, int], tuple[str, ...]]:
+    """(the fitting points, the held-out one, the terms) of a decoder or image model. Batch 1 is a
+    special case (some transposes are views there, copies for larger batches): the points use
+    batches of 2 and more, and batch 1 has its own set (``batch1``: ``batch1_points``)."""
+    if batch1:
+        *points, check = batch1_points(m, s0)
+        return points, check, BATCH1_TERMS
+    seqs = _image_seqs(m, s0) if m.is_image else (s0, 2 * s0, s0 + s0 // 2)
+    return [(2, seqs[0]), (4, seqs[0]), (2, seqs[1]), (3, seqs[2])], (4, seqs[2]), ("n", "s", "nsq", "1")
+
+
+#: the terms of a micro-batch-1 fit: at b = 1 the tokens are the positions (``n`` = ``s``), so a
+#: quantity is ``tok * s + sq * s^2 + const``, the per-position bytes counted in ``tok``
+BATCH1_TERMS = ("n", "nsq", "1")
+
+
+def batch1_points(m: ModelSpec, s0: int) -> list[tuple[int, int]]:
+    """The (batch, sequence) points of a micro-batch-1 fit, the held-out one last: batch 1 at
+    ``s0``, ``1.5 s0`` and ``2 s0`` (three points for ``BATCH1_TERMS``' three terms, the sequences
+    of the batch >= 2 points), checked at ``1.25 s0``; an image model's are whole patch grids near
+    those lengths (``_image_seqs``). They stay on the side of a sliding window ``s0`` is on
+    (``_base_seq``: a shorter point crossed Phi-3-medium's, whose mask then takes other operations)."""
+    if m.is_image:
+        s1, s2, s15 = _image_seqs(m, s0)
+        return [(1, s1), (1, s15), (1, s2), (1, _image_seqs(m, s0 + s0 // 4)[0])]
+    return [(1, s0), (1, s0 + s0 // 2), (1, 2 * s0), (1, s0 + s0 // 4)]
 
 
 #: an encoder-decoder's quantities are polynomials in the batch b, the encoder's length s
@@ -788,4 +817,5 @@ def _fitted(m: ModelSpec, what: str, points: list[tuple[int, ...]], ys: list[int
     return tuple(float(x) for x in coef)
 
 
-__all__ = ["derive_coefficients", "encdec_coefficients", "reduced_config", "DERIVE_TOLERANCE", "ENCDEC_TERMS"]
+__all__ = ["derive_coefficients", "encdec_coefficients", "reduced_config", "DERIVE_TOLERANCE", "ENCDEC_TERMS",
+           "BATCH1_TERMS", "batch1_points"]
