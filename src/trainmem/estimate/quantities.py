@@ -1433,7 +1433,6 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         # checkpointing runs it with grad enabled), whose ctx.tensors keep the inputs the
         # checkpoint does not save
         graph_tok=lc.graph_held, graph_extra_tok=lc.graph_held * checkpointed / layers if layers else 0.0, **fsdp,
-        fsdp_pipe_top=pipeline_top_first(t, st, stage),
         outer_rest_ssq=derived_outer_ssq(m, t, stage) if derived else 0.0,
         lower_layers=lower, above_bottom=above_bottom, above_decoder_bottom=above_decoder_bottom,
         input_tok=input_bytes(m, t)[0], input_sample=input_bytes(m, t)[1],
@@ -1535,8 +1534,8 @@ def _autocast_copies(m: ModelSpec, t: TrainingSpec, st: States, pol: Policy, hea
 def _pipeline_terms(m: ModelSpec, t: TrainingSpec, st: States, pol: Policy, stage: str, input_tok: float,
                     lc: LayerCoefs) -> tuple[dict[str, Any], tuple[tuple[str, float, float], ...]]:
     """torch.distributed.pipelining's terms of one stage (none off it, or under Megatron's):
-    the ``Quantities`` fields (``pipe_batch``, ``pipe_recv``, ``pipe_buf_tok``, ``pipe_sent_tok``)
-    and what the first layer does not save beyond the inputs. A later stage's first layer saves its
+    the ``Quantities`` fields (``pipe_batch``, ``pipe_recv``, ``pipe_buf_tok``, ``pipe_sent_tok``,
+    FSDP2's ``fsdp_pipe_top``) and what the first layer does not save beyond the inputs. A later stage's first layer saves its
     input, the receive buffer itself (the stage runs on it: torch ``stage.py``
     ``_retrieve_recv_activations``), counted with the inputs (``pipeline_buffers``). Found by trace:
     llama-3.2-1b (4 layers) --pp 2 --pp-schedule gpipe --grad-accum 8, fp32, last stage +0.7% before
@@ -1552,7 +1551,7 @@ def _pipeline_terms(m: ModelSpec, t: TrainingSpec, st: States, pol: Policy, stag
     received = (("pipeline.received_input", input_tok, 0.0),) if (fed and input_tok) else ()
     return {"pipe_batch": int(torch_pipeline(t)), "pipe_recv": count, "pipe_buf_tok": per_tok,
             "pipe_sent_tok": per_tok if (later and t.pp_schedule == "1f1b") else 0.0,
-            **_interleaved_terms(m, t, st, stage, per_tok)}, received
+            "fsdp_pipe_top": pipeline_top_first(t, st, stage), **_interleaved_terms(m, t, st, stage, per_tok)}, received
 
 
 def _interleaved_terms(m: ModelSpec, t: TrainingSpec, st: States, stage: str, per_tok: float) -> dict[str, Any]:

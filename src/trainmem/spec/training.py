@@ -397,10 +397,15 @@ class TrainingSpec:
         if self.later_seq_len is not None:
             raise TrainmemError("--min-seq-len and --later-seq-len describe two data paths (lengths varying every "
                                 "micro-batch, or one shorter length after the first): give one of them")
+        self._one_shape_layout("--min-seq-len")
+
+    def _one_shape_layout(self, flag: str) -> None:
+        """Lengths that change between micro-batches (``flag``) are modelled for one pipeline stage and
+        the whole sequence on each rank: refused with --pp or --cp in one line."""
         if self.pp > 1 or self.cp > 1:
             what = f"--pp {self.pp}" if self.pp > 1 else f"--cp {self.cp}"
-            raise TrainmemError(f"--min-seq-len with {what} is not modelled (a pipeline schedule's or a context-"
-                                "parallel group's micro-batches share one shape); drop --min-seq-len")
+            raise TrainmemError(f"{flag} with {what} is not modelled (a pipeline schedule's or a context-"
+                                f"parallel group's micro-batches share one shape); drop {flag}")
 
     def _check_later_seq_len(self) -> None:
         """``later_seq_len``: the micro-batches after the run's first are padded to it; the first, at
@@ -414,10 +419,7 @@ class TrainingSpec:
         if v > self.seq_len:
             raise TrainmemError(f"--later-seq-len {v} exceeds --seq-len {self.seq_len}: --seq-len is the first "
                                 f"micro-batch's length, the longest; give --later-seq-len <= {self.seq_len}")
-        if self.pp > 1 or self.cp > 1:
-            what = f"--pp {self.pp}" if self.pp > 1 else f"--cp {self.cp}"
-            raise TrainmemError(f"--later-seq-len with {what} is not modelled (a pipeline schedule's or a context-"
-                                "parallel group's micro-batches share one shape); drop --later-seq-len")
+        self._one_shape_layout("--later-seq-len")
 
     def _check_pipeline(self) -> None:
         """``pp_virtual_stages``: a positive integer, only under ``--pp-schedule interleaved-1f1b``
