@@ -29,20 +29,16 @@ def _trace_function() -> Callable[..., MemoryReport]:
     return fn
 
 
-def refuse_later_seq_len(options: dict[str, Any]) -> None:
+def refuse_varying_lengths(options: dict[str, Any]) -> None:
     """fit, sweep and plan vary the batch and the sequence and evaluate layouts as arrays
-    (``estimate_layouts``), whose micro-batches are of one length: ``--later-seq-len`` and
-    ``--min-seq-len`` are refused there (suggestions, which re-estimate one setup at a time, keep them)."""
-    low = options.get("min_seq_len")
-    if low is not None:
-        raise TrainmemError(f"--min-seq-len {low}: fit, sweep and plan vary the batch and sequence of one setup, "
-                            "whose micro-batches they take to be of one length; --min-seq-len is modelled by "
-                            "estimate and trace: drop it")
-    later = options.get("later_seq_len")
-    if later is not None:
-        raise TrainmemError(f"--later-seq-len {later}: fit, sweep and plan vary the batch and sequence of one "
-                            "setup, whose micro-batches they take to be of one length; --later-seq-len is "
-                            "modelled by estimate and trace: drop it")
+    (``estimate_layouts``), whose micro-batches are of one length: ``--min-seq-len`` and
+    ``--later-seq-len`` are refused there (suggestions, which re-estimate one setup at a time, keep them)."""
+    for key in ("min_seq_len", "later_seq_len"):
+        value, flag = options.get(key), "--" + key.replace("_", "-")
+        if value is not None:
+            raise TrainmemError(f"{flag} {value}: fit, sweep and plan vary the batch and sequence of one setup, "
+                                f"whose micro-batches they take to be of one length; {flag} is modelled by "
+                                "estimate and trace: drop it")
 
 
 class Evaluator:

@@ -10,7 +10,7 @@ from ..progress import progress
 from ..render.text import wrap
 from ..units import scale
 from ..spec.training import default_seq_len
-from ._common import Evaluator, parse_int_list, refuse_later_seq_len
+from ._common import Evaluator, parse_int_list, refuse_varying_lengths
 
 MAX_CELLS = 20_000
 
@@ -130,7 +130,7 @@ def sweep(model: Any, batch_sizes: "str | Iterable[int]" = (1,), seq_lens: "str 
     learned positions when fewer). The inputs are resolved once; each cell replaces the two
     sizes (``Resolved.replace``) and a cell the setup does not allow is reported as n/a; when
     every cell is n/a, TrainmemError says why. A cell fits within ``max_fraction`` of the GPU."""
-    refuse_later_seq_len(options)
+    refuse_varying_lengths(options)
     bs = parse_int_list(batch_sizes, "--batch-size")
     options.pop("batch_size", None)
     options.pop("seq_len", None)
