@@ -124,3 +124,14 @@ def test_command_line(capsys):
     assert main(["fit", "llama-3.2-1b", "--gpu", "a100-40gb", "--seq-len", "512", "--min-seq-len", "64"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "--min-seq-len 64" in err
+
+
+def test_measure_refuses_min_seq_len_in_one_line():
+    """measure runs --steps steps at --seq-len: the drawn lengths are run by trace and estimate only,
+    so measure refuses the option rather than measuring a fixed-length run under its name."""
+    from trainmem.workload import check_supported
+    t = TrainingSpec(batch_size=1, seq_len=64, min_seq_len=32)
+    check_supported(t, "trace")
+    with pytest.raises(TrainmemError, match="not supported: --min-seq-len 32") as e:
+        check_supported(t, "measure")
+    assert "\n" not in str(e.value)

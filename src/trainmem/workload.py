@@ -70,6 +70,9 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
         bad.append("--sequence-parallel")
     if t.attention_call != "model" and what != "trace":  # trace rewrites the call in its CUDA emulation
         bad.append(f"--attention-call {t.attention_call} (litgpt's SDPA call; trace and estimate run it)")
+    if t.min_seq_len is not None and what != "trace":  # trace runs the drawn lengths (padded_steps)
+        bad.append(f"--min-seq-len {t.min_seq_len} (its lengths are drawn over {len(padded_lengths(t))} micro-batches "
+                   "after two full steps; trace and estimate run them)")
     if t.offload_optimizer:
         bad.append("--offload-optimizer")
     if t.distributed_optimizer:
