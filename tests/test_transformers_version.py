@@ -202,3 +202,50 @@ def test_sdpa_before_4_54_keeps_the_repeated_keys_and_values():
     old, call, new = layer(transformers_version="4.45.2"), layer(attention_call="repeat-kv"), layer()
     assert old.tok == call.tok > new.tok and layer(transformers_version="4.54").tok == new.tok
     assert any(n == "attn.k_repeated" for n, *_ in old.parts)
+
+
+def _value_cache_dtype(own_dtype: bool) -> torch.dtype:
+    """A ``DynamicLayer``'s first update as each release wrote it (``_cache_held`` cites the lines):
+    the empty caches created in the keys' dtype (up to 5.23) or each in its own (5.24), then
+    ``torch.cat`` with the autocast layer's fp32 rotated keys and half values."""
+    k, v = torch.zeros(B, 2, S, 8), torch.zeros(B, 2, S, 8, dtype=torch.bfloat16)
+    empty_v = torch.tensor([], dtype=v.dtype if own_dtype else k.dtype)
+    return torch.cat([empty_v, v], dim=-2).dtype
+
+
+def test_installed_dynamic_cache_keeps_values_as_the_release_rule_says():
+    """The installed transformers' own DynamicCache, fed fp32 keys and bf16 values as a Llama layer
+    under autocast feeds it: its value cache is bf16 exactly when ``cache_values_own_dtype`` says so
+    for the installed release (run under any installed release)."""
+    from transformers.cache_utils import DynamicCache
+
+    from trainmem.spec.tf_releases import cache_values_own_dtype, code_release
+    cache = DynamicCache()
+    k, v = torch.zeros(B, 2, S, 8), torch.zeros(B, 2, S, 8, dtype=torch.bfloat16)
+    keys, values = cache.update(k, v, 0)
+    own = cache_values_own_dtype(code_release(None))
+    assert keys.dtype == torch.float32 and values.dtype == (torch.bfloat16 if own else torch.float32)
+    assert _value_cache_dtype(own) == values.dtype and _value_cache_dtype(not own) != values.dtype
+
+
+def test_value_cache_in_its_own_dtype_from_5_24_drops_one_fp32_copy():
+    """bf16-amp with the KV cache: the layer's bytes the output holds beyond autograd's drop by
+    the value cache's fp32 copy (kv_size x 4 B per token) from 5.24, its total cache by half that;
+    bf16 (no promotion) and full recompute (no cache) are the same in both releases."""
+    def layer(version, **kw):
+        r = resolve("llama-3.2-1b", seq_len=S, transformers_version=version, **kw)
+        return r.model, layer_coefficients(layer_key(r.model, r.training))
+    m, old = layer("5.23.0")
+    _, new = layer("5.24.0")
+    assert old.held - new.held == m.kv_size * 4 and old.cache - new.cache == m.kv_size * 2
+    assert old.tok == new.tok  # what autograd saves is the same size (a cast of v, or the cache's half v)
+    for kw in ({"precision": "bf16"}, {"recompute": "full"}):
+        assert layer("5.23.0", **kw)[1] == layer("5.24.0", **kw)[1]
+
+
+def test_code_release_is_the_given_else_the_installed_release():
+    from trainmem.spec.tf_releases import NEWEST_READ, code_release, installed_version, parse_transformers_version
+    assert code_release((4, 45, 2)) == (4, 45, 2)
+    assert code_release(None) == parse_transformers_version(installed_version())
+    assert NEWEST_READ >= (5, 24)  # what an estimate without transformers installed models
+    assert resolve("llama-3.2-1b").training.transformers_version is None  # nothing pinned by default

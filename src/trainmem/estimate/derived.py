@@ -28,6 +28,7 @@ from typing import Any
 from ..errors import TrainmemError
 from ..spec.model import ModelSpec
 from ..spec.profile import read_cached, write_cached
+from ..spec.tf_releases import cache_values_own_dtype, code_release
 from ..spec.training import TrainingSpec, config_use_cache
 from .layers import LayerCoefs
 
@@ -104,6 +105,11 @@ def key(m: ModelSpec, t: TrainingSpec, one: bool | None = None) -> str:
     ``one``: of its micro-batch-1 set or not (default: ``batch1``)."""
     lora = (t.lora_rank, tuple(t.lora_targets or ()), t.lora_dropout, adapters_computed_half(t)) if t.lora_rank else ()
     parts = [m.fingerprint, activation_precision(t), t.attention, t.dropout, lora, regime(m, t), without_cache(t, m)]
+    if activation_precision(t).endswith("-amp") and not without_cache(t, m) and \
+            cache_values_own_dtype(code_release(t.transformers_release)):
+        # traced from transformers >= 5.24, whose KV cache keeps half values under autocast
+        # (``spec.tf_releases.cache_values_own_dtype``; the keys of earlier releases are unchanged)
+        parts.append(("values-cache", "own-dtype"))
     if t.attention_call != "model":  # traced with litgpt's SDPA call (the keys of other setups are unchanged)
         parts.append(("attention-call", t.attention_call))
     if not t.math_sdpa_upcasts:  # PyTorch < 2.5: traced with SDPA's math kernel in the inputs' dtype

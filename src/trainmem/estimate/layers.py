@@ -746,6 +746,7 @@ class LayerKey:
     attention_call: str = "model"  # "repeat-kv": SDPA called as litgpt does (K/V copied to the query's heads)
     math_upcast: bool = True  # PyTorch >= 2.5: SDPA's math kernel upcasts half inputs (spec.releases)
     eager_clamp: bool = False  # transformers' eager attention clamps the masked scores (spec.tf_releases)
+    cache_values_own_dtype: bool = False  # transformers >= 5.24: the value cache keeps v's dtype (spec.tf_releases)
 
 
 def ep_rank_rows(top_k: int, experts: int, ep: int, imbalance: float) -> float:
@@ -1002,13 +1003,12 @@ def _llama_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: 
     # v is v_proj's output itself
     qq, kk, vv = T(q, 0, half, "attn.q_rot"), T(kv, 0, half, "attn.k_rot"), proj["v_proj"]
     if k.kv_cache and pol.amp:
-        # Under autocast cos/sin are fp32 (the residual dtype), so the rotated k is fp32; the
-        # cache is created in k's dtype and torch.cat promotes v into it, so the cache holds
-        # fp32 copies of k and v, which attention does not save (it saves its half casts). They
-        # live as long as the model output does.
-        B.r.hold(T(kv, 0, F32, "kv_cache.k"), T(kv, 0, F32, "kv_cache.v"))
+        # Under autocast cos/sin are fp32 (the residual dtype), so the rotated k is fp32 and the
+        # cache's torch.cat copy of it (b, kv_heads, s, d) fp32 is not what attention saves (it
+        # saves its half cast). The value cache: see _cache_held. They live as long as the output.
+        B.r.hold(*_cache_held(k, kv))
     if k.kv_cache:
-        B.r.cache = 2 * kv * (F32 if pol.amp else half)  # the cache's copies of k and v
+        B.r.cache = _cache_bytes(k, pol.amp, kv, half)  # the cache's copies of k and v
     if k.kv_cache and not pol.amp and k.attention != "eager" and k.head_dim % 8 and \
             B.sdpa(k.attention, k.head_dim, heads, kvh, k.attention_dropout) == "flash":
         # k and v are the cache's copies; flash saves padded copies of them instead, so the cache's
@@ -1029,6 +1029,30 @@ def _llama_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: 
         _moe(B, src2, h, f, k.experts, k.top_k)
     else:
         _swiglu(B, f, h, src2, "mlp", fused_gate_up=False)
+
+
+def _cache_held(k: LayerKey, kv: float) -> tuple[T, ...]:
+    """What a Llama-style layer's ``DynamicCache`` holds under autocast beyond the tensors attention
+    saves, per token: the fp32 copy of the rotated keys (b, kv_heads, s, d), and up to transformers
+    5.23 an fp32 copy of the values too. ``DynamicLayer.lazy_initialization`` created both empty
+    caches in the keys' dtype (5.23.0 ``cache_utils.py`` L113-116: ``self.dtype = key_states.dtype``),
+    so ``torch.cat`` promoted the half values to fp32, and attention saved its own half cast of them;
+    5.24.0 creates the value cache in the values' dtype (L113-116: ``dtype=value_states.dtype``), so
+    the cache's half copy of v is the very tensor attention takes uncast and saves
+    (``spec.tf_releases.cache_values_own_dtype``)."""
+    held = [T(kv, 0, F32, "kv_cache.k")]
+    if not k.cache_values_own_dtype:
+        held.append(T(kv, 0, F32, "kv_cache.v"))
+    return tuple(held)
+
+
+def _cache_bytes(k: LayerKey, amp: bool, kv: float, half: int) -> float:
+    """Bytes per token of one layer's KV cache (its ``torch.cat`` copies of k and v, saved or not):
+    in the compute dtype, except under autocast, where k is fp32 and v fp32 before transformers 5.24
+    and half from it (``_cache_held``)."""
+    if not amp:
+        return 2 * kv * half
+    return kv * F32 + kv * (half if k.cache_values_own_dtype else F32)
 
 
 def compiled_recipe(k: LayerKey) -> bool:
@@ -1084,10 +1108,10 @@ def _llama_layer_compiled(B: Builder, k: LayerKey, x: T, h: int, f: float, q: fl
     if not pol.amp:
         vv = proj["v_proj"]
     if k.kv_cache and pol.amp:
-        # the cache's fp32 k and v (fp32 rotary under autocast, see _llama_layer): returned outputs
-        B.r.hold(T(kv, 0, F32, "kv_cache.k"), T(kv, 0, F32, "kv_cache.v"))
+        # the cache's fp32 k (and v before 5.24; fp32 rotary under autocast, see _llama_layer): returned outputs
+        B.r.hold(*_cache_held(k, kv))
     if k.kv_cache:
-        B.r.cache = 2 * kv * (F32 if pol.amp else half)
+        B.r.cache = _cache_bytes(k, pol.amp, kv, half)
     ctx = B.attention(qq, kk, vv, heads, kvh, k.head_dim, k.attention, k.attention_dropout,
                       softmax_fp32_then_cast=True)       # saves q, k, v, out (b, s, q) half, lse (b, heads, s) fp32
     B.linear(ctx, h, "o_proj", "o_proj.input")

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import TrainmemError
 from ..spec.model import ModelSpec
-from ..spec.tf_releases import causal_lm_loss, eager_clamp, sdpa_repeats_kv
+from ..spec.tf_releases import cache_values_own_dtype, causal_lm_loss, code_release, eager_clamp, sdpa_repeats_kv
 from ..spec.training import CHUNKED_NLL_TOKENS, RECOMPUTE, TrainingSpec, chunked_nll_problem, config_use_cache
 from .cache import BoundedCache
 from .elementwise import NEVER
@@ -274,7 +274,8 @@ def layer_key(m: ModelSpec, t: TrainingSpec) -> LayerKey:
                     compiled=t.compile, lora_base_trains=bool(lora) and t.fsdp_mixed_units,
                     softmax_saves_input=t.softmax_saves_input, attention_call=release_attention_call(m, t),
                     math_upcast=t.math_sdpa_upcasts,
-                    eager_clamp=t.attention == "eager" and eager_clamp(m, t.transformers_release))
+                    eager_clamp=t.attention == "eager" and eager_clamp(m, t.transformers_release),
+                    cache_values_own_dtype=cache_values_own_dtype(code_release(t.transformers_release)))
 
 
 def release_attention_call(m: ModelSpec, t: TrainingSpec) -> str:

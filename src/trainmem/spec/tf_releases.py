@@ -58,6 +58,15 @@ numbers are those files'. What depends on it, for the hand-written families:
   (``_prepare_decoder_attention_mask``, 4.28.1 ``modeling_llama.py`` L464-473, ``modeling_opt.py``
   L538-547), so fp32 under autocast (fp32 embeddings), else the weights' dtype. Other eager differences of those releases save nothing more (GPT-2's ``torch.where``
   with its bool buffer, BERT's mask addition, the scaling by a 0-dim tensor).
+* **The KV cache's value dtype** (``cache_values_own_dtype``): transformers' decoders build a
+  ``DynamicCache`` in training whenever ``use_cache`` is set, and its ``torch.cat`` copies are the keys
+  and values attention consumes. Up to 5.23 ``DynamicLayer.lazy_initialization`` created both empty
+  tensors in the keys' dtype (5.23.0 ``cache_utils.py`` L113-116), so under autocast, where rotary
+  makes fp32 keys, the half values were promoted to an fp32 copy; 5.24 creates the value cache in the
+  values' own dtype (5.24.0 ``cache_utils.py`` L113-116), so that copy stays half and is the tensor
+  attention saves. This rule applies to the run's code release (``code_release``): the given one, else
+  the installed transformers, else the newest release read (``NEWEST_READ``), so an estimate agrees
+  with a trace of the installed code; without transformers installed it models the newest release.
 * **Derived architectures** (their layers are traced from the installed transformers): OPT and
   Granite only. OPT's layer of those releases differs from the installed one by the clamp alone in
   fp16 and fp32 (its softmax upcasts fp16 scores as the installed one does; bf16 ones it did not),
@@ -71,6 +80,7 @@ numbers are those files'. What depends on it, for the hand-written families:
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 from ..errors import TrainmemError
@@ -104,6 +114,12 @@ _LOSS = {
 _CLAMP = {"llama": ((4, 28), (4, 31)), "opt": ((4, 19), (4, 49))}
 #: derived model types whose older code trainmem corrects (their layers are traced from the installed code)
 DERIVED_TYPES = ("opt", "granite")
+
+
+#: the newest release whose code was read: what the estimate models when none is given or installed
+NEWEST_READ = (5, 24)
+#: from this release a ``DynamicLayer`` creates its value cache in the values' own dtype
+VALUES_OWN_DTYPE_SINCE = (5, 24)
 
 
 def parse_transformers_version(text: Any) -> tuple[int, ...]:
@@ -218,6 +234,26 @@ def transformers_problems(model: Any, t: Any) -> str | None:
                 "the scores' dtype where the installed one upcasts, so only fp16 and fp32 are modelled; use one of "
                 "them or a release from 4.49")
     return None
+
+
+def code_release(version: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The transformers release whose model code a run executes: ``version`` (``--transformers-version``),
+    else the installed transformers (read from its package metadata, nothing imported), else
+    ``NEWEST_READ``."""
+    return version if version is not None else _installed_release()
+
+
+@lru_cache(maxsize=1)
+def _installed_release() -> tuple[int, ...]:
+    try:
+        return parse_transformers_version(installed_version())
+    except Exception:  # not installed, or a version string that is not a release: the newest read
+        return NEWEST_READ
+
+
+def cache_values_own_dtype(version: tuple[int, ...]) -> bool:
+    """Whether release ``version``'s ``DynamicCache`` keeps the values in their own dtype (module docstring)."""
+    return version >= VALUES_OWN_DTYPE_SINCE
 
 
 def installed_version() -> str:
