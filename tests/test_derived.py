@@ -417,3 +417,22 @@ def test_every_catalogue_model_type_agrees_with_trace(model_type):
     est = trainmem.estimate(cfg, **setup).peak_allocated
     tr = trainmem.trace(cfg, expandable_segments=True, **setup).peak_allocated
     assert abs(est / tr - 1) <= 0.005, (name, est / tr - 1)
+
+
+@pytest.mark.parametrize("precision", ["bf16-amp", "bf16"])
+def test_derived_kv_cache_is_the_output_cache_of_the_installed_release(precision):
+    """The derivation finds the KV cache on the model output whatever the release calls the field
+    (``cache`` from 5.24, ``past_key_values`` before): a Qwen3 layer's cache holds its keys and values,
+    the keys fp32 under autocast (rotary's fp32 cos/sin), the values half from 5.24
+    (``spec.tf_releases.cache_values_own_dtype``), fp32 before."""
+    from trainmem.spec.tf_releases import cache_values_own_dtype, code_release
+    from trainmem.trace import derive
+    r = trainmem.resolve(dict(_cfg("qwen3"), hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=64), precision=precision, seq_len=256)
+    doc = derive.derive_coefficients(r.model, derived._canonical(r.training, r.model))
+    kv = r.model.kv_size
+    if precision == "bf16":
+        want = 2 * kv * 2
+    else:
+        want = kv * 4 + kv * (2 if cache_values_own_dtype(code_release(None)) else 4)
+    assert {k: round(v["cache"], 6) for k, v in doc["kinds"].items()} == {k: want for k in doc["kinds"]}

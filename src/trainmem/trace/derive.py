@@ -381,8 +381,7 @@ def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpe
                     out = model(**batch)  # the model's own loss, inside its forward
                     loss = out.loss
                 # the KV cache the output references (transformers builds one whenever use_cache is set)
-                cache = [tracker.live[i] for i in _storages(getattr(out, "past_key_values", None))
-                         if i in tracker.live]
+                cache = [tracker.live[i] for i in _storages(_output_cache(out)) if i in tracker.live]
                 before = len(tracker.ev_rec)
                 del out
                 released = (before, len(tracker.ev_rec))
@@ -397,6 +396,14 @@ def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpe
     return _analyse(tracker, stacks, kinds, cache, released, m.vocab_size if is_lm(m) else -1,
                     early_frees=m.is_encoder_decoder or m.is_image,
                     shared_frees=t.batch_size if (m.is_encoder_decoder and ckpt) else 0, first_in=first_in)
+
+
+def _output_cache(out: Any) -> Any:
+    """The KV cache a model output carries: the field is ``cache`` from transformers 5.24
+    (5.24.0 ``modeling_outputs.py`` L153, ``BaseModelOutputWithPast.cache``), ``past_key_values``
+    before (5.23.0 L153); None without one."""
+    found = getattr(out, "cache", None)
+    return found if found is not None else getattr(out, "past_key_values", None)
 
 
 def _first_input(tracker: Any, out: list[Any]) -> Any:
