@@ -442,6 +442,21 @@ def head_forward(m: ModelSpec, t: TrainingSpec, stage: str) -> float:
     return max(tok + s, 0.0)
 
 
+def grad_views(m: ModelSpec, t: TrainingSpec) -> tuple[float, float, float]:
+    """Bytes of gradient storages beyond the gradients, after backward, as (per token, per sequence
+    position, constant):
+    a parameter's ``.grad`` that ``AccumulateGrad`` stole as a view of a larger tensor
+    (``trace.derive._grad_view_bytes``: ViT's class token at micro-batch 1 keeps the whole (1, s,
+    hidden) embedding gradient, in the embeddings' dtype). Measured with the model's parameters
+    as one GPU holds them; 0 where the gradients do not stay the autograd ones: FSDP and ZeRO
+    reduce them into flat buffers, a pipeline stage holds part of the model, the optimizer in
+    backward frees each as it is made; and for coefficients derived before it was measured."""
+    if t.fsdp is not None or t.zero > 0 or t.pp > 1 or t.optimizer_in_backward:
+        return 0.0, 0.0, 0.0
+    tok, pos, const = coefficients(m, t).get("grad_views", (0.0, 0.0, 0.0))
+    return tok, pos, const
+
+
 def outer(m: ModelSpec, t: TrainingSpec, stage: str) -> tuple[list[tuple[str, float, float]], float]:
     """Tensors outside the layers as (name, tok, sq), and the embedding side's bytes per sequence
     position shared by the batch (rotary tables built from ``(1, s)`` position ids)."""

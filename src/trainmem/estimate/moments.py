@@ -101,6 +101,7 @@ class Tokens:
     head_units: Any = 0    # ... the head stage's micro-batches in flight (1 on the last rank) ...
     stage_out: Any = 0     # ... and the other pairs' stage outputs there
     grads_absent: Any = 0  # ... and the gradients of the rank's stages not yet back-propagated (later micro-steps)
+    grad_views: Any = 0    # gradient storages beyond the gradients after backward (Quantities.grad_view_*)
 
 
 def _interleaved(q: Quantities, n: Any, nsq: Any, later: bool, inflight: Any) -> tuple[Any, ...]:
@@ -209,7 +210,8 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
                   others_loss=(full * q.logits_held + saved) * (head_units - 1),
                   sent=trunc(q.pipe_sent_tok * n) if later else 0, bottom_acts=bottom_acts, tokens=n,
                   decoder_bottom_acts=decoder_bottom_acts, fed=fed, head_units=head_units, stage_out=stage_out,
-                  grads_absent=grads_absent)
+                  grads_absent=grads_absent,
+                  grad_views=trunc(q.grad_view_tok * n + q.grad_view_pos * (n // b) + q.grad_view_const))
 
 
 def _bottom_moments(q: Quantities, sizes: tuple, recompute: Any, casts: Any) -> tuple:
@@ -463,7 +465,8 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     # gradients already allocated: accumulated by earlier micro-batches, Megatron's main-grad
     # buffers, or zeroed but kept by zero_grad(set_to_none=False) after the first step; else those
     # that exist from model wrap in this layout (DeepSpeed ZeRO-3's flat buffer: ``grads_loaded``)
-    grads_before = q.grads if (micro > 0 or flags.grads_persistent or (step > 1 and flags.zeros)) else q.grads_loaded
+    grads_before = q.grads + tk.grad_views if (micro > 0 or flags.grads_persistent or (step > 1 and flags.zeros)) \
+        else q.grads_loaded
     # (interleaved 1F1B: at the later backward some of the rank's stages have no gradient yet)
     grads_before = grads_before - tk.grads_absent if (micro > 0 and not flags.grads_persistent
                                                           and not (step > 1 and flags.zeros)) else grads_before
@@ -523,7 +526,7 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     after_logits, after_kv = kept.after_backward()   # hold_output="backward": freed as backward returns
     after_graph = tk.graph if _graph_outlives_backward(flags) else 0
     # FSDP's no_sync: shards after the last micro-batch; FSDP1 grad-op's units kept gathered after the others
-    grads_end, kept_end = q.grads - where(final, q.nosync_reduce, 0), where(final, 0, _nosync_kept(q))
+    grads_end, kept_end = q.grads + tk.grad_views - where(final, q.nosync_reduce, 0), where(final, 0, _nosync_kept(q))
     ends.append(("backward", micro, step, q.fixed + grads_end + states_mid + tk.inputs + ws2 + after_logits + after_kv
                  + after_graph + kept_end))
 
@@ -661,8 +664,9 @@ def _backward_end(q: Quantities, tk: Tokens, kept: Kept, when: tuple, now: tuple
     step, micro, valid, final = when
     fresh, states_mid, ws2, low_ds = now
     # FSDP's no_sync (quantities.fsdp_no_sync): shards after the last micro-batch, else (FSDP1
-    # grad-op) every unit still gathered
-    grads_end, kept_end = q.grads - where(final, q.nosync_reduce, 0), where(final, 0, _nosync_kept(q))
+    # grad-op) every unit still gathered; + gradients kept as views of larger tensors (tk.grad_views)
+    grads_end = q.grads + tk.grad_views - where(final, q.nosync_reduce, 0)
+    kept_end = where(final, 0, _nosync_kept(q))
     # FSDP2's root post-backward: its reduce-scatter input and the root's last unsharded gradient
     # beside the new sharded gradients (quantities.fsdp_buffers); under accumulation the new shards
     # are added to the accumulated ones (``foreach_reduce_scatter_copy_out``: ``grad += new``); under
@@ -815,7 +819,9 @@ def _optimizer_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, ste
     gradients are freed (but Megatron's main-grad buffers), with ``set_to_none=False`` zeroed in place."""
     logits, kv = kept.after_backward()
     graph = tk.graph if _graph_outlives_backward(flags) else 0
-    grads = q.grads - q.nosync_reduce  # FSDP's no_sync: the last micro-batch left shards (fsdp_no_sync)
+    # FSDP's no_sync: the last micro-batch left shards (fsdp_no_sync); + gradients kept as views of
+    # larger tensors (tk.grad_views), freed with them by zero_grad(set_to_none=True)
+    grads = q.grads - q.nosync_reduce + tk.grad_views
     after = q.fixed + grads + q.states + tk.inputs + ws2 + logits + kv + graph
     if not flags.oib:
         moments.append(_mo("optimizer_step", 0, step, "optimizer.step",

@@ -29,7 +29,8 @@ from .elementwise import NEVER
 from .derived import adapters_computed_half, batch1 as derived_batch1, regime as derived_regime
 from .derived import head_during_loss as derived_head_loss, layer_coefs as derived_layer, outer as derived_outer
 from .derived import logits_bytes as derived_logits_bytes, outer_ssq as derived_outer_ssq
-from .derived import decoder_ratio, head_forward as derived_head_forward, moment_activations
+from .derived import decoder_ratio, grad_views as derived_grad_views, head_forward as derived_head_forward
+from .derived import moment_activations
 from .layers import ALL_MOMENTS, HALF, LayerCoefs, LayerKey, Policy, ep_rank_rows, layer_coefficients
 from .quant4 import dequant_dtypes, is_quantized
 from .schedules import in_flight_at_backwards
@@ -160,6 +161,11 @@ class Quantities:
     # a derived encoder-decoder's activations alive at its bottom and decoder-bottom backward moments
     # (``derived.moment_activations``): per token, per token x key, per position, per position squared
     head_fwd_tok: float = 0.0  # a derived image model's head forward beyond its saved tensors (derived.head_forward)
+    # gradient storages beyond the gradients after backward (derived.grad_views: ViT's class token at
+    # micro-batch 1 keeps the (1, s, hidden) embedding gradient): per token, per position, constant
+    grad_view_tok: float = 0.0
+    grad_view_pos: float = 0.0
+    grad_view_const: float = 0.0
     bottom_tok: float = 0.0
     bottom_sq: float = 0.0
     bottom_pos: float = 0.0
@@ -1447,6 +1453,7 @@ def _derived_fields(m: ModelSpec, t: TrainingSpec, stage: str) -> dict[str, floa
     if m.family != "derived":
         return {}
     out = {"head_fwd_tok": derived_head_forward(m, t, stage)}
+    out.update(zip(("grad_view_tok", "grad_view_pos", "grad_view_const"), derived_grad_views(m, t)))
     if m.is_encoder_decoder:
         bottom, decb = moment_activations(m, t)
         names = ("tok", "sq", "pos", "ssq")

@@ -136,6 +136,9 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1:
     for side in ("embed", "head", "head_loss") + (("head_forward",) if m.is_image else ()):
         c = fit(f"{side} bytes", [r[side] for r in runs])
         out[side] = [c["n"], c["s"], c["nsq"]]
+    # gradients kept as views of larger tensors (``_grad_view_bytes``): per token, per position, constant
+    c = fit("gradient views' bytes", [r["grad_views"] for r in runs])
+    out["grad_views"] = [c["n"], c["s"], c["1"]]
     return out
 
 
@@ -389,13 +392,40 @@ def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpe
                 del loss
                 tracker.end_step()
                 tracker.mark_gradients(params)
+                views = _grad_view_bytes(tracker, params)
         finally:
             tracker.finish()
             for h in hooks:
                 h.remove()
-    return _analyse(tracker, stacks, kinds, cache, released, m.vocab_size if is_lm(m) else -1,
-                    early_frees=m.is_encoder_decoder or m.is_image,
-                    shared_frees=t.batch_size if (m.is_encoder_decoder and ckpt) else 0, first_in=first_in)
+    return dict(_analyse(tracker, stacks, kinds, cache, released, m.vocab_size if is_lm(m) else -1,
+                         early_frees=m.is_encoder_decoder or m.is_image,
+                         shared_frees=t.batch_size if (m.is_encoder_decoder and ckpt) else 0, first_in=first_in),
+                grad_views=views)
+
+
+def _grad_view_bytes(tracker: Any, params: list[Any]) -> int:
+    """Bytes of the gradients' storages beyond the gradients themselves, after backward.
+
+    ``AccumulateGrad`` steals an incoming gradient that nothing else references and whose strides
+    match the parameter's in its dimensions larger than 1 (torch 2.13
+    ``torch/csrc/autograd/functions/accumulate_grad.h`` L188-201, ``utils/grad_layout_contract.h``
+    L29-50: size-1 dimensions are not compared), even when it is a view of a larger tensor: the
+    ``.grad`` then keeps that tensor's whole storage alive until ``zero_grad(set_to_none=True)``.
+    ViT's class token at micro-batch 1: ``cls_token.expand(1, -1, -1)`` then ``torch.cat`` along the
+    sequence (transformers 5.23 ``modeling_vit.py`` ``ViTEmbeddings.forward``), whose backward hands
+    the token a ``narrow`` of the (1, s, hidden) embedding gradient, and ``ExpandBackward``'s
+    ``sum_to`` returns it unchanged when no dimension was expanded (``ExpandUtils.h`` ``sum_to``);
+    from batch 2 the sum makes a fresh (1, 1, hidden) tensor. Each storage counted once."""
+    own: dict[int, int] = defaultdict(int)
+    size: dict[int, int] = {}
+    for p in params:
+        g = p.grad
+        rec = tracker.live.get(id(g.untyped_storage())) if g is not None else None
+        if rec is None:
+            continue
+        size[id(g.untyped_storage())] = rec.nbytes
+        own[id(g.untyped_storage())] += g.numel() * g.element_size()
+    return sum(max(0, size[k] - own[k]) for k in size)
 
 
 def _output_cache(out: Any) -> Any:
