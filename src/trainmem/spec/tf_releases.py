@@ -84,13 +84,15 @@ numbers are those files'. What depends on it, for the hand-written families:
     and the values ``v_proj``'s output seen as ``(b, heads, s, d)`` through ``view(...).transpose(1,
     2)``: strided tensors in (b, s, heads, d) memory. A fused SDPA kernel (and flash_attention_2)
     takes and saves them as they are, so the cache costs nothing more while the graph lives; eager
-    attention's ``torch.matmul`` (and SDPA's math path) reshapes them into contiguous copies first
-    (``_matmul_impl``: ``expand(...).reshape(...)``), which autograd saves instead, and so does
-    ``repeat_kv`` for grouped heads: the cache's tensors are then held by the output alone. GPT-2's
-    views keep ``c_attn``'s whole ``(b, s, q + 2 kv)`` output alive.
+    attention's ``torch.matmul`` (and SDPA's math path) folds (b, heads) into ``bmm``'s batch
+    (``_matmul_impl``: ``expand(...).reshape(...)``), a contiguous copy of such a tensor at b > 1 (a
+    view at b == 1), which autograd saves instead, and ``repeat_kv`` for grouped heads copies them
+    too: the cache's tensors are then held by the output alone. GPT-2's views keep ``c_attn``'s whole
+    ``(b, s, q + 2 kv)`` output alive. Checked by CPU runs of each release's lines
+    (tests/test_transformers_version.py).
   - ``"copy"``, from 4.56: ``DynamicLayer.lazy_initialization`` creates empty tensors and
     ``update`` returns ``torch.cat`` copies (4.56.0 ``cache_utils.py`` L90-117), contiguous ones that
-    attention takes and saves (see the value dtype below).
+    attention takes and saves (their dtype: the value dtype above).
   Under autocast the rotated keys are half while the rotary's ``cos``/``sin`` are cast to the values'
   dtype, ``self.rotary_emb(value_states, ...)`` returning ``cos.to(dtype=x.dtype)`` (Llama 4.35.2
   ``modeling_llama.py`` L144-145, L377; 4.42.4 L120, L334), and fp32 from the release whose model
