@@ -753,7 +753,8 @@ class LayerKey:
     math_upcast: bool = True  # PyTorch >= 2.5: SDPA's math kernel upcasts half inputs (spec.releases)
     eager_clamp: bool = False  # transformers' eager attention clamps the masked scores (spec.tf_releases)
     cache_values_own_dtype: bool = False  # transformers >= 5.24: the value cache keeps v's dtype (spec.tf_releases)
-    cache_kind: str = "copy"  # transformers >= 4.56: torch.cat copies; "reference": the layer's own k, v (spec.tf_releases)
+    cache_kind: str = "copy"  # transformers >= 4.56: torch.cat copies; "reference": the layer's own k, v
+    #                           (spec.tf_releases.kv_cache_kind)
     rotary_keys_half: bool = False  # older Llama-style code: rotary in the values' dtype, half keys under autocast
 
 

@@ -110,9 +110,10 @@ numbers are those files'. What depends on it, for the hand-written families:
   (``GraniteDecoderLayer.forward`` L602-624; eager attention L320-335: ``softmax(dtype=float32)
   .to(query_states.dtype)``, no clamp) is the installed one's, op for op.
 * **What cannot be expressed** (``transformers_problems``): a release before a family existed,
-  other derived architectures, ``--compile`` before 4.54 (and before 4.56 with a KV cache), the older losses under ``--tp`` or
-  ``--pp``, SDPA or flash before a class supports them; trace and measure refuse any release but
-  the installed one (``workload``).
+  other derived architectures, ``--compile`` before 4.54 (and before 4.56 with a KV cache), the
+  older losses under ``--tp`` or ``--pp``, SDPA or flash before a class supports them, Granite's older
+  KV cache where it differs (``granite_cache_differs``); trace and measure refuse any release but the
+  installed one (``workload``).
 """
 from __future__ import annotations
 
