@@ -168,6 +168,11 @@ def test_hf_trainer_version_sets_the_transformers_release():
     (dict(model="llama-3.2-1b", transformers_version="4.45", compile=True), "drop --compile"),
     (dict(model="llama-3.2-1b", transformers_version="4.45", tp=2), "drop --tp 2"),
     (dict(model="llama-3.2-1b", transformers_version="4.39"), "materialised (b, 1, s, s) causal mask"),
+    (dict(model="llama-3.2-1b", transformers_version="4.55", compile=True), "holds the layers' own keys and values"),
+    (dict(model="granite-3.1-8b", transformers_version="4.45.2", precision="bf16-amp", attention="flash"),
+     "Granite's KV cache"),
+    (dict(model="granite-3.1-8b", transformers_version="4.45.2", precision="bf16", attention="eager"),
+     "Granite's KV cache"),
     (dict(model="llama-3.2-1b", transformers_version="4.12"), "4.16 and later"),
     (dict(model="llama-3.2-1b", transformers_version="four"), "is not a transformers release"),
 ])
@@ -249,3 +254,172 @@ def test_code_release_is_the_given_else_the_installed_release():
     assert code_release(None) == parse_transformers_version(installed_version())
     assert NEWEST_READ >= (5, 24)  # what an estimate without transformers installed models
     assert resolve("llama-3.2-1b").training.transformers_version is None  # nothing pinned by default
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat((-x[..., x.shape[-1] // 2:], x[..., :x.shape[-1] // 2]), dim=-1)
+
+
+def _repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:
+    b, kvh, s, d = x.shape
+    return x if n == 1 else x[:, :, None].expand(b, kvh, n, s, d).reshape(b, kvh * n, s, d)
+
+
+def _old_llama_cache(heads: int, kv_heads: int, head_dim: int, precision: str, attention: str,
+                     rotary_half: bool, b: int) -> tuple[float, float]:
+    """One Llama attention of transformers before 4.56 run for real on the CPU (4.35.2
+    ``modeling_llama.py`` L366-396, 4.45.2 L612-661): q/k/v projections seen as ``(b, heads, s, d)``
+    by ``view(...).transpose(1, 2)``, rotary with cos/sin in the values' dtype (``rotary_half``, 4.35.2
+    L144-145, L377) or the embeddings' fp32 (4.45.2 L976), the cache's tuple or ``DynamicCache``
+    reference to k and v (4.35.2 L385; 4.36.0 ``cache_utils.py`` L124) taken before ``repeat_kv``, then
+    eager attention or SDPA (``"sdpa-math"``: its math path). Returns (bytes per token of the cache
+    autograd does not save, bytes per token of the cache), read by saved-tensor hooks; CPU autocast
+    to bf16 for ``bf16-amp``; a micro-batch of ``b`` sequences."""
+    s = 16
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    wdtype = torch.float32 if precision in ("fp32", "bf16-amp") else dtype
+    x = torch.randn(b, s, heads * head_dim, dtype=wdtype, requires_grad=True)
+    wq, wk, wv = (torch.randn(n * head_dim, heads * head_dim, dtype=wdtype) for n in (heads, kv_heads, kv_heads))
+    saved: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.add(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-amp"):
+        q = F.linear(x, wq).view(b, s, heads, head_dim).transpose(1, 2)
+        k = F.linear(x, wk).view(b, s, kv_heads, head_dim).transpose(1, 2)
+        v = F.linear(x, wv).view(b, s, kv_heads, head_dim).transpose(1, 2)
+        cos, sin = (torch.randn(1, 1, s, head_dim, dtype=v.dtype if rotary_half else x.dtype) for _ in range(2))
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        cache = (k, v)  # past_key_value = (key_states, value_states) if use_cache else None
+        kr, vr = _repeat_kv(k, heads // kv_heads), _repeat_kv(v, heads // kv_heads)
+        if attention == "eager":
+            w = torch.matmul(q, kr.transpose(2, 3)) / head_dim ** 0.5
+            out = torch.matmul(F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype), vr)
+        else:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            with sdpa_kernel(SDPBackend.MATH if attention == "sdpa-math" else SDPBackend.FLASH_ATTENTION):
+                out = F.scaled_dot_product_attention(q, kr, vr, is_causal=True)
+    del out
+    unsaved = sum(t.untyped_storage().nbytes() for t in cache if t.untyped_storage().data_ptr() not in saved)
+    return unsaved / (b * s), sum(t.untyped_storage().nbytes() for t in cache) / (b * s)
+
+
+@pytest.mark.parametrize("model,version,precision,attention", [
+    ("llama-2-7b", "4.35.2", "bf16", "eager"), ("llama-2-7b", "4.40.0", "bf16", "sdpa"),
+    ("llama-2-7b", "4.40.0", "bf16-amp", "sdpa"), ("llama-2-7b", "4.45.2", "bf16-amp", "sdpa"),
+    ("llama-2-7b", "4.45.2", "bf16-amp", "eager"), ("llama-2-7b", "4.45.2", "fp32", "sdpa-math"),
+    ("llama-3.2-1b", "4.35.2", "bf16-amp", "eager"), ("llama-3.2-1b", "4.45.2", "bf16", "sdpa"),
+    ("llama-3.2-1b", "4.55.0", "bf16", "sdpa"), ("llama-3.2-1b", "4.55.0", "bf16-amp", "sdpa")])
+def test_reference_cache_held_as_the_old_code_saves_it_on_the_cpu(model, version, precision, attention):
+    """Before 4.56 the cache holds the layer's own rotated keys and values (spec.tf_releases.kv_cache_kind):
+    the estimate's bytes per token the output holds beyond autograd (``LayerCoefs.held``) and its
+    whole cache (``.cache``) equal what the release's lines keep on a CPU run, per key/value element:
+    a fused kernel saves the cache's tensors, eager's matmul, the math path and repeat_kv (grouped
+    heads before 4.54) copy them (except matmul's at one sequence, where its reshape is a view:
+    ``LayerCoefs.held_b1``); under autocast the keys are fp32 from Llama 4.43."""
+    from trainmem.spec.tf_releases import kv_cache_kind, parse_transformers_version, rotary_keys_half
+    r = resolve(model, precision=precision, transformers_version=version, attention=attention, seq_len=S)
+    m, release = r.model, parse_transformers_version(version)
+    assert kv_cache_kind(release) == "reference"
+    lc = layer_coefficients(layer_key(m, r.training))
+    d = 16  # a narrow head: the bytes per key/value element do not depend on the width
+    gqa = m.num_heads // m.num_kv_heads if release < (4, 54) or attention == "eager" else 1
+    per_element = 2 * d  # two kv heads of d elements per token
+    for b, held in ((2, lc.held), (1, lc.held_b1)):
+        unsaved, cache = _old_llama_cache(2 * gqa, 2, d, precision, attention, rotary_keys_half(m, release), b)
+        assert (held / m.kv_size, lc.cache / m.kv_size) == (unsaved / per_element, cache / per_element), b
+
+
+def _old_gpt2_cache(attention: str, b: int, h: int = 32, heads: int = 2) -> tuple[float, float]:
+    """GPT-2's attention before 4.56 run for real on the CPU in bf16 (4.16.2 ``modeling_gpt2.py``
+    L192-229, L279-285, L313-329; 4.42.4 ``GPT2SdpaAttention`` L623-660): ``c_attn``'s output split
+    into q, k, v and seen as heads by ``view`` + ``permute``, ``present = (key, value)``, then eager's
+    two matmuls or SDPA. Returns (bytes per token of ``c_attn``'s output the cache's views keep that
+    autograd does not save, bytes per token the cache keeps), read by saved-tensor hooks."""
+    s, d = 16, h // heads
+    x = torch.randn(b * s, h, dtype=torch.bfloat16, requires_grad=True)
+    w, bias = torch.randn(h, 3 * h, dtype=torch.bfloat16), torch.zeros(3 * h, dtype=torch.bfloat16)
+    saved: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.add(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        qkv = torch.addmm(bias, x, w).view(b, s, 3 * h)   # Conv1D
+        q, k, v = (t.view(b, s, heads, d).permute(0, 2, 1, 3) for t in qkv.split(h, dim=2))  # _split_heads
+        present = (k, v)
+        if attention == "eager":
+            scores = torch.matmul(q, k.transpose(-1, -2)) / (float(d) ** 0.5)
+            causal = torch.ones(s, s, dtype=torch.bool).tril()[None, None]
+            scores = torch.where(causal, scores, torch.tensor(torch.finfo(scores.dtype).min, dtype=scores.dtype))
+            out = torch.matmul(F.softmax(scores, dim=-1).type(v.dtype), v)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    del out
+    storage = present[0].untyped_storage()
+    return (0.0 if storage.data_ptr() in saved else storage.nbytes() / (b * s)), storage.nbytes() / (b * s)
+
+
+@pytest.mark.parametrize("version,attention", [("4.21", "eager"), ("4.45.2", "sdpa")])
+def test_gpt2_cache_views_keep_c_attn_output_as_the_old_code_on_the_cpu(version, attention):
+    """GPT-2 before 4.56: the cache's k and v are views of ``c_attn``'s whole (b, s, 3h) output;
+    eager's matmuls save copies of the strided q, k, v (views at one sequence), SDPA the views
+    themselves. The estimate's held and cache bytes per token (bf16) match the CPU run's per
+    element of ``c_attn``'s output, at two sequences and at one (``LayerCoefs.held_b1``)."""
+    r = resolve("gpt2", precision="bf16", transformers_version=version, attention=attention, seq_len=S)
+    lc = layer_coefficients(layer_key(r.model, r.training))
+    width = 3 * r.model.hidden_size
+    for b, held in ((2, lc.held), (1, lc.held_b1)):
+        unsaved, cache = _old_gpt2_cache(attention, b)
+        assert (held / width, lc.cache / width) == (unsaved / 96, cache / 96), b
+    assert lc.cache == width * 2
+
+
+@pytest.mark.parametrize("model", ["llama-2-7b", "llama-3.2-1b"])
+def test_installed_cache_copies_held_as_its_eager_attention_saves_them(model):
+    """The installed release (4.56 and later, ``kv_cache_kind`` "copy"): the installed
+    ``DynamicCache`` returns new tensors, and the installed eager attention
+    (``modeling_llama.eager_attention_forward``) saves them through views, or, for grouped heads,
+    ``repeat_kv``'s copies: the cache is then held by the output alone. The estimate's held bytes per
+    token in pure bf16 match a CPU run of those two functions, per key/value element."""
+    from types import SimpleNamespace
+
+    from transformers.cache_utils import DynamicCache
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    from trainmem.spec.tf_releases import code_release, kv_cache_kind
+    r = resolve(model, precision="bf16", attention="eager", seq_len=S)
+    m, lc = r.model, layer_coefficients(layer_key(r.model, r.training))
+    assert kv_cache_kind(code_release(None)) == "copy"
+    groups, b, s, d = m.num_heads // m.num_kv_heads, 2, 16, 8
+    q = torch.randn(b, 2 * groups, s, d, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(b, 2, s, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    saved: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.add(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        keys, values = DynamicCache().update(k, v, 0)
+        eager_attention_forward(SimpleNamespace(num_key_value_groups=groups, training=True), q, keys, values,
+                                None, d ** -0.5)
+    assert keys is not k and values is not v  # copies
+    unsaved = sum(t.untyped_storage().nbytes() for t in (keys, values) if t.untyped_storage().data_ptr() not in saved)
+    assert lc.held / m.kv_size == unsaved / (b * s * 2 * d)
+    assert (lc.held > 0) == (groups > 1)
+
+
+def test_older_cache_refusals_spare_runs_without_a_cache():
+    """Granite's and --compile's refusals of an older release's cache (spec.tf_releases) leave runs that
+    build none: gradient checkpointing (the published FMS Granite runs), ``--use-cache false``; and a
+    release with the cache's copies."""
+    for kw in ({"recompute": "full"}, {"use_cache": False}):
+        resolve("granite-3.1-8b", transformers_version="4.45.2", precision="bf16-amp", attention="flash", **kw)
+        resolve("llama-3.2-1b", transformers_version="4.55", compile=True, **kw)
+    resolve("llama-3.2-1b", transformers_version="4.56", compile=True)
+    resolve("granite-3.1-8b", transformers_version="4.45.2", precision="bf16", attention="flash")

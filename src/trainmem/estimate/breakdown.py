@@ -258,8 +258,10 @@ def _logits(mo: Moment, m: Any, half: str, mode: str) -> list[Component]:
         out.append(Component("logits.log_probs", LOGITS, logp, "fp32" if loss_upcasts(m) and mode != "half" else None,
                              "log-softmax saved by cross-entropy (and nll_loss's fp32 copy under autocast)"))
     if kv:
-        out.append(Component("activations.kv_cache", ACTIVATIONS, kv, "fp32",
-                             "KV-cache copies of the keys held by the model output (not saved by autograd)"))
+        out.append(Component("activations.kv_cache", ACTIVATIONS, kv, None,
+                             "KV-cache tensors the model output holds beyond what autograd saves (the fp32 keys "
+                             "under autocast; an older release's own keys and values where attention copies "
+                             "them), and the layers' whole cache once their backward has run"))
     if graph:
         out.append(Component("activations.bnb_matmul4bit_inputs", ACTIVATIONS, graph, half,
                              "inputs of the 4-bit linears that bitsandbytes < 0.43.2 MatMul4Bit keeps on its "

@@ -50,6 +50,9 @@ class Recipe:
 
     saved: dict[int, T] = field(default_factory=dict)
     held: dict[int, T] = field(default_factory=dict)
+    # ``held`` at a micro-batch of one sequence, where eager's and math's matmuls save the strided
+    # (b, heads, s, d) views of an older release's cache as they are (``_cache_tensors``)
+    held_b1: dict[int, T] = field(default_factory=dict)
     cache: float = 0.0  # bytes per token of the KV-cache copies the model output references
     transients: list[tuple[str, float, float, float, float, float, float, float]] = field(default_factory=list)
     weights: float = 0.0
@@ -103,9 +106,12 @@ class Recipe:
         out.update(self.free_extra)
         return list(out.values())
 
-    def hold(self, *ts: T) -> None:
+    def hold(self, *ts: T, b1: tuple[T, ...] | None = None) -> None:
+        """The model output references ``ts`` (``b1``: at a micro-batch of one, these instead)."""
         for t in ts:
             self.held[id(t)] = t
+        for t in (ts if b1 is None else b1):
+            self.held_b1[id(t)] = t
 
     def transient(self, name: str, *ts: T, const: float = 0.0, own_weights: float = 0.0,
                   own_uncast: float = 0.0, own_cast: float = 0.0) -> None:
@@ -747,6 +753,9 @@ class LayerKey:
     math_upcast: bool = True  # PyTorch >= 2.5: SDPA's math kernel upcasts half inputs (spec.releases)
     eager_clamp: bool = False  # transformers' eager attention clamps the masked scores (spec.tf_releases)
     cache_values_own_dtype: bool = False  # transformers >= 5.24: the value cache keeps v's dtype (spec.tf_releases)
+    cache_kind: str = "copy"  # transformers >= 4.56: torch.cat copies; "reference": the layer's own k, v
+    #                           (spec.tf_releases.kv_cache_kind)
+    rotary_keys_half: bool = False  # older Llama-style code: rotary in the values' dtype, half keys under autocast
 
 
 def ep_rank_rows(top_k: int, experts: int, ep: int, imbalance: float) -> float:
@@ -814,6 +823,7 @@ class LayerCoefs:
     # casts its weight, the weight's elements, bytes per element of its gradient (the weight's dtype;
     # 0: frozen)), for the allocator replay (reserved.py)
     linears: tuple[tuple[int, float, int], ...] = ()
+    held_b1: float | None = None  # ``held`` at a micro-batch of one sequence (Recipe.held_b1); None: ``held``
 
     def bytes(self, n: int, nsq: int) -> int:
         return int(self.tok * n + self.sq * nsq)
@@ -865,6 +875,7 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
     after_uncast = tuple(max(0.0, B.r.uncast - u) for *_, u in B.r.transients)
     own_cast = tuple(B.r.own_cast)
     held = sum(t.tok * t.nbytes for i, t in B.r.held.items() if i not in B.r.saved)
+    held_b1 = sum(t.tok * t.nbytes for i, t in B.r.held_b1.items() if i not in B.r.saved)
     op_tok, op_sq = op_checkpoint_saved(B.r)
     input_saved = B.r.input_saved or id(x) in B.r.saved
     unsaved = tuple((t.name or "other", *t.bytes_coef()) for t in B.r.first_layer_unsaved())
@@ -878,7 +889,7 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
                       after_uncast=after_uncast if any(after_uncast) else (),
                       own_cast=own_cast if any(own_cast) else (),
                       first_adapter_op=B.r.first_adapter_op, linears=tuple(B.r.linears),
-                      op_tensors=tuple(t.bytes_coef() for t in op_checkpoint_kept(B.r)))
+                      op_tensors=tuple(t.bytes_coef() for t in op_checkpoint_kept(B.r)), held_b1=held_b1)
 
 
 def op_checkpoint_kept(r: Recipe) -> list[T]:
@@ -910,28 +921,35 @@ def _gpt2_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: f
     qq, kk, vv = (T(q, 0, half, "attn.qkv"), T(kv, 0, half, "attn.qkv"), T(kv, 0, half, "attn.qkv"))
     backend = "eager" if k.attention == "eager" else B.sdpa(k.attention, k.head_dim, heads, kvh,
                                                             k.attention_dropout)
+    qkv = T(q + 2 * kv, 0, half, "attn.qkv")  # c_attn's output (b, s, q + 2 kv): q, k, v are views of it
+    qkv_b1 = qkv  # what the cache's views keep at b == 1 (eager: the tensor matmul saves)
+    copies = k.kv_cache and k.cache_kind == "copy"
     if backend == "eager":
-        # q, k, v are views of the c_attn output: one storage
-        qkv_t = T(q + 2 * kv, 0, half, "attn.qkv")
-        B.r.save(qkv_t)
+        # matmul's copies of q, k, v (strided views of c_attn's output: _matmul_impl reshapes them; at
+        # b == 1 views of it, then qkv itself), or of q and the cache's contiguous k and v: q + 2 kv
+        saved = T(q + 2 * kv, 0, half, "attn.qkv")
+        B.r.save(saved)
         qq = kk = vv = T(0, 0, half, "attn.qkv")
+        qkv_b1 = saved
     elif backend == "flash" and k.head_dim % 8:
         # the kernel saves padded copies of q, k, v (Builder._fused_attention); the cache's copies
         # of k and v (transformers, config.use_cache) live as long as the model output
-        if k.kv_cache:
+        if copies:
             kk, vv = T(kv, 0, half, "attn.k_cache"), T(kv, 0, half, "attn.v_cache")
             B.r.hold(kk, vv)
     elif backend != "math":
         # the kernel saves q as a view: the whole c_attn output stays alive. With a KV cache
-        # (transformers, config.use_cache) k and v are the cache's copies (torch.cat).
-        B.r.save(T(q + 2 * kv, 0, half, "attn.qkv"))
+        # (transformers, config.use_cache) from 4.56 k and v are the cache's copies (torch.cat).
+        B.r.save(qkv)
         qq = T(0, 0, half, "attn.qkv")
-        if k.kv_cache:
+        if copies:
             kk, vv = T(kv, 0, half, "attn.k_cache"), T(kv, 0, half, "attn.v_cache")
         else:
             kk = vv = qq
-    if k.kv_cache:
+    if copies:
         B.r.cache = 2 * kv * half  # the cache's copies of k and v
+    elif k.kv_cache:
+        _hold_cache(B, (qkv,), (qkv_b1,))  # before 4.56 the cache's k and v are views of c_attn's output: all of it
     ctx = B.attention(qq, kk, vv, heads, kvh, k.head_dim, k.attention, k.attention_dropout,
                       softmax_fp32_then_cast=False)
     B.linear(ctx, h, "c_proj", "c_proj.input")
@@ -1002,19 +1020,11 @@ def _llama_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: 
     # rotary: q*cos + rotate_half(q)*sin makes new q and k tensors; cos/sin are shared per model;
     # v is v_proj's output itself
     qq, kk, vv = T(q, 0, half, "attn.q_rot"), T(kv, 0, half, "attn.k_rot"), proj["v_proj"]
-    if k.kv_cache and pol.amp:
-        # Under autocast cos/sin are fp32 (the residual dtype), so the rotated k is fp32 and the
-        # cache's torch.cat copy of it (b, kv_heads, s, d) fp32 is not what attention saves (it
-        # saves its half cast). The value cache: see _cache_held. They live as long as the output.
-        B.r.hold(*_cache_held(k, kv))
+    backend = "eager" if k.attention == "eager" else B.sdpa(k.attention, k.head_dim, heads, kvh, k.attention_dropout)
     if k.kv_cache:
-        B.r.cache = _cache_bytes(k, pol.amp, kv, half)  # the cache's copies of k and v
-    if k.kv_cache and not pol.amp and k.attention != "eager" and k.head_dim % 8 and \
-            B.sdpa(k.attention, k.head_dim, heads, kvh, k.attention_dropout) == "flash":
-        # k and v are the cache's copies; flash saves padded copies of them instead, so the cache's
-        # live as long as the model output
-        kk, vv = T(kv, 0, half, "kv_cache.k"), T(kv, 0, half, "kv_cache.v")
-        B.r.hold(kk, vv)
+        # (b == 1: eager's and math's matmuls reshape the strided tensors into views, see _cache_tensors)
+        shares = k.cache_kind == "copy" or backend in ("flash", "efficient", "cudnn")
+        _hold_cache(B, _cache_tensors(k, pol, kk, vv, kv, shares), _cache_tensors(k, pol, kk, vv, kv, True))
     ctx = B.attention(qq, kk, vv, heads, kvh, k.head_dim, k.attention, k.attention_dropout,
                       softmax_fp32_then_cast=True)
     B.linear(ctx, h, "o_proj", "o_proj.input")
@@ -1031,28 +1041,44 @@ def _llama_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: 
         _swiglu(B, f, h, src2, "mlp", fused_gate_up=False)
 
 
-def _cache_held(k: LayerKey, kv: float) -> tuple[T, ...]:
-    """What a Llama-style layer's ``DynamicCache`` holds under autocast beyond the tensors attention
-    saves, per token: the fp32 copy of the rotated keys (b, kv_heads, s, d), and up to transformers
-    5.23 an fp32 copy of the values too. ``DynamicLayer.lazy_initialization`` created both empty
-    caches in the keys' dtype (5.23.0 ``cache_utils.py`` L113-116: ``self.dtype = key_states.dtype``),
-    so ``torch.cat`` promoted the half values to fp32, and attention saved its own half cast of them;
-    5.24.0 creates the value cache in the values' dtype (L113-116: ``dtype=value_states.dtype``), so
-    the cache's half copy of v is the very tensor attention takes uncast and saves
-    (``spec.tf_releases.cache_values_own_dtype``)."""
-    held = [T(kv, 0, F32, "kv_cache.k")]
-    if not k.cache_values_own_dtype:
-        held.append(T(kv, 0, F32, "kv_cache.v"))
-    return tuple(held)
+def _cache_tensors(k: LayerKey, pol: Policy, kk: T, vv: T, kv: float, shares: bool) -> tuple[T, T]:
+    """The keys and values one Llama-style layer's KV cache holds, (b, kv_heads, s, d) each: ``kk`` and
+    ``vv`` themselves (the tensors attention takes, and saves unless it copies them: ``repeat_kv`` for
+    grouped heads, flash's padding, the math path's scaling) where they are the cache's, else tensors
+    of their own, which the output alone holds. ``k.cache_kind`` (``spec.tf_releases.kv_cache_kind``):
+
+    * "copy" (transformers >= 4.56): ``DynamicLayer.update``'s ``torch.cat`` copies (4.56.0
+      ``cache_utils.py`` L90-117), contiguous, which attention takes as they are, in the keys' dtype:
+      under autocast the rotary's cos/sin are fp32 (the embeddings' dtype), so k is an fp32 copy
+      attention casts to half (not saved); up to 5.23 ``lazy_initialization`` created both empty caches
+      in the keys' dtype (5.23.0 ``cache_utils.py`` L113-116: ``self.dtype = key_states.dtype``), so
+      ``torch.cat`` promoted the half values to fp32 too, and attention saved its own half cast of them;
+      5.24.0 creates the value cache in the values' dtype (L113-116: ``dtype=value_states.dtype``), the
+      very half tensor attention takes (``k.cache_values_own_dtype``).
+    * "reference" (before 4.56): the rotated keys and ``v_proj``'s output themselves, strided
+      ``view(...).transpose(1, 2)`` tensors in (b, s, heads, d) memory. A fused kernel takes and saves
+      them as they are; eager's ``torch.matmul`` and the math path's fold (b, heads) into bmm's batch
+      (``_matmul_impl``: ``expand(...).reshape(...)``), a copy of such a tensor, which autograd saves
+      instead, except at b == 1, where the reshape is a view. Under autocast the keys are half where
+      rotary casts cos/sin to the values' dtype (``k.rotary_keys_half``,
+      ``spec.tf_releases.rotary_keys_half``), else fp32.
+
+    ``shares``: whether the tensors attention takes (``kk``, ``vv``) are the cache's own."""
+    half = pol.half
+    copy = k.cache_kind == "copy"
+    fp32_keys = pol.amp and not k.rotary_keys_half
+    kc = T(kv, 0, F32, "kv_cache.k") if fp32_keys else kk if shares else T(kv, 0, half, "kv_cache.k")
+    fp32_values = pol.amp and copy and not k.cache_values_own_dtype
+    vc = T(kv, 0, F32, "kv_cache.v") if fp32_values else vv if shares else T(kv, 0, half, "kv_cache.v")
+    return kc, vc
 
 
-def _cache_bytes(k: LayerKey, amp: bool, kv: float, half: int) -> float:
-    """Bytes per token of one layer's KV cache (its ``torch.cat`` copies of k and v, saved or not):
-    in the compute dtype, except under autocast, where k is fp32 and v fp32 before transformers 5.24
-    and half from it (``_cache_held``)."""
-    if not amp:
-        return 2 * kv * half
-    return kv * F32 + kv * (half if k.cache_values_own_dtype else F32)
+def _hold_cache(B: Builder, cache: tuple[T, ...], b1: tuple[T, ...] | None = None) -> None:
+    """The model output references ``cache`` (``b1``: the same tensors as seen at a micro-batch of one,
+    ``Recipe.held_b1``) (``LayerCoefs.cache``): what autograd does not save of it counts while the
+    output lives (``LayerCoefs.held``), the rest once backward has freed it."""
+    B.r.hold(*cache, b1=b1)
+    B.r.cache = sum(t.tok * t.nbytes for t in cache)
 
 
 def compiled_recipe(k: LayerKey) -> bool:
@@ -1107,11 +1133,9 @@ def _llama_layer_compiled(B: Builder, k: LayerKey, x: T, h: int, f: float, q: fl
     qq, kk, vv = T(q, 0, half, "attn.q_rot"), T(kv, 0, half, "attn.k_rot"), T(kv, 0, half, "attn.v")
     if not pol.amp:
         vv = proj["v_proj"]
-    if k.kv_cache and pol.amp:
-        # the cache's fp32 k (and v before 5.24; fp32 rotary under autocast, see _llama_layer): returned outputs
-        B.r.hold(*_cache_held(k, kv))
     if k.kv_cache:
-        B.r.cache = _cache_bytes(k, pol.amp, kv, half)
+        # the cache's copies (_cache_tensors; --compile is refused with an older release's cache): returned outputs
+        _hold_cache(B, _cache_tensors(k, pol, kk, vv, kv, True))
     ctx = B.attention(qq, kk, vv, heads, kvh, k.head_dim, k.attention, k.attention_dropout,
                       softmax_fp32_then_cast=True)       # saves q, k, v, out (b, s, q) half, lse (b, heads, s) fp32
     B.linear(ctx, h, "o_proj", "o_proj.input")

@@ -181,7 +181,7 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
     chunk = where(q.liger_factor > 0, liger, chunk_tok) * q.logit_width // q.tp if flags.lm else 0
     saved = full * q.loss_saved + nl * q.loss_saved_tok + q.loss_saved_const
     labels = nl if flags.lm else b
-    kv_tok = trunc(q.held_tok * n)
+    kv_tok = trunc(where(b == 1, q.held_b1_tok, q.held_tok) * n)  # (b == 1: eager's matmul saves the cache's views)
     # torch's pipeline schedule takes the step's whole batch (torchtitan: ``pp_schedule.step(inputs,
     # target=labels)`` on every stage) and splits it into views; its stage keeps a receive buffer
     # per micro-batch (quantities.pipeline_buffers), from the first step's schedule on

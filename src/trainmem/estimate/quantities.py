@@ -22,7 +22,8 @@ import numpy as np
 
 from ..errors import TrainmemError
 from ..spec.model import ModelSpec
-from ..spec.tf_releases import cache_values_own_dtype, causal_lm_loss, code_release, eager_clamp, sdpa_repeats_kv
+from ..spec.tf_releases import (cache_values_own_dtype, causal_lm_loss, code_release, eager_clamp, kv_cache_kind,
+                                rotary_keys_half, sdpa_repeats_kv)
 from ..spec.training import CHUNKED_NLL_TOKENS, RECOMPUTE, TrainingSpec, chunked_nll_problem, config_use_cache
 from .cache import BoundedCache
 from .elementwise import NEVER
@@ -78,6 +79,7 @@ class Quantities:
     redo_sq: float
     redo_const: int        # that layer's autocast weight copies, under full recompute
     held_tok: float        # KV-cache bytes per token the output holds without autograd (fp32, amp)
+    held_b1_tok: float     # ... at a micro-batch of one sequence (layers.Recipe.held_b1)
     cache_tok: float       # the whole KV cache per token
     outer_head_tok: float  # final norm / head input, per token
     outer_rest_tok: float  # embeddings' saved tensors, rotary tables, 4-D mask
@@ -268,6 +270,7 @@ def layer_key(m: ModelSpec, t: TrainingSpec) -> LayerKey:
         targets = set(t.lora_targets or default_lora_targets(m))
         lora = tuple((p.module, t.lora_rank, 1) for p in m.parameter_tensors()
                      if p.layer == 0 and p.is_matmul and p.module in targets)
+    release = code_release(t.transformers_release)  # the transformers code the run executes
     return LayerKey(m.family, act_impl(m), t.precision, t.attention, t.dropout, m.hidden_dropout,
                     m.attention_dropout, m.hidden_size, m.ffn_size, m.q_size, m.kv_size, m.num_heads,
                     m.num_kv_heads, m.head_dim, t.tp, t.sequence_parallel, t.sequence_parallel and dtensor_tp(t),
@@ -281,7 +284,8 @@ def layer_key(m: ModelSpec, t: TrainingSpec) -> LayerKey:
                     softmax_saves_input=t.softmax_saves_input, attention_call=release_attention_call(m, t),
                     math_upcast=t.math_sdpa_upcasts,
                     eager_clamp=t.attention == "eager" and eager_clamp(m, t.transformers_release),
-                    cache_values_own_dtype=cache_values_own_dtype(code_release(t.transformers_release)))
+                    cache_values_own_dtype=cache_values_own_dtype(release), cache_kind=kv_cache_kind(release),
+                    rotary_keys_half=rotary_keys_half(m, release))
 
 
 def release_attention_call(m: ModelSpec, t: TrainingSpec) -> str:
@@ -1415,7 +1419,8 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         kept_tok=kept[0], kept_sq=kept[1], redo_tok=redo[0], redo_sq=redo[1],
         # (a layer traced checkpointed has its recomputed copies in its measured transients)
         redo_const=cast_layer if (checkpointed and top_recomputed and not lc.checkpointed) else 0,
-        held_tok=lc.held, cache_tok=lc.cache, loss_forward_chunk=loss.forward_chunk,
+        held_tok=lc.held, held_b1_tok=lc.held if lc.held_b1 is None else lc.held_b1, cache_tok=lc.cache,
+        loss_forward_chunk=loss.forward_chunk,
         outer_head_tok=head_tok, outer_rest_tok=rest_tok, outer_rest_sq=rest_sq, outer_rest_pos=rest_pos,
         head_loss_tok=derived_head_loss(m, t, stage) if derived else head_during_loss(m, t, pol, stage),
         cast_layer=cast_layer, cast_head=cast_head, cast_embed=cast_embed, cast_checkpointed=cast_layer * checkpointed, head_wgrad=head_wgrad(m, t, cast_head),

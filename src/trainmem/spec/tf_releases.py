@@ -67,6 +67,42 @@ numbers are those files'. What depends on it, for the hand-written families:
   attention saves. This rule applies to the run's code release (``code_release``): the given one, else
   the installed transformers, else the newest release read (``NEWEST_READ``), so an estimate agrees
   with a trace of the installed code; without transformers installed it models the newest release.
+* **The KV cache's tensors** (``kv_cache_kind``, ``rotary_keys_half``): in training, with
+  ``use_cache`` (default True), every release read builds a cache; each family's model turns it off
+  under gradient checkpointing only (``if self.gradient_checkpointing and self.training: ...
+  use_cache = False`` with a warning: Llama 4.28.1 ``modeling_llama.py`` L547, 4.35.2 L893-898, 4.36.0
+  L1039; GPT-2 4.16.2 ``modeling_gpt2.py`` L871, 4.50.0 L887, 4.56.0 L839), as trainmem's ``kv_cache``
+  assumes. What the cache holds changed twice:
+  - ``"reference"``, before 4.56: the layer's own keys and values, no copy. Up to 4.35 the layer returns
+    the tuple ``past_key_value = (key_states, value_states) if use_cache else None`` (Llama 4.28.1
+    ``modeling_llama.py`` L212, 4.35.2 L385; Mistral 4.35.2 L263; GPT-2 ``present = (key, value)``, 4.16.2
+    L329 to 4.50.0 L308, views of ``c_attn``'s output); 4.36-4.53 ``DynamicCache.update`` appends them
+    on a layer's first update (4.36.0 ``cache_utils.py`` L124 ``self.key_cache.append(key_states)``,
+    4.53.3 L549) and returns them; 4.54-4.55 ``DynamicLayer.update`` binds them (4.54.0 L98-100,
+    4.55.4 L98-100: ``self.keys = key_states``). The cache is taken before ``repeat_kv`` in every
+    release (4.35.2 ``modeling_llama.py`` L385-388, 4.45.2 L635-638). The keys are the rotary output
+    and the values ``v_proj``'s output seen as ``(b, heads, s, d)`` through ``view(...).transpose(1,
+    2)``: strided tensors in (b, s, heads, d) memory. A fused SDPA kernel (and flash_attention_2)
+    takes and saves them as they are, so the cache costs nothing more while the graph lives; eager
+    attention's ``torch.matmul`` (and SDPA's math path) folds (b, heads) into ``bmm``'s batch
+    (``_matmul_impl``: ``expand(...).reshape(...)``), a contiguous copy of such a tensor at b > 1 (a
+    view at b == 1), which autograd saves instead, and ``repeat_kv`` for grouped heads copies them
+    too: the cache's tensors are then held by the output alone. GPT-2's views keep ``c_attn``'s whole
+    ``(b, s, q + 2 kv)`` output alive. Checked by CPU runs of each release's lines
+    (tests/test_transformers_version.py).
+  - ``"copy"``, from 4.56: ``DynamicLayer.lazy_initialization`` creates empty tensors and
+    ``update`` returns ``torch.cat`` copies (4.56.0 ``cache_utils.py`` L90-117), contiguous ones that
+    attention takes and saves (their dtype: the value dtype above).
+  Under autocast the rotated keys are half while the rotary's ``cos``/``sin`` are cast to the values'
+  dtype, ``self.rotary_emb(value_states, ...)`` returning ``cos.to(dtype=x.dtype)`` (Llama 4.35.2
+  ``modeling_llama.py`` L144-145, L377; 4.42.4 L120, L334), and fp32 from the release whose model
+  computes them once from the embeddings' fp32 output (``position_embeddings =
+  self.rotary_emb(hidden_states, position_ids)``): Llama 4.43 (4.43.4 L920), Qwen2 4.45 (4.45.2 L952;
+  4.44.2 L311 on the values), Mistral and Mixtral 4.48 (4.48.0 ``modeling_mistral.py`` L538,
+  ``modeling_mixtral.py`` L665; 4.47.0 on the values). OPT's cache of those releases holds the
+  contiguous ``_shape`` copies that ``bmm`` saves through views (4.30.2 ``modeling_opt.py`` L153-154,
+  L203-208), the bytes of the installed code's copies; Granite's (derived, 4.45.2
+  ``modeling_granite.py`` L318-320, L868) is refused where it differs (``granite_cache_differs``).
 * **Derived architectures** (their layers are traced from the installed transformers): OPT and
   Granite only. OPT's layer of those releases differs from the installed one by the clamp alone in
   fp16 and fp32 (its softmax upcasts fp16 scores as the installed one does; bf16 ones it did not),
@@ -74,9 +110,10 @@ numbers are those files'. What depends on it, for the hand-written families:
   (``GraniteDecoderLayer.forward`` L602-624; eager attention L320-335: ``softmax(dtype=float32)
   .to(query_states.dtype)``, no clamp) is the installed one's, op for op.
 * **What cannot be expressed** (``transformers_problems``): a release before a family existed,
-  other derived architectures, ``--compile`` before 4.54, the older losses under ``--tp`` or
-  ``--pp``, SDPA or flash before a class supports them; trace and measure refuse any release but
-  the installed one (``workload``).
+  other derived architectures, ``--compile`` before 4.54 (and before 4.56 with a KV cache), the
+  older losses under ``--tp`` or ``--pp``, SDPA or flash before a class supports them, Granite's older
+  KV cache where it differs (``granite_cache_differs``); trace and measure refuse any release but the
+  installed one (``workload``).
 """
 from __future__ import annotations
 
@@ -120,6 +157,12 @@ DERIVED_TYPES = ("opt", "granite")
 NEWEST_READ = (5, 24)
 #: from this release a ``DynamicLayer`` creates its value cache in the values' own dtype
 VALUES_OWN_DTYPE_SINCE = (5, 24)
+#: from this release a ``DynamicLayer`` returns ``torch.cat`` copies (before: the layer's own tensors)
+CACHE_COPIES_SINCE = (4, 56)
+CACHE_KINDS = ("copy", "reference")
+#: the first release whose model computes rotary's cos/sin from the embeddings (fp32 under autocast)
+#: rather than per layer in the values' dtype
+_ROTARY_FROM_EMBEDDINGS = {"llama": (4, 43), "qwen2": (4, 45), "mistral": (4, 48), "mixtral": (4, 48)}
 
 
 def parse_transformers_version(text: Any) -> tuple[int, ...]:
@@ -220,6 +263,10 @@ def transformers_problems(model: Any, t: Any) -> str | None:
     if t.compile and v < (4, 54):
         return (f"{name}: torch.compile's partition of that release's model code is not modelled (the compiled "
                 "recipes are read off the installed code's graphs); drop --compile or give a release from 4.54")
+    if t.compile and kv_cache_kind(v) == "reference" and cache_built(model, t):
+        return (f"{name}: its KV cache holds the layers' own keys and values, which the compiled recipes (read off "
+                "the installed code's graphs, whose cache holds copies) do not model; drop --compile, give --use-cache "
+                "false, or a release from 4.56")
     loop = [f for f, on in ((f"--tp {t.tp}", t.tp > 1), (f"--pp {t.pp}", t.pp > 1)) if on]
     if t.loss is None and causal_lm_loss(model, v) != "labels" and loop:
         return (f"{name}: its {key} loss copies the logits, which trainmem models for the eager loss on one "
@@ -229,11 +276,33 @@ def transformers_problems(model: Any, t: Any) -> str | None:
         return (f"{name}: Granite's SDPA call of that release copies the grouped keys and values to the query's "
                 "heads, which its derived coefficients (traced from the installed call) do not hold; give "
                 "--attention flash or eager, or a release from 4.54")
+    if key == "granite" and granite_cache_differs(model, t, v):
+        return (f"{name}: Granite's KV cache of that release holds the layer's own keys and values, which its derived "
+                "coefficients (traced from the installed code's copies) do not hold under autocast or eager or math "
+                "attention; give --precision bf16 or fp16 with --attention sdpa or flash, --recompute full, "
+                "--use-cache false, or a release from 4.56")
     if key in DERIVED_TYPES and t.precision not in ("fp16", "fp32") and eager_clamp(model, v):
         return (f"{name} with {model.name} and --precision {t.precision}: OPT's eager softmax of that release runs in "
                 "the scores' dtype where the installed one upcasts, so only fp16 and fp32 are modelled; use one of "
                 "them or a release from 4.49")
     return None
+
+
+def granite_cache_differs(model: Any, t: Any, version: tuple[int, ...]) -> bool:
+    """Whether derived Granite's KV cache in release ``version`` holds other bytes than the installed
+    code's traced copies: a cache is built (``use_cache``, no gradient checkpointing or pipeline), the
+    release keeps references (``kv_cache_kind``), and either autocast runs (the installed code's fp32
+    value copy against the half ``v_proj`` output of the reference) or eager or math attention saves
+    reshaped copies, leaving the reference's tensors held by the output alone (module docstring)."""
+    return (cache_built(model, t) and kv_cache_kind(version) == "reference"
+            and (t.precision.endswith("-amp") or t.attention in ("eager", "sdpa-math")))
+
+
+def cache_built(model: Any, t: Any) -> bool:
+    """Whether transformers builds a KV cache in the run: ``use_cache`` on, no gradient checkpointing,
+    no pipeline or context parallel loop (``estimate.quantities.kv_cache`` for the hand families)."""
+    from .training import config_use_cache  # (training imports this module)
+    return t.recompute not in ("full", "op") and t.pp * t.cp == 1 and config_use_cache(model.config, t)
 
 
 def code_release(version: tuple[int, ...] | None) -> tuple[int, ...]:
@@ -254,6 +323,19 @@ def _installed_release() -> tuple[int, ...]:
 def cache_values_own_dtype(version: tuple[int, ...]) -> bool:
     """Whether release ``version``'s ``DynamicCache`` keeps the values in their own dtype (module docstring)."""
     return version >= VALUES_OWN_DTYPE_SINCE
+
+
+def kv_cache_kind(version: tuple[int, ...]) -> str:
+    """What release ``version``'s KV cache holds (``CACHE_KINDS``, module docstring): ``"copy"``, the
+    ``torch.cat`` copies of 4.56 and later, else ``"reference"``, the layer's own keys and values."""
+    return "copy" if version >= CACHE_COPIES_SINCE else "reference"
+
+
+def rotary_keys_half(model: Any, version: tuple[int, ...]) -> bool:
+    """Whether a Llama-style layer of release ``version`` casts rotary's cos/sin to the values'
+    dtype, so that under autocast its rotated keys (the cache's) are half, not fp32 (module docstring)."""
+    since = _ROTARY_FROM_EMBEDDINGS.get(model_key(model))
+    return since is not None and version < since
 
 
 def installed_version() -> str:
