@@ -185,8 +185,9 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
     # target=labels)`` on every stage) and splits it into views; its stage keeps a receive buffer
     # per micro-batch (quantities.pipeline_buffers), from the first step's schedule on
     batch = where(q.pipe_batch > 0, ga, 1)
-    inputs = (block_bytes((trunc(q.input_tok * n) - q.input_sample * b) * batch) + block_bytes(labels * 8 * batch)
-              + q.pipe_recv * ga * block_bytes(trunc(q.pipe_buf_tok * n)))
+    es = q.expandable  # the allocator's mode (block_bytes)
+    inputs = (block_bytes((trunc(q.input_tok * n) - q.input_sample * b) * batch, es)
+              + block_bytes(labels * 8 * batch, es) + q.pipe_recv * ga * block_bytes(trunc(q.pipe_buf_tok * n), es))
     return Tokens(inflight, layer, layers, outer_rest, outer_head, all_acts, redo, grads, index, bottom, lower,
                   inputs,
                   full * q.logits_held, full * q.logits_out,

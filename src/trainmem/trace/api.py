@@ -56,7 +56,7 @@ TRACED_MICRO_BATCHES = 4
 def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device: str = "cuda",
           training: TrainingSpec | None = None, hardware: Hardware | None = None, gpu: Any = None,
           gpu_memory: Any = None, context_memory: Any = None, max_fraction: float | None = None,
-          optimizer_fn: Callable | None = None, overrides: Any = None, expandable_segments: bool = False,
+          optimizer_fn: Callable | None = None, overrides: Any = None, expandable_segments: bool | None = None,
           max_split_size: int | None = None, cublas_workspace: int | None = None,
           attention_backend: str | None = None, capability: tuple[int, int] | None = None,
           simulate_oom: bool = False, timeline_points: int = 4000, largest: int = 20, rank: int = 0,
@@ -87,7 +87,9 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
     ``simulate_oom=True`` limits the simulated device to the GPU's capacity minus its CUDA context:
     near the limit the allocator frees its cache and retries as PyTorch does, and a step that does
     not fit stops at the simulated out-of-memory (reported in ``warnings``).
-    ``expandable_segments`` and ``max_split_size`` mirror ``PYTORCH_CUDA_ALLOC_CONF``.
+    ``expandable_segments`` and ``max_split_size`` mirror ``PYTORCH_CUDA_ALLOC_CONF``;
+    ``expandable_segments`` is the TrainingSpec field of that name (None: the setup's, False unless a
+    ``training=`` spec or a framework preset, torchtitan's, says otherwise).
     With data or tensor parallelism (``dp`` > 1, ``fsdp`` with FSDP2 or, ``fsdp_version=1``, FSDP1,
     ``tp`` > 1 with or without ``sequence_parallel``) the step runs on a fake process group of ``dp`` × ``tp`` ranks
     (``trace.distributed``) as rank ``rank`` (default 0, the worst: FSDP2 and DTensor give it the
@@ -103,8 +105,10 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
     if not isinstance(steps, int) or steps < 1:
         raise TrainmemError(f"steps must be a positive integer, got {steps!r}")
     options = dict(training_options, training=training, hardware=hardware, gpu=gpu, gpu_memory=gpu_memory,
-                   context_memory=context_memory, max_fraction=max_fraction, overrides=overrides)
-    options_given = any(options.get(k) is not None for k in TRAINING_FIELDS | {"training"})
+                   context_memory=context_memory, max_fraction=max_fraction, overrides=overrides,
+                   expandable_segments=expandable_segments)
+    # the allocator's mode applies to a user step_fn too: it is not one of the options recorded but not applied
+    options_given = any(options.get(k) is not None for k in (TRAINING_FIELDS - {"expandable_segments"}) | {"training"})
     spec, t, hw, fraction = _inputs(model, options)
     _check_supported(t)
     steps = _steps_run(spec, t, steps)
@@ -113,7 +117,7 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
     factory = _factory(model, spec, t, step_fn)
     if t.compile:
         compiled.setup(t, spec, device)
-    device_options = (device == "cuda", hw, t, expandable_segments, max_split_size, cublas_workspace,
+    device_options = (device == "cuda", hw, t, t.expandable_segments, max_split_size, cublas_workspace,
                       attention_backend, capability, simulate_oom)
     run = functools.partial(_trace_rank, factory, spec, t, hw, device_options, step_fn, optimizer_fn, steps,
                             t if (spec is not None or options_given) else None, (timeline_points, largest))
