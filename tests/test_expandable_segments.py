@@ -121,10 +121,8 @@ def test_measure_sets_it_before_cuda_or_refuses():
 
 
 def _cli(capsys, *args):
-    from trainmem.cli import main
-    code = main(list(args))
-    out, err = capsys.readouterr()
-    return code, out, err
+    from test_cli import run_cli
+    return run_cli(capsys, *args)
 
 
 def test_cli_estimate_shows_it_and_preset_can_be_overridden(capsys):
@@ -146,3 +144,25 @@ def test_cli_measure_refusals_are_one_line_with_exit_2(capsys, monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
     code, _, err = _cli(capsys, "measure", "gpt2", "--set", "n_layer=1", "--expandable-segments")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "max_split_size_mb:64" in err
+
+
+def test_cli_fit_sweep_plan_take_it(capsys):
+    """phi-2's tensors over 10 MiB: the option lowers every allocated peak sweep reports (fit's, sweep's
+    and plan's JSON have no training section; the values are the evidence the option reached the engine)."""
+    import json
+    peaks = {}
+    for flag in ((), ("--expandable-segments",)):
+        code, out, _ = _cli(capsys, "sweep", "phi-2", "--batch-size", "1,2", "--seq-len", "512", "--json", *flag)
+        assert code == 0
+        peaks[flag] = [c["peak_allocated"] for c in json.loads(out)["cells"]]
+        for argv in (("fit", "phi-2", "--gpu", "h100", "--seq-len", "1024"),
+                     ("plan", "phi-2", "--gpus", "2", "--gpu", "h100", "--seq-len", "1024", "--global-batch", "8")):
+            code, out, _ = _cli(capsys, *argv, "--json", *flag)
+            assert code in (0, 1) and json.loads(out)["model"] == "phi-2"
+    assert all(e < d for e, d in zip(peaks[("--expandable-segments",)], peaks[()])), peaks
+
+
+def test_cli_trace_refuses_it_on_the_cpu(capsys):
+    code, _, err = _cli(capsys, "trace", "gpt2", "--set", "n_layer=1", "--seq-len", "32", "--device", "cpu",
+                        "--expandable-segments")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "--no-expandable-segments" in err

@@ -89,7 +89,8 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
     not fit stops at the simulated out-of-memory (reported in ``warnings``).
     ``expandable_segments`` and ``max_split_size`` mirror ``PYTORCH_CUDA_ALLOC_CONF``;
     ``expandable_segments`` is the TrainingSpec field of that name (None: the setup's, False unless a
-    ``training=`` spec or a framework preset, torchtitan's, says otherwise).
+    ``training=`` spec or a framework preset, torchtitan's, says otherwise; refused with ``device="cpu"``,
+    which has no caching allocator).
     With data or tensor parallelism (``dp`` > 1, ``fsdp`` with FSDP2 or, ``fsdp_version=1``, FSDP1,
     ``tp`` > 1 with or without ``sequence_parallel``) the step runs on a fake process group of ``dp`` × ``tp`` ranks
     (``trace.distributed``) as rank ``rank`` (default 0, the worst: FSDP2 and DTensor give it the
@@ -111,6 +112,9 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
     options_given = any(options.get(k) is not None for k in (TRAINING_FIELDS - {"expandable_segments"}) | {"training"})
     spec, t, hw, fraction = _inputs(model, options)
     _check_supported(t)
+    if device == "cpu" and t.expandable_segments:  # the CPU trace counts bytes exactly, with no caching allocator
+        raise TrainmemError("--expandable-segments configures the CUDA caching allocator, which a --device cpu trace "
+                            "does not emulate: give --no-expandable-segments, or trace on --device cuda")
     steps = _steps_run(spec, t, steps)
     _dist.check(t, spec, device)
     _dist.check_rank(t, rank)
