@@ -166,3 +166,12 @@ def test_cli_trace_refuses_it_on_the_cpu(capsys):
     code, _, err = _cli(capsys, "trace", "gpt2", "--set", "n_layer=1", "--seq-len", "32", "--device", "cpu",
                         "--expandable-segments")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "--no-expandable-segments" in err
+
+
+def test_measure_reproduces_the_flag_in_its_command_line():
+    from trainmem.cli import build_parser
+    from trainmem.cli.measure import command_line
+    for flag in ("--expandable-segments", "--no-expandable-segments"):
+        line = command_line(build_parser().parse_args(["measure", "gpt2", flag]))
+        assert line.endswith(f"gpt2 {flag}"), line
+    assert "expandable" not in command_line(build_parser().parse_args(["measure", "gpt2"]))
