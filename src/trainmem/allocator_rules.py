@@ -64,7 +64,8 @@ def block_bytes(nbytes: Any, expandable: Any = False) -> Any:
         x = np.asarray(nbytes).astype(np.int64)
         r = np.maximum(MIN_BLOCK, (x + MIN_BLOCK - 1) // MIN_BLOCK * MIN_BLOCK)
         seg = (r + ROUND_LARGE - 1) // ROUND_LARGE * ROUND_LARGE
-        out = np.where((r >= MIN_LARGE_ALLOC) & (seg - r <= SMALL_SIZE) & ~np.asarray(expandable, dtype=bool), seg, r)
+        whole = (r >= MIN_LARGE_ALLOC) & (seg - r <= SMALL_SIZE)   # the default allocator's unsplit segment
+        out = np.where(whole & ~np.asarray(expandable, dtype=bool), seg, r)
         return np.where(x <= 0, 0, out)
     if expandable:
         return expandable_block_bytes(nbytes)
@@ -87,7 +88,9 @@ def expandable_block_bytes(nbytes: Any) -> Any:
     unsplit remainder, and a request that finds no free block maps only the pages it needs into its
     pool's one segment (``try_allocate_expandable_block`` is passed the rounded request, not
     ``get_allocation_size``'s 2 MiB-rounded segment), the rest of the mapped page staying a free
-    block of the pool. ``trainmem.allocator.CachingAllocator._should_split`` models the same rule.
+    block of the pool (``Note [Expandable Segments]`` in the same file: "we use 2MiB pages for our
+    small pool and 20MiB pages for our large pool"; read at pytorch/pytorch 001074d2).
+    ``trainmem.allocator.CachingAllocator._should_split`` models the same rule.
     """
     if isinstance(nbytes, np.ndarray):
         x = nbytes.astype(np.int64)

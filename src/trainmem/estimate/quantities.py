@@ -656,7 +656,7 @@ def _chunked_nll_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy) -> LossBytes:
     copy = half if pol.amp else (F32 if half != F32 else 0)   # the weight's copy per matmul, bytes per element
     logit = half if pol.amp else F32
     per_logit = logit + 3 * F32
-    weight = int(block_of(t, w * copy)) if copy else 0   # the copy's block (an unsplit remainder included)
+    weight = int(block_of(t, w * copy)) if copy else 0   # the copy's block (the default allocator's unsplit remainder)
     frozen = LossBytes(saved_tok=m.hidden_size * pol.stream + 8 + 8, forward_chunk=per_logit,
                        backward_chunk=per_logit, matmul_const=weight + CHUNKED_NLL_TOKENS * m.hidden_size * logit,
                        matmul_chunk=logit, backward_const=weight)
@@ -1445,7 +1445,8 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         lower_layers=lower, above_bottom=above_bottom, above_decoder_bottom=above_decoder_bottom,
         input_tok=input_bytes(m, t)[0], input_sample=input_bytes(m, t)[1],
         dec_num=decoder_ratio(m, t)[0], dec_den=decoder_ratio(m, t)[1], **_derived_fields(m, t, stage), **pipe,
-        expandable=int(t.expandable_segments), detail=Detail(st, lc, outer, comm_name, input_tok, sum(a for _, a, _ in received)))
+        expandable=int(t.expandable_segments),
+        detail=Detail(st, lc, outer, comm_name, input_tok, sum(a for _, a, _ in received)))
 
 
 def _derived_fields(m: ModelSpec, t: TrainingSpec, stage: str) -> dict[str, float]:

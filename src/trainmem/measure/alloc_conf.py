@@ -5,8 +5,9 @@ time the allocator's configuration is used (``c10/core/AllocatorConfig.cpp``
 ``AcceleratorAllocatorConfig::instance``: a function-local static parsed from the environment on
 first use; ``c10/cuda/CUDAAllocatorConfig.h`` ``CUDAAllocatorConfig::instance`` before 2.8), and
 ``torch._C._accelerator_setAllocatorSettings`` (``torch.cuda.memory._set_allocator_settings`` before
-it) parses a setting string at run time, as PyTorch's own tests switch ``expandable_segments`` on and
-off. With ``--expandable-segments``, ``measure`` runs in that mode: before CUDA is initialised in the
+it) parses a setting string at run time ("Expandable blocks can be enabled/disabled throughout the run
+of a program. When disabled, the allocator will not put new allocations in an expandable block":
+``c10/cuda/CUDACachingAllocator.cpp``, Note [Expandable Segments], read at pytorch/pytorch 001074d2). With ``--expandable-segments``, ``measure`` runs in that mode: before CUDA is initialised in the
 process it sets ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (which the ranks ``--launcher
 torchrun`` spawns inherit, and each sets again) and applies the setting. It refuses, in one line, an
 environment that configures the allocator otherwise and a process whose CUDA is initialised already
