@@ -1443,9 +1443,8 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         graph_tok=lc.graph_held, graph_extra_tok=lc.graph_held * checkpointed / layers if layers else 0.0, **fsdp,
         outer_rest_ssq=derived_outer_ssq(m, t, stage) if derived else 0.0,
         lower_layers=lower, above_bottom=above_bottom, above_decoder_bottom=above_decoder_bottom,
-        input_tok=input_bytes(m, t)[0], input_sample=input_bytes(m, t)[1],
+        input_tok=input_bytes(m, t)[0], input_sample=input_bytes(m, t)[1], expandable=int(t.expandable_segments),
         dec_num=decoder_ratio(m, t)[0], dec_den=decoder_ratio(m, t)[1], **_derived_fields(m, t, stage), **pipe,
-        expandable=int(t.expandable_segments),
         detail=Detail(st, lc, outer, comm_name, input_tok, sum(a for _, a, _ in received)))
 
 
