@@ -175,3 +175,20 @@ def test_measure_reproduces_the_flag_in_its_command_line():
         line = command_line(build_parser().parse_args(["measure", "gpt2", flag]))
         assert line.endswith(f"gpt2 {flag}"), line
     assert "expandable" not in command_line(build_parser().parse_args(["measure", "gpt2"]))
+
+
+def test_measure_applies_the_setting_in_a_fresh_process():
+    """In a process without an allocator configuration, measure's step sets the variable (for spawned
+    ranks) and PyTorch parses the setting (what ``torch._C._accelerator_getAllocatorSettings`` reads
+    back); a second run in the same process finds it set. A subprocess, so that this one keeps its
+    allocator configuration."""
+    import os
+    import subprocess
+    import sys
+    code = ("import os; from trainmem.measure import alloc_conf\n"
+            "print(alloc_conf.apply(True, 'cuda'), os.environ['PYTORCH_CUDA_ALLOC_CONF'], alloc_conf.settings())\n"
+            "print(alloc_conf.apply(True, 'cuda'))")
+    env = {k: v for k, v in os.environ.items() if k not in alloc_conf.ALLOC_CONF_VARS}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["[] expandable_segments:True expandable_segments:True", "[]"]
