@@ -1,9 +1,9 @@
 """Encoder-decoders (T5, BART) and vision transformers (ViT): ``--task``, ``--target-len``,
 ``--image-size``, and the derived estimate against the trace of the real model.
 
-The estimate is compared with a trace whose allocator runs with expandable segments
-(``trace(..., expandable_segments=True)``): there a block is the request rounded to 512 bytes,
-so the comparison is of the tensors themselves. With the default allocator a request between
+The estimate is compared with a trace, both with the allocator's expandable segments
+(``expandable_segments=True``): there a block is the request rounded to 512 bytes, so the
+comparison is of the tensors themselves. With the default allocator a request between
 1 and 10 MiB may leave an unsplit remainder of its 20 MiB segment (PyTorch
 ``c10/cuda/CUDACachingAllocator.cpp``, ``should_split``), which these small models' activations
 and gradients meet often and which the estimate's allocator model does not place (up to 3% of
@@ -39,7 +39,7 @@ def _size(name: str, s: int) -> dict:
 
 
 def _error(name: str, **setup) -> float:
-    est = trainmem.estimate(MODELS[name], **setup).peak_allocated
+    est = trainmem.estimate(MODELS[name], expandable_segments=True, **setup).peak_allocated
     tr = trainmem.trace(MODELS[name], expandable_segments=True, **setup).peak_allocated
     return est / tr - 1
 
@@ -156,7 +156,7 @@ def test_catalogue_encdec_target_length_agrees_with_trace(name):
     for (s, d), recompute in itertools.product(LENGTHS, ("none", "full")):
         setup = dict(set=NARROWED[name], batch_size=8, precision="bf16-amp", recompute=recompute, seq_len=s,
                      target_len=d)
-        est = trainmem.estimate(name, **setup).peak_allocated
+        est = trainmem.estimate(name, expandable_segments=True, **setup).peak_allocated
         tr = trainmem.trace(name, expandable_segments=True, **setup).peak_allocated
         assert abs(est / tr - 1) <= TOLERANCE, (s, d, recompute, est / tr - 1)
 
@@ -225,7 +225,7 @@ def test_vision_tower_of_a_composite_config(model_type):
     setup = dict(batch_size=4, image_size=96, precision="bf16-amp")
     tr = trainmem.trace(cfg, expandable_segments=True, **setup)
     assert tr.training.seq_len == spec.image_tokens(96)
-    est = trainmem.estimate(cfg, **setup)
+    est = trainmem.estimate(cfg, expandable_segments=True, **setup)
     assert abs(est.peak_allocated / tr.peak_allocated - 1) <= TOLERANCE
     # the optimizer states of the trained parameters only: AdamW's two fp32 tensors per trained element
     trained = spec.num_params - sum(p.numel for p in spec.parameter_tensors() if p.role == "unused")
@@ -251,7 +251,7 @@ def _towers() -> dict:
 
 def _tower_error(name: str, **setup) -> float:
     cfg = _towers()[name]
-    est = trainmem.estimate(cfg, **setup).peak_allocated
+    est = trainmem.estimate(cfg, expandable_segments=True, **setup).peak_allocated
     return est / trainmem.trace(cfg, expandable_segments=True, **setup).peak_allocated - 1
 
 

@@ -88,25 +88,26 @@ def test_flash_removes_the_quadratic_term():
 
 def test_periodic_load_simulation_equals_the_full_allocator_simulation(monkeypatch):
     """The model-load placement extrapolates repeating layers and forgets dead remainders; it must
-    give exactly what the caching-allocator simulation of the whole sequence gives."""
+    give exactly what the caching-allocator simulation of the whole sequence gives (with expandable
+    segments too, where there are no remainders)."""
     from trainmem.estimate import states
     from trainmem.allocator import CachingAllocator
     exact = states._placed_bytes.__wrapped__
     checked = []
 
-    def compare(before, layer, layers, after):
-        a = CachingAllocator()
+    def compare(before, layer, layers, after, expandable=False):
+        a = CachingAllocator(expandable_segments=expandable)
         for x in before + layer * layers + after:
             a.allocate(x)
-        got = exact(before, layer, layers, after)
+        got = exact(before, layer, layers, after, expandable)
         checked.append((got, a.allocated))
         return got
 
     monkeypatch.setattr(states, "_placed_bytes", compare)
     for name in ("nanogpt-124m", "bert-large-uncased", "llama-2-70b", "mixtral-8x7b", "qwen2.5-1.5b"):
-        for kw in (dict(), dict(precision="bf16"), dict(tp=2), dict(zero=3, dp=8)):
+        for kw in (dict(), dict(precision="bf16"), dict(tp=2), dict(zero=3, dp=8), dict(expandable_segments=True)):
             states._STATES_CACHE.clear()
             states.model_states(resolve_model(name), TrainingSpec(**kw))
     states._STATES_CACHE.clear()
-    assert len(checked) == 20
+    assert len(checked) == 25
     assert all(got == want for got, want in checked), checked

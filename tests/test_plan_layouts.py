@@ -25,6 +25,8 @@ CASES = [
     ("bert-large-uncased", {"precision": "fp32"}, 512),
     ("nanogpt-124m", {"lora_rank": 8}, 1024),
     ("llama-3.2-3b", {"offload_optimizer": True, "lora_rank": 16}, 4096),
+    # expandable segments: phi-2's tensors over 10 MiB are not multiples of 2 MiB, so the rule matters
+    ("phi-2", {"expandable_segments": True}, 2048),
 ]
 PER_CASE = 100
 
@@ -75,6 +77,9 @@ def test_block_bytes_is_the_same_on_arrays():
     xs = [0, 1, 511, 512, 513, 1 << 20, (1 << 20) + 1, 10 << 20, (10 << 20) + 1, (11 << 20) + 5, 125018112,
           (13 << 20) + (1 << 19), 3 << 30]
     assert block_bytes(np.array(xs)).tolist() == [block_bytes(x) for x in xs]
+    assert block_bytes(np.array(xs), True).tolist() == [block_bytes(x, True) for x in xs]
+    mixed = np.array([i % 2 for i in range(len(xs))])  # the mode as an array beside the sizes (Quantities.expandable)
+    assert block_bytes(np.array(xs), mixed).tolist() == [block_bytes(x, bool(e)) for x, e in zip(xs, mixed)]
 
 
 def test_any_layout_field_may_be_an_array():

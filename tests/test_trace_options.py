@@ -18,6 +18,9 @@ CHANGED, REFUSED = "changed", "refused"
 #: (options, expected, what the refusal names / why the memory stays the same)
 CASES = [
     ({"grad_accum": 2}, CHANGED, ""),
+    ({"expandable_segments": True}, "same", "every tensor of this tiny model is under 10 MiB, where both allocator modes "
+                                            "charge the 512 B-rounded request (phi-2's larger ones: "
+                                            "tests/test_expandable_segments.py)"),
     ({"precision": "fp32"}, CHANGED, ""), ({"precision": "bf16"}, CHANGED, ""), ({"precision": "fp16"}, CHANGED, ""),
     ({"precision": "fp16-amp"}, "same", "fp16 and bf16 autocast keep tensors of the same sizes"),
     ({"precision": "bf16-mp", "fsdp": "full", "dp": 2}, CHANGED, ""),

@@ -7,7 +7,9 @@ PyTorch ``c10/cuda/CUDACachingAllocator.cpp`` (``kMinBlockSize``, ``kSmallSize``
 ``get_allocation_size``, ``shouldSplit``).
 
 ``block_bytes`` works on Python integers and on numpy integer arrays alike (the planner evaluates
-the estimate engine on arrays of layouts).
+the estimate engine on arrays of layouts). Its ``expandable`` argument selects the rule of
+``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (``TrainingSpec.expandable_segments``), which
+``trainmem.allocator.CachingAllocator(expandable_segments=True)`` simulates block by block.
 """
 from __future__ import annotations
 
@@ -49,19 +51,24 @@ def splits(small: bool, remaining: int) -> bool:
     return remaining >= MIN_BLOCK if small else remaining > SMALL_SIZE
 
 
-def block_bytes(nbytes: Any) -> Any:
+def block_bytes(nbytes: Any, expandable: Any = False) -> Any:
     """Bytes the caching allocator charges a fresh request of ``nbytes`` (int or int64 array).
 
-    Requests round up to 512 B. A request of 10 MiB or more gets a segment rounded up to 2 MiB,
-    and the block is not split when the remainder is at most 1 MiB, so it occupies the whole
-    segment (a 119.23 MiB BERT-large embedding occupies 120.00 MiB).
+    Default allocator: requests round up to 512 B. A request of 10 MiB or more gets a segment
+    rounded up to 2 MiB, and the block is not split when the remainder is at most 1 MiB, so it
+    occupies the whole segment (a 119.23 MiB BERT-large embedding occupies 120.00 MiB).
+    ``expandable`` (bool, or an int/bool array beside an array ``nbytes``): expandable segments,
+    where every block is the request rounded to 512 B (:func:`expandable_block_bytes`).
     """
-    if isinstance(nbytes, np.ndarray):
-        x = nbytes.astype(np.int64)
+    if isinstance(nbytes, np.ndarray) or isinstance(expandable, np.ndarray):
+        x = np.asarray(nbytes).astype(np.int64)
         r = np.maximum(MIN_BLOCK, (x + MIN_BLOCK - 1) // MIN_BLOCK * MIN_BLOCK)
         seg = (r + ROUND_LARGE - 1) // ROUND_LARGE * ROUND_LARGE
-        out = np.where((r >= MIN_LARGE_ALLOC) & (seg - r <= SMALL_SIZE), seg, r)
+        whole = (r >= MIN_LARGE_ALLOC) & (seg - r <= SMALL_SIZE)   # the default allocator's unsplit segment
+        out = np.where(whole & ~np.asarray(expandable, dtype=bool), seg, r)
         return np.where(x <= 0, 0, out)
+    if expandable:
+        return expandable_block_bytes(nbytes)
     if nbytes <= 0:
         return 0
     rounded = max(MIN_BLOCK, (nbytes + MIN_BLOCK - 1) // MIN_BLOCK * MIN_BLOCK)
@@ -69,6 +76,26 @@ def block_bytes(nbytes: Any) -> Any:
         return rounded
     seg = (rounded + ROUND_LARGE - 1) // ROUND_LARGE * ROUND_LARGE
     return seg if seg - rounded <= SMALL_SIZE else rounded
+
+
+def expandable_block_bytes(nbytes: Any) -> Any:
+    """Bytes a request of ``nbytes`` (int or int64 array) occupies under expandable segments: the
+    request rounded up to 512 B (``round_size``), 0 for 0 bytes, whatever its size.
+
+    ``CUDACachingAllocator.cpp`` ``should_split``: ``if (block->pool->is_small ||
+    CUDAAllocatorConfig::expandable_segments()) return remaining >= kMinBlockSize;`` -- with
+    expandable segments a large-pool block is split like a small-pool one, so no request keeps an
+    unsplit remainder, and a request that finds no free block maps only the pages it needs into its
+    pool's one segment (``try_allocate_expandable_block`` is passed the rounded request, not
+    ``get_allocation_size``'s 2 MiB-rounded segment), the rest of the mapped page staying a free
+    block of the pool (``Note [Expandable Segments]`` in the same file: "we use 2MiB pages for our
+    small pool and 20MiB pages for our large pool"; read at pytorch/pytorch 001074d2).
+    ``trainmem.allocator.CachingAllocator._should_split`` models the same rule.
+    """
+    if isinstance(nbytes, np.ndarray):
+        x = nbytes.astype(np.int64)
+        return np.where(x <= 0, 0, np.maximum(MIN_BLOCK, (x + MIN_BLOCK - 1) // MIN_BLOCK * MIN_BLOCK))
+    return 0 if nbytes <= 0 else round_size(nbytes)
 
 
 def reserved_overhead(peak_allocated: Any) -> Any:
@@ -121,12 +148,18 @@ class LoadSimulator:
         self.large = [b for b in self.large if b >= min_large]
 
 
-def placed_bytes(before: tuple[int, ...], layer: tuple[int, ...], layers: int, after: tuple[int, ...]) -> int:
+def placed_bytes(before: tuple[int, ...], layer: tuple[int, ...], layers: int, after: tuple[int, ...],
+                 expandable: bool = False) -> int:
     """Allocated bytes after ``model.to("cuda")`` places tensors in order into an empty allocator:
     ``before`` the layers, ``layers`` copies of one ``layer``, then ``after``. Blocks carved from
     earlier segments can keep an unsplit remainder of up to 1 MiB, so the total exceeds the sum of
     rounded sizes (Edward Rees, "Transformer Memory Arithmetic", calls them gaps). Once the free
-    remainders after a layer repeat an earlier layer's, the rest is extrapolated exactly."""
+    remainders after a layer repeat an earlier layer's, the rest is extrapolated exactly.
+    ``expandable``: expandable segments split every block, so there are no gaps: the sum of
+    :func:`expandable_block_bytes`."""
+    if expandable:
+        return (sum(expandable_block_bytes(x) for x in before + after)
+                + layers * sum(expandable_block_bytes(x) for x in layer))
     sim = LoadSimulator()
     for x in before:
         sim.allocate(x)

@@ -68,7 +68,9 @@ def command_line(a: argparse.Namespace) -> str:
         if v is None or v == act.default:
             continue
         flag = act.option_strings[-1] if act.option_strings[-1].startswith("--") else act.option_strings[0]
-        if isinstance(act, argparse._StoreTrueAction):
+        if isinstance(act, argparse.BooleanOptionalAction):  # --expandable-segments / --no-expandable-segments
+            words.append(act.option_strings[0 if v else 1])
+        elif isinstance(act, argparse._StoreTrueAction):
             words.append(flag)
         elif isinstance(act, argparse._AppendAction):
             for x in v:

@@ -165,6 +165,10 @@ def add_training(g: Any) -> None:
                         "set_to_none=False keeps them allocated through the next step")
     g.add_argument("--optimizer-in-backward", action="store_true",
                    help="apply the optimizer per parameter inside backward, freeing each gradient")
+    g.add_argument("--expandable-segments", action=argparse.BooleanOptionalAction, default=None,
+                   help="the run sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the caching allocator's "
+                        "virtual-memory mode; torchtitan's launcher sets it): blocks rounded to 512 B only, reserved "
+                        "replayed in that mode; measure runs with it. --no-expandable-segments overrides a preset")
     _add_lora(g)
     _add_loss(g)
 
@@ -386,7 +390,7 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 overlap_comm=a.overlap_comm, contiguous_gradients=a.contiguous_gradients,
                 sub_group_size=a.sub_group_size, stage3_max_reuse_distance=a.stage3_max_reuse_distance,
                 stage3_prefetch_bucket_size=a.stage3_prefetch_bucket_size,
-                task=getattr(a, "task", None))
+                expandable_segments=a.expandable_segments, task=getattr(a, "task", None))
     if a.fsdp is not None and a.zero in (0, None):
         opts.pop("zero")
     return opts

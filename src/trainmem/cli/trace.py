@@ -31,8 +31,7 @@ def cmd_trace(a: argparse.Namespace) -> int:
     opts.pop("optimizer_bucket_mb", None)
     r = trace(a.model, steps=a.steps, device=a.device, gpu=a.gpu, gpu_memory=a.gpu_memory,
               context_memory=a.context_memory, calibration=a.calibration, max_fraction=a.max_fraction,
-              set=a.set or None,
-              expandable_segments=a.expandable_segments, simulate_oom=a.simulate_oom, **opts)
+              set=a.set or None, simulate_oom=a.simulate_oom, **opts)
     code = emit(r, a)
     if not a.json:
         from ..render.trace import largest_tensors, rank_lines
@@ -62,8 +61,6 @@ def register(sub: Any) -> None:
     p.add_argument("--timeline", default=None, metavar="FILE.png|.svg",
                    help="plot allocated/reserved over the step, stacked by category")
     p.add_argument("--largest", type=int, default=10, help="largest live tensors to list at the peak")
-    p.add_argument("--expandable-segments", action="store_true",
-                   help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
     p.add_argument("--simulate-oom", action="store_true",
                    help="limit the simulated device to the GPU's capacity (needs --gpu)")
     p.set_defaults(func=cmd_trace)

@@ -131,6 +131,15 @@ def _loss_transients(q: Quantities, full: Any, chunk: Any, n: Any) -> tuple[Any,
     return forward + trunc(q.head_loss_tok * n), backward + more + trunc(q.loss_backward_tok * n)
 
 
+def _input_blocks(q: Quantities, n: Any, b: Any, labels: Any, batch: Any, ga: Any) -> Any:
+    """Blocks of the input batch (``n`` tokens, ``b`` samples; ``batch`` micro-batches of it under
+    torch's pipeline schedule): the int64 ids (an image model's pixel values), the ``labels`` int64
+    labels, and the stage's pipeline receive buffers, in the allocator's mode (``q.expandable``)."""
+    es = q.expandable
+    return (block_bytes((trunc(q.input_tok * n) - q.input_sample * b) * batch, es) + block_bytes(labels * 8 * batch, es)
+            + q.pipe_recv * ga * block_bytes(trunc(q.pipe_buf_tok * n), es))
+
+
 def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, later: bool = False) -> Tokens:
     """The per-micro-batch terms for ``n`` tokens on this rank, ``nsq`` token x key pairs, micro-
     batch ``b`` and ``ga`` accumulated micro-batches; ``later``: at the micro-steps after the first.
@@ -186,8 +195,7 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
     # target=labels)`` on every stage) and splits it into views; its stage keeps a receive buffer
     # per micro-batch (quantities.pipeline_buffers), from the first step's schedule on
     batch = where(q.pipe_batch > 0, ga, 1)
-    inputs = (block_bytes((trunc(q.input_tok * n) - q.input_sample * b) * batch) + block_bytes(labels * 8 * batch)
-              + q.pipe_recv * ga * block_bytes(trunc(q.pipe_buf_tok * n)))
+    inputs = _input_blocks(q, n, b, labels, batch, ga)
     return Tokens(inflight, layer, layers, outer_rest, outer_head, all_acts, redo, grads, index, bottom, lower,
                   inputs,
                   full * q.logits_held, full * q.logits_out,

@@ -235,6 +235,7 @@ class Quantities:
     # ... and the bytes per logit element a final soft-cap's tanh saves (part of the derived head side),
     # freed chunk by chunk before that chunk's head backward (``softcap_saved``)
     softcap_saved: int = 0
+    expandable: int = 0  # 1: the allocator runs with expandable segments (TrainingSpec.expandable_segments)
     detail: Detail | None = None
 
 
@@ -665,7 +666,7 @@ def _chunked_nll_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy) -> LossBytes:
     copy = half if pol.amp else (F32 if half != F32 else 0)   # the weight's copy per matmul, bytes per element
     logit = half if pol.amp else F32
     per_logit = logit + 3 * F32
-    weight = int(block_bytes(w * copy)) if copy else 0   # the copy's block (an unsplit remainder included)
+    weight = int(block_of(t, w * copy)) if copy else 0   # the copy's block (the default allocator's unsplit remainder)
     frozen = LossBytes(saved_tok=m.hidden_size * pol.stream + 8 + 8, forward_chunk=per_logit,
                        backward_chunk=per_logit, matmul_const=weight + CHUNKED_NLL_TOKENS * m.hidden_size * logit,
                        matmul_chunk=logit, backward_const=weight)
@@ -973,13 +974,13 @@ def step_temporaries(t: TrainingSpec, st: States) -> int:
     if deepspeed_zero(t) and not t.offload_optimizer and st.trainable:
         # DeepSpeed hands the optimizer one flat fp32 partition per group: a per-tensor loop or a
         # foreach step sees that one tensor (``deepspeed_group_elems``); fused steps make none
-        flat = block_bytes(deepspeed_group_elems(t, st) * 4)
+        flat = block_of(t, deepspeed_group_elems(t, st) * 4)
         return deepspeed_step_grad(t, st) + (flat if k is None else k * flat)
     if t.optimizer == "adafactor" and not t.offload_optimizer:
         return _adafactor_temporaries(t, st, k)
     if k is None:
         return st.foreach_group
-    return k * block_bytes(st.largest_param)
+    return k * block_of(t, st.largest_param)
 
 
 def deepspeed_zero(t: TrainingSpec) -> bool:
@@ -1012,7 +1013,7 @@ def deepspeed_buckets(t: TrainingSpec) -> tuple[int, int]:
     Without ``contiguous_gradients`` gradients stay where autograd made them (no buffer)."""
     if not deepspeed_zero(t) or not t.contiguous_gradients:
         return 0, 0
-    one = block_bytes(t.ds_reduce_bucket * t.weight_bytes)  # (reduce_bucket_size,) fp16/bf16 or fp32
+    one = block_of(t, t.ds_reduce_bucket * t.weight_bytes)  # (reduce_bucket_size,) fp16/bf16 or fp32
     if t.zero == 3:
         return one, 0
     return 0, (2 if t.ds_overlap_comm else 1) * one
@@ -1063,9 +1064,9 @@ def deepspeed_gathered(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, 
     c = 3 if t.recompute == "full" else 2
     layers = m.num_layers // t.pp
     k = min(layers, -(-(dist - 2 * head_n) // (c * layer_n))) if (layer_n and dist > 2 * head_n) else 0
-    prefetch = block_bytes(t.ds_prefetch * wb)              # (stage3_prefetch_bucket_size,) gathered ahead
-    current = max(layer, block_bytes(emb_n * wb))
-    head = block_bytes(head_n * wb) if dist > 0 else 0
+    prefetch = block_of(t, t.ds_prefetch * wb)              # (stage3_prefetch_bucket_size,) gathered ahead
+    current = max(layer, block_of(t, emb_n * wb))
+    head = block_of(t, head_n * wb) if dist > 0 else 0
     return head + max(k, 1) * layer + prefetch, current + prefetch
 
 
@@ -1090,7 +1091,7 @@ def deepspeed_step_parts(t: TrainingSpec, st: States) -> tuple[int, int]:
         return 0, 0
     n = deepspeed_group_elems(t, st)
     gb = t.weight_bytes
-    return block_bytes(n * 4), (block_bytes(n * gb) if gb != 4 else 0)  # (n,) fp32; (n,) fp16/bf16
+    return block_of(t, n * 4), (block_of(t, n * gb) if gb != 4 else 0)  # (n,) fp32; (n,) fp16/bf16
 
 
 def deepspeed_step_grad(t: TrainingSpec, st: States) -> int:
@@ -1122,7 +1123,7 @@ def _adafactor_temporaries(t: TrainingSpec, st: States, copies: int) -> int:
     the real optimizer shows: tests/test_optim_transients.py; ``copies``: ``step_copies``)."""
     sb = 4 if (t.weight_bytes == 4 or t.fp32_master) else t.weight_bytes
     elems = st.largest_param // sb
-    return copies * block_bytes(elems * 4)
+    return copies * block_of(t, elems * 4)
 
 
 def _copies_per_tensor(t: TrainingSpec, per_parameter: bool) -> int | None:
@@ -1170,7 +1171,7 @@ def oib_update_bytes(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, in
 
     def one(n: int) -> int:
         n = -(-n // d)
-        return block_bytes(n * gb) + k * block_bytes(n * sb)
+        return block_of(t, n * gb) + k * block_of(t, n * sb)
     return one(n_mid), one(n_all)
 
 
@@ -1197,8 +1198,8 @@ def head_dequant_bytes(m: ModelSpec, t: TrainingSpec) -> tuple[int, int]:
         return 0, 0
     dq, cast = dequant_dtypes(t)
     heads = [p for p in m.parameter_tensors() if p.layer is None and is_quantized(p, t)]
-    both = max((block_bytes(p.numel * dq) + (block_bytes(p.numel * cast) if cast else 0) for p in heads), default=0)
-    read = max((block_bytes(p.numel * (cast or dq)) for p in heads), default=0)
+    both = max((block_of(t, p.numel * dq) + (block_of(t, p.numel * cast) if cast else 0) for p in heads), default=0)
+    read = max((block_of(t, p.numel * (cast or dq)) for p in heads), default=0)
     return both, read
 
 
@@ -1213,7 +1214,7 @@ def tied_head_grad(m: ModelSpec, t: TrainingSpec) -> int:
     if not (m.tied_embeddings and is_lm(m)) or t.lora_rank or t.pp > 1:
         return 0
     # under FSDP's mixed precision the gradient is the bf16 unsharded parameter's
-    return _embedding_block(m, t.tp, 2 if t.precision == "bf16-mp" else t.weight_bytes)
+    return _embedding_block(m, t.tp, 2 if t.precision == "bf16-mp" else t.weight_bytes, t.expandable_segments)
 
 
 def compiled_tied_grads(m: ModelSpec, t: TrainingSpec, pol: Policy) -> tuple[int, int]:
@@ -1251,7 +1252,7 @@ def chunk_head_grads(m: ModelSpec, t: TrainingSpec, pol: Policy) -> int:
         return 0
     if t.dp > 1 or t.tp > 1 or t.pp > 1 or t.cp > 1 or t.fsdp is not None or t.zero_stage:
         return 0
-    return 3 * block_bytes(_head_weight_numel(m, 1) * pol.half)
+    return 3 * block_of(t, _head_weight_numel(m, 1) * pol.half)
 
 
 def softcap_saved(m: ModelSpec, out_bytes: int) -> int:
@@ -1284,7 +1285,7 @@ def emb_accumulated(m: ModelSpec, t: TrainingSpec, stage: str) -> int:
         return 0
     if t.fsdp is not None or t.zero_stage or dtensor_tp(t):
         return 0
-    return _embedding_block(m, t.tp, t.weight_bytes)
+    return _embedding_block(m, t.tp, t.weight_bytes, t.expandable_segments)
 
 
 def tied_replicated_grad(m: ModelSpec, t: TrainingSpec) -> int:
@@ -1297,13 +1298,19 @@ def tied_replicated_grad(m: ModelSpec, t: TrainingSpec) -> int:
     the embedding's backward is the peak: -8.3% before."""
     if not tied_head_grad(m, t) or not dtensor_tp(t):
         return 0
-    return _embedding_block(m, 1, 2 if t.precision == "bf16-mp" else t.weight_bytes)
+    return _embedding_block(m, 1, 2 if t.precision == "bf16-mp" else t.weight_bytes, t.expandable_segments)
+
+
+def block_of(t: TrainingSpec, nbytes: Any) -> Any:
+    """``allocator_rules.block_bytes`` in ``t``'s allocator mode: the default caching allocator's
+    blocks, or expandable segments' (``TrainingSpec.expandable_segments``: 512 B rounding alone)."""
+    return block_bytes(nbytes, t.expandable_segments)
 
 
 @lru_cache(maxsize=1024)
-def _embedding_block(m: ModelSpec, tp: int, nbytes: int) -> int:
+def _embedding_block(m: ModelSpec, tp: int, nbytes: int, expandable: bool) -> int:
     emb = next((p for p in m.parameter_tensors() if p.role == "embedding"), None)
-    return block_bytes(-(-emb.numel // tp) * nbytes) if emb is not None else 0
+    return block_bytes(-(-emb.numel // tp) * nbytes, expandable) if emb is not None else 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1447,7 +1454,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         graph_tok=lc.graph_held, graph_extra_tok=lc.graph_held * checkpointed / layers if layers else 0.0, **fsdp,
         outer_rest_ssq=derived_outer_ssq(m, t, stage) if derived else 0.0,
         lower_layers=lower, above_bottom=above_bottom, above_decoder_bottom=above_decoder_bottom,
-        input_tok=input_bytes(m, t)[0], input_sample=input_bytes(m, t)[1],
+        input_tok=input_bytes(m, t)[0], input_sample=input_bytes(m, t)[1], expandable=int(t.expandable_segments),
         dec_num=decoder_ratio(m, t)[0], dec_den=decoder_ratio(m, t)[1], **_derived_fields(m, t, stage), **pipe,
         detail=Detail(st, lc, outer, comm_name, input_tok, sum(a for _, a, _ in received)))
 
@@ -1765,7 +1772,7 @@ def pipeline_top_first(t: TrainingSpec, st: States, stage: str) -> int:
     if not (pipeline_fsdp(t) and stage == "first" and t.fsdp_version == 2 and t.zero_stage == 3
             and t.shard_group > 1):
         return 0
-    return sum(block_bytes(x) for x in st.layer_tensors) + block_bytes(st.layer_params_full)
+    return sum(block_of(t, x) for x in st.layer_tensors) + block_of(t, st.layer_params_full)
 
 
 def loss_outside_root(m: ModelSpec, t: TrainingSpec) -> bool:
@@ -1904,7 +1911,7 @@ def fsdp_buffers(m: ModelSpec, t: TrainingSpec, st: States, lc: LayerCoefs) -> d
     Found by trace on the fake process group (docs/trace.md, "FSDP2's root unit")."""
     if t.fsdp is None or t.shard_group < 2:
         return {}
-    layer_buf = block_bytes(st.layer_params_full) if t.zero_stage == 3 else 0
+    layer_buf = block_of(t, st.layer_params_full) if t.zero_stage == 3 else 0
     resharded = root_resharded_for_loss(m, t)
     return {"fsdp_root": st.root_full,
             "fsdp_layer_buf": layer_buf,
@@ -1915,15 +1922,15 @@ def fsdp_buffers(m: ModelSpec, t: TrainingSpec, st: States, lc: LayerCoefs) -> d
                                    or (fsdp2_root_gathered(t) and loss_outside_root(m, t))) else layer_buf,
             "fsdp_root_regather": st.root_full if resharded else 0,
             "fsdp_root_regather_own": st.root_full if root_regathered_at_loss(m, t) else 0,
-            "fsdp_loss_ag": 0 if loss_outside_root(m, t) or t.fsdp_version != 2 else block_bytes(st.layer_params_full),
+            "fsdp_loss_ag": 0 if loss_outside_root(m, t) or t.fsdp_version != 2 else block_of(t, st.layer_params_full),
             "fsdp_root_kept": st.root_full if (t.zero_stage != 3 or t.fsdp_version == 1
                                                or fsdp2_root_gathered(t)) else 0,
             # one layer's parameters, unsharded (the per-parameter tensors FSDP2 copies out)
-            "fsdp_last_kept": sum(block_bytes(x) for x in st.layer_tensors) if fsdp2_last_gathered(t) else 0,
+            "fsdp_last_kept": sum(block_of(t, x) for x in st.layer_tensors) if fsdp2_last_gathered(t) else 0,
             "fsdp_rs_buf": st.layer_rs if t.fsdp_version == 2 and t.fsdp2_rs_on_default_stream else 0,
             "fsdp_rs_side": st.layer_rs if t.fsdp_version == 2 and not t.fsdp2_rs_on_default_stream else 0,
             "fsdp_head_full": st.head_grads_full, "fsdp_emb_full": st.emb_grads_full,
-            "fsdp_ag_result": block_bytes(st.layer_params_full) if t.fsdp_version == 2 else 0,
+            "fsdp_ag_result": block_of(t, st.layer_params_full) if t.fsdp_version == 2 else 0,
             "fsdp_root_sharded": st.root_grads,
             "fsdp_root_rs": st.root_rs if t.fsdp_version == 2 else 0,
             "fsdp_root_last": st.root_last_grad if t.fsdp_version == 2 else 0,
@@ -2049,7 +2056,7 @@ def fsdp1_post_backward(t: TrainingSpec, st: States) -> int:
     if not st.layer_rs:
         return 0
     cast = st.layer_rs if t.precision == "bf16-mp" else 0   # the flat gradient in fp32 (reduce dtype)
-    return st.layer_grads_full + cast + block_bytes(-(-st.layer_rs // t.shard_group))  # + the new shard
+    return st.layer_grads_full + cast + block_of(t, -(-st.layer_rs // t.shard_group))  # + the new shard
 
 
 _INT_FIELDS = tuple(f.name for f in fields(Quantities) if f.type == "int")

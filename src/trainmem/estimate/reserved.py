@@ -34,8 +34,10 @@ Two steps are replayed with up to two micro-batches each, as the moments are (``
 result is the reserved-minus-allocated gap at the end, added to the estimate's own allocated peak:
 the replay is coarser than the moments (a backward transient is one block, Megatron's selective policy's kept tensors are scaled), so its
 allocated peak is not the estimate's, but the segments it leaves behind are those of tensors of the
-estimate's sizes in the step's order. Used for one layout at a time (``estimate``); the layout arrays
-of the planner keep the 1/32 rule (``allocator_rules.reserved_overhead``).
+estimate's sizes in the step's order. With ``TrainingSpec.expandable_segments`` the simulator runs in
+that mode (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``: one segment per pool grown by mapping
+pages, every block split to its request; ``trainmem.allocator``). Used for one layout at a time
+(``estimate``); the layout arrays of the planner keep the 1/32 rule (``allocator_rules.reserved_overhead``).
 """
 from __future__ import annotations
 
@@ -105,7 +107,10 @@ def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, 
     steps replayed after those two, each a list of micro-batches as (Tokens, tokens, token x key
     pairs) at its own padded length, with its quantities first (``_varying_steps``)."""
     st = q.detail.states
-    R = _Replay(lag=_Fsdp1Lag() if _fsdp1_limited(q) else None)
+    # the allocator in the run's mode: expandable segments map pages into one segment per pool and split
+    # every block (``allocator.CachingAllocator(expandable_segments=True)``), the default cudaMallocs segments
+    R = _Replay(CachingAllocator(expandable_segments=bool(q.expandable)),
+                lag=_Fsdp1Lag() if _fsdp1_limited(q) else None)
     R.allocs(st.load)                                                   # weights and buffers, load order
     if st.master:                                                       # fp32 master copies (not offloaded)
         R.allocs(m for (_w, k, _g, _s, m) in st.trainables for _ in range(k) if m)
@@ -659,7 +664,7 @@ def _linears_backward(R: _Replay, s: _Step, q: Quantities, kept: _Kept, where: t
     for (_pos, w, gbytes), copy in reversed(list(zip(linears, copies))):
         half = R.alloc(round(w) * HALF) if (copy is not None and gbytes) else None  # mm's, compute dtype
         R.free(copy)
-        want = block_bytes(round(w) * gbytes)                     # the weight's .grad, its dtype
+        want = block_bytes(round(w) * gbytes, q.expandable)       # the weight's .grad, its dtype
         j = next((j for j in pending if gbytes and st.trainables[j][2] == want), None)
         if j is not None:
             pending.remove(j)
@@ -741,7 +746,7 @@ def _fsdp1_reduce(R: _Replay, q: Quantities, st: Any, params: list, fs: "_Fsdp")
     reduce dtype's copy and the new shard beside the flat gradient, all freed when it returns (the
     shard stands for the sharded gradients ``_make_grads`` allocates next). Returns the gathered
     parameters left to free."""
-    whole = sum(block_bytes(x) for x in st.layer_tensors) == st.layer_grads_full
+    whole = sum(block_bytes(x, q.expandable) for x in st.layer_tensors) == st.layer_grads_full
     views = R.allocs(st.layer_tensors) if whole else [R.alloc(st.layer_grads_full)]
     flat = R.alloc(st.layer_grads_full)                           # SplitWithSizesBackward's cat
     R.frees(views)

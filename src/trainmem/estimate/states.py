@@ -315,7 +315,8 @@ def bnb_qmap_bytes(optimizer: str, largest: int) -> int:
     trainable tensor has ``largest`` elements: at the first 8-bit state, ``fill_qmap`` builds the
     signed and unsigned dynamic maps (256 fp32 each, ``F.create_dynamic_map``) and ``init_state``
     moves them to the device once (``self.name2qmap["dynamic"] = ....to(p.device)``, L513-516),
-    shared by every parameter's ``qmap1``/``qmap2``. Each is one 1 KiB block."""
+    shared by every parameter's ``qmap1``/``qmap2``. Each is one 1 KiB block (in either allocator
+    mode: below 10 MiB ``block_bytes`` rounds to 512 B alone)."""
     if optimizer not in ("adamw-8bit", "paged-adamw-8bit") or largest < MIN_8BIT_SIZE:
         return 0
     return 2 * block_bytes(256 * 4)
@@ -359,9 +360,10 @@ def _insert_buffer(load: list[tuple[str, int]], name: str, nbytes: int) -> None:
 
 
 @lru_cache(maxsize=4096)
-def _placed_bytes(before: tuple[int, ...], layer: tuple[int, ...], layers: int, after: tuple[int, ...]) -> int:
+def _placed_bytes(before: tuple[int, ...], layer: tuple[int, ...], layers: int, after: tuple[int, ...],
+                  expandable: bool = False) -> int:
     """``allocator_rules.placed_bytes``, cached: the model load of one layout."""
-    return placed_bytes(before, layer, layers, after)
+    return placed_bytes(before, layer, layers, after, expandable)
 
 
 _STATES_CACHE = BoundedCache(4096)
@@ -375,7 +377,7 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
     key = (m, stage, t.tp, t.ep, dtensor_tp(t), t.pp, t.precision, t.zero_stage, t.fsdp, t.shard_group, t.optimizer,
            t.impl, t.lora_rank, t.lora_targets, t.lora_dtype, t.distributed_optimizer, t.offload_optimizer,
            t.fp32_master, t.quantize, t.quantize_via, t.bitsandbytes_version, t.accumulates_unsharded,
-           t.fsdp_mixed_units, t.fsdp_version, t.fused_qkv, t.split_gate_up, t.layer_rope_cache)
+           t.fsdp_mixed_units, t.fsdp_version, t.fused_qkv, t.split_gate_up, t.layer_rope_cache, t.expandable_segments)
     return _STATES_CACHE.get_or_build(key, lambda: _model_states(m, t, stage))
 
 
@@ -428,6 +430,7 @@ class _Rank:
     gather: int        # bytes per element of a layer gathered for compute (bf16 under FSDP's mixed precision)
     shard_weights: bool = False  # weights stored as shards: ZeRO-3 / FSDP full, and FSDP grad-op (below)
     fsdp_unsharded: bool = False  # FSDP over several ranks: a root unit and per-layer unsharded tensors
+    expandable: bool = False  # the allocator runs with expandable segments (TrainingSpec.expandable_segments)
 
     @staticmethod
     def of(m: ModelSpec, t: TrainingSpec, stage: str) -> "_Rank":
@@ -440,12 +443,17 @@ class _Rank:
                      max(t.zero_stage, 1) if t.distributed_optimizer else t.zero_stage, t.shard_group,
                      t.zero_stage >= 2 and not t.accumulates_unsharded, t.fsdp_mixed_units,
                      2 if t.precision == "bf16-mp" else w, t.zero_stage == 3 or fsdp_grad_op(t),
-                     t.fsdp is not None and t.shard_group > 1)
+                     t.fsdp is not None and t.shard_group > 1, t.expandable_segments)
+
+    def block(self, nbytes: int) -> int:
+        """Allocator bytes of one fresh request of ``nbytes`` in this run's allocator mode
+        (``allocator_rules.block_bytes``: the default allocator's, or expandable segments')."""
+        return block_bytes(nbytes, self.expandable)
 
     def grad_bytes(self, n: int) -> int:
         """Allocator bytes of one gradient of ``n`` elements on this rank: a shard under ZeRO >= 2 /
         FSDP, the whole tensor when not sharded or accumulated unsharded (``no_sync``)."""
-        return block_bytes(-(-n * self.gbytes // self.d) if self.grads_sharded else n * self.gbytes)
+        return self.block(-(-n * self.gbytes // self.d) if self.grads_sharded else n * self.gbytes)
 
     def holds(self, m: ModelSpec, pp: int, p: ParamTensor) -> bool:
         """Whether this pipeline stage holds tensor ``p`` (the first stage the embeddings; the last
@@ -519,7 +527,7 @@ class _Tally:
         self.grads += k * g
         self.layer_grads += g
         if r.fsdp_unsharded and counted_layer:
-            self.layer_full += block_bytes(n * r.gather)
+            self.layer_full += r.block(n * r.gather)
             self.layer_elems += n
 
     def trainable_tensor(self, t: TrainingSpec, r: _Rank, shape: tuple[int, ...], n: int, k: int,
@@ -531,18 +539,18 @@ class _Tally:
         g = r.grad_bytes(n if grad_n is None else grad_n)
         self.grads += k * g
         sh = -(-n // r.d) if r.zero_states >= 1 else n
-        master = block_bytes(sh * 4) if r.half_master else 0
+        master = r.block(sh * 4) if r.half_master else 0
         self.master += k * master
-        sts = tuple(block_bytes(sb) for sb in state_bytes(t.optimizer, shape, sh, r.sbytes, whole=n,
+        sts = tuple(r.block(sb) for sb in state_bytes(t.optimizer, shape, sh, r.sbytes, whole=n,
                                                           blocksize=t.bnb_blocksize))
         self.opt += k * sum(sts)
         self.items.append((where, k, g, sts, master))
         self.item_elems.append(n)
         if t.impl == "fused" and t.optimizer in ("adam", "adamw"):
-            self.step_t += k * block_bytes(4)
+            self.step_t += k * r.block(4)
         self.largest = max(self.largest, n * r.sbytes)
         self.largest_n = max(self.largest_n, n)
-        self.group += k * block_bytes(sh * r.sbytes)
+        self.group += k * r.block(sh * r.sbytes)
         return g
 
 
@@ -561,7 +569,7 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
     _buffers(m, r, acc, before, layer, after)
     _layer_rope_cache(m, t, r, acc, layer)
     placed = _placed_bytes(tuple(x for _, x in before), tuple(x for _, x in layer),
-                           r.per_stage if m.uniform_layers else 1, tuple(x for _, x in after))
+                           r.per_stage if m.uniform_layers else 1, tuple(x for _, x in after), r.expandable)
     weights = placed - acc.buffers + acc.lora_w
     master, opt, step_t = acc.master, acc.opt, acc.step_t
     opt += bnb_qmap_bytes(t.optimizer, acc.largest_n)  # bitsandbytes' two shared 256-entry maps (fp32)
@@ -571,8 +579,8 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
     # ``bitsandbytes/functional.py`` get_paged / GlobalPageManager): not device memory the caching
     # allocator holds, paged to the GPU only while the step reads them
     reduce = 4 if t.precision == "bf16-mp" else r.gather  # MixedPrecisionPolicy(reduce_dtype=fp32), else the grads'
-    rs = block_bytes(acc.layer_elems * reduce) if r.fsdp_unsharded else 0
-    root_rs = block_bytes(acc.root_rs_elems * reduce) if (r.fsdp_unsharded and acc.root_rs_elems) else 0
+    rs = r.block(acc.layer_elems * reduce) if r.fsdp_unsharded else 0
+    root_rs = r.block(acc.root_rs_elems * reduce) if (r.fsdp_unsharded and acc.root_rs_elems) else 0
     return States(weights, acc.buffers, master, acc.grads, opt, step_t, acc.trainable, acc.params_rank,
                   acc.layer_grads, acc.head_grads, acc.lmh, acc.hmh, acc.largest, acc.group, acc.lpf,
                   sum(x[1] for x in lora), acc.q4, acc.root, acc.head_full, acc.emb_full, acc.layer_full, rs,
@@ -581,7 +589,7 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
                   each_layer_grads=tuple(g for _, g in sorted(acc.each.items())) if not lora else (),
                   root_rs=root_rs, root_last_grad=acc.root_last if root_rs else 0,
                   between_grads=acc.between, root_views=acc.root_views,
-                  root_flat=block_bytes(acc.root_flat_bytes) if acc.root_flat_bytes else 0,
+                  root_flat=r.block(acc.root_flat_bytes) if acc.root_flat_bytes else 0,
                   embed_matmul_half=acc.emh)
 
 
@@ -618,8 +626,8 @@ def fsdp1_rank0_items(t: TrainingSpec, r: _Rank, acc: _Tally) -> tuple:
             mine = max(0, min(n, chunk - offset))           # this parameter's part of rank 0's chunk
             offset += n
             where, k, _g, sts, master = items[j]
-            g = block_bytes(chunk * r.gbytes) if pos == 0 else 0  # the flat gradient, on the unit's first
-            out[j] = (where, k, g, tuple(block_bytes(mine * r.sbytes) if mine else 0 for _ in sts), master)
+            g = r.block(chunk * r.gbytes) if pos == 0 else 0  # the flat gradient, on the unit's first
+            out[j] = (where, k, g, tuple(r.block(mine * r.sbytes) if mine else 0 for _ in sts), master)
     return tuple(out)
 
 
@@ -654,13 +662,13 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
             # frozen (LoRA), never cast by autocast, never sharded (TrainingSpec refuses TP/ZeRO-3)
             parts = storage_tensors(n, t.quantize.endswith("-dq"))
             dest.extend((f"{p.name}.4bit.{i}", b) for i, b in enumerate(parts))
-            acc.q4 += k * sum(block_bytes(b) for b in parts)
+            acc.q4 += k * sum(r.block(b) for b in parts)
             continue
         wb = n * r.w
         item = (p.name, -(-wb // r.d) if r.shard_weights else wb)
         dest.append(item)
         if r.fsdp_unsharded and p.layer is None:
-            acc.root += block_bytes(n * r.gather)  # the root unit's unsharded parameter (fsdp_root below)
+            acc.root += r.block(n * r.gather)  # the root unit's unsharded parameter (fsdp_root below)
             acc.root_list.append(n * r.gather)
         if r.fsdp_unsharded and p.layer is not None and (uniform or p.layer == r.lo):
             acc.layer_list.append(n * r.gather)   # one layer's unsharded parameter
@@ -678,7 +686,7 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
             continue
         g = acc.trainable_tensor(t, r, p.shape, n, k, p.numel if _replicated_grad(m, t, p) else n,
                                  "layer" if p.layer is not None else ("after" if layer else "before"))
-        full = block_bytes(n * r.gather) if r.fsdp_unsharded else 0  # its unsharded gradient under FSDP
+        full = r.block(n * r.gather) if r.fsdp_unsharded else 0  # its unsharded gradient under FSDP
         if p.layer is not None:
             acc.layer_grads += g
             if not uniform:
@@ -722,13 +730,13 @@ def _lora_adapters(t: TrainingSpec, r: _Rank, acc: _Tally, lora: list[tuple[str,
             continue
         for n in parts:
             n = -(-n // t.tp) if t.tp > 1 else n
-            acc.lora_w += block_bytes(-(-n * r.w // r.d) if r.shard_weights else n * r.w)
+            acc.lora_w += r.block(-(-n * r.w // r.d) if r.shard_weights else n * r.w)
             g = acc.trainable_tensor(t, r, (-(-n // r.d) if r.zero_states >= 1 else n,), n, 1,
                                      where=f"layer{lyr - r.lo}" if lyr is not None else "after")
             if lyr == r.lo:
                 acc.layer_grads += g
                 if r.fsdp_unsharded:  # FSDP: the adapter's unsharded gradient joins its layer's reduce-scatter
-                    acc.layer_full += block_bytes(n * r.w)
+                    acc.layer_full += r.block(n * r.w)
                     acc.layer_elems += n
 
 
@@ -742,10 +750,10 @@ def _buffers(m: ModelSpec, r: _Rank, acc: _Tally, before: list, layer: list, aft
         if b.name.startswith("h."):  # nanoGPT's per-layer mask: part of the layer
             if int(b.name.split(".")[1]) != 0:  # layer 0 stands for every layer on this rank
                 continue
-            acc.buffers += r.per_stage * block_bytes(numel * nb)
+            acc.buffers += r.per_stage * r.block(numel * nb)
             _insert_buffer(layer, b.name, numel * nb)
             continue
-        acc.buffers += block_bytes(numel * nb)
+        acc.buffers += r.block(numel * nb)
         _insert_buffer(after if not b.name.startswith("embeddings") else before, b.name, numel * nb)
 
 
@@ -762,7 +770,7 @@ def _layer_rope_cache(m: ModelSpec, t: TrainingSpec, r: "_Rank", acc: "_Tally", 
         return
     half = m.head_dim // 2
     for name, numel in (("theta", half), ("cache", t.layer_rope_cache * half * 2)):   # fp32 each
-        acc.buffers += r.per_stage * block_bytes(numel * 4)
+        acc.buffers += r.per_stage * r.block(numel * 4)
         at = max((i for i, (n, _) in enumerate(layer) if ".self_attn." in n), default=len(layer) - 1) + 1
         layer.insert(at, (f"layers.0.self_attn.pos_embeddings.{name}", numel * 4))
 

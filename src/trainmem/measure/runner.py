@@ -49,6 +49,7 @@ from ..spec.training import report_warnings
 from ..spec.resolve import TRAINING_FIELDS, Resolved, resolve
 from ..units import parse_bytes
 from ..workload import TrainStep, add_layer_rope_cache, apply_lora, check_supported, hf_factory
+from . import alloc_conf
 from .probes import CpuProbe, CudaProbe, PhaseRecorder, optimizer_tensors, parse_device, tensor_bytes
 
 MiB = 2**20
@@ -270,6 +271,7 @@ def environment(kind: str, probe: Any = None) -> dict[str, Any]:
         nv = getattr(probe, "nvml", None)
         env["driver"] = nv.driver_version() if nv is not None else None
         env["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
+        env["allocator_settings"] = alloc_conf.settings()  # what PyTorch parsed last (--expandable-segments)
         try:
             idx = getattr(probe, "index", 0)
             props = torch.cuda.get_device_properties(idx)
@@ -337,7 +339,9 @@ def measure(model: Any, steps: int = 2, *, device: str = "cuda", training: Train
     the device's (tests). ``snapshot``/``html``/``profile``: output paths, checked before the run;
     one that still cannot be written afterwards raises ``trainmem.paths.NotWritten`` with the
     measured report as its ``report``. ``progress_bar``: a bar on stderr (``trainmem.progress``;
-    None: off unless the CLI turned it on).
+    None: off unless the CLI turned it on). ``expandable_segments=True`` runs the allocator with
+    ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (``measure.alloc_conf``: set before CUDA is
+    initialised; an environment that configures the allocator otherwise is refused).
     """
     predictor_for("cpu", predict_by)
     t0 = time.perf_counter()
@@ -349,6 +353,7 @@ def measure(model: Any, steps: int = 2, *, device: str = "cuda", training: Train
                                                                      context_memory=context_memory,
                                                                      max_fraction=max_fraction))
     from .distributed import check_layout, launcher_env, measure_rank, needs_launcher, several
+    alloc_warnings = alloc_conf.apply(r.training.expandable_segments, kind)  # before CUDA is initialised
     env = launcher_env()
     if probe is None and ((env is not None and env["world_size"] > 1) or several(r.training)):
         if env is None:
@@ -364,7 +369,8 @@ def measure(model: Any, steps: int = 2, *, device: str = "cuda", training: Train
     if probe is None:
         probe = CpuProbe(limit) if kind == "cpu" else CudaProbe(index, limit, record_history=bool(snapshot or html))
     run = _Run(r, options, overrides, model, kind, probe, r.hardware or _limit_hardware(kind, limit), limit, steps,
-               seed, empty_cache, PhaseRecorder(probe, r.training.grad_accum, empty_cache), _not_applied(r.training))
+               seed, empty_cache, PhaseRecorder(probe, r.training.grad_accum, empty_cache),
+               _not_applied(r.training) + alloc_warnings)
     torch.manual_seed(seed)
     with progress(steps + 1, "measure", progress_bar) as bar:
         run.on_step = bar.update

@@ -648,6 +648,11 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                                   _s("torchtitan", "torchtitan/models/llama3/infra/parallelize.py", "319-327"))),
         "dropout": Cell(shown="the config's"),
         "grad_sync": Cell(shown="micro-batch (trainmem default)"),
+        "expandable_segments": Cell(True, (_s("torchtitan", "run_train.sh", "42"),),
+                                    note="its launcher runs torchrun with PYTORCH_ALLOC_CONF=\"expandable_segments:True\" "
+                                         "(run_train.sh L42 at v0.2.2; run_llama_train.sh from PR #643, 2024-10-22, on, "
+                                         "run_train.sh in every release): --expandable-segments; a run before that date, "
+                                         "or not started by the script, is --no-expandable-segments"),
     }, rules=_torchtitan_rules, check=_check_fsdp_only("torchtitan"), min_torch="2.0"),
     Preset("lightning", "PyTorch Lightning Trainer", "lightning 2.6.5", {
         "precision": Cell("fp32", (_s("lightning", "src/lightning/pytorch/trainer/connectors/accelerator_connector.py",

@@ -237,6 +237,9 @@ class TrainingSpec:
     stage3_max_reuse_distance: int | None = None  # stage 3: keep a gathered parameter reused within this many
     #                                               parameter elements; None: 1,000,000,000
     stage3_prefetch_bucket_size: int | None = None  # stage 3: elements gathered ahead; None: 50,000,000
+    expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: the caching allocator's
+    #                                    virtual-memory mode (every block split to its 512 B-rounded request; one
+    #                                    growing segment per pool); torchtitan's launcher sets it (spec.frameworks)
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -255,6 +258,8 @@ class TrainingSpec:
                              ("hold_output", HOLD_OUTPUT), ("grad_sync", GRAD_SYNC), ("pp_schedule", PP_SCHEDULES),
                              ("fsdp_lora_units", FSDP_LORA_UNITS), ("fsdp_gathered", FSDP_GATHERED)):
             _choice(key, getattr(self, key), choices)
+        if not isinstance(self.expandable_segments, bool):
+            raise TrainmemError(f"--expandable-segments is on or off (True or False), got {self.expandable_segments!r}")
         self._check_loss()
         self._check_recompute()
         self._check_moe()

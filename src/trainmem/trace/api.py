@@ -53,10 +53,14 @@ _PERSISTENT = {"parameters", "buffers", "gradients", "optimizer_states", "master
 TRACED_MICRO_BATCHES = 4
 
 
+#: the training options a user's step function is said to ignore (the allocator's mode applies to it too)
+_STEP_OPTIONS = TRAINING_FIELDS - {"expandable_segments"}
+
+
 def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device: str = "cuda",
           training: TrainingSpec | None = None, hardware: Hardware | None = None, gpu: Any = None,
           gpu_memory: Any = None, context_memory: Any = None, max_fraction: float | None = None,
-          optimizer_fn: Callable | None = None, overrides: Any = None, expandable_segments: bool = False,
+          optimizer_fn: Callable | None = None, overrides: Any = None,
           max_split_size: int | None = None, cublas_workspace: int | None = None,
           attention_backend: str | None = None, capability: tuple[int, int] | None = None,
           simulate_oom: bool = False, timeline_points: int = 4000, largest: int = 20, rank: int = 0,
@@ -86,8 +90,8 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
     (``calibration=FILE``, ``Hardware.cublas_workspace``) says otherwise.
     ``simulate_oom=True`` limits the simulated device to the GPU's capacity minus its CUDA context:
     near the limit the allocator frees its cache and retries as PyTorch does, and a step that does
-    not fit stops at the simulated out-of-memory (reported in ``warnings``).
-    ``expandable_segments`` and ``max_split_size`` mirror ``PYTORCH_CUDA_ALLOC_CONF``.
+    not fit stops at the simulated out-of-memory (reported in ``warnings``). ``expandable_segments``
+    (a TrainingSpec field, refused on the CPU) and ``max_split_size`` mirror ``PYTORCH_CUDA_ALLOC_CONF``.
     With data or tensor parallelism (``dp`` > 1, ``fsdp`` with FSDP2 or, ``fsdp_version=1``, FSDP1,
     ``tp`` > 1 with or without ``sequence_parallel``) the step runs on a fake process group of ``dp`` × ``tp`` ranks
     (``trace.distributed``) as rank ``rank`` (default 0, the worst: FSDP2 and DTensor give it the
@@ -104,7 +108,7 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
         raise TrainmemError(f"steps must be a positive integer, got {steps!r}")
     options = dict(training_options, training=training, hardware=hardware, gpu=gpu, gpu_memory=gpu_memory,
                    context_memory=context_memory, max_fraction=max_fraction, overrides=overrides)
-    options_given = any(options.get(k) is not None for k in TRAINING_FIELDS | {"training"})
+    options_given = any(options.get(k) is not None for k in _STEP_OPTIONS | {"training"})
     spec, t, hw, fraction = _inputs(model, options)
     _check_supported(t)
     steps = _steps_run(spec, t, steps)
@@ -113,7 +117,7 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
     factory = _factory(model, spec, t, step_fn)
     if t.compile:
         compiled.setup(t, spec, device)
-    device_options = (device == "cuda", hw, t, expandable_segments, max_split_size, cublas_workspace,
+    device_options = (device == "cuda", hw, t, t.expandable_segments, max_split_size, cublas_workspace,
                       attention_backend, capability, simulate_oom)
     run = functools.partial(_trace_rank, factory, spec, t, hw, device_options, step_fn, optimizer_fn, steps,
                             t if (spec is not None or options_given) else None, (timeline_points, largest))
@@ -214,6 +218,9 @@ def _device(cuda: bool, hw: Hardware | None, t: TrainingSpec, expandable_segment
             capability: tuple[int, int] | None, simulate_oom: bool) -> _Device:
     """The emulated GPU (``cuda``) or the fake-tensor CPU the trace runs on."""
     if not cuda:
+        if expandable_segments:  # the CPU trace counts bytes exactly, with no caching allocator
+            raise TrainmemError("--expandable-segments configures the CUDA caching allocator, which a --device cpu "
+                                "trace does not emulate: give --no-expandable-segments, or trace on --device cuda")
         from torch._subclasses.fake_tensor import FakeTensorMode
         allocator = ExactAllocator()
         return _Device(False, allocator, Tracker(allocator, device_type="cpu"), None, contextlib.nullcontext(),
