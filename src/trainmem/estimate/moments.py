@@ -456,6 +456,18 @@ def _root_regather_at_loss(q: Quantities, tk: Tokens, kept: Kept, before: tuple,
                comm=2 * q.fsdp_root_regather_own + q.ds_backward_buf)
 
 
+def _grads_before(q: Quantities, flags: StepFlags, tk: Tokens, micro: int, step: int) -> Any:
+    """Gradients allocated as a micro-step begins: accumulated by earlier micro-batches (with those
+    kept as views of larger tensors, ``tk.grad_views``), Megatron's main-grad buffers, or zeroed but
+    kept by zero_grad(set_to_none=False) after the first step; else those that exist from model wrap
+    in this layout (DeepSpeed ZeRO-3's flat buffer: ``grads_loaded``). Interleaved 1F1B: at the later
+    backward some of the rank's stages have no gradient yet (``tk.grads_absent``)."""
+    kept = flags.grads_persistent or (step > 1 and flags.zeros)
+    if not (micro > 0 or kept):
+        return q.grads_loaded
+    return q.grads + tk.grad_views - (tk.grads_absent if micro > 0 and not kept else 0)
+
+
 def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: int, micro: int, valid: Any,
                 states_before: bool, workspaces: tuple[int, int], moments: list, ends: list, final: Any = True,
                 prev: Tokens | None = None) -> None:
@@ -470,14 +482,7 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     ``prev``: the previous micro-batch's terms where its length differs (``--later-seq-len``; None:
     the same as this one's)."""
     ws, ws2 = workspaces
-    # gradients already allocated: accumulated by earlier micro-batches, Megatron's main-grad
-    # buffers, or zeroed but kept by zero_grad(set_to_none=False) after the first step; else those
-    # that exist from model wrap in this layout (DeepSpeed ZeRO-3's flat buffer: ``grads_loaded``)
-    grads_before = q.grads + tk.grad_views if (micro > 0 or flags.grads_persistent or (step > 1 and flags.zeros)) \
-        else q.grads_loaded
-    # (interleaved 1F1B: at the later backward some of the rank's stages have no gradient yet)
-    grads_before = grads_before - tk.grads_absent if (micro > 0 and not flags.grads_persistent
-                                                          and not (step > 1 and flags.zeros)) else grads_before
+    grads_before = _grads_before(q, flags, tk, micro, step)
     states = q.states if states_before else 0
     prev_logits, prev_kv, prev_graph = _previous(q, flags, (kept, tk) if prev is None else prev, step > 1 or micro > 0)
     own = tk.graph_extra  # this micro-batch's graph-kept tensors beyond the kept activations

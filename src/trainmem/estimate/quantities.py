@@ -1386,13 +1386,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     sp = t.tp if t.sequence_parallel else 1
     input_tok = m.hidden_size * pol.stream / sp               # a layer's input (b, s, h), residual dtype
     checkpointed = layers // t.recompute_every if t.recompute in ("full", "op") else 0
-    kept, redo = _recompute(t, lc, input_tok, checkpointed / layers)
-    if t.offload_activations:
-        kept, redo = _offloaded(kept, redo, input_tok)
-    # the recompute transient belongs to the top layer's backward moment only when the top layer is
-    # checkpointed; otherwise it comes later, when the layers above it have freed more than it adds
-    top_recomputed = t.recompute not in ("full", "op") or layers % t.recompute_every == 0
-    redo = redo if top_recomputed else (0.0, 0.0)
+    kept, redo, top_recomputed = _kept_and_redone(t, lc, input_tok, checkpointed, layers)
     head_here = t.pp == 1 or stage == "last"
     cast_layer, cast_head, cast_embed = _autocast_copies(m, t, st, pol, head_here, stage)
     lora_first = first_layer_unsaved(t, lc, stage)
@@ -1426,7 +1420,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         kept_tok=kept[0], kept_sq=kept[1], redo_tok=redo[0], redo_sq=redo[1],
         # (a layer traced checkpointed has its recomputed copies in its measured transients)
         redo_const=cast_layer if (checkpointed and top_recomputed and not lc.checkpointed) else 0,
-        held_tok=lc.held, held_b1_tok=lc.held if lc.held_b1 is None else lc.held_b1, cache_tok=lc.cache,
+        **_output_cache(t, lc),
         loss_forward_chunk=loss.forward_chunk,
         outer_head_tok=head_tok, outer_rest_tok=rest_tok, outer_rest_sq=rest_sq, outer_rest_pos=rest_pos,
         head_loss_tok=derived_head_loss(m, t, stage) if derived else head_during_loss(m, t, pol, stage),
@@ -1457,6 +1451,31 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         input_tok=input_bytes(m, t)[0], input_sample=input_bytes(m, t)[1], expandable=int(t.expandable_segments),
         dec_num=decoder_ratio(m, t)[0], dec_den=decoder_ratio(m, t)[1], **_derived_fields(m, t, stage), **pipe,
         detail=Detail(st, lc, outer, comm_name, input_tok, sum(a for _, a, _ in received)))
+
+
+def _kept_and_redone(t: TrainingSpec, lc: LayerCoefs, input_tok: float, checkpointed: int, layers: int
+                     ) -> tuple[tuple, tuple, bool]:
+    """A layer's kept bytes and its recomputation's (``_recompute``; activation offloading moves the
+    kept ones to the host, ``_offloaded``), and whether the top layer is checkpointed: the recompute
+    transient belongs to the top layer's backward moment only then; otherwise it comes later, when
+    the layers above it have freed more than it adds."""
+    kept, redo = _recompute(t, lc, input_tok, checkpointed / layers)
+    if t.offload_activations:
+        kept, redo = _offloaded(kept, redo, input_tok)
+    top_recomputed = t.recompute not in ("full", "op") or layers % t.recompute_every == 0
+    return kept, (redo if top_recomputed else (0.0, 0.0)), top_recomputed
+
+
+def _output_cache(t: TrainingSpec, lc: LayerCoefs) -> dict[str, float]:
+    """The ``Quantities`` fields of the KV cache the model output references (per token): what it
+    holds beyond autograd's saved tensors (at micro-batch 1 apart: eager's matmul saves the cache's
+    views) and the whole cache. None of it outlives the body's forward when the loop computes the
+    logits chunk by chunk (``--loss-chunks N``): it takes the decoder's last hidden state,
+    ``base_model(input_ids)[0]``, and drops the output with its cache before the head runs
+    (``workload._chunked_output``; torchtune's and litgpt's own models build no cache)."""
+    if t.loss_chunks > 1:
+        return {"held_tok": 0.0, "held_b1_tok": 0.0, "cache_tok": 0.0}
+    return {"held_tok": lc.held, "held_b1_tok": lc.held if lc.held_b1 is None else lc.held_b1, "cache_tok": lc.cache}
 
 
 def _derived_fields(m: ModelSpec, t: TrainingSpec, stage: str) -> dict[str, float]:

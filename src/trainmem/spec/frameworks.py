@@ -886,8 +886,9 @@ def markdown_table() -> str:
     rows += ["", "Older transformers (`--transformers-version`, `spec/tf_releases.py`): `--framework hf-trainer "
              "--framework-version V` sets `--transformers-version V` for the models the release table covers (llama, "
              "mistral, qwen2, mixtral, gpt2, bert, OPT, Granite), so the release's model code is counted: eager attention "
-             "before the family's SDPA support (the attention cell, like PyTorch's defaults, gives way) and the loss's "
-             "logits copies before 4.49; other models keep the installed code, with a warning."]
+             "before the family's SDPA support (the attention cell, like PyTorch's defaults, gives way), the loss's "
+             "logits copies before 4.49 and the KV cache's own keys and values (no copies) before 4.56; other models "
+             "keep the installed code, with a warning."]
     rows += ["", "Notes:", ""]
     for p in PRESETS.values():
         for k, c in p.cells.items():

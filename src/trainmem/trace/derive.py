@@ -133,10 +133,17 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1:
     for name, what in (("first_input", "first layer's input"), ("top_kept", "top layer's kept output"),
                        ("first_early", "end layers' outputs")):
         out[name] = _fitted(m, what, pts, [r[name] for r in runs], ("n",))[0]
+    return dict(out, **_outside_layers(m, runs, fit))
+
+
+def _outside_layers(m: ModelSpec, runs: list[dict[str, Any]], fit: Any) -> dict[str, list[float]]:
+    """The fitted quantities outside the layers: the embedding side, the head side and its loss
+    (and an image model's head forward) per token, per position and per token x key; the gradients
+    kept as views of larger tensors (``_grad_view_bytes``) per token, per position and constant."""
+    out = {}
     for side in ("embed", "head", "head_loss") + (("head_forward",) if m.is_image else ()):
         c = fit(f"{side} bytes", [r[side] for r in runs])
         out[side] = [c["n"], c["s"], c["nsq"]]
-    # gradients kept as views of larger tensors (``_grad_view_bytes``): per token, per position, constant
     c = fit("gradient views' bytes", [r["grad_views"] for r in runs])
     out["grad_views"] = [c["n"], c["s"], c["1"]]
     return out
