@@ -55,6 +55,8 @@ class Recipe:
     weights: float = 0.0
     # per transient: the weight elements of the op itself whose autocast copy its backward has released
     own_cast: list[float] = field(default_factory=list)
+    # per transient: of its tensors, bytes per token that are the layer's output gradient itself (``incoming``)
+    incoming: list[float] = field(default_factory=list)
     # of ``weights``: those of transformers' grouped experts, which ``_grouped_mm`` reads as they are
     # (no autocast rule: no half copy made, none freed in backward)
     uncast: float = 0.0
@@ -108,12 +110,15 @@ class Recipe:
             self.held[id(t)] = t
 
     def transient(self, name: str, *ts: T, const: float = 0.0, own_weights: float = 0.0,
-                  own_uncast: float = 0.0, own_cast: float = 0.0) -> None:
+                  own_uncast: float = 0.0, own_cast: float = 0.0, incoming: T | None = None) -> None:
         """A moment of this op's backward where ``ts`` are alive. Ops after it in forward order
         were back-propagated already, so only the tensors saved so far are still alive then:
         the recorded excess is relative to the whole layer's saved tensors. ``own_weights``: the
         weight elements of this op (a linear), whose gradient is part of ``const``; ``own_uncast``:
-        of those, the elements autocast does not copy (grouped experts)."""
+        of those, the elements autocast does not copy (grouped experts); ``incoming``: the one of
+        ``ts`` that is the gradient of the layer's output as backward hands it to the layer (the
+        residual stream's, alive until the branch before the last residual add is done), which a
+        pipeline stage's top layer gets as its receive buffer (``quantities._layer_transients``)."""
         tok = sum(t.tok * t.nbytes for t in ts)
         sq = sum(t.sq * t.nbytes for t in ts)
         so_tok = sum(t.tok * t.nbytes for t in self.saved.values())
@@ -121,6 +126,7 @@ class Recipe:
         self.transients.append((name, tok, sq, const, so_tok, so_sq, self.weights + own_weights,
                                 self.uncast + own_uncast))
         self.own_cast.append(own_cast)  # this op's weight elements whose half copy is freed by then
+        self.incoming.append(incoming.tok * incoming.nbytes if incoming is not None else 0.0)
 
     def coefficients(self) -> tuple[float, float, dict[str, tuple[float, float]]]:
         """(bytes per token, bytes per token x key, per-name breakdown) of the saved tensors."""
@@ -809,6 +815,8 @@ class LayerCoefs:
     # per transient: of ``after``, the grouped experts' weight elements (no autocast copies to free)
     after_uncast: tuple[float, ...] = ()
     own_cast: tuple[float, ...] = ()  # per transient: the op's own weight elements whose half copy is freed
+    # per transient: bytes per token of the layer's output gradient it counts (``Recipe.transient``'s ``incoming``)
+    incoming: tuple[float, ...] = ()
     first_adapter_op: int = -1  # LoRA: the transient of the first adapted linear (forward order); -1 none
     # each linear of the layer in forward order: (how many of ``tensors`` are saved before autocast
     # casts its weight, the weight's elements, bytes per element of its gradient (the weight's dtype;
@@ -877,6 +885,7 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
                                      if i not in B.r.saved and t is not x),
                       after_uncast=after_uncast if any(after_uncast) else (),
                       own_cast=own_cast if any(own_cast) else (),
+                      incoming=tuple(B.r.incoming) if any(B.r.incoming) else (),
                       first_adapter_op=B.r.first_adapter_op, linears=tuple(B.r.linears),
                       op_tensors=tuple(t.bytes_coef() for t in op_checkpoint_kept(B.r)))
 
@@ -969,7 +978,7 @@ def _bert_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: f
         ln1 = B.layer_norm(sum1, "attention.output.LayerNorm")
         src2 = T(h / sp_div, 0, ln1.nbytes, "attention.output.LayerNorm.out")
     B.linear(src2, f, "intermediate.dense", "intermediate.dense.input", h)
-    act = _gelu(B, k.act_impl, f, h / sp_div)
+    act = _gelu(B, k.act_impl, f, h / sp_div, incoming=k.pre_norm)  # post-LN: LayerNorm's gradient
     B.linear(act, h, "output.dense", "output.dense.input")
     B.drop(T(h / sp_div, 0, half, "resid"), k.hidden_dropout, "output.dropout")
     if not k.pre_norm:
@@ -1121,7 +1130,8 @@ def _llama_layer_compiled(B: Builder, k: LayerKey, x: T, h: int, f: float, q: fl
     gate = B.linear(src2, f, "mlp.gate_proj", "mlp.gate_proj.input", h, out_name="mlp.gate_out")
     up = B.linear(src2, f, "mlp.up_proj", "mlp.up_proj.input", h, out_name="mlp.up_out")
     B.r.save(gate, up)                                    # (b, s, f) compute dtype each
-    B.r.transient("mlp.act.backward", T(3 * f, 0, half), T(h, 0, pol.stream))  # as _swiglu's (fused here)
+    grad_out = T(h, 0, pol.stream)                        # the layer's output gradient, as _swiglu's
+    B.r.transient("mlp.act.backward", T(3 * f, 0, half), grad_out, incoming=grad_out)  # as _swiglu's (fused here)
     B.linear(T(f, 0, half, "mlp.act_product"), h, "mlp.down_proj", "mlp.down_proj.input")  # (b, s, f) saved
 
 
@@ -1161,14 +1171,17 @@ def _gpt2_layer_compiled(B: Builder, k: LayerKey, x: T, h: int, f: float, q: flo
     _compiled_layer_norm(B, T(h, 0, B.p.stream, "residual"), "ln_2")
     fc = B.linear(T(h, 0, half, "ln_2.out"), f, "c_fc", "c_fc.input", h)       # (b, s, h) half saved
     B.r.save(T(f, 0, half, "mlp.c_fc_out"))               # (b, s, f) half
-    B.r.transient("mlp.act.backward", T(2 * f, 0, half), T(h, 0, B.p.stream))  # d(gelu out), d(c_fc out)
+    grad_out = T(h, 0, B.p.stream)                        # the layer's output gradient, waiting meanwhile
+    B.r.transient("mlp.act.backward", T(2 * f, 0, half), grad_out, incoming=grad_out)  # d(gelu out), d(c_fc out)
     del fc
     B.linear(T(f, 0, half, "mlp.act"), h, "mlp.c_proj", "mlp.c_proj.input")   # GELU output (b, s, f) half
     B.drop(T(h, 0, half, "resid"), k.hidden_dropout, "mlp.resid_dropout")       # bool (b, s, h)
 
 
-def _gelu(B: Builder, impl: str, f: float, h: float = 0.0) -> T:
-    """The MLP activation on the ``c_fc``/``intermediate`` output (half under autocast).
+def _gelu(B: Builder, impl: str, f: float, h: float = 0.0, incoming: bool = True) -> T:
+    """The MLP activation on the ``c_fc``/``intermediate`` output (half under autocast). ``incoming``:
+    the residual stream's gradient at its backward is the layer's output gradient (a pre-LN layer; a
+    post-LN one's is its final LayerNorm's input gradient).
 
     ``gelu`` / ``gelu_pytorch_tanh`` (fused ``F.gelu``): saves its input, returns the input dtype.
     ``gelu_new`` (transformers NewGELUActivation, Python ops): under autocast ``pow`` runs in fp32 and
@@ -1184,7 +1197,9 @@ def _gelu(B: Builder, impl: str, f: float, h: float = 0.0) -> T:
         # backward: the incoming gradient (the next linear's input gradient, cast back to wide) and
         # the two gradients the final product's MulBackward makes, all of the activation's size; the
         # residual stream's gradient (b, s, h) waits for the attention branch meanwhile
-        B.r.transient("mlp.act.backward", T(f, 0, wide), T(f, 0, wide), T(f, 0, wide), T(h, 0, B.p.stream))
+        grad_out = T(h, 0, B.p.stream)
+        B.r.transient("mlp.act.backward", T(f, 0, wide), T(f, 0, wide), T(f, 0, wide), grad_out,
+                      incoming=grad_out if incoming else None)
         return T(f, 0, wide, "mlp.act.out")
     B.r.save(T(f, 0, half, "mlp.act.input"))
     return T(f, 0, half, "mlp.act.out")
@@ -1322,7 +1337,9 @@ def _swiglu(B: Builder, f: float, h: float, src: T, name: str, fused_gate_up: bo
     pd = max(gate.nbytes, up.nbytes, half)  # the product's dtype (type promotion)
     # the product's backward (MulBackward0; the product itself, saved by down, is freed by then): down's
     # input gradient and the product's two gradients, all (b, s, f), while the residual stream's
-    # gradient (b, s, h) in the stream's dtype waits for the attention branch
-    B.r.transient(f"{name}.act.backward", T(3 * f, 0, pd), T(h / B.sp_div, 0, B.p.stream))
+    # gradient (b, s, h) in the stream's dtype waits for the attention branch: the layer's output gradient
+    # itself, as the residual add hands it to both branches (a pipeline stage's receive buffer at its top layer)
+    grad_out = T(h / B.sp_div, 0, B.p.stream)
+    B.r.transient(f"{name}.act.backward", T(3 * f, 0, pd), grad_out, incoming=grad_out)
     prod = T(f, 0, pd, f"{name}.act_product")
     B.linear(prod, h, f"{name}.down_proj", f"{name}.down_proj.input")

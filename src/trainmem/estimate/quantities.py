@@ -234,7 +234,8 @@ class Quantities:
 class TransientTable:
     """Backward transients of many layouts: (layouts x ops) arrays, padded with ``pad`` = NEVER:
     ``a * b*s + b * b*s^2 + c + d * s^2 + g`` bytes (``d``: tensors shared by the micro-batch), at the
-    backward moments ``at`` names (a bit mask of ``layers.TOP``, ``BOTTOM``, ``DECODER_BOTTOM``)."""
+    backward moments ``at`` names (a bit mask of ``layers.TOP``, ``BOTTOM``, ``DECODER_BOTTOM``);
+    ``e * b*s`` less at the top layer of a stage fed its output gradient (``_layer_transients``)."""
 
     a: np.ndarray
     b: np.ndarray
@@ -243,6 +244,7 @@ class TransientTable:
     pad: np.ndarray
     d: np.ndarray
     at: np.ndarray
+    e: np.ndarray
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1390,7 +1392,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     # gradients of the layer's linears as its backward creates them (per weight byte): unsharded under FSDP
     layer_grads_live = st.layer_grads_full if fsdp else st.layer_grads
     gpw = layer_grads_live / lc.weights if (lc.weights and not oib) else 0.0
-    trans = _layer_transients(t, lc, pol, gpw, 2.0 if cast_layer else 0.0, input_tok)
+    trans = _layer_transients(t, lc, pol, gpw, 2.0 if cast_layer else 0.0, input_tok, receives_output_grad(t, stage))
     # micro-batches in flight: 1F1B's first stage min(pp, grad_accum) (``pp_inflight``, moments.tokens),
     # its later stages fewer (the last one); GPipe runs every forward of the step before the first
     # backward on every stage (torch schedules.py ``ScheduleGPipe._step_microbatches``): all of them
@@ -1456,10 +1458,13 @@ def _derived_fields(m: ModelSpec, t: TrainingSpec, stage: str) -> dict[str, floa
 
 
 def _layer_transients(t: TrainingSpec, lc: LayerCoefs, pol: Policy, gpw: float, freed: float,
-                      input_tok: float) -> tuple:
+                      input_tok: float, received: bool = False) -> tuple:
     """Each op's backward transient of one layer: (a per token, b per token x key, c bytes, g
     gradient bytes made by then, d per position squared, the backward moments it happens at: a bit
-    mask, every layer's by default). ``gpw``: gradient bytes per weight element; ``freed``: inside
+    mask, every layer's by default, e per token that the top layer does not add: with ``received``,
+    the layer's output gradient it counts, ``LayerCoefs.incoming``, which on a pipeline stage that
+    receives its output's gradient is the receive buffer, counted with the inputs:
+    ``receives_output_grad``). ``gpw``: gradient bytes per weight element; ``freed``: inside
     a layer's backward the half weight copies of its later linears (back-propagated already) were
     freed with their matmuls' saved tensors, so each transient excludes them (2 bytes per element),
     except for grouped experts, which autocast does not copy (``LayerCoefs.after_uncast``; found by
@@ -1470,8 +1475,9 @@ def _layer_transients(t: TrainingSpec, lc: LayerCoefs, pol: Policy, gpw: float, 
     ssq = lc.transients_ssq or (0.0,) * len(lc.transients)
     at = lc.transients_at or (ALL_MOMENTS,) * len(lc.transients)
     own = lc.own_cast or (0.0,) * len(lc.transients)  # (a linear's fp32 cast of its weight gradient)
-    trans = tuple((a, b, c - (w - u + o) * freed, int(w * gpw), d, k)
-                  for (_, a, b, c), w, u, o, d, k in zip(lc.transients, after, uncast, own, ssq, at))
+    top_less = lc.incoming if (received and lc.incoming) else (0.0,) * len(lc.transients)
+    trans = tuple((a, b, c - (w - u + o) * freed, int(w * gpw), d, k, e)
+                  for (_, a, b, c), w, u, o, d, k, e in zip(lc.transients, after, uncast, own, ssq, at, top_less))
     if t.offload_activations and trans:
         trans = trans[:-1] + ((trans[-1][0] + offload_previous(input_tok, pol), *trans[-1][1:]),)
     return trans
@@ -1530,6 +1536,19 @@ def _autocast_copies(m: ModelSpec, t: TrainingSpec, st: States, pol: Policy, hea
     cast_head = st.head_matmul_half * head_casts(m, t) if pol.amp and not sharded and head_here else 0
     cast_embed = st.embed_matmul_half if pol.amp and not sharded and (t.pp == 1 or stage == "first") else 0
     return cast_layer, cast_head, cast_embed
+
+
+def receives_output_grad(t: TrainingSpec, stage: str) -> bool:
+    """Whether the stage's backward starts from a receive buffer: under torch's pipeline schedule every
+    stage but the model's last gets its output's gradient from the next (``pipeline_buffers``), and
+    ``stage_backward`` hands that buffer itself to autograd (torch 2.13 ``pipelining/stage.py``
+    ``_retrieve_recv_grads`` returns ``info.buffer``; ``_backward.py`` ``stage_backward``:
+    ``torch.autograd.backward(stage_output_tensors, grad_tensors=output_grad_tensors)``). So the top
+    layer's residual-stream gradient, which passes its last residual add unchanged into the MLP branch's
+    backward, is that buffer, not a new tensor. The last rank's stages (interleaved: the model's last
+    and others) are taken as not receiving. Found by trace: llama (8 layers, h 512) --pp 2 bf16-amp,
+    2 x 1024 tokens, the first stage +1.1% before (its peak the top layer's ``MulBackward0``)."""
+    return torch_pipeline(t) and t.pp > 1 and stage != "last"
 
 
 def _pipeline_terms(m: ModelSpec, t: TrainingSpec, st: States, pol: Policy, stage: str, input_tok: float,
@@ -2054,9 +2073,9 @@ def gather(rows: list[tuple], index: np.ndarray) -> Quantities:
     arrays: dict[str, Any] = {k: ints[:, j] for j, k in enumerate(_INT_FIELDS)}
     arrays.update({k: floats[:, j] for j, k in enumerate(_FLOAT_FIELDS)})
     width = max(max((len(r[2]) for r in rows), default=0), 1)
-    pad = (0.0, 0.0, 0.0, 0.0, 0.0, float(ALL_MOMENTS), float(NEVER))
+    pad = (0.0, 0.0, 0.0, 0.0, 0.0, float(ALL_MOMENTS), 0.0, float(NEVER))
     tab = np.array([[tr + (0.0,) for tr in r[2]] + [pad] * (width - len(r[2])) for r in rows],
                    dtype=np.float64)[index]
     table = TransientTable(tab[:, :, 0], tab[:, :, 1], tab[:, :, 2], tab[:, :, 3].astype(np.int64),
-                           tab[:, :, 6].astype(np.int64), tab[:, :, 4], tab[:, :, 5].astype(np.int64))
+                           tab[:, :, 7].astype(np.int64), tab[:, :, 4], tab[:, :, 5].astype(np.int64), tab[:, :, 6])
     return Quantities(**arrays, transients=table, detail=None)
