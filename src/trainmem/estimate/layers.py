@@ -57,6 +57,10 @@ class Recipe:
     own_cast: list[float] = field(default_factory=list)
     # per transient: of its tensors, bytes per token that are the layer's output gradient itself (``incoming``)
     incoming: list[float] = field(default_factory=list)
+    # weight elements of the frozen linears built so far whose matmul saves the weight's half copy (LoRA
+    # under autocast: ``Builder.frozen_linear``), and per transient how many there were then
+    frozen: float = 0.0
+    frozen_at: list[float] = field(default_factory=list)
     # of ``weights``: those of transformers' grouped experts, which ``_grouped_mm`` reads as they are
     # (no autocast rule: no half copy made, none freed in backward)
     uncast: float = 0.0
@@ -127,6 +131,7 @@ class Recipe:
                                 self.uncast + own_uncast))
         self.own_cast.append(own_cast)  # this op's weight elements whose half copy is freed by then
         self.incoming.append(incoming.tok * incoming.nbytes if incoming is not None else 0.0)
+        self.frozen_at.append(self.frozen)
 
     def coefficients(self) -> tuple[float, float, dict[str, tuple[float, float]]]:
         """(bytes per token, bytes per token x key, per-name breakdown) of the saved tensors."""
@@ -278,6 +283,12 @@ class Builder:
         free_in = not self.r.adapter_seen or x is self.r.free_input
         if free_in:
             self.r.free_weights.append((x.tok if in_features is None else in_features) * out)
+        elif not self.quant[0]:
+            # its input needs a gradient, so ``mm`` saves the weight it multiplies: under autocast the
+            # half copy of the frozen weight (not cached: autocast caches only leaves that require grad,
+            # aten/src/ATen/autocast_mode.cpp ``cached_cast``), freed when its ``MmBackward0`` releases it
+            # (a linear on the first layer's grad-free input saves none: ``first_free_weights``)
+            self.r.frozen += (x.tok if in_features is None else in_features) * out
         if rank and not self.r.adapter_seen:
             self.r.prefix, self.r.free_input, self.r.adapter_seen = frozenset(self.r.saved), x, True
             self.r.first_adapter_op = len(self.r.transients)  # this linear's transient comes next
@@ -817,6 +828,9 @@ class LayerCoefs:
     own_cast: tuple[float, ...] = ()  # per transient: the op's own weight elements whose half copy is freed
     # per transient: bytes per token of the layer's output gradient it counts (``Recipe.transient``'s ``incoming``)
     incoming: tuple[float, ...] = ()
+    # per transient: weight elements of the frozen linears back-propagated before it whose half copies
+    # their matmuls saved and released (``Recipe.frozen``; LoRA under autocast)
+    after_frozen: tuple[float, ...] = ()
     first_adapter_op: int = -1  # LoRA: the transient of the first adapted linear (forward order); -1 none
     # each linear of the layer in forward order: (how many of ``tensors`` are saved before autocast
     # casts its weight, the weight's elements, bytes per element of its gradient (the weight's dtype;
@@ -872,6 +886,7 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
     after = tuple(max(0.0, wall - w) for *_, w, _u in B.r.transients)
     after_uncast = tuple(max(0.0, B.r.uncast - u) for *_, u in B.r.transients)
     own_cast = tuple(B.r.own_cast)
+    after_frozen = tuple(max(0.0, B.r.frozen - f) for f in B.r.frozen_at)
     held = sum(t.tok * t.nbytes for i, t in B.r.held.items() if i not in B.r.saved)
     op_tok, op_sq = op_checkpoint_saved(B.r)
     input_saved = B.r.input_saved or id(x) in B.r.saved
@@ -886,6 +901,7 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
                       after_uncast=after_uncast if any(after_uncast) else (),
                       own_cast=own_cast if any(own_cast) else (),
                       incoming=tuple(B.r.incoming) if any(B.r.incoming) else (),
+                      after_frozen=after_frozen if any(after_frozen) else (),
                       first_adapter_op=B.r.first_adapter_op, linears=tuple(B.r.linears),
                       op_tensors=tuple(t.bytes_coef() for t in op_checkpoint_kept(B.r)))
 

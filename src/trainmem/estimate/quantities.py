@@ -1466,7 +1466,9 @@ def _layer_transients(t: TrainingSpec, lc: LayerCoefs, pol: Policy, gpw: float, 
     receives its output's gradient is the receive buffer, counted with the inputs:
     ``receives_output_grad``). ``gpw``: gradient bytes per weight element; ``freed``: inside
     a layer's backward the half weight copies of its later linears (back-propagated already) were
-    freed with their matmuls' saved tensors, so each transient excludes them (2 bytes per element),
+    freed with their matmuls' saved tensors, so each transient excludes them (2 bytes per element;
+    frozen ones too, ``LayerCoefs.after_frozen``: found by trace, llama 8 x 512 LoRA --pp 2, bf16-amp,
+    the first stage's top-layer ``MulBackward0`` +0.3% before, ``down_proj``'s copy),
     except for grouped experts, which autocast does not copy (``LayerCoefs.after_uncast``; found by
     trace: Mixtral, 2 layers, full recompute, bf16-amp, the first layer's ``gate_up`` backward:
     -3.2% before)."""
@@ -1476,8 +1478,11 @@ def _layer_transients(t: TrainingSpec, lc: LayerCoefs, pol: Policy, gpw: float, 
     at = lc.transients_at or (ALL_MOMENTS,) * len(lc.transients)
     own = lc.own_cast or (0.0,) * len(lc.transients)  # (a linear's fp32 cast of its weight gradient)
     top_less = lc.incoming if (received and lc.incoming) else (0.0,) * len(lc.transients)
-    trans = tuple((a, b, c - (w - u + o) * freed, int(w * gpw), d, k, e)
-                  for (_, a, b, c), w, u, o, d, k, e in zip(lc.transients, after, uncast, own, ssq, at, top_less))
+    # (LoRA: the frozen linears' half copies, saved by their matmuls, are freed by their backward too)
+    frozen = lc.after_frozen or (0.0,) * len(lc.transients)
+    trans = tuple((a, b, c - (w - u + o + z) * freed, int(w * gpw), d, k, e)
+                  for (_, a, b, c), w, u, o, z, d, k, e in zip(lc.transients, after, uncast, own, frozen, ssq, at,
+                                                                top_less))
     if t.offload_activations and trans:
         trans = trans[:-1] + ((trans[-1][0] + offload_previous(input_tok, pol), *trans[-1][1:]),)
     return trans
