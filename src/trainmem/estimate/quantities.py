@@ -1551,8 +1551,9 @@ def receives_output_grad(t: TrainingSpec, stage: str) -> bool:
     ``torch.autograd.backward(stage_output_tensors, grad_tensors=output_grad_tensors)``). So the top
     layer's residual-stream gradient, which passes its last residual add unchanged into the MLP branch's
     backward, is that buffer, not a new tensor. The last rank's stages (interleaved: the model's last
-    and others) are taken as not receiving. Found by trace: llama (8 layers, h 512) --pp 2 bf16-amp,
-    2 x 1024 tokens, the first stage +1.1% before (its peak the top layer's ``MulBackward0``)."""
+    and others) are taken as not receiving. Found by trace: llama (8 layers, h 512) LoRA --pp 2 bf16-amp,
+    2 x 1024 tokens, the first stage +1.3% (+3.2% with full recompute) before, its peak the top layer's
+    ``MulBackward0``; without LoRA +0.68% (docs/trace.md, pipeline section, item 10)."""
     return torch_pipeline(t) and t.pp > 1 and stage != "last"
 
 
