@@ -237,8 +237,8 @@ LORA = {"set": ["num_hidden_layers=8", "hidden_size=512", "intermediate_size=102
 
 def _lora_stages(**options):
     """As ``_stages``, for the LoRA model: {rank: (traced peak, the estimate's stage peak)}."""
-    r = trace("llama-3.2-1b", **LORA, **options)
-    res = resolve("llama-3.2-1b", **LORA, **options)
+    r = trace("llama-3.2-1b", **{**LORA, **options})
+    res = resolve("llama-3.2-1b", **{**LORA, **options})
     stage = lambda st: "first" if st == 0 else "last"  # noqa: E731
     return r, {e["rank"]: (e["peak_allocated"], estimate_stage(res.model, res.training,
                                                               stage(e["pipeline_stage"])).peak_allocated)
@@ -271,6 +271,16 @@ def test_lora_stages_agree_with_the_estimate(options):
 @pytest.mark.parametrize("recompute", ["none", "full"])
 def test_lora_pipeline_grid_agrees_with_the_estimate(pp, schedule, recompute):
     _, stages = _lora_stages(pp=pp, grad_accum=pp, pp_schedule=schedule, recompute=recompute)
+    for rank, (traced, est) in stages.items():
+        assert abs(est / traced - 1) < TOLERANCE, (rank, traced, est)
+
+
+def test_the_last_stages_loss_runs_after_its_autocast_region():
+    """Without LoRA, full recompute, bf16-amp: the checkpointed layers' weight copies live in autocast's
+    cache until the stage forward's region closes, before the schedule's loss runs in its own
+    (``quantities.loss_after_stage_forward``); the last stage was +2.0% before (measured -0.19%)."""
+    r, stages = _lora_stages(pp=2, grad_accum=2, recompute="full", lora_rank=None)
+    assert not r.training.lora_rank
     for rank, (traced, est) in stages.items():
         assert abs(est / traced - 1) < TOLERANCE, (rank, traced, est)
 

@@ -1415,7 +1415,8 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         outer_head_tok=head_tok, outer_rest_tok=rest_tok, outer_rest_sq=rest_sq, outer_rest_pos=rest_pos,
         head_loss_tok=derived_head_loss(m, t, stage) if derived else head_during_loss(m, t, pol, stage),
         cast_layer=cast_layer, cast_head=cast_head, cast_embed=cast_embed, cast_checkpointed=cast_layer * checkpointed, head_wgrad=head_wgrad(m, t, cast_head),
-        cast_forward_only=0 if (t.lora_rank or fsdp1_views(t)) else cast_layer * checkpointed,  # see cast_checkpointed
+        cast_forward_only=0 if (t.lora_rank or fsdp1_views(t) or loss_after_stage_forward(t, stage))
+        else cast_layer * checkpointed,  # see cast_checkpointed
         gathered_layer=st.layer_params_full if fsdp_grad_op(t) else 0,
         logit_chunks=t.loss_chunks, logit_width=m.vocab_size if is_lm(m) else m.num_labels,
         tp=t.tp if is_lm(m) else 1, logits_held=loss.held, logits_out=loss.out, loss_saved=loss.saved,
@@ -1541,6 +1542,18 @@ def _autocast_copies(m: ModelSpec, t: TrainingSpec, st: States, pol: Policy, hea
     cast_head = st.head_matmul_half * head_casts(m, t) if pol.amp and not sharded and head_here else 0
     cast_embed = st.embed_matmul_half if pol.amp and not sharded and (t.pp == 1 or stage == "first") else 0
     return cast_layer, cast_head, cast_embed
+
+
+def loss_after_stage_forward(t: TrainingSpec, stage: str) -> bool:
+    """Whether the loss runs after the autocast region the layers ran in has closed: a pipeline's last
+    stage under torch's schedule, whose stage forward is an autocast region of its own and whose loss
+    (the schedule's ``loss_fn``) another (``workload.PipelineTrainStep``: ``torch.autocast`` entered in
+    a forward pre-hook of the stage module and left in its forward hook). Leaving the region clears
+    autocast's cache (``torch/amp/autocast_mode.py`` ``__exit__``: ``torch.clear_autocast_cache()`` at the
+    outermost exit, L348-349), so checkpointed layers' weight copies, which nothing saved, are gone when the loss
+    runs (``cast_forward_only`` 0 there). Found by trace: llama (8 layers, h 512) --pp 2 bf16-amp full
+    recompute, 2 x 1024 tokens, the last stage +2.0% before."""
+    return torch_pipeline(t) and t.pp > 1 and stage == "last"
 
 
 def receives_output_grad(t: TrainingSpec, stage: str) -> bool:
