@@ -172,13 +172,12 @@ def test_fused_qkv_adds_the_query_and_key_widths_per_layer(model):
                                                                         abs=2 ** 21)
 
 
-def test_fused_qkv_is_refused_where_transformers_fuses_or_measure_runs():
-    """trace runs litgpt's fused linear (tests/test_litgpt_modules.py); measure runs transformers' model."""
+def test_fused_qkv_is_refused_where_transformers_fuses_or_with_tensor_parallelism():
+    """trace and measure run litgpt's fused linear (tests/test_litgpt_modules.py, tests/test_measure_run.py)."""
     from trainmem.workload import check_supported
     with pytest.raises(TrainmemError, match="--fused-qkv"):
         estimate("phi-3-mini", seq_len=64, fused_qkv=True)
-    with pytest.raises(TrainmemError, match="--fused-qkv"):
-        check_supported(TrainingSpec(batch_size=1, seq_len=64, fused_qkv=True), "measure")
+    check_supported(TrainingSpec(batch_size=1, seq_len=64, fused_qkv=True), "measure")
     with pytest.raises(TrainmemError, match="--fused-qkv"):
         TrainingSpec(batch_size=1, seq_len=64, fused_qkv=True, tp=2)
 

@@ -78,6 +78,35 @@ def test_measure_matches_cpu_trace_per_phase(name):
     assert m.extra["oom"] is None and m.extra["environment"]["torch"] == torch.__version__
 
 
+#: Phi-3's shape, cut down (transformers fuses its gate and up projections: ``--split-gate-up`` splits them)
+PHI3 = ("phi-3-mini", ["num_hidden_layers=2", "hidden_size=64", "num_attention_heads=4", "num_key_value_heads=4",
+                       "intermediate_size=256", "vocab_size=1000", "pad_token_id=0"])
+
+
+@pytest.mark.parametrize("config, options", [
+    (CONFIGS["llama"], {"fused_qkv": True}),
+    (CONFIGS["llama"], {"attention_call": "repeat-kv"}),           # 2 key/value heads for 4 query heads
+    (CONFIGS["llama"], {"fused_qkv": True, "attention_call": "repeat-kv", "precision": "bf16-amp"}),
+    (PHI3, {"split_gate_up": True}),
+    (CONFIGS["llama"], {"layer_rope_cache": 64}),  # torchtune's per-layer buffers, the same preparation
+], ids=["fused-qkv", "repeat-kv", "fused-repeat-kv-amp", "split-gate-up", "layer-rope-cache"])
+def test_measure_runs_litgpts_modules_and_call_as_cpu_trace_does(config, options):
+    """litgpt's fused q/k/v and split gate/up linears (``workload.prepare_model``) and its SDPA call
+    (``litgpt_modules.LitgptAttentionCall``): measure on the CPU builds and runs them as trace on the
+    CPU does, byte for byte in every phase; each option changes what transformers' own model keeps
+    (trace on the CPU ran transformers' modules and call, and no --layer-rope-cache buffers, before)."""
+    model, overrides = config
+    setup = {**SETUP, **options}
+    m = measure(model, device="cpu", overrides=overrides, **setup)
+    t = trace(model, device="cpu", overrides=overrides, **setup)
+    assert [(p.name, p.step, p.allocated, p.peak) for p in m.phases] == \
+        [(p.name, p.step, p.allocated, p.peak) for p in t.phases]
+    assert m.peak_allocated == t.peak_allocated and m.peak_phase == t.peak_phase
+    plain = {k: v for k, v in setup.items() if k not in ("fused_qkv", "attention_call", "split_gate_up",
+                                                         "layer_rope_cache")}
+    assert trace(model, device="cpu", overrides=overrides, **plain).peak_allocated != t.peak_allocated
+
+
 def test_compare_cli_trace_vs_measure(capsys):
     code, out, _ = _cli(["compare"] + _args("bert-seq-cls") + ["--trace", "--measure", "--json"], capsys)
     assert code == 0

@@ -61,7 +61,8 @@ CASES = [
     ({"pp": 2, "grad_accum": 2, "dp": 2, "fsdp": "full", "grad_sync": "step", "fsdp_version": 1}, REFUSED,
      "--fsdp-version 1"),
     ({"pp": 2, "grad_accum": 2, "dp": 2, "tp": 2}, REFUSED, "--dp (DDP or FSDP2) or with --tp, not both"),
-    ({"pp": 2, "grad_accum": 2, "lora_rank": 8}, REFUSED, "--lora-rank"),
+    ({"pp": 2, "grad_accum": 2, "lora_rank": 8}, CHANGED, ""),  # peft's adapters in each stage (tests/test_trace_pp.py)
+    ({"pp": 2, "grad_accum": 2, "lora_rank": 8, "quantize": "nf4"}, REFUSED, "--quantize"),
     ({"pp": 2, "grad_accum": 2, "hold_output": "step"}, REFUSED, "--hold-output step"),
     ({"pp_schedule": "gpipe", "pp": 2, "grad_accum": 2}, CHANGED, ""),  # vs 1F1B (REFERENCE)
     ({"pp_schedule": "gpipe", "pp": 2, "grad_accum": 2, "num_microbatches_in_flight": 1}, REFUSED,

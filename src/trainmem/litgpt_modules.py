@@ -26,12 +26,15 @@ source, op for op where autograd keeps something.
 """
 from __future__ import annotations
 
+import contextlib
+import math
 import types
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from .errors import TrainmemError
 from .spec import TrainingSpec
@@ -84,7 +87,8 @@ def _adapter(linear: nn.Module) -> dict[str, Any] | None:
 def _linear(bases: list[nn.Linear], rows: int | None = None) -> nn.Linear:
     """A new ``nn.Linear`` as large as ``bases`` stacked on their outputs (or with ``rows`` outputs):
     the same input width, dtype, device, bias and ``requires_grad`` (frozen under LoRA). Its values
-    are not copied: trace runs on tensors without data."""
+    are ``nn.Linear``'s own initialisation, not the bases' (trace runs on tensors without data, and
+    measure's memory does not depend on the values of random weights)."""
     first = bases[0]
     out = sum(b.out_features for b in bases) if rows is None else rows
     bias = first.bias is not None
@@ -97,9 +101,14 @@ def _linear(bases: list[nn.Linear], rows: int | None = None) -> nn.Linear:
 
 def _lora_params(rows_a: int, rows_b: int, r: int, cols: int, like: torch.Tensor, dtype: torch.dtype
                  ) -> tuple[nn.Parameter, nn.Parameter]:
-    """litgpt's ``lora_A`` (rows_a, cols) and ``lora_B`` (rows_b, r) in the adapters' dtype."""
+    """litgpt's ``lora_A`` (rows_a, cols) and ``lora_B`` (rows_b, r) in the adapters' dtype, initialised
+    as its ``reset_parameters`` does (``lora.py``: ``kaiming_uniform_(lora_A, a=sqrt(5))``, ``zeros_(lora_B)``),
+    in place: a real run (measure) computes on them; on tensors without data (trace) nothing is written."""
     a = nn.Parameter(torch.empty(rows_a, cols, device=like.device, dtype=dtype))
     b = nn.Parameter(torch.empty(rows_b, r, device=like.device, dtype=dtype))
+    with torch.no_grad():
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+        nn.init.zeros_(b)
     return a, b
 
 
@@ -260,3 +269,57 @@ def _split_gate_up(mlp: nn.Module) -> None:
     mlp.fc_1 = LoRALinear(_linear([base], rows=half), lora)
     mlp.fc_2 = LoRALinear(_linear([base], rows=half), lora)
     mlp.forward = types.MethodType(litgpt_mlp_forward, mlp)
+
+
+# ----- litgpt's SDPA call (--attention-call repeat-kv) --------------------------------------------------
+def litgpt_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[Any, Any, None, bool, bool]:
+    """``--attention-call repeat-kv``: the SDPA call of litgpt's ``CausalSelfAttention.forward`` in
+    training, made from transformers' tensors. litgpt (lit-gpt 50b1974b, 2023-10-24, to litgpt 0.5.x,
+    ``litgpt/model.py``: ``if n_query_groups != n_head and (input_pos is None or n_query_groups != 1)``)
+    expands k and v (b, groups, 1, s, d) to (b, groups, q_per_kv, s, d) and ``reshape``s them to
+    (b, heads, s, d), which copies them (an expanded view is not viewable as one head dimension), then
+    calls ``scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=True)`` (its ``mask`` is
+    None without a KV cache). Each key/value head is repeated for its group's consecutive query heads,
+    the order transformers' ``repeat_kv`` has. Returns (k, v, mask, is_causal, enable_gqa): the copies
+    (b, heads, s, d) in k's and v's dtype, no mask (transformers' causal mask for an unpadded batch is
+    the one ``is_causal`` builds), causal, no enable_gqa."""
+    heads = q.shape[-3]
+
+    def repeated(x: torch.Tensor) -> torch.Tensor:
+        b, g, s, d = x.shape
+        if g == heads:
+            return x
+        return x[:, :, None].expand(b, g, heads // g, s, d).reshape(b, heads, s, d)  # (b, heads, s, d) copy
+
+    return repeated(k), repeated(v), None, True, False
+
+
+class LitgptAttentionCall(TorchFunctionMode):
+    """``--attention-call repeat-kv`` on a real device (measure) or the CPU (trace --device cpu): each
+    ``F.scaled_dot_product_attention`` transformers' attention makes is rewritten to litgpt's call
+    (``litgpt_call``), as trace's CUDA emulation rewrites it (``trace.cuda.CudaEmulation._sdpa``). Under
+    autocast q, k and v are first cast to its dtype, which autocast would do at SDPA itself (an op of its
+    lower-precision list: ``aten/src/ATen/autocast_mode.cpp``, ``scaled_dot_product_attention`` under
+    ``KERNEL_CUDA(..., lower_precision_fp)``), so the copies are made in the half dtype, as litgpt's
+    half q, k, v are (its ``apply_rope`` returns the input's dtype) and as the emulation makes them."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+        given = dict(zip(names, args), **kwargs)
+        q, k, v = given["query"], given["key"], given["value"]
+        kind = q.device.type
+        if torch.is_autocast_enabled(kind):
+            low = torch.get_autocast_dtype(kind)
+            q, k, v = (x.to(low) if x.is_floating_point() and x.dtype == torch.float32 else x for x in (q, k, v))
+        k, v, mask, causal, gqa = litgpt_call(q, k, v)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=given.get("dropout_p", 0.0),
+                                              is_causal=causal, scale=given.get("scale"), enable_gqa=gqa)
+
+
+def attention_call(t: TrainingSpec) -> Any:
+    """The context a real (or CPU-traced) step runs in for ``t.attention_call``: ``LitgptAttentionCall``
+    for ``repeat-kv``, a no-op context for the model's own call."""
+    return LitgptAttentionCall() if t.attention_call == "repeat-kv" else contextlib.nullcontext()

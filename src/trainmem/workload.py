@@ -62,14 +62,10 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
            if getattr(t, key) != 1 and not (key == "pp" and what == "trace")]
     if t.zero_stage and t.fsdp is None:
         bad.append(f"ZeRO stage {t.zero_stage} (DeepSpeed)")
-    if t.fused_qkv and what != "trace":  # trace puts litgpt's linears in the model (litgpt_modules)
-        bad.append("--fused-qkv (litgpt's attention; this runs transformers')")
-    if t.split_gate_up and what != "trace":
-        bad.append("--split-gate-up (litgpt's MLP; this runs transformers')")
+    # (--fused-qkv, --split-gate-up: litgpt's linears put in the model, ``prepare_model``; --attention-call:
+    # litgpt's SDPA call, ``TrainStep.attention_call``: both run by trace and measure)
     if t.sequence_parallel and what != "trace":
         bad.append("--sequence-parallel")
-    if t.attention_call != "model" and what != "trace":  # trace rewrites the call in its CUDA emulation
-        bad.append(f"--attention-call {t.attention_call} (litgpt's SDPA call; trace and estimate run it)")
     if t.min_seq_len is not None and what != "trace":  # trace runs the drawn lengths (padded_steps)
         bad.append(f"--min-seq-len {t.min_seq_len} (its lengths are drawn over {len(padded_lengths(t))} micro-batches "
                    "after two full steps; trace and estimate run them)")
@@ -302,6 +298,8 @@ class TrainStep:
         self.amp = {"bf16-amp": torch.bfloat16, "fp16-amp": torch.float16}.get(t.precision)
         self.state: dict[str, Any] = {}
         self.pin_sdpa = what == "measure" and str(device).startswith("cuda")  # trace pins in its CUDA emulation
+        # --attention-call: litgpt's SDPA call, rewritten here unless trace's CUDA emulation rewrites it
+        self.emulated = what == "trace" and str(device).startswith("cuda")
         self.micro_batches = t.grad_accum  # micro-batches run per optimizer step (trace may run fewer)
         self.batches_made = 0
         self.varying = padded_steps(t)     # --min-seq-len: steps 3, 4, ...: each micro-batch's padded length
@@ -358,8 +356,15 @@ class TrainStep:
         return sdpa_kernel([{"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
                              "math": SDPBackend.MATH, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]])
 
+    def attention_call(self) -> Any:
+        """``--attention-call repeat-kv`` on a real device or trace's CPU (``litgpt_modules.attention_call``:
+        each SDPA call rewritten to litgpt's), around the whole step, so that a checkpoint's recomputed
+        forward makes the same call; trace's CUDA emulation makes it itself (``CudaEmulation._sdpa``)."""
+        from . import litgpt_modules
+        return contextlib.nullcontext() if self.emulated else litgpt_modules.attention_call(self.training)
+
     def __call__(self, i: int) -> None:
-        with self.sdpa_pin():
+        with self.sdpa_pin(), self.attention_call():
             self._step(i)
 
     def _step(self, i: int) -> None:
@@ -562,6 +567,18 @@ def apply_lora(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec) -> torc
             if p.requires_grad:
                 p.data = p.data.to(half)
     return model
+
+
+def prepare_model(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec) -> torch.nn.Module:
+    """The built transformers model made into the one the setup runs, before it is loaded (trace) or
+    moved to the device (measure): torchtune's per-layer RoPE buffers (``--layer-rope-cache``),
+    bitsandbytes' 4-bit linears (``--quantize``, trace only: measure refuses it), peft's LoRA
+    (``--lora-rank``), then litgpt's fused q/k/v and split gate/up linears (``--fused-qkv``,
+    ``--split-gate-up``: ``litgpt_modules.apply``, over peft's adapters)."""
+    from . import litgpt_modules
+    add_layer_rope_cache(model, spec, t)
+    model = apply_lora(apply_quantization(model, t), spec, t)
+    return litgpt_modules.apply(model, t)
 
 
 def _offload_base_model(model: torch.nn.Module) -> Any:

@@ -397,7 +397,18 @@ class PipelineRankModule(torch.nn.Module):
 def pipeline_stage_module(module: torch.nn.Module, spec: Any, pp: int, stage: int,
                           virtual: int = 1) -> torch.nn.Module:
     """The causal LM cut to pipeline stage ``stage`` of ``pp`` (:class:`PipelineStageModule`), or,
-    with ``virtual`` > 1, to the ``virtual`` stages rank ``stage`` holds (:class:`PipelineRankModule`)."""
+    with ``virtual`` > 1, to the ``virtual`` stages rank ``stage`` holds (:class:`PipelineRankModule`).
+    A peft model (``--lora-rank``: ``workload.apply_lora``) is cut through its base model (peft 0.21
+    ``peft_model.py`` L1079-1083 ``get_base_model``: ``base_model.model``), the transformers model whose
+    target linears ``inject_adapter`` replaced in place by peft's ``lora.Linear`` (``tuners/lora/model.py``
+    L470-473 ``_replace_module``: ``setattr(parent, child_name, new_module)``) and whose other weights
+    ``_mark_only_adapters_as_trainable`` froze, so each stage keeps its own layers' adapters, fp32 unless
+    ``--lora-dtype half``; the stage's forward runs the body and head as without LoRA (peft's
+    ``PeftModelForCausalLM.forward`` adds nothing to a LoRA model's call but the hooks of adapter
+    names (aLoRA offsets) and prompts, neither used here: ``peft_model.py`` L2085-2129)."""
+    get_base_model = getattr(module, "get_base_model", None)
+    if get_base_model is not None:  # a transformers model has none: peft's wrapper only
+        module = get_base_model()
     if virtual > 1:
         return PipelineRankModule(module, spec, pp, virtual, stage)
     return PipelineStageModule(module, spec, pp, stage)

@@ -33,7 +33,7 @@ def where_label(mo: Moment, q: Quantities, tk: Tokens) -> str:
     middle = {name: middle_index(name, q.layers) for name, _k, _n in MIDDLE}  # FSDP's layers in between
     if mo.where not in ("layer.top", "layer.bottom", "layer.decoder_bottom", *middle):
         return mo.where
-    i = {"layer.top": tk.transient_index, "layer.bottom": tk.bottom[0]}.get(
+    i = {"layer.top": tk.top[0], "layer.bottom": tk.bottom[0]}.get(
         mo.where, tk.transient_index if mo.where in middle else tk.decoder_bottom[0])
     op = q.detail.layer.transients[i][0] if i >= 0 else "backward"
     index = {"layer.top": q.layers - 1, "layer.bottom": 0, **middle}.get(mo.where, q.lower_layers)

@@ -58,6 +58,12 @@ class Recipe:
     weights: float = 0.0
     # per transient: the weight elements of the op itself whose autocast copy its backward has released
     own_cast: list[float] = field(default_factory=list)
+    # per transient: of its tensors, bytes per token that are the layer's output gradient itself (``incoming``)
+    incoming: list[float] = field(default_factory=list)
+    # weight elements of the frozen linears built so far whose matmul saves the weight's half copy (LoRA
+    # under autocast: ``Builder.frozen_linear``), and per transient how many there were then
+    frozen: float = 0.0
+    frozen_at: list[float] = field(default_factory=list)
     # of ``weights``: those of transformers' grouped experts, which ``_grouped_mm`` reads as they are
     # (no autocast rule: no half copy made, none freed in backward)
     uncast: float = 0.0
@@ -114,12 +120,15 @@ class Recipe:
             self.held_b1[id(t)] = t
 
     def transient(self, name: str, *ts: T, const: float = 0.0, own_weights: float = 0.0,
-                  own_uncast: float = 0.0, own_cast: float = 0.0) -> None:
+                  own_uncast: float = 0.0, own_cast: float = 0.0, incoming: T | None = None) -> None:
         """A moment of this op's backward where ``ts`` are alive. Ops after it in forward order
         were back-propagated already, so only the tensors saved so far are still alive then:
         the recorded excess is relative to the whole layer's saved tensors. ``own_weights``: the
         weight elements of this op (a linear), whose gradient is part of ``const``; ``own_uncast``:
-        of those, the elements autocast does not copy (grouped experts)."""
+        of those, the elements autocast does not copy (grouped experts); ``incoming``: the one of
+        ``ts`` that is the gradient of the layer's output as backward hands it to the layer (the
+        residual stream's, alive until the branch before the last residual add is done), which a
+        pipeline stage's top layer gets as its receive buffer (``quantities._layer_transients``)."""
         tok = sum(t.tok * t.nbytes for t in ts)
         sq = sum(t.sq * t.nbytes for t in ts)
         so_tok = sum(t.tok * t.nbytes for t in self.saved.values())
@@ -127,6 +136,8 @@ class Recipe:
         self.transients.append((name, tok, sq, const, so_tok, so_sq, self.weights + own_weights,
                                 self.uncast + own_uncast))
         self.own_cast.append(own_cast)  # this op's weight elements whose half copy is freed by then
+        self.incoming.append(incoming.tok * incoming.nbytes if incoming is not None else 0.0)
+        self.frozen_at.append(self.frozen)
 
     def coefficients(self) -> tuple[float, float, dict[str, tuple[float, float]]]:
         """(bytes per token, bytes per token x key, per-name breakdown) of the saved tensors."""
@@ -278,6 +289,12 @@ class Builder:
         free_in = not self.r.adapter_seen or x is self.r.free_input
         if free_in:
             self.r.free_weights.append((x.tok if in_features is None else in_features) * out)
+        elif not self.quant[0]:
+            # its input needs a gradient, so ``mm`` saves the weight it multiplies: under autocast the
+            # half copy of the frozen weight (not cached: autocast caches only leaves that require grad,
+            # aten/src/ATen/autocast_mode.cpp ``cached_cast``), freed when its ``MmBackward0`` releases it
+            # (a linear on the first layer's grad-free input saves none: ``first_free_weights``)
+            self.r.frozen += (x.tok if in_features is None else in_features) * out
         if rank and not self.r.adapter_seen:
             self.r.prefix, self.r.free_input, self.r.adapter_seen = frozenset(self.r.saved), x, True
             self.r.first_adapter_op = len(self.r.transients)  # this linear's transient comes next
@@ -818,6 +835,11 @@ class LayerCoefs:
     # per transient: of ``after``, the grouped experts' weight elements (no autocast copies to free)
     after_uncast: tuple[float, ...] = ()
     own_cast: tuple[float, ...] = ()  # per transient: the op's own weight elements whose half copy is freed
+    # per transient: bytes per token of the layer's output gradient it counts (``Recipe.transient``'s ``incoming``)
+    incoming: tuple[float, ...] = ()
+    # per transient: weight elements of the frozen linears back-propagated before it whose half copies
+    # their matmuls saved and released (``Recipe.frozen``; LoRA under autocast)
+    after_frozen: tuple[float, ...] = ()
     first_adapter_op: int = -1  # LoRA: the transient of the first adapted linear (forward order); -1 none
     # each linear of the layer in forward order: (how many of ``tensors`` are saved before autocast
     # casts its weight, the weight's elements, bytes per element of its gradient (the weight's dtype;
@@ -874,6 +896,7 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
     after = tuple(max(0.0, wall - w) for *_, w, _u in B.r.transients)
     after_uncast = tuple(max(0.0, B.r.uncast - u) for *_, u in B.r.transients)
     own_cast = tuple(B.r.own_cast)
+    after_frozen = tuple(max(0.0, B.r.frozen - f) for f in B.r.frozen_at)
     held = sum(t.tok * t.nbytes for i, t in B.r.held.items() if i not in B.r.saved)
     held_b1 = sum(t.tok * t.nbytes for i, t in B.r.held_b1.items() if i not in B.r.saved)
     op_tok, op_sq = op_checkpoint_saved(B.r)
@@ -888,6 +911,8 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
                                      if i not in B.r.saved and t is not x),
                       after_uncast=after_uncast if any(after_uncast) else (),
                       own_cast=own_cast if any(own_cast) else (),
+                      incoming=tuple(B.r.incoming) if any(B.r.incoming) else (),
+                      after_frozen=after_frozen if any(after_frozen) else (),
                       first_adapter_op=B.r.first_adapter_op, linears=tuple(B.r.linears),
                       op_tensors=tuple(t.bytes_coef() for t in op_checkpoint_kept(B.r)), held_b1=held_b1)
 
@@ -987,7 +1012,7 @@ def _bert_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: f
         ln1 = B.layer_norm(sum1, "attention.output.LayerNorm")
         src2 = T(h / sp_div, 0, ln1.nbytes, "attention.output.LayerNorm.out")
     B.linear(src2, f, "intermediate.dense", "intermediate.dense.input", h)
-    act = _gelu(B, k.act_impl, f, h / sp_div)
+    act = _gelu(B, k.act_impl, f, h / sp_div, incoming=k.pre_norm)  # post-LN: LayerNorm's gradient
     B.linear(act, h, "output.dense", "output.dense.input")
     B.drop(T(h / sp_div, 0, half, "resid"), k.hidden_dropout, "output.dropout")
     if not k.pre_norm:
@@ -1145,7 +1170,8 @@ def _llama_layer_compiled(B: Builder, k: LayerKey, x: T, h: int, f: float, q: fl
     gate = B.linear(src2, f, "mlp.gate_proj", "mlp.gate_proj.input", h, out_name="mlp.gate_out")
     up = B.linear(src2, f, "mlp.up_proj", "mlp.up_proj.input", h, out_name="mlp.up_out")
     B.r.save(gate, up)                                    # (b, s, f) compute dtype each
-    B.r.transient("mlp.act.backward", T(3 * f, 0, half), T(h, 0, pol.stream))  # as _swiglu's (fused here)
+    grad_out = T(h, 0, pol.stream)                        # the layer's output gradient, as _swiglu's
+    B.r.transient("mlp.act.backward", T(3 * f, 0, half), grad_out, incoming=grad_out)  # as _swiglu's (fused here)
     B.linear(T(f, 0, half, "mlp.act_product"), h, "mlp.down_proj", "mlp.down_proj.input")  # (b, s, f) saved
 
 
@@ -1185,14 +1211,17 @@ def _gpt2_layer_compiled(B: Builder, k: LayerKey, x: T, h: int, f: float, q: flo
     _compiled_layer_norm(B, T(h, 0, B.p.stream, "residual"), "ln_2")
     fc = B.linear(T(h, 0, half, "ln_2.out"), f, "c_fc", "c_fc.input", h)       # (b, s, h) half saved
     B.r.save(T(f, 0, half, "mlp.c_fc_out"))               # (b, s, f) half
-    B.r.transient("mlp.act.backward", T(2 * f, 0, half), T(h, 0, B.p.stream))  # d(gelu out), d(c_fc out)
+    grad_out = T(h, 0, B.p.stream)                        # the layer's output gradient, waiting meanwhile
+    B.r.transient("mlp.act.backward", T(2 * f, 0, half), grad_out, incoming=grad_out)  # d(gelu out), d(c_fc out)
     del fc
     B.linear(T(f, 0, half, "mlp.act"), h, "mlp.c_proj", "mlp.c_proj.input")   # GELU output (b, s, f) half
     B.drop(T(h, 0, half, "resid"), k.hidden_dropout, "mlp.resid_dropout")       # bool (b, s, h)
 
 
-def _gelu(B: Builder, impl: str, f: float, h: float = 0.0) -> T:
-    """The MLP activation on the ``c_fc``/``intermediate`` output (half under autocast).
+def _gelu(B: Builder, impl: str, f: float, h: float = 0.0, incoming: bool = True) -> T:
+    """The MLP activation on the ``c_fc``/``intermediate`` output (half under autocast). ``incoming``:
+    the residual stream's gradient at its backward is the layer's output gradient (a pre-LN layer; a
+    post-LN one's is its final LayerNorm's input gradient).
 
     ``gelu`` / ``gelu_pytorch_tanh`` (fused ``F.gelu``): saves its input, returns the input dtype.
     ``gelu_new`` (transformers NewGELUActivation, Python ops): under autocast ``pow`` runs in fp32 and
@@ -1208,7 +1237,9 @@ def _gelu(B: Builder, impl: str, f: float, h: float = 0.0) -> T:
         # backward: the incoming gradient (the next linear's input gradient, cast back to wide) and
         # the two gradients the final product's MulBackward makes, all of the activation's size; the
         # residual stream's gradient (b, s, h) waits for the attention branch meanwhile
-        B.r.transient("mlp.act.backward", T(f, 0, wide), T(f, 0, wide), T(f, 0, wide), T(h, 0, B.p.stream))
+        grad_out = T(h, 0, B.p.stream)
+        B.r.transient("mlp.act.backward", T(f, 0, wide), T(f, 0, wide), T(f, 0, wide), grad_out,
+                      incoming=grad_out if incoming else None)
         return T(f, 0, wide, "mlp.act.out")
     B.r.save(T(f, 0, half, "mlp.act.input"))
     return T(f, 0, half, "mlp.act.out")
@@ -1346,7 +1377,9 @@ def _swiglu(B: Builder, f: float, h: float, src: T, name: str, fused_gate_up: bo
     pd = max(gate.nbytes, up.nbytes, half)  # the product's dtype (type promotion)
     # the product's backward (MulBackward0; the product itself, saved by down, is freed by then): down's
     # input gradient and the product's two gradients, all (b, s, f), while the residual stream's
-    # gradient (b, s, h) in the stream's dtype waits for the attention branch
-    B.r.transient(f"{name}.act.backward", T(3 * f, 0, pd), T(h / B.sp_div, 0, B.p.stream))
+    # gradient (b, s, h) in the stream's dtype waits for the attention branch: the layer's output gradient
+    # itself, as the residual add hands it to both branches (a pipeline stage's receive buffer at its top layer)
+    grad_out = T(h / B.sp_div, 0, B.p.stream)
+    B.r.transient(f"{name}.act.backward", T(3 * f, 0, pd), grad_out, incoming=grad_out)
     prod = T(f, 0, pd, f"{name}.act_product")
     B.linear(prod, h, f"{name}.down_proj", f"{name}.down_proj.input")

@@ -68,6 +68,7 @@ class Tokens:
     redo: Any              # the backward transient beyond the layer's saved tensors
     layer_grad_part: Any   # of it, the gradients of the layer's later linears
     transient_index: Any   # which op's backward that is
+    top: Any               # (index, redo, gradient part) of the top layer's backward (its output gradient received)
     bottom: Any            # (index, redo, gradient part) of the bottom layer's backward
     decoder_bottom: Any    # ... of an encoder-decoder's decoder-bottom layer's
     inputs: Any            # input ids (an image model's pixel values) and labels (int64)
@@ -175,6 +176,10 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
     index, value, grads = best_transient(q.transients, n, nsq, ssq, TOP)
     recompute = trunc(q.redo_tok * n + q.redo_sq * nsq) + q.redo_const
     redo = maximum(0, value - grads + recompute)
+    # the top layer itself: on a pipeline stage fed its output gradient, that gradient is the receive
+    # buffer (quantities.receives_output_grad); the layers below it (FSDP's middle moments) make theirs
+    t_index, t_value, t_grads = best_transient(q.transients, n, nsq, ssq, TOP, received=True)
+    top = (t_index, maximum(0, t_value - t_grads + recompute), t_grads)
     # a derived encoder-decoder's bottom and decoder-bottom layers have transients of their own kinds
     lower = bottom = (index, redo, grads)
     bottom_acts = decoder_bottom_acts = 0
@@ -196,7 +201,7 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
     # per micro-batch (quantities.pipeline_buffers), from the first step's schedule on
     batch = where(q.pipe_batch > 0, ga, 1)
     inputs = _input_blocks(q, n, b, labels, batch, ga)
-    return Tokens(inflight, layer, layers, outer_rest, outer_head, all_acts, redo, grads, index, bottom, lower,
+    return Tokens(inflight, layer, layers, outer_rest, outer_head, all_acts, redo, grads, index, top, bottom, lower,
                   inputs,
                   full * q.logits_held, full * q.logits_out,
                   saved, *_loss_transients(q, full, chunk, n),
@@ -247,23 +252,27 @@ def label_tokens(q: Quantities, n: Any) -> Any:
     return n * q.dec_num // q.dec_den
 
 
-def best_transient(tr: Any, n: Any, nsq: Any, ssq: Any = 0, at: int = ALL_MOMENTS) -> tuple[Any, Any, Any]:
+def best_transient(tr: Any, n: Any, nsq: Any, ssq: Any = 0, at: int = ALL_MOMENTS,
+                   received: bool = False) -> tuple[Any, Any, Any]:
     """The layer op whose backward adds the most on top of the layer's saved tensors: (its index,
     its bytes, of which gradients of the layer's later linears). Ties: the first op. ``ssq``: the
     sequence squared (tensors shared by the micro-batch, ``d``: a derived encoder-decoder's);
-    ``at``: the backward moment (``layers.TOP``...), whose transients alone are candidates."""
+    ``at``: the backward moment (``layers.TOP``...), whose transients alone are candidates;
+    ``received``: the top layer's, whose output gradient a pipeline stage received (less ``e`` per
+    token, ``quantities._layer_transients``)."""
     if isinstance(tr, TransientTable):
         nn, qq, ss = np.asarray(n)[:, None], np.asarray(nsq)[:, None], np.asarray(ssq)[..., None]
-        vals = (tr.a * nn + tr.b * qq + tr.c + tr.d * ss).astype(np.int64) + tr.g + tr.pad
+        less = tr.e * nn if received else 0.0
+        vals = (tr.a * nn + tr.b * qq + tr.c + tr.d * ss - less).astype(np.int64) + tr.g + tr.pad
         vals = np.where((tr.at & at) != 0, vals, NEVER)
         idx = vals.argmax(1)
         rows = np.arange(len(idx))
         return idx, vals[rows, idx], tr.g[rows, idx]
     best = (-1, NEVER, 0)
-    for i, (a, b, c, g, d, k) in enumerate(tr):
+    for i, (a, b, c, g, d, k, e) in enumerate(tr):
         if not k & at:
             continue
-        v = int(a * n + b * nsq + c + d * ssq) + g
+        v = int(a * n + b * nsq + c + d * ssq - (e * n if received else 0)) + g
         if v > best[1]:
             best = (i, v, g)
     return best
@@ -582,14 +591,16 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     head_grads = where(sync, q.fsdp_head_full, maximum(where(fresh, q.head_grads, 0), q.fsdp1_head_wait))
     # the layer's transient; a tied head's gradient waits in autograd's input buffer meanwhile
     temp = maximum(tk.redo, q.oib_mid) + q.tied_grad
-    top = grads_before + head_grads + layer_grads
+    _i, top_redo, top_grads = tk.top   # the top layer's own (its output gradient maybe a receive buffer)
+    top_temp = maximum(top_redo, q.oib_mid) + q.tied_grad
+    top = grads_before + head_grads + part(top_grads)
     # a pipeline stage's other micro-batches in flight keep all their layers' tensors and their head side
     own_layers, others_all = tk.layers - tk.others_layers, tk.others_layers + tk.others_head
     # the layer gathered and the previous one prefetched, unless FSDP1 has not reached it yet (its
     # LoRA units of their own come first in the prefetch order: quantities.fsdp1_unprefetched)
     unprefetched = _both(q.fsdp1_unprefetched >= 0, tk.transient_index > q.fsdp1_unprefetched)
     moments.append(_mo("backward", micro, step, "layer.top",
-                       (top, states_mid, tk.inputs, ws2, tk.layers + tk.outer_rest + tk.others_head, temp),
+                       (top, states_mid, tk.inputs, ws2, tk.layers + tk.outer_rest + tk.others_head, top_temp),
                        (kept.logits, kept.kv_forward, 0), valid, own, comm=root + buf + where(unprefetched, 0, buf) + q.ds_gathered_top))
     _fsdp1_layer_end(q, flags, tk, kept, (step, micro, valid), (grads_before + head_grads, states_mid, ws2, own),
                      own_layers, root, buf, moments)

@@ -243,7 +243,8 @@ class Quantities:
 class TransientTable:
     """Backward transients of many layouts: (layouts x ops) arrays, padded with ``pad`` = NEVER:
     ``a * b*s + b * b*s^2 + c + d * s^2 + g`` bytes (``d``: tensors shared by the micro-batch), at the
-    backward moments ``at`` names (a bit mask of ``layers.TOP``, ``BOTTOM``, ``DECODER_BOTTOM``)."""
+    backward moments ``at`` names (a bit mask of ``layers.TOP``, ``BOTTOM``, ``DECODER_BOTTOM``);
+    ``e * b*s`` less at the top layer of a stage fed its output gradient (``_layer_transients``)."""
 
     a: np.ndarray
     b: np.ndarray
@@ -252,6 +253,7 @@ class TransientTable:
     pad: np.ndarray
     d: np.ndarray
     at: np.ndarray
+    e: np.ndarray
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1401,7 +1403,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     # gradients of the layer's linears as its backward creates them (per weight byte): unsharded under FSDP
     layer_grads_live = st.layer_grads_full if fsdp else st.layer_grads
     gpw = layer_grads_live / lc.weights if (lc.weights and not oib) else 0.0
-    trans = _layer_transients(t, lc, pol, gpw, 2.0 if cast_layer else 0.0, input_tok)
+    trans = _layer_transients(t, lc, pol, gpw, 2.0 if cast_layer else 0.0, input_tok, receives_output_grad(t, stage))
     # micro-batches in flight: 1F1B's first stage min(pp, grad_accum) (``pp_inflight``, moments.tokens),
     # its later stages fewer (the last one); GPipe runs every forward of the step before the first
     # backward on every stage (torch schedules.py ``ScheduleGPipe._step_microbatches``): all of them
@@ -1425,7 +1427,8 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         outer_head_tok=head_tok, outer_rest_tok=rest_tok, outer_rest_sq=rest_sq, outer_rest_pos=rest_pos,
         head_loss_tok=derived_head_loss(m, t, stage) if derived else head_during_loss(m, t, pol, stage),
         cast_layer=cast_layer, cast_head=cast_head, cast_embed=cast_embed, cast_checkpointed=cast_layer * checkpointed, head_wgrad=head_wgrad(m, t, cast_head),
-        cast_forward_only=0 if (t.lora_rank or fsdp1_views(t)) else cast_layer * checkpointed,  # see cast_checkpointed
+        cast_forward_only=0 if (t.lora_rank or fsdp1_views(t) or loss_after_stage_forward(t, stage))
+        else cast_layer * checkpointed,  # see cast_checkpointed
         gathered_layer=st.layer_params_full if fsdp_grad_op(t) else 0,
         logit_chunks=t.loss_chunks, logit_width=m.vocab_size if is_lm(m) else m.num_labels,
         tp=t.tp if is_lm(m) else 1, logits_held=loss.held, logits_out=loss.out, loss_saved=loss.saved,
@@ -1494,12 +1497,17 @@ def _derived_fields(m: ModelSpec, t: TrainingSpec, stage: str) -> dict[str, floa
 
 
 def _layer_transients(t: TrainingSpec, lc: LayerCoefs, pol: Policy, gpw: float, freed: float,
-                      input_tok: float) -> tuple:
+                      input_tok: float, received: bool = False) -> tuple:
     """Each op's backward transient of one layer: (a per token, b per token x key, c bytes, g
     gradient bytes made by then, d per position squared, the backward moments it happens at: a bit
-    mask, every layer's by default). ``gpw``: gradient bytes per weight element; ``freed``: inside
+    mask, every layer's by default, e per token that the top layer does not add: with ``received``,
+    the layer's output gradient it counts, ``LayerCoefs.incoming``, which on a pipeline stage that
+    receives its output's gradient is the receive buffer, counted with the inputs:
+    ``receives_output_grad``). ``gpw``: gradient bytes per weight element; ``freed``: inside
     a layer's backward the half weight copies of its later linears (back-propagated already) were
-    freed with their matmuls' saved tensors, so each transient excludes them (2 bytes per element),
+    freed with their matmuls' saved tensors, so each transient excludes them (2 bytes per element;
+    frozen ones too, ``LayerCoefs.after_frozen``: found by trace, llama 8 x 512 LoRA --pp 2, bf16-amp,
+    the first stage's top-layer ``MulBackward0`` +0.3% before, ``down_proj``'s copy),
     except for grouped experts, which autocast does not copy (``LayerCoefs.after_uncast``; found by
     trace: Mixtral, 2 layers, full recompute, bf16-amp, the first layer's ``gate_up`` backward:
     -3.2% before)."""
@@ -1508,8 +1516,12 @@ def _layer_transients(t: TrainingSpec, lc: LayerCoefs, pol: Policy, gpw: float, 
     ssq = lc.transients_ssq or (0.0,) * len(lc.transients)
     at = lc.transients_at or (ALL_MOMENTS,) * len(lc.transients)
     own = lc.own_cast or (0.0,) * len(lc.transients)  # (a linear's fp32 cast of its weight gradient)
-    trans = tuple((a, b, c - (w - u + o) * freed, int(w * gpw), d, k)
-                  for (_, a, b, c), w, u, o, d, k in zip(lc.transients, after, uncast, own, ssq, at))
+    top_less = lc.incoming if (received and lc.incoming) else (0.0,) * len(lc.transients)
+    # (LoRA: the frozen linears' half copies, saved by their matmuls, are freed by their backward too)
+    frozen = lc.after_frozen or (0.0,) * len(lc.transients)
+    trans = tuple((a, b, c - (w - u + o + z) * freed, int(w * gpw), d, k, e)
+                  for (_, a, b, c), w, u, o, z, d, k, e in zip(lc.transients, after, uncast, own, frozen, ssq, at,
+                                                                top_less))
     if t.offload_activations and trans:
         trans = trans[:-1] + ((trans[-1][0] + offload_previous(input_tok, pol), *trans[-1][1:]),)
     return trans
@@ -1568,6 +1580,32 @@ def _autocast_copies(m: ModelSpec, t: TrainingSpec, st: States, pol: Policy, hea
     cast_head = st.head_matmul_half * head_casts(m, t) if pol.amp and not sharded and head_here else 0
     cast_embed = st.embed_matmul_half if pol.amp and not sharded and (t.pp == 1 or stage == "first") else 0
     return cast_layer, cast_head, cast_embed
+
+
+def loss_after_stage_forward(t: TrainingSpec, stage: str) -> bool:
+    """Whether the loss runs after the autocast region the layers ran in has closed: a pipeline's last
+    stage under torch's schedule, whose stage forward is an autocast region of its own and whose loss
+    (the schedule's ``loss_fn``) another (``workload.PipelineTrainStep``: ``torch.autocast`` entered in
+    a forward pre-hook of the stage module and left in its forward hook). Leaving the region clears
+    autocast's cache (``torch/amp/autocast_mode.py`` ``__exit__``: ``torch.clear_autocast_cache()`` at the
+    outermost exit, L348-349), so checkpointed layers' weight copies, which nothing saved, are gone when the loss
+    runs (``cast_forward_only`` 0 there). Found by trace: llama (8 layers, h 512) --pp 2 bf16-amp full
+    recompute, 2 x 1024 tokens, the last stage +2.0% before."""
+    return torch_pipeline(t) and t.pp > 1 and stage == "last"
+
+
+def receives_output_grad(t: TrainingSpec, stage: str) -> bool:
+    """Whether the stage's backward starts from a receive buffer: under torch's pipeline schedule every
+    stage but the model's last gets its output's gradient from the next (``pipeline_buffers``), and
+    ``stage_backward`` hands that buffer itself to autograd (torch 2.13 ``pipelining/stage.py``
+    ``_retrieve_recv_grads`` returns ``info.buffer``; ``_backward.py`` ``stage_backward``:
+    ``torch.autograd.backward(stage_output_tensors, grad_tensors=output_grad_tensors)``). So the top
+    layer's residual-stream gradient, which passes its last residual add unchanged into the MLP branch's
+    backward, is that buffer, not a new tensor. The last rank's stages (interleaved: the model's last
+    and others) are taken as not receiving. Found by trace: llama (8 layers, h 512) LoRA --pp 2 bf16-amp,
+    2 x 1024 tokens, the first stage +1.3% (+3.2% with full recompute) before, its peak the top layer's
+    ``MulBackward0``; without LoRA +0.68% (docs/trace.md, pipeline section, item 10)."""
+    return torch_pipeline(t) and t.pp > 1 and stage != "last"
 
 
 def _pipeline_terms(m: ModelSpec, t: TrainingSpec, st: States, pol: Policy, stage: str, input_tok: float,
@@ -2092,9 +2130,9 @@ def gather(rows: list[tuple], index: np.ndarray) -> Quantities:
     arrays: dict[str, Any] = {k: ints[:, j] for j, k in enumerate(_INT_FIELDS)}
     arrays.update({k: floats[:, j] for j, k in enumerate(_FLOAT_FIELDS)})
     width = max(max((len(r[2]) for r in rows), default=0), 1)
-    pad = (0.0, 0.0, 0.0, 0.0, 0.0, float(ALL_MOMENTS), float(NEVER))
+    pad = (0.0, 0.0, 0.0, 0.0, 0.0, float(ALL_MOMENTS), 0.0, float(NEVER))
     tab = np.array([[tr + (0.0,) for tr in r[2]] + [pad] * (width - len(r[2])) for r in rows],
                    dtype=np.float64)[index]
     table = TransientTable(tab[:, :, 0], tab[:, :, 1], tab[:, :, 2], tab[:, :, 3].astype(np.int64),
-                           tab[:, :, 6].astype(np.int64), tab[:, :, 4], tab[:, :, 5].astype(np.int64))
+                           tab[:, :, 7].astype(np.int64), tab[:, :, 4], tab[:, :, 5].astype(np.int64), tab[:, :, 6])
     return Quantities(**arrays, transients=table, detail=None)

@@ -48,7 +48,7 @@ from ..spec import Hardware, TrainingSpec, get_gpu
 from ..spec.training import report_warnings
 from ..spec.resolve import TRAINING_FIELDS, Resolved, resolve
 from ..units import parse_bytes
-from ..workload import TrainStep, add_layer_rope_cache, apply_lora, check_supported, hf_factory
+from ..workload import TrainStep, check_supported, hf_factory, prepare_model
 from . import alloc_conf
 from .probes import CpuProbe, CudaProbe, PhaseRecorder, optimizer_tensors, parse_device, tensor_bytes
 
@@ -429,8 +429,9 @@ def _train(run: _Run, largest: int, snapshot: str | None, html: str | None) -> N
     snap: Any = None
     try:
         module = hf_factory(m, t)()
-        add_layer_rope_cache(module, m, t)             # --layer-rope-cache: torchtune's per-layer buffers
-        module = apply_lora(module, m, t)              # peft's LoRA when --lora-rank
+        # --layer-rope-cache, peft's LoRA (--lora-rank), litgpt's linears (--fused-qkv, --split-gate-up),
+        # as trace builds it (workload.prepare_model)
+        module = prepare_model(module, m, t)
         if run.kind == "cuda":
             module.to(probe.device)
         if run.wrap is not None:

@@ -36,10 +36,9 @@ from ..workload import DROPOUT_KEYS as _DROPOUT_KEYS  # noqa: F401
 from ..workload import check_supported as _check_supported
 from ..workload import hf_config as _hf_config  # noqa: F401
 from ..workload import hf_factory as _hf_factory
-from ..workload import apply_lora, apply_quantization
-from .. import litgpt_modules
+from ..workload import prepare_model
 from ..workload import attention_implementation as _attention_implementation
-from ..workload import add_layer_rope_cache, padded_steps
+from ..workload import padded_steps
 from ..workload import hf_step as _hf_step
 from ..workload import make_optimizer, optimizer_class  # noqa: F401
 
@@ -268,10 +267,8 @@ def _build(dev: _Device, factory: Callable, spec: ModelSpec | None, t: TrainingS
             module = factory()
             module = _as_module(module)
             _cast(module, spec, t)
-            if spec is not None:
-                add_layer_rope_cache(module, spec, t)
-                module = apply_lora(apply_quantization(module, t), spec, t)
-                module = litgpt_modules.apply(module, t)  # --fused-qkv, --split-gate-up: litgpt's linears
+            if spec is not None:  # the rope buffers, 4-bit linears, LoRA and litgpt's linears
+                module = prepare_model(module, spec, t)
         wrapped = _dist.wrap(module, spec, t, tracker) if _dist.sharded_unloaded(t) else module
         tracker.name_modules(module)
         with tracker:
@@ -288,6 +285,8 @@ def _build(dev: _Device, factory: Callable, spec: ModelSpec | None, t: TrainingS
     with dev.build_ctx, tracker:
         module = _as_module(factory())
         _cast(module, spec, t)
+        if spec is not None:  # (--lora-rank refused above, and with it --quantize, which needs it)
+            module = prepare_model(module, spec, t)
         _mark_model(tracker, module)
     tracker.name_modules(module)
     return module

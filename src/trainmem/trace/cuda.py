@@ -43,6 +43,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from trainmem.estimate.layers import CUDNN_VERSION
+from trainmem.litgpt_modules import litgpt_call  # noqa: F401 (the call the emulation rewrites SDPA to)
 
 EMULATED = "meta"  # the device type that stands for the emulated GPU
 
@@ -442,28 +443,6 @@ def math_in_input_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     if p > 0:  # at::dropout -> native_dropout on CUDA
         attn = torch.native_dropout(attn, p, True)[0]
     return torch.matmul(attn, v)
-
-
-def litgpt_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[Any, Any, None, bool, bool]:
-    """``--attention-call repeat-kv``: the SDPA call of litgpt's ``CausalSelfAttention.forward`` in
-    training, made from transformers' tensors. litgpt (lit-gpt 50b1974b, 2023-10-24, to litgpt 0.5.x,
-    ``litgpt/model.py``: ``if n_query_groups != n_head and (input_pos is None or n_query_groups != 1)``)
-    expands k and v (b, groups, 1, s, d) to (b, groups, q_per_kv, s, d) and ``reshape``s them to
-    (b, heads, s, d), which copies them (an expanded view is not viewable as one head dimension), then
-    calls ``scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=True)`` (its ``mask`` is
-    None without a KV cache). Each key/value head is repeated for its group's consecutive query heads,
-    the order transformers' ``repeat_kv`` has. Returns (k, v, mask, is_causal, enable_gqa): the copies
-    (b, heads, s, d) in k's and v's dtype, no mask (transformers' causal mask for an unpadded batch is
-    the one ``is_causal`` builds), causal, no enable_gqa."""
-    heads = q.shape[-3]
-
-    def repeated(x: torch.Tensor) -> torch.Tensor:
-        b, g, s, d = x.shape
-        if g == heads:
-            return x
-        return x[:, :, None].expand(b, g, heads // g, s, d).reshape(b, heads, s, d)  # (b, heads, s, d) copy
-
-    return repeated(k), repeated(v), None, True, False
 
 
 def _dtype_name(t: torch.Tensor) -> str:

@@ -234,8 +234,9 @@ def _check_pp(t: TrainingSpec, spec: Any, device: str, what: str) -> None:
         raise TrainmemError(f"trace {what} with --num-microbatches-in-flight {t.num_microbatches_in_flight}: trace "
                             f"runs torch's {t.pp_schedule} schedule, whose first stage keeps {inflight} in flight; "
                             "drop it")
-    refused = [(t.lora_rank, "--lora-rank (peft's wrapper around the stage split)"),
-               (t.quantize, "--quantize"), (t.loss_chunks > 1 or t.loss in ("chunked", "fused", "chunked-nll"), "a chunked loss"),
+    # (--lora-rank runs: the split cuts peft's base model, wrappers.pipeline_stage_module; with --tp: _check_tp)
+    refused = [(t.quantize, "--quantize"),
+               (t.loss_chunks > 1 or t.loss in ("chunked", "fused", "chunked-nll"), "a chunked loss"),
                (t.hold_output != "loss", f"--hold-output {t.hold_output} (the schedule returns no output to the "
                                          "loop: return_outputs=False)"),
                (t.optimizer_in_backward, "--optimizer-in-backward")]
