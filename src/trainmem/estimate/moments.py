@@ -185,14 +185,7 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
     bottom_acts = decoder_bottom_acts = 0
     if flags.by_moment:
         bottom, lower, bottom_acts, decoder_bottom_acts = _bottom_moments(q, (n, nsq, b), recompute, casts)
-    # logits: (b, s, vocab / tp) for LM heads, (b, labels) for classifiers; one loss chunk of them
-    # (chunked: s / chunks tokens; fused: Liger's next_power_of_2(ceil(BT / ceil(V / H))) tokens);
-    # an encoder-decoder's are its decoder's tokens
-    nl = label_tokens(q, n)
-    full = nl * q.logit_width // q.tp if flags.lm else b * q.logit_width
-    liger = minimum(next_pow2(ceil_div(nl, maximum(q.liger_factor, 1))), nl)
-    chunk_tok = where(q.loss_chunk_tokens > 0, minimum(q.loss_chunk_tokens, nl), ceil_div(nl, q.logit_chunks))
-    chunk = where(q.liger_factor > 0, liger, chunk_tok) * q.logit_width // q.tp if flags.lm else 0
+    nl, full, chunk = _logit_sizes(q, flags, n, b)
     saved = full * q.loss_saved + nl * q.loss_saved_tok + q.loss_saved_const
     labels = nl if flags.lm else b
     kv_tok = trunc(where(b == 1, q.held_b1_tok, q.held_tok) * n)  # (b == 1: eager's matmul saves the cache's views)
@@ -225,6 +218,18 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
                   decoder_bottom_acts=decoder_bottom_acts, fed=fed, head_units=head_units, stage_out=stage_out,
                   grads_absent=grads_absent,
                   grad_views=trunc(q.grad_view_tok * n + q.grad_view_pos * (n // b) + q.grad_view_const))
+
+
+def _logit_sizes(q: Quantities, flags: StepFlags, n: Any, b: Any) -> tuple[Any, Any, Any]:
+    """(label tokens, logits, one loss chunk's logits) of a micro-batch, in elements: (b, s, vocab / tp)
+    for LM heads, (b, labels) for classifiers; a chunk is s / chunks tokens (chunked), Liger's
+    next_power_of_2(ceil(BT / ceil(V / H))) tokens (fused); an encoder-decoder's are its decoder's tokens."""
+    nl = label_tokens(q, n)
+    full = nl * q.logit_width // q.tp if flags.lm else b * q.logit_width
+    liger = minimum(next_pow2(ceil_div(nl, maximum(q.liger_factor, 1))), nl)
+    chunk_tok = where(q.loss_chunk_tokens > 0, minimum(q.loss_chunk_tokens, nl), ceil_div(nl, q.logit_chunks))
+    chunk = where(q.liger_factor > 0, liger, chunk_tok) * q.logit_width // q.tp if flags.lm else 0
+    return nl, full, chunk
 
 
 def _bottom_moments(q: Quantities, sizes: tuple, recompute: Any, casts: Any) -> tuple:
