@@ -1154,7 +1154,9 @@ def _llama_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: 
     src2 = T(gathered, 0, m_in.nbytes, "post_attention_layernorm.out")
     if not pol.amp and not B.frozen:
         B.r.save(src2)
-    B.outer_live = (src2,)  # ``hidden_states`` while ``self.mlp`` runs (LlamaMLP's ``x``)
+    # ``hidden_states`` while ``self.mlp`` runs (LlamaMLP's ``x``), and ``residual``, which the norm
+    # saved as its fp32 cast where it is half (an fp32 one is the tensor the norm saved)
+    B.outer_live = (src2,) if x2.nbytes == F32 else (src2, x2)
     if k.experts and k.ep > 1:
         _moe_ep(B, src2, h, f, k.experts, k.top_k, k.ep, k.ep_rows)
     elif k.experts:
