@@ -929,9 +929,10 @@ class LayerCoefs:
     # their matmuls saved and released (``Recipe.frozen``; LoRA under autocast)
     after_frozen: tuple[float, ...] = ()
     first_adapter_op: int = -1  # LoRA: the transient of the first adapted linear (forward order); -1 none
-    # a checkpointed layer's recomputed forward (``Recipe.recompute_moments``): (name, bytes per token, per
-    # token x key, its unsaved tensors' blocks) over its saved tensors, the gradients alive since its first unpack included, and of
-    # those bytes per token the layer's output gradient (a pipeline stage's receive buffer at its top layer)
+    # a checkpointed layer's recomputed forward (``Recipe.recompute_moments``): (name, bytes per token,
+    # per token x key, its unsaved tensors' blocks) over its saved tensors, the gradients alive since
+    # its first unpack included; of those bytes per token, the layer's output gradient (a pipeline
+    # stage's receive buffer at its top layer)
     recompute_moments: tuple[tuple[str, float, float, tuple], ...] = ()
     recompute_incoming: float = 0.0
     # each linear of the layer in forward order: (how many of ``tensors`` are saved before autocast
