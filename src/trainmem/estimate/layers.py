@@ -485,7 +485,19 @@ class Builder:
         y = T(x.tok, x.sq, x.nbytes, name)
         if keep_output:
             self.r.save(y)
+        if self.frozen and not x.sq:  # (LoRA: a residual branch's dropout, ``_dropout_pack``)
+            self._dropout_pack(x, y, name)
         return y
+
+    def _dropout_pack(self, x: T, y: T, name: str) -> None:
+        """``native_dropout`` on a residual branch packs its mask, with its input and output alive
+        (``Recipe.recompute_moment``). When it is the layer's last pack (GPT-2's ``resid_dropout``
+        after ``mlp.c_proj``) its backward is the first node to unpack, fed the layer's output
+        gradient and, where the residual add casts it, its cast to the branch's dtype
+        (``AddBackward0`` hands each input the gradient in its own dtype)."""
+        self.r.recompute_moment(f"{name}.recompute", x, y, *self.outer_live, at_pack=True)
+        stream = x.tok * self.p.stream
+        self.r.trigger = (stream + (x.tok * x.nbytes if x.nbytes != self.p.stream else 0.0), stream, self.r.packs)
 
     def sdpa(self, impl: str, head_dim: int, heads: float, kv_heads: float, p_drop: float) -> str:
         """The SDPA backend for this layer (``sdpa_backend``; ``impl`` may pin one)."""
@@ -1038,7 +1050,9 @@ def _gpt2_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: f
     """transformers GPT2Block / nanoGPT Block: pre-LN, fused qkv (c_attn), GELU MLP."""
     pol, half = B.p, B.p.half
     a_in = B.layer_norm(x, "ln_1")
-    B.linear(T(h / sp_div, 0, a_in.nbytes, "ln_1.out"), q + 2 * kv, "c_attn", "c_attn.input", h)
+    a_out = T(h / sp_div, 0, a_in.nbytes, "ln_1.out")
+    B.outer_live = (a_out,)  # GPT2Block's ``hidden_states`` while ``self.attn`` runs
+    B.linear(a_out, q + 2 * kv, "c_attn", "c_attn.input", h)
     qq, kk, vv = (T(q, 0, half, "attn.qkv"), T(kv, 0, half, "attn.qkv"), T(kv, 0, half, "attn.qkv"))
     backend = "eager" if k.attention == "eager" else B.sdpa(k.attention, k.head_dim, heads, kvh,
                                                             k.attention_dropout)
@@ -1077,10 +1091,13 @@ def _gpt2_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: f
     B.drop(T(h / sp_div, 0, half, "resid"), k.hidden_dropout, "attn.resid_dropout")
     x2 = T(h / sp_div, 0, pol.stream, "residual")
     m_in = B.layer_norm(x2, "ln_2")
-    B.linear(T(h / sp_div, 0, m_in.nbytes, "ln_2.out"), f, "c_fc", "c_fc.input", h)
+    m_out = T(h / sp_div, 0, m_in.nbytes, "ln_2.out")
+    B.outer_live = (m_out,)  # ``hidden_states`` while ``self.mlp`` runs (``residual`` is what ln_2 saved)
+    B.linear(m_out, f, "c_fc", "c_fc.input", h)
     act = _gelu(B, k.act_impl, f, h / sp_div)
     B.linear(act, h, "mlp.c_proj", "mlp.c_proj.input")
     B.drop(T(h / sp_div, 0, half, "resid"), k.hidden_dropout, "mlp.resid_dropout")
+    B.outer_live = ()
 
 
 def _bert_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: float, heads: float, kvh: float, sp_div: int) -> None:
