@@ -35,7 +35,8 @@ def where_label(mo: Moment, q: Quantities, tk: Tokens) -> str:
         return mo.where
     i = {"layer.top": tk.top[0], "layer.bottom": tk.bottom[0]}.get(
         mo.where, tk.transient_index if mo.where in middle else tk.decoder_bottom[0])
-    op = q.detail.layer.transients[i][0] if i >= 0 else "backward"
+    ops = q.detail.layer.transients + q.detail.layer.recompute_moments  # (quantities.recompute_transients)
+    op = ops[i][0] if 0 <= i < len(ops) else "backward"
     index = {"layer.top": q.layers - 1, "layer.bottom": 0, **middle}.get(mo.where, q.lower_layers)
     return f"layer[{index}].{op or 'backward'}"
 

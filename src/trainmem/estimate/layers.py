@@ -91,12 +91,47 @@ class Recipe:
     # each linear in forward order: (saved tensors before its weight is cast under autocast, weight
     # elements, bytes per element of its weight's gradient, 0 for a frozen one) (``LayerCoefs.linears``)
     linears: list = field(default_factory=list)
+    # a checkpointed layer's recomputation (full recompute; ``Recipe.recompute_moment``): the tensors
+    # packed so far (saved tensors and frozen weights' copies), the moments of the recomputed forward
+    # (live bytes per token beyond the saved ones, saved bytes so far, packs so far, whether at a pack),
+    # and the gradients alive when backward first unpacks the layer (bytes per token, their stream
+    # part, packs then). LoRA's frozen linears record them (``Builder.adapter``, ``frozen_linear``)
+    packs: int = 0
+    fwd_moments: list = field(default_factory=list)
+    trigger: tuple = ()
 
     def save(self, *ts: T) -> None:
         for t in ts:
             self.saved[id(t)] = t
+            self.packs += 1
             if self.adapter_seen:
                 self.post.add(id(t))
+
+    def recompute_moment(self, name: str, *live: T, at_pack: bool) -> None:
+        """A moment of the layer's forward as its recomputation in backward runs it: ``live`` are the
+        tensors the forward's Python frames hold then (the linear's input, peft's cast copy, the
+        base output...), of which those not saved count beyond the saved tensors made so far.
+        ``at_pack``: the moment is a pack itself (the last one is where non-reentrant checkpointing
+        stops the recomputation, torch/utils/checkpoint.py ``_recomputation_hook.pack_hook``:
+        ``raise _StopRecomputationError`` once ``recomp_counter`` reaches the forward's saved
+        count); else it lies between packs and happens only if a later pack comes."""
+        extra = {id(t): t for t in live if id(t) not in self.saved}
+        so = [t.bytes_coef() for t in self.saved.values()]
+        blocks = tuple(t.bytes_coef() for t in extra.values())
+        self.fwd_moments.append((name, sum(a for a, _ in blocks), sum(b for _, b in blocks),
+                                 sum(a for a, _ in so), sum(b for _, b in so), self.packs, at_pack, blocks))
+
+    def recompute_moments(self, tok: float, sq: float) -> tuple[tuple[str, float, float, tuple], ...]:
+        """Each recomputation moment as (name, bytes per token, per token x key, the unsaved tensors
+        alive as (bytes per token, per token x key) each) over the whole layer's saved tensors, with
+        the gradients alive since backward first unpacked the layer; () when that first unpack is
+        not known (a pack after the last trigger recorded)."""
+        if not self.trigger or self.trigger[2] != self.packs:
+            return ()
+        grads = self.trigger[0]
+        return tuple((name, lt + st - tok + grads, ls + ss - sq, blocks)
+                     for name, lt, ls, st, ss, k, at_pack, blocks in self.fwd_moments
+                     if k < self.packs or (at_pack and k == self.packs))
 
     def first_layer_unsaved(self) -> list[T]:
         """Of the tensors a layer saves, those the first layer does not under LoRA: peft freezes the
@@ -204,6 +239,9 @@ class Builder:
         # weight-gradient bytes per element while a linear's backward runs: the matmul's grad in
         # the compute dtype and, under autocast, its fp32 cast that becomes param.grad
         self.wgrad_bytes = (HALF + F32) if pol.amp else pol.weight
+        # tensors the layer's forward frames hold while the linears below run (the norm's output the
+        # attention or the MLP got), set by the layer builder: ``Recipe.recompute_moment``
+        self.outer_live: tuple[T, ...] = ()
 
     # -- ops ------------------------------------------------------------------------------
     def t(self, tok: float, nbytes: int, name: str, sq: float = 0.0) -> T:
@@ -298,20 +336,38 @@ class Builder:
         if rank and not self.r.adapter_seen:
             self.r.prefix, self.r.free_input, self.r.adapter_seen = frozenset(self.r.saved), x, True
             self.r.first_adapter_op = len(self.r.transients)  # this linear's transient comes next
-        if rank:
-            self.adapter(x, name, saved_name, rank, free_in)
-        # backward: grad_out and grad_in, no weight gradient
-        dq = self.dequantized(x, out, name, in_features)
         # a bitsandbytes Linear4bit returns its output in its input's dtype (``Linear4bit.forward``:
         # ``matmul_4bit(x.to(compute_dtype), ...).to(inp_dtype)``, nn/modules.py L251-258 at
         # 0.42.0, L548-555 at 0.49.0): fp32 under autocast when its input is the fp32 residual
         # stream (peft's prepare_model_for_kbit_training casts the norms and embeddings to fp32)
         out_bytes = x.nbytes if self.quant[0] else self.p.half
+        if not free_in and not self.quant[0]:
+            self._frozen_pack(x, out, out_bytes, name, rank)
+        if rank:
+            self.adapter(x, name, saved_name, rank, free_in, (out, out_bytes))
+        # backward: grad_out and grad_in, no weight gradient
+        dq = self.dequantized(x, out, name, in_features)
         self.r.transient(f"{name}.backward", T(out, 0, out_bytes), T(x.tok, 0, x.nbytes if self.quant[0] else
                                                                        self.p.half), const=dq)
         return T(out, 0.0, out_bytes, name)
 
-    def adapter(self, x: T, name: str, saved_name: str, rank: int, free_in: bool) -> None:
+    def _frozen_pack(self, x: T, out: float, out_bytes: int, name: str, rank: int) -> None:
+        """The base ``mm`` of a frozen linear whose input needs a gradient packs the weight (its half
+        copy under autocast): a pack of a recomputed layer (``Recipe.recompute_moment``), with the
+        linear's input and the frames' tensors alive. Without an adapter, when it is the layer's last
+        pack its ``MmBackward0`` is the first node to unpack, fed the gradient of the layer's output
+        (the residual stream's, and its cast to this output's dtype where the residual add casts it:
+        ``AddBackward0`` hands each input the gradient in its own dtype)."""
+        self.r.packs += 1
+        if rank:
+            return  # peft's adapter follows (``adapter``)
+        self.r.recompute_moment(f"{name}.recompute", x, *self.outer_live, at_pack=True)
+        stream = out / self.sp_div * self.p.stream
+        self.r.trigger = (stream + (out * out_bytes if out_bytes != self.p.stream else 0.0), stream,
+                          self.r.packs)
+
+    def adapter(self, x: T, name: str, saved_name: str, rank: int, free_in: bool,
+                base: tuple[float, int] = (0.0, 0)) -> None:
         """peft's ``lora_B(lora_A(dropout(x)))`` beside the base linear (``tuners/lora/layer.py``
         ``Linear.forward``): ``x`` cast to the adapter's dtype (``_cast_input_dtype``; fp32 adapters
         over half weights, ``autocast_adapter_dtype``), ``lora_A`` saves that input (under autocast
@@ -328,13 +384,45 @@ class Builder:
             self.r.save(mask)
             if free_in:
                 self.r.free_extra[id(mask)] = mask
-        if self.p.amp:
-            xin = T(x.tok, x.sq, HALF, saved_name)        # autocast's cast for lora_A, per call
-        elif adapter != x.nbytes or self.lora_dropout > 0:
-            xin = T(x.tok, x.sq, adapter, saved_name)     # the cast and/or dropped copy lora_A saves
+        xc = x if adapter == x.nbytes else T(x.tok, x.sq, adapter, saved_name)   # peft's cast copy
+        dropped = T(x.tok, x.sq, adapter, saved_name) if self.lora_dropout > 0 else xc
+        # under autocast lora_A saves its half cast (per call), else the cast and/or dropped copy, or x itself
+        xin = T(x.tok, x.sq, HALF, saved_name) if self.p.amp else dropped
+        self.r.save(xin)
+        if base[0] and not self.base_trains:
+            self._adapter_moments(x, xc, dropped, name, rank, base)
         else:
-            xin = x                                       # the input itself
-        self.r.save(xin, T(rank, 0, HALF if self.p.amp else adapter, f"lora.{name}"))
+            self.r.save(T(rank, 0, HALF if self.p.amp else adapter, f"lora.{name}"))
+
+    def _adapter_moments(self, x: T, xc: T, dropped: T, name: str, rank: int, base: tuple[float, int]) -> None:
+        """peft's ``Linear.forward`` (``tuners/lora/layer.py`` L1088-1110) as a recomputation runs it,
+        after the base output ``result`` (``base``: its width and bytes per element): ``x`` cast to
+        the adapter's dtype (``_cast_input_dtype``: ``xc``, a local until the forward returns), its
+        dropout (``dropped``, freed when ``lora_A`` returns), ``lora_A`` packs its input, ``lora_B``
+        the rank-r result (and its weight's copy); then, between packs, ``lora_B``'s output times
+        ``scaling`` (both alive), ``result + ...`` (promoted: fp32 over a half base with fp32
+        adapters) and ``result.to(torch_result_dtype)``. Backward first unpacks the layer at
+        ``lora_B``'s ``MmBackward0`` when this is its last linear: alive then are the residual stream's
+        gradient, its cast to the output's dtype, the sum's gradient cast to the base output's
+        dtype where the sum was promoted (``ToCopyBackward0``, ``AddBackward0``) and the scaled
+        gradient ``MulBackward0`` made for ``lora_B``, in the sum's dtype."""
+        out, res_bytes = base
+        res = T(out, 0, res_bytes)
+        frames = (x, xc, *self.outer_live)
+        self.r.recompute_moment(f"{name}.lora_A", res, dropped, *frames, at_pack=True)
+        lo_bytes = HALF if self.p.amp else xc.nbytes              # lora_B's output (autocast: half)
+        self.r.save(T(rank, 0, lo_bytes, f"lora.{name}"))
+        self.r.recompute_moment(f"{name}.lora_B", res, *frames, at_pack=True)
+        sum_bytes = max(res_bytes, lo_bytes)                       # type promotion of result + lora
+        lora_out, scaled, total = T(out, 0, lo_bytes), T(out, 0, lo_bytes), T(out, 0, sum_bytes)
+        self.r.recompute_moment(f"{name}.lora_B.scale", res, lora_out, scaled, *frames, at_pack=False)
+        self.r.recompute_moment(f"{name}.lora.add", res, scaled, total, *frames, at_pack=False)
+        if sum_bytes != res_bytes:
+            self.r.recompute_moment(f"{name}.lora.cast", total, T(out, 0, res_bytes), *frames, at_pack=False)
+        stream = out / self.sp_div * self.p.stream
+        grads = (stream + (out * res_bytes if res_bytes != self.p.stream else 0.0)
+                 + (out * res_bytes if sum_bytes != res_bytes else 0.0) + out * sum_bytes)
+        self.r.trigger = (grads, stream, self.r.packs)
 
     def dequantized(self, x: T, out: float, name: str, in_features: float | None) -> float:
         """A bitsandbytes 4-bit base weight (``Linear4bit`` -> ``MatMul4Bit``, quant4.py): bytes of its
@@ -397,7 +485,19 @@ class Builder:
         y = T(x.tok, x.sq, x.nbytes, name)
         if keep_output:
             self.r.save(y)
+        if self.frozen and not x.sq:  # (LoRA: a residual branch's dropout, ``_dropout_pack``)
+            self._dropout_pack(x, y, name)
         return y
+
+    def _dropout_pack(self, x: T, y: T, name: str) -> None:
+        """``native_dropout`` on a residual branch packs its mask, with its input and output alive
+        (``Recipe.recompute_moment``). When it is the layer's last pack (GPT-2's ``resid_dropout``
+        after ``mlp.c_proj``) its backward is the first node to unpack, fed the layer's output
+        gradient and, where the residual add casts it, its cast to the branch's dtype
+        (``AddBackward0`` hands each input the gradient in its own dtype)."""
+        self.r.recompute_moment(f"{name}.recompute", x, y, *self.outer_live, at_pack=True)
+        stream = x.tok * self.p.stream
+        self.r.trigger = (stream + (x.tok * x.nbytes if x.nbytes != self.p.stream else 0.0), stream, self.r.packs)
 
     def sdpa(self, impl: str, head_dim: int, heads: float, kv_heads: float, p_drop: float) -> str:
         """The SDPA backend for this layer (``sdpa_backend``; ``impl`` may pin one)."""
@@ -841,6 +941,12 @@ class LayerCoefs:
     # their matmuls saved and released (``Recipe.frozen``; LoRA under autocast)
     after_frozen: tuple[float, ...] = ()
     first_adapter_op: int = -1  # LoRA: the transient of the first adapted linear (forward order); -1 none
+    # a checkpointed layer's recomputed forward (``Recipe.recompute_moments``): (name, bytes per token,
+    # per token x key, its unsaved tensors' blocks) over its saved tensors, the gradients alive since
+    # its first unpack included; of those bytes per token, the layer's output gradient (a pipeline
+    # stage's receive buffer at its top layer)
+    recompute_moments: tuple[tuple[str, float, float, tuple], ...] = ()
+    recompute_incoming: float = 0.0
     # each linear of the layer in forward order: (how many of ``tensors`` are saved before autocast
     # casts its weight, the weight's elements, bytes per element of its gradient (the weight's dtype;
     # 0: frozen)), for the allocator replay (reserved.py)
@@ -914,6 +1020,8 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
                       incoming=tuple(B.r.incoming) if any(B.r.incoming) else (),
                       after_frozen=after_frozen if any(after_frozen) else (),
                       first_adapter_op=B.r.first_adapter_op, linears=tuple(B.r.linears),
+                      recompute_moments=B.r.recompute_moments(tok, sq),
+                      recompute_incoming=B.r.trigger[1] if B.r.trigger else 0.0,
                       op_tensors=tuple(t.bytes_coef() for t in op_checkpoint_kept(B.r)), held_b1=held_b1)
 
 
@@ -942,7 +1050,9 @@ def _gpt2_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: f
     """transformers GPT2Block / nanoGPT Block: pre-LN, fused qkv (c_attn), GELU MLP."""
     pol, half = B.p, B.p.half
     a_in = B.layer_norm(x, "ln_1")
-    B.linear(T(h / sp_div, 0, a_in.nbytes, "ln_1.out"), q + 2 * kv, "c_attn", "c_attn.input", h)
+    a_out = T(h / sp_div, 0, a_in.nbytes, "ln_1.out")
+    B.outer_live = (a_out,)  # GPT2Block's ``hidden_states`` while ``self.attn`` runs
+    B.linear(a_out, q + 2 * kv, "c_attn", "c_attn.input", h)
     qq, kk, vv = (T(q, 0, half, "attn.qkv"), T(kv, 0, half, "attn.qkv"), T(kv, 0, half, "attn.qkv"))
     backend = "eager" if k.attention == "eager" else B.sdpa(k.attention, k.head_dim, heads, kvh,
                                                             k.attention_dropout)
@@ -981,10 +1091,13 @@ def _gpt2_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: f
     B.drop(T(h / sp_div, 0, half, "resid"), k.hidden_dropout, "attn.resid_dropout")
     x2 = T(h / sp_div, 0, pol.stream, "residual")
     m_in = B.layer_norm(x2, "ln_2")
-    B.linear(T(h / sp_div, 0, m_in.nbytes, "ln_2.out"), f, "c_fc", "c_fc.input", h)
+    m_out = T(h / sp_div, 0, m_in.nbytes, "ln_2.out")
+    B.outer_live = (m_out,)  # ``hidden_states`` while ``self.mlp`` runs (``residual`` is what ln_2 saved)
+    B.linear(m_out, f, "c_fc", "c_fc.input", h)
     act = _gelu(B, k.act_impl, f, h / sp_div)
     B.linear(act, h, "mlp.c_proj", "mlp.c_proj.input")
     B.drop(T(h / sp_div, 0, half, "resid"), k.hidden_dropout, "mlp.resid_dropout")
+    B.outer_live = ()
 
 
 def _bert_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: float, heads: float, kvh: float, sp_div: int) -> None:
@@ -1040,6 +1153,7 @@ def _llama_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: 
     src = T(gathered, 0, a_in.nbytes, "input_layernorm.out")
     if not pol.amp and not B.frozen:
         B.r.save(src)  # shared input of q/k/v (no per-call casts without autocast; frozen linears save none)
+    B.outer_live = (src,)  # the decoder layer's ``hidden_states`` while ``self_attn`` runs
     proj = {name: B.linear(src, width, name, f"{name}.input", h, out_name=out)
             for name, width, out in (("q_proj", q, "attn.q"), ("k_proj", kv, "attn.k"), ("v_proj", kv, "attn.v"))}
     # rotary: q*cos + rotate_half(q)*sin makes new q and k tensors; cos/sin are shared per model;
@@ -1058,12 +1172,16 @@ def _llama_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: 
     src2 = T(gathered, 0, m_in.nbytes, "post_attention_layernorm.out")
     if not pol.amp and not B.frozen:
         B.r.save(src2)
+    # ``hidden_states`` while ``self.mlp`` runs (LlamaMLP's ``x``), and ``residual``, which the norm
+    # saved as its fp32 cast where it is half (an fp32 one is the tensor the norm saved)
+    B.outer_live = (src2,) if x2.nbytes == F32 else (src2, x2)
     if k.experts and k.ep > 1:
         _moe_ep(B, src2, h, f, k.experts, k.top_k, k.ep, k.ep_rows)
     elif k.experts:
         _moe(B, src2, h, f, k.experts, k.top_k)
     else:
         _swiglu(B, f, h, src2, "mlp", fused_gate_up=False)
+    B.outer_live = ()
 
 
 def _cache_tensors(k: LayerKey, pol: Policy, kk: T, vv: T, kv: float, shares: bool) -> tuple[T, T]:
@@ -1365,15 +1483,21 @@ def _swiglu(B: Builder, f: float, h: float, src: T, name: str, fused_gate_up: bo
     product."""
     half = B.p.half
     gate, up = T(f, 0, half, f"{name}.gate_out"), T(f, 0, half, f"{name}.up_out")
+    silu = T(f, 0, half, f"{name}.silu_out")
     if fused_gate_up:
         B.matmul_in(src, f"{name}.gate_up.input")
     else:
         # the outputs, in half or, for a 4-bit linear, its input's dtype (``Builder.frozen_linear``)
         gate = B.linear(src, f, f"{name}.gate_proj", f"{name}.gate_proj.input", h, out_name=f"{name}.gate_out")
-        up = B.linear(src, f, f"{name}.up_proj", f"{name}.up_proj.input", h, out_name=f"{name}.up_out")
         if B.frozen:  # a frozen linear's output is not an aten.mm output: name it as the others
-            gate, up = T(f, 0, gate.nbytes, f"{name}.gate_out"), T(f, 0, up.nbytes, f"{name}.up_out")
-    B.r.save(gate, T(f, 0, gate.nbytes, f"{name}.silu_out"), up)
+            gate = T(f, 0, gate.nbytes, f"{name}.gate_out")
+        # (``silu`` saves the gate output before ``up_proj`` runs: both alive in its forward)
+        outer, B.outer_live = B.outer_live, (*B.outer_live, gate, T(f, 0, gate.nbytes, f"{name}.silu_out"))
+        up = B.linear(src, f, f"{name}.up_proj", f"{name}.up_proj.input", h, out_name=f"{name}.up_out")
+        B.outer_live, silu = outer, B.outer_live[-1]
+        if B.frozen:
+            up = T(f, 0, up.nbytes, f"{name}.up_out")
+    B.r.save(gate, silu, up)
     pd = max(gate.nbytes, up.nbytes, half)  # the product's dtype (type promotion)
     # the product's backward (MulBackward0; the product itself, saved by down, is freed by then): down's
     # input gradient and the product's two gradients, all (b, s, f), while the residual stream's

@@ -56,6 +56,7 @@ class Detail:
     comm_name: str
     input_tok: float                              # a layer's input per token (full recompute keeps it)
     received_tok: float = 0.0                     # of the first layer's saved input, the pipeline's receive buffer
+    recompute_ops: int = 0                        # of ``transients``, the last ones: recompute_transients
 
 
 @dataclass(eq=False)  # not frozen: built once per setup and cached; nothing changes one afterwards
@@ -1453,7 +1454,8 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         lower_layers=lower, above_bottom=above_bottom, above_decoder_bottom=above_decoder_bottom,
         input_tok=input_bytes(m, t)[0], input_sample=input_bytes(m, t)[1], expandable=int(t.expandable_segments),
         dec_num=decoder_ratio(m, t)[0], dec_den=decoder_ratio(m, t)[1], **_derived_fields(m, t, stage), **pipe,
-        detail=Detail(st, lc, outer, comm_name, input_tok, sum(a for _, a, _ in received)))
+        detail=Detail(st, lc, outer, comm_name, input_tok, sum(a for _, a, _ in received),
+                      len(recompute_transients(t, lc))))
 
 
 def _kept_and_redone(t: TrainingSpec, lc: LayerCoefs, input_tok: float, checkpointed: int, layers: int
@@ -1524,7 +1526,25 @@ def _layer_transients(t: TrainingSpec, lc: LayerCoefs, pol: Policy, gpw: float, 
                                                                 top_less))
     if t.offload_activations and trans:
         trans = trans[:-1] + ((trans[-1][0] + offload_previous(input_tok, pol), *trans[-1][1:]),)
-    return trans
+    return trans + recompute_transients(t, lc, received)
+
+
+def recompute_transients(t: TrainingSpec, lc: LayerCoefs, received: bool = False) -> tuple:
+    """Under full recompute (every layer checkpointed), the moments of a layer's recomputed forward
+    as transients over its saved tensors (``LayerCoefs.recompute_moments``), after its backward
+    ones (``breakdown.where_label`` names them): non-reentrant checkpointing recomputes the layer
+    when backward first unpacks one of its saved tensors (torch/utils/checkpoint.py
+    ``_checkpoint_hook.unpack_hook`` -> ``recompute_fn``), with the gradients made so far alive,
+    and runs the forward up to its last pack, its Python frames holding what they hold in forward
+    (peft's fp32 copy of a linear's input, the base output beside the adapter's). No weight
+    gradient of the layer exists yet (g = 0), no weight copy was freed. Found by trace: Llama 8 x
+    512 LoRA on all seven projections, full recompute, bf16-amp 2 x 1024: -7.4% before (the peak at
+    ``down_proj``'s ``lora_B`` in the top layer's recomputation); bf16: -8.6%; with dropout 0.05
+    -11.4%."""
+    if t.recompute != "full" or t.recompute_every != 1 or lc.checkpointed or not lc.recompute_moments:
+        return ()
+    e = lc.recompute_incoming if received else 0.0
+    return tuple((a, b, 0.0, 0, 0.0, ALL_MOMENTS, e) for _name, a, b, _blocks in lc.recompute_moments)
 
 
 def _grads_above(m: ModelSpec, t: TrainingSpec, st: States, layers: int) -> tuple[int, int, int]:

@@ -700,6 +700,7 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
     else:  # FSDP: gathered again (FSDP2: and the layer below prefetched)
         params = fs.unshard_backward(R, q.fsdp_layer_buf, st.layer_tensors, prefetch=i > 0)
     redo = R.allocs(parts) if recompute != "none" else []         # the checkpointed forward again
+    R.frees(R.allocs(_recompute_blocks(q, n, nsq)))               # ... its frames' own tensors meanwhile
     per_linear = _per_linear(q, kept, recompute)                  # the weights' gradients linear by linear
     tr = R.alloc(_activation_transient(q, n, nsq) if per_linear else _transient(q, n, nsq))
     if st.layer_grads_full and not fs.v2 and q.fsdp1_post:        # FSDP1: the flat gradient, then its hook
@@ -725,8 +726,26 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
 def _transient(q: Quantities, n: int, nsq: int) -> int:
     """Bytes of a layer's worst backward moment above its saved tensors, less the gradients of its
     later linears (made by then, replayed as gradients): one block."""
-    _idx, value, grads = best_transient(q.transients, n, nsq)
+    _idx, value, grads = best_transient(_backward_ops(q), n, nsq)
     return max(0, value - grads)
+
+
+def _backward_ops(q: Quantities) -> tuple:
+    """The layer's backward-op transients, less the moments of its recomputed forward
+    (``quantities.recompute_transients``, last in ``q.transients``): those are the forward's own
+    tensors, one block each (``_recompute_blocks``), not one block."""
+    return q.transients[:len(q.transients) - q.detail.recompute_ops]
+
+
+def _recompute_blocks(q: Quantities, n: int, nsq: int) -> list[int]:
+    """The blocks of the unsaved tensors a layer's recomputed forward holds at its largest moment
+    (``LayerCoefs.recompute_moments``: the linear's input, peft's cast copy, the base output...),
+    each its own tensor; none without those moments (``quantities.recompute_transients``)."""
+    if not q.detail.recompute_ops:
+        return []
+    i, _v, _g = best_transient(q.transients[-q.detail.recompute_ops:], n, nsq)
+    blocks = q.detail.layer.recompute_moments[i][3]
+    return [int(a * n + b * nsq) for a, b in blocks if int(a * n + b * nsq) > 0]
 
 
 def _activation_transient(q: Quantities, n: int, nsq: int) -> int:
@@ -735,7 +754,7 @@ def _activation_transient(q: Quantities, n: int, nsq: int) -> int:
     transient is its own weight's gradients less the copies of the linears after it
     (``quantities._layer_transients``); what is left, per token and per token x key, is the
     gradients of the activations in flight, one block."""
-    return max([0] + [int(a * n + b * nsq) for a, b, *_rest in q.transients])
+    return max([0] + [int(a * n + b * nsq) for a, b, *_rest in _backward_ops(q)])
 
 
 def _fsdp1_reduce(R: _Replay, q: Quantities, st: Any, params: list, fs: "_Fsdp") -> list:
