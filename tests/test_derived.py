@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 import warnings
+from dataclasses import replace
 
 import pytest
 
@@ -435,3 +436,18 @@ def test_derived_kv_cache_is_the_output_cache_of_the_installed_release(precision
     else:
         want = kv * 4 + kv * (2 if cache_values_own_dtype(code_release(None)) else 4)
     assert {k: round(v["cache"], 6) for k, v in doc["kinds"].items()} == {k: want for k in doc["kinds"]}
+
+
+def test_coefficient_keys_name_the_traced_releases_kv_cache(monkeypatch):
+    """The derived coefficients' key says which KV cache the installed transformers' code built (the
+    traces run it): 4.56-5.23's copies (the keys shipped before), earlier releases' references, 5.24's
+    half values under autocast; a run without a cache (full recompute) or without autocast keeps one key."""
+    r = trainmem.resolve("qwen3-0.6b")
+    amp, pure, full = r.training, replace(r.training, precision="bf16"), replace(r.training, recompute="full")
+
+    def keys(release):
+        monkeypatch.setattr(derived, "code_release", lambda _v: release)
+        return [derived.key(r.model, t) for t in (amp, pure, full)]
+    k523, k524, k445 = keys((5, 23)), keys((5, 24)), keys((4, 45))
+    assert k523[0] != k524[0] and k523[1:] == k524[1:]   # only the amp key with a cache moves at 5.24
+    assert k445[0] not in (k523[0], k524[0]) and k445[1] != k523[1] and k445[2] == k523[2]

@@ -210,7 +210,7 @@ def test_sdpa_before_4_54_keeps_the_repeated_keys_and_values():
 
 
 def _value_cache_dtype(own_dtype: bool) -> torch.dtype:
-    """A ``DynamicLayer``'s first update as each release wrote it (``_cache_held`` cites the lines):
+    """A ``DynamicLayer``'s first update as each release wrote it (``layers._cache_tensors`` cites the lines):
     the empty caches created in the keys' dtype (up to 5.23) or each in its own (5.24), then
     ``torch.cat`` with the autocast layer's fp32 rotated keys and half values."""
     k, v = torch.zeros(B, 2, S, 8), torch.zeros(B, 2, S, 8, dtype=torch.bfloat16)

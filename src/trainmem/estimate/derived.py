@@ -28,7 +28,7 @@ from typing import Any
 from ..errors import TrainmemError
 from ..spec.model import ModelSpec
 from ..spec.profile import read_cached, write_cached
-from ..spec.tf_releases import cache_values_own_dtype, code_release
+from ..spec.tf_releases import cache_values_own_dtype, code_release, kv_cache_kind
 from ..spec.training import TrainingSpec, config_use_cache
 from .layers import LayerCoefs
 
@@ -105,11 +105,7 @@ def key(m: ModelSpec, t: TrainingSpec, one: bool | None = None) -> str:
     ``one``: of its micro-batch-1 set or not (default: ``batch1``)."""
     lora = (t.lora_rank, tuple(t.lora_targets or ()), t.lora_dropout, adapters_computed_half(t)) if t.lora_rank else ()
     parts = [m.fingerprint, activation_precision(t), t.attention, t.dropout, lora, regime(m, t), without_cache(t, m)]
-    if activation_precision(t).endswith("-amp") and not without_cache(t, m) and \
-            cache_values_own_dtype(code_release(t.transformers_release)):
-        # traced from transformers >= 5.24, whose KV cache keeps half values under autocast
-        # (``spec.tf_releases.cache_values_own_dtype``; the keys of earlier releases are unchanged)
-        parts.append(("values-cache", "own-dtype"))
+    parts += _cache_parts(m, t)
     if t.attention_call != "model":  # traced with litgpt's SDPA call (the keys of other setups are unchanged)
         parts.append(("attention-call", t.attention_call))
     if not t.math_sdpa_upcasts:  # PyTorch < 2.5: traced with SDPA's math kernel in the inputs' dtype
@@ -124,6 +120,21 @@ def key(m: ModelSpec, t: TrainingSpec, one: bool | None = None) -> str:
     if batch1(m, t) if one is None else one:  # fitted on batch-1 points (the keys of other batches are unchanged)
         parts.append("batch-1")
     return _key(*parts)
+
+
+def _cache_parts(m: ModelSpec, t: TrainingSpec) -> list[tuple[str, str]]:
+    """What the traced code's KV cache was, where it differs from transformers 4.56-5.23's (their keys
+    unchanged): a release before 4.56 held the layers' own keys and values, not copies
+    (``spec.tf_releases.kv_cache_kind``); from 5.24 the cache keeps half values under autocast
+    (``cache_values_own_dtype``). The traces run the installed transformers, whatever release ``t``
+    describes (OPT's and Granite's older code is corrected apart: ``spec.tf_releases``)."""
+    if without_cache(t, m):
+        return []
+    release = code_release(None)
+    if kv_cache_kind(release) == "reference":
+        return [("kv-cache", "reference")]
+    own = activation_precision(t).endswith("-amp") and cache_values_own_dtype(release)
+    return [("values-cache", "own-dtype")] if own else []
 
 
 @lru_cache(maxsize=4096)

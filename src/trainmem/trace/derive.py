@@ -425,13 +425,11 @@ def _grad_view_bytes(tracker: Any, params: list[Any]) -> int:
     from batch 2 the sum makes a fresh (1, 1, hidden) tensor. Each storage counted once."""
     own: dict[int, int] = defaultdict(int)
     size: dict[int, int] = {}
-    for p in params:
-        g = p.grad
-        rec = tracker.live.get(id(g.untyped_storage())) if g is not None else None
-        if rec is None:
-            continue
-        size[id(g.untyped_storage())] = rec.nbytes
-        own[id(g.untyped_storage())] += g.numel() * g.element_size()
+    for g in (p.grad for p in params if p.grad is not None):
+        key = id(g.untyped_storage())  # the tracker's key of a storage
+        if key in tracker.live:
+            size[key] = tracker.live[key].nbytes
+            own[key] += g.numel() * g.element_size()
     return sum(max(0, size[k] - own[k]) for k in size)
 
 
