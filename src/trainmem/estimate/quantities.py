@@ -1045,9 +1045,13 @@ def gemini_fields(m: ModelSpec, t: TrainingSpec) -> dict[str, int]:
     gathered from its recomputed forward until every parameter in them has its gradient (the top
     layer's; the most of any other layer's), the chunks gathered through all of backward (a tied
     embedding's, when rank 0 does not own it), and ``grad_handle``'s gradient and its ``grad / dp``
-    copy of the layer's largest parameter, counted together with the layer's transients. Nothing is
-    gathered at the loss: ``ZeroDDP.forward`` releases the last chunks as forward returns
-    (``exec_lazy_release``, ColossalAI bbc58d881 data_parallel.py L242)."""
+    copy of the layer's largest parameter, counted together with the layer's transients. At the
+    loss rank 0 gathers nothing: the loss runs inside ``ZeroDDP.forward`` (Lightning's
+    ``_LightningModuleWrapperBase.forward`` calls ``training_step``, Lightning 2fef6d9403
+    ``src/pytorch_lightning/overrides/base.py`` L92-106), where the chunks of earlier ops were
+    released at the next op (``exec_lazy_release`` in ``pre_op``, ColossalAI bbc58d881
+    ``zero_hook_v2.py`` L29) and only the head's stays, which for a tied head is chunk 0, rank 0's own
+    (an untied head's chunk of another rank is not counted)."""
     g = model_gemini(m, t)
     if g is None:
         return {}
