@@ -126,14 +126,7 @@ def add_training(g: Any) -> None:
     g.add_argument("--fsdp", choices=FSDP_MODES, default=None)
     g.add_argument("--offload-optimizer", action="store_true", help="ZeRO-Offload: optimizer states in CPU memory")
     add_deepspeed(g)
-    g.add_argument("--gemini", default=None, metavar="PLACEMENT",
-                   help="ColossalAI Gemini (ZeroDDP + ZeroOptimizer + HybridAdam, the 2022 chunk manager as "
-                        "Lightning's ColossalAIStrategy runs it) with this placement_policy: cuda (the only one "
-                        "modelled); fp16 parameter and fp32 master chunks owned round-robin over --dp, gradients "
-                        "written into the fp16 chunks (docs/estimate.md)")
-    g.add_argument("--gemini-chunk-size", type=_elements, default=None, metavar="N",
-                   help="Gemini's chunk_size in elements (default: ChunkManager.search_chunk_size over Lightning's "
-                        "search range, 64 Mi elements in 1024 steps above the largest parameter)")
+    add_gemini(g)
     g.add_argument("--distributed-optimizer", action="store_true",
                    help="Megatron/NeMo distributed optimizer (fp32 main grads, sharded states)")
     g.add_argument("--master-weights", choices=MASTER_WEIGHTS, default=None,
@@ -348,6 +341,18 @@ def add_deepspeed(g: Any) -> None:
                         "(default 1e9: the head and the top layers at the end of forward)")
     g.add_argument("--stage3-prefetch-bucket-size", type=_elements, default=None, metavar="N",
                    help="DeepSpeed ZeRO-3: parameter elements gathered ahead (default 5e7)")
+
+
+def add_gemini(g: Any) -> None:
+    """ColossalAI Gemini's options, named as Lightning's ColossalAIStrategy names them."""
+    g.add_argument("--gemini", default=None, metavar="PLACEMENT",
+                   help="ColossalAI Gemini (ZeroDDP + ZeroOptimizer + HybridAdam, the 2022 chunk manager as "
+                        "Lightning's ColossalAIStrategy runs it) with this placement_policy: cuda (the only one "
+                        "modelled); fp16 parameter and fp32 master chunks owned round-robin over --dp, gradients "
+                        "written into the fp16 chunks (docs/estimate.md)")
+    g.add_argument("--gemini-chunk-size", type=_elements, default=None, metavar="N",
+                   help="Gemini's chunk_size in elements (default: ChunkManager.search_chunk_size over Lightning's "
+                        "search range, 64 Mi elements in 1024 steps above the largest parameter)")
 
 
 def _true_false(text: str) -> bool:
