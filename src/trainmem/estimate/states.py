@@ -600,7 +600,8 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
 def _gemini_states(m: ModelSpec, t: TrainingSpec, r: _Rank) -> States:
     """ColossalAI Gemini's rank 0 (``estimate.gemini``): its fp16 chunks are the weights (loaded
     first, each one ``torch.empty`` of chunk_size elements, ``Chunk.__init__``), then the buffers
-    (``ZeroDDP._cast_buffers``: moved to the GPU, floating ones cast to fp16); its fp32 chunks the
+    in their own dtypes (``ZeroDDP._cast_buffers`` moves them to the GPU and casts floating ones to
+    fp16, data_parallel.py L525-529: an fp32 buffer is counted at 4 bytes, not 2); its fp32 chunks the
     master weights; no gradient memory (each gradient is copied over its parameter's fp16 slot);
     HybridAdam's two fp32 states per parameter of its chunks. In ``trainables`` the master chunks
     ride on their chunk's first parameter, and each parameter has a gradient of 0 bytes."""
