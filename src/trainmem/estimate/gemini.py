@@ -41,8 +41,8 @@ search_range=64 * 1024**2, n_grids=1024, min_chunk_size=None)`` unless given.
 
 The sharded chunks with ``keep_gathered`` (``colossalai/gemini/update/chunkv2.py``, ``ChunkV2``)
 were in the tree then but not used by ``ZeroDDP``, which imports ``colossalai.gemini.chunk``
-(data_parallel.py L6); the chunk search's ``hidden_dim`` / ``search_range_m`` came with later
-releases (Lightning's support for colossalai 0.1.11, December 2022).
+(data_parallel.py L6); the search in megabytes (``search_range_mb``, ``min_chunk_size_mb``) came
+with Lightning's support for colossalai 0.1.11 (5e6f9b5a20, December 2022).
 
 So rank ``r`` holds its fp16 chunks (2 bytes per chunk element), its fp32 chunks (4 bytes) and two
 fp32 Adam states per parameter of its chunks (unpadded), and gathers the other ranks' fp16 chunks
