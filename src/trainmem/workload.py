@@ -57,6 +57,9 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
     (``trainmem.trace.distributed``); no context parallelism.
     ``measure`` runs data and tensor parallelism through PyTorch's own wrappers, one process per rank
     (``trainmem.measure.distributed``), without sequence parallelism."""
+    if t.gemini is not None:
+        raise TrainmemError(f"--gemini {t.gemini}: {what} runs PyTorch's own wrappers, not ColossalAI's ZeroDDP "
+                            "chunk manager; use estimate for ColossalAI Gemini")
     _check_release(t, what)
     bad = [f"--{key} {getattr(t, key)}" for key in ("pp", "cp", "ep")
            if getattr(t, key) != 1 and not (key == "pp" and what == "trace")]

@@ -126,6 +126,7 @@ def add_training(g: Any) -> None:
     g.add_argument("--fsdp", choices=FSDP_MODES, default=None)
     g.add_argument("--offload-optimizer", action="store_true", help="ZeRO-Offload: optimizer states in CPU memory")
     add_deepspeed(g)
+    add_gemini(g)
     g.add_argument("--distributed-optimizer", action="store_true",
                    help="Megatron/NeMo distributed optimizer (fp32 main grads, sharded states)")
     g.add_argument("--master-weights", choices=MASTER_WEIGHTS, default=None,
@@ -342,6 +343,18 @@ def add_deepspeed(g: Any) -> None:
                    help="DeepSpeed ZeRO-3: parameter elements gathered ahead (default 5e7)")
 
 
+def add_gemini(g: Any) -> None:
+    """ColossalAI Gemini's options, named as Lightning's ColossalAIStrategy names them."""
+    g.add_argument("--gemini", default=None, metavar="PLACEMENT",
+                   help="ColossalAI Gemini (ZeroDDP + ZeroOptimizer + HybridAdam, the 2022 chunk manager as "
+                        "Lightning's ColossalAIStrategy runs it) with this placement_policy: cuda (the only one "
+                        "modelled); fp16 parameter and fp32 master chunks owned round-robin over --dp, gradients "
+                        "written into the fp16 chunks (docs/estimate.md)")
+    g.add_argument("--gemini-chunk-size", type=_elements, default=None, metavar="N",
+                   help="Gemini's chunk_size in elements (default: ChunkManager.search_chunk_size over Lightning's "
+                        "search range, 64 Mi elements in 1024 steps above the largest parameter)")
+
+
 def _true_false(text: str) -> bool:
     """A DeepSpeed boolean as its config writes it."""
     low = text.strip().lower()
@@ -390,6 +403,7 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 overlap_comm=a.overlap_comm, contiguous_gradients=a.contiguous_gradients,
                 sub_group_size=a.sub_group_size, stage3_max_reuse_distance=a.stage3_max_reuse_distance,
                 stage3_prefetch_bucket_size=a.stage3_prefetch_bucket_size,
+                gemini=a.gemini, gemini_chunk_size=a.gemini_chunk_size,
                 expandable_segments=a.expandable_segments, task=getattr(a, "task", None))
     if a.fsdp is not None and a.zero in (0, None):
         opts.pop("zero")

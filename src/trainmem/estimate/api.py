@@ -142,8 +142,10 @@ def estimate_resolved(r: Resolved, replay: bool = True) -> MemoryReport:
     reserved (milliseconds; seconds under ``--min-seq-len``); callers that read only the fit verdict
     (allocated + 1/32 + context, ``MemoryReport.device_peak``) skip it."""
     fn = get_method(r.method)
-    if r.method != "trainmem" and (r.training.recompute == "op" or r.training.offload_activations):
-        what = "--recompute op" if r.training.recompute == "op" else "--offload-activations"
+    t = r.training
+    if r.method != "trainmem" and (t.recompute == "op" or t.offload_activations or t.gemini is not None):
+        what = ("--recompute op" if t.recompute == "op" else "--offload-activations" if t.offload_activations
+                else "ColossalAI Gemini (--gemini)")
         raise TrainmemError(f"--method {r.method}: the published formulas have no {what}; use --method trainmem")
     ws = r.hardware.handle_workspace if r.hardware is not None else None
     # only the default engine counts cuBLAS workspaces: the GPU's default size, or a calibration profile's

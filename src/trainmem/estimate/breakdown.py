@@ -73,6 +73,8 @@ def components(q: Quantities, tk: Tokens, mo: Moment, t: TrainingSpec, n: int, n
     half = HALF_NAMES.get(t.precision, "fp32")
     wdt = "fp32" if t.weight_bytes == 4 else half
     formula = "sum over tensors of block(numel/tp [/dp under ZeRO-3] x bytes)"
+    if t.gemini is not None:
+        formula = "ColossalAI Gemini: block(chunk_size x 2) per fp16 chunk this rank owns (chunk i on rank i % dp)"
     if st.quantized:
         formula += (f"; of it {st.quantized:,} B of bitsandbytes {t.quantize} linears: block(numel/2) uint8 codes + "
                     "absmax per 64 (fp32, or uint8 + fp32 per 256 blocks with -dq) + a 16-entry fp32 code each")
@@ -81,7 +83,8 @@ def components(q: Quantities, tk: Tokens, mo: Moment, t: TrainingSpec, n: int, n
                      True)]
     if st.master:
         out.append(Component("master_weights", MASTER, st.master, "fp32",
-                             "fp32 copy of half weights, sharded over the ZeRO group", True))
+                             "fp32 copy of half weights, sharded over the ZeRO group" if t.gemini is None else
+                             "ColossalAI Gemini: block(chunk_size x 4) per fp32 chunk this rank owns", True))
     if parts["gradients"]:
         out.append(Component("gradients", GRADIENTS, parts["gradients"], "fp32" if t.distributed_optimizer else wdt,
                              "gradients alive at the peak [/dp under ZeRO-2/3]", True))
@@ -105,7 +108,12 @@ def components(q: Quantities, tk: Tokens, mo: Moment, t: TrainingSpec, n: int, n
     if comm:
         out.append(Component(q.detail.comm_name, COMMUNICATION, comm, None,
                              "DDP buckets / ZeRO-3 gathered layers / DeepSpeed ZeRO-3's gradient bucket buffer", True))
-    if parts["communication"] and t.fsdp is None:  # DeepSpeed ZeRO-1/2 (quantities.deepspeed_buckets)
+    if parts["communication"] and t.gemini is not None:  # quantities.gemini_fields
+        out.append(Component("communication.gemini_chunks", COMMUNICATION, parts["communication"], wdt,
+                             "ColossalAI Gemini: other ranks' fp16 chunks gathered for the layer in backward "
+                             "(chunk_size x 2 each) + the gradient hook's gradient and grad / dp of its largest "
+                             "parameter", True))
+    elif parts["communication"] and t.fsdp is None:  # DeepSpeed ZeRO-1/2 (quantities.deepspeed_buckets)
         out.append(Component("communication.deepspeed_buckets", COMMUNICATION, parts["communication"], wdt,
                              f"DeepSpeed ZeRO-{t.zero}: {parts['communication'] // max(q.ds_bucket, 1)} gradient "
                              f"bucket buffer(s) of reduce_bucket_size {t.ds_reduce_bucket:,} elements, through backward",

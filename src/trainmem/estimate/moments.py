@@ -583,7 +583,9 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     reduced, kept_layer = where(final, q.nosync_layer_reduce, 0), where(final, 0, q.nosync_kept_layer)
     # (+ DeepSpeed ZeRO-1/2's bucket buffers, alive through backward; ZeRO-3's gathered parameters:
     # the head and the top layers kept, ``ds_gathered_top``, then the current module, ``low_ds``)
-    root, buf, rs, low_ds = q.fsdp_root + q.ds_backward_buf, q.fsdp_layer_buf, q.fsdp_rs_buf, q.ds_gathered_low
+    # (ColossalAI Gemini: other ranks' chunks gathered and the gradient hook's copies, ``gemini_fields``)
+    root, buf, rs = q.fsdp_root + q.ds_backward_buf, q.fsdp_layer_buf, q.fsdp_rs_buf
+    low_ds = q.ds_gathered_low + q.gemini_low
     fresh = grads_before == 0                                  # gradients are being created, not added to
     # the later linears' gradients of the layer in backward (FSDP reduce-scattering each micro-batch:
     # unsharded, in every micro-batch; under FSDP2's no_sync they accumulate in .grad as without FSDP;
@@ -606,7 +608,7 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     unprefetched = _both(q.fsdp1_unprefetched >= 0, tk.transient_index > q.fsdp1_unprefetched)
     moments.append(_mo("backward", micro, step, "layer.top",
                        (top, states_mid, tk.inputs, ws2, tk.layers + tk.outer_rest + tk.others_head, top_temp),
-                       (kept.logits, kept.kv_forward, 0), valid, own, comm=root + buf + where(unprefetched, 0, buf) + q.ds_gathered_top))
+                       (kept.logits, kept.kv_forward, 0), valid, own, comm=root + buf + where(unprefetched, 0, buf) + q.ds_gathered_top + q.gemini_top))
     _fsdp1_layer_end(q, flags, tk, kept, (step, micro, valid), (grads_before + head_grads, states_mid, ws2, own),
                      own_layers, root, buf, moments)
     _fsdp_middle_layers(q, flags, tk, kept, when, (grads_before + head_grads + layer_grads, states_mid, ws2, temp),

@@ -35,6 +35,7 @@ from .derived import moment_activations
 from .layers import ALL_MOMENTS, HALF, LayerCoefs, LayerKey, Policy, ep_rank_rows, layer_coefficients
 from .quant4 import dequant_dtypes, is_quantized
 from .schedules import in_flight_at_backwards
+from .gemini import model_gemini
 from .states import (States, block_bytes, default_lora_targets, dtensor_tp, fsdp_grad_op, model_states,
                      torch_pipeline)
 
@@ -186,6 +187,8 @@ class Quantities:
     ds_gathered_top: int = 0  # DeepSpeed ZeRO-3's gathered parameters from forward's end to the top layer's backward
     ds_gathered_low: int = 0  # ... in the rest of backward (``deepspeed_gathered``)
     ds_partition_grads: int = 0  # DeepSpeed ZeRO-2's gradient partition, whole from the first reduction (``grads``)
+    gemini_top: int = 0       # ColossalAI Gemini: other ranks' fp16 chunks gathered and the gradient hook's two
+    gemini_low: int = 0       # copies, in the top layer's backward / any other layer's (``gemini_fields``)
     graph_tok: float = 0.0  # per layer, saved bytes per token the graph keeps until it is freed (bnb < 0.43.2)
     graph_extra_tok: float = 0.0  # ... of it, per layer on average, not among the kept activations (checkpointed)
     pipe_batch: int = 0    # 1: torch's pipeline schedule takes the whole step's batch (every micro-batch's ids, labels)
@@ -1036,6 +1039,27 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
             "ds_gathered_top": top, "ds_gathered_low": low, "ds_partition_grads": part}
 
 
+def gemini_fields(m: ModelSpec, t: TrainingSpec) -> dict[str, int]:
+    """ColossalAI Gemini's bytes beside the model states in a layer's backward, on rank 0
+    (``estimate.gemini``): the fp16 chunks of other ranks that hold one of the layer's parameters,
+    gathered from its recomputed forward until every parameter in them has its gradient (the top
+    layer's; the most of any other layer's), the chunks gathered through all of backward (a tied
+    embedding's, when rank 0 does not own it), and ``grad_handle``'s gradient and its ``grad / dp``
+    copy of the layer's largest parameter, counted together with the layer's transients. At the
+    loss rank 0 gathers nothing: the loss runs inside ``ZeroDDP.forward`` (Lightning's
+    ``_LightningModuleWrapperBase.forward`` calls ``training_step``, Lightning 2fef6d9403
+    ``src/pytorch_lightning/overrides/base.py`` L92-106), where the chunks of earlier ops were
+    released at the next op (``exec_lazy_release`` in ``pre_op``, ColossalAI bbc58d881
+    ``zero_hook_v2.py`` L29) and only the head's stays, which for a tied head is chunk 0, rank 0's own
+    (an untied head's chunk of another rank is not counted)."""
+    g = model_gemini(m, t)
+    if g is None:
+        return {}
+    top = g.gathered_layer[-1] if g.gathered_layer else 0
+    low = max(g.gathered_layer[:-1], default=top)
+    return {"gemini_top": top + g.gathered_always + g.grad_hook, "gemini_low": low + g.gathered_always + g.grad_hook}
+
+
 def deepspeed_gathered(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, int]:
     """DeepSpeed ZeRO-3's gathered (whole) parameters in the engine's dtype: (from the end of
     forward to the top layer's backward, in the rest of backward); (0, 0) off ZeRO-3 over several
@@ -1439,6 +1463,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         **{"loss_backward_tok": lc.cache * layers if t.compile else 0.0, **_chunked_nll_fields(m, t, pol, loss, head_here)},
         liger_factor=-(-m.vocab_size // m.hidden_size) if (head_here and is_lm(m) and loss_mode(m, t) == "fused") else 0,
         step_temp=step_temporaries(t, st), linear_replay=int(per_linear_replay(t)), oib_mid=oib_mid, oib_end=oib_end, **_deepspeed_fields(m, t, st),
+        **gemini_fields(m, t),
         tied_grad=compiled_tied[0] if t.compile else tied_head_grad(m, t), tied_replicated=tied_replicated_grad(m, t),
         tied_compiled=compiled_tied[1] if t.compile else 0, tied_final=tied_head_grad(m, t) if t.compile else 0,
         emb_grad=emb_accumulated(m, t, stage), softcap_saved=softcap_saved(m, loss.out) if head_here else 0,
@@ -1755,7 +1780,7 @@ def _communication(t: TrainingSpec, st: States) -> tuple[int, str]:
     off: a copy of every gradient), or DeepSpeed ZeRO-3's gradient bucket buffer
     (``deepspeed_buckets``). Its gathered parameters live in forward and backward only
     (``deepspeed_gathered``), as FSDP's buffers (``fsdp_buffers``). FSDP's buffers live only in forward and backward (``fsdp_buffers``)."""
-    if t.dp > 1 and t.zero_stage == 0 and not t.distributed_optimizer and st.trainable:
+    if t.dp > 1 and t.zero_stage == 0 and not t.distributed_optimizer and t.gemini is None and st.trainable:
         return st.grads, "communication.ddp_buckets"
     bucket = deepspeed_buckets(t)[0]   # DeepSpeed ZeRO-3's gradient bucket buffer, from engine start
     if bucket:

@@ -16,6 +16,7 @@ from ..spec.training import TrainingSpec
 
 from ..allocator_rules import block_bytes, placed_bytes
 from .cache import BoundedCache
+from .gemini import model_gemini
 from .quant4 import is_quantized, storage_tensors
 
 __all__ = ["States", "model_states", "block_bytes", "default_lora_targets", "state_bytes"]
@@ -377,7 +378,8 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
     key = (m, stage, t.tp, t.ep, dtensor_tp(t), t.pp, t.precision, t.zero_stage, t.fsdp, t.shard_group, t.optimizer,
            t.impl, t.lora_rank, t.lora_targets, t.lora_dtype, t.distributed_optimizer, t.offload_optimizer,
            t.fp32_master, t.quantize, t.quantize_via, t.bitsandbytes_version, t.accumulates_unsharded,
-           t.fsdp_mixed_units, t.fsdp_version, t.fused_qkv, t.split_gate_up, t.layer_rope_cache, t.expandable_segments)
+           t.fsdp_mixed_units, t.fsdp_version, t.fused_qkv, t.split_gate_up, t.layer_rope_cache, t.expandable_segments,
+           t.gemini, t.gemini_chunk_size)
     return _STATES_CACHE.get_or_build(key, lambda: _model_states(m, t, stage))
 
 
@@ -558,6 +560,8 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
     """Sum over the tensors on this rank. Transformer layers are identical, so one layer (the
     first on the rank) is counted and multiplied by the layers on the rank."""
     r = _Rank.of(m, t, stage)
+    if t.gemini is not None:
+        return _gemini_states(m, t, r)
     acc = _Tally()
     # load order: tensors before the layers, one layer, tensors after the layers (bytes each)
     before: list[tuple[str, int]] = []
@@ -591,6 +595,32 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
                   between_grads=acc.between, root_views=acc.root_views,
                   root_flat=r.block(acc.root_flat_bytes) if acc.root_flat_bytes else 0,
                   embed_matmul_half=acc.emh)
+
+
+def _gemini_states(m: ModelSpec, t: TrainingSpec, r: _Rank) -> States:
+    """ColossalAI Gemini's rank 0 (``estimate.gemini``): its fp16 chunks are the weights (loaded
+    first, each one ``torch.empty`` of chunk_size elements, ``Chunk.__init__``), then the buffers
+    in their own dtypes (``ZeroDDP._cast_buffers`` moves them to the GPU and casts floating ones to
+    fp16, data_parallel.py L525-529: an fp32 buffer is counted at 4 bytes, not 2); its fp32 chunks the
+    master weights; no gradient memory (each gradient is copied over its parameter's fp16 slot);
+    HybridAdam's two fp32 states per parameter of its chunks. In ``trainables`` the master chunks
+    ride on their chunk's first parameter, and each parameter has a gradient of 0 bytes."""
+    g = model_gemini(m, t)
+    acc = _Tally()
+    before: list[tuple[str, int]] = [(f"gemini.fp16_chunk.{i}", b) for i, b in enumerate(g.fp16_chunks)]
+    layer: list[tuple[str, int]] = []
+    after: list[tuple[str, int]] = []
+    _buffers(m, r, acc, before, layer, after)
+    placed = _placed_bytes(tuple(x for _, x in before), (), 0, tuple(x for _, x in after), r.expandable)
+    states = tuple(r.block(n * 4) for n in g.states)        # exp_avg, exp_avg_sq: (numel,) fp32 each
+    firsts = [j == 0 for k in g.chunk_params for j in range(k)]   # each owned chunk's first parameter
+    masters = iter(g.fp32_chunks)
+    items = tuple(("before", 1, 0, (s, s), next(masters) if first else 0) for s, first in zip(states, firsts))
+    trainable = sum(p.numel for p in m.parameter_tensors())
+    largest = max(g.states, default=0) * 4
+    return States(placed - acc.buffers, acc.buffers, sum(g.fp32_chunks), 0, 2 * sum(states), 0, trainable,
+                  trainable, 0, 0, 0, 0, largest, sum(states), 0, 0,
+                  load=_load_list(before, layer, 0, after), trainables=items)
 
 
 #: optimizers whose states are element-wise copies of the parameter (one state-dtype element each)

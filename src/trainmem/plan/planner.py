@@ -433,6 +433,10 @@ def plan(model: Any, gpus: int, seq_len: int | None = None, global_batch: int | 
     if (options.get("ep") or 1) > 1:
         raise TrainmemError("plan --ep: the planner's layouts and step-time model do not cover expert parallelism "
                             "(its all-to-all time); estimate one layout with it")
+    if options.get("gemini") is not None:
+        raise TrainmemError("plan --gemini: the planner varies ZeRO stages, tensor/pipeline parallelism and "
+                            "accumulation, which ColossalAI Gemini is not modelled with; estimate (or fit, sweep) "
+                            "its one layout")
     sched = options.get("pp_schedule")
     if sched in ("interleaved-1f1b", "zero-bubble") or options.get("pp_virtual_stages"):
         name = f"--pp-schedule {sched}" if sched else "--pp-virtual-stages"

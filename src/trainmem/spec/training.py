@@ -95,6 +95,10 @@ QUANTIZE = ("nf4", "fp4", "nf4-dq", "fp4-dq")
 #: it (every nn.Linear including lm_head, quantized from an fp16 copy)
 QUANTIZE_VIA = ("transformers", "fabric")
 FSDP_MODES = ("full", "grad-op", "hybrid")
+#: ColossalAI Gemini's ``placement_policy`` values trainmem models: "cuda" keeps every chunk on the
+#: GPU (ColossalAI 0.1.9-0.1.10 ``colossalai/gemini/placement_policy.py``); "cpu" and "auto" move
+#: chunks to host memory as the run goes, which is not modelled
+GEMINI_PLACEMENTS = ("cuda",)
 
 
 #: DeepSpeed's ``zero_optimization`` defaults (deepspeed/runtime/zero/config.py L109, L168 at 38327e0)
@@ -237,6 +241,10 @@ class TrainingSpec:
     stage3_max_reuse_distance: int | None = None  # stage 3: keep a gathered parameter reused within this many
     #                                               parameter elements; None: 1,000,000,000
     stage3_prefetch_bucket_size: int | None = None  # stage 3: elements gathered ahead; None: 50,000,000
+    # ColossalAI Gemini (ZeroDDP + ZeroOptimizer, 2022's chunk manager; estimate.gemini): its placement_policy
+    # (GEMINI_PLACEMENTS), None when not used; chunk_size in elements, None: ChunkManager.search_chunk_size
+    gemini: str | None = None
+    gemini_chunk_size: int | None = None
     expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: the caching allocator's
     #                                    virtual-memory mode (every block split to its 512 B-rounded request; one
     #                                    growing segment per pool); torchtitan's launcher sets it (spec.frameworks)
@@ -281,6 +289,7 @@ class TrainingSpec:
         if self.zero not in (0, 1, 2, 3):
             raise TrainmemError(f"--zero {self.zero!r} is not one of: 0, 1, 2, 3")
         self._check_fsdp()
+        self._check_gemini()
         if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
             raise TrainmemError(f"--lora-rank must be zero or a positive integer, got {self.lora_rank!r}")
         if not 0 <= self.lora_dropout < 1:
@@ -352,6 +361,41 @@ class TrainingSpec:
         if self.offload_activations and (self.tp * self.pp * self.cp > 1 or self.lora_rank or self.quantize):
             raise TrainmemError("--offload-activations is modelled for one data-parallel rank's full training "
                                 "(no --tp/--pp/--cp, --lora-rank or --quantize); drop it or those options")
+
+    def _check_gemini(self) -> None:
+        """``gemini`` (ColossalAI's ZeroDDP + ZeroOptimizer as Lightning's ColossalAIStrategy of 2022
+        builds them, ``estimate.gemini``) and what it is modelled with: fp16 parameters (ZeroDDP casts
+        every parameter with ``p.half()``), HybridAdam (Adam/AdamW, its fused multi-tensor CUDA step),
+        data parallelism only, one micro-batch per step (each gradient is written over its fp16
+        parameter), ``zero_grad(set_to_none=True)`` (ZeroOptimizer's)."""
+        if self.gemini is None:
+            if self.gemini_chunk_size is not None:
+                raise TrainmemError("--gemini-chunk-size sets ColossalAI Gemini's chunk_size: give --gemini cuda too, "
+                                    "or drop it")
+            return
+        if self.gemini not in GEMINI_PLACEMENTS:
+            raise TrainmemError(f"--gemini {self.gemini!r}: trainmem models placement_policy 'cuda' only (chunks "
+                                "offloaded to host memory by 'cpu' or 'auto' are not modelled); give --gemini cuda")
+        c = self.gemini_chunk_size
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c <= 0):
+            raise TrainmemError(f"--gemini-chunk-size must be a positive number of elements, got {c!r}")
+        if self.precision != "fp16":
+            raise TrainmemError(f"--gemini with --precision {self.precision}: ColossalAI's ZeroDDP keeps fp16 "
+                                "parameters (p.half()) and fp32 master chunks; give --precision fp16")
+        if self.optimizer not in ("adam", "adamw") or self.optimizer_impl not in (None, "fused"):
+            raise TrainmemError("--gemini is modelled with ColossalAI's HybridAdam (its fused multi-tensor Adam on "
+                                "the GPU): give --optimizer adamw (or adam) and no --optimizer-impl other than fused")
+        bad = [flag for flag, on in (
+            ("--zero", self.zero), ("--fsdp", self.fsdp), ("--tp", self.tp > 1), ("--pp", self.pp > 1),
+            ("--cp", self.cp > 1), ("--ep", self.ep > 1), ("--distributed-optimizer", self.distributed_optimizer),
+            ("--offload-optimizer", self.offload_optimizer), ("--master-weights", self.master_weights is not None),
+            ("--lora-rank", self.lora_rank), ("--quantize", self.quantize), ("--compile", self.compile),
+            ("--optimizer-in-backward", self.optimizer_in_backward), ("--grad-accum", self.grad_accum > 1),
+            ("--zero-grad zeros", self.zero_grad == "zeros")) if on]
+        if bad:
+            raise TrainmemError(f"--gemini with {bad[0]}: ColossalAI Gemini is modelled as Lightning's "
+                                "ColossalAIStrategy ran it (data parallel over --dp, full fine-tuning, one "
+                                f"micro-batch per step, its own fp32 master chunks); drop {bad[0]}")
 
     def _check_fsdp(self) -> None:
         """``fsdp``, ``fsdp_version`` and ``fsdp_gathered`` against each other and ``zero``."""
@@ -682,13 +726,14 @@ class TrainingSpec:
         """Whether an fp32 master copy of half weights exists (and the optimizer states are fp32):
         ``master_weights`` when given, else DeepSpeed's ZeRO with bf16/fp16 (its bf16/fp16 optimizers
         keep fp32 partitions, ``runtime/bf16_optimizer.py``, ``runtime/zero/stage_1_and_2.py``) and
-        Megatron's distributed optimizer (fp32 main params, ``optimizer/distrib_optimizer.py``); not
+        Megatron's distributed optimizer (fp32 main params, ``optimizer/distrib_optimizer.py``) and
+        ColossalAI Gemini (its fp32 chunks, ``estimate.gemini``); not
         FSDP or plain PyTorch on half parameters, which have none."""
         if self.precision not in ("bf16", "fp16"):
             return False
         if self.master_weights is not None:
             return self.master_weights == "fp32"
-        return self.distributed_optimizer or (self.zero >= 1 and self.fsdp is None)
+        return self.distributed_optimizer or (self.zero >= 1 and self.fsdp is None) or self.gemini is not None
 
     @property
     def accumulates_unsharded(self) -> bool:
@@ -739,8 +784,10 @@ class TrainingSpec:
 
     @property
     def impl(self) -> str:
-        """Optimizer implementation: PyTorch's CUDA default is foreach."""
-        return self.optimizer_impl or "foreach"
+        """Optimizer implementation: PyTorch's CUDA default is foreach; under Gemini HybridAdam's one
+        multi-tensor CUDA kernel, in place like torch's fused step (ColossalAI bbc58d881
+        ``colossalai/nn/optimizer/hybrid_adam.py`` L140-145, ``colossal_C.multi_tensor_adam``)."""
+        return self.optimizer_impl or ("fused" if self.gemini is not None else "foreach")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
