@@ -88,6 +88,7 @@ CASES = [
     ({"sub_group_size": 1000, "zero": 3, "dp": 2}, REFUSED, "ZeRO stage 3"),
     ({"stage3_max_reuse_distance": 0, "zero": 3, "dp": 2}, REFUSED, "ZeRO stage 3"),
     ({"stage3_prefetch_bucket_size": 0, "zero": 3, "dp": 2}, REFUSED, "ZeRO stage 3"),
+    ({"remote_device": "cpu", "zero": 3, "dp": 2}, REFUSED, "ZeRO stage 3"),
     ({"optimizer_bucket_mb": 64.0, "distributed_optimizer": True, "dp": 2}, REFUSED, "--distributed-optimizer"),
     ({"recompute": "selective"}, REFUSED, "--recompute selective"),
     ({"recompute": "full"}, CHANGED, ""), ({"recompute": "full", "recompute_every": 2}, CHANGED, ""),
