@@ -684,7 +684,7 @@ class TrainingSpec:
         on that device when the config has no ``offload_param`` (DeepSpeed v0.7.0
         ``deepspeed/runtime/zero/partition_parameters.py`` L678-689, L1099-1106; the same rule from
         v0.5 to v0.19), and the stage-3 optimizer's ``defragment`` copies the partitions back to
-        the device they came from (``stage3.py`` L436-442 at v0.7.0, L584-600 at 38327e0), so they
+        the device they came from (``stage3.py`` L408-442, called at L592, at v0.7.0; L574-602, called at L738, at 38327e0), so they
         stay there through training; gathers copy them to the GPU (``partition_parameters.py``
         L846, L869) and the step writes the updated fp32 weights into them. Lightning's
         ``DeepSpeedStrategy`` (and Fabric's) enter ``zero.Init(remote_device="cpu", pin_memory=True)``
