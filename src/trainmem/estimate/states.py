@@ -638,7 +638,8 @@ def _host_partitions(m: ModelSpec, before: list, layer: list, after: list,
                      acc: _Tally) -> tuple[list, list, list]:
     """The load lists without the parameters when DeepSpeed ZeRO-3 keeps this rank's partitions in
     host memory (``TrainingSpec.ds_params_on_host``: ``zero.Init(remote_device="cpu")``): only the
-    registered buffers reach the GPU (``zero.Init`` moves a module's buffers to its local device), and
+    registered buffers reach the GPU (the engine's ``self.module.to(self.device)``, DeepSpeed v0.7.0
+    ``runtime/engine.py`` L1036-1037, moves them; a partitioned parameter's ``data`` is empty), and
     no partition counts as device weights (LoRA adapters are parameters too: ``acc.lora_w`` 0).
     Gathered parameters stay on the GPU (``quantities.deepspeed_gathered``); each gather's copy of
     the partitions to the GPU (``p.ds_tensor.to(cuda)``, v0.7.0 ``partition_parameters.py`` L846,

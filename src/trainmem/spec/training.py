@@ -685,8 +685,9 @@ class TrainingSpec:
         ``deepspeed/runtime/zero/partition_parameters.py`` L678-689, L1099-1106; the same rule in
         v0.5.10, v0.6.x, v0.8.0, v0.10.0 and at 38327e0), and the stage-3 optimizer's ``defragment``
         copies the partitions back to the device they came from (``stage3.py`` L408-442, called at
-        L592, at v0.7.0; L574-602, called at L738, at 38327e0), so they stay there through training; gathers copy them to the GPU (``partition_parameters.py``
-        L846, L869) and the step writes the updated fp32 weights into them. Lightning's
+        L592, at v0.7.0; L574-602, called at L738, at 38327e0), so they stay there through
+        training; gathers copy them to the GPU (``partition_parameters.py`` L846, L869) and the
+        step writes the updated fp32 weights into them. Lightning's
         ``DeepSpeedStrategy`` (and Fabric's) enter ``zero.Init(remote_device="cpu", pin_memory=True)``
         around ``configure_sharded_model`` before 2.1 (pytorch_lightning 1.7.0
         ``src/pytorch_lightning/strategies/deepspeed.py`` L101, L549-551; 2.0.0
