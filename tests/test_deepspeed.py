@@ -119,11 +119,23 @@ def test_deepspeed_config_cli_errors_are_one_line(tmp_path):
 
 def test_published_lightning_deepspeed_zero3_gpt2_xl():
     """Lightning's DeepSpeedStrategy, ZeRO-3 fp16, GPT-2 XL b40 on 4 A100s (ColossalAI-Pytorch-lightning
-    benchmark): within 2% of the published peak with the engine's bucket and the parameters its reuse
-    distance keeps gathered (before both: -7.3%)."""
+    benchmark), with the engine's bucket and the parameters its reuse distance keeps gathered (before
+    both: -7.3%). The peak is in forward (the loss), where Lightning's host-memory partitions
+    (``remote_device cpu``, as in the 12B row of the same script) are missing from the GPU for the
+    whole run: exactly the fp16 partitions' bytes fewer than with them there. That leaves -2.97%
+    (it was +0.02% with the partitions wrongly on the GPU), within the 5% of the accuracy tables; the
+    gap is not explained yet and no term is fitted to it."""
+    fx = json.loads((ROOT / "validation" / "published" / "deepspeed_zero3_gpt2_xl_b40.json").read_text())
+    setup = dict(fx["setup"])
+    host = trainmem.estimate(fx["model"], **setup)
+    dev = trainmem.estimate(fx["model"], **{**setup, "remote_device": None})
+    weights = next(c.bytes for c in dev.components if c.name == "parameters")  # each tensor's fp16 partition
+    assert weights >= -(-host.model.num_params // 4) * 2
+    assert host.peak_phase.startswith("forward")
+    assert dev.peak_allocated - host.peak_allocated == weights
     v = validate(str(ROOT / "validation" / "published"), ["estimate"], ["deepspeed_zero3_gpt2_xl_b40"])
     (check,) = [c for c in v.checks if c.quantity == "peak_allocated"]
-    assert abs(check.error) < 0.02, check.error
+    assert abs(check.error) < 0.05, check.error
 
 
 def test_zero3_keeps_the_head_and_the_top_layers_gathered_until_backward():
@@ -187,3 +199,83 @@ def test_published_lsaie_llama8b_zero3_sdpa_on_repeated_kv():
         v = validate(str(ROOT / "validation" / "published"), ["estimate"], [name])
         (check,) = [c for c in v.checks if c.quantity == "peak_allocated"]
         assert abs(check.error) < 0.02, (name, check.error)
+
+
+#: a two-layer GPT-2 small enough to count by hand: every tensor's shape, in parameter order (the head is
+#: tied to wte, so it is not a tensor of its own)
+TINY = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 2,
+        "n_positions": 128, "vocab_size": 1000, "tie_word_embeddings": True}
+_H = 64
+TINY_SHAPES = [(1000, _H), (128, _H)] + [(_H,), (_H,), (_H, 3 * _H), (3 * _H,), (_H, _H), (_H,), (_H,), (_H,),
+                                         (_H, 4 * _H), (4 * _H,), (4 * _H, _H), (_H,)] * 2 + [(_H,), (_H,)]
+TINY_SETUP = dict(zero=3, dp=2, precision="fp16", seq_len=128, batch_size=1, optimizer_impl="fused",
+                  sub_group_size=10**12, reduce_bucket_size=1_000_000, transformers_version="4.21")
+
+
+def _numel(shape):
+    n = 1
+    for x in shape:
+        n *= x
+    return n
+
+
+def test_remote_device_cpu_keeps_the_fp16_partitions_in_host_memory():
+    """zero.Init(remote_device="cpu") without offload_param in the config (Lightning's DeepSpeedStrategy
+    before 2.1): each rank's fp16 partition, ceil(numel / dp) elements x 2 bytes per tensor, is in pinned
+    host memory from model load to the end, so every phase holds exactly those bytes fewer; the fp32
+    master partition, the gradient partition buffer and the step's fp32 gradient and flat copy stay on
+    the GPU (stage3.py _create_fp32_partitions, _setup_for_real_optimizer, _prepare_fp32_grad_for_sub_group)."""
+    gpu = trainmem.estimate(TINY, **TINY_SETUP)
+    cpu = trainmem.estimate(TINY, remote_device="cpu", **TINY_SETUP)
+    assert sum(_numel(s) for s in TINY_SHAPES) == gpu.model.num_params == 172_288
+    partitions = sum(block_bytes(-(-_numel(s) // 2) * 2) for s in TINY_SHAPES)   # fp16 halves, one block each
+    assert partitions == 179_712
+    parts = {c.name: c.bytes for c in gpu.components}
+    assert parts["parameters"] == partitions
+    assert {c.name: c.bytes for c in cpu.components}.get("parameters", 0) == 0
+    for a, b in zip(gpu.phases, cpu.phases):
+        assert (a.name, a.step) == (b.name, b.step)
+        assert a.allocated - b.allocated == partitions, a.name
+        assert a.peak - b.peak == partitions, a.name
+    # the step's own bytes do not move: the fp32 gradient of the sub-group (here the whole partition) and
+    # its flat fp16 copy
+    n = -(-gpu.model.num_params // 2)
+    step = _phase(cpu, "optimizer_step")
+    assert step.peak - step.allocated == block_bytes(n * 4) + block_bytes(n * 2)
+
+
+def test_remote_device_is_a_zero3_option():
+    """--remote-device is zero.Init's, so stage 3 only; the estimate reads gpu and cpu (nvme, ZeRO-Infinity's
+    parameter swapping, is not modelled)."""
+    with pytest.raises(TrainmemError, match="--remote-device configures DeepSpeed ZeRO-3: give --zero 3"):
+        trainmem.estimate(TINY, **{**TINY_SETUP, "zero": 2, "sub_group_size": None}, remote_device="cpu")
+    with pytest.raises(TrainmemError, match="--zero 1, 2 or 3"):
+        trainmem.estimate(TINY, dp=2, remote_device="cpu")
+    with pytest.raises(TrainmemError, match="--remote-device 'nvme' is not one of: gpu, cpu"):
+        trainmem.estimate(TINY, remote_device="nvme", **TINY_SETUP)
+    same = trainmem.estimate(TINY, remote_device="gpu", **TINY_SETUP)
+    assert same.peak_allocated == trainmem.estimate(TINY, **TINY_SETUP).peak_allocated
+    for args in (["--remote-device", "cpu"], ["--zero", "3", "--dp", "2", "--remote-device", "nvme"]):
+        p = subprocess.run([sys.executable, "-m", "trainmem", "estimate", MODEL, *args], capture_output=True, text=True)
+        assert p.returncode == 2, p.stderr
+        assert "Traceback" not in p.stderr and "remote-device" in p.stderr
+
+
+def test_published_lightning_deepspeed_zero3_gpt2_12b_partitions_on_the_host():
+    """The ColossalAI-Pytorch-lightning GPT-2 12B row (8 A100s, micro-batch 1): the peak is the optimizer
+    step's (fp32 master, Adam states, gradient partition, IPG bucket, the fp32 gradient and its flat copy),
+    and Lightning's zero.Init(remote_device="cpu") keeps the 2-byte partitions off the GPU: exactly the
+    fp16 partitions' bytes (ceil(numel / 8) x 2 per tensor) fewer than with them on the GPU (+9.7%
+    before), within 2%."""
+    fx = json.loads((ROOT / "validation" / "published" / "deepspeed_zero3_gpt2_12b_b1.json").read_text())
+    setup = dict(fx["setup"])
+    assert setup["remote_device"] == "cpu"
+    host = trainmem.estimate(fx["model"], **setup)
+    dev = trainmem.estimate(fx["model"], **{**setup, "remote_device": None})
+    weights = next(c.bytes for c in dev.components if c.name == "parameters")  # each tensor's fp16 partition
+    assert weights >= -(-host.model.num_params // 8) * 2
+    assert host.peak_phase.startswith("optimizer_step") and dev.peak_phase.startswith("optimizer_step")
+    assert dev.peak_allocated - host.peak_allocated == weights
+    v = validate(str(ROOT / "validation" / "published"), ["estimate"], ["deepspeed_zero3_gpt2_12b_b1"])
+    (check,) = [c for c in v.checks if c.quantity == "peak_allocated"]
+    assert abs(check.error) < 0.02, check.error

@@ -309,7 +309,7 @@ LITGPT_GIVEN = ("batch_size", "seq_len", "grad_accum", "lora_rank", "lora_target
 
 def _litgpt_fixtures():
     from trainmem.validate import load_fixtures
-    return [fx for fx in load_fixtures() if fx["framework"] == "litgpt" and fx["setup"].get("lora_rank")
+    return [fx for fx in load_fixtures() if fx.get("framework") == "litgpt" and fx["setup"].get("lora_rank")
             and fx["setup"].get("dp", 1) == 1 and not fx["setup"].get("quantize")
             and fx["setup"].get("torch_version") is None]  # the Sept. 2023 Falcon tutorial: older attention call
 

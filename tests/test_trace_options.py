@@ -90,6 +90,7 @@ CASES = [
     ({"stage3_prefetch_bucket_size": 0, "zero": 3, "dp": 2}, REFUSED, "ZeRO stage 3"),
     ({"gemini": "cuda", "precision": "fp16", "dp": 2}, REFUSED, "use estimate for ColossalAI Gemini"),
     ({"gemini": "cuda", "gemini_chunk_size": 10**6, "precision": "fp16", "dp": 2}, REFUSED, "ZeroDDP"),
+    ({"remote_device": "cpu", "zero": 3, "dp": 2}, REFUSED, "ZeRO stage 3"),
     ({"optimizer_bucket_mb": 64.0, "distributed_optimizer": True, "dp": 2}, REFUSED, "--distributed-optimizer"),
     ({"recompute": "selective"}, REFUSED, "--recompute selective"),
     ({"recompute": "full"}, CHANGED, ""), ({"recompute": "full", "recompute_every": 2}, CHANGED, ""),

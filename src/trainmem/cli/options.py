@@ -341,6 +341,10 @@ def add_deepspeed(g: Any) -> None:
                         "(default 1e9: the head and the top layers at the end of forward)")
     g.add_argument("--stage3-prefetch-bucket-size", type=_elements, default=None, metavar="N",
                    help="DeepSpeed ZeRO-3: parameter elements gathered ahead (default 5e7)")
+    g.add_argument("--remote-device", choices=("gpu", "cpu"), default=None,
+                   help="DeepSpeed ZeRO-3: where deepspeed.zero.Init keeps this rank's parameter partition "
+                        "(its remote_device; default gpu). cpu: pinned host memory, as Lightning's "
+                        "DeepSpeedStrategy passes before 2.1 for a model built in configure_sharded_model")
 
 
 def add_gemini(g: Any) -> None:
@@ -402,7 +406,7 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 deepspeed_config=a.deepspeed_config, reduce_bucket_size=a.reduce_bucket_size,
                 overlap_comm=a.overlap_comm, contiguous_gradients=a.contiguous_gradients,
                 sub_group_size=a.sub_group_size, stage3_max_reuse_distance=a.stage3_max_reuse_distance,
-                stage3_prefetch_bucket_size=a.stage3_prefetch_bucket_size,
+                stage3_prefetch_bucket_size=a.stage3_prefetch_bucket_size, remote_device=a.remote_device,
                 gemini=a.gemini, gemini_chunk_size=a.gemini_chunk_size,
                 expandable_segments=a.expandable_segments, task=getattr(a, "task", None))
     if a.fsdp is not None and a.zero in (0, None):

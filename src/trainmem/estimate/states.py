@@ -379,7 +379,7 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
            t.impl, t.lora_rank, t.lora_targets, t.lora_dtype, t.distributed_optimizer, t.offload_optimizer,
            t.fp32_master, t.quantize, t.quantize_via, t.bitsandbytes_version, t.accumulates_unsharded,
            t.fsdp_mixed_units, t.fsdp_version, t.fused_qkv, t.split_gate_up, t.layer_rope_cache, t.expandable_segments,
-           t.gemini, t.gemini_chunk_size)
+           t.gemini, t.gemini_chunk_size, t.ds_params_on_host)
     return _STATES_CACHE.get_or_build(key, lambda: _model_states(m, t, stage))
 
 
@@ -572,6 +572,8 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
     _lora_adapters(t, r, acc, lora)
     _buffers(m, r, acc, before, layer, after)
     _layer_rope_cache(m, t, r, acc, layer)
+    if t.ds_params_on_host:
+        before, layer, after = _host_partitions(m, before, layer, after, acc)
     placed = _placed_bytes(tuple(x for _, x in before), tuple(x for _, x in layer),
                            r.per_stage if m.uniform_layers else 1, tuple(x for _, x in after), r.expandable)
     weights = placed - acc.buffers + acc.lora_w
@@ -659,6 +661,27 @@ def fsdp1_rank0_items(t: TrainingSpec, r: _Rank, acc: _Tally) -> tuple:
             g = r.block(chunk * r.gbytes) if pos == 0 else 0  # the flat gradient, on the unit's first
             out[j] = (where, k, g, tuple(r.block(mine * r.sbytes) if mine else 0 for _ in sts), master)
     return tuple(out)
+
+
+def _host_partitions(m: ModelSpec, before: list, layer: list, after: list,
+                     acc: _Tally) -> tuple[list, list, list]:
+    """The load lists without the parameters when DeepSpeed ZeRO-3 keeps this rank's partitions in
+    host memory (``TrainingSpec.ds_params_on_host``: ``zero.Init(remote_device="cpu")``): only the
+    registered buffers reach the GPU (the engine's ``self.module.to(self.device)``, DeepSpeed v0.7.0
+    ``runtime/engine.py`` L1036-1037, moves them; a partitioned parameter's ``data`` is empty), and
+    no partition counts as device weights (LoRA adapters are parameters too: ``acc.lora_w`` 0).
+    Gathered parameters stay on the GPU (``quantities.deepspeed_gathered``); each gather's copy of
+    the partitions to the GPU (``p.ds_tensor.to(cuda)``, v0.7.0 ``partition_parameters.py`` L846,
+    L869), at most the gathered bytes / dp and freed when the all-gather is issued, is not counted.
+    The step's write of the fp32 weights into the fp16 partitions is a blocking GPU-to-host copy,
+    which converts on the host (torch ``aten/src/ATen/native/cuda/Copy.cu`` ``copy_kernel_cuda``:
+    "For blocking transfers conversions are performed on CPU to avoid allocating extra GPU memory")."""
+    params = {p.name for p in m.parameter_tensors()}
+    acc.lora_w = 0
+
+    def keep(items: list) -> list:
+        return [(n, x) for n, x in items if n.split(".4bit.")[0] not in params]
+    return keep(before), keep(layer), keep(after)
 
 
 def _load_list(before: list, layer: list, k: int, after: list) -> tuple[int, ...]:

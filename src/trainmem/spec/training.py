@@ -108,7 +108,10 @@ DS_SUB_GROUP = 1_000_000_000
 
 #: DeepSpeed ZeRO's engine options (None when not given; ``contiguous_gradients`` is given when False)
 DS_ENGINE_OPTIONS = ("reduce_bucket_size", "overlap_comm", "sub_group_size", "stage3_max_reuse_distance",
-                     "stage3_prefetch_bucket_size")
+                     "stage3_prefetch_bucket_size", "remote_device")
+#: where ``deepspeed.zero.Init`` keeps ZeRO-3's parameter partitions (``remote_device``): the GPU (DeepSpeed's
+#: None/"none", its local device) or pinned host memory
+REMOTE_DEVICES = ("gpu", "cpu")
 
 
 def deepspeed_given(get: Any) -> list[str]:
@@ -125,7 +128,7 @@ def deepspeed_problems(t: "TrainingSpec") -> str | None:
     if given and (not t.zero or t.fsdp is not None):
         flag = given[0].replace("_", "-")
         return f"--{flag} configures DeepSpeed ZeRO's engine: give --zero 1, 2 or 3 (not --fsdp) too, or drop it"
-    for key in ("sub_group_size", "stage3_max_reuse_distance", "stage3_prefetch_bucket_size"):
+    for key in ("sub_group_size", "stage3_max_reuse_distance", "stage3_prefetch_bucket_size", "remote_device"):
         if getattr(t, key) is not None and t.zero != 3:
             return f"--{key.replace('_', '-')} configures DeepSpeed ZeRO-3: give --zero 3, or drop it"
     return None
@@ -245,6 +248,8 @@ class TrainingSpec:
     # (GEMINI_PLACEMENTS), None when not used; chunk_size in elements, None: ChunkManager.search_chunk_size
     gemini: str | None = None
     gemini_chunk_size: int | None = None
+    remote_device: str | None = None  # REMOTE_DEVICES, stage 3: where zero.Init keeps this rank's parameter
+    #                                   partition (``TrainingSpec.ds_params_on_host``); None: the GPU
     expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: the caching allocator's
     #                                    virtual-memory mode (every block split to its 512 B-rounded request; one
     #                                    growing segment per pool); torchtitan's launcher sets it (spec.frameworks)
@@ -266,6 +271,8 @@ class TrainingSpec:
                              ("hold_output", HOLD_OUTPUT), ("grad_sync", GRAD_SYNC), ("pp_schedule", PP_SCHEDULES),
                              ("fsdp_lora_units", FSDP_LORA_UNITS), ("fsdp_gathered", FSDP_GATHERED)):
             _choice(key, getattr(self, key), choices)
+        if self.remote_device is not None:
+            _choice("remote_device", self.remote_device, REMOTE_DEVICES)
         if not isinstance(self.expandable_segments, bool):
             raise TrainmemError(f"--expandable-segments is on or off (True or False), got {self.expandable_segments!r}")
         self._check_loss()
@@ -713,6 +720,25 @@ class TrainingSpec:
     def ds_prefetch(self) -> int:
         """DeepSpeed ZeRO-3's ``stage3_prefetch_bucket_size`` (default 50,000,000: ``config.py`` L208)."""
         return 50_000_000 if self.stage3_prefetch_bucket_size is None else self.stage3_prefetch_bucket_size
+
+    @property
+    def ds_params_on_host(self) -> bool:
+        """Whether DeepSpeed ZeRO-3 keeps this rank's fp16/bf16 parameter partition in host memory
+        (``--remote-device cpu``). ``deepspeed.zero.Init(remote_device=...)`` creates each partition
+        on that device when the config has no ``offload_param`` (DeepSpeed v0.7.0
+        ``deepspeed/runtime/zero/partition_parameters.py`` L678-689, L1099-1106; the same rule in
+        v0.5.10, v0.6.x, v0.8.0, v0.10.0 and at 38327e0), and the stage-3 optimizer's ``defragment``
+        copies the partitions back to the device they came from (``stage3.py`` L408-442, called at
+        L592, at v0.7.0; L574-602, called at L738, at 38327e0), so they stay there through
+        training; gathers copy them to the GPU (``partition_parameters.py`` L846, L869) and the
+        step writes the updated fp32 weights into them. Lightning's
+        ``DeepSpeedStrategy`` (and Fabric's) enter ``zero.Init(remote_device="cpu", pin_memory=True)``
+        around ``configure_sharded_model`` before 2.1 (pytorch_lightning 1.7.0
+        ``src/pytorch_lightning/strategies/deepspeed.py`` L101, L549-551; 2.0.0
+        ``src/lightning/fabric/strategies/deepspeed.py`` L62, L369; ``None``, the GPU, from 2.1.0:
+        Lightning-AI/pytorch-lightning ed6a48e)."""
+        return (self.zero == 3 and self.fsdp is None and not self.distributed_optimizer
+                and self.remote_device == "cpu")
 
     @property
     def shard_group(self) -> int:
