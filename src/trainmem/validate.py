@@ -272,7 +272,22 @@ def _predict(fn: Callable[..., MemoryReport], fx: dict[str, Any]) -> MemoryRepor
         opts["set"] = fx["overrides"]
     if fx.get("device") == "cpu" and getattr(fn, "__name__", "") == "trace":
         opts["device"] = "cpu"  # a run measured on the CPU is traced on the CPU (no CUDA kernels, no workspaces)
+    if getattr(fn, "__name__", "") == "estimate":
+        opts.update(_run_releases(fx, opts))
     return fn(fx["model"], **opts)
+
+
+def _run_releases(fx: dict[str, Any], opts: dict[str, Any]) -> dict[str, str]:
+    """The transformers and PyTorch releases a ``trainmem measure`` fixture ran (its ``environment``),
+    for the estimate, which models a release's code (``spec.tf_releases``, ``spec.releases``); the
+    setup's own wins. trace runs the installed code, whatever the fixture ran."""
+    env = fx.get("environment") or {}
+    out = {}
+    if env.get("transformers") and "transformers_version" not in opts:
+        out["transformers_version"] = str(env["transformers"])
+    if env.get("torch") and "torch_version" not in opts:
+        out["torch_version"] = str(env["torch"])
+    return out
 
 
 def _reason(e: BaseException) -> str:

@@ -28,7 +28,8 @@ from typing import Any
 from ..errors import TrainmemError
 from ..spec.model import ModelSpec
 from ..spec.profile import read_cached, write_cached
-from ..spec.tf_releases import cache_values_own_dtype, code_release, kv_cache_kind
+from ..spec.tf_releases import (DERIVED_TYPES, cache_values_own_dtype, code_release, kv_cache_kind, parse_transformers_version,
+                                sdpa_ignores_softcap)
 from ..spec.training import TrainingSpec, config_use_cache
 from .layers import LayerCoefs
 
@@ -105,7 +106,7 @@ def key(m: ModelSpec, t: TrainingSpec, one: bool | None = None) -> str:
     ``one``: of its micro-batch-1 set or not (default: ``batch1``)."""
     lora = (t.lora_rank, tuple(t.lora_targets or ()), t.lora_dropout, adapters_computed_half(t)) if t.lora_rank else ()
     parts = [m.fingerprint, activation_precision(t), t.attention, t.dropout, lora, regime(m, t), without_cache(t, m)]
-    parts += _cache_parts(m, t)
+    parts += release_parts(m, t)
     if t.attention_call != "model":  # traced with litgpt's SDPA call (the keys of other setups are unchanged)
         parts.append(("attention-call", t.attention_call))
     if not t.math_sdpa_upcasts:  # PyTorch < 2.5: traced with SDPA's math kernel in the inputs' dtype
@@ -122,19 +123,52 @@ def key(m: ModelSpec, t: TrainingSpec, one: bool | None = None) -> str:
     return _key(*parts)
 
 
-def _cache_parts(m: ModelSpec, t: TrainingSpec) -> list[tuple[str, str]]:
-    """What the traced code's KV cache was, where it differs from transformers 4.56-5.23's (their keys
-    unchanged): a release before 4.56 held the layers' own keys and values, not copies
-    (``spec.tf_releases.kv_cache_kind``); from 5.24 the cache keeps half values under autocast
-    (``cache_values_own_dtype``). The traces run the installed transformers, whatever release ``t``
-    describes (OPT's and Granite's older code is corrected apart: ``spec.tf_releases``)."""
+def release_parts(m: ModelSpec, t: TrainingSpec, release: tuple[int, ...] | None = None) -> list[tuple[str, str]]:
+    """What the traced code does that depends on its transformers release, where it differs from
+    4.56-5.23's (their keys unchanged): the KV cache (``_cache_parts``) and Gemma-2's SDPA that drops
+    the softcapping before 5.21 (``spec.tf_releases.sdpa_ignores_softcap``). ``release``: the run's
+    (``--transformers-version``, else the installed transformers; ``_run_release``)."""
+    release = _run_release(m, t) if release is None else release
+    parts = _cache_parts(m, t, release)
+    if t.attention.startswith("sdpa") and sdpa_ignores_softcap(m.model_type, release):
+        parts.append(("sdpa", "softcap-dropped"))
+    return parts
+
+
+def _run_release(m: ModelSpec, t: TrainingSpec) -> tuple[int, ...]:
+    """The release whose code the run executes (``spec.tf_releases.code_release``); for OPT and
+    Granite, whose older code is corrected apart from the coefficients (``spec.tf_releases``), the
+    installed one, which their coefficients were traced with."""
+    given = None if m.model_type in DERIVED_TYPES else t.transformers_version
+    return code_release(parse_transformers_version(given) if given is not None else None)
+
+
+def _cache_parts(m: ModelSpec, t: TrainingSpec, release: tuple[int, ...]) -> list[tuple[str, str]]:
+    """What release ``release``'s KV cache was, where it differs from 4.56-5.23's: a release before
+    4.56 held the layers' own keys and values, not copies (``spec.tf_releases.kv_cache_kind``); from
+    5.24 the cache keeps half values under autocast (``cache_values_own_dtype``). Derived
+    architectures take a release from 5.17 only (``spec.tf_releases.DERIVED_RELEASES_FROM``); OPT's
+    and Granite's older code is corrected apart (``spec.tf_releases``)."""
     if without_cache(t, m):
         return []
-    release = code_release(None)
     if kv_cache_kind(release) == "reference":
         return [("kv-cache", "reference")]
     own = activation_precision(t).endswith("-amp") and cache_values_own_dtype(release)
     return [("values-cache", "own-dtype")] if own else []
+
+
+def derivable(m: ModelSpec, t: TrainingSpec) -> str | None:
+    """Why the installed transformers cannot derive ``m``'s coefficients for the release ``t`` runs
+    (None: it can): the traces run the installed code, so its release rules must be the run's."""
+    if t.transformers_version is None or m.model_type in DERIVED_TYPES:
+        return None
+    installed = code_release(None)
+    if release_parts(m, t) == release_parts(m, t, installed):
+        return None
+    return (f"--transformers-version {t.transformers_version}: {m.name}'s coefficients for that release's "
+            f"code (its KV cache or its SDPA attention differ from the installed transformers "
+            f"{'.'.join(map(str, installed))}) are not shipped, and deriving them runs the installed code; "
+            f"install transformers {t.transformers_version} to derive them, or drop --transformers-version")
 
 
 @lru_cache(maxsize=4096)
@@ -157,6 +191,9 @@ def _coefficients(k: str, m: ModelSpec, t: TrainingSpec, side: str, one: bool = 
     doc = _stored(k)
     if doc is not None:
         return doc
+    why = derivable(m, t)
+    if why is not None:
+        raise TrainmemError(why)
     try:
         from ..trace.derive import derive_coefficients
     except ImportError as e:

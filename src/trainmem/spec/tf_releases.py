@@ -109,8 +109,23 @@ numbers are those files'. What depends on it, for the hand-written families:
   so other precisions are refused before 4.49. Granite's decoder layer of 4.45.2
   (``GraniteDecoderLayer.forward`` L602-624; eager attention L320-335: ``softmax(dtype=float32)
   .to(query_states.dtype)``, no clamp) is the installed one's, op for op.
+* **Other derived architectures from 5.17** (``DERIVED_RELEASES_FROM``): their model code of 5.17
+  to 5.24 was diffed against the installed 5.24 for every catalogue type that is derived (phi, phi3,
+  gemma2, qwen3, olmo2, starcoder2, ...): what changed is the KV cache (above), the ``cache`` renames,
+  ``slice_logits_to_keep`` (the same view at ``logits_to_keep=0``) and rotary's cos/sin (computed
+  once per step without gradient), and one attention rule: **Gemma-2's SDPA** (``sdpa_ignores_softcap``).
+  Gemma2, T5Gemma and VaultGemma declare ``_supports_sdpa = True`` until 5.20 (4.42.4
+  ``modeling_gemma2.py`` L712; 5.20.0 L352) and ``False  # sdpa does not support softcapping`` from
+  5.21.0 (L352), whose ``sdpa_attention_forward`` raises on ``softcap`` (5.24.0
+  ``integrations/sdpa_attention.py`` L106-109); before, that function took ``softcap`` in ``**kwargs``
+  and dropped it, so the default attention ran SDPA (no ``(b, heads, s, s)`` scores, softcapping
+  skipped) where 5.21 and later run eager. Measured on an H200 with 5.17.0 (validation/measured/gemma-2-2b-*):
+  Gemma-2-2B, b 2, s 2048, bf16-amp: 67,856 MiB peak allocated, against 81,465 MiB that trace (5.24,
+  eager) and the eager coefficients give. A derived estimate keys its coefficients on both rules
+  (``estimate.derived.key``); a set that is not shipped is derived from the installed code only when
+  that code follows the same rules.
 * **What cannot be expressed** (``transformers_problems``): a release before a family existed,
-  other derived architectures, ``--compile`` before 4.54 (and before 4.56 with a KV cache), the
+  other derived architectures before 5.17, ``--compile`` before 4.54 (and before 4.56 with a KV cache), the
   older losses under ``--tp`` or ``--pp``, SDPA or flash before a class supports them, Granite's older
   KV cache where it differs (``granite_cache_differs``); trace and measure refuse any release but the
   installed one (``workload``).
@@ -151,6 +166,11 @@ _LOSS = {
 _CLAMP = {"llama": ((4, 28), (4, 31)), "opt": ((4, 19), (4, 49))}
 #: derived model types whose older code trainmem corrects (their layers are traced from the installed code)
 DERIVED_TYPES = ("opt", "granite")
+#: other derived architectures take --transformers-version from this release (module docstring)
+DERIVED_RELEASES_FROM = (5, 17)
+#: model types whose SDPA path ignored the attention-logit softcapping, until the release that
+#: declared them without SDPA (module docstring: 5.20.0 ``_supports_sdpa = True``, 5.21.0 False)
+SOFTCAP_SDPA_UNTIL = {"gemma2": (5, 21), "t5gemma": (5, 21), "vaultgemma": (5, 21)}
 
 
 #: the newest release whose code was read: what the estimate models when none is given or installed
@@ -243,9 +263,12 @@ def transformers_problems(model: Any, t: Any) -> str | None:
     v = parse_transformers_version(t.transformers_version)
     key = model_key(model)
     name = f"--transformers-version {t.transformers_version}"
+    if not key and getattr(model, "family", "") == "derived" and DERIVED_RELEASES_FROM <= v[:2] <= NEWEST_READ:
+        return None  # traced from the installed code; the key follows the release (``estimate.derived.key``)
     if not key:
         what = (f"{model.name} is a derived architecture: its layers and loss are traced from the installed "
-                "transformers" if getattr(model, "family", "") == "derived" else
+                f"transformers, and releases from {'.'.join(map(str, DERIVED_RELEASES_FROM))} to "
+                f"{'.'.join(map(str, NEWEST_READ))} are modelled" if getattr(model, "family", "") == "derived" else
                 f"{model.name} ({model.family}) has no release table")
         return f"{name}: {what}; drop --transformers-version (its code of that release is not modelled)"
     if v < ADDED[key]:
@@ -318,6 +341,13 @@ def _installed_release() -> tuple[int, ...]:
         return parse_transformers_version(installed_version())
     except Exception:  # not installed, or a version string that is not a release: the newest read
         return NEWEST_READ
+
+
+def sdpa_ignores_softcap(model_type: str, version: tuple[int, ...]) -> bool:
+    """Whether release ``version``'s class of ``model_type`` runs SDPA as its default attention,
+    dropping the attention-logit softcapping (Gemma-2's; ``SOFTCAP_SDPA_UNTIL``, module docstring)."""
+    until = SOFTCAP_SDPA_UNTIL.get(model_type)
+    return until is not None and version < until
 
 
 def cache_values_own_dtype(version: tuple[int, ...]) -> bool:

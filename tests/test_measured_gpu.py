@@ -1,0 +1,78 @@
+"""The GPU campaign's real runs (``validation/measured/``: an NVIDIA H200, driver 580, CUDA 13.0, torch
+2.11.0+cu130, transformers 5.17.0, peft 0.21.0; 2026-11-24) against the estimate, and the release
+rules they exposed.
+
+Each fixture is a real two-step training run measured by ``trainmem measure`` on that GPU
+(``make gpu-validate``). The estimate models the run's releases (``validate._run_releases``: the
+fixture's ``environment``), so transformers 5.17's KV cache (values cast to the rotated keys' fp32
+under autocast, ``spec.tf_releases``) and Gemma-2's SDPA of before 5.21 are what it is scored with.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+
+import pytest
+
+import trainmem
+from trainmem.errors import TrainmemError
+from trainmem.spec.tf_releases import sdpa_ignores_softcap
+from trainmem.validate import load_fixtures, validate
+
+MEASURED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "validation", "measured")
+
+
+def _peak_errors(which: str) -> dict[str, float]:
+    v = validate(MEASURED, which=[which])
+    return {c.case: c.error for c in v.checks if c.quantity == "peak_allocated" and c.error is not None}
+
+
+def test_the_campaign_fixtures_are_real_cuda_runs():
+    fixtures = load_fixtures(MEASURED)
+    assert len(fixtures) >= 35
+    for fx in fixtures:
+        env = fx["environment"]
+        assert env["device"] == "cuda" and env["gpu"] == "NVIDIA H200" and env["transformers"] == "5.17.0"
+
+
+def test_estimate_peak_allocated_on_the_h200_runs():
+    """Measured 2026-11-24: median |error| 0.02%, max 0.30% over the 35 runs (every model, precision,
+    attention, recompute and LoRA setup of the campaign's first half)."""
+    errors = _peak_errors("estimate")
+    assert len(errors) >= 35, "every measured run is estimated (none refused)"
+    assert statistics.median(abs(e) for e in errors.values()) <= 0.001
+    worst = max(errors, key=lambda k: abs(errors[k]))
+    assert abs(errors[worst]) <= 0.01, (worst, errors[worst])
+
+
+def test_the_runs_release_is_what_the_estimate_models():
+    """Scored with the installed release instead (5.24: half values in the cache), the forward's peak
+    of a Llama run would be low by its fp32 value cache: the release matters, and is read from the fixture."""
+    fx = next(f for f in load_fixtures(MEASURED) if os.path.basename(f["_path"]).startswith("llama-3.2-1b-b4-bf16-amp-s2048"))
+    measured = next(m["bytes"] for m in fx["measured"] if m["quantity"] == "phase:forward@1:peak")
+    run = trainmem.estimate(fx["model"], transformers_version="5.17.0", **fx["setup"]).phase("forward", 1).peak
+    newest = trainmem.estimate(fx["model"], transformers_version="5.24.0", **fx["setup"]).phase("forward", 1).peak
+    # 5.17 caches an fp32 copy of each layer's (b, kv heads, s, head_dim) values, 4*8*2048*64*4 B; 5.24's
+    # cache adds none beyond the values' own bf16 tensor
+    assert run - newest == 16 * 4 * 8 * 2048 * 64 * 4
+    assert abs(run - measured) / measured < 0.001 < abs(newest - measured) / measured
+
+
+def test_gemma2_sdpa_drops_softcapping_before_5_21():
+    assert sdpa_ignores_softcap("gemma2", (5, 17)) and sdpa_ignores_softcap("gemma2", (5, 20, 0))
+    assert not sdpa_ignores_softcap("gemma2", (5, 21)) and not sdpa_ignores_softcap("llama", (5, 17))
+    kw = dict(batch_size=2, seq_len=2048, precision="bf16-amp", gpu="h200")
+    old = trainmem.estimate("gemma-2-2b", transformers_version="5.17.0", **kw)
+    new = trainmem.estimate("gemma-2-2b", transformers_version="5.24.0", **kw)
+    # eager's (b, heads, s, s) scores per layer: tanh's bf16 output, softmax's fp32 one, its bf16 copy
+    assert new.peak_allocated - old.peak_allocated > 26 * 2 * 8 * 2048 * 2048 * (2 + 4 + 2) * 0.9
+    assert any("no SDPA" in n for n in new.warnings) and not any("no SDPA" in n for n in old.warnings)
+
+
+def test_a_derived_release_is_refused_outside_what_was_read_or_shipped():
+    kw = dict(batch_size=2, seq_len=256, precision="bf16-amp")
+    with pytest.raises(TrainmemError, match="releases from 5.17 to 5.24 are modelled"):
+        trainmem.estimate("phi-2", transformers_version="5.16.0", **kw)
+    # a set that is not shipped for 5.17's cache, which the installed 5.24 cannot trace
+    with pytest.raises(TrainmemError, match="install transformers 5.17.0 to derive them"):
+        trainmem.estimate("qwen3-0.6b", transformers_version="5.17.0", lora_rank=8, **kw)
