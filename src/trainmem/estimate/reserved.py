@@ -857,14 +857,8 @@ def _make_grads(R: _Replay, s: _Step, trainables: tuple, where: tuple[str, ...],
     """Allocate the gradients that do not exist yet of the trainable tensors placed at one of
     ``where`` (one copy of a per-layer tensor per call: the layer being back-propagated; ``made``:
     those whose copy this layer made already), on ``stream`` (FSDP's sharded gradients: its
-    reduce-scatter stream). A layer's come last tensor first: autograd's engine runs the node made
-    last first (torch ``csrc/autograd/engine.cpp`` ``CompareNodeTaskTime``: the higher
-    ``sequence_nr`` is popped first from the ready queue), so each weight's ``AccumulateGrad`` fires
-    as backward reaches its op, the last op of the forward first, and a transformers layer registers
-    its modules in the order its forward runs them (Mixtral's experts: ``down_proj``'s gradient,
-    then ``gate_up_proj``'s)."""
-    placed = _placed(trainables, where)
-    for j in (reversed(placed) if any(w.startswith("layer") for w in where) else placed):
+    reduce-scatter stream)."""
+    for j in _placed(trainables, where):
         if j not in made:
             _grad_of(R, s, trainables, j, oib, stream)
 
