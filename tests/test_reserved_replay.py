@@ -136,7 +136,7 @@ def test_held_embeddings_free_a_block_for_the_backward_workspace():
 
 def test_held_embeddings_only_for_a_transformers_decoder_in_half():
     from trainmem.estimate.layers import Policy
-    from trainmem.estimate.quantities import held_embeddings
+    from trainmem.estimate.quantities import held_embeddings, quantities
     from trainmem.spec.resolve import resolve
     r = resolve("llama-3.2-1b", precision="bf16", batch_size=1, seq_len=128)
     assert held_embeddings(r.model, r.training, Policy.of("bf16"), "first") == r.model.hidden_size * 2
@@ -146,3 +146,8 @@ def test_held_embeddings_only_for_a_transformers_decoder_in_half():
     assert held_embeddings(titan.model, titan.training, Policy.of("bf16"), "first") == 0
     gpt2 = resolve("gpt2", precision="bf16", batch_size=1, seq_len=128)
     assert held_embeddings(gpt2.model, gpt2.training, Policy.of("bf16"), "first") == 0
+    # Phi-2's LayerNorm saves its bf16 input: the embedding output is the first layer's saved tensor
+    phi = resolve("phi-2", precision="bf16", batch_size=1, seq_len=128, transformers_version="5.17.0")
+    assert quantities(phi.model, phi.training, "first").embeds_tok == 0
+    qwen3 = resolve("qwen3-0.6b", precision="bf16", batch_size=1, seq_len=128, transformers_version="5.17.0")
+    assert quantities(qwen3.model, qwen3.training, "first").embeds_tok == qwen3.model.hidden_size * 2

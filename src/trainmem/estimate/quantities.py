@@ -1479,7 +1479,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         outer_rest_ssq=derived_outer_ssq(m, t, stage) if derived else 0.0,
         lower_layers=lower, above_bottom=above_bottom, above_decoder_bottom=above_decoder_bottom,
         input_tok=input_bytes(m, t)[0], input_sample=input_bytes(m, t)[1], expandable=int(t.expandable_segments),
-        embeds_tok=held_embeddings(m, t, pol, stage),
+        embeds_tok=held_embeddings(m, t, pol, stage, lc),
         dec_num=decoder_ratio(m, t)[0], dec_den=decoder_ratio(m, t)[1], **_derived_fields(m, t, stage), **pipe,
         detail=Detail(st, lc, outer, comm_name, input_tok, sum(a for _, a, _ in received),
                       len(recompute_transients(t, lc))))
@@ -1489,7 +1489,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
 OWN_MODEL_CODE = frozenset({"torchtune", "torchtitan", "litgpt", "nanogpt", "megatron"})
 
 
-def held_embeddings(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) -> float:
+def held_embeddings(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str, lc: LayerCoefs | None = None) -> float:
     """Bytes per token of the embedding output (b, s, h) that a transformers decoder's base model
     holds in forward although autograd saves none of it: ``XModel.forward`` binds it to its local
     ``inputs_embeds``, starts the layers from ``hidden_states = inputs_embeds`` and rebinds only
@@ -1499,7 +1499,9 @@ def held_embeddings(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) -> f
     nothing else holds it: in a half residual dtype (pure bf16 / fp16), where the first layer's
     RMSNorm saves its own fp32 copy (``hidden_states.to(torch.float32)`` makes one), not its input;
     in fp32 the norm's ``to`` returns the tensor itself and it is the first layer's saved input
-    (``LayerCoefs.tensors``). Only the replay uses it (``reserved._forward``): the forward's
+    (``LayerCoefs.tensors``), as it is in half under a LayerNorm, whose ``native_layer_norm`` saves
+    its input (a derived layer's ``input_layernorm.native_layer_norm`` part: Phi-2). Only the replay
+    uses it (``reserved._forward``): the forward's
     allocated peak is at the loss, once it is freed. None for a model run by its framework's own
     code (torchtitan's, litgpt's ... ``h = layer(h)`` drops it after the first layer) or split
     into pipeline stages. Found on the H200 runs: Qwen3-0.6B pure bf16 (batch 8, seq 2048), where
@@ -1508,6 +1510,8 @@ def held_embeddings(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) -> f
     transformers_class = m.family in ("llama", "mixtral", "derived") and m.head == "causal-lm"
     if not transformers_class or t.pp > 1 or t.extra.get("framework") in OWN_MODEL_CODE or pol.stream != 2:
         return 0.0
+    if lc is not None and any(name.endswith("native_layer_norm") for name, _a, _b in lc.parts):
+        return 0.0                                    # the first layer's LayerNorm saves it
     sp = t.tp if t.sequence_parallel else 1
     return m.hidden_size * pol.stream / sp
 
