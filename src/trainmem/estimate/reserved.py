@@ -12,11 +12,14 @@ runs it through the same simulator as ``trace`` (``trainmem.allocator.CachingAll
 
 * load: each weight and buffer in load order (``States.load``), an fp32 master copy per trainable
   tensor where one is kept;
-* each micro-batch: the input batch; forward: the embeddings' saved tensors, per layer FSDP's gathered
-  parameters, the tensors autograd saves (``LayerCoefs.tensors``, one block each) with autocast's
-  half copy of each linear's weight made between them where its linear runs (``LayerCoefs.linears``)
-  or, under recomputation, the kept input with the layer's tensors made and freed again; the head's
-  input and half copy, the logits, the loss's transient and saved tensors; backward: the loss
+* each micro-batch: the input batch; forward: the base model's unsaved embedding output
+  (``quantities.held_embeddings``, freed before the head), the embeddings' saved tensors, per layer
+  FSDP's gathered parameters, the tensors autograd saves (``LayerCoefs.tensors``, one block each)
+  with autocast's half copy of each linear's weight made between them where its linear runs
+  (``LayerCoefs.linears``) or, under recomputation, the kept input with the layer's tensors made and
+  freed again (under full recomputation with autocast one after another, the copies kept in
+  autocast's cache until the loss: ``_checkpointed``); the head's input and half copy, the logits,
+  the loss's transient and saved tensors; backward: the loss
   gradients, the head's weight gradient (under autocast its half form first), a tied head's part,
   the untied head's and final norm's gradients, per layer (last first) the recomputed tensors, the
   largest backward transient, each linear's weight gradient as its backward makes it (under
