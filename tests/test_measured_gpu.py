@@ -76,3 +76,34 @@ def test_a_derived_release_is_refused_outside_what_was_read_or_shipped():
     # a set that is not shipped for 5.17's cache, which the installed 5.24 cannot trace
     with pytest.raises(TrainmemError, match="install transformers 5.17.0 to derive them"):
         trainmem.estimate("qwen3-0.6b", transformers_version="5.17.0", lora_rank=8, **kw)
+
+
+def _reserved_errors(which: str) -> dict[str, float]:
+    v = validate(MEASURED, which=[which])
+    return {c.case: c.error for c in v.checks if c.quantity == "peak_reserved" and c.error is not None}
+
+
+def test_estimate_reserved_on_the_pure_half_h200_runs():
+    """The runs in pure bf16 (weights, gradients and Adam states in bf16), where the base model's
+    unsaved ``inputs_embeds`` (``quantities.held_embeddings``) is freed before the head and takes the
+    backward's 32 MiB cuBLAS workspace. Measured 2026-11-24: Qwen3-0.6B +14.12% before it was
+    replayed, -0.19% after; Qwen2.5-1.5B +0.15%, then +0.20%."""
+    errors = {k.split(" ")[0].rsplit("-", 1)[0]: e for k, e in _reserved_errors("estimate").items()}
+    assert abs(errors["qwen3-0.6b-b8-bf16-s2048"]) <= 0.005
+    assert abs(errors["qwen2.5-1.5b-b4-bf16-s2048"]) <= 0.005
+
+
+def test_estimate_reserved_on_the_full_recompute_h200_runs():
+    """Full recomputation under autocast, where the replay follows each linear: autocast's weight
+    copies of the first forward kept until the loss, the recomputed forward's made again
+    (``reserved._checkpointed``). Measured 2026-11-24, before -> after: Qwen2.5-1.5B +3.54% ->
+    -1.95%, OpenLLaMA-3B-shaped -4.41% -> -3.61%, GPT-2 medium -2.07% -> +0.05%, Llama-3.2-1B
+    +0.01% -> -0.01%; the first backward's reserved column -5.97%, -6.72%, -6.11%, -5.08% ->
+    -1.20%, -1.45%, -2.57%, -0.51%."""
+    v = validate(MEASURED, which=["estimate"])
+    err = {(c.case.split(" ")[0].rsplit("-", 1)[0], c.quantity): c.error for c in v.checks if c.error is not None}
+    peak = {"qwen2.5-1.5b-b4-bf16-amp-rc-full-s2048": 0.02, "open-llama-3b-shape-b4-bf16-amp-rc-full-s2048": 0.037,
+            "gpt2-medium-b4-bf16-amp-rc-full-s1024": 0.005, "llama-3.2-1b-b4-bf16-amp-rc-full-s2048": 0.005}
+    for case, bound in peak.items():
+        assert abs(err[(case, "peak_reserved")]) <= bound, (case, err[(case, "peak_reserved")])
+        assert abs(err[(case, "phase:backward@1:reserved")]) <= 0.026, case

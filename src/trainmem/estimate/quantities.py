@@ -158,6 +158,7 @@ class Quantities:
     tied_final: int = 0     # --compile: ... and its gradient in the weight's dtype (in ``grads``, made last)
     input_tok: float = 8.0  # the input batch per token: int64 ids, or an image model's pixel values per patch
     input_sample: int = 0   # ... less this per sample (an image model's class tokens have no pixels)
+    embeds_tok: float = 0.0  # the base model's embedding output held, unsaved, until it returns (held_embeddings)
     # an encoder-decoder's decoder tokens per encoder token, dec_num / dec_den (``derived.decoder_ratio``):
     # its labels and logits are (b, target_len), b*s * dec_num // dec_den tokens
     dec_num: int = 1
@@ -1478,9 +1479,41 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         outer_rest_ssq=derived_outer_ssq(m, t, stage) if derived else 0.0,
         lower_layers=lower, above_bottom=above_bottom, above_decoder_bottom=above_decoder_bottom,
         input_tok=input_bytes(m, t)[0], input_sample=input_bytes(m, t)[1], expandable=int(t.expandable_segments),
+        embeds_tok=held_embeddings(m, t, pol, stage, lc),
         dec_num=decoder_ratio(m, t)[0], dec_den=decoder_ratio(m, t)[1], **_derived_fields(m, t, stage), **pipe,
         detail=Detail(st, lc, outer, comm_name, input_tok, sum(a for _, a, _ in received),
                       len(recompute_transients(t, lc))))
+
+
+#: frameworks that train their own model code rather than the model's transformers class
+OWN_MODEL_CODE = frozenset({"torchtune", "torchtitan", "litgpt", "nanogpt", "megatron"})
+
+
+def held_embeddings(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str, lc: LayerCoefs | None = None) -> float:
+    """Bytes per token of the embedding output (b, s, h) that a transformers decoder's base model
+    holds in forward although autograd saves none of it: ``XModel.forward`` binds it to its local
+    ``inputs_embeds``, starts the layers from ``hidden_states = inputs_embeds`` and rebinds only
+    ``hidden_states``, so the tensor is freed when the base model returns, after the final norm and
+    before the head's matmul (transformers 5.24 ``models/qwen3/modeling_qwen3.py`` L375, L403, L418;
+    ``models/llama/modeling_llama.py`` the same, every model built on its template). Counted where
+    nothing else holds it: in a half residual dtype (pure bf16 / fp16), where the first layer's
+    RMSNorm saves its own fp32 copy (``hidden_states.to(torch.float32)`` makes one), not its input;
+    in fp32 the norm's ``to`` returns the tensor itself and it is the first layer's saved input
+    (``LayerCoefs.tensors``), as it is in half under a LayerNorm, whose ``native_layer_norm`` saves
+    its input (a derived layer's ``input_layernorm.native_layer_norm`` part: Phi-2). Only the replay
+    uses it (``reserved._forward``): the forward's
+    allocated peak is at the loss, once it is freed. None for a model run by its framework's own
+    code (torchtitan's, litgpt's ... ``h = layer(h)`` drops it after the first layer) or split
+    into pipeline stages. Found on the H200 runs: Qwen3-0.6B pure bf16 (batch 8, seq 2048), where
+    its freed 32 MiB block takes the backward's cuBLAS workspace, which otherwise splits a
+    logits-sized segment for good."""
+    transformers_class = m.family in ("llama", "mixtral", "derived") and m.head == "causal-lm"
+    if not transformers_class or t.pp > 1 or t.extra.get("framework") in OWN_MODEL_CODE or pol.stream != 2:
+        return 0.0
+    if lc is not None and any(name.endswith("native_layer_norm") for name, _a, _b in lc.parts):
+        return 0.0                                    # the first layer's LayerNorm saves it
+    sp = t.tp if t.sequence_parallel else 1
+    return m.hidden_size * pol.stream / sp
 
 
 def _kept_and_redone(t: TrainingSpec, lc: LayerCoefs, input_tok: float, checkpointed: int, layers: int

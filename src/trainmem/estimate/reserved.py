@@ -12,11 +12,14 @@ runs it through the same simulator as ``trace`` (``trainmem.allocator.CachingAll
 
 * load: each weight and buffer in load order (``States.load``), an fp32 master copy per trainable
   tensor where one is kept;
-* each micro-batch: the input batch; forward: the embeddings' saved tensors, per layer FSDP's gathered
-  parameters, the tensors autograd saves (``LayerCoefs.tensors``, one block each) with autocast's
-  half copy of each linear's weight made between them where its linear runs (``LayerCoefs.linears``)
-  or, under recomputation, the kept input with the layer's tensors made and freed again; the head's
-  input and half copy, the logits, the loss's transient and saved tensors; backward: the loss
+* each micro-batch: the input batch; forward: the base model's unsaved embedding output
+  (``quantities.held_embeddings``, freed before the head), the embeddings' saved tensors, per layer
+  FSDP's gathered parameters, the tensors autograd saves (``LayerCoefs.tensors``, one block each)
+  with autocast's half copy of each linear's weight made between them where its linear runs
+  (``LayerCoefs.linears``) or, under recomputation, the kept input with the layer's tensors made and
+  freed again (under full recomputation with autocast one after another, the copies kept in
+  autocast's cache until the loss: ``_checkpointed``); the head's input and half copy, the logits,
+  the loss's transient and saved tensors; backward: the loss
   gradients, the head's weight gradient (under autocast its half form first), a tied head's part,
   the untied head's and final norm's gradients, per layer (last first) the recomputed tensors, the
   largest backward transient, each linear's weight gradient as its backward makes it (under
@@ -205,11 +208,15 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     inputs = R.alloc(tk.inputs)                                   # int64 ids and labels
     fs = _Fsdp(q.fsdp_ag_result > 0, _fsdp_streams(q), lag=R.lag, rs_side=q.fsdp_rs_side > 0)
     root = fs.unshard(R, q.fsdp_root, st.root_tensors)            # FSDP: the root unit gathered
+    embeds = R.alloc(int(q.embeds_tok * tk.tokens))              # the base model's inputs_embeds, unsaved
     emb = R.alloc(tk.outer_rest)                                  # embeddings' saved tensors
     s.workspace(R, 0)                                             # the first layer's first matmul
-    kept = [_layer_forward(R, q, fs, parts, tk, recompute, keep=(i == q.layers - 1 and q.fsdp_last_kept > 0))
-            for i in range(q.layers)]
-    head = [R.alloc(tk.outer_head), R.alloc(q.cast_head)]        # head input, autocast's half copy of the head
+    cached: list = []                                             # autocast's weight cache (checkpointed layers)
+    kept = [_layer_forward(R, q, fs, parts, tk, recompute, keep=(i == q.layers - 1 and q.fsdp_last_kept > 0),
+                           cached=cached) for i in range(q.layers)]
+    head = [R.alloc(tk.outer_head)]                               # the final norm's output: the head's input
+    R.free(embeds)                                                # the base model returns (held_embeddings)
+    head.append(R.alloc(q.cast_head))                             # autocast's half copy of the head
     # a chunked loss: one tensor per chunk, at most one chunk per token (more are not made: setup_warnings)
     chunks = max(1, min(int(q.logit_chunks), int(tk.tokens))) if q.liger_factor == 0 else 1
     out = R.allocs(_logit_tensors(tk.out_logits, q.logits_out, full, chunks))  # (b, s, vocab) logits
@@ -225,6 +232,7 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
         fwd = R.allocs(_logit_tensors(tk.loss_forward, q.loss_forward, full, chunks))  # the fp32 copy, transient
         saved = R.allocs(_logit_tensors(tk.loss_saved, q.loss_saved, full, chunks))    # log-probabilities
     R.frees(fwd)
+    R.frees(cached)                                               # autocast exits: its cache cleared
     if flags.hold == "loss":
         R.frees(out)
         out = []
@@ -569,21 +577,68 @@ class _Fsdp:
 
 
 def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: _Parts, tk: Tokens, recompute: str,
-                   keep: bool = False) -> list:
+                   keep: bool = False, cached: list | None = None) -> list:
     """One layer's forward: what it keeps for backward (a list of handles). ``keep``: its gathered
-    parameters stay until its backward (``quantities.fsdp2_last_gathered``)."""
+    parameters stay until its backward (``quantities.fsdp2_last_gathered``); ``cached``: where a
+    checkpointed layer's autocast weight copies go, freed when the forward ends (``_checkpointed``)."""
     params = fs.unshard(R, q.fsdp_layer_buf, q.detail.states.layer_tensors)  # FSDP: this layer gathered
     if recompute == "none":
         kept = _saved_and_casts(R, q, parts)                      # saved tensors + autocast weight copies
         R.frees(R.allocs(parts.forward_only))                     # what the forward makes and frees
     else:
-        R.frees(R.allocs(parts))                                  # made and freed in the no-grad forward
+        (cached if cached is not None else []).extend(_checkpointed(R, q, parts, recompute))  # no-grad forward
         kept = _Kept(R.allocs(_kept_blocks(parts, tk.layer, recompute)))  # what the checkpoint keeps
     if keep:
         fs.last = params                                          # not resharded after forward
     else:
         fs.reshard(R, params)                                     # resharded after forward
     return kept
+
+
+def _checkpointed(R: _Replay, q: Quantities, parts: list[int], recompute: str) -> list:
+    """A checkpointed layer's first forward. Nothing is saved, so each tensor lives only until the
+    next op has read it: replayed as a chain, each of the layer's tensors freed once the next is
+    made (the real lifetimes are not listed: the layer's input, kept, stays; the norm's output
+    lives until q, k and v are made), while under autocast each linear's half weight copy, made
+    where the linear runs, stays in autocast's cache until the autocast context around the model's
+    forward exits after the loss (``autocast_mode.cpp`` ``cached_cast`` caches a leaf fp32 weight
+    that requires grad while grad mode is on, which non-reentrant checkpointing leaves on;
+    ``torch.autocast.__exit__`` calls ``torch.clear_autocast_cache()``; trace, Llama-3.2-1B
+    bf16-amp with full recompute: every layer's copies are freed together after the loss).
+    Elsewhere (not full recomputation, or not linear by linear: ``_recompute_casts``) its tensors
+    are made and freed together. Returns the copies, to be freed when the forward ends."""
+    casts = _linear_casts(q) if recompute == "full" and _recompute_casts(q) else None
+    if casts is None:
+        R.frees(R.allocs(parts))
+        return []
+    copies: list = []
+    prev: list = [None]
+    done = 0
+    for (pos, _w, _g), nbytes in zip(q.detail.layer.linears, casts):
+        _chain(R, list(parts[done:pos]), prev)
+        done = max(done, pos)
+        copies.append(R.alloc(nbytes))                            # (out, in) in bf16/fp16, cached
+    _chain(R, list(parts[done:]), prev)
+    R.free(prev[0])
+    return copies
+
+
+def _chain(R: _Replay, sizes: list[int], prev: list) -> None:
+    """Tensors made one after another, each freeing the one before (``prev[0]``: the last alive)."""
+    for x in sizes:
+        h = R.alloc(x)
+        R.free(prev[0])
+        prev[0] = h
+
+
+def _recompute_casts(q: Quantities) -> bool:
+    """Whether a fully recomputed layer's autocast weight copies are replayed linear by linear: in
+    its first forward (``_checkpointed``) and again in its recomputed forward, whose backward then
+    makes each weight's gradient as a layer without recomputation does (``_linears_backward``).
+    Where the replay follows the layer's linears under autocast (``_linear_casts``) and the forward
+    caches the copies (``q.cast_forward_only``: not under LoRA, whose frozen weights autocast does
+    not cache)."""
+    return bool(q.cast_forward_only) and _linear_casts(q) is not None
 
 
 class _Kept(list):
@@ -699,9 +754,13 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
         params, fs.last = fs.last, []
     else:  # FSDP: gathered again (FSDP2: and the layer below prefetched)
         params = fs.unshard_backward(R, q.fsdp_layer_buf, st.layer_tensors, prefetch=i > 0)
-    redo = R.allocs(parts) if recompute != "none" else []         # the checkpointed forward again
-    R.frees(R.allocs(_recompute_blocks(q, n, nsq)))               # ... its frames' own tensors meanwhile
     per_linear = _per_linear(q, kept, recompute)                  # the weights' gradients linear by linear
+    if recompute == "full" and _recompute_casts(q):               # the checkpointed forward again, with
+        redo = _saved_and_casts(R, q, parts)                      # autocast's weight copies at its linears
+        kept, per_linear = _Kept(list(kept), redo.casts), True
+    else:
+        redo = R.allocs(parts) if recompute != "none" else []     # the checkpointed forward again
+    R.frees(R.allocs(_recompute_blocks(q, n, nsq)))               # ... its frames' own tensors meanwhile
     tr = R.alloc(_activation_transient(q, n, nsq) if per_linear else _transient(q, n, nsq))
     if st.layer_grads_full and not fs.v2 and q.fsdp1_post:        # FSDP1: the flat gradient, then its hook
         params = _fsdp1_reduce(R, q, st, params, fs)
