@@ -220,11 +220,7 @@ class Tracker(TorchDispatchMode):
             host = self._host_copy(func, args, kwargs)
             if host is not None:
                 return host
-        out = None
-        if self.emulate_cuda_kernels and func is _aten._safe_softmax.default:
-            out = cuda_kernels.safe_softmax(self._register, *args, **kwargs)
-        if out is None:
-            out = func(*args, **kwargs)
+        out = func(*args, **kwargs)
         donor = self._donor(func, args, kwargs, out) if self.emulate_cuda_kernels else None
         if donor is not None:
             self._adopt = (func, out, id(donor.untyped_storage()))
@@ -391,16 +387,9 @@ class Tracker(TorchDispatchMode):
 
     # ----- CUDA's in-place paths (trace.cuda_kernels) ----------------------------------------------
     def _donor(self, func: Any, args: tuple, kwargs: dict, out: Any) -> torch.Tensor | None:
-        """The input whose block ``out`` takes over on CUDA if that input dies at once: an op of
-        ``cuda_kernels.SUBCLASS_FUNCTIONAL`` issued by the C++ of autograd's engine (not by a
-        recomputed forward or a Python backward), or an ``add`` inside the math SDPA kernel."""
-        if func not in cuda_kernels.SUBCLASS_FUNCTIONAL:
-            return None
-        if self._cpp_inplace:
-            if func is not _aten.add.Tensor:
-                return None
-        elif (torch._C._current_graph_task_id() == -1 or self.module_stack
-              or not cuda_kernels.issued_by_autograd_engine()):
+        """The input whose block ``out`` takes over on CUDA if that input dies at once: the ``add``
+        of the math SDPA kernel's mask (:meth:`cpp_inplace`, ``trace.cuda_kernels``)."""
+        if not self._cpp_inplace or func not in cuda_kernels.SUBCLASS_FUNCTIONAL:
             return None
         a = cuda_kernels.adoptable(func, args, kwargs, out)
         if a is None or id(a.untyped_storage()) not in self.live:
@@ -423,11 +412,16 @@ class Tracker(TorchDispatchMode):
         return False
 
     def _take_over(self, func: Any, out: torch.Tensor, key: int) -> None:
+        """``out`` takes over the block of the dying donor (storage key ``key``): the donor's
+        record ends and ``out``'s begins, the allocator untouched. Logged as the donor's free and
+        ``out``'s allocation; between the two, the timeline shows the block as free, so that its
+        breakdown by category always adds up to the allocated bytes."""
         donor = self.live.pop(key)
         self.recorded.discard(key)
         handle, donor.handle = donor.handle, None
         donor.free_event = len(self.ev_rec)
         self._log(~donor.rid)
+        self.ev_alloc[-1] -= donor.block
         self._register(func, out, category=donor.category, label=donor.label, handle=handle)
 
     @contextmanager
