@@ -299,8 +299,11 @@ class CudaEmulation(TorchFunctionMode):
             return aten._scaled_dot_product_efficient_attention(q, k, v, mask, lse, p, causal, scale=scale)[0]
         if not self.math_upcast and q.dtype in (torch.float16, torch.bfloat16):
             return math_in_input_dtype(q, k, v, mask, p, causal, scale, gqa)
-        return aten._scaled_dot_product_attention_math(q, k, v, mask, p, causal, None, scale=scale,
-                                                       enable_gqa=gqa)[0]
+        # its ``attn.add_(*attn_mask)`` runs out of place under a dispatch mode (trace.cuda_kernels)
+        inplace = self.tracker.cpp_inplace() if self.tracker is not None else contextlib.nullcontext()
+        with inplace:
+            return aten._scaled_dot_product_attention_math(q, k, v, mask, p, causal, None, scale=scale,
+                                                           enable_gqa=gqa)[0]
 
     def _priority(self) -> list[str]:
         """``priority_order`` (cuda/sdp_utils.cpp): the global order (``torch._C._get_sdp_priority_order``,

@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..allocator import CachingAllocator, ExactAllocator
+from . import cuda_kernels
 
 #: cuBLAS workspace per handle (spec.hardware: 8,519,680 B, 32 MiB on sm90 exactly)
 from ..spec.hardware import CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_SM90  # noqa: F401  (re-exported)
@@ -182,6 +183,8 @@ class Tracker(TorchDispatchMode):
         self._scalar_producer: dict[int, str] = {}
         self._scopes: list[tuple[str, str]] = []
         self._paused = False      # ops pass through uncounted (trace --compile: fused kernels' insides)
+        self._adopt: tuple[Any, torch.Tensor, int] | None = None  # (op, result, donor storage key)
+        self._cpp_inplace = 0     # inside a C++ kernel whose add runs in place on CUDA (math SDPA)
         self._suspended = False   # module hooks ignored too (trace --compile: tracing the graph)
         self.graph_module: str | None = None  # the module a compiled graph's node came from
 
@@ -210,6 +213,7 @@ class Tracker(TorchDispatchMode):
                 self._note_scalar(func, out)
             return out
         self.ops_seen += 1
+        self._settle()
         if self.phase != "backward" and torch._C._current_graph_task_id() != -1:
             self.enter_phase("backward")
         if self.emulate_cuda_kernels and func in _HOST_COPIES:
@@ -217,7 +221,11 @@ class Tracker(TorchDispatchMode):
             if host is not None:
                 return host
         out = func(*args, **kwargs)
-        self._register_outputs(func, out)
+        donor = self._donor(func, args, kwargs, out) if self.emulate_cuda_kernels else None
+        if donor is not None:
+            self._adopt = (func, out, id(donor.untyped_storage()))
+        else:
+            self._register_outputs(func, out)
         self._note_scalar(func, out)
         if self.cublas_workspace and func in MATMUL_OPS:
             self._cublas(func)
@@ -271,7 +279,9 @@ class Tracker(TorchDispatchMode):
                     self._register(func, t)
 
     def _register(self, func: Any, t: torch.Tensor, category: str | None = None, label: str | None = None,
-                  module: str | None = None, op: str | None = None) -> Record | None:
+                  module: str | None = None, op: str | None = None, handle: Any = False) -> Record | None:
+        """Record ``t``'s storage as a new block (``handle``: the block it takes over instead of
+        allocating one, see :meth:`_take_over`)."""
         t = local(t)
         if t.device.type != self.device_type or t.is_sparse or t.layout != torch.strided:
             return None
@@ -301,7 +311,8 @@ class Tracker(TorchDispatchMode):
             label = self._labels[-1] if self._labels else ""
         if module is None:
             module = self._current_module()
-        handle = self.allocator.allocate(nbytes)
+        if handle is False:
+            handle = self.allocator.allocate(nbytes)
         if op is None:
             op = _op_name(func) if func is not None else ""
         rec = Record(len(self.records), handle, nbytes, self.allocator.block_size(handle), category,
@@ -343,6 +354,7 @@ class Tracker(TorchDispatchMode):
         (``fsdp/_flat_param.py`` ``_free_unsharded_flat_param``)."""
         if self._closed or getattr(stream, "stream_id", None) != 0:
             return
+        self._settle()
         try:
             key = id(tensor.untyped_storage())
         except (RuntimeError, NotImplementedError):
@@ -364,12 +376,63 @@ class Tracker(TorchDispatchMode):
         rec = self.live.get(key)
         if rec is None or rec.rid != rid:
             return
+        if self._adopt is not None and self._settle(key):
+            return
         del self.live[key]
         pending = key in self.recorded
         self.recorded.discard(key)
         self._free_block(rec, pending)
         rec.free_event = len(self.ev_rec)
         self._log(~rid)
+
+    # ----- CUDA's in-place paths (trace.cuda_kernels) ----------------------------------------------
+    def _donor(self, func: Any, args: tuple, kwargs: dict, out: Any) -> torch.Tensor | None:
+        """The input whose block ``out`` takes over on CUDA if that input dies at once: the ``add``
+        of the math SDPA kernel's mask (:meth:`cpp_inplace`, ``trace.cuda_kernels``)."""
+        if not self._cpp_inplace or func not in cuda_kernels.SUBCLASS_FUNCTIONAL:
+            return None
+        a = cuda_kernels.adoptable(func, args, kwargs, out)
+        if a is None or id(a.untyped_storage()) not in self.live:
+            return None
+        return a
+
+    def _settle(self, freed: int | None = None) -> bool:
+        """Decide a pending adoption (:meth:`_donor`): when the next event is the free of the donor
+        (storage key ``freed``), nothing else held it, which is when CUDA's code runs the in-place
+        variant: the result takes over the donor's block (True: that free is consumed). Anything
+        else first allocates the result, as the out-of-place op did."""
+        if self._adopt is None:
+            return False
+        func, out, key = self._adopt
+        self._adopt = None
+        if freed == key:
+            self._take_over(func, out, key)
+            return True
+        self._register_outputs(func, out)
+        return False
+
+    def _take_over(self, func: Any, out: torch.Tensor, key: int) -> None:
+        """``out`` takes over the block of the dying donor (storage key ``key``): the donor's
+        record ends and ``out``'s begins, the allocator untouched. Logged as the donor's free and
+        ``out``'s allocation; between the two, the timeline shows the block as free, so that its
+        breakdown by category always adds up to the allocated bytes."""
+        donor = self.live.pop(key)
+        self.recorded.discard(key)
+        handle, donor.handle = donor.handle, None
+        donor.free_event = len(self.ev_rec)
+        self._log(~donor.rid)
+        self.ev_alloc[-1] -= donor.block
+        self._register(func, out, category=donor.category, label=donor.label, handle=handle)
+
+    @contextmanager
+    def cpp_inplace(self) -> Iterator[None]:
+        """Ops run inside are a C++ kernel that adds in place on a plain CUDA tensor and out of
+        place here (``_scaled_dot_product_attention_math``: ``attn.add_(*attn_mask)``)."""
+        self._cpp_inplace += 1
+        try:
+            yield
+        finally:
+            self._cpp_inplace -= 1
 
     def _log(self, code: int) -> None:
         a = self.allocator
@@ -397,6 +460,7 @@ class Tracker(TorchDispatchMode):
 
     def allocate_extra(self, nbytes: int, category: str, label: str, op: str = "") -> int:
         """Allocate memory that no tensor stands for (workspaces, kernel scratch); returns a rid."""
+        self._settle()
         handle = self.allocator.allocate(nbytes)
         rec = Record(len(self.records), handle, nbytes, self.allocator.block_size(handle), category, label,
                      self._current_module(), op, self.phase, self.step, len(self.ev_rec))
@@ -470,6 +534,7 @@ class Tracker(TorchDispatchMode):
 
     def reclassify(self, t: torch.Tensor, category: str, label: str = "") -> None:
         """Give the storage of ``t`` a category (e.g. when it becomes a gradient)."""
+        self._settle()
         t = local(t)
         if not self._is_tracked_tensor(t):
             return
@@ -480,6 +545,7 @@ class Tracker(TorchDispatchMode):
 
     def register_existing(self, t: torch.Tensor, category: str, label: str, module: str) -> None:
         """Count a tensor created outside the tracker (e.g. a parameter moved to the device)."""
+        self._settle()
         self._register(None, t, category=category, label=label, module=module, op="to(device)")
 
     @contextmanager
@@ -498,6 +564,7 @@ class Tracker(TorchDispatchMode):
         sees): its old block is freed and, when it has bytes again, a new one allocated."""
         if self._closed or st.device.type != self.device_type:
             return
+        self._settle()
         key = id(st)
         rec = self.live.get(key)
         nbytes = st.nbytes()
@@ -561,6 +628,7 @@ class Tracker(TorchDispatchMode):
         self.phase_peak_where = ""
 
     def _close_phase(self) -> None:
+        self._settle()
         if self.phase in PHASES:
             a = self.allocator
             self.phase_marks.append(PhaseMark(self.phase, self.step, a.allocated, max(self.phase_peak, a.allocated),
@@ -740,6 +808,7 @@ class Tracker(TorchDispatchMode):
 
     def end_of_forward_cleanup(self) -> None:
         """Forward tensors still alive but not saved by autograd are temporaries (or inputs/logits)."""
+        self._settle()
         for rec in self.live.values():
             if rec.category == "activations" and not rec.saved and rec.phase == "forward" \
                     and rec.step == self.step and rec.label != "autocast_weight_cache":
