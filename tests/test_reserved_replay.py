@@ -139,13 +139,13 @@ def test_held_embeddings_only_for_a_transformers_decoder_in_half():
     from trainmem.estimate.quantities import held_embeddings, quantities
     from trainmem.spec.resolve import resolve
     r = resolve("llama-3.2-1b", precision="bf16", batch_size=1, seq_len=128)
-    assert held_embeddings(r.model, r.training, Policy.of("bf16"), "first") == r.model.hidden_size * 2
+    assert held_embeddings(r.model, r.training, Policy.of("bf16")) == r.model.hidden_size * 2
     amp = resolve("llama-3.2-1b", precision="bf16-amp", batch_size=1, seq_len=128)
-    assert held_embeddings(amp.model, amp.training, Policy.of("bf16-amp"), "first") == 0
+    assert held_embeddings(amp.model, amp.training, Policy.of("bf16-amp")) == 0
     titan = resolve("llama-3.2-1b", framework="torchtitan", precision="bf16", batch_size=1, seq_len=128)
-    assert held_embeddings(titan.model, titan.training, Policy.of("bf16"), "first") == 0
+    assert held_embeddings(titan.model, titan.training, Policy.of("bf16")) == 0
     gpt2 = resolve("gpt2", precision="bf16", batch_size=1, seq_len=128)
-    assert held_embeddings(gpt2.model, gpt2.training, Policy.of("bf16"), "first") == 0
+    assert held_embeddings(gpt2.model, gpt2.training, Policy.of("bf16")) == 0
     # Phi-2's LayerNorm saves its bf16 input: the embedding output is the first layer's saved tensor
     phi = resolve("phi-2", precision="bf16", batch_size=1, seq_len=128, transformers_version="5.17.0")
     assert quantities(phi.model, phi.training, "first").embeds_tok == 0

@@ -159,8 +159,9 @@ def _cache_parts(m: ModelSpec, t: TrainingSpec, release: tuple[int, ...]) -> lis
 
 def derivable(m: ModelSpec, t: TrainingSpec) -> str | None:
     """Why the installed transformers cannot derive ``m``'s coefficients for the release ``t`` runs
-    (None: it can): the traces run the installed code, so its release rules must be the run's."""
-    if t.transformers_version is None or m.model_type in DERIVED_TYPES:
+    (None: it can): the traces run the installed code, so its release rules must be the run's (OPT's
+    and Granite's are the installed ones: ``_run_release``)."""
+    if t.transformers_version is None:
         return None
     installed = code_release(None)
     if release_parts(m, t) == release_parts(m, t, installed):

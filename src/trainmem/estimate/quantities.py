@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..errors import TrainmemError
+from ..spec.frameworks import OWN_MODEL_CODE
 from ..spec.model import ModelSpec
 from ..spec.tf_releases import (cache_values_own_dtype, causal_lm_loss, code_release, eager_clamp, kv_cache_kind,
                                 rotary_keys_half, sdpa_repeats_kv)
@@ -1479,17 +1480,13 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         outer_rest_ssq=derived_outer_ssq(m, t, stage) if derived else 0.0,
         lower_layers=lower, above_bottom=above_bottom, above_decoder_bottom=above_decoder_bottom,
         input_tok=input_bytes(m, t)[0], input_sample=input_bytes(m, t)[1], expandable=int(t.expandable_segments),
-        embeds_tok=held_embeddings(m, t, pol, stage, lc),
+        embeds_tok=held_embeddings(m, t, pol, lc),
         dec_num=decoder_ratio(m, t)[0], dec_den=decoder_ratio(m, t)[1], **_derived_fields(m, t, stage), **pipe,
         detail=Detail(st, lc, outer, comm_name, input_tok, sum(a for _, a, _ in received),
                       len(recompute_transients(t, lc))))
 
 
-#: frameworks that train their own model code rather than the model's transformers class
-OWN_MODEL_CODE = frozenset({"torchtune", "torchtitan", "litgpt", "nanogpt", "megatron"})
-
-
-def held_embeddings(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str, lc: LayerCoefs | None = None) -> float:
+def held_embeddings(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs | None = None) -> float:
     """Bytes per token of the embedding output (b, s, h) that a transformers decoder's base model
     holds in forward although autograd saves none of it: ``XModel.forward`` binds it to its local
     ``inputs_embeds``, starts the layers from ``hidden_states = inputs_embeds`` and rebinds only

@@ -49,6 +49,9 @@ REPOS: dict[str, tuple[str, str]] = {
     "megatron": ("NVIDIA/Megatron-LM", "core_v0.19.0"),
 }
 
+#: presets whose loop trains the framework's own model code, not the model's transformers class
+#: (torchtune's and torchtitan's ``Transformer``, litgpt's ``GPT``, nanoGPT's ``GPT``, Megatron's ``GPTModel``)
+OWN_MODEL_CODE = frozenset({"torchtune", "torchtitan", "litgpt", "nanogpt", "megatron"})
 #: the options a preset speaks for, in the table's order (``sharding`` is ``fsdp``/``zero``/
 #: ``distributed_optimizer``)
 COLUMNS = ("precision", "master_weights", "optimizer_impl", "zero_grad", "hold_output", "loss", "attention",
