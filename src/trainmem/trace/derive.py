@@ -112,7 +112,7 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1:
         cache = _fitted(m, f"layer {kind} KV cache", pts, [r["cache"][kind] for r in runs], ("n",))[0]
         held = _fitted(m, f"layer {kind} output-held bytes", pts, [r["held"][kind] for r in runs], ("n",))[0]
         out["kinds"][kind] = {"tok": c["n"], "sq": c["nsq"], "pos": c["s"], "parts": parts, "transients": trans,
-                              "cache": cache, "held": held}
+                              "cache": cache, "held": held, **_sequence(runs, kind, fit)}
         # the layer's output, kept only by what follows the layer (the next layer, the final norm):
         # a layer recomputed in its backward does not make it again (quantities._recompute);
         # measured at the kind's typical layer (``_analyse``'s ``at``), whose output the next layer
@@ -134,6 +134,20 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1:
                        ("first_early", "end layers' outputs")):
         out[name] = _fitted(m, what, pts, [r[name] for r in runs], ("n",))[0]
     return dict(out, **_outside_layers(m, runs, fit))
+
+
+def _sequence(runs: list[dict[str, Any]], kind: str, fit: Any) -> dict[str, list]:
+    """A kind's saved tensors one by one (each fitted as the parts are: bytes per token, per token x
+    key) and its linears' weight casts among them (``_layer_sequence``), where every point made the
+    same tensors and casts in the same order (else nothing: the replay keeps the parts)."""
+    seqs = [r["sequence"][kind] for r in runs]
+    if any(len(q["tensors"]) != len(seqs[0]["tensors"]) or q["casts"] != seqs[0]["casts"] for q in seqs):
+        return {}
+    tensors = []
+    for j in range(len(seqs[0]["tensors"])):
+        cp = fit("", [q["tensors"][j] for q in seqs], check_fit=False)
+        tensors.append([cp["n"], cp["nsq"]])
+    return {"tensors": tensors, "linears": seqs[0]["casts"]}
 
 
 def _outside_layers(m: ModelSpec, runs: list[dict[str, Any]], fit: Any) -> dict[str, list[float]]:
@@ -542,6 +556,7 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
     # parallel MLP), and an encoder-decoder's at the ends of its stacks (once per model).
     top, image = len(kinds) - 1, vocab == -1 and early_frees
     typical, saved, parts = _typical_layers(kinds, starts, ends, saved_rec, pat)
+    sequence = {kind: _layer_sequence(recs, layer_of, i, saved_rec[i]) for kind, i in typical.items()}
 
     def excess(i: int) -> int:
         return sum(r.nbytes for r in saved_rec[i]) - saved[kinds[i]] if typical[kinds[i]] != i else 0
@@ -567,7 +582,7 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
     return {"saved": saved, "logits_bytes": logits_bytes, "parts": parts, "early": early, "base": base,
             "cache": {k: max(v) for k, v in kv.items()}, "held": {k: max(v) for k, v in held.items()},
             "embed": embed, "head": head, "head_loss": head_loss - head, "first": first, "transient": trans,
-            "made": made, "total_g": total_g, "first_input": first_input, **outputs,
+            "made": made, "total_g": total_g, "first_input": first_input, "sequence": sequence, **outputs,
             "head_forward": _head_forward(tracker, recs, (last_layer_ev, logits_ev), head) if image else 0}
 
 
@@ -691,6 +706,20 @@ def _typical_layers(kinds: list[str], starts: list[int], ends: list[int], saved_
             by[f"{rel or 'layer'}.{r.op}"] += r.nbytes
         parts[kind] = dict(by)
     return typical, saved, parts
+
+
+def _layer_sequence(recs: list, layer_of: Any, i: int, saved: list) -> dict[str, list]:
+    """Layer ``i``'s forward as the allocator sees it, for the estimate's replay of the step
+    (``estimate.reserved``): the bytes of each tensor it saves, one by one in the order they are
+    made (``parts`` sums them by module and op: a norm's fp32 upcast and its cast back are one part
+    there), and each 2-D weight copy autocast caches in it (``cuda.py``: the
+    ``autocast_weight_cache`` label) as (how many of those saved tensors were made before it, its
+    elements)."""
+    order = sorted(saved, key=lambda r: r.alloc_event)
+    casts = [r for r in recs if r.phase == "forward" and r.label == "autocast_weight_cache" and layer_of(r) == i
+             and len(r.shape or ()) == 2]
+    return {"tensors": [r.nbytes for r in order],
+            "casts": [[sum(1 for x in order if x.alloc_event < c.alloc_event), _numel(c.shape)] for c in casts]}
 
 
 def _numel(shape: Any) -> int:
