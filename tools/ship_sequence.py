@@ -6,7 +6,7 @@ leaving their other fields as they are.
 "transformers_version": V, ...estimate options}``; for each it re-derives the set of that setup
 with the installed transformers (which must be release V: the traced model is that release's
 code), checks the fresh layer totals equal the shipped ones (the same workload), and writes the
-shipped file with ``tensors`` and ``linears`` added per layer kind.
+shipped file with ``tensors``, ``linears``, ``temps`` and ``events`` added per layer kind.
 """
 from __future__ import annotations
 
@@ -47,8 +47,9 @@ def main() -> None:
         for kind, v in fresh["kinds"].items():
             old = shipped["kinds"][kind]
             assert abs(old["tok"] - v["tok"]) <= 1e-6 * max(1.0, abs(v["tok"])), (name, kind, old["tok"], v["tok"])
-            if "tensors" in v:
-                old["tensors"], old["linears"] = v["tensors"], v["linears"]
+            for field in ("tensors", "linears", "temps", "events"):
+                if field in v:
+                    old[field] = v[field]
         with open(path, "w", encoding="utf-8") as f:
             json.dump(shipped, f, sort_keys=True, separators=(",", ":"))
             f.write("\n")
