@@ -70,3 +70,22 @@ def test_the_derivation_records_the_layer_sequence():
     lc = derived.layer_coefs(r.model, r.training, "first")
     assert len(lc.tensors) == len(kind["tensors"]) and lc.fwd_events == tuple(ev)
     assert all(g == 4 for _pos, _w, g in lc.linears)           # fp32 weights under autocast
+
+
+def test_sequence_forward_follows_the_events():
+    """``reserved._sequence_forward`` on a made-up layer: saved tensors kept, a temporary freed where
+    its event says, one freed by the next layer after its first tensor, a saved tensor the trace did
+    not record (``quantities.derived_clamp``) made after the traced ones."""
+    from types import SimpleNamespace
+
+    from trainmem.estimate.reserved import _Parts, _Replay, _sequence_forward
+    mib = 1 << 20
+    q = SimpleNamespace(cast_layer=0, linear_replay=0, detail=SimpleNamespace(layer=SimpleNamespace(linears=(), after_uncast=())))
+    parts = _Parts([10 * mib, 20 * mib, 4 * mib], [], [], [30 * mib, 6 * mib], ("s", "t", "t", "f0", "s", "d1@1"))
+    R = _Replay()
+    kept = _sequence_forward(R, q, parts, keep=True)
+    assert [R.a.block_size(h) for h in kept] == [10 * mib, 20 * mib, 4 * mib]
+    assert R.a.allocated == 40 * mib and R.a.peak_allocated == 46 * mib      # 10 + 30 + 6 before f0
+    assert [at for at, _h in R.carry] == [1]                                  # the 6 MiB, for the next layer
+    nxt = _sequence_forward(R, q, _Parts([2 * mib], [], [], [], ("s",)), keep=True)
+    assert R.a.allocated == 36 * mib and not R.carry and len(nxt) == 1      # + 2, the 6 MiB freed

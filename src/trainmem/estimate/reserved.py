@@ -670,6 +670,11 @@ def _sequence_forward(R: _Replay, q: Quantities, parts: _Parts, keep: bool, cast
         elif e.startswith("d"):                                   # freed by the next layer's forward, or later
             k, at = e[1:].split("@")
             R.carry.append((LATE if at == "end" else int(at), live.pop(int(k), None)))
+    for x in saved:   # tensors the traced layer did not save, added for the run's release or framework
+        if keep:          # (``quantities.derived_clamp``, ``litgpt_terms``): after the traced ones
+            handles.append(R.alloc(x))
+        else:
+            _chain(R, [x], prev)
     R.carry += [(at, h) for at, h in carry if at == LATE]          # (kept to the loss)
     R.frees([h for at, h in carry if at != LATE] + list(live.values()))
     R.free(prev[0])
