@@ -89,7 +89,8 @@ def test_sequence_forward_follows_the_events():
 
     from trainmem.estimate.reserved import _Parts, _Replay, _sequence_forward
     mib = 1 << 20
-    q = SimpleNamespace(cast_layer=0, linear_replay=0, detail=SimpleNamespace(layer=SimpleNamespace(linears=(), after_uncast=())))
+    layer = SimpleNamespace(linears=(), after_uncast=())
+    q = SimpleNamespace(cast_layer=0, linear_replay=0, detail=SimpleNamespace(layer=layer))
     parts = _Parts([10 * mib, 20 * mib, 4 * mib], [], [], [30 * mib, 6 * mib], ("s", "t", "t", "f0", "s", "d1@1"))
     R = _Replay()
     kept = _sequence_forward(R, q, parts, keep=True)

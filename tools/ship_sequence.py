@@ -7,6 +7,11 @@ leaving their other fields as they are.
 with the installed transformers (which must be release V: the traced model is that release's
 code), checks the fresh layer totals equal the shipped ones (the same workload), and writes the
 shipped file with ``tensors``, ``linears``, ``temps`` and ``events`` added per layer kind.
+
+The H200 runs' sets (``validation/measured``, transformers 5.17.0) were written with that release
+beside the installed packages: ``pip install --no-deps --target DIR transformers==5.17.0`` and
+``pip install --target DIR "huggingface-hub>=1.5,<2"``, then ``PYTHONPATH=DIR:src python
+tools/ship_sequence.py CASES.json``; a case of another release is skipped with a line saying so.
 """
 from __future__ import annotations
 

@@ -639,48 +639,64 @@ def _checkpointed(R: _Replay, q: Quantities, parts: list[int], recompute: str) -
 def _sequence_forward(R: _Replay, q: Quantities, parts: _Parts, keep: bool, casts: bool = True) -> "_Kept":
     """A derived layer's forward in the order its traced forward made and freed its tensors
     (``LayerCoefs.fwd_events``, ``trace.derive._layer_sequence``): each saved tensor, each temporary
-    (freed where the trace freed it) and each linear's autocast weight copy where it was cast
-    (``_linear_casts``; else, under autocast, one block after them, as ``_saved_and_casts``).
+    (freed where the trace freed it: ``_Temps``) and each linear's autocast weight copy where it was
+    cast (``_linear_casts``; else, under autocast, one block after them, as ``_saved_and_casts``).
     ``keep``: the saved tensors are kept for backward; else (a checkpointed first forward, which
     saves nothing) they are chained as ``_checkpointed`` chains them, each freed once the next is
     made, and the copies are kept only where ``casts`` (autocast's cache, ``_recompute_casts``)."""
     sizes = _linear_casts(q) if casts else None
-    saved, copies = iter(parts), iter(sizes or [])
+    saved, copies, temps = iter(parts), iter(sizes or []), _Temps(parts.temps)
     handles: list = []
     made: list = []
-    live: dict = {}                                               # temporary's index -> handle
-    made_t = 0                                                    # temporaries made so far
     prev: list = [None]
     carry, done = R.carry, 0                                      # the layer before's late frees
     R.carry = []
     for e in parts.events:
         carry = _late_frees(R, carry, done)
         done += e in ("s", "c", "t")
-        if e == "s" and keep:
-            handles.append(R.alloc(next(saved)))
-        elif e == "s":
-            _chain(R, [next(saved)], prev)
+        if e == "s":
+            _saved(R, next(saved), keep, handles, prev)
         elif e == "c" and sizes is not None:
             made.append(R.alloc(next(copies)))                    # (out, in) in bf16/fp16
-        elif e == "t":
-            live[made_t] = R.alloc(parts.temps[made_t])
-            made_t += 1
-        elif e.startswith("f"):
-            R.free(live.pop(int(e[1:]), None))
-        elif e.startswith("d"):                                   # freed by the next layer's forward, or later
-            k, at = e[1:].split("@")
-            R.carry.append((LATE if at == "end" else int(at), live.pop(int(k), None)))
+        elif e != "c":
+            temps.event(R, e)
     for x in saved:   # tensors the traced layer did not save, added for the run's release or framework
-        if keep:          # (``quantities.derived_clamp``, ``litgpt_terms``): after the traced ones
-            handles.append(R.alloc(x))
-        else:
-            _chain(R, [x], prev)
+        _saved(R, x, keep, handles, prev)  # (``quantities.derived_clamp``, ``litgpt_terms``): after the traced ones
     R.carry += [(at, h) for at, h in carry if at == LATE]          # (kept to the loss)
-    R.frees([h for at, h in carry if at != LATE] + list(live.values()))
+    R.frees([h for at, h in carry if at != LATE] + list(temps.live.values()))
     R.free(prev[0])
     if keep and sizes is None and q.cast_layer:
         made.append(R.alloc(q.cast_layer))                        # the copies as one block (``_saved_and_casts``)
     return _Kept(handles, made) if sizes is not None else _Kept(handles + made)
+
+
+def _saved(R: _Replay, nbytes: int, keep: bool, handles: list, prev: list) -> None:
+    """One of a derived layer's saved tensors: kept (``handles``), or chained (``_chain``)."""
+    if keep:
+        handles.append(R.alloc(nbytes))
+    else:
+        _chain(R, [nbytes], prev)
+
+
+@dataclass
+class _Temps:
+    """A derived layer's temporaries while its forward runs (``_sequence_forward``): "t" makes the
+    next, "fK" frees the K-th, "dK@J" hands the K-th to the next layer, which frees it once J of its
+    tensors are made (``_late_frees``; "end": by the loss, ``LATE``)."""
+
+    sizes: list
+    live: dict = field(default_factory=dict)   # temporary's index -> handle
+    made: int = 0
+
+    def event(self, R: _Replay, e: str) -> None:
+        if e == "t":
+            self.live[self.made] = R.alloc(self.sizes[self.made])
+            self.made += 1
+        elif e.startswith("f"):
+            R.free(self.live.pop(int(e[1:]), None))
+        elif e.startswith("d"):
+            k, at = e[1:].split("@")
+            R.carry.append((LATE if at == "end" else int(at), self.live.pop(int(k), None)))
 
 
 #: a derived layer's temporary freed after the layers (``dK@end``): by the loss (``_forward``)
