@@ -434,7 +434,26 @@ def layer_coefs(m: ModelSpec, t: TrainingSpec, stage: str) -> LayerCoefs:
     return LayerCoefs(max(tok, 0.0), max(sq, 0.0), tuple((n, a, b) for n, (a, b) in sorted(parts.items())),
                       trans, held=held, cache=cache, weights=1.0, after=after, fwd_const=fwd[0], fwd_tok=fwd[1],
                       not_recomputed=max(not_recomputed, 0.0), checkpointed=bool(doc.get("checkpointed")),
-                      transients_ssq=ssq if any(ssq) else (), transients_at=tuple(at))
+                      transients_ssq=ssq if any(ssq) else (), transients_at=tuple(at),
+                      **_sequence(doc, list(count)))
+
+
+def _sequence(doc: dict[str, Any], kinds: list[str]) -> dict[str, tuple]:
+    """The replay's view of a derived layer (``estimate.reserved``), where the derivation recorded it
+    (``trace.derive._sequence``; coefficients derived before it did not) and the stage's layers are of
+    one kind: its saved tensors one by one in the order they are made (``LayerCoefs.tensors``), its
+    linears (``LayerCoefs.linears``): where autocast casts each trainable weight among them, its
+    elements and its gradient's bytes per element (fp32: autocast caches only fp32 leaves that
+    require grad, ``autocast_mode.cpp`` ``cached_cast``, and ``AccumulateGrad`` keeps the weight's
+    dtype), and the tensors its forward makes and frees, in the order of it all
+    (``LayerCoefs.fwd_temps``, ``fwd_events``)."""
+    kind = doc["kinds"][kinds[0]] if len(kinds) == 1 else {}
+    if "tensors" not in kind:
+        return {}
+    return {"tensors": tuple((float(a), float(b)) for a, b in kind["tensors"]),
+            "linears": tuple((int(pos), float(w), 4) for pos, w in kind["linears"]),
+            "fwd_temps": tuple((float(a), float(b)) for a, b in kind.get("temps", ())),
+            "fwd_events": tuple(kind.get("events", ()))}
 
 
 def _moments_of(m: ModelSpec, t: TrainingSpec, kinds: list[str]) -> dict[str, int]:

@@ -951,6 +951,12 @@ class LayerCoefs:
     # casts its weight, the weight's elements, bytes per element of its gradient (the weight's dtype;
     # 0: frozen)), for the allocator replay (reserved.py)
     linears: tuple[tuple[int, float, int], ...] = ()
+    # a derived layer's forward one tensor at a time (``trace.derive._layer_sequence``): the tensors it
+    # makes and frees within the forward, as ``tensors``, and the order of everything it makes ("s" the
+    # next of ``tensors``, "c" the next linear's weight copy, "t" the next temporary, "fK" the K-th
+    # temporary freed), for the allocator replay (reserved.py ``_sequence_forward``); () without one
+    fwd_temps: tuple[tuple[float, float], ...] = ()
+    fwd_events: tuple[str, ...] = ()
     held_b1: float | None = None  # ``held`` at a micro-batch of one sequence (Recipe.held_b1); None: ``held``
 
     def bytes(self, n: int, nsq: int) -> int:

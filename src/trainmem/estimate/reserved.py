@@ -63,6 +63,7 @@ class _Replay:
     # (phase label, step) -> (reserved bytes at its end, the replay's allocated peak so far)
     marks: dict = field(default_factory=dict)
     lag: "_Fsdp1Lag | None" = None   # FSDP1: frees awaiting other streams, released by its rate limiter
+    carry: list = field(default_factory=list)  # a derived layer's late frees: (J, handle), ``_sequence_forward``
 
     def mark(self, label: str, step: int) -> None:
         self.marks[(label, step)] = (self.a.reserved, self.a.peak_allocated)
@@ -168,10 +169,13 @@ class _Parts(list):
     """Bytes of each tensor one layer saves for backward, in order; ``forward_only``: those it makes
     and frees in its forward (``LayerCoefs.fwd_free``)."""
 
-    def __init__(self, saved: Any, forward_only: list[int], op: list[int] | None = None) -> None:
+    def __init__(self, saved: Any, forward_only: list[int], op: list[int] | None = None,
+                 temps: list[int] | None = None, events: tuple[str, ...] = ()) -> None:
         super().__init__(saved)
         self.forward_only = forward_only
         self.op = op or []     # the op outputs torchtitan's per-op policy keeps (``LayerCoefs.op_tensors``)
+        self.temps = temps or []  # a derived layer's forward temporaries (``LayerCoefs.fwd_temps``)
+        self.events = events      # ... and the order of its forward (``LayerCoefs.fwd_events``)
 
 
 def _layer_parts(q: Quantities, n: int, nsq: int) -> _Parts:
@@ -180,7 +184,8 @@ def _layer_parts(q: Quantities, n: int, nsq: int) -> _Parts:
     lc = q.detail.layer
     return _Parts((int(a * n + b * nsq) for a, b in (lc.tensors or [(a, b) for _name, a, b in lc.parts])),
                   [int(a * n + b * nsq) for a, b in lc.fwd_free],
-                  [int(a * n + b * nsq) for a, b in lc.op_tensors])
+                  [int(a * n + b * nsq) for a, b in lc.op_tensors],
+                  [int(a * n + b * nsq) for a, b in lc.fwd_temps], lc.fwd_events)
 
 
 @dataclass
@@ -214,6 +219,8 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     cached: list = []                                             # autocast's weight cache (checkpointed layers)
     kept = [_layer_forward(R, q, fs, parts, tk, recompute, keep=(i == q.layers - 1 and q.fsdp_last_kept > 0),
                            cached=cached) for i in range(q.layers)]
+    R.frees([h for at, h in R.carry if at != LATE])               # the top layer's late frees (a derived layer)
+    R.carry = [(at, h) for at, h in R.carry if at == LATE]
     head = [R.alloc(tk.outer_head)]                               # the final norm's output: the head's input
     R.free(embeds)                                                # the base model returns (held_embeddings)
     head.append(R.alloc(q.cast_head))                             # autocast's half copy of the head
@@ -231,6 +238,8 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     else:
         fwd = R.allocs(_logit_tensors(tk.loss_forward, q.loss_forward, full, chunks))  # the fp32 copy, transient
         saved = R.allocs(_logit_tensors(tk.loss_saved, q.loss_saved, full, chunks))    # log-probabilities
+    R.frees([h for _at, h in R.carry])                            # derived layers' tensors the loss frees
+    R.carry = []
     R.frees(fwd)
     R.frees(cached)                                               # autocast exits: its cache cleared
     if flags.hold == "loss":
@@ -582,7 +591,9 @@ def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: _Parts, tk: Toke
     parameters stay until its backward (``quantities.fsdp2_last_gathered``); ``cached``: where a
     checkpointed layer's autocast weight copies go, freed when the forward ends (``_checkpointed``)."""
     params = fs.unshard(R, q.fsdp_layer_buf, q.detail.states.layer_tensors)  # FSDP: this layer gathered
-    if recompute == "none":
+    if recompute == "none" and parts.events:                      # a derived layer, tensor by tensor
+        kept = _sequence_forward(R, q, parts, keep=True)
+    elif recompute == "none":
         kept = _saved_and_casts(R, q, parts)                      # saved tensors + autocast weight copies
         R.frees(R.allocs(parts.forward_only))                     # what the forward makes and frees
     else:
@@ -608,6 +619,8 @@ def _checkpointed(R: _Replay, q: Quantities, parts: list[int], recompute: str) -
     Elsewhere (not full recomputation, or not linear by linear: ``_recompute_casts``) its tensors
     are made and freed together. Returns the copies, to be freed when the forward ends."""
     casts = _linear_casts(q) if recompute == "full" and _recompute_casts(q) else None
+    if recompute == "full" and getattr(parts, "events", ()):      # a derived layer, tensor by tensor
+        return _sequence_forward(R, q, parts, keep=False, casts=casts is not None).casts
     if casts is None:
         R.frees(R.allocs(parts))
         return []
@@ -621,6 +634,80 @@ def _checkpointed(R: _Replay, q: Quantities, parts: list[int], recompute: str) -
     _chain(R, list(parts[done:]), prev)
     R.free(prev[0])
     return copies
+
+
+def _sequence_forward(R: _Replay, q: Quantities, parts: _Parts, keep: bool, casts: bool = True) -> "_Kept":
+    """A derived layer's forward in the order its traced forward made and freed its tensors
+    (``LayerCoefs.fwd_events``, ``trace.derive._layer_sequence``): each saved tensor, each temporary
+    (freed where the trace freed it: ``_Temps``) and each linear's autocast weight copy where it was
+    cast (``_linear_casts``; else, under autocast, one block after them, as ``_saved_and_casts``).
+    ``keep``: the saved tensors are kept for backward; else (a checkpointed first forward, which
+    saves nothing) they are chained as ``_checkpointed`` chains them, each freed once the next is
+    made, and the copies are kept only where ``casts`` (autocast's cache, ``_recompute_casts``)."""
+    sizes = _linear_casts(q) if casts else None
+    saved, copies, temps = iter(parts), iter(sizes or []), _Temps(parts.temps)
+    handles: list = []
+    made: list = []
+    prev: list = [None]
+    carry, done = R.carry, 0                                      # the layer before's late frees
+    R.carry = []
+    for e in parts.events:
+        carry = _late_frees(R, carry, done)
+        done += e in ("s", "c", "t")
+        if e == "s":
+            _saved(R, next(saved), keep, handles, prev)
+        elif e == "c" and sizes is not None:
+            made.append(R.alloc(next(copies)))                    # (out, in) in bf16/fp16
+        elif e != "c":
+            temps.event(R, e)
+    for x in saved:   # tensors the traced layer did not save, added for the run's release or framework
+        _saved(R, x, keep, handles, prev)  # (``quantities.derived_clamp``, ``litgpt_terms``): after the traced ones
+    R.carry += [(at, h) for at, h in carry if at == LATE]          # (kept to the loss)
+    R.frees([h for at, h in carry if at != LATE] + list(temps.live.values()))
+    R.free(prev[0])
+    if keep and sizes is None and q.cast_layer:
+        made.append(R.alloc(q.cast_layer))                        # the copies as one block (``_saved_and_casts``)
+    return _Kept(handles, made) if sizes is not None else _Kept(handles + made)
+
+
+def _saved(R: _Replay, nbytes: int, keep: bool, handles: list, prev: list) -> None:
+    """One of a derived layer's saved tensors: kept (``handles``), or chained (``_chain``)."""
+    if keep:
+        handles.append(R.alloc(nbytes))
+    else:
+        _chain(R, [nbytes], prev)
+
+
+@dataclass
+class _Temps:
+    """A derived layer's temporaries while its forward runs (``_sequence_forward``): "t" makes the
+    next, "fK" frees the K-th, "dK@J" hands the K-th to the next layer, which frees it once J of its
+    tensors are made (``_late_frees``; "end": by the loss, ``LATE``)."""
+
+    sizes: list
+    live: dict = field(default_factory=dict)   # temporary's index -> handle
+    made: int = 0
+
+    def event(self, R: _Replay, e: str) -> None:
+        if e == "t":
+            self.live[self.made] = R.alloc(self.sizes[self.made])
+            self.made += 1
+        elif e.startswith("f"):
+            R.free(self.live.pop(int(e[1:]), None))
+        elif e.startswith("d"):
+            k, at = e[1:].split("@")
+            R.carry.append((LATE if at == "end" else int(at), self.live.pop(int(k), None)))
+
+
+#: a derived layer's temporary freed after the layers (``dK@end``): by the loss (``_forward``)
+LATE = 1 << 62
+
+
+def _late_frees(R: _Replay, carry: list, done: int) -> list:
+    """Free the layer before's temporaries whose time has come (``done`` of this layer's tensors
+    made: a ``dK@J`` event with J <= done); returns those still waiting."""
+    R.frees([h for at, h in carry if at <= done])
+    return [(at, h) for at, h in carry if at > done]
 
 
 def _chain(R: _Replay, sizes: list[int], prev: list) -> None:
@@ -756,7 +843,10 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
         params = fs.unshard_backward(R, q.fsdp_layer_buf, st.layer_tensors, prefetch=i > 0)
     per_linear = _per_linear(q, kept, recompute)                  # the weights' gradients linear by linear
     if recompute == "full" and _recompute_casts(q):               # the checkpointed forward again, with
-        redo = _saved_and_casts(R, q, parts)                      # autocast's weight copies at its linears
+        redo = _sequence_forward(R, q, parts, keep=True) if getattr(parts, "events", ()) else \
+            _saved_and_casts(R, q, parts)                         # autocast's weight copies at its linears
+        R.frees([h for _at, h in R.carry])                        # (no next layer nor loss follows a recomputed one)
+        R.carry = []
         kept, per_linear = _Kept(list(kept), redo.casts), True
     else:
         redo = R.allocs(parts) if recompute != "none" else []     # the checkpointed forward again

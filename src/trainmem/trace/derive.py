@@ -112,7 +112,7 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1:
         cache = _fitted(m, f"layer {kind} KV cache", pts, [r["cache"][kind] for r in runs], ("n",))[0]
         held = _fitted(m, f"layer {kind} output-held bytes", pts, [r["held"][kind] for r in runs], ("n",))[0]
         out["kinds"][kind] = {"tok": c["n"], "sq": c["nsq"], "pos": c["s"], "parts": parts, "transients": trans,
-                              "cache": cache, "held": held}
+                              "cache": cache, "held": held, **_sequence(runs, kind, fit)}
         # the layer's output, kept only by what follows the layer (the next layer, the final norm):
         # a layer recomputed in its backward does not make it again (quantities._recompute);
         # measured at the kind's typical layer (``_analyse``'s ``at``), whose output the next layer
@@ -134,6 +134,27 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1:
                        ("first_early", "end layers' outputs")):
         out[name] = _fitted(m, what, pts, [r[name] for r in runs], ("n",))[0]
     return dict(out, **_outside_layers(m, runs, fit))
+
+
+def _sequence(runs: list[dict[str, Any]], kind: str, fit: Any) -> dict[str, list]:
+    """A kind's forward one tensor at a time (``_layer_sequence``): its saved tensors and its
+    temporaries, each fitted as the parts are (bytes per token, per token x key), its linears'
+    weight casts among them, and the order of it all; where every point made the same tensors in
+    the same order (else nothing: the replay keeps the parts)."""
+    seqs = [r["sequence"][kind] for r in runs]
+    first = seqs[0]
+    if any(len(q["tensors"]) != len(first["tensors"]) or q["casts"] != first["casts"] or q["events"] != first["events"]
+           for q in seqs):
+        return {}
+
+    def fitted(what: str) -> list[list[float]]:
+        out = []
+        for j in range(len(first[what])):
+            cp = fit("", [q[what][j] for q in seqs], check_fit=False)
+            out.append([cp["n"], cp["nsq"]])
+        return out
+    return {"tensors": fitted("tensors"), "linears": first["casts"], "temps": fitted("temps"),
+            "events": first["events"]}
 
 
 def _outside_layers(m: ModelSpec, runs: list[dict[str, Any]], fit: Any) -> dict[str, list[float]]:
@@ -542,6 +563,7 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
     # parallel MLP), and an encoder-decoder's at the ends of its stacks (once per model).
     top, image = len(kinds) - 1, vocab == -1 and early_frees
     typical, saved, parts = _typical_layers(kinds, starts, ends, saved_rec, pat)
+    sequence = {kind: _layer_sequence(recs, layer_of, i, saved_rec[i], end, logits_ev) for kind, i in typical.items()}
 
     def excess(i: int) -> int:
         return sum(r.nbytes for r in saved_rec[i]) - saved[kinds[i]] if typical[kinds[i]] != i else 0
@@ -567,7 +589,7 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
     return {"saved": saved, "logits_bytes": logits_bytes, "parts": parts, "early": early, "base": base,
             "cache": {k: max(v) for k, v in kv.items()}, "held": {k: max(v) for k, v in held.items()},
             "embed": embed, "head": head, "head_loss": head_loss - head, "first": first, "transient": trans,
-            "made": made, "total_g": total_g, "first_input": first_input, **outputs,
+            "made": made, "total_g": total_g, "first_input": first_input, "sequence": sequence, **outputs,
             "head_forward": _head_forward(tracker, recs, (last_layer_ev, logits_ev), head) if image else 0}
 
 
@@ -691,6 +713,43 @@ def _typical_layers(kinds: list[str], starts: list[int], ends: list[int], saved_
             by[f"{rel or 'layer'}.{r.op}"] += r.nbytes
         parts[kind] = dict(by)
     return typical, saved, parts
+
+
+def _layer_sequence(recs: list, layer_of: Any, i: int, saved: list, end: int, logits: int) -> dict[str, list]:
+    """Layer ``i``'s forward as the allocator sees it, for the estimate's replay of the step
+    (``estimate.reserved``): the bytes of each tensor it saves, one by one in the order they are
+    made (``parts`` sums them by module and op: a norm's fp32 upcast and its cast back are one part
+    there); each 2-D weight copy autocast caches in it (``cuda.py``: the ``autocast_weight_cache``
+    label) as (how many of those saved tensors were made before it, its elements); the bytes of each
+    tensor it makes and frees within the forward (``temps``); and the order of it all (``events``:
+    "s" the next saved tensor made, "c" the next weight copy, "t" the next temporary, "fK" the K-th
+    temporary freed, "dK@J" the K-th freed by the next layer's forward once J of its tensors are made
+    (all of them: at its end, as a layer's output in half, which the next layer's RMSNorm copies to
+    fp32 and keeps as its residual), "dK@end" freed once the head has made the logits: by the loss,
+    as the keys transformers 5.24's ``DynamicCache`` concatenates in fp32 under autocast)."""
+    saved_ids = {r.rid for r in saved}
+    fwd = sorted((r for r in recs if r.phase == "forward" and layer_of(r) == i), key=lambda r: r.alloc_event)
+    casts = [r for r in fwd if r.label == "autocast_weight_cache" and len(r.shape or ()) == 2]
+    cast_ids = {r.rid for r in casts}
+    temps = [r for r in fwd if r.rid not in saved_ids and r.rid not in cast_ids and r.label != "autocast_weight_cache"
+             and r.category in ("activations", "temporaries") and r.free_event is not None and r.free_event < end]
+    order = sorted(saved, key=lambda r: r.alloc_event)
+    index = {r.rid: k for k, r in enumerate(temps)}
+    ev = [(r.alloc_event, "s" if r.rid in saved_ids else "c") for r in order + casts]
+    ev += [(r.alloc_event, "t") for r in temps]
+    last = max((e for e, _x in ev), default=0)
+    # the next layer's tensors as the replay makes them (its saved tensors, temporaries, weight copies)
+    nxt = [r.alloc_event for r in recs if r.phase == "forward" and layer_of(r) == i + 1 and (
+        (r.category in ("activations", "temporaries") and r.label != "autocast_weight_cache")
+        or (r.label == "autocast_weight_cache" and len(r.shape or ()) == 2))]
+    for r in temps:  # freed within the layer, by the next layer after J of its tensors ("dK@J"), or by the loss
+        late = r.free_event > last and nxt
+        j = sum(1 for a in nxt if a < r.free_event)
+        ev.append((r.free_event, (f"d{index[r.rid]}@end" if r.free_event > logits else f"d{index[r.rid]}@{j}")
+                   if late else f"f{index[r.rid]}"))
+    return {"tensors": [r.nbytes for r in order], "temps": [r.nbytes for r in temps],
+            "events": [e for _n, e in sorted(ev, key=lambda x: x[0])],
+            "casts": [[sum(1 for x in order if x.alloc_event < c.alloc_event), _numel(c.shape)] for c in casts]}
 
 
 def _numel(shape: Any) -> int:
