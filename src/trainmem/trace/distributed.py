@@ -89,7 +89,8 @@ import torch
 from ..errors import TrainmemError
 from ..units import fmt
 from ..spec import TrainingSpec
-from ..wrappers import (PP_MODEL_TYPES, SCHEDULE_NAMES, TP_MODEL_TYPES, ddp, fsdp1, fsdp2, mesh, pipeline_stage_module, tensor_parallel,
+from ..wrappers import (PP_MODEL_TYPES, SCHEDULE_NAMES, TP_MODEL_TYPES, context_parallel_hooks, ddp, dp_mesh,
+                        fsdp1, fsdp2, mesh, pipeline_stage_module, tensor_parallel,
                         wrapper_name)
 from .cuda import _patched
 from .tracker import Tracker
@@ -104,21 +105,22 @@ _DEVICE_HANDLE_USERS = ("torch.distributed.device_mesh", "torch.distributed.tens
 
 def distributed(t: TrainingSpec) -> bool:
     """Whether the setup runs on several ranks (DDP, FSDP, tensor or pipeline parallelism)."""
-    return t.dp > 1 or t.fsdp is not None or t.tp > 1 or t.pp > 1
+    return t.dp > 1 or t.fsdp is not None or t.tp > 1 or t.pp > 1 or t.cp > 1
 
 
 def world_size(t: TrainingSpec) -> int:
     """The ranks of the layout: dp × tp (the mesh ``wrappers.mesh`` builds), or pp × tp or pp × dp
     (the pipeline stages, each tensor-parallel over tp, or replicated by DDP or sharded by FSDP2
     over dp: ``check`` refuses pp with both dp and tp)."""
-    return t.dp * t.tp * t.pp
+    return t.dp * t.tp * t.pp * t.cp
 
 
 def sharded_unloaded(t: TrainingSpec) -> bool:
     """Whether the wrappers shard the model before it is loaded (FSDP2, tensor parallelism, a
     pipeline stage's split: built on ``meta``, sharded or cut, then given memory, as torchtitan
-    does), so only the rank's part is ever loaded."""
-    return t.fsdp is not None or t.tp > 1 or t.pp > 1
+    does), so only the rank's part is ever loaded; and under context parallelism, whose mesh and
+    attention hooks are set on the model before it is loaded (:func:`wrap`)."""
+    return t.fsdp is not None or t.tp > 1 or t.pp > 1 or t.cp > 1
 
 
 def _what(t: TrainingSpec) -> str:
@@ -653,10 +655,13 @@ def wrap(module: torch.nn.Module, spec: Any, t: TrainingSpec, tracker: Tracker) 
     device_mesh = mesh(t, "cuda")
     if t.tp > 1:
         tensor_parallel(module, spec, device_mesh["tp"], t.sequence_parallel)
+    if t.cp > 1:  # the mesh TrainStep's context_parallel runs on, and accelerate's mask hooks
+        module.cp_mesh = device_mesh["cp"]
+        context_parallel_hooks(module)
     if t.fsdp is not None and t.fsdp_version == 1:  # the flat parameters built and sharded on the emulated GPU
         return fsdp1(module, spec, t, device_mesh["dp"], torch.device("meta"))
     if t.fsdp is not None:
-        fsdp2(module, spec, t, device_mesh["dp"])
+        fsdp2(module, spec, t, dp_mesh(device_mesh, t))
         return module
     return module
 
