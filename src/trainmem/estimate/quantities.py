@@ -38,7 +38,7 @@ from .quant4 import dequant_dtypes, is_quantized
 from .schedules import in_flight_at_backwards
 from .gemini import model_gemini
 from .states import (States, block_bytes, default_lora_targets, dtensor_tp, fsdp_grad_op, model_states,
-                     torch_pipeline)
+                     torch_cp, torch_pipeline)
 
 F32 = 4
 #: ``pp_inflight`` under GPipe: no bound below the step's micro-batches (min(this, grad_accum) = grad_accum)
@@ -294,7 +294,7 @@ def layer_key(m: ModelSpec, t: TrainingSpec) -> LayerKey:
                     math_upcast=t.math_sdpa_upcasts,
                     eager_clamp=t.attention == "eager" and eager_clamp(m, t.transformers_release),
                     cache_values_own_dtype=cache_values_own_dtype(release), cache_kind=kv_cache_kind(release),
-                    rotary_keys_half=rotary_keys_half(m, release))
+                    rotary_keys_half=rotary_keys_half(m, release), ring=t.cp if torch_cp(t) else 1)
 
 
 def release_attention_call(m: ModelSpec, t: TrainingSpec) -> str:
@@ -319,8 +319,11 @@ def kv_cache(m: ModelSpec, t: TrainingSpec) -> bool:
     under gradient checkpointing (``merge_with_config_defaults`` turns it off); its ``torch.cat``
     copies of each layer's keys and values are what attention then consumes. Megatron-style
     tensor/pipeline/context parallel code has no such cache; PyTorch's tensor parallelism runs the
-    transformers model itself (``states.dtensor_tp``), whose cache then holds each rank's own heads."""
-    if t.recompute in ("full", "op") or t.pp * t.cp > 1 or (t.tp > 1 and not dtensor_tp(t)):
+    transformers model itself (``states.dtensor_tp``), whose cache then holds each rank's own heads,
+    and so does PyTorch's context parallelism (``states.torch_cp``), whose cache holds the rank's own
+    tokens' keys and values (the ring gathers the others' into buffers of its own)."""
+    if t.recompute in ("full", "op") or t.pp > 1 or (t.cp > 1 and not torch_cp(t)) \
+            or (t.tp > 1 and not dtensor_tp(t)):
         return False
     if m.head != "causal-lm" or m.family == "nanogpt":
         return False

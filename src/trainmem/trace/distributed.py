@@ -482,7 +482,29 @@ def patches(tracker: Tracker) -> dict[tuple[Any, str], Any]:
     import torch.distributed as dist
     out[(dist, "batch_isend_irecv")] = _p2p_one_by_one
     out.update(_fsdp1_patches(tracker))
+    from torch.distributed import _functional_collectives as funcol
+    out[(funcol, "_maybe_wrap_tensor")] = _wrap_without_copy(funcol._maybe_wrap_tensor)
     return out
+
+
+def _wrap_without_copy(orig: Callable) -> Callable:
+    """``_functional_collectives._maybe_wrap_tensor`` (torch 2.13 ``_functional_collectives.py``
+    L1402-1405) on the emulated GPU. Every functional collective (DTensor's redistributions, the ring
+    attention's all-gather and all-to-all) hands its output to the ``_wrap_tensor_autograd`` custom op,
+    whose kernel returns ``AsyncCollectiveTensor(input)``, a wrapper around the same storage (L1325-1343,
+    identity backward L1354-1385), and the first use waits with ``wait_tensor``, whose CUDA kernel
+    returns its input (``torch/csrc/distributed/c10d/Functional.cpp`` ``wait_tensor``). On ``meta``
+    the dispatcher runs the fake kernels instead, both ``torch.empty_like(input)`` (L1346-1351,
+    ``_wait_tensor_meta`` L1470), a second buffer of the output's size that a GPU never allocates.
+    Here the collective's output is returned as it is: the storage a GPU keeps, with its autograd
+    edge (the fake group completes every collective at once, so there is nothing to wait for)."""
+    from torch.distributed._functional_collectives import _are_we_tracing
+
+    def run(self: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "meta" or _are_we_tracing():
+            return orig(self)
+        return self
+    return run
 
 
 def _p2p_one_by_one(p2p_op_list: list) -> list:
