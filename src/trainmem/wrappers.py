@@ -76,6 +76,17 @@ def context_parallel_hooks(module: torch.nn.Module) -> None:
     ``distributed/tensor/experimental/_context_parallel/_attention.py`` L700, L739, and flash takes
     none). transformers' ``sdpa_attention_forward`` then calls SDPA with ``attn_mask=None,
     is_causal=True`` (``integrations/sdpa_attention.py``)."""
+    config = getattr(module, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layer_types = getattr(config, "layer_types", None)
+    windowed = ({x for x in layer_types if x != "full_attention"} if layer_types is not None else
+                ({"sliding_attention"} if getattr(config, "sliding_window", None) else set()))
+    if windowed:  # accelerate refuses them the same way (big_modeling.py L806-826)
+        from .errors import TrainmemError
+        raise TrainmemError(f"--cp: the model has {sorted(windowed)} layers, whose mask context parallelism would "
+                            "drop (PyTorch's ring attention is full causal only); use a model without a sliding "
+                            "window, or --cp 1")
+
     def drop_mask(_module: Any, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         if "attention_mask" in kwargs:
             kwargs["attention_mask"] = None
@@ -344,9 +355,12 @@ def wrapper_name(t: TrainingSpec) -> str:
     if t.tp > 1:
         parts.append(f"tensor parallel ×{t.tp}" + (" with sequence parallelism" if t.sequence_parallel else "")
                      + " (parallelize_module)")
+    if t.cp > 1:
+        parts.append(f"context parallel ×{t.cp} (context_parallel: ring attention, all-gather of keys and values)")
     if t.fsdp is not None:
+        over = f"{t.dp} x cp {t.cp}" if t.cp > 1 else f"{t.dp}"
         parts.append(("FSDP1 FullyShardedDataParallel " if t.fsdp_version == 1 else "FSDP2 fully_shard ")
-                     + f"{t.fsdp} over {t.dp}")
+                     + f"{t.fsdp} over {over}")
     elif t.dp > 1:
         parts.append(f"DDP over {t.dp}")
     return ", ".join(parts) or "none"

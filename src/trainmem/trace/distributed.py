@@ -127,6 +127,7 @@ def _what(t: TrainingSpec) -> str:
     parts = [f"--pp {t.pp}"] if t.pp > 1 else []
     parts += [f"--dp {t.dp}"] if t.dp > 1 or t.fsdp else []
     parts += [f"--fsdp {t.fsdp}"] if t.fsdp else []
+    parts += [f"--cp {t.cp}"] if t.cp > 1 else []
     parts += [f"--tp {t.tp}"] if t.tp > 1 else []
     return " ".join(parts + (["--sequence-parallel"] if t.sequence_parallel else []))
 
@@ -140,6 +141,8 @@ def check(t: TrainingSpec, spec: Any, device: str) -> None:
         _check_pp(t, spec, device, what)
     if t.tp > 1:
         _check_tp(t, spec, device, what)
+    if t.cp > 1:
+        _check_cp(t, spec, device, what)
     if device != "cuda":
         raise TrainmemError(f"trace {what} runs on the emulated GPU: drop --device cpu")
     if spec is None:
@@ -242,6 +245,37 @@ def _check_pp(t: TrainingSpec, spec: Any, device: str, what: str) -> None:
                (t.hold_output != "loss", f"--hold-output {t.hold_output} (the schedule returns no output to the "
                                          "loop: return_outputs=False)"),
                (t.optimizer_in_backward, "--optimizer-in-backward")]
+    bad = [name for flag, name in refused if flag]
+    if bad:
+        raise TrainmemError(f"trace {what} with {bad[0]} is not traced; use estimate")
+
+
+#: --attention values whose SDPA call PyTorch's ring attention takes: its handler runs the flash,
+#: memory-efficient and cuDNN kernels only (torch 2.13 ``_context_parallel/_attention.py`` ``_sdpa_handler``,
+#: L895-905: "CP only supports flash attention and memory efficient attention now")
+CP_ATTENTION = ("sdpa", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn")
+
+
+def _check_cp(t: TrainingSpec, spec: Any, device: str, what: str) -> None:
+    """The context-parallel refusals: what PyTorch's ``context_parallel`` on the transformers model
+    (``wrappers.context_parallel``, as transformers' Trainer and accelerate run it) does not run."""
+    if device != "cuda" or spec is None:
+        return  # refused below with the data-parallel setups' reasons
+    if spec.model_type not in TP_MODEL_TYPES or spec.head != "causal-lm":
+        raise TrainmemError(f"trace {what}: context parallelism is traced for Llama, Mistral and Qwen2 causal LMs "
+                            f"(their self_attn modules take accelerate's mask hooks), not a {spec.model_type} "
+                            f"{spec.head} model ({spec.name}); use estimate")
+    if t.attention not in CP_ATTENTION:
+        raise TrainmemError(f"trace {what} with --attention {t.attention}: PyTorch's context_parallel replaces "
+                            "F.scaled_dot_product_attention and its ring runs the flash, memory-efficient and cuDNN "
+                            "kernels only (transformers' Trainer refuses any other attention); give --attention sdpa")
+    refused = [(t.pp > 1, f"--pp {t.pp} (a (pp, cp) mesh is not built)"),
+               (t.dp > 1 and t.fsdp is None, f"--dp {t.dp} without --fsdp (accelerate runs context parallelism "
+                                             "with FSDP2 only, sharded over dp x cp; add --fsdp full)"),
+               (t.fsdp is not None and t.fsdp_version == 1, "--fsdp-version 1 (FSDP2 shards over dp x cp)"),
+               (t.loss is not None or t.loss_chunks > 1, "a loss other than the model's own (the Trainer's "
+                                                         "sharded shift_labels feed the model's loss)"),
+               (t.compile, "--compile"), (bool(t.quantize), "--quantize")]
     bad = [name for flag, name in refused if flag]
     if bad:
         raise TrainmemError(f"trace {what} with {bad[0]} is not traced; use estimate")
@@ -776,6 +810,11 @@ def describe(t: TrainingSpec, rank: int = 0) -> str:
            "every rank's shards are as large as rank 0's or smaller (torch.chunk gives the first ranks the extra "
            "rows; FSDP2 pads its shards to rank 0's size)")
     which = "rank 0 traced, the worst rank" if rank == 0 else f"rank {rank} traced (rank 0 is the worst)"
+    if t.cp > 1:
+        why = ("every context-parallel rank but the last merges its ring attention's second half-sequence "
+               "iterations with torch.cat, whose contiguous output transformers copies before o_proj; the last "
+               "rank's merge holds one more fp32 output-sized temporary instead")
+        which = "rank 0 traced" if rank == 0 else f"rank {rank} traced"
     if t.fsdp is not None and t.fsdp_version == 1:
         why = ("FSDP1 pads every rank's flat shard to one size; the optimizer keeps a state per piece of an original "
                "parameter in the rank's shard, so a rank whose shard cuts more parameters rounds a few more "
