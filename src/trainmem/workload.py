@@ -53,8 +53,8 @@ def _check_release(t: TrainingSpec, what: str) -> None:
 def check_supported(t: TrainingSpec, what: str = "trace") -> None:
     """Refuse the setups a run cannot execute. ``trace`` runs one GPU, or data and tensor parallelism
     (DDP, FSDP2 with ``--fsdp``, ``--tp`` with or without ``--sequence-parallel``) and pipeline
-    parallelism (``--pp``, torch's Schedule1F1B or ScheduleGPipe) on a fake process group in one process
-    (``trainmem.trace.distributed``); no context parallelism.
+    parallelism (``--pp``, torch's Schedule1F1B or ScheduleGPipe) and context parallelism (``--cp``, PyTorch's
+    ``context_parallel``) on a fake process group in one process (``trainmem.trace.distributed``).
     ``measure`` runs data and tensor parallelism through PyTorch's own wrappers, one process per rank
     (``trainmem.measure.distributed``), without sequence parallelism."""
     if t.gemini is not None:
@@ -79,6 +79,7 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
     if bad:
         sp = ", --sequence-parallel" if what == "trace" else ""
         pp = ", pipeline parallelism (--pp)" if what == "trace" else ""
+        pp += ", context parallelism (--cp)" if what == "trace" else ""
         raise TrainmemError(f"{what} runs DDP (--dp), FSDP (--fsdp over --dp){pp} and tensor parallelism (--tp{sp}) "
                             "through torch.distributed; not supported: " + ", ".join(bad) +
                             " (use `estimate` for those)")

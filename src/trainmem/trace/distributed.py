@@ -2,6 +2,8 @@
 
 ``trace(..., dp=N)`` (DDP), ``trace(..., dp=N, fsdp="full"|"grad-op")`` (FSDP2; with
 ``fsdp_version=1`` FSDP1 ``FullyShardedDataParallel``, ``wrappers.fsdp1``) and
+``trace(..., cp=C)`` (PyTorch's ``context_parallel`` around each micro-batch's forward and backward,
+``wrappers.context_parallel``; FSDP2 over dp x cp with ``fsdp``),
 ``trace(..., tp=T)`` (``parallelize_module`` with torchtitan's Llama plan,
 ``trainmem.wrappers.tensor_parallel``; with ``sequence_parallel``, and with FSDP2 over the ``dp``
 dimension of a (dp, tp) mesh) start a fake process group of N × T ranks in this process — PyTorch's ``fake`` backend
@@ -109,7 +111,7 @@ def distributed(t: TrainingSpec) -> bool:
 
 
 def world_size(t: TrainingSpec) -> int:
-    """The ranks of the layout: dp × tp (the mesh ``wrappers.mesh`` builds), or pp × tp or pp × dp
+    """The ranks of the layout: dp × cp × tp (the mesh ``wrappers.mesh`` builds), or pp × tp or pp × dp
     (the pipeline stages, each tensor-parallel over tp, or replicated by DDP or sharded by FSDP2
     over dp: ``check`` refuses pp with both dp and tp)."""
     return t.dp * t.tp * t.pp * t.cp
@@ -841,7 +843,11 @@ def rank_entries(report: Any, t: TrainingSpec, rank: int = 0) -> list[dict[str, 
             "parameters_bytes", "optimizer_states_bytes", "cuda_context")
     why = ({"not_traced": "the same program; FSDP1 pads every rank's flat shard to one size, and the optimizer "
                           "states of the parameter pieces in it may round to some KiB more or less"}
-           if t.fsdp is not None and t.fsdp_version == 1 else {})
+           if t.fsdp is not None and t.fsdp_version == 1 else
+           {"not_traced": "the same program on its share of the sequence; the ring attention's steps differ by "
+                          "context-parallel rank (the last one makes no copy of the merged output and holds one more "
+                          "fp32 output-sized temporary while merging); trace rank=k for another"}
+           if t.cp > 1 else {})
     return [traced if r == rank else
             {"rank": r, "local_rank": r, **{k: traced[k] for k in keep}, "traced": False, "copied_from": rank, **why}
             for r in range(world_size(t))]
