@@ -50,11 +50,14 @@ def test_the_ring_backward_is_the_peak_under_full_recompute_and_the_estimate_fin
 
 
 @pytest.mark.parametrize("options", [dict(cp=2), dict(cp=4), dict(cp=2, recompute="full"),
-                                     dict(cp=2, dp=2, fsdp="full"), dict(cp=2, tp=2)],
-                         ids=["cp2", "cp4", "cp2-full", "cp2-fsdp-dp2", "cp2-tp2"])
+                                     dict(cp=2, dp=2, fsdp="full"), dict(cp=2, tp=2),
+                                     dict(cp=4, dp=2, fsdp="full", seq_len=1024)],
+                         ids=["cp2", "cp4", "cp2-full", "cp2-fsdp-dp2", "cp2-tp2", "cp4-fsdp-dp2-1024"])
 def test_estimate_agrees_with_trace(options):
-    """Peak allocated within 0.5% (docs/trace.md's context-parallel table: -0.2% to -0.1%, the
-    Trainer's int64 buffers the estimate does not count)."""
+    """Peak allocated within 0.5% (docs/trace.md's context-parallel table: -0.3% to -0.02% but two rows
+    with 1 MiB of allocator rounding; the Trainer's int64 buffers the estimate does not count). The last
+    case's peak is the top layer's ring backward after its later linears released their weight copies,
+    a negative layer transient the estimate raised to zero before (+2.09%)."""
     err = _err(**options)
     assert abs(err) <= 0.005, f"{err:+.2%}"
 
