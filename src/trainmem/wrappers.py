@@ -73,7 +73,7 @@ def context_parallel_hooks(module: torch.nn.Module) -> None:
     ends in ``self_attn`` that drops its ``attention_mask`` keyword and passes ``is_causal=True``
     (PyTorch's ring attention takes no mask: ``_scaled_dot_product_ring_efficient_attention`` and
     ``_cudnn_attention`` raise "attn_bias is not supported yet", torch 2.13
-    ``distributed/tensor/experimental/_context_parallel/_attention.py`` L700, L739, and flash takes
+    ``distributed/tensor/experimental/_context_parallel/_attention.py`` L701, L739, and flash takes
     none). transformers' ``sdpa_attention_forward`` then calls SDPA with ``attn_mask=None,
     is_causal=True`` (``integrations/sdpa_attention.py``)."""
     config = getattr(module, "config", None)
@@ -98,7 +98,7 @@ def context_parallel_hooks(module: torch.nn.Module) -> None:
 
 
 def context_parallel(cp_mesh: Any, batch: dict[str, Any]) -> Any:
-    """PyTorch's ``context_parallel`` context (torch 2.13 ``_context_parallel/_attention.py`` L1540-1620)
+    """PyTorch's ``context_parallel`` context (torch 2.13 ``_context_parallel/_attention.py`` L1513-1607)
     around a micro-batch's forward and backward, as transformers' Trainer enters it through accelerate
     (transformers 5.24 ``trainer.py`` ``_prepare_context_parallel_inputs`` L2401-2491 and
     ``training_step``; accelerate 1.15.0 ``accelerator.py`` ``_prepare_cp`` L1659-1672 and

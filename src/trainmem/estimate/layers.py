@@ -703,17 +703,17 @@ class Builder:
 
     def _ring_backward(self, backend: str, q: T, k: T, v: T, heads: float, kv_heads: float, dp: int) -> None:
         """The backward of PyTorch's ring attention (torch 2.13 ``_context_parallel/_attention.py``
-        ``_templated_ring_attention_backward`` L500-640, rotate method "allgather", head-tail load
+        ``_templated_ring_attention_backward`` L488-655, rotate method "allgather", head-tail load
         balancing) on context-parallel rank 0, the rank trace reports (every rank but the last
         computes iterations i >= 1 on the second half of its queries, ``query.chunk(2)[1]``). At the
         kernel call of such an iteration, per local token, beside the saved tensors: the residual
         stream's gradient, which waits for the attention branch (as in ``mlp.act.backward``); the
         output's gradient (``grad_out``, half); the fp32 accumulators ``zeros_like(query/key/value,
-        dtype=float32)`` (L524-526; from i = 2 on the key/value ones are views of the last received
+        dtype=float32)`` (L513-515; from i = 2 on the key/value ones are views of the last received
         buffer, as large); the key/value all-gather ``ft_c.all_gather_single(cat([k, v]))`` (``ring``
         ranks' keys and values in half) and the ``torch.cat`` that fed it, kept by ``next_kv``; the
         fp32 ``cat([grad_key, grad_value])`` sent by the last iteration and the all-to-all output
-        awaiting ``next_buffer`` (``_AllToAllRotater``, L253-266); the previous call's dq, dk, dv (its
+        awaiting ``next_buffer`` (``_AllToAllRotater``, L253-270); the previous call's dq, dk, dv (its
         outputs stay bound until this call returns) and this call's (dq for half the queries);
         ``logsumexp.chunk(2)[1].contiguous()``; and the kernel's own scratch for half the queries (the
         flash backward's ``softmax_d`` and fp32 dq accumulator, its key/value gradients expanded to

@@ -254,7 +254,7 @@ def _check_pp(t: TrainingSpec, spec: Any, device: str, what: str) -> None:
 
 #: --attention values whose SDPA call PyTorch's ring attention takes: its handler runs the flash,
 #: memory-efficient and cuDNN kernels only (torch 2.13 ``_context_parallel/_attention.py`` ``_sdpa_handler``,
-#: L895-905: "CP only supports flash attention and memory efficient attention now")
+#: L897-939: "CP only supports flash attention and memory efficient attention now")
 CP_ATTENTION = ("sdpa", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn")
 
 
