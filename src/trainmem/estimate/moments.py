@@ -137,8 +137,24 @@ def _input_blocks(q: Quantities, n: Any, b: Any, labels: Any, batch: Any, ga: An
     torch's pipeline schedule): the int64 ids (an image model's pixel values), the ``labels`` int64
     labels, and the stage's pipeline receive buffers, in the allocator's mode (``q.expandable``)."""
     es = q.expandable
-    return (block_bytes((trunc(q.input_tok * n) - q.input_sample * b) * batch, es) + block_bytes(labels * 8 * batch, es)
-            + q.pipe_recv * ga * block_bytes(trunc(q.pipe_buf_tok * n), es))
+    plain = (block_bytes((trunc(q.input_tok * n) - q.input_sample * b) * batch, es) + block_bytes(labels * 8 * batch, es)
+             + q.pipe_recv * ga * block_bytes(trunc(q.pipe_buf_tok * n), es))
+    return where(q.trainer_cp > 1, _trainer_cp_blocks(q.trainer_cp, n, b, es), plain)
+
+
+def _trainer_cp_blocks(cp: int, n: Any, b: Any, es: int) -> Any:
+    """The int64 batch of a context-parallel rank, ``n`` = b·s/cp of its tokens, as transformers' Trainer and
+    PyTorch's ``context_parallel`` leave it (``trace`` runs it: ``workload.context_parallel_inputs``,
+    ``wrappers.context_parallel``): ``input_ids`` and ``labels`` (b, s), ``shift_labels`` a view of the
+    (b, s + 1) padded labels (``pad(labels, (0, 1))[:, 1:].contiguous()`` of a single row is contiguous
+    already; b > 1 copies it to (b, s) and the padded one dies), ``position_ids`` ``arange(s)`` expanded;
+    ``context_parallel`` (torch 2.13 ``_context_parallel/_attention.py`` L1585-1595) resizes each to its
+    (b, s/cp) shard with ``resize_``, which keeps a storage large enough (the positions' s elements grow
+    to b·s/cp when b > cp), and its frame holds the four shards ``_context_parallel_buffers`` returned and
+    the last ``shard.clone()``."""
+    s = n * cp // b
+    shift = where(b == 1, block_bytes(8 * (s + 1), es), block_bytes(8 * b * s, es))
+    return (2 * block_bytes(8 * b * s, es) + shift + block_bytes(8 * maximum(s, n), es) + 5 * block_bytes(8 * n, es))
 
 
 def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, later: bool = False) -> Tokens:

@@ -242,6 +242,7 @@ class Quantities:
     # freed chunk by chunk before that chunk's head backward (``softcap_saved``)
     softcap_saved: int = 0
     expandable: int = 0  # 1: the allocator runs with expandable segments (TrainingSpec.expandable_segments)
+    trainer_cp: int = 1  # the context-parallel ranks of the Trainer's sharded buffers (trainer_cp_inputs); 1 none
     detail: Detail | None = None
 
 
@@ -358,6 +359,14 @@ def input_bytes(m: ModelSpec, t: TrainingSpec) -> tuple[float, int]:
     return float(per_patch), per_patch * m.class_tokens
 
 
+def trainer_cp_inputs(m: ModelSpec, t: TrainingSpec) -> int:
+    """The context-parallel ranks when the batch is the one transformers' Trainer shards for PyTorch's
+    ``context_parallel`` (a transformers causal LM, ``states.torch_cp``: ``moments._input_blocks``), else 1."""
+    if not torch_cp(t) or m.head != "causal-lm" or t.extra.get("framework") in OWN_MODEL_CODE:
+        return 1
+    return t.cp
+
+
 def outer_tensors(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) -> tuple[tuple[str, float, float], ...]:
     """Tensors saved outside the layers, for one micro-batch on this rank: (name, bytes per token,
     bytes per token x key). Sequence parallelism splits the tokens of the replicated regions."""
@@ -411,7 +420,10 @@ def _embedding_side(m: ModelSpec, t: TrainingSpec, pol: Policy, h: int, sp: int)
         # cos and sin in the residual dtype, shared by every layer's rotary mul: (1, s, head_dim), as
         # transformers builds the position ids for the sequence (``cache_position.unsqueeze(0)``), so
         # they are bytes per sequence position (PER_POSITION), not per token of the micro-batch
-        out.append(("rotary.cos_sin", 2.0 * m.head_dim * pol.stream, 0.0))
+        # -- unless transformers' Trainer passes its (b, s) ``position_ids`` for context parallelism
+        # (``trainer_cp_inputs``; trainer.py ``_prepare_context_parallel_inputs``): then (b, s/cp, head_dim)
+        name = "rotary.cos_sin_per_token" if trainer_cp_inputs(m, t) > 1 else "rotary.cos_sin"
+        out.append((name, 2.0 * m.head_dim * pol.stream, 0.0))
     if t.recompute in ("full", "op") and t.attention == "eager" and m.head == "causal-lm" and m.family != "nanogpt":
         # transformers' eager attention adds a 4-D float causal mask (b, 1, s, s) in the
         # embeddings' dtype; checkpointed layers keep it as an input until the first layer's
@@ -1483,7 +1495,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         outer_rest_ssq=derived_outer_ssq(m, t, stage) if derived else 0.0,
         lower_layers=lower, above_bottom=above_bottom, above_decoder_bottom=above_decoder_bottom,
         input_tok=input_bytes(m, t)[0], input_sample=input_bytes(m, t)[1], expandable=int(t.expandable_segments),
-        embeds_tok=held_embeddings(m, t, pol, lc),
+        trainer_cp=trainer_cp_inputs(m, t), embeds_tok=held_embeddings(m, t, pol, lc),
         dec_num=decoder_ratio(m, t)[0], dec_den=decoder_ratio(m, t)[1], **_derived_fields(m, t, stage), **pipe,
         detail=Detail(st, lc, outer, comm_name, input_tok, sum(a for _, a, _ in received),
                       len(recompute_transients(t, lc))))
