@@ -49,7 +49,8 @@ CASES = [
     ({"fsdp": "hybrid", "dp": 4, "fsdp_node_size": 2}, REFUSED, "--fsdp hybrid"),
     ({"dp": 2, "ddp_bucket_mb": 1.0}, "same", "the cap regroups DDP's buckets, which together are as large as the "
                                               "gradients (vs --dp 2 alone)"),
-    ({"tp": 2}, CHANGED, ""), ({"cp": 2}, REFUSED, "--cp 2"),
+    ({"tp": 2}, CHANGED, ""), ({"cp": 2}, CHANGED, ""),  # PyTorch's context_parallel (tests/test_trace_cp.py)
+    ({"cp": 2, "attention": "eager"}, REFUSED, "--attention eager"),
     # pipeline parallelism: torch's Schedule1F1B on the fake group (vs --grad-accum 2 alone, REFERENCE)
     ({"pp": 2, "grad_accum": 2}, CHANGED, ""), ({"pp": 2}, REFUSED, "--grad-accum 1"),
     ({"pp": 2, "grad_accum": 2, "tp": 2}, CHANGED, ""),  # each stage tensor-parallel (tests/test_trace_pp.py)

@@ -149,7 +149,7 @@ def test_fsdp2_over_the_dp_dimension_of_a_2d_mesh():
 
 @pytest.mark.parametrize("options, names", [
     ({"tp": 2, "pp": 2}, "--pp 2"),
-    ({"tp": 2, "cp": 2}, "--cp 2"),
+    ({"tp": 2, "cp": 2, "pp": 2, "grad_accum": 2}, "--pp 2"),
     ({"tp": 2, "dp": 2}, "--dp with --tp needs --fsdp"),
     ({"tp": 2, "lora_rank": 8}, "--lora-rank"),
     ({"tp": 2, "loss": "chunked", "loss_chunks": 4}, "--loss chunked"),

@@ -53,8 +53,8 @@ def _check_release(t: TrainingSpec, what: str) -> None:
 def check_supported(t: TrainingSpec, what: str = "trace") -> None:
     """Refuse the setups a run cannot execute. ``trace`` runs one GPU, or data and tensor parallelism
     (DDP, FSDP2 with ``--fsdp``, ``--tp`` with or without ``--sequence-parallel``) and pipeline
-    parallelism (``--pp``, torch's Schedule1F1B or ScheduleGPipe) on a fake process group in one process
-    (``trainmem.trace.distributed``); no context parallelism.
+    parallelism (``--pp``, torch's Schedule1F1B or ScheduleGPipe) and context parallelism (``--cp``, PyTorch's
+    ``context_parallel``) on a fake process group in one process (``trainmem.trace.distributed``).
     ``measure`` runs data and tensor parallelism through PyTorch's own wrappers, one process per rank
     (``trainmem.measure.distributed``), without sequence parallelism."""
     if t.gemini is not None:
@@ -62,7 +62,7 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
                             "chunk manager; use estimate for ColossalAI Gemini")
     _check_release(t, what)
     bad = [f"--{key} {getattr(t, key)}" for key in ("pp", "cp", "ep")
-           if getattr(t, key) != 1 and not (key == "pp" and what == "trace")]
+           if getattr(t, key) != 1 and not (key in ("pp", "cp") and what == "trace")]
     if t.zero_stage and t.fsdp is None:
         bad.append(f"ZeRO stage {t.zero_stage} (DeepSpeed)")
     # (--fused-qkv, --split-gate-up: litgpt's linears put in the model, ``prepare_model``; --attention-call:
@@ -79,6 +79,7 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
     if bad:
         sp = ", --sequence-parallel" if what == "trace" else ""
         pp = ", pipeline parallelism (--pp)" if what == "trace" else ""
+        pp += ", context parallelism (--cp)" if what == "trace" else ""
         raise TrainmemError(f"{what} runs DDP (--dp), FSDP (--fsdp over --dp){pp} and tensor parallelism (--tp{sp}) "
                             "through torch.distributed; not supported: " + ", ".join(bad) +
                             " (use `estimate` for those)")
@@ -325,7 +326,18 @@ class TrainStep:
             # random batch is made on the device, so wait as that copy would (under trace: every
             # free still waiting for the GPU is done, trace/cuda.py ``_synchronize``)
             torch.cuda.synchronize()
-        return model_batch(self.spec, t, self.device)
+        batch = model_batch(self.spec, t, self.device)
+        return context_parallel_inputs(batch) if t.cp > 1 else batch
+
+    def context_parallel(self) -> Any:
+        """``--cp``: PyTorch's ``context_parallel`` around the micro-batch's forward and backward on the
+        model's ``cp`` mesh (``wrappers.context_parallel``, as transformers' Trainer enters it around
+        ``compute_loss`` and ``accelerator.backward``: trainer.py ``training_step``); a no-op context
+        otherwise."""
+        if self.training.cp == 1:
+            return contextlib.nullcontext()
+        from .wrappers import context_parallel
+        return context_parallel(unwrapped(self.model).cp_mesh, self.state["batch"])
 
     def autocast(self) -> Any:
         """The autocast context of the precision (a no-op context without mixed precision)."""
@@ -383,7 +395,7 @@ class TrainStep:
                 # torch 2.13 _fully_shard/_fully_shard.py L413-421)
                 sync(last)
             self.state["batch"] = self.batch(length)  # the previous batch lives until this one exists
-            with _no_sync(self.model, t, last):
+            with _no_sync(self.model, t, last), self.context_parallel():
                 self._micro(t, i, micro)
         self.optimizer.step()
         self._mark("optimizer_step", i, None)
@@ -507,6 +519,19 @@ def model_batch(spec: ModelSpec, t: TrainingSpec, device: Any) -> dict[str, Any]
     elif spec.head == "seq2seq-lm":
         out["labels"] = torch.randint(0, spec.vocab_size, (b, t.decoder_len), device=device)
     return out
+
+
+def context_parallel_inputs(batch: dict[str, Any]) -> dict[str, Any]:
+    """A causal LM's batch as transformers' Trainer prepares it for context parallelism (transformers
+    5.24 ``trainer.py`` ``_prepare_context_parallel_inputs`` L2401-2491): ``shift_labels``, the labels
+    padded with -100 and shifted left (``pad(labels, (0, 1))[:, 1:].contiguous()``, a new (b, s) int64
+    tensor: each rank's shard then holds its own tokens' targets, and the model's loss takes them as
+    they are, ``loss_utils.py`` ``ForCausalLMLoss``), and ``position_ids``, ``arange(s)`` expanded to
+    (b, s) (so each rank's rotary embedding gets its tokens' global positions)."""
+    ids, labels = batch["input_ids"], batch["labels"]
+    shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
+    positions = torch.arange(ids.size(1), device=ids.device).expand(ids.size(0), -1)
+    return {**batch, "shift_labels": shift, "position_ids": positions}
 
 
 def unwrapped(model: torch.nn.Module) -> torch.nn.Module:

@@ -38,20 +38,80 @@ TP_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 def mesh(t: TrainingSpec, device_type: str) -> Any:
     """The DeviceMesh of the layout (``torch/distributed/device_mesh.py`` ``init_device_mesh``):
-    (dp, tp), with dp split into (replicate, shard) for hybrid FSDP."""
+    (dp, tp), with dp split into (replicate, shard) for hybrid FSDP; with context parallelism
+    (dp, cp, tp) and the dp and cp dimensions flattened into ``dp_shard_cp``, the group FSDP2 shards
+    over (accelerate 1.15.0 ``parallelism_config.py`` ``build_device_mesh``:
+    ``device_mesh[["dp_shard", "cp"]]._flatten("dp_shard_cp")``; torchtitan's ``ParallelDims`` builds
+    the same ``fsdp`` dimension of ``dp_shard * cp`` ranks, ``torchtitan/distributed/parallel_dims.py``
+    at 69cf207)."""
     from torch.distributed.device_mesh import init_device_mesh
     dims: list[tuple[str, int]] = []
     if t.fsdp == "hybrid":
         dims += [("replicate", t.dp // t.shard_group), ("shard", t.shard_group)]
     else:
         dims.append(("dp", t.dp))
+    if t.cp > 1:
+        dims.append(("cp", t.cp))
     dims.append(("tp", t.tp))
-    return init_device_mesh(device_type, tuple(n for _, n in dims), mesh_dim_names=tuple(k for k, _ in dims))
+    out = init_device_mesh(device_type, tuple(n for _, n in dims), mesh_dim_names=tuple(k for k, _ in dims))
+    if t.cp > 1:
+        out["dp", "cp"]._flatten("dp_shard_cp")
+    return out
 
 
 def dp_mesh(device_mesh: Any, t: TrainingSpec) -> Any:
-    """The data-parallel part of the layout's mesh (FSDP shards over it)."""
-    return device_mesh["replicate", "shard"] if t.fsdp == "hybrid" else device_mesh["dp"]
+    """The part of the layout's mesh FSDP shards over: dp, (replicate, shard) for hybrid FSDP, and
+    dp x cp flattened with context parallelism (:func:`mesh`)."""
+    if t.fsdp == "hybrid":
+        return device_mesh["replicate", "shard"]
+    return device_mesh["dp_shard_cp"] if t.cp > 1 else device_mesh["dp"]
+
+
+def context_parallel_hooks(module: torch.nn.Module) -> None:
+    """accelerate's ``_attach_context_parallel_hooks`` (accelerate 1.15.0 ``big_modeling.py`` L787-849,
+    called by ``Accelerator._prepare_cp``): a forward pre-hook, put first, on every module whose name
+    ends in ``self_attn`` that drops its ``attention_mask`` keyword and passes ``is_causal=True``
+    (PyTorch's ring attention takes no mask: ``_scaled_dot_product_ring_efficient_attention`` and
+    ``_cudnn_attention`` raise "attn_bias is not supported yet", torch 2.13
+    ``distributed/tensor/experimental/_context_parallel/_attention.py`` L701, L739, and flash takes
+    none). transformers' ``sdpa_attention_forward`` then calls SDPA with ``attn_mask=None,
+    is_causal=True`` (``integrations/sdpa_attention.py``)."""
+    config = getattr(module, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layer_types = getattr(config, "layer_types", None)
+    windowed = ({x for x in layer_types if x != "full_attention"} if layer_types is not None else
+                ({"sliding_attention"} if getattr(config, "sliding_window", None) else set()))
+    if windowed:  # accelerate refuses them the same way (big_modeling.py L806-826)
+        from .errors import TrainmemError
+        raise TrainmemError(f"--cp: the model has {sorted(windowed)} layers, whose mask context parallelism would "
+                            "drop (PyTorch's ring attention is full causal only); use a model without a sliding "
+                            "window, or --cp 1")
+
+    def drop_mask(_module: Any, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        if "attention_mask" in kwargs:
+            kwargs["attention_mask"] = None
+            kwargs["is_causal"] = True
+        return args, kwargs
+    for name, sub in module.named_modules():
+        if name.endswith("self_attn"):
+            sub.register_forward_pre_hook(drop_mask, with_kwargs=True, prepend=True)
+
+
+def context_parallel(cp_mesh: Any, batch: dict[str, Any]) -> Any:
+    """PyTorch's ``context_parallel`` context (torch 2.13 ``_context_parallel/_attention.py`` L1513-1607)
+    around a micro-batch's forward and backward, as transformers' Trainer enters it through accelerate
+    (transformers 5.24 ``trainer.py`` ``_prepare_context_parallel_inputs`` L2401-2491 and
+    ``training_step``; accelerate 1.15.0 ``accelerator.py`` ``_prepare_cp`` L1659-1672 and
+    ``maybe_context_parallel``): the rotate method "allgather" (accelerate's ``cp_comm_strategy`` and
+    torchtitan's ``context_parallel_rotate_method`` default), the buffers ``input_ids``, ``labels``,
+    ``shift_labels`` and ``position_ids`` sharded along dim 1, none restored. The context shards
+    them in place with the head-tail load balancer (``_create_default_load_balancer``), and
+    monkey-patches ``F.scaled_dot_product_attention`` to run the ring attention on the ``cp`` group."""
+    from torch.distributed.tensor.experimental import context_parallel as cp_context
+    from torch.distributed.tensor.experimental._attention import set_rotate_method
+    set_rotate_method("allgather")
+    buffers = [batch[k] for k in ("input_ids", "labels", "shift_labels", "position_ids") if k in batch]
+    return cp_context(cp_mesh, buffers=buffers, buffer_seq_dims=[1] * len(buffers), no_restore_buffers=set(buffers))
 
 
 def decoder_layers(module: torch.nn.Module, spec: Any) -> torch.nn.ModuleList:
@@ -295,9 +355,12 @@ def wrapper_name(t: TrainingSpec) -> str:
     if t.tp > 1:
         parts.append(f"tensor parallel ×{t.tp}" + (" with sequence parallelism" if t.sequence_parallel else "")
                      + " (parallelize_module)")
+    if t.cp > 1:
+        parts.append(f"context parallel ×{t.cp} (context_parallel: ring attention, all-gather of keys and values)")
     if t.fsdp is not None:
+        over = f"{t.dp} x cp {t.cp}" if t.cp > 1 else f"{t.dp}"
         parts.append(("FSDP1 FullyShardedDataParallel " if t.fsdp_version == 1 else "FSDP2 fully_shard ")
-                     + f"{t.fsdp} over {t.dp}")
+                     + f"{t.fsdp} over {over}")
     elif t.dp > 1:
         parts.append(f"DDP over {t.dp}")
     return ", ".join(parts) or "none"

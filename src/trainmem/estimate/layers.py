@@ -242,6 +242,7 @@ class Builder:
         # tensors the layer's forward frames hold while the linears below run (the norm's output the
         # attention or the MLP got), set by the layer builder: ``Recipe.recompute_moment``
         self.outer_live: tuple[T, ...] = ()
+        self.ring = 1  # PyTorch's context parallelism: the ranks its ring attention runs over (_ring_attention)
 
     # -- ops ------------------------------------------------------------------------------
     def t(self, tok: float, nbytes: int, name: str, sq: float = 0.0) -> T:
@@ -674,8 +675,18 @@ class Builder:
         self.r.save(q, k, v, out, lse)
         self.r.sdpa_outs += [out, lse]  # the kernel op's outputs (its RNG state tensors: a few bytes)
         ctx = out if dp == head_dim else T(heads * head_dim, 0, half, "attn.context")
+        if self.ring > 1:
+            # PyTorch's ring attention (states.torch_cp) returns the merger's output, ``self._out.to(
+            # out_dtype)`` of an fp32 (b, h, s, d) tensor built by ``torch.cat`` (torch 2.13
+            # _context_parallel/_attention.py ``_SDPAMerger.results``, ``_partial_update``): (b, h, s, d)
+            # in memory, not the kernel's (b, s, h, d), so transformers' ``transpose(1, 2).contiguous()``
+            # copies it (sdpa_attention.py) and the output projection saves that copy beside the output
+            # the attention node saves
+            ctx = T(heads * head_dim, 0, half, "attn.context")
         grads = T(q.tok + k.tok + v.tok + heads * dp, 0, half)  # dq, dk, dv and d(out) in flight
-        if backend == "flash":
+        if self.ring > 1:
+            self._ring_backward(backend, q, k, v, heads, kv_heads, dp)
+        elif backend == "flash":
             # flash_api.cpp mha_bwd: softmax_d (fp32 per head and token) and the fp32 dq accumulator
             # with head_dim rounded to 32 (<= 128) or 64; GQA: dk, dv expanded to all query heads
             d_r = -(-dp // (32 if dp <= 128 else 64)) * (32 if dp <= 128 else 64)
@@ -689,6 +700,44 @@ class Builder:
         else:
             self.r.transient("attn.efficient.backward", grads, T(heads, 0, F32))
         return ctx
+
+    def _ring_backward(self, backend: str, q: T, k: T, v: T, heads: float, kv_heads: float, dp: int) -> None:
+        """The backward of PyTorch's ring attention (torch 2.13 ``_context_parallel/_attention.py``
+        ``_templated_ring_attention_backward`` L488-655, rotate method "allgather", head-tail load
+        balancing) on context-parallel rank 0, the rank trace reports (every rank but the last
+        computes iterations i >= 1 on the second half of its queries, ``query.chunk(2)[1]``). At the
+        kernel call of such an iteration, per local token, beside the saved tensors: the residual
+        stream's gradient, which waits for the attention branch (as in ``mlp.act.backward``); the
+        output's gradient (``grad_out``, half); the fp32 accumulators ``zeros_like(query/key/value,
+        dtype=float32)`` (L513-515; from i = 2 on the key/value ones are views of the last received
+        buffer, as large); the key/value all-gather ``ft_c.all_gather_single(cat([k, v]))`` (``ring``
+        ranks' keys and values in half) and the ``torch.cat`` that fed it, kept by ``next_kv``; the
+        fp32 ``cat([grad_key, grad_value])`` sent by the last iteration and the all-to-all output
+        awaiting ``next_buffer`` (``_AllToAllRotater``, L253-270); the previous call's dq, dk, dv (its
+        outputs stay bound until this call returns) and this call's (dq for half the queries);
+        ``logsumexp.chunk(2)[1].contiguous()``; and the kernel's own scratch for half the queries (the
+        flash backward's ``softmax_d`` and fp32 dq accumulator, its key/value gradients expanded to
+        the query's heads for GQA: ``_fused_attention``'s terms)."""
+        half = self.p.half
+        kv = k.tok + v.tok
+        x = self.layer_input  # the residual stream's gradient (its dtype) waits for the attention branch
+        ring = [T(x.tok if x is not None else 0.0, 0, x.nbytes if x is not None else half),
+                T(heads * dp, 0, half),                         # grad_out, (b, h, s, d)
+                T(q.tok + k.tok + v.tok, 0, half),              # the previous call's dq, dk, dv
+                T(q.tok / 2 + kv, 0, half),                     # this call's (half the queries)
+                T(q.tok + 3 * kv, 0, F32),                      # fp32 dq, dk/dv (or received), sent cat, all-to-all out
+                T(kv * (self.ring + 1), 0, half),               # the all-gather of k, v and its cat input
+                T(heads / 2, 0, F32)]                           # the logsumexp half, made contiguous
+        if backend == "flash":
+            d_r = -(-dp // (32 if dp <= 128 else 64)) * (32 if dp <= 128 else 64)
+            ring.append(T((heads * d_r + heads) / 2, 0, F32))
+            if heads != kv_heads:
+                ring.append(T(2 * heads * dp, 0, half))
+        elif backend == "cudnn":
+            ring.append(T(heads * dp / 2, 0, F32))
+        else:
+            ring.append(T(heads / 2, 0, F32))
+        self.r.transient(f"attn.ring_{backend}.backward", *ring)
 
 
 # ----- which kernel F.scaled_dot_product_attention runs (PyTorch 2.13, CUDA) ---------------------
@@ -873,6 +922,7 @@ class LayerKey:
     cache_kind: str = "copy"  # transformers >= 4.56: torch.cat copies; "reference": the layer's own k, v
     #                           (spec.tf_releases.kv_cache_kind)
     rotary_keys_half: bool = False  # older Llama-style code: rotary in the values' dtype, half keys under autocast
+    ring: int = 1  # PyTorch's context parallelism: the ranks of its ring attention (states.torch_cp); 1 none
 
 
 def ep_rank_rows(top_k: int, experts: int, ep: int, imbalance: float) -> float:
@@ -992,6 +1042,7 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
                 k.quant_saves_input, k.biased, k.lora_base_trains, k.softmax_saves_input,
                 k.attention_call == "repeat-kv", k.math_upcast)
     B.eager_clamp = k.eager_clamp
+    B.ring = k.ring
     h, f, q, kv = k.h, k.f / t, k.q / t, k.kv / t
     heads, kvh = k.heads / t, k.kv_heads / t  # whole heads per rank (spec.layout.tp_problems)
     x = T(h / sp_div, 0, pol.stream, "residual")

@@ -137,8 +137,24 @@ def _input_blocks(q: Quantities, n: Any, b: Any, labels: Any, batch: Any, ga: An
     torch's pipeline schedule): the int64 ids (an image model's pixel values), the ``labels`` int64
     labels, and the stage's pipeline receive buffers, in the allocator's mode (``q.expandable``)."""
     es = q.expandable
-    return (block_bytes((trunc(q.input_tok * n) - q.input_sample * b) * batch, es) + block_bytes(labels * 8 * batch, es)
-            + q.pipe_recv * ga * block_bytes(trunc(q.pipe_buf_tok * n), es))
+    plain = (block_bytes((trunc(q.input_tok * n) - q.input_sample * b) * batch, es) + block_bytes(labels * 8 * batch, es)
+             + q.pipe_recv * ga * block_bytes(trunc(q.pipe_buf_tok * n), es))
+    return where(q.trainer_cp > 1, _trainer_cp_blocks(q.trainer_cp, n, b, es), plain)
+
+
+def _trainer_cp_blocks(cp: int, n: Any, b: Any, es: int) -> Any:
+    """The int64 batch of a context-parallel rank, ``n`` = b·s/cp of its tokens, as transformers' Trainer and
+    PyTorch's ``context_parallel`` leave it (``trace`` runs it: ``workload.context_parallel_inputs``,
+    ``wrappers.context_parallel``): ``input_ids`` and ``labels`` (b, s), ``shift_labels`` a view of the
+    (b, s + 1) padded labels (``pad(labels, (0, 1))[:, 1:].contiguous()`` of a single row is contiguous
+    already; b > 1 copies it to (b, s) and the padded one dies), ``position_ids`` ``arange(s)`` expanded;
+    ``context_parallel`` (torch 2.13 ``_context_parallel/_attention.py`` L1585-1595) resizes each to its
+    (b, s/cp) shard with ``resize_``, which keeps a storage large enough (the positions' s elements grow
+    to b·s/cp when b > cp), and its frame holds the four shards ``_context_parallel_buffers`` returned and
+    the last ``shard.clone()``."""
+    s = n * cp // b
+    shift = where(b == 1, block_bytes(8 * (s + 1), es), block_bytes(8 * b * s, es))
+    return (2 * block_bytes(8 * b * s, es) + shift + block_bytes(8 * maximum(s, n), es) + 5 * block_bytes(8 * n, es))
 
 
 def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, later: bool = False) -> Tokens:
@@ -175,11 +191,13 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
     ssq = (n // b) ** 2
     index, value, grads = best_transient(q.transients, n, nsq, ssq, TOP)
     recompute = trunc(q.redo_tok * n + q.redo_sq * nsq) + q.redo_const
-    redo = maximum(0, value - grads + recompute)
+    # (a layer's best transient may be negative: the weight copies its later linears released outweigh
+    # what the op holds, ``LayerCoefs.transient``; it is taken as it is)
+    redo = value - grads + recompute
     # the top layer itself: on a pipeline stage fed its output gradient, that gradient is the receive
     # buffer (quantities.receives_output_grad); the layers below it (FSDP's middle moments) make theirs
     t_index, t_value, t_grads = best_transient(q.transients, n, nsq, ssq, TOP, received=True)
-    top = (t_index, maximum(0, t_value - t_grads + recompute), t_grads)
+    top = (t_index, t_value - t_grads + recompute, t_grads)
     # a derived encoder-decoder's bottom and decoder-bottom layers have transients of their own kinds
     lower = bottom = (index, redo, grads)
     bottom_acts = decoder_bottom_acts = 0
@@ -255,6 +273,12 @@ def label_tokens(q: Quantities, n: Any) -> Any:
     """The tokens with a label (and a row of logits) of a micro-batch of ``n`` tokens: all of them,
     or an encoder-decoder's decoder tokens, b*target_len (``Quantities.dec_num`` / ``dec_den``)."""
     return n * q.dec_num // q.dec_den
+
+
+def _with_update(redo: Any, oib: Any) -> Any:
+    """A layer's backward transient (``redo``, which may be negative: ``tokens``), or the optimizer-in-
+    backward update's ``oib`` when larger; without one (``oib`` 0) the transient as it is."""
+    return where(oib > 0, maximum(redo, oib), redo)
 
 
 def best_transient(tr: Any, n: Any, nsq: Any, ssq: Any = 0, at: int = ALL_MOMENTS,
@@ -597,9 +621,9 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     layer_grads = part(tk.layer_grad_part)
     head_grads = where(sync, q.fsdp_head_full, maximum(where(fresh, q.head_grads, 0), q.fsdp1_head_wait))
     # the layer's transient; a tied head's gradient waits in autograd's input buffer meanwhile
-    temp = maximum(tk.redo, q.oib_mid) + q.tied_grad
+    temp = _with_update(tk.redo, q.oib_mid) + q.tied_grad
     _i, top_redo, top_grads = tk.top   # the top layer's own (its output gradient maybe a receive buffer)
-    top_temp = maximum(top_redo, q.oib_mid) + q.tied_grad
+    top_temp = _with_update(top_redo, q.oib_mid) + q.tied_grad
     top = grads_before + head_grads + part(top_grads)
     # a pipeline stage's other micro-batches in flight keep all their layers' tensors and their head side
     own_layers, others_all = tk.layers - tk.others_layers, tk.others_layers + tk.others_head
@@ -619,7 +643,7 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     _i, redo, grads = tk.bottom
     bottom = grads_before + head_grads + above + part(grads) - (q.layers - 1) * reduced
     low_graph = tk.graph - tk.graph_layer + tk.graph_extra_layer
-    temp = maximum(redo, q.oib_mid) + q.tied_grad
+    temp = _with_update(redo, q.oib_mid) + q.tied_grad
     # (a derived encoder-decoder: the activations measured alive there, else one average layer's)
     acts = tk.bottom_acts if flags.by_moment else own_layers // q.layers + others_all + tk.outer_rest
     moments.append(_mo("backward", micro, step, "layer.bottom",
@@ -632,7 +656,7 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     _i, redo, grads = tk.decoder_bottom
     above_mid = maximum(q.layers - lower - 1, 0)
     mid = grads_before + head_grads + where(fresh, q.above_decoder_bottom, 0) + part(grads) - above_mid * reduced
-    temp = maximum(redo, q.oib_mid) + q.tied_grad
+    temp = _with_update(redo, q.oib_mid) + q.tied_grad
     acts = tk.decoder_bottom_acts if flags.by_moment else \
         own_layers * (lower + 1) // q.layers + others_all + tk.outer_rest
     moments.append(_mo("backward", micro, step, "layer.decoder_bottom",

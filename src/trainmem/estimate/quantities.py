@@ -38,7 +38,7 @@ from .quant4 import dequant_dtypes, is_quantized
 from .schedules import in_flight_at_backwards
 from .gemini import model_gemini
 from .states import (States, block_bytes, default_lora_targets, dtensor_tp, fsdp_grad_op, model_states,
-                     torch_pipeline)
+                     torch_cp, torch_pipeline)
 
 F32 = 4
 #: ``pp_inflight`` under GPipe: no bound below the step's micro-batches (min(this, grad_accum) = grad_accum)
@@ -242,6 +242,7 @@ class Quantities:
     # freed chunk by chunk before that chunk's head backward (``softcap_saved``)
     softcap_saved: int = 0
     expandable: int = 0  # 1: the allocator runs with expandable segments (TrainingSpec.expandable_segments)
+    trainer_cp: int = 1  # the context-parallel ranks of the Trainer's sharded buffers (trainer_cp_inputs); 1 none
     detail: Detail | None = None
 
 
@@ -294,7 +295,7 @@ def layer_key(m: ModelSpec, t: TrainingSpec) -> LayerKey:
                     math_upcast=t.math_sdpa_upcasts,
                     eager_clamp=t.attention == "eager" and eager_clamp(m, t.transformers_release),
                     cache_values_own_dtype=cache_values_own_dtype(release), cache_kind=kv_cache_kind(release),
-                    rotary_keys_half=rotary_keys_half(m, release))
+                    rotary_keys_half=rotary_keys_half(m, release), ring=t.cp if torch_cp(t) else 1)
 
 
 def release_attention_call(m: ModelSpec, t: TrainingSpec) -> str:
@@ -319,8 +320,11 @@ def kv_cache(m: ModelSpec, t: TrainingSpec) -> bool:
     under gradient checkpointing (``merge_with_config_defaults`` turns it off); its ``torch.cat``
     copies of each layer's keys and values are what attention then consumes. Megatron-style
     tensor/pipeline/context parallel code has no such cache; PyTorch's tensor parallelism runs the
-    transformers model itself (``states.dtensor_tp``), whose cache then holds each rank's own heads."""
-    if t.recompute in ("full", "op") or t.pp * t.cp > 1 or (t.tp > 1 and not dtensor_tp(t)):
+    transformers model itself (``states.dtensor_tp``), whose cache then holds each rank's own heads,
+    and so does PyTorch's context parallelism (``states.torch_cp``), whose cache holds the rank's own
+    tokens' keys and values (the ring gathers the others' into buffers of its own)."""
+    if t.recompute in ("full", "op") or t.pp > 1 or (t.cp > 1 and not torch_cp(t)) \
+            or (t.tp > 1 and not dtensor_tp(t)):
         return False
     if m.head != "causal-lm" or m.family == "nanogpt":
         return False
@@ -353,6 +357,14 @@ def input_bytes(m: ModelSpec, t: TrainingSpec) -> tuple[float, int]:
         return 8.0, 0
     per_patch = m.num_channels * m.patch_size ** 2 * (2 if t.precision in ("bf16", "fp16") else 4)
     return float(per_patch), per_patch * m.class_tokens
+
+
+def trainer_cp_inputs(m: ModelSpec, t: TrainingSpec) -> int:
+    """The context-parallel ranks when the batch is the one transformers' Trainer shards for PyTorch's
+    ``context_parallel`` (a transformers causal LM, ``states.torch_cp``: ``moments._input_blocks``), else 1."""
+    if not torch_cp(t) or m.head != "causal-lm" or t.extra.get("framework") in OWN_MODEL_CODE:
+        return 1
+    return t.cp
 
 
 def outer_tensors(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) -> tuple[tuple[str, float, float], ...]:
@@ -408,7 +420,10 @@ def _embedding_side(m: ModelSpec, t: TrainingSpec, pol: Policy, h: int, sp: int)
         # cos and sin in the residual dtype, shared by every layer's rotary mul: (1, s, head_dim), as
         # transformers builds the position ids for the sequence (``cache_position.unsqueeze(0)``), so
         # they are bytes per sequence position (PER_POSITION), not per token of the micro-batch
-        out.append(("rotary.cos_sin", 2.0 * m.head_dim * pol.stream, 0.0))
+        # -- unless transformers' Trainer passes its (b, s) ``position_ids`` for context parallelism
+        # (``trainer_cp_inputs``; trainer.py ``_prepare_context_parallel_inputs``): then (b, s/cp, head_dim)
+        name = "rotary.cos_sin_per_token" if trainer_cp_inputs(m, t) > 1 else "rotary.cos_sin"
+        out.append((name, 2.0 * m.head_dim * pol.stream, 0.0))
     if t.recompute in ("full", "op") and t.attention == "eager" and m.head == "causal-lm" and m.family != "nanogpt":
         # transformers' eager attention adds a 4-D float causal mask (b, 1, s, s) in the
         # embeddings' dtype; checkpointed layers keep it as an input until the first layer's
@@ -1480,7 +1495,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         outer_rest_ssq=derived_outer_ssq(m, t, stage) if derived else 0.0,
         lower_layers=lower, above_bottom=above_bottom, above_decoder_bottom=above_decoder_bottom,
         input_tok=input_bytes(m, t)[0], input_sample=input_bytes(m, t)[1], expandable=int(t.expandable_segments),
-        embeds_tok=held_embeddings(m, t, pol, lc),
+        trainer_cp=trainer_cp_inputs(m, t), embeds_tok=held_embeddings(m, t, pol, lc),
         dec_num=decoder_ratio(m, t)[0], dec_den=decoder_ratio(m, t)[1], **_derived_fields(m, t, stage), **pipe,
         detail=Detail(st, lc, outer, comm_name, input_tok, sum(a for _, a, _ in received),
                       len(recompute_transients(t, lc))))

@@ -129,6 +129,17 @@ def dtensor_tp(t: TrainingSpec) -> bool:
     return t.tp > 1 and t.extra.get("framework") != "megatron"
 
 
+def torch_cp(t: TrainingSpec) -> bool:
+    """Whether context parallelism runs as PyTorch's ``context_parallel`` on the transformers model
+    (torch 2.13 ``distributed/tensor/experimental/_context_parallel/_attention.py``: ring attention
+    over SDPA's fused kernels, entered by transformers' Trainer through accelerate; what ``trace``
+    runs, ``trainmem.wrappers.context_parallel``), not as Megatron-LM's own attention
+    (``--framework megatron``). They differ in what the layer keeps (``layers.Builder.ring``: the
+    merged output's copy, the ring's buffers) and in the KV cache the transformers model builds
+    (``quantities.kv_cache``)."""
+    return t.cp > 1 and t.extra.get("framework") != "megatron"
+
+
 def torch_pipeline(t: TrainingSpec) -> bool:
     """Whether pipeline parallelism runs as torch.distributed.pipelining's schedules
     (``PipelineStage`` + ``Schedule1F1B``, torchtitan's; what ``trace`` runs), not as Megatron-LM's

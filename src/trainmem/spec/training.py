@@ -742,10 +742,15 @@ class TrainingSpec:
 
     @property
     def shard_group(self) -> int:
-        """Ranks that model states are sharded over (the DP group; a node for hybrid FSDP)."""
+        """Ranks that model states are sharded over: the DP group (a node for hybrid FSDP). Under
+        PyTorch's context parallelism the context-parallel ranks, which hold the same parameters,
+        shard them too: FSDP2 runs over accelerate's ``dp_shard_cp`` mesh dimension, torchtitan's
+        ``fsdp`` one, of ``dp * cp`` ranks (accelerate 1.15.0 ``parallelism_config.py``
+        ``build_device_mesh``; torchtitan 69cf207 ``distributed/parallel_dims.py``). Megatron-LM's
+        (``--framework megatron``) is kept at the DP group."""
         if self.fsdp == "hybrid":
             return min(self.dp, self.fsdp_node_size)
-        return self.dp
+        return self.dp * (self.cp if self.extra.get("framework") != "megatron" else 1)
 
     @property
     def fp32_master(self) -> bool:

@@ -278,6 +278,13 @@ class CudaEmulation(TorchFunctionMode):
         if self.attention_call == "repeat-kv":
             k, v, mask, causal, gqa = litgpt_call(q, k, v)
         backend = self._choose_backend(q, k, v, mask, p, causal, gqa)
+        if backend == "math" and type(q).__name__ == "DTensor":
+            # context parallelism (``wrappers.context_parallel``) hands SDPA sequence-sharded DTensors; its
+            # handler runs the fused kernels only (torch 2.13 _context_parallel/_attention.py _sdpa_handler)
+            from ..errors import TrainmemError
+            raise TrainmemError("--cp: SDPA picks the math kernel for these inputs, which PyTorch's ring attention "
+                                "does not run (flash, memory-efficient and cuDNN only); use --precision bf16-amp or "
+                                "bf16, or --attention sdpa-efficient")
         self.sdpa_choices[backend] = self.sdpa_choices.get(backend, 0) + 1
         return self._run_sdpa(backend, q, k, v, mask, p, causal, scale, gqa)
 

@@ -2,6 +2,8 @@
 
 ``trace(..., dp=N)`` (DDP), ``trace(..., dp=N, fsdp="full"|"grad-op")`` (FSDP2; with
 ``fsdp_version=1`` FSDP1 ``FullyShardedDataParallel``, ``wrappers.fsdp1``) and
+``trace(..., cp=C)`` (PyTorch's ``context_parallel`` around each micro-batch's forward and backward,
+``wrappers.context_parallel``; FSDP2 over dp x cp with ``fsdp``),
 ``trace(..., tp=T)`` (``parallelize_module`` with torchtitan's Llama plan,
 ``trainmem.wrappers.tensor_parallel``; with ``sequence_parallel``, and with FSDP2 over the ``dp``
 dimension of a (dp, tp) mesh) start a fake process group of N × T ranks in this process — PyTorch's ``fake`` backend
@@ -89,7 +91,8 @@ import torch
 from ..errors import TrainmemError
 from ..units import fmt
 from ..spec import TrainingSpec
-from ..wrappers import (PP_MODEL_TYPES, SCHEDULE_NAMES, TP_MODEL_TYPES, ddp, fsdp1, fsdp2, mesh, pipeline_stage_module, tensor_parallel,
+from ..wrappers import (PP_MODEL_TYPES, SCHEDULE_NAMES, TP_MODEL_TYPES, context_parallel_hooks, ddp, dp_mesh,
+                        fsdp1, fsdp2, mesh, pipeline_stage_module, tensor_parallel,
                         wrapper_name)
 from .cuda import _patched
 from .tracker import Tracker
@@ -104,27 +107,29 @@ _DEVICE_HANDLE_USERS = ("torch.distributed.device_mesh", "torch.distributed.tens
 
 def distributed(t: TrainingSpec) -> bool:
     """Whether the setup runs on several ranks (DDP, FSDP, tensor or pipeline parallelism)."""
-    return t.dp > 1 or t.fsdp is not None or t.tp > 1 or t.pp > 1
+    return t.dp > 1 or t.fsdp is not None or t.tp > 1 or t.pp > 1 or t.cp > 1
 
 
 def world_size(t: TrainingSpec) -> int:
-    """The ranks of the layout: dp × tp (the mesh ``wrappers.mesh`` builds), or pp × tp or pp × dp
+    """The ranks of the layout: dp × cp × tp (the mesh ``wrappers.mesh`` builds), or pp × tp or pp × dp
     (the pipeline stages, each tensor-parallel over tp, or replicated by DDP or sharded by FSDP2
     over dp: ``check`` refuses pp with both dp and tp)."""
-    return t.dp * t.tp * t.pp
+    return t.dp * t.tp * t.pp * t.cp
 
 
 def sharded_unloaded(t: TrainingSpec) -> bool:
     """Whether the wrappers shard the model before it is loaded (FSDP2, tensor parallelism, a
     pipeline stage's split: built on ``meta``, sharded or cut, then given memory, as torchtitan
-    does), so only the rank's part is ever loaded."""
-    return t.fsdp is not None or t.tp > 1 or t.pp > 1
+    does), so only the rank's part is ever loaded; and under context parallelism, whose mesh and
+    attention hooks are set on the model before it is loaded (:func:`wrap`)."""
+    return t.fsdp is not None or t.tp > 1 or t.pp > 1 or t.cp > 1
 
 
 def _what(t: TrainingSpec) -> str:
     parts = [f"--pp {t.pp}"] if t.pp > 1 else []
     parts += [f"--dp {t.dp}"] if t.dp > 1 or t.fsdp else []
     parts += [f"--fsdp {t.fsdp}"] if t.fsdp else []
+    parts += [f"--cp {t.cp}"] if t.cp > 1 else []
     parts += [f"--tp {t.tp}"] if t.tp > 1 else []
     return " ".join(parts + (["--sequence-parallel"] if t.sequence_parallel else []))
 
@@ -138,6 +143,8 @@ def check(t: TrainingSpec, spec: Any, device: str) -> None:
         _check_pp(t, spec, device, what)
     if t.tp > 1:
         _check_tp(t, spec, device, what)
+    if t.cp > 1:
+        _check_cp(t, spec, device, what)
     if device != "cuda":
         raise TrainmemError(f"trace {what} runs on the emulated GPU: drop --device cpu")
     if spec is None:
@@ -240,6 +247,37 @@ def _check_pp(t: TrainingSpec, spec: Any, device: str, what: str) -> None:
                (t.hold_output != "loss", f"--hold-output {t.hold_output} (the schedule returns no output to the "
                                          "loop: return_outputs=False)"),
                (t.optimizer_in_backward, "--optimizer-in-backward")]
+    bad = [name for flag, name in refused if flag]
+    if bad:
+        raise TrainmemError(f"trace {what} with {bad[0]} is not traced; use estimate")
+
+
+#: --attention values whose SDPA call PyTorch's ring attention takes: its handler runs the flash,
+#: memory-efficient and cuDNN kernels only (torch 2.13 ``_context_parallel/_attention.py`` ``_sdpa_handler``,
+#: L897-939: "CP only supports flash attention and memory efficient attention now")
+CP_ATTENTION = ("sdpa", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn")
+
+
+def _check_cp(t: TrainingSpec, spec: Any, device: str, what: str) -> None:
+    """The context-parallel refusals: what PyTorch's ``context_parallel`` on the transformers model
+    (``wrappers.context_parallel``, as transformers' Trainer and accelerate run it) does not run."""
+    if device != "cuda" or spec is None:
+        return  # refused below with the data-parallel setups' reasons
+    if spec.model_type not in TP_MODEL_TYPES or spec.head != "causal-lm":
+        raise TrainmemError(f"trace {what}: context parallelism is traced for Llama, Mistral and Qwen2 causal LMs "
+                            f"(their self_attn modules take accelerate's mask hooks), not a {spec.model_type} "
+                            f"{spec.head} model ({spec.name}); use estimate")
+    if t.attention not in CP_ATTENTION:
+        raise TrainmemError(f"trace {what} with --attention {t.attention}: PyTorch's context_parallel replaces "
+                            "F.scaled_dot_product_attention and its ring runs the flash, memory-efficient and cuDNN "
+                            "kernels only (transformers' Trainer refuses any other attention); give --attention sdpa")
+    refused = [(t.pp > 1, f"--pp {t.pp} (a (pp, cp) mesh is not built)"),
+               (t.dp > 1 and t.fsdp is None, f"--dp {t.dp} without --fsdp (accelerate runs context parallelism "
+                                             "with FSDP2 only, sharded over dp x cp; add --fsdp full)"),
+               (t.fsdp is not None and t.fsdp_version == 1, "--fsdp-version 1 (FSDP2 shards over dp x cp)"),
+               (t.loss is not None or t.loss_chunks > 1, "a loss other than the model's own (the Trainer's "
+                                                         "sharded shift_labels feed the model's loss)"),
+               (t.compile, "--compile"), (bool(t.quantize), "--quantize")]
     bad = [name for flag, name in refused if flag]
     if bad:
         raise TrainmemError(f"trace {what} with {bad[0]} is not traced; use estimate")
@@ -480,7 +518,29 @@ def patches(tracker: Tracker) -> dict[tuple[Any, str], Any]:
     import torch.distributed as dist
     out[(dist, "batch_isend_irecv")] = _p2p_one_by_one
     out.update(_fsdp1_patches(tracker))
+    from torch.distributed import _functional_collectives as funcol
+    out[(funcol, "_maybe_wrap_tensor")] = _wrap_without_copy(funcol._maybe_wrap_tensor)
     return out
+
+
+def _wrap_without_copy(orig: Callable) -> Callable:
+    """``_functional_collectives._maybe_wrap_tensor`` (torch 2.13 ``_functional_collectives.py``
+    L1402-1405) on the emulated GPU. Every functional collective (DTensor's redistributions, the ring
+    attention's all-gather and all-to-all) hands its output to the ``_wrap_tensor_autograd`` custom op,
+    whose kernel returns ``AsyncCollectiveTensor(input)``, a wrapper around the same storage (L1325-1343,
+    identity backward L1354-1385), and the first use waits with ``wait_tensor``, whose CUDA kernel
+    returns its input (``torch/csrc/distributed/c10d/Functional.cpp`` ``wait_tensor``). On ``meta``
+    the dispatcher runs the fake kernels instead, both ``torch.empty_like(input)`` (L1346-1351,
+    ``_wait_tensor_meta`` L1470), a second buffer of the output's size that a GPU never allocates.
+    Here the collective's output is returned as it is: the storage a GPU keeps, with its autograd
+    edge (the fake group completes every collective at once, so there is nothing to wait for)."""
+    from torch.distributed._functional_collectives import _are_we_tracing
+
+    def run(self: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "meta" or _are_we_tracing():
+            return orig(self)
+        return self
+    return run
 
 
 def _p2p_one_by_one(p2p_op_list: list) -> list:
@@ -653,10 +713,13 @@ def wrap(module: torch.nn.Module, spec: Any, t: TrainingSpec, tracker: Tracker) 
     device_mesh = mesh(t, "cuda")
     if t.tp > 1:
         tensor_parallel(module, spec, device_mesh["tp"], t.sequence_parallel)
+    if t.cp > 1:  # the mesh TrainStep's context_parallel runs on, and accelerate's mask hooks
+        module.cp_mesh = device_mesh["cp"]
+        context_parallel_hooks(module)
     if t.fsdp is not None and t.fsdp_version == 1:  # the flat parameters built and sharded on the emulated GPU
         return fsdp1(module, spec, t, device_mesh["dp"], torch.device("meta"))
     if t.fsdp is not None:
-        fsdp2(module, spec, t, device_mesh["dp"])
+        fsdp2(module, spec, t, dp_mesh(device_mesh, t))
         return module
     return module
 
@@ -749,6 +812,11 @@ def describe(t: TrainingSpec, rank: int = 0) -> str:
            "every rank's shards are as large as rank 0's or smaller (torch.chunk gives the first ranks the extra "
            "rows; FSDP2 pads its shards to rank 0's size)")
     which = "rank 0 traced, the worst rank" if rank == 0 else f"rank {rank} traced (rank 0 is the worst)"
+    if t.cp > 1:
+        why = ("every context-parallel rank but the last merges its ring attention's second half-sequence "
+               "iterations with torch.cat, whose contiguous output transformers copies before o_proj; the last "
+               "rank's merge holds one more fp32 output-sized temporary instead")
+        which = "rank 0 traced" if rank == 0 else f"rank {rank} traced"
     if t.fsdp is not None and t.fsdp_version == 1:
         why = ("FSDP1 pads every rank's flat shard to one size; the optimizer keeps a state per piece of an original "
                "parameter in the rank's shard, so a rank whose shard cuts more parameters rounds a few more "
@@ -775,7 +843,11 @@ def rank_entries(report: Any, t: TrainingSpec, rank: int = 0) -> list[dict[str, 
             "parameters_bytes", "optimizer_states_bytes", "cuda_context")
     why = ({"not_traced": "the same program; FSDP1 pads every rank's flat shard to one size, and the optimizer "
                           "states of the parameter pieces in it may round to some KiB more or less"}
-           if t.fsdp is not None and t.fsdp_version == 1 else {})
+           if t.fsdp is not None and t.fsdp_version == 1 else
+           {"not_traced": "the same program on its share of the sequence; the ring attention's steps differ by "
+                          "context-parallel rank (the last one makes no copy of the merged output and holds one more "
+                          "fp32 output-sized temporary while merging); trace rank=k for another"}
+           if t.cp > 1 else {})
     return [traced if r == rank else
             {"rank": r, "local_rank": r, **{k: traced[k] for k in keep}, "traced": False, "copied_from": rank, **why}
             for r in range(world_size(t))]
