@@ -95,11 +95,10 @@ def estimate(m: ModelSpec, t: TrainingSpec, cublas_workspace: int | None = None,
     microseconds: ``trainmem.estimate`` asks for it, sweeps of the engine do not)."""
     ws = CUBLAS_WORKSPACE if cublas_workspace is None else int(cublas_workspace)
     stage = "first"
-    if t.pp > 1:  # the worse stage by allocated memory; only it is replayed for reserved memory
-        first = estimate_stage(m, t, "first", ws)
-        last = estimate_stage(m, t, "last", ws)
-        stage = "first" if first.peak_allocated >= last.peak_allocated else "last"
-        rep = first if stage == "first" else last
+    if t.pp > 1:  # the worst stage by allocated memory; only it is replayed for reserved memory
+        reps = {s: estimate_stage(m, t, s, ws) for s in pipeline_stages(t)}
+        stage = max(reps, key=lambda s: reps[s].peak_allocated)  # (the first of equals: first, middle, last)
+        rep = reps[stage]
     if t.pp == 1 or reserved:
         rep = estimate_stage(m, t, stage, ws, reserved)
     warning = compile_warning(m, t)
@@ -113,9 +112,22 @@ def estimate(m: ModelSpec, t: TrainingSpec, cublas_workspace: int | None = None,
     return rep
 
 
+def pipeline_stages(t: TrainingSpec) -> tuple[str, ...]:
+    """The stages whose peak the estimate computes: the first (embeddings, the most micro-batches in
+    flight) and the last (final norm, head and loss), and under torchtitan's weighted split
+    (``TrainingSpec.pp_weighted``) with more than two stages the middle stage 1 too
+    (``TrainingSpec.stage_span``): the split deals its extra layers to the first stages and takes
+    the weights from the first and last, so stage 1 may hold more layers than stage 0 (Llama-3.1-405B
+    over 16 stages: 8 against 7) with one micro-batch fewer in flight under 1F1B and as many under
+    GPipe, and of the middle stages it holds the most layers and micro-batches. With an even split a
+    middle stage holds as many layers as the first, fewer micro-batches (1F1B) and no embeddings, and
+    is not computed (as before)."""
+    return ("first", "middle", "last") if t.pp > 2 and t.pp_weighted and t.virtual_stages == 1 else ("first", "last")
+
+
 def estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str, handle_ws: int = CUBLAS_WORKSPACE,
                    reserved: bool = False) -> MemoryReport:
-    """The report of one pipeline stage (``first`` or ``last``); ``handle_ws``: one cuBLAS
+    """The report of one pipeline stage (``first``, ``middle`` or ``last``); ``handle_ws``: one cuBLAS
     handle's workspace in bytes; ``reserved``: replay the step for ``peak_reserved``."""
     q = quantities(m, t, stage)
     flags = StepFlags.of(m, t)
@@ -218,6 +230,10 @@ def estimate_layouts(m: ModelSpec, base: TrainingSpec, cublas_workspace: int | N
     if base.min_seq_len is not None:
         raise TrainmemError(f"--min-seq-len {base.min_seq_len} is modelled by estimate and trace of one setup; "
                             "fit, sweep and plan evaluate layouts without it: drop --min-seq-len")
+    if base.pp_weighted:
+        raise TrainmemError("--pp-first-stage-less-layers / --pp-last-stage-less-layers (torchtitan's weighted stage "
+                            "split, whose worst stage may be a middle one) are modelled by estimate and trace of one "
+                            "setup; fit, sweep and plan compare the first and last stages: drop them")
     cols = _columns(base, layout)
     parts = _regime_parts(m, base, cols)
     if parts is not None:  # a derived architecture's sequences on both sides of its sliding window, or batch 1 and more

@@ -1357,6 +1357,10 @@ def quantities(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> Quantitie
         raise TrainmemError("--pp-schedule zero-bubble: the estimate does not model ScheduleInterleavedZeroBubble's "
                             "split backward (each input-gradient backward retains its graph, saved tensors and "
                             "output gradients, until the weight-gradient backward); use trace")
+    if t.pp > 1 and t.pp_weighted and not torch_pipeline(t):
+        raise TrainmemError("--pp-first-stage-less-layers / --pp-last-stage-less-layers: torchtitan's stage split "
+                            "is modelled, not Megatron-LM's uneven split (--decoder-first-pipeline-num-layers, "
+                            "--account-for-embedding-in-pipeline-split: --framework megatron); drop one of them")
     if t.virtual_stages > 1 and not torch_pipeline(t):
         raise TrainmemError("--pp-schedule interleaved-1f1b is modelled as torch's ScheduleInterleaved1F1B, not "
                             "Megatron-LM's interleaved schedule (--framework megatron); drop one of them")
@@ -1410,7 +1414,8 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     st = model_states(m, t, stage)
     derived = m.family == "derived"
     lc = litgpt_terms(m, t, pol, _stage_layer(m, t, pol, stage))
-    layers = m.num_layers // (t.pp * t.virtual_stages)  # one stage's (interleaved: a rank holds several)
+    lo, hi = t.stage_span(m.num_layers, stage)  # the stage's (torchtitan's weighted split: uneven)
+    layers = (hi - lo) // t.virtual_stages  # one stage's (interleaved: a rank holds several)
     oib = t.optimizer_in_backward
     sp = t.tp if t.sequence_parallel else 1
     input_tok = m.hidden_size * pol.stream / sp               # a layer's input (b, s, h), residual dtype
@@ -1434,8 +1439,12 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     # micro-batches in flight: 1F1B's first stage min(pp, grad_accum) (``pp_inflight``, moments.tokens),
     # its later stages fewer (the last one); GPipe runs every forward of the step before the first
     # backward on every stage (torch schedules.py ``ScheduleGPipe._step_microbatches``): all of them
+    # (a middle stage, stage 1: min(pp - 1, grad_accum), Schedule1F1B's warm-up there, torch 2.13
+    # schedules.py L1052-1055 ``Schedule1F1B._step_microbatches``: ``warmup_chunks = min(n_microbatches,
+    # num_stages - stage_index)``)
     gpipe = t.pp > 1 and t.pp_schedule == "gpipe"
-    inflight_fixed = 1 if (t.pp == 1 or (stage != "first" and not gpipe)) else (t.num_microbatches_in_flight or 0)
+    inflight_fixed = 1 if (t.pp == 1 or (stage == "last" and not gpipe)) else (t.num_microbatches_in_flight or 0)
+    pp_inflight = GPIPE_INFLIGHT if gpipe else t.pp - (stage == "middle")
     lower, above_bottom, above_decoder_bottom = _grads_above(m, t, st, layers)
     compiled_tied = compiled_tied_grads(m, t, pol)
     head_dq = head_dequant_bytes(m, t)  # the 4-bit LM head: (dequantized + cast, the cast) bytes
@@ -1445,7 +1454,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         fixed=st.weights + st.buffers + st.master + comm, grads=0 if oib else st.grads,
         grads_loaded=(0 if oib else st.grads) if grads_from_wrap(t) else 0, states=st.optimizer + st.step_tensors,
         layer_grads=0 if oib else st.layer_grads, head_grads=0 if oib else st.head_grads, layers=layers,
-        pp_inflight=GPIPE_INFLIGHT if gpipe else t.pp, fixed_inflight=inflight_fixed, saved_tok=lc.tok, saved_sq=lc.sq,
+        pp_inflight=pp_inflight, fixed_inflight=inflight_fixed, saved_tok=lc.tok, saved_sq=lc.sq,
         kept_tok=kept[0], kept_sq=kept[1], redo_tok=redo[0], redo_sq=redo[1],
         # (a layer traced checkpointed has its recomputed copies in its measured transients)
         redo_const=cast_layer if (checkpointed and top_recomputed and not lc.checkpointed) else 0,

@@ -371,11 +371,12 @@ _STATES_CACHE = BoundedCache(4096)
 
 
 def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
-    """Persistent memory of one rank. ``stage``: which pipeline stage ("first" or "last").
+    """Persistent memory of one rank. ``stage``: which pipeline stage ("first", "middle" or "last":
+    ``TrainingSpec.stage_span``).
 
     Cached on the fields that change model states (not batch, sequence, recomputation, ...), so a
     sweep over activations reuses them."""
-    key = (m, stage, t.tp, t.ep, dtensor_tp(t), t.pp, t.precision, t.zero_stage, t.fsdp, t.shard_group, t.optimizer,
+    key = (m, stage, t.tp, t.ep, dtensor_tp(t), t.pp, t.pp_less, t.precision, t.zero_stage, t.fsdp, t.shard_group, t.optimizer,
            t.impl, t.lora_rank, t.lora_targets, t.lora_dtype, t.distributed_optimizer, t.offload_optimizer,
            t.fp32_master, t.quantize, t.quantize_via, t.bitsandbytes_version, t.accumulates_unsharded,
            t.fsdp_mixed_units, t.fsdp_version, t.fused_qkv, t.split_gate_up, t.layer_rope_cache, t.expandable_segments,
@@ -436,8 +437,8 @@ class _Rank:
 
     @staticmethod
     def of(m: ModelSpec, t: TrainingSpec, stage: str) -> "_Rank":
-        per_stage = m.num_layers // t.pp
-        lo, hi = (0, per_stage) if stage == "first" else (m.num_layers - per_stage, m.num_layers)
+        lo, hi = t.stage_span(m.num_layers, stage)  # (torchtitan's weighted split: TrainingSpec.stage_layers)
+        per_stage = hi - lo
         w = t.weight_bytes
         half_master = t.fp32_master
         return _Rank(per_stage, lo, hi, stage, w, 4 if t.distributed_optimizer else fsdp1_accumulated_bytes(t, w),
@@ -466,6 +467,8 @@ class _Rank:
             return self.lo <= p.layer < self.hi
         if self.stage == "first":
             return p.role == "embedding"
+        if self.stage == "middle":  # a middle stage: its layers only
+            return False
         return p.role != "embedding" or (m.tied_embeddings and p.name.endswith(TIED_NAMES))
 
 
