@@ -96,7 +96,7 @@ def estimate(m: ModelSpec, t: TrainingSpec, cublas_workspace: int | None = None,
     ws = CUBLAS_WORKSPACE if cublas_workspace is None else int(cublas_workspace)
     stage = "first"
     if t.pp > 1:  # the worst stage by allocated memory; only it is replayed for reserved memory
-        reps = {s: estimate_stage(m, t, s, ws) for s in pipeline_stages(t)}
+        reps = {s: estimate_stage(m, t, s, ws) for s in t.worst_stage_candidates}
         stage = max(reps, key=lambda s: reps[s].peak_allocated)  # (the first of equals: first, middle, last)
         rep = reps[stage]
     if t.pp == 1 or reserved:
@@ -110,19 +110,6 @@ def estimate(m: ModelSpec, t: TrainingSpec, cublas_workspace: int | None = None,
     if m.family == "derived":
         rep.warnings.extend(derived_notes(m, t))
     return rep
-
-
-def pipeline_stages(t: TrainingSpec) -> tuple[str, ...]:
-    """The stages whose peak the estimate computes: the first (embeddings, the most micro-batches in
-    flight) and the last (final norm, head and loss), and under torchtitan's weighted split
-    (``TrainingSpec.pp_weighted``) with more than two stages the middle stage 1 too
-    (``TrainingSpec.stage_span``): the split deals its extra layers to the first stages and takes
-    the weights from the first and last, so stage 1 may hold more layers than stage 0 (Llama-3.1-405B
-    over 16 stages: 8 against 7) with one micro-batch fewer in flight under 1F1B and as many under
-    GPipe, and of the middle stages it holds the most layers and micro-batches. With an even split a
-    middle stage holds as many layers as the first, fewer micro-batches (1F1B) and no embeddings, and
-    is not computed (as before)."""
-    return ("first", "middle", "last") if t.pp > 2 and t.pp_weighted and t.virtual_stages == 1 else ("first", "last")
 
 
 def estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str, handle_ws: int = CUBLAS_WORKSPACE,

@@ -1909,9 +1909,14 @@ def pipeline_top_first(t: TrainingSpec, st: States, stage: str) -> int:
     output is freed after its copy-out). A stage whose output is its head's logits (the last) has the
     root's hook alone on it. The forward before each backward resharded every unit (1F1B), so this
     happens at each backward after a forward. Found by trace (hook order seen on the run): llama-3.2-1b
-    cut to 4 layers, --pp 2 --dp 2 full, b 1 s 32: first stage -5.7% before."""
+    cut to 4 layers, --pp 2 --dp 2 full, b 1 s 32: first stage -5.7% before. Not under sequence
+    parallelism: the stage then returns its top layer's output's local shard (``DTensor.to_local``,
+    ``wrappers.PipelineStageModule.forward``), a tensor of its own with the root's hook alone, so the
+    root gathers first and the layer's hook runs after ``to_local``'s backward (found by trace: the
+    same model --pp 2 --dp 2 --tp 2 --sequence-parallel full, b 2, s 256, bf16-amp, first stage +1.13%
+    before)."""
     if not (pipeline_fsdp(t) and stage == "first" and t.fsdp_version == 2 and t.zero_stage == 3
-            and t.shard_group > 1):
+            and t.shard_group > 1) or (t.tp > 1 and t.sequence_parallel):
         return 0
     return sum(block_of(t, x) for x in st.layer_tensors) + block_of(t, st.layer_params_full)
 

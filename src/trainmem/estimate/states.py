@@ -150,10 +150,20 @@ def _replicated_grad(m: ModelSpec, t: TrainingSpec, p: ParamTensor) -> bool:
     replicated token ids the replicated strategy needs no communication, so it is chosen: a
     ``Replicate`` gradient of the global shape, kept as ``param.grad`` (the optimizer redistributes it
     to the weight's shard op by op). FSDP2 redistributes it to the weight's placement before its
-    reduce-scatter (``_fsdp_param.py`` ``_get_grad_inner_tensor``), so there it is transient. A tied
-    embedding's gradient is accumulated into the head's ``Shard(0)`` one (transient too)."""
+    reduce-scatter (``_fsdp_param.py`` ``_get_grad_inner_tensor``), so there it is transient, unless
+    FSDP2 accumulates the unsharded gradients (``accumulates_unsharded``: ``--grad-sync step``, and
+    every pipeline stage under FSDP2): with ``reduce_grads`` off its ``post_backward`` leaves
+    autograd's gradient in the unsharded parameter's ``.grad`` (upcast to ``reduce_dtype`` under
+    bf16-mp, ``to_accumulated_grad_if_needed``: ``unsharded_grad.to(self.reduce_dtype)``, a DTensor of
+    the same placement) and adds the next micro-batch's to it (torch 2.13
+    ``_fully_shard/_fsdp_param_group.py`` L603-612, ``_fsdp_param.py`` L802-821), so the replicated
+    table is what accumulates until the step's reduce-scatter (found by trace: llama-3.2-1b cut to 4
+    layers, --pp 2 --dp 2 --tp 2 --fsdp grad-op --grad-sync step, 4 micro-batches, bf16-amp, the
+    first stage -3.3% before: the whole table's second half). A tied embedding's gradient is
+    accumulated into the head's ``Shard(0)`` one (transient too)."""
     return (dtensor_tp(t) and p.role == "embedding" and p.name.endswith(TIED_NAMES) and not m.tied_embeddings
-            and t.fsdp is None and not t.zero_stage)
+            and (t.fsdp is None and not t.zero_stage or t.fsdp is not None and t.fsdp_version == 2
+                 and t.accumulates_unsharded))
 
 
 def _lora_tensors(m: ModelSpec, t: TrainingSpec) -> list[tuple[str, int, int | None, tuple[int, int]]]:

@@ -527,6 +527,26 @@ class TrainingSpec:
         ``spec.layout.stage_layers`` with this setup's weights (an even split without them)."""
         return stage_layers(num_layers, self.pp * self.virtual_stages, stage, *self.pp_less)
 
+    @property
+    def worst_stage_candidates(self) -> tuple[str, ...]:
+        """The pipeline stages that can be the worst, whose peaks estimate and trace compute: the first
+        (embeddings, the most micro-batches in flight) and the last (final norm, head and loss), and
+        under torchtitan's weighted split (``pp_weighted``) with more than two stages the middle stage
+        1 too (:meth:`stage_span`): the split deals its extra layers to the first stages and takes the
+        weights from the first and the last, so stage 1 may hold more layers than stage 0
+        (Llama-3.1-405B over 16 stages: 8 against 7) with one micro-batch fewer in flight under 1F1B
+        (``warmup_chunks = min(n_microbatches, num_stages - stage_index)``, torch 2.13
+        ``pipelining/schedules.py`` L1052-1055) and as many under GPipe, and of the middle stages it
+        holds the most layers and micro-batches. With an even split a middle stage holds as many
+        layers as the first, fewer micro-batches (1F1B) and no embeddings: not computed."""
+        if self.pp > 2 and self.pp_weighted and self.virtual_stages == 1:
+            return "first", "middle", "last"
+        return "first", "last"
+
+    def stage_number(self, stage: str) -> int:
+        """The index of the estimate's stage ``stage`` (``first`` 0, ``middle`` 1, ``last`` pp - 1)."""
+        return {"first": 0, "middle": 1, "last": self.pp - 1}[stage]
+
     def stage_span(self, num_layers: int, stage: str) -> tuple[int, int]:
         """The decoder layers ``[lo, hi)`` of the estimate's pipeline stage ``stage``: ``first``
         (stage 0), ``middle`` (stage 1: of the middle stages the one with the most layers, the
@@ -538,7 +558,7 @@ class TrainingSpec:
         if self.virtual_stages > 1:
             per = num_layers // self.pp
             return (0, per) if stage == "first" else (num_layers - per, num_layers)
-        return self.stage_layers(num_layers, {"first": 0, "middle": 1, "last": self.pp - 1}[stage])
+        return self.stage_layers(num_layers, self.stage_number(stage))
 
     @property
     def virtual_stages(self) -> int:
