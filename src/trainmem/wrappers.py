@@ -404,6 +404,11 @@ class PipelineRankModule(torch.nn.Module):
         self.first, self.last = rank == 0, rank == pp - 1   # holds stage 0 / the last stage
         self.loss_function = self.stages[-1].loss_function
 
+    def get_output_embeddings(self) -> Any:
+        """The output head on the rank holding the last stage (its last virtual stage), else None
+        (``parallel_loss``)."""
+        return getattr(self.stages[-1], "module", self.stages[-1]).get_output_embeddings()
+
     def activation_checkpointing_enable(self, checkpointing_kwargs: Any = None) -> None:
         """transformers' gradient checkpointing on every stage's layers."""
         for stage in self.stages:  # a stage may be wrapped in DDP (its ``module``) with --dp

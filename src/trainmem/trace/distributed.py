@@ -209,10 +209,6 @@ def _check_pp(t: TrainingSpec, spec: Any, device: str, what: str) -> None:
                             "gradients unsharded through every micro-batch and reduce-scatters them once after the "
                             "schedule (stage.py backward_maybe_with_nosync, perform_reduce_grad), which is "
                             "--grad-sync step; add it (or use estimate)")
-    if t.tp > 1 and t.virtual_stages > 1:
-        raise TrainmemError(f"trace {what}: --pp-schedule {t.pp_schedule} with --tp is not traced (each rank's "
-                            "virtual stages would need a (pp, tp) mesh of their own); use --pp-schedule 1f1b or "
-                            "gpipe with --tp, or estimate")
     if t.grad_accum < t.pp and t.pp_schedule == "1f1b":
         raise TrainmemError(f"trace {what} with --grad-accum {t.grad_accum}: torch's Schedule1F1B needs at least as "
                             f"many micro-batches as stages (schedules.py); use --grad-accum {t.pp} or more, or "
@@ -715,13 +711,12 @@ def _pipeline_stage(module: torch.nn.Module, spec: Any, t: TrainingSpec) -> torc
     device_mesh = init_device_mesh("cuda", tuple(n for _, n in dims), mesh_dim_names=tuple(k for k, _ in dims))
     stage = pipeline_stage_module(module, spec, t.pp, device_mesh["pp"].get_local_rank(), t.virtual_stages,
                                   t.pp_less)
-    if t.tp > 1:
-        tensor_parallel(stage, spec, device_mesh["tp"], t.sequence_parallel)
-        if t.sequence_parallel:
-            stage.sp_mesh = device_mesh["tp"]
-    elif t.fsdp is None:
+    if t.tp == 1 and t.fsdp is None:
         stage.dp_group = device_mesh["dp"].get_group()
     for part in (stage.stages if t.virtual_stages > 1 else [stage]):
+        if t.tp > 1:  # each stage module (each virtual stage) over the one tp dimension
+            tensor_parallel(part, spec, device_mesh["tp"], t.sequence_parallel)
+            part.sp_mesh = device_mesh["tp"] if t.sequence_parallel else None
         part.pp_group = device_mesh["pp"].get_group()
         if t.fsdp is not None:  # each stage module sharded over dp (its own layers, then itself)
             fsdp2(part, spec, t, device_mesh["dp"], part.model.layers)
