@@ -662,7 +662,7 @@ def _embedding_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept,
     sync = fsdp_sync(q, flags)
     accumulated = where(_either(sync, fresh), 0, eager_tied)
     # an untied embedding's new gradient beside the accumulated one (quantities.emb_accumulated)
-    emb_new = where(fresh, 0, q.emb_grad)
+    emb_new = where(fresh, q.emb_upcast, q.emb_grad)  # (a first micro-batch's: beside its fp32 copy, emb_upcast)
     temp_emb = 2 * eager_tied + (eager_tied if flags.oib else accumulated) + q.tied_replicated + emb_new
     # --compile: the backward graph sums the tied weight's gradients itself (quantities.compiled_tied_grads):
     # the head's part and two fp32 tables of the embedding's, no .grad yet. Only where gradients are

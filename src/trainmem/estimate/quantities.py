@@ -234,6 +234,7 @@ class Quantities:
     cast_first_free: int = 0  # ... and the half weight copies of its frozen linears on that input
     tied_replicated: int = 0  # DTensor TP: the tied embedding's whole-vocabulary gradient at its backward
     emb_grad: int = 0      # an untied embedding's new gradient, added to the accumulated .grad (emb_accumulated)
+    emb_upcast: int = 0    # ... and in a step's first micro-batch, beside its fp32 copy (FSDP2 bf16-mp, emb_upcast)
     chunk_head_grads: int = 0  # chunked output loss: the head's per-chunk weight gradients being summed
     # autocast, a trainable head: its weight gradient in the compute dtype (``head_weight_grad_half``)
     head_wgrad_half: int = 0
@@ -1309,12 +1310,39 @@ def emb_accumulated(m: ModelSpec, t: TrainingSpec, stage: str) -> int:
     keep their activations meanwhile. Found by trace: llama-3.2-1b --pp 4 --grad-accum 8 bf16, b 1,
     s 1024, first stage -0.8% before. 0 for a tied embedding (``tied_head_grad``), a frozen one
     (LoRA), FSDP / ZeRO (sharded gradients) and PyTorch's tensor parallelism (``tied_replicated_grad``
-    and ``states._replicated_grad`` count its gradient)."""
+    and ``states._replicated_grad`` count its gradient), but FSDP2 accumulating unsharded gradients
+    (``accumulates_unsharded``, every pipeline stage under FSDP2): its ``post_backward`` adds the new
+    unsharded gradient to the accumulated one in place (torch 2.13 ``_fully_shard/_fsdp_param.py``
+    L815-821 ``accumulate_unsharded_grad_if_needed``: ``unsharded_accumulated_grad +=
+    unsharded_param.grad``, the fp32 copy under bf16-mp; without a reduce dtype ``AccumulateGrad``
+    adds it to ``.grad``), the new one in the gradient's dtype (bf16 under bf16-mp), the whole
+    table under DTensor's tensor parallelism (``states._replicated_grad``). Found by trace:
+    llama-3.2-1b cut to 4 layers, --pp 2 --dp 2 --tp 2 --sequence-parallel --fsdp full, bf16-mp, first
+    stage -2.5% before (the embedding's backward of the second micro-batch)."""
     if not (t.pp == 1 or stage == "first") or t.lora_rank or t.optimizer_in_backward or tied_head_grad(m, t):
         return 0
+    if t.fsdp is not None and t.fsdp_version == 2 and t.accumulates_unsharded and t.shard_group > 1:
+        return _embedding_block(m, 1 if dtensor_tp(t) else t.tp, 2 if t.precision == "bf16-mp" else t.weight_bytes,
+                                t.expandable_segments)
     if t.fsdp is not None or t.zero_stage or dtensor_tp(t):
         return 0
     return _embedding_block(m, t.tp, t.weight_bytes, t.expandable_segments)
+
+
+def emb_upcast(m: ModelSpec, t: TrainingSpec, stage: str) -> int:
+    """Bytes of an untied embedding's new bf16 gradient beside the fp32 copy FSDP2 makes of it in a
+    step's first micro-batch when it accumulates unsharded gradients under bf16-mp: its
+    ``post_backward`` with ``reduce_grads`` off calls ``to_accumulated_grad_if_needed``
+    (torch 2.13 ``_fully_shard/_fsdp_param.py`` L802-813: ``self.unsharded_accumulated_grad =
+    unsharded_grad.to(self.reduce_dtype)`` while ``unsharded_grad`` is still referenced), so the bf16
+    gradient and its fp32 copy, counted with the gradients, exist together (:func:`emb_accumulated`
+    is the same tensor in the later micro-batches). With DTensor's tensor parallelism both are the
+    whole table (``states._replicated_grad``). Found by trace: llama-3.2-1b cut to 4 layers, --pp 2
+    --dp 2 --tp 2 --sequence-parallel --fsdp full, bf16-mp, the first stage -2.5% before, at the
+    root's post-backward of the step's first micro-batch with the second still in flight."""
+    if t.precision != "bf16-mp" or t.fsdp_version != 2 or not t.accumulates_unsharded:
+        return 0
+    return emb_accumulated(m, t, stage)
 
 
 def tied_replicated_grad(m: ModelSpec, t: TrainingSpec) -> int:
@@ -1477,7 +1505,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         **gemini_fields(m, t),
         tied_grad=compiled_tied[0] if t.compile else tied_head_grad(m, t), tied_replicated=tied_replicated_grad(m, t),
         tied_compiled=compiled_tied[1] if t.compile else 0, tied_final=tied_head_grad(m, t) if t.compile else 0,
-        emb_grad=emb_accumulated(m, t, stage), softcap_saved=softcap_saved(m, loss.out) if head_here else 0,
+        emb_grad=emb_accumulated(m, t, stage), emb_upcast=emb_upcast(m, t, stage), softcap_saved=softcap_saved(m, loss.out) if head_here else 0,
         chunk_head_grads=chunk_head_grads(m, t, pol) if head_here else 0, transients=trans,
         fwd_temp=int(lc.fwd_const), fwd_temp_tok=lc.fwd_tok, head_wgrad_half=head_weight_grad_half(m, t, cast_head),
         head_temp=head_dq[0] if head_here else 0, head_read=head_dq[1] if head_here else 0,
@@ -2073,8 +2101,11 @@ def fsdp_buffers(m: ModelSpec, t: TrainingSpec, st: States, lc: LayerCoefs) -> d
                                                or fsdp2_root_gathered(t)) else 0,
             # one layer's parameters, unsharded (the per-parameter tensors FSDP2 copies out)
             "fsdp_last_kept": sum(block_of(t, x) for x in st.layer_tensors) if fsdp2_last_gathered(t) else 0,
-            "fsdp_rs_buf": st.layer_rs if t.fsdp_version == 2 and t.fsdp2_rs_on_default_stream else 0,
-            "fsdp_rs_side": st.layer_rs if t.fsdp_version == 2 and not t.fsdp2_rs_on_default_stream else 0,
+            # (none in a pipeline stage's backward: PipelineStage reduce-scatters after the schedule, fsdp_no_sync)
+            "fsdp_rs_buf": st.layer_rs if t.fsdp_version == 2 and t.fsdp2_rs_on_default_stream
+            and not pipeline_fsdp(t) else 0,
+            "fsdp_rs_side": st.layer_rs if t.fsdp_version == 2 and not t.fsdp2_rs_on_default_stream
+            and not pipeline_fsdp(t) else 0,
             "fsdp_head_full": st.head_grads_full, "fsdp_emb_full": st.emb_grads_full,
             "fsdp_ag_result": block_of(t, st.layer_params_full) if t.fsdp_version == 2 else 0,
             "fsdp_root_sharded": st.root_grads,
@@ -2157,12 +2188,19 @@ def fsdp_no_sync(m: ModelSpec, t: TrainingSpec, st: States, stage: str) -> dict[
       until the next micro-batch's backward (FSDP2 reshards after every backward,
       ``reshard_after_backward``).
     Found by the sampled grid: Gemma-2 FSDP1 grad-op dp 4, 2 micro-batches, ``--grad-sync step``:
-    +3.33% at the last micro-batch's embedding backward before (mechanism 33; FSDP2: +3.24%)."""
+    +3.33% at the last micro-batch's embedding backward before (mechanism 33; FSDP2: +3.24%).
+    Under torch's pipeline schedule no backward reduces: ``PipelineStage`` runs every micro-batch's
+    with ``set_requires_gradient_sync(False)`` and reduce-scatters after the schedule (torch 2.13
+    ``pipelining/stage.py`` ``backward_maybe_with_nosync`` L843-847, ``perform_reduce_grad``
+    L1164-1191), so the last micro-batch's layers keep their unsharded gradients too (found by trace:
+    llama-3.2-1b cut to 4 layers, --pp 2 --dp 2 --tp 2 --sequence-parallel --fsdp full, bf16-mp, the
+    first stage's embedding backward, -2.5% before)."""
     if not t.accumulates_unsharded or t.shard_group < 2:
         return {}
     synced = model_states(m, replace(t, grad_sync="micro-batch"), stage)
     kept = fsdp_grad_op(t) and t.fsdp_version == 1
-    return {"fsdp_accumulates": 1, "nosync_layer_reduce": st.layer_grads - synced.layer_grads,
+    reduced = 0 if pipeline_fsdp(t) else st.layer_grads - synced.layer_grads
+    return {"fsdp_accumulates": 1, "nosync_layer_reduce": reduced,
             "nosync_reduce": st.grads - synced.grads,
             "nosync_kept_layer": st.layer_params_full if kept else 0, "nosync_kept_root": st.root_full if kept else 0}
 
