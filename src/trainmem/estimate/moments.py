@@ -580,7 +580,8 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     grads_before, states_mid, ws2, own = before
     # FSDP's no_sync (quantities.fsdp_no_sync): in the last micro-batch the layers back-propagated
     # hold shards; in the others, under FSDP1's grad-op, they stay gathered
-    reduced, kept_layer = where(final, q.nosync_layer_reduce, 0), where(final, 0, q.nosync_kept_layer)
+    # (a pipeline stage under FSDP2 full keeps them gathered in every micro-batch: quantities.pipeline_kept_layer)
+    reduced, kept_layer = where(final, q.nosync_layer_reduce, 0), where(final, 0, q.nosync_kept_layer) + q.pipe_kept_layer
     # (+ DeepSpeed ZeRO-1/2's bucket buffers, alive through backward; ZeRO-3's gathered parameters:
     # the head and the top layers kept, ``ds_gathered_top``, then the current module, ``low_ds``)
     # (ColossalAI Gemini: other ranks' chunks gathered and the gradient hook's copies, ``gemini_fields``)

@@ -220,6 +220,7 @@ class Quantities:
     fsdp_root_regather: int = 0  # ... then the root gathered again (its all-gather buffer and parameters)
     fsdp_root_regather_own: int = 0  # FSDP2 full, the model's own loss: the root gathered again at its first node
     fsdp_pipe_top: int = 0  # pipeline first stage, FSDP2 full: its top layer gathered first (pipeline_top_first)
+    pipe_kept_layer: int = 0  # pipeline stage, FSDP2 full: a back-propagated layer kept gathered (pipeline_kept_layer)
     fsdp_loss_ag: int = 0     # FSDP2: the last layer's all-gather output while the loss runs (model's own loss)
     fsdp_root_kept: int = 0   # the root's gathered parameters between forward and backward (not resharded)
     fsdp_last_kept: int = 0   # FSDP2 --fsdp-gathered root-last: the last layer's, from its forward to its backward
@@ -1740,7 +1741,8 @@ def _pipeline_terms(m: ModelSpec, t: TrainingSpec, st: States, pol: Policy, stag
     received = (("pipeline.received_input", input_tok, 0.0),) if (fed and input_tok) else ()
     return {"pipe_batch": int(torch_pipeline(t)), "pipe_recv": count, "pipe_buf_tok": per_tok,
             "pipe_sent_tok": per_tok if (later and t.pp_schedule == "1f1b") else 0.0,
-            "fsdp_pipe_top": pipeline_top_first(t, st, stage), **_interleaved_terms(m, t, st, stage, per_tok)}, received
+            "fsdp_pipe_top": pipeline_top_first(t, st, stage), "pipe_kept_layer": pipeline_kept_layer(t, st),
+            **_interleaved_terms(m, t, st, stage, per_tok)}, received
 
 
 def _interleaved_terms(m: ModelSpec, t: TrainingSpec, st: States, stage: str, per_tok: float) -> dict[str, Any]:
@@ -1947,6 +1949,23 @@ def pipeline_top_first(t: TrainingSpec, st: States, stage: str) -> int:
             and t.shard_group > 1) or (t.tp > 1 and t.sequence_parallel):
         return 0
     return sum(block_of(t, x) for x in st.layer_tensors) + block_of(t, st.layer_params_full)
+
+
+def pipeline_kept_layer(t: TrainingSpec, st: States) -> int:
+    """Bytes of one layer's unsharded parameters (the per-parameter tensors FSDP2 copies out of its
+    all-gather) that a pipeline stage under FSDP2 ``full`` keeps gathered after the layer's backward,
+    through the rest of the stage's backward: ``PipelineStage`` runs every backward with
+    ``set_reshard_after_backward(False)`` and reshards only after the schedule (torch 2.13
+    ``pipelining/stage.py`` ``backward_maybe_with_nosync`` L843-847, ``perform_reduce_grad``
+    L1164-1191; ``_fully_shard/_fsdp_param_group.py`` L603-612: ``post_backward`` reshards only when
+    ``reshard_after_backward``), so at a layer's backward every layer above it on the stage is
+    gathered, and at the embeddings' every layer (``moments._layers_backward``'s ``kept_layer``; found
+    by trace: llama-3.2-1b cut to 4 layers, --pp 2 --dp 2 --tp 2 --fsdp full, the first stage's
+    embedding backward holds the root and both layers gathered). Under ``grad-op`` the layers stay
+    gathered from their forward anyway (``gathered_layer``)."""
+    if not (pipeline_fsdp(t) and t.fsdp_version == 2 and t.zero_stage == 3 and t.shard_group > 1):
+        return 0
+    return sum(block_of(t, x) for x in st.layer_tensors)
 
 
 def loss_outside_root(m: ModelSpec, t: TrainingSpec) -> bool:
