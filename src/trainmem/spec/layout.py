@@ -76,7 +76,7 @@ def pp_problems(model: Any, pp: int, first_less: int = 0, last_less: int = 0) ->
     """Why ``pp`` stages cannot hold ``model``'s layers: evenly (``first_less = last_less = 0``,
     today's rule: ``pp`` divides the layers), or split as torchtitan splits them when the embeddings
     and the head count as ``first_less`` and ``last_less`` layers (:func:`stage_layer_counts`, whose
-    refusals are torchtitan's ``ValueError``\ s)."""
+    refusals are torchtitan's ``ValueError`` checks)."""
     if pp == 1:
         return []
     if not (first_less or last_less):
