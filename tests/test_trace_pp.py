@@ -142,11 +142,11 @@ def test_fsdp2_shards_each_stage_and_the_pipeline_reduces_once(options):
     assert any(n.startswith("communication.fsdp") for n in names), names
     assert r.peak_allocated == max(e["peak_allocated"] for e in ranks if e["traced"])
     # the estimate warns outside the setups it is checked on (test_pipeline_fsdp2_agrees_with_the_estimate):
-    # (not for full under bf16-mp); with full recompute, or full under interleaved 1F1B, it warns; never for DDP
+    # (not for full under bf16-mp); under GPipe, or full under interleaved 1F1B, it warns; never for DDP
     from trainmem.estimate.engine import PIPELINE_FSDP_WARNING
     warned = PIPELINE_FSDP_WARNING in estimate("llama-3.2-1b", set=SMALL, **setup).warnings
     assert warned == (options["fsdp"] == "full" and options["precision"] == "bf16-mp")
-    for other in ({"recompute": "full"}, {"fsdp": "full", "pp_schedule": "interleaved-1f1b"}):
+    for other in ({"pp_schedule": "gpipe"}, {"fsdp": "full", "pp_schedule": "interleaved-1f1b"}):
         assert PIPELINE_FSDP_WARNING in estimate("llama-3.2-1b", set=SMALL, **{**setup, **other}).warnings
     ddp = {**{k: v for k, v in setup.items() if k not in ("fsdp", "grad_sync")}, "precision": "bf16-amp"}
     assert PIPELINE_FSDP_WARNING not in estimate("llama-3.2-1b", set=SMALL, **ddp).warnings
