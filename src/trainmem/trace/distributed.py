@@ -58,17 +58,17 @@ rank's size (``_fsdp_param.py`` ``_init_sharded_param``); only the optimizer sta
 divide. So rank 0 is the worst rank and is the one traced (``trace(..., rank=k)`` traces another:
 ``tests/test_trace_distributed.py`` checks that the last rank of an uneven split is not above it).
 
-Pipeline parallelism (``--pp``, alone, with ``--tp`` or with ``--dp``): the model is cut to one stage before it
-is loaded (``wrappers.PipelineStageModule``, torchtitan's split; with ``--tp`` the stage is then
-parallelized over the ``tp`` dimension of a (pp, tp) mesh, :func:`_pipeline_stage`; with ``--dp``
-each stage module is wrapped in DDP over the ``dp`` group of a (pp, dp) mesh once loaded,
-:func:`wrap_loaded`, or with ``--fsdp`` sharded with FSDP2 over it before loading) and
-``workload.PipelineTrainStep`` runs torch's ``PipelineStage`` and ``Schedule1F1B`` (or
-``ScheduleGPipe``; or ``ScheduleInterleaved1F1B`` or ``ScheduleInterleavedZeroBubble`` over the rank's
-``--pp-virtual-stages`` stages, ``wrappers.PipelineRankModule``, without ``--tp``) as that stage's
-rank of a fake group of ``pp`` (× ``tp`` or × ``dp``); ``pipeline_ranks`` says which ranks are traced (the first
-and the last stage's, tp rank 0 or data-parallel rank 0), each on its own emulated GPU, and ``pipeline_report`` keeps the
-worse. Two patches make the schedule run on the fake group
+Pipeline parallelism (``--pp``, alone, with ``--tp``, with ``--dp`` or with both): the model is cut to
+one stage before it is loaded (``wrappers.PipelineStageModule``, torchtitan's split, weighted with
+``--pp-first/last-stage-less-layers``); on a (pp, dp, tp) mesh of the dimensions used
+(:func:`_pipeline_stage`) the stage is parallelized over ``tp`` and then sharded with FSDP2 over
+``dp`` (torchtitan's ``parallelize_llama`` on each model part), or, without FSDP and TP, wrapped in
+DDP over the ``dp`` group once loaded (:func:`wrap_loaded`); ``workload.PipelineTrainStep`` runs
+torch's ``PipelineStage`` and ``Schedule1F1B`` (or ``ScheduleGPipe``; or ``ScheduleInterleaved1F1B``
+or ``ScheduleInterleavedZeroBubble`` over the rank's ``--pp-virtual-stages`` stages,
+``wrappers.PipelineRankModule``) as that stage's rank of a fake group of ``pp`` × ``dp`` × ``tp``;
+``pipeline_ranks`` says which ranks are traced (rank 0 of the first and the last stage, and of stage 1
+under the weighted split), each on its own emulated GPU, and ``pipeline_report`` keeps the worst. Two patches make the schedule run on the fake group
 (``_static_vote``, ``_p2p_one_by_one``); sends and receives move nothing, so a stage computes on
 its receive buffers, which have the real shapes and dtypes.
 
