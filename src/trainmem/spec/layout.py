@@ -87,6 +87,10 @@ def pp_problems(model: Any, pp: int, first_less: int = 0, last_less: int = 0) ->
                             "--pp-last-stage-less-layers 1, or --framework torchtitan)")]
         return []
     why = split_problem(model.num_layers, pp, first_less, last_less)
+    if not why and 0 in stage_layer_counts(model.num_layers, pp, first_less, last_less):
+        # torchtitan allows a stage of embeddings or head alone; trainmem's stages hold decoder layers
+        why = (f"with --pp-first-stage-less-layers {first_less} --pp-last-stage-less-layers {last_less} leaves a "
+               f"stage without decoder layers ({model.num_layers} layers), which trainmem does not model")
     return [Problem("pp", pp, why, "choose a smaller PP size or smaller --pp-first/last-stage-less-layers")] if why else []
 
 
