@@ -593,10 +593,11 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     # FSDP1's are the gradients of views of the flat parameter, new tensors in every micro-batch until
     # the layer's flat gradient is concatenated from them and added to .grad: fsdp1_flat_gradient)
     sync = fsdp_sync(q, flags)
+    new = _either(sync, q.fsdp_mp_new > 0)  # new unsharded gradients in every micro-batch (quantities.fsdp_no_sync)
     def part(g: Any) -> Any:
-        return g if flags.fsdp1_views else where(_either(sync, fresh), g, 0)
+        return g if flags.fsdp1_views else where(_either(new, fresh), g, 0)
     layer_grads = part(tk.layer_grad_part)
-    head_grads = where(sync, q.fsdp_head_full, maximum(where(fresh, q.head_grads, 0), q.fsdp1_head_wait))
+    head_grads = where(new, q.fsdp_head_full, maximum(where(fresh, q.head_grads, 0), q.fsdp1_head_wait))
     # the layer's transient; a tied head's gradient waits in autograd's input buffer meanwhile
     temp = maximum(tk.redo, q.oib_mid) + q.tied_grad
     _i, top_redo, top_grads = tk.top   # the top layer's own (its output gradient maybe a receive buffer)
