@@ -52,27 +52,24 @@ COMPILE_WARNING = ("--compile: the layers are the eager step's saved tensors (in
 #: after it (``quantities.fsdp_no_sync``), the first stage's top layer gathered before its root
 #: (``quantities.pipeline_top_first``), ``full``'s back-propagated layers kept gathered through the
 #: stage's backward (``quantities.pipeline_kept_layer``), ``grad-op``'s layers gathered once per stage
-#: (``moments.tokens``). Not modelled: units that torch's PipelineStage keeps gathered after a backward
-#: (stage.py ``backward_maybe_with_nosync``: ``set_reshard_after_backward(False)``) into a following
-#: backward of the rank (``full`` under interleaved orders), and under ``full`` with ``bf16-mp`` the new
-#: bf16 gradients beside the fp32 ones FSDP2 accumulates (last stage, weights dominant: -4.4%)
+#: (``moments.tokens``), under ``bf16-mp`` each micro-batch's new bf16 gradients beside the fp32 ones FSDP2
+#: accumulates (``Quantities.fsdp_mp_new``). Not modelled: units that torch's PipelineStage keeps gathered
+#: after a backward (stage.py ``backward_maybe_with_nosync``: ``set_reshard_after_backward(False)``) into a
+#: following backward of the rank (``full`` under interleaved orders), GPipe's last stage under FSDP2
 PIPELINE_FSDP_WARNING = ("--pp with --fsdp: torch's PipelineStage keeps FSDP2's units gathered from a backward "
                          "to the stage's next forward and their gradients unsharded; the estimate is checked "
-                         "against trace for 1F1B (full: not under bf16-mp) and, without recompute, grad-op under "
-                         "interleaved 1F1B; here "
+                         "against trace for 1F1B and, without recompute, grad-op under interleaved 1F1B; here "
                          "use trace (-6.1% to +1.5% against this estimate on the setups of docs/trace.md)")
 
 
 def pipeline_fsdp_warning(t: TrainingSpec) -> str | None:
     """The warning of an estimate of pipeline stages under FSDP2 outside the setups the estimate is
-    checked on (``PIPELINE_FSDP_WARNING``): None without a pipeline or FSDP, under 1F1B (``full``: but
-    with ``bf16-mp``) and, without recompute, for ``grad-op`` under interleaved 1F1B."""
+    checked on (``PIPELINE_FSDP_WARNING``): None without a pipeline or FSDP, under 1F1B and, without
+    recompute, for ``grad-op`` under interleaved 1F1B."""
     if not (t.pp > 1 and t.fsdp is not None and t.shard_group > 1):
         return None
-    if fsdp_grad_op(t):
-        checked = t.pp_schedule == "1f1b" or (t.pp_schedule == "interleaved-1f1b" and t.recompute == "none")
-    else:
-        checked = t.pp_schedule == "1f1b" and t.precision != "bf16-mp"
+    checked = t.pp_schedule == "1f1b" or (fsdp_grad_op(t) and t.pp_schedule == "interleaved-1f1b"
+                                          and t.recompute == "none")
     return None if checked else PIPELINE_FSDP_WARNING
 
 
