@@ -54,14 +54,21 @@ CASES = [
     # pipeline parallelism: torch's Schedule1F1B on the fake group (vs --grad-accum 2 alone, REFERENCE)
     ({"pp": 2, "grad_accum": 2}, CHANGED, ""), ({"pp": 2}, REFUSED, "--grad-accum 1"),
     ({"pp": 2, "grad_accum": 2, "tp": 2}, CHANGED, ""),  # each stage tensor-parallel (tests/test_trace_pp.py)
-    ({"pp": 2, "grad_accum": 2, "tp": 2, "sequence_parallel": True}, REFUSED, "--sequence-parallel"),
+    ({"pp": 2, "grad_accum": 2, "tp": 2, "sequence_parallel": True}, CHANGED, ""),  # local shards between stages
     ({"pp": 2, "grad_accum": 2, "dp": 2}, CHANGED, ""),  # DDP replicas of each stage (tests/test_trace_pp.py)
     # FSDP2 on each stage, driven by torch's PipelineStage, which reduces once per step: --grad-sync step
     ({"pp": 2, "grad_accum": 2, "dp": 2, "fsdp": "full", "grad_sync": "step"}, CHANGED, ""),
     ({"pp": 2, "grad_accum": 2, "dp": 2, "fsdp": "full"}, REFUSED, "--grad-sync micro-batch"),
     ({"pp": 2, "grad_accum": 2, "dp": 2, "fsdp": "full", "grad_sync": "step", "fsdp_version": 1}, REFUSED,
      "--fsdp-version 1"),
-    ({"pp": 2, "grad_accum": 2, "dp": 2, "tp": 2}, REFUSED, "--dp (DDP or FSDP2) or with --tp, not both"),
+    ({"pp": 2, "grad_accum": 2, "dp": 2, "tp": 2}, REFUSED, "--dp with --tp needs --fsdp"),
+    # the (pp, dp, tp) mesh: TP, then FSDP2 over dp, in each stage (tests/test_trace_pp.py)
+    ({"pp": 2, "grad_accum": 2, "dp": 2, "tp": 2, "fsdp": "full", "grad_sync": "step"}, CHANGED, ""),
+    # torchtitan's weighted split: 2 layers + 1 + 1 over 2 stages is one layer each, the even split; a
+    # head-only last stage (2 + 0 + 1: 2 and 0 layers) is refused
+    ({"pp_first_stage_less_layers": 1, "pp_last_stage_less_layers": 1, "pp": 2, "grad_accum": 2}, "same",
+     "2 layers and the embeddings and head weighing one each split into one layer a stage, as evenly"),
+    ({"pp": 2, "grad_accum": 2, "pp_last_stage_less_layers": 1}, REFUSED, "a stage without decoder layers"),
     ({"pp": 2, "grad_accum": 2, "lora_rank": 8}, CHANGED, ""),  # peft's adapters in each stage (tests/test_trace_pp.py)
     ({"pp": 2, "grad_accum": 2, "lora_rank": 8, "quantize": "nf4"}, REFUSED, "--quantize"),
     ({"pp": 2, "grad_accum": 2, "hold_output": "step"}, REFUSED, "--hold-output step"),
@@ -165,7 +172,8 @@ REFERENCE = {"fsdp_version": {"fsdp": "full", "dp": 2}, "use_cache": {"hold_outp
              "bitsandbytes_version": {"lora_rank": 8, "quantize": "nf4"},
              "grad_sync": {"grad_accum": 2, "fsdp": "full", "dp": 2}, "offload_activations": {"recompute": "full"},
              "pp": {"grad_accum": 2}, "num_microbatches_in_flight": {"pp": 2, "grad_accum": 2},
-             "pp_schedule": {"pp": 2, "grad_accum": 2}, "cast_output": {"loss": "half"}}
+             "pp_schedule": {"pp": 2, "grad_accum": 2}, "cast_output": {"loss": "half"},
+             "pp_first_stage_less_layers": {"pp": 2, "grad_accum": 2}}
 GPT2_CASES = [({"dropout": False}, CHANGED, ""), ({"loss": "chunked-nll"}, CHANGED, ""),
               ({"layer_rope_cache": 128}, REFUSED, "--layer-rope-cache 128")]
 #: FSDP1 with LoRA adapters in units of their own on BERT: peft's policy wraps its embeddings apart

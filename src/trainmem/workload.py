@@ -817,7 +817,8 @@ class PipelineTrainStep(TrainStep):
     def _example(self, stage: int, inputs: bool) -> torch.Tensor:
         """An example (meta) tensor of one micro-batch at the stage's input or output: the ids
         (b, s) int64 into the first stage, the logits (b, s, vocab) out of the last, hidden states
-        (b, s, h) in the residual stream's dtype (fp32 under autocast) between stages."""
+        (b, s, h) in the residual stream's dtype (fp32 under autocast) between stages ((b, s/tp, h)
+        under sequence parallelism)."""
         t, spec = self.training, self.spec
         b, s = t.batch_size, t.seq_len
         if inputs and stage == 0:
@@ -827,7 +828,10 @@ class PipelineTrainStep(TrainStep):
                                                                                             torch.float32)
         if not inputs and stage == self.num_stages - 1:
             return torch.empty(b, s, spec.vocab_size, dtype=self.amp or half, device="meta", requires_grad=True)
-        return torch.empty(b, s, spec.hidden_size, dtype=half, device="meta", requires_grad=True)
+        # (sequence parallelism: a stage sends and receives its local (b, s/tp, h) shard,
+        # wrappers.PipelineStageModule.forward)
+        local = s // t.tp if t.tp > 1 and t.sequence_parallel else s
+        return torch.empty(b, local, spec.hidden_size, dtype=half, device="meta", requires_grad=True)
 
     def pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The loss of one micro-batch on the last stage, as ``forward_loss`` computes it from the

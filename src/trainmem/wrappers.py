@@ -372,12 +372,13 @@ def wrapper_name(t: TrainingSpec) -> str:
 PP_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
-def stage_layers(num_layers: int, pp: int, stage: int) -> tuple[int, int]:
-    """The decoder layers ``[lo, hi)`` of pipeline stage ``stage`` of ``pp``: an even split, as
-    torchtitan's ``pipeline_module_split`` with one stage per rank and the layers dividing evenly
-    (``spec.layout`` refuses ``--pp`` that does not divide the layers)."""
-    per = num_layers // pp
-    return stage * per, (stage + 1) * per
+def stage_layers(num_layers: int, pp: int, stage: int, less: tuple[int, int] = (0, 0)) -> tuple[int, int]:
+    """The decoder layers ``[lo, hi)`` of pipeline stage ``stage`` of ``pp``: torchtitan's split
+    (``spec.layout.stage_layers``, its ``generate_llm_fqn_per_model_part``) with the embeddings and
+    the head weighing ``less`` layers; an even split with ``(0, 0)`` (``spec.layout`` then refuses
+    ``--pp`` that does not divide the layers)."""
+    from .spec.layout import stage_layers as split
+    return split(num_layers, pp, stage, *less)
 
 
 class PipelineStageModule(torch.nn.Module):
@@ -392,10 +393,11 @@ class PipelineStageModule(torch.nn.Module):
     schedule's ``loss_fn``. The body runs without a KV cache (``use_cache=False``), as the
     pipelined models of torchtitan and Megatron-LM have none."""
 
-    def __init__(self, model: torch.nn.Module, spec: Any, pp: int, stage: int) -> None:
+    def __init__(self, model: torch.nn.Module, spec: Any, pp: int, stage: int,
+                 less: tuple[int, int] = (0, 0)) -> None:
         super().__init__()
         body, head = _body_and_head(model)
-        lo, hi = stage_layers(spec.num_layers, pp, stage)  # pp: the number of stages (pp x virtual stages)
+        lo, hi = stage_layers(spec.num_layers, pp, stage, less)  # pp: the number of stages (pp x virtual stages)
         self.stage_index, self.first, self.last = stage, stage == 0, stage == pp - 1
         body.layers = torch.nn.ModuleList(list(body.layers)[lo:hi])
         if not self.first:
@@ -406,6 +408,7 @@ class PipelineStageModule(torch.nn.Module):
         self.lm_head = head if self.last else None
         self.loss_function = getattr(model, "loss_function", None)
         self.vocab_size = spec.vocab_size
+        self.sp_mesh: Any = None  # the tp mesh under sequence parallelism (trace.distributed._pipeline_stage)
 
     def get_output_embeddings(self) -> Any:
         """The output head on the last stage, else None (``tensor_parallel``, ``parallel_loss``)."""
@@ -426,9 +429,24 @@ class PipelineStageModule(torch.nn.Module):
     gradient_checkpointing_enable = activation_checkpointing_enable
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The stage's output for ``x``. Under sequence parallelism (``sp_mesh``) the plan keeps the
+        residual stream as ``Shard(1)`` DTensors (:func:`tp_layer_plan`), while ``PipelineStage``
+        sends, receives and back-propagates plain tensors: the stage's boundary is its local
+        (b, s/tp, h) shard, as in torchtitan, whose plan ends each layer with a local output
+        (``use_local_output=True``) and whose stages therefore exchange local shards. A received
+        shard is made the ``Shard(1)`` DTensor again (``DTensor.from_local``, whose backward hands
+        the plain local gradient to the schedule) and the stage's output is its local shard
+        (``DTensor.to_local``, whose backward makes the received plain gradient a ``Shard(1)``
+        DTensor again: torch 2.13 ``distributed/tensor/_api.py`` ``_FromTorchTensor`` /
+        ``_ToTorchTensor``); neither copies."""
+        if self.sp_mesh is not None and not self.first:
+            from torch.distributed.tensor import DTensor, Shard
+            x = DTensor.from_local(x, self.sp_mesh, (Shard(1),), run_check=False)
         kw = {"input_ids": x} if self.first else {"inputs_embeds": x}
         hidden = self.model(**kw, use_cache=False).last_hidden_state
-        return self.lm_head(hidden) if self.last else hidden
+        if self.last:
+            return self.lm_head(hidden)
+        return hidden.to_local() if self.sp_mesh is not None else hidden
 
 
 class PipelineRankModule(torch.nn.Module):
@@ -449,6 +467,11 @@ class PipelineRankModule(torch.nn.Module):
         self.first, self.last = rank == 0, rank == pp - 1   # holds stage 0 / the last stage
         self.loss_function = self.stages[-1].loss_function
 
+    def get_output_embeddings(self) -> Any:
+        """The output head on the rank holding the last stage (its last virtual stage), else None
+        (``parallel_loss``)."""
+        return getattr(self.stages[-1], "module", self.stages[-1]).get_output_embeddings()
+
     def activation_checkpointing_enable(self, checkpointing_kwargs: Any = None) -> None:
         """transformers' gradient checkpointing on every stage's layers."""
         for stage in self.stages:  # a stage may be wrapped in DDP (its ``module``) with --dp
@@ -458,9 +481,10 @@ class PipelineRankModule(torch.nn.Module):
 
 
 def pipeline_stage_module(module: torch.nn.Module, spec: Any, pp: int, stage: int,
-                          virtual: int = 1) -> torch.nn.Module:
-    """The causal LM cut to pipeline stage ``stage`` of ``pp`` (:class:`PipelineStageModule`), or,
-    with ``virtual`` > 1, to the ``virtual`` stages rank ``stage`` holds (:class:`PipelineRankModule`).
+                          virtual: int = 1, less: tuple[int, int] = (0, 0)) -> torch.nn.Module:
+    """The causal LM cut to pipeline stage ``stage`` of ``pp`` (:class:`PipelineStageModule`; ``less``:
+    the embeddings' and the head's weight in torchtitan's split, :func:`stage_layers`), or, with
+    ``virtual`` > 1, to the ``virtual`` stages rank ``stage`` holds (:class:`PipelineRankModule`).
     A peft model (``--lora-rank``: ``workload.apply_lora``) is cut through its base model (peft 0.21
     ``peft_model.py`` L1079-1083 ``get_base_model``: ``base_model.model``), the transformers model whose
     target linears ``inject_adapter`` replaced in place by peft's ``lora.Linear`` (``tuners/lora/model.py``
@@ -474,4 +498,4 @@ def pipeline_stage_module(module: torch.nn.Module, spec: Any, pp: int, stage: in
         module = get_base_model()
     if virtual > 1:
         return PipelineRankModule(module, spec, pp, virtual, stage)
-    return PipelineStageModule(module, spec, pp, stage)
+    return PipelineStageModule(module, spec, pp, stage, less)

@@ -147,6 +147,11 @@ def add_training(g: Any) -> None:
     g.add_argument("--pp-virtual-stages", type=positive_int, default=None, metavar="V",
                    help="stages per rank under --pp-schedule interleaved-1f1b or zero-bubble (default 2): the "
                         "layers split into pp*V stages, rank r holding stages r, r+pp, ...")
+    for end, what in (("first", "the embeddings"), ("last", "the final norm and the head")):
+        g.add_argument(f"--pp-{end}-stage-less-layers", type=int, default=None, metavar="N",
+                       help=f"torchtitan's stage split (pipeline_parallel_{end}_stage_less_layers): {what} count "
+                            f"as N layers, so the {end} stage holds N fewer (default 0, an even split; "
+                            "--framework torchtitan: 1)")
     g.add_argument("--sequence-parallel", action="store_true")
     _add_moe(g)
     _add_recompute(g)
@@ -386,7 +391,8 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 optimizer=a.optimizer, optimizer_impl=a.optimizer_impl, zero=a.zero, fsdp=a.fsdp,
                 offload_optimizer=a.offload_optimizer, distributed_optimizer=a.distributed_optimizer,
                 dp=a.dp, tp=a.tp, pp=a.pp, pp_schedule=a.pp_schedule,
-                pp_virtual_stages=a.pp_virtual_stages, cp=a.cp, ep=a.ep, moe_imbalance=a.moe_imbalance,
+                pp_virtual_stages=a.pp_virtual_stages, pp_first_stage_less_layers=a.pp_first_stage_less_layers,
+                pp_last_stage_less_layers=a.pp_last_stage_less_layers, cp=a.cp, ep=a.ep, moe_imbalance=a.moe_imbalance,
                 sequence_parallel=a.sequence_parallel,
                 recompute=a.recompute, recompute_every=a.recompute_every, attention=a.attention, compile=a.compile,
                 offload_activations=a.offload_activations,

@@ -366,9 +366,8 @@ def _canonical(t: TrainingSpec, m: ModelSpec | None = None) -> TrainingSpec:
 
 def stage_kinds(m: ModelSpec, t: TrainingSpec, stage: str, doc: dict[str, Any]) -> list[str]:
     """The kinds of the layers on this pipeline stage."""
-    per = m.num_layers // t.pp
-    kinds = doc["layer_kinds"]
-    return kinds[:per] if stage == "first" else kinds[len(kinds) - per:]
+    lo, hi = t.stage_span(len(doc["layer_kinds"]), stage)
+    return doc["layer_kinds"][lo:hi]
 
 
 def layer_coefs(m: ModelSpec, t: TrainingSpec, stage: str) -> LayerCoefs:
@@ -482,8 +481,7 @@ def _largest_dequantized(m: ModelSpec, t: TrainingSpec, stage: str) -> tuple[flo
     from .layers import Policy
     from .quant4 import dequant_dtypes, is_quantized
     dq, cast = dequant_dtypes(t)
-    per = m.num_layers // t.pp
-    lo, hi = (0, per) if stage == "first" else (m.num_layers - per, m.num_layers)
+    lo, hi = t.stage_span(m.num_layers, stage)
     best = max(((p.numel, p.shape[0]) for p in m.parameter_tensors()
                 if p.layer is not None and lo <= p.layer < hi and is_quantized(p, t)), default=(0, 0))
     return float(best[0] * (dq + cast)), float(best[1] * Policy.of(t.precision).half)

@@ -48,32 +48,28 @@ COMPILE_WARNING = ("--compile: the layers are the eager step's saved tensors (in
 
 #: the warning of an estimate of pipeline stages sharded with FSDP2 outside the setups checked against
 #: trace (docs/trace.md, the pipeline section). Modelled: the schedule's loss outside the stage root
-#: (``quantities.pipeline_fsdp``), gradients accumulated unsharded through the schedule, the first stage's
-#: top layer gathered before its root (``quantities.pipeline_top_first``), ``grad-op``'s layers gathered
-#: once per stage (``moments.tokens``). Not modelled: units that torch's PipelineStage keeps gathered after
-#: a backward (stage.py ``backward_maybe_with_nosync``: ``set_reshard_after_backward(False)``) into a
-#: following backward of the rank (``full`` under interleaved orders), what full recompute's backward
-#: holds beside the unsharded gradients FSDP2 accumulates (first stage over by 2% to 4%), and under
-#: ``full`` with ``bf16-mp`` the new bf16 gradients beside the fp32 ones FSDP2 accumulates (last stage,
-#: weights dominant: -4%)
+#: (``quantities.pipeline_fsdp``), gradients accumulated unsharded through the schedule and reduced only
+#: after it (``quantities.fsdp_no_sync``), the first stage's top layer gathered before its root
+#: (``quantities.pipeline_top_first``), ``full``'s back-propagated layers kept gathered through the
+#: stage's backward (``quantities.pipeline_kept_layer``), ``grad-op``'s layers gathered once per stage
+#: (``moments.tokens``), under ``bf16-mp`` each micro-batch's new bf16 gradients beside the fp32 ones FSDP2
+#: accumulates (``Quantities.fsdp_mp_new``). Not modelled: units that torch's PipelineStage keeps gathered
+#: after a backward (stage.py ``backward_maybe_with_nosync``: ``set_reshard_after_backward(False)``) into a
+#: following backward of the rank (``full`` under interleaved orders), GPipe's last stage under FSDP2
 PIPELINE_FSDP_WARNING = ("--pp with --fsdp: torch's PipelineStage keeps FSDP2's units gathered from a backward "
                          "to the stage's next forward and their gradients unsharded; the estimate is checked "
-                         "against trace for 1F1B (full: not under bf16-mp; grad-op: also interleaved) without "
-                         "recompute; here "
-                         "use trace (-4.5% to +4.3% against this estimate on the setups of docs/trace.md)")
+                         "against trace for 1F1B and, without recompute, grad-op under interleaved 1F1B; here "
+                         "use trace (-6.1% to +1.5% against this estimate on the setups of docs/trace.md)")
 
 
 def pipeline_fsdp_warning(t: TrainingSpec) -> str | None:
     """The warning of an estimate of pipeline stages under FSDP2 outside the setups the estimate is
-    checked on (``PIPELINE_FSDP_WARNING``): None without a pipeline or FSDP, and without recompute
-    for ``grad-op`` under 1F1B or interleaved 1F1B and ``full`` under 1F1B but with ``bf16-mp``."""
+    checked on (``PIPELINE_FSDP_WARNING``): None without a pipeline or FSDP, under 1F1B and, without
+    recompute, for ``grad-op`` under interleaved 1F1B."""
     if not (t.pp > 1 and t.fsdp is not None and t.shard_group > 1):
         return None
-    if fsdp_grad_op(t):
-        checked = t.pp_schedule in ("1f1b", "interleaved-1f1b")
-    else:
-        checked = t.pp_schedule == "1f1b" and t.precision != "bf16-mp"
-    checked = checked and t.recompute == "none"
+    checked = t.pp_schedule == "1f1b" or (fsdp_grad_op(t) and t.pp_schedule == "interleaved-1f1b"
+                                          and t.recompute == "none")
     return None if checked else PIPELINE_FSDP_WARNING
 
 
@@ -95,11 +91,10 @@ def estimate(m: ModelSpec, t: TrainingSpec, cublas_workspace: int | None = None,
     microseconds: ``trainmem.estimate`` asks for it, sweeps of the engine do not)."""
     ws = CUBLAS_WORKSPACE if cublas_workspace is None else int(cublas_workspace)
     stage = "first"
-    if t.pp > 1:  # the worse stage by allocated memory; only it is replayed for reserved memory
-        first = estimate_stage(m, t, "first", ws)
-        last = estimate_stage(m, t, "last", ws)
-        stage = "first" if first.peak_allocated >= last.peak_allocated else "last"
-        rep = first if stage == "first" else last
+    if t.pp > 1:  # the worst stage by allocated memory; only it is replayed for reserved memory
+        reps = {s: estimate_stage(m, t, s, ws) for s in t.worst_stage_candidates}
+        stage = max(reps, key=lambda s: reps[s].peak_allocated)  # (the first of equals: first, middle, last)
+        rep = reps[stage]
     if t.pp == 1 or reserved:
         rep = estimate_stage(m, t, stage, ws, reserved)
     warning = compile_warning(m, t)
@@ -115,7 +110,7 @@ def estimate(m: ModelSpec, t: TrainingSpec, cublas_workspace: int | None = None,
 
 def estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str, handle_ws: int = CUBLAS_WORKSPACE,
                    reserved: bool = False) -> MemoryReport:
-    """The report of one pipeline stage (``first`` or ``last``); ``handle_ws``: one cuBLAS
+    """The report of one pipeline stage (``first``, ``middle`` or ``last``); ``handle_ws``: one cuBLAS
     handle's workspace in bytes; ``reserved``: replay the step for ``peak_reserved``."""
     q = quantities(m, t, stage)
     flags = StepFlags.of(m, t)
@@ -218,6 +213,10 @@ def estimate_layouts(m: ModelSpec, base: TrainingSpec, cublas_workspace: int | N
     if base.min_seq_len is not None:
         raise TrainmemError(f"--min-seq-len {base.min_seq_len} is modelled by estimate and trace of one setup; "
                             "fit, sweep and plan evaluate layouts without it: drop --min-seq-len")
+    if base.pp_weighted:
+        raise TrainmemError("--pp-first-stage-less-layers / --pp-last-stage-less-layers (torchtitan's weighted stage "
+                            "split, whose worst stage may be a middle one) are modelled by estimate and trace of one "
+                            "setup; fit, sweep and plan compare the first and last stages: drop them")
     cols = _columns(base, layout)
     parts = _regime_parts(m, base, cols)
     if parts is not None:  # a derived architecture's sequences on both sides of its sliding window, or batch 1 and more

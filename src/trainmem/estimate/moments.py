@@ -604,7 +604,8 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     grads_before, states_mid, ws2, own = before
     # FSDP's no_sync (quantities.fsdp_no_sync): in the last micro-batch the layers back-propagated
     # hold shards; in the others, under FSDP1's grad-op, they stay gathered
-    reduced, kept_layer = where(final, q.nosync_layer_reduce, 0), where(final, 0, q.nosync_kept_layer)
+    # (a pipeline stage under FSDP2 full keeps them gathered in every micro-batch: quantities.pipeline_kept_layer)
+    reduced, kept_layer = where(final, q.nosync_layer_reduce, 0), where(final, 0, q.nosync_kept_layer) + q.pipe_kept_layer
     # (+ DeepSpeed ZeRO-1/2's bucket buffers, alive through backward; ZeRO-3's gathered parameters:
     # the head and the top layers kept, ``ds_gathered_top``, then the current module, ``low_ds``)
     # (ColossalAI Gemini: other ranks' chunks gathered and the gradient hook's copies, ``gemini_fields``)
@@ -616,10 +617,11 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     # FSDP1's are the gradients of views of the flat parameter, new tensors in every micro-batch until
     # the layer's flat gradient is concatenated from them and added to .grad: fsdp1_flat_gradient)
     sync = fsdp_sync(q, flags)
+    new = _either(sync, q.fsdp_mp_new > 0)  # new unsharded gradients in every micro-batch (quantities.fsdp_no_sync)
     def part(g: Any) -> Any:
-        return g if flags.fsdp1_views else where(_either(sync, fresh), g, 0)
+        return g if flags.fsdp1_views else where(_either(new, fresh), g, 0)
     layer_grads = part(tk.layer_grad_part)
-    head_grads = where(sync, q.fsdp_head_full, maximum(where(fresh, q.head_grads, 0), q.fsdp1_head_wait))
+    head_grads = where(new, q.fsdp_head_full, maximum(where(fresh, q.head_grads, 0), q.fsdp1_head_wait))
     # the layer's transient; a tied head's gradient waits in autograd's input buffer meanwhile
     temp = _with_update(tk.redo, q.oib_mid) + q.tied_grad
     _i, top_redo, top_grads = tk.top   # the top layer's own (its output gradient maybe a receive buffer)
@@ -686,7 +688,7 @@ def _embedding_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept,
     sync = fsdp_sync(q, flags)
     accumulated = where(_either(sync, fresh), 0, eager_tied)
     # an untied embedding's new gradient beside the accumulated one (quantities.emb_accumulated)
-    emb_new = where(fresh, 0, q.emb_grad)
+    emb_new = where(fresh, q.emb_upcast, q.emb_grad)  # (a first micro-batch's: beside its fp32 copy, emb_upcast)
     temp_emb = 2 * eager_tied + (eager_tied if flags.oib else accumulated) + q.tied_replicated + emb_new
     # --compile: the backward graph sums the tied weight's gradients itself (quantities.compiled_tied_grads):
     # the head's part and two fp32 tables of the embedding's, no .grad yet. Only where gradients are

@@ -161,10 +161,20 @@ def _replicated_grad(m: ModelSpec, t: TrainingSpec, p: ParamTensor) -> bool:
     replicated token ids the replicated strategy needs no communication, so it is chosen: a
     ``Replicate`` gradient of the global shape, kept as ``param.grad`` (the optimizer redistributes it
     to the weight's shard op by op). FSDP2 redistributes it to the weight's placement before its
-    reduce-scatter (``_fsdp_param.py`` ``_get_grad_inner_tensor``), so there it is transient. A tied
-    embedding's gradient is accumulated into the head's ``Shard(0)`` one (transient too)."""
+    reduce-scatter (``_fsdp_param.py`` ``_get_grad_inner_tensor``), so there it is transient, unless
+    FSDP2 accumulates the unsharded gradients (``accumulates_unsharded``: ``--grad-sync step``, and
+    every pipeline stage under FSDP2): with ``reduce_grads`` off its ``post_backward`` leaves
+    autograd's gradient in the unsharded parameter's ``.grad`` (upcast to ``reduce_dtype`` under
+    bf16-mp, ``to_accumulated_grad_if_needed``: ``unsharded_grad.to(self.reduce_dtype)``, a DTensor of
+    the same placement) and adds the next micro-batch's to it (torch 2.13
+    ``_fully_shard/_fsdp_param_group.py`` L603-612, ``_fsdp_param.py`` L802-821), so the replicated
+    table is what accumulates until the step's reduce-scatter (found by trace: llama-3.2-1b cut to 4
+    layers, --pp 2 --dp 2 --tp 2 --fsdp grad-op --grad-sync step, 4 micro-batches, bf16-amp, the
+    first stage -3.3% before: the whole table's second half). A tied embedding's gradient is
+    accumulated into the head's ``Shard(0)`` one (transient too)."""
     return (dtensor_tp(t) and p.role == "embedding" and p.name.endswith(TIED_NAMES) and not m.tied_embeddings
-            and t.fsdp is None and not t.zero_stage)
+            and (t.fsdp is None and not t.zero_stage or t.fsdp is not None and t.fsdp_version == 2
+                 and t.accumulates_unsharded))
 
 
 def _lora_tensors(m: ModelSpec, t: TrainingSpec) -> list[tuple[str, int, int | None, tuple[int, int]]]:
@@ -382,11 +392,12 @@ _STATES_CACHE = BoundedCache(4096)
 
 
 def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
-    """Persistent memory of one rank. ``stage``: which pipeline stage ("first" or "last").
+    """Persistent memory of one rank. ``stage``: which pipeline stage ("first", "middle" or "last":
+    ``TrainingSpec.stage_span``).
 
     Cached on the fields that change model states (not batch, sequence, recomputation, ...), so a
     sweep over activations reuses them."""
-    key = (m, stage, t.tp, t.ep, dtensor_tp(t), t.pp, t.precision, t.zero_stage, t.fsdp, t.shard_group, t.optimizer,
+    key = (m, stage, t.tp, t.ep, dtensor_tp(t), t.pp, t.pp_less, t.precision, t.zero_stage, t.fsdp, t.shard_group, t.optimizer,
            t.impl, t.lora_rank, t.lora_targets, t.lora_dtype, t.distributed_optimizer, t.offload_optimizer,
            t.fp32_master, t.quantize, t.quantize_via, t.bitsandbytes_version, t.accumulates_unsharded,
            t.fsdp_mixed_units, t.fsdp_version, t.fused_qkv, t.split_gate_up, t.layer_rope_cache, t.expandable_segments,
@@ -447,8 +458,8 @@ class _Rank:
 
     @staticmethod
     def of(m: ModelSpec, t: TrainingSpec, stage: str) -> "_Rank":
-        per_stage = m.num_layers // t.pp
-        lo, hi = (0, per_stage) if stage == "first" else (m.num_layers - per_stage, m.num_layers)
+        lo, hi = t.stage_span(m.num_layers, stage)  # (torchtitan's weighted split: TrainingSpec.stage_layers)
+        per_stage = hi - lo
         w = t.weight_bytes
         half_master = t.fp32_master
         return _Rank(per_stage, lo, hi, stage, w, 4 if t.distributed_optimizer else fsdp1_accumulated_bytes(t, w),
@@ -477,6 +488,8 @@ class _Rank:
             return self.lo <= p.layer < self.hi
         if self.stage == "first":
             return p.role == "embedding"
+        if self.stage == "middle":  # a middle stage: its layers only
+            return False
         return p.role != "embedding" or (m.tied_embeddings and p.name.endswith(TIED_NAMES))
 
 

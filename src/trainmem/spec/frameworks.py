@@ -262,10 +262,17 @@ def _sharded(view: Mapping[str, Any]) -> bool:
 
 def _torchtitan_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] | None) -> dict[str, Any]:
     """FSDP2 over every data-parallel rank (``data_parallel_shard_degree=-1``), resharding after
-    forward unless pipelined; its MixedPrecisionPolicy is the precision when FSDP is on, else
+    forward unless pipelined; under 1F1B and GPipe its weighted stage split (the embeddings and the head one
+    layer each); its MixedPrecisionPolicy is the precision when FSDP is on, else
     autocast (DDP or one GPU) or none (TP/PP without FSDP). torchtitan trains its own model code,
     which builds no KV cache (transformers' builds a DynamicCache unless ``use_cache`` is off)."""
     out: dict[str, Any] = {"use_cache": False}  # its own Transformer (models/llama3/model/model.py) has no KV cache
+    if view.get("pp", 1) > 1 and view.get("pp_schedule") in (None, "1f1b", "gpipe"):
+        # its stage split counts the embeddings and the final norm + output as one layer each
+        # (job_config.py L377-387 pipeline_parallel_first/last_stage_less_layers = 1; pipeline_parallel.py
+        # L236-344 generate_llm_fqn_per_model_part; spec.layout.stage_layer_counts). Under the interleaved
+        # schedules a rank's stages then differ in layers, which trainmem does not model: left even there
+        out.update(pp_first_stage_less_layers=1, pp_last_stage_less_layers=1)
     fsdp = view.get("fsdp")
     if fsdp is None and view.get("zero") is None and _sharded(view):  # --zero 0 given: replicated (DDP)
         fsdp = out["fsdp"] = "grad-op" if view.get("pp", 1) > 1 else "full"

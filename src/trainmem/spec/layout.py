@@ -9,7 +9,8 @@ rank (Megatron-LM ``megatron/core/transformer/attention.py``, ``Attention.__init
 ``divide(num_attention_heads, world_size)`` and ``divide(num_query_groups, world_size)``, where
 ``divide`` asserts divisibility; torchtitan's colwise-sharded ``wk``/``wv`` are viewed as
 ``(bs, seq, -1, head_dim)`` per rank, so a TP size above the KV heads would split a head) and the
-MLP's intermediate size; pipeline stages hold whole layers; context
+MLP's intermediate size; pipeline stages hold whole layers (evenly, or
+torchtitan's weighted split: ``stage_layer_counts``); context
 parallelism splits the sequence; sequence parallelism splits each rank's local sequence over TP.
 Expert parallelism (``ep_problems``) gives each rank whole experts and is carved out of the
 data-parallel ranks that shard the states: transformers 5.23 ``DistributedConfig._validate_mesh_config``
@@ -71,12 +72,73 @@ def tp_problems(model: Any, tp: int) -> list[Problem]:
     return out
 
 
-def pp_problems(model: Any, pp: int) -> list[Problem]:
-    """Why ``pp`` stages cannot hold ``model``'s layers evenly."""
-    if model.num_layers % pp:
-        return [Problem("pp", pp, f"does not divide the {model.num_layers} layers",
-                        f"choose a PP size that divides {model.num_layers}")]
-    return []
+def pp_problems(model: Any, pp: int, first_less: int = 0, last_less: int = 0) -> list[Problem]:
+    """Why ``pp`` stages cannot hold ``model``'s layers: evenly (``first_less = last_less = 0``,
+    today's rule: ``pp`` divides the layers), or split as torchtitan splits them when the embeddings
+    and the head count as ``first_less`` and ``last_less`` layers (:func:`stage_layer_counts`, whose
+    refusals are torchtitan's ``ValueError`` checks)."""
+    if pp == 1:
+        return []
+    if not (first_less or last_less):
+        if model.num_layers % pp:
+            return [Problem("pp", pp, f"does not divide the {model.num_layers} layers",
+                            f"choose a PP size that divides {model.num_layers}, or count the embeddings and the "
+                            "head as layers as torchtitan does (--pp-first-stage-less-layers 1 "
+                            "--pp-last-stage-less-layers 1, or --framework torchtitan)")]
+        return []
+    why = split_problem(model.num_layers, pp, first_less, last_less)
+    if not why and 0 in stage_layer_counts(model.num_layers, pp, first_less, last_less):
+        # torchtitan allows a stage of embeddings or head alone; trainmem's stages hold decoder layers
+        why = (f"with --pp-first-stage-less-layers {first_less} --pp-last-stage-less-layers {last_less} leaves a "
+               f"stage without decoder layers ({model.num_layers} layers), which trainmem does not model")
+    return [Problem("pp", pp, why, "choose a smaller PP size or smaller --pp-first/last-stage-less-layers")] if why else []
+
+
+def split_problem(num_layers: int, stages: int, first_less: int, last_less: int) -> str:
+    """Why torchtitan's split refuses ``stages`` stages of ``num_layers`` layers with the embeddings
+    and the head weighing ``first_less`` and ``last_less`` layers ("" when it does not): its checks in
+    ``generate_llm_fqn_per_model_part`` (pytorch/torchtitan v0.2.2
+    ``torchtitan/distributed/pipeline_parallel.py`` L269-296: more stages than effective layers, an
+    empty stage, a weight above the smallest stage)."""
+    effective = num_layers + first_less + last_less
+    if stages > effective:
+        return f"exceeds the {effective} effective layers ({num_layers} layers + {first_less} + {last_less})"
+    per = effective // stages
+    if first_less > per or last_less > per:
+        return (f"leaves {per} effective layers per stage, fewer than the embeddings' or the head's weight "
+                f"({first_less}, {last_less})")
+    return ""
+
+
+def stage_layer_counts(num_layers: int, stages: int, first_less: int = 0, last_less: int = 0) -> tuple[int, ...]:
+    """The decoder layers of each of ``stages`` pipeline stages, in order, as torchtitan splits a
+    model (pytorch/torchtitan v0.2.2 ``torchtitan/distributed/pipeline_parallel.py``
+    ``generate_llm_fqn_per_model_part`` L236-344, today ``_generate_llm_fqn_per_model_part``): the
+    embeddings count as ``first_less`` layers and the final norm and head as ``last_less``
+    (``job_config.py`` L377-387 ``pipeline_parallel_first_stage_less_layers`` /
+    ``..._last_stage_less_layers``, 1 each by default), the ``L + first_less + last_less``
+    effective layers are dealt out ``effective // stages`` a stage, the first ``effective % stages``
+    stages one more, and the first and last stage give up their weight in layers. With both weights
+    0 and ``stages`` dividing the layers this is the even split. Llama-3.1-405B (126 layers), 16
+    stages, weights 1: 128 effective, 8 a stage: 7, 8 × 14, 7. Interleaved schedules split the
+    ``pp × V`` virtual stages the same way (``num_virtual_stages``, L75-115)."""
+    if stages == 1:
+        return (num_layers,)
+    effective = num_layers + first_less + last_less
+    per, extra = divmod(effective, stages)
+    counts = [per + (i < extra) for i in range(stages)]
+    counts[0] -= first_less
+    counts[-1] -= last_less
+    return tuple(counts)
+
+
+def stage_layers(num_layers: int, stages: int, stage: int, first_less: int = 0,
+                 last_less: int = 0) -> tuple[int, int]:
+    """The decoder layers ``[lo, hi)`` of pipeline stage ``stage`` of ``stages``
+    (:func:`stage_layer_counts`)."""
+    counts = stage_layer_counts(num_layers, stages, first_less, last_less)
+    lo = sum(counts[:stage])
+    return lo, lo + counts[stage]
 
 
 def cp_problems(model: Any, cp: int) -> list[Problem]:
@@ -130,9 +192,10 @@ def sequence_problems(seq_len: int, tp: int, cp: int, sequence_parallel: bool) -
 
 def layout_problems(model: Any, tp: int = 1, pp: int = 1, cp: int = 1, seq_len: int | None = None,
                     sequence_parallel: bool = False, ep: int = 1, dp: int = 1,
-                    shard_group: int | None = None) -> list[Problem]:
-    """Every divisibility rule ``model`` and the layout break, tensor parallelism first."""
-    out = tp_problems(model, tp) + pp_problems(model, pp) + cp_problems(model, cp) + \
+                    shard_group: int | None = None, pp_less: tuple[int, int] = (0, 0)) -> list[Problem]:
+    """Every divisibility rule ``model`` and the layout break, tensor parallelism first
+    (``pp_less``: the embeddings' and the head's weight in torchtitan's stage split)."""
+    out = tp_problems(model, tp) + pp_problems(model, pp, *pp_less) + cp_problems(model, cp) + \
         ep_problems(model, ep, dp, shard_group)
     if seq_len is not None:
         out += sequence_problems(seq_len, tp, cp, sequence_parallel)

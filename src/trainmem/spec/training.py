@@ -9,7 +9,7 @@ from dataclasses import dataclass, asdict, field
 from typing import Any
 
 from ..errors import TrainmemError
-from .layout import layout_problems
+from .layout import layout_problems, stage_layers
 from .releases import (SDPA_ATTENTION, fsdp2_rs_on_default_stream, math_sdpa_upcasts, parse_torch_version,
                        softmax_saves_input, torch_problems)
 from .tf_releases import parse_transformers_version, transformers_problems
@@ -201,6 +201,8 @@ class TrainingSpec:
     num_microbatches_in_flight: int | None = None  # pipeline; None = the schedule's (1F1B: pp; GPipe: grad_accum)
     pp_schedule: str = "1f1b"  # PP_SCHEDULES: the pipeline schedule
     pp_virtual_stages: int | None = None  # interleaved-1f1b, zero-bubble: stages per rank (None: PP_VIRTUAL_STAGES)
+    pp_first_stage_less_layers: int = 0  # torchtitan's split: the embeddings weigh this many layers (0: even split)
+    pp_last_stage_less_layers: int = 0   # ... and the final norm and head this many (spec.layout.stage_layer_counts)
     loss_chunks: int = 1  # chunked cross-entropy: head + loss run over the tokens in this many chunks
     loss: str | None = None  # how the loss is computed (LOSSES); None: the model's own loss, chunked when
     #                          loss_chunks > 1
@@ -493,12 +495,70 @@ class TrainingSpec:
             raise TrainmemError(f"--pp-virtual-stages {v} is for --pp-schedule interleaved-1f1b or zero-bubble "
                                 f"(several stages per rank); {self.pp_schedule} runs one stage per rank: drop it or "
                                 "change the schedule")
+        for key in ("pp_first_stage_less_layers", "pp_last_stage_less_layers"):
+            w = getattr(self, key)
+            if not isinstance(w, int) or isinstance(w, bool) or w < 0:
+                raise TrainmemError(f"--{key.replace('_', '-')} must be a non-negative integer (layers), got {w!r}")
+        if self.pp_weighted and self.pp > 1 and self.pp_schedule in MULTI_STAGE_SCHEDULES:
+            raise TrainmemError(f"--pp-first-stage-less-layers / --pp-last-stage-less-layers with --pp-schedule "
+                                f"{self.pp_schedule}: torchtitan's weighted split of the virtual stages gives a "
+                                "rank's stages different layer counts, which trainmem does not model; set both to 0 "
+                                "(an even split) or use --pp-schedule 1f1b or gpipe")
         rounds = max(1, self.grad_accum // self.pp)
         if self.pp_schedule in MULTI_STAGE_SCHEDULES and self.pp > 1 and self.grad_accum % rounds:
             raise TrainmemError(f"--grad-accum {self.grad_accum} with --pp-schedule {self.pp_schedule}: torch's "
                                 f"interleaved schedules need a multiple of their {rounds} rounds "
                                 f"(grad_accum // pp); use --grad-accum {rounds * self.pp} or another multiple of "
                                 f"{self.pp}")
+
+    @property
+    def pp_weighted(self) -> bool:
+        """Whether the stages are split as torchtitan splits them with the embeddings and the head
+        weighing layers (``spec.layout.stage_layer_counts``), not evenly."""
+        return bool(self.pp_first_stage_less_layers or self.pp_last_stage_less_layers)
+
+    @property
+    def pp_less(self) -> tuple[int, int]:
+        """(the embeddings' weight, the head's weight) in the stage split, in layers."""
+        return self.pp_first_stage_less_layers, self.pp_last_stage_less_layers
+
+    def stage_layers(self, num_layers: int, stage: int) -> tuple[int, int]:
+        """The decoder layers ``[lo, hi)`` of pipeline stage ``stage`` (of ``pp × virtual_stages``):
+        ``spec.layout.stage_layers`` with this setup's weights (an even split without them)."""
+        return stage_layers(num_layers, self.pp * self.virtual_stages, stage, *self.pp_less)
+
+    @property
+    def worst_stage_candidates(self) -> tuple[str, ...]:
+        """The pipeline stages that can be the worst, whose peaks estimate and trace compute: the first
+        (embeddings, the most micro-batches in flight) and the last (final norm, head and loss), and
+        under torchtitan's weighted split (``pp_weighted``) with more than two stages the middle stage
+        1 too (:meth:`stage_span`): the split deals its extra layers to the first stages and takes the
+        weights from the first and the last, so stage 1 may hold more layers than stage 0
+        (Llama-3.1-405B over 16 stages: 8 against 7) with one micro-batch fewer in flight under 1F1B
+        (``warmup_chunks = min(n_microbatches, num_stages - stage_index)``, torch 2.13
+        ``pipelining/schedules.py`` L1052-1055) and as many under GPipe, and of the middle stages it
+        holds the most layers and micro-batches. With an even split a middle stage holds as many
+        layers as the first, fewer micro-batches (1F1B) and no embeddings: not computed."""
+        if self.pp > 2 and self.pp_weighted and self.virtual_stages == 1:
+            return "first", "middle", "last"
+        return "first", "last"
+
+    def stage_number(self, stage: str) -> int:
+        """The index of the estimate's stage ``stage`` (``first`` 0, ``middle`` 1, ``last`` pp - 1)."""
+        return {"first": 0, "middle": 1, "last": self.pp - 1}[stage]
+
+    def stage_span(self, num_layers: int, stage: str) -> tuple[int, int]:
+        """The decoder layers ``[lo, hi)`` of the estimate's pipeline stage ``stage``: ``first``
+        (stage 0), ``middle`` (stage 1: of the middle stages the one with the most layers, the
+        split's extra layers going to the first stages, and the most micro-batches in flight) or
+        ``last``; under an interleaved schedule (an even split: weights are refused there) the
+        rank's ``num_layers // pp`` layers, the first or the last of them."""
+        if self.pp == 1:
+            return 0, num_layers
+        if self.virtual_stages > 1:
+            per = num_layers // self.pp
+            return (0, per) if stage == "first" else (num_layers - per, num_layers)
+        return self.stage_layers(num_layers, self.stage_number(stage))
 
     @property
     def virtual_stages(self) -> int:
@@ -977,7 +1037,8 @@ def check_against(model: Any, t: TrainingSpec) -> None:
     bad = _size_problems(model, t)
     if bad:
         raise TrainmemError(bad)
-    problems = layout_problems(model, t.tp, t.pp, t.cp, t.seq_len, t.sequence_parallel, t.ep, t.dp, t.shard_group)
+    problems = layout_problems(model, t.tp, t.pp, t.cp, t.seq_len, t.sequence_parallel, t.ep, t.dp, t.shard_group,
+                               t.pp_less)
     if problems:
         raise TrainmemError(problems[0].message(model.name))
     stages = t.pp * t.virtual_stages

@@ -95,10 +95,11 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
     ``tp`` > 1 with or without ``sequence_parallel``) the step runs on a fake process group of ``dp`` × ``tp`` ranks
     (``trace.distributed``) as rank ``rank`` (default 0, the worst: FSDP2 and DTensor give it the
     largest shards); ``extra["ranks"]`` lists every rank, the others as copies of the traced one.
-    With ``pp`` > 1 each stage is a rank of a fake group of ``pp`` (× ``tp``: tensor-parallel
-    stages; × ``dp``: DDP replicas or FSDP2 shards of each) running torch's ``PipelineStage`` and its schedule
-    (``pp_schedule``): the first and the last stage (and ``rank``) are traced, one after the
-    other, and the report is the worse one's, with every traced stage in ``extra["ranks"]``.
+    With ``pp`` > 1 each stage is a rank of a fake group of ``pp`` (× ``dp``: DDP replicas or FSDP2
+    shards of each; × ``tp``: tensor-parallel stages; both on a (pp, dp, tp) mesh) running torch's
+    ``PipelineStage`` and its schedule (``pp_schedule``): the first and the last stage (stage 1 too
+    under torchtitan's weighted split; and ``rank``) are traced, one after the other, and the report
+    is the worst one's, with every traced stage in ``extra["ranks"]``.
     """
     t0 = time.perf_counter()
     if device not in ("cuda", "cpu"):

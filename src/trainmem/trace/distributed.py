@@ -60,17 +60,17 @@ rank's size (``_fsdp_param.py`` ``_init_sharded_param``); only the optimizer sta
 divide. So rank 0 is the worst rank and is the one traced (``trace(..., rank=k)`` traces another:
 ``tests/test_trace_distributed.py`` checks that the last rank of an uneven split is not above it).
 
-Pipeline parallelism (``--pp``, alone, with ``--tp`` or with ``--dp``): the model is cut to one stage before it
-is loaded (``wrappers.PipelineStageModule``, torchtitan's split; with ``--tp`` the stage is then
-parallelized over the ``tp`` dimension of a (pp, tp) mesh, :func:`_pipeline_stage`; with ``--dp``
-each stage module is wrapped in DDP over the ``dp`` group of a (pp, dp) mesh once loaded,
-:func:`wrap_loaded`, or with ``--fsdp`` sharded with FSDP2 over it before loading) and
-``workload.PipelineTrainStep`` runs torch's ``PipelineStage`` and ``Schedule1F1B`` (or
-``ScheduleGPipe``; or ``ScheduleInterleaved1F1B`` or ``ScheduleInterleavedZeroBubble`` over the rank's
-``--pp-virtual-stages`` stages, ``wrappers.PipelineRankModule``, without ``--tp``) as that stage's
-rank of a fake group of ``pp`` (× ``tp`` or × ``dp``); ``pipeline_ranks`` says which ranks are traced (the first
-and the last stage's, tp rank 0 or data-parallel rank 0), each on its own emulated GPU, and ``pipeline_report`` keeps the
-worse. Two patches make the schedule run on the fake group
+Pipeline parallelism (``--pp``, alone, with ``--tp``, with ``--dp`` or with both): the model is cut to
+one stage before it is loaded (``wrappers.PipelineStageModule``, torchtitan's split, weighted with
+``--pp-first/last-stage-less-layers``); on a (pp, dp, tp) mesh of the dimensions used
+(:func:`_pipeline_stage`) the stage is parallelized over ``tp`` and then sharded with FSDP2 over
+``dp`` (torchtitan's ``parallelize_llama`` on each model part), or, without FSDP and TP, wrapped in
+DDP over the ``dp`` group once loaded (:func:`wrap_loaded`); ``workload.PipelineTrainStep`` runs
+torch's ``PipelineStage`` and ``Schedule1F1B`` (or ``ScheduleGPipe``; or ``ScheduleInterleaved1F1B``
+or ``ScheduleInterleavedZeroBubble`` over the rank's ``--pp-virtual-stages`` stages,
+``wrappers.PipelineRankModule``) as that stage's rank of a fake group of ``pp`` × ``dp`` × ``tp``;
+``pipeline_ranks`` says which ranks are traced (rank 0 of the first and the last stage, and of stage 1
+under the weighted split), each on its own emulated GPU, and ``pipeline_report`` keeps the worst. Two patches make the schedule run on the fake group
 (``_static_vote``, ``_p2p_one_by_one``); sends and receives move nothing, so a stage computes on
 its receive buffers, which have the real shapes and dtypes.
 
@@ -111,9 +111,9 @@ def distributed(t: TrainingSpec) -> bool:
 
 
 def world_size(t: TrainingSpec) -> int:
-    """The ranks of the layout: dp × cp × tp (the mesh ``wrappers.mesh`` builds), or pp × tp or pp × dp
-    (the pipeline stages, each tensor-parallel over tp, or replicated by DDP or sharded by FSDP2
-    over dp: ``check`` refuses pp with both dp and tp)."""
+    """The ranks of the layout: dp × cp × tp (the mesh ``wrappers.mesh`` builds), or pp × dp × tp
+    (the pipeline stages, each tensor-parallel over tp and replicated by DDP or sharded by FSDP2 over
+    dp; ``check`` refuses pp with cp)."""
     return t.dp * t.tp * t.pp * t.cp
 
 
@@ -216,18 +216,6 @@ def _check_pp(t: TrainingSpec, spec: Any, device: str, what: str) -> None:
                             "gradients unsharded through every micro-batch and reduce-scatters them once after the "
                             "schedule (stage.py backward_maybe_with_nosync, perform_reduce_grad), which is "
                             "--grad-sync step; add it (or use estimate)")
-    if t.dp > 1 and t.tp > 1:
-        raise TrainmemError(f"trace {what}: pipeline stages are traced with --dp (DDP or FSDP2) or with --tp, not "
-                            "both (a (pp, dp, tp) mesh is not built); use estimate")
-    if t.tp > 1 and t.sequence_parallel:
-        raise TrainmemError(f"trace {what}: the tensor-parallel plan keeps the sequence-parallel residual stream as "
-                            "Shard(1) DTensors, and a pipeline stage sends, receives and back-propagates plain "
-                            "tensors (DTensor's redistribute backward refuses the received plain gradient); drop "
-                            "--sequence-parallel, or use estimate")
-    if t.tp > 1 and t.virtual_stages > 1:
-        raise TrainmemError(f"trace {what}: --pp-schedule {t.pp_schedule} with --tp is not traced (each rank's "
-                            "virtual stages would need a (pp, tp) mesh of their own); use --pp-schedule 1f1b or "
-                            "gpipe with --tp, or estimate")
     if t.grad_accum < t.pp and t.pp_schedule == "1f1b":
         raise TrainmemError(f"trace {what} with --grad-accum {t.grad_accum}: torch's Schedule1F1B needs at least as "
                             f"many micro-batches as stages (schedules.py); use --grad-accum {t.pp} or more, or "
@@ -293,7 +281,8 @@ def _check_tp(t: TrainingSpec, spec: Any, device: str, what: str) -> None:
                             "use estimate")
     if t.dp > 1 and t.fsdp is None:
         raise TrainmemError(f"trace {what}: --dp with --tp needs --fsdp (FSDP2 over the dp dimension of the mesh); "
-                            "DDP does not wrap tensor-parallel DTensor parameters")
+                            "DDP does not wrap tensor-parallel DTensor parameters (torchtitan v0.2.2 "
+                            "models/llama3/infra/parallelize.py L148-152: \"DDP has not supported > 1D parallelism\")")
     if t.lora_rank:
         raise TrainmemError(f"trace {what} with --lora-rank is not traced: peft's LoRA linears replace the "
                             "projections the tensor-parallel plan names; use estimate")
@@ -763,28 +752,34 @@ def _ddp(module: torch.nn.Module, t: TrainingSpec, tracker: Tracker, group: Any)
 
 def _pipeline_stage(module: torch.nn.Module, spec: Any, t: TrainingSpec) -> torch.nn.Module:
     """This rank's pipeline stage (``wrappers.PipelineStageModule``, cut from the unmaterialised
-    model; the rank's virtual stages, ``PipelineRankModule``, under an interleaved schedule). With
-    ``--tp`` or ``--dp``, on a (pp, tp) or (pp, dp) ``DeviceMesh`` (row-major: rank = stage × tp +
-    tp rank, or stage × dp + dp rank, as torchtitan's ``ParallelDims`` orders pp before the data and
-    tensor dimensions): with tp the stage parallelized with the TP plan over its ``tp`` dimension;
-    with dp and FSDP each stage module sharded with FSDP2 over the ``dp`` dimension (its decoder
-    layers, then the stage: torchtitan's ``apply_fsdp`` on each model part; ``PipelineStage`` then
-    drives the units itself, stage.py ``backward_maybe_with_nosync`` and ``perform_reduce_grad``),
-    with dp alone its data-parallel group kept (``dp_group``) for DDP once loaded
-    (:func:`wrap_loaded`); its ``PipelineStage`` sends over the ``pp`` dimension's group
-    (``pp_group``)."""
+    model with torchtitan's split, ``TrainingSpec.pp_less``; the rank's virtual stages,
+    ``PipelineRankModule``, under an interleaved schedule). With ``--tp`` and / or ``--dp``, on a
+    (pp, dp, tp) ``DeviceMesh`` of the dimensions used, row-major (rank = (stage × dp + dp rank) ×
+    tp + tp rank), as torchtitan's ``ParallelDims`` builds its ``("pp", "dp_replicate", "fsdp",
+    "tp")`` mesh (v0.2.2 ``distributed/parallel_dims.py`` L149-153) and ``pipeline_llm`` then
+    parallelizes each model part (``parallelize_llama``, ``models/llama3/infra/parallelize.py``
+    L76-146): the TP plan over the ``tp`` dimension first (with sequence parallelism the stage's
+    boundary is its local (b, s/tp, h) shard, ``PipelineStageModule.sp_mesh``), then each stage
+    module sharded with FSDP2 over the ``dp`` dimension (its decoder layers, then the stage;
+    ``PipelineStage`` drives the units itself, stage.py ``backward_maybe_with_nosync`` and
+    ``perform_reduce_grad``); with dp alone and no FSDP its data-parallel group is kept
+    (``dp_group``) for DDP once loaded (:func:`wrap_loaded`). Its ``PipelineStage`` sends over the
+    ``pp`` dimension's group (``pp_group``)."""
     import torch.distributed as dist
     if t.tp == 1 and t.dp == 1:
-        return pipeline_stage_module(module, spec, t.pp, dist.get_rank(), t.virtual_stages)
+        return pipeline_stage_module(module, spec, t.pp, dist.get_rank(), t.virtual_stages, t.pp_less)
     from torch.distributed.device_mesh import init_device_mesh
-    other = "tp" if t.tp > 1 else "dp"
-    device_mesh = init_device_mesh("cuda", (t.pp, t.tp * t.dp), mesh_dim_names=("pp", other))
-    stage = pipeline_stage_module(module, spec, t.pp, device_mesh["pp"].get_local_rank(), t.virtual_stages)
-    if t.tp > 1:
-        tensor_parallel(stage, spec, device_mesh["tp"], t.sequence_parallel)
-    else:
+    dims = [("pp", t.pp)] + [(name, n) for name, n, on in (("dp", t.dp, t.dp > 1 or t.fsdp is not None),
+                                                           ("tp", t.tp, t.tp > 1)) if on]
+    device_mesh = init_device_mesh("cuda", tuple(n for _, n in dims), mesh_dim_names=tuple(k for k, _ in dims))
+    stage = pipeline_stage_module(module, spec, t.pp, device_mesh["pp"].get_local_rank(), t.virtual_stages,
+                                  t.pp_less)
+    if t.tp == 1 and t.fsdp is None:
         stage.dp_group = device_mesh["dp"].get_group()
     for part in (stage.stages if t.virtual_stages > 1 else [stage]):
+        if t.tp > 1:  # each stage module (each virtual stage) over the one tp dimension
+            tensor_parallel(part, spec, device_mesh["tp"], t.sequence_parallel)
+            part.sp_mesh = device_mesh["tp"] if t.sequence_parallel else None
         part.pp_group = device_mesh["pp"].get_group()
         if t.fsdp is not None:  # each stage module sharded over dp (its own layers, then itself)
             fsdp2(part, spec, t, device_mesh["dp"], part.model.layers)
@@ -855,18 +850,22 @@ def rank_entries(report: Any, t: TrainingSpec, rank: int = 0) -> list[dict[str, 
 
 # ----- pipeline parallelism: the stages traced and the report of the worst ----------------------------
 def pipeline_ranks(t: TrainingSpec, rank: int = 0) -> list[int]:
-    """The ranks traced, one per pipeline stage traced: the first stage (embeddings, the most
-    micro-batches in flight under 1F1B: ``pp`` of them) and the last (final norm, head and loss, one
-    micro-batch in flight), plus ``rank`` if another was asked for. With ``--tp`` a stage's ranks are
-    ``stage × tp`` to ``stage × tp + tp − 1``, and its first (tp rank 0, the largest shards of an
-    uneven split, as without pipelining) is traced. A middle stage holds its layers' activations
-    for fewer micro-batches than the first (``pp - stage``) and neither the embeddings nor the
-    head, so it is below the first stage unless the embedding table is smaller than the activations
-    one micro-batch of its layers keeps; it is traced on request (``rank=k``). With ``--dp`` a
-    stage's ranks are ``stage × dp`` to ``stage × dp + dp − 1``, its DDP replicas (the same program
-    on the same tensors) or FSDP2 ranks (the first holds the largest shards, as without
-    pipelining); the first is traced."""
-    return sorted({0, (t.pp - 1) * t.tp * t.dp, rank})
+    """The ranks traced, one per pipeline stage traced: the stages that can be the worst
+    (``TrainingSpec.worst_stage_candidates``, the estimate's too): the first (embeddings, the most
+    micro-batches in flight under 1F1B: ``pp`` of them) and the last (final norm, head and loss,
+    one micro-batch in flight), and under torchtitan's weighted split stage 1 (of the middle stages
+    the one with the most layers and micro-batches in flight, and possibly more layers than the
+    first); plus ``rank`` if another was asked for. With an even split a middle stage holds its
+    layers' activations for fewer micro-batches than the first (``pp - stage``) and neither the
+    embeddings nor the head, so it is below the first stage unless the embedding table is smaller
+    than the activations one micro-batch of its layers keeps; it is traced on request
+    (``rank=k``). A stage's ranks are ``stage × dp × tp`` to ``(stage + 1) × dp × tp − 1``
+    (row-major (pp, dp, tp)): its DDP replicas (the same program on the same tensors) or its FSDP2
+    and tensor-parallel ranks, of which the first holds the largest shards (``torch.chunk`` gives
+    the first ranks the extra rows, FSDP2 pads to rank 0's size), as without pipelining; the first
+    is traced."""
+    per = t.tp * t.dp
+    return sorted({t.stage_number(s) * per for s in t.worst_stage_candidates} | {rank})
 
 
 def pipeline_report(reports: dict[int, Any], t: TrainingSpec) -> Any:
@@ -876,7 +875,9 @@ def pipeline_report(reports: dict[int, Any], t: TrainingSpec) -> Any:
     report = reports[worst]
     world, tp = world_size(t), t.tp * t.dp  # ranks per stage: its tensor-parallel ranks or its DDP replicas
     entries = {r: {**rank_entries(rep, t, r)[r], "pipeline_stage": r // tp} for r, rep in reports.items()}
-    replica = ("an FSDP2 rank of a traced stage: the same program on shards no larger than its data-parallel rank "
+    replica = ("an FSDP2 and tensor-parallel rank of a traced stage: the same program on shards no larger than its "
+               "stage's rank 0's" if t.fsdp is not None and t.tp > 1 else
+               "an FSDP2 rank of a traced stage: the same program on shards no larger than its data-parallel rank "
                "0's" if t.fsdp is not None else
                "a DDP replica of a traced stage: the same program on the same tensors" if t.dp > 1 else
                "a tensor-parallel rank of a traced stage: the same program on shards no larger than its stage's "
@@ -884,7 +885,8 @@ def pipeline_report(reports: dict[int, Any], t: TrainingSpec) -> Any:
 
     def untraced(r: int) -> dict[str, Any]:
         why = (replica if r - r % tp in reports else
-               "a middle stage: fewer micro-batches in flight than the first, no embeddings or head")
+               "a middle stage: fewer micro-batches in flight than the first (or stage 1), no embeddings or head, "
+               "no more layers than stage 1")
         return {"rank": r, "local_rank": r, "world_size": world, "pipeline_stage": r // tp, "traced": False,
                 "not_traced": why}
     ranks = [entries.get(r) or untraced(r) for r in range(world)]
@@ -894,7 +896,8 @@ def pipeline_report(reports: dict[int, Any], t: TrainingSpec) -> Any:
     report.extra.update({"ranks": ranks, "rank": worst, "world_size": world, "traced_ranks": sorted(reports),
                          "wrapper": wrapper_name(t), "pipeline_stage": name})
     peaks = ", ".join(f"stage {r // tp} {fmt(reports[r].peak_allocated, 'auto')}" for r in sorted(reports))
-    which = ("one rank each" if tp == 1 else f"one rank each (tensor-parallel rank 0 of {tp})" if t.tp > 1 else
+    which = ("one rank each" if tp == 1 else f"one rank each (rank 0 of the stage's {t.dp} × {t.tp})"
+             if t.tp > 1 and t.dp > 1 else f"one rank each (tensor-parallel rank 0 of {tp})" if t.tp > 1 else
              f"one rank each (data-parallel rank 0 of {tp})")
     report.warnings.append(f"{wrapper_name(t)} on a fake process group of {world} ranks (torch.distributed's fake "
                            f"backend): stages {', '.join(str(r // tp) for r in sorted(reports))} traced, {which} "
