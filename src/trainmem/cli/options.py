@@ -96,6 +96,24 @@ def add_precision_optimizer(g: Any) -> None:
                         "(fused), adamw_bnb_8bit/adamw_8bit, paged_adamw_8bit, paged_adamw_32bit, sgd, adafactor")
 
 
+def _add_pipeline(g: Any) -> None:
+    """The pipeline-parallel flags beside --pp: the schedule, its virtual stages and torchtitan's
+    weighted stage split."""
+    g.add_argument("--pp-schedule", choices=PP_SCHEDULES, default=None,
+                   help="pipeline schedule under --pp: 1f1b (default; the first stage keeps pp micro-batches in "
+                        "flight), gpipe (every stage keeps all --grad-accum micro-batches until its backwards), "
+                        "interleaved-1f1b (torch's ScheduleInterleaved1F1B: --pp-virtual-stages stages per rank) "
+                        "or zero-bubble (ScheduleInterleavedZeroBubble: traced; the estimate refuses it)")
+    g.add_argument("--pp-virtual-stages", type=positive_int, default=None, metavar="V",
+                   help="stages per rank under --pp-schedule interleaved-1f1b or zero-bubble (default 2): the "
+                        "layers split into pp*V stages, rank r holding stages r, r+pp, ...")
+    for end, what in (("first", "the embeddings"), ("last", "the final norm and the head")):
+        g.add_argument(f"--pp-{end}-stage-less-layers", type=int, default=None, metavar="N",
+                       help=f"torchtitan's stage split (pipeline_parallel_{end}_stage_less_layers): {what} count "
+                            f"as N layers, so the {end} stage holds N fewer (default 0, an even split; "
+                            "--framework torchtitan: 1)")
+
+
 def add_training(g: Any) -> None:
     """The training-setup flags (a parser or an argument group). Flags a framework preset sets
     default to None (not given), so that only an explicit flag overrides the preset."""
@@ -139,19 +157,7 @@ def add_training(g: Any) -> None:
         g.add_argument(f"--{k}", type=positive_int, default=1,
                        help={"dp": "data-parallel size", "tp": "tensor-parallel size",
                              "pp": "pipeline-parallel size", "cp": "context-parallel size"}[k])
-    g.add_argument("--pp-schedule", choices=PP_SCHEDULES, default=None,
-                   help="pipeline schedule under --pp: 1f1b (default; the first stage keeps pp micro-batches in "
-                        "flight), gpipe (every stage keeps all --grad-accum micro-batches until its backwards), "
-                        "interleaved-1f1b (torch's ScheduleInterleaved1F1B: --pp-virtual-stages stages per rank) "
-                        "or zero-bubble (ScheduleInterleavedZeroBubble: traced; the estimate refuses it)")
-    g.add_argument("--pp-virtual-stages", type=positive_int, default=None, metavar="V",
-                   help="stages per rank under --pp-schedule interleaved-1f1b or zero-bubble (default 2): the "
-                        "layers split into pp*V stages, rank r holding stages r, r+pp, ...")
-    for end, what in (("first", "the embeddings"), ("last", "the final norm and the head")):
-        g.add_argument(f"--pp-{end}-stage-less-layers", type=int, default=None, metavar="N",
-                       help=f"torchtitan's stage split (pipeline_parallel_{end}_stage_less_layers): {what} count "
-                            f"as N layers, so the {end} stage holds N fewer (default 0, an even split; "
-                            "--framework torchtitan: 1)")
+    _add_pipeline(g)
     g.add_argument("--sequence-parallel", action="store_true")
     _add_moe(g)
     _add_recompute(g)

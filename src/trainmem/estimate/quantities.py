@@ -1454,6 +1454,20 @@ def clear_cache() -> None:
     model_states.cache_clear()
 
 
+def _inflight(t: TrainingSpec, stage: str) -> tuple[int, int]:
+    """(micro-batches in flight on this pipeline stage, the fixed count when the schedule fixes it)."""
+    # micro-batches in flight: 1F1B's first stage min(pp, grad_accum) (``pp_inflight``, moments.tokens),
+    # its later stages fewer (the last one); GPipe runs every forward of the step before the first
+    # backward on every stage (torch schedules.py ``ScheduleGPipe._step_microbatches``): all of them
+    # (a middle stage, stage 1: min(pp - 1, grad_accum), Schedule1F1B's warm-up there, torch 2.13
+    # schedules.py L1052-1055 ``Schedule1F1B._step_microbatches``: ``warmup_chunks = min(n_microbatches,
+    # num_stages - stage_index)``)
+    gpipe = t.pp > 1 and t.pp_schedule == "gpipe"
+    inflight_fixed = 1 if (t.pp == 1 or (stage == "last" and not gpipe)) else (t.num_microbatches_in_flight or 0)
+    pp_inflight = GPIPE_INFLIGHT if gpipe else t.pp - (stage == "middle")
+    return pp_inflight, inflight_fixed
+
+
 def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     pol = Policy.of(t.precision)
     st = model_states(m, t, stage)
@@ -1481,15 +1495,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     layer_grads_live = st.layer_grads_full if fsdp else st.layer_grads
     gpw = layer_grads_live / lc.weights if (lc.weights and not oib) else 0.0
     trans = _layer_transients(t, lc, pol, gpw, 2.0 if cast_layer else 0.0, input_tok, receives_output_grad(t, stage))
-    # micro-batches in flight: 1F1B's first stage min(pp, grad_accum) (``pp_inflight``, moments.tokens),
-    # its later stages fewer (the last one); GPipe runs every forward of the step before the first
-    # backward on every stage (torch schedules.py ``ScheduleGPipe._step_microbatches``): all of them
-    # (a middle stage, stage 1: min(pp - 1, grad_accum), Schedule1F1B's warm-up there, torch 2.13
-    # schedules.py L1052-1055 ``Schedule1F1B._step_microbatches``: ``warmup_chunks = min(n_microbatches,
-    # num_stages - stage_index)``)
-    gpipe = t.pp > 1 and t.pp_schedule == "gpipe"
-    inflight_fixed = 1 if (t.pp == 1 or (stage == "last" and not gpipe)) else (t.num_microbatches_in_flight or 0)
-    pp_inflight = GPIPE_INFLIGHT if gpipe else t.pp - (stage == "middle")
+    pp_inflight, inflight_fixed = _inflight(t, stage)
     lower, above_bottom, above_decoder_bottom = _grads_above(m, t, st, layers)
     compiled_tied = compiled_tied_grads(m, t, pol)
     head_dq = head_dequant_bytes(m, t)  # the 4-bit LM head: (dequantized + cast, the cast) bytes
