@@ -298,6 +298,8 @@ def wrapper_name(t: TrainingSpec) -> str:
     if t.fsdp is not None:
         parts.append(("FSDP1 FullyShardedDataParallel " if t.fsdp_version == 1 else "FSDP2 fully_shard ")
                      + f"{t.fsdp} over {t.dp}")
+    elif t.zero and not t.distributed_optimizer and t.gemini is None:
+        parts.append(f"DeepSpeed ZeRO-{t.zero} engine over {t.dp}")
     elif t.dp > 1:
         parts.append(f"DDP over {t.dp}")
     return ", ".join(parts) or "none"

@@ -1078,7 +1078,10 @@ def deepspeed_gathered(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, 
     full recompute, its recomputed forward first: the j-th layer from the top (j = 0, 1, ...) stays
     while 2 head + c j layer < the distance (c = 2, or 3 recomputed). Beside them the module being
     computed (at most a layer, or an untied embedding) and the prefetch
-    (``stage3_prefetch_bucket_size`` elements gathered ahead, L285-418). The kept layers are
+    (``stage3_prefetch_bucket_size`` elements gathered ahead, L285-418): parameters taken from the
+    queue of the recorded order that are not gathered yet (``fetch_sub_module``: ``ds_status ==
+    NOT_AVAILABLE``, DeepSpeed v0.19.8 ``partitioned_param_coordinator.py`` L451-485), so at most
+    the model's parameters not already counted as gathered. The kept layers are
     released as backward passes them, so below the top only the current module and the prefetch
     are gathered. Modules within a layer are taken as the layer (their offsets in it neglected)."""
     if not (deepspeed_zero(t) and t.zero == 3 and t.shard_group > 1):
@@ -1093,10 +1096,16 @@ def deepspeed_gathered(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, 
     c = 3 if t.recompute == "full" else 2
     layers = m.num_layers // t.pp
     k = min(layers, -(-(dist - 2 * head_n) // (c * layer_n))) if (layer_n and dist > 2 * head_n) else 0
-    prefetch = block_of(t, t.ds_prefetch * wb)              # (stage3_prefetch_bucket_size,) gathered ahead
+    total_n = sum(-(-p.numel // t.tp) for p in m.parameter_tensors()) // t.pp  # the stage's parameters
+
+    def prefetch(gathered_n: int) -> int:
+        """(up to stage3_prefetch_bucket_size,) gathered ahead: only parameters not gathered yet"""
+        return block_of(t, min(t.ds_prefetch, max(0, total_n - gathered_n)) * wb)
+    current_n = max(layer_n, emb_n)
     current = max(layer, block_of(t, emb_n * wb))
     head = block_of(t, head_n * wb) if dist > 0 else 0
-    return head + max(k, 1) * layer + prefetch, current + prefetch
+    kept_n = (head_n if dist > 0 else 0) + max(k, 1) * layer_n
+    return head + max(k, 1) * layer + prefetch(kept_n), current + prefetch(current_n)
 
 
 def deepspeed_group_elems(t: TrainingSpec, st: States) -> int:

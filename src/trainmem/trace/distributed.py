@@ -91,6 +91,7 @@ from ..units import fmt
 from ..spec import TrainingSpec
 from ..wrappers import (PP_MODEL_TYPES, SCHEDULE_NAMES, TP_MODEL_TYPES, ddp, fsdp1, fsdp2, mesh, pipeline_stage_module, tensor_parallel,
                         wrapper_name)
+from . import deepspeed_engine
 from .cuda import _patched
 from .tracker import Tracker
 
@@ -103,8 +104,9 @@ _DEVICE_HANDLE_USERS = ("torch.distributed.device_mesh", "torch.distributed.tens
 
 
 def distributed(t: TrainingSpec) -> bool:
-    """Whether the setup runs on several ranks (DDP, FSDP, tensor or pipeline parallelism)."""
-    return t.dp > 1 or t.fsdp is not None or t.tp > 1 or t.pp > 1
+    """Whether the setup runs on several ranks (DDP, FSDP, tensor or pipeline parallelism) or through
+    DeepSpeed's engine (``--zero``: it needs a process group even over one rank)."""
+    return t.dp > 1 or t.fsdp is not None or t.tp > 1 or t.pp > 1 or deepspeed_engine.uses_deepspeed(t)
 
 
 def world_size(t: TrainingSpec) -> int:
@@ -125,6 +127,7 @@ def _what(t: TrainingSpec) -> str:
     parts = [f"--pp {t.pp}"] if t.pp > 1 else []
     parts += [f"--dp {t.dp}"] if t.dp > 1 or t.fsdp else []
     parts += [f"--fsdp {t.fsdp}"] if t.fsdp else []
+    parts += [f"--zero {t.zero}"] if deepspeed_engine.uses_deepspeed(t) else []
     parts += [f"--tp {t.tp}"] if t.tp > 1 else []
     return " ".join(parts + (["--sequence-parallel"] if t.sequence_parallel else []))
 
@@ -134,6 +137,8 @@ def check(t: TrainingSpec, spec: Any, device: str) -> None:
     if not distributed(t):
         return
     what = _what(t)
+    if deepspeed_engine.uses_deepspeed(t):
+        deepspeed_engine.check(t)
     if t.pp > 1:
         _check_pp(t, spec, device, what)
     if t.tp > 1:
@@ -664,7 +669,7 @@ def wrap(module: torch.nn.Module, spec: Any, t: TrainingSpec, tracker: Tracker) 
 def wraps_loaded(t: TrainingSpec) -> bool:
     """Whether DDP wraps the model once it is loaded (``wrap_loaded``): ``--dp`` without FSDP, on
     one model or on each pipeline stage."""
-    return t.dp > 1 and t.fsdp is None
+    return (t.dp > 1 and t.fsdp is None) or deepspeed_engine.uses_deepspeed(t)
 
 
 def wrap_loaded(module: torch.nn.Module, t: TrainingSpec, tracker: Tracker) -> torch.nn.Module:
@@ -673,7 +678,10 @@ def wrap_loaded(module: torch.nn.Module, t: TrainingSpec, tracker: Tracker) -> t
     torchtitan's ``apply_ddp`` wraps each model part; the schedule's ``PipelineStage`` takes the DDP
     module (torch 2.13 ``pipelining/stage.py`` ``forward_maybe_with_nosync`` and
     ``backward_maybe_with_nosync``: every micro-batch under ``no_sync`` but the stage's last backward,
-    before which it calls the reducer's ``prepare_for_backward``)."""
+    before which it calls the reducer's ``prepare_for_backward``). With ``--zero`` (no ``--fsdp``)
+    the loaded model goes to ``deepspeed.initialize`` instead (``trace.deepspeed_engine.wrap``)."""
+    if deepspeed_engine.uses_deepspeed(t):
+        return deepspeed_engine.wrap(module, t, tracker)
     if t.pp == 1:
         return _ddp(module, t, tracker, None)
     group = module.dp_group
@@ -687,6 +695,8 @@ def wrap_loaded(module: torch.nn.Module, t: TrainingSpec, tracker: Tracker) -> t
 def ddp_targets(module: torch.nn.Module, t: TrainingSpec) -> list[torch.nn.Module]:
     """The modules :func:`wrap_loaded` wraps in DDP (before it) or its DDP modules (after): the
     model, or the rank's virtual pipeline stages."""
+    if deepspeed_engine.uses_deepspeed(t):
+        return []  # the engine keeps the model as its ``module``, which keeps its name
     return list(module.stages) if t.pp > 1 and t.virtual_stages > 1 else [module]
 
 
@@ -749,6 +759,10 @@ def describe(t: TrainingSpec, rank: int = 0) -> str:
            "every rank's shards are as large as rank 0's or smaller (torch.chunk gives the first ranks the extra "
            "rows; FSDP2 pads its shards to rank 0's size)")
     which = "rank 0 traced, the worst rank" if rank == 0 else f"rank {rank} traced (rank 0 is the worst)"
+    if deepspeed_engine.uses_deepspeed(t):
+        why = ("ZeRO pads every rank's flat partition to one size; the buckets and gathered parameters are the "
+               "same on every rank")
+        which = "rank 0 traced" if rank == 0 else f"rank {rank} traced"
     if t.fsdp is not None and t.fsdp_version == 1:
         why = ("FSDP1 pads every rank's flat shard to one size; the optimizer keeps a state per piece of an original "
                "parameter in the rank's shard, so a rank whose shard cuts more parameters rounds a few more "
