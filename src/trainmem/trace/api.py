@@ -311,7 +311,9 @@ def _run_steps(dev: _Device, module: torch.nn.Module, spec: ModelSpec | None, t:
     the simulated out-of-memory error, if any."""
     tracker = dev.tracker
     params = [p for p in module.parameters() if p.requires_grad]
-    grad_hooks = tracker.watch_parameters(params)
+    # (DeepSpeed's engine copies each gradient into its bucket and names its own gradient buffers:
+    # trace.deepspeed_engine; the per-parameter hook would take the bucket for a gradient)
+    grad_hooks = tracker.watch_parameters(params) if type(module).__name__ != "DeepSpeedEngine" else []
     run_ctx = contextlib.nullcontext() if dev.cuda else dev.build_ctx
     try:
         with run_ctx, tracker, tracker.hooks():

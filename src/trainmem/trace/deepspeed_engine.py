@@ -148,12 +148,25 @@ def wrap(module: torch.nn.Module, t: TrainingSpec, tracker: Any) -> Any:
 
 
 def _mark_master(engine: Any, tracker: Any) -> None:
-    """The ZeRO optimizer's fp32 partitions (what its torch optimizer steps) as ``master_weights``."""
-    inner = getattr(engine.optimizer, "optimizer", None)
-    for group in getattr(inner, "param_groups", []):
-        for p in group["params"]:
-            if p.dtype == torch.float32 and engine.optimizer is not inner:
-                tracker.reclassify(p, "master_weights", "")
+    """The ZeRO optimizer's buffers named once it is built: its flat half parameters (stages 1, 2:
+    ``bit16_groups_flat``; stage 3: ``fp16_partitioned_groups_flat``, the rank's partitions) as
+    ``parameters``, the fp32 partitions its torch optimizer steps as ``master_weights`` (fp32
+    engines step the parameters themselves), stage 3's gradient partition buffer
+    (``grad_partitions_flat_buffer``, ``stage3.py`` L791) as ``gradients`` and its bucket (L780-784,
+    made in ``__init__`` and kept) as ``communication.deepspeed_buckets``."""
+    opt = engine.optimizer
+    for flat in getattr(opt, "bit16_groups_flat", None) or getattr(opt, "fp16_partitioned_groups_flat", None) or []:
+        tracker.reclassify(flat, "parameters", "")
+    if engine.bfloat16_enabled() or engine.fp16_enabled():
+        for p in (getattr(opt, "single_partition_of_fp32_groups", None)
+                  or getattr(opt, "fp32_partitioned_groups_flat", None) or []):
+            tracker.reclassify(p, "master_weights", "")
+    grads = getattr(opt, "grad_partitions_flat_buffer", None)
+    if grads is not None:
+        tracker.reclassify(grads, "gradients", "")
+    for bucket in getattr(opt, "ipg_buckets", {}).values():
+        if isinstance(getattr(bucket, "buffer", None), torch.Tensor):  # stage 3's, kept from __init__
+            tracker.reclassify(bucket.buffer, "communication", "deepspeed_buckets")
 
 
 def _rank0_list(lst: list[int]) -> list[int]:
@@ -179,6 +192,23 @@ def _rank_tensor(value: Any) -> torch.Tensor:
                      requires_grad=False)
     dist.broadcast(t, src=0, async_op=False)
     return t
+
+
+def _gather_handles() -> list[type]:
+    """ZeRO-3's all-gather handles, whose ``wait`` builds each whole parameter from the gathered
+    partitions (``partition_parameters.py`` ``AllGatherCoalescedHandle.wait``: ``torch.cat``)."""
+    import deepspeed.runtime.zero.partition_parameters as pp
+    return [c for c in vars(pp).values() if isinstance(c, type) and c.__name__.endswith("Handle")
+            and c.__module__ == pp.__name__ and "wait" in vars(c)]
+
+
+def _scoped(tracker: Any, orig: Callable, label: str) -> Callable:
+    """``orig`` with what it allocates named ``communication.<label>``."""
+    @functools.wraps(orig)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with tracker.scope("communication", label):
+            return orig(*args, **kwargs)
+    return run
 
 
 def _step_phase(tracker: Any, orig: Callable) -> Callable:
@@ -216,8 +246,15 @@ def patches(tracker: Any, emulation: Any) -> dict[tuple[Any, str], Any]:
     from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
     import deepspeed.runtime.zero.utils as zero_utils
     from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     import torch.cuda.nvtx as nvtx
-    return {**_fresh_groups(), (real, "ds_accelerator"): CUDA_Accelerator(),
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as Coordinator
+    buckets = DeepSpeedZeroOptimizer.setup_buckets  # stages 1, 2: made at backward's first gradient
+    gather = Coordinator._PartitionedParameterCoordinator__all_gather_params  # stage 3: whole parameters
+    return {(DeepSpeedZeroOptimizer, "setup_buckets"): _scoped(tracker, buckets, "deepspeed_buckets"),
+            (Coordinator, "_PartitionedParameterCoordinator__all_gather_params"): _scoped(tracker, gather,
+                                                                                      "deepspeed_gathered"),
+            **{(cls, "wait"): _scoped(tracker, cls.wait, "deepspeed_gathered") for cls in _gather_handles()},**_fresh_groups(), (real, "ds_accelerator"): CUDA_Accelerator(),
             (zero_utils, "get_lst_from_rank0"): _rank0_list,
             (zero_utils, "assert_lst_len_same_as_other_ranks"): _same_length,
             (nvtx, "range_push"): lambda *a, **k: None, (nvtx, "range_pop"): lambda *a, **k: None,
