@@ -430,11 +430,11 @@ def _head_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, befo
     out = [_mo("backward", micro, step, "fsdp.root_unshard",
                (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.logits_grad), (kept.logits, kept.kv_forward, 0),
                _both(valid, q.fsdp_root_regather > 0),
-               comm=2 * q.fsdp_root_regather + q.fsdp_pipe_top + q.ds_backward_buf)]
+               comm=2 * q.fsdp_root_regather + q.fsdp_pipe_top + q.ds_loss_buf)]
     for where_, temp in (("lm_head.backward", tk.head_chunk_first), ("lm_head.backward.sum", tk.head_chunk)):
         out.append(_mo("backward", micro, step, where_, (grads_before, states, tk.inputs, ws2, tk.all_acts, temp),
                        (kept.logits, kept.kv_forward, 0), _both(valid, q.chunk_head_grads > 0),
-                       comm=q.fsdp_loss_root + q.fsdp_last_kept + q.fsdp_loss_buf + q.ds_backward_buf
+                       comm=q.fsdp_loss_root + q.fsdp_last_kept + q.fsdp_loss_buf + q.ds_loss_buf
                        + q.ds_gathered_top))
     out.append(_head_weight_grad(q, flags, tk, kept, before, step, micro, valid))
     return out
@@ -455,7 +455,7 @@ def _head_weight_grad(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, b
                (grads_before + head, states, tk.inputs, ws2, tk.all_acts - q.cast_head, q.head_wgrad + q.tied_grad),
                (kept.logits, kept.kv_forward, 0), _both(valid, _both(q.head_wgrad > 0, _either(fresh, sync))),
                comm=q.fsdp_loss_root + q.fsdp_root_regather + q.fsdp_last_kept
-               + q.fsdp_loss_buf + q.ds_backward_buf + q.ds_gathered_top)
+               + q.fsdp_loss_buf + q.ds_loss_buf + q.ds_gathered_top)
 
 
 def _root_regather_at_loss(q: Quantities, tk: Tokens, kept: Kept, before: tuple, step: int, micro: int,
@@ -467,7 +467,7 @@ def _root_regather_at_loss(q: Quantities, tk: Tokens, kept: Kept, before: tuple,
     grads_before, states, ws2, own = before
     return _mo("backward", micro, step, "fsdp.root_unshard", (grads_before, states, tk.inputs, ws2, tk.all_acts, 0),
                (kept.logits, kept.kv_forward, tk.loss_saved), _both(valid, q.fsdp_root_regather_own > 0), own,
-               comm=2 * q.fsdp_root_regather_own + q.ds_backward_buf)
+               comm=2 * q.fsdp_root_regather_own + q.ds_loss_buf)
 
 
 def _grads_before(q: Quantities, flags: StepFlags, tk: Tokens, micro: int, step: int) -> Any:
@@ -534,7 +534,7 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     moments.append(_mo("backward", micro, step, "cross_entropy.backward",
                        (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.loss_backward),
                        (kept.logits, kept.kv_forward, tk.loss_saved), valid, own,
-                       comm=q.fsdp_loss_root + q.fsdp_last_kept + q.fsdp_loss_buf + q.ds_backward_buf
+                       comm=q.fsdp_loss_root + q.fsdp_last_kept + q.fsdp_loss_buf + q.ds_loss_buf
                        + q.ds_gathered_top))
     moments.extend(_head_backward(q, flags, tk, kept, (grads_before, states, ws2), step, micro, valid))
     # a 4-bit LM head dequantizes its weight again for the input gradient (quant4.py): the loss's
@@ -544,7 +544,7 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
         moments.append(_mo("backward", micro, step, "lm_head.backward",
                            (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.out_logits + q.head_temp),
                            (kept.logits, kept.kv_forward, 0), _both(valid, q.head_temp > 0), own,
-                           comm=q.ds_backward_buf + q.ds_gathered_top))
+                           comm=q.ds_loss_buf + q.ds_gathered_top))
     states_mid = q.states if (states_before or flags.oib) else 0  # optimizer in backward creates them now
     # DeepSpeed ZeRO-2 allocates its whole gradient partition at the first bucket reduction (the head's)
     layer_grads_before = maximum(grads_before, q.ds_partition_grads)

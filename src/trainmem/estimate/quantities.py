@@ -183,6 +183,7 @@ class Quantities:
     head_read: int = 0     # ... of it, the copy its matmul reads (the cast, else the dequantized weight)
     head_lora: int = 0     # a LoRA adapter on that 4-bit head: logits-sized tensors alive in its forward (3)
     ds_backward_buf: int = 0  # DeepSpeed ZeRO-1/2's gradient bucket buffers, alive during backward (``deepspeed_buckets``)
+    ds_loss_buf: int = 0      # ... of them, those alive in the loss's and the head's backward (before v0.18.3)
     ds_bucket: int = 0        # one DeepSpeed bucket buffer (ZeRO-3's is kept from engine start, in ``fixed``)
     ds_step_fp32: int = 0     # DeepSpeed's step: the group's fp32 gradient (``deepspeed_step_grad``) ...
     ds_step_flat: int = 0     # ... and the flat copy in the gradient dtype beside it during the cast
@@ -1016,7 +1017,9 @@ def deepspeed_buckets(t: TrainingSpec) -> tuple[int, int]:
     * stages 1 and 2 (``stage_1_and_2.py`` ``backward`` L2047-2061): with ``contiguous_gradients``
       every backward makes ``buf_0`` and, under ``overlap_comm``, a second ``buf_1`` (its comment:
       double buffers to avoid a data access conflict); ``_release_ipg_buffers`` (L676-679, called
-      when backward's gradients are reduced, L802) drops them.
+      when backward's gradients are reduced, L802) drops them. From v0.18.3 the same buffers are
+      made by the first gradient's hook (``setup_buckets``, v0.19.8 L3256-3281), after the loss's
+      and the head's backward (``TrainingSpec.ds_buckets_at_backward_start``, ``ds_loss_buf``).
 
     Without ``contiguous_gradients`` gradients stay where autograd made them (no buffer)."""
     if not deepspeed_zero(t) or not t.contiguous_gradients:
@@ -1037,7 +1040,11 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
     # partition made at the first reduction (``stage_1_and_2.py`` L1349-1356), which the head's gradients
     # trigger: the layers' backward finds all of this rank's gradient bytes allocated
     part = st.grads if (deepspeed_zero(t) and t.zero == 2 and not t.offload_optimizer and st.trainable) else 0
-    return {"ds_backward_buf": backward, "ds_bucket": each, "ds_step_fp32": fp32, "ds_step_flat": flat,
+    # the buckets exist in the loss's and the head's backward only when backward's start makes them
+    # (before v0.18.3); since, the first gradient's hook does (a head's weight, or a tied head's final norm)
+    loss_buf = backward if t.ds_buckets_at_backward_start else 0
+    return {"ds_backward_buf": backward, "ds_loss_buf": loss_buf, "ds_bucket": each, "ds_step_fp32": fp32,
+            "ds_step_flat": flat,
             "ds_gathered_top": top, "ds_gathered_low": low, "ds_partition_grads": part}
 
 

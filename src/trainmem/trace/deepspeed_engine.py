@@ -77,6 +77,10 @@ def check(t: TrainingSpec) -> None:
     if not available():
         raise TrainmemError(f"{what} runs DeepSpeed's own engine: pip install deepspeed (DS_BUILD_OPS=0 builds no "
                             "kernels), or use estimate")
+    installed = _installed_release()
+    if t.deepspeed_version is not None and t.deepspeed_release()[:2] != installed[:2]:
+        raise TrainmemError(f"--deepspeed-version {t.deepspeed_version}: {what} runs the installed DeepSpeed "
+                            f"{'.'.join(map(str, installed))}; use estimate for another release, or drop it")
     refused = [(t.offload_optimizer, "--offload-optimizer (DeepSpeed's CPU optimizer and pinned host buffers)"),
                (t.remote_device == "cpu", "--remote-device cpu (zero.Init partitions in pinned host memory)"),
                (t.tp > 1 or t.pp > 1, "--tp/--pp (DeepSpeed's engine over a model-parallel mpu)"),
@@ -96,6 +100,12 @@ def check(t: TrainingSpec) -> None:
     bad = [name for flag, name in refused if flag]
     if bad:
         raise TrainmemError(f"{what} does not run {bad[0]} through DeepSpeed's engine; use estimate")
+
+
+def _installed_release() -> tuple[int, ...]:
+    """The installed DeepSpeed's release as numbers (its metadata, without importing it)."""
+    from importlib.metadata import version
+    return tuple(int(x) for x in version("deepspeed").split("+")[0].split(".")[:3] if x.isdigit())
 
 
 def config(t: TrainingSpec) -> dict[str, Any]:
