@@ -74,13 +74,6 @@ def available() -> bool:
 def check(t: TrainingSpec) -> None:
     """Refuse, in one line, what trace does not run through DeepSpeed's engine."""
     what = f"trace --zero {t.zero}"
-    if not available():
-        raise TrainmemError(f"{what} runs DeepSpeed's own engine: pip install deepspeed (DS_BUILD_OPS=0 builds no "
-                            "kernels), or use estimate")
-    installed = _installed_release()
-    if t.deepspeed_version is not None and t.deepspeed_release()[:2] != installed[:2]:
-        raise TrainmemError(f"--deepspeed-version {t.deepspeed_version}: {what} runs the installed DeepSpeed "
-                            f"{'.'.join(map(str, installed))}; use estimate for another release, or drop it")
     refused = [(t.offload_optimizer, "--offload-optimizer (DeepSpeed's CPU optimizer and pinned host buffers)"),
                (t.remote_device == "cpu", "--remote-device cpu (zero.Init partitions in pinned host memory)"),
                (t.tp > 1 or t.pp > 1, "--tp/--pp (DeepSpeed's engine over a model-parallel mpu)"),
@@ -100,6 +93,13 @@ def check(t: TrainingSpec) -> None:
     bad = [name for flag, name in refused if flag]
     if bad:
         raise TrainmemError(f"{what} does not run {bad[0]} through DeepSpeed's engine; use estimate")
+    if not available():
+        raise TrainmemError(f"{what} runs DeepSpeed's own engine: pip install deepspeed (DS_BUILD_OPS=0 builds no "
+                            "kernels), or use estimate")
+    installed = _installed_release()
+    if t.deepspeed_version is not None and t.deepspeed_release()[:2] != installed[:2]:
+        raise TrainmemError(f"deepspeed_version {t.deepspeed_version}: {what} runs the installed DeepSpeed "
+                            f"{'.'.join(map(str, installed))}; use estimate for another release, or drop it")
 
 
 def _installed_release() -> tuple[int, ...]:
