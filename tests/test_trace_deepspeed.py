@@ -78,6 +78,29 @@ def test_trace_runs_deepspeeds_engine(stage, one_torch_thread):
     assert comps.get("master_weights", 0) > 0 and comps.get("optimizer_states.exp_avg", 0) > 0
 
 
+def test_every_engine_option_reaches_deepspeeds_config():
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from trainmem.spec.resolve import resolve
+    t = resolve("gpt2", zero=3, dp=2, precision="bf16", reduce_bucket_size=7, overlap_comm=False,
+                contiguous_gradients=False, sub_group_size=1000, stage3_max_reuse_distance=0,
+                stage3_prefetch_bucket_size=0).training
+    cfg = deepspeed_engine.config(t)
+    z = DeepSpeedZeroConfig(**cfg["zero_optimization"])
+    assert (z.stage, z.reduce_bucket_size, z.overlap_comm, z.contiguous_gradients, z.sub_group_size,
+            z.max_reuse_distance, z.prefetch_bucket_size) == (3, 7, False, False, 1000, 0, 0)
+    assert cfg["bf16"] == {"enabled": True} and "fp16" not in cfg
+
+
+def test_zero3_sub_groups_move_the_trace(one_torch_thread):
+    """A smaller ``sub_group_size`` steps ZeRO-3's fp32 partitions in smaller flat pieces: a smaller
+    fp32 gradient at the step (``stage3.py`` ``_prepare_fp32_grad_for_sub_group``)."""
+    pytest.importorskip("deepspeed")
+    kw = dict(LLAMA, zero=3, dp=2, precision="bf16", reduce_bucket_size=1_000_000)
+    whole = trace("llama-3.2-1b", **kw).peak_allocated
+    assert trace("llama-3.2-1b", sub_group_size=100_000, **kw).peak_allocated < whole
+
+
 @pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_estimate_agrees_with_deepspeeds_engine(model, stage, one_torch_thread):

@@ -251,22 +251,30 @@ def _fresh_groups() -> dict[tuple[Any, str], Any]:
 
 
 def patches(tracker: Any, emulation: Any) -> dict[tuple[Any, str], Any]:
-    """(object, attribute) -> value: DeepSpeed's engine on the fake group and the emulated GPU."""
+    """(object, attribute) -> value: DeepSpeed's engine on the fake group and the emulated GPU (see the
+    module's docstring), its buffers named, and what DeepSpeed changes for the rest of a process
+    put back after the trace: ZeRO-3 replaces ``F.linear`` with its memory-efficient
+    ``zero3_linear_wrap`` (``partition_parameters.py`` ``_enable_mem_efficient_linear`` L412-419:
+    "This will persist unless manually reset"), in force through the trace as in the rank's own
+    process, not in the next trace's."""
     import deepspeed.accelerator.real_accelerator as real
-    from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
     import deepspeed.runtime.zero.utils as zero_utils
-    from deepspeed.runtime.engine import DeepSpeedEngine
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     import torch.cuda.nvtx as nvtx
+    import torch.nn.functional as F
+    from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+    from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as Coordinator
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     buckets = DeepSpeedZeroOptimizer.setup_buckets  # stages 1, 2: made at backward's first gradient
     gather = Coordinator._PartitionedParameterCoordinator__all_gather_params  # stage 3: whole parameters
-    return {(DeepSpeedZeroOptimizer, "setup_buckets"): _scoped(tracker, buckets, "deepspeed_buckets"),
-            (Coordinator, "_PartitionedParameterCoordinator__all_gather_params"): _scoped(tracker, gather,
-                                                                                      "deepspeed_gathered"),
-            **{(cls, "wait"): _scoped(tracker, cls.wait, "deepspeed_gathered") for cls in _gather_handles()},**_fresh_groups(), (real, "ds_accelerator"): CUDA_Accelerator(),
+    named = {(DeepSpeedZeroOptimizer, "setup_buckets"): _scoped(tracker, buckets, "deepspeed_buckets"),
+             (Coordinator, "_PartitionedParameterCoordinator__all_gather_params"):
+                 _scoped(tracker, gather, "deepspeed_gathered"),
+             **{(cls, "wait"): _scoped(tracker, cls.wait, "deepspeed_gathered") for cls in _gather_handles()},
+             (DeepSpeedEngine, "step"): _step_phase(tracker, DeepSpeedEngine.step)}
+    return {**_fresh_groups(), **named, (F, "linear"): F.linear, (F, "embedding"): F.embedding,
+            (real, "ds_accelerator"): CUDA_Accelerator(),
             (zero_utils, "get_lst_from_rank0"): _rank0_list,
             (zero_utils, "assert_lst_len_same_as_other_ranks"): _same_length,
             (nvtx, "range_push"): lambda *a, **k: None, (nvtx, "range_pop"): lambda *a, **k: None,
-            (DeepSpeedEngine, "step"): _step_phase(tracker, DeepSpeedEngine.step),
             (emulation, "explicit_meta_uncounted"): True}
