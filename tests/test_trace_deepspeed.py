@@ -109,6 +109,22 @@ def test_zero3_sub_groups_move_the_trace(one_torch_thread):
     assert trace("llama-3.2-1b", sub_group_size=100_000, **kw).peak_allocated < whole
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_gradients_kept_for_the_step_are_the_whole_overlapping_parameters(stage, one_torch_thread):
+    """At the step's cast ZeRO-1/2 hold ``grads_in_partition``: the whole parameters that overlap rank
+    0's partition (the tied embedding and layer 0's projections to ``down_proj`` on this Llama), as the
+    estimate counts it (``quantities.deepspeed_partition_grads``), byte for byte."""
+    pytest.importorskip("deepspeed")
+    from trainmem.estimate.quantities import quantities
+    from trainmem.spec.resolve import resolve
+    kw = dict(LLAMA, zero=stage, dp=2, precision="bf16", reduce_bucket_size=1_000_000, recompute="full")
+    r = trace("llama-3.2-1b", **kw)
+    assert r.peak_phase.startswith("optimizer_step")
+    res = resolve("llama-3.2-1b", **kw)
+    grads = sum(c.bytes for c in r.components if c.category == "gradients")
+    assert grads == quantities(res.model, res.training).ds_cast_grads == 3_407_872 * 2
+
+
 @pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_estimate_agrees_with_deepspeeds_engine(model, stage, one_torch_thread):

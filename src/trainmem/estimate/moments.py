@@ -853,10 +853,21 @@ def _optimizer_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, ste
     # FSDP's no_sync: the last micro-batch left shards (fsdp_no_sync); + gradients kept as views of
     # larger tensors (tk.grad_views), freed with them by zero_grad(set_to_none=True)
     grads = q.grads - q.nosync_reduce + tk.grad_views
-    after = q.fixed + grads + q.states + tk.inputs + ws2 + logits + kv + graph
+    # DeepSpeed's ZeRO step (``quantities.deepspeed_step_grad``): the flat copy and its fp32 cast beside
+    # the gradients kept for it (``ds_cast_grads``); the flat copy is then dropped (v0.16.4
+    # ``stage_1_and_2.py`` L1891-1897: a temporary of ``.to()``; v0.19.8 L3113-3114 ``del``; ``stage3.py``
+    # ``_prepare_fp32_grad_for_sub_group``) and stages 1 and 2 free their gradients
+    # (``free_grad_in_param_list``, ``averaged_gradients[i] = None``) before the optimizer's own step
+    ds = q.ds_step_fp32 > 0
+    step_grads = where(ds, q.ds_opt_grads, grads)
+    after = q.fixed + step_grads + q.states + tk.inputs + ws2 + logits + kv + graph
     if not flags.oib:
+        moments.append(_mo("optimizer_step", 0, step, "deepspeed.fp32_grad",
+                           (q.ds_cast_grads, q.states, tk.inputs, ws2, 0, q.ds_step_flat + q.ds_step_fp32),
+                           (logits, kv, 0), ds, graph))
         moments.append(_mo("optimizer_step", 0, step, "optimizer.step",
-                           (grads, q.states, tk.inputs, ws2, 0, q.step_temp), (logits, kv, 0), True, graph))
+                           (step_grads, q.states, tk.inputs, ws2, 0, q.step_temp - where(ds, q.ds_step_flat, 0)),
+                           (logits, kv, 0), True, graph))
         ends.append(("optimizer_step", 0, step, after))
     # (FSDP1, use_orig_params: zero_grad(set_to_none=True) clears the views' .grad; the flat
     # parameter's sharded .grad is freed only by the next forward's root pre-forward, torch 2.13

@@ -189,7 +189,9 @@ class Quantities:
     ds_step_flat: int = 0     # ... and the flat copy in the gradient dtype beside it during the cast
     ds_gathered_top: int = 0  # DeepSpeed ZeRO-3's gathered parameters from forward's end to the top layer's backward
     ds_gathered_low: int = 0  # ... in the rest of backward (``deepspeed_gathered``)
-    ds_partition_grads: int = 0  # DeepSpeed ZeRO-2's gradient partition, whole from the first reduction (``grads``)
+    ds_partition_grads: int = 0  # DeepSpeed ZeRO-2's gradient partition, whole from the first reduction
+    ds_cast_grads: int = 0    # DeepSpeed's step: the gradients alive while the fp32 gradient is cast (``deepspeed_partition_grads``)
+    ds_opt_grads: int = 0     # ... and while the optimizer steps (ZeRO-3's persistent partition; none for stages 1, 2)
     gemini_top: int = 0       # ColossalAI Gemini: other ranks' fp16 chunks gathered and the gradient hook's two
     gemini_low: int = 0       # copies, in the top layer's backward / any other layer's (``gemini_fields``)
     graph_tok: float = 0.0  # per layer, saved bytes per token the graph keeps until it is freed (bnb < 0.43.2)
@@ -1036,16 +1038,51 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
     fp32, flat = deepspeed_step_parts(t, st)
     each = kept or (backward // (2 if t.ds_overlap_comm else 1))
     top, low = deepspeed_gathered(m, t, st)
-    # ZeRO-2 copies each reduced bucket's share into ``grads_in_partition``, one buffer of the whole
-    # partition made at the first reduction (``stage_1_and_2.py`` L1349-1356), which the head's gradients
-    # trigger: the layers' backward finds all of this rank's gradient bytes allocated
-    part = st.grads if (deepspeed_zero(t) and t.zero == 2 and not t.offload_optimizer and st.trainable) else 0
+    # ZeRO-2 copies each reduced bucket's share into ``grads_in_partition``, one buffer made at the first
+    # reduction (``stage_1_and_2.py`` L1349-1356), which the head's gradients trigger: the layers' backward
+    # finds all of this rank's gradient bytes allocated
+    held = deepspeed_partition_grads(m, t, st)
+    part = held if (t.zero == 2 and not t.offload_optimizer) else 0
+    # the step (``deepspeed_step_grad``): stages 1 and 2 free every gradient before the optimizer runs,
+    # ZeRO-3's partition buffer stays
+    cast, opt = (held, 0) if t.zero in (1, 2) else (st.grads, st.grads)
+    if not fp32:
+        cast = opt = 0
     # the buckets exist in the loss's and the head's backward only when backward's start makes them
     # (before v0.18.3); since, the first gradient's hook does (a head's weight, or a tied head's final norm)
     loss_buf = backward if t.ds_buckets_at_backward_start else 0
     return {"ds_backward_buf": backward, "ds_loss_buf": loss_buf, "ds_bucket": each, "ds_step_fp32": fp32,
             "ds_step_flat": flat,
-            "ds_gathered_top": top, "ds_gathered_low": low, "ds_partition_grads": part}
+            "ds_gathered_top": top, "ds_gathered_low": low, "ds_partition_grads": part, "ds_cast_grads": cast,
+            "ds_opt_grads": opt}
+
+
+def deepspeed_partition_grads(m: ModelSpec, t: TrainingSpec, st: States) -> int:
+    """Bytes of DeepSpeed ZeRO-1/2's ``grads_in_partition`` on rank 0 (0 off them, offloaded or
+    frozen): one buffer in the gradient dtype of the *whole* parameters that overlap the rank's
+    partition (``stage_1_and_2.py`` L1344-1355 at v0.16.4, L2183-2194 at v0.19.8: ``total_size +=
+    param_in_partition.numel()``), so rank 0's runs from the first parameter to the one that
+    crosses its partition's end, in the order the optimizer's group holds them (the model's
+    registration order). Under stage 1 the same bytes are the gradients of those parameters kept
+    for the step (v0.16.4: the parameters' own; v0.19.8: this buffer, ``copy_grads_in_partition``
+    in backward's epilogue): both free the other parameters' gradients before the flat copy
+    (``free_grad_in_param_list(params_not_in_partition)``). A partial set of trainable tensors
+    (LoRA, a frozen part) or a tensor- or pipeline-parallel layout takes the partition itself
+    (ceil(trainable / dp) elements). DeepSpeed's 2 x dp element alignment of the flat buffer is
+    neglected."""
+    if not (deepspeed_zero(t) and t.zero in (1, 2) and not t.offload_optimizer and st.trainable):
+        return 0
+    gb = t.weight_bytes
+    part = -(-st.trainable // t.shard_group)
+    tensors = m.parameter_tensors()
+    if t.tp > 1 or t.pp > 1 or t.lora_rank or sum(p.numel for p in tensors) != st.trainable:
+        return block_of(t, part * gb)
+    held = 0
+    for p in tensors:
+        held += p.numel
+        if held >= part:
+            break
+    return block_of(t, held * gb)
 
 
 def gemini_fields(m: ModelSpec, t: TrainingSpec) -> dict[str, int]:

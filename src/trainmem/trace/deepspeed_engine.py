@@ -39,9 +39,11 @@ What the fake group and the emulated GPU cannot do as DeepSpeed does, and what s
   ``register_grad_hook``) and ZeRO-3's ``Tensor.record_stream`` calls run under the emulation
   (``trace.cuda``).
 
-Attribution: ``DeepSpeedEngine.step`` is the ``optimizer_step`` phase (its flat fp32 gradients
-come before the torch optimizer's own step); the fp32 master partitions and the optimizer's flat
-partitions are ``master_weights``.
+Attribution (:func:`_mark_master`, :func:`patches`): the flat half parameters are ``parameters``, the
+fp32 partitions ``master_weights``, ZeRO-1/2's ``grads_in_partition`` (``copy_grads_in_partition``) and
+ZeRO-3's gradient partition ``gradients``, the buckets ``communication.deepspeed_buckets``, ZeRO-3's
+gathered parameters ``communication.deepspeed_gathered``; ``DeepSpeedEngine.step`` at the boundary is
+the ``optimizer_step`` phase (its flat fp32 gradients come before the torch optimizer's own step).
 """
 from __future__ import annotations
 
@@ -212,11 +214,11 @@ def _gather_handles() -> list[type]:
             and c.__module__ == pp.__name__ and "wait" in vars(c)]
 
 
-def _scoped(tracker: Any, orig: Callable, label: str) -> Callable:
-    """``orig`` with what it allocates named ``communication.<label>``."""
+def _scoped(tracker: Any, orig: Callable, label: str, category: str = "communication") -> Callable:
+    """``orig`` with what it allocates named ``<category>.<label>``."""
     @functools.wraps(orig)
     def run(*args: Any, **kwargs: Any) -> Any:
-        with tracker.scope("communication", label):
+        with tracker.scope(category, label):
             return orig(*args, **kwargs)
     return run
 
@@ -267,7 +269,9 @@ def patches(tracker: Any, emulation: Any) -> dict[tuple[Any, str], Any]:
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     buckets = DeepSpeedZeroOptimizer.setup_buckets  # stages 1, 2: made at backward's first gradient
     gather = Coordinator._PartitionedParameterCoordinator__all_gather_params  # stage 3: whole parameters
+    partition = DeepSpeedZeroOptimizer.copy_grads_in_partition  # stages 1, 2: ``grads_in_partition``
     named = {(DeepSpeedZeroOptimizer, "setup_buckets"): _scoped(tracker, buckets, "deepspeed_buckets"),
+             (DeepSpeedZeroOptimizer, "copy_grads_in_partition"): _scoped(tracker, partition, "", "gradients"),
              (Coordinator, "_PartitionedParameterCoordinator__all_gather_params"):
                  _scoped(tracker, gather, "deepspeed_gathered"),
              **{(cls, "wait"): _scoped(tracker, cls.wait, "deepspeed_gathered") for cls in _gather_handles()},
