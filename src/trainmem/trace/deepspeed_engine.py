@@ -38,6 +38,17 @@ What the fake group and the emulated GPU cannot do as DeepSpeed does, and what s
 * The ZeRO-1/2 gradient hooks (``register_post_accumulate_grad_hook``, ``utils/torch.py``
   ``register_grad_hook``) and ZeRO-3's ``Tensor.record_stream`` calls run under the emulation
   (``trace.cuda``).
+* ZeRO-1/2 compute their flat layout from ``torch.zeros_like(param, device="meta")``
+  (``stage_1_and_2.py`` L485): no memory on a GPU, but ``meta`` is the emulated GPU, so a
+  ``device="meta"`` the program asks for itself is not counted (``CudaEmulation.explicit_meta_uncounted``).
+* DeepSpeed's process-group state (``comm/comm.py`` ``cdb``, ``utils/groups.py``' cached groups)
+  starts empty for each traced rank, as in a new process (:func:`_fresh_groups`), and ZeRO-3's
+  ``F.linear`` replacement, which persists for a process, is put back after the trace (:func:`patches`).
+
+The model is loaded whole before ``deepspeed.initialize`` (``deepspeed.initialize(model=model)`` of
+a model on the GPU); a model built under ``deepspeed.zero.Init`` (transformers' ``from_pretrained``
+under ZeRO-3) is partitioned as it is built and never whole on the GPU, so for ZeRO-3 the
+``model_loaded`` phase's peak is the whole model here (the training step's peak is not affected).
 
 Attribution (:func:`_mark_master`, :func:`patches`): the flat half parameters are ``parameters``, the
 fp32 partitions ``master_weights``, ZeRO-1/2's ``grads_in_partition`` (``copy_grads_in_partition``) and
