@@ -175,7 +175,8 @@ def _deepspeed(t: TrainingSpec, dev: "_Device", rank: int) -> Any:
     if not deepspeed_engine.uses_deepspeed(t):
         yield
         return
-    with deepspeed_engine.environment(rank, _dist.world_size(t)), _patched(deepspeed_engine.patches(dev.tracker, dev.emulation)):
+    with deepspeed_engine.environment(rank, _dist.world_size(t)), \
+            _patched(deepspeed_engine.patches(dev.tracker, dev.emulation)):
         yield
 
 
