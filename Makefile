@@ -23,8 +23,14 @@ $(VENV)/.installed: pyproject.toml | $(PY)
 	$(PIP) install -e .
 	@touch $@
 
+# DeepSpeed (the tests that trace `--zero` through its engine): an sdist whose setup.py imports torch,
+# so it is built against the installed torch (--no-build-isolation; an isolated build would pull a CUDA
+# torch) with no kernels (DS_BUILD_OPS=0); pinned, as the traces it runs are compared with the estimate
+DEEPSPEED ?= deepspeed==0.19.8
 $(VENV)/.installed-test: pyproject.toml $(VENV)/.torch | $(PY)
 	$(PIP) install -e ".[test]"
+	$(PIP) install setuptools wheel
+	DS_BUILD_OPS=0 $(PIP) install --no-build-isolation "$(DEEPSPEED)"
 	@touch $@
 
 install: $(VENV)/.installed

@@ -378,7 +378,10 @@ def test_states_quantity_is_what_the_report_shows(case):
     assert cats.get("parameters", 0) == s.weights
     assert cats.get("master_weights", 0) == s.master
     # gradients and optimizer states are listed as alive at the peak: never more than the full amounts
-    assert cats.get("gradients", 0) <= s.grads
+    # (DeepSpeed ZeRO-2's gradient buffer holds the whole parameters that overlap the rank's partition,
+    # quantities.deepspeed_partition_grads)
+    from trainmem.estimate.quantities import deepspeed_partition_grads
+    assert cats.get("gradients", 0) <= max(s.grads, deepspeed_partition_grads(m, t, s))
     assert cats.get("optimizer_states", 0) <= s.optimizer + s.step_tensors
 
 

@@ -92,7 +92,7 @@ def test_ranks_in_the_json_and_text():
     ({"dp": 4, "fsdp": "hybrid", "fsdp_node_size": 2}, "--fsdp hybrid"),
     ({"dp": 2, "fsdp": "full", "fsdp_version": 1, "optimizer": "adafactor"}, "--fsdp-version 1 with --optimizer"),
     ({"dp": 2, "tp": 2}, "--tp 2"),
-    ({"dp": 2, "zero": 2}, "ZeRO stage 2"),
+    ({"dp": 2, "zero": 2, "optimizer": "adafactor", "precision": "bf16"}, "--zero 2 does not run --optimizer adafactor"),
     ({"dp": 2, "loss_chunks": 4}, "--loss chunked"),
     ({"dp": 2, "fsdp": "full", "optimizer": "adafactor"}, "--optimizer adafactor"),
     ({"dp": 2, "optimizer_in_backward": True}, "--optimizer-in-backward"),

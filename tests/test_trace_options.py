@@ -7,6 +7,7 @@ import pytest
 
 from trainmem.errors import TrainmemError
 from trainmem.spec.training import TrainingSpec
+from trainmem.trace import deepspeed_engine
 from trainmem.trace.api import trace
 
 TINY = ["num_hidden_layers=2", "hidden_size=64", "num_attention_heads=4", "num_key_value_heads=2",
@@ -15,6 +16,12 @@ GPT2 = ["n_layer=2", "n_embd=64", "n_head=4", "vocab_size=1000", "n_positions=12
 BASE = {"batch_size": 2, "seq_len": 64, "precision": "bf16-amp"}
 
 CHANGED, REFUSED = "changed", "refused"
+#: trace --zero runs DeepSpeed's engine where DeepSpeed is installed, else refuses in one line
+DS = deepspeed_engine.available()
+DS_RUN, DS_WHY = (CHANGED, "") if DS else (REFUSED, "pip install deepspeed")
+DS_SAME = (("same", "ZeRO-3's sub-groups and gathered parameters of this tiny model stay below its peak (vs --zero 3)")
+           if DS else (REFUSED, "pip install deepspeed"))
+ZERO1, ZERO2, ZERO3 = ({"zero": z, "dp": 2, "precision": "bf16"} for z in (1, 2, 3))
 #: (options, expected, what the refusal names / why the memory stays the same)
 CASES = [
     ({"grad_accum": 2}, CHANGED, ""),
@@ -36,7 +43,9 @@ CASES = [
     ({"optimizer_impl": "foreach"}, "same", "foreach is PyTorch's CUDA default, which the baseline runs"),
     ({"optimizer_impl": "for-loop"}, "same", "a for-loop step's one-parameter temporaries hide under this model's "
                                            "peak (its largest parameter is tiny)"),
-    ({"zero": 1, "dp": 2}, REFUSED, "ZeRO stage 1"), ({"fsdp": "full", "dp": 2}, CHANGED, ""),
+    # DeepSpeed's engine runs DeepSpeed's precisions (not autocast, the baseline's)
+    ({"zero": 1, "dp": 2}, REFUSED, "--precision bf16-amp"), ({"fsdp": "full", "dp": 2}, CHANGED, ""),
+    ({**ZERO2}, DS_RUN, DS_WHY),
     ({"fsdp": "grad-op", "dp": 2}, CHANGED, ""), ({"dp": 2}, CHANGED, ""),
     # FSDP1 FullyShardedDataParallel on the fake group (vs FSDP2 with the same options, REFERENCE)
     ({"fsdp_version": 1, "fsdp": "full", "dp": 2}, CHANGED, ""),
@@ -89,16 +98,19 @@ CASES = [
     ({"num_microbatches_in_flight": 1, "pp": 2, "grad_accum": 2}, REFUSED, "--num-microbatches-in-flight 1"),
     ({"distributed_optimizer": True, "dp": 2}, REFUSED, "--distributed-optimizer"),
     ({"offload_optimizer": True, "zero": 2, "dp": 2}, REFUSED, "--offload-optimizer"),
-    # DeepSpeed ZeRO's engine options configure --zero, which trace refuses (ZeRO stage N)
-    ({"reduce_bucket_size": 1000, "zero": 2, "dp": 2}, REFUSED, "ZeRO stage 2"),
-    ({"overlap_comm": True, "zero": 1, "dp": 2}, REFUSED, "ZeRO stage 1"),
-    ({"contiguous_gradients": False, "zero": 2, "dp": 2}, REFUSED, "ZeRO stage 2"),
-    ({"sub_group_size": 1000, "zero": 3, "dp": 2}, REFUSED, "ZeRO stage 3"),
-    ({"stage3_max_reuse_distance": 0, "zero": 3, "dp": 2}, REFUSED, "ZeRO stage 3"),
-    ({"stage3_prefetch_bucket_size": 0, "zero": 3, "dp": 2}, REFUSED, "ZeRO stage 3"),
+    # DeepSpeed ZeRO's engine options: its config's zero_optimization keys (each vs its stage alone, REFERENCE)
+    ({"reduce_bucket_size": 1000, **ZERO2}, DS_RUN, DS_WHY),
+    ({"overlap_comm": True, **ZERO1}, DS_RUN, DS_WHY),
+    ({"contiguous_gradients": False, **ZERO2}, DS_RUN, DS_WHY),
+    # (ZeRO-3's sub-groups, kept and prefetched parameters: transients below this tiny model's peak, the loss;
+    # DeepSpeed takes each key and a larger model's trace moves: tests/test_trace_deepspeed.py)
+    ({"sub_group_size": 1000, **ZERO3}, *DS_SAME),
+    ({"stage3_max_reuse_distance": 0, **ZERO3}, *DS_SAME),
+    ({"stage3_prefetch_bucket_size": 0, **ZERO3}, *DS_SAME),
+    ({"deepspeed_version": "0.16.4", **ZERO2}, REFUSED, "installed DeepSpeed" if DS else "pip install deepspeed"),
     ({"gemini": "cuda", "precision": "fp16", "dp": 2}, REFUSED, "use estimate for ColossalAI Gemini"),
     ({"gemini": "cuda", "gemini_chunk_size": 10**6, "precision": "fp16", "dp": 2}, REFUSED, "ZeroDDP"),
-    ({"remote_device": "cpu", "zero": 3, "dp": 2}, REFUSED, "ZeRO stage 3"),
+    ({"remote_device": "cpu", "zero": 3, "dp": 2}, REFUSED, "--remote-device cpu"),
     ({"optimizer_bucket_mb": 64.0, "distributed_optimizer": True, "dp": 2}, REFUSED, "--distributed-optimizer"),
     ({"recompute": "selective"}, REFUSED, "--recompute selective"),
     ({"recompute": "full"}, CHANGED, ""), ({"recompute": "full", "recompute_every": 2}, CHANGED, ""),
@@ -173,7 +185,11 @@ REFERENCE = {"fsdp_version": {"fsdp": "full", "dp": 2}, "use_cache": {"hold_outp
              "grad_sync": {"grad_accum": 2, "fsdp": "full", "dp": 2}, "offload_activations": {"recompute": "full"},
              "pp": {"grad_accum": 2}, "num_microbatches_in_flight": {"pp": 2, "grad_accum": 2},
              "pp_schedule": {"pp": 2, "grad_accum": 2}, "cast_output": {"loss": "half"},
-             "pp_first_stage_less_layers": {"pp": 2, "grad_accum": 2}}
+             "pp_first_stage_less_layers": {"pp": 2, "grad_accum": 2},
+             # (where DeepSpeed is installed: its engine options vs their stage alone)
+             **({"reduce_bucket_size": ZERO2, "overlap_comm": ZERO1, "contiguous_gradients": ZERO2,
+                 "sub_group_size": ZERO3, "stage3_max_reuse_distance": ZERO3, "stage3_prefetch_bucket_size": ZERO3}
+                if DS else {})}
 GPT2_CASES = [({"dropout": False}, CHANGED, ""), ({"loss": "chunked-nll"}, CHANGED, ""),
               ({"layer_rope_cache": 128}, REFUSED, "--layer-rope-cache 128")]
 #: FSDP1 with LoRA adapters in units of their own on BERT: peft's policy wraps its embeddings apart
@@ -201,7 +217,7 @@ def baselines():
            "vit-base-patch16-224": _fingerprint(trace("vit-base-patch16-224", set=VIT,
                                                       **MODEL_BASE["vit-base-patch16-224"]))}
     for key, ref in REFERENCE.items():
-        out[key] = _fingerprint(trace("llama-3.2-1b", set=TINY, **BASE, **ref))
+        out[key] = _fingerprint(trace("llama-3.2-1b", set=TINY, **{**BASE, **ref}))
     return out
 
 

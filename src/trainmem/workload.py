@@ -63,7 +63,7 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
     _check_release(t, what)
     bad = [f"--{key} {getattr(t, key)}" for key in ("pp", "cp", "ep")
            if getattr(t, key) != 1 and not (key in ("pp", "cp") and what == "trace")]
-    if t.zero_stage and t.fsdp is None:
+    if t.zero_stage and t.fsdp is None and what != "trace":  # trace runs DeepSpeed's engine (trace.deepspeed_engine)
         bad.append(f"ZeRO stage {t.zero_stage} (DeepSpeed)")
     # (--fused-qkv, --split-gate-up: litgpt's linears put in the model, ``prepare_model``; --attention-call:
     # litgpt's SDPA call, ``TrainStep.attention_call``: both run by trace and measure)
@@ -113,9 +113,11 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
     if t.quantize and t.dp > 1:
         raise TrainmemError(f"--quantize {t.quantize} with --dp {t.dp}: trace emulates bitsandbytes' 4-bit "
                             "linears on one GPU; drop --dp (or use estimate)")
-    if t.fp32_master:
+    if t.fp32_master and not (what == "trace" and t.zero and t.fsdp is None and not t.distributed_optimizer
+                              and t.gemini is None):  # DeepSpeed's ZeRO keeps its fp32 master partitions
         raise TrainmemError(f"--master-weights fp32: {what} runs torch.optim on the half parameters, which keeps "
-                            "no fp32 master copy; use estimate for a framework that keeps one")
+                            "no fp32 master copy; use estimate for a framework that keeps one (or trace --zero N, "
+                            "DeepSpeed's engine)")
 
 
 def _check_litgpt_modules(t: TrainingSpec) -> None:
@@ -290,15 +292,7 @@ class TrainStep:
             self.offload = _offload_base_model(unwrapped(model))
         self.model, self.spec, self.training, self.device = model, spec, t, device
         self.on_phase = on_phase
-        params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer: Any
-        emulate = what == "trace"  # bitsandbytes' and lion-pytorch's optimizers emulated (trainmem.bnb)
-        if t.optimizer_in_backward:
-            from .optim.in_backward import optimizer_in_backward
-            cls, kw = optimizer_class(t, emulate=emulate)
-            self.optimizer = optimizer_in_backward(params, cls, **kw)   # steps each parameter inside backward
-        else:
-            self.optimizer = make_optimizer(t, params, emulate=emulate)
+        self.optimizer: Any = self._optimizer(model, t, what)
         self.amp = {"bf16-amp": torch.bfloat16, "fp16-amp": torch.float16}.get(t.precision)
         self.state: dict[str, Any] = {}
         self.pin_sdpa = what == "measure" and str(device).startswith("cuda")  # trace pins in its CUDA emulation
@@ -307,6 +301,18 @@ class TrainStep:
         self.micro_batches = t.grad_accum  # micro-batches run per optimizer step (trace may run fewer)
         self.batches_made = 0
         self.varying = padded_steps(t)     # --min-seq-len: steps 3, 4, ...: each micro-batch's padded length
+
+    @staticmethod
+    def _optimizer(model: torch.nn.Module, t: TrainingSpec, what: str) -> Any:
+        """The optimizer over the model's trainable parameters (stepping each inside backward with
+        ``--optimizer-in-backward``)."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        emulate = what == "trace"  # bitsandbytes' and lion-pytorch's optimizers emulated (trainmem.bnb)
+        if t.optimizer_in_backward:
+            from .optim.in_backward import optimizer_in_backward
+            cls, kw = optimizer_class(t, emulate=emulate)
+            return optimizer_in_backward(params, cls, **kw)   # steps each parameter inside backward
+        return make_optimizer(t, params, emulate=emulate)
 
     def batch(self, length: int | None = None) -> dict[str, Any]:
         """A random batch: the model's inputs and the labels its head needs (``model_batch``). With
@@ -542,6 +548,8 @@ def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
         from torch.nn.parallel import DistributedDataParallel
     except ImportError:  # a build without torch.distributed
         return model
+    if type(model).__name__ == "DeepSpeedEngine":  # deepspeed.initialize's engine: the model is its ``module``
+        return model.module
     return model.module if isinstance(model, (DistributedDataParallel, FullyShardedDataParallel)) else model
 
 
@@ -762,6 +770,40 @@ def _softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     return torch.tanh(logits / cap) * cap
 
 
+class DeepSpeedTrainStep(TrainStep):
+    """The training step of a DeepSpeed engine (``--zero N`` under trace, ``trace.deepspeed_engine``),
+    as DeepSpeed's own examples and the HF Trainer's DeepSpeed path write it: for each micro-batch
+    ``loss = engine(**batch).loss``, ``engine.backward(loss)`` (which scales the loss by the
+    accumulation steps and, on the last micro-batch, reduces the gradients) and ``engine.step()``
+    (a no-op but at the accumulation boundary, where the ZeRO optimizer steps and zeroes the
+    gradients: ``runtime/engine.py`` ``step``). ``model`` is the engine: its optimizer is the ZeRO
+    optimizer ``deepspeed.initialize`` built around the client ``torch.optim`` one. Every
+    micro-batch runs (the engine counts them to find the boundary)."""
+
+    @staticmethod
+    def _optimizer(model: torch.nn.Module, t: TrainingSpec, what: str) -> Any:
+        return model.optimizer
+
+    def _step(self, i: int) -> None:
+        t = self.training
+        engine = self.model
+        for micro in range(t.grad_accum):
+            self.state["batch"] = self.batch()  # the previous batch lives until this one exists
+            with self.autocast():
+                out, loss = self.forward_loss(self.state["batch"])
+                if t.hold_output == "step":
+                    self.state["out"] = out
+                held = out if t.hold_output == "backward" else None
+                del out
+            self.state["loss"] = loss.detach() if t.hold_output == "loss" else loss
+            self._mark("forward", i, micro)
+            engine.backward(loss)
+            del loss, held
+            self._mark("backward", i, micro)
+            engine.step()
+        self._mark("optimizer_step", i, None)
+
+
 class PipelineTrainStep(TrainStep):
     """The training step of one pipeline stage (``--pp``), as torchtitan's trainer runs it
     (torchtitan ``train.py`` ``forward_backward_step``, the ``pp_enabled`` branch): the whole batch
@@ -881,6 +923,9 @@ def hf_step(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec, device: st
     loss is still divided by ``grad_accum``)."""
     if t.pp > 1:  # the schedule runs every micro-batch: 1F1B's order is what sets the peak
         step = PipelineTrainStep(model, spec, t, device, on_phase=on_phase, what=what)
+        return step.optimizer, step
+    if type(model).__name__ == "DeepSpeedEngine":  # every micro-batch: the engine counts them to its boundary
+        step = DeepSpeedTrainStep(model, spec, t, device, on_phase=on_phase, what=what)
         return step.optimizer, step
     step = TrainStep(model, spec, t, device, on_phase=on_phase, what=what)
     if micro_batches is not None:

@@ -361,6 +361,8 @@ def wrapper_name(t: TrainingSpec) -> str:
         over = f"{t.dp} x cp {t.cp}" if t.cp > 1 else f"{t.dp}"
         parts.append(("FSDP1 FullyShardedDataParallel " if t.fsdp_version == 1 else "FSDP2 fully_shard ")
                      + f"{t.fsdp} over {over}")
+    elif t.zero and not t.distributed_optimizer and t.gemini is None:
+        parts.append(f"DeepSpeed ZeRO-{t.zero} engine over {t.dp}")
     elif t.dp > 1:
         parts.append(f"DDP over {t.dp}")
     return ", ".join(parts) or "none"

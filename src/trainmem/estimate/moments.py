@@ -454,11 +454,11 @@ def _head_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, befo
     out = [_mo("backward", micro, step, "fsdp.root_unshard",
                (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.logits_grad), (kept.logits, kept.kv_forward, 0),
                _both(valid, q.fsdp_root_regather > 0),
-               comm=2 * q.fsdp_root_regather + q.fsdp_pipe_top + q.ds_backward_buf)]
+               comm=2 * q.fsdp_root_regather + q.fsdp_pipe_top + q.ds_loss_buf)]
     for where_, temp in (("lm_head.backward", tk.head_chunk_first), ("lm_head.backward.sum", tk.head_chunk)):
         out.append(_mo("backward", micro, step, where_, (grads_before, states, tk.inputs, ws2, tk.all_acts, temp),
                        (kept.logits, kept.kv_forward, 0), _both(valid, q.chunk_head_grads > 0),
-                       comm=q.fsdp_loss_root + q.fsdp_last_kept + q.fsdp_loss_buf + q.ds_backward_buf
+                       comm=q.fsdp_loss_root + q.fsdp_last_kept + q.fsdp_loss_buf + q.ds_loss_buf
                        + q.ds_gathered_top))
     out.append(_head_weight_grad(q, flags, tk, kept, before, step, micro, valid))
     return out
@@ -479,7 +479,7 @@ def _head_weight_grad(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, b
                (grads_before + head, states, tk.inputs, ws2, tk.all_acts - q.cast_head, q.head_wgrad + q.tied_grad),
                (kept.logits, kept.kv_forward, 0), _both(valid, _both(q.head_wgrad > 0, _either(fresh, sync))),
                comm=q.fsdp_loss_root + q.fsdp_root_regather + q.fsdp_last_kept
-               + q.fsdp_loss_buf + q.ds_backward_buf + q.ds_gathered_top)
+               + q.fsdp_loss_buf + q.ds_loss_buf + q.ds_gathered_top)
 
 
 def _root_regather_at_loss(q: Quantities, tk: Tokens, kept: Kept, before: tuple, step: int, micro: int,
@@ -491,7 +491,7 @@ def _root_regather_at_loss(q: Quantities, tk: Tokens, kept: Kept, before: tuple,
     grads_before, states, ws2, own = before
     return _mo("backward", micro, step, "fsdp.root_unshard", (grads_before, states, tk.inputs, ws2, tk.all_acts, 0),
                (kept.logits, kept.kv_forward, tk.loss_saved), _both(valid, q.fsdp_root_regather_own > 0), own,
-               comm=2 * q.fsdp_root_regather_own + q.ds_backward_buf)
+               comm=2 * q.fsdp_root_regather_own + q.ds_loss_buf)
 
 
 def _grads_before(q: Quantities, flags: StepFlags, tk: Tokens, micro: int, step: int) -> Any:
@@ -558,7 +558,7 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     moments.append(_mo("backward", micro, step, "cross_entropy.backward",
                        (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.loss_backward),
                        (kept.logits, kept.kv_forward, tk.loss_saved), valid, own,
-                       comm=q.fsdp_loss_root + q.fsdp_last_kept + q.fsdp_loss_buf + q.ds_backward_buf
+                       comm=q.fsdp_loss_root + q.fsdp_last_kept + q.fsdp_loss_buf + q.ds_loss_buf
                        + q.ds_gathered_top))
     moments.extend(_head_backward(q, flags, tk, kept, (grads_before, states, ws2), step, micro, valid))
     # a 4-bit LM head dequantizes its weight again for the input gradient (quant4.py): the loss's
@@ -568,7 +568,7 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
         moments.append(_mo("backward", micro, step, "lm_head.backward",
                            (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.out_logits + q.head_temp),
                            (kept.logits, kept.kv_forward, 0), _both(valid, q.head_temp > 0), own,
-                           comm=q.ds_backward_buf + q.ds_gathered_top))
+                           comm=q.ds_loss_buf + q.ds_gathered_top))
     states_mid = q.states if (states_before or flags.oib) else 0  # optimizer in backward creates them now
     # DeepSpeed ZeRO-2 allocates its whole gradient partition at the first bucket reduction (the head's)
     layer_grads_before = maximum(grads_before, q.ds_partition_grads)
@@ -879,10 +879,21 @@ def _optimizer_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, ste
     # FSDP's no_sync: the last micro-batch left shards (fsdp_no_sync); + gradients kept as views of
     # larger tensors (tk.grad_views), freed with them by zero_grad(set_to_none=True)
     grads = q.grads - q.nosync_reduce + tk.grad_views
-    after = q.fixed + grads + q.states + tk.inputs + ws2 + logits + kv + graph
+    # DeepSpeed's ZeRO step (``quantities.deepspeed_step_grad``): the flat copy and its fp32 cast beside
+    # the gradients kept for it (``ds_cast_grads``); the flat copy is then dropped (v0.16.4
+    # ``stage_1_and_2.py`` L1891-1897: a temporary of ``.to()``; v0.19.8 L3113-3114 ``del``; ``stage3.py``
+    # ``_prepare_fp32_grad_for_sub_group``) and stages 1 and 2 free their gradients
+    # (``free_grad_in_param_list``, ``averaged_gradients[i] = None``) before the optimizer's own step
+    ds = q.ds_step_fp32 > 0
+    step_grads = where(ds, q.ds_opt_grads, grads)
+    after = q.fixed + step_grads + q.states + tk.inputs + ws2 + logits + kv + graph
     if not flags.oib:
+        moments.append(_mo("optimizer_step", 0, step, "deepspeed.fp32_grad",
+                           (q.ds_cast_grads, q.states, tk.inputs, ws2, 0, q.ds_step_flat + q.ds_step_fp32),
+                           (logits, kv, 0), ds, graph))
         moments.append(_mo("optimizer_step", 0, step, "optimizer.step",
-                           (grads, q.states, tk.inputs, ws2, 0, q.step_temp), (logits, kv, 0), True, graph))
+                           (step_grads, q.states, tk.inputs, ws2, 0, q.step_temp - where(ds, q.ds_step_flat, 0)),
+                           (logits, kv, 0), True, graph))
         ends.append(("optimizer_step", 0, step, after))
     # (FSDP1, use_orig_params: zero_grad(set_to_none=True) clears the views' .grad; the flat
     # parameter's sharded .grad is freed only by the next forward's root pre-forward, torch 2.13

@@ -184,12 +184,15 @@ class Quantities:
     head_read: int = 0     # ... of it, the copy its matmul reads (the cast, else the dequantized weight)
     head_lora: int = 0     # a LoRA adapter on that 4-bit head: logits-sized tensors alive in its forward (3)
     ds_backward_buf: int = 0  # DeepSpeed ZeRO-1/2's gradient bucket buffers, alive during backward (``deepspeed_buckets``)
+    ds_loss_buf: int = 0      # ... of them, those alive in the loss's and the head's backward (before v0.18.3)
     ds_bucket: int = 0        # one DeepSpeed bucket buffer (ZeRO-3's is kept from engine start, in ``fixed``)
     ds_step_fp32: int = 0     # DeepSpeed's step: the group's fp32 gradient (``deepspeed_step_grad``) ...
     ds_step_flat: int = 0     # ... and the flat copy in the gradient dtype beside it during the cast
     ds_gathered_top: int = 0  # DeepSpeed ZeRO-3's gathered parameters from forward's end to the top layer's backward
     ds_gathered_low: int = 0  # ... in the rest of backward (``deepspeed_gathered``)
-    ds_partition_grads: int = 0  # DeepSpeed ZeRO-2's gradient partition, whole from the first reduction (``grads``)
+    ds_partition_grads: int = 0  # DeepSpeed ZeRO-2's gradient partition, whole from the first reduction
+    ds_cast_grads: int = 0    # DeepSpeed's step: the gradients alive while the fp32 gradient is cast (``deepspeed_partition_grads``)
+    ds_opt_grads: int = 0     # ... and while the optimizer steps (ZeRO-3's persistent partition; none for stages 1, 2)
     gemini_top: int = 0       # ColossalAI Gemini: other ranks' fp16 chunks gathered and the gradient hook's two
     gemini_low: int = 0       # copies, in the top layer's backward / any other layer's (``gemini_fields``)
     graph_tok: float = 0.0  # per layer, saved bytes per token the graph keeps until it is freed (bnb < 0.43.2)
@@ -1034,7 +1037,9 @@ def deepspeed_buckets(t: TrainingSpec) -> tuple[int, int]:
     * stages 1 and 2 (``stage_1_and_2.py`` ``backward`` L2047-2061): with ``contiguous_gradients``
       every backward makes ``buf_0`` and, under ``overlap_comm``, a second ``buf_1`` (its comment:
       double buffers to avoid a data access conflict); ``_release_ipg_buffers`` (L676-679, called
-      when backward's gradients are reduced, L802) drops them.
+      when backward's gradients are reduced, L802) drops them. From v0.18.3 the same buffers are
+      made by the first gradient's hook (``setup_buckets``, v0.19.8 L3256-3281), after the loss's
+      and the head's backward (``TrainingSpec.ds_buckets_at_backward_start``, ``ds_loss_buf``).
 
     Without ``contiguous_gradients`` gradients stay where autograd made them (no buffer)."""
     if not deepspeed_zero(t) or not t.contiguous_gradients:
@@ -1051,12 +1056,51 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
     fp32, flat = deepspeed_step_parts(t, st)
     each = kept or (backward // (2 if t.ds_overlap_comm else 1))
     top, low = deepspeed_gathered(m, t, st)
-    # ZeRO-2 copies each reduced bucket's share into ``grads_in_partition``, one buffer of the whole
-    # partition made at the first reduction (``stage_1_and_2.py`` L1349-1356), which the head's gradients
-    # trigger: the layers' backward finds all of this rank's gradient bytes allocated
-    part = st.grads if (deepspeed_zero(t) and t.zero == 2 and not t.offload_optimizer and st.trainable) else 0
-    return {"ds_backward_buf": backward, "ds_bucket": each, "ds_step_fp32": fp32, "ds_step_flat": flat,
-            "ds_gathered_top": top, "ds_gathered_low": low, "ds_partition_grads": part}
+    # ZeRO-2 copies each reduced bucket's share into ``grads_in_partition``, one buffer made at the first
+    # reduction (``stage_1_and_2.py`` L1349-1356), which the head's gradients trigger: the layers' backward
+    # finds all of this rank's gradient bytes allocated
+    held = deepspeed_partition_grads(m, t, st)
+    part = held if (t.zero == 2 and not t.offload_optimizer) else 0
+    # the step (``deepspeed_step_grad``): stages 1 and 2 free every gradient before the optimizer runs,
+    # ZeRO-3's partition buffer stays
+    cast, opt = (held, 0) if t.zero in (1, 2) else (st.grads, st.grads)
+    if not fp32:
+        cast = opt = 0
+    # the buckets exist in the loss's and the head's backward only when backward's start makes them
+    # (before v0.18.3); since, the first gradient's hook does (a head's weight, or a tied head's final norm)
+    loss_buf = backward if t.ds_buckets_at_backward_start else 0
+    return {"ds_backward_buf": backward, "ds_loss_buf": loss_buf, "ds_bucket": each, "ds_step_fp32": fp32,
+            "ds_step_flat": flat,
+            "ds_gathered_top": top, "ds_gathered_low": low, "ds_partition_grads": part, "ds_cast_grads": cast,
+            "ds_opt_grads": opt}
+
+
+def deepspeed_partition_grads(m: ModelSpec, t: TrainingSpec, st: States) -> int:
+    """Bytes of DeepSpeed ZeRO-1/2's ``grads_in_partition`` on rank 0 (0 off them, offloaded or
+    frozen): one buffer in the gradient dtype of the *whole* parameters that overlap the rank's
+    partition (``stage_1_and_2.py`` L1344-1355 at v0.16.4, L2183-2194 at v0.19.8: ``total_size +=
+    param_in_partition.numel()``), so rank 0's runs from the first parameter to the one that
+    crosses its partition's end, in the order the optimizer's group holds them (the model's
+    registration order). Under stage 1 the same bytes are the gradients of those parameters kept
+    for the step (v0.16.4: the parameters' own; v0.19.8: this buffer, ``copy_grads_in_partition``
+    in backward's epilogue): both free the other parameters' gradients before the flat copy
+    (``free_grad_in_param_list(params_not_in_partition)``). A partial set of trainable tensors
+    (LoRA, a frozen part) or a tensor- or pipeline-parallel layout takes the partition itself
+    (ceil(trainable / dp) elements). DeepSpeed's 2 x dp element alignment of the flat buffer is
+    neglected."""
+    if not (deepspeed_zero(t) and t.zero in (1, 2) and not t.offload_optimizer and st.trainable):
+        return 0
+    gb = t.weight_bytes
+    part = -(-st.trainable // t.shard_group)
+    tensors = m.parameter_tensors()
+    if t.tp > 1 or t.pp > 1 or t.lora_rank or sum(p.numel for p in tensors) != st.trainable:
+        return block_of(t, part * gb)
+    held = 0
+    for p in tensors:
+        held += p.numel
+        if held >= part:
+            break
+    return block_of(t, held * gb)
 
 
 def gemini_fields(m: ModelSpec, t: TrainingSpec) -> dict[str, int]:
@@ -1096,7 +1140,10 @@ def deepspeed_gathered(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, 
     full recompute, its recomputed forward first: the j-th layer from the top (j = 0, 1, ...) stays
     while 2 head + c j layer < the distance (c = 2, or 3 recomputed). Beside them the module being
     computed (at most a layer, or an untied embedding) and the prefetch
-    (``stage3_prefetch_bucket_size`` elements gathered ahead, L285-418). The kept layers are
+    (``stage3_prefetch_bucket_size`` elements gathered ahead, L285-418): parameters taken from the
+    queue of the recorded order that are not gathered yet (``fetch_sub_module``: ``ds_status ==
+    NOT_AVAILABLE``, DeepSpeed v0.19.8 ``partitioned_param_coordinator.py`` L451-485), so at most
+    the model's parameters not already counted as gathered. The kept layers are
     released as backward passes them, so below the top only the current module and the prefetch
     are gathered. Modules within a layer are taken as the layer (their offsets in it neglected)."""
     if not (deepspeed_zero(t) and t.zero == 3 and t.shard_group > 1):
@@ -1111,10 +1158,16 @@ def deepspeed_gathered(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, 
     c = 3 if t.recompute == "full" else 2
     layers = m.num_layers // t.pp
     k = min(layers, -(-(dist - 2 * head_n) // (c * layer_n))) if (layer_n and dist > 2 * head_n) else 0
-    prefetch = block_of(t, t.ds_prefetch * wb)              # (stage3_prefetch_bucket_size,) gathered ahead
+    total_n = sum(-(-p.numel // t.tp) for p in m.parameter_tensors()) // t.pp  # the stage's parameters
+
+    def prefetch(gathered_n: int) -> int:
+        """(up to stage3_prefetch_bucket_size,) gathered ahead: only parameters not gathered yet"""
+        return block_of(t, min(t.ds_prefetch, max(0, total_n - gathered_n)) * wb)
+    current_n = max(layer_n, emb_n)
     current = max(layer, block_of(t, emb_n * wb))
     head = block_of(t, head_n * wb) if dist > 0 else 0
-    return head + max(k, 1) * layer + prefetch, current + prefetch
+    kept_n = (head_n if dist > 0 else 0) + max(k, 1) * layer_n
+    return head + max(k, 1) * layer + prefetch(kept_n), current + prefetch(current_n)
 
 
 def deepspeed_group_elems(t: TrainingSpec, st: States) -> int:

@@ -185,6 +185,8 @@ class TrainingSpec:
     quantize: str | None = None  # 4-bit base weights (QUANTIZE); None: none (needs LoRA: the base is frozen)
     quantize_via: str = "transformers"  # QUANTIZE_VIA: which modules are quantized, the quant state's dtype
     bitsandbytes_version: str | None = None  # None: current (>= 0.43.2); older MatMul4Bit saves its input
+    deepspeed_version: str | None = None  # None: current (>= 0.18.3); older ZeRO-1/2 make their buckets at
+    #                                       backward's start (``deepspeed_release``)
     torch_version: str | None = None  # the PyTorch release (spec.releases); None: a current one (2.x)
     transformers_version: str | None = None  # the transformers release (spec.tf_releases); None: the installed one
     distributed_optimizer: bool = False  # Megatron/NeMo: fp32 main grads + sharded states
@@ -655,6 +657,25 @@ class TrainingSpec:
             return tuple(int(x) for x in str(v).split(".")[:3])
         except ValueError:
             raise TrainmemError(f"bitsandbytes_version {v!r} is not a release number like 0.42.0") from None
+
+    def deepspeed_release(self) -> tuple[int, ...]:
+        """``deepspeed_version`` as numbers (``"0.16.4"`` -> (0, 16, 4)); None: a current release."""
+        v = self.deepspeed_version
+        if v is None:
+            return (1 << 30,)
+        try:
+            return tuple(int(x) for x in str(v).split(".")[:3])
+        except ValueError:
+            raise TrainmemError(f"deepspeed_version {v!r} is not a release number like 0.16.4") from None
+
+    @property
+    def ds_buckets_at_backward_start(self) -> bool:
+        """Whether DeepSpeed ZeRO-1/2 make their gradient buckets when ``backward`` starts (before
+        v0.18.3: ``stage_1_and_2.py`` ``backward`` L2046-2061 at v0.16.4) rather than at the first
+        gradient's hook (``setup_buckets``, from DeepSpeed 53e91a098 "PyTorch-compatible backward
+        API", #7665, first in v0.18.3; ``stage_1_and_2.py`` L3256-3281 at v0.19.8, called from
+        ``process_gradients``), which is after the loss's and the head's backward."""
+        return self.deepspeed_release() < (0, 18, 3)
 
     @property
     def bnb_blocksize(self) -> int:

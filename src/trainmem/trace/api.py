@@ -160,12 +160,25 @@ def _trace_rank(factory: Callable, spec: ModelSpec | None, t: TrainingSpec, hw: 
     with progress(steps + 1, "trace") as bar, dev.env, \
             (dev.emulation if dev.emulation is not None else contextlib.nullcontext()), \
             (_dist.fake_group(_dist.world_size(t), rank) if several else contextlib.nullcontext()), \
-            _patched(_dist.patches(dev.tracker) if several else {}):
+            _patched(_dist.patches(dev.tracker) if several else {}), _deepspeed(t, dev, rank):
         module = _build(dev, factory, spec, t)
         bar.update(1)  # the model is built
         oom = _run_steps(dev, module, spec, t, step_fn, optimizer_fn, steps, bar.update)
     return _report(dev.tracker, dev.allocator, spec, recorded, hw, dev.cuda, dev.emulation,
                    time.perf_counter() - t0, shown[0], shown[1], oom, dev.cublas_workspace, device_options[3])
+
+
+@contextlib.contextmanager
+def _deepspeed(t: TrainingSpec, dev: "_Device", rank: int) -> Any:
+    """With ``--zero`` (no ``--fsdp``): the launcher's environment for this rank and DeepSpeed's
+    patches (``trace.deepspeed_engine``); nothing otherwise (DeepSpeed is not imported)."""
+    from . import deepspeed_engine
+    if not deepspeed_engine.uses_deepspeed(t):
+        yield
+        return
+    with deepspeed_engine.environment(rank, _dist.world_size(t)), \
+            _patched(deepspeed_engine.patches(dev.tracker, dev.emulation)):
+        yield
 
 
 # ----- inputs ---------------------------------------------------------------------------------------
@@ -300,7 +313,9 @@ def _run_steps(dev: _Device, module: torch.nn.Module, spec: ModelSpec | None, t:
     the simulated out-of-memory error, if any."""
     tracker = dev.tracker
     params = [p for p in module.parameters() if p.requires_grad]
-    grad_hooks = tracker.watch_parameters(params)
+    # (DeepSpeed's engine copies each gradient into its bucket and names its own gradient buffers:
+    # trace.deepspeed_engine; the per-parameter hook would take the bucket for a gradient)
+    grad_hooks = tracker.watch_parameters(params) if type(module).__name__ != "DeepSpeedEngine" else []
     run_ctx = contextlib.nullcontext() if dev.cuda else dev.build_ctx
     try:
         with run_ctx, tracker, tracker.hooks():

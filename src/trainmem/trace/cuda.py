@@ -83,6 +83,10 @@ def _is_cuda_device(d: Any) -> bool:
     return False
 
 
+def _is_meta_device(d: Any) -> bool:
+    return d == "meta" if isinstance(d, str) else isinstance(d, torch.device) and d.type == "meta"
+
+
 def _map_device(d: Any) -> Any:
     return EMULATED if _is_cuda_device(d) else d
 
@@ -118,11 +122,18 @@ class CudaEmulation(TorchFunctionMode):
         self._cast_cache: dict[int, tuple[Any, torch.Tensor]] = {}
         self.sdpa_choices: dict[str, int] = {}
         self.host_reads = 0
+        # whether a ``device="meta"`` the program gives itself is the real meta device (no memory), as
+        # DeepSpeed's ZeRO-1/2 layout tensors (``trace.deepspeed_engine``), rather than the emulated GPU
+        self.explicit_meta_uncounted = False
 
     # ----- dispatch --------------------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs) if kwargs else {}
         if "device" in kwargs:
+            if self.explicit_meta_uncounted and _is_meta_device(kwargs["device"]) and self.tracker is not None:
+                # a tensor the program itself asks for on ``meta`` (shapes only: no memory on a GPU)
+                with self.tracker.paused():
+                    return func(*args, **kwargs)
             kwargs["device"] = _map_device(kwargs["device"])
         name = getattr(func, "__name__", "")
         if name == "to" or name == "_to":
@@ -813,6 +824,16 @@ def _record_stream_patches(tracker: Any) -> dict[tuple[Any, str], Any]:
     for mod in (_fp, _ru):
         if hasattr(mod, "_no_dispatch_record_stream"):
             patches[(mod, "_no_dispatch_record_stream")] = tracker.record_stream
+    record = torch.Tensor.record_stream
+
+    def tensor_record_stream(self: torch.Tensor, stream: Any) -> None:
+        # an emulated tensor's ``record_stream`` (DeepSpeed ZeRO-3 records each gradient on the current
+        # stream, deepspeed/runtime/zero/stage3.py ``__add_grad_to_ipg_bucket``): the emulated streams are
+        # no ``torch.Stream``, which the C++ method takes
+        if self.device.type == EMULATED:
+            return tracker.record_stream(self, stream)
+        return record(self, stream)
+    patches[(torch.Tensor, "record_stream")] = tensor_record_stream
     return patches
 
 
@@ -856,8 +877,16 @@ def _emulation_patches(emulation: CudaEmulation | None) -> dict[tuple[Any, str],
         def tensor_register_hook(self: Any, hook: Callable) -> Any:
             return register_hook(self, _under(emulation, hook))
 
+        register_post_accumulate = torch.Tensor.register_post_accumulate_grad_hook
+
+        def tensor_post_accumulate_hook(self: Any, hook: Callable) -> Any:
+            # (DeepSpeed ZeRO 1/2's gradient hooks, deepspeed/utils/torch.py ``register_grad_hook``,
+            # fill buckets made with ``device=get_accelerator().current_device_name()``)
+            return register_post_accumulate(self, _under(emulation, hook))
+
         from torch.autograd.variable import Variable
         patches[(torch.Tensor, "register_hook")] = tensor_register_hook
+        patches[(torch.Tensor, "register_post_accumulate_grad_hook")] = tensor_post_accumulate_hook
         patches[(Variable, "_execution_engine")] = _EngineUnder(Variable._execution_engine, emulation)
     return patches
 

@@ -94,6 +94,7 @@ from ..spec import TrainingSpec
 from ..wrappers import (PP_MODEL_TYPES, SCHEDULE_NAMES, TP_MODEL_TYPES, context_parallel_hooks, ddp, dp_mesh,
                         fsdp1, fsdp2, mesh, pipeline_stage_module, tensor_parallel,
                         wrapper_name)
+from . import deepspeed_engine
 from .cuda import _patched
 from .tracker import Tracker
 
@@ -106,8 +107,10 @@ _DEVICE_HANDLE_USERS = ("torch.distributed.device_mesh", "torch.distributed.tens
 
 
 def distributed(t: TrainingSpec) -> bool:
-    """Whether the setup runs on several ranks (DDP, FSDP, tensor or pipeline parallelism)."""
-    return t.dp > 1 or t.fsdp is not None or t.tp > 1 or t.pp > 1 or t.cp > 1
+    """Whether the setup runs on several ranks (DDP, FSDP, tensor, pipeline or context parallelism)
+    or through DeepSpeed's engine (``--zero``: it needs a process group even over one rank)."""
+    return (t.dp > 1 or t.fsdp is not None or t.tp > 1 or t.pp > 1 or t.cp > 1
+            or deepspeed_engine.uses_deepspeed(t))
 
 
 def world_size(t: TrainingSpec) -> int:
@@ -130,6 +133,7 @@ def _what(t: TrainingSpec) -> str:
     parts += [f"--dp {t.dp}"] if t.dp > 1 or t.fsdp else []
     parts += [f"--fsdp {t.fsdp}"] if t.fsdp else []
     parts += [f"--cp {t.cp}"] if t.cp > 1 else []
+    parts += [f"--zero {t.zero}"] if deepspeed_engine.uses_deepspeed(t) else []
     parts += [f"--tp {t.tp}"] if t.tp > 1 else []
     return " ".join(parts + (["--sequence-parallel"] if t.sequence_parallel else []))
 
@@ -139,6 +143,8 @@ def check(t: TrainingSpec, spec: Any, device: str) -> None:
     if not distributed(t):
         return
     what = _what(t)
+    if deepspeed_engine.uses_deepspeed(t):
+        deepspeed_engine.check(t)
     if t.pp > 1:
         _check_pp(t, spec, device, what)
     if t.tp > 1:
@@ -716,7 +722,7 @@ def wrap(module: torch.nn.Module, spec: Any, t: TrainingSpec, tracker: Tracker) 
 def wraps_loaded(t: TrainingSpec) -> bool:
     """Whether DDP wraps the model once it is loaded (``wrap_loaded``): ``--dp`` without FSDP, on
     one model or on each pipeline stage."""
-    return t.dp > 1 and t.fsdp is None
+    return (t.dp > 1 and t.fsdp is None) or deepspeed_engine.uses_deepspeed(t)
 
 
 def wrap_loaded(module: torch.nn.Module, t: TrainingSpec, tracker: Tracker) -> torch.nn.Module:
@@ -725,7 +731,10 @@ def wrap_loaded(module: torch.nn.Module, t: TrainingSpec, tracker: Tracker) -> t
     torchtitan's ``apply_ddp`` wraps each model part; the schedule's ``PipelineStage`` takes the DDP
     module (torch 2.13 ``pipelining/stage.py`` ``forward_maybe_with_nosync`` and
     ``backward_maybe_with_nosync``: every micro-batch under ``no_sync`` but the stage's last backward,
-    before which it calls the reducer's ``prepare_for_backward``)."""
+    before which it calls the reducer's ``prepare_for_backward``). With ``--zero`` (no ``--fsdp``)
+    the loaded model goes to ``deepspeed.initialize`` instead (``trace.deepspeed_engine.wrap``)."""
+    if deepspeed_engine.uses_deepspeed(t):
+        return deepspeed_engine.wrap(module, t, tracker)
     if t.pp == 1:
         return _ddp(module, t, tracker, None)
     group = module.dp_group
@@ -739,6 +748,8 @@ def wrap_loaded(module: torch.nn.Module, t: TrainingSpec, tracker: Tracker) -> t
 def ddp_targets(module: torch.nn.Module, t: TrainingSpec) -> list[torch.nn.Module]:
     """The modules :func:`wrap_loaded` wraps in DDP (before it) or its DDP modules (after): the
     model, or the rank's virtual pipeline stages."""
+    if deepspeed_engine.uses_deepspeed(t):
+        return []  # the engine keeps the model as its ``module``, which keeps its name
     return list(module.stages) if t.pp > 1 and t.virtual_stages > 1 else [module]
 
 
@@ -811,6 +822,9 @@ def describe(t: TrainingSpec, rank: int = 0) -> str:
         why = ("every context-parallel rank but the last merges its ring attention's second half-sequence "
                "iterations with torch.cat, whose contiguous output transformers copies before o_proj; the last "
                "rank's merge holds one more fp32 output-sized temporary instead")
+    elif deepspeed_engine.uses_deepspeed(t):
+        why = ("ZeRO pads every rank's flat partition to one size; the buckets and gathered parameters are the "
+               "same on every rank")
         which = "rank 0 traced" if rank == 0 else f"rank {rank} traced"
     if t.fsdp is not None and t.fsdp_version == 1:
         why = ("FSDP1 pads every rank's flat shard to one size; the optimizer keeps a state per piece of an original "
