@@ -129,6 +129,13 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
         if _dist.distributed(t):
             _dist.annotate(report, t, rank)
     report.max_fraction = fraction
+    _add_notes(report, spec, t, options_given)
+    return report
+
+
+def _add_notes(report: MemoryReport, spec: ModelSpec | None, t: TrainingSpec, options_given: bool) -> None:
+    """The report's warnings on what ran: the attention implementation transformers took, and that a
+    user step function decides the training options."""
     if spec is not None:
         note = _attention_implementation(spec, t)[1]
         if note:
@@ -136,7 +143,6 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
     if spec is None and options_given:
         report.warnings.append("training options are recorded but not applied to a user step_fn: "
                                "the step function decides batch, precision and optimizer")
-    return report
 
 
 def _steps_run(spec: ModelSpec | None, t: TrainingSpec, steps: int) -> int:
