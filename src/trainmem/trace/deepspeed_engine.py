@@ -69,7 +69,7 @@ import torch
 from ..errors import TrainmemError
 from ..spec import TrainingSpec
 
-#: the torch optimizers DeepSpeed's ZeRO takes untested-free (``runtime/zero/utils.py``
+#: the torch optimizers DeepSpeed's ZeRO takes without ``zero_allow_untested_optimizer`` (``runtime/zero/utils.py``
 #: ``ZERO_SUPPORTED_OPTIMIZERS``: torch.optim.Adam, AdamW, ...) that trace builds as the client optimizer
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum")
 
@@ -136,6 +136,8 @@ def config(t: TrainingSpec) -> dict[str, Any]:
                            "zero_optimization": zero, "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}
     if t.precision in ("bf16", "fp16"):
         cfg[t.precision] = {"enabled": True}
+    if t.optimizer not in ("adamw", "adam"):  # torch.optim.SGD is not in ZERO_SUPPORTED_OPTIMIZERS: the engine
+        cfg["zero_allow_untested_optimizer"] = True  # asserts this key (engine.py _do_optimizer_sanity_check)
     return cfg
 
 
@@ -293,4 +295,14 @@ def patches(tracker: Any, emulation: Any) -> dict[tuple[Any, str], Any]:
             (zero_utils, "get_lst_from_rank0"): _rank0_list,
             (zero_utils, "assert_lst_len_same_as_other_ranks"): _same_length,
             (nvtx, "range_push"): lambda *a, **k: None, (nvtx, "range_pop"): lambda *a, **k: None,
-            (emulation, "explicit_meta_uncounted"): True}
+            (emulation, "explicit_meta_uncounted"): True, **_log_to_stderr()}
+
+
+def _log_to_stderr() -> dict[tuple[Any, str], Any]:
+    """DeepSpeed's logger writes to stdout (``utils/logging.py`` ``LoggerFactory.create_logger``:
+    ``StreamHandler(stream=sys.stdout)``); during a trace it writes to stderr, so that stdout holds
+    only trainmem's report (``--json`` stays parseable)."""
+    import sys
+    from deepspeed.utils.logging import logger
+    return {(h, "stream"): sys.stderr for h in logger.handlers
+            if getattr(h, "stream", None) is sys.stdout}
