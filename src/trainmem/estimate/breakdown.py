@@ -1,6 +1,7 @@
 """The peak moment as named components, and the phases, for one layout's report."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from ..report import Category
@@ -131,10 +132,26 @@ def components(q: Quantities, tk: Tokens, mo: Moment, t: TrainingSpec, n: int, n
         out.append(Component("activations.autocast_weight_copies.layers", ACTIVATIONS, cast, half,
                              "half copies of matmul weights autocast caches until forward ends (layers checkpointed)"))
         temp -= cast
-    if temp:
+    if temp > 0:
         out.append(Component(f"temporaries.{where_label(mo, q, tk)}", TEMPORARIES, temp, None,
                              "tensors alive only at the peak moment"))
+    elif temp < 0:
+        _net_released(out, temp)
     return out
+
+
+def _net_released(out: list, temp: int) -> None:
+    """A layer's backward transient below zero (``moments.tokens``: the half weight copies its later
+    linears released outweigh what the op holds) is taken off the activations listed, the autocast
+    weight copies first, so that every component stays a non-negative amount and the sum the peak."""
+    order = sorted((i for i, c in enumerate(out) if c.category == ACTIVATIONS and c.bytes > 0),
+                   key=lambda i: (not out[i].name.startswith("activations.autocast_weight_copies"), -out[i].bytes))
+    for i in order:
+        take = min(out[i].bytes, -temp)
+        out[i] = replace(out[i], bytes=out[i].bytes - take)
+        temp += take
+        if not temp:
+            return
 
 
 def activations(q: Quantities, tk: Tokens, at_peak: int, t: TrainingSpec, n: int, nsq: int,
