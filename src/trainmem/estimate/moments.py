@@ -698,6 +698,10 @@ def _embedding_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept,
     # FSDP: the root's gradients are still unsharded (a tied embedding's sum among them), not yet shards
     emb_grads = q.grads + where(sync, q.fsdp_head_full + q.fsdp_emb_full + tied - where(fresh, q.fsdp_root_sharded, 0),
                                 0) - q.layers * reduced
+    # DeepSpeed ZeRO-2 with contiguous gradients and no bucket reduced yet (``quantities.reduce_first_in_backward``):
+    # every earlier gradient was copied into the bucket buffer by its hook (``communication``), no
+    # partition exists; beside them only the embedding's own new gradient (the tied sum), whose hook runs next
+    emb_grads = where((q.ds_bucketed > 0) & (q.ds_partition_grads == 0), tied, emb_grads)
     # tk.others: a pipeline stage's other micro-batches in flight keep their activations meanwhile
     moments.append(_mo("backward", micro, step, "embeddings.backward",
                        (emb_grads, states_mid, tk.inputs, ws2, tk.others + tk.others_head, temp_emb),
@@ -888,6 +892,10 @@ def _optimizer_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, ste
     step_grads = where(ds, q.ds_opt_grads, grads)
     after = q.fixed + step_grads + q.states + tk.inputs + ws2 + logits + kv + graph
     if not flags.oib:
+        # (ZeRO-1/2: the gradient norm first, a float64 copy of one piece of the partition at a time)
+        moments.append(_mo("optimizer_step", 0, step, "deepspeed.grad_norm",
+                           (q.ds_cast_grads, q.states, tk.inputs, ws2, 0, q.ds_norm_temp),
+                           (logits, kv, 0), q.ds_norm_temp > 0, graph))
         moments.append(_mo("optimizer_step", 0, step, "deepspeed.fp32_grad",
                            (q.ds_cast_grads, q.states, tk.inputs, ws2, 0, q.ds_step_flat + q.ds_step_fp32),
                            (logits, kv, 0), ds, graph))

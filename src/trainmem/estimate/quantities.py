@@ -191,6 +191,8 @@ class Quantities:
     ds_gathered_top: int = 0  # DeepSpeed ZeRO-3's gathered parameters from forward's end to the top layer's backward
     ds_gathered_low: int = 0  # ... in the rest of backward (``deepspeed_gathered``)
     ds_partition_grads: int = 0  # DeepSpeed ZeRO-2's gradient partition, whole from the first reduction
+    ds_bucketed: int = 0      # 1: DeepSpeed ZeRO-2 copies each gradient into the bucket at its hook (contiguous)
+    ds_norm_temp: int = 0     # DeepSpeed ZeRO-1/2's step: the float64 copy of one gradient piece its norm takes
     ds_cast_grads: int = 0    # DeepSpeed's step: the gradients alive while the fp32 gradient is cast (``deepspeed_partition_grads``)
     ds_opt_grads: int = 0     # ... and while the optimizer steps (ZeRO-3's persistent partition; none for stages 1, 2)
     gemini_top: int = 0       # ColossalAI Gemini: other ranks' fp16 chunks gathered and the gradient hook's two
@@ -1057,10 +1059,11 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
     each = kept or (backward // (2 if t.ds_overlap_comm else 1))
     top, low = deepspeed_gathered(m, t, st)
     # ZeRO-2 copies each reduced bucket's share into ``grads_in_partition``, one buffer made at the first
-    # reduction (``stage_1_and_2.py`` L1349-1356), which the head's gradients trigger: the layers' backward
-    # finds all of this rank's gradient bytes allocated
+    # reduction (``stage_1_and_2.py`` L1349-1356): the layers' backward finds all of this rank's gradient
+    # bytes allocated when a bucket fills during backward (taken at the head's gradients), else the
+    # epilogue's reduction makes it after the layers (``reduce_first_in_backward``)
     held = deepspeed_partition_grads(m, t, st)
-    part = held if (t.zero == 2 and not t.offload_optimizer) else 0
+    part = held if (t.zero == 2 and not t.offload_optimizer and reduce_first_in_backward(t, st)) else 0
     # the step (``deepspeed_step_grad``): stages 1 and 2 free every gradient before the optimizer runs,
     # ZeRO-3's partition buffer stays
     cast, opt = (held, 0) if t.zero in (1, 2) else (st.grads, st.grads)
@@ -1072,7 +1075,46 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
     return {"ds_backward_buf": backward, "ds_loss_buf": loss_buf, "ds_bucket": each, "ds_step_fp32": fp32,
             "ds_step_flat": flat,
             "ds_gathered_top": top, "ds_gathered_low": low, "ds_partition_grads": part, "ds_cast_grads": cast,
+            "ds_bucketed": int(t.zero == 2 and backward > 0 and not t.offload_optimizer),
+            "ds_norm_temp": deepspeed_norm_temp(m, t, st),
             "ds_opt_grads": opt}
+
+
+def deepspeed_norm_temp(m: ModelSpec, t: TrainingSpec, st: States) -> int:
+    """Bytes of the float64 copy DeepSpeed ZeRO-1/2's step makes of the largest gradient piece of
+    rank 0's partition to take its norm (0 off them, or offloaded): ``step`` -> ``scaled_global_norm``
+    -> ``get_grad_norm_direct`` over ``averaged_gradients`` (the partition's pieces of each parameter),
+    ``torch.linalg.vector_norm(g.data.to(get_norm_dtype()))`` per piece, ``get_norm_dtype()`` float64
+    on CUDA (``stage_1_and_2.py`` v0.19.8 L2677-2685, L59-63, called at L2951 before the fp32 cast at
+    L3117; ``g.data.double().norm(2)`` at v0.9.0 L1503, ``vector_norm(g.data.double())`` at v0.16.4
+    L1699): one piece at a time, each freed after its norm. Rank 0's pieces run from the first
+    parameter to its partition's end (``deepspeed_partition_grads``); LoRA adapters (small pieces)
+    are neglected, a tensor- or pipeline-parallel layout takes its largest tensor's shard."""
+    if not (deepspeed_zero(t) and t.zero in (1, 2) and not t.offload_optimizer and st.trainable):
+        return 0
+    part = -(-st.trainable // t.shard_group)   # elements of rank 0's partition
+    tensors = m.parameter_tensors()
+    if t.lora_rank:
+        return 0
+    if t.tp > 1 or t.pp > 1 or sum(p.numel for p in tensors) != st.trainable:
+        return block_of(t, min(part, max(p.numel for p in tensors) // t.tp) * 8)
+    largest, start = 0, 0
+    for p in tensors:
+        if start >= part:
+            break
+        largest = max(largest, min(start + p.numel, part) - start)
+        start += p.numel
+    return block_of(t, largest * 8)              # (piece,) float64
+
+
+def reduce_first_in_backward(t: TrainingSpec, st: States) -> bool:
+    """Whether DeepSpeed ZeRO-1/2 reduces a bucket before backward's end: a gradient's hook reduces
+    the bucket when adding the parameter would pass ``reduce_bucket_size`` elements
+    (``stage_1_and_2.py`` v0.19.8 ``reduce_independent_p_g_buckets_and_remove_grads`` L1414-1424:
+    ``bucket.elements + param.numel() > self.reduce_bucket_size``); when all of the trainable
+    elements fit in one bucket, nothing is reduced until ``overlapping_partition_gradients_reduce_epilogue``
+    (L1211) after the last gradient, which makes ``grads_in_partition`` then."""
+    return st.trainable > t.ds_reduce_bucket
 
 
 def deepspeed_partition_grads(m: ModelSpec, t: TrainingSpec, st: States) -> int:

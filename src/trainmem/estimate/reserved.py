@@ -1064,6 +1064,8 @@ def _optimizer_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, step:
     if step == 1 and st.optimizer:                               # lazily, unless offloaded to the host
         s.states = [R.alloc(x) for (_w, _k, _g, sts, _m) in order for x in sts]
     sizes = [(sts[0] if sts else g) for (_w, _k, g, sts, _m) in order]
+    if q.ds_norm_temp:                                           # DeepSpeed ZeRO-1/2: the norm's float64 piece
+        R.free(R.alloc(q.ds_norm_temp))
     if q.ds_step_fp32:                                           # DeepSpeed: one flat fp32 partition per group
         flat, fp32 = R.alloc(q.ds_step_flat), R.alloc(q.ds_step_fp32)   # the cast: flat copy, then fp32
         R.free(flat)
