@@ -540,6 +540,10 @@ def test_the_weighted_split_is_given_refused_or_set_by_the_torchtitan_preset():
     # the even split where the layers divide: today's stages, today's numbers
     even = resolve("llama-3.2-1b", set=SMALL, **BASE, pp=2, grad_accum=2).training
     assert even.pp_less == (0, 0) and even.worst_stage_candidates == ("first", "last")
+    # without --pp the weights split nothing: one line says so (and the torchtitan preset sets none)
+    one = estimate("llama-3.2-1b", set=SMALL, **BASE, pp_first_stage_less_layers=1)
+    assert any("--pp-first-stage-less-layers" in w and "changes nothing" in w for w in one.warnings)
+    assert resolve("llama-3.2-1b", framework="torchtitan", set=SMALL, **BASE).training.pp_less == (0, 0)
 
 
 @pytest.mark.parametrize("options", [

@@ -956,6 +956,9 @@ def setup_warnings(t: TrainingSpec) -> list[str]:
     if t.pp_schedule != "1f1b" and t.pp == 1:
         out.append(f"--pp-schedule {t.pp_schedule} without --pp: one stage has no pipeline schedule, so it "
                    "changes nothing")
+    if t.pp_weighted and t.pp == 1:
+        out.append("--pp-first-stage-less-layers / --pp-last-stage-less-layers without --pp: one stage holds "
+                   "every layer, so the stage split changes nothing")
     tokens = t.batch_size * (t.seq_len // t.cp)
     if t.loss_chunks > tokens:
         out.append(f"--loss-chunks {t.loss_chunks} exceeds the {tokens} tokens of a micro-batch: "
