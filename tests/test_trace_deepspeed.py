@@ -176,3 +176,36 @@ def test_zero2_step_takes_the_gradient_norm_in_float64_piece_by_piece():
     assert "linalg_vector_norm" in r.peak_where and r.peak_phase.startswith("optimizer_step")
     assert e.peak_phase.startswith("optimizer_step")
     assert abs(e.peak_allocated / r.peak_allocated - 1) < 0.003
+
+
+# ----- an fp32 engine's master partition --------------------------------------------------------------
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_fp32_engine_clones_its_partition_as_master(stage, one_torch_thread):
+    """An fp32 ZeRO engine keeps an fp32 clone of the rank's partition for its torch optimizer
+    (``single_partition_of_fp32_groups`` / ``fp32_partitioned_groups_flat``: ``TrainingSpec.ds_fp32_clone``),
+    not the parameters themselves: trace of DeepSpeed's engine finds it as a tensor of its own, and
+    the estimate counts the same bytes (ceil(n / dp) x 4) and lands within 3 % of trace's peak."""
+    pytest.importorskip("deepspeed")
+    kw = dict(GPT2, zero=stage, dp=2, precision="fp32", reduce_bucket_size=1_000_000)
+    r, e = trace("gpt2", **kw), trainmem.estimate("gpt2", **kw)
+    traced, estimated = (sum(c.bytes for c in rep.components if c.category == "master_weights") for rep in (r, e))
+    whole = sum(c.bytes for c in trainmem.estimate("gpt2", precision="fp32", **GPT2).components
+                if c.category == "parameters")
+    assert traced == estimated == -(-whole // 4 // 2) * 4 > 0
+    assert abs(e.peak_allocated / r.peak_allocated - 1) < 0.03
+
+
+def test_fp32_clone_is_deepspeeds_zero_on_fp32_weights_only():
+    """The clone is DeepSpeed ZeRO's on fp32 (and autocast's fp32) weights; half weights have their
+    master through ``fp32_master``, and FSDP or plain data parallelism keep none."""
+    from trainmem.spec.resolve import resolve
+    clone = {k: resolve("gpt2", **GPT2, **kw).training.ds_fp32_clone for k, kw in {
+        "zero2 fp32": dict(zero=2, dp=2, precision="fp32"), "zero3 bf16-amp": dict(zero=3, dp=2, precision="bf16-amp"),
+        "zero2 bf16": dict(zero=2, dp=2, precision="bf16"), "ddp fp32": dict(dp=2, precision="fp32"),
+        "fsdp fp32": dict(fsdp="full", dp=2, precision="fp32")}.items()}
+    assert clone == {"zero2 fp32": True, "zero3 bf16-amp": True, "zero2 bf16": False, "ddp fp32": False,
+                     "fsdp fp32": False}
+    with_clone = trainmem.estimate("gpt2", zero=2, dp=2, precision="fp32", offload_optimizer=False, **GPT2)
+    offloaded = trainmem.estimate("gpt2", zero=2, dp=2, precision="fp32", offload_optimizer=True, **GPT2)
+    assert any(c.category == "master_weights" for c in with_clone.components)
+    assert not any(c.category == "master_weights" for c in offloaded.components)  # host memory under ZeRO-Offload

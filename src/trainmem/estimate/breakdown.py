@@ -84,7 +84,8 @@ def components(q: Quantities, tk: Tokens, mo: Moment, t: TrainingSpec, n: int, n
                      True)]
     if st.master:
         out.append(Component("master_weights", MASTER, st.master, "fp32",
-                             "fp32 copy of half weights, sharded over the ZeRO group" if t.gemini is None else
+                             ("DeepSpeed ZeRO's fp32 clone of the rank's fp32 weight partition" if t.ds_fp32_clone
+                              else "fp32 copy of half weights, sharded over the ZeRO group") if t.gemini is None else
                              "ColossalAI Gemini: block(chunk_size x 4) per fp32 chunk this rank owns", True))
     if parts["gradients"]:
         out.append(Component("gradients", GRADIENTS, parts["gradients"], "fp32" if t.distributed_optimizer else wdt,

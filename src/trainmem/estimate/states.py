@@ -401,7 +401,7 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
            t.impl, t.lora_rank, t.lora_targets, t.lora_dtype, t.distributed_optimizer, t.offload_optimizer,
            t.fp32_master, t.quantize, t.quantize_via, t.bitsandbytes_version, t.accumulates_unsharded,
            t.fsdp_mixed_units, t.fsdp_version, t.fused_qkv, t.split_gate_up, t.layer_rope_cache, t.expandable_segments,
-           t.gemini, t.gemini_chunk_size, t.ds_params_on_host)
+           t.gemini, t.gemini_chunk_size, t.ds_params_on_host, t.ds_fp32_clone)
     return _STATES_CACHE.get_or_build(key, lambda: _model_states(m, t, stage))
 
 
@@ -455,6 +455,7 @@ class _Rank:
     shard_weights: bool = False  # weights stored as shards: ZeRO-3 / FSDP full, and FSDP grad-op (below)
     fsdp_unsharded: bool = False  # FSDP over several ranks: a root unit and per-layer unsharded tensors
     expandable: bool = False  # the allocator runs with expandable segments (TrainingSpec.expandable_segments)
+    zero_clone: bool = False  # DeepSpeed ZeRO's fp32 copy of fp32 weights' partition (TrainingSpec.ds_fp32_clone)
 
     @staticmethod
     def of(m: ModelSpec, t: TrainingSpec, stage: str) -> "_Rank":
@@ -467,7 +468,7 @@ class _Rank:
                      max(t.zero_stage, 1) if t.distributed_optimizer else t.zero_stage, t.shard_group,
                      t.zero_stage >= 2 and not t.accumulates_unsharded, t.fsdp_mixed_units,
                      2 if t.precision == "bf16-mp" else w, t.zero_stage == 3 or fsdp_grad_op(t),
-                     t.fsdp is not None and t.shard_group > 1, t.expandable_segments)
+                     t.fsdp is not None and t.shard_group > 1, t.expandable_segments, t.ds_fp32_clone)
 
     def block(self, nbytes: int) -> int:
         """Allocator bytes of one fresh request of ``nbytes`` in this run's allocator mode
@@ -565,7 +566,7 @@ class _Tally:
         g = r.grad_bytes(n if grad_n is None else grad_n)
         self.grads += k * g
         sh = -(-n // r.d) if r.zero_states >= 1 else n
-        master = r.block(sh * 4) if r.half_master else 0
+        master = r.block(sh * 4) if (r.half_master or r.zero_clone) else 0  # (sh,) fp32 partition
         self.master += k * master
         sts = tuple(r.block(sb) for sb in state_bytes(t.optimizer, shape, sh, r.sbytes, whole=n,
                                                           blocksize=t.bnb_blocksize))

@@ -678,6 +678,25 @@ class TrainingSpec:
         return self.deepspeed_release() < (0, 18, 3)
 
     @property
+    def ds_fp32_clone(self) -> bool:
+        """Whether DeepSpeed's ZeRO optimizer keeps its own fp32 copy of this rank's partition when the
+        weights are fp32 already (``--precision fp32``, or an autocast run's fp32 weights). ZeRO-1/2
+        clone the partition whatever its dtype (``stage_1_and_2.py`` L370-372 at v0.12.2:
+        ``single_partition_of_fp32_groups.append(...[partition_id].to(device).clone().float().detach())``;
+        L489-490 at v0.19.5: ``.detach().clone().to(device, dtype)``); so does ZeRO-3 (``stage3.py``
+        L819-820 at v0.12.2: ``fp16_partitioned_groups_flat[i].to(device).clone().float()``). From
+        v0.18.2 ZeRO-3 means to reuse an fp32 partition already on the device (DeepSpeed 706f6e82f,
+        #7651; ``stage3.py`` L1163-1164 at v0.19.8), but its test compares the tensor's
+        ``torch.device`` with ``self.device``, the string ``get_accelerator().current_device_name()``
+        (``'cuda:0'``, L333), which never compares equal, so the clone is made there too (trace of
+        DeepSpeed 0.19.8's engine shows it: tests/test_trace_deepspeed.py). Half weights have
+        their master through ``fp32_master``; ColossalAI Gemini, FSDP and Megatron's distributed
+        optimizer are not DeepSpeed's ZeRO."""
+        if self.zero < 1 or self.fsdp is not None or self.distributed_optimizer or self.gemini is not None:
+            return False
+        return self.weight_bytes == 4
+
+    @property
     def bnb_blocksize(self) -> int:
         """Elements per fp32 ``absmax`` of a bitsandbytes 8-bit optimizer state: 2048 before 0.44.0,
         256 since ("The block size for all 8-bit optimizers has been reduced from 2048 to 256",

@@ -176,16 +176,18 @@ def wrap(module: torch.nn.Module, t: TrainingSpec, tracker: Any) -> Any:
 def _mark_master(engine: Any, tracker: Any) -> None:
     """The ZeRO optimizer's buffers named once it is built: its flat half parameters (stages 1, 2:
     ``bit16_groups_flat``; stage 3: ``fp16_partitioned_groups_flat``, the rank's partitions) as
-    ``parameters``, the fp32 partitions its torch optimizer steps as ``master_weights`` (fp32
-    engines step the parameters themselves), stage 3's gradient partition buffer
+    ``parameters``, the fp32 partitions its torch optimizer steps as ``master_weights`` (an fp32
+    engine's too: they are clones of its fp32 partitions, ``TrainingSpec.ds_fp32_clone``; one that
+    is the flat partition itself stays ``parameters``), stage 3's gradient partition buffer
     (``grad_partitions_flat_buffer``, ``stage3.py`` L791) as ``gradients`` and its bucket (L780-784,
     made in ``__init__`` and kept) as ``communication.deepspeed_buckets``."""
     opt = engine.optimizer
-    for flat in getattr(opt, "bit16_groups_flat", None) or getattr(opt, "fp16_partitioned_groups_flat", None) or []:
+    flats = getattr(opt, "bit16_groups_flat", None) or getattr(opt, "fp16_partitioned_groups_flat", None) or []
+    for flat in flats:
         tracker.reclassify(flat, "parameters", "")
-    if engine.bfloat16_enabled() or engine.fp16_enabled():
-        for p in (getattr(opt, "single_partition_of_fp32_groups", None)
-                  or getattr(opt, "fp32_partitioned_groups_flat", None) or []):
+    for p in (getattr(opt, "single_partition_of_fp32_groups", None)
+              or getattr(opt, "fp32_partitioned_groups_flat", None) or []):
+        if not any(p is flat for flat in flats):
             tracker.reclassify(p, "master_weights", "")
     grads = getattr(opt, "grad_partitions_flat_buffer", None)
     if grads is not None:
