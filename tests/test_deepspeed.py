@@ -304,3 +304,33 @@ def test_published_lightning_deepspeed_zero3_gpt2_12b_partitions_on_the_host():
     v = validate(str(ROOT / "validation" / "published"), ["estimate"], ["deepspeed_zero3_gpt2_12b_b1"])
     (check,) = [c for c in v.checks if c.quantity == "peak_allocated"]
     assert abs(check.error) < 0.02, check.error
+
+
+def test_engine_step_leaves_its_zeroed_state_after_zero_grad():
+    """DeepSpeed's engine runs its ZeRO optimizer's zero_grad inside ``engine.step()``, after the
+    step freed the gradients (stages 1, 2) or kept its partition buffer (stage 3): the memory after
+    zero_grad is the memory after the step. The published runs' 'MemAllocated' lines read it: the
+    CSCS BERT-base ZeRO-1 run's weights, fp32 partition and Adam states, and the FATE GPT-2 ZeRO-2 fp32
+    run's 1.87 GiB (validation/published)."""
+    for stage in (1, 2, 3):
+        r = trainmem.estimate(MODEL, zero=stage, **BASE)
+        assert _phase(r, "zero_grad").allocated == _phase(r, "optimizer_step").allocated
+        assert _phase(r, "zero_grad").allocated >= sum(c.bytes for c in r.components if c.category in
+                                                       ("parameters", "master_weights", "optimizer_states"))
+    plain = trainmem.estimate(MODEL, dp=4, precision="bf16", seq_len=1024)  # no DeepSpeed: zero_grad frees
+    assert _phase(plain, "zero_grad").allocated < _phase(plain, "optimizer_step").allocated
+
+
+def test_old_pytorch_defaults_do_not_reach_deepspeeds_own_zero_grad_and_fused_adam():
+    """Before PyTorch 2.0 ``zero_grad`` kept zeroed gradients and torch's Adam ran a loop; under
+    ``--zero`` the engine's ZeRO optimizer sets gradients to None (v0.7.2 ``stage_1_and_2.py``
+    ``zero_grad(set_grads_to_None=True)``) and its FusedAdam is DeepSpeed's, on any PyTorch."""
+    from trainmem.spec.releases import torch_defaults
+    from trainmem.spec.resolve import resolve
+    assert torch_defaults((1, 13))["zero_grad"] == "zeros"
+    assert "zero_grad" not in torch_defaults((1, 13), zero=2)
+    assert torch_defaults((1, 13), fsdp="full", zero=2)["zero_grad"] == "zeros"  # FSDP's own zero_grad
+    t = resolve(MODEL, zero=1, dp=4, precision="fp16", optimizer_impl="fused", torch_version="1.13").training
+    assert t.zero_grad == "none" and t.optimizer_impl == "fused"
+    with pytest.raises(TrainmemError, match="fused"):
+        resolve(MODEL, dp=4, precision="fp16", optimizer="adamw", optimizer_impl="fused", torch_version="1.13")

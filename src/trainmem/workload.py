@@ -164,6 +164,7 @@ def hf_factory(spec: ModelSpec, t: TrainingSpec) -> Callable[[], torch.nn.Module
         if cls is None:
             auto = {"causal-lm": "AutoModelForCausalLM", "masked-lm": "AutoModelForMaskedLM",
                     "seq-cls": "AutoModelForSequenceClassification", "base": "AutoModel",
+                    "qa": "AutoModelForQuestionAnswering",
                     "seq2seq-lm": "AutoModelForSeq2SeqLM", "image-cls": "AutoModelForImageClassification"}[spec.head]
             return getattr(transformers, auto).from_config(config, attn_implementation=impl, dtype=dtype)
         return cls._from_config(config, attn_implementation=impl, dtype=dtype)
@@ -520,6 +521,9 @@ def model_batch(spec: ModelSpec, t: TrainingSpec, device: Any) -> dict[str, Any]
     out = {"input_ids": torch.randint(0, spec.vocab_size, (b, s), device=device)}
     if spec.head == "seq-cls":
         out["labels"] = torch.randint(0, spec.num_labels, (b,), device=device)
+    elif spec.head == "qa":  # the answer span's first and last token, one each per sample
+        out["start_positions"] = torch.randint(0, s, (b,), device=device)
+        out["end_positions"] = torch.randint(0, s, (b,), device=device)
     elif spec.head in ("causal-lm", "masked-lm"):
         out["labels"] = torch.randint(0, spec.vocab_size, (b, s), device=device)
     elif spec.head == "seq2seq-lm":

@@ -907,7 +907,11 @@ def _optimizer_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, ste
     # parameter's sharded .grad is freed only by the next forward's root pre-forward, torch 2.13
     # fsdp/_runtime_utils.py L594 ``_reset_flat_param_grad_info_if_needed``, _flat_param.py L2447-2475)
     kept_grads = grads if (flags.zeros or flags.fsdp1_views) else q.grads_loaded
-    ends.append(("zero_grad", 0, step, after - grads + kept_grads))
+    # DeepSpeed's engine calls its ZeRO optimizer's zero_grad inside ``engine.step()`` (v0.7.2
+    # ``engine.py`` ``_take_model_step`` L1901-1928), after the step has already freed the gradients
+    # of stages 1 and 2 (above); ZeRO-3's partition buffer stays: nothing changes (``after`` holds
+    # ``step_grads``, not ``grads``)
+    ends.append(("zero_grad", 0, step, where(ds, after, after - grads + kept_grads)))
 
 
 def _graph_outlives_backward(flags: StepFlags) -> bool:

@@ -330,11 +330,14 @@ def kv_cache(m: ModelSpec, t: TrainingSpec) -> bool:
     tensor/pipeline/context parallel code has no such cache; PyTorch's tensor parallelism runs the
     transformers model itself (``states.dtensor_tp``), whose cache then holds each rank's own heads,
     and so does PyTorch's context parallelism (``states.torch_cp``), whose cache holds the rank's own
-    tokens' keys and values (the ring gathers the others' into buffers of its own)."""
+    tokens' keys and values (the ring gathers the others' into buffers of its own). A decoder's
+    classifier and question-answering heads run the same base model with the config's
+    ``use_cache`` (transformers 5.24 gpt2/modeling_gpt2.py L882-906, GPT2ForSequenceClassification
+    passes ``use_cache=None`` on to GPT2Model, which builds the cache at L561-563); encoders have none."""
     if t.recompute in ("full", "op") or t.pp > 1 or (t.cp > 1 and not torch_cp(t)) \
             or (t.tp > 1 and not dtensor_tp(t)):
         return False
-    if m.head != "causal-lm" or m.family == "nanogpt":
+    if m.head not in ("causal-lm", "seq-cls", "qa") or m.family in ("nanogpt", "bert", "roberta-prenorm"):
         return False
     return config_use_cache(m.config, t)
 
@@ -355,6 +358,15 @@ def is_lm(m: ModelSpec) -> bool:
     """A language-model head (logits over the vocabulary per token; an encoder-decoder's per
     decoder token)."""
     return m.head in ("causal-lm", "masked-lm", "seq2seq-lm")
+
+
+def classifier_width(m: ModelSpec, t: TrainingSpec) -> int:
+    """Logits per sample of a classifier head: its labels, or for extractive question answering two
+    classifications over the sequence's positions, ``start_logits`` and ``end_logits`` of (b, s)
+    each, whose cross-entropies are averaged (transformers 5.24 bert/modeling_bert.py L1331-1351,
+    ``BertForQuestionAnswering.forward``: ``logits.split(1, dim=-1)``, ``squeeze(-1).contiguous()``,
+    ``CrossEntropyLoss(ignore_index=ignored_index)`` on each)."""
+    return 2 * t.seq_len if m.head == "qa" else m.num_labels
 
 
 def input_bytes(m: ModelSpec, t: TrainingSpec) -> tuple[float, int]:
@@ -503,6 +515,10 @@ def _head_side(m: ModelSpec, pol: Policy, h: int, sp: int, fused: bool = False, 
     elif m.head == "seq-cls":
         # BERT's pooler takes hidden[:, 0]; the view keeps the last layer's output storage alive
         out.append(("pooler.input", float(h * (pol.stream if m.family == "bert" else pol.half)), 0.0))
+    elif m.head == "qa":
+        # qa_outputs, Linear(h, 2), saves its input, every token's output of the encoder: the
+        # tensor itself, or autocast's half copy of it ((b, s, h) in the matmul dtype)
+        out.append(("qa_outputs.input", float(h * pol.half), 0.0))
     return out
 
 
@@ -1612,7 +1628,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         cast_forward_only=0 if (t.lora_rank or fsdp1_views(t) or loss_after_stage_forward(t, stage))
         else cast_layer * checkpointed,  # see cast_checkpointed
         gathered_layer=st.layer_params_full if fsdp_grad_op(t) else 0,
-        logit_chunks=t.loss_chunks, logit_width=m.vocab_size if is_lm(m) else m.num_labels,
+        logit_chunks=t.loss_chunks, logit_width=m.vocab_size if is_lm(m) else classifier_width(m, t),
         tp=t.tp if is_lm(m) else 1, logits_held=loss.held, logits_out=loss.out, loss_saved=loss.saved,
         logits_cast=loss.cast, cast_output=int(t.cast_output), loss_forward=loss.forward, loss_backward=loss.backward,
         loss_backward_chunk=loss.backward_chunk, loss_saved_tok=loss.saved_tok, loss_saved_const=loss.saved_const,

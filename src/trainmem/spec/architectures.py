@@ -136,6 +136,13 @@ def _head(s: ModelSpec) -> Iterator[ParamTensor]:
             yield from _linear("classifier.out_proj", n, h, True, "out_proj", None)
         else:  # decoder models score the last token with a bias-free linear
             yield ParamTensor("score.weight", (n, h), "linear", "score")
+    elif s.head == "qa":
+        # extractive QA: a start and an end logit per token from the encoder's output, Linear(h, 2)
+        # with bias (transformers 5.24 bert/modeling_bert.py L1300-1301, BertForQuestionAnswering:
+        # ``BertModel(config, add_pooling_layer=False)``, ``nn.Linear(config.hidden_size,
+        # config.num_labels)``, num_labels 2; GPT2ForQuestionAnswering's and
+        # LlamaForQuestionAnswering's ``qa_outputs`` alike)
+        yield from _linear("qa_outputs", s.num_labels, h, True, "qa_outputs", None)
 
 
 def build_parameter_tensors(s: ModelSpec) -> list[ParamTensor]:

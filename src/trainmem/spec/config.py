@@ -362,10 +362,12 @@ def _head(arch: str, name: str) -> str:
         return "masked-lm"
     if arch.endswith("ForSequenceClassification"):
         return "seq-cls"
+    if arch.endswith("ForQuestionAnswering"):
+        return "qa"
     if arch.endswith("Model"):
         return "base"
     raise TrainmemError(f"model {name!r}: unsupported architecture {arch!r}: trainmem knows causal LM, masked LM, "
-                        f"sequence classification and base models")
+                        f"sequence classification, extractive question answering and base models")
 
 
 def _activation(act: Any, name: str) -> str:

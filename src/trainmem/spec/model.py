@@ -15,7 +15,7 @@ from typing import Any, Mapping
 from ..errors import TrainmemError
 
 FAMILIES = ("gpt2", "nanogpt", "bert", "roberta-prenorm", "llama", "mixtral", "gpt-next", "derived")
-HEADS = ("causal-lm", "masked-lm", "seq-cls", "base", "seq2seq-lm", "image-cls")
+HEADS = ("causal-lm", "masked-lm", "seq-cls", "qa", "base", "seq2seq-lm", "image-cls")
 ACTIVATIONS = ("gelu", "swiglu", "relu")
 NORMS = ("layernorm", "rmsnorm")
 

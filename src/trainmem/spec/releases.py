@@ -9,7 +9,8 @@ release trace runs). What depends on it:
   - ``zero_grad``: before 2.0, ``Optimizer.zero_grad`` and ``nn.Module.zero_grad`` default to
     ``set_to_none=False`` (torch 1.13 ``torch/optim/optimizer.py`` ``zero_grad(self,
     set_to_none: bool = False)``; 2.0 made ``set_to_none=True`` the default): the gradients stay
-    allocated (zeroed) through the next step (``zeros``).
+    allocated (zeroed) through the next step (``zeros``). Not under DeepSpeed's ZeRO: its engine
+    calls its own optimizer's ``zero_grad``, which sets them to None (``torch_defaults``).
   - ``optimizer_impl``: before 2.0, ``torch.optim.Adam``/``AdamW`` with ``foreach=None`` run the
     per-parameter loop (torch 1.13 ``torch/optim/adamw.py`` ``adamw``: ``if foreach is None:
     foreach = False``, then ``_single_tensor_adamw``); 2.0 defaults to foreach on CUDA
@@ -39,7 +40,8 @@ release trace runs). What depends on it:
   after the 2.4 branch cut of 2024-06-12, PR #128514; first in 2.5.0) allocates it on the default
   stream and keeps it until the next unit's post-backward (``reduce_scatter_states``), which is
   what trace runs. The estimate's replay and moments follow ``TrainingSpec.fsdp2_rs_on_default_stream``.
-* **What did not exist** (``torch_problems``): ``--compile``, SDPA kernels, fused AdamW and
+* **What did not exist** (``torch_problems``): ``--compile``, SDPA kernels, fused AdamW (but
+  DeepSpeed's own FusedAdam under ``--zero``) and
   ``--optimizer-in-backward`` (``register_post_accumulate_grad_hook``, 2.1) are refused with one
   line each for an older release; so are the setups trainmem models only as PyTorch 2 frameworks
   run them (FSDP2, chunked and fused losses, mixture-of-experts layers on ``_grouped_mm``).
@@ -76,9 +78,13 @@ def parse_torch_version(text: Any) -> tuple[int, ...]:
     return v
 
 
-def torch_defaults(version: tuple[int, ...] | None, fsdp: str | None = None) -> dict[str, Any]:
+def torch_defaults(version: tuple[int, ...] | None, fsdp: str | None = None, zero: int = 0) -> dict[str, Any]:
     """The option values a release implies when the user gives none (see the module docstring):
-    ``zeros`` gradients, the for-loop optimizer and eager attention before 2.0; fp16 autocast
+    ``zeros`` gradients (not under DeepSpeed's ZeRO, ``zero`` >= 1 without ``fsdp``: its engine
+    calls its ZeRO optimizer's ``zero_grad``, whose default sets the gradients to None whatever
+    PyTorch's default is, v0.7.2 ``stage_1_and_2.py`` L1487-1496 ``zero_grad(set_grads_to_None=True)``
+    called from ``engine.py`` ``_take_model_step`` L1915-1928), the for-loop optimizer and eager
+    attention before 2.0; fp16 autocast
     instead of trainmem's default bf16 autocast before 1.10; with ``fsdp`` (the setup's
     ``--fsdp``) FSDP is FSDP1 before 2.4 (FSDP2's ``fully_shard`` was announced, as a prototype
     under ``torch.distributed._composable.fsdp``, with 2.4; 2.3 shipped its code undocumented, so
@@ -89,7 +95,9 @@ def torch_defaults(version: tuple[int, ...] | None, fsdp: str | None = None) -> 
     if version < (1, 10):  # no bf16 autocast on CUDA before 1.10: trainmem's default becomes fp16's
         out["precision"] = "fp16-amp"
     if version < (2, 0):
-        out.update(zero_grad="zeros", optimizer_impl="for-loop", attention="eager")
+        out.update(optimizer_impl="for-loop", attention="eager")
+        if not (zero and fsdp is None):
+            out["zero_grad"] = "zeros"
     if version < (2, 4) and fsdp is not None:
         out["fsdp_version"] = 1
     return out
@@ -107,7 +115,11 @@ def torch_problems(t: Any) -> list[str]:
             out.append("--compile (torch.compile arrived in 2.0)")
         if t.attention in SDPA_ATTENTION:
             out.append(f"--attention {t.attention} (scaled_dot_product_attention arrived in 2.0; use eager or flash)")
-        if t.optimizer_impl == "fused" and not (t.optimizer == "adam" and v >= (1, 13)):
+        # (under DeepSpeed's ZeRO "fused" is DeepSpeed's own FusedAdam, ``deepspeed/ops/adam/fused_adam.py``,
+        # which its engine builds for an Adam/AdamW config on any PyTorch: v0.7.2 ``engine.py``
+        # ``_configure_basic_optimizer`` L1183-1212)
+        if t.optimizer_impl == "fused" and not (t.optimizer == "adam" and v >= (1, 13)) \
+                and not (t.zero >= 1 and t.fsdp is None and not t.distributed_optimizer):
             out.append("--optimizer-impl fused (Adam's fused=True arrived in 1.13, AdamW's in 2.0)")
         if t.loss in ("chunked", "fused", "chunked-nll") or t.loss_chunks > 1:
             out.append("chunked or fused losses (modelled as torchtune, litgpt, Liger and TRL run them on PyTorch 2)")

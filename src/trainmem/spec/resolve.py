@@ -295,7 +295,7 @@ def _release_defaults(fields: dict[str, Any], kept: set[str], model: ModelSpec |
     implied: dict[str, Any] = {}
     version = fields.get("torch_version")
     if version is not None:
-        implied = torch_defaults(parse_torch_version(version), fields.get("fsdp"))
+        implied = torch_defaults(parse_torch_version(version), fields.get("fsdp"), fields.get("zero") or 0)
     tf = fields.get("transformers_version")
     if tf is not None and model is not None:
         attention = default_attention(model, parse_transformers_version(tf))

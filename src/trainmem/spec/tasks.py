@@ -25,14 +25,16 @@ TASKS = {
     "image-classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
     "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
     "sequence-classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+    "question-answering": "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES",
 }
 #: task -> ModelSpec.head
 HEAD_OF_TASK = {"causal-lm": "causal-lm", "seq2seq-lm": "seq2seq-lm", "image-classification": "image-cls",
-                "masked-lm": "masked-lm", "sequence-classification": "seq-cls"}
+                "masked-lm": "masked-lm", "sequence-classification": "seq-cls", "question-answering": "qa"}
 #: class-name endings that name one task whatever the model type ("ForConditionalGeneration" does
 #: not: Gemma 3's and Llava's are multimodal causal LMs, T5's and BART's seq2seq LMs)
 _SUFFIXES = {"causal-lm": ("ForCausalLM", "LMHeadModel"), "masked-lm": ("ForMaskedLM",),
              "sequence-classification": ("ForSequenceClassification",),
+             "question-answering": ("ForQuestionAnswering",),
              "image-classification": ("ForImageClassification",)}
 
 
