@@ -700,18 +700,24 @@ class TrainingSpec:
                                     f"{'--tp' if self.tp > 1 else '--pp'} or {flag}")
 
     def _check_attention_call(self) -> None:
-        """``--attention-call repeat-kv`` is litgpt's SDPA call: SDPA only (not eager attention nor
-        transformers' flash_attention_2), one GPU or data parallelism (as ``--fused-qkv``)."""
+        """``--attention-call repeat-kv`` is litgpt's SDPA call (and torchtune's through 2024:
+        ``MultiHeadAttention.forward`` copies K and V to the query's heads with
+        ``k.unsqueeze(2).expand(...).flatten(1, 2)`` before ``_attention_call``, torchtune/modules/
+        attention.py L288-290 at 1814feb17): SDPA only (not eager attention nor transformers'
+        flash_attention_2), one GPU or data parallelism (as ``--fused-qkv``). With ``--compile`` the
+        estimate keeps the copies too: inductor's partition of such a layer saves the expanded K and
+        V that the attention kernel reads (read off on the installed torch, tests/test_torchtune_flags.py);
+        trace --compile does not run it (``trace.compiled.check``)."""
         _choice("attention-call", self.attention_call, ATTENTION_CALLS)
         if self.attention_call == "model":
             return
         if self.attention not in SDPA_ATTENTION:
             raise TrainmemError(f"--attention-call {self.attention_call} changes how F.scaled_dot_product_attention "
                                 f"is called; --attention {self.attention} does not call it: give --attention sdpa")
-        if self.tp > 1 or self.pp > 1 or self.cp > 1 or self.compile:
-            what = "--tp" if self.tp > 1 else ("--pp" if self.pp > 1 else ("--cp" if self.cp > 1 else "--compile"))
-            raise TrainmemError(f"--attention-call {self.attention_call} is litgpt's attention on one GPU or data "
-                                f"parallelism; drop {what} or --attention-call")
+        if self.tp > 1 or self.pp > 1 or self.cp > 1:
+            what = "--tp" if self.tp > 1 else ("--pp" if self.pp > 1 else "--cp")
+            raise TrainmemError(f"--attention-call {self.attention_call} is litgpt's and torchtune's attention on one "
+                                f"GPU or data parallelism; drop {what} or --attention-call")
 
     def _check_cast_output(self) -> None:
         """``--cast-output`` is Lightning Fabric's wrapper around a model whose logits the loop's own
