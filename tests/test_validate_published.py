@@ -13,7 +13,7 @@ PUBLISHED = os.path.join(os.path.dirname(__file__), "..", "validation", "publish
 FIXTURES = load_fixtures(PUBLISHED)
 IDS = [os.path.basename(fx["_path"]) for fx in FIXTURES]
 METRIC_WORDS = ("max_memory_allocated", "max_memory_reserved", "memory_reserved", "memory_allocated", "NVML",
-                "nvidia-smi", "peak_memory_reserved")
+                "nvidia-smi", "peak_memory_reserved", "peak_memory_active")
 
 
 def test_the_set_is_large_and_spans_frameworks():

@@ -525,7 +525,7 @@ class LossBytes(NamedTuple):
     matmul_chunk: int = 0   # ... per element of the chunk's logits then
     backward_const: int = 0  # chunked-nll: alive through a chunk's backward whatever the chunk (the weight's copy)
     backward_more: int = 0  # chunked-nll, a trained head: more in backward when there are several chunks
-    saves_out: int = 0      # 1: ``saved`` is the head's output itself, kept for backward (no new tensor)
+    saves_out: int = 0      # 1: ``saved`` is the tensor the loss reads (the output, or its --cast-output copy)
 
 
 def loss_mode(m: ModelSpec, t: TrainingSpec) -> str:
@@ -661,6 +661,8 @@ def _loss_in_one_piece(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int) ->
         return LossBytes(saved_tok=m.hidden_size * half + F32, saved_const=grad_w, forward_chunk=half)
     if mode == "chunked" and t.compile:
         return _compiled_chunked_loss_bytes(held, half)
+    if mode == "upcast" and t.cast_output and t.compile and t.extra.get("framework") == "torchtune":
+        return _compiled_fp32_loss_bytes(held, half)
     if mode == "chunked":
         return LossBytes(held, half, F32, forward_chunk=F32 if half != F32 else 0, backward_chunk=2 * F32)
     if t.compile and t.loss is None and mode == "upcast":
@@ -691,6 +693,22 @@ def _compiled_chunked_loss_bytes(held: int, half: int) -> LossBytes:
     once while the loss runs), one chunk's half gradient in backward; per token 16 B saved (read off
     the installed torch's partition of that function, ``tests/test_compiled_chunked_loss.py``)."""
     return LossBytes(held, half, half, backward_chunk=half, saved_tok=2 * F32 + 8, saves_out=1)
+
+
+def _compiled_fp32_loss_bytes(held: int, half: int) -> LossBytes:
+    """torchtune's ``nn.CrossEntropyLoss`` under ``compile: True`` on the fp32 logits its decoder
+    returns (``F.linear(h, tok_embeddings.weight).float()`` outside the compiled layers,
+    torchtune/modules/transformer.py L937 at 1814feb17; ``--cast-output``): ``compile_loss``
+    compiles the whole loss module (torchtune/training/_compile.py L58-85), and inductor's
+    partition saves its fp32 input itself, the fp32 logits, with per-row fp32 ``amax`` and ``log``
+    (as in ``_compiled_chunked_loss_bytes``; the labels are a view of the batch's). The forward
+    kernels materialize no logits-sized tensor; the backward kernel writes one fp32 gradient, the
+    saved logits then freed, and the decoder's ``ToCopyBackward`` casts it to the head's dtype.
+    Per logit element: the half output and its fp32 copy as forward returns (``cast``), the copy
+    saved as it is (``saves_out``: the tensor the loss reads), 4 B in backward; per token 8 B."""
+    kept = F32 if held else 0
+    cast = F32 if half != F32 else 0
+    return LossBytes(kept, half, F32, 0, F32, saved_tok=2 * F32, cast=cast, saves_out=1)
 
 
 def _chunked_nll_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy) -> LossBytes:

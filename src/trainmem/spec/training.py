@@ -732,7 +732,9 @@ class TrainingSpec:
         if self.loss_shift == "logits":
             raise TrainmemError("--cast-output with --loss-shift logits is not modelled (the shifted copy would be "
                                 "fp32); drop --loss-shift")
-        if self.pp > 1 or self.tp > 1 or self.compile:
+        # (--compile: torchtune's decoder casts outside its compiled layers and compiles its loss apart,
+        # quantities._compiled_fp32_loss_bytes; a whole compiled model's cast is not modelled)
+        if self.pp > 1 or self.tp > 1 or (self.compile and self.extra.get("framework") != "torchtune"):
             what = "--pp" if self.pp > 1 else ("--tp" if self.tp > 1 else "--compile")
             raise TrainmemError(f"--cast-output is modelled for one GPU and data parallelism (Lightning Fabric's "
                                 f"single-device, DDP and FSDP strategies); drop {what} or --cast-output")
