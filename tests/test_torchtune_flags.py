@@ -166,3 +166,10 @@ def test_readme_flags_rows(name):
     with open(os.path.join(PUBLISHED, name + ".json")) as f:
         assert c.measured == round(json.load(f)["measured"][0]["gib"] * 2**30)
     assert abs(c.error) <= ROWS[name]
+
+
+def test_torchtune_preset_gives_bitsandbytes_no_implementation():
+    """The preset's fused AdamW is torch's; bitsandbytes' optimizers have one implementation, which
+    trace and measure refuse to be given one (``workload.check_supported``)."""
+    assert resolve("llama-3.2-1b", framework="torchtune", optimizer="adamw-8bit").training.optimizer_impl is None
+    assert resolve("llama-3.2-1b", framework="torchtune").training.optimizer_impl == "fused"
