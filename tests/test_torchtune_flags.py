@@ -173,3 +173,41 @@ def test_torchtune_preset_gives_bitsandbytes_no_implementation():
     trace and measure refuse to be given one (``workload.check_supported``)."""
     assert resolve("llama-3.2-1b", framework="torchtune", optimizer="adamw-8bit").training.optimizer_impl is None
     assert resolve("llama-3.2-1b", framework="torchtune").training.optimizer_impl == "fused"
+
+
+def _buffer_bytes(rep) -> int:
+    return sum(c.bytes for c in rep.components if c.category == "buffers")
+
+
+def test_shared_rope_cache_in_estimate_and_trace():
+    """``--rope-cache N``: one fp32 ``theta`` [head_dim/2] and ``cache`` [N, head_dim/2, 2] for the
+    whole model (torchtune's Llama 3.x builders share one ``Llama3ScaledRoPE``), in both reports'
+    buffers and allocated peaks; the estimate charges theta its 512-byte block."""
+    from trainmem import trace
+    opts = dict(batch_size=1, seq_len=256, precision="bf16", recompute="full", gpu="a100-80gb",
+                set={"num_hidden_layers": 2})
+    e0, t0 = trainmem.estimate("llama-3.2-1b", **opts), trace("llama-3.2-1b", **opts)
+    e1, t1 = trainmem.estimate("llama-3.2-1b", rope_cache=4096, **opts), trace("llama-3.2-1b", rope_cache=4096, **opts)
+    cache = 4096 * 32 * 2 * 4                 # [4096, head_dim/2 = 32, 2] fp32, once
+    assert _buffer_bytes(e1) - _buffer_bytes(e0) == cache + 512
+    assert _buffer_bytes(t1) - _buffer_bytes(t0) == cache + 32 * 4
+    assert e1.peak_allocated - e0.peak_allocated == t1.peak_allocated - t0.peak_allocated == cache + 512
+
+
+def test_shared_rope_cache_refused_where_it_does_not_exist():
+    from trainmem.errors import TrainmemError
+    for model, kw in (("gpt2", {}), ("llama-3.2-1b", {"layer_rope_cache": 64})):
+        with pytest.raises(TrainmemError) as err:
+            trainmem.estimate(model, rope_cache=1024, seq_len=64, **kw)
+        assert "\n" not in str(err.value) and "--rope-cache 1024" in str(err.value)
+
+
+def test_e2e_tutorial_model_init():
+    """torchtune's end-to-end tutorial (0cd8bc4ca) logs, after building Llama-3.2-3B with rank-64
+    adapters in bf16 and loading the checkpoint: 6.21 GiB allocated, 6.27 GiB reserved. The bf16
+    weights (3,212,749,824 x 2 B), the adapters and the shared RoPE cache (131072 positions, 64 MiB)
+    give 6.2147 GiB; without the cache 6.15."""
+    v = validate(PUBLISHED, ["estimate"], cases=["torchtune_e2e_llama32_3b_lora_init"])
+    got = {c.quantity: c for c in v.checks}
+    assert abs(got["phase:model_loaded@0:peak"].error) < 0.001
+    assert abs(got["phase:model_loaded@0:reserved"].error) < 0.005

@@ -233,6 +233,7 @@ class TrainingSpec:
     #                                 seq_len tokens (pad-to-longest collation); None: every one seq_len long.
     #                                 The lengths replayed for reserved memory: ``padded_lengths``
     layer_rope_cache: int | None = None  # positions of the fp32 RoPE cache each decoder layer keeps as its own
+    rope_cache: int | None = None  # positions of the one fp32 RoPE cache the layers share (torchtune's Llama 3.x builders)
     #                                      buffers (torchtune's Llama-2/3 builders before v0.6 deep-copy the layer
     #                                      with its RotaryPositionalEmbeddings: cache [N, head_dim/2, 2] and theta
     #                                      [head_dim/2], fp32); None: none (transformers' model keeps one inv_freq)
@@ -430,7 +431,7 @@ class TrainingSpec:
         with ``--zero`` is checked on the user's options (``deepspeed_problems``): the planner varies
         the stage of one spec."""
         for key in ("target_len", "image_size", "sub_group_size", "later_seq_len", "min_seq_len",
-                    "layer_rope_cache"):
+                    "layer_rope_cache", "rope_cache"):
             v = getattr(self, key)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
                 raise TrainmemError(f"--{key.replace('_', '-')} must be a positive integer, got {v!r}")
@@ -1019,6 +1020,11 @@ def _size_problems(model: Any, t: TrainingSpec) -> str | None:
         if t.seq_len != model.image_tokens(t.image_size):
             return (f"--seq-len {t.seq_len}: {model.name}'s sequence is its {model.image_tokens(t.image_size)} "
                     f"patch tokens at --image-size {t.image_size}; give --image-size only")
+    if t.rope_cache is not None and (model.family != "llama" or model.is_encoder_decoder or t.pp > 1
+                                     or t.layer_rope_cache is not None):
+        what = (f"{model.name} is a {model.family} model" if model.family != "llama" or model.is_encoder_decoder
+                else "--pp splits the layers that share it" if t.pp > 1 else "--layer-rope-cache gives each layer its own")
+        return f"--rope-cache {t.rope_cache} is the RoPE cache torchtune's Llama 3 layers share; {what}: drop --rope-cache"
     if t.layer_rope_cache is not None and (model.family != "llama" or model.is_encoder_decoder):
         return (f"--layer-rope-cache {t.layer_rope_cache} is the RoPE cache of torchtune's Llama layers; {model.name} "
                 f"is a {model.family} model: drop --layer-rope-cache")
