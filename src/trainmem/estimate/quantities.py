@@ -680,8 +680,8 @@ def _loss_in_one_piece(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int) ->
 def _compiled_chunked_loss_bytes(held: int, half: int) -> LossBytes:
     """torchtune's ``CEWithChunkedOutputLoss`` under ``compile: True``: ``training.compile_loss``
     compiles only ``compute_cross_entropy`` (``F.cross_entropy(logits.float(), labels,
-    reduction="sum")`` on one chunk; torchtune/training/_compile.py L58-85 and
-    torchtune/modules/loss/ce_chunked_output_loss.py L43-50 at 1814feb17), called once per chunk.
+    reduction="sum")`` on one chunk; torchtune/training/_compile.py L58-82 and
+    torchtune/modules/loss/ce_chunked_output_loss.py L35-43 at 1814feb17), called once per chunk.
     Inductor's decompositions turn ``log_softmax`` + ``nll_loss`` into ``amax``, ``exp``, ``sum``,
     ``log`` and a ``gather``, and its min-cut partition (``min_cut_rematerialization_partition``,
     ``compiler="inductor"``) saves the chunk's half logits themselves (the graph input), its labels
@@ -691,7 +691,7 @@ def _compiled_chunked_loss_bytes(held: int, half: int) -> LossBytes:
     in the logits' dtype directly (the upcast's ``convert_element_type`` fused), freeing the saved
     chunk after. Per logit element: the output (``half``), saved as it is (``saves_out``: counted
     once while the loss runs), one chunk's half gradient in backward; per token 16 B saved (read off
-    the installed torch's partition of that function, ``tests/test_compiled_chunked_loss.py``)."""
+    the installed torch's partition of that function, ``tests/test_torchtune_flags.py``)."""
     return LossBytes(held, half, half, backward_chunk=half, saved_tok=2 * F32 + 8, saves_out=1)
 
 
@@ -699,7 +699,7 @@ def _compiled_fp32_loss_bytes(held: int, half: int) -> LossBytes:
     """torchtune's ``nn.CrossEntropyLoss`` under ``compile: True`` on the fp32 logits its decoder
     returns (``F.linear(h, tok_embeddings.weight).float()`` outside the compiled layers,
     torchtune/modules/transformer.py L937 at 1814feb17; ``--cast-output``): ``compile_loss``
-    compiles the whole loss module (torchtune/training/_compile.py L58-85), and inductor's
+    compiles the whole loss module (torchtune/training/_compile.py L58-82), and inductor's
     partition saves its fp32 input itself, the fp32 logits, with per-row fp32 ``amax`` and ``log``
     (as in ``_compiled_chunked_loss_bytes``; the labels are a view of the batch's). The forward
     kernels materialize no logits-sized tensor; the backward kernel writes one fp32 gradient, the
