@@ -211,3 +211,13 @@ def test_e2e_tutorial_model_init():
     got = {c.quantity: c for c in v.checks}
     assert abs(got["phase:model_loaded@0:peak"].error) < 0.001
     assert abs(got["phase:model_loaded@0:reserved"].error) < 0.005
+
+
+def test_trace_refuses_torchtune_compile_in_one_line():
+    """trace --compile compiles a whole transformers model; torchtune compiles layer by layer."""
+    from trainmem.errors import TrainmemError
+    from trainmem.trace.compiled import check
+    _q_unused, r = _q(loss="chunked", loss_chunks=8, compile=True)
+    with pytest.raises(TrainmemError) as err:
+        check(r.training, object(), "cuda")
+    assert "\n" not in str(err.value) and "--framework torchtune" in str(err.value)
