@@ -131,11 +131,15 @@ def test_estimate_agrees_with_trace(model, sets):
 
 
 def test_refused_in_one_line():
-    for options, names in [(dict(attention="eager"), "--attention eager"), (dict(tp=2), "--tp"),
-                           (dict(compile=True), "--compile")]:
+    for options, names in [(dict(attention="eager"), "--attention eager"), (dict(tp=2), "--tp")]:
         with pytest.raises(TrainmemError, match=names) as e:
             TrainingSpec(batch_size=1, seq_len=64, attention_call="repeat-kv", **options)
         assert "\n" not in str(e.value)
+    # --compile: estimate keeps the copies (torchtune's layers, tests/test_torchtune_flags.py); trace refuses
+    from trainmem.trace.compiled import check
+    with pytest.raises(TrainmemError, match="--attention-call repeat-kv") as e:
+        check(TrainingSpec(batch_size=1, seq_len=64, attention_call="repeat-kv", compile=True), object(), "cuda")
+    assert "\n" not in str(e.value)
     with pytest.raises(TrainmemError, match="--attention-call"):
         TrainingSpec(batch_size=1, seq_len=64, attention_call="litgpt")
     with pytest.raises(TrainmemError, match="--attention-call repeat-kv"):

@@ -175,6 +175,7 @@ CASES = [
     # each micro-batch padded to its own longest: steps at varying lengths after two (tests/test_min_seq_len.py)
     ({"min_seq_len": 16}, CHANGED, ""), ({"min_seq_len": 16, "pp": 2, "grad_accum": 2}, REFUSED, "--min-seq-len"),
     ({"layer_rope_cache": 128}, CHANGED, ""),  # torchtune's per-layer RoPE buffers (tests/test_min_seq_len.py)
+    ({"rope_cache": 128}, CHANGED, ""),  # torchtune's shared RoPE buffers (tests/test_torchtune_flags.py)
 ]
 #: the options a case is compared with instead of the baseline (the case's own options minus one)
 REFERENCE = {"fsdp_version": {"fsdp": "full", "dp": 2}, "use_cache": {"hold_output": "step"},
@@ -191,7 +192,8 @@ REFERENCE = {"fsdp_version": {"fsdp": "full", "dp": 2}, "use_cache": {"hold_outp
                  "sub_group_size": ZERO3, "stage3_max_reuse_distance": ZERO3, "stage3_prefetch_bucket_size": ZERO3}
                 if DS else {})}
 GPT2_CASES = [({"dropout": False}, CHANGED, ""), ({"loss": "chunked-nll"}, CHANGED, ""),
-              ({"layer_rope_cache": 128}, REFUSED, "--layer-rope-cache 128")]
+              ({"layer_rope_cache": 128}, REFUSED, "--layer-rope-cache 128"),
+              ({"rope_cache": 128}, REFUSED, "--rope-cache 128")]
 #: FSDP1 with LoRA adapters in units of their own on BERT: peft's policy wraps its embeddings apart
 #: from the masked-LM head that ties their weight (spec.training.fsdp1_tied_split)
 BERT = ["num_hidden_layers=2", "hidden_size=64", "num_attention_heads=4", "intermediate_size=128", "vocab_size=1000"]

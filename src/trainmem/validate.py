@@ -3,8 +3,9 @@
 A fixture is a JSON file: ``model`` (a catalogue name or a config dict, + optional ``overrides``),
 ``setup`` (estimate options, the API's keyword names) and ``measured``: a list of quantities, each
 with its value in ``bytes``, ``mib`` or ``gib``. A quantity is ``peak_allocated``,
-``peak_reserved``, ``device_used`` or ``phase:NAME@STEP:FIELD`` (FIELD = allocated | peak |
-reserved).
+``peak_active``, ``peak_reserved``, ``device_used`` or ``phase:NAME@STEP:FIELD`` (FIELD =
+allocated | peak | reserved). ``peak_active`` is ``torch.cuda.memory_stats()["active_bytes.all.peak"]``
+(torchtune's ``peak_memory_active``), predicted by the allocated peak (:func:`quantity`).
 
 Published fixtures (``validation/published/``) also say where the numbers come from: ``source``
 (author, title, ``url``, ``where`` in the text), ``framework`` and ``framework_version``, ``gpu``,
@@ -32,7 +33,7 @@ from .report import MemoryReport
 from .render.text import WIDTH, shorten, wrap
 
 UNITS = {"bytes": 1, "mib": 2**20, "gib": 2**30}
-PEAKS = ("peak_allocated", "peak_reserved", "device_used")
+PEAKS = ("peak_allocated", "peak_active", "peak_reserved", "device_used")
 PHASE_FIELDS = ("allocated", "peak", "reserved")
 WITHIN = 0.05  # the "close" band of the summary: |error| <= 5 %
 CAMPAIGNS = "campaigns"  # the folder of campaign files under a validation root: not fixtures
@@ -228,8 +229,23 @@ def _value(item: dict[str, Any]) -> int:
     raise TrainmemError(f"measured quantity {item.get('quantity')!r} has no bytes/mib/gib value")
 
 
+def active_peak(report: MemoryReport) -> int:
+    """The peak of ``active_bytes.all`` (torchtune's ``peak_memory_active``): the allocated peak.
+    The caching allocator counts a block in ``allocated_bytes`` and ``active_bytes`` from the same
+    ``malloc`` (``c10/cuda/CUDACachingAllocator.cpp`` ``alloc_found_block``: both ``+= block->size``);
+    ``free`` subtracts it from ``allocated_bytes`` at once and from ``active_bytes`` only when the
+    block goes back to the pool, which waits for the events of a pending ``record_stream`` use
+    (``insert_events`` / ``process_events``). Without such uses the two peaks are the same bytes;
+    with them (torchtune's ``OffloadActivations`` with streams calls ``record_stream`` on the
+    tensors it brings back in backward) the active peak can exceed the allocated one by the blocks
+    whose events are pending, which neither estimate nor trace models."""
+    return report.peak_allocated
+
+
 def quantity(report: MemoryReport, q: str) -> int | None:
     """The value a report gives for a fixture quantity (None where the report lacks it)."""
+    if q == "peak_active":
+        return active_peak(report)
     if q in PEAKS:
         return getattr(report, q)
     if q.startswith("phase:"):

@@ -191,6 +191,19 @@ def add_layer_rope_cache(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpe
                                  persistent=False)
 
 
+def add_rope_cache(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec) -> None:
+    """``--rope-cache N``: the buffers of the one ``Llama3ScaledRoPE`` torchtune's Llama 3.x builders
+    share between the layers (``theta`` [head_dim/2], ``cache`` [N, head_dim/2, 2], fp32,
+    non-persistent; ``estimate.states._rope_cache``), registered once on the model, held and not
+    read (as ``add_layer_rope_cache``)."""
+    if t.rope_cache is None:
+        return
+    half = spec.head_dim // 2
+    model.register_buffer("rope_shared_theta", torch.zeros(half, dtype=torch.float32), persistent=False)
+    model.register_buffer("rope_shared_cache", torch.zeros(t.rope_cache, half, 2, dtype=torch.float32),
+                          persistent=False)
+
+
 def attention_implementation(spec: ModelSpec, t: TrainingSpec) -> tuple[str, str]:
     """transformers' ``attn_implementation`` for the setup and a note when it is not what was asked:
     SDPA for ``sdpa``, a pinned SDPA backend and flash (the emulated GPU runs flash attention through
@@ -611,12 +624,14 @@ def apply_lora(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec) -> torc
 
 def prepare_model(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec) -> torch.nn.Module:
     """The built transformers model made into the one the setup runs, before it is loaded (trace) or
-    moved to the device (measure): torchtune's per-layer RoPE buffers (``--layer-rope-cache``),
+    moved to the device (measure): torchtune's per-layer RoPE buffers (``--layer-rope-cache``) or its
+    shared ones (``--rope-cache``),
     bitsandbytes' 4-bit linears (``--quantize``, trace only: measure refuses it), peft's LoRA
     (``--lora-rank``), then litgpt's fused q/k/v and split gate/up linears (``--fused-qkv``,
     ``--split-gate-up``: ``litgpt_modules.apply``, over peft's adapters)."""
     from . import litgpt_modules
     add_layer_rope_cache(model, spec, t)
+    add_rope_cache(model, spec, t)
     model = apply_lora(apply_quantization(model, t), spec, t)
     return litgpt_modules.apply(model, t)
 

@@ -275,6 +275,10 @@ def add_input_sizes(g: Any) -> None:
                    help="each decoder layer keeps its own fp32 RoPE cache of N positions (torchtune's Llama-2/3 "
                         "builders before v0.6 copy RotaryPositionalEmbeddings into every layer; max_seq_len 4096 "
                         "for Llama-2). Default: none, transformers' one rotary table")
+    g.add_argument("--rope-cache", type=positive_int, default=None, metavar="N",
+                   help="the model keeps one fp32 RoPE cache of N positions that its layers share (torchtune's "
+                        "Llama 3.x builders: Llama3ScaledRoPE, max_seq_len 131072 for Llama 3.1/3.2). Default: "
+                        "none, transformers' one rotary table")
     g.add_argument("--target-len", type=positive_int, default=None, metavar="N",
                    help="encoder-decoders (T5, BART): decoder tokens per sample, the labels' length "
                         "(default: --seq-len, the encoder's tokens)")
@@ -414,7 +418,7 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 fsdp_version=a.fsdp_version, loss_shift=a.loss_shift, cast_output=a.cast_output, fused_qkv=a.fused_qkv,
                 use_cache=a.use_cache, attention_call=a.attention_call, split_gate_up=a.split_gate_up,
                 target_len=a.target_len, image_size=a.image_size, later_seq_len=a.later_seq_len,
-                min_seq_len=a.min_seq_len, layer_rope_cache=a.layer_rope_cache,
+                min_seq_len=a.min_seq_len, layer_rope_cache=a.layer_rope_cache, rope_cache=a.rope_cache,
                 deepspeed_config=a.deepspeed_config, reduce_bucket_size=a.reduce_bucket_size,
                 overlap_comm=a.overlap_comm, contiguous_gradients=a.contiguous_gradients,
                 sub_group_size=a.sub_group_size, stage3_max_reuse_distance=a.stage3_max_reuse_distance,

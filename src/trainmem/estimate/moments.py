@@ -546,9 +546,12 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
                        _both(valid, _both(cast, q.logits_cast > 0)), prev_graph + own,
                        comm=q.fsdp_loss_root + q.fsdp_last_kept + q.fsdp_loss_ag + q.ds_gathered_top))
     loss_logits = where(cast, where(q.logits_cast > 0, tk.cast_logits, tk.out_logits), prev_logits + tk.out_logits)
+    # (a loss that saves the logits it reads, quantities._compiled_chunked_loss_bytes: counted once)
+    read = where(cast, where(q.logits_cast > 0, tk.cast_logits, tk.out_logits), tk.out_logits)
+    loss_new = tk.loss_saved - where(q.loss_saves_out > 0, read, 0)
     moments.append(_mo("forward", micro, step, "cross_entropy",
                        (grads_before, states, tk.inputs, ws, tk.all_acts, tk.loss_forward + q.cast_forward_only),
-                       (loss_logits, where(cast, 0, prev_kv) + tk.kv_held, tk.loss_saved), valid, prev_graph + own,
+                       (loss_logits, where(cast, 0, prev_kv) + tk.kv_held, loss_new), valid, prev_graph + own,
                        comm=q.fsdp_loss_root + q.fsdp_last_kept + q.fsdp_loss_ag + q.ds_gathered_top))
     # FSDP grad-op (and FSDP1) keep the root gathered from its forward to its backward
     ends.append(("forward", micro, step, q.fixed + grads_before + states + tk.inputs + ws + tk.all_acts

@@ -112,6 +112,7 @@ class Quantities:
     tied_grad: int         # a tied head's gradient waiting in autograd's input buffer
     transients: Any        # per layer-op backward transient: tuple of (a, b, c, g, d, at), or a TransientTable
     logits_cast: int = 0   # --cast-output: the fp32 copy of the head's output (0: fp32 logits, nothing to cast)
+    loss_saves_out: int = 0  # 1: the loss saves the head's output itself (loss_saved is not a new tensor)
     cast_output: int = 0   # 1: --cast-output, the loop rebinds its output before its loss (litgpt under Fabric)
     head_wgrad: int = 0    # autocast: the LM head's weight gradient in the half dtype, beside its fp32 cast (head_wgrad)
     fwd_temp: int = 0      # a layer's largest forward transient: a dequantized 4-bit weight (quant4.py)
@@ -540,6 +541,7 @@ class LossBytes(NamedTuple):
     matmul_chunk: int = 0   # ... per element of the chunk's logits then
     backward_const: int = 0  # chunked-nll: alive through a chunk's backward whatever the chunk (the weight's copy)
     backward_more: int = 0  # chunked-nll, a trained head: more in backward when there are several chunks
+    saves_out: int = 0      # 1: ``saved`` is the tensor the loss reads (the output, or its --cast-output copy)
 
 
 def loss_mode(m: ModelSpec, t: TrainingSpec) -> str:
@@ -673,6 +675,10 @@ def _loss_in_one_piece(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int) ->
     if mode == "fused":
         grad_w = 0 if t.lora_rank else _head_weight_numel(m, t.tp) * t.weight_bytes
         return LossBytes(saved_tok=m.hidden_size * half + F32, saved_const=grad_w, forward_chunk=half)
+    if mode == "chunked" and t.compile:
+        return _compiled_chunked_loss_bytes(held, half)
+    if mode == "upcast" and t.cast_output and t.compile and t.extra.get("framework") == "torchtune":
+        return _compiled_fp32_loss_bytes(held, half)
     if mode == "chunked":
         return LossBytes(held, half, F32, forward_chunk=F32 if half != F32 else 0, backward_chunk=2 * F32)
     if t.compile and t.loss is None and mode == "upcast":
@@ -685,6 +691,40 @@ def _loss_in_one_piece(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int) ->
     if t.compile:   # the loop's loss, eager, on the compiled model's outputs
         return _eager_loss_bytes(m, t, pol, held, mode, half)
     return _eager_loss_bytes(m, t, pol, held, mode, half)
+
+
+def _compiled_chunked_loss_bytes(held: int, half: int) -> LossBytes:
+    """torchtune's ``CEWithChunkedOutputLoss`` under ``compile: True``: ``training.compile_loss``
+    compiles only ``compute_cross_entropy`` (``F.cross_entropy(logits.float(), labels,
+    reduction="sum")`` on one chunk; torchtune/training/_compile.py L58-82 and
+    torchtune/modules/loss/ce_chunked_output_loss.py L35-43 at 1814feb17), called once per chunk.
+    Inductor's decompositions turn ``log_softmax`` + ``nll_loss`` into ``amax``, ``exp``, ``sum``,
+    ``log`` and a ``gather``, and its min-cut partition (``min_cut_rematerialization_partition``,
+    ``compiler="inductor"``) saves the chunk's half logits themselves (the graph input), its labels
+    (int64, the ``reshape(-1)`` copy of a column chunk) and the per-row fp32 ``amax`` and ``log``,
+    recomputing the fp32 log-probabilities in backward: no fp32 tensor of the chunk is saved, and
+    the fused kernels materialize none in forward. The backward kernel writes the chunk's gradient
+    in the logits' dtype directly (the upcast's ``convert_element_type`` fused), freeing the saved
+    chunk after. Per logit element: the output (``half``), saved as it is (``saves_out``: counted
+    once while the loss runs), one chunk's half gradient in backward; per token 16 B saved (read off
+    the installed torch's partition of that function, ``tests/test_torchtune_flags.py``)."""
+    return LossBytes(held, half, half, backward_chunk=half, saved_tok=2 * F32 + 8, saves_out=1)
+
+
+def _compiled_fp32_loss_bytes(held: int, half: int) -> LossBytes:
+    """torchtune's ``nn.CrossEntropyLoss`` under ``compile: True`` on the fp32 logits its decoder
+    returns (``F.linear(h, tok_embeddings.weight).float()`` outside the compiled layers,
+    torchtune/modules/transformer.py L937 at 1814feb17; ``--cast-output``): ``compile_loss``
+    compiles the whole loss module (torchtune/training/_compile.py L58-82), and inductor's
+    partition saves its fp32 input itself, the fp32 logits, with per-row fp32 ``amax`` and ``log``
+    (as in ``_compiled_chunked_loss_bytes``; the labels are a view of the batch's). The forward
+    kernels materialize no logits-sized tensor; the backward kernel writes one fp32 gradient, the
+    saved logits then freed, and the decoder's ``ToCopyBackward`` casts it to the head's dtype.
+    Per logit element: the half output and its fp32 copy as forward returns (``cast``), the copy
+    saved as it is (``saves_out``: the tensor the loss reads), 4 B in backward; per token 8 B."""
+    kept = F32 if held else 0
+    cast = F32 if half != F32 else 0
+    return LossBytes(kept, half, F32, 0, F32, saved_tok=2 * F32, cast=cast, saves_out=1)
 
 
 def _chunked_nll_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy) -> LossBytes:
@@ -1375,6 +1415,17 @@ def tied_head_grad(m: ModelSpec, t: TrainingSpec) -> int:
     return _embedding_block(m, t.tp, 2 if t.precision == "bf16-mp" else t.weight_bytes, t.expandable_segments)
 
 
+def whole_model_compiled(t: TrainingSpec) -> bool:
+    """Whether ``--compile`` puts the embeddings and the head in one compiled graph with the layers
+    (``torch.compile(model)``, as trace --compile runs a transformers model). torchtune compiles
+    each decoder layer on its own (``training.compile_model``: ``m.compile(backend=backend)`` for
+    every ``TransformerSelfAttentionLayer``, torchtune/training/_compile.py L45-55 at 1814feb17)
+    and its loss apart (``compile_loss``), so its token embedding and output projection run
+    eagerly: a tied embedding's gradient is autograd's (``tied_head_grad``), not the compiled
+    backward graph's (``compiled_tied_grads``)."""
+    return t.compile and t.extra.get("framework") != "torchtune"
+
+
 def compiled_tied_grads(m: ModelSpec, t: TrainingSpec, pol: Policy) -> tuple[int, int]:
     """A tied embedding's gradient under ``torch.compile`` (the backward graph trace --compile runs):
     (the head's part, held while the layers' backward runs; the embedding's part, at its backward).
@@ -1631,14 +1682,17 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         logit_chunks=t.loss_chunks, logit_width=m.vocab_size if is_lm(m) else classifier_width(m, t),
         tp=t.tp if is_lm(m) else 1, logits_held=loss.held, logits_out=loss.out, loss_saved=loss.saved,
         logits_cast=loss.cast, cast_output=int(t.cast_output), loss_forward=loss.forward, loss_backward=loss.backward,
+        loss_saves_out=loss.saves_out,
         loss_backward_chunk=loss.backward_chunk, loss_saved_tok=loss.saved_tok, loss_saved_const=loss.saved_const,
         # --compile: the zero gradients of the KV-cache tensors the model returns (_compiled_loss_bytes)
-        **{"loss_backward_tok": lc.cache * layers if t.compile else 0.0, **_chunked_nll_fields(m, t, pol, loss, head_here)},
+        **{"loss_backward_tok": lc.cache * layers if whole_model_compiled(t) else 0.0,
+           **_chunked_nll_fields(m, t, pol, loss, head_here)},
         liger_factor=-(-m.vocab_size // m.hidden_size) if (head_here and is_lm(m) and loss_mode(m, t) == "fused") else 0,
         step_temp=step_temporaries(t, st), linear_replay=int(per_linear_replay(t)), oib_mid=oib_mid, oib_end=oib_end, **_deepspeed_fields(m, t, st),
         **gemini_fields(m, t),
-        tied_grad=compiled_tied[0] if t.compile else tied_head_grad(m, t), tied_replicated=tied_replicated_grad(m, t),
-        tied_compiled=compiled_tied[1] if t.compile else 0, tied_final=tied_head_grad(m, t) if t.compile else 0,
+        tied_grad=compiled_tied[0] if whole_model_compiled(t) else tied_head_grad(m, t),
+        tied_replicated=tied_replicated_grad(m, t), tied_compiled=compiled_tied[1] if whole_model_compiled(t) else 0,
+        tied_final=tied_head_grad(m, t) if whole_model_compiled(t) else 0,
         emb_grad=emb_accumulated(m, t, stage), emb_upcast=emb_upcast(m, t, stage), softcap_saved=softcap_saved(m, loss.out) if head_here else 0,
         chunk_head_grads=chunk_head_grads(m, t, pol) if head_here else 0, transients=trans,
         fwd_temp=int(lc.fwd_const), fwd_temp_tok=lc.fwd_tok, head_wgrad_half=head_weight_grad_half(m, t, cast_head),

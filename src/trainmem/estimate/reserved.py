@@ -237,7 +237,11 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
         fwd, saved = _chunked_nll_forward(R, q, tk)
     else:
         fwd = R.allocs(_logit_tensors(tk.loss_forward, q.loss_forward, full, chunks))  # the fp32 copy, transient
-        saved = R.allocs(_logit_tensors(tk.loss_saved, q.loss_saved, full, chunks))    # log-probabilities
+        if q.loss_saves_out:   # the loss saves the output itself (its per-token tensors are new)
+            saved = out + R.allocs([int(tk.loss_saved) - full * q.loss_saved])
+            out = []
+        else:
+            saved = R.allocs(_logit_tensors(tk.loss_saved, q.loss_saved, full, chunks))    # log-probabilities
     R.frees([h for _at, h in R.carry])                            # derived layers' tensors the loss frees
     R.carry = []
     R.frees(fwd)

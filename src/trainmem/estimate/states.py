@@ -400,7 +400,7 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
     key = (m, stage, t.tp, t.ep, dtensor_tp(t), t.pp, t.pp_less, t.precision, t.zero_stage, t.fsdp, t.shard_group, t.optimizer,
            t.impl, t.lora_rank, t.lora_targets, t.lora_dtype, t.distributed_optimizer, t.offload_optimizer,
            t.fp32_master, t.quantize, t.quantize_via, t.bitsandbytes_version, t.accumulates_unsharded,
-           t.fsdp_mixed_units, t.fsdp_version, t.fused_qkv, t.split_gate_up, t.layer_rope_cache, t.expandable_segments,
+           t.fsdp_mixed_units, t.fsdp_version, t.fused_qkv, t.split_gate_up, t.layer_rope_cache, t.rope_cache, t.expandable_segments,
            t.gemini, t.gemini_chunk_size, t.ds_params_on_host, t.ds_fp32_clone)
     return _STATES_CACHE.get_or_build(key, lambda: _model_states(m, t, stage))
 
@@ -597,6 +597,7 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
     _lora_adapters(t, r, acc, lora)
     _buffers(m, r, acc, before, layer, after)
     _layer_rope_cache(m, t, r, acc, layer)
+    _rope_cache(m, t, r, acc, before)
     if t.ds_params_on_host:
         before, layer, after = _host_partitions(m, before, layer, after, acc)
     placed = _placed_bytes(tuple(x for _, x in before), tuple(x for _, x in layer),
@@ -851,6 +852,21 @@ def _layer_rope_cache(m: ModelSpec, t: TrainingSpec, r: "_Rank", acc: "_Tally", 
         acc.buffers += r.per_stage * r.block(numel * 4)
         at = max((i for i, (n, _) in enumerate(layer) if ".self_attn." in n), default=len(layer) - 1) + 1
         layer.insert(at, (f"layers.0.self_attn.pos_embeddings.{name}", numel * 4))
+
+
+def _rope_cache(m: ModelSpec, t: TrainingSpec, r: "_Rank", acc: "_Tally", before: list) -> None:
+    """``--rope-cache N``: the one RoPE module torchtune's Llama 3.x builders make and hand to every
+    layer (``rope = Llama3ScaledRoPE(dim=head_dim, max_seq_len=max_seq_len, ...)`` before the layer
+    loop, ``pos_embeddings=rope`` in each: torchtune/models/llama3_2/_component_builders.py L87-99 at
+    1814feb17; max_seq_len 131072 for Llama 3.1/3.2). Its buffers, fp32 and non-persistent: ``theta``
+    [head_dim/2] and ``cache`` [N, head_dim/2, 2] (``torchtune/models/llama3_1/_position_embeddings.py``
+    L84, L96-101), built on the device first, before the layers."""
+    if t.rope_cache is None:
+        return
+    half = m.head_dim // 2
+    for i, (name, numel) in enumerate((("theta", half), ("cache", t.rope_cache * half * 2))):   # fp32 each
+        acc.buffers += r.block(numel * 4)
+        before.insert(i, (f"rope.{name}", numel * 4))
 
 
 model_states.cache_clear = _STATES_CACHE.clear  # type: ignore[attr-defined]

@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping
 
 from ..errors import TrainmemError
 from .releases import SDPA_ATTENTION
-from .training import chunked_nll_problem, default_seq_len
+from .training import BNB_OPTIMIZERS, chunked_nll_problem, default_seq_len
 
 #: the repository and the release tag (or commit) every cited line is read at
 REPOS: dict[str, tuple[str, str]] = {
@@ -291,8 +291,12 @@ def _torchtune_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ..
     (recipes/lora_finetune_single_device.py ``_setup_model``: ``with training.set_default_dtype(
     self._dtype), self._device: model = config.instantiate(cfg_model)``): half adapters. torchtune's
     ``TransformerDecoder`` has KV caches only after ``setup_caches`` (generation; torchtune/modules/
-    transformer.py), so training builds none: ``use_cache`` false."""
+    transformer.py), so training builds none: ``use_cache`` false. The preset's fused AdamW is
+    torch's; a bitsandbytes optimizer (the single-device configs' ``PagedAdamW8bit``, ``AdamW8bit``)
+    has one implementation: no ``optimizer_impl`` (``workload.check_supported`` refuses one)."""
     out: dict[str, Any] = {"use_cache": False}
+    if view.get("optimizer") in BNB_OPTIMIZERS:
+        out["optimizer_impl"] = None
     if view.get("fsdp") is None and not view.get("zero") and _sharded(view):
         out["fsdp"] = "full"
     if view.get("lora_rank") and view.get("lora_dtype") is None:

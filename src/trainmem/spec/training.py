@@ -233,6 +233,7 @@ class TrainingSpec:
     #                                 seq_len tokens (pad-to-longest collation); None: every one seq_len long.
     #                                 The lengths replayed for reserved memory: ``padded_lengths``
     layer_rope_cache: int | None = None  # positions of the fp32 RoPE cache each decoder layer keeps as its own
+    rope_cache: int | None = None  # positions of the one fp32 RoPE cache the layers share (torchtune's Llama 3.x builders)
     #                                      buffers (torchtune's Llama-2/3 builders before v0.6 deep-copy the layer
     #                                      with its RotaryPositionalEmbeddings: cache [N, head_dim/2, 2] and theta
     #                                      [head_dim/2], fp32); None: none (transformers' model keeps one inv_freq)
@@ -430,7 +431,7 @@ class TrainingSpec:
         with ``--zero`` is checked on the user's options (``deepspeed_problems``): the planner varies
         the stage of one spec."""
         for key in ("target_len", "image_size", "sub_group_size", "later_seq_len", "min_seq_len",
-                    "layer_rope_cache"):
+                    "layer_rope_cache", "rope_cache"):
             v = getattr(self, key)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
                 raise TrainmemError(f"--{key.replace('_', '-')} must be a positive integer, got {v!r}")
@@ -719,18 +720,24 @@ class TrainingSpec:
                                     f"{'--tp' if self.tp > 1 else '--pp'} or {flag}")
 
     def _check_attention_call(self) -> None:
-        """``--attention-call repeat-kv`` is litgpt's SDPA call: SDPA only (not eager attention nor
-        transformers' flash_attention_2), one GPU or data parallelism (as ``--fused-qkv``)."""
+        """``--attention-call repeat-kv`` is litgpt's SDPA call (and torchtune's through 2024:
+        ``MultiHeadAttention.forward`` copies K and V to the query's heads with
+        ``k.unsqueeze(2).expand(...).flatten(1, 2)`` before ``_attention_call``, torchtune/modules/
+        attention.py L288-290 at 1814feb17): SDPA only (not eager attention nor transformers'
+        flash_attention_2), one GPU or data parallelism (as ``--fused-qkv``). With ``--compile`` the
+        estimate keeps the copies too: inductor's partition of such a layer saves the expanded K and
+        V that the attention kernel reads (read off on the installed torch, tests/test_torchtune_flags.py);
+        trace --compile does not run it (``trace.compiled.check``)."""
         _choice("attention-call", self.attention_call, ATTENTION_CALLS)
         if self.attention_call == "model":
             return
         if self.attention not in SDPA_ATTENTION:
             raise TrainmemError(f"--attention-call {self.attention_call} changes how F.scaled_dot_product_attention "
                                 f"is called; --attention {self.attention} does not call it: give --attention sdpa")
-        if self.tp > 1 or self.pp > 1 or self.cp > 1 or self.compile:
-            what = "--tp" if self.tp > 1 else ("--pp" if self.pp > 1 else ("--cp" if self.cp > 1 else "--compile"))
-            raise TrainmemError(f"--attention-call {self.attention_call} is litgpt's attention on one GPU or data "
-                                f"parallelism; drop {what} or --attention-call")
+        if self.tp > 1 or self.pp > 1 or self.cp > 1:
+            what = "--tp" if self.tp > 1 else ("--pp" if self.pp > 1 else "--cp")
+            raise TrainmemError(f"--attention-call {self.attention_call} is litgpt's and torchtune's attention on one "
+                                f"GPU or data parallelism; drop {what} or --attention-call")
 
     def _check_cast_output(self) -> None:
         """``--cast-output`` is Lightning Fabric's wrapper around a model whose logits the loop's own
@@ -745,7 +752,9 @@ class TrainingSpec:
         if self.loss_shift == "logits":
             raise TrainmemError("--cast-output with --loss-shift logits is not modelled (the shifted copy would be "
                                 "fp32); drop --loss-shift")
-        if self.pp > 1 or self.tp > 1 or self.compile:
+        # (--compile: torchtune's decoder casts outside its compiled layers and compiles its loss apart,
+        # quantities._compiled_fp32_loss_bytes; a whole compiled model's cast is not modelled)
+        if self.pp > 1 or self.tp > 1 or (self.compile and self.extra.get("framework") != "torchtune"):
             what = "--pp" if self.pp > 1 else ("--tp" if self.tp > 1 else "--compile")
             raise TrainmemError(f"--cast-output is modelled for one GPU and data parallelism (Lightning Fabric's "
                                 f"single-device, DDP and FSDP strategies); drop {what} or --cast-output")
@@ -1030,6 +1039,11 @@ def _size_problems(model: Any, t: TrainingSpec) -> str | None:
         if t.seq_len != model.image_tokens(t.image_size):
             return (f"--seq-len {t.seq_len}: {model.name}'s sequence is its {model.image_tokens(t.image_size)} "
                     f"patch tokens at --image-size {t.image_size}; give --image-size only")
+    if t.rope_cache is not None and (model.family != "llama" or model.is_encoder_decoder or t.pp > 1
+                                     or t.layer_rope_cache is not None):
+        what = (f"{model.name} is a {model.family} model" if model.family != "llama" or model.is_encoder_decoder
+                else "--pp splits the layers that share it" if t.pp > 1 else "--layer-rope-cache gives each layer its own")
+        return f"--rope-cache {t.rope_cache} is the RoPE cache torchtune's Llama 3 layers share; {what}: drop --rope-cache"
     if t.layer_rope_cache is not None and (model.family != "llama" or model.is_encoder_decoder):
         return (f"--layer-rope-cache {t.layer_rope_cache} is the RoPE cache of torchtune's Llama layers; {model.name} "
                 f"is a {model.family} model: drop --layer-rope-cache")

@@ -514,6 +514,16 @@ def check(t: Any, spec: Any, device: str) -> None:
         raise TrainmemError("--compile with --recompute op: torchtitan's per-op policy tags each op for the "
                             "partitioner inside dynamo's checkpoint region, which trace does not capture; "
                             "use --recompute full or none")
+    if t.extra.get("framework") == "torchtune":
+        raise TrainmemError("--compile with --framework torchtune: torchtune compiles each decoder layer and its loss "
+                            "apart (training.compile_model, compile_loss), trace compiles the whole model; use "
+                            "estimate, which models torchtune's way")
+    if t.cast_output:
+        raise TrainmemError("--compile with --cast-output: trace compiles the whole model, not torchtune's layers "
+                            "with the cast and the loss apart; drop one of them (estimate runs both for torchtune)")
+    if t.attention_call != "model":
+        raise TrainmemError(f"--compile with --attention-call {t.attention_call}: trace compiles the transformers "
+                            "model's own attention call; drop one of them (estimate runs both)")
     if t.offload_activations:
         raise TrainmemError("--compile with --offload-activations: torchtune's saved-tensor hooks run "
                             "outside the compiled graph, which trace does not capture; drop one of them")
