@@ -226,8 +226,9 @@ def _add_loss(g: Any) -> None:
                    help="upcast: HF ForCausalLMLoss (fp32 copy of the logits); half: cross-entropy on the half "
                         "logits (nanoGPT, lit-gpt); chunked: torchtune's chunked output + loss (--loss-chunks N); "
                         "fused: Liger's fused linear cross-entropy; chunked-nll: TRL's SFTTrainer loss_type="
-                        "'chunked_nll' (the head and loss over 256 tokens at a time, checkpointed) (default: the "
-                        "model's own loss)")
+                        "'chunked_nll' (the head and loss over 256 tokens at a time, checkpointed); vocab-parallel: "
+                        "Megatron-LM's vocab_parallel_cross_entropy (one fp32 softmax made in place and saved; the "
+                        "default of --framework megatron) (default: the model's own loss)")
     g.add_argument("--loss-shift", choices=LOSS_SHIFTS, default=None,
                    help="with --loss half: labels (default: the targets are shifted, as transformers' "
                         "ForCausalLMLoss >= 4.46, nanoGPT, litgpt) or logits (the loop makes a shifted "

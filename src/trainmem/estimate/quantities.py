@@ -659,6 +659,8 @@ def _loss_in_one_piece(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int) ->
         return LossBytes(saved_tok=m.hidden_size * half + F32, saved_const=grad_w, forward_chunk=half)
     if mode == "chunked":
         return LossBytes(held, half, F32, forward_chunk=F32 if half != F32 else 0, backward_chunk=2 * F32)
+    if mode == "vocab-parallel":
+        return _vocab_parallel_bytes(held, half)
     if t.compile and t.loss is None and mode == "upcast":
         return _compiled_loss_bytes(m, t, held, half)
     if t.compile and t.loss is None:
@@ -669,6 +671,27 @@ def _loss_in_one_piece(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int) ->
     if t.compile:   # the loop's loss, eager, on the compiled model's outputs
         return _eager_loss_bytes(m, t, pol, held, mode, half)
     return _eager_loss_bytes(m, t, pol, held, mode, half)
+
+
+def _vocab_parallel_bytes(held: int, half: int) -> LossBytes:
+    """Megatron-LM's ``_VocabParallelCrossEntropy`` (megatron/core/tensor_parallel/cross_entropy.py at
+    6e091e1b, L122-216; ``GPTModel.compute_language_model_loss`` runs it on the output layer's
+    (s, b, vocab / tp) logits), per logit element of this rank:
+
+    * forward: ``calculate_logits_max`` makes one fp32 copy (``vocab_parallel_logits.float()``, L28;
+      none when the logits are fp32), which every later step overwrites in place: ``-= logits_max``
+      (L45), ``torch.exp(..., out=exp_logits)`` (L64-65), ``exp_logits.div_(sum_exp_logits)`` (L80):
+      the half logits and that copy are alive together, nothing more;
+    * saved: the copy, now the softmax (``ctx.save_for_backward(exp_logits, ...)``, L187), fp32;
+    * backward: the gradient is the saved softmax itself (``grad_input = softmax``, L91; updated in
+      place, L114-117, returned L216), returned in fp32 for the half logits, so autograd's engine casts it to their
+      dtype (``validate_outputs``) while it is alive: one half tensor more (none for fp32 logits).
+    With fp32 logits ``.float()`` returns them as they are: the logits become the softmax, counted
+    once (``forward`` takes back the saved bytes ``out`` already holds). The per-token terms (int64
+    targets, fp32 maxima, sums and losses) are left out, as for the other losses."""
+    if half == F32:
+        return LossBytes(held, F32, F32, -F32, 0)
+    return LossBytes(held, half, F32, 0, half)
 
 
 def _chunked_nll_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy) -> LossBytes:
@@ -1784,7 +1807,8 @@ def head_wgrad(m: ModelSpec, t: TrainingSpec, cast_head: int) -> int:
     the trace's peak is this cast (``lm_head`` ``ToCopyBackward0``), 1.5% above the estimate's
     highest moment before. 0 without an autocast copy of a trainable head run in one piece (LoRA
     freezes it; a chunked, fused or compiled loss, a 4-bit head have moments of their own)."""
-    one_piece = t.loss_chunks == 1 and loss_mode(m, t) in ("upcast", "half") and not t.compile and not t.quantize
+    one_piece = (t.loss_chunks == 1 and loss_mode(m, t) in ("upcast", "half", "vocab-parallel") and not t.compile
+                 and not t.quantize)
     return cast_head if (cast_head and is_lm(m) and not t.lora_rank and one_piece) else 0
 
 

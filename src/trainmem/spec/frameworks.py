@@ -772,11 +772,10 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                           note="zero_grad_buffer() zeroes the contiguous gradient buffer, which stays allocated"),
         "hold_output": Cell("loss", (_s("megatron", "pretrain_gpt.py", "348-358"),
                                      _s("megatron", "megatron/core/models/gpt/gpt_model.py", "790-796"))),
-        "loss": Cell(shown="the model's own (not verified)",
-                     sources=(_s("megatron", "megatron/core/tensor_parallel/cross_entropy.py", "25"),
-                              _s("megatron", "megatron/core/tensor_parallel/cross_entropy.py", "181")),
-                     note="vocab_parallel_cross_entropy computes the softmax in place on one fp32 copy and saves "
-                          "it; trainmem's upcast counts one fp32 logits tensor more"),
+        "loss": Cell("vocab-parallel", (_s("megatron", "megatron/core/tensor_parallel/cross_entropy.py", "25"),
+                                        _s("megatron", "megatron/core/tensor_parallel/cross_entropy.py", "181")),
+                     note="vocab_parallel_cross_entropy computes the softmax in place on one fp32 copy of the "
+                          "logits and saves it; its gradient is that tensor, cast back to the logits' dtype"),
         "attention": Cell(shown="sdpa (not verified: Transformer Engine picks)",
                           sources=(_s("megatron", "megatron/core/transformer/transformer_config.py", "144"),)),
         "recompute": Cell("none", (_s("megatron", "megatron/core/transformer/transformer_config.py", "518"),)),

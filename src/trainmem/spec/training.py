@@ -58,7 +58,8 @@ HOLD_OUTPUT = ("loss", "backward", "step")  # what the loop keeps of the model o
 #: fused linear + cross-entropy (no logits materialised); chunked-nll: TRL's SFTTrainer loss_type
 #: 'chunked_nll' (the head and an fp32 cross-entropy over 256 labelled tokens at a time, each chunk
 #: checkpointed)
-LOSSES = ("upcast", "half", "chunked", "fused", "chunked-nll")
+LOSSES = ("upcast", "half", "chunked", "fused", "chunked-nll", "vocab-parallel")
+#: vocab-parallel: Megatron-LM's ``_VocabParallelCrossEntropy`` (estimate.quantities._vocab_parallel_bytes)
 #: TRL's chunk of labelled tokens (trl/trainer/sft_trainer.py ``_CHUNKED_LM_HEAD_CHUNK_SIZE``, L86 at v1.9.0)
 CHUNKED_NLL_TOKENS = 256
 LOSS_SHIFTS = ("labels", "logits")  # how next-token targets are aligned: shifted labels, or a shifted logits copy
@@ -737,7 +738,7 @@ class TrainingSpec:
         if self.loss == "chunked" and self.loss_chunks < 2:
             raise TrainmemError("--loss chunked needs --loss-chunks N >= 2 (torchtune's num_output_chunks; "
                                 "its recipes use 8)")
-        if self.loss in ("upcast", "fused", "chunked-nll") and self.loss_chunks > 1:
+        if self.loss in ("upcast", "fused", "chunked-nll", "vocab-parallel") and self.loss_chunks > 1:
             raise TrainmemError(f"--loss {self.loss} computes the loss in one piece (fused and chunked-nll pick "
                                 f"their own chunks); "
                                 f"--loss-chunks {self.loss_chunks} needs --loss chunked (upcast chunks, torchtune) "

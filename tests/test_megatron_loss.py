@@ -1,0 +1,95 @@
+"""Megatron-LM's GPT as the published CI runs it (validation/published/megatron_ci_*): its loss
+(``--loss vocab-parallel``, Megatron's ``_VocabParallelCrossEntropy``), grouped key/value heads on a
+GPT-2-shaped layer (``_trainmem.num_kv_heads``) and what tensor parallelism leaves whole on every rank
+(learned position tables, row-parallel biases)."""
+import pytest
+
+import trainmem
+from trainmem.errors import TrainmemError
+from trainmem.spec import TrainingSpec
+from trainmem.spec.config import resolve_model
+from trainmem.spec.resolve import resolve
+from trainmem.estimate.states import _tp_div
+
+pytest.importorskip("transformers")
+from trainmem.measure.runner import measure  # noqa: E402
+from trainmem.trace import trace  # noqa: E402
+
+TINY = dict(set=["n_layer=2", "n_embd=256", "n_head=4"], seq_len=256, batch_size=2)
+TINY_LLAMA = dict(set=["num_hidden_layers=2", "hidden_size=256", "intermediate_size=512", "num_attention_heads=4",
+                       "num_key_value_heads=2", "head_dim=64", "vocab_size=32000"], seq_len=256, batch_size=2)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "bf16-amp"])
+@pytest.mark.parametrize("model,base", [("gpt2", TINY), ("llama-3.2-1b", TINY_LLAMA)], ids=["gpt2", "llama"])
+def test_vocab_parallel_loss_estimate_agrees_with_trace(model, base, precision, one_torch_thread):
+    # trace runs Megatron's autograd Function (workload.VocabParallelCrossEntropy) on the model's logits:
+    # the peak is the loss's forward, the half logits beside the one fp32 copy it makes
+    e = trainmem.estimate(model, expandable_segments=True, precision=precision, loss="vocab-parallel", **base)
+    r = trace(model, device="cuda", expandable_segments=True, precision=precision, loss="vocab-parallel", **base)
+    assert e.peak_allocated == pytest.approx(r.peak_allocated, rel=0.002)
+    assert e.peak_where == "cross_entropy"
+    est = {(p.name, p.step): p for p in e.phases}
+    for p in r.phases:
+        assert est[(p.name, p.step)].allocated == pytest.approx(p.allocated, rel=0.015), (p.name, p.step)
+
+
+def test_vocab_parallel_trace_is_the_real_cpu_run(one_torch_thread):
+    r = trace("gpt2", device="cpu", loss="vocab-parallel", **TINY)
+    m = measure("gpt2", device="cpu", loss="vocab-parallel", **TINY)
+    assert [(p.name, p.step, p.allocated) for p in r.phases] == [(p.name, p.step, p.allocated) for p in m.phases]
+
+
+def test_vocab_parallel_keeps_one_fp32_softmax_not_two_gradients():
+    """Against transformers' upcast loss (fp32 copy freed, fp32 log-probabilities saved, two fp32
+    gradients in backward), Megatron's saves the one fp32 copy it made and hands on its gradient in
+    place: the backward peak loses two fp32 logits tensors and gains one bf16 one."""
+    kw = dict(seq_len=2048, batch_size=2, precision="bf16", set=["vocab_size=256000"])
+    up = trainmem.estimate("llama-3.2-1b", loss="upcast", **kw)
+    vp = trainmem.estimate("llama-3.2-1b", loss="vocab-parallel", **kw)
+    logits = 2 * 2048 * 256000
+    assert up.phase("forward", 2).peak - vp.phase("forward", 2).peak == 4 * logits  # the upcast's freed copy
+    assert up.phase("backward", 2).peak - vp.phase("backward", 2).peak == 2 * 4 * logits - 2 * logits
+
+
+def test_megatron_preset_computes_its_own_loss():
+    assert resolve("gpt2", framework="megatron").training.loss == "vocab-parallel"
+    assert resolve("gpt2", framework="megatron", loss="upcast").training.loss == "upcast"
+    with pytest.raises(TrainmemError, match="--loss-chunks 4 needs"):
+        TrainingSpec(loss="vocab-parallel", loss_chunks=4)
+
+
+def test_trace_refuses_vocab_parallel_over_tensor_parallel_ranks():
+    with pytest.raises(TrainmemError, match="--loss vocab-parallel"):
+        trace("llama-3.2-1b", loss="vocab-parallel", tp=2, **TINY_LLAMA)
+
+
+GQA_GPT = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 512, "n_layer": 2, "n_head": 8,
+           "vocab_size": 1024, "n_positions": 1024, "tie_word_embeddings": False, "_trainmem": {"num_kv_heads": 2}}
+
+
+def test_grouped_kv_heads_on_a_gpt2_layer():
+    m = resolve_model(GQA_GPT)
+    assert (m.num_heads, m.num_kv_heads, m.head_dim) == (8, 2, 64)
+    c_attn = [p for p in m.parameter_tensors() if p.name == "h.0.attn.c_attn.weight"][0]
+    assert c_attn.shape == (512, 512 + 2 * 2 * 64)   # Megatron's linear_qkv: (heads + 2 groups) x head_dim
+    mha = resolve_model({**GQA_GPT, "_trainmem": {}})
+    n = lambda s: sum(p.numel for p in s.parameter_tensors())
+    assert mha.num_kv_heads == 8 and n(mha) - n(m) == 2 * (512 + 1) * 2 * 6 * 64
+    small = trainmem.estimate(GQA_GPT, seq_len=1024, batch_size=2, precision="bf16", attention="flash")
+    whole = trainmem.estimate({**GQA_GPT, "_trainmem": {}}, seq_len=1024, batch_size=2, precision="bf16",
+                              attention="flash")
+    assert small.peak_allocated < whole.peak_allocated
+    with pytest.raises(TrainmemError, match="num_kv_heads"):
+        trace(GQA_GPT, seq_len=128, batch_size=1)
+
+
+def test_tensor_parallel_keeps_position_table_and_row_biases_whole():
+    m = resolve_model("gpt2")
+    by = {p.name: p for p in m.parameter_tensors()}
+    assert _tp_div(by["wpe.weight"], 4) == by["wpe.weight"].numel          # LanguageModelEmbedding's nn.Embedding
+    assert _tp_div(by["h.0.attn.c_proj.bias"], 4) == 768                   # RowParallelLinear's bias
+    assert _tp_div(by["h.0.mlp.c_proj.bias"], 4) == 768
+    assert _tp_div(by["h.0.attn.c_attn.bias"], 4) == 3 * 768 // 4          # column-parallel: split
+    assert _tp_div(by["h.0.mlp.c_fc.weight"], 4) == 768 * 3072 // 4
+    assert _tp_div(by["wte.weight"], 4) == -(-50257 * 768 // 4)            # VocabParallelEmbedding
