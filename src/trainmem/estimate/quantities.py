@@ -1524,9 +1524,11 @@ def quantities(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> Quantitie
         raise TrainmemError("--pp-first-stage-less-layers / --pp-last-stage-less-layers: torchtitan's stage split "
                             "is modelled, not Megatron-LM's uneven split (--decoder-first-pipeline-num-layers, "
                             "--account-for-embedding-in-pipeline-split: --framework megatron); drop one of them")
-    if t.virtual_stages > 1 and not torch_pipeline(t):
-        raise TrainmemError("--pp-schedule interleaved-1f1b is modelled as torch's ScheduleInterleaved1F1B, not "
-                            "Megatron-LM's interleaved schedule (--framework megatron); drop one of them")
+    if t.virtual_stages > 1 and not torch_pipeline(t) and (t.pp_schedule != "interleaved-1f1b" or t.grad_accum % t.pp):
+        raise TrainmemError(f"--framework megatron --pp-schedule {t.pp_schedule}: Megatron-LM's interleaved schedule "
+                            "is modelled as --pp-schedule interleaved-1f1b with --grad-accum a multiple of --pp (its "
+                            "default micro-batch group of pp; other counts raise in "
+                            "forward_backward_pipelining_with_interleaving)")
     # accumulation enters only through whether FSDP accumulates its gradients unsharded (no_sync)
     # (an encoder-decoder's coefficients are read at its decoder-to-encoder length ratio)
     # (and interleaved 1F1B's pairs in flight, from the schedule of grad_accum micro-batches)
@@ -1895,12 +1897,22 @@ def _interleaved_terms(m: ModelSpec, t: TrainingSpec, st: States, stage: str, pe
     rank's first backward, ``pipe_units_later`` at most afterwards (schedules.in_flight_at_backwards).
     The last rank's peak is its head stage's backward, with one micro-batch of that stage in flight
     (its forward is followed by its backward, the loss in between) and the others its other stages'
-    pairs, each holding its stage output (``pipe_out_tok``, torch ``stage.py`` ``fwd_cache``)."""
-    if not (torch_pipeline(t) and t.virtual_stages > 1):
+    pairs, each holding its stage output (``pipe_out_tok``, torch ``stage.py`` ``fwd_cache``).
+
+    Megatron-LM's interleaved schedule (``--framework megatron``) runs its own order
+    (``schedules.megatron_rank_order``; the same as torch's when the micro-batches are a multiple of
+    pp) and keeps less per pair: a chunk's output is freed once sent (``deallocate_output_tensor``,
+    megatron/core/pipeline_parallel/schedules.py L157-185 at 6e091e1b; ``deallocate_pipeline_outputs``
+    is set by megatron/training/argument_utils.py L300), and the tensor a chunk receives is its first layer's
+    input, which that layer saves (no receive buffer beside it: ``pipe_fed`` 0)."""
+    if not (t.pp > 1 and t.virtual_stages > 1):
         return {}
+    torch_pp = torch_pipeline(t)
     rank, v = (0 if stage == "first" else t.pp - 1), t.virtual_stages
     head = v - 1 if stage == "last" else None
-    first, fed, most, grads = in_flight_at_backwards(t.pp, v, t.grad_accum, rank, head)
+    first, fed, most, grads = in_flight_at_backwards(t.pp, v, t.grad_accum, rank, head, megatron=not torch_pp)
+    if not torch_pp:
+        fed, most, grads = 0, (most[0], 0, most[2]), (grads[0], 0, grads[2])
     # a stage's gradients: its layers', and on the first rank's first stage the embedding's (the rest of
     # the rank's); the head stage's are never absent at the last rank's later head backward
     per_stage = st.layer_grads * (m.num_layers // (t.pp * v))
@@ -1913,7 +1925,7 @@ def _interleaved_terms(m: ModelSpec, t: TrainingSpec, st: States, stage: str, pe
     return {"pipe_units": first, "pipe_units_later": most[0], "pipe_fed": fed, "pipe_fed_later": most[1],
             "pipe_units_alt": grads[0], "pipe_fed_alt": grads[1], "pipe_grads_absent_alt": absent(grads[2]),
             "pipe_grads_absent": absent(most[2]), "pipe_head_once": int(stage == "last"),
-            "pipe_out_tok": per_tok if stage == "last" else 0.0, "pipe_stages": v}
+            "pipe_out_tok": per_tok if (stage == "last" and torch_pp) else 0.0, "pipe_stages": v}
 
 
 def _split_outer(outer: list[tuple[str, float, float]], rest_pos: float) -> tuple[float, float, float, float]:

@@ -93,3 +93,45 @@ def test_tensor_parallel_keeps_position_table_and_row_biases_whole():
     assert _tp_div(by["h.0.attn.c_attn.bias"], 4) == 3 * 768 // 4          # column-parallel: split
     assert _tp_div(by["h.0.mlp.c_fc.weight"], 4) == 768 * 3072 // 4
     assert _tp_div(by["wte.weight"], 4) == -(-50257 * 768 // 4)            # VocabParallelEmbedding
+
+
+# ----- Megatron-LM's interleaved pipeline schedule --------------------------------------------------
+from trainmem.estimate.schedules import in_flight_at_backwards, megatron_rank_order, rank_order  # noqa: E402
+
+
+def test_megatron_interleaved_order_by_hand():
+    # pp 2, 2 chunks a rank, 2 micro-batches, rank 1: table (0,c0) (1,c0) (0,c1) (1,c1); warm-up
+    # (2 - 1 - 1) * 2 + (2 - 1) * 2 = 2 forwards; each steady step a forward, then the backward of the
+    # table's k-th entry with its chunk reversed; the cool-down backwards
+    assert megatron_rank_order(2, 2, 2, 1) == (("F", 0, 0), ("F", 0, 1), ("F", 1, 0), ("B", 1, 0), ("F", 1, 1),
+                                               ("B", 1, 1), ("B", 0, 0), ("B", 0, 1))
+    # rank 0: 2 * 1 + 2 = 4 warm-up forwards, all of them: every forward first
+    assert [k for k, _, _ in megatron_rank_order(2, 2, 2, 0)] == ["F"] * 4 + ["B"] * 4
+
+
+@pytest.mark.parametrize("pp,local,micro", [(4, 8, 4), (4, 2, 8), (2, 3, 6), (4, 2, 12)])
+def test_megatron_interleaved_order_is_torchs_for_whole_groups(pp, local, micro):
+    # with micro-batches a multiple of pp (the only counts Megatron runs with its default group of pp)
+    # its table and torch's ScheduleInterleaved1F1B give every rank the same actions
+    for rank in range(pp):
+        assert megatron_rank_order(pp, local, micro, rank) == rank_order(pp, local, micro, rank)
+
+
+def test_megatron_interleaved_last_rank_keeps_29_layer_pairs():
+    """gpt3_7b_tp1_pp4_memory_speed: 32 layers, pp 4, one layer a virtual stage (8 chunks a rank),
+    4 micro-batches: the last rank forwards 28 pairs in warm-up and one more before its first
+    backward (its head chunk's first micro-batch): 29 one-layer pairs and one loss in flight."""
+    assert in_flight_at_backwards(4, 8, 4, 3, 7, megatron=True)[0] == 29
+    assert in_flight_at_backwards(4, 8, 4, 0, None, megatron=True)[0] == 32
+    from trainmem.estimate.engine import estimate_stage
+    gpt = {**GQA_GPT, "n_layer": 8, "vocab_size": 4096}
+    r = trainmem.estimate(gpt, framework="megatron", precision="bf16", batch_size=1, seq_len=512, pp=2, grad_accum=2,
+                          pp_schedule="interleaved-1f1b", pp_virtual_stages=2, attention="flash")
+    last = estimate_stage(r.model, r.training, "last")
+    layers = sum(c.bytes for c in last.components if c.name.startswith("activations.layers."))
+    # pp 2, 2 chunks of 2 layers, 2 micro-batches, rank 1: 3 pairs in flight at its first backward
+    assert in_flight_at_backwards(2, 2, 2, 1, 1, megatron=True)[0] == 3
+    assert layers == 3 * 2 * last.extra["activations_per_layer"]
+    # the chunk outputs are freed once sent, and the loss keeps one fp32 softmax
+    assert not any(c.name.startswith("pipeline") for c in last.components)
+    assert sum(c.bytes for c in last.components if c.name == "logits.log_probs") == 512 * 4096 * 4
