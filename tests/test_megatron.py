@@ -135,3 +135,21 @@ def test_megatron_interleaved_last_rank_keeps_29_layer_pairs():
     # the chunk outputs are freed once sent, and the loss keeps one fp32 softmax
     assert not any(c.name.startswith("pipeline") for c in last.components)
     assert sum(c.bytes for c in last.components if c.name == "logits.log_probs") == 512 * 4096 * 4
+
+
+# ----- Megatron-LM's DDP: fp32 main gradients under --bf16 -------------------------------------------
+@pytest.mark.parametrize("precision,grad_bytes", [("bf16", 4), ("fp16", 2), ("fp32", 4)])
+def test_megatron_ddp_keeps_its_gradient_buffer_from_wrap(precision, grad_bytes):
+    """Megatron's DDP makes one contiguous gradient buffer at wrap (fp32 under --bf16, where
+    arguments.py sets accumulate_allreduce_grads_in_fp32; the weights' dtype under --fp16 and fp32),
+    with or without the distributed optimizer."""
+    r = trainmem.estimate("gpt2", framework="megatron", precision=precision, seq_len=512, batch_size=2)
+    n = sum(p.numel for p in r.model.parameter_tensors())
+    grads = next(c for c in r.components if c.name == "gradients")
+    assert grads.bytes == pytest.approx(n * grad_bytes, rel=0.005)   # (each tensor in 512-byte blocks)
+    assert grads.dtype == ("fp32" if grad_bytes == 4 else "fp16")
+    plain = trainmem.estimate("gpt2", precision=precision, seq_len=512, batch_size=2, optimizer_impl="fused")
+    # the buffer exists before the first forward (the plain loop's gradients appear in backward)
+    loaded = r.phase("model_loaded", 0).allocated - plain.phase("model_loaded", 0).allocated
+    assert loaded >= n * grad_bytes
+    assert not [w for w in r.training.extra["framework_warnings"] if "main gradients" in w]

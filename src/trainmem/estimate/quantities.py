@@ -1045,11 +1045,12 @@ def deepspeed_zero(t: TrainingSpec) -> bool:
 
 def grads_from_wrap(t: TrainingSpec) -> bool:
     """Whether the gradients' memory exists from model wrap and is never freed: Megatron's main-grad
-    buffers (the distributed optimizer), DeepSpeed ZeRO-3's ``grad_partitions_flat_buffer``
+    buffers (its DDP's, with or without the distributed optimizer: ``TrainingSpec.megatron_ddp``),
+    DeepSpeed ZeRO-3's ``grad_partitions_flat_buffer``
     (``torch.zeros`` of this rank's partition in the engine's dtype, made in ``__init__``, the
     partitioned gradients are views of it: ``stage3.py`` L542-557 at 38327e0; in host memory when
     the optimizer is offloaded)."""
-    return t.distributed_optimizer or (deepspeed_zero(t) and t.zero == 3 and not t.offload_optimizer)
+    return t.distributed_optimizer or t.megatron_ddp or (deepspeed_zero(t) and t.zero == 3 and not t.offload_optimizer)
 
 
 def deepspeed_buckets(t: TrainingSpec) -> tuple[int, int]:
@@ -1324,7 +1325,7 @@ def oib_update_bytes(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, in
     gradients complete last). Sharded (ZeRO/FSDP2) tensors update their shard."""
     k = _copies_per_tensor(t, True) or 0
     sb = 4 if (t.weight_bytes == 4 or t.fp32_master) else t.weight_bytes
-    gb = 4 if t.distributed_optimizer else t.weight_bytes
+    gb = t.main_grad_bytes or t.weight_bytes
     d = t.shard_group if t.zero_stage >= 1 else 1
     if t.lora_rank:
         n_all = n_mid = st.largest_param // sb  # adapters only, all inside the layers

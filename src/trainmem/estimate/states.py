@@ -476,7 +476,7 @@ class _Rank:
         per_stage = hi - lo
         w = t.weight_bytes
         half_master = t.fp32_master
-        return _Rank(per_stage, lo, hi, stage, w, 4 if t.distributed_optimizer else fsdp1_accumulated_bytes(t, w),
+        return _Rank(per_stage, lo, hi, stage, w, t.main_grad_bytes or fsdp1_accumulated_bytes(t, w),
                      4 if (w == 4 or half_master) else w, half_master, t.zero_stage,
                      max(t.zero_stage, 1) if t.distributed_optimizer else t.zero_stage, t.shard_group,
                      t.zero_stage >= 2 and not t.accumulates_unsharded, t.fsdp_mixed_units,

@@ -443,12 +443,7 @@ def _check_deepspeed(t: Any, model: Any, version: Any, given: frozenset[str]) ->
 
 
 def _check_megatron(t: Any, model: Any, version: Any, given: frozenset[str]) -> list[str]:
-    out = _others(t, "Megatron-LM", dist=False)
-    if t.precision in ("bf16", "fp16") and not t.distributed_optimizer:
-        out.append(f"Megatron keeps fp32 main gradients with --{t.precision} (accumulate_allreduce_grads_in_fp32) "
-                   f"without --distributed-optimizer too; trainmem counts {t.precision} gradients here "
-                   f"(2 bytes per parameter fewer)")
-    return out
+    return _others(t, "Megatron-LM", dist=False)
 
 
 def _s(repo: str, path: str, lines: str) -> Source:

@@ -849,6 +849,24 @@ class TrainingSpec:
         return self.distributed_optimizer or (self.zero >= 1 and self.fsdp is None) or self.gemini is not None
 
     @property
+    def megatron_ddp(self) -> bool:
+        """Megatron-LM's own DDP (``--framework megatron``): the gradients are views of a contiguous
+        buffer made at model wrap and never freed (megatron/core/distributed/distributed_data_parallel.py
+        at 6e091e1b, L126-243: ``group_params_for_buffers``, ``_ParamAndGradBuffer``)."""
+        return self.extra.get("framework") == "megatron"
+
+    @property
+    def main_grad_bytes(self) -> int | None:
+        """Bytes per element of fp32 main gradients beside the weights, None without them: Megatron's
+        distributed optimizer, and Megatron-LM's DDP under ``--bf16``, where arguments.py sets
+        ``accumulate_allreduce_grads_in_fp32`` (megatron/training/arguments.py L1172-1185 at 6e091e1b:
+        "bfloat16 requires gradient accumulation and all-reduce to be done in fp32"), so the buffer is
+        fp32 whatever the optimizer. Under ``--fp16`` Megatron keeps fp16 gradients unless asked."""
+        if self.distributed_optimizer or (self.megatron_ddp and self.precision == "bf16"):
+            return 4
+        return None
+
+    @property
     def accumulates_unsharded(self) -> bool:
         """FSDP gradients accumulated unsharded: ``--grad-sync step`` with accumulation, i.e. every
         micro-batch but the last runs backward inside ``no_sync()``. torch 2.13
