@@ -154,3 +154,26 @@ def test_megatron_ddp_keeps_its_gradient_buffer_from_wrap(precision, grad_bytes)
     loaded = r.phase("model_loaded", 0).allocated - plain.phase("model_loaded", 0).allocated
     assert loaded >= n * grad_bytes
     assert not [w for w in r.training.extra["framework_warnings"] if "main gradients" in w]
+
+
+def test_megatron_ddp_has_no_bucket_copies():
+    # PyTorch DDP keeps flat buckets beside the gradients; Megatron's all-reduces the buffer in place
+    torch_ddp = trainmem.estimate("gpt2", precision="bf16", seq_len=512, batch_size=2, dp=4)
+    megatron = trainmem.estimate("gpt2", framework="megatron", precision="bf16", seq_len=512, batch_size=2, dp=4)
+    assert any(c.name == "communication.ddp_buckets" for c in torch_ddp.components)
+    assert not any(c.name.startswith("communication") for c in megatron.components)
+
+
+# ----- --pp-stage: the rank a measurement was logged on -------------------------------------------
+def test_pp_stage_reports_the_rank_asked_for():
+    kw = dict(framework="megatron", precision="bf16", seq_len=1024, batch_size=4, pp=4, grad_accum=4)
+    worst = trainmem.estimate("gpt2", **kw)
+    first = trainmem.estimate("gpt2", pp_stage="first", **kw)
+    last = trainmem.estimate("gpt2", pp_stage="last", **kw)
+    assert (first.extra["pipeline_stage"], last.extra["pipeline_stage"]) == ("first", "last")
+    assert worst.peak_allocated == max(first.peak_allocated, last.peak_allocated)
+    assert first.peak_allocated != last.peak_allocated
+    with pytest.raises(TrainmemError, match="pp_stage|pp-stage"):
+        TrainingSpec(pp=2, pp_stage="middle")
+    assert "--pp-stage last without --pp: one stage is every rank, so it changes nothing" in \
+        trainmem.estimate("gpt2", pp_stage="last").warnings

@@ -2009,8 +2009,12 @@ def _communication(t: TrainingSpec, st: States) -> tuple[int, str]:
     """Buffers that exist from model wrap: DDP's flat gradient buckets (``gradient_as_bucket_view``
     off: a copy of every gradient), or DeepSpeed ZeRO-3's gradient bucket buffer
     (``deepspeed_buckets``). Its gathered parameters live in forward and backward only
-    (``deepspeed_gathered``), as FSDP's buffers (``fsdp_buffers``). FSDP's buffers live only in forward and backward (``fsdp_buffers``)."""
-    if t.dp > 1 and t.zero_stage == 0 and not t.distributed_optimizer and t.gemini is None and st.trainable:
+    (``deepspeed_gathered``), as FSDP's buffers (``fsdp_buffers``). FSDP's buffers live only in forward and backward (``fsdp_buffers``).
+    Megatron-LM's DDP (``TrainingSpec.megatron_ddp``) has no bucket copies: its gradients are views of
+    the contiguous buffer, all-reduced in place (megatron/core/distributed/param_and_grad_buffer.py
+    at 6e091e1b, L672-674: ``torch.distributed.all_reduce(bucket.grad_data, ...)``)."""
+    if t.dp > 1 and t.zero_stage == 0 and not t.distributed_optimizer and t.gemini is None and st.trainable \
+            and not t.megatron_ddp:
         return st.grads, "communication.ddp_buckets"
     bucket = deepspeed_buckets(t)[0]   # DeepSpeed ZeRO-3's gradient bucket buffer, from engine start
     if bucket:

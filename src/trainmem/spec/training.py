@@ -73,6 +73,9 @@ GRAD_SYNC = ("micro-batch", "step")
 #: flight (1F1B: pp - stage; GPipe: every micro-batch of the step; interleaved: per virtual stage, as
 #: its op order keeps them; zero-bubble: traced only, the estimate refuses it)
 PP_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zero-bubble")
+#: which pipeline rank a report describes: the worst of the candidates (``worst_stage_candidates``), or the
+#: first or the last stage's rank (a measurement logged on one rank: Megatron-LM logs on the last)
+PP_STAGES = ("worst", "first", "last")
 #: the schedules with several stages per rank, and how many when not given
 MULTI_STAGE_SCHEDULES = ("interleaved-1f1b", "zero-bubble")
 PP_VIRTUAL_STAGES = 2
@@ -204,6 +207,7 @@ class TrainingSpec:
     num_microbatches_in_flight: int | None = None  # pipeline; None = the schedule's (1F1B: pp; GPipe: grad_accum)
     pp_schedule: str = "1f1b"  # PP_SCHEDULES: the pipeline schedule
     pp_virtual_stages: int | None = None  # interleaved-1f1b, zero-bubble: stages per rank (None: PP_VIRTUAL_STAGES)
+    pp_stage: str = "worst"  # PP_STAGES: the rank reported under --pp (the worst, or the first or last stage's)
     pp_first_stage_less_layers: int = 0  # torchtitan's split: the embeddings weigh this many layers (0: even split)
     pp_last_stage_less_layers: int = 0   # ... and the final norm and head this many (spec.layout.stage_layer_counts)
     loss_chunks: int = 1  # chunked cross-entropy: head + loss run over the tokens in this many chunks
@@ -274,6 +278,7 @@ class TrainingSpec:
             _choice("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS)
         for key, choices in (("recompute", RECOMPUTE), ("attention", ATTENTION), ("zero_grad", ZERO_GRAD),
                              ("hold_output", HOLD_OUTPUT), ("grad_sync", GRAD_SYNC), ("pp_schedule", PP_SCHEDULES),
+                             ("pp_stage", PP_STAGES),
                              ("fsdp_lora_units", FSDP_LORA_UNITS), ("fsdp_gathered", FSDP_GATHERED)):
             _choice(key, getattr(self, key), choices)
         if self.remote_device is not None:
@@ -542,6 +547,8 @@ class TrainingSpec:
         ``pipelining/schedules.py`` L1052-1055) and as many under GPipe, and of the middle stages it
         holds the most layers and micro-batches. With an even split a middle stage holds as many
         layers as the first, fewer micro-batches (1F1B) and no embeddings: not computed."""
+        if self.pp_stage != "worst":   # one rank asked for (--pp-stage first|last)
+            return (self.pp_stage,)
         if self.pp > 2 and self.pp_weighted and self.virtual_stages == 1:
             return "first", "middle", "last"
         return "first", "last"
@@ -975,6 +982,8 @@ def setup_warnings(t: TrainingSpec) -> list[str]:
     if t.pp_schedule != "1f1b" and t.pp == 1:
         out.append(f"--pp-schedule {t.pp_schedule} without --pp: one stage has no pipeline schedule, so it "
                    "changes nothing")
+    if t.pp_stage != "worst" and t.pp == 1:
+        out.append(f"--pp-stage {t.pp_stage} without --pp: one stage is every rank, so it changes nothing")
     if t.pp_weighted and t.pp == 1:
         out.append("--pp-first-stage-less-layers / --pp-last-stage-less-layers without --pp: one stage holds "
                    "every layer, so the stage split changes nothing")
