@@ -82,6 +82,8 @@ CASES = [
     ({"pp": 2, "grad_accum": 2, "lora_rank": 8, "quantize": "nf4"}, REFUSED, "--quantize"),
     ({"pp": 2, "grad_accum": 2, "hold_output": "step"}, REFUSED, "--hold-output step"),
     ({"pp_schedule": "gpipe", "pp": 2, "grad_accum": 2}, CHANGED, ""),  # vs 1F1B (REFERENCE)
+    # the rank reported (vs the worse of the two, REFERENCE): the last stage here, so --pp-stage first changes it
+    ({"pp_stage": "first", "pp": 2, "grad_accum": 2}, CHANGED, ""),
     ({"pp_schedule": "gpipe", "pp": 2, "grad_accum": 2, "num_microbatches_in_flight": 1}, REFUSED,
      "--num-microbatches-in-flight 1"),
     # interleaved 1F1B needs pp x virtual stages dividing the layers: this model's 2 do not split into 4
@@ -186,12 +188,14 @@ REFERENCE = {"fsdp_version": {"fsdp": "full", "dp": 2}, "use_cache": {"hold_outp
              "grad_sync": {"grad_accum": 2, "fsdp": "full", "dp": 2}, "offload_activations": {"recompute": "full"},
              "pp": {"grad_accum": 2}, "num_microbatches_in_flight": {"pp": 2, "grad_accum": 2},
              "pp_schedule": {"pp": 2, "grad_accum": 2}, "cast_output": {"loss": "half"},
+             "pp_stage": {"pp": 2, "grad_accum": 2},
              "pp_first_stage_less_layers": {"pp": 2, "grad_accum": 2},
              # (where DeepSpeed is installed: its engine options vs their stage alone)
              **({"reduce_bucket_size": ZERO2, "overlap_comm": ZERO1, "contiguous_gradients": ZERO2,
                  "sub_group_size": ZERO3, "stage3_max_reuse_distance": ZERO3, "stage3_prefetch_bucket_size": ZERO3}
                 if DS else {})}
 GPT2_CASES = [({"dropout": False}, CHANGED, ""), ({"loss": "chunked-nll"}, CHANGED, ""),
+               ({"loss": "vocab-parallel"}, CHANGED, ""),
               ({"layer_rope_cache": 128}, REFUSED, "--layer-rope-cache 128"),
               ({"rope_cache": 128}, REFUSED, "--rope-cache 128")]
 #: FSDP1 with LoRA adapters in units of their own on BERT: peft's policy wraps its embeddings apart

@@ -104,6 +104,9 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
     if t.loss == "fused":
         raise TrainmemError(f"--loss fused runs Liger-Kernel's Triton kernels, which {what} cannot run here; "
                             "use estimate, or --loss chunked")
+    if t.loss == "vocab-parallel" and (t.tp > 1 or t.pp > 1 or t.cast_output or t.loss_shift == "logits"):
+        raise TrainmemError(f"--loss vocab-parallel: {what} runs Megatron-LM's cross-entropy on one rank's whole "
+                            "logits (no --tp, --pp, --cast-output or --loss-shift logits); use estimate")
     if t.compile and what != "trace":
         raise TrainmemError(f"--compile: {what} runs the step eagerly, and inductor changes what is saved; "
                             "use trace (AOTAutograd's partition run op by op) or estimate for --compile")
@@ -139,6 +142,10 @@ def hf_config(spec: ModelSpec, t: TrainingSpec) -> Any:
     """The transformers config of a ModelSpec (dropout zeroed when the training turns it off,
     ``use_cache`` as ``--use-cache`` sets it)."""
     import transformers
+    if spec.family in ("gpt2", "nanogpt") and spec.num_kv_heads != spec.num_heads:
+        raise TrainmemError(f"model {spec.name!r}: _trainmem.num_kv_heads {spec.num_kv_heads} (grouped key/value heads, "
+                            "Megatron-LM's --num-query-groups) on a GPT-2 layer, which transformers' GPT2Attention "
+                            "does not have: trace cannot build it; use estimate")
     cfg = {k: v for k, v in dict(spec.config).items() if not k.startswith("_") and k != "model_type"}
     if t.use_cache is not None:
         cfg["use_cache"] = t.use_cache
@@ -467,6 +474,8 @@ class TrainStep:
         if t.loss_chunks > 1:  # chunked (torchtune) or half (litgpt)
             return _chunked_output_loss(self.model, batch["input_ids"], labels, t.loss_chunks, t.loss == "chunked")
         out = self.model(input_ids=batch["input_ids"])
+        if t.loss == "vocab-parallel":
+            return out, VocabParallelCrossEntropy.apply(out.logits, labels).mean()
         logits = out.logits.float() if t.loss == "upcast" else out.logits
         if t.loss_shift == "logits":  # a shifted contiguous copy (older transformers models, GPTLMLoss)
             logits, labels = logits[..., :-1, :].contiguous(), labels[..., 1:]
@@ -657,6 +666,45 @@ def _checkpoint_every(model: torch.nn.Module, every: int) -> None:
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     for i, layer in enumerate(layers):
         layer.gradient_checkpointing = (i + 1) % every == 0
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Megatron-LM's ``_VocabParallelCrossEntropy`` on one tensor-parallel rank (megatron/core/tensor_parallel/
+    cross_entropy.py at 6e091e1b, L122-216, with its all-reduces over one rank left out): one fp32 copy of the
+    logits, overwritten in place into the softmax and saved; backward turns that tensor into the gradient in
+    place and returns it in fp32 (autograd casts it to the logits' dtype). Per token the loss (not reduced)."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        logits = logits.float()                                        # L28 (fp32 logits: the tensor itself)
+        logits_max = torch.max(logits, dim=-1)[0]
+        logits -= logits_max.unsqueeze(dim=-1)                         # L45
+        vocab = logits.size(-1)
+        target_mask = (target < 0) | (target >= vocab)
+        masked_target = target.clone()
+        masked_target[target_mask] = 0
+        logits_2d = logits.view(-1, vocab)
+        masked_target_1d = masked_target.view(-1)
+        arange_1d = torch.arange(start=0, end=logits_2d.size()[0], device=logits_2d.device)
+        predicted = logits_2d[arange_1d, masked_target_1d].clone().contiguous().view_as(target)
+        predicted[target_mask] = 0.0
+        exp_logits = logits
+        torch.exp(logits, out=exp_logits)                              # L65
+        sum_exp = exp_logits.sum(dim=-1)
+        loss = torch.log(sum_exp) - predicted
+        exp_logits.div_(sum_exp.unsqueeze(dim=-1))                     # L80
+        ctx.save_for_backward(exp_logits, target_mask, masked_target_1d)  # L187
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: D102
+        softmax, target_mask, masked_target_1d = ctx.saved_tensors
+        grad_input = softmax                                           # L91
+        grad_2d = grad_input.view(-1, softmax.size()[-1])
+        arange_1d = torch.arange(start=0, end=grad_2d.size()[0], device=grad_2d.device)
+        grad_2d[arange_1d, masked_target_1d] -= 1.0 - target_mask.view(-1).float()   # L114
+        grad_input.mul_(grad_output.unsqueeze(dim=-1))                 # L117
+        return grad_input, None
 
 
 def _chunked_output_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, chunks: int,

@@ -8,7 +8,7 @@ from typing import Any, Callable
 from ..spec.frameworks import FRAMEWORKS
 from ..spec.tasks import TASKS
 from ..spec.training import (ATTENTION, ATTENTION_CALLS, FSDP_GATHERED, FSDP_LORA_UNITS, FSDP_MODES, GRAD_SYNC,
-                             HOLD_OUTPUT, OPTIMIZER_ALIASES, OPTIMIZER_IMPLS, OPTIMIZERS, PP_SCHEDULES,
+                             HOLD_OUTPUT, OPTIMIZER_ALIASES, OPTIMIZER_IMPLS, OPTIMIZERS, PP_SCHEDULES, PP_STAGES,
                              PRECISION_ALIASES, PRECISIONS, RECOMPUTE, ZERO_GRAD, LOSSES, LOSS_SHIFTS, MASTER_WEIGHTS)
 
 
@@ -104,6 +104,9 @@ def _add_pipeline(g: Any) -> None:
                         "flight), gpipe (every stage keeps all --grad-accum micro-batches until its backwards), "
                         "interleaved-1f1b (torch's ScheduleInterleaved1F1B: --pp-virtual-stages stages per rank) "
                         "or zero-bubble (ScheduleInterleavedZeroBubble: traced; the estimate refuses it)")
+    g.add_argument("--pp-stage", choices=PP_STAGES, default=None,
+                   help="the pipeline rank reported under --pp: worst (default: the higher of the first and the last "
+                        "stage), first or last (a run measured on one rank: Megatron-LM logs its memory on the last)")
     g.add_argument("--pp-virtual-stages", type=positive_int, default=None, metavar="V",
                    help="stages per rank under --pp-schedule interleaved-1f1b or zero-bubble (default 2): the "
                         "layers split into pp*V stages, rank r holding stages r, r+pp, ...")
@@ -226,8 +229,9 @@ def _add_loss(g: Any) -> None:
                    help="upcast: HF ForCausalLMLoss (fp32 copy of the logits); half: cross-entropy on the half "
                         "logits (nanoGPT, lit-gpt); chunked: torchtune's chunked output + loss (--loss-chunks N); "
                         "fused: Liger's fused linear cross-entropy; chunked-nll: TRL's SFTTrainer loss_type="
-                        "'chunked_nll' (the head and loss over 256 tokens at a time, checkpointed) (default: the "
-                        "model's own loss)")
+                        "'chunked_nll' (the head and loss over 256 tokens at a time, checkpointed); vocab-parallel: "
+                        "Megatron-LM's vocab_parallel_cross_entropy (one fp32 softmax made in place and saved; the "
+                        "default of --framework megatron) (default: the model's own loss)")
     g.add_argument("--loss-shift", choices=LOSS_SHIFTS, default=None,
                    help="with --loss half: labels (default: the targets are shifted, as transformers' "
                         "ForCausalLMLoss >= 4.46, nanoGPT, litgpt) or logits (the loop makes a shifted "
@@ -400,7 +404,7 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
     opts = dict(batch_size=a.batch_size, seq_len=a.seq_len, grad_accum=a.grad_accum, precision=a.precision,
                 optimizer=a.optimizer, optimizer_impl=a.optimizer_impl, zero=a.zero, fsdp=a.fsdp,
                 offload_optimizer=a.offload_optimizer, distributed_optimizer=a.distributed_optimizer,
-                dp=a.dp, tp=a.tp, pp=a.pp, pp_schedule=a.pp_schedule,
+                dp=a.dp, tp=a.tp, pp=a.pp, pp_schedule=a.pp_schedule, pp_stage=a.pp_stage,
                 pp_virtual_stages=a.pp_virtual_stages, pp_first_stage_less_layers=a.pp_first_stage_less_layers,
                 pp_last_stage_less_layers=a.pp_last_stage_less_layers, cp=a.cp, ep=a.ep, moe_imbalance=a.moe_imbalance,
                 sequence_parallel=a.sequence_parallel,

@@ -88,7 +88,7 @@ def components(q: Quantities, tk: Tokens, mo: Moment, t: TrainingSpec, n: int, n
                               else "fp32 copy of half weights, sharded over the ZeRO group") if t.gemini is None else
                              "ColossalAI Gemini: block(chunk_size x 4) per fp32 chunk this rank owns", True))
     if parts["gradients"]:
-        out.append(Component("gradients", GRADIENTS, parts["gradients"], "fp32" if t.distributed_optimizer else wdt,
+        out.append(Component("gradients", GRADIENTS, parts["gradients"], "fp32" if t.main_grad_bytes else wdt,
                              "gradients alive at the peak [/dp under ZeRO-2/3]", True))
     if parts["optimizer_states"]:
         out.append(Component("optimizer_states", STATES, parts["optimizer_states"], None,

@@ -681,6 +681,8 @@ def _loss_in_one_piece(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int) ->
         return _compiled_fp32_loss_bytes(held, half)
     if mode == "chunked":
         return LossBytes(held, half, F32, forward_chunk=F32 if half != F32 else 0, backward_chunk=2 * F32)
+    if mode == "vocab-parallel":
+        return _vocab_parallel_bytes(held, half, _head_weight_numel(m, t.tp) * t.weight_bytes)
     if t.compile and t.loss is None and mode == "upcast":
         return _compiled_loss_bytes(m, t, held, half)
     if t.compile and t.loss is None:
@@ -725,6 +727,31 @@ def _compiled_fp32_loss_bytes(held: int, half: int) -> LossBytes:
     kept = F32 if held else 0
     cast = F32 if half != F32 else 0
     return LossBytes(kept, half, F32, 0, F32, saved_tok=2 * F32, cast=cast, saves_out=1)
+
+
+def _vocab_parallel_bytes(held: int, half: int, head_grad: int) -> LossBytes:
+    """Megatron-LM's ``_VocabParallelCrossEntropy`` (megatron/core/tensor_parallel/cross_entropy.py at
+    6e091e1b, L122-216; ``GPTModel.compute_language_model_loss`` runs it on the output layer's
+    (s, b, vocab / tp) logits), per logit element of this rank:
+
+    * forward: ``calculate_logits_max`` makes one fp32 copy (``vocab_parallel_logits.float()``, L28;
+      none when the logits are fp32), which every later step overwrites in place: ``-= logits_max``
+      (L45), ``torch.exp(..., out=exp_logits)`` (L64-65), ``exp_logits.div_(sum_exp_logits)`` (L80):
+      the half logits and that copy are alive together, nothing more;
+    * saved: the copy, now the softmax (``ctx.save_for_backward(exp_logits, ...)``, L187), fp32;
+    * backward: the gradient is the saved softmax itself (``grad_input = softmax``, L91; updated in
+      place, L114-117, returned L216), returned in fp32 for the half logits, so autograd's engine casts it to their
+      dtype (``validate_outputs``) while it is alive: one half tensor more (none for fp32 logits).
+    With fp32 logits ``.float()`` returns them as they are: the logits become the softmax, counted
+    once (``forward`` takes back the saved bytes ``out`` already holds), and the gradient handed to the
+    head is that fp32 tensor itself, alive while the head's matmul backward makes its weight gradient
+    (``head_grad``, the head weight's bytes on this rank) and its input's gradient (fp32, per token,
+    ``_chunked_nll_fields``): that moment is the loss's backward peak (found by trace: GPT-2 and Llama,
+    2 layers, fp32, -7% and -8% before). The other per-token terms (int64 targets, fp32 maxima, sums
+    and losses) are left out, as for the other losses."""
+    if half == F32:
+        return LossBytes(held, F32, F32, -F32, 0, backward_const=head_grad)
+    return LossBytes(held, half, F32, 0, half)
 
 
 def _chunked_nll_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy) -> LossBytes:
@@ -788,6 +815,9 @@ def _chunked_nll_fields(m: ModelSpec, t: TrainingSpec, pol: Policy, loss: LossBy
     """``Quantities``' fields of TRL's chunked_nll (``_chunked_nll_bytes``): its chunk of tokens, the
     matmul moment's and the backward's constants, and the gathered hidden states' gradient per token,
     alive from the second chunk's backward on (the first, a partial chunk, has none yet)."""
+    if head_here and loss_mode(m, t) == "vocab-parallel" and loss.backward_const:
+        # fp32 logits: the head's weight gradient and its input's (b, s, h) fp32 gradient (_vocab_parallel_bytes)
+        return dict(loss_backward_const=loss.backward_const, loss_backward_tok=float(m.hidden_size * F32))
     if not (head_here and loss_mode(m, t) == "chunked-nll"):
         return {}
     return dict(loss_backward_tok=float(m.hidden_size * pol.stream), loss_chunk_tokens=CHUNKED_NLL_TOKENS,
@@ -1078,11 +1108,12 @@ def deepspeed_zero(t: TrainingSpec) -> bool:
 
 def grads_from_wrap(t: TrainingSpec) -> bool:
     """Whether the gradients' memory exists from model wrap and is never freed: Megatron's main-grad
-    buffers (the distributed optimizer), DeepSpeed ZeRO-3's ``grad_partitions_flat_buffer``
+    buffers (its DDP's, with or without the distributed optimizer: ``TrainingSpec.megatron_ddp``),
+    DeepSpeed ZeRO-3's ``grad_partitions_flat_buffer``
     (``torch.zeros`` of this rank's partition in the engine's dtype, made in ``__init__``, the
     partitioned gradients are views of it: ``stage3.py`` L542-557 at 38327e0; in host memory when
     the optimizer is offloaded)."""
-    return t.distributed_optimizer or (deepspeed_zero(t) and t.zero == 3 and not t.offload_optimizer)
+    return t.distributed_optimizer or t.megatron_ddp or (deepspeed_zero(t) and t.zero == 3 and not t.offload_optimizer)
 
 
 def deepspeed_buckets(t: TrainingSpec) -> tuple[int, int]:
@@ -1357,7 +1388,7 @@ def oib_update_bytes(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, in
     gradients complete last). Sharded (ZeRO/FSDP2) tensors update their shard."""
     k = _copies_per_tensor(t, True) or 0
     sb = 4 if (t.weight_bytes == 4 or t.fp32_master) else t.weight_bytes
-    gb = 4 if t.distributed_optimizer else t.weight_bytes
+    gb = t.main_grad_bytes or t.weight_bytes
     d = t.shard_group if t.zero_stage >= 1 else 1
     if t.lora_rank:
         n_all = n_mid = st.largest_param // sb  # adapters only, all inside the layers
@@ -1568,9 +1599,11 @@ def quantities(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> Quantitie
         raise TrainmemError("--pp-first-stage-less-layers / --pp-last-stage-less-layers: torchtitan's stage split "
                             "is modelled, not Megatron-LM's uneven split (--decoder-first-pipeline-num-layers, "
                             "--account-for-embedding-in-pipeline-split: --framework megatron); drop one of them")
-    if t.virtual_stages > 1 and not torch_pipeline(t):
-        raise TrainmemError("--pp-schedule interleaved-1f1b is modelled as torch's ScheduleInterleaved1F1B, not "
-                            "Megatron-LM's interleaved schedule (--framework megatron); drop one of them")
+    if t.virtual_stages > 1 and not torch_pipeline(t) and (t.pp_schedule != "interleaved-1f1b" or t.grad_accum % t.pp):
+        raise TrainmemError(f"--framework megatron --pp-schedule {t.pp_schedule}: Megatron-LM's interleaved schedule "
+                            "is modelled as --pp-schedule interleaved-1f1b with --grad-accum a multiple of --pp (its "
+                            "default micro-batch group of pp; other counts raise in "
+                            "forward_backward_pipelining_with_interleaving)")
     # accumulation enters only through whether FSDP accumulates its gradients unsharded (no_sync)
     # (an encoder-decoder's coefficients are read at its decoder-to-encoder length ratio)
     # (and interleaved 1F1B's pairs in flight, from the schedule of grad_accum micro-batches)
@@ -1854,7 +1887,8 @@ def head_wgrad(m: ModelSpec, t: TrainingSpec, cast_head: int) -> int:
     the trace's peak is this cast (``lm_head`` ``ToCopyBackward0``), 1.5% above the estimate's
     highest moment before. 0 without an autocast copy of a trainable head run in one piece (LoRA
     freezes it; a chunked, fused or compiled loss, a 4-bit head have moments of their own)."""
-    one_piece = t.loss_chunks == 1 and loss_mode(m, t) in ("upcast", "half") and not t.compile and not t.quantize
+    one_piece = (t.loss_chunks == 1 and loss_mode(m, t) in ("upcast", "half", "vocab-parallel") and not t.compile
+                 and not t.quantize)
     return cast_head if (cast_head and is_lm(m) and not t.lora_rank and one_piece) else 0
 
 
@@ -1941,12 +1975,22 @@ def _interleaved_terms(m: ModelSpec, t: TrainingSpec, st: States, stage: str, pe
     rank's first backward, ``pipe_units_later`` at most afterwards (schedules.in_flight_at_backwards).
     The last rank's peak is its head stage's backward, with one micro-batch of that stage in flight
     (its forward is followed by its backward, the loss in between) and the others its other stages'
-    pairs, each holding its stage output (``pipe_out_tok``, torch ``stage.py`` ``fwd_cache``)."""
-    if not (torch_pipeline(t) and t.virtual_stages > 1):
+    pairs, each holding its stage output (``pipe_out_tok``, torch ``stage.py`` ``fwd_cache``).
+
+    Megatron-LM's interleaved schedule (``--framework megatron``) runs its own order
+    (``schedules.megatron_rank_order``; the same as torch's when the micro-batches are a multiple of
+    pp) and keeps less per pair: a chunk's output is freed once sent (``deallocate_output_tensor``,
+    megatron/core/pipeline_parallel/schedules.py L157-185 at 6e091e1b; ``deallocate_pipeline_outputs``
+    is set by megatron/training/argument_utils.py L300), and the tensor a chunk receives is its first layer's
+    input, which that layer saves (no receive buffer beside it: ``pipe_fed`` 0)."""
+    if not (t.pp > 1 and t.virtual_stages > 1):
         return {}
+    torch_pp = torch_pipeline(t)
     rank, v = (0 if stage == "first" else t.pp - 1), t.virtual_stages
     head = v - 1 if stage == "last" else None
-    first, fed, most, grads = in_flight_at_backwards(t.pp, v, t.grad_accum, rank, head)
+    first, fed, most, grads = in_flight_at_backwards(t.pp, v, t.grad_accum, rank, head, megatron=not torch_pp)
+    if not torch_pp:
+        fed, most, grads = 0, (most[0], 0, most[2]), (grads[0], 0, grads[2])
     # a stage's gradients: its layers', and on the first rank's first stage the embedding's (the rest of
     # the rank's); the head stage's are never absent at the last rank's later head backward
     per_stage = st.layer_grads * (m.num_layers // (t.pp * v))
@@ -1959,7 +2003,7 @@ def _interleaved_terms(m: ModelSpec, t: TrainingSpec, st: States, stage: str, pe
     return {"pipe_units": first, "pipe_units_later": most[0], "pipe_fed": fed, "pipe_fed_later": most[1],
             "pipe_units_alt": grads[0], "pipe_fed_alt": grads[1], "pipe_grads_absent_alt": absent(grads[2]),
             "pipe_grads_absent": absent(most[2]), "pipe_head_once": int(stage == "last"),
-            "pipe_out_tok": per_tok if stage == "last" else 0.0, "pipe_stages": v}
+            "pipe_out_tok": per_tok if (stage == "last" and torch_pp) else 0.0, "pipe_stages": v}
 
 
 def _split_outer(outer: list[tuple[str, float, float]], rest_pos: float) -> tuple[float, float, float, float]:
@@ -2035,8 +2079,12 @@ def _communication(t: TrainingSpec, st: States) -> tuple[int, str]:
     """Buffers that exist from model wrap: DDP's flat gradient buckets (``gradient_as_bucket_view``
     off: a copy of every gradient), or DeepSpeed ZeRO-3's gradient bucket buffer
     (``deepspeed_buckets``). Its gathered parameters live in forward and backward only
-    (``deepspeed_gathered``), as FSDP's buffers (``fsdp_buffers``). FSDP's buffers live only in forward and backward (``fsdp_buffers``)."""
-    if t.dp > 1 and t.zero_stage == 0 and not t.distributed_optimizer and t.gemini is None and st.trainable:
+    (``deepspeed_gathered``), as FSDP's buffers (``fsdp_buffers``). FSDP's buffers live only in forward and backward (``fsdp_buffers``).
+    Megatron-LM's DDP (``TrainingSpec.megatron_ddp``) has no bucket copies: its gradients are views of
+    the contiguous buffer, all-reduced in place (megatron/core/distributed/param_and_grad_buffer.py
+    at 6e091e1b, L672-674: ``torch.distributed.all_reduce(bucket.grad_data, ...)``)."""
+    if t.dp > 1 and t.zero_stage == 0 and not t.distributed_optimizer and t.gemini is None and st.trainable \
+            and not t.megatron_ddp:
         return st.grads, "communication.ddp_buckets"
     bucket = deepspeed_buckets(t)[0]   # DeepSpeed ZeRO-3's gradient bucket buffer, from engine start
     if bucket:

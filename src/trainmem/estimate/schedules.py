@@ -54,8 +54,49 @@ def rank_order(pp: int, local: int, micro: int, rank: int) -> tuple[tuple[str, i
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=256)
+def megatron_rank_order(pp: int, local: int, micro: int, rank: int) -> tuple[tuple[str, int, int], ...]:
+    """Megatron-LM's interleaved 1F1B (``forward_backward_pipelining_with_interleaving``,
+    megatron/core/pipeline_parallel/schedules.py at 6e091e1b) as the actions of ``rank``, in the same
+    form as :func:`rank_order`. Its table (``get_schedule_table``, L874-901) runs the micro-batches in
+    groups of ``microbatch_group_size_per_vp_stage`` (its default: pp), every model chunk of a group in
+    turn; ``get_pp_rank_microbatches`` (L814-871) gives ``(pp - rank - 1) * 2 + (chunks - 1) * group``
+    warm-up forwards (all of them when that reaches chunks x micro-batches: forwards first, then
+    backwards); then each step one forward (virtual micro-batch ``k + warmup``) and one backward
+    (``k``), whose chunk is the table's reversed (``get_model_chunk_id(k, forward=False)``, L1144-1149)
+    and whose micro-batch is that chunk's oldest in flight (``input_tensors[chunk].pop(0)``); then the
+    cool-down backwards. Micro-batches fewer than pp are refused (``ValueError``, L1060-1068)."""
+    group = pp
+    table: list[tuple[int, int]] = []   # (micro-batch, chunk) of each virtual micro-batch, forward order
+    for lo in range(0, micro, group):
+        hi = micro if lo + group >= micro else lo + group
+        table.extend((mb, c) for c in range(local) for mb in range(lo, hi))
+    total = micro * local
+    warmup = min((pp - rank - 1) * 2 + (local - 1) * group, total)
+    pending: dict[int, list[int]] = {}
+    out: list[tuple[str, int, int]] = []
+
+    def forward(k: int) -> None:
+        mb, c = table[k]
+        pending.setdefault(c, []).append(mb)
+        out.append((FORWARD, c, mb))
+
+    def backward(k: int) -> None:
+        c = local - 1 - table[k][1]
+        out.append((BACKWARD, c, pending[c].pop(0)))
+
+    for k in range(warmup):
+        forward(k)
+    for k in range(total - warmup):
+        forward(k + warmup)
+        backward(k)
+    for k in range(total - warmup, total):
+        backward(k)
+    return tuple(out)
+
+
 def in_flight_at_backwards(pp: int, local: int, micro: int, rank: int,
-                           stage: int | None = None) -> tuple[int, int, tuple, tuple]:
+                           stage: int | None = None, megatron: bool = False) -> tuple[int, int, tuple, tuple]:
     """The rank's backwards as the estimate's moments: (pairs in flight at its first backward, of
     them the pairs not of the model's first stage, whose first layer saved the receive buffer; then
     two later backwards as (pairs, of them fed by a receive buffer, the local stages with no
@@ -65,11 +106,11 @@ def in_flight_at_backwards(pp: int, local: int, micro: int, rank: int,
     stage's are created by its first backward; a stage being backwarded for the first time counts
     as without); the estimate keeps the larger of the two (``moments.tokens``). ``stage``: only
     the backwards of that local stage count (the last rank's head stage, whose backward also holds
-    the logits)."""
+    the logits). ``megatron``: Megatron-LM's order (:func:`megatron_rank_order`), else torch's."""
     alive: set[tuple[int, int]] = set()
     done: set[int] = set()
     counts: list[tuple[int, int, int, tuple[int, ...]]] = []
-    for kind, v, mb in rank_order(pp, local, micro, rank):
+    for kind, v, mb in (megatron_rank_order if megatron else rank_order)(pp, local, micro, rank):
         if kind == FORWARD:
             alive.add((v, mb))
             continue

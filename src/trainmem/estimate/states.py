@@ -94,10 +94,24 @@ def _dim0_padded(shape: tuple[int, ...], n: int, d: int) -> int:
     return -(-rows // d) * d * row
 
 
+#: the biases of row-parallel linears (the attention's output and the MLP's down projection), by name
+_ROW_PARALLEL_BIASES = ("attn.c_proj.bias", "mlp.c_proj.bias", "o_proj.bias", "down_proj.bias", "output.dense.bias")
+#: learned position tables (GPT-2's ``wpe``, BERT's ``position_embeddings``)
+_POSITION_TABLES = ("wpe", "position_embeddings")
+
+
 def _tp_div(p: ParamTensor, tp: int) -> int:
-    """Elements of ``p`` on one tensor-parallel rank: matmul weights, their biases and embeddings
-    are split; norms and routers are replicated (Megatron-LM layout)."""
-    if tp == 1 or p.role in ("norm", "router"):
+    """Elements of ``p`` on one tensor-parallel rank: matmul weights, the biases of column-parallel
+    linears and the token embedding are split; norms, routers, learned position tables and the biases
+    of row-parallel linears are replicated (Megatron-LM layout: ``RowParallelLinear`` keeps its whole
+    bias on every rank and adds it after the all-reduce, megatron/core/tensor_parallel/layers.py L1268
+    ``self.bias = Parameter(torch.empty(self.output_size, ...))``, as Transformer Engine's ``parallel_mode="row"``;
+    ``LanguageModelEmbedding`` builds its position table as a plain ``torch.nn.Embedding(max_sequence_length,
+    hidden_size)``, megatron/core/models/common/embeddings/language_model_embedding.py L67, both at
+    6e091e1b; PyTorch's ``RowwiseParallel`` replicates the bias too, torch/distributed/tensor/parallel/style.py
+    ``_partition_linear_fn``)."""
+    if tp == 1 or p.role in ("norm", "router") or p.module in _POSITION_TABLES or \
+            (p.role == "bias" and p.name.endswith(_ROW_PARALLEL_BIASES)):
         return p.numel
     return -(-p.numel // tp)
 
@@ -463,7 +477,7 @@ class _Rank:
         per_stage = hi - lo
         w = t.weight_bytes
         half_master = t.fp32_master
-        return _Rank(per_stage, lo, hi, stage, w, 4 if t.distributed_optimizer else fsdp1_accumulated_bytes(t, w),
+        return _Rank(per_stage, lo, hi, stage, w, t.main_grad_bytes or fsdp1_accumulated_bytes(t, w),
                      4 if (w == 4 or half_master) else w, half_master, t.zero_stage,
                      max(t.zero_stage, 1) if t.distributed_optimizer else t.zero_stage, t.shard_group,
                      t.zero_stage >= 2 and not t.accumulates_unsharded, t.fsdp_mixed_units,

@@ -33,9 +33,10 @@ def _gpt2(s: ModelSpec) -> Iterator[ParamTensor]:
         p = f"h.{i}"
         yield from _norm(s, f"{p}.ln_1", "ln_1", i)
         # Conv1D stores (in, out); the matmul is the same either way.
-        yield ParamTensor(f"{p}.attn.c_attn.weight", (h, 3 * h), "linear", "c_attn", i)
+        qkv = s.q_size + 2 * s.kv_size  # 3 h (grouped heads: ``_trainmem.num_kv_heads``, spec.config._gpt2_spec)
+        yield ParamTensor(f"{p}.attn.c_attn.weight", (h, qkv), "linear", "c_attn", i)
         if b:
-            yield ParamTensor(f"{p}.attn.c_attn.bias", (3 * h,), "bias", "c_attn", i)
+            yield ParamTensor(f"{p}.attn.c_attn.bias", (qkv,), "bias", "c_attn", i)
         yield ParamTensor(f"{p}.attn.c_proj.weight", (h, h), "linear", "c_proj", i)
         if b:
             yield ParamTensor(f"{p}.attn.c_proj.bias", (h,), "bias", "c_proj", i)

@@ -419,14 +419,18 @@ def _header(config: Mapping[str, Any], name: str) -> tuple[dict[str, Any], Mappi
 
 def _gpt2_spec(cfg: dict[str, Any], extra: Mapping[str, Any], arch: str, name: str,
                common: dict[str, Any]) -> ModelSpec:
-    """GPT-2 configs, and nanoGPT's (no biases) as family ``nanogpt``."""
+    """GPT-2 configs, and nanoGPT's (no biases) as family ``nanogpt``. ``_trainmem.num_kv_heads``: grouped
+    key/value heads on that layer (Megatron-LM's GPT with ``--group-query-attention --num-query-groups N``:
+    megatron/core/transformer/attention.py ``SelfAttention``, one fused ``linear_qkv`` of
+    ``(heads + 2 * groups) * head_dim`` outputs); transformers' GPT-2 has none, so trace refuses it."""
     h = _int(cfg, name, "n_embd", "hidden_size")
     family = extra.get("family") or ("nanogpt" if cfg.get("bias") is False else "gpt2")
     bias = cfg.get("bias", True) is not False
+    heads = _int(cfg, name, "n_head", "num_attention_heads")
     return ModelSpec(
         family=family, head=_head(arch or "GPT2LMHeadModel", name),
         num_layers=_int(cfg, name, "n_layer", "num_hidden_layers"), hidden_size=h,
-        num_heads=_int(cfg, name, "n_head", "num_attention_heads"),
+        num_heads=heads, num_kv_heads=_int(extra, name, "num_kv_heads", default=heads),
         vocab_size=_int(cfg, name, "vocab_size"),
         ffn_size=_int(cfg, name, "n_inner", default=4 * h),
         activation=_activation(cfg.get("activation_function", "gelu_new"), name),

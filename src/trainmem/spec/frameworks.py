@@ -447,12 +447,7 @@ def _check_deepspeed(t: Any, model: Any, version: Any, given: frozenset[str]) ->
 
 
 def _check_megatron(t: Any, model: Any, version: Any, given: frozenset[str]) -> list[str]:
-    out = _others(t, "Megatron-LM", dist=False)
-    if t.precision in ("bf16", "fp16") and not t.distributed_optimizer:
-        out.append(f"Megatron keeps fp32 main gradients with --{t.precision} (accumulate_allreduce_grads_in_fp32) "
-                   f"without --distributed-optimizer too; trainmem counts {t.precision} gradients here "
-                   f"(2 bytes per parameter fewer)")
-    return out
+    return _others(t, "Megatron-LM", dist=False)
 
 
 def _s(repo: str, path: str, lines: str) -> Source:
@@ -776,11 +771,10 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                           note="zero_grad_buffer() zeroes the contiguous gradient buffer, which stays allocated"),
         "hold_output": Cell("loss", (_s("megatron", "pretrain_gpt.py", "348-358"),
                                      _s("megatron", "megatron/core/models/gpt/gpt_model.py", "790-796"))),
-        "loss": Cell(shown="the model's own (not verified)",
-                     sources=(_s("megatron", "megatron/core/tensor_parallel/cross_entropy.py", "25"),
-                              _s("megatron", "megatron/core/tensor_parallel/cross_entropy.py", "181")),
-                     note="vocab_parallel_cross_entropy computes the softmax in place on one fp32 copy and saves "
-                          "it; trainmem's upcast counts one fp32 logits tensor more"),
+        "loss": Cell("vocab-parallel", (_s("megatron", "megatron/core/tensor_parallel/cross_entropy.py", "25"),
+                                        _s("megatron", "megatron/core/tensor_parallel/cross_entropy.py", "181")),
+                     note="vocab_parallel_cross_entropy computes the softmax in place on one fp32 copy of the "
+                          "logits and saves it; its gradient is that tensor, cast back to the logits' dtype"),
         "attention": Cell(shown="sdpa (not verified: Transformer Engine picks)",
                           sources=(_s("megatron", "megatron/core/transformer/transformer_config.py", "144"),)),
         "recompute": Cell("none", (_s("megatron", "megatron/core/transformer/transformer_config.py", "518"),)),

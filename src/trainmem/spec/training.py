@@ -58,7 +58,8 @@ HOLD_OUTPUT = ("loss", "backward", "step")  # what the loop keeps of the model o
 #: fused linear + cross-entropy (no logits materialised); chunked-nll: TRL's SFTTrainer loss_type
 #: 'chunked_nll' (the head and an fp32 cross-entropy over 256 labelled tokens at a time, each chunk
 #: checkpointed)
-LOSSES = ("upcast", "half", "chunked", "fused", "chunked-nll")
+LOSSES = ("upcast", "half", "chunked", "fused", "chunked-nll", "vocab-parallel")
+#: vocab-parallel: Megatron-LM's ``_VocabParallelCrossEntropy`` (estimate.quantities._vocab_parallel_bytes)
 #: TRL's chunk of labelled tokens (trl/trainer/sft_trainer.py ``_CHUNKED_LM_HEAD_CHUNK_SIZE``, L86 at v1.9.0)
 CHUNKED_NLL_TOKENS = 256
 LOSS_SHIFTS = ("labels", "logits")  # how next-token targets are aligned: shifted labels, or a shifted logits copy
@@ -72,6 +73,9 @@ GRAD_SYNC = ("micro-batch", "step")
 #: flight (1F1B: pp - stage; GPipe: every micro-batch of the step; interleaved: per virtual stage, as
 #: its op order keeps them; zero-bubble: traced only, the estimate refuses it)
 PP_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zero-bubble")
+#: which pipeline rank a report describes: the worst of the candidates (``worst_stage_candidates``), or the
+#: first or the last stage's rank (a measurement logged on one rank: Megatron-LM logs on the last)
+PP_STAGES = ("worst", "first", "last")
 #: the schedules with several stages per rank, and how many when not given
 MULTI_STAGE_SCHEDULES = ("interleaved-1f1b", "zero-bubble")
 PP_VIRTUAL_STAGES = 2
@@ -203,6 +207,7 @@ class TrainingSpec:
     num_microbatches_in_flight: int | None = None  # pipeline; None = the schedule's (1F1B: pp; GPipe: grad_accum)
     pp_schedule: str = "1f1b"  # PP_SCHEDULES: the pipeline schedule
     pp_virtual_stages: int | None = None  # interleaved-1f1b, zero-bubble: stages per rank (None: PP_VIRTUAL_STAGES)
+    pp_stage: str = "worst"  # PP_STAGES: the rank reported under --pp (the worst, or the first or last stage's)
     pp_first_stage_less_layers: int = 0  # torchtitan's split: the embeddings weigh this many layers (0: even split)
     pp_last_stage_less_layers: int = 0   # ... and the final norm and head this many (spec.layout.stage_layer_counts)
     loss_chunks: int = 1  # chunked cross-entropy: head + loss run over the tokens in this many chunks
@@ -274,6 +279,7 @@ class TrainingSpec:
             _choice("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS)
         for key, choices in (("recompute", RECOMPUTE), ("attention", ATTENTION), ("zero_grad", ZERO_GRAD),
                              ("hold_output", HOLD_OUTPUT), ("grad_sync", GRAD_SYNC), ("pp_schedule", PP_SCHEDULES),
+                             ("pp_stage", PP_STAGES),
                              ("fsdp_lora_units", FSDP_LORA_UNITS), ("fsdp_gathered", FSDP_GATHERED)):
             _choice(key, getattr(self, key), choices)
         if self.remote_device is not None:
@@ -542,6 +548,8 @@ class TrainingSpec:
         ``pipelining/schedules.py`` L1052-1055) and as many under GPipe, and of the middle stages it
         holds the most layers and micro-batches. With an even split a middle stage holds as many
         layers as the first, fewer micro-batches (1F1B) and no embeddings: not computed."""
+        if self.pp_stage != "worst":   # one rank asked for (--pp-stage first|last)
+            return (self.pp_stage,)
         if self.pp > 2 and self.pp_weighted and self.virtual_stages == 1:
             return "first", "middle", "last"
         return "first", "last"
@@ -765,7 +773,7 @@ class TrainingSpec:
         if self.loss == "chunked" and self.loss_chunks < 2:
             raise TrainmemError("--loss chunked needs --loss-chunks N >= 2 (torchtune's num_output_chunks; "
                                 "its recipes use 8)")
-        if self.loss in ("upcast", "fused", "chunked-nll") and self.loss_chunks > 1:
+        if self.loss in ("upcast", "fused", "chunked-nll", "vocab-parallel") and self.loss_chunks > 1:
             raise TrainmemError(f"--loss {self.loss} computes the loss in one piece (fused and chunked-nll pick "
                                 f"their own chunks); "
                                 f"--loss-chunks {self.loss_chunks} needs --loss chunked (upcast chunks, torchtune) "
@@ -876,6 +884,24 @@ class TrainingSpec:
         return self.distributed_optimizer or (self.zero >= 1 and self.fsdp is None) or self.gemini is not None
 
     @property
+    def megatron_ddp(self) -> bool:
+        """Megatron-LM's own DDP (``--framework megatron``): the gradients are views of a contiguous
+        buffer made at model wrap and never freed (megatron/core/distributed/distributed_data_parallel.py
+        at 6e091e1b, L126-243: ``group_params_for_buffers``, ``_ParamAndGradBuffer``)."""
+        return self.extra.get("framework") == "megatron"
+
+    @property
+    def main_grad_bytes(self) -> int | None:
+        """Bytes per element of fp32 main gradients beside the weights, None without them: Megatron's
+        distributed optimizer, and Megatron-LM's DDP under ``--bf16``, where arguments.py sets
+        ``accumulate_allreduce_grads_in_fp32`` (megatron/training/arguments.py L1172-1185 at 6e091e1b:
+        "bfloat16 requires gradient accumulation and all-reduce to be done in fp32"), so the buffer is
+        fp32 whatever the optimizer. Under ``--fp16`` Megatron keeps fp16 gradients unless asked."""
+        if self.distributed_optimizer or (self.megatron_ddp and self.precision == "bf16"):
+            return 4
+        return None
+
+    @property
     def accumulates_unsharded(self) -> bool:
         """FSDP gradients accumulated unsharded: ``--grad-sync step`` with accumulation, i.e. every
         micro-batch but the last runs backward inside ``no_sync()``. torch 2.13
@@ -984,6 +1010,8 @@ def setup_warnings(t: TrainingSpec) -> list[str]:
     if t.pp_schedule != "1f1b" and t.pp == 1:
         out.append(f"--pp-schedule {t.pp_schedule} without --pp: one stage has no pipeline schedule, so it "
                    "changes nothing")
+    if t.pp_stage != "worst" and t.pp == 1:
+        out.append(f"--pp-stage {t.pp_stage} without --pp: one stage is every rank, so it changes nothing")
     if t.pp_weighted and t.pp == 1:
         out.append("--pp-first-stage-less-layers / --pp-last-stage-less-layers without --pp: one stage holds "
                    "every layer, so the stage split changes nothing")
