@@ -193,9 +193,10 @@ def _trl_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] | N
     0.12-0.21 run ``prepare_model_for_kbit_training`` (the weights that are not 4-bit to fp32) and,
     with bf16, ``peft_module_casting_to_bf16`` (utils.py L842-849 at v0.12.0), which casts norms to
     fp32 and the embeddings and head back to bf16 but leaves the adapters alone (``--half-embeddings``
-    when the preset's precision is bf16-amp, from 0.19); 0.22-0.25 cast nothing. From 1.7 ``loss_type`` defaults to ``chunked_nll`` (sft_config.py L335-336 at v1.9.0):
-    ``--loss chunked-nll`` where the estimate models it (``training.chunked_nll_problem``: not a
-    derived architecture); elsewhere the model's own loss stays, with a warning."""
+    when the preset's precision is bf16-amp, from 0.19); 0.22-0.25 cast nothing. From 1.7
+    ``loss_type`` defaults to ``chunked_nll`` (sft_config.py L335-336 at v1.9.0): ``--loss chunked-nll``
+    where the estimate models it (``training.chunked_nll_problem``: not a derived architecture);
+    elsewhere the model's own loss stays, with a warning."""
     out: dict[str, Any] = {}
     if version is None or version >= (0, 22):
         out["use_cache"] = False
