@@ -372,13 +372,20 @@ def test_trl_version_rules():
 
 def test_trl_qlora_adapters_follow_the_release():
     """From 0.26 SFTTrainer casts a quantized model's trainable parameters to bf16; before, peft keeps
-    the adapters fp32; 0.12-0.21 also cast the embeddings back to bf16 (warned)."""
+    the adapters fp32; 0.12-0.21 also cast the embeddings and head back to bf16 when bf16 is on
+    (--half-embeddings: by default from 0.19; before, the preset's fp32 runs no autocast and no cast)."""
     q = dict(quantize="nf4", lora_rank=16)
     assert resolve("llama-3.1-8b", framework="trl", **q).training.lora_dtype == "half"
-    assert resolve("llama-3.1-8b", framework="trl", framework_version="0.25", **q).training.lora_dtype is None
+    new = resolve("llama-3.1-8b", framework="trl", framework_version="0.25", **q).training
+    assert new.lora_dtype is None and not new.half_embeddings
     old = resolve("llama-3.1-8b", framework="trl", framework_version="0.20", **q).training
-    assert old.precision == "bf16-amp" and old.lora_dtype is None
-    assert any("peft_module_casting_to_bf16" in w for w in old.extra["framework_warnings"])
+    assert old.precision == "bf16-amp" and old.lora_dtype is None and old.half_embeddings
+    assert not any("peft_module_casting_to_bf16" in w for w in old.extra.get("framework_warnings", []))
+    fp32 = resolve("llama-3.1-8b", framework="trl", framework_version="0.18", **q).training
+    assert fp32.precision == "fp32" and not fp32.half_embeddings
+    given = resolve("llama-3.1-8b", framework="trl", framework_version="0.20", half_embeddings=False, **q).training
+    assert not given.half_embeddings
+    assert any("peft_module_casting_to_bf16" in w for w in given.extra["framework_warnings"])
     assert resolve("llama-3.1-8b", framework="trl", lora_rank=16).training.lora_dtype is None  # not quantized
 
 
@@ -395,10 +402,11 @@ def test_trl_computes_its_chunked_loss_from_1_7():
 
 #: what fms-hf-tuning's benchmark gives SFTTrainer (its TrainingArguments and model loading); the rest
 #: is TRL's (9b80f3d, between 0.11 and 0.12: --framework-version 0.12)
-#: (and the transformers release its requirements pin, which TRL's preset does not imply)
+#: (and the transformers release its requirements pin, which TRL's preset does not imply, and the FSDP1 of
+#: its accelerate 0.34.2)
 FMS_GIVEN = ("batch_size", "seq_len", "grad_accum", "gpu", "lora_rank", "lora_targets", "lora_dropout", "dp",
              "fsdp", "attention", "recompute", "precision", "quantize", "quantize_via", "bitsandbytes_version",
-             "transformers_version")
+             "transformers_version", "fsdp_version")
 
 
 def _fms_fixtures():

@@ -132,6 +132,8 @@ CASES = [
      "Llama-3.2-1B ties its head to the embedding, which neither converts, and Fabric's fp16 dequantized "
      "copies hide under this tiny model's loss peak (tests/test_trace_bnb.py: an untied head)"),
     ({"bitsandbytes_version": "0.42.0", "lora_rank": 8, "quantize": "nf4"}, CHANGED, ""),  # vs a current release
+    ({"half_embeddings": True, "lora_rank": 8, "quantize": "nf4"}, CHANGED, ""),  # TRL's bf16 tables (vs QLoRA)
+    ({"half_embeddings": True, "lora_rank": 8}, REFUSED, "--half-embeddings"),
     # another PyTorch release: trace runs the installed one (the estimate models older ones)
     ({"torch_version": "1.10", "attention": "eager"}, REFUSED, "--torch-version 1.10: trace runs the installed PyTorch"),
     # another transformers release: trace runs the installed one (the estimate models older model code)
@@ -185,6 +187,7 @@ REFERENCE = {"fsdp_version": {"fsdp": "full", "dp": 2}, "use_cache": {"hold_outp
              "sequence_parallel": {"tp": 2},
              "quantize": {"lora_rank": 8}, "quantize_via": {"lora_rank": 8, "quantize": "nf4"},
              "bitsandbytes_version": {"lora_rank": 8, "quantize": "nf4"},
+             "half_embeddings": {"lora_rank": 8, "quantize": "nf4"},
              "grad_sync": {"grad_accum": 2, "fsdp": "full", "dp": 2}, "offload_activations": {"recompute": "full"},
              "pp": {"grad_accum": 2}, "num_microbatches_in_flight": {"pp": 2, "grad_accum": 2},
              "pp_schedule": {"pp": 2, "grad_accum": 2}, "cast_output": {"loss": "half"},

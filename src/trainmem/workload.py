@@ -641,8 +641,30 @@ def prepare_model(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec) -> t
     from . import litgpt_modules
     add_layer_rope_cache(model, spec, t)
     add_rope_cache(model, spec, t)
-    model = apply_lora(apply_quantization(model, t), spec, t)
+    model = apply_lora(cast_half_embeddings(apply_quantization(model, t), t), spec, t)
     return litgpt_modules.apply(model, t)
+
+
+#: the module names TRL's ``peft_module_casting_to_bf16`` casts back to bf16 (trl 0.13.0 trl/trainer/utils.py L876)
+HALF_EMBEDDING_NAMES = ("lm_head", "embed_tokens", "wte", "wpe")
+
+
+def cast_half_embeddings(model: torch.nn.Module, t: TrainingSpec) -> torch.nn.Module:
+    """``--half-embeddings``: TRL 0.12-0.21's ``peft_module_casting_to_bf16`` (trl 0.13.0
+    ``trl/trainer/utils.py`` L872-879), run after peft's ``prepare_model_for_kbit_training`` made every
+    weight that is not 4-bit fp32: a module whose name holds ``norm`` stays fp32; one whose name holds
+    ``lm_head``, ``embed_tokens``, ``wte`` or ``wpe`` and whose weight is fp32 goes to the half dtype
+    (TRL's bf16; fp16 under ``--precision fp16-amp``)."""
+    if not t.half_embeddings:
+        return model
+    half = torch.bfloat16 if t.precision == "bf16-amp" else torch.float16
+    for name, module in model.named_modules():
+        if "norm" in name or not any(x in name for x in HALF_EMBEDDING_NAMES):
+            continue
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.dtype == torch.float32:
+            module.to(half)
+    return model
 
 
 def _offload_base_model(model: torch.nn.Module) -> Any:

@@ -220,6 +220,9 @@ def _add_lora(g: Any) -> None:
                                           "bnb.nf4-dq", "bnb.fp4-dq"), default=None,
                    help="QLoRA: bitsandbytes 4-bit base weights (BitsAndBytesConfig bnb_4bit_quant_type; -dq: "
                         "bnb_4bit_use_double_quant; litgpt's bnb.* names too); needs --lora-rank")
+    g.add_argument("--half-embeddings", action="store_true", default=None,
+                   help="QLoRA under autocast: the embeddings and LM head in the half dtype, the other non-4-bit "
+                        "weights fp32 (TRL 0.12-0.21's peft_module_casting_to_bf16); needs --quantize, bf16-amp")
 
 
 def _add_loss(g: Any) -> None:
@@ -413,7 +416,8 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 keep_logits=a.keep_logits,
                 optimizer_in_backward=a.optimizer_in_backward, hold_output=a.hold_output, zero_grad=a.zero_grad,
                 lora_rank=a.lora_rank, lora_dropout=a.lora_dropout, lora_dtype=a.lora_dtype,
-                lora_targets=a.lora_targets, quantize=a.quantize, dropout=False if a.no_dropout else None,
+                lora_targets=a.lora_targets, quantize=a.quantize, half_embeddings=a.half_embeddings,
+                dropout=False if a.no_dropout else None,
                 optimizer_bucket_mb=a.optimizer_bucket_mb, loss_chunks=a.loss_chunks, loss=a.loss,
                 master_weights=a.master_weights, framework=a.framework, framework_version=a.framework_version,
                 torch_version=a.torch_version, grad_sync=a.grad_sync, fsdp_lora_units=a.fsdp_lora_units,

@@ -184,6 +184,8 @@ def activations(q: Quantities, tk: Tokens, at_peak: int, t: TrainingSpec, n: int
     per_rank = alive * tk.inflight  # the layers whose tensors are alive (all of them but at a middle moment)
     # a later pipeline stage's first layer saves the receive buffer, counted with the inputs
     received = int(q.detail.received_tok * n) * tk.fed
+    # the first layer's half input under --half-embeddings (quantities.half_embedding_output)
+    half_first = int(q.detail.half_input_tok * n) * tk.fed
     if t.recompute == "full" and t.recompute_every > 1:
         listed.append(Component("activations.layers.kept", ACTIVATIONS, tk.layer * per_rank, None,
                                 f"every {t.recompute_every}th layer keeps only its input, the others everything"))
@@ -192,8 +194,9 @@ def activations(q: Quantities, tk: Tokens, at_peak: int, t: TrainingSpec, n: int
         inputs = int(q.detail.input_tok * n) if t.recompute == "op" else tk.layer
         if inputs * per_rank - received:  # none with --offload-activations: the inputs are in CPU memory
             listed.append(Component("activations.layers.checkpointed_inputs", ACTIVATIONS,
-                                    inputs * per_rank - received, stream,
-                                    f"{t.recompute} recompute keeps each layer's input"))
+                                    inputs * per_rank - received - half_first, stream,
+                                    f"{t.recompute} recompute keeps each layer's input"
+                                    + (" (the first layer's half)" if half_first else "")))
         if tk.layer - inputs:
             listed.append(Component("activations.layers.op_saved", ACTIVATIONS, (tk.layer - inputs) * per_rank, None,
                                     "outputs torchtitan's per-op policy saves: every other matmul, the SDPA kernel"))

@@ -58,6 +58,7 @@ class Detail:
     comm_name: str
     input_tok: float                              # a layer's input per token (full recompute keeps it)
     received_tok: float = 0.0                     # of the first layer's saved input, the pipeline's receive buffer
+    half_input_tok: float = 0.0                   # ... what a half embedding output keeps less (half_embedding_output)
     recompute_ops: int = 0                        # of ``transients``, the last ones: recompute_transients
 
 
@@ -1679,7 +1680,8 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     cast_layer, cast_head, cast_embed = _autocast_copies(m, t, st, pol, head_here, stage)
     lora_first = first_layer_unsaved(t, lc, stage)
     pipe, received = _pipeline_terms(m, t, st, pol, stage, input_tok, lc)
-    first = lora_first + received
+    half_in = half_embedding_output(t, pol, stage, input_tok)
+    first = lora_first + received + half_in
     outer, rest_pos = derived_outer(m, t, stage) if derived else (outer_tensors(m, t, pol, stage), 0.0)
     head_tok, rest_tok, rest_sq, rest_pos = _split_outer(outer, rest_pos)
     loss = loss_bytes(m, t, pol) if head_here else LossBytes()
@@ -1741,7 +1743,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         trainer_cp=trainer_cp_inputs(m, t), embeds_tok=held_embeddings(m, t, pol, lc),
         dec_num=decoder_ratio(m, t)[0], dec_den=decoder_ratio(m, t)[1], **_derived_fields(m, t, stage), **pipe,
         detail=Detail(st, lc, outer, comm_name, input_tok, sum(a for _, a, _ in received),
-                      len(recompute_transients(t, lc))))
+                      half_input_tok=sum(a for _, a, _ in half_in), recompute_ops=len(recompute_transients(t, lc))))
 
 
 def held_embeddings(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs | None = None) -> float:
@@ -2134,6 +2136,24 @@ def head_casts(m: ModelSpec, t: TrainingSpec) -> int:
     frozen = bool(t.lora_rank) and "lm_head" not in (t.lora_targets or ())
     chunked = is_lm(m) and t.loss_chunks > 1 and loss_mode(m, t) in ("chunked", "half")
     return t.loss_chunks if (frozen and chunked) else 1
+
+
+def half_embedding_output(t: TrainingSpec, pol: Policy, stage: str, input_tok: float
+                          ) -> tuple[tuple[str, float, float], ...]:
+    """``half_embeddings`` (TRL's bf16 embedding over fp32 norms, ``states.half_embedding_tensor``):
+    what the first layer's checkpointed input keeps less than the others'. The embedding's output is
+    half, so the first checkpointed layer keeps a half input (b, s, h); from that layer's MLP on the
+    residual stream is fp32 as ``--precision bf16-amp`` models it: the fp32 post-attention norm's
+    output (its fp32 weight times the half input, transformers 4.48.1 ``MistralRMSNorm.forward``)
+    goes through bitsandbytes' ``Linear4bit``, which returns its input's dtype (bitsandbytes 0.43.3
+    ``nn/modules.py`` ``Linear4bit.forward``: ``out.to(inp_dtype)``), and the half residual plus that
+    fp32 output is fp32. Under full (or op) recompute of every layer, on the stage holding the first
+    layer; without recompute the first layer's saved tensors are the fp32 stream's (not modelled).
+    The allocator replay (``reserved.py``) keeps every layer's input at the stream's size."""
+    if not t.half_embeddings or t.recompute not in ("full", "op") or t.recompute_every != 1 \
+            or t.offload_activations or not (t.pp == 1 or stage == "first") or pol.stream <= 2:
+        return ()
+    return (("first_layer.half_input", input_tok * (1 - 2 / pol.stream), 0.0),)
 
 
 def first_layer_unsaved(t: TrainingSpec, lc: LayerCoefs, stage: str) -> tuple[tuple[str, float, float], ...]:

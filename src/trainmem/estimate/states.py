@@ -415,7 +415,7 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
            t.impl, t.lora_rank, t.lora_targets, t.lora_dtype, t.distributed_optimizer, t.offload_optimizer,
            t.fp32_master, t.quantize, t.quantize_via, t.bitsandbytes_version, t.accumulates_unsharded,
            t.fsdp_mixed_units, t.fsdp_version, t.fused_qkv, t.split_gate_up, t.layer_rope_cache, t.rope_cache, t.expandable_segments,
-           t.gemini, t.gemini_chunk_size, t.ds_params_on_host, t.ds_fp32_clone)
+           t.gemini, t.gemini_chunk_size, t.ds_params_on_host, t.ds_fp32_clone, t.half_embeddings)
     return _STATES_CACHE.get_or_build(key, lambda: _model_states(m, t, stage))
 
 
@@ -729,6 +729,18 @@ def _load_list(before: list, layer: list, k: int, after: list) -> tuple[int, ...
     return tuple(x for _, x in before) + tuple(x for _, x in layer) * k + tuple(x for _, x in after)
 
 
+def half_embedding_tensor(p: ParamTensor, t: TrainingSpec) -> bool:
+    """A weight that ``half_embeddings`` keeps in the half dtype (2 bytes) while the other weights
+    that are not 4-bit are fp32 under autocast: TRL's ``peft_module_casting_to_bf16`` (trl 0.13.0
+    ``trl/trainer/utils.py`` L872-879) casts the modules whose name holds ``lm_head``,
+    ``embed_tokens``, ``wte`` or ``wpe`` back to bf16 after peft's ``prepare_model_for_kbit_training``
+    made them fp32, norms excepted (those it casts to fp32 first): the embedding tables and the LM
+    head. A half head is not cast by autocast (no cached copy), and the embedding's output, the first
+    layer's input, is half (``quantities.half_embedding_output``)."""
+    return t.half_embeddings and p.layer is None and p.role != "norm" and (
+        p.role == "embedding" or p.name.startswith("lm_head"))
+
+
 def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: list, layer: list,
                   after: list) -> None:
     """The model's own parameters on this rank. Identical layers: layer 0 stands for each of the
@@ -757,7 +769,8 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
             dest.extend((f"{p.name}.4bit.{i}", b) for i, b in enumerate(parts))
             acc.q4 += k * sum(r.block(b) for b in parts)
             continue
-        wb = n * r.w
+        half_table = half_embedding_tensor(p, t)
+        wb = n * (2 if half_table else r.w)  # (TRL's bf16 embeddings and head: half_embedding_tensor)
         item = (p.name, -(-wb // r.d) if r.shard_weights else wb)
         dest.append(item)
         if r.fsdp_unsharded and p.layer is None:
@@ -771,7 +784,8 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
             # experts have no autocast rule and run in the weights' dtype (no copies)
             if p.is_matmul and t.amp and p.role != "expert":
                 acc.lmh += n * 2
-        elif p.is_matmul and t.amp:  # (before the layers, a patch embedding's: kept to the embeddings' backward)
+        elif p.is_matmul and t.amp and not half_table:  # (a half head needs no autocast copy; before the
+            #                                              layers, a patch embedding's: kept to its backward)
             acc.hmh, acc.emh = (acc.hmh + n * 2, acc.emh) if layer else (acc.hmh, acc.emh + n * 2)
         if frozen or p.role == "unused":  # (unused: built, never given a gradient, spec.profile.without_gradient)
             if r.mixed_units and p.layer is not None:
@@ -803,7 +817,7 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
         acc.layer_grads = -(-acc.layer_grads // r.per_stage)
         acc.lmh = -(-acc.lmh // r.per_stage)
     if m.tied_embeddings and t.amp and m.head in ("causal-lm", "masked-lm", "seq2seq-lm") and \
-            (t.pp == 1 or r.stage == "last"):
+            (t.pp == 1 or r.stage == "last") and not t.half_embeddings:
         # the tied embedding is also the LM head: autocast casts it for the head matmul
         emb = next(p for p in m.parameter_tensors() if p.role == "embedding")
         acc.hmh += _tp_div(emb, t.tp) * 2

@@ -192,10 +192,11 @@ def _trl_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] | N
     at v0.26.0): ``--lora-dtype half``. Before, peft's ``autocast_adapter_dtype`` keeps them fp32:
     0.12-0.21 run ``prepare_model_for_kbit_training`` (the weights that are not 4-bit to fp32) and,
     with bf16, ``peft_module_casting_to_bf16`` (utils.py L842-849 at v0.12.0), which casts norms to
-    fp32 and the embeddings and head back to bf16 but leaves the adapters alone; 0.22-0.25 cast
-    nothing. From 1.7 ``loss_type`` defaults to ``chunked_nll`` (sft_config.py L335-336 at v1.9.0):
-    ``--loss chunked-nll`` where the estimate models it (``training.chunked_nll_problem``: not a
-    derived architecture); elsewhere the model's own loss stays, with a warning."""
+    fp32 and the embeddings and head back to bf16 but leaves the adapters alone (``--half-embeddings``
+    when the preset's precision is bf16-amp, from 0.19); 0.22-0.25 cast nothing. From 1.7
+    ``loss_type`` defaults to ``chunked_nll`` (sft_config.py L335-336 at v1.9.0): ``--loss chunked-nll``
+    where the estimate models it (``training.chunked_nll_problem``: not a derived architecture);
+    elsewhere the model's own loss stays, with a warning."""
     out: dict[str, Any] = {}
     if version is None or version >= (0, 22):
         out["use_cache"] = False
@@ -205,6 +206,9 @@ def _trl_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] | N
     quantized = view.get("quantize") and view.get("quantize_via", "transformers") == "transformers"
     if quantized and view.get("lora_rank") and (version is None or version >= (0, 26)):
         out["lora_dtype"] = "half"
+    if quantized and view.get("lora_rank") and version is not None and version < (0, 22) \
+            and view.get("precision") == "bf16-amp":
+        out["half_embeddings"] = True  # (peft_module_casting_to_bf16 runs with args.bf16 only)
     return out
 
 
@@ -369,9 +373,10 @@ def _check_trl(t: Any, model: Any, version: tuple[int, ...] | None, given: froze
     if metrics:
         out.append(metrics)
     if t.quantize and t.lora_rank and version is not None and version < (0, 22) and t.precision == "bf16-amp" \
-            and t.quantize_via == "transformers":
+            and t.quantize_via == "transformers" and not t.half_embeddings:
         out.append("TRL < 0.22 with bf16: peft_module_casting_to_bf16 casts the embeddings and head back to bf16 after "
-                   "prepare_model_for_kbit_training; trainmem counts them fp32 (2 bytes per parameter more)")
+                   "prepare_model_for_kbit_training; without --half-embeddings trainmem counts them fp32 (2 bytes "
+                   "per parameter more)")
     return out
 
 
@@ -581,7 +586,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
         "QLoRA: the model's weights that are not 4-bit stay as loaded (float32 by default) under bf16 autocast "
         "(--precision bf16-amp); from 0.26 the adapters are cast to bf16 (sft_trainer.py:1127-1130, --lora-dtype "
         "half); 0.12-0.21 ran peft's prepare_model_for_kbit_training and peft_module_casting_to_bf16 "
-        "(embeddings and head to bf16, norms fp32; the report warns that trainmem counts them fp32)",
+        "(embeddings and head to bf16, norms fp32: --half-embeddings, which the preset sets with bf16)",
         "use_cache=False in compute_loss from 0.22 (sft_trainer.py:1710): no KV cache",
         "use_liger_kernel (False) and activation_offloading (False) are off by default; "
         "completion_only_loss and assistant_only_loss change which labels are -100, not a tensor's size",

@@ -189,6 +189,8 @@ class TrainingSpec:
     quantize: str | None = None  # 4-bit base weights (QUANTIZE); None: none (needs LoRA: the base is frozen)
     quantize_via: str = "transformers"  # QUANTIZE_VIA: which modules are quantized, the quant state's dtype
     bitsandbytes_version: str | None = None  # None: current (>= 0.43.2); older MatMul4Bit saves its input
+    half_embeddings: bool = False  # QLoRA under autocast: the input embedding and the LM head in the half dtype,
+    #                                the other non-4-bit weights fp32 (TRL 0.12-0.21's peft_module_casting_to_bf16)
     deepspeed_version: str | None = None  # None: current (>= 0.18.3); older ZeRO-1/2 make their buckets at
     #                                       backward's start (``deepspeed_release``)
     torch_version: str | None = None  # the PyTorch release (spec.releases); None: a current one (2.x)
@@ -319,6 +321,7 @@ class TrainingSpec:
         if self.lora_targets is not None and not self.lora_rank:
             raise TrainmemError("--lora-targets needs --lora-rank R (the adapter rank)")
         self._check_quantize()
+        self._check_half_embeddings()
         self._check_torch()
         self._check_transformers()
         if self.attention in ("flash", "sdpa-flash", "sdpa-cudnn") and self.precision == "fp32":
@@ -609,6 +612,23 @@ class TrainingSpec:
                                 "ZeRO-3/FSDP sharding (or --quantize)")
         if self.bitsandbytes_version is not None:
             self.bitsandbytes_release()
+
+    def _check_half_embeddings(self) -> None:
+        """``half_embeddings``: TRL 0.12-0.21's ``SFTTrainer`` on a 4-bit model with ``bf16=True`` runs
+        peft's ``prepare_model_for_kbit_training``, which casts every half weight that is not 4-bit to
+        fp32 (peft 0.13.2 ``utils/other.py`` L132), then ``peft_module_casting_to_bf16``, which casts the
+        norms to fp32 and ``embed_tokens``/``lm_head`` (``wte``/``wpe``) back to bf16 (trl 0.13.0
+        ``trl/trainer/utils.py`` L872-879; ``sft_trainer.py`` L186-233 calls both). So it describes 4-bit
+        base weights under autocast, where the other non-4-bit weights are fp32 (``--precision bf16-amp``)."""
+        if not self.half_embeddings:
+            return
+        if self.quantize is None or self.precision not in ("bf16-amp", "fp16-amp"):
+            raise TrainmemError("--half-embeddings describes QLoRA under autocast (TRL's peft_module_casting_to_bf16 "
+                                "after prepare_model_for_kbit_training): give --quantize nf4 (or fp4, nf4-dq, "
+                                "fp4-dq) and --precision bf16-amp, or drop --half-embeddings")
+        if self.quantize_via != "transformers":
+            raise TrainmemError("--half-embeddings is TRL's cast of a transformers model's embeddings and head; "
+                                "litgpt (--quantize-via fabric) quantizes the head itself: drop --half-embeddings")
 
     def _check_torch(self) -> None:
         """``torch_version``: a release trainmem models, and nothing asked of it that it did not have
