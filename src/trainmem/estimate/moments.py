@@ -570,8 +570,9 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
                            (kept.logits, kept.kv_forward, 0), _both(valid, q.head_temp > 0), own,
                            comm=q.ds_loss_buf + q.ds_gathered_top))
     states_mid = q.states if (states_before or flags.oib) else 0  # optimizer in backward creates them now
-    # DeepSpeed ZeRO-2 allocates its whole gradient partition at the first bucket reduction (the head's)
-    layer_grads_before = maximum(grads_before, q.ds_partition_grads)
+    # DeepSpeed ZeRO-2 allocates its whole gradient partition at the first reduction of a bucket holding
+    # one of rank 0's parameters (``quantities.deepspeed_partition_from``): here when above the layers
+    layer_grads_before = maximum(grads_before, where(q.ds_partition_from <= 0, q.ds_partition_grads, 0))
     _layers_backward(q, flags, tk, kept, (step, micro, valid, final), (layer_grads_before, states_mid, ws2, own),
                      moments)
     after_logits, after_kv = kept.after_backward()   # hold_output="backward": freed as backward returns
@@ -643,7 +644,9 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
                         moments)
     above = where(fresh, q.above_bottom, 0)    # the layers above, reduced to shards
     _i, redo, grads = tk.bottom
-    bottom = grads_before + head_grads + above + part(grads) - (q.layers - 1) * reduced
+    # (DeepSpeed ZeRO-2's partition, when a reduction in the layers above made it)
+    low_before = maximum(grads_before, where(q.ds_partition_from <= 1, q.ds_partition_grads, 0))
+    bottom = low_before + head_grads + above + part(grads) - (q.layers - 1) * reduced
     low_graph = tk.graph - tk.graph_layer + tk.graph_extra_layer
     temp = _with_update(redo, q.oib_mid) + q.tied_grad
     # (a derived encoder-decoder: the activations measured alive there, else one average layer's)
@@ -698,10 +701,13 @@ def _embedding_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept,
     # FSDP: the root's gradients are still unsharded (a tied embedding's sum among them), not yet shards
     emb_grads = q.grads + where(sync, q.fsdp_head_full + q.fsdp_emb_full + tied - where(fresh, q.fsdp_root_sharded, 0),
                                 0) - q.layers * reduced
-    # DeepSpeed ZeRO-2 with contiguous gradients and no bucket reduced yet (``quantities.reduce_first_in_backward``):
-    # every earlier gradient was copied into the bucket buffer by its hook (``communication``), no
-    # partition exists; beside them only the embedding's own new gradient (the tied sum), whose hook runs next
-    emb_grads = where((q.ds_bucketed > 0) & (q.ds_partition_grads == 0), tied, emb_grads)
+    # DeepSpeed ZeRO-2 with contiguous gradients: every earlier gradient was copied into the bucket
+    # buffer by its hook (``communication``) or reduced and freed; the partition exists when a reduction
+    # before this moment made it (``quantities.deepspeed_partition_from``: rank 0's is the whole
+    # overlapping parameters). Beside it the embedding's own new gradient (the tied sum), whose hook runs
+    # next; counted in ``temp_emb`` where the partition made above the layers had gradients not fresh
+    ds_part = where(q.ds_partition_from <= 2, q.ds_partition_grads, 0)
+    emb_grads = where(q.ds_bucketed > 0, ds_part + where(fresh, tied, 0), emb_grads)
     # tk.others: a pipeline stage's other micro-batches in flight keep their activations meanwhile
     moments.append(_mo("backward", micro, step, "embeddings.backward",
                        (emb_grads, states_mid, tk.inputs, ws2, tk.others + tk.others_head, temp_emb),

@@ -191,6 +191,7 @@ class Quantities:
     ds_gathered_top: int = 0  # DeepSpeed ZeRO-3's gathered parameters from forward's end to the top layer's backward
     ds_gathered_low: int = 0  # ... in the rest of backward (``deepspeed_gathered``)
     ds_partition_grads: int = 0  # DeepSpeed ZeRO-2's gradient partition, whole from the first reduction
+    ds_partition_from: int = 3   # ... which backward moment it exists from (``deepspeed_partition_from``)
     ds_bucketed: int = 0      # 1: DeepSpeed ZeRO-2 copies each gradient into the bucket at its hook (contiguous)
     ds_norm_temp: int = 0     # DeepSpeed ZeRO-1/2's step: the float64 copy of one gradient piece its norm takes
     ds_cast_grads: int = 0    # DeepSpeed's step: the gradients alive while the fp32 gradient is cast (``deepspeed_partition_grads``)
@@ -1063,7 +1064,8 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
     # bytes allocated when a bucket fills during backward (taken at the head's gradients), else the
     # epilogue's reduction makes it after the layers (``reduce_first_in_backward``)
     held = deepspeed_partition_grads(m, t, st)
-    part = held if (t.zero == 2 and not t.offload_optimizer and reduce_first_in_backward(t, st)) else 0
+    made = deepspeed_partition_from(m, t, st) if (t.zero == 2 and not t.offload_optimizer) else PARTITION_AFTER
+    part = held if made < PARTITION_AFTER else 0
     # the step (``deepspeed_step_grad``): stages 1 and 2 free every gradient before the optimizer runs,
     # ZeRO-3's partition buffer stays
     cast, opt = (held, 0) if t.zero in (1, 2) else (st.grads, st.grads)
@@ -1075,6 +1077,7 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
     return {"ds_backward_buf": backward, "ds_loss_buf": loss_buf, "ds_bucket": each, "ds_step_fp32": fp32,
             "ds_step_flat": flat,
             "ds_gathered_top": top, "ds_gathered_low": low, "ds_partition_grads": part, "ds_cast_grads": cast,
+            "ds_partition_from": made,
             "ds_bucketed": int(t.zero == 2 and backward > 0 and not t.offload_optimizer),
             "ds_norm_temp": deepspeed_norm_temp(m, t, st),
             "ds_opt_grads": opt}
@@ -1105,6 +1108,69 @@ def deepspeed_norm_temp(m: ModelSpec, t: TrainingSpec, st: States) -> int:
         largest = max(largest, min(start + p.numel, part) - start)
         start += p.numel
     return block_of(t, largest * 8)              # (piece,) float64
+
+
+#: ``deepspeed_partition_from``: ZeRO-2's ``grads_in_partition`` exists from the top layer's backward,
+#: from the bottom layer's, from the embedding's, or at none of backward's moments (made by the
+#: embedding's own hook or the epilogue)
+PARTITION_TOP, PARTITION_BOTTOM, PARTITION_EMBEDDING, PARTITION_AFTER = 0, 1, 2, 3
+
+
+def deepspeed_partition_from(m: ModelSpec, t: TrainingSpec, st: States) -> int:
+    """The first backward moment at which rank 0's ``grads_in_partition`` (DeepSpeed ZeRO-2,
+    ``deepspeed_partition_grads``) exists (``PARTITION_*``). ``copy_grads_in_partition`` makes it
+    when it first copies a gradient of a parameter in the rank's partition (``stage_1_and_2.py``
+    v0.19.8 L2184-2194), which ``reduce_ipg_grads`` does for the bucket's parameters once the bucket
+    is reduced (L2266-2274); a gradient's hook reduces the bucket when adding its parameter would pass
+    ``reduce_bucket_size`` elements (``reduce_independent_p_g_buckets_and_remove_grads`` L1414-1424),
+    and a parameter larger than the bucket fills it alone (``extra_large_param_to_reduce``, L1444-1449:
+    its elements still count, so the next gradient reduces it). Rank 0's partition holds the first
+    parameters in registration order (the embeddings, the lowest layers), whose gradients come last
+    in backward: the partition is made when the bucket holding the first of them that backward
+    reaches is reduced, often well below the top layer, and never before the epilogue
+    (L1211) when every gradient fits one bucket. The hooks are taken in reverse registration
+    order (a layer's norms before its linears, a tied embedding last); a reduction in a layer
+    counts from the layers below it, one at an embedding's parameter from the word embedding's
+    backward when it comes before it. Without ``contiguous_gradients`` no partition buffer is made;
+    a partial set of trainable tensors or a tensor- or pipeline-parallel layout takes it from the
+    top layer whenever the trainable elements pass one bucket."""
+    if not t.contiguous_gradients:
+        return PARTITION_AFTER
+    tensors = m.parameter_tensors()
+    if t.tp > 1 or t.pp > 1 or t.lora_rank or sum(p.numel for p in tensors) != st.trainable:
+        return PARTITION_TOP if reduce_first_in_backward(t, st) else PARTITION_AFTER
+    part, start, own = -(-st.trainable // t.shard_group), 0, 0
+    for p in tensors:            # rank 0's parameters: registration indices below ``own``
+        if start >= part:
+            break
+        start, own = start + p.numel, own + 1
+    elements, mine = 0, False    # the bucket's elements; whether one of them is rank 0's
+    for i in reversed(range(len(tensors))):
+        n = tensors[i].numel
+        if n == 0:
+            continue
+        if elements + n > t.ds_reduce_bucket:
+            if mine:
+                return _partition_moment(tensors, i)
+            elements = 0
+        elements += n
+        mine = i < own
+    return PARTITION_AFTER
+
+
+def _partition_moment(tensors: tuple, i: int) -> int:
+    """``deepspeed_partition_from``'s moment for a reduction at parameter ``i``'s hook: above the
+    layers (the head, the final norm), in a layer (the layers below it), at an embedding's
+    parameter (before the word embedding's backward when it comes later in registration order)."""
+    p = tensors[i]
+    layered = [j for j, q in enumerate(tensors) if q.layer is not None]
+    if p.layer is None and layered and i > layered[-1]:
+        return PARTITION_TOP
+    if p.layer is not None:
+        return PARTITION_BOTTOM if p.layer > min(q.layer for q in tensors if q.layer is not None) else \
+            PARTITION_EMBEDDING
+    word = min((j for j, q in enumerate(tensors) if q.role == "embedding"), default=0)
+    return PARTITION_EMBEDDING if i > word else PARTITION_AFTER
 
 
 def reduce_first_in_backward(t: TrainingSpec, st: States) -> bool:
