@@ -1064,7 +1064,8 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
     # bytes allocated when a bucket fills during backward (taken at the head's gradients), else the
     # epilogue's reduction makes it after the layers (``reduce_first_in_backward``)
     held = deepspeed_partition_grads(m, t, st)
-    made = deepspeed_partition_from(m, t, st) if (t.zero == 2 and not t.offload_optimizer) else PARTITION_AFTER
+    hooked = deepspeed_hooks_reduce(t)
+    made = deepspeed_partition_from(m, t, st) if hooked else PARTITION_AFTER
     part = held if made < PARTITION_AFTER else 0
     # the step (``deepspeed_step_grad``): stages 1 and 2 free every gradient before the optimizer runs,
     # ZeRO-3's partition buffer stays
@@ -1078,7 +1079,7 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
             "ds_step_flat": flat,
             "ds_gathered_top": top, "ds_gathered_low": low, "ds_partition_grads": part, "ds_cast_grads": cast,
             "ds_partition_from": made,
-            "ds_bucketed": int(t.zero == 2 and backward > 0 and not t.offload_optimizer),
+            "ds_bucketed": int(hooked and backward > 0),
             "ds_norm_temp": deepspeed_norm_temp(m, t, st),
             "ds_opt_grads": opt}
 
@@ -1110,6 +1111,19 @@ def deepspeed_norm_temp(m: ModelSpec, t: TrainingSpec, st: States) -> int:
     return block_of(t, largest * 8)              # (piece,) float64
 
 
+def deepspeed_hooks_reduce(t: TrainingSpec) -> bool:
+    """Whether DeepSpeed ZeRO-1/2's gradient hooks reduce buckets during backward (on the GPU, not
+    offloaded): ``process_gradients`` reduces when ``partition_gradients or overlap_comm``
+    (``stage_1_and_2.py`` v0.19.8 L2284-2291), and ZeRO-1's ``reduce_ready_partitions_and_remove_grads``
+    only at the accumulation boundary (L2293-2295): ZeRO-2 always, ZeRO-1 under ``overlap_comm``
+    (taken without accumulation only: its other micro-batches keep ``.grad`` as without DeepSpeed,
+    which the estimate's moments do not tell apart). Without ``overlap_comm`` ZeRO-1 reduces after
+    backward (``reduce_gradients`` L958-981)."""
+    if not deepspeed_zero(t) or t.offload_optimizer:
+        return False
+    return t.zero == 2 or (t.zero == 1 and t.ds_overlap_comm and t.grad_accum == 1)
+
+
 #: ``deepspeed_partition_from``: ZeRO-2's ``grads_in_partition`` exists from the top layer's backward,
 #: from the bottom layer's, from the embedding's, or at none of backward's moments (made by the
 #: embedding's own hook or the epilogue)
@@ -1131,13 +1145,12 @@ def deepspeed_partition_from(m: ModelSpec, t: TrainingSpec, st: States) -> int:
     (L1211) when every gradient fits one bucket. The hooks are taken in reverse registration
     order (a layer's norms before its linears, a tied embedding last); a reduction in a layer
     counts from the layers below it, one at an embedding's parameter from the word embedding's
-    backward when it comes before it. Without ``contiguous_gradients`` no partition buffer is made;
-    a partial set of trainable tensors or a tensor- or pipeline-parallel layout takes it from the
-    top layer whenever the trainable elements pass one bucket."""
-    if not t.contiguous_gradients:
-        return PARTITION_AFTER
+    backward when it comes before it. Without ``contiguous_gradients`` (no partition buffer: the
+    rank's gradients stay where autograd made them, the others' freed at each reduction), a partial
+    set of trainable tensors or a tensor- or pipeline-parallel layout, it is taken from the top
+    layer whenever the trainable elements pass one bucket (``reduce_first_in_backward``)."""
     tensors = m.parameter_tensors()
-    if t.tp > 1 or t.pp > 1 or t.lora_rank or sum(p.numel for p in tensors) != st.trainable:
+    if not t.contiguous_gradients or t.tp > 1 or t.pp > 1 or t.lora_rank or sum(p.numel for p in tensors) != st.trainable:
         return PARTITION_TOP if reduce_first_in_backward(t, st) else PARTITION_AFTER
     part, start, own = -(-st.trainable // t.shard_group), 0, 0
     for p in tensors:            # rank 0's parameters: registration indices below ``own``
