@@ -701,13 +701,11 @@ def _embedding_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept,
     # FSDP: the root's gradients are still unsharded (a tied embedding's sum among them), not yet shards
     emb_grads = q.grads + where(sync, q.fsdp_head_full + q.fsdp_emb_full + tied - where(fresh, q.fsdp_root_sharded, 0),
                                 0) - q.layers * reduced
-    # DeepSpeed ZeRO-2 with contiguous gradients: every earlier gradient was copied into the bucket
-    # buffer by its hook (``communication``) or reduced and freed; the partition exists when a reduction
-    # before this moment made it (``quantities.deepspeed_partition_from``: rank 0's is the whole
-    # overlapping parameters). Beside it the embedding's own new gradient (the tied sum), whose hook runs
-    # next; counted in ``temp_emb`` where the partition made above the layers had gradients not fresh
-    ds_part = where(q.ds_partition_from <= 2, q.ds_partition_grads, 0)
-    emb_grads = where(q.ds_bucketed > 0, ds_part + where(fresh, tied, 0), emb_grads)
+    # DeepSpeed ZeRO-1/2 whose hooks reduce buckets: the gradients the reductions left before this
+    # moment (``quantities.deepspeed_grads_at_embedding``: contiguous, the partition if made; else
+    # the gradients not freed), beside the embedding's own new gradient (the tied sum), whose hook
+    # runs next; counted in ``temp_emb`` where a partition made above the layers had gradients not fresh
+    emb_grads = where(q.ds_bucketed > 0, q.ds_emb_grads + where(fresh, tied, 0), emb_grads)
     # tk.others: a pipeline stage's other micro-batches in flight keep their activations meanwhile
     moments.append(_mo("backward", micro, step, "embeddings.backward",
                        (emb_grads, states_mid, tk.inputs, ws2, tk.others + tk.others_head, temp_emb),

@@ -192,7 +192,8 @@ class Quantities:
     ds_gathered_low: int = 0  # ... in the rest of backward (``deepspeed_gathered``)
     ds_partition_grads: int = 0  # DeepSpeed ZeRO-2's gradient partition, whole from the first reduction
     ds_partition_from: int = 3   # ... which backward moment it exists from (``deepspeed_partition_from``)
-    ds_bucketed: int = 0      # 1: DeepSpeed ZeRO-2 copies each gradient into the bucket at its hook (contiguous)
+    ds_emb_grads: int = 0        # ... the gradients beside the word embedding's (``deepspeed_grads_at_embedding``)
+    ds_bucketed: int = 0      # 1: DeepSpeed ZeRO-1/2's hooks reduce buckets in backward (``deepspeed_hooks_reduce``)
     ds_norm_temp: int = 0     # DeepSpeed ZeRO-1/2's step: the float64 copy of one gradient piece its norm takes
     ds_cast_grads: int = 0    # DeepSpeed's step: the gradients alive while the fp32 gradient is cast (``deepspeed_partition_grads``)
     ds_opt_grads: int = 0     # ... and while the optimizer steps (ZeRO-3's persistent partition; none for stages 1, 2)
@@ -1079,7 +1080,8 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
             "ds_step_flat": flat,
             "ds_gathered_top": top, "ds_gathered_low": low, "ds_partition_grads": part, "ds_cast_grads": cast,
             "ds_partition_from": made,
-            "ds_bucketed": int(hooked and backward > 0),
+            "ds_emb_grads": deepspeed_grads_at_embedding(m, t, st) if hooked else 0,
+            "ds_bucketed": int(hooked),
             "ds_norm_temp": deepspeed_norm_temp(m, t, st),
             "ds_opt_grads": opt}
 
@@ -1117,11 +1119,12 @@ def deepspeed_hooks_reduce(t: TrainingSpec) -> bool:
     (``stage_1_and_2.py`` v0.19.8 L2284-2291), and ZeRO-1's ``reduce_ready_partitions_and_remove_grads``
     only at the accumulation boundary (L2293-2295): ZeRO-2 always, ZeRO-1 under ``overlap_comm``
     (taken without accumulation only: its other micro-batches keep ``.grad`` as without DeepSpeed,
-    which the estimate's moments do not tell apart). Without ``overlap_comm`` ZeRO-1 reduces after
-    backward (``reduce_gradients`` L958-981)."""
+    which the estimate's moments do not tell apart; and with ``contiguous_gradients`` only, without
+    which ZeRO-1's reduction frees no gradient, L2272-2274, so that its memory is that of plain
+    gradients). Without ``overlap_comm`` ZeRO-1 reduces after backward (``reduce_gradients`` L958-981)."""
     if not deepspeed_zero(t) or t.offload_optimizer:
         return False
-    return t.zero == 2 or (t.zero == 1 and t.ds_overlap_comm and t.grad_accum == 1)
+    return t.zero == 2 or (t.zero == 1 and t.ds_overlap_comm and t.contiguous_gradients and t.grad_accum == 1)
 
 
 #: ``deepspeed_partition_from``: ZeRO-2's ``grads_in_partition`` exists from the top layer's backward,
@@ -1152,23 +1155,74 @@ def deepspeed_partition_from(m: ModelSpec, t: TrainingSpec, st: States) -> int:
     tensors = m.parameter_tensors()
     if not t.contiguous_gradients or t.tp > 1 or t.pp > 1 or t.lora_rank or sum(p.numel for p in tensors) != st.trainable:
         return PARTITION_TOP if reduce_first_in_backward(t, st) else PARTITION_AFTER
+    own = _rank0_own(tensors, st, t)
+    for i, bucket in _bucket_reductions(tensors, t):
+        if min(bucket) < own:
+            return _partition_moment(tensors, i)
+    return PARTITION_AFTER
+
+
+def _rank0_own(tensors: tuple, st: States, t: TrainingSpec) -> int:
+    """How many parameters (the first, in registration order) overlap rank 0's partition of
+    ceil(trainable / dp) elements (``deepspeed_partition_grads``)."""
     part, start, own = -(-st.trainable // t.shard_group), 0, 0
-    for p in tensors:            # rank 0's parameters: registration indices below ``own``
+    for p in tensors:
         if start >= part:
             break
         start, own = start + p.numel, own + 1
-    elements, mine = 0, False    # the bucket's elements; whether one of them is rank 0's
+    return own
+
+
+def _bucket_reductions(tensors: tuple, t: TrainingSpec) -> list[tuple[int, list[int]]]:
+    """DeepSpeed ZeRO-1/2's bucket reductions during backward, in order: (the parameter whose hook
+    reduces, the registration indices of the bucket's parameters). A hook reduces the bucket when
+    adding its parameter would pass ``reduce_bucket_size`` elements (``stage_1_and_2.py`` v0.19.8
+    ``reduce_independent_p_g_buckets_and_remove_grads`` L1414-1424), then adds the parameter, whose
+    elements count even when it alone is larger than the bucket (``extra_large_param_to_reduce``,
+    L1444-1449); an empty parameter is skipped (L1416-1417). The hooks are taken in reverse
+    registration order; what is left is reduced by the epilogue, after backward's moments."""
+    out: list[tuple[int, list[int]]] = []
+    bucket: list[int] = []
+    elements = 0
     for i in reversed(range(len(tensors))):
         n = tensors[i].numel
         if n == 0:
             continue
         if elements + n > t.ds_reduce_bucket:
-            if mine:
-                return _partition_moment(tensors, i)
-            elements = 0
+            if bucket:
+                out.append((i, bucket))
+            bucket, elements = [], 0
+        bucket.append(i)
         elements += n
-        mine = i < own
-    return PARTITION_AFTER
+    return out
+
+
+def deepspeed_grads_at_embedding(m: ModelSpec, t: TrainingSpec, st: States) -> int:
+    """Bytes of the gradients on rank 0 beside the word embedding's own when its backward runs (the
+    last gradient of backward), where DeepSpeed ZeRO-1/2's hooks reduce buckets
+    (``deepspeed_hooks_reduce``). With ``contiguous_gradients`` every gradient is copied into the
+    bucket buffer by its hook, so only ``grads_in_partition`` is there, if a reduction made it
+    before (``deepspeed_partition_from``). Without, gradients stay where autograd made them: every
+    parameter's before the embedding's, less those ZeRO-2 freed at a reduction, the parameters
+    outside the rank's partition (``reduce_ipg_grads`` L2260-2268: ``clear_grad_attribute``; under
+    ``overlap_comm`` at the next reduction, ``previous_reduced_grads``, L1026-1030); the rank's own
+    are kept. A partial set of trainable tensors or a tensor- or pipeline-parallel layout takes
+    the sharded gradients."""
+    if t.contiguous_gradients:
+        made = deepspeed_partition_from(m, t, st)
+        return deepspeed_partition_grads(m, t, st) if made <= PARTITION_EMBEDDING else 0
+    tensors = m.parameter_tensors()
+    if t.tp > 1 or t.pp > 1 or t.lora_rank or sum(p.numel for p in tensors) != st.trainable:
+        return st.grads
+    word = min((j for j, p in enumerate(tensors) if p.role == "embedding"), default=0)
+    own = _rank0_own(tensors, st, t)
+    alive = sum(p.numel for p in tensors[word + 1:])
+    freed: list[int] = []        # the buckets whose other ranks' gradients are freed (before ``word``)
+    reductions = [b for i, b in _bucket_reductions(tensors, t) if i > word]
+    if t.zero == 2:
+        freed = reductions if not t.ds_overlap_comm else reductions[:-1]
+    alive -= sum(tensors[j].numel for b in freed for j in b if j >= own)
+    return block_of(t, alive * t.weight_bytes)   # the gradients in the weights' dtype
 
 
 def _partition_moment(tensors: tuple, i: int) -> int:
