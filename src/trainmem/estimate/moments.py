@@ -503,7 +503,10 @@ def _grads_before(q: Quantities, flags: StepFlags, tk: Tokens, micro: int, step:
     kept = flags.grads_persistent or (step > 1 and flags.zeros)
     if not (micro > 0 or kept):
         return q.grads_loaded
-    return q.grads + tk.grad_views - (tk.grads_absent if micro > 0 and not kept else 0)
+    # DeepSpeed ZeRO-2 whose hooks reduce: the whole parameters of the rank's partition, not the shard
+    # (``quantities.ds_accumulated``)
+    return where(q.ds_accumulated > 0, q.ds_accumulated,
+                 q.grads + tk.grad_views - (tk.grads_absent if micro > 0 and not kept else 0))
 
 
 def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: int, micro: int, valid: Any,
@@ -572,7 +575,8 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     states_mid = q.states if (states_before or flags.oib) else 0  # optimizer in backward creates them now
     # DeepSpeed ZeRO-2 allocates its whole gradient partition at the first reduction of a bucket holding
     # one of rank 0's parameters (``quantities.deepspeed_partition_from``): here when above the layers
-    layer_grads_before = maximum(grads_before, where(q.ds_partition_from <= 0, q.ds_partition_grads, 0))
+    # (beside the earlier micro-batches' partition, ``_grads_before``)
+    layer_grads_before = grads_before + where(q.ds_partition_from <= 0, q.ds_partition_grads, 0)
     _layers_backward(q, flags, tk, kept, (step, micro, valid, final), (layer_grads_before, states_mid, ws2, own),
                      moments)
     after_logits, after_kv = kept.after_backward()   # hold_output="backward": freed as backward returns
@@ -645,7 +649,7 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     above = where(fresh, q.above_bottom, 0)    # the layers above, reduced to shards
     _i, redo, grads = tk.bottom
     # (DeepSpeed ZeRO-2's partition, when a reduction in the layers above made it)
-    low_before = maximum(grads_before, where(q.ds_partition_from <= 1, q.ds_partition_grads, 0))
+    low_before = grads_before + where(q.ds_partition_from == 1, q.ds_partition_grads, 0)
     bottom = low_before + head_grads + above + part(grads) - (q.layers - 1) * reduced
     low_graph = tk.graph - tk.graph_layer + tk.graph_extra_layer
     temp = _with_update(redo, q.oib_mid) + q.tied_grad
@@ -705,7 +709,9 @@ def _embedding_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept,
     # moment (``quantities.deepspeed_grads_at_embedding``: contiguous, the partition if made; else
     # the gradients not freed), beside the embedding's own new gradient (the tied sum), whose hook
     # runs next; counted in ``temp_emb`` where a partition made above the layers had gradients not fresh
-    emb_grads = where(q.ds_bucketed > 0, q.ds_emb_grads + where(fresh, tied, 0), emb_grads)
+    # (and the earlier micro-batches' partition, ``_grads_before``)
+    ds_before = q.ds_accumulated if micro > 0 else 0
+    emb_grads = where(q.ds_bucketed > 0, q.ds_emb_grads + where(fresh, tied, 0) + ds_before, emb_grads)
     # tk.others: a pipeline stage's other micro-batches in flight keep their activations meanwhile
     moments.append(_mo("backward", micro, step, "embeddings.backward",
                        (emb_grads, states_mid, tk.inputs, ws2, tk.others + tk.others_head, temp_emb),
@@ -737,7 +743,15 @@ def _backward_end(q: Quantities, tk: Tokens, kept: Kept, when: tuple, now: tuple
     # are added to the accumulated ones (``foreach_reduce_scatter_copy_out``: ``grad += new``); under
     # no_sync only in the last micro-batch, where no shards exist yet
     nosync, synced = q.nosync_reduce > 0, q.nosync_reduce == 0
-    return [_mo("backward", micro, step, "fsdp.root_reduce",
+    # DeepSpeed ZeRO-1/2's last bucket reduction after backward: its flat copy beside the gradients
+    # (``quantities.deepspeed_epilogue``; under accumulation ZeRO-1 reduces in the last micro-batch only,
+    # ZeRO-2, whose earlier micro-batches' partition is ``ds_accumulated``, in every one)
+    ds_reduce = _mo("backward", micro, step, "deepspeed.reduce",
+                    (q.ds_reduce_grads + (q.ds_accumulated if micro > 0 else 0), states_mid, tk.inputs, ws2,
+                     tk.others + tk.others_head, q.ds_reduce_flat),
+                    (kept.logits, kept.kv_end, 0), _both(_both(valid, q.ds_reduce_flat > 0), _either(final, q.ds_accumulated > 0)),
+                    tk.graph, comm=q.ds_backward_buf + low_ds + kept_end)
+    return [ds_reduce, _mo("backward", micro, step, "fsdp.root_reduce",
                 (grads_end + where(_either(fresh, nosync), 0, q.fsdp_root_sharded), states_mid, tk.inputs, ws2,
                  tk.others + tk.others_head, 0),
                 (kept.logits, kept.kv_end, 0), _both(_both(valid, q.fsdp_root_rs > 0), _either(synced, final)),

@@ -193,6 +193,9 @@ class Quantities:
     ds_partition_grads: int = 0  # DeepSpeed ZeRO-2's gradient partition, whole from the first reduction
     ds_partition_from: int = 3   # ... which backward moment it exists from (``deepspeed_partition_from``)
     ds_emb_grads: int = 0        # ... the gradients beside the word embedding's (``deepspeed_grads_at_embedding``)
+    ds_accumulated: int = 0      # ZeRO-2: the earlier micro-batches' partition gradients (``all_grad_tensors``)
+    ds_reduce_grads: int = 0     # ZeRO-1/2's last reduction after backward: the gradients ...
+    ds_reduce_flat: int = 0      # ... and the flat copy of the bucket (``deepspeed_epilogue``)
     ds_bucketed: int = 0      # 1: DeepSpeed ZeRO-1/2's hooks reduce buckets in backward (``deepspeed_hooks_reduce``)
     ds_norm_temp: int = 0     # DeepSpeed ZeRO-1/2's step: the float64 copy of one gradient piece its norm takes
     ds_cast_grads: int = 0    # DeepSpeed's step: the gradients alive while the fp32 gradient is cast (``deepspeed_partition_grads``)
@@ -1081,6 +1084,12 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
             "ds_gathered_top": top, "ds_gathered_low": low, "ds_partition_grads": part, "ds_cast_grads": cast,
             "ds_partition_from": made,
             "ds_emb_grads": deepspeed_grads_at_embedding(m, t, st) if hooked else 0,
+            # under accumulation ZeRO-2's epilogue keeps the partition's gradients (the parameters' own
+            # ``.grad``, the views of ``grads_in_partition`` with contiguous gradients) in
+            # ``all_grad_tensors`` until the boundary (``get_all_grad_tensors``, L1036-1044, L2703-2710),
+            # so a later micro-batch makes its own ``grads_in_partition`` beside them
+            "ds_accumulated": held if hooked and t.zero == 2 else 0,
+            **dict(zip(("ds_reduce_grads", "ds_reduce_flat"), deepspeed_epilogue(m, t, st))),
             "ds_bucketed": int(hooked),
             "ds_norm_temp": deepspeed_norm_temp(m, t, st),
             "ds_opt_grads": opt}
@@ -1156,7 +1165,7 @@ def deepspeed_partition_from(m: ModelSpec, t: TrainingSpec, st: States) -> int:
     if not t.contiguous_gradients or t.tp > 1 or t.pp > 1 or t.lora_rank or sum(p.numel for p in tensors) != st.trainable:
         return PARTITION_TOP if reduce_first_in_backward(t, st) else PARTITION_AFTER
     own = _rank0_own(tensors, st, t)
-    for i, bucket in _bucket_reductions(tensors, t):
+    for i, bucket in _bucket_reductions(tensors, t)[:-1]:
         if min(bucket) < own:
             return _partition_moment(tensors, i)
     return PARTITION_AFTER
@@ -1173,18 +1182,20 @@ def _rank0_own(tensors: tuple, st: States, t: TrainingSpec) -> int:
     return own
 
 
-def _bucket_reductions(tensors: tuple, t: TrainingSpec) -> list[tuple[int, list[int]]]:
+def _bucket_reductions(tensors: tuple, t: TrainingSpec, forward: bool = False) -> list[tuple[int, list[int]]]:
     """DeepSpeed ZeRO-1/2's bucket reductions during backward, in order: (the parameter whose hook
     reduces, the registration indices of the bucket's parameters). A hook reduces the bucket when
     adding its parameter would pass ``reduce_bucket_size`` elements (``stage_1_and_2.py`` v0.19.8
     ``reduce_independent_p_g_buckets_and_remove_grads`` L1414-1424), then adds the parameter, whose
     elements count even when it alone is larger than the bucket (``extra_large_param_to_reduce``,
     L1444-1449); an empty parameter is skipped (L1416-1417). The hooks are taken in reverse
-    registration order; what is left is reduced by the epilogue, after backward's moments."""
+    registration order (``forward``: in registration order, as ZeRO-1's ``reduce_gradients`` walks
+    them after backward, L972-977); the bucket left is the last item, with index -1: the epilogue
+    reduces it (``reduce_ipg_grads`` from ``independent_gradient_partition_epilogue``, L1018)."""
     out: list[tuple[int, list[int]]] = []
     bucket: list[int] = []
     elements = 0
-    for i in reversed(range(len(tensors))):
+    for i in (range(len(tensors)) if forward else reversed(range(len(tensors)))):
         n = tensors[i].numel
         if n == 0:
             continue
@@ -1194,7 +1205,45 @@ def _bucket_reductions(tensors: tuple, t: TrainingSpec) -> list[tuple[int, list[
             bucket, elements = [], 0
         bucket.append(i)
         elements += n
-    return out
+    return out + [(-1, bucket)] if bucket else out
+
+
+def deepspeed_epilogue(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, int]:
+    """(bytes of the gradients, bytes of the flat copy) on rank 0 when DeepSpeed ZeRO-1/2 reduces
+    the last bucket after backward (0, 0 off them or offloaded). Every reduction flattens the
+    bucket's gradients into one new tensor: ``average_tensor`` -> ``allreduce_and_scatter`` ->
+    ``allreduce_bucket`` ``self.flatten(bucket)`` (``stage_1_and_2.py`` v0.19.8 L1590-1725,
+    L2359-2367; DeepSpeed's defaults ``reduce_scatter`` and ``use_multi_rank_bucket_allreduce`` put
+    every slice of the bucket in one ``allreduce`` group, flattened together up to
+    ``reduce_bucket_size``), or without ``contiguous_gradients`` ``buffered_reduce_fallback`` ->
+    ``allreduce_no_retain`` -> ``allreduce_and_copy`` (L2538-2556, L2402-2439), freed once copied
+    back; the last bucket is reduced by the epilogue (``_bucket_reductions``), where the most
+    gradients exist. Beside that copy: with contiguous gradients only ``grads_in_partition`` (when
+    an earlier reduction made it; the bucket buffers are ``ds_backward_buf``); without, the
+    gradients autograd made less those ZeRO-2 freed (``deepspeed_grads_at_embedding``), all of
+    them under ZeRO-1. ZeRO-1 without ``overlap_comm`` reduces after backward in registration order
+    (``reduce_gradients``). A partial set of trainable tensors or a tensor- or pipeline-parallel
+    layout: (0, 0)."""
+    if not (deepspeed_zero(t) and t.zero in (1, 2) and not t.offload_optimizer and st.trainable):
+        return 0, 0
+    tensors = m.parameter_tensors()
+    if t.tp > 1 or t.pp > 1 or t.lora_rank or sum(p.numel for p in tensors) != st.trainable:
+        return 0, 0
+    hooked = t.zero == 2 or t.ds_overlap_comm
+    reductions = _bucket_reductions(tensors, t, forward=not hooked)
+    if not reductions:
+        return 0, 0
+    earlier, last = [b for _i, b in reductions[:-1]], reductions[-1][1]
+    own = _rank0_own(tensors, st, t)
+    if t.contiguous_gradients:
+        held = deepspeed_partition_grads(m, t, st) if any(min(b) < own for b in earlier) else 0
+    else:
+        alive = st.trainable
+        if t.zero == 2:
+            alive -= sum(tensors[j].numel for b in earlier for j in b if j >= own)
+        held = block_of(t, alive * t.weight_bytes)
+    flat = block_of(t, sum(tensors[j].numel for j in last) * t.weight_bytes)  # (bucket,) gradient dtype
+    return held, flat
 
 
 def deepspeed_grads_at_embedding(m: ModelSpec, t: TrainingSpec, st: States) -> int:
@@ -1218,7 +1267,7 @@ def deepspeed_grads_at_embedding(m: ModelSpec, t: TrainingSpec, st: States) -> i
     own = _rank0_own(tensors, st, t)
     alive = sum(p.numel for p in tensors[word + 1:])
     freed: list[int] = []        # the buckets whose other ranks' gradients are freed (before ``word``)
-    reductions = [b for i, b in _bucket_reductions(tensors, t) if i > word]
+    reductions = [b for i, b in _bucket_reductions(tensors, t)[:-1] if i > word]
     if t.zero == 2:
         freed = reductions if not t.ds_overlap_comm else reductions[:-1]
     alive -= sum(tensors[j].numel for b in freed for j in b if j >= own)
