@@ -392,6 +392,7 @@ def walk(q: Quantities, flags: StepFlags, tk: Tokens, ga: Any, handle_ws: int = 
             _micro_step(q, flags, here, Kept.of(q, flags, here), step, micro, valid, states_before,
                         (ws_before, 2 * handle_ws), moments, ends, final, prev if tk_next is not None else None)
             _add_others_loss(moments, ends, start, start_ends, here.others_loss, here.sent)
+            _add_kept_buckets(q, moments, ends, start, start_ends, micro, final)
             states_before = states_before or flags.oib
             prev = here
         last = tk if tk_next is None else prev  # the step's last micro-batch: what the loop holds at the step
@@ -956,6 +957,33 @@ def _add_others_loss(moments: list, ends: list, start: int, start_ends: int, ext
         moments[i] = mo._replace(parts=parts, logit_parts=(mo.logit_parts[0] + extra,) + mo.logit_parts[1:])
     for i in range(start_ends, len(ends)):
         ends[i] = ends[i][:3] + (ends[i][3] + extra + sent,)
+
+
+#: the backward moments before DeepSpeed ZeRO-1/2's first gradient hook (no ``ds_backward_buf`` counted there)
+BEFORE_HOOKS = ("fsdp.root_unshard", "cross_entropy.backward", "lm_head.backward", "lm_head.backward.sum",
+                "lm_head.weight_grad")
+
+
+def _add_kept_buckets(q: Quantities, moments: list, ends: list, start: int, start_ends: int, micro: int,
+                      final: Any) -> None:
+    """DeepSpeed ZeRO-1 under accumulation (``Quantities.ds_kept_buf``): the bucket buffers made by
+    the first micro-batch's first gradient hook stay until the boundary's reduction, so they are
+    there at the end of a micro-batch's backward that is not the last, and through the later
+    micro-batches' forward and their backward before the first hook (``BEFORE_HOOKS``; where the
+    release makes them when backward starts, ``ds_loss_buf``, those count them already), added to
+    the moments and phase ends from ``start`` / ``start_ends`` on (their communication)."""
+    kept = q.ds_kept_buf
+    if not (isinstance(kept, np.ndarray) or kept):
+        return
+    for i in range(start, len(moments)):
+        mo = moments[i]
+        if micro > 0 and (mo.phase == "forward" or mo.where in BEFORE_HOOKS):
+            add = kept if mo.phase == "forward" else where(q.ds_loss_buf > 0, 0, kept)
+            moments[i] = mo._replace(parts=mo.parts[:7] + (mo.parts[7] + add,) + mo.parts[8:])
+    for i in range(start_ends, len(ends)):
+        phase = ends[i][0]
+        if (phase == "forward" and micro > 0) or phase == "backward":
+            ends[i] = ends[i][:3] + (ends[i][3] + where(final, 0, kept) if phase == "backward" else ends[i][3] + kept,)
 
 
 def _either(a: Any, b: Any) -> Any:

@@ -194,6 +194,7 @@ class Quantities:
     ds_partition_from: int = 3   # ... which backward moment it exists from (``deepspeed_partition_from``)
     ds_emb_grads: int = 0        # ... the gradients beside the word embedding's (``deepspeed_grads_at_embedding``)
     ds_accumulated: int = 0      # ZeRO-2: the earlier micro-batches' partition gradients (``all_grad_tensors``)
+    ds_kept_buf: int = 0         # ZeRO-1 under accumulation: the buckets kept from one micro-batch to the next
     ds_reduce_grads: int = 0     # ZeRO-1/2's last reduction after backward: the gradients ...
     ds_reduce_flat: int = 0      # ... and the flat copy of the bucket (``deepspeed_epilogue``)
     ds_bucketed: int = 0      # 1: DeepSpeed ZeRO-1/2's hooks reduce buckets in backward (``deepspeed_hooks_reduce``)
@@ -1090,6 +1091,11 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
             # so a later micro-batch makes its own ``grads_in_partition`` beside them
             "ds_accumulated": held if hooked and t.zero == 2 else 0,
             **dict(zip(("ds_reduce_grads", "ds_reduce_flat"), deepspeed_epilogue(m, t, st))),
+            # ZeRO-1 reduces at the boundary only (``engine.py`` v0.19.8 ``allreduce_gradients`` L3083-3093),
+            # so ``_release_ipg_buffers`` (L924-932, from the epilogue) runs there only: the buckets the
+            # first micro-batch's first hook made (``setup_buckets``, made once until released) stay
+            # through the later micro-batches' forward and loss
+            "ds_kept_buf": backward if (t.zero == 1 and t.grad_accum > 1) else 0,
             "ds_bucketed": int(hooked),
             "ds_norm_temp": deepspeed_norm_temp(m, t, st),
             "ds_opt_grads": opt}
