@@ -240,3 +240,18 @@ def test_zero2_accumulation_keeps_the_partitions_whole_parameters():
               contiguous_gradients=False, reduce_bucket_size=10_000_000)
     r, e = trace("gemma-2-2b", **kw), trainmem.estimate("gemma-2-2b", **kw)
     assert abs(e.peak_allocated / r.peak_allocated - 1) < 0.005
+
+
+def test_zero1_keeps_its_buckets_across_micro_batches():
+    """ZeRO-1 reduces only at the accumulation boundary, so the buckets the first micro-batch's first
+    hook made (2 GB of bf16 at DeepSpeed's default 5e8 elements) are still there in the second
+    micro-batch's forward and its loss's backward, the peak with this 50257-row vocabulary
+    (``Quantities.ds_kept_buf``; the estimate had them in backward only: -37.30%)."""
+    pytest.importorskip("deepspeed")
+    kw = dict(FULL_GPT2, set=["n_layer=1"], zero=1, dp=4, batch_size=8, seq_len=256, grad_accum=2)
+    r, e = trace("gpt2", **kw), trainmem.estimate("gpt2", **kw)
+    assert "LogSoftmaxBackward" in r.peak_where and e.peak_where == "cross_entropy.backward"
+    assert abs(e.peak_allocated / r.peak_allocated - 1) < 0.003
+    fwd = [(p.allocated, q.allocated) for p in e.phases for q in r.phases
+           if p.name == "forward.micro2-2" and q.name == "forward.micro2" and p.step == q.step == 2]
+    assert fwd and all(abs(a / b - 1) < 0.003 for a, b in fwd)
