@@ -750,8 +750,9 @@ def _backward_end(q: Quantities, tk: Tokens, kept: Kept, when: tuple, now: tuple
     ds_reduce = _mo("backward", micro, step, "deepspeed.reduce",
                     (q.ds_reduce_grads + (q.ds_accumulated if micro > 0 else 0), states_mid, tk.inputs, ws2,
                      tk.others + tk.others_head, q.ds_reduce_flat),
-                    (kept.logits, kept.kv_end, 0), _both(_both(valid, q.ds_reduce_flat > 0), _either(final, q.ds_accumulated > 0)),
-                    tk.graph, comm=q.ds_backward_buf + low_ds + kept_end)
+                    (kept.logits, kept.kv_end, 0),
+                    _both(_both(valid, q.ds_reduce_flat > 0), _either(final, q.ds_accumulated > 0)), tk.graph,
+                    comm=q.ds_backward_buf + low_ds + kept_end)
     return [ds_reduce, _mo("backward", micro, step, "fsdp.root_reduce",
                 (grads_end + where(_either(fresh, nosync), 0, q.fsdp_root_sharded), states_mid, tk.inputs, ws2,
                  tk.others + tk.others_head, 0),
@@ -982,8 +983,10 @@ def _add_kept_buckets(q: Quantities, moments: list, ends: list, start: int, star
             moments[i] = mo._replace(parts=mo.parts[:7] + (mo.parts[7] + add,) + mo.parts[8:])
     for i in range(start_ends, len(ends)):
         phase = ends[i][0]
-        if (phase == "forward" and micro > 0) or phase == "backward":
-            ends[i] = ends[i][:3] + (ends[i][3] + where(final, 0, kept) if phase == "backward" else ends[i][3] + kept,)
+        if phase == "backward":       # a micro-batch before the boundary ends with them
+            ends[i] = ends[i][:3] + (ends[i][3] + where(final, 0, kept),)
+        elif phase == "forward" and micro > 0:
+            ends[i] = ends[i][:3] + (ends[i][3] + kept,)
 
 
 def _either(a: Any, b: Any) -> Any:

@@ -190,7 +190,7 @@ class Quantities:
     ds_step_flat: int = 0     # ... and the flat copy in the gradient dtype beside it during the cast
     ds_gathered_top: int = 0  # DeepSpeed ZeRO-3's gathered parameters from forward's end to the top layer's backward
     ds_gathered_low: int = 0  # ... in the rest of backward (``deepspeed_gathered``)
-    ds_partition_grads: int = 0  # DeepSpeed ZeRO-2's gradient partition, whole from the first reduction
+    ds_partition_grads: int = 0  # DeepSpeed ZeRO-2's gradient partition when a reduction in backward makes it
     ds_partition_from: int = 3   # ... which backward moment it exists from (``deepspeed_partition_from``)
     ds_emb_grads: int = 0        # ... the gradients beside the word embedding's (``deepspeed_grads_at_embedding``)
     ds_accumulated: int = 0      # ZeRO-2: the earlier micro-batches' partition gradients (``all_grad_tensors``)
@@ -1064,10 +1064,9 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
     fp32, flat = deepspeed_step_parts(t, st)
     each = kept or (backward // (2 if t.ds_overlap_comm else 1))
     top, low = deepspeed_gathered(m, t, st)
-    # ZeRO-2 copies each reduced bucket's share into ``grads_in_partition``, one buffer made at the first
-    # reduction (``stage_1_and_2.py`` L1349-1356): the layers' backward finds all of this rank's gradient
-    # bytes allocated when a bucket fills during backward (taken at the head's gradients), else the
-    # epilogue's reduction makes it after the layers (``reduce_first_in_backward``)
+    # ZeRO-2 (and ZeRO-1 reducing in its hooks) copies each reduced bucket's share into
+    # ``grads_in_partition``, one buffer made at the first reduction holding one of the rank's parameters:
+    # from the backward moment ``deepspeed_partition_from`` finds, or after backward (then 0 here)
     held = deepspeed_partition_grads(m, t, st)
     hooked = deepspeed_hooks_reduce(t)
     made = deepspeed_partition_from(m, t, st) if hooked else PARTITION_AFTER
@@ -1168,13 +1167,20 @@ def deepspeed_partition_from(m: ModelSpec, t: TrainingSpec, st: States) -> int:
     set of trainable tensors or a tensor- or pipeline-parallel layout, it is taken from the top
     layer whenever the trainable elements pass one bucket (``reduce_first_in_backward``)."""
     tensors = m.parameter_tensors()
-    if not t.contiguous_gradients or t.tp > 1 or t.pp > 1 or t.lora_rank or sum(p.numel for p in tensors) != st.trainable:
+    if not t.contiguous_gradients or _partial_layout(m, t, st):
         return PARTITION_TOP if reduce_first_in_backward(t, st) else PARTITION_AFTER
     own = _rank0_own(tensors, st, t)
     for i, bucket in _bucket_reductions(tensors, t)[:-1]:
         if min(bucket) < own:
             return _partition_moment(tensors, i)
     return PARTITION_AFTER
+
+
+def _partial_layout(m: ModelSpec, t: TrainingSpec, st: States) -> bool:
+    """Whether the rank's flat group is not the model's tensors whole in registration order: a
+    tensor- or pipeline-parallel layout, LoRA, or a partial set of trainable tensors (the bucket
+    walks of ``_bucket_reductions`` do not apply)."""
+    return t.tp > 1 or t.pp > 1 or bool(t.lora_rank) or sum(p.numel for p in m.parameter_tensors()) != st.trainable
 
 
 def _rank0_own(tensors: tuple, st: States, t: TrainingSpec) -> int:
@@ -1232,9 +1238,9 @@ def deepspeed_epilogue(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, 
     layout: (0, 0)."""
     if not (deepspeed_zero(t) and t.zero in (1, 2) and not t.offload_optimizer and st.trainable):
         return 0, 0
-    tensors = m.parameter_tensors()
-    if t.tp > 1 or t.pp > 1 or t.lora_rank or sum(p.numel for p in tensors) != st.trainable:
+    if _partial_layout(m, t, st):
         return 0, 0
+    tensors = m.parameter_tensors()
     hooked = t.zero == 2 or t.ds_overlap_comm
     reductions = _bucket_reductions(tensors, t, forward=not hooked)
     if not reductions:
@@ -1266,13 +1272,13 @@ def deepspeed_grads_at_embedding(m: ModelSpec, t: TrainingSpec, st: States) -> i
     if t.contiguous_gradients:
         made = deepspeed_partition_from(m, t, st)
         return deepspeed_partition_grads(m, t, st) if made <= PARTITION_EMBEDDING else 0
-    tensors = m.parameter_tensors()
-    if t.tp > 1 or t.pp > 1 or t.lora_rank or sum(p.numel for p in tensors) != st.trainable:
+    if _partial_layout(m, t, st):
         return st.grads
+    tensors = m.parameter_tensors()
     word = min((j for j, p in enumerate(tensors) if p.role == "embedding"), default=0)
     own = _rank0_own(tensors, st, t)
     alive = sum(p.numel for p in tensors[word + 1:])
-    freed: list[int] = []        # the buckets whose other ranks' gradients are freed (before ``word``)
+    freed: list[list[int]] = []  # the buckets whose other ranks' gradients are freed (before ``word``)
     reductions = [b for i, b in _bucket_reductions(tensors, t)[:-1] if i > word]
     if t.zero == 2:
         freed = reductions if not t.ds_overlap_comm else reductions[:-1]
