@@ -255,3 +255,13 @@ def test_zero1_keeps_its_buckets_across_micro_batches():
     fwd = [(p.allocated, q.allocated) for p in e.phases for q in r.phases
            if p.name == "forward.micro2-2" and q.name == "forward.micro2" and p.step == q.step == 2]
     assert fwd and all(abs(a / b - 1) < 0.003 for a, b in fwd)
+
+
+def test_zero2_accumulation_makes_a_second_partition_beside_the_first():
+    """With contiguous gradients the second micro-batch makes its own ``grads_in_partition`` while
+    the first one's, held by ``all_grad_tensors``, waits for the epilogue's sum: two-layer GPT-2,
+    1e7-element buckets, 2 micro-batches (the estimate had the shard: -2.77%)."""
+    pytest.importorskip("deepspeed")
+    kw = dict(FULL_GPT2, set=["n_layer=2"], reduce_bucket_size=10_000_000, grad_accum=2)
+    r, e = trace("gpt2", **kw), trainmem.estimate("gpt2", **kw)
+    assert abs(e.peak_allocated / r.peak_allocated - 1) < 0.005
