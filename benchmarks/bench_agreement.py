@@ -1,9 +1,10 @@
 """``estimate`` (formulas) against ``trace`` (the real training step on tensors without data).
 
-    .venv/bin/python benchmarks/bench_agreement.py               # the sampled option grid (370 setups)
+    .venv/bin/python benchmarks/bench_agreement.py               # the sampled option grid (410 setups)
     .venv/bin/python benchmarks/bench_agreement.py --write       # ... and write docs/agreement.md's grid section
     .venv/bin/python benchmarks/bench_agreement.py --subset      # its 40-setup subset (the slow test)
     .venv/bin/python benchmarks/bench_agreement.py --draw 3 --write   # re-run the FSDP1 draw only, keep the rest
+    .venv/bin/python benchmarks/bench_agreement.py --draw 5      # the DeepSpeed ZeRO draw only (40 setups)
     .venv/bin/python benchmarks/bench_agreement.py --classic     # six families x precision x attention x recompute (72)
     .venv/bin/python benchmarks/bench_agreement.py --quick       # the representative subset (14)
     .venv/bin/python benchmarks/bench_agreement.py --classic --family qwen2 --explain 2   # why rows differ
@@ -22,7 +23,10 @@ micro-batches, on Llama, Llama-3.2, Qwen2 and Mistral) and the optimizers trace 
 torch.optim (bitsandbytes' AdamW8bit, PagedAdamW8bit, PagedAdamW; lion-pytorch's Lion).
 A third draw of 40 is FSDP1's (``_fsdp1_axes``); a fourth of 30 (``_pp_axes``) is pipelines of
 4-layer Llama, Llama-3.2, Qwen2 and Mistral: interleaved 1F1B (two virtual stages per rank), 1F1B
-and GPipe, alone, with DDP replicas of each stage or tensor-parallel stages.
+and GPipe, alone, with DDP replicas of each stage or tensor-parallel stages. A fifth of 40
+(``_zero_axes``) is DeepSpeed ZeRO 1/2/3 through DeepSpeed's own engine (dp 2/4, bf16/fp16 weights
+with its fp32 master, gradient buckets from its default 5e8 down to 1e6 elements, ``overlap_comm``
+and ``contiguous_gradients`` on or off): trace refuses them where DeepSpeed is not installed.
 What trace refuses is steered to the nearest setup it runs (``sample_case``).
 
 Classic grid (``grid``): six model families (2 layers each, realistic widths, full vocabularies, so the s x s
@@ -235,6 +239,12 @@ PP_SETUPS, PP_SEED = 30, 14
 #: the fourth draw's schedules and the layout around the pipeline ((name, options), weights)
 PP_SCHEDULES, PP_SCHEDULE_WEIGHTS = ("interleaved-1f1b", "1f1b", "gpipe"), (5, 2, 1)
 PP_LAYOUTS, PP_LAYOUT_WEIGHTS = (("alone", {}), ("ddp2", {"dp": 2}), ("ddp4", {"dp": 4}), ("tp2", {"tp": 2})), (4, 3, 1, 2)
+#: setups of the fifth draw: DeepSpeed ZeRO 1/2/3 through DeepSpeed's own engine (``trace.deepspeed_engine``;
+#: traced only where DeepSpeed is installed), on every family
+ZERO_SETUPS, ZERO_SEED = 40, 15
+#: its gradient buckets (elements): DeepSpeed's default 5e8, 5e7, and 1e7 and 1e6 (smaller than one
+#: layer's gradients of most families: reduced in backward, larger parameters alone)
+ZERO_BUCKETS, ZERO_BUCKET_WEIGHTS = (None, 50_000_000, 10_000_000, 1_000_000), (2, 1, 2, 2)
 
 
 def _pipelined(o: dict) -> None:
@@ -295,6 +305,33 @@ def _fsdp1_axes(rng, o: dict, family: str = "") -> None:
             o["lora_dtype"] = "half"
     if o.get("grad_accum", 1) > 1 and rng.random() < 0.5:
         o["grad_sync"] = "step"
+
+
+def _zero_axes(rng, o: dict) -> None:
+    """The fifth draw's axes on top of a first-draw setup: DeepSpeed ZeRO stage 1, 2 or 3 over 2 or
+    4 ranks, bf16 or fp16 weights with DeepSpeed's fp32 master (its mode on the GPU), the gradient
+    bucket (``ZERO_BUCKETS``), ``overlap_comm`` and ``contiguous_gradients`` on or off (DeepSpeed's
+    defaults where not drawn). Steered to what trace runs through the engine
+    (``trace.deepspeed_engine.check``): no FSDP, tensor parallelism or activation offloading, a
+    torch.optim optimizer (Adafactor becomes AdamW), the engine's own ``zero_grad``, the loss inside
+    the engine's forward (a chunked loss becomes the half one)."""
+    for k in ("fsdp", "tp", "sequence_parallel", "offload_activations", "zero_grad", "loss_chunks"):
+        o.pop(k, None)
+    if o.get("loss") == "chunked":
+        o["loss"] = "half"
+    o["zero"] = _pick(rng, (1, 2, 3), (2, 3, 2))
+    o["dp"] = _pick(rng, (2, 4))
+    o["precision"] = _pick(rng, ("bf16", "fp16"), (3, 1))
+    if o["optimizer"] == "adafactor":
+        o["optimizer"] = "adamw"
+        o.pop("optimizer_impl", None)
+    bucket = _pick(rng, ZERO_BUCKETS, ZERO_BUCKET_WEIGHTS)
+    if bucket is not None:
+        o["reduce_bucket_size"] = bucket
+    if rng.random() < 0.5:
+        o["overlap_comm"] = o["zero"] != 3   # the other way from DeepSpeed's default (on for stage 3 only)
+    if rng.random() < 0.3:
+        o["contiguous_gradients"] = False
 
 
 def _pick(rng, choices, weights=None):
@@ -376,6 +413,8 @@ def sample_case(rng, family: str, extra: bool | str = False) -> Case:
         _fsdp1_axes(rng, o, family)
     elif extra == "pp":
         layers = _pp_axes(rng, family, o)
+    elif extra == "zero":
+        _zero_axes(rng, o)
     elif extra:
         _extra_axes(rng, family, o)
     # what trace refuses (trace/distributed.py ``check``), or cannot run on meta tensors: adafactor
@@ -414,14 +453,15 @@ def sampled_grid(n: int = 240, seed: int = 11, extra: int = EXTRA_SETUPS) -> lis
     with the pipeline and external-optimizer axes (``_extra_axes``; added after the first 240 were
     published, so those stay the same setups), then ``FSDP1_SETUPS`` FSDP1 setups
     (``_fsdp1_axes``, ``random.Random(FSDP1_SEED)``), then ``PP_SETUPS`` pipelines of the
-    ``PP_FAMILIES`` (``_pp_axes``, ``random.Random(PP_SEED)``): deterministic, the same list on
-    every run."""
+    ``PP_FAMILIES`` (``_pp_axes``, ``random.Random(PP_SEED)``), then ``ZERO_SETUPS`` DeepSpeed ZeRO
+    setups (``_zero_axes``, ``random.Random(ZERO_SEED)``): deterministic, the same list on every run."""
     import random
     out: list[Case] = []
     seen: set[Case] = set()
     draws = ((random.Random(seed), n, False), (random.Random(EXTRA_SEED), extra, True),
              (random.Random(FSDP1_SEED), FSDP1_SETUPS if extra else 0, "fsdp1"),
-             (random.Random(PP_SEED), PP_SETUPS if extra else 0, "pp"))
+             (random.Random(PP_SEED), PP_SETUPS if extra else 0, "pp"),
+             (random.Random(ZERO_SEED), ZERO_SETUPS if extra else 0, "zero"))
     for rng, count, second in draws:
         fams = list(PP_FAMILIES if second == "pp" else GRID_FAMILIES)
         i = start = len(out)
@@ -559,10 +599,12 @@ def write_doc(rows: list[Row], st: dict, doc: Path, js: Path) -> None:
 
 def draw_cases(draw: int, n: int = 240) -> list[Case]:
     """The sampled grid's ``draw``-th draw: 1, the first ``n``; 2, the pipeline and external-optimizer
-    setups after them; 3, the FSDP1 setups; 4, the 4-layer pipelines."""
+    setups after them; 3, the FSDP1 setups; 4, the 4-layer pipelines; 5, DeepSpeed ZeRO's."""
     g = sampled_grid(n)
     third = n + EXTRA_SETUPS + FSDP1_SETUPS
-    return {1: g[:n], 2: g[n:n + EXTRA_SETUPS], 3: g[n + EXTRA_SETUPS:third], 4: g[third:]}[draw]
+    fourth = third + PP_SETUPS
+    return {1: g[:n], 2: g[n:n + EXTRA_SETUPS], 3: g[n + EXTRA_SETUPS:third], 4: g[third:fourth],
+            5: g[fourth:]}[draw]
 
 
 @dataclass
@@ -613,8 +655,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--subset", action="store_true", help="the sampled grid's 40-setup subset (the slow test's)")
     ap.add_argument("-n", type=int, default=240, help="setups of the sampled grid's first draw (default 240; "
                     "the 60 of the second draw follow)")
-    ap.add_argument("--draw", type=int, choices=(1, 2, 3, 4), help="only the sampled grid's Nth draw (3: the 40 "
-                    "FSDP1 setups; 4: the 30 pipelines of 4 layers); with --write the other rows are kept as "
+    ap.add_argument("--draw", type=int, choices=(1, 2, 3, 4, 5), help="only the sampled grid's Nth draw (3: the 40 "
+                    "FSDP1 setups; 4: the 30 pipelines of 4 layers; 5: the 40 DeepSpeed ZeRO setups, which need "
+                    "DeepSpeed installed); with --write the other rows are kept as "
                     "docs/agreement_grid.json has them")
     ap.add_argument("--family", action="append", help="only these families (repeatable)")
     ap.add_argument("--explain", type=int, default=0, metavar="N", help="break down the N largest disagreements")

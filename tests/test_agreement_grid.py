@@ -33,7 +33,9 @@ def test_grid_is_deterministic_and_covers_the_options(bench):
                        ("precision", "bf16-mp"), ("loss", "chunked"), ("loss_shift", "logits"),
                        ("optimizer", "adafactor"), ("hold_output", "step"), ("zero_grad", "zeros"),
                        ("pp", 2), ("pp_schedule", "gpipe"), ("optimizer", "adamw-8bit"),
-                       ("optimizer", "paged-adamw-8bit"), ("optimizer", "paged-adamw"), ("optimizer", "lion")]:
+                       ("optimizer", "paged-adamw-8bit"), ("optimizer", "paged-adamw"), ("optimizer", "lion"),
+                       ("zero", 1), ("zero", 2), ("zero", 3), ("reduce_bucket_size", 1_000_000),
+                       ("contiguous_gradients", False), ("overlap_comm", True)]:
         assert any(o.get(key) == value for o in opts), (key, value)
     assert any(o.get("tp") == 2 and o.get("fsdp") == "full" for o in opts)
     # the fourth draw: 4-layer pipelines, interleaved 1F1B and DDP replicas of each stage among them
@@ -43,6 +45,11 @@ def test_grid_is_deterministic_and_covers_the_options(bench):
                for c in pipes)
     assert any(dict(c.options).get("pp_schedule") == "interleaved-1f1b" and "dp" not in dict(c.options)
                for c in pipes)
+    # the fifth draw: DeepSpeed ZeRO through its engine (dp >= 2, its half weights with the fp32 master)
+    zero = [dict(c.options) for c in bench.draw_cases(5)]
+    assert len(zero) == bench.ZERO_SETUPS and all(
+        o["zero"] in (1, 2, 3) and o["dp"] in (2, 4) and o["precision"] in ("bf16", "fp16")
+        and not {"fsdp", "tp", "offload_activations", "zero_grad", "loss_chunks"} & set(o) for o in zero)
     # and the slow test's subset runs some of them
     assert any(c.layers == 4 and dict(c.options).get("dp", 1) > 1 for c in bench.grid_subset())
 

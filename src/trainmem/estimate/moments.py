@@ -392,6 +392,7 @@ def walk(q: Quantities, flags: StepFlags, tk: Tokens, ga: Any, handle_ws: int = 
             _micro_step(q, flags, here, Kept.of(q, flags, here), step, micro, valid, states_before,
                         (ws_before, 2 * handle_ws), moments, ends, final, prev if tk_next is not None else None)
             _add_others_loss(moments, ends, start, start_ends, here.others_loss, here.sent)
+            _add_kept_buckets(q, moments, ends, start, start_ends, micro, final)
             states_before = states_before or flags.oib
             prev = here
         last = tk if tk_next is None else prev  # the step's last micro-batch: what the loop holds at the step
@@ -503,7 +504,10 @@ def _grads_before(q: Quantities, flags: StepFlags, tk: Tokens, micro: int, step:
     kept = flags.grads_persistent or (step > 1 and flags.zeros)
     if not (micro > 0 or kept):
         return q.grads_loaded
-    return q.grads + tk.grad_views - (tk.grads_absent if micro > 0 and not kept else 0)
+    # DeepSpeed ZeRO-2 whose hooks reduce: the whole parameters of the rank's partition, not the shard
+    # (``quantities.ds_accumulated``)
+    return where(q.ds_accumulated > 0, q.ds_accumulated,
+                 q.grads + tk.grad_views - (tk.grads_absent if micro > 0 and not kept else 0))
 
 
 def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: int, micro: int, valid: Any,
@@ -573,8 +577,10 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
                            (kept.logits, kept.kv_forward, 0), _both(valid, q.head_temp > 0), own,
                            comm=q.ds_loss_buf + q.ds_gathered_top))
     states_mid = q.states if (states_before or flags.oib) else 0  # optimizer in backward creates them now
-    # DeepSpeed ZeRO-2 allocates its whole gradient partition at the first bucket reduction (the head's)
-    layer_grads_before = maximum(grads_before, q.ds_partition_grads)
+    # DeepSpeed ZeRO-2 allocates its whole gradient partition at the first reduction of a bucket holding
+    # one of rank 0's parameters (``quantities.deepspeed_partition_from``): here when above the layers
+    # (beside the earlier micro-batches' partition, ``_grads_before``)
+    layer_grads_before = grads_before + where(q.ds_partition_from <= 0, q.ds_partition_grads, 0)
     _layers_backward(q, flags, tk, kept, (step, micro, valid, final), (layer_grads_before, states_mid, ws2, own),
                      moments)
     after_logits, after_kv = kept.after_backward()   # hold_output="backward": freed as backward returns
@@ -646,7 +652,9 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
                         moments)
     above = where(fresh, q.above_bottom, 0)    # the layers above, reduced to shards
     _i, redo, grads = tk.bottom
-    bottom = grads_before + head_grads + above + part(grads) - (q.layers - 1) * reduced
+    # (DeepSpeed ZeRO-2's partition, when a reduction in the layers above made it)
+    low_before = grads_before + where(q.ds_partition_from == 1, q.ds_partition_grads, 0)
+    bottom = low_before + head_grads + above + part(grads) - (q.layers - 1) * reduced
     low_graph = tk.graph - tk.graph_layer + tk.graph_extra_layer
     temp = _with_update(redo, q.oib_mid) + q.tied_grad
     # (a derived encoder-decoder: the activations measured alive there, else one average layer's)
@@ -701,10 +709,13 @@ def _embedding_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept,
     # FSDP: the root's gradients are still unsharded (a tied embedding's sum among them), not yet shards
     emb_grads = q.grads + where(sync, q.fsdp_head_full + q.fsdp_emb_full + tied - where(fresh, q.fsdp_root_sharded, 0),
                                 0) - q.layers * reduced
-    # DeepSpeed ZeRO-2 with contiguous gradients and no bucket reduced yet (``quantities.reduce_first_in_backward``):
-    # every earlier gradient was copied into the bucket buffer by its hook (``communication``), no
-    # partition exists; beside them only the embedding's own new gradient (the tied sum), whose hook runs next
-    emb_grads = where((q.ds_bucketed > 0) & (q.ds_partition_grads == 0), tied, emb_grads)
+    # DeepSpeed ZeRO-1/2 whose hooks reduce buckets: the gradients the reductions left before this
+    # moment (``quantities.deepspeed_grads_at_embedding``: contiguous, the partition if made; else
+    # the gradients not freed), beside the embedding's own new gradient (the tied sum), whose hook
+    # runs next; counted in ``temp_emb`` where a partition made above the layers had gradients not fresh
+    # (and the earlier micro-batches' partition, ``_grads_before``)
+    ds_before = q.ds_accumulated if micro > 0 else 0
+    emb_grads = where(q.ds_bucketed > 0, q.ds_emb_grads + where(fresh, tied, 0) + ds_before, emb_grads)
     # tk.others: a pipeline stage's other micro-batches in flight keep their activations meanwhile
     moments.append(_mo("backward", micro, step, "embeddings.backward",
                        (emb_grads, states_mid, tk.inputs, ws2, tk.others + tk.others_head, temp_emb),
@@ -736,7 +747,16 @@ def _backward_end(q: Quantities, tk: Tokens, kept: Kept, when: tuple, now: tuple
     # are added to the accumulated ones (``foreach_reduce_scatter_copy_out``: ``grad += new``); under
     # no_sync only in the last micro-batch, where no shards exist yet
     nosync, synced = q.nosync_reduce > 0, q.nosync_reduce == 0
-    return [_mo("backward", micro, step, "fsdp.root_reduce",
+    # DeepSpeed ZeRO-1/2's last bucket reduction after backward: its flat copy beside the gradients
+    # (``quantities.deepspeed_epilogue``; under accumulation ZeRO-1 reduces in the last micro-batch only,
+    # ZeRO-2, whose earlier micro-batches' partition is ``ds_accumulated``, in every one)
+    ds_reduce = _mo("backward", micro, step, "deepspeed.reduce",
+                    (q.ds_reduce_grads + (q.ds_accumulated if micro > 0 else 0), states_mid, tk.inputs, ws2,
+                     tk.others + tk.others_head, q.ds_reduce_flat),
+                    (kept.logits, kept.kv_end, 0),
+                    _both(_both(valid, q.ds_reduce_flat > 0), _either(final, q.ds_accumulated > 0)), tk.graph,
+                    comm=q.ds_backward_buf + low_ds + kept_end)
+    return [ds_reduce, _mo("backward", micro, step, "fsdp.root_reduce",
                 (grads_end + where(_either(fresh, nosync), 0, q.fsdp_root_sharded), states_mid, tk.inputs, ws2,
                  tk.others + tk.others_head, 0),
                 (kept.logits, kept.kv_end, 0), _both(_both(valid, q.fsdp_root_rs > 0), _either(synced, final)),
@@ -945,6 +965,35 @@ def _add_others_loss(moments: list, ends: list, start: int, start_ends: int, ext
         moments[i] = mo._replace(parts=parts, logit_parts=(mo.logit_parts[0] + extra,) + mo.logit_parts[1:])
     for i in range(start_ends, len(ends)):
         ends[i] = ends[i][:3] + (ends[i][3] + extra + sent,)
+
+
+#: the backward moments before DeepSpeed ZeRO-1/2's first gradient hook (no ``ds_backward_buf`` counted there)
+BEFORE_HOOKS = ("fsdp.root_unshard", "cross_entropy.backward", "lm_head.backward", "lm_head.backward.sum",
+                "lm_head.weight_grad")
+
+
+def _add_kept_buckets(q: Quantities, moments: list, ends: list, start: int, start_ends: int, micro: int,
+                      final: Any) -> None:
+    """DeepSpeed ZeRO-1 under accumulation (``Quantities.ds_kept_buf``): the bucket buffers made by
+    the first micro-batch's first gradient hook stay until the boundary's reduction, so they are
+    there at the end of a micro-batch's backward that is not the last, and through the later
+    micro-batches' forward and their backward before the first hook (``BEFORE_HOOKS``; where the
+    release makes them when backward starts, ``ds_loss_buf``, those count them already), added to
+    the moments and phase ends from ``start`` / ``start_ends`` on (their communication)."""
+    kept = q.ds_kept_buf
+    if not (isinstance(kept, np.ndarray) or kept):
+        return
+    for i in range(start, len(moments)):
+        mo = moments[i]
+        if micro > 0 and (mo.phase == "forward" or mo.where in BEFORE_HOOKS):
+            add = kept if mo.phase == "forward" else where(q.ds_loss_buf > 0, 0, kept)
+            moments[i] = mo._replace(parts=mo.parts[:7] + (mo.parts[7] + add,) + mo.parts[8:])
+    for i in range(start_ends, len(ends)):
+        phase = ends[i][0]
+        if phase == "backward":       # a micro-batch before the boundary ends with them
+            ends[i] = ends[i][:3] + (ends[i][3] + where(final, 0, kept),)
+        elif phase == "forward" and micro > 0:
+            ends[i] = ends[i][:3] + (ends[i][3] + kept,)
 
 
 def _either(a: Any, b: Any) -> Any:

@@ -192,8 +192,14 @@ class Quantities:
     ds_step_flat: int = 0     # ... and the flat copy in the gradient dtype beside it during the cast
     ds_gathered_top: int = 0  # DeepSpeed ZeRO-3's gathered parameters from forward's end to the top layer's backward
     ds_gathered_low: int = 0  # ... in the rest of backward (``deepspeed_gathered``)
-    ds_partition_grads: int = 0  # DeepSpeed ZeRO-2's gradient partition, whole from the first reduction
-    ds_bucketed: int = 0      # 1: DeepSpeed ZeRO-2 copies each gradient into the bucket at its hook (contiguous)
+    ds_partition_grads: int = 0  # DeepSpeed ZeRO-2's gradient partition when a reduction in backward makes it
+    ds_partition_from: int = 3   # ... which backward moment it exists from (``deepspeed_partition_from``)
+    ds_emb_grads: int = 0        # ... the gradients beside the word embedding's (``deepspeed_grads_at_embedding``)
+    ds_accumulated: int = 0      # ZeRO-2: the earlier micro-batches' partition gradients (``all_grad_tensors``)
+    ds_kept_buf: int = 0         # ZeRO-1 under accumulation: the buckets kept from one micro-batch to the next
+    ds_reduce_grads: int = 0     # ZeRO-1/2's last reduction after backward: the gradients ...
+    ds_reduce_flat: int = 0      # ... and the flat copy of the bucket (``deepspeed_epilogue``)
+    ds_bucketed: int = 0      # 1: DeepSpeed ZeRO-1/2's hooks reduce buckets in backward (``deepspeed_hooks_reduce``)
     ds_norm_temp: int = 0     # DeepSpeed ZeRO-1/2's step: the float64 copy of one gradient piece its norm takes
     ds_cast_grads: int = 0    # DeepSpeed's step: the gradients alive while the fp32 gradient is cast (``deepspeed_partition_grads``)
     ds_opt_grads: int = 0     # ... and while the optimizer steps (ZeRO-3's persistent partition; none for stages 1, 2)
@@ -1146,12 +1152,13 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
     fp32, flat = deepspeed_step_parts(t, st)
     each = kept or (backward // (2 if t.ds_overlap_comm else 1))
     top, low = deepspeed_gathered(m, t, st)
-    # ZeRO-2 copies each reduced bucket's share into ``grads_in_partition``, one buffer made at the first
-    # reduction (``stage_1_and_2.py`` L1349-1356): the layers' backward finds all of this rank's gradient
-    # bytes allocated when a bucket fills during backward (taken at the head's gradients), else the
-    # epilogue's reduction makes it after the layers (``reduce_first_in_backward``)
+    # ZeRO-2 (and ZeRO-1 reducing in its hooks) copies each reduced bucket's share into
+    # ``grads_in_partition``, one buffer made at the first reduction holding one of the rank's parameters:
+    # from the backward moment ``deepspeed_partition_from`` finds, or after backward (then 0 here)
     held = deepspeed_partition_grads(m, t, st)
-    part = held if (t.zero == 2 and not t.offload_optimizer and reduce_first_in_backward(t, st)) else 0
+    hooked = deepspeed_hooks_reduce(t)
+    made = deepspeed_partition_from(m, t, st) if hooked else PARTITION_AFTER
+    part = held if made < PARTITION_AFTER else 0
     # the step (``deepspeed_step_grad``): stages 1 and 2 free every gradient before the optimizer runs,
     # ZeRO-3's partition buffer stays
     cast, opt = (held, 0) if t.zero in (1, 2) else (st.grads, st.grads)
@@ -1163,7 +1170,20 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
     return {"ds_backward_buf": backward, "ds_loss_buf": loss_buf, "ds_bucket": each, "ds_step_fp32": fp32,
             "ds_step_flat": flat,
             "ds_gathered_top": top, "ds_gathered_low": low, "ds_partition_grads": part, "ds_cast_grads": cast,
-            "ds_bucketed": int(t.zero == 2 and backward > 0 and not t.offload_optimizer),
+            "ds_partition_from": made,
+            "ds_emb_grads": deepspeed_grads_at_embedding(m, t, st) if hooked else 0,
+            # under accumulation ZeRO-2's epilogue keeps the partition's gradients (the parameters' own
+            # ``.grad``, the views of ``grads_in_partition`` with contiguous gradients) in
+            # ``all_grad_tensors`` until the boundary (``get_all_grad_tensors``, L1036-1044, L2703-2710),
+            # so a later micro-batch makes its own ``grads_in_partition`` beside them
+            "ds_accumulated": held if hooked and t.zero == 2 else 0,
+            **dict(zip(("ds_reduce_grads", "ds_reduce_flat"), deepspeed_epilogue(m, t, st))),
+            # ZeRO-1 reduces at the boundary only (``engine.py`` v0.19.8 ``allreduce_gradients`` L3083-3093),
+            # so ``_release_ipg_buffers`` (L924-932, from the epilogue) runs there only: the buckets the
+            # first micro-batch's first hook made (``setup_buckets``, made once until released) stay
+            # through the later micro-batches' forward and loss
+            "ds_kept_buf": backward if (t.zero == 1 and t.grad_accum > 1) else 0,
+            "ds_bucketed": int(hooked),
             "ds_norm_temp": deepspeed_norm_temp(m, t, st),
             "ds_opt_grads": opt}
 
@@ -1193,6 +1213,180 @@ def deepspeed_norm_temp(m: ModelSpec, t: TrainingSpec, st: States) -> int:
         largest = max(largest, min(start + p.numel, part) - start)
         start += p.numel
     return block_of(t, largest * 8)              # (piece,) float64
+
+
+def deepspeed_hooks_reduce(t: TrainingSpec) -> bool:
+    """Whether DeepSpeed ZeRO-1/2's gradient hooks reduce buckets during backward (on the GPU, not
+    offloaded): ``process_gradients`` reduces when ``partition_gradients or overlap_comm``
+    (``stage_1_and_2.py`` v0.19.8 L2284-2291), and ZeRO-1's ``reduce_ready_partitions_and_remove_grads``
+    only at the accumulation boundary (L2293-2295): ZeRO-2 always, ZeRO-1 under ``overlap_comm``
+    (taken without accumulation only: its other micro-batches keep ``.grad`` as without DeepSpeed,
+    which the estimate's moments do not tell apart; and with ``contiguous_gradients`` only, without
+    which ZeRO-1's reduction frees no gradient, L2272-2274, so that its memory is that of plain
+    gradients). Without ``overlap_comm`` ZeRO-1 reduces after backward (``reduce_gradients`` L958-981)."""
+    if not deepspeed_zero(t) or t.offload_optimizer:
+        return False
+    return t.zero == 2 or (t.zero == 1 and t.ds_overlap_comm and t.contiguous_gradients and t.grad_accum == 1)
+
+
+#: ``deepspeed_partition_from``: ZeRO-2's ``grads_in_partition`` exists from the top layer's backward,
+#: from the bottom layer's, from the embedding's, or at none of backward's moments (made by the
+#: embedding's own hook or the epilogue)
+PARTITION_TOP, PARTITION_BOTTOM, PARTITION_EMBEDDING, PARTITION_AFTER = 0, 1, 2, 3
+
+
+def deepspeed_partition_from(m: ModelSpec, t: TrainingSpec, st: States) -> int:
+    """The first backward moment at which rank 0's ``grads_in_partition`` (DeepSpeed ZeRO-2,
+    ``deepspeed_partition_grads``) exists (``PARTITION_*``). ``copy_grads_in_partition`` makes it
+    when it first copies a gradient of a parameter in the rank's partition (``stage_1_and_2.py``
+    v0.19.8 L2184-2194), which ``reduce_ipg_grads`` does for the bucket's parameters once the bucket
+    is reduced (L2266-2274); a gradient's hook reduces the bucket when adding its parameter would pass
+    ``reduce_bucket_size`` elements (``reduce_independent_p_g_buckets_and_remove_grads`` L1414-1424),
+    and a parameter larger than the bucket fills it alone (``extra_large_param_to_reduce``, L1444-1449:
+    its elements still count, so the next gradient reduces it). Rank 0's partition holds the first
+    parameters in registration order (the embeddings, the lowest layers), whose gradients come last
+    in backward: the partition is made when the bucket holding the first of them that backward
+    reaches is reduced, often well below the top layer, and never before the epilogue
+    (L1211) when every gradient fits one bucket. The hooks are taken in reverse registration
+    order (a layer's norms before its linears, a tied embedding last); a reduction in a layer
+    counts from the layers below it, one at an embedding's parameter from the word embedding's
+    backward when it comes before it. Without ``contiguous_gradients`` (no partition buffer: the
+    rank's gradients stay where autograd made them, the others' freed at each reduction), a partial
+    set of trainable tensors or a tensor- or pipeline-parallel layout, it is taken from the top
+    layer whenever the trainable elements pass one bucket (``reduce_first_in_backward``)."""
+    tensors = m.parameter_tensors()
+    if not t.contiguous_gradients or _partial_layout(m, t, st):
+        return PARTITION_TOP if reduce_first_in_backward(t, st) else PARTITION_AFTER
+    own = _rank0_own(tensors, st, t)
+    for i, bucket in _bucket_reductions(tensors, t)[:-1]:
+        if min(bucket) < own:
+            return _partition_moment(tensors, i)
+    return PARTITION_AFTER
+
+
+def _partial_layout(m: ModelSpec, t: TrainingSpec, st: States) -> bool:
+    """Whether the rank's flat group is not the model's tensors whole in registration order: a
+    tensor- or pipeline-parallel layout, LoRA, or a partial set of trainable tensors (the bucket
+    walks of ``_bucket_reductions`` do not apply)."""
+    return t.tp > 1 or t.pp > 1 or bool(t.lora_rank) or sum(p.numel for p in m.parameter_tensors()) != st.trainable
+
+
+def _rank0_own(tensors: tuple, st: States, t: TrainingSpec) -> int:
+    """How many parameters (the first, in registration order) overlap rank 0's partition of
+    ceil(trainable / dp) elements (``deepspeed_partition_grads``)."""
+    part, start, own = -(-st.trainable // t.shard_group), 0, 0
+    for p in tensors:
+        if start >= part:
+            break
+        start, own = start + p.numel, own + 1
+    return own
+
+
+def _bucket_reductions(tensors: tuple, t: TrainingSpec, forward: bool = False) -> list[tuple[int, list[int]]]:
+    """DeepSpeed ZeRO-1/2's bucket reductions during backward, in order: (the parameter whose hook
+    reduces, the registration indices of the bucket's parameters). A hook reduces the bucket when
+    adding its parameter would pass ``reduce_bucket_size`` elements (``stage_1_and_2.py`` v0.19.8
+    ``reduce_independent_p_g_buckets_and_remove_grads`` L1414-1424), then adds the parameter, whose
+    elements count even when it alone is larger than the bucket (``extra_large_param_to_reduce``,
+    L1444-1449); an empty parameter is skipped (L1416-1417). The hooks are taken in reverse
+    registration order (``forward``: in registration order, as ZeRO-1's ``reduce_gradients`` walks
+    them after backward, L972-977); the bucket left is the last item, with index -1: the epilogue
+    reduces it (``reduce_ipg_grads`` from ``independent_gradient_partition_epilogue``, L1018)."""
+    out: list[tuple[int, list[int]]] = []
+    bucket: list[int] = []
+    elements = 0
+    for i in (range(len(tensors)) if forward else reversed(range(len(tensors)))):
+        n = tensors[i].numel
+        if n == 0:
+            continue
+        if elements + n > t.ds_reduce_bucket:
+            if bucket:
+                out.append((i, bucket))
+            bucket, elements = [], 0
+        bucket.append(i)
+        elements += n
+    return out + [(-1, bucket)] if bucket else out
+
+
+def deepspeed_epilogue(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, int]:
+    """(bytes of the gradients, bytes of the flat copy) on rank 0 when DeepSpeed ZeRO-1/2 reduces
+    the last bucket after backward (0, 0 off them or offloaded). Every reduction flattens the
+    bucket's gradients into one new tensor: ``average_tensor`` -> ``allreduce_and_scatter`` ->
+    ``allreduce_bucket`` ``self.flatten(bucket)`` (``stage_1_and_2.py`` v0.19.8 L1590-1725,
+    L2359-2367; DeepSpeed's defaults ``reduce_scatter`` and ``use_multi_rank_bucket_allreduce`` put
+    every slice of the bucket in one ``allreduce`` group, flattened together up to
+    ``reduce_bucket_size``), or without ``contiguous_gradients`` ``buffered_reduce_fallback`` ->
+    ``allreduce_no_retain`` -> ``allreduce_and_copy`` (L2538-2556, L2402-2439), freed once copied
+    back; the last bucket is reduced by the epilogue (``_bucket_reductions``), where the most
+    gradients exist. Beside that copy: with contiguous gradients only ``grads_in_partition`` (when
+    an earlier reduction made it; the bucket buffers are ``ds_backward_buf``); without, the
+    gradients autograd made less those ZeRO-2 freed (``deepspeed_grads_at_embedding``), all of
+    them under ZeRO-1. ZeRO-1 without ``overlap_comm`` reduces after backward in registration order
+    (``reduce_gradients``). A partial set of trainable tensors or a tensor- or pipeline-parallel
+    layout: (0, 0)."""
+    if not (deepspeed_zero(t) and t.zero in (1, 2) and not t.offload_optimizer and st.trainable):
+        return 0, 0
+    if _partial_layout(m, t, st):
+        return 0, 0
+    tensors = m.parameter_tensors()
+    hooked = t.zero == 2 or t.ds_overlap_comm
+    reductions = _bucket_reductions(tensors, t, forward=not hooked)
+    if not reductions:
+        return 0, 0
+    earlier, last = [b for _i, b in reductions[:-1]], reductions[-1][1]
+    own = _rank0_own(tensors, st, t)
+    if t.contiguous_gradients:
+        held = deepspeed_partition_grads(m, t, st) if any(min(b) < own for b in earlier) else 0
+    else:
+        alive = st.trainable
+        if t.zero == 2:
+            alive -= sum(tensors[j].numel for b in earlier for j in b if j >= own)
+        held = block_of(t, alive * t.weight_bytes)
+    flat = block_of(t, sum(tensors[j].numel for j in last) * t.weight_bytes)  # (bucket,) gradient dtype
+    return held, flat
+
+
+def deepspeed_grads_at_embedding(m: ModelSpec, t: TrainingSpec, st: States) -> int:
+    """Bytes of the gradients on rank 0 beside the word embedding's own when its backward runs (the
+    last gradient of backward), where DeepSpeed ZeRO-1/2's hooks reduce buckets
+    (``deepspeed_hooks_reduce``). With ``contiguous_gradients`` every gradient is copied into the
+    bucket buffer by its hook, so only ``grads_in_partition`` is there, if a reduction made it
+    before (``deepspeed_partition_from``). Without, gradients stay where autograd made them: every
+    parameter's before the embedding's, less those ZeRO-2 freed at a reduction, the parameters
+    outside the rank's partition (``reduce_ipg_grads`` L2260-2268: ``clear_grad_attribute``; under
+    ``overlap_comm`` at the next reduction, ``previous_reduced_grads``, L1026-1030); the rank's own
+    are kept. A partial set of trainable tensors or a tensor- or pipeline-parallel layout takes
+    the sharded gradients."""
+    if t.contiguous_gradients:
+        made = deepspeed_partition_from(m, t, st)
+        return deepspeed_partition_grads(m, t, st) if made <= PARTITION_EMBEDDING else 0
+    if _partial_layout(m, t, st):
+        return st.grads
+    tensors = m.parameter_tensors()
+    word = min((j for j, p in enumerate(tensors) if p.role == "embedding"), default=0)
+    own = _rank0_own(tensors, st, t)
+    alive = sum(p.numel for p in tensors[word + 1:])
+    freed: list[list[int]] = []  # the buckets whose other ranks' gradients are freed (before ``word``)
+    reductions = [b for i, b in _bucket_reductions(tensors, t)[:-1] if i > word]
+    if t.zero == 2:
+        freed = reductions if not t.ds_overlap_comm else reductions[:-1]
+    alive -= sum(tensors[j].numel for b in freed for j in b if j >= own)
+    return block_of(t, alive * t.weight_bytes)   # the gradients in the weights' dtype
+
+
+def _partition_moment(tensors: tuple, i: int) -> int:
+    """``deepspeed_partition_from``'s moment for a reduction at parameter ``i``'s hook: above the
+    layers (the head, the final norm), in a layer (the layers below it), at an embedding's
+    parameter (before the word embedding's backward when it comes later in registration order)."""
+    p = tensors[i]
+    layered = [j for j, q in enumerate(tensors) if q.layer is not None]
+    if p.layer is None and layered and i > layered[-1]:
+        return PARTITION_TOP
+    if p.layer is not None:
+        return PARTITION_BOTTOM if p.layer > min(q.layer for q in tensors if q.layer is not None) else \
+            PARTITION_EMBEDDING
+    word = min((j for j, q in enumerate(tensors) if q.role == "embedding"), default=0)
+    return PARTITION_EMBEDDING if i > word else PARTITION_AFTER
 
 
 def reduce_first_in_backward(t: TrainingSpec, st: States) -> bool:
