@@ -461,6 +461,10 @@ def _head_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, befo
                        comm=q.fsdp_loss_root + q.fsdp_last_kept + q.fsdp_loss_buf + q.ds_loss_buf
                        + q.ds_gathered_top))
     out.append(_head_weight_grad(q, flags, tk, kept, before, step, micro, valid))
+    # a classifier's final RMSNorm backward, every activation alive (quantities.final_norm_backward)
+    out.append(_mo("backward", micro, step, "final_norm.backward",
+                   (grads_before, states, tk.inputs, ws2, tk.all_acts, trunc(q.final_norm_bwd_tok * tk.tokens)),
+                   (kept.logits, kept.kv_forward, 0), _both(valid, q.final_norm_bwd_tok > 0)))
     return out
 
 

@@ -168,6 +168,7 @@ class Quantities:
     # a derived encoder-decoder's activations alive at its bottom and decoder-bottom backward moments
     # (``derived.moment_activations``): per token, per token x key, per position, per position squared
     head_fwd_tok: float = 0.0  # a derived image model's head forward beyond its saved tensors (derived.head_forward)
+    final_norm_bwd_tok: float = 0.0  # a classifier's final RMSNorm backward beyond the saved tensors (final_norm_backward)
     # gradient storages beyond the gradients after backward (derived.grad_views: ViT's class token at
     # micro-batch 1 keeps the (1, s, hidden) embedding gradient): per token, per position, constant
     grad_view_tok: float = 0.0
@@ -1652,9 +1653,46 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         lower_layers=lower, above_bottom=above_bottom, above_decoder_bottom=above_decoder_bottom,
         input_tok=input_bytes(m, t)[0], input_sample=input_bytes(m, t)[1], expandable=int(t.expandable_segments),
         trainer_cp=trainer_cp_inputs(m, t), embeds_tok=held_embeddings(m, t, pol, lc),
+        final_norm_bwd_tok=final_norm_backward(m, t, pol, stage),
         dec_num=decoder_ratio(m, t)[0], dec_den=decoder_ratio(m, t)[1], **_derived_fields(m, t, stage), **pipe,
         detail=Detail(st, lc, outer, comm_name, input_tok, sum(a for _, a, _ in received),
                       len(recompute_transients(t, lc))))
+
+
+def final_norm_backward(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str = "") -> float:
+    """Bytes per token alive at the final RMSNorm's backward beyond the saved tensors, for a decoder's
+    classifier or question-answering head (``*ForSequenceClassification``, ``*ForQuestionAnswering``),
+    whose backward reaches the norm with every layer's saved tensors still alive and no vocabulary-
+    sized loss before it (a causal LM's cross-entropy backward is its peak instead).
+
+    transformers 5.24 ``models/llama/modeling_llama.py`` L62-67, ``LlamaRMSNorm.forward``:
+    ``x32 = hidden_states.to(torch.float32)``; ``variance = x32.pow(2).mean(-1, keepdim=True)``;
+    ``x32 * torch.rsqrt(variance + eps)``; ``self.weight * normed.to(input_dtype)``. Backward, in
+    autograd's order: the weight's ``MulBackward0`` (then ``normed``, saved only for the weight's
+    gradient, is freed: ``_head_side`` counts it); the multiply by ``rsqrt``'s, which hands x32 its
+    first gradient (b, s, h) fp32, held in autograd's input buffer until the second arrives;
+    ``RsqrtBackward0`` and ``MeanBackward0``, whose ``sum_backward(...) / numel`` (PyTorch
+    ``tools/autograd/derivatives.yaml`` ``mean.dim``, ``FunctionsManual.cpp`` ``mean_backward``)
+    materialises (b, s, h) fp32; then ``PowBackward0``, ``pow_backward``: ``grad * (exponent *
+    self.pow(exponent - 1))`` (``FunctionsManual.cpp``), three more (b, s, h) fp32 tensors alive
+    together within the expression: five in all (fp32, h each per token), beside x32 (saved by
+    ``pow`` and the multiply). By then the head's saved input (``qa_outputs.input`` /
+    ``pooler.input`` in ``_head_side``, (b, s, h) in the matmul dtype) was released by its ``mm``'s
+    backward. The head's and the norm's weight gradients ((num_labels + 1) x h elements) are left
+    out. Found by trace: Llama (2 layers, hidden 256) question answering, pure bf16, 4 x 256, whose
+    peak is the final norm's ``PowBackward0``: -0.8% before.
+
+    0 for other heads, models not run by transformers' RMSNorm (``OWN_MODEL_CODE`` frameworks,
+    GPT-2's and BERT's LayerNorm, derived architectures), ``--compile`` (fused kernels), tensor and
+    pipeline parallelism (the norm is then another rank's or a sharded one)."""
+    if m.head not in ("seq-cls", "qa") or m.family not in ("llama", "mixtral") or not m.final_norm \
+            or m.norm != "rmsnorm" or t.compile or t.tp > 1 or t.pp > 1 \
+            or t.extra.get("framework") in OWN_MODEL_CODE:
+        return 0.0
+    h = m.hidden_size
+    normed = 0 if t.lora_rank else h * pol.stream   # frozen (LoRA): never saved (``_head_side``)
+    head_input = h * pol.half                       # qa_outputs / score saves its input (``_head_side``)
+    return float(5 * h * F32 - normed - head_input)
 
 
 def held_embeddings(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs | None = None) -> float:
