@@ -243,6 +243,9 @@ class Builder:
         # attention or the MLP got), set by the layer builder: ``Recipe.recompute_moment``
         self.outer_live: tuple[T, ...] = ()
         self.ring = 1  # PyTorch's context parallelism: the ranks its ring attention runs over (_ring_attention)
+        # a gradient alive through the backward of the linears built while it is set (``_linear_backward``):
+        # a post-LN layer's residual gradient, waiting for its MLP branch (``_bert_layer``)
+        self.waiting_grad: tuple[T, ...] = ()
 
     # -- ops ------------------------------------------------------------------------------
     def t(self, tok: float, nbytes: int, name: str, sq: float = 0.0) -> T:
@@ -288,16 +291,17 @@ class Builder:
         casts the weight gradient to fp32 while the half one is referenced: two moments, each below
         the sum of all of them. Found by trace: Llama-2-7B's ``down_proj`` (bf16-amp, 4 layers,
         FSDP2 dp 8, full recompute), 376 MiB counted where 204 and 172 MiB are alive."""
+        wait = self.waiting_grad
         if not (self.p.amp and self.wgrad_bytes == HALF + F32):
-            self.r.transient(f"{name}.backward", T(out, 0, self.p.half), T(xin.tok, 0, self.p.half),
+            self.r.transient(f"{name}.backward", T(out, 0, self.p.half), T(xin.tok, 0, self.p.half), *wait,
                              const=w * self.wgrad_bytes, own_weights=w)
             return
         # MmBackward0: (b, s, out) and (b, s, in) gradients, the (in, out) weight gradient, half
-        self.r.transient(f"{name}.backward", T(out, 0, self.p.half), T(xin.tok, 0, self.p.half),
+        self.r.transient(f"{name}.backward", T(out, 0, self.p.half), T(xin.tok, 0, self.p.half), *wait,
                          const=w * HALF, own_weights=w)
         # ToCopyBackward0: grad_in, the half and the fp32 weight gradients; the input's own half copy freed
         own_input = [T(-xin.tok, 0, HALF)] if xin is not x else []
-        self.r.transient(f"{name}.backward.cast", T(xin.tok, 0, self.p.half), *own_input,
+        self.r.transient(f"{name}.backward.cast", T(xin.tok, 0, self.p.half), *own_input, *wait,
                          const=w * (HALF + F32), own_weights=w, own_cast=w)
 
     def grad_starts(self, x: T) -> bool:
@@ -1181,9 +1185,18 @@ def _bert_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: f
         sum1 = T(h / sp_div, 0, pol.stream, "attention.output.LayerNorm")
         ln1 = B.layer_norm(sum1, "attention.output.LayerNorm")
         src2 = T(h / sp_div, 0, ln1.nbytes, "attention.output.LayerNorm.out")
+    if not k.pre_norm:
+        # post-LN: the output LayerNorm's input gradient (b, s, h), residual dtype, reaches the residual
+        # add's two inputs as one tensor; the attention branch's (``attention.output.LayerNorm``'s
+        # output) waits in autograd's input buffer for the MLP branch's gradient, so it is alive
+        # through the MLP's linears' backward (transformers 5.24 bert/modeling_bert.py L352, ``BertOutput.
+        # forward``: ``self.LayerNorm(hidden_states + input_tensor)``). Found by trace: BERT (2
+        # layers, hidden 256) question answering, fp32, 4 x 256: -1.2% at ``output.dense``'s backward
+        B.waiting_grad = (T(h / sp_div, 0, pol.stream),)
     B.linear(src2, f, "intermediate.dense", "intermediate.dense.input", h)
     act = _gelu(B, k.act_impl, f, h / sp_div, incoming=k.pre_norm)  # post-LN: LayerNorm's gradient
     B.linear(act, h, "output.dense", "output.dense.input")
+    B.waiting_grad = ()
     B.drop(T(h / sp_div, 0, half, "resid"), k.hidden_dropout, "output.dropout")
     if not k.pre_norm:
         # its output is the next layer's input, saved by the next layer's q/k/v (or the head)
