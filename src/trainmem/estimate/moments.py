@@ -543,6 +543,10 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     moments.append(_mo("forward", micro, step, "final_norm.forward",
                        (grads_before, states, tk.inputs, ws, tk.all_acts, trunc(q.final_norm_fwd_tok * tk.tokens)),
                        (prev_logits, prev_kv + tk.kv_held, 0), _both(valid, q.final_norm_fwd_tok > 0), prev_graph + own))
+    # a BERT classifier's last LayerNorm forward (quantities.bert_top_forward)
+    moments.append(_mo("forward", micro, step, "layer.output.LayerNorm.forward",
+                       (grads_before, states, tk.inputs, ws, tk.all_acts, trunc(q.bert_top_fwd_tok * tk.tokens)),
+                       (prev_logits, prev_kv + tk.kv_held, 0), _both(valid, q.bert_top_fwd_tok > 0), prev_graph + own))
     # --cast-output (Lightning Fabric, quantities._cast_output_loss_bytes): as forward returns, the
     # head's half output and its fp32 copy exist while the loop still holds the previous output; the
     # loop then rebinds its name (the previous output freed) and its loss reads the fp32 copy (the

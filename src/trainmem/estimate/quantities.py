@@ -173,6 +173,7 @@ class Quantities:
     head_fwd_tok: float = 0.0  # a derived image model's head forward beyond its saved tensors (derived.head_forward)
     final_norm_bwd_tok: float = 0.0  # a classifier's final RMSNorm backward beyond the saved tensors (final_norm_backward)
     final_norm_fwd_tok: float = 0.0  # ... and its forward beyond them (final_norm_forward)
+    bert_top_fwd_tok: float = 0.0  # a BERT classifier's last LayerNorm forward beyond the saved tensors (bert_top_forward)
     # gradient storages beyond the gradients after backward (derived.grad_views: ViT's class token at
     # micro-batch 1 keeps the (1, s, hidden) embedding gradient): per token, per position, constant
     grad_view_tok: float = 0.0
@@ -1658,6 +1659,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         input_tok=input_bytes(m, t)[0], input_sample=input_bytes(m, t)[1], expandable=int(t.expandable_segments),
         trainer_cp=trainer_cp_inputs(m, t), embeds_tok=held_embeddings(m, t, pol, lc),
         final_norm_bwd_tok=final_norm_backward(m, t, pol), final_norm_fwd_tok=final_norm_forward(m, t, pol),
+        bert_top_fwd_tok=bert_top_forward(m, t, pol),
         dec_num=decoder_ratio(m, t)[0], dec_den=decoder_ratio(m, t)[1], **_derived_fields(m, t, stage), **pipe,
         detail=Detail(st, lc, outer, comm_name, input_tok, sum(a for _, a, _ in received),
                       len(recompute_transients(t, lc))))
@@ -1695,6 +1697,37 @@ def final_norm_forward(m: ModelSpec, t: TrainingSpec, pol: Policy) -> float:
     if pol.stream != F32:
         return float(h * pol.stream + h * F32 + h * pol.stream)
     return float(h * F32 - h * pol.half)
+
+
+def bert_top_forward(m: ModelSpec, t: TrainingSpec, pol: Policy) -> float:
+    """Bytes per token alive at the last BERT layer's output LayerNorm (the forward's peak for a
+    classifier or question-answering head, which has no vocabulary-sized loss after it) beyond the
+    saved tensors (transformers 5.24 ``models/bert/modeling_bert.py``):
+
+    * ``BertOutput.forward`` L349-352: its local ``hidden_states``, the dropout's output (the dense
+      output without dropout), (b, s, h) in the matmul dtype, is referenced while ``self.LayerNorm(
+      hidden_states + input_tensor)`` runs; the LayerNorm's output (residual dtype) is new. The head
+      saves that output itself (``pooler.input``, fp32 under autocast too) or, for question answering,
+      its half cast made later (``qa_outputs.input``): both counted in the saved tensors.
+    * Under autocast the linears save half casts, so fp32 (b, s, h) tensors that only Python frames
+      hold are extra: ``BertModel.forward``'s ``embedding_output`` (L657, until it returns),
+      ``BertEncoder.forward``'s ``hidden_states`` (L439-440: the last layer's input, another tensor
+      with two layers or more) and ``BertLayer.feed_forward_chunk``'s ``attention_output`` (L417-419).
+      In fp32 / pure half those are the q/k/v and ``intermediate.dense`` inputs, saved already.
+
+    Found by trace: BERT (2 layers, hidden 64) question answering, bf16-amp, 4 x 256: the step's
+    peak is this forward moment, -2.2% before. 0 for other heads and families, under recompute (a
+    checkpointed layer saves nothing in forward), LoRA (frozen linears save no input), --compile,
+    tensor or pipeline parallelism, and a framework's own model code."""
+    if m.head not in ("seq-cls", "qa") or m.family != "bert" or t.recompute not in (None, "none") \
+            or t.lora_rank or t.compile or t.tp > 1 or t.pp > 1 or t.extra.get("framework") in OWN_MODEL_CODE:
+        return 0.0
+    h = m.hidden_size
+    out = h * pol.half + h * pol.stream       # the dropout's output (half), the LayerNorm's output
+    out -= h * (pol.stream if m.head == "seq-cls" else pol.half)   # the head's input, counted
+    if pol.amp:  # embedding_output, the last layer's input (two layers or more), attention_output
+        out += h * pol.stream * ((2 if m.num_layers > 1 else 1) + 1)
+    return float(out)
 
 
 def final_norm_backward(m: ModelSpec, t: TrainingSpec, pol: Policy) -> float:
