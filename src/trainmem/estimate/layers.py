@@ -1424,15 +1424,19 @@ def _gelu(B: Builder, impl: str, f: float, h: float = 0.0, incoming: bool = True
                  T(f, 0, half, "mlp.act.half_x"), T(f, 0, wide, "mlp.act.one_plus_tanh"))
         # backward: the incoming gradient (the next linear's input gradient, cast back to wide) and
         # the two gradients the final product's MulBackward makes, all of the activation's size; the
-        # residual stream's gradient (b, s, h) waits for the attention branch meanwhile. Under autocast
-        # the product's factors differ in dtype (``0.5 * x`` half, ``1 + tanh`` fp32): MulBackward0
-        # returns both gradients in fp32 and the engine casts the half factor's to its dtype beside
-        # them (torch/csrc/autograd/engine.cpp ``validate_outputs``: ``grad.to(metadata dtype)``).
-        # Found by trace: GPT-2 (2 layers, n_embd 64) sequence classification, bf16-amp, 4 x 256: -1.5%
+        # residual stream's gradient (b, s, h) waits for the attention branch meanwhile
         grad_out = T(h, 0, B.p.stream)
-        cast = (T(f, 0, half),) if wide != half else ()
-        B.r.transient("mlp.act.backward", T(f, 0, wide), T(f, 0, wide), T(f, 0, wide), *cast, grad_out,
+        B.r.transient("mlp.act.backward", T(f, 0, wide), T(f, 0, wide), T(f, 0, wide), grad_out,
                       incoming=grad_out if incoming else None)
+        if wide != half:
+            # under autocast the product's factors differ in dtype (``0.5 * x`` half, ``1 + tanh``
+            # fp32): MulBackward0 returns both gradients in fp32 and the engine then casts the half
+            # factor's to its dtype beside them (torch/csrc/autograd/engine.cpp ``validate_outputs``:
+            # ``grad.to(metadata dtype)``), the saved factors still held by the node (in a recomputed
+            # layer they are not: ``quantities.ENGINE_CAST``). Found by trace: GPT-2 (2 layers, n_embd
+            # 64) sequence classification, bf16-amp, 4 x 256: -1.5% before
+            B.r.transient("mlp.act.backward.engine_cast", T(f, 0, wide), T(f, 0, wide), T(f, 0, wide),
+                          T(f, 0, half), grad_out, incoming=grad_out if incoming else None)
         return T(f, 0, wide, "mlp.act.out")
     B.r.save(T(f, 0, half, "mlp.act.input"))
     return T(f, 0, half, "mlp.act.out")
