@@ -524,9 +524,16 @@ def _head_side(m: ModelSpec, pol: Policy, h: int, sp: int, fused: bool = False, 
         # lm_head saves its input: a half cast under autocast, else the final norm's output
         half_in = pol.amp or (m.norm == "rmsnorm" and pol.stream == 2)
         out.append(("lm_head.input", float(h * (pol.half if half_in else pol.stream)), 0.0))
+    elif m.head == "seq-cls" and m.family == "bert":
+        # BERT's pooler takes hidden[:, 0]; the view it saves keeps the last layer's output storage
+        # alive. Under autocast it saves the view's (b, h) half cast instead (per sample, left out),
+        # and the output lives only while the model's forward runs (bert_top_forward counts it there;
+        # trace, BERT hidden 64 seq-cls bf16-amp 4 x 256: the forward's end +1.0% before)
+        if not pol.amp:
+            out.append(("pooler.input", float(h * pol.stream), 0.0))
     elif m.head == "seq-cls":
-        # BERT's pooler takes hidden[:, 0]; the view keeps the last layer's output storage alive
-        out.append(("pooler.input", float(h * (pol.stream if m.family == "bert" else pol.half)), 0.0))
+        # the score linear runs on every token: it saves its (b, s, h) input in the matmul dtype
+        out.append(("pooler.input", float(h * pol.half), 0.0))
     elif m.head == "qa":
         # qa_outputs, Linear(h, 2), saves its input, every token's output of the encoder: the
         # tensor itself, or autocast's half copy of it ((b, s, h) in the matmul dtype)
@@ -1713,8 +1720,9 @@ def bert_top_forward(m: ModelSpec, t: TrainingSpec, pol: Policy) -> float:
     * ``BertOutput.forward`` L349-352: its local ``hidden_states``, the dropout's output (the dense
       output without dropout), (b, s, h) in the matmul dtype, is referenced while ``self.LayerNorm(
       hidden_states + input_tensor)`` runs; the LayerNorm's output (residual dtype) is new. The head
-      saves that output itself (``pooler.input``, fp32 under autocast too) or, for question answering,
-      its half cast made later (``qa_outputs.input``): both counted in the saved tensors.
+      saves that output itself (``pooler.input``; under autocast a per-sample cast, and the output is
+      extra) or, for question answering, its half cast made later (``qa_outputs.input``), counted in
+      the saved tensors.
     * Under autocast the linears save half casts, so fp32 (b, s, h) tensors that only Python frames
       hold are extra: ``BertModel.forward``'s ``embedding_output`` (L657, until it returns),
       ``BertEncoder.forward``'s ``hidden_states`` (L439-440: the last layer's input, another tensor
@@ -1730,7 +1738,7 @@ def bert_top_forward(m: ModelSpec, t: TrainingSpec, pol: Policy) -> float:
         return 0.0
     h = m.hidden_size
     out = h * pol.half + h * pol.stream       # the dropout's output (half), the LayerNorm's output
-    out -= h * (pol.stream if m.head == "seq-cls" else pol.half)   # the head's input, counted
+    out -= h * (pol.half if m.head == "qa" else 0 if pol.amp else pol.stream)   # the head's input, counted
     if pol.amp:  # embedding_output, the last layer's input (two layers or more), attention_output
         out += h * pol.stream * ((2 if m.num_layers > 1 else 1) + 1)
     return float(out)
