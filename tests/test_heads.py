@@ -75,6 +75,15 @@ def test_bert_last_layernorm_forward_under_autocast(task, one_torch_thread):
     assert abs(e.peak_allocated / t.peak_allocated - 1) < TOL
 
 
+@pytest.mark.parametrize("task", ["sequence-classification", "question-answering"])
+def test_bert_recomputed_top_layer_under_autocast(task, one_torch_thread):
+    """bf16-amp, full recompute: the peak is the top layer's recomputation stopping at its output
+    LayerNorm's pack, its frames' fp32 tensors and the output gradient alive (-1.3% before)."""
+    e, t = _pair(BERT, task, "bf16-amp", "full")
+    assert "[recomputed]" in t.peak_where and e.peak_where.endswith("output.LayerNorm.recompute")
+    assert abs(e.peak_allocated / t.peak_allocated - 1) < TOL
+
+
 @pytest.mark.parametrize("recompute", ["none", "full"])
 def test_gelu_new_engine_cast_under_autocast(recompute, one_torch_thread):
     """GPT-2's gelu_new under autocast: the engine's half cast of a factor's gradient is the peak

@@ -1197,10 +1197,20 @@ def _bert_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: f
     act = _gelu(B, k.act_impl, f, h / sp_div, incoming=k.pre_norm)  # post-LN: LayerNorm's gradient
     B.linear(act, h, "output.dense", "output.dense.input")
     B.waiting_grad = ()
-    B.drop(T(h / sp_div, 0, half, "resid"), k.hidden_dropout, "output.dropout")
+    dropped = B.drop(T(h / sp_div, 0, half, "resid"), k.hidden_dropout, "output.dropout")
     if not k.pre_norm:
         # its output is the next layer's input, saved by the next layer's q/k/v (or the head)
-        B.layer_norm(T(h / sp_div, 0, pol.stream, "output.LayerNorm"), "output.LayerNorm")
+        out = B.layer_norm(T(h / sp_div, 0, pol.stream, "output.LayerNorm"), "output.LayerNorm")
+        if not B.frozen:
+            # recomputed (full recompute), the layer stops at this last pack with its frames holding
+            # ``attention_output`` (``feed_forward_chunk``; saved itself only without autocast), the
+            # dropout's output (``BertOutput.forward``'s ``hidden_states``) and the LayerNorm's output,
+            # while the layer's output gradient, which backward brought to the LayerNorm whose unpack
+            # started the recomputation, is alive (transformers 5.24 bert/modeling_bert.py L349-352,
+            # L417-419). Found by trace: BERT (2 layers, hidden 64) seq-cls bf16-amp, full recompute,
+            # 4 x 256: -1.3% before, the recomputed top layer's ``NativeLayerNormBackward0``
+            B.r.recompute_moment("output.LayerNorm.recompute", src2, dropped, out, at_pack=True)
+            B.r.trigger = (h / sp_div * pol.stream, h / sp_div * pol.stream, B.r.packs)
 
 
 def _llama_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: float, heads: float, kvh: float, sp_div: int) -> None:
