@@ -45,15 +45,16 @@ F32 = 4
 GPIPE_INFLIGHT = 1 << 30
 #: outer tensors whose ``tok`` coefficient counts bytes per sequence position (shared by the micro-batch)
 PER_POSITION = ("rotary.cos_sin",)
-#: outer tensors of the final norm and the head (``_head_side``), freed by the head's backward before the
-#: last layer's (``qa_outputs.input`` among them: before, a question-answering head's saved input stayed
-#: in the layers' backward moments; trace, Llama 2 layers hidden 256, fp32, 4 x 256: +0.9%)
 #: a layer transient whose op's saved tensors are still held by its autograd node (``layers._gelu``): in
 #: a checkpointed layer the node got them from the recomputation and dropped them when it returned
-#: (torch/utils/checkpoint.py ``unpack_hook`` hands over ``frame.recomputed``'s tensor), so the moment
+#: (torch 2.13 torch/utils/checkpoint.py L1205-1206, ``unpack_hook``: ``holder.handles[gid] = None``
+#: drops the handle keying ``frame.recomputed``'s weak-key dictionary, so the frame lets go), so the moment
 #: is below its op's own (``.backward``) one, which stands in for it under full recompute. Found by trace:
 #: GPT-2 (2 layers, n_embd 64) sequence classification, bf16-amp, full recompute, 4 x 256: +1.8% with it
 ENGINE_CAST = ".engine_cast"
+#: outer tensors of the final norm and the head (``_head_side``), freed by the head's backward before the
+#: last layer's (``qa_outputs.input`` among them: before, a question-answering head's saved input stayed
+#: in the layers' backward moments; trace, Llama 2 layers hidden 256, fp32, 4 x 256: +0.9%)
 HEAD_KEYS = ("final_norm", "lm_head.input", "mlm.transform", "pooler.input", "qa_outputs.input", "derived.head_side")
 
 
@@ -1703,8 +1704,9 @@ def final_norm_forward(m: ModelSpec, t: TrainingSpec, pol: Policy) -> float:
     ``to(input_dtype)`` return their input, so the input and product are the norm's saved tensors;
     the output (h x 4) is new, and under autocast the head saves its half cast instead, made only
     after (counted in the saved tensors but not yet there). Found by trace: Llama (2 layers, hidden
-    256) question answering, pure bf16, 4 x 256: forward -4.6% before."""
-    if not _classifier_rms_norm(m, t):
+    256) question answering, pure bf16, 4 x 256: forward -4.6% before. 0 under LoRA (the frozen
+    norm's multiply saves nothing, so its operand is one more frame-held tensor: not modelled)."""
+    if not _classifier_rms_norm(m, t) or t.lora_rank:
         return 0.0
     h = m.hidden_size
     if pol.stream != F32:
