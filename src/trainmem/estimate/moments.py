@@ -462,6 +462,10 @@ def _head_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, befo
                        comm=q.fsdp_loss_root + q.fsdp_last_kept + q.fsdp_loss_buf + q.ds_loss_buf
                        + q.ds_gathered_top))
     out.append(_head_weight_grad(q, flags, tk, kept, before, step, micro, valid))
+    # a classifier's final RMSNorm backward, every activation alive (quantities.final_norm_backward)
+    out.append(_mo("backward", micro, step, "final_norm.backward",
+                   (grads_before, states, tk.inputs, ws2, tk.all_acts, trunc(q.final_norm_bwd_tok * tk.tokens)),
+                   (kept.logits, kept.kv_forward, 0), _both(valid, q.final_norm_bwd_tok > 0)))
     return out
 
 
@@ -539,6 +543,14 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     moments.append(_mo("forward", micro, step, "head.forward",
                        (grads_before, states, tk.inputs, ws, tk.all_acts, trunc(q.head_fwd_tok * tk.tokens)),
                        (prev_logits, prev_kv + tk.kv_held, 0), _both(valid, q.head_fwd_tok > 0), prev_graph + own))
+    # a classifier's final RMSNorm forward (quantities.final_norm_forward)
+    moments.append(_mo("forward", micro, step, "final_norm.forward",
+                       (grads_before, states, tk.inputs, ws, tk.all_acts, trunc(q.final_norm_fwd_tok * tk.tokens)),
+                       (prev_logits, prev_kv + tk.kv_held, 0), _both(valid, q.final_norm_fwd_tok > 0), prev_graph + own))
+    # a BERT classifier's last LayerNorm forward (quantities.bert_top_forward)
+    moments.append(_mo("forward", micro, step, "layer.output.LayerNorm.forward",
+                       (grads_before, states, tk.inputs, ws, tk.all_acts, trunc(q.bert_top_fwd_tok * tk.tokens)),
+                       (prev_logits, prev_kv + tk.kv_held, 0), _both(valid, q.bert_top_fwd_tok > 0), prev_graph + own))
     # --cast-output (Lightning Fabric, quantities._cast_output_loss_bytes): as forward returns, the
     # head's half output and its fp32 copy exist while the loop still holds the previous output; the
     # loop then rebinds its name (the previous output freed) and its loss reads the fp32 copy (the
