@@ -88,8 +88,10 @@ FSDP_LORA_UNITS = ("separate", "layer")
 #: unit, embeddings + final norm + head: before PyTorch 2.8 ``fully_shard`` clamped the root's
 #: ``reshard_after_forward`` to False, pytorch/pytorch PR #154704); root-last (the root and the last
 #: decoder layer: torchtitan's ``parallelize_llama`` from March 2024 to 2025, "do not reshard after
-#: forward for the last transformer block", on a PyTorch of that time)
-FSDP_GATHERED = ("none", "root", "root-last")
+#: forward for the last transformer block", on a PyTorch of that time); head (torchtitan's ``apply_fsdp``
+#: since 83e694105, July 2025: the token embedding its own unit and every block resharded, the final norm
+#: and the head one unit kept gathered, the root ``fully_shard(model)`` holding no parameters)
+FSDP_GATHERED = ("none", "root", "root-last", "head")
 #: bitsandbytes 4-bit base weights (``Linear4bit``): quant type nf4/fp4, ``-dq`` = double quantization
 #: (transformers ``BitsAndBytesConfig(bnb_4bit_quant_type, bnb_4bit_use_double_quant)``; litgpt
 #: ``--quantize bnb.nf4``/``bnb.nf4-dq``, which is accepted too)
@@ -433,6 +435,9 @@ class TrainingSpec:
         if self.fsdp_gathered != "none" and (self.fsdp is None or self.fsdp_version != 2 or self.pp > 1):
             raise TrainmemError(f"--fsdp-gathered {self.fsdp_gathered} says which FSDP2 units stay gathered after "
                                 "forward: give --fsdp full (FSDP2, without --pp), or drop it")
+        if self.fsdp_gathered == "head" and self.fsdp == "grad-op":
+            raise TrainmemError("--fsdp-gathered head is torchtitan's split of the root (embedding, [norm, head]) "
+                                "with every other unit resharded after forward: give --fsdp full or hybrid")
 
     def _check_counts(self) -> None:
         """``target_len``, ``image_size`` and ``sub_group_size`` are None or positive integers;
