@@ -499,7 +499,8 @@ def _fsdp_head_reduce(q: Quantities, tk: Tokens, kept: Kept, before: tuple, step
     until it returns (as the old root's, ``quantities.fsdp_buffers``); the last layer prefetched,
     every layer's activations saved. ``before``: (gradients, states, workspace)."""
     grads_before, states, ws2 = before
-    grads = grads_before + where(grads_before == 0, q.fsdp_head_shard, 0)
+    # (the reduce-scatter output, flat: the new shards, or beside the accumulated ones until added, L749)
+    grads = grads_before + q.fsdp_head_shard
     return _mo("backward", micro, step, "fsdp.head_reduce",
                (grads, states, tk.inputs, ws2, tk.layers + tk.outer_rest + tk.others_head, 0),
                (kept.logits, kept.kv_forward, 0), _both(valid, q.fsdp_head_rs > 0),

@@ -1190,9 +1190,28 @@ def check_against(model: Any, t: TrainingSpec) -> None:
         if experts and t.ep > 1:
             raise TrainmemError(f"--lora-targets {','.join(experts)} with --ep {t.ep}: adapters on expert-parallel "
                                 "experts are not modelled; target the attention or router linears, or use --ep 1")
-    split = fsdp1_tied_split(model, t)
+    split = fsdp1_tied_split(model, t) or fsdp2_split_root_problem(model, t)
     if split:
         raise TrainmemError(split)
+
+
+def fsdp2_split_root_problem(model: Any, t: TrainingSpec) -> str:
+    """Why ``--fsdp-gathered head`` (torchtitan's units since July 2025: the embedding, every block,
+    ``[norm, output]``; ``estimate.quantities.fsdp2_split_root``) does not fit this model, or "".
+    It is modelled for a decoder-only causal LM with an untied head: torchtitan puts a tied head in
+    the embedding's unit (``torchtitan/distributed/fsdp.py`` L238-250 at main, ``enable_weight_tying``),
+    which is not modelled, and FSDP2 refuses the tied weight in two units (``_fsdp_state.py``
+    ``_validate_no_duplicate_params``)."""
+    if t.fsdp_gathered != "head":
+        return ""
+    if model.tied_embeddings:
+        return (f"--fsdp-gathered head splits the root into the embedding and [norm, head] units: {model.name} "
+                "ties its head to its embedding (one unit then, not modelled); use --fsdp-gathered root or none, "
+                "or --set tie_word_embeddings=false")
+    if model.is_encoder_decoder or model.head != "causal-lm":
+        return (f"--fsdp-gathered head is torchtitan's unit layout for a decoder-only causal LM; {model.name} "
+                f"({model.head} head) is not one: use --fsdp-gathered none or root")
+    return ""
 
 
 #: families whose transformers class lists its embeddings module in ``_no_split_modules`` (so peft's
