@@ -72,6 +72,7 @@ class States:
     # ``quantities.fsdp2_split_root``): the final norm and head (registered after the layers), gathered
     # bytes, reduce-scatter input and last unsharded gradient; and the embedding side's
     head_unit_full: int = 0
+    head_unit_tensors: tuple[int, ...] = ()  # of ``root_tensors``, the last ones: the final norm's, the head's
     head_unit_rs: int = 0
     head_unit_last: int = 0
     emb_unit_rs: int = 0
@@ -551,6 +552,7 @@ class _Tally:
     root_rs_elems: int = 0   # FSDP: the root's trainable elements, padded (its reduce-scatter input)
     root_last: int = 0       # FSDP: the unsharded gradient of the root's last trainable tensor (bytes)
     head_unit: int = 0       # FSDP: of ``root``, the tensors after the layers (final norm, head)
+    head_list: list = field(default_factory=list)  # ... each, as ``root_list``
     head_rs_elems: int = 0   # ... of ``root_rs_elems``, theirs
     head_last: int = 0       # ... the unsharded gradient of the last of them (bytes)
     emb_last: int = 0        # ... the unsharded gradient of the last tensor before the layers (bytes)
@@ -647,7 +649,7 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
                   fsdp1_rank0_items(t, r, acc), tuple(acc.root_list), tuple(acc.layer_list),
                   each_layer_grads=tuple(g for _, g in sorted(acc.each.items())) if not lora else (),
                   root_rs=root_rs, root_last_grad=acc.root_last if root_rs else 0,
-                  head_unit_full=acc.head_unit, head_unit_last=acc.head_last,
+                  head_unit_full=acc.head_unit, head_unit_last=acc.head_last, head_unit_tensors=tuple(acc.head_list),
                   head_unit_rs=r.block(acc.head_rs_elems * reduce) if (root_rs and acc.head_rs_elems) else 0,
                   emb_unit_rs=r.block(emb_elems * reduce) if (root_rs and emb_elems) else 0,
                   emb_unit_last=acc.emb_last if root_rs else 0,
@@ -792,7 +794,9 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
         dest.append(item)
         if r.fsdp_unsharded and p.layer is None:
             acc.root += r.block(n * r.gather)  # the root unit's unsharded parameter (fsdp_root below)
-            acc.head_unit += r.block(n * r.gather) if layer else 0
+            if layer:
+                acc.head_unit += r.block(n * r.gather)
+                acc.head_list.append(n * r.gather)
             acc.root_list.append(n * r.gather)
         if r.fsdp_unsharded and p.layer is not None and (uniform or p.layer == r.lo):
             acc.layer_list.append(n * r.gather)   # one layer's unsharded parameter
