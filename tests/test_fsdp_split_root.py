@@ -69,3 +69,15 @@ def test_refused_where_not_modelled():
         estimate("llama-3.2-1b", **{**BASE, "set": {"num_hidden_layers": 2}})
     with pytest.raises(TrainmemError, match="--fsdp-gathered head"):
         TrainingSpec(fsdp="grad-op", dp=2, fsdp_gathered="head")
+
+
+def test_torchtitan_preset_splits_an_untied_models_root():
+    """torchtitan 0.2.x's ``apply_fsdp`` (from 83e694105): the preset sets ``head`` for FSDP2 on an
+    untied model, not on a tied one, not without sharding; an explicit choice wins."""
+    def gathered(model, **options):
+        return estimate(model, framework="torchtitan", batch_size=1, seq_len=128,
+                        **options).training.fsdp_gathered
+    assert gathered("llama-3.2-1b", dp=2, set=UNTIED) == "head"
+    assert gathered("llama-3.2-1b", dp=2, set={"num_hidden_layers": 4}) == "none"     # tied
+    assert gathered("llama-3.2-1b", set=UNTIED) == "none"                              # one GPU
+    assert gathered("llama-3.2-1b", dp=2, set=UNTIED, fsdp_gathered="root-last") == "root-last"
