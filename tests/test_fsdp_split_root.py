@@ -69,6 +69,8 @@ def test_refused_where_not_modelled():
         estimate("llama-3.2-1b", **{**BASE, "set": {"num_hidden_layers": 2}})
     with pytest.raises(TrainmemError, match="--fsdp-gathered head"):
         TrainingSpec(fsdp="grad-op", dp=2, fsdp_gathered="head")
+    with pytest.raises(TrainmemError, match="--lora-rank"):
+        TrainingSpec(fsdp="full", dp=2, lora_rank=16, fsdp_gathered="head")
 
 
 def test_torchtitan_preset_splits_an_untied_models_root():

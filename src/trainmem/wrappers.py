@@ -247,7 +247,8 @@ def fsdp2(module: torch.nn.Module, spec: Any, t: TrainingSpec, fsdp_mesh: Any, l
     for grad-op; bf16-mp as ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``).
     ``layers``: the decoder layers (None: the model's, ``decoder_layers``; a pipeline stage's own).
     ``--fsdp-gathered``: off for the root (what PyTorch before 2.8 did whatever it was given) and,
-    with ``root-last``, for the last decoder layer too (torchtitan's ``parallelize_llama``)."""
+    with ``root-last``, for the last decoder layer too (torchtitan's ``parallelize_llama``); ``head``:
+    torchtitan's units since July 2025 (``_fsdp2_split``)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     kw: dict[str, Any] = {"mesh": fsdp_mesh, "reshard_after_forward": t.fsdp != "grad-op"}
     if t.precision == "bf16-mp":

@@ -298,6 +298,7 @@ def _split_root_units(view: Mapping[str, Any], fsdp: str, model: Any) -> bool:
     resharding after forward without a pipeline, on an untied decoder-only causal LM (a tied head is
     not modelled: ``spec.training.fsdp2_split_root_problem``)."""
     return (fsdp in ("full", "hybrid") and view.get("fsdp_version", 2) == 2 and view.get("pp", 1) == 1
+            and not view.get("lora_rank")
             and model is not None and not getattr(model, "tied_embeddings", True)
             and not getattr(model, "is_encoder_decoder", False) and getattr(model, "head", "") == "causal-lm")
 

@@ -438,6 +438,10 @@ class TrainingSpec:
         if self.fsdp_gathered == "head" and self.fsdp == "grad-op":
             raise TrainmemError("--fsdp-gathered head is torchtitan's split of the root (embedding, [norm, head]) "
                                 "with every other unit resharded after forward: give --fsdp full or hybrid")
+        if self.fsdp_gathered == "head" and self.lora_rank:
+            raise TrainmemError("--fsdp-gathered head is torchtitan's split of the root for full training; with "
+                                "--lora-rank (frozen embedding and head units) it is not modelled: use "
+                                "--fsdp-gathered none or root")
 
     def _check_counts(self) -> None:
         """``target_len``, ``image_size`` and ``sub_group_size`` are None or positive integers;
