@@ -266,8 +266,8 @@ def _sharded(view: Mapping[str, Any]) -> bool:
 
 def _torchtitan_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] | None) -> dict[str, Any]:
     """FSDP2 over every data-parallel rank (``data_parallel_shard_degree=-1``), resharding after
-    forward unless pipelined, with its split root units on an untied model (``_split_root_units``); under 1F1B and GPipe its weighted stage split (the embeddings and the head one
-    layer each); its MixedPrecisionPolicy is the precision when FSDP is on, else
+    forward unless pipelined, with its split root units on an untied model (``_split_root_units``);
+    under 1F1B and GPipe its weighted stage split (the embeddings and the head one layer each); its MixedPrecisionPolicy is the precision when FSDP is on, else
     autocast (DDP or one GPU) or none (TP/PP without FSDP). torchtitan trains its own model code,
     which builds no KV cache (transformers' builds a DynamicCache unless ``use_cache`` is off)."""
     out: dict[str, Any] = {"use_cache": False}  # its own Transformer (models/llama3/model/model.py) has no KV cache
