@@ -251,6 +251,15 @@ class Quantities:
     fsdp_loss_ag: int = 0     # FSDP2: the last layer's all-gather output while the loss runs (model's own loss)
     fsdp_root_kept: int = 0   # the root's gathered parameters between forward and backward (not resharded)
     fsdp_last_kept: int = 0   # FSDP2 --fsdp-gathered root-last: the last layer's, from its forward to its backward
+    # FSDP2 --fsdp-gathered head (torchtitan's units since July 2025, ``fsdp2_split_root``; 0 otherwise):
+    fsdp_emb_unit: int = 0    # the embedding unit gathered: its all-gather output at the first layer's forward
+    #                           unshard and prefetched at the first layer's backward, its parameters at its own
+    fsdp_head_unit: int = 0   # the [norm, head] unit's all-gather output, while the head's forward runs
+    fsdp_head_pref: int = 0   # the last layer's all-gather output, prefetched at the logits' gradient
+    fsdp_head_done: int = 0   # the head's unsharded gradients, reduce-scattered by its unit's post-backward
+    fsdp_head_shard: int = 0  # ... into its sharded gradients (of ``grads``)
+    fsdp_head_rs: int = 0     # ... its reduce-scatter input, kept until the last layer's post-backward
+    fsdp_head_last: int = 0   # ... and the head's unsharded gradient, alive until that reduce returns
     cast_embed: int = 0    # the half weight copies of the matmuls before the layers (``_autocast_copies``)
     # checkpointed layers' autocast weight copies: none saved. autocast caches the cast of a leaf that
     # requires grad until forward ends (``cast_forward_only``); a frozen one (LoRA's base weights) is
@@ -2634,6 +2643,44 @@ def root_regathered_at_loss(m: ModelSpec, t: TrainingSpec) -> bool:
             and t.fsdp_gathered == "none" and not root_resharded_for_loss(m, t))  # a root kept gathered: none
 
 
+def fsdp2_split_root(t: TrainingSpec) -> bool:
+    """Whether FSDP2 runs torchtitan's units since 83e694105 ("Improve reshard_after_forward logic",
+    2025-07-28; ``--fsdp-gathered head``): ``apply_fsdp`` (``torchtitan/models/llama3/infra/
+    parallelize.py`` L385-422 there; ``torchtitan/distributed/fsdp.py`` L251-265 at main) shards the
+    token embedding as its own unit and every block with ``reshard_after_forward=True``, the final
+    norm and the output head as one unit ``fully_shard([model.norm, model.output],
+    reshard_after_forward=False)`` (policy "default"), and the root ``fully_shard(model)`` holds no
+    parameters. So (torch 2.13 ``_fully_shard``): the embedding's all-gather output lives until the
+    first layer's is waited on (``_fsdp_param_group.py`` ``wait_for_unshard`` L429-432, L477-489),
+    its parameters resharded at its post-forward; the head unit stays gathered from its forward to
+    its post-backward, its all-gather output freed by the root's post-forward (``_fsdp_state.py``
+    L333-343), after the model's own loss but before the loop's; the head's pre-backward hook, on
+    the logits (``_register_pre_backward_hook`` L434), finds it gathered and prefetches the last
+    layer (``_backward_prefetch`` L795-831) once the logits' gradient exists; its post-backward,
+    when the gradient of its input is made, reduce-scatters the head's gradients (the input, flat in
+    the reduce dtype, kept in ``reduce_scatter_states`` until the last layer's post-backward,
+    L645-657, L717-719); the first layer's pre-backward prefetches the embedding, whose pre-backward
+    copies it out and whose post-backward runs in the root's final callback (its input, the token
+    ids, needs no gradient: ``_root_post_backward_final_callback`` L395-420), as the old root's."""
+    return fsdp2_root_gathered(t) and t.fsdp_gathered == "head"
+
+
+def _split_root(m: ModelSpec, t: TrainingSpec, st: States, layer_buf: int) -> dict[str, int]:
+    """``fsdp_buffers`` under ``fsdp2_split_root``: the root's terms for its two units (the root
+    itself gathers nothing), bytes on one rank. Gathered in param_dtype (bf16 under ``bf16-mp``);
+    reduce-scatter inputs in the reduce dtype (fp32 under ``bf16-mp``)."""
+    head, emb = st.head_unit_full, st.root_full - st.head_unit_full
+    return {"fsdp_root": 0, "fsdp_loss_root": head, "fsdp_root_kept": head, "fsdp_loss_buf": 0,
+            "fsdp_root_regather": 0, "fsdp_root_regather_own": 0,
+            # the model's own loss runs before the root's post-forward frees the head's all-gather output
+            "fsdp_loss_ag": 0 if loss_outside_root(m, t) else head,
+            "fsdp_emb_unit": emb, "fsdp_head_unit": head, "fsdp_head_pref": layer_buf,
+            "fsdp_head_done": st.head_grads_full, "fsdp_head_shard": st.head_grads,
+            "fsdp_head_rs": st.head_unit_rs, "fsdp_head_last": st.head_unit_last,
+            "fsdp_root_sharded": st.root_grads - st.head_grads,
+            "fsdp_root_rs": st.emb_unit_rs, "fsdp_root_last": st.emb_unit_last}
+
+
 def fsdp_buffers(m: ModelSpec, t: TrainingSpec, st: States, lc: LayerCoefs) -> dict[str, int]:
     """FSDP's unsharded tensors, which exist only between a forward and the end of its backward
     (``moments`` places each), bytes on one rank in the gathered dtype (bf16 under ``bf16-mp``):
@@ -2713,7 +2760,8 @@ def fsdp_buffers(m: ModelSpec, t: TrainingSpec, st: States, lc: LayerCoefs) -> d
             "fsdp1_flat": fsdp1_flat_gradient(st) if t.fsdp_version == 1 else 0,
             "fsdp1_root_views": st.root_views if t.fsdp_version == 1 and st.root_flat else 0,
             "fsdp1_root_flat": fsdp1_root_flat_gradient(st) if t.fsdp_version == 1 else 0,
-            "fsdp1_unprefetched": fsdp1_unprefetched(t, lc)}
+            "fsdp1_unprefetched": fsdp1_unprefetched(t, lc),
+            **(_split_root(m, t, st, layer_buf) if fsdp2_split_root(t) else {})}
 
 
 def fsdp1_views(t: TrainingSpec) -> bool:
