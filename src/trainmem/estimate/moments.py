@@ -583,18 +583,8 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
                                        valid))
     moments.extend(_fsdp_head_forward(q, tk, (grads_before, states, ws), (prev_logits, prev_kv), step, micro,
                                       valid, prev_graph + own))
-    # a derived image model's head forward (SigLIP's pooling head, run but not read), all layers' tensors saved
-    moments.append(_mo("forward", micro, step, "head.forward",
-                       (grads_before, states, tk.inputs, ws, tk.all_acts, trunc(q.head_fwd_tok * tk.tokens)),
-                       (prev_logits, prev_kv + tk.kv_held, 0), _both(valid, q.head_fwd_tok > 0), prev_graph + own))
-    # a classifier's final RMSNorm forward (quantities.final_norm_forward)
-    moments.append(_mo("forward", micro, step, "final_norm.forward",
-                       (grads_before, states, tk.inputs, ws, tk.all_acts, trunc(q.final_norm_fwd_tok * tk.tokens)),
-                       (prev_logits, prev_kv + tk.kv_held, 0), _both(valid, q.final_norm_fwd_tok > 0), prev_graph + own))
-    # a BERT classifier's last LayerNorm forward (quantities.bert_top_forward)
-    moments.append(_mo("forward", micro, step, "layer.output.LayerNorm.forward",
-                       (grads_before, states, tk.inputs, ws, tk.all_acts, trunc(q.bert_top_fwd_tok * tk.tokens)),
-                       (prev_logits, prev_kv + tk.kv_held, 0), _both(valid, q.bert_top_fwd_tok > 0), prev_graph + own))
+    moments.extend(_top_forward(q, tk, (grads_before, states, ws), (prev_logits, prev_kv), step, micro, valid,
+                                prev_graph + own))
     # --cast-output (Lightning Fabric, quantities._cast_output_loss_bytes): as forward returns, the
     # head's half output and its fp32 copy exist while the loop still holds the previous output; the
     # loop then rebinds its name (the previous output freed) and its loss reads the fp32 copy (the
@@ -645,6 +635,25 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     grads_end, kept_end = q.grads + tk.grad_views - where(final, q.nosync_reduce, 0), where(final, 0, _nosync_kept(q))
     ends.append(("backward", micro, step, q.fixed + grads_end + states_mid + tk.inputs + ws2 + after_logits + after_kv
                  + after_graph + kept_end))
+
+
+def _top_forward(q: Quantities, tk: Tokens, base: tuple, prev: tuple, step: int, micro: int, valid: Any,
+                 graph: Any) -> list:
+    """Forward moments above the layers and before the loss, all layers' tensors saved: a derived
+    image model's head forward (SigLIP's pooling head, run but not read; ``head_fwd_tok``), a
+    classifier's final RMSNorm forward (``quantities.final_norm_forward``) and a BERT classifier's
+    last LayerNorm forward (``quantities.bert_top_forward``); each (b, s)-sized term per token.
+    ``base``: gradients, states and the forward's workspace; ``prev``: the previous output's logits
+    and KV cache the loop still holds."""
+    grads_before, states, ws = base
+    prev_logits, prev_kv = prev
+    out = []
+    for where_, per_tok in (("head.forward", q.head_fwd_tok), ("final_norm.forward", q.final_norm_fwd_tok),
+                            ("layer.output.LayerNorm.forward", q.bert_top_fwd_tok)):
+        out.append(_mo("forward", micro, step, where_,
+                       (grads_before, states, tk.inputs, ws, tk.all_acts, trunc(per_tok * tk.tokens)),
+                       (prev_logits, prev_kv + tk.kv_held, 0), _both(valid, per_tok > 0), graph))
+    return out
 
 
 def _previous(q: Quantities, flags: StepFlags, before: Any, exists: bool) -> tuple[Any, Any, Any]:

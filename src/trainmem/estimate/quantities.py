@@ -1887,6 +1887,22 @@ def _inflight(t: TrainingSpec, stage: str) -> tuple[int, int]:
     return pp_inflight, inflight_fixed
 
 
+def _head_dequant_fields(m: ModelSpec, t: TrainingSpec, head_here: bool) -> dict[str, int]:
+    """The 4-bit LM head's terms (``head_dequant_bytes``: its dequantized weight and cast, bytes),
+    on the stage that holds the head; ``head_lora``: 3 when peft adapts that head."""
+    temp, read = head_dequant_bytes(m, t) if head_here else (0, 0)
+    return {"head_temp": temp, "head_read": read,
+            "head_lora": 3 if (temp and _head_is_lora_target(m, t)) else 0}
+
+
+def _top_fields(m: ModelSpec, t: TrainingSpec, pol: Policy) -> dict[str, float]:
+    """Bytes per token above the layers of a classifier or question-answering head: its final
+    RMSNorm's backward and forward (``final_norm_backward``/``final_norm_forward``) and a BERT
+    head's last LayerNorm forward (``bert_top_forward``)."""
+    return {"final_norm_bwd_tok": final_norm_backward(m, t, pol), "final_norm_fwd_tok": final_norm_forward(m, t, pol),
+            "bert_top_fwd_tok": bert_top_forward(m, t, pol)}
+
+
 def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     pol = Policy.of(t.precision)
     st = model_states(m, t, stage)
@@ -1918,7 +1934,6 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     pp_inflight, inflight_fixed = _inflight(t, stage)
     lower, above_bottom, above_decoder_bottom = _grads_above(m, t, st, layers)
     compiled_tied = compiled_tied_grads(m, t, pol)
-    head_dq = head_dequant_bytes(m, t)  # the 4-bit LM head: (dequantized + cast, the cast) bytes
     return Quantities(
         first_unsaved_tok=sum(a for _, a, _ in first), first_unsaved_sq=sum(b for _, _, b in first),
         cast_first_free=int(sum(lc.first_free_weights) * 2) if (lora_first and cast_layer) else 0,  # bf16/fp16 copies
@@ -1954,8 +1969,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         emb_grad=emb_accumulated(m, t, stage), emb_upcast=emb_upcast(m, t, stage), softcap_saved=softcap_saved(m, loss.out) if head_here else 0,
         chunk_head_grads=chunk_head_grads(m, t, pol) if head_here else 0, transients=trans,
         fwd_temp=int(lc.fwd_const), fwd_temp_tok=lc.fwd_tok, head_wgrad_half=head_weight_grad_half(m, t, cast_head),
-        head_temp=head_dq[0] if head_here else 0, head_read=head_dq[1] if head_here else 0,
-        head_lora=3 if (head_here and head_dq[0] and _head_is_lora_target(m, t)) else 0,
+        **_head_dequant_fields(m, t, head_here),
         # a checkpointed layer's first forward still builds MatMul4Bit nodes (non-reentrant
         # checkpointing runs it with grad enabled), whose ctx.tensors keep the inputs the
         # checkpoint does not save
@@ -1964,8 +1978,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         lower_layers=lower, above_bottom=above_bottom, above_decoder_bottom=above_decoder_bottom,
         input_tok=input_bytes(m, t)[0], input_sample=input_bytes(m, t)[1], expandable=int(t.expandable_segments),
         trainer_cp=trainer_cp_inputs(m, t), embeds_tok=held_embeddings(m, t, pol, lc),
-        final_norm_bwd_tok=final_norm_backward(m, t, pol), final_norm_fwd_tok=final_norm_forward(m, t, pol),
-        bert_top_fwd_tok=bert_top_forward(m, t, pol),
+        **_top_fields(m, t, pol),
         dec_num=decoder_ratio(m, t)[0], dec_den=decoder_ratio(m, t)[1], **_derived_fields(m, t, stage), **pipe,
         detail=Detail(st, lc, outer, comm_name, input_tok, sum(a for _, a, _ in received),
                       half_input_tok=sum(a for _, a, _ in half_in), recompute_ops=len(recompute_transients(t, lc))))
@@ -2751,17 +2764,22 @@ def fsdp_buffers(m: ModelSpec, t: TrainingSpec, st: States, lc: LayerCoefs) -> d
             "fsdp_root_sharded": st.root_grads,
             "fsdp_root_rs": st.root_rs if t.fsdp_version == 2 else 0,
             "fsdp_root_last": st.root_last_grad if t.fsdp_version == 2 else 0,
-            "fsdp1_post": fsdp1_post_backward(t, st) if t.fsdp_version == 1 else 0,
-            # under FSDP1 (use_orig_params) the root's parameters are views of its flat parameter: the
-            # head's view gradient waits for ``SplitWithSizesBackward``'s cat at the embedding's backward
-            # (fsdp1_flat_gradient), also when it will be added to an accumulated .grad (no_sync). Found
-            # by the sampled grid: Mistral FSDP1 --grad-sync step, 2 micro-batches, -9.4% before
-            "fsdp1_head_wait": st.head_grads_full if t.fsdp_version == 1 else 0,
-            "fsdp1_flat": fsdp1_flat_gradient(st) if t.fsdp_version == 1 else 0,
-            "fsdp1_root_views": st.root_views if t.fsdp_version == 1 and st.root_flat else 0,
-            "fsdp1_root_flat": fsdp1_root_flat_gradient(st) if t.fsdp_version == 1 else 0,
-            "fsdp1_unprefetched": fsdp1_unprefetched(t, lc),
-            **(_split_root(m, t, st, layer_buf) if fsdp2_split_root(t) else {})}
+            **_fsdp1_fields(t, st, lc), **(_split_root(m, t, st, layer_buf) if fsdp2_split_root(t) else {})}
+
+
+def _fsdp1_fields(t: TrainingSpec, st: States, lc: LayerCoefs) -> dict[str, int]:
+    """FSDP1's own terms of ``fsdp_buffers`` (zero under FSDP2), bytes on one rank. Under FSDP1
+    (use_orig_params) the root's parameters are views of its flat parameter: the head's view
+    gradient waits for ``SplitWithSizesBackward``'s cat at the embedding's backward
+    (``fsdp1_flat_gradient``), also when it will be added to an accumulated .grad (no_sync). Found
+    by the sampled grid: Mistral FSDP1 --grad-sync step, 2 micro-batches, -9.4% before."""
+    one = t.fsdp_version == 1
+    return {"fsdp1_post": fsdp1_post_backward(t, st) if one else 0,
+            "fsdp1_head_wait": st.head_grads_full if one else 0,
+            "fsdp1_flat": fsdp1_flat_gradient(st) if one else 0,
+            "fsdp1_root_views": st.root_views if one and st.root_flat else 0,
+            "fsdp1_root_flat": fsdp1_root_flat_gradient(st) if one else 0,
+            "fsdp1_unprefetched": fsdp1_unprefetched(t, lc)}
 
 
 def fsdp1_views(t: TrainingSpec) -> bool:

@@ -824,19 +824,7 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
                 acc.layer_full += full
                 acc.layer_elems += n if full else 0
             continue
-        acc.root_gradient(p.shape, n, r.d, g, full, r.gather)
-        if p.role != "embedding" and layer:
-            # registered after the layers (final norm, head): made first in backward; those before
-            # them (ViT's patch projection, class token and position table) come last, with the
-            # embeddings' gradients
-            acc.head_grads += g
-            acc.head_full += full
-            if full:
-                acc.head_rs_elems, acc.head_last = acc.head_rs_elems + _dim0_padded(p.shape, n, r.d), full
-            continue
-        acc.emb_last = full or acc.emb_last
-        if not (m.tied_embeddings and p.name.endswith(TIED_NAMES)):
-            acc.emb_full, acc.between = acc.emb_full + full, acc.between + (g if layer and m.is_encoder_decoder else 0)
+        _outer_gradient(m, acc, p, n, r, (g, full), after_layers=bool(layer))
     r = rank
     acc.lpf = max(lpf_of.values(), default=0)
     if not uniform and r.per_stage:
@@ -847,6 +835,25 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
         # the tied embedding is also the LM head: autocast casts it for the head matmul
         emb = next(p for p in m.parameter_tensors() if p.role == "embedding")
         acc.hmh += _tp_div(emb, t.tp) * 2
+
+
+def _outer_gradient(m: ModelSpec, acc: _Tally, p: Any, n: int, r: _Rank, grad: tuple[int, int],
+                    after_layers: bool) -> None:
+    """Tally the gradient of a parameter outside the layers (``grad``: its bytes on this rank and,
+    under FSDP, its unsharded block). Those registered after the layers (final norm, head) are made
+    first in backward; those before them (embeddings; ViT's patch projection, class token and
+    position table) come last, with the embeddings' gradients."""
+    g, full = grad
+    acc.root_gradient(p.shape, n, r.d, g, full, r.gather)
+    if p.role != "embedding" and after_layers:
+        acc.head_grads += g
+        acc.head_full += full
+        if full:
+            acc.head_rs_elems, acc.head_last = acc.head_rs_elems + _dim0_padded(p.shape, n, r.d), full
+        return
+    acc.emb_last = full or acc.emb_last
+    if not (m.tied_embeddings and p.name.endswith(TIED_NAMES)):
+        acc.emb_full, acc.between = acc.emb_full + full, acc.between + (g if after_layers and m.is_encoder_decoder else 0)
 
 
 def _lora_adapters(t: TrainingSpec, r: _Rank, acc: _Tally, lora: list[tuple[str, int, int | None, tuple[int, int]]]
