@@ -16,7 +16,7 @@ from typing import Any, Mapping
 from ..errors import TrainmemError
 from .model import ModelSpec
 
-_LLAMA_LIKE = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "mixtral": "mixtral"}
+_LLAMA_LIKE = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "mixtral": "mixtral"}
 
 
 # ----- catalogue ---------------------------------------------------------------------------
@@ -464,7 +464,10 @@ def _bert_spec(cfg: dict[str, Any], mtype: str, arch: str, name: str, common: di
 
 def _llama_spec(cfg: dict[str, Any], extra: Mapping[str, Any], mtype: str, arch: str, name: str,
                 common: dict[str, Any]) -> ModelSpec:
-    """Llama, Mistral, Qwen2 and Mixtral: SwiGLU, RMSNorm, rotary positions, grouped KV heads."""
+    """Llama, Mistral, Qwen2, Qwen3 and Mixtral: SwiGLU, RMSNorm, rotary positions, grouped KV heads.
+    Qwen3 is Llama with an RMSNorm over ``head_dim`` on every query and key head (transformers 5.24
+    ``models/qwen3/modeling_qwen3.py`` L229-230 ``self.q_norm = Qwen3RMSNorm(self.head_dim, ...)``,
+    L245-246 ``self.q_norm(self.q_proj(hidden_states).view(hidden_shape))``): ``qk_norm``."""
     family = extra.get("family") or _LLAMA_LIKE[mtype]
     act = str(cfg.get("hidden_act", "silu")).lower()
     if act not in ("silu", "swish"):
@@ -487,7 +490,7 @@ def _llama_spec(cfg: dict[str, Any], extra: Mapping[str, Any], mtype: str, arch:
         attention_dropout=_float(cfg, name, "attention_dropout", default=0.0),
         num_experts=_count(cfg, name, "num_local_experts", 0) if mtype == "mixtral" else 0,
         experts_top_k=_count(cfg, name, "num_experts_per_tok", 2) if mtype == "mixtral" else 0,
-        **common)
+        qk_norm=mtype == "qwen3", **common)
 
 
 def spec_from_config(config: Mapping[str, Any], name: str = "model") -> ModelSpec:
@@ -501,7 +504,8 @@ def spec_from_config(config: Mapping[str, Any], name: str = "model") -> ModelSpe
         return _gpt2_spec(cfg, extra, arch, name, common)
     if mtype in ("bert", "xlm-roberta-xl"):
         return _bert_spec(cfg, mtype, arch, name, common)
-    if mtype in _LLAMA_LIKE:
+    if mtype in _LLAMA_LIKE and not (mtype == "qwen3" and cfg.get("use_sliding_window")):
+        # (Qwen3 with ``use_sliding_window``: sliding layers above ``max_window_layers``, derived)
         return _llama_spec(cfg, extra, mtype, arch, name, common)
     return _derived_spec(cfg, arch, name, common)
 
