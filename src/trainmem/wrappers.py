@@ -216,7 +216,8 @@ def tensor_parallel(module: torch.nn.Module, spec: Any, tp_mesh: Any, sequence_p
     from torch.distributed.tensor.parallel import parallelize_module
     stage = isinstance(module, PipelineStageModule)  # a pipeline stage: its own layers, embeddings or head
     for layer in (module.model.layers if stage else decoder_layers(module, spec)):
-        parallelize_module(layer, tp_mesh, tp_layer_plan(sequence_parallel, getattr(spec, "qk_norm", False)))
+        qk_norm = hasattr(getattr(layer, "self_attn", None), "q_norm")  # Qwen3's per-head norms
+        parallelize_module(layer, tp_mesh, tp_layer_plan(sequence_parallel, qk_norm))
     inner, head = _body_and_head(module)
     embed = inner.embed_tokens if stage else inner.get_input_embeddings()  # None on a later stage
     tied = head is not None and embed is not None and head.weight is embed.weight
