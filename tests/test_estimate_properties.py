@@ -321,7 +321,13 @@ def test_higher_zero_stage_never_raises_model_states(case):
                     assert model_states(m, TrainingSpec(**dict(o, zero=0)), s).master == 0
                     assert model_states(m, TrainingSpec(**dict(o, zero=hi)), s).master > 0
                     continue
-                assert by_stage[hi][s] <= by_stage[lo][s], (lo, hi, s)
+                clone = model_states(m, TrainingSpec(**dict(o, zero=hi)), s).master if lo == 0 and \
+                    TrainingSpec(**dict(o, zero=hi)).ds_fp32_clone else 0
+                # DeepSpeed's ZeRO on fp32 weights (fp32, or autocast's fp32 parameters) clones the rank's
+                # partition for its optimizer (stage_1_and_2.py ``clone().float()``), which plain training
+                # does not: at a small DP group that clone outweighs what the stage shards (dp 1: a whole
+                # fp32 copy more). Every other state never grows with the stage.
+                assert by_stage[hi][s] - clone <= by_stage[lo][s], (lo, hi, s)
 
 
 @FAST

@@ -262,16 +262,47 @@ def fsdp2(module: torch.nn.Module, spec: Any, t: TrainingSpec, fsdp_mesh: Any, l
     for grad-op; bf16-mp as ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``).
     ``layers``: the decoder layers (None: the model's, ``decoder_layers``; a pipeline stage's own).
     ``--fsdp-gathered``: off for the root (what PyTorch before 2.8 did whatever it was given) and,
-    with ``root-last``, for the last decoder layer too (torchtitan's ``parallelize_llama``)."""
+    with ``root-last``, for the last decoder layer too (torchtitan's ``parallelize_llama``); ``head``:
+    torchtitan's units since July 2025 (``_fsdp2_split``)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     kw: dict[str, Any] = {"mesh": fsdp_mesh, "reshard_after_forward": t.fsdp != "grad-op"}
     if t.precision == "bf16-mp":
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     kept = {**kw, "reshard_after_forward": False}
     layers = list(decoder_layers(module, spec) if layers is None else layers)
+    if t.fsdp_gathered == "head":
+        return _fsdp2_split(module, layers, kw, kept, fully_shard)
     for i, layer in enumerate(layers):
         fully_shard(layer, **(kept if t.fsdp_gathered == "root-last" and i == len(layers) - 1 else kw))
     fully_shard(module, **(kept if t.fsdp_gathered != "none" else kw))
+
+
+def _fsdp2_split(module: torch.nn.Module, layers: list, kw: dict, kept: dict, fully_shard: Any) -> None:
+    """``--fsdp-gathered head``: torchtitan's ``apply_fsdp`` since 83e694105 ("Improve
+    reshard_after_forward logic", 2025-07-28; ``torchtitan/models/llama3/infra/parallelize.py``
+    L385-422 there, ``torchtitan/distributed/fsdp.py`` L251-265 at main): the token embedding its own
+    unit and every block resharded after forward, ``fully_shard([norm, output])`` one unit kept
+    gathered (``reshard_after_forward_policy == "always"`` is false by default), then
+    ``fully_shard(model)`` with ``reshard_after_forward`` unset: a root with no parameters of its own
+    (a tied head would need the embedding in the head's unit: refused by ``TrainingSpec``)."""
+    emb, head = module.get_input_embeddings(), module.get_output_embeddings()
+    norm = _final_norm(module, layers)
+    fully_shard(emb, **kw)
+    for layer in layers:
+        fully_shard(layer, **kw)
+    fully_shard([norm, head], **kept)
+    fully_shard(module, **{k: v for k, v in kw.items() if k != "reshard_after_forward"})
+
+
+def _final_norm(module: torch.nn.Module, layers: list) -> torch.nn.Module:
+    """The decoder's final norm: the body's ``norm`` (transformers' ``LlamaModel.norm`` and its kin)."""
+    body = module.get_decoder() if hasattr(module, "get_decoder") else module
+    norm = getattr(body, "norm", None)
+    if not isinstance(norm, torch.nn.Module):
+        from .errors import TrainmemError
+        raise TrainmemError("--fsdp-gathered head puts the final norm and the output head in one FSDP2 unit: "
+                            f"{type(module).__name__} has no decoder `norm`; use --fsdp-gathered none")
+    return norm
 
 
 def fsdp1(module: torch.nn.Module, spec: Any, t: TrainingSpec, fsdp_mesh: Any, device: torch.device) -> Any:

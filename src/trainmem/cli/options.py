@@ -204,7 +204,9 @@ def _add_fsdp(g: Any) -> None:
                         "their layer's unit, Lightning/litgpt: gradients for the frozen weights too)")
     g.add_argument("--fsdp-gathered", choices=FSDP_GATHERED, default=None, help="FSDP2 units kept gathered after "
                    "forward: none (default), root (PyTorch < 2.8 kept it whatever reshard_after_forward said), "
-                   "root-last (and the last decoder layer: torchtitan 2024-2025)")
+                   "root-last (and the last decoder layer: torchtitan 2024-2025), head (torchtitan since July "
+                   "2025: the embedding its own unit, the final norm and head one unit kept gathered, the root "
+                   "empty)")
 
 
 def _add_lora(g: Any) -> None:

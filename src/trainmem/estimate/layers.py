@@ -243,6 +243,9 @@ class Builder:
         # attention or the MLP got), set by the layer builder: ``Recipe.recompute_moment``
         self.outer_live: tuple[T, ...] = ()
         self.ring = 1  # PyTorch's context parallelism: the ranks its ring attention runs over (_ring_attention)
+        # a gradient alive through the backward of the linears built while it is set (``_linear_backward``):
+        # a post-LN layer's residual gradient, waiting for its MLP branch (``_bert_layer``)
+        self.waiting_grad: tuple[T, ...] = ()
 
     # -- ops ------------------------------------------------------------------------------
     def t(self, tok: float, nbytes: int, name: str, sq: float = 0.0) -> T:
@@ -288,16 +291,17 @@ class Builder:
         casts the weight gradient to fp32 while the half one is referenced: two moments, each below
         the sum of all of them. Found by trace: Llama-2-7B's ``down_proj`` (bf16-amp, 4 layers,
         FSDP2 dp 8, full recompute), 376 MiB counted where 204 and 172 MiB are alive."""
+        wait = self.waiting_grad
         if not (self.p.amp and self.wgrad_bytes == HALF + F32):
-            self.r.transient(f"{name}.backward", T(out, 0, self.p.half), T(xin.tok, 0, self.p.half),
+            self.r.transient(f"{name}.backward", T(out, 0, self.p.half), T(xin.tok, 0, self.p.half), *wait,
                              const=w * self.wgrad_bytes, own_weights=w)
             return
         # MmBackward0: (b, s, out) and (b, s, in) gradients, the (in, out) weight gradient, half
-        self.r.transient(f"{name}.backward", T(out, 0, self.p.half), T(xin.tok, 0, self.p.half),
+        self.r.transient(f"{name}.backward", T(out, 0, self.p.half), T(xin.tok, 0, self.p.half), *wait,
                          const=w * HALF, own_weights=w)
         # ToCopyBackward0: grad_in, the half and the fp32 weight gradients; the input's own half copy freed
         own_input = [T(-xin.tok, 0, HALF)] if xin is not x else []
-        self.r.transient(f"{name}.backward.cast", T(xin.tok, 0, self.p.half), *own_input,
+        self.r.transient(f"{name}.backward.cast", T(xin.tok, 0, self.p.half), *own_input, *wait,
                          const=w * (HALF + F32), own_weights=w, own_cast=w)
 
     def grad_starts(self, x: T) -> bool:
@@ -1184,13 +1188,33 @@ def _bert_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: f
         sum1 = T(h / sp_div, 0, pol.stream, "attention.output.LayerNorm")
         ln1 = B.layer_norm(sum1, "attention.output.LayerNorm")
         src2 = T(h / sp_div, 0, ln1.nbytes, "attention.output.LayerNorm.out")
+    if not k.pre_norm:
+        # post-LN: the output LayerNorm's input gradient (b, s, h), residual dtype, reaches the residual
+        # add's two inputs as one tensor; the attention branch's (``attention.output.LayerNorm``'s
+        # output) waits in autograd's input buffer for the MLP branch's gradient, so it is alive
+        # through the MLP's linears' backward (transformers 5.24 bert/modeling_bert.py L352, ``BertOutput.
+        # forward``: ``self.LayerNorm(hidden_states + input_tensor)``). Found by trace at ``output.
+        # dense``'s backward, 2 layers, fp32, 4 x 256: BERT hidden 64 seq-cls -0.9%; hidden 256 QA
+        # -1.2% once ``qa_outputs.input``, wrongly kept there, was not (quantities.HEAD_KEYS)
+        B.waiting_grad = (T(h / sp_div, 0, pol.stream),)
     B.linear(src2, f, "intermediate.dense", "intermediate.dense.input", h)
     act = _gelu(B, k.act_impl, f, h / sp_div, incoming=k.pre_norm)  # post-LN: LayerNorm's gradient
     B.linear(act, h, "output.dense", "output.dense.input")
-    B.drop(T(h / sp_div, 0, half, "resid"), k.hidden_dropout, "output.dropout")
+    B.waiting_grad = ()
+    dropped = B.drop(T(h / sp_div, 0, half, "resid"), k.hidden_dropout, "output.dropout")
     if not k.pre_norm:
         # its output is the next layer's input, saved by the next layer's q/k/v (or the head)
-        B.layer_norm(T(h / sp_div, 0, pol.stream, "output.LayerNorm"), "output.LayerNorm")
+        out = B.layer_norm(T(h / sp_div, 0, pol.stream, "output.LayerNorm"), "output.LayerNorm")
+        if not B.frozen:
+            # recomputed (full recompute), the layer stops at this last pack with its frames holding
+            # ``attention_output`` (``feed_forward_chunk``; saved itself only without autocast), the
+            # dropout's output (``BertOutput.forward``'s ``hidden_states``) and the LayerNorm's output,
+            # while the layer's output gradient, which backward brought to the LayerNorm whose unpack
+            # started the recomputation, is alive (transformers 5.24 bert/modeling_bert.py L349-352,
+            # L417-419). Found by trace: BERT (2 layers, hidden 64) seq-cls bf16-amp, full recompute,
+            # 4 x 256: -1.3% before, the recomputed top layer's ``NativeLayerNormBackward0``
+            B.r.recompute_moment("output.LayerNorm.recompute", src2, dropped, out, at_pack=True)
+            B.r.trigger = (h / sp_div * pol.stream, h / sp_div * pol.stream, B.r.packs)
 
 
 def _llama_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: float, heads: float, kvh: float, sp_div: int) -> None:
@@ -1443,6 +1467,15 @@ def _gelu(B: Builder, impl: str, f: float, h: float = 0.0, incoming: bool = True
         grad_out = T(h, 0, B.p.stream)
         B.r.transient("mlp.act.backward", T(f, 0, wide), T(f, 0, wide), T(f, 0, wide), grad_out,
                       incoming=grad_out if incoming else None)
+        if wide != half:
+            # under autocast the product's factors differ in dtype (``0.5 * x`` half, ``1 + tanh``
+            # fp32): MulBackward0 returns both gradients in fp32 and the engine then casts the half
+            # factor's to its dtype beside them (torch/csrc/autograd/engine.cpp ``validate_outputs``:
+            # ``grad.to(metadata dtype)``), the saved factors still held by the node (in a recomputed
+            # layer they are not: ``quantities.ENGINE_CAST``). Found by trace: GPT-2 (2 layers, n_embd
+            # 64) sequence classification, bf16-amp, 4 x 256: -1.5% before
+            B.r.transient("mlp.act.backward.engine_cast", T(f, 0, wide), T(f, 0, wide), T(f, 0, wide),
+                          T(f, 0, half), grad_out, incoming=grad_out if incoming else None)
         return T(f, 0, wide, "mlp.act.out")
     B.r.save(T(f, 0, half, "mlp.act.input"))
     return T(f, 0, half, "mlp.act.out")

@@ -429,13 +429,33 @@ def _fsdp_first_unshard(q: Quantities, tk: Tokens, before: tuple, prev: tuple, s
     layers (a wide vocabulary) makes this the forward's highest point; once optimizer states exist
     (the second step) it can be the step's. ``before``: (gradients, states, workspace); ``prev``:
     the previous micro-batch's logits and KV cache. Found by trace: Mistral (2 layers, h 1024,
-    vocab 32000) FSDP2 dp 2, 2 x 256, recompute, pure bf16: -1.6% before."""
+    vocab 32000) FSDP2 dp 2, 2 x 256, recompute, pure bf16: -1.6% before. Under torchtitan's split
+    root (``quantities.fsdp2_split_root``) the embedding unit's all-gather output instead (its
+    parameters resharded by its post-forward)."""
     grads_before, states, ws = before
     current = q.fsdp_layer_buf + q.gathered_layer
     return _mo("forward", micro, step, "fsdp.first_layer_unshard",
                (grads_before, states, tk.inputs, ws, tk.outer_rest, 0),
                (prev[0], prev[1], 0), _both(valid, _both(q.fsdp_ag_result > 0, current > 0)),
-               comm=2 * q.fsdp_root + q.fsdp_ag_result + current)
+               comm=2 * q.fsdp_root + q.fsdp_emb_unit + q.fsdp_ag_result + current)
+
+
+def _fsdp_head_forward(q: Quantities, tk: Tokens, before: tuple, prev: tuple, step: int, micro: int,
+                       valid: Any, graph: Any) -> list[Moment]:
+    """FSDP2 under torchtitan's split root (``quantities.fsdp2_split_root``): the [norm, head] unit's
+    forward. Its unshard allocates its all-gather output while the last layer's is still kept
+    (``wait_for_unshard`` frees that one, then copies the head's parameters out), every layer's
+    activations saved (moment ``fsdp.head_unshard``); the head's all-gather output then lives until
+    the root's post-forward, so the head's matmul makes the logits beside it and the head's
+    parameters (``lm_head.forward``). ``before``: (gradients, states, workspace); ``prev``: the
+    previous micro-batch's logits and KV cache; ``graph``: graph-kept tensors."""
+    grads_before, states, ws = before
+    on = _both(valid, q.fsdp_head_unit > 0)
+    return [_mo("forward", micro, step, "fsdp.head_unshard",
+                (grads_before, states, tk.inputs, ws, tk.layers + tk.outer_rest, 0), (prev[0], prev[1], 0), on,
+                graph, comm=q.fsdp_ag_result + 2 * q.fsdp_head_unit),
+            _mo("forward", micro, step, "lm_head.forward", (grads_before, states, tk.inputs, ws, tk.all_acts, 0),
+                (prev[0] + tk.out_logits, prev[1] + tk.kv_held, 0), on, graph, comm=2 * q.fsdp_head_unit)]
 
 
 def _head_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, before: tuple, step: int, micro: int,
@@ -455,14 +475,40 @@ def _head_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, befo
     out = [_mo("backward", micro, step, "fsdp.root_unshard",
                (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.logits_grad), (kept.logits, kept.kv_forward, 0),
                _both(valid, q.fsdp_root_regather > 0),
-               comm=2 * q.fsdp_root_regather + q.fsdp_pipe_top + q.ds_loss_buf)]
+               comm=2 * q.fsdp_root_regather + q.fsdp_pipe_top + q.ds_loss_buf),
+           # torchtitan's split root: the head kept gathered, the last layer prefetched (fsdp2_split_root)
+           _mo("backward", micro, step, "fsdp.head_prefetch",
+               (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.logits_grad), (kept.logits, kept.kv_forward, 0),
+               _both(valid, q.fsdp_head_pref > 0), comm=q.fsdp_loss_root + q.fsdp_head_pref)]
     for where_, temp in (("lm_head.backward", tk.head_chunk_first), ("lm_head.backward.sum", tk.head_chunk)):
         out.append(_mo("backward", micro, step, where_, (grads_before, states, tk.inputs, ws2, tk.all_acts, temp),
                        (kept.logits, kept.kv_forward, 0), _both(valid, q.chunk_head_grads > 0),
-                       comm=q.fsdp_loss_root + q.fsdp_last_kept + q.fsdp_loss_buf + q.ds_loss_buf
-                       + q.ds_gathered_top))
+                       comm=q.fsdp_loss_root + q.fsdp_last_kept + q.fsdp_loss_buf + q.fsdp_head_pref
+                       + q.ds_loss_buf + q.ds_gathered_top))
     out.append(_head_weight_grad(q, flags, tk, kept, before, step, micro, valid))
+    # a classifier's final RMSNorm backward, every activation alive (quantities.final_norm_backward)
+    out.append(_mo("backward", micro, step, "final_norm.backward",
+                   (grads_before, states, tk.inputs, ws2, tk.all_acts, trunc(q.final_norm_bwd_tok * tk.tokens)),
+                   (kept.logits, kept.kv_forward, 0), _both(valid, q.final_norm_bwd_tok > 0)))
+    out.append(_fsdp_head_reduce(q, tk, kept, before, step, micro, valid))
     return out
+
+
+def _fsdp_head_reduce(q: Quantities, tk: Tokens, kept: Kept, before: tuple, step: int, micro: int,
+                      valid: Any) -> Moment:
+    """FSDP2 under torchtitan's split root (``quantities.fsdp2_split_root``): the head unit's
+    post-backward, as the gradient of its input is made: ``foreach_reduce`` (``_fsdp_collectives.py``)
+    has copied the head's and norm's unsharded gradients into its reduce-scatter input (flat, the
+    reduce dtype) and allocated the sharded output; the head's gradient, the loop variable, lives
+    until it returns (as the old root's, ``quantities.fsdp_buffers``); the last layer prefetched,
+    every layer's activations saved. ``before``: (gradients, states, workspace)."""
+    grads_before, states, ws2 = before
+    # (the reduce-scatter output, flat: the new shards, or beside the accumulated ones until added, L749)
+    grads = grads_before + q.fsdp_head_shard
+    return _mo("backward", micro, step, "fsdp.head_reduce",
+               (grads, states, tk.inputs, ws2, tk.layers + tk.outer_rest + tk.others_head, 0),
+               (kept.logits, kept.kv_forward, 0), _both(valid, q.fsdp_head_rs > 0),
+               comm=q.fsdp_head_rs + q.fsdp_head_last + q.fsdp_head_pref)
 
 
 def _head_weight_grad(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, before: tuple, step: int,
@@ -479,7 +525,7 @@ def _head_weight_grad(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, b
     return _mo("backward", micro, step, "lm_head.weight_grad",
                (grads_before + head, states, tk.inputs, ws2, tk.all_acts - q.cast_head, q.head_wgrad + q.tied_grad),
                (kept.logits, kept.kv_forward, 0), _both(valid, _both(q.head_wgrad > 0, _either(fresh, sync))),
-               comm=q.fsdp_loss_root + q.fsdp_root_regather + q.fsdp_last_kept
+               comm=q.fsdp_loss_root + q.fsdp_root_regather + q.fsdp_last_kept + q.fsdp_head_pref
                + q.fsdp_loss_buf + q.ds_loss_buf + q.ds_gathered_top)
 
 
@@ -535,10 +581,10 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
                                        valid))
     moments.append(_fsdp_layer_unshard(q, tk, (grads_before, states, ws), (prev_logits, prev_kv), step, micro,
                                        valid))
-    # a derived image model's head forward (SigLIP's pooling head, run but not read), all layers' tensors saved
-    moments.append(_mo("forward", micro, step, "head.forward",
-                       (grads_before, states, tk.inputs, ws, tk.all_acts, trunc(q.head_fwd_tok * tk.tokens)),
-                       (prev_logits, prev_kv + tk.kv_held, 0), _both(valid, q.head_fwd_tok > 0), prev_graph + own))
+    moments.extend(_fsdp_head_forward(q, tk, (grads_before, states, ws), (prev_logits, prev_kv), step, micro,
+                                      valid, prev_graph + own))
+    moments.extend(_top_forward(q, tk, (grads_before, states, ws), (prev_logits, prev_kv), step, micro, valid,
+                                prev_graph + own))
     # --cast-output (Lightning Fabric, quantities._cast_output_loss_bytes): as forward returns, the
     # head's half output and its fp32 copy exist while the loop still holds the previous output; the
     # loop then rebinds its name (the previous output freed) and its loss reads the fp32 copy (the
@@ -591,6 +637,25 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
                  + after_graph + kept_end))
 
 
+def _top_forward(q: Quantities, tk: Tokens, base: tuple, prev: tuple, step: int, micro: int, valid: Any,
+                 graph: Any) -> list:
+    """Forward moments above the layers and before the loss, all layers' tensors saved: a derived
+    image model's head forward (SigLIP's pooling head, run but not read; ``head_fwd_tok``), a
+    classifier's final RMSNorm forward (``quantities.final_norm_forward``) and a BERT classifier's
+    last LayerNorm forward (``quantities.bert_top_forward``); each (b, s)-sized term per token.
+    ``base``: gradients, states and the forward's workspace; ``prev``: the previous output's logits
+    and KV cache the loop still holds."""
+    grads_before, states, ws = base
+    prev_logits, prev_kv = prev
+    out = []
+    for where_, per_tok in (("head.forward", q.head_fwd_tok), ("final_norm.forward", q.final_norm_fwd_tok),
+                            ("layer.output.LayerNorm.forward", q.bert_top_fwd_tok)):
+        out.append(_mo("forward", micro, step, where_,
+                       (grads_before, states, tk.inputs, ws, tk.all_acts, trunc(per_tok * tk.tokens)),
+                       (prev_logits, prev_kv + tk.kv_held, 0), _both(valid, per_tok > 0), graph))
+    return out
+
+
 def _previous(q: Quantities, flags: StepFlags, before: Any, exists: bool) -> tuple[Any, Any, Any]:
     """What the loop still holds of the previous micro-batch as this one's forward runs: (its
     output's logits and KV cache, referenced until this forward returns; its graph, alive until this
@@ -630,7 +695,10 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     def part(g: Any) -> Any:
         return g if flags.fsdp1_views else where(_either(new, fresh), g, 0)
     layer_grads = part(tk.layer_grad_part)
-    head_grads = where(new, q.fsdp_head_full, maximum(where(fresh, q.head_grads, 0), q.fsdp1_head_wait))
+    # (torchtitan's split root: the head's reduce-scattered already, its shards made now when fresh,
+    # its reduce-scatter input kept through the top layer's backward: quantities.fsdp2_split_root)
+    head_grads = where(new, q.fsdp_head_full - q.fsdp_head_done + where(fresh, q.fsdp_head_shard, 0),
+                       maximum(where(fresh, q.head_grads, 0), q.fsdp1_head_wait))
     # the layer's transient; a tied head's gradient waits in autograd's input buffer meanwhile
     temp = _with_update(tk.redo, q.oib_mid) + q.tied_grad
     _i, top_redo, top_grads = tk.top   # the top layer's own (its output gradient maybe a receive buffer)
@@ -643,7 +711,8 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     unprefetched = _both(q.fsdp1_unprefetched >= 0, tk.transient_index > q.fsdp1_unprefetched)
     moments.append(_mo("backward", micro, step, "layer.top",
                        (top, states_mid, tk.inputs, ws2, tk.layers + tk.outer_rest + tk.others_head, top_temp),
-                       (kept.logits, kept.kv_forward, 0), valid, own, comm=root + buf + where(unprefetched, 0, buf) + q.ds_gathered_top + q.gemini_top))
+                       (kept.logits, kept.kv_forward, 0), valid, own,
+                       comm=root + buf + where(unprefetched, 0, buf) + q.fsdp_head_rs + q.ds_gathered_top + q.gemini_top))
     _fsdp1_layer_end(q, flags, tk, kept, (step, micro, valid), (grads_before + head_grads, states_mid, ws2, own),
                      own_layers, root, buf, moments)
     _fsdp_middle_layers(q, flags, tk, kept, when, (grads_before + head_grads + layer_grads, states_mid, ws2, temp),
@@ -662,7 +731,7 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     moments.append(_mo("backward", micro, step, "layer.bottom",
                        (bottom, states_mid, tk.inputs, ws2, acts, temp),
                        (kept.logits, kept.kv_low, 0), _both(valid, q.layers > 1), low_graph,
-                       comm=root + buf + rs + low_ds + (q.layers - 1) * kept_layer))
+                       comm=root + buf + rs + low_ds + (q.layers - 1) * kept_layer + q.fsdp_emb_unit))
     # an encoder-decoder: the decoder's first layer's backward, with every encoder layer's kept
     # tensors still alive (the encoder's backward comes after the decoder's)
     lower = q.lower_layers
@@ -707,7 +776,7 @@ def _embedding_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept,
     # is not read off (the eager quantities stay: llama-3.2-1b, three layers, --grad-accum 2: +3.0%)
     temp_emb = where((q.tied_compiled > 0) & fresh, tied + q.tied_compiled - q.tied_final, temp_emb)
     # FSDP: the root's gradients are still unsharded (a tied embedding's sum among them), not yet shards
-    emb_grads = q.grads + where(sync, q.fsdp_head_full + q.fsdp_emb_full + tied - where(fresh, q.fsdp_root_sharded, 0),
+    emb_grads = q.grads + where(sync, q.fsdp_head_full - q.fsdp_head_done + q.fsdp_emb_full + tied - where(fresh, q.fsdp_root_sharded, 0),
                                 0) - q.layers * reduced
     # DeepSpeed ZeRO-1/2 whose hooks reduce buckets: the gradients the reductions left before this
     # moment (``quantities.deepspeed_grads_at_embedding``: contiguous, the partition if made; else
@@ -721,7 +790,7 @@ def _embedding_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept,
                        (emb_grads, states_mid, tk.inputs, ws2, tk.others + tk.others_head, temp_emb),
                        (kept.logits, kept.kv_end, 0),
                        _both(valid, _either(_either(tied > 0, emb_new > 0), q.tied_compiled > 0)), tk.graph,
-                       comm=root + rs + low_ds + q.layers * kept_layer))
+                       comm=root + rs + low_ds + q.layers * kept_layer + q.fsdp_emb_unit))
     # FSDP1: the root's flat gradient concatenated from its views' (quantities.fsdp1_root_flat_gradient),
     # beside the gradients before the root's (its own part of ``grads`` when fresh: not yet made)
     flat_grads = (q.grads - where(fresh, q.fsdp_root_sharded, 0) - q.layers * reduced + q.fsdp1_root_views

@@ -45,7 +45,17 @@ F32 = 4
 GPIPE_INFLIGHT = 1 << 30
 #: outer tensors whose ``tok`` coefficient counts bytes per sequence position (shared by the micro-batch)
 PER_POSITION = ("rotary.cos_sin",)
-HEAD_KEYS = ("final_norm", "lm_head.input", "mlm.transform", "pooler.input", "derived.head_side")
+#: a layer transient whose op's saved tensors are still held by its autograd node (``layers._gelu``): in
+#: a checkpointed layer the node got them from the recomputation and dropped them when it returned
+#: (torch 2.13 torch/utils/checkpoint.py L1205-1206, ``unpack_hook``: ``holder.handles[gid] = None``
+#: drops the handle keying ``frame.recomputed``'s weak-key dictionary, so the frame lets go), so the moment
+#: is below its op's own (``.backward``) one, which stands in for it under full recompute. Found by trace:
+#: GPT-2 (2 layers, n_embd 64) sequence classification, bf16-amp, full recompute, 4 x 256: +1.8% with it
+ENGINE_CAST = ".engine_cast"
+#: outer tensors of the final norm and the head (``_head_side``), freed by the head's backward before the
+#: last layer's (``qa_outputs.input`` among them: before, a question-answering head's saved input stayed
+#: in the layers' backward moments; trace, Llama 2 layers hidden 256, fp32, 4 x 256: +0.9%)
+HEAD_KEYS = ("final_norm", "lm_head.input", "mlm.transform", "pooler.input", "qa_outputs.input", "derived.head_side")
 
 
 @dataclass(frozen=True)
@@ -170,6 +180,9 @@ class Quantities:
     # a derived encoder-decoder's activations alive at its bottom and decoder-bottom backward moments
     # (``derived.moment_activations``): per token, per token x key, per position, per position squared
     head_fwd_tok: float = 0.0  # a derived image model's head forward beyond its saved tensors (derived.head_forward)
+    final_norm_bwd_tok: float = 0.0  # a classifier's final RMSNorm backward beyond the saved tensors (final_norm_backward)
+    final_norm_fwd_tok: float = 0.0  # ... and its forward beyond them (final_norm_forward)
+    bert_top_fwd_tok: float = 0.0  # a BERT classifier's last LayerNorm forward beyond the saved tensors (bert_top_forward)
     # gradient storages beyond the gradients after backward (derived.grad_views: ViT's class token at
     # micro-batch 1 keeps the (1, s, hidden) embedding gradient): per token, per position, constant
     grad_view_tok: float = 0.0
@@ -238,6 +251,15 @@ class Quantities:
     fsdp_loss_ag: int = 0     # FSDP2: the last layer's all-gather output while the loss runs (model's own loss)
     fsdp_root_kept: int = 0   # the root's gathered parameters between forward and backward (not resharded)
     fsdp_last_kept: int = 0   # FSDP2 --fsdp-gathered root-last: the last layer's, from its forward to its backward
+    # FSDP2 --fsdp-gathered head (torchtitan's units since July 2025, ``fsdp2_split_root``; 0 otherwise):
+    fsdp_emb_unit: int = 0    # the embedding unit gathered: its all-gather output at the first layer's forward
+    #                           unshard and prefetched at the first layer's backward, its parameters at its own
+    fsdp_head_unit: int = 0   # the [norm, head] unit's all-gather output, while the head's forward runs
+    fsdp_head_pref: int = 0   # the last layer's all-gather output, prefetched at the logits' gradient
+    fsdp_head_done: int = 0   # the head's unsharded gradients, reduce-scattered by its unit's post-backward
+    fsdp_head_shard: int = 0  # ... into its sharded gradients (of ``grads``)
+    fsdp_head_rs: int = 0     # ... its reduce-scatter input, kept until the last layer's post-backward
+    fsdp_head_last: int = 0   # ... and the head's unsharded gradient, alive until that reduce returns
     cast_embed: int = 0    # the half weight copies of the matmuls before the layers (``_autocast_copies``)
     # checkpointed layers' autocast weight copies: none saved. autocast caches the cast of a leaf that
     # requires grad until forward ends (``cast_forward_only``); a frozen one (LoRA's base weights) is
@@ -521,9 +543,16 @@ def _head_side(m: ModelSpec, pol: Policy, h: int, sp: int, fused: bool = False, 
         # lm_head saves its input: a half cast under autocast, else the final norm's output
         half_in = pol.amp or (m.norm == "rmsnorm" and pol.stream == 2)
         out.append(("lm_head.input", float(h * (pol.half if half_in else pol.stream)), 0.0))
+    elif m.head == "seq-cls" and m.family == "bert":
+        # BERT's pooler takes hidden[:, 0]; the view it saves keeps the last layer's output storage
+        # alive. Under autocast it saves the view's (b, h) half cast instead (per sample, left out),
+        # and the output lives only while the model's forward runs (bert_top_forward counts it there;
+        # trace, BERT hidden 64 seq-cls bf16-amp 4 x 256: the forward's end +1.0% before)
+        if not pol.amp:
+            out.append(("pooler.input", float(h * pol.stream), 0.0))
     elif m.head == "seq-cls":
-        # BERT's pooler takes hidden[:, 0]; the view keeps the last layer's output storage alive
-        out.append(("pooler.input", float(h * (pol.stream if m.family == "bert" else pol.half)), 0.0))
+        # the score linear runs on every token: it saves its (b, s, h) input in the matmul dtype
+        out.append(("pooler.input", float(h * pol.half), 0.0))
     elif m.head == "qa":
         # qa_outputs, Linear(h, 2), saves its input, every token's output of the encoder: the
         # tensor itself, or autocast's half copy of it ((b, s, h) in the matmul dtype)
@@ -1859,6 +1888,22 @@ def _inflight(t: TrainingSpec, stage: str) -> tuple[int, int]:
     return pp_inflight, inflight_fixed
 
 
+def _head_dequant_fields(m: ModelSpec, t: TrainingSpec, head_here: bool) -> dict[str, int]:
+    """The 4-bit LM head's terms (``head_dequant_bytes``: its dequantized weight and cast, bytes),
+    on the stage that holds the head; ``head_lora``: 3 when peft adapts that head."""
+    temp, read = head_dequant_bytes(m, t) if head_here else (0, 0)
+    return {"head_temp": temp, "head_read": read,
+            "head_lora": 3 if (temp and _head_is_lora_target(m, t)) else 0}
+
+
+def _top_fields(m: ModelSpec, t: TrainingSpec, pol: Policy) -> dict[str, float]:
+    """Bytes per token above the layers of a classifier or question-answering head: its final
+    RMSNorm's backward and forward (``final_norm_backward``/``final_norm_forward``) and a BERT
+    head's last LayerNorm forward (``bert_top_forward``)."""
+    return {"final_norm_bwd_tok": final_norm_backward(m, t, pol), "final_norm_fwd_tok": final_norm_forward(m, t, pol),
+            "bert_top_fwd_tok": bert_top_forward(m, t, pol)}
+
+
 def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     pol = Policy.of(t.precision)
     st = model_states(m, t, stage)
@@ -1890,7 +1935,6 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     pp_inflight, inflight_fixed = _inflight(t, stage)
     lower, above_bottom, above_decoder_bottom = _grads_above(m, t, st, layers)
     compiled_tied = compiled_tied_grads(m, t, pol)
-    head_dq = head_dequant_bytes(m, t)  # the 4-bit LM head: (dequantized + cast, the cast) bytes
     return Quantities(
         first_unsaved_tok=sum(a for _, a, _ in first), first_unsaved_sq=sum(b for _, _, b in first),
         cast_first_free=int(sum(lc.first_free_weights) * 2) if (lora_first and cast_layer) else 0,  # bf16/fp16 copies
@@ -1926,8 +1970,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         emb_grad=emb_accumulated(m, t, stage), emb_upcast=emb_upcast(m, t, stage), softcap_saved=softcap_saved(m, loss.out) if head_here else 0,
         chunk_head_grads=chunk_head_grads(m, t, pol) if head_here else 0, transients=trans,
         fwd_temp=int(lc.fwd_const), fwd_temp_tok=lc.fwd_tok, head_wgrad_half=head_weight_grad_half(m, t, cast_head),
-        head_temp=head_dq[0] if head_here else 0, head_read=head_dq[1] if head_here else 0,
-        head_lora=3 if (head_here and head_dq[0] and _head_is_lora_target(m, t)) else 0,
+        **_head_dequant_fields(m, t, head_here),
         # a checkpointed layer's first forward still builds MatMul4Bit nodes (non-reentrant
         # checkpointing runs it with grad enabled), whose ctx.tensors keep the inputs the
         # checkpoint does not save
@@ -1936,9 +1979,109 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         lower_layers=lower, above_bottom=above_bottom, above_decoder_bottom=above_decoder_bottom,
         input_tok=input_bytes(m, t)[0], input_sample=input_bytes(m, t)[1], expandable=int(t.expandable_segments),
         trainer_cp=trainer_cp_inputs(m, t), embeds_tok=held_embeddings(m, t, pol, lc),
+        **_top_fields(m, t, pol),
         dec_num=decoder_ratio(m, t)[0], dec_den=decoder_ratio(m, t)[1], **_derived_fields(m, t, stage), **pipe,
         detail=Detail(st, lc, outer, comm_name, input_tok, sum(a for _, a, _ in received),
                       half_input_tok=sum(a for _, a, _ in half_in), recompute_ops=len(recompute_transients(t, lc))))
+
+
+def _classifier_rms_norm(m: ModelSpec, t: TrainingSpec) -> bool:
+    """Whether the model is a transformers decoder's classifier or question-answering head after
+    transformers' own RMSNorm (``final_norm_forward``, ``final_norm_backward``): not under
+    ``--compile`` (fused kernels), tensor or pipeline parallelism (the norm sharded or another
+    rank's) or a framework's own model code."""
+    return m.head in ("seq-cls", "qa") and m.family in ("llama", "mixtral") and m.final_norm \
+        and m.norm == "rmsnorm" and not t.compile and t.tp == 1 and t.pp == 1 \
+        and t.extra.get("framework") not in OWN_MODEL_CODE
+
+
+def final_norm_forward(m: ModelSpec, t: TrainingSpec, pol: Policy) -> float:
+    """Bytes per token alive at the final RMSNorm's last forward op beyond the saved tensors, for a
+    decoder's classifier or question-answering head (``_classifier_rms_norm``), whose forward has no
+    vocabulary-sized loss after it to peak at.
+
+    transformers 5.24 ``models/llama/modeling_llama.py`` L62-67: ``self.weight *
+    hidden_states.to(input_dtype)`` allocates its output while the norm's input (the caller's
+    ``hidden_states``, L404 ``hidden_states = self.norm(hidden_states)``) and its local fp32
+    ``x32 * rsqrt(...)`` product are still referenced. In a half residual dtype (pure bf16/fp16)
+    those are tensors of their own: the input (h, half), the fp32 product (h x 4), and the base
+    model's ``inputs_embeds`` (``held_embeddings``, L372 and L390: h, half); the output is the head's saved input
+    (``_head_side``), counted. In an fp32 residual (fp32, autocast) ``to(float32)`` and
+    ``to(input_dtype)`` return their input, so the input and product are the norm's saved tensors;
+    the output (h x 4) is new, and under autocast the head saves its half cast instead, made only
+    after (counted in the saved tensors but not yet there). Found by trace: Llama (2 layers, hidden
+    256) question answering, pure bf16, 4 x 256: forward -4.6% before. 0 under LoRA (the frozen
+    norm's multiply saves nothing, so its operand is one more frame-held tensor: not modelled)."""
+    if not _classifier_rms_norm(m, t) or t.lora_rank:
+        return 0.0
+    h = m.hidden_size
+    if pol.stream != F32:
+        return float(h * pol.stream + h * F32 + h * pol.stream)
+    return float(h * F32 - h * pol.half)
+
+
+def bert_top_forward(m: ModelSpec, t: TrainingSpec, pol: Policy) -> float:
+    """Bytes per token alive at the last BERT layer's output LayerNorm (the forward's peak for a
+    classifier or question-answering head, which has no vocabulary-sized loss after it) beyond the
+    saved tensors (transformers 5.24 ``models/bert/modeling_bert.py``):
+
+    * ``BertOutput.forward`` L349-352: its local ``hidden_states``, the dropout's output (the dense
+      output without dropout), (b, s, h) in the matmul dtype, is referenced while ``self.LayerNorm(
+      hidden_states + input_tensor)`` runs; the LayerNorm's output (residual dtype) is new. The head
+      saves that output itself (``pooler.input``; under autocast a per-sample cast, and the output is
+      extra) or, for question answering, its half cast made later (``qa_outputs.input``), counted in
+      the saved tensors.
+    * Under autocast the linears save half casts, so fp32 (b, s, h) tensors that only Python frames
+      hold are extra: ``BertModel.forward``'s ``embedding_output`` (L657, until it returns),
+      ``BertEncoder.forward``'s ``hidden_states`` (L439-440: the last layer's input, another tensor
+      with two layers or more) and ``BertLayer.feed_forward_chunk``'s ``attention_output`` (L417-419).
+      In fp32 / pure half those are the q/k/v and ``intermediate.dense`` inputs, saved already.
+
+    Found by trace: BERT (2 layers, hidden 64) question answering, bf16-amp, 4 x 256: the step's
+    peak is this forward moment, -2.2% before. 0 for other heads and families, under recompute (a
+    checkpointed layer saves nothing in forward), LoRA (frozen linears save no input), --compile,
+    tensor or pipeline parallelism, and a framework's own model code."""
+    if m.head not in ("seq-cls", "qa") or m.family != "bert" or t.recompute not in (None, "none") \
+            or t.lora_rank or t.compile or t.tp > 1 or t.pp > 1 or t.extra.get("framework") in OWN_MODEL_CODE:
+        return 0.0
+    h = m.hidden_size
+    out = h * pol.half + h * pol.stream       # the dropout's output (half), the LayerNorm's output
+    out -= h * (pol.half if m.head == "qa" else 0 if pol.amp else pol.stream)   # the head's input, counted
+    if pol.amp:  # embedding_output, the last layer's input (two layers or more), attention_output
+        out += h * pol.stream * ((2 if m.num_layers > 1 else 1) + 1)
+    return float(out)
+
+
+def final_norm_backward(m: ModelSpec, t: TrainingSpec, pol: Policy) -> float:
+    """Bytes per token alive at the final RMSNorm's backward beyond the saved tensors, for a decoder's
+    classifier or question-answering head (``*ForSequenceClassification``, ``*ForQuestionAnswering``),
+    whose backward reaches the norm with every layer's saved tensors still alive and no vocabulary-
+    sized loss before it (a causal LM's cross-entropy backward is its peak instead).
+
+    transformers 5.24 ``models/llama/modeling_llama.py`` L62-67, ``LlamaRMSNorm.forward``:
+    ``x32 = hidden_states.to(torch.float32)``; ``variance = x32.pow(2).mean(-1, keepdim=True)``;
+    ``x32 * torch.rsqrt(variance + eps)``; ``self.weight * normed.to(input_dtype)``. Backward, in
+    autograd's order: the weight's ``MulBackward0`` (then ``normed``, saved only for the weight's
+    gradient, is freed: ``_head_side`` counts it); the multiply by ``rsqrt``'s, which hands x32 its
+    first gradient (b, s, h) fp32, held in autograd's input buffer until the second arrives;
+    ``RsqrtBackward0`` and ``MeanBackward0``, whose ``sum_backward(...) / numel`` (PyTorch
+    ``tools/autograd/derivatives.yaml`` ``mean.dim``, ``FunctionsManual.cpp`` ``mean_backward``)
+    materialises (b, s, h) fp32; then ``PowBackward0``, ``pow_backward``: ``grad * (exponent *
+    self.pow(exponent - 1))`` (``FunctionsManual.cpp``), three more (b, s, h) fp32 tensors alive
+    together within the expression: five in all (fp32, h each per token), beside x32 (saved by
+    ``pow`` and the multiply). By then the head's saved input (``qa_outputs.input`` /
+    ``pooler.input`` in ``_head_side``, (b, s, h) in the matmul dtype) was released by its ``mm``'s
+    backward. The head's and the norm's weight gradients ((num_labels + 1) x h elements) are left
+    out. Found by trace: Llama (2 layers, hidden 256) question answering, pure bf16, 4 x 256, whose
+    peak is the final norm's ``PowBackward0``: -0.8% before.
+
+    0 where ``_classifier_rms_norm`` does not hold."""
+    if not _classifier_rms_norm(m, t):
+        return 0.0
+    h = m.hidden_size
+    normed = 0 if t.lora_rank else h * pol.stream   # frozen (LoRA): never saved (``_head_side``)
+    head_input = h * pol.half                       # qa_outputs / score saves its input (``_head_side``)
+    return float(5 * h * F32 - normed - head_input)
 
 
 def held_embeddings(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs | None = None) -> float:
@@ -2034,6 +2177,10 @@ def _layer_transients(t: TrainingSpec, lc: LayerCoefs, pol: Policy, gpw: float, 
     trans = tuple((a, b, c - (w - u + o + z) * freed, int(w * gpw), d, k, e)
                   for (_, a, b, c), w, u, o, z, d, k, e in zip(lc.transients, after, uncast, own, frozen, ssq, at,
                                                                 top_less))
+    if t.recompute == "full" and t.recompute_every == 1:  # (each layer checkpointed: ENGINE_CAST's op's moment
+        # stands in for it, below which it is; the position kept for ``breakdown.where_label``)
+        trans = tuple(trans[i - 1] if i and name.endswith(ENGINE_CAST) else v
+                      for i, ((name, *_), v) in enumerate(zip(lc.transients, trans)))
     if t.offload_activations and trans:
         trans = trans[:-1] + ((trans[-1][0] + offload_previous(input_tok, pol), *trans[-1][1:]),)
     return trans + recompute_transients(t, lc, received)
@@ -2510,6 +2657,44 @@ def root_regathered_at_loss(m: ModelSpec, t: TrainingSpec) -> bool:
             and t.fsdp_gathered == "none" and not root_resharded_for_loss(m, t))  # a root kept gathered: none
 
 
+def fsdp2_split_root(t: TrainingSpec) -> bool:
+    """Whether FSDP2 runs torchtitan's units since 83e694105 ("Improve reshard_after_forward logic",
+    2025-07-28; ``--fsdp-gathered head``): ``apply_fsdp`` (``torchtitan/models/llama3/infra/
+    parallelize.py`` L385-422 there; ``torchtitan/distributed/fsdp.py`` L251-265 at main) shards the
+    token embedding as its own unit and every block with ``reshard_after_forward=True``, the final
+    norm and the output head as one unit ``fully_shard([model.norm, model.output],
+    reshard_after_forward=False)`` (policy "default"), and the root ``fully_shard(model)`` holds no
+    parameters. So (torch 2.13 ``_fully_shard``): the embedding's all-gather output lives until the
+    first layer's is waited on (``_fsdp_param_group.py`` ``wait_for_unshard`` L429-432, L477-489),
+    its parameters resharded at its post-forward; the head unit stays gathered from its forward to
+    its post-backward, its all-gather output freed by the root's post-forward (``_fsdp_state.py``
+    L333-343), after the model's own loss but before the loop's; the head's pre-backward hook, on
+    the logits (``_register_pre_backward_hook`` L434), finds it gathered and prefetches the last
+    layer (``_backward_prefetch`` L795-831) once the logits' gradient exists; its post-backward,
+    when the gradient of its input is made, reduce-scatters the head's gradients (the input, flat in
+    the reduce dtype, kept in ``reduce_scatter_states`` until the last layer's post-backward,
+    L645-657, L717-719); the first layer's pre-backward prefetches the embedding, whose pre-backward
+    copies it out and whose post-backward runs in the root's final callback (its input, the token
+    ids, needs no gradient: ``_root_post_backward_final_callback`` L395-420), as the old root's."""
+    return fsdp2_root_gathered(t) and t.fsdp_gathered == "head"
+
+
+def _split_root(m: ModelSpec, t: TrainingSpec, st: States, layer_buf: int) -> dict[str, int]:
+    """``fsdp_buffers`` under ``fsdp2_split_root``: the root's terms for its two units (the root
+    itself gathers nothing), bytes on one rank. Gathered in param_dtype (bf16 under ``bf16-mp``);
+    reduce-scatter inputs in the reduce dtype (fp32 under ``bf16-mp``)."""
+    head, emb = st.head_unit_full, st.root_full - st.head_unit_full
+    return {"fsdp_root": 0, "fsdp_loss_root": head, "fsdp_root_kept": head, "fsdp_loss_buf": 0,
+            "fsdp_root_regather": 0, "fsdp_root_regather_own": 0,
+            # the model's own loss runs before the root's post-forward frees the head's all-gather output
+            "fsdp_loss_ag": 0 if loss_outside_root(m, t) else head,
+            "fsdp_emb_unit": emb, "fsdp_head_unit": head, "fsdp_head_pref": layer_buf,
+            "fsdp_head_done": st.head_grads_full, "fsdp_head_shard": st.head_grads,
+            "fsdp_head_rs": st.head_unit_rs, "fsdp_head_last": st.head_unit_last,
+            "fsdp_root_sharded": st.root_grads - st.head_grads,
+            "fsdp_root_rs": st.emb_unit_rs, "fsdp_root_last": st.emb_unit_last}
+
+
 def fsdp_buffers(m: ModelSpec, t: TrainingSpec, st: States, lc: LayerCoefs) -> dict[str, int]:
     """FSDP's unsharded tensors, which exist only between a forward and the end of its backward
     (``moments`` places each), bytes on one rank in the gathered dtype (bf16 under ``bf16-mp``):
@@ -2580,15 +2765,21 @@ def fsdp_buffers(m: ModelSpec, t: TrainingSpec, st: States, lc: LayerCoefs) -> d
             "fsdp_root_sharded": st.root_grads,
             "fsdp_root_rs": st.root_rs if t.fsdp_version == 2 else 0,
             "fsdp_root_last": st.root_last_grad if t.fsdp_version == 2 else 0,
-            "fsdp1_post": fsdp1_post_backward(t, st) if t.fsdp_version == 1 else 0,
-            # under FSDP1 (use_orig_params) the root's parameters are views of its flat parameter: the
-            # head's view gradient waits for ``SplitWithSizesBackward``'s cat at the embedding's backward
-            # (fsdp1_flat_gradient), also when it will be added to an accumulated .grad (no_sync). Found
-            # by the sampled grid: Mistral FSDP1 --grad-sync step, 2 micro-batches, -9.4% before
-            "fsdp1_head_wait": st.head_grads_full if t.fsdp_version == 1 else 0,
-            "fsdp1_flat": fsdp1_flat_gradient(st) if t.fsdp_version == 1 else 0,
-            "fsdp1_root_views": st.root_views if t.fsdp_version == 1 and st.root_flat else 0,
-            "fsdp1_root_flat": fsdp1_root_flat_gradient(st) if t.fsdp_version == 1 else 0,
+            **_fsdp1_fields(t, st, lc), **(_split_root(m, t, st, layer_buf) if fsdp2_split_root(t) else {})}
+
+
+def _fsdp1_fields(t: TrainingSpec, st: States, lc: LayerCoefs) -> dict[str, int]:
+    """FSDP1's own terms of ``fsdp_buffers`` (zero under FSDP2), bytes on one rank. Under FSDP1
+    (use_orig_params) the root's parameters are views of its flat parameter: the head's view
+    gradient waits for ``SplitWithSizesBackward``'s cat at the embedding's backward
+    (``fsdp1_flat_gradient``), also when it will be added to an accumulated .grad (no_sync). Found
+    by the sampled grid: Mistral FSDP1 --grad-sync step, 2 micro-batches, -9.4% before."""
+    one = t.fsdp_version == 1
+    return {"fsdp1_post": fsdp1_post_backward(t, st) if one else 0,
+            "fsdp1_head_wait": st.head_grads_full if one else 0,
+            "fsdp1_flat": fsdp1_flat_gradient(st) if one else 0,
+            "fsdp1_root_views": st.root_views if one and st.root_flat else 0,
+            "fsdp1_root_flat": fsdp1_root_flat_gradient(st) if one else 0,
             "fsdp1_unprefetched": fsdp1_unprefetched(t, lc)}
 
 

@@ -213,6 +213,9 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     inputs = R.alloc(tk.inputs)                                   # int64 ids and labels
     fs = _Fsdp(q.fsdp_ag_result > 0, _fsdp_streams(q), lag=R.lag, rs_side=q.fsdp_rs_side > 0)
     root = fs.unshard(R, q.fsdp_root, st.root_tensors)            # FSDP: the root unit gathered
+    # torchtitan's split root (quantities.fsdp2_split_root): the embedding unit gathered, resharded
+    # by its post-forward (its all-gather output kept until the first layer's copy-out)
+    fs.reshard(R, fs.unshard(R, q.fsdp_emb_unit, _emb_unit_tensors(st)))
     embeds = R.alloc(int(q.embeds_tok * tk.tokens))              # the base model's inputs_embeds, unsaved
     emb = R.alloc(tk.outer_rest)                                  # embeddings' saved tensors
     s.workspace(R, 0)                                             # the first layer's first matmul
@@ -221,6 +224,7 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
                            cached=cached) for i in range(q.layers)]
     R.frees([h for at, h in R.carry if at != LATE])               # the top layer's late frees (a derived layer)
     R.carry = [(at, h) for at, h in R.carry if at == LATE]
+    root = root + fs.unshard(R, q.fsdp_head_unit, st.head_unit_tensors)  # split root: [norm, head] kept
     head = [R.alloc(tk.outer_head)]                               # the final norm's output: the head's input
     R.free(embeds)                                                # the base model returns (held_embeddings)
     head.append(R.alloc(q.cast_head))                             # autocast's half copy of the head
@@ -257,6 +261,12 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
         fs.ag = None
     R.mark("forward" + suffix, s.step)
     return _Forward(inputs, fs, root, emb, kept, head, out, saved, full, chunks)
+
+
+def _emb_unit_tensors(st: Any) -> tuple[int, ...]:
+    """The embedding unit's parameters under torchtitan's split root: the root's tensors before the
+    [norm, head] unit's (``States.head_unit_tensors``)."""
+    return st.root_tensors[:len(st.root_tensors) - len(st.head_unit_tensors)]
 
 
 def _chunked_nll_forward(R: _Replay, q: Quantities, tk: Tokens) -> tuple[list, list]:
@@ -326,9 +336,19 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     if _root_resharded(q, f.fs) and q.fsdp_root_regather:         # ... the logits (a loss outside the model)
         f.root = f.fs.unshard(R, q.fsdp_root, st.root_tensors, backward=True)
     f.fs.root_pre_backward(R, q.fsdp_layer_buf)                  # FSDP1: the top layer prefetched
+    if q.fsdp_head_pref:                                          # split root: the head's pre-backward
+        f.fs.prefetched = R.alloc(q.fsdp_head_pref, f.fs.streams[0])  # prefetches the top layer
     head_full, tied = _head_backward(R, s, q, flags, f, dlogits)
+    if q.fsdp_head_unit:                                          # ... and its post-backward reduces the
+        f.fs.post_backward(R, f.root, [head_full], q.fsdp_head_rs)  # head's gradients (fsdp2_split_root)
+        _make_grads(R, s, st.trainables, ("after",), flags.oib, f.fs.grad_stream)
+        head_full, f.root = None, []
+        f.fs.below_first = q.fsdp_emb_unit                        # the first layer prefetches the embedding
     for i in reversed(range(q.layers)):
         _layer_backward(R, s, q, f.fs, parts, f.kept[i], i, n, nsq, recompute, flags.oib)
+    if q.fsdp_emb_unit:                                           # split root: the embedding's pre-backward
+        f.fs.below_first = 0
+        f.root = f.fs.unshard_backward(R, q.fsdp_emb_unit, _emb_unit_tensors(st), prefetch=False)
     emb_full = R.alloc(st.emb_grads_full)                         # FSDP: the embedding's unsharded gradient
     if tied is not None and not _fsdp(q):                         # the embedding's own gradient, then
         emb_out = R.alloc(q.tied_grad)                            # autograd's InputBuffer adds it to the
@@ -343,7 +363,8 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
         emb_full = acc if emb_full is None else emb_full
     f.fs.reduce(R, [head_full, emb_full],                         # the root's reduce-scatter input
                 q.fsdp_root_rs or (st.head_grads_full + st.emb_grads_full) * f.fs.rs_factor(q))
-    _make_grads(R, s, st.trainables, ("after", "before"), flags.oib, f.fs.grad_stream)  # head, norm, embeddings
+    _make_grads(R, s, st.trainables, ("before",) if q.fsdp_head_unit else ("after", "before"), flags.oib,
+                f.fs.grad_stream)                                 # head, norm, embeddings
     f.fs.reduced(R)                                               # torch < 2.5: the input dropped on return
     R.frees([tied, f.emb, f.inputs] + buckets)
     f.fs.reshard(R, f.root)                                       # the root's post-backward
@@ -461,6 +482,7 @@ class _Fsdp:
     last: list = field(default_factory=list)  # the last layer's parameters, kept gathered (--fsdp-gathered root-last)
     lag: "_Fsdp1Lag | None" = None  # FSDP1's rate limiter and its pending frees (``_fsdp1_limited``)
     rs_side: bool = False      # FSDP2 before PyTorch 2.5: the reduce-scatter input on the gradient stream (``reduce``)
+    below_first: int = 0       # split root: the embedding unit's all-gather output, the first layer's prefetch
 
     @property
     def grad_stream(self) -> int:
@@ -508,8 +530,8 @@ class _Fsdp:
         self.prefetched = None
         params = R.allocs(tensors)                                # each parameter copied out
         R.free(ag)
-        if prefetch:
-            self.prefetched = R.alloc(flat, self.streams[0])      # the lower layer's all-gather output
+        if prefetch or self.below_first:                          # the lower layer's all-gather output
+            self.prefetched = R.alloc(flat if prefetch else self.below_first, self.streams[0])
         return params
 
     def root_pre_backward(self, R: _Replay, flat: int) -> None:

@@ -68,6 +68,15 @@ class States:
     # the unsharded gradient of the root's last trainable parameter, in the gathered dtype
     root_rs: int = 0
     root_last_grad: int = 0
+    # the same for the units torchtitan splits the root into (``--fsdp-gathered head``,
+    # ``quantities.fsdp2_split_root``): the final norm and head (registered after the layers), gathered
+    # bytes, reduce-scatter input and last unsharded gradient; and the embedding side's
+    head_unit_full: int = 0
+    head_unit_tensors: tuple[int, ...] = ()  # of ``root_tensors``, the last ones: the final norm's, the head's
+    head_unit_rs: int = 0
+    head_unit_last: int = 0
+    emb_unit_rs: int = 0
+    emb_unit_last: int = 0
 
     # an encoder-decoder's untied position tables of its decoder (BART's ``decoder.embed_positions``):
     # registered after the encoder's layers, their gradients are made by the decoder's embedding
@@ -542,6 +551,11 @@ class _Tally:
     root_g: int = 0          # FSDP: the sharded gradients outside the layers (bytes)
     root_rs_elems: int = 0   # FSDP: the root's trainable elements, padded (its reduce-scatter input)
     root_last: int = 0       # FSDP: the unsharded gradient of the root's last trainable tensor (bytes)
+    head_unit: int = 0       # FSDP: of ``root``, the tensors after the layers (final norm, head)
+    head_list: list = field(default_factory=list)  # ... each, as ``root_list``
+    head_rs_elems: int = 0   # ... of ``root_rs_elems``, theirs
+    head_last: int = 0       # ... the unsharded gradient of the last of them (bytes)
+    emb_last: int = 0        # ... the unsharded gradient of the last tensor before the layers (bytes)
     root_views: int = 0      # FSDP: the root's unsharded gradients, tensor by tensor (bytes)
     root_flat_bytes: int = 0  # FSDP: the root's unsharded gradients as one flat tensor (bytes, unrounded)
     each: dict = field(default_factory=dict)  # layer -> its gradient bytes (layers that differ)
@@ -627,6 +641,7 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
     reduce = 4 if t.precision == "bf16-mp" else r.gather  # MixedPrecisionPolicy(reduce_dtype=fp32), else the grads'
     rs = r.block(acc.layer_elems * reduce) if r.fsdp_unsharded else 0
     root_rs = r.block(acc.root_rs_elems * reduce) if (r.fsdp_unsharded and acc.root_rs_elems) else 0
+    emb_elems = acc.root_rs_elems - acc.head_rs_elems
     return States(weights, acc.buffers, master, acc.grads, opt, step_t, acc.trainable, acc.params_rank,
                   acc.layer_grads, acc.head_grads, acc.lmh, acc.hmh, acc.largest, acc.group, acc.lpf,
                   sum(x[1] for x in lora), acc.q4, acc.root, acc.head_full, acc.emb_full, acc.layer_full, rs,
@@ -634,6 +649,10 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
                   fsdp1_rank0_items(t, r, acc), tuple(acc.root_list), tuple(acc.layer_list),
                   each_layer_grads=tuple(g for _, g in sorted(acc.each.items())) if not lora else (),
                   root_rs=root_rs, root_last_grad=acc.root_last if root_rs else 0,
+                  head_unit_full=acc.head_unit, head_unit_last=acc.head_last, head_unit_tensors=tuple(acc.head_list),
+                  head_unit_rs=r.block(acc.head_rs_elems * reduce) if (root_rs and acc.head_rs_elems) else 0,
+                  emb_unit_rs=r.block(emb_elems * reduce) if (root_rs and emb_elems) else 0,
+                  emb_unit_last=acc.emb_last if root_rs else 0,
                   between_grads=acc.between, root_views=acc.root_views,
                   root_flat=r.block(acc.root_flat_bytes) if acc.root_flat_bytes else 0,
                   embed_matmul_half=acc.emh)
@@ -775,6 +794,9 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
         dest.append(item)
         if r.fsdp_unsharded and p.layer is None:
             acc.root += r.block(n * r.gather)  # the root unit's unsharded parameter (fsdp_root below)
+            if layer:
+                acc.head_unit += r.block(n * r.gather)
+                acc.head_list.append(n * r.gather)
             acc.root_list.append(n * r.gather)
         if r.fsdp_unsharded and p.layer is not None and (uniform or p.layer == r.lo):
             acc.layer_list.append(n * r.gather)   # one layer's unsharded parameter
@@ -802,15 +824,7 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
                 acc.layer_full += full
                 acc.layer_elems += n if full else 0
             continue
-        acc.root_gradient(p.shape, n, r.d, g, full, r.gather)
-        if p.role != "embedding" and layer:
-            # registered after the layers (final norm, head): made first in backward; those before
-            # them (ViT's patch projection, class token and position table) come last, with the
-            # embeddings' gradients
-            acc.head_grads += g
-            acc.head_full += full
-        elif not (m.tied_embeddings and p.name.endswith(TIED_NAMES)):
-            acc.emb_full, acc.between = acc.emb_full + full, acc.between + (g if layer and m.is_encoder_decoder else 0)
+        _outer_gradient(m, acc, p, n, r, (g, full), after_layers=bool(layer))
     r = rank
     acc.lpf = max(lpf_of.values(), default=0)
     if not uniform and r.per_stage:
@@ -821,6 +835,25 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
         # the tied embedding is also the LM head: autocast casts it for the head matmul
         emb = next(p for p in m.parameter_tensors() if p.role == "embedding")
         acc.hmh += _tp_div(emb, t.tp) * 2
+
+
+def _outer_gradient(m: ModelSpec, acc: _Tally, p: Any, n: int, r: _Rank, grad: tuple[int, int],
+                    after_layers: bool) -> None:
+    """Tally the gradient of a parameter outside the layers (``grad``: its bytes on this rank and,
+    under FSDP, its unsharded block). Those registered after the layers (final norm, head) are made
+    first in backward; those before them (embeddings; ViT's patch projection, class token and
+    position table) come last, with the embeddings' gradients."""
+    g, full = grad
+    acc.root_gradient(p.shape, n, r.d, g, full, r.gather)
+    if p.role != "embedding" and after_layers:
+        acc.head_grads += g
+        acc.head_full += full
+        if full:
+            acc.head_rs_elems, acc.head_last = acc.head_rs_elems + _dim0_padded(p.shape, n, r.d), full
+        return
+    acc.emb_last = full or acc.emb_last
+    if not (m.tied_embeddings and p.name.endswith(TIED_NAMES)):
+        acc.emb_full, acc.between = acc.emb_full + full, acc.between + (g if after_layers and m.is_encoder_decoder else 0)
 
 
 def _lora_adapters(t: TrainingSpec, r: _Rank, acc: _Tally, lora: list[tuple[str, int, int | None, tuple[int, int]]]

@@ -266,8 +266,8 @@ def _sharded(view: Mapping[str, Any]) -> bool:
 
 def _torchtitan_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] | None) -> dict[str, Any]:
     """FSDP2 over every data-parallel rank (``data_parallel_shard_degree=-1``), resharding after
-    forward unless pipelined; under 1F1B and GPipe its weighted stage split (the embeddings and the head one
-    layer each); its MixedPrecisionPolicy is the precision when FSDP is on, else
+    forward unless pipelined, with its split root units on an untied model (``_split_root_units``);
+    under 1F1B and GPipe its weighted stage split (the embeddings and the head one layer each); its MixedPrecisionPolicy is the precision when FSDP is on, else
     autocast (DDP or one GPU) or none (TP/PP without FSDP). torchtitan trains its own model code,
     which builds no KV cache (transformers' builds a DynamicCache unless ``use_cache`` is off)."""
     out: dict[str, Any] = {"use_cache": False}  # its own Transformer (models/llama3/model/model.py) has no KV cache
@@ -282,11 +282,25 @@ def _torchtitan_rules(view: Mapping[str, Any], model: Any, version: tuple[int, .
         fsdp = out["fsdp"] = "grad-op" if view.get("pp", 1) > 1 else "full"
     if fsdp is not None:
         out["precision"] = "bf16-mp"
+        if _split_root_units(view, fsdp, model):
+            out["fsdp_gathered"] = "head"
     elif view.get("tp", 1) > 1 or view.get("pp", 1) > 1:
         out["precision"] = "fp32"
     else:
         out["precision"] = "bf16-amp"
     return out
+
+
+def _split_root_units(view: Mapping[str, Any], fsdp: str, model: Any) -> bool:
+    """Whether torchtitan's ``apply_fsdp`` (0.2.0 on, from 83e694105 of 2025-07-28; v0.2.2
+    ``torchtitan/models/llama3/infra/parallelize.py`` L333-357) splits the root here: the embedding
+    its own unit, ``[norm, output]`` one unit kept gathered (``--fsdp-gathered head``), for FSDP2
+    resharding after forward without a pipeline, on an untied decoder-only causal LM (a tied head is
+    not modelled: ``spec.training.fsdp2_split_root_problem``)."""
+    return (fsdp in ("full", "hybrid") and view.get("fsdp_version", 2) == 2 and view.get("pp", 1) == 1
+            and not view.get("lora_rank")
+            and model is not None and not getattr(model, "tied_embeddings", True)
+            and not getattr(model, "is_encoder_decoder", False) and getattr(model, "head", "") == "causal-lm")
 
 
 def _torchtune_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] | None) -> dict[str, Any]:
@@ -657,9 +671,11 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                                "train_configs/llama3_8b.toml L57-59 sets selective_ac_option 'op' (per-op SAC): "
                                "--recompute op. torchtitan main (SelectiveAC, June 2026) has only per-op SAC"),
         "recompute_every": Cell(2, (_s("torchtitan", "torchtitan/config/job_config.py", "655"),)),
-        "sharding": Cell(shown="fsdp full with --dp > 1 (grad-op with --pp > 1)", option="fsdp",
+        "sharding": Cell(shown="fsdp full with --dp > 1 (grad-op with --pp > 1); an untied model's embedding and "
+                               "[norm, head] units: --fsdp-gathered head", option="fsdp",
                          sources=(_s("torchtitan", "torchtitan/config/job_config.py", "324"),
-                                  _s("torchtitan", "torchtitan/models/llama3/infra/parallelize.py", "319-327"))),
+                                  _s("torchtitan", "torchtitan/models/llama3/infra/parallelize.py", "319-327"),
+                                  _s("torchtitan", "torchtitan/models/llama3/infra/parallelize.py", "333-357"))),
         "dropout": Cell(shown="the config's"),
         "grad_sync": Cell(shown="micro-batch (trainmem default)"),
         "expandable_segments": Cell(True, (_s("torchtitan", "run_train.sh", "42"),),

@@ -88,8 +88,10 @@ FSDP_LORA_UNITS = ("separate", "layer")
 #: unit, embeddings + final norm + head: before PyTorch 2.8 ``fully_shard`` clamped the root's
 #: ``reshard_after_forward`` to False, pytorch/pytorch PR #154704); root-last (the root and the last
 #: decoder layer: torchtitan's ``parallelize_llama`` from March 2024 to 2025, "do not reshard after
-#: forward for the last transformer block", on a PyTorch of that time)
-FSDP_GATHERED = ("none", "root", "root-last")
+#: forward for the last transformer block", on a PyTorch of that time); head (torchtitan's ``apply_fsdp``
+#: since 83e694105, July 2025: the token embedding its own unit and every block resharded, the final norm
+#: and the head one unit kept gathered, the root ``fully_shard(model)`` holding no parameters)
+FSDP_GATHERED = ("none", "root", "root-last", "head")
 #: bitsandbytes 4-bit base weights (``Linear4bit``): quant type nf4/fp4, ``-dq`` = double quantization
 #: (transformers ``BitsAndBytesConfig(bnb_4bit_quant_type, bnb_4bit_use_double_quant)``; litgpt
 #: ``--quantize bnb.nf4``/``bnb.nf4-dq``, which is accepted too)
@@ -433,6 +435,13 @@ class TrainingSpec:
         if self.fsdp_gathered != "none" and (self.fsdp is None or self.fsdp_version != 2 or self.pp > 1):
             raise TrainmemError(f"--fsdp-gathered {self.fsdp_gathered} says which FSDP2 units stay gathered after "
                                 "forward: give --fsdp full (FSDP2, without --pp), or drop it")
+        if self.fsdp_gathered == "head" and self.fsdp == "grad-op":
+            raise TrainmemError("--fsdp-gathered head is torchtitan's split of the root (embedding, [norm, head]) "
+                                "with every other unit resharded after forward: give --fsdp full or hybrid")
+        if self.fsdp_gathered == "head" and self.lora_rank:
+            raise TrainmemError("--fsdp-gathered head is torchtitan's split of the root for full training; with "
+                                "--lora-rank (frozen embedding and head units) it is not modelled: use "
+                                "--fsdp-gathered none or root")
 
     def _check_counts(self) -> None:
         """``target_len``, ``image_size`` and ``sub_group_size`` are None or positive integers;
@@ -1185,9 +1194,28 @@ def check_against(model: Any, t: TrainingSpec) -> None:
         if experts and t.ep > 1:
             raise TrainmemError(f"--lora-targets {','.join(experts)} with --ep {t.ep}: adapters on expert-parallel "
                                 "experts are not modelled; target the attention or router linears, or use --ep 1")
-    split = fsdp1_tied_split(model, t)
+    split = fsdp1_tied_split(model, t) or fsdp2_split_root_problem(model, t)
     if split:
         raise TrainmemError(split)
+
+
+def fsdp2_split_root_problem(model: Any, t: TrainingSpec) -> str:
+    """Why ``--fsdp-gathered head`` (torchtitan's units since July 2025: the embedding, every block,
+    ``[norm, output]``; ``estimate.quantities.fsdp2_split_root``) does not fit this model, or "".
+    It is modelled for a decoder-only causal LM with an untied head: torchtitan puts a tied head in
+    the embedding's unit (``torchtitan/distributed/fsdp.py`` L238-250 at main, ``enable_weight_tying``),
+    which is not modelled, and FSDP2 refuses the tied weight in two units (``_fsdp_state.py``
+    ``_validate_no_duplicate_params``)."""
+    if t.fsdp_gathered != "head":
+        return ""
+    if model.tied_embeddings:
+        return (f"--fsdp-gathered head splits the root into the embedding and [norm, head] units: {model.name} "
+                "ties its head to its embedding (one unit then, not modelled); use --fsdp-gathered root or none, "
+                "or --set tie_word_embeddings=false")
+    if model.is_encoder_decoder or model.head != "causal-lm":
+        return (f"--fsdp-gathered head is torchtitan's unit layout for a decoder-only causal LM; {model.name} "
+                f"({model.head} head) is not one: use --fsdp-gathered none or root")
+    return ""
 
 
 #: families whose transformers class lists its embeddings module in ``_no_split_modules`` (so peft's
