@@ -192,7 +192,7 @@ def test_sliding_window_regimes_are_derived_separately():
 
 # ----- what derivation cannot do: one line ---------------------------------------------------
 @pytest.mark.parametrize("args,message", [
-    (["qwen3-8b", "--tp", "2"], "--tp 2 is not modelled for an architecture without hand-written formulas"),
+    (["gemma-2-9b", "--tp", "2"], "--tp 2 is not modelled for an architecture without hand-written formulas"),
     (["gemma-2-2b", "--cp", "2", "--seq-len", "4096"], "--cp 2 is not modelled"),
 ])
 def test_cli_refuses_what_derivation_does_not_cover(capsys, args, message):

@@ -173,7 +173,7 @@ def test_tensor_parallel_refused_for_other_families(capsys):
             "--precision", "fp32", "--device", "cpu", "--tp", "2", "--launcher", "torchrun", "--nproc-per-node", "2"]
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "Llama, Mistral and Qwen2" in err[0]
+    assert len(err) == 1 and "Llama, Mistral, Qwen2 and Qwen3" in err[0]
 
 
 def test_trace_still_refuses_parallelism():

@@ -267,7 +267,7 @@ def test_cli_argument_errors(capsys):
                          "--profile", "x"], capsys)
     assert code == 2 and "does not take --profile" in err
     code, _, err = _cli(["measure", "gpt2", "--device", "cpu", "--tp", "2"], capsys)
-    assert code == 2 and "Llama, Mistral and Qwen2" in err  # measure's TP plan (measure/distributed.py)
+    assert code == 2 and "Llama, Mistral, Qwen2 and Qwen3" in err  # measure's TP plan (measure/distributed.py)
     code, _, err = _cli(["measure", "gpt2", "--device", "cpu", "--dp", "2"], capsys)
     assert code == 2 and "--launcher torchrun --nproc-per-node 2" in err
     code, _, err = _cli(["measure", "gpt2", "--device", "cpu", "--pp", "2"], capsys)

@@ -163,7 +163,7 @@ def test_refused_in_one_line(options, names):
 
 
 def test_refused_for_a_family_without_a_plan_and_on_the_cpu():
-    with pytest.raises(TrainmemError, match="Llama, Mistral and Qwen2") as e:
+    with pytest.raises(TrainmemError, match="Llama, Mistral, Qwen2 and Qwen3") as e:
         trace("gpt2", set=["n_layer=2", "n_embd=64", "n_head=4", "vocab_size=1000", "n_positions=128"],
               tp=2, batch_size=2, seq_len=64)
     assert "\n" not in str(e.value)

@@ -33,7 +33,9 @@ import torch
 from .spec import TrainingSpec
 
 #: model types whose decoder layers have the attention and MLP projections the TP plan names
-TP_MODEL_TYPES = ("llama", "mistral", "qwen2")
+TP_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+#: the model types whose context-parallel run (accelerate's mask hooks on ``self_attn``) is traced
+CP_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
 def mesh(t: TrainingSpec, device_type: str) -> Any:
@@ -120,7 +122,7 @@ def decoder_layers(module: torch.nn.Module, spec: Any) -> torch.nn.ModuleList:
     return module.get_submodule(layers_list(module, spec.num_layers))
 
 
-def tp_layer_plan(sequence_parallel: bool) -> dict[str, Any]:
+def tp_layer_plan(sequence_parallel: bool, qk_norm: bool = False) -> dict[str, Any]:
     """One decoder layer's plan, torchtitan's ``apply_tp`` (pytorch/torchtitan, commit 018740b,
     ``torchtitan/models/llama3/infra/parallelize.py``, the ``layer_plan`` in ``apply_tp``,
     https://github.com/pytorch/torchtitan) on transformers' module names: q/k/v and gate/up
@@ -132,13 +134,25 @@ def tp_layer_plan(sequence_parallel: bool) -> dict[str, Any]:
     attention and the MLP, and o_proj / down_proj reduce-scatter to ``Shard(1)``, kept as DTensors
     (``use_local_output=False``) so the residual adds stay sharded. transformers calls ``self_attn``
     with ``hidden_states=`` (``modeling_llama.py`` ``LlamaDecoderLayer.forward``), hence the kwarg
-    layouts."""
+    layouts.
+
+    ``qk_norm`` (Qwen3's ``q_norm``/``k_norm``, RMSNorm over ``head_dim``): torchtitan's Qwen3 plan
+    (``torchtitan/models/qwen3/infra/parallelize.py``, ``apply_non_moe_tp``:
+    ``"attention.q_norm": SequenceParallel(sequence_dim=2)``): the (head_dim,) weight replicated,
+    the input the rank's own heads, dim 2 of the (b, s, heads, d) view of the column-parallel
+    projection (``SequenceParallel._prepare_input_fn`` wraps the local tensor with
+    ``DTensor.from_local(..., [Shard(2)])``, torch 2.13 ``tensor/parallel/style.py``); its output
+    the local tensor again (``use_local_output=True``), since transformers' rotary and attention
+    take the local heads as the Llama plan's q/k/v outputs are."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel)
     plan: dict[str, Any] = {name: ColwiseParallel() for name in
                             ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
                              "mlp.up_proj")}
+    if qk_norm:
+        plan.update({name: SequenceParallel(sequence_dim=2, use_local_output=True)
+                     for name in ("self_attn.q_norm", "self_attn.k_norm")})
     if not sequence_parallel:
         return {**plan, "self_attn.o_proj": RowwiseParallel(), "mlp.down_proj": RowwiseParallel(),
                 "input_layernorm": replicated(), "post_attention_layernorm": replicated()}
@@ -202,7 +216,8 @@ def tensor_parallel(module: torch.nn.Module, spec: Any, tp_mesh: Any, sequence_p
     from torch.distributed.tensor.parallel import parallelize_module
     stage = isinstance(module, PipelineStageModule)  # a pipeline stage: its own layers, embeddings or head
     for layer in (module.model.layers if stage else decoder_layers(module, spec)):
-        parallelize_module(layer, tp_mesh, tp_layer_plan(sequence_parallel))
+        qk_norm = hasattr(getattr(layer, "self_attn", None), "q_norm")  # Qwen3's per-head norms
+        parallelize_module(layer, tp_mesh, tp_layer_plan(sequence_parallel, qk_norm))
     inner, head = _body_and_head(module)
     embed = inner.embed_tokens if stage else inner.get_input_embeddings()  # None on a later stage
     tied = head is not None and embed is not None and head.weight is embed.weight

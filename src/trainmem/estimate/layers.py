@@ -461,12 +461,14 @@ class Builder:
         self.r.input_saved |= xin is x and x is self.layer_input  # no cast: the input itself is saved
         return T(x.tok, 0, F32 if self.p.amp else x.nbytes, name + ".out")
 
-    def rms_norm_hf(self, x: T, name: str) -> T:
+    def rms_norm_hf(self, x: T, name: str, rows: float = 1) -> T:
         """Hugging Face LlamaRMSNorm (Python ops): ``x.float()`` saved by ``pow``/``mul``; ``rsqrt``
-        output (fp32 per token); the normalised tensor cast back to the input dtype, saved by the
-        multiply with the weight. Output dtype: weight dtype x input dtype promotion."""
+        output (fp32, one per normalised row: per token, or per head and token for Qwen3's
+        ``q_norm``/``k_norm`` over ``head_dim``, ``rows``); the normalised tensor cast back to the
+        input dtype, saved by the multiply with the weight. Output dtype: weight dtype x input
+        dtype promotion."""
         x32 = x if x.nbytes == F32 else T(x.tok, 0, F32, name)
-        self.r.save(T(x32.tok, 0, F32, name), T(1, 0, F32, name + ".stats"))
+        self.r.save(T(x32.tok, 0, F32, name), T(rows, 0, F32, name + ".stats"))
         # forward only: ``pow(2)``'s fp32 output (reduced by ``mean``) and ``x * rsqrt(...)``'s fp32
         # product (cast to the input dtype): freed within the forward (the replay's free blocks)
         for part in ("pow", "normed32"):
@@ -926,6 +928,7 @@ class LayerKey:
     cache_kind: str = "copy"  # transformers >= 4.56: torch.cat copies; "reference": the layer's own k, v
     #                           (spec.tf_releases.kv_cache_kind)
     rotary_keys_half: bool = False  # older Llama-style code: rotary in the values' dtype, half keys under autocast
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on the query and key heads (ModelSpec.qk_norm)
     ring: int = 1  # PyTorch's context parallelism: the ranks of its ring attention (states.torch_cp); 1 none
 
 
@@ -1235,8 +1238,12 @@ def _llama_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: 
     if not pol.amp and not B.frozen:
         B.r.save(src)  # shared input of q/k/v (no per-call casts without autocast; frozen linears save none)
     B.outer_live = (src,)  # the decoder layer's ``hidden_states`` while ``self_attn`` runs
-    proj = {name: B.linear(src, width, name, f"{name}.input", h, out_name=out)
-            for name, width, out in (("q_proj", q, "attn.q"), ("k_proj", kv, "attn.k"), ("v_proj", kv, "attn.v"))}
+    proj = {}
+    for name, width, out, rows in (("q_proj", q, "attn.q", heads), ("k_proj", kv, "attn.k", kvh),
+                                   ("v_proj", kv, "attn.v", 0)):
+        proj[name] = B.linear(src, width, name, f"{name}.input", h, out_name=out)
+        if k.qk_norm and rows:  # Qwen3: q_norm after q_proj, k_norm after k_proj (forward order)
+            _head_norm(B, proj[name], name, src, rows)
     # rotary: q*cos + rotate_half(q)*sin makes new q and k tensors; cos/sin are shared per model;
     # v is v_proj's output itself
     qq, kk, vv = T(q, 0, half, "attn.q_rot"), T(kv, 0, half, "attn.k_rot"), proj["v_proj"]
@@ -1263,6 +1270,27 @@ def _llama_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: 
     else:
         _swiglu(B, f, h, src2, "mlp", fused_gate_up=False)
     B.outer_live = ()
+
+
+def _head_norm(B: Builder, y: T, proj: str, src: T, rows: float) -> None:
+    """Qwen3's ``q_norm`` or ``k_norm`` on the output ``y`` of ``proj`` (transformers 5.24
+    ``models/qwen3/modeling_qwen3.py`` L245-246: ``self.q_norm(self.q_proj(hidden_states)
+    .view(hidden_shape))``): ``Qwen3RMSNorm`` (L50-67, LlamaRMSNorm's Python ops) over ``head_dim``
+    of the (b, s, heads, d) projection, so per token it saves the fp32 ``x.float()`` (the
+    projection's width x 4 bytes), one fp32 ``rsqrt`` per head (``rows``), and the normalised
+    half tensor for its weight's gradient (``Builder.rms_norm_hf``). Under tensor parallelism each
+    rank normalises its own heads (``rows``, the width: per rank) with the whole (head_dim,)
+    weight, torchtitan's ``SequenceParallel(sequence_dim=2)`` on ``attention.q_norm`` / ``k_norm``
+    (pytorch/torchtitan ``torchtitan/models/qwen3/infra/parallelize.py``, ``apply_non_moe_tp``;
+    ``trainmem.wrappers.tp_layer_plan``). Rotary then makes new tensors of the normalised q and k,
+    as of the projections' outputs without the norms.
+
+    Under LoRA, a frozen projection that is not a target gives the first layer, whose input needs no
+    gradient, an output that needs none: its norm saves nothing there (``Recipe.free_extra``)."""
+    before = set(B.r.saved)
+    B.rms_norm_hf(y, "attn." + proj[0] + "_norm", rows=rows)
+    if B.frozen and not B.lora_rank_of(proj) and (not B.r.adapter_seen or src is B.r.free_input):
+        B.r.free_extra.update({i: t for i, t in B.r.saved.items() if i not in before})
 
 
 def _cache_tensors(k: LayerKey, pol: Policy, kk: T, vv: T, kv: float, shares: bool) -> tuple[T, T]:
@@ -1313,8 +1341,8 @@ def compiled_recipe(k: LayerKey) -> bool:
     partition was read off trace --compile). Other layers keep the eager recipe (the estimate warns)."""
     if not k.compiled or k.family not in ("llama", "gpt2"):   # (nanoGPT's own modules: not read off)
         return False
-    if k.lora or k.quant[0] or k.experts or k.tp > 1 or k.attention == "eager":
-        return False
+    if k.lora or k.quant[0] or k.experts or k.tp > 1 or k.attention == "eager" or k.qk_norm:
+        return False  # (Qwen3's q/k norms: not read off a compiled graph)
     p = k.attention_dropout if (k.attention_dropout > 0 and k.dropout) else 0.0
     backend = sdpa_backend(Policy.of(k.precision).half, k.head_dim, k.heads != k.kv_heads, capability=k.capability,
                            pinned=k.attention if k.attention in SDPA_PINS else None, dropout=p)

@@ -333,7 +333,8 @@ def layer_key(m: ModelSpec, t: TrainingSpec) -> LayerKey:
                     math_upcast=t.math_sdpa_upcasts,
                     eager_clamp=t.attention == "eager" and eager_clamp(m, t.transformers_release),
                     cache_values_own_dtype=cache_values_own_dtype(release), cache_kind=kv_cache_kind(release),
-                    rotary_keys_half=rotary_keys_half(m, release), ring=t.cp if torch_cp(t) else 1)
+                    rotary_keys_half=rotary_keys_half(m, release), ring=t.cp if torch_cp(t) else 1,
+                    qk_norm=m.qk_norm)
 
 
 def release_attention_call(m: ModelSpec, t: TrainingSpec) -> str:

@@ -108,7 +108,7 @@ def check_layout(model: Any, t: TrainingSpec, world_size: int) -> None:
         if t.fsdp is not None and t.fsdp_version == 1:
             raise TrainmemError("--fsdp-version 1 does not combine with --tp here: use FSDP2 (--fsdp-version 2)")
         if model.model_type not in TP_MODEL_TYPES:
-            raise TrainmemError(f"--tp {t.tp}: measure's tensor-parallel plan is written for Llama, Mistral and Qwen2 "
+            raise TrainmemError(f"--tp {t.tp}: measure's tensor-parallel plan is written for Llama, Mistral, Qwen2 and Qwen3 "
                                 f"layers (q/k/v/o and gate/up/down projections), not {model.model_type} "
                                 f"({model.name})")
     if t.fsdp == "hybrid":

@@ -95,6 +95,9 @@ def _llama(s: ModelSpec) -> Iterator[ParamTensor]:
         yield from _linear(f"{p}.self_attn.k_proj", s.kv_size, h, s.qkv_bias, "k_proj", i)
         yield from _linear(f"{p}.self_attn.v_proj", s.kv_size, h, s.qkv_bias, "v_proj", i)
         yield from _linear(f"{p}.self_attn.o_proj", h, s.q_size, s.out_bias, "o_proj", i)
+        if s.qk_norm:  # Qwen3: per-head RMSNorm weights of (head_dim,), replicated under TP
+            yield ParamTensor(f"{p}.self_attn.q_norm.weight", (s.head_dim,), "norm", "q_norm", i)
+            yield ParamTensor(f"{p}.self_attn.k_norm.weight", (s.head_dim,), "norm", "k_norm", i)
         if s.is_moe:
             e = s.num_experts
             yield ParamTensor(f"{p}.mlp.gate.weight", (e, h), "router", "gate", i)

@@ -17,6 +17,9 @@ from ..errors import TrainmemError
 from .model import ModelSpec
 
 _LLAMA_LIKE = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "mixtral": "mixtral"}
+#: derived model types whose layers are also written by hand, for what their one-GPU traces cannot
+#: give (tensor parallelism, ``tensor_parallel_twin``): Qwen3 is Llama with per-head q/k norms
+HAND_TWINS = ("qwen3",)
 
 
 # ----- catalogue ---------------------------------------------------------------------------
@@ -464,7 +467,10 @@ def _bert_spec(cfg: dict[str, Any], mtype: str, arch: str, name: str, common: di
 
 def _llama_spec(cfg: dict[str, Any], extra: Mapping[str, Any], mtype: str, arch: str, name: str,
                 common: dict[str, Any]) -> ModelSpec:
-    """Llama, Mistral, Qwen2 and Mixtral: SwiGLU, RMSNorm, rotary positions, grouped KV heads."""
+    """Llama, Mistral, Qwen2 and Mixtral: SwiGLU, RMSNorm, rotary positions, grouped KV heads; and
+    Qwen3's tensor-parallel twin (``tensor_parallel_twin``). Qwen3 is Llama with an RMSNorm over ``head_dim`` on every query and key head (transformers 5.24
+    ``models/qwen3/modeling_qwen3.py`` L229-230 ``self.q_norm = Qwen3RMSNorm(self.head_dim, ...)``,
+    L245-246 ``self.q_norm(self.q_proj(hidden_states).view(hidden_shape))``): ``qk_norm``."""
     family = extra.get("family") or _LLAMA_LIKE[mtype]
     act = str(cfg.get("hidden_act", "silu")).lower()
     if act not in ("silu", "swish"):
@@ -487,7 +493,7 @@ def _llama_spec(cfg: dict[str, Any], extra: Mapping[str, Any], mtype: str, arch:
         attention_dropout=_float(cfg, name, "attention_dropout", default=0.0),
         num_experts=_count(cfg, name, "num_local_experts", 0) if mtype == "mixtral" else 0,
         experts_top_k=_count(cfg, name, "num_experts_per_tok", 2) if mtype == "mixtral" else 0,
-        **common)
+        qk_norm=mtype == "qwen3", **common)
 
 
 def spec_from_config(config: Mapping[str, Any], name: str = "model") -> ModelSpec:
@@ -533,6 +539,30 @@ def _derived_spec(cfg: dict[str, Any], arch: str, name: str, common: dict[str, A
         tied_embeddings=s["tie_word_embeddings"], position="learned" if learned else "rotary",
         num_experts=s["num_experts"], experts_top_k=s["experts_top_k"] if s["num_experts"] else 0,
         fingerprint=fingerprint(cfg), **dict(common, architecture=prof.architecture))
+
+
+def tensor_parallel_twin(m: ModelSpec, tp: int, cp: int = 1) -> ModelSpec:
+    """The model as the estimate runs it under ``--tp``: a derived Qwen3 (dense, without sliding
+    layers) becomes its hand-written Llama-family twin with ``qk_norm`` (``_llama_spec``), whose
+    formulas split the heads per rank as the Llama tensor-parallel path does; its one-GPU traced
+    coefficients (``estimate/derived.py``) cannot, since the traced layer is one GPU's whole layer.
+    Back at ``tp`` 1 the twin becomes the derived model again: the one-GPU estimate keeps the
+    coefficients its measured runs were checked with (tests/test_measured_gpu.py). Sizes the config
+    leaves to transformers' defaults are the derived spec's (read off the model transformers builds).
+    Any other model is returned as it is."""
+    if tp > 1 and cp == 1 and m.family == "derived" and m.model_type in HAND_TWINS and not m.num_experts \
+            and not m.config.get("use_sliding_window"):
+        sizes = dict(num_hidden_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_heads,
+                     num_key_value_heads=m.num_kv_heads, head_dim=m.head_dim, vocab_size=m.vocab_size,
+                     intermediate_size=m.ffn_size, max_position_embeddings=m.max_positions,
+                     tie_word_embeddings=m.tied_embeddings)
+        cfg = {**sizes, **{k: v for k, v in m.config.items() if v is not None}}
+        common = dict(name=m.name, model_type=m.model_type, architecture=m.architecture, config=m.config,
+                      num_labels=m.num_labels)
+        return dataclasses.replace(_llama_spec(cfg, {"family": "llama"}, m.model_type, m.architecture, m.name, common), head=m.head)
+    if tp == 1 and m.family != "derived" and m.model_type in HAND_TWINS:
+        return spec_from_config(m.config, m.name)
+    return m
 
 
 def resolve_model(model: "str | ModelSpec | Mapping[str, Any]",

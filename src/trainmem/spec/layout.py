@@ -56,7 +56,8 @@ def tp_problems(model: Any, tp: int) -> list[Problem]:
     if tp > 1 and getattr(model, "family", "") == "derived":
         # its activations come from one-GPU traces (estimate/derived.py): no TP-sharded layer to trace
         return [Problem("tp", tp, "is not modelled for an architecture without hand-written formulas",
-                        "use --tp 1 (data parallelism, ZeRO/FSDP and pipelines are modelled)")]
+                        "its activations are fitted from one-GPU traces, which hold no tensor-parallel layer; use "
+                        "--tp 1 (data parallelism, ZeRO/FSDP and pipelines are modelled)")]
     if model.num_heads % tp:
         out.append(Problem("tp", tp, f"does not divide the {model.num_heads} attention heads",
                            f"choose a TP size that divides {model.num_heads}"))

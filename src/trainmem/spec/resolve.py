@@ -41,7 +41,7 @@ from typing import Any, Mapping
 
 from ..errors import TrainmemError
 from ..units import parse_bytes
-from .config import resolve_model
+from .config import resolve_model, tensor_parallel_twin
 from .frameworks import FRAMEWORKS, LINKED, get_preset, parse_version, preset_options, preset_warnings
 from .calibration import calibrated
 from .hardware import Hardware, get_gpu
@@ -177,6 +177,8 @@ class Resolved:
         if not isinstance(self.method, str) or not self.method:
             raise TrainmemError(f"--method must be a method name, got {self.method!r}")
         check_max_fraction(self.max_fraction)
+        # a derived Qwen3 under --tp: its hand-written twin (spec.config.tensor_parallel_twin)
+        object.__setattr__(self, "model", tensor_parallel_twin(self.model, self.training.tp, self.training.cp))
         check_against(self.model, self.training)
 
     @property

@@ -91,7 +91,7 @@ import torch
 from ..errors import TrainmemError
 from ..units import fmt
 from ..spec import TrainingSpec
-from ..wrappers import (PP_MODEL_TYPES, SCHEDULE_NAMES, TP_MODEL_TYPES, context_parallel_hooks, ddp, dp_mesh,
+from ..wrappers import (CP_MODEL_TYPES, PP_MODEL_TYPES, SCHEDULE_NAMES, TP_MODEL_TYPES, context_parallel_hooks, ddp, dp_mesh,
                         fsdp1, fsdp2, mesh, pipeline_stage_module, tensor_parallel,
                         wrapper_name)
 from . import deepspeed_engine
@@ -257,7 +257,7 @@ def _check_cp(t: TrainingSpec, spec: Any, device: str, what: str) -> None:
     (``wrappers.context_parallel``, as transformers' Trainer and accelerate run it) does not run."""
     if device != "cuda" or spec is None:
         return  # refused below with the data-parallel setups' reasons
-    if spec.model_type not in TP_MODEL_TYPES or spec.head != "causal-lm":
+    if spec.model_type not in CP_MODEL_TYPES or spec.head != "causal-lm":
         raise TrainmemError(f"trace {what}: context parallelism is traced for Llama, Mistral and Qwen2 causal LMs "
                             f"(their self_attn modules take accelerate's mask hooks), not a {spec.model_type} "
                             f"{spec.head} model ({spec.name}); use estimate")
@@ -282,7 +282,7 @@ def _check_tp(t: TrainingSpec, spec: Any, device: str, what: str) -> None:
     if device != "cuda" or spec is None:
         return  # refused below with the data-parallel setups' reasons
     if spec.model_type not in TP_MODEL_TYPES:
-        raise TrainmemError(f"trace {what}: the tensor-parallel plan is written for Llama, Mistral and Qwen2 layers "
+        raise TrainmemError(f"trace {what}: the tensor-parallel plan is written for Llama, Mistral, Qwen2 and Qwen3 layers "
                             f"(q/k/v/o and gate/up/down projections), not {spec.model_type} ({spec.name}); "
                             "use estimate")
     if t.dp > 1 and t.fsdp is None:
