@@ -2,7 +2,6 @@
 twin with per-head q/k norms under --tp (``spec.config.tensor_parallel_twin``, ``ModelSpec.qk_norm``,
 ``estimate.layers._head_norm``), checked per rank against trace's DTensor run of torchtitan's Qwen3
 plan (``wrappers.tp_layer_plan``: ``SequenceParallel(sequence_dim=2)`` on q_norm / k_norm)."""
-import itertools
 from dataclasses import replace
 
 import pytest
@@ -11,6 +10,8 @@ from trainmem import TrainmemError, estimate, resolve
 from trainmem.estimate.layers import Policy, layer_coefficients
 from trainmem.estimate.quantities import layer_key
 from trainmem.trace.api import trace
+
+from test_trace_tp import GRID
 
 #: a small Qwen3 whose every TP split is even: 8 heads, 4 KV heads of 32, untied head
 SMALL = ["num_hidden_layers=2", "hidden_size=256", "num_attention_heads=8", "num_key_value_heads=4",
@@ -99,11 +100,8 @@ def test_the_twin_agrees_with_trace_on_one_gpu():
         assert abs(e.peak_allocated / r.peak_allocated - 1) <= 0.005, options
 
 
-GRID = list(itertools.product([2, 4], [False, True], [256, 1024], ["bf16-amp", "bf16"], ["none", "full"]))
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("tp, sp, seq, precision, recompute", GRID)
+@pytest.mark.parametrize("tp, sp, seq, precision, recompute", GRID)  # test_trace_tp's 32 setups
 def test_estimate_agrees_with_trace(tp, sp, seq, precision, recompute):
     """Peak allocated within 0.5% on the 32 setups of docs/trace.md's tensor-parallel table, on Qwen3."""
     err = _agree(tp=tp, sequence_parallel=sp, seq_len=seq, precision=precision, recompute=recompute)
