@@ -177,3 +177,21 @@ def test_pp_stage_reports_the_rank_asked_for():
         TrainingSpec(pp=2, pp_stage="middle")
     assert "--pp-stage last without --pp: one stage is every rank, so it changes nothing" in \
         trainmem.estimate("gpt2", pp_stage="last").warnings
+
+
+def test_fit_and_plan_refuse_one_stage_and_sweep_names_it():
+    """fit and plan judge a run by its worst pipeline stage; --pp-stage (one stage's rank) is refused
+    there, and a sweep of one stage says so in its title and JSON."""
+    from trainmem.plan import fit, plan, sweep
+    kw = dict(framework="megatron", precision="bf16", gpu="h100-80gb")
+    with pytest.raises(TrainmemError, match="^fit --pp-stage last: a run fits only when its worst"):
+        fit("gpt2", seq_len=1024, pp=4, pp_stage="last", **kw)
+    with pytest.raises(TrainmemError, match="^plan --pp-stage first: a run fits only when its worst"):
+        plan("gpt2", gpus=8, global_batch=16, pp_stage="first", **kw)
+    assert plan("gpt2", gpus=8, global_batch=16, pp_stage="worst", **kw).top   # the default is allowed
+    one = sweep("gpt2", "1,2", "512", pp=4, grad_accum=4, pp_stage="last", **kw)
+    worst = sweep("gpt2", "1,2", "512", pp=4, grad_accum=4, **kw)
+    assert "the last pipeline stage's rank only" in one.render()
+    assert one.to_dict()["pipeline_stage"] == "last" and worst.to_dict()["pipeline_stage"] is None
+    assert "pipeline stage" not in worst.render()
+    assert one.grid() != worst.grid()   # the last stage of GPT-2 under PP 4 is not the worst one

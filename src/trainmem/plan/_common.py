@@ -41,6 +41,19 @@ def refuse_varying_lengths(options: dict[str, Any]) -> None:
                                 "estimate and trace: drop it")
 
 
+
+def refuse_one_stage(options: dict[str, Any], command: str) -> None:
+    """A run fits only when every rank fits, and under pipeline parallelism the ranks of different
+    stages hold different memory (``estimate.schedules``): ``fit`` and ``plan`` judge a setup by
+    its worst stage. ``--pp-stage first|last`` reads one stage's rank, which is how a log from
+    that rank is compared (Megatron-LM logs the last stage's rank); judging a fit by it would
+    call a job that fails on another stage a fit, so it is refused there."""
+    stage = options.get("pp_stage")
+    if stage is not None and stage != "worst":
+        raise TrainmemError(f"{command} --pp-stage {stage}: a run fits only when its worst pipeline stage fits, "
+                            f"which {command} checks; --pp-stage reads one stage's rank: use estimate or sweep "
+                            "for that, or drop it")
+
 class Evaluator:
     """Evaluates one model on one GPU under varying training options, resolving the inputs once.
 

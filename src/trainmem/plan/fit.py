@@ -21,7 +21,7 @@ from ..errors import TrainmemError
 from ..progress import progress
 from ..report import MemoryReport
 from ..spec.resolve import TRAINING_DEFAULTS, Resolved
-from ._common import Evaluator, refuse_varying_lengths
+from ._common import Evaluator, refuse_one_stage, refuse_varying_lengths
 from .suggest import Suggestion, suggest_for
 
 BATCH_CAP = 1 << 20   # largest micro-batch the search tries
@@ -133,6 +133,7 @@ def fit(model: Any, gpu: Any = None, by: str = "estimate", seq_multiple: int = 1
     (``trainmem.trace.api``) instead of the formulas.
     """
     refuse_varying_lengths(options)
+    refuse_one_stage(options, "fit")
     seq_len, batch_size = options.pop("seq_len", None), options.pop("batch_size", None)
     if seq_len is not None and batch_size is not None:
         raise TrainmemError("fit searches one size: give seq_len (to find the largest micro-batch) or "

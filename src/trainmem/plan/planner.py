@@ -26,7 +26,8 @@ from ..spec.layout import cp_problems, pp_problems, sequence_problems, tp_proble
 from ..spec.training import RECOMPUTE, TrainingSpec, deepspeed_given, default_seq_len
 from ..render.text import wrap
 from ..units import fmt, scale
-from ._common import Evaluator, divisors, gpu_extras, hardware_with_speeds, parse_int_list, refuse_varying_lengths
+from ._common import (Evaluator, divisors, gpu_extras, hardware_with_speeds, parse_int_list, refuse_one_stage,
+                      refuse_varying_lengths)
 from .infeasible import no_layout_message
 from .timing import TERM_WORDS, TERMS, Speeds, step_times
 REC_CODES = {name: i for i, name in enumerate(RECOMPUTE)}   # none 0, selective 1, full 2
@@ -421,6 +422,7 @@ def plan(model: Any, gpus: int, seq_len: int | None = None, global_batch: int | 
     TrainmemError names the rules that rejected them (``infeasible.no_layout_message``).
     """
     refuse_varying_lengths(options)
+    refuse_one_stage(options, "plan")
     t0 = time.perf_counter()
     if not isinstance(gpus, int) or gpus <= 0:
         raise TrainmemError(f"--gpus must be a positive integer, got {gpus!r}")

@@ -51,6 +51,7 @@ class SweepResult:
     batch_sizes: list[int]
     seq_lens: list[int]
     cells: list[list[SweepCell]] = field(repr=False)
+    stage: str = ""   # "first"/"last": the one pipeline stage's rank every cell reports (--pp-stage)
 
     def cell(self, batch_size: int, seq_len: int) -> SweepCell:
         """The cell of one (micro-batch, sequence length) pair."""
@@ -75,7 +76,7 @@ class SweepResult:
     def to_dict(self) -> dict[str, Any]:
         """The grid as JSON-ready data, one entry per cell."""
         return {"model": self.model, "gpu": self.gpu, "capacity": self.capacity, "limit": self.limit,
-                "method": self.method, "batch_sizes": list(self.batch_sizes), "seq_lens": list(self.seq_lens),
+                "method": self.method, "pipeline_stage": self.stage or None, "batch_sizes": list(self.batch_sizes), "seq_lens": list(self.seq_lens),
                 "cells": [{"batch_size": c.batch_size, "seq_len": c.seq_len,
                            "peak_allocated": None if c.report is None else c.report.peak_allocated,
                            "device_used": c.device_used, "fits": c.fits, "categories": c.categories(),
@@ -87,8 +88,9 @@ class SweepResult:
         One unit (``auto``: from the largest cell, ``trainmem.units.pick_unit``). More micro-batch
         sizes than fit 100 columns (8) continue in further blocks below."""
         div, label = scale(units, max([c.device_used or 0 for row in self.cells for c in row] or [0]) or None)
-        lines = [f"device memory ({label}) of {self.model}" + (f" on {self.gpu}" if self.gpu else "")
-                 + (f", limit {self.limit / div:.2f} {label}" if self.limit else "") + "; * = does not fit"]
+        lines = wrap(f"device memory ({label}) of {self.model}" + (f" on {self.gpu}" if self.gpu else "")
+                     + (f", the {self.stage} pipeline stage's rank only" if self.stage else "")
+                     + (f", limit {self.limit / div:.2f} {label}" if self.limit else "") + "; * = does not fit")
         per_block = 8  # 11 + 8 x 10 = 91 columns
         for start in range(0, len(self.batch_sizes), per_block):
             cols = range(start, min(start + per_block, len(self.batch_sizes)))
@@ -152,6 +154,7 @@ def sweep(model: Any, batch_sizes: "str | Iterable[int]" = (1,), seq_lens: "str 
                 bar.update(1)
             cells.append(row)
     _check_some_valid(cells)
-    hw = ev.hardware
+    hw, t = ev.hardware, ev.resolved.training
+    stage = t.pp_stage if t.pp > 1 and t.pp_stage != "worst" else ""   # --pp-stage: said in the title
     return SweepResult(ev.model.name, None if hw is None else hw.name, None if hw is None else hw.capacity,
-                       ev.limit, ev.method if by == "estimate" else "trace", bs, ss, cells)
+                       ev.limit, ev.method if by == "estimate" else "trace", bs, ss, cells, stage)
