@@ -106,3 +106,23 @@ def test_estimate_agrees_with_trace(tp, sp, seq, precision, recompute):
     """Peak allocated within 0.5% on the 32 setups of docs/trace.md's tensor-parallel table, on Qwen3."""
     err = _agree(tp=tp, sequence_parallel=sp, seq_len=seq, precision=precision, recompute=recompute)
     assert abs(err) <= 0.005, f"{err:+.2%}"
+
+
+def test_plan_runs_qwen3_under_tp_as_estimate_does():
+    """plan evaluates layouts on arrays (``estimate_layouts``): Qwen3 at tp 1 as the derived model,
+    above it as the twin, each layout byte for byte the scalar estimate; tp x cp stays refused."""
+    from trainmem.plan import plan
+    from trainmem.plan.planner import LAYOUT_FIELDS, REC_NAMES, Planner
+    filters = {"tp": [1, 2, 4], "pp": [1, 2], "cp": [1, 2], "dp": None, "b": None, "ga": None, "zero": [0, 1],
+               "rec": [0, 2]}
+    P = Planner("qwen3-8b", 2048, 8, 0.5, None, None, filters, gpu="h100-80gb")
+    a, rejected, mem, _, _ = P.evaluate(8, with_times=False)
+    assert {1, 2, 4} <= set(a["tp"].tolist()) and not ((a["tp"] > 1) & (a["cp"] > 1)).any()
+    assert any("twin is modelled without --cp" in why for _, why, _, _ in rejected)
+    for i in range(len(a["tp"])):
+        x = {k: int(a[k][i]) for k in LAYOUT_FIELDS}
+        e = estimate("qwen3-8b", gpu="h100-80gb", seq_len=2048, tp=x["tp"], pp=x["pp"], cp=x["cp"], dp=x["dp"],
+                     zero=x["zero"], recompute=REC_NAMES[x["rec"]], batch_size=x["b"], grad_accum=x["ga"],
+                     sequence_parallel=x["tp"] > 1)
+        assert int(mem["peak_allocated"][i]) == e.peak_allocated, x
+    assert plan("qwen3-8b", 8, seq_len=2048, global_batch=8, gpu="h100-80gb", tp=2, cp=1).top

@@ -61,7 +61,8 @@ def shape_reason(m: Any, tp: int, pp: int, cp: int, dp: int, seq: int, global_ba
     bad = tp_problems(m, tp)
     if bad:
         return f"tp={tp} " + _and([p.reason for p in bad])
-    bad = pp_problems(m, pp) + cp_problems(m, cp) + sequence_problems(seq, tp, cp, sequence_parallel=tp > 1)
+    bad = (tp_problems(m, tp, cp) if cp > 1 else []) + pp_problems(m, pp) + cp_problems(m, cp) + \
+        sequence_problems(seq, tp, cp, sequence_parallel=tp > 1)
     if bad:
         return f"{bad[0].label} {bad[0].reason}"
     if global_batch % dp:

@@ -22,6 +22,7 @@ import numpy as np
 from ..errors import TrainmemError
 from ..report import MemoryReport
 from ..estimate.engine import estimate_layouts, group_rows
+from ..spec.config import tensor_parallel_twin
 from ..spec.layout import cp_problems, pp_problems, sequence_problems, tp_problems
 from ..spec.training import RECOMPUTE, TrainingSpec, deepspeed_given, default_seq_len
 from ..render.text import wrap
@@ -229,7 +230,8 @@ def enumerate_layouts(m, n_gpus: int, seq: int, global_batch: int, filters: dict
                 if f_dp is not None and dp not in f_dp:
                     continue
                 shape = f"dp={dp} tp={tp} pp={pp} cp={cp}"
-                bad = cp_problems(m, cp) + sequence_problems(seq, tp, cp, sequence_parallel=tp > 1)
+                bad = (tp_problems(m, tp, cp) if cp > 1 else []) + cp_problems(m, cp) + \
+                    sequence_problems(seq, tp, cp, sequence_parallel=tp > 1)
                 if bad:
                     reject(shape, f"{bad[0].label} {bad[0].reason}")
                     continue
@@ -327,9 +329,25 @@ class Planner:
         return out
 
     def engine(self, a: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """``estimate.engine.estimate_layouts`` on the planner's layout arrays."""
+        """``estimate.engine.estimate_layouts`` on the planner's layout arrays. A derived model with a
+        hand-written twin (Qwen3, ``spec.config.tensor_parallel_twin``) is evaluated as ``Resolved``
+        evaluates each layout: itself at tp 1, the twin at tp > 1 (whose cp is 1: ``enumerate_layouts``)."""
+        m = self.ev.model
+        twin = tensor_parallel_twin(m, 2)
+        if twin is m:
+            return self._engine(m, a)
+        split = a["tp"] > 1
+        parts = [(mask, model) for mask, model in ((~split, m), (split, twin)) if mask.any()]
+        outs = [(mask, self._engine(model, {k: v[mask] for k, v in a.items()})) for mask, model in parts]
+        merged = {k: np.zeros(len(split), v.dtype) for k, v in outs[0][1].items()}
+        for mask, out in outs:
+            for k, v in out.items():
+                merged[k][mask] = v
+        return merged
+
+    def _engine(self, model: Any, a: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         ws = self.ev.hardware.handle_workspace if self.ev.hardware is not None else None
-        return estimate_layouts(self.ev.model, self.base, ws, tp=a["tp"], pp=a["pp"], cp=a["cp"], dp=a["dp"],
+        return estimate_layouts(model, self.base, ws, tp=a["tp"], pp=a["pp"], cp=a["cp"], dp=a["dp"],
                                 zero=a["zero"], recompute=a["rec"], sequence_parallel=a["tp"] > 1,
                                 batch_size=a["b"], grad_accum=a["ga"], seq_len=self.seq)
 

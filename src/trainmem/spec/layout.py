@@ -29,6 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .config import HAND_TWINS, tensor_parallel_twin
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -50,12 +52,17 @@ class Problem:
         return f"--{self.option} {self.value} {self.reason}{where}; {self.fix}"
 
 
-def tp_problems(model: Any, tp: int) -> list[Problem]:
-    """Why ``tp`` cannot split ``model``'s heads, key/value heads or MLP (empty when it can)."""
+def tp_problems(model: Any, tp: int, cp: int = 1) -> list[Problem]:
+    """Why ``tp`` cannot split ``model``'s heads, key/value heads or MLP (empty when it can). A
+    derived model with a hand-written twin (Qwen3, ``spec.config.tensor_parallel_twin``) is checked
+    as the twin the estimate runs under ``tp`` (and ``cp``: the twin is used without context
+    parallelism only)."""
     out = []
+    model = tensor_parallel_twin(model, tp, cp) if tp > 1 else model
     if tp > 1 and getattr(model, "family", "") == "derived":
         # its activations come from one-GPU traces (estimate/derived.py): no TP-sharded layer to trace
-        return [Problem("tp", tp, "is not modelled for an architecture without hand-written formulas",
+        twin = " (Qwen3's hand-written twin is modelled without --cp)" if model.model_type in HAND_TWINS else ""
+        return [Problem("tp", tp, "is not modelled for an architecture without hand-written formulas" + twin,
                         "its activations are fitted from one-GPU traces, which hold no tensor-parallel layer; use "
                         "--tp 1 (data parallelism, ZeRO/FSDP and pipelines are modelled)")]
     if model.num_heads % tp:
@@ -196,7 +203,7 @@ def layout_problems(model: Any, tp: int = 1, pp: int = 1, cp: int = 1, seq_len: 
                     shard_group: int | None = None, pp_less: tuple[int, int] = (0, 0)) -> list[Problem]:
     """Every divisibility rule ``model`` and the layout break, tensor parallelism first
     (``pp_less``: the embeddings' and the head's weight in torchtitan's stage split)."""
-    out = tp_problems(model, tp) + pp_problems(model, pp, *pp_less) + cp_problems(model, cp) + \
+    out = tp_problems(model, tp, cp) + pp_problems(model, pp, *pp_less) + cp_problems(model, cp) + \
         ep_problems(model, ep, dp, shard_group)
     if seq_len is not None:
         out += sequence_problems(seq_len, tp, cp, sequence_parallel)
