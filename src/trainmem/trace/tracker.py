@@ -707,11 +707,21 @@ class Tracker(TorchDispatchMode):
                     rec.category = "logits"
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        """Mark the storage of a tensor autograd saves as saved (an activation), and keep what autograd
+        keeps without hooks: a leaf itself, anything else detached. ``SavedVariable``'s constructor
+        (torch/csrc/autograd/saved_variable.cpp, "if (!is_output || is_leaf_) { saved_original_ = true;
+        data_ = variable; }") keeps a leaf's own TensorImpl, so ``param.data = ...`` after the save
+        releases the old storage: DeepSpeed ZeRO-3 frees a gathered parameter that way while its
+        ``LinearFunctionForZeroStage3`` holds the parameter for backward (``free_param``,
+        partition_parameters.py; ``setup_context`` saves ``weight``, zero/linear.py). A detached alias
+        would pin the gathered storage until backward. Non-leaves stay detached: an output returned
+        by the hook itself would make a reference cycle through its grad_fn, which autograd avoids
+        by saving outputs without it."""
         if self._is_tracked_tensor(t) and not (_WRAPPERS and isinstance(t, _WRAPPERS)):
             rec = self.live.get(id(t.untyped_storage()))
             if rec is not None:
                 rec.saved = True
-        return t.detach()
+        return t if t.is_leaf else t.detach()
 
     @contextmanager
     def hooks(self, optimizers: Iterable[Any] = ()) -> Iterator[None]:
