@@ -1343,10 +1343,25 @@ def compiled_recipe(k: LayerKey) -> bool:
         return False
     if k.lora or k.quant[0] or k.experts or k.tp > 1 or k.attention == "eager" or k.qk_norm:
         return False  # (Qwen3's q/k norms: not read off a compiled graph)
+    return layer_sdpa_backend(k) in ("flash", "efficient", "cudnn") and not (k.head_dim % 8)
+
+
+def layer_sdpa_backend(k: LayerKey) -> str:
+    """The SDPA kernel a layer of ``k`` runs (``sdpa_backend``), or "eager" for eager attention."""
+    if k.attention == "eager":
+        return "eager"
     p = k.attention_dropout if (k.attention_dropout > 0 and k.dropout) else 0.0
-    backend = sdpa_backend(Policy.of(k.precision).half, k.head_dim, k.heads != k.kv_heads, capability=k.capability,
-                           pinned=k.attention if k.attention in SDPA_PINS else None, dropout=p)
-    return backend in ("flash", "efficient", "cudnn") and not (k.head_dim % 8)
+    return sdpa_backend(Policy.of(k.precision).half, k.head_dim, k.heads != k.kv_heads, capability=k.capability,
+                        pinned=k.attention if k.attention in SDPA_PINS else None, dropout=p)
+
+
+def sdpa_saves_padded(k: LayerKey) -> bool:
+    """Whether the layer's SDPA saves padded copies of q, k and v instead of the tensors it is
+    given: the flash kernel with a head_dim that is not a multiple of 8, which
+    ``scaled_dot_product_attention`` pads with ``pad_last_dim<8, false>`` (``at::pad``: new
+    (b, h, s, d8) tensors) before ``_scaled_dot_product_flash_attention`` saves them
+    (aten/src/ATen/native/transformers/attention.cpp, the flash case; ``_fused_attention``)."""
+    return layer_sdpa_backend(k) == "flash" and k.head_dim % 8 != 0
 
 
 # ----- torch.compile: the tensors inductor's partition saves --------------------------------------

@@ -34,6 +34,7 @@ from .derived import logits_bytes as derived_logits_bytes, outer_ssq as derived_
 from .derived import decoder_ratio, grad_views as derived_grad_views, head_forward as derived_head_forward
 from .derived import moment_activations
 from .layers import ALL_MOMENTS, HALF, LayerCoefs, LayerKey, Policy, ep_rank_rows, layer_coefficients
+from .layers import sdpa_saves_padded
 from .quant4 import dequant_dtypes, is_quantized
 from .schedules import in_flight_at_backwards
 from .gemini import model_gemini
@@ -894,7 +895,11 @@ def fused_qkv_kept(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs) -
     (b, s, q_size + kv_size)). With grouped-query heads (q_per_kv > 1) ``expand`` then ``reshape``
     copies, and nothing more is kept (litgpt v0.5.13 ``litgpt/model.py`` L472-479, L490-499,
     L536-539 splits the fused output into q, k and v views and repeats k and v with
-    ``repeat_interleave``: the same tensors kept). Under autocast with the weights trained (no
+    ``repeat_interleave``: the same tensors kept). Nor when the flash kernel pads a head_dim that
+    is not a multiple of 8 (``layers.sdpa_saves_padded``): SDPA then saves a padded copy of the
+    value, not the view, and the fused output is freed with the layer's forward (found on the
+    lightning-thunder Lit-GPT open_llama_3b run, head_dim 100: trace keeps no fused output, and the
+    estimate was 1300 MiB over it at 2 x 2048 tokens, 26 layers). Under autocast with the weights trained (no
     LoRA), each of transformers' three linears casts the fp32 input to half for itself and saves
     that cast (autocast caches weights, not activations); litgpt's one linear makes and saves one:
     two (b, s, h) half casts fewer (found by trace: Mistral-shaped, bf16-amp, 16 MiB over 2 layers at
@@ -902,7 +907,7 @@ def fused_qkv_kept(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs) -
     if not t.fused_qkv:
         return lc
     parts = [(n, b) for n, b in fused_qkv_lora(m, t, pol) if b]
-    if m.num_heads == m.num_kv_heads:
+    if m.num_heads == m.num_kv_heads and not sdpa_saves_padded(layer_key(m, t)):
         parts.append(("attn.fused_qkv", float((m.q_size + m.kv_size) * pol.half)))  # (b, s, q + k) of the output
     if pol.amp and not t.lora_rank:  # (b, s, h) half casts of the input: transformers' three, litgpt's one
         parts.append(("attn.fused_qkv.one_cast", -2.0 * m.hidden_size * HALF))
