@@ -6,7 +6,9 @@ an A100, peak_memory_active) they were found on.
   saves the half logits chunk itself, its labels and two fp32 values per row; backward writes one
   gradient in the logits' dtype (``quantities._compiled_chunked_loss_bytes``).
 * ``nn.CrossEntropyLoss`` compiled on the fp32 logits torchtune's decoder returns: it saves those fp32
-  logits themselves (``quantities._compiled_fp32_loss_bytes``).
+  logits themselves (``quantities._compiled_fp32_loss_bytes``); only the LoRA single-device recipe keeps
+  the compiled module, the full-finetune recipes run it eagerly
+  (``quantities.torchtune_compiles_whole_loss``).
 * A layer that copies K and V to the query's heads (torchtune's ``MultiHeadAttention``) saves the
   copies under compile too (``--attention-call repeat-kv`` with ``--compile``).
 * torchtune compiles layer by layer: its tied embedding's gradient is autograd's, not a compiled
@@ -86,6 +88,40 @@ def test_compiled_fp32_loss_saves_its_fp32_input():
     assert (b.saved, b.saves_out, b.cast, b.backward, b.forward) == (F32, 1, F32, F32, 0)
 
 
+def test_full_finetune_recipe_drops_the_compiled_loss():
+    """torchtune's ``compile_loss`` compiles a non-chunked loss by returning ``torch.compile(loss)``
+    (torchtune/training/_compile.py L80-84 at 1814feb17); ``full_finetune_single_device`` calls it
+    without keeping the result (recipes/full_finetune_single_device.py L291-292), so the loss it
+    calls is the eager module: dynamo never sees it. ``lora_finetune_single_device`` rebinds it (L296)."""
+    from torch._dynamo.utils import counters
+
+    def compile_loss(loss):                      # _compile.py L80-84, the non-chunked branch
+        return torch.compile(loss, backend="eager")
+
+    logits, labels = torch.randn(8, 50), torch.randint(0, 50, (8,))
+    torch._dynamo.reset()
+    counters.clear()
+    loss_fn = torch.nn.CrossEntropyLoss()
+    compile_loss(loss_fn)                        # the full-finetune recipes' call
+    loss_fn(logits, labels)
+    assert counters["stats"]["unique_graphs"] == 0
+    loss_fn = compile_loss(loss_fn)              # the LoRA single-device recipe's
+    loss_fn(logits, labels)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_torchtune_full_finetune_loss_is_eager_under_compile():
+    """The estimate's side of the above: with ``--cast-output`` and the plain loss, torchtune's full
+    finetune under compile keeps the eager loss's fp32 log-probabilities (as without compile); the
+    LoRA single-device recipe's compiled loss saves the fp32 logits it reads instead."""
+    kw = dict(loss="upcast", cast_output=True)
+    eager, _ = _q(**kw)
+    full, _ = _q(compile=True, **kw)
+    assert (full.loss_saved, full.loss_saves_out) == (eager.loss_saved, eager.loss_saves_out) == (F32, 0)
+    lora, _ = _q(compile=True, lora_rank=8, **kw)
+    assert (lora.loss_saved, lora.loss_saves_out) == (F32, 1)
+
+
 def test_compiled_layer_saves_the_repeated_k_and_v():
     b, s, hidden, heads, kv_heads, d = 2, 64, 256, 8, 2, 32
     wq = torch.randn(heads * d, hidden, dtype=torch.bfloat16, requires_grad=True)
@@ -153,13 +189,15 @@ ROWS = {  # README 'Optimization flags' at 1814feb17, Peak Memory Active (GiB): 
     "torchtune_flags_llama32_3b_full_ac": 0.03,
     "torchtune_flags_llama32_3b_full_optbwd": 0.01,
     "torchtune_flags_llama32_3b_full_offload": 0.01,
+    "torchtune_flags_llama32_3b_full_compile": 0.01,
 }
 
 
 @pytest.mark.parametrize("name", sorted(ROWS))
 def test_readme_flags_rows(name):
     """The rows whose mechanisms are modelled (docs/validation.md, 2026-11-25 torchtune section);
-    before this change: chunked +2.1 %, optbwd +11.8 %, offload +12.5 %, packed -3.5 %, AC +20.2 %."""
+    before this change: chunked +2.1 %, optbwd +11.8 %, offload +12.5 %, packed -3.5 %, AC +20.2 %;
+    compile -7.7 % with the loss compiled (the recipe drops ``compile_loss``'s module)."""
     v = validate(PUBLISHED, ["estimate"], cases=[name])
     (c,) = [c for c in v.checks if c.primary]
     assert c.quantity == "peak_active"

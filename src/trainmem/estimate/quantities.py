@@ -714,7 +714,7 @@ def _loss_in_one_piece(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int) ->
         return LossBytes(saved_tok=m.hidden_size * half + F32, saved_const=grad_w, forward_chunk=half)
     if mode == "chunked" and t.compile:
         return _compiled_chunked_loss_bytes(held, half)
-    if mode == "upcast" and t.cast_output and t.compile and t.extra.get("framework") == "torchtune":
+    if mode == "upcast" and t.cast_output and torchtune_compiles_whole_loss(t):
         return _compiled_fp32_loss_bytes(held, half)
     if mode == "chunked":
         return LossBytes(held, half, F32, forward_chunk=F32 if half != F32 else 0, backward_chunk=2 * F32)
@@ -730,6 +730,21 @@ def _loss_in_one_piece(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int) ->
     if t.compile:   # the loop's loss, eager, on the compiled model's outputs
         return _eager_loss_bytes(m, t, pol, held, mode, half)
     return _eager_loss_bytes(m, t, pol, held, mode, half)
+
+
+def torchtune_compiles_whole_loss(t: TrainingSpec) -> bool:
+    """Whether torchtune's recipe runs a loss other than ``CEWithChunkedOutputLoss`` compiled under
+    ``compile: True``. ``training.compile_loss`` compiles such a loss by returning a new module,
+    ``loss = torch.compile(loss, backend=backend)`` (torchtune/training/_compile.py L80-84 at
+    1814feb17); only the chunked loss is patched in place (``loss.compute_cross_entropy =
+    torch.compile(...)``, L76-79). ``lora_finetune_single_device`` keeps the returned module
+    (``self._loss_fn = training.compile_loss(self._loss_fn)``, recipes/lora_finetune_single_device.py
+    L296), but ``full_finetune_single_device`` (L292), ``full_finetune_distributed`` (L299) and
+    ``lora_finetune_distributed`` (L302) call ``training.compile_loss(self._loss_fn)`` and drop what it
+    returns (unchanged at torchtune main of 2025): their ``nn.CrossEntropyLoss`` runs eagerly on the
+    compiled layers' output. The single-device LoRA recipe is told apart by ``--lora-rank`` without
+    FSDP."""
+    return t.compile and t.extra.get("framework") == "torchtune" and bool(t.lora_rank) and t.fsdp is None
 
 
 def _compiled_chunked_loss_bytes(held: int, half: int) -> LossBytes:
