@@ -741,7 +741,7 @@ def torchtune_compiles_whole_loss(t: TrainingSpec) -> bool:
     (``self._loss_fn = training.compile_loss(self._loss_fn)``, recipes/lora_finetune_single_device.py
     L296), but ``full_finetune_single_device`` (L292), ``full_finetune_distributed`` (L299) and
     ``lora_finetune_distributed`` (L302) call ``training.compile_loss(self._loss_fn)`` and drop what it
-    returns (unchanged at torchtune main of 2025): their ``nn.CrossEntropyLoss`` runs eagerly on the
+    returns (unchanged at torchtune main bd2a0fc7c, 2026-04-23): their ``nn.CrossEntropyLoss`` runs eagerly on the
     compiled layers' output. The single-device LoRA recipe is told apart by ``--lora-rank`` without
     FSDP."""
     return t.compile and t.extra.get("framework") == "torchtune" and bool(t.lora_rank) and t.fsdp is None
