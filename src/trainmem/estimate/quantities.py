@@ -768,8 +768,10 @@ def _compiled_chunked_loss_bytes(held: int, half: int) -> LossBytes:
 def _compiled_fp32_loss_bytes(held: int, half: int) -> LossBytes:
     """torchtune's ``nn.CrossEntropyLoss`` under ``compile: True`` on the fp32 logits its decoder
     returns (``F.linear(h, tok_embeddings.weight).float()`` outside the compiled layers,
-    torchtune/modules/transformer.py L937 at 1814feb17; ``--cast-output``): ``compile_loss``
-    compiles the whole loss module (torchtune/training/_compile.py L58-82), and inductor's
+    torchtune/modules/transformer.py L937 at 1814feb17; ``--cast-output``), in the recipe that keeps
+    ``compile_loss``'s compiled module (``torchtune_compiles_whole_loss``: the LoRA single-device
+    one; the full-finetune recipes run the loss eagerly): the whole loss module is compiled
+    (torchtune/training/_compile.py L58-84), and inductor's
     partition saves its fp32 input itself, the fp32 logits, with per-row fp32 ``amax`` and ``log``
     (as in ``_compiled_chunked_loss_bytes``; the labels are a view of the batch's). The forward
     kernels materialize no logits-sized tensor; the backward kernel writes one fp32 gradient, the
@@ -1691,8 +1693,8 @@ def whole_model_compiled(t: TrainingSpec) -> bool:
     (``torch.compile(model)``, as trace --compile runs a transformers model). torchtune compiles
     each decoder layer on its own (``training.compile_model``: ``m.compile(backend=backend)`` for
     every ``TransformerSelfAttentionLayer``, torchtune/training/_compile.py L45-55 at 1814feb17)
-    and its loss apart (``compile_loss``), so its token embedding and output projection run
-    eagerly: a tied embedding's gradient is autograd's (``tied_head_grad``), not the compiled
+    and its loss apart or not at all (``torchtune_compiles_whole_loss``), so its token embedding
+    and output projection run eagerly: a tied embedding's gradient is autograd's (``tied_head_grad``), not the compiled
     backward graph's (``compiled_tied_grads``)."""
     return t.compile and t.extra.get("framework") != "torchtune"
 
