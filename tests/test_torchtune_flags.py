@@ -142,6 +142,58 @@ def test_compiled_layer_saves_the_repeated_k_and_v():
     assert not [x for x in saved if x[0] == (b, kv_heads, s, d)]
 
 
+@pytest.mark.slow
+def test_compiled_llama32_3b_layer_saves_what_the_estimate_charges():
+    """One Llama-3.2-3B layer at its real widths (24 query and 8 key/value heads of 128, hidden 3072,
+    MLP 8192) written as torchtune's ``TransformerSelfAttentionLayer`` (RMSNorm upcast and
+    ``type_as``, ``Llama3ScaledRoPE`` in fp32, K and V copied to the query's heads,
+    modules/attention.py L288-290 at 1814feb17), partitioned as ``torch.compile`` does: the tensors it
+    saves per token equal the estimate's per-layer charge (``saved_tok``) plus one (tokens, 3072) half
+    tensor, the attention output transposed for ``output_proj``: a copy on the CPU, whose kernel lays
+    its output out (b, h, s, d), a view of the kernel's output where that is (b, s, h, d) (the CUDA
+    flash kernel; inductor's flex attention follows the query's stride order,
+    torch/_inductor/kernel/flex/flex_attention.py). At 1/8 of the widths with one key/value head the
+    partition keeps the un-copied K and V instead: the geometry matters, hence the real one."""
+    b, s, hidden, heads, kv, d, inter = 1, 128, 3072, 24, 8, 128, 8192
+    g = torch.Generator().manual_seed(0)
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.bfloat16).div_(64).requires_grad_()
+    wq, wk, wv, wo = w(heads * d, hidden), w(kv * d, hidden), w(kv * d, hidden), w(hidden, heads * d)
+    w1, w2, w3, n1, n2 = w(inter, hidden), w(hidden, inter), w(inter, hidden), w(hidden), w(hidden)
+    cache = torch.randn(s, d // 2, 2, generator=g)                  # the RoPE cache, fp32
+
+    def rms(x, scale):                                              # modules/rms_norm.py
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).type_as(x) * scale
+
+    def rope(x):                                                    # Llama3ScaledRoPE.forward
+        xs, c = x.float().reshape(*x.shape[:-1], -1, 2), cache.view(1, s, 1, d // 2, 2)
+        out = torch.stack([xs[..., 0] * c[..., 0] - xs[..., 1] * c[..., 1],
+                           xs[..., 1] * c[..., 0] + xs[..., 0] * c[..., 1]], -1)
+        return out.flatten(3).type_as(x)
+
+    def layer(x):
+        h = rms(x, n1)
+        q = rope(F.linear(h, wq).view(b, s, heads, d)).transpose(1, 2)
+        k = rope(F.linear(h, wk).view(b, s, kv, d)).transpose(1, 2)
+        v = F.linear(h, wv).view(b, s, kv, d).transpose(1, 2)
+        k = k.unsqueeze(2).expand(b, kv, heads // kv, s, d).flatten(1, 2)
+        v = v.unsqueeze(2).expand(b, kv, heads // kv, s, d).flatten(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1)
+        x = x + F.linear(o, wo)
+        m = rms(x, n2)
+        return x + F.linear(F.silu(F.linear(m, w1)) * F.linear(m, w3), w2)
+
+    saved = _saved(layer, torch.randn(b, s, hidden, generator=g, dtype=torch.bfloat16, requires_grad=True))
+    weights = {tuple(t.shape) for t in (wq, wk, wv, wo, w1, w2, w3, n1, cache)}
+    per_token = sum(_bytes(x) for x in saved if x[0] not in weights) / (b * s)
+    r = resolve("llama-3.2-3b", framework="torchtune", batch_size=1, seq_len=s, precision="bf16", gpu="a100-80gb",
+                compile=True, attention="sdpa-flash", attention_call="repeat-kv", loss="chunked", loss_chunks=8,
+                set={"num_hidden_layers": 2})
+    assert per_token - hidden * 2 == quantities(r.model, r.training).saved_tok == 98_408
+
+
 def _q(**kw):
     r = resolve("llama-3.2-1b", framework="torchtune", batch_size=1, seq_len=512, precision="bf16",
                 gpu="a100-80gb", optimizer_impl="fused", set={"num_hidden_layers": 2}, **kw)
