@@ -90,12 +90,12 @@ def test_compiled_fp32_loss_saves_its_fp32_input():
 
 def test_full_finetune_recipe_drops_the_compiled_loss():
     """torchtune's ``compile_loss`` compiles a non-chunked loss by returning ``torch.compile(loss)``
-    (torchtune/training/_compile.py L80-84 at 1814feb17); ``full_finetune_single_device`` calls it
+    (torchtune/training/_compile.py L80-82 at 1814feb17); ``full_finetune_single_device`` calls it
     without keeping the result (recipes/full_finetune_single_device.py L291-292), so the loss it
     calls is the eager module: dynamo never sees it. ``lora_finetune_single_device`` rebinds it (L296)."""
     from torch._dynamo.utils import counters
 
-    def compile_loss(loss):                      # _compile.py L80-84, the non-chunked branch
+    def compile_loss(loss):                      # _compile.py L80-82, the non-chunked branch
         return torch.compile(loss, backend="eager")
 
     logits, labels = torch.randn(8, 50), torch.randint(0, 50, (8,))

@@ -735,9 +735,9 @@ def _loss_in_one_piece(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int) ->
 def torchtune_compiles_whole_loss(t: TrainingSpec) -> bool:
     """Whether torchtune's recipe runs a loss other than ``CEWithChunkedOutputLoss`` compiled under
     ``compile: True``. ``training.compile_loss`` compiles such a loss by returning a new module,
-    ``loss = torch.compile(loss, backend=backend)`` (torchtune/training/_compile.py L80-84 at
+    ``loss = torch.compile(loss, backend=backend)`` (torchtune/training/_compile.py L80-82 at
     1814feb17); only the chunked loss is patched in place (``loss.compute_cross_entropy =
-    torch.compile(...)``, L76-79). ``lora_finetune_single_device`` keeps the returned module
+    torch.compile(...)``, L74-77). ``lora_finetune_single_device`` keeps the returned module
     (``self._loss_fn = training.compile_loss(self._loss_fn)``, recipes/lora_finetune_single_device.py
     L296), but ``full_finetune_single_device`` (L292), ``full_finetune_distributed`` (L299) and
     ``lora_finetune_distributed`` (L302) call ``training.compile_loss(self._loss_fn)`` and drop what it
