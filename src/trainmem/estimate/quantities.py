@@ -771,7 +771,7 @@ def _compiled_fp32_loss_bytes(held: int, half: int) -> LossBytes:
     torchtune/modules/transformer.py L937 at 1814feb17; ``--cast-output``), in the recipe that keeps
     ``compile_loss``'s compiled module (``torchtune_compiles_whole_loss``: the LoRA single-device
     one; the full-finetune recipes run the loss eagerly): the whole loss module is compiled
-    (torchtune/training/_compile.py L58-84), and inductor's
+    (torchtune/training/_compile.py L58-82), and inductor's
     partition saves its fp32 input itself, the fp32 logits, with per-row fp32 ``amax`` and ``log``
     (as in ``_compiled_chunked_loss_bytes``; the labels are a view of the batch's). The forward
     kernels materialize no logits-sized tensor; the backward kernel writes one fp32 gradient, the
