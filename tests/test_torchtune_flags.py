@@ -6,7 +6,9 @@ an A100, peak_memory_active) they were found on.
   saves the half logits chunk itself, its labels and two fp32 values per row; backward writes one
   gradient in the logits' dtype (``quantities._compiled_chunked_loss_bytes``).
 * ``nn.CrossEntropyLoss`` compiled on the fp32 logits torchtune's decoder returns: it saves those fp32
-  logits themselves (``quantities._compiled_fp32_loss_bytes``).
+  logits themselves (``quantities._compiled_fp32_loss_bytes``); only the LoRA single-device recipe keeps
+  the compiled module, the full-finetune recipes run it eagerly
+  (``quantities.torchtune_compiles_whole_loss``).
 * A layer that copies K and V to the query's heads (torchtune's ``MultiHeadAttention``) saves the
   copies under compile too (``--attention-call repeat-kv`` with ``--compile``).
 * torchtune compiles layer by layer: its tied embedding's gradient is autograd's, not a compiled
@@ -86,6 +88,40 @@ def test_compiled_fp32_loss_saves_its_fp32_input():
     assert (b.saved, b.saves_out, b.cast, b.backward, b.forward) == (F32, 1, F32, F32, 0)
 
 
+def test_full_finetune_recipe_drops_the_compiled_loss():
+    """torchtune's ``compile_loss`` compiles a non-chunked loss by returning ``torch.compile(loss)``
+    (torchtune/training/_compile.py L80-82 at 1814feb17); ``full_finetune_single_device`` calls it
+    without keeping the result (recipes/full_finetune_single_device.py L291-292), so the loss it
+    calls is the eager module: dynamo never sees it. ``lora_finetune_single_device`` rebinds it (L296)."""
+    from torch._dynamo.utils import counters
+
+    def compile_loss(loss):                      # _compile.py L80-82, the non-chunked branch
+        return torch.compile(loss, backend="eager")
+
+    logits, labels = torch.randn(8, 50), torch.randint(0, 50, (8,))
+    torch._dynamo.reset()
+    counters.clear()
+    loss_fn = torch.nn.CrossEntropyLoss()
+    compile_loss(loss_fn)                        # the full-finetune recipes' call
+    loss_fn(logits, labels)
+    assert counters["stats"]["unique_graphs"] == 0
+    loss_fn = compile_loss(loss_fn)              # the LoRA single-device recipe's
+    loss_fn(logits, labels)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_torchtune_full_finetune_loss_is_eager_under_compile():
+    """The estimate's side of the above: with ``--cast-output`` and the plain loss, torchtune's full
+    finetune under compile keeps the eager loss's fp32 log-probabilities (as without compile); the
+    LoRA single-device recipe's compiled loss saves the fp32 logits it reads instead."""
+    kw = dict(loss="upcast", cast_output=True)
+    eager, _ = _q(**kw)
+    full, _ = _q(compile=True, **kw)
+    assert (full.loss_saved, full.loss_saves_out) == (eager.loss_saved, eager.loss_saves_out) == (F32, 0)
+    lora, _ = _q(compile=True, lora_rank=8, **kw)
+    assert (lora.loss_saved, lora.loss_saves_out) == (F32, 1)
+
+
 def test_compiled_layer_saves_the_repeated_k_and_v():
     b, s, hidden, heads, kv_heads, d = 2, 64, 256, 8, 2, 32
     wq = torch.randn(heads * d, hidden, dtype=torch.bfloat16, requires_grad=True)
@@ -104,6 +140,58 @@ def test_compiled_layer_saves_the_repeated_k_and_v():
     full_heads = [x for x in saved if x[0] == (b, heads, s, d)]
     assert len(full_heads) >= 4                               # q, the two copies, the output
     assert not [x for x in saved if x[0] == (b, kv_heads, s, d)]
+
+
+@pytest.mark.slow
+def test_compiled_llama32_3b_layer_saves_what_the_estimate_charges():
+    """One Llama-3.2-3B layer at its real widths (24 query and 8 key/value heads of 128, hidden 3072,
+    MLP 8192) written as torchtune's ``TransformerSelfAttentionLayer`` (RMSNorm upcast and
+    ``type_as``, ``Llama3ScaledRoPE`` in fp32, K and V copied to the query's heads,
+    modules/attention.py L288-290 at 1814feb17), partitioned as ``torch.compile`` does: the tensors it
+    saves per token equal the estimate's per-layer charge (``saved_tok``) plus one (tokens, 3072) half
+    tensor, the attention output transposed for ``output_proj``: a copy on the CPU, whose kernel lays
+    its output out (b, h, s, d), a view of the kernel's output where that is (b, s, h, d) (the CUDA
+    flash kernel; inductor's flex attention follows the query's stride order,
+    torch/_inductor/kernel/flex/flex_attention.py). At 1/8 of the widths with one key/value head the
+    partition keeps the un-copied K and V instead: the geometry matters, hence the real one."""
+    b, s, hidden, heads, kv, d, inter = 1, 128, 3072, 24, 8, 128, 8192
+    g = torch.Generator().manual_seed(0)
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.bfloat16).div_(64).requires_grad_()
+    wq, wk, wv, wo = w(heads * d, hidden), w(kv * d, hidden), w(kv * d, hidden), w(hidden, heads * d)
+    w1, w2, w3, n1, n2 = w(inter, hidden), w(hidden, inter), w(inter, hidden), w(hidden), w(hidden)
+    cache = torch.randn(s, d // 2, 2, generator=g)                  # the RoPE cache, fp32
+
+    def rms(x, scale):                                              # modules/rms_norm.py
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).type_as(x) * scale
+
+    def rope(x):                                                    # Llama3ScaledRoPE.forward
+        xs, c = x.float().reshape(*x.shape[:-1], -1, 2), cache.view(1, s, 1, d // 2, 2)
+        out = torch.stack([xs[..., 0] * c[..., 0] - xs[..., 1] * c[..., 1],
+                           xs[..., 1] * c[..., 0] + xs[..., 0] * c[..., 1]], -1)
+        return out.flatten(3).type_as(x)
+
+    def layer(x):
+        h = rms(x, n1)
+        q = rope(F.linear(h, wq).view(b, s, heads, d)).transpose(1, 2)
+        k = rope(F.linear(h, wk).view(b, s, kv, d)).transpose(1, 2)
+        v = F.linear(h, wv).view(b, s, kv, d).transpose(1, 2)
+        k = k.unsqueeze(2).expand(b, kv, heads // kv, s, d).flatten(1, 2)
+        v = v.unsqueeze(2).expand(b, kv, heads // kv, s, d).flatten(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1)
+        x = x + F.linear(o, wo)
+        m = rms(x, n2)
+        return x + F.linear(F.silu(F.linear(m, w1)) * F.linear(m, w3), w2)
+
+    saved = _saved(layer, torch.randn(b, s, hidden, generator=g, dtype=torch.bfloat16, requires_grad=True))
+    weights = {tuple(t.shape) for t in (wq, wk, wv, wo, w1, w2, w3, n1, cache)}
+    per_token = sum(_bytes(x) for x in saved if x[0] not in weights) / (b * s)
+    r = resolve("llama-3.2-3b", framework="torchtune", batch_size=1, seq_len=s, precision="bf16", gpu="a100-80gb",
+                compile=True, attention="sdpa-flash", attention_call="repeat-kv", loss="chunked", loss_chunks=8,
+                set={"num_hidden_layers": 2})
+    assert per_token - hidden * 2 == quantities(r.model, r.training).saved_tok == 98_408
 
 
 def _q(**kw):
@@ -153,13 +241,15 @@ ROWS = {  # README 'Optimization flags' at 1814feb17, Peak Memory Active (GiB): 
     "torchtune_flags_llama32_3b_full_ac": 0.03,
     "torchtune_flags_llama32_3b_full_optbwd": 0.01,
     "torchtune_flags_llama32_3b_full_offload": 0.01,
+    "torchtune_flags_llama32_3b_full_compile": 0.01,
 }
 
 
 @pytest.mark.parametrize("name", sorted(ROWS))
 def test_readme_flags_rows(name):
     """The rows whose mechanisms are modelled (docs/validation.md, 2026-11-25 torchtune section);
-    before this change: chunked +2.1 %, optbwd +11.8 %, offload +12.5 %, packed -3.5 %, AC +20.2 %."""
+    before this change: chunked +2.1 %, optbwd +11.8 %, offload +12.5 %, packed -3.5 %, AC +20.2 %;
+    compile -7.7 % with the loss compiled (the recipe drops ``compile_loss``'s module)."""
     v = validate(PUBLISHED, ["estimate"], cases=[name])
     (c,) = [c for c in v.checks if c.primary]
     assert c.quantity == "peak_active"

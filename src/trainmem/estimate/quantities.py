@@ -715,7 +715,7 @@ def _loss_in_one_piece(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int) ->
         return LossBytes(saved_tok=m.hidden_size * half + F32, saved_const=grad_w, forward_chunk=half)
     if mode == "chunked" and t.compile:
         return _compiled_chunked_loss_bytes(held, half)
-    if mode == "upcast" and t.cast_output and t.compile and t.extra.get("framework") == "torchtune":
+    if mode == "upcast" and t.cast_output and torchtune_compiles_whole_loss(t):
         return _compiled_fp32_loss_bytes(held, half)
     if mode == "chunked":
         return LossBytes(held, half, F32, forward_chunk=F32 if half != F32 else 0, backward_chunk=2 * F32)
@@ -731,6 +731,21 @@ def _loss_in_one_piece(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int) ->
     if t.compile:   # the loop's loss, eager, on the compiled model's outputs
         return _eager_loss_bytes(m, t, pol, held, mode, half)
     return _eager_loss_bytes(m, t, pol, held, mode, half)
+
+
+def torchtune_compiles_whole_loss(t: TrainingSpec) -> bool:
+    """Whether torchtune's recipe runs a loss other than ``CEWithChunkedOutputLoss`` compiled under
+    ``compile: True``. ``training.compile_loss`` compiles such a loss by returning a new module,
+    ``loss = torch.compile(loss, backend=backend)`` (torchtune/training/_compile.py L80-82 at
+    1814feb17); only the chunked loss is patched in place (``loss.compute_cross_entropy =
+    torch.compile(...)``, L74-77). ``lora_finetune_single_device`` keeps the returned module
+    (``self._loss_fn = training.compile_loss(self._loss_fn)``, recipes/lora_finetune_single_device.py
+    L296), but ``full_finetune_single_device`` (L292), ``full_finetune_distributed`` (L299) and
+    ``lora_finetune_distributed`` (L302) call ``training.compile_loss(self._loss_fn)`` and drop what it
+    returns (unchanged at torchtune main bd2a0fc7c, 2026-04-23): their ``nn.CrossEntropyLoss`` runs eagerly on the
+    compiled layers' output. The single-device LoRA recipe is told apart by ``--lora-rank`` without
+    FSDP."""
+    return t.compile and t.extra.get("framework") == "torchtune" and bool(t.lora_rank) and t.fsdp is None
 
 
 def _compiled_chunked_loss_bytes(held: int, half: int) -> LossBytes:
@@ -754,8 +769,10 @@ def _compiled_chunked_loss_bytes(held: int, half: int) -> LossBytes:
 def _compiled_fp32_loss_bytes(held: int, half: int) -> LossBytes:
     """torchtune's ``nn.CrossEntropyLoss`` under ``compile: True`` on the fp32 logits its decoder
     returns (``F.linear(h, tok_embeddings.weight).float()`` outside the compiled layers,
-    torchtune/modules/transformer.py L937 at 1814feb17; ``--cast-output``): ``compile_loss``
-    compiles the whole loss module (torchtune/training/_compile.py L58-82), and inductor's
+    torchtune/modules/transformer.py L937 at 1814feb17; ``--cast-output``), in the recipe that keeps
+    ``compile_loss``'s compiled module (``torchtune_compiles_whole_loss``: the LoRA single-device
+    one; the full-finetune recipes run the loss eagerly): the whole loss module is compiled
+    (torchtune/training/_compile.py L58-82), and inductor's
     partition saves its fp32 input itself, the fp32 logits, with per-row fp32 ``amax`` and ``log``
     (as in ``_compiled_chunked_loss_bytes``; the labels are a view of the batch's). The forward
     kernels materialize no logits-sized tensor; the backward kernel writes one fp32 gradient, the
@@ -1681,8 +1698,8 @@ def whole_model_compiled(t: TrainingSpec) -> bool:
     (``torch.compile(model)``, as trace --compile runs a transformers model). torchtune compiles
     each decoder layer on its own (``training.compile_model``: ``m.compile(backend=backend)`` for
     every ``TransformerSelfAttentionLayer``, torchtune/training/_compile.py L45-55 at 1814feb17)
-    and its loss apart (``compile_loss``), so its token embedding and output projection run
-    eagerly: a tied embedding's gradient is autograd's (``tied_head_grad``), not the compiled
+    and its loss apart or not at all (``torchtune_compiles_whole_loss``), so its token embedding
+    and output projection run eagerly: a tied embedding's gradient is autograd's (``tied_head_grad``), not the compiled
     backward graph's (``compiled_tied_grads``)."""
     return t.compile and t.extra.get("framework") != "torchtune"
 

@@ -789,8 +789,9 @@ class TrainingSpec:
         if self.loss_shift == "logits":
             raise TrainmemError("--cast-output with --loss-shift logits is not modelled (the shifted copy would be "
                                 "fp32); drop --loss-shift")
-        # (--compile: torchtune's decoder casts outside its compiled layers and compiles its loss apart,
-        # quantities._compiled_fp32_loss_bytes; a whole compiled model's cast is not modelled)
+        # (--compile: torchtune's decoder casts outside its compiled layers; its loss runs eagerly in the
+        # full-finetune recipes and compiled apart in the LoRA single-device one,
+        # quantities.torchtune_compiles_whole_loss; a whole compiled model's cast is not modelled)
         if self.pp > 1 or self.tp > 1 or (self.compile and self.extra.get("framework") != "torchtune"):
             what = "--pp" if self.pp > 1 else ("--tp" if self.tp > 1 else "--compile")
             raise TrainmemError(f"--cast-output is modelled for one GPU and data parallelism (Lightning Fabric's "
