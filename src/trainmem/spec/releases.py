@@ -47,9 +47,9 @@ release trace runs). What depends on it:
   ``instance()`` parses ``get_env("PYTORCH_CUDA_ALLOC_CONF")`` (``c10/cuda/CUDAAllocatorConfig.h``) and
   whose ``m_expandable_segments`` the allocator asks, was made to reuse it by PR #150312 only until that
   was backed out (PR #161002) and reverted with its stack on 2025-08-27 (PRs #161625-#161628); the reuse
-  came back in October 2025 (PR #165131, #165135), after the 2.9 branch cut. So in the 2.9 nightlies from late August
-  2025 and in 2.9.x, ``PYTORCH_ALLOC_CONF=expandable_segments:True`` leaves the CUDA allocator without
-  expandable segments (pytorch/pytorch issue #183387, "PYTORCH_ALLOC_CONF=expandable_segments:True
+  came back in October 2025 (PR #165131, #165135), after the 2.9 branch cut. So in the 2.9 nightlies
+  from late August 2025 and in 2.9.x, ``PYTORCH_ALLOC_CONF=expandable_segments:True`` leaves the CUDA
+  allocator without expandable segments (pytorch/pytorch issue #183387, "PYTORCH_ALLOC_CONF=expandable_segments:True
   silently ignored for CUDA in 2.9.1 (only deprecated PYTORCH_CUDA_ALLOC_CONF alias works)"), and
   only the old name works. torchtitan's launcher sets the new name from torchtitan e629fe58a
   (2025-08-15) and in every 0.2.x release (``spec.frameworks``, the torchtitan preset).
