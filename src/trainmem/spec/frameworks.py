@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from ..errors import TrainmemError
-from .releases import SDPA_ATTENTION
+from .releases import SDPA_ATTENTION, cuda_reads_pytorch_alloc_conf, parse_torch_version
 from .training import BNB_OPTIMIZERS, chunked_nll_problem, default_seq_len
 
 #: the repository and the release tag (or commit) every cited line is read at
@@ -288,6 +288,11 @@ def _torchtitan_rules(view: Mapping[str, Any], model: Any, version: tuple[int, .
         out["precision"] = "fp32"
     else:
         out["precision"] = "bf16-amp"
+    if view.get("torch_version") is not None \
+            and not cuda_reads_pytorch_alloc_conf(parse_torch_version(view["torch_version"])):
+        # run_train.sh sets only PYTORCH_ALLOC_CONF (L42 at v0.2.2; since e629fe58a, 2025-08-15), which
+        # the CUDA allocator of 2.9 does not read (spec.releases.cuda_reads_pytorch_alloc_conf)
+        out["expandable_segments"] = False
     return out
 
 
@@ -682,7 +687,10 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                                     note="its launcher runs torchrun with PYTORCH_ALLOC_CONF=\"expandable_segments:True\" "
                                          "(run_train.sh L42 at v0.2.2; run_llama_train.sh from PR #643, 2024-10-22, on, "
                                          "run_train.sh in every release): --expandable-segments; a run before that date, "
-                                         "or not started by the script, is --no-expandable-segments"),
+                                         "or not started by the script, is --no-expandable-segments. Under --torch-version "
+                                         "2.9 off: the script sets the new name PYTORCH_ALLOC_CONF (since e629fe58a, "
+                                         "2025-08-15), which PyTorch 2.9's CUDA allocator does not read (pytorch/pytorch "
+                                         "issue #183387)"),
     }, rules=_torchtitan_rules, check=_check_fsdp_only("torchtitan"), min_torch="2.0"),
     Preset("lightning", "PyTorch Lightning Trainer", "lightning 2.6.5", {
         "precision": Cell("fp32", (_s("lightning", "src/lightning/pytorch/trainer/connectors/accelerator_connector.py",

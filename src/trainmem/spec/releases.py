@@ -40,6 +40,19 @@ release trace runs). What depends on it:
   after the 2.4 branch cut of 2024-06-12, PR #128514; first in 2.5.0) allocates it on the default
   stream and keeps it until the next unit's post-backward (``reduce_scatter_states``), which is
   what trace runs. The estimate's replay and moments follow ``TrainingSpec.fsdp2_rs_on_default_stream``.
+* **Which variable configures the CUDA allocator** (``cuda_reads_pytorch_alloc_conf``): 2.9 read its
+  CUDA caching-allocator settings, ``expandable_segments`` among them, from ``PYTORCH_CUDA_ALLOC_CONF``
+  only. The device-generic ``AcceleratorAllocatorConfig`` (pytorch/pytorch PR #149601) reads
+  ``PYTORCH_ALLOC_CONF`` and warns that the old name is deprecated, but ``CUDAAllocatorConfig``, whose
+  ``instance()`` parses ``get_env("PYTORCH_CUDA_ALLOC_CONF")`` (``c10/cuda/CUDAAllocatorConfig.h``) and
+  whose ``m_expandable_segments`` the allocator asks, was made to reuse it by PR #150312 only until that
+  was backed out (PR #161002) and reverted with its stack on 2025-08-27 (PRs #161625-#161628); the reuse
+  came back in October 2025 (PR #165131, #165135), after the 2.9 branch cut. So in the 2.9 nightlies
+  from late August 2025 and in 2.9.x, ``PYTORCH_ALLOC_CONF=expandable_segments:True`` leaves the CUDA
+  allocator without expandable segments (pytorch/pytorch issue #183387, "PYTORCH_ALLOC_CONF=expandable_segments:True
+  silently ignored for CUDA in 2.9.1 (only deprecated PYTORCH_CUDA_ALLOC_CONF alias works)"), and
+  only the old name works. torchtitan's launcher sets the new name from torchtitan e629fe58a
+  (2025-08-15) and in every 0.2.x release (``spec.frameworks``, the torchtitan preset).
 * **What did not exist** (``torch_problems``): ``--compile``, SDPA kernels, fused AdamW (but
   DeepSpeed's own FusedAdam under ``--zero``) and
   ``--optimizer-in-backward`` (``register_post_accumulate_grad_hook``, 2.1) are refused with one
@@ -155,3 +168,13 @@ def math_sdpa_upcasts(version: tuple[int, ...] | None) -> bool:
     (pytorch/pytorch PR #128922, https://github.com/pytorch/pytorch/pull/128922); before, it ran in
     the inputs' dtype (module docstring)."""
     return version is None or version >= (2, 5)
+
+
+def cuda_reads_pytorch_alloc_conf(version: tuple[int, ...] | None) -> bool:
+    """Whether the CUDA caching allocator of ``version`` takes ``expandable_segments`` from the
+    device-generic ``PYTORCH_ALLOC_CONF``: not in 2.9 (``CUDAAllocatorConfig::instance()`` parses
+    ``PYTORCH_CUDA_ALLOC_CONF`` only; pytorch/pytorch PRs #161625-#161628 reverted the reuse of
+    ``AcceleratorAllocatorConfig`` on 2025-08-27, PR #165135 brought it back in October 2025, after the
+    2.9 cut; issue #183387); a current release (None) and 2.10 on do (module docstring). Releases
+    before 2.9 predate torchtitan's use of the name and are not keyed here."""
+    return version is None or version[:2] != (2, 9)
