@@ -328,7 +328,8 @@ class Planner:
     def engine(self, a: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """``estimate.engine.estimate_layouts`` on the planner's layout arrays."""
         ws = self.ev.hardware.handle_workspace if self.ev.hardware is not None else None
-        return estimate_layouts(self.ev.model, self.base, ws, tp=a["tp"], pp=a["pp"], cp=a["cp"], dp=a["dp"],
+        cap = self.ev.hardware.capability if self.ev.hardware is not None else None
+        return estimate_layouts(self.ev.model, self.base, ws, cap, tp=a["tp"], pp=a["pp"], cp=a["cp"], dp=a["dp"],
                                 zero=a["zero"], recompute=a["rec"], sequence_parallel=a["tp"] > 1,
                                 batch_size=a["b"], grad_accum=a["ga"], seq_len=self.seq)
 
