@@ -200,7 +200,10 @@ REFERENCE = {"fsdp_version": {"fsdp": "full", "dp": 2}, "use_cache": {"hold_outp
 GPT2_CASES = [({"dropout": False}, CHANGED, ""), ({"loss": "chunked-nll"}, CHANGED, ""),
                ({"loss": "vocab-parallel"}, CHANGED, ""),
               ({"layer_rope_cache": 128}, REFUSED, "--layer-rope-cache 128"),
-              ({"rope_cache": 128}, REFUSED, "--rope-cache 128")]
+              ({"rope_cache": 128}, REFUSED, "--rope-cache 128"),
+              # Megatron-LM's layers (estimate.megatron_buffers): trace runs the transformers model's
+              ({"framework": "megatron", "transformer_impl": "local", "attention": "eager"}, REFUSED,
+               "--transformer-impl local")]
 #: FSDP1 with LoRA adapters in units of their own on BERT: peft's policy wraps its embeddings apart
 #: from the masked-LM head that ties their weight (spec.training.fsdp1_tied_split)
 BERT = ["num_hidden_layers=2", "hidden_size=64", "num_attention_heads=4", "intermediate_size=128", "vocab_size=1000"]

@@ -74,8 +74,13 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
                    "after two full steps; trace and estimate run them)")
     if t.offload_optimizer:
         bad.append("--offload-optimizer")
+
     if t.distributed_optimizer:
         bad.append("--distributed-optimizer")
+    if t.transformer_impl is not None:  # the transformers model's layers run, not Megatron's or TE's
+        raise TrainmemError(f"--transformer-impl {t.transformer_impl} (Megatron-LM's layers; --framework megatron "
+                            f"sets transformer_engine): {what} runs the transformers model's layers, not Megatron's "
+                            "or Transformer Engine's, nor what they keep (estimate.megatron_buffers); use estimate")
     if bad:
         sp = ", --sequence-parallel" if what == "trace" else ""
         pp = ", pipeline parallelism (--pp)" if what == "trace" else ""

@@ -9,7 +9,8 @@ from ..spec.frameworks import FRAMEWORKS
 from ..spec.tasks import TASKS
 from ..spec.training import (ATTENTION, ATTENTION_CALLS, FSDP_GATHERED, FSDP_LORA_UNITS, FSDP_MODES, GRAD_SYNC,
                              HOLD_OUTPUT, OPTIMIZER_ALIASES, OPTIMIZER_IMPLS, OPTIMIZERS, PP_SCHEDULES, PP_STAGES,
-                             PRECISION_ALIASES, PRECISIONS, RECOMPUTE, ZERO_GRAD, LOSSES, LOSS_SHIFTS, MASTER_WEIGHTS)
+                             PRECISION_ALIASES, PRECISIONS, RECOMPUTE, ZERO_GRAD, LOSSES, LOSS_SHIFTS, MASTER_WEIGHTS,
+                             TRANSFORMER_IMPLS)
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:
@@ -162,6 +163,10 @@ def add_training(g: Any) -> None:
                              "pp": "pipeline-parallel size", "cp": "context-parallel size"}[k])
     _add_pipeline(g)
     g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default=None,
+                   help="Megatron-LM's layers (--framework megatron; default transformer_engine): Transformer "
+                        "Engine's, whose GEMM workspace stays allocated, or local, Megatron's own, whose unfused "
+                        "attention keeps its baddbmm buffer")
     _add_moe(g)
     _add_recompute(g)
     g.add_argument("--compile", action="store_true",
@@ -412,7 +417,7 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 dp=a.dp, tp=a.tp, pp=a.pp, pp_schedule=a.pp_schedule, pp_stage=a.pp_stage,
                 pp_virtual_stages=a.pp_virtual_stages, pp_first_stage_less_layers=a.pp_first_stage_less_layers,
                 pp_last_stage_less_layers=a.pp_last_stage_less_layers, cp=a.cp, ep=a.ep, moe_imbalance=a.moe_imbalance,
-                sequence_parallel=a.sequence_parallel,
+                sequence_parallel=a.sequence_parallel, transformer_impl=a.transformer_impl,
                 recompute=a.recompute, recompute_every=a.recompute_every, attention=a.attention, compile=a.compile,
                 offload_activations=a.offload_activations,
                 keep_logits=a.keep_logits,

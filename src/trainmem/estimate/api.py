@@ -150,7 +150,8 @@ def estimate_resolved(r: Resolved, replay: bool = True) -> MemoryReport:
     ws = r.hardware.handle_workspace if r.hardware is not None else None
     # only the default engine counts cuBLAS workspaces: the GPU's default size, or a calibration profile's
     # the trainmem engine also replays the step through the caching allocator (peak reserved)
-    report = fn(r.model, r.training, cublas_workspace=ws, reserved=replay) if r.method == "trainmem" \
+    cap = r.hardware.capability if r.hardware is not None else None
+    report = fn(r.model, r.training, cublas_workspace=ws, reserved=replay, capability=cap) if r.method == "trainmem" \
         else fn(r.model, r.training)
     if r.method == "trainmem":
         bucket_check(report, r.model, r.training)

@@ -66,9 +66,10 @@ def phases(moments: list[Moment], totals: list[int], ends: list[tuple], ga: int)
 
 
 def components(q: Quantities, tk: Tokens, mo: Moment, t: TrainingSpec, n: int, nsq: int, m: Any,
-               handle_ws: int = CUBLAS_WORKSPACE) -> list[Component]:
+               handle_ws: int = CUBLAS_WORKSPACE, kept: tuple[int, int] = (0, 0)) -> list[Component]:
     """The bytes alive at the peak moment ``mo``, by name and category (``handle_ws``: one cuBLAS
-    handle's workspace)."""
+    handle's workspace; ``kept``: Transformer Engine's workspace and Megatron's global buffer,
+    ``megatron_buffers.kept_buffers``, in the moment's workspace part)."""
     st = q.detail.states
     parts = dict(zip(PARTS, mo.parts))
     half = HALF_NAMES.get(t.precision, "fp32")
@@ -103,9 +104,18 @@ def components(q: Quantities, tk: Tokens, mo: Moment, t: TrainingSpec, n: int, n
         out.append(Component("inputs", INPUTS, tk.inputs, None, "pixel_values and labels"))
     else:
         out.append(Component("inputs", INPUTS, tk.inputs, "int64", "input_ids and labels"))
-    if parts["workspace"]:
-        out.append(Component("workspace.cublas", WORKSPACE, parts["workspace"], None,
+    te, buf = (int(x) for x in kept)
+    if parts["workspace"] - te - buf:
+        out.append(Component("workspace.cublas", WORKSPACE, parts["workspace"] - te - buf, None,
                              f"{handle_ws:,} B per cuBLAS handle: forward thread and autograd thread", True))
+    if te:
+        out.append(Component("workspace.transformer_engine", WORKSPACE, te, "uint8",
+                             "Transformer Engine's GEMM workspace (get_cublas_workspace: 32 MiB + 1 KiB on sm90+, "
+                             "else 4 MiB), kept from the first forward", True))
+    if buf:
+        out.append(Component("workspace.megatron_global_buffer", WORKSPACE, buf, None,
+                             "Megatron's _GLOBAL_MEMORY_BUFFER: local attention's baddbmm input [b*heads/tp, s, s] "
+                             "and sequence-parallel all-gathers [s/cp, b, h], the larger per dtype, kept", True))
     comm = q.fixed - st.weights - st.buffers - st.master
     if comm:
         out.append(Component(q.detail.comm_name, COMMUNICATION, comm, None,

@@ -35,6 +35,7 @@ from .derived import notes as derived_notes
 from .breakdown import components, phase_label, phases, where_label
 from .moments import StepFlags, peak, tokens, walk
 from .layers import compiled_recipe
+from .megatron_buffers import kept_buffers
 from .quantities import SHAPE_FIELDS, gather, layer_key, quantities, shape_quantities
 
 #: layout fields ``estimate_layouts`` takes as arrays: SHAPE_FIELDS pick the quantities
@@ -82,21 +83,23 @@ def compile_warning(m: ModelSpec, t: TrainingSpec) -> str | None:
 
 
 def estimate(m: ModelSpec, t: TrainingSpec, cublas_workspace: int | None = None,
-             reserved: bool = False) -> MemoryReport:
+             reserved: bool = False, capability: tuple[int, int] | None = None) -> MemoryReport:
     """One GPU's training memory for model ``m`` trained as ``t`` (the worst pipeline stage).
     ``cublas_workspace``: bytes of one cuBLAS handle's workspace (None: ``CUBLAS_WORKSPACE``,
     PyTorch's default ``:4096:2:16:8``; a calibration profile gives the measured size,
     ``Hardware.cublas_workspace``). ``reserved``: also replay the step through the caching
     allocator for ``peak_reserved`` (``reserved.py``; milliseconds, where the rest takes
-    microseconds: ``trainmem.estimate`` asks for it, sweeps of the engine do not)."""
+    microseconds: ``trainmem.estimate`` asks for it, sweeps of the engine do not). ``capability``:
+    the GPU's compute capability, which sizes Transformer Engine's workspace (``megatron_buffers``;
+    None: not known)."""
     ws = CUBLAS_WORKSPACE if cublas_workspace is None else int(cublas_workspace)
     stage = "first"
     if t.pp > 1:  # the worst stage by allocated memory; only it is replayed for reserved memory
-        reps = {s: estimate_stage(m, t, s, ws) for s in t.worst_stage_candidates}
+        reps = {s: estimate_stage(m, t, s, ws, capability=capability) for s in t.worst_stage_candidates}
         stage = max(reps, key=lambda s: reps[s].peak_allocated)  # (the first of equals: first, middle, last)
         rep = reps[stage]
     if t.pp == 1 or reserved:
-        rep = estimate_stage(m, t, stage, ws, reserved)
+        rep = estimate_stage(m, t, stage, ws, reserved, capability)
     warning = compile_warning(m, t)
     if warning:
         rep.warnings.append(warning)
@@ -109,9 +112,10 @@ def estimate(m: ModelSpec, t: TrainingSpec, cublas_workspace: int | None = None,
 
 
 def estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str, handle_ws: int = CUBLAS_WORKSPACE,
-                   reserved: bool = False) -> MemoryReport:
+                   reserved: bool = False, capability: tuple[int, int] | None = None) -> MemoryReport:
     """The report of one pipeline stage (``first``, ``middle`` or ``last``); ``handle_ws``: one cuBLAS
-    handle's workspace in bytes; ``reserved``: replay the step for ``peak_reserved``."""
+    handle's workspace in bytes; ``reserved``: replay the step for ``peak_reserved``; ``capability``:
+    the GPU's compute capability (``estimate``)."""
     q = quantities(m, t, stage)
     flags = StepFlags.of(m, t)
     b, ga = t.batch_size, t.grad_accum
@@ -119,11 +123,12 @@ def estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str, handle_ws: int = C
     nsq = n * t.seq_len              # token x key pairs (context parallelism sees every key)
     tk, tk_later = tokens(q, flags, n, nsq, b, ga), tokens(q, flags, n, nsq, b, ga, later=True)
     after = later_tokens(m, t, stage, flags)
+    kept = kept_buffers(m, t, stage, n, nsq, capability)  # Megatron's and TE's, from the first forward on
     if after is None:
-        moments, ends = walk(q, flags, tk, ga, handle_ws, tk_later)
+        moments, ends = walk(q, flags, tk, ga, handle_ws, tk_later, kept=sum(kept))
     else:  # --later-seq-len: the run's first micro-batch at seq_len, every later one shorter
         tk_later = after[1]
-        moments, ends = walk(q, flags, tk, ga, handle_ws, tk_later, after[0])
+        moments, ends = walk(q, flags, tk, ga, handle_ws, tk_later, after[0], kept=sum(kept))
     total, i, totals = peak(moments, q.fixed)
     mo = moments[i]
     if after is not None and (mo.micro or mo.step > 1):  # the peak is in a micro-batch after the first
@@ -131,7 +136,7 @@ def estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str, handle_ws: int = C
     else:
         at, an, ansq = (tk_later if mo.micro else tk), n, nsq  # the terms of the peak's micro-step
     rep = MemoryReport(source="estimate", method="trainmem",
-                       components=components(q, at, mo, t, an, ansq, m, handle_ws),
+                       components=components(q, at, mo, t, an, ansq, m, handle_ws, kept),
                        phases=phases(moments, totals, ends, ga), peak_allocated=total,
                        peak_phase=f"{phase_label(mo.phase, mo.micro, ga)}@{mo.step}",
                        peak_where=where_label(mo, q, at), model=m, training=t)
@@ -196,7 +201,7 @@ def _phase_reserved(rep: MemoryReport, marks: dict) -> None:
 
 
 def estimate_layouts(m: ModelSpec, base: TrainingSpec, cublas_workspace: int | None = None,
-                     **layout: Any) -> dict[str, np.ndarray]:
+                     capability: tuple[int, int] | None = None, **layout: Any) -> dict[str, np.ndarray]:
     """Peak memory of one GPU for many layouts at once.
 
     ``layout``: any of ``SHAPE_FIELDS`` and ``TOKEN_FIELDS`` as equal-length arrays (``recompute``
@@ -204,7 +209,7 @@ def estimate_layouts(m: ModelSpec, base: TrainingSpec, cublas_workspace: int | N
     arrays: ``peak_allocated`` and ``peak_reserved`` (the worst pipeline stage, as ``estimate``),
     ``stage`` (0 first, 1 last) and ``params_rank`` (parameters on a rank before ZeRO sharding, the
     larger stage). The layouts must be valid (``spec.layout.layout_problems``).
-    ``cublas_workspace``: one cuBLAS handle's workspace, as for ``estimate``.
+    ``cublas_workspace``: one cuBLAS handle's workspace, and ``capability``, as for ``estimate``.
     """
     ws = CUBLAS_WORKSPACE if cublas_workspace is None else int(cublas_workspace)
     if base.later_seq_len is not None:
@@ -224,16 +229,16 @@ def estimate_layouts(m: ModelSpec, base: TrainingSpec, cublas_workspace: int | N
         out = {"peak_allocated": np.zeros(n, np.int64), "peak_reserved": np.zeros(n, np.int64),
                "stage": np.zeros(n, np.int64), "params_rank": np.zeros(n, np.int64)}
         for rows, b in parts:
-            sub = estimate_layouts(m, b, ws, **{k: v[rows] for k, v in cols.items()
+            sub = estimate_layouts(m, b, ws, capability, **{k: v[rows] for k, v in cols.items()
                                                 if k in layout or k in ("seq_len", "batch_size")})
             for k in out:
                 out[k][rows] = sub[k]
         return out
-    out = _stage_arrays(m, base, cols, "first", ws)
+    out = _stage_arrays(m, base, cols, "first", ws, capability)
     out["stage"] = np.zeros(len(cols["tp"]), np.int64)
     sel = np.nonzero(cols["pp"] > 1)[0]
     if len(sel):
-        last = _stage_arrays(m, base, {k: v[sel] for k, v in cols.items()}, "last", ws)
+        last = _stage_arrays(m, base, {k: v[sel] for k, v in cols.items()}, "last", ws, capability)
         take = last["peak_allocated"] > out["peak_allocated"][sel]
         rows = sel[take]
         out["peak_allocated"][rows] = last["peak_allocated"][take]
@@ -286,7 +291,7 @@ def _columns(base: TrainingSpec, layout: dict[str, Any]) -> dict[str, np.ndarray
 
 
 def _stage_arrays(m: ModelSpec, base: TrainingSpec, cols: dict[str, np.ndarray], stage: str,
-                  handle_ws: int = CUBLAS_WORKSPACE) -> dict[str, np.ndarray]:
+                  handle_ws: int = CUBLAS_WORKSPACE, capability: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
     """``quantities`` per distinct parallel shape, gathered; then ``tokens`` and ``walk`` on arrays."""
     # (+ whether FSDP accumulates unsharded, and interleaved 1F1B's micro-batches: shape_quantities' key)
     ga = cols["grad_accum"]
@@ -300,7 +305,8 @@ def _stage_arrays(m: ModelSpec, base: TrainingSpec, cols: dict[str, np.ndarray],
     nsq = n * s
     flags = StepFlags.of(m, base)
     tk = tokens(q, flags, n, nsq, b, ga)
-    moments, _ = walk(q, flags, tk, ga, handle_ws, tokens(q, flags, n, nsq, b, ga, later=True))
+    kept = kept_buffers(m, base, stage, n, nsq, capability, cols["tp"], cols["sequence_parallel"])
+    moments, _ = walk(q, flags, tk, ga, handle_ws, tokens(q, flags, n, nsq, b, ga, later=True), kept=sum(kept))
     total, _, _ = peak(moments, q.fixed)
     params = np.array([x[3] for x in shapes], dtype=np.int64)[inv]
     return {"peak_allocated": np.asarray(total, dtype=np.int64), "params_rank": params}

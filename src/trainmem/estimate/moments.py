@@ -362,7 +362,8 @@ class Kept:
 
 
 def walk(q: Quantities, flags: StepFlags, tk: Tokens, ga: Any, handle_ws: int = CUBLAS_WORKSPACE,
-         tk_later: Tokens | None = None, tk_next: Tokens | None = None) -> tuple[list[Moment], list[tuple]]:
+         tk_later: Tokens | None = None, tk_next: Tokens | None = None,
+         kept: Any = 0) -> tuple[list[Moment], list[tuple]]:
     """The moments of two training steps in order, and the bytes allocated at the end of each
     phase as (phase, micro, step, bytes). With arrays both micro-steps are walked and the second
     is marked invalid where ``ga == 1``. ``handle_ws``: the cuBLAS workspace of one handle
@@ -371,7 +372,9 @@ def walk(q: Quantities, flags: StepFlags, tk: Tokens, ga: Any, handle_ws: int = 
     (``tokens(..., later=True)``; ``tk`` when None). ``tk_next`` (``--later-seq-len``, scalars
     only): the terms of the second step's first micro-step; the run's first micro-batch (``tk``)
     is then the only one at its length, and each micro-batch's forward meets the output the loop
-    still holds of the one before it, of that one's length (``hold_output`` step)."""
+    still holds of the one before it, of that one's length (``hold_output`` step). ``kept``: bytes a
+    framework allocates in the first forward and keeps to the end (``megatron_buffers.kept_buffers``),
+    counted with the workspaces from the first forward on."""
     tk_later = tk if tk_later is None else tk_later
     moments = [_mo("model_loaded", 0, 0, "model.to(device)", (q.grads_loaded, 0, 0, 0, 0, 0))]
     ends = [("model_loaded", 0, 0, q.fixed + q.grads_loaded)]
@@ -386,17 +389,17 @@ def walk(q: Quantities, flags: StepFlags, tk: Tokens, ga: Any, handle_ws: int = 
             # the step's last micro-batch (micro-step 2 stands for 2..N: the last one only when N = 2;
             # with more, the middle ones, which under FSDP's no_sync hold more: quantities.fsdp_no_sync)
             final = (ga == 2) if micro else (ga == 1)
-            ws_before = handle_ws if (step == 1 and micro == 0) else 2 * handle_ws
+            ws_before = (handle_ws if (step == 1 and micro == 0) else 2 * handle_ws) + kept
             here = tk_later if micro else first
             start, start_ends = len(moments), len(ends)
             _micro_step(q, flags, here, Kept.of(q, flags, here), step, micro, valid, states_before,
-                        (ws_before, 2 * handle_ws), moments, ends, final, prev if tk_next is not None else None)
+                        (ws_before, 2 * handle_ws + kept), moments, ends, final, prev if tk_next is not None else None)
             _add_others_loss(moments, ends, start, start_ends, here.others_loss, here.sent)
             _add_kept_buckets(q, moments, ends, start, start_ends, micro, final)
             states_before = states_before or flags.oib
             prev = here
         last = tk if tk_next is None else prev  # the step's last micro-batch: what the loop holds at the step
-        _optimizer_step(q, flags, last, Kept.of(q, flags, last), step, 2 * handle_ws, moments, ends)
+        _optimizer_step(q, flags, last, Kept.of(q, flags, last), step, 2 * handle_ws + kept, moments, ends)
     return moments, ends
 
 

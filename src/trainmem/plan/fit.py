@@ -230,6 +230,7 @@ def _fits_many(ev: Evaluator, search: str, step: int, limit: int):
     base, context = ev.resolved.training, ev.hardware.context
 
     def fits_many(ks: np.ndarray) -> np.ndarray:
-        out = estimate_layouts(ev.model, base, ev.hardware.handle_workspace, **{search: ks * step})
+        out = estimate_layouts(ev.model, base, ev.hardware.handle_workspace, ev.hardware.capability,
+                               **{search: ks * step})
         return out["peak_reserved"] + context <= limit
     return fits_many

@@ -347,7 +347,8 @@ class Planner:
 
     def _engine(self, model: Any, a: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         ws = self.ev.hardware.handle_workspace if self.ev.hardware is not None else None
-        return estimate_layouts(model, self.base, ws, tp=a["tp"], pp=a["pp"], cp=a["cp"], dp=a["dp"],
+        cap = self.ev.hardware.capability if self.ev.hardware is not None else None
+        return estimate_layouts(model, self.base, ws, cap, tp=a["tp"], pp=a["pp"], cp=a["cp"], dp=a["dp"],
                                 zero=a["zero"], recompute=a["rec"], sequence_parallel=a["tp"] > 1,
                                 batch_size=a["b"], grad_accum=a["ga"], seq_len=self.seq)
 

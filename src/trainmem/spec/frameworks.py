@@ -814,6 +814,10 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                         note="hidden_dropout and attention_dropout default to 0.1; trainmem takes the "
                              "probabilities from the model's config"),
         "grad_sync": Cell(shown="n/a (no FSDP)"),
+        "transformer_impl": Cell("transformer_engine",
+                                 (_s("megatron", "megatron/core/transformer/transformer_config.py", "1220-1222"),),
+                                 note="Transformer Engine's layers: its GEMM workspace is kept from the first forward "
+                                      "(estimate.megatron_buffers); --transformer-impl local for Megatron's own"),
     }, rules=lambda view, model, version: _half_master(view), check=_check_megatron),
 )}
 

@@ -76,6 +76,9 @@ PP_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zero-bubble")
 #: which pipeline rank a report describes: the worst of the candidates (``worst_stage_candidates``), or the
 #: first or the last stage's rank (a measurement logged on one rank: Megatron-LM logs on the last)
 PP_STAGES = ("worst", "first", "last")
+#: Megatron-LM's ``--transformer-impl`` (``TransformerConfig.transformer_impl``): Transformer Engine's layers
+#: or Megatron's own ("local"); ``inference_optimized`` is not a training layer
+TRANSFORMER_IMPLS = ("transformer_engine", "local")
 #: the schedules with several stages per rank, and how many when not given
 MULTI_STAGE_SCHEDULES = ("interleaved-1f1b", "zero-bubble")
 PP_VIRTUAL_STAGES = 2
@@ -264,6 +267,9 @@ class TrainingSpec:
     gemini_chunk_size: int | None = None
     remote_device: str | None = None  # REMOTE_DEVICES, stage 3: where zero.Init keeps this rank's parameter
     #                                   partition (``TrainingSpec.ds_params_on_host``); None: the GPU
+    transformer_impl: str | None = None  # TRANSFORMER_IMPLS: Megatron-LM's layers (--framework megatron; its
+    #                                      preset: transformer_engine); what they keep from the first forward on
+    #                                      (estimate.megatron_buffers); None: not Megatron's
     expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: the caching allocator's
     #                                    virtual-memory mode (every block split to its 512 B-rounded request; one
     #                                    growing segment per pool); torchtitan's launcher sets it (spec.frameworks)
@@ -288,6 +294,7 @@ class TrainingSpec:
             _choice(key, getattr(self, key), choices)
         if self.remote_device is not None:
             _choice("remote_device", self.remote_device, REMOTE_DEVICES)
+        self._check_transformer_impl()
         if not isinstance(self.expandable_segments, bool):
             raise TrainmemError(f"--expandable-segments is on or off (True or False), got {self.expandable_segments!r}")
         self._check_loss()
@@ -499,6 +506,21 @@ class TrainingSpec:
             raise TrainmemError(f"--later-seq-len {v} exceeds --seq-len {self.seq_len}: --seq-len is the first "
                                 f"micro-batch's length, the longest; give --later-seq-len <= {self.seq_len}")
         self._one_shape_layout("--later-seq-len")
+
+    def _check_transformer_impl(self) -> None:
+        """``transformer_impl``: Megatron-LM's only; its local layers run the unfused attention
+        (``DotProductAttention``, which asserts ``context_parallel_size == 1``: megatron/core/transformer/
+        dot_product_attention.py L58 at core_v0.19.0)."""
+        if self.transformer_impl is None:
+            return
+        _choice("transformer_impl", self.transformer_impl, TRANSFORMER_IMPLS)
+        if self.extra.get("framework") != "megatron":
+            raise TrainmemError(f"--transformer-impl {self.transformer_impl} is Megatron-LM's layer choice: give "
+                                "--framework megatron, or drop --transformer-impl")
+        if self.transformer_impl == "local" and (self.attention != "eager" or self.cp > 1):
+            raise TrainmemError("--transformer-impl local runs Megatron's unfused DotProductAttention only (no "
+                                "context parallelism): give --attention eager and no --cp, or --transformer-impl "
+                                "transformer_engine")
 
     def _check_pipeline(self) -> None:
         """``pp_virtual_stages``: a positive integer, only under ``--pp-schedule interleaved-1f1b``
