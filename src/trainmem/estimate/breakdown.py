@@ -104,18 +104,7 @@ def components(q: Quantities, tk: Tokens, mo: Moment, t: TrainingSpec, n: int, n
         out.append(Component("inputs", INPUTS, tk.inputs, None, "pixel_values and labels"))
     else:
         out.append(Component("inputs", INPUTS, tk.inputs, "int64", "input_ids and labels"))
-    te, buf = (int(x) for x in kept)
-    if parts["workspace"] - te - buf:
-        out.append(Component("workspace.cublas", WORKSPACE, parts["workspace"] - te - buf, None,
-                             f"{handle_ws:,} B per cuBLAS handle: forward thread and autograd thread", True))
-    if te:
-        out.append(Component("workspace.transformer_engine", WORKSPACE, te, "uint8",
-                             "Transformer Engine's GEMM workspace (get_cublas_workspace: 32 MiB + 1 KiB on sm90+, "
-                             "else 4 MiB), kept from the first forward", True))
-    if buf:
-        out.append(Component("workspace.megatron_global_buffer", WORKSPACE, buf, None,
-                             "Megatron's _GLOBAL_MEMORY_BUFFER: local attention's baddbmm input [b*heads/tp, s, s] "
-                             "and sequence-parallel all-gathers [s/cp, b, h], the larger per dtype, kept", True))
+    out += _workspaces(parts["workspace"], handle_ws, kept)
     comm = q.fixed - st.weights - st.buffers - st.master
     if comm:
         out.append(Component(q.detail.comm_name, COMMUNICATION, comm, None,
@@ -148,6 +137,25 @@ def components(q: Quantities, tk: Tokens, mo: Moment, t: TrainingSpec, n: int, n
                              "tensors alive only at the peak moment"))
     elif temp < 0:
         _net_released(out, temp)
+    return out
+
+
+def _workspaces(total: int, handle_ws: int, kept: tuple[int, int]) -> list[Component]:
+    """The moment's workspace part split by owner: PyTorch's cuBLAS handles, Transformer Engine's
+    GEMM workspace and Megatron's global buffer (``kept``: ``megatron_buffers.kept_buffers``)."""
+    te, buf = (int(x) for x in kept)
+    out = []
+    if total - te - buf:
+        out.append(Component("workspace.cublas", WORKSPACE, total - te - buf, None,
+                             f"{handle_ws:,} B per cuBLAS handle: forward thread and autograd thread", True))
+    if te:
+        out.append(Component("workspace.transformer_engine", WORKSPACE, te, "uint8",
+                             "Transformer Engine's GEMM workspace (get_cublas_workspace: 32 MiB + 1 KiB on sm90+, "
+                             "else 4 MiB), kept from the first forward", True))
+    if buf:
+        out.append(Component("workspace.megatron_global_buffer", WORKSPACE, buf, None,
+                             "Megatron's _GLOBAL_MEMORY_BUFFER: local attention's baddbmm input [b*heads/tp, s, s] "
+                             "and sequence-parallel all-gathers [s/cp, b, h], the larger per dtype, kept", True))
     return out
 
 
