@@ -97,6 +97,24 @@ def test_transformer_impl_is_megatrons_and_refused_where_it_cannot_hold():
 def test_trace_refuses_megatrons_layers():
     pytest.importorskip("transformers")
     from trainmem.trace import trace
-    with pytest.raises(TrainmemError, match="--transformer-impl"):
-        trace("gpt2", device="cuda", framework="megatron", precision="bf16", batch_size=1, seq_len=64,
-              set=["n_layer=1"])
+    with pytest.raises(TrainmemError, match="--transformer-impl local"):
+        trace("gpt2", device="cuda", framework="megatron", precision="fp32", transformer_impl="local",
+              attention="eager", batch_size=1, seq_len=64, set=["n_layer=1"])
+    with pytest.raises(TrainmemError, match="--transformer-impl transformer_engine .*with --sequence-parallel"):
+        trace("gpt2", device="cuda", framework="megatron", precision="fp32", tp=2, sequence_parallel=True,
+              batch_size=1, seq_len=64, set=["n_layer=1"])
+
+
+@pytest.mark.parametrize("gpu", ["h100", "a100-80gb"])
+def test_trace_allocates_transformer_engines_workspace(gpu, one_torch_thread):
+    """trace runs the transformers layers and adds TE's one GEMM workspace at the first forward (32 MiB
+    + 1 KiB on Hopper, 4 MiB before), as the estimate counts it: the peaks agree within 0.2%."""
+    pytest.importorskip("transformers")
+    from trainmem.trace import trace
+    kw = dict(framework="megatron", precision="fp32", gpu=gpu, batch_size=2, seq_len=256,
+              set=["n_layer=2", "n_embd=256", "n_head=4"])
+    r, e = trace("gpt2", **kw), trainmem.estimate("gpt2", **kw)
+    te = [c.bytes for c in r.components if c.name == "workspace.transformer_engine"]
+    assert te == [32 * MiB + 1024 if gpu == "h100" else 4 * MiB]
+    assert te == [c.bytes for c in e.components if c.name == "workspace.transformer_engine"]
+    assert abs(e.peak_allocated / r.peak_allocated - 1) < 0.002

@@ -77,10 +77,14 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
 
     if t.distributed_optimizer:
         bad.append("--distributed-optimizer")
-    if t.transformer_impl is not None:  # the transformers model's layers run, not Megatron's or TE's
+    # the transformers model's layers run, not Megatron's: trace adds Transformer Engine's one GEMM
+    # workspace (``trace.api._te_workspace``), not Megatron's global buffer (local attention, SP gathers)
+    if t.transformer_impl is not None and (what != "trace" or t.transformer_impl == "local"
+                                           or (t.tp > 1 and t.sequence_parallel)):
         raise TrainmemError(f"--transformer-impl {t.transformer_impl} (Megatron-LM's layers; --framework megatron "
-                            f"sets transformer_engine): {what} runs the transformers model's layers, not Megatron's "
-                            "or Transformer Engine's, nor what they keep (estimate.megatron_buffers); use estimate")
+                            f"sets transformer_engine){' with --sequence-parallel' if t.sequence_parallel else ''}: "
+                            f"{what} runs the transformers model's layers, not Megatron's, nor the global buffer "
+                            "they keep (estimate.megatron_buffers); use estimate")
     if bad:
         sp = ", --sequence-parallel" if what == "trace" else ""
         pp = ", pipeline parallelism (--pp)" if what == "trace" else ""

@@ -312,6 +312,23 @@ def _build(dev: _Device, factory: Callable, spec: ModelSpec | None, t: TrainingS
     return module
 
 
+def _te_workspace(module: torch.nn.Module, tracker: Tracker) -> Any:
+    """Transformer Engine's GEMM workspace under ``--transformer-impl transformer_engine`` (Megatron-LM's
+    default layers), which the transformers model trace runs does not allocate: one ``torch.empty`` of
+    ``get_cublas_workspace_size_bytes()`` uint8 at the first GEMM, cached and never freed
+    (transformer_engine/pytorch/cpp_extensions/gemm.py L34-61 at v2.16; ``estimate.megatron_buffers``),
+    made here at the model's first forward on the emulated GPU's compute capability. Returns the hook's
+    handle (removed when the trace ends; the workspace stays with the module, as TE's cache does)."""
+    from ..estimate.megatron_buffers import te_workspace
+
+    def first_forward(mod: torch.nn.Module, args: Any) -> None:
+        if not hasattr(mod, "_trainmem_te_workspace"):
+            with tracker.scope("workspace", "transformer_engine"):
+                size = te_workspace(tuple(torch.cuda.get_device_capability()))
+                mod._trainmem_te_workspace = torch.empty(size, dtype=torch.uint8, device="cuda")
+    return module.register_forward_pre_hook(first_forward)
+
+
 def _run_steps(dev: _Device, module: torch.nn.Module, spec: ModelSpec | None, t: TrainingSpec,
                step_fn: Callable | None, optimizer_fn: Callable | None, steps: int,
                on_step: Callable[[int], None] = lambda n: None) -> SimulatedOutOfMemory | None:
@@ -322,6 +339,8 @@ def _run_steps(dev: _Device, module: torch.nn.Module, spec: ModelSpec | None, t:
     # (DeepSpeed's engine copies each gradient into its bucket and names its own gradient buffers:
     # trace.deepspeed_engine; the per-parameter hook would take the bucket for a gradient)
     grad_hooks = tracker.watch_parameters(params) if type(module).__name__ != "DeepSpeedEngine" else []
+    if spec is not None and t.transformer_impl == "transformer_engine" and dev.cuda:
+        grad_hooks.append(_te_workspace(module, tracker))
     run_ctx = contextlib.nullcontext() if dev.cuda else dev.build_ctx
     try:
         with run_ctx, tracker, tracker.hooks():
