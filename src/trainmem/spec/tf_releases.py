@@ -114,18 +114,18 @@ numbers are those files'. What depends on it, for the hand-written families:
   L135-136, 4.36.0 L145-146 (4.39.3 computes them per call); Mistral 4.34.1 L152-153, 4.36.0, 4.39.3,
   4.40.0, 4.41.2 (4.42.4 has none); Mixtral 4.36.0 L177-178, 4.39.3 L207-208, 4.44.2, 4.45.2,
   4.46.0, 4.47.0 (4.48.0 has none); Qwen2 4.40.0 L116-117, 4.41.2, 4.42.4, 4.43.4, 4.44.2 (4.45.2 has
-  none). Mistral-7B's 32 layers x 2 x 32768 x 128 x 2 bytes are 512 MiB beside the weights, which
+  none; 4.37-4.39 not read, taken as 4.40.0's). Mistral-7B's 32 layers x 2 x 32768 x 128 x 2 bytes are 512 MiB beside the weights, which
   FSDP does not shard (buffers stay whole on every rank). Llama 4.28-4.30 keep an fp32 cache of
   another shape and 4.31-4.33 were not read: not modelled.
 * **Gradient checkpointing's default** (``reentrant_checkpointing``): before 5.0 transformers
   checkpoints with ``use_reentrant=True`` (``gradient_checkpointing_enable``: ``if
   gradient_checkpointing_kwargs is None: gradient_checkpointing_kwargs = {"use_reentrant": True}``,
-  4.39.3 ``modeling_utils.py`` L2114-2115; given ``{}`` it passes nothing and torch's default
-  applies: ``use_reentrant=None`` warns and becomes True, torch 2.13 ``utils/checkpoint.py`` L486-496); 4.56.0 still
-  (L3810); 5.18.0 defaults to ``{"use_reentrant": False}`` (L3139), as the installed 5.24 does
-  (``_activation_checkpointing_enable`` L3157-3158): the change is taken at 5.0 (5.0-5.17 not read). A reentrant checkpoint runs the layer's first
-  forward under ``no_grad``, so no autograd node of it exists; its recompute's nodes die with
-  ``CheckpointFunction.backward``.
+  4.39.3 ``modeling_utils.py`` L2114-2115, 4.56.0 L3810; given ``{}`` it passes nothing and torch's
+  default applies: ``use_reentrant=None`` warns and becomes True, torch 2.13 ``utils/checkpoint.py``
+  L486-496). 5.18.0 defaults to ``{"use_reentrant": False}`` (L3139), as the installed 5.24 does
+  (``_activation_checkpointing_enable`` L3157-3158): the change is taken at 5.0 (5.0-5.17 not read).
+  A reentrant checkpoint runs the layer's first forward under ``no_grad``, so no autograd node of it
+  exists; its recompute's nodes die with ``CheckpointFunction.backward``.
 * **Derived architectures** (their layers are traced from the installed transformers): OPT and
   Granite only. OPT's layer of those releases differs from the installed one by the clamp alone in
   fp16 and fp32 (its softmax upcasts fp16 scores as the installed one does; bf16 ones it did not),
