@@ -74,6 +74,7 @@ class Recipe:
     sdpa_outs: list[T] = field(default_factory=list)
     input_saved: bool = False  # a saved tensor is the layer's input itself (a norm in the input's dtype)
     graph_held: dict[int, T] = field(default_factory=dict)  # kept by autograd nodes outside save_for_backward
+    graph_at: list[float] = field(default_factory=list)  # per transient: bytes per token of graph_held by then
     # LoRA, the first layer (``first_layer_unsaved``): its input needs no gradient, so what the ops
     # before the first adapter save, and the frozen linears on that grad-free input, autograd never keeps
     adapter_seen: bool = False
@@ -173,6 +174,7 @@ class Recipe:
         self.own_cast.append(own_cast)  # this op's weight elements whose half copy is freed by then
         self.incoming.append(incoming.tok * incoming.nbytes if incoming is not None else 0.0)
         self.frozen_at.append(self.frozen)
+        self.graph_at.append(sum(t.tok * t.nbytes for t in self.graph_held.values()))
 
     def coefficients(self) -> tuple[float, float, dict[str, tuple[float, float]]]:
         """(bytes per token, bytes per token x key, per-name breakdown) of the saved tensors."""
@@ -912,6 +914,9 @@ class LayerKey:
     lora_half: bool = False   # adapters in the model's half dtype (else fp32 over half weights)
     quant: tuple[int, int] = (0, 0)  # 4-bit base weights: dequantized and cast bytes per element (quant4.py)
     quant_saves_input: bool = False  # bitsandbytes < 0.43.2: MatMul4Bit saves its input
+    # ... and the layer runs as a reentrant checkpoint's recompute (transformers < 5): those inputs
+    # live until the layer's backward ends, not until their op's (``_held_to_layer_end``)
+    quant_held_to_end: bool = False
     kv_cache: bool = False   # transformers builds a DynamicCache in training (config.use_cache)
     capability: tuple[int, int] = (8, 0)  # the GPU's compute capability (which SDPA kernel runs)
     biased: tuple[str, ...] = ()  # modules of a layer whose linear has a bias (set for --recompute op only)
@@ -1039,6 +1044,20 @@ class LayerCoefs:
         return best
 
 
+def _held_to_layer_end(trans: tuple, r: Recipe) -> tuple:
+    """A reentrant checkpoint's recompute (``torch.utils.checkpoint.CheckpointFunction.backward``,
+    torch 2.13 ``utils/checkpoint.py``: the layer re-run under ``enable_grad``, then
+    ``torch.autograd.backward`` through it) builds the layer's graph afresh; bitsandbytes < 0.43.2
+    ``MatMul4Bit`` keeps its input as ``ctx.tensors`` (a node attribute, not a saved tensor:
+    ``autograd/_functions.py`` L522-523 at 0.42.0), which autograd does not release when the node's
+    backward has run but when the recomputed graph dies, as ``CheckpointFunction.backward`` returns.
+    So at each backward moment of the layer the inputs the later 4-bit linears kept are still alive
+    (``down_proj``'s input at the SwiGLU's backward): each transient gains the graph-held bytes
+    recorded after it (``Recipe.graph_at``)."""
+    total = sum(t.tok * t.nbytes for t in r.graph_held.values())
+    return tuple((name, a + total - g, b, c) for (name, a, b, c), g in zip(trans, r.graph_at))
+
+
 @lru_cache(maxsize=4096)
 def layer_coefficients(k: LayerKey) -> LayerCoefs:
     """Build the recipe of one transformer layer (per rank) and reduce it to coefficients."""
@@ -1062,6 +1081,8 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
 
     tok, sq, parts = B.r.coefficients()
     trans = tuple((name, a + st - tok, b + ss - sq, c) for name, a, b, c, st, ss, _w, _u in B.r.transients)
+    if k.quant_held_to_end:
+        trans = _held_to_layer_end(trans, B.r)
     wall = B.r.weights
     after = tuple(max(0.0, wall - w) for *_, w, _u in B.r.transients)
     after_uncast = tuple(max(0.0, B.r.uncast - u) for *_, u in B.r.transients)
