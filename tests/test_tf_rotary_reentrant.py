@@ -106,20 +106,28 @@ def test_reentrant_checkpoint_keeps_no_bnb_inputs():
     assert 0 < reentrant < whole / 4
 
 
-def test_recompute_keeps_bnb_inputs_to_the_layer_end():
-    """Under 4.39.3's reentrant checkpoint the recomputed layer's ``MatMul4Bit`` inputs die with the
-    recomputed graph, at the end of the layer's backward: at the SwiGLU's backward, ``down_proj``'s
-    input (the (b, s, ffn) product, fp32 under autocast over fp32 activations) is still alive. The
-    layer transients carry it only with bitsandbytes < 0.43.2 and reentrant checkpointing."""
+def _act_backward(**kw) -> float:
+    """Bytes per token the Mistral-7B layer's SwiGLU backward adds over its saved tensors."""
     from trainmem.estimate.layers import layer_coefficients
     from trainmem.estimate.quantities import layer_key
     from trainmem.spec.resolve import resolve
+    r = resolve("mistral-7b", precision="fp16-amp", lora_rank=16, lora_targets="q_proj,v_proj",
+                recompute="full", attention="flash", **kw)
+    return dict((n, a) for n, a, _b, _c in layer_coefficients(layer_key(r.model, r.training)).transients)[
+        "mlp.act.backward"]
 
-    def act_backward(**kw):
-        r = resolve("mistral-7b", precision="fp16-amp", lora_rank=16, lora_targets="q_proj,v_proj",
-                    quantize="nf4", quantize_via="transformers", recompute="full", attention="flash", **kw)
-        m, t = r.model, r.training
-        return dict((n, a) for n, a, _b, _c in layer_coefficients(layer_key(m, t)).transients)["mlp.act.backward"]
-    held = act_backward(bitsandbytes_version="0.42.0", transformers_version="4.39.3")
-    freed = act_backward(bitsandbytes_version="0.42.0")
-    assert held - freed == 14336 * 4   # bytes per token of down_proj's fp32 input
+
+def test_reentrant_recompute_keeps_the_layer_output():
+    """``CheckpointFunction.backward`` holds the recomputed layer's output (``outputs``) while it
+    back-propagates the layer: one residual-stream tensor per token (fp32 under autocast over fp32
+    weights, 4096 x 4 bytes) at every backward moment of the layer, under transformers 4 only."""
+    assert _act_backward(transformers_version="4.39.3") - _act_backward() == 4096 * 4
+
+
+def test_recompute_keeps_bnb_inputs_to_the_layer_end():
+    """Under 4.39.3's reentrant checkpoint the recomputed layer's ``MatMul4Bit`` inputs die with the
+    recomputed graph, at the end of the layer's backward: at the SwiGLU's backward, ``down_proj``'s
+    input (the (b, s, ffn) product, fp32 under autocast over fp32 activations) is still alive, beside
+    the recomputed output (the same saved set, so the transients compare directly)."""
+    q = dict(quantize="nf4", quantize_via="transformers", bitsandbytes_version="0.42.0")
+    assert _act_backward(transformers_version="4.39.3", **q) - _act_backward(**q) == 14336 * 4 + 4096 * 4

@@ -914,9 +914,10 @@ class LayerKey:
     lora_half: bool = False   # adapters in the model's half dtype (else fp32 over half weights)
     quant: tuple[int, int] = (0, 0)  # 4-bit base weights: dequantized and cast bytes per element (quant4.py)
     quant_saves_input: bool = False  # bitsandbytes < 0.43.2: MatMul4Bit saves its input
-    # ... and the layer runs as a reentrant checkpoint's recompute (transformers < 5): those inputs
-    # live until the layer's backward ends, not until their op's (``_held_to_layer_end``)
-    quant_held_to_end: bool = False
+    # the layer's backward runs inside a reentrant checkpoint's recompute (transformers < 5,
+    # ``_reentrant_recompute``): its recomputed output, and bitsandbytes < 0.43.2's kept inputs,
+    # live until the layer's backward ends
+    reentrant: bool = False
     kv_cache: bool = False   # transformers builds a DynamicCache in training (config.use_cache)
     capability: tuple[int, int] = (8, 0)  # the GPU's compute capability (which SDPA kernel runs)
     biased: tuple[str, ...] = ()  # modules of a layer whose linear has a bias (set for --recompute op only)
@@ -1044,18 +1045,19 @@ class LayerCoefs:
         return best
 
 
-def _held_to_layer_end(trans: tuple, r: Recipe) -> tuple:
-    """A reentrant checkpoint's recompute (``torch.utils.checkpoint.CheckpointFunction.backward``,
-    torch 2.13 ``utils/checkpoint.py``: the layer re-run under ``enable_grad``, then
-    ``torch.autograd.backward`` through it) builds the layer's graph afresh; bitsandbytes < 0.43.2
-    ``MatMul4Bit`` keeps its input as ``ctx.tensors`` (a node attribute, not a saved tensor:
-    ``autograd/_functions.py`` L522-523 at 0.42.0), which autograd does not release when the node's
-    backward has run but when the recomputed graph dies, as ``CheckpointFunction.backward`` returns.
-    So at each backward moment of the layer the inputs the later 4-bit linears kept are still alive
-    (``down_proj``'s input at the SwiGLU's backward): each transient gains the graph-held bytes
-    recorded after it (``Recipe.graph_at``)."""
+def _reentrant_recompute(trans: tuple, r: Recipe, out_tok: float) -> tuple:
+    """A reentrant checkpoint recomputes the layer in backward (torch 2.13 ``utils/checkpoint.py``
+    ``CheckpointFunction.backward``, L278-331: ``outputs = ctx.run_function(*detached_inputs)`` under
+    ``enable_grad``, then ``torch.autograd.backward(outputs_with_grad, args_with_grad)``), so while
+    the layer is back-propagated its recomputed output is alive, held by ``outputs`` (``out_tok``:
+    one residual-stream tensor per token; a non-reentrant checkpoint keeps only the saved tensors the
+    recompute packs). The recomputed graph dies as it returns: bitsandbytes < 0.43.2 ``MatMul4Bit``
+    keeps its input as ``ctx.tensors``, a node attribute autograd does not free op by op
+    (``autograd/_functions.py`` L522-523 at 0.42.0), so at each backward moment of the layer the inputs
+    its later 4-bit linears kept are alive too (``down_proj``'s input at the SwiGLU backward): each
+    transient gains the graph-held bytes recorded after it (``Recipe.graph_at``)."""
     total = sum(t.tok * t.nbytes for t in r.graph_held.values())
-    return tuple((name, a + total - g, b, c) for (name, a, b, c), g in zip(trans, r.graph_at))
+    return tuple((name, a + out_tok + total - g, b, c) for (name, a, b, c), g in zip(trans, r.graph_at))
 
 
 @lru_cache(maxsize=4096)
@@ -1081,8 +1083,8 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
 
     tok, sq, parts = B.r.coefficients()
     trans = tuple((name, a + st - tok, b + ss - sq, c) for name, a, b, c, st, ss, _w, _u in B.r.transients)
-    if k.quant_held_to_end:
-        trans = _held_to_layer_end(trans, B.r)
+    if k.reentrant:
+        trans = _reentrant_recompute(trans, B.r, x.tok * x.nbytes)
     wall = B.r.weights
     after = tuple(max(0.0, wall - w) for *_, w, _u in B.r.transients)
     after_uncast = tuple(max(0.0, B.r.uncast - u) for *_, u in B.r.transients)

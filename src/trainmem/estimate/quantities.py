@@ -325,8 +325,8 @@ def layer_key(m: ModelSpec, t: TrainingSpec) -> LayerKey:
                     m.num_experts,
                     m.experts_top_k, m.pre_norm, lora, t.lora_dropout if lora else 0.0,
                     bool(lora) and adapters_computed_half(t), dequant_dtypes(t) if t.quantize else (0, 0),
-                    t.bnb_saves_input, t.bnb_saves_input and t.recompute == "full" and
-                    reentrant_checkpointing(t.transformers_release),
+                    t.bnb_saves_input, t.recompute == "full" and t.recompute_every == 1
+                    and reentrant_checkpointing(t.transformers_release),
                     kv_cache(m, t), biased=biased_linears(m) if t.recompute == "op" else (), ep=t.ep,
                     ep_rows=ep_rank_rows(m.experts_top_k, m.num_experts, t.ep, t.moe_imbalance) if t.ep > 1 else 0.0,
                     compiled=t.compile, lora_base_trains=bool(lora) and t.fsdp_mixed_units,

@@ -125,7 +125,8 @@ numbers are those files'. What depends on it, for the hand-written families:
   L486-496). 5.18.0 defaults to ``{"use_reentrant": False}`` (L3139), as the installed 5.24 does
   (``_activation_checkpointing_enable`` L3157-3158): the change is taken at 5.0 (5.0-5.17 not read).
   A reentrant checkpoint runs the layer's first forward under ``no_grad``, so no autograd node of it
-  exists; its recompute's nodes die with ``CheckpointFunction.backward``.
+  exists; its recompute's nodes die with ``CheckpointFunction.backward``, which holds the recomputed
+  output while it back-propagates the layer (``estimate.layers._reentrant_recompute``).
 * **Derived architectures** (their layers are traced from the installed transformers): OPT and
   Granite only. OPT's layer of those releases differs from the installed one by the clamp alone in
   fp16 and fp32 (its softmax upcasts fp16 scores as the installed one does; bf16 ones it did not),
