@@ -74,6 +74,7 @@ class Recipe:
     sdpa_outs: list[T] = field(default_factory=list)
     input_saved: bool = False  # a saved tensor is the layer's input itself (a norm in the input's dtype)
     graph_held: dict[int, T] = field(default_factory=dict)  # kept by autograd nodes outside save_for_backward
+    graph_at: list[float] = field(default_factory=list)  # per transient: bytes per token of graph_held by then
     # LoRA, the first layer (``first_layer_unsaved``): its input needs no gradient, so what the ops
     # before the first adapter save, and the frozen linears on that grad-free input, autograd never keeps
     adapter_seen: bool = False
@@ -173,6 +174,7 @@ class Recipe:
         self.own_cast.append(own_cast)  # this op's weight elements whose half copy is freed by then
         self.incoming.append(incoming.tok * incoming.nbytes if incoming is not None else 0.0)
         self.frozen_at.append(self.frozen)
+        self.graph_at.append(sum(t.tok * t.nbytes for t in self.graph_held.values()))
 
     def coefficients(self) -> tuple[float, float, dict[str, tuple[float, float]]]:
         """(bytes per token, bytes per token x key, per-name breakdown) of the saved tensors."""
@@ -912,6 +914,10 @@ class LayerKey:
     lora_half: bool = False   # adapters in the model's half dtype (else fp32 over half weights)
     quant: tuple[int, int] = (0, 0)  # 4-bit base weights: dequantized and cast bytes per element (quant4.py)
     quant_saves_input: bool = False  # bitsandbytes < 0.43.2: MatMul4Bit saves its input
+    # the layer's backward runs inside a reentrant checkpoint's recompute (transformers < 5,
+    # ``_reentrant_recompute``): its recomputed output, and bitsandbytes < 0.43.2's kept inputs,
+    # live until the layer's backward ends
+    reentrant: bool = False
     kv_cache: bool = False   # transformers builds a DynamicCache in training (config.use_cache)
     capability: tuple[int, int] = (8, 0)  # the GPU's compute capability (which SDPA kernel runs)
     biased: tuple[str, ...] = ()  # modules of a layer whose linear has a bias (set for --recompute op only)
@@ -1039,6 +1045,21 @@ class LayerCoefs:
         return best
 
 
+def _reentrant_recompute(trans: tuple, r: Recipe, out_tok: float) -> tuple:
+    """A reentrant checkpoint recomputes the layer in backward (torch 2.13 ``utils/checkpoint.py``
+    ``CheckpointFunction.backward``, L278-331: ``outputs = ctx.run_function(*detached_inputs)`` under
+    ``enable_grad``, then ``torch.autograd.backward(outputs_with_grad, args_with_grad)``), so while
+    the layer is back-propagated its recomputed output is alive, held by ``outputs`` (``out_tok``:
+    one residual-stream tensor per token; a non-reentrant checkpoint keeps only the saved tensors the
+    recompute packs). The recomputed graph dies as it returns: bitsandbytes < 0.43.2 ``MatMul4Bit``
+    keeps its input as ``ctx.tensors``, a node attribute autograd does not free op by op
+    (``autograd/_functions.py`` L522-523 at 0.42.0), so at each backward moment of the layer the inputs
+    its later 4-bit linears kept are alive too (``down_proj``'s input at the SwiGLU backward): each
+    transient gains the graph-held bytes recorded after it (``Recipe.graph_at``)."""
+    total = sum(t.tok * t.nbytes for t in r.graph_held.values())
+    return tuple((name, a + out_tok + total - g, b, c) for (name, a, b, c), g in zip(trans, r.graph_at))
+
+
 @lru_cache(maxsize=4096)
 def layer_coefficients(k: LayerKey) -> LayerCoefs:
     """Build the recipe of one transformer layer (per rank) and reduce it to coefficients."""
@@ -1062,6 +1083,8 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
 
     tok, sq, parts = B.r.coefficients()
     trans = tuple((name, a + st - tok, b + ss - sq, c) for name, a, b, c, st, ss, _w, _u in B.r.transients)
+    if k.reentrant:
+        trans = _reentrant_recompute(trans, B.r, x.tok * x.nbytes)
     wall = B.r.weights
     after = tuple(max(0.0, wall - w) for *_, w, _u in B.r.transients)
     after_uncast = tuple(max(0.0, B.r.uncast - u) for *_, u in B.r.transients)

@@ -24,7 +24,7 @@ from ..errors import TrainmemError
 from ..spec.frameworks import OWN_MODEL_CODE
 from ..spec.model import ModelSpec
 from ..spec.tf_releases import (cache_values_own_dtype, causal_lm_loss, code_release, eager_clamp, kv_cache_kind,
-                                rotary_keys_half, sdpa_repeats_kv)
+                                reentrant_checkpointing, rotary_keys_half, sdpa_repeats_kv)
 from ..spec.training import CHUNKED_NLL_TOKENS, RECOMPUTE, TrainingSpec, chunked_nll_problem, config_use_cache
 from .cache import BoundedCache
 from .elementwise import NEVER
@@ -326,7 +326,8 @@ def layer_key(m: ModelSpec, t: TrainingSpec) -> LayerKey:
                     m.num_experts,
                     m.experts_top_k, m.pre_norm, lora, t.lora_dropout if lora else 0.0,
                     bool(lora) and adapters_computed_half(t), dequant_dtypes(t) if t.quantize else (0, 0),
-                    t.bnb_saves_input,
+                    t.bnb_saves_input, t.recompute == "full" and t.recompute_every == 1
+                    and reentrant_checkpointing(t.transformers_release),
                     kv_cache(m, t), biased=biased_linears(m) if t.recompute == "op" else (), ep=t.ep,
                     ep_rows=ep_rank_rows(m.experts_top_k, m.num_experts, t.ep, t.moe_imbalance) if t.ep > 1 else 0.0,
                     compiled=t.compile, lora_base_trains=bool(lora) and t.fsdp_mixed_units,
@@ -1993,10 +1994,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         chunk_head_grads=chunk_head_grads(m, t, pol) if head_here else 0, transients=trans,
         fwd_temp=int(lc.fwd_const), fwd_temp_tok=lc.fwd_tok, head_wgrad_half=head_weight_grad_half(m, t, cast_head),
         **_head_dequant_fields(m, t, head_here),
-        # a checkpointed layer's first forward still builds MatMul4Bit nodes (non-reentrant
-        # checkpointing runs it with grad enabled), whose ctx.tensors keep the inputs the
-        # checkpoint does not save
-        graph_tok=lc.graph_held, graph_extra_tok=lc.graph_held * checkpointed / layers if layers else 0.0, **fsdp,
+        **_graph_held(t, lc.graph_held, checkpointed, layers), **fsdp,
         outer_rest_ssq=derived_outer_ssq(m, t, stage) if derived else 0.0,
         lower_layers=lower, above_bottom=above_bottom, above_decoder_bottom=above_decoder_bottom,
         input_tok=input_bytes(m, t)[0], input_sample=input_bytes(m, t)[1], expandable=int(t.expandable_segments),
@@ -2005,6 +2003,24 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         dec_num=decoder_ratio(m, t)[0], dec_den=decoder_ratio(m, t)[1], **_derived_fields(m, t, stage), **pipe,
         detail=Detail(st, lc, outer, comm_name, input_tok, sum(a for _, a, _ in received),
                       half_input_tok=sum(a for _, a, _ in half_in), recompute_ops=len(recompute_transients(t, lc))))
+
+
+def _graph_held(t: TrainingSpec, held: float, checkpointed: int, layers: int) -> dict[str, float]:
+    """``graph_tok`` and ``graph_extra_tok``: per layer, the bytes per token that autograd nodes keep
+    outside ``save_for_backward`` until the graph is freed (bitsandbytes < 0.43.2 ``MatMul4Bit``'s
+    ``ctx.tensors``, ``held``). A non-reentrant checkpoint (transformers 5) runs a checkpointed layer's
+    first forward with grad enabled: its nodes keep those inputs too, beyond the activations the
+    checkpoint keeps (``graph_extra_tok``). A reentrant one (transformers 4,
+    ``tf_releases.reentrant_checkpointing``) runs it under ``no_grad`` (torch 2.13
+    ``utils/checkpoint.py`` L273, ``CheckpointFunction.forward``: ``with torch.no_grad(): outputs =
+    run_function(*args)``), so no node exists, and the recompute's nodes, built in
+    ``CheckpointFunction.backward``, are freed when it returns: a checkpointed layer keeps nothing
+    in the outer graph, only while its own backward runs (among its saved activations)."""
+    if not layers:
+        return {"graph_tok": held, "graph_extra_tok": 0.0}
+    if checkpointed and reentrant_checkpointing(t.transformers_release):
+        return {"graph_tok": held * (layers - checkpointed) / layers, "graph_extra_tok": 0.0}
+    return {"graph_tok": held, "graph_extra_tok": held * checkpointed / layers}
 
 
 def _classifier_rms_norm(m: ModelSpec, t: TrainingSpec) -> bool:

@@ -12,6 +12,7 @@ from functools import lru_cache
 from typing import Any
 
 from ..spec.model import ModelSpec, ParamTensor
+from ..spec.tf_releases import layer_rotary_cache
 from ..spec.training import TrainingSpec
 
 from ..allocator_rules import block_bytes, placed_bytes
@@ -424,6 +425,7 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
            t.impl, t.lora_rank, t.lora_targets, t.lora_dtype, t.distributed_optimizer, t.offload_optimizer,
            t.fp32_master, t.quantize, t.quantize_via, t.bitsandbytes_version, t.accumulates_unsharded,
            t.fsdp_mixed_units, t.fsdp_version, t.fused_qkv, t.split_gate_up, t.layer_rope_cache, t.rope_cache, t.expandable_segments,
+           layer_rotary_cache(m, t.transformers_release),
            t.gemini, t.gemini_chunk_size, t.ds_params_on_host, t.ds_fp32_clone, t.half_embeddings)
     return _STATES_CACHE.get_or_build(key, lambda: _model_states(m, t, stage))
 
@@ -625,6 +627,7 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
     _lora_adapters(t, r, acc, lora)
     _buffers(m, r, acc, before, layer, after)
     _layer_rope_cache(m, t, r, acc, layer)
+    _hf_layer_rotary_cache(m, t, r, acc, layer)
     _rope_cache(m, t, r, acc, before)
     if t.ds_params_on_host:
         before, layer, after = _host_partitions(m, before, layer, after, acc)
@@ -913,6 +916,24 @@ def _layer_rope_cache(m: ModelSpec, t: TrainingSpec, r: "_Rank", acc: "_Tally", 
         acc.buffers += r.per_stage * r.block(numel * 4)
         at = max((i for i, (n, _) in enumerate(layer) if ".self_attn." in n), default=len(layer) - 1) + 1
         layer.insert(at, (f"layers.0.self_attn.pos_embeddings.{name}", numel * 4))
+
+
+def _hf_layer_rotary_cache(m: ModelSpec, t: TrainingSpec, r: "_Rank", acc: "_Tally", layer: list) -> None:
+    """The ``cos_cached`` and ``sin_cached`` buffers each attention layer of an older transformers
+    release keeps (``spec.tf_releases.layer_rotary_cache``: Mistral 4.34-4.41, Mixtral 4.36-4.47, ...):
+    each ``[max_position_embeddings, head_dim]`` (4.39.3 ``modeling_mistral.py`` L103-116), in the
+    default dtype ``from_pretrained`` sets to the dtype it loads in: half for half weights and for a
+    4-bit model (loaded in its half compute dtype; ``prepare_model_for_kbit_training`` upcasts
+    parameters, not buffers), fp32 for fp32 or autocast weights. Non-persistent buffers: FSDP keeps
+    them whole on every rank."""
+    if not layer_rotary_cache(m, t.transformers_release):
+        return
+    nb = 2 if (t.quantize or t.weight_bytes == 2) else 4
+    numel = m.max_positions * m.head_dim
+    for name in ("cos_cached", "sin_cached"):
+        acc.buffers += r.per_stage * r.block(numel * nb)
+        at = max((i for i, (n, _) in enumerate(layer) if ".self_attn." in n), default=len(layer) - 1) + 1
+        layer.insert(at, (f"layers.0.self_attn.rotary_emb.{name}", numel * nb))
 
 
 def _rope_cache(m: ModelSpec, t: TrainingSpec, r: "_Rank", acc: "_Tally", before: list) -> None:

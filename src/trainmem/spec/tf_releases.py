@@ -103,6 +103,30 @@ numbers are those files'. What depends on it, for the hand-written families:
   contiguous ``_shape`` copies that ``bmm`` saves through views (4.30.2 ``modeling_opt.py`` L153-154,
   L203-208), the bytes of the installed code's copies; Granite's (derived, 4.45.2
   ``modeling_granite.py`` L318-320, L868) is refused where it differs (``granite_cache_differs``).
+* **Each attention layer's own rotary cache** (``layer_rotary_cache``): Llama 4.34-4.36, Mistral
+  4.34-4.41, Mixtral 4.36-4.47 and Qwen2 4.37-4.44 build a ``*RotaryEmbedding`` in every attention
+  layer (``self.rotary_emb = MistralRotaryEmbedding(self.head_dim, max_position_embeddings=...)``,
+  4.39.3 ``modeling_mistral.py`` L232-236) whose ``__init__`` fills ``cos_cached`` and ``sin_cached``
+  (``register_buffer(..., persistent=False)``) for all ``max_position_embeddings`` positions, each
+  ``[max_position_embeddings, head_dim]`` in ``torch.get_default_dtype()`` (L103-116), which
+  ``from_pretrained`` sets to the ``torch_dtype`` it loads in (``_set_default_torch_dtype``, 4.39.3
+  ``modeling_utils.py`` L1304). Read: Llama 4.34.1 L141-142 (``[None, None]`` views), 4.35.2
+  L135-136, 4.36.0 L145-146 (4.39.3 computes them per call); Mistral 4.34.1 L152-153, 4.36.0, 4.39.3,
+  4.40.0, 4.41.2 (4.42.4 has none); Mixtral 4.36.0 L177-178, 4.39.3 L207-208, 4.44.2, 4.45.2,
+  4.46.0, 4.47.0 (4.48.0 has none); Qwen2 4.40.0 L116-117, 4.41.2, 4.42.4, 4.43.4, 4.44.2 (4.45.2 has
+  none; 4.37-4.39 not read, taken as 4.40.0's). Mistral-7B's 32 layers x 2 x 32768 x 128 x 2 bytes are 512 MiB beside the weights, which
+  FSDP does not shard (buffers stay whole on every rank). Llama 4.28-4.30 keep an fp32 cache of
+  another shape and 4.31-4.33 were not read: not modelled.
+* **Gradient checkpointing's default** (``reentrant_checkpointing``): before 5.0 transformers
+  checkpoints with ``use_reentrant=True`` (``gradient_checkpointing_enable``: ``if
+  gradient_checkpointing_kwargs is None: gradient_checkpointing_kwargs = {"use_reentrant": True}``,
+  4.39.3 ``modeling_utils.py`` L2114-2115, 4.56.0 L3810; given ``{}`` it passes nothing and torch's
+  default applies: ``use_reentrant=None`` warns and becomes True, torch 2.13 ``utils/checkpoint.py``
+  L486-496). 5.18.0 defaults to ``{"use_reentrant": False}`` (L3139), as the installed 5.24 does
+  (``_activation_checkpointing_enable`` L3157-3158): the change is taken at 5.0 (5.0-5.17 not read).
+  A reentrant checkpoint runs the layer's first forward under ``no_grad``, so no autograd node of it
+  exists; its recompute's nodes die with ``CheckpointFunction.backward``, which holds the recomputed
+  output while it back-propagates the layer (``estimate.layers._reentrant_recompute``).
 * **Derived architectures** (their layers are traced from the installed transformers): OPT and
   Granite only. OPT's layer of those releases differs from the installed one by the clamp alone in
   fp16 and fp32 (its softmax upcasts fp16 scores as the installed one does; bf16 ones it did not),
@@ -366,6 +390,24 @@ def rotary_keys_half(model: Any, version: tuple[int, ...]) -> bool:
     dtype, so that under autocast its rotated keys (the cache's) are half, not fp32 (module docstring)."""
     since = _ROTARY_FROM_EMBEDDINGS.get(model_key(model))
     return since is not None and version < since
+
+
+#: the releases (from, until) whose attention layers each keep a rotary cos/sin cache (module docstring)
+_LAYER_ROTARY_CACHE = {"llama": ((4, 34), (4, 37)), "mistral": ((4, 34), (4, 42)), "mixtral": ((4, 36), (4, 48)),
+                       "qwen2": ((4, 37), (4, 45))}
+
+
+def layer_rotary_cache(model: Any, version: tuple[int, ...] | None) -> bool:
+    """Whether every attention layer of release ``version`` keeps its own ``cos_cached`` and
+    ``sin_cached`` of ``max_position_embeddings`` positions in the load dtype (module docstring)."""
+    span = _LAYER_ROTARY_CACHE.get(model_key(model))
+    return version is not None and span is not None and span[0] <= version < span[1]
+
+
+def reentrant_checkpointing(version: tuple[int, ...] | None) -> bool:
+    """Whether transformers' gradient checkpointing of release ``version`` is reentrant by default
+    (before 5.0; module docstring). None: the installed release (non-reentrant)."""
+    return version is not None and version < (5, 0)
 
 
 def installed_version() -> str:
