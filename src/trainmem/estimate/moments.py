@@ -728,6 +728,7 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     temp = _with_update(redo, q.oib_mid) + q.tied_grad
     # (a derived encoder-decoder: the activations measured alive there, else one average layer's)
     acts = tk.bottom_acts if flags.by_moment else own_layers // q.layers + others_all + tk.outer_rest
+    acts = acts + _held_inputs(q, own_layers, 1)
     moments.append(_mo("backward", micro, step, "layer.bottom",
                        (bottom, states_mid, tk.inputs, ws2, acts, temp),
                        (kept.logits, kept.kv_low, 0), _both(valid, q.layers > 1), low_graph,
@@ -748,6 +749,17 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     _embedding_backward(q, flags, tk, kept, when, (fresh, states_mid, ws2, low_ds, root, rs, reduced, kept_layer),
                         moments)
     moments.extend(_backward_end(q, tk, kept, when, (fresh, states_mid, ws2, low_ds)))
+
+
+def _held_inputs(q: Quantities, own_layers: Any, below: int) -> Any:
+    """What FSDP1's reshard-only hooks still hold under reentrant checkpointing when ``below`` layers'
+    backwards have not finished (``quantities.fsdp1_held_inputs``): the inputs of the layers above
+    (``L - below``, one layer's input each, the residual stream in its dtype) and the gradients
+    accumulated into them (``L - below - 1``; the one the current layer received is counted with it).
+    At the embedding's backward (``below`` 0) every layer's input and gradient."""
+    per = own_layers // q.layers
+    held = maximum(q.layers - below, 0) * per + maximum(q.layers - below - 1 + (below == 0), 0) * per
+    return where(q.fsdp1_held_inputs > 0, held, 0)
 
 
 def _embedding_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, when: tuple, now: tuple,
@@ -786,8 +798,9 @@ def _embedding_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept,
     ds_before = q.ds_accumulated if micro > 0 else 0
     emb_grads = where(q.ds_bucketed > 0, q.ds_emb_grads + where(fresh, tied, 0) + ds_before, emb_grads)
     # tk.others: a pipeline stage's other micro-batches in flight keep their activations meanwhile
+    held = _held_inputs(q, tk.layers - tk.others_layers, 0)   # FSDP1 under reentrant checkpointing
     moments.append(_mo("backward", micro, step, "embeddings.backward",
-                       (emb_grads, states_mid, tk.inputs, ws2, tk.others + tk.others_head, temp_emb),
+                       (emb_grads, states_mid, tk.inputs, ws2, tk.others + tk.others_head + held, temp_emb),
                        (kept.logits, kept.kv_end, 0),
                        _both(valid, _either(_either(tied > 0, emb_new > 0), q.tied_compiled > 0)), tk.graph,
                        comm=root + rs + low_ds + q.layers * kept_layer + q.fsdp_emb_unit))

@@ -180,6 +180,8 @@ class TrainingSpec:
     sequence_parallel: bool = False
     recompute: str = "none"
     recompute_every: int = 1  # full recompute of every N-th layer only (torchtitan/torchtune ac_freq)
+    reentrant: bool = False  # full recompute through torch.utils.checkpoint(use_reentrant=True): transformers
+    #                          4.x's gradient_checkpointing_enable default (``fsdp1_held_inputs``)
     offload_activations: bool = False  # torchtune's OffloadActivations: checkpointed layers' inputs in CPU memory
     attention: str = "sdpa"
     optimizer_in_backward: bool = False
@@ -368,6 +370,10 @@ class TrainingSpec:
             raise TrainmemError(f"--recompute-every {self.recompute_every} checkpoints every N-th layer: it needs "
                                 "--recompute full (torchtitan's selective_ac_option is 'op' or a layer frequency, "
                                 "not both)")
+        if self.reentrant and (self.recompute != "full" or self.recompute_every > 1):
+            raise TrainmemError("--reentrant is how --recompute full checkpoints each layer (torch.utils.checkpoint "
+                                "use_reentrant=True): give --recompute full on every layer (no --recompute-every), "
+                                "or drop --reentrant")
         if self.recompute == "op":
             if self.lora_rank or self.quantize:
                 raise TrainmemError("--recompute op is modelled for full training: peft's adapter matmuls would "
