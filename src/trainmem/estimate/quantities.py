@@ -23,8 +23,8 @@ import numpy as np
 from ..errors import TrainmemError
 from ..spec.frameworks import OWN_MODEL_CODE
 from ..spec.model import ModelSpec
-from ..spec.tf_releases import (cache_values_own_dtype, causal_lm_loss, code_release, eager_clamp, kv_cache_kind,
-                                rotary_keys_half, sdpa_repeats_kv)
+from ..spec.tf_releases import (cache_values_own_dtype, causal_lm_loss, checkpoint_wraps_unit, code_release,
+                                eager_clamp, kv_cache_kind, rotary_keys_half, sdpa_repeats_kv)
 from ..spec.training import CHUNKED_NLL_TOKENS, RECOMPUTE, TrainingSpec, chunked_nll_problem, config_use_cache
 from .cache import BoundedCache
 from .elementwise import NEVER
@@ -2805,10 +2805,12 @@ def fsdp1_held_inputs(t: TrainingSpec) -> bool:
     it and the ``L-2-j`` gradients above the one it receives are still allocated: at the bottom layer
     every layer's input and ``L-2`` gradients of the residual stream. Non-reentrant checkpointing hands
     the unit inputs with a ``grad_fn`` (no ``AccumulateGrad`` kept), and a flat parameter that requires
-    grad registers no such hook. Checked on a real CPU run (tests/test_fsdp1_reentrant.py); found by the
+    grad registers no such hook; nor does a unit that runs the checkpoint inside its own forward
+    (transformers 4.52 and later: ``tf_releases.checkpoint_wraps_unit``), whose inputs have a ``grad_fn``
+    too. Checked on a real CPU run (tests/test_fsdp1_reentrant.py); found by the
     fms-acceleration Mistral-7B LoRA FSDP1 rows (-8.7 % / -10.0 % before)."""
     return (t.reentrant and t.fsdp is not None and t.fsdp_version == 1 and t.lora_rank > 0
-            and t.fsdp_lora_units == "separate")
+            and t.fsdp_lora_units == "separate" and checkpoint_wraps_unit(t.transformers_release))
 
 
 def fsdp1_views(t: TrainingSpec) -> bool:
