@@ -184,3 +184,14 @@ def test_published_fms_mistral_lora_fsdp1_rows(batch, measured):
     per_layer = batch * 4096 * 4096 * 2                        # one bf16 hidden state per token
     comp = {c.name: c.bytes for c in held.components}
     assert comp["activations.fsdp1_held_inputs"] == (31 + 30) * per_layer
+
+
+@pytest.mark.parametrize("version, options, reentrant", [
+    ("4.48", {"recompute": "full"}, True),            # use_reentrant=True, transformers 4.x's default
+    ("5.23", {"recompute": "full"}, False),           # 5.0 turned it to False
+    ("4.48", {}, False),                              # no gradient checkpointing
+    ("4.48", {"recompute": "full", "recompute_every": 2}, False),
+])
+def test_hf_trainer_preset_checkpoints_reentrant_before_transformers_5(version, options, reentrant):
+    r = trainmem.estimate("llama-3.2-1b", framework="hf-trainer", framework_version=version, **options)
+    assert r.training.reentrant is reentrant
