@@ -151,6 +151,8 @@ def _fsdp1_held(q: Quantities, tk: Tokens, mo: Moment) -> int:
     """The part of the moment's activations FSDP1's reshard-only hooks hold under reentrant
     checkpointing (``moments._held_inputs``; zero elsewhere)."""
     below = {"layer.bottom": 1, "embeddings.backward": 0}.get(mo.where)
+    if mo.where in MIDDLE_NAMES:
+        below = middle_index(mo.where, q.layers) + 1
     if below is None or not q.fsdp1_held_inputs:
         return 0
     return int(_held_inputs(q, tk.layers - tk.others_layers, below))

@@ -903,6 +903,7 @@ def _fsdp_middle_layers(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept,
         # gradients' dtype, of the layers above, from their reduce-scatter outputs (above_bottom: L - 1 of them)
         grads = grads_top + where(fresh, q.above_bottom * above // span, 0) - above * reduced
         acts = own_layers * (i + 1) // q.layers + others_all + tk.outer_rest
+        acts = acts + _held_inputs(q, own_layers, i + 1)   # FSDP1 under reentrant checkpointing
         # the KV cache of the layers above, released by their backward (Kept.kv_low: all L - 1 above the bottom)
         kv = kept.kv_forward + (kept.kv_low - kept.kv_forward) * above // span
         graph = tk.graph_layer * above + tk.graph_extra_layer * (i + 1)
