@@ -119,6 +119,11 @@ CASES = [
     ({"recompute": "op"}, CHANGED, ""),
     ({"recompute": "op", "recompute_every": 2}, REFUSED, "--recompute-every 2"),
     ({"offload_activations": True}, REFUSED, "--offload-activations"),
+    ({"reentrant": True}, REFUSED, "--reentrant"),
+    # use_reentrant=True, the embedding's output made to require grad (vs --recompute full and LoRA alone): the
+    # layers' backward holds more (step 1's backward peak +12 KiB), under this tiny model's loss peak
+    ({"reentrant": True, "recompute": "full", "lora_rank": 8}, "same",
+     "use_reentrant=True raises the layers' backward, below this tiny model's loss peak"),
     ({"offload_activations": True, "recompute": "full"}, CHANGED, ""),  # vs --recompute full alone
     ({"attention": "eager"}, CHANGED, ""), ({"attention": "sdpa-math"}, CHANGED, ""),
     ({"attention": "flash"}, "same", "the emulated GPU runs flash attention as SDPA's flash kernel, the "
@@ -189,6 +194,7 @@ REFERENCE = {"fsdp_version": {"fsdp": "full", "dp": 2}, "use_cache": {"hold_outp
              "bitsandbytes_version": {"lora_rank": 8, "quantize": "nf4"},
              "half_embeddings": {"lora_rank": 8, "quantize": "nf4"},
              "grad_sync": {"grad_accum": 2, "fsdp": "full", "dp": 2}, "offload_activations": {"recompute": "full"},
+             "reentrant": {"recompute": "full", "lora_rank": 8},
              "pp": {"grad_accum": 2}, "num_microbatches_in_flight": {"pp": 2, "grad_accum": 2},
              "pp_schedule": {"pp": 2, "grad_accum": 2}, "cast_output": {"loss": "half"},
              "pp_stage": {"pp": 2, "grad_accum": 2},

@@ -308,6 +308,13 @@ class TrainStep:
                 from .checkpointing import OpCheckpointPolicy
                 self.checkpoint_policy = OpCheckpointPolicy()
                 enable(self.checkpoint_policy.checkpoint_kwargs())
+            elif t.checkpoint_reentrant:
+                # transformers 4.x's default (4.48.1 modeling_utils.py L2539); the frozen embedding's output
+                # then has to require grad, as TRL's SFTTrainer (0.13.0 sft_trainer.py L205-211) and
+                # transformers 4.x for peft models (L2556-2561) make it, else no adapter gets a gradient
+                enable({"use_reentrant": True})
+                if t.lora_rank:
+                    inner.enable_input_require_grads()
             else:
                 enable()
             if t.recompute_every > 1:

@@ -345,6 +345,11 @@ def _add_recompute(g: Any) -> None:
                         "the attention kernel saved)")
     g.add_argument("--recompute-every", type=positive_int, default=None, metavar="N",
                    help="with --recompute full: checkpoint only every N-th layer (torchtitan/torchtune ac_freq)")
+    g.add_argument("--reentrant", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --recompute full: torch.utils.checkpoint(use_reentrant=True or False); default: "
+                        "transformers' gradient_checkpointing_enable default of --transformers-version (reentrant "
+                        "before 5.0). Under FSDP1 with LoRA units of their own, reentrant checkpointing holds every "
+                        "layer's input and its gradient to the end of backward")
     g.add_argument("--offload-activations", action="store_true", default=None,
                    help="with --recompute full: torchtune's activation offloading (the checkpointed layers' "
                         "inputs in pinned CPU memory, brought back in backward)")
@@ -418,7 +423,8 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 pp_virtual_stages=a.pp_virtual_stages, pp_first_stage_less_layers=a.pp_first_stage_less_layers,
                 pp_last_stage_less_layers=a.pp_last_stage_less_layers, cp=a.cp, ep=a.ep, moe_imbalance=a.moe_imbalance,
                 sequence_parallel=a.sequence_parallel, transformer_impl=a.transformer_impl,
-                recompute=a.recompute, recompute_every=a.recompute_every, attention=a.attention, compile=a.compile,
+                recompute=a.recompute, recompute_every=a.recompute_every, reentrant=a.reentrant, attention=a.attention,
+                compile=a.compile,
                 offload_activations=a.offload_activations,
                 keep_logits=a.keep_logits,
                 optimizer_in_backward=a.optimizer_in_backward, hold_output=a.hold_output, zero_grad=a.zero_grad,

@@ -8,7 +8,7 @@ from ..report import Category
 from ..report import Component, Phase
 from ..spec.hardware import CUBLAS_WORKSPACE
 from ..spec.training import TrainingSpec
-from .moments import MIDDLE, PARTS, Moment, Tokens, middle_index
+from .moments import MIDDLE, PARTS, Moment, Tokens, _held_inputs, middle_index
 from .quantities import HEAD_KEYS, PER_POSITION, Quantities, is_lm, loss_mode, loss_upcasts
 
 MIDDLE_NAMES = frozenset(name for name, _k, _n in MIDDLE)  # FSDP's moments of the layers in between
@@ -94,10 +94,16 @@ def components(q: Quantities, tk: Tokens, mo: Moment, t: TrainingSpec, n: int, n
     if parts["optimizer_states"]:
         out.append(Component("optimizer_states", STATES, parts["optimizer_states"], None,
                              f"{t.optimizer} states of trainable tensors [/dp under ZeRO>=1]", True))
-    if parts["activations"]:
+    held = _fsdp1_held(q, tk, mo)
+    if held:
+        stream = "fp32" if t.weight_bytes == 4 else half  # the residual stream's dtype
+        out.append(Component("activations.fsdp1_held_inputs", ACTIVATIONS, held, stream,
+                             "FSDP1 under reentrant checkpointing: the inputs of the layers above and their "
+                             "gradients, held by the reshard-only hooks until backward ends"))
+    if parts["activations"] - held:
         # FSDP's moments of a layer below the top one (moments.MIDDLE): the layers up to it are alive
         alive = middle_index(mo.where, q.layers) + 1 if mo.where in MIDDLE_NAMES else None
-        out += activations(q, tk, parts["activations"], t, n, nsq, half, alive)
+        out += activations(q, tk, parts["activations"] - held, t, n, nsq, half, alive)
     if parts["logits"]:
         out += _logits(mo, m, half, loss_mode(m, t) if is_lm(m) else "")
     if getattr(m, "is_image", False):  # pixel values in the weights' dtype, int64 labels
@@ -157,6 +163,17 @@ def _workspaces(total: int, handle_ws: int, kept: tuple[int, int]) -> list[Compo
                              "Megatron's _GLOBAL_MEMORY_BUFFER: local attention's baddbmm input [b*heads/tp, s, s] "
                              "and sequence-parallel all-gathers [s/cp, b, h], the larger per dtype, kept", True))
     return out
+
+
+def _fsdp1_held(q: Quantities, tk: Tokens, mo: Moment) -> int:
+    """The part of the moment's activations FSDP1's reshard-only hooks hold under reentrant
+    checkpointing (``moments._held_inputs``; zero elsewhere)."""
+    below = {"layer.bottom": 1, "embeddings.backward": 0}.get(mo.where)
+    if mo.where in MIDDLE_NAMES:
+        below = middle_index(mo.where, q.layers) + 1
+    if below is None or not q.fsdp1_held_inputs:
+        return 0
+    return int(_held_inputs(q, tk.layers - tk.others_layers, below))
 
 
 def _net_released(out: list, temp: int) -> None:

@@ -732,7 +732,7 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     # (a derived encoder-decoder: the activations measured alive there, else one average layer's)
     acts = tk.bottom_acts if flags.by_moment else own_layers // q.layers + others_all + tk.outer_rest
     moments.append(_mo("backward", micro, step, "layer.bottom",
-                       (bottom, states_mid, tk.inputs, ws2, acts, temp),
+                       (bottom, states_mid, tk.inputs, ws2, acts + _held_inputs(q, own_layers, 1), temp),
                        (kept.logits, kept.kv_low, 0), _both(valid, q.layers > 1), low_graph,
                        comm=root + buf + rs + low_ds + (q.layers - 1) * kept_layer + q.fsdp_emb_unit))
     # an encoder-decoder: the decoder's first layer's backward, with every encoder layer's kept
@@ -751,6 +751,17 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     _embedding_backward(q, flags, tk, kept, when, (fresh, states_mid, ws2, low_ds, root, rs, reduced, kept_layer),
                         moments)
     moments.extend(_backward_end(q, tk, kept, when, (fresh, states_mid, ws2, low_ds)))
+
+
+def _held_inputs(q: Quantities, own_layers: Any, below: int) -> Any:
+    """What FSDP1's reshard-only hooks still hold under reentrant checkpointing when ``below`` layers'
+    backwards have not finished (``quantities.fsdp1_held_inputs``): the inputs of the layers above
+    (``L - below``, one layer's input each, the residual stream in its dtype) and the gradients
+    accumulated into them (``L - below - 1``; the one the current layer received is counted with it).
+    At the embedding's backward (``below`` 0) every layer's input and gradient."""
+    per = own_layers // q.layers
+    held = maximum(q.layers - below, 0) * per + maximum(q.layers - below - 1 + (below == 0), 0) * per
+    return where(q.fsdp1_held_inputs > 0, held, 0)
 
 
 def _embedding_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, when: tuple, now: tuple,
@@ -789,8 +800,9 @@ def _embedding_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept,
     ds_before = q.ds_accumulated if micro > 0 else 0
     emb_grads = where(q.ds_bucketed > 0, q.ds_emb_grads + where(fresh, tied, 0) + ds_before, emb_grads)
     # tk.others: a pipeline stage's other micro-batches in flight keep their activations meanwhile
+    held = _held_inputs(q, tk.layers - tk.others_layers, 0)   # FSDP1 under reentrant checkpointing
     moments.append(_mo("backward", micro, step, "embeddings.backward",
-                       (emb_grads, states_mid, tk.inputs, ws2, tk.others + tk.others_head, temp_emb),
+                       (emb_grads, states_mid, tk.inputs, ws2, tk.others + tk.others_head + held, temp_emb),
                        (kept.logits, kept.kv_end, 0),
                        _both(valid, _either(_either(tied > 0, emb_new > 0), q.tied_compiled > 0)), tk.graph,
                        comm=root + rs + low_ds + q.layers * kept_layer + q.fsdp_emb_unit))
@@ -893,6 +905,7 @@ def _fsdp_middle_layers(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept,
         # gradients' dtype, of the layers above, from their reduce-scatter outputs (above_bottom: L - 1 of them)
         grads = grads_top + where(fresh, q.above_bottom * above // span, 0) - above * reduced
         acts = own_layers * (i + 1) // q.layers + others_all + tk.outer_rest
+        acts = acts + _held_inputs(q, own_layers, i + 1)   # FSDP1 under reentrant checkpointing
         # the KV cache of the layers above, released by their backward (Kept.kv_low: all L - 1 above the bottom)
         kv = kept.kv_forward + (kept.kv_low - kept.kv_forward) * above // span
         graph = tk.graph_layer * above + tk.graph_extra_layer * (i + 1)

@@ -23,8 +23,8 @@ import numpy as np
 from ..errors import TrainmemError
 from ..spec.frameworks import OWN_MODEL_CODE
 from ..spec.model import ModelSpec
-from ..spec.tf_releases import (cache_values_own_dtype, causal_lm_loss, code_release, eager_clamp, kv_cache_kind,
-                                reentrant_checkpointing, rotary_keys_half, sdpa_repeats_kv)
+from ..spec.tf_releases import (cache_values_own_dtype, causal_lm_loss, checkpoint_wraps_unit, code_release,
+                                eager_clamp, kv_cache_kind, rotary_keys_half, sdpa_repeats_kv)
 from ..spec.training import CHUNKED_NLL_TOKENS, RECOMPUTE, TrainingSpec, chunked_nll_problem, config_use_cache
 from .cache import BoundedCache
 from .elementwise import NEVER
@@ -157,6 +157,8 @@ class Quantities:
     nosync_kept_root: int = 0
     fsdp1_unprefetched: int = -1  # FSDP1, LoRA units of their own: layer ops from this one on (forward
     #                               order) run their backward before the previous layer is prefetched
+    fsdp1_held_inputs: int = 0    # 1 where FSDP1's reshard-only hooks hold every layer's input and its gradient
+    #                               to the end of backward (reentrant checkpointing, frozen layer units)
     lower_layers: int = 0  # an encoder-decoder's encoder layers on this rank (backward after the decoder's)
     above_bottom: int = 0  # gradient bytes of the layers above the bottom one (made before its backward)
     above_decoder_bottom: int = 0  # ... above an encoder-decoder's decoder-bottom layer
@@ -326,8 +328,7 @@ def layer_key(m: ModelSpec, t: TrainingSpec) -> LayerKey:
                     m.num_experts,
                     m.experts_top_k, m.pre_norm, lora, t.lora_dropout if lora else 0.0,
                     bool(lora) and adapters_computed_half(t), dequant_dtypes(t) if t.quantize else (0, 0),
-                    t.bnb_saves_input, t.recompute == "full" and t.recompute_every == 1
-                    and reentrant_checkpointing(t.transformers_release),
+                    t.bnb_saves_input, t.checkpoint_reentrant,
                     kv_cache(m, t), biased=biased_linears(m) if t.recompute == "op" else (), ep=t.ep,
                     ep_rows=ep_rank_rows(m.experts_top_k, m.num_experts, t.ep, t.moe_imbalance) if t.ep > 1 else 0.0,
                     compiled=t.compile, lora_base_trains=bool(lora) and t.fsdp_mixed_units,
@@ -2018,7 +2019,7 @@ def _graph_held(t: TrainingSpec, held: float, checkpointed: int, layers: int) ->
     in the outer graph, only while its own backward runs (among its saved activations)."""
     if not layers:
         return {"graph_tok": held, "graph_extra_tok": 0.0}
-    if checkpointed and reentrant_checkpointing(t.transformers_release):
+    if checkpointed and t.checkpoint_reentrant:
         return {"graph_tok": held * (layers - checkpointed) / layers, "graph_extra_tok": 0.0}
     return {"graph_tok": held, "graph_extra_tok": held * checkpointed / layers}
 
@@ -2818,7 +2819,35 @@ def _fsdp1_fields(t: TrainingSpec, st: States, lc: LayerCoefs) -> dict[str, int]
             "fsdp1_flat": fsdp1_flat_gradient(st) if one else 0,
             "fsdp1_root_views": st.root_views if one and st.root_flat else 0,
             "fsdp1_root_flat": fsdp1_root_flat_gradient(st) if one else 0,
-            "fsdp1_unprefetched": fsdp1_unprefetched(t, lc)}
+            "fsdp1_unprefetched": fsdp1_unprefetched(t, lc), "fsdp1_held_inputs": int(fsdp1_held_inputs(t))}
+
+
+def fsdp1_held_inputs(t: TrainingSpec) -> bool:
+    """Whether FSDP1 holds every checkpointed layer's input, and the gradient autograd accumulates into
+    it, until backward ends. Reentrant checkpointing (``--reentrant``: transformers 4.48.1
+    ``modeling_utils.py`` L2539, ``gradient_checkpointing_enable`` defaults to ``use_reentrant=True``)
+    recomputes a layer on ``detach_variable`` copies of its saved inputs, leaves that require grad, and
+    ``torch.autograd.backward(outputs, args)`` accumulates the input's gradient into that leaf's ``.grad``
+    (torch/utils/checkpoint.py ``CheckpointFunction.backward``). The recompute calls the layer's FSDP1
+    unit; a unit whose flat parameter does not require grad (a frozen decoder layer: peft's
+    ``fsdp_auto_wrap_policy`` gives the adapters units of their own, ``fsdp_lora_units="separate"``)
+    registers, in ``_pre_forward``, a multi-grad hook on its inputs that require grad, to reshard after
+    their gradients (torch 2.13 ``fsdp/_runtime_utils.py`` ``_register_post_backward_reshard_only_hook``
+    L1473-1516, kept in ``flat_param._post_backward_hook_state``; the same in torch 2.1-2.4).
+    ``register_multi_grad_hook`` keeps each input's gradient node, for a leaf its ``AccumulateGrad``
+    (``autograd/graph.py`` ``_get_grad_fn_or_grad_acc`` L190-200: ``t.view_as(t).grad_fn.next_functions``),
+    which references the leaf; the hook registered on the leaf closes the cycle, so the leaf, its
+    storage (the layer's saved input) and its ``.grad`` live until ``_finalize_params`` removes the hook
+    in the post-backward final callback (L1182-1190). At layer ``j``'s backward the ``L-1-j`` inputs above
+    it and the ``L-2-j`` gradients above the one it receives are still allocated: at the bottom layer
+    every layer's input and ``L-2`` gradients of the residual stream. Non-reentrant checkpointing hands
+    the unit inputs with a ``grad_fn`` (no ``AccumulateGrad`` kept), and a flat parameter that requires
+    grad registers no such hook; nor does a unit that runs the checkpoint inside its own forward
+    (transformers 4.52 and later: ``tf_releases.checkpoint_wraps_unit``), whose inputs have a ``grad_fn``
+    too. Checked on a real CPU run (tests/test_fsdp1_reentrant.py); found by the
+    fms-acceleration Mistral-7B LoRA FSDP1 rows (-8.7 % / -10.0 % before)."""
+    return (t.checkpoint_reentrant and t.fsdp is not None and t.fsdp_version == 1 and t.lora_rank > 0
+            and t.fsdp_lora_units == "separate" and checkpoint_wraps_unit(t.transformers_release))
 
 
 def fsdp1_views(t: TrainingSpec) -> bool:

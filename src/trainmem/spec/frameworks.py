@@ -154,13 +154,21 @@ def _hf_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] | No
     calls it on every 4-bit model) casts each fp16/bf16 parameter that is not a ``Params4bit`` to
     fp32 (embeddings, norms, an untied head), and ``TrainingArguments(bf16=True)`` runs the step
     under autocast: trainmem's ``bf16-amp`` (``fp16-amp`` for an fp16 checkpoint) over the 4-bit
-    base. (Axolotl patches the cast away; give ``--precision`` then.)"""
+    base. (Axolotl patches the cast away; give ``--precision`` then.)
+
+    transformers 4.x: ``gradient_checkpointing=True`` checkpoints with ``use_reentrant=True`` unless
+    ``gradient_checkpointing_kwargs`` say otherwise (4.48.1 ``modeling_utils.py`` L2539, 4.56.0 L3810;
+    5.0.0 L3099 defaults to False): ``--recompute full`` on every layer is ``--reentrant`` there."""
+    out: dict[str, Any] = {}
+    if version is not None and version < (5,) and view.get("recompute") == "full" \
+            and (view.get("recompute_every") or 1) == 1:
+        out["reentrant"] = True
     if view.get("quantize") and view.get("quantize_via", "transformers") == "transformers":
-        return {"precision": "fp16-amp" if _dtype_precision(model) == "fp16" else "bf16-amp"}
+        return {**out, "precision": "fp16-amp" if _dtype_precision(model) == "fp16" else "bf16-amp"}
     if version is not None and version < (5,):
-        return {}
+        return out
     p = _dtype_precision(model)
-    return {"precision": p} if p else {}
+    return {**out, "precision": p} if p else out
 
 
 def _lightning_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] | None) -> dict[str, Any]:
@@ -929,7 +937,8 @@ def markdown_table() -> str:
              "mistral, qwen2, mixtral, gpt2, bert, OPT, Granite), so the release's model code is counted: eager attention "
              "before the family's SDPA support (the attention cell, like PyTorch's defaults, gives way), the loss's "
              "logits copies before 4.49 and the KV cache's own keys and values (no copies) before 4.56; other models "
-             "keep the installed code, with a warning."]
+             "keep the installed code, with a warning. Before 5.0 `--recompute full` on every layer is also "
+             "`--reentrant` (`gradient_checkpointing_enable`'s `use_reentrant=True`; docs/recompute.md)."]
     rows += ["", "Notes:", ""]
     for p in PRESETS.values():
         for k, c in p.cells.items():

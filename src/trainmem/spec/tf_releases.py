@@ -352,6 +352,19 @@ def cache_built(model: Any, t: Any) -> bool:
     return t.recompute not in ("full", "op") and t.pp * t.cp == 1 and config_use_cache(model.config, t)
 
 
+#: the first release whose decoder layers checkpoint themselves (``GradientCheckpointingLayer.__call__``,
+#: 4.52.1 modeling_layers.py: inside a wrapper such as an FSDP unit); before it the model's loop checkpoints
+#: ``decoder_layer.__call__`` (4.48.1 models/mistral/modeling_mistral.py L548-559), the wrapper included
+CHECKPOINT_IN_LAYER_SINCE = (4, 52)
+
+
+def checkpoint_wraps_unit(version: tuple[int, ...] | None) -> bool:
+    """Whether the model code of release ``version`` (None: the installed one) runs gradient checkpointing
+    around the module a wrapper (an FSDP unit) replaced each decoder layer with, so that the wrapper
+    receives the checkpoint's detached inputs in the recompute (``CHECKPOINT_IN_LAYER_SINCE``)."""
+    return code_release(version) < CHECKPOINT_IN_LAYER_SINCE
+
+
 def code_release(version: tuple[int, ...] | None) -> tuple[int, ...]:
     """The transformers release whose model code a run executes: ``version`` (``--transformers-version``),
     else the installed transformers (read from its package metadata, nothing imported), else

@@ -12,7 +12,7 @@ from ..errors import TrainmemError
 from .layout import layout_problems, stage_layers
 from .releases import (SDPA_ATTENTION, fsdp2_rs_on_default_stream, math_sdpa_upcasts, parse_torch_version,
                        softmax_saves_input, torch_problems)
-from .tf_releases import parse_transformers_version, transformers_problems
+from .tf_releases import parse_transformers_version, reentrant_checkpointing, transformers_problems
 
 #: fp32; fp16-amp/bf16-amp: fp32 weights + autocast; bf16/fp16: everything in that dtype ("pure",
 #: Lightning's bf16-true); bf16-mp: FSDP's mixed-precision policy (fp32 sharded parameters, gradients
@@ -183,6 +183,8 @@ class TrainingSpec:
     sequence_parallel: bool = False
     recompute: str = "none"
     recompute_every: int = 1  # full recompute of every N-th layer only (torchtitan/torchtune ac_freq)
+    reentrant: bool | None = None  # full recompute through torch.utils.checkpoint(use_reentrant=True); None:
+    #                          transformers' default of the run's release (``checkpoint_reentrant``)
     offload_activations: bool = False  # torchtune's OffloadActivations: checkpointed layers' inputs in CPU memory
     attention: str = "sdpa"
     optimizer_in_backward: bool = False
@@ -375,6 +377,10 @@ class TrainingSpec:
             raise TrainmemError(f"--recompute-every {self.recompute_every} checkpoints every N-th layer: it needs "
                                 "--recompute full (torchtitan's selective_ac_option is 'op' or a layer frequency, "
                                 "not both)")
+        if self.reentrant and (self.recompute != "full" or self.recompute_every > 1):
+            raise TrainmemError("--reentrant is how --recompute full checkpoints each layer (torch.utils.checkpoint "
+                                "use_reentrant=True): give --recompute full on every layer (no --recompute-every), "
+                                "or drop --reentrant")
         if self.recompute == "op":
             if self.lora_rank or self.quantize:
                 raise TrainmemError("--recompute op is modelled for full training: peft's adapter matmuls would "
@@ -684,6 +690,16 @@ class TrainingSpec:
         """``transformers_version`` as numbers (None: the installed release)."""
         v = self.transformers_version
         return None if v is None else parse_transformers_version(v)
+
+    @property
+    def checkpoint_reentrant(self) -> bool:
+        """Whether ``--recompute full`` checkpoints each layer with ``use_reentrant=True``: ``--reentrant``
+        as given, else transformers' ``gradient_checkpointing_enable`` default of the run's release
+        (``tf_releases.reentrant_checkpointing``: before 5.0); never for ``--recompute-every`` (not
+        transformers' own checkpointing) or without full recompute."""
+        if self.recompute != "full" or self.recompute_every > 1:
+            return False
+        return self.reentrant if self.reentrant is not None else reentrant_checkpointing(self.transformers_release)
 
     @property
     def torch_release(self) -> tuple[int, ...] | None:
