@@ -197,3 +197,15 @@ def test_published_fms_mistral_lora_fsdp1_rows(batch, measured):
 def test_hf_trainer_preset_checkpoints_reentrant_before_transformers_5(version, options, reentrant):
     r = trainmem.estimate("llama-3.2-1b", framework="hf-trainer", framework_version=version, **options)
     assert r.training.checkpoint_reentrant is reentrant
+
+
+@pytest.mark.parametrize("trl, options, reentrant", [
+    ("0.13.0", {}, True),                                   # transformers 4's own default
+    ("0.27.0", {}, False),                                  # SFTConfig: use_reentrant=False under transformers < 5
+    ("0.27.0", {"lora_rank": 8, "zero": 3, "dp": 2}, False),
+    ("0.28.0", {"lora_rank": 8, "zero": 3, "dp": 2}, True),  # PEFT under ZeRO-3 forced back to reentrant
+])
+def test_trl_sets_use_reentrant_by_release(trl, options, reentrant):
+    r = trainmem.estimate("llama-3.2-1b", framework="trl", framework_version=trl, recompute="full",
+                          transformers_version="4.48.1", seq_len=512, **options)
+    assert r.training.checkpoint_reentrant is reentrant

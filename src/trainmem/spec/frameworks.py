@@ -204,10 +204,18 @@ def _trl_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] | N
     when the preset's precision is bf16-amp, from 0.19); 0.22-0.25 cast nothing. From 1.7
     ``loss_type`` defaults to ``chunked_nll`` (sft_config.py L335-336 at v1.9.0): ``--loss chunked-nll``
     where the estimate models it (``training.chunked_nll_problem``: not a derived architecture);
-    elsewhere the model's own loss stays, with a warning."""
+    elsewhere the model's own loss stays, with a warning. Gradient checkpointing: from 0.27 SFTConfig
+    sets ``use_reentrant=False`` when transformers is older than 5.0 (trl/trainer/sft_config.py
+    L281-287 at v0.27.0, commit 40d8759d1; sft_trainer.py L975-981 at v1.0.0), so ``--no-reentrant``
+    where transformers' own default would be reentrant (``TrainingSpec.checkpoint_reentrant``); from
+    0.28 a PEFT model under DeepSpeed ZeRO-3 is forced back to ``use_reentrant=True`` (sft_trainer.py
+    L793-809 at v1.0.0, commit f11b4c3fd)."""
     out: dict[str, Any] = {}
     if version is None or version >= (0, 22):
         out["use_cache"] = False
+    if (version is None or version >= (0, 27)) and view.get("recompute") == "full":
+        peft_zero3 = bool(view.get("lora_rank")) and view.get("zero") == 3 and (version is None or version >= (0, 28))
+        out["reentrant"] = peft_zero3
     if _trl_chunked(view, model, version) and chunked_nll_problem(
             model, bool(view.get("quantize")) and view.get("quantize_via") == "fabric") is None:
         out["loss"] = "chunked-nll"
