@@ -214,9 +214,9 @@ def _thunder_rms_norm(weight, x, eps):
 
 def test_rms_norm_input_saves_the_input_itself_not_an_fp32_copy():
     """``--rms-norm input`` (old lit-gpt's RMSNorm): on real bf16 CPU tensors the rewritten norm saves
-    x itself (its storage, three times: both operands of ``x * x``, and ``x * rsqrt``), the (b, s, 1) rsqrt in bf16 and the
-    bf16 normalised tensor, nothing in fp32; transformers' own LlamaRMSNorm saves an fp32 copy of x
-    instead. Output and saved set are those of thunder's code written out."""
+    x itself (its storage, three times: both operands of ``x * x``, and ``x * rsqrt``), the (b, s, 1)
+    rsqrt in bf16 and the bf16 normalised tensor, nothing in fp32; transformers' own LlamaRMSNorm
+    saves an fp32 copy of x instead. Output and saved set are those of thunder's code written out."""
     model = _tiny_llama(4).to(torch.bfloat16)
     plain = model.model.layers[0].input_layernorm
     x = torch.randn(2, 8, 64, dtype=torch.bfloat16, requires_grad=True)
