@@ -202,3 +202,61 @@ def test_fused_qkv_output_not_kept_when_flash_pads_the_head(head_dim):
     assert e.training.fused_qkv and t.training.fused_qkv
     assert (_fused_kept_mib(e) == 0) == (head_dim % 8 != 0)
     assert e.peak_allocated == pytest.approx(t.peak_allocated, rel=0.005)
+
+
+def _thunder_rms_norm(weight, x, eps):
+    """lightning-thunder's ``thunder/tests/lit_gpt_model.py`` ``RMSNorm.forward`` at 07da9a31b
+    (2024-02-27, the commit of the Lit-GPT benchmark numbers), L116-120, written out."""
+    norm_x = torch.mean(x * x, dim=-1, keepdim=True)
+    x_normed = x * torch.rsqrt(norm_x + eps)
+    return weight * x_normed
+
+
+def test_rms_norm_input_saves_the_input_itself_not_an_fp32_copy():
+    """``--rms-norm input`` (old lit-gpt's RMSNorm): on real bf16 CPU tensors the rewritten norm saves
+    x itself (its storage, three times: both operands of ``x * x``, and ``x * rsqrt``), the (b, s, 1)
+    rsqrt in bf16 and the bf16 normalised tensor, nothing in fp32; transformers' own LlamaRMSNorm
+    saves an fp32 copy of x instead. Output and saved set are those of thunder's code written out."""
+    model = _tiny_llama(4).to(torch.bfloat16)
+    plain = model.model.layers[0].input_layernorm
+    x = torch.randn(2, 8, 64, dtype=torch.bfloat16, requires_grad=True)
+    before, _ = _saved(lambda: plain(x))
+    assert any(s.dtype == torch.float32 and s.shape == x.shape for s in before)  # x.float(), saved
+    litgpt_modules.apply(model, TrainingSpec(batch_size=1, seq_len=8, precision="bf16", rms_norm="input"))
+    norm = model.model.layers[0].input_layernorm
+    saved, out = _saved(lambda: norm(x))
+    ref_saved, ref = _saved(lambda: _thunder_rms_norm(norm.weight, x, norm.variance_epsilon))
+    assert torch.equal(out, ref)
+    assert [(s.shape, s.dtype) for s in saved] == [(s.shape, s.dtype) for s in ref_saved]
+    assert all(s.dtype == torch.bfloat16 for s in saved)
+    same = [s for s in saved if s.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()]
+    assert len(same) == 3 and {tuple(s.shape) for s in saved} == {(2, 8, 64), (2, 8, 1), (64,)}
+    # the final norm is rewritten too
+    assert model.model.norm.forward.__func__ is litgpt_modules.rms_norm_input_forward
+
+
+def test_rms_norm_input_estimate_matches_trace():
+    """Two open_llama-like layers (hidden 1600, head_dim 100) in pure bf16 as the thunder benchmark
+    runs them: estimate and trace (which runs the rewritten norms) agree within 0.5 % with either
+    norm, and the estimate's peak drops by what the five norms (two per layer and the final one)
+    save less per token: an input-dtype x (2 B) and rsqrt (2 B) where fp32 ones (4 B each) were."""
+    sets = ["num_hidden_layers=2", "hidden_size=1600", "intermediate_size=4320", "num_attention_heads=16",
+            "num_key_value_heads=16", "vocab_size=16000"]
+    opts = dict(batch_size=2, seq_len=1024, framework="litgpt", precision="bf16-true", recompute="none",
+                gpu="a100-40gb", loss="half", loss_chunks=1)
+    peaks = {}
+    for norm in ("fp32", "input"):
+        t = trace("llama-2-7b", set=sets, rms_norm=norm, **opts)
+        e = estimate("llama-2-7b", set=sets, rms_norm=norm, **opts)
+        assert e.peak_allocated == pytest.approx(t.peak_allocated, rel=0.005)
+        peaks[norm] = e.peak_allocated
+    assert peaks["fp32"] - peaks["input"] == 5 * 2 * 1024 * (2 * 1600 + 2)
+
+
+def test_rms_norm_input_refused_where_it_has_no_meaning():
+    with pytest.raises(TrainmemError, match="--rms-norm input"):
+        estimate("gpt2", rms_norm="input")
+    with pytest.raises(TrainmemError, match="--rms-norm input"):
+        estimate("llama-2-7b", rms_norm="input", compile=True)
+    with pytest.raises(TrainmemError, match="--rms-norm"):
+        estimate("llama-2-7b", rms_norm="bf16")

@@ -166,6 +166,8 @@ CASES = [
     ({"split_gate_up": True}, REFUSED, "--split-gate-up"),
     # litgpt's SDPA call: K/V copied to the query's heads (this model has 2 key/value heads for 4 query heads)
     ({"attention_call": "repeat-kv"}, CHANGED, ""),
+    ({"rms_norm": "input", "precision": "bf16"}, CHANGED, ""),
+    ({"rms_norm": "input", "compile": True}, REFUSED, "--rms-norm input"),
     ({"attention_call": "repeat-kv", "attention": "eager"}, REFUSED, "--attention-call repeat-kv"),
     ({"loss": "fused"}, REFUSED, "--loss fused"),
     ({"loss": "chunked-nll"}, CHANGED, ""),  # TRL's chunked_nll, run as TRL writes it (workload._chunked_nll_loss)
@@ -197,6 +199,7 @@ REFERENCE = {"fsdp_version": {"fsdp": "full", "dp": 2}, "use_cache": {"hold_outp
              "reentrant": {"recompute": "full", "lora_rank": 8},
              "pp": {"grad_accum": 2}, "num_microbatches_in_flight": {"pp": 2, "grad_accum": 2},
              "pp_schedule": {"pp": 2, "grad_accum": 2}, "cast_output": {"loss": "half"},
+             "rms_norm": {"precision": "bf16"},
              "pp_stage": {"pp": 2, "grad_accum": 2},
              "pp_first_stage_less_layers": {"pp": 2, "grad_accum": 2},
              # (where DeepSpeed is installed: its engine options vs their stage alone)

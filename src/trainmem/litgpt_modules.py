@@ -16,6 +16,11 @@ layer with its own modules where transformers' differ in what autograd keeps:
   ``LoRALinear`` under LoRA (``litgpt/lora.py`` L615-622, L88-172: its own dropout, ``lora_A``,
   ``lora_B``), where transformers' ``Phi3MLP`` has one ``gate_up_proj`` and chunks its output.
 
+* ``--rms-norm input``: lit-gpt's ``RMSNorm`` before 6178c7cc (2023-10-24) and lightning-thunder's
+  copy of lit-gpt's model (``thunder/tests/lit_gpt_model.py``) until PR2342 (2024-03-04) compute in the
+  input's dtype, with no fp32 cast (``rms_norm_input_forward``), where transformers' ``LlamaRMSNorm``
+  casts the input to fp32 and the normalised tensor back.
+
 ``apply(model, t)`` does this as a surgery on the built (and, with LoRA, peft-wrapped) model: each
 attention's ``q_proj``/``k_proj``/``v_proj`` become parts of one fused linear (the first one called
 in a forward runs it, each returns its slice, the same view litgpt's ``split`` makes), and each MLP
@@ -44,7 +49,10 @@ QKV = ("q_proj", "k_proj", "v_proj")
 
 def apply(model: nn.Module, t: TrainingSpec) -> nn.Module:
     """``model`` with litgpt's fused q/k/v (``t.fused_qkv``) and split gate/up (``t.split_gate_up``)
-    linears in place of transformers' (and of peft's adapters on them); unchanged without either."""
+    linears in place of transformers' (and of peft's adapters on them), and old lit-gpt's RMSNorm
+    (``t.rms_norm`` input); unchanged without any."""
+    if t.rms_norm == "input":
+        _rms_norms_in_input_dtype(model)
     if not (t.fused_qkv or t.split_gate_up):
         return model
     fused = split = 0
@@ -269,6 +277,27 @@ def _split_gate_up(mlp: nn.Module) -> None:
     mlp.fc_1 = LoRALinear(_linear([base], rows=half), lora)
     mlp.fc_2 = LoRALinear(_linear([base], rows=half), lora)
     mlp.forward = types.MethodType(litgpt_mlp_forward, mlp)
+
+
+# ----- old lit-gpt's RMSNorm (--rms-norm input) ------------------------------------------------------
+def rms_norm_input_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """lit-gpt's ``RMSNorm.forward`` before 6178c7cc (``lit_gpt/rmsnorm.py`` L17-21 at 8641822, 2023-10-16),
+    as lightning-thunder's ``thunder/tests/lit_gpt_model.py`` L116-120 has it at 07da9a31b (2024-02-27),
+    over a transformers RMSNorm's ``weight`` and ``variance_epsilon``: everything in x's dtype."""
+    norm_x = torch.mean(x * x, dim=-1, keepdim=True)  # (..., 1), x's dtype
+    x_normed = x * torch.rsqrt(norm_x + self.variance_epsilon)  # saves x and rsqrt's output
+    return self.weight * x_normed  # saves x_normed for the weight's gradient
+
+
+def _rms_norms_in_input_dtype(model: nn.Module) -> None:
+    """Every transformers RMSNorm of ``model`` (a ``weight`` and a ``variance_epsilon``, LlamaRMSNorm's
+    attributes) computes as ``rms_norm_input_forward``; refused when the model has none."""
+    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+    if not norms or not all(hasattr(m, "weight") and hasattr(m, "variance_epsilon") for m in norms):
+        raise TrainmemError("--rms-norm input rewrites transformers' LlamaRMSNorm (weight, variance_epsilon); "
+                            "this model has other norms: use estimate, or drop --rms-norm")
+    for m in norms:
+        m.forward = types.MethodType(rms_norm_input_forward, m)
 
 
 # ----- litgpt's SDPA call (--attention-call repeat-kv) --------------------------------------------------

@@ -8,7 +8,7 @@ from typing import Any, Callable
 from ..spec.frameworks import FRAMEWORKS
 from ..spec.tasks import TASKS
 from ..spec.training import (ATTENTION, ATTENTION_CALLS, FSDP_GATHERED, FSDP_LORA_UNITS, FSDP_MODES, GRAD_SYNC,
-                             HOLD_OUTPUT, OPTIMIZER_ALIASES, OPTIMIZER_IMPLS, OPTIMIZERS, PP_SCHEDULES, PP_STAGES,
+                             RMS_NORMS, HOLD_OUTPUT, OPTIMIZER_ALIASES, OPTIMIZER_IMPLS, OPTIMIZERS, PP_SCHEDULES, PP_STAGES,
                              PRECISION_ALIASES, PRECISIONS, RECOMPUTE, ZERO_GRAD, LOSSES, LOSS_SHIFTS, MASTER_WEIGHTS,
                              TRANSFORMER_IMPLS)
 
@@ -267,6 +267,11 @@ def _add_loss(g: Any) -> None:
                    help="model (default): SDPA called as transformers' attention calls it; repeat-kv: with "
                         "is_causal and no mask, K and V first copied to the query's heads, as litgpt's "
                         "CausalSelfAttention does in training (estimate and trace)")
+    g.add_argument("--rms-norm", choices=RMS_NORMS, default=None,
+                   help="fp32 (default): the RMSNorms cast their input to fp32 (transformers' LlamaRMSNorm, litgpt "
+                        "since Oct 2023); input: they compute in the input's dtype and save the input itself "
+                        "(lit-gpt before 6178c7cc, lightning-thunder's lit_gpt_model.py until Mar 2024; estimate "
+                        "and trace)")
     g.add_argument("--loss-chunks", type=positive_int, default=None, metavar="N",
                    help="--loss chunked (each chunk upcast, torchtune's num_output_chunks) or half (half "
                         "chunks, litgpt's lm_head_chunk_size: N = ceil(seq / 128)): the output projection and "
@@ -438,6 +443,7 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 fsdp_gathered=a.fsdp_gathered,
                 fsdp_version=a.fsdp_version, loss_shift=a.loss_shift, cast_output=a.cast_output, fused_qkv=a.fused_qkv,
                 use_cache=a.use_cache, attention_call=a.attention_call, split_gate_up=a.split_gate_up,
+                rms_norm=a.rms_norm,
                 target_len=a.target_len, image_size=a.image_size, later_seq_len=a.later_seq_len,
                 min_seq_len=a.min_seq_len, layer_rope_cache=a.layer_rope_cache, rope_cache=a.rope_cache,
                 deepspeed_config=a.deepspeed_config, reduce_bucket_size=a.reduce_bucket_size,

@@ -245,6 +245,7 @@ class Builder:
         # attention or the MLP got), set by the layer builder: ``Recipe.recompute_moment``
         self.outer_live: tuple[T, ...] = ()
         self.ring = 1  # PyTorch's context parallelism: the ranks its ring attention runs over (_ring_attention)
+        self.rms_input = False  # --rms-norm input: ``rms_norm_hf`` is ``rms_norm_input`` (old lit-gpt RMSNorm)
         # a gradient alive through the backward of the linears built while it is set (``_linear_backward``):
         # a post-LN layer's residual gradient, waiting for its MLP branch (``_bert_layer``)
         self.waiting_grad: tuple[T, ...] = ()
@@ -468,7 +469,9 @@ class Builder:
         output (fp32, one per normalised row: per token, or per head and token for Qwen3's
         ``q_norm``/``k_norm`` over ``head_dim``, ``rows``); the normalised tensor cast back to the
         input dtype, saved by the multiply with the weight. Output dtype: weight dtype x input
-        dtype promotion."""
+        dtype promotion. Under ``--rms-norm input`` the norm is ``rms_norm_input``."""
+        if self.rms_input:
+            return self.rms_norm_input(x, name, rows)
         x32 = x if x.nbytes == F32 else T(x.tok, 0, F32, name)
         self.r.save(T(x32.tok, 0, F32, name), T(rows, 0, F32, name + ".stats"))
         # forward only: ``pow(2)``'s fp32 output (reduced by ``mean``) and ``x * rsqrt(...)``'s fp32
@@ -482,6 +485,26 @@ class Builder:
             if self.base_trains:  # the first op with a trainable weight (x.float(), pow, rsqrt are not)
                 self.grad_starts(x)
             self.r.save(normed)
+        return T(x.tok, 0, max(self.p.weight, x.nbytes), name + ".out")
+
+    def rms_norm_input(self, x: T, name: str, rows: float = 1) -> T:
+        """An RMSNorm computed in its input's dtype (``--rms-norm input``): lit-gpt's ``RMSNorm.forward``
+        before 6178c7cc (2023-10-24; ``lit_gpt/rmsnorm.py`` L17-21 at 8641822) and lightning-thunder's
+        copy of it until PR2342 (2024-03-04; ``thunder/tests/lit_gpt_model.py`` L116-120 at 07da9a31b):
+        ``norm_x = torch.mean(x * x, dim=-1, keepdim=True); x_normed = x * torch.rsqrt(norm_x + eps);
+        return self.weight * x_normed``. ``x * x`` and ``x * rsqrt`` save ``x`` itself (no copy: the
+        layer's input or the residual after attention, which nothing else keeps), ``rsqrt`` its output
+        (one per row, in x's dtype: ``RsqrtBackward0`` saves ``result``), ``weight * x_normed`` saves
+        ``x_normed`` (x's dtype) for the weight's gradient (none for a frozen weight). Forward only:
+        ``x * x`` (x's dtype), reduced by ``mean``. Output: weight dtype x input dtype promotion."""
+        self.r.save(x, T(rows, 0, x.nbytes, name + ".stats"))
+        sq = T(x.tok, 0, x.nbytes, f"{name}.pow")
+        self.r.forward_only[id(sq)] = sq
+        self.r.input_saved |= x is self.layer_input
+        if not self.frozen:
+            if self.base_trains:
+                self.grad_starts(x)
+            self.r.save(T(x.tok, 0, x.nbytes, name))
         return T(x.tok, 0, max(self.p.weight, x.nbytes), name + ".out")
 
     def drop(self, x: T, p: float, name: str, keep_output: bool = False) -> T:
@@ -936,6 +959,7 @@ class LayerKey:
     rotary_keys_half: bool = False  # older Llama-style code: rotary in the values' dtype, half keys under autocast
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on the query and key heads (ModelSpec.qk_norm)
     ring: int = 1  # PyTorch's context parallelism: the ranks of its ring attention (states.torch_cp); 1 none
+    rms_norm_input: bool = False  # --rms-norm input: the RMSNorms compute in their input's dtype (old lit-gpt)
 
 
 def ep_rank_rows(top_k: int, experts: int, ep: int, imbalance: float) -> float:
@@ -1071,6 +1095,7 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
                 k.attention_call == "repeat-kv", k.math_upcast)
     B.eager_clamp = k.eager_clamp
     B.ring = k.ring
+    B.rms_input = k.rms_norm_input
     h, f, q, kv = k.h, k.f / t, k.q / t, k.kv / t
     heads, kvh = k.heads / t, k.kv_heads / t  # whole heads per rank (spec.layout.tp_problems)
     x = T(h / sp_div, 0, pol.stream, "residual")

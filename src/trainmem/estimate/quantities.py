@@ -337,7 +337,7 @@ def layer_key(m: ModelSpec, t: TrainingSpec) -> LayerKey:
                     eager_clamp=t.attention == "eager" and eager_clamp(m, t.transformers_release),
                     cache_values_own_dtype=cache_values_own_dtype(release), cache_kind=kv_cache_kind(release),
                     rotary_keys_half=rotary_keys_half(m, release), ring=t.cp if torch_cp(t) else 1,
-                    qk_norm=m.qk_norm)
+                    qk_norm=m.qk_norm, rms_norm_input=t.rms_norm == "input")
 
 
 def release_attention_call(m: ModelSpec, t: TrainingSpec) -> str:
@@ -430,7 +430,8 @@ def outer_tensors(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) -> tup
         out += _embedding_side(m, t, pol, h, sp)
     if t.pp == 1 or stage == "last":
         out += _head_side(m, pol, h, sp, fused=is_lm(m) and loss_mode(m, t) in ("fused", "chunked-nll"), quant_head=_quant_head(m, t),
-                          frozen=bool(t.lora_rank), head_adapted=_head_is_lora_target(m, t))
+                          frozen=bool(t.lora_rank), head_adapted=_head_is_lora_target(m, t),
+                          rms_input=t.rms_norm == "input")
     elif torch_pipeline(t):
         # the stage's output (b, s, h), residual dtype: torch's PipelineStage keeps it in ``fwd_cache``
         # from the micro-batch's forward to its backward (torch 2.13 distributed/pipelining/stage.py
@@ -517,7 +518,8 @@ def _quant_head(m: ModelSpec, t: TrainingSpec) -> str:
 
 
 def _head_side(m: ModelSpec, pol: Policy, h: int, sp: int, fused: bool = False, quant_head: str = "",
-               frozen: bool = False, head_adapted: bool = False) -> list[tuple[str, float, float]]:
+               frozen: bool = False, head_adapted: bool = False, rms_input: bool = False
+               ) -> list[tuple[str, float, float]]:
     """The final norm's saved tensors and the head's input (which a fused linear cross-entropy
     does not save: it keeps the gradients it computed in forward instead; a 4-bit head saves it
     only before bitsandbytes 0.43.2, as the final norm's output itself: ``_quant_head``).
@@ -527,10 +529,16 @@ def _head_side(m: ModelSpec, pol: Policy, h: int, sp: int, fused: bool = False, 
     ``self: mm_mat1_backward(grad, mat2, ...)``, ``mat2: mm_mat2_backward(grad, self, ...)``), so
     neither the head's input nor a dense transform's is kept unless peft adapts the head
     (``head_adapted``: its ``lora_A`` saves the input); HF RMSNorm's ``weight * normed`` saves
-    ``normed`` only for the weight's gradient (as ``layers.Builder.rms_norm_hf``)."""
+    ``normed`` only for the weight's gradient (as ``layers.Builder.rms_norm_hf``).
+
+    ``rms_input`` (``--rms-norm input``): the final RMSNorm computes in its input's dtype
+    (``layers.Builder.rms_norm_input``): it saves its input itself (the last layer's output, which
+    nothing else keeps), one ``rsqrt`` per token in that dtype and, for a trainable weight, ``normed``."""
     out: list[tuple[str, float, float]] = []
     if m.final_norm and m.family != "bert":
-        if m.norm == "rmsnorm":  # HF RMSNorm: fp32 input copy, the normed tensor (trainable weight), fp32 rstd
+        if m.norm == "rmsnorm" and rms_input:
+            out.append(("final_norm", (h * pol.stream * (1 if frozen else 2) + pol.stream) / sp, 0.0))
+        elif m.norm == "rmsnorm":  # HF RMSNorm: fp32 input copy, the normed tensor (trainable weight), fp32 rstd
             out.append(("final_norm", (h * (F32 + (0 if frozen else pol.stream)) + 4) / sp, 0.0))
         else:                    # layer_norm: input + fp32 mean/rstd
             out.append(("final_norm", (h * pol.stream + 8) / sp, 0.0))

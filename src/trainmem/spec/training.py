@@ -51,6 +51,11 @@ ATTENTION = ("eager", "sdpa", "flash", "sdpa-flash", "sdpa-efficient", "sdpa-mat
 #: repeat_kv); repeat-kv = with is_causal and no mask, K and V first copied to the query's heads
 #: (``expand`` + ``reshape``), as litgpt's CausalSelfAttention does in training (lit-gpt 50b1974b on)
 ATTENTION_CALLS = ("model", "repeat-kv")
+#: how a Llama-style RMSNorm computes: fp32 = transformers' LlamaRMSNorm (the input cast to fp32, the
+#: normalised tensor cast back before the weight; litgpt's since lit-gpt 6178c7cc, 2023-10-24); input =
+#: in the input's own dtype, no cast (lit-gpt's RMSNorm before that, and lightning-thunder's copy of its
+#: model in thunder/tests/lit_gpt_model.py until PR2342, 2024-03-04)
+RMS_NORMS = ("fp32", "input")
 ZERO_GRAD = ("none", "zeros")           # optimizer.zero_grad(set_to_none=True) / (set_to_none=False)
 HOLD_OUTPUT = ("loss", "backward", "step")  # what the loop keeps of the model output, and until when
 #: upcast: HF ForCausalLMLoss (logits.float() first); half: F.cross_entropy on the half logits (nanoGPT,
@@ -237,6 +242,7 @@ class TrainingSpec:
     #                                config.use_cache); None: the model config's. False: the loop's model builds none
     #                                (torchtune's, torchtitan's and litgpt's own model code; use_cache=False)
     attention_call: str = "model"  # ATTENTION_CALLS: "repeat-kv" = litgpt's SDPA call (causal, K/V copied to all heads)
+    rms_norm: str = "fp32"  # RMS_NORMS: "input" = the RMSNorms compute in their input's dtype (old lit-gpt code)
     split_gate_up: bool = False  # the MLP's gate and up projections as two linears (litgpt's LLaMAMLP fc_1, fc_2)
     #                              where the model's transformers class fuses them (gate_up_proj: Phi-3)
     fsdp_lora_units: str = "separate"  # FSDP_LORA_UNITS: "layer" puts adapters in their layer's FSDP1 unit
@@ -794,6 +800,12 @@ class TrainingSpec:
                 raise TrainmemError(f"{flag} is litgpt's model on one GPU or data parallelism; drop "
                                     f"{'--tp' if self.tp > 1 else '--pp'} or {flag}")
 
+    def _check_rms_norm(self) -> None:
+        _choice("rms-norm", self.rms_norm, RMS_NORMS)
+        if self.rms_norm == "input" and self.compile:
+            raise TrainmemError("--rms-norm input is modelled for eager runs (the recipe of the compiled layer is "
+                                "inductor's partition of transformers' RMSNorm); drop --compile or --rms-norm")
+
     def _check_attention_call(self) -> None:
         """``--attention-call repeat-kv`` is litgpt's SDPA call (and torchtune's through 2024:
         ``MultiHeadAttention.forward`` copies K and V to the query's heads with
@@ -856,6 +868,7 @@ class TrainingSpec:
         self._check_cast_output()
         self._check_fused_qkv()
         self._check_attention_call()
+        self._check_rms_norm()
         if self.loss_shift == "logits" and (self.loss != "half" or self.loss_chunks > 1):
             raise TrainmemError("--loss-shift logits is a loop that shifts the half logits before its cross-entropy "
                                 "(GPTLMLoss, older transformers models): give --loss half (in one piece), or drop "
@@ -1160,6 +1173,9 @@ def _size_problems(model: Any, t: TrainingSpec) -> str | None:
     if t.split_gate_up and "gate_up_proj" not in {p.module for p in model.parameter_tensors()}:
         return (f"--split-gate-up models litgpt's separate fc_1 and fc_2 over a transformers MLP that fuses them "
                 f"(gate_up_proj); {model.name}'s has no gate_up_proj: drop --split-gate-up")
+    if t.rms_norm != "fp32" and (model.norm != "rmsnorm" or model.head != "causal-lm"):
+        return (f"--rms-norm {t.rms_norm} changes how a causal-LM decoder's RMSNorms compute (old lit-gpt code); "
+                f"{model.name} is not one with RMSNorm ({model.norm}, {model.head} head): drop --rms-norm")
     if t.attention_call != "model" and (model.head != "causal-lm" or model.family == "nanogpt"):
         return (f"--attention-call {t.attention_call} calls SDPA with is_causal (litgpt's decoder); {model.name} "
                 f"is not a transformers causal-LM decoder: drop --attention-call")
