@@ -24,7 +24,7 @@ from ..errors import TrainmemError
 from ..spec.frameworks import OWN_MODEL_CODE
 from ..spec.model import ModelSpec
 from ..spec.tf_releases import (cache_values_own_dtype, causal_lm_loss, checkpoint_wraps_unit, code_release,
-                                eager_clamp, kv_cache_kind, rotary_keys_half, sdpa_repeats_kv)
+                                eager_clamp, kv_cache_kind, moe_expert_loop, rotary_keys_half, sdpa_repeats_kv)
 from ..spec.training import CHUNKED_NLL_TOKENS, RECOMPUTE, TrainingSpec, chunked_nll_problem, config_use_cache
 from .cache import BoundedCache
 from .elementwise import NEVER
@@ -337,7 +337,7 @@ def layer_key(m: ModelSpec, t: TrainingSpec) -> LayerKey:
                     eager_clamp=t.attention == "eager" and eager_clamp(m, t.transformers_release),
                     cache_values_own_dtype=cache_values_own_dtype(release), cache_kind=kv_cache_kind(release),
                     rotary_keys_half=rotary_keys_half(m, release), ring=t.cp if torch_cp(t) else 1,
-                    qk_norm=m.qk_norm)
+                    qk_norm=m.qk_norm, expert_loop=bool(m.num_experts) and moe_expert_loop(m, release))
 
 
 def release_attention_call(m: ModelSpec, t: TrainingSpec) -> str:
