@@ -86,6 +86,32 @@ def test_trace_runs_deepspeeds_engine(stage, one_torch_thread):
     assert by_category["master_weights"] == whole_bf16   # (n / 2) elements x 4 bytes = n x 2 bytes
 
 
+def test_estimate_refuses_zero3_under_op_recompute():
+    with pytest.raises(TrainmemError, match=r"--recompute op with --zero 3: .*early_stop False.*--recompute full"):
+        trainmem.estimate("llama-3.2-1b", zero=3, dp=2, recompute="op", **LLAMA)
+    trainmem.estimate("llama-3.2-1b", zero=2, dp=2, recompute="op", **LLAMA)          # parameters stay whole
+    trainmem.estimate("llama-3.2-1b", fsdp="full", dp=2, recompute="op", **LLAMA)     # FSDP's own hooks
+
+
+def test_zero3_fails_under_op_recompute_because_the_recompute_runs_to_the_blocks_end(monkeypatch,
+                                                                                      one_torch_thread):
+    """Why the refusal: through DeepSpeed's own engine, ZeRO-3 with torchtitan's per-op policy
+    (``early_stop=False``) fails in the first backward (the recompute's post-forward hook empties the
+    parameters of the module whose backward is running); the same policy with ``early_stop=True``
+    stops the recompute before that hook, and the step runs."""
+    pytest.importorskip("deepspeed")
+    from trainmem import checkpointing
+    from trainmem.spec import training
+    monkeypatch.setattr(training, "op_recompute_zero3_problem", lambda t: None)
+    kw = dict(LLAMA, zero=3, dp=2, precision="bf16", recompute="op")
+    with pytest.raises(TrainmemError, match=r"fails when traced \(RuntimeError: The size of tensor a \(0\)"):
+        trace("llama-3.2-1b", **kw)
+    plain = checkpointing.OpCheckpointPolicy.checkpoint_kwargs
+    monkeypatch.setattr(checkpointing.OpCheckpointPolicy, "checkpoint_kwargs",
+                        lambda self: {**plain(self), "early_stop": True})
+    assert trace("llama-3.2-1b", **kw).peak_allocated > 0
+
+
 def test_every_engine_option_reaches_deepspeeds_config():
     pytest.importorskip("deepspeed")
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
