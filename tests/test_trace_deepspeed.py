@@ -112,6 +112,29 @@ def test_zero3_fails_under_op_recompute_because_the_recompute_runs_to_the_blocks
     assert trace("llama-3.2-1b", **kw).peak_allocated > 0
 
 
+LLAMA8 = dict(set=["num_hidden_layers=8", "hidden_size=512", "intermediate_size=1024", "num_attention_heads=8",
+                   "num_key_value_heads=4", "head_dim=64", "vocab_size=8192"], seq_len=128, batch_size=1,
+              zero=3, dp=4, precision="bf16")
+
+
+@pytest.mark.parametrize("prefetch, twice", [(None, True), (0, False)])
+def test_zero3_prefetch_keeps_its_coalesced_buffer_through_forward(prefetch, twice, one_torch_thread):
+    """The second step's prefetch gathers the whole model (within DeepSpeed's 5e7-element bucket) with
+    one ``all_gather_coalesced``, whose flat output lives beside the parameters built from it until the
+    final norm's fetch: the top layer's forward holds the model twice (-2.8% before the estimate
+    counted it, ``quantities.deepspeed_coalesced``). Without prefetch there is no such buffer."""
+    pytest.importorskip("deepspeed")
+    kw = dict(LLAMA8, stage3_prefetch_bucket_size=prefetch)
+    r, e = trace("llama-3.2-1b", **kw), trainmem.estimate("llama-3.2-1b", **kw)
+    gathered = next(c.bytes for c in r.components if c.name == "communication.deepspeed_gathered")
+    one = sum(c.bytes for c in trace("llama-3.2-1b", set=LLAMA8["set"], seq_len=128, batch_size=1,
+                                     precision="bf16").components if c.category == "parameters")
+    assert (r.peak_phase == "forward@2") is twice
+    assert (gathered > 1.9 * one) is twice
+    assert abs(e.peak_allocated / r.peak_allocated - 1) < 0.005
+    assert (e.peak_where == "deepspeed.top_layer.forward") is twice
+
+
 def test_every_engine_option_reaches_deepspeeds_config():
     pytest.importorskip("deepspeed")
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig

@@ -588,6 +588,13 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
                                       valid, prev_graph + own))
     moments.extend(_top_forward(q, tk, (grads_before, states, ws), (prev_logits, prev_kv), step, micro, valid,
                                 prev_graph + own))
+    # DeepSpeed ZeRO-3 from the second step: the top layer's forward with the prefetch's flat all-gather
+    # output beside the parameters built from it (``quantities.deepspeed_coalesced``); every layer's saved
+    # tensors alive (an upper bound by the top layer's tensors saved after the moment)
+    moments.append(_mo("forward", micro, step, "deepspeed.top_layer.forward",
+                       (grads_before, states, tk.inputs, ws, tk.layers + tk.outer_rest, 0),
+                       (prev_logits, prev_kv + tk.kv_held, 0), _both(valid, _both(step > 1, q.ds_coalesced > 0)),
+                       prev_graph + own, comm=q.ds_gathered_top + q.ds_coalesced))
     # --cast-output (Lightning Fabric, quantities._cast_output_loss_bytes): as forward returns, the
     # head's half output and its fp32 copy exist while the loop still holds the previous output; the
     # loop then rebinds its name (the previous output freed) and its loss reads the fp32 copy (the
