@@ -1225,7 +1225,8 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
     loss_buf = backward if t.ds_buckets_at_backward_start else 0
     return {"ds_backward_buf": backward, "ds_loss_buf": loss_buf, "ds_bucket": each, "ds_step_fp32": fp32,
             "ds_step_flat": flat,
-            "ds_gathered_top": top, "ds_gathered_low": low, "ds_coalesced": deepspeed_coalesced(m, t), "ds_partition_grads": part, "ds_cast_grads": cast,
+            "ds_gathered_top": top, "ds_gathered_low": low, "ds_coalesced": deepspeed_coalesced(m, t),
+            "ds_partition_grads": part, "ds_cast_grads": cast,
             "ds_partition_from": made,
             "ds_emb_grads": deepspeed_grads_at_embedding(m, t, st) if hooked else 0,
             # under accumulation ZeRO-2's epilogue keeps the partition's gradients (the parameters' own
