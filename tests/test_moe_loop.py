@@ -20,16 +20,17 @@ H, FF, E, K, TOKENS = 64, 160, 4, 2, 128
 
 class LoopBlock(torch.nn.Module):
     """The op sequence of transformers 4.48's ``MixtralSparseMoeBlock.forward`` (L112-150) with
-    ``MixtralBlockSparseTop2MLP`` (L67-82), frozen as under LoRA on the attention, the router fixed to
-    an even spread (token t to experts t % E and (t + 1) % E)."""
+    ``MixtralBlockSparseTop2MLP`` (L67-82), the experts frozen as under LoRA on the attention or
+    trained, the router (frozen) fixed to an even spread (token t to experts t % E and (t + 1) % E)."""
 
-    def __init__(self):
+    def __init__(self, trained: bool = False):
         super().__init__()
         g = torch.Generator().manual_seed(0)
-        w = lambda o, i: torch.randn(o, i, generator=g, dtype=torch.bfloat16) / i ** 0.5  # noqa: E731
+        w = lambda o, i: (torch.randn(o, i, generator=g, dtype=torch.bfloat16) / i ** 0.5  # noqa: E731
+                          ).requires_grad_(trained)
         self.w1, self.w3, self.w2 = ([w(FF, H) for _ in range(E)], [w(FF, H) for _ in range(E)],
                                      [w(H, FF) for _ in range(E)])
-        self.gate = w(E, H)
+        self.gate = w(E, H).detach()
 
     def forward(self, x):
         t = torch.arange(x.shape[0])
@@ -50,17 +51,22 @@ class LoopBlock(torch.nn.Module):
         return out
 
 
-def _recipe():
-    B = Builder(Policy.of("bf16"), False, lora=(("q_proj", 16, 1),))
-    B.r.adapter_seen = True           # the adapters (attention) come before the block
+def _recipe(trained: bool):
+    """(saved bytes, the backward's highest moment over them) of ``_moe_loop``; trained: less the
+    router's input its linear saves (the replica's router is frozen), with the weight gradients made
+    by then (bf16, the later linears' and the op's own, ``const``)."""
+    B = Builder(Policy.of("bf16"), False, lora=() if trained else (("q_proj", 16, 1),))
+    B.r.adapter_seen = True           # (LoRA) the adapters (attention) come before the block
     _moe_loop(B, T(H, 0, 2, "src"), H, FF, E, K)
     tok, _, _ = B.r.coefficients()
-    excess = max(a + st - tok for _, a, _b, _c, st, _s, _w, _u in B.r.transients)
-    return tok * TOKENS, excess * TOKENS
+    excess = max((a + st - tok) * TOKENS + c + (B.r.weights - w) * 2
+                 for _, a, _b, c, st, _s, w, _u in B.r.transients)
+    return tok * TOKENS - (H * 2 * TOKENS if trained else 0), excess
 
 
-def test_loop_recipe_counts_the_real_blocks_saved_tensors_and_backward_peak():
-    block = LoopBlock()
+@pytest.mark.parametrize("trained", [False, True])
+def test_loop_recipe_counts_the_real_blocks_saved_tensors_and_backward_peak(trained):
+    block = LoopBlock(trained)
     x = torch.randn(TOKENS, H, dtype=torch.bfloat16, requires_grad=True) * 1   # a non-leaf, as a layer's
     with LiveBytes() as live:
         out = block(x)
@@ -70,7 +76,7 @@ def test_loop_recipe_counts_the_real_blocks_saved_tensors_and_backward_peak():
         start = live.current - grad.numel() * 2
         out.backward(grad)
         peak = live.peak - start
-    saved, excess = _recipe()
+    saved, excess = _recipe(trained)
     # less this router's own int64 pick (gather's index; transformers' router has none)
     assert after_forward - 2 * TOKENS * 8 == saved
     assert peak == excess

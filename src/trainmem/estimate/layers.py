@@ -1598,8 +1598,9 @@ def _moe_loop(B: Builder, src: T, h: float, f: float, experts: int, top_k: int) 
     backward runs after the last expert) and, from the second expert on, the block input's gradient
     summed so far ((b*s, h): each gather's ``IndexBackward0`` makes a zeroed one, ``index_backward``).
     The linears' weights count once each (``in_features`` over the rows: the weight is (f, h) whatever
-    the rows). Checked against 4.48.1's block run on the CPU (even routing, frozen experts, bf16):
-    the saved bytes and the backward peak equal to the byte."""
+    the rows). Checked against 4.48.1's block run on the CPU (even routing, bf16, frozen or trained
+    experts): the saved bytes and the backward peak equal to the byte (``tests/test_moe_loop.py`` runs
+    the same op sequence)."""
     k, n = top_k, top_k / experts
     wd = src.nbytes                       # hidden_states' dtype: the rows, the cast routing weights
     pd = max(B.p.half, wd)                # the weighted rows' dtype (half output x hidden-dtype weight)
