@@ -86,6 +86,55 @@ def test_trace_runs_deepspeeds_engine(stage, one_torch_thread):
     assert by_category["master_weights"] == whole_bf16   # (n / 2) elements x 4 bytes = n x 2 bytes
 
 
+def test_estimate_refuses_zero3_under_op_recompute():
+    with pytest.raises(TrainmemError, match=r"--recompute op with --zero 3: .*early_stop False.*--recompute full"):
+        trainmem.estimate("llama-3.2-1b", zero=3, dp=2, recompute="op", **LLAMA)
+    trainmem.estimate("llama-3.2-1b", zero=2, dp=2, recompute="op", **LLAMA)          # parameters stay whole
+    trainmem.estimate("llama-3.2-1b", fsdp="full", dp=2, recompute="op", **LLAMA)     # FSDP's own hooks
+
+
+def test_zero3_fails_under_op_recompute_because_the_recompute_runs_to_the_blocks_end(monkeypatch,
+                                                                                      one_torch_thread):
+    """Why the refusal: through DeepSpeed's own engine, ZeRO-3 with torchtitan's per-op policy
+    (``early_stop=False``) fails in the first backward (the recompute's post-forward hook empties the
+    parameters of the module whose backward is running); the same policy with ``early_stop=True``
+    stops the recompute before that hook, and the step runs."""
+    pytest.importorskip("deepspeed")
+    from trainmem import checkpointing
+    from trainmem.spec import training
+    monkeypatch.setattr(training, "op_recompute_zero3_problem", lambda t: None)
+    kw = dict(LLAMA, zero=3, dp=2, precision="bf16", recompute="op")
+    with pytest.raises(TrainmemError, match=r"fails when traced \(RuntimeError: The size of tensor a \(0\)"):
+        trace("llama-3.2-1b", **kw)
+    plain = checkpointing.OpCheckpointPolicy.checkpoint_kwargs
+    monkeypatch.setattr(checkpointing.OpCheckpointPolicy, "checkpoint_kwargs",
+                        lambda self: {**plain(self), "early_stop": True})
+    assert trace("llama-3.2-1b", **kw).peak_allocated > 0
+
+
+LLAMA8 = dict(set=["num_hidden_layers=8", "hidden_size=512", "intermediate_size=1024", "num_attention_heads=8",
+                   "num_key_value_heads=4", "head_dim=64", "vocab_size=8192"], seq_len=128, batch_size=1,
+              zero=3, dp=4, precision="bf16")
+
+
+@pytest.mark.parametrize("prefetch, twice", [(None, True), (0, False)])
+def test_zero3_prefetch_keeps_its_coalesced_buffer_through_forward(prefetch, twice, one_torch_thread):
+    """The second step's prefetch gathers the whole model (within DeepSpeed's 5e7-element bucket) with
+    one ``all_gather_coalesced``, whose flat output lives beside the parameters built from it until the
+    final norm's fetch: the top layer's forward holds the model twice (-2.8% before the estimate
+    counted it, ``quantities.deepspeed_coalesced``). Without prefetch there is no such buffer."""
+    pytest.importorskip("deepspeed")
+    kw = dict(LLAMA8, stage3_prefetch_bucket_size=prefetch)
+    r, e = trace("llama-3.2-1b", **kw), trainmem.estimate("llama-3.2-1b", **kw)
+    gathered = next(c.bytes for c in r.components if c.name == "communication.deepspeed_gathered")
+    one = sum(c.bytes for c in trace("llama-3.2-1b", set=LLAMA8["set"], seq_len=128, batch_size=1,
+                                     precision="bf16").components if c.category == "parameters")
+    assert (r.peak_phase == "forward@2") is twice
+    assert (gathered > 1.9 * one) is twice
+    assert abs(e.peak_allocated / r.peak_allocated - 1) < 0.005
+    assert (e.peak_where == "deepspeed.top_layer.forward") is twice
+
+
 def test_every_engine_option_reaches_deepspeeds_config():
     pytest.importorskip("deepspeed")
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig

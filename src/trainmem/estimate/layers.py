@@ -960,6 +960,7 @@ class LayerKey:
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on the query and key heads (ModelSpec.qk_norm)
     ring: int = 1  # PyTorch's context parallelism: the ranks of its ring attention (states.torch_cp); 1 none
     rms_norm_input: bool = False  # --rms-norm input: the RMSNorms compute in their input's dtype (old lit-gpt)
+    expert_loop: bool = False  # transformers < 5: Mixtral's experts one nn.Linear MLP at a time (_moe_loop)
 
 
 def ep_rank_rows(top_k: int, experts: int, ep: int, imbalance: float) -> float:
@@ -1313,6 +1314,8 @@ def _llama_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: 
     B.outer_live = (src2,) if x2.nbytes == F32 else (src2, x2)
     if k.experts and k.ep > 1:
         _moe_ep(B, src2, h, f, k.experts, k.top_k, k.ep, k.ep_rows)
+    elif k.experts and k.expert_loop:
+        _moe_loop(B, src2, h, f, k.experts, k.top_k)
     elif k.experts:
         _moe(B, src2, h, f, k.experts, k.top_k)
     else:
@@ -1599,6 +1602,59 @@ def _moe(B: Builder, src: T, h: float, f: float, experts: int, top_k: int) -> No
     # combine backward: index_put of the gradient into zeros, both products' gradients (fp32)
     # and the cast back to the experts' dtype
     B.r.transient("experts.combine.backward", T(3 * k * h, 0, F32), T(k * h, 0, wd))
+
+
+def _moe_loop(B: Builder, src: T, h: float, f: float, experts: int, top_k: int) -> None:
+    """Mixtral's sparse MoE block as transformers 4.x runs it (``tf_releases.moe_expert_loop``; 4.48.0
+    ``models/mixtral/modeling_mixtral.py`` L112-150, 4.39.3 L840-883): the router as in ``_moe`` (its
+    weights then cast to the hidden dtype, L125), then for each expert in turn ``current_state =
+    hidden_states[None, top_x]`` (a gathered copy; ``torch.where`` gives ``idx`` and ``top_x`` as views
+    of one (rows, 2) int64 ``nonzero``, which the indexing saves), ``w2(act_fn(w1(x)) * w3(x))``
+    (``MixtralBlockSparseTop2MLP``, L67-82: three ``nn.Linear``, saving as ``_swiglu`` does), ``*
+    routing_weights[top_x, idx, None]`` (saves the expert's output and the weight column) and
+    ``index_add_`` into the block's output, which saves the weighted rows too (torch 2.13
+    ``csrc/autograd/generated/Functions.h`` L2993, ``IndexAddBackward0::source_``). Rows per expert:
+    ``top_k / experts`` per token, the even spread (a real run's busiest expert gets more).
+
+    Backward runs expert by expert, the last first (each expert's nodes come after the previous
+    expert's ``index_add_``), so its transients are one expert's rows, beside the layer output's
+    gradient (waiting for the attention branch, as in ``_swiglu``), the routing weights' (b*s, top_k)
+    gradient (each expert's ``IndexBackward0`` puts its column into zeros, summed until the cast's
+    backward runs after the last expert) and, from the second expert on, the block input's gradient
+    summed so far ((b*s, h): each gather's ``IndexBackward0`` makes a zeroed one, ``index_backward``).
+    The linears' weights count once each (``in_features`` over the rows: the weight is (f, h) whatever
+    the rows). Checked against 4.48.1's block run on the CPU (even routing, bf16, frozen or trained
+    experts): the saved bytes and the backward peak equal to the byte (``tests/test_moe_loop.py`` runs
+    the same op sequence)."""
+    k, n = top_k, top_k / experts
+    wd = src.nbytes                       # hidden_states' dtype: the rows, the cast routing weights
+    pd = max(B.p.half, wd)                # the weighted rows' dtype (half output x hidden-dtype weight)
+    B.linear(src, experts, "mlp.gate", "router.input", h)
+    B.r.save(T(experts, 0, F32, "router.softmax"), T(k, 0, 8, "router.topk_index"),
+             T(k + 1, 0, F32, "router.topk_weights"))
+    grad_out, rw_grad = T(h / B.sp_div, 0, B.p.stream), T(k, 0, wd)
+    for e in range(experts):
+        later = (rw_grad, T(h, 0, wd)) if e < experts - 1 else ()   # made by the experts after e
+        wait = (grad_out, rw_grad, *later[1:])
+        # IndexBackward0 of the gather: the rows' gradient and the zeroed (b*s, h) one it is put into
+        B.r.transient("experts.gather.backward", T(n * h, 0, wd), T(h, 0, wd), *wait)
+        B.r.save(T(2 * n, 0, 8, "experts.where_index"))  # idx and top_x (int64)
+        rows = T(n * h, 0, wd, "experts.rows")
+        B.waiting_grad = wait
+        gate = B.linear(rows, n * f, "mlp.experts.w1", "experts.input", h / n)
+        up = B.linear(rows, n * f, "mlp.experts.w3", "experts.input", h / n)
+        gate, silu, up = (T(n * f, 0, gate.nbytes, "experts.w1_out"), T(n * f, 0, gate.nbytes, "experts.silu_out"),
+                          T(n * f, 0, up.nbytes, "experts.w3_out"))
+        B.r.save(gate, silu, up)
+        B.r.transient("experts.act.backward", T(3 * n * f, 0, max(gate.nbytes, up.nbytes)), *wait,
+                      incoming=grad_out)
+        prod = T(n * f, 0, max(gate.nbytes, up.nbytes), "experts.act_product")
+        y = B.linear(prod, n * h, "mlp.experts.w2", "experts.w2.input", f / n)
+        B.waiting_grad = ()
+        B.r.save(T(n * h, 0, y.nbytes, "experts.w2_out"), T(n, 0, wd, "experts.routing_weight"),
+                 T(n * h, 0, pd, "experts.weighted_out"))
+        # IndexAddBackward0 (the gradient's rows, index_select) and MulBackward0 (both products' gradients)
+        B.r.transient("experts.combine.backward", T(3 * n * h, 0, pd), grad_out, *later, incoming=grad_out)
 
 
 def _moe_ep(B: Builder, src: T, h: float, f: float, experts: int, top_k: int, ep: int, rows: float) -> None:

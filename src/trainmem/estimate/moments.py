@@ -645,12 +645,18 @@ def _top_forward(q: Quantities, tk: Tokens, base: tuple, prev: tuple, step: int,
     """Forward moments above the layers and before the loss, all layers' tensors saved: a derived
     image model's head forward (SigLIP's pooling head, run but not read; ``head_fwd_tok``), a
     classifier's final RMSNorm forward (``quantities.final_norm_forward``) and a BERT classifier's
-    last LayerNorm forward (``quantities.bert_top_forward``); each (b, s)-sized term per token.
+    last LayerNorm forward (``quantities.bert_top_forward``); each (b, s)-sized term per token. Under
+    DeepSpeed ZeRO-3 from the second step, the top layer's forward with the prefetch's flat all-gather
+    output beside the parameters built from it (``quantities.deepspeed_coalesced``), every layer's saved
+    tensors alive (an upper bound by the top layer's tensors saved after the moment).
     ``base``: gradients, states and the forward's workspace; ``prev``: the previous output's logits
     and KV cache the loop still holds."""
     grads_before, states, ws = base
     prev_logits, prev_kv = prev
-    out = []
+    out = [_mo("forward", micro, step, "deepspeed.top_layer.forward",
+               (grads_before, states, tk.inputs, ws, tk.layers + tk.outer_rest, 0),
+               (prev_logits, prev_kv + tk.kv_held, 0), _both(valid, _both(step > 1, q.ds_coalesced > 0)),
+               graph, comm=q.ds_gathered_top + q.ds_coalesced)]
     for where_, per_tok in (("head.forward", q.head_fwd_tok), ("final_norm.forward", q.final_norm_fwd_tok),
                             ("layer.output.LayerNorm.forward", q.bert_top_fwd_tok)):
         out.append(_mo("forward", micro, step, where_,

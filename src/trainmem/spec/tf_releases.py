@@ -48,6 +48,12 @@ numbers are those files'. What depends on it, for the hand-written families:
   ``modeling_llama.py`` L1058-1097, L674; 4.38.0 registers a ``causal_mask`` buffer), so CUDA runs the
   memory-efficient kernel with a mask; 4.40 skips the mask when it is only causal
   (``AttentionMaskConverter._ignore_causal_mask_sdpa``). Not modelled: refused.
+* **Mixtral's experts** (``moe_expert_loop``): before 5.0 ``MixtralSparseMoeBlock`` holds a
+  ``ModuleList`` of ``MixtralBlockSparseTop2MLP`` (``w2(act_fn(w1(x)) * w3(x))``, three ``nn.Linear``) and
+  loops over them: each expert gathers its rows (``hidden_states[None, top_x]``), runs its MLP, multiplies
+  by its routing weights (cast to the hidden dtype) and ``index_add_``s the result (4.39.3
+  ``modeling_mixtral.py`` L840-883, 4.48.0 L112-150). Backward runs expert by expert (``layers._moe_loop``):
+  its transients are one expert's rows, not the ``b*s*top_k`` rows of 5.x's grouped experts.
 * **Eager attention's clamp** (``eager_clamp``): Llama 4.28-4.30 (4.28.1 ``modeling_llama.py``
   L227-228, 4.30.2 L226-228; gone in 4.31.0) and OPT before 4.49 (4.28.1 ``modeling_opt.py`` L224-225,
   4.48.0 L201-203) follow the mask addition with ``attn_weights = torch.max(attn_weights,
@@ -415,6 +421,20 @@ def layer_rotary_cache(model: Any, version: tuple[int, ...] | None) -> bool:
     ``sin_cached`` of ``max_position_embeddings`` positions in the load dtype (module docstring)."""
     span = _LAYER_ROTARY_CACHE.get(model_key(model))
     return version is not None and span is not None and span[0] <= version < span[1]
+
+
+#: the first release whose Mixtral holds its experts as one ``MixtralExperts`` module of 3-D parameters
+#: (5.24.0 ``models/mixtral/modeling_mixtral.py`` L57-93, ``grouped_mm`` by default); before it a
+#: ``ModuleList`` of ``MixtralBlockSparseTop2MLP`` run one after another (module docstring)
+EXPERTS_FUSED_SINCE = (5, 0)
+
+
+def moe_expert_loop(model: Any, version: tuple[int, ...] | None) -> bool:
+    """Whether release ``version`` (None: the installed one) runs Mixtral's experts as transformers 4.x
+    does: a Python loop over a ``ModuleList`` of ``MixtralBlockSparseTop2MLP`` (three ``nn.Linear``),
+    each expert on the rows routed to it (4.36.0 ``modeling_mixtral.py`` L724-743; 4.39.3 L790-805,
+    L840-883; 4.48.0 L67-82, L112-150), rather than 5.x's grouped experts (``EXPERTS_FUSED_SINCE``)."""
+    return model_key(model) == "mixtral" and code_release(version) < EXPERTS_FUSED_SINCE
 
 
 def reentrant_checkpointing(version: tuple[int, ...] | None) -> bool:

@@ -148,6 +148,29 @@ def deepspeed_problems(t: "TrainingSpec") -> str | None:
     return None
 
 
+def op_recompute_zero3_problem(t: "TrainingSpec") -> str | None:
+    """Why DeepSpeed ZeRO-3 cannot train under ``--recompute op`` (None: it can). torchtitan's per-op
+    policy checkpoints each block with ``early_stop=False`` (``checkpointing.OpCheckpointPolicy``), so
+    the recomputation that backward starts inside the block's last module (at its first unpack, after
+    ZeRO-3's pre-backward hook gathered that module's parameters) runs the block to its end, and with
+    it ZeRO-3's post-forward hook of that module: ``release_sub_module(forward=True)`` (DeepSpeed 0.19.8
+    ``runtime/zero/parameter_offload.py`` L363-403, L555-566; ``partitioned_param_coordinator.py``
+    L494-534) drops the module from each parameter's ``ds_active_sub_modules`` and partitions it in place
+    (``__release_param``, L624-630; ``partition_parameters.py`` L314-329, ``free_param``: ``param.data``
+    becomes an empty tensor) while its backward runs.
+    The recompute attribution that would keep it (L389-394, ``update_recompute_parameters``) covers frozen
+    parameters only, so ``AccumulateGrad`` then copies the weight's gradient into an empty parameter
+    and the step fails (traced through DeepSpeed's engine: "The size of tensor a (0) must match ...";
+    with ``early_stop=True``, as transformers' gradient checkpointing uses, the recomputation stops at
+    the block's last saved tensor, before that hook, and the step runs)."""
+    if t.recompute == "op" and t.zero == 3 and t.fsdp is None:
+        return ("--recompute op with --zero 3: torchtitan's per-op checkpointing recomputes each block to its "
+                "end (early_stop False), so ZeRO-3's post-forward hook re-partitions the parameters of the "
+                "module whose backward is running and DeepSpeed's step fails; use --recompute full, or "
+                "--zero 1/2")
+    return None
+
+
 def config_use_cache(config: Any, t: "TrainingSpec") -> bool:
     """``config.use_cache`` as the run sets it: ``--use-cache`` (a framework whose own model code has
     no cache sets it false), else the model config's (transformers' default True)."""
@@ -392,6 +415,9 @@ class TrainingSpec:
                 raise TrainmemError("--recompute op is modelled for full training: peft's adapter matmuls would "
                                     "shift torchtitan's every-other-mm count; drop --lora-rank/--quantize or use "
                                     "--recompute full")
+            problem = op_recompute_zero3_problem(self)
+            if problem:
+                raise TrainmemError(problem)
             if self.tp > 1:
                 raise TrainmemError("--recompute op with --tp > 1: the reduce-scatter outputs torchtitan's policy saves "
                                     "under tensor parallelism are not modelled; use --recompute full")
