@@ -324,7 +324,9 @@ def _torchtune_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ..
     ``TransformerDecoder`` has KV caches only after ``setup_caches`` (generation; torchtune/modules/
     transformer.py), so training builds none: ``use_cache`` false. The preset's fused AdamW is
     torch's; a bitsandbytes optimizer (the single-device configs' ``PagedAdamW8bit``, ``AdamW8bit``)
-    has one implementation: no ``optimizer_impl`` (``workload.check_supported`` refuses one)."""
+    has one implementation: no ``optimizer_impl`` (``workload.check_supported`` refuses one).
+
+    Grouped-query attention: ``attention_call`` ``repeat-kv`` (``_repeats_kv``)."""
     out: dict[str, Any] = {"use_cache": False}
     if view.get("optimizer") in BNB_OPTIMIZERS:
         out["optimizer_impl"] = None
@@ -332,7 +334,28 @@ def _torchtune_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ..
         out["fsdp"] = "full"
     if view.get("lora_rank") and view.get("lora_dtype") is None:
         out["lora_dtype"] = "half"
+    if _repeats_kv(view, model):
+        out["attention_call"] = "repeat-kv"
     return out
+
+
+def _repeats_kv(view: Mapping[str, Any], model: Any) -> bool:
+    """Whether torchtune's attention copies K and V to the query's heads here. Every release's
+    ``MultiHeadAttention.forward`` does when ``num_heads != num_kv_heads``: ``k.unsqueeze(2).expand(
+    expand_shape).flatten(1, 2)`` (and v) before ``_attention_call`` (torchtune/modules/attention.py
+    L288-291 at v0.6.1; ``k.expand(...)`` then a reshape at v0.1.0 L183-184, v0.4.0 L283-284), and
+    SDPA saves the copies: per token and layer 2 x (heads - kv_heads) x head_dim more half values
+    than transformers' call, which passes ``enable_gqa`` or repeats nothing. Qwen2, Mistral and the
+    Llama 3 builders use that module (torchtune/models/qwen2/_component_builders.py L88-106,
+    mistral/_component_builders.py L86 at v0.6.1). Hand-written families only: a derived architecture's layers come from transformers'
+    own traced code (give ``--attention-call repeat-kv`` to count the copies there), and the
+    emulation calls SDPA on one GPU or data parallelism (``TrainingSpec._check_attention_call``)."""
+    if model is None or getattr(model, "family", "derived") == "derived" or getattr(model, "head", "") != "causal-lm":
+        return False
+    if model.num_kv_heads == model.num_heads:
+        return False
+    single = view.get("tp", 1) == 1 and view.get("pp", 1) == 1 and view.get("cp", 1) == 1
+    return single and view.get("attention", "sdpa") in SDPA_ATTENTION
 
 
 def _others(t: Any, framework: str, zero: bool = True, dist: bool = True) -> list[str]:
