@@ -25,6 +25,7 @@ import torch
 from .errors import TrainmemError
 from .spec import ModelSpec, TrainingSpec
 from .spec.tf_releases import installed_version, same_release
+from .spec.frameworks import caps_hidden_not_logits
 from .spec.training import padded_lengths
 
 DROPOUT_KEYS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "resid_pdrop", "embd_pdrop", "attn_pdrop",
@@ -488,7 +489,8 @@ class TrainStep:
             out = self.model(input_ids=batch["input_ids"], labels=labels)
             return out, out.loss
         if t.loss_chunks > 1:  # chunked (torchtune) or half (litgpt)
-            return _chunked_output_loss(self.model, batch["input_ids"], labels, t.loss_chunks, t.loss == "chunked")
+            return _chunked_output_loss(self.model, batch["input_ids"], labels, t.loss_chunks, t.loss == "chunked",
+                                        cap_hidden=caps_hidden_not_logits(spec, t))
         out = self.model(input_ids=batch["input_ids"])
         if t.loss == "vocab-parallel":
             return out, VocabParallelCrossEntropy.apply(out.logits, labels).mean()
@@ -746,7 +748,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def _chunked_output_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, chunks: int,
-                         upcast: bool = True) -> tuple[list[torch.Tensor], torch.Tensor]:
+                         upcast: bool = True, cap_hidden: bool = False) -> tuple[list[torch.Tensor], torch.Tensor]:
     """A chunked output and loss on a transformers model: the head projects each chunk of the final
     hidden states along the sequence (a list of half logits), then
     * ``upcast`` (torchtune: ``TransformerDecoder`` with ``num_output_chunks``,
@@ -760,12 +762,14 @@ def _chunked_output_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torc
     logits as its own forward caps them (transformers ``Gemma2ForCausalLM.forward``:
     ``logits / cap``, ``tanh``, ``* cap``; litgpt's ``GPT.forward`` applies ``do_softcapping`` to
     each ``lm_head`` chunk the same way): ``tanh`` saves its output, one logits-sized tensor per chunk.
+    ``cap_hidden``: torchtune's Gemma-2 caps the final hidden state once instead, before the chunks
+    are projected (``Gemma2FinalNorm``; ``estimate.quantities.caps_hidden_not_logits``).
     Returns (the list of logits, the loss)."""
     # the final hidden states stay referenced until the loss is computed, as this workload has always
     # run it (the estimate's chunked loss is checked against that; a frozen head's real loop frees them
     # when the model's forward returns, docs/agreement.md)
     hidden: list = []
-    logits = _chunked_output(model, ids, chunks, keep=hidden)
+    logits = _chunked_output(model, ids, chunks, keep=hidden, cap_hidden=cap_hidden)
     pairs = zip(logits, labels.chunk(chunks, dim=1))
     if upcast:
         total = sum(torch.nn.functional.cross_entropy(c.float().reshape(-1, c.shape[-1]), y.reshape(-1),
@@ -854,9 +858,11 @@ def _trl_chunk(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, lbl: to
 
 
 def _chunked_output(model: torch.nn.Module, ids: torch.Tensor, chunks: int,
-                    keep: list | None = None) -> list[torch.Tensor]:
+                    keep: list | None = None, cap_hidden: bool = False) -> list[torch.Tensor]:
     """The head's output over ``chunks`` chunks of the final hidden states along the sequence, each
-    soft-capped as the model's forward caps it (see ``_chunked_output_loss``). ``keep``: a list the
+    soft-capped as the model's forward caps it (see ``_chunked_output_loss``), or, ``cap_hidden``
+    (torchtune's ``Gemma2FinalNorm``, torchtune/models/gemma2/_component_builders.py L37-69 at
+    v0.6.1), the final hidden state capped once before the chunks are projected. ``keep``: a list the
     final hidden states are appended to, for a caller that keeps them alive through its loss."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # through a peft wrapper
     hidden = inner.base_model(input_ids=ids)[0]
@@ -864,6 +870,8 @@ def _chunked_output(model: torch.nn.Module, ids: torch.Tensor, chunks: int,
         keep.append(hidden)
     head = inner.get_output_embeddings()
     cap = getattr(inner.config, "final_logit_softcapping", None)
+    if cap_hidden:
+        return [head(h) for h in _softcap(hidden, cap).chunk(chunks, dim=1)]
     return [_softcap(head(h), cap) for h in hidden.chunk(chunks, dim=1)]
 
 

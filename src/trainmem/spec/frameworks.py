@@ -339,6 +339,19 @@ def _torchtune_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ..
     return out
 
 
+def caps_hidden_not_logits(m: Any, t: Any) -> bool:
+    """Whether the run soft-caps the final hidden state where transformers caps the logits: torchtune's
+    Gemma-2 (every release with it, v0.5.0 on) ends its decoder with ``Gemma2FinalNorm``, which
+    applies the ``final_capping_value`` soft-cap (``TanhSoftCapping``: ``x / cap``, ``torch.tanh``,
+    ``* cap``) to the normed (b, s, hidden) state before the output projection, not to its output
+    (torchtune/models/gemma2/_component_builders.py L37-69 and L160 at v0.6.1); transformers'
+    ``Gemma2ForCausalLM`` caps the logits (``softcap_saved``). Read off torchtune 0.6.1's own
+    ``gemma2`` traced on the emulated GPU (docs/validation.md, 2026-11-25)."""
+    return (t.extra.get("framework") == "torchtune" and getattr(m, "head", "") == "causal-lm"
+            and getattr(m, "model_type", "") == "gemma2"
+            and bool(getattr(m, "config", None) and m.config.get("final_logit_softcapping") is not None))
+
+
 def _repeats_kv(view: Mapping[str, Any], model: Any) -> bool:
     """Whether torchtune's attention copies K and V to the query's heads here. Every release's
     ``MultiHeadAttention.forward`` does when ``num_heads != num_kv_heads``: ``k.unsqueeze(2).expand(
