@@ -102,3 +102,55 @@ def test_torchtune_gemma2_trace_caps_the_hidden_state_as_the_estimate():
     # each in the caching allocator's blocks; within 1 MiB (the chunks' other transients)
     expected = 8 * block_bytes(32 * m.vocab_size * 2, False) - block_bytes(256 * m.hidden_size * 2, False)
     assert abs((fwd_hf - fwd) - expected) <= 2**20, (fwd_hf - fwd, expected)
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-0.5b", "mistral-7b"])
+def test_torchtune_05_06_rms_norm_saves_its_fp32_product(name):
+    """torchtune 0.5.0-0.6.1's RMSNorm is ``F.rms_norm(x.float(), weight=scale).to(x.dtype)``: the
+    weight's multiply saves the fp32 normalized tensor (4 B) where the Python ops of 0.4 (and
+    transformers) save its bf16 cast (2 B). Per layer (two norms), 2 x 2 B x hidden per token more at
+    the preset's 0.6.1 than at --framework-version 0.4.0; traced with torchtune 0.6.1's own ``qwen2``
+    layer the difference is 1,792 B per norm and token at hidden 896 (docs/validation.md)."""
+    new = trainmem.estimate(name, framework="torchtune", **SETUP)
+    old = trainmem.estimate(name, framework="torchtune", framework_version="0.4.0", **SETUP)
+    h = resolve(name, **SETUP).model.hidden_size
+    tokens = SETUP["batch_size"] * SETUP["seq_len"]
+    assert new.extra["activations_per_layer"] - old.extra["activations_per_layer"] == tokens * 2 * 2 * h
+
+
+def test_torchtune_rms_norm_only_for_its_own_norm_and_releases():
+    """Gemma (its own norm) and derived models keep transformers' norm; 0.4 and older too; a release
+    the preset does not know is refused in one line."""
+    from trainmem.errors import TrainmemError
+    from trainmem.spec.frameworks import torchtune_norm_saves_fp32
+
+    r = resolve("mistral-7b", framework="torchtune", **SETUP)
+    assert torchtune_norm_saves_fp32(r.model, r.training)
+    assert not torchtune_norm_saves_fp32(*_mt("mistral-7b", framework_version="0.4"))
+    assert torchtune_norm_saves_fp32(*_mt("mistral-7b", framework_version="0.5.0"))
+    assert not torchtune_norm_saves_fp32(*_mt("gemma-2-2b"))
+    with pytest.raises(TrainmemError, match="framework-version"):
+        resolve("mistral-7b", framework="torchtune", framework_version="0.7", **SETUP)
+
+
+def _mt(name, **options):
+    r = resolve(name, framework="torchtune", **options, **SETUP)
+    return r.model, r.training
+
+
+def test_torchtune_rms_norm_trace_runs_it_as_the_estimate_counts_it():
+    """trace swaps the model's RMSNorm forward for torchtune's ``F.rms_norm`` (``workload.torchtune_rms_norms``)
+    at 0.5-0.6.1 and not at 0.4: the two traces' forward differs by the norms' fp32 products, and each
+    agrees with its estimate. (2 layers of Qwen2.5-0.5B at 1 x 256; at 2 x 1024 the trace came within
+    0.02 % of torchtune 0.6.1's own ``qwen2`` model, Mistral-7B within 0.02 % of its ``mistral``.)"""
+    from trainmem.trace import trace
+
+    opts = dict(framework="torchtune", batch_size=1, seq_len=256, gpu="h100-80gb", set={"num_hidden_layers": 2})
+    new, old = trace("qwen2.5-0.5b", **opts), trace("qwen2.5-0.5b", framework_version="0.4.0", **opts)
+    for t, version in ((new, None), (old, "0.4.0")):
+        e = trainmem.estimate("qwen2.5-0.5b", framework_version=version, **opts)
+        assert abs(e.peak_allocated / t.peak_allocated - 1) < 0.005
+    fwd = [t.phase("forward", 1).allocated - t.phase("model_loaded", 0).allocated for t in (new, old)]
+    h = 896
+    norms = 2 * 2 + 1   # two per layer and the final norm, each 2 B x hidden per token more
+    assert abs((fwd[0] - fwd[1]) - norms * 256 * 2 * h) <= 2**20, fwd

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import types
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -25,7 +26,7 @@ import torch
 from .errors import TrainmemError
 from .spec import ModelSpec, TrainingSpec
 from .spec.tf_releases import installed_version, same_release
-from .spec.frameworks import caps_hidden_not_logits
+from .spec.frameworks import caps_hidden_not_logits, torchtune_norm_saves_fp32
 from .spec.training import padded_lengths
 
 DROPOUT_KEYS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "resid_pdrop", "embd_pdrop", "attn_pdrop",
@@ -659,8 +660,27 @@ def prepare_model(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec) -> t
     from . import litgpt_modules
     add_layer_rope_cache(model, spec, t)
     add_rope_cache(model, spec, t)
+    torchtune_rms_norms(model, spec, t)
     model = apply_lora(cast_half_embeddings(apply_quantization(model, t), t), spec, t)
     return litgpt_modules.apply(model, t)
+
+
+def _fused_rms_norm(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """torchtune 0.5-0.6.1's ``RMSNorm.forward`` (torchtune/modules/rms_norm.py L38-43 at v0.6.1) on a
+    transformers RMSNorm's weight and epsilon."""
+    return torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), weight=self.weight,
+                                        eps=self.variance_epsilon).to(x.dtype)
+
+
+def torchtune_rms_norms(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec) -> None:
+    """torchtune 0.5-0.6.1's RMSNorm in place of transformers' Python-op one in every norm of the
+    model (``spec.frameworks.torchtune_norm_saves_fp32``: its fp32 normalized product is what the
+    weight's multiply saves), for the families torchtune builds with it."""
+    if not torchtune_norm_saves_fp32(spec, t):
+        return
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
+            module.forward = types.MethodType(_fused_rms_norm, module)
 
 
 #: the module names TRL's ``peft_module_casting_to_bf16`` casts back to bf16 (trl 0.13.0 trl/trainer/utils.py L876)

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..errors import TrainmemError
-from ..spec.frameworks import OWN_MODEL_CODE, caps_hidden_not_logits
+from ..spec.frameworks import OWN_MODEL_CODE, caps_hidden_not_logits, torchtune_norm_saves_fp32
 from ..spec.model import ModelSpec
 from ..spec.tf_releases import (cache_values_own_dtype, causal_lm_loss, checkpoint_wraps_unit, code_release,
                                 eager_clamp, kv_cache_kind, rotary_keys_half, sdpa_repeats_kv)
@@ -337,7 +337,7 @@ def layer_key(m: ModelSpec, t: TrainingSpec) -> LayerKey:
                     eager_clamp=t.attention == "eager" and eager_clamp(m, t.transformers_release),
                     cache_values_own_dtype=cache_values_own_dtype(release), cache_kind=kv_cache_kind(release),
                     rotary_keys_half=rotary_keys_half(m, release), ring=t.cp if torch_cp(t) else 1,
-                    qk_norm=m.qk_norm)
+                    qk_norm=m.qk_norm, norm_fp32_product=torchtune_norm_saves_fp32(m, t))
 
 
 def release_attention_call(m: ModelSpec, t: TrainingSpec) -> str:
@@ -430,7 +430,8 @@ def outer_tensors(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) -> tup
         out += _embedding_side(m, t, pol, h, sp)
     if t.pp == 1 or stage == "last":
         out += _head_side(m, pol, h, sp, fused=is_lm(m) and loss_mode(m, t) in ("fused", "chunked-nll"), quant_head=_quant_head(m, t),
-                          frozen=bool(t.lora_rank), head_adapted=_head_is_lora_target(m, t))
+                          frozen=bool(t.lora_rank), head_adapted=_head_is_lora_target(m, t),
+                          norm_fp32=torchtune_norm_saves_fp32(m, t))
     elif torch_pipeline(t):
         # the stage's output (b, s, h), residual dtype: torch's PipelineStage keeps it in ``fwd_cache``
         # from the micro-batch's forward to its backward (torch 2.13 distributed/pipelining/stage.py
@@ -517,7 +518,8 @@ def _quant_head(m: ModelSpec, t: TrainingSpec) -> str:
 
 
 def _head_side(m: ModelSpec, pol: Policy, h: int, sp: int, fused: bool = False, quant_head: str = "",
-               frozen: bool = False, head_adapted: bool = False) -> list[tuple[str, float, float]]:
+               frozen: bool = False, head_adapted: bool = False, norm_fp32: bool = False
+               ) -> list[tuple[str, float, float]]:
     """The final norm's saved tensors and the head's input (which a fused linear cross-entropy
     does not save: it keeps the gradients it computed in forward instead; a 4-bit head saves it
     only before bitsandbytes 0.43.2, as the final norm's output itself: ``_quant_head``).
@@ -527,11 +529,14 @@ def _head_side(m: ModelSpec, pol: Policy, h: int, sp: int, fused: bool = False, 
     ``self: mm_mat1_backward(grad, mat2, ...)``, ``mat2: mm_mat2_backward(grad, self, ...)``), so
     neither the head's input nor a dense transform's is kept unless peft adapts the head
     (``head_adapted``: its ``lora_A`` saves the input); HF RMSNorm's ``weight * normed`` saves
-    ``normed`` only for the weight's gradient (as ``layers.Builder.rms_norm_hf``)."""
+    ``normed`` only for the weight's gradient (as ``layers.Builder.rms_norm_hf``); ``norm_fp32``
+    (torchtune 0.5-0.6.1's ``F.rms_norm``, ``spec.frameworks.torchtune_norm_saves_fp32``): that
+    normed tensor is fp32."""
     out: list[tuple[str, float, float]] = []
     if m.final_norm and m.family != "bert":
         if m.norm == "rmsnorm":  # HF RMSNorm: fp32 input copy, the normed tensor (trainable weight), fp32 rstd
-            out.append(("final_norm", (h * (F32 + (0 if frozen else pol.stream)) + 4) / sp, 0.0))
+            normed = 0 if frozen else (F32 if norm_fp32 else pol.stream)
+            out.append(("final_norm", (h * (F32 + normed) + 4) / sp, 0.0))
         else:                    # layer_norm: input + fp32 mean/rstd
             out.append(("final_norm", (h * pol.stream + 8) / sp, 0.0))
     if m.head == "masked-lm":
@@ -1877,7 +1882,7 @@ def quantities(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> Quantitie
     # ``extra`` out, e.g. torchtune's compile units and Gemma-2 soft-cap, ``caps_hidden_not_logits``)
     key = (m, stage, _key_of(t), derived_regime(m, t), derived_batch1(m, t), decoder_ratio(m, t),
            t.accumulates_unsharded, t.grad_accum if t.virtual_stages > 1 else 0, kv_cache(m, t),
-           t.extra.get("framework"))
+           t.extra.get("framework"), t.extra.get("framework_version"))
     return _CACHE.get_or_build(key, lambda: _build(m, t, stage))
 
 
@@ -1893,7 +1898,8 @@ def shape_quantities(m: ModelSpec, base: TrainingSpec, stage: str, rows: list[li
     into none/selective/full, sequence parallelism as 0/1) then a valid batch, sequence and
     accumulation, used only to build the spec the first time a shape is met."""
     memo = _SHAPES.setdefault((m, stage, _key_of(base), derived_regime(m, base), derived_batch1(m, base),
-                               decoder_ratio(m, base), base.extra.get("framework")), {})
+                               decoder_ratio(m, base), base.extra.get("framework"),
+                               base.extra.get("framework_version")), {})
     out = []
     for row in rows:
         # + FSDP no_sync accumulation, and interleaved 1F1B's micro-batches (its pairs in flight)

@@ -352,6 +352,24 @@ def caps_hidden_not_logits(m: Any, t: Any) -> bool:
             and bool(getattr(m, "config", None) and m.config.get("final_logit_softcapping") is not None))
 
 
+def torchtune_norm_saves_fp32(m: Any, t: Any) -> bool:
+    """Whether the run's RMSNorm saves its fp32 normalized product for the weight's gradient:
+    torchtune 0.5.0 to 0.6.1's ``RMSNorm.forward`` is ``F.rms_norm(x.float(), normalized_shape,
+    weight=self.scale, eps=self.eps).to(x.dtype)`` (``torchtune/modules/rms_norm.py`` L38-43 at
+    v0.6.1; from 1450d6126 of 2024-11-25, after v0.4.0; main went back to the Python ops in
+    c5c160b42 of 2025-03-26, after the 0.6 branch). PyTorch's composite ``rms_norm`` multiplies the
+    fp32 normalized tensor by the bf16 weight, an fp32 product that ``MulBackward0`` saves for the
+    weight's gradient (4 B per element), where the Python ops (transformers' ``LlamaRMSNorm``,
+    torchtune up to 0.4) save its cast to the input's dtype (2 B). Traced with torchtune 0.6.1's own
+    ``qwen2`` layer, 1,792 B more per token and norm at hidden 896 (docs/validation.md, 2026-11-25).
+    The hand-written families torchtune builds with that module (Llama, Mistral, Qwen2); its
+    Gemma models have their own norm. ``--framework-version`` older than 0.5: the Python ops."""
+    if t.extra.get("framework") != "torchtune" or getattr(m, "family", "") != "llama":
+        return False
+    version = t.extra.get("framework_version")
+    return version is None or _v(str(version).strip().lstrip("v"))[:2] >= (0, 5)
+
+
 def _repeats_kv(view: Mapping[str, Any], model: Any) -> bool:
     """Whether torchtune's attention copies K and V to the query's heads here. Every release's
     ``MultiHeadAttention.forward`` does when ``num_heads != num_kv_heads``: ``k.unsqueeze(2).expand(
@@ -697,7 +715,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                                   _s("torchtune", "recipes/full_finetune_distributed.py", "299"))),
         "dropout": Cell(shown="the config's"),
         "grad_sync": Cell(shown="micro-batch (trainmem default; the recipe calls no no_sync)"),
-    }, rules=_torchtune_rules, check=_check_fsdp_only("torchtune"), min_torch="2.0"),
+    }, oldest="0.1.0", rules=_torchtune_rules, check=_check_fsdp_only("torchtune"), min_torch="2.0"),
     Preset("torchtitan", "torchtitan", "torchtitan 0.2.2", {
         "precision": Cell(shown="bf16-mp with FSDP (--dp > 1), else bf16-amp (fp32 with TP/PP alone)",
                           sources=(_s("torchtitan", "torchtitan/config/job_config.py", "282-290"),
