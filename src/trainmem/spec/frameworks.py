@@ -378,9 +378,10 @@ def _repeats_kv(view: Mapping[str, Any], model: Any) -> bool:
     SDPA saves the copies: per token and layer 2 x (heads - kv_heads) x head_dim more half values
     than transformers' call, which passes ``enable_gqa`` or repeats nothing. Qwen2, Mistral and the
     Llama 3 builders use that module (torchtune/models/qwen2/_component_builders.py L88-106,
-    mistral/_component_builders.py L86 at v0.6.1). Hand-written families only: a derived architecture's layers come from transformers'
-    own traced code (give ``--attention-call repeat-kv`` to count the copies there), and the
-    emulation calls SDPA on one GPU or data parallelism (``TrainingSpec._check_attention_call``)."""
+    mistral/_component_builders.py L86 at v0.6.1). Hand-written families only: a derived
+    architecture's layers come from transformers' own traced code (give ``--attention-call
+    repeat-kv`` to count the copies there), and the emulation calls SDPA on one GPU or data
+    parallelism (``TrainingSpec._check_attention_call``)."""
     if model is None or getattr(model, "family", "derived") == "derived" or getattr(model, "head", "") != "causal-lm":
         return False
     if model.num_kv_heads == model.num_heads:
