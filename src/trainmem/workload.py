@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import types
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -25,6 +26,7 @@ import torch
 from .errors import TrainmemError
 from .spec import ModelSpec, TrainingSpec
 from .spec.tf_releases import installed_version, same_release
+from .spec.frameworks import caps_hidden_not_logits, torchtune_norm_saves_fp32
 from .spec.training import padded_lengths
 
 DROPOUT_KEYS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "resid_pdrop", "embd_pdrop", "attn_pdrop",
@@ -488,7 +490,8 @@ class TrainStep:
             out = self.model(input_ids=batch["input_ids"], labels=labels)
             return out, out.loss
         if t.loss_chunks > 1:  # chunked (torchtune) or half (litgpt)
-            return _chunked_output_loss(self.model, batch["input_ids"], labels, t.loss_chunks, t.loss == "chunked")
+            return _chunked_output_loss(self.model, batch["input_ids"], labels, t.loss_chunks, t.loss == "chunked",
+                                        cap_hidden=caps_hidden_not_logits(spec, t))
         out = self.model(input_ids=batch["input_ids"])
         if t.loss == "vocab-parallel":
             return out, VocabParallelCrossEntropy.apply(out.logits, labels).mean()
@@ -657,8 +660,27 @@ def prepare_model(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec) -> t
     from . import litgpt_modules
     add_layer_rope_cache(model, spec, t)
     add_rope_cache(model, spec, t)
+    torchtune_rms_norms(model, spec, t)
     model = apply_lora(cast_half_embeddings(apply_quantization(model, t), t), spec, t)
     return litgpt_modules.apply(model, t)
+
+
+def _fused_rms_norm(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """torchtune 0.5-0.6.1's ``RMSNorm.forward`` (torchtune/modules/rms_norm.py L38-43 at v0.6.1) on a
+    transformers RMSNorm's weight and epsilon."""
+    return torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), weight=self.weight,
+                                        eps=self.variance_epsilon).to(x.dtype)
+
+
+def torchtune_rms_norms(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec) -> None:
+    """torchtune 0.5-0.6.1's RMSNorm in place of transformers' Python-op one in every norm of the
+    model (``spec.frameworks.torchtune_norm_saves_fp32``: its fp32 normalized product is what the
+    weight's multiply saves), for the families torchtune builds with it."""
+    if not torchtune_norm_saves_fp32(spec, t):
+        return
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
+            module.forward = types.MethodType(_fused_rms_norm, module)
 
 
 #: the module names TRL's ``peft_module_casting_to_bf16`` casts back to bf16 (trl 0.13.0 trl/trainer/utils.py L876)
@@ -746,7 +768,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def _chunked_output_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, chunks: int,
-                         upcast: bool = True) -> tuple[list[torch.Tensor], torch.Tensor]:
+                         upcast: bool = True, cap_hidden: bool = False) -> tuple[list[torch.Tensor], torch.Tensor]:
     """A chunked output and loss on a transformers model: the head projects each chunk of the final
     hidden states along the sequence (a list of half logits), then
     * ``upcast`` (torchtune: ``TransformerDecoder`` with ``num_output_chunks``,
@@ -760,12 +782,14 @@ def _chunked_output_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torc
     logits as its own forward caps them (transformers ``Gemma2ForCausalLM.forward``:
     ``logits / cap``, ``tanh``, ``* cap``; litgpt's ``GPT.forward`` applies ``do_softcapping`` to
     each ``lm_head`` chunk the same way): ``tanh`` saves its output, one logits-sized tensor per chunk.
+    ``cap_hidden``: torchtune's Gemma-2 caps the final hidden state once instead, before the chunks
+    are projected (``Gemma2FinalNorm``; ``estimate.quantities.caps_hidden_not_logits``).
     Returns (the list of logits, the loss)."""
     # the final hidden states stay referenced until the loss is computed, as this workload has always
     # run it (the estimate's chunked loss is checked against that; a frozen head's real loop frees them
     # when the model's forward returns, docs/agreement.md)
     hidden: list = []
-    logits = _chunked_output(model, ids, chunks, keep=hidden)
+    logits = _chunked_output(model, ids, chunks, keep=hidden, cap_hidden=cap_hidden)
     pairs = zip(logits, labels.chunk(chunks, dim=1))
     if upcast:
         total = sum(torch.nn.functional.cross_entropy(c.float().reshape(-1, c.shape[-1]), y.reshape(-1),
@@ -854,9 +878,11 @@ def _trl_chunk(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, lbl: to
 
 
 def _chunked_output(model: torch.nn.Module, ids: torch.Tensor, chunks: int,
-                    keep: list | None = None) -> list[torch.Tensor]:
+                    keep: list | None = None, cap_hidden: bool = False) -> list[torch.Tensor]:
     """The head's output over ``chunks`` chunks of the final hidden states along the sequence, each
-    soft-capped as the model's forward caps it (see ``_chunked_output_loss``). ``keep``: a list the
+    soft-capped as the model's forward caps it (see ``_chunked_output_loss``), or, ``cap_hidden``
+    (torchtune's ``Gemma2FinalNorm``, torchtune/models/gemma2/_component_builders.py L37-69 at
+    v0.6.1), the final hidden state capped once before the chunks are projected. ``keep``: a list the
     final hidden states are appended to, for a caller that keeps them alive through its loss."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # through a peft wrapper
     hidden = inner.base_model(input_ids=ids)[0]
@@ -864,6 +890,8 @@ def _chunked_output(model: torch.nn.Module, ids: torch.Tensor, chunks: int,
         keep.append(hidden)
     head = inner.get_output_embeddings()
     cap = getattr(inner.config, "final_logit_softcapping", None)
+    if cap_hidden:
+        return [head(h) for h in _softcap(hidden, cap).chunk(chunks, dim=1)]
     return [_softcap(head(h), cap) for h in hidden.chunk(chunks, dim=1)]
 
 

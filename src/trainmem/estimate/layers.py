@@ -222,6 +222,7 @@ class Builder:
         self.repeat_kv = repeat_kv
         self.softmax_saves_input = softmax_saves_input  # PyTorch < 1.11 (spec.releases)
         self.eager_clamp = False  # transformers' torch.max clamp of the masked scores (spec.tf_releases)
+        self.norm_fp32_product = False  # torchtune 0.5-0.6.1's F.rms_norm: the fp32 normalized product saved
         self.biased = biased  # linears with a bias: ``addmm`` (not ``mm``) under F.linear / Conv1D
         # bitsandbytes 4-bit base weights (quant4.py): bytes per element of the dequantized weight and
         # of its cast to the compute dtype (0, 0: not quantized); old MatMul4Bit saves its input
@@ -469,7 +470,11 @@ class Builder:
         output (fp32, one per normalised row: per token, or per head and token for Qwen3's
         ``q_norm``/``k_norm`` over ``head_dim``, ``rows``); the normalised tensor cast back to the
         input dtype, saved by the multiply with the weight. Output dtype: weight dtype x input
-        dtype promotion. Under ``--rms-norm input`` the norm is ``rms_norm_input``."""
+        dtype promotion. Under ``--rms-norm input`` the norm is ``rms_norm_input``. ``norm_fp32_product``
+        (torchtune 0.5-0.6.1's ``F.rms_norm(x.float(), weight=scale).to(x.dtype)``,
+        spec.frameworks.torchtune_norm_saves_fp32): the multiply with the weight takes the fp32
+        normalized tensor, which it saves (4 B), its fp32 product is transient and the output is cast
+        back to the input's dtype."""
         if self.rms_input:
             return self.rms_norm_input(x, name, rows)
         x32 = x if x.nbytes == F32 else T(x.tok, 0, F32, name)
@@ -480,11 +485,13 @@ class Builder:
             t = T(x.tok, 0, F32, f"{name}.{part}")
             self.r.forward_only[id(t)] = t
         self.r.input_saved |= x32 is x and x is self.layer_input  # x.float() of an fp32 input is the input
-        normed = T(x.tok, 0, x.nbytes, name)  # fp32 normed.to(input_dtype) is a new tensor either way
+        normed = T(x.tok, 0, F32 if self.norm_fp32_product else x.nbytes, name)  # a new tensor either way
         if not self.frozen:  # weight * normed saves normed only for the weight's gradient
             if self.base_trains:  # the first op with a trainable weight (x.float(), pow, rsqrt are not)
                 self.grad_starts(x)
             self.r.save(normed)
+        if self.norm_fp32_product:
+            return T(x.tok, 0, x.nbytes, name + ".out")  # (weight * normed32).to(x.dtype)
         return T(x.tok, 0, max(self.p.weight, x.nbytes), name + ".out")
 
     def rms_norm_input(self, x: T, name: str, rows: float = 1) -> T:
@@ -958,6 +965,8 @@ class LayerKey:
     #                           (spec.tf_releases.kv_cache_kind)
     rotary_keys_half: bool = False  # older Llama-style code: rotary in the values' dtype, half keys under autocast
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on the query and key heads (ModelSpec.qk_norm)
+    # torchtune 0.5-0.6.1: RMSNorm saves its fp32 normalized product (spec.frameworks.torchtune_norm_saves_fp32)
+    norm_fp32_product: bool = False
     ring: int = 1  # PyTorch's context parallelism: the ranks of its ring attention (states.torch_cp); 1 none
     rms_norm_input: bool = False  # --rms-norm input: the RMSNorms compute in their input's dtype (old lit-gpt)
     expert_loop: bool = False  # transformers < 5: Mixtral's experts one nn.Linear MLP at a time (_moe_loop)
@@ -1095,6 +1104,7 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
                 k.quant_saves_input, k.biased, k.lora_base_trains, k.softmax_saves_input,
                 k.attention_call == "repeat-kv", k.math_upcast)
     B.eager_clamp = k.eager_clamp
+    B.norm_fp32_product = k.norm_fp32_product
     B.ring = k.ring
     B.rms_input = k.rms_norm_input
     h, f, q, kv = k.h, k.f / t, k.q / t, k.kv / t

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..errors import TrainmemError
-from ..spec.frameworks import OWN_MODEL_CODE
+from ..spec.frameworks import OWN_MODEL_CODE, caps_hidden_not_logits, torchtune_norm_saves_fp32
 from ..spec.model import ModelSpec
 from ..spec.tf_releases import (cache_values_own_dtype, causal_lm_loss, checkpoint_wraps_unit, code_release,
                                 eager_clamp, kv_cache_kind, moe_expert_loop, rotary_keys_half, sdpa_repeats_kv)
@@ -340,7 +340,8 @@ def layer_key(m: ModelSpec, t: TrainingSpec) -> LayerKey:
                     cache_values_own_dtype=cache_values_own_dtype(release), cache_kind=kv_cache_kind(release),
                     rotary_keys_half=rotary_keys_half(m, release), ring=t.cp if torch_cp(t) else 1,
                     qk_norm=m.qk_norm, rms_norm_input=t.rms_norm == "input",
-                    expert_loop=bool(m.num_experts) and moe_expert_loop(m, release))
+                    expert_loop=bool(m.num_experts) and moe_expert_loop(m, release),
+                    norm_fp32_product=torchtune_norm_saves_fp32(m, t))
 
 
 def release_attention_call(m: ModelSpec, t: TrainingSpec) -> str:
@@ -434,7 +435,7 @@ def outer_tensors(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) -> tup
     if t.pp == 1 or stage == "last":
         out += _head_side(m, pol, h, sp, fused=is_lm(m) and loss_mode(m, t) in ("fused", "chunked-nll"), quant_head=_quant_head(m, t),
                           frozen=bool(t.lora_rank), head_adapted=_head_is_lora_target(m, t),
-                          rms_input=t.rms_norm == "input")
+                          rms_input=t.rms_norm == "input", norm_fp32=torchtune_norm_saves_fp32(m, t))
     elif torch_pipeline(t):
         # the stage's output (b, s, h), residual dtype: torch's PipelineStage keeps it in ``fwd_cache``
         # from the micro-batch's forward to its backward (torch 2.13 distributed/pipelining/stage.py
@@ -521,7 +522,8 @@ def _quant_head(m: ModelSpec, t: TrainingSpec) -> str:
 
 
 def _head_side(m: ModelSpec, pol: Policy, h: int, sp: int, fused: bool = False, quant_head: str = "",
-               frozen: bool = False, head_adapted: bool = False, rms_input: bool = False
+               frozen: bool = False, head_adapted: bool = False, rms_input: bool = False,
+               norm_fp32: bool = False
                ) -> list[tuple[str, float, float]]:
     """The final norm's saved tensors and the head's input (which a fused linear cross-entropy
     does not save: it keeps the gradients it computed in forward instead; a 4-bit head saves it
@@ -532,7 +534,9 @@ def _head_side(m: ModelSpec, pol: Policy, h: int, sp: int, fused: bool = False, 
     ``self: mm_mat1_backward(grad, mat2, ...)``, ``mat2: mm_mat2_backward(grad, self, ...)``), so
     neither the head's input nor a dense transform's is kept unless peft adapts the head
     (``head_adapted``: its ``lora_A`` saves the input); HF RMSNorm's ``weight * normed`` saves
-    ``normed`` only for the weight's gradient (as ``layers.Builder.rms_norm_hf``).
+    ``normed`` only for the weight's gradient (as ``layers.Builder.rms_norm_hf``); ``norm_fp32``
+    (torchtune 0.5-0.6.1's ``F.rms_norm``, ``spec.frameworks.torchtune_norm_saves_fp32``): that
+    normed tensor is fp32.
 
     ``rms_input`` (``--rms-norm input``): the final RMSNorm computes in its input's dtype
     (``layers.Builder.rms_norm_input``): it saves its input itself (the last layer's output, which
@@ -542,7 +546,8 @@ def _head_side(m: ModelSpec, pol: Policy, h: int, sp: int, fused: bool = False, 
         if m.norm == "rmsnorm" and rms_input:
             out.append(("final_norm", (h * pol.stream * (1 if frozen else 2) + pol.stream) / sp, 0.0))
         elif m.norm == "rmsnorm":  # HF RMSNorm: fp32 input copy, the normed tensor (trainable weight), fp32 rstd
-            out.append(("final_norm", (h * (F32 + (0 if frozen else pol.stream)) + 4) / sp, 0.0))
+            normed = 0 if frozen else (F32 if norm_fp32 else pol.stream)
+            out.append(("final_norm", (h * (F32 + normed) + 4) / sp, 0.0))
         else:                    # layer_norm: input + fp32 mean/rstd
             out.append(("final_norm", (h * pol.stream + 8) / sp, 0.0))
     if m.head == "masked-lm":
@@ -1779,7 +1784,19 @@ def chunk_head_grads(m: ModelSpec, t: TrainingSpec, pol: Policy) -> int:
     return 3 * block_of(t, _head_weight_numel(m, 1) * pol.half)
 
 
-def softcap_saved(m: ModelSpec, out_bytes: int) -> int:
+def torchtune_cap_bytes(m: ModelSpec, t: TrainingSpec, half: int, out_bytes: int) -> int:
+    """Bytes per token the head side of a derived model differs by where torchtune caps the hidden
+    state (``caps_hidden_not_logits``): ``TanhBackward0`` saves its result, a (b, s, hidden) tensor in
+    the activations' dtype (``half``), in place of transformers' (b, s, vocab) one in the logits'
+    dtype (``out_bytes``), which the derived head side measured; the division and the scalar product
+    save nothing, and the capped state the output projection saves is the size of the normed state
+    transformers' head saves. 0 for other runs."""
+    if not caps_hidden_not_logits(m, t):
+        return 0
+    return m.hidden_size * half - m.vocab_size * out_bytes
+
+
+def softcap_saved(m: ModelSpec, out_bytes: int, t: TrainingSpec | None = None) -> int:
     """Bytes per logit element that a final logit soft-cap saves: transformers'
     ``Gemma2ForCausalLM.forward`` (Gemma-3's too, when its config sets one) computes ``logits / cap``,
     ``torch.tanh``, ``* cap`` on the head's output (``models/gemma2/modeling_gemma2.py``), and ``TanhBackward0``
@@ -1789,8 +1806,11 @@ def softcap_saved(m: ModelSpec, out_bytes: int) -> int:
     the model's forward); the chunked loss loop caps each chunk the same way
     (``workload._chunked_output_loss``), so each chunk's copy is freed when that chunk's tanh is
     back-propagated, just before its head backward (``moments._head_backward``). 0 without a
-    ``final_logit_softcapping`` in the config."""
+    ``final_logit_softcapping`` in the config, or where ``t`` caps the hidden state instead
+    (``caps_hidden_not_logits``)."""
     cap = m.config.get("final_logit_softcapping") if m.config else None
+    if t is not None and caps_hidden_not_logits(m, t):
+        return 0  # torchtune caps the hidden state, not the logits
     return out_bytes if (is_lm(m) and cap is not None) else 0
 
 
@@ -1893,8 +1913,11 @@ def quantities(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> Quantitie
     # (and interleaved 1F1B's pairs in flight, from the schedule of grad_accum micro-batches)
     # (and whether the model builds a KV cache: config.use_cache, which ModelSpec's equality leaves out)
     # (and, for a derived architecture, whether the micro-batch is 1: its batch-1 coefficients)
+    # (and the framework preset, whose own model code some terms read: TrainingSpec's equality leaves
+    # ``extra`` out, e.g. torchtune's compile units and Gemma-2 soft-cap, ``caps_hidden_not_logits``)
     key = (m, stage, _key_of(t), derived_regime(m, t), derived_batch1(m, t), decoder_ratio(m, t),
-           t.accumulates_unsharded, t.grad_accum if t.virtual_stages > 1 else 0, kv_cache(m, t))
+           t.accumulates_unsharded, t.grad_accum if t.virtual_stages > 1 else 0, kv_cache(m, t),
+           t.extra.get("framework"), t.extra.get("framework_version"))
     return _CACHE.get_or_build(key, lambda: _build(m, t, stage))
 
 
@@ -1910,7 +1933,8 @@ def shape_quantities(m: ModelSpec, base: TrainingSpec, stage: str, rows: list[li
     into none/selective/full, sequence parallelism as 0/1) then a valid batch, sequence and
     accumulation, used only to build the spec the first time a shape is met."""
     memo = _SHAPES.setdefault((m, stage, _key_of(base), derived_regime(m, base), derived_batch1(m, base),
-                               decoder_ratio(m, base)), {})
+                               decoder_ratio(m, base), base.extra.get("framework"),
+                               base.extra.get("framework_version")), {})
     out = []
     for row in rows:
         # + FSDP no_sync accumulation, and interleaved 1F1B's micro-batches (its pairs in flight)
@@ -1982,8 +2006,11 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     half_in = half_embedding_output(t, pol, stage, input_tok)
     first = lora_first + received + half_in
     outer, rest_pos = derived_outer(m, t, stage) if derived else (outer_tensors(m, t, pol, stage), 0.0)
-    head_tok, rest_tok, rest_sq, rest_pos = _split_outer(outer, rest_pos)
     loss = loss_bytes(m, t, pol) if head_here else LossBytes()
+    if derived and head_here and caps_hidden_not_logits(m, t):
+        cap = torchtune_cap_bytes(m, t, pol.half, loss.out)
+        outer = [(n, tok + cap if n == "derived.head_side" else tok, sq) for n, tok, sq in outer]
+    head_tok, rest_tok, rest_sq, rest_pos = _split_outer(outer, rest_pos)
     comm, comm_name = _communication(t, st)
     fsdp = {**fsdp_buffers(m, t, st, lc), **fsdp_no_sync(m, t, st, stage)}   # empty without FSDP
     oib_mid, oib_end = oib_update_bytes(m, t, st) if oib else (0, 0)
@@ -2026,7 +2053,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         tied_grad=compiled_tied[0] if whole_model_compiled(t) else tied_head_grad(m, t),
         tied_replicated=tied_replicated_grad(m, t), tied_compiled=compiled_tied[1] if whole_model_compiled(t) else 0,
         tied_final=tied_head_grad(m, t) if whole_model_compiled(t) else 0,
-        emb_grad=emb_accumulated(m, t, stage), emb_upcast=emb_upcast(m, t, stage), softcap_saved=softcap_saved(m, loss.out) if head_here else 0,
+        emb_grad=emb_accumulated(m, t, stage), emb_upcast=emb_upcast(m, t, stage), softcap_saved=softcap_saved(m, loss.out, t) if head_here else 0,
         chunk_head_grads=chunk_head_grads(m, t, pol) if head_here else 0, transients=trans,
         fwd_temp=int(lc.fwd_const), fwd_temp_tok=lc.fwd_tok, head_wgrad_half=head_weight_grad_half(m, t, cast_head),
         **_head_dequant_fields(m, t, head_here),

@@ -332,7 +332,9 @@ def _torchtune_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ..
     ``TransformerDecoder`` has KV caches only after ``setup_caches`` (generation; torchtune/modules/
     transformer.py), so training builds none: ``use_cache`` false. The preset's fused AdamW is
     torch's; a bitsandbytes optimizer (the single-device configs' ``PagedAdamW8bit``, ``AdamW8bit``)
-    has one implementation: no ``optimizer_impl`` (``workload.check_supported`` refuses one)."""
+    has one implementation: no ``optimizer_impl`` (``workload.check_supported`` refuses one).
+
+    Grouped-query attention: ``attention_call`` ``repeat-kv`` (``_repeats_kv``)."""
     out: dict[str, Any] = {"use_cache": False}
     if view.get("optimizer") in BNB_OPTIMIZERS:
         out["optimizer_impl"] = None
@@ -340,7 +342,60 @@ def _torchtune_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ..
         out["fsdp"] = "full"
     if view.get("lora_rank") and view.get("lora_dtype") is None:
         out["lora_dtype"] = "half"
+    if _repeats_kv(view, model):
+        out["attention_call"] = "repeat-kv"
     return out
+
+
+def caps_hidden_not_logits(m: Any, t: Any) -> bool:
+    """Whether the run soft-caps the final hidden state where transformers caps the logits: torchtune's
+    Gemma-2 (every release with it, v0.5.0 on) ends its decoder with ``Gemma2FinalNorm``, which
+    applies the ``final_capping_value`` soft-cap (``TanhSoftCapping``: ``x / cap``, ``torch.tanh``,
+    ``* cap``) to the normed (b, s, hidden) state before the output projection, not to its output
+    (torchtune/models/gemma2/_component_builders.py L37-69 and L160 at v0.6.1); transformers'
+    ``Gemma2ForCausalLM`` caps the logits (``softcap_saved``). Read off torchtune 0.6.1's own
+    ``gemma2`` traced on the emulated GPU (docs/validation.md, 2026-11-25)."""
+    return (t.extra.get("framework") == "torchtune" and getattr(m, "head", "") == "causal-lm"
+            and getattr(m, "model_type", "") == "gemma2"
+            and bool(getattr(m, "config", None) and m.config.get("final_logit_softcapping") is not None))
+
+
+def torchtune_norm_saves_fp32(m: Any, t: Any) -> bool:
+    """Whether the run's RMSNorm saves its fp32 normalized product for the weight's gradient:
+    torchtune 0.5.0 to 0.6.1's ``RMSNorm.forward`` is ``F.rms_norm(x.float(), normalized_shape,
+    weight=self.scale, eps=self.eps).to(x.dtype)`` (``torchtune/modules/rms_norm.py`` L38-43 at
+    v0.6.1; from 1450d6126 of 2024-11-25, after v0.4.0; main went back to the Python ops in
+    c5c160b42 of 2025-03-26, after the 0.6 branch). PyTorch's composite ``rms_norm`` multiplies the
+    fp32 normalized tensor by the bf16 weight, an fp32 product that ``MulBackward0`` saves for the
+    weight's gradient (4 B per element), where the Python ops (transformers' ``LlamaRMSNorm``,
+    torchtune up to 0.4) save its cast to the input's dtype (2 B). Traced with torchtune 0.6.1's own
+    ``qwen2`` layer, 1,792 B more per token and norm at hidden 896 (docs/validation.md, 2026-11-25).
+    The hand-written families torchtune builds with that module (Llama, Mistral, Qwen2); its
+    Gemma models have their own norm. ``--framework-version`` older than 0.5: the Python ops."""
+    if t.extra.get("framework") != "torchtune" or getattr(m, "family", "") != "llama":
+        return False
+    version = t.extra.get("framework_version")
+    return version is None or _v(str(version).strip().lstrip("v"))[:2] >= (0, 5)
+
+
+def _repeats_kv(view: Mapping[str, Any], model: Any) -> bool:
+    """Whether torchtune's attention copies K and V to the query's heads here. Every release's
+    ``MultiHeadAttention.forward`` does when ``num_heads != num_kv_heads``: ``k.unsqueeze(2).expand(
+    expand_shape).flatten(1, 2)`` (and v) before ``_attention_call`` (torchtune/modules/attention.py
+    L288-291 at v0.6.1; ``k.expand(...)`` then a reshape at v0.1.0 L183-184, v0.4.0 L283-284), and
+    SDPA saves the copies: per token and layer 2 x (heads - kv_heads) x head_dim more half values
+    than transformers' call, which passes ``enable_gqa`` or repeats nothing. Qwen2, Mistral and the
+    Llama 3 builders use that module (torchtune/models/qwen2/_component_builders.py L88-106,
+    mistral/_component_builders.py L86 at v0.6.1). Hand-written families only: a derived
+    architecture's layers come from transformers' own traced code (give ``--attention-call
+    repeat-kv`` to count the copies there), and the emulation calls SDPA on one GPU or data
+    parallelism (``TrainingSpec._check_attention_call``)."""
+    if model is None or getattr(model, "family", "derived") == "derived" or getattr(model, "head", "") != "causal-lm":
+        return False
+    if model.num_kv_heads == model.num_heads:
+        return False
+    single = view.get("tp", 1) == 1 and view.get("pp", 1) == 1 and view.get("cp", 1) == 1
+    return single and view.get("attention", "sdpa") in SDPA_ATTENTION
 
 
 def _others(t: Any, framework: str, zero: bool = True, dist: bool = True) -> list[str]:
@@ -669,7 +724,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                                   _s("torchtune", "recipes/full_finetune_distributed.py", "299"))),
         "dropout": Cell(shown="the config's"),
         "grad_sync": Cell(shown="micro-batch (trainmem default; the recipe calls no no_sync)"),
-    }, rules=_torchtune_rules, check=_check_fsdp_only("torchtune"), min_torch="2.0"),
+    }, oldest="0.1.0", rules=_torchtune_rules, check=_check_fsdp_only("torchtune"), min_torch="2.0"),
     Preset("torchtitan", "torchtitan", "torchtitan 0.2.2", {
         "precision": Cell(shown="bf16-mp with FSDP (--dp > 1), else bf16-amp (fp32 with TP/PP alone)",
                           sources=(_s("torchtitan", "torchtitan/config/job_config.py", "282-290"),
