@@ -247,6 +247,7 @@ class Builder:
         self.outer_live: tuple[T, ...] = ()
         self.ring = 1  # PyTorch's context parallelism: the ranks its ring attention runs over (_ring_attention)
         self.rms_input = False  # --rms-norm input: ``rms_norm_hf`` is ``rms_norm_input`` (old lit-gpt RMSNorm)
+        self.manual_ln = False  # ModelSpec.manual_layernorm: ``layer_norm`` is ``layer_norm_manual``
         # a gradient alive through the backward of the linears built while it is set (``_linear_backward``):
         # a post-LN layer's residual gradient, waiting for its MLP branch (``_bert_layer``)
         self.waiting_grad: tuple[T, ...] = ()
@@ -456,6 +457,8 @@ class Builder:
 
     def layer_norm(self, x: T, name: str) -> T:
         """``F.layer_norm`` (autocast fp32): saves the (fp32) input and fp32 mean/rstd per token."""
+        if self.manual_ln:
+            return self.layer_norm_manual(x, name)
         xin = x
         if self.p.amp and x.nbytes != F32:
             xin = T(x.tok, 0, F32, name)
@@ -464,6 +467,24 @@ class Builder:
         self.r.save(T(xin.tok, 0, xin.nbytes, name), T(2, 0, F32, name + ".stats"))
         self.r.input_saved |= xin is x and x is self.layer_input  # no cast: the input itself is saved
         return T(x.tok, 0, F32 if self.p.amp else x.nbytes, name + ".out")
+
+    def layer_norm_manual(self, x: T, name: str) -> T:
+        """A LayerNorm in Python ops: Raschka's LLMs-from-scratch ``LayerNorm.forward``
+        (``ch05/10_llm-training-speed/00_orig.py`` L126-130 at 28c65cd): ``mean = x.mean(-1, keepdim)``;
+        ``var = x.var(-1, keepdim, unbiased=False)`` saves ``x`` (the input itself, (b, s, h) x's
+        dtype); ``norm_x = (x - mean) / torch.sqrt(var + eps)``: ``div`` saves both operands, the
+        centred ``x - mean`` ((b, s, h) x's dtype) and the ``sqrt`` output ((b, s, 1) x's dtype, which
+        ``SqrtBackward0`` saves as its result: the same tensor); ``self.scale * norm_x`` saves
+        ``norm_x`` ((b, s, h)) for the weight's gradient; ``+ self.shift`` saves nothing. Three
+        (b, s, h) tensors and one per token, where ``F.layer_norm`` saves one and two fp32 stats
+        (tests/test_raschka.py counts them on the CPU). Output: x's dtype (fp32 and pure bf16 only:
+        ``ModelSpec.manual_layernorm`` is refused under autocast, whose casts are not modelled here)."""
+        if self.base_trains:
+            self.grad_starts(x)
+        self.r.save(x, T(x.tok, 0, x.nbytes, name + ".centred"), T(1, 0, x.nbytes, name + ".stats"),
+                    T(x.tok, 0, x.nbytes, name + ".normalized"))
+        self.r.input_saved |= x is self.layer_input
+        return T(x.tok, 0, x.nbytes, name + ".out")
 
     def rms_norm_hf(self, x: T, name: str, rows: float = 1) -> T:
         """Hugging Face LlamaRMSNorm (Python ops): ``x.float()`` saved by ``pow``/``mul``; ``rsqrt``
@@ -969,6 +990,7 @@ class LayerKey:
     norm_fp32_product: bool = False
     ring: int = 1  # PyTorch's context parallelism: the ranks of its ring attention (states.torch_cp); 1 none
     rms_norm_input: bool = False  # --rms-norm input: the RMSNorms compute in their input's dtype (old lit-gpt)
+    manual_layernorm: bool = False  # the LayerNorms in Python ops (ModelSpec.manual_layernorm)
     expert_loop: bool = False  # transformers < 5: Mixtral's experts one nn.Linear MLP at a time (_moe_loop)
 
 
@@ -1107,6 +1129,7 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
     B.norm_fp32_product = k.norm_fp32_product
     B.ring = k.ring
     B.rms_input = k.rms_norm_input
+    B.manual_ln = k.manual_layernorm
     h, f, q, kv = k.h, k.f / t, k.q / t, k.kv / t
     heads, kvh = k.heads / t, k.kv_heads / t  # whole heads per rank (spec.layout.tp_problems)
     x = T(h / sp_div, 0, pol.stream, "residual")

@@ -341,7 +341,7 @@ def layer_key(m: ModelSpec, t: TrainingSpec) -> LayerKey:
                     rotary_keys_half=rotary_keys_half(m, release), ring=t.cp if torch_cp(t) else 1,
                     qk_norm=m.qk_norm, rms_norm_input=t.rms_norm == "input",
                     expert_loop=bool(m.num_experts) and moe_expert_loop(m, release),
-                    norm_fp32_product=torchtune_norm_saves_fp32(m, t))
+                    norm_fp32_product=torchtune_norm_saves_fp32(m, t), manual_layernorm=m.manual_layernorm)
 
 
 def release_attention_call(m: ModelSpec, t: TrainingSpec) -> str:
@@ -548,6 +548,9 @@ def _head_side(m: ModelSpec, pol: Policy, h: int, sp: int, fused: bool = False, 
         elif m.norm == "rmsnorm":  # HF RMSNorm: fp32 input copy, the normed tensor (trainable weight), fp32 rstd
             normed = 0 if frozen else (F32 if norm_fp32 else pol.stream)
             out.append(("final_norm", (h * (F32 + normed) + 4) / sp, 0.0))
+        elif m.manual_layernorm:  # Python-op LayerNorm (layers.Builder.layer_norm_manual): x, x - mean,
+            # norm_x (b, s, h) and sqrt(var + eps) (b, s, 1), all in the stream dtype
+            out.append(("final_norm", (h * pol.stream * 3 + pol.stream) / sp, 0.0))
         else:                    # layer_norm: input + fp32 mean/rstd
             out.append(("final_norm", (h * pol.stream + 8) / sp, 0.0))
     if m.head == "masked-lm":

@@ -425,7 +425,10 @@ def _gpt2_spec(cfg: dict[str, Any], extra: Mapping[str, Any], arch: str, name: s
     """GPT-2 configs, and nanoGPT's (no biases) as family ``nanogpt``. ``_trainmem.num_kv_heads``: grouped
     key/value heads on that layer (Megatron-LM's GPT with ``--group-query-attention --num-query-groups N``:
     megatron/core/transformer/attention.py ``SelfAttention``, one fused ``linear_qkv`` of
-    ``(heads + 2 * groups) * head_dim`` outputs); transformers' GPT-2 has none, so trace refuses it."""
+    ``(heads + 2 * groups) * head_dim`` outputs); transformers' GPT-2 has none, so trace refuses it.
+    ``_trainmem.manual_layernorm``: every LayerNorm written in Python ops (Raschka's LLMs-from-scratch
+    ``LayerNorm``, ``Builder.layer_norm_manual``); ``_trainmem.causal_mask_buffer``: a (T, T) float32
+    mask buffer per layer (nanoGPT's non-flash path, Raschka's ``MultiHeadAttention.mask``)."""
     h = _int(cfg, name, "n_embd", "hidden_size")
     family = extra.get("family") or ("nanogpt" if cfg.get("bias") is False else "gpt2")
     bias = cfg.get("bias", True) is not False
@@ -442,7 +445,8 @@ def _gpt2_spec(cfg: dict[str, Any], extra: Mapping[str, Any], arch: str, name: s
         tied_embeddings=cfg.get("tie_word_embeddings", True), position="learned",
         hidden_dropout=_float(cfg, name, "resid_pdrop", "dropout", default=0.1),
         attention_dropout=_float(cfg, name, "attn_pdrop", "dropout", default=0.1),
-        causal_mask_buffer=bool(extra.get("causal_mask_buffer", False)), **common)
+        causal_mask_buffer=bool(extra.get("causal_mask_buffer", False)),
+        manual_layernorm=bool(extra.get("manual_layernorm", False)), **common)
 
 
 def _bert_spec(cfg: dict[str, Any], mtype: str, arch: str, name: str, common: dict[str, Any]) -> ModelSpec:

@@ -245,10 +245,21 @@ def training_from(options: Mapping[str, Any], model: ModelSpec | None = None,
     model). With ``framework`` (or a base made under one) the preset goes between the base and the
     options (``preset_training``). DeepSpeed's engine options without its ZeRO stage are refused."""
     t = _training_from(options, model, base)
-    problem = deepspeed_problems(t)
+    problem = deepspeed_problems(t) or _manual_layernorm_problem(model, t)
     if problem:
         raise TrainmemError(problem)
     return t
+
+
+def _manual_layernorm_problem(model: ModelSpec | None, t: TrainingSpec) -> str | None:
+    """A model whose LayerNorms are Python ops (``_trainmem.manual_layernorm``) is modelled for fp32,
+    pure bf16/fp16, no torch.compile and no tensor parallelism (``Builder.layer_norm_manual``)."""
+    if model is None or not model.manual_layernorm:
+        return None
+    if t.precision in ("fp16-amp", "bf16-amp", "bf16-mp") or t.compile or t.tp > 1:
+        return (f"{model.name}: its Python-op LayerNorm (_trainmem.manual_layernorm) is modelled for "
+                f"--precision fp32/bf16/fp16 without --compile or --tp; use one of those or F.layer_norm's model")
+    return None
 
 
 def _training_from(options: Mapping[str, Any], model: ModelSpec | None, base: TrainingSpec | None) -> TrainingSpec:

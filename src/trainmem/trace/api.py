@@ -195,6 +195,9 @@ def _inputs(model: Any, options: dict[str, Any]) -> tuple[ModelSpec | None, Trai
         if r.model.family == "nanogpt":
             raise TrainmemError(f"{r.model.name}: nanoGPT is not a transformers model; pass a factory returning "
                                 f"your nanoGPT module and a step_fn (see trainmem.trace.trace)")
+        if r.model.manual_layernorm:
+            raise TrainmemError(f"{r.model.name}: its Python-op LayerNorm (_trainmem.manual_layernorm) is not "
+                                f"transformers' GPT-2; pass a factory returning your module and a step_fn")
         return r.model, r.training, r.hardware, r.max_fraction
     if isinstance(model, torch.nn.Module):
         raise TrainmemError("pass a factory (a function returning the module), not a built module: the trace "
