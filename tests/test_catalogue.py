@@ -2,7 +2,8 @@
 
 The real model is the transformers class named by the entry's ``architectures`` (picked through
 the matching Auto class), built from the same config on the meta device, so nothing is
-allocated; nanogpt-124m is compared with the nanoGPT module in ``tests/nanogpt_model.py``.
+allocated; nanogpt-124m is compared with the nanoGPT module in ``tests/nanogpt_model.py``, raschka-gpt-124m
+with Raschka's GPTModel in ``tests/raschka_gpt.py``.
 
 Build times (transformers 5.23, torch 2.13, meta device, measured when the catalogue was
 written): every entry builds in under 0.5 s, the largest (llama-3.1-405b, 126 layers) in about
@@ -46,6 +47,7 @@ EXPECTED_PARAMS = {
     "mistral-7b": 7_241_732_096,
     "mixtral-8x7b": 46_702_792_704,
     "nanogpt-124m": 124_373_760,
+    "raschka-gpt-124m": 163_009_536,   # Raschka's GPTModel, GPT_CONFIG_124M (untied head, no qkv bias)
     "nemo-gpt-1b": 1_410_766_848,
     "nemo-gpt-5b": 5_231_161_344,
     "nemo-gpt-7b": 6_837_645_312,
@@ -113,7 +115,7 @@ EXPECTED_PARAMS = {
     # SiglipModel (both towers) 203,155,970, the model card's 203M; its vision tower's classifier trained
     "siglip-base-patch16-224": 92_885_762,
 }
-HF_NAMES = sorted(n for n in EXPECTED_PARAMS if n != "nanogpt-124m")
+HF_NAMES = sorted(n for n in EXPECTED_PARAMS if n not in ("nanogpt-124m", "raschka-gpt-124m"))
 
 _AUTO_BY_SUFFIX = (
     ("ForCausalLM", transformers.AutoModelForCausalLM),
@@ -155,6 +157,13 @@ def _real_model_counts(cfg_json: str) -> tuple[int, int, tuple[tuple[int, str], 
     if cfg.get("_trainmem", {}).get("family") == "nanogpt":
         with torch.device("meta"):
             model = GPT(GPTConfig.from_hf_config(cfg))
+    elif cfg.get("_trainmem", {}).get("manual_layernorm"):   # Raschka's GPTModel (tests/raschka_gpt.py)
+        import raschka_gpt
+        with torch.device("meta"):
+            model = raschka_gpt.GPTModel({"vocab_size": cfg["vocab_size"], "context_length": cfg["n_positions"],
+                                          "emb_dim": cfg["n_embd"], "n_heads": cfg["n_head"],
+                                          "n_layers": cfg["n_layer"], "drop_rate": cfg["resid_pdrop"],
+                                          "qkv_bias": cfg["_trainmem"].get("qkv_bias", True)})
     else:
         cfg = _hf_config(cfg)
         arch = cfg["architectures"][0]

@@ -35,7 +35,7 @@ def _gpt2(s: ModelSpec) -> Iterator[ParamTensor]:
         # Conv1D stores (in, out); the matmul is the same either way.
         qkv = s.q_size + 2 * s.kv_size  # 3 h (grouped heads: ``_trainmem.num_kv_heads``, spec.config._gpt2_spec)
         yield ParamTensor(f"{p}.attn.c_attn.weight", (h, qkv), "linear", "c_attn", i)
-        if b:
+        if b and s.qkv_bias:  # Raschka's GPTModel: qkv_bias=False, the other biases kept
             yield ParamTensor(f"{p}.attn.c_attn.bias", (qkv,), "bias", "c_attn", i)
         yield ParamTensor(f"{p}.attn.c_proj.weight", (h, h), "linear", "c_proj", i)
         if b:

@@ -428,7 +428,8 @@ def _gpt2_spec(cfg: dict[str, Any], extra: Mapping[str, Any], arch: str, name: s
     ``(heads + 2 * groups) * head_dim`` outputs); transformers' GPT-2 has none, so trace refuses it.
     ``_trainmem.manual_layernorm``: every LayerNorm written in Python ops (Raschka's LLMs-from-scratch
     ``LayerNorm``, ``Builder.layer_norm_manual``); ``_trainmem.causal_mask_buffer``: a (T, T) float32
-    mask buffer per layer (nanoGPT's non-flash path, Raschka's ``MultiHeadAttention.mask``)."""
+    mask buffer per layer (nanoGPT's non-flash path, Raschka's ``MultiHeadAttention.mask``);
+    ``_trainmem.qkv_bias``: false drops the query/key/value bias alone (Raschka's ``qkv_bias=False``)."""
     h = _int(cfg, name, "n_embd", "hidden_size")
     family = extra.get("family") or ("nanogpt" if cfg.get("bias") is False else "gpt2")
     bias = cfg.get("bias", True) is not False
@@ -441,7 +442,7 @@ def _gpt2_spec(cfg: dict[str, Any], extra: Mapping[str, Any], arch: str, name: s
         ffn_size=_int(cfg, name, "n_inner", default=4 * h),
         activation=_activation(cfg.get("activation_function", "gelu_new"), name),
         max_positions=_int(cfg, name, "n_positions", "max_position_embeddings", default=1024),
-        norm="layernorm", qkv_bias=bias, out_bias=bias, mlp_bias=bias, norm_bias=bias,
+        norm="layernorm", qkv_bias=bool(extra.get("qkv_bias", bias)), out_bias=bias, mlp_bias=bias, norm_bias=bias,
         tied_embeddings=cfg.get("tie_word_embeddings", True), position="learned",
         hidden_dropout=_float(cfg, name, "resid_pdrop", "dropout", default=0.1),
         attention_dropout=_float(cfg, name, "attn_pdrop", "dropout", default=0.1),
