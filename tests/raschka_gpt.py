@@ -126,3 +126,52 @@ def loss_batch(model, inp, tgt):
     """00_orig.py lines 247-251: fp32 logits, ``cross_entropy(logits.flatten(0, 1), targets.flatten())``."""
     logits = model(inp)
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tgt.flatten())
+
+
+# ----- 01_opt_single_gpu.py (same commit): lines 64-177 ------------------------------------------
+# ``PyTorchMultiHeadAttention`` (one fused bias-free qkv Linear, F.scaled_dot_product_attention with
+# is_causal and dropout_p=drop_rate in training, no mask buffer), ``nn.LayerNorm``, ``nn.GELU("tanh")``.
+class PyTorchMultiHeadAttention(nn.Module):
+    def __init__(self, d_in, d_out, num_heads, dropout=0.0, qkv_bias=False):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = d_out // num_heads
+        self.d_out = d_out
+        self.qkv = nn.Linear(d_in, 3 * d_out, bias=qkv_bias)
+        self.proj = nn.Linear(d_out, d_out)
+        self.dropout = dropout
+
+    def forward(self, x):
+        batch_size, num_tokens, embed_dim = x.shape
+        qkv = self.qkv(x)
+        qkv = qkv.view(batch_size, num_tokens, 3, self.num_heads, self.head_dim)
+        qkv = qkv.permute(2, 0, 3, 1, 4)
+        queries, keys, values = qkv
+        use_dropout = 0. if not self.training else self.dropout
+        context_vec = nn.functional.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=None, dropout_p=use_dropout, is_causal=True)
+        context_vec = context_vec.transpose(1, 2).contiguous().view(batch_size, num_tokens, self.d_out)
+        return self.proj(context_vec)
+
+
+class OptTransformerBlock(TransformerBlock):
+    def __init__(self, cfg):
+        nn.Module.__init__(self)
+        self.att = PyTorchMultiHeadAttention(d_in=cfg["emb_dim"], d_out=cfg["emb_dim"], num_heads=cfg["n_heads"],
+                                             dropout=cfg["drop_rate"], qkv_bias=cfg["qkv_bias"])
+        self.ff = FeedForward(cfg)
+        self.ff.layers[1] = nn.GELU(approximate="tanh")
+        self.norm1 = nn.LayerNorm(cfg["emb_dim"])
+        self.norm2 = nn.LayerNorm(cfg["emb_dim"])
+        self.drop_shortcut = nn.Dropout(cfg["drop_rate"])
+
+
+class OptGPTModel(GPTModel):
+    def __init__(self, cfg):
+        nn.Module.__init__(self)
+        self.tok_emb = nn.Embedding(cfg["vocab_size"], cfg["emb_dim"])
+        self.pos_emb = nn.Embedding(cfg["context_length"], cfg["emb_dim"])
+        self.drop_emb = nn.Dropout(cfg["drop_rate"])
+        self.trf_blocks = nn.Sequential(*[OptTransformerBlock(cfg) for _ in range(cfg["n_layers"])])
+        self.final_norm = nn.LayerNorm(cfg["emb_dim"])
+        self.out_head = nn.Linear(cfg["emb_dim"], cfg["vocab_size"], bias=False)

@@ -107,3 +107,39 @@ def test_trace_refuses_the_catalogue_entry():
     from trainmem.errors import TrainmemError
     with pytest.raises(TrainmemError, match="factory"):
         trace("raschka-gpt-124m", batch_size=1, seq_len=64, precision="fp32")
+
+
+# ----- 01_opt_single_gpu.py's model: pure bf16, SDPA, F.cross_entropy on bf16 logits ------------------
+def test_pure_half_loss_tensors_are_half_blocks():
+    # nll_loss_backward's and _log_softmax_backward_data's gradients: two bf16 (b*s, vocab) tensors,
+    # not one fp32-sized block (which no freed bf16 block fits, so the replay reserved more)
+    from trainmem.estimate.reserved import _logit_tensors
+    elems = 8 * 1024 * 50257
+    assert _logit_tensors(elems * 4, 4, elems, 1, elem=2) == [elems * 2, elems * 2]
+    assert _logit_tensors(elems * 8, 8, elems) == [elems * 4, elems * 4]   # fp32: unchanged
+
+
+def test_opt_model_reserved_estimate_matches_trace_of_his_code():
+    # 01_opt's GPTModel at batch 8, vocab 50257, without torch.compile (README row 7, 'Using FlashAttention')
+    B8, V = 8, 50257
+    cfg = dict(rg.GPT_CONFIG_124M, vocab_size=V)
+
+    def opt(model):
+        return torch.optim.AdamW(model.parameters(), lr=5e-4, weight_decay=0.1, fused=True)
+
+    def step(model, optimizer, it):
+        optimizer.zero_grad()
+        inp = torch.randint(0, V, (B8, T), device="cuda")
+        loss = rg.loss_batch(model, inp, torch.randint(0, V, (B8, T), device="cuda"))
+        loss.backward()
+        optimizer.step()
+
+    traced_opt = trace(lambda: rg.OptGPTModel(cfg).to(torch.bfloat16), step, steps=3, optimizer_fn=opt,
+                       gpu="a100-40gb")
+    from trainmem import estimate
+    est = estimate(model="gpt2", set=["tie_word_embeddings=false", "activation_function=gelu_pytorch_tanh"],
+                   batch_size=B8, seq_len=T, precision="bf16", optimizer="adamw", optimizer_impl="fused",
+                   attention="sdpa", loss="half", use_cache=False, gpu="a100-40gb")
+    assert abs(est.peak_allocated - traced_opt.peak_allocated) < 0.01 * traced_opt.peak_allocated
+    assert abs(est.peak_reserved - traced_opt.peak_reserved) < 0.01 * traced_opt.peak_reserved
+    assert abs(traced_opt.peak_reserved - 5.9004 * GiB) < 0.01 * 5.9004 * GiB   # README row 7

@@ -125,6 +125,7 @@ class Quantities:
     transients: Any        # per layer-op backward transient: tuple of (a, b, c, g, d, at), or a TransientTable
     logits_cast: int = 0   # --cast-output: the fp32 copy of the head's output (0: fp32 logits, nothing to cast)
     loss_saves_out: int = 0  # 1: the loss saves the head's output itself (loss_saved is not a new tensor)
+    loss_elem: int = 4     # bytes per element of each of the loss's logits-sized tensors (LossBytes.elem)
     cast_output: int = 0   # 1: --cast-output, the loop rebinds its output before its loss (litgpt under Fabric)
     head_wgrad: int = 0    # autocast: the LM head's weight gradient in the half dtype, beside its fp32 cast (head_wgrad)
     fwd_temp: int = 0      # a layer's largest forward transient: a dequantized 4-bit weight (quant4.py)
@@ -601,6 +602,8 @@ class LossBytes(NamedTuple):
     backward_const: int = 0  # chunked-nll: alive through a chunk's backward whatever the chunk (the weight's copy)
     backward_more: int = 0  # chunked-nll, a trained head: more in backward when there are several chunks
     saves_out: int = 0      # 1: ``saved`` is the tensor the loss reads (the output, or its --cast-output copy)
+    elem: int = F32         # bytes per element of the loss's own logits-sized tensors: fp32, or the half
+    #                         dtype of a loss run in it without autocast (pure bf16/fp16: _eager_loss_bytes)
 
 
 def loss_mode(m: ModelSpec, t: TrainingSpec) -> str:
@@ -911,10 +914,12 @@ def _eager_loss_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int, mod
         if t.loss_chunks > 1:  # litgpt: each chunk's loss backward in turn
             if pol.amp:
                 return LossBytes(held, half, half + F32, backward_chunk=F32)
-            return LossBytes(held, half, half, backward_chunk=2 * half)
+            return LossBytes(held, half, half, backward_chunk=2 * half, elem=half)
         if pol.amp:
             return LossBytes(held, half, half + F32, 0, F32)
-        return LossBytes(held, half, half, 0, 2 * half)
+        # pure half: log_softmax's output (saved) and, in backward, nll_loss_backward's and
+        # _log_softmax_backward_data's gradients, each a (b*s, vocab) tensor in the logits' half dtype
+        return LossBytes(held, half, half, 0, 2 * half, elem=half)
     if mode == "half" and t.loss_chunks > 1:  # fp32 logits, litgpt's chunked loss: one chunk's gradients at a time
         return LossBytes(held, F32, F32, backward_chunk=2 * F32)
     return LossBytes(held, half, F32, F32 if half != F32 else 0, 2 * F32)
@@ -2045,7 +2050,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         logit_chunks=t.loss_chunks, logit_width=m.vocab_size if is_lm(m) else classifier_width(m, t),
         tp=t.tp if is_lm(m) else 1, logits_held=loss.held, logits_out=loss.out, loss_saved=loss.saved,
         logits_cast=loss.cast, cast_output=int(t.cast_output), loss_forward=loss.forward, loss_backward=loss.backward,
-        loss_saves_out=loss.saves_out,
+        loss_saves_out=loss.saves_out, loss_elem=loss.elem,
         loss_backward_chunk=loss.backward_chunk, loss_saved_tok=loss.saved_tok, loss_saved_const=loss.saved_const,
         # --compile: the zero gradients of the KV-cache tensors the model returns (_compiled_loss_bytes)
         **{"loss_backward_tok": lc.cache * layers if whole_model_compiled(t) else 0.0,

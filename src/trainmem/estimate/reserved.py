@@ -151,14 +151,20 @@ def _varying_steps(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, steps:
         _optimizer_step(R, s, q, flags, s.step, temp_copies)
 
 
-def _logit_tensors(total: int, per_elem: int, elems: int, chunks: int = 1) -> list[int]:
+def _logit_tensors(total: int, per_elem: int, elems: int, chunks: int = 1, elem: int = 4) -> list[int]:
     """A logits-sized term as the tensors it is made of: ``per_elem`` bytes per logit element are
-    fp32 tensors (4 B each) and at most one half tensor (2 B), each of ``elems`` elements (the loss
-    keeps whole logits-sized tensors: the fp32 upcast, log-probabilities, their gradients), or
-    ``chunks`` tensors each under a chunked loss (torchtune's ``CEWithChunkedOutputLoss`` and
-    litgpt's ``chunked_cross_entropy`` keep a list of per-chunk logits); what is left of ``total``
+    tensors of ``elem`` bytes per element (fp32, or the half dtype of a loss run in it without
+    autocast: ``LossBytes.elem``, where ``nll_loss_backward`` and ``_log_softmax_backward_data`` make
+    two half tensors, not one fp32-sized block) and at most one half tensor (2 B), each of ``elems``
+    elements (the loss keeps whole logits-sized tensors: the fp32 upcast, log-probabilities, their
+    gradients), or ``chunks`` tensors each under a chunked loss (torchtune's ``CEWithChunkedOutputLoss``
+    and litgpt's ``chunked_cross_entropy`` keep a list of per-chunk logits); what is left of ``total``
     (one chunk's transient tensors, per-token terms) is one more block."""
     per_elem, part = int(per_elem), -(-elems // chunks)
+    if elem != 4:
+        sizes = [part * elem] * (chunks * (per_elem // elem))
+        rest = int(total) - elems * (per_elem // elem) * elem
+        return sizes + [rest] if rest > 0 else sizes
     sizes = [part * 4] * (chunks * (per_elem // 4)) + [part * 2] * (chunks * ((per_elem % 4) // 2))
     sizes += [part] * (chunks * (per_elem % 2))
     rest = int(total) - elems * per_elem
@@ -245,7 +251,7 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
             saved = out + R.allocs([int(tk.loss_saved) - full * q.loss_saved])
             out = []
         else:
-            saved = R.allocs(_logit_tensors(tk.loss_saved, q.loss_saved, full, chunks))    # log-probabilities
+            saved = R.allocs(_logit_tensors(tk.loss_saved, q.loss_saved, full, chunks, q.loss_elem))  # log-probs
     R.frees([h for _at, h in R.carry])                            # derived layers' tensors the loss frees
     R.carry = []
     R.frees(fwd)
@@ -328,7 +334,8 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     if q.logits_cast and f.chunks > 1:
         dlogits = _cast_chunks_backward(R, q, f)
     else:
-        sizes = [] if q.loss_chunk_tokens else _logit_tensors(tk.loss_backward, q.loss_backward, f.full, f.chunks)
+        sizes = [] if q.loss_chunk_tokens else _logit_tensors(tk.loss_backward, q.loss_backward, f.full, f.chunks,
+                                                              q.loss_elem)
         lb = _chunked_nll_backward(R, q, tk) if q.loss_chunk_tokens else R.allocs(sizes)  # the loss's backward
         R.frees(f.saved)
         dlogits = _logits_gradient(R, q, tk, f, lb, sizes)        # in the head's dtype
