@@ -12,13 +12,10 @@ transformers < 4.52 (reentrant, outside the unit), the layer's own checkpoint of
 (inside the unit) and non-reentrant checkpointing outside it. The fast tests check when the estimate
 applies it and the two published fms-acceleration Mistral-7B LoRA FSDP1 rows."""
 import json
-import os
-import socket
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
+from gloo_ranks import run_ranks
 
 import trainmem
 from trainmem.errors import TrainmemError
@@ -110,22 +107,9 @@ dist.destroy_process_group()
 '''
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(tmp_path, mode):
-    script = tmp_path / "rank.py"
-    script.write_text(RANK_SCRIPT)
     out = tmp_path / f"{mode}.json"
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), mode, str(out)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
-    for p in procs:
-        _, err = p.communicate(timeout=240)
-        assert p.returncode == 0, err[-2000:]
+    run_ranks(tmp_path / "rank.py", RANK_SCRIPT, mode, out)
     return json.loads(out.read_text())
 
 

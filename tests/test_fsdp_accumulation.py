@@ -9,12 +9,9 @@
 Each rank reports the gradient bytes it holds after an accumulating micro-batch and after the
 synchronising one; trainmem's model states of the same model and setup must match them."""
 import json
-import os
-import socket
-import subprocess
-import sys
 
 import pytest
+from gloo_ranks import run_ranks
 
 from trainmem.estimate.api import estimate
 from trainmem.estimate.states import model_states
@@ -94,22 +91,9 @@ dist.destroy_process_group()
 '''
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_ranks(tmp_path, version):
-    script = tmp_path / "rank.py"
-    script.write_text(RANK_SCRIPT)
     out = tmp_path / f"fsdp{version}.json"
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(version), str(out)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
-    for p in procs:
-        _, err = p.communicate(timeout=240)
-        assert p.returncode == 0, err[-2000:]
+    run_ranks(tmp_path / "rank.py", RANK_SCRIPT, version, out)
     return json.loads(out.read_text())
 
 

@@ -1,13 +1,10 @@
 """Mixture-of-experts routing imbalance (--moe-imbalance) and expert parallelism (--ep), docs/moe.md."""
 import json
-import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
 import transformers
+from gloo_ranks import run_ranks
 
 import trainmem
 from trainmem.cli import main
@@ -280,25 +277,13 @@ dist.destroy_process_group()
 """
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ep_saved(tmp_path_factory):
     """Bytes autograd saves in transformers' AllToAllEP forward on each of two gloo ranks (the inputs,
     routing weights and expert weights excluded), per dtype and routing pattern."""
     tmp = tmp_path_factory.mktemp("ep")
-    script, out = tmp / "rank.py", tmp / "saved"
-    script.write_text(EP_SCRIPT)
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(out)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
-    for p in procs:
-        _, err = p.communicate(timeout=240)
-        assert p.returncode == 0, err[-2000:]
+    out = tmp / "saved"
+    run_ranks(tmp / "rank.py", EP_SCRIPT, out)
     return [json.loads((tmp / f"saved.{r}").read_text()) for r in range(2)]
 
 
