@@ -117,8 +117,8 @@ def setups(draw, models=tuple(MODELS)):
         lora_rank=lora_rank, lora_targets=lora_targets, compile=draw(st.booleans()),
         dropout=True if derived else draw(st.booleans()), distributed_optimizer=draw(st.sampled_from((False, False, False, True))),
     )
-    if m.manual_layernorm:  # a Python-op LayerNorm is modelled without autocast, --compile and --tp
-        precision = {"bf16-amp": "bf16", "fp16-amp": "fp16"}.get(precision, precision)
+    if m.manual_layernorm:  # a Python-op LayerNorm is modelled without FSDP's bf16-mp, --compile and --tp
+        precision = {"bf16-mp": "bf16-amp"}.get(precision, precision)
         tp = 1
         options.update(compile=False, tp=1, sequence_parallel=False, precision=precision)
     if sdpa_pin_problem(attention, F32 if precision == "fp32" else HALF, m.head_dim, m.num_heads,

@@ -94,7 +94,32 @@ def test_manual_layernorm_estimate_adds_its_saved_tensors():
     assert buffers(ours) - buffers(hf) == 12 * T * T * 4
 
 
-@pytest.mark.parametrize("option", [{"precision": "bf16-amp"}, {"compile": True}])
+def _amp_step(model, optimizer, it):
+    optimizer.zero_grad()
+    inp = torch.randint(0, 50257, (B, T), device="cuda")
+    tgt = torch.randint(0, 50257, (B, T), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = rg.loss_batch(model, inp, tgt)   # F.cross_entropy on the bf16 logits, inside autocast
+    loss.backward()
+    optimizer.step()
+
+
+def test_manual_layernorm_under_autocast_matches_a_trace_of_his_module():
+    # his loop under bf16 autocast: the Python-op LayerNorm runs on the fp32 residual stream (its ops are not on
+    # autocast's lists), W_query/W_key/W_value each save their own bf16 cast of its output, and his
+    # F.cross_entropy on the bf16 logits is --loss half (log_softmax in bf16, nll_loss's fp32 copy)
+    traced_amp = trace(lambda: rg.GPTModel(rg.GPT_CONFIG_124M), _amp_step, steps=3, optimizer_fn=_optimizer,
+                       gpu="a100-80gb")
+    from trainmem import estimate
+    est = estimate(model="raschka-gpt-124m", batch_size=B, seq_len=T, precision="bf16-amp", optimizer="adamw",
+                   attention="eager", loss="half", gpu="a100-80gb")
+    assert abs(est.peak_allocated - traced_amp.peak_allocated) < 0.005 * traced_amp.peak_allocated
+    assert abs(est.peak_reserved - traced_amp.peak_reserved) < 0.015 * traced_amp.peak_reserved
+    casts = {c.name: c.bytes for c in est.components}["activations.layers.c_attn.input"]
+    assert casts == 3 * 12 * B * T * 768 * 2   # three (b, s, h) bf16 casts per layer, not c_attn's one
+
+
+@pytest.mark.parametrize("option", [{"precision": "bf16-mp", "fsdp": "full", "dp": 2}, {"compile": True}])
 def test_manual_layernorm_refuses_what_it_does_not_model(option):
     from trainmem.errors import TrainmemError
     opts = {"precision": "fp32", **option}

@@ -991,6 +991,7 @@ class LayerKey:
     ring: int = 1  # PyTorch's context parallelism: the ranks of its ring attention (states.torch_cp); 1 none
     rms_norm_input: bool = False  # --rms-norm input: the RMSNorms compute in their input's dtype (old lit-gpt)
     manual_layernorm: bool = False  # the LayerNorms in Python ops (ModelSpec.manual_layernorm)
+    separate_qkv: bool = False  # GPT-2 family: q, k, v as three linears (ModelSpec.separate_qkv)
     expert_loop: bool = False  # transformers < 5: Mixtral's experts one nn.Linear MLP at a time (_moe_loop)
 
 
@@ -1198,7 +1199,11 @@ def _gpt2_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: f
     a_in = B.layer_norm(x, "ln_1")
     a_out = T(h / sp_div, 0, a_in.nbytes, "ln_1.out")
     B.outer_live = (a_out,)  # GPT2Block's ``hidden_states`` while ``self.attn`` runs
-    B.linear(a_out, q + 2 * kv, "c_attn", "c_attn.input", h)
+    if k.separate_qkv:  # three linears: under autocast each saves its own half cast of the fp32 input
+        for width in (q, kv, kv):
+            B.linear(a_out, width, "c_attn", "c_attn.input", h)
+    else:
+        B.linear(a_out, q + 2 * kv, "c_attn", "c_attn.input", h)
     qq, kk, vv = (T(q, 0, half, "attn.qkv"), T(kv, 0, half, "attn.qkv"), T(kv, 0, half, "attn.qkv"))
     backend = "eager" if k.attention == "eager" else B.sdpa(k.attention, k.head_dim, heads, kvh,
                                                             k.attention_dropout)

@@ -342,7 +342,8 @@ def layer_key(m: ModelSpec, t: TrainingSpec) -> LayerKey:
                     rotary_keys_half=rotary_keys_half(m, release), ring=t.cp if torch_cp(t) else 1,
                     qk_norm=m.qk_norm, rms_norm_input=t.rms_norm == "input",
                     expert_loop=bool(m.num_experts) and moe_expert_loop(m, release),
-                    norm_fp32_product=torchtune_norm_saves_fp32(m, t), manual_layernorm=m.manual_layernorm)
+                    norm_fp32_product=torchtune_norm_saves_fp32(m, t), manual_layernorm=m.manual_layernorm,
+                    separate_qkv=m.separate_qkv)
 
 
 def release_attention_call(m: ModelSpec, t: TrainingSpec) -> str:

@@ -429,7 +429,10 @@ def _gpt2_spec(cfg: dict[str, Any], extra: Mapping[str, Any], arch: str, name: s
     ``_trainmem.manual_layernorm``: every LayerNorm written in Python ops (Raschka's LLMs-from-scratch
     ``LayerNorm``, ``Builder.layer_norm_manual``); ``_trainmem.causal_mask_buffer``: a (T, T) float32
     mask buffer per layer (nanoGPT's non-flash path, Raschka's ``MultiHeadAttention.mask``);
-    ``_trainmem.qkv_bias``: false drops the query/key/value bias alone (Raschka's ``qkv_bias=False``)."""
+    ``_trainmem.qkv_bias``: false drops the query/key/value bias alone (Raschka's ``qkv_bias=False``);
+    ``_trainmem.separate_qkv``: the query, key and value are three linears on the norm's output, not one
+    fused ``c_attn`` (Raschka's ``W_query``, ``W_key``, ``W_value``): the same weights and activations, but under
+    autocast each casts its fp32 input to half on its own (``layers._gpt2_layer``)."""
     h = _int(cfg, name, "n_embd", "hidden_size")
     family = extra.get("family") or ("nanogpt" if cfg.get("bias") is False else "gpt2")
     bias = cfg.get("bias", True) is not False
@@ -447,7 +450,8 @@ def _gpt2_spec(cfg: dict[str, Any], extra: Mapping[str, Any], arch: str, name: s
         hidden_dropout=_float(cfg, name, "resid_pdrop", "dropout", default=0.1),
         attention_dropout=_float(cfg, name, "attn_pdrop", "dropout", default=0.1),
         causal_mask_buffer=bool(extra.get("causal_mask_buffer", False)),
-        manual_layernorm=bool(extra.get("manual_layernorm", False)), **common)
+        manual_layernorm=bool(extra.get("manual_layernorm", False)),
+        separate_qkv=bool(extra.get("separate_qkv", False)), **common)
 
 
 def _bert_spec(cfg: dict[str, Any], mtype: str, arch: str, name: str, common: dict[str, Any]) -> ModelSpec:

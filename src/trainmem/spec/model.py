@@ -86,6 +86,7 @@ class ModelSpec:
     attention_dropout: float = 0.0
     causal_mask_buffer: bool = False  # nanoGPT's per-layer (T, T) tril buffer
     manual_layernorm: bool = False  # LayerNorm in Python ops (Raschka's LLMs-from-scratch ``LayerNorm``)
+    separate_qkv: bool = False  # GPT-2-shaped model with q, k, v as three linears (Raschka's W_query/W_key/W_value)
     qk_norm: bool = False   # Qwen3: an RMSNorm over head_dim on each head's query and key (q_norm, k_norm)
     pre_norm: bool = True
     embedding_norm: bool = False

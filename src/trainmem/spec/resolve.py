@@ -253,12 +253,14 @@ def training_from(options: Mapping[str, Any], model: ModelSpec | None = None,
 
 def _manual_layernorm_problem(model: ModelSpec | None, t: TrainingSpec) -> str | None:
     """A model whose LayerNorms are Python ops (``_trainmem.manual_layernorm``) is modelled for fp32,
-    pure bf16/fp16, no torch.compile and no tensor parallelism (``Builder.layer_norm_manual``)."""
+    pure bf16/fp16 and autocast (its ops run on the fp32 stream: none is on autocast's lower-precision
+    list), without FSDP's bf16-mp policy, torch.compile or tensor parallelism (``Builder.layer_norm_manual``)."""
     if model is None or not model.manual_layernorm:
         return None
-    if t.precision in ("fp16-amp", "bf16-amp", "bf16-mp") or t.compile or t.tp > 1:
+    if t.precision == "bf16-mp" or t.compile or t.tp > 1:
         return (f"{model.name}: its Python-op LayerNorm (_trainmem.manual_layernorm) is modelled for "
-                f"--precision fp32/bf16/fp16 without --compile or --tp; use one of those or F.layer_norm's model")
+                f"--precision fp32/bf16/fp16/bf16-amp/fp16-amp without --compile or --tp; use one of those or "
+                f"F.layer_norm's model")
     return None
 
 
