@@ -25,6 +25,7 @@ ZERO1, ZERO2, ZERO3 = ({"zero": z, "dp": 2, "precision": "bf16"} for z in (1, 2,
 #: (options, expected, what the refusal names / why the memory stays the same)
 CASES = [
     ({"grad_accum": 2}, CHANGED, ""),
+    ({"cublas_workspace_config": ":16:8"}, CHANGED, ""),
     ({"expandable_segments": True}, "same", "every tensor of this tiny model is under 10 MiB, where both allocator modes "
                                             "charge the 512 B-rounded request (phi-2's larger ones: "
                                             "tests/test_expandable_segments.py)"),

@@ -189,6 +189,10 @@ def add_training(g: Any) -> None:
                    help="the run sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the caching allocator's "
                         "virtual-memory mode; torchtitan's launcher sets it): blocks rounded to 512 B only, reserved "
                         "replayed in that mode; measure runs with it. --no-expandable-segments overrides a preset")
+    g.add_argument("--cublas-workspace-config", metavar="CONFIG", default=None,
+                   help="the run's CUBLAS_WORKSPACE_CONFIG (e.g. :4096:8 = 32 MiB, :16:8 = 128 KiB per cuBLAS handle, "
+                        "as PyTorch parses it); default PyTorch's size for the GPU (32 MiB on Hopper, else 8.1 MiB) "
+                        "or a calibration profile's")
     _add_lora(g)
     _add_loss(g)
 
@@ -451,7 +455,8 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 sub_group_size=a.sub_group_size, stage3_max_reuse_distance=a.stage3_max_reuse_distance,
                 stage3_prefetch_bucket_size=a.stage3_prefetch_bucket_size, remote_device=a.remote_device,
                 gemini=a.gemini, gemini_chunk_size=a.gemini_chunk_size,
-                expandable_segments=a.expandable_segments, task=getattr(a, "task", None))
+                expandable_segments=a.expandable_segments, cublas_workspace_config=a.cublas_workspace_config,
+                task=getattr(a, "task", None))
     if a.fsdp is not None and a.zero in (0, None):
         opts.pop("zero")
     return opts

@@ -147,8 +147,10 @@ def estimate_resolved(r: Resolved, replay: bool = True) -> MemoryReport:
         what = ("--recompute op" if t.recompute == "op" else "--offload-activations" if t.offload_activations
                 else "ColossalAI Gemini (--gemini)")
         raise TrainmemError(f"--method {r.method}: the published formulas have no {what}; use --method trainmem")
-    ws = r.hardware.handle_workspace if r.hardware is not None else None
-    # only the default engine counts cuBLAS workspaces: the GPU's default size, or a calibration profile's
+    ws = t.cublas_workspace if t.cublas_workspace is not None else \
+        r.hardware.handle_workspace if r.hardware is not None else None
+    # only the default engine counts cuBLAS workspaces: --cublas-workspace-config's, else the GPU's default size
+    # or a calibration profile's
     # the trainmem engine also replays the step through the caching allocator (peak reserved)
     cap = r.hardware.capability if r.hardware is not None else None
     report = fn(r.model, r.training, cublas_workspace=ws, reserved=replay, capability=cap) if r.method == "trainmem" \

@@ -75,6 +75,24 @@ def apply(expandable: bool, kind: str) -> list[str]:
     return warnings
 
 
+def apply_cublas(config: str | None, kind: str, environ: Any = None) -> None:
+    """Give the measured run ``--cublas-workspace-config``: PyTorch reads ``CUBLAS_WORKSPACE_CONFIG`` once, at
+    the process's first cuBLAS call (aten/src/ATen/cuda/CublasHandlePool.cpp ``getChosenWorkspaceSize``: a
+    function-local static), so it is set in the environment before the model runs (spawned ranks inherit
+    it). An environment that already sets another value is refused in one line; on the CPU no cuBLAS runs."""
+    environ = os.environ if environ is None else environ
+    if config is None:
+        return
+    if kind != "cuda":
+        raise TrainmemError("--cublas-workspace-config sizes the CUDA cuBLAS workspaces, which a --device cpu run "
+                            "does not have: drop it, or measure on --device cuda")
+    given = environ.get("CUBLAS_WORKSPACE_CONFIG")
+    if given is not None and given != config:
+        raise TrainmemError(f"--cublas-workspace-config {config} but the environment sets CUBLAS_WORKSPACE_CONFIG="
+                            f"{given}: unset it, or give --cublas-workspace-config {given}")
+    environ["CUBLAS_WORKSPACE_CONFIG"] = config
+
+
 def settings() -> Any:
     """The allocator settings PyTorch parsed last (None where it cannot say), for the report."""
     import torch

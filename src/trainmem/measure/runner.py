@@ -354,6 +354,7 @@ def measure(model: Any, steps: int = 2, *, device: str = "cuda", training: Train
                                                                      max_fraction=max_fraction))
     from .distributed import check_layout, launcher_env, measure_rank, needs_launcher, several
     alloc_warnings = alloc_conf.apply(r.training.expandable_segments, kind)  # before CUDA is initialised
+    alloc_conf.apply_cublas(r.training.cublas_workspace_config, kind)  # before the first matmul
     env = launcher_env()
     if probe is None and ((env is not None and env["world_size"] > 1) or several(r.training)):
         if env is None:

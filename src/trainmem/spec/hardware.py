@@ -25,6 +25,16 @@ CUBLAS_WORKSPACE = 4096 * 1024 * 2 + 16 * 1024 * 8
 CUBLAS_WORKSPACE_SM90 = 4096 * 8 * 1024
 
 
+def parse_cublas_workspace_config(value: str) -> int | None:
+    """Bytes of one cuBLAS handle's workspace under ``CUBLAS_WORKSPACE_CONFIG=value``, as PyTorch reads it
+    (aten/src/ATen/cuda/CublasHandlePool.cpp ``parseChosenWorkspaceSize``, the same at 26a39059ec58 and on
+    main in 2026: every ``:SIZE:COUNT`` match of ``std::regex(":([0-9]+):([0-9]+)")`` adds SIZE KiB x
+    COUNT; ``":4096:8"`` is 32 MiB, ``":16:8"`` 128 KiB). None where nothing matches (PyTorch then warns
+    and keeps its default)."""
+    pairs = re.findall(r":([0-9]+):([0-9]+)", value)
+    return sum(int(size) * 1024 * int(count) for size, count in pairs) if pairs else None
+
+
 def default_cublas_workspace(capability: tuple[int, int] | None) -> int:
     """One cuBLAS handle's workspace with no CUBLAS_WORKSPACE_CONFIG set, by compute capability
     (unknown: the pre-Hopper size)."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass, asdict, field
 from typing import Any
 
 from ..errors import TrainmemError
+from .hardware import parse_cublas_workspace_config
 from .layout import layout_problems, stage_layers
 from .releases import (SDPA_ATTENTION, fsdp2_rs_on_default_stream, math_sdpa_upcasts, parse_torch_version,
                        softmax_saves_input, torch_problems)
@@ -304,6 +305,9 @@ class TrainingSpec:
     expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: the caching allocator's
     #                                    virtual-memory mode (every block split to its 512 B-rounded request; one
     #                                    growing segment per pool); torchtitan's launcher sets it (spec.frameworks)
+    cublas_workspace_config: str | None = None  # the run's CUBLAS_WORKSPACE_CONFIG (":4096:8"): one cuBLAS
+    #                                            handle's workspace (hardware.parse_cublas_workspace_config);
+    #                                            None: PyTorch's default for the GPU, or a calibration profile's
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -328,6 +332,7 @@ class TrainingSpec:
         self._check_transformer_impl()
         if not isinstance(self.expandable_segments, bool):
             raise TrainmemError(f"--expandable-segments is on or off (True or False), got {self.expandable_segments!r}")
+        self._check_cublas_workspace_config()
         self._check_loss()
         self._check_recompute()
         self._check_moe()
@@ -819,6 +824,17 @@ class TrainingSpec:
         though only the input gradient is computed; 0.43.2 saves ``(None, B)`` (PR #1270, "fix QLoRA
         mem bug: delete useless buffered activation", 2024-07-16)."""
         return self.quantize is not None and self.bitsandbytes_release() < (0, 43, 2)
+
+    def _check_cublas_workspace_config(self) -> None:
+        value = self.cublas_workspace_config
+        if value is not None and (not isinstance(value, str) or parse_cublas_workspace_config(value) is None):
+            raise TrainmemError(f"--cublas-workspace-config {value!r}: PyTorch reads ':SIZE_KIB:COUNT' pairs (e.g. "
+                                f"':4096:8' or ':16:8') and ignores anything else; give such pairs")
+
+    @property
+    def cublas_workspace(self) -> int | None:
+        """One cuBLAS handle's workspace in bytes under ``--cublas-workspace-config`` (None: not given)."""
+        return None if self.cublas_workspace_config is None else parse_cublas_workspace_config(self.cublas_workspace_config)
 
     def _check_fused_qkv(self) -> None:
         for flag, on in (("--fused-qkv", self.fused_qkv), ("--split-gate-up", self.split_gate_up)):

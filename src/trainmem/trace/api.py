@@ -250,6 +250,8 @@ def _device(cuda: bool, hw: Hardware | None, t: TrainingSpec, expandable_segment
     if capability is None:
         # the catalogue's compute capability (gpus.json); sm80 when the GPU is unknown or not given
         capability = hw.capability if hw is not None and hw.capability else (8, 0)
+    if cublas_workspace is None:
+        cublas_workspace = t.cublas_workspace  # --cublas-workspace-config (None: not given)
     if cublas_workspace is None and hw is not None and hw.cublas_workspace is not None:
         cublas_workspace = hw.cublas_workspace  # measured by trainmem calibrate (spec.calibration)
     if cublas_workspace is None:
