@@ -272,7 +272,7 @@ def summary(cfg: Any, labels_only: bool = False) -> dict[str, Any]:
     alone, of a composite config whose vision config has the sizes)."""
     def first(*keys: str, default: Any = None) -> Any:
         for k in keys:
-            v = getattr(cfg, k, None)
+            v = _config_value(cfg, k)
             if v is not None and not isinstance(v, bool):
                 return v
         return default
@@ -280,6 +280,9 @@ def summary(cfg: Any, labels_only: bool = False) -> dict[str, Any]:
         return {"vocab_size": len(getattr(cfg, "id2label", None) or {}) or int(first("num_labels", default=2))}
     text = getattr(cfg, "get_text_config", lambda: cfg)()
     cfg = text if text is not None else cfg
+    if first("hidden_size", "d_model", "n_embd", "dim") is None:
+        raise TrainmemError(f"model_type {getattr(cfg, 'model_type', '?')!r}: its config names no hidden size "
+                            f"(hidden_size, d_model, n_embd or dim); trainmem cannot size its layers")
     h = int(first("hidden_size", "d_model", "n_embd", "dim"))
     heads = int(first("num_attention_heads", "n_head", "num_heads", default=1))
     kv = first("num_key_value_heads", "num_kv_heads", "n_head_kv", default=None)
@@ -312,6 +315,24 @@ def summary(cfg: Any, labels_only: bool = False) -> dict[str, Any]:
     if isinstance(image[0], int) and isinstance(image[1], int):
         out.update(image_size=image[0], patch_size=image[1], num_channels=int(first("num_channels", default=3)))
     return out
+
+
+def _config_value(cfg: Any, key: str) -> Any:
+    """``cfg.key``, or None. A per-layer list (Gemma 3n's ``intermediate_size``) and an attribute of a
+    heterogeneous config (transformers' ``integrations/heterogeneity``: Gemma 4's ``head_dim``, which reading
+    globally raises ``AmbiguousGlobalPerLayerAttributeError``) give their largest value over the layers: the
+    summary's sizes are a ModelSpec's bounds (the attention kernels' head size, the FFN width); the layers'
+    own tensors and activations come from the model itself (profile_of_module, trace.derive)."""
+    try:
+        v = getattr(cfg, key, None)
+    except Exception:  # noqa: BLE001 - transformers' per-layer attribute guard, whatever its class
+        layers = getattr(cfg, "per_layer_config", None) or []
+        values = [getattr(lc, key, None) for lc in layers]
+        values = [x for x in values if isinstance(x, (int, float)) and not isinstance(x, bool)]
+        return max(values) if values else None
+    if isinstance(v, (list, tuple)) and v and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
+        return max(v)
+    return v
 
 
 def image_class_tokens(model: Any, summ: Mapping[str, Any]) -> int:

@@ -330,6 +330,10 @@ def _cut(cfg: dict[str, Any], L: int, k: int, dec: int = 0) -> dict[str, Any]:
     out = {}
     for key, v in cfg.items():
         out[key] = v[:k] if isinstance(v, list) and len(v) == L and key != "architectures" else v
+    if isinstance(cfg.get("per_layer_config"), dict) and not dec:
+        # a heterogeneous config's overrides by layer index (transformers' integrations/heterogeneity, Gemma 4's
+        # wider full-attention heads): those of the kept layers only (its validation refuses an index >= k)
+        out["per_layer_config"] = {i: v for i, v in cfg["per_layer_config"].items() if str(i).isdigit() and int(i) < k}
     if dec:
         for key in _ENCODER_KEYS + _DECODER_KEYS:
             if key in out:
