@@ -186,11 +186,17 @@ def hf_config_object(config: Mapping[str, Any]) -> Any:
     d = {k: v for k, v in config.items() if not k.startswith("_") and k != "model_type"}
     level = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # a published config's validation notes are not the user's
+    mtype = str(config["model_type"])
     try:
-        return transformers.AutoConfig.for_model(str(config["model_type"]), **d)
-    except (ValueError, KeyError) as e:
-        raise TrainmemError(f"unsupported model_type {config['model_type']!r}: transformers "
-                            f"{transformers.__version__} does not know it (a newer transformers may)") from None
+        return transformers.AutoConfig.for_model(mtype, **d)
+    except Exception as e:  # noqa: BLE001 - an unknown type, or transformers' validation of the values
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+        if mtype not in CONFIG_MAPPING_NAMES:
+            raise TrainmemError(f"unsupported model_type {mtype!r}: transformers {transformers.__version__} does "
+                                f"not know it (a newer transformers may)") from None
+        why = " ".join(str(e).split())[:200]
+        raise TrainmemError(f"model_type {mtype!r}: transformers {transformers.__version__} rejects this config "
+                            f"({type(e).__name__}: {why})") from None
     finally:
         transformers.logging.set_verbosity(level)
 
