@@ -25,7 +25,8 @@ from ..spec.frameworks import OWN_MODEL_CODE, caps_hidden_not_logits, torchtune_
 from ..spec.model import ModelSpec
 from ..spec.tf_releases import (cache_values_own_dtype, causal_lm_loss, checkpoint_wraps_unit, code_release,
                                 eager_clamp, kv_cache_kind, moe_expert_loop, rotary_keys_half, sdpa_repeats_kv)
-from ..spec.training import CHUNKED_NLL_TOKENS, RECOMPUTE, TrainingSpec, chunked_nll_problem, config_use_cache
+from ..spec.training import (BNB_OPTIMIZERS, CHUNKED_NLL_TOKENS, RECOMPUTE, TrainingSpec, chunked_nll_problem,
+                             config_use_cache)
 from .cache import BoundedCache
 from .elementwise import NEVER
 from .derived import adapters_computed_half, batch1 as derived_batch1, regime as derived_regime
@@ -1177,12 +1178,23 @@ def step_temporaries(t: TrainingSpec, st: States) -> int:
         # DeepSpeed hands the optimizer one flat fp32 partition per group: a per-tensor loop or a
         # foreach step sees that one tensor (``deepspeed_group_elems``); fused steps make none
         flat = block_of(t, deepspeed_group_elems(t, st) * 4)
-        return deepspeed_step_grad(t, st) + (flat if k is None else k * flat)
+        return deepspeed_step_grad(t, st) + (foreach_groups(t) * flat if k is None else k * flat)
     if t.optimizer == "adafactor" and not t.offload_optimizer:
         return _adafactor_temporaries(t, st, k)
     if k is None:
-        return st.foreach_group
+        return foreach_groups(t) * st.foreach_group
     return k * block_of(t, st.largest_param)
+
+
+def foreach_groups(t: TrainingSpec) -> int:
+    """State-sized temporaries per tensor a foreach step holds at once, for the whole group. Adam,
+    RMSprop and the schedule-free optimizers: one (``torch._foreach_sqrt(exp_avg_sqs)``, rmsprop.py
+    L448 ``avg = torch._foreach_sqrt(square_avgs)``, schedule_free ``denom = torch._foreach_div(exp_avg_sq,
+    bias_correction2)``, the update then in place: ``_foreach_div_(grad, denom)``). Adagrad: two
+    (torch 2.13 ``adagrad.py`` ``_multi_tensor_adagrad`` L530-540: ``std = torch._foreach_sqrt(state_sums)``
+    and, without weight decay or maximize, ``numerator = torch._foreach_mul(device_grads, minus_clr)``
+    in the gradient's dtype, the parameter's, both alive at ``_foreach_addcdiv_``)."""
+    return 2 if t.optimizer == "adagrad" else 1
 
 
 def deepspeed_zero(t: TrainingSpec) -> bool:
@@ -1661,10 +1673,20 @@ def _copies_per_tensor(t: TrainingSpec, per_parameter: bool) -> int | None:
     ``torch/optim/sgd.py`` ``_multi_tensor_sgd`` L403-472; the for-loop ``_single_tensor_sgd`` alike).
     Found by trace: Mistral (2 layers) fp16-amp SGD momentum: +6.4% before (a gradient-sized
     temporary charged at the step)."""
-    if t.optimizer in ("sgd", "sgd-momentum", "adamw-8bit", "paged-adamw-8bit", "paged-adamw") or t.offload_optimizer:
+    if t.optimizer in ("sgd", "sgd-momentum", "schedule-free-sgd") + BNB_OPTIMIZERS or t.offload_optimizer:
         # bitsandbytes' step is one in-place CUDA kernel per tensor (``optimizer_update_8bit_blockwise``
-        # / ``optimizer_update_32bit`` write state1/2, absmax and the parameter in place)
+        # / ``optimizer_update_32bit`` write state1/2, absmax and the parameter in place); schedule-free
+        # SGD's is ``lerp_``/``add_``/``sub_`` on y, z and the gradient (``sgd_schedulefree.py`` L155-186)
         return 0
+    if t.optimizer in ("rmsprop", "schedule-free-adamw", "schedule-free-radam") and t.impl != "foreach":
+        # for-loop: one temporary of the tensor's size, the rest in place (rmsprop.py L325 ``avg =
+        # square_avg.sqrt()`` then ``avg.add_(eps)``; schedule_free ``denom = exp_avg_sq.div(bc2).sqrt_().add_(eps)``
+        # and ``grad.div_(denom)``)
+        return 1
+    if t.optimizer == "adagrad" and t.impl != "fused":
+        # for-loop: ``std = state_sum.sqrt().add_(eps)``, then ``param.addcdiv_(grad, std)`` (adagrad.py
+        # L423-426); foreach, a group of one under optimizer-in-backward: ``foreach_groups``
+        return (2 if per_parameter else None) if t.impl == "foreach" else 1
     if t.optimizer == "lion":
         # lion-pytorch (lion_pytorch.py ``update_fn``), a loop over tensors whatever optimizer_impl says:
         # ``update = exp_avg.clone().mul_(beta1).add(grad, alpha=1 - beta1).sign_()``: the clone and

@@ -120,8 +120,10 @@ def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, 
         R.allocs(m for (_w, k, _g, _s, m) in st.trainables for _ in range(k) if m)
     if q.ds_bucket and not q.ds_backward_buf:                         # DeepSpeed ZeRO-3's bucket, from engine start
         R.alloc(q.ds_bucket)
-    R.mark("model_loaded", 0)
     s = _Step(handle_ws=handle_ws)
+    if flags.states_at_init and st.optimizer:                          # torch Adagrad: states from its constructor
+        s.states = _allocate_states(R, st)
+    R.mark("model_loaded", 0)
     if flags.grads_persistent or q.grads_loaded:                        # Megatron main grads, DeepSpeed ZeRO-3's
         for _ in range(max((k for _w, k, *_r in st.trainables), default=0)):
             _make_grads(R, s, st.trainables, tuple({w for w, *_r in st.trainables}))
@@ -1085,6 +1087,12 @@ def _scaled(sizes: list[int], total: int) -> list[int]:
     return [x * total // whole for x in sizes] if whole > 0 and total > 0 else []
 
 
+def _allocate_states(R: _Replay, st: Any) -> list:
+    """The optimizer states of every trainable tensor, in parameter order."""
+    return [R.alloc(x) for (_w, _k, _g, sts, _m) in (st.trainables[j] for j in _parameter_order(st.trainables))
+            for x in sts]
+
+
 def _optimizer_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, step: int,
                     temp_copies: int | None) -> None:
     """``optimizer.step()``: states at the first step, temporaries, then ``zero_grad``.
@@ -1094,8 +1102,8 @@ def _optimizer_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, step:
     ``q.step_temp`` sets their total (the group's, or the largest tensor's ``temp_copies``)."""
     st = q.detail.states
     order = [st.trainables[j] for j in _parameter_order(st.trainables)]
-    if step == 1 and st.optimizer:                               # lazily, unless offloaded to the host
-        s.states = [R.alloc(x) for (_w, _k, _g, sts, _m) in order for x in sts]
+    if step == 1 and st.optimizer and not flags.states_at_init:  # lazily, unless offloaded to the host
+        s.states = _allocate_states(R, st)
     sizes = [(sts[0] if sts else g) for (_w, _k, g, sts, _m) in order]
     if q.ds_norm_temp:                                           # DeepSpeed ZeRO-1/2: the norm's float64 piece
         R.free(R.alloc(q.ds_norm_temp))
