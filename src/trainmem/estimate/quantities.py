@@ -39,7 +39,7 @@ from .layers import sdpa_saves_padded
 from .quant4 import dequant_dtypes, is_quantized
 from .schedules import in_flight_at_backwards
 from .gemini import model_gemini
-from .states import (States, block_bytes, default_lora_targets, dtensor_tp, fsdp_grad_op, model_states,
+from .states import (States, block_bytes, default_lora_targets, parameter_order, dtensor_tp, fsdp_grad_op, model_states,
                      torch_cp, torch_pipeline)
 
 F32 = 4
@@ -1183,7 +1183,23 @@ def step_temporaries(t: TrainingSpec, st: States) -> int:
         return _adafactor_temporaries(t, st, k)
     if k is None:
         return foreach_groups(t) * st.foreach_group
+    if k == 1 and not t.optimizer_in_backward and st.trainables:
+        return loop_pair_bytes(st)
     return k * block_of(t, st.largest_param)
+
+
+def loop_pair_bytes(st: States) -> int:
+    """A per-tensor loop that makes one temporary per tensor and keeps it in a local variable
+    (torch 2.13 ``_single_tensor_adagrad``: ``std = state_sum.sqrt().add_(eps)``, adagrad.py L425;
+    ``_single_tensor_rmsprop``: ``avg = square_avg.sqrt()``, rmsprop.py L325; schedule_free's
+    ``denom = exp_avg_sq.div(bias_correction2).sqrt_().add_(eps)``): the previous tensor's
+    temporary is freed only when the name is rebound, after the next one is made, so two
+    neighbours in parameter order coexist. The largest such pair (a state-sized block each; a
+    GPT-2's token embedding and the position embedding after it), measured with LiveBytes
+    (tests/test_hf_optimizers.py)."""
+    order = [st.trainables[j][3] for j in parameter_order(st.trainables)]
+    sizes = [sts[0] for sts in order if sts]
+    return max((a + b for a, b in zip(sizes, sizes[1:])), default=sum(sizes))
 
 
 def foreach_groups(t: TrainingSpec) -> int:

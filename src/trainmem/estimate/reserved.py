@@ -53,6 +53,7 @@ from ..allocator_rules import block_bytes
 from .layers import F32, HALF
 from .moments import StepFlags, Tokens, best_transient, label_tokens
 from .quantities import Quantities
+from .states import parameter_order as _parameter_order
 
 
 @dataclass
@@ -1065,22 +1066,6 @@ def _placed(trainables: tuple, where: tuple[str, ...]) -> tuple[int, ...]:
     return tuple(j for j, item in enumerate(trainables) if item[0] in where)
 
 
-@lru_cache(maxsize=256)
-def _parameter_order(trainables: tuple) -> tuple[int, ...]:
-    """The trainable tensors in the order ``model.parameters()`` yields them, one index per tensor
-    (a per-layer item once per layer): those registered before the layers, then each layer's own
-    (the items of every layer, then that layer's only ones, such as its LoRA adapters), then those
-    after. ``torch.optim``'s ``_init_group`` creates the states in this order and a foreach step
-    makes its temporaries in it (``torch/optim/adam.py`` ``_init_group``, ``_multi_tensor_adam``)."""
-    layers = max((k for w, k, *_r in trainables if w == "layer"), default=0)
-    layers = max([layers] + [int(w[5:]) + 1 for w, *_r in trainables if w.startswith("layer") and w != "layer"])
-    out = [j for j, item in enumerate(trainables) if item[0] == "before"]
-    for i in range(layers):
-        out += [j for j, (w, k, *_r) in enumerate(trainables) if w == "layer" and i < k]
-        out += [j for j, item in enumerate(trainables) if item[0] == f"layer{i}"]
-    return tuple(out + [j for j, item in enumerate(trainables) if item[0] == "after"])
-
-
 def _scaled(sizes: list[int], total: int) -> list[int]:
     """``sizes`` scaled to sum to ``total`` (their proportions kept)."""
     whole = sum(sizes)
@@ -1114,6 +1099,14 @@ def _optimizer_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, step:
         R.free(fp32)
     elif temp_copies is None:                                    # foreach: the whole group's at once
         R.frees(R.allocs(_scaled(sizes, q.step_temp)))
+    elif temp_copies == 1 and not flags.oib and sizes:           # a loop whose temporary lingers: the
+        prev = None                                              # previous tensor's until the next's exists
+        for x in sizes:                                          # (quantities.loop_pair_bytes)
+            cur = R.alloc(x)
+            if prev is not None:
+                R.free(prev)
+            prev = cur
+        R.free(prev)
     elif temp_copies and sizes:                                  # a loop over tensors: each in turn
         per = _scaled(sizes, q.step_temp * sum(sizes) // (temp_copies * max(sizes)))
         for x in per:

@@ -395,6 +395,22 @@ def bnb_state_bytes(optimizer: str, numel: int, whole: int, blocksize: int = 256
     return (() if paged else tuple(m * numel for m in mults)) + tuple(m * blocks * 4 for m in mults)  # uint8; fp32 absmax
 
 
+@lru_cache(maxsize=256)
+def parameter_order(trainables: tuple) -> tuple[int, ...]:
+    """The trainable tensors in the order ``model.parameters()`` yields them, one index per tensor
+    (a per-layer item once per layer): those registered before the layers, then each layer's own
+    (the items of every layer, then that layer's only ones, such as its LoRA adapters), then those
+    after. ``torch.optim``'s ``_init_group`` creates the states in this order and a foreach step
+    makes its temporaries in it (``torch/optim/adam.py`` ``_init_group``, ``_multi_tensor_adam``)."""
+    layers = max((k for w, k, *_r in trainables if w == "layer"), default=0)
+    layers = max([layers] + [int(w[5:]) + 1 for w, *_r in trainables if w.startswith("layer") and w != "layer"])
+    out = [j for j, item in enumerate(trainables) if item[0] == "before"]
+    for i in range(layers):
+        out += [j for j, (w, k, *_r) in enumerate(trainables) if w == "layer" and i < k]
+        out += [j for j, item in enumerate(trainables) if item[0] == f"layer{i}"]
+    return tuple(out + [j for j, item in enumerate(trainables) if item[0] == "after"])
+
+
 def _insert_buffer(load: list[tuple[str, int]], name: str, nbytes: int) -> None:
     """Put a buffer where ``Module._apply`` moves it: after its module's parameters and children
     (nanoGPT's mask after ``attn.c_proj``; BERT's ids after the embeddings' LayerNorm; rotary
