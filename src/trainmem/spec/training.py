@@ -59,11 +59,14 @@ _GALORE = ("GaLore projects each target matrix's gradient to rank r and keeps it
            "projected space (galore_torch), which trainmem does not model")
 _APOLLO = ("APOLLO keeps its states in a random rank-r projection of each target matrix (apollo_torch), "
            "which trainmem does not model")
-_LAYERWISE = (" and the layerwise variant steps one optimizer per parameter inside backward "
+_LAYERWISE = ("; its layerwise variant also steps one optimizer per parameter inside backward "
               "(trainer_optimizer.py L164-184)")
 _LOMO = ("fuses the update into backward through its own hooks on the model (lomo_optim), with no "
          "gradients kept; trainmem does not model it")
 _NOT_YET = "is not modelled yet: its states and its step's temporaries have no model in trainmem"
+#: torchao 0.18 ``torchao/optim/adam.py`` L134-156: ``torch.compile(single_param_adam, fullgraph=True)`` per parameter
+_TORCHAO = ("is not modelled: its step is a torch.compile'd function per parameter, whose temporaries are "
+            "Inductor's buffers")
 OPTIMIZERS_REFUSED = {
     "adamw_torch_xla": "torch_xla's syncfree AdamW runs on XLA devices (TPU), not a CUDA GPU",
     "adamw_torch_npu_fused": "torch_npu's NpuFusedAdamW runs on Ascend NPUs, not a CUDA GPU",
@@ -72,8 +75,8 @@ OPTIMIZERS_REFUSED = {
     "galore_adafactor_layerwise": _GALORE + _LAYERWISE,
     "apollo_adamw": _APOLLO, "apollo_adamw_layerwise": _APOLLO + _LAYERWISE,
     "lomo": "LOMO " + _LOMO, "adalomo": "AdaLomo " + _LOMO,
-    "adamw_torch_4bit": "torchao's AdamW4bit " + _NOT_YET,
-    "adamw_torch_8bit": "torchao's AdamW8bit " + _NOT_YET,
+    "adamw_torch_4bit": "torchao's AdamW4bit " + _TORCHAO,
+    "adamw_torch_8bit": "torchao's AdamW8bit " + _TORCHAO,
     "adamw_anyprecision": "torchdistx's AnyPrecisionAdamW " + _NOT_YET,
     "grokadamw": "grokadamw's GrokAdamW " + _NOT_YET,
     "stable_adamw": "torch-optimi's StableAdamW " + _NOT_YET,
