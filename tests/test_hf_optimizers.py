@@ -285,14 +285,18 @@ AGREE = [("adagrad", None), ("adagrad", "for-loop"), ("rmsprop", None), ("rmspro
 @pytest.mark.parametrize("name,impl", AGREE, ids=[f"{n}-{i or 'default'}" for n, i in AGREE])
 def test_estimate_agrees_with_trace(name, impl):
     """The real step (torch.optim, schedule_free where installed) or trainmem's bitsandbytes
-    emulation on fake tensors against the estimate: the peak and every optimizer phase's
-    allocated bytes within 0.1% (the 8-bit unpaged ones are left out: trace's uint8 state copy
-    from the gradient allocates ~0.7 MB the emulation does not mean, as for AdamW8bit before)."""
+    emulation on fake tensors against the estimate: the peaks (allocated, reserved) and every
+    optimizer phase's allocated bytes within 0.1%. The unpaged 8-bit ones are left out: there
+    trace's allocator leaves ~0.7 MB unsplit beside the token embedding's uint8 state (its
+    ``allocator_overhead``), which the estimate's allocated bytes do not place, as for AdamW8bit
+    before (-0.93% at this size)."""
     if name.startswith("schedule-free"):
         pytest.importorskip("schedulefree")
     kw = dict(set=SET, precision="fp32", optimizer=name, optimizer_impl=impl, batch_size=B, seq_len=S)
     e, t = trainmem.estimate("gpt2", **kw), trainmem.trace("gpt2", **kw)
     assert abs(e.peak_allocated - t.peak_allocated) <= 0.001 * t.peak_allocated
+    # the allocator replay (Adagrad's foreach step: two lists of temporaries, not one of double size)
+    assert abs(e.peak_reserved - t.peak_reserved) <= 0.001 * t.peak_reserved
     for ph, step in (("model_loaded", 0), ("optimizer_step", 1), ("optimizer_step", 2)):
         a, b = e.phase(ph, step), t.phase(ph, step)
         assert abs(a.allocated - b.allocated) <= 0.001 * b.allocated, (ph, step, a, b)

@@ -1097,8 +1097,9 @@ def _optimizer_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, step:
         R.free(flat)
         R.free(R.alloc(q.step_temp - q.ds_step_fp32 - q.ds_step_flat))  # the optimizer's own, on that tensor
         R.free(fp32)
-    elif temp_copies is None:                                    # foreach: the whole group's at once
-        R.frees(R.allocs(_scaled(sizes, q.step_temp)))
+    elif temp_copies is None:                                    # foreach: the whole group's at once, each
+        k = max(1, q.step_groups)                                # temporary per tensor as its own list (Adagrad 2)
+        R.frees([b for _ in range(k) for b in R.allocs(_scaled(sizes, q.step_temp // k))])
     elif temp_copies == 1 and not flags.oib and sizes:           # a loop whose temporary lingers: the
         prev = None                                              # previous tensor's until the next's exists
         for x in sizes:                                          # (quantities.loop_pair_bytes)
