@@ -277,13 +277,16 @@ def test_adagrad_states_exist_from_its_constructor():
 
 
 # ----- estimate against trace -------------------------------------------------------------------
-AGREE = [("adagrad", None), ("adagrad", "for-loop"), ("rmsprop", None), ("rmsprop", "for-loop"),
-         ("lion-32bit", None), ("paged-lion-8bit", None), ("ademamix", None), ("paged-ademamix-8bit", None),
-         ("schedule-free-adamw", None), ("schedule-free-adamw", "for-loop"), ("schedule-free-sgd", None)]
+AGREE = [("adagrad", None, False), ("adagrad", "for-loop", False), ("rmsprop", None, False),
+         ("rmsprop", "for-loop", False), ("lion-32bit", None, False), ("paged-lion-8bit", None, False),
+         ("ademamix", None, False), ("paged-ademamix-8bit", None, False), ("schedule-free-adamw", None, False),
+         ("schedule-free-adamw", "for-loop", False), ("schedule-free-sgd", None, False),
+         # optimizer in backward: one optimizer per parameter, all built at setup (Adagrad's states then)
+         ("adagrad", None, True), ("rmsprop", "for-loop", True), ("ademamix", None, True)]
 
 
-@pytest.mark.parametrize("name,impl", AGREE, ids=[f"{n}-{i or 'default'}" for n, i in AGREE])
-def test_estimate_agrees_with_trace(name, impl):
+@pytest.mark.parametrize("name,impl,oib", AGREE, ids=[f"{n}-{i or 'default'}{'-oib' if b else ''}" for n, i, b in AGREE])
+def test_estimate_agrees_with_trace(name, impl, oib):
     """The real step (torch.optim, schedule_free where installed) or trainmem's bitsandbytes
     emulation on fake tensors against the estimate: the peaks (allocated, reserved) and every
     optimizer phase's allocated bytes within 0.1%. The unpaged 8-bit ones are left out: there
@@ -292,12 +295,17 @@ def test_estimate_agrees_with_trace(name, impl):
     before (-0.93% at this size)."""
     if name.startswith("schedule-free"):
         pytest.importorskip("schedulefree")
-    kw = dict(set=SET, precision="fp32", optimizer=name, optimizer_impl=impl, batch_size=B, seq_len=S)
+    kw = dict(set=SET, precision="fp32", optimizer=name, optimizer_impl=impl, batch_size=B, seq_len=S,
+              optimizer_in_backward=oib)
     e, t = trainmem.estimate("gpt2", **kw), trainmem.trace("gpt2", **kw)
     assert abs(e.peak_allocated - t.peak_allocated) <= 0.001 * t.peak_allocated
     # the allocator replay (Adagrad's foreach step: two lists of temporaries, not one of double size)
     assert abs(e.peak_reserved - t.peak_reserved) <= 0.001 * t.peak_reserved
-    for ph, step in (("model_loaded", 0), ("optimizer_step", 1), ("optimizer_step", 2)):
+    # step 1's backward is left out: its peak is 0.45% apart for every optimizer, AdamW's too (not
+    # the optimizer's), and under the optimizer in backward the estimate counts every parameter's
+    # states from its start, where the real hooks make the token embedding's last
+    phases = [("model_loaded", 0), ("forward", 1), ("backward", 2)]
+    for ph, step in phases + ([] if oib else [("optimizer_step", 1), ("optimizer_step", 2)]):
         a, b = e.phase(ph, step), t.phase(ph, step)
         assert abs(a.allocated - b.allocated) <= 0.001 * b.allocated, (ph, step, a, b)
         assert abs(a.peak - b.peak) <= 0.001 * b.peak, (ph, step, a, b)

@@ -60,10 +60,11 @@ def states_at_init(t: TrainingSpec) -> bool:
     """Whether the optimizer's states exist from its construction, before the first forward, not
     from its first step: torch.optim.Adagrad fills ``state["sum"]`` of every parameter in
     ``__init__`` (torch 2.13 ``torch/optim/adagrad.py`` L79-98), on the device of the parameters it
-    is given (not under ZeRO or the distributed optimizer, whose engines hand it their own
-    partitions; nor offloaded or stepped inside backward, where it is built per parameter)."""
-    return (t.optimizer == "adagrad" and not t.offload_optimizer and not t.optimizer_in_backward
-            and t.zero == 0 and not t.distributed_optimizer)
+    is given; with the optimizer in backward too, whose per-parameter optimizers are all built
+    when it is set up (``trainmem.optim.in_backward`` ``add_param_group``). Not under ZeRO or the
+    distributed optimizer, whose engines hand it their own partitions, nor offloaded."""
+    return (t.optimizer == "adagrad" and not t.offload_optimizer and t.zero == 0
+            and not t.distributed_optimizer)
 
 
 @dataclass(eq=False)
