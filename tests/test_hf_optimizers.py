@@ -323,3 +323,14 @@ def test_trace_refuses_what_it_cannot_build():
         TrainingSpec(optimizer="rmsprop", optimizer_impl="fused")
     with pytest.raises(TrainmemError, match="AdEMAMix in 0.44.0"):
         TrainingSpec(optimizer="ademamix-8bit", bitsandbytes_version="0.43.3")
+
+
+@pytest.mark.parametrize("method", ["nemo", "korthikanti", "eleuther", "rees", "zero-calc", "bert-notebook"])
+def test_every_method_takes_every_optimizer(method):
+    """The published methods answer, or refuse in one line, for every optimizer (Transformer Math
+    101 counts trainmem's states per element where it has no row)."""
+    for o in OPTIMIZERS:
+        try:
+            trainmem.estimate("gpt2", optimizer=o, method=method)
+        except TrainmemError as e:
+            assert "\n" not in str(e)
