@@ -334,3 +334,16 @@ def test_every_method_takes_every_optimizer(method):
             trainmem.estimate("gpt2", optimizer=o, method=method)
         except TrainmemError as e:
             assert "\n" not in str(e)
+
+
+@pytest.mark.parametrize("framework", ["hf-trainer", "torchtune", "torchtitan"])
+def test_a_presets_fused_adamw_is_not_another_optimizers(framework):
+    """A preset's ``optimizer_impl`` (fused) is its AdamW's: with another optimizer the run uses that
+    optimizer's own default (the HF Trainer's rmsprop/adagrad/sgd handlers pass no ``fused``), and
+    an optimizer with no fused implementation is not refused for what the user did not give."""
+    from trainmem.spec.resolve import resolve
+    assert resolve("gpt2", framework=framework, optimizer="adamw").training.optimizer_impl == "fused"
+    for name in ("rmsprop", "adagrad", "schedule_free_adamw", "lion_8bit"):
+        assert resolve("gpt2", framework=framework, optimizer=name).training.optimizer_impl is None
+    assert resolve("gpt2", framework=framework, optimizer="adagrad",
+                   optimizer_impl="fused").training.optimizer_impl == "fused"
