@@ -78,8 +78,11 @@ OPTIMIZERS_REFUSED = {
     "adamw_torch_4bit": "torchao's AdamW4bit " + _TORCHAO,
     "adamw_torch_8bit": "torchao's AdamW8bit " + _TORCHAO,
     "adamw_anyprecision": "torchdistx's AnyPrecisionAdamW " + _NOT_YET,
-    "grokadamw": "grokadamw's GrokAdamW " + _NOT_YET,
-    "stable_adamw": "torch-optimi's StableAdamW " + _NOT_YET,
+    "grokadamw": ("grokadamw's GrokAdamW keeps its three states in host memory and copies them to the GPU and "
+                  "back for every parameter at every step (grokadamw 0.1.2 grokadamw.py L93-135), which trainmem "
+                  "does not model yet"),
+    "stable_adamw": ("torch-optimi's StableAdamW steps with its own Triton kernel on CUDA by default (optimi 0.3.3 "
+                     "stableadamw.py, utils.py _default_to_triton), which trainmem does not model yet"),
     # names of older transformers releases (4.x OptimizerNames), gone from 5.x
     "adamw_hf": "transformers' own AdamW (transformers 4.x, removed in 5.0) " + _NOT_YET,
     "adamw_apex_fused": "apex's FusedAdam (transformers 4.x, removed in 5.0) " + _NOT_YET,
