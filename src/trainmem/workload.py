@@ -242,8 +242,8 @@ def attention_implementation(spec: ModelSpec, t: TrainingSpec) -> tuple[str, str
     return "sdpa", ""
 
 
-#: optimizers outside torch.optim and the package that has them: trace runs their emulation
-#: (``trainmem.bnb``), measure the package
+#: optimizers outside torch.optim and the package that has them: trace runs the emulation of
+#: bitsandbytes' and lion-pytorch's (``trainmem.bnb``) and schedule_free's own classes, measure the package
 EXTERNAL_OPTIMIZERS = {**dict.fromkeys(BNB_OPTIMIZERS, "bitsandbytes"), "lion": "lion_pytorch",
                        "schedule-free-adamw": "schedulefree", "schedule-free-sgd": "schedulefree",
                        "schedule-free-radam": "schedulefree"}
@@ -257,8 +257,10 @@ SCHEDULE_FREE = {"schedule-free-adamw": "AdamWScheduleFree", "schedule-free-sgd"
 def optimizer_class(t: TrainingSpec, lr: float = 1e-4, emulate: bool = True) -> tuple[type, dict[str, Any]]:
     """The optimizer class a TrainingSpec names and its keyword arguments (implementation per
     ``optimizer_impl``; None leaves PyTorch's default, foreach on CUDA). bitsandbytes' AdamW8bit,
-    PagedAdamW8bit, PagedAdamW and lion-pytorch's Lion: their emulation on tensors without data
-    (``trainmem.bnb``) when ``emulate``, else the real classes (a real GPU)."""
+    PagedAdamW8bit, PagedAdamW, Lion, RMSprop, AdEMAMix and lion-pytorch's Lion: their emulation on
+    tensors without data (``trainmem.bnb``) when ``emulate``, else the real classes (a real GPU).
+    schedule_free's classes are always the real ones (plain torch ops), with ``foreach`` unless
+    ``optimizer_impl`` is for-loop."""
     impl = t.optimizer_impl
     kw: dict[str, Any] = {"lr": lr}
     if t.optimizer in SCHEDULE_FREE:

@@ -54,7 +54,7 @@ OPTIMIZER_ALIASES = {"adamw_torch": ("adamw", None), "adamw_torch_fused": ("adam
                      "schedule_free_sgd": ("schedule-free-sgd", None),
                      "schedule_free_radam": ("schedule-free-radam", None)}
 #: the HF Trainer's ``optim=`` names trainmem does not model, and why (``OPTIMIZER_ALIASES`` and the names in
-#: ``OPTIMIZERS`` are the others; tests/test_hf_optim_names.py enumerates the installed ``OptimizerNames``)
+#: ``OPTIMIZERS`` are the others; tests/test_hf_optimizers.py enumerates the installed ``OptimizerNames``)
 _GALORE = ("GaLore projects each target matrix's gradient to rank r and keeps its Adam states in that "
            "projected space (galore_torch), which trainmem does not model")
 _APOLLO = ("APOLLO keeps its states in a random rank-r projection of each target matrix (apollo_torch), "
