@@ -265,6 +265,42 @@ def test_step_transient_matches_estimate(gpt2_spec, name, impl):
     assert abs(predicted - measured) <= 0.05 * max(measured, 1) and (predicted == 0) == (measured == 0)
 
 
+LLAMA_SET = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 512, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16, "bos_token_id": 0,
+             "eos_token_id": 1}
+
+
+@pytest.mark.parametrize("name", ["adamw", "adagrad", "rmsprop"])
+def test_loop_temporaries_of_neighbours_coexist(name):
+    """A Llama whose MLP matrices are its largest tensors (gate_proj, up_proj, down_proj in a row):
+    a for-loop step's last temporary of one tensor lives until the next tensor's are made, so
+    AdamW's peak is gate_proj's ``denom`` beside up_proj's square root and quotient (3 x the
+    largest, not 2 x), Adagrad's and RMSprop's two neighbours' (2 x)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    spec = resolve_model("llama-3.2-1b", LLAMA_SET)
+    keys = LlamaConfig().to_dict()
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in spec.config.items() if k in keys}))
+    assert sum(p.numel() for p in m.parameters()) == spec.num_params
+    cls = {"adamw": torch.optim.AdamW, "adagrad": torch.optim.Adagrad, "rmsprop": torch.optim.RMSprop}[name]
+    opt = cls(m.parameters(), foreach=False)
+    ids = torch.randint(0, 256, (B, S), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        m(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    m(input_ids=ids, labels=ids).loss.backward()
+    with LiveBytes() as lb:
+        lb.track(m, opt)
+        before = lb.mark("before")
+        opt.step()
+        measured = lb.mark("optimizer_step").peak - before.current
+    largest = max(p.numel() for p in m.parameters()) * 4
+    assert measured == (3 if name == "adamw" else 2) * largest
+    t = TrainingSpec(precision="fp32", optimizer=name, optimizer_impl="for-loop", batch_size=B, seq_len=S)
+    assert step_temporaries(t, model_states(spec, t)) == measured   # whole 512 B blocks here
+
+
 def test_adagrad_states_exist_from_its_constructor():
     """torch.optim.Adagrad fills ``sum`` in ``__init__``: the estimate counts its states from
     ``model_loaded`` on, so the first forward runs beside them."""

@@ -204,6 +204,7 @@ class Quantities:
     head_read: int = 0     # ... of it, the copy its matmul reads (the cast, else the dequantized weight)
     head_lora: int = 0     # a LoRA adapter on that 4-bit head: logits-sized tensors alive in its forward (3)
     step_groups: int = 1   # a foreach step's temporaries: how many per tensor, all alive at once (``foreach_groups``)
+    step_linger: bool = False  # a per-tensor loop keeps each tensor's last temporary until the next's (``step_lingers``)
     ds_backward_buf: int = 0  # DeepSpeed ZeRO-1/2's gradient bucket buffers, alive during backward (``deepspeed_buckets``)
     ds_loss_buf: int = 0      # ... of them, those alive in the loss's and the head's backward (before v0.18.3)
     ds_bucket: int = 0        # one DeepSpeed bucket buffer (ZeRO-3's is kept from engine start, in ``fixed``)
@@ -1184,23 +1185,38 @@ def step_temporaries(t: TrainingSpec, st: States) -> int:
         return _adafactor_temporaries(t, st, k)
     if k is None:
         return foreach_groups(t) * st.foreach_group
-    if k == 1 and not t.optimizer_in_backward and st.trainables:
-        return loop_pair_bytes(st)
+    if k and step_lingers(t) and st.trainables:
+        return loop_pair_bytes(st, k)
     return k * block_of(t, st.largest_param)
 
 
-def loop_pair_bytes(st: States) -> int:
-    """A per-tensor loop that makes one temporary per tensor and keeps it in a local variable
-    (torch 2.13 ``_single_tensor_adagrad``: ``std = state_sum.sqrt().add_(eps)``, adagrad.py L425;
-    ``_single_tensor_rmsprop``: ``avg = square_avg.sqrt()``, rmsprop.py L325; schedule_free's
-    ``denom = exp_avg_sq.div(bias_correction2).sqrt_().add_(eps)``): the previous tensor's
-    temporary is freed only when the name is rebound, after the next one is made, so two
-    neighbours in parameter order coexist. The largest such pair (a state-sized block each; a
-    GPT-2's token embedding and the position embedding after it), measured with LiveBytes
+#: per-tensor loops that keep the last temporary of a tensor in a local until the next tensor's
+#: replaces it (``loop_pair_bytes``)
+LINGERING_LOOPS = ("adam", "adamw", "adagrad", "rmsprop", "schedule-free-adamw", "schedule-free-radam")
+
+
+def step_lingers(t: TrainingSpec) -> bool:
+    """Whether the step is such a loop over whole tensors (``LINGERING_LOOPS``, for-loop, one
+    optimizer for every parameter, the states not sharded)."""
+    return (t.optimizer in LINGERING_LOOPS and t.impl == "for-loop" and not t.optimizer_in_backward
+            and not t.offload_optimizer and t.zero_stage == 0 and t.fsdp is None and t.gemini is None)
+
+
+def loop_pair_bytes(st: States, copies: int) -> int:
+    """A per-tensor loop whose expression makes ``copies`` temporaries of the tensor's size and
+    keeps the last in a local variable: torch 2.13 ``_single_tensor_adam`` (adam.py L544
+    ``denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)``: the square root and the
+    quotient, 2), ``_single_tensor_adagrad`` (adagrad.py L425 ``std = state_sum.sqrt().add_(eps)``,
+    1), ``_single_tensor_rmsprop`` (rmsprop.py L325 ``avg = square_avg.sqrt()``, 1), schedule_free's
+    ``denom = exp_avg_sq.div(bias_correction2).sqrt_().add_(eps)`` (1). The previous tensor's
+    temporary is freed only when the name is rebound, after the next tensor's are made, so the
+    peak is the largest ``previous + copies x this`` over neighbours in parameter order (a
+    state-sized block each; a GPT-2's token embedding and then its position embedding; a Llama
+    whose MLP matrices are its largest: gate_proj, then up_proj), measured with LiveBytes
     (tests/test_hf_optimizers.py)."""
     order = [st.trainables[j][3] for j in parameter_order(st.trainables)]
     sizes = [sts[0] for sts in order if sts]
-    return max((a + b for a, b in zip(sizes, sizes[1:])), default=sum(sizes))
+    return max([copies * x for x in sizes[:1]] + [a + copies * b for a, b in zip(sizes, sizes[1:])])
 
 
 def foreach_groups(t: TrainingSpec) -> int:
@@ -2095,7 +2111,8 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         **{"loss_backward_tok": lc.cache * layers if whole_model_compiled(t) else 0.0,
            **_chunked_nll_fields(m, t, pol, loss, head_here)},
         liger_factor=-(-m.vocab_size // m.hidden_size) if (head_here and is_lm(m) and loss_mode(m, t) == "fused") else 0,
-        step_temp=step_temporaries(t, st), step_groups=foreach_groups(t), linear_replay=int(per_linear_replay(t)), oib_mid=oib_mid, oib_end=oib_end, **_deepspeed_fields(m, t, st),
+        step_temp=step_temporaries(t, st), step_groups=foreach_groups(t), step_linger=step_lingers(t),
+        linear_replay=int(per_linear_replay(t)), oib_mid=oib_mid, oib_end=oib_end, **_deepspeed_fields(m, t, st),
         **gemini_fields(m, t),
         tied_grad=compiled_tied[0] if whole_model_compiled(t) else tied_head_grad(m, t),
         tied_replicated=tied_replicated_grad(m, t), tied_compiled=compiled_tied[1] if whole_model_compiled(t) else 0,

@@ -1100,13 +1100,14 @@ def _optimizer_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, step:
     elif temp_copies is None:                                    # foreach: the whole group's at once, each
         k = max(1, q.step_groups)                                # temporary per tensor as its own list (Adagrad 2)
         R.frees([b for _ in range(k) for b in R.allocs(_scaled(sizes, q.step_temp // k))])
-    elif temp_copies == 1 and not flags.oib and sizes:           # a loop whose temporary lingers: the
-        prev = None                                              # previous tensor's until the next's exists
+    elif q.step_linger and temp_copies and sizes:               # a loop whose last temporary lingers: the
+        prev = None                                              # previous tensor's until the next's exist
         for x in sizes:                                          # (quantities.loop_pair_bytes)
-            cur = R.alloc(x)
+            made = R.allocs([x] * temp_copies)
+            R.frees(made[:-1])                                   # the expression's own, then the local rebound
             if prev is not None:
                 R.free(prev)
-            prev = cur
+            prev = made[-1]
         R.free(prev)
     elif temp_copies and sizes:                                  # a loop over tensors: each in turn
         per = _scaled(sizes, q.step_temp * sum(sizes) // (temp_copies * max(sizes)))
