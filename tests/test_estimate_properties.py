@@ -41,7 +41,7 @@ from trainmem.estimate.derived import sliding_window
 from trainmem.estimate.states import PEFT_DEFAULT_TARGETS, model_states
 from trainmem.report import CATEGORIES
 from trainmem.spec import catalogue_names, resolve_model
-from trainmem.spec.training import ATTENTION, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, RECOMPUTE
+from trainmem.spec.training import ATTENTION, BNB_OPTIMIZERS, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, RECOMPUTE
 from trainmem.estimate.layers import F32, HALF, sdpa_pin_problem
 
 # TRAINMEM_PROPERTY_EXAMPLES=1000 searches deeper (minutes); the default keeps the file to seconds
@@ -126,9 +126,20 @@ def setups(draw, models=tuple(MODELS)):
         options["attention"] = "sdpa"  # a pinned kernel PyTorch refuses for this model
     if options["distributed_optimizer"]:
         options["zero"] = 0  # Megatron's distributed optimizer is its own ZeRO-1 (no --zero with it)
+    if not impl_exists(options["optimizer"], options["optimizer_impl"]):
+        options["optimizer_impl"] = None  # an implementation the optimizer does not have
     if options["recompute"] == "op" and not op_applies(m, options):
         options["recompute"] = "full"  # torchtitan's per-op policy is modelled for full training, one TP rank
     return name, m, options
+
+
+def impl_exists(optimizer: str, impl) -> bool:
+    """Whether the optimizer has that implementation (TrainingSpec._check_optimizer_impl): RMSprop and
+    schedule_free's no fused one, bitsandbytes' Lion/RMSprop/AdEMAMix one only."""
+    if impl == "fused" and (optimizer == "rmsprop" or optimizer.startswith("schedule-free")):
+        return False
+    return impl is None or optimizer not in BNB_OPTIMIZERS or optimizer in ("adamw-8bit", "paged-adamw-8bit",
+                                                                            "paged-adamw")
 
 
 def op_applies(m, o) -> bool:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .estimate.quant4 import BLOCKSIZE, NESTED_BLOCKSIZE
-from .estimate.states import MIN_8BIT_SIZE, PAGED_MIN
+from .estimate.states import BNB_LAYOUTS, MIN_8BIT_SIZE, PAGED_MIN
 
 QMAP_ENTRIES = 256  # F.create_dynamic_map: 256 fp32 values (functional.py)
 CODE_ENTRIES = 16   # get_4bit_type: the 16 NF4/FP4 values (functional.py)
@@ -125,6 +125,76 @@ class Adam2State(torch.optim.Optimizer):
         return loss
 
 
+class OtherState(Adam2State):
+    """bitsandbytes' Lion and RMSprop (``Optimizer1State``) and AdEMAMix (an ``Optimizer2State`` with
+    a double first state), as they allocate; the step as ``Adam2State``'s (one in-place kernel).
+
+    ``Optimizer1State.init_state`` (``optim/optimizer.py`` L664-690 at 95f9af30): an fp32 ``state1``
+    of the parameter's shape when ``optim_bits`` is 32 or under ``min_8bit_size``; else the signed map
+    moved to the device once (``name2qmap["dynamic"]``), a uint8 ``state1`` and an fp32 ``absmax1``
+    per block. ``AdEMAMix.init_state`` (``optim/ademamix.py`` L139-173): 8-bit: both maps moved,
+    ``absmax1`` (2, blocks) and ``absmax2`` (blocks) in fp32; then ``state1`` of shape (2, *p.shape)
+    (``_get_state_double_buffer``, paged from 1e5 elements of p) and ``state2`` of p's shape, uint8 or
+    fp32. ``double``: AdEMAMix."""
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, *, optim_bits: int = 8, is_paged: bool = False,
+                 blocksize: int = 256, double: bool = False) -> None:
+        super().__init__(params, lr, weight_decay=0.0, optim_bits=optim_bits, is_paged=is_paged, blocksize=blocksize)
+        self.double = double
+
+    def _double_buffer(self, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``_get_state_double_buffer``: (2, *p.shape), paged from 1e5 elements of p on a paged optimizer."""
+        if self.is_paged and p.numel() >= PAGED_MIN:
+            return paged_zeros(torch.Size((2, *p.shape)), dtype, p.device)
+        return torch.zeros((2, *p.shape), dtype=dtype, device=p.device)
+
+    def _qmap(self, name: str, p: torch.Tensor) -> torch.Tensor:
+        if name not in self.name2qmap:  # fill_qmap on the host, then .to(p.device) once
+            self.name2qmap[name] = torch.zeros(QMAP_ENTRIES, dtype=torch.float32).to(p.device)
+        return self.name2qmap[name]
+
+    def _init_state(self, p: torch.Tensor) -> None:
+        state = self.state[p]
+        state["step"] = 0
+        eight = self.optim_bits == 8 and p.numel() >= self.min_8bit_size
+        dtype = torch.uint8 if eight else torch.float32
+        blocks = -(-p.numel() // self.blocksize)
+        if not self.double:
+            if eight:
+                state["qmap1"] = self._qmap("dynamic", p)                        # shared 256 fp32
+            state["state1"] = self._state_buffer(p, dtype)                       # p's shape
+            if eight:
+                state["absmax1"] = torch.zeros((blocks,), dtype=torch.float32, device=p.device)
+            return
+        if eight:
+            state["qmap1"], state["qmap2"] = self._qmap("dynamic", p), self._qmap("udynamic", p)
+            state["absmax1"] = torch.zeros((2, blocks), dtype=torch.float32, device=p.device)
+            state["absmax2"] = torch.zeros((blocks,), dtype=torch.float32, device=p.device)
+        state["state1"] = self._double_buffer(p, dtype)                          # (2, *p.shape)
+        state["state2"] = self._state_buffer(p, dtype)                           # p's shape
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """``Optimizer8bit.step``: the states at a parameter's first step, then the in-place kernel."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if len(self.state[p]) == 0:
+                    self._init_state(p)
+                state = self.state[p]
+                state["step"] += 1
+                for key in ("state1", "state2"):
+                    if key in state:
+                        state[key].copy_(p.grad.expand_as(state[key]))
+                p.add_(p.grad, alpha=-group["lr"])
+        return loss
+
+
 class Lion(torch.optim.Optimizer):
     """lion-pytorch's ``Lion`` (``lion_pytorch/lion_pytorch.py``), step for step: a loop over the
     parameters with a gradient; at the first step ``state['exp_avg'] = torch.zeros_like(p)`` (the
@@ -162,7 +232,8 @@ class Lion(torch.optim.Optimizer):
 
 def optimizer_class(name: str, blocksize: int) -> tuple[type, dict[str, Any]]:
     """The emulated class and keyword arguments of a trainmem optimizer name that bitsandbytes or
-    lion-pytorch implements (None for the others). bitsandbytes' AdamW8bit/PagedAdamW8bit/PagedAdamW
+    lion-pytorch implements (None for the others): Lion, RMSprop and AdEMAMix are ``OtherState``.
+    bitsandbytes' AdamW8bit/PagedAdamW8bit/PagedAdamW
     default to ``weight_decay=1e-2`` (``optim/adamw.py``)."""
     if name == "adamw-8bit":
         return Adam2State, {"optim_bits": 8, "is_paged": False, "blocksize": blocksize}
@@ -172,7 +243,8 @@ def optimizer_class(name: str, blocksize: int) -> tuple[type, dict[str, Any]]:
         return Adam2State, {"optim_bits": 32, "is_paged": True, "blocksize": blocksize}
     if name == "lion":
         return Lion, {}
-    raise KeyError(name)
+    mults, bits, paged = BNB_LAYOUTS[name]
+    return OtherState, {"optim_bits": bits, "is_paged": paged, "blocksize": blocksize, "double": mults[0] == 2}
 
 
 # ----- 4-bit base weights ----------------------------------------------------------------------

@@ -27,7 +27,7 @@ from .errors import TrainmemError
 from .spec import ModelSpec, TrainingSpec
 from .spec.tf_releases import installed_version, same_release
 from .spec.frameworks import caps_hidden_not_logits, torchtune_norm_saves_fp32
-from .spec.training import padded_lengths
+from .spec.training import BNB_OPTIMIZERS, padded_lengths
 
 DROPOUT_KEYS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "resid_pdrop", "embd_pdrop", "attn_pdrop",
                 "summary_first_dropout", "attention_dropout", "hidden_dropout", "classifier_dropout",
@@ -95,11 +95,15 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
                             "through torch.distributed; not supported: " + ", ".join(bad) +
                             " (use `estimate` for those)")
     if t.optimizer in EXTERNAL_OPTIMIZERS:
-        if what != "trace" and importlib.util.find_spec(EXTERNAL_OPTIMIZERS[t.optimizer]) is None:
-            raise TrainmemError(f"--optimizer {t.optimizer} needs {EXTERNAL_OPTIMIZERS[t.optimizer]} to {what}: "
-                                f"install it, or use trace or estimate")
-        if t.optimizer_impl is not None:
-            raise TrainmemError(f"--optimizer-impl {t.optimizer_impl}: {EXTERNAL_OPTIMIZERS[t.optimizer]}'s "
+        pkg = EXTERNAL_OPTIMIZERS[t.optimizer]
+        if (what != "trace" or pkg not in EMULATED_PACKAGES) and importlib.util.find_spec(pkg) is None:
+            also = "trace or estimate" if pkg in EMULATED_PACKAGES else "estimate"
+            raise TrainmemError(f"--optimizer {t.optimizer} needs {pkg} to {what}: install it, or use {also}")
+        if pkg == "schedulefree" and t.optimizer_in_backward:
+            raise TrainmemError(f"--optimizer {t.optimizer} with --optimizer-in-backward: {what} builds one optimizer "
+                                "per parameter, never put in the train mode schedule_free's step needs; use estimate")
+        if t.optimizer_impl is not None and pkg != "schedulefree":
+            raise TrainmemError(f"--optimizer-impl {t.optimizer_impl}: {pkg}'s "
                                 f"--optimizer {t.optimizer} has one implementation; drop --optimizer-impl")
         if what == "trace" and (t.fsdp is not None or t.tp > 1) and EXTERNAL_OPTIMIZERS[t.optimizer] == "bitsandbytes":
             # its kernels take plain CUDA tensors: DTensor shards (FSDP2's, tensor parallelism's) and
@@ -238,19 +242,31 @@ def attention_implementation(spec: ModelSpec, t: TrainingSpec) -> tuple[str, str
     return "sdpa", ""
 
 
-#: optimizers outside torch.optim and the package that has them: trace runs their emulation
-#: (``trainmem.bnb``), measure the package
-EXTERNAL_OPTIMIZERS = {"adamw-8bit": "bitsandbytes", "paged-adamw-8bit": "bitsandbytes",
-                       "paged-adamw": "bitsandbytes", "lion": "lion_pytorch"}
+#: optimizers outside torch.optim and the package that has them: trace runs the emulation of
+#: bitsandbytes' and lion-pytorch's (``trainmem.bnb``) and schedule_free's own classes, measure the package
+EXTERNAL_OPTIMIZERS = {**dict.fromkeys(BNB_OPTIMIZERS, "bitsandbytes"), "lion": "lion_pytorch",
+                       "schedule-free-adamw": "schedulefree", "schedule-free-sgd": "schedulefree",
+                       "schedule-free-radam": "schedulefree"}
+#: the packages whose optimizers trace emulates (``trainmem.bnb``); the others trace runs for real
+EMULATED_PACKAGES = ("bitsandbytes", "lion_pytorch")
+#: schedule_free's classes (schedulefree 1.4: ``schedulefree/__init__.py``)
+SCHEDULE_FREE = {"schedule-free-adamw": "AdamWScheduleFree", "schedule-free-sgd": "SGDScheduleFree",
+                 "schedule-free-radam": "RAdamScheduleFree"}
 
 
 def optimizer_class(t: TrainingSpec, lr: float = 1e-4, emulate: bool = True) -> tuple[type, dict[str, Any]]:
     """The optimizer class a TrainingSpec names and its keyword arguments (implementation per
     ``optimizer_impl``; None leaves PyTorch's default, foreach on CUDA). bitsandbytes' AdamW8bit,
-    PagedAdamW8bit, PagedAdamW and lion-pytorch's Lion: their emulation on tensors without data
-    (``trainmem.bnb``) when ``emulate``, else the real classes (a real GPU)."""
+    PagedAdamW8bit, PagedAdamW, Lion, RMSprop, AdEMAMix and lion-pytorch's Lion: their emulation on
+    tensors without data (``trainmem.bnb``) when ``emulate``, else the real classes (a real GPU).
+    schedule_free's classes are always the real ones (plain torch ops), with ``foreach`` unless
+    ``optimizer_impl`` is for-loop."""
     impl = t.optimizer_impl
     kw: dict[str, Any] = {"lr": lr}
+    if t.optimizer in SCHEDULE_FREE:
+        # schedule_free's own foreach switch (default on: ``foreach=hasattr(torch, "_foreach_mul_")``)
+        import schedulefree
+        return getattr(schedulefree, SCHEDULE_FREE[t.optimizer]), {**kw, "foreach": impl != "for-loop"}
     if t.optimizer in EXTERNAL_OPTIMIZERS:
         if emulate:
             from . import bnb
@@ -259,9 +275,7 @@ def optimizer_class(t: TrainingSpec, lr: float = 1e-4, emulate: bool = True) -> 
         if t.optimizer == "lion":
             from lion_pytorch import Lion
             return Lion, kw
-        import bitsandbytes as bnb_real
-        return {"adamw-8bit": bnb_real.optim.AdamW8bit, "paged-adamw-8bit": bnb_real.optim.PagedAdamW8bit,
-                "paged-adamw": bnb_real.optim.PagedAdamW}[t.optimizer], kw
+        return _bnb_class(t.optimizer), kw
     if impl == "fused":
         kw["fused"] = True
     elif impl == "foreach":
@@ -275,6 +289,10 @@ def optimizer_class(t: TrainingSpec, lr: float = 1e-4, emulate: bool = True) -> 
     if t.optimizer in ("sgd", "sgd-momentum"):
         kw["momentum"] = 0.9 if t.optimizer == "sgd-momentum" else 0.0
         return torch.optim.SGD, kw
+    if t.optimizer == "adagrad":
+        return torch.optim.Adagrad, kw
+    if t.optimizer == "rmsprop":
+        return torch.optim.RMSprop, kw   # its defaults, as the HF Trainer's optim="rmsprop" without optim_args
     if t.optimizer == "adafactor":
         # transformers' Adafactor, as the HF Trainer's optim="adafactor" builds it
         # (trainer.py get_optimizer_cls_and_kwargs: scale_parameter=False, relative_step=False)
@@ -283,10 +301,31 @@ def optimizer_class(t: TrainingSpec, lr: float = 1e-4, emulate: bool = True) -> 
     raise TrainmemError(f"--optimizer {t.optimizer} is not supported by trace")
 
 
+def _bnb_class(name: str) -> Any:
+    """bitsandbytes' class for a trainmem name and the arguments the HF Trainer gives it
+    (trainer_optimizer.py L246-293: ``optim_bits``, ``is_paged`` except for RMSprop), bound."""
+    import functools
+    import bitsandbytes as bnb_real
+    from .estimate.states import BNB_LAYOUTS
+    mults, bits, paged = BNB_LAYOUTS[name]
+    if name.startswith(("adamw", "paged-adamw")):
+        return {"adamw-8bit": bnb_real.optim.AdamW8bit, "paged-adamw-8bit": bnb_real.optim.PagedAdamW8bit,
+                "paged-adamw": bnb_real.optim.PagedAdamW}[name]
+    if "rmsprop" in name:
+        return functools.partial(bnb_real.optim.RMSprop, optim_bits=bits)
+    cls = bnb_real.optim.AdEMAMix if "ademamix" in name else bnb_real.optim.Lion
+    return functools.partial(cls, optim_bits=bits, is_paged=paged)
+
+
 def make_optimizer(t: TrainingSpec, params: list[torch.nn.Parameter], lr: float = 1e-4, emulate: bool = True) -> Any:
-    """The optimizer a TrainingSpec names, over ``params`` (``emulate``: see ``optimizer_class``)."""
+    """The optimizer a TrainingSpec names, over ``params`` (``emulate``: see ``optimizer_class``). A
+    schedule-free optimizer is put in train mode, as the HF Trainer does before its loop
+    (``optimizer.train()``: the parameters moved to y, in place)."""
     cls, kw = optimizer_class(t, lr, emulate)
-    return cls(params, **kw)
+    opt = cls(params, **kw)
+    if t.optimizer in SCHEDULE_FREE:
+        opt.train()
+    return opt
 
 
 class TrainStep:

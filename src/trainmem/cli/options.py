@@ -8,7 +8,7 @@ from typing import Any, Callable
 from ..spec.frameworks import FRAMEWORKS
 from ..spec.tasks import TASKS
 from ..spec.training import (ATTENTION, ATTENTION_CALLS, FSDP_GATHERED, FSDP_LORA_UNITS, FSDP_MODES, GRAD_SYNC,
-                             RMS_NORMS, HOLD_OUTPUT, OPTIMIZER_ALIASES, OPTIMIZER_IMPLS, OPTIMIZERS, PP_SCHEDULES, PP_STAGES,
+                             RMS_NORMS, HOLD_OUTPUT, OPTIMIZER_ALIASES, OPTIMIZER_IMPLS, OPTIMIZERS, OPTIMIZERS_REFUSED, PP_SCHEDULES, PP_STAGES,
                              PRECISION_ALIASES, PRECISIONS, RECOMPUTE, ZERO_GRAD, LOSSES, LOSS_SHIFTS, MASTER_WEIGHTS,
                              TRANSFORMER_IMPLS)
 
@@ -91,10 +91,13 @@ def add_precision_optimizer(g: Any) -> None:
                    help="amp = fp32 weights + autocast; bf16/fp16 = weights in that dtype (default bf16-amp); "
                         "Lightning's names are read too: bf16-true = bf16, bf16-mixed = bf16-amp, 16-true = fp16, "
                         "16-mixed = fp16-amp, 32-true = fp32")
-    g.add_argument("--optimizer", choices=OPTIMIZERS + tuple(OPTIMIZER_ALIASES), default=None,
-                   metavar="{" + ",".join(OPTIMIZERS) + "}",
-                   help="(default adamw); the HF Trainer's optim names are read too: adamw_torch, adamw_torch_fused "
-                        "(fused), adamw_bnb_8bit/adamw_8bit, paged_adamw_8bit, paged_adamw_32bit, sgd, adafactor")
+    # the HF names trainmem refuses are choices too, so that spec.resolve refuses them saying why
+    g.add_argument("--optimizer", choices=OPTIMIZERS + tuple(OPTIMIZER_ALIASES) + tuple(OPTIMIZERS_REFUSED),
+                   default=None, metavar="{" + ",".join(OPTIMIZERS) + "}",
+                   help="(default adamw); the HF Trainer's optim names are read too (adamw_torch, adamw_torch_fused "
+                        "= adamw fused, adamw_bnb_8bit, paged_adamw_32bit, lion_8bit, rmsprop_bnb, ademamix_8bit, "
+                        "schedule_free_adamw, ...: README.md lists them); GaLore, APOLLO, LOMO, torchao and XLA/NPU "
+                        "ones are refused")
 
 
 def _add_pipeline(g: Any) -> None:

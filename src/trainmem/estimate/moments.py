@@ -46,13 +46,25 @@ class StepFlags:
     # layout, ``Quantities.fsdp_accumulates``, as the accumulation may vary: ``fsdp_sync``)
     by_moment: bool = False  # the layer backward moments have transients of their own (a derived encoder-decoder)
     fsdp1_views: bool = False  # FSDP1: parameters are views of the flat parameter (quantities.fsdp1_views)
+    states_at_init: bool = False  # the optimizer's constructor makes its states (states_at_init)
 
     @staticmethod
     def of(m: ModelSpec, t: TrainingSpec) -> "StepFlags":
         return StepFlags(t.optimizer_in_backward, t.hold_output, t.distributed_optimizer or t.megatron_ddp, is_lm(m),
                          t.zero_grad == "zeros", bool(t.quantize), t.fsdp is not None and t.shard_group > 1,
                          m.family == "derived" and m.is_encoder_decoder,
-                         t.fsdp is not None and t.shard_group > 1 and t.fsdp_version == 1)
+                         t.fsdp is not None and t.shard_group > 1 and t.fsdp_version == 1, states_at_init(t))
+
+
+def states_at_init(t: TrainingSpec) -> bool:
+    """Whether the optimizer's states exist from its construction, before the first forward, not
+    from its first step: torch.optim.Adagrad fills ``state["sum"]`` of every parameter in
+    ``__init__`` (torch 2.13 ``torch/optim/adagrad.py`` L79-98), on the device of the parameters it
+    is given; with the optimizer in backward too, whose per-parameter optimizers are all built
+    when it is set up (``trainmem.optim.in_backward`` ``add_param_group``). Not under ZeRO or the
+    distributed optimizer, whose engines hand it their own partitions, nor offloaded."""
+    return (t.optimizer == "adagrad" and not t.offload_optimizer and t.zero == 0
+            and not t.distributed_optimizer)
 
 
 @dataclass(eq=False)
@@ -376,13 +388,14 @@ def walk(q: Quantities, flags: StepFlags, tk: Tokens, ga: Any, handle_ws: int = 
     framework allocates in the first forward and keeps to the end (``megatron_buffers.kept_buffers``),
     counted with the workspaces from the first forward on."""
     tk_later = tk if tk_later is None else tk_later
-    moments = [_mo("model_loaded", 0, 0, "model.to(device)", (q.grads_loaded, 0, 0, 0, 0, 0))]
-    ends = [("model_loaded", 0, 0, q.fixed + q.grads_loaded)]
+    at_init = q.states if flags.states_at_init else 0   # the optimizer built after the model: its states
+    moments = [_mo("model_loaded", 0, 0, "model.to(device)", (q.grads_loaded, at_init, 0, 0, 0, 0))]
+    ends = [("model_loaded", 0, 0, q.fixed + q.grads_loaded + at_init)]
     prev = None  # the previous micro-batch's terms (``tk_next`` given), else each micro-step's own
     for step in (1, 2):
         # optimizer states exist from the first step's optimizer.step() (or its first backward,
         # with optimizer in backward); the autograd thread's cuBLAS workspace from the first backward
-        states_before = step > 1
+        states_before = step > 1 or flags.states_at_init
         first = tk if (step == 1 or tk_next is None) else tk_next
         for micro in ((0, 1) if isinstance(ga, np.ndarray) else range(min(ga, 2))):
             valid = (ga > 1) if micro else True

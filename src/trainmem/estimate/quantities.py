@@ -25,7 +25,8 @@ from ..spec.frameworks import OWN_MODEL_CODE, caps_hidden_not_logits, torchtune_
 from ..spec.model import ModelSpec
 from ..spec.tf_releases import (cache_values_own_dtype, causal_lm_loss, checkpoint_wraps_unit, code_release,
                                 eager_clamp, kv_cache_kind, moe_expert_loop, rotary_keys_half, sdpa_repeats_kv)
-from ..spec.training import CHUNKED_NLL_TOKENS, RECOMPUTE, TrainingSpec, chunked_nll_problem, config_use_cache
+from ..spec.training import (BNB_OPTIMIZERS, CHUNKED_NLL_TOKENS, RECOMPUTE, TrainingSpec, chunked_nll_problem,
+                             config_use_cache)
 from .cache import BoundedCache
 from .elementwise import NEVER
 from .derived import adapters_computed_half, batch1 as derived_batch1, regime as derived_regime
@@ -38,7 +39,7 @@ from .layers import sdpa_saves_padded
 from .quant4 import dequant_dtypes, is_quantized
 from .schedules import in_flight_at_backwards
 from .gemini import model_gemini
-from .states import (States, block_bytes, default_lora_targets, dtensor_tp, fsdp_grad_op, model_states,
+from .states import (States, block_bytes, default_lora_targets, parameter_order, dtensor_tp, fsdp_grad_op, model_states,
                      torch_cp, torch_pipeline)
 
 F32 = 4
@@ -202,6 +203,8 @@ class Quantities:
     decb_ssq: float = 0.0
     head_read: int = 0     # ... of it, the copy its matmul reads (the cast, else the dequantized weight)
     head_lora: int = 0     # a LoRA adapter on that 4-bit head: logits-sized tensors alive in its forward (3)
+    step_groups: int = 1   # a foreach step's temporaries: how many per tensor, all alive at once (``foreach_groups``)
+    step_linger: bool = False  # a per-tensor loop keeps each tensor's last temporary until the next's (``step_lingers``)
     ds_backward_buf: int = 0  # DeepSpeed ZeRO-1/2's gradient bucket buffers, alive during backward (``deepspeed_buckets``)
     ds_loss_buf: int = 0      # ... of them, those alive in the loss's and the head's backward (before v0.18.3)
     ds_bucket: int = 0        # one DeepSpeed bucket buffer (ZeRO-3's is kept from engine start, in ``fixed``)
@@ -1178,12 +1181,54 @@ def step_temporaries(t: TrainingSpec, st: States) -> int:
         # DeepSpeed hands the optimizer one flat fp32 partition per group: a per-tensor loop or a
         # foreach step sees that one tensor (``deepspeed_group_elems``); fused steps make none
         flat = block_of(t, deepspeed_group_elems(t, st) * 4)
-        return deepspeed_step_grad(t, st) + (flat if k is None else k * flat)
+        return deepspeed_step_grad(t, st) + (foreach_groups(t) * flat if k is None else k * flat)
     if t.optimizer == "adafactor" and not t.offload_optimizer:
         return _adafactor_temporaries(t, st, k)
     if k is None:
-        return st.foreach_group
+        return foreach_groups(t) * st.foreach_group
+    if k and step_lingers(t) and st.trainables:
+        return loop_pair_bytes(st, k)
     return k * block_of(t, st.largest_param)
+
+
+#: per-tensor loops that keep the last temporary of a tensor in a local until the next tensor's
+#: replaces it (``loop_pair_bytes``)
+LINGERING_LOOPS = ("adam", "adamw", "adagrad", "rmsprop", "schedule-free-adamw", "schedule-free-radam")
+
+
+def step_lingers(t: TrainingSpec) -> bool:
+    """Whether the step is such a loop over whole tensors (``LINGERING_LOOPS``, for-loop, one
+    optimizer for every parameter, the states not sharded)."""
+    return (t.optimizer in LINGERING_LOOPS and t.impl == "for-loop" and not t.optimizer_in_backward
+            and not t.offload_optimizer and t.zero_stage == 0 and t.fsdp is None and t.gemini is None)
+
+
+def loop_pair_bytes(st: States, copies: int) -> int:
+    """A per-tensor loop whose expression makes ``copies`` temporaries of the tensor's size and
+    keeps the last in a local variable: torch 2.13 ``_single_tensor_adam`` (adam.py L544
+    ``denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)``: the square root and the
+    quotient, 2), ``_single_tensor_adagrad`` (adagrad.py L425 ``std = state_sum.sqrt().add_(eps)``,
+    1), ``_single_tensor_rmsprop`` (rmsprop.py L325 ``avg = square_avg.sqrt()``, 1), schedule_free's
+    ``denom = exp_avg_sq.div(bias_correction2).sqrt_().add_(eps)`` (1). The previous tensor's
+    temporary is freed only when the name is rebound, after the next tensor's are made, so the
+    peak is the largest ``previous + copies x this`` over neighbours in parameter order (a
+    state-sized block each; a GPT-2's token embedding and then its position embedding; a Llama
+    whose MLP matrices are its largest: gate_proj, then up_proj), measured with LiveBytes
+    (tests/test_hf_optimizers.py)."""
+    order = [st.trainables[j][3] for j in parameter_order(st.trainables)]
+    sizes = [sts[0] for sts in order if sts]
+    return max([copies * x for x in sizes[:1]] + [a + copies * b for a, b in zip(sizes, sizes[1:])])
+
+
+def foreach_groups(t: TrainingSpec) -> int:
+    """State-sized temporaries per tensor a foreach step holds at once, for the whole group. Adam,
+    RMSprop and the schedule-free optimizers: one (``torch._foreach_sqrt(exp_avg_sqs)``, rmsprop.py
+    L448 ``avg = torch._foreach_sqrt(square_avgs)``, schedule_free ``denom = torch._foreach_div(exp_avg_sq,
+    bias_correction2)``, the update then in place: ``_foreach_div_(grad, denom)``). Adagrad: two
+    (torch 2.13 ``adagrad.py`` ``_multi_tensor_adagrad`` L530-540: ``std = torch._foreach_sqrt(state_sums)``
+    and, without weight decay or maximize, ``numerator = torch._foreach_mul(device_grads, minus_clr)``
+    in the gradient's dtype, the parameter's, both alive at ``_foreach_addcdiv_``)."""
+    return 2 if t.optimizer == "adagrad" else 1
 
 
 def deepspeed_zero(t: TrainingSpec) -> bool:
@@ -1662,10 +1707,20 @@ def _copies_per_tensor(t: TrainingSpec, per_parameter: bool) -> int | None:
     ``torch/optim/sgd.py`` ``_multi_tensor_sgd`` L403-472; the for-loop ``_single_tensor_sgd`` alike).
     Found by trace: Mistral (2 layers) fp16-amp SGD momentum: +6.4% before (a gradient-sized
     temporary charged at the step)."""
-    if t.optimizer in ("sgd", "sgd-momentum", "adamw-8bit", "paged-adamw-8bit", "paged-adamw") or t.offload_optimizer:
+    if t.optimizer in ("sgd", "sgd-momentum", "schedule-free-sgd") + BNB_OPTIMIZERS or t.offload_optimizer:
         # bitsandbytes' step is one in-place CUDA kernel per tensor (``optimizer_update_8bit_blockwise``
-        # / ``optimizer_update_32bit`` write state1/2, absmax and the parameter in place)
+        # / ``optimizer_update_32bit`` write state1/2, absmax and the parameter in place); schedule-free
+        # SGD's is ``lerp_``/``add_``/``sub_`` on y, z and the gradient (``sgd_schedulefree.py`` L155-186)
         return 0
+    if t.optimizer in ("rmsprop", "schedule-free-adamw", "schedule-free-radam") and t.impl != "foreach":
+        # for-loop: one temporary of the tensor's size, the rest in place (rmsprop.py L325 ``avg =
+        # square_avg.sqrt()`` then ``avg.add_(eps)``; schedule_free ``denom = exp_avg_sq.div(bc2).sqrt_().add_(eps)``
+        # and ``grad.div_(denom)``)
+        return 1
+    if t.optimizer == "adagrad" and t.impl != "fused":
+        # for-loop: ``std = state_sum.sqrt().add_(eps)``, then ``param.addcdiv_(grad, std)`` (adagrad.py
+        # L423-426); foreach, a group of one under optimizer-in-backward: ``foreach_groups``
+        return (2 if per_parameter else None) if t.impl == "foreach" else 1
     if t.optimizer == "lion":
         # lion-pytorch (lion_pytorch.py ``update_fn``), a loop over tensors whatever optimizer_impl says:
         # ``update = exp_avg.clone().mul_(beta1).add(grad, alpha=1 - beta1).sign_()``: the clone and
@@ -2057,7 +2112,8 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         **{"loss_backward_tok": lc.cache * layers if whole_model_compiled(t) else 0.0,
            **_chunked_nll_fields(m, t, pol, loss, head_here)},
         liger_factor=-(-m.vocab_size // m.hidden_size) if (head_here and is_lm(m) and loss_mode(m, t) == "fused") else 0,
-        step_temp=step_temporaries(t, st), linear_replay=int(per_linear_replay(t)), oib_mid=oib_mid, oib_end=oib_end, **_deepspeed_fields(m, t, st),
+        step_temp=step_temporaries(t, st), step_groups=foreach_groups(t), step_linger=step_lingers(t),
+        linear_replay=int(per_linear_replay(t)), oib_mid=oib_mid, oib_end=oib_end, **_deepspeed_fields(m, t, st),
         **gemini_fields(m, t),
         tied_grad=compiled_tied[0] if whole_model_compiled(t) else tied_head_grad(m, t),
         tied_replicated=tied_replicated_grad(m, t), tied_compiled=compiled_tied[1] if whole_model_compiled(t) else 0,

@@ -53,6 +53,7 @@ from ..allocator_rules import block_bytes
 from .layers import F32, HALF
 from .moments import StepFlags, Tokens, best_transient, label_tokens
 from .quantities import Quantities
+from .states import parameter_order as _parameter_order
 
 
 @dataclass
@@ -120,8 +121,10 @@ def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, 
         R.allocs(m for (_w, k, _g, _s, m) in st.trainables for _ in range(k) if m)
     if q.ds_bucket and not q.ds_backward_buf:                         # DeepSpeed ZeRO-3's bucket, from engine start
         R.alloc(q.ds_bucket)
-    R.mark("model_loaded", 0)
     s = _Step(handle_ws=handle_ws)
+    if flags.states_at_init and st.optimizer:                          # torch Adagrad: states from its constructor
+        s.states = _allocate_states(R, st)
+    R.mark("model_loaded", 0)
     if flags.grads_persistent or q.grads_loaded:                        # Megatron main grads, DeepSpeed ZeRO-3's
         for _ in range(max((k for _w, k, *_r in st.trainables), default=0)):
             _make_grads(R, s, st.trainables, tuple({w for w, *_r in st.trainables}))
@@ -1063,26 +1066,16 @@ def _placed(trainables: tuple, where: tuple[str, ...]) -> tuple[int, ...]:
     return tuple(j for j, item in enumerate(trainables) if item[0] in where)
 
 
-@lru_cache(maxsize=256)
-def _parameter_order(trainables: tuple) -> tuple[int, ...]:
-    """The trainable tensors in the order ``model.parameters()`` yields them, one index per tensor
-    (a per-layer item once per layer): those registered before the layers, then each layer's own
-    (the items of every layer, then that layer's only ones, such as its LoRA adapters), then those
-    after. ``torch.optim``'s ``_init_group`` creates the states in this order and a foreach step
-    makes its temporaries in it (``torch/optim/adam.py`` ``_init_group``, ``_multi_tensor_adam``)."""
-    layers = max((k for w, k, *_r in trainables if w == "layer"), default=0)
-    layers = max([layers] + [int(w[5:]) + 1 for w, *_r in trainables if w.startswith("layer") and w != "layer"])
-    out = [j for j, item in enumerate(trainables) if item[0] == "before"]
-    for i in range(layers):
-        out += [j for j, (w, k, *_r) in enumerate(trainables) if w == "layer" and i < k]
-        out += [j for j, item in enumerate(trainables) if item[0] == f"layer{i}"]
-    return tuple(out + [j for j, item in enumerate(trainables) if item[0] == "after"])
-
-
 def _scaled(sizes: list[int], total: int) -> list[int]:
     """``sizes`` scaled to sum to ``total`` (their proportions kept)."""
     whole = sum(sizes)
     return [x * total // whole for x in sizes] if whole > 0 and total > 0 else []
+
+
+def _allocate_states(R: _Replay, st: Any) -> list:
+    """The optimizer states of every trainable tensor, in parameter order."""
+    return [R.alloc(x) for (_w, _k, _g, sts, _m) in (st.trainables[j] for j in _parameter_order(st.trainables))
+            for x in sts]
 
 
 def _optimizer_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, step: int,
@@ -1094,8 +1087,8 @@ def _optimizer_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, step:
     ``q.step_temp`` sets their total (the group's, or the largest tensor's ``temp_copies``)."""
     st = q.detail.states
     order = [st.trainables[j] for j in _parameter_order(st.trainables)]
-    if step == 1 and st.optimizer:                               # lazily, unless offloaded to the host
-        s.states = [R.alloc(x) for (_w, _k, _g, sts, _m) in order for x in sts]
+    if step == 1 and st.optimizer and not flags.states_at_init:  # lazily, unless offloaded to the host
+        s.states = _allocate_states(R, st)
     sizes = [(sts[0] if sts else g) for (_w, _k, g, sts, _m) in order]
     if q.ds_norm_temp:                                           # DeepSpeed ZeRO-1/2: the norm's float64 piece
         R.free(R.alloc(q.ds_norm_temp))
@@ -1104,8 +1097,18 @@ def _optimizer_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, step:
         R.free(flat)
         R.free(R.alloc(q.step_temp - q.ds_step_fp32 - q.ds_step_flat))  # the optimizer's own, on that tensor
         R.free(fp32)
-    elif temp_copies is None:                                    # foreach: the whole group's at once
-        R.frees(R.allocs(_scaled(sizes, q.step_temp)))
+    elif temp_copies is None:                                    # foreach: the whole group's at once, each
+        k = max(1, q.step_groups)                                # temporary per tensor as its own list (Adagrad 2)
+        R.frees([b for _ in range(k) for b in R.allocs(_scaled(sizes, q.step_temp // k))])
+    elif q.step_linger and temp_copies and sizes:               # a loop whose last temporary lingers: the
+        prev = None                                              # previous tensor's until the next's exist
+        for x in sizes:                                          # (quantities.loop_pair_bytes)
+            made = R.allocs([x] * temp_copies)
+            R.frees(made[:-1])                                   # the expression's own, then the local rebound
+            if prev is not None:
+                R.free(prev)
+            prev = made[-1]
+        R.free(prev)
     elif temp_copies and sizes:                                  # a loop over tensors: each in turn
         per = _scaled(sizes, q.step_temp * sum(sizes) // (temp_copies * max(sizes)))
         for x in per:

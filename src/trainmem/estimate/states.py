@@ -320,33 +320,30 @@ def state_bytes(optimizer: str, shape: tuple[int, ...], numel: int, sbytes: int,
     sgd-momentum: momentum_buffer. lion: exp_avg (lion-pytorch ``lion_pytorch.py``:
     ``state['exp_avg'] = torch.zeros_like(p)``). adafactor (transformers, beta1=None): factored
     second moment, row + column vectors for matrices, a full tensor for vectors, in fp32.
-    adamw-8bit (bitsandbytes ``Optimizer2State.init_state``, ``optim/optimizer.py`` L492-532 at
-    95f9af30): tensors of fewer than ``min_8bit_size`` = 4096 elements get two fp32 states; larger
-    ones two uint8 states of the parameter's shape (``state1``, ``state2``) plus an fp32 ``absmax1``
-    and ``absmax2`` of ceil(n / ``blocksize``) elements (256 since bitsandbytes 0.44.0, 2048 before:
-    ``TrainingSpec.bnb_blocksize``). ``numel`` is this rank's shard; ``whole`` the unsharded tensor,
-    which decides the 8-bit threshold: ZeRO and FSDP hand the optimizer flat partitions of many
-    tensors, never a small slice of one. The two 256-entry quantization maps, one pair per
-    optimizer, are ``bnb_qmap_bytes``.
+    adagrad: ``sum`` (torch 2.13 ``torch/optim/adagrad.py`` L96: ``torch.full_like(p, ...)``, made in
+    the constructor). rmsprop at torch.optim's defaults (momentum 0, not centered): ``square_avg``
+    (``rmsprop.py`` L123; ``momentum_buffer`` and ``grad_avg`` only with momentum / centered).
+    schedule-free-adamw/-radam: ``z = torch.clone(p)`` and ``exp_avg_sq`` (schedule_free 70785b5
+    ``adamw_schedulefree.py`` L163-167, ``radam_schedulefree.py`` L168-169; ``exp_avg`` only with
+    ``inner_momentum``, 0 by default); schedule-free-sgd: ``z`` (``sgd_schedulefree.py`` L153).
+    The bitsandbytes optimizers: ``bnb_state_bytes``. ``numel`` is this rank's shard; ``whole`` the
+    unsharded tensor, which decides the 8-bit threshold: ZeRO and FSDP hand the optimizer flat
+    partitions of many tensors, never a small slice of one. The shared 256-entry quantization maps,
+    one set per optimizer, are ``bnb_qmap_bytes``.
     """
-    if optimizer in ("adam", "adamw"):
+    if optimizer in ("adam", "adamw", "schedule-free-adamw", "schedule-free-radam"):
         return (numel * sbytes, numel * sbytes)
     if optimizer == "sgd":
         return ()
-    if optimizer in ("sgd-momentum", "lion"):
+    if optimizer in ("sgd-momentum", "lion", "adagrad", "rmsprop", "schedule-free-sgd"):
         return (numel * sbytes,)
     if optimizer == "adafactor":
         if len(shape) >= 2:
             lead = numel // (shape[-1] * shape[-2])
             return (lead * shape[-2] * 4, lead * shape[-1] * 4)
         return (numel * 4,)
-    if optimizer in ("paged-adamw-8bit", "paged-adamw"):
-        return _paged_states(optimizer, numel, numel if whole is None else whole, blocksize)
-    if optimizer == "adamw-8bit":
-        if (numel if whole is None else whole) < MIN_8BIT_SIZE:
-            return (numel * 4, numel * 4)
-        blocks = -(-numel // blocksize)
-        return (numel, numel, blocks * 4, blocks * 4)
+    if optimizer in BNB_LAYOUTS:
+        return bnb_state_bytes(optimizer, numel, numel if whole is None else whole, blocksize)
     raise ValueError(optimizer)
 
 
@@ -354,32 +351,64 @@ def state_bytes(optimizer: str, shape: tuple[int, ...], numel: int, sbytes: int,
 MIN_8BIT_SIZE = 4096
 #: bitsandbytes ``get_state_buffer`` pages a state only from 1e5 elements (optim/optimizer.py L383)
 PAGED_MIN = 100_000
+#: the bitsandbytes optimizers as (each state's size in parameter shapes, optim_bits, paged): AdamW
+#: (``Optimizer2State``: ``state1``, ``state2``), Lion and RMSprop (``Optimizer1State``: ``state1``),
+#: AdEMAMix (``state1`` of shape (2, *p.shape), the two first moments, and ``state2``: ``optim/ademamix.py``
+#: L159-173 at 95f9af30)
+BNB_LAYOUTS = {"adamw-8bit": ((1, 1), 8, False), "paged-adamw-8bit": ((1, 1), 8, True),
+               "paged-adamw": ((1, 1), 32, True), "lion-8bit": ((1,), 8, False), "lion-32bit": ((1,), 32, False),
+               "paged-lion-8bit": ((1,), 8, True), "paged-lion": ((1,), 32, True), "rmsprop-8bit": ((1,), 8, False),
+               "rmsprop-32bit": ((1,), 32, False), "ademamix": ((2, 1), 32, False),
+               "ademamix-8bit": ((2, 1), 8, False), "paged-ademamix": ((2, 1), 32, True),
+               "paged-ademamix-8bit": ((2, 1), 8, True)}
 
 
 def bnb_qmap_bytes(optimizer: str, largest: int) -> int:
     """Device bytes of the quantization maps of a bitsandbytes 8-bit optimizer whose largest
     trainable tensor has ``largest`` elements: at the first 8-bit state, ``fill_qmap`` builds the
     signed and unsigned dynamic maps (256 fp32 each, ``F.create_dynamic_map``) and ``init_state``
-    moves them to the device once (``self.name2qmap["dynamic"] = ....to(p.device)``, L513-516),
-    shared by every parameter's ``qmap1``/``qmap2``. Each is one 1 KiB block (in either allocator
-    mode: below 10 MiB ``block_bytes`` rounds to 512 B alone)."""
-    if optimizer not in ("adamw-8bit", "paged-adamw-8bit") or largest < MIN_8BIT_SIZE:
+    moves to the device once the ones its states use (``self.name2qmap["dynamic"] = ....to(p.device)``):
+    both for AdamW and AdEMAMix (``Optimizer2State.init_state`` L513-516, ``ademamix.py`` L162-163),
+    the signed one alone for Lion and RMSprop (``Optimizer1State.init_state`` L680-684), shared by
+    every parameter's ``qmap1``/``qmap2``. Each is one 1 KiB block (in either allocator mode: below
+    10 MiB ``block_bytes`` rounds to 512 B alone)."""
+    if optimizer not in BNB_LAYOUTS or BNB_LAYOUTS[optimizer][1] != 8 or largest < MIN_8BIT_SIZE:
         return 0
-    return 2 * block_bytes(256 * 4)
+    return len(BNB_LAYOUTS[optimizer][0]) * block_bytes(256 * 4)
 
 
-def _paged_states(optimizer: str, numel: int, whole: int, blocksize: int = 256) -> tuple[int, ...]:
-    """Device bytes of a paged bitsandbytes optimizer's states for one tensor. ``get_state_buffer``
-    pages only tensors of at least 1e5 elements (``F.get_paged``: ``cudaMallocManaged``, outside the
-    caching allocator); smaller ones get ``torch.zeros_like`` on the device (``optim/optimizer.py``
-    L374-390 at 95f9af30; L304-312 at 0.42.0). PagedAdamW keeps fp32 states; PagedAdamW8bit fp32
-    states under 4096 elements, else uint8 states (paged from 1e5 elements) plus fp32
-    ``absmax1/2`` per ``blocksize`` block, always ordinary device tensors (``init_state`` L518-529)."""
-    paged = whole >= PAGED_MIN
-    if optimizer == "paged-adamw" or whole < MIN_8BIT_SIZE:
-        return () if paged else (numel * 4, numel * 4)
+def bnb_state_bytes(optimizer: str, numel: int, whole: int, blocksize: int = 256) -> tuple[int, ...]:
+    """Device bytes of a bitsandbytes optimizer's states for one tensor (``BNB_LAYOUTS``), as
+    ``init_state`` makes them (``optim/optimizer.py`` L492-532 and L664-690 at 95f9af30;
+    ``ademamix.py`` L139-173): fp32 states when ``optim_bits`` is 32 or the tensor has fewer than
+    ``min_8bit_size`` = 4096 elements; else uint8 states plus an fp32 ``absmax`` per ``blocksize``
+    block of each state (256 since bitsandbytes 0.44.0, 2048 before: ``TrainingSpec.bnb_blocksize``;
+    AdEMAMix's ``absmax1`` is (2, blocks)). A paged optimizer's ``get_state_buffer`` (L374-390;
+    ``_get_state_double_buffer`` for AdEMAMix) pages the states of tensors of at least 1e5
+    elements (``F.get_paged``: ``cudaMallocManaged``, outside the caching allocator); smaller ones
+    get ``torch.zeros_like`` on the device; absmax is always an ordinary device tensor."""
+    mults, bits, paged = BNB_LAYOUTS[optimizer]
+    paged = paged and whole >= PAGED_MIN
+    if bits == 32 or whole < MIN_8BIT_SIZE:
+        return () if paged else tuple(m * numel * 4 for m in mults)    # fp32, p's shape (x2: AdEMAMix state1)
     blocks = -(-numel // blocksize)
-    return (() if paged else (numel, numel)) + (blocks * 4, blocks * 4)
+    return (() if paged else tuple(m * numel for m in mults)) + tuple(m * blocks * 4 for m in mults)  # uint8; fp32 absmax
+
+
+@lru_cache(maxsize=256)
+def parameter_order(trainables: tuple) -> tuple[int, ...]:
+    """The trainable tensors in the order ``model.parameters()`` yields them, one index per tensor
+    (a per-layer item once per layer): those registered before the layers, then each layer's own
+    (the items of every layer, then that layer's only ones, such as its LoRA adapters), then those
+    after. ``torch.optim``'s ``_init_group`` creates the states in this order and a foreach step
+    makes its temporaries in it (``torch/optim/adam.py`` ``_init_group``, ``_multi_tensor_adam``)."""
+    layers = max((k for w, k, *_r in trainables if w == "layer"), default=0)
+    layers = max([layers] + [int(w[5:]) + 1 for w, *_r in trainables if w.startswith("layer") and w != "layer"])
+    out = [j for j, item in enumerate(trainables) if item[0] == "before"]
+    for i in range(layers):
+        out += [j for j, (w, k, *_r) in enumerate(trainables) if w == "layer" and i < k]
+        out += [j for j, item in enumerate(trainables) if item[0] == f"layer{i}"]
+    return tuple(out + [j for j, item in enumerate(trainables) if item[0] == "after"])
 
 
 def _insert_buffer(load: list[tuple[str, int]], name: str, nbytes: int) -> None:
@@ -603,8 +632,8 @@ class _Tally:
         self.opt += k * sum(sts)
         self.items.append((where, k, g, sts, master))
         self.item_elems.append(n)
-        if t.impl == "fused" and t.optimizer in ("adam", "adamw"):
-            self.step_t += k * r.block(4)
+        if t.impl == "fused" and t.optimizer in ("adam", "adamw", "adagrad"):
+            self.step_t += k * r.block(4)  # fused: the scalar fp32 ``step`` on the device (adagrad.py L82-88)
         self.largest = max(self.largest, n * r.sbytes)
         self.largest_n = max(self.largest_n, n)
         self.group += k * r.block(sh * r.sbytes)
@@ -688,7 +717,8 @@ def _gemini_states(m: ModelSpec, t: TrainingSpec, r: _Rank) -> States:
 
 
 #: optimizers whose states are element-wise copies of the parameter (one state-dtype element each)
-ELEMENTWISE_STATES = ("adamw", "adam", "sgd-momentum", "lion", "sgd")
+ELEMENTWISE_STATES = ("adamw", "adam", "sgd-momentum", "lion", "sgd", "adagrad", "rmsprop", "schedule-free-adamw",
+                      "schedule-free-radam", "schedule-free-sgd")
 
 
 def fsdp1_rank0_items(t: TrainingSpec, r: _Rank, acc: _Tally) -> tuple:

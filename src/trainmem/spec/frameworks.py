@@ -955,6 +955,12 @@ def preset_options(name: str, version: Any = None, given: Mapping[str, Any] | No
     out = _static(preset, v)
     if preset.rules is not None:
         out.update(preset.rules({**(base or {}), **out, **(given or {})}, model, v))
+    optimizer = {**(base or {}), **out, **(given or {})}.get("optimizer")
+    if optimizer not in (None, "adamw", "adam") and "optimizer_impl" not in (given or {}):
+        # the preset's implementation is its AdamW's (the HF Trainer's adamw_torch_fused, torchtune's and
+        # torchtitan's fused=True): another optimizer runs its own default (the HF Trainer's sgd, adagrad and
+        # rmsprop handlers pass no fused, trainer_optimizer.py L317-348; bitsandbytes has one kernel)
+        out["optimizer_impl"] = None
     return out
 
 

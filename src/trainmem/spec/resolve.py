@@ -49,7 +49,7 @@ from .model import ModelSpec
 from .deepspeed import zero_options
 from .releases import parse_torch_version, torch_defaults
 from .tf_releases import default_attention, model_key, parse_transformers_version
-from .training import (OPTIMIZER_ALIASES, PRECISION_ALIASES, TrainingSpec, check_against, deepspeed_problems, default_seq_len,
+from .training import (OPTIMIZER_ALIASES, PRECISION_ALIASES, optimizer_refusal, TrainingSpec, check_against, deepspeed_problems, default_seq_len,
                        image_sizes)
 
 TRAINING_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainingSpec) if f.name != "extra")
@@ -98,12 +98,15 @@ def framework_names(given: dict[str, Any]) -> dict[str, Any]:
     (``spec.training.PRECISION_ALIASES``: Lightning's "bf16-true", "16-mixed"...;
     ``OPTIMIZER_ALIASES``: the HF Trainer's ``optim`` names). An optimizer name that implies an
     implementation (``adamw_torch_fused``) sets ``optimizer_impl`` too, and contradicting an
-    ``optimizer_impl`` also given is refused in one line."""
+    ``optimizer_impl`` also given is refused in one line; an HF name trainmem does not model
+    (``OPTIMIZERS_REFUSED``: GaLore, APOLLO, LOMO, XLA/NPU...) is refused in one line naming it."""
     out = dict(given)
     p = out.get("precision")
     if isinstance(p, str) and p.strip().lower() in PRECISION_ALIASES:
         out["precision"] = PRECISION_ALIASES[p.strip().lower()]
     o = out.get("optimizer")
+    if optimizer_refusal(o):
+        raise TrainmemError(optimizer_refusal(o))
     if isinstance(o, str) and o.strip().lower() in OPTIMIZER_ALIASES:
         name, impl = OPTIMIZER_ALIASES[o.strip().lower()]
         out["optimizer"] = name

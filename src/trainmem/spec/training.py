@@ -19,26 +19,90 @@ from .tf_releases import parse_transformers_version, reentrant_checkpointing, tr
 #: Lightning's bf16-true); bf16-mp: FSDP's mixed-precision policy (fp32 sharded parameters, gradients
 #: and states; parameters gathered in bf16 for compute, no autocast)
 PRECISIONS = ("fp32", "fp16-amp", "bf16-amp", "bf16", "fp16", "bf16-mp")
-#: paged-*: bitsandbytes' paged optimizers (PagedAdamW8bit, PagedAdamW): states in CUDA unified memory
+#: paged-*: bitsandbytes' paged optimizers (PagedAdamW8bit, PagedAdamW, PagedLion8bit, PagedLion,
+#: PagedAdEMAMix8bit, PagedAdEMAMix): states in CUDA unified memory. adagrad, rmsprop: torch.optim's (RMSprop
+#: at its defaults: no momentum, not centered); lion: lion-pytorch's; lion-8bit/-32bit, rmsprop-8bit/-32bit,
+#: ademamix(-8bit): bitsandbytes' Lion, RMSprop and AdEMAMix; schedule-free-*: facebookresearch/schedule_free's
+#: AdamWScheduleFree, SGDScheduleFree, RAdamScheduleFree
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adamw-8bit", "lion", "paged-adamw-8bit",
-              "paged-adamw")
+              "paged-adamw", "adagrad", "rmsprop", "lion-8bit", "lion-32bit", "paged-lion-8bit", "paged-lion",
+              "rmsprop-8bit", "rmsprop-32bit", "ademamix", "ademamix-8bit", "paged-ademamix",
+              "paged-ademamix-8bit", "schedule-free-adamw", "schedule-free-sgd", "schedule-free-radam")
 #: a framework's own precision names, as trainmem's (Lightning's ``precision=`` strings:
 #: ``_PRECISION_INPUT_STR`` in lightning 2.6.5 src/lightning/fabric/plugins/precision/precision.py; "-true" = the weights in that dtype, "-mixed" =
 #: fp32 weights under autocast). Lightning's legacy "bf16"/"16" (mixed) are not taken: trainmem's "bf16" is
 #: the pure-bf16 run Lightning calls "bf16-true".
 PRECISION_ALIASES = {"32-true": "fp32", "16-mixed": "fp16-amp", "bf16-mixed": "bf16-amp", "16-true": "fp16",
                      "bf16-true": "bf16"}
-#: the HF Trainer's ``optim=`` names trainmem models, as (optimizer, optimizer_impl or None): transformers
-#: 5.23.0 ``trainer_optimizer.py`` L201-208 (``adamw_torch`` is ``torch.optim.AdamW`` with its own default
-#: implementation, ``adamw_torch_fused`` adds ``fused=True``), L246-268 (the bitsandbytes names: "8bit" in
-#: the name = 8-bit states, "paged" = a paged optimizer, else 32-bit), L317-330 (``sgd``: ``torch.optim.SGD``
-#: without momentum unless ``optim_args`` gives one: trainmem's "sgd") and L195-198 (``adafactor``:
-#: transformers' Adafactor, trainmem's "adafactor")
+#: the HF Trainer's ``optim=`` names (``training_args.OptimizerNames``) trainmem models, as (optimizer,
+#: optimizer_impl or None), from transformers 5.24.0 ``trainer_optimizer.py``: L201-208 (``adamw_torch`` is
+#: ``torch.optim.AdamW`` with its own default implementation, ``adamw_torch_fused`` adds ``fused=True``),
+#: L246-293 (the bitsandbytes names: "8bit" in the name = ``optim_bits=8``, else 32; "paged" = a paged
+#: optimizer, except RMSprop, which is never paged; "adam" -> AdamW, "lion" -> Lion, "rmsprop" -> RMSprop, so
+#: ``rmsprop_bnb`` is the 32-bit one, "ademamix" -> AdEMAMix), L317-348 (``sgd``, ``adagrad``, ``rmsprop``:
+#: torch.optim's at their defaults unless ``optim_args`` changes them: trainmem's "sgd", "adagrad", "rmsprop"),
+#: L195-198 (``adafactor``: transformers' Adafactor) and L479-520 (the schedule-free names)
 OPTIMIZER_ALIASES = {"adamw_torch": ("adamw", None), "adamw_torch_fused": ("adamw", "fused"),
                      "adamw_bnb_8bit": ("adamw-8bit", None), "adamw_8bit": ("adamw-8bit", None),
-                     "paged_adamw_8bit": ("paged-adamw-8bit", None), "paged_adamw_32bit": ("paged-adamw", None)}
-#: the optimizers bitsandbytes implements (``bitsandbytes.optim`` AdamW8bit, PagedAdamW8bit, PagedAdamW)
-BNB_OPTIMIZERS = ("adamw-8bit", "paged-adamw-8bit", "paged-adamw")
+                     "paged_adamw_8bit": ("paged-adamw-8bit", None), "paged_adamw_32bit": ("paged-adamw", None),
+                     "lion_8bit": ("lion-8bit", None), "lion_32bit": ("lion-32bit", None),
+                     "paged_lion_8bit": ("paged-lion-8bit", None), "paged_lion_32bit": ("paged-lion", None),
+                     "rmsprop_bnb": ("rmsprop-32bit", None), "rmsprop_bnb_8bit": ("rmsprop-8bit", None),
+                     "rmsprop_bnb_32bit": ("rmsprop-32bit", None), "ademamix_8bit": ("ademamix-8bit", None),
+                     "paged_ademamix_32bit": ("paged-ademamix", None),
+                     "paged_ademamix_8bit": ("paged-ademamix-8bit", None),
+                     "schedule_free_adamw": ("schedule-free-adamw", None),
+                     "schedule_free_sgd": ("schedule-free-sgd", None),
+                     "schedule_free_radam": ("schedule-free-radam", None)}
+#: the HF Trainer's ``optim=`` names trainmem does not model, and why (``OPTIMIZER_ALIASES`` and the names in
+#: ``OPTIMIZERS`` are the others; tests/test_hf_optimizers.py enumerates the installed ``OptimizerNames``)
+_GALORE = ("GaLore projects each target matrix's gradient to rank r and keeps its Adam states in that "
+           "projected space (galore_torch), which trainmem does not model")
+_APOLLO = ("APOLLO keeps its states in a random rank-r projection of each target matrix (apollo_torch), "
+           "which trainmem does not model")
+_LAYERWISE = ("; its layerwise variant also steps one optimizer per parameter inside backward "
+              "(trainer_optimizer.py L164-184)")
+_LOMO = ("fuses the update into backward through its own hooks on the model (lomo_optim), with no "
+         "gradients kept; trainmem does not model it")
+_NOT_YET = "is not modelled yet: its states and its step's temporaries have no model in trainmem"
+#: torchao 0.18 ``torchao/optim/adam.py`` L134-156: ``torch.compile(single_param_adam, fullgraph=True)`` per parameter
+_TORCHAO = ("is not modelled: its step is a torch.compile'd function per parameter, whose temporaries are "
+            "Inductor's buffers")
+OPTIMIZERS_REFUSED = {
+    "adamw_torch_xla": "torch_xla's syncfree AdamW runs on XLA devices (TPU), not a CUDA GPU",
+    "adamw_torch_npu_fused": "torch_npu's NpuFusedAdamW runs on Ascend NPUs, not a CUDA GPU",
+    "galore_adamw": _GALORE, "galore_adamw_8bit": _GALORE, "galore_adafactor": _GALORE,
+    "galore_adamw_layerwise": _GALORE + _LAYERWISE, "galore_adamw_8bit_layerwise": _GALORE + _LAYERWISE,
+    "galore_adafactor_layerwise": _GALORE + _LAYERWISE,
+    "apollo_adamw": _APOLLO, "apollo_adamw_layerwise": _APOLLO + _LAYERWISE,
+    "lomo": "LOMO " + _LOMO, "adalomo": "AdaLomo " + _LOMO,
+    "adamw_torch_4bit": "torchao's AdamW4bit " + _TORCHAO,
+    "adamw_torch_8bit": "torchao's AdamW8bit " + _TORCHAO,
+    "adamw_anyprecision": "torchdistx's AnyPrecisionAdamW " + _NOT_YET,
+    "grokadamw": ("grokadamw's GrokAdamW keeps its three states in host memory and copies them to the GPU and "
+                  "back for every parameter at every step (grokadamw 0.1.2 grokadamw.py L93-135), which trainmem "
+                  "does not model yet"),
+    "stable_adamw": ("torch-optimi's StableAdamW steps with its own Triton kernel on CUDA by default (optimi 0.3.3 "
+                     "stableadamw.py, utils.py _default_to_triton), which trainmem does not model yet"),
+    # names of older transformers releases (4.x OptimizerNames), gone from 5.x
+    "adamw_hf": "transformers' own AdamW (transformers 4.x, removed in 5.0) " + _NOT_YET,
+    "adamw_apex_fused": "apex's FusedAdam (transformers 4.x, removed in 5.0) " + _NOT_YET,
+}
+
+
+def optimizer_refusal(name: Any) -> str | None:
+    """One line refusing an HF Trainer ``optim`` name trainmem does not model (``OPTIMIZERS_REFUSED``),
+    else None."""
+    key = name.strip().lower() if isinstance(name, str) else None
+    if key not in OPTIMIZERS_REFUSED:
+        return None
+    return f"--optimizer {name} (the HF Trainer's optim={key!r}): {OPTIMIZERS_REFUSED[key]}; estimate another optimizer"
+
+
+#: the optimizers bitsandbytes implements (``bitsandbytes.optim``)
+BNB_OPTIMIZERS = ("adamw-8bit", "paged-adamw-8bit", "paged-adamw", "lion-8bit", "lion-32bit", "paged-lion-8bit",
+                  "paged-lion", "rmsprop-8bit", "rmsprop-32bit", "ademamix", "ademamix-8bit", "paged-ademamix",
+                  "paged-ademamix-8bit")
 OPTIMIZER_IMPLS = ("foreach", "fused", "for-loop")
 #: none; selective: Megatron's (the attention core recomputed); full: every layer checkpointed (only its input
 #: kept); op: torchtitan's per-op selective checkpointing (mode "selective", selective_ac_option "op": each layer
@@ -319,9 +383,13 @@ class TrainingSpec:
             if v <= 0:
                 raise TrainmemError(f"--{key.replace('_', '-')} must be a positive integer, got {v}")
         _choice("precision", self.precision, PRECISIONS)
+        refused = optimizer_refusal(self.optimizer)
+        if refused:
+            raise TrainmemError(refused)
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         if self.optimizer_impl is not None:
             _choice("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS)
+        self._check_optimizer_impl()
         for key, choices in (("recompute", RECOMPUTE), ("attention", ATTENTION), ("zero_grad", ZERO_GRAD),
                              ("hold_output", HOLD_OUTPUT), ("grad_sync", GRAD_SYNC), ("pp_schedule", PP_SCHEDULES),
                              ("pp_stage", PP_STAGES),
@@ -549,6 +617,23 @@ class TrainingSpec:
             raise TrainmemError(f"--later-seq-len {v} exceeds --seq-len {self.seq_len}: --seq-len is the first "
                                 f"micro-batch's length, the longest; give --later-seq-len <= {self.seq_len}")
         self._one_shape_layout("--later-seq-len")
+
+    def _check_optimizer_impl(self) -> None:
+        """``optimizer_impl`` against the implementations the optimizer has: torch.optim.RMSprop has
+        foreach and for-loop, no fused (torch 2.13 ``torch/optim/rmsprop.py``: ``use_fused=False``);
+        schedule_free's optimizers a ``foreach`` switch only (``adamw_schedulefree.py`` L66); the
+        bitsandbytes optimizers one CUDA kernel per tensor (``optim/optimizer.py`` ``update_step``);
+        AdEMAMix arrived in bitsandbytes 0.44.0 (``optim/ademamix.py``)."""
+        impl, o = self.optimizer_impl, self.optimizer
+        if impl == "fused" and (o == "rmsprop" or o.startswith("schedule-free")):
+            raise TrainmemError(f"--optimizer-impl fused: --optimizer {o} has foreach and for-loop "
+                                "implementations, no fused one; give foreach or for-loop")
+        if impl is not None and o in BNB_OPTIMIZERS and o not in ("adamw-8bit", "paged-adamw-8bit", "paged-adamw"):
+            raise TrainmemError(f"--optimizer-impl {impl}: bitsandbytes' --optimizer {o} has one implementation "
+                                "(a CUDA kernel per tensor); drop --optimizer-impl")
+        if "ademamix" in o and self.bitsandbytes_release() < (0, 44, 0):
+            raise TrainmemError(f"--optimizer {o}: bitsandbytes added AdEMAMix in 0.44.0 (bitsandbytes_version "
+                                f"is {self.bitsandbytes_version}); give 0.44.0 or later")
 
     def _check_transformer_impl(self) -> None:
         """``transformer_impl``: Megatron-LM's only; its local layers run the unfused attention

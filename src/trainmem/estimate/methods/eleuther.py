@@ -45,7 +45,18 @@ def bytes_per_param(precision: str, optimizer: str) -> dict[str, int]:
     """
     wb = 4 if precision == "fp32" else 2
     copy = 0 if precision == "fp32" else 4
-    return {"weights": wb, "gradients": wb, "optimizer_states": _STATE_BYTES[optimizer] + copy}
+    return {"weights": wb, "gradients": wb, "optimizer_states": state_bytes_per_param(optimizer) + copy}
+
+
+def state_bytes_per_param(optimizer: str) -> int:
+    """The table's bytes per parameter, or for an optimizer it has no row for, trainmem's states of
+    a large fp32 tensor per element, rounded (``states.state_bytes``: Adagrad 4, AdEMAMix 12; a paged
+    optimizer's large states are off the device, 0)."""
+    if optimizer in _STATE_BYTES:
+        return _STATE_BYTES[optimizer]
+    from ..states import state_bytes
+    n = 1 << 20
+    return round(sum(state_bytes(optimizer, (n,), n, 4)) / n)
 
 
 def activation_bytes(s: int, b: int, h: int, a: int, L: int, tp: int = 1, recompute: str = "none") -> int:
@@ -93,7 +104,7 @@ def estimate(model, training):
     warnings: list[str] = []
     if training.optimizer not in _IN_TABLE:
         warnings.append(f"Transformer Math 101 has no row for {training.optimizer}; counted "
-                        f"{_STATE_BYTES[training.optimizer]} state bytes per parameter plus the fp32 copy")
+                        f"{state_bytes_per_param(training.optimizer)} state bytes per parameter plus the fp32 copy")
     if training.sequence_parallel:
         warnings.append("Transformer Math 101 does not model sequence parallelism; activations are not divided by it")
     ms = model_state_bytes(model.num_params, training)
