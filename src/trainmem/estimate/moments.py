@@ -217,7 +217,7 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
                   full * q.logits_held, full * q.logits_out,
                   saved, *_loss_transients(q, full, chunk, n),
                   kv_tok * q.layers * inflight, trunc(q.cache_tok * n) - kv_tok,
-                  q.fwd_temp + trunc(q.fwd_temp_tok * n), graph_layer=trunc(q.graph_tok * n) * inflight,
+                  maximum(q.fwd_temp + trunc(q.fwd_temp_tok * n), q.fwd_scratch), graph_layer=trunc(q.graph_tok * n) * inflight,
                   graph=trunc(q.graph_tok * n) * inflight * q.layers,
                   graph_extra_layer=trunc(q.graph_extra_tok * n) * inflight,
                   graph_extra=trunc(q.graph_extra_tok * n) * inflight * q.layers,

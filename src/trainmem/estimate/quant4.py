@@ -34,6 +34,34 @@ Lightning Fabric's ``BitsandbytesPrecision`` as litgpt runs it (``finetune/lora.
 ``nn.Linear`` including ``lm_head`` (``fabric/plugins/precision/bitsandbytes.py``
 ``_convert_layers``) and quantizes from ``weight.to(dtype=torch.half)`` (``_Linear4bit.quantize``),
 so its quant state is fp16 and each dequantized weight is cast to the bf16 compute dtype.
+
+torchao's ``NF4Tensor`` (``quantize_via="torchao"``: torchtune's QLoRA builders, ``LoRALinear(...,
+quantize_base=True)`` and ``FrozenNF4Linear``, ``to_nf4(weight)`` with block_size 64 and
+scaler_block_size 256; every linear of the decoder layers, not the embedding or the output head
+unless ``apply_lora_to_output``). Sources: pytorch/ao ``torchao/dtypes/nf4tensor.py`` at v0.1 (the
+release torchtune 0.1.x pins) and v0.3.0, unchanged in what is counted here up to 0.18.0
+(``torchao/quantization/quantize_/workflows/nf4/nf4_tensor.py``):
+
+* ``NF4Tensor.from_tensor`` (v0.1 L220-290): ``nf4``, the 16-entry lookup table in the weight's dtype
+  (bf16: 32 B, a new tensor per weight); ``double_quantize_scalers`` (L292-348): ``scaler_mean``, the
+  0-dim mean of the per-64-block absmax (bf16), ``quantized_scalers``, one int8 per 64-element block,
+  and ``quantization_factor``, one bf16 per 256 blocks, but before torchao 0.3 a strided view
+  (``quantization_factor[:, 0]``) of the ``256 / (2 * scaler_absmax)`` it computed from the expanded
+  absmax, which keeps that whole ``n_blocks``-element bf16 storage (v0.1 L343-347; v0.3.0 L602 adds
+  ``.contiguous()``); ``convert_to_norm_float_weight``: ``quantized_data``, two 4-bit codes per uint8
+  (``numel // 2``). Checked on a real ``to_nf4`` on CPU (torchao 0.18.0: ``tests/test_quant4_torchao.py``).
+* ``LinearNF4`` (v0.1 L557-574, v0.3.0 L865-876): forward ``F.linear(input, weight.to(input.dtype))``
+  saves only the NF4 weight (the parameter itself); backward ``grad_output @ weight.to(dtype)``.
+  ``.to`` dispatches to ``get_original_weight`` (v0.1 L409-435, v0.3.0 L668-694), which holds in its locals, until it
+  returns, both nibble planes as int64 (``(quantized_data >> 4).to(torch.long)``: 8 B per half
+  element, 4 B per element each), both looked-up halves (``nf4[codes]``, 1 B per element each) and
+  both scaled halves (1 B per element each), and then stacks them into the bf16 weight (2 B per
+  element) and the dequantized scalers (``dequantize_scalers``, bf16 per block): 14.03 B per element
+  at once (``DEQUANT_SCRATCH`` + the weight), of which the weight alone outlives the call and meets
+  the matmul's output. Measured on CPU (``tests/test_quant4_torchao.py``): ``get_original_weight`` of
+  a (1024, 2816) weight peaks at 40,460,288 B = 14.03125 B per element, with torchao 0.18.0 and with
+  the v0.1 and v0.3.0 sources alike. Under ``torch.compile`` inductor fuses that chain of
+  pointwise ops and gathers into the kernel that writes the weight: no scratch (not measured).
 """
 from __future__ import annotations
 
@@ -42,6 +70,13 @@ from typing import Any
 BLOCKSIZE = 64          # quantize_4bit's default blocksize (functional.py L917-918)
 NESTED_BLOCKSIZE = 256  # double quantization of the absmax (functional.py L940)
 CODE_BYTES = 16 * 4     # get_4bit_type: 16 fp32 entries, a new tensor per quantized weight
+NF4_BLOCK = 64          # torchtune's to_nf4(weight) block_size (torchao to_nf4 default)
+NF4_SCALER_BLOCK = 256  # ... and scaler_block_size
+NF4_TABLE_BYTES = 16 * 2  # the nf4 lookup table: 16 entries in the weight's dtype (bf16)
+#: get_original_weight's locals beside the bf16 weight it returns, bytes per weight element: two int64
+#: nibble planes (4 + 4), two looked-up and two scaled bf16 halves (1 + 1 + 1 + 1) and the dequantized
+#: scalers (one bf16 per 64 elements: 2 / 64)
+DEQUANT_SCRATCH = 12 + 2 / NF4_BLOCK
 
 
 def storage_tensors(numel: int, double_quant: bool) -> tuple[int, ...]:
@@ -55,6 +90,36 @@ def storage_tensors(numel: int, double_quant: bool) -> tuple[int, ...]:
     if not double_quant:
         return (packed, blocks * 4, CODE_BYTES)
     return (packed, 4, blocks, -(-blocks // NESTED_BLOCKSIZE) * 4, CODE_BYTES)
+
+
+def torchao_storage(numel: int, full_factor: bool) -> tuple[int, ...]:
+    """Bytes of each device tensor one torchao ``NF4Tensor`` of ``numel`` bf16 elements keeps, in
+    allocation order (before the allocator's rounding): the nf4 table (16 bf16), ``scaler_mean``
+    (0-dim bf16), ``quantization_factor`` (one bf16 per 256 blocks; ``full_factor``, torchao < 0.3:
+    the whole ``n_blocks`` bf16 storage it is a view of, allocated before ``quantized_scalers``),
+    ``quantized_scalers`` (int8 per 64-block), ``quantized_data`` (``numel // 2`` uint8); torchao
+    ``nf4tensor.py`` v0.1 L220-347, v0.3.0 L477-604 (see the module doc)."""
+    blocks = numel // NF4_BLOCK
+    factor = blocks * 2 if full_factor else blocks // NF4_SCALER_BLOCK * 2
+    if full_factor:
+        return (NF4_TABLE_BYTES, 2, factor, blocks, numel // 2)
+    return (NF4_TABLE_BYTES, 2, blocks, factor, numel // 2)
+
+
+def weight_storage(numel: int, t: Any) -> tuple[int, ...]:
+    """The device tensors of one 4-bit weight under ``t``: torchao's NF4Tensor (``quantize_via``
+    torchao) or bitsandbytes' packed codes and quant state."""
+    if t.quantize_via == "torchao":
+        return torchao_storage(numel, t.torchao_release() < (0, 3))
+    return storage_tensors(numel, t.quantize.endswith("-dq"))
+
+
+def dequant_scratch(t: Any) -> float:
+    """Bytes per weight element that exist only while a 4-bit weight is dequantized, beside the
+    dequantized weight (``dequant_dtypes``) and before its matmul's output: torchao's
+    ``get_original_weight`` locals (``DEQUANT_SCRATCH``) in eager mode; 0 under ``--compile``
+    (fused) and for bitsandbytes (``dequantize_4bit`` writes the weight in one kernel)."""
+    return DEQUANT_SCRATCH if t.quantize_via == "torchao" and not t.compile else 0
 
 
 def is_quantized(p: Any, t: Any) -> bool:
@@ -71,11 +136,15 @@ def dequant_dtypes(t: Any) -> tuple[int, int]:
     when none is made). The output has the quant state's dtype: fp16 under Fabric (it quantizes
     an fp16 copy), else the weights' dtype as loaded (``Params4bit._quantize`` keeps it). The
     compute dtype is the matmul's (bf16/fp16, fp32 in fp32 training); ``.to(A.dtype)`` copies only
-    when the dtypes differ (fp16 state, bf16 compute is a copy of the same size)."""
+    when the dtypes differ (fp16 state, bf16 compute is a copy of the same size). torchao's
+    ``get_original_weight`` returns the weight's own dtype (bf16, which torchtune computes in):
+    ``.to`` makes no copy."""
     half = "fp16" if t.precision in ("fp16", "fp16-amp") else "bf16"
     compute = "fp32" if t.precision == "fp32" else half
     if t.quantize_via == "fabric":
         state = "fp16"
+    elif t.quantize_via == "torchao":
+        state = "bf16"
     else:
         state = "fp32" if t.weight_bytes == 4 else half
     size = {"fp32": 4, "bf16": 2, "fp16": 2}

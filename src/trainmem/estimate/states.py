@@ -18,7 +18,7 @@ from ..spec.training import TrainingSpec
 from ..allocator_rules import block_bytes, placed_bytes
 from .cache import BoundedCache
 from .gemini import model_gemini
-from .quant4 import is_quantized, storage_tensors
+from .quant4 import is_quantized, weight_storage
 
 __all__ = ["States", "model_states", "block_bytes", "default_lora_targets", "state_bytes"]
 
@@ -423,7 +423,7 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
     sweep over activations reuses them."""
     key = (m, stage, t.tp, t.ep, dtensor_tp(t), t.pp, t.pp_less, t.precision, t.zero_stage, t.fsdp, t.shard_group, t.optimizer,
            t.impl, t.lora_rank, t.lora_targets, t.lora_dtype, t.distributed_optimizer, t.offload_optimizer,
-           t.fp32_master, t.quantize, t.quantize_via, t.bitsandbytes_version, t.accumulates_unsharded,
+           t.fp32_master, t.quantize, t.quantize_via, t.bitsandbytes_version, t.torchao_version, t.accumulates_unsharded,
            t.fsdp_mixed_units, t.fsdp_version, t.fused_qkv, t.split_gate_up, t.layer_rope_cache, t.rope_cache, t.expandable_segments,
            layer_rotary_cache(m, t.transformers_release),
            t.gemini, t.gemini_chunk_size, t.ds_params_on_host, t.ds_fp32_clone, t.half_embeddings)
@@ -785,9 +785,10 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
         acc.params_rank += k * n
         dest = layer if p.layer is not None else (after if layer else before)
         if is_quantized(p, t):
-            # bitsandbytes Linear4bit: packed codes + quant state instead of the weight (quant4.py);
-            # frozen (LoRA), never cast by autocast, never sharded (TrainingSpec refuses TP/ZeRO-3)
-            parts = storage_tensors(n, t.quantize.endswith("-dq"))
+            # bitsandbytes Linear4bit (packed codes + quant state) or torchao's NF4Tensor (packed codes,
+            # int8 scalers, their factors, mean and table) instead of the weight (quant4.py); frozen
+            # (LoRA), never cast by autocast, never sharded (TrainingSpec refuses TP/ZeRO-3)
+            parts = weight_storage(n, t)
             dest.extend((f"{p.name}.4bit.{i}", b) for i, b in enumerate(parts))
             acc.q4 += k * sum(r.block(b) for b in parts)
             continue
