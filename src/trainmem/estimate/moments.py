@@ -376,7 +376,8 @@ def walk(q: Quantities, flags: StepFlags, tk: Tokens, ga: Any, handle_ws: int = 
     framework allocates in the first forward and keeps to the end (``megatron_buffers.kept_buffers``),
     counted with the workspaces from the first forward on."""
     tk_later = tk if tk_later is None else tk_later
-    moments = [_mo("model_loaded", 0, 0, "model.to(device)", (q.grads_loaded, 0, 0, 0, 0, 0))]
+    # (a model built on the device: its build's transients above the model, States.build_temp)
+    moments = [_mo("model_loaded", 0, 0, "model.to(device)", (q.grads_loaded, 0, 0, 0, 0, q.build_temp))]
     ends = [("model_loaded", 0, 0, q.fixed + q.grads_loaded)]
     prev = None  # the previous micro-batch's terms (``tk_next`` given), else each micro-step's own
     for step in (1, 2):

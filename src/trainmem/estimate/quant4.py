@@ -149,3 +149,171 @@ def dequant_dtypes(t: Any) -> tuple[int, int]:
         state = "fp32" if t.weight_bytes == 4 else half
     size = {"fp32": 4, "bf16": 2, "fp16": 2}
     return size[state], (0 if state == compute else size[compute])
+
+
+# ----- the build of torchtune 0.1's QLoRA model on the GPU with torchao 0.1 ---------------------------
+#
+# torchtune v0.1.0 builds the model on the device in bf16 (recipes/lora_finetune_single_device.py
+# L254-255), one template layer that ``TransformerDecoder`` deep-copies ``num_layers`` times
+# (torchtune/modules/transformer.py L81-93, L137), then copies the checkpoint in with
+# ``load_state_dict`` (L267). An NF4 weight is made three times on the GPU: by ``LoRALinear``
+# (``to_nf4(linear.weight)`` of a new bf16 ``nn.Linear``, torchtune/modules/peft/lora.py
+# ``_create_weight_and_bias``), by the deep copy (torchtune/utils/_register_nf4_dispatch_ops.py L11-20:
+# ``clone`` is ``to_nf4(weight.get_original_weight())``) and by the load (L23-42: ``copy_`` is
+# ``to_nf4(src.to(device))`` whose tensors replace the old ones). torchao 0.1's ``to_nf4`` compares
+# every element with the 16 NF4 values at once (nf4tensor.py v0.1 L438-446 ``quantize_tensor_nearest``:
+# two [numel, 16] bf16 tensors); torchao 0.2 does it in chunks of 2^20 elements (``CHUNK_SIZE``). The
+# caching allocator keeps the segments of those transients (the recipe never calls ``empty_cache``),
+# which sets the reserved memory of the model init and of the training after it.
+
+
+class _Events:
+    """Alloc/free events of a sequence of tensors: ``("a", id, bytes)`` and ``("f", id)``."""
+
+    def __init__(self) -> None:
+        self.ev: list[tuple] = []
+        self.n = 0
+
+    def a(self, nbytes: float) -> int:
+        self.n += 1
+        self.ev.append(("a", self.n, int(nbytes)))
+        return self.n
+
+    def f(self, *ids: int) -> None:
+        self.ev.extend(("f", i) for i in ids)
+
+    def absmax(self, n: int, block: int, elem: int) -> int:
+        """``get_block_absmax`` (v0.1 L133-150): ``blocks.abs()``, then ``.max(dim=1)``'s values and
+        int64 indices (the indices and the abs freed); the values (``elem`` bytes each) returned."""
+        ab = self.a(n * elem)
+        vals, idx = self.a(n // block * elem), self.a(n // block * 8)
+        self.f(ab, idx)
+        return vals
+
+    def to_nf4(self, n: int) -> list[int]:
+        """torchao 0.1 ``to_nf4`` of a bf16 weight of ``n`` elements (v0.1 ``from_tensor`` L220-290,
+        ``double_quantize_scalers`` L292-348, ``convert_to_norm_float_weight`` L378-407); returns the
+        kept tensors (table, mean, factor, int8 scalers, packed codes). Checked event by event
+        against the v0.1 source run on CPU (tests/test_quant4_torchao.py)."""
+        b = n // NF4_BLOCK
+        table = self.a(NF4_TABLE_BYTES)                    # nf4 = torch.tensor([...], bf16)
+        s1 = self.absmax(n, NF4_BLOCK, 2)                  # scalers_1 (bf16 per block)
+        mean = self.a(2)                                   # scalers_1.mean()
+        s2 = self.a(b * 2)                                 # scalers_1 - mean
+        self.f(s1)
+        sabs = self.absmax(b, NF4_SCALER_BLOCK, 2)         # scaler_absmax
+        two, rec = self.a(b * 2), self.a(b * 2)            # 2 * expanded absmax, its reciprocal
+        factor = self.a(b * 2)                             # 256 / (...): b bf16, kept behind [:, 0]
+        self.f(two, rec)
+        mul = self.a(b * 2)                                # scaler_blocks * quantization_factor
+        rnd = self.a(b * 2)                                # .round()
+        self.f(mul)
+        clamp = self.a(b * 2)                              # .clamp(-128, 127)
+        self.f(rnd)
+        scalers = self.a(b)                                # .flatten().to(torch.int8)
+        self.f(s2, sabs, clamp)
+        blockmax = self.absmax(n, NF4_BLOCK, 2)            # convert_to_norm_float_weight's scalers
+        scaled = self.a(n * 2)                             # blocks / scales
+        sub = self.a(n * 32)                               # value.unsqueeze(-1) - nf4: [n, 16] bf16
+        ab = self.a(n * 32)                                # .abs()
+        self.f(sub)
+        mins, idx = self.a(n * 2), self.a(n * 8)           # .min(dim=-1): values, int64 indices
+        self.f(ab, mins)
+        shl = self.a(n // 2 * 8)                           # quantized_blocks[::2] << 4 (int64)
+        orr = self.a(n // 2 * 8)                           # | quantized_blocks[1::2]
+        self.f(shl)
+        packed = self.a(n // 2)                            # .to(torch.uint8)
+        self.f(blockmax, scaled, idx, orr)
+        return [table, mean, factor, scalers, packed]
+
+    def original_weight(self, n: int) -> int:
+        """``get_original_weight`` (v0.1 L409-435): the bf16 weight; its locals freed on return."""
+        b = n // NF4_BLOCK
+        sh = self.a(n // 2)                                # quantized_data >> 4 (uint8)
+        first = self.a(n // 2 * 8)                         # .to(torch.long)
+        self.f(sh)
+        an = self.a(n // 2)                                # quantized_data & 0b1111
+        second = self.a(n // 2 * 8)
+        self.f(an)
+        d1, d2 = self.a(n), self.a(n)                      # nf4[first], nf4[second]: n/2 bf16 each
+        div = self.a(b * 2)                                # dequantize_scalers: int8 / factor
+        sc = self.a(b * 2)                                 # ... + scaler_mean
+        self.f(div)
+        r1 = self.a(n)                                     # repeated.flatten(): n/2 bf16
+        m1 = self.a(n)                                     # dequantized_first * repeated
+        self.f(r1)
+        r2 = self.a(n)
+        m2 = self.a(n)
+        self.f(r2)
+        w = self.a(n * 2)                                  # torch.stack(...): the bf16 weight
+        self.f(first, second, d1, d2, sc, m1, m2)
+        return w
+
+
+def torchtune_v01_build(m: Any, t: Any) -> tuple[tuple, ...]:
+    """The alloc/free events of torchtune 0.1's QLoRA model build and checkpoint load on the GPU with
+    torchao 0.1 (see above), in order: the template layer (``lora_llama2``: the attention's
+    projections q, k, v, output, its RoPE module, the MLP's w1 (gate), w2 (down), w3 (up), the two
+    norms), the token embedding, the output projection, the ``num_layers`` deep copies, the final
+    norm, the template freed, then ``load_state_dict`` re-quantizing every NF4 weight from a bf16
+    copy of the checkpoint's on the device. LoRA adapters in bf16 (``lora_dtype`` half); the layers'
+    own RoPE caches where ``layer_rope_cache`` says so. What is kept at the end is the model."""
+    from .states import default_lora_targets
+    e = _Events()
+    layer0 = {p.module: p for p in m.parameter_tensors() if p.layer == 0}
+    targets = set(t.lora_targets or default_lora_targets(m))
+    lora_b = 2 if t.lora_dtype == "half" else 4
+    order = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "gate_proj", "down_proj", "up_proj",
+             "input_layernorm", "post_attention_layernorm")
+
+    def rope() -> list[int]:
+        if t.layer_rope_cache is None:
+            return []
+        return [e.a(64 * 4), e.a(t.layer_rope_cache * 64 * 2 * 4)]   # theta [64], cache [len, 64, 2] fp32
+
+    def module(name: str, make) -> list[int]:
+        if name == "rope":
+            return rope()
+        p = layer0[name]
+        kept = make(p) if is_quantized(p, t) else [e.a(p.numel * 2)]
+        if p.module in targets and p.role == "linear":
+            out, inp = p.shape
+            kept += [e.a(t.lora_rank * inp * lora_b), e.a(out * t.lora_rank * lora_b)]
+        return kept
+
+    def build(p) -> list[int]:
+        w = e.a(p.numel * 2)                               # nn.Linear's bf16 weight
+        kept = e.to_nf4(p.numel)
+        e.f(w)                                             # the nn.Linear dropped on return
+        return kept
+
+    def clone(p) -> list[int]:
+        w = e.original_weight(p.numel)
+        kept = e.to_nf4(p.numel)
+        e.f(w)
+        return kept
+
+    template = [module(n, build) for n in order]
+    outer = {p.name: p for p in m.parameter_tensors() if p.layer is None}
+    emb = [e.a(p.numel * 2) for p in outer.values() if p.role == "embedding"]
+    head = [e.a(p.numel * 2) for p in outer.values() if p.role == "linear"]
+    copies = [[module(n, clone) for n in order] for _ in range(m.num_layers)]
+    final = [e.a(p.numel * 2) for p in outer.values() if p.role == "norm"]
+    e.f(*(i for ids in template for i in ids))
+    for layer in copies:                                   # load_state_dict: copy_ of each NF4 weight
+        for name, ids in zip(order, layer):
+            p = layer0.get(name)
+            if p is None or not is_quantized(p, t):
+                continue
+            src = e.a(p.numel * 2)                         # the checkpoint's bf16 tensor .to(device)
+            new = e.to_nf4(p.numel)
+            e.f(src, *ids[:5])                             # the old tensors replaced
+            ids[:5] = new
+    del emb, head, final
+    return tuple(e.ev)
+
+
+def builds_on_device(t: Any) -> bool:
+    """Whether the run's model build is replayed (``torchtune_v01_build``): torchao's NF4 under
+    torchao < 0.2 (unchunked ``to_nf4``), as torchtune 0.1.x ran it."""
+    return bool(t.quantize) and t.quantize_via == "torchao" and t.torchao_release() < (0, 2)

@@ -131,6 +131,7 @@ class Quantities:
     fwd_temp: int = 0      # a layer's largest forward transient: a dequantized 4-bit weight (quant4.py)
     fwd_temp_tok: float = 0.0  # ... and its matmul output per token
     fwd_scratch: int = 0   # ... or, torchao NF4, the larger dequantization peak before that output exists
+    build_temp: int = 0    # the model build's transients above the model (States.build_temp): model_loaded only
     head_temp: int = 0     # the LM head's dequantized 4-bit weight, in its forward and its backward
     # FSDP over several ranks (``fsdp_buffers``; 0 otherwise), alive only in forward and backward:
     fsdp_root: int = 0        # the root unit's parameters, gathered from forward until backward ends
@@ -2035,7 +2036,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         first_unsaved_tok=sum(a for _, a, _ in first), first_unsaved_sq=sum(b for _, _, b in first),
         cast_first_free=int(sum(lc.first_free_weights) * 2) if (lora_first and cast_layer) else 0,  # bf16/fp16 copies
         fixed=st.weights + st.buffers + st.master + comm, grads=0 if oib else st.grads,
-        grads_loaded=(0 if oib else st.grads) if grads_from_wrap(t) else 0, states=st.optimizer + st.step_tensors,
+        grads_loaded=(0 if oib else st.grads) if grads_from_wrap(t) else 0, build_temp=st.build_temp, states=st.optimizer + st.step_tensors,
         layer_grads=0 if oib else st.layer_grads, head_grads=0 if oib else st.head_grads, layers=layers,
         pp_inflight=pp_inflight, fixed_inflight=inflight_fixed, saved_tok=lc.tok, saved_sq=lc.sq,
         kept_tok=kept[0], kept_sq=kept[1], redo_tok=redo[0], redo_sq=redo[1],

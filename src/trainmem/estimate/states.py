@@ -18,7 +18,7 @@ from ..spec.training import TrainingSpec
 from ..allocator_rules import block_bytes, placed_bytes
 from .cache import BoundedCache
 from .gemini import model_gemini
-from .quant4 import is_quantized, weight_storage
+from .quant4 import builds_on_device, is_quantized, torchtune_v01_build, weight_storage
 
 __all__ = ["States", "model_states", "block_bytes", "default_lora_targets", "state_bytes"]
 
@@ -93,6 +93,10 @@ class States:
     embed_matmul_half: int = 0
 
 
+    # the model's build on the device, replayed instead of ``load`` where it leaves transients' segments
+    # cached (torchtune 0.1 with torchao 0.1: quant4.torchtune_v01_build): ("a", id, bytes) / ("f", id)
+    build: tuple = ()
+    build_temp: int = 0  # its allocated peak above the model it leaves (block-rounded), bytes
 def _dim0_padded(shape: tuple[int, ...], n: int, d: int) -> int:
     """Elements of a gradient of ``n`` elements (``shape``'s trailing dims) padded along dim 0 to a
     multiple of ``d`` ranks, as FSDP2 lays it into the reduce-scatter input (torch
@@ -645,6 +649,7 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
     rs = r.block(acc.layer_elems * reduce) if r.fsdp_unsharded else 0
     root_rs = r.block(acc.root_rs_elems * reduce) if (r.fsdp_unsharded and acc.root_rs_elems) else 0
     emb_elems = acc.root_rs_elems - acc.head_rs_elems
+    build, build_temp = _device_build(m, t, r)
     return States(weights, acc.buffers, master, acc.grads, opt, step_t, acc.trainable, acc.params_rank,
                   acc.layer_grads, acc.head_grads, acc.lmh, acc.hmh, acc.largest, acc.group, acc.lpf,
                   sum(x[1] for x in lora), acc.q4, acc.root, acc.head_full, acc.emb_full, acc.layer_full, rs,
@@ -656,7 +661,7 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
                   head_unit_rs=r.block(acc.head_rs_elems * reduce) if (root_rs and acc.head_rs_elems) else 0,
                   emb_unit_rs=r.block(emb_elems * reduce) if (root_rs and emb_elems) else 0,
                   emb_unit_last=acc.emb_last if root_rs else 0,
-                  between_grads=acc.between, root_views=acc.root_views,
+                  between_grads=acc.between, root_views=acc.root_views, build=build, build_temp=build_temp,
                   root_flat=r.block(acc.root_flat_bytes) if acc.root_flat_bytes else 0,
                   embed_matmul_half=acc.emh)
 
@@ -685,6 +690,25 @@ def _gemini_states(m: ModelSpec, t: TrainingSpec, r: _Rank) -> States:
     return States(placed - acc.buffers, acc.buffers, sum(g.fp32_chunks), 0, 2 * sum(states), 0, trainable,
                   trainable, 0, 0, 0, 0, largest, sum(states), 0, 0,
                   load=_load_list(before, layer, 0, after), trainables=items)
+
+
+def _device_build(m: ModelSpec, t: TrainingSpec, r: "_Rank") -> tuple[tuple, int]:
+    """The model's build events where it is replayed (``quant4.builds_on_device``: torchtune 0.1's
+    QLoRA with torchao 0.1, one GPU) and its allocated peak above what it leaves, each tensor
+    block-rounded; ((), 0) otherwise."""
+    if not builds_on_device(t) or r.per_stage != m.num_layers:
+        return (), 0
+    events = torchtune_v01_build(m, t)
+    live: dict[int, int] = {}
+    cur = peak = 0
+    for ev in events:
+        if ev[0] == "a":
+            live[ev[1]] = r.block(ev[2])
+            cur += live[ev[1]]
+            peak = max(peak, cur)
+        else:
+            cur -= live.pop(ev[1])
+    return events, peak - cur
 
 
 #: optimizers whose states are element-wise copies of the parameter (one state-dtype element each)

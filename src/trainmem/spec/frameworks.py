@@ -936,7 +936,7 @@ def parse_version(preset: Preset, version: Any) -> tuple[int, ...] | None:
     if not re.fullmatch(r"\d+(\.\d+){0,2}", text):
         raise TrainmemError(f"--framework-version {version!r} is not a version like {preset.current}")
     v = _v(text)
-    if not _v(preset.oldest) <= v[:2] <= _v(preset.current)[:2]:
+    if not _v(preset.oldest)[:2] <= v[:2] <= _v(preset.current)[:2]:
         raise TrainmemError(f"--framework-version {text}: the {preset.name} preset knows "
                             f"{preset.release.rsplit(' ', 1)[0]} {preset.oldest} to {preset.current}")
     return v
