@@ -147,6 +147,7 @@ def test_torchtune_preset_picks_torchao():
     (dict(quantize="fp4"), "torchao's NF4Tensor is NF4"),
     (dict(quantize="nf4-dq"), "torchao's NF4Tensor is NF4"),
     (dict(quantize="nf4", quantize_via="fabric"), "drop quantize_via"),
+    (dict(quantize="bnb.nf4"), "names bitsandbytes"),
 ])
 def test_torchtune_refuses_other_quantizers(given, message):
     from trainmem.spec.resolve import preset_training

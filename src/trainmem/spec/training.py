@@ -659,6 +659,9 @@ class TrainingSpec:
         one GPU's whole layers (no TP, no ZeRO-3/FSDP sharding of the 4-bit tensors)."""
         q = self.quantize
         if isinstance(q, str) and q.startswith("bnb."):
+            if self.quantize_via == "torchao":
+                raise TrainmemError(f"--quantize {q} names bitsandbytes, but torchtune's QLoRA is torchao's NF4Tensor: "
+                                    "give --quantize nf4")
             q = q[4:]
         if q == "none":
             q = None
