@@ -138,8 +138,9 @@ def test_old_bitsandbytes_saves_the_linear_inputs():
 def test_published_qlora_fixtures_are_scored():
     names = [fx for fx in load_fixtures(PUBLISHED) if fx["setup"].get("quantize")]
     assert len(names) >= 8
-    for fx in names:
-        assert "bitsandbytes" in fx["setup_note"] and fx["setup"].get("lora_rank")
+    for fx in names:  # (torchtune's QLoRA is torchao's NF4Tensor: tests/test_quant4_torchao.py)
+        torchao = fx["setup"].get("quantize_via") == "torchao" or fx["setup"].get("framework") == "torchtune"
+        assert ("torchao" if torchao else "bitsandbytes") in fx["setup_note"] and fx["setup"].get("lora_rank")
     v = validate(PUBLISHED, ["estimate"], cases=["QLoRA"])
     primary = [c for c in v.checks if c.primary]
     assert len(primary) == len(names)

@@ -62,6 +62,11 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
     if t.gemini is not None:
         raise TrainmemError(f"--gemini {t.gemini}: {what} runs PyTorch's own wrappers, not ColossalAI's ZeroDDP "
                             "chunk manager; use estimate for ColossalAI Gemini")
+    if t.quantize and t.quantize_via == "torchao":
+        # torchao is not a dependency, and NF4Tensor is a __torch_dispatch__ subclass that would wrap
+        # trainmem's own byte counting of every inner tensor (estimate/quant4.py counts it)
+        raise TrainmemError(f"--quantize {t.quantize} under --framework torchtune is torchao's NF4Tensor, which "
+                            f"{what} does not run (it emulates bitsandbytes' 4-bit linears only); use estimate")
     _check_release(t, what)
     bad = [f"--{key} {getattr(t, key)}" for key in ("pp", "cp", "ep")
            if getattr(t, key) != 1 and not (key in ("pp", "cp") and what == "trace")]

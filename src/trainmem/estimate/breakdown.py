@@ -77,7 +77,11 @@ def components(q: Quantities, tk: Tokens, mo: Moment, t: TrainingSpec, n: int, n
     formula = "sum over tensors of block(numel/tp [/dp under ZeRO-3] x bytes)"
     if t.gemini is not None:
         formula = "ColossalAI Gemini: block(chunk_size x 2) per fp16 chunk this rank owns (chunk i on rank i % dp)"
-    if st.quantized:
+    if st.quantized and t.quantize_via == "torchao":
+        formula += (f"; of it {st.quantized:,} B of torchao NF4Tensor linears: block(numel/2) uint8 codes + int8 "
+                    "scaler per 64 + bf16 factor per 256 scalers (torchao < 0.3: per scaler) + bf16 mean + "
+                    "16-entry bf16 table each")
+    elif st.quantized:
         formula += (f"; of it {st.quantized:,} B of bitsandbytes {t.quantize} linears: block(numel/2) uint8 codes + "
                     "absmax per 64 (fp32, or uint8 + fp32 per 256 blocks with -dq) + a 16-entry fp32 code each")
     out = [Component("parameters", PARAMETERS, st.weights, wdt if not st.quantized else None, formula, True),

@@ -64,6 +64,9 @@ def derived_problems(m: ModelSpec, t: TrainingSpec) -> list[str]:
                    f"the installed PyTorch)")
     if t.quantize and t.bnb_saves_input:
         out.append(f"--quantize {t.quantize} with bitsandbytes < 0.43.2 (MatMul4Bit saves its input)")
+    if t.quantize and t.quantize_via == "torchao":
+        out.append("torchao NF4 base weights (torchtune's QLoRA; the derived coefficients are traced with "
+                   "bitsandbytes' dequantization)")
     return out
 
 

@@ -68,6 +68,7 @@ class Recipe:
     # (no autocast rule: no half copy made, none freed in backward)
     uncast: float = 0.0
     fwd: tuple[float, float] = (0.0, 0.0)  # largest forward transient: (bytes, bytes per token of its output)
+    fwd_scratch: float = 0.0  # largest dequantization peak before its matmul's output exists, bytes (quant4.py)
     # outputs of the ops torchtitan's per-op selective checkpointing may save (``op_checkpoint_saved``):
     # every ``aten.mm`` (a bias-free linear) in call order, and the fused SDPA kernels' outputs
     mm_outs: list[T] = field(default_factory=list)
@@ -213,7 +214,7 @@ class Builder:
 
     def __init__(self, pol: Policy, dropout: bool, sp_div: int = 1, capability: tuple[int, int] = (8, 0),
                  lora: tuple[tuple[str, int, int], ...] = (), lora_dropout: float = 0.0, lora_half: bool = False,
-                 quant: tuple[int, int] = (0, 0), quant_saves_input: bool = False, biased: tuple[str, ...] = (),
+                 quant: tuple[int, int, int] = (0, 0, 0), quant_saves_input: bool = False, biased: tuple[str, ...] = (),
                  base_trains: bool = False, softmax_saves_input: bool = False, repeat_kv: bool = False,
                  math_upcast: bool = True):
         self.p = pol
@@ -224,8 +225,9 @@ class Builder:
         self.eager_clamp = False  # transformers' torch.max clamp of the masked scores (spec.tf_releases)
         self.norm_fp32_product = False  # torchtune 0.5-0.6.1's F.rms_norm: the fp32 normalized product saved
         self.biased = biased  # linears with a bias: ``addmm`` (not ``mm``) under F.linear / Conv1D
-        # bitsandbytes 4-bit base weights (quant4.py): bytes per element of the dequantized weight and
-        # of its cast to the compute dtype (0, 0: not quantized); old MatMul4Bit saves its input
+        # 4-bit base weights (quant4.py): bytes per element of the dequantized weight, of its cast to
+        # the compute dtype and of the dequantization's scratch (torchao; 0, 0, 0: not quantized); old
+        # MatMul4Bit saves its input
         self.quant, self.quant_saves_input = quant, quant_saves_input
         self.lora_dropout, self.lora_half = lora_dropout, lora_half
         # LoRA (peft): the base weights are frozen; the adapters' ranks by target module name
@@ -356,7 +358,7 @@ class Builder:
         if rank:
             self.adapter(x, name, saved_name, rank, free_in, (out, out_bytes))
         # backward: grad_out and grad_in, no weight gradient
-        dq = self.dequantized(x, out, name, in_features)
+        dq = self.dequantized(x, out, name, in_features, out_bytes)
         self.r.transient(f"{name}.backward", T(out, 0, out_bytes), T(x.tok, 0, x.nbytes if self.quant[0] else
                                                                        self.p.half), const=dq)
         return T(out, 0.0, out_bytes, name)
@@ -434,13 +436,17 @@ class Builder:
                  + (out * res_bytes if sum_bytes != res_bytes else 0.0) + out * sum_bytes)
         self.r.trigger = (grads, stream, self.r.packs)
 
-    def dequantized(self, x: T, out: float, name: str, in_features: float | None) -> float:
+    def dequantized(self, x: T, out: float, name: str, in_features: float | None, out_bytes: float = 0) -> float:
         """A bitsandbytes 4-bit base weight (``Linear4bit`` -> ``MatMul4Bit``, quant4.py): bytes of its
         dequantized copy (the quant state's dtype, plus the cast to the compute dtype when they differ),
         made in forward (``F.linear(A, dequantize_4bit(B).to(A.dtype).t())``, bitsandbytes 0.42.0
         ``autograd/_functions.py`` L516) and again in backward (L546). Records the forward transient
-        (that copy and the matmul's output) and, before bitsandbytes 0.43.2, saves the input (L522-523)."""
-        dq_bytes, cast_bytes = self.quant
+        (that copy and the matmul's output) and, before bitsandbytes 0.43.2, saves the input (L522-523).
+        A torchao NF4 weight (``linear_nf4``, quant4.py) is the same with ``get_original_weight``'s
+        scratch beside the weight before the matmul runs: in forward a moment of its own
+        (``fwd_scratch``), in backward one where only ``grad_output`` (``out_bytes`` per element)
+        exists beside it (torchao ``nf4tensor.py`` v0.1 L409-435, L572-574)."""
+        dq_bytes, cast_bytes, scratch = self.quant
         if not dq_bytes:
             return 0.0
         w = (x.tok if in_features is None else in_features) * out
@@ -453,6 +459,10 @@ class Builder:
         dq = w * (dq_bytes + cast_bytes)
         if dq > self.r.fwd[0]:
             self.r.fwd = (dq, out * self.p.half)
+        if scratch:
+            peak = w * (dq_bytes + scratch)
+            self.r.fwd_scratch = max(self.r.fwd_scratch, peak)
+            self.r.transient(f"{name}.backward.dequantize", T(out, 0, out_bytes), const=peak)
         return dq
 
     def layer_norm(self, x: T, name: str) -> T:
@@ -963,7 +973,7 @@ class LayerKey:
     lora: tuple[tuple[str, int, int], ...] = ()
     lora_dropout: float = 0.0
     lora_half: bool = False   # adapters in the model's half dtype (else fp32 over half weights)
-    quant: tuple[int, int] = (0, 0)  # 4-bit base weights: dequantized and cast bytes per element (quant4.py)
+    quant: tuple[int, int, int] = (0, 0, 0)  # 4-bit base weights: dequantized, cast, scratch bytes per element (quant4.py)
     quant_saves_input: bool = False  # bitsandbytes < 0.43.2: MatMul4Bit saves its input
     # the layer's backward runs inside a reentrant checkpoint's recompute (transformers < 5,
     # ``_reentrant_recompute``): its recomputed output, and bitsandbytes < 0.43.2's kept inputs,
@@ -1078,6 +1088,7 @@ class LayerCoefs:
     fwd_temps: tuple[tuple[float, float], ...] = ()
     fwd_events: tuple[str, ...] = ()
     held_b1: float | None = None  # ``held`` at a micro-batch of one sequence (Recipe.held_b1); None: ``held``
+    fwd_scratch: float = 0.0  # torchao NF4: the largest dequantization peak (weight and scratch) before its matmul, bytes
 
     def bytes(self, n: int, nsq: int) -> int:
         return int(self.tok * n + self.sq * nsq)
@@ -1167,7 +1178,7 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
                       incoming=tuple(B.r.incoming) if any(B.r.incoming) else (),
                       after_frozen=after_frozen if any(after_frozen) else (),
                       first_adapter_op=B.r.first_adapter_op, linears=tuple(B.r.linears),
-                      recompute_moments=B.r.recompute_moments(tok, sq),
+                      recompute_moments=B.r.recompute_moments(tok, sq), fwd_scratch=B.r.fwd_scratch,
                       recompute_incoming=B.r.trigger[1] if B.r.trigger else 0.0,
                       op_tensors=tuple(t.bytes_coef() for t in op_checkpoint_kept(B.r)), held_b1=held_b1)
 

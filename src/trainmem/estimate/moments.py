@@ -229,7 +229,7 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
                   full * q.logits_held, full * q.logits_out,
                   saved, *_loss_transients(q, full, chunk, n),
                   kv_tok * q.layers * inflight, trunc(q.cache_tok * n) - kv_tok,
-                  q.fwd_temp + trunc(q.fwd_temp_tok * n), graph_layer=trunc(q.graph_tok * n) * inflight,
+                  maximum(q.fwd_temp + trunc(q.fwd_temp_tok * n), q.fwd_scratch), graph_layer=trunc(q.graph_tok * n) * inflight,
                   graph=trunc(q.graph_tok * n) * inflight * q.layers,
                   graph_extra_layer=trunc(q.graph_extra_tok * n) * inflight,
                   graph_extra=trunc(q.graph_extra_tok * n) * inflight * q.layers,
@@ -389,7 +389,8 @@ def walk(q: Quantities, flags: StepFlags, tk: Tokens, ga: Any, handle_ws: int = 
     counted with the workspaces from the first forward on."""
     tk_later = tk if tk_later is None else tk_later
     at_init = q.states if flags.states_at_init else 0   # the optimizer built after the model: its states
-    moments = [_mo("model_loaded", 0, 0, "model.to(device)", (q.grads_loaded, at_init, 0, 0, 0, 0))]
+    # (a model built on the device: its build's transients above the model, States.build_temp)
+    moments = [_mo("model_loaded", 0, 0, "model.to(device)", (q.grads_loaded, at_init, 0, 0, 0, q.build_temp))]
     ends = [("model_loaded", 0, 0, q.fixed + q.grads_loaded + at_init)]
     prev = None  # the previous micro-batch's terms (``tk_next`` given), else each micro-step's own
     for step in (1, 2):

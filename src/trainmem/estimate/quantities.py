@@ -36,7 +36,7 @@ from .derived import decoder_ratio, grad_views as derived_grad_views, head_forwa
 from .derived import moment_activations
 from .layers import ALL_MOMENTS, HALF, LayerCoefs, LayerKey, Policy, ep_rank_rows, layer_coefficients
 from .layers import sdpa_saves_padded
-from .quant4 import dequant_dtypes, is_quantized
+from .quant4 import dequant_dtypes, dequant_scratch, is_quantized
 from .schedules import in_flight_at_backwards
 from .gemini import model_gemini
 from .states import (States, block_bytes, default_lora_targets, parameter_order, dtensor_tp, fsdp_grad_op, model_states,
@@ -131,6 +131,8 @@ class Quantities:
     head_wgrad: int = 0    # autocast: the LM head's weight gradient in the half dtype, beside its fp32 cast (head_wgrad)
     fwd_temp: int = 0      # a layer's largest forward transient: a dequantized 4-bit weight (quant4.py)
     fwd_temp_tok: float = 0.0  # ... and its matmul output per token
+    fwd_scratch: int = 0   # ... or, torchao NF4, the larger dequantization peak before that output exists
+    build_temp: int = 0    # the model build's transients above the model (States.build_temp): model_loaded only
     head_temp: int = 0     # the LM head's dequantized 4-bit weight, in its forward and its backward
     # FSDP over several ranks (``fsdp_buffers``; 0 otherwise), alive only in forward and backward:
     fsdp_root: int = 0        # the root unit's parameters, gathered from forward until backward ends
@@ -333,7 +335,8 @@ def layer_key(m: ModelSpec, t: TrainingSpec) -> LayerKey:
                     m.num_kv_heads, m.head_dim, t.tp, t.sequence_parallel, t.sequence_parallel and dtensor_tp(t),
                     m.num_experts,
                     m.experts_top_k, m.pre_norm, lora, t.lora_dropout if lora else 0.0,
-                    bool(lora) and adapters_computed_half(t), dequant_dtypes(t) if t.quantize else (0, 0),
+                    bool(lora) and adapters_computed_half(t),
+                    (*dequant_dtypes(t), dequant_scratch(t)) if t.quantize else (0, 0, 0),
                     t.bnb_saves_input, t.checkpoint_reentrant,
                     kv_cache(m, t), biased=biased_linears(m) if t.recompute == "op" else (), ep=t.ep,
                     ep_rows=ep_rank_rows(m.experts_top_k, m.num_experts, t.ep, t.moe_imbalance) if t.ep > 1 else 0.0,
@@ -2089,7 +2092,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         first_unsaved_tok=sum(a for _, a, _ in first), first_unsaved_sq=sum(b for _, _, b in first),
         cast_first_free=int(sum(lc.first_free_weights) * 2) if (lora_first and cast_layer) else 0,  # bf16/fp16 copies
         fixed=st.weights + st.buffers + st.master + comm, grads=0 if oib else st.grads,
-        grads_loaded=(0 if oib else st.grads) if grads_from_wrap(t) else 0, states=st.optimizer + st.step_tensors,
+        grads_loaded=(0 if oib else st.grads) if grads_from_wrap(t) else 0, build_temp=st.build_temp, states=st.optimizer + st.step_tensors,
         layer_grads=0 if oib else st.layer_grads, head_grads=0 if oib else st.head_grads, layers=layers,
         pp_inflight=pp_inflight, fixed_inflight=inflight_fixed, saved_tok=lc.tok, saved_sq=lc.sq,
         kept_tok=kept[0], kept_sq=kept[1], redo_tok=redo[0], redo_sq=redo[1],
@@ -2120,7 +2123,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         tied_final=tied_head_grad(m, t) if whole_model_compiled(t) else 0,
         emb_grad=emb_accumulated(m, t, stage), emb_upcast=emb_upcast(m, t, stage), softcap_saved=softcap_saved(m, loss.out, t) if head_here else 0,
         chunk_head_grads=chunk_head_grads(m, t, pol) if head_here else 0, transients=trans,
-        fwd_temp=int(lc.fwd_const), fwd_temp_tok=lc.fwd_tok, head_wgrad_half=head_weight_grad_half(m, t, cast_head),
+        fwd_temp=int(lc.fwd_const), fwd_temp_tok=lc.fwd_tok, fwd_scratch=int(lc.fwd_scratch), head_wgrad_half=head_weight_grad_half(m, t, cast_head),
         **_head_dequant_fields(m, t, head_here),
         **_graph_held(t, lc.graph_held, checkpointed, layers), **fsdp,
         outer_rest_ssq=derived_outer_ssq(m, t, stage) if derived else 0.0,

@@ -103,6 +103,17 @@ class _Step:
             self.workspaces.append(R.alloc(self.handle_ws))
 
 
+def _replay_build(R: "_Replay", events: tuple) -> None:
+    """The build's alloc/free events in order (``States.build``, quant4.torchtune_v01_build): what
+    they keep is the model, the segments of their transients stay cached."""
+    live: dict[int, Any] = {}
+    for ev in events:
+        if ev[0] == "a":
+            live[ev[1]] = R.alloc(ev[2])
+        else:
+            R.free(live.pop(ev[1]))
+
+
 def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, b: int, ga: int,
                  recompute: str, temp_copies: int | None, handle_ws: int = 0,
                  varying: list | None = None) -> tuple[int, dict]:
@@ -116,7 +127,10 @@ def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, 
     # every block (``allocator.CachingAllocator(expandable_segments=True)``), the default cudaMallocs segments
     R = _Replay(CachingAllocator(expandable_segments=bool(q.expandable)),
                 lag=_Fsdp1Lag() if _fsdp1_limited(q) else None)
-    R.allocs(st.load)                                                   # weights and buffers, load order
+    if st.build:                                                        # the model built on the device
+        _replay_build(R, st.build)
+    else:
+        R.allocs(st.load)                                               # weights and buffers, load order
     if st.master:                                                       # fp32 master copies (not offloaded)
         R.allocs(m for (_w, k, _g, _s, m) in st.trainables for _ in range(k) if m)
     if q.ds_bucket and not q.ds_backward_buf:                         # DeepSpeed ZeRO-3's bucket, from engine start

@@ -18,7 +18,7 @@ from ..spec.training import TrainingSpec
 from ..allocator_rules import block_bytes, placed_bytes
 from .cache import BoundedCache
 from .gemini import model_gemini
-from .quant4 import is_quantized, storage_tensors
+from .quant4 import builds_on_device, is_quantized, torchtune_v01_build, weight_storage
 
 __all__ = ["States", "model_states", "block_bytes", "default_lora_targets", "state_bytes"]
 
@@ -93,6 +93,10 @@ class States:
     embed_matmul_half: int = 0
 
 
+    # the model's build on the device, replayed instead of ``load`` where it leaves transients' segments
+    # cached (torchtune 0.1 with torchao 0.1: quant4.torchtune_v01_build): ("a", id, bytes) / ("f", id)
+    build: tuple = ()
+    build_temp: int = 0  # its allocated peak above the model it leaves (block-rounded), bytes
 def _dim0_padded(shape: tuple[int, ...], n: int, d: int) -> int:
     """Elements of a gradient of ``n`` elements (``shape``'s trailing dims) padded along dim 0 to a
     multiple of ``d`` ranks, as FSDP2 lays it into the reduce-scatter input (torch
@@ -452,7 +456,7 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
     sweep over activations reuses them."""
     key = (m, stage, t.tp, t.ep, dtensor_tp(t), t.pp, t.pp_less, t.precision, t.zero_stage, t.fsdp, t.shard_group, t.optimizer,
            t.impl, t.lora_rank, t.lora_targets, t.lora_dtype, t.distributed_optimizer, t.offload_optimizer,
-           t.fp32_master, t.quantize, t.quantize_via, t.bitsandbytes_version, t.accumulates_unsharded,
+           t.fp32_master, t.quantize, t.quantize_via, t.bitsandbytes_version, t.torchao_version, t.accumulates_unsharded,
            t.fsdp_mixed_units, t.fsdp_version, t.fused_qkv, t.split_gate_up, t.layer_rope_cache, t.rope_cache, t.expandable_segments,
            layer_rotary_cache(m, t.transformers_release),
            t.gemini, t.gemini_chunk_size, t.ds_params_on_host, t.ds_fp32_clone, t.half_embeddings)
@@ -674,6 +678,7 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
     rs = r.block(acc.layer_elems * reduce) if r.fsdp_unsharded else 0
     root_rs = r.block(acc.root_rs_elems * reduce) if (r.fsdp_unsharded and acc.root_rs_elems) else 0
     emb_elems = acc.root_rs_elems - acc.head_rs_elems
+    build, build_temp = _device_build(m, t, r)
     return States(weights, acc.buffers, master, acc.grads, opt, step_t, acc.trainable, acc.params_rank,
                   acc.layer_grads, acc.head_grads, acc.lmh, acc.hmh, acc.largest, acc.group, acc.lpf,
                   sum(x[1] for x in lora), acc.q4, acc.root, acc.head_full, acc.emb_full, acc.layer_full, rs,
@@ -685,7 +690,7 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
                   head_unit_rs=r.block(acc.head_rs_elems * reduce) if (root_rs and acc.head_rs_elems) else 0,
                   emb_unit_rs=r.block(emb_elems * reduce) if (root_rs and emb_elems) else 0,
                   emb_unit_last=acc.emb_last if root_rs else 0,
-                  between_grads=acc.between, root_views=acc.root_views,
+                  between_grads=acc.between, root_views=acc.root_views, build=build, build_temp=build_temp,
                   root_flat=r.block(acc.root_flat_bytes) if acc.root_flat_bytes else 0,
                   embed_matmul_half=acc.emh)
 
@@ -714,6 +719,25 @@ def _gemini_states(m: ModelSpec, t: TrainingSpec, r: _Rank) -> States:
     return States(placed - acc.buffers, acc.buffers, sum(g.fp32_chunks), 0, 2 * sum(states), 0, trainable,
                   trainable, 0, 0, 0, 0, largest, sum(states), 0, 0,
                   load=_load_list(before, layer, 0, after), trainables=items)
+
+
+def _device_build(m: ModelSpec, t: TrainingSpec, r: "_Rank") -> tuple[tuple, int]:
+    """The model's build events where it is replayed (``quant4.builds_on_device``: torchtune 0.1's
+    QLoRA with torchao 0.1, one GPU) and its allocated peak above what it leaves, each tensor
+    block-rounded; ((), 0) otherwise."""
+    if not builds_on_device(t) or r.per_stage != m.num_layers:
+        return (), 0
+    events = torchtune_v01_build(m, t)
+    live: dict[int, int] = {}
+    cur = peak = 0
+    for ev in events:
+        if ev[0] == "a":
+            live[ev[1]] = r.block(ev[2])
+            cur += live[ev[1]]
+            peak = max(peak, cur)
+        else:
+            cur -= live.pop(ev[1])
+    return events, peak - cur
 
 
 #: optimizers whose states are element-wise copies of the parameter (one state-dtype element each)
@@ -815,9 +839,10 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
         acc.params_rank += k * n
         dest = layer if p.layer is not None else (after if layer else before)
         if is_quantized(p, t):
-            # bitsandbytes Linear4bit: packed codes + quant state instead of the weight (quant4.py);
-            # frozen (LoRA), never cast by autocast, never sharded (TrainingSpec refuses TP/ZeRO-3)
-            parts = storage_tensors(n, t.quantize.endswith("-dq"))
+            # bitsandbytes Linear4bit (packed codes + quant state) or torchao's NF4Tensor (packed codes,
+            # int8 scalers, their factors, mean and table) instead of the weight (quant4.py); frozen
+            # (LoRA), never cast by autocast, never sharded (TrainingSpec refuses TP/ZeRO-3)
+            parts = weight_storage(n, t)
             dest.extend((f"{p.name}.4bit.{i}", b) for i, b in enumerate(parts))
             acc.q4 += k * sum(r.block(b) for b in parts)
             continue

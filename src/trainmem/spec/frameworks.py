@@ -334,8 +334,18 @@ def _torchtune_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ..
     torch's; a bitsandbytes optimizer (the single-device configs' ``PagedAdamW8bit``, ``AdamW8bit``)
     has one implementation: no ``optimizer_impl`` (``workload.check_supported`` refuses one).
 
-    Grouped-query attention: ``attention_call`` ``repeat-kv`` (``_repeats_kv``)."""
+    Grouped-query attention: ``attention_call`` ``repeat-kv`` (``_repeats_kv``).
+
+    QLoRA (``--quantize nf4``): torchtune's ``qlora_*`` builders quantize the base weights with
+    torchao's ``to_nf4`` (torchtune/modules/peft/lora.py, ``LoRALinear(quantize_base=True)``;
+    torchtune/modules/low_precision/nf4_linear.py ``FrozenNF4Linear``): ``quantize_via`` torchao; the
+    torchao release is the one torchtune pinned (``torchao==0.1`` in pyproject.toml at v0.1.0 and
+    v0.1.1; v0.2.x pin 0.3.1; later releases pin none: a current one)."""
     out: dict[str, Any] = {"use_cache": False}
+    if view.get("quantize") not in (None, "none"):
+        out["quantize_via"] = "torchao"
+        if version is not None and version[:2] < (0, 2) and view.get("torchao_version") is None:
+            out["torchao_version"] = "0.1"
     if view.get("optimizer") in BNB_OPTIMIZERS:
         out["optimizer_impl"] = None
     if view.get("fsdp") is None and not view.get("zero") and _sharded(view):
@@ -926,7 +936,7 @@ def parse_version(preset: Preset, version: Any) -> tuple[int, ...] | None:
     if not re.fullmatch(r"\d+(\.\d+){0,2}", text):
         raise TrainmemError(f"--framework-version {version!r} is not a version like {preset.current}")
     v = _v(text)
-    if not _v(preset.oldest) <= v[:2] <= _v(preset.current)[:2]:
+    if not _v(preset.oldest)[:2] <= v[:2] <= _v(preset.current)[:2]:
         raise TrainmemError(f"--framework-version {text}: the {preset.name} preset knows "
                             f"{preset.release.rsplit(' ', 1)[0]} {preset.oldest} to {preset.current}")
     return v

@@ -171,8 +171,9 @@ FSDP_GATHERED = ("none", "root", "root-last", "head")
 QUANTIZE = ("nf4", "fp4", "nf4-dq", "fp4-dq")
 #: who replaces the linears: transformers (``replace_with_bnb_linear``: lm_head kept, the quant state in
 #: the dtype the weights were loaded in) or Lightning Fabric's ``BitsandbytesPrecision`` as litgpt runs
-#: it (every nn.Linear including lm_head, quantized from an fp16 copy)
-QUANTIZE_VIA = ("transformers", "fabric")
+#: it (every nn.Linear including lm_head, quantized from an fp16 copy), or torchao's ``NF4Tensor`` as
+#: torchtune's QLoRA builders make it (``--quantize nf4`` under ``--framework torchtune``; estimate.quant4)
+QUANTIZE_VIA = ("transformers", "fabric", "torchao")
 FSDP_MODES = ("full", "grad-op", "hybrid")
 #: ColossalAI Gemini's ``placement_policy`` values trainmem models: "cuda" keeps every chunk on the
 #: GPU (ColossalAI 0.1.9-0.1.10 ``colossalai/gemini/placement_policy.py``); "cpu" and "auto" move
@@ -289,6 +290,8 @@ class TrainingSpec:
     quantize: str | None = None  # 4-bit base weights (QUANTIZE); None: none (needs LoRA: the base is frozen)
     quantize_via: str = "transformers"  # QUANTIZE_VIA: which modules are quantized, the quant state's dtype
     bitsandbytes_version: str | None = None  # None: current (>= 0.43.2); older MatMul4Bit saves its input
+    torchao_version: str | None = None  # --quantize-via torchao: None, a current release (>= 0.3); older
+    #                                     NF4Tensors keep a whole n_blocks bf16 factor storage (quant4.py)
     half_embeddings: bool = False  # QLoRA under autocast: the input embedding and the LM head in the half dtype,
     #                                the other non-4-bit weights fp32 (TRL 0.12-0.21's peft_module_casting_to_bf16)
     deepspeed_version: str | None = None  # None: current (>= 0.18.3); older ZeRO-1/2 make their buckets at
@@ -746,11 +749,17 @@ class TrainingSpec:
         one GPU's whole layers (no TP, no ZeRO-3/FSDP sharding of the 4-bit tensors)."""
         q = self.quantize
         if isinstance(q, str) and q.startswith("bnb."):
+            if self.quantize_via == "torchao":
+                raise TrainmemError(f"--quantize {q} names bitsandbytes, but torchtune's QLoRA is torchao's NF4Tensor: "
+                                    "give --quantize nf4")
             q = q[4:]
         if q == "none":
             q = None
         object.__setattr__(self, "quantize", q)
         _choice("quantize_via", self.quantize_via, QUANTIZE_VIA)
+        if self.torchao_version is not None and (q is None or self.quantize_via != "torchao"):
+            raise TrainmemError("torchao_version describes torchao's NF4Tensor base weights: give --quantize nf4 "
+                                "with quantize_via torchao (--framework torchtune), or drop torchao_version")
         if q is None:
             if self.quantize_via != "transformers":
                 raise TrainmemError("quantize_via describes 4-bit base weights: give --quantize nf4 (or fp4, "
@@ -763,6 +772,13 @@ class TrainingSpec:
                 self.bitsandbytes_release()
             return
         _choice("quantize", q, QUANTIZE)
+        framework = self.extra.get("framework") if isinstance(self.extra, dict) else None
+        if framework == "torchtune" and self.quantize_via != "torchao":
+            raise TrainmemError(f"--quantize {q} under --framework torchtune is torchao's NF4Tensor (quantize_via "
+                                f"torchao), not quantize_via {self.quantize_via}: drop quantize_via")
+        if framework not in (None, "torchtune") and self.quantize_via == "torchao":
+            raise TrainmemError(f"quantize_via torchao is torchtune's QLoRA (torchao NF4Tensor); --framework "
+                                f"{framework} quantizes with bitsandbytes: drop quantize_via or use --framework torchtune")
         if not self.lora_rank:
             raise TrainmemError(f"--quantize {q} stores the frozen base weights in 4 bits and bitsandbytes computes "
                                 "no gradient for them (MatMul4Bit): give --lora-rank R, or drop --quantize")
@@ -771,6 +787,33 @@ class TrainingSpec:
                                 "ZeRO-3/FSDP sharding (or --quantize)")
         if self.bitsandbytes_version is not None:
             self.bitsandbytes_release()
+        if self.quantize_via == "torchao":
+            self._check_torchao(q)
+
+    def _check_torchao(self, q: str) -> None:
+        """torchao's NF4Tensor as torchtune makes it: NF4 with its own double quantization of the
+        scalers (``--quantize nf4``), over bf16 weights in bf16 compute (torchtune's ``dtype: bf16``;
+        ``NF4Tensor.from_tensor`` asserts bf16 in torchao 0.1), no bitsandbytes involved."""
+        if q != "nf4":
+            raise TrainmemError(f"--quantize {q} with torchao (torchtune's QLoRA): torchao's NF4Tensor is NF4 with "
+                                "its scalers always double-quantized; give --quantize nf4")
+        if self.precision != "bf16":
+            raise TrainmemError(f"--precision {self.precision} with torchao NF4 base weights: torchtune's QLoRA is "
+                                "modelled in bf16 (dtype: bf16); give --precision bf16")
+        if self.bitsandbytes_version is not None or self.half_embeddings:
+            raise TrainmemError("bitsandbytes_version/--half-embeddings describe bitsandbytes' QLoRA; torchao NF4 "
+                                "(torchtune) has neither: drop them")
+        self.torchao_release()
+
+    def torchao_release(self) -> tuple[int, ...]:
+        """``torchao_version`` as numbers (``"0.1"`` -> (0, 1)); None: a current release."""
+        v = self.torchao_version
+        if v is None:
+            return (1 << 30,)
+        try:
+            return tuple(int(x) for x in str(v).strip().lstrip("v").split(".")[:3])
+        except ValueError:
+            raise TrainmemError(f"torchao_version {v!r} is not a release number like 0.1 or 0.5.0") from None
 
     def _check_half_embeddings(self) -> None:
         """``half_embeddings``: TRL 0.12-0.21's ``SFTTrainer`` on a 4-bit model with ``bf16=True`` runs
