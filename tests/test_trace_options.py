@@ -138,6 +138,8 @@ CASES = [
      "Llama-3.2-1B ties its head to the embedding, which neither converts, and Fabric's fp16 dequantized "
      "copies hide under this tiny model's loss peak (tests/test_trace_bnb.py: an untied head)"),
     ({"bitsandbytes_version": "0.42.0", "lora_rank": 8, "quantize": "nf4"}, CHANGED, ""),  # vs a current release
+    ({"torchao_version": "0.1", "quantize_via": "torchao", "quantize": "nf4", "lora_rank": 8, "precision": "bf16"},
+     REFUSED, "torchao's NF4Tensor"),
     ({"half_embeddings": True, "lora_rank": 8, "quantize": "nf4"}, CHANGED, ""),  # TRL's bf16 tables (vs QLoRA)
     ({"half_embeddings": True, "lora_rank": 8}, REFUSED, "--half-embeddings"),
     # another PyTorch release: trace runs the installed one (the estimate models older ones)

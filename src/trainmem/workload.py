@@ -99,24 +99,7 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
         raise TrainmemError(f"{what} runs DDP (--dp), FSDP (--fsdp over --dp){pp} and tensor parallelism (--tp{sp}) "
                             "through torch.distributed; not supported: " + ", ".join(bad) +
                             " (use `estimate` for those)")
-    if t.optimizer in EXTERNAL_OPTIMIZERS:
-        pkg = EXTERNAL_OPTIMIZERS[t.optimizer]
-        if (what != "trace" or pkg not in EMULATED_PACKAGES) and importlib.util.find_spec(pkg) is None:
-            also = "trace or estimate" if pkg in EMULATED_PACKAGES else "estimate"
-            raise TrainmemError(f"--optimizer {t.optimizer} needs {pkg} to {what}: install it, or use {also}")
-        if pkg == "schedulefree" and t.optimizer_in_backward:
-            raise TrainmemError(f"--optimizer {t.optimizer} with --optimizer-in-backward: {what} builds one optimizer "
-                                "per parameter, never put in the train mode schedule_free's step needs; use estimate")
-        if t.optimizer_impl is not None and pkg != "schedulefree":
-            raise TrainmemError(f"--optimizer-impl {t.optimizer_impl}: {pkg}'s "
-                                f"--optimizer {t.optimizer} has one implementation; drop --optimizer-impl")
-        if what == "trace" and (t.fsdp is not None or t.tp > 1) and EXTERNAL_OPTIMIZERS[t.optimizer] == "bitsandbytes":
-            # its kernels take plain CUDA tensors: DTensor shards (FSDP2's, tensor parallelism's) and
-            # FSDP1's 1-D views of flat shards are not what bitsandbytes' optimizer allocates for, so
-            # trace does not guess
-            raise TrainmemError(f"--optimizer {t.optimizer} with --fsdp or --tp: trace emulates bitsandbytes' "
-                                "optimizer on whole parameters, not DTensor shards (FSDP2, TP) or FSDP1's 1-D "
-                                "flat-shard views; use estimate")
+    _check_external_optimizer(t, what)
     _check_litgpt_modules(t)
     if t.recompute == "selective":
         raise TrainmemError(f"--recompute selective is a Megatron feature; {what} supports none, full and op "
@@ -141,6 +124,30 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
         raise TrainmemError(f"--master-weights fp32: {what} runs torch.optim on the half parameters, which keeps "
                             "no fp32 master copy; use estimate for a framework that keeps one (or trace --zero N, "
                             "DeepSpeed's engine)")
+
+
+def _check_external_optimizer(t: TrainingSpec, what: str) -> None:
+    """An optimizer from another package (bitsandbytes, schedule_free): importable where it must run, one
+    implementation, and for trace's bitsandbytes emulation whole (unsharded) parameters."""
+    if t.optimizer not in EXTERNAL_OPTIMIZERS:
+        return
+    pkg = EXTERNAL_OPTIMIZERS[t.optimizer]
+    if (what != "trace" or pkg not in EMULATED_PACKAGES) and importlib.util.find_spec(pkg) is None:
+        also = "trace or estimate" if pkg in EMULATED_PACKAGES else "estimate"
+        raise TrainmemError(f"--optimizer {t.optimizer} needs {pkg} to {what}: install it, or use {also}")
+    if pkg == "schedulefree" and t.optimizer_in_backward:
+        raise TrainmemError(f"--optimizer {t.optimizer} with --optimizer-in-backward: {what} builds one optimizer "
+                            "per parameter, never put in the train mode schedule_free's step needs; use estimate")
+    if t.optimizer_impl is not None and pkg != "schedulefree":
+        raise TrainmemError(f"--optimizer-impl {t.optimizer_impl}: {pkg}'s "
+                            f"--optimizer {t.optimizer} has one implementation; drop --optimizer-impl")
+    if what == "trace" and (t.fsdp is not None or t.tp > 1) and EXTERNAL_OPTIMIZERS[t.optimizer] == "bitsandbytes":
+        # its kernels take plain CUDA tensors: DTensor shards (FSDP2's, tensor parallelism's) and
+        # FSDP1's 1-D views of flat shards are not what bitsandbytes' optimizer allocates for, so
+        # trace does not guess
+        raise TrainmemError(f"--optimizer {t.optimizer} with --fsdp or --tp: trace emulates bitsandbytes' "
+                            "optimizer on whole parameters, not DTensor shards (FSDP2, TP) or FSDP1's 1-D "
+                            "flat-shard views; use estimate")
 
 
 def _check_litgpt_modules(t: TrainingSpec) -> None:

@@ -65,15 +65,8 @@ def phases(moments: list[Moment], totals: list[int], ends: list[tuple], ga: int)
     return out
 
 
-def components(q: Quantities, tk: Tokens, mo: Moment, t: TrainingSpec, n: int, nsq: int, m: Any,
-               handle_ws: int = CUBLAS_WORKSPACE, kept: tuple[int, int] = (0, 0)) -> list[Component]:
-    """The bytes alive at the peak moment ``mo``, by name and category (``handle_ws``: one cuBLAS
-    handle's workspace; ``kept``: Transformer Engine's workspace and Megatron's global buffer,
-    ``megatron_buffers.kept_buffers``, in the moment's workspace part)."""
-    st = q.detail.states
-    parts = dict(zip(PARTS, mo.parts))
-    half = HALF_NAMES.get(t.precision, "fp32")
-    wdt = "fp32" if t.weight_bytes == 4 else half
+def _weights_formula(st: Any, t: TrainingSpec) -> str:
+    """What the parameters component counts: the weights as stored, 4-bit linears by their library's layout."""
     formula = "sum over tensors of block(numel/tp [/dp under ZeRO-3] x bytes)"
     if t.gemini is not None:
         formula = "ColossalAI Gemini: block(chunk_size x 2) per fp16 chunk this rank owns (chunk i on rank i % dp)"
@@ -84,7 +77,20 @@ def components(q: Quantities, tk: Tokens, mo: Moment, t: TrainingSpec, n: int, n
     elif st.quantized:
         formula += (f"; of it {st.quantized:,} B of bitsandbytes {t.quantize} linears: block(numel/2) uint8 codes + "
                     "absmax per 64 (fp32, or uint8 + fp32 per 256 blocks with -dq) + a 16-entry fp32 code each")
-    out = [Component("parameters", PARAMETERS, st.weights, wdt if not st.quantized else None, formula, True),
+    return formula
+
+
+def components(q: Quantities, tk: Tokens, mo: Moment, t: TrainingSpec, n: int, nsq: int, m: Any,
+               handle_ws: int = CUBLAS_WORKSPACE, kept: tuple[int, int] = (0, 0)) -> list[Component]:
+    """The bytes alive at the peak moment ``mo``, by name and category (``handle_ws``: one cuBLAS
+    handle's workspace; ``kept``: Transformer Engine's workspace and Megatron's global buffer,
+    ``megatron_buffers.kept_buffers``, in the moment's workspace part)."""
+    st = q.detail.states
+    parts = dict(zip(PARTS, mo.parts))
+    half = HALF_NAMES.get(t.precision, "fp32")
+    wdt = "fp32" if t.weight_bytes == 4 else half
+    out = [Component("parameters", PARAMETERS, st.weights, wdt if not st.quantized else None, _weights_formula(st, t),
+                     True),
            Component("buffers", BUFFERS, st.buffers, None, "registered buffers (position ids, rotary, masks)",
                      True)]
     if st.master:

@@ -426,16 +426,7 @@ class TrainingSpec:
             raise TrainmemError(f"--zero {self.zero!r} is not one of: 0, 1, 2, 3")
         self._check_fsdp()
         self._check_gemini()
-        if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
-            raise TrainmemError(f"--lora-rank must be zero or a positive integer, got {self.lora_rank!r}")
-        if not 0 <= self.lora_dropout < 1:
-            raise TrainmemError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout!r}")
-        if self.lora_dtype is not None:
-            _choice("lora_dtype", self.lora_dtype, ("fp32", "half"))
-        if (self.lora_dropout or self.lora_dtype == "half") and not self.lora_rank:
-            raise TrainmemError("--lora-dropout and --lora-dtype need --lora-rank R (the adapter rank)")
-        if self.lora_targets is not None and not self.lora_rank:
-            raise TrainmemError("--lora-targets needs --lora-rank R (the adapter rank)")
+        self._check_lora()
         self._check_quantize()
         self._check_half_embeddings()
         self._check_torch()
@@ -457,6 +448,18 @@ class TrainingSpec:
             raise TrainmemError(f"optimizer_bucket_mb must be positive, got {self.optimizer_bucket_mb}")
         if self.num_microbatches_in_flight is not None and self.num_microbatches_in_flight <= 0:
             raise TrainmemError("num_microbatches_in_flight must be positive")
+
+    def _check_lora(self) -> None:
+        if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+            raise TrainmemError(f"--lora-rank must be zero or a positive integer, got {self.lora_rank!r}")
+        if not 0 <= self.lora_dropout < 1:
+            raise TrainmemError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout!r}")
+        if self.lora_dtype is not None:
+            _choice("lora_dtype", self.lora_dtype, ("fp32", "half"))
+        if (self.lora_dropout or self.lora_dtype == "half") and not self.lora_rank:
+            raise TrainmemError("--lora-dropout and --lora-dtype need --lora-rank R (the adapter rank)")
+        if self.lora_targets is not None and not self.lora_rank:
+            raise TrainmemError("--lora-targets needs --lora-rank R (the adapter rank)")
         if isinstance(self.lora_targets, list):
             object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
         if self.lora_targets is not None and not self.lora_targets:
