@@ -383,3 +383,14 @@ def test_a_presets_fused_adamw_is_not_another_optimizers(framework):
         assert resolve("gpt2", framework=framework, optimizer=name).training.optimizer_impl is None
     assert resolve("gpt2", framework=framework, optimizer="adagrad",
                    optimizer_impl="fused").training.optimizer_impl == "fused"
+
+
+@pytest.mark.parametrize("given, impl", [({}, "foreach"), ({"framework": "hf-trainer"}, "foreach"),
+                                         ({"framework": "hf-trainer", "torch_version": "1.13"}, "for-loop"),
+                                         ({"optimizer_impl": "fused"}, "fused")])
+def test_adamw_torch_runs_torchs_default_not_a_presets_fused(given, impl):
+    # the Trainer's adamw_torch passes neither fused nor foreach: torch picks foreach on CUDA (2.0+); the
+    # preset's fused is adamw_torch_fused, its default optim since transformers 4.54
+    from trainmem.spec.resolve import resolve
+    assert resolve("llama-3.2-1b", optimizer="adamw_torch", **given).training.optimizer_impl == impl
+    assert resolve("llama-3.2-1b", framework="hf-trainer").training.optimizer_impl == "fused"

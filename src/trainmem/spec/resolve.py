@@ -110,6 +110,13 @@ def framework_names(given: dict[str, Any]) -> dict[str, Any]:
     if isinstance(o, str) and o.strip().lower() in OPTIMIZER_ALIASES:
         name, impl = OPTIMIZER_ALIASES[o.strip().lower()]
         out["optimizer"] = name
+        if o.strip().lower() == "adamw_torch" and out.get("optimizer_impl") is None:
+            # the HF Trainer builds torch.optim.AdamW without fused or foreach (transformers trainer_optimizer.py
+            # L201-208), so torch's own default runs, not a preset's fused one: foreach on CUDA from PyTorch 2.0
+            # (torch/optim/optimizer.py ``_default_to_fused_or_foreach``), the for-loop before
+            tv = out.get("torch_version")
+            out["optimizer_impl"] = "for-loop" if tv is not None and parse_torch_version(str(tv)) < (2, 0) \
+                else "foreach"
         if impl is not None:
             if out.get("optimizer_impl") not in (None, impl):
                 raise TrainmemError(f"--optimizer {o} runs the {impl} implementation, but --optimizer-impl is "
