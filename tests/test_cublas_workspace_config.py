@@ -58,3 +58,15 @@ def test_measure_sets_the_variable_before_the_first_matmul_and_refuses_a_differe
     with pytest.raises(TrainmemError, match="--device cpu"):
         apply_cublas(":16:8", "cpu", {})
     apply_cublas(None, "cpu", env)   # not given: nothing to do
+
+
+def test_blackwell_defaults_to_32_mib_from_pytorch_2_11():
+    from trainmem.spec.hardware import default_cublas_workspace
+    assert default_cublas_workspace((10, 0)) == CUBLAS_WORKSPACE_SM90          # a current PyTorch
+    assert default_cublas_workspace((12, 0), (2, 11)) == CUBLAS_WORKSPACE_SM90
+    assert default_cublas_workspace((10, 0), (2, 10)) == CUBLAS_WORKSPACE      # before PR #175344
+    assert default_cublas_workspace((8, 0)) == CUBLAS_WORKSPACE
+    kw = dict(set=TINY, batch_size=1, seq_len=64, gpu="b200")
+    assert _workspace(estimate("llama-3.2-1b", **kw)) == 2 * CUBLAS_WORKSPACE_SM90
+    assert _workspace(estimate("llama-3.2-1b", torch_version="2.10", **kw)) == 2 * CUBLAS_WORKSPACE
+

@@ -7,7 +7,7 @@ from typing import Any, Mapping
 from ..allocator_rules import OVERHEAD_DIVISOR, reserved_overhead  # noqa: F401 (OVERHEAD_DIVISOR: public)
 from ..report import Component, MemoryReport
 from ..spec.config import input_notes
-from ..spec.hardware import Hardware
+from ..spec.hardware import Hardware, handle_workspace
 from ..spec.model import ModelSpec
 from ..spec.resolve import (HARDWARE_OPTIONS, OTHER_OPTIONS, TRAINING_DEFAULTS, TRAINING_FIELDS,  # noqa: F401
                             Resolved, check_max_fraction, check_options, hardware_from, resolve, training_values)
@@ -147,8 +147,7 @@ def estimate_resolved(r: Resolved, replay: bool = True) -> MemoryReport:
         what = ("--recompute op" if t.recompute == "op" else "--offload-activations" if t.offload_activations
                 else "ColossalAI Gemini (--gemini)")
         raise TrainmemError(f"--method {r.method}: the published formulas have no {what}; use --method trainmem")
-    ws = t.cublas_workspace if t.cublas_workspace is not None else \
-        r.hardware.handle_workspace if r.hardware is not None else None
+    ws = handle_workspace(r.hardware, t)
     # only the default engine counts cuBLAS workspaces: --cublas-workspace-config's, else the GPU's default size
     # or a calibration profile's
     # the trainmem engine also replays the step through the caching allocator (peak reserved)

@@ -20,6 +20,7 @@ import numpy as np
 from ..errors import TrainmemError
 from ..progress import progress
 from ..report import MemoryReport
+from ..spec.hardware import handle_workspace
 from ..spec.resolve import TRAINING_DEFAULTS, Resolved
 from ._common import Evaluator, refuse_one_stage, refuse_varying_lengths
 from .suggest import Suggestion, suggest_for
@@ -230,7 +231,7 @@ def _fits_many(ev: Evaluator, search: str, step: int, limit: int):
     base, context = ev.resolved.training, ev.hardware.context
 
     def fits_many(ks: np.ndarray) -> np.ndarray:
-        out = estimate_layouts(ev.model, base, ev.hardware.handle_workspace, ev.hardware.capability,
+        out = estimate_layouts(ev.model, base, handle_workspace(ev.hardware, base), ev.hardware.capability,
                                **{search: ks * step})
         return out["peak_reserved"] + context <= limit
     return fits_many

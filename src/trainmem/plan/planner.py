@@ -23,6 +23,7 @@ from ..errors import TrainmemError
 from ..report import MemoryReport
 from ..estimate.engine import estimate_layouts, group_rows
 from ..spec.config import tensor_parallel_twin
+from ..spec.hardware import handle_workspace
 from ..spec.layout import cp_problems, pp_problems, sequence_problems, tp_problems
 from ..spec.training import RECOMPUTE, TrainingSpec, deepspeed_given, default_seq_len
 from ..render.text import wrap
@@ -346,7 +347,7 @@ class Planner:
         return merged
 
     def _engine(self, model: Any, a: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        ws = self.ev.hardware.handle_workspace if self.ev.hardware is not None else None
+        ws = handle_workspace(self.ev.hardware, self.base)
         cap = self.ev.hardware.capability if self.ev.hardware is not None else None
         return estimate_layouts(model, self.base, ws, cap, tp=a["tp"], pp=a["pp"], cp=a["cp"], dp=a["dp"],
                                 zero=a["zero"], recompute=a["rec"], sequence_parallel=a["tp"] > 1,

@@ -21,8 +21,11 @@ from ..units import MiB, is_bare_number, parse_bytes
 CUBLAS_WORKSPACE = 4096 * 1024 * 2 + 16 * 1024 * 8
 # Hopper (compute capability 9.0 exactly) defaults to ":4096:8", 32 MiB per handle
 # (aten/src/ATen/cuda/CublasHandlePool.cpp ``getChosenWorkspaceSize`` / ``parseChosenWorkspaceSize``,
-# read at commit 26a39059ec58); every other GPU keeps CUBLAS_WORKSPACE.
+# read at commit 26a39059ec58); every other GPU keeps CUBLAS_WORKSPACE. From PyTorch 2.11 Blackwell (major 10
+# and 12) has the 32 MiB too (``use32mb = major == 9 || major == 10 || major == 12``: pytorch/pytorch PR #175344,
+# merged 2026-02-19, before 2.11's release of 2026-03-23; its revert, PR #182669, was closed unmerged).
 CUBLAS_WORKSPACE_SM90 = 4096 * 8 * 1024
+BLACKWELL_32MIB_TORCH = (2, 11)
 
 
 def parse_cublas_workspace_config(value: str) -> int | None:
@@ -35,10 +38,27 @@ def parse_cublas_workspace_config(value: str) -> int | None:
     return sum(int(size) * 1024 * int(count) for size, count in pairs) if pairs else None
 
 
-def default_cublas_workspace(capability: tuple[int, int] | None) -> int:
-    """One cuBLAS handle's workspace with no CUBLAS_WORKSPACE_CONFIG set, by compute capability
-    (unknown: the pre-Hopper size)."""
-    return CUBLAS_WORKSPACE_SM90 if capability is not None and tuple(capability) == (9, 0) else CUBLAS_WORKSPACE
+def default_cublas_workspace(capability: tuple[int, int] | None, torch_release: tuple[int, int] | None = None) -> int:
+    """One cuBLAS handle's workspace with no CUBLAS_WORKSPACE_CONFIG set, by compute capability (unknown:
+    the pre-Hopper size) and PyTorch release (``torch_release`` (major, minor); None: a current one)."""
+    if capability is None:
+        return CUBLAS_WORKSPACE
+    cap = tuple(capability)
+    blackwell = cap[0] in (10, 12) and (torch_release is None or tuple(torch_release) >= BLACKWELL_32MIB_TORCH)
+    return CUBLAS_WORKSPACE_SM90 if cap == (9, 0) or blackwell else CUBLAS_WORKSPACE
+
+
+def handle_workspace(hw: "Hardware | None", t: Any) -> int | None:
+    """One cuBLAS handle's workspace for the run ``t`` on ``hw``: ``--cublas-workspace-config`` where given,
+    else a calibration profile's measurement, else PyTorch's default for the GPU and the run's release
+    (None: no GPU and no setting, the engine's pre-Hopper default)."""
+    if getattr(t, "cublas_workspace", None) is not None:
+        return t.cublas_workspace
+    if hw is None:
+        return None
+    if hw.cublas_workspace is not None:
+        return hw.cublas_workspace
+    return default_cublas_workspace(hw.capability, getattr(t, "torch_release", None))
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from ..allocator import CachingAllocator, ExactAllocator, SimulatedOutOfMemory
 from .cuda import EMULATED, CudaEmulation, _patched, cuda_environment
 from . import compiled
 from . import distributed as _dist
-from ..spec.hardware import default_cublas_workspace
+from ..spec.hardware import default_cublas_workspace, handle_workspace
 from .tracker import CUBLAS_WORKSPACE, Record, Tracker, module_pattern
 # model building, optimizer and training step: shared with ``measure`` (trainmem.workload)
 from ..workload import DROPOUT_KEYS as _DROPOUT_KEYS  # noqa: F401
@@ -250,12 +250,10 @@ def _device(cuda: bool, hw: Hardware | None, t: TrainingSpec, expandable_segment
     if capability is None:
         # the catalogue's compute capability (gpus.json); sm80 when the GPU is unknown or not given
         capability = hw.capability if hw is not None and hw.capability else (8, 0)
-    if cublas_workspace is None:
-        cublas_workspace = t.cublas_workspace  # --cublas-workspace-config (None: not given)
-    if cublas_workspace is None and hw is not None and hw.cublas_workspace is not None:
-        cublas_workspace = hw.cublas_workspace  # measured by trainmem calibrate (spec.calibration)
-    if cublas_workspace is None:
-        cublas_workspace = default_cublas_workspace(capability)
+    if cublas_workspace is None:  # --cublas-workspace-config, a calibration profile's, PyTorch's default
+        cublas_workspace = handle_workspace(hw, t)
+    if cublas_workspace is None:  # no GPU given: the capability trace emulates
+        cublas_workspace = default_cublas_workspace(capability, t.torch_release)
     flag = None  # the --attention value that pins the backend, named in PyTorch's refusals
     if attention_backend is None:
         from ..estimate.layers import SDPA_PINS  # --attention -> the backend it pins
