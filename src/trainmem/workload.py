@@ -112,6 +112,8 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
     if t.recompute == "selective":
         raise TrainmemError(f"--recompute selective is a Megatron feature; {what} supports none, full and op "
                             "(transformers gradient checkpointing, torchtitan's per-op policy)")
+    if t.liger:
+        raise TrainmemError(f"--liger runs Liger-Kernel's Triton kernels, which {what} cannot run here; use estimate")
     if t.loss == "fused":
         raise TrainmemError(f"--loss fused runs Liger-Kernel's Triton kernels, which {what} cannot run here; "
                             "use estimate, or --loss chunked")

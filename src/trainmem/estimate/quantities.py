@@ -339,8 +339,9 @@ def layer_key(m: ModelSpec, t: TrainingSpec) -> LayerKey:
                     math_upcast=t.math_sdpa_upcasts,
                     eager_clamp=t.attention == "eager" and eager_clamp(m, t.transformers_release),
                     cache_values_own_dtype=cache_values_own_dtype(release), cache_kind=kv_cache_kind(release),
-                    rotary_keys_half=rotary_keys_half(m, release), ring=t.cp if torch_cp(t) else 1,
-                    qk_norm=m.qk_norm, rms_norm_input=t.rms_norm == "input",
+                    # (Liger's RoPE rotates q and k in place, in their dtype: half keys, rope_liger)
+                    rotary_keys_half=rotary_keys_half(m, release) or t.liger, ring=t.cp if torch_cp(t) else 1,
+                    qk_norm=m.qk_norm, rms_norm_input=t.rms_norm == "input", liger=t.liger,
                     expert_loop=bool(m.num_experts) and moe_expert_loop(m, release),
                     norm_fp32_product=torchtune_norm_saves_fp32(m, t), manual_layernorm=m.manual_layernorm)
 
@@ -436,7 +437,7 @@ def outer_tensors(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) -> tup
     if t.pp == 1 or stage == "last":
         out += _head_side(m, pol, h, sp, fused=is_lm(m) and loss_mode(m, t) in ("fused", "chunked-nll"), quant_head=_quant_head(m, t),
                           frozen=bool(t.lora_rank), head_adapted=_head_is_lora_target(m, t),
-                          rms_input=t.rms_norm == "input", norm_fp32=torchtune_norm_saves_fp32(m, t))
+                          rms_input=t.rms_norm == "input", norm_fp32=torchtune_norm_saves_fp32(m, t), liger=t.liger)
     elif torch_pipeline(t):
         # the stage's output (b, s, h), residual dtype: torch's PipelineStage keeps it in ``fwd_cache``
         # from the micro-batch's forward to its backward (torch 2.13 distributed/pipelining/stage.py
@@ -524,7 +525,7 @@ def _quant_head(m: ModelSpec, t: TrainingSpec) -> str:
 
 def _head_side(m: ModelSpec, pol: Policy, h: int, sp: int, fused: bool = False, quant_head: str = "",
                frozen: bool = False, head_adapted: bool = False, rms_input: bool = False,
-               norm_fp32: bool = False
+               norm_fp32: bool = False, liger: bool = False
                ) -> list[tuple[str, float, float]]:
     """The final norm's saved tensors and the head's input (which a fused linear cross-entropy
     does not save: it keeps the gradients it computed in forward instead; a 4-bit head saves it
@@ -541,10 +542,14 @@ def _head_side(m: ModelSpec, pol: Policy, h: int, sp: int, fused: bool = False, 
 
     ``rms_input`` (``--rms-norm input``): the final RMSNorm computes in its input's dtype
     (``layers.Builder.rms_norm_input``): it saves its input itself (the last layer's output, which
-    nothing else keeps), one ``rsqrt`` per token in that dtype and, for a trainable weight, ``normed``."""
+    nothing else keeps), one ``rsqrt`` per token in that dtype and, for a trainable weight, ``normed``.
+    ``liger`` (``--liger``): the final norm is ``LigerRMSNorm`` (``layers.Builder.rms_norm_liger``):
+    its input itself and one fp32 ``RSTD`` per token, whether the weight trains or not."""
     out: list[tuple[str, float, float]] = []
     if m.final_norm and m.family != "bert":
-        if m.norm == "rmsnorm" and rms_input:
+        if m.norm == "rmsnorm" and liger:
+            out.append(("final_norm", (h * pol.stream + F32) / sp, 0.0))
+        elif m.norm == "rmsnorm" and rms_input:
             out.append(("final_norm", (h * pol.stream * (1 if frozen else 2) + pol.stream) / sp, 0.0))
         elif m.norm == "rmsnorm":  # HF RMSNorm: fp32 input copy, the normed tensor (trainable weight), fp32 rstd
             normed = 0 if frozen else (F32 if norm_fp32 else pol.stream)
@@ -735,8 +740,7 @@ def _loss_in_one_piece(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int) ->
         # copy; backward starts with two fp32 gradients
         return LossBytes(F32 if held else 0, F32, F32, 0, 2 * F32)
     if mode == "fused":
-        grad_w = 0 if t.lora_rank else _head_weight_numel(m, t.tp) * t.weight_bytes
-        return LossBytes(saved_tok=m.hidden_size * half + F32, saved_const=grad_w, forward_chunk=half)
+        return fused_linear_ce_bytes(m, t, pol)
     if mode == "chunked" and t.compile:
         return _compiled_chunked_loss_bytes(held, half)
     if mode == "upcast" and t.cast_output and torchtune_compiles_whole_loss(t):
@@ -755,6 +759,59 @@ def _loss_in_one_piece(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int) ->
     if t.compile:   # the loop's loss, eager, on the compiled model's outputs
         return _eager_loss_bytes(m, t, pol, held, mode, half)
     return _eager_loss_bytes(m, t, pol, held, mode, half)
+
+
+def fused_linear_ce_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy) -> LossBytes:
+    """Liger-Kernel's ``LigerFusedLinearCrossEntropyFunction`` (``--loss fused``, ``--liger``):
+    ``fused_linear_cross_entropy_forward`` (ops/fused_linear_cross_entropy.py, v0.6.4 L12-186,
+    v0.5.10 L24-160, v0.8.2 L40-300) computes the loss and both gradients in forward, over chunks of
+    ``next_power_of_2(ceil(BT / ceil(V / H)))`` tokens (``Quantities.liger_factor``), and
+    ``ctx.save_for_backward(grad_input, grad_weight, grad_bias)`` keeps them (v0.6.4 L246-250):
+
+    * per token: ``grad_input = torch.zeros_like(_input)`` in the input's dtype, the final norm's
+      output (the residual stream's dtype: fp32 under autocast, whose RMSNorm output is fp32;
+      ``amp_custom_fwd`` leaves autocast on and casts nothing), and ``loss_1d``, fp32 (L52-65);
+    * in total: ``grad_weight = torch.zeros_like(weight)`` in the weight's dtype (None for a frozen
+      head, L55-59; ``accum_dtype`` is not set by the HF patches);
+    * per chunk, in forward: ``logits_chunk = _input_chunk @ weight.t()`` (chunk, V) in the matmul
+      dtype, which the Triton kernel overwrites with its gradient (L88, L158). Under autocast that
+      matmul casts ``weight.t()``, a view autocast does not cache (aten/src/ATen/autocast_mode.cpp
+      ``cached_cast``: leaves only), so a (V, H) half copy exists while it runs
+      (``matmul_const``). The weight gradient is accumulated per chunk as the release does it
+      (``_fused_weight_grad_bytes``)."""
+    half, h = pol.half, m.hidden_size
+    head = _head_weight_numel(m, t.tp)
+    grad_w = 0 if t.lora_rank else head * t.weight_bytes
+    chunk, const = _fused_weight_grad_bytes(t, pol, head, grad_w > 0)
+    if pol.amp:   # the first matmul's uncached (V, H) half copy of weight.t(), beside the chunk's logits
+        const = max(const, head * HALF)
+    return LossBytes(saved_tok=h * max(pol.stream, half) + F32, saved_const=grad_w,
+                     forward_chunk=half + chunk, matmul_const=const, matmul_chunk=half)
+
+
+def _fused_weight_grad_bytes(t: TrainingSpec, pol: Policy, head: int, trained: bool) -> tuple[int, int]:
+    """How Liger's fused linear cross-entropy adds a chunk's weight gradient to ``grad_weight``, by
+    release (``TrainingSpec.liger_version``): (bytes per element of the chunk's logits, bytes in
+    total) alive beside the chunk's logits then.
+
+    * before 0.6.2: ``torch.addmm(input=grad_weight, mat1=logits_chunk.t().to(_input_chunk.dtype),
+      mat2=_input_chunk, out=grad_weight)`` in place (v0.5.10 L126-135, v0.3.0 L121-132): no (V, H)
+      tensor; under autocast the fp32 input makes ``.to()`` an fp32 copy of the chunk's logits;
+    * 0.6.2 to 0.8.0: ``grad_weight += torch.mm(grad_logits_chunk.t(), _input_chunk).float()``
+      (v0.6.2 L134, v0.7.0 L199; commit 2845fe83 "Add accum_dtype option", 2025-07-30): a (V, H)
+      tensor in the matmul dtype and its fp32 copy (the same tensor in fp32 training);
+    * from 0.8.1: ``torch.addmm(grad_weight, grad_logits_t, input_chunk, out_dtype=torch.float32,
+      out=grad_weight)`` when grad_weight is fp32 and the logits half on a CUDA device of compute
+      capability >= 8 (autocast over fp32 weights; v0.8.2 L233-255, commit c9fc646f), else the
+      0.6.2 path (pure bf16: a bf16 grad_weight)."""
+    if not trained:
+        return 0, 0
+    v = t.liger_release()
+    if v < (0, 6, 2):
+        return (F32 if pol.amp else 0), 0
+    if v >= (0, 8, 1) and pol.amp:
+        return 0, 0
+    return 0, head * (pol.half + (F32 if pol.half != F32 else 0))
 
 
 def torchtune_compiles_whole_loss(t: TrainingSpec) -> bool:
@@ -897,6 +954,8 @@ def _chunked_nll_fields(m: ModelSpec, t: TrainingSpec, pol: Policy, loss: LossBy
     if head_here and loss_mode(m, t) == "vocab-parallel" and loss.backward_const:
         # fp32 logits: the head's weight gradient and its input's (b, s, h) fp32 gradient (_vocab_parallel_bytes)
         return dict(loss_backward_const=loss.backward_const, loss_backward_tok=float(m.hidden_size * F32))
+    if head_here and loss_mode(m, t) == "fused":   # Liger's (V, H) tensors beside a chunk's logits
+        return dict(loss_matmul_const=loss.matmul_const, loss_matmul_chunk=loss.matmul_chunk)
     if not (head_here and loss_mode(m, t) == "chunked-nll"):
         return {}
     return dict(loss_backward_tok=float(m.hidden_size * pol.stream), loss_chunk_tokens=CHUNKED_NLL_TOKENS,

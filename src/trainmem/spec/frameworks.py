@@ -189,7 +189,8 @@ def _trl_chunked(view: Mapping[str, Any], model: Any, version: tuple[int, ...] |
     """Whether the run computes TRL's chunked_nll by default: from 1.7, on a causal LM, unless the
     loss is given (``--loss``: loss_type, or Liger's ``--loss fused``)."""
     return (version is None or version >= (1, 7)) and getattr(model, "head", "") == "causal-lm" \
-        and view.get("loss") in (None, "chunked-nll") and view.get("loss_chunks", 1) == 1
+        and view.get("loss") in (None, "chunked-nll") and view.get("loss_chunks", 1) == 1 \
+        and not view.get("liger")  # (use_liger_kernel: Liger's loss, sft_config.py L335-336 at v1.9.0)
 
 
 def _trl_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] | None) -> dict[str, Any]:
