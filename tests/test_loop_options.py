@@ -125,12 +125,13 @@ def test_half_chunks_keep_every_chunks_log_probs_but_one_chunks_gradients():
 
 
 def test_fused_loss_keeps_liger_gradients_not_logits():
-    # Liger's fused linear cross-entropy: grad_input (tokens x hidden, bf16), grad_weight (the head's
-    # shape in the weight's dtype: fp32 under autocast) and an fp32 loss per token are saved; no logits
+    # Liger's fused linear cross-entropy: grad_input (tokens x hidden in the input's dtype: the final
+    # norm's fp32 output under autocast, ``torch.zeros_like(_input)``), grad_weight (the head's shape in
+    # the weight's dtype: fp32 under autocast) and an fp32 loss per token are saved; no logits
     upcast = trainmem.estimate("llama-3.2-1b", seq_len=2048)
     fused = trainmem.estimate("llama-3.2-1b", seq_len=2048, loss="fused")
     n, h, v = 2048, 2048, 128256
-    saved = n * (h * 2 + 4) + v * h * 4          # what Liger saves
+    saved = n * (h * 4 + 4) + v * h * 4          # what Liger saves
     dropped = n * v * 4 + n * h * 2              # upcast's fp32 log-probs, the head's saved bf16 input
     assert fused.phase("forward", 2).allocated - upcast.phase("forward", 2).allocated == saved - dropped
     assert fused.peak_allocated < upcast.peak_allocated

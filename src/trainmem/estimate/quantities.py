@@ -169,6 +169,7 @@ class Quantities:
     # moment (the head weight's cast, then the chunk's logits) and its backward's constant
     loss_chunk_tokens: int = 0
     loss_matmul_const: int = 0
+    loss_chunk_const: int = 0   # fused: alive beside a chunk's logits at its weight-gradient moment (LossBytes.chunk_const)
     loss_matmul_chunk: int = 0
     loss_backward_const: int = 0
     loss_backward_more: int = 0
@@ -503,8 +504,10 @@ def head_during_loss(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) -> 
     (b, s/tp, h) shard the final norm returns (``trainmem.wrappers.tp_model_plan``). None when the
     loop computes the loss from the logits (``--loss``: the body's output is gone by then) or off the
     last pipeline stage. Derived architectures measure the same tensor (``derived.head_during_loss``)."""
-    if t.loss == "chunked-nll" and m.head == "causal-lm" and (t.pp == 1 or stage == "last"):
-        return float(m.hidden_size * pol.stream)   # TRL's forward keeps ``outputs`` until the loss returns
+    if t.loss in ("chunked-nll", "fused") and m.head == "causal-lm" and (t.pp == 1 or stage == "last"):
+        # TRL's forward and Liger's ``lce_forward`` (transformers/model/llama.py at v0.6.4: ``hidden_states =
+        # outputs[0]``, then the loss) keep ``outputs`` until the loss returns
+        return float(m.hidden_size * pol.stream)
     if t.loss is not None or m.head != "causal-lm" or not m.final_norm or not pol.amp:
         return 0.0
     if not (t.pp == 1 or stage == "last"):
@@ -603,6 +606,7 @@ class LossBytes(NamedTuple):
     saved_const: int = 0    # in total, saved (Liger: the head weight's gradient)
     cast: int = 0           # the fp32 copy a wrapper makes of the head's output as forward returns (--cast-output)
     matmul_const: int = 0   # chunked-nll: alive at a chunk's head matmul, whatever the chunk (the weight's copy)
+    chunk_const: int = 0    # fused: alive beside ``forward_chunk``'s tensors, whatever the chunk (weight copies)
     matmul_chunk: int = 0   # ... per element of the chunk's logits then
     backward_const: int = 0  # chunked-nll: alive through a chunk's backward whatever the chunk (the weight's copy)
     backward_more: int = 0  # chunked-nll, a trained head: more in backward when there are several chunks
@@ -770,23 +774,34 @@ def fused_linear_ce_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy) -> LossByt
 
     * per token: ``grad_input = torch.zeros_like(_input)`` in the input's dtype, the final norm's
       output (the residual stream's dtype: fp32 under autocast, whose RMSNorm output is fp32;
-      ``amp_custom_fwd`` leaves autocast on and casts nothing), and ``loss_1d``, fp32 (L52-65);
+      ``amp_custom_fwd`` is ``torch.amp.custom_fwd`` without ``cast_inputs``, ops/utils.py L74-84:
+      autocast stays on and nothing is cast), and ``loss_1d``, fp32 (L52-65);
     * in total: ``grad_weight = torch.zeros_like(weight)`` in the weight's dtype (None for a frozen
       head, L55-59; ``accum_dtype`` is not set by the HF patches);
     * per chunk, in forward: ``logits_chunk = _input_chunk @ weight.t()`` (chunk, V) in the matmul
-      dtype, which the Triton kernel overwrites with its gradient (L88, L158). Under autocast that
-      matmul casts ``weight.t()``, a view autocast does not cache (aten/src/ATen/autocast_mode.cpp
-      ``cached_cast``: leaves only), so a (V, H) half copy exists while it runs
-      (``matmul_const``). The weight gradient is accumulated per chunk as the release does it
-      (``_fused_weight_grad_bytes``)."""
+      dtype, which the Triton kernel overwrites with its gradient (L88, L158), then
+      ``grad_input[chunk] = grad_logits_chunk @ weight`` and the weight gradient's accumulation
+      (``_fused_weight_grad_bytes``).
+
+    Under autocast each matmul casts the fp32 weight: ``weight.t()`` is a view, which autocast never
+    caches (aten/src/ATen/autocast_mode.cpp ``cached_cast``: fp32 leaves that require grad, not
+    views), so the first matmul of every chunk makes a (V, H) half copy and frees it; ``weight`` in
+    the second is cached from the first chunk on, until the autocast region ends with the loss
+    (nothing saves it: no copy outlives the forward, ``head_casts``). A frozen head's weight is
+    cast anew by both. The moments: the first matmul, with the cached copy and the uncached one
+    (``matmul_const``), beside two chunks' logits (the previous chunk's, still bound to
+    ``logits_chunk`` / ``grad_logits_chunk`` while the loop's next matmul makes the new one); the
+    weight gradient's, with the cached copy (``chunk_const``), beside one."""
     half, h = pol.half, m.hidden_size
     head = _head_weight_numel(m, t.tp)
-    grad_w = 0 if t.lora_rank else head * t.weight_bytes
-    chunk, const = _fused_weight_grad_bytes(t, pol, head, grad_w > 0)
-    if pol.amp:   # the first matmul's uncached (V, H) half copy of weight.t(), beside the chunk's logits
-        const = max(const, head * HALF)
+    trained = not t.lora_rank
+    grad_w = head * t.weight_bytes if trained else 0
+    chunk, const = _fused_weight_grad_bytes(t, pol, head, trained)
+    cached = head * HALF if (pol.amp and trained) else 0          # the cached half weight (second matmul)
+    first = head * HALF if pol.amp else 0                          # weight.t()'s uncached half copy
     return LossBytes(saved_tok=h * max(pol.stream, half) + F32, saved_const=grad_w,
-                     forward_chunk=half + chunk, matmul_const=const, matmul_chunk=half)
+                     forward_chunk=half + chunk, chunk_const=cached + const,
+                     matmul_const=cached + first, matmul_chunk=2 * half)
 
 
 def _fused_weight_grad_bytes(t: TrainingSpec, pol: Policy, head: int, trained: bool) -> tuple[int, int]:
@@ -803,7 +818,8 @@ def _fused_weight_grad_bytes(t: TrainingSpec, pol: Policy, head: int, trained: b
     * from 0.8.1: ``torch.addmm(grad_weight, grad_logits_t, input_chunk, out_dtype=torch.float32,
       out=grad_weight)`` when grad_weight is fp32 and the logits half on a CUDA device of compute
       capability >= 8 (autocast over fp32 weights; v0.8.2 L233-255, commit c9fc646f), else the
-      0.6.2 path (pure bf16: a bf16 grad_weight)."""
+      0.6.2 path (pure bf16: a bf16 grad_weight). The input chunk's half cast it makes is (chunk, H),
+      left out beside the (chunk, V) logits."""
     if not trained:
         return 0, 0
     v = t.liger_release()
@@ -955,7 +971,8 @@ def _chunked_nll_fields(m: ModelSpec, t: TrainingSpec, pol: Policy, loss: LossBy
         # fp32 logits: the head's weight gradient and its input's (b, s, h) fp32 gradient (_vocab_parallel_bytes)
         return dict(loss_backward_const=loss.backward_const, loss_backward_tok=float(m.hidden_size * F32))
     if head_here and loss_mode(m, t) == "fused":   # Liger's (V, H) tensors beside a chunk's logits
-        return dict(loss_matmul_const=loss.matmul_const, loss_matmul_chunk=loss.matmul_chunk)
+        return dict(loss_matmul_const=loss.matmul_const, loss_matmul_chunk=loss.matmul_chunk,
+                    loss_chunk_const=loss.chunk_const)
     if not (head_here and loss_mode(m, t) == "chunked-nll"):
         return {}
     return dict(loss_backward_tok=float(m.hidden_size * pol.stream), loss_chunk_tokens=CHUNKED_NLL_TOKENS,
@@ -2644,6 +2661,8 @@ def head_casts(m: ModelSpec, t: TrainingSpec) -> int:
     if t.loss == "chunked-nll":
         return 0   # each chunk's cast is a transient of the loss (_chunked_nll_bytes)
     frozen = bool(t.lora_rank) and "lm_head" not in (t.lora_targets or ())
+    if t.loss == "fused":
+        return 0   # Liger's matmuls cast the weight within the loss only: transients (fused_linear_ce_bytes)
     chunked = is_lm(m) and t.loss_chunks > 1 and loss_mode(m, t) in ("chunked", "half")
     return t.loss_chunks if (frozen and chunked) else 1
 
