@@ -211,9 +211,9 @@ def apply(model: nn.Module, t: TrainingSpec) -> nn.Module:
         for m in mlps:
             m.forward = types.MethodType(swiglu_mlp_forward, m)
     if t.loss == "fused":
-        if not hasattr(model, "lm_head") or not hasattr(model, "model"):
-            raise TrainmemError("--loss fused replaces a causal LM's head and loss; this model has no lm_head: "
-                                "drop --loss fused")
+        if not (hasattr(model, "lm_head") and hasattr(model, "model") and hasattr(model.config, "hidden_size")):
+            raise TrainmemError(f"--loss fused: trace runs Liger's lce_forward of a Llama-style causal LM (its "
+                                f"model.model and lm_head); {type(model).__name__} is not one: use estimate")
         model._trainmem_liger_release = t.liger_release()
         model.forward = types.MethodType(lce_forward, model)
     return model
