@@ -4,9 +4,9 @@ emulation of the Functions (trainmem.liger_modules), and each other.
 
 Saved by ``ctx.save_for_backward`` (v0.6.4):
 * ``LigerRMSNormFunction`` (ops/rms_norm.py L563): X itself (its dtype), W (a parameter), RSTD fp32 per row;
-* ``LigerSiLUMulFunction`` (ops/swiglu.py L107): a and b, the gate and up outputs themselves;
+* ``LigerSiLUMulFunction`` (ops/swiglu.py L108): a and b, the gate and up outputs themselves;
 * ``LigerRopeFunction`` (ops/rope.py L226): cos and sin only (q and k rotated in place);
-* ``LigerFusedLinearCrossEntropyFunction`` (ops/fused_linear_cross_entropy.py L246-250): grad_input
+* ``LigerFusedLinearCrossEntropyFunction`` (ops/fused_linear_cross_entropy.py L340-344): grad_input
   (the input's shape and dtype), grad_weight (the weight's), none for the bias here.
 """
 import pytest
@@ -52,7 +52,7 @@ def test_layer_saves_what_liger_functions_save(precision):
 
 
 def test_swiglu_backward_holds_only_the_product_gradient():
-    """``LigerSiLUMulFunction.backward`` writes da, db over the saved a, b (swiglu_backward L81-95):
+    """``LigerSiLUMulFunction.backward`` writes da, db over the saved a, b (swiglu_backward L83-100):
     one (b, s, f) gradient, dc, beside the residual stream's, where HF's MulBackward0 makes the
     product's two gradients beside down_proj's input gradient. The transient is the excess over the
     layer's saved tensors, of which down_proj's input (f, half) is freed by then: pure bf16, per token."""

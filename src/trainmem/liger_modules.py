@@ -6,26 +6,26 @@ tensors, so each Function here is an emulation of the kernel's memory, as trace'
 of CUDA's kernels: it allocates what Liger's Python code allocates (``torch.empty``, ``zeros_like``,
 the matmuls of the fused loss), saves exactly what its ``ctx.save_for_backward`` saves, and stands
 for each Triton launch (which writes into tensors already allocated and allocates nothing) by
-nothing. Values are not computed (trace's tensors have none). Sources, at v0.6.4 (d4b9ecd, 2025-11)
-unless a release is named:
+nothing. Values are not computed (trace's tensors have none). Sources, at v0.6.4 (0a627007,
+2025-11-21) unless a release is named:
 
-* ``LigerRMSNormFunction`` (``ops/rms_norm.py`` L549-580; ``rms_norm_forward`` L373-438,
-  ``rms_norm_backward`` L441-514): saves ``(X, W, RSTD)``, RSTD fp32 per row; backward's dX is dY
+* ``LigerRMSNormFunction`` (``ops/rms_norm.py`` L527-580; ``rms_norm_forward`` L373-438,
+  ``rms_norm_backward`` L441-524): saves ``(X, W, RSTD)``, RSTD fp32 per row; backward's dX is dY
   itself (in_place, the Llama patch's default), dW the sum of (sm_count, h) fp32 partials.
-* ``LigerSiLUMulFunction`` (``ops/swiglu.py`` L60-117): saves ``(a, b)``; ``c = empty_like(a)``;
+* ``LigerSiLUMulFunction`` (``ops/swiglu.py`` L60-118): saves ``(a, b)``; ``c = empty_like(a)``;
   backward writes da, db over a, b and returns them.
 * ``LigerRopeFunction`` (``ops/rope.py`` L115-239): in place on q and k (their (b, s, heads, d)
   storage, ``contiguous()`` a no-op on a projection's output), saves ``(cos, sin)``; backward
   transposes dq, dk to (b, s, heads, d) and makes them contiguous (a copy when they are not).
-* ``LigerFusedLinearCrossEntropyFunction`` (``ops/fused_linear_cross_entropy.py`` L12-186,
-  L189-275): the loss and both gradients in forward over chunks of
+* ``LigerFusedLinearCrossEntropyFunction`` (``ops/fused_linear_cross_entropy.py`` L16-228,
+  L231-276, L278-370): the loss and both gradients in forward over chunks of
   ``next_power_of_2(ceil(BT / ceil(V / H)))`` tokens, the weight gradient accumulated as the
   release does (``TrainingSpec.liger_version``: addmm in place before 0.6.2, ``+= mm(...).float()``
   from 0.6.2, addmm with ``out_dtype=float32`` from 0.8.1 for an fp32 gradient of half logits);
   saves ``(grad_input, grad_weight)``; backward scales them in place and returns them.
 
 ``apply(model, t)`` patches the built model's instance as ``_apply_liger_kernel_to_instance`` /
-``apply_liger_kernel_to_llama(model=...)`` does (``transformers/monkey_patch.py`` L219-290): each
+``apply_liger_kernel_to_llama(model=...)`` does (``transformers/monkey_patch.py`` L219-295): each
 RMSNorm's and MLP's ``forward`` and, for ``--loss fused``, the causal LM's ``forward``
 (``lce_forward``, ``transformers/model/llama.py``); RoPE is a module global of the modeling file
 (``modeling_llama.apply_rotary_pos_emb = liger_rotary_pos_emb``), patched by ``rope(t)`` around a
@@ -67,12 +67,12 @@ class RMSNormFunction(torch.autograd.Function):
         dy = dy.contiguous()
         # (sm_count, h) fp32 partials (L454; one row here: the device's SM count is not modelled, a few MiB)
         partial = torch.empty((1, x2.shape[1]), dtype=torch.float32, device=w.device)
-        dw = partial.sum(dim=0).to(w.dtype)                         # L512
+        dw = partial.sum(dim=0).to(w.dtype)                         # L522
         return dy, dw                                               # dX = dY (in place, L461-462)
 
 
 def rms_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    """``LigerRMSNorm.forward`` (transformers/rms_norm.py L33-42) over a transformers RMSNorm's weight."""
+    """``LigerRMSNorm.forward`` (transformers/rms_norm.py L32-41) over a transformers RMSNorm's weight."""
     return RMSNormFunction.apply(hidden_states, self.weight)
 
 
@@ -82,19 +82,19 @@ class SiLUMulFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        c = torch.empty_like(a)                                     # swiglu_forward L64
-        ctx.save_for_backward(a, b)                                 # L107
+        c = torch.empty_like(a)                                     # swiglu_forward L66
+        ctx.save_for_backward(a, b)                                 # L108
         return c
 
     @staticmethod
     def backward(ctx: Any, dc: torch.Tensor) -> tuple[Any, ...]:
         a, b = ctx.saved_tensors
         dc.contiguous()  # (ensure_contiguous: a no-op on down_proj's input gradient)
-        return a, b      # the kernel wrote da and db over a and b (swiglu_backward L81-95)
+        return a, b      # the kernel wrote da and db over a and b (swiglu_backward L83-100)
 
 
 def swiglu_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``LigerSwiGLUMLP.forward`` (transformers/swiglu.py L24-25) over a transformers MLP's linears."""
+    """``LigerSwiGLUMLP.forward`` (transformers/swiglu.py L18-19) over a transformers MLP's linears."""
     return self.down_proj(SiLUMulFunction.apply(self.gate_proj(x), self.up_proj(x)))
 
 
@@ -135,46 +135,46 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                 release: tuple[int, ...]) -> torch.Tensor:
         bt, h = x.shape
         v = weight.shape[0]
-        inc_factor = -(-v // h)                                     # triton.cdiv(V, H), L40
-        chunk = _next_pow2(-(-bt // inc_factor))                    # L41
-        grad_input = torch.zeros_like(x)                            # L45
+        inc_factor = -(-v // h)                                     # triton.cdiv(V, H), L51
+        chunk = _next_pow2(-(-bt // inc_factor))                    # L52
+        grad_input = torch.zeros_like(x)                            # L55
         trains = weight.requires_grad and x.requires_grad
-        grad_weight = torch.zeros_like(weight) if trains else None  # L49-50 (accum_dtype None)
-        loss_1d = torch.zeros(bt, dtype=torch.float32, device=x.device)     # L54
-        mask = target != IGNORE_INDEX                               # L58 (.sum().item(): a host number)
+        grad_weight = torch.zeros_like(weight) if trains else None  # L58-60 (accum_dtype None)
+        loss_1d = torch.zeros(bt, dtype=torch.float32, device=x.device)     # L69
+        mask = target != IGNORE_INDEX                               # L74 (.sum().item(): a host number)
         del mask
         for start in range(0, bt, chunk):
             x_chunk = x[start:start + chunk]
-            logits = (x_chunk @ weight.t()).contiguous()            # L86, L131
+            logits = (x_chunk @ weight.t()).contiguous()            # L96, L140
             target[start:start + chunk].contiguous()
             # liger_cross_entropy_kernel: the loss into loss_1d, the logits' gradient over the logits
-            grad_input[start:start + chunk] = logits @ weight       # L161
+            grad_input[start:start + chunk] = logits @ weight       # L195
             if grad_weight is not None:
                 _add_weight_grad(grad_weight, logits, x_chunk, release)
-        loss = torch.sum(loss_1d)                                   # L176
+        loss = torch.sum(loss_1d)                                   # L219
         if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)              # L184
+            grad_weight = grad_weight.to(weight.dtype)              # L225
         ctx.save_for_backward(grad_input.detach(), grad_weight.detach() if grad_weight is not None else None)
         return loss
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
         grad_input, grad_weight = ctx.saved_tensors
-        # element_mul_kernel scales both in place when grad_output != 1 (L189-230): nothing allocated
+        # element_mul_kernel scales both in place when grad_output != 1 (L231-276): nothing allocated
         return grad_input, grad_weight, None, None
 
 
 def _add_weight_grad(grad_weight: torch.Tensor, logits: torch.Tensor, x_chunk: torch.Tensor,
                      release: tuple[int, ...]) -> None:
     """One chunk's weight gradient added as the release does (``estimate.quantities._fused_weight_grad_bytes``)."""
-    if release < (0, 6, 2):          # v0.5.10 L126-135
+    if release < (0, 6, 2):          # v0.5.10 L127-135
         torch.addmm(grad_weight, logits.t().to(x_chunk.dtype), x_chunk, out=grad_weight)
     elif release >= (0, 8, 1) and grad_weight.dtype == torch.float32 and logits.dtype in (torch.float16,
                                                                                         torch.bfloat16):
-        # v0.8.2 L233-255: addmm into the fp32 gradient, out_dtype float32 (the input cast to the logits' dtype)
+        # v0.8.2 L233-257: addmm into the fp32 gradient, out_dtype float32 (the input cast to the logits' dtype)
         # (written into grad_weight: nothing allocated but the input's cast; no CPU kernel has out_dtype)
         x_chunk.to(logits.dtype)
-    else:                            # v0.6.2 L134 .. v0.8.0, and v0.8.1+ otherwise
+    else:                            # v0.6.2 L134, v0.6.4 L198 .. v0.8.0; v0.8.1+ otherwise
         grad_weight += torch.mm(logits.t(), x_chunk).float()
 
 

@@ -520,8 +520,9 @@ class Builder:
 
     def rms_norm_liger(self, x: T, name: str, rows: float = 1) -> T:
         """Liger-Kernel's ``LigerRMSNorm`` (``--liger``; casting_mode "llama", in_place=True for
-        Llama, Mistral and Qwen2: transformers/rms_norm.py L7-40 at v0.6.4): one autograd Function,
-        ``LigerRMSNormFunction`` (ops/rms_norm.py v0.6.4 L549-566; v0.3.0 L287-304; v0.8.2 L634-661),
+        Llama, Mistral and Qwen2: transformers/rms_norm.py L7-41 at v0.6.4): one autograd Function,
+        ``LigerRMSNormFunction`` (ops/rms_norm.py v0.6.4 L527-580, saved at L563; v0.3.0 L269-301; v0.8.2
+        L612-664),
         whose ``ctx.save_for_backward(X, W, RSTD)`` keeps the input itself (``X.view(-1, dim)`` of
         the contiguous residual stream: no copy, ``ensure_contiguous``), the weight (a parameter)
         and ``RSTD``, one fp32 per row (``rstd_dtype = torch.float32`` in the llama and gemma modes,
@@ -529,7 +530,7 @@ class Builder:
         the same activations. The Triton kernel makes no intermediate: the output is ``torch.empty``
         in X's dtype (L386), so nothing is freed within the forward (HF's ``pow`` and fp32 product
         are not made). Backward writes dX into dY in place (``dX = dY`` when in_place, L461-462) and
-        sums an (sm_count, h) fp32 partial weight gradient (a few MiB, left out). A frozen weight
+        sums an (sm_count, h) fp32 partial weight gradient (L454, L522: a few MiB, left out). A frozen weight
         (LoRA) changes nothing: X and RSTD are what dX needs."""
         if self.base_trains:  # one Function with the trainable weight: it saves all of it
             self.grad_starts(x)
@@ -1811,7 +1812,7 @@ def _liger_swiglu(B: Builder, f: float, h: float, src: T, name: str) -> None:
     (ops/swiglu.py v0.6.4 L102-117, unchanged from v0.3.0 to v0.8.2) saves ``(a, b)``, the gate and up
     outputs themselves (half: the linears' outputs), and returns ``c = torch.empty_like(a)`` (L64):
     silu(a) is recomputed in the kernel, never stored. Its backward kernel writes da and db over
-    the saved a and b (``swiglu_backward`` returns ``a.view(...)``, ``b.view(...)``, L81-95), so the
+    the saved a and b (``swiglu_backward`` returns ``a.view(...)``, ``b.view(...)``, L83-100), so the
     only new tensor of the activation's backward is the product's gradient (b, s, f) that
     ``down_proj``'s backward hands it, beside the residual stream's gradient waiting for the
     attention branch (as ``_swiglu``)."""

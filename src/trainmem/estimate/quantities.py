@@ -767,19 +767,19 @@ def _loss_in_one_piece(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int) ->
 
 def fused_linear_ce_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy) -> LossBytes:
     """Liger-Kernel's ``LigerFusedLinearCrossEntropyFunction`` (``--loss fused``, ``--liger``):
-    ``fused_linear_cross_entropy_forward`` (ops/fused_linear_cross_entropy.py, v0.6.4 L12-186,
-    v0.5.10 L24-160, v0.8.2 L40-300) computes the loss and both gradients in forward, over chunks of
+    ``fused_linear_cross_entropy_forward`` (ops/fused_linear_cross_entropy.py, v0.6.4 L16-228,
+    v0.5.10 L16-155, v0.8.2 L21-300) computes the loss and both gradients in forward, over chunks of
     ``next_power_of_2(ceil(BT / ceil(V / H)))`` tokens (``Quantities.liger_factor``), and
-    ``ctx.save_for_backward(grad_input, grad_weight, grad_bias)`` keeps them (v0.6.4 L246-250):
+    ``ctx.save_for_backward(grad_input, grad_weight, grad_bias)`` keeps them (v0.6.4 L340-344):
 
     * per token: ``grad_input = torch.zeros_like(_input)`` in the input's dtype, the final norm's
       output (the residual stream's dtype: fp32 under autocast, whose RMSNorm output is fp32;
       ``amp_custom_fwd`` is ``torch.amp.custom_fwd`` without ``cast_inputs``, ops/utils.py L74-84:
-      autocast stays on and nothing is cast), and ``loss_1d``, fp32 (L52-65);
+      autocast stays on and nothing is cast), and ``loss_1d``, fp32 (L55, L69);
     * in total: ``grad_weight = torch.zeros_like(weight)`` in the weight's dtype (None for a frozen
-      head, L55-59; ``accum_dtype`` is not set by the HF patches);
+      head, L58-63; ``accum_dtype`` is not set by the HF patches);
     * per chunk, in forward: ``logits_chunk = _input_chunk @ weight.t()`` (chunk, V) in the matmul
-      dtype, which the Triton kernel overwrites with its gradient (L88, L158), then
+      dtype, which the Triton kernel overwrites with its gradient (L96, L126-168), then
       ``grad_input[chunk] = grad_logits_chunk @ weight`` and the weight gradient's accumulation
       (``_fused_weight_grad_bytes``).
 
@@ -810,14 +810,14 @@ def _fused_weight_grad_bytes(t: TrainingSpec, pol: Policy, head: int, trained: b
     total) alive beside the chunk's logits then.
 
     * before 0.6.2: ``torch.addmm(input=grad_weight, mat1=logits_chunk.t().to(_input_chunk.dtype),
-      mat2=_input_chunk, out=grad_weight)`` in place (v0.5.10 L126-135, v0.3.0 L121-132): no (V, H)
+      mat2=_input_chunk, out=grad_weight)`` in place (v0.5.10 L127-135, v0.3.0 L122-129): no (V, H)
       tensor; under autocast the fp32 input makes ``.to()`` an fp32 copy of the chunk's logits;
     * 0.6.2 to 0.8.0: ``grad_weight += torch.mm(grad_logits_chunk.t(), _input_chunk).float()``
-      (v0.6.2 L134, v0.7.0 L199; commit 2845fe83 "Add accum_dtype option", 2025-07-30): a (V, H)
+      (v0.6.2 L134, v0.6.4 L198, v0.7.0 L199; commit 2845fe83 "Add accum_dtype option", 2025-07-30): a (V, H)
       tensor in the matmul dtype and its fp32 copy (the same tensor in fp32 training);
     * from 0.8.1: ``torch.addmm(grad_weight, grad_logits_t, input_chunk, out_dtype=torch.float32,
       out=grad_weight)`` when grad_weight is fp32 and the logits half on a CUDA device of compute
-      capability >= 8 (autocast over fp32 weights; v0.8.2 L233-255, commit c9fc646f), else the
+      capability >= 8 (autocast over fp32 weights; v0.8.2 L233-257, commit c9fc646f), else the
       0.6.2 path (pure bf16: a bf16 grad_weight). The input chunk's half cast it makes is (chunk, H),
       left out beside the (chunk, V) logits."""
     if not trained:

@@ -1264,7 +1264,7 @@ def _size_problems(model: Any, t: TrainingSpec) -> str | None:
 #: the transformers model types whose Liger patch (``apply_liger_kernel_to_<type>``) trainmem models:
 #: RMSNorm -> ``LigerRMSNorm`` (casting_mode "llama", in_place), MLP -> ``LigerSwiGLUMLP``,
 #: ``apply_rotary_pos_emb`` -> ``liger_rotary_pos_emb`` (transformers/monkey_patch.py at v0.6.4: llama
-#: L219-290, mistral L659-727, qwen2 L1268-1344)
+#: L219-295, mistral L659-727, qwen2 L1268-1344)
 LIGER_TYPES = ("llama", "mistral", "qwen2")
 
 
