@@ -140,6 +140,7 @@ def test_liger_frees_hf_layer_tensors_at_scale():
     ("llama-3.2-1b", {"loss": "chunked-nll"}, "--liger with --loss chunked-nll"),
     ("llama-3.2-1b", {"liger_version": "0.2.0"}, "before 0.3.0"),
     ("llama-3.2-1b", {"liger_version": "x"}, "not a release number"),
+    ("llama-3.2-1b", {"transformers_version": "4.45.2"}, "lce_forward_deprecated"),
 ])
 def test_refusals(model, opts, match):
     with pytest.raises(TrainmemError, match=match) as err:

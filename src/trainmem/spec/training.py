@@ -853,6 +853,11 @@ class TrainingSpec:
         if what:
             raise TrainmemError(f"--liger is modelled for Liger's eager kernels on whole tensors (one GPU, data "
                                 f"parallelism, FSDP or ZeRO); drop {what} or --liger")
+        if self.transformers_version is not None and self.transformers_release < (4, 46, 1):
+            # (monkey_patch.py L53 at v0.6.4: SUPPORTED_TRANSFORMER_VERSION "4.46.1"; model/llama.py L29-110)
+            raise TrainmemError(f"--liger with --transformers-version {self.transformers_version}: before 4.46.1 "
+                                "Liger patches in lce_forward_deprecated (a shifted contiguous copy of the hidden "
+                                "states), which is not modelled; give 4.46.1 or later, or drop --liger")
         if self.loss is None:
             object.__setattr__(self, "loss", "fused")
         elif self.loss not in ("fused", "upcast"):
