@@ -170,6 +170,9 @@ class Quantities:
     loss_chunk_tokens: int = 0
     loss_matmul_const: int = 0
     loss_chunk_const: int = 0   # fused: alive beside a chunk's logits at its weight-gradient moment (LossBytes.chunk_const)
+    # fused: (weight.t()'s uncached copy, the cached copy, mm's output, its .float(), per chunk logit, the half
+    # dtype's bytes) for the allocator replay (fused_linear_ce_parts); () for other losses
+    fused_parts: tuple = ()
     loss_matmul_chunk: int = 0
     loss_backward_const: int = 0
     loss_backward_more: int = 0
@@ -794,20 +797,31 @@ def fused_linear_ce_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy) -> LossByt
     weight gradient's, with the cached copy (``chunk_const``), beside one."""
     half, h = pol.half, m.hidden_size
     head = _head_weight_numel(m, t.tp)
-    trained = not t.lora_rank
-    grad_w = head * t.weight_bytes if trained else 0
-    chunk, const = _fused_weight_grad_bytes(t, pol, head, trained)
-    cached = head * HALF if (pol.amp and trained) else 0          # the cached half weight (second matmul)
-    first = head * HALF if pol.amp else 0                          # weight.t()'s uncached half copy
+    grad_w = 0 if t.lora_rank else head * t.weight_bytes
+    first, cached, mm, flt, chunk = fused_linear_ce_parts(m, t, pol)
     return LossBytes(saved_tok=h * max(pol.stream, half) + F32, saved_const=grad_w,
-                     forward_chunk=half + chunk, chunk_const=cached + const,
+                     forward_chunk=half + chunk, chunk_const=cached + mm + flt,
                      matmul_const=cached + first, matmul_chunk=2 * half)
 
 
-def _fused_weight_grad_bytes(t: TrainingSpec, pol: Policy, head: int, trained: bool) -> tuple[int, int]:
+def fused_linear_ce_parts(m: ModelSpec, t: TrainingSpec, pol: Policy) -> tuple[int, int, int, int, int]:
+    """The transient tensors of Liger's fused linear cross-entropy forward (``fused_linear_ce_bytes``),
+    for the allocator replay (``reserved._fused_forward``): bytes of autocast's uncached (V, H) half copy
+    of ``weight.t()`` (each chunk's first matmul), of its cached copy of ``weight`` (a trained head under
+    autocast), of the weight-gradient ``mm``'s (V, H) output and of its ``.float()`` copy, and per logit
+    element of a chunk the fp32 copy of the logits before 0.6.2 under autocast."""
+    head = _head_weight_numel(m, t.tp)
+    trained = not t.lora_rank
+    first = head * HALF if pol.amp else 0                          # weight.t()'s uncached half copy
+    cached = head * HALF if (pol.amp and trained) else 0          # the cached half weight (second matmul)
+    chunk, mm, flt = _fused_weight_grad_bytes(t, pol, head, trained)
+    return first, cached, mm, flt, chunk
+
+
+def _fused_weight_grad_bytes(t: TrainingSpec, pol: Policy, head: int, trained: bool) -> tuple[int, int, int]:
     """How Liger's fused linear cross-entropy adds a chunk's weight gradient to ``grad_weight``, by
-    release (``TrainingSpec.liger_version``): (bytes per element of the chunk's logits, bytes in
-    total) alive beside the chunk's logits then.
+    release (``TrainingSpec.liger_version``): (bytes per element of the chunk's logits, bytes of the
+    ``mm`` output, bytes of its ``.float()`` copy) alive beside the chunk's logits then.
 
     * before 0.6.2: ``torch.addmm(input=grad_weight, mat1=logits_chunk.t().to(_input_chunk.dtype),
       mat2=_input_chunk, out=grad_weight)`` in place (v0.5.10 L127-135, v0.3.0 L122-129): no (V, H)
@@ -821,13 +835,13 @@ def _fused_weight_grad_bytes(t: TrainingSpec, pol: Policy, head: int, trained: b
       0.6.2 path (pure bf16: a bf16 grad_weight). The input chunk's half cast it makes is (chunk, H),
       left out beside the (chunk, V) logits."""
     if not trained:
-        return 0, 0
+        return 0, 0, 0
     v = t.liger_release()
     if v < (0, 6, 2):
-        return (F32 if pol.amp else 0), 0
+        return (F32 if pol.amp else 0), 0, 0
     if v >= (0, 8, 1) and pol.amp:
-        return 0, 0
-    return 0, head * (pol.half + (F32 if pol.half != F32 else 0))
+        return 0, 0, 0
+    return 0, head * pol.half, (head * F32 if pol.half != F32 else 0)   # (fp32: .float() is the tensor itself)
 
 
 def torchtune_compiles_whole_loss(t: TrainingSpec) -> bool:
@@ -971,8 +985,9 @@ def _chunked_nll_fields(m: ModelSpec, t: TrainingSpec, pol: Policy, loss: LossBy
         # fp32 logits: the head's weight gradient and its input's (b, s, h) fp32 gradient (_vocab_parallel_bytes)
         return dict(loss_backward_const=loss.backward_const, loss_backward_tok=float(m.hidden_size * F32))
     if head_here and loss_mode(m, t) == "fused":   # Liger's (V, H) tensors beside a chunk's logits
+        first, cached, mm, flt, chunk = fused_linear_ce_parts(m, t, pol)
         return dict(loss_matmul_const=loss.matmul_const, loss_matmul_chunk=loss.matmul_chunk,
-                    loss_chunk_const=loss.chunk_const)
+                    loss_chunk_const=loss.chunk_const, fused_parts=(first, cached, mm, flt, chunk, pol.half))
     if not (head_here and loss_mode(m, t) == "chunked-nll"):
         return {}
     return dict(loss_backward_tok=float(m.hidden_size * pol.stream), loss_chunk_tokens=CHUNKED_NLL_TOKENS,
