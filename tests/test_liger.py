@@ -176,6 +176,7 @@ def test_refusals(model, opts, match):
 def test_refusals_without_liger_and_on_measure():
     with pytest.raises(TrainmemError, match="--liger-version describes"):
         TrainingSpec(liger_version="0.6.4")
+    assert TrainingSpec(loss="fused", liger_version="0.6.1").liger_release() == (0, 6, 1)   # the loss alone
     from trainmem.workload import check_supported
     with pytest.raises(TrainmemError, match="--liger runs Liger-Kernel's Triton kernels, which measure"):
         check_supported(TrainingSpec(liger=True), "measure")

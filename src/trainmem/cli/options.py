@@ -277,8 +277,8 @@ def _add_loss(g: Any) -> None:
                         "apply_liger_kernel_to_llama): its RMSNorm, RoPE and SwiGLU kernels in Llama, Mistral and "
                         "Qwen2 layers and, unless --loss is given, its fused linear cross-entropy (estimate only)")
     g.add_argument("--liger-version", default=None, metavar="X.Y.Z",
-                   help="the Liger-Kernel release (default: a current one, >= 0.8.1): how the fused loss "
-                        "accumulates the head's weight gradient changed in 0.6.2 and 0.8.1")
+                   help="the Liger-Kernel release of --liger or --loss fused (default: a current one, >= 0.8.1): "
+                        "how the fused loss accumulates the head's weight gradient changed in 0.6.2 and 0.8.1")
     g.add_argument("--loss-chunks", type=positive_int, default=None, metavar="N",
                    help="--loss chunked (each chunk upcast, torchtune's num_output_chunks) or half (half "
                         "chunks, litgpt's lm_head_chunk_size: N = ceil(seq / 128)): the output projection and "

@@ -269,7 +269,8 @@ class TrainingSpec:
     liger: bool = False  # Liger-Kernel's patch (use_liger_kernel, apply_liger_kernel_to_llama's defaults): its
     #                      RMSNorm, RoPE and SwiGLU Functions in the layers and, unless --loss is given, its fused
     #                      linear cross-entropy (--loss fused); estimate only (liger_problem)
-    liger_version: str | None = None  # the Liger-Kernel release (LIGER_RELEASES); None: a current one (>= 0.8.1)
+    liger_version: str | None = None  # the Liger-Kernel release of --liger / --loss fused; None: a current one
+    #                                   (>= 0.8.1; quantities._fused_weight_grad_bytes)
     split_gate_up: bool = False  # the MLP's gate and up projections as two linears (litgpt's LLaMAMLP fc_1, fc_2)
     #                              where the model's transformers class fuses them (gate_up_proj: Phi-3)
     fsdp_lora_units: str = "separate"  # FSDP_LORA_UNITS: "layer" puts adapters in their layer's FSDP1 unit
@@ -842,12 +843,12 @@ class TrainingSpec:
         the compiled recipe models), tensor, pipeline or context parallelism. Without ``--loss`` the
         loss is Liger's fused linear cross-entropy (``apply_liger_kernel_to_llama(fused_linear_cross_
         entropy=True)``, transformers/monkey_patch.py L219-225 at v0.6.4)."""
-        if self.liger_version is not None and not self.liger:
-            raise TrainmemError("--liger-version describes Liger-Kernel's kernels; give --liger too (or drop "
-                                "--liger-version)")
+        if self.liger_version is not None and not (self.liger or self.loss == "fused"):
+            raise TrainmemError("--liger-version describes Liger-Kernel's kernels; give --liger (or --loss fused) "
+                                "too, or drop --liger-version")
+        self.liger_release()
         if not self.liger:
             return
-        self.liger_release()
         what = ("--compile" if self.compile else "--tp" if self.tp > 1 else "--pp" if self.pp > 1
                 else "--cp" if self.cp > 1 else "--sequence-parallel" if self.sequence_parallel else "")
         if what:
