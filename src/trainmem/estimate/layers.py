@@ -17,6 +17,7 @@ code and checks these recipes.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -1358,6 +1359,9 @@ def _llama_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: 
     if k.kv_cache:
         # (b == 1: eager's and math's matmuls reshape the strided tensors into views, see _cache_tensors)
         shares = k.cache_kind == "copy" or backend in ("flash", "efficient", "cudnn")
+        if k.liger:  # Liger's RoPE rotates k_proj's output in place, in its dtype (liger_modules.RopeFunction):
+            # half, or fp32 from a 4-bit linear under autocast (Builder.frozen_linear), not rotary's fp32 cos/sin
+            k = dataclasses.replace(k, rotary_keys_half=proj["k_proj"].nbytes != F32)
         _hold_cache(B, _cache_tensors(k, pol, kk, vv, kv, shares), _cache_tensors(k, pol, kk, vv, kv, True))
     ctx = B.attention(qq, kk, vv, heads, kvh, k.head_dim, k.attention, k.attention_dropout,
                       softmax_fp32_then_cast=True)

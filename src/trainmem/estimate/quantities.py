@@ -343,8 +343,7 @@ def layer_key(m: ModelSpec, t: TrainingSpec) -> LayerKey:
                     math_upcast=t.math_sdpa_upcasts,
                     eager_clamp=t.attention == "eager" and eager_clamp(m, t.transformers_release),
                     cache_values_own_dtype=cache_values_own_dtype(release), cache_kind=kv_cache_kind(release),
-                    # (Liger's RoPE rotates q and k in place, in their dtype: half keys, rope_liger)
-                    rotary_keys_half=rotary_keys_half(m, release) or t.liger, ring=t.cp if torch_cp(t) else 1,
+                    rotary_keys_half=rotary_keys_half(m, release), ring=t.cp if torch_cp(t) else 1,
                     qk_norm=m.qk_norm, rms_norm_input=t.rms_norm == "input", liger=t.liger,
                     expert_loop=bool(m.num_experts) and moe_expert_loop(m, release),
                     norm_fp32_product=torchtune_norm_saves_fp32(m, t), manual_layernorm=m.manual_layernorm)
