@@ -200,3 +200,38 @@ def test_liger_defaults_to_the_fused_loss_and_trl_keeps_it():
     assert TrainingSpec(liger=True, loss="upcast").loss == "upcast"
     r = trainmem.estimate("llama-3.2-1b", framework="trl", liger=True)
     assert r.training.loss == "fused"   # not TRL 1.7+'s chunked_nll: use_liger_kernel replaces it
+
+
+# ----- properties over random setups ----------------------------------------------------------------
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+from trainmem.spec import catalogue_names, resolve_model  # noqa: E402
+from trainmem.spec.training import liger_problem  # noqa: E402
+
+LIGER_MODELS = [n for n in catalogue_names() if liger_problem(resolve_model(n)) is None]
+
+
+@st.composite
+def liger_setups(draw):
+    name = draw(st.sampled_from(LIGER_MODELS))
+    return name, dict(batch_size=draw(st.integers(1, 8)), seq_len=256 * draw(st.integers(1, 16)),
+                      precision=draw(st.sampled_from(("bf16", "bf16-amp", "fp16-amp", "fp32"))),
+                      recompute=draw(st.sampled_from(("none", "full"))),
+                      lora_rank=draw(st.sampled_from((0, 0, 16))), grad_accum=draw(st.integers(1, 2)),
+                      zero=draw(st.sampled_from((0, 0, 2, 3))), dp=draw(st.sampled_from((1, 8))))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(liger_setups())
+def test_liger_layers_never_keep_more_than_transformers(case):
+    """For every model ``--liger`` applies to: accepted, and Liger's layer kernels keep no more than
+    transformers' modules at the end of forward (same loss: each Function saves a subset of what HF's
+    Python ops save, ``test_layer_saves_what_liger_functions_save``), nor at the peak."""
+    name, o = case
+    hf = trainmem.estimate(name, loss="upcast", **o)
+    lg = trainmem.estimate(name, loss="upcast", liger=True, **o)
+    def forward_end(r):  # the first forward of step 2 (``forward`` or its first micro-batch's)
+        return next(p.allocated for p in r.phases if p.name.startswith("forward") and p.step == 2)
+    assert forward_end(lg) <= forward_end(hf)
+    assert lg.peak_allocated <= hf.peak_allocated
+    assert LIGER_MODELS  # (the catalogue has Llama, Mistral and Qwen2 models)
