@@ -40,6 +40,7 @@ ESTIMATE_OPTIONS = {
     "--zero-grad": ["none", "zeros", "x"], "--optimizer-in-backward": None,
     "--lora-rank": NUMBERS, "--lora-dtype": ["half", "fp32", "x"], "--no-dropout": None,
     "--loss": ["upcast", "half", "chunked", "fused", "x"], "--loss-chunks": NUMBERS,
+    "--liger": None, "--liger-version": ["0.6.4", "0.8.2", "0.2.0", "x", ""],
     "--master-weights": ["fp32", "none", "x"], "--compile": None,
     "--framework": ["hf-trainer", "torchtune", "lightning", "nanogpt", "x"],
     "--gpu": GPUS, "--gpu-memory": SIZES, "--context-memory": SIZES, "--max-fraction": NUMBERS + ["0.9"],

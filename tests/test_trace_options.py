@@ -172,7 +172,10 @@ CASES = [
     ({"rms_norm": "input", "precision": "bf16"}, CHANGED, ""),
     ({"rms_norm": "input", "compile": True}, REFUSED, "--rms-norm input"),
     ({"attention_call": "repeat-kv", "attention": "eager"}, REFUSED, "--attention-call repeat-kv"),
-    ({"loss": "fused"}, REFUSED, "--loss fused"),
+    # Liger-Kernel's Functions, emulated (trainmem.liger_modules; tests/test_liger.py)
+    ({"loss": "fused"}, CHANGED, ""), ({"liger": True}, CHANGED, ""),
+    ({"liger": True, "liger_version": "0.6.1", "precision": "bf16"}, CHANGED, ""),
+    ({"liger_version": "0.6.1"}, REFUSED, "--liger-version"), ({"liger": True, "compile": True}, REFUSED, "--liger"),
     ({"loss": "chunked-nll"}, CHANGED, ""),  # TRL's chunked_nll, run as TRL writes it (workload._chunked_nll_loss)
     ({"loss": "chunked-nll", "tp": 2}, REFUSED, "--loss chunked-nll"),
     ({"master_weights": "fp32", "precision": "bf16"}, REFUSED, "--master-weights fp32"),

@@ -104,9 +104,10 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
     if t.recompute == "selective":
         raise TrainmemError(f"--recompute selective is a Megatron feature; {what} supports none, full and op "
                             "(transformers gradient checkpointing, torchtitan's per-op policy)")
-    if t.loss == "fused":
-        raise TrainmemError(f"--loss fused runs Liger-Kernel's Triton kernels, which {what} cannot run here; "
-                            "use estimate, or --loss chunked")
+    if (t.liger or t.loss == "fused") and what != "trace":
+        flag = "--liger" if t.liger else "--loss fused"
+        raise TrainmemError(f"{flag} runs Liger-Kernel's Triton kernels, which {what} does not install; use trace "
+                            "(which emulates their memory, liger_modules) or estimate")
     if t.loss == "vocab-parallel" and (t.tp > 1 or t.pp > 1 or t.cast_output or t.loss_shift == "logits"):
         raise TrainmemError(f"--loss vocab-parallel: {what} runs Megatron-LM's cross-entropy on one rank's whole "
                             "logits (no --tp, --pp, --cast-output or --loss-shift logits); use estimate")
@@ -475,7 +476,8 @@ class TrainStep:
         return contextlib.nullcontext() if self.emulated else litgpt_modules.attention_call(self.training)
 
     def __call__(self, i: int) -> None:
-        with self.sdpa_pin(), self.attention_call():
+        from . import liger_modules
+        with self.sdpa_pin(), self.attention_call(), liger_modules.rope(self.model, self.training):
             self._step(i)
 
     def _step(self, i: int) -> None:
@@ -537,7 +539,8 @@ class TrainStep:
         labels = batch["labels"]
         if t.cast_output:
             return self._cast_output_loss(batch["input_ids"], labels)
-        if t.loss == "chunked-nll":  # the model's forward is TRL's (_patch_chunked_nll): it returns the loss
+        if t.loss in ("chunked-nll", "fused"):  # the model's forward is TRL's (_patch_chunked_nll) or Liger's
+            # (liger_modules.lce_forward): it returns the loss
             out = self.model(input_ids=batch["input_ids"], labels=labels)
             return out, out.loss
         if t.loss_chunks > 1:  # chunked (torchtune) or half (litgpt)
@@ -708,10 +711,11 @@ def prepare_model(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec) -> t
     bitsandbytes' 4-bit linears (``--quantize``, trace only: measure refuses it), peft's LoRA
     (``--lora-rank``), then litgpt's fused q/k/v and split gate/up linears (``--fused-qkv``,
     ``--split-gate-up``: ``litgpt_modules.apply``, over peft's adapters)."""
-    from . import litgpt_modules
+    from . import liger_modules, litgpt_modules
     add_layer_rope_cache(model, spec, t)
     add_rope_cache(model, spec, t)
     torchtune_rms_norms(model, spec, t)
+    liger_modules.apply(model, t)   # (Liger's instance patch: --liger, --loss fused)
     model = apply_lora(cast_half_embeddings(apply_quantization(model, t), t), spec, t)
     return litgpt_modules.apply(model, t)
 

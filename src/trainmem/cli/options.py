@@ -279,6 +279,13 @@ def _add_loss(g: Any) -> None:
                         "since Oct 2023); input: they compute in the input's dtype and save the input itself "
                         "(lit-gpt before 6178c7cc, lightning-thunder's lit_gpt_model.py until Mar 2024; estimate "
                         "and trace)")
+    g.add_argument("--liger", action="store_true", default=None,
+                   help="Liger-Kernel (TrainingArguments(use_liger_kernel=True), AutoLigerKernelForCausalLM, "
+                        "apply_liger_kernel_to_llama): its RMSNorm, RoPE and SwiGLU kernels in Llama, Mistral and "
+                        "Qwen2 layers and, unless --loss is given, its fused linear cross-entropy (estimate only)")
+    g.add_argument("--liger-version", default=None, metavar="X.Y.Z",
+                   help="the Liger-Kernel release of --liger or --loss fused (default: a current one, >= 0.8.1): "
+                        "how the fused loss accumulates the head's weight gradient changed in 0.6.2 and 0.8.1")
     g.add_argument("--loss-chunks", type=positive_int, default=None, metavar="N",
                    help="--loss chunked (each chunk upcast, torchtune's num_output_chunks) or half (half "
                         "chunks, litgpt's lm_head_chunk_size: N = ceil(seq / 128)): the output projection and "
@@ -450,7 +457,7 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 fsdp_gathered=a.fsdp_gathered,
                 fsdp_version=a.fsdp_version, loss_shift=a.loss_shift, cast_output=a.cast_output, fused_qkv=a.fused_qkv,
                 use_cache=a.use_cache, attention_call=a.attention_call, split_gate_up=a.split_gate_up,
-                rms_norm=a.rms_norm,
+                rms_norm=a.rms_norm, liger=a.liger, liger_version=a.liger_version,
                 target_len=a.target_len, image_size=a.image_size, later_seq_len=a.later_seq_len,
                 min_seq_len=a.min_seq_len, layer_rope_cache=a.layer_rope_cache, rope_cache=a.rope_cache,
                 deepspeed_config=a.deepspeed_config, reduce_bucket_size=a.reduce_bucket_size,

@@ -17,6 +17,7 @@ code and checks these recipes.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -250,6 +251,7 @@ class Builder:
         self.ring = 1  # PyTorch's context parallelism: the ranks its ring attention runs over (_ring_attention)
         self.rms_input = False  # --rms-norm input: ``rms_norm_hf`` is ``rms_norm_input`` (old lit-gpt RMSNorm)
         self.manual_ln = False  # ModelSpec.manual_layernorm: ``layer_norm`` is ``layer_norm_manual``
+        self.liger = False  # --liger: Liger-Kernel's RMSNorm and SwiGLU Functions (``rms_norm_liger``, ``_liger_swiglu``)
         # a gradient alive through the backward of the linears built while it is set (``_linear_backward``):
         # a post-LN layer's residual gradient, waiting for its MLP branch (``_bert_layer``)
         self.waiting_grad: tuple[T, ...] = ()
@@ -506,6 +508,8 @@ class Builder:
         spec.frameworks.torchtune_norm_saves_fp32): the multiply with the weight takes the fp32
         normalized tensor, which it saves (4 B), its fp32 product is transient and the output is cast
         back to the input's dtype."""
+        if self.liger:
+            return self.rms_norm_liger(x, name, rows)
         if self.rms_input:
             return self.rms_norm_input(x, name, rows)
         x32 = x if x.nbytes == F32 else T(x.tok, 0, F32, name)
@@ -524,6 +528,26 @@ class Builder:
         if self.norm_fp32_product:
             return T(x.tok, 0, x.nbytes, name + ".out")  # (weight * normed32).to(x.dtype)
         return T(x.tok, 0, max(self.p.weight, x.nbytes), name + ".out")
+
+    def rms_norm_liger(self, x: T, name: str, rows: float = 1) -> T:
+        """Liger-Kernel's ``LigerRMSNorm`` (``--liger``; casting_mode "llama", in_place=True for
+        Llama, Mistral and Qwen2: transformers/rms_norm.py L7-41 at v0.6.4): one autograd Function,
+        ``LigerRMSNormFunction`` (ops/rms_norm.py v0.6.4 L527-580, saved at L563; v0.3.0 L269-301; v0.8.2
+        L612-664),
+        whose ``ctx.save_for_backward(X, W, RSTD)`` keeps the input itself (``X.view(-1, dim)`` of
+        the contiguous residual stream: no copy, ``ensure_contiguous``), the weight (a parameter)
+        and ``RSTD``, one fp32 per row (``rstd_dtype = torch.float32`` in the llama and gemma modes,
+        L389-390). v0.8.2 saves ``(X, RSTD)`` when the weight is None (elementwise_affine=False),
+        the same activations. The Triton kernel makes no intermediate: the output is ``torch.empty``
+        in X's dtype (L386), so nothing is freed within the forward (HF's ``pow`` and fp32 product
+        are not made). Backward writes dX into dY in place (``dX = dY`` when in_place, L461-462) and
+        sums an (sm_count, h) fp32 partial weight gradient (L454, L522: a few MiB, left out). A frozen weight
+        (LoRA) changes nothing: X and RSTD are what dX needs."""
+        if self.base_trains:  # one Function with the trainable weight: it saves all of it
+            self.grad_starts(x)
+        self.r.save(x, T(rows, 0, F32, name + ".stats"))   # X itself (its dtype), RSTD fp32 per row
+        self.r.input_saved |= x is self.layer_input
+        return T(x.tok, 0, x.nbytes, name + ".out")        # Y = torch.empty((n_rows, n_cols), dtype=X.dtype)
 
     def rms_norm_input(self, x: T, name: str, rows: float = 1) -> T:
         """An RMSNorm computed in its input's dtype (``--rms-norm input``): lit-gpt's ``RMSNorm.forward``
@@ -1000,6 +1024,7 @@ class LayerKey:
     norm_fp32_product: bool = False
     ring: int = 1  # PyTorch's context parallelism: the ranks of its ring attention (states.torch_cp); 1 none
     rms_norm_input: bool = False  # --rms-norm input: the RMSNorms compute in their input's dtype (old lit-gpt)
+    liger: bool = False  # --liger: Liger-Kernel's RMSNorm, RoPE and SwiGLU Functions (Builder.rms_norm_liger, _liger_swiglu)
     manual_layernorm: bool = False  # the LayerNorms in Python ops (ModelSpec.manual_layernorm)
     separate_qkv: bool = False  # GPT-2 family: q, k, v as three linears (ModelSpec.separate_qkv)
     expert_loop: bool = False  # transformers < 5: Mixtral's experts one nn.Linear MLP at a time (_moe_loop)
@@ -1141,6 +1166,7 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
     B.norm_fp32_product = k.norm_fp32_product
     B.ring = k.ring
     B.rms_input = k.rms_norm_input
+    B.liger = k.liger
     B.manual_ln = k.manual_layernorm
     h, f, q, kv = k.h, k.f / t, k.q / t, k.kv / t
     heads, kvh = k.heads / t, k.kv_heads / t  # whole heads per rank (spec.layout.tp_problems)
@@ -1349,6 +1375,9 @@ def _llama_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: 
     if k.kv_cache:
         # (b == 1: eager's and math's matmuls reshape the strided tensors into views, see _cache_tensors)
         shares = k.cache_kind == "copy" or backend in ("flash", "efficient", "cudnn")
+        if k.liger:  # Liger's RoPE rotates k_proj's output in place, in its dtype (liger_modules.RopeFunction):
+            # half, or fp32 from a 4-bit linear under autocast (Builder.frozen_linear), not rotary's fp32 cos/sin
+            k = dataclasses.replace(k, rotary_keys_half=proj["k_proj"].nbytes != F32)
         _hold_cache(B, _cache_tensors(k, pol, kk, vv, kv, shares), _cache_tensors(k, pol, kk, vv, kv, True))
     ctx = B.attention(qq, kk, vv, heads, kvh, k.head_dim, k.attention, k.attention_dropout,
                       softmax_fp32_then_cast=True)
@@ -1367,6 +1396,8 @@ def _llama_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: 
         _moe_loop(B, src2, h, f, k.experts, k.top_k)
     elif k.experts:
         _moe(B, src2, h, f, k.experts, k.top_k)
+    elif k.liger:
+        _liger_swiglu(B, f, h, src2, "mlp")
     else:
         _swiglu(B, f, h, src2, "mlp", fused_gate_up=False)
     B.outer_live = ()
@@ -1792,4 +1823,30 @@ def _swiglu(B: Builder, f: float, h: float, src: T, name: str, fused_gate_up: bo
     grad_out = T(h / B.sp_div, 0, B.p.stream)
     B.r.transient(f"{name}.act.backward", T(3 * f, 0, pd), grad_out, incoming=grad_out)
     prod = T(f, 0, pd, f"{name}.act_product")
+    B.linear(prod, h, f"{name}.down_proj", f"{name}.down_proj.input")
+
+
+def _liger_swiglu(B: Builder, f: float, h: float, src: T, name: str) -> None:
+    """Liger-Kernel's ``LigerSwiGLUMLP`` (``--liger``): ``down_proj(LigerSiLUMulFunction.apply(
+    gate_proj(x), up_proj(x)))`` (transformers/swiglu.py L7-25 at v0.6.4). ``LigerSiLUMulFunction``
+    (ops/swiglu.py v0.6.4 L102-117, unchanged from v0.3.0 to v0.8.2) saves ``(a, b)``, the gate and up
+    outputs themselves (half: the linears' outputs), and returns ``c = torch.empty_like(a)`` (L64):
+    silu(a) is recomputed in the kernel, never stored. Its backward kernel writes da and db over
+    the saved a and b (``swiglu_backward`` returns ``a.view(...)``, ``b.view(...)``, L83-100), so the
+    only new tensor of the activation's backward is the product's gradient (b, s, f) that
+    ``down_proj``'s backward hands it, beside the residual stream's gradient waiting for the
+    attention branch (as ``_swiglu``)."""
+    gate = B.linear(src, f, f"{name}.gate_proj", f"{name}.gate_proj.input", h, out_name=f"{name}.gate_out")
+    if B.frozen:  # a frozen linear's output is not an aten.mm output: name it as the others
+        gate = T(f, 0, gate.nbytes, f"{name}.gate_out")
+    outer, B.outer_live = B.outer_live, (*B.outer_live, gate)   # the gate output alive while up_proj runs
+    up = B.linear(src, f, f"{name}.up_proj", f"{name}.up_proj.input", h, out_name=f"{name}.up_out")
+    B.outer_live = outer
+    if B.frozen:
+        up = T(f, 0, up.nbytes, f"{name}.up_out")
+    B.r.save(gate, up)                                           # ctx.save_for_backward(a, b)
+    grad_out = T(h / B.sp_div, 0, B.p.stream)
+    # the Function's backward: dc (b, s, f) in c's dtype (a's), da and db written over a and b
+    B.r.transient(f"{name}.act.backward", T(f, 0, gate.nbytes), grad_out, incoming=grad_out)
+    prod = T(f, 0, gate.nbytes, f"{name}.act_product")           # c = torch.empty_like(a)
     B.linear(prod, h, f"{name}.down_proj", f"{name}.down_proj.input")

@@ -172,6 +172,10 @@ class Quantities:
     # moment (the head weight's cast, then the chunk's logits) and its backward's constant
     loss_chunk_tokens: int = 0
     loss_matmul_const: int = 0
+    loss_chunk_const: int = 0   # fused: alive beside a chunk's logits at its weight-gradient moment (LossBytes.chunk_const)
+    # fused: (weight.t()'s uncached copy, the cached copy, mm's output, its .float(), per chunk logit, the half
+    # dtype's bytes) for the allocator replay (fused_linear_ce_parts); () for other losses
+    fused_parts: tuple = ()
     loss_matmul_chunk: int = 0
     loss_backward_const: int = 0
     loss_backward_more: int = 0
@@ -346,7 +350,7 @@ def layer_key(m: ModelSpec, t: TrainingSpec) -> LayerKey:
                     eager_clamp=t.attention == "eager" and eager_clamp(m, t.transformers_release),
                     cache_values_own_dtype=cache_values_own_dtype(release), cache_kind=kv_cache_kind(release),
                     rotary_keys_half=rotary_keys_half(m, release), ring=t.cp if torch_cp(t) else 1,
-                    qk_norm=m.qk_norm, rms_norm_input=t.rms_norm == "input",
+                    qk_norm=m.qk_norm, rms_norm_input=t.rms_norm == "input", liger=t.liger,
                     expert_loop=bool(m.num_experts) and moe_expert_loop(m, release),
                     norm_fp32_product=torchtune_norm_saves_fp32(m, t), manual_layernorm=m.manual_layernorm,
                     separate_qkv=m.separate_qkv)
@@ -443,7 +447,7 @@ def outer_tensors(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) -> tup
     if t.pp == 1 or stage == "last":
         out += _head_side(m, pol, h, sp, fused=is_lm(m) and loss_mode(m, t) in ("fused", "chunked-nll"), quant_head=_quant_head(m, t),
                           frozen=bool(t.lora_rank), head_adapted=_head_is_lora_target(m, t),
-                          rms_input=t.rms_norm == "input", norm_fp32=torchtune_norm_saves_fp32(m, t))
+                          rms_input=t.rms_norm == "input", norm_fp32=torchtune_norm_saves_fp32(m, t), liger=t.liger)
     elif torch_pipeline(t):
         # the stage's output (b, s, h), residual dtype: torch's PipelineStage keeps it in ``fwd_cache``
         # from the micro-batch's forward to its backward (torch 2.13 distributed/pipelining/stage.py
@@ -509,8 +513,10 @@ def head_during_loss(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) -> 
     (b, s/tp, h) shard the final norm returns (``trainmem.wrappers.tp_model_plan``). None when the
     loop computes the loss from the logits (``--loss``: the body's output is gone by then) or off the
     last pipeline stage. Derived architectures measure the same tensor (``derived.head_during_loss``)."""
-    if t.loss == "chunked-nll" and m.head == "causal-lm" and (t.pp == 1 or stage == "last"):
-        return float(m.hidden_size * pol.stream)   # TRL's forward keeps ``outputs`` until the loss returns
+    if t.loss in ("chunked-nll", "fused") and m.head == "causal-lm" and (t.pp == 1 or stage == "last"):
+        # TRL's forward and Liger's ``lce_forward`` (transformers/model/llama.py at v0.6.4: ``hidden_states =
+        # outputs[0]``, then the loss) keep ``outputs`` until the loss returns
+        return float(m.hidden_size * pol.stream)
     if t.loss is not None or m.head != "causal-lm" or not m.final_norm or not pol.amp:
         return 0.0
     if not (t.pp == 1 or stage == "last"):
@@ -531,7 +537,7 @@ def _quant_head(m: ModelSpec, t: TrainingSpec) -> str:
 
 def _head_side(m: ModelSpec, pol: Policy, h: int, sp: int, fused: bool = False, quant_head: str = "",
                frozen: bool = False, head_adapted: bool = False, rms_input: bool = False,
-               norm_fp32: bool = False
+               norm_fp32: bool = False, liger: bool = False
                ) -> list[tuple[str, float, float]]:
     """The final norm's saved tensors and the head's input (which a fused linear cross-entropy
     does not save: it keeps the gradients it computed in forward instead; a 4-bit head saves it
@@ -548,10 +554,14 @@ def _head_side(m: ModelSpec, pol: Policy, h: int, sp: int, fused: bool = False, 
 
     ``rms_input`` (``--rms-norm input``): the final RMSNorm computes in its input's dtype
     (``layers.Builder.rms_norm_input``): it saves its input itself (the last layer's output, which
-    nothing else keeps), one ``rsqrt`` per token in that dtype and, for a trainable weight, ``normed``."""
+    nothing else keeps), one ``rsqrt`` per token in that dtype and, for a trainable weight, ``normed``.
+    ``liger`` (``--liger``): the final norm is ``LigerRMSNorm`` (``layers.Builder.rms_norm_liger``):
+    its input itself and one fp32 ``RSTD`` per token, whether the weight trains or not."""
     out: list[tuple[str, float, float]] = []
     if m.final_norm and m.family != "bert":
-        if m.norm == "rmsnorm" and rms_input:
+        if m.norm == "rmsnorm" and liger:
+            out.append(("final_norm", (h * pol.stream + F32) / sp, 0.0))
+        elif m.norm == "rmsnorm" and rms_input:
             out.append(("final_norm", (h * pol.stream * (1 if frozen else 2) + pol.stream) / sp, 0.0))
         elif m.norm == "rmsnorm":  # HF RMSNorm: fp32 input copy, the normed tensor (trainable weight), fp32 rstd
             normed = 0 if frozen else (F32 if norm_fp32 else pol.stream)
@@ -605,6 +615,7 @@ class LossBytes(NamedTuple):
     saved_const: int = 0    # in total, saved (Liger: the head weight's gradient)
     cast: int = 0           # the fp32 copy a wrapper makes of the head's output as forward returns (--cast-output)
     matmul_const: int = 0   # chunked-nll: alive at a chunk's head matmul, whatever the chunk (the weight's copy)
+    chunk_const: int = 0    # fused: alive beside ``forward_chunk``'s tensors, whatever the chunk (weight copies)
     matmul_chunk: int = 0   # ... per element of the chunk's logits then
     backward_const: int = 0  # chunked-nll: alive through a chunk's backward whatever the chunk (the weight's copy)
     backward_more: int = 0  # chunked-nll, a trained head: more in backward when there are several chunks
@@ -742,8 +753,7 @@ def _loss_in_one_piece(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int) ->
         # copy; backward starts with two fp32 gradients
         return LossBytes(F32 if held else 0, F32, F32, 0, 2 * F32)
     if mode == "fused":
-        grad_w = 0 if t.lora_rank else _head_weight_numel(m, t.tp) * t.weight_bytes
-        return LossBytes(saved_tok=m.hidden_size * half + F32, saved_const=grad_w, forward_chunk=half)
+        return fused_linear_ce_bytes(m, t, pol)
     if mode == "chunked" and t.compile:
         return _compiled_chunked_loss_bytes(held, half)
     if mode == "upcast" and t.cast_output and torchtune_compiles_whole_loss(t):
@@ -762,6 +772,82 @@ def _loss_in_one_piece(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int) ->
     if t.compile:   # the loop's loss, eager, on the compiled model's outputs
         return _eager_loss_bytes(m, t, pol, held, mode, half)
     return _eager_loss_bytes(m, t, pol, held, mode, half)
+
+
+def fused_linear_ce_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy) -> LossBytes:
+    """Liger-Kernel's ``LigerFusedLinearCrossEntropyFunction`` (``--loss fused``, ``--liger``):
+    ``fused_linear_cross_entropy_forward`` (ops/fused_linear_cross_entropy.py, v0.6.4 L16-228,
+    v0.5.10 L16-155, v0.8.2 L21-300) computes the loss and both gradients in forward, over chunks of
+    ``next_power_of_2(ceil(BT / ceil(V / H)))`` tokens (``Quantities.liger_factor``), and
+    ``ctx.save_for_backward(grad_input, grad_weight, grad_bias)`` keeps them (v0.6.4 L340-344):
+
+    * per token: ``grad_input = torch.zeros_like(_input)`` in the input's dtype, the final norm's
+      output (the residual stream's dtype: fp32 under autocast, whose RMSNorm output is fp32;
+      ``amp_custom_fwd`` is ``torch.amp.custom_fwd`` without ``cast_inputs``, ops/utils.py L74-84:
+      autocast stays on and nothing is cast), and ``loss_1d``, fp32 (L55, L69);
+    * in total: ``grad_weight = torch.zeros_like(weight)`` in the weight's dtype (None for a frozen
+      head, L58-63; ``accum_dtype`` is not set by the HF patches);
+    * per chunk, in forward: ``logits_chunk = _input_chunk @ weight.t()`` (chunk, V) in the matmul
+      dtype, which the Triton kernel overwrites with its gradient (L96, L126-168), then
+      ``grad_input[chunk] = grad_logits_chunk @ weight`` and the weight gradient's accumulation
+      (``_fused_weight_grad_bytes``).
+
+    Under autocast each matmul casts the fp32 weight: ``weight.t()`` is a view, which autocast never
+    caches (aten/src/ATen/autocast_mode.cpp ``cached_cast``: fp32 leaves that require grad, not
+    views), so the first matmul of every chunk makes a (V, H) half copy and frees it; ``weight`` in
+    the second is cached from the first chunk on, until the autocast region ends with the loss
+    (nothing saves it: no copy outlives the forward, ``head_casts``). A frozen head's weight is
+    cast anew by both. The moments: the first matmul, with the cached copy and the uncached one
+    (``matmul_const``), beside two chunks' logits (the previous chunk's, still bound to
+    ``logits_chunk`` / ``grad_logits_chunk`` while the loop's next matmul makes the new one); the
+    weight gradient's, with the cached copy (``chunk_const``), beside one."""
+    half, h = pol.half, m.hidden_size
+    head = _head_weight_numel(m, t.tp)
+    grad_w = 0 if t.lora_rank else head * t.weight_bytes
+    first, cached, mm, flt, chunk = fused_linear_ce_parts(m, t, pol)
+    return LossBytes(saved_tok=h * max(pol.stream, half) + F32, saved_const=grad_w,
+                     forward_chunk=half + chunk, chunk_const=cached + mm + flt,
+                     matmul_const=cached + first, matmul_chunk=2 * half)
+
+
+def fused_linear_ce_parts(m: ModelSpec, t: TrainingSpec, pol: Policy) -> tuple[int, int, int, int, int]:
+    """The transient tensors of Liger's fused linear cross-entropy forward (``fused_linear_ce_bytes``),
+    for the allocator replay (``reserved._fused_forward``): bytes of autocast's uncached (V, H) half copy
+    of ``weight.t()`` (each chunk's first matmul), of its cached copy of ``weight`` (a trained head under
+    autocast), of the weight-gradient ``mm``'s (V, H) output and of its ``.float()`` copy, and per logit
+    element of a chunk the fp32 copy of the logits before 0.6.2 under autocast."""
+    head = _head_weight_numel(m, t.tp)
+    trained = not t.lora_rank
+    first = head * HALF if pol.amp else 0                          # weight.t()'s uncached half copy
+    cached = head * HALF if (pol.amp and trained) else 0          # the cached half weight (second matmul)
+    chunk, mm, flt = _fused_weight_grad_bytes(t, pol, head, trained)
+    return first, cached, mm, flt, chunk
+
+
+def _fused_weight_grad_bytes(t: TrainingSpec, pol: Policy, head: int, trained: bool) -> tuple[int, int, int]:
+    """How Liger's fused linear cross-entropy adds a chunk's weight gradient to ``grad_weight``, by
+    release (``TrainingSpec.liger_version``): (bytes per element of the chunk's logits, bytes of the
+    ``mm`` output, bytes of its ``.float()`` copy) alive beside the chunk's logits then.
+
+    * before 0.6.2: ``torch.addmm(input=grad_weight, mat1=logits_chunk.t().to(_input_chunk.dtype),
+      mat2=_input_chunk, out=grad_weight)`` in place (v0.5.10 L127-135, v0.3.0 L122-129): no (V, H)
+      tensor; under autocast the fp32 input makes ``.to()`` an fp32 copy of the chunk's logits;
+    * 0.6.2 to 0.8.0: ``grad_weight += torch.mm(grad_logits_chunk.t(), _input_chunk).float()``
+      (v0.6.2 L134, v0.6.4 L198, v0.7.0 L199; commit 2845fe83 "Add accum_dtype option", 2025-07-30): a (V, H)
+      tensor in the matmul dtype and its fp32 copy (the same tensor in fp32 training);
+    * from 0.8.1: ``torch.addmm(grad_weight, grad_logits_t, input_chunk, out_dtype=torch.float32,
+      out=grad_weight)`` when grad_weight is fp32 and the logits half on a CUDA device of compute
+      capability >= 8 (autocast over fp32 weights; v0.8.2 L233-257, commit c9fc646f), else the
+      0.6.2 path (pure bf16: a bf16 grad_weight). The input chunk's half cast it makes is (chunk, H),
+      left out beside the (chunk, V) logits."""
+    if not trained:
+        return 0, 0, 0
+    v = t.liger_release()
+    if v < (0, 6, 2):
+        return (F32 if pol.amp else 0), 0, 0
+    if v >= (0, 8, 1) and pol.amp:
+        return 0, 0, 0
+    return 0, head * pol.half, (head * F32 if pol.half != F32 else 0)   # (fp32: .float() is the tensor itself)
 
 
 def torchtune_compiles_whole_loss(t: TrainingSpec) -> bool:
@@ -904,6 +990,10 @@ def _chunked_nll_fields(m: ModelSpec, t: TrainingSpec, pol: Policy, loss: LossBy
     if head_here and loss_mode(m, t) == "vocab-parallel" and loss.backward_const:
         # fp32 logits: the head's weight gradient and its input's (b, s, h) fp32 gradient (_vocab_parallel_bytes)
         return dict(loss_backward_const=loss.backward_const, loss_backward_tok=float(m.hidden_size * F32))
+    if head_here and loss_mode(m, t) == "fused":   # Liger's (V, H) tensors beside a chunk's logits
+        first, cached, mm, flt, chunk = fused_linear_ce_parts(m, t, pol)
+        return dict(loss_matmul_const=loss.matmul_const, loss_matmul_chunk=loss.matmul_chunk,
+                    loss_chunk_const=loss.chunk_const, fused_parts=(first, cached, mm, flt, chunk, pol.half))
     if not (head_here and loss_mode(m, t) == "chunked-nll"):
         return {}
     return dict(loss_backward_tok=float(m.hidden_size * pol.stream), loss_chunk_tokens=CHUNKED_NLL_TOKENS,
@@ -2645,6 +2735,8 @@ def head_casts(m: ModelSpec, t: TrainingSpec) -> int:
     if t.loss == "chunked-nll":
         return 0   # each chunk's cast is a transient of the loss (_chunked_nll_bytes)
     frozen = bool(t.lora_rank) and "lm_head" not in (t.lora_targets or ())
+    if t.loss == "fused":
+        return 0   # Liger's matmuls cast the weight within the loss only: transients (fused_linear_ce_bytes)
     chunked = is_lm(m) and t.loss_chunks > 1 and loss_mode(m, t) in ("chunked", "half")
     return t.loss_chunks if (frozen and chunked) else 1
 

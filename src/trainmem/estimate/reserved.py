@@ -51,7 +51,7 @@ from typing import Any
 from ..allocator import CachingAllocator
 from ..allocator_rules import block_bytes
 from .layers import F32, HALF
-from .moments import StepFlags, Tokens, best_transient, label_tokens
+from .moments import StepFlags, Tokens, _logit_sizes, best_transient, label_tokens
 from .quantities import Quantities
 from .states import parameter_order as _parameter_order
 
@@ -262,6 +262,8 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     s.held = []
     if q.loss_chunk_tokens:   # TRL's chunked_nll: its tensors one by one (quantities._chunked_nll_bytes)
         fwd, saved = _chunked_nll_forward(R, q, tk)
+    elif q.fused_parts:       # Liger's fused linear cross-entropy: its tensors one by one
+        fwd, saved = _fused_forward(R, q, tk, flags)
     else:
         fwd = R.allocs(_logit_tensors(tk.loss_forward, q.loss_forward, full, chunks))  # the fp32 copy, transient
         if q.loss_saves_out:   # the loss saves the output itself (its per-token tensors are new)
@@ -303,6 +305,38 @@ def _chunked_nll_forward(R: _Replay, q: Quantities, tk: Tokens) -> tuple[list, l
     chunk = R.allocs([q.loss_backward_const, rest])
     R.frees(chunk)
     return [last], saved
+
+
+def _fused_forward(R: _Replay, q: Quantities, tk: Tokens, flags: StepFlags) -> tuple[list, list]:
+    """Liger's fused linear cross-entropy forward (``quantities.fused_linear_ce_bytes``) as it allocates,
+    in Liger's order (ops/fused_linear_cross_entropy.py v0.6.4 L55-225): the final norm's output (held by
+    ``lce_forward`` until the loss returns), then ``grad_input``, ``grad_weight`` and ``loss_1d`` (saved),
+    then per chunk: autocast's copy of ``weight.t()`` and the chunk's logits (the copy freed as the matmul
+    returns, the previous chunk's logits as the name is rebound), the cached copy of ``weight`` (first
+    chunk), before 0.6.2 under autocast the logits' fp32 copy, from 0.6.2 the weight gradient's ``mm``
+    output and its ``.float()`` (the ``mm`` output freed first). Two chunks are replayed: later ones
+    repeat the second's blocks. Returns (transients freed as the loss returns, saved)."""
+    first, cached, mm, flt, per_elem, half = q.fused_parts
+    n = int(tk.tokens)
+    _nl, _full, chunk = _logit_sizes(q, flags, n, 1)
+    chunk = int(chunk)
+    last = R.alloc(int(q.head_loss_tok * n))
+    saved = R.allocs([int(q.loss_saved_tok - 4) * n, int(q.loss_saved_const), 4 * n])
+    kept, prev = [], []
+    for i in range(2 if int(_nl) > chunk // max(1, int(q.logit_width)) else 1):
+        cast = R.alloc(first)
+        cur = R.alloc(chunk * half)
+        R.free(cast)
+        R.frees(prev)
+        if i == 0:
+            kept = [R.alloc(cached)]
+        extra = R.allocs([chunk * per_elem]) if per_elem else []
+        grad_mm = R.alloc(mm)
+        grad_f = R.alloc(flt)
+        R.frees([grad_mm, grad_f] + extra)
+        prev = [cur]
+    R.frees(prev)
+    return [last] + kept, saved
 
 
 def _chunked_nll_backward(R: _Replay, q: Quantities, tk: Tokens) -> list:

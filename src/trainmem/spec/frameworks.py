@@ -189,7 +189,8 @@ def _trl_chunked(view: Mapping[str, Any], model: Any, version: tuple[int, ...] |
     """Whether the run computes TRL's chunked_nll by default: from 1.7, on a causal LM, unless the
     loss is given (``--loss``: loss_type, or Liger's ``--loss fused``)."""
     return (version is None or version >= (1, 7)) and getattr(model, "head", "") == "causal-lm" \
-        and view.get("loss") in (None, "chunked-nll") and view.get("loss_chunks", 1) == 1
+        and view.get("loss") in (None, "chunked-nll") and view.get("loss_chunks", 1) == 1 \
+        and not view.get("liger")  # (use_liger_kernel: Liger's loss, sft_config.py L335-336 at v1.9.0)
 
 
 def _trl_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] | None) -> dict[str, Any]:
@@ -617,6 +618,11 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
         notes=(
         "optim='adamw_hf' (before 4.32) is transformers' own AdamW, a loop over the parameters with one "
         "temporary per tensor (optimization.py:468 in 4.31.0); trainmem counts it as for-loop (two)",
+        "use_liger_kernel=True (off by default) is --liger: the Trainer patches the model instance with "
+        "_apply_liger_kernel_to_instance (trainer.py:1494-1495, integrations/liger.py:28-51, liger-kernel >= 0.3.0), "
+        "whose defaults are apply_liger_kernel_to_llama's: RMSNorm, RoPE, SwiGLU and the fused linear cross-entropy "
+        "(--loss fused); liger_kernel_config={'fused_linear_cross_entropy': False} keeps the model's loss "
+        "(--loss upcast)",
         "--framework-version X sets --transformers-version X (the Trainer is transformers) for the families of "
         "spec/tf_releases.py: before 4.49 the loss copied the shifted logits (4.45.2 modeling_llama.py:1214-1221, "
         "4.48.0 loss/loss_utils.py:32-47), before each family's SDPA support attention was eager; other models "
@@ -656,7 +662,8 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                           "stops at the last hidden state, gathers the labelled tokens (hidden[order]) and runs the "
                           "head in fp32 and the cross-entropy on 256 of them at a time inside "
                           "torch.utils.checkpoint; 'dft' (0.23 on) multiplies the loss by the detached "
-                          "probabilities; use_liger_kernel=True is Liger's fused linear cross-entropy: --loss fused"),
+                          "probabilities; use_liger_kernel=True is Liger's patch: --liger (its RMSNorm, RoPE and "
+                          "SwiGLU kernels and fused linear cross-entropy, --loss fused)"),
         "attention": Cell("sdpa", (_s("transformers", _TF + "modeling_utils.py", "1846"),),
                           note="padding_free (False by default; on with packing's 'bfd' strategy) flattens the "
                                "micro-batch into one sequence for flash attention: give --attention flash and "
@@ -688,7 +695,8 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
         "half); 0.12-0.21 ran peft's prepare_model_for_kbit_training and peft_module_casting_to_bf16 "
         "(embeddings and head to bf16, norms fp32: --half-embeddings, which the preset sets with bf16)",
         "use_cache=False in compute_loss from 0.22 (sft_trainer.py:1710): no KV cache",
-        "use_liger_kernel (False) and activation_offloading (False) are off by default; "
+        "use_liger_kernel (False; --liger: Liger-Kernel's layer kernels and fused linear cross-entropy) and "
+        "activation_offloading (False) are off by default; "
         "completion_only_loss and assistant_only_loss change which labels are -100, not a tensor's size",
     )),
     Preset("accelerate", "Hugging Face Accelerate", "accelerate 1.15.0", {

@@ -334,6 +334,11 @@ class TrainingSpec:
     #                                (torchtune's, torchtitan's and litgpt's own model code; use_cache=False)
     attention_call: str = "model"  # ATTENTION_CALLS: "repeat-kv" = litgpt's SDPA call (causal, K/V copied to all heads)
     rms_norm: str = "fp32"  # RMS_NORMS: "input" = the RMSNorms compute in their input's dtype (old lit-gpt code)
+    liger: bool = False  # Liger-Kernel's patch (use_liger_kernel, apply_liger_kernel_to_llama's defaults): its
+    #                      RMSNorm, RoPE and SwiGLU Functions in the layers and, unless --loss is given, its fused
+    #                      linear cross-entropy (--loss fused); estimate only (liger_problem)
+    liger_version: str | None = None  # the Liger-Kernel release of --liger / --loss fused; None: a current one
+    #                                   (>= 0.8.1; quantities._fused_weight_grad_bytes)
     split_gate_up: bool = False  # the MLP's gate and up projections as two linears (litgpt's LLaMAMLP fc_1, fc_2)
     #                              where the model's transformers class fuses them (gate_up_proj: Phi-3)
     fsdp_lora_units: str = "separate"  # FSDP_LORA_UNITS: "layer" puts adapters in their layer's FSDP1 unit
@@ -979,6 +984,49 @@ class TrainingSpec:
             raise TrainmemError("--rms-norm input is modelled for eager runs (the recipe of the compiled layer is "
                                 "inductor's partition of transformers' RMSNorm); drop --compile or --rms-norm")
 
+    def _check_liger(self) -> None:
+        """``--liger`` swaps transformers' modules for Liger-Kernel's Triton Functions, which run
+        eagerly on whole tensors: not under ``--compile`` (inductor's partition of the layer is what
+        the compiled recipe models), tensor, pipeline or context parallelism. Without ``--loss`` the
+        loss is Liger's fused linear cross-entropy (``apply_liger_kernel_to_llama(fused_linear_cross_
+        entropy=True)``, transformers/monkey_patch.py L219-225 at v0.6.4)."""
+        if self.liger_version is not None and not (self.liger or self.loss == "fused"):
+            raise TrainmemError("--liger-version describes Liger-Kernel's kernels; give --liger (or --loss fused) "
+                                "too, or drop --liger-version")
+        self.liger_release()
+        if not self.liger:
+            return
+        what = ("--compile" if self.compile else "--tp" if self.tp > 1 else "--pp" if self.pp > 1
+                else "--cp" if self.cp > 1 else "--sequence-parallel" if self.sequence_parallel else "")
+        if what:
+            raise TrainmemError(f"--liger is modelled for Liger's eager kernels on whole tensors (one GPU, data "
+                                f"parallelism, FSDP or ZeRO); drop {what} or --liger")
+        if self.transformers_version is not None and self.transformers_release < (4, 46, 1):
+            # (monkey_patch.py L53 at v0.6.4: SUPPORTED_TRANSFORMER_VERSION "4.46.1"; model/llama.py L29-110)
+            raise TrainmemError(f"--liger with --transformers-version {self.transformers_version}: before 4.46.1 "
+                                "Liger patches in lce_forward_deprecated (a shifted contiguous copy of the hidden "
+                                "states), which is not modelled; give 4.46.1 or later, or drop --liger")
+        if self.loss is None:
+            object.__setattr__(self, "loss", "fused")
+        elif self.loss not in ("fused", "upcast"):
+            raise TrainmemError(f"--liger with --loss {self.loss}: Liger's patch computes its fused linear "
+                                "cross-entropy (--loss fused, the default) or, with fused_linear_cross_entropy="
+                                "False, the model's own loss (--loss upcast)")
+
+    def liger_release(self) -> tuple[int, ...]:
+        """``liger_version`` as numbers (``"0.6.4"`` -> (0, 6, 4)); None: a current release."""
+        v = self.liger_version
+        if v is None:
+            return (1 << 30,)
+        try:
+            out = tuple(int(x) for x in str(v).split(".")[:3])
+        except ValueError:
+            raise TrainmemError(f"--liger-version {v!r} is not a release number like 0.6.4") from None
+        if out < (0, 3):
+            raise TrainmemError(f"--liger-version {v}: Liger-Kernel releases before 0.3.0 (Sep 2024) are not "
+                                "modelled; give 0.3.0 or later")
+        return out
+
     def _check_attention_call(self) -> None:
         """``--attention-call repeat-kv`` is litgpt's SDPA call (and torchtune's through 2024:
         ``MultiHeadAttention.forward`` copies K and V to the query's heads with
@@ -1042,6 +1090,7 @@ class TrainingSpec:
         self._check_fused_qkv()
         self._check_attention_call()
         self._check_rms_norm()
+        self._check_liger()
         if self.loss_shift == "logits" and (self.loss != "half" or self.loss_chunks > 1):
             raise TrainmemError("--loss-shift logits is a loop that shifts the half logits before its cross-entropy "
                                 "(GPTLMLoss, older transformers models): give --loss half (in one piece), or drop "
@@ -1349,6 +1398,10 @@ def _size_problems(model: Any, t: TrainingSpec) -> str | None:
     if t.rms_norm != "fp32" and (model.norm != "rmsnorm" or model.head != "causal-lm"):
         return (f"--rms-norm {t.rms_norm} changes how a causal-LM decoder's RMSNorms compute (old lit-gpt code); "
                 f"{model.name} is not one with RMSNorm ({model.norm}, {model.head} head): drop --rms-norm")
+    if t.liger:
+        bad = liger_problem(model)
+        if bad:
+            return bad
     if t.attention_call != "model" and (model.head != "causal-lm" or model.family == "nanogpt"):
         return (f"--attention-call {t.attention_call} calls SDPA with is_causal (litgpt's decoder); {model.name} "
                 f"is not a transformers causal-LM decoder: drop --attention-call")
@@ -1359,6 +1412,26 @@ def _size_problems(model: Any, t: TrainingSpec) -> str | None:
         return (f"--cast-output is modelled for causal-LM heads (litgpt's GPT under Lightning Fabric); "
                 f"{model.name} has a {model.head} head: drop --cast-output")
     return None
+
+
+#: the transformers model types whose Liger patch (``apply_liger_kernel_to_<type>``) trainmem models:
+#: RMSNorm -> ``LigerRMSNorm`` (casting_mode "llama", in_place), MLP -> ``LigerSwiGLUMLP``,
+#: ``apply_rotary_pos_emb`` -> ``liger_rotary_pos_emb`` (transformers/monkey_patch.py at v0.6.4: llama
+#: L219-295, mistral L659-727, qwen2 L1268-1344)
+LIGER_TYPES = ("llama", "mistral", "qwen2")
+
+
+def liger_problem(model: Any) -> str | None:
+    """Why ``--liger`` cannot be modelled for this model (None: it can). Gemma's patch swaps in
+    GeGLU and Gemma's casting mode, Mixtral's its expert MLP, Qwen3's leaves ``q_norm``/``k_norm``
+    to how the patch was applied (by class before loading, or on the instance: monkey_patch.py
+    L1346-1400 at v0.6.4 patches only the layer norms of an instance): not modelled."""
+    family, mtype = getattr(model, "family", ""), getattr(model, "model_type", "")
+    if family == "llama" and mtype in LIGER_TYPES and not getattr(model, "qk_norm", False) \
+            and not getattr(model, "num_experts", 0) and model.head == "causal-lm":
+        return None
+    return (f"--liger models Liger-Kernel's patch of Llama, Mistral and Qwen2 causal LMs (RMSNorm, RoPE, SwiGLU, "
+            f"fused linear cross-entropy); {model.name} ({mtype or family}) is not one: drop --liger")
 
 
 def chunked_nll_problem(model: Any, head_quantized: bool) -> str | None:

@@ -199,6 +199,12 @@ class CudaEmulation(TorchFunctionMode):
             return self._sdpa(args, kwargs, lower)
         if name == "dropout":
             return self._dropout(func, args, kwargs)
+        if kwargs.get("out") is not None:
+            # autocast's kernels are registered for the functional overloads only (aten/src/ATen/
+            # autocast_mode.cpp ``KERNEL_CUDA(addmm, lower_precision_fp)`` registers ``aten::addmm``, not
+            # ``addmm.out``): an ``out=`` call runs on its operands as they are (Liger-Kernel < 0.6.2's
+            # ``torch.addmm(..., out=grad_weight)``, liger_modules._add_weight_grad)
+            return func(*args, **kwargs)
         if name == "cross_entropy":
             return self._cross_entropy(func, args, kwargs, lower)
         if name == "_grouped_mm":  # no autocast kernel

@@ -99,7 +99,7 @@ def check(t: TrainingSpec) -> None:
                 f"--optimizer {t.optimizer}{' with --optimizer-in-backward' if t.optimizer_in_backward else ''} "
                 f"(trace hands DeepSpeed a torch.optim {', '.join(OPTIMIZERS)})"),
                (t.zero_grad != "none", f"--zero-grad {t.zero_grad} (the engine's step zeroes its own gradients)"),
-               (t.loss_chunks > 1 or t.loss in ("chunked", "fused", "chunked-nll"),
+               (t.loss_chunks > 1 or t.loss in ("chunked", "chunked-nll"),
                 "a chunked loss (it runs the model's body and head outside the engine's forward)"),
                (t.quantize is not None, f"--quantize {t.quantize}"),
                (t.compile, "--compile"), (t.offload_activations, "--offload-activations"),
