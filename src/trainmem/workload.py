@@ -202,7 +202,8 @@ def hf_factory(spec: ModelSpec, t: TrainingSpec) -> Callable[[], torch.nn.Module
                     "qa": "AutoModelForQuestionAnswering",
                     "seq2seq-lm": "AutoModelForSeq2SeqLM", "image-cls": "AutoModelForImageClassification"}[spec.head]
             return getattr(transformers, auto).from_config(config, attn_implementation=impl, dtype=dtype)
-        return cls._from_config(config, attn_implementation=impl, dtype=dtype)
+        from .spec.profile import config_for_class
+        return cls._from_config(config_for_class(cls, config), attn_implementation=impl, dtype=dtype)
 
     return build
 

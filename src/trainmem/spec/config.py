@@ -506,8 +506,10 @@ def _llama_spec(cfg: dict[str, Any], extra: Mapping[str, Any], mtype: str, arch:
 
 
 def spec_from_config(config: Mapping[str, Any], name: str = "model") -> ModelSpec:
-    """Parse a Hugging Face ``config.json`` dict into a ModelSpec."""
-    cfg, extra, mtype, arch = _header(config, name)
+    """Parse a Hugging Face ``config.json`` dict into a ModelSpec (a class no task builds: the causal-LM
+    class of its type, ``spec.tasks.trainable_class``)."""
+    from .tasks import trainable_class
+    cfg, extra, mtype, arch = _header(trainable_class(config), name)
     common: dict[str, Any] = dict(name=name, model_type=mtype, architecture=arch, config=cfg,
                                   num_labels=_num_labels(cfg, name))
     if extra.get("family") == "derived":  # any model type through derived coefficients (spec.profile)

@@ -238,7 +238,7 @@ def build_profile(config: Mapping[str, Any]) -> Profile:
                             f"{', '.join(TASKS)}; this class is none of them (give --task)")
     try:
         with torch.device("meta"):
-            model = cls._from_config(cfg, dtype=torch.float32)  # buffers as an fp32 build makes them
+            model = cls._from_config(config_for_class(cls, cfg), dtype=torch.float32)  # buffers as an fp32 build
     except Exception as e:  # a config that does not build: say which and why, once
         raise TrainmemError(f"model_type {mtype!r}: {cls.__name__} does not build from this config on the meta "
                             f"device ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
@@ -248,6 +248,17 @@ def build_profile(config: Mapping[str, Any]) -> Profile:
         else summary(cfg)
     unused = without_gradient(model, summ) if task == "image-classification" else frozenset()
     return profile_of_module(model, mtype, cls.__name__, dict(summ, task=task), transformers.__version__, unused)
+
+
+def config_for_class(cls: Any, cfg: Any) -> Any:
+    """The config ``cls`` is built from: a composite config's text config where the class takes that (Qwen3.5's
+    ``Qwen3_5ForCausalLM`` of a ``qwen3_5`` checkpoint's ``Qwen3_5Config``, as ``AutoModelForCausalLM.from_config``
+    hands it the text config), else ``cfg`` itself."""
+    wanted = getattr(cls, "config_class", None)
+    if wanted is None or isinstance(cfg, wanted):
+        return cfg
+    text = getattr(cfg, "get_text_config", lambda: None)()
+    return text if text is not None and isinstance(text, wanted) else cfg
 
 
 def without_gradient(model: Any, summ: Mapping[str, Any]) -> frozenset[str]:

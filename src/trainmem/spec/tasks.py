@@ -88,6 +88,33 @@ def natural_class(model_type: str) -> str | None:
     return None
 
 
+def trainable_class(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``config``, or, where its ``architectures`` class is a ``...ForConditionalGeneration`` no task of TASKS
+    builds (a vision-language checkpoint: Qwen3.5's ``Qwen3_5ForConditionalGeneration``) and its model type has
+    a causal-LM class, the
+    config naming that class (what ``AutoModelForCausalLM.from_config`` builds for text training, as TRL and
+    the HF Trainer load it), with a note for the report. Without transformers, ``config`` as it is."""
+    archs = config.get("architectures") or []
+    mtype = str(config.get("model_type") or "")
+    current = archs[0] if archs and isinstance(archs[0], str) else ""
+    try:
+        if not current.endswith("ForConditionalGeneration") or not mtype or task_of_class(mtype, current) is not None:
+            return config  # another head (token classification...) is refused where it is read
+        causal = _mapping("causal-lm").get(mtype)
+    except TrainmemError:  # no transformers: the config's own class stands
+        return config
+    causal = causal[0] if isinstance(causal, (list, tuple)) else causal
+    if not causal or causal == current:
+        return config
+    out = dict(config, architectures=[causal])
+    extra = dict(out.get("_trainmem") or {})
+    extra["notes"] = list(extra.get("notes") or ()) + [
+        f"{current} is no class trainmem trains; estimated as {causal}, the text model AutoModelForCausalLM "
+        f"builds from this config (--task picks another)"]
+    out["_trainmem"] = extra
+    return out
+
+
 def with_task(config: Mapping[str, Any], task: str | None, name: str) -> dict[str, Any]:
     """``config`` with ``architectures`` naming the class of ``task`` (unchanged without a task,
     or when its class already is that task's)."""
