@@ -41,6 +41,8 @@ REPOS: dict[str, tuple[str, str]] = {
     "accelerate": ("huggingface/accelerate", "v1.15.0"),
     "accelerate-main": ("huggingface/accelerate", "16cb6eb80dd9aa8b4df1a63ef57863e455d53b83"),
     "torchtune": ("pytorch/torchtune", "v0.6.1"),
+    "torchtune-0.2": ("pytorch/torchtune", "v0.2.1"),
+    "torchtune-0.3": ("pytorch/torchtune", "v0.3.0"),
     "torchtitan": ("pytorch/torchtitan", "v0.2.2"),
     "lightning": ("Lightning-AI/pytorch-lightning", "2.6.5"),
     "litgpt": ("Lightning-AI/litgpt", "v0.5.13"),
@@ -330,7 +332,8 @@ def _torchtune_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ..
     (recipes/lora_finetune_single_device.py ``_setup_model``: ``with training.set_default_dtype(
     self._dtype), self._device: model = config.instantiate(cfg_model)``): half adapters. torchtune's
     ``TransformerDecoder`` has KV caches only after ``setup_caches`` (generation; torchtune/modules/
-    transformer.py), so training builds none: ``use_cache`` false. The preset's fused AdamW is
+    transformer.py), so training builds none: ``use_cache`` false. Up to 0.2 the distributed recipes
+    wrap with FSDP1 (``fsdp_version`` 1). The preset's fused AdamW is
     torch's; a bitsandbytes optimizer (the single-device configs' ``PagedAdamW8bit``, ``AdamW8bit``)
     has one implementation: no ``optimizer_impl`` (``workload.check_supported`` refuses one).
 
@@ -342,6 +345,11 @@ def _torchtune_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ..
         out["optimizer_impl"] = None
     if view.get("fsdp") is None and not view.get("zero") and _sharded(view):
         out["fsdp"] = "full"
+        if version is not None and _release(version) < (0, 3, 0):
+            # FSDP1 FULL_SHARD up to 0.2 (recipes/full_finetune_distributed.py L319-326,
+            # lora_finetune_distributed.py L415-420 at v0.2.1); fully_shard (FSDP2) from 0.3.0
+            # (training.shard_model, full_finetune_distributed.py L407 at v0.3.0)
+            out["fsdp_version"] = 1
     if view.get("lora_rank") and view.get("lora_dtype") is None:
         out["lora_dtype"] = "half"
     if _repeats_kv(view, model):
@@ -853,7 +861,19 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                                   _s("torchtune", "recipes/full_finetune_distributed.py", "299"))),
         "dropout": Cell(shown="the config's"),
         "grad_sync": Cell(shown="micro-batch (trainmem default; the recipe calls no no_sync)"),
-    }, oldest="0.1.0", rules=_torchtune_rules, check=_check_torchtune, min_torch="2.0"),
+    }, since=(
+        # up to 0.2: the configs' torch.nn.CrossEntropyLoss on the decoder's fp32 output
+        # (``output = self.output(h).float()``), whose shifted contiguous copy the loop keeps until the next
+        # forward (no ``del logits``); from 0.3 CEWithChunkedOutputLoss on 8 bf16 chunks, ``del logits``
+        Since("loss", "0.1", "upcast", _s("torchtune-0.2", "recipes/configs/llama3/8B_full.yaml", "57")),
+        Since("loss_chunks", "0.1", None, _s("torchtune-0.2", "recipes/configs/llama3/8B_full.yaml", "57")),
+        Since("cast_output", "0.1", True, _s("torchtune-0.2", "torchtune/modules/transformer.py", "250")),
+        Since("hold_output", "0.1", "step", _s("torchtune-0.2", "recipes/full_finetune_distributed.py", "519-529")),
+        Since("loss", "0.3", "chunked", _s("torchtune-0.3", "recipes/configs/llama3_1/8B_full.yaml", "61")),
+        Since("loss_chunks", "0.3", 8, _s("torchtune-0.3", "recipes/full_finetune_distributed.py", "231")),
+        Since("cast_output", "0.3", None, _s("torchtune-0.3", "recipes/full_finetune_distributed.py", "231")),
+        Since("hold_output", "0.3", "loss", _s("torchtune-0.3", "recipes/full_finetune_distributed.py", "642")),
+    ), oldest="0.1.0", rules=_torchtune_rules, check=_check_torchtune, min_torch="2.0"),
     Preset("torchtitan", "torchtitan", "torchtitan 0.2.2", {
         "precision": Cell(shown="bf16-mp with FSDP (--dp > 1), else bf16-amp (fp32 with TP/PP alone)",
                           sources=(_s("torchtitan", "torchtitan/config/job_config.py", "282-290"),
@@ -1055,7 +1075,7 @@ def parse_version(preset: Preset, version: Any) -> tuple[int, ...] | None:
     if not re.fullmatch(r"\d+(\.\d+){0,2}", text):
         raise TrainmemError(f"--framework-version {version!r} is not a version like {preset.current}")
     v = _v(text)
-    if not _v(preset.oldest) <= v[:2] <= _v(preset.current)[:2]:
+    if not _v(preset.oldest)[:2] <= v[:2] <= _v(preset.current)[:2]:
         raise TrainmemError(f"--framework-version {text}: the {preset.name} preset knows "
                             f"{preset.release.rsplit(' ', 1)[0]} {preset.oldest} to {preset.current}")
     return v

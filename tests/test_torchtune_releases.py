@@ -1,6 +1,7 @@
-"""The RoPE cache torchtune's builders keep, by release and builder: ``--framework torchtune
---framework-version V`` sets ``--rope-cache N`` (one module the layers share) or
-``--layer-rope-cache N`` (one per layer) from ``spec.frameworks.TORCHTUNE_BUILDERS``.
+"""torchtune's releases: ``--framework torchtune --framework-version V`` sets the loss, the loop's
+hold on the logits and the FSDP version of release V, and the RoPE cache its builders keep:
+``--rope-cache N`` (one module the layers share) or ``--layer-rope-cache N`` (one per layer), from
+``spec.frameworks.TORCHTUNE_BUILDERS``.
 
 The expected values are what torchtune's own builders make: built on the meta device under
 ``set_default_dtype(bf16)`` with each ``rope_init`` then run on the CPU (as the recipes do after a meta
@@ -147,3 +148,21 @@ def test_builders_of_an_installed_torchtune(site):
         m = resolve_model(name)
         each = (shared or per_layer) * (m.head_dim // 2) * 2 * 4   # fp32 [N, head_dim/2, 2]
         assert got[spec] == [each] * (1 if shared else m.num_layers), spec
+
+
+@pytest.mark.parametrize("version, loss, chunks, cast, hold, fsdp_version", [
+    ("0.1.0", "upcast", 1, True, "step", 1),   # nn.CrossEntropyLoss on output(h).float(), logits kept, FSDP1
+    ("0.2.1", "upcast", 1, True, "step", 1),
+    ("0.3.0", "chunked", 8, False, "loss", 2),  # CEWithChunkedOutputLoss, del logits, fully_shard
+    ("0.6.1", "chunked", 8, False, "loss", 2),
+])
+def test_the_loss_and_the_sharding_follow_the_release(version, loss, chunks, cast, hold, fsdp_version):
+    """Up to 0.2 the configs' loss is torch.nn.CrossEntropyLoss (recipes/configs/llama3/8B_full.yaml L57
+    at v0.2.1) on the decoder's fp32 output (transformer.py L250), whose shifted copy the loop keeps
+    until the next forward (full_finetune_distributed.py L519-529: no ``del logits``), and the
+    distributed recipes wrap with FSDP1 (L319-326); from 0.3.0 the chunked loss over 8 bf16 chunks
+    (L231), ``del logits`` (L642) and FSDP2."""
+    t = resolve("llama-2-7b", framework="torchtune", framework_version=version, dp=4, **SETUP).training
+    assert (t.loss, t.loss_chunks, t.cast_output, t.hold_output, t.fsdp, t.fsdp_version) == (
+        loss, chunks, cast, hold, "full", fsdp_version)
+
