@@ -166,3 +166,29 @@ def test_the_loss_and_the_sharding_follow_the_release(version, loss, chunks, cas
     assert (t.loss, t.loss_chunks, t.cast_output, t.hold_output, t.fsdp, t.fsdp_version) == (
         loss, chunks, cast, hold, "full", fsdp_version)
 
+
+
+HAND_MAPPED = ("torchtune_readme_llama2_7b_full_fsdp4_b4_s2048", "torchtune_readme_llama2_7b_lora_b4_s2048",
+               "torchtune_tut_llama2_7b_lora_all_r64", "torchtune_tut_llama2_7b_lora_all_r8",
+               "torchtune_tut_llama2_7b_lora_qv_r64", "torchtune_tut_llama2_7b_lora_qv_r8")
+RUN_OPTIONS = ("batch_size", "seq_len", "grad_accum", "dp", "lora_rank", "lora_targets", "recompute", "gpu", "optimizer",
+               "min_seq_len", "attention")
+
+
+@pytest.mark.parametrize("case", HAND_MAPPED)
+def test_the_0_1_preset_is_the_hand_mapping_of_the_llama2_fixtures(case):
+    """The six torchtune 0.1-era fixtures (README table of May 2024 at 0217d44c2, LoRA tutorial at
+    ff594c231) were mapped by hand from the recipes (loss upcast, cast_output, hold_output step,
+    layer_rope_cache 4096, FSDP1, lora_dtype half, the optimizer's default implementation).
+    ``--framework torchtune --framework-version 0.1.0`` with only the run's own options (batch,
+    sequence, LoRA, recompute, GPU, the data's shortest batch) gives every one of those options;
+    it also says torchtune's decoder builds no KV cache (``use_cache`` false)."""
+    import dataclasses
+    from pathlib import Path
+    d = json.loads((Path(__file__).parents[1] / "validation" / "published" / f"{case}.json").read_text())
+    hand = resolve(d["model"], use_cache=False, **d["setup"]).training
+    run = {k: v for k, v in d["setup"].items() if k in RUN_OPTIONS}
+    preset = resolve(d["model"], framework="torchtune", framework_version="0.1.0", **run).training
+    differ = {f.name for f in dataclasses.fields(hand) if f.name != "extra"
+              and getattr(hand, f.name) != getattr(preset, f.name)}
+    assert differ == set()
