@@ -192,3 +192,23 @@ def test_the_0_1_preset_is_the_hand_mapping_of_the_llama2_fixtures(case):
     differ = {f.name for f in dataclasses.fields(hand) if f.name != "extra"
               and getattr(hand, f.name) != getattr(preset, f.name)}
     assert differ == set()
+
+
+@pytest.mark.parametrize("version, torch, refused", [
+    ("0.2.1", None, True),     # recipes: model.compile(backend=backend)
+    ("0.3.1", "2.4", True),    # training.compile_model: the whole model before PyTorch 2.5
+    ("0.3.1", "2.5", False),   # ... each layer from 2.5
+    ("0.4.0", None, False),    # the installed PyTorch
+    ("0.5.0", "2.4", False),   # each layer only
+])
+def test_a_whole_model_compile_is_refused(version, torch, refused):
+    """trainmem models torchtune's per-layer compile; a release that compiles the whole model (the
+    head and the embedding in the graph) is refused in one line, not estimated as per-layer."""
+    from trainmem.errors import TrainmemError
+    kw = dict(framework="torchtune", framework_version=version, torch_version=torch, compile=True, **SETUP)
+    if refused:
+        with pytest.raises(TrainmemError) as e:
+            resolve("llama-3.2-1b", **kw)
+        assert "--compile" in str(e.value) and "\n" not in str(e.value)
+    else:
+        assert resolve("llama-3.2-1b", **kw).training.compile

@@ -356,7 +356,28 @@ def _torchtune_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ..
     if _repeats_kv(view, model):
         out["attention_call"] = "repeat-kv"
     out.update(_torchtune_rope_option(view, model, version))
+    if view.get("compile") and _compiles_whole_model(view, version):
+        torch = view.get("torch_version")
+        raise TrainmemError(f"--compile with --framework torchtune --framework-version {'.'.join(map(str, version))}"
+                            f"{f' --torch-version {torch}' if torch else ''}: that release compiles the whole model "
+                            f"(model.compile()), which trainmem models only for torchtune's per-layer compile (0.5 on, "
+                            f"or 0.3-0.4 on PyTorch >= 2.5); drop --compile")
     return out
+
+
+def _compiles_whole_model(view: Mapping[str, Any], version: tuple[int, ...] | None) -> bool:
+    """Whether torchtune's ``compile: True`` compiles the whole model at this release: up to 0.2 the
+    recipes call ``model.compile(backend=backend)`` (recipes/full_finetune_single_device.py L276-279 at
+    v0.2.1); 0.3.0 to 0.4.x ``training.compile_model`` compiles each ``TransformerSelfAttentionLayer``
+    on PyTorch >= 2.5 and the whole model before (torchtune/training/_compile.py L45-61 at v0.4.0); from
+    0.5.0 each layer only. Without ``--torch-version`` the installed PyTorch (>= 2.5) runs it."""
+    if version is None:
+        return False
+    at = _release(version)
+    if at < (0, 3, 0):
+        return True
+    torch = view.get("torch_version")
+    return at < (0, 5, 0) and torch is not None and parse_torch_version(torch)[:2] < (2, 5)
 
 
 def _torchtune_rope_option(view: Mapping[str, Any], model: Any, version: tuple[int, ...] | None) -> dict[str, Any]:
