@@ -41,6 +41,9 @@ REPOS: dict[str, tuple[str, str]] = {
     "accelerate": ("huggingface/accelerate", "v1.15.0"),
     "accelerate-main": ("huggingface/accelerate", "16cb6eb80dd9aa8b4df1a63ef57863e455d53b83"),
     "torchtune": ("pytorch/torchtune", "v0.6.1"),
+    "torchtune-0.2": ("pytorch/torchtune", "v0.2.1"),
+    "torchtune-0.3": ("pytorch/torchtune", "v0.3.0"),
+    "torchtune-0.3.1": ("pytorch/torchtune", "v0.3.1"),
     "torchtitan": ("pytorch/torchtitan", "v0.2.2"),
     "lightning": ("Lightning-AI/pytorch-lightning", "2.6.5"),
     "litgpt": ("Lightning-AI/litgpt", "v0.5.13"),
@@ -57,7 +60,7 @@ OWN_MODEL_CODE = frozenset({"torchtune", "torchtitan", "litgpt", "nanogpt", "meg
 COLUMNS = ("precision", "master_weights", "optimizer_impl", "zero_grad", "hold_output", "loss", "attention",
            "recompute", "sharding", "grad_sync", "dropout")
 #: options a user gives together: giving one drops the preset's value for the others
-LINKED = (("recompute", "recompute_every"), ("loss", "loss_chunks"), ("zero", "fsdp"),
+LINKED = (("recompute", "recompute_every"), ("loss", "loss_chunks"), ("zero", "fsdp"), ("rope_cache", "layer_rope_cache"),
           ("hold_output", "keep_logits"))
 #: cells shown inside another column's cell
 _WITHIN = {"loss": ("loss_chunks",), "recompute": ("recompute_every",)}
@@ -331,11 +334,14 @@ def _torchtune_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ..
     (recipes/lora_finetune_single_device.py ``_setup_model``: ``with training.set_default_dtype(
     self._dtype), self._device: model = config.instantiate(cfg_model)``): half adapters. torchtune's
     ``TransformerDecoder`` has KV caches only after ``setup_caches`` (generation; torchtune/modules/
-    transformer.py), so training builds none: ``use_cache`` false. The preset's fused AdamW is
+    transformer.py), so training builds none: ``use_cache`` false. Up to 0.2 the distributed recipes
+    wrap with FSDP1 (``fsdp_version`` 1). The preset's fused AdamW is
     torch's; a bitsandbytes optimizer (the single-device configs' ``PagedAdamW8bit``, ``AdamW8bit``)
     has one implementation: no ``optimizer_impl`` (``workload.check_supported`` refuses one).
 
-    Grouped-query attention: ``attention_call`` ``repeat-kv`` (``_repeats_kv``).
+    Grouped-query attention: ``attention_call`` ``repeat-kv`` (``_repeats_kv``). The builder's RoPE
+    cache, shared or one per layer by release and builder: ``rope_cache`` or ``layer_rope_cache``
+    (``_torchtune_rope_option``).
 
     QLoRA (``--quantize nf4``): torchtune's ``qlora_*`` builders quantize the base weights with
     torchao's ``to_nf4`` (torchtune/modules/peft/lora.py, ``LoRALinear(quantize_base=True)``;
@@ -351,11 +357,141 @@ def _torchtune_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ..
         out["optimizer_impl"] = None
     if view.get("fsdp") is None and not view.get("zero") and _sharded(view):
         out["fsdp"] = "full"
+        if version is not None and _release(version) < (0, 3, 0):
+            # FSDP1 FULL_SHARD up to 0.2 (recipes/full_finetune_distributed.py L319-326,
+            # lora_finetune_distributed.py L415-420 at v0.2.1); fully_shard (FSDP2) from 0.3.0
+            # (training.shard_model, full_finetune_distributed.py L407 at v0.3.0)
+            out["fsdp_version"] = 1
     if view.get("lora_rank") and view.get("lora_dtype") is None:
         out["lora_dtype"] = "half"
     if _repeats_kv(view, model):
         out["attention_call"] = "repeat-kv"
+    out.update(_torchtune_rope_option(view, model, version))
+    if view.get("compile") and _compiles_whole_model(view, version):
+        torch = view.get("torch_version")
+        raise TrainmemError(f"--compile with --framework torchtune --framework-version {'.'.join(map(str, version))}"
+                            f"{f' --torch-version {torch}' if torch else ''}: that release compiles the whole model "
+                            f"(model.compile()), which trainmem models only for torchtune's per-layer compile (0.5 on, "
+                            f"or 0.3-0.4 on PyTorch >= 2.5); drop --compile")
     return out
+
+
+def _compiles_whole_model(view: Mapping[str, Any], version: tuple[int, ...] | None) -> bool:
+    """Whether torchtune's ``compile: True`` compiles the whole model at this release: up to 0.2 the
+    recipes call ``model.compile(backend=backend)`` (recipes/full_finetune_single_device.py L276-279 at
+    v0.2.1); 0.3.0 to 0.4.x ``training.compile_model`` compiles each ``TransformerSelfAttentionLayer``
+    on PyTorch >= 2.5 and the whole model before (torchtune/training/_compile.py L45-61 at v0.4.0); from
+    0.5.0 each layer only. Without ``--torch-version`` the installed PyTorch (>= 2.5) runs it."""
+    if version is None:
+        return False
+    at = _release(version)
+    if at < (0, 3, 0):
+        return True
+    torch = view.get("torch_version")
+    return at < (0, 5, 0) and torch is not None and parse_torch_version(torch)[:2] < (2, 5)
+
+
+def _torchtune_rope_option(view: Mapping[str, Any], model: Any, version: tuple[int, ...] | None) -> dict[str, Any]:
+    """The RoPE cache torchtune's builder keeps (``torchtune_rope``), as ``--rope-cache`` or
+    ``--layer-rope-cache``: for the hand-written families only (a derived architecture's buffers are
+    transformers', ``_check_torchtune`` says what is not counted), not where one was given, and not a
+    shared cache under ``--pp`` (refused: the stages would split it)."""
+    if view.get("rope_cache") is not None or view.get("layer_rope_cache") is not None \
+            or model is None or getattr(model, "family", "derived") != "llama":
+        return {}
+    found = torchtune_rope(model, version, bool(view.get("lora_rank")))
+    if found is None or (found[0] == "rope_cache" and view.get("pp", 1) > 1):
+        return {}
+    return {found[0]: found[1]}
+
+
+@dataclass(frozen=True)
+class TorchtuneBuilder:
+    """One family of torchtune model builders: the configs it builds (``model_type``, the RoPE kind
+    and the builders' ``max_seq_len``, which is each checkpoint's ``max_position_embeddings``), the
+    release it came in, and from which release its full and its LoRA builders make one RoPE module
+    that every layer shares (None: each layer keeps its own, every release). ``factor``: cache
+    positions per ``max_seq_len`` position in trainmem's [N, head_dim/2, 2] layout (Qwen2's and
+    Phi-3's modules keep cos and sin over the whole head_dim, [max_seq_len, 2 x head_dim])."""
+
+    name: str
+    model_type: str
+    rope: str                     # "10000": no scaling, rope_theta 1e4 (or unset); "500000", "1000000"; "llama3": rope_type llama3
+    max_seq_len: tuple[int, ...]
+    since: str
+    shared_full: str | None
+    shared_lora: str | None
+    factor: int = 1
+    llama3_factor: float | None = None   # the llama3 rope_scaling factor that tells Llama 3.2 (32) from 3.1/3.3 (8)
+
+
+#: torchtune's builders (``torchtune/models/*/_model_builders.py`` max_seq_len, at each tag). Full
+#: builders up to v0.5.0 build one decoder layer with its ``rope`` and hand it to ``TransformerDecoder``
+#: with ``num_layers``, which deep-copies it (``_get_clones``, torchtune/modules/transformer.py L307,
+#: L379 at v0.5.0; e.g. llama2/_component_builders.py L85, L116): one cache per layer. From v0.6.0 they
+#: build the layers in a loop around one ``rope`` (llama2 L88-92, llama3 L88-93, mistral L81-85, qwen2
+#: L84-87, gemma L78-81, phi3 L72-74 at v0.6.1). The LoRA builders make the RoPE module inside
+#: ``lora_*_self_attention``, once per layer, in every release (llama2 L417, llama3 L418, mistral L399,
+#: qwen2 L393, gemma L345, gemma2 L392, phi3 L377 at v0.6.1). Llama 3.1 / 3.2 (and 3.3, built by the
+#: 3.1 builders) share one ``Llama3ScaledRoPE`` in both from v0.3.1 (llama3_1 L85-88 and L208-211,
+#: llama3_2 L87-89 and L209-211 at v0.3.1; per layer at v0.3.0: llama3_1 L87, L113 and L387); Gemma-2's
+#: full builder shares one from its first release (gemma2 L115-117 at v0.5.0 and v0.6.1).
+TORCHTUNE_BUILDERS = (
+    TorchtuneBuilder("llama2", "llama", "10000", (4096,), "0.1.0", "0.6.0", None),
+    TorchtuneBuilder("code_llama2", "llama", "1000000", (16384,), "0.2.0", "0.6.0", None),
+    TorchtuneBuilder("llama3", "llama", "500000", (8192,), "0.1.1", "0.6.0", None),
+    TorchtuneBuilder("llama3_1", "llama", "llama3", (131072,), "0.2.1", "0.3.1", "0.3.1", llama3_factor=8.0),
+    TorchtuneBuilder("llama3_2", "llama", "llama3", (131072,), "0.3.1", "0.3.1", "0.3.1", llama3_factor=32.0),
+    TorchtuneBuilder("mistral", "mistral", "10000", (32768,), "0.1.0", "0.6.0", None),
+    TorchtuneBuilder("qwen2", "qwen2", "1000000", (32768,), "0.3.0", "0.6.0", None, factor=2),
+    TorchtuneBuilder("qwen2_5", "qwen2", "1000000", (32768, 131072), "0.4.0", "0.6.0", None, factor=2),
+    TorchtuneBuilder("gemma", "gemma", "10000", (8192,), "0.1.0", "0.6.0", None),
+    TorchtuneBuilder("gemma2", "gemma2", "10000", (8192,), "0.5.0", "0.5.0", None),
+    TorchtuneBuilder("phi3", "phi3", "10000", (4096,), "0.2.0", "0.6.0", None, factor=2),
+)
+
+
+def _release(version: tuple[int, ...] | None) -> tuple[int, ...]:
+    """``--framework-version`` as major.minor.patch (``0.4`` is 0.4.0); None: the preset's release."""
+    v = version or _v(REPOS["torchtune"][1].lstrip("v"))
+    return tuple(v[:3]) + (0,) * (3 - len(v[:3]))
+
+
+def _rope_kind(config: Mapping[str, Any]) -> tuple[str, float | None]:
+    """The config's RoPE as ``TorchtuneBuilder.rope`` names it, and its llama3 scaling factor."""
+    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if isinstance(scaling, Mapping) and (scaling.get("rope_type") or scaling.get("type")) == "llama3":
+        return "llama3", scaling.get("factor")
+    theta = config.get("rope_theta") or (scaling.get("rope_theta") if isinstance(scaling, Mapping) else None)
+    return str(int(theta or 10000)), None
+
+
+def torchtune_builder(model: Any, version: tuple[int, ...] | None) -> TorchtuneBuilder | None:
+    """The torchtune builder family that builds ``model`` at ``version`` (None: the current release),
+    matched on its config's model_type, RoPE and ``max_position_embeddings``; None when no builder of
+    that release builds it."""
+    if model is None or getattr(model, "head", "") != "causal-lm" or getattr(model, "is_encoder_decoder", False):
+        return None
+    rope, factor = _rope_kind(getattr(model, "config", None) or {})
+    at = _release(version)
+    for b in TORCHTUNE_BUILDERS:
+        if (b.model_type == model.model_type and b.rope == rope and model.max_positions in b.max_seq_len
+                and (b.llama3_factor is None or b.llama3_factor == factor) and _v(b.since) <= at):
+            return b
+    return None
+
+
+def torchtune_rope(model: Any, version: tuple[int, ...] | None, lora: bool) -> tuple[str, int] | None:
+    """``("rope_cache", N)`` when torchtune's builder for ``model`` at ``version`` makes one RoPE module
+    the layers share, ``("layer_rope_cache", N)`` when each layer keeps its own (``TORCHTUNE_BUILDERS``),
+    N the cache's positions in trainmem's layout; None without a builder."""
+    b = torchtune_builder(model, version)
+    if b is None:
+        return None
+    at = _release(version)
+    since = b.shared_lora if lora else b.shared_full
+    shared = since is not None and _v(since) <= at
+    return ("rope_cache" if shared else "layer_rope_cache"), model.max_positions * b.factor
 
 
 def caps_hidden_not_logits(m: Any, t: Any) -> bool:
@@ -526,6 +662,29 @@ def _check_fsdp_only(name: str) -> Callable[..., list[str]]:
     def check(t: Any, model: Any, version: Any, given: frozenset[str]) -> list[str]:
         return _others(t, name)
     return check
+
+
+def _check_torchtune(t: Any, model: Any, version: tuple[int, ...] | None, given: frozenset[str]) -> list[str]:
+    """FSDP2 only (``_check_fsdp_only``), and one line where the builder's RoPE cache is not counted:
+    a derived architecture (Gemma, Gemma-2, Phi-3: trainmem counts transformers' buffers) or a
+    hand-written one no torchtune builder of that release makes (``torchtune_builder``)."""
+    out = _others(t, "torchtune")
+    if t.rope_cache is not None or t.layer_rope_cache is not None or model is None \
+            or getattr(model, "head", "") != "causal-lm" or getattr(model, "is_encoder_decoder", False):
+        return out
+    at = "" if version is None else f" {'.'.join(map(str, version))}"
+    found = torchtune_rope(model, version, bool(t.lora_rank))
+    if found is None and model.family == "llama":
+        out.append(f"no torchtune{at} builder makes {model.name} (model_type {model.model_type}, "
+                   f"max_position_embeddings {model.max_positions}): its RoPE cache is not counted; give "
+                   f"--rope-cache N (one module shared) or --layer-rope-cache N (one per layer)")
+    elif found is not None and model.family == "derived":
+        layers = 1 if found[0] == "rope_cache" else model.num_layers
+        mib = layers * found[1] * model.head_dim * 4 / 2**20   # fp32 [N, head_dim/2, 2] per module
+        out.append(f"torchtune{at}'s {torchtune_builder(model, version).name} builder keeps "
+                   f"{'one fp32 RoPE cache' if layers == 1 else f'an fp32 RoPE cache in each of {layers} layers'} "
+                   f"({mib:.0f} MiB) that trainmem does not count for a derived architecture")
+    return out
 
 
 def _check_lightning(t: Any, model: Any, version: Any, given: frozenset[str]) -> list[str]:
@@ -742,7 +901,23 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                                   _s("torchtune", "recipes/full_finetune_distributed.py", "299"))),
         "dropout": Cell(shown="the config's"),
         "grad_sync": Cell(shown="micro-batch (trainmem default; the recipe calls no no_sync)"),
-    }, oldest="0.1.0", rules=_torchtune_rules, check=_check_fsdp_only("torchtune"), min_torch="2.0"),
+    }, since=(
+        # up to 0.2: the configs' torch.nn.CrossEntropyLoss on the decoder's fp32 output
+        # (``output = self.output(h).float()``), whose shifted contiguous copy the loop keeps until the next
+        # forward (no ``del logits``); from 0.3 CEWithChunkedOutputLoss on 8 bf16 chunks, ``del logits``
+        Since("loss", "0.1", "upcast", _s("torchtune-0.2", "recipes/configs/llama3/8B_full.yaml", "57")),
+        Since("loss_chunks", "0.1", None, _s("torchtune-0.2", "recipes/configs/llama3/8B_full.yaml", "57")),
+        Since("cast_output", "0.1", True, _s("torchtune-0.2", "torchtune/modules/transformer.py", "250")),
+        Since("hold_output", "0.1", "step", _s("torchtune-0.2", "recipes/full_finetune_distributed.py", "519-529")),
+        Since("loss", "0.3", "chunked", _s("torchtune-0.3", "recipes/configs/llama3_1/8B_full.yaml", "61")),
+        Since("loss_chunks", "0.3", 8, _s("torchtune-0.3", "recipes/full_finetune_distributed.py", "231")),
+        Since("cast_output", "0.3", None, _s("torchtune-0.3", "recipes/full_finetune_distributed.py", "231")),
+        Since("hold_output", "0.3", "loss", _s("torchtune-0.3", "recipes/full_finetune_distributed.py", "642")),
+        # the configs' torch.optim.AdamW names no implementation up to 0.3.0 (torch's default, foreach; the
+        # Llama 3 8B full configs say foreach: False); fused: True in 71 of the 72 AdamW configs of 0.3.1
+        Since("optimizer_impl", "0.1", None, _s("torchtune-0.2", "recipes/configs/llama2/7B_full.yaml", "52-53")),
+        Since("optimizer_impl", "0.3.1", "fused", _s("torchtune-0.3.1", "recipes/configs/llama3_1/8B_full.yaml", "56-58")),
+    ), oldest="0.1.0", rules=_torchtune_rules, check=_check_torchtune, min_torch="2.0"),
     Preset("torchtitan", "torchtitan", "torchtitan 0.2.2", {
         "precision": Cell(shown="bf16-mp with FSDP (--dp > 1), else bf16-amp (fp32 with TP/PP alone)",
                           sources=(_s("torchtitan", "torchtitan/config/job_config.py", "282-290"),
