@@ -147,6 +147,7 @@ class Quantities:
     fsdp1_flat: int = 0       # FSDP1: a layer's gradients as its flat gradient is made (fsdp1_flat_gradient)
     fsdp1_root_views: int = 0  # FSDP1: the root's unsharded view gradients at its flat gradient's cat ...
     fsdp1_root_flat: int = 0   # ... and that flat gradient (fsdp1_root_flat_gradient)
+    fsdp1_emb_units: int = 0   # FSDP1 --fsdp-auto-wrap-policy module: the embedding units gathered at their backward
     # FSDP accumulating unsharded gradients (no_sync, ``fsdp_no_sync``): what one layer's and all the
     # rank's gradients shrink by when the step's last micro-batch reduce-scatters them to shards ...
     fsdp_accumulates: int = 0  # 1 where FSDP accumulates unsharded (no_sync), else 0
@@ -2889,6 +2890,7 @@ def _fsdp1_fields(t: TrainingSpec, st: States, lc: LayerCoefs) -> dict[str, int]
             "fsdp1_flat": fsdp1_flat_gradient(st) if one else 0,
             "fsdp1_root_views": st.root_views if one and st.root_flat else 0,
             "fsdp1_root_flat": fsdp1_root_flat_gradient(st) if one else 0,
+            "fsdp1_emb_units": st.emb_units_full if one else 0,
             "fsdp1_unprefetched": fsdp1_unprefetched(t, lc), "fsdp1_held_inputs": int(fsdp1_held_inputs(t))}
 
 
