@@ -26,6 +26,9 @@ itself wraps the root):
   the embedding units, the last of backward, are gathered again for their backward and their
   gradient views concatenated into their flat gradient there (``emb_units_full``, ``root_views``,
   ``root_flat``: the old root's end-of-backward moment, with the embeddings alone).
+* ``size`` (``size_based_auto_wrap_policy``): the units torch's recursion makes from the model's
+  parameter counts (``spec.fsdp_units``); modelled where they are one unit per decoder layer (the
+  transformer policy's) or none (NO_WRAP's), refused otherwise.
 """
 from __future__ import annotations
 
@@ -33,6 +36,8 @@ from dataclasses import replace
 from typing import Any
 
 from ..allocator_rules import block_bytes
+from ..errors import TrainmemError
+from ..spec.fsdp_units import BODY, size_policy_layout, size_units, transformer_range
 from ..spec.model import ModelSpec
 from ..spec.training import TrainingSpec
 
@@ -99,6 +104,8 @@ def wrap_policy_states(m: ModelSpec, t: TrainingSpec, st: Any, r: Any, acc: Any,
     policy or without FSDP over several ranks). ``tensors``: the rank's parameter tensors as
     ``_base_tensors`` counts them (one layer standing for each); ``acc``: its running sums."""
     policy = t.fsdp_auto_wrap_policy
+    if policy == "size" and r.fsdp_unsharded:
+        policy = size_policy_for_estimate(m, t.fsdp_min_params)
     if policy == "transformer" or not r.fsdp_unsharded:
         return st
     reduce = 4 if t.precision == "bf16-mp" else r.gather
@@ -106,4 +113,21 @@ def wrap_policy_states(m: ModelSpec, t: TrainingSpec, st: Any, r: Any, acc: Any,
         return per_module_units(st, tensors, r.lo, r.gather, reduce, not t.lora_rank, r.expandable)
     if policy == "none":
         return one_root_unit(st, r.per_stage, acc.layer_elems, r.gather, acc.root_flat_bytes, r.expandable)
-    raise AssertionError(policy)  # size: resolved to one of the above by spec.fsdp_units
+    raise AssertionError(policy)
+
+
+def size_policy_for_estimate(m: ModelSpec, n: int) -> str:
+    """The policy the size-based one amounts to on ``m`` (``spec.fsdp_units.size_policy_layout``): one
+    unit per decoder layer (transformer) or none; other unit sets (a layer's MLP alone, the base
+    model as one unit beside the head, ...) are refused with the units found and the range of
+    ``min_num_params`` that gives one unit per layer."""
+    layout = size_policy_layout(m, n)
+    if layout:
+        return layout
+    names = [u.replace(BODY + ".", "").replace(BODY, "the base model") for u in size_units(m.parameter_tensors(), n)]
+    lo, hi = transformer_range(m)
+    fix = (f"--fsdp-min-num-params from {lo} to {hi} (one unit per decoder layer), " if lo <= hi else "")
+    raise TrainmemError(f"--fsdp-auto-wrap-policy size --fsdp-min-num-params {n} makes {len(names)} FSDP1 units of "
+                        f"{m.name} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}), which the estimate "
+                        f"does not model (one unit per decoder layer, or none): use trace, {fix}or a policy of "
+                        "--fsdp-auto-wrap-policy transformer, module or none")

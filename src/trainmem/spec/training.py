@@ -1315,9 +1315,24 @@ def check_against(model: Any, t: TrainingSpec) -> None:
         if experts and t.ep > 1:
             raise TrainmemError(f"--lora-targets {','.join(experts)} with --ep {t.ep}: adapters on expert-parallel "
                                 "experts are not modelled; target the attention or router linears, or use --ep 1")
-    split = fsdp1_tied_split(model, t) or fsdp2_split_root_problem(model, t)
+    split = fsdp1_tied_split(model, t) or fsdp2_split_root_problem(model, t) or wrap_policy_tied_problem(model, t)
     if split:
         raise TrainmemError(split)
+
+
+def wrap_policy_tied_problem(model: Any, t: TrainingSpec) -> str:
+    """Why ``--fsdp-auto-wrap-policy module`` / ``size`` does not fit a model whose head ties its
+    embedding, or "": FSDP1 flattens the tied weight into the embedding's unit, and the head's module,
+    in another unit (its own under ``always_wrap_policy``), then computes on that unit's 1-D shard
+    (``wrappers.tied_across_units``). One unit for both (none, or the transformer policy's root) is fine."""
+    if t.fsdp_auto_wrap_policy not in ("module", "size") or not model.tied_embeddings:
+        return ""
+    from .fsdp_units import size_policy_layout
+    if t.fsdp_auto_wrap_policy == "size" and size_policy_layout(model, t.fsdp_min_params) in ("none", "transformer"):
+        return ""
+    return (f"--fsdp-auto-wrap-policy {t.fsdp_auto_wrap_policy}: {model.name} ties its head to its embedding, which "
+            "this policy puts in different FSDP1 units (the head would compute on a shard); use "
+            "--fsdp-auto-wrap-policy transformer or none, or --set tie_word_embeddings=false")
 
 
 def fsdp2_split_root_problem(model: Any, t: TrainingSpec) -> str:
