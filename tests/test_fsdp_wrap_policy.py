@@ -102,17 +102,36 @@ def test_other_size_units_are_refused_with_the_range_that_fits():
 
 # ---- estimate against trace -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("policy,options", [
-    ("module", {}), ("module", dict(loss=None)), ("module", dict(recompute="full")),
-    ("module", dict(precision="bf16-mp")), ("module", dict(grad_accum=2, grad_sync="step")),
-    ("none", {}), ("none", dict(recompute="full")), ("none", dict(dp=4)), ("none", dict(grad_accum=2)),
-], ids=["module", "module-own-loss", "module-recompute", "module-mp", "module-nosync",
-        "none", "none-recompute", "none-dp4", "none-accum"])
-def test_estimate_agrees_with_trace(policy, options):
-    """Within 1.5 %: the transformer policy's own agreement on this small model (-1.2 %, the same
-    moments) plus the unit terms."""
-    e, t = _both(**{**BASE, **options}, fsdp_auto_wrap_policy=policy)
-    assert e.peak_allocated == pytest.approx(t.peak_allocated, rel=0.015)
+#: Llama-3.2-1B's shapes cut to two layers, its head untied (vocabulary 128256): the unit terms dominate
+WIDE = {**BASE, "set": {"num_hidden_layers": 2, "tie_word_embeddings": False}}
+VARIANTS = {"plain": {}, "own-loss": dict(loss=None), "recompute": dict(recompute="full"),
+            "mp": dict(precision="bf16-mp"), "fp32": dict(precision="fp32"), "accum": dict(grad_accum=2),
+            "nosync": dict(grad_accum=2, grad_sync="step"), "dp4": dict(dp=4)}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("policy", ["module", "none"])
+def test_estimate_agrees_with_trace(policy, variant):
+    """Within 0.5 % on the wide model, whose peaks are the units' own moments: NO_WRAP's flat gradient of
+    the whole model (``fsdp1.root_flat_gradient``; under bf16-mp its post-backward, ``fsdp1.root_reduce_scatter``),
+    always_wrap_policy's embedding and head units (``fsdp1.head_unit_flat_gradient`` under accumulation)."""
+    e, t = _both(**{**WIDE, **VARIANTS[variant]}, fsdp_auto_wrap_policy=policy)
+    assert e.peak_allocated == pytest.approx(t.peak_allocated, rel=0.005)
+
+
+@pytest.mark.parametrize("variant", ["plain", "fp32", "recompute", "nosync"])
+@pytest.mark.parametrize("policy", ["module", "none"])
+def test_small_model_agrees(policy, variant):
+    """A narrow vocabulary (8000): the loss's backward, the head unit's backward (fp32) and its forward
+    (``fsdp1.head_unit_forward``) lead. The peak and every forward phase within 2 %, the transformer
+    policy's own agreement on this model (-1.2 % at the peak, -1.4 % under fp32). (The first step's
+    backward phase is left out: the estimate's loss backward there is over by 5.1 % under the
+    transformer policy too, before any unit term.)"""
+    e, t = _both(**{**BASE, **VARIANTS[variant]}, fsdp_auto_wrap_policy=policy)
+    assert e.peak_allocated == pytest.approx(t.peak_allocated, rel=0.02)
+    for pe, pt in zip(e.phases, t.phases, strict=True):
+        if pe.name.startswith("forward"):
+            assert pe.peak == pytest.approx(pt.peak, rel=0.02), pe.name
 
 
 def test_module_units_drop_the_root_kept_gathered():

@@ -22,8 +22,9 @@ itself wraps the root):
   parameter. So nothing stays gathered between forward and backward, and the unit gathered in a
   layer is one module, the layer's largest (with ``BackwardPrefetch.BACKWARD_PRE`` the next one in
   backward order beside it: counted as the largest too, an upper bound of a few MiB). The head's
-  unsharded gradient is reduce-scattered by its own post-backward, not kept to the end of backward;
-  the embedding units, the last of backward, are gathered again for their backward and their
+  unsharded gradient is reduce-scattered by its own post-backward, not kept to the end of backward:
+  while its backward runs the head is gathered again beside its weight gradient, its input's and the
+  logits' (``head_units_full``; ``moments._head_backward``, ``fsdp1.head_unit_backward``); the embedding units, the last of backward, are gathered again for their backward and their
   gradient views concatenated into their flat gradient there (``emb_units_full``, ``root_views``,
   ``root_flat``: the old root's end-of-backward moment, with the embeddings alone).
 * ``size`` (``size_based_auto_wrap_policy``): the units torch's recursion makes from the model's
@@ -74,7 +75,9 @@ def per_module_units(st: Any, tensors: Any, layer: int, gather: int, reduce: int
     emb = sum(block_bytes(x, expandable) for x in before)
     emb_grads = emb if trainable else 0
     return replace(st, root_full=0, root_tensors=(), head_unit_full=0, head_unit_tensors=(), head_grads_full=0,
-                   emb_units_full=emb, root_views=emb_grads, root_flat=emb_grads, root_rs=0, root_last_grad=0,
+                   emb_units_full=emb, head_units_full=sum(block_bytes(x, expandable) for x in st.head_unit_tensors),
+                   root_views=emb_grads, root_flat=emb_grads, root_rs=0, root_last_grad=0,
+                   root_flat_elems=sum(x // gather for x in before) if trainable else 0,
                    root_grads=st.root_grads - st.head_grads,  # the head's shard is made at its own post-backward
                    layer_params_full=sum(full), layer_tensors=tuple(full), layer_grads_full=grads,
                    layer_rs=block_bytes(elems * reduce, expandable) if (trainable and elems) else 0)
@@ -96,6 +99,7 @@ def one_root_unit(st: Any, per_stage: int, layer_elems: int, gather: int, root_f
                    root_tensors=before + layers + st.head_unit_tensors,
                    root_views=st.root_views + per_stage * st.layer_grads_full,
                    root_flat=block_bytes(flat, expandable) if flat else 0, root_grads=st.grads,
+                   root_flat_elems=flat // gather,
                    layer_params_full=0, layer_tensors=(), layer_grads_full=0, layer_rs=0)
 
 

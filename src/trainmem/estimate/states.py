@@ -92,6 +92,9 @@ class States:
     # FSDP1 ``--fsdp-auto-wrap-policy module`` (``estimate.fsdp_wrap``): the embedding units gathered at
     # their backward, the last units of backward (the root holds nothing), gathered dtype
     emb_units_full: int = 0
+    head_units_full: int = 0  # ... and the units after the layers (final norm, head), gathered at their backward
+    # FSDP1: the elements of the root's flat parameter that have a gradient (its post-backward's flat gradient)
+    root_flat_elems: int = 0
     # autocast's half copies of the matmul weights before the layers (an image model's patch
     # embedding), saved until the embeddings' backward
     embed_matmul_half: int = 0
@@ -663,7 +666,7 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
                   emb_unit_last=acc.emb_last if root_rs else 0,
                   between_grads=acc.between, root_views=acc.root_views,
                   root_flat=r.block(acc.root_flat_bytes) if acc.root_flat_bytes else 0,
-                  embed_matmul_half=acc.emh)
+                  embed_matmul_half=acc.emh, root_flat_elems=acc.root_flat_bytes // r.gather)
     return wrap_policy_states(m, t, st, r, acc, litgpt_tensors(m.first_layer_and_outer_tensors, t))
 
 
