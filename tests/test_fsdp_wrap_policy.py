@@ -106,11 +106,12 @@ def test_other_size_units_are_refused_with_the_range_that_fits():
 WIDE = {**BASE, "set": {"num_hidden_layers": 2, "tie_word_embeddings": False}}
 VARIANTS = {"plain": {}, "own-loss": dict(loss=None), "recompute": dict(recompute="full"),
             "mp": dict(precision="bf16-mp"), "fp32": dict(precision="fp32"), "accum": dict(grad_accum=2),
-            "nosync": dict(grad_accum=2, grad_sync="step"), "dp4": dict(dp=4)}
+            "nosync": dict(grad_accum=2, grad_sync="step"), "dp4": dict(dp=4), "grad-op": dict(fsdp="grad-op"),
+            "grad-op-nosync": dict(fsdp="grad-op", grad_accum=2, grad_sync="step")}
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-@pytest.mark.parametrize("policy", ["module", "none"])
+@pytest.mark.parametrize("policy,variant", [(p, v) for p in ("module", "none") for v in sorted(VARIANTS)
+                                            if p == "none" or not v.startswith("grad-op")])
 def test_estimate_agrees_with_trace(policy, variant):
     """Within 0.5 % on the wide model, whose peaks are the units' own moments: NO_WRAP's flat gradient of
     the whole model (``fsdp1.root_flat_gradient``; under bf16-mp its post-backward, ``fsdp1.root_reduce_scatter``),
@@ -166,7 +167,8 @@ def test_no_wrap_peaks_at_the_whole_models_flat_gradient():
 
 @pytest.mark.parametrize("options,match", [
     (dict(fsdp="full", dp=2, fsdp_auto_wrap_policy="module"), "needs --fsdp full --fsdp-version 1"),
-    (dict(fsdp="grad-op", fsdp_version=1, dp=2, fsdp_auto_wrap_policy="none"), "needs --fsdp full --fsdp-version 1"),
+    (dict(fsdp="grad-op", fsdp_version=1, dp=2, fsdp_auto_wrap_policy="module"), "needs --fsdp full --fsdp-version 1"),
+    (dict(fsdp="hybrid", fsdp_version=1, dp=4, fsdp_auto_wrap_policy="none"), "needs --fsdp full or grad-op --fsdp-v"),
     (dict(fsdp="full", fsdp_version=1, dp=2, fsdp_auto_wrap_policy="module", lora_rank=8), "no --lora-rank"),
     (dict(fsdp="full", fsdp_version=1, dp=2, fsdp_min_num_params=10**6), "give --fsdp-auto-wrap-policy size"),
     (dict(fsdp="full", fsdp_version=1, dp=2, fsdp_auto_wrap_policy="size", fsdp_min_num_params=-1), "non-negative"),

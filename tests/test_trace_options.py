@@ -195,7 +195,8 @@ CASES = [
     ({"rope_cache": 128}, CHANGED, ""),  # torchtune's shared RoPE buffers (tests/test_torchtune_flags.py)
 ]
 #: the options a case is compared with instead of the baseline (the case's own options minus one)
-REFERENCE = {"fsdp_version": {"fsdp": "full", "dp": 2}, "fsdp_auto_wrap_policy": {"fsdp_version": 1, "fsdp": "full", "dp": 2},
+REFERENCE = {"fsdp_version": {"fsdp": "full", "dp": 2},
+             "fsdp_auto_wrap_policy": {"fsdp_version": 1, "fsdp": "full", "dp": 2},
              "use_cache": {"hold_output": "step"},
              "fsdp_lora_units": {"lora_rank": 8}, "fsdp_gathered": {"fsdp": "full", "dp": 2}, "ddp_bucket_mb": {"dp": 2},
              "sequence_parallel": {"tp": 2},

@@ -24,9 +24,10 @@ itself wraps the root):
   backward order beside it: counted as the largest too, an upper bound of a few MiB). The head's
   unsharded gradient is reduce-scattered by its own post-backward, not kept to the end of backward:
   while its backward runs the head is gathered again beside its weight gradient, its input's and the
-  logits' (``head_units_full``; ``moments._head_backward``, ``fsdp1.head_unit_backward``); the embedding units, the last of backward, are gathered again for their backward and their
-  gradient views concatenated into their flat gradient there (``emb_units_full``, ``root_views``,
-  ``root_flat``: the old root's end-of-backward moment, with the embeddings alone).
+  logits' (``head_units_full``; ``moments._fsdp1_head_unit``), and for its forward; the embedding
+  units, the last of backward, are gathered again for their backward and their gradient views
+  concatenated into their flat gradient there (``emb_units_full``, ``root_views``, ``root_flat``: the
+  old root's end-of-backward moment, with the embeddings alone).
 * ``size`` (``size_based_auto_wrap_policy``): the units torch's recursion makes from the model's
   parameter counts (``spec.fsdp_units``); modelled where they are one unit per decoder layer (the
   transformer policy's) or none (NO_WRAP's), refused otherwise.
@@ -112,6 +113,10 @@ def wrap_policy_states(m: ModelSpec, t: TrainingSpec, st: Any, r: Any, acc: Any,
         policy = size_policy_for_estimate(m, t.fsdp_min_params)
     if policy == "transformer" or not r.fsdp_unsharded:
         return st
+    if not m.uniform_layers or m.is_moe:
+        raise TrainmemError(f"--fsdp-auto-wrap-policy {t.fsdp_auto_wrap_policy}: the estimate models it for models whose "
+                            f"decoder layers are alike and dense; {m.name} is not one: use trace, or "
+                            "--fsdp-auto-wrap-policy transformer")
     reduce = 4 if t.precision == "bf16-mp" else r.gather
     if policy == "module":
         return per_module_units(st, tensors, r.lo, r.gather, reduce, not t.lora_rank, r.expandable)

@@ -506,7 +506,9 @@ class TrainingSpec:
         """``fsdp_auto_wrap_policy`` and ``fsdp_min_num_params``: FSDP1's ``auto_wrap_policy`` (FSDP2 has
         none: its units are the modules ``fully_shard`` is called on), for full training (under LoRA
         peft's policy or ``--fsdp-lora-units`` decide the units), without TP or PP, under FULL_SHARD
-        (SHARD_GRAD_OP / HYBRID_SHARD keep every unit gathered after forward: not modelled per unit)."""
+        (SHARD_GRAD_OP / HYBRID_SHARD keep every unit gathered after forward: not modelled per unit;
+        without a policy the one unit is the root, which FSDP1 keeps gathered after forward under
+        either, so ``none`` takes ``grad-op`` too)."""
         n = self.fsdp_min_num_params
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
             raise TrainmemError(f"--fsdp-min-num-params must be a non-negative integer, got {n!r}")
@@ -516,7 +518,9 @@ class TrainingSpec:
         policy = self.fsdp_auto_wrap_policy
         if policy == "transformer":
             return
-        why = ("--fsdp full --fsdp-version 1" if self.fsdp != "full" or self.fsdp_version != 1 else
+        strategies = ("full", "grad-op") if policy == "none" else ("full",)
+        sharding = f"--fsdp {' or '.join(strategies)} --fsdp-version 1"
+        why = (sharding if self.fsdp not in strategies or self.fsdp_version != 1 else
                "no --lora-rank (peft's policy or --fsdp-lora-units decide the units under LoRA)" if self.lora_rank
                else "no --tp or --pp" if self.tp > 1 or self.pp > 1 or self.cp > 1 else "")
         if why:
