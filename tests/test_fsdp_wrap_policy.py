@@ -185,6 +185,13 @@ def test_tied_head_in_another_unit_is_refused():
     estimate("llama-3.2-1b", **{**BASE, "set": {**SMALL, "tie_word_embeddings": True}}, fsdp_auto_wrap_policy="none")
 
 
+def test_layers_that_differ_are_refused_by_the_estimate():
+    """The per-layer figures stand for every layer (one layer counted): not for an encoder-decoder or MoE."""
+    for model in ("t5-base", "mixtral-8x7b"):
+        with pytest.raises(TrainmemError, match="layers are alike and dense"):
+            estimate(model, fsdp="full", fsdp_version=1, dp=2, batch_size=1, seq_len=64, fsdp_auto_wrap_policy="none")
+
+
 def test_cli_options(capsys):
     from trainmem.cli import main
     rc = main(["estimate", "llama-3.2-1b", "--set", "num_hidden_layers=2", "--fsdp", "full", "--fsdp-version", "1",
