@@ -2985,7 +2985,7 @@ def fsdp1_root_post_backward(t: TrainingSpec, st: States) -> int:
     -5.1 % before (moment ``fsdp1.root_reduce_scatter``)."""
     if not st.root_flat_elems:
         return 0
-    reduce = 4 if t.precision == "bf16-mp" else st.root_flat // max(st.root_flat_elems, 1) or 2
+    reduce = 4 if t.precision == "bf16-mp" else t.weight_bytes   # the reduce dtype: fp32, else the gradients'
     cast = block_of(t, st.root_flat_elems * 4) if t.precision == "bf16-mp" else 0   # (elems,) fp32
     return cast + block_of(t, -(-st.root_flat_elems // t.shard_group) * reduce)      # + the new shard
 

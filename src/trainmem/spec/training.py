@@ -524,8 +524,8 @@ class TrainingSpec:
                "no --lora-rank (peft's policy or --fsdp-lora-units decide the units under LoRA)" if self.lora_rank
                else "no --tp or --pp" if self.tp > 1 or self.pp > 1 or self.cp > 1 else "")
         if why:
-            raise TrainmemError(f"--fsdp-auto-wrap-policy {policy} is FSDP1's auto_wrap_policy under FULL_SHARD for "
-                                f"full training: it needs {why}; or use --fsdp-auto-wrap-policy transformer")
+            raise TrainmemError(f"--fsdp-auto-wrap-policy {policy} is FSDP1's auto_wrap_policy, modelled for full "
+                                f"training: it needs {why}; or use --fsdp-auto-wrap-policy transformer")
 
     @property
     def fsdp_min_params(self) -> int:
