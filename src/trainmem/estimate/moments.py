@@ -503,9 +503,11 @@ def _fsdp1_head_unit(q: Quantities, tk: Tokens, kept: Kept, before: tuple, step:
     """FSDP1 under ``always_wrap_policy`` (``estimate.fsdp_wrap``): the head's own unit gathered again by
     its pre-backward hook once the logits' gradient exists (it was resharded after its forward), and its
     ``MmBackward0`` making the weight gradient (unsharded, the gathered dtype: the unit's bytes) and
-    the input's gradient beside the logits' gradient, every activation saved. Found by trace: an untied
-    Llama of 2 layers (hidden 512, vocabulary 8000), FSDP1 dp 2 fp32: -2.3 % before (``lm_head (MmBackward0)
-    mm``). ``before``: (gradients, states, workspace)."""
+    the input's gradient beside the logits' gradient, every activation saved; then its flat gradient.
+    Found by trace: an untied Llama of 2 layers (hidden 512, vocabulary 8000), FSDP1 dp 2 fp32: -2.3 %
+    before (``lm_head (MmBackward0) mm``); Llama-3.2-1B's shapes cut to 2 layers, 2 micro-batches under
+    ``--grad-sync step``: -3.9 % before (``lm_head (SplitWithSizesBackward0) cat``, the accumulated
+    gradients beside). ``before``: (gradients, states, workspace)."""
     grads_before, states, ws2 = before
     in_grad = trunc(q.fsdp1_head_in_tok * tk.tokens)
     on = _both(valid, q.fsdp1_head_unit > 0)
