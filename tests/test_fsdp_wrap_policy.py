@@ -94,10 +94,27 @@ def test_size_policy_maps_onto_the_modelled_layouts():
         assert e.peak_allocated == estimate("llama-3.2-1b", **opts, fsdp_auto_wrap_policy=like).peak_allocated
 
 
+def test_size_policy_in_range_traces_as_the_transformer_policy():
+    """trace with torch's ``size_based_auto_wrap_policy`` at a threshold of ``transformer_range`` builds the
+    same units as ``ModuleWrapPolicy({LlamaDecoderLayer})``: the same step, byte for byte; above the
+    model's size it wraps nothing, as NO_WRAP."""
+    big = {**SMALL, "vocab_size": 1000}
+    m = resolve_model("llama-3.2-1b", big)
+    lo, hi = transformer_range(m)
+    opts = {**BASE, "set": big}
+    sized = trace("llama-3.2-1b", **opts, fsdp_auto_wrap_policy="size", fsdp_min_num_params=lo)
+    assert sized.peak_allocated == trace("llama-3.2-1b", **opts).peak_allocated
+    none = trace("llama-3.2-1b", **opts, fsdp_auto_wrap_policy="size", fsdp_min_num_params=m.num_params + 1)
+    assert none.peak_allocated == trace("llama-3.2-1b", **opts, fsdp_auto_wrap_policy="none").peak_allocated
+
+
 def test_other_size_units_are_refused_with_the_range_that_fits():
+    """The estimate refuses other unit sets in one line; trace runs them with torch's policy."""
+    opts = {**BASE, "set": {**SMALL, "vocab_size": 1000}, "fsdp_auto_wrap_policy": "size", "fsdp_min_num_params": 10**5}
     with pytest.raises(TrainmemError, match=r"makes \d+ FSDP1 units .* use trace, --fsdp-min-num-params from \d+ to"):
-        estimate("llama-3.2-1b", **{**BASE, "set": {**SMALL, "vocab_size": 1000}}, fsdp_auto_wrap_policy="size",
-                 fsdp_min_num_params=10**5)
+        estimate("llama-3.2-1b", **opts)
+    assert trace("llama-3.2-1b", **opts).peak_allocated != trace("llama-3.2-1b", **{**opts, "fsdp_min_num_params": 10**9}
+                                                                 ).peak_allocated
 
 
 # ---- estimate against trace -----------------------------------------------------------------------------
