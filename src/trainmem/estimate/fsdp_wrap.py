@@ -27,7 +27,10 @@ itself wraps the root):
   logits' (``head_units_full``; ``moments._fsdp1_head_unit``), and for its forward; the embedding
   units, the last of backward, are gathered again for their backward and their gradient views
   concatenated into their flat gradient there (``emb_units_full``, ``root_views``, ``root_flat``: the
-  old root's end-of-backward moment, with the embeddings alone).
+  old root's end-of-backward moment, with the embeddings alone). Under SHARD_GRAD_OP every unit stays
+  gathered from its forward to its backward (``_post_forward_reshard`` reshards only
+  FULL_SHARD's units): each layer's modules together (``layer_units_full``), the embedding to the end
+  of backward and the head to its own post-backward (``quantities.module_units_kept``).
 * ``size`` (``size_based_auto_wrap_policy``): the units torch's recursion makes from the model's
   parameter counts (``spec.fsdp_units``); modelled where they are one unit per decoder layer (the
   transformer policy's) or none (NO_WRAP's), refused otherwise.
@@ -77,6 +80,8 @@ def per_module_units(st: Any, tensors: Any, layer: int, gather: int, reduce: int
     emb_grads = emb if trainable else 0
     return replace(st, root_full=0, root_tensors=(), head_unit_full=0, head_unit_tensors=(), head_grads_full=0,
                    emb_units_full=emb, head_units_full=sum(block_bytes(x, expandable) for x in st.head_unit_tensors),
+                   layer_units_full=st.layer_params_full,
+                   head_units_elems=sum(x // gather for x in st.head_unit_tensors) if trainable else 0,
                    root_views=emb_grads, root_flat=emb_grads, root_rs=0, root_last_grad=0,
                    root_flat_elems=sum(x // gather for x in before) if trainable else 0,
                    root_grads=st.root_grads - st.head_grads,  # the head's shard is made at its own post-backward
@@ -113,7 +118,7 @@ def wrap_policy_states(m: ModelSpec, t: TrainingSpec, st: Any, r: Any, acc: Any,
         policy = size_policy_for_estimate(m, t.fsdp_min_params)
     if policy == "transformer" or not r.fsdp_unsharded:
         return st
-    if not m.uniform_layers or m.is_moe:
+    if not m.uniform_layers or m.is_moe:  # (one layer stands for every layer)
         raise TrainmemError(f"--fsdp-auto-wrap-policy {t.fsdp_auto_wrap_policy}: the estimate models it for models whose "
                             f"decoder layers are alike and dense; {m.name} is not one: use trace, or "
                             "--fsdp-auto-wrap-policy transformer")

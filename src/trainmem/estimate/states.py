@@ -93,6 +93,8 @@ class States:
     # their backward, the last units of backward (the root holds nothing), gathered dtype
     emb_units_full: int = 0
     head_units_full: int = 0  # ... and the units after the layers (final norm, head), gathered at their backward
+    layer_units_full: int = 0  # ... and a layer's units together (all its modules: kept gathered under grad-op)
+    head_units_elems: int = 0  # ... the elements of the units after the layers (their post-backward's flat gradient)
     # FSDP1: the elements of the root's flat parameter that have a gradient (its post-backward's flat gradient)
     root_flat_elems: int = 0
     # autocast's half copies of the matmul weights before the layers (an image model's patch

@@ -506,9 +506,8 @@ class TrainingSpec:
         """``fsdp_auto_wrap_policy`` and ``fsdp_min_num_params``: FSDP1's ``auto_wrap_policy`` (FSDP2 has
         none: its units are the modules ``fully_shard`` is called on), for full training (under LoRA
         peft's policy or ``--fsdp-lora-units`` decide the units), without TP or PP, under FULL_SHARD
-        (SHARD_GRAD_OP / HYBRID_SHARD keep every unit gathered after forward: not modelled per unit;
-        without a policy the one unit is the root, which FSDP1 keeps gathered after forward under
-        either, so ``none`` takes ``grad-op`` too)."""
+        (HYBRID_SHARD is not traced; SHARD_GRAD_OP for none and module, whose units are the root or
+        every module: ``estimate.fsdp_wrap``)."""
         n = self.fsdp_min_num_params
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
             raise TrainmemError(f"--fsdp-min-num-params must be a non-negative integer, got {n!r}")
@@ -518,7 +517,7 @@ class TrainingSpec:
         policy = self.fsdp_auto_wrap_policy
         if policy == "transformer":
             return
-        strategies = ("full", "grad-op") if policy == "none" else ("full",)
+        strategies = ("full", "grad-op") if policy in ("none", "module") else ("full",)
         sharding = f"--fsdp {' or '.join(strategies)} --fsdp-version 1"
         why = (sharding if self.fsdp not in strategies or self.fsdp_version != 1 else
                "no --lora-rank (peft's policy or --fsdp-lora-units decide the units under LoRA)" if self.lora_rank
