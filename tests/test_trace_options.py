@@ -186,6 +186,12 @@ CASES = [
     ({"fsdp_gathered": "root", "fsdp": "full", "dp": 2}, CHANGED, ""),
     ({"fsdp_gathered": "root-last", "fsdp": "full", "dp": 2}, CHANGED, ""),
     ({"fsdp_gathered": "root"}, REFUSED, "--fsdp-gathered root"),
+    # FSDP1's auto-wrap policy (vs FSDP1's one unit per layer; tests/test_fsdp_wrap_policy.py)
+    ({"fsdp_auto_wrap_policy": "none", "fsdp_version": 1, "fsdp": "full", "dp": 2}, CHANGED, ""),
+    ({"fsdp_auto_wrap_policy": "size", "fsdp_min_num_params": 10**9, "fsdp_version": 1, "fsdp": "full", "dp": 2},
+     CHANGED, ""),
+    ({"fsdp_auto_wrap_policy": "module", "fsdp_version": 1, "fsdp": "full", "dp": 2}, REFUSED, "ties its head"),
+    ({"fsdp_auto_wrap_policy": "module", "fsdp": "full", "dp": 2}, REFUSED, "--fsdp-auto-wrap-policy module"),
     ({"target_len": 32}, REFUSED, "--target-len 32"), ({"image_size": 64}, REFUSED, "--image-size 64"),
     # the run's first micro-batch at --seq-len, the later ones shorter (tests/test_later_seq_len.py)
     ({"later_seq_len": 32}, CHANGED, ""), ({"later_seq_len": 32, "pp": 2, "grad_accum": 2}, REFUSED, "--later-seq-len"),
@@ -195,7 +201,9 @@ CASES = [
     ({"rope_cache": 128}, CHANGED, ""),  # torchtune's shared RoPE buffers (tests/test_torchtune_flags.py)
 ]
 #: the options a case is compared with instead of the baseline (the case's own options minus one)
-REFERENCE = {"fsdp_version": {"fsdp": "full", "dp": 2}, "use_cache": {"hold_output": "step"},
+REFERENCE = {"fsdp_version": {"fsdp": "full", "dp": 2},
+             "fsdp_auto_wrap_policy": {"fsdp_version": 1, "fsdp": "full", "dp": 2},
+             "use_cache": {"hold_output": "step"},
              "fsdp_lora_units": {"lora_rank": 8}, "fsdp_gathered": {"fsdp": "full", "dp": 2}, "ddp_bucket_mb": {"dp": 2},
              "sequence_parallel": {"tp": 2},
              "quantize": {"lora_rank": 8}, "quantize_via": {"lora_rank": 8, "quantize": "nf4"},

@@ -363,7 +363,21 @@ def fsdp1_wrap_policy(module: torch.nn.Module, spec: Any, t: TrainingSpec) -> An
     if t.lora_rank and t.fsdp_lora_units == "separate":
         from peft.utils.other import fsdp_auto_wrap_policy
         return fsdp_auto_wrap_policy(module)
+    if t.fsdp_auto_wrap_policy != "transformer":
+        return user_wrap_policy(t)
     return ModuleWrapPolicy({type(layer) for layer in decoder_layers(module, spec)})
+
+
+def user_wrap_policy(t: TrainingSpec) -> Any:
+    """``--fsdp-auto-wrap-policy`` size / module / none as torch's own policies (torch 2.13
+    ``torch/distributed/fsdp/wrap.py``): ``size_based_auto_wrap_policy`` with ``min_num_params``
+    (L341-397; what accelerate's SIZE_BASED_WRAP builds), ``always_wrap_policy`` (L117) and None
+    (accelerate's NO_WRAP: ``FullyShardedDataParallel`` then wraps the whole model as one unit)."""
+    import functools
+    from torch.distributed.fsdp.wrap import always_wrap_policy, size_based_auto_wrap_policy
+    if t.fsdp_auto_wrap_policy == "size":
+        return functools.partial(size_based_auto_wrap_policy, min_num_params=t.fsdp_min_params)
+    return always_wrap_policy if t.fsdp_auto_wrap_policy == "module" else None
 
 
 def ddp(module: torch.nn.Module, t: TrainingSpec, device: torch.device, process_group: Any = None) -> Any:

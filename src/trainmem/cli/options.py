@@ -7,7 +7,8 @@ from typing import Any, Callable
 
 from ..spec.frameworks import FRAMEWORKS
 from ..spec.tasks import TASKS
-from ..spec.training import (ATTENTION, ATTENTION_CALLS, FSDP_GATHERED, FSDP_LORA_UNITS, FSDP_MODES, GRAD_SYNC,
+from ..spec.training import (ATTENTION, ATTENTION_CALLS, FSDP_GATHERED, FSDP_LORA_UNITS, FSDP_MODES,
+                             FSDP_WRAP_POLICIES, GRAD_SYNC,
                              RMS_NORMS, HOLD_OUTPUT, OPTIMIZER_ALIASES, OPTIMIZER_IMPLS, OPTIMIZERS, OPTIMIZERS_REFUSED, PP_SCHEDULES, PP_STAGES,
                              PRECISION_ALIASES, PRECISIONS, RECOMPUTE, ZERO_GRAD, LOSSES, LOSS_SHIFTS, MASTER_WEIGHTS,
                              TRANSFORMER_IMPLS)
@@ -219,6 +220,14 @@ def _add_fsdp(g: Any) -> None:
                    "root-last (and the last decoder layer: torchtitan 2024-2025), head (torchtitan since July "
                    "2025: the embedding its own unit, the final norm and head one unit kept gathered, the root "
                    "empty)")
+    g.add_argument("--fsdp-auto-wrap-policy", choices=FSDP_WRAP_POLICIES, default=None,
+                   help="FSDP1's auto_wrap_policy (with --fsdp full --fsdp-version 1): transformer (default; one "
+                        "unit per decoder layer, accelerate's TRANSFORMER_BASED_WRAP, Lightning's {Block}), size "
+                        "(size_based_auto_wrap_policy: SIZE_BASED_WRAP, with --fsdp-min-num-params), module "
+                        "(always_wrap_policy: every module a unit) or none (NO_WRAP: the whole model one unit)")
+    g.add_argument("--fsdp-min-num-params", type=nonneg_int, default=None, metavar="N",
+                   help="the size policy's min_num_params (accelerate's fsdp_min_num_params, HF Trainer's "
+                        "min_num_params; default torch's 100000000)")
 
 
 def _add_lora(g: Any) -> None:
@@ -454,7 +463,8 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 master_weights=a.master_weights, framework=a.framework, framework_version=a.framework_version,
                 torch_version=a.torch_version, grad_sync=a.grad_sync, fsdp_lora_units=a.fsdp_lora_units,
                 transformers_version=a.transformers_version,
-                fsdp_gathered=a.fsdp_gathered,
+                fsdp_gathered=a.fsdp_gathered, fsdp_auto_wrap_policy=a.fsdp_auto_wrap_policy,
+                fsdp_min_num_params=a.fsdp_min_num_params,
                 fsdp_version=a.fsdp_version, loss_shift=a.loss_shift, cast_output=a.cast_output, fused_qkv=a.fused_qkv,
                 use_cache=a.use_cache, attention_call=a.attention_call, split_gate_up=a.split_gate_up,
                 rms_norm=a.rms_norm, liger=a.liger, liger_version=a.liger_version,

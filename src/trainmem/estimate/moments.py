@@ -508,7 +508,41 @@ def _head_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, befo
                    (grads_before, states, tk.inputs, ws2, tk.all_acts, trunc(q.final_norm_bwd_tok * tk.tokens)),
                    (kept.logits, kept.kv_forward, 0), _both(valid, q.final_norm_bwd_tok > 0)))
     out.append(_fsdp_head_reduce(q, tk, kept, before, step, micro, valid))
+    out.extend(_fsdp1_head_unit(q, tk, kept, before, step, micro, valid, _either(fsdp_sync(q, flags), micro > 0)))
     return out
+
+
+def _fsdp1_head_unit(q: Quantities, tk: Tokens, kept: Kept, before: tuple, step: int, micro: int,
+                     valid: Any, reduces: Any) -> list[Moment]:
+    """FSDP1 under ``always_wrap_policy`` (``estimate.fsdp_wrap``): the head's own unit gathered again by
+    its pre-backward hook once the logits' gradient exists (it was resharded after its forward), and its
+    ``MmBackward0`` making the weight gradient (unsharded, the gathered dtype: the unit's bytes) and
+    the input's gradient beside the logits' gradient, every activation saved; then its flat gradient.
+    Found by trace: an untied Llama of 2 layers (hidden 512, vocabulary 8000), FSDP1 dp 2 fp32: -2.3 %
+    before (``lm_head (MmBackward0) mm``); Llama-3.2-1B's shapes cut to 2 layers, 2 micro-batches under
+    ``--grad-sync step``: -3.9 % before (``lm_head (SplitWithSizesBackward0) cat``, the accumulated
+    gradients beside); its post-backward (the reduce-dtype copy and the new shard, where it reduces:
+    ``reduces``, not in a ``no_sync`` micro-batch), under grad-op with the layers and the embedding kept
+    gathered: -1.7 % before on that model under bf16-mp. ``before``: (gradients, states, workspace)."""
+    grads_before, states, ws2 = before
+    in_grad = trunc(q.fsdp1_head_in_tok * tk.tokens)
+    on = _both(valid, q.fsdp1_head_unit > 0)
+    # then (the logits' gradient and autocast's half weight copy freed with MmBackward0) its flat gradient,
+    # concatenated from the weight's view gradient (``quantities.fsdp1_flat_gradient``: twice the unit's
+    # gradients), before its post-backward reshards
+    return [_mo("backward", micro, step, "fsdp1.head_unit_backward",
+                (grads_before + q.fsdp1_head_unit, states, tk.inputs, ws2, tk.all_acts, tk.logits_grad + in_grad),
+                (kept.logits, kept.kv_forward, 0), on, comm=q.fsdp1_head_unit + q.fsdp_root),
+            _mo("backward", micro, step, "fsdp1.head_unit_flat_gradient",
+                (grads_before + 2 * q.fsdp1_head_unit, states, tk.inputs, ws2, tk.all_acts - q.cast_head, in_grad),
+                (kept.logits, kept.kv_forward, 0), on, comm=q.fsdp1_head_unit + q.fsdp_root),
+            # its post-backward, the unit resharded first: the flat gradient, its reduce-dtype copy and the new
+            # shard (quantities.fsdp1_unit_post_backward)
+            _mo("backward", micro, step, "fsdp1.head_unit_reduce_scatter",
+                (grads_before + q.fsdp1_head_unit, states, tk.inputs, ws2, tk.all_acts - q.cast_head,
+                 in_grad + q.fsdp1_head_post),
+                (kept.logits, kept.kv_forward, 0), _both(_both(on, q.fsdp1_head_post > 0), reduces),
+                comm=q.fsdp_root)]
 
 
 def _fsdp_head_reduce(q: Quantities, tk: Tokens, kept: Kept, before: tuple, step: int, micro: int,
@@ -602,6 +636,11 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
                                       valid, prev_graph + own))
     moments.extend(_top_forward(q, tk, (grads_before, states, ws), (prev_logits, prev_kv), step, micro, valid,
                                 prev_graph + own))
+    # FSDP1 always_wrap_policy: the head's unit gathered for its forward only, its output being made
+    moments.append(_mo("forward", micro, step, "fsdp1.head_unit_forward",
+                       (grads_before, states, tk.inputs, ws, tk.all_acts, tk.out_logits),
+                       (prev_logits, prev_kv + tk.kv_held, 0), _both(valid, q.fsdp1_head_unit > 0), prev_graph + own,
+                       comm=q.fsdp1_head_unit + q.fsdp_root))  # (grad-op: the embedding kept gathered)
     # --cast-output (Lightning Fabric, quantities._cast_output_loss_bytes): as forward returns, the
     # head's half output and its fp32 copy exist while the loop still holds the previous output; the
     # loop then rebinds its name (the previous output freed) and its loss reads the fp32 copy (the
@@ -825,7 +864,7 @@ def _embedding_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept,
                        (emb_grads, states_mid, tk.inputs, ws2, tk.others + tk.others_head + held, temp_emb),
                        (kept.logits, kept.kv_end, 0),
                        _both(valid, _either(_either(tied > 0, emb_new > 0), q.tied_compiled > 0)), tk.graph,
-                       comm=root + rs + low_ds + q.layers * kept_layer + q.fsdp_emb_unit))
+                       comm=root + rs + low_ds + q.layers * kept_layer + q.fsdp_emb_unit + q.fsdp1_emb_units))
     # FSDP1: the root's flat gradient concatenated from its views' (quantities.fsdp1_root_flat_gradient),
     # beside the gradients before the root's (its own part of ``grads`` when fresh: not yet made)
     flat_grads = (q.grads - where(fresh, q.fsdp_root_sharded, 0) - q.layers * reduced + q.fsdp1_root_views
@@ -833,7 +872,16 @@ def _embedding_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept,
     moments.append(_mo("backward", micro, step, "fsdp1.root_flat_gradient",
                        (flat_grads, states_mid, tk.inputs, ws2, tk.others + tk.others_head, 0),
                        (kept.logits, kept.kv_end, 0), _both(valid, q.fsdp1_root_flat > 0), tk.graph,
-                       comm=root + rs + low_ds + q.layers * kept_layer))
+                       comm=root + rs + low_ds + q.layers * kept_layer + q.fsdp1_emb_units))
+    # then its post-backward, the root resharded first (``_post_backward_reshard``): the flat gradient alone
+    # (the views freed), its reduce-dtype copy and the new shard (quantities.fsdp1_root_post_backward);
+    # under no_sync only in the micro-batch that reduces
+    post_grads = flat_grads - q.fsdp1_root_views
+    moments.append(_mo("backward", micro, step, "fsdp1.root_reduce_scatter",
+                       (post_grads, states_mid, tk.inputs, ws2, tk.others + tk.others_head, q.fsdp1_root_post),
+                       (kept.logits, kept.kv_end, 0),
+                       _both(valid, _both(q.fsdp1_root_post > 0, _either(sync, micro > 0))), tk.graph,
+                       comm=rs + low_ds + q.layers * kept_layer))
 
 
 def _backward_end(q: Quantities, tk: Tokens, kept: Kept, when: tuple, now: tuple) -> list[Moment]:

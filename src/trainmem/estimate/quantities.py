@@ -150,6 +150,11 @@ class Quantities:
     fsdp1_flat: int = 0       # FSDP1: a layer's gradients as its flat gradient is made (fsdp1_flat_gradient)
     fsdp1_root_views: int = 0  # FSDP1: the root's unsharded view gradients at its flat gradient's cat ...
     fsdp1_root_flat: int = 0   # ... and that flat gradient (fsdp1_root_flat_gradient)
+    fsdp1_emb_units: int = 0   # FSDP1 --fsdp-auto-wrap-policy module: the embedding units gathered at their backward
+    fsdp1_root_post: int = 0   # FSDP1: the root's post-backward beside its flat gradient (fsdp1_root_post_backward)
+    fsdp1_head_unit: int = 0   # FSDP1 --fsdp-auto-wrap-policy module: the final norm and head units gathered ...
+    fsdp1_head_in_tok: float = 0.0  # ... at the head's backward, beside its input's gradient (per token)
+    fsdp1_head_post: int = 0   # ... and what the head unit's post-backward allocates beside its flat gradient
     # FSDP accumulating unsharded gradients (no_sync, ``fsdp_no_sync``): what one layer's and all the
     # rank's gradients shrink by when the step's last micro-batch reduce-scatters them to shards ...
     fsdp_accumulates: int = 0  # 1 where FSDP accumulates unsharded (no_sync), else 0
@@ -2195,7 +2200,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         cast_layer=cast_layer, cast_head=cast_head, cast_embed=cast_embed, cast_checkpointed=cast_layer * checkpointed, head_wgrad=head_wgrad(m, t, cast_head),
         cast_forward_only=0 if (t.lora_rank or fsdp1_views(t) or loss_after_stage_forward(t, stage))
         else cast_layer * checkpointed,  # see cast_checkpointed
-        gathered_layer=st.layer_params_full if fsdp_grad_op(t) else 0,
+        gathered_layer=(st.layer_units_full or st.layer_params_full) if fsdp_grad_op(t) else 0,
         logit_chunks=t.loss_chunks, logit_width=m.vocab_size if is_lm(m) else classifier_width(m, t),
         tp=t.tp if is_lm(m) else 1, logits_held=loss.held, logits_out=loss.out, loss_saved=loss.saved,
         logits_cast=loss.cast, cast_output=int(t.cast_output), loss_forward=loss.forward, loss_backward=loss.backward,
@@ -3026,7 +3031,28 @@ def fsdp_buffers(m: ModelSpec, t: TrainingSpec, st: States, lc: LayerCoefs) -> d
             "fsdp_root_sharded": st.root_grads,
             "fsdp_root_rs": st.root_rs if t.fsdp_version == 2 else 0,
             "fsdp_root_last": st.root_last_grad if t.fsdp_version == 2 else 0,
-            **_fsdp1_fields(t, st, lc), **(_split_root(m, t, st, layer_buf) if fsdp2_split_root(t) else {})}
+            # always_wrap_policy: the head unit gathered for its backward (estimate.fsdp_wrap), which makes the
+            # weight gradient, unsharded, and the input's gradient (b, s, hidden) in the compute dtype
+            "fsdp1_head_unit": st.head_units_full if t.fsdp_version == 1 else 0,
+            "fsdp1_head_in_tok": float(m.hidden_size * t.compute_bytes) if st.head_units_full else 0.0,
+            "fsdp1_head_post": fsdp1_unit_post_backward(t, st.head_units_elems) if t.fsdp_version == 1 else 0,
+            **_fsdp1_fields(t, st, lc), **(_split_root(m, t, st, layer_buf) if fsdp2_split_root(t) else {}),
+            **module_units_kept(t, st)}
+
+
+def module_units_kept(t: TrainingSpec, st: States) -> dict[str, int]:
+    """``fsdp_buffers``' root terms under ``always_wrap_policy`` with SHARD_GRAD_OP (``estimate.fsdp_wrap``;
+    nothing otherwise), bytes on one rank: no unit is resharded after its forward (torch 2.13
+    ``fsdp/_runtime_utils.py`` ``_post_forward_reshard``: only the strategies that reshard after forward),
+    so the embedding's and the head's units stay gathered from their forward, the head's to its own
+    post-backward (while the loss and its backward run: ``fsdp_loss_root``), the embedding's to its
+    post-backward at the end of backward (``fsdp_root``, in place of the gather for its backward,
+    ``fsdp1_emb_units``). Found by trace: Llama-3.2-1B's shapes cut to 2 layers, FSDP1 grad-op dp 2: the
+    transformer policy's units give +16.3 % at the head's flat gradient."""
+    if not (st.head_units_full or st.emb_units_full) or t.fsdp != "grad-op":
+        return {}
+    kept = st.emb_units_full + st.head_units_full
+    return {"fsdp_root": st.emb_units_full, "fsdp_loss_root": kept, "fsdp_root_kept": kept, "fsdp1_emb_units": 0}
 
 
 def _fsdp1_fields(t: TrainingSpec, st: States, lc: LayerCoefs) -> dict[str, int]:
@@ -3041,6 +3067,8 @@ def _fsdp1_fields(t: TrainingSpec, st: States, lc: LayerCoefs) -> dict[str, int]
             "fsdp1_flat": fsdp1_flat_gradient(st) if one else 0,
             "fsdp1_root_views": st.root_views if one and st.root_flat else 0,
             "fsdp1_root_flat": fsdp1_root_flat_gradient(st) if one else 0,
+            "fsdp1_emb_units": st.emb_units_full if one else 0,
+            "fsdp1_root_post": fsdp1_root_post_backward(t, st) if one else 0,
             "fsdp1_unprefetched": fsdp1_unprefetched(t, lc), "fsdp1_held_inputs": int(fsdp1_held_inputs(t))}
 
 
@@ -3115,6 +3143,31 @@ def fsdp1_root_flat_gradient(st: States) -> int:
     return st.root_flat
 
 
+def fsdp1_unit_post_backward(t: TrainingSpec, elems: int) -> int:
+    """Bytes an FSDP1 unit's post-backward hook allocates beside its flat gradient of ``elems`` elements
+    (torch 2.13 ``fsdp/_runtime_utils.py`` ``_post_backward_hook`` L700-773, after ``_post_backward_reshard``):
+    the flat gradient cast to the reduce dtype under ``bf16-mp`` (fp32, L754-762) and the new shard
+    (``_get_reduce_scatter_tensors``: one rank's part in the reduce dtype); 0 without elements."""
+    if not elems:
+        return 0
+    reduce = 4 if t.precision == "bf16-mp" else t.weight_bytes   # the reduce dtype: fp32, else the gradients'
+    cast = block_of(t, elems * 4) if t.precision == "bf16-mp" else 0   # (elems,) fp32
+    return cast + block_of(t, -(-elems // t.shard_group) * reduce)      # + the new shard
+
+
+def fsdp1_root_post_backward(t: TrainingSpec, st: States) -> int:
+    """Bytes FSDP1's root post-backward hook allocates beside the root's flat gradient
+    (``st.root_flat``), on one rank: as a layer's (``fsdp1_post_backward``; torch 2.13
+    ``fsdp/_runtime_utils.py`` ``_post_backward_hook`` L700-773), the flat gradient cast to the reduce
+    dtype under ``bf16-mp`` (fp32, L754-762) and the new shard (``_get_reduce_scatter_tensors``:
+    ``torch.empty_like(chunks[0])``, one rank's part in the reduce dtype). The hook runs on the root's
+    ``AccumulateGrad`` after the cat of ``SplitWithSizesBackward0`` (``fsdp1_root_flat_gradient``), whose
+    view gradients are freed by then. With no wrap policy (NO_WRAP) the root is the whole model. Found by
+    trace: an untied Llama of 2 layers (hidden 512, vocabulary 8000), FSDP1 dp 2, NO_WRAP, bf16-mp:
+    -5.1 % before (moment ``fsdp1.root_reduce_scatter``)."""
+    return fsdp1_unit_post_backward(t, st.root_flat_elems)
+
+
 def fsdp_no_sync(m: ModelSpec, t: TrainingSpec, st: States, stage: str) -> dict[str, int]:
     """FSDP accumulating unsharded gradients (``--grad-sync step``: every micro-batch but the last
     inside FSDP1's ``no_sync()`` or under FSDP2's ``set_requires_gradient_sync(False)``), the
@@ -3148,7 +3201,8 @@ def fsdp_no_sync(m: ModelSpec, t: TrainingSpec, st: States, stage: str) -> dict[
         return {}
     synced = model_states(m, replace(t, grad_sync="micro-batch"), stage)
     kept = fsdp_grad_op(t) and t.fsdp_version == 1
-    reduced = 0 if pipeline_fsdp(t) else st.layer_grads - synced.layer_grads
+    # (none where the layers are no units of their own: NO_WRAP's root reduces them at the end, estimate.fsdp_wrap)
+    reduced = 0 if pipeline_fsdp(t) or not st.layer_tensors else st.layer_grads - synced.layer_grads
     # FSDP2 under bf16-mp keeps the accumulated gradient in fp32 (``unsharded_accumulated_grad``) apart
     # from the parameter's ``.grad``, which each backward fills anew in bf16 and ``post_backward`` adds
     # and frees (torch 2.13 ``_fully_shard/_fsdp_param.py`` L802-821, ``_fsdp_param_group.py`` L603-612):
@@ -3160,7 +3214,8 @@ def fsdp_no_sync(m: ModelSpec, t: TrainingSpec, st: States, stage: str) -> dict[
     mp_new = int(t.fsdp_version == 2 and t.precision == "bf16-mp" and pipeline_fsdp(t))
     return {"fsdp_accumulates": 1, "fsdp_mp_new": mp_new, "nosync_layer_reduce": reduced,
             "nosync_reduce": st.grads - synced.grads,
-            "nosync_kept_layer": st.layer_params_full if kept else 0, "nosync_kept_root": st.root_full if kept else 0}
+            "nosync_kept_layer": (st.layer_units_full or st.layer_params_full) if kept else 0,
+            "nosync_kept_root": (st.root_full or st.emb_units_full + st.head_units_full) if kept else 0}
 
 
 def fsdp1_unprefetched(t: TrainingSpec, lc: LayerCoefs) -> int:

@@ -17,6 +17,7 @@ from ..spec.training import TrainingSpec
 
 from ..allocator_rules import block_bytes, placed_bytes
 from .cache import BoundedCache
+from .fsdp_wrap import wrap_policy_states
 from .gemini import model_gemini
 from .quant4 import builds_on_device, is_quantized, torchtune_v01_build, weight_storage
 
@@ -88,6 +89,14 @@ class States:
     # gradient, one tensor of all of them, both in the gathered dtype
     root_views: int = 0
     root_flat: int = 0
+    # FSDP1 ``--fsdp-auto-wrap-policy module`` (``estimate.fsdp_wrap``): the embedding units gathered at
+    # their backward, the last units of backward (the root holds nothing), gathered dtype
+    emb_units_full: int = 0
+    head_units_full: int = 0  # ... and the units after the layers (final norm, head), gathered at their backward
+    layer_units_full: int = 0  # ... and a layer's units together (all its modules: kept gathered under grad-op)
+    head_units_elems: int = 0  # ... the elements of the units after the layers (their post-backward's flat gradient)
+    # FSDP1: the elements of the root's flat parameter that have a gradient (its post-backward's flat gradient)
+    root_flat_elems: int = 0
     # autocast's half copies of the matmul weights before the layers (an image model's patch
     # embedding), saved until the embeddings' backward
     embed_matmul_half: int = 0
@@ -459,7 +468,8 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
            t.fp32_master, t.quantize, t.quantize_via, t.bitsandbytes_version, t.torchao_version, t.accumulates_unsharded,
            t.fsdp_mixed_units, t.fsdp_version, t.fused_qkv, t.split_gate_up, t.layer_rope_cache, t.rope_cache, t.expandable_segments,
            layer_rotary_cache(m, t.transformers_release),
-           t.gemini, t.gemini_chunk_size, t.ds_params_on_host, t.ds_fp32_clone, t.half_embeddings)
+           t.gemini, t.gemini_chunk_size, t.ds_params_on_host, t.ds_fp32_clone, t.half_embeddings,
+           t.fsdp_auto_wrap_policy, t.fsdp_min_num_params)
     return _STATES_CACHE.get_or_build(key, lambda: _model_states(m, t, stage))
 
 
@@ -679,7 +689,7 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
     root_rs = r.block(acc.root_rs_elems * reduce) if (r.fsdp_unsharded and acc.root_rs_elems) else 0
     emb_elems = acc.root_rs_elems - acc.head_rs_elems
     build, build_temp = _device_build(m, t, r)
-    return States(weights, acc.buffers, master, acc.grads, opt, step_t, acc.trainable, acc.params_rank,
+    st = States(weights, acc.buffers, master, acc.grads, opt, step_t, acc.trainable, acc.params_rank,
                   acc.layer_grads, acc.head_grads, acc.lmh, acc.hmh, acc.largest, acc.group, acc.lpf,
                   sum(x[1] for x in lora), acc.q4, acc.root, acc.head_full, acc.emb_full, acc.layer_full, rs,
                   acc.root_g, _load_list(before, layer, r.per_stage if m.uniform_layers else 1, after),
@@ -692,7 +702,8 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
                   emb_unit_last=acc.emb_last if root_rs else 0,
                   between_grads=acc.between, root_views=acc.root_views, build=build, build_temp=build_temp,
                   root_flat=r.block(acc.root_flat_bytes) if acc.root_flat_bytes else 0,
-                  embed_matmul_half=acc.emh)
+                  embed_matmul_half=acc.emh, root_flat_elems=acc.root_flat_bytes // r.gather)
+    return wrap_policy_states(m, t, st, r, acc, litgpt_tensors(m.first_layer_and_outer_tensors, t))
 
 
 def _gemini_states(m: ModelSpec, t: TrainingSpec, r: _Rank) -> States:

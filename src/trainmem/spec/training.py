@@ -165,6 +165,15 @@ FSDP_LORA_UNITS = ("separate", "layer")
 #: since 83e694105, July 2025: the token embedding its own unit and every block resharded, the final norm
 #: and the head one unit kept gathered, the root ``fully_shard(model)`` holding no parameters)
 FSDP_GATHERED = ("none", "root", "root-last", "head")
+#: FSDP1's ``auto_wrap_policy``, as users name it: transformer (``ModuleWrapPolicy`` /
+#: ``transformer_auto_wrap_policy`` over the decoder layer class: accelerate's TRANSFORMER_BASED_WRAP, HF
+#: Trainer's ``transformer_layer_cls_to_wrap``, Lightning's ``auto_wrap_policy={Block}``); size
+#: (``size_based_auto_wrap_policy`` with ``min_num_params``: accelerate's SIZE_BASED_WRAP, HF Trainer's
+#: ``min_num_params``); module (``always_wrap_policy``: every submodule a unit, the root none of its own);
+#: none (no policy: accelerate's NO_WRAP, the whole model one flat parameter, the root's)
+FSDP_WRAP_POLICIES = ("transformer", "size", "module", "none")
+#: ``size_based_auto_wrap_policy``'s default ``min_num_params`` (torch/distributed/fsdp/wrap.py L346)
+FSDP_MIN_NUM_PARAMS = 100_000_000
 #: bitsandbytes 4-bit base weights (``Linear4bit``): quant type nf4/fp4, ``-dq`` = double quantization
 #: (transformers ``BitsAndBytesConfig(bnb_4bit_quant_type, bnb_4bit_use_double_quant)``; litgpt
 #: ``--quantize bnb.nf4``/``bnb.nf4-dq``, which is accepted too)
@@ -354,6 +363,9 @@ class TrainingSpec:
     #                                      with its RotaryPositionalEmbeddings: cache [N, head_dim/2, 2] and theta
     #                                      [head_dim/2], fp32); None: none (transformers' model keeps one inv_freq)
     fsdp_gathered: str = "none"  # FSDP_GATHERED: FSDP2 units kept gathered from their forward to their backward
+    fsdp_auto_wrap_policy: str = "transformer"  # FSDP_WRAP_POLICIES: FSDP1's auto_wrap_policy (which modules are units)
+    fsdp_min_num_params: int | None = None  # size policy: a module becomes a unit when its parameters not yet in
+    #                                         a unit reach this many; None: torch's default, FSDP_MIN_NUM_PARAMS
     target_len: int | None = None  # an encoder-decoder's decoder tokens (its labels); None: seq_len
     image_size: int | None = None  # an image model's square image side in pixels; sets seq_len (its patches)
     # DeepSpeed ZeRO's engine buffers (with --zero): the ``zero_optimization`` keys of a DeepSpeed config,
@@ -401,7 +413,8 @@ class TrainingSpec:
         for key, choices in (("recompute", RECOMPUTE), ("attention", ATTENTION), ("zero_grad", ZERO_GRAD),
                              ("hold_output", HOLD_OUTPUT), ("grad_sync", GRAD_SYNC), ("pp_schedule", PP_SCHEDULES),
                              ("pp_stage", PP_STAGES),
-                             ("fsdp_lora_units", FSDP_LORA_UNITS), ("fsdp_gathered", FSDP_GATHERED)):
+                             ("fsdp_lora_units", FSDP_LORA_UNITS), ("fsdp_gathered", FSDP_GATHERED),
+                             ("fsdp_auto_wrap_policy", FSDP_WRAP_POLICIES)):
             _choice(key, getattr(self, key), choices)
         if self.remote_device is not None:
             _choice("remote_device", self.remote_device, REMOTE_DEVICES)
@@ -571,6 +584,36 @@ class TrainingSpec:
             raise TrainmemError("--fsdp-gathered head is torchtitan's split of the root for full training; with "
                                 "--lora-rank (frozen embedding and head units) it is not modelled: use "
                                 "--fsdp-gathered none or root")
+        self._check_wrap_policy()
+
+    def _check_wrap_policy(self) -> None:
+        """``fsdp_auto_wrap_policy`` and ``fsdp_min_num_params``: FSDP1's ``auto_wrap_policy`` (FSDP2 has
+        none: its units are the modules ``fully_shard`` is called on), for full training (under LoRA
+        peft's policy or ``--fsdp-lora-units`` decide the units), without TP or PP, under FULL_SHARD
+        (HYBRID_SHARD is not traced; SHARD_GRAD_OP for none and module, whose units are the root or
+        every module: ``estimate.fsdp_wrap``)."""
+        n = self.fsdp_min_num_params
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+            raise TrainmemError(f"--fsdp-min-num-params must be a non-negative integer, got {n!r}")
+        if n is not None and self.fsdp_auto_wrap_policy != "size":
+            raise TrainmemError("--fsdp-min-num-params is the size-based policy's threshold: give "
+                                "--fsdp-auto-wrap-policy size too, or drop it")
+        policy = self.fsdp_auto_wrap_policy
+        if policy == "transformer":
+            return
+        strategies = ("full", "grad-op") if policy in ("none", "module") else ("full",)
+        sharding = f"--fsdp {' or '.join(strategies)} --fsdp-version 1"
+        why = (sharding if self.fsdp not in strategies or self.fsdp_version != 1 else
+               "no --lora-rank (peft's policy or --fsdp-lora-units decide the units under LoRA)" if self.lora_rank
+               else "no --tp or --pp" if self.tp > 1 or self.pp > 1 or self.cp > 1 else "")
+        if why:
+            raise TrainmemError(f"--fsdp-auto-wrap-policy {policy} is FSDP1's auto_wrap_policy, modelled for full "
+                                f"training: it needs {why}; or use --fsdp-auto-wrap-policy transformer")
+
+    @property
+    def fsdp_min_params(self) -> int:
+        """The size-based policy's ``min_num_params`` (torch's default when not given)."""
+        return FSDP_MIN_NUM_PARAMS if self.fsdp_min_num_params is None else self.fsdp_min_num_params
 
     def _check_counts(self) -> None:
         """``target_len``, ``image_size`` and ``sub_group_size`` are None or positive integers;
@@ -1495,9 +1538,24 @@ def check_against(model: Any, t: TrainingSpec) -> None:
         if experts and t.ep > 1:
             raise TrainmemError(f"--lora-targets {','.join(experts)} with --ep {t.ep}: adapters on expert-parallel "
                                 "experts are not modelled; target the attention or router linears, or use --ep 1")
-    split = fsdp1_tied_split(model, t) or fsdp2_split_root_problem(model, t)
+    split = fsdp1_tied_split(model, t) or fsdp2_split_root_problem(model, t) or wrap_policy_tied_problem(model, t)
     if split:
         raise TrainmemError(split)
+
+
+def wrap_policy_tied_problem(model: Any, t: TrainingSpec) -> str:
+    """Why ``--fsdp-auto-wrap-policy module`` / ``size`` does not fit a model whose head ties its
+    embedding, or "": FSDP1 flattens the tied weight into the embedding's unit, and the head's module,
+    in another unit (its own under ``always_wrap_policy``), then computes on that unit's 1-D shard
+    (``wrappers.tied_across_units``). One unit for both (none, or the transformer policy's root) is fine."""
+    if t.fsdp_auto_wrap_policy not in ("module", "size") or not model.tied_embeddings:
+        return ""
+    from .fsdp_units import size_policy_layout
+    if t.fsdp_auto_wrap_policy == "size" and size_policy_layout(model, t.fsdp_min_params) in ("none", "transformer"):
+        return ""
+    return (f"--fsdp-auto-wrap-policy {t.fsdp_auto_wrap_policy}: {model.name} ties its head to its embedding, which "
+            "this policy puts in different FSDP1 units (the head would compute on a shard); use "
+            "--fsdp-auto-wrap-policy transformer or none, or --set tie_word_embeddings=false")
 
 
 def fsdp2_split_root_problem(model: Any, t: TrainingSpec) -> str:

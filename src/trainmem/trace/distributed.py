@@ -401,8 +401,11 @@ def _fsdp1_init_patches() -> dict[tuple[Any, str], Any]:
     on the emulated GPU ``meta`` is the device and the model is already there, so nothing is to be
     materialised. ``_get_device_from_device_id`` (L843-870) replaces a device without an index by
     ``torch.device(current_device())``, which ``_get_compute_device`` (L1075-1104) then finds
-    inconsistent with the parameters' ``meta``: the emulated device is kept as given. The flat
-    parameters are then built, sharded and run by FSDP1's own code."""
+    inconsistent with the parameters' ``meta``: the emulated device is kept as given; a unit with no
+    parameters of its own (``always_wrap_policy`` wraps every module: activations, the rotary
+    embedding, a ``ModuleList`` whose children are units) asks ``current_device()`` in
+    ``_get_compute_device`` (L1075-1104), which gets that device too. The flat parameters are then
+    built, sharded and run by FSDP1's own code."""
     from torch.distributed.fsdp import _common_utils as common
     from torch.distributed.fsdp import _init_utils as init
     from_device = _fsdp1_device_handle(common._FSDPDeviceHandle.from_device)
@@ -419,9 +422,15 @@ def _fsdp1_init_patches() -> dict[tuple[Any, str], Any]:
             return device_id
         return from_id(device_id, rank, device_handle)
 
+    def compute_device(module: Any, ignored_params: Any, device: Any, rank: int, device_handle: Any) -> Any:
+        if device is not None and device.type == "meta":
+            return device
+        return compute(module, ignored_params, device, rank, device_handle)
+
+    compute = init._get_compute_device
     return {(common._FSDPDeviceHandle, "from_device"): staticmethod(from_device),
             (init, "_need_to_materialize_module"): need_to_materialize,
-            (init, "_get_device_from_device_id"): device_from_id}
+            (init, "_get_device_from_device_id"): device_from_id, (init, "_get_compute_device"): compute_device}
 
 
 def _storage_address(st: Any) -> int:
