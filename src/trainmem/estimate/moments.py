@@ -607,6 +607,30 @@ def _grads_before(q: Quantities, flags: StepFlags, tk: Tokens, micro: int, step:
                  q.grads + tk.grad_views - (tk.grads_absent if micro > 0 and not kept else 0))
 
 
+def _quant4_head_backward(q: Quantities, tk: Tokens, kept: "Kept", base: tuple, step: int, micro: int, valid: Any,
+                          graph: Any) -> Moment:
+    """A 4-bit LM head dequantizes its weight again for the input gradient (quant4.py): the loss's backward
+    is over (its fp32 gradients and saved log-probabilities freed); the gradient of the head's output, in the
+    output's dtype, is what MatMul4Bit.backward multiplies."""
+    grads_before, states, ws2 = base
+    return _mo("backward", micro, step, "lm_head.backward",
+               (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.out_logits + q.head_temp),
+               (kept.logits, kept.kv_forward, 0), _both(valid, q.head_temp > 0), graph,
+               comm=q.ds_loss_buf + q.ds_gathered_top)
+
+
+def _fsdp1_head_unit_forward(q: Quantities, tk: Tokens, base: tuple, prev: tuple, step: int, micro: int, valid: Any,
+                             graph: Any) -> Moment:
+    """FSDP1 under ``always_wrap_policy``: the head's unit gathered for its forward only, while its output is
+    made (under grad-op the embedding's unit stays gathered too: ``fsdp_root``)."""
+    grads_before, states, ws = base
+    prev_logits, prev_kv = prev
+    return _mo("forward", micro, step, "fsdp1.head_unit_forward",
+               (grads_before, states, tk.inputs, ws, tk.all_acts, tk.out_logits),
+               (prev_logits, prev_kv + tk.kv_held, 0), _both(valid, q.fsdp1_head_unit > 0), graph,
+               comm=q.fsdp1_head_unit + q.fsdp_root)
+
+
 def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: int, micro: int, valid: Any,
                 states_before: bool, workspaces: tuple[int, int], moments: list, ends: list, final: Any = True,
                 prev: Tokens | None = None) -> None:
@@ -636,11 +660,8 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
                                       valid, prev_graph + own))
     moments.extend(_top_forward(q, tk, (grads_before, states, ws), (prev_logits, prev_kv), step, micro, valid,
                                 prev_graph + own))
-    # FSDP1 always_wrap_policy: the head's unit gathered for its forward only, its output being made
-    moments.append(_mo("forward", micro, step, "fsdp1.head_unit_forward",
-                       (grads_before, states, tk.inputs, ws, tk.all_acts, tk.out_logits),
-                       (prev_logits, prev_kv + tk.kv_held, 0), _both(valid, q.fsdp1_head_unit > 0), prev_graph + own,
-                       comm=q.fsdp1_head_unit + q.fsdp_root))  # (grad-op: the embedding kept gathered)
+    moments.append(_fsdp1_head_unit_forward(q, tk, (grads_before, states, ws), (prev_logits, prev_kv), step, micro,
+                                            valid, prev_graph + own))
     # --cast-output (Lightning Fabric, quantities._cast_output_loss_bytes): as forward returns, the
     # head's half output and its fp32 copy exist while the loop still holds the previous output; the
     # loop then rebinds its name (the previous output freed) and its loss reads the fp32 copy (the
@@ -670,14 +691,8 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
                        comm=q.fsdp_loss_root + q.fsdp_last_kept + q.fsdp_loss_buf + q.ds_loss_buf
                        + q.ds_gathered_top))
     moments.extend(_head_backward(q, flags, tk, kept, (grads_before, states, ws2), step, micro, valid))
-    # a 4-bit LM head dequantizes its weight again for the input gradient (quant4.py): the loss's
-    # backward is over (its fp32 gradients and saved log-probabilities freed); the gradient of the
-    # head's output, in the output's dtype, is what MatMul4Bit.backward multiplies
     if flags.quant4:
-        moments.append(_mo("backward", micro, step, "lm_head.backward",
-                           (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.out_logits + q.head_temp),
-                           (kept.logits, kept.kv_forward, 0), _both(valid, q.head_temp > 0), own,
-                           comm=q.ds_loss_buf + q.ds_gathered_top))
+        moments.append(_quant4_head_backward(q, tk, kept, (grads_before, states, ws2), step, micro, valid, own))
     states_mid = q.states if (states_before or flags.oib) else 0  # optimizer in backward creates them now
     # DeepSpeed ZeRO-2 allocates its whole gradient partition at the first reduction of a bucket holding
     # one of rank 0's parameters (``quantities.deepspeed_partition_from``): here when above the layers
