@@ -282,7 +282,7 @@ def test_lightning_precision_names_are_trainmems(name, ours):
     assert resolve("gpt2", framework="lightning", precision=name).training.precision == ours
 
 
-@pytest.mark.parametrize("optim, ours, impl", [("adamw_torch", "adamw", None), ("adamw_torch_fused", "adamw", "fused"),
+@pytest.mark.parametrize("optim, ours, impl", [("adamw_torch", "adamw", "foreach"), ("adamw_torch_fused", "adamw", "fused"),
                                                ("adamw_bnb_8bit", "adamw-8bit", None),
                                                ("adamw_8bit", "adamw-8bit", None),
                                                ("paged_adamw_8bit", "paged-adamw-8bit", None),
