@@ -651,9 +651,9 @@ def notes(m: ModelSpec, t: TrainingSpec) -> list[str]:
 def point_note(m: ModelSpec, quantity: str, doc: dict[str, Any]) -> str:
     """The report's line for coefficients derived at the setup's point (``point_at``)."""
     b, s = doc["point"]
-    return (f"{m.model_type}: its {quantity} is not polynomial in the batch and sequence: its coefficients were "
-            f"derived at this batch ({b}) and sequence ({s}) only, from one trace of the cut model "
-            f"({doc.get('seconds', 0.0):.1f} s); another batch or sequence is derived again")
+    return (f"{m.model_type}: its memory is not polynomial in the batch and sequence (its {quantity}): its "
+            f"coefficients were derived at this batch ({b}) and sequence ({s}) only, from one trace of the cut "
+            f"model ({doc.get('seconds', 0.0):.1f} s); another batch or sequence is derived again")
 
 
 _NOTES: dict[tuple, tuple[str, ...]] = {}
