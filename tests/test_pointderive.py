@@ -98,5 +98,5 @@ def test_layout_grids_derive_a_few_points_and_refuse_more():
     for b, p in zip(batches, out["peak_allocated"]):
         assert p == estimate(r.model, r.replace(batch_size=int(b)).training).peak_allocated
     many = np.arange(2, 3 + derived.POINT_LIMIT)
-    with pytest.raises(trainmem.TrainmemError, match="fit, sweep and plan: .*not polynomial"):
+    with pytest.raises(trainmem.TrainmemError, match="fit and plan: .*not polynomial"):
         estimate_layouts(r.model, r.training, batch_size=many)

@@ -177,7 +177,8 @@ def varying_steps(m: ModelSpec, t: TrainingSpec, stage: str, flags: StepFlags) -
     the steps at ``seq_len``: a shorter micro-batch saves less, and meets at most the output a
     micro-batch as long as the longest left held."""
     lengths = padded_lengths(t)
-    _one_point_refuses(m, t, "--min-seq-len", f"its {len(set(lengths))} padded lengths", len(set(lengths)))
+    _one_point_refuses(m, t, "--min-seq-len", f"its {len(set(lengths))} padded lengths", len(set(lengths)),
+                       "drop --min-seq-len, or use trace")
     b, ga = t.batch_size, t.grad_accum
     micro = []
     for length in lengths:
@@ -187,7 +188,7 @@ def varying_steps(m: ModelSpec, t: TrainingSpec, stage: str, flags: StepFlags) -
     return [micro[i:i + ga] for i in range(0, len(micro), ga)]
 
 
-def _one_point_refuses(m: ModelSpec, t: TrainingSpec, option: str, what: str, count: int) -> None:
+def _one_point_refuses(m: ModelSpec, t: TrainingSpec, option: str, what: str, count: int, fix: str) -> None:
     """Refuses ``option`` in one line when it needs ``m`` at more than ``derived.POINT_LIMIT`` other
     (batch, sequence) points and ``m``'s coefficients hold at one point only (``derived.point_at``:
     each point is a trace of its own)."""
@@ -195,7 +196,7 @@ def _one_point_refuses(m: ModelSpec, t: TrainingSpec, option: str, what: str, co
     if count > POINT_LIMIT and point_at(m, t) is not None:
         raise TrainmemError(f"{option}: {m.name}'s memory is not polynomial in the batch and sequence, so its "
                             f"coefficients are derived at each (batch, sequence) point by a trace of its own, and "
-                            f"{what} would need {count} (at most {POINT_LIMIT}); drop {option} or use trace")
+                            f"{what} would need {count} (at most {POINT_LIMIT}); {fix}")
 
 
 def _phase_reserved(rep: MemoryReport, marks: dict) -> None:
@@ -278,7 +279,9 @@ def _regime_parts(m: ModelSpec, base: TrainingSpec, cols: dict[str, np.ndarray])
     seqs, batches = cols["seq_len"], cols["batch_size"]
     points = {(int(s), int(b)) for s, b in zip(seqs, batches)}
     _one_point_refuses(m, replace(base, seq_len=int(seqs[0]), batch_size=int(batches[0])),
-                       "fit, sweep and plan", "the grid's batch sizes and sequence lengths", len(points))
+                       "fit and plan", "the grid's batch sizes and sequence lengths", len(points),
+                       "plan: give at most that many with --batch-size; fit: "
+                       "sweep the sizes instead (each cell derived at its point)")
     sides: dict[tuple, list[tuple[int, int]]] = {}
     for s, b in points:
         sides.setdefault(side(replace(base, seq_len=s, batch_size=b)), []).append((s, b))
