@@ -76,11 +76,9 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1:
     ``layer_kinds`` (the kind of each of the model's layers), ``embed``/``head`` (tok, sq).
 
     ``batch1``: the coefficients of micro-batch 1 (a decoder or image model), fitted on points of
-    batch 1 alone (``batch1_points``), in the same format (``batch: 1``); see ``BATCH1_TERMS``.
-
-    ``point``: (batch, sequence): the coefficients of that one point, for a model whose memory is not
-    polynomial in them (``NotPolynomial``): one trace there, each quantity's bytes divided by the
-    point's tokens b*s as its per-token term (``_fitted``, ``_point_candidates``), exact there only."""
+    batch 1 alone (``batch1_points``), in the same format (``batch: 1``); see ``BATCH1_TERMS``. ``point``:
+    (batch, sequence): one trace there, for a model not polynomial in them (``NotPolynomial``), each
+    quantity's bytes over b*s its per-token term (``_fitted``, ``_point_candidates``)."""
     no_cache = t.recompute == "full"  # estimate.derived.without_cache: derive with use_cache off
     # an encoder-decoder under full recompute is traced with its layers checkpointed (``checkpointed``)
     ckpt = checkpointed(m, t)
@@ -105,8 +103,7 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1:
         out["checkpointed"] = True
     if batch1:
         out["batch"] = 1
-    if point:
-        out["point"] = list(point)
+    out.update({"point": list(point)} if point else {})
     pts = points + [check]
 
     def fit(what: str, ys: list[int], check_fit: bool = True) -> dict[str, float]:
