@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import time
 from functools import lru_cache
 from typing import Any
 
@@ -199,16 +200,67 @@ def _coefficients(k: str, m: ModelSpec, t: TrainingSpec, side: str, one: bool = 
     if why is not None:
         raise TrainmemError(why)
     try:
-        from ..trace.derive import derive_coefficients
+        from ..trace.derive import NotPolynomial, derive_coefficients
     except ImportError as e:
         doc = _stored(general) if one and general else None
         if doc is not None:
             return dict(doc, batch1_fallback=True)
         raise TrainmemError(f"{m.name}: no stored coefficients for this setup, and deriving them needs torch and "
                             f"transformers ({e.name} is not installed)") from None
-    doc = derive_coefficients(m, t, side, batch1=one)
+    try:
+        doc = derive_coefficients(m, t, side, batch1=one)
+    except NotPolynomial as e:
+        if m.is_encoder_decoder or m.is_image:  # (their point derivation is not checked against trace)
+            raise
+        # cached as such, so the next estimate goes straight to its point (``point_at``)
+        doc = {"not_polynomial": str(e), "quantity": e.what}
     doc["version"] = COEF_VERSION
     write_cached("coefficients", k, doc)
+    return doc
+
+
+#: the most (batch, sequence) points a layout grid (fit, sweep, plan) derives one by one for a model
+#: whose memory is not polynomial in them (``point_at``); a grid with more is refused in one line
+POINT_LIMIT = 4
+
+
+def point_at(m: ModelSpec, t: TrainingSpec) -> tuple[int, int] | None:
+    """(batch, sequence) of ``t`` when ``m``'s coefficients under ``t`` hold at that point alone: a
+    decoder whose fit over batch and sequence ``trace.derive`` refused (``NotPolynomial``: chunked
+    linear attention, whose torch fallback loops over sequence chunks; compressed or sparse attention;
+    convolution and state caches), derived at the setup's own point (``_at_point``). None otherwise
+    (a hand-written family, a polynomial fit, a setup the derivation does not cover)."""
+    if m.family != "derived" or derived_problems(m, t):
+        return None
+    return (t.batch_size, t.seq_len) if "not_polynomial" in _lookup(m, t) else None
+
+
+def _doc(m: ModelSpec, t: TrainingSpec) -> dict[str, Any]:
+    """The coefficients of ``m`` under ``t``: the fitted set, else (``point_at``) those at ``t``'s point."""
+    doc = _lookup(m, t)
+    if "not_polynomial" not in doc:
+        return doc
+    return _at_point(key(m, t), m, _canonical(t, m), regime(m, t), (t.batch_size, t.seq_len))
+
+
+@lru_cache(maxsize=256)
+def _at_point(k: str, m: ModelSpec, t: TrainingSpec, side: str, point: tuple[int, int]) -> dict[str, Any]:
+    """The coefficients at ``point`` (``trace.derive.derive_coefficients``' ``point``: one trace of
+    the cut model there), stored under the setup's key and the point, with the seconds it took."""
+    pk = _key(k, "point", *point)
+    doc = _stored(pk)
+    if doc is not None:
+        return doc
+    try:
+        from ..trace.derive import derive_coefficients
+    except ImportError as e:
+        raise TrainmemError(f"{m.name}: its memory is not polynomial in the batch and sequence and no coefficients "
+                            f"are stored at batch {point[0]}, sequence {point[1]}; deriving them needs torch and "
+                            f"transformers ({e.name} is not installed)") from None
+    start = time.perf_counter()
+    doc = derive_coefficients(m, t, side, point=point)
+    doc.update(version=COEF_VERSION, seconds=round(time.perf_counter() - start, 2))
+    write_cached("coefficients", pk, doc)
     return doc
 
 
@@ -217,7 +269,7 @@ def coefficients(m: ModelSpec, t: TrainingSpec) -> dict[str, Any]:
     1 its batch-1 set, ``batch1``); an encoder-decoder's read at ``t``'s ratio of decoder to encoder
     length (``at_lengths``)."""
     check(m, t)
-    doc = _lookup(m, t)
+    doc = _doc(m, t)
     if "terms" not in doc:
         return doc
     return _at_ratio(key(m, t), doc, *decoder_ratio(m, t))
@@ -586,11 +638,22 @@ def outer_ssq(m: ModelSpec, t: TrainingSpec, stage: str) -> float:
 def notes(m: ModelSpec, t: TrainingSpec) -> list[str]:
     """What a derived estimate's report should say: that its activations were measured, and an
     attention implementation other than the one asked for (a class without SDPA runs eager)."""
-    k = (m, key(m, t), t.attention)
+    point = point_at(m, t)
+    k = (m, key(m, t), t.attention, point)
     hit = _NOTES.get(k)
     if hit is None:
-        hit = _NOTES[k] = _notes(m, _lookup(m, t), t.attention, _canonical(t, m))
+        hit = _NOTES[k] = _notes(m, _doc(m, t), t.attention, _canonical(t, m))
+        if point:
+            hit += (point_note(m, _lookup(m, t)["quantity"], _doc(m, t)),)
     return list(hit)
+
+
+def point_note(m: ModelSpec, quantity: str, doc: dict[str, Any]) -> str:
+    """The report's line for coefficients derived at the setup's point (``point_at``)."""
+    b, s = doc["point"]
+    return (f"{m.model_type}: its memory is not polynomial in the batch and sequence (its {quantity}): its "
+            f"coefficients were derived at this batch ({b}) and sequence ({s}) only, from one trace of the cut "
+            f"model ({doc.get('seconds', 0.0):.1f} s); another batch or sequence is derived again")
 
 
 _NOTES: dict[tuple, tuple[str, ...]] = {}

@@ -177,6 +177,8 @@ def varying_steps(m: ModelSpec, t: TrainingSpec, stage: str, flags: StepFlags) -
     the steps at ``seq_len``: a shorter micro-batch saves less, and meets at most the output a
     micro-batch as long as the longest left held."""
     lengths = padded_lengths(t)
+    _one_point_refuses(m, t, "--min-seq-len", f"its {len(set(lengths))} padded lengths", len(set(lengths)),
+                       "drop --min-seq-len, or use trace")
     b, ga = t.batch_size, t.grad_accum
     micro = []
     for length in lengths:
@@ -184,6 +186,17 @@ def varying_steps(m: ModelSpec, t: TrainingSpec, stage: str, flags: StepFlags) -
         n = b * length               # tokens on this rank (no context parallelism: TrainingSpec refuses it)
         micro.append((ql, tokens(ql, flags, n, n * length, b, ga, later=True), n, n * length))
     return [micro[i:i + ga] for i in range(0, len(micro), ga)]
+
+
+def _one_point_refuses(m: ModelSpec, t: TrainingSpec, option: str, what: str, count: int, fix: str) -> None:
+    """Refuses ``option`` in one line when it needs ``m`` at more than ``derived.POINT_LIMIT`` other
+    (batch, sequence) points and ``m``'s coefficients hold at one point only (``derived.point_at``:
+    each point is a trace of its own)."""
+    from .derived import POINT_LIMIT, point_at
+    if count > POINT_LIMIT and point_at(m, t) is not None:
+        raise TrainmemError(f"{option}: {m.name}'s memory is not polynomial in the batch and sequence, so its "
+                            f"coefficients are derived at each (batch, sequence) point by a trace of its own, and "
+                            f"{what} would need {count} (at most {POINT_LIMIT}); {fix}")
 
 
 def _phase_reserved(rep: MemoryReport, marks: dict) -> None:
@@ -258,13 +271,19 @@ def _regime_parts(m: ModelSpec, base: TrainingSpec, cols: dict[str, np.ndarray])
     if m.family != "derived":
         return None
     from dataclasses import replace
-    from .derived import batch1, decoder_ratio, regime
+    from .derived import batch1, decoder_ratio, point_at, regime
 
     def side(t: TrainingSpec) -> tuple:
-        return regime(m, t), decoder_ratio(m, t), batch1(m, t)
+        # a model whose coefficients hold at one point (``derived.point_at``): each point on its own
+        return regime(m, t), decoder_ratio(m, t), batch1(m, t), point_at(m, t)
     seqs, batches = cols["seq_len"], cols["batch_size"]
+    points = {(int(s), int(b)) for s, b in zip(seqs, batches)}
+    _one_point_refuses(m, replace(base, seq_len=int(seqs[0]), batch_size=int(batches[0])),
+                       "fit and plan", "the grid's batch sizes and sequence lengths", len(points),
+                       "plan: give at most that many with --batch-size; fit: "
+                       "sweep the sizes instead (each cell derived at its point)")
     sides: dict[tuple, list[tuple[int, int]]] = {}
-    for s, b in {(int(s), int(b)) for s, b in zip(seqs, batches)}:
+    for s, b in points:
         sides.setdefault(side(replace(base, seq_len=s, batch_size=b)), []).append((s, b))
 
     def rows(pairs: list[tuple[int, int]]) -> np.ndarray:

@@ -29,7 +29,7 @@ from ..spec.training import (BNB_OPTIMIZERS, CHUNKED_NLL_TOKENS, RECOMPUTE, Trai
                              config_use_cache)
 from .cache import BoundedCache
 from .elementwise import NEVER
-from .derived import adapters_computed_half, batch1 as derived_batch1, regime as derived_regime
+from .derived import adapters_computed_half, batch1 as derived_batch1, point_at, regime as derived_regime
 from .derived import head_during_loss as derived_head_loss, layer_coefs as derived_layer, outer as derived_outer
 from .derived import logits_bytes as derived_logits_bytes, outer_ssq as derived_outer_ssq
 from .derived import decoder_ratio, grad_views as derived_grad_views, head_forward as derived_head_forward
@@ -2077,7 +2077,8 @@ def quantities(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> Quantitie
     # (and, for a derived architecture, whether the micro-batch is 1: its batch-1 coefficients)
     # (and the framework preset, whose own model code some terms read: TrainingSpec's equality leaves
     # ``extra`` out, e.g. torchtune's compile units and Gemma-2 soft-cap, ``caps_hidden_not_logits``)
-    key = (m, stage, _key_of(t), derived_regime(m, t), derived_batch1(m, t), decoder_ratio(m, t),
+    # (and the batch and sequence of a derived model whose coefficients hold at one point: ``point_at``)
+    key = (m, stage, _key_of(t), derived_regime(m, t), derived_batch1(m, t), decoder_ratio(m, t), point_at(m, t),
            t.accumulates_unsharded, t.grad_accum if t.virtual_stages > 1 else 0, kv_cache(m, t),
            t.extra.get("framework"), t.extra.get("framework_version"))
     return _CACHE.get_or_build(key, lambda: _build(m, t, stage))
@@ -2095,7 +2096,7 @@ def shape_quantities(m: ModelSpec, base: TrainingSpec, stage: str, rows: list[li
     into none/selective/full, sequence parallelism as 0/1) then a valid batch, sequence and
     accumulation, used only to build the spec the first time a shape is met."""
     memo = _SHAPES.setdefault((m, stage, _key_of(base), derived_regime(m, base), derived_batch1(m, base),
-                               decoder_ratio(m, base), base.extra.get("framework"),
+                               decoder_ratio(m, base), point_at(m, base), base.extra.get("framework"),
                                base.extra.get("framework_version")), {})
     out = []
     for row in rows:

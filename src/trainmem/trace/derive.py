@@ -58,7 +58,17 @@ DERIVE_TOLERANCE = 0.005
 DERIVE_SLACK = 4096
 
 
-def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1: bool = False) -> dict[str, Any]:
+class NotPolynomial(TrainmemError):
+    """A derived quantity the fit over batch and sequence does not reproduce (``what`` names it):
+    ``estimate.derived`` then derives the coefficients at the setup's own point (``point``)."""
+
+    def __init__(self, message: str, what: str) -> None:
+        super().__init__(message)
+        self.what = what
+
+
+def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1: bool = False,
+                        point: tuple[int, int] | None = None) -> dict[str, Any]:
     """The coefficients of ``m`` trained as ``t`` (one GPU, no recompute; ``t.recompute == "full"``
     derives them without the KV cache, as transformers runs checkpointed layers, and an
     encoder-decoder's with its layers checkpointed, ``estimate.derived.checkpointed``), as a JSON-ready dict:
@@ -66,7 +76,9 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1:
     ``layer_kinds`` (the kind of each of the model's layers), ``embed``/``head`` (tok, sq).
 
     ``batch1``: the coefficients of micro-batch 1 (a decoder or image model), fitted on points of
-    batch 1 alone (``batch1_points``), in the same format (``batch: 1``); see ``BATCH1_TERMS``."""
+    batch 1 alone (``batch1_points``), in the same format (``batch: 1``); see ``BATCH1_TERMS``. ``point``:
+    (batch, sequence): one trace there, for a model not polynomial in them (``NotPolynomial``), each
+    quantity's bytes over b*s its per-token term (``_fitted``, ``_point_candidates``)."""
     no_cache = t.recompute == "full"  # estimate.derived.without_cache: derive with use_cache off
     # an encoder-decoder under full recompute is traced with its layers checkpointed (``checkpointed``)
     ckpt = checkpointed(m, t)
@@ -79,7 +91,7 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1:
     s0 = _base_seq(m, regime)
     if m.is_encoder_decoder:  # two lengths: the encoder's and the decoder's (``encdec_coefficients``)
         return encdec_coefficients(m, t, cfg, (kinds_full, kinds_small), base, s0)
-    points, check, terms = _points(m, s0, batch1)
+    points, check, terms = ([], point, ("n", "s", "nsq", "1")) if point else _points(m, s0, batch1)
     # refinements of the backward transients applied to the encoder-decoder and image models only
     # (``_transients``' early frees, ``_candidates``' gradients): decoder LMs would need them too,
     # but their shipped coefficients predate them and re-shipping is the lead's call
@@ -91,6 +103,7 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1:
         out["checkpointed"] = True
     if batch1:
         out["batch"] = 1
+    out.update({"point": list(point)} if point else {})
     pts = points + [check]
 
     def fit(what: str, ys: list[int], check_fit: bool = True) -> dict[str, float]:
@@ -852,9 +865,12 @@ def _candidates(m: ModelSpec, pts: list[tuple[int, ...]], series: list[list[int]
     recomputation makes its stack's position bias again: the terms shared by the batch), the grid
     has decoder lengths of its own, and each is returned as ``{"coef": {term: ...}, "g": share}``."""
     import numpy as np
+    if len(pts) == 1:
+        return _point_candidates(pts[0], series[0], made[0], total_g)
     if len({len(x) for x in series}) != 1:
-        raise TrainmemError(f"{m.name}: its backward runs different operations at different sizes; trainmem "
-                            "cannot derive its transients (use trace)")
+        raise NotPolynomial(f"{m.name}: its backward runs different operations at different sizes; trainmem "
+                            "cannot derive its transients (use trace)", "backward transients (its backward runs "
+                            "different operations at different sizes)")
     y = np.array(series, dtype=np.float64)           # runs x moments
     two = "nd" in terms
     basis = terms if two else ("n", "nsq", "1")
@@ -863,8 +879,8 @@ def _candidates(m: ModelSpec, pts: list[tuple[int, ...]], series: list[list[int]
     pred = a[-1] @ coef
     ok = np.abs(pred - y[-1]) <= DERIVE_TOLERANCE * np.abs(y[-1]) + DERIVE_SLACK
     if not ok.any() or abs(pred[ok].max() - y[-1].max()) > DERIVE_TOLERANCE * abs(y[-1].max()) + DERIVE_SLACK:
-        raise TrainmemError(f"{m.name}: the derived backward transient is not polynomial in the batch and "
-                            f"sequence; trainmem will not extrapolate it: use trace")
+        raise NotPolynomial(f"{m.name}: the derived backward transient is not polynomial in the batch and "
+                            f"sequence; trainmem will not extrapolate it: use trace", "backward transient")
     lengths = (16, 128, 512, 4096, 32768) if m.is_image else (512, 4096, 32768)
     grid = np.array([_basis((b, s, d) if two else (b, s), basis) for b in (1, 4, 32) for s in lengths
                      for d in ((128,) + lengths if two else (0,))])
@@ -878,6 +894,21 @@ def _candidates(m: ModelSpec, pts: list[tuple[int, ...]], series: list[list[int]
     if two:
         return [{"coef": {k: float(coef[i, j]) for i, k in enumerate(basis)}, "g": share[j]} for j in keep]
     return [[float(coef[0, j]), float(coef[1, j]), float(coef[2, j]), share[j]] for j in keep]
+
+
+def _point_candidates(point: tuple[int, ...], series: list[int], made: list[int], total_g: int) -> list[list[float]]:
+    """The backward transients of one traced point (``derive_coefficients``' ``point``): the moments
+    no other moment matches in both its temporaries and its gradients made by then (the engine adds
+    a moment's gradient share of the layer's gradients, whose bytes depend on the setup: each moment
+    that can be the highest is kept), each as [bytes per token b*s, 0, 0, gradient share]."""
+    n = float(point[0] * point[1])
+    order = sorted(range(len(series)), key=lambda j: (-series[j], -made[j]))
+    keep, best_g = [], -1
+    for j in order:  # by temporaries, highest first: kept when it has made more gradients than those before it
+        if made[j] > best_g:
+            keep.append(j)
+            best_g = made[j]
+    return [[series[j] / n, 0.0, 0.0, made[j] / total_g if total_g else 0.0] for j in sorted(keep)]
 
 
 # ----- fitting --------------------------------------------------------------------------------------
@@ -907,8 +938,11 @@ def _fitted(m: ModelSpec, what: str, points: list[tuple[int, ...]], ys: list[int
             check_fit: bool = True) -> tuple[float, ...]:
     """Coefficients of ``terms`` (``n`` = b*s, ``s``, ``nsq`` = b*s^2, ``1``; an encoder-decoder's
     ``ENCDEC_TERMS``) fitted by least squares to all points but the last, which they must reproduce
-    (``DERIVE_TOLERANCE``)."""
+    (``DERIVE_TOLERANCE``). One point (``derive_coefficients``' ``point``): the bytes there divided by
+    the first term's value (``n``: the point's tokens) as that term, the others 0 (exact there only)."""
     import numpy as np
+    if len(points) == 1:
+        return tuple(float(ys[0]) / _basis(points[0], terms)[0] if i == 0 else 0.0 for i in range(len(terms)))
     a = np.array([_basis(p, terms) for p in points[:-1]])
     coef = _lstsq(a, np.array(ys[:-1], dtype=np.float64), "nd" in terms)
     if check_fit:
@@ -916,11 +950,11 @@ def _fitted(m: ModelSpec, what: str, points: list[tuple[int, ...]], ys: list[int
         actual = ys[-1]
         if abs(predicted - actual) > DERIVE_TOLERANCE * abs(actual) + DERIVE_SLACK:
             at = ", ".join(f"{k}={v}" for k, v in zip(("b", "s", "target"), points[-1]))
-            raise TrainmemError(f"{m.name}: the derived {what} is not polynomial in the batch and sequence "
+            raise NotPolynomial(f"{m.name}: the derived {what} is not polynomial in the batch and sequence "
                                 f"(predicted {predicted:,.0f} B, traced {actual:,} B at {at}); trainmem "
-                                f"will not extrapolate it: use trace")
+                                f"will not extrapolate it: use trace", what)
     return tuple(float(x) for x in coef)
 
 
-__all__ = ["derive_coefficients", "encdec_coefficients", "reduced_config", "DERIVE_TOLERANCE", "ENCDEC_TERMS",
+__all__ = ["derive_coefficients", "NotPolynomial", "encdec_coefficients", "reduced_config", "DERIVE_TOLERANCE", "ENCDEC_TERMS",
            "BATCH1_TERMS", "batch1_points"]

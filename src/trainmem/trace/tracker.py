@@ -668,7 +668,11 @@ class Tracker(TorchDispatchMode):
             return
         name = self.module_names.get(id(module))
         if name is None:
+            # a module the model does not register, called inside one it does (transformers'
+            # ``ACT2FN[activation](out)`` in Qwen3.5's ``torch_causal_conv1d_fn``, modeling_qwen3_5.py
+            # L251): named under its caller, so its tensors stay the enclosing layer's
             name = type(module).__name__
+            name = f"{self.module_stack[-1]}.{name}" if self.module_stack and self.module_stack[-1] else name
         if not self.module_stack:
             if torch._C._current_graph_task_id() == -1 and self.phase in (
                     "step_start", "backward", "optimizer_step", "zero_grad", "between_steps"):
