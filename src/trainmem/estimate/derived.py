@@ -411,7 +411,8 @@ def _canonical(t: TrainingSpec, m: ModelSpec | None = None) -> TrainingSpec:
     # 4-bit bases (bitsandbytes >= 0.43.2, whose MatMul4Bit keeps no input) are traced as such
     return replace(t, batch_size=1, seq_len=128, target_len=None, later_seq_len=None, min_seq_len=None,
                    layer_rope_cache=None, rope_cache=None, grad_accum=1, dp=1, pp=1, zero=0, fsdp=None,
-                   fsdp_version=2, fsdp_gathered="none",  # (TrainingSpec refuses units kept gathered without FSDP)
+                   fsdp_version=2, fsdp_gathered="none",  # (TrainingSpec refuses units kept gathered without FSDP,
+                   fsdp_auto_wrap_policy="transformer", fsdp_min_num_params=None,  # and a wrap policy without FSDP1)
                    fsdp_lora_units="separate", grad_sync="micro-batch",
                    precision=activation_precision(t),
                    lora_dtype="half" if (t.lora_rank and adapters_computed_half(t)) else t.lora_dtype,
