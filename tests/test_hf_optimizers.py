@@ -31,6 +31,7 @@ from trainmem.spec.resolve import framework_names  # noqa: E402
 from trainmem.spec.training import OPTIMIZER_ALIASES, OPTIMIZERS, OPTIMIZERS_REFUSED  # noqa: E402
 
 from test_cli import assert_one_error_line, run_cli  # noqa: E402
+from test_optim_transients import B, S, SET, _hf_model, _loss, steady_step_bytes  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -211,8 +212,6 @@ def test_real_schedule_free_states_match(name):
 
 
 # ----- the step's temporaries -------------------------------------------------------------------
-SET = {"n_layer": 2, "n_embd": 64, "n_head": 4}
-B, S = 2, 32
 STEPS = [("adagrad", "for-loop"), ("adagrad", "foreach"), ("adagrad", "fused"),
          ("rmsprop", "for-loop"), ("rmsprop", "foreach")]
 
@@ -220,18 +219,6 @@ STEPS = [("adagrad", "for-loop"), ("adagrad", "foreach"), ("adagrad", "fused"),
 @pytest.fixture(scope="module")
 def gpt2_spec():
     return resolve_model("gpt2", SET)
-
-
-def _hf_model(spec):
-    from transformers import GPT2Config, GPT2LMHeadModel
-    keys = GPT2Config().to_dict()
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(**{k: v for k, v in spec.config.items() if k in keys}))
-
-
-def _loss(m):
-    ids = torch.randint(0, m.config.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
-    return m(input_ids=ids, labels=ids).loss
 
 
 @pytest.mark.parametrize("name,impl", STEPS, ids=[f"{n}-{i}" for n, i in STEPS])
@@ -242,17 +229,7 @@ def test_step_transient_matches_estimate(gpt2_spec, name, impl):
     m = _hf_model(gpt2_spec)
     kw = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
     opt = {"adagrad": torch.optim.Adagrad, "rmsprop": torch.optim.RMSprop}[name](m.parameters(), **kw)
-    for _ in range(2):
-        _loss(m).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    _loss(m).backward()
-    with LiveBytes() as lb:
-        lb.track(m, opt)
-        before = lb.mark("before")
-        opt.step()
-        during = lb.mark("optimizer_step")
-    measured = during.peak - before.current
+    measured = steady_step_bytes(m, opt)
     t = TrainingSpec(precision="fp32", optimizer=name, optimizer_impl=impl, batch_size=B, seq_len=S)
     st = model_states(gpt2_spec, t)
     predicted = step_temporaries(t, st)
