@@ -582,6 +582,9 @@ class TrainStep:
                                                                 reduction="none") for c, y in pairs]).sum()
             return out, loss / labels.numel()
         (c, y), = pairs
+        if t.loss == "logps":  # TRL's selective_log_softmax on the shifted fp32 logits (preference_step)
+            from .preference_step import selective_log_softmax
+            return out, -selective_log_softmax(c[..., :-1, :], ids[..., 1:]).sum(dim=1).mean()
         return out, torch.nn.functional.cross_entropy(c.float().reshape(-1, c.shape[-1]), y.reshape(-1))
 
     def release(self) -> None:
@@ -717,7 +720,8 @@ def prepare_model(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec) -> t
     add_rope_cache(model, spec, t)
     torchtune_rms_norms(model, spec, t)
     liger_modules.apply(model, t)   # (Liger's instance patch: --liger, --loss fused)
-    model = apply_lora(cast_half_embeddings(apply_quantization(model, t), t), spec, t)
+    from .preference_step import add_reference   # (--trainer dpo --ref-model copy: TRL's frozen reference)
+    model = apply_lora(add_reference(cast_half_embeddings(apply_quantization(model, t), t), t), spec, t)
     return litgpt_modules.apply(model, t)
 
 
@@ -1116,7 +1120,11 @@ def hf_step(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec, device: st
     if type(model).__name__ == "DeepSpeedEngine":  # every micro-batch: the engine counts them to its boundary
         step = DeepSpeedTrainStep(model, spec, t, device, on_phase=on_phase, what=what)
         return step.optimizer, step
-    step = TrainStep(model, spec, t, device, on_phase=on_phase, what=what)
+    if t.trainer == "dpo":  # TRL's DPOTrainer step (preference_step)
+        from .preference_step import DPOTrainStep
+        step = DPOTrainStep(model, spec, t, device, on_phase=on_phase, what=what)
+    else:
+        step = TrainStep(model, spec, t, device, on_phase=on_phase, what=what)
     if micro_batches is not None:
         step.micro_batches = min(step.micro_batches, micro_batches)
     return step.optimizer, step

@@ -6,6 +6,7 @@ import argparse
 from typing import Any, Callable
 
 from ..spec.frameworks import FRAMEWORKS
+from ..spec.preference import REF_MODELS, TRAINERS
 from ..spec.tasks import TASKS
 from ..spec.training import (ATTENTION, ATTENTION_CALLS, FSDP_GATHERED, FSDP_LORA_UNITS, FSDP_MODES,
                              FSDP_WRAP_POLICIES, GRAD_SYNC,
@@ -267,6 +268,14 @@ def _add_loss(g: Any) -> None:
                    help="the model's logits are cast to fp32 as forward returns and the loop's loss (--loss half "
                         "or upcast) reads that copy: Lightning Fabric's module wrapper (convert_output), as "
                         "litgpt's finetune scripts run")
+    g.add_argument("--trainer", choices=TRAINERS, default=None,
+                   help="dpo: TRL's DPOTrainer step (--batch-size pairs = 2x sequences of --seq-len prompt + "
+                        "completion tokens, the reference forward under no_grad, per-token log-probs; "
+                        "docs/frameworks.md) (default: the plain step)")
+    g.add_argument("--ref-model", choices=REF_MODELS, default=None,
+                   help="with --trainer dpo: copy (a frozen copy of the weights, TRL's default without PEFT), "
+                        "none (the policy with its LoRA adapters disabled, the default with --lora-rank), "
+                        "precomputed (precompute_ref_log_probs=True: no reference forward)")
     g.add_argument("--fused-qkv", action="store_true", default=None,
                    help="the attention computes q, k and v with one fused linear and keeps its whole output while "
                         "the value (a view of it when each query head has its own key/value head) is saved: "
@@ -476,7 +485,7 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 stage3_prefetch_bucket_size=a.stage3_prefetch_bucket_size, remote_device=a.remote_device,
                 gemini=a.gemini, gemini_chunk_size=a.gemini_chunk_size,
                 expandable_segments=a.expandable_segments, cublas_workspace_config=a.cublas_workspace_config,
-                task=getattr(a, "task", None))
+                trainer=a.trainer, ref_model=a.ref_model, task=getattr(a, "task", None))
     if a.fsdp is not None and a.zero in (0, None):
         opts.pop("zero")
     return opts

@@ -147,6 +147,9 @@ def estimate_resolved(r: Resolved, replay: bool = True) -> MemoryReport:
         what = ("--recompute op" if t.recompute == "op" else "--offload-activations" if t.offload_activations
                 else "ColossalAI Gemini (--gemini)")
         raise TrainmemError(f"--method {r.method}: the published formulas have no {what}; use --method trainmem")
+    if r.method != "trainmem" and t.trainer is not None:
+        raise TrainmemError(f"--method {r.method}: the published formulas have no --trainer {t.trainer} step; "
+                            "use --method trainmem")
     ws = handle_workspace(r.hardware, t)
     # only the default engine counts cuBLAS workspaces: --cublas-workspace-config's, else the GPU's default size
     # or a calibration profile's

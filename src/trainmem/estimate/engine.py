@@ -92,6 +92,10 @@ def estimate(m: ModelSpec, t: TrainingSpec, cublas_workspace: int | None = None,
     microseconds: ``trainmem.estimate`` asks for it, sweeps of the engine do not). ``capability``:
     the GPU's compute capability, which sizes Transformer Engine's workspace (``megatron_buffers``;
     None: not known)."""
+    if t.trainer == "dpo":  # TRL's DPOTrainer: the policy's step here, plus the reference (preference.py)
+        from .preference import estimate_dpo
+        return estimate_dpo(m, t, estimate, cublas_workspace=cublas_workspace, reserved=reserved,
+                            capability=capability)
     ws = CUBLAS_WORKSPACE if cublas_workspace is None else int(cublas_workspace)
     stage = "first"
     if t.pp > 1:  # the worst stage by allocated memory; only it is replayed for reserved memory
@@ -231,6 +235,9 @@ def estimate_layouts(m: ModelSpec, base: TrainingSpec, cublas_workspace: int | N
     if base.min_seq_len is not None:
         raise TrainmemError(f"--min-seq-len {base.min_seq_len} is modelled by estimate and trace of one setup; "
                             "fit, sweep and plan evaluate layouts without it: drop --min-seq-len")
+    if base.trainer is not None:
+        raise TrainmemError(f"--trainer {base.trainer} is modelled by estimate and trace of one setup; fit, sweep "
+                            "and plan evaluate layouts of the plain step: drop --trainer")
     if base.pp_weighted:
         raise TrainmemError("--pp-first-stage-less-layers / --pp-last-stage-less-layers (torchtitan's weighted stage "
                             "split, whose worst stage may be a middle one) are modelled by estimate and trace of one "

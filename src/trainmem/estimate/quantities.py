@@ -1187,9 +1187,31 @@ def _cast_output_loss_bytes(t: TrainingSpec, held: int, half: int) -> LossBytes:
     fp32``) ``.to(fp32)`` returns the tensor itself: nothing is cast, the loop's rebinding stays."""
     kept = F32 if held else 0  # the loop's fp32 copy (fp32 logits: the output itself, nothing cast)
     cast = F32 if half != F32 else 0
+    if t.loss == "logps":
+        return _logps_bytes(kept, half, cast)
     if t.loss_chunks > 1:
         return LossBytes(kept, half, F32, backward_chunk=2 * F32, cast=cast)
     return LossBytes(kept, half, F32, 0, 2 * F32, cast=cast)
+
+
+def _logps_bytes(kept: int, half: int, cast: int) -> LossBytes:
+    """``--loss logps`` (under ``--cast-output``): TRL's ``selective_log_softmax`` on the shifted fp32
+    logits (trl/trainer/utils.py L506-510 at v1.9.0: ``torch.gather(logits, -1, index)``, then
+    ``torch.stack([torch.logsumexp(lg, dim=-1) for lg in logits])``), per logit element:
+
+    * saved: the fp32 logits themselves (``saves_out``: the cast copy the loss reads), which
+      ``GatherBackward`` (``gather_backward(grad, self, ...)``, derivatives.yaml) and each
+      ``LogsumexpBackward`` save; forward makes one sequence's ``(self - maxes).exp_()`` at a time
+      (ATen ReduceOps.cpp ``logsumexp_out_impl``), per element of the whole logits nothing;
+    * backward: autograd runs the later-made nodes first: each sequence's ``LogsumexpBackward``
+      (``grad * (self - result).exp()``, FunctionsManual.cpp ``logsumexp_backward``) into
+      ``UnbindBackward``'s input buffer (the loop iterates ``logits``, ``Tensor.__iter__`` =
+      ``unbind(0)``), which stacks them (4 B), then ``GatherBackward``: ``grad.new_zeros(sizes)
+      .scatter_add(dim, index, grad)``, a zero-filled tensor and the out-of-place result (4 + 4 B),
+      beside the stacked gradient and the saved logits: 12 B at the start of backward (the shifted
+      (s - 1) tokens counted as s). ``SliceBackward``'s (b, s, vocab) zero-filled gradient comes after
+      the gather's has been added to the stacked one and freed (8 B), then ``ToCopyBackward``'s half one."""
+    return LossBytes(kept, half, F32, 0, 3 * F32, cast=cast, saves_out=1)
 
 
 def _compiled_loss_bytes(m: ModelSpec, t: TrainingSpec, held: int, half: int) -> LossBytes:

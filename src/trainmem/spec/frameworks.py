@@ -193,7 +193,8 @@ def _trl_chunked(view: Mapping[str, Any], model: Any, version: tuple[int, ...] |
     loss is given (``--loss``: loss_type, or Liger's ``--loss fused``)."""
     return (version is None or version >= (1, 7)) and getattr(model, "head", "") == "causal-lm" \
         and view.get("loss") in (None, "chunked-nll") and view.get("loss_chunks", 1) == 1 \
-        and not view.get("liger")  # (use_liger_kernel: Liger's loss, sft_config.py L335-336 at v1.9.0)
+        and not view.get("liger") and not view.get("trainer")
+    # (use_liger_kernel: Liger's loss, sft_config.py L335-336 at v1.9.0; DPOTrainer computes its own log-probs)
 
 
 def _trl_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] | None) -> dict[str, Any]:
@@ -599,6 +600,8 @@ def _check_hf(t: Any, model: Any, version: tuple[int, ...] | None, given: frozen
 
 def _check_trl(t: Any, model: Any, version: tuple[int, ...] | None, given: frozenset[str]) -> list[str]:
     out = _others(t, "TRL's SFTTrainer", zero=False)
+    if t.trainer == "dpo":  # DPOTrainer: no chunked_nll, its metrics counted (estimate/preference.py)
+        return out
     lm = getattr(model, "head", "") == "causal-lm"
     if lm and "loss" not in given and t.loss is None and (version is None or version >= (1, 7)):
         why = chunked_nll_problem(model, bool(t.quantize) and t.quantize_via == "fabric")

@@ -11,6 +11,7 @@ from typing import Any
 from ..errors import TrainmemError
 from .hardware import parse_cublas_workspace_config
 from .layout import layout_problems, stage_layers
+from .preference import preference_problem
 from .releases import (SDPA_ATTENTION, fsdp2_rs_on_default_stream, math_sdpa_upcasts, parse_torch_version,
                        softmax_saves_input, torch_problems)
 from .tf_releases import parse_transformers_version, reentrant_checkpointing, transformers_problems
@@ -128,7 +129,9 @@ HOLD_OUTPUT = ("loss", "backward", "step")  # what the loop keeps of the model o
 #: fused linear + cross-entropy (no logits materialised); chunked-nll: TRL's SFTTrainer loss_type
 #: 'chunked_nll' (the head and an fp32 cross-entropy over 256 labelled tokens at a time, each chunk
 #: checkpointed)
-LOSSES = ("upcast", "half", "chunked", "fused", "chunked-nll", "vocab-parallel")
+LOSSES = ("upcast", "half", "chunked", "fused", "chunked-nll", "vocab-parallel", "logps")
+#: logps: TRL's ``selective_log_softmax`` on the fp32 logits (the policy's log-probs of ``--trainer dpo``):
+#: a gather and one logsumexp per sequence, both saving the logits (estimate.quantities._cast_output_loss_bytes)
 #: vocab-parallel: Megatron-LM's ``_VocabParallelCrossEntropy`` (estimate.quantities._vocab_parallel_bytes)
 #: TRL's chunk of labelled tokens (trl/trainer/sft_trainer.py ``_CHUNKED_LM_HEAD_CHUNK_SIZE``, L86 at v1.9.0)
 CHUNKED_NLL_TOKENS = 256
@@ -392,6 +395,9 @@ class TrainingSpec:
     cublas_workspace_config: str | None = None  # the run's CUBLAS_WORKSPACE_CONFIG (":4096:8"): one cuBLAS
     #                                            handle's workspace (hardware.parse_cublas_workspace_config);
     #                                            None: PyTorch's default for the GPU, or a calibration profile's
+    trainer: str | None = None  # spec.preference.TRAINERS: "dpo" = TRL's DPOTrainer step (2B sequences per B
+    #                             pairs, a reference forward, log-probs); None: the plain (SFT) step
+    ref_model: str | None = None  # spec.preference.REF_MODELS: DPO's reference; None: TRL's pick (ref_model_of)
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -422,6 +428,9 @@ class TrainingSpec:
         if not isinstance(self.expandable_segments, bool):
             raise TrainmemError(f"--expandable-segments is on or off (True or False), got {self.expandable_segments!r}")
         self._check_cublas_workspace_config()
+        preference = preference_problem(self)
+        if preference:
+            raise TrainmemError(preference)
         self._check_loss()
         self._check_recompute()
         self._check_moe()
@@ -1095,7 +1104,7 @@ class TrainingSpec:
         loss reads (``--loss half`` or ``upcast``); one GPU's or a data-parallel rank's output."""
         if not self.cast_output:
             return
-        if self.loss not in ("half", "upcast"):
+        if self.loss not in ("half", "upcast", "logps"):
             shown = f"--loss {self.loss}" if self.loss else "the model's own loss (no --loss)"
             raise TrainmemError(f"--cast-output casts the logits that the loop's loss reads; {shown} is not "
                                 "computed from the returned logits: give --loss half (litgpt's "
@@ -1117,7 +1126,7 @@ class TrainingSpec:
         if self.loss == "chunked" and self.loss_chunks < 2:
             raise TrainmemError("--loss chunked needs --loss-chunks N >= 2 (torchtune's num_output_chunks; "
                                 "its recipes use 8)")
-        if self.loss in ("upcast", "fused", "chunked-nll", "vocab-parallel") and self.loss_chunks > 1:
+        if self.loss in ("upcast", "fused", "chunked-nll", "vocab-parallel", "logps") and self.loss_chunks > 1:
             raise TrainmemError(f"--loss {self.loss} computes the loss in one piece (fused and chunked-nll pick "
                                 f"their own chunks); "
                                 f"--loss-chunks {self.loss_chunks} needs --loss chunked (upcast chunks, torchtune) "
@@ -1129,6 +1138,9 @@ class TrainingSpec:
             what = "--tp" if self.tp > 1 else "--pp" if self.pp > 1 else "--compile"
             raise TrainmemError(f"--loss chunked-nll with {what}: TRL's chunked loss is modelled on whole head "
                                 f"weights and run eagerly; drop {what} or --loss chunked-nll")
+        if self.loss == "logps" and not self.cast_output:
+            raise TrainmemError("--loss logps is TRL's selective_log_softmax on the fp32 logits accelerate hands back "
+                                "(convert_outputs_to_fp32): give --cast-output with it")
         self._check_cast_output()
         self._check_fused_qkv()
         self._check_attention_call()
@@ -1427,6 +1439,9 @@ def _size_problems(model: Any, t: TrainingSpec) -> str | None:
     if t.later_seq_len is not None and model.is_image:
         return (f"--later-seq-len {t.later_seq_len}: {model.name} is an image model, every batch has its image "
                 f"size's patches; drop --later-seq-len")
+    if t.trainer is not None and (model.head != "causal-lm" or model.family == "nanogpt"):
+        return (f"--trainer {t.trainer} is TRL's DPOTrainer on a transformers causal LM; {model.name} has a "
+                f"{model.head} head ({model.family}): drop --trainer")
     if t.target_len is not None and not model.is_encoder_decoder:
         return f"--target-len {t.target_len}: {model.name} is not an encoder-decoder (seq2seq-lm); drop it"
     if model.head in ("seq2seq-lm", "image-cls") and t.loss is not None:
