@@ -34,14 +34,14 @@ def policy_spec(t: TrainingSpec) -> TrainingSpec:
 
 
 def reference_weights(rep: MemoryReport, t: TrainingSpec) -> int:
-    """Bytes of the reference's weights: with ``--ref-model copy`` the model's parameters once more
+    """Bytes of the reference's weights: with ``--ref-model copy`` the model's parameters and buffers once more
     (each tensor as the policy's, in its dtype, rounded as the allocator rounds it: the engine's
     ``parameters`` component; TRL's ``create_model_from_path`` loads the same checkpoint with the same
     ``model_init_kwargs``, dpo_trainer.py L899-908 at v1.9.0); 0 for ``none`` (the policy with its
     adapters disabled) and ``precomputed`` (``self.ref_model = None``, L893-898)."""
     if ref_model_of(t) != "copy":
         return 0
-    return sum(c.bytes for c in rep.components if c.name == "parameters")
+    return sum(c.bytes for c in rep.components if c.name in ("parameters", "buffers"))
 
 
 def after_logps(m: ModelSpec, t: TrainingSpec, half: int) -> tuple[int, str]:
@@ -80,6 +80,7 @@ def estimate_dpo(m: ModelSpec, t: TrainingSpec, engine_estimate, **kw) -> Memory
     for p in rep.phases:
         p.allocated += ref
         p.peak += ref
+        p.reserved = None if p.reserved is None else p.reserved + ref
         if p.name.startswith("forward") and p.allocated + extra > p.peak:
             p.peak, p.where = p.allocated + extra, where
     top = max(rep.phases, key=lambda p: p.peak)
@@ -92,6 +93,8 @@ def estimate_dpo(m: ModelSpec, t: TrainingSpec, engine_estimate, **kw) -> Memory
                                         "the policy's saved activations and fp32 logits, the reference's fp32 "
                                         "logits and the metrics' copies (estimate/preference.py after_logps)"))
     rep.peak_allocated = max(rep.peak_allocated + ref, top.peak)
+    # (the engine's moment of a loss's first backward nodes: here GatherBackward's, quantities._logps_bytes)
+    rep.peak_where = rep.peak_where.replace("cross_entropy.backward", "log_probs.backward")
     if ref:
         rep.components.insert(1, Component("reference_model", "parameters", ref, None,
                                            "a frozen copy of the parameters (TRL's ref_model, --ref-model copy)",

@@ -216,6 +216,10 @@ def _trl_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] | N
     0.28 a PEFT model under DeepSpeed ZeRO-3 is forced back to ``use_reentrant=True`` (sft_trainer.py
     L793-809 at v1.0.0, commit f11b4c3fd)."""
     out: dict[str, Any] = {}
+    if view.get("trainer") == "dpo" and version is not None and version < (0, 29):
+        raise TrainmemError(f"--trainer dpo with --framework-version {'.'.join(map(str, version))}: TRL's DPOTrainer "
+                            "before 0.29 (concatenated_forward, the reference's log-probs first) is not modelled; "
+                            "trainmem models the one of 0.29 to 1.9 (\"Refactor DPO\", huggingface/trl#3906)")
     if version is None or version >= (0, 22):
         out["use_cache"] = False
     if (version is None or version >= (0, 27)) and view.get("recompute") == "full":
