@@ -160,6 +160,11 @@ CASES = [
     # Lightning Fabric's fp32 copy of the half logits (vs --loss half alone)
     ({"cast_output": True, "loss": "half"}, CHANGED, ""),
     ({"cast_output": True}, REFUSED, "--cast-output"),  # the model's own loss reads no returned logits
+    # TRL's selective_log_softmax on the fp32 copy (vs --cast-output --loss half alone)
+    ({"cast_output": True, "loss": "logps"}, CHANGED, ""),
+    # TRL's DPOTrainer step (preference_step, tests/test_dpo.py): 2B sequences and a frozen reference copy
+    ({"trainer": "dpo"}, CHANGED, ""), ({"trainer": "dpo", "ref_model": "precomputed"}, CHANGED, ""),
+    ({"ref_model": "copy"}, REFUSED, "--trainer dpo"),
     # no KV cache (torchtune's, torchtitan's, litgpt's models): the held output keeps no cache (vs hold step alone)
     ({"use_cache": False, "hold_output": "step"}, CHANGED, ""),
     # litgpt's fused q/k/v linear (trainmem.litgpt_modules): under autocast one input cast saved, not three
