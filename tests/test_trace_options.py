@@ -165,6 +165,8 @@ CASES = [
     # TRL's DPOTrainer step (preference_step, tests/test_dpo.py): 2B sequences and a frozen reference copy
     ({"trainer": "dpo"}, CHANGED, ""), ({"trainer": "dpo", "ref_model": "precomputed"}, CHANGED, ""),
     ({"ref_model": "copy"}, REFUSED, "--trainer dpo"),
+    # RewardTrainer needs a one-label sequence-classification head (tests/test_preference.py runs it)
+    ({"trainer": "reward"}, REFUSED, "--task sequence-classification --set num_labels=1"),
     # no KV cache (torchtune's, torchtitan's, litgpt's models): the held output keeps no cache (vs hold step alone)
     ({"use_cache": False, "hold_output": "step"}, CHANGED, ""),
     # litgpt's fused q/k/v linear (trainmem.litgpt_modules): under autocast one input cast saved, not three

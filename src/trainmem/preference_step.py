@@ -164,3 +164,34 @@ def _metrics(shift_logits: torch.Tensor, shift_labels: torch.Tensor, shift_mask:
         for half in (chosen, rejected):
             half[seq, pos].mean(-1).sum()
         (chosen.argmax(dim=-1) == shift_labels[: len(shift_labels) // 2]).sum()
+
+
+class RewardTrainStep(TrainStep):
+    """``TrainStep`` with TRL's ``RewardTrainer.compute_loss`` (trl/trainer/reward_trainer.py L739-778 at
+    v1.9.0) on the 2B chosen and rejected sequences of B pairs."""
+
+    def __init__(self, model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec, device: str, **kw: Any) -> None:
+        super().__init__(model, spec, t, device, **kw)
+        config = unwrapped(model).config
+        if config.pad_token_id is None:  # TRL sets it from the tokenizer (reward_trainer.py L547-548)
+            config.pad_token_id = 0
+
+    def batch(self, length: int | None = None) -> dict[str, Any]:
+        """``DataCollatorForPreference``'s batch (reward_trainer.py L198-223 at v1.9.0): the B chosen then the
+        B rejected sequences, (2B, seq_len) ``input_ids`` (no padding: no attention mask is built)."""
+        t = self.training
+        self.batches_made += 1
+        two = replace(t, batch_size=2 * t.batch_size, trainer=None)
+        return {"input_ids": model_batch(self.spec, two, self.device)["input_ids"]}
+
+    def forward_loss(self, batch: dict[str, torch.Tensor]) -> tuple[Any, torch.Tensor]:
+        """The scores of the 2B sequences (fp32 under accelerate's ``convert_outputs_to_fp32``), the
+        pairwise ``-logsigmoid`` loss and the metrics under no grad."""
+        outputs = self.model(input_ids=batch["input_ids"], use_cache=False)
+        outputs["logits"] = _fp32_output(outputs.logits)
+        chosen, rejected = torch.chunk(outputs.logits.squeeze(-1), chunks=2)
+        loss = -F.logsigmoid(chosen - rejected).mean()
+        with torch.no_grad():
+            outputs.logits.min(), outputs.logits.mean(), outputs.logits.max()
+            (chosen > rejected).float().mean(), (chosen - rejected).mean()
+        return outputs, loss

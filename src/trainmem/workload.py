@@ -1120,9 +1120,10 @@ def hf_step(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec, device: st
     if type(model).__name__ == "DeepSpeedEngine":  # every micro-batch: the engine counts them to its boundary
         step = DeepSpeedTrainStep(model, spec, t, device, on_phase=on_phase, what=what)
         return step.optimizer, step
-    if t.trainer == "dpo":  # TRL's DPOTrainer step (preference_step)
-        from .preference_step import DPOTrainStep
-        step = DPOTrainStep(model, spec, t, device, on_phase=on_phase, what=what)
+    if t.trainer is not None:  # TRL's DPOTrainer or RewardTrainer step (preference_step)
+        from .preference_step import DPOTrainStep, RewardTrainStep
+        kind = DPOTrainStep if t.trainer == "dpo" else RewardTrainStep
+        step = kind(model, spec, t, device, on_phase=on_phase, what=what)
     else:
         step = TrainStep(model, spec, t, device, on_phase=on_phase, what=what)
     if micro_batches is not None:

@@ -92,10 +92,10 @@ def estimate(m: ModelSpec, t: TrainingSpec, cublas_workspace: int | None = None,
     microseconds: ``trainmem.estimate`` asks for it, sweeps of the engine do not). ``capability``:
     the GPU's compute capability, which sizes Transformer Engine's workspace (``megatron_buffers``;
     None: not known)."""
-    if t.trainer == "dpo":  # TRL's DPOTrainer: the policy's step here, plus the reference (preference.py)
-        from .preference import estimate_dpo
-        return estimate_dpo(m, t, estimate, cublas_workspace=cublas_workspace, reserved=reserved,
-                            capability=capability)
+    if t.trainer is not None:  # TRL's DPOTrainer (the policy's step here, plus the reference) or RewardTrainer
+        from .preference import estimate_dpo, estimate_reward
+        kind = estimate_dpo if t.trainer == "dpo" else estimate_reward
+        return kind(m, t, estimate, cublas_workspace=cublas_workspace, reserved=reserved, capability=capability)
     ws = CUBLAS_WORKSPACE if cublas_workspace is None else int(cublas_workspace)
     stage = "first"
     if t.pp > 1:  # the worst stage by allocated memory; only it is replayed for reserved memory

@@ -105,5 +105,15 @@ def estimate_dpo(m: ModelSpec, t: TrainingSpec, engine_estimate, **kw) -> Memory
     return rep
 
 
+def estimate_reward(m: ModelSpec, t: TrainingSpec, engine_estimate, **kw) -> MemoryReport:
+    """TRL's RewardTrainer step (``spec.preference._reward_problem``): the engine's step of the
+    sequence-classification model on the 2B chosen and rejected sequences. Its loss, ``-logsigmoid`` of
+    the (B,) score differences, and the metrics read (2B, 1) scores: bytes, not counted apart (the
+    engine counts the model's own loss on (2B, 1) logits, as small)."""
+    rep = engine_estimate(m, replace(t, batch_size=2 * t.batch_size, trainer=None), **kw)
+    rep.training = t
+    return rep
+
+
 #: the categories alive at a forward moment of a step (gradients only when zero_grad keeps them)
 _AT_FORWARD = ("parameters", "buffers", "optimizer_states", "workspace", "inputs")

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from typing import Any
 
-#: the ``--trainer`` step kinds besides the plain (SFT) one
-TRAINERS = ("dpo",)
+#: the ``--trainer`` step kinds besides the plain (SFT) one: TRL's DPOTrainer and RewardTrainer
+TRAINERS = ("dpo", "reward")
 #: ``--ref-model``: the frozen copy TRL loads, the policy with its adapters disabled (PEFT), or log-probs
 #: computed before training (``precompute_ref_log_probs=True``)
 REF_MODELS = ("copy", "none", "precomputed")
@@ -51,7 +51,9 @@ def preference_problem(t: Any) -> str | None:
         return "--ref-model is DPOTrainer's reference: give --trainer dpo, or drop --ref-model" \
             if t.ref_model is not None else None
     if t.trainer not in TRAINERS:
-        return f"--trainer {t.trainer!r} is not one of: {', '.join(TRAINERS)} (RewardTrainer is not modelled)"
+        return f"--trainer {t.trainer!r} is not one of: {', '.join(TRAINERS)}"
+    if t.trainer == "reward":
+        return _reward_problem(t)
     if t.ref_model is not None and t.ref_model not in REF_MODELS:
         return f"--ref-model {t.ref_model!r} is not one of: {', '.join(REF_MODELS)}"
     if ref_model_of(t) == "none" and not t.lora_rank:
@@ -67,4 +69,20 @@ def preference_problem(t: Any) -> str | None:
     if bad:
         return (f"--trainer dpo is modelled on one GPU or DDP with TRL's own step (the sigmoid-family losses); "
                 f"not modelled: {', '.join(bad)}")
+    return None
+
+
+def _reward_problem(t: Any) -> str | None:
+    """``--trainer reward``: TRL's RewardTrainer (trl/trainer/reward_trainer.py L739-778 at v1.9.0) runs the
+    sequence-classification model on the B chosen and the B rejected sequences
+    (``DataCollatorForPreference``, L198-223) and takes ``-logsigmoid(chosen - rejected)`` of its (2B, 1)
+    scores: the plain step on 2B sequences, with the model's head and no loss of the loop's own."""
+    if t.ref_model is not None:
+        return "--ref-model is DPOTrainer's reference; RewardTrainer has none: drop --ref-model"
+    bad = [f"--loss {t.loss}"] * (t.loss is not None) + [f"--loss-chunks {t.loss_chunks}"] * (t.loss_chunks > 1)
+    bad += ["--cast-output"] * t.cast_output + [f"--hold-output {t.hold_output}"] * (t.hold_output != "loss")
+    bad += [f"--pp {t.pp}"] * (t.pp > 1) + ["--liger"] * t.liger
+    bad += ["--later-seq-len"] * (t.later_seq_len is not None) + ["--min-seq-len"] * (t.min_seq_len is not None)
+    if bad:
+        return f"--trainer reward runs TRL's RewardTrainer step (its scores' loss); not modelled: {', '.join(bad)}"
     return None

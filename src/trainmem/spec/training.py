@@ -1439,9 +1439,14 @@ def _size_problems(model: Any, t: TrainingSpec) -> str | None:
     if t.later_seq_len is not None and model.is_image:
         return (f"--later-seq-len {t.later_seq_len}: {model.name} is an image model, every batch has its image "
                 f"size's patches; drop --later-seq-len")
-    if t.trainer is not None and (model.head != "causal-lm" or model.family == "nanogpt"):
+    if t.trainer == "dpo" and (model.head != "causal-lm" or model.family == "nanogpt"):
         return (f"--trainer {t.trainer} is TRL's DPOTrainer on a transformers causal LM; {model.name} has a "
                 f"{model.head} head ({model.family}): drop --trainer")
+    if t.trainer == "reward" and (model.head != "seq-cls" or model.num_labels != 1):
+        return (f"--trainer reward is TRL's RewardTrainer: a sequence-classification model with one label "
+                f"(num_labels=1, which TRL sets); {model.name} has a {model.head} head"
+                f"{f' with {model.num_labels} labels' if model.head == 'seq-cls' else ''}: give --task "
+                f"sequence-classification --set num_labels=1")
     if t.target_len is not None and not model.is_encoder_decoder:
         return f"--target-len {t.target_len}: {model.name} is not an encoder-decoder (seq2seq-lm); drop it"
     if model.head in ("seq2seq-lm", "image-cls") and t.loss is not None:

@@ -1,4 +1,4 @@
-"""``--trainer dpo``: TRL's DPOTrainer step (spec/preference.py). The estimate (estimate/preference.py over
+"""``--trainer dpo`` and ``--trainer reward``: TRL's DPOTrainer and RewardTrainer steps (spec/preference.py). The estimate (estimate/preference.py over
 the engine, ``--loss logps``'s backward in quantities._logps_bytes) is checked against trace, which runs
 the step (preference_step.DPOTrainStep: the policy forward on 2B sequences, accelerate's fp32 cast,
 ``selective_log_softmax``, the reference forward under no_grad, the metrics, backward) on a
@@ -109,7 +109,8 @@ def test_trl_preset_defaults():
 @pytest.mark.parametrize("options, words", [
     (dict(ref_model="none"), "--ref-model none"),
     (dict(trainer=None, ref_model="copy"), "--trainer dpo"),
-    (dict(trainer="reward"), "RewardTrainer"),
+    (dict(trainer="reward"), "--task sequence-classification --set num_labels=1"),
+    (dict(trainer="kto"), "--trainer 'kto'"),
     (dict(tp=2, dp=2), "--tp 2"),
     (dict(zero=2, dp=2), "--zero 2"),
     (dict(loss="upcast"), "--loss upcast"),
@@ -150,3 +151,25 @@ def test_copied_functions_are_trls():
     index = torch.randint(0, 300, (4, 64), generator=g)
     assert torch.equal(selective_log_softmax(logits, index), utils.selective_log_softmax(logits, index))
     assert torch.equal(entropy_from_logits(logits[:, :-1]), utils.entropy_from_logits(logits[:, :-1]))
+
+
+REWARD = dict(task="sequence-classification", set={"num_hidden_layers": 2, "num_labels": 1}, seq_len=256,
+              gpu="a100-40gb", trainer="reward")
+
+
+@pytest.mark.parametrize("extra", [dict(batch_size=2, precision="bf16-amp"),
+                                   dict(batch_size=2, precision="bf16-amp", lora_rank=8),
+                                   dict(batch_size=1, precision="bf16", recompute="full", grad_accum=2)],
+                         ids=["full", "lora", "bf16-recompute-accum"])
+def test_reward_estimate_agrees_with_trace(extra):
+    """RewardTrainer: the sequence-classification model on 2B sequences, its (2B, 1) scores' loss."""
+    o = {**REWARD, **extra}
+    e, t = estimate("llama-3.2-1b", **o), trace("llama-3.2-1b", **o)
+    assert e.peak_allocated == pytest.approx(t.peak_allocated, rel=0.002)
+    plain = estimate("llama-3.2-1b", **{**o, "trainer": None, "batch_size": 2 * o["batch_size"]})
+    assert e.peak_allocated == plain.peak_allocated   # B pairs: the plain step's 2B sequences
+
+
+def test_reward_refuses_a_reference():
+    with pytest.raises(TrainmemError, match="RewardTrainer has none"):
+        estimate("llama-3.2-1b", **REWARD, batch_size=1, ref_model="copy")
