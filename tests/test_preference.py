@@ -173,3 +173,19 @@ def test_reward_estimate_agrees_with_trace(extra):
 def test_reward_refuses_a_reference():
     with pytest.raises(TrainmemError, match="RewardTrainer has none"):
         estimate("llama-3.2-1b", **REWARD, batch_size=1, ref_model="copy")
+
+
+@pytest.mark.parametrize("trainer, extra", [("dpo", {}), ("dpo", {"ref_model": "precomputed"}),
+                                            ("reward", {"task": "sequence-classification"})])
+def test_measure_runs_the_same_step_as_trace(trainer, extra):
+    """measure (real tensors, real data) runs the step trace runs: on the CPU their byte counts agree
+    exactly (trace --device cpu counts the same tensors as they are created)."""
+    from trainmem.measure.runner import measure
+    tiny = ["n_layer=2", "n_embd=64", "n_head=4", "vocab_size=1000", "n_positions=128"]
+    if trainer == "reward":
+        tiny = tiny + ["num_labels=1", "pad_token_id=0"]
+    o = dict(set=tiny, batch_size=2, seq_len=64, precision="fp32", trainer=trainer, **extra)
+    m, t = measure("gpt2", device="cpu", **o), trace("gpt2", device="cpu", **o)
+    assert m.peak_allocated == t.peak_allocated
+    plain = trace("gpt2", device="cpu", **{**o, "trainer": None, "batch_size": 4, "ref_model": None})
+    assert (t.peak_allocated > plain.peak_allocated) == (trainer == "dpo")

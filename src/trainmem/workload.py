@@ -1108,6 +1108,15 @@ def padded_steps(t: TrainingSpec) -> list[list[int]]:
     return [lengths[k:k + t.grad_accum] for k in range(0, len(lengths), t.grad_accum)]
 
 
+def step_class(t: TrainingSpec) -> type:
+    """The step a TrainingSpec runs: ``TrainStep``, or TRL's DPOTrainer or RewardTrainer step for
+    ``--trainer`` (``preference_step``)."""
+    if t.trainer is None:
+        return TrainStep
+    from .preference_step import DPOTrainStep, RewardTrainStep
+    return DPOTrainStep if t.trainer == "dpo" else RewardTrainStep
+
+
 def hf_step(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec, device: str,
             on_phase: Callable[[str, int, int | None], None] | None = None,
             what: str = "trace", micro_batches: int | None = None) -> tuple[Any, Callable[[int], None]]:
@@ -1120,12 +1129,7 @@ def hf_step(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec, device: st
     if type(model).__name__ == "DeepSpeedEngine":  # every micro-batch: the engine counts them to its boundary
         step = DeepSpeedTrainStep(model, spec, t, device, on_phase=on_phase, what=what)
         return step.optimizer, step
-    if t.trainer is not None:  # TRL's DPOTrainer or RewardTrainer step (preference_step)
-        from .preference_step import DPOTrainStep, RewardTrainStep
-        kind = DPOTrainStep if t.trainer == "dpo" else RewardTrainStep
-        step = kind(model, spec, t, device, on_phase=on_phase, what=what)
-    else:
-        step = TrainStep(model, spec, t, device, on_phase=on_phase, what=what)
+    step = step_class(t)(model, spec, t, device, on_phase=on_phase, what=what)
     if micro_batches is not None:
         step.micro_batches = min(step.micro_batches, micro_batches)
     return step.optimizer, step

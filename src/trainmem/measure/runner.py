@@ -48,7 +48,7 @@ from ..spec import Hardware, TrainingSpec, get_gpu
 from ..spec.training import report_warnings
 from ..spec.resolve import TRAINING_FIELDS, Resolved, resolve
 from ..units import parse_bytes
-from ..workload import TrainStep, check_supported, hf_factory, prepare_model
+from ..workload import TrainStep, check_supported, hf_factory, prepare_model, step_class
 from . import alloc_conf
 from .probes import CpuProbe, CudaProbe, PhaseRecorder, optimizer_tensors, parse_device, tensor_bytes
 
@@ -443,7 +443,8 @@ def _train(run: _Run, largest: int, snapshot: str | None, html: str | None) -> N
         recorder.mark("model_loaded", 0)
         run.on_step(1)
         # the batch is made where the probe's device is: "cuda" (the current device) or "cpu"
-        step = TrainStep(module, m, t, probe.device.type, on_phase=recorder.mark, what="measure")
+        # (--trainer: TRL's DPOTrainer or RewardTrainer step, workload.step_class)
+        step = step_class(t)(module, m, t, probe.device.type, on_phase=recorder.mark, what="measure")
         st = step.state
         recorder.watch([p for p in module.parameters() if p.requires_grad], step.optimizer,
                        lambda: tensor_bytes(st.get("batch", {}).values()))
