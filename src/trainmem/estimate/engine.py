@@ -92,7 +92,8 @@ def estimate(m: ModelSpec, t: TrainingSpec, cublas_workspace: int | None = None,
     microseconds: ``trainmem.estimate`` asks for it, sweeps of the engine do not). ``capability``:
     the GPU's compute capability, which sizes Transformer Engine's workspace (``megatron_buffers``;
     None: not known)."""
-    if t.trainer is not None:  # TRL's DPOTrainer (the policy's step here, plus the reference) or RewardTrainer
+    if t.trainer is not None and not t.extra.get("dpo_policy_step"):
+        # TRL's DPOTrainer (the policy's step here, marked, plus the reference) or RewardTrainer
         from .preference import estimate_dpo, estimate_reward
         kind = estimate_dpo if t.trainer == "dpo" else estimate_reward
         return kind(m, t, estimate, cublas_workspace=cublas_workspace, reserved=reserved, capability=capability)

@@ -22,6 +22,9 @@ from ..spec.preference import ref_model_of
 from ..spec.training import TrainingSpec
 
 F32 = 4
+#: the ``TrainingSpec.extra`` key of ``policy_spec``'s setup: the engine runs it as its own step (keeping
+#: ``trainer`` and ``ref_model``, which key its quantities: ``quantities.dpo_fields``, the reserved replay)
+POLICY = "dpo_policy_step"
 #: ``entropy_from_logits``' rows per chunk (trl/trainer/utils.py L526 at v1.9.0)
 ENTROPY_ROWS = 128
 
@@ -29,8 +32,9 @@ ENTROPY_ROWS = 128
 def policy_spec(t: TrainingSpec) -> TrainingSpec:
     """The engine's step of a DPO micro-batch: 2B sequences (``DataCollatorForPreference`` stacks the
     chosen and the rejected ones), the log-probs read from the fp32 logits cast as the forward returns
-    (``--loss logps --cast-output``)."""
-    return replace(t, batch_size=2 * t.batch_size, trainer=None, ref_model=None, loss="logps", cast_output=True)
+    (``--loss logps --cast-output``), marked as the policy's step (``POLICY``)."""
+    return replace(t, batch_size=2 * t.batch_size, loss="logps", cast_output=True,
+                   extra={**t.extra, POLICY: True})
 
 
 def reference_weights(rep: MemoryReport, t: TrainingSpec) -> int:
@@ -48,7 +52,8 @@ def after_logps(m: ModelSpec, t: TrainingSpec, half: int) -> tuple[int, str]:
     """The most bytes ``_compute_loss`` holds beyond what the policy's forward and log-probs leave
     (dpo_trainer.py L1364-1655 at v1.9.0), and where. Per logit element of the 2B x s x vocab logits:
 
-    * the reference's head: its half logits and their fp32 copy (``convert_outputs_to_fp32``; fp32
+    * the reference's head: autocast's half copy of its weight (``reference_head_cast``) while the matmul
+      makes the half logits; then the half logits and their fp32 copy (``convert_outputs_to_fp32``; fp32
       logits are not copied), then its fp32 logits, which ``ref_outputs`` keeps to the end of the
       function, and one ``logsumexp``'s (s - 1, vocab) fp32 temporary (``selective_log_softmax``'s loop);
     * the metrics: beside those, ``entropy_from_logits``' reshape copy of the shifted policy logits
@@ -64,10 +69,19 @@ def after_logps(m: ModelSpec, t: TrainingSpec, half: int) -> tuple[int, str]:
     moments = {"metrics.entropy": held + trl_metric_bytes(b, s, v, F32, None) - F32 * full}
     if ref:
         cast = half * full if half != F32 else 0                # the reference's half logits
+        moments["reference.head"] = reference_head_cast(m, t) + cast
         moments["reference.logits.cast"] = cast + held
         moments["reference.logsumexp"] = held + (s - 1) * v * F32
     where = max(moments, key=lambda k: moments[k])
     return moments[where], where
+
+
+def reference_head_cast(m: ModelSpec, t: TrainingSpec) -> int:
+    """Bytes of autocast's half copy of the reference's head weight (vocab x hidden) under mixed
+    precision (fp32 weights): a frozen weight's cast is not cached (``aten/src/ATen/autocast_mode.cpp``
+    ``cached_cast`` caches only leaves that require grad) and no grad mode saves it, so it lives for the
+    head's matmul only; 0 with half weights (nothing cast)."""
+    return m.vocab_size * m.hidden_size * 2 if t.precision in ("bf16-amp", "fp16-amp") else 0
 
 
 def estimate_dpo(m: ModelSpec, t: TrainingSpec, engine_estimate, **kw) -> MemoryReport:

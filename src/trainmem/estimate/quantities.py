@@ -126,6 +126,9 @@ class Quantities:
     transients: Any        # per layer-op backward transient: tuple of (a, b, c, g, d, at), or a TransientTable
     logits_cast: int = 0   # --cast-output: the fp32 copy of the head's output (0: fp32 logits, nothing to cast)
     loss_saves_out: int = 0  # 1: the loss saves the head's output itself (loss_saved is not a new tensor)
+    loss_logps: int = 0    # 1: --loss logps, TRL's selective_log_softmax (reserved.py replays its backward)
+    dpo_reference: int = 0  # --trainer dpo: 1 when a reference forward runs after the policy's log-probs
+    dpo_metrics: int = 0    # --trainer dpo: 1, _compute_loss's metrics (both replayed by reserved.py)
     loss_elem: int = 4     # bytes per element of each of the loss's logits-sized tensors (LossBytes.elem)
     cast_output: int = 0   # 1: --cast-output, the loop rebinds its output before its loss (litgpt under Fabric)
     head_wgrad: int = 0    # autocast: the LM head's weight gradient in the half dtype, beside its fp32 cast (head_wgrad)
@@ -2227,7 +2230,8 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         logit_chunks=t.loss_chunks, logit_width=m.vocab_size if is_lm(m) else classifier_width(m, t),
         tp=t.tp if is_lm(m) else 1, logits_held=loss.held, logits_out=loss.out, loss_saved=loss.saved,
         logits_cast=loss.cast, cast_output=int(t.cast_output), loss_forward=loss.forward, loss_backward=loss.backward,
-        loss_saves_out=loss.saves_out, loss_elem=loss.elem,
+        loss_saves_out=loss.saves_out, loss_elem=loss.elem, loss_logps=int(t.loss == "logps" and is_lm(m)),
+        dpo_reference=int(t.trainer == "dpo" and t.ref_model != "precomputed"), dpo_metrics=int(t.trainer == "dpo"),
         loss_backward_chunk=loss.backward_chunk, loss_saved_tok=loss.saved_tok, loss_saved_const=loss.saved_const,
         # --compile: the zero gradients of the KV-cache tensors the model returns (_compiled_loss_bytes)
         **{"loss_backward_tok": lc.cache * layers if whole_model_compiled(t) else 0.0,

@@ -228,8 +228,9 @@ class _Forward:
 
 
 def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, parts: list[int],
-             recompute: str, full: int, suffix: str) -> _Forward:
-    """One micro-batch's forward, the loss included."""
+             recompute: str, full: int, suffix: str, seqs: int = 1) -> _Forward:
+    """One micro-batch's forward, the loss included (``seqs``: its sequences, read by ``--trainer dpo``'s
+    moments after the loss, ``_dpo_after_logps``)."""
     st = q.detail.states
     if R.lag is not None:                                         # the batch's blocking host-to-device copy
         R.lag.synchronize(R)
@@ -271,6 +272,8 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
             out = []
         else:
             saved = R.allocs(_logit_tensors(tk.loss_saved, q.loss_saved, full, chunks, q.loss_elem))  # log-probs
+    if q.dpo_metrics:                                             # DPOTrainer's reference forward and metrics
+        _dpo_after_logps(R, q, full, seqs)
     R.frees([h for _at, h in R.carry])                            # derived layers' tensors the loss frees
     R.carry = []
     R.frees(fwd)
@@ -369,6 +372,67 @@ def _cast_chunks_backward(R: _Replay, q: Quantities, f: _Forward) -> list:
     return out
 
 
+def _dpo_after_logps(R: _Replay, q: Quantities, full: int, b: int) -> None:
+    """``--trainer dpo``'s tensors between the policy's log-probs and the end of ``_compute_loss``
+    (``estimate.preference.after_logps``), one by one: the reference head's weight copy and half logits, their fp32 copy
+    (the half freed), one sequence's ``logsumexp`` temporary; the metrics' reshape copy of the shifted
+    logits and each entropy chunk's log_softmax, exp and product (128 rows; ``logps`` rebound, so the
+    previous chunk's is freed after the next one's is made), the chosen and the rejected
+    completions' index copies; then the reference's logits, freed as ``_compute_loss`` returns. ``b``:
+    sequences (2B), ``full``: logit elements."""
+    vocab = q.logit_width
+    seq = full // (b * vocab)
+    row = (seq - 1) * vocab * 4                                   # one shifted sequence's logits, fp32
+    ref = None
+    if q.dpo_reference:
+        # autocast's uncached half copy of the frozen head weight during the matmul: the size of the
+        # policy's copy (``q.cast_head``: one, under --loss logps), none with half weights
+        weight = R.alloc(q.cast_head) if q.cast_head else None
+        half = R.alloc(full * q.logits_out) if q.logits_cast else None
+        R.free(weight)
+        ref = R.alloc(full * 4)
+        R.free(half)
+        R.free(R.alloc(row))
+    copy = R.alloc(b * row)
+    logps = None
+    for first in range(0, b * (seq - 1), 128):   # entropy_from_logits' chunks of 128 rows
+        size = min(128, b * (seq - 1) - first) * vocab * 4
+        new = R.alloc(size)                      # log_softmax, then the name rebound: the last chunk's freed
+        R.free(logps)
+        logps = new
+        R.frees(R.allocs([size, size]))          # exp and the product, freed as the statement ends
+    R.frees([logps, copy])
+    for _half in range(2):
+        R.free(R.alloc(b // 2 * row))
+    R.free(ref)
+
+
+def _logps_backward(R: _Replay, f: _Forward, n: int, nsq: int) -> Any:
+    """``--loss logps``'s backward (``quantities._logps_bytes``) tensor by tensor, as autograd runs it: each
+    sequence's ``LogsumexpBackward`` (``grad * (self - result).exp()``: three (s - 1, vocab) fp32
+    tensors, the first two freed as the expression ends, the third waiting in ``UnbindBackward``'s input
+    buffer), ``UnbindBackward``'s stack of them, ``GatherBackward``'s zero-filled tensor and out-of-place
+    ``scatter_add`` (the saved fp32 logits freed with the node), the sum accumulated into the stacked
+    gradient (autograd's ``InputBuffer`` adds in place into a buffer it alone holds), then
+    ``SliceBackward``'s zero-filled (b, s, vocab) fp32 gradient. Returns that gradient's handle."""
+    s = nsq // n                                                  # tokens per sequence
+    b, vocab = n // s, f.full // n
+    row = (s - 1) * vocab * 4                                     # one shifted sequence's logits, fp32
+    rows = []
+    for _ in range(b):
+        temps = R.allocs([row, row])
+        rows.append(R.alloc(row))
+        R.frees(temps)
+    stacked = R.alloc(b * row)
+    R.frees(rows)
+    zeros, scattered = R.alloc(b * row), R.alloc(b * row)
+    R.frees([zeros] + f.saved)
+    R.free(scattered)                                             # added into ``stacked`` in place
+    full = R.alloc(f.full * 4)                                    # SliceBackward: (b, s, vocab) fp32
+    R.free(stacked)
+    return full
+
+
 def _root_resharded(q: Quantities, fs: "_Fsdp") -> bool:
     """FSDP2 reshards the root unit when its forward returns and gathers it again at its pre-backward
     (``quantities.root_resharded_for_loss``): under ``--fsdp full``/``hybrid``, not grad-op."""
@@ -384,6 +448,12 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
         f.root = f.fs.unshard(R, q.fsdp_root, st.root_tensors, backward=True)
     if q.logits_cast and f.chunks > 1:
         dlogits = _cast_chunks_backward(R, q, f)
+    elif q.loss_logps:
+        full = _logps_backward(R, f, n, nsq)
+        # ToCopyBackward: the fp32 logits' gradient cast to the head's dtype (fp32 logits: it is that gradient)
+        dlogits = R.allocs(_logit_tensors(tk.logits_grad, q.logits_out, f.full)) if q.logits_cast else [full]
+        if q.logits_cast:
+            R.free(full)
     else:
         sizes = [] if q.loss_chunk_tokens else _logit_tensors(tk.loss_backward, q.loss_backward, f.full, f.chunks,
                                                               q.loss_elem)
@@ -491,7 +561,7 @@ def _micro_batches(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: To
     pending: list = []
     for micro in range(min(ga, inflight + 1)):
         suffix = "" if ga == 1 else (".micro1" if micro == 0 else f".micro2-{ga}")
-        pending.append((_forward(R, s, q, flags, tk, parts, recompute, full, suffix), suffix))
+        pending.append((_forward(R, s, q, flags, tk, parts, recompute, full, suffix, b), suffix))
         if len(pending) >= inflight:
             f, sfx = pending.pop(0)
             _backward(R, s, q, flags, tk, f, parts, n, nsq, recompute, sfx)

@@ -63,8 +63,12 @@ def preference_problem(t: Any) -> str | None:
     bad += ["--fsdp"] * (t.fsdp is not None) + [f"--zero {t.zero}"] * bool(t.zero) + ["--gemini"] * bool(t.gemini)
     bad += ["--compile"] * t.compile + ["--liger"] * t.liger + ["--quantize"] * bool(t.quantize)
     bad += ["--optimizer-in-backward"] * t.optimizer_in_backward + ["--offload-activations"] * t.offload_activations
-    bad += [f"--hold-output {t.hold_output}"] * (t.hold_output != "loss") + ["--cast-output"] * t.cast_output
-    bad += [f"--loss {t.loss}"] * (t.loss is not None) + [f"--loss-chunks {t.loss_chunks}"] * (t.loss_chunks > 1)
+    # (the policy's own log-probs are --loss logps --cast-output: estimate.preference.policy_spec; accepted)
+    policy = t.loss == "logps" and t.cast_output
+    bad += [f"--hold-output {t.hold_output}"] * (t.hold_output != "loss") + ["--cast-output"] * (t.cast_output
+                                                                                              and not policy)
+    bad += [f"--loss {t.loss}"] * (t.loss is not None and not policy)
+    bad += [f"--loss-chunks {t.loss_chunks}"] * (t.loss_chunks > 1)
     bad += ["--later-seq-len"] * (t.later_seq_len is not None) + ["--min-seq-len"] * (t.min_seq_len is not None)
     if bad:
         return (f"--trainer dpo is modelled on one GPU or DDP with TRL's own step (the sigmoid-family losses); "
