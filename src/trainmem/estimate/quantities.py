@@ -2230,8 +2230,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         logit_chunks=t.loss_chunks, logit_width=m.vocab_size if is_lm(m) else classifier_width(m, t),
         tp=t.tp if is_lm(m) else 1, logits_held=loss.held, logits_out=loss.out, loss_saved=loss.saved,
         logits_cast=loss.cast, cast_output=int(t.cast_output), loss_forward=loss.forward, loss_backward=loss.backward,
-        loss_saves_out=loss.saves_out, loss_elem=loss.elem, loss_logps=int(t.loss == "logps" and is_lm(m)),
-        dpo_reference=int(t.trainer == "dpo" and t.ref_model != "precomputed"), dpo_metrics=int(t.trainer == "dpo"),
+        loss_saves_out=loss.saves_out, loss_elem=loss.elem, **_preference_fields(m, t),
         loss_backward_chunk=loss.backward_chunk, loss_saved_tok=loss.saved_tok, loss_saved_const=loss.saved_const,
         # --compile: the zero gradients of the KV-cache tensors the model returns (_compiled_loss_bytes)
         **{"loss_backward_tok": lc.cache * layers if whole_model_compiled(t) else 0.0,
@@ -2256,6 +2255,14 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         dec_num=decoder_ratio(m, t)[0], dec_den=decoder_ratio(m, t)[1], **_derived_fields(m, t, stage), **pipe,
         detail=Detail(st, lc, outer, comm_name, input_tok, sum(a for _, a, _ in received),
                       half_input_tok=sum(a for _, a, _ in half_in), recompute_ops=len(recompute_transients(t, lc))))
+
+
+def _preference_fields(m: ModelSpec, t: TrainingSpec) -> dict[str, int]:
+    """What the reserved replay reads of ``--loss logps`` (its backward) and ``--trainer dpo`` (the
+    reference forward and metrics after the log-probs: ``estimate.preference``, ``reserved._dpo_after_logps``)."""
+    dpo = t.trainer == "dpo"
+    return {"loss_logps": int(t.loss == "logps" and is_lm(m)), "dpo_metrics": int(dpo),
+            "dpo_reference": int(dpo and t.ref_model != "precomputed")}
 
 
 def _graph_held(t: TrainingSpec, held: float, checkpointed: int, layers: int) -> dict[str, float]:
