@@ -23,10 +23,9 @@ from ..spec.training import TrainingSpec
 
 F32 = 4
 #: the ``TrainingSpec.extra`` key of ``policy_spec``'s setup: the engine runs it as its own step (keeping
-#: ``trainer`` and ``ref_model``, which key its quantities: ``quantities.dpo_fields``, the reserved replay)
+#: ``trainer`` and ``ref_model``, which key its quantities: ``quantities._preference_fields``, read by the
+#: reserved replay)
 POLICY = "dpo_policy_step"
-#: ``entropy_from_logits``' rows per chunk (trl/trainer/utils.py L526 at v1.9.0)
-ENTROPY_ROWS = 128
 
 
 def policy_spec(t: TrainingSpec) -> TrainingSpec:
@@ -99,13 +98,7 @@ def estimate_dpo(m: ModelSpec, t: TrainingSpec, engine_estimate, **kw) -> Memory
             p.peak, p.where = p.allocated + extra, where
     top = max(rep.phases, key=lambda p: p.peak)
     if top.peak > rep.peak_allocated + ref and top.where == where:
-        rep.peak_phase, rep.peak_where = f"{top.name}@{top.step}", where
-        rep.components = [c for c in rep.components if c.category in _AT_FORWARD
-                          or (c.category == "gradients" and t.zero_grad == "zeros")]
-        rest = max(0, top.peak - ref - sum(c.bytes for c in rep.components))
-        rep.components.append(Component(f"dpo.{where}", "temporaries", rest, "fp32",
-                                        "the policy's saved activations and fp32 logits, the reference's fp32 "
-                                        "logits and the metrics' copies (estimate/preference.py after_logps)"))
+        _forward_peak(rep, t, top, ref)
     rep.peak_allocated = max(rep.peak_allocated + ref, top.peak)
     # (the engine's moment of a loss's first backward nodes: here GatherBackward's, quantities._logps_bytes)
     rep.peak_where = rep.peak_where.replace("cross_entropy.backward", "log_probs.backward")
@@ -117,6 +110,19 @@ def estimate_dpo(m: ModelSpec, t: TrainingSpec, engine_estimate, **kw) -> Memory
         rep.peak_reserved = max(rep.peak_reserved + ref, rep.peak_allocated)
     rep.training = t
     return rep
+
+
+def _forward_peak(rep: MemoryReport, t: TrainingSpec, top, ref: int) -> None:
+    """``rep``'s peak at ``top``, a forward phase whose ``after_logps`` moment is the step's largest: the
+    components alive then (the states, inputs and workspaces; the gradients only when zero_grad keeps
+    them) and the rest as one component of that moment (``ref``: the reference's weights, added after)."""
+    rep.peak_phase, rep.peak_where = f"{top.name}@{top.step}", top.where
+    rep.components = [c for c in rep.components if c.category in _AT_FORWARD
+                      or (c.category == "gradients" and t.zero_grad == "zeros")]
+    rest = max(0, top.peak - ref - sum(c.bytes for c in rep.components))
+    rep.components.append(Component(f"dpo.{top.where}", "temporaries", rest, "fp32",
+                                    "the policy's saved activations and fp32 logits, the reference's fp32 "
+                                    "logits and the metrics' copies (estimate/preference.py after_logps)"))
 
 
 def estimate_reward(m: ModelSpec, t: TrainingSpec, engine_estimate, **kw) -> MemoryReport:
