@@ -237,8 +237,8 @@ def estimate_layouts(m: ModelSpec, base: TrainingSpec, cublas_workspace: int | N
         raise TrainmemError(f"--min-seq-len {base.min_seq_len} is modelled by estimate and trace of one setup; "
                             "fit, sweep and plan evaluate layouts without it: drop --min-seq-len")
     if base.trainer is not None:
-        raise TrainmemError(f"--trainer {base.trainer} is modelled by estimate and trace of one setup; fit, sweep "
-                            "and plan evaluate layouts of the plain step: drop --trainer")
+        raise TrainmemError(f"--trainer {base.trainer} is modelled by estimate, trace and sweep (one setup at a "
+                            "time); fit and plan evaluate layouts of the plain step: drop --trainer, or use sweep")
     if base.pp_weighted:
         raise TrainmemError("--pp-first-stage-less-layers / --pp-last-stage-less-layers (torchtitan's weighted stage "
                             "split, whose worst stage may be a middle one) are modelled by estimate and trace of one "
