@@ -36,7 +36,7 @@ def setup_parts(r: MemoryReport) -> list[str]:
     if fw:  # the preset first: the options after it are what it (and the user) set
         version = t.extra.get("framework_version")
         parts.append(f"framework {fw}" + (f" {version}" if version else ""))
-    batch = f"{t.batch_size} pairs ({2 * t.batch_size} seqs)" if getattr(t, "trainer", None) == "dpo" else t.batch_size
+    batch = f"{t.batch_size} pairs ({2 * t.batch_size} seqs)" if getattr(t, "trainer", None) else t.batch_size
     parts += [t.precision, f"micro-batch {batch} × seq {t.seq_len}", f"grad-accum {t.grad_accum}",
               t.optimizer, f"attention {t.attention}"]
     if par:
