@@ -102,8 +102,8 @@ class DPOTrainStep(TrainStep):
         L1374-1380 and utils.py L1200-1235 at v1.9.0)."""
         if self.ref is not None:
             return self.ref, contextlib.nullcontext()
-        inner = unwrapped(self.model)
-        return self.model, inner.disable_adapter()
+        inner = unwrapped(self.model)   # the Trainer's ``self.model``: not the DDP wrapper (model_wrapped)
+        return inner, inner.disable_adapter()
 
     def forward_loss(self, batch: dict[str, torch.Tensor]) -> tuple[Any, torch.Tensor]:
         """``DPOTrainer._compute_loss`` (dpo_trainer.py L1329-1655 at v1.9.0), sigmoid loss."""
