@@ -104,6 +104,10 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
     if t.recompute == "selective":
         raise TrainmemError(f"--recompute selective is a Megatron feature; {what} supports none, full and op "
                             "(transformers gradient checkpointing, torchtitan's per-op policy)")
+    if t.unsloth_gc:
+        raise TrainmemError(f"--unsloth-gc (--framework unsloth) is Unsloth's offloaded checkpointing "
+                            f"(unsloth_zoo's UnslothCheckpointFunction, CUDA streams and pinned host buffers), "
+                            f"which {what} does not run or emulate; use estimate")
     if (t.liger or t.loss == "fused") and what != "trace":
         flag = "--liger" if t.liger else "--loss fused"
         raise TrainmemError(f"{flag} runs Liger-Kernel's Triton kernels, which {what} does not install; use trace "

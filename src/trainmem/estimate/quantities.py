@@ -37,6 +37,7 @@ from .derived import moment_activations
 from .layers import ALL_MOMENTS, HALF, LayerCoefs, LayerKey, Policy, ep_rank_rows, layer_coefficients
 from .layers import sdpa_saves_padded
 from .quant4 import dequant_dtypes, dequant_scratch, is_quantized
+from . import unsloth
 from .schedules import in_flight_at_backwards
 from .gemini import model_gemini
 from .states import (States, block_bytes, default_lora_targets, parameter_order, dtensor_tp, fsdp_grad_op, model_states,
@@ -2080,8 +2081,14 @@ def quantities(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> Quantitie
     # (and the batch and sequence of a derived model whose coefficients hold at one point: ``point_at``)
     key = (m, stage, _key_of(t), derived_regime(m, t), derived_batch1(m, t), decoder_ratio(m, t), point_at(m, t),
            t.accumulates_unsharded, t.grad_accum if t.virtual_stages > 1 else 0, kv_cache(m, t),
-           t.extra.get("framework"), t.extra.get("framework_version"))
+           t.extra.get("framework"), t.extra.get("framework_version"), unsloth_offloads(m, t))
     return _CACHE.get_or_build(key, lambda: _build(m, t, stage))
+
+
+def unsloth_offloads(m: ModelSpec, t: TrainingSpec) -> bool:
+    """Whether ``--unsloth-gc`` moves the layers' inputs to host memory at this micro-batch: a (b, s, h)
+    input above 2 MiB in the model dtype (``estimate.unsloth.offloads``)."""
+    return t.unsloth_gc and unsloth.offloads(m.hidden_size, Policy.of(t.precision).stream, t.batch_size * t.seq_len)
 
 
 #: layout fields of a parallel shape, in the order ``shape_quantities`` reads its rows
@@ -2162,6 +2169,8 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     input_tok = m.hidden_size * pol.stream / sp               # a layer's input (b, s, h), residual dtype
     checkpointed = layers // t.recompute_every if t.recompute in ("full", "op") else 0
     kept, redo, top_recomputed = _kept_and_redone(t, lc, input_tok, checkpointed, layers)
+    if unsloth_offloads(m, t):  # (Unsloth's offloaded checkpointing: the layers' inputs in host memory)
+        kept = unsloth.kept_per_layer(kept, input_tok, layers)
     head_here = t.pp == 1 or stage == "last"
     cast_layer, cast_head, cast_embed = _autocast_copies(m, t, st, pol, head_here, stage)
     lora_first = first_layer_unsaved(t, lc, stage)

@@ -50,6 +50,8 @@ REPOS: dict[str, tuple[str, str]] = {
     "nanogpt": ("karpathy/nanoGPT", "3adf61e154c3fe3fca428ad6bc3818b27a3b8291"),
     "deepspeed": ("deepspeedai/DeepSpeed", "v0.19.5"),
     "megatron": ("NVIDIA/Megatron-LM", "core_v0.19.0"),
+    "unsloth": ("unslothai/unsloth", "March-2026"),
+    "unsloth-zoo": ("unslothai/unsloth-zoo", "38f4871f9c866ea15f4a2baa32685da957eb7b0e"),
 }
 
 #: presets whose loop trains the framework's own model code, not the model's transformers class
@@ -715,6 +717,42 @@ def _check_megatron(t: Any, model: Any, version: Any, given: frozenset[str]) -> 
     return _others(t, "Megatron-LM", dist=False)
 
 
+def _unsloth_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] | None) -> dict[str, Any]:
+    """Unsloth's checkpointing follows the setup: ``apply_unsloth_gradient_checkpointing`` keeps torch's
+    checkpoint (``--recompute full --reentrant``, no offload) when ``max_seq_length < 512`` (unsloth
+    ``models/_utils.py`` L208-214; trainmem reads the run's ``--seq-len`` as that length), and a
+    ``--recompute`` other than ``full`` (``use_gradient_checkpointing=False``) turns both off."""
+    if view.get("recompute") != "full" or view.get("recompute_every", 1) > 1:
+        return {"unsloth_gc": False, "reentrant": None}
+    seq = view.get("seq_len")
+    return {"unsloth_gc": False} if (seq is not None and seq < 512) else {}
+
+
+#: Unsloth's patch (unsloth 2026.3.5 ``models/llama.py`` ``FastLlamaModel``) covers these transformers model
+#: types with its Llama layer code (``LlamaDecoderLayer_fast_forward``); trainmem's ``llama`` family
+UNSLOTH_TYPES = ("llama", "mistral", "qwen2")
+
+
+def _check_unsloth(t: Any, model: Any, version: Any, given: frozenset[str]) -> list[str]:
+    """What of Unsloth's step the estimate does not count as Unsloth runs it, one line each."""
+    out = _others(t, "Unsloth")
+    mtype = getattr(model, "config", {}).get("model_type") if isinstance(getattr(model, "config", None), dict) \
+        else None
+    if getattr(model, "family", "") != "llama" or (mtype is not None and mtype not in UNSLOTH_TYPES):
+        out.append(f"{getattr(model, 'name', 'the model')}: the preset's options are Unsloth's FastLanguageModel "
+                   f"defaults, read off its Llama code (llama, mistral, qwen2); this model's Unsloth code may differ")
+    if t.lora_rank:
+        out.append("Unsloth's LoRA_QKV, LoRA_W and LoRA_MLP autograd Functions, its RMSNorm and RoPE Triton kernels "
+                   "are counted as transformers' modules with peft's adapters (which save more: fp32 norm copies, "
+                   "the SwiGLU product, the adapters' inputs), an upper bound on the layer's recomputation")
+    if getattr(model, "head", "") == "causal-lm" and "loss" not in given:
+        out.append("Unsloth computes the loss with unsloth_zoo's UnslothFusedLoss (torch.compile'd head + "
+                   "cross-entropy + its gradient, in chunks sized from the GPU's free memory), which the "
+                   "estimate does not model: it counts transformers' upcast loss over the whole logits, an "
+                   "upper bound")
+    return out
+
+
 def _s(repo: str, path: str, lines: str) -> Source:
     return Source(repo, path, lines)
 
@@ -1083,6 +1121,65 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                                  note="Transformer Engine's layers: its GEMM workspace is kept from the first forward "
                                       "(estimate.megatron_buffers); --transformer-impl local for Megatron's own"),
     }, rules=lambda view, model, version: _half_master(view), check=_check_megatron),
+    Preset("unsloth", "Unsloth FastLanguageModel (4-bit QLoRA) with its patched TRL SFTTrainer", "unsloth 2026.3.5", {
+        "precision": Cell("bf16", (_s("unsloth", "unsloth/models/llama.py", "2314-2315"),
+                                   _s("unsloth", "unsloth/models/rl.py", "723-743"),
+                                   _s("unsloth-zoo", "unsloth_zoo/training_utils.py", "139-177")),
+                          note="from_pretrained(dtype=None) loads bf16 where supported (fp16 on older GPUs: "
+                               "--precision fp16); the weights that are not 4-bit stay bf16 and frozen, the LoRA "
+                               "adapters are cast to fp32 (prepare_model_for_training's upcast); the trainer "
+                               "turns on bf16 autocast over them (UNSLOTH_MIXED_PRECISION float32): --precision "
+                               "bf16 with --lora-dtype fp32"),
+        "master_weights": Cell(shown="none"),
+        "optimizer_impl": Cell(shown="bitsandbytes AdamW8bit (optim='adamw_8bit': --optimizer adamw-8bit)",
+                               sources=(_s("unsloth", "unsloth/models/rl.py", "1013-1020"),)),
+        "zero_grad": Cell("none", (_s("transformers", _TF + "trainer.py", "1946"),),
+                          note="the HF Trainer's model.zero_grad() (set_to_none=True); Unsloth replaces "
+                               "Trainer._inner_training_loop with its own copy"),
+        "hold_output": Cell("loss", (_s("trl", "trl/trainer/sft_trainer.py", "1700-1832"),)),
+        "loss": Cell(shown="the model's own (upcast), an upper bound, warned: Unsloth's UnslothFusedLoss is not "
+                           "modelled",
+                     sources=(_s("unsloth", "unsloth/models/llama.py", "1521-1556"),
+                              _s("unsloth-zoo", "unsloth_zoo/fused_losses/cross_entropy_loss.py", "134-160")),
+                     note="bsz*q_len > 1024: unsloth_fused_ce_loss(target_gb=None, torch_compile=True): the "
+                          "head, cross-entropy and gradient in torch.compile'd chunks, n_chunks = 4*round(tokens x "
+                          "vocab x 4 B / (free GPU memory / 2) / 4) (at least 1: a chunk's fp32 logits up to half "
+                          "the memory free at the first step); shorter batches fast_cross_entropy_loss on "
+                          "materialized logits"),
+        "attention": Cell(shown="sdpa (flash-attn, else xformers, else SDPA: the install's)",
+                          sources=(_s("unsloth", "unsloth/utils/attention_dispatch.py", "93-103"),),
+                          note="flash-attn's memory is SDPA's flash kernel's: --attention sdpa-flash"),
+        "recompute": Cell("full", (_s("unsloth", "unsloth/models/llama.py", "2743"),
+                                   _s("unsloth-zoo", "unsloth_zoo/gradient_checkpointing.py", "757-761")),
+                          note="use_gradient_checkpointing='unsloth' (get_peft_model's default): reentrant "
+                               "(UnslothCheckpointFunction), the layers' inputs offloaded to pinned host memory "
+                               "(--unsloth-gc, estimate/unsloth.py); max_seq_length < 512 keeps torch's checkpoint"),
+        "sharding": Cell(shown="none (one GPU)"),
+        "grad_sync": Cell(shown="n/a (one GPU)"),
+        "dropout": Cell(shown="the config's"),
+        "reentrant": Cell(True, (_s("unsloth-zoo", "unsloth_zoo/gradient_checkpointing.py", "757-761"),)),
+        "unsloth_gc": Cell(True, (_s("unsloth", "unsloth/models/_utils.py", "208-216"),
+                                  _s("unsloth-zoo", "unsloth_zoo/gradient_checkpointing.py", "384-634"))),
+        "quantize": Cell("nf4-dq", (_s("unsloth", "unsloth/models/llama.py", "2396-2402"),),
+                         note="load_in_4bit=True (loader.py L228): BitsAndBytesConfig(load_in_4bit, "
+                              "bnb_4bit_use_double_quant=True, nf4, compute dtype = the model's)"),
+        "lora_rank": Cell(16, (_s("unsloth", "unsloth/models/llama.py", "2728"),)),
+        "lora_targets": Cell(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+                             (_s("unsloth", "unsloth/models/llama.py", "2729-2737"),)),
+        "lora_dropout": Cell(0.0, (_s("unsloth", "unsloth/models/llama.py", "2739"),)),
+        "lora_dtype": Cell("fp32", (_s("unsloth-zoo", "unsloth_zoo/training_utils.py", "143-147"),
+                                    _s("unsloth-zoo", "unsloth_zoo/training_utils.py", "176"))),
+        "optimizer": Cell("adamw-8bit", (_s("unsloth", "unsloth/models/rl.py", "1020"),)),
+        "batch_size": Cell(4, (_s("unsloth", "unsloth/models/rl.py", "1016"),)),
+        "grad_accum": Cell(2, (_s("unsloth", "unsloth/models/rl.py", "1017"),)),
+    }, rules=_unsloth_rules, check=_check_unsloth, notes=(
+        "the patched SFTConfig (UnslothSFTConfig, rl.py L1013-1045) defaults per_device_train_batch_size 4, "
+        "gradient_accumulation_steps 2, optim 'adamw_8bit'; padding_free is switched on when left None "
+        "(trainer.py L69-76): a micro-batch's samples become one row of their tokens (give --batch-size 1 "
+        "--seq-len <tokens>; with equal-length samples the memory is the same)",
+        "embeddings and head stay bf16 and frozen (train_embedding/train_lm_head False); modules_to_save would "
+        "train them (not in the preset)",
+    )),
 )}
 
 FRAMEWORKS = tuple(PRESETS)

@@ -289,6 +289,9 @@ class TrainingSpec:
     reentrant: bool | None = None  # full recompute through torch.utils.checkpoint(use_reentrant=True); None:
     #                          transformers' default of the run's release (``checkpoint_reentrant``)
     offload_activations: bool = False  # torchtune's OffloadActivations: checkpointed layers' inputs in CPU memory
+    unsloth_gc: bool = False  # Unsloth's use_gradient_checkpointing="unsloth" (unsloth_zoo's UnslothCheckpointFunction):
+    #                           reentrant full recompute, each layer's input in pinned CPU memory, brought back into
+    #                           one persistent GPU buffer; the top layer's kept after the first step (estimate.unsloth)
     attention: str = "sdpa"
     optimizer_in_backward: bool = False
     lora_rank: int = 0
@@ -526,6 +529,30 @@ class TrainingSpec:
         if self.offload_activations and (self.tp * self.pp * self.cp > 1 or self.lora_rank or self.quantize):
             raise TrainmemError("--offload-activations is modelled for one data-parallel rank's full training "
                                 "(no --tp/--pp/--cp, --lora-rank or --quantize); drop it or those options")
+        self._check_unsloth_gc()
+
+    def _check_unsloth_gc(self) -> None:
+        """``--unsloth-gc``: unsloth_zoo's ``UnslothCheckpointFunction`` replaces torch's reentrant
+        ``CheckpointFunction`` and forces ``use_reentrant=True`` (unsloth_zoo 2026.3.4
+        ``gradient_checkpointing.py`` L758-761, L792-811), so it is full recompute of every layer,
+        reentrant. Modelled for one GPU (Unsloth's single-GPU path: no sharding or model parallelism)
+        and one sequence length per run (its offload threshold is the micro-batch's size)."""
+        if not self.unsloth_gc:
+            return
+        if self.recompute != "full" or self.recompute_every > 1 or self.reentrant is False:
+            raise TrainmemError("--unsloth-gc is Unsloth's reentrant checkpointing of every layer (unsloth_zoo forces "
+                                "use_reentrant=True): give --recompute full without --recompute-every or "
+                                "--no-reentrant, or drop --unsloth-gc")
+        if self.offload_activations:
+            raise TrainmemError("--unsloth-gc and --offload-activations are two offloading schemes (Unsloth's, "
+                                "torchtune's): give one")
+        others = [f"--{k} {getattr(self, k)}" for k in ("dp", "tp", "pp", "cp") if getattr(self, k) > 1]
+        others += ["--compile"] if self.compile else []
+        others += [f"--min-seq-len {self.min_seq_len}"] if self.min_seq_len is not None else []
+        others += [f"--later-seq-len {self.later_seq_len}"] if self.later_seq_len is not None else []
+        if others:
+            raise TrainmemError(f"--unsloth-gc is modelled for one GPU at one sequence length (its offload depends "
+                                f"on the micro-batch's size); drop {', '.join(others)} or --unsloth-gc")
 
     def _check_gemini(self) -> None:
         """``gemini`` (ColossalAI's ZeroDDP + ZeroOptimizer as Lightning's ColossalAIStrategy of 2022
