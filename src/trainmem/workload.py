@@ -104,6 +104,12 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
     if t.recompute == "selective":
         raise TrainmemError(f"--recompute selective is a Megatron feature; {what} supports none, full and op "
                             "(transformers gradient checkpointing, torchtitan's per-op policy)")
+    if t.unsloth_kernels:
+        raise TrainmemError(f"--unsloth-kernels (--framework unsloth) runs Unsloth's Triton kernels and LoRA "
+                            f"Functions, which {what} does not install or emulate; use estimate")
+    if t.loss == "unsloth":
+        raise TrainmemError(f"--loss unsloth is unsloth_zoo's torch.compile'd fused loss, which {what} does not run; "
+                            f"use estimate")
     if t.unsloth_gc:
         raise TrainmemError(f"--unsloth-gc (--framework unsloth) is Unsloth's offloaded checkpointing "
                             f"(unsloth_zoo's UnslothCheckpointFunction, CUDA streams and pinned host buffers), "

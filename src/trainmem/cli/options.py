@@ -381,6 +381,10 @@ def _add_recompute(g: Any) -> None:
     g.add_argument("--offload-activations", action="store_true", default=None,
                    help="with --recompute full: torchtune's activation offloading (the checkpointed layers' "
                         "inputs in pinned CPU memory, brought back in backward)")
+    g.add_argument("--unsloth-kernels", action="store_true", default=None,
+                   help="Unsloth's patched Llama/Mistral/Qwen2 layers (LoRA_QKV, LoRA_W, LoRA_MLP autograd Functions, "
+                        "its RMSNorm and RoPE kernels), with LoRA on all seven projections and no dropout "
+                        "(estimate only)")
     g.add_argument("--unsloth-gc", action="store_true", default=None,
                    help="with --recompute full: Unsloth's use_gradient_checkpointing='unsloth' (reentrant; each "
                         "layer's input in pinned CPU memory once the micro-batch's hidden states exceed 2 MiB, "
@@ -458,6 +462,7 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 recompute=a.recompute, recompute_every=a.recompute_every, reentrant=a.reentrant, attention=a.attention,
                 compile=a.compile,
                 offload_activations=a.offload_activations, unsloth_gc=a.unsloth_gc,
+                unsloth_kernels=a.unsloth_kernels,
                 keep_logits=a.keep_logits,
                 optimizer_in_backward=a.optimizer_in_backward, hold_output=a.hold_output, zero_grad=a.zero_grad,
                 lora_rank=a.lora_rank, lora_dropout=a.lora_dropout, lora_dtype=a.lora_dtype,

@@ -160,10 +160,10 @@ def _workspaces(total: int, handle_ws: int, kept: tuple) -> list[Component]:
     """The moment's workspace part split by owner: PyTorch's cuBLAS handles, Transformer Engine's
     GEMM workspace and Megatron's global buffer (``kept``: ``megatron_buffers.kept_buffers``)."""
     te, buf, *rest = (int(x) for x in kept)
-    uns = rest[0] if rest else 0
+    uns, wbuf = (rest + [0, 0])[:2]
     out = []
-    if total - te - buf - uns:
-        out.append(Component("workspace.cublas", WORKSPACE, total - te - buf - uns, None,
+    if total - te - buf - uns - wbuf:
+        out.append(Component("workspace.cublas", WORKSPACE, total - te - buf - uns - wbuf, None,
                              f"{handle_ws:,} B per cuBLAS handle: forward thread and autograd thread", True))
     if te:
         out.append(Component("workspace.transformer_engine", WORKSPACE, te, "uint8",
@@ -177,6 +177,10 @@ def _workspaces(total: int, handle_ws: int, kept: tuple) -> list[Component]:
         out.append(Component("workspace.unsloth_gc_buffer", WORKSPACE, uns, None,
                              "Unsloth's gradient-checkpointing GPU buffer (unsloth_zoo GPU_BUFFERS): one offloaded "
                              "layer input (b, s, h), at least 2 MiB, kept; the recomputed layer's input", True))
+    if wbuf:
+        out.append(Component("workspace.unsloth_dequant_buffer", WORKSPACE, wbuf, None,
+                             "Unsloth's global dequantization buffers (WEIGHT_BUFFER, ABSMAX_BUFFER): the largest "
+                             "4-bit weight in half and its blocks' fp32 absmax, kept", True))
     return out
 
 
@@ -324,6 +328,11 @@ def _logits(mo: Moment, m: Any, half: str, mode: str) -> list[Component]:
         out.append(Component("logits.chunked_nll_saved", LOGITS, logp, None,
                              "TRL's chunked_nll: the labelled tokens' hidden states gathered to the front, their "
                              "labels and the gather's int64 indices, kept for the checkpointed chunks"))
+        logp = 0
+    if mode == "unsloth" and logp:  # Unsloth's fused loss keeps the input gradient it computed in forward
+        out.append(Component("logits.fused_loss_gradients", LOGITS, logp, None,
+                             "Unsloth's fused loss: the head input's gradient (b, s, h), computed in forward "
+                             "chunk by chunk and saved for backward"))
         logp = 0
     if mode == "fused" and logp:  # Liger keeps the gradients it computed in forward, not log-probabilities
         out.append(Component("logits.fused_loss_gradients", LOGITS, logp, None,

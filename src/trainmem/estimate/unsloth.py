@@ -51,6 +51,22 @@ def gpu_buffer_bytes(hidden: int, stream_bytes: int, tokens: Any) -> Any:
             else (need if grown else INITIAL_GPU_BUFFER)) * stream_bytes
 
 
+def weight_buffer_bytes(m: Any, t: Any) -> int:
+    """Unsloth's global dequantization buffer (``--unsloth-kernels`` over 4-bit weights): its
+    ``matmul_lora`` dequantizes each 4-bit weight with ``fast_dequantize(W, W_quant,
+    use_global_buffer=True)`` (unsloth 2026.3.5 ``kernels/utils.py`` L1034, L503-530): one
+    ``WEIGHT_BUFFER`` in the quant state's dtype (the compute dtype, half) and one fp32
+    ``ABSMAX_BUFFER`` per device, made at the first call and grown with ``resize_`` to the largest
+    weight (and its 64-element blocks' absmax), kept for the run. Bytes: the largest 4-bit weight x
+    (half + 4/64)."""
+    from .quant4 import is_quantized
+    if not (t.unsloth_kernels and t.quantize):
+        return 0
+    largest = max((p.numel for p in m.parameter_tensors() if is_quantized(p, t)), default=0)
+    half = 4 if t.precision == "fp32" else 2
+    return largest * half + -(-largest // 64) * 4
+
+
 def kept_per_layer(kept: tuple[float, float], input_tok: float, layers: int) -> tuple[float, float]:
     """A checkpointed layer's kept bytes (per token, per token x key) when the inputs are offloaded:
     none of the layers' inputs but the top one's, which stays from the second step on (spread over

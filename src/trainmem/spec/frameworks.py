@@ -722,10 +722,25 @@ def _unsloth_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...]
     checkpoint (``--recompute full --reentrant``, no offload) when ``max_seq_length < 512`` (unsloth
     ``models/_utils.py`` L208-214; trainmem reads the run's ``--seq-len`` as that length), and a
     ``--recompute`` other than ``full`` (``use_gradient_checkpointing=False``) turns both off."""
+    out: dict[str, Any] = {}
+    if not _unsloth_patches(view):
+        out["unsloth_kernels"] = False
     if view.get("recompute") != "full" or view.get("recompute_every", 1) > 1:
-        return {"unsloth_gc": False, "reentrant": None}
+        return {**out, "unsloth_gc": False, "reentrant": None}
     seq = view.get("seq_len")
-    return {"unsloth_gc": False} if (seq is not None and seq < 512) else {}
+    return {**out, "unsloth_gc": False} if (seq is not None and seq < 512) else out
+
+
+#: the projections ``patch_peft_model`` needs adapters on to run its LoRA Functions (its default targets)
+UNSLOTH_TARGETS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
+
+
+def _unsloth_patches(view: Mapping[str, Any]) -> bool:
+    """Whether ``FastLlamaModel.patch_peft_model`` swaps in its LoRA Functions (unsloth 2026.3.5
+    ``models/llama.py`` L3334-3420): ``lora_dropout == 0`` and ``bias == "none"``, adapters on every
+    projection of the attention and of the MLP (trainmem models all seven or none)."""
+    return bool(view.get("lora_rank")) and not view.get("lora_dropout") and \
+        UNSLOTH_TARGETS <= set(view.get("lora_targets") or ())
 
 
 #: Unsloth's patch (unsloth 2026.3.5 ``models/llama.py`` ``FastLlamaModel``) covers these transformers model
@@ -741,15 +756,13 @@ def _check_unsloth(t: Any, model: Any, version: Any, given: frozenset[str]) -> l
     if getattr(model, "family", "") != "llama" or (mtype is not None and mtype not in UNSLOTH_TYPES):
         out.append(f"{getattr(model, 'name', 'the model')}: the preset's options are Unsloth's FastLanguageModel "
                    f"defaults, read off its Llama code (llama, mistral, qwen2); this model's Unsloth code may differ")
-    if t.lora_rank:
-        out.append("Unsloth's LoRA_QKV, LoRA_W and LoRA_MLP autograd Functions, its RMSNorm and RoPE Triton kernels "
-                   "are counted as transformers' modules with peft's adapters (which save more: fp32 norm copies, "
-                   "the SwiGLU product, the adapters' inputs), an upper bound on the layer's recomputation")
-    if getattr(model, "head", "") == "causal-lm" and "loss" not in given:
-        out.append("Unsloth computes the loss with unsloth_zoo's UnslothFusedLoss (torch.compile'd head + "
-                   "cross-entropy + its gradient, in chunks sized from the GPU's free memory), which the "
-                   "estimate does not model: it counts transformers' upcast loss over the whole logits, an "
-                   "upper bound")
+    if t.lora_rank and not t.unsloth_kernels:
+        out.append("Unsloth swaps in its LoRA_QKV, LoRA_W and LoRA_MLP Functions only with adapters on all of "
+                   "q/k/v/o/gate/up/down_proj and no dropout (patch_peft_model); with these adapters the layers "
+                   "are counted as transformers' modules with peft's (a partly patched layer is not modelled)")
+    if not t.lora_rank:
+        out.append("full fine-tuning (no --lora-rank): Unsloth's full_finetuning path (FastModel, unsloth_zoo's "
+                   "compiled modules) is not modelled; the preset's options describe its QLoRA defaults")
     return out
 
 
@@ -1137,15 +1150,15 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                           note="the HF Trainer's model.zero_grad() (set_to_none=True); Unsloth replaces "
                                "Trainer._inner_training_loop with its own copy"),
         "hold_output": Cell("loss", (_s("trl", "trl/trainer/sft_trainer.py", "1700-1832"),)),
-        "loss": Cell(shown="the model's own (upcast), an upper bound, warned: Unsloth's UnslothFusedLoss is not "
-                           "modelled",
+        "loss": Cell("unsloth",
                      sources=(_s("unsloth", "unsloth/models/llama.py", "1521-1556"),
                               _s("unsloth-zoo", "unsloth_zoo/fused_losses/cross_entropy_loss.py", "134-160")),
-                     note="bsz*q_len > 1024: unsloth_fused_ce_loss(target_gb=None, torch_compile=True): the "
-                          "head, cross-entropy and gradient in torch.compile'd chunks, n_chunks = 4*round(tokens x "
-                          "vocab x 4 B / (free GPU memory / 2) / 4) (at least 1: a chunk's fp32 logits up to half "
-                          "the memory free at the first step); shorter batches fast_cross_entropy_loss on "
-                          "materialized logits"),
+                     note="with labels (and UNSLOTH_RETURN_LOGITS unset) CausalLM_fast_forward returns no logits "
+                          "and calls unsloth_fused_ce_loss(target_gb=None, torch_compile=True): the head, "
+                          "cross-entropy and its gradient in torch.compile'd chunks, saving the input gradient "
+                          "(--loss unsloth). Chunks: max(4*round(tokens x vocab / (free GPU memory / 2)), 1), one "
+                          "whenever the fp32 logits are smaller than the memory free at the first loss; "
+                          "--loss-chunks N is UNSLOTH_CE_LOSS_N_CHUNKS=N"),
         "attention": Cell(shown="sdpa (flash-attn, else xformers, else SDPA: the install's)",
                           sources=(_s("unsloth", "unsloth/utils/attention_dispatch.py", "93-103"),),
                           note="flash-attn's memory is SDPA's flash kernel's: --attention sdpa-flash"),
@@ -1163,6 +1176,10 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
         "quantize": Cell("nf4-dq", (_s("unsloth", "unsloth/models/llama.py", "2396-2402"),),
                          note="load_in_4bit=True (loader.py L228): BitsAndBytesConfig(load_in_4bit, "
                               "bnb_4bit_use_double_quant=True, nf4, compute dtype = the model's)"),
+        "unsloth_kernels": Cell(True, (_s("unsloth", "unsloth/models/llama.py", "3334-3420"),),
+                                note="patch_peft_model's LoRA_QKV / LoRA_W / LoRA_MLP Functions and the fast "
+                                     "RMSNorm and RoPE kernels in every layer (--unsloth-kernels): only with "
+                                     "adapters on all seven projections and lora_dropout 0, else peft's modules"),
         "lora_rank": Cell(16, (_s("unsloth", "unsloth/models/llama.py", "2728"),)),
         "lora_targets": Cell(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
                              (_s("unsloth", "unsloth/models/llama.py", "2729-2737"),)),

@@ -128,7 +128,8 @@ HOLD_OUTPUT = ("loss", "backward", "step")  # what the loop keeps of the model o
 #: fused linear + cross-entropy (no logits materialised); chunked-nll: TRL's SFTTrainer loss_type
 #: 'chunked_nll' (the head and an fp32 cross-entropy over 256 labelled tokens at a time, each chunk
 #: checkpointed)
-LOSSES = ("upcast", "half", "chunked", "fused", "chunked-nll", "vocab-parallel")
+LOSSES = ("upcast", "half", "chunked", "fused", "chunked-nll", "vocab-parallel", "unsloth")
+#: unsloth: unsloth_zoo's UnslothFusedLoss (estimate.quantities._unsloth_loss_bytes)
 #: vocab-parallel: Megatron-LM's ``_VocabParallelCrossEntropy`` (estimate.quantities._vocab_parallel_bytes)
 #: TRL's chunk of labelled tokens (trl/trainer/sft_trainer.py ``_CHUNKED_LM_HEAD_CHUNK_SIZE``, L86 at v1.9.0)
 CHUNKED_NLL_TOKENS = 256
@@ -289,6 +290,8 @@ class TrainingSpec:
     reentrant: bool | None = None  # full recompute through torch.utils.checkpoint(use_reentrant=True); None:
     #                          transformers' default of the run's release (``checkpoint_reentrant``)
     offload_activations: bool = False  # torchtune's OffloadActivations: checkpointed layers' inputs in CPU memory
+    unsloth_kernels: bool = False  # Unsloth's patched Llama layers (FastLlamaModel.patch_peft_model): LoRA_QKV, LoRA_W,
+    #                                LoRA_MLP, Fast_RMS_Layernorm, fast RoPE (estimate.layers._unsloth_layer)
     unsloth_gc: bool = False  # Unsloth's use_gradient_checkpointing="unsloth" (unsloth_zoo's UnslothCheckpointFunction):
     #                           reentrant full recompute, each layer's input in pinned CPU memory, brought back into
     #                           one persistent GPU buffer; the top layer's kept after the first step (estimate.unsloth)
@@ -530,6 +533,27 @@ class TrainingSpec:
             raise TrainmemError("--offload-activations is modelled for one data-parallel rank's full training "
                                 "(no --tp/--pp/--cp, --lora-rank or --quantize); drop it or those options")
         self._check_unsloth_gc()
+        self._check_unsloth_kernels()
+
+    def _check_unsloth_kernels(self) -> None:
+        """``--unsloth-kernels``: Unsloth patches a layer's attention and MLP with its LoRA Functions only
+        when every projection of them carries an adapter, without dropout or bias (unsloth 2026.3.5
+        ``models/llama.py`` L3334-3420); modelled for all seven, on one GPU, eagerly, with a fused
+        attention kernel (flash-attn, xformers or SDPA: Unsloth runs no eager attention)."""
+        if not self.unsloth_kernels:
+            return
+        seven = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+        if not self.lora_rank or self.lora_dropout > 0 or not seven <= set(self.lora_targets or ()):
+            raise TrainmemError("--unsloth-kernels is Unsloth's patch of LoRA layers with adapters on all of q_proj, "
+                                "k_proj, v_proj, o_proj, gate_proj, up_proj and down_proj and no dropout (what "
+                                "patch_peft_model patches): give --lora-rank, those --lora-targets and --lora-dropout "
+                                "0, or drop --unsloth-kernels")
+        others = [f"--{k} {getattr(self, k)}" for k in ("tp", "pp", "cp") if getattr(self, k) > 1]
+        others += ["--compile"] if self.compile else []
+        others += [f"--attention {self.attention}"] if self.attention in ("eager", "sdpa-math") else []
+        if others:
+            raise TrainmemError(f"--unsloth-kernels is modelled on one GPU's whole layers, eagerly, with a fused "
+                                f"attention kernel; drop {', '.join(others)} or --unsloth-kernels")
 
     def _check_unsloth_gc(self) -> None:
         """``--unsloth-gc``: unsloth_zoo's ``UnslothCheckpointFunction`` replaces torch's reentrant
@@ -1156,6 +1180,11 @@ class TrainingSpec:
             what = "--tp" if self.tp > 1 else "--pp" if self.pp > 1 else "--compile"
             raise TrainmemError(f"--loss chunked-nll with {what}: TRL's chunked loss is modelled on whole head "
                                 f"weights and run eagerly; drop {what} or --loss chunked-nll")
+        if self.loss == "unsloth" and (self.tp * self.pp * self.cp > 1 or self.compile
+                                       or self.precision not in ("bf16", "fp16")):
+            raise TrainmemError("--loss unsloth is Unsloth's fused loss on one GPU over its half model (bf16 or fp16 "
+                                "weights, the head too): give --precision bf16 or fp16, drop --tp/--pp/--cp and "
+                                "--compile, or drop --loss unsloth")
         self._check_cast_output()
         self._check_fused_qkv()
         self._check_attention_call()
@@ -1475,6 +1504,12 @@ def _size_problems(model: Any, t: TrainingSpec) -> str | None:
     if t.attention_call != "model" and (model.head != "causal-lm" or model.family == "nanogpt"):
         return (f"--attention-call {t.attention_call} calls SDPA with is_causal (litgpt's decoder); {model.name} "
                 f"is not a transformers causal-LM decoder: drop --attention-call")
+    if t.unsloth_kernels and (model.family != "llama" or model.head != "causal-lm" or model.num_experts):
+        return (f"--unsloth-kernels models Unsloth's Llama layer code (FastLlamaModel: llama, mistral, qwen2 causal "
+                f"LMs); {model.name} is not one: drop --unsloth-kernels")
+    if t.loss == "unsloth" and model.head != "causal-lm":
+        return (f"--loss unsloth is Unsloth's fused cross-entropy of a causal LM's head; {model.name} has a "
+                f"{model.head} head: drop --loss unsloth")
     if t.loss == "chunked-nll" and model.head != "causal-lm":
         return (f"--loss chunked-nll is TRL's SFTTrainer loss for causal LMs (it reads the output embedding "
                 f"directly); {model.name} has a {model.head} head: drop --loss chunked-nll")
