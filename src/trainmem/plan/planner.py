@@ -464,9 +464,10 @@ def plan(model: Any, gpus: int, seq_len: int | None = None, global_batch: int | 
         name = f"--pp-schedule {sched}" if sched else "--pp-virtual-stages"
         raise TrainmemError(f"plan {name}: the planner's layouts and step-time model cover one pipeline stage per "
                             "rank (its bubble); estimate one layout with it")
-    if options.get("unsloth_gc"):
-        raise TrainmemError("plan --unsloth-gc (--framework unsloth): Unsloth's offload depends on each layout's "
-                            "micro-batch size, which the planner's layouts do not carry; estimate one layout with it")
+    if options.get("unsloth_gc") or options.get("framework") == "unsloth":
+        raise TrainmemError("plan --framework unsloth (--unsloth-gc): Unsloth trains on one GPU and its offload "
+                            "depends on each layout's micro-batch size, which the planner's layouts do not carry; "
+                            "estimate (or fit) one layout with it")
     if options.get("offload_activations"):
         raise TrainmemError("plan --offload-activations: the planner's layouts and step-time model do not cover "
                             "activation offloading; estimate one layout with it")
