@@ -52,10 +52,11 @@ def test_preset_is_fast_language_model_qlora():
 
 
 def test_preset_rules_follow_the_setup():
-    """max_seq_length < 512 keeps torch's checkpoint (apply_unsloth_gradient_checkpointing); no
-    checkpointing turns both off; adapter dropout (or fewer targets) leaves peft's modules in place
-    (patch_peft_model), which one warning line says."""
-    assert not resolve(MODEL, framework="unsloth", seq_len=256).training.unsloth_gc
+    """No checkpointing turns both off; adapter dropout (or fewer targets) leaves peft's modules in place
+    (patch_peft_model), which one warning line says; short sequences keep the offloaded checkpointing
+    (its switch is the model's max_seq_length, ``--no-unsloth-gc``), whose 2 MiB threshold keeps them."""
+    assert resolve(MODEL, framework="unsloth", seq_len=256).training.unsloth_gc
+    assert not resolve(MODEL, framework="unsloth", unsloth_gc=False).training.unsloth_gc
     t = resolve(MODEL, framework="unsloth", recompute="none").training
     assert (t.unsloth_gc, t.reentrant) == (False, None)
     t = resolve(MODEL, framework="unsloth", lora_dropout=0.05).training
@@ -195,3 +196,15 @@ def test_inductor_plans_one_half_logits_buffer():
     assert not any("torch.float32, (64, 1000)" in ln for ln in lines)   # no fp32 logits
     b = _unsloth_loss_bytes(type("M", (), {"hidden_size": h})(), Policy.of("bf16"))
     assert pool == n * v * b.forward_chunk + n * h * 2
+
+
+def test_layouts_on_both_sides_of_the_threshold_match_estimate():
+    """fit and plan's array path (``estimate_layouts``) splits the rows whose input is offloaded from those
+    whose is not (the offload keys the quantities): each matches ``trainmem.estimate`` of its own size."""
+    import numpy as np
+    from trainmem.estimate.engine import estimate_layouts
+    r = resolve(MODEL, framework="unsloth", batch_size=1, seq_len=128)
+    seqs = np.array([128, 256, 384, 8192])
+    out = estimate_layouts(r.model, r.training, seq_len=seqs)
+    for s, got in zip(seqs, out["peak_allocated"]):
+        assert got == trainmem.estimate(MODEL, framework="unsloth", batch_size=1, seq_len=int(s)).peak_allocated

@@ -381,11 +381,11 @@ def _add_recompute(g: Any) -> None:
     g.add_argument("--offload-activations", action="store_true", default=None,
                    help="with --recompute full: torchtune's activation offloading (the checkpointed layers' "
                         "inputs in pinned CPU memory, brought back in backward)")
-    g.add_argument("--unsloth-kernels", action="store_true", default=None,
+    g.add_argument("--unsloth-kernels", action=argparse.BooleanOptionalAction, default=None,
                    help="Unsloth's patched Llama/Mistral/Qwen2 layers (LoRA_QKV, LoRA_W, LoRA_MLP autograd Functions, "
                         "its RMSNorm and RoPE kernels), with LoRA on all seven projections and no dropout "
                         "(estimate only)")
-    g.add_argument("--unsloth-gc", action="store_true", default=None,
+    g.add_argument("--unsloth-gc", action=argparse.BooleanOptionalAction, default=None,
                    help="with --recompute full: Unsloth's use_gradient_checkpointing='unsloth' (reentrant; each "
                         "layer's input in pinned CPU memory once the micro-batch's hidden states exceed 2 MiB, "
                         "brought back into one persistent GPU buffer; the top layer's input stays; estimate only)")

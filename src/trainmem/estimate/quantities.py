@@ -2149,7 +2149,7 @@ def shape_quantities(m: ModelSpec, base: TrainingSpec, stage: str, rows: list[li
     accumulation, used only to build the spec the first time a shape is met."""
     memo = _SHAPES.setdefault((m, stage, _key_of(base), derived_regime(m, base), derived_batch1(m, base),
                                decoder_ratio(m, base), point_at(m, base), base.extra.get("framework"),
-                               base.extra.get("framework_version")), {})
+                               base.extra.get("framework_version"), unsloth_offloads(m, base)), {})
     out = []
     for row in rows:
         # + FSDP no_sync accumulation, and interleaved 1F1B's micro-batches (its pairs in flight)

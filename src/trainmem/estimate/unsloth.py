@@ -5,7 +5,7 @@ unsloth 2026.3.5 ``models/llama.py`` L2743) patches torch's reentrant checkpoint
 ``UnslothCheckpointFunction`` (``patch_unsloth_smart_gradient_checkpointing``, unsloth_zoo 2026.3.4
 ``unsloth_zoo/gradient_checkpointing.py`` L792-810; ``unsloth_checkpoint`` forces
 ``use_reentrant=True``, L758-761), for ``max_seq_length >= 512`` (``apply_unsloth_gradient_checkpointing``,
-unsloth ``models/_utils.py`` L191-222; shorter runs get torch's checkpoint, ``--recompute full
+unsloth ``models/_utils.py`` L191-222; shorter maxima get torch's checkpoint, ``--no-unsloth-gc --recompute full
 --reentrant``). What it keeps on the GPU (line numbers: unsloth_zoo 2026.3.4, commit 38f4871f):
 
 * one GPU buffer per device, ``torch.empty(2*256*2048, dtype)`` at patch time (L355), grown with

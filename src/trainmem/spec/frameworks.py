@@ -718,17 +718,18 @@ def _check_megatron(t: Any, model: Any, version: Any, given: frozenset[str]) -> 
 
 
 def _unsloth_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] | None) -> dict[str, Any]:
-    """Unsloth's checkpointing follows the setup: ``apply_unsloth_gradient_checkpointing`` keeps torch's
-    checkpoint (``--recompute full --reentrant``, no offload) when ``max_seq_length < 512`` (unsloth
-    ``models/_utils.py`` L208-214; trainmem reads the run's ``--seq-len`` as that length), and a
-    ``--recompute`` other than ``full`` (``use_gradient_checkpointing=False``) turns both off."""
+    """Unsloth's layers and checkpointing follow the setup: ``patch_peft_model`` keeps peft's modules
+    unless every projection has an adapter and there is no dropout (``_unsloth_patches``), and a
+    ``--recompute`` other than ``full`` (``use_gradient_checkpointing=False``) turns the checkpointing
+    off. (``from_pretrained(max_seq_length < 512)`` keeps torch's checkpoint, ``apply_unsloth_gradient_
+    checkpointing``, unsloth ``models/_utils.py`` L208-214: that is the model's maximum, not the batch's
+    length, so the preset leaves it to ``--no-unsloth-gc``.)"""
     out: dict[str, Any] = {}
     if not _unsloth_patches(view):
         out["unsloth_kernels"] = False
     if view.get("recompute") != "full" or view.get("recompute_every", 1) > 1:
         return {**out, "unsloth_gc": False, "reentrant": None}
-    seq = view.get("seq_len")
-    return {**out, "unsloth_gc": False} if (seq is not None and seq < 512) else out
+    return out
 
 
 #: the projections ``patch_peft_model`` needs adapters on to run its LoRA Functions (its default targets)
@@ -1166,7 +1167,8 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                                    _s("unsloth-zoo", "unsloth_zoo/gradient_checkpointing.py", "757-761")),
                           note="use_gradient_checkpointing='unsloth' (get_peft_model's default): reentrant "
                                "(UnslothCheckpointFunction), the layers' inputs offloaded to pinned host memory "
-                               "(--unsloth-gc, estimate/unsloth.py); max_seq_length < 512 keeps torch's checkpoint"),
+                               "(--unsloth-gc, estimate/unsloth.py); from_pretrained(max_seq_length < 512) keeps "
+                               "torch's checkpoint: --no-unsloth-gc"),
         "sharding": Cell(shown="none (one GPU)"),
         "grad_sync": Cell(shown="n/a (one GPU)"),
         "dropout": Cell(shown="the config's"),
