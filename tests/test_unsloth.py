@@ -208,3 +208,12 @@ def test_layouts_on_both_sides_of_the_threshold_match_estimate():
     out = estimate_layouts(r.model, r.training, seq_len=seqs)
     for s, got in zip(seqs, out["peak_allocated"]):
         assert got == trainmem.estimate(MODEL, framework="unsloth", batch_size=1, seq_len=int(s)).peak_allocated
+
+
+def test_biased_projections_are_left_to_peft():
+    """Qwen2's q/k/v carry biases: patch_peft_model patches its O and MLP only (L3391-3393); a partly
+    patched layer is not modelled: the preset counts peft's modules, warned; the option is refused."""
+    t = resolve("qwen2.5-7b", framework="unsloth").training
+    assert not t.unsloth_kernels and "carry a bias" in t.extra["framework_warnings"][0]
+    with pytest.raises(TrainmemError, match="projections carry biases"):
+        trainmem.estimate("qwen2.5-7b", **{**QLORA, "unsloth_kernels": True})

@@ -725,7 +725,7 @@ def _unsloth_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...]
     checkpointing``, unsloth ``models/_utils.py`` L208-214: that is the model's maximum, not the batch's
     length, so the preset leaves it to ``--no-unsloth-gc``.)"""
     out: dict[str, Any] = {}
-    if not _unsloth_patches(view):
+    if not _unsloth_patches(view) or unsloth_biased(model):
         out["unsloth_kernels"] = False
     if view.get("recompute") != "full" or view.get("recompute_every", 1) > 1:
         return {**out, "unsloth_gc": False, "reentrant": None}
@@ -749,6 +749,16 @@ def _unsloth_patches(view: Mapping[str, Any]) -> bool:
 UNSLOTH_TYPES = ("llama", "mistral", "qwen2")
 
 
+def unsloth_biased(model: Any) -> tuple[str, ...]:
+    """The projections of a layer with a bias (Qwen2's q/k/v): ``patch_peft_model`` leaves a bias-carrying
+    group with peft's modules (unsloth 2026.3.5 ``models/llama.py`` L3350-3352, L3391-3393, L3413), so the layer
+    is only partly patched, which trainmem does not model."""
+    if model is None or not hasattr(model, "parameter_tensors"):
+        return ()
+    return tuple(sorted({p.module for p in model.parameter_tensors()
+                         if p.layer == 0 and p.role == "bias" and p.module in UNSLOTH_TARGETS}))
+
+
 def _check_unsloth(t: Any, model: Any, version: Any, given: frozenset[str]) -> list[str]:
     """What of Unsloth's step the estimate does not count as Unsloth runs it, one line each."""
     out = _others(t, "Unsloth")
@@ -757,7 +767,12 @@ def _check_unsloth(t: Any, model: Any, version: Any, given: frozenset[str]) -> l
     if getattr(model, "family", "") != "llama" or (mtype is not None and mtype not in UNSLOTH_TYPES):
         out.append(f"{getattr(model, 'name', 'the model')}: the preset's options are Unsloth's FastLanguageModel "
                    f"defaults, read off its Llama code (llama, mistral, qwen2); this model's Unsloth code may differ")
-    if t.lora_rank and not t.unsloth_kernels:
+    biased = unsloth_biased(model)
+    if t.lora_rank and not t.unsloth_kernels and biased:
+        out.append(f"{', '.join(biased)} carry a bias, so Unsloth's patch_peft_model leaves them (and the other "
+                   f"projections of their group) to peft while it patches the rest: a partly patched layer is not "
+                   f"modelled, peft's modules are counted for all (an upper bound)")
+    elif t.lora_rank and not t.unsloth_kernels:
         out.append("Unsloth swaps in its LoRA_QKV, LoRA_W and LoRA_MLP Functions only with adapters on all of "
                    "q/k/v/o/gate/up/down_proj and no dropout (patch_peft_model); with these adapters the layers "
                    "are counted as transformers' modules with peft's (a partly patched layer is not modelled)")
@@ -1181,7 +1196,8 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
         "unsloth_kernels": Cell(True, (_s("unsloth", "unsloth/models/llama.py", "3334-3420"),),
                                 note="patch_peft_model's LoRA_QKV / LoRA_W / LoRA_MLP Functions and the fast "
                                      "RMSNorm and RoPE kernels in every layer (--unsloth-kernels): only with "
-                                     "adapters on all seven projections and lora_dropout 0, else peft's modules"),
+                                     "adapters on all seven projections, lora_dropout 0 and no bias (Qwen2's "
+                                     "q/k/v biases: peft's modules counted, warned), else peft's modules"),
         "lora_rank": Cell(16, (_s("unsloth", "unsloth/models/llama.py", "2728"),)),
         "lora_targets": Cell(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
                              (_s("unsloth", "unsloth/models/llama.py", "2729-2737"),)),

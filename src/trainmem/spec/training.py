@@ -1506,7 +1506,10 @@ def _size_problems(model: Any, t: TrainingSpec) -> str | None:
                 f"is not a transformers causal-LM decoder: drop --attention-call")
     if t.unsloth_kernels and (model.family != "llama" or model.head != "causal-lm" or model.num_experts):
         return (f"--unsloth-kernels models Unsloth's Llama layer code (FastLlamaModel: llama, mistral, qwen2 causal "
-                f"LMs); {model.name} is not one: drop --unsloth-kernels")
+                f"LMs); {model.name} is not one: drop --unsloth-kernels (--no-unsloth-kernels)")
+    if t.unsloth_kernels and any(p.layer == 0 and p.role == "bias" for p in model.parameter_tensors()):
+        return (f"--unsloth-kernels: {model.name}'s projections carry biases, which Unsloth's patch_peft_model leaves "
+                f"to peft (a partly patched layer, not modelled): drop --unsloth-kernels")
     if t.loss == "unsloth" and model.head != "causal-lm":
         return (f"--loss unsloth is Unsloth's fused cross-entropy of a causal LM's head; {model.name} has a "
                 f"{model.head} head: drop --loss unsloth")
