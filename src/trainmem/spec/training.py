@@ -551,6 +551,10 @@ class TrainingSpec:
         others = [f"--{k} {getattr(self, k)}" for k in ("tp", "pp", "cp") if getattr(self, k) > 1]
         others += ["--compile"] if self.compile else []
         others += [f"--attention {self.attention}"] if self.attention in ("eager", "sdpa-math") else []
+        # (Unsloth checkpoints reentrantly, prepare_model_for_kbit_training(use_reentrant=True): a non-reentrant
+        # recomputation's moments are not recorded for these Functions)
+        others += ["non-reentrant --recompute full (give --reentrant)"] \
+            if self.recompute == "full" and self.recompute_every == 1 and not self.checkpoint_reentrant else []
         if others:
             raise TrainmemError(f"--unsloth-kernels is modelled on one GPU's whole layers, eagerly, with a fused "
                                 f"attention kernel; drop {', '.join(others)} or --unsloth-kernels")
