@@ -217,3 +217,19 @@ def test_biased_projections_are_left_to_peft():
     assert not t.unsloth_kernels and "carry a bias" in t.extra["framework_warnings"][0]
     with pytest.raises(TrainmemError, match="projections carry biases"):
         trainmem.estimate("qwen2.5-7b", **{**QLORA, "unsloth_kernels": True})
+
+
+def test_loss_chunks_split_the_compiled_pool():
+    """``--loss unsloth --loss-chunks 4`` (UNSLOTH_CE_LOSS_N_CHUNKS=4): ``torch.chunk`` into 4 pieces of
+    ceil(N/4) tokens, each its own pool of half logits and (tokens, h) gradient, made and freed in turn:
+    the loss's forward transient (beside the final norm's output and the labels) is one piece's pool."""
+    from trainmem.estimate.moments import StepFlags, tokens
+    n, v, h = 8192, 128256, 4096
+
+    def loss_forward(chunks):
+        r = _est(loss="unsloth", loss_chunks=chunks)
+        q = quantities(r.model, r.training)
+        return tokens(q, StepFlags.of(r.model, r.training), n, n * n, 1, 1).loss_forward
+    held = n * (h * 2 + 8)                        # the final norm's output and the shifted labels
+    assert loss_forward(1) == held + n * (v * 2 + h * 2)
+    assert loss_forward(4) == held + n // 4 * (v * 2 + h * 2)

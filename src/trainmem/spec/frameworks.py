@@ -1174,7 +1174,8 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                           "cross-entropy and its gradient in torch.compile'd chunks, saving the input gradient "
                           "(--loss unsloth). Chunks: max(4*round(tokens x vocab / (free GPU memory / 2)), 1), one "
                           "whenever the fp32 logits are smaller than the memory free at the first loss; "
-                          "--loss-chunks N is UNSLOTH_CE_LOSS_N_CHUNKS=N"),
+                          "--loss unsloth --loss-chunks N is UNSLOTH_CE_LOSS_N_CHUNKS=N (--loss-chunks alone drops "
+                          "the preset's loss, as for every preset)"),
         "attention": Cell(shown="sdpa (flash-attn, else xformers, else SDPA: the install's)",
                           sources=(_s("unsloth", "unsloth/utils/attention_dispatch.py", "93-103"),),
                           note="flash-attn's memory is SDPA's flash kernel's: --attention sdpa-flash"),
