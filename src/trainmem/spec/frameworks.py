@@ -1178,7 +1178,10 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                           "the preset's loss, as for every preset)"),
         "attention": Cell(shown="sdpa (flash-attn, else xformers, else SDPA: the install's)",
                           sources=(_s("unsloth", "unsloth/utils/attention_dispatch.py", "93-103"),),
-                          note="flash-attn's memory is SDPA's flash kernel's: --attention sdpa-flash"),
+                          note="under --unsloth-kernels the layers count a fused kernel's saved set (q, k, v, the "
+                               "output, the fp32 logsumexp: flash-attn's, xformers' and SDPA's flash/efficient "
+                               "kernels alike) whatever --attention names (eager and sdpa-math are refused); with "
+                               "peft's modules, --attention picks SDPA's backend"),
         "recompute": Cell("full", (_s("unsloth", "unsloth/models/llama.py", "2743"),
                                    _s("unsloth-zoo", "unsloth_zoo/gradient_checkpointing.py", "757-761")),
                           note="use_gradient_checkpointing='unsloth' (get_peft_model's default): reentrant "
