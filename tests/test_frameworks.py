@@ -33,7 +33,7 @@ def est(framework=None, **options):
 # ----- every preset ------------------------------------------------------------------------------------
 def test_the_issue_lists_nine_frameworks():
     assert FRAMEWORKS == ("plain", "hf-trainer", "trl", "accelerate", "torchtune", "torchtitan", "lightning", "litgpt", "nanogpt",
-                          "deepspeed", "megatron")
+                          "deepspeed", "megatron", "unsloth")
 
 
 @pytest.mark.parametrize("name", FRAMEWORKS)

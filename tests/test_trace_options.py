@@ -126,6 +126,12 @@ CASES = [
     ({"reentrant": True, "recompute": "full", "lora_rank": 8}, "same",
      "use_reentrant=True raises the layers' backward, below this tiny model's loss peak"),
     ({"offload_activations": True, "recompute": "full"}, CHANGED, ""),  # vs --recompute full alone
+    # Unsloth's checkpointing, kernels and compiled loss: estimate only (tests/test_unsloth.py)
+    ({"unsloth_gc": True, "recompute": "full"}, REFUSED, "--unsloth-gc"),
+    ({"unsloth_kernels": True, "lora_rank": 8,
+      "lora_targets": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")}, REFUSED,
+     "--unsloth-kernels"),
+    ({"loss": "unsloth", "precision": "bf16"}, REFUSED, "--loss unsloth"),
     ({"attention": "eager"}, CHANGED, ""), ({"attention": "sdpa-math"}, CHANGED, ""),
     ({"attention": "flash"}, "same", "the emulated GPU runs flash attention as SDPA's flash kernel, the "
                                      "backend the baseline's dispatcher picks"),

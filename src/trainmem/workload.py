@@ -104,6 +104,7 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
     if t.recompute == "selective":
         raise TrainmemError(f"--recompute selective is a Megatron feature; {what} supports none, full and op "
                             "(transformers gradient checkpointing, torchtitan's per-op policy)")
+    _check_unsloth(t, what)
     if (t.liger or t.loss == "fused") and what != "trace":
         flag = "--liger" if t.liger else "--loss fused"
         raise TrainmemError(f"{flag} runs Liger-Kernel's Triton kernels, which {what} does not install; use trace "
@@ -125,6 +126,20 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
         raise TrainmemError(f"--master-weights fp32: {what} runs torch.optim on the half parameters, which keeps "
                             "no fp32 master copy; use estimate for a framework that keeps one (or trace --zero N, "
                             "DeepSpeed's engine)")
+
+
+def _check_unsloth(t: TrainingSpec, what: str) -> None:
+    """Unsloth's kernels, fused loss and offloaded checkpointing are estimated only (estimate.unsloth)."""
+    if t.unsloth_kernels:
+        raise TrainmemError(f"--unsloth-kernels (--framework unsloth) runs Unsloth's Triton kernels and LoRA "
+                            f"Functions, which {what} does not install or emulate; use estimate")
+    if t.loss == "unsloth":
+        raise TrainmemError(f"--loss unsloth is unsloth_zoo's torch.compile'd fused loss, which {what} does not run; "
+                            f"use estimate")
+    if t.unsloth_gc:
+        raise TrainmemError(f"--unsloth-gc (--framework unsloth) is Unsloth's offloaded checkpointing "
+                            f"(unsloth_zoo's UnslothCheckpointFunction, CUDA streams and pinned host buffers), "
+                            f"which {what} does not run or emulate; use estimate")
 
 
 def _check_external_optimizer(t: TrainingSpec, what: str) -> None:

@@ -233,7 +233,7 @@ def _add_fsdp(g: Any) -> None:
 
 def _add_lora(g: Any) -> None:
     """LoRA and QLoRA flags."""
-    g.add_argument("--lora-rank", type=nonneg_int, default=0, metavar="R")
+    g.add_argument("--lora-rank", type=nonneg_int, default=None, metavar="R")
     g.add_argument("--lora-dropout", type=float, default=None, metavar="P",
                    help="LoRA dropout on the adapters' input (peft default 0; torchtune and litgpt use 0.05)")
     g.add_argument("--lora-dtype", choices=("fp32", "half"), default=None,
@@ -390,6 +390,14 @@ def _add_recompute(g: Any) -> None:
     g.add_argument("--offload-activations", action="store_true", default=None,
                    help="with --recompute full: torchtune's activation offloading (the checkpointed layers' "
                         "inputs in pinned CPU memory, brought back in backward)")
+    g.add_argument("--unsloth-kernels", action=argparse.BooleanOptionalAction, default=None,
+                   help="Unsloth's patched Llama/Mistral/Qwen2 layers (LoRA_QKV, LoRA_W, LoRA_MLP autograd Functions, "
+                        "its RMSNorm and RoPE kernels), with LoRA on all seven projections and no dropout "
+                        "(estimate only)")
+    g.add_argument("--unsloth-gc", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --recompute full: Unsloth's use_gradient_checkpointing='unsloth' (reentrant; each "
+                        "layer's input in pinned CPU memory once the micro-batch's hidden states exceed 2 MiB, "
+                        "brought back into one persistent GPU buffer; the top layer's input stays; estimate only)")
 
 
 def add_deepspeed(g: Any) -> None:
@@ -462,7 +470,8 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 sequence_parallel=a.sequence_parallel, transformer_impl=a.transformer_impl,
                 recompute=a.recompute, recompute_every=a.recompute_every, reentrant=a.reentrant, attention=a.attention,
                 compile=a.compile,
-                offload_activations=a.offload_activations,
+                offload_activations=a.offload_activations, unsloth_gc=a.unsloth_gc,
+                unsloth_kernels=a.unsloth_kernels,
                 keep_logits=a.keep_logits,
                 optimizer_in_backward=a.optimizer_in_backward, hold_output=a.hold_output, zero_grad=a.zero_grad,
                 lora_rank=a.lora_rank, lora_dropout=a.lora_dropout, lora_dtype=a.lora_dtype,

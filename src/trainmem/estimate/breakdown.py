@@ -81,7 +81,7 @@ def _weights_formula(st: Any, t: TrainingSpec) -> str:
 
 
 def components(q: Quantities, tk: Tokens, mo: Moment, t: TrainingSpec, n: int, nsq: int, m: Any,
-               handle_ws: int = CUBLAS_WORKSPACE, kept: tuple[int, int] = (0, 0)) -> list[Component]:
+               handle_ws: int = CUBLAS_WORKSPACE, kept: tuple = (0, 0, 0)) -> list[Component]:
     """The bytes alive at the peak moment ``mo``, by name and category (``handle_ws``: one cuBLAS
     handle's workspace; ``kept``: Transformer Engine's workspace and Megatron's global buffer,
     ``megatron_buffers.kept_buffers``, in the moment's workspace part)."""
@@ -156,13 +156,14 @@ def components(q: Quantities, tk: Tokens, mo: Moment, t: TrainingSpec, n: int, n
     return out
 
 
-def _workspaces(total: int, handle_ws: int, kept: tuple[int, int]) -> list[Component]:
+def _workspaces(total: int, handle_ws: int, kept: tuple) -> list[Component]:
     """The moment's workspace part split by owner: PyTorch's cuBLAS handles, Transformer Engine's
     GEMM workspace and Megatron's global buffer (``kept``: ``megatron_buffers.kept_buffers``)."""
-    te, buf = (int(x) for x in kept)
+    te, buf, *rest = (int(x) for x in kept)
+    uns, wbuf = (rest + [0, 0])[:2]
     out = []
-    if total - te - buf:
-        out.append(Component("workspace.cublas", WORKSPACE, total - te - buf, None,
+    if total - te - buf - uns - wbuf:
+        out.append(Component("workspace.cublas", WORKSPACE, total - te - buf - uns - wbuf, None,
                              f"{handle_ws:,} B per cuBLAS handle: forward thread and autograd thread", True))
     if te:
         out.append(Component("workspace.transformer_engine", WORKSPACE, te, "uint8",
@@ -172,6 +173,14 @@ def _workspaces(total: int, handle_ws: int, kept: tuple[int, int]) -> list[Compo
         out.append(Component("workspace.megatron_global_buffer", WORKSPACE, buf, None,
                              "Megatron's _GLOBAL_MEMORY_BUFFER: local attention's baddbmm input [b*heads/tp, s, s] "
                              "and sequence-parallel all-gathers [s/cp, b, h], the larger per dtype, kept", True))
+    if uns:
+        out.append(Component("workspace.unsloth_gc_buffer", WORKSPACE, uns, None,
+                             "Unsloth's gradient-checkpointing GPU buffer (unsloth_zoo GPU_BUFFERS): one offloaded "
+                             "layer input (b, s, h), at least 2 MiB, kept; the recomputed layer's input", True))
+    if wbuf:
+        out.append(Component("workspace.unsloth_dequant_buffer", WORKSPACE, wbuf, None,
+                             "Unsloth's global dequantization buffers (WEIGHT_BUFFER, ABSMAX_BUFFER): the largest "
+                             "4-bit weight in half and its blocks' fp32 absmax, kept", True))
     return out
 
 
@@ -319,6 +328,11 @@ def _logits(mo: Moment, m: Any, half: str, mode: str) -> list[Component]:
         out.append(Component("logits.chunked_nll_saved", LOGITS, logp, None,
                              "TRL's chunked_nll: the labelled tokens' hidden states gathered to the front, their "
                              "labels and the gather's int64 indices, kept for the checkpointed chunks"))
+        logp = 0
+    if mode == "unsloth" and logp:  # Unsloth's fused loss keeps the input gradient it computed in forward
+        out.append(Component("logits.fused_loss_gradients", LOGITS, logp, None,
+                             "Unsloth's fused loss: the head input's gradient (b, s, h), computed in forward "
+                             "chunk by chunk and saved for backward"))
         logp = 0
     if mode == "fused" and logp:  # Liger keeps the gradients it computed in forward, not log-probabilities
         out.append(Component("logits.fused_loss_gradients", LOGITS, logp, None,

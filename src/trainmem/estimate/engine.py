@@ -276,6 +276,8 @@ def _regime_parts(m: ModelSpec, base: TrainingSpec, cols: dict[str, np.ndarray])
     are read at each ratio, ``derived.decoder_ratio``), or whose micro-batches are 1 in some rows and
     larger in others (batch 1 has coefficients of its own, ``derived.batch1``): the rows of each side,
     ratio or batch class and a base setup there. None when all rows share one (the usual case)."""
+    if base.unsloth_gc:
+        return _unsloth_parts(m, base, cols)
     if m.family != "derived":
         return None
     from dataclasses import replace
@@ -301,6 +303,22 @@ def _regime_parts(m: ModelSpec, base: TrainingSpec, cols: dict[str, np.ndarray])
         return None if side(base) in sides else [(np.arange(len(seqs)), replace(base, seq_len=int(seqs[0]),
                                                                                 batch_size=int(batches[0])))]
     return [(rows(v), replace(base, seq_len=v[0][0], batch_size=v[0][1])) for v in sides.values()]
+
+
+def _unsloth_parts(m: ModelSpec, base: TrainingSpec, cols: dict[str, np.ndarray]) -> list | None:
+    """``--unsloth-gc``: the rows whose micro-batch's layer input is offloaded (above 2 MiB,
+    ``quantities.unsloth_offloads``, which keys the quantities) and those whose input stays, each with a
+    base setup on its side; None when every row is on the base's side."""
+    from dataclasses import replace
+    from . import unsloth
+    from .layers import Policy
+    from .quantities import unsloth_offloads
+    tokens = cols["seq_len"] * cols["batch_size"]
+    off = np.asarray(unsloth.offloads(m.hidden_size, Policy.of(base.precision).stream, tokens))
+    if (off == unsloth_offloads(m, base)).all():
+        return None
+    return [(rows, replace(base, seq_len=int(cols["seq_len"][rows[0]]), batch_size=int(cols["batch_size"][rows[0]])))
+            for rows in (np.nonzero(off)[0], np.nonzero(~off)[0]) if len(rows)]
 
 
 def _columns(base: TrainingSpec, layout: dict[str, Any]) -> dict[str, np.ndarray]:

@@ -1025,6 +1025,7 @@ class LayerKey:
     ring: int = 1  # PyTorch's context parallelism: the ranks of its ring attention (states.torch_cp); 1 none
     rms_norm_input: bool = False  # --rms-norm input: the RMSNorms compute in their input's dtype (old lit-gpt)
     liger: bool = False  # --liger: Liger-Kernel's RMSNorm, RoPE and SwiGLU Functions (Builder.rms_norm_liger, _liger_swiglu)
+    unsloth: bool = False  # --unsloth-kernels: Unsloth's LoRA_QKV / LoRA_W / LoRA_MLP, RMSNorm and RoPE (_unsloth_layer)
     manual_layernorm: bool = False  # the LayerNorms in Python ops (ModelSpec.manual_layernorm)
     separate_qkv: bool = False  # GPT-2 family: q, k, v as three linears (ModelSpec.separate_qkv)
     expert_loop: bool = False  # transformers < 5: Mixtral's experts one nn.Linear MLP at a time (_moe_loop)
@@ -1173,7 +1174,7 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
     x = T(h / sp_div, 0, pol.stream, "residual")
     B.layer_input = x
     build = {"gpt2": _gpt2_layer, "nanogpt": _gpt2_layer, "bert": _bert_layer,
-             "roberta-prenorm": _bert_layer}.get(k.family, _llama_layer)
+             "roberta-prenorm": _bert_layer}.get(k.family, _unsloth_layer if k.unsloth else _llama_layer)
     if compiled_recipe(k):
         build = _gpt2_layer_compiled if build is _gpt2_layer else _llama_layer_compiled
     build(B, k, x, h, f, q, kv, heads, kvh, sp_div)
@@ -1401,6 +1402,72 @@ def _llama_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: 
     else:
         _swiglu(B, f, h, src2, "mlp", fused_gate_up=False)
     B.outer_live = ()
+
+
+def _unsloth_dequant(B: Builder, w: float) -> float:
+    """Bytes of one 4-bit weight of ``w`` elements dequantized in backward by Unsloth's
+    ``fast_dequantize(W.t(), W_quant)`` without its global buffer (unsloth 2026.3.5
+    ``kernels/utils.py`` L470-580, the CUDA path): the weight in its quant state's dtype (half) and
+    the fp32 absmax of its 64-element blocks (double quantization's ``out_absmax``), freed by
+    ``del`` before the next. A 16-bit base weight (no quant state) is used as it is: none."""
+    return w * (B.p.half + F32 / 64) if B.quant[0] else 0.0
+
+
+def _unsloth_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: float, heads: float, kvh: float,
+                   sp_div: int) -> None:
+    """A Llama-family layer as Unsloth's ``FastLlamaModel.patch_peft_model`` runs it (``--unsloth-kernels``;
+    unsloth 2026.3.5 ``models/llama.py`` L3334-3420: every layer whose q/k/v, o and gate/up/down
+    projections all carry LoRA adapters, without dropout or bias; ``LlamaDecoderLayer_fast_forward``,
+    ``LlamaAttention_fast_forward`` L696-791). Each op is one autograd Function; what each saves
+    (``kernels/``, line numbers at that release):
+
+    * the RMSNorms: ``Fast_RMS_Layernorm`` (``rms_layernorm.py`` L162-236) saves ``(X, W, r)``, X the
+      norm's input itself, r fp32 per row; Y is ``torch.empty`` in X's dtype and backward writes dX
+      into dY (not Gemma): Liger's saved set (``Builder.rms_norm_liger``);
+    * ``LoRA_QKV`` (``fast_lora.py`` L327-420) saves X, the input norm's output, with the adapters
+      (parameters); its backward gets dQ, dK, dV, writes dX over X (``out = X``, inplace) and
+      dequantizes the three 4-bit weights one at a time (L489-509, ``_unsloth_dequant``);
+    * RoPE: ``fast_rope_embedding`` (``rope_embedding.py`` L282-302) rotates ``Q.transpose(1, 2)
+      .contiguous()``, which is Q's own (b, s, heads, d) storage, in place; it keeps cos and sin
+      (the model's): nothing per token;
+    * attention: flash-attn (``flash_attn_func`` on (b, s, heads, d) views, ``utils/attention_dispatch.py``
+      L171-177), else xformers, else SDPA: the fused kernel's saved set, as SDPA's flash kernel
+      (``Builder._fused_attention``: q, k, v, the output, the fp32 logsumexp; no K/V copies for GQA);
+    * ``LoRA_W`` for o_proj (``fast_lora.py`` L562-638) saves X, the attention's output (the same
+      storage); backward makes dX = dY @ W.t() with the weight dequantized;
+    * ``LoRA_MLP`` (``fast_lora.py`` L28-230) saves ``(X, e, g)``: the post-attention norm's output and
+      the gate and up projections' outputs (half); SwiGLU's h is transient. Its backward: ``DW =
+      matmul_lora(dY, downW.t(), ...)`` (b, s, f) new (its dequantized weight in the global buffer,
+      ``estimate.unsloth``), ``swiglu_DWf_DW_dfg_kernel`` writes h, df, de over DW, e, g; dX is
+      written over X (``out = X``), while upW and then gateW are dequantized (one at a time) and
+      ``df @ upB.t()`` is (b, s, r); dY, the residual stream's gradient, is alive throughout.
+
+    The matmuls' dequantization in forward (``matmul_lora``) uses ``fast_dequantize(...,
+    use_global_buffer=True)``: a buffer kept for the run (``estimate.unsloth.weight_buffer_bytes``),
+    no forward transient here. Reentrant checkpointing recomputes the layer before its backward."""
+    half, stream = B.p.half, B.p.stream
+    a_in = B.rms_norm_liger(x, "input_layernorm")
+    src = T(h, 0, a_in.nbytes, "qkv.input")
+    B.r.save(src)                                                       # LoRA_QKV: ctx.save_for_backward(..., X)
+    qq, kk, vv = T(q, 0, half, "attn.q"), T(kv, 0, half, "attn.k"), T(kv, 0, half, "attn.v")
+    r_qkv = B.lora_rank_of("q_proj")
+    # LoRA_QKV.backward: dQ, dK, dV and (b, s, r) products alive; one dequantized weight at a time
+    B.r.transient("self_attn.qkv.backward", T(q + 2 * kv + r_qkv, 0, half),
+                  const=_unsloth_dequant(B, h * max(q, kv)))
+    ctx = B._fused_attention("flash", qq, kk, vv, heads, kvh, k.head_dim)
+    B.r.save(ctx)                                                       # LoRA_W: X, the attention output itself
+    r_o = B.lora_rank_of("o_proj")
+    grad_out = T(h, 0, stream)
+    B.r.transient("self_attn.o_proj.backward", grad_out, T(q + r_o, 0, half),
+                  const=_unsloth_dequant(B, h * q))
+    x2 = T(h, 0, stream, "residual")
+    m_in = B.rms_norm_liger(x2, "post_attention_layernorm")
+    src2 = T(h, 0, m_in.nbytes, "mlp.input")
+    B.r.save(src2, T(f, 0, half, "mlp.gate_out"), T(f, 0, half, "mlp.up_out"))   # LoRA_MLP: (X, e, g)
+    r_mlp = B.lora_rank_of("up_proj")
+    # LoRA_MLP.backward: dY (the layer's output gradient), DW (b, s, f), (b, s, r) products, a dequantized weight
+    B.r.transient("mlp.backward", grad_out, T(f + r_mlp, 0, half), const=_unsloth_dequant(B, h * f),
+                  incoming=grad_out)
 
 
 def _head_norm(B: Builder, y: T, proj: str, src: T, rows: float) -> None:

@@ -35,6 +35,7 @@ import numpy as np
 
 from ..spec.model import ModelSpec
 from ..spec.training import TrainingSpec
+from . import unsloth
 from .layers import Policy
 
 #: transformer_engine/pytorch/cpp_extensions/gemm.py ``get_cublas_workspace_size_bytes`` (v2.14-v2.18)
@@ -70,10 +71,15 @@ def global_buffer(m: ModelSpec, t: TrainingSpec, head_here: bool, n: Any, nsq: A
 
 
 def kept_buffers(m: ModelSpec, t: TrainingSpec, stage: str, n: Any, nsq: Any,
-                 capability: tuple[int, int] | None, tp: Any = None, sp: Any = None) -> tuple[Any, Any]:
-    """(Transformer Engine's workspace, Megatron's global buffer) in bytes on a rank of ``stage``:
-    zero without ``transformer_impl`` (any framework but Megatron-LM). ``tp``, ``sp``: as
+                 capability: tuple[int, int] | None, tp: Any = None, sp: Any = None) -> tuple:
+    """(Transformer Engine's workspace, Megatron's global buffer[, Unsloth's checkpoint GPU buffer and its
+    dequantization buffer]) in bytes on a rank of ``stage``, each allocated in the first forward (Unsloth's at patch time, its
+    initial 2 MiB: counted from the first forward too) and kept to the end: zero without
+    ``transformer_impl`` (any framework but Megatron-LM) and ``unsloth_gc``. ``tp``, ``sp``: as
     ``global_buffer``."""
+    if t.unsloth_gc or t.unsloth_kernels:  # (one GPU: Unsloth's GPU buffers, estimate.unsloth)
+        gc = unsloth.gpu_buffer_bytes(m.hidden_size, Policy.of(t.precision).stream, n) if t.unsloth_gc else 0
+        return 0, 0, gc, unsloth.weight_buffer_bytes(m, t)
     if t.transformer_impl is None:
         return 0, 0
     te = te_workspace(capability) if t.transformer_impl == "transformer_engine" else 0

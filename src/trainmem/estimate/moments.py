@@ -137,7 +137,9 @@ def _loss_transients(q: Quantities, full: Any, chunk: Any, n: Any) -> tuple[Any,
     """The loss's forward and backward transients: per logit of the micro-batch, per element of one
     chunk and per token; TRL's chunked_nll peaks in forward either at a chunk's head matmul (with the
     weight's copy) or at its later logits-chunk tensors, and keeps the weight's copy in backward."""
-    forward = full * q.loss_forward + maximum(q.loss_chunk_const + chunk * q.loss_forward_chunk,
+    # (+ Unsloth's fused loss: the chunk's (tokens, h) input gradient beside its logits, Quantities.loss_chunk_tok)
+    chunk_tok = trunc(chunk // maximum(q.logit_width, 1) * q.loss_chunk_tok)
+    forward = full * q.loss_forward + maximum(q.loss_chunk_const + chunk * q.loss_forward_chunk + chunk_tok,
                                               q.loss_matmul_const + chunk * q.loss_matmul_chunk)
     backward = full * q.loss_backward + chunk * q.loss_backward_chunk + q.loss_backward_const
     more = where(n > q.loss_chunk_tokens, q.loss_backward_more, 0)   # several chunks: a gradient summed

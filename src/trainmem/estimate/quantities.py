@@ -37,6 +37,7 @@ from .derived import moment_activations
 from .layers import ALL_MOMENTS, HALF, LayerCoefs, LayerKey, Policy, ep_rank_rows, layer_coefficients
 from .layers import sdpa_saves_padded
 from .quant4 import dequant_dtypes, dequant_scratch, is_quantized
+from . import unsloth
 from .schedules import in_flight_at_backwards
 from .gemini import model_gemini
 from .states import (States, block_bytes, default_lora_targets, parameter_order, dtensor_tp, fsdp_grad_op, model_states,
@@ -187,6 +188,10 @@ class Quantities:
     loss_matmul_chunk: int = 0
     loss_backward_const: int = 0
     loss_backward_more: int = 0
+    # Unsloth's fused loss (``_unsloth_loss_bytes``): per token of one chunk beside its logits (the compiled
+    # chunk's (N, h) input gradient), and 1 where it is the loss (the allocator replay's order)
+    loss_chunk_tok: float = 0.0
+    unsloth_loss: int = 0
     tied_compiled: int = 0  # --compile: a tied embedding's backward tables (compiled_tied_grads)
     tied_final: int = 0     # --compile: ... and its gradient in the weight's dtype (in ``grads``, made last)
     input_tok: float = 8.0  # the input batch per token: int64 ids, or an image model's pixel values per patch
@@ -359,7 +364,7 @@ def layer_key(m: ModelSpec, t: TrainingSpec) -> LayerKey:
                     cache_values_own_dtype=cache_values_own_dtype(release), cache_kind=kv_cache_kind(release),
                     rotary_keys_half=rotary_keys_half(m, release), ring=t.cp if torch_cp(t) else 1,
                     qk_norm=m.qk_norm, rms_norm_input=t.rms_norm == "input", liger=t.liger,
-                    expert_loop=bool(m.num_experts) and moe_expert_loop(m, release),
+                    unsloth=t.unsloth_kernels, expert_loop=bool(m.num_experts) and moe_expert_loop(m, release),
                     norm_fp32_product=torchtune_norm_saves_fp32(m, t), manual_layernorm=m.manual_layernorm,
                     separate_qkv=m.separate_qkv)
 
@@ -453,9 +458,10 @@ def outer_tensors(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) -> tup
     if t.pp == 1 or stage == "first":
         out += _embedding_side(m, t, pol, h, sp)
     if t.pp == 1 or stage == "last":
-        out += _head_side(m, pol, h, sp, fused=is_lm(m) and loss_mode(m, t) in ("fused", "chunked-nll"), quant_head=_quant_head(m, t),
+        out += _head_side(m, pol, h, sp, fused=is_lm(m) and loss_mode(m, t) in ("fused", "chunked-nll", "unsloth"), quant_head=_quant_head(m, t),
                           frozen=bool(t.lora_rank), head_adapted=_head_is_lora_target(m, t),
-                          rms_input=t.rms_norm == "input", norm_fp32=torchtune_norm_saves_fp32(m, t), liger=t.liger)
+                          rms_input=t.rms_norm == "input", norm_fp32=torchtune_norm_saves_fp32(m, t),
+                          liger=t.liger or t.unsloth_kernels)  # (Unsloth's final norm: Fast_RMS_Layernorm, Liger's set)
     elif torch_pipeline(t):
         # the stage's output (b, s, h), residual dtype: torch's PipelineStage keeps it in ``fwd_cache``
         # from the micro-batch's forward to its backward (torch 2.13 distributed/pipelining/stage.py
@@ -525,6 +531,10 @@ def head_during_loss(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) -> 
         # TRL's forward and Liger's ``lce_forward`` (transformers/model/llama.py at v0.6.4: ``hidden_states =
         # outputs[0]``, then the loss) keep ``outputs`` until the loss returns
         return float(m.hidden_size * pol.stream)
+    if t.loss == "unsloth" and m.head == "causal-lm":
+        # Unsloth's ``CausalLM_fast_forward`` keeps ``hidden_states = outputs[0]`` until the loss returns
+        # (models/llama.py L1487, L1544-1556), and the loss's shifted int64 labels (``_unsloth_loss_bytes``)
+        return float(m.hidden_size * pol.stream + 8)
     if t.loss is not None or m.head != "causal-lm" or not m.final_norm or not pol.amp:
         return 0.0
     if not (t.pp == 1 or stage == "last"):
@@ -762,6 +772,8 @@ def _loss_in_one_piece(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int) ->
         return LossBytes(F32 if held else 0, F32, F32, 0, 2 * F32)
     if mode == "fused":
         return fused_linear_ce_bytes(m, t, pol)
+    if mode == "unsloth":
+        return _unsloth_loss_bytes(m, pol)
     if mode == "chunked" and t.compile:
         return _compiled_chunked_loss_bytes(held, half)
     if mode == "upcast" and t.cast_output and torchtune_compiles_whole_loss(t):
@@ -816,6 +828,38 @@ def fused_linear_ce_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy) -> LossByt
     return LossBytes(saved_tok=h * max(pol.stream, half) + F32, saved_const=grad_w,
                      forward_chunk=half + chunk, chunk_const=cached + mm + flt,
                      matmul_const=cached + first, matmul_chunk=2 * half)
+
+
+def _unsloth_loss_bytes(m: ModelSpec, pol: Policy) -> LossBytes:
+    """unsloth_zoo's ``UnslothFusedLoss`` (``--loss unsloth``; ``unsloth_fused_ce_loss``, which Unsloth's
+    ``CausalLM_fast_forward`` calls whenever labels are given and ``UNSLOTH_RETURN_LOGITS`` is not set
+    (its ``bsz * q_len <= 1024`` branch sets ``RETURN_LOGITS = False`` too): unsloth 2026.3.5
+    ``models/llama.py`` L1521-1556; unsloth_zoo 2026.3.4 ``fused_losses/cross_entropy_loss.py``
+    L162-430). No logits leave the model (``logits = EMPTY_LOGITS``). Its forward:
+
+    * ``grad_inputs = torch.empty_like(hidden_states)`` (L217), the final norm's (b, s, h) output's
+      dtype, saved for backward (``ctx.save_for_backward(grad_inputs, grad_lm_head, ...)``, L416:
+      the head is frozen under LoRA, so ``grad_lm_head`` is None); backward returns it as it is (L422-428);
+    * the shifted labels, ``torch.empty_like(labels)`` (int64 per token, L194), alive until forward
+      returns (``head_during_loss``);
+    * per chunk of ``torch.chunk(hidden_states.view(-1, hd), n_chunks)`` (L230-232), the
+      ``torch.compile``'d ``accumulate_chunk`` (``torch.func.grad_and_value`` of
+      ``compute_fused_ce_loss``: the head's matmul, ``.float()``, ``cross_entropy``, and their
+      gradient in one graph). Inductor's wrapper for it (torch 2.13, unsloth_zoo's compile options:
+      ``memory_planning=True``; read off the code it generates for that function on the CPU,
+      tests/test_unsloth.py) allocates one pool of ``align(2·N·V) + max(2·N·h, 12·N)`` bytes:
+      the chunk's bf16 logits, which the fused kernel (log_softmax, nll_loss and their backward, the
+      fp32 upcast folded in) overwrites with their gradient (``buf5 = buf0; # reuse``), and the
+      ``mm`` of that gradient with the head's weight, (N, h), copied into ``grad_inputs``. No fp32
+      logits-sized tensor exists. Per logit element of a chunk: the half logits
+      (``forward_chunk``); per token of a chunk: the (N, h) gradient (``Quantities.loss_chunk_tok``).
+
+    ``n_chunks``: ``get_chunk_size`` (L153-160) from half the GPU's free memory at the first call
+    (cached): ``max(4·round(tokens·V / (free / 2)), 1)`` chunks, one whenever the fp32 logits
+    (tokens·V·4 B) are smaller than the free memory; ``--loss-chunks N`` is
+    ``UNSLOTH_CE_LOSS_N_CHUNKS=N`` (default 1)."""
+    half = pol.half
+    return LossBytes(saved_tok=m.hidden_size * max(pol.stream, half), forward_chunk=half)
 
 
 def fused_linear_ce_parts(m: ModelSpec, t: TrainingSpec, pol: Policy) -> tuple[int, int, int, int, int]:
@@ -1002,6 +1046,8 @@ def _chunked_nll_fields(m: ModelSpec, t: TrainingSpec, pol: Policy, loss: LossBy
         first, cached, mm, flt, chunk = fused_linear_ce_parts(m, t, pol)
         return dict(loss_matmul_const=loss.matmul_const, loss_matmul_chunk=loss.matmul_chunk,
                     loss_chunk_const=loss.chunk_const, fused_parts=(first, cached, mm, flt, chunk, pol.half))
+    if head_here and loss_mode(m, t) == "unsloth":   # the compiled chunk's (N, h) gradient (_unsloth_loss_bytes)
+        return dict(loss_chunk_tok=float(m.hidden_size * pol.half), unsloth_loss=1)
     if not (head_here and loss_mode(m, t) == "chunked-nll"):
         return {}
     return dict(loss_backward_tok=float(m.hidden_size * pol.stream), loss_chunk_tokens=CHUNKED_NLL_TOKENS,
@@ -2105,8 +2151,14 @@ def quantities(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> Quantitie
     # (and the batch and sequence of a derived model whose coefficients hold at one point: ``point_at``)
     key = (m, stage, _key_of(t), derived_regime(m, t), derived_batch1(m, t), decoder_ratio(m, t), point_at(m, t),
            t.accumulates_unsharded, t.grad_accum if t.virtual_stages > 1 else 0, kv_cache(m, t),
-           t.extra.get("framework"), t.extra.get("framework_version"))
+           t.extra.get("framework"), t.extra.get("framework_version"), unsloth_offloads(m, t))
     return _CACHE.get_or_build(key, lambda: _build(m, t, stage))
+
+
+def unsloth_offloads(m: ModelSpec, t: TrainingSpec) -> bool:
+    """Whether ``--unsloth-gc`` moves the layers' inputs to host memory at this micro-batch: a (b, s, h)
+    input above 2 MiB in the model dtype (``estimate.unsloth.offloads``)."""
+    return t.unsloth_gc and unsloth.offloads(m.hidden_size, Policy.of(t.precision).stream, t.batch_size * t.seq_len)
 
 
 #: layout fields of a parallel shape, in the order ``shape_quantities`` reads its rows
@@ -2122,7 +2174,7 @@ def shape_quantities(m: ModelSpec, base: TrainingSpec, stage: str, rows: list[li
     accumulation, used only to build the spec the first time a shape is met."""
     memo = _SHAPES.setdefault((m, stage, _key_of(base), derived_regime(m, base), derived_batch1(m, base),
                                decoder_ratio(m, base), point_at(m, base), base.extra.get("framework"),
-                               base.extra.get("framework_version")), {})
+                               base.extra.get("framework_version"), unsloth_offloads(m, base)), {})
     out = []
     for row in rows:
         # + FSDP no_sync accumulation, and interleaved 1F1B's micro-batches (its pairs in flight)
@@ -2183,10 +2235,10 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     lo, hi = t.stage_span(m.num_layers, stage)  # the stage's (torchtitan's weighted split: uneven)
     layers = (hi - lo) // t.virtual_stages  # one stage's (interleaved: a rank holds several)
     oib = t.optimizer_in_backward
-    sp = t.tp if t.sequence_parallel else 1
-    input_tok = m.hidden_size * pol.stream / sp               # a layer's input (b, s, h), residual dtype
+    input_tok = m.hidden_size * pol.stream / (t.tp if t.sequence_parallel else 1)  # a layer's input (b, s, h)
     checkpointed = layers // t.recompute_every if t.recompute in ("full", "op") else 0
     kept, redo, top_recomputed = _kept_and_redone(t, lc, input_tok, checkpointed, layers)
+    kept = unsloth.kept_per_layer(kept, input_tok, layers) if unsloth_offloads(m, t) else kept  # (inputs on host)
     head_here = t.pp == 1 or stage == "last"
     cast_layer, cast_head, cast_embed = _autocast_copies(m, t, st, pol, head_here, stage)
     lora_first = first_layer_unsaved(t, lc, stage)
@@ -2774,7 +2826,7 @@ def head_casts(m: ModelSpec, t: TrainingSpec) -> int:
     if t.loss == "chunked-nll":
         return 0   # each chunk's cast is a transient of the loss (_chunked_nll_bytes)
     frozen = bool(t.lora_rank) and "lm_head" not in (t.lora_targets or ())
-    if t.loss == "fused":
+    if t.loss in ("fused", "unsloth"):
         return 0   # Liger's matmuls cast the weight within the loss only: transients (fused_linear_ce_bytes)
     chunked = is_lm(m) and t.loss_chunks > 1 and loss_mode(m, t) in ("chunked", "half")
     return t.loss_chunks if (frozen and chunked) else 1

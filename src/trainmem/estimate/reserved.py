@@ -265,6 +265,8 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
         fwd, saved = _chunked_nll_forward(R, q, tk)
     elif q.fused_parts:       # Liger's fused linear cross-entropy: its tensors one by one
         fwd, saved = _fused_forward(R, q, tk, flags)
+    elif q.unsloth_loss:      # Unsloth's fused loss: its tensors one by one
+        fwd, saved = _unsloth_forward(R, q, tk, flags)
     else:
         fwd = R.allocs(_logit_tensors(tk.loss_forward, q.loss_forward, full, chunks))  # the fp32 copy, transient
         if q.loss_saves_out:   # the loss saves the output itself (its per-token tensors are new)
@@ -308,6 +310,23 @@ def _chunked_nll_forward(R: _Replay, q: Quantities, tk: Tokens) -> tuple[list, l
     chunk = R.allocs([q.loss_backward_const, rest])
     R.frees(chunk)
     return [last], saved
+
+
+def _unsloth_forward(R: _Replay, q: Quantities, tk: Tokens, flags: StepFlags) -> tuple[list, list]:
+    """Unsloth's fused loss forward (``quantities._unsloth_loss_bytes``) as it allocates: the final norm's
+    output (held by ``CausalLM_fast_forward`` until the loss returns), the shifted int64 labels, then
+    ``grad_inputs`` (saved), then per chunk the compiled function's one memory-planning pool (the chunk's
+    logits and its (tokens, h) gradient), freed as it returns; later chunks reuse its block. Returns
+    (transients freed as the loss returns, saved)."""
+    n = int(tk.tokens)
+    _nl, _full, chunk = _logit_sizes(q, flags, n, 1)
+    chunk = int(chunk)
+    hidden = R.alloc(int((q.head_loss_tok - 8) * n))
+    labels = R.alloc(8 * n)
+    saved = R.allocs([int(q.loss_saved_tok) * n])
+    pool = R.alloc(chunk * int(q.loss_forward_chunk) + int(chunk // max(int(q.logit_width), 1) * q.loss_chunk_tok))
+    R.free(pool)
+    return [hidden, labels], saved
 
 
 def _fused_forward(R: _Replay, q: Quantities, tk: Tokens, flags: StepFlags) -> tuple[list, list]:

@@ -452,21 +452,7 @@ def plan(model: Any, gpus: int, seq_len: int | None = None, global_batch: int | 
         raise TrainmemError(f"--global-batch must be a positive integer, got {global_batch!r}")
     if not isinstance(top, int) or top <= 0:
         raise TrainmemError(f"--top must be a positive integer, got {top!r}")
-    if (options.get("ep") or 1) > 1:
-        raise TrainmemError("plan --ep: the planner's layouts and step-time model do not cover expert parallelism "
-                            "(its all-to-all time); estimate one layout with it")
-    if options.get("gemini") is not None:
-        raise TrainmemError("plan --gemini: the planner varies ZeRO stages, tensor/pipeline parallelism and "
-                            "accumulation, which ColossalAI Gemini is not modelled with; estimate (or fit, sweep) "
-                            "its one layout")
-    sched = options.get("pp_schedule")
-    if sched in ("interleaved-1f1b", "zero-bubble") or options.get("pp_virtual_stages"):
-        name = f"--pp-schedule {sched}" if sched else "--pp-virtual-stages"
-        raise TrainmemError(f"plan {name}: the planner's layouts and step-time model cover one pipeline stage per "
-                            "rank (its bubble); estimate one layout with it")
-    if options.get("offload_activations"):
-        raise TrainmemError("plan --offload-activations: the planner's layouts and step-time model do not cover "
-                            "activation offloading; estimate one layout with it")
+    _refuse_unplanned(options)
     filters = {"tp": _filter(tp, "--tp"), "pp": _filter(pp, "--pp"), "cp": _filter(cp, "--cp"),
                "dp": _filter(dp, "--dp"), "b": _filter(batch_size, "--batch-size"),
                "ga": _filter(grad_accum, "--grad-accum"), "zero": _zero_values(zero), "rec": _rec_filter(recompute)}
@@ -504,6 +490,29 @@ def plan(model: Any, gpus: int, seq_len: int | None = None, global_batch: int | 
         res.smallest_cluster, res.smallest_layout, res.cluster_note = _smallest_cluster(P, gpus, max_cluster)
     res.elapsed_s = time.perf_counter() - t0
     return res
+
+
+def _refuse_unplanned(options: dict[str, Any]) -> None:
+    """One line for an option the planner's layouts or step-time model do not cover."""
+    if (options.get("ep") or 1) > 1:
+        raise TrainmemError("plan --ep: the planner's layouts and step-time model do not cover expert parallelism "
+                            "(its all-to-all time); estimate one layout with it")
+    if options.get("gemini") is not None:
+        raise TrainmemError("plan --gemini: the planner varies ZeRO stages, tensor/pipeline parallelism and "
+                            "accumulation, which ColossalAI Gemini is not modelled with; estimate (or fit, sweep) "
+                            "its one layout")
+    sched = options.get("pp_schedule")
+    if sched in ("interleaved-1f1b", "zero-bubble") or options.get("pp_virtual_stages"):
+        name = f"--pp-schedule {sched}" if sched else "--pp-virtual-stages"
+        raise TrainmemError(f"plan {name}: the planner's layouts and step-time model cover one pipeline stage per "
+                            "rank (its bubble); estimate one layout with it")
+    if options.get("unsloth_gc") or options.get("framework") == "unsloth":
+        raise TrainmemError("plan --framework unsloth (--unsloth-gc): Unsloth trains on one GPU and its offload "
+                            "depends on each layout's micro-batch size, which the planner's layouts do not carry; "
+                            "estimate (or fit) one layout with it")
+    if options.get("offload_activations"):
+        raise TrainmemError("plan --offload-activations: the planner's layouts and step-time model do not cover "
+                            "activation offloading; estimate one layout with it")
 
 
 def _shape_summary(a, mem, t, fits, order) -> list[dict[str, Any]]:

@@ -50,6 +50,8 @@ REPOS: dict[str, tuple[str, str]] = {
     "nanogpt": ("karpathy/nanoGPT", "3adf61e154c3fe3fca428ad6bc3818b27a3b8291"),
     "deepspeed": ("deepspeedai/DeepSpeed", "v0.19.5"),
     "megatron": ("NVIDIA/Megatron-LM", "core_v0.19.0"),
+    "unsloth": ("unslothai/unsloth", "March-2026"),
+    "unsloth-zoo": ("unslothai/unsloth-zoo", "38f4871f9c866ea15f4a2baa32685da957eb7b0e"),
 }
 
 #: presets whose loop trains the framework's own model code, not the model's transformers class
@@ -722,6 +724,71 @@ def _check_megatron(t: Any, model: Any, version: Any, given: frozenset[str]) -> 
     return _others(t, "Megatron-LM", dist=False)
 
 
+def _unsloth_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] | None) -> dict[str, Any]:
+    """Unsloth's layers and checkpointing follow the setup: ``patch_peft_model`` keeps peft's modules
+    unless every projection has an adapter and there is no dropout (``_unsloth_patches``), and a
+    ``--recompute`` other than ``full`` (``use_gradient_checkpointing=False``) turns the checkpointing
+    off. (``from_pretrained(max_seq_length < 512)`` keeps torch's checkpoint, ``apply_unsloth_gradient_
+    checkpointing``, unsloth ``models/_utils.py`` L208-214: that is the model's maximum, not the batch's
+    length, so the preset leaves it to ``--no-unsloth-gc``.)"""
+    out: dict[str, Any] = {}
+    if not _unsloth_patches(view) or unsloth_biased(model):
+        out["unsloth_kernels"] = False
+    if view.get("recompute") != "full" or view.get("recompute_every", 1) > 1:
+        return {**out, "unsloth_gc": False, "reentrant": None}
+    return out
+
+
+#: the projections ``patch_peft_model`` needs adapters on to run its LoRA Functions (its default targets)
+UNSLOTH_TARGETS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
+
+
+def _unsloth_patches(view: Mapping[str, Any]) -> bool:
+    """Whether ``FastLlamaModel.patch_peft_model`` swaps in its LoRA Functions (unsloth 2026.3.5
+    ``models/llama.py`` L3334-3420): ``lora_dropout == 0`` and ``bias == "none"``, adapters on every
+    projection of the attention and of the MLP (trainmem models all seven or none)."""
+    return bool(view.get("lora_rank")) and not view.get("lora_dropout") and \
+        UNSLOTH_TARGETS <= set(view.get("lora_targets") or ())
+
+
+#: Unsloth's patch (unsloth 2026.3.5 ``models/llama.py`` ``FastLlamaModel``) covers these transformers model
+#: types with its Llama layer code (``LlamaDecoderLayer_fast_forward``); trainmem's ``llama`` family
+UNSLOTH_TYPES = ("llama", "mistral", "qwen2")
+
+
+def unsloth_biased(model: Any) -> tuple[str, ...]:
+    """The projections of a layer with a bias (Qwen2's q/k/v): ``patch_peft_model`` leaves a bias-carrying
+    group with peft's modules (unsloth 2026.3.5 ``models/llama.py`` L3350-3352, L3391-3393, L3413), so the layer
+    is only partly patched, which trainmem does not model."""
+    if model is None or not hasattr(model, "parameter_tensors"):
+        return ()
+    return tuple(sorted({p.module for p in model.parameter_tensors()
+                         if p.layer == 0 and p.role == "bias" and p.module in UNSLOTH_TARGETS}))
+
+
+def _check_unsloth(t: Any, model: Any, version: Any, given: frozenset[str]) -> list[str]:
+    """What of Unsloth's step the estimate does not count as Unsloth runs it, one line each."""
+    out = _others(t, "Unsloth")
+    mtype = getattr(model, "config", {}).get("model_type") if isinstance(getattr(model, "config", None), dict) \
+        else None
+    if getattr(model, "family", "") != "llama" or (mtype is not None and mtype not in UNSLOTH_TYPES):
+        out.append(f"{getattr(model, 'name', 'the model')}: the preset's options are Unsloth's FastLanguageModel "
+                   f"defaults, read off its Llama code (llama, mistral, qwen2); this model's Unsloth code may differ")
+    biased = unsloth_biased(model)
+    if t.lora_rank and not t.unsloth_kernels and biased:
+        out.append(f"{', '.join(biased)} carry a bias, so Unsloth's patch_peft_model leaves them (and the other "
+                   f"projections of their group) to peft while it patches the rest: a partly patched layer is not "
+                   f"modelled, peft's modules are counted for all (an upper bound)")
+    elif t.lora_rank and not t.unsloth_kernels:
+        out.append("Unsloth swaps in its LoRA_QKV, LoRA_W and LoRA_MLP Functions only with adapters on all of "
+                   "q/k/v/o/gate/up/down_proj and no dropout (patch_peft_model); with these adapters the layers "
+                   "are counted as transformers' modules with peft's (a partly patched layer is not modelled)")
+    if not t.lora_rank:
+        out.append("full fine-tuning (no --lora-rank): Unsloth's full_finetuning path (FastModel, unsloth_zoo's "
+                   "compiled modules) is not modelled; the preset's options describe its QLoRA defaults")
+    return out
+
+
 def _s(repo: str, path: str, lines: str) -> Source:
     return Source(repo, path, lines)
 
@@ -1090,6 +1157,75 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                                  note="Transformer Engine's layers: its GEMM workspace is kept from the first forward "
                                       "(estimate.megatron_buffers); --transformer-impl local for Megatron's own"),
     }, rules=lambda view, model, version: _half_master(view), check=_check_megatron),
+    Preset("unsloth", "Unsloth FastLanguageModel (4-bit QLoRA) with its patched TRL SFTTrainer", "unsloth 2026.3.5", {
+        "precision": Cell("bf16", (_s("unsloth", "unsloth/models/llama.py", "2314-2315"),
+                                   _s("unsloth", "unsloth/models/rl.py", "723-743"),
+                                   _s("unsloth-zoo", "unsloth_zoo/training_utils.py", "139-177")),
+                          note="from_pretrained(dtype=None) loads bf16 where supported (fp16 on older GPUs: "
+                               "--precision fp16); the weights that are not 4-bit stay bf16 and frozen, the LoRA "
+                               "adapters are cast to fp32 (prepare_model_for_training's upcast); the trainer "
+                               "turns on bf16 autocast over them (UNSLOTH_MIXED_PRECISION float32): --precision "
+                               "bf16 with --lora-dtype fp32"),
+        "master_weights": Cell(shown="none"),
+        "optimizer_impl": Cell(shown="bitsandbytes AdamW8bit (optim='adamw_8bit': --optimizer adamw-8bit)",
+                               sources=(_s("unsloth", "unsloth/models/rl.py", "1013-1020"),)),
+        "zero_grad": Cell("none", (_s("transformers", _TF + "trainer.py", "1946"),),
+                          note="the HF Trainer's model.zero_grad() (set_to_none=True); Unsloth replaces "
+                               "Trainer._inner_training_loop with its own copy"),
+        "hold_output": Cell("loss", (_s("trl", "trl/trainer/sft_trainer.py", "1700-1832"),)),
+        "loss": Cell("unsloth",
+                     sources=(_s("unsloth", "unsloth/models/llama.py", "1521-1556"),
+                              _s("unsloth-zoo", "unsloth_zoo/fused_losses/cross_entropy_loss.py", "134-160")),
+                     note="with labels (and UNSLOTH_RETURN_LOGITS unset) CausalLM_fast_forward returns no logits "
+                          "and calls unsloth_fused_ce_loss(target_gb=None, torch_compile=True): the head, "
+                          "cross-entropy and its gradient in torch.compile'd chunks, saving the input gradient "
+                          "(--loss unsloth). Chunks: max(4*round(tokens x vocab / (free GPU memory / 2)), 1), one "
+                          "whenever the fp32 logits are smaller than the memory free at the first loss; "
+                          "--loss unsloth --loss-chunks N is UNSLOTH_CE_LOSS_N_CHUNKS=N (--loss-chunks alone drops "
+                          "the preset's loss, as for every preset)"),
+        "attention": Cell(shown="sdpa (flash-attn, else xformers, else SDPA: the install's)",
+                          sources=(_s("unsloth", "unsloth/utils/attention_dispatch.py", "93-103"),),
+                          note="under --unsloth-kernels the layers count a fused kernel's saved set (q, k, v, the "
+                               "output, the fp32 logsumexp: flash-attn's, xformers' and SDPA's flash/efficient "
+                               "kernels alike) whatever --attention names (eager and sdpa-math are refused); with "
+                               "peft's modules, --attention picks SDPA's backend"),
+        "recompute": Cell("full", (_s("unsloth", "unsloth/models/llama.py", "2743"),
+                                   _s("unsloth-zoo", "unsloth_zoo/gradient_checkpointing.py", "757-761")),
+                          note="use_gradient_checkpointing='unsloth' (get_peft_model's default): reentrant "
+                               "(UnslothCheckpointFunction), the layers' inputs offloaded to pinned host memory "
+                               "(--unsloth-gc, estimate/unsloth.py); from_pretrained(max_seq_length < 512) keeps "
+                               "torch's checkpoint: --no-unsloth-gc"),
+        "sharding": Cell(shown="none (one GPU)"),
+        "grad_sync": Cell(shown="n/a (one GPU)"),
+        "dropout": Cell(shown="the config's"),
+        "reentrant": Cell(True, (_s("unsloth-zoo", "unsloth_zoo/gradient_checkpointing.py", "757-761"),)),
+        "unsloth_gc": Cell(True, (_s("unsloth", "unsloth/models/_utils.py", "208-216"),
+                                  _s("unsloth-zoo", "unsloth_zoo/gradient_checkpointing.py", "384-634"))),
+        "quantize": Cell("nf4-dq", (_s("unsloth", "unsloth/models/llama.py", "2396-2402"),),
+                         note="load_in_4bit=True (loader.py L228): BitsAndBytesConfig(load_in_4bit, "
+                              "bnb_4bit_use_double_quant=True, nf4, compute dtype = the model's)"),
+        "unsloth_kernels": Cell(True, (_s("unsloth", "unsloth/models/llama.py", "3334-3420"),),
+                                note="patch_peft_model's LoRA_QKV / LoRA_W / LoRA_MLP Functions and the fast "
+                                     "RMSNorm and RoPE kernels in every layer (--unsloth-kernels): only with "
+                                     "adapters on all seven projections, lora_dropout 0 and no bias (Qwen2's "
+                                     "q/k/v biases: peft's modules counted, warned), else peft's modules"),
+        "lora_rank": Cell(16, (_s("unsloth", "unsloth/models/llama.py", "2728"),)),
+        "lora_targets": Cell(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+                             (_s("unsloth", "unsloth/models/llama.py", "2729-2737"),)),
+        "lora_dropout": Cell(0.0, (_s("unsloth", "unsloth/models/llama.py", "2739"),)),
+        "lora_dtype": Cell("fp32", (_s("unsloth-zoo", "unsloth_zoo/training_utils.py", "143-147"),
+                                    _s("unsloth-zoo", "unsloth_zoo/training_utils.py", "176"))),
+        "optimizer": Cell("adamw-8bit", (_s("unsloth", "unsloth/models/rl.py", "1020"),)),
+        "batch_size": Cell(4, (_s("unsloth", "unsloth/models/rl.py", "1016"),)),
+        "grad_accum": Cell(2, (_s("unsloth", "unsloth/models/rl.py", "1017"),)),
+    }, rules=_unsloth_rules, check=_check_unsloth, notes=(
+        "the patched SFTConfig (UnslothSFTConfig, rl.py L1013-1045) defaults per_device_train_batch_size 4, "
+        "gradient_accumulation_steps 2, optim 'adamw_8bit'; padding_free is switched on when left None "
+        "(trainer.py L69-76): a micro-batch's samples become one row of their tokens (give --batch-size 1 "
+        "--seq-len <tokens>; with equal-length samples the memory is the same)",
+        "embeddings and head stay bf16 and frozen (train_embedding/train_lm_head False); modules_to_save would "
+        "train them (not in the preset)",
+    )),
 )}
 
 FRAMEWORKS = tuple(PRESETS)

@@ -134,7 +134,7 @@ def torch_problems(t: Any) -> list[str]:
         if t.optimizer_impl == "fused" and not (t.optimizer == "adam" and v >= (1, 13)) \
                 and not (t.zero >= 1 and t.fsdp is None and not t.distributed_optimizer):
             out.append("--optimizer-impl fused (Adam's fused=True arrived in 1.13, AdamW's in 2.0)")
-        if t.loss in ("chunked", "fused", "chunked-nll") or t.loss_chunks > 1:
+        if t.loss in ("chunked", "fused", "chunked-nll", "unsloth") or t.loss_chunks > 1:
             out.append("chunked or fused losses (modelled as torchtune, litgpt, Liger and TRL run them on PyTorch 2)")
         if t.offload_activations or t.recompute == "op":
             out.append("--offload-activations and --recompute op (torchtune's and torchtitan's, PyTorch 2)")

@@ -129,9 +129,10 @@ HOLD_OUTPUT = ("loss", "backward", "step")  # what the loop keeps of the model o
 #: fused linear + cross-entropy (no logits materialised); chunked-nll: TRL's SFTTrainer loss_type
 #: 'chunked_nll' (the head and an fp32 cross-entropy over 256 labelled tokens at a time, each chunk
 #: checkpointed)
-LOSSES = ("upcast", "half", "chunked", "fused", "chunked-nll", "vocab-parallel", "logps")
+LOSSES = ("upcast", "half", "chunked", "fused", "chunked-nll", "vocab-parallel", "logps", "unsloth")
 #: logps: TRL's ``selective_log_softmax`` on the fp32 logits (the policy's log-probs of ``--trainer dpo``):
 #: a gather and one logsumexp per sequence, both saving the logits (estimate.quantities._cast_output_loss_bytes)
+#: unsloth: unsloth_zoo's UnslothFusedLoss (estimate.quantities._unsloth_loss_bytes)
 #: vocab-parallel: Megatron-LM's ``_VocabParallelCrossEntropy`` (estimate.quantities._vocab_parallel_bytes)
 #: TRL's chunk of labelled tokens (trl/trainer/sft_trainer.py ``_CHUNKED_LM_HEAD_CHUNK_SIZE``, L86 at v1.9.0)
 CHUNKED_NLL_TOKENS = 256
@@ -292,6 +293,11 @@ class TrainingSpec:
     reentrant: bool | None = None  # full recompute through torch.utils.checkpoint(use_reentrant=True); None:
     #                          transformers' default of the run's release (``checkpoint_reentrant``)
     offload_activations: bool = False  # torchtune's OffloadActivations: checkpointed layers' inputs in CPU memory
+    unsloth_kernels: bool = False  # Unsloth's patched Llama layers (FastLlamaModel.patch_peft_model): LoRA_QKV, LoRA_W,
+    #                                LoRA_MLP, Fast_RMS_Layernorm, fast RoPE (estimate.layers._unsloth_layer)
+    unsloth_gc: bool = False  # Unsloth's use_gradient_checkpointing="unsloth" (unsloth_zoo's UnslothCheckpointFunction):
+    #                           reentrant full recompute, each layer's input in pinned CPU memory, brought back into
+    #                           one persistent GPU buffer; the top layer's kept after the first step (estimate.unsloth)
     attention: str = "sdpa"
     optimizer_in_backward: bool = False
     lora_rank: int = 0
@@ -535,6 +541,55 @@ class TrainingSpec:
         if self.offload_activations and (self.tp * self.pp * self.cp > 1 or self.lora_rank or self.quantize):
             raise TrainmemError("--offload-activations is modelled for one data-parallel rank's full training "
                                 "(no --tp/--pp/--cp, --lora-rank or --quantize); drop it or those options")
+        self._check_unsloth_gc()
+        self._check_unsloth_kernels()
+
+    def _check_unsloth_kernels(self) -> None:
+        """``--unsloth-kernels``: Unsloth patches a layer's attention and MLP with its LoRA Functions only
+        when every projection of them carries an adapter, without dropout or bias (unsloth 2026.3.5
+        ``models/llama.py`` L3334-3420); modelled for all seven, on one GPU, eagerly, with a fused
+        attention kernel (flash-attn, xformers or SDPA: Unsloth runs no eager attention)."""
+        if not self.unsloth_kernels:
+            return
+        seven = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+        if not self.lora_rank or self.lora_dropout > 0 or not seven <= set(self.lora_targets or ()):
+            raise TrainmemError("--unsloth-kernels is Unsloth's patch of LoRA layers with adapters on all of q_proj, "
+                                "k_proj, v_proj, o_proj, gate_proj, up_proj and down_proj and no dropout (what "
+                                "patch_peft_model patches): give --lora-rank, those --lora-targets and --lora-dropout "
+                                "0, or drop --unsloth-kernels")
+        others = [f"--{k} {getattr(self, k)}" for k in ("tp", "pp", "cp") if getattr(self, k) > 1]
+        others += ["--compile"] if self.compile else []
+        others += [f"--attention {self.attention}"] if self.attention in ("eager", "sdpa-math") else []
+        # (Unsloth checkpoints reentrantly, prepare_model_for_kbit_training(use_reentrant=True): a non-reentrant
+        # recomputation's moments are not recorded for these Functions)
+        others += ["non-reentrant --recompute full (give --reentrant)"] \
+            if self.recompute == "full" and self.recompute_every == 1 and not self.checkpoint_reentrant else []
+        if others:
+            raise TrainmemError(f"--unsloth-kernels is modelled on one GPU's whole layers, eagerly, with a fused "
+                                f"attention kernel; drop {', '.join(others)} or --unsloth-kernels")
+
+    def _check_unsloth_gc(self) -> None:
+        """``--unsloth-gc``: unsloth_zoo's ``UnslothCheckpointFunction`` replaces torch's reentrant
+        ``CheckpointFunction`` and forces ``use_reentrant=True`` (unsloth_zoo 2026.3.4
+        ``gradient_checkpointing.py`` L758-761, L792-811), so it is full recompute of every layer,
+        reentrant. Modelled for one GPU (Unsloth's single-GPU path: no sharding or model parallelism)
+        and one sequence length per run (its offload threshold is the micro-batch's size)."""
+        if not self.unsloth_gc:
+            return
+        if self.recompute != "full" or self.recompute_every > 1 or self.reentrant is False:
+            raise TrainmemError("--unsloth-gc is Unsloth's reentrant checkpointing of every layer (unsloth_zoo forces "
+                                "use_reentrant=True): give --recompute full without --recompute-every or "
+                                "--no-reentrant, or drop --unsloth-gc")
+        if self.offload_activations:
+            raise TrainmemError("--unsloth-gc and --offload-activations are two offloading schemes (Unsloth's, "
+                                "torchtune's): give one")
+        others = [f"--{k} {getattr(self, k)}" for k in ("dp", "tp", "pp", "cp") if getattr(self, k) > 1]
+        others += ["--compile"] if self.compile else []
+        others += [f"--min-seq-len {self.min_seq_len}"] if self.min_seq_len is not None else []
+        others += [f"--later-seq-len {self.later_seq_len}"] if self.later_seq_len is not None else []
+        if others:
+            raise TrainmemError(f"--unsloth-gc is modelled for one GPU at one sequence length (its offload depends "
+                                f"on the micro-batch's size); drop {', '.join(others)} or --unsloth-gc")
 
     def _check_gemini(self) -> None:
         """``gemini`` (ColossalAI's ZeroDDP + ZeroOptimizer as Lightning's ColossalAIStrategy of 2022
@@ -1141,6 +1196,11 @@ class TrainingSpec:
         if self.loss == "logps" and not self.cast_output:
             raise TrainmemError("--loss logps is TRL's selective_log_softmax on the fp32 logits accelerate hands back "
                                 "(convert_outputs_to_fp32): give --cast-output with it")
+        if self.loss == "unsloth" and (self.tp * self.pp * self.cp > 1 or self.compile
+                                       or self.precision not in ("bf16", "fp16")):
+            raise TrainmemError("--loss unsloth is Unsloth's fused loss on one GPU over its half model (bf16 or fp16 "
+                                "weights, the head too): give --precision bf16 or fp16, drop --tp/--pp/--cp and "
+                                "--compile, or drop --loss unsloth")
         self._check_cast_output()
         self._check_fused_qkv()
         self._check_attention_call()
@@ -1468,6 +1528,15 @@ def _size_problems(model: Any, t: TrainingSpec) -> str | None:
     if t.attention_call != "model" and (model.head != "causal-lm" or model.family == "nanogpt"):
         return (f"--attention-call {t.attention_call} calls SDPA with is_causal (litgpt's decoder); {model.name} "
                 f"is not a transformers causal-LM decoder: drop --attention-call")
+    if t.unsloth_kernels and (model.family != "llama" or model.head != "causal-lm" or model.num_experts):
+        return (f"--unsloth-kernels models Unsloth's Llama layer code (FastLlamaModel: llama, mistral, qwen2 causal "
+                f"LMs); {model.name} is not one: drop --unsloth-kernels (--no-unsloth-kernels)")
+    if t.unsloth_kernels and any(p.layer == 0 and p.role == "bias" for p in model.parameter_tensors()):
+        return (f"--unsloth-kernels: {model.name}'s projections carry biases, which Unsloth's patch_peft_model leaves "
+                f"to peft (a partly patched layer, not modelled): drop --unsloth-kernels")
+    if t.loss == "unsloth" and model.head != "causal-lm":
+        return (f"--loss unsloth is Unsloth's fused cross-entropy of a causal LM's head; {model.name} has a "
+                f"{model.head} head: drop --loss unsloth")
     if t.loss == "chunked-nll" and model.head != "causal-lm":
         return (f"--loss chunked-nll is TRL's SFTTrainer loss for causal LMs (it reads the output embedding "
                 f"directly); {model.name} has a {model.head} head: drop --loss chunked-nll")
