@@ -160,6 +160,25 @@ def test_estimate_matches_trace(name):
     assert abs((pe.peak - pe.allocated) - (pt.peak - pt.allocated)) <= 0.01 * (pt.peak - pt.allocated)
 
 
+@pytest.mark.parametrize("name", ["adamw-torchao-8bit", "adamw-torchao-4bit"])
+def test_estimate_matches_trace_in_backward(name):
+    """Under optimizer-in-backward each tensor's compiled step runs in its hook beside its gradient:
+    the tied token embedding's, last, sets the peak in both."""
+    kw = dict(precision="bf16", batch_size=2, seq_len=64, optimizer=name, set={"n_layer": 2},
+              optimizer_in_backward=True)
+    e, t = trainmem.estimate("gpt2", **kw), trainmem.trace("gpt2", **kw)
+    assert abs(e.peak_allocated - t.peak_allocated) <= 0.005 * t.peak_allocated
+
+
+def test_measure_builds_torchaos_class():
+    """measure runs the real class with the run's block size (``workload.optimizer_class``)."""
+    cls = _torchao_class("adamw-torchao-4bit")
+    from trainmem.workload import make_optimizer
+    t = TrainingSpec(**framework_names({"optimizer": "adamw_torch_4bit"}))
+    opt = make_optimizer(t, [torch.nn.Parameter(torch.zeros(4096))], emulate=False)
+    assert type(opt) is cls and opt.block_size == 256
+
+
 def test_estimate_counts_torchao_state_bytes():
     """The estimate's optimizer states are ``state_tensors`` of every trainable tensor, rounded per
     tensor: smaller than bitsandbytes' AdamW8bit by nothing but torchao's per-state 1 KiB maps and
