@@ -104,6 +104,7 @@ class States:
     # torchao's low-bit AdamW: the compiled step's buffers of the tensor whose step makes the most
     # (``torchao_optim.step_peak``; one tensor at a time, so the largest sets it)
     torchao_step: int = 0
+    torchao_events: tuple = ()  # ... each of ``trainables``' own step buffers, in order (reserved replay)
 
 
     # the model's build on the device, replayed instead of ``load`` where it leaves transients' segments
@@ -590,6 +591,7 @@ class _Tally:
     largest: int = 0
     largest_n: int = 0       # elements of the largest trainable tensor (bitsandbytes' 8-bit threshold)
     ao_step: int = 0         # torchao's low-bit AdamW: the largest one tensor's compiled-step buffers (bytes)
+    ao_events: list = field(default_factory=list)  # ... each item's ``torchao_optim.step_events``
     items: list = field(default_factory=list)  # States.trainables, as they are counted
     item_elems: list = field(default_factory=list)  # ... each one's unsharded elements
     root_list: list = field(default_factory=list)   # States.root_tensors
@@ -655,8 +657,10 @@ class _Tally:
         host = t.torchao_offload is not None and n >= TORCHAO_OFFLOAD_MIN
         if host:  # CPUOffloadOptimizer: this tensor's optimizer and its states live on the host (cpu_offload.py L88-107)
             sts = ()
-        if t.torchao_block and not host:  # torchao: the compiled step's buffers (torchao_optim.step_events)
+        events = torchao_optim.step_events(t.optimizer, sh, t.torchao_block) if t.torchao_block and not host else ()
+        if events:  # torchao: the compiled step's buffers (torchao_optim.step_events)
             self.ao_step = max(self.ao_step, torchao_optim.step_peak(t.optimizer, sh, t.torchao_block, r.block))
+        self.ao_events.append(events)  # aligned with ``items``: the reserved replay's step
         self.opt += k * sum(sts)
         self.items.append((where, k, g, sts, master))
         self.item_elems.append(n)
@@ -717,7 +721,7 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
                   between_grads=acc.between, root_views=acc.root_views, build=build, build_temp=build_temp,
                   root_flat=r.block(acc.root_flat_bytes) if acc.root_flat_bytes else 0,
                   embed_matmul_half=acc.emh, root_flat_elems=acc.root_flat_bytes // r.gather,
-                  torchao_step=acc.ao_step)
+                  torchao_step=acc.ao_step, torchao_events=tuple(acc.ao_events) if acc.ao_step else ())
     return wrap_policy_states(m, t, st, r, acc, litgpt_tensors(m.first_layer_and_outer_tensors, t))
 
 
