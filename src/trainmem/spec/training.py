@@ -718,8 +718,8 @@ class TrainingSpec:
                 raise TrainmemError("torchao_block_size describes torchao's low-bit optimizers: give --optimizer "
                                     "adamw-torchao-8bit (-4bit, -fp8), or drop torchao_block_size")
             return
-        if bs is not None and (not isinstance(bs, int) or isinstance(bs, bool) or bs <= 0 or bs % 2):
-            raise TrainmemError(f"torchao_block_size must be a positive even integer, got {bs!r}")
+        if bs is not None and (not isinstance(bs, int) or isinstance(bs, bool) or bs <= 0):
+            raise TrainmemError(f"torchao_block_size must be a positive integer, got {bs!r}")
         if self.optimizer_impl is not None:
             raise TrainmemError(f"--optimizer-impl {self.optimizer_impl}: torchao's --optimizer {o} has one "
                                 "implementation (a torch.compile'd step per parameter); drop --optimizer-impl")
