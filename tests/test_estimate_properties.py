@@ -41,7 +41,8 @@ from trainmem.estimate.derived import sliding_window
 from trainmem.estimate.states import PEFT_DEFAULT_TARGETS, model_states
 from trainmem.report import CATEGORIES
 from trainmem.spec import catalogue_names, resolve_model
-from trainmem.spec.training import ATTENTION, BNB_OPTIMIZERS, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, RECOMPUTE
+from trainmem.spec.training import (ATTENTION, BNB_OPTIMIZERS, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, RECOMPUTE,
+                                     TORCHAO_OPTIMIZERS)
 from trainmem.estimate.layers import F32, HALF, sdpa_pin_problem
 
 # TRAINMEM_PROPERTY_EXAMPLES=1000 searches deeper (minutes); the default keeps the file to seconds
@@ -126,6 +127,9 @@ def setups(draw, models=tuple(MODELS)):
         options["attention"] = "sdpa"  # a pinned kernel PyTorch refuses for this model
     if options["distributed_optimizer"]:
         options["zero"] = 0  # Megatron's distributed optimizer is its own ZeRO-1 (no --zero with it)
+    if options["optimizer"] in TORCHAO_OPTIMIZERS:
+        # torchao's low-bit AdamW is modelled on whole tensors or FSDP2 shards, not ZeRO / Megatron partitions
+        options.update(zero=0, distributed_optimizer=False)
     if not impl_exists(options["optimizer"], options["optimizer_impl"]):
         options["optimizer_impl"] = None  # an implementation the optimizer does not have
     if options["recompute"] == "op" and not op_applies(m, options):
@@ -137,6 +141,8 @@ def impl_exists(optimizer: str, impl) -> bool:
     """Whether the optimizer has that implementation (TrainingSpec._check_optimizer_impl): RMSprop and
     schedule_free's no fused one, bitsandbytes' Lion/RMSprop/AdEMAMix one only."""
     if impl == "fused" and (optimizer == "rmsprop" or optimizer.startswith("schedule-free")):
+        return False
+    if impl is not None and optimizer in TORCHAO_OPTIMIZERS:  # one implementation (a compiled step)
         return False
     return impl is None or optimizer not in BNB_OPTIMIZERS or optimizer in ("adamw-8bit", "paged-adamw-8bit",
                                                                             "paged-adamw")
@@ -217,6 +223,8 @@ def raw_setups(draw):
         why.append("optimizer in backward with accumulation")
     if o["sequence_parallel"] and o["tp"] == 1:
         why.append("sequence parallel without TP")
+    if o["optimizer"] in TORCHAO_OPTIMIZERS and o["zero"]:
+        why.append("torchao's low-bit optimizer under DeepSpeed ZeRO")
     if o["lora_targets"] and not o["lora_rank"]:
         why.append("LoRA targets without a rank")
     if m.num_heads % o["tp"]:
@@ -323,6 +331,8 @@ def same_side_of_window(m, seq: int) -> int:
 def test_higher_zero_stage_never_raises_model_states(case):
     name, m, o = case
     o = dict(o, distributed_optimizer=False)  # DeepSpeed's stages; Megatron's optimizer does not take them
+    if o["optimizer"] in TORCHAO_OPTIMIZERS:
+        o["optimizer"] = "adamw-8bit"  # torchao's optimizer is not modelled under ZeRO (refused)
     if o["recompute"] == "op":
         o["recompute"] = "full"  # refused with ZeRO-3; model states do not depend on it
     by_stage = {z: stage_states(m, TrainingSpec(**dict(o, zero=z))) for z in range(4)}

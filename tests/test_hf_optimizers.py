@@ -24,6 +24,7 @@ pytest.importorskip("transformers")
 import trainmem  # noqa: E402
 from trainmem.errors import TrainmemError  # noqa: E402
 from trainmem.estimate.quantities import step_temporaries  # noqa: E402
+from trainmem.estimate.torchao_optim import TORCHAO_CLASSES  # noqa: E402
 from trainmem.estimate.states import BNB_LAYOUTS, bnb_qmap_bytes, model_states, state_bytes  # noqa: E402
 from trainmem.measure import LiveBytes  # noqa: E402
 from trainmem.spec import TrainingSpec, resolve_model  # noqa: E402
@@ -59,7 +60,7 @@ def test_every_hf_optim_name_is_read_or_refused(name):
         TrainingSpec(optimizer=name)  # the spec refuses it too, with the same line
 
 
-@pytest.mark.parametrize("name", ["galore_adamw", "lomo", "adamw_torch_xla", "adamw_torch_8bit", "adamw_hf"])
+@pytest.mark.parametrize("name", ["galore_adamw", "lomo", "adamw_torch_xla", "grokadamw", "adamw_hf"])
 def test_refused_names_are_one_cli_line(capsys, name):
     line = assert_one_error_line(*run_cli(capsys, "estimate", "gpt2", "--optimizer", name))
     assert name in line
@@ -81,7 +82,7 @@ class _Stub:
 
 @pytest.fixture
 def hf_handlers(monkeypatch):
-    """transformers' optimizer handlers with bitsandbytes and schedule_free stood in for (their
+    """transformers' optimizer handlers with bitsandbytes, schedule_free and torchao stood in for (their
     handlers import the classes only)."""
     import transformers.trainer_optimizer as tro
     bnb = types.ModuleType("bitsandbytes")
@@ -94,6 +95,16 @@ def hf_handlers(monkeypatch):
     monkeypatch.setitem(sys.modules, "bitsandbytes", bnb)
     monkeypatch.setitem(sys.modules, "bitsandbytes.optim", bnb.optim)
     monkeypatch.setitem(sys.modules, "schedulefree", sf)
+    ao = types.ModuleType("torchao")
+    ao.optim = types.ModuleType("torchao.optim")
+    for cls in ("AdamW8bit", "AdamW4bit"):
+        setattr(ao.optim, cls, _Stub(cls))
+    monkeypatch.setitem(sys.modules, "torchao", ao)
+    monkeypatch.setitem(sys.modules, "torchao.optim", ao.optim)
+    monkeypatch.setattr(tro, "is_torchao_available", lambda *a: True)
+    real_version = tro.importlib.metadata.version
+    monkeypatch.setattr(tro.importlib.metadata, "version",
+                        lambda name: "0.18.0" if name == "torchao" else real_version(name))
     monkeypatch.setattr(tro, "is_bitsandbytes_available", lambda: True)
     monkeypatch.setattr(tro, "is_schedulefree_available", lambda *a: True)
     from transformers.trainer import Trainer
@@ -123,6 +134,10 @@ def test_names_build_what_the_hf_trainer_builds(hf_handlers, name):
         assert kw["optim_bits"] == bits
         assert kw.get("is_paged", False) == paged
         assert len(mults) == (1 if cls.name in ("Lion", "RMSprop") else 2)
+    elif ours in TORCHAO_CLASSES:
+        assert cls.name == TORCHAO_CLASSES[ours]
+        t = TrainingSpec(**framework_names({"optimizer": name}))
+        assert kw["block_size"] == t.torchao_block == 256
     elif ours.startswith("schedule-free"):
         expect = {"adamw": "AdamWScheduleFree", "sgd": "SGDScheduleFree", "radam": "RAdamScheduleFree"}
         assert cls.name == expect[ours.removeprefix("schedule-free-")]

@@ -39,6 +39,11 @@ CASES = [
     ({"optimizer": "paged-adamw-8bit"}, CHANGED, ""), ({"optimizer": "paged-adamw"}, "same", "every tensor of this tiny model is under bitsandbytes' 1e5-element "
                                       "paging threshold: fp32 device states, as AdamW (tests/test_trace_bnb.py pages)"),
     ({"optimizer": "lion", "optimizer_impl": "fused"}, REFUSED, "--optimizer-impl fused"),
+    # torchao's low-bit AdamW (trainmem.lowbit; tests/test_torchao_optim.py), its block size (vs 4-bit's default 128)
+    ({"optimizer": "adamw-torchao-8bit"}, CHANGED, ""), ({"optimizer": "adamw-torchao-4bit"}, CHANGED, ""),
+    ({"optimizer": "adamw-torchao-fp8"}, CHANGED, ""),
+    ({"optimizer": "adamw-torchao-4bit", "torchao_block_size": 256}, CHANGED, ""),
+    ({"torchao_offload": "optimizer"}, REFUSED, "CPUOffloadOptimizer"),
     ({"optimizer": "adamw-8bit", "fsdp": "full", "dp": 2}, REFUSED, "--optimizer adamw-8bit with --fsdp"),
     ({"optimizer_impl": "fused"}, CHANGED, ""),
     ({"optimizer_impl": "foreach"}, "same", "foreach is PyTorch's CUDA default, which the baseline runs"),
@@ -226,7 +231,7 @@ REFERENCE = {"fsdp_version": {"fsdp": "full", "dp": 2},
              "reentrant": {"recompute": "full", "lora_rank": 8},
              "pp": {"grad_accum": 2}, "num_microbatches_in_flight": {"pp": 2, "grad_accum": 2},
              "pp_schedule": {"pp": 2, "grad_accum": 2}, "cast_output": {"loss": "half"},
-             "rms_norm": {"precision": "bf16"},
+             "rms_norm": {"precision": "bf16"}, "torchao_block_size": {"optimizer": "adamw-torchao-4bit"},
              "pp_stage": {"pp": 2, "grad_accum": 2},
              "pp_first_stage_less_layers": {"pp": 2, "grad_accum": 2},
              # (where DeepSpeed is installed: its engine options vs their stage alone)

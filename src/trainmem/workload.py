@@ -27,7 +27,7 @@ from .errors import TrainmemError
 from .spec import ModelSpec, TrainingSpec
 from .spec.tf_releases import installed_version, same_release
 from .spec.frameworks import caps_hidden_not_logits, torchtune_norm_saves_fp32
-from .spec.training import BNB_OPTIMIZERS, padded_lengths
+from .spec.training import BNB_OPTIMIZERS, TORCHAO_OPTIMIZERS, padded_lengths
 
 DROPOUT_KEYS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "resid_pdrop", "embd_pdrop", "attn_pdrop",
                 "summary_first_dropout", "attention_dropout", "hidden_dropout", "classifier_dropout",
@@ -68,6 +68,9 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
         raise TrainmemError(f"--quantize {t.quantize} under --framework torchtune is torchao's NF4Tensor, which "
                             f"{what} does not run (it emulates bitsandbytes' 4-bit linears only); use estimate")
     _check_release(t, what)
+    if t.torchao_offload:
+        raise TrainmemError(f"--torchao-offload {t.torchao_offload}: {what} does not run torchao's CPUOffloadOptimizer "
+                            "(pinned host copies, its side CUDA stream and the host step); use estimate")
     bad = [f"--{key} {getattr(t, key)}" for key in ("pp", "cp", "ep")
            if getattr(t, key) != 1 and not (key in ("pp", "cp") and what == "trace")]
     if t.zero_stage and t.fsdp is None and what != "trace":  # trace runs DeepSpeed's engine (trace.deepspeed_engine)
@@ -157,6 +160,10 @@ def _check_external_optimizer(t: TrainingSpec, what: str) -> None:
     if t.optimizer_impl is not None and pkg != "schedulefree":
         raise TrainmemError(f"--optimizer-impl {t.optimizer_impl}: {pkg}'s "
                             f"--optimizer {t.optimizer} has one implementation; drop --optimizer-impl")
+    if what == "trace" and (t.fsdp is not None or t.tp > 1) and pkg == "torchao":
+        raise TrainmemError(f"--optimizer {t.optimizer} with --fsdp or --tp: trace emulates torchao's optimizer on "
+                            "whole parameters, not the DTensor shards whose local size decides its quantization; "
+                            "use estimate")
     if what == "trace" and (t.fsdp is not None or t.tp > 1) and EXTERNAL_OPTIMIZERS[t.optimizer] == "bitsandbytes":
         # its kernels take plain CUDA tensors: DTensor shards (FSDP2's, tensor parallelism's) and
         # FSDP1's 1-D views of flat shards are not what bitsandbytes' optimizer allocates for, so
@@ -275,9 +282,10 @@ def attention_implementation(spec: ModelSpec, t: TrainingSpec) -> tuple[str, str
 #: bitsandbytes' and lion-pytorch's (``trainmem.bnb``) and schedule_free's own classes, measure the package
 EXTERNAL_OPTIMIZERS = {**dict.fromkeys(BNB_OPTIMIZERS, "bitsandbytes"), "lion": "lion_pytorch",
                        "schedule-free-adamw": "schedulefree", "schedule-free-sgd": "schedulefree",
-                       "schedule-free-radam": "schedulefree"}
-#: the packages whose optimizers trace emulates (``trainmem.bnb``); the others trace runs for real
-EMULATED_PACKAGES = ("bitsandbytes", "lion_pytorch")
+                       "schedule-free-radam": "schedulefree", **dict.fromkeys(TORCHAO_OPTIMIZERS, "torchao")}
+#: the packages whose optimizers trace emulates (``trainmem.bnb``, ``trainmem.lowbit``); the others trace
+#: runs for real
+EMULATED_PACKAGES = ("bitsandbytes", "lion_pytorch", "torchao")
 #: schedule_free's classes (schedulefree 1.4: ``schedulefree/__init__.py``)
 SCHEDULE_FREE = {"schedule-free-adamw": "AdamWScheduleFree", "schedule-free-sgd": "SGDScheduleFree",
                  "schedule-free-radam": "RAdamScheduleFree"}
@@ -296,6 +304,17 @@ def optimizer_class(t: TrainingSpec, lr: float = 1e-4, emulate: bool = True) -> 
         # schedule_free's own foreach switch (default on: ``foreach=hasattr(torch, "_foreach_mul_")``)
         import schedulefree
         return getattr(schedulefree, SCHEDULE_FREE[t.optimizer]), {**kw, "foreach": impl != "for-loop"}
+    if t.optimizer in TORCHAO_OPTIMIZERS:
+        from .estimate.torchao_optim import TORCHAO_CLASSES
+        if emulate:
+            from . import lowbit
+            cls, extra = lowbit.optimizer_class(t.optimizer, t.torchao_block)
+            return cls, {**kw, **extra}
+        try:  # torchao.optim from 0.10, torchao.prototype.low_bit_optim before (removed in 0.12)
+            import torchao.optim as ao_optim
+        except ImportError:
+            import torchao.prototype.low_bit_optim as ao_optim  # type: ignore[no-redef]
+        return getattr(ao_optim, TORCHAO_CLASSES[t.optimizer]), {**kw, "block_size": t.torchao_block}
     if t.optimizer in EXTERNAL_OPTIMIZERS:
         if emulate:
             from . import bnb

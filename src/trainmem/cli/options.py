@@ -10,7 +10,7 @@ from ..spec.preference import REF_MODELS, TRAINERS
 from ..spec.tasks import TASKS
 from ..spec.training import (ATTENTION, ATTENTION_CALLS, FSDP_GATHERED, FSDP_LORA_UNITS, FSDP_MODES,
                              FSDP_WRAP_POLICIES, GRAD_SYNC,
-                             RMS_NORMS, HOLD_OUTPUT, OPTIMIZER_ALIASES, OPTIMIZER_IMPLS, OPTIMIZERS, OPTIMIZERS_REFUSED, PP_SCHEDULES, PP_STAGES,
+                             RMS_NORMS, HOLD_OUTPUT, OPTIMIZER_ALIASES, OPTIMIZER_IMPLS, OPTIMIZERS, OPTIMIZERS_REFUSED, PP_SCHEDULES, PP_STAGES, TORCHAO_OFFLOAD,
                              PRECISION_ALIASES, PRECISIONS, RECOMPUTE, ZERO_GRAD, LOSSES, LOSS_SHIFTS, MASTER_WEIGHTS,
                              TRANSFORMER_IMPLS)
 
@@ -98,8 +98,8 @@ def add_precision_optimizer(g: Any) -> None:
                    default=None, metavar="{" + ",".join(OPTIMIZERS) + "}",
                    help="(default adamw); the HF Trainer's optim names are read too (adamw_torch, adamw_torch_fused "
                         "= adamw fused, adamw_bnb_8bit, paged_adamw_32bit, lion_8bit, rmsprop_bnb, ademamix_8bit, "
-                        "schedule_free_adamw, ...: README.md lists them); GaLore, APOLLO, LOMO, torchao and XLA/NPU "
-                        "ones are refused")
+                        "schedule_free_adamw, adamw_torch_8bit = adamw-torchao-8bit, ...: README.md lists them); "
+                        "GaLore, APOLLO, LOMO and XLA/NPU ones are refused")
 
 
 def _add_pipeline(g: Any) -> None:
@@ -152,6 +152,9 @@ def add_training(g: Any) -> None:
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None, help="ZeRO stage over the DP group")
     g.add_argument("--fsdp", choices=FSDP_MODES, default=None)
     g.add_argument("--offload-optimizer", action="store_true", help="ZeRO-Offload: optimizer states in CPU memory")
+    g.add_argument("--torchao-offload", choices=TORCHAO_OFFLOAD, default=None,
+                   help="torchao's CPUOffloadOptimizer around --optimizer (single GPU): optimizer = states and step "
+                        "of tensors of >= 4096 elements on the host; gradients = also offload_gradients=True")
     add_deepspeed(g)
     add_gemini(g)
     g.add_argument("--distributed-optimizer", action="store_true",
@@ -463,7 +466,8 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
     ``default_seq_len``)."""
     opts = dict(batch_size=a.batch_size, seq_len=a.seq_len, grad_accum=a.grad_accum, precision=a.precision,
                 optimizer=a.optimizer, optimizer_impl=a.optimizer_impl, zero=a.zero, fsdp=a.fsdp,
-                offload_optimizer=a.offload_optimizer, distributed_optimizer=a.distributed_optimizer,
+                offload_optimizer=a.offload_optimizer, torchao_offload=a.torchao_offload,
+                distributed_optimizer=a.distributed_optimizer,
                 dp=a.dp, tp=a.tp, pp=a.pp, pp_schedule=a.pp_schedule, pp_stage=a.pp_stage,
                 pp_virtual_stages=a.pp_virtual_stages, pp_first_stage_less_layers=a.pp_first_stage_less_layers,
                 pp_last_stage_less_layers=a.pp_last_stage_less_layers, cp=a.cp, ep=a.ep, moe_imbalance=a.moe_imbalance,

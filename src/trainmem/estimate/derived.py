@@ -573,7 +573,7 @@ def grad_views(m: ModelSpec, t: TrainingSpec) -> tuple[float, float, float]:
     as one GPU holds them; 0 where the gradients do not stay the autograd ones: FSDP and ZeRO
     reduce them into flat buffers, a pipeline stage holds part of the model, the optimizer in
     backward frees each as it is made; and for coefficients derived before it was measured."""
-    if t.fsdp is not None or t.zero > 0 or t.pp > 1 or t.optimizer_in_backward:
+    if t.fsdp is not None or t.zero > 0 or t.pp > 1 or t.grads_freed_in_backward:
         return 0.0, 0.0, 0.0
     tok, pos, const = coefficients(m, t).get("grad_views", (0.0, 0.0, 0.0))
     return tok, pos, const

@@ -50,7 +50,7 @@ class StepFlags:
 
     @staticmethod
     def of(m: ModelSpec, t: TrainingSpec) -> "StepFlags":
-        return StepFlags(t.optimizer_in_backward, t.hold_output, t.distributed_optimizer or t.megatron_ddp, is_lm(m),
+        return StepFlags(t.grads_freed_in_backward, t.hold_output, t.distributed_optimizer or t.megatron_ddp, is_lm(m),
                          t.zero_grad == "zeros", bool(t.quantize), t.fsdp is not None and t.shard_group > 1,
                          m.family == "derived" and m.is_encoder_decoder,
                          t.fsdp is not None and t.shard_group > 1 and t.fsdp_version == 1, states_at_init(t))

@@ -25,8 +25,9 @@ from ..spec.frameworks import OWN_MODEL_CODE, caps_hidden_not_logits, torchtune_
 from ..spec.model import ModelSpec
 from ..spec.tf_releases import (cache_values_own_dtype, causal_lm_loss, checkpoint_wraps_unit, code_release,
                                 eager_clamp, kv_cache_kind, moe_expert_loop, rotary_keys_half, sdpa_repeats_kv)
-from ..spec.training import (BNB_OPTIMIZERS, CHUNKED_NLL_TOKENS, RECOMPUTE, TrainingSpec, chunked_nll_problem,
-                             config_use_cache)
+from ..spec.training import (BNB_OPTIMIZERS, CHUNKED_NLL_TOKENS, RECOMPUTE, TORCHAO_OPTIMIZERS, TrainingSpec,
+                             chunked_nll_problem, config_use_cache)
+from . import torchao_optim
 from .cache import BoundedCache
 from .elementwise import NEVER
 from .derived import adapters_computed_half, batch1 as derived_batch1, point_at, regime as derived_regime
@@ -1353,6 +1354,10 @@ def step_temporaries(t: TrainingSpec, st: States) -> int:
         return deepspeed_step_grad(t, st) + (foreach_groups(t) * flat if k is None else k * flat)
     if t.optimizer == "adafactor" and not t.offload_optimizer:
         return _adafactor_temporaries(t, st, k)
+    if t.torchao_block:
+        # torchao's low-bit AdamW: one compiled graph per tensor, its buffers freed when it returns
+        # (estimate.torchao_optim.step_events; the largest tensor's set the peak)
+        return st.torchao_step
     if k is None:
         return foreach_groups(t) * st.foreach_group
     if k and step_lingers(t) and st.trainables:
@@ -1368,7 +1373,7 @@ LINGERING_LOOPS = ("adam", "adamw", "adagrad", "rmsprop", "schedule-free-adamw",
 def step_lingers(t: TrainingSpec) -> bool:
     """Whether the step is such a loop over whole tensors (``LINGERING_LOOPS``, for-loop, one
     optimizer for every parameter, the states not sharded)."""
-    return (t.optimizer in LINGERING_LOOPS and t.impl == "for-loop" and not t.optimizer_in_backward
+    return (t.optimizer in LINGERING_LOOPS and t.impl == "for-loop" and not t.grads_freed_in_backward
             and not t.offload_optimizer and t.zero_stage == 0 and t.fsdp is None and t.gemini is None)
 
 
@@ -1852,7 +1857,7 @@ def step_copies(t: TrainingSpec) -> int | None:
     makes one per tensor for the whole group at once; 0: none), as ``step_temporaries`` counts them."""
     if t.optimizer == "adafactor" and not t.offload_optimizer:
         return 2 if (t.weight_bytes == 4 or t.fp32_master) else 4
-    return _copies_per_tensor(t, t.optimizer_in_backward)
+    return _copies_per_tensor(t, t.grads_freed_in_backward)
 
 
 def _adafactor_temporaries(t: TrainingSpec, st: States, copies: int) -> int:
@@ -1876,7 +1881,12 @@ def _copies_per_tensor(t: TrainingSpec, per_parameter: bool) -> int | None:
     ``torch/optim/sgd.py`` ``_multi_tensor_sgd`` L403-472; the for-loop ``_single_tensor_sgd`` alike).
     Found by trace: Mistral (2 layers) fp16-amp SGD momentum: +6.4% before (a gradient-sized
     temporary charged at the step)."""
-    if t.optimizer in ("sgd", "sgd-momentum", "schedule-free-sgd") + BNB_OPTIMIZERS or t.offload_optimizer:
+    if t.optimizer in ("sgd", "sgd-momentum", "schedule-free-sgd") + BNB_OPTIMIZERS + TORCHAO_OPTIMIZERS \
+            or t.offload_optimizer or t.torchao_offload:
+        # torchao's CPUOffloadOptimizer steps the tensors of >= 4096 elements on the host and copies them
+        # back in place (``p_device.copy_(p_host, non_blocking=True)``, cpu_offload.py L131-135); the
+        # smaller ones' on-device optimizer is fused AdamW by default (none) and small
+        # torchao's compiled step makes buffers, not state-sized copies: ``torchao_optim.step_events``
         # bitsandbytes' step is one in-place CUDA kernel per tensor (``optimizer_update_8bit_blockwise``
         # / ``optimizer_update_32bit`` write state1/2, absmax and the parameter in place); schedule-free
         # SGD's is ``lerp_``/``add_``/``sub_`` on y, z and the gradient (``sgd_schedulefree.py`` L155-186)
@@ -1922,7 +1932,9 @@ def oib_update_bytes(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, in
 
     def one(n: int) -> int:
         n = -(-n // d)
-        return block_of(t, n * gb) + k * block_of(t, n * sb)
+        ao = torchao_optim.step_peak(t.optimizer, n, t.torchao_block, lambda x: block_of(t, x)) \
+            if t.torchao_block else 0  # torchao: the tensor's compiled-step buffers
+        return block_of(t, n * gb) + k * block_of(t, n * sb) + ao
     return one(n_mid), one(n_all)
 
 
@@ -2066,7 +2078,7 @@ def emb_accumulated(m: ModelSpec, t: TrainingSpec, stage: str) -> int:
     table under DTensor's tensor parallelism (``states._replicated_grad``). Found by trace:
     llama-3.2-1b cut to 4 layers, --pp 2 --dp 2 --tp 2 --sequence-parallel --fsdp full, bf16-mp, first
     stage -2.5% before (the embedding's backward of the second micro-batch)."""
-    if not (t.pp == 1 or stage == "first") or t.lora_rank or t.optimizer_in_backward or tied_head_grad(m, t):
+    if not (t.pp == 1 or stage == "first") or t.lora_rank or t.grads_freed_in_backward or tied_head_grad(m, t):
         return 0
     if t.fsdp is not None and t.fsdp_version == 2 and t.accumulates_unsharded and t.shard_group > 1:
         return _embedding_block(m, 1 if dtensor_tp(t) else t.tp, 2 if t.precision == "bf16-mp" else t.weight_bytes,
@@ -2234,7 +2246,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     lc = litgpt_terms(m, t, pol, _stage_layer(m, t, pol, stage))
     lo, hi = t.stage_span(m.num_layers, stage)  # the stage's (torchtitan's weighted split: uneven)
     layers = (hi - lo) // t.virtual_stages  # one stage's (interleaved: a rank holds several)
-    oib = t.optimizer_in_backward
+    oib = t.grads_freed_in_backward
     input_tok = m.hidden_size * pol.stream / (t.tp if t.sequence_parallel else 1)  # a layer's input (b, s, h)
     checkpointed = layers // t.recompute_every if t.recompute in ("full", "op") else 0
     kept, redo, top_recomputed = _kept_and_redone(t, lc, input_tok, checkpointed, layers)
@@ -2560,7 +2572,7 @@ def _grads_above(m: ModelSpec, t: TrainingSpec, st: States, layers: int) -> tupl
     layers' backward. The layers' own bytes where they differ (a derived encoder-decoder's decoder
     layers hold cross-attention, ``States.each_layer_grads``), else the average layer's."""
     lower = m.num_layers - m.decoder_layers if m.is_encoder_decoder and t.pp == 1 else 0
-    if t.optimizer_in_backward:
+    if t.grads_freed_in_backward:
         return lower, 0, 0
     each = st.each_layer_grads if (m.family == "derived" and lower and len(st.each_layer_grads) == layers) else ()
     if each:  # (the decoder's position tables' gradients are made before the encoder's backward)
@@ -2691,7 +2703,7 @@ def _interleaved_terms(m: ModelSpec, t: TrainingSpec, st: States, stage: str, pe
     outside = st.grads - per_stage * v
 
     def absent(stages: tuple[int, ...]) -> int:
-        if t.optimizer_in_backward:
+        if t.grads_freed_in_backward:
             return 0
         return sum(per_stage + (outside if (u == 0 and stage == "first") else 0) for u in stages)
     return {"pipe_units": first, "pipe_units_later": most[0], "pipe_fed": fed, "pipe_fed_later": most[1],

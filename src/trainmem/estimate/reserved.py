@@ -95,6 +95,7 @@ class _Step:
     step: int = 0                                # the step being replayed (1 or 2)
     handle_ws: int = 0                           # one cuBLAS handle's workspace (Hardware.handle_workspace)
     workspaces: list = field(default_factory=list)  # the forward thread's, then autograd's (kept)
+    ao_events: tuple = ()                        # torchao: each trainable's compiled-step buffers (States)
 
     def workspace(self, R: "_Replay", thread: int) -> None:
         """The cuBLAS workspace of the forward (0) or the autograd (1) thread, at its first matmul
@@ -135,7 +136,7 @@ def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, 
         R.allocs(m for (_w, k, _g, _s, m) in st.trainables for _ in range(k) if m)
     if q.ds_bucket and not q.ds_backward_buf:                         # DeepSpeed ZeRO-3's bucket, from engine start
         R.alloc(q.ds_bucket)
-    s = _Step(handle_ws=handle_ws)
+    s = _Step(handle_ws=handle_ws, ao_events=st.torchao_events)
     if flags.states_at_init and st.optimizer:                          # torch Adagrad: states from its constructor
         s.states = _allocate_states(R, st)
     R.mark("model_loaded", 0)
@@ -1193,6 +1194,8 @@ def _grad_of(R: _Replay, s: _Step, trainables: tuple, j: int, oib: bool = False,
     s.made[j] = copy + 1
     s.grads[(j, copy)] = R.alloc(g, stream)
     if oib:
+        if s.ao_events:  # torchao's compiled step in the hook, beside the gradient (``_torchao_graph``)
+            _torchao_graph(R, s.ao_events[j])
         R.free(s.grads[(j, copy)])
         s.grads[(j, copy)] = None
 
@@ -1213,6 +1216,19 @@ def _allocate_states(R: _Replay, st: Any) -> list:
     """The optimizer states of every trainable tensor, in parameter order."""
     return [R.alloc(x) for (_w, _k, _g, sts, _m) in (st.trainables[j] for j in _parameter_order(st.trainables))
             for x in sts]
+
+
+def _torchao_graph(R: _Replay, events: tuple) -> None:
+    """One tensor's ``single_param_adam`` graph (``torchao_optim.step_events``): its buffers allocated
+    and freed in inductor's order, the rest freed when it returns."""
+    live: list = []
+    for e in events:
+        if e > 0:
+            live.append((e, R.alloc(e)))
+        else:
+            k = next(i for i, (size, _h) in enumerate(live) if size == -e)
+            R.free(live.pop(k)[1])
+    R.frees([h for _size, h in live])
 
 
 def _optimizer_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, step: int,
@@ -1250,6 +1266,9 @@ def _optimizer_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, step:
         per = _scaled(sizes, q.step_temp * sum(sizes) // (temp_copies * max(sizes)))
         for x in per:
             R.frees(R.allocs([x] * temp_copies))
+    if st.torchao_events and not flags.oib:                      # torchao: one compiled graph per tensor, in order
+        for j in _parameter_order(st.trainables):
+            _torchao_graph(R, st.torchao_events[j])
     R.mark("optimizer_step", step)
     if flags.oib or not (flags.zeros or flags.grads_persistent or q.grads_loaded):  # zero_grad(set_to_none=True)
         R.frees(list(s.grads.values()))

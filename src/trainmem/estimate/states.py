@@ -13,11 +13,12 @@ from typing import Any
 
 from ..spec.model import ModelSpec, ParamTensor
 from ..spec.tf_releases import layer_rotary_cache
-from ..spec.training import TrainingSpec
+from ..spec.training import TORCHAO_OFFLOAD_MIN, TrainingSpec
 
 from ..allocator_rules import block_bytes, placed_bytes
 from .cache import BoundedCache
 from .fsdp_wrap import wrap_policy_states
+from . import torchao_optim
 from .gemini import model_gemini
 from .quant4 import builds_on_device, is_quantized, torchtune_v01_build, weight_storage
 
@@ -100,6 +101,10 @@ class States:
     # autocast's half copies of the matmul weights before the layers (an image model's patch
     # embedding), saved until the embeddings' backward
     embed_matmul_half: int = 0
+    # torchao's low-bit AdamW: the compiled step's buffers of the tensor whose step makes the most
+    # (``torchao_optim.step_peak``; one tensor at a time, so the largest sets it)
+    torchao_step: int = 0
+    torchao_events: tuple = ()  # ... each of ``trainables``' own step buffers, in order (reserved replay)
 
 
     # the model's build on the device, replayed instead of ``load`` where it leaves transients' segments
@@ -342,7 +347,8 @@ def state_bytes(optimizer: str, shape: tuple[int, ...], numel: int, sbytes: int,
     The bitsandbytes optimizers: ``bnb_state_bytes``. ``numel`` is this rank's shard; ``whole`` the
     unsharded tensor, which decides the 8-bit threshold: ZeRO and FSDP hand the optimizer flat
     partitions of many tensors, never a small slice of one. The shared 256-entry quantization maps,
-    one set per optimizer, are ``bnb_qmap_bytes``.
+    one set per optimizer, are ``bnb_qmap_bytes``. torchao's low-bit AdamW: ``torchao_optim.state_tensors``
+    (``blocksize``: its block size), each state's map its own tensor.
     """
     if optimizer in ("adam", "adamw", "schedule-free-adamw", "schedule-free-radam"):
         return (numel * sbytes, numel * sbytes)
@@ -357,6 +363,9 @@ def state_bytes(optimizer: str, shape: tuple[int, ...], numel: int, sbytes: int,
         return (numel * 4,)
     if optimizer in BNB_LAYOUTS:
         return bnb_state_bytes(optimizer, numel, numel if whole is None else whole, blocksize)
+    if optimizer in torchao_optim.TORCHAO_LAYOUTS:
+        # the quantization test reads the tensor the optimizer holds (FSDP2: the local shard, adam.py L78-80)
+        return torchao_optim.state_tensors(optimizer, numel, sbytes, blocksize)
     raise ValueError(optimizer)
 
 
@@ -469,7 +478,7 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
            t.fsdp_mixed_units, t.fsdp_version, t.fused_qkv, t.split_gate_up, t.layer_rope_cache, t.rope_cache, t.expandable_segments,
            layer_rotary_cache(m, t.transformers_release),
            t.gemini, t.gemini_chunk_size, t.ds_params_on_host, t.ds_fp32_clone, t.half_embeddings,
-           t.fsdp_auto_wrap_policy, t.fsdp_min_num_params)
+           t.fsdp_auto_wrap_policy, t.fsdp_min_num_params, t.torchao_block, t.torchao_offload)
     return _STATES_CACHE.get_or_build(key, lambda: _model_states(m, t, stage))
 
 
@@ -581,6 +590,8 @@ class _Tally:
     emh: int = 0             # ... of the matmuls before the layers (an image model's patch embedding)
     largest: int = 0
     largest_n: int = 0       # elements of the largest trainable tensor (bitsandbytes' 8-bit threshold)
+    ao_step: int = 0         # torchao's low-bit AdamW: the largest one tensor's compiled-step buffers (bytes)
+    ao_events: list = field(default_factory=list)  # ... each item's ``torchao_optim.step_events``
     items: list = field(default_factory=list)  # States.trainables, as they are counted
     item_elems: list = field(default_factory=list)  # ... each one's unsharded elements
     root_list: list = field(default_factory=list)   # States.root_tensors
@@ -642,11 +653,18 @@ class _Tally:
         master = r.block(sh * 4) if (r.half_master or r.zero_clone) else 0  # (sh,) fp32 partition
         self.master += k * master
         sts = tuple(r.block(sb) for sb in state_bytes(t.optimizer, shape, sh, r.sbytes, whole=n,
-                                                          blocksize=t.bnb_blocksize))
+                                                          blocksize=t.torchao_block or t.bnb_blocksize))
+        host = t.torchao_offload is not None and n >= TORCHAO_OFFLOAD_MIN
+        if host:  # CPUOffloadOptimizer: this tensor's optimizer and its states live on the host (cpu_offload.py L88-107)
+            sts = ()
+        events = torchao_optim.step_events(t.optimizer, sh, t.torchao_block) if t.torchao_block and not host else ()
+        if events:  # torchao: the compiled step's buffers (torchao_optim.step_events)
+            self.ao_step = max(self.ao_step, torchao_optim.step_peak(t.optimizer, sh, t.torchao_block, r.block))
+        self.ao_events.append(events)  # aligned with ``items``: the reserved replay's step
         self.opt += k * sum(sts)
         self.items.append((where, k, g, sts, master))
         self.item_elems.append(n)
-        if t.impl == "fused" and t.optimizer in ("adam", "adamw", "adagrad"):
+        if t.impl == "fused" and t.optimizer in ("adam", "adamw", "adagrad") and not host:
             self.step_t += k * r.block(4)  # fused: the scalar fp32 ``step`` on the device (adagrad.py L82-88)
         self.largest = max(self.largest, n * r.sbytes)
         self.largest_n = max(self.largest_n, n)
@@ -702,7 +720,8 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
                   emb_unit_last=acc.emb_last if root_rs else 0,
                   between_grads=acc.between, root_views=acc.root_views, build=build, build_temp=build_temp,
                   root_flat=r.block(acc.root_flat_bytes) if acc.root_flat_bytes else 0,
-                  embed_matmul_half=acc.emh, root_flat_elems=acc.root_flat_bytes // r.gather)
+                  embed_matmul_half=acc.emh, root_flat_elems=acc.root_flat_bytes // r.gather,
+                  torchao_step=acc.ao_step, torchao_events=tuple(acc.ao_events) if acc.ao_step else ())
     return wrap_policy_states(m, t, st, r, acc, litgpt_tensors(m.first_layer_and_outer_tensors, t))
 
 

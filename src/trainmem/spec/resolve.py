@@ -50,7 +50,7 @@ from .deepspeed import zero_options
 from .releases import parse_torch_version, torch_defaults
 from .tf_releases import default_attention, model_key, parse_transformers_version
 from .training import (OPTIMIZER_ALIASES, PRECISION_ALIASES, optimizer_refusal, TrainingSpec, check_against, deepspeed_problems, default_seq_len,
-                       image_sizes)
+                       image_sizes, HF_TORCHAO_BLOCK, TORCHAO_OPTIMIZERS)
 
 TRAINING_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainingSpec) if f.name != "extra")
 HARDWARE_OPTIONS = frozenset({"gpu", "gpu_memory", "context_memory", "hardware", "calibration"})
@@ -117,6 +117,8 @@ def framework_names(given: dict[str, Any]) -> dict[str, Any]:
             tv = out.get("torch_version")
             out["optimizer_impl"] = "for-loop" if tv is not None and parse_torch_version(str(tv)) < (2, 0) \
                 else "foreach"
+        if name in TORCHAO_OPTIMIZERS and out.get("torchao_block_size") is None:
+            out["torchao_block_size"] = HF_TORCHAO_BLOCK  # the HF Trainer's block_size (256, AdamW4bit too)
         if impl is not None:
             if out.get("optimizer_impl") not in (None, impl):
                 raise TrainmemError(f"--optimizer {o} runs the {impl} implementation, but --optimizer-impl is "

@@ -24,11 +24,15 @@ PRECISIONS = ("fp32", "fp16-amp", "bf16-amp", "bf16", "fp16", "bf16-mp")
 #: PagedAdEMAMix8bit, PagedAdEMAMix): states in CUDA unified memory. adagrad, rmsprop: torch.optim's (RMSprop
 #: at its defaults: no momentum, not centered); lion: lion-pytorch's; lion-8bit/-32bit, rmsprop-8bit/-32bit,
 #: ademamix(-8bit): bitsandbytes' Lion, RMSprop and AdEMAMix; schedule-free-*: facebookresearch/schedule_free's
-#: AdamWScheduleFree, SGDScheduleFree, RAdamScheduleFree
+#: AdamWScheduleFree, SGDScheduleFree, RAdamScheduleFree; adamw-torchao-8bit/-4bit/-fp8: torchao's AdamW8bit,
+#: AdamW4bit and AdamWFp8 (``estimate.torchao_optim``)
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adamw-8bit", "lion", "paged-adamw-8bit",
               "paged-adamw", "adagrad", "rmsprop", "lion-8bit", "lion-32bit", "paged-lion-8bit", "paged-lion",
               "rmsprop-8bit", "rmsprop-32bit", "ademamix", "ademamix-8bit", "paged-ademamix",
-              "paged-ademamix-8bit", "schedule-free-adamw", "schedule-free-sgd", "schedule-free-radam")
+              "paged-ademamix-8bit", "schedule-free-adamw", "schedule-free-sgd", "schedule-free-radam",
+              "adamw-torchao-8bit", "adamw-torchao-4bit", "adamw-torchao-fp8")
+#: torchao's low-bit optimizers (``torchao.optim``; ``torchao.prototype.low_bit_optim`` before 0.10)
+TORCHAO_OPTIMIZERS = ("adamw-torchao-8bit", "adamw-torchao-4bit", "adamw-torchao-fp8")
 #: a framework's own precision names, as trainmem's (Lightning's ``precision=`` strings:
 #: ``_PRECISION_INPUT_STR`` in lightning 2.6.5 src/lightning/fabric/plugins/precision/precision.py; "-true" = the weights in that dtype, "-mixed" =
 #: fp32 weights under autocast). Lightning's legacy "bf16"/"16" (mixed) are not taken: trainmem's "bf16" is
@@ -42,7 +46,9 @@ PRECISION_ALIASES = {"32-true": "fp32", "16-mixed": "fp16-amp", "bf16-mixed": "b
 #: optimizer, except RMSprop, which is never paged; "adam" -> AdamW, "lion" -> Lion, "rmsprop" -> RMSprop, so
 #: ``rmsprop_bnb`` is the 32-bit one, "ademamix" -> AdEMAMix), L317-348 (``sgd``, ``adagrad``, ``rmsprop``:
 #: torch.optim's at their defaults unless ``optim_args`` changes them: trainmem's "sgd", "adagrad", "rmsprop"),
-#: L195-198 (``adafactor``: transformers' Adafactor) and L479-520 (the schedule-free names)
+#: L195-198 (``adafactor``: transformers' Adafactor), L479-520 (the schedule-free names) and L450-475
+#: (``adamw_torch_8bit``/``adamw_torch_4bit``: torchao's AdamW8bit/AdamW4bit, ``block_size`` 256 for both
+#: unless ``optim_args`` gives one: ``HF_TORCHAO_BLOCK``)
 OPTIMIZER_ALIASES = {"adamw_torch": ("adamw", None), "adamw_torch_fused": ("adamw", "fused"),
                      "adamw_bnb_8bit": ("adamw-8bit", None), "adamw_8bit": ("adamw-8bit", None),
                      "paged_adamw_8bit": ("paged-adamw-8bit", None), "paged_adamw_32bit": ("paged-adamw", None),
@@ -54,7 +60,12 @@ OPTIMIZER_ALIASES = {"adamw_torch": ("adamw", None), "adamw_torch_fused": ("adam
                      "paged_ademamix_8bit": ("paged-ademamix-8bit", None),
                      "schedule_free_adamw": ("schedule-free-adamw", None),
                      "schedule_free_sgd": ("schedule-free-sgd", None),
-                     "schedule_free_radam": ("schedule-free-radam", None)}
+                     "schedule_free_radam": ("schedule-free-radam", None),
+                     "adamw_torch_8bit": ("adamw-torchao-8bit", None),
+                     "adamw_torch_4bit": ("adamw-torchao-4bit", None)}
+#: the ``block_size`` the HF Trainer gives torchao's optimizers (trainer_optimizer.py L470-472:
+#: ``ctx.optim_args.get("block_size", 256)``, for AdamW4bit too, whose own default is 128)
+HF_TORCHAO_BLOCK = 256
 #: the HF Trainer's ``optim=`` names trainmem does not model, and why (``OPTIMIZER_ALIASES`` and the names in
 #: ``OPTIMIZERS`` are the others; tests/test_hf_optimizers.py enumerates the installed ``OptimizerNames``)
 _GALORE = ("GaLore projects each target matrix's gradient to rank r and keeps its Adam states in that "
@@ -66,9 +77,6 @@ _LAYERWISE = ("; its layerwise variant also steps one optimizer per parameter in
 _LOMO = ("fuses the update into backward through its own hooks on the model (lomo_optim), with no "
          "gradients kept; trainmem does not model it")
 _NOT_YET = "is not modelled yet: its states and its step's temporaries have no model in trainmem"
-#: torchao 0.18 ``torchao/optim/adam.py`` L134-156: ``torch.compile(single_param_adam, fullgraph=True)`` per parameter
-_TORCHAO = ("is not modelled: its step is a torch.compile'd function per parameter, whose temporaries are "
-            "Inductor's buffers")
 OPTIMIZERS_REFUSED = {
     "adamw_torch_xla": "torch_xla's syncfree AdamW runs on XLA devices (TPU), not a CUDA GPU",
     "adamw_torch_npu_fused": "torch_npu's NpuFusedAdamW runs on Ascend NPUs, not a CUDA GPU",
@@ -77,8 +85,6 @@ OPTIMIZERS_REFUSED = {
     "galore_adafactor_layerwise": _GALORE + _LAYERWISE,
     "apollo_adamw": _APOLLO, "apollo_adamw_layerwise": _APOLLO + _LAYERWISE,
     "lomo": "LOMO " + _LOMO, "adalomo": "AdaLomo " + _LOMO,
-    "adamw_torch_4bit": "torchao's AdamW4bit " + _TORCHAO,
-    "adamw_torch_8bit": "torchao's AdamW8bit " + _TORCHAO,
     "adamw_anyprecision": "torchdistx's AnyPrecisionAdamW " + _NOT_YET,
     "grokadamw": ("grokadamw's GrokAdamW keeps its three states in host memory and copies them to the GPU and "
                   "back for every parameter at every step (grokadamw 0.1.2 grokadamw.py L93-135), which trainmem "
@@ -99,6 +105,13 @@ def optimizer_refusal(name: Any) -> str | None:
         return None
     return f"--optimizer {name} (the HF Trainer's optim={key!r}): {OPTIMIZERS_REFUSED[key]}; estimate another optimizer"
 
+
+#: torchao's ``CPUOffloadOptimizer`` (torchao 0.18 ``torchao/optim/cpu_offload.py``; in
+#: ``torchao.prototype.low_bit_optim`` before 0.10) around the run's optimizer: optimizer = the states and
+#: the step of every tensor of at least ``minimal_size`` (4096) elements on the host; gradients = that and
+#: ``offload_gradients=True`` (each such gradient freed in its post-accumulate-grad hook once copied)
+TORCHAO_OFFLOAD = ("optimizer", "gradients")
+TORCHAO_OFFLOAD_MIN = 4096  # CPUOffloadOptimizer(minimal_size=4096): smaller tensors stay with an on-device optimizer
 
 #: the optimizers bitsandbytes implements (``bitsandbytes.optim``)
 BNB_OPTIMIZERS = ("adamw-8bit", "paged-adamw-8bit", "paged-adamw", "lion-8bit", "lion-32bit", "paged-lion-8bit",
@@ -309,7 +322,9 @@ class TrainingSpec:
     quantize_via: str = "transformers"  # QUANTIZE_VIA: which modules are quantized, the quant state's dtype
     bitsandbytes_version: str | None = None  # None: current (>= 0.43.2); older MatMul4Bit saves its input
     torchao_version: str | None = None  # --quantize-via torchao: None, a current release (>= 0.3); older
-    #                                     NF4Tensors keep a whole n_blocks bf16 factor storage (quant4.py)
+    #                                     NF4Tensors keep a whole n_blocks bf16 factor storage (quant4.py);
+    #                                     with a torchao optimizer: 0.7.0 or later (torchao_optim)
+    torchao_block_size: int | None = None  # torchao optimizers' block_size; None: the class default
     half_embeddings: bool = False  # QLoRA under autocast: the input embedding and the LM head in the half dtype,
     #                                the other non-4-bit weights fp32 (TRL 0.12-0.21's peft_module_casting_to_bf16)
     deepspeed_version: str | None = None  # None: current (>= 0.18.3); older ZeRO-1/2 make their buckets at
@@ -326,6 +341,7 @@ class TrainingSpec:
     #                            the next forward replaces it (``logits, loss = model(x, y)``)
     compile: bool = False  # torch.compile: inductor fuses the loss backward (one fp32 logits gradient)
     offload_optimizer: bool = False  # ZeRO-Offload: optimizer states (and fp32 master) in CPU memory
+    torchao_offload: str | None = None  # TORCHAO_OFFLOAD: torchao's CPUOffloadOptimizer around --optimizer
     dropout: bool = True  # apply the config's dropout (masks are stored when p > 0)
     num_microbatches_in_flight: int | None = None  # pipeline; None = the schedule's (1F1B: pp; GPipe: grad_accum)
     pp_schedule: str = "1f1b"  # PP_SCHEDULES: the pipeline schedule
@@ -422,6 +438,8 @@ class TrainingSpec:
         if self.optimizer_impl is not None:
             _choice("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS)
         self._check_optimizer_impl()
+        self._check_torchao_optimizer()
+        self._check_torchao_offload()
         for key, choices in (("recompute", RECOMPUTE), ("attention", ATTENTION), ("zero_grad", ZERO_GRAD),
                              ("hold_output", HOLD_OUTPUT), ("grad_sync", GRAD_SYNC), ("pp_schedule", PP_SCHEDULES),
                              ("pp_stage", PP_STAGES),
@@ -753,6 +771,76 @@ class TrainingSpec:
             raise TrainmemError(f"--optimizer {o}: bitsandbytes added AdEMAMix in 0.44.0 (bitsandbytes_version "
                                 f"is {self.bitsandbytes_version}); give 0.44.0 or later")
 
+    def _check_torchao_optimizer(self) -> None:
+        """torchao's low-bit AdamW (``estimate.torchao_optim``): one implementation (a compiled function
+        per parameter), ``torchao_block_size`` only with it, releases from 0.7.0 (the step measured), and
+        whole tensors or FSDP2's per-tensor shards: DeepSpeed's ZeRO, FSDP1, Megatron's distributed
+        optimizer and ColossalAI hand the optimizer flat partitions, and ZeRO-Offload steps on the host."""
+        o, bs = self.optimizer, self.torchao_block_size
+        if o not in TORCHAO_OPTIMIZERS:
+            if bs is not None:
+                raise TrainmemError("torchao_block_size describes torchao's low-bit optimizers: give --optimizer "
+                                    "adamw-torchao-8bit (-4bit, -fp8), or drop torchao_block_size")
+            return
+        if bs is not None and (not isinstance(bs, int) or isinstance(bs, bool) or bs <= 0):
+            raise TrainmemError(f"torchao_block_size must be a positive integer, got {bs!r}")
+        if self.optimizer_impl is not None:
+            raise TrainmemError(f"--optimizer-impl {self.optimizer_impl}: torchao's --optimizer {o} has one "
+                                "implementation (a torch.compile'd step per parameter); drop --optimizer-impl")
+        if self.torchao_version is not None and self.torchao_release() < (0, 7, 0):
+            raise TrainmemError(f"--optimizer {o} with torchao_version {self.torchao_version}: modelled from torchao "
+                                "0.7.0 (before it the step computed in the states' dtype and 8-bit blocks were "
+                                "2048 until 0.6.0); give 0.7.0 or later")
+        if self.zero or (self.fsdp is not None and self.fsdp_version == 1) or self.distributed_optimizer \
+                or self.gemini is not None or self.offload_optimizer:
+            raise TrainmemError(f"--optimizer {o}: torchao's optimizer is modelled on whole tensors or FSDP2's "
+                                "per-tensor shards, not DeepSpeed ZeRO / FSDP1 / distributed-optimizer flat "
+                                "partitions or ZeRO-Offload; use --fsdp (FSDP2) or another optimizer")
+
+    def _check_torchao_offload(self) -> None:
+        """torchao's ``CPUOffloadOptimizer``: "for single-GPU training" (its docstring; it asserts a CUDA or
+        XPU device and steps whole host copies of the parameters), around a torch.optim or torchao
+        optimizer (bitsandbytes' run CUDA kernels, not on the host copies); ``offload_gradients`` "not
+        compatible with gradient accumulation" (cpu_offload.py L32) and is its own fusion of the
+        gradient into backward, so not with ``optimizer_in_backward``."""
+        o = self.torchao_offload
+        if o is None:
+            return
+        _choice("torchao_offload", o, TORCHAO_OFFLOAD)
+        flag = f"--torchao-offload {o}"
+        bad = [f for f, on in (("--zero", self.zero), ("--fsdp", self.fsdp is not None), ("--dp", self.dp > 1),
+                               ("--tp", self.tp > 1), ("--pp", self.pp > 1), ("--cp", self.cp > 1),
+                               ("--offload-optimizer", self.offload_optimizer), ("--gemini", self.gemini is not None),
+                               ("--distributed-optimizer", self.distributed_optimizer),
+                               ("--optimizer-in-backward", self.optimizer_in_backward)) if on]
+        if bad:
+            raise TrainmemError(f"{flag} with {bad[0]}: torchao's CPUOffloadOptimizer is single-GPU training with "
+                                f"its own host step; drop {bad[0]}")
+        if self.optimizer in BNB_OPTIMIZERS or self.optimizer == "lion":
+            raise TrainmemError(f"{flag} with --optimizer {self.optimizer}: the host step runs a torch.optim or "
+                                "torchao optimizer on CPU copies of the parameters; give --optimizer adamw (or "
+                                "another torch.optim one)")
+        if o == "gradients" and self.grad_accum > 1:
+            raise TrainmemError(f"{flag} with --grad-accum {self.grad_accum}: offload_gradients frees the device "
+                                "gradients at every backward ('not compatible with gradient accumulation', "
+                                "cpu_offload.py); give --torchao-offload optimizer or --grad-accum 1")
+
+    @property
+    def grads_freed_in_backward(self) -> bool:
+        """Each gradient freed inside backward once used: optimizer-in-backward (stepped in its
+        post-accumulate-grad hook), or torchao's ``offload_gradients`` (copied to pinned host memory in that
+        hook, then ``p_device.grad = None``: cpu_offload.py ``backward_hook``)."""
+        return self.optimizer_in_backward or self.torchao_offload == "gradients"
+
+    @property
+    def torchao_block(self) -> int:
+        """Elements per fp32 scale of a torchao optimizer state: ``torchao_block_size``, else the class
+        default (``torchao_optim.default_block``); 0 for other optimizers."""
+        if self.optimizer not in TORCHAO_OPTIMIZERS:
+            return 0
+        from ..estimate.torchao_optim import default_block
+        return self.torchao_block_size or default_block(self.optimizer)
+
     def _check_transformer_impl(self) -> None:
         """``transformer_impl``: Megatron-LM's only; its local layers run the unfused attention
         (``DotProductAttention``, which asserts ``context_parallel_size == 1``: megatron/core/transformer/
@@ -872,9 +960,11 @@ class TrainingSpec:
             q = None
         object.__setattr__(self, "quantize", q)
         _choice("quantize_via", self.quantize_via, QUANTIZE_VIA)
-        if self.torchao_version is not None and (q is None or self.quantize_via != "torchao"):
-            raise TrainmemError("torchao_version describes torchao's NF4Tensor base weights: give --quantize nf4 "
-                                "with quantize_via torchao (--framework torchtune), or drop torchao_version")
+        if self.torchao_version is not None and (q is None or self.quantize_via != "torchao") \
+                and self.optimizer not in TORCHAO_OPTIMIZERS:
+            raise TrainmemError("torchao_version describes torchao's NF4Tensor base weights or low-bit optimizers: "
+                                "give --quantize nf4 with quantize_via torchao (--framework torchtune) or --optimizer "
+                                "adamw-torchao-8bit (-4bit, -fp8), or drop torchao_version")
         if q is None:
             if self.quantize_via != "transformers":
                 raise TrainmemError("quantize_via describes 4-bit base weights: give --quantize nf4 (or fp4, "
@@ -1371,6 +1461,10 @@ class TrainingSpec:
         """Optimizer implementation: PyTorch's CUDA default is foreach; under Gemini HybridAdam's one
         multi-tensor CUDA kernel, in place like torch's fused step (ColossalAI bbc58d881
         ``colossalai/nn/optimizer/hybrid_adam.py`` L140-145, ``colossal_C.multi_tensor_adam``)."""
+        if self.optimizer_impl is None and self.torchao_offload and self.optimizer == "adamw":
+            # CPUOffloadOptimizer: ``if optimizer_class is torch.optim.AdamW and "fused" not in kwargs:
+            # kwargs.update(fused=True)`` (torchao 0.18 optim/cpu_offload.py L39-41), its on-device one too
+            return "fused"
         return self.optimizer_impl or ("fused" if self.gemini is not None else "foreach")
 
     def to_dict(self) -> dict[str, Any]:
