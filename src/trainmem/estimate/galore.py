@@ -37,8 +37,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .states import bnb_state_bytes
-
 __all__ = ["side_of", "projected_shape", "projector_bytes", "galore_state_bytes", "GTensor", "step_peak"]
 
 
@@ -95,12 +93,14 @@ def galore_state_bytes(optimizer: str, shape: tuple[int, ...], target: bool, w: 
 def _plain_states(optimizer: str, shape: tuple[int, ...], numel: int, w: int, blocksize: int) -> tuple[int, ...]:
     if optimizer == "galore-adamw":
         return (numel * w, numel * w)                            # exp_avg, exp_avg_sq: zeros_like(grad)
-    if optimizer == "galore-adamw-8bit":
+    if optimizer == "galore-adamw-8bit":                         # bitsandbytes' Optimizer2State("adam", 8 bits)
+        from .states import bnb_state_bytes
         return bnb_state_bytes("adamw-8bit", numel, numel, blocksize)
-    if len(shape) >= 2:                                          # Adafactor, factored: row, column (fp32)
+    rms = (4,)                                                   # Adafactor's state["RMS"]: an fp32 scalar tensor
+    if len(shape) >= 2:                                          # factored: row, column (fp32)
         lead = numel // (shape[-1] * shape[-2])
-        return (lead * shape[-2] * 4, lead * shape[-1] * 4)
-    return (numel * 4,)
+        return (lead * shape[-2] * 4, lead * shape[-1] * 4) + rms
+    return (numel * 4,) + rms
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from ..spec.model import ModelSpec
 from ..spec.tf_releases import (cache_values_own_dtype, causal_lm_loss, checkpoint_wraps_unit, code_release,
                                 eager_clamp, kv_cache_kind, moe_expert_loop, rotary_keys_half, sdpa_repeats_kv)
 from ..spec.training import (BNB_OPTIMIZERS, CHUNKED_NLL_TOKENS, RECOMPUTE, TrainingSpec, chunked_nll_problem,
-                             config_use_cache)
+                             config_use_cache, galore_target)
 from .cache import BoundedCache
 from .elementwise import NEVER
 from .derived import adapters_computed_half, batch1 as derived_batch1, point_at, regime as derived_regime
@@ -39,6 +39,8 @@ from .layers import sdpa_saves_padded
 from .quant4 import dequant_dtypes, dequant_scratch, is_quantized
 from .schedules import in_flight_at_backwards
 from .gemini import model_gemini
+from .galore import GTensor, step_order, step_peak
+from ..spec.galore import GALORE_OPTIMIZERS
 from .states import (States, block_bytes, default_lora_targets, parameter_order, dtensor_tp, fsdp_grad_op, model_states,
                      torch_cp, torch_pipeline)
 
@@ -1779,6 +1781,8 @@ def deepspeed_step_grad(t: TrainingSpec, st: States) -> int:
 def step_copies(t: TrainingSpec) -> int | None:
     """Temporaries per tensor of an optimizer step that loops over tensors (None: a foreach step
     makes one per tensor for the whole group at once; 0: none), as ``step_temporaries`` counts them."""
+    if t.optimizer in GALORE_OPTIMIZERS:
+        return 0
     if t.optimizer == "adafactor" and not t.offload_optimizer:
         return 2 if (t.weight_bytes == 4 or t.fp32_master) else 4
     return _copies_per_tensor(t, t.optimizer_in_backward)
@@ -1796,6 +1800,37 @@ def _adafactor_temporaries(t: TrainingSpec, st: States, copies: int) -> int:
     return copies * block_of(t, elems * 4)
 
 
+def _galore_tensors(m: ModelSpec, t: TrainingSpec) -> list[tuple[bool, GTensor]]:
+    """The trainable tensors in ``model.parameters()`` order, each (input embedding?, shape and
+    GaLore target or not)."""
+    return [(p.role == "embedding", GTensor(p.shape, galore_target(t, p))) for p in m.parameter_tensors()
+            if p.role != "unused"]
+
+
+def _galore_peak(t: TrainingSpec, tensors: list[GTensor], layerwise: bool) -> int:
+    """``galore.step_peak`` at a steady step and at a projector-update step (every ``update_proj_gap``
+    steps, the first included: the higher of the two is the run's), allocator-rounded."""
+    o = t.galore_options()
+    return max(step_peak(tensors, t.optimizer, t.weight_bytes, o["rank"], o["proj_type"], svd,
+                         lambda b: int(block_of(t, b)), layerwise) for svd in (False, True))
+
+
+def galore_step_bytes(m: ModelSpec, t: TrainingSpec) -> int:
+    """Bytes GaLore's ``optimizer.step()`` allocates above what exists before it (``estimate.galore``):
+    one optimizer over the non-target group, then the target weights (``galore.step_order``)."""
+    return _galore_peak(t, step_order([x for _, x in _galore_tensors(m, t)]), False)
+
+
+def galore_oib_bytes(m: ModelSpec, t: TrainingSpec) -> tuple[int, int]:
+    """GaLore's layerwise variants (``oib_update_bytes``): one parameter's gradient plus its own
+    optimizer's step peak, the largest among the tensors updated while activations are alive (all
+    but the input embeddings) and among all."""
+    def one(x: GTensor) -> int:
+        return int(block_of(t, x.numel * t.weight_bytes)) + _galore_peak(t, [x], True)
+    each = [(emb, one(x)) for emb, x in _galore_tensors(m, t)]
+    return max([b for emb, b in each if not emb] + [0]), max(b for _, b in each)
+
+
 def _copies_per_tensor(t: TrainingSpec, per_parameter: bool) -> int | None:
     """State-sized temporaries one optimizer step makes per tensor (None: the whole group's worth).
     SGD, with momentum or not, makes none: without weight decay or ``maximize`` (torch.optim.SGD's
@@ -1805,6 +1840,8 @@ def _copies_per_tensor(t: TrainingSpec, per_parameter: bool) -> int | None:
     ``torch/optim/sgd.py`` ``_multi_tensor_sgd`` L403-472; the for-loop ``_single_tensor_sgd`` alike).
     Found by trace: Mistral (2 layers) fp16-amp SGD momentum: +6.4% before (a gradient-sized
     temporary charged at the step)."""
+    if t.optimizer in GALORE_OPTIMIZERS:
+        return 0  # its allocations are replayed tensor by tensor (galore_step_bytes, galore_oib_bytes)
     if t.optimizer in ("sgd", "sgd-momentum", "schedule-free-sgd") + BNB_OPTIMIZERS or t.offload_optimizer:
         # bitsandbytes' step is one in-place CUDA kernel per tensor (``optimizer_update_8bit_blockwise``
         # / ``optimizer_update_32bit`` write state1/2, absmax and the parameter in place); schedule-free
@@ -1837,6 +1874,8 @@ def oib_update_bytes(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, in
     largest such amount among tensors updated while activations are alive (all but the input
     embeddings, e.g. an untied LM head right after the loss) and among all (the embeddings, whose
     gradients complete last). Sharded (ZeRO/FSDP2) tensors update their shard."""
+    if t.optimizer in GALORE_OPTIMIZERS:
+        return galore_oib_bytes(m, t)
     k = _copies_per_tensor(t, True) or 0
     sb = 4 if (t.weight_bytes == 4 or t.fp32_master) else t.weight_bytes
     gb = t.main_grad_bytes or t.weight_bytes
@@ -2211,7 +2250,8 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         **{"loss_backward_tok": lc.cache * layers if whole_model_compiled(t) else 0.0,
            **_chunked_nll_fields(m, t, pol, loss, head_here)},
         liger_factor=-(-m.vocab_size // m.hidden_size) if (head_here and is_lm(m) and loss_mode(m, t) == "fused") else 0,
-        step_temp=step_temporaries(t, st), step_groups=foreach_groups(t), step_linger=step_lingers(t),
+        step_temp=galore_step_bytes(m, t) if t.optimizer in GALORE_OPTIMIZERS else step_temporaries(t, st),
+        step_groups=foreach_groups(t), step_linger=step_lingers(t),
         linear_replay=int(per_linear_replay(t)), oib_mid=oib_mid, oib_end=oib_end, **_deepspeed_fields(m, t, st),
         **gemini_fields(m, t),
         tied_grad=compiled_tied[0] if whole_model_compiled(t) else tied_head_grad(m, t),

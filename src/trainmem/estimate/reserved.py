@@ -1157,6 +1157,8 @@ def _optimizer_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, step:
                 R.free(prev)
             prev = made[-1]
         R.free(prev)
+    elif temp_copies == 0 and q.step_temp:                       # GaLore: its step's peak (galore_step_bytes),
+        R.free(R.alloc(q.step_temp))                             # one block
     elif temp_copies and sizes:                                  # a loop over tensors: each in turn
         per = _scaled(sizes, q.step_temp * sum(sizes) // (temp_copies * max(sizes)))
         for x in per:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, asdict, field
 from typing import Any
 
 from ..errors import TrainmemError
+from .galore import ADAFACTOR_LAYERWISE, GALORE_OPTIMIZERS, is_target, parse_optim_args, target_modules
 from .hardware import parse_cublas_workspace_config
 from .layout import layout_problems, stage_layers
 from .releases import (SDPA_ATTENTION, fsdp2_rs_on_default_stream, math_sdpa_upcasts, parse_torch_version,
@@ -27,7 +28,7 @@ PRECISIONS = ("fp32", "fp16-amp", "bf16-amp", "bf16", "fp16", "bf16-mp")
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adamw-8bit", "lion", "paged-adamw-8bit",
               "paged-adamw", "adagrad", "rmsprop", "lion-8bit", "lion-32bit", "paged-lion-8bit", "paged-lion",
               "rmsprop-8bit", "rmsprop-32bit", "ademamix", "ademamix-8bit", "paged-ademamix",
-              "paged-ademamix-8bit", "schedule-free-adamw", "schedule-free-sgd", "schedule-free-radam")
+              "paged-ademamix-8bit", "schedule-free-adamw", "schedule-free-sgd", "schedule-free-radam") + GALORE_OPTIMIZERS
 #: a framework's own precision names, as trainmem's (Lightning's ``precision=`` strings:
 #: ``_PRECISION_INPUT_STR`` in lightning 2.6.5 src/lightning/fabric/plugins/precision/precision.py; "-true" = the weights in that dtype, "-mixed" =
 #: fp32 weights under autocast). Lightning's legacy "bf16"/"16" (mixed) are not taken: trainmem's "bf16" is
@@ -54,10 +55,9 @@ OPTIMIZER_ALIASES = {"adamw_torch": ("adamw", None), "adamw_torch_fused": ("adam
                      "schedule_free_adamw": ("schedule-free-adamw", None),
                      "schedule_free_sgd": ("schedule-free-sgd", None),
                      "schedule_free_radam": ("schedule-free-radam", None)}
-#: the HF Trainer's ``optim=`` names trainmem does not model, and why (``OPTIMIZER_ALIASES`` and the names in
-#: ``OPTIMIZERS`` are the others; tests/test_hf_optimizers.py enumerates the installed ``OptimizerNames``)
-_GALORE = ("GaLore projects each target matrix's gradient to rank r and keeps its Adam states in that "
-           "projected space (galore_torch), which trainmem does not model")
+#: the HF Trainer's ``optim=`` names trainmem does not model, and why (``OPTIMIZER_ALIASES``,
+#: ``spec.galore.GALORE_HF_NAMES`` and the names in ``OPTIMIZERS`` are the others; tests/test_hf_optimizers.py
+#: enumerates the installed ``OptimizerNames``)
 _APOLLO = ("APOLLO keeps its states in a random rank-r projection of each target matrix (apollo_torch), "
            "which trainmem does not model")
 _LAYERWISE = ("; its layerwise variant also steps one optimizer per parameter inside backward "
@@ -71,9 +71,7 @@ _TORCHAO = ("is not modelled: its step is a torch.compile'd function per paramet
 OPTIMIZERS_REFUSED = {
     "adamw_torch_xla": "torch_xla's syncfree AdamW runs on XLA devices (TPU), not a CUDA GPU",
     "adamw_torch_npu_fused": "torch_npu's NpuFusedAdamW runs on Ascend NPUs, not a CUDA GPU",
-    "galore_adamw": _GALORE, "galore_adamw_8bit": _GALORE, "galore_adafactor": _GALORE,
-    "galore_adamw_layerwise": _GALORE + _LAYERWISE, "galore_adamw_8bit_layerwise": _GALORE + _LAYERWISE,
-    "galore_adafactor_layerwise": _GALORE + _LAYERWISE,
+    "galore_adafactor_layerwise": ADAFACTOR_LAYERWISE.split(": ", 1)[1],
     "apollo_adamw": _APOLLO, "apollo_adamw_layerwise": _APOLLO + _LAYERWISE,
     "lomo": "LOMO " + _LOMO, "adalomo": "AdaLomo " + _LOMO,
     "adamw_torch_4bit": "torchao's AdamW4bit " + _TORCHAO,
@@ -293,6 +291,11 @@ class TrainingSpec:
     optimizer_in_backward: bool = False
     lora_rank: int = 0
     lora_targets: tuple[str, ...] | None = None
+    #: GaLore (``--optimizer galore-*``): the HF Trainer's ``optim_target_modules`` (module names, matched as
+    #: ``check_target_module_exists`` does, or "all-linear") and ``optim_args`` ("rank=128,update_proj_gap=200,
+    #: scale=0.25,proj_type=std"): spec.galore
+    optim_target_modules: tuple[str, ...] | str | None = None
+    optim_args: str | None = None
     lora_dropout: float = 0.0  # LoRA dropout on the adapters' input (peft: 0; torchtune, litgpt: 0.05)
     lora_dtype: str | None = None  # adapters over half weights: "fp32" (peft's upcast, the default when None)
     #                                or "half" (torchtune, litgpt build them in the model's dtype)
@@ -445,6 +448,7 @@ class TrainingSpec:
         self._check_fsdp()
         self._check_gemini()
         self._check_lora()
+        self._check_galore()
         self._check_quantize()
         self._check_half_embeddings()
         self._check_torch()
@@ -688,6 +692,42 @@ class TrainingSpec:
         if "ademamix" in o and self.bitsandbytes_release() < (0, 44, 0):
             raise TrainmemError(f"--optimizer {o}: bitsandbytes added AdEMAMix in 0.44.0 (bitsandbytes_version "
                                 f"is {self.bitsandbytes_version}); give 0.44.0 or later")
+
+    def _check_galore(self) -> None:
+        """GaLore's options (spec.galore): the HF Trainer needs ``optim_target_modules``
+        (trainer_optimizer.py L121-122) and refuses the layerwise variants under DDP (L116-117) and
+        with gradient accumulation (L165-166); what trainmem does not model with it is refused."""
+        object.__setattr__(self, "optim_target_modules", target_modules(self.optim_target_modules))
+        if self.optimizer not in GALORE_OPTIMIZERS:
+            for key in ("optim_target_modules", "optim_args"):
+                if getattr(self, key) is not None:
+                    raise TrainmemError(f"--{key.replace('_', '-')} is read by the GaLore optimizers only "
+                                        f"(--optimizer galore_*); drop it with --optimizer {self.optimizer}")
+            return
+        parse_optim_args(self.optim_args)
+        o = self.optimizer
+        if self.optim_target_modules is None:
+            raise TrainmemError(f"--optimizer {o} needs --optim-target-modules (the HF Trainer raises \"You need to "
+                                "define `optim_target_modules`\"): give module names (attn,mlp) or all-linear")
+        if self.optimizer_in_backward and (self.dp > 1 or self.fsdp is not None or self.zero):
+            raise TrainmemError(f"--optimizer {o} layerwise (--optimizer-in-backward) does not support DDP in the HF "
+                                "Trainer (\"Layer-wise ... does not support DDP\"); use --dp 1 or the non-layerwise name")
+        if o == "galore-adafactor" and self.optimizer_in_backward:
+            raise TrainmemError(ADAFACTOR_LAYERWISE)
+        bad = [flag for flag, on in (("--zero", self.zero), ("--fsdp", self.fsdp is not None), ("--tp", self.tp > 1),
+                                     ("--pp", self.pp > 1), ("--cp", self.cp > 1), ("--lora-rank", self.lora_rank),
+                                     ("--offload-optimizer", self.offload_optimizer),
+                                     ("--master-weights", self.master_weights is not None),
+                                     ("--optimizer-impl", self.optimizer_impl is not None),
+                                     ("--gemini", self.gemini is not None)) if on]
+        if bad:
+            raise TrainmemError(f"--optimizer {o} with {', '.join(bad)} is not modelled: galore_torch's step projects "
+                                "whole (m, n) weights of one process, in their own dtype; drop "
+                                f"{', '.join(bad)}")
+
+    def galore_options(self) -> dict[str, Any]:
+        """rank, update_proj_gap, scale, proj_type (``optim_args`` over the HF Trainer's defaults)."""
+        return parse_optim_args(self.optim_args)
 
     def _check_transformer_impl(self) -> None:
         """``transformer_impl``: Megatron-LM's only; its local layers run the unfused attention
@@ -1306,6 +1346,8 @@ class TrainingSpec:
         d.pop("extra", None)
         if d["lora_targets"] is not None:
             d["lora_targets"] = list(d["lora_targets"])
+        if isinstance(d["optim_target_modules"], tuple):
+            d["optim_target_modules"] = list(d["optim_target_modules"])
         return d
 
 
@@ -1528,6 +1570,9 @@ def check_against(model: Any, t: TrainingSpec) -> None:
     if t.offload_activations and model.family not in ("llama", "mixtral"):
         raise TrainmemError(f"--offload-activations is modelled for Llama-style decoders (llama, mistral, qwen2, "
                             f"mixtral), not {model.name} ({model.family})")
+    galore = galore_model_problem(model, t)
+    if galore:
+        raise TrainmemError(galore)
     if t.lora_targets:
         known = {p.module for p in model.parameter_tensors() if p.is_matmul}
         bad = [x for x in t.lora_targets if x not in known]
@@ -1600,3 +1645,31 @@ def fsdp1_tied_split(model: Any, t: TrainingSpec) -> str:
     return (f"--fsdp-version 1 with LoRA on {model.name}: peft's FSDP wrap policy puts its embeddings in a unit "
             "of their own, apart from the masked-LM head that ties their weight, which then computes on a shard "
             "and fails; use --fsdp-lora-units layer (or --fsdp-version 2)")
+
+
+def galore_target(t: TrainingSpec, p: Any) -> bool:
+    """Whether parameter ``p`` (a ``ParamTensor``) is in GaLore's group: the weight of an ``nn.Linear``
+    (a 2-D matmul weight, not a MoE expert's grouped tensor) whose module name the HF Trainer's
+    ``optim_target_modules`` matches (``spec.galore.is_target``; trainmem's names lack the model's
+    own prefix, such as ``model.``)."""
+    if t.optimizer not in GALORE_OPTIMIZERS or p.role not in ("linear", "router") or len(p.shape) != 2:
+        return False
+    if not p.name.endswith(".weight"):
+        return False
+    return is_target(t.optim_target_modules, p.name[:-len(".weight")])
+
+
+def galore_model_problem(model: Any, t: TrainingSpec) -> str | None:
+    """Why GaLore cannot run on ``model`` as given (None: it can): GPT-2's matmuls are transformers'
+    ``Conv1D``, not ``nn.Linear`` (HF's ``_setup_low_rank_optimizer`` takes ``nn.Linear`` only, L143-146);
+    no module matched raises in the HF Trainer (L153-154)."""
+    if t.optimizer not in GALORE_OPTIMIZERS:
+        return None
+    if model.model_type == "gpt2":
+        return (f"--optimizer {t.optimizer} with {model.name}: GPT-2's attention and MLP are transformers' Conv1D, "
+                "which the HF Trainer's GaLore setup skips (nn.Linear only); use a model with nn.Linear layers")
+    if not any(galore_target(t, p) for p in model.parameter_tensors()):
+        return (f"--optim-target-modules {t.optim_target_modules}: no nn.Linear module of {model.name} matches (the "
+                "HF Trainer raises \"No target modules found\"); its linear modules: "
+                + ", ".join(sorted({p.module for p in model.parameter_tensors() if p.role == 'linear'})))
+    return None
