@@ -120,29 +120,42 @@ class GTensor:
 
 class _Live:
     """Live bytes above the state before the step (freeing a tensor that existed before it, such as
-    a gradient, goes below zero), each request rounded by ``blk``; ``peak`` the highest."""
+    a gradient, goes below zero), each request rounded by ``blk``; ``peak`` the highest. ``events``
+    records each allocation ("a", id, bytes) and free ("f", id) made here, for the allocator replay."""
 
     def __init__(self, blk: Callable[[int], int], scratch: bool = True) -> None:
-        self.blk, self.now, self.peak, self.held = blk, 0, 0, {}
+        self.blk, self.now, self.peak = blk, 0, 0
+        self.held: dict[str, list[tuple[int, int]]] = {}   # name -> its allocations (id, bytes)
+        self.events: list[tuple] = []
         self.scratch = scratch  # count linalg_svd's in-kernel input copy (step_peak)
 
     def alloc(self, key: str, nbytes: int) -> None:
-        b = self.blk(nbytes) if nbytes else 0
-        self.held[key] = self.held.get(key, 0) + b
+        if not nbytes:
+            return
+        b = self.blk(nbytes)
+        self.held.setdefault(key, []).append((len(self.events), b))
+        self.events.append(("a", len(self.events), b))
         self.now += b
         self.peak = max(self.peak, self.now)
 
     def free(self, key: str) -> None:
-        self.now -= self.held.pop(key, 0)
+        for i, b in self.held.pop(key, []):
+            self.events.append(("f", i))
+            self.now -= b
 
     def drop(self, nbytes: int) -> None:
-        """A tensor made before the step is freed (a gradient replaced)."""
+        """A tensor made before the step is freed (a gradient replaced, an old projector)."""
         self.now -= self.blk(nbytes) if nbytes else 0
 
     def rebind(self, old: str, new: str) -> None:
         """``old = <new tensor>``: the previous value freed once the new one exists."""
         self.free(old)
-        self.held[old] = self.held.pop(new, 0)
+        self.held[old] = self.held.pop(new, [])
+
+    def keep(self, key: str, *into: str) -> None:
+        """What ``into`` holds becomes part of what persists past the step (a state, a gradient)."""
+        for k in into:
+            self.held.setdefault(key, []).extend(self.held.pop(k, []))
 
 
 def _svd(L: _Live, shape: tuple[int, int], gdt: int, rank: int, proj_type: str) -> None:
@@ -173,10 +186,10 @@ def _svd(L: _Live, shape: tuple[int, int], gdt: int, rank: int, proj_type: str) 
         L.free("svd.S")
         for key in (("svd.U",) if side == "right" else ("svd.Vh",) if side == "left" else ()):
             L.free(key)
-        L.held["P.new"] = sum(L.held.pop(k2, 0) for k2 in ("svd.U", "svd.Vh"))
+        L.keep("P.new", "svd.U", "svd.Vh")
     for nb in keep:
         L.drop(nb)                                               # self.ortho_matrix rebound: the old one freed
-    L.held["states"] = L.held.get("states", 0) + L.held.pop("P.new", 0)
+    L.keep("states", "P.new")
     for key in ("svd.U", "svd.S", "svd.Vh", "svd.mat"):
         L.free(key)
 
@@ -234,11 +247,11 @@ def _adamw8bit_tensor(L: _Live, x: GTensor, w: int, rank: int, proj_type: str, s
     L.drop(x.numel * w)                                          # ... the weight's old storage freed
     L.drop(x.numel * w)                                          # p.grad = grad: the full gradient freed
     L.rebind("grad", "grad.new")                                 # (the local; p.grad holds it until zero_grad)
-    L.held["grads"] = L.held.get("grads", 0) + L.held.pop("grad", 0)
+    L.keep("grads", "grad")
     _project_back(L, "scaled", x.shape, w, side_of(x.shape, proj_type), rank)
     L.free("scaled")                                             # saved_data.add_(...) done
     L.free("pdata")                                              # p.data = p.saved_data
-    L.held["weights"] = L.held.get("weights", 0) + L.held.pop("saved", 0)
+    L.keep("weights", "saved")
 
 
 def _adafactor_tensor(L: _Live, x: GTensor, w: int, rank: int, proj_type: str, svd: bool) -> None:
@@ -262,7 +275,7 @@ def _adafactor_tensor(L: _Live, x: GTensor, w: int, rank: int, proj_type: str, s
         L.alloc("pf", x.numel * 4)                               # p_data_fp32.float()
     _rms(L, "rms.new")                                           # state["RMS"] = self._rms(p_data_fp32): the
     L.drop(4)                                                    # tensor's previous one freed
-    L.held["states"] = L.held.get("states", 0) + L.held.pop("rms.new", 0)
+    L.keep("states", "rms.new")
     L.alloc("sq", small * 4)                                     # grad ** 2
     L.alloc("update.new", small * 4)                             # ... + eps
     L.free("sq")
@@ -315,18 +328,27 @@ def step_peak(tensors: list[GTensor], optimizer: str, w: int, rank: int, proj_ty
     ``svd``: a projector-update step (the first, and every ``update_proj_gap``-th); ``scratch``: count
     ``linalg_svd``'s input copy (made inside the kernel: the caching allocator sees it on a GPU, a
     dispatcher-level count such as ``LiveBytes`` on the CPU does not)."""
+    return step_replay(tensors, optimizer, w, rank, proj_type, svd, blk, layerwise, scratch)[0]
+
+
+def step_replay(tensors: list[GTensor], optimizer: str, w: int, rank: int, proj_type: str, svd: bool,
+                blk: Callable[[int], int] = lambda b: b, layerwise: bool = False,
+                scratch: bool = True) -> tuple[int, tuple]:
+    """``step_peak`` and the step's allocation events (``_Live.events``; layerwise: the calls one
+    after the other)."""
     one = _STEPS[optimizer]
     if layerwise:
-        best = 0
+        best, events = 0, []
         for x in tensors:
             L = _Live(blk, scratch)
             one(L, x, w, rank, proj_type, svd)
             best = max(best, L.peak)
-        return best
+            events += [(e[0], (len(events), e[1])) + e[2:] for e in L.events]
+        return best, tuple(events)
     L = _Live(blk, scratch)
     for x in tensors:
         one(L, x, w, rank, proj_type, svd)
-    return L.peak
+    return L.peak, tuple(L.events)
 
 
 def step_order(tensors: list[GTensor]) -> list[GTensor]:

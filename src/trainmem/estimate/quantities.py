@@ -39,7 +39,7 @@ from .layers import sdpa_saves_padded
 from .quant4 import dequant_dtypes, dequant_scratch, is_quantized
 from .schedules import in_flight_at_backwards
 from .gemini import model_gemini
-from .galore import GTensor, step_order, step_peak
+from .galore import GTensor, step_order, step_replay
 from ..spec.galore import GALORE_OPTIMIZERS
 from .states import (States, block_bytes, default_lora_targets, parameter_order, dtensor_tp, fsdp_grad_op, model_states,
                      torch_cp, torch_pipeline)
@@ -127,6 +127,7 @@ class Quantities:
     tied_grad: int         # a tied head's gradient waiting in autograd's input buffer
     transients: Any        # per layer-op backward transient: tuple of (a, b, c, g, d, at), or a TransientTable
     logits_cast: int = 0   # --cast-output: the fp32 copy of the head's output (0: fp32 logits, nothing to cast)
+    step_events: tuple = ()  # GaLore: its step's allocations and frees in order (galore.step_replay)
     loss_saves_out: int = 0  # 1: the loss saves the head's output itself (loss_saved is not a new tensor)
     loss_elem: int = 4     # bytes per element of each of the loss's logits-sized tensors (LossBytes.elem)
     cast_output: int = 0   # 1: --cast-output, the loop rebinds its output before its loss (litgpt under Fabric)
@@ -1800,6 +1801,16 @@ def _adafactor_temporaries(t: TrainingSpec, st: States, copies: int) -> int:
     return copies * block_of(t, elems * 4)
 
 
+def _galore_fields(m: ModelSpec, t: TrainingSpec, st: States, oib: bool) -> dict[str, Any]:
+    """``step_temp`` (and GaLore's ``step_events``): a layerwise GaLore steps inside backward (none)."""
+    if t.optimizer not in GALORE_OPTIMIZERS:
+        return {"step_temp": step_temporaries(t, st)}
+    if oib:
+        return {"step_temp": 0}
+    peak, events = galore_step_events(m, t)
+    return {"step_temp": peak, "step_events": events}
+
+
 def _galore_tensors(m: ModelSpec, t: TrainingSpec) -> list[tuple[bool, GTensor]]:
     """The trainable tensors in ``model.parameters()`` order, each (input embedding?, shape and
     GaLore target or not)."""
@@ -1807,17 +1818,23 @@ def _galore_tensors(m: ModelSpec, t: TrainingSpec) -> list[tuple[bool, GTensor]]
             if p.role != "unused"]
 
 
-def _galore_peak(t: TrainingSpec, tensors: list[GTensor], layerwise: bool) -> int:
-    """``galore.step_peak`` at a steady step and at a projector-update step (every ``update_proj_gap``
-    steps, the first included: the higher of the two is the run's), allocator-rounded."""
+def _galore_peak(t: TrainingSpec, tensors: list[GTensor], layerwise: bool) -> tuple[int, tuple]:
+    """``galore.step_replay`` at a steady step and at a projector-update step (every ``update_proj_gap``
+    steps, the first included), allocator-rounded: the higher peak of the two, and its events."""
     o = t.galore_options()
-    return max(step_peak(tensors, t.optimizer, t.weight_bytes, o["rank"], o["proj_type"], svd,
-                         lambda b: int(block_of(t, b)), layerwise) for svd in (False, True))
+    return max((step_replay(tensors, t.optimizer, t.weight_bytes, o["rank"], o["proj_type"], svd,
+                            lambda b: int(block_of(t, b)), layerwise) for svd in (False, True)),
+               key=lambda pe: pe[0])
 
 
 def galore_step_bytes(m: ModelSpec, t: TrainingSpec) -> int:
     """Bytes GaLore's ``optimizer.step()`` allocates above what exists before it (``estimate.galore``):
     one optimizer over the non-target group, then the target weights (``galore.step_order``)."""
+    return galore_step_events(m, t)[0]
+
+
+def galore_step_events(m: ModelSpec, t: TrainingSpec) -> tuple[int, tuple]:
+    """``galore_step_bytes`` and the allocations behind it, for the allocator replay."""
     return _galore_peak(t, step_order([x for _, x in _galore_tensors(m, t)]), False)
 
 
@@ -1826,7 +1843,7 @@ def galore_oib_bytes(m: ModelSpec, t: TrainingSpec) -> tuple[int, int]:
     optimizer's step peak, the largest among the tensors updated while activations are alive (all
     but the input embeddings) and among all."""
     def one(x: GTensor) -> int:
-        return int(block_of(t, x.numel * t.weight_bytes)) + _galore_peak(t, [x], True)
+        return int(block_of(t, x.numel * t.weight_bytes)) + _galore_peak(t, [x], True)[0]
     each = [(emb, one(x)) for emb, x in _galore_tensors(m, t)]
     return max([b for emb, b in each if not emb] + [0]), max(b for _, b in each)
 
@@ -2250,7 +2267,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         **{"loss_backward_tok": lc.cache * layers if whole_model_compiled(t) else 0.0,
            **_chunked_nll_fields(m, t, pol, loss, head_here)},
         liger_factor=-(-m.vocab_size // m.hidden_size) if (head_here and is_lm(m) and loss_mode(m, t) == "fused") else 0,
-        step_temp=galore_step_bytes(m, t) if t.optimizer in GALORE_OPTIMIZERS else step_temporaries(t, st),
+        **_galore_fields(m, t, st, oib),
         step_groups=foreach_groups(t), step_linger=step_lingers(t),
         linear_replay=int(per_linear_replay(t)), oib_mid=oib_mid, oib_end=oib_end, **_deepspeed_fields(m, t, st),
         **gemini_fields(m, t),

@@ -1157,8 +1157,14 @@ def _optimizer_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, step:
                 R.free(prev)
             prev = made[-1]
         R.free(prev)
-    elif temp_copies == 0 and q.step_temp:                       # GaLore: its step's peak (galore_step_bytes),
-        R.free(R.alloc(q.step_temp))                             # one block
+    elif q.step_events:                                          # GaLore: its step's own allocations and frees
+        made = {}                                                # (galore.step_replay); what it keeps (a new
+        for ev in q.step_events:                                 # projector, ...) replaces what existed: freed
+            if ev[0] == "a":                                     # at the end
+                made[ev[1]] = R.alloc(ev[2])
+            else:
+                R.free(made.pop(ev[1]))
+        R.frees(list(made.values()))
     elif temp_copies and sizes:                                  # a loop over tensors: each in turn
         per = _scaled(sizes, q.step_temp * sum(sizes) // (temp_copies * max(sizes)))
         for x in per:
