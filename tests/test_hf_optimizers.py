@@ -61,7 +61,7 @@ def test_every_hf_optim_name_is_read_or_refused(name):
         TrainingSpec(optimizer=name)  # the spec refuses it too, with the same line
 
 
-@pytest.mark.parametrize("name", ["galore_adafactor_layerwise", "apollo_adamw", "lomo", "adamw_torch_xla",
+@pytest.mark.parametrize("name", ["galore_adafactor_layerwise", "apollo_adamw", "stable_adamw", "adamw_torch_xla",
                                   "adamw_torch_8bit", "adamw_hf"])
 def test_refused_names_are_one_cli_line(capsys, name):
     line = assert_one_error_line(*run_cli(capsys, "estimate", "gpt2", "--optimizer", name))
@@ -97,6 +97,10 @@ def hf_handlers(monkeypatch):
     monkeypatch.setitem(sys.modules, "bitsandbytes", bnb)
     monkeypatch.setitem(sys.modules, "bitsandbytes.optim", bnb.optim)
     monkeypatch.setitem(sys.modules, "schedulefree", sf)
+    lomo = types.ModuleType("lomo_optim")
+    lomo.Lomo, lomo.AdaLomo = _Stub("Lomo"), _Stub("AdaLomo")
+    monkeypatch.setitem(sys.modules, "lomo_optim", lomo)
+    monkeypatch.setattr(tro, "is_lomo_available", lambda: True)
     monkeypatch.setattr(tro, "is_bitsandbytes_available", lambda: True)
     monkeypatch.setattr(tro, "is_schedulefree_available", lambda *a: True)
     from transformers.trainer import Trainer
@@ -104,7 +108,7 @@ def hf_handlers(monkeypatch):
     def build(name: str):
         args = types.SimpleNamespace(optim=name, learning_rate=1e-4, adam_beta1=0.9, adam_beta2=0.999,
                                      adam_epsilon=1e-8, optim_args=None, weight_decay=0.0, warmup_steps=0)
-        return Trainer.get_optimizer_cls_and_kwargs(args)
+        return Trainer.get_optimizer_cls_and_kwargs(args, model=object())  # (LOMO's need one)
     return build
 
 
@@ -129,6 +133,8 @@ def test_names_build_what_the_hf_trainer_builds(hf_handlers, name):
     elif ours.startswith("schedule-free"):
         expect = {"adamw": "AdamWScheduleFree", "sgd": "SGDScheduleFree", "radam": "RAdamScheduleFree"}
         assert cls.name == expect[ours.removeprefix("schedule-free-")]
+    elif ours in ("lomo", "adalomo"):
+        assert cls.name == {"lomo": "Lomo", "adalomo": "AdaLomo"}[ours] and "model" in kw
     elif ours == "adafactor":
         from transformers.optimization import Adafactor
         assert cls is Adafactor

@@ -262,3 +262,96 @@ def galore_optimizer(model: torch.nn.Module, t: Any, lr: float = 1e-4, emulate: 
         if p.requires_grad:
             p.register_post_accumulate_grad_hook(hook)
     return _LayerWise(groups, per)
+
+
+# ----- LOMO / AdaLomo ---------------------------------------------------------------------------------
+class Lomo(torch.optim.Optimizer):
+    """lomo_optim 0.1.1 ``lomo.py`` as the HF Trainer builds it (``Lomo(model, lr)``: no clipping, no
+    weight decay, a bf16/fp32 loss: no loss scaler): a ``register_hook`` on every trainable parameter
+    runs ``fuse_update`` (L96-140), which updates, in place, each parameter whose gradient was
+    accumulated since, and frees that gradient; ``fused_backward`` (L195-223) is ``loss.backward()``
+    and one last call. Only the allocating statements are kept (tests/test_lomo.py)."""
+
+    def __init__(self, model: torch.nn.Module, lr: float = 1e-3) -> None:
+        self.model, self.lr = model, lr
+        for p in model.parameters():
+            if p.requires_grad:
+                p.register_hook(self.grad_func)
+        super().__init__(model.parameters(), {"lr": lr})
+
+    def _update(self, n: str, p: torch.Tensor, grad_fp32: torch.Tensor) -> None:
+        p_fp32 = p.data.to(torch.float32)
+        p_fp32.add_(grad_fp32, alpha=-self.lr)
+        p.data.copy_(p_fp32)
+
+    def grad_func(self, x: Any) -> Any:
+        with torch.no_grad():
+            for n, p in self.model.named_parameters():
+                if p.requires_grad and p.grad is not None:
+                    grad_fp32 = p.grad.to(torch.float32)
+                    p.grad = None
+                    self._update(n, p, grad_fp32)
+        return x
+
+    def fused_backward(self, loss: torch.Tensor, lr: float) -> None:
+        self.lr = lr
+        loss.backward()
+        self.grad_func(0)
+
+    def step(self, closure: Any = None) -> Any:  # accelerate's AcceleratedOptimizer.step: a no-op for LOMO
+        return None
+
+
+class AdaLomo(Lomo):
+    """lomo_optim 0.1.1 ``adalomo.py``: fp32 factored second moments made in the constructor (L96-118),
+    ``loss_scale`` 2**10 (the loss multiplied in ``fused_backward``, each fp32 gradient divided), and
+    Adafactor's factored update (L143-205)."""
+
+    def __init__(self, model: torch.nn.Module, lr: float = 1e-3, loss_scale: float = 2 ** 10) -> None:
+        self.loss_scale, self.eps, self.step_num, self.decay_rate = loss_scale, (1e-30, 1e-3), 0, -0.8
+        self.exp_avg_sq, self.exp_avg_sq_row, self.exp_avg_sq_col = {}, {}, {}
+        dev = next(model.parameters()).device
+        for n, p in model.named_parameters():
+            if len(p.data.shape) == 1:
+                self.exp_avg_sq[n] = torch.zeros(p.data.shape[0], dtype=torch.float32).to(dev)
+            else:
+                self.exp_avg_sq_row[n] = torch.zeros(p.data.shape[0], dtype=torch.float32).to(dev)
+                self.exp_avg_sq_col[n] = torch.zeros(p.data.shape[1], dtype=torch.float32).to(dev)
+        super().__init__(model, lr)
+
+    def _update(self, n: str, p: torch.Tensor, grad_fp32: torch.Tensor) -> None:
+        grad_fp32.div_(self.loss_scale)
+        beta2t = 1.0 - math.pow(max(self.step_num, 1), self.decay_rate)
+        update = (grad_fp32 ** 2) + self.eps[0]
+        if len(p.data.shape) > 1:
+            self.exp_avg_sq_row[n].mul_(beta2t).add_(update.mean(dim=-1), alpha=1.0 - beta2t)
+            self.exp_avg_sq_col[n].mul_(beta2t).add_(update.mean(dim=-2), alpha=1.0 - beta2t)
+            update = GaLoreAdafactor._approx_sq_grad(self.exp_avg_sq_row[n], self.exp_avg_sq_col[n])
+            update.mul_(grad_fp32)
+        else:
+            self.exp_avg_sq[n].mul_(beta2t).add_(update, alpha=1.0 - beta2t)
+            update = self.exp_avg_sq[n].rsqrt().mul_(grad_fp32)
+        update.div_((GaLoreAdafactor._rms(update) / 1.0).clamp_(min=1.0))
+        p_fp32 = p.data.to(torch.float32)
+        p_rms = torch.norm(p_fp32, 2.0) / math.sqrt(p.numel())
+        p_fp32.add_(update, alpha=-self.lr * max(self.eps[1], float(p_rms)))
+        p.data.copy_(p_fp32)
+
+    def fused_backward(self, loss: torch.Tensor, lr: float) -> None:
+        self.lr = lr
+        (loss * self.loss_scale).backward()
+        self.grad_func(0)
+        self.step_num += 1
+
+
+def lomo_optimizer(model: torch.nn.Module, t: Any, lr: float = 1e-4, emulate: bool = True) -> Any:
+    """The HF Trainer's ``lomo`` / ``adalomo`` (``trainer_optimizer.py`` ``_get_lomo_optimizer``:
+    ``Lomo(model, lr=...)``): lomo_optim's classes when installed, else (``emulate``) the ones above."""
+    try:
+        import lomo_optim
+        return (lomo_optim.AdaLomo if t.optimizer == "adalomo" else lomo_optim.Lomo)(model, lr=lr)
+    except ImportError:
+        if not emulate:
+            raise TrainmemError(f"--optimizer {t.optimizer} needs lomo_optim to measure: pip install lomo-optim") \
+                from None
+    return (AdaLomo if t.optimizer == "adalomo" else Lomo)(model, lr=lr)

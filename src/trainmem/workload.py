@@ -28,7 +28,7 @@ from .spec import ModelSpec, TrainingSpec
 from .spec.tf_releases import installed_version, same_release
 from .spec.frameworks import caps_hidden_not_logits, torchtune_norm_saves_fp32
 from .spec.galore import GALORE_OPTIMIZERS
-from .spec.training import BNB_OPTIMIZERS, padded_lengths
+from .spec.training import BNB_OPTIMIZERS, LOMO_OPTIMIZERS, padded_lengths
 
 DROPOUT_KEYS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "resid_pdrop", "embd_pdrop", "attn_pdrop",
                 "summary_first_dropout", "attention_dropout", "hidden_dropout", "classifier_dropout",
@@ -404,6 +404,9 @@ class TrainStep:
         if t.optimizer in GALORE_OPTIMIZERS:  # the HF Trainer's groups / layerwise hooks (galore_optim)
             from .galore_optim import galore_optimizer
             return galore_optimizer(model, t, emulate=emulate)
+        if t.optimizer in LOMO_OPTIMIZERS:    # lomo_optim's hooks (galore_optim.lomo_optimizer)
+            from .galore_optim import lomo_optimizer
+            return lomo_optimizer(model, t, emulate=emulate)
         if t.optimizer_in_backward:
             from .optim.in_backward import optimizer_in_backward
             cls, kw = optimizer_class(t, emulate=emulate)
@@ -500,7 +503,8 @@ class TrainStep:
             self.state["batch"] = self.batch(length)  # the previous batch lives until this one exists
             with _no_sync(self.model, t, last), self.context_parallel():
                 self._micro(t, i, micro)
-        self.optimizer.step()
+        if t.optimizer not in LOMO_OPTIMIZERS:  # accelerate's AcceleratedOptimizer.step is a no-op for
+            self.optimizer.step()               # LOMO (optimizer.py L164-167): lomo_optim has no step
         self._mark("optimizer_step", i, None)
         # "none": zero_grad(set_to_none=True) frees the gradients (PyTorch >= 2.0's default);
         # "zeros": set_to_none=False zeroes them in place (older PyTorch, model.zero_grad() loops)
@@ -527,7 +531,10 @@ class TrainStep:
         self.state["loss"] = loss.detach() if t.hold_output == "loss" else loss
         self._mark("forward", i, micro)
         with self.loss_context():
-            loss.backward()
+            if t.optimizer in LOMO_OPTIMIZERS:  # accelerate's lomo_backward: the update inside backward
+                self.optimizer.fused_backward(loss, 1e-4)
+            else:
+                loss.backward()
         del loss, held  # a training_step holding its output returns here
         self._mark("backward", i, micro)
 

@@ -26,7 +26,7 @@ from ..spec.model import ModelSpec
 from ..spec.tf_releases import (cache_values_own_dtype, causal_lm_loss, checkpoint_wraps_unit, code_release,
                                 eager_clamp, kv_cache_kind, moe_expert_loop, rotary_keys_half, sdpa_repeats_kv)
 from ..spec.training import (BNB_OPTIMIZERS, CHUNKED_NLL_TOKENS, RECOMPUTE, TrainingSpec, chunked_nll_problem,
-                             config_use_cache, galore_target)
+                             config_use_cache, galore_target, LOMO_OPTIMIZERS)
 from .cache import BoundedCache
 from .elementwise import NEVER
 from .derived import adapters_computed_half, batch1 as derived_batch1, point_at, regime as derived_regime
@@ -1782,7 +1782,7 @@ def deepspeed_step_grad(t: TrainingSpec, st: States) -> int:
 def step_copies(t: TrainingSpec) -> int | None:
     """Temporaries per tensor of an optimizer step that loops over tensors (None: a foreach step
     makes one per tensor for the whole group at once; 0: none), as ``step_temporaries`` counts them."""
-    if t.optimizer in GALORE_OPTIMIZERS:
+    if t.optimizer in GALORE_OPTIMIZERS + LOMO_OPTIMIZERS:
         return 0
     if t.optimizer == "adafactor" and not t.offload_optimizer:
         return 2 if (t.weight_bytes == 4 or t.fp32_master) else 4
@@ -1799,6 +1799,46 @@ def _adafactor_temporaries(t: TrainingSpec, st: States, copies: int) -> int:
     sb = 4 if (t.weight_bytes == 4 or t.fp32_master) else t.weight_bytes
     elems = st.largest_param // sb
     return copies * block_of(t, elems * 4)
+
+
+def lomo_temporaries(t: TrainingSpec, shape: tuple[int, ...]) -> int:
+    """Peak bytes one parameter's update adds inside lomo_optim's hook (``fuse_update``: lomo.py
+    L96-140, adalomo.py L143-205), above its gradient: ``grad_fp32 = p.grad.to(torch.float32)`` (a
+    copy of a half gradient, which ``p.grad = None`` then frees; an fp32 gradient is ``grad_fp32``
+    itself, kept alive by it) and ``p_fp32 = p.data.to(torch.float32)`` (a copy of half weights; the
+    weight itself when fp32). Lomo then updates in place. AdaLomo also makes ``update = grad_fp32**2 +
+    eps`` (two fp32 tensors of the parameter's size at once), then, that sum still bound to ``update``,
+    the factored ``torch.mul(r_factor, c_factor)`` beside its row and column factors, and at the end
+    ``p_fp32`` beside the update. Measured on lomo_optim 0.1.1 with LiveBytes (tests/test_lomo.py)."""
+    n = 1
+    for d in shape:
+        n *= d
+    half = t.weight_bytes != 4
+    g32 = block_of(t, n * 4) if half else 0          # grad_fp32 (half: a copy; fp32: the gradient itself)
+    p32 = block_of(t, n * 4) if half else 0          # p_fp32
+    after = g32 - block_of(t, n * t.weight_bytes) if half else 0   # p.grad = None: a half gradient freed
+    if t.optimizer == "lomo":
+        return max(g32, after + p32)                 # the copy beside the gradient; then p_fp32 for it
+    f = block_of(t, n * 4)                           # one fp32 tensor of the parameter's size
+    factors = block_of(t, shape[0] * 4) + block_of(t, shape[1] * 4) if len(shape) > 1 else 0
+    return max(after + 2 * f + factors, after + f + p32)
+
+
+def lomo_update_bytes(m: ModelSpec, t: TrainingSpec) -> tuple[int, int]:
+    """LOMO / AdaLomo (``oib_update_bytes``): a parameter's tensor hook runs before its gradient is
+    accumulated, and updates the parameters whose gradient was accumulated since the previous hook (its
+    neighbour, the next in registration order, whose backward ran just before), so that gradient, the
+    hook's own parameter's incoming gradient and the update's temporaries (``lomo_temporaries``) exist
+    together; after ``loss.backward()``, ``fused_backward`` calls the hook once more for the last ones
+    (the input embeddings). Returns the largest such amount among the hooks of the tensors updated while
+    activations are alive, and among all."""
+    ps = [p for p in m.parameter_tensors() if p.role != "unused"]
+    w = t.weight_bytes
+
+    def upd(q: Any) -> int:
+        return int(block_of(t, q.numel * w)) + lomo_temporaries(t, q.shape)
+    mid = [int(block_of(t, p.numel * w)) + upd(q) for p, q in zip(ps, ps[1:])]
+    return max(mid + [0]), max(mid + [upd(p) for p in ps if p.role == "embedding"] + [upd(ps[0])])
 
 
 def _galore_fields(m: ModelSpec, t: TrainingSpec, st: States, oib: bool) -> dict[str, Any]:
@@ -1857,8 +1897,8 @@ def _copies_per_tensor(t: TrainingSpec, per_parameter: bool) -> int | None:
     ``torch/optim/sgd.py`` ``_multi_tensor_sgd`` L403-472; the for-loop ``_single_tensor_sgd`` alike).
     Found by trace: Mistral (2 layers) fp16-amp SGD momentum: +6.4% before (a gradient-sized
     temporary charged at the step)."""
-    if t.optimizer in GALORE_OPTIMIZERS:
-        return 0  # its allocations are replayed tensor by tensor (galore_step_bytes, galore_oib_bytes)
+    if t.optimizer in GALORE_OPTIMIZERS + LOMO_OPTIMIZERS:
+        return 0  # replayed tensor by tensor (galore_step_bytes, galore_oib_bytes; lomo_update_bytes)
     if t.optimizer in ("sgd", "sgd-momentum", "schedule-free-sgd") + BNB_OPTIMIZERS or t.offload_optimizer:
         # bitsandbytes' step is one in-place CUDA kernel per tensor (``optimizer_update_8bit_blockwise``
         # / ``optimizer_update_32bit`` write state1/2, absmax and the parameter in place); schedule-free
@@ -1893,6 +1933,8 @@ def oib_update_bytes(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, in
     gradients complete last). Sharded (ZeRO/FSDP2) tensors update their shard."""
     if t.optimizer in GALORE_OPTIMIZERS:
         return galore_oib_bytes(m, t)
+    if t.optimizer in LOMO_OPTIMIZERS:
+        return lomo_update_bytes(m, t)
     k = _copies_per_tensor(t, True) or 0
     sb = 4 if (t.weight_bytes == 4 or t.fp32_master) else t.weight_bytes
     gb = t.main_grad_bytes or t.weight_bytes

@@ -1103,9 +1103,36 @@ def _grad_of(R: _Replay, s: _Step, trainables: tuple, j: int, oib: bool = False,
         return
     s.made[j] = copy + 1
     s.grads[(j, copy)] = R.alloc(g, stream)
-    if oib:
+    if isinstance(oib, tuple) and oib:                 # LOMO / AdaLomo: the update's own tensors
+        _lomo_update(R, s.grads[(j, copy)], g, _sts, oib)
+        s.grads[(j, copy)] = None
+    elif oib:
         R.free(s.grads[(j, copy)])
         s.grads[(j, copy)] = None
+
+
+def _lomo_update(R: _Replay, grad: int | None, g: int, factors: tuple, lomo: tuple) -> None:
+    """One parameter's update in lomo_optim's hook (``quantities.lomo_temporaries``), its gradient
+    ``grad`` (``g`` bytes) freed: ``grad_fp32`` (a copy of a half gradient, which is then freed; an
+    fp32 one is the gradient itself, freed at the end), AdaLomo's ``grad**2`` and ``+ eps``, its row
+    and column factors (the size of its states, ``factors``) and their product, then ``p_fp32`` (a
+    copy of half weights)."""
+    optimizer, w = lomo
+    f = g * 4 // w                                         # one fp32 tensor of the parameter's size
+    made = []
+    if w != 4:
+        made.append(R.alloc(f))                            # grad_fp32; p.grad = None frees the gradient
+        R.free(grad)
+        grad = None
+    if optimizer == "adalomo":
+        sq, upd = R.alloc(f), R.alloc(f)                   # grad_fp32**2, + eps
+        R.free(sq)
+        parts = R.allocs(list(factors)) if len(factors) == 2 else []
+        made.append(R.alloc(f))                            # torch.mul(r_factor, c_factor)
+        R.frees(parts + [upd])
+    if w != 4:
+        made.append(R.alloc(f))                            # p_fp32
+    R.frees(made + [grad])
 
 
 @lru_cache(maxsize=256)

@@ -335,6 +335,7 @@ def state_bytes(optimizer: str, shape: tuple[int, ...], numel: int, sbytes: int,
     sgd-momentum: momentum_buffer. lion: exp_avg (lion-pytorch ``lion_pytorch.py``:
     ``state['exp_avg'] = torch.zeros_like(p)``). adafactor (transformers, beta1=None): factored
     second moment, row + column vectors for matrices, a full tensor for vectors, in fp32.
+    lomo: none (lomo_optim's plain SGD update); adalomo: Adafactor's factored second moment, fp32.
     adagrad: ``sum`` (torch 2.13 ``torch/optim/adagrad.py`` L96: ``torch.full_like(p, ...)``, made in
     the constructor). rmsprop at torch.optim's defaults (momentum 0, not centered): ``square_avg``
     (``rmsprop.py`` L123; ``momentum_buffer`` and ``grad_avg`` only with momentum / centered).
@@ -348,7 +349,11 @@ def state_bytes(optimizer: str, shape: tuple[int, ...], numel: int, sbytes: int,
     """
     if optimizer in ("adam", "adamw", "schedule-free-adamw", "schedule-free-radam"):
         return (numel * sbytes, numel * sbytes)
-    if optimizer == "sgd":
+    if optimizer == "adalomo":
+        # lomo_optim 0.1.1 ``adalomo.py`` L96-118: exp_avg_sq_row (shape[0],) and exp_avg_sq_col (shape[1],)
+        # of a matrix, exp_avg_sq (shape[0],) of a vector, fp32, made in the constructor
+        return (shape[0] * 4, shape[1] * 4) if len(shape) > 1 else (shape[0] * 4,)
+    if optimizer in ("sgd", "lomo"):
         return ()
     if optimizer in ("sgd-momentum", "lion", "adagrad", "rmsprop", "schedule-free-sgd"):
         return (numel * sbytes,)

@@ -25,10 +25,14 @@ PRECISIONS = ("fp32", "fp16-amp", "bf16-amp", "bf16", "fp16", "bf16-mp")
 #: at its defaults: no momentum, not centered); lion: lion-pytorch's; lion-8bit/-32bit, rmsprop-8bit/-32bit,
 #: ademamix(-8bit): bitsandbytes' Lion, RMSprop and AdEMAMix; schedule-free-*: facebookresearch/schedule_free's
 #: AdamWScheduleFree, SGDScheduleFree, RAdamScheduleFree
+#: lomo_optim's Lomo and AdaLomo (the HF Trainer's ``lomo`` / ``adalomo``): the update fused into backward
+#: through a hook on every parameter (``estimate.quantities.lomo_update_bytes``)
+LOMO_OPTIMIZERS = ("lomo", "adalomo")
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adamw-8bit", "lion", "paged-adamw-8bit",
               "paged-adamw", "adagrad", "rmsprop", "lion-8bit", "lion-32bit", "paged-lion-8bit", "paged-lion",
               "rmsprop-8bit", "rmsprop-32bit", "ademamix", "ademamix-8bit", "paged-ademamix",
-              "paged-ademamix-8bit", "schedule-free-adamw", "schedule-free-sgd", "schedule-free-radam") + GALORE_OPTIMIZERS
+              "paged-ademamix-8bit", "schedule-free-adamw", "schedule-free-sgd", "schedule-free-radam") + GALORE_OPTIMIZERS \
+    + LOMO_OPTIMIZERS
 #: a framework's own precision names, as trainmem's (Lightning's ``precision=`` strings:
 #: ``_PRECISION_INPUT_STR`` in lightning 2.6.5 src/lightning/fabric/plugins/precision/precision.py; "-true" = the weights in that dtype, "-mixed" =
 #: fp32 weights under autocast). Lightning's legacy "bf16"/"16" (mixed) are not taken: trainmem's "bf16" is
@@ -62,8 +66,6 @@ _APOLLO = ("APOLLO keeps its states in a random rank-r projection of each target
            "which trainmem does not model")
 _LAYERWISE = ("; its layerwise variant also steps one optimizer per parameter inside backward "
               "(trainer_optimizer.py L164-184)")
-_LOMO = ("fuses the update into backward through its own hooks on the model (lomo_optim), with no "
-         "gradients kept; trainmem does not model it")
 _NOT_YET = "is not modelled yet: its states and its step's temporaries have no model in trainmem"
 #: torchao 0.18 ``torchao/optim/adam.py`` L134-156: ``torch.compile(single_param_adam, fullgraph=True)`` per parameter
 _TORCHAO = ("is not modelled: its step is a torch.compile'd function per parameter, whose temporaries are "
@@ -73,7 +75,6 @@ OPTIMIZERS_REFUSED = {
     "adamw_torch_npu_fused": "torch_npu's NpuFusedAdamW runs on Ascend NPUs, not a CUDA GPU",
     "galore_adafactor_layerwise": ADAFACTOR_LAYERWISE.split(": ", 1)[1],
     "apollo_adamw": _APOLLO, "apollo_adamw_layerwise": _APOLLO + _LAYERWISE,
-    "lomo": "LOMO " + _LOMO, "adalomo": "AdaLomo " + _LOMO,
     "adamw_torch_4bit": "torchao's AdamW4bit " + _TORCHAO,
     "adamw_torch_8bit": "torchao's AdamW8bit " + _TORCHAO,
     "adamw_anyprecision": "torchdistx's AnyPrecisionAdamW " + _NOT_YET,
@@ -449,6 +450,7 @@ class TrainingSpec:
         self._check_gemini()
         self._check_lora()
         self._check_galore()
+        self._check_lomo()
         self._check_quantize()
         self._check_half_embeddings()
         self._check_torch()
@@ -723,6 +725,32 @@ class TrainingSpec:
         if bad:
             raise TrainmemError(f"--optimizer {o} with {', '.join(bad)} is not modelled: galore_torch's step projects "
                                 "whole (m, n) weights of one process, in their own dtype; drop "
+                                f"{', '.join(bad)}")
+
+    def _check_lomo(self) -> None:
+        """LOMO / AdaLomo (lomo_optim 0.1.1 ``lomo.py``, ``adalomo.py``): a ``register_hook`` on every
+        parameter updates, in place, the parameters whose gradient was accumulated since the last hook
+        (their ``p.grad`` freed): trainmem's optimizer-in-backward, set here. The HF Trainer calls
+        ``fused_backward(loss, lr)`` (accelerate ``lomo_backward``) and its ``step`` is a no-op
+        (accelerate ``optimizer.py`` L164-167). Refused: what the Trainer's path does not run or
+        trainmem does not model."""
+        o = self.optimizer
+        if o not in LOMO_OPTIMIZERS:
+            return
+        object.__setattr__(self, "optimizer_in_backward", True)
+        if o == "lomo" and self.precision == "fp16":
+            raise TrainmemError("--optimizer lomo with --precision fp16: an fp16 loss makes Lomo set clip_grad_norm 1.0, "
+                                "and fused_backward then raises \"clip_coef is None\" (the HF Trainer never calls "
+                                "grad_norm): the run stops; use --precision bf16 or fp16-amp")
+        bad = [flag for flag, on in (("--zero", self.zero), ("--fsdp", self.fsdp is not None), ("--dp", self.dp > 1),
+                                     ("--tp", self.tp > 1), ("--pp", self.pp > 1), ("--cp", self.cp > 1),
+                                     ("--lora-rank", self.lora_rank), ("--offload-optimizer", self.offload_optimizer),
+                                     ("--master-weights", self.master_weights is not None),
+                                     ("--optimizer-impl", self.optimizer_impl is not None),
+                                     ("--gemini", self.gemini is not None)) if on]
+        if bad:
+            raise TrainmemError(f"--optimizer {o} with {', '.join(bad)} is not modelled: lomo_optim updates each whole "
+                                f"parameter of one process inside backward (ZeRO-3 has its own path); drop "
                                 f"{', '.join(bad)}")
 
     def galore_options(self) -> dict[str, Any]:
