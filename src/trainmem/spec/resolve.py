@@ -100,7 +100,7 @@ def framework_names(given: dict[str, Any]) -> dict[str, Any]:
     ``OPTIMIZER_ALIASES``: the HF Trainer's ``optim`` names). An optimizer name that implies an
     implementation (``adamw_torch_fused``) sets ``optimizer_impl`` too, and contradicting an
     ``optimizer_impl`` also given is refused in one line; an HF name trainmem does not model
-    (``OPTIMIZERS_REFUSED``: GaLore, APOLLO, LOMO, XLA/NPU...) is refused in one line naming it."""
+    (``OPTIMIZERS_REFUSED``: APOLLO, galore_adafactor_layerwise, XLA/NPU...) is refused in one line naming it."""
     out = dict(given)
     p = out.get("precision")
     if isinstance(p, str) and p.strip().lower() in PRECISION_ALIASES:
