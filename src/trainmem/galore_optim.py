@@ -10,7 +10,8 @@ The classes are galore_torch's own when it is installed; otherwise ``GaLoreAdamW
 and ``GaLoreProjector`` below, which make the same tensors in the same order (galore_torch 1.0:
 ``galore_projector.py``, ``adamw.py``, ``adafactor.py``, github:jiaweizzhao/GaLore; only the
 allocating statements are kept: checked against the real classes with LiveBytes, tests/test_galore.py).
-GaLoreAdamW8bit steps bitsandbytes' CUDA kernels through ``Optimizer2State`` internals and is not traced.
+GaLoreAdamW8bit steps bitsandbytes' CUDA kernels through ``Optimizer2State`` internals: measured (the
+real class), not traced.
 """
 from __future__ import annotations
 
@@ -221,12 +222,13 @@ class _LayerWise(torch.optim.Optimizer):
 def _classes(optimizer: str, emulate: bool) -> tuple[type, dict[str, Any]]:
     """galore_torch's class when installed, else (``emulate``: trace) the one above, and the Trainer's
     extra arguments."""
-    if optimizer == "galore-adamw-8bit":
+    if optimizer == "galore-adamw-8bit" and emulate:
         raise TrainmemError("--optimizer galore-adamw-8bit is not traced: GaLoreAdamW8bit steps bitsandbytes' CUDA "
-                            "kernels through Optimizer2State's internals; use trainmem estimate")
+                            "kernels through Optimizer2State's internals; use trainmem estimate (or measure)")
     try:
         import galore_torch
-        cls = galore_torch.GaLoreAdafactor if optimizer == "galore-adafactor" else galore_torch.GaLoreAdamW
+        cls = {"galore-adafactor": galore_torch.GaLoreAdafactor, "galore-adamw": galore_torch.GaLoreAdamW,
+               "galore-adamw-8bit": galore_torch.GaLoreAdamW8bit}[optimizer]
     except ImportError:
         if not emulate:
             raise TrainmemError(f"--optimizer {optimizer} needs galore_torch to measure: pip install galore-torch") \
