@@ -28,7 +28,7 @@ from trainmem.estimate.states import BNB_LAYOUTS, bnb_qmap_bytes, model_states, 
 from trainmem.measure import LiveBytes  # noqa: E402
 from trainmem.spec import TrainingSpec, resolve_model  # noqa: E402
 from trainmem.spec.resolve import framework_names  # noqa: E402
-from trainmem.spec.galore import GALORE_HF_NAMES  # noqa: E402
+from trainmem.spec.galore import LOWRANK_HF_NAMES  # noqa: E402
 from trainmem.spec.training import OPTIMIZER_ALIASES, OPTIMIZERS, OPTIMIZERS_REFUSED  # noqa: E402
 
 from test_cli import assert_one_error_line, run_cli  # noqa: E402
@@ -47,10 +47,10 @@ def _hf_names() -> list[str]:
 def test_every_hf_optim_name_is_read_or_refused(name):
     """Each value is read as a trainmem optimizer (a TrainingSpec exists) or refused in one line
     naming it; never neither, never both."""
-    read = name in OPTIMIZER_ALIASES or name in OPTIMIZERS or name in GALORE_HF_NAMES
+    read = name in OPTIMIZER_ALIASES or name in OPTIMIZERS or name in LOWRANK_HF_NAMES
     assert read != (name in OPTIMIZERS_REFUSED), name
     if read:  # (GaLore's names need its target modules, as the HF Trainer does)
-        galore = {"optim_target_modules": "all-linear"} if name in GALORE_HF_NAMES else {}
+        galore = {"optim_target_modules": "all-linear"} if name in LOWRANK_HF_NAMES else {}
         t = TrainingSpec(**framework_names({"optimizer": name, **galore}))
         assert t.optimizer in OPTIMIZERS
         return
@@ -61,7 +61,7 @@ def test_every_hf_optim_name_is_read_or_refused(name):
         TrainingSpec(optimizer=name)  # the spec refuses it too, with the same line
 
 
-@pytest.mark.parametrize("name", ["galore_adafactor_layerwise", "apollo_adamw", "stable_adamw", "adamw_torch_xla",
+@pytest.mark.parametrize("name", ["galore_adafactor_layerwise", "adamw_anyprecision", "stable_adamw", "adamw_torch_xla",
                                   "adamw_torch_8bit", "adamw_hf"])
 def test_refused_names_are_one_cli_line(capsys, name):
     line = assert_one_error_line(*run_cli(capsys, "estimate", "gpt2", "--optimizer", name))

@@ -222,6 +222,17 @@ class _LayerWise(torch.optim.Optimizer):
 def _classes(optimizer: str, emulate: bool) -> tuple[type, dict[str, Any]]:
     """galore_torch's class when installed, else (``emulate``: trace) the one above, and the Trainer's
     extra arguments."""
+    if optimizer == "apollo-adamw":
+        if emulate:
+            raise TrainmemError("--optimizer apollo-adamw is not traced: APOLLO's norm-growth limiter is Python control "
+                                "flow on a tensor's value (max(ratio, 1.01), apollo.py L160-166), which fake tensors "
+                                "cannot run; use trainmem estimate (or measure)")
+        try:
+            import apollo_torch
+        except ImportError:
+            raise TrainmemError("--optimizer apollo-adamw needs apollo_torch to measure: pip install apollo-torch") \
+                from None
+        return apollo_torch.APOLLOAdamW, {}
     if optimizer == "galore-adamw-8bit" and emulate:
         raise TrainmemError("--optimizer galore-adamw-8bit is not traced: GaLoreAdamW8bit steps bitsandbytes' CUDA "
                             "kernels through Optimizer2State's internals; use trainmem estimate (or measure)")

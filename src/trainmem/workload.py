@@ -27,7 +27,7 @@ from .errors import TrainmemError
 from .spec import ModelSpec, TrainingSpec
 from .spec.tf_releases import installed_version, same_release
 from .spec.frameworks import caps_hidden_not_logits, torchtune_norm_saves_fp32
-from .spec.galore import GALORE_OPTIMIZERS
+from .spec.galore import LOWRANK_OPTIMIZERS
 from .spec.training import BNB_OPTIMIZERS, LOMO_OPTIMIZERS, padded_lengths
 
 DROPOUT_KEYS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "resid_pdrop", "embd_pdrop", "attn_pdrop",
@@ -401,7 +401,7 @@ class TrainStep:
         ``--optimizer-in-backward``)."""
         params = [p for p in model.parameters() if p.requires_grad]
         emulate = what == "trace"  # bitsandbytes' and lion-pytorch's optimizers emulated (trainmem.bnb)
-        if t.optimizer in GALORE_OPTIMIZERS:  # the HF Trainer's groups / layerwise hooks (galore_optim)
+        if t.optimizer in LOWRANK_OPTIMIZERS:  # the HF Trainer's groups / layerwise hooks (galore_optim)
             from .galore_optim import galore_optimizer
             return galore_optimizer(model, t, emulate=emulate)
         if t.optimizer in LOMO_OPTIMIZERS:    # lomo_optim's hooks (galore_optim.lomo_optimizer)

@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 from ..spec.frameworks import FRAMEWORKS
 from ..spec.tasks import TASKS
-from ..spec.galore import GALORE_HF_NAMES
+from ..spec.galore import LOWRANK_HF_NAMES
 from ..spec.training import (ATTENTION, ATTENTION_CALLS, FSDP_GATHERED, FSDP_LORA_UNITS, FSDP_MODES,
                              FSDP_WRAP_POLICIES, GRAD_SYNC,
                              RMS_NORMS, HOLD_OUTPUT, OPTIMIZER_ALIASES, OPTIMIZER_IMPLS, OPTIMIZERS, OPTIMIZERS_REFUSED, PP_SCHEDULES, PP_STAGES,
@@ -94,7 +94,7 @@ def add_precision_optimizer(g: Any) -> None:
                         "Lightning's names are read too: bf16-true = bf16, bf16-mixed = bf16-amp, 16-true = fp16, "
                         "16-mixed = fp16-amp, 32-true = fp32")
     # the HF names trainmem refuses are choices too, so that spec.resolve refuses them saying why
-    g.add_argument("--optimizer", choices=OPTIMIZERS + tuple(OPTIMIZER_ALIASES) + tuple(GALORE_HF_NAMES)
+    g.add_argument("--optimizer", choices=OPTIMIZERS + tuple(OPTIMIZER_ALIASES) + tuple(LOWRANK_HF_NAMES)
                    + tuple(OPTIMIZERS_REFUSED),
                    default=None, metavar="{" + ",".join(OPTIMIZERS) + "}",
                    help="(default adamw); the HF Trainer's optim names are read too (adamw_torch, adamw_torch_fused "

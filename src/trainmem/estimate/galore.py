@@ -50,6 +50,11 @@ def side_of(shape: tuple[int, int], proj_type: str) -> str:
     return proj_type
 
 
+def rank_of(shape: tuple[int, int], rank: int) -> int:
+    """The projection's rank for an (m, n) matrix (``_rank``)."""
+    return _rank(shape, rank)
+
+
 def _rank(shape: tuple[int, int], rank: int) -> int:
     """``U[:, :rank]`` / ``Vh[:rank]`` keep at most k = min(m, n) of them."""
     return min(rank, *shape)
@@ -83,8 +88,17 @@ def galore_state_bytes(optimizer: str, shape: tuple[int, ...], target: bool, w: 
     n_el = 1
     for d in shape:
         n_el *= d
+    if optimizer == "apollo-adamw":                              # APOLLO's plain group: GaLore's AdamW's states
+        optimizer = "galore-adamw" if not target else optimizer
     if not target:
         return _plain_states(optimizer, shape, n_el, w, blocksize)
+    if optimizer == "apollo-adamw":
+        # apollo_torch 1.0.3 random_projector.py L115-145: a new random (r, n) / (m, r) tensor in the gradient's
+        # dtype (fp32 generated, cast for a half one: never a view of a larger one); the Adam states of the
+        # projected gradient; state["scaled_grad"], a 0-dim tensor of the gradient's dtype (apollo.py L160-170)
+        a, b = projected_shape(shape, rank, proj_type)
+        proj = rank_of(shape, rank) * (shape[1] if side_of(shape, proj_type) == "right" else shape[0]) * w
+        return (proj, a * b * w, a * b * w, w)
     gdt = 4 if optimizer == "galore-adafactor" else w   # GaLoreAdafactor projects grad.float()
     a, b = projected_shape(shape, rank, proj_type)
     return projector_bytes(shape, rank, proj_type, gdt) + _plain_states(optimizer, (a, b), a * b, gdt, blocksize)
@@ -308,6 +322,69 @@ def _adafactor_tensor(L: _Live, x: GTensor, w: int, rank: int, proj_type: str, s
     L.free("neg")
 
 
+def _random_projector(L: _Live, shape: tuple[int, int], w: int, rank: int, proj_type: str) -> None:
+    """apollo_torch's ``GradientProjector.get_orthogonal_matrix`` (random_projector.py L115-145): a half
+    gradient's ``.float()`` copy (made, unused but for its shape), ``stable_randn`` fp32, ``/ sqrt(rank)``,
+    cast to a half gradient's dtype; the previous projector freed when ``ortho_matrix`` is rebound."""
+    m, n = shape
+    elems = rank_of(shape, rank) * (n if side_of(shape, proj_type) == "right" else m)
+    if w != 4:
+        L.alloc("svd.mat", m * n * 4)
+    L.alloc("rnd", elems * 4)
+    L.alloc("P.new", elems * 4)
+    L.free("rnd")
+    if w != 4:
+        L.alloc("P.cast", elems * w)
+        L.free("P.new")
+        L.keep("P.new", "P.cast")
+    L.free("svd.mat")
+    L.drop(elems * w)                                            # the old projector
+    L.keep("states", "P.new")
+
+
+def _apollo_tensor(L: _Live, x: GTensor, w: int, rank: int, proj_type: str, svd: bool) -> None:
+    """One tensor of apollo_torch 1.0.3 ``APOLLOAdamW.step`` (apollo.py L118-180, scale_type channel,
+    proj std): GaLore's AdamW on the projected gradient, then the channel norms of ``norm_grad`` and of
+    the projected gradient (vectors of the long side), ``scaled_grad = p.grad * factor`` (m, n), the
+    norm-growth limiter's ``scaled_grad / limiter`` (another (m, n), the first freed) and
+    ``norm_grad = scaled_grad``; ``scaled_grad`` keeps it until the next target's replaces it. The
+    limiter is a tensor when the norm grew by over 1 % (the larger path: counted)."""
+    L.free("grad")
+    if not x.target:
+        _adamw_tensor(L, x, w, rank, proj_type, svd)
+        return
+    if svd:
+        _random_projector(L, x.shape, w, rank, proj_type)
+    a, b = projected_shape(x.shape, rank, proj_type)
+    _project(L, "grad", x.shape, (a, b), w, "right" if x.shape[0] >= x.shape[1] else "left")
+    for key in ("denom", "norm"):
+        L.alloc(key + ".new", a * b * w)
+        L.rebind(key, key + ".new")
+    vec = max(x.shape)                                           # torch.norm(..., dim=low-rank dimension)
+    L.alloc("v1", vec * w)
+    L.alloc("v2", vec * w)
+    L.alloc("v3", vec * w)                                       # + 1e-8
+    L.free("v2")
+    L.alloc("fac.new", vec * w)                                  # the quotient
+    L.free("v1")
+    L.free("v3")
+    L.rebind("fac", "fac.new")
+    L.alloc("scaled.new", x.numel * w)                           # p.grad * grad_scaling_factor
+    L.rebind("scaled", "scaled.new")
+    for key in ("sn.new", "s1", "s2", "lim"):                    # torch.norm(scaled_grad); state + 1e-8;
+        L.alloc(key, w)                                          # the ratio; / 1.01
+    L.free("s1")
+    L.free("s2")
+    L.rebind("sn", "sn.new")
+    L.alloc("scaled.new", x.numel * w)                           # scaled_grad / limiter
+    L.rebind("scaled", "scaled.new")
+    L.alloc("st.new", w)                                         # state["scaled_grad"] = ... / limiter
+    L.drop(w)
+    L.keep("states", "st.new")
+    L.rebind("limiter", "lim")
+    L.free("norm")                                               # norm_grad = scaled_grad (an alias)
+
+
 def _rms(L: _Live, key: str) -> None:
     """``Adafactor._rms``: ``tensor.norm(2) / (tensor.numel() ** 0.5)``, two fp32 scalars, the first freed."""
     L.alloc("rms.norm", 4)
@@ -316,7 +393,7 @@ def _rms(L: _Live, key: str) -> None:
 
 
 _STEPS = {"galore-adamw": _adamw_tensor, "galore-adamw-8bit": _adamw8bit_tensor,
-          "galore-adafactor": _adafactor_tensor}
+          "galore-adafactor": _adafactor_tensor, "apollo-adamw": _apollo_tensor}
 
 
 def step_peak(tensors: list[GTensor], optimizer: str, w: int, rank: int, proj_type: str, svd: bool,

@@ -40,7 +40,7 @@ from .quant4 import dequant_dtypes, dequant_scratch, is_quantized
 from .schedules import in_flight_at_backwards
 from .gemini import model_gemini
 from .galore import GTensor, step_order, step_replay
-from ..spec.galore import GALORE_OPTIMIZERS
+from ..spec.galore import LOWRANK_OPTIMIZERS
 from .states import (States, block_bytes, default_lora_targets, parameter_order, dtensor_tp, fsdp_grad_op, model_states,
                      torch_cp, torch_pipeline)
 
@@ -1782,7 +1782,7 @@ def deepspeed_step_grad(t: TrainingSpec, st: States) -> int:
 def step_copies(t: TrainingSpec) -> int | None:
     """Temporaries per tensor of an optimizer step that loops over tensors (None: a foreach step
     makes one per tensor for the whole group at once; 0: none), as ``step_temporaries`` counts them."""
-    if t.optimizer in GALORE_OPTIMIZERS + LOMO_OPTIMIZERS:
+    if t.optimizer in LOWRANK_OPTIMIZERS + LOMO_OPTIMIZERS:
         return 0
     if t.optimizer == "adafactor" and not t.offload_optimizer:
         return 2 if (t.weight_bytes == 4 or t.fp32_master) else 4
@@ -1843,7 +1843,7 @@ def lomo_update_bytes(m: ModelSpec, t: TrainingSpec) -> tuple[int, int]:
 
 def _galore_fields(m: ModelSpec, t: TrainingSpec, st: States, oib: bool) -> dict[str, Any]:
     """``step_temp`` (and GaLore's ``step_events``): a layerwise GaLore steps inside backward (none)."""
-    if t.optimizer not in GALORE_OPTIMIZERS:
+    if t.optimizer not in LOWRANK_OPTIMIZERS:
         return {"step_temp": step_temporaries(t, st)}
     if oib:
         return {"step_temp": 0}
@@ -1897,7 +1897,7 @@ def _copies_per_tensor(t: TrainingSpec, per_parameter: bool) -> int | None:
     ``torch/optim/sgd.py`` ``_multi_tensor_sgd`` L403-472; the for-loop ``_single_tensor_sgd`` alike).
     Found by trace: Mistral (2 layers) fp16-amp SGD momentum: +6.4% before (a gradient-sized
     temporary charged at the step)."""
-    if t.optimizer in GALORE_OPTIMIZERS + LOMO_OPTIMIZERS:
+    if t.optimizer in LOWRANK_OPTIMIZERS + LOMO_OPTIMIZERS:
         return 0  # replayed tensor by tensor (galore_step_bytes, galore_oib_bytes; lomo_update_bytes)
     if t.optimizer in ("sgd", "sgd-momentum", "schedule-free-sgd") + BNB_OPTIMIZERS or t.offload_optimizer:
         # bitsandbytes' step is one in-place CUDA kernel per tensor (``optimizer_update_8bit_blockwise``
@@ -1931,7 +1931,7 @@ def oib_update_bytes(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, in
     largest such amount among tensors updated while activations are alive (all but the input
     embeddings, e.g. an untied LM head right after the loss) and among all (the embeddings, whose
     gradients complete last). Sharded (ZeRO/FSDP2) tensors update their shard."""
-    if t.optimizer in GALORE_OPTIMIZERS:
+    if t.optimizer in LOWRANK_OPTIMIZERS:
         return galore_oib_bytes(m, t)
     if t.optimizer in LOMO_OPTIMIZERS:
         return lomo_update_bytes(m, t)

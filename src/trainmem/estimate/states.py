@@ -13,7 +13,7 @@ from typing import Any
 
 from ..spec.model import ModelSpec, ParamTensor
 from ..spec.tf_releases import layer_rotary_cache
-from ..spec.galore import GALORE_OPTIMIZERS
+from ..spec.galore import LOWRANK_OPTIMIZERS
 from ..spec.training import TrainingSpec, galore_target
 
 from ..allocator_rules import block_bytes, placed_bytes
@@ -664,7 +664,7 @@ class _Tally:
 def _state_bytes(t: TrainingSpec, shape: tuple[int, ...], sh: int, r: _Rank, n: int, galore: bool) -> tuple[int, ...]:
     """One tensor's optimizer states (``state_bytes``; GaLore's optimizers: ``galore_state_bytes``, in the
     weight's dtype: GaLore runs without master weights or sharding, ``TrainingSpec._check_galore``)."""
-    if t.optimizer in GALORE_OPTIMIZERS:
+    if t.optimizer in LOWRANK_OPTIMIZERS:
         o = t.galore_options()
         return galore_state_bytes(t.optimizer, shape, galore, r.w, o["rank"], o["proj_type"], t.bnb_blocksize)
     return state_bytes(t.optimizer, shape, sh, r.sbytes, whole=n, blocksize=t.bnb_blocksize)

@@ -24,15 +24,23 @@ from ..errors import TrainmemError
 
 #: trainmem's names of galore_torch's three optimizers
 GALORE_OPTIMIZERS = ("galore-adamw", "galore-adamw-8bit", "galore-adafactor")
+#: apollo_torch's APOLLOAdamW (the HF Trainer's ``apollo_adamw``: ``_get_apollo_optimizer`` L384-410)
+APOLLO_OPTIMIZERS = ("apollo-adamw",)
+#: the optimizers over the HF Trainer's two groups (``_setup_low_rank_optimizer``)
+LOWRANK_OPTIMIZERS = GALORE_OPTIMIZERS + APOLLO_OPTIMIZERS
 #: the HF Trainer's names: (trainmem optimizer, layerwise)
-GALORE_HF_NAMES = {"galore_adamw": ("galore-adamw", False), "galore_adamw_8bit": ("galore-adamw-8bit", False),
-                   "galore_adafactor": ("galore-adafactor", False),
-                   "galore_adamw_layerwise": ("galore-adamw", True),
-                   "galore_adamw_8bit_layerwise": ("galore-adamw-8bit", True)}
+LOWRANK_HF_NAMES = {"galore_adamw": ("galore-adamw", False), "galore_adamw_8bit": ("galore-adamw-8bit", False),
+                    "galore_adafactor": ("galore-adafactor", False),
+                    "galore_adamw_layerwise": ("galore-adamw", True),
+                    "galore_adamw_8bit_layerwise": ("galore-adamw-8bit", True),
+                    "apollo_adamw": ("apollo-adamw", False), "apollo_adamw_layerwise": ("apollo-adamw", True)}
 #: ``GaLoreProjector.project``'s proj_type values (galore_torch 1.0 ``galore_projector.py`` L14-43)
 PROJ_TYPES = ("std", "reverse_std", "right", "left", "full")
 #: ``_get_galore_optimizer``'s defaults (trainer_optimizer.py L369-374)
 GALORE_DEFAULTS = {"rank": 128, "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"}
+#: ``_get_apollo_optimizer``'s (L398-405)
+APOLLO_DEFAULTS = {"rank": 128, "proj": "random", "scale_type": "channel", "update_proj_gap": 200, "scale": 1.0,
+                   "proj_type": "std"}
 #: galore_adafactor_layerwise: HF builds each per-parameter GaLoreAdafactor with the Trainer's ``lr`` but
 #: without ``relative_step=False`` (L379-380 set it for ``galore_adafactor`` only), and Adafactor's
 #: constructor raises "Cannot combine manual `lr` and `relative_step=True` options" (galore_torch
@@ -43,11 +51,14 @@ ADAFACTOR_LAYERWISE = ("--optimizer galore_adafactor_layerwise: the HF Trainer b
                        "`relative_step=True`\"); use galore_adafactor or galore_adamw_layerwise")
 
 
-def parse_optim_args(text: Any) -> dict[str, Any]:
-    """GaLore's options from an HF ``optim_args`` string ("rank=64,update_proj_gap=200,scale=0.25,
-    proj_type=std"), completed with ``GALORE_DEFAULTS``. A key GaLore does not read is refused (the
-    HF Trainer would drop it silently)."""
-    out = dict(GALORE_DEFAULTS)
+def parse_optim_args(text: Any, optimizer: str = "galore-adamw") -> dict[str, Any]:
+    """GaLore's (APOLLO's) options from an HF ``optim_args`` string ("rank=64,update_proj_gap=200,
+    scale=0.25,proj_type=std"), completed with ``GALORE_DEFAULTS`` (``APOLLO_DEFAULTS``). A key the
+    optimizer does not read is refused (the HF Trainer would drop it silently), and what trainmem does
+    not model: APOLLO's ``proj=svd`` and ``proj_type`` other than std, reverse_std, left, right
+    (apollo_torch's random projector raises on "full"; other sides are not modelled)."""
+    defaults = APOLLO_DEFAULTS if optimizer in APOLLO_OPTIMIZERS else GALORE_DEFAULTS
+    out = dict(defaults)
     if text is None or text == "":
         return out
     if not isinstance(text, str):
@@ -56,18 +67,23 @@ def parse_optim_args(text: Any) -> dict[str, Any]:
         if not item:
             continue
         key, sep, value = item.partition("=")
-        if not sep or key not in GALORE_DEFAULTS:
-            raise TrainmemError(f"--optim-args {text!r}: {item!r} is not one of GaLore's k=v options "
-                                f"({', '.join(GALORE_DEFAULTS)})")
+        if not sep or key not in defaults:
+            raise TrainmemError(f"--optim-args {text!r}: {item!r} is not one of --optimizer {optimizer}'s k=v "
+                                f"options ({', '.join(defaults)})")
         try:
-            out[key] = type(GALORE_DEFAULTS[key])(value)
+            out[key] = type(defaults[key])(value)
         except ValueError:
-            raise TrainmemError(f"--optim-args {text!r}: {key} must be a {type(GALORE_DEFAULTS[key]).__name__}, "
+            raise TrainmemError(f"--optim-args {text!r}: {key} must be a {type(defaults[key]).__name__}, "
                                 f"got {value!r}") from None
     if out["rank"] <= 0 or out["update_proj_gap"] <= 0:
         raise TrainmemError(f"--optim-args {text!r}: rank and update_proj_gap must be positive")
-    if out["proj_type"] not in PROJ_TYPES:
-        raise TrainmemError(f"--optim-args {text!r}: proj_type must be one of {', '.join(PROJ_TYPES)}")
+    kinds = PROJ_TYPES if optimizer not in APOLLO_OPTIMIZERS else ("std",)  # (APOLLO's channel scaling
+    #                                                 divides along the projected side: std only, apollo.py L147-152)
+    if out["proj_type"] not in kinds:
+        raise TrainmemError(f"--optim-args {text!r}: proj_type must be one of {', '.join(kinds)}")
+    if optimizer in APOLLO_OPTIMIZERS and (out["proj"] != "random" or out["scale_type"] != "channel"):
+        raise TrainmemError(f"--optim-args {text!r}: trainmem models APOLLO at the HF Trainer's proj=random and "
+                            "scale_type=channel (its SVD projector and tensor-wise scaling are not modelled)")
     return out
 
 

@@ -49,7 +49,7 @@ from .model import ModelSpec
 from .deepspeed import zero_options
 from .releases import parse_torch_version, torch_defaults
 from .tf_releases import default_attention, model_key, parse_transformers_version
-from .galore import GALORE_HF_NAMES
+from .galore import LOWRANK_HF_NAMES
 from .training import (OPTIMIZER_ALIASES, PRECISION_ALIASES, optimizer_refusal, TrainingSpec, check_against, deepspeed_problems, default_seq_len,
                        image_sizes)
 
@@ -108,10 +108,10 @@ def framework_names(given: dict[str, Any]) -> dict[str, Any]:
     o = out.get("optimizer")
     if optimizer_refusal(o):
         raise TrainmemError(optimizer_refusal(o))
-    if isinstance(o, str) and o.strip().lower() in GALORE_HF_NAMES:
+    if isinstance(o, str) and o.strip().lower() in LOWRANK_HF_NAMES:
         # galore_*_layerwise: one optimizer per parameter stepped from its post-accumulate-grad hook, the
         # gradient freed by its zero_grad (trainer_optimizer.py L164-184): trainmem's optimizer-in-backward
-        out["optimizer"], layerwise = GALORE_HF_NAMES[o.strip().lower()]
+        out["optimizer"], layerwise = LOWRANK_HF_NAMES[o.strip().lower()]
         if layerwise:
             out["optimizer_in_backward"] = True
     if isinstance(o, str) and o.strip().lower() in OPTIMIZER_ALIASES:

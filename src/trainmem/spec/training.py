@@ -9,7 +9,8 @@ from dataclasses import dataclass, asdict, field
 from typing import Any
 
 from ..errors import TrainmemError
-from .galore import ADAFACTOR_LAYERWISE, GALORE_OPTIMIZERS, is_target, parse_optim_args, target_modules
+from .galore import (ADAFACTOR_LAYERWISE, LOWRANK_OPTIMIZERS, is_target, parse_optim_args,
+                     target_modules)
 from .hardware import parse_cublas_workspace_config
 from .layout import layout_problems, stage_layers
 from .releases import (SDPA_ATTENTION, fsdp2_rs_on_default_stream, math_sdpa_upcasts, parse_torch_version,
@@ -31,7 +32,7 @@ LOMO_OPTIMIZERS = ("lomo", "adalomo")
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adamw-8bit", "lion", "paged-adamw-8bit",
               "paged-adamw", "adagrad", "rmsprop", "lion-8bit", "lion-32bit", "paged-lion-8bit", "paged-lion",
               "rmsprop-8bit", "rmsprop-32bit", "ademamix", "ademamix-8bit", "paged-ademamix",
-              "paged-ademamix-8bit", "schedule-free-adamw", "schedule-free-sgd", "schedule-free-radam") + GALORE_OPTIMIZERS \
+              "paged-ademamix-8bit", "schedule-free-adamw", "schedule-free-sgd", "schedule-free-radam") + LOWRANK_OPTIMIZERS \
     + LOMO_OPTIMIZERS
 #: a framework's own precision names, as trainmem's (Lightning's ``precision=`` strings:
 #: ``_PRECISION_INPUT_STR`` in lightning 2.6.5 src/lightning/fabric/plugins/precision/precision.py; "-true" = the weights in that dtype, "-mixed" =
@@ -60,12 +61,8 @@ OPTIMIZER_ALIASES = {"adamw_torch": ("adamw", None), "adamw_torch_fused": ("adam
                      "schedule_free_sgd": ("schedule-free-sgd", None),
                      "schedule_free_radam": ("schedule-free-radam", None)}
 #: the HF Trainer's ``optim=`` names trainmem does not model, and why (``OPTIMIZER_ALIASES``,
-#: ``spec.galore.GALORE_HF_NAMES`` and the names in ``OPTIMIZERS`` are the others; tests/test_hf_optimizers.py
+#: ``spec.galore.LOWRANK_HF_NAMES`` and the names in ``OPTIMIZERS`` are the others; tests/test_hf_optimizers.py
 #: enumerates the installed ``OptimizerNames``)
-_APOLLO = ("APOLLO keeps its states in a random rank-r projection of each target matrix (apollo_torch), "
-           "which trainmem does not model")
-_LAYERWISE = ("; its layerwise variant also steps one optimizer per parameter inside backward "
-              "(trainer_optimizer.py L164-184)")
 _NOT_YET = "is not modelled yet: its states and its step's temporaries have no model in trainmem"
 #: torchao 0.18 ``torchao/optim/adam.py`` L134-156: ``torch.compile(single_param_adam, fullgraph=True)`` per parameter
 _TORCHAO = ("is not modelled: its step is a torch.compile'd function per parameter, whose temporaries are "
@@ -74,7 +71,6 @@ OPTIMIZERS_REFUSED = {
     "adamw_torch_xla": "torch_xla's syncfree AdamW runs on XLA devices (TPU), not a CUDA GPU",
     "adamw_torch_npu_fused": "torch_npu's NpuFusedAdamW runs on Ascend NPUs, not a CUDA GPU",
     "galore_adafactor_layerwise": ADAFACTOR_LAYERWISE.split(": ", 1)[1],
-    "apollo_adamw": _APOLLO, "apollo_adamw_layerwise": _APOLLO + _LAYERWISE,
     "adamw_torch_4bit": "torchao's AdamW4bit " + _TORCHAO,
     "adamw_torch_8bit": "torchao's AdamW8bit " + _TORCHAO,
     "adamw_anyprecision": "torchdistx's AnyPrecisionAdamW " + _NOT_YET,
@@ -700,13 +696,13 @@ class TrainingSpec:
         (trainer_optimizer.py L121-122) and refuses the layerwise variants under DDP (L116-117) and
         with gradient accumulation (L165-166); what trainmem does not model with it is refused."""
         object.__setattr__(self, "optim_target_modules", target_modules(self.optim_target_modules))
-        if self.optimizer not in GALORE_OPTIMIZERS:
+        if self.optimizer not in LOWRANK_OPTIMIZERS:
             for key in ("optim_target_modules", "optim_args"):
                 if getattr(self, key) is not None:
                     raise TrainmemError(f"--{key.replace('_', '-')} is read by the GaLore optimizers only "
                                         f"(--optimizer galore_*); drop it with --optimizer {self.optimizer}")
             return
-        parse_optim_args(self.optim_args)
+        parse_optim_args(self.optim_args, self.optimizer)
         o = self.optimizer
         if self.optim_target_modules is None:
             raise TrainmemError(f"--optimizer {o} needs --optim-target-modules (the HF Trainer raises \"You need to "
@@ -755,7 +751,7 @@ class TrainingSpec:
 
     def galore_options(self) -> dict[str, Any]:
         """rank, update_proj_gap, scale, proj_type (``optim_args`` over the HF Trainer's defaults)."""
-        return parse_optim_args(self.optim_args)
+        return parse_optim_args(self.optim_args, self.optimizer)
 
     def _check_transformer_impl(self) -> None:
         """``transformer_impl``: Megatron-LM's only; its local layers run the unfused attention
@@ -1680,7 +1676,7 @@ def galore_target(t: TrainingSpec, p: Any) -> bool:
     (a 2-D matmul weight, not a MoE expert's grouped tensor) whose module name the HF Trainer's
     ``optim_target_modules`` matches (``spec.galore.is_target``; trainmem's names lack the model's
     own prefix, such as ``model.``)."""
-    if t.optimizer not in GALORE_OPTIMIZERS or p.role not in ("linear", "router") or len(p.shape) != 2:
+    if t.optimizer not in LOWRANK_OPTIMIZERS or p.role not in ("linear", "router") or len(p.shape) != 2:
         return False
     if not p.name.endswith(".weight"):
         return False
@@ -1691,7 +1687,7 @@ def galore_model_problem(model: Any, t: TrainingSpec) -> str | None:
     """Why GaLore cannot run on ``model`` as given (None: it can): GPT-2's matmuls are transformers'
     ``Conv1D``, not ``nn.Linear`` (HF's ``_setup_low_rank_optimizer`` takes ``nn.Linear`` only, L143-146);
     no module matched raises in the HF Trainer (L153-154)."""
-    if t.optimizer not in GALORE_OPTIMIZERS:
+    if t.optimizer not in LOWRANK_OPTIMIZERS:
         return None
     if model.model_type == "gpt2":
         return (f"--optimizer {t.optimizer} with {model.name}: GPT-2's attention and MLP are transformers' Conv1D, "
