@@ -464,10 +464,11 @@ def plan(model: Any, gpus: int, seq_len: int | None = None, global_batch: int | 
         name = f"--pp-schedule {sched}" if sched else "--pp-virtual-stages"
         raise TrainmemError(f"plan {name}: the planner's layouts and step-time model cover one pipeline stage per "
                             "rank (its bubble); estimate one layout with it")
-    if str(options.get("optimizer") or "").strip().lower().replace("-", "_").startswith("galore"):
-        raise TrainmemError("plan --optimizer galore_*: the planner varies ZeRO stages and tensor/pipeline "
-                            "parallelism, which GaLore is not modelled with; estimate (or fit, sweep) one data-parallel "
-                            "layout with it")
+    name = str(options.get("optimizer") or "").strip().lower().replace("-", "_")
+    if name.startswith(("galore", "apollo", "lomo", "adalomo")):
+        raise TrainmemError(f"plan --optimizer {name}: the planner varies ZeRO stages and tensor/pipeline "
+                            "parallelism, which GaLore, APOLLO and LOMO are not modelled with; estimate (or fit, sweep) "
+                            "one layout with it")
     if options.get("offload_activations"):
         raise TrainmemError("plan --offload-activations: the planner's layouts and step-time model do not cover "
                             "activation offloading; estimate one layout with it")

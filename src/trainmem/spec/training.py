@@ -699,8 +699,8 @@ class TrainingSpec:
         if self.optimizer not in LOWRANK_OPTIMIZERS:
             for key in ("optim_target_modules", "optim_args"):
                 if getattr(self, key) is not None:
-                    raise TrainmemError(f"--{key.replace('_', '-')} is read by the GaLore optimizers only "
-                                        f"(--optimizer galore_*); drop it with --optimizer {self.optimizer}")
+                    raise TrainmemError(f"--{key.replace('_', '-')} is read by the GaLore and APOLLO optimizers only "
+                                        f"(--optimizer galore_*, apollo_*); drop it with --optimizer {self.optimizer}")
             return
         parse_optim_args(self.optim_args, self.optimizer)
         o = self.optimizer
@@ -719,7 +719,7 @@ class TrainingSpec:
                                      ("--optimizer-impl", self.optimizer_impl is not None),
                                      ("--gemini", self.gemini is not None)) if on]
         if bad:
-            raise TrainmemError(f"--optimizer {o} with {', '.join(bad)} is not modelled: galore_torch's step projects "
+            raise TrainmemError(f"--optimizer {o} with {', '.join(bad)} is not modelled: its step projects "
                                 "whole (m, n) weights of one process, in their own dtype; drop "
                                 f"{', '.join(bad)}")
 
@@ -1691,7 +1691,8 @@ def galore_model_problem(model: Any, t: TrainingSpec) -> str | None:
         return None
     if model.model_type == "gpt2":
         return (f"--optimizer {t.optimizer} with {model.name}: GPT-2's attention and MLP are transformers' Conv1D, "
-                "which the HF Trainer's GaLore setup skips (nn.Linear only); use a model with nn.Linear layers")
+                "which the HF Trainer's low-rank optimizer setup skips (nn.Linear only); use a model with nn.Linear "
+                "layers")
     if not any(galore_target(t, p) for p in model.parameter_tensors()):
         return (f"--optim-target-modules {t.optim_target_modules}: no nn.Linear module of {model.name} matches (the "
                 "HF Trainer raises \"No target modules found\"); its linear modules: "
