@@ -100,8 +100,8 @@ def add_precision_optimizer(g: Any) -> None:
                    help="(default adamw); the HF Trainer's optim names are read too (adamw_torch, adamw_torch_fused "
                         "= adamw fused, adamw_bnb_8bit, paged_adamw_32bit, lion_8bit, rmsprop_bnb, ademamix_8bit, "
                         "schedule_free_adamw, ...: README.md lists them; galore_adamw, galore_adamw_8bit, "
-                        "galore_adafactor and the _layerwise ones need --optim-target-modules); lomo, adalomo: lomo_optim; APOLLO, torchao "
-                        "and XLA/NPU ones are refused")
+                        "galore_adafactor, apollo_adamw and the _layerwise ones need --optim-target-modules; lomo, "
+                        "adalomo: lomo_optim); torchao and XLA/NPU ones are refused")
     g.add_argument("--optim-target-modules", default=None, metavar="M1,M2|all-linear",
                    help="GaLore: the HF Trainer's optim_target_modules, the nn.Linear modules whose weights GaLore "
                         "projects (names matched as a list: a name, a substring of the module's name, or a regex of "

@@ -1,4 +1,5 @@
-"""GaLore's memory: the projector and projected states of each target matrix, and the step's temporaries.
+"""GaLore's (and APOLLO's) memory: the projector and projected states of each target matrix, and the
+step's temporaries.
 
 From galore_torch 1.0 (the ``galore-torch`` wheel the HF Trainer imports; github:jiaweizzhao/GaLore):
 
@@ -27,9 +28,13 @@ From galore_torch 1.0 (the ``galore-torch`` wheel the HF Trainer imports; github
   row and column); a half weight's fp32 copy ``p_data_fp32``; ``update = grad**2 + eps``, the
   factored ``torch.mul(r_factor, c_factor)``, projected back, ``p_data_fp32.add_(-update)``.
 
+APOLLO (apollo_torch 1.0.3 ``apollo.py``, ``random_projector.py``), the HF Trainer's ``apollo_adamw``: the
+same two groups and AdamW, a random projector in the gradient's dtype, and a channel-scaled full gradient
+(``_apollo_tensor``).
+
 ``step_peak`` replays these allocations tensor by tensor (``_Live``); a real CPU run of galore_torch
-checks it byte for byte (tests/test_galore.py). The SVD's own work buffers (LAPACK's / cuSOLVER's
-workspace) are not modelled; its input copy is (``linalg_svd`` clones the matrix column-major for
+checks it byte for byte (tests/test_galore.py; apollo_torch: tests/test_apollo.py). The SVD's own work
+buffers (LAPACK's / cuSOLVER's workspace) are not modelled; its input copy is (``linalg_svd`` clones the matrix column-major for
 LAPACK/cuSOLVER, which overwrite it).
 """
 from __future__ import annotations
