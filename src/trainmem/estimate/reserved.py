@@ -95,6 +95,7 @@ class _Step:
     step: int = 0                                # the step being replayed (1 or 2)
     handle_ws: int = 0                           # one cuBLAS handle's workspace (Hardware.handle_workspace)
     workspaces: list = field(default_factory=list)  # the forward thread's, then autograd's (kept)
+    lomo: Any = None                             # LOMO: the gradient its next hook updates (handle, bytes, states)
 
     def workspace(self, R: "_Replay", thread: int) -> None:
         """The cuBLAS workspace of the forward (0) or the autograd (1) thread, at its first matmul
@@ -427,6 +428,9 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     R.frees([tied, f.emb, f.inputs] + buckets)
     f.fs.reshard(R, f.root)                                       # the root's post-backward
     f.fs.done(R)
+    if s.lomo is not None:                                        # LOMO's fused_backward: the last hook call
+        _lomo_update(R, *s.lomo, flags.oib)
+        s.lomo = None
     R.mark("backward" + suffix, s.step)
     if flags.hold == "step":
         s.held = f.out
@@ -1103,8 +1107,10 @@ def _grad_of(R: _Replay, s: _Step, trainables: tuple, j: int, oib: bool = False,
         return
     s.made[j] = copy + 1
     s.grads[(j, copy)] = R.alloc(g, stream)
-    if isinstance(oib, tuple) and oib:                 # LOMO / AdaLomo: the update's own tensors
-        _lomo_update(R, s.grads[(j, copy)], g, _sts, oib)
+    if isinstance(oib, tuple) and oib:                 # LOMO / AdaLomo: the next hook (this gradient's
+        if s.lomo is not None:                         # parameter's) updates the one accumulated before
+            _lomo_update(R, *s.lomo, oib)
+        s.lomo = (s.grads[(j, copy)], g, _sts)
         s.grads[(j, copy)] = None
     elif oib:
         R.free(s.grads[(j, copy)])

@@ -1597,6 +1597,10 @@ def check_against(model: Any, t: TrainingSpec) -> None:
     galore = galore_model_problem(model, t)
     if galore:
         raise TrainmemError(galore)
+    if t.optimizer == "adalomo" and any(len(p.shape) > 2 for p in model.parameter_tensors()):
+        raise TrainmemError(f"--optimizer adalomo with {model.name}: AdaLomo keeps row/column moments of each "
+                            "parameter's first two dimensions (adalomo.py L110-118), which its update cannot "
+                            "broadcast over a 3-D expert tensor; use --optimizer lomo")
     if t.lora_targets:
         known = {p.module for p in model.parameter_tensors() if p.is_matmul}
         bad = [x for x in t.lora_targets if x not in known]
