@@ -97,8 +97,10 @@ def test_refusals_are_one_line(capsys, args, word):
 @pytest.mark.parametrize("optimizer", ["lomo", "adalomo"])
 def test_trace_agrees_with_estimate(optimizer):
     """trace runs lomo_optim's hooks (or galore_optim's port of them) with ``fused_backward`` and no
-    step, as accelerate does; the estimate's peak within 0.01% (a one-layer Llama-3.2-1B, pure bf16)."""
+    step, as accelerate does; the estimate's peak within 0.01%, its reserved (each hook's update replayed
+    when the next gradient exists) within 0.5% (a one-layer Llama-3.2-1B, pure bf16)."""
     kw = dict(set={"num_hidden_layers": 1, "vocab_size": 32000}, optimizer=optimizer, precision="bf16",
               batch_size=1, seq_len=64)
     e, t = trainmem.estimate("llama-3.2-1b", **kw), trainmem.trace("llama-3.2-1b", **kw)
     assert abs(e.peak_allocated - t.peak_allocated) <= 1e-4 * t.peak_allocated, (e.peak_allocated, t.peak_allocated)
+    assert abs(e.peak_reserved - t.peak_reserved) <= 5e-3 * t.peak_reserved, (e.peak_reserved, t.peak_reserved)
