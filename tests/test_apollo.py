@@ -101,8 +101,23 @@ def test_refusals_are_one_line(capsys, args, word):
     assert word in line, line
 
 
-def test_trace_refuses(capsys):
-    line = assert_one_error_line(*run_cli(capsys, "trace", "llama-3.2-1b", "--set", "num_hidden_layers=2",
-                                          "--seq-len", "32", "--optimizer", "apollo_adamw",
-                                          "--optim-target-modules", "attn"))
-    assert "not traced" in line
+@pytest.mark.parametrize("precision", ["bf16", "bf16-amp"])
+@pytest.mark.parametrize("gap", [1, 1000])
+def test_trace_step_is_the_replayed_step(precision, gap):
+    """trace runs galore_optim's APOLLOAdamW (the limiter taken as a tensor) in the HF Trainer's groups;
+    its second optimizer step (gap 1: a projector update; 1000: steady) rises by exactly the replay."""
+    import trainmem
+    from trainmem.estimate.states import block_bytes
+    from trainmem.spec import TrainingSpec, resolve_model
+    from trainmem.spec.resolve import framework_names
+    from trainmem.spec.training import galore_target
+    kw = dict(optimizer="apollo_adamw", precision=precision, optim_target_modules="attn,mlp",
+              optim_args=f"rank=8,update_proj_gap={gap}", batch_size=2, seq_len=32)
+    ph = trainmem.trace("llama-3.2-1b", set=SET, **kw).phase("optimizer_step", 2)
+    m, t = resolve_model("llama-3.2-1b", SET), TrainingSpec(**framework_names(kw))
+    tensors = step_order([GTensor(p.shape, galore_target(t, p)) for p in m.parameter_tensors()])
+    assert ph.peak - ph.allocated == step_peak(tensors, t.optimizer, t.weight_bytes, 8, "std", gap == 1, block_bytes)
+
+
+SET = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
+       "num_attention_heads": 4, "num_key_value_heads": 2}

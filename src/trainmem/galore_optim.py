@@ -11,7 +11,8 @@ and ``GaLoreProjector`` below, which make the same tensors in the same order (ga
 ``galore_projector.py``, ``adamw.py``, ``adafactor.py``, github:jiaweizzhao/GaLore; only the
 allocating statements are kept: checked against the real classes with LiveBytes, tests/test_galore.py).
 GaLoreAdamW8bit steps bitsandbytes' CUDA kernels through ``Optimizer2State`` internals: measured (the
-real class), not traced.
+real class), not traced. APOLLO is traced with ``APOLLOAdamW`` below always (the real class's norm
+limiter needs a tensor's value).
 """
 from __future__ import annotations
 
@@ -205,6 +206,73 @@ class GaLoreAdafactor(torch.optim.Optimizer):
         return None
 
 
+class RandomProjector(GaLoreProjector):
+    """apollo_torch 1.0.3 ``GradientProjector`` (random_projector.py, proj_type std): a random (r, n) /
+    (m, r) matrix from ``stable_randn`` (fp32; its seeded generator makes no tensor and is left out),
+    ``/ sqrt(rank)``, cast to a half gradient's dtype (after a ``.float()`` copy of the gradient)."""
+
+    @staticmethod
+    def get_orthogonal_matrix(weights: torch.Tensor, rank: int, side: str) -> Any:
+        float_data = weights.data.dtype == torch.float
+        matrix = weights.data if float_data else weights.data.float()
+        shape = (matrix.shape[0], rank) if side == "left" else (rank, matrix.shape[1])
+        proj = torch.randn(shape, device=matrix.device, dtype=matrix.dtype) / math.sqrt(rank)
+        return proj if float_data else proj.type(weights.data.dtype)
+
+    def project_back(self, low: torch.Tensor) -> torch.Tensor:  # (APOLLO never projects back)
+        raise NotImplementedError
+
+
+class APOLLOAdamW(GaLoreAdamW):
+    """apollo_torch 1.0.3 ``APOLLOAdamW`` (apollo.py L118-180) at the HF Trainer's proj=random,
+    scale_type=channel: GaLore's AdamW on the projected gradient, then the channel-scaled full gradient
+    and the norm-growth limiter. The limiter is taken as a tensor (the norm grew by over 1 %: the
+    larger path, which the estimate counts); the real class decides it from the tensor's value, which
+    fake tensors cannot give."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad
+                state = self.state[p]
+                state.setdefault("step", 0)
+                if "rank" in group:
+                    norm_dim = 0 if grad.shape[0] < grad.shape[1] else 1
+                    if "projector" not in state:
+                        state["projector"] = RandomProjector(group["rank"], group["update_proj_gap"],
+                                                             group["scale"], group["proj_type"])
+                    grad = state["projector"].project(grad, state["step"])
+                if "exp_avg" not in state:
+                    state["exp_avg"] = torch.zeros_like(grad)
+                    state["exp_avg_sq"] = torch.zeros_like(grad)
+                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+                beta1, beta2 = group["betas"]
+                state["step"] += 1
+                exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
+                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+                denom = exp_avg_sq.sqrt().add_(group["eps"])
+                norm_grad = exp_avg / denom
+                if "rank" in group:
+                    factor = torch.norm(norm_grad, dim=norm_dim) / (torch.norm(grad, dim=norm_dim) + 1e-8)
+                    if norm_dim == 1:
+                        factor = factor.unsqueeze(1)
+                    scaled_grad = p.grad * factor
+                    if "scaled_grad" in state:
+                        scaled_grad_norm = torch.norm(scaled_grad)
+                        limiter = (scaled_grad_norm / (state["scaled_grad"] + 1e-8)) / 1.01
+                        scaled_grad = scaled_grad / limiter
+                        state["scaled_grad"] = scaled_grad_norm / limiter
+                    else:
+                        state["scaled_grad"] = torch.norm(scaled_grad)
+                    norm_grad = scaled_grad
+                    norm_grad *= math.sqrt(group["scale"])
+                p.add_(norm_grad, alpha=-group["lr"])
+        return None
+
+
 class _LayerWise(torch.optim.Optimizer):
     """transformers' ``LayerWiseDummyOptimizer``: ``step`` and ``zero_grad`` do nothing (the hooks did)."""
 
@@ -223,10 +291,8 @@ def _classes(optimizer: str, emulate: bool) -> tuple[type, dict[str, Any]]:
     """galore_torch's class when installed, else (``emulate``: trace) the one above, and the Trainer's
     extra arguments."""
     if optimizer == "apollo-adamw":
-        if emulate:
-            raise TrainmemError("--optimizer apollo-adamw is not traced: APOLLO's norm-growth limiter is Python control "
-                                "flow on a tensor's value (max(ratio, 1.01), apollo.py L160-166), which fake tensors "
-                                "cannot run; use trainmem estimate (or measure)")
+        if emulate:  # the real class's limiter is Python control flow on a tensor's value (apollo.py L160-166)
+            return APOLLOAdamW, {}
         try:
             import apollo_torch
         except ImportError:

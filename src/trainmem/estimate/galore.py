@@ -376,17 +376,19 @@ def _apollo_tensor(L: _Live, x: GTensor, w: int, rank: int, proj_type: str, svd:
     L.rebind("fac", "fac.new")
     L.alloc("scaled.new", x.numel * w)                           # p.grad * grad_scaling_factor
     L.rebind("scaled", "scaled.new")
-    for key in ("sn.new", "s1", "s2", "lim"):                    # torch.norm(scaled_grad); state + 1e-8;
-        L.alloc(key, w)                                          # the ratio; / 1.01
-    L.free("s1")
-    L.free("s2")
+    L.alloc("sn.new", w)                                         # scaled_grad_norm = torch.norm(scaled_grad)
     L.rebind("sn", "sn.new")
+    L.alloc("s1", w)                                             # state["scaled_grad"] + 1e-8
+    L.alloc("s2", w)                                             # the ratio (s1 freed with the expression)
+    L.free("s1")
+    L.alloc("lim.new", w)                                        # max(ratio, 1.01) / 1.01
+    L.free("s2")
+    L.rebind("limiter", "lim.new")
     L.alloc("scaled.new", x.numel * w)                           # scaled_grad / limiter
     L.rebind("scaled", "scaled.new")
     L.alloc("st.new", w)                                         # state["scaled_grad"] = ... / limiter
     L.drop(w)
     L.keep("states", "st.new")
-    L.rebind("limiter", "lim")
     L.free("norm")                                               # norm_grad = scaled_grad (an alias)
 
 
