@@ -127,7 +127,8 @@ class Quantities:
     tied_grad: int         # a tied head's gradient waiting in autograd's input buffer
     transients: Any        # per layer-op backward transient: tuple of (a, b, c, g, d, at), or a TransientTable
     logits_cast: int = 0   # --cast-output: the fp32 copy of the head's output (0: fp32 logits, nothing to cast)
-    step_events: tuple = ()  # GaLore: its step's allocations and frees in order (galore.step_replay)
+    step_events: tuple = ()  # GaLore: a steady step's allocations and frees in order (galore.step_replay)
+    step_events_first: tuple = ()  # ... and a projector update's (the replay's first step)
     loss_saves_out: int = 0  # 1: the loss saves the head's output itself (loss_saved is not a new tensor)
     loss_elem: int = 4     # bytes per element of each of the loss's logits-sized tensors (LossBytes.elem)
     cast_output: int = 0   # 1: --cast-output, the loop rebinds its output before its loss (litgpt under Fabric)
@@ -1847,8 +1848,12 @@ def _galore_fields(m: ModelSpec, t: TrainingSpec, st: States, oib: bool) -> dict
         return {"step_temp": step_temporaries(t, st)}
     if oib:
         return {"step_temp": 0}
-    peak, events = galore_step_events(m, t)
-    return {"step_temp": peak, "step_events": events}
+    peak, _ = galore_step_events(m, t)
+    o, tensors = t.galore_options(), step_order([x for _, x in _galore_tensors(m, t)])
+    steps = {svd: step_replay(tensors, t.optimizer, t.weight_bytes, o["rank"], o["proj_type"], svd,
+                              lambda b: int(block_of(t, b)))[1] for svd in (True, False)}
+    # the replay's first step updates the projectors (as every run's does), the second is a steady one
+    return {"step_temp": peak, "step_events": steps[False], "step_events_first": steps[True]}
 
 
 def _galore_tensors(m: ModelSpec, t: TrainingSpec) -> list[tuple[bool, GTensor]]:

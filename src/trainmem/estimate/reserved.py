@@ -1192,7 +1192,8 @@ def _optimizer_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, step:
         R.free(prev)
     elif q.step_events:                                          # GaLore: its step's own allocations and frees
         made = {}                                                # (galore.step_replay); what it keeps (a new
-        for ev in q.step_events:                                 # projector, ...) replaces what existed: freed
+        events = q.step_events_first if step == 1 else q.step_events  # projector, ...) replaces what
+        for ev in events:                                        # existed: freed
             if ev[0] == "a":                                     # at the end
                 made[ev[1]] = R.alloc(ev[2])
             else:
