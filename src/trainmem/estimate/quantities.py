@@ -1848,12 +1848,13 @@ def _galore_fields(m: ModelSpec, t: TrainingSpec, st: States, oib: bool) -> dict
         return {"step_temp": step_temporaries(t, st)}
     if oib:
         return {"step_temp": 0}
-    peak, _ = galore_step_events(m, t)
     o, tensors = t.galore_options(), step_order([x for _, x in _galore_tensors(m, t)])
     steps = {svd: step_replay(tensors, t.optimizer, t.weight_bytes, o["rank"], o["proj_type"], svd,
-                              lambda b: int(block_of(t, b)))[1] for svd in (True, False)}
-    # the replay's first step updates the projectors (as every run's does), the second is a steady one
-    return {"step_temp": peak, "step_events": steps[False], "step_events_first": steps[True]}
+                              lambda b: int(block_of(t, b))) for svd in (True, False)}
+    # the peak: the higher of the two (galore_step_bytes); the replay's first step updates the projectors
+    # (as every run's does), the second is a steady one
+    return {"step_temp": max(peak for peak, _ in steps.values()), "step_events": steps[False][1],
+            "step_events_first": steps[True][1]}
 
 
 def _galore_tensors(m: ModelSpec, t: TrainingSpec) -> list[tuple[bool, GTensor]]:
