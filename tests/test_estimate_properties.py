@@ -41,8 +41,9 @@ from trainmem.estimate.derived import sliding_window
 from trainmem.estimate.states import PEFT_DEFAULT_TARGETS, model_states
 from trainmem.report import CATEGORIES
 from trainmem.spec import catalogue_names, resolve_model
-from trainmem.spec.training import (ATTENTION, BNB_OPTIMIZERS, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, RECOMPUTE,
-                                     TORCHAO_OPTIMIZERS)
+from trainmem.spec.galore import LOWRANK_OPTIMIZERS
+from trainmem.spec.training import (ATTENTION, BNB_OPTIMIZERS, LOMO_OPTIMIZERS, OPTIMIZER_IMPLS, OPTIMIZERS,
+                                    PRECISIONS, RECOMPUTE, TORCHAO_OPTIMIZERS)
 from trainmem.estimate.layers import F32, HALF, sdpa_pin_problem
 
 # TRAINMEM_PROPERTY_EXAMPLES=1000 searches deeper (minutes); the default keeps the file to seconds
@@ -50,6 +51,9 @@ FAST = settings(max_examples=int(os.environ.get("TRAINMEM_PROPERTY_EXAMPLES", "4
                 suppress_health_check=[HealthCheck.too_slow])
 LEARNED_POSITIONS = {"gpt2", "nanogpt", "bert", "roberta-prenorm"}
 STATE_CATEGORIES = ("parameters", "master_weights", "gradients", "optimizer_states")
+#: the optimizers modelled under every layout the setups draw (ZeRO, TP, PP, LoRA, ...): not GaLore, APOLLO
+#: or LOMO, which update whole weights of one process and refuse those (their own setups: ``single_process``)
+LAYOUT_OPTIMIZERS = tuple(o for o in OPTIMIZERS if o not in LOWRANK_OPTIMIZERS + LOMO_OPTIMIZERS)
 
 
 @lru_cache(maxsize=None)
@@ -109,7 +113,7 @@ def setups(draw, models=tuple(MODELS)):
                                            unique=True)))
     options = dict(
         batch_size=draw(st.integers(1, 16)), seq_len=seq, grad_accum=grad_accum, precision=precision,
-        optimizer=draw(st.sampled_from(OPTIMIZERS)),
+        optimizer=draw(st.sampled_from(LAYOUT_OPTIMIZERS)),
         optimizer_impl=draw(st.sampled_from((None,) + OPTIMIZER_IMPLS)),
         zero=draw(st.integers(0, 3)), dp=draw(st.sampled_from((1, 2, 4, 8, 64))), tp=tp,
         pp=draw(st.sampled_from(pp_choices(m))), cp=cp, sequence_parallel=sp,
@@ -199,7 +203,7 @@ def raw_setups(draw):
         batch_size=draw(st.integers(-1, 8)), seq_len=draw(st.sampled_from((-5, 0, 1, 100, 512, 513, 1024, 1025,
                                                                             2048, 4096, 9000))),
         grad_accum=draw(st.integers(0, 3)), precision=draw(st.sampled_from(PRECISIONS)),
-        optimizer=draw(st.sampled_from(OPTIMIZERS)), zero=draw(st.integers(0, 3)),
+        optimizer=draw(st.sampled_from(LAYOUT_OPTIMIZERS)), zero=draw(st.integers(0, 3)),
         dp=draw(st.sampled_from((0, 1, 2, 8))), tp=draw(st.sampled_from((1, 2, 3, 4, 5, 7, 8, 16))),
         pp=draw(st.sampled_from((1, 2, 3, 4, 5, 7, 8))), cp=draw(st.sampled_from((1, 2, 3))),
         sequence_parallel=draw(st.booleans()), recompute=draw(st.sampled_from(RECOMPUTE)),
@@ -291,6 +295,40 @@ def test_valid_setups_never_raise_and_report_is_consistent(case):
     assert all(p.peak >= p.allocated >= 0 for p in r.phases)
     assert r.peak_allocated == max(p.peak for p in r.phases)
     assert any(p.peak == r.peak_allocated and f"{p.name}@{p.step}" == r.peak_phase for p in r.phases)
+
+
+@st.composite
+def single_process(draw):
+    """(model name, ModelSpec, options) for GaLore, APOLLO and LOMO: one process (``dp`` for the non-
+    layerwise GaLore/APOLLO), no sharding or model parallelism, no LoRA, a model with ``nn.Linear``
+    layers (not GPT-2's Conv1D)."""
+    name, m, o = draw(setups(models=tuple(n for n in MODELS if model(n).model_type != "gpt2")))
+    optimizer = draw(st.sampled_from(LOWRANK_OPTIMIZERS + LOMO_OPTIMIZERS))
+    layerwise = optimizer in LOMO_OPTIMIZERS or (optimizer != "galore-adafactor" and draw(st.booleans()))
+    o = dict(o, optimizer=optimizer, optimizer_impl=None, zero=0, tp=1, pp=1, cp=1, sequence_parallel=False,
+             lora_rank=0, lora_targets=None, distributed_optimizer=False, optimizer_in_backward=layerwise,
+             grad_accum=1 if layerwise else o["grad_accum"], dp=1 if layerwise else o["dp"])
+    if optimizer in LOMO_OPTIMIZERS and o["precision"] == "fp16":
+        o["precision"] = "fp16-amp"  # Lomo's fp16 loss path raises in the HF Trainer (refused)
+    if optimizer not in LOMO_OPTIMIZERS:
+        o["optim_target_modules"] = draw(st.sampled_from(("all-linear", tuple(matmul_modules(m)[:2]))))
+        o["optim_args"] = draw(st.sampled_from((None, "rank=8", "rank=64,update_proj_gap=50")))
+    if o["recompute"] == "op" and not op_applies(m, o):
+        o["recompute"] = "full"
+    return name, m, o
+
+
+@FAST
+@given(single_process(), st.data())
+def test_single_process_optimizers_valid_and_monotonic(case, data):
+    """GaLore, APOLLO, LOMO: the report is consistent, and more batch or a longer sequence never
+    lowers the peak."""
+    name, m, o = case
+    test_valid_setups_never_raise_and_report_is_consistent.hypothesis.inner_test(case)
+    r1 = trainmem.estimate(name, **o)
+    more = trainmem.estimate(name, **dict(o, batch_size=o["batch_size"] + data.draw(st.integers(1, 8))))
+    longer = trainmem.estimate(name, **dict(o, seq_len=same_side_of_window(m, o["seq_len"])))
+    assert more.peak_allocated >= r1.peak_allocated and longer.peak_allocated >= r1.peak_allocated
 
 
 @FAST

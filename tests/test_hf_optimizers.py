@@ -29,6 +29,7 @@ from trainmem.estimate.states import BNB_LAYOUTS, bnb_qmap_bytes, model_states, 
 from trainmem.measure import LiveBytes  # noqa: E402
 from trainmem.spec import TrainingSpec, resolve_model  # noqa: E402
 from trainmem.spec.resolve import framework_names  # noqa: E402
+from trainmem.spec.galore import LOWRANK_HF_NAMES  # noqa: E402
 from trainmem.spec.training import OPTIMIZER_ALIASES, OPTIMIZERS, OPTIMIZERS_REFUSED  # noqa: E402
 
 from test_cli import assert_one_error_line, run_cli  # noqa: E402
@@ -47,10 +48,11 @@ def _hf_names() -> list[str]:
 def test_every_hf_optim_name_is_read_or_refused(name):
     """Each value is read as a trainmem optimizer (a TrainingSpec exists) or refused in one line
     naming it; never neither, never both."""
-    read = name in OPTIMIZER_ALIASES or name in OPTIMIZERS
+    read = name in OPTIMIZER_ALIASES or name in OPTIMIZERS or name in LOWRANK_HF_NAMES
     assert read != (name in OPTIMIZERS_REFUSED), name
-    if read:
-        t = TrainingSpec(**framework_names({"optimizer": name}))
+    if read:  # (GaLore's names need its target modules, as the HF Trainer does)
+        galore = {"optim_target_modules": "all-linear"} if name in LOWRANK_HF_NAMES else {}
+        t = TrainingSpec(**framework_names({"optimizer": name, **galore}))
         assert t.optimizer in OPTIMIZERS
         return
     with pytest.raises(TrainmemError) as e:
@@ -60,7 +62,8 @@ def test_every_hf_optim_name_is_read_or_refused(name):
         TrainingSpec(optimizer=name)  # the spec refuses it too, with the same line
 
 
-@pytest.mark.parametrize("name", ["galore_adamw", "lomo", "adamw_torch_xla", "grokadamw", "adamw_hf"])
+@pytest.mark.parametrize("name", ["galore_adafactor_layerwise", "adamw_anyprecision", "stable_adamw", "adamw_torch_xla",
+                                  "grokadamw", "adamw_hf"])
 def test_refused_names_are_one_cli_line(capsys, name):
     line = assert_one_error_line(*run_cli(capsys, "estimate", "gpt2", "--optimizer", name))
     assert name in line
@@ -105,6 +108,10 @@ def hf_handlers(monkeypatch):
     real_version = tro.importlib.metadata.version
     monkeypatch.setattr(tro.importlib.metadata, "version",
                         lambda name: "0.18.0" if name == "torchao" else real_version(name))
+    lomo = types.ModuleType("lomo_optim")
+    lomo.Lomo, lomo.AdaLomo = _Stub("Lomo"), _Stub("AdaLomo")
+    monkeypatch.setitem(sys.modules, "lomo_optim", lomo)
+    monkeypatch.setattr(tro, "is_lomo_available", lambda: True)
     monkeypatch.setattr(tro, "is_bitsandbytes_available", lambda: True)
     monkeypatch.setattr(tro, "is_schedulefree_available", lambda *a: True)
     from transformers.trainer import Trainer
@@ -112,7 +119,7 @@ def hf_handlers(monkeypatch):
     def build(name: str):
         args = types.SimpleNamespace(optim=name, learning_rate=1e-4, adam_beta1=0.9, adam_beta2=0.999,
                                      adam_epsilon=1e-8, optim_args=None, weight_decay=0.0, warmup_steps=0)
-        return Trainer.get_optimizer_cls_and_kwargs(args)
+        return Trainer.get_optimizer_cls_and_kwargs(args, model=object())  # (LOMO's need one)
     return build
 
 
@@ -141,6 +148,8 @@ def test_names_build_what_the_hf_trainer_builds(hf_handlers, name):
     elif ours.startswith("schedule-free"):
         expect = {"adamw": "AdamWScheduleFree", "sgd": "SGDScheduleFree", "radam": "RAdamScheduleFree"}
         assert cls.name == expect[ours.removeprefix("schedule-free-")]
+    elif ours in ("lomo", "adalomo"):
+        assert cls.name == {"lomo": "Lomo", "adalomo": "AdaLomo"}[ours] and "model" in kw
     elif ours == "adafactor":
         from transformers.optimization import Adafactor
         assert cls is Adafactor

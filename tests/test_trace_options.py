@@ -44,6 +44,9 @@ CASES = [
     ({"optimizer": "adamw-torchao-fp8"}, CHANGED, ""),
     ({"optimizer": "adamw-torchao-4bit", "torchao_block_size": 256}, CHANGED, ""),
     ({"torchao_offload": "optimizer"}, REFUSED, "CPUOffloadOptimizer"),
+    # GaLore on the attention and MLP linears (trainmem.galore_optim; tests/test_galore.py), its rank (vs 128)
+    ({"optimizer": "galore-adamw", "optim_target_modules": ("self_attn", "mlp")}, CHANGED, ""),
+    ({"optimizer": "galore-adamw", "optim_target_modules": ("self_attn", "mlp"), "optim_args": "rank=4"}, CHANGED, ""),
     ({"optimizer": "adamw-8bit", "fsdp": "full", "dp": 2}, REFUSED, "--optimizer adamw-8bit with --fsdp"),
     ({"optimizer_impl": "fused"}, CHANGED, ""),
     ({"optimizer_impl": "foreach"}, "same", "foreach is PyTorch's CUDA default, which the baseline runs"),
@@ -232,6 +235,7 @@ REFERENCE = {"fsdp_version": {"fsdp": "full", "dp": 2},
              "pp": {"grad_accum": 2}, "num_microbatches_in_flight": {"pp": 2, "grad_accum": 2},
              "pp_schedule": {"pp": 2, "grad_accum": 2}, "cast_output": {"loss": "half"},
              "rms_norm": {"precision": "bf16"}, "torchao_block_size": {"optimizer": "adamw-torchao-4bit"},
+             "optim_args": {"optimizer": "galore-adamw", "optim_target_modules": ("self_attn", "mlp")},
              "pp_stage": {"pp": 2, "grad_accum": 2},
              "pp_first_stage_less_layers": {"pp": 2, "grad_accum": 2},
              # (where DeepSpeed is installed: its engine options vs their stage alone)

@@ -27,7 +27,8 @@ from .errors import TrainmemError
 from .spec import ModelSpec, TrainingSpec
 from .spec.tf_releases import installed_version, same_release
 from .spec.frameworks import caps_hidden_not_logits, torchtune_norm_saves_fp32
-from .spec.training import BNB_OPTIMIZERS, TORCHAO_OPTIMIZERS, padded_lengths
+from .spec.galore import LOWRANK_OPTIMIZERS
+from .spec.training import BNB_OPTIMIZERS, LOMO_OPTIMIZERS, TORCHAO_OPTIMIZERS, padded_lengths
 
 DROPOUT_KEYS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "resid_pdrop", "embd_pdrop", "attn_pdrop",
                 "summary_first_dropout", "attention_dropout", "hidden_dropout", "classifier_dropout",
@@ -434,6 +435,12 @@ class TrainStep:
         ``--optimizer-in-backward``)."""
         params = [p for p in model.parameters() if p.requires_grad]
         emulate = what == "trace"  # bitsandbytes' and lion-pytorch's optimizers emulated (trainmem.bnb)
+        if t.optimizer in LOWRANK_OPTIMIZERS:  # the HF Trainer's groups / layerwise hooks (galore_optim)
+            from .galore_optim import galore_optimizer
+            return galore_optimizer(model, t, emulate=emulate)
+        if t.optimizer in LOMO_OPTIMIZERS:    # lomo_optim's hooks (galore_optim.lomo_optimizer)
+            from .galore_optim import lomo_optimizer
+            return lomo_optimizer(model, t, emulate=emulate)
         if t.optimizer_in_backward:
             from .optim.in_backward import optimizer_in_backward
             cls, kw = optimizer_class(t, emulate=emulate)
@@ -530,7 +537,8 @@ class TrainStep:
             self.state["batch"] = self.batch(length)  # the previous batch lives until this one exists
             with _no_sync(self.model, t, last), self.context_parallel():
                 self._micro(t, i, micro)
-        self.optimizer.step()
+        if t.optimizer not in LOMO_OPTIMIZERS:  # accelerate's AcceleratedOptimizer.step is a no-op for
+            self.optimizer.step()               # LOMO (optimizer.py L164-167): lomo_optim has no step
         self._mark("optimizer_step", i, None)
         # "none": zero_grad(set_to_none=True) frees the gradients (PyTorch >= 2.0's default);
         # "zeros": set_to_none=False zeroes them in place (older PyTorch, model.zero_grad() loops)
@@ -557,7 +565,10 @@ class TrainStep:
         self.state["loss"] = loss.detach() if t.hold_output == "loss" else loss
         self._mark("forward", i, micro)
         with self.loss_context():
-            loss.backward()
+            if t.optimizer in LOMO_OPTIMIZERS:  # accelerate's lomo_backward: the update inside backward
+                self.optimizer.fused_backward(loss, 1e-4)
+            else:
+                loss.backward()
         del loss, held  # a training_step holding its output returns here
         self._mark("backward", i, micro)
 

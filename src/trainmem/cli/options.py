@@ -8,6 +8,7 @@ from typing import Any, Callable
 from ..spec.frameworks import FRAMEWORKS
 from ..spec.preference import REF_MODELS, TRAINERS
 from ..spec.tasks import TASKS
+from ..spec.galore import LOWRANK_HF_NAMES
 from ..spec.training import (ATTENTION, ATTENTION_CALLS, FSDP_GATHERED, FSDP_LORA_UNITS, FSDP_MODES,
                              FSDP_WRAP_POLICIES, GRAD_SYNC,
                              RMS_NORMS, HOLD_OUTPUT, OPTIMIZER_ALIASES, OPTIMIZER_IMPLS, OPTIMIZERS, OPTIMIZERS_REFUSED, PP_SCHEDULES, PP_STAGES, TORCHAO_OFFLOAD,
@@ -94,12 +95,21 @@ def add_precision_optimizer(g: Any) -> None:
                         "Lightning's names are read too: bf16-true = bf16, bf16-mixed = bf16-amp, 16-true = fp16, "
                         "16-mixed = fp16-amp, 32-true = fp32")
     # the HF names trainmem refuses are choices too, so that spec.resolve refuses them saying why
-    g.add_argument("--optimizer", choices=OPTIMIZERS + tuple(OPTIMIZER_ALIASES) + tuple(OPTIMIZERS_REFUSED),
+    g.add_argument("--optimizer", choices=OPTIMIZERS + tuple(OPTIMIZER_ALIASES) + tuple(LOWRANK_HF_NAMES)
+                   + tuple(OPTIMIZERS_REFUSED),
                    default=None, metavar="{" + ",".join(OPTIMIZERS) + "}",
                    help="(default adamw); the HF Trainer's optim names are read too (adamw_torch, adamw_torch_fused "
                         "= adamw fused, adamw_bnb_8bit, paged_adamw_32bit, lion_8bit, rmsprop_bnb, ademamix_8bit, "
-                        "schedule_free_adamw, adamw_torch_8bit = adamw-torchao-8bit, ...: README.md lists them); "
-                        "GaLore, APOLLO, LOMO and XLA/NPU ones are refused")
+                        "schedule_free_adamw, adamw_torch_8bit = adamw-torchao-8bit, ...: README.md lists them; galore_adamw, galore_adamw_8bit, "
+                        "galore_adafactor, apollo_adamw and the _layerwise ones need --optim-target-modules; lomo, "
+                        "adalomo: lomo_optim); XLA/NPU ones are refused")
+    g.add_argument("--optim-target-modules", default=None, metavar="M1,M2|all-linear",
+                   help="GaLore: the HF Trainer's optim_target_modules, the nn.Linear modules whose weights GaLore "
+                        "projects (names matched as a list: a name, a substring of the module's name, or a regex of "
+                        "it), or all-linear (every nn.Linear, the LM head included)")
+    g.add_argument("--optim-args", default=None, metavar="K=V,...",
+                   help="GaLore: the HF Trainer's optim_args string, rank=128,update_proj_gap=200,scale=0.25,"
+                        "proj_type=std (those defaults when omitted; other keys are refused)")
 
 
 def _add_pipeline(g: Any) -> None:
@@ -479,7 +489,8 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 keep_logits=a.keep_logits,
                 optimizer_in_backward=a.optimizer_in_backward, hold_output=a.hold_output, zero_grad=a.zero_grad,
                 lora_rank=a.lora_rank, lora_dropout=a.lora_dropout, lora_dtype=a.lora_dtype,
-                lora_targets=a.lora_targets, quantize=a.quantize, half_embeddings=a.half_embeddings,
+                lora_targets=a.lora_targets, quantize=a.quantize,
+                optim_target_modules=a.optim_target_modules, optim_args=a.optim_args, half_embeddings=a.half_embeddings,
                 dropout=False if a.no_dropout else None,
                 optimizer_bucket_mb=a.optimizer_bucket_mb, loss_chunks=a.loss_chunks, loss=a.loss,
                 master_weights=a.master_weights, framework=a.framework, framework_version=a.framework_version,

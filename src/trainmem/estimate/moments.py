@@ -50,10 +50,16 @@ class StepFlags:
 
     @staticmethod
     def of(m: ModelSpec, t: TrainingSpec) -> "StepFlags":
-        return StepFlags(t.grads_freed_in_backward, t.hold_output, t.distributed_optimizer or t.megatron_ddp, is_lm(m),
+        return StepFlags(lomo_hook(t) or t.grads_freed_in_backward, t.hold_output, t.distributed_optimizer or t.megatron_ddp, is_lm(m),
                          t.zero_grad == "zeros", bool(t.quantize), t.fsdp is not None and t.shard_group > 1,
                          m.family == "derived" and m.is_encoder_decoder,
                          t.fsdp is not None and t.shard_group > 1 and t.fsdp_version == 1, states_at_init(t))
+
+
+def lomo_hook(t: TrainingSpec) -> tuple:
+    """LOMO / AdaLomo: (optimizer, weight bytes) for the reserved replay of each parameter's update
+    inside its hook (``reserved._lomo_update``); () otherwise. ``StepFlags.oib`` carries it (truthy)."""
+    return (t.optimizer, t.weight_bytes) if t.optimizer in ("lomo", "adalomo") else ()
 
 
 def states_at_init(t: TrainingSpec) -> bool:
@@ -62,8 +68,10 @@ def states_at_init(t: TrainingSpec) -> bool:
     ``__init__`` (torch 2.13 ``torch/optim/adagrad.py`` L79-98), on the device of the parameters it
     is given; with the optimizer in backward too, whose per-parameter optimizers are all built
     when it is set up (``trainmem.optim.in_backward`` ``add_param_group``). Not under ZeRO or the
-    distributed optimizer, whose engines hand it their own partitions, nor offloaded."""
-    return (t.optimizer == "adagrad" and not t.offload_optimizer and t.zero == 0
+    distributed optimizer, whose engines hand it their own partitions, nor offloaded. lomo_optim's
+    AdaLomo makes its factored second moments in ``__init__`` (``adalomo.py`` L96-118:
+    ``torch.zeros(...).cuda()``)."""
+    return (t.optimizer in ("adagrad", "adalomo") and not t.offload_optimizer and t.zero == 0
             and not t.distributed_optimizer)
 
 

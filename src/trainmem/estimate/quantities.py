@@ -25,8 +25,8 @@ from ..spec.frameworks import OWN_MODEL_CODE, caps_hidden_not_logits, torchtune_
 from ..spec.model import ModelSpec
 from ..spec.tf_releases import (cache_values_own_dtype, causal_lm_loss, checkpoint_wraps_unit, code_release,
                                 eager_clamp, kv_cache_kind, moe_expert_loop, rotary_keys_half, sdpa_repeats_kv)
-from ..spec.training import (BNB_OPTIMIZERS, CHUNKED_NLL_TOKENS, RECOMPUTE, TORCHAO_OPTIMIZERS, TrainingSpec,
-                             chunked_nll_problem, config_use_cache)
+from ..spec.training import (BNB_OPTIMIZERS, CHUNKED_NLL_TOKENS, LOMO_OPTIMIZERS, RECOMPUTE, TORCHAO_OPTIMIZERS,
+                             TrainingSpec, chunked_nll_problem, config_use_cache, galore_target)
 from . import torchao_optim
 from .cache import BoundedCache
 from .elementwise import NEVER
@@ -41,6 +41,8 @@ from .quant4 import dequant_dtypes, dequant_scratch, is_quantized
 from . import unsloth
 from .schedules import in_flight_at_backwards
 from .gemini import model_gemini
+from .galore import GTensor, step_order, step_replay
+from ..spec.galore import LOWRANK_OPTIMIZERS
 from .states import (States, block_bytes, default_lora_targets, parameter_order, dtensor_tp, fsdp_grad_op, model_states,
                      torch_cp, torch_pipeline)
 
@@ -127,6 +129,8 @@ class Quantities:
     tied_grad: int         # a tied head's gradient waiting in autograd's input buffer
     transients: Any        # per layer-op backward transient: tuple of (a, b, c, g, d, at), or a TransientTable
     logits_cast: int = 0   # --cast-output: the fp32 copy of the head's output (0: fp32 logits, nothing to cast)
+    step_events: tuple = ()  # GaLore: a steady step's allocations and frees in order (galore.step_replay)
+    step_events_first: tuple = ()  # ... and a projector update's (the replay's first step)
     loss_saves_out: int = 0  # 1: the loss saves the head's output itself (loss_saved is not a new tensor)
     loss_logps: int = 0    # 1: --loss logps, TRL's selective_log_softmax (reserved.py replays its backward)
     dpo_reference: int = 0  # --trainer dpo: 1 when a reference forward runs after the policy's log-probs
@@ -1855,6 +1859,8 @@ def deepspeed_step_grad(t: TrainingSpec, st: States) -> int:
 def step_copies(t: TrainingSpec) -> int | None:
     """Temporaries per tensor of an optimizer step that loops over tensors (None: a foreach step
     makes one per tensor for the whole group at once; 0: none), as ``step_temporaries`` counts them."""
+    if t.optimizer in LOWRANK_OPTIMIZERS + LOMO_OPTIMIZERS:
+        return 0
     if t.optimizer == "adafactor" and not t.offload_optimizer:
         return 2 if (t.weight_bytes == 4 or t.fp32_master) else 4
     return _copies_per_tensor(t, t.grads_freed_in_backward)
@@ -1872,6 +1878,98 @@ def _adafactor_temporaries(t: TrainingSpec, st: States, copies: int) -> int:
     return copies * block_of(t, elems * 4)
 
 
+def lomo_temporaries(t: TrainingSpec, shape: tuple[int, ...]) -> int:
+    """Peak bytes one parameter's update adds inside lomo_optim's hook (``fuse_update``: lomo.py
+    L96-140, adalomo.py L143-205), above its gradient: ``grad_fp32 = p.grad.to(torch.float32)`` (a
+    copy of a half gradient, which ``p.grad = None`` then frees; an fp32 gradient is ``grad_fp32``
+    itself, kept alive by it) and ``p_fp32 = p.data.to(torch.float32)`` (a copy of half weights; the
+    weight itself when fp32). Lomo then updates in place. AdaLomo also makes ``update = grad_fp32**2 +
+    eps`` (two fp32 tensors of the parameter's size at once), then, that sum still bound to ``update``,
+    the factored ``torch.mul(r_factor, c_factor)`` beside its row and column factors, and at the end
+    ``p_fp32`` beside the update. Measured on lomo_optim 0.1.1 with LiveBytes (tests/test_lomo.py)."""
+    n = 1
+    for d in shape:
+        n *= d
+    half = t.weight_bytes != 4
+    g32 = block_of(t, n * 4) if half else 0          # grad_fp32 (half: a copy; fp32: the gradient itself)
+    p32 = block_of(t, n * 4) if half else 0          # p_fp32
+    after = g32 - block_of(t, n * t.weight_bytes) if half else 0   # p.grad = None: a half gradient freed
+    if t.optimizer == "lomo":
+        return max(g32, after + p32)                 # the copy beside the gradient; then p_fp32 for it
+    f = block_of(t, n * 4)                           # one fp32 tensor of the parameter's size
+    factors = block_of(t, shape[0] * 4) + block_of(t, shape[1] * 4) if len(shape) > 1 else 0
+    return max(after + 2 * f + factors, after + f + p32)
+
+
+def lomo_update_bytes(m: ModelSpec, t: TrainingSpec) -> tuple[int, int]:
+    """LOMO / AdaLomo (``oib_update_bytes``): a parameter's tensor hook runs before its gradient is
+    accumulated, and updates the parameters whose gradient was accumulated since the previous hook (its
+    neighbour, the next in registration order, whose backward ran just before), so that gradient, the
+    hook's own parameter's incoming gradient and the update's temporaries (``lomo_temporaries``) exist
+    together; after ``loss.backward()``, ``fused_backward`` calls the hook once more for the last ones
+    (the input embeddings). Returns the largest such amount among the hooks of the tensors updated while
+    activations are alive, and among all."""
+    ps = [p for p in m.parameter_tensors() if p.role != "unused"]
+    w = t.weight_bytes
+
+    def upd(q: Any) -> int:
+        return int(block_of(t, q.numel * w)) + lomo_temporaries(t, q.shape)
+    mid = [int(block_of(t, p.numel * w)) + upd(q) for p, q in zip(ps, ps[1:])]
+    return max(mid + [0]), max(mid + [upd(p) for p in ps if p.role == "embedding"] + [upd(ps[0])])
+
+
+def _galore_fields(m: ModelSpec, t: TrainingSpec, st: States, oib: bool) -> dict[str, Any]:
+    """``step_temp`` (and GaLore's ``step_events``): a layerwise GaLore steps inside backward (none)."""
+    if t.optimizer not in LOWRANK_OPTIMIZERS:
+        return {"step_temp": step_temporaries(t, st)}
+    if oib:
+        return {"step_temp": 0}
+    o, tensors = t.galore_options(), step_order([x for _, x in _galore_tensors(m, t)])
+    steps = {svd: step_replay(tensors, t.optimizer, t.weight_bytes, o["rank"], o["proj_type"], svd,
+                              lambda b: int(block_of(t, b))) for svd in (True, False)}
+    # the peak: the higher of the two (galore_step_bytes); the replay's first step updates the projectors
+    # (as every run's does), the second is a steady one
+    return {"step_temp": max(peak for peak, _ in steps.values()), "step_events": steps[False][1],
+            "step_events_first": steps[True][1]}
+
+
+def _galore_tensors(m: ModelSpec, t: TrainingSpec) -> list[tuple[bool, GTensor]]:
+    """The trainable tensors in ``model.parameters()`` order, each (input embedding?, shape and
+    GaLore target or not)."""
+    return [(p.role == "embedding", GTensor(p.shape, galore_target(t, p))) for p in m.parameter_tensors()
+            if p.role != "unused"]
+
+
+def _galore_peak(t: TrainingSpec, tensors: list[GTensor], layerwise: bool) -> tuple[int, tuple]:
+    """``galore.step_replay`` at a steady step and at a projector-update step (every ``update_proj_gap``
+    steps, the first included), allocator-rounded: the higher peak of the two, and its events."""
+    o = t.galore_options()
+    return max((step_replay(tensors, t.optimizer, t.weight_bytes, o["rank"], o["proj_type"], svd,
+                            lambda b: int(block_of(t, b)), layerwise) for svd in (False, True)),
+               key=lambda pe: pe[0])
+
+
+def galore_step_bytes(m: ModelSpec, t: TrainingSpec) -> int:
+    """Bytes GaLore's ``optimizer.step()`` allocates above what exists before it (``estimate.galore``):
+    one optimizer over the non-target group, then the target weights (``galore.step_order``)."""
+    return galore_step_events(m, t)[0]
+
+
+def galore_step_events(m: ModelSpec, t: TrainingSpec) -> tuple[int, tuple]:
+    """``galore_step_bytes`` and the allocations behind it, for the allocator replay."""
+    return _galore_peak(t, step_order([x for _, x in _galore_tensors(m, t)]), False)
+
+
+def galore_oib_bytes(m: ModelSpec, t: TrainingSpec) -> tuple[int, int]:
+    """GaLore's layerwise variants (``oib_update_bytes``): one parameter's gradient plus its own
+    optimizer's step peak, the largest among the tensors updated while activations are alive (all
+    but the input embeddings) and among all."""
+    def one(x: GTensor) -> int:
+        return int(block_of(t, x.numel * t.weight_bytes)) + _galore_peak(t, [x], True)[0]
+    each = [(emb, one(x)) for emb, x in _galore_tensors(m, t)]
+    return max([b for emb, b in each if not emb] + [0]), max(b for _, b in each)
+
+
 def _copies_per_tensor(t: TrainingSpec, per_parameter: bool) -> int | None:
     """State-sized temporaries one optimizer step makes per tensor (None: the whole group's worth).
     SGD, with momentum or not, makes none: without weight decay or ``maximize`` (torch.optim.SGD's
@@ -1881,6 +1979,8 @@ def _copies_per_tensor(t: TrainingSpec, per_parameter: bool) -> int | None:
     ``torch/optim/sgd.py`` ``_multi_tensor_sgd`` L403-472; the for-loop ``_single_tensor_sgd`` alike).
     Found by trace: Mistral (2 layers) fp16-amp SGD momentum: +6.4% before (a gradient-sized
     temporary charged at the step)."""
+    if t.optimizer in LOWRANK_OPTIMIZERS + LOMO_OPTIMIZERS:
+        return 0  # replayed tensor by tensor (galore_step_bytes, galore_oib_bytes; lomo_update_bytes)
     if t.optimizer in ("sgd", "sgd-momentum", "schedule-free-sgd") + BNB_OPTIMIZERS + TORCHAO_OPTIMIZERS \
             or t.offload_optimizer or t.torchao_offload:
         # torchao's CPUOffloadOptimizer steps the tensors of >= 4096 elements on the host and copies them
@@ -1918,6 +2018,10 @@ def oib_update_bytes(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, in
     largest such amount among tensors updated while activations are alive (all but the input
     embeddings, e.g. an untied LM head right after the loss) and among all (the embeddings, whose
     gradients complete last). Sharded (ZeRO/FSDP2) tensors update their shard."""
+    if t.optimizer in LOWRANK_OPTIMIZERS:
+        return galore_oib_bytes(m, t)
+    if t.optimizer in LOMO_OPTIMIZERS:
+        return lomo_update_bytes(m, t)
     k = _copies_per_tensor(t, True) or 0
     sb = 4 if (t.weight_bytes == 4 or t.fp32_master) else t.weight_bytes
     gb = t.main_grad_bytes or t.weight_bytes
@@ -2300,7 +2404,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         **{"loss_backward_tok": lc.cache * layers if whole_model_compiled(t) else 0.0,
            **_chunked_nll_fields(m, t, pol, loss, head_here)},
         liger_factor=-(-m.vocab_size // m.hidden_size) if (head_here and is_lm(m) and loss_mode(m, t) == "fused") else 0,
-        step_temp=step_temporaries(t, st), step_groups=foreach_groups(t), step_linger=step_lingers(t),
+        **_galore_fields(m, t, st, oib), step_groups=foreach_groups(t), step_linger=step_lingers(t),
         linear_replay=int(per_linear_replay(t)), oib_mid=oib_mid, oib_end=oib_end, **_deepspeed_fields(m, t, st),
         **gemini_fields(m, t),
         tied_grad=compiled_tied[0] if whole_model_compiled(t) else tied_head_grad(m, t),

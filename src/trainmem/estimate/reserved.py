@@ -96,6 +96,7 @@ class _Step:
     handle_ws: int = 0                           # one cuBLAS handle's workspace (Hardware.handle_workspace)
     workspaces: list = field(default_factory=list)  # the forward thread's, then autograd's (kept)
     ao_events: tuple = ()                        # torchao: each trainable's compiled-step buffers (States)
+    lomo: Any = None                             # LOMO: the gradient its next hook updates (handle, bytes, states)
 
     def workspace(self, R: "_Replay", thread: int) -> None:
         """The cuBLAS workspace of the forward (0) or the autograd (1) thread, at its first matmul
@@ -517,6 +518,9 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     R.frees([tied, f.emb, f.inputs] + buckets)
     f.fs.reshard(R, f.root)                                       # the root's post-backward
     f.fs.done(R)
+    if s.lomo is not None:                                        # LOMO's fused_backward: the last hook call
+        _lomo_update(R, *s.lomo, flags.oib)
+        s.lomo = None
     R.mark("backward" + suffix, s.step)
     if flags.hold == "step":
         s.held = f.out
@@ -1193,11 +1197,40 @@ def _grad_of(R: _Replay, s: _Step, trainables: tuple, j: int, oib: bool = False,
         return
     s.made[j] = copy + 1
     s.grads[(j, copy)] = R.alloc(g, stream)
-    if oib:
+    if isinstance(oib, tuple) and oib:                 # LOMO / AdaLomo: the next hook (this gradient's
+        if s.lomo is not None:                         # parameter's) updates the one accumulated before
+            _lomo_update(R, *s.lomo, oib)
+        s.lomo = (s.grads[(j, copy)], g, _sts)
+        s.grads[(j, copy)] = None
+    elif oib:
         if s.ao_events:  # torchao's compiled step in the hook, beside the gradient (``_torchao_graph``)
             _torchao_graph(R, s.ao_events[j])
         R.free(s.grads[(j, copy)])
         s.grads[(j, copy)] = None
+
+
+def _lomo_update(R: _Replay, grad: int | None, g: int, factors: tuple, lomo: tuple) -> None:
+    """One parameter's update in lomo_optim's hook (``quantities.lomo_temporaries``), its gradient
+    ``grad`` (``g`` bytes) freed: ``grad_fp32`` (a copy of a half gradient, which is then freed; an
+    fp32 one is the gradient itself, freed at the end), AdaLomo's ``grad**2`` and ``+ eps``, its row
+    and column factors (the size of its states, ``factors``) and their product, then ``p_fp32`` (a
+    copy of half weights)."""
+    optimizer, w = lomo
+    f = g * 4 // w                                         # one fp32 tensor of the parameter's size
+    made = []
+    if w != 4:
+        made.append(R.alloc(f))                            # grad_fp32; p.grad = None frees the gradient
+        R.free(grad)
+        grad = None
+    if optimizer == "adalomo":
+        sq, upd = R.alloc(f), R.alloc(f)                   # grad_fp32**2, + eps
+        R.free(sq)
+        parts = R.allocs(list(factors)) if len(factors) == 2 else []
+        made.append(R.alloc(f))                            # torch.mul(r_factor, c_factor)
+        R.frees(parts + [upd])
+    if w != 4:
+        made.append(R.alloc(f))                            # p_fp32
+    R.frees(made + [grad])
 
 
 @lru_cache(maxsize=256)
@@ -1262,6 +1295,15 @@ def _optimizer_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, step:
                 R.free(prev)
             prev = made[-1]
         R.free(prev)
+    elif q.step_events:                                          # GaLore: its step's own allocations and frees
+        made = {}                                                # (galore.step_replay); what it keeps (a new
+        events = q.step_events_first if step == 1 else q.step_events  # projector, ...) replaces what
+        for ev in events:                                        # existed: freed
+            if ev[0] == "a":                                     # at the end
+                made[ev[1]] = R.alloc(ev[2])
+            else:
+                R.free(made.pop(ev[1]))
+        R.frees(list(made.values()))
     elif temp_copies and sizes:                                  # a loop over tensors: each in turn
         per = _scaled(sizes, q.step_temp * sum(sizes) // (temp_copies * max(sizes)))
         for x in per:

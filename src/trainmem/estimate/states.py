@@ -13,12 +13,14 @@ from typing import Any
 
 from ..spec.model import ModelSpec, ParamTensor
 from ..spec.tf_releases import layer_rotary_cache
-from ..spec.training import TORCHAO_OFFLOAD_MIN, TrainingSpec
+from ..spec.galore import LOWRANK_OPTIMIZERS
+from ..spec.training import TORCHAO_OFFLOAD_MIN, TrainingSpec, galore_target
 
 from ..allocator_rules import block_bytes, placed_bytes
 from .cache import BoundedCache
 from .fsdp_wrap import wrap_policy_states
 from . import torchao_optim
+from .galore import galore_state_bytes
 from .gemini import model_gemini
 from .quant4 import builds_on_device, is_quantized, torchtune_v01_build, weight_storage
 
@@ -338,6 +340,7 @@ def state_bytes(optimizer: str, shape: tuple[int, ...], numel: int, sbytes: int,
     sgd-momentum: momentum_buffer. lion: exp_avg (lion-pytorch ``lion_pytorch.py``:
     ``state['exp_avg'] = torch.zeros_like(p)``). adafactor (transformers, beta1=None): factored
     second moment, row + column vectors for matrices, a full tensor for vectors, in fp32.
+    lomo: none (lomo_optim's plain SGD update); adalomo: Adafactor's factored second moment, fp32.
     adagrad: ``sum`` (torch 2.13 ``torch/optim/adagrad.py`` L96: ``torch.full_like(p, ...)``, made in
     the constructor). rmsprop at torch.optim's defaults (momentum 0, not centered): ``square_avg``
     (``rmsprop.py`` L123; ``momentum_buffer`` and ``grad_avg`` only with momentum / centered).
@@ -352,7 +355,11 @@ def state_bytes(optimizer: str, shape: tuple[int, ...], numel: int, sbytes: int,
     """
     if optimizer in ("adam", "adamw", "schedule-free-adamw", "schedule-free-radam"):
         return (numel * sbytes, numel * sbytes)
-    if optimizer == "sgd":
+    if optimizer == "adalomo":
+        # lomo_optim 0.1.1 ``adalomo.py`` L96-118: exp_avg_sq_row (shape[0],) and exp_avg_sq_col (shape[1],)
+        # of a matrix, exp_avg_sq (shape[0],) of a vector, fp32, made in the constructor
+        return (shape[0] * 4, shape[1] * 4) if len(shape) > 1 else (shape[0] * 4,)
+    if optimizer in ("sgd", "lomo"):
         return ()
     if optimizer in ("sgd-momentum", "lion", "adagrad", "rmsprop", "schedule-free-sgd"):
         return (numel * sbytes,)
@@ -478,7 +485,8 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
            t.fsdp_mixed_units, t.fsdp_version, t.fused_qkv, t.split_gate_up, t.layer_rope_cache, t.rope_cache, t.expandable_segments,
            layer_rotary_cache(m, t.transformers_release),
            t.gemini, t.gemini_chunk_size, t.ds_params_on_host, t.ds_fp32_clone, t.half_embeddings,
-           t.fsdp_auto_wrap_policy, t.fsdp_min_num_params, t.torchao_block, t.torchao_offload)
+           t.fsdp_auto_wrap_policy, t.fsdp_min_num_params, t.torchao_block, t.torchao_offload, t.optim_target_modules,
+           t.optim_args)
     return _STATES_CACHE.get_or_build(key, lambda: _model_states(m, t, stage))
 
 
@@ -642,18 +650,18 @@ class _Tally:
             self.layer_elems += n
 
     def trainable_tensor(self, t: TrainingSpec, r: _Rank, shape: tuple[int, ...], n: int, k: int,
-                         grad_n: int | None = None, where: str = "layer") -> int:
+                         grad_n: int | None = None, where: str = "layer", galore: bool = False) -> int:
         """Add gradient, master copy and optimizer states of ``k`` tensors of ``n`` elements on this
         rank (the gradient of ``grad_n`` elements when it is not the weight's shard); returns one
-        tensor's gradient bytes."""
+        tensor's gradient bytes. ``galore``: a GaLore target weight (``galore_state_bytes``: its
+        projector and projected states)."""
         self.trainable += k * n
         g = r.grad_bytes(n if grad_n is None else grad_n)
         self.grads += k * g
         sh = -(-n // r.d) if r.zero_states >= 1 else n
         master = r.block(sh * 4) if (r.half_master or r.zero_clone) else 0  # (sh,) fp32 partition
         self.master += k * master
-        sts = tuple(r.block(sb) for sb in state_bytes(t.optimizer, shape, sh, r.sbytes, whole=n,
-                                                          blocksize=t.torchao_block or t.bnb_blocksize))
+        sts = tuple(r.block(sb) for sb in _state_bytes(t, shape, sh, r, n, galore))
         host = t.torchao_offload is not None and n >= TORCHAO_OFFLOAD_MIN
         if host:  # CPUOffloadOptimizer: this tensor's optimizer and its states live on the host (cpu_offload.py L88-107)
             sts = ()
@@ -670,6 +678,15 @@ class _Tally:
         self.largest_n = max(self.largest_n, n)
         self.group += k * r.block(sh * r.sbytes)
         return g
+
+
+def _state_bytes(t: TrainingSpec, shape: tuple[int, ...], sh: int, r: _Rank, n: int, galore: bool) -> tuple[int, ...]:
+    """One tensor's optimizer states (``state_bytes``; GaLore's optimizers: ``galore_state_bytes``, in the
+    weight's dtype: GaLore runs without master weights or sharding, ``TrainingSpec._check_galore``)."""
+    if t.optimizer in LOWRANK_OPTIMIZERS:
+        o = t.galore_options()
+        return galore_state_bytes(t.optimizer, shape, galore, r.w, o["rank"], o["proj_type"], t.bnb_blocksize)
+    return state_bytes(t.optimizer, shape, sh, r.sbytes, whole=n, blocksize=t.torchao_block or t.bnb_blocksize)
 
 
 def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
@@ -696,7 +713,8 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
                            r.per_stage if m.uniform_layers else 1, tuple(x for _, x in after), r.expandable)
     weights = placed - acc.buffers + acc.lora_w
     master, opt, step_t = acc.master, acc.opt, acc.step_t
-    opt += bnb_qmap_bytes(t.optimizer, acc.largest_n)  # bitsandbytes' two shared 256-entry maps (fp32)
+    # bitsandbytes' two shared 256-entry maps (fp32); GaLore's 8-bit AdamW is bitsandbytes' Optimizer2State
+    opt += bnb_qmap_bytes("adamw-8bit" if t.optimizer == "galore-adamw-8bit" else t.optimizer, acc.largest_n)
     if t.offload_optimizer:  # ZeRO-Offload: fp32 master weights and optimizer states live in host memory
         master = opt = step_t = 0
     # bitsandbytes' paged optimizers put their states in CUDA unified memory (``cudaMallocManaged``,
@@ -902,7 +920,8 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
                 acc.mixed_unit_grad(r, n, k, uniform or p.layer == r.lo)
             continue
         g = acc.trainable_tensor(t, r, p.shape, n, k, p.numel if _replicated_grad(m, t, p) else n,
-                                 "layer" if p.layer is not None else ("after" if layer else "before"))
+                                 "layer" if p.layer is not None else ("after" if layer else "before"),
+                                 galore=galore_target(t, p))
         full = r.block(n * r.gather) if r.fsdp_unsharded else 0  # its unsharded gradient under FSDP
         if p.layer is not None:
             acc.layer_grads += g

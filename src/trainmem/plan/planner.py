@@ -510,6 +510,11 @@ def _refuse_unplanned(options: dict[str, Any]) -> None:
         raise TrainmemError("plan --framework unsloth (--unsloth-gc): Unsloth trains on one GPU and its offload "
                             "depends on each layout's micro-batch size, which the planner's layouts do not carry; "
                             "estimate (or fit) one layout with it")
+    name = str(options.get("optimizer") or "").strip().lower().replace("-", "_")
+    if name.startswith(("galore", "apollo", "lomo", "adalomo")):
+        raise TrainmemError(f"plan --optimizer {name}: the planner varies ZeRO stages and tensor/pipeline "
+                            "parallelism, which GaLore, APOLLO and LOMO are not modelled with; estimate (or fit, sweep) "
+                            "one layout with it")
     if options.get("offload_activations"):
         raise TrainmemError("plan --offload-activations: the planner's layouts and step-time model do not cover "
                             "activation offloading; estimate one layout with it")

@@ -49,6 +49,7 @@ from .model import ModelSpec
 from .deepspeed import zero_options
 from .releases import parse_torch_version, torch_defaults
 from .tf_releases import default_attention, model_key, parse_transformers_version
+from .galore import LOWRANK_HF_NAMES
 from .training import (OPTIMIZER_ALIASES, PRECISION_ALIASES, optimizer_refusal, TrainingSpec, check_against, deepspeed_problems, default_seq_len,
                        image_sizes, HF_TORCHAO_BLOCK, TORCHAO_OPTIMIZERS)
 
@@ -99,7 +100,7 @@ def framework_names(given: dict[str, Any]) -> dict[str, Any]:
     ``OPTIMIZER_ALIASES``: the HF Trainer's ``optim`` names). An optimizer name that implies an
     implementation (``adamw_torch_fused``) sets ``optimizer_impl`` too, and contradicting an
     ``optimizer_impl`` also given is refused in one line; an HF name trainmem does not model
-    (``OPTIMIZERS_REFUSED``: GaLore, APOLLO, LOMO, XLA/NPU...) is refused in one line naming it."""
+    (``OPTIMIZERS_REFUSED``: APOLLO, galore_adafactor_layerwise, XLA/NPU...) is refused in one line naming it."""
     out = dict(given)
     p = out.get("precision")
     if isinstance(p, str) and p.strip().lower() in PRECISION_ALIASES:
@@ -107,6 +108,12 @@ def framework_names(given: dict[str, Any]) -> dict[str, Any]:
     o = out.get("optimizer")
     if optimizer_refusal(o):
         raise TrainmemError(optimizer_refusal(o))
+    if isinstance(o, str) and o.strip().lower() in LOWRANK_HF_NAMES:
+        # galore_*_layerwise: one optimizer per parameter stepped from its post-accumulate-grad hook, the
+        # gradient freed by its zero_grad (trainer_optimizer.py L164-184): trainmem's optimizer-in-backward
+        out["optimizer"], layerwise = LOWRANK_HF_NAMES[o.strip().lower()]
+        if layerwise:
+            out["optimizer_in_backward"] = True
     if isinstance(o, str) and o.strip().lower() in OPTIMIZER_ALIASES:
         name, impl = OPTIMIZER_ALIASES[o.strip().lower()]
         out["optimizer"] = name

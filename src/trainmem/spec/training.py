@@ -9,6 +9,8 @@ from dataclasses import dataclass, asdict, field
 from typing import Any
 
 from ..errors import TrainmemError
+from .galore import (ADAFACTOR_LAYERWISE, LOWRANK_OPTIMIZERS, is_target, parse_optim_args,
+                     target_modules)
 from .hardware import parse_cublas_workspace_config
 from .layout import layout_problems, stage_layers
 from .preference import preference_problem
@@ -26,11 +28,14 @@ PRECISIONS = ("fp32", "fp16-amp", "bf16-amp", "bf16", "fp16", "bf16-mp")
 #: ademamix(-8bit): bitsandbytes' Lion, RMSprop and AdEMAMix; schedule-free-*: facebookresearch/schedule_free's
 #: AdamWScheduleFree, SGDScheduleFree, RAdamScheduleFree; adamw-torchao-8bit/-4bit/-fp8: torchao's AdamW8bit,
 #: AdamW4bit and AdamWFp8 (``estimate.torchao_optim``)
+#: lomo_optim's Lomo and AdaLomo (the HF Trainer's ``lomo`` / ``adalomo``): the update fused into backward
+#: through a hook on every parameter (``estimate.quantities.lomo_update_bytes``)
+LOMO_OPTIMIZERS = ("lomo", "adalomo")
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adamw-8bit", "lion", "paged-adamw-8bit",
               "paged-adamw", "adagrad", "rmsprop", "lion-8bit", "lion-32bit", "paged-lion-8bit", "paged-lion",
               "rmsprop-8bit", "rmsprop-32bit", "ademamix", "ademamix-8bit", "paged-ademamix",
               "paged-ademamix-8bit", "schedule-free-adamw", "schedule-free-sgd", "schedule-free-radam",
-              "adamw-torchao-8bit", "adamw-torchao-4bit", "adamw-torchao-fp8")
+              "adamw-torchao-8bit", "adamw-torchao-4bit", "adamw-torchao-fp8") + LOWRANK_OPTIMIZERS + LOMO_OPTIMIZERS
 #: torchao's low-bit optimizers (``torchao.optim``; ``torchao.prototype.low_bit_optim`` before 0.10)
 TORCHAO_OPTIMIZERS = ("adamw-torchao-8bit", "adamw-torchao-4bit", "adamw-torchao-fp8")
 #: a framework's own precision names, as trainmem's (Lightning's ``precision=`` strings:
@@ -66,25 +71,14 @@ OPTIMIZER_ALIASES = {"adamw_torch": ("adamw", None), "adamw_torch_fused": ("adam
 #: the ``block_size`` the HF Trainer gives torchao's optimizers (trainer_optimizer.py L470-472:
 #: ``ctx.optim_args.get("block_size", 256)``, for AdamW4bit too, whose own default is 128)
 HF_TORCHAO_BLOCK = 256
-#: the HF Trainer's ``optim=`` names trainmem does not model, and why (``OPTIMIZER_ALIASES`` and the names in
-#: ``OPTIMIZERS`` are the others; tests/test_hf_optimizers.py enumerates the installed ``OptimizerNames``)
-_GALORE = ("GaLore projects each target matrix's gradient to rank r and keeps its Adam states in that "
-           "projected space (galore_torch), which trainmem does not model")
-_APOLLO = ("APOLLO keeps its states in a random rank-r projection of each target matrix (apollo_torch), "
-           "which trainmem does not model")
-_LAYERWISE = ("; its layerwise variant also steps one optimizer per parameter inside backward "
-              "(trainer_optimizer.py L164-184)")
-_LOMO = ("fuses the update into backward through its own hooks on the model (lomo_optim), with no "
-         "gradients kept; trainmem does not model it")
+#: the HF Trainer's ``optim=`` names trainmem does not model, and why (``OPTIMIZER_ALIASES``,
+#: ``spec.galore.LOWRANK_HF_NAMES`` and the names in ``OPTIMIZERS`` are the others; tests/test_hf_optimizers.py
+#: enumerates the installed ``OptimizerNames``)
 _NOT_YET = "is not modelled yet: its states and its step's temporaries have no model in trainmem"
 OPTIMIZERS_REFUSED = {
     "adamw_torch_xla": "torch_xla's syncfree AdamW runs on XLA devices (TPU), not a CUDA GPU",
     "adamw_torch_npu_fused": "torch_npu's NpuFusedAdamW runs on Ascend NPUs, not a CUDA GPU",
-    "galore_adamw": _GALORE, "galore_adamw_8bit": _GALORE, "galore_adafactor": _GALORE,
-    "galore_adamw_layerwise": _GALORE + _LAYERWISE, "galore_adamw_8bit_layerwise": _GALORE + _LAYERWISE,
-    "galore_adafactor_layerwise": _GALORE + _LAYERWISE,
-    "apollo_adamw": _APOLLO, "apollo_adamw_layerwise": _APOLLO + _LAYERWISE,
-    "lomo": "LOMO " + _LOMO, "adalomo": "AdaLomo " + _LOMO,
+    "galore_adafactor_layerwise": ADAFACTOR_LAYERWISE.split(": ", 1)[1],
     "adamw_anyprecision": "torchdistx's AnyPrecisionAdamW " + _NOT_YET,
     "grokadamw": ("grokadamw's GrokAdamW keeps its three states in host memory and copies them to the GPU and "
                   "back for every parameter at every step (grokadamw 0.1.2 grokadamw.py L93-135), which trainmem "
@@ -315,6 +309,11 @@ class TrainingSpec:
     optimizer_in_backward: bool = False
     lora_rank: int = 0
     lora_targets: tuple[str, ...] | None = None
+    #: GaLore (``--optimizer galore-*``): the HF Trainer's ``optim_target_modules`` (module names, matched as
+    #: ``check_target_module_exists`` does, or "all-linear") and ``optim_args`` ("rank=128,update_proj_gap=200,
+    #: scale=0.25,proj_type=std"): spec.galore
+    optim_target_modules: tuple[str, ...] | str | None = None
+    optim_args: str | None = None
     lora_dropout: float = 0.0  # LoRA dropout on the adapters' input (peft: 0; torchtune, litgpt: 0.05)
     lora_dtype: str | None = None  # adapters over half weights: "fp32" (peft's upcast, the default when None)
     #                                or "half" (torchtune, litgpt build them in the model's dtype)
@@ -478,6 +477,8 @@ class TrainingSpec:
         self._check_fsdp()
         self._check_gemini()
         self._check_lora()
+        self._check_galore()
+        self._check_lomo()
         self._check_quantize()
         self._check_half_embeddings()
         self._check_torch()
@@ -840,6 +841,68 @@ class TrainingSpec:
             return 0
         from ..estimate.torchao_optim import default_block
         return self.torchao_block_size or default_block(self.optimizer)
+
+    def _check_galore(self) -> None:
+        """GaLore's options (spec.galore): the HF Trainer needs ``optim_target_modules``
+        (trainer_optimizer.py L121-122) and refuses the layerwise variants under DDP (L116-117) and
+        with gradient accumulation (L165-166); what trainmem does not model with it is refused."""
+        object.__setattr__(self, "optim_target_modules", target_modules(self.optim_target_modules))
+        if self.optimizer not in LOWRANK_OPTIMIZERS:
+            for key in ("optim_target_modules", "optim_args"):
+                if getattr(self, key) is not None:
+                    raise TrainmemError(f"--{key.replace('_', '-')} is read by the GaLore and APOLLO optimizers only "
+                                        f"(--optimizer galore_*, apollo_*); drop it with --optimizer {self.optimizer}")
+            return
+        parse_optim_args(self.optim_args, self.optimizer)
+        o = self.optimizer
+        if self.optim_target_modules is None:
+            raise TrainmemError(f"--optimizer {o} needs --optim-target-modules (the HF Trainer raises \"You need to "
+                                "define `optim_target_modules`\"): give module names (attn,mlp) or all-linear")
+        if self.optimizer_in_backward and (self.dp > 1 or self.fsdp is not None or self.zero):
+            raise TrainmemError(f"--optimizer {o} layerwise (--optimizer-in-backward) does not support DDP in the HF "
+                                "Trainer (\"Layer-wise ... does not support DDP\"); use --dp 1 or the non-layerwise name")
+        if o == "galore-adafactor" and self.optimizer_in_backward:
+            raise TrainmemError(ADAFACTOR_LAYERWISE)
+        bad = [flag for flag, on in (("--zero", self.zero), ("--fsdp", self.fsdp is not None), ("--tp", self.tp > 1),
+                                     ("--pp", self.pp > 1), ("--cp", self.cp > 1), ("--lora-rank", self.lora_rank),
+                                     ("--offload-optimizer", self.offload_optimizer),
+                                     ("--master-weights", self.master_weights is not None),
+                                     ("--optimizer-impl", self.optimizer_impl is not None),
+                                     ("--gemini", self.gemini is not None)) if on]
+        if bad:
+            raise TrainmemError(f"--optimizer {o} with {', '.join(bad)} is not modelled: its step projects "
+                                "whole (m, n) weights of one process, in their own dtype; drop "
+                                f"{', '.join(bad)}")
+
+    def _check_lomo(self) -> None:
+        """LOMO / AdaLomo (lomo_optim 0.1.1 ``lomo.py``, ``adalomo.py``): a ``register_hook`` on every
+        parameter updates, in place, the parameters whose gradient was accumulated since the last hook
+        (their ``p.grad`` freed): trainmem's optimizer-in-backward, set here. The HF Trainer calls
+        ``fused_backward(loss, lr)`` (accelerate ``lomo_backward``) and its ``step`` is a no-op
+        (accelerate ``optimizer.py`` L164-167). Refused: what the Trainer's path does not run or
+        trainmem does not model."""
+        o = self.optimizer
+        if o not in LOMO_OPTIMIZERS:
+            return
+        object.__setattr__(self, "optimizer_in_backward", True)
+        if o == "lomo" and self.precision == "fp16":
+            raise TrainmemError("--optimizer lomo with --precision fp16: an fp16 loss makes Lomo set clip_grad_norm 1.0, "
+                                "and fused_backward then raises \"clip_coef is None\" (the HF Trainer never calls "
+                                "grad_norm): the run stops; use --precision bf16 or fp16-amp")
+        bad = [flag for flag, on in (("--zero", self.zero), ("--fsdp", self.fsdp is not None), ("--dp", self.dp > 1),
+                                     ("--tp", self.tp > 1), ("--pp", self.pp > 1), ("--cp", self.cp > 1),
+                                     ("--lora-rank", self.lora_rank), ("--offload-optimizer", self.offload_optimizer),
+                                     ("--master-weights", self.master_weights is not None),
+                                     ("--optimizer-impl", self.optimizer_impl is not None),
+                                     ("--gemini", self.gemini is not None)) if on]
+        if bad:
+            raise TrainmemError(f"--optimizer {o} with {', '.join(bad)} is not modelled: lomo_optim updates each whole "
+                                f"parameter of one process inside backward (ZeRO-3 has its own path); drop "
+                                f"{', '.join(bad)}")
+
+    def galore_options(self) -> dict[str, Any]:
+        """rank, update_proj_gap, scale, proj_type (``optim_args`` over the HF Trainer's defaults)."""
+        return parse_optim_args(self.optim_args, self.optimizer)
 
     def _check_transformer_impl(self) -> None:
         """``transformer_impl``: Megatron-LM's only; its local layers run the unfused attention
@@ -1472,6 +1535,8 @@ class TrainingSpec:
         d.pop("extra", None)
         if d["lora_targets"] is not None:
             d["lora_targets"] = list(d["lora_targets"])
+        if isinstance(d["optim_target_modules"], tuple):
+            d["optim_target_modules"] = list(d["optim_target_modules"])
         return d
 
 
@@ -1711,6 +1776,13 @@ def check_against(model: Any, t: TrainingSpec) -> None:
     if t.offload_activations and model.family not in ("llama", "mixtral"):
         raise TrainmemError(f"--offload-activations is modelled for Llama-style decoders (llama, mistral, qwen2, "
                             f"mixtral), not {model.name} ({model.family})")
+    galore = galore_model_problem(model, t)
+    if galore:
+        raise TrainmemError(galore)
+    if t.optimizer == "adalomo" and any(len(p.shape) > 2 for p in model.parameter_tensors()):
+        raise TrainmemError(f"--optimizer adalomo with {model.name}: AdaLomo keeps row/column moments of each "
+                            "parameter's first two dimensions (adalomo.py L110-118), which its update cannot "
+                            "broadcast over a 3-D expert tensor; use --optimizer lomo")
     if t.lora_targets:
         known = {p.module for p in model.parameter_tensors() if p.is_matmul}
         bad = [x for x in t.lora_targets if x not in known]
@@ -1783,3 +1855,32 @@ def fsdp1_tied_split(model: Any, t: TrainingSpec) -> str:
     return (f"--fsdp-version 1 with LoRA on {model.name}: peft's FSDP wrap policy puts its embeddings in a unit "
             "of their own, apart from the masked-LM head that ties their weight, which then computes on a shard "
             "and fails; use --fsdp-lora-units layer (or --fsdp-version 2)")
+
+
+def galore_target(t: TrainingSpec, p: Any) -> bool:
+    """Whether parameter ``p`` (a ``ParamTensor``) is in GaLore's group: the weight of an ``nn.Linear``
+    (a 2-D matmul weight, not a MoE expert's grouped tensor) whose module name the HF Trainer's
+    ``optim_target_modules`` matches (``spec.galore.is_target``; trainmem's names lack the model's
+    own prefix, such as ``model.``)."""
+    if t.optimizer not in LOWRANK_OPTIMIZERS or p.role not in ("linear", "router") or len(p.shape) != 2:
+        return False
+    if not p.name.endswith(".weight"):
+        return False
+    return is_target(t.optim_target_modules, p.name[:-len(".weight")])
+
+
+def galore_model_problem(model: Any, t: TrainingSpec) -> str | None:
+    """Why GaLore cannot run on ``model`` as given (None: it can): GPT-2's matmuls are transformers'
+    ``Conv1D``, not ``nn.Linear`` (HF's ``_setup_low_rank_optimizer`` takes ``nn.Linear`` only, L143-146);
+    no module matched raises in the HF Trainer (L153-154)."""
+    if t.optimizer not in LOWRANK_OPTIMIZERS:
+        return None
+    if model.model_type == "gpt2":
+        return (f"--optimizer {t.optimizer} with {model.name}: GPT-2's attention and MLP are transformers' Conv1D, "
+                "which the HF Trainer's low-rank optimizer setup skips (nn.Linear only); use a model with nn.Linear "
+                "layers")
+    if not any(galore_target(t, p) for p in model.parameter_tensors()):
+        return (f"--optim-target-modules {t.optim_target_modules}: no nn.Linear module of {model.name} matches (the "
+                "HF Trainer raises \"No target modules found\"); its linear modules: "
+                + ", ".join(sorted({p.module for p in model.parameter_tensors() if p.role == 'linear'})))
+    return None
