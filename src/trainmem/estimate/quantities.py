@@ -2150,6 +2150,18 @@ def _top_fields(m: ModelSpec, t: TrainingSpec, pol: Policy) -> dict[str, float]:
             "bert_top_fwd_tok": bert_top_forward(m, t, pol)}
 
 
+def _build_temp(t: TrainingSpec, st: Any, comm: int) -> int:
+    """The model build's allocated peak above what ``model_loaded`` ends with (``Quantities.build_temp``).
+    DeepSpeed ZeRO-3 of a model built whole (``TrainingSpec.ds_whole_load``): the conversion's peak
+    (``states.zero3_whole_load``: the whole model and one partition) is reached before the optimizer
+    makes its fp32 partitions, its gradient partition buffer and its bucket, so it is measured
+    against all of ``model_loaded``'s end, not only the weights; a smaller peak adds nothing."""
+    if not st.build_peak:
+        return st.build_temp
+    grads = st.grads if grads_from_wrap(t) and not t.optimizer_in_backward else 0
+    return max(0, st.build_peak - (st.weights + st.buffers + st.master + comm + grads))
+
+
 def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     pol = Policy.of(t.precision)
     st = model_states(m, t, stage)
@@ -2188,7 +2200,8 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         first_unsaved_tok=sum(a for _, a, _ in first), first_unsaved_sq=sum(b for _, _, b in first),
         cast_first_free=int(sum(lc.first_free_weights) * 2) if (lora_first and cast_layer) else 0,  # bf16/fp16 copies
         fixed=st.weights + st.buffers + st.master + comm, grads=0 if oib else st.grads,
-        grads_loaded=(0 if oib else st.grads) if grads_from_wrap(t) else 0, build_temp=st.build_temp, states=st.optimizer + st.step_tensors,
+        grads_loaded=(0 if oib else st.grads) if grads_from_wrap(t) else 0,
+        build_temp=_build_temp(t, st, comm), states=st.optimizer + st.step_tensors,
         layer_grads=0 if oib else st.layer_grads, head_grads=0 if oib else st.head_grads, layers=layers,
         pp_inflight=pp_inflight, fixed_inflight=inflight_fixed, saved_tok=lc.tok, saved_sq=lc.sq,
         kept_tok=kept[0], kept_sq=kept[1], redo_tok=redo[0], redo_sq=redo[1],

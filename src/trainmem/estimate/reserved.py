@@ -104,12 +104,15 @@ class _Step:
 
 
 def _replay_build(R: "_Replay", events: tuple) -> None:
-    """The build's alloc/free events in order (``States.build``, quant4.torchtune_v01_build): what
-    they keep is the model, the segments of their transients stay cached."""
+    """The build's alloc/free events in order (``States.build``, quant4.torchtune_v01_build,
+    states.zero3_whole_load): what they keep is the model, the segments of their transients stay
+    cached unless an ``("e",)`` event empties the cache (DeepSpeed's ``defragment``)."""
     live: dict[int, Any] = {}
     for ev in events:
         if ev[0] == "a":
             live[ev[1]] = R.alloc(ev[2])
+        elif ev[0] == "e":
+            R.a.empty_cache()
         else:
             R.free(live.pop(ev[1]))
 

@@ -106,6 +106,9 @@ class States:
     # cached (torchtune 0.1 with torchao 0.1: quant4.torchtune_v01_build): ("a", id, bytes) / ("f", id)
     build: tuple = ()
     build_temp: int = 0  # its allocated peak above the model it leaves (block-rounded), bytes
+    # DeepSpeed ZeRO-3 of a model built whole (``zero3_whole_load``): the allocated peak of ``build``
+    # (block-rounded), which is reached before the engine's other buffers exist (``quantities._build``)
+    build_peak: int = 0
 def _dim0_padded(shape: tuple[int, ...], n: int, d: int) -> int:
     """Elements of a gradient of ``n`` elements (``shape``'s trailing dims) padded along dim 0 to a
     multiple of ``d`` ranks, as FSDP2 lays it into the reduce-scatter input (torch
@@ -468,7 +471,7 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
            t.fp32_master, t.quantize, t.quantize_via, t.bitsandbytes_version, t.torchao_version, t.accumulates_unsharded,
            t.fsdp_mixed_units, t.fsdp_version, t.fused_qkv, t.split_gate_up, t.layer_rope_cache, t.rope_cache, t.expandable_segments,
            layer_rotary_cache(m, t.transformers_release),
-           t.gemini, t.gemini_chunk_size, t.ds_params_on_host, t.ds_fp32_clone, t.half_embeddings,
+           t.gemini, t.gemini_chunk_size, t.ds_params_on_host, t.ds_whole_load, t.ds_fp32_clone, t.half_embeddings,
            t.fsdp_auto_wrap_policy, t.fsdp_min_num_params)
     return _STATES_CACHE.get_or_build(key, lambda: _model_states(m, t, stage))
 
@@ -605,6 +608,7 @@ class _Tally:
     root_flat_bytes: int = 0  # FSDP: the root's unsharded gradients as one flat tensor (bytes, unrounded)
     each: dict = field(default_factory=dict)  # layer -> its gradient bytes (layers that differ)
     between: int = 0         # States.between_grads: an encoder-decoder's embedding tables after its encoder's layers
+    whole: dict = field(default_factory=dict)  # parameter name -> its whole bytes (``zero3_whole_load``)
 
     def root_gradient(self, shape: tuple[int, ...], n: int, d: int, g: int, full: int, gather: int = 0) -> None:
         """A trainable tensor of the FSDP root unit (``full``: its unsharded gradient's bytes, 0
@@ -689,6 +693,10 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
     root_rs = r.block(acc.root_rs_elems * reduce) if (r.fsdp_unsharded and acc.root_rs_elems) else 0
     emb_elems = acc.root_rs_elems - acc.head_rs_elems
     build, build_temp = _device_build(m, t, r)
+    build_peak = 0
+    if t.ds_whole_load and not build:
+        build, build_peak = zero3_whole_load(_named_load(before, layer, r.per_stage if m.uniform_layers else 1, after),
+                                             acc.whole, r.block)
     st = States(weights, acc.buffers, master, acc.grads, opt, step_t, acc.trainable, acc.params_rank,
                   acc.layer_grads, acc.head_grads, acc.lmh, acc.hmh, acc.largest, acc.group, acc.lpf,
                   sum(x[1] for x in lora), acc.q4, acc.root, acc.head_full, acc.emb_full, acc.layer_full, rs,
@@ -700,7 +708,7 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
                   head_unit_rs=r.block(acc.head_rs_elems * reduce) if (root_rs and acc.head_rs_elems) else 0,
                   emb_unit_rs=r.block(emb_elems * reduce) if (root_rs and emb_elems) else 0,
                   emb_unit_last=acc.emb_last if root_rs else 0,
-                  between_grads=acc.between, root_views=acc.root_views, build=build, build_temp=build_temp,
+                  between_grads=acc.between, root_views=acc.root_views, build=build, build_temp=build_temp, build_peak=build_peak,
                   root_flat=r.block(acc.root_flat_bytes) if acc.root_flat_bytes else 0,
                   embed_matmul_half=acc.emh, root_flat_elems=acc.root_flat_bytes // r.gather)
     return wrap_policy_states(m, t, st, r, acc, litgpt_tensors(m.first_layer_and_outer_tensors, t))
@@ -749,6 +757,41 @@ def _device_build(m: ModelSpec, t: TrainingSpec, r: "_Rank") -> tuple[tuple, int
         else:
             cur -= live.pop(ev[1])
     return events, peak - cur
+
+
+def zero3_whole_load(load: list[tuple[str, int]], whole: dict[str, int],
+                     block: Any) -> tuple[tuple, int]:
+    """DeepSpeed ZeRO-3 of a model built outside ``zero.Init`` (``TrainingSpec.ds_whole_load``) as
+    alloc/free events, and their allocated peak (each tensor ``block``-rounded): the engine moves every
+    tensor to the GPU whole in load order (``module.to(device)``: ``whole`` bytes for a parameter, a
+    buffer its own); the optimizer then gives each parameter, in order, its partition (``load``'s
+    bytes: ceil(numel / dp) elements) and frees the whole tensor; ``defragment`` frees the partitions,
+    empties the cache (``("e",)``: every segment with no live block is released, the whole model's
+    among them) and copies them back as one flat buffer. The peak is the whole model and the first
+    partition: each later partition replaces a larger whole tensor. What stays is the flat buffer
+    and the buffers (the registered ones are never partitioned)."""
+    ev: list[tuple] = [("a", i, whole.get(name, x)) for i, (name, x) in enumerate(load)]
+    params = [i for i, (name, _x) in enumerate(load) if name in whole]
+    n = len(load)
+    for i in params:                       # _partition_param: torch.empty(partition), copy_, free_param
+        ev += [("a", n + i, load[i][1]), ("f", i)]
+    ev += [("f", n + i) for i in params]   # defragment: each partition to the host, its data emptied
+    ev += [("e",), ("a", 2 * n, sum(load[i][1] for i in params))]  # empty_cache; the flat buffer
+    live: dict[int, int] = {}
+    cur = peak = 0
+    for e in ev:
+        if e[0] == "a":
+            live[e[1]] = block(e[2])
+            cur += live[e[1]]
+            peak = max(peak, cur)
+        elif e[0] == "f":
+            cur -= live.pop(e[1])
+    return tuple(ev), peak
+
+
+def _named_load(before: list, layer: list, k: int, after: list) -> list[tuple[str, int]]:
+    """``(name, bytes)`` of every tensor moved to the device, in load order (as ``_load_list``)."""
+    return list(before) + list(layer) * k + list(after)
 
 
 #: optimizers whose states are element-wise copies of the parameter (one state-dtype element each)
@@ -861,6 +904,7 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
         wb = n * (2 if half_table else r.w)  # (TRL's bf16 embeddings and head: half_embedding_tensor)
         item = (p.name, -(-wb // r.d) if r.shard_weights else wb)
         dest.append(item)
+        acc.whole[p.name] = wb
         if r.fsdp_unsharded and p.layer is None:
             acc.root += r.block(n * r.gather)  # the root unit's unsharded parameter (fsdp_root below)
             if layer:
