@@ -2155,11 +2155,14 @@ def _build_temp(t: TrainingSpec, st: Any, comm: int) -> int:
     DeepSpeed ZeRO-3 of a model built whole (``TrainingSpec.ds_whole_load``): the conversion's peak
     (``states.zero3_whole_load``: the whole model and one partition) is reached before the optimizer
     makes its fp32 partitions, its gradient partition buffer and its bucket, so it is measured
-    against all of ``model_loaded``'s end, not only the weights; a smaller peak adds nothing."""
+    against all of ``model_loaded``'s end, not only the weights; a smaller peak adds nothing. DeepSpeed
+    ZeRO-3's last init step gathers each trainable parameter whole on top of all of it
+    (``states.ds_init_gathers``): its largest one."""
+    gather = max((sum(block_bytes(x, t.expandable_segments) for x in g) for g in st.gathered), default=0)
     if not st.build_peak:
-        return st.build_temp
+        return max(st.build_temp, gather)
     grads = st.grads if grads_from_wrap(t) and not t.optimizer_in_backward else 0
-    return max(0, st.build_peak - (st.weights + st.buffers + st.master + comm + grads))
+    return max(0, st.build_peak - (st.weights + st.buffers + st.master + comm + grads), gather)
 
 
 def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:

@@ -109,6 +109,9 @@ class States:
     # DeepSpeed ZeRO-3 of a model built whole (``zero3_whole_load``): the allocated peak of ``build``
     # (block-rounded), which is reached before the engine's other buffers exist (``quantities._build``)
     build_peak: int = 0
+    # DeepSpeed ZeRO-3 (``ds_init_gathers``): the bytes of each trainable parameter whole, in order, as the
+    # stage-3 optimizer gathers and re-partitions them one at a time at the end of its init
+    gathered: tuple[tuple[int, ...], ...] = ()
 def _dim0_padded(shape: tuple[int, ...], n: int, d: int) -> int:
     """Elements of a gradient of ``n`` elements (``shape``'s trailing dims) padded along dim 0 to a
     multiple of ``d`` ranks, as FSDP2 lays it into the reduce-scatter input (torch
@@ -609,6 +612,7 @@ class _Tally:
     each: dict = field(default_factory=dict)  # layer -> its gradient bytes (layers that differ)
     between: int = 0         # States.between_grads: an encoder-decoder's embedding tables after its encoder's layers
     whole: dict = field(default_factory=dict)  # parameter name -> its whole bytes (``zero3_whole_load``)
+    trained: set = field(default_factory=set)  # names of the parameters with a gradient
 
     def root_gradient(self, shape: tuple[int, ...], n: int, d: int, g: int, full: int, gather: int = 0) -> None:
         """A trainable tensor of the FSDP root unit (``full``: its unsharded gradient's bytes, 0
@@ -676,6 +680,9 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
     _layer_rope_cache(m, t, r, acc, layer)
     _hf_layer_rotary_cache(m, t, r, acc, layer)
     _rope_cache(m, t, r, acc, before)
+    named = _named_load(before, layer, r.per_stage if m.uniform_layers else 1, after)
+    gathered = ds_init_gathers(t, named, acc) if t.zero == 3 and t.fsdp is None and not t.distributed_optimizer \
+        and t.gemini is None else ()
     if t.ds_params_on_host:
         before, layer, after = _host_partitions(m, before, layer, after, acc)
     placed = _placed_bytes(tuple(x for _, x in before), tuple(x for _, x in layer),
@@ -695,8 +702,7 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
     build, build_temp = _device_build(m, t, r)
     build_peak = 0
     if t.ds_whole_load and not build:
-        build, build_peak = zero3_whole_load(_named_load(before, layer, r.per_stage if m.uniform_layers else 1, after),
-                                             acc.whole, r.block)
+        build, build_peak = zero3_whole_load(named, acc.whole, r.block)
     st = States(weights, acc.buffers, master, acc.grads, opt, step_t, acc.trainable, acc.params_rank,
                   acc.layer_grads, acc.head_grads, acc.lmh, acc.hmh, acc.largest, acc.group, acc.lpf,
                   sum(x[1] for x in lora), acc.q4, acc.root, acc.head_full, acc.emb_full, acc.layer_full, rs,
@@ -708,7 +714,7 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
                   head_unit_rs=r.block(acc.head_rs_elems * reduce) if (root_rs and acc.head_rs_elems) else 0,
                   emb_unit_rs=r.block(emb_elems * reduce) if (root_rs and emb_elems) else 0,
                   emb_unit_last=acc.emb_last if root_rs else 0,
-                  between_grads=acc.between, root_views=acc.root_views, build=build, build_temp=build_temp, build_peak=build_peak,
+                  between_grads=acc.between, root_views=acc.root_views, build=build, build_temp=build_temp, build_peak=build_peak, gathered=gathered,
                   root_flat=r.block(acc.root_flat_bytes) if acc.root_flat_bytes else 0,
                   embed_matmul_half=acc.emh, root_flat_elems=acc.root_flat_bytes // r.gather)
     return wrap_policy_states(m, t, st, r, acc, litgpt_tensors(m.first_layer_and_outer_tensors, t))
@@ -787,6 +793,23 @@ def zero3_whole_load(load: list[tuple[str, int]], whole: dict[str, int],
         elif e[0] == "f":
             cur -= live.pop(e[1])
     return tuple(ev), peak
+
+
+def ds_init_gathers(t: TrainingSpec, named: list[tuple[str, int]], acc: "_Tally") -> tuple[int, ...]:
+    """The whole bytes of each trainable parameter as DeepSpeed's stage-3 optimizer gathers it at the
+    end of its ``__init__``, after ``defragment`` and the fp32 partitions: ``create_reduce_and_remove_grad_hooks``
+    calls ``param.all_gather()`` on every parameter that requires a gradient, registers its gradient
+    hook and partitions it again, one parameter at a time (DeepSpeed v0.19.2 ``stage3.py`` L491,
+    L1290-1323; v0.19.8 L519, L1500-1531); the gather is a ``torch.empty`` of the whole (padded)
+    parameter on the GPU (``partition_parameters.py`` ``_allgather_params_sequential``, v0.19.8
+    L2134-2142), freed when it is partitioned. The cache was emptied just before, so the largest
+    parameter (the embedding or the head) takes a fresh segment that stays reserved into the step.
+    With the partitions in host memory (``--remote-device cpu``) the gather first copies the
+    partition to the GPU beside it (``param.ds_tensor.to(device)``, L2146). In load order,
+    which for a transformers model is ``module.parameters()``'s; each entry: the bytes allocated
+    together, then freed."""
+    return tuple(((acc.whole[name], x) if t.ds_params_on_host else (acc.whole[name],))
+                 for name, x in named if name in acc.trained and name in acc.whole)
 
 
 def _named_load(before: list, layer: list, k: int, after: list) -> list[tuple[str, int]]:
@@ -922,6 +945,8 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
         elif p.is_matmul and t.amp and not half_table:  # (a half head needs no autocast copy; before the
             #                                              layers, a patch embedding's: kept to its backward)
             acc.hmh, acc.emh = (acc.hmh + n * 2, acc.emh) if layer else (acc.hmh, acc.emh + n * 2)
+        if not (frozen or p.role == "unused"):
+            acc.trained.add(p.name)
         if frozen or p.role == "unused":  # (unused: built, never given a gradient, spec.profile.without_gradient)
             if r.mixed_units and p.layer is not None:
                 acc.mixed_unit_grad(r, n, k, uniform or p.layer == r.lo)
