@@ -2150,7 +2150,7 @@ def _top_fields(m: ModelSpec, t: TrainingSpec, pol: Policy) -> dict[str, float]:
             "bert_top_fwd_tok": bert_top_forward(m, t, pol)}
 
 
-def _build_temp(t: TrainingSpec, st: Any, comm: int) -> int:
+def _build_temp(t: TrainingSpec, st: States, comm: int) -> int:
     """The model build's allocated peak above what ``model_loaded`` ends with (``Quantities.build_temp``).
     DeepSpeed ZeRO-3 of a model built whole (``TrainingSpec.ds_whole_load``): the conversion's peak
     (``states.zero3_whole_load``: the whole model and one partition) is reached before the optimizer

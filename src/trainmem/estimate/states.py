@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Any
+from typing import Any, Callable
 
 from ..spec.model import ModelSpec, ParamTensor
 from ..spec.tf_releases import layer_rotary_cache
@@ -112,6 +112,8 @@ class States:
     # DeepSpeed ZeRO-3 (``ds_init_gathers``): the bytes of each trainable parameter whole, in order, as the
     # stage-3 optimizer gathers and re-partitions them one at a time at the end of its init
     gathered: tuple[tuple[int, ...], ...] = ()
+
+
 def _dim0_padded(shape: tuple[int, ...], n: int, d: int) -> int:
     """Elements of a gradient of ``n`` elements (``shape``'s trailing dims) padded along dim 0 to a
     multiple of ``d`` ranks, as FSDP2 lays it into the reduce-scatter input (torch
@@ -714,7 +716,8 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
                   head_unit_rs=r.block(acc.head_rs_elems * reduce) if (root_rs and acc.head_rs_elems) else 0,
                   emb_unit_rs=r.block(emb_elems * reduce) if (root_rs and emb_elems) else 0,
                   emb_unit_last=acc.emb_last if root_rs else 0,
-                  between_grads=acc.between, root_views=acc.root_views, build=build, build_temp=build_temp, build_peak=build_peak, gathered=gathered,
+                  between_grads=acc.between, root_views=acc.root_views, build=build, build_temp=build_temp,
+                  build_peak=build_peak, gathered=gathered,
                   root_flat=r.block(acc.root_flat_bytes) if acc.root_flat_bytes else 0,
                   embed_matmul_half=acc.emh, root_flat_elems=acc.root_flat_bytes // r.gather)
     return wrap_policy_states(m, t, st, r, acc, litgpt_tensors(m.first_layer_and_outer_tensors, t))
@@ -753,20 +756,27 @@ def _device_build(m: ModelSpec, t: TrainingSpec, r: "_Rank") -> tuple[tuple, int
     if not builds_on_device(t) or r.per_stage != m.num_layers:
         return (), 0
     events = torchtune_v01_build(m, t)
+    peak, cur = _events_peak(events, r.block)
+    return events, peak - cur
+
+
+def _events_peak(events: tuple, block: Callable[[int], int]) -> tuple[int, int]:
+    """(allocated peak, allocated at the end) of alloc/free events, each tensor ``block``-rounded
+    (``("e",)``, an emptied cache, frees nothing)."""
     live: dict[int, int] = {}
     cur = peak = 0
     for ev in events:
         if ev[0] == "a":
-            live[ev[1]] = r.block(ev[2])
+            live[ev[1]] = block(ev[2])
             cur += live[ev[1]]
             peak = max(peak, cur)
-        else:
+        elif ev[0] == "f":
             cur -= live.pop(ev[1])
-    return events, peak - cur
+    return peak, cur
 
 
 def zero3_whole_load(load: list[tuple[str, int]], whole: dict[str, int],
-                     block: Any) -> tuple[tuple, int]:
+                     block: Callable[[int], int]) -> tuple[tuple, int]:
     """DeepSpeed ZeRO-3 of a model built outside ``zero.Init`` (``TrainingSpec.ds_whole_load``) as
     alloc/free events, and their allocated peak (each tensor ``block``-rounded): the engine moves every
     tensor to the GPU whole in load order (``module.to(device)``: ``whole`` bytes for a parameter, a
@@ -783,19 +793,10 @@ def zero3_whole_load(load: list[tuple[str, int]], whole: dict[str, int],
         ev += [("a", n + i, load[i][1]), ("f", i)]
     ev += [("f", n + i) for i in params]   # defragment: each partition to the host, its data emptied
     ev += [("e",), ("a", 2 * n, sum(load[i][1] for i in params))]  # empty_cache; the flat buffer
-    live: dict[int, int] = {}
-    cur = peak = 0
-    for e in ev:
-        if e[0] == "a":
-            live[e[1]] = block(e[2])
-            cur += live[e[1]]
-            peak = max(peak, cur)
-        elif e[0] == "f":
-            cur -= live.pop(e[1])
-    return tuple(ev), peak
+    return tuple(ev), _events_peak(tuple(ev), block)[0]
 
 
-def ds_init_gathers(t: TrainingSpec, named: list[tuple[str, int]], acc: "_Tally") -> tuple[int, ...]:
+def ds_init_gathers(t: TrainingSpec, named: list[tuple[str, int]], acc: "_Tally") -> tuple[tuple[int, ...], ...]:
     """The whole bytes of each trainable parameter as DeepSpeed's stage-3 optimizer gathers it at the
     end of its ``__init__``, after ``defragment`` and the fp32 partitions: ``create_reduce_and_remove_grad_hooks``
     calls ``param.all_gather()`` on every parameter that requires a gradient, registers its gradient
@@ -945,12 +946,11 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
         elif p.is_matmul and t.amp and not half_table:  # (a half head needs no autocast copy; before the
             #                                              layers, a patch embedding's: kept to its backward)
             acc.hmh, acc.emh = (acc.hmh + n * 2, acc.emh) if layer else (acc.hmh, acc.emh + n * 2)
-        if not (frozen or p.role == "unused"):
-            acc.trained.add(p.name)
         if frozen or p.role == "unused":  # (unused: built, never given a gradient, spec.profile.without_gradient)
             if r.mixed_units and p.layer is not None:
                 acc.mixed_unit_grad(r, n, k, uniform or p.layer == r.lo)
             continue
+        acc.trained.add(p.name)
         g = acc.trainable_tensor(t, r, p.shape, n, k, p.numel if _replicated_grad(m, t, p) else n,
                                  "layer" if p.layer is not None else ("after" if layer else "before"))
         full = r.block(n * r.gather) if r.fsdp_unsharded else 0  # its unsharded gradient under FSDP
