@@ -220,6 +220,7 @@ class Quantities:
     ds_loss_buf: int = 0      # ... of them, those alive in the loss's and the head's backward (before v0.18.3)
     ds_bucket: int = 0        # one DeepSpeed bucket buffer (ZeRO-3's is kept from engine start, in ``fixed``)
     ds_step_fp32: int = 0     # DeepSpeed's step: the group's fp32 gradient (``deepspeed_step_grad``) ...
+    ds_fp32_convert: int = 0  # DeepSpeed ZeRO-3's init: the fp32 copy its master is cloned from (``deepspeed_fp32_convert``)
     ds_step_flat: int = 0     # ... and the flat copy in the gradient dtype beside it during the cast
     ds_gathered_top: int = 0  # DeepSpeed ZeRO-3's gathered parameters from forward's end to the top layer's backward
     ds_gathered_low: int = 0  # ... in the rest of backward (``deepspeed_gathered``)
@@ -1390,6 +1391,7 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
     # (before v0.18.3); since, the first gradient's hook does (a head's weight, or a tied head's final norm)
     loss_buf = backward if t.ds_buckets_at_backward_start else 0
     return {"ds_backward_buf": backward, "ds_loss_buf": loss_buf, "ds_bucket": each, "ds_step_fp32": fp32,
+            "ds_fp32_convert": deepspeed_fp32_convert(t, st),
             "ds_step_flat": flat,
             "ds_gathered_top": top, "ds_gathered_low": low, "ds_coalesced": deepspeed_coalesced(m, t),
             "ds_partition_grads": part, "ds_cast_grads": cast,
@@ -1753,6 +1755,22 @@ def deepspeed_group_elems(t: TrainingSpec, st: States) -> int:
         return part
     sb = 4 if (t.weight_bytes == 4 or t.fp32_master) else t.weight_bytes
     return min(part, t.ds_sub_group - 1 + -(-(st.largest_param // sb) // d))
+
+
+def deepspeed_fp32_convert(t: TrainingSpec, st: States) -> int:
+    """Bytes of the fp32 copy DeepSpeed ZeRO-3 makes of a sub-group's half partition to clone its fp32
+    master from, at init (0 off ZeRO-3, offloaded or without a half master): ``_create_fp32_partitions``
+    runs ``converted = fp16_partitioned_groups_flat[i].to(device, dtype=fp32)`` and appends
+    ``converted.clone()`` (DeepSpeed v0.19.2 ``stage3.py`` L1008-1010; v0.19.8
+    L1169-1172), so the copy lives until the next sub-group's replaces it, and the last one until the
+    function returns; the largest sub-group's (``deepspeed_group_elems``) is counted. It comes before
+    the gradient bucket and the gradient partition buffer (``_setup_for_real_optimizer``), so its
+    segment stays cached under them (found by trace: the end of the load reserved 710 MiB more on an
+    8B-shaped 2-layer Llama over 8 ranks)."""
+    if not (deepspeed_zero(t) and t.zero == 3) or t.offload_optimizer or not st.trainable \
+            or not (t.fp32_master and t.weight_bytes != 4):
+        return 0
+    return block_of(t, deepspeed_group_elems(t, st) * 4)
 
 
 def deepspeed_step_parts(t: TrainingSpec, st: States) -> tuple[int, int]:
@@ -2157,12 +2175,14 @@ def _build_temp(t: TrainingSpec, st: States, comm: int) -> int:
     makes its fp32 partitions, its gradient partition buffer and its bucket, so it is measured
     against all of ``model_loaded``'s end, not only the weights; a smaller peak adds nothing. DeepSpeed
     ZeRO-3's last init step gathers each trainable parameter whole on top of all of it
-    (``states.ds_init_gathers``): its largest one."""
+    (``states.ds_init_gathers``): its largest one. Before them its fp32 master is cloned from an fp32
+    copy of the half partition (``deepspeed_fp32_convert``)."""
     gather = max((sum(block_bytes(x, t.expandable_segments) for x in g) for g in st.gathered), default=0)
-    if not st.build_peak:
-        return max(st.build_temp, gather)
     grads = st.grads if grads_from_wrap(t) and not t.optimizer_in_backward else 0
-    return max(0, st.build_peak - (st.weights + st.buffers + st.master + comm + grads), gather)
+    convert = max(0, deepspeed_fp32_convert(t, st) - comm - grads)  # (before the bucket and the gradients)
+    if not st.build_peak:
+        return max(st.build_temp, gather, convert)
+    return max(0, st.build_peak - (st.weights + st.buffers + st.master + comm + grads), gather, convert)
 
 
 def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:

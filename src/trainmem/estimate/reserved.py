@@ -152,7 +152,9 @@ def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, 
         _replay_build(R, st.build)
     else:
         R.allocs(st.load)                                               # weights and buffers, load order
-    if st.master:                                                       # fp32 master copies (not offloaded)
+    if q.ds_fp32_convert:                                              # DeepSpeed ZeRO-3: flat fp32 masters
+        _zero3_masters(R, q, st)
+    elif st.master:                                                     # fp32 master copies (not offloaded)
         R.allocs(m for (_w, k, _g, _s, m) in st.trainables for _ in range(k) if m)
     if q.ds_bucket and not q.ds_backward_buf:                         # DeepSpeed ZeRO-3's bucket, from engine start
         R.alloc(q.ds_bucket)
@@ -172,6 +174,25 @@ def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, 
     _varying_steps(R, s, q, flags, varying or [], recompute, b, temp_copies)
     peak_allocated, peak_reserved = R.peaks()
     return max(0, peak_reserved - peak_allocated), R.marks
+
+
+def _zero3_masters(R: _Replay, q: Quantities, st: Any) -> None:
+    """DeepSpeed ZeRO-3's fp32 master partitions as ``_create_fp32_partitions`` makes them: per
+    sub-group, in order, an fp32 copy of the half flat partition and its ``clone()`` (the master, one
+    flat tensor), the copy freed when the next sub-group's replaces it and the last at the end
+    (``quantities.deepspeed_fp32_convert``). The sub-groups hold at most the largest's elements
+    (``deepspeed_group_elems``) each, the last the rest."""
+    largest = q.ds_fp32_convert // 4
+    left = sum(m for (_w, k, _g, _s, m) in st.trainables for _ in range(k)) // 4   # (partition elements)
+    convert = None
+    while left > 0:
+        n = min(left, largest)
+        new = R.alloc(n * 4)                   # converted = flat.to(device, dtype=float32)
+        R.free(convert)
+        convert = new
+        R.alloc(n * 4)                         # converted.clone(): the sub-group's master
+        left -= n
+    R.free(convert)
 
 
 def _varying_steps(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, steps: list, recompute: str, b: int,
