@@ -147,7 +147,7 @@ def test_published_lightning_deepspeed_zero3_gpt2_xl():
     fx = json.loads((ROOT / "validation" / "published" / "deepspeed_zero3_gpt2_xl_b40.json").read_text())
     setup = dict(fx["setup"])
     host = trainmem.estimate(fx["model"], **setup)
-    dev = trainmem.estimate(fx["model"], **{**setup, "remote_device": None})
+    dev = trainmem.estimate(fx["model"], **{**setup, "remote_device": None, "zero_init": "on"})
     weights = next(c.bytes for c in dev.components if c.name == "parameters")  # each tensor's fp16 partition
     assert weights >= -(-host.model.num_params // 4) * 2
     assert host.peak_phase.startswith("forward")
@@ -250,7 +250,7 @@ def test_remote_device_cpu_keeps_the_fp16_partitions_in_host_memory():
     host memory from model load to the end, so every phase holds exactly those bytes fewer; the fp32
     master partition, the gradient partition buffer and the step's fp32 gradient and flat copy stay on
     the GPU (stage3.py _create_fp32_partitions, _setup_for_real_optimizer, _prepare_fp32_grad_for_sub_group)."""
-    gpu = trainmem.estimate(TINY, **TINY_SETUP)
+    gpu = trainmem.estimate(TINY, remote_device="gpu", **TINY_SETUP)  # (zero.Init's remote_device: --zero-init on)
     cpu = trainmem.estimate(TINY, remote_device="cpu", **TINY_SETUP)
     assert sum(_numel(s) for s in TINY_SHAPES) == gpu.model.num_params == 172_288
     partitions = sum(block_bytes(-(-_numel(s) // 2) * 2) for s in TINY_SHAPES)   # fp16 halves, one block each
@@ -261,7 +261,10 @@ def test_remote_device_cpu_keeps_the_fp16_partitions_in_host_memory():
     for a, b in zip(gpu.phases, cpu.phases):
         assert (a.name, a.step) == (b.name, b.step)
         assert a.allocated - b.allocated == partitions, a.name
-        assert a.peak - b.peak == partitions, a.name
+        # (at load the optimizer gathers each parameter in turn; the largest, the 1000 x 64 embedding, has its
+        # partition copied to the GPU from the host beside it: states.ds_init_gathers)
+        copy = block_bytes(1000 * 64 // 2 * 2) if a.name == "model_loaded" else 0
+        assert a.peak - b.peak == partitions - copy, a.name
     # the step's own bytes do not move: the fp32 gradient of the sub-group (here the whole partition) and
     # its flat fp16 copy
     n = -(-gpu.model.num_params // 2)
@@ -279,7 +282,7 @@ def test_remote_device_is_a_zero3_option():
     with pytest.raises(TrainmemError, match="--remote-device 'nvme' is not one of: gpu, cpu"):
         trainmem.estimate(TINY, remote_device="nvme", **TINY_SETUP)
     same = trainmem.estimate(TINY, remote_device="gpu", **TINY_SETUP)
-    assert same.peak_allocated == trainmem.estimate(TINY, **TINY_SETUP).peak_allocated
+    assert same.peak_allocated == trainmem.estimate(TINY, zero_init="on", **TINY_SETUP).peak_allocated
     for args in (["--remote-device", "cpu"], ["--zero", "3", "--dp", "2", "--remote-device", "nvme"]):
         p = subprocess.run([sys.executable, "-m", "trainmem", "estimate", MODEL, *args], capture_output=True, text=True)
         assert p.returncode == 2, p.stderr
@@ -296,7 +299,7 @@ def test_published_lightning_deepspeed_zero3_gpt2_12b_partitions_on_the_host():
     setup = dict(fx["setup"])
     assert setup["remote_device"] == "cpu"
     host = trainmem.estimate(fx["model"], **setup)
-    dev = trainmem.estimate(fx["model"], **{**setup, "remote_device": None})
+    dev = trainmem.estimate(fx["model"], **{**setup, "remote_device": None, "zero_init": "on"})
     weights = next(c.bytes for c in dev.components if c.name == "parameters")  # each tensor's fp16 partition
     assert weights >= -(-host.model.num_params // 8) * 2
     assert host.peak_phase.startswith("optimizer_step") and dev.peak_phase.startswith("optimizer_step")

@@ -115,6 +115,8 @@ CASES = [
     ({"contiguous_gradients": False, **ZERO2}, DS_RUN, DS_WHY),
     # (ZeRO-3's sub-groups, kept and prefetched parameters: transients below this tiny model's peak, the loss;
     # DeepSpeed takes each key and a larger model's trace moves: tests/test_trace_deepspeed.py)
+    # a model built under deepspeed.zero.Init is not traced (trace loads it whole: --zero-init off, tests/test_zero_init.py)
+    ({"zero_init": "on", **ZERO3}, REFUSED, "--zero-init on"),
     ({"sub_group_size": 1000, **ZERO3}, *DS_SAME),
     ({"stage3_max_reuse_distance": 0, **ZERO3}, *DS_SAME),
     ({"stage3_prefetch_bucket_size": 0, **ZERO3}, *DS_SAME),

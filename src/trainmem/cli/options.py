@@ -437,6 +437,11 @@ def add_deepspeed(g: Any) -> None:
                    help="DeepSpeed ZeRO-3: where deepspeed.zero.Init keeps this rank's parameter partition "
                         "(its remote_device; default gpu). cpu: pinned host memory, as Lightning's "
                         "DeepSpeedStrategy passes before 2.1 for a model built in configure_sharded_model")
+    g.add_argument("--zero-init", choices=("on", "off"), default=None,
+                   help="DeepSpeed ZeRO-3: the model built under deepspeed.zero.Init (on: partitioned as it is "
+                        "built) or whole and handed to deepspeed.initialize, which moves it to the GPU whole "
+                        "before partitioning it (off). Default: the framework's (HF Trainer, TRL, Accelerate: "
+                        "on); a hand-written loop: off, or on with --remote-device")
 
 
 def add_gemini(g: Any) -> None:
@@ -507,6 +512,7 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 overlap_comm=a.overlap_comm, contiguous_gradients=a.contiguous_gradients,
                 sub_group_size=a.sub_group_size, stage3_max_reuse_distance=a.stage3_max_reuse_distance,
                 stage3_prefetch_bucket_size=a.stage3_prefetch_bucket_size, remote_device=a.remote_device,
+                zero_init=a.zero_init,
                 gemini=a.gemini, gemini_chunk_size=a.gemini_chunk_size,
                 expandable_segments=a.expandable_segments, cublas_workspace_config=a.cublas_workspace_config,
                 trainer=a.trainer, ref_model=a.ref_model, task=getattr(a, "task", None))

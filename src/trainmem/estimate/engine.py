@@ -208,13 +208,16 @@ def _phase_reserved(rep: MemoryReport, marks: dict) -> None:
     """Reserved memory at each phase's end: the replay's (``reserved.py``) plus what the replay's
     allocated peak so far falls short of the estimate's (the replay lists fewer tensors; at the
     end this gives the report's peak reserved), never below the estimate's allocated peak so far
-    nor above the peak reserved (without ``empty_cache`` reserved memory only grows)."""
+    nor above the peak reserved (without ``empty_cache`` reserved memory only grows). A phase whose
+    replay emptied the cache (DeepSpeed's ``defragment`` at load: ``states.zero3_whole_load``) starts
+    "so far" again from what it leaves allocated."""
     high = 0
     for p in rep.phases:
-        high = max(high, p.peak)
         mark = marks.get((p.name, p.step))
+        emptied = mark is not None and mark[2]
+        high = p.allocated if emptied else max(high, p.peak)
         if mark is not None:
-            reserved, replay_high = mark
+            reserved, replay_high, _ = mark
             p.reserved = min(rep.peak_reserved, max(reserved + max(0, high - replay_high), high))
 
 

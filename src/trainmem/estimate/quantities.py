@@ -233,6 +233,7 @@ class Quantities:
     ds_loss_buf: int = 0      # ... of them, those alive in the loss's and the head's backward (before v0.18.3)
     ds_bucket: int = 0        # one DeepSpeed bucket buffer (ZeRO-3's is kept from engine start, in ``fixed``)
     ds_step_fp32: int = 0     # DeepSpeed's step: the group's fp32 gradient (``deepspeed_step_grad``) ...
+    ds_fp32_convert: int = 0  # DeepSpeed ZeRO-3's init: the fp32 copy its master is cloned from (``deepspeed_fp32_convert``)
     ds_step_flat: int = 0     # ... and the flat copy in the gradient dtype beside it during the cast
     ds_gathered_top: int = 0  # DeepSpeed ZeRO-3's gathered parameters from forward's end to the top layer's backward
     ds_gathered_low: int = 0  # ... in the rest of backward (``deepspeed_gathered``)
@@ -1470,6 +1471,7 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
     # (before v0.18.3); since, the first gradient's hook does (a head's weight, or a tied head's final norm)
     loss_buf = backward if t.ds_buckets_at_backward_start else 0
     return {"ds_backward_buf": backward, "ds_loss_buf": loss_buf, "ds_bucket": each, "ds_step_fp32": fp32,
+            "ds_fp32_convert": deepspeed_fp32_convert(t, st),
             "ds_step_flat": flat,
             "ds_gathered_top": top, "ds_gathered_low": low, "ds_coalesced": deepspeed_coalesced(m, t),
             "ds_partition_grads": part, "ds_cast_grads": cast,
@@ -1833,6 +1835,22 @@ def deepspeed_group_elems(t: TrainingSpec, st: States) -> int:
         return part
     sb = 4 if (t.weight_bytes == 4 or t.fp32_master) else t.weight_bytes
     return min(part, t.ds_sub_group - 1 + -(-(st.largest_param // sb) // d))
+
+
+def deepspeed_fp32_convert(t: TrainingSpec, st: States) -> int:
+    """Bytes of the fp32 copy DeepSpeed ZeRO-3 makes of a sub-group's half partition to clone its fp32
+    master from, at init (0 off ZeRO-3, offloaded or without a half master): ``_create_fp32_partitions``
+    runs ``converted = fp16_partitioned_groups_flat[i].to(device, dtype=fp32)`` and appends
+    ``converted.clone()`` (DeepSpeed v0.19.2 ``stage3.py`` L1008-1010; v0.19.8
+    L1169-1172), so the copy lives until the next sub-group's replaces it, and the last one until the
+    function returns; the largest sub-group's (``deepspeed_group_elems``) is counted. It comes before
+    the gradient bucket and the gradient partition buffer (``_setup_for_real_optimizer``), so its
+    segment stays cached under them (found by trace: the end of the load reserved 710 MiB more on an
+    8B-shaped 2-layer Llama over 8 ranks)."""
+    if not (deepspeed_zero(t) and t.zero == 3) or t.offload_optimizer or not st.trainable \
+            or not (t.fp32_master and t.weight_bytes != 4):
+        return 0
+    return block_of(t, deepspeed_group_elems(t, st) * 4)
 
 
 def deepspeed_step_parts(t: TrainingSpec, st: States) -> tuple[int, int]:
@@ -2343,6 +2361,23 @@ def _top_fields(m: ModelSpec, t: TrainingSpec, pol: Policy) -> dict[str, float]:
             "bert_top_fwd_tok": bert_top_forward(m, t, pol)}
 
 
+def _build_temp(t: TrainingSpec, st: States, comm: int) -> int:
+    """The model build's allocated peak above what ``model_loaded`` ends with (``Quantities.build_temp``).
+    DeepSpeed ZeRO-3 of a model built whole (``TrainingSpec.ds_whole_load``): the conversion's peak
+    (``states.zero3_whole_load``: the whole model and one partition) is reached before the optimizer
+    makes its fp32 partitions, its gradient partition buffer and its bucket, so it is measured
+    against all of ``model_loaded``'s end, not only the weights; a smaller peak adds nothing. DeepSpeed
+    ZeRO-3's last init step gathers each trainable parameter whole on top of all of it
+    (``states.ds_init_gathers``): its largest one. Before them its fp32 master is cloned from an fp32
+    copy of the half partition (``deepspeed_fp32_convert``)."""
+    gather = max((sum(block_bytes(x, t.expandable_segments) for x in g) for g in st.gathered), default=0)
+    grads = st.grads if grads_from_wrap(t) and not t.optimizer_in_backward else 0
+    convert = max(0, deepspeed_fp32_convert(t, st) - comm - grads)  # (before the bucket and the gradients)
+    if not st.build_peak:
+        return max(st.build_temp, gather, convert)
+    return max(0, st.build_peak - (st.weights + st.buffers + st.master + comm + grads), gather, convert)
+
+
 def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     pol = Policy.of(t.precision)
     st = model_states(m, t, stage)
@@ -2376,12 +2411,12 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     trans = _layer_transients(t, lc, pol, gpw, 2.0 if cast_layer else 0.0, input_tok, receives_output_grad(t, stage))
     pp_inflight, inflight_fixed = _inflight(t, stage)
     lower, above_bottom, above_decoder_bottom = _grads_above(m, t, st, layers)
-    compiled_tied = compiled_tied_grads(m, t, pol)
     return Quantities(
         first_unsaved_tok=sum(a for _, a, _ in first), first_unsaved_sq=sum(b for _, _, b in first),
         cast_first_free=int(sum(lc.first_free_weights) * 2) if (lora_first and cast_layer) else 0,  # bf16/fp16 copies
         fixed=st.weights + st.buffers + st.master + comm, grads=0 if oib else st.grads,
-        grads_loaded=(0 if oib else st.grads) if grads_from_wrap(t) else 0, build_temp=st.build_temp, states=st.optimizer + st.step_tensors,
+        grads_loaded=(0 if oib else st.grads) if grads_from_wrap(t) else 0,
+        build_temp=_build_temp(t, st, comm), states=st.optimizer + st.step_tensors,
         layer_grads=0 if oib else st.layer_grads, head_grads=0 if oib else st.head_grads, layers=layers,
         pp_inflight=pp_inflight, fixed_inflight=inflight_fixed, saved_tok=lc.tok, saved_sq=lc.sq,
         kept_tok=kept[0], kept_sq=kept[1], redo_tok=redo[0], redo_sq=redo[1],
@@ -2407,9 +2442,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         **_galore_fields(m, t, st, oib), step_groups=foreach_groups(t), step_linger=step_lingers(t),
         linear_replay=int(per_linear_replay(t)), oib_mid=oib_mid, oib_end=oib_end, **_deepspeed_fields(m, t, st),
         **gemini_fields(m, t),
-        tied_grad=compiled_tied[0] if whole_model_compiled(t) else tied_head_grad(m, t),
-        tied_replicated=tied_replicated_grad(m, t), tied_compiled=compiled_tied[1] if whole_model_compiled(t) else 0,
-        tied_final=tied_head_grad(m, t) if whole_model_compiled(t) else 0,
+        **_tied_fields(m, t, pol),
         emb_grad=emb_accumulated(m, t, stage), emb_upcast=emb_upcast(m, t, stage), softcap_saved=softcap_saved(m, loss.out, t) if head_here else 0,
         chunk_head_grads=chunk_head_grads(m, t, pol) if head_here else 0, transients=trans,
         fwd_temp=int(lc.fwd_const), fwd_temp_tok=lc.fwd_tok, fwd_scratch=int(lc.fwd_scratch), head_wgrad_half=head_weight_grad_half(m, t, cast_head),
@@ -2423,6 +2456,15 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         dec_num=decoder_ratio(m, t)[0], dec_den=decoder_ratio(m, t)[1], **_derived_fields(m, t, stage), **pipe,
         detail=Detail(st, lc, outer, comm_name, input_tok, sum(a for _, a, _ in received),
                       half_input_tok=sum(a for _, a, _ in half_in), recompute_ops=len(recompute_transients(t, lc))))
+
+
+def _tied_fields(m: ModelSpec, t: TrainingSpec, pol: Policy) -> dict[str, int]:
+    """The tied embedding/head gradient's terms (``tied_head_grad``, ``tied_replicated_grad``; under a
+    whole-model compile ``compiled_tied_grads``' two)."""
+    compiled = whole_model_compiled(t)
+    tied = compiled_tied_grads(m, t, pol) if compiled else (0, 0)
+    return {"tied_grad": tied[0] if compiled else tied_head_grad(m, t), "tied_replicated": tied_replicated_grad(m, t),
+            "tied_compiled": tied[1] if compiled else 0, "tied_final": tied_head_grad(m, t) if compiled else 0}
 
 
 def _preference_fields(m: ModelSpec, t: TrainingSpec) -> dict[str, int]:

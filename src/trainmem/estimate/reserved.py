@@ -63,11 +63,28 @@ class _Replay:
     a: CachingAllocator = field(default_factory=CachingAllocator)
     # (phase label, step) -> (reserved bytes at its end, the replay's allocated peak so far)
     marks: dict = field(default_factory=dict)
+    # the allocated and reserved peaks before the last ``empty_cache`` (DeepSpeed's ``defragment``): the
+    # allocator's own peaks restart there, so that a phase's marks are those since the cache was emptied
+    before: tuple = (0, 0)
+    emptied: bool = False  # the cache was emptied since the last mark
     lag: "_Fsdp1Lag | None" = None   # FSDP1: frees awaiting other streams, released by its rate limiter
     carry: list = field(default_factory=list)  # a derived layer's late frees: (J, handle), ``_sequence_forward``
 
     def mark(self, label: str, step: int) -> None:
-        self.marks[(label, step)] = (self.a.reserved, self.a.peak_allocated)
+        self.marks[(label, step)] = (self.a.reserved, self.a.peak_allocated, self.emptied)
+        self.emptied = False
+
+    def empty_cache(self) -> None:
+        """``torch.cuda.empty_cache()``: the segments with no live block are released; the peaks so far
+        are kept aside (``peaks``) and the allocator's restart from what is allocated now."""
+        self.before = self.peaks()
+        self.a.empty_cache()
+        self.a.reset_peak()
+        self.emptied = True
+
+    def peaks(self) -> tuple[int, int]:
+        """The allocated and reserved peaks of the whole replay."""
+        return max(self.before[0], self.a.peak_allocated), max(self.before[1], self.a.peak_reserved)
 
     def alloc(self, nbytes: Any, stream: int = 0) -> int | None:
         return self.a.allocate(int(nbytes), stream=stream) if nbytes > 0 else None
@@ -106,12 +123,15 @@ class _Step:
 
 
 def _replay_build(R: "_Replay", events: tuple) -> None:
-    """The build's alloc/free events in order (``States.build``, quant4.torchtune_v01_build): what
-    they keep is the model, the segments of their transients stay cached."""
+    """The build's alloc/free events in order (``States.build``, quant4.torchtune_v01_build,
+    states.zero3_whole_load): what they keep is the model, the segments of their transients stay
+    cached unless an ``("e",)`` event empties the cache (DeepSpeed's ``defragment``)."""
     live: dict[int, Any] = {}
     for ev in events:
         if ev[0] == "a":
             live[ev[1]] = R.alloc(ev[2])
+        elif ev[0] == "e":
+            R.empty_cache()
         else:
             R.free(live.pop(ev[1]))
 
@@ -121,7 +141,8 @@ def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, 
                  varying: list | None = None) -> tuple[int, dict]:
     """Bytes reserved but not allocated at the end of two replayed steps (the allocator's cache),
     and at the end of each phase, by (phase label, step) as ``breakdown.phases`` labels them, the
-    replay's reserved bytes and its allocated peak so far. ``varying`` (``--min-seq-len``): more
+    replay's reserved bytes, its allocated peak so far (since the cache was last emptied) and whether
+    the cache was emptied in the phase. ``varying`` (``--min-seq-len``): more
     steps replayed after those two, each a list of micro-batches as (Tokens, tokens, token x key
     pairs) at its own padded length, with its quantities first (``_varying_steps``)."""
     st = q.detail.states
@@ -133,10 +154,14 @@ def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, 
         _replay_build(R, st.build)
     else:
         R.allocs(st.load)                                               # weights and buffers, load order
-    if st.master:                                                       # fp32 master copies (not offloaded)
+    if q.ds_fp32_convert:                                              # DeepSpeed ZeRO-3: flat fp32 masters
+        _zero3_masters(R, q, st)
+    elif st.master:                                                     # fp32 master copies (not offloaded)
         R.allocs(m for (_w, k, _g, _s, m) in st.trainables for _ in range(k) if m)
     if q.ds_bucket and not q.ds_backward_buf:                         # DeepSpeed ZeRO-3's bucket, from engine start
         R.alloc(q.ds_bucket)
+    for sizes in st.gathered:                                          # DeepSpeed ZeRO-3's init gathers each
+        R.frees(R.allocs(sizes))                                       # parameter in turn (states.ds_init_gathers)
     s = _Step(handle_ws=handle_ws, ao_events=st.torchao_events)
     if flags.states_at_init and st.optimizer:                          # torch Adagrad: states from its constructor
         s.states = _allocate_states(R, st)
@@ -149,7 +174,27 @@ def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, 
         _micro_batches(R, s, q, flags, tk, n, nsq, recompute, b, ga)
         _optimizer_step(R, s, q, flags, step, temp_copies)
     _varying_steps(R, s, q, flags, varying or [], recompute, b, temp_copies)
-    return max(0, R.a.peak_reserved - R.a.peak_allocated), R.marks
+    peak_allocated, peak_reserved = R.peaks()
+    return max(0, peak_reserved - peak_allocated), R.marks
+
+
+def _zero3_masters(R: _Replay, q: Quantities, st: Any) -> None:
+    """DeepSpeed ZeRO-3's fp32 master partitions as ``_create_fp32_partitions`` makes them: per
+    sub-group, in order, an fp32 copy of the half flat partition and its ``clone()`` (the master, one
+    flat tensor), the copy freed when the next sub-group's replaces it and the last at the end
+    (``quantities.deepspeed_fp32_convert``). The sub-groups hold at most the largest's elements
+    (``deepspeed_group_elems``) each, the last the rest."""
+    largest = q.ds_fp32_convert // 4
+    left = sum(m for (_w, k, _g, _s, m) in st.trainables for _ in range(k)) // 4   # (partition elements)
+    convert = None
+    while left > 0:
+        n = min(left, largest)
+        new = R.alloc(n * 4)                   # converted = flat.to(device, dtype=float32)
+        R.free(convert)
+        convert = new
+        R.alloc(n * 4)                         # converted.clone(): the sub-group's master
+        left -= n
+    R.free(convert)
 
 
 def _varying_steps(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, steps: list, recompute: str, b: int,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Any
+from typing import Any, Callable
 
 from ..spec.model import ModelSpec, ParamTensor
 from ..spec.tf_releases import layer_rotary_cache
@@ -113,6 +113,14 @@ class States:
     # cached (torchtune 0.1 with torchao 0.1: quant4.torchtune_v01_build): ("a", id, bytes) / ("f", id)
     build: tuple = ()
     build_temp: int = 0  # its allocated peak above the model it leaves (block-rounded), bytes
+    # DeepSpeed ZeRO-3 of a model built whole (``zero3_whole_load``): the allocated peak of ``build``
+    # (block-rounded), which is reached before the engine's other buffers exist (``quantities._build``)
+    build_peak: int = 0
+    # DeepSpeed ZeRO-3 (``ds_init_gathers``): the bytes of each trainable parameter whole, in order, as the
+    # stage-3 optimizer gathers and re-partitions them one at a time at the end of its init
+    gathered: tuple[tuple[int, ...], ...] = ()
+
+
 def _dim0_padded(shape: tuple[int, ...], n: int, d: int) -> int:
     """Elements of a gradient of ``n`` elements (``shape``'s trailing dims) padded along dim 0 to a
     multiple of ``d`` ranks, as FSDP2 lays it into the reduce-scatter input (torch
@@ -484,7 +492,7 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
            t.fp32_master, t.quantize, t.quantize_via, t.bitsandbytes_version, t.torchao_version, t.accumulates_unsharded,
            t.fsdp_mixed_units, t.fsdp_version, t.fused_qkv, t.split_gate_up, t.layer_rope_cache, t.rope_cache, t.expandable_segments,
            layer_rotary_cache(m, t.transformers_release),
-           t.gemini, t.gemini_chunk_size, t.ds_params_on_host, t.ds_fp32_clone, t.half_embeddings,
+           t.gemini, t.gemini_chunk_size, t.ds_params_on_host, t.ds_whole_load, t.ds_fp32_clone, t.half_embeddings,
            t.fsdp_auto_wrap_policy, t.fsdp_min_num_params, t.torchao_block, t.torchao_offload, t.optim_target_modules,
            t.optim_args)
     return _STATES_CACHE.get_or_build(key, lambda: _model_states(m, t, stage))
@@ -624,6 +632,8 @@ class _Tally:
     root_flat_bytes: int = 0  # FSDP: the root's unsharded gradients as one flat tensor (bytes, unrounded)
     each: dict = field(default_factory=dict)  # layer -> its gradient bytes (layers that differ)
     between: int = 0         # States.between_grads: an encoder-decoder's embedding tables after its encoder's layers
+    whole: dict = field(default_factory=dict)  # parameter name -> its whole bytes (``zero3_whole_load``)
+    trained: set = field(default_factory=set)  # names of the parameters with a gradient
 
     def root_gradient(self, shape: tuple[int, ...], n: int, d: int, g: int, full: int, gather: int = 0) -> None:
         """A trainable tensor of the FSDP root unit (``full``: its unsharded gradient's bytes, 0
@@ -707,6 +717,9 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
     _layer_rope_cache(m, t, r, acc, layer)
     _hf_layer_rotary_cache(m, t, r, acc, layer)
     _rope_cache(m, t, r, acc, before)
+    named = _named_load(before, layer, r.per_stage if m.uniform_layers else 1, after)
+    gathered = ds_init_gathers(t, named, acc) if t.zero == 3 and t.fsdp is None and not t.distributed_optimizer \
+        and t.gemini is None else ()
     if t.ds_params_on_host:
         before, layer, after = _host_partitions(m, before, layer, after, acc)
     placed = _placed_bytes(tuple(x for _, x in before), tuple(x for _, x in layer),
@@ -725,6 +738,9 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
     root_rs = r.block(acc.root_rs_elems * reduce) if (r.fsdp_unsharded and acc.root_rs_elems) else 0
     emb_elems = acc.root_rs_elems - acc.head_rs_elems
     build, build_temp = _device_build(m, t, r)
+    build_peak = 0
+    if t.ds_whole_load and not build:
+        build, build_peak = zero3_whole_load(named, acc.whole, r.block)
     st = States(weights, acc.buffers, master, acc.grads, opt, step_t, acc.trainable, acc.params_rank,
                   acc.layer_grads, acc.head_grads, acc.lmh, acc.hmh, acc.largest, acc.group, acc.lpf,
                   sum(x[1] for x in lora), acc.q4, acc.root, acc.head_full, acc.emb_full, acc.layer_full, rs,
@@ -737,6 +753,7 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
                   emb_unit_rs=r.block(emb_elems * reduce) if (root_rs and emb_elems) else 0,
                   emb_unit_last=acc.emb_last if root_rs else 0,
                   between_grads=acc.between, root_views=acc.root_views, build=build, build_temp=build_temp,
+                  build_peak=build_peak, gathered=gathered,
                   root_flat=r.block(acc.root_flat_bytes) if acc.root_flat_bytes else 0,
                   embed_matmul_half=acc.emh, root_flat_elems=acc.root_flat_bytes // r.gather,
                   torchao_step=acc.ao_step, torchao_events=tuple(acc.ao_events) if acc.ao_step else ())
@@ -776,16 +793,66 @@ def _device_build(m: ModelSpec, t: TrainingSpec, r: "_Rank") -> tuple[tuple, int
     if not builds_on_device(t) or r.per_stage != m.num_layers:
         return (), 0
     events = torchtune_v01_build(m, t)
+    peak, cur = _events_peak(events, r.block)
+    return events, peak - cur
+
+
+def _events_peak(events: tuple, block: Callable[[int], int]) -> tuple[int, int]:
+    """(allocated peak, allocated at the end) of alloc/free events, each tensor ``block``-rounded
+    (``("e",)``, an emptied cache, frees nothing)."""
     live: dict[int, int] = {}
     cur = peak = 0
     for ev in events:
         if ev[0] == "a":
-            live[ev[1]] = r.block(ev[2])
+            live[ev[1]] = block(ev[2])
             cur += live[ev[1]]
             peak = max(peak, cur)
-        else:
+        elif ev[0] == "f":
             cur -= live.pop(ev[1])
-    return events, peak - cur
+    return peak, cur
+
+
+def zero3_whole_load(load: list[tuple[str, int]], whole: dict[str, int],
+                     block: Callable[[int], int]) -> tuple[tuple, int]:
+    """DeepSpeed ZeRO-3 of a model built outside ``zero.Init`` (``TrainingSpec.ds_whole_load``) as
+    alloc/free events, and their allocated peak (each tensor ``block``-rounded): the engine moves every
+    tensor to the GPU whole in load order (``module.to(device)``: ``whole`` bytes for a parameter, a
+    buffer its own); the optimizer then gives each parameter, in order, its partition (``load``'s
+    bytes: ceil(numel / dp) elements) and frees the whole tensor; ``defragment`` frees the partitions,
+    empties the cache (``("e",)``: every segment with no live block is released, the whole model's
+    among them) and copies them back as one flat buffer. The peak is the whole model and the first
+    partition: each later partition replaces a larger whole tensor. What stays is the flat buffer
+    and the buffers (the registered ones are never partitioned)."""
+    ev: list[tuple] = [("a", i, whole.get(name, x)) for i, (name, x) in enumerate(load)]
+    params = [i for i, (name, _x) in enumerate(load) if name in whole]
+    n = len(load)
+    for i in params:                       # _partition_param: torch.empty(partition), copy_, free_param
+        ev += [("a", n + i, load[i][1]), ("f", i)]
+    ev += [("f", n + i) for i in params]   # defragment: each partition to the host, its data emptied
+    ev += [("e",), ("a", 2 * n, sum(load[i][1] for i in params))]  # empty_cache; the flat buffer
+    return tuple(ev), _events_peak(tuple(ev), block)[0]
+
+
+def ds_init_gathers(t: TrainingSpec, named: list[tuple[str, int]], acc: "_Tally") -> tuple[tuple[int, ...], ...]:
+    """The whole bytes of each trainable parameter as DeepSpeed's stage-3 optimizer gathers it at the
+    end of its ``__init__``, after ``defragment`` and the fp32 partitions: ``create_reduce_and_remove_grad_hooks``
+    calls ``param.all_gather()`` on every parameter that requires a gradient, registers its gradient
+    hook and partitions it again, one parameter at a time (DeepSpeed v0.19.2 ``stage3.py`` L491,
+    L1290-1323; v0.19.8 L519, L1500-1531); the gather is a ``torch.empty`` of the whole (padded)
+    parameter on the GPU (``partition_parameters.py`` ``_allgather_params_sequential``, v0.19.8
+    L2134-2142), freed when it is partitioned. The cache was emptied just before, so the largest
+    parameter (the embedding or the head) takes a fresh segment that stays reserved into the step.
+    With the partitions in host memory (``--remote-device cpu``) the gather first copies the
+    partition to the GPU beside it (``param.ds_tensor.to(device)``, L2146). In load order,
+    which for a transformers model is ``module.parameters()``'s; each entry: the bytes allocated
+    together, then freed."""
+    return tuple(((acc.whole[name], x) if t.ds_params_on_host else (acc.whole[name],))
+                 for name, x in named if name in acc.trained and name in acc.whole)
+
+
+def _named_load(before: list, layer: list, k: int, after: list) -> list[tuple[str, int]]:
+    """``(name, bytes)`` of every tensor moved to the device, in load order (as ``_load_list``)."""
+    return list(before) + list(layer) * k + list(after)
 
 
 #: optimizers whose states are element-wise copies of the parameter (one state-dtype element each)
@@ -898,6 +965,7 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
         wb = n * (2 if half_table else r.w)  # (TRL's bf16 embeddings and head: half_embedding_tensor)
         item = (p.name, -(-wb // r.d) if r.shard_weights else wb)
         dest.append(item)
+        acc.whole[p.name] = wb
         if r.fsdp_unsharded and p.layer is None:
             acc.root += r.block(n * r.gather)  # the root unit's unsharded parameter (fsdp_root below)
             if layer:
@@ -919,6 +987,7 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
             if r.mixed_units and p.layer is not None:
                 acc.mixed_unit_grad(r, n, k, uniform or p.layer == r.lo)
             continue
+        acc.trained.add(p.name)
         g = acc.trainable_tensor(t, r, p.shape, n, k, p.numel if _replicated_grad(m, t, p) else n,
                                  "layer" if p.layer is not None else ("after" if layer else "before"),
                                  galore=galore_target(t, p))

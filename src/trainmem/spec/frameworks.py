@@ -150,7 +150,26 @@ def _half_master(view: Mapping[str, Any]) -> dict[str, Any]:
     return {"master_weights": "fp32"} if view.get("precision") in ("bf16", "fp16") else {}
 
 
+def _zero3_init(view: Mapping[str, Any]) -> dict[str, Any]:
+    """``--zero-init on`` under DeepSpeed ZeRO-3 for the frameworks that build the model inside
+    ``deepspeed.zero.Init`` themselves: transformers' ``from_pretrained`` enters it when a ZeRO-3
+    config is registered (``is_deepspeed_zero3_enabled()``; transformers 5.24.0 ``modeling_utils.py``
+    ``get_init_context`` L3812-3830), which ``TrainingArguments(deepspeed=...)`` does
+    (``training_args.py`` L1710-1715: ``HfTrainerDeepSpeedConfig``) and Accelerate's ``DeepSpeedPlugin``
+    does when ``zero3_init_flag`` is on, its default for stage 3 (accelerate v1.14.0
+    ``utils/dataclasses.py`` L1325-1337). A model loaded before those objects exist is built whole:
+    give ``--zero-init off`` then."""
+    if view.get("zero") == 3 and view.get("fsdp") is None:
+        return {"zero_init": "on"}
+    return {}
+
+
 def _hf_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] | None) -> dict[str, Any]:
+    """The Trainer's rules: ``zero.Init`` under ZeRO-3 (:func:`_zero3_init`) and the model's (below)."""
+    return {**_zero3_init(view), **_hf_model_rules(view, model, version)}
+
+
+def _hf_model_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] | None) -> dict[str, Any]:
     """transformers >= 5: ``from_pretrained`` loads the checkpoint's dtype, and ``bf16=False``
     adds no autocast: a bf16 checkpoint trains in pure bf16.
 
@@ -217,7 +236,7 @@ def _trl_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] | N
     where transformers' own default would be reentrant (``TrainingSpec.checkpoint_reentrant``); from
     0.28 a PEFT model under DeepSpeed ZeRO-3 is forced back to ``use_reentrant=True`` (sft_trainer.py
     L793-809 at v1.0.0, commit f11b4c3fd)."""
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = _zero3_init(view)
     if view.get("trainer") == "dpo" and version is not None and version < (0, 29):
         raise TrainmemError(f"--trainer dpo with --framework-version {'.'.join(map(str, version))}: TRL's DPOTrainer "
                             "before 0.29 (concatenated_forward, the reference's log-probs first) is not modelled; "
@@ -242,7 +261,7 @@ def _trl_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] | N
 def _accelerate_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] | None) -> dict[str, Any]:
     """``mixed_precision="no"``: the model as loaded (transformers >= 5: the checkpoint's dtype)."""
     p = _dtype_precision(model)
-    return {"precision": p} if p else {}
+    return {**_zero3_init(view), **({"precision": p} if p else {})}
 
 
 def _litgpt_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] | None) -> dict[str, Any]:

@@ -208,10 +208,13 @@ DS_SUB_GROUP = 1_000_000_000
 
 #: DeepSpeed ZeRO's engine options (None when not given; ``contiguous_gradients`` is given when False)
 DS_ENGINE_OPTIONS = ("reduce_bucket_size", "overlap_comm", "sub_group_size", "stage3_max_reuse_distance",
-                     "stage3_prefetch_bucket_size", "remote_device")
+                     "stage3_prefetch_bucket_size", "remote_device", "zero_init")
 #: where ``deepspeed.zero.Init`` keeps ZeRO-3's parameter partitions (``remote_device``): the GPU (DeepSpeed's
 #: None/"none", its local device) or pinned host memory
 REMOTE_DEVICES = ("gpu", "cpu")
+#: whether the model is built under ``deepspeed.zero.Init`` (``TrainingSpec.ds_zero_init``): "on", partitioned
+#: as it is built; "off", built whole and handed to ``deepspeed.initialize``, which moves it to the GPU whole
+ZERO_INIT = ("on", "off")
 
 
 def deepspeed_given(get: Any) -> list[str]:
@@ -228,9 +231,13 @@ def deepspeed_problems(t: "TrainingSpec") -> str | None:
     if given and (not t.zero or t.fsdp is not None):
         flag = given[0].replace("_", "-")
         return f"--{flag} configures DeepSpeed ZeRO's engine: give --zero 1, 2 or 3 (not --fsdp) too, or drop it"
-    for key in ("sub_group_size", "stage3_max_reuse_distance", "stage3_prefetch_bucket_size", "remote_device"):
+    for key in ("sub_group_size", "stage3_max_reuse_distance", "stage3_prefetch_bucket_size", "remote_device",
+                "zero_init"):
         if getattr(t, key) is not None and t.zero != 3:
             return f"--{key.replace('_', '-')} configures DeepSpeed ZeRO-3: give --zero 3, or drop it"
+    if t.zero_init == "off" and t.remote_device is not None:
+        return (f"--remote-device {t.remote_device} is deepspeed.zero.Init's remote_device: it needs --zero-init on "
+                "(a model built without zero.Init is partitioned on the GPU), or drop it")
     return None
 
 
@@ -407,6 +414,8 @@ class TrainingSpec:
     gemini_chunk_size: int | None = None
     remote_device: str | None = None  # REMOTE_DEVICES, stage 3: where zero.Init keeps this rank's parameter
     #                                   partition (``TrainingSpec.ds_params_on_host``); None: the GPU
+    zero_init: str | None = None  # ZERO_INIT, stage 3: the model built under deepspeed.zero.Init ("on") or whole
+    #                               ("off"); None: on with --remote-device, else off (``TrainingSpec.ds_zero_init``)
     transformer_impl: str | None = None  # TRANSFORMER_IMPLS: Megatron-LM's layers (--framework megatron; its
     #                                      preset: transformer_engine); what they keep from the first forward on
     #                                      (estimate.megatron_buffers); None: not Megatron's
@@ -430,15 +439,7 @@ class TrainingSpec:
             if v <= 0:
                 raise TrainmemError(f"--{key.replace('_', '-')} must be a positive integer, got {v}")
         _choice("precision", self.precision, PRECISIONS)
-        refused = optimizer_refusal(self.optimizer)
-        if refused:
-            raise TrainmemError(refused)
-        _choice("optimizer", self.optimizer, OPTIMIZERS)
-        if self.optimizer_impl is not None:
-            _choice("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS)
-        self._check_optimizer_impl()
-        self._check_torchao_optimizer()
-        self._check_torchao_offload()
+        self._check_optimizer_name()
         for key, choices in (("recompute", RECOMPUTE), ("attention", ATTENTION), ("zero_grad", ZERO_GRAD),
                              ("hold_output", HOLD_OUTPUT), ("grad_sync", GRAD_SYNC), ("pp_schedule", PP_SCHEDULES),
                              ("pp_stage", PP_STAGES),
@@ -447,6 +448,8 @@ class TrainingSpec:
             _choice(key, getattr(self, key), choices)
         if self.remote_device is not None:
             _choice("remote_device", self.remote_device, REMOTE_DEVICES)
+        if self.zero_init is not None:
+            _choice("zero_init", self.zero_init, ZERO_INIT)
         self._check_transformer_impl()
         if not isinstance(self.expandable_segments, bool):
             raise TrainmemError(f"--expandable-segments is on or off (True or False), got {self.expandable_segments!r}")
@@ -500,6 +503,19 @@ class TrainingSpec:
             raise TrainmemError(f"optimizer_bucket_mb must be positive, got {self.optimizer_bucket_mb}")
         if self.num_microbatches_in_flight is not None and self.num_microbatches_in_flight <= 0:
             raise TrainmemError("num_microbatches_in_flight must be positive")
+
+    def _check_optimizer_name(self) -> None:
+        """The optimizer: an HF name trainmem refuses (one line saying why), one of ``OPTIMIZERS``, its
+        implementation, and torchao's options."""
+        refused = optimizer_refusal(self.optimizer)
+        if refused:
+            raise TrainmemError(refused)
+        _choice("optimizer", self.optimizer, OPTIMIZERS)
+        if self.optimizer_impl is not None:
+            _choice("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS)
+        self._check_optimizer_impl()
+        self._check_torchao_optimizer()
+        self._check_torchao_offload()
 
     def _check_lora(self) -> None:
         if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
@@ -1427,6 +1443,39 @@ class TrainingSpec:
         Lightning-AI/pytorch-lightning ed6a48e)."""
         return (self.zero == 3 and self.fsdp is None and not self.distributed_optimizer
                 and self.remote_device == "cpu")
+
+    @property
+    def ds_zero_init(self) -> bool:
+        """Whether the model is built under ``deepspeed.zero.Init`` (``--zero-init on``): each
+        parameter is partitioned as its module is built and the model is never whole on the GPU.
+        Otherwise (``off``) the loop builds the model whole and ``deepspeed.initialize`` moves it to
+        the GPU before ZeRO-3 partitions it (``TrainingSpec.ds_whole_load``). Not given: on with
+        ``--remote-device`` (an argument of ``zero.Init``), else off, DeepSpeed's own path for
+        ``deepspeed.initialize(model=model)`` of a model built outside ``zero.Init`` (engine.py
+        ``_configure_distributed_model``, DeepSpeed v0.19.2 L1566-1585). Framework presets set it
+        where the framework enters ``zero.Init`` itself (``spec.frameworks``: transformers'
+        ``from_pretrained`` when a ZeRO-3 config is registered, ``modeling_utils.py``
+        ``get_init_context``)."""
+        return self.zero_init == "on" or (self.zero_init is None and self.remote_device is not None)
+
+    @property
+    def ds_whole_load(self) -> bool:
+        """Whether DeepSpeed ZeRO-3 receives the model whole on the GPU (``zero.Init`` off): the engine
+        casts it and moves every parameter to the GPU (``engine.py`` ``_configure_distributed_model``:
+        ``self.module.to(self.device)``, DeepSpeed v0.19.2 L1584-1585, v0.19.8 L2093-2094), then the
+        stage-3 optimizer converts the parameters one by one in ``module.parameters()`` order
+        (``parameter_offload.py`` ``_convert_to_zero_parameters`` -> ``zero.Init(module=...)`` ->
+        ``partition_parameters.py`` ``_convert_to_zero_parameters``, v0.19.2 L228, L1102, L1129): each
+        gets its partition (``torch.empty`` of ceil(numel / dp) elements on the GPU, ``_partition_param``
+        L1715), the slice is copied into it and the whole tensor is freed (``free_param``, L300:
+        ``param.data`` becomes an empty tensor; the broadcast before it is synchronous and keeps no
+        reference). ``defragment`` (``runtime/zero/utils.py`` L207-235, called from ``stage3.py``
+        ``_create_fp16_partitions_with_defragmentation`` L811) then copies every partition to the
+        host, frees them, calls ``gc.collect()`` and ``empty_cache()`` and copies them back as one flat
+        buffer. The same code at v0.19.8 (``partition_parameters.py`` L314, L1181, L1209, L1836;
+        ``utils.py`` L215-240; ``stage3.py`` L972). ``estimate.states.zero3_whole_load`` replays it."""
+        return (self.zero == 3 and self.fsdp is None and not self.distributed_optimizer and self.gemini is None
+                and not self.ds_zero_init)
 
     @property
     def shard_group(self) -> int:

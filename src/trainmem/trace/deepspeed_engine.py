@@ -46,9 +46,12 @@ What the fake group and the emulated GPU cannot do as DeepSpeed does, and what s
   ``F.linear`` replacement, which persists for a process, is put back after the trace (:func:`patches`).
 
 The model is loaded whole before ``deepspeed.initialize`` (``deepspeed.initialize(model=model)`` of
-a model on the GPU); a model built under ``deepspeed.zero.Init`` (transformers' ``from_pretrained``
-under ZeRO-3) is partitioned as it is built and never whole on the GPU, so for ZeRO-3 the
-``model_loaded`` phase's peak is the whole model here (the training step's peak is not affected).
+a model on the GPU: ``--zero-init off``, ``TrainingSpec.ds_whole_load``), so for ZeRO-3 the
+``model_loaded`` phase holds the whole model, then DeepSpeed's own conversion (a partition made and
+the whole tensor freed, parameter by parameter), its ``defragment`` (``empty_cache`` and one flat
+buffer), which the estimate replays (``estimate.states.zero3_whole_load``; both agree on its
+allocated and reserved peak, tests/test_zero_init.py). A model built under ``deepspeed.zero.Init``
+(``--zero-init on``: transformers' ``from_pretrained`` under ZeRO-3) is not traced (refused).
 
 Attribution (:func:`_mark_master`, :func:`patches`): the flat half parameters are ``parameters``, the
 fp32 partitions ``master_weights``, ZeRO-1/2's ``grads_in_partition`` (``copy_grads_in_partition``) and
@@ -89,6 +92,8 @@ def check(t: TrainingSpec) -> None:
     what = f"trace --zero {t.zero}"
     refused = [(t.offload_optimizer, "--offload-optimizer (DeepSpeed's CPU optimizer and pinned host buffers)"),
                (t.remote_device == "cpu", "--remote-device cpu (zero.Init partitions in pinned host memory)"),
+               (t.zero == 3 and t.ds_zero_init,
+                "--zero-init on (trace loads the model whole and hands it to deepspeed.initialize: --zero-init off)"),
                (t.tp > 1 or t.pp > 1, "--tp/--pp (DeepSpeed's engine over a model-parallel mpu)"),
                (t.cp > 1, "--cp (PyTorch's context_parallel inside DeepSpeed's engine)"),
                (t.precision not in ("bf16", "fp16", "fp32"),
