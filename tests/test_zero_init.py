@@ -131,3 +131,19 @@ def test_trace_refuses_zero_init_on(monkeypatch):
     monkeypatch.setattr(deepspeed_engine, "available", lambda: True)
     with pytest.raises(TrainmemError, match="--zero-init on"):
         trace("gpt2", zero=3, dp=2, precision="bf16", zero_init="on", seq_len=16, batch_size=1)
+
+
+def test_a_load_peak_not_asked_for_says_so_and_suggests_zero_init():
+    """The peak at the whole-model load with --zero-init not given: one warning line names it, and the
+    suggestions offer --zero-init on (its estimate: the load peak gone, the step's peak left)."""
+    setup = dict(zero=3, dp=64, precision="bf16", gpu="h100", batch_size=1, seq_len=4096, recompute="full")
+    r = trainmem.estimate("llama-3.1-70b", **setup)
+    assert r.peak_phase.startswith("model_loaded")
+    assert sum("--zero-init on" in w for w in r.warnings) == 1
+    on = trainmem.estimate("llama-3.1-70b", zero_init="on", **setup)
+    assert not any("--zero-init on" in w for w in on.warnings) and not on.peak_phase.startswith("model_loaded")
+    off = trainmem.estimate("llama-3.1-70b", zero_init="off", **setup)  # asked for: no warning
+    assert off.peak_allocated == r.peak_allocated and not any("--zero-init on" in w for w in off.warnings)
+    from trainmem.plan.suggest import suggest
+    s = next(x for x in suggest("llama-3.1-70b", **setup) if x.name == "zero-init")
+    assert s.change == {"zero_init": "on"} and s.peak_allocated == on.peak_allocated < r.peak_allocated

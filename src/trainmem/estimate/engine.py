@@ -108,12 +108,23 @@ def estimate(m: ModelSpec, t: TrainingSpec, cublas_workspace: int | None = None,
     warning = compile_warning(m, t)
     if warning:
         rep.warnings.append(warning)
-    warning = pipeline_fsdp_warning(t)
-    if warning:
-        rep.warnings.append(warning)
+    for warning in (pipeline_fsdp_warning(t), zero_init_warning(t, rep)):
+        if warning:
+            rep.warnings.append(warning)
     if m.family == "derived":
         rep.warnings.extend(derived_notes(m, t))
     return rep
+
+
+def zero_init_warning(t: TrainingSpec, rep: MemoryReport) -> str | None:
+    """One line when the peak is DeepSpeed ZeRO-3's whole-model load and ``--zero-init`` was not given
+    (``TrainingSpec.ds_zero_init``: off, DeepSpeed's path for a model built outside ``zero.Init``): a
+    loop that builds the model under ``deepspeed.zero.Init`` (as the HF Trainer and Accelerate do) never
+    holds it whole, and its peak is the step's."""
+    if t.zero_init is not None or not t.ds_whole_load or not rep.peak_phase.startswith("model_loaded"):
+        return None
+    return ("the peak is DeepSpeed's load of the whole model onto each GPU before ZeRO-3 partitions it (a model "
+            "built outside deepspeed.zero.Init); if your loop builds it under zero.Init, give --zero-init on")
 
 
 def estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str, handle_ws: int = CUBLAS_WORKSPACE,

@@ -133,6 +133,9 @@ def _free_and_time(ev: Evaluator, t: Any) -> list[_Cand]:
                               (3, "≈15% (parameters gathered in forward and backward)", 0.15)):
             if z > t.zero and not (t.pp > 1 and z >= 2):
                 out.append(_Cand(f"zero-{z}", "zero", f"ZeRO stage {t.zero} -> {z}", {"zero": z}, cost, slow, slow))
+    if t.ds_whole_load:  # DeepSpeed ZeRO-3 of a model built whole (TrainingSpec.ds_whole_load)
+        out.append(_Cand("zero-init", "zero-init", "--zero-init on (deepspeed.zero.Init)",
+                         {"zero_init": "on"}, "none (each parameter partitioned as it is built)", 0.0, 0.0))
     if t.recompute == "none":
         out.append(_Cand("recompute-selective", "recompute", "recompute none -> selective",
                          {"recompute": "selective"}, "≈3% (attention core re-run in backward)", 0.03, 0.03))
