@@ -4,15 +4,13 @@ installed (its ``__init__`` imports an 8-bit class that needs bitsandbytes: stoo
 never built here); options and refusals always."""
 from __future__ import annotations
 
-import sys
-import types
-
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from trainmem.estimate.galore import GTensor, galore_state_bytes, step_order, step_peak  # noqa: E402
+from bnb_stub import import_without_bitsandbytes  # noqa: E402
 from test_cli import assert_one_error_line, run_cli  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -21,27 +19,7 @@ LLAMA = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_l
 
 
 def _apollo_torch():
-    try:
-        import apollo_torch
-        return apollo_torch
-    except ModuleNotFoundError as e:
-        if e.name != "bitsandbytes":
-            pytest.skip("apollo_torch is not installed")
-    stub = {n: types.ModuleType(n) for n in ("bitsandbytes", "bitsandbytes.optim", "bitsandbytes.optim.optimizer",
-                                             "bitsandbytes.functional")}
-    stub["bitsandbytes"].__path__ = []  # a package, so that ``import bitsandbytes.functional as F`` finds the stub
-    stub["bitsandbytes.optim.optimizer"].Optimizer2State = torch.optim.Optimizer
-    saved = {n: sys.modules.get(n) for n in stub}
-    sys.modules.update(stub)
-    try:
-        import apollo_torch
-        return apollo_torch
-    finally:
-        for n, mod in saved.items():
-            if mod is None:
-                sys.modules.pop(n, None)
-            else:
-                sys.modules[n] = mod
+    return import_without_bitsandbytes("apollo_torch")
 
 
 def _states(opt) -> int:

@@ -7,9 +7,6 @@ class is never built here.
 """
 from __future__ import annotations
 
-import sys
-import types
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -24,6 +21,7 @@ from trainmem.estimate.states import block_bytes, model_states  # noqa: E402
 from trainmem.spec import TrainingSpec, resolve_model  # noqa: E402
 from trainmem.spec.resolve import framework_names  # noqa: E402
 from trainmem.spec.training import galore_target  # noqa: E402
+from bnb_stub import import_without_bitsandbytes  # noqa: E402
 from test_cli import assert_one_error_line, run_cli  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -35,25 +33,7 @@ SET = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 160, "num_hidd
 
 
 def _galore_torch():
-    try:
-        import galore_torch
-        return galore_torch
-    except ModuleNotFoundError as e:
-        if e.name != "bitsandbytes":
-            pytest.skip("galore_torch is not installed")
-    stub = {n: types.ModuleType(n) for n in ("bitsandbytes", "bitsandbytes.optim", "bitsandbytes.optim.optimizer")}
-    stub["bitsandbytes.optim.optimizer"].Optimizer2State = torch.optim.Optimizer
-    saved = {n: sys.modules.get(n) for n in stub}
-    sys.modules.update(stub)
-    try:
-        import galore_torch
-        return galore_torch
-    finally:
-        for n, mod in saved.items():
-            if mod is None:
-                sys.modules.pop(n, None)
-            else:
-                sys.modules[n] = mod
+    return import_without_bitsandbytes("galore_torch")
 
 
 # ----- the mechanism: the projector an fp32 SVD leaves ------------------------------------------------
