@@ -116,10 +116,10 @@ def components(q: Quantities, tk: Tokens, mo: Moment, t: TrainingSpec, n: int, n
         out += activations(q, tk, parts["activations"] - held, t, n, nsq, half, alive)
     if parts["logits"]:
         out += _logits(mo, m, half, loss_mode(m, t) if is_lm(m) else "")
-    if getattr(m, "is_image", False):  # pixel values in the weights' dtype, int64 labels
-        out.append(Component("inputs", INPUTS, tk.inputs, None, "pixel_values and labels"))
-    else:
-        out.append(Component("inputs", INPUTS, tk.inputs, "int64", "input_ids and labels"))
+    if parts["inputs"]:  # (none yet at the model's load: DeepSpeed's whole-model load can be the peak)
+        image = getattr(m, "is_image", False)  # pixel values in the weights' dtype, int64 labels
+        out.append(Component("inputs", INPUTS, parts["inputs"], None if image else "int64",
+                             "pixel_values and labels" if image else "input_ids and labels"))
     out += _workspaces(parts["workspace"], handle_ws, kept)
     comm = q.fixed - st.weights - st.buffers - st.master
     if comm:
