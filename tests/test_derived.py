@@ -453,3 +453,18 @@ def test_coefficient_keys_name_the_traced_releases_kv_cache(monkeypatch):
     k523, k524, k445 = keys((5, 23)), keys((5, 24)), keys((4, 45))
     assert k523[0] != k524[0] and k523[1:] == k524[1:]   # only the amp key with a cache moves at 5.24
     assert k445[0] not in (k523[0], k524[0]) and k445[1] != k523[1] and k445[2] == k523[2]
+
+
+def test_mpt_context_bounds_its_sequences_and_its_derivation():
+    """MPT builds its ALiBi bias for ``max_seq_len`` positions and slices it to the keys, so a longer
+    sequence fails in the real model: the derivation's points stay within it (they reached 4096 and
+    the step failed to broadcast), a longer ``--seq-len`` is refused in one line, and the estimate
+    within the context agrees with the trace (MPT's own vocabulary, 50432: the peak is the loss's; with
+    a 1000-token vocabulary, whose peak is the last layer's attention backward, the estimate is
+    +0.9..+2.1% over the trace: not diagnosed)."""
+    cfg = dict(model_type="mpt", n_layers=4, d_model=1024, n_heads=8, vocab_size=50432, max_seq_len=1024)
+    with pytest.raises(trainmem.TrainmemError, match="--seq-len 2048 exceeds the 1024"):
+        trainmem.estimate(cfg, batch_size=1, seq_len=2048)
+    est = trainmem.estimate(cfg, batch_size=2, seq_len=1024, precision="bf16-amp")
+    tr = trainmem.trace(cfg, batch_size=2, seq_len=1024, precision="bf16-amp")
+    assert abs(est.peak_allocated / tr.peak_allocated - 1) <= 0.005

@@ -547,9 +547,25 @@ def _derived_spec(cfg: dict[str, Any], arch: str, name: str, common: dict[str, A
         num_heads=heads, num_kv_heads=kv if kv and heads % kv == 0 else heads,
         head_dim=s["head_dim"] or max(1, s["hidden_size"] // heads), vocab_size=s["vocab_size"],
         ffn_size=s["ffn_size"], activation="gelu", max_positions=s["max_positions"],
-        tied_embeddings=s["tie_word_embeddings"], position="learned" if learned else "rotary",
+        tied_embeddings=s["tie_word_embeddings"], position=_derived_position(cfg, learned),
         num_experts=s["num_experts"], experts_top_k=s["experts_top_k"] if s["num_experts"] else 0,
         fingerprint=fingerprint(cfg), **dict(common, architecture=prof.architecture))
+
+
+#: model types whose attention bias is built once for the config's whole context and sliced to the
+#: sequence, so that a longer sequence fails to broadcast: MPT's ALiBi (transformers
+#: models/mpt/modeling_mpt.py, ``MptModel.forward`` builds ``build_mpt_alibi_tensor(num_heads,
+#: config.max_seq_len)``; ``MptAttention.forward`` slices its last ``key_length`` columns)
+_BIAS_TABLE_TYPES = ("mpt",)
+
+
+def _derived_position(cfg: dict[str, Any], learned: bool) -> str:
+    """A derived model's positions: "learned" (a table of learned embeddings), "bias-table" (an
+    attention bias as long as the context, ``_BIAS_TABLE_TYPES``), else "rotary" (any scheme that
+    runs at any length: rotary, relative buckets, ALiBi built per sequence as BLOOM's)."""
+    if learned:
+        return "learned"
+    return "bias-table" if cfg.get("model_type") in _BIAS_TABLE_TYPES else "rotary"
 
 
 def tensor_parallel_twin(m: ModelSpec, tp: int, cp: int = 1) -> ModelSpec:

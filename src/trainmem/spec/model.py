@@ -148,9 +148,11 @@ class ModelSpec:
 
     @property
     def learned_positions(self) -> bool:
-        """Whether positions are a learned table (sequences longer than it cannot run)."""
+        """Whether positions come from a table as long as the context (learned embeddings, or MPT's
+        ALiBi bias built for ``max_seq_len``: ``spec.config._derived_position``), so that a longer
+        sequence cannot run."""
         return self.family in ("gpt2", "nanogpt", "bert", "roberta-prenorm") or (
-            self.family == "derived" and self.position == "learned")
+            self.family == "derived" and self.position in ("learned", "bias-table"))
 
     @property
     def is_image(self) -> bool:
