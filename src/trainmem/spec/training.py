@@ -1701,6 +1701,14 @@ def _vlm_problem(model: Any, t: TrainingSpec) -> str | None:
         if value is not None:
             return (f"{flag} {value}: {model.name} is run as a vision-language model, on its own loss and fixed-length "
                     f"batches: drop {flag}")
+    # sharded and model-parallel runs: the vision tower's place in FSDP units, ZeRO partitions, tensor and
+    # pipeline splits is not modelled (nor DeepSpeed's cast of the pixels to its dtype: transformers trainer.py
+    # ``_prepare_input``); one GPU or plain data parallelism only
+    for flag, on in (("--zero", t.zero), ("--fsdp", t.fsdp), ("--tp", t.tp > 1), ("--pp", t.pp > 1), ("--cp", t.cp > 1),
+                     ("--quantize", t.quantize), ("--compile", t.compile)):
+        if on:
+            return (f"{flag}: {model.name} is a vision-language model, run on one GPU or plain data parallelism "
+                    f"without {flag}; drop it")
     return None
 
 
