@@ -32,6 +32,8 @@ to be done by the model"); the batches here have no padding.
 """
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -93,12 +95,23 @@ class VisionInputs:
 def vision_inputs(config: Mapping[str, Any]) -> VisionInputs:
     """The image side of a VLM config dict (its ``vision_config`` and image token), as transformers 5.24's
     config classes default them."""
-    import transformers
     mtype = str(config.get("model_type"))
     if mtype not in VLM_TYPES:
         raise TrainmemError(f"--task image-text-to-text: trainmem runs it for {', '.join(VLM_TYPES)}, not "
                             f"model_type {mtype!r}")
-    d = {k: v for k, v in config.items() if not k.startswith("_") and k != "model_type"}
+    clean = {k: v for k, v in config.items() if not k.startswith("_")}
+    return _vision_inputs(json.dumps(clean, sort_keys=True, default=str))
+
+
+@functools.lru_cache(maxsize=32)
+def _vision_inputs(config_json: str) -> VisionInputs:
+    try:
+        import transformers
+    except ImportError:
+        raise TrainmemError("a vision-language model's images are read from its config with transformers: "
+                            "pip install transformers") from None
+    d = json.loads(config_json)
+    mtype = str(d.pop("model_type"))
     cfg = transformers.AutoConfig.for_model(mtype, **d)
     v = cfg.vision_config
     token = int(getattr(cfg, "image_token_id", None) if getattr(cfg, "image_token_id", None) is not None
