@@ -7,7 +7,9 @@ class name, ``transformers/models/auto/modeling_auto.py``: ``MODEL_FOR_CAUSAL_LM
 and its siblings), the way ``AutoModelForSeq2SeqLM.from_config`` would. Without ``--task`` the
 config's ``architectures`` decides; a config without one gets its model type's natural head: the
 first task of ``TASKS`` whose mapping has the type (a decoder's causal LM, T5's seq2seq LM, ViT's
-image classifier).
+image classifier). ``image-text-to-text`` (``AutoModelForImageTextToText``) is the task of the
+multimodal classes of the types ``spec.vision`` runs (Qwen2-VL, Qwen2.5-VL, LLaVA, Gemma 3), picked from
+their ``architectures`` (``task_of_class``).
 
 Importing this module imports nothing heavy; the mappings are read only when a task has to be
 looked up (``with_task`` for a class the config does not name, ``natural_class``).
