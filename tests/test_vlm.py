@@ -84,6 +84,9 @@ def test_batch_is_the_processors(name):
     per = vis.tokens(r.training.image_size)
     assert batch["input_ids"].shape == (2, 1280) and torch.equal(batch["labels"], batch["input_ids"])
     assert ((batch["input_ids"] == vis.image_token_id).sum(dim=1) == 2 * per).all()
+    # each image after a text token: two runs of placeholders (Qwen's rope index, Gemma's bidirectional blocks)
+    is_image = (batch["input_ids"][0] == vis.image_token_id).int()
+    assert (is_image[1:] - is_image[:-1] == 1).sum().item() == 2 and is_image[0] == 0
     if name == "qwen2_5_vl":   # 224 px: a 16x16 grid of 14-pixel patches, each row 3 x 2 frames x 14 x 14
         assert batch["pixel_values"].shape == (2 * 2 * 16 * 16, 1176)
         assert batch["image_grid_thw"].tolist() == [[1, 16, 16]] * 4
@@ -146,7 +149,8 @@ def test_trace_setups(setup):
 # ----- refusals -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("argv, names", [
     (["llava-1.5-7b", "--seq-len", "512"], "--seq-len 512"),                      # 576 image tokens
-    (["llava-1.5-7b", "--seq-len", "2048", "--images", "4"], ">= 2304"),
+    (["llava-1.5-7b", "--seq-len", "2048", "--images", "4"], ">= 2308"),          # 4 x (576 + 1)
+    (["llava-1.5-7b", "--seq-len", "576"], ">= 577"),
     (["llava-1.5-7b", "--seq-len", "2048", "--image-size", "224"], "--image-size 224"),
     (["qwen2.5-vl-3b", "--seq-len", "2048"], "--image-size"),                     # no default size
     (["qwen2.5-vl-3b", "--seq-len", "2048", "--image-size", "500"], "multiple of 28"),
@@ -169,3 +173,30 @@ def test_estimate_refuses_in_one_line(capsys):
     assert code == 2 and len(lines) == 1 and "image-text-to-text" in lines[0] and "use trace" in lines[0], err
     with pytest.raises(TrainmemError, match="use trace"):
         trainmem.estimate(LLAVA, seq_len=1024)
+
+
+def _small_vocab(cfg: dict) -> dict:
+    """``cfg`` with a 4096-token vocabulary and the image token inside it (a real CPU step in seconds)."""
+    out = dict(cfg, vocab_size=4096, image_token_id=4000)
+    if "text_config" in cfg:
+        out["text_config"] = dict(cfg["text_config"], vocab_size=4096)
+    if cfg["model_type"] in ("llava", "gemma3"):
+        out["image_token_index"] = 4000
+    if cfg["model_type"] == "gemma3":  # SigLIP at 224 px: 16x16 patches pooled to 4x4 tokens
+        out.update(vision_config=dict(cfg["vision_config"], image_size=224), mm_tokens_per_image=16)
+    return out
+
+
+@pytest.mark.parametrize("name, seq, images", [("qwen2_5_vl", 160, 2), ("llava", 600, 1), ("gemma3", 64, 2)])
+def test_batch_runs_the_real_model_on_real_tensors(name, seq, images):
+    """The batch is one the model accepts with data (as measure feeds it on a GPU): the placeholder count check,
+    Qwen's 3-D rope index over the modality ids (each image one group), Gemma's bidirectional image blocks."""
+    cfg, size = MODELS[name]
+    r = resolve(_small_vocab(cfg), batch_size=2, seq_len=seq, images=images, precision="fp32", **size)
+    assert vision_inputs(r.model.config).image_token_id == 4000
+    model = hf_factory(r.model, r.training)()
+    out = model(**model_batch(r.model, r.training, "cpu"))
+    out.loss.backward()
+    assert out.logits.shape[:2] == (2, seq) and torch.isfinite(out.loss)
+    if name == "qwen2_5_vl":  # the image tokens got 3-D positions: the rope deltas are not all zero
+        assert model.model.rope_deltas is not None and (model.model.rope_deltas != 0).any()

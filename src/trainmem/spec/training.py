@@ -1687,16 +1687,17 @@ def _vlm_problem(model: Any, t: TrainingSpec) -> str | None:
     """A vision-language setup the model cannot take (``spec.vision``): an image size its processor would
     not make, a ``--seq-len`` shorter than the images' placeholder tokens, options of the text path
     (``--loss``: the model computes its own loss; varying lengths) it does not run."""
-    from .vision import vision_inputs
+    from .vision import min_seq_len, vision_inputs
     vis = vision_inputs(model.config)
     bad = vis.size_problem(t.image_size)
     if bad:
         return bad
-    need = t.images * vis.tokens(t.image_size)
+    per = vis.tokens(t.image_size)
+    need = min_seq_len(t.images, per)
     if t.seq_len < need:
-        return (f"--seq-len {t.seq_len}: {t.images} image(s) of {vis.side(t.image_size)} px are {need} of "
-                f"{model.name}'s tokens ({vis.tokens(t.image_size)} each), which --seq-len includes: give --seq-len "
-                f">= {need}")
+        return (f"--seq-len {t.seq_len}: {t.images} image(s) of {vis.side(t.image_size)} px are {t.images * per} of "
+                f"{model.name}'s tokens ({per} each, after one text token each), which --seq-len includes: give "
+                f"--seq-len >= {need}")
     for flag, value in (("--loss", t.loss), ("--min-seq-len", t.min_seq_len), ("--later-seq-len", t.later_seq_len)):
         if value is not None:
             return (f"{flag} {value}: {model.name} is run as a vision-language model, on its own loss and fixed-length "

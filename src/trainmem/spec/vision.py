@@ -130,8 +130,8 @@ def _vision_inputs(config_json: str) -> VisionInputs:
 
 def image_batch(spec: Any, t: Any, device: Any) -> dict[str, Any]:
     """A VLM micro-batch as its processor and TRL's collator make it (module docstring): ``input_ids`` and
-    ``labels`` [b, seq_len] int64 whose first ``images x tokens`` positions of each sample are the image
-    placeholders, the rest random text; the pixels in fp32 (the processor's dtype; the HF Trainer's
+    ``labels`` [b, seq_len] int64 in which each image's placeholders follow one text token (``placeholders``),
+    the rest random text; the pixels in fp32 (the processor's dtype; the HF Trainer's
     ``_prepare_input`` moves them to the device without a cast unless DeepSpeed runs: transformers 5.24
     ``trainer.py`` ``_prepare_input``); Qwen2-VL's ``image_grid_thw`` and ``mm_token_type_ids``, Gemma 3's
     ``token_type_ids``. The ids are made on the host and copied, as a loop copies its batch."""
@@ -140,9 +140,10 @@ def image_batch(spec: Any, t: Any, device: Any) -> dict[str, Any]:
     b, s, n = t.batch_size, t.seq_len, t.images
     per = vis.tokens(t.image_size)
     ids = torch.randint(0, min(spec.vocab_size, vis.image_token_id), (b, s))
-    ids[:, :n * per] = vis.image_token_id
     kinds = torch.zeros(b, s, dtype=torch.long)  # the processor's modality ids: 1 on image tokens
-    kinds[:, :n * per] = 1
+    for start in placeholders(n, per):
+        ids[:, start:start + per] = vis.image_token_id
+        kinds[:, start:start + per] = 1
     out: dict[str, Any] = {"input_ids": ids.to(device), "labels": ids.clone().to(device)}
     side = vis.side(t.image_size)
     if vis.kind == "patches":
@@ -157,6 +158,21 @@ def image_batch(spec: Any, t: Any, device: Any) -> dict[str, Any]:
         if vis.model_type == "gemma3":
             out["token_type_ids"] = kinds.to(device)
     return out
+
+
+def placeholders(images: int, per: int) -> list[int]:
+    """Where each image's ``per`` placeholder tokens start in a sample: after one text token each, as the chat
+    templates wrap every image (Qwen2-VL's ``<|vision_start|>``, Gemma 3's ``<start_of_image>``, LLaVA's prompt
+    text). Back-to-back images would be one modality group, which Qwen2-VL's ``get_rope_index`` reads as one
+    image (``itertools.groupby`` over ``mm_token_type_ids``: ``modeling_qwen2_5_vl.py`` L1011-1029) and Gemma 3's
+    ``get_block_sequence_ids_for_mask`` as one bidirectional block. A sample holds ``images x (per + 1)``
+    tokens at least (``min_seq_len``)."""
+    return [i * (per + 1) + 1 for i in range(images)]
+
+
+def min_seq_len(images: int, per: int) -> int:
+    """The tokens ``images`` images of ``per`` tokens take with the text token before each (``placeholders``)."""
+    return images * (per + 1)
 
 
 def _emulated(device: Any) -> bool:
