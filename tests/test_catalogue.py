@@ -23,6 +23,7 @@ from transformers import AutoConfig
 
 import trainmem
 from trainmem.spec import catalogue_names, load_config
+from trainmem.spec.vision import VLM_TYPES
 
 from nanogpt_model import GPT, GPTConfig
 
@@ -114,6 +115,12 @@ EXPECTED_PARAMS = {
     "vit-huge-patch14-224-in21k": 630_767_362,
     # SiglipModel (both towers) 203,155,970, the model card's 203M; its vision tower's classifier trained
     "siglip-base-patch16-224": 92_885_762,
+    # vision-language models (--task image-text-to-text): vision tower, projector and language model; each the
+    # hub's safetensors count (Qwen2.5-VL-3B's 3.75B, -7B's 8.29B, llava-1.5-7b-hf's 7.06B, gemma-3-4b-it's 4.3B)
+    "qwen2.5-vl-3b": 3_754_622_976,
+    "qwen2.5-vl-7b": 8_292_166_656,
+    "llava-1.5-7b": 7_063_427_072,
+    "gemma-3-4b-it": 4_300_079_472,
 }
 HF_NAMES = sorted(n for n in EXPECTED_PARAMS if n not in ("nanogpt-124m", "raschka-gpt-124m"))
 
@@ -144,7 +151,12 @@ def _layers_key(cfg: dict) -> str:
 
 
 def _with_layers(cfg: dict, k: int) -> dict:
-    """``cfg`` with ``k`` layers (a vision tower's classifier, SigLIP's: its vision config's)."""
+    """``cfg`` with ``k`` layers (a vision tower's classifier, SigLIP's: its vision config's; a vision-language
+    model's: its language model's)."""
+    if cfg["model_type"] in VLM_TYPES:
+        if "text_config" in cfg:
+            return dict(cfg, text_config=dict(cfg["text_config"], num_hidden_layers=k))
+        return dict(cfg, num_hidden_layers=k)
     if "vision_config" in cfg:
         return dict(cfg, vision_config=dict(cfg["vision_config"], num_hidden_layers=k))
     return dict(cfg, **{_layers_key(cfg): k})
@@ -167,7 +179,8 @@ def _real_model_counts(cfg_json: str) -> tuple[int, int, tuple[tuple[int, str], 
     else:
         cfg = _hf_config(cfg)
         arch = cfg["architectures"][0]
-        auto = next(a for suffix, a in _AUTO_BY_SUFFIX if arch.endswith(suffix))
+        auto = transformers.AutoModelForImageTextToText if cfg["model_type"] in VLM_TYPES else \
+            next(a for suffix, a in _AUTO_BY_SUFFIX if arch.endswith(suffix))
         with torch.device("meta"):
             model = auto.from_config(AutoConfig.for_model(**cfg), dtype=torch.float32)
         assert type(model).__name__ == arch, f"{auto.__name__} built {type(model).__name__}, not {arch}"

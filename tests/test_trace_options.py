@@ -216,6 +216,8 @@ CASES = [
     ({"fsdp_auto_wrap_policy": "module", "fsdp_version": 1, "fsdp": "full", "dp": 2}, REFUSED, "ties its head"),
     ({"fsdp_auto_wrap_policy": "module", "fsdp": "full", "dp": 2}, REFUSED, "--fsdp-auto-wrap-policy module"),
     ({"target_len": 32}, REFUSED, "--target-len 32"), ({"image_size": 64}, REFUSED, "--image-size 64"),
+    # a vision-language model's images and frozen tower (they change its trace: tests/test_vlm.py)
+    ({"images": 2}, REFUSED, "--images"), ({"freeze_vision_tower": True}, REFUSED, "--freeze-vision-tower"),
     # the run's first micro-batch at --seq-len, the later ones shorter (tests/test_later_seq_len.py)
     ({"later_seq_len": 32}, CHANGED, ""), ({"later_seq_len": 32, "pp": 2, "grad_accum": 2}, REFUSED, "--later-seq-len"),
     # each micro-batch padded to its own longest: steps at varying lengths after two (tests/test_min_seq_len.py)

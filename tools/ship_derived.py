@@ -37,11 +37,14 @@ def main() -> None:
     only1 = len(args) < len(sys.argv) - 1
     for name in args or catalogue_names():  # names given: only those (a new catalogue entry)
         m = resolve_model(name)
-        if m.family != "derived" or (only1 and m.is_encoder_decoder):  # (an encoder-decoder has no batch-1 set)
+        if m.family != "derived" or (only1 and (m.is_encoder_decoder or m.is_vlm)):  # (an encoder-decoder has no batch-1 set)
             continue
         cfg = {k: v for k, v in load_config(name)[1].items() if not k.startswith("_")}
         prof = build_profile(cfg)
         _write(os.path.join(spec_dir, "profiles", f"{fingerprint(load_config(name)[1])}.json"), prof.to_json())
+        if m.is_vlm:  # a vision-language model: traced only (the estimate refuses its head), its profile alone
+            print(f"{name}: profile", flush=True)
+            continue
         window = derived.sliding_window(m)
         seqs = [2048] if not window or window >= m.max_positions else [max(128, window // 2), 2 * window]
         for precision, recompute in [(p, r) for p in PRECISIONS for r in ("none", "full")]:

@@ -650,9 +650,13 @@ def model_batch(spec: ModelSpec, t: TrainingSpec, device: Any) -> dict[str, Any]
       (fp32 under autocast: ``ViTEmbeddings.forward`` casts them to the patch projection's dtype
       anyway, so a half batch would only add a copy) and integer labels (b,) over the config's
       labels; ``interpolate_pos_encoding`` when N is not the config's image size (ViT refuses
-      another size without it).
+      another size without it);
+    * a vision-language model: ``spec.vision.image_batch``.
     """
     b, s = t.batch_size, t.seq_len
+    if spec.is_vlm:  # ids with image placeholders, pixels, grids (spec.vision.image_batch)
+        from .spec.vision import image_batch
+        return image_batch(spec, t, device)
     if spec.head == "image-cls":
         size = t.image_size or spec.image_size
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision, torch.float32)
@@ -736,7 +740,9 @@ def apply_lora(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec) -> torc
     except ImportError:
         raise TrainmemError("--lora-rank needs peft to trace or measure: pip install 'trainmem[lora]'") from None
     from .estimate.states import default_lora_targets
-    targets = list(t.lora_targets or default_lora_targets(spec))
+    targets: Any = list(t.lora_targets or default_lora_targets(spec))
+    if spec.is_vlm:  # the language model's linears only (language_model_targets)
+        targets = language_model_targets(targets)
     config = LoraConfig(r=t.lora_rank, lora_alpha=2 * t.lora_rank, target_modules=targets,
                         lora_dropout=t.lora_dropout)
     if t.quantize:
@@ -753,6 +759,32 @@ def apply_lora(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec) -> torc
     return model
 
 
+def language_model_targets(names: list[str]) -> str:
+    """A vision-language model's LoRA targets: the modules named ``names`` inside its language model only, as
+    peft's regex ``target_modules`` (peft 0.21 ``tuners/tuners_utils.py`` ``check_target_module_exists``: a
+    string is ``re.fullmatch``-ed against each module's dotted name). The vision towers have linears of the
+    same names (CLIP's and SigLIP's ``q_proj``/``k_proj``/``v_proj``, Qwen2.5-VL's ``gate_proj``/``up_proj``/
+    ``down_proj``), which LLaMA-Factory leaves out under its default ``freeze_vision_tower`` (its
+    ``find_all_linear_modules`` skips ``get_forbidden_modules``: ``model/model_utils/misc.py``,
+    ``model/model_utils/visual.py``)."""
+    import re
+    return rf"(.*\.)?language_model\..*\.({'|'.join(re.escape(n) for n in names)})"
+
+
+def freeze_vision_tower(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec) -> None:
+    """``--freeze-vision-tower``: the vision tower's parameters get ``requires_grad=False`` (LLaMA-Factory's
+    ``freeze_vision_tower``: ``model/adapter.py`` ``_setup_full_tuning`` skips the ``get_forbidden_modules``
+    of ``model/model_utils/visual.py``; ``spec.vision.VISION_TOWER``), before the optimizer is made."""
+    if not spec.is_vlm:
+        return
+    from .spec.vision import add_host_grid_hook, vision_tower_parameters
+    add_host_grid_hook(model, spec)  # (trace: Qwen2-VL's grid stays on the host)
+    if not t.freeze_vision_tower:
+        return
+    for p in vision_tower_parameters(model, spec.model_type):
+        p.requires_grad_(False)
+
+
 def prepare_model(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec) -> torch.nn.Module:
     """The built transformers model made into the one the setup runs, before it is loaded (trace) or
     moved to the device (measure): torchtune's per-layer RoPE buffers (``--layer-rope-cache``) or its
@@ -766,6 +798,7 @@ def prepare_model(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec) -> t
     torchtune_rms_norms(model, spec, t)
     liger_modules.apply(model, t)   # (Liger's instance patch: --liger, --loss fused)
     from .preference_step import add_reference   # (--trainer dpo --ref-model copy: TRL's frozen reference)
+    freeze_vision_tower(model, spec, t)
     model = apply_lora(add_reference(cast_half_embeddings(apply_quantization(model, t), t), t), spec, t)
     return litgpt_modules.apply(model, t)
 

@@ -348,7 +348,14 @@ def add_input_sizes(g: Any) -> None:
                         "(default: --seq-len, the encoder's tokens)")
     g.add_argument("--image-size", type=positive_int, default=None, metavar="N",
                    help="image models (ViT): N x N pixels (default: the config's image_size); it sets the sequence, "
-                        "(N / patch)^2 patches + the class token, so --seq-len is refused for them")
+                        "(N / patch)^2 patches + the class token, so --seq-len is refused for them. Vision-language "
+                        "models (--task image-text-to-text): each image's side (Qwen2-VL: required, a multiple of 28, "
+                        "(N/28)^2 tokens; LLaVA-1.5 and Gemma 3: their config's, 576 and 256 tokens)")
+    g.add_argument("--images", type=positive_int, default=None, metavar="N",
+                   help="vision-language models: images per sample (default 1); their tokens are part of --seq-len")
+    g.add_argument("--freeze-vision-tower", action="store_true", default=None,
+                   help="vision-language models: the vision tower gets no gradient (LLaMA-Factory's "
+                        "freeze_vision_tower; Qwen2-VL's merger stays trained)")
 
 
 def add_hardware(h: Any) -> None:
@@ -506,7 +513,8 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 fsdp_version=a.fsdp_version, loss_shift=a.loss_shift, cast_output=a.cast_output, fused_qkv=a.fused_qkv,
                 use_cache=a.use_cache, attention_call=a.attention_call, split_gate_up=a.split_gate_up,
                 rms_norm=a.rms_norm, liger=a.liger, liger_version=a.liger_version,
-                target_len=a.target_len, image_size=a.image_size, later_seq_len=a.later_seq_len,
+                target_len=a.target_len, image_size=a.image_size, images=a.images,
+                freeze_vision_tower=a.freeze_vision_tower, later_seq_len=a.later_seq_len,
                 min_seq_len=a.min_seq_len, layer_rope_cache=a.layer_rope_cache, rope_cache=a.rope_cache,
                 deepspeed_config=a.deepspeed_config, reduce_bucket_size=a.reduce_bucket_size,
                 overlap_comm=a.overlap_comm, contiguous_gradients=a.contiguous_gradients,

@@ -45,7 +45,10 @@ DERIVED_IMAGE_TYPES = ("vit", "siglip", "clip")
 def derived_problems(m: ModelSpec, t: TrainingSpec) -> list[str]:
     """What a derived architecture's estimate cannot model in setup ``t`` (empty when it can)."""
     out = []
-    if m.head not in DERIVED_HEADS:
+    if m.is_vlm:
+        out.append(f"its image-text-to-text head ({m.architecture}: a vision-language model, whose vision tower's "
+                   f"activations the derived estimate does not compose with the language model's; use trace)")
+    elif m.head not in DERIVED_HEADS:
         out.append(f"its {m.head} head ({m.architecture}; the derived estimate covers causal-lm, seq2seq-lm and "
                    f"image-classification heads)")
     if checkpointed(m, t) and t.recompute_every > 1:

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 from ..errors import TrainmemError
 
 FAMILIES = ("gpt2", "nanogpt", "bert", "roberta-prenorm", "llama", "mixtral", "gpt-next", "derived")
-HEADS = ("causal-lm", "masked-lm", "seq-cls", "qa", "base", "seq2seq-lm", "image-cls")
+HEADS = ("causal-lm", "masked-lm", "seq-cls", "qa", "base", "seq2seq-lm", "image-cls", "vlm")
 ACTIVATIONS = ("gelu", "swiglu", "relu")
 NORMS = ("layernorm", "rmsnorm")
 
@@ -158,6 +158,12 @@ class ModelSpec:
     def is_image(self) -> bool:
         """An image model: its sequence is its patches, read from ``--image-size``."""
         return self.head == "image-cls"
+
+    @property
+    def is_vlm(self) -> bool:
+        """A vision-language model (``--task image-text-to-text``): a causal LM whose ids carry image
+        placeholders (``--images``, ``--image-size``; ``spec.vision``)."""
+        return self.head == "vlm"
 
     @property
     def is_encoder_decoder(self) -> bool:

@@ -7,7 +7,9 @@ class name, ``transformers/models/auto/modeling_auto.py``: ``MODEL_FOR_CAUSAL_LM
 and its siblings), the way ``AutoModelForSeq2SeqLM.from_config`` would. Without ``--task`` the
 config's ``architectures`` decides; a config without one gets its model type's natural head: the
 first task of ``TASKS`` whose mapping has the type (a decoder's causal LM, T5's seq2seq LM, ViT's
-image classifier).
+image classifier). ``image-text-to-text`` (``AutoModelForImageTextToText``) is the task of the
+multimodal classes of the types ``spec.vision`` runs (Qwen2-VL, Qwen2.5-VL, LLaVA, Gemma 3), picked from
+their ``architectures`` (``task_of_class``).
 
 Importing this module imports nothing heavy; the mappings are read only when a task has to be
 looked up (``with_task`` for a class the config does not name, ``natural_class``).
@@ -26,10 +28,13 @@ TASKS = {
     "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
     "sequence-classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
     "question-answering": "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES",
+    # a vision-language model (``spec.vision``): last, so that no model type's natural head changes
+    "image-text-to-text": "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
 }
 #: task -> ModelSpec.head
 HEAD_OF_TASK = {"causal-lm": "causal-lm", "seq2seq-lm": "seq2seq-lm", "image-classification": "image-cls",
-                "masked-lm": "masked-lm", "sequence-classification": "seq-cls", "question-answering": "qa"}
+                "masked-lm": "masked-lm", "sequence-classification": "seq-cls", "question-answering": "qa",
+                "image-text-to-text": "vlm"}
 #: class-name endings that name one task whatever the model type ("ForConditionalGeneration" does
 #: not: Gemma 3's and Llava's are multimodal causal LMs, T5's and BART's seq2seq LMs)
 _SUFFIXES = {"causal-lm": ("ForCausalLM", "LMHeadModel"), "masked-lm": ("ForMaskedLM",),
@@ -48,14 +53,26 @@ def _mapping(task: str) -> Mapping[str, Any]:
 
 
 def task_of_class(model_type: str, class_name: str) -> str | None:
-    """The task whose auto mapping gives ``class_name`` for ``model_type`` (None: none of TASKS)."""
+    """The task whose auto mapping gives ``class_name`` for ``model_type`` (None: none of TASKS). The
+    image-text-to-text class of a type ``spec.vision`` runs (``VLM_TYPES``) is that task, though the causal-LM
+    mapping lists it too (Gemma 3's ``Gemma3ForConditionalGeneration``); another type's
+    (``Qwen3_5ForConditionalGeneration``) is no task here, and ``trainable_class`` trains its text model."""
+    from .vision import VLM_TYPES
+    if model_type in VLM_TYPES and _in(_mapping("image-text-to-text").get(model_type), class_name):
+        return "image-text-to-text"
     for task in TASKS:
-        names = _mapping(task).get(model_type)
-        if class_name == names or (isinstance(names, (list, tuple)) and class_name in names):
+        if task == "image-text-to-text":
+            continue
+        if _in(_mapping(task).get(model_type), class_name):
             return task
     # a class the mapping lists under a sibling type (Gemma3ForSequenceClassification is gemma3's,
     # its text model is gemma3_text): the ending that names one task
     return next((task for task, ends in _SUFFIXES.items() if class_name.endswith(ends)), None)
+
+
+def _in(names: Any, class_name: str) -> bool:
+    """Whether an auto mapping's entry (a class name or a list of them) names ``class_name``."""
+    return class_name == names or (isinstance(names, (list, tuple)) and class_name in names)
 
 
 def class_for_task(model_type: str, task: str) -> str:
@@ -126,11 +143,30 @@ def with_task(config: Mapping[str, Any], task: str | None, name: str) -> dict[st
     mtype = str(cfg.get("model_type") or "")
     if not mtype:
         raise TrainmemError(f"model {name!r}: --task {task} needs the config's model_type")
+    from .vision import VLM_TYPES
+    if task == "image-text-to-text" and mtype not in VLM_TYPES:
+        raise TrainmemError(f"model {name!r}: --task image-text-to-text is run for model types "
+                            f"{', '.join(VLM_TYPES)}, not {mtype!r}")
     archs = cfg.get("architectures") or []
     current = archs[0] if archs and isinstance(archs[0], str) else ""
     if current and current.endswith(_SUFFIXES.get(task, ("\0",))):
         return cfg
-    cls = class_for_task(mtype, task)
+    cls = text_class(cfg, name) if task == "causal-lm" and mtype in VLM_TYPES else class_for_task(mtype, task)
     if cls != current:
         cfg["architectures"] = [cls]
     return cfg
+
+
+def text_class(config: Mapping[str, Any], name: str) -> str:
+    """``--task causal-lm`` on a vision-language config: the causal-LM class of its language model's type
+    (Gemma 3's ``gemma3_text``: ``Gemma3ForCausalLM``, built from the text config as
+    ``spec.profile.config_for_class`` hands it), the text model alone; one line when transformers has none
+    (Qwen2-VL's ``qwen2_vl_text``)."""
+    from .profile import hf_config_object
+    text = hf_config_object(config).get_text_config()
+    cls = _mapping("causal-lm").get(str(text.model_type))
+    cls = cls[0] if isinstance(cls, (list, tuple)) else cls
+    if not cls:
+        raise TrainmemError(f"model {name!r}: --task causal-lm: transformers has no causal-LM class for its language "
+                            f"model ({text.model_type}); train it as image-text-to-text (drop --task)")
+    return str(cls)

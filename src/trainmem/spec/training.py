@@ -398,7 +398,10 @@ class TrainingSpec:
     fsdp_min_num_params: int | None = None  # size policy: a module becomes a unit when its parameters not yet in
     #                                         a unit reach this many; None: torch's default, FSDP_MIN_NUM_PARAMS
     target_len: int | None = None  # an encoder-decoder's decoder tokens (its labels); None: seq_len
-    image_size: int | None = None  # an image model's square image side in pixels; sets seq_len (its patches)
+    image_size: int | None = None  # an image model's square image side in pixels; sets seq_len (its patches);
+    #                                a vision-language model's images' side (spec.vision; its seq_len is given)
+    images: int = 1                # a vision-language model's images per sample (their tokens are in seq_len)
+    freeze_vision_tower: bool = False  # a VLM's vision tower without gradients (LLaMA-Factory's freeze_vision_tower)
     # DeepSpeed ZeRO's engine buffers (with --zero): the ``zero_optimization`` keys of a DeepSpeed config,
     # None for DeepSpeed's defaults (``deepspeed.zero_config``; ``spec/deepspeed.py`` reads a config file)
     reduce_bucket_size: int | None = None  # elements per gradient bucket; None: 500,000,000
@@ -720,7 +723,7 @@ class TrainingSpec:
         with ``--zero`` is checked on the user's options (``deepspeed_problems``): the planner varies
         the stage of one spec."""
         for key in ("target_len", "image_size", "sub_group_size", "later_seq_len", "min_seq_len",
-                    "layer_rope_cache", "rope_cache"):
+                    "layer_rope_cache", "rope_cache", "images"):
             v = getattr(self, key)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
                 raise TrainmemError(f"--{key.replace('_', '-')} must be a positive integer, got {v!r}")
@@ -1680,9 +1683,46 @@ def image_sizes(model: Any, given: dict[str, Any], current: int | None = None) -
     return dict(given, image_size=size, seq_len=model.image_tokens(size))
 
 
+def _vlm_problem(model: Any, t: TrainingSpec) -> str | None:
+    """A vision-language setup the model cannot take (``spec.vision``): an image size its processor would
+    not make, a ``--seq-len`` shorter than the images' placeholder tokens, options of the text path
+    (``--loss``: the model computes its own loss; varying lengths) it does not run."""
+    from .vision import min_seq_len, vision_inputs
+    vis = vision_inputs(model.config)
+    bad = vis.size_problem(t.image_size)
+    if bad:
+        return bad
+    per = vis.tokens(t.image_size)
+    need = min_seq_len(t.images, per)
+    if t.seq_len < need:
+        return (f"--seq-len {t.seq_len}: {t.images} image(s) of {vis.side(t.image_size)} px are {t.images * per} of "
+                f"{model.name}'s tokens ({per} each, after one text token each), which --seq-len includes: give "
+                f"--seq-len >= {need}")
+    for flag, value in (("--loss", t.loss), ("--min-seq-len", t.min_seq_len), ("--later-seq-len", t.later_seq_len)):
+        if value is not None:
+            return (f"{flag} {value}: {model.name} is run as a vision-language model, on its own loss and fixed-length "
+                    f"batches: drop {flag}")
+    # sharded and model-parallel runs: the vision tower's place in FSDP units, ZeRO partitions, tensor and
+    # pipeline splits is not modelled (nor DeepSpeed's cast of the pixels to its dtype: transformers trainer.py
+    # ``_prepare_input``); one GPU or plain data parallelism only
+    for flag, on in (("--zero", t.zero), ("--fsdp", t.fsdp), ("--tp", t.tp > 1), ("--pp", t.pp > 1), ("--cp", t.cp > 1),
+                     ("--quantize", t.quantize), ("--compile", t.compile)):
+        if on:
+            return (f"{flag}: {model.name} is a vision-language model, run on one GPU or plain data parallelism "
+                    f"without {flag}; drop it")
+    return None
+
+
 def _size_problems(model: Any, t: TrainingSpec) -> str | None:
     """An image size, target length or loss the model cannot take (None: none)."""
-    if t.image_size is not None and not model.is_image:
+    if model.is_vlm:
+        bad = _vlm_problem(model, t)
+        if bad:
+            return bad
+    elif t.images != 1 or t.freeze_vision_tower:
+        return (f"--{'images' if t.images != 1 else 'freeze-vision-tower'}: {model.name} is not a vision-language "
+                f"model (--task image-text-to-text): drop it")
+    if t.image_size is not None and not model.is_image and not model.is_vlm:
         return f"--image-size {t.image_size}: {model.name} is not an image model; give --seq-len"
     if model.is_image:
         if t.image_size is None:

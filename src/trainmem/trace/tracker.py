@@ -201,11 +201,14 @@ class Tracker(TorchDispatchMode):
             # data-dependent Python control flow on a tensor that holds no data (also while a
             # --compile graph is captured, which specializes on the answer, as dynamo does). Answer
             # as a clean batch would: all(...) is True and any(...) is False (no padding, no packed
-            # sequences, no inf/nan), other booleans False, numbers 1 (a step counter, a loss).
+            # sequences, no inf/nan), other booleans False, numbers 1 (a step counter, a loss). A
+            # ``torch._check_tensor_all`` (``_is_all_true``: torch/__init__.py ``_check_tensor_all_with``,
+            # transformers' ``torch_compilable_check``, e.g. a VLM's image-token count) holds, as on a
+            # batch the model accepts.
             self.data_dependent += 1
             t = args[0]
             if t.dtype == torch.bool:
-                return self._scalar_producer.get(self._scalar_key(t)) == "all"
+                return self._scalar_producer.get(self._scalar_key(t)) in ("all", "_is_all_true")
             return 1.0 if t.is_floating_point() else 1
         if self._paused:
             out = func(*args, **kwargs)
@@ -240,6 +243,12 @@ class Tracker(TorchDispatchMode):
             if len(self._scalar_producer) > 64:
                 self._scalar_producer.clear()
             self._scalar_producer[self._scalar_key(out)] = _op_name(func).split(".")[0]
+
+    def asserted(self, t: torch.Tensor) -> bool:
+        """Whether device bool scalar ``t`` is a ``torch._check_tensor_all``'s condition (``_is_all_true``:
+        torch/__init__.py ``_check_tensor_all_with``, as transformers' ``torch_compilable_check`` calls it),
+        which reads True: the check holds on a batch the model accepts (a VLM's image-token count)."""
+        return t.dtype == torch.bool and self._scalar_producer.get(self._scalar_key(t)) == "_is_all_true"
 
     @staticmethod
     def _scalar_key(t: torch.Tensor) -> int:
