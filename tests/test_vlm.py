@@ -40,7 +40,8 @@ GEMMA = transformers.Gemma3Config(
     vision_config=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                        image_size=896, patch_size=14),
     architectures=["Gemma3ForConditionalGeneration"]).to_dict()
-MODELS = {"qwen2_5_vl": (QWEN, {"image_size": 224}), "llava": (LLAVA, {}), "gemma3": (GEMMA, {})}
+MODELS = {"qwen2_5_vl": (QWEN, {"image_size": 224}), "llava": (LLAVA, {}),
+          "gemma3": (dict(GEMMA, _trainmem_task="image-text-to-text"), {})}  # (its class is also a causal LM)
 
 
 def _trace(name: str, **setup) -> trainmem.MemoryReport:
@@ -55,12 +56,19 @@ def test_architectures_pick_image_text_to_text(name):
     assert spec.head == "vlm" and spec.is_vlm and spec.architecture == MODELS[name][0]["architectures"][0]
 
 
-def test_text_only_gemma3_is_unchanged_and_causal_lm_task_gives_the_text_model():
+def test_gemma3_multimodal_class_is_a_causal_lm_unless_the_task_says_image_text_to_text():
+    """AutoModelForCausalLM loads Gemma 3's multimodal class for text fine-tuning (transformers' causal-LM
+    mapping lists it): a hub config of it trains on text, its vision tower's weights loaded; the catalogue's
+    gemma-3-4b-it entry and --task image-text-to-text train it on images; --task causal-lm undoes that."""
     assert trainmem.resolve_model("gemma-3-4b").head == "causal-lm"
-    text = trainmem.resolve_model("gemma-3-4b-it", task="causal-lm")
-    assert (text.architecture, text.head) == ("Gemma3ForCausalLM", "causal-lm")
-    # the text model of the multimodal checkpoint is the text-only entry's model
-    assert text.num_params == trainmem.resolve_model("gemma-3-4b").num_params
+    hub = {k: v for k, v in trainmem.resolve_model("gemma-3-4b-it").config.items() if k != "_trainmem_task"}
+    text = trainmem.resolve_model(hub)
+    assert (text.architecture, text.head) == ("Gemma3ForConditionalGeneration", "causal-lm")
+    assert trainmem.resolve_model("gemma-3-4b-it", task="causal-lm").head == "causal-lm"
+    assert trainmem.resolve_model(hub, task="image-text-to-text").head == "vlm"
+    assert trainmem.resolve_model("gemma-3-4b-it").head == "vlm"
+    # the text fine-tune holds the vision tower's weights beside the text-only entry's
+    assert text.num_params > trainmem.resolve_model("gemma-3-4b").num_params
 
 
 @pytest.mark.parametrize("name, size, tokens", [

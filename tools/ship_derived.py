@@ -30,6 +30,7 @@ def main() -> None:
     from trainmem.spec.config import resolve_model
     from trainmem.spec.profile import build_profile, fingerprint
     from trainmem.spec.resolve import resolve
+    from trainmem.spec.tasks import TASK_KEY
     from trainmem.trace.derive import derive_coefficients
     spec_dir = os.path.join(ROOT, "src", "trainmem", "spec")
     written = 0
@@ -39,9 +40,10 @@ def main() -> None:
         m = resolve_model(name)
         if m.family != "derived" or (only1 and (m.is_encoder_decoder or m.is_vlm)):  # (an encoder-decoder has no batch-1 set)
             continue
-        cfg = {k: v for k, v in load_config(name)[1].items() if not k.startswith("_")}
+        # the resolved config: a catalogue entry's task marked (``spec.tasks.TASK_KEY``)
+        cfg = {k: v for k, v in m.config.items() if not k.startswith("_") or k == TASK_KEY}
         prof = build_profile(cfg)
-        _write(os.path.join(spec_dir, "profiles", f"{fingerprint(load_config(name)[1])}.json"), prof.to_json())
+        _write(os.path.join(spec_dir, "profiles", f"{fingerprint(m.config)}.json"), prof.to_json())
         if m.is_vlm:  # a vision-language model: traced only (the estimate refuses its head), its profile alone
             print(f"{name}: profile", flush=True)
             continue

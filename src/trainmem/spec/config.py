@@ -507,8 +507,12 @@ def _llama_spec(cfg: dict[str, Any], extra: Mapping[str, Any], mtype: str, arch:
 
 def spec_from_config(config: Mapping[str, Any], name: str = "model") -> ModelSpec:
     """Parse a Hugging Face ``config.json`` dict into a ModelSpec (a class no task builds: the causal-LM
-    class of its type, ``spec.tasks.trainable_class``)."""
-    from .tasks import trainable_class
+    class of its type, ``spec.tasks.trainable_class``; a catalogue entry's ``_trainmem.task``: the task it is
+    trained on, as ``--task`` gives it, where its class alone does not say: Gemma 3's multimodal entry)."""
+    from .tasks import TASK_KEY, trainable_class, with_task
+    task = (config.get("_trainmem") or {}).get("task") if isinstance(config.get("_trainmem"), Mapping) else None
+    if task and TASK_KEY not in config:
+        config = with_task(config, task, name)
     cfg, extra, mtype, arch = _header(trainable_class(config), name)
     common: dict[str, Any] = dict(name=name, model_type=mtype, architecture=arch, config=cfg,
                                   num_labels=_num_labels(cfg, name))

@@ -170,8 +170,10 @@ def _profile_for(key: str, config_json: str) -> Profile:
 
 
 def profile_for(config: Mapping[str, Any]) -> Profile:
-    """The profile of ``config``: shipped, cached, or built with transformers (then cached)."""
-    clean = {k: v for k, v in config.items() if not k.startswith("_")}
+    """The profile of ``config``: shipped, cached, or built with transformers (then cached); the task
+    ``--task`` marked (``tasks.TASK_KEY``) is kept for ``build_profile``."""
+    from .tasks import TASK_KEY
+    clean = {k: v for k, v in config.items() if not k.startswith("_") or k == TASK_KEY}
     return _profile_for(fingerprint(config), json.dumps(clean, sort_keys=True, default=str))
 
 
@@ -231,8 +233,8 @@ def build_profile(config: Mapping[str, Any]) -> Profile:
     mtype = str(config.get("model_type"))
     cfg = hf_config_object(config)
     cls = model_class(config, cfg)
-    from .tasks import TASKS, task_of_class
-    task = task_of_class(mtype, cls.__name__)
+    from .tasks import TASKS, task_of_config
+    task = task_of_config(config, cls.__name__)
     if task is None:
         raise TrainmemError(f"model_type {mtype!r} ({cls.__name__}): trainmem derives the classes of the tasks "
                             f"{', '.join(TASKS)}; this class is none of them (give --task)")
@@ -246,7 +248,9 @@ def build_profile(config: Mapping[str, Any]) -> Profile:
     vision = getattr(cfg, "vision_config", None) if task == "image-classification" else None
     summ = dict(summary(vision), vocab_size=summary(cfg, labels_only=True)["vocab_size"]) if vision is not None \
         else summary(cfg)
-    unused = without_gradient(model, summ) if task == "image-classification" else frozenset()
+    unused = without_gradient(model, summ) if task == "image-classification" else \
+        text_without_gradient(model) if task == "causal-lm" and getattr(cfg, "vision_config", None) is not None \
+        else frozenset()
     return profile_of_module(model, mtype, cls.__name__, dict(summ, task=task), transformers.__version__, unused)
 
 
@@ -276,6 +280,20 @@ def without_gradient(model: Any, summ: Mapping[str, Any]) -> frozenset[str]:
     try:
         out = model(pixel_values=pixels, labels=torch.zeros(1, dtype=torch.long, device="meta"))
         out.loss.backward()
+    except Exception:  # a step that does not run on meta tensors: every parameter is taken as trained
+        return frozenset()
+    return frozenset(name for name, p in model.named_parameters() if p.requires_grad and p.grad is None)
+
+
+def text_without_gradient(model: Any) -> frozenset[str]:
+    """The parameters a multimodal class trained on text leaves without a gradient: its vision tower and
+    projector, built (``AutoModelForCausalLM`` loads Gemma 3's ``Gemma3ForConditionalGeneration`` whole) but
+    not run without ``pixel_values`` (``Gemma3Model.forward`` runs ``get_image_features`` only for them).
+    Found as ``without_gradient`` finds them: a step of eight tokens on meta tensors, no memory."""
+    import torch
+    ids = torch.zeros(1, 8, dtype=torch.long, device="meta")
+    try:
+        model(input_ids=ids, labels=ids).loss.backward()
     except Exception:  # a step that does not run on meta tensors: every parameter is taken as trained
         return frozenset()
     return frozenset(name for name, p in model.named_parameters() if p.requires_grad and p.grad is None)

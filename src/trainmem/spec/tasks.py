@@ -35,6 +35,10 @@ TASKS = {
 HEAD_OF_TASK = {"causal-lm": "causal-lm", "seq2seq-lm": "seq2seq-lm", "image-classification": "image-cls",
                 "masked-lm": "masked-lm", "sequence-classification": "seq-cls", "question-answering": "qa",
                 "image-text-to-text": "vlm"}
+#: the config key ``--task image-text-to-text`` sets where the class is also the type's causal LM (Gemma 3):
+#: read by ``task_of_config``; part of the config's fingerprint (its profile is another), not of transformers'
+#: config (``profile.hf_config_object`` drops keys that start with "_")
+TASK_KEY = "_trainmem_task"
 #: class-name endings that name one task whatever the model type ("ForConditionalGeneration" does
 #: not: Gemma 3's and Llava's are multimodal causal LMs, T5's and BART's seq2seq LMs)
 _SUFFIXES = {"causal-lm": ("ForCausalLM", "LMHeadModel"), "masked-lm": ("ForMaskedLM",),
@@ -54,11 +58,14 @@ def _mapping(task: str) -> Mapping[str, Any]:
 
 def task_of_class(model_type: str, class_name: str) -> str | None:
     """The task whose auto mapping gives ``class_name`` for ``model_type`` (None: none of TASKS). The
-    image-text-to-text class of a type ``spec.vision`` runs (``VLM_TYPES``) is that task, though the causal-LM
-    mapping lists it too (Gemma 3's ``Gemma3ForConditionalGeneration``); another type's
+    image-text-to-text class of a type ``spec.vision`` runs (``VLM_TYPES``) is that task unless the causal-LM
+    mapping lists it too: Gemma 3's ``Gemma3ForConditionalGeneration`` is what ``AutoModelForCausalLM`` loads
+    for text fine-tuning (its vision tower's weights loaded, never run), so it stays a causal LM unless
+    ``--task image-text-to-text`` marks the config (``TASK_KEY``, ``task_of_config``); another type's
     (``Qwen3_5ForConditionalGeneration``) is no task here, and ``trainable_class`` trains its text model."""
     from .vision import VLM_TYPES
-    if model_type in VLM_TYPES and _in(_mapping("image-text-to-text").get(model_type), class_name):
+    if (model_type in VLM_TYPES and _in(_mapping("image-text-to-text").get(model_type), class_name)
+            and not _in(_mapping("causal-lm").get(model_type), class_name)):
         return "image-text-to-text"
     for task in TASKS:
         if task == "image-text-to-text":
@@ -68,6 +75,12 @@ def task_of_class(model_type: str, class_name: str) -> str | None:
     # a class the mapping lists under a sibling type (Gemma3ForSequenceClassification is gemma3's,
     # its text model is gemma3_text): the ending that names one task
     return next((task for task, ends in _SUFFIXES.items() if class_name.endswith(ends)), None)
+
+
+def task_of_config(config: Mapping[str, Any], class_name: str) -> str | None:
+    """The task of ``config`` built as ``class_name``: the one ``--task`` marked (``TASK_KEY``), else
+    ``task_of_class``'s."""
+    return config.get(TASK_KEY) or task_of_class(str(config.get("model_type") or ""), class_name)
 
 
 def _in(names: Any, class_name: str) -> bool:
@@ -147,11 +160,18 @@ def with_task(config: Mapping[str, Any], task: str | None, name: str) -> dict[st
     if task == "image-text-to-text" and mtype not in VLM_TYPES:
         raise TrainmemError(f"model {name!r}: --task image-text-to-text is run for model types "
                             f"{', '.join(VLM_TYPES)}, not {mtype!r}")
+    cfg.pop(TASK_KEY, None)  # the task given replaces one marked, or a catalogue entry's own (``_trainmem.task``)
+    if isinstance(cfg.get("_trainmem"), Mapping) and "task" in cfg["_trainmem"]:
+        cfg["_trainmem"] = {k: v for k, v in cfg["_trainmem"].items() if k != "task"}
     archs = cfg.get("architectures") or []
     current = archs[0] if archs and isinstance(archs[0], str) else ""
     if current and current.endswith(_SUFFIXES.get(task, ("\0",))):
         return cfg
+    if task == "causal-lm" and task_of_class(mtype, current) == "causal-lm":
+        return cfg  # Gemma 3's multimodal class, as AutoModelForCausalLM loads it for text
     cls = text_class(cfg, name) if task == "causal-lm" and mtype in VLM_TYPES else class_for_task(mtype, task)
+    if task == "image-text-to-text" and task_of_class(mtype, cls) != task:
+        cfg[TASK_KEY] = task  # the class is also the type's causal LM (Gemma 3): the config says which
     if cls != current:
         cfg["architectures"] = [cls]
     return cfg
