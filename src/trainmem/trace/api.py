@@ -328,8 +328,9 @@ def _build_under_zero_init(dev: _Device, factory: Callable, spec: ModelSpec | No
     from . import deepspeed_engine
     tracker = dev.tracker
     with deepspeed_engine.zero_init_build(t), tracker:
+        # (no ``_cast``: zero.Init makes the parameters in the config's dtype, and the engine keeps fp32
+        # buffers such as RoPE's inv_freq, engine.py ``_cast_module_mixed_precision`` L1851-1875)
         module = _as_module(factory())
-        _cast(module, spec, t)  # (zero.Init made the parameters in the config's dtype: the cast keeps them)
         if spec is not None:  # (options adding modules after the build are refused: deepspeed_engine.check)
             module = prepare_model(module, spec, t)
     tracker.name_modules(module)
