@@ -194,21 +194,22 @@ def test_zero_init_on_and_off_end_the_load_alike(one_torch_thread):
 @pytest.mark.parametrize("model", [MODEL, "qwen2.5-0.5b"])
 def test_zero_init_on_and_off_grid(model, one_torch_thread):
     """dp 2/4/8 x bf16/fp32 x full recompute or none, DeepSpeed's default buckets (the untied Llama;
-    Qwen2.5's tied embedding): zero.Init's build ends the load as the whole model's conversion does,
-    and, from the first backward on, phase by phase, in trace and in the estimate, and never peaks
-    above it."""
+    Qwen2.5's tied embedding): after ``defragment`` zero.Init's build and the whole model's conversion
+    run the same program, so every phase allocates the same and peaks the same (the reserved memory
+    can differ by small-pool segments: zero.Init's build leaves buffers between freed small blocks),
+    and the load never peaks above the whole model's; the estimate's load ends alike."""
     pytest.importorskip("deepspeed")
     from trainmem.trace import trace
-    base = {k: v for k, v in UNTIED.items() if k in ("set", "seq_len", "batch_size", "zero")}
+    shape = [x for x in UNTIED["set"] if not x.startswith("head_dim")]  # (Qwen2 derives head_dim)
+    base = dict(set=shape, seq_len=UNTIED["seq_len"], batch_size=1, zero=3)
     for dp in (2, 4, 8):
         for precision in ("bf16", "fp32"):
             for recompute in ("none", "full"):
                 kw = dict(base, dp=dp, precision=precision, recompute=recompute)
                 on, off = trace(model, zero_init="on", **kw), trace(model, zero_init="off", **kw)
-                assert _load_phase(on).allocated == _load_phase(off).allocated, kw
-                assert [(p.name, p.allocated, p.reserved) for p in on.phases[2:]] == \
-                    [(p.name, p.allocated, p.reserved) for p in off.phases[2:]], kw
                 assert _load_phase(on).peak <= _load_phase(off).peak, kw
+                assert [(p.name, p.allocated) for p in on.phases] == [(p.name, p.allocated) for p in off.phases]
+                assert [p.peak for p in on.phases[1:]] == [p.peak for p in off.phases[1:]], kw
                 e_on, e_off = (trainmem.estimate(model, zero_init=z, **kw) for z in ("on", "off"))
                 assert _load_phase(e_on).reserved == _load_phase(e_off).reserved, kw
                 assert _load_phase(e_on).peak <= _load_phase(e_off).peak, kw
