@@ -234,6 +234,8 @@ class Quantities:
     ds_bucket: int = 0        # one DeepSpeed bucket buffer (ZeRO-3's is kept from engine start, in ``fixed``)
     ds_step_fp32: int = 0     # DeepSpeed's step: the group's fp32 gradient (``deepspeed_step_grad``) ...
     ds_fp32_convert: int = 0  # DeepSpeed ZeRO-3's init: the fp32 copy its master is cloned from (``deepspeed_fp32_convert``)
+    ds_fp32_group: int = 0    # ... an fp32 engine's: the elements of its largest sub-group, cloned as is (``deepspeed_fp32_group``)
+    ds_init_grads: int = 0    # ... its flat gradient partition buffer, made in its ``__init__`` (``deepspeed_init_grads``)
     ds_step_flat: int = 0     # ... and the flat copy in the gradient dtype beside it during the cast
     ds_gathered_top: int = 0  # DeepSpeed ZeRO-3's gathered parameters from forward's end to the top layer's backward
     ds_gathered_low: int = 0  # ... in the rest of backward (``deepspeed_gathered``)
@@ -1472,6 +1474,7 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
     loss_buf = backward if t.ds_buckets_at_backward_start else 0
     return {"ds_backward_buf": backward, "ds_loss_buf": loss_buf, "ds_bucket": each, "ds_step_fp32": fp32,
             "ds_fp32_convert": deepspeed_fp32_convert(t, st),
+            "ds_fp32_group": deepspeed_fp32_group(t, st), "ds_init_grads": deepspeed_init_grads(t, st),
             "ds_step_flat": flat,
             "ds_gathered_top": top, "ds_gathered_low": low, "ds_coalesced": deepspeed_coalesced(m, t),
             "ds_partition_grads": part, "ds_cast_grads": cast,
@@ -1851,6 +1854,29 @@ def deepspeed_fp32_convert(t: TrainingSpec, st: States) -> int:
             or not (t.fp32_master and t.weight_bytes != 4):
         return 0
     return block_of(t, deepspeed_group_elems(t, st) * 4)
+
+
+def deepspeed_fp32_group(t: TrainingSpec, st: States) -> int:
+    """Elements of the largest sub-group's fp32 master of an fp32 DeepSpeed ZeRO-3 engine
+    (``TrainingSpec.ds_fp32_clone``; 0 otherwise, and where ``deepspeed_fp32_convert`` makes the copy):
+    ``_create_fp32_partitions``' ``flat.to(device, dtype=float32)`` is the flat fp32 partition itself
+    (same device and dtype: no copy) and its ``clone()`` the sub-group's master, one flat tensor
+    (DeepSpeed v0.19.8 ``stage3.py`` L1163-1172), not one per parameter (trace: an fp32 Llama over 4
+    ranks holds one 366.5 MiB master block at the load's end)."""
+    if not (deepspeed_zero(t) and t.zero == 3) or t.offload_optimizer or not st.trainable \
+            or not t.ds_fp32_clone or deepspeed_fp32_convert(t, st):
+        return 0
+    return deepspeed_group_elems(t, st)
+
+
+def deepspeed_init_grads(t: TrainingSpec, st: States) -> int:
+    """Bytes of DeepSpeed ZeRO-3's gradient partition buffer as its ``__init__`` makes it (0 off it or
+    offloaded): one ``torch.zeros`` of every parameter's partition in the gradient dtype
+    (``grad_partitions_flat_buffer``, v0.19.8 ``stage3.py`` L791-793, in ``_setup_for_real_optimizer``
+    after the fp32 partitions and the bucket, L780-784), before ``create_reduce_and_remove_grad_hooks``
+    gathers each parameter (L519, ``states.ds_init_gathers``). Counted as the rank's gradients
+    (``States.grads``: each partition's bytes block-rounded, at most 511 B each above the flat sum)."""
+    return st.grads if grads_from_wrap(t) and deepspeed_zero(t) and t.zero == 3 and st.trainable else 0
 
 
 def deepspeed_step_parts(t: TrainingSpec, st: States) -> tuple[int, int]:
