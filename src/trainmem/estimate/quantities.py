@@ -239,6 +239,7 @@ class Quantities:
     ds_step_flat: int = 0     # ... and the flat copy in the gradient dtype beside it during the cast
     ds_gathered_top: int = 0  # DeepSpeed ZeRO-3's gathered parameters from forward's end to the top layer's backward
     ds_gathered_low: int = 0  # ... in the rest of backward (``deepspeed_gathered``)
+    ds_gathered_emb: int = 0  # ... at the embedding's backward, the last module's (``deepspeed_gathered_embedding``)
     ds_coalesced: int = 0     # ... and the flat all-gather output of the prefetch in flight at the top
     #                           layer's forward, steps after the first (``deepspeed_coalesced``)
     ds_partition_grads: int = 0  # DeepSpeed ZeRO-2's gradient partition when a reduction in backward makes it
@@ -1477,6 +1478,7 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
             "ds_fp32_group": deepspeed_fp32_group(t, st), "ds_init_grads": deepspeed_init_grads(t, st),
             "ds_step_flat": flat,
             "ds_gathered_top": top, "ds_gathered_low": low, "ds_coalesced": deepspeed_coalesced(m, t),
+            "ds_gathered_emb": deepspeed_gathered_embedding(m, t),
             "ds_partition_grads": part, "ds_cast_grads": cast,
             "ds_partition_from": made,
             "ds_emb_grads": deepspeed_grads_at_embedding(m, t, st) if hooked else 0,
@@ -1800,6 +1802,23 @@ def deepspeed_gathered(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, 
     head = block_of(t, head_n * wb) if dist > 0 else 0
     kept_n = (head_n if dist > 0 else 0) + max(k, 1) * layer_n
     return head + max(k, 1) * layer + prefetch(kept_n), current + prefetch(current_n)
+
+
+def deepspeed_gathered_embedding(m: ModelSpec, t: TrainingSpec) -> int:
+    """DeepSpeed ZeRO-3's gathered parameters at the input embedding's backward, the last module of
+    backward (0 off ZeRO-3 over several ranks, or without an embedding): its pre-backward hook
+    fetches the module's own parameters whole (``parameter_offload.py`` ``_pre_backward_module_hook`` ->
+    ``fetch_sub_module``), a tied table too, since the head's backward released it (it is gathered for
+    the embedding module as for any other: ``deepspeed_gathered`` counted none for a tied one); and no
+    prefetch is in flight, since no module of the recorded order comes after it
+    (``partitioned_param_coordinator.py`` L451-485). Found by trace: Llama-3.2-1B (tied, vocabulary
+    128256) cut to 2 layers, ZeRO-3 dp 4 bf16: the step's peak, at the embedding's backward, holds the
+    whole table gathered (501 MiB) and no prefetch; the estimate read -6.5% with a layer and a
+    prefetch bucket there."""
+    if not (deepspeed_zero(t) and t.zero == 3 and t.shard_group > 1):
+        return 0
+    emb = next((-(-p.numel // t.tp) for p in m.parameter_tensors() if p.role == "embedding"), 0)
+    return block_of(t, emb * t.weight_bytes) if emb else 0
 
 
 def deepspeed_coalesced(m: ModelSpec, t: TrainingSpec) -> int:
