@@ -197,7 +197,9 @@ def test_zero_init_on_and_off_grid(model, one_torch_thread):
     Qwen2.5's tied embedding): after ``defragment`` zero.Init's build and the whole model's conversion
     run the same program, so every phase allocates the same and peaks the same (the reserved memory
     can differ by small-pool segments: zero.Init's build leaves buffers between freed small blocks),
-    and the load never peaks above the whole model's; the estimate's load ends alike."""
+    and the load never peaks above the whole model's; the estimate's load ends with the same allocated
+    memory too (its replay of zero.Init's build can also leave a small-pool segment of its own: Qwen2.5
+    fp32 over 2 ranks, 2 MiB)."""
     pytest.importorskip("deepspeed")
     from trainmem.trace import trace
     shape = [x for x in UNTIED["set"] if not x.startswith("head_dim")]  # (Qwen2 derives head_dim)
@@ -211,7 +213,7 @@ def test_zero_init_on_and_off_grid(model, one_torch_thread):
                 assert [(p.name, p.allocated) for p in on.phases] == [(p.name, p.allocated) for p in off.phases]
                 assert [p.peak for p in on.phases[1:]] == [p.peak for p in off.phases[1:]], kw
                 e_on, e_off = (trainmem.estimate(model, zero_init=z, **kw) for z in ("on", "off"))
-                assert _load_phase(e_on).reserved == _load_phase(e_off).reserved, kw
+                assert _load_phase(e_on).allocated == _load_phase(e_off).allocated, kw
                 assert _load_phase(e_on).peak <= _load_phase(e_off).peak, kw
 
 

@@ -1807,7 +1807,8 @@ def deepspeed_gathered(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, 
 def deepspeed_gathered_embedding(m: ModelSpec, t: TrainingSpec) -> int:
     """DeepSpeed ZeRO-3's gathered parameters at the input embedding's backward, the last module of
     backward (0 off ZeRO-3 over several ranks, or without an embedding): its pre-backward hook
-    fetches the module's own parameters whole (``parameter_offload.py`` ``_pre_backward_module_hook`` ->
+    fetches the module's own parameters whole (v0.19.8 ``parameter_offload.py``
+    ``_pre_backward_module_hook`` L410 -> ``pre_sub_module_backward_function`` L573 ->
     ``fetch_sub_module``), a tied table too, since the head's backward released it (it is gathered for
     the embedding module as for any other: ``deepspeed_gathered`` counted none for a tied one); and no
     prefetch is in flight, since no module of the recorded order comes after it

@@ -31,7 +31,7 @@ What the fake group and the emulated GPU cannot do as DeepSpeed does, and what s
 * NVTX ranges (``utils/nvtx.py`` ``instrument_w_nvtx`` -> ``torch.cuda.nvtx.range_push``): profiler
   markers, which a CPU build of PyTorch refuses; here they do nothing.
 * ``GatheredParameters`` with a ``modifier_rank`` checks, before its broadcast, that each parameter is
-  on ``get_accelerator().current_device_name()`` (``partition_parameters.py`` ``_exit`` L2542-2549),
+  on ``get_accelerator().current_device_name()`` (``partition_parameters.py`` ``_exit`` L2551-2557),
   "cuda:0", where the emulated GPU's tensors are on ``meta``: the check is made against the emulated
   GPU's device (:func:`_gathered_exit`); the broadcast and the partitioning run as they are.
 * ZeRO-3's cross-rank consistency checks (``runtime/zero/utils.py`` ``assert_lst_len_same_as_other_ranks``
@@ -211,7 +211,7 @@ def environment(rank: int, world: int) -> Iterator[None]:
 def zero_init_build(t: TrainingSpec) -> Iterator[None]:
     """The context in which transformers builds the model under ``deepspeed.zero.Init`` (:func:`builds_under_init`):
     DeepSpeed's communication on the fake group (``init_distributed``, as :func:`wrap`; zero.Init
-    needs it, ``partition_parameters.py`` L1040-1042) and the ZeRO-3 config registered as the HF
+    needs it, ``partition_parameters.py`` L1086-1088) and the ZeRO-3 config registered as the HF
     Trainer registers it (``TrainingArguments`` -> ``HfTrainerDeepSpeedConfig``; transformers 5.24
     ``integrations/deepspeed.py`` ``HfDeepSpeedConfig`` L60-82, ``set_hf_deepspeed_config`` L270-275),
     so that ``is_deepspeed_zero3_enabled()`` is true and ``_from_config`` enters zero.Init with
@@ -280,7 +280,7 @@ def _mark_master(engine: Any, tracker: Any) -> None:
 def _gathered_exit(orig: Callable, accelerator: Any) -> Callable:
     """``GatheredParameters._exit`` (``partition_parameters.py`` L2523-2569) with its device check
     made against the emulated GPU: with a ``modifier_rank`` it refuses a parameter not on
-    ``torch.device(get_accelerator().current_device_name())`` (L2542-2549), "cuda:0", while the
+    ``torch.device(get_accelerator().current_device_name())`` (L2551-2557), "cuda:0", while the
     emulated GPU's tensors are on ``meta``. During the call the accelerator names that device;
     nothing in the call allocates on it by that name (the broadcast and ``_partition_param`` use the
     parameters' own tensors and ``Init``'s ``remote_device``). Without a ``modifier_rank`` it runs as it is."""
