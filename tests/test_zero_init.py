@@ -126,11 +126,95 @@ def test_defaults_by_framework():
         assert resolve("gpt2", framework=fw, zero=2, dp=2, precision="bf16").training.zero_init is None
 
 
-def test_trace_refuses_zero_init_on(monkeypatch):
+def test_trace_refuses_zero_init_on_with_modules_added_after_the_build(monkeypatch):
+    """peft's adapters would be made outside zero.Init, after transformers built the model under it."""
     from trainmem.trace import deepspeed_engine, trace
     monkeypatch.setattr(deepspeed_engine, "available", lambda: True)
-    with pytest.raises(TrainmemError, match="--zero-init on"):
-        trace("gpt2", zero=3, dp=2, precision="bf16", zero_init="on", seq_len=16, batch_size=1)
+    with pytest.raises(TrainmemError, match="--zero-init on with --lora-rank"):
+        trace("gpt2", zero=3, dp=2, precision="bf16", zero_init="on", lora_rank=8, seq_len=16, batch_size=1)
+
+
+def test_zero3_init_build_makes_each_modules_parameters_whole_then_partitions_them():
+    """zero.Init (``states.zero3_init_build``): a module's parameters whole together at its ``__init__``,
+    then each partitioned (the partition made before its whole tensor is freed); a buffer kept;
+    ``defragment`` frees the partitions, empties the cache and makes the flat buffer."""
+    from trainmem.estimate.states import zero3_init_build
+    load = [("emb.weight", 25), ("rope.inv_freq", 4), ("lin.weight", 50), ("lin.bias", 5)]
+    whole = {"emb.weight": 100, "lin.weight": 200, "lin.bias": 20}
+    events, peak = zero3_init_build(load, whole, lambda n: n)
+    assert events == (("a", 0, 100), ("a", 4, 25), ("f", 0), ("a", 1, 4),
+                      ("a", 2, 200), ("a", 3, 20), ("a", 6, 50), ("f", 2), ("a", 7, 5), ("f", 3),
+                      ("f", 4), ("f", 6), ("f", 7), ("e",), ("a", 8, 80))
+    assert peak == 25 + 4 + 200 + 20 + 50  # the linear's two whole tensors and its weight's partition
+
+
+def test_trace_builds_under_zero_init(one_torch_thread):
+    """``--zero-init on`` traced: transformers builds the model under DeepSpeed 0.19.8's ``zero.Init``
+    on the fake group (``trace.deepspeed_engine.zero_init_build``), then ``deepspeed.initialize``.
+    The model is never whole on the GPU: the load's peak (the optimizer's init on the partitions) is
+    below the whole model. The estimate's replay (``states.zero3_init_build``) empties the cache of the
+    build's segments at ``defragment`` as DeepSpeed does, so the load ends with the reserved memory of
+    DeepSpeed's engine when the model is loaded whole (before: the partitions replayed as loaded).
+    (zero.Init's build leaves RoPE's buffers between freed blocks of the small pool, so a 1 MiB
+    gather of the optimizer's init takes a small segment of its own until the first backward: trace
+    reserves 2 MiB more there; the estimate does not replay the small pool's layout.)"""
+    pytest.importorskip("deepspeed")
+    from trainmem.trace import trace
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+    r = trace(MODEL, zero_init="on", **UNTIED)
+    e = trainmem.estimate(MODEL, zero_init="on", **UNTIED)
+    rs = resolve(MODEL, **UNTIED)
+    whole = sum(block_bytes(b) for b in _param_bytes(rs.model, rs.training))
+    assert _load_phase(r).peak < whole
+    off = trainmem.estimate(MODEL, zero_init="off", **UNTIED)
+    assert _load_phase(e).reserved == _load_phase(off).reserved
+    assert _load_phase(r).allocated == _load_phase(trace(MODEL, zero_init="off", **UNTIED)).allocated
+    assert r.extra["wrapper"] == "DeepSpeed ZeRO-3 engine over 8"
+    assert not is_deepspeed_zero3_enabled()  # the config is unregistered after the trace
+
+
+def test_zero_init_on_and_off_end_the_load_alike(one_torch_thread):
+    """With zero.Init the model is built partitioned, without it loaded whole and converted; both then
+    reach the same ``defragment``, which empties the cache: the load ends with the same allocated
+    memory and, from the first backward on (once the small pool's segments are the same), every
+    phase is the same; the estimate's load ends alike too."""
+    pytest.importorskip("deepspeed")
+    from trainmem.trace import trace
+    on, off = trace(MODEL, zero_init="on", **UNTIED), trace(MODEL, zero_init="off", **UNTIED)
+    assert _load_phase(on).peak < _load_phase(off).peak  # off: the whole model and a partition
+    assert _load_phase(on).allocated == _load_phase(off).allocated
+    assert [(p.name, p.allocated, p.reserved) for p in on.phases[2:]] == [(p.name, p.allocated, p.reserved)
+                                                                          for p in off.phases[2:]]
+    e_on, e_off = (trainmem.estimate(MODEL, zero_init=z, **UNTIED) for z in ("on", "off"))
+    assert (_load_phase(e_on).allocated, _load_phase(e_on).reserved) == (_load_phase(e_off).allocated,
+                                                                         _load_phase(e_off).reserved)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", [MODEL, "qwen2.5-0.5b"])
+def test_zero_init_on_and_off_grid(model, one_torch_thread):
+    """dp 2/4/8 x bf16/fp32 x full recompute or none, DeepSpeed's default buckets (the untied Llama;
+    Qwen2.5's tied embedding): after ``defragment`` zero.Init's build and the whole model's conversion
+    run the same program, so every phase allocates the same and peaks the same (the reserved memory
+    can differ by small-pool segments: zero.Init's build leaves buffers between freed small blocks),
+    and the load never peaks above the whole model's; the estimate's load ends with the same allocated
+    memory too (its replay of zero.Init's build can also leave a small-pool segment of its own: Qwen2.5
+    fp32 over 2 ranks, 2 MiB)."""
+    pytest.importorskip("deepspeed")
+    from trainmem.trace import trace
+    shape = [x for x in UNTIED["set"] if not x.startswith("head_dim")]  # (Qwen2 derives head_dim)
+    base = dict(set=shape, seq_len=UNTIED["seq_len"], batch_size=1, zero=3)
+    for dp in (2, 4, 8):
+        for precision in ("bf16", "fp32"):
+            for recompute in ("none", "full"):
+                kw = dict(base, dp=dp, precision=precision, recompute=recompute)
+                on, off = trace(model, zero_init="on", **kw), trace(model, zero_init="off", **kw)
+                assert _load_phase(on).peak <= _load_phase(off).peak, kw
+                assert [(p.name, p.allocated) for p in on.phases] == [(p.name, p.allocated) for p in off.phases]
+                assert [p.peak for p in on.phases[1:]] == [p.peak for p in off.phases[1:]], kw
+                e_on, e_off = (trainmem.estimate(model, zero_init=z, **kw) for z in ("on", "off"))
+                assert _load_phase(e_on).allocated == _load_phase(e_off).allocated, kw
+                assert _load_phase(e_on).peak <= _load_phase(e_off).peak, kw
 
 
 def test_a_load_peak_not_asked_for_says_so_and_suggests_zero_init():

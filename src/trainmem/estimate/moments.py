@@ -889,7 +889,8 @@ def _embedding_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept,
                        (emb_grads, states_mid, tk.inputs, ws2, tk.others + tk.others_head + held, temp_emb),
                        (kept.logits, kept.kv_end, 0),
                        _both(valid, _either(_either(tied > 0, emb_new > 0), q.tied_compiled > 0)), tk.graph,
-                       comm=root + rs + low_ds + q.layers * kept_layer + q.fsdp_emb_unit + q.fsdp1_emb_units))
+                       comm=root + rs + where(q.ds_gathered_emb > 0, q.ds_gathered_emb, low_ds) + q.layers * kept_layer
+                       + q.fsdp_emb_unit + q.fsdp1_emb_units))
     # FSDP1: the root's flat gradient concatenated from its views' (quantities.fsdp1_root_flat_gradient),
     # beside the gradients before the root's (its own part of ``grads`` when fresh: not yet made)
     flat_grads = (q.grads - where(fresh, q.fsdp_root_sharded, 0) - q.layers * reduced + q.fsdp1_root_views

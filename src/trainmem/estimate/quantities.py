@@ -234,9 +234,12 @@ class Quantities:
     ds_bucket: int = 0        # one DeepSpeed bucket buffer (ZeRO-3's is kept from engine start, in ``fixed``)
     ds_step_fp32: int = 0     # DeepSpeed's step: the group's fp32 gradient (``deepspeed_step_grad``) ...
     ds_fp32_convert: int = 0  # DeepSpeed ZeRO-3's init: the fp32 copy its master is cloned from (``deepspeed_fp32_convert``)
+    ds_fp32_group: int = 0    # ... an fp32 engine's: the elements of its largest sub-group, cloned as is (``deepspeed_fp32_group``)
+    ds_init_grads: int = 0    # ... its flat gradient partition buffer, made in its ``__init__`` (``deepspeed_init_grads``)
     ds_step_flat: int = 0     # ... and the flat copy in the gradient dtype beside it during the cast
     ds_gathered_top: int = 0  # DeepSpeed ZeRO-3's gathered parameters from forward's end to the top layer's backward
     ds_gathered_low: int = 0  # ... in the rest of backward (``deepspeed_gathered``)
+    ds_gathered_emb: int = 0  # ... at the embedding's backward, the last module's (``deepspeed_gathered_embedding``)
     ds_coalesced: int = 0     # ... and the flat all-gather output of the prefetch in flight at the top
     #                           layer's forward, steps after the first (``deepspeed_coalesced``)
     ds_partition_grads: int = 0  # DeepSpeed ZeRO-2's gradient partition when a reduction in backward makes it
@@ -1472,8 +1475,10 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
     loss_buf = backward if t.ds_buckets_at_backward_start else 0
     return {"ds_backward_buf": backward, "ds_loss_buf": loss_buf, "ds_bucket": each, "ds_step_fp32": fp32,
             "ds_fp32_convert": deepspeed_fp32_convert(t, st),
+            "ds_fp32_group": deepspeed_fp32_group(t, st), "ds_init_grads": deepspeed_init_grads(t, st),
             "ds_step_flat": flat,
             "ds_gathered_top": top, "ds_gathered_low": low, "ds_coalesced": deepspeed_coalesced(m, t),
+            "ds_gathered_emb": deepspeed_gathered_embedding(m, t),
             "ds_partition_grads": part, "ds_cast_grads": cast,
             "ds_partition_from": made,
             "ds_emb_grads": deepspeed_grads_at_embedding(m, t, st) if hooked else 0,
@@ -1799,6 +1804,24 @@ def deepspeed_gathered(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, 
     return head + max(k, 1) * layer + prefetch(kept_n), current + prefetch(current_n)
 
 
+def deepspeed_gathered_embedding(m: ModelSpec, t: TrainingSpec) -> int:
+    """DeepSpeed ZeRO-3's gathered parameters at the input embedding's backward, the last module of
+    backward (0 off ZeRO-3 over several ranks, or without an embedding): its pre-backward hook
+    fetches the module's own parameters whole (v0.19.8 ``parameter_offload.py``
+    ``_pre_backward_module_hook`` L410 -> ``pre_sub_module_backward_function`` L573 ->
+    ``fetch_sub_module``), a tied table too, since the head's backward released it (it is gathered for
+    the embedding module as for any other: ``deepspeed_gathered`` counted none for a tied one); and no
+    prefetch is in flight, since no module of the recorded order comes after it
+    (``partitioned_param_coordinator.py`` L451-485). Found by trace: Llama-3.2-1B (tied, vocabulary
+    128256) cut to 2 layers, ZeRO-3 dp 4 bf16: the step's peak, at the embedding's backward, holds the
+    whole table gathered (501 MiB) and no prefetch; the estimate read -6.5% with a layer and a
+    prefetch bucket there."""
+    if not (deepspeed_zero(t) and t.zero == 3 and t.shard_group > 1):
+        return 0
+    emb = next((-(-p.numel // t.tp) for p in m.parameter_tensors() if p.role == "embedding"), 0)
+    return block_of(t, emb * t.weight_bytes) if emb else 0
+
+
 def deepspeed_coalesced(m: ModelSpec, t: TrainingSpec) -> int:
     """DeepSpeed ZeRO-3's coalesced all-gather output of the prefetch in flight at the top layer's
     forward, beside the parameters built from it (steps after the first); 0 off ZeRO-3 over several
@@ -1851,6 +1874,29 @@ def deepspeed_fp32_convert(t: TrainingSpec, st: States) -> int:
             or not (t.fp32_master and t.weight_bytes != 4):
         return 0
     return block_of(t, deepspeed_group_elems(t, st) * 4)
+
+
+def deepspeed_fp32_group(t: TrainingSpec, st: States) -> int:
+    """Elements of the largest sub-group's fp32 master of an fp32 DeepSpeed ZeRO-3 engine
+    (``TrainingSpec.ds_fp32_clone``; 0 otherwise, and where ``deepspeed_fp32_convert`` makes the copy):
+    ``_create_fp32_partitions``' ``flat.to(device, dtype=float32)`` is the flat fp32 partition itself
+    (same device and dtype: no copy) and its ``clone()`` the sub-group's master, one flat tensor
+    (DeepSpeed v0.19.8 ``stage3.py`` L1163-1172), not one per parameter (trace: an fp32 Llama over 4
+    ranks holds one 366.5 MiB master block at the load's end)."""
+    if not (deepspeed_zero(t) and t.zero == 3) or t.offload_optimizer or not st.trainable \
+            or not t.ds_fp32_clone or deepspeed_fp32_convert(t, st):
+        return 0
+    return deepspeed_group_elems(t, st)
+
+
+def deepspeed_init_grads(t: TrainingSpec, st: States) -> int:
+    """Bytes of DeepSpeed ZeRO-3's gradient partition buffer as its ``__init__`` makes it (0 off it or
+    offloaded): one ``torch.zeros`` of every parameter's partition in the gradient dtype
+    (``grad_partitions_flat_buffer``, v0.19.8 ``stage3.py`` L791-793, in ``_setup_for_real_optimizer``
+    after the fp32 partitions and the bucket, L780-784), before ``create_reduce_and_remove_grad_hooks``
+    gathers each parameter (L519, ``states.ds_init_gathers``). Counted as the rank's gradients
+    (``States.grads``: each partition's bytes block-rounded, at most 511 B each above the flat sum)."""
+    return st.grads if grads_from_wrap(t) and deepspeed_zero(t) and t.zero == 3 and st.trainable else 0
 
 
 def deepspeed_step_parts(t: TrainingSpec, st: States) -> tuple[int, int]:

@@ -154,15 +154,17 @@ def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, 
         _replay_build(R, st.build)
     else:
         R.allocs(st.load)                                               # weights and buffers, load order
-    if q.ds_fp32_convert:                                              # DeepSpeed ZeRO-3: flat fp32 masters
-        _zero3_masters(R, q, st)
+    if q.ds_fp32_convert or q.ds_fp32_group:                          # DeepSpeed ZeRO-3: flat fp32 masters
+        _zero3_masters(R, q.ds_fp32_convert // 4 or q.ds_fp32_group, st, convert=bool(q.ds_fp32_convert))
     elif st.master:                                                     # fp32 master copies (not offloaded)
         R.allocs(m for (_w, k, _g, _s, m) in st.trainables for _ in range(k) if m)
     if q.ds_bucket and not q.ds_backward_buf:                         # DeepSpeed ZeRO-3's bucket, from engine start
         R.alloc(q.ds_bucket)
+    s = _Step(handle_ws=handle_ws, ao_events=st.torchao_events)
+    if q.ds_init_grads:                                                # ... its flat gradient partitions
+        _zero3_flat_grads(R, s, q.ds_init_grads, st.trainables)
     for sizes in st.gathered:                                          # DeepSpeed ZeRO-3's init gathers each
         R.frees(R.allocs(sizes))                                       # parameter in turn (states.ds_init_gathers)
-    s = _Step(handle_ws=handle_ws, ao_events=st.torchao_events)
     if flags.states_at_init and st.optimizer:                          # torch Adagrad: states from its constructor
         s.states = _allocate_states(R, st)
     R.mark("model_loaded", 0)
@@ -178,23 +180,33 @@ def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, 
     return max(0, peak_reserved - peak_allocated), R.marks
 
 
-def _zero3_masters(R: _Replay, q: Quantities, st: Any) -> None:
+def _zero3_masters(R: _Replay, largest: int, st: Any, convert: bool = True) -> None:
     """DeepSpeed ZeRO-3's fp32 master partitions as ``_create_fp32_partitions`` makes them: per
-    sub-group, in order, an fp32 copy of the half flat partition and its ``clone()`` (the master, one
-    flat tensor), the copy freed when the next sub-group's replaces it and the last at the end
-    (``quantities.deepspeed_fp32_convert``). The sub-groups hold at most the largest's elements
+    sub-group, in order, an fp32 copy of the half flat partition (``convert``; an fp32 engine's flat
+    partition is its own fp32 copy, ``quantities.deepspeed_fp32_group``) and its ``clone()`` (the
+    master, one flat tensor), the copy freed when the next sub-group's replaces it and the last at
+    the end (``quantities.deepspeed_fp32_convert``). The sub-groups hold at most ``largest`` elements
     (``deepspeed_group_elems``) each, the last the rest."""
-    largest = q.ds_fp32_convert // 4
     left = sum(m for (_w, k, _g, _s, m) in st.trainables for _ in range(k)) // 4   # (partition elements)
-    convert = None
+    copy = None
     while left > 0:
         n = min(left, largest)
-        new = R.alloc(n * 4)                   # converted = flat.to(device, dtype=float32)
-        R.free(convert)
-        convert = new
+        new = R.alloc(n * 4) if convert else None   # converted = flat.to(device, dtype=float32)
+        R.free(copy)
+        copy = new
         R.alloc(n * 4)                         # converted.clone(): the sub-group's master
         left -= n
-    R.free(convert)
+    R.free(copy)
+
+
+def _zero3_flat_grads(R: _Replay, s: "_Step", nbytes: int, trainables: tuple) -> None:
+    """DeepSpeed ZeRO-3's gradient partition buffer (``quantities.deepspeed_init_grads``): one block,
+    made in the optimizer's ``__init__`` before its gathers; every trainable tensor's gradient is a
+    view of it (made: ``_make_grads`` allocates none, ``zero_grad`` frees none)."""
+    R.alloc(nbytes)
+    for j, (_w, k, *_r) in enumerate(trainables):
+        s.made[j] = k
+        s.grads.update({(j, c): None for c in range(k)})
 
 
 def _varying_steps(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, steps: list, recompute: str, b: int,

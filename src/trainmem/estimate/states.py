@@ -741,6 +741,8 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
     build_peak = 0
     if t.ds_whole_load and not build:
         build, build_peak = zero3_whole_load(named, acc.whole, r.block)
+    elif zero3_init_on_device(t) and not build:
+        build, build_peak = zero3_init_build(named, acc.whole, r.block)
     st = States(weights, acc.buffers, master, acc.grads, opt, step_t, acc.trainable, acc.params_rank,
                   acc.layer_grads, acc.head_grads, acc.lmh, acc.hmh, acc.largest, acc.group, acc.lpf,
                   sum(x[1] for x in lora), acc.q4, acc.root, acc.head_full, acc.emb_full, acc.layer_full, rs,
@@ -828,6 +830,55 @@ def zero3_whole_load(load: list[tuple[str, int]], whole: dict[str, int],
     n = len(load)
     for i in params:                       # _partition_param: torch.empty(partition), copy_, free_param
         ev += [("a", n + i, load[i][1]), ("f", i)]
+    ev += [("f", n + i) for i in params]   # defragment: each partition to the host, its data emptied
+    ev += [("e",), ("a", 2 * n, sum(load[i][1] for i in params))]  # empty_cache; the flat buffer
+    return tuple(ev), _events_peak(tuple(ev), block)[0]
+
+
+def zero3_init_on_device(t: TrainingSpec) -> bool:
+    """DeepSpeed ZeRO-3 of a model built under ``deepspeed.zero.Init`` (``TrainingSpec.ds_zero_init``)
+    whose partitions stay on the GPU (not ``--remote-device cpu``), which the stage-3 optimizer then
+    flattens (``defragment``, as ``zero3_whole_load``)."""
+    return (t.zero == 3 and t.fsdp is None and not t.distributed_optimizer and t.gemini is None
+            and t.ds_zero_init and not t.ds_params_on_host)
+
+
+def zero3_init_build(load: list[tuple[str, int]], whole: dict[str, int],
+                     block: Callable[[int], int]) -> tuple[tuple, int]:
+    """DeepSpeed ZeRO-3 of a model built under ``deepspeed.zero.Init`` (``zero3_init_on_device``) as
+    alloc/free events, and their allocated peak (each tensor ``block``-rounded). zero.Init creates
+    each module's tensors on the GPU as its ``__init__`` makes them (DeepSpeed 0.19.8
+    ``partition_parameters.py`` ``_add_tensor_creation_wrappers`` L637-672) and, when the ``__init__``
+    returns, partitions its parameters one by one (``_post_init_method`` L1232-1258 ->
+    ``_zero_init_param`` L1200-1207 -> ``_partition_param`` L1778-1898: the partition, ceil(numel / dp)
+    elements, ``torch.empty``-ed, the slice copied in and the whole tensor freed, ``free_param``
+    L314-330). So a module's parameters (``load``'s names that share a module, in load order) are
+    whole together, then each gets its partition and its whole tensor is freed; a buffer stays.
+    The stage-3 optimizer's ``defragment`` then frees the partitions, empties the cache and copies
+    them back as one flat buffer (``stage3.py`` L966-973, ``utils.py`` L215-243; as ``zero3_whole_load``).
+    Not replayed: transformers' weight init under ZeRO-3 (``initialize_weights_zero3``, transformers
+    5.24 ``integrations/deepspeed.py`` L298-334) gathers each module's and its children's parameters
+    whole in turn (``from_pretrained``: each module's own, to load them), transients released by
+    the same ``empty_cache`` and below the init's later gathers on top of the fp32 master
+    (``ds_init_gathers``), as the ``model_loaded`` peak of trace shows (tests/test_zero_init.py)."""
+    ev: list[tuple] = []
+    n = len(load)
+    params = [i for i, (name, _x) in enumerate(load) if name in whole]
+    i = 0
+    while i < n:
+        name = load[i][0]
+        if name not in whole:                    # a buffer: made on the GPU, kept whole
+            ev.append(("a", i, load[i][1]))
+            i += 1
+            continue
+        module = name.rsplit(".", 1)[0]
+        j = i
+        while j < n and load[j][0] in whole and load[j][0].rsplit(".", 1)[0] == module:
+            j += 1
+        ev += [("a", k, whole[load[k][0]]) for k in range(i, j)]          # the module's __init__
+        for k in range(i, j):                                             # _post_init_method
+            ev += [("a", n + k, load[k][1]), ("f", k)]
+        i = j
     ev += [("f", n + i) for i in params]   # defragment: each partition to the host, its data emptied
     ev += [("e",), ("a", 2 * n, sum(load[i][1] for i in params))]  # empty_cache; the flat buffer
     return tuple(ev), _events_peak(tuple(ev), block)[0]

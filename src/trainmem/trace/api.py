@@ -285,6 +285,8 @@ def _build(dev: _Device, factory: Callable, spec: ModelSpec | None, t: TrainingS
     data parallelism the module returned is the wrapped one (FSDP2 shards it before it is loaded,
     so only the shards are counted; DDP wraps the loaded model and allocates its buckets)."""
     tracker = dev.tracker
+    if dev.cuda and _dist.deepspeed_engine.builds_under_init(t):
+        return _build_under_zero_init(dev, factory, spec, t)
     if dev.cuda:
         with dev.build_ctx:
             module = factory()
@@ -313,6 +315,27 @@ def _build(dev: _Device, factory: Callable, spec: ModelSpec | None, t: TrainingS
         _mark_model(tracker, module)
     tracker.name_modules(module)
     return module
+
+
+def _build_under_zero_init(dev: _Device, factory: Callable, spec: ModelSpec | None, t: TrainingSpec
+                           ) -> torch.nn.Module:
+    """DeepSpeed ZeRO-3 with ``--zero-init on``: transformers builds the model under ``deepspeed.zero.Init``
+    (``trace.deepspeed_engine.zero_init_build``) inside the tracker, on the emulated GPU (zero.Init
+    creates every tensor on the accelerator, not on ``meta``: no build device), so the ``model_loaded``
+    phase holds each parameter made whole and partitioned, the buffers, and transformers' weight
+    init; nothing is moved afterwards (the engine leaves a zero.Init model where it is). Then
+    ``deepspeed.initialize`` as for a loaded model (``distributed.wrap_loaded``)."""
+    from . import deepspeed_engine
+    tracker = dev.tracker
+    with deepspeed_engine.zero_init_build(t), tracker:
+        # (no ``_cast``: zero.Init makes the parameters in the config's dtype, and the engine keeps fp32
+        # buffers such as RoPE's inv_freq, engine.py ``_cast_module_mixed_precision`` L1851-1875)
+        module = _as_module(factory())
+        if spec is not None:  # (options adding modules after the build are refused: deepspeed_engine.check)
+            module = prepare_model(module, spec, t)
+    tracker.name_modules(module)
+    deepspeed_engine.mark_partitions(module, tracker)
+    return _dist.wrap_loaded(module, t, tracker)
 
 
 def _te_workspace(module: torch.nn.Module, tracker: Tracker) -> Any:

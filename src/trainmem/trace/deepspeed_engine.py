@@ -30,6 +30,10 @@ What the fake group and the emulated GPU cannot do as DeepSpeed does, and what s
   (``engine.py`` ``_do_args_sanity_check`` L1972), are set for the trace and restored after it.
 * NVTX ranges (``utils/nvtx.py`` ``instrument_w_nvtx`` -> ``torch.cuda.nvtx.range_push``): profiler
   markers, which a CPU build of PyTorch refuses; here they do nothing.
+* ``GatheredParameters`` with a ``modifier_rank`` checks, before its broadcast, that each parameter is
+  on ``get_accelerator().current_device_name()`` (``partition_parameters.py`` ``_exit`` L2551-2557),
+  "cuda:0", where the emulated GPU's tensors are on ``meta``: the check is made against the emulated
+  GPU's device (:func:`_gathered_exit`); the broadcast and the partitioning run as they are.
 * ZeRO-3's cross-rank consistency checks (``runtime/zero/utils.py`` ``assert_lst_len_same_as_other_ranks``
   L80-95 and ``get_lst_from_rank0`` L98-110, run by ``partitioned_param_coordinator.py`` ``reset_step``
   L260-267 after the first step): the same device tensor is made, broadcast and copied to the host,
@@ -45,13 +49,32 @@ What the fake group and the emulated GPU cannot do as DeepSpeed does, and what s
   starts empty for each traced rank, as in a new process (:func:`_fresh_groups`), and ZeRO-3's
   ``F.linear`` replacement, which persists for a process, is put back after the trace (:func:`patches`).
 
-The model is loaded whole before ``deepspeed.initialize`` (``deepspeed.initialize(model=model)`` of
-a model on the GPU: ``--zero-init off``, ``TrainingSpec.ds_whole_load``), so for ZeRO-3 the
-``model_loaded`` phase holds the whole model, then DeepSpeed's own conversion (a partition made and
-the whole tensor freed, parameter by parameter), its ``defragment`` (``empty_cache`` and one flat
-buffer), which the estimate replays (``estimate.states.zero3_whole_load``; both agree on its
-allocated and reserved peak, tests/test_zero_init.py). A model built under ``deepspeed.zero.Init``
-(``--zero-init on``: transformers' ``from_pretrained`` under ZeRO-3) is not traced (refused).
+The model reaches ``deepspeed.initialize`` in one of two ways (``--zero-init``, :func:`builds_under_init`):
+
+* ``--zero-init off`` (``TrainingSpec.ds_whole_load``): the model is loaded whole
+  (``deepspeed.initialize(model=model)`` of a model on the GPU), so for ZeRO-3 the ``model_loaded``
+  phase holds the whole model, then DeepSpeed's own conversion (a partition made and the whole
+  tensor freed, parameter by parameter), its ``defragment`` (``empty_cache`` and one flat buffer),
+  which the estimate replays (``estimate.states.zero3_whole_load``; both agree on its allocated and
+  reserved peak, tests/test_zero_init.py).
+* ``--zero-init on`` (ZeRO-3; ``TrainingSpec.ds_zero_init``: the HF Trainer, TRL and Accelerate):
+  transformers builds the model under ``deepspeed.zero.Init`` itself, as it does when a ZeRO-3 config
+  is registered (:func:`zero_init_build`: ``HfDeepSpeedConfig`` of the same config dict, which the
+  Trainer's ``TrainingArguments`` registers; transformers 5.24 ``modeling_utils.py`` ``_from_config``
+  L1435-1462: ``init.no_init_weights()``, ``prevent_arange_dtype_change()``,
+  ``deepspeed.zero.Init(config_dict_or_path=deepspeed_config())``, ``set_zero3_state()``, then
+  ``initialize_weights_zero3`` and ``tie_weights``). zero.Init creates every tensor on the (emulated)
+  GPU in the config's dtype (``partition_parameters.py`` ``_add_tensor_creation_wrappers`` L637-672)
+  and, as each module's ``__init__`` returns, partitions its parameters one by one
+  (``_post_init_method`` L1232-1258 -> ``_zero_init_param`` L1200-1207: broadcast from rank 0, a
+  partition ``torch.empty`` of ceil(numel / dp) elements, the whole tensor freed, ``_partition_param``
+  L1778-1898); buffers stay whole on the GPU. transformers then initialises the weights module by
+  module (``integrations/deepspeed.py`` ``initialize_weights_zero3`` L298-334): each module's own and
+  its children's parameters gathered whole (``GatheredParameters(params, modifier_rank=0)``), the
+  init run on rank 0 (in-place ``normal_`` ... on tensors without data: nothing computed), broadcast
+  and partitioned again. The engine does not move a zero.Init model (``engine.py``
+  ``_configure_distributed_model`` L2077-2094) and the stage-3 optimizer's ``defragment`` flattens
+  the partitions as in the off case. Everything is allocated inside the tracker, in ``model_loaded``.
 
 Attribution (:func:`_mark_master`, :func:`patches`): the flat half parameters are ``parameters``, the
 fp32 partitions ``master_weights``, ZeRO-1/2's ``grads_in_partition`` (``copy_grads_in_partition``) and
@@ -71,6 +94,7 @@ import torch
 
 from ..errors import TrainmemError
 from ..spec import TrainingSpec
+from .cuda import EMULATED
 
 #: the torch optimizers DeepSpeed's ZeRO takes without ``zero_allow_untested_optimizer`` (``runtime/zero/utils.py``
 #: ``ZERO_SUPPORTED_OPTIMIZERS``: torch.optim.Adam, AdamW, ...) that trace builds as the client optimizer
@@ -80,6 +104,25 @@ OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum")
 def uses_deepspeed(t: TrainingSpec) -> bool:
     """Whether the setup is DeepSpeed's ZeRO engine (``--zero 1|2|3`` without ``--fsdp``)."""
     return bool(t.zero) and t.fsdp is None and t.gemini is None and not t.distributed_optimizer
+
+
+def builds_under_init(t: TrainingSpec) -> bool:
+    """Whether transformers builds the model under ``deepspeed.zero.Init`` (``--zero-init on`` with
+    ZeRO-3 on DeepSpeed's engine) rather than whole (:func:`zero_init_build`)."""
+    return uses_deepspeed(t) and t.zero == 3 and t.ds_zero_init
+
+
+def _added_modules(t: TrainingSpec) -> str:
+    """The options under which ``workload.prepare_model`` adds parameters or buffers to the built
+    model (peft's adapters, Liger's and litgpt's modules, torchtune's RoPE caches, TRL's reference
+    copy, the half embeddings' cast): under zero.Init they would be made outside it, which trace
+    does not run ("" when none is given)."""
+    from ..spec.preference import ref_model_of
+    named = [("--lora-rank", t.lora_rank), ("--liger", t.liger), ("--fused-qkv", t.fused_qkv),
+             ("--split-gate-up", t.split_gate_up), ("--layer-rope-cache", t.layer_rope_cache is not None),
+             ("--rope-cache", t.rope_cache is not None), ("--half-embeddings", t.half_embeddings),
+             ("--ref-model copy", ref_model_of(t) == "copy")]
+    return next((name for name, given in named if given), "")
 
 
 def available() -> bool:
@@ -92,8 +135,8 @@ def check(t: TrainingSpec) -> None:
     what = f"trace --zero {t.zero}"
     refused = [(t.offload_optimizer, "--offload-optimizer (DeepSpeed's CPU optimizer and pinned host buffers)"),
                (t.remote_device == "cpu", "--remote-device cpu (zero.Init partitions in pinned host memory)"),
-               (t.zero == 3 and t.ds_zero_init,
-                "--zero-init on (trace loads the model whole and hands it to deepspeed.initialize: --zero-init off)"),
+               (builds_under_init(t) and _added_modules(t),
+                f"--zero-init on with {_added_modules(t)} (modules added after zero.Init built the model)"),
                (t.tp > 1 or t.pp > 1, "--tp/--pp (DeepSpeed's engine over a model-parallel mpu)"),
                (t.cp > 1, "--cp (PyTorch's context_parallel inside DeepSpeed's engine)"),
                (t.precision not in ("bf16", "fp16", "fp32"),
@@ -164,6 +207,38 @@ def environment(rank: int, world: int) -> Iterator[None]:
                 os.environ[k] = v
 
 
+@contextlib.contextmanager
+def zero_init_build(t: TrainingSpec) -> Iterator[None]:
+    """The context in which transformers builds the model under ``deepspeed.zero.Init`` (:func:`builds_under_init`):
+    DeepSpeed's communication on the fake group (``init_distributed``, as :func:`wrap`; zero.Init
+    needs it, ``partition_parameters.py`` L1086-1088) and the ZeRO-3 config registered as the HF
+    Trainer registers it (``TrainingArguments`` -> ``HfTrainerDeepSpeedConfig``; transformers 5.24
+    ``integrations/deepspeed.py`` ``HfDeepSpeedConfig`` L60-82, ``set_hf_deepspeed_config`` L270-275),
+    so that ``is_deepspeed_zero3_enabled()`` is true and ``_from_config`` enters zero.Init with
+    ``deepspeed_config()``, the dict :func:`config` writes (``modeling_utils.py`` L1435-1462).
+    Unregistered on exit (``unset_hf_deepspeed_config``, L278-281): later traces start without it."""
+    import deepspeed
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
+    deepspeed.init_distributed(dist_backend="fake", auto_mpi_discovery=False)
+    registered = HfDeepSpeedConfig(config(t))  # (transformers keeps a weak reference: held here)
+    try:
+        yield
+    finally:
+        unset_hf_deepspeed_config()
+        del registered
+
+
+def mark_partitions(module: torch.nn.Module, tracker: Any) -> None:
+    """A zero.Init model's memory named once it is built: each parameter's partition (``ds_tensor``)
+    as ``parameters``, the buffers as ``buffers`` (made inside the tracker, they were counted as the
+    build's temporaries; the whole tensors freed during the build stay so)."""
+    for p in module.parameters():
+        if getattr(p, "ds_tensor", None) is not None:
+            tracker.reclassify(p.ds_tensor, "parameters")
+    for b in module.buffers():
+        tracker.reclassify(b, "buffers")
+
+
 def wrap(module: torch.nn.Module, t: TrainingSpec, tracker: Any) -> Any:
     """``deepspeed.initialize`` of the loaded model with the client ``torch.optim`` optimizer the
     options name (``workload.make_optimizer`` over the trainable parameters), inside the tracker;
@@ -200,6 +275,25 @@ def _mark_master(engine: Any, tracker: Any) -> None:
     for bucket in getattr(opt, "ipg_buckets", {}).values():
         if isinstance(getattr(bucket, "buffer", None), torch.Tensor):  # stage 3's, kept from __init__
             tracker.reclassify(bucket.buffer, "communication", "deepspeed_buckets")
+
+
+def _gathered_exit(orig: Callable, accelerator: Any) -> Callable:
+    """``GatheredParameters._exit`` (``partition_parameters.py`` L2523-2569) with its device check
+    made against the emulated GPU: with a ``modifier_rank`` it refuses a parameter not on
+    ``torch.device(get_accelerator().current_device_name())`` (L2551-2557), "cuda:0", while the
+    emulated GPU's tensors are on ``meta``. During the call the accelerator names that device;
+    nothing in the call allocates on it by that name (the broadcast and ``_partition_param`` use the
+    parameters' own tensors and ``Init``'s ``remote_device``). Without a ``modifier_rank`` it runs as it is."""
+    @functools.wraps(orig)
+    def run(self: Any, *exc: Any) -> Any:
+        if self.src_rank is None:
+            return orig(self, *exc)
+        accelerator.current_device_name = lambda: EMULATED
+        try:
+            return orig(self, *exc)
+        finally:
+            del accelerator.current_device_name
+    return run
 
 
 def _rank0_list(lst: list[int]) -> list[int]:
@@ -287,7 +381,9 @@ def patches(tracker: Any, emulation: Any) -> dict[tuple[Any, str], Any]:
     from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
     from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as Coordinator
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    accelerator = CUDA_Accelerator()
     buckets = DeepSpeedZeroOptimizer.setup_buckets  # stages 1, 2: made at backward's first gradient
     gather = Coordinator._PartitionedParameterCoordinator__all_gather_params  # stage 3: whole parameters
     partition = DeepSpeedZeroOptimizer.copy_grads_in_partition  # stages 1, 2: ``grads_in_partition``
@@ -296,9 +392,10 @@ def patches(tracker: Any, emulation: Any) -> dict[tuple[Any, str], Any]:
              (Coordinator, "_PartitionedParameterCoordinator__all_gather_params"):
                  _scoped(tracker, gather, "deepspeed_gathered"),
              **{(cls, "wait"): _scoped(tracker, cls.wait, "deepspeed_gathered") for cls in _gather_handles()},
-             (DeepSpeedEngine, "step"): _step_phase(tracker, DeepSpeedEngine.step)}
+             (DeepSpeedEngine, "step"): _step_phase(tracker, DeepSpeedEngine.step),
+             (GatheredParameters, "_exit"): _gathered_exit(GatheredParameters._exit, accelerator)}
     return {**_fresh_groups(), **named, (F, "linear"): F.linear, (F, "embedding"): F.embedding,
-            (real, "ds_accelerator"): CUDA_Accelerator(),
+            (real, "ds_accelerator"): accelerator,
             (zero_utils, "get_lst_from_rank0"): _rank0_list,
             (zero_utils, "assert_lst_len_same_as_other_ranks"): _same_length,
             (nvtx, "range_push"): lambda *a, **k: None, (nvtx, "range_pop"): lambda *a, **k: None,
