@@ -234,6 +234,7 @@ class Quantities:
     ds_bucket: int = 0        # one DeepSpeed bucket buffer (ZeRO-3's is kept from engine start, in ``fixed``)
     ds_step_fp32: int = 0     # DeepSpeed's step: the group's fp32 gradient (``deepspeed_step_grad``) ...
     ds_fp32_convert: int = 0  # DeepSpeed ZeRO-3's init: the fp32 copy its master is cloned from (``deepspeed_fp32_convert``)
+    ds_partition: int = 0     # DeepSpeed ZeRO-3: elements of this rank's flat fp32 partition, all sub-groups (``deepspeed_partition_elems``)
     ds_step_flat: int = 0     # ... and the flat copy in the gradient dtype beside it during the cast
     ds_gathered_top: int = 0  # DeepSpeed ZeRO-3's gathered parameters from forward's end to the top layer's backward
     ds_gathered_low: int = 0  # ... in the rest of backward (``deepspeed_gathered``)
@@ -1472,6 +1473,7 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
     loss_buf = backward if t.ds_buckets_at_backward_start else 0
     return {"ds_backward_buf": backward, "ds_loss_buf": loss_buf, "ds_bucket": each, "ds_step_fp32": fp32,
             "ds_fp32_convert": deepspeed_fp32_convert(t, st),
+            "ds_partition": deepspeed_partition_elems(t, st),
             "ds_step_flat": flat,
             "ds_gathered_top": top, "ds_gathered_low": low, "ds_coalesced": deepspeed_coalesced(m, t),
             "ds_partition_grads": part, "ds_cast_grads": cast,
@@ -1835,6 +1837,16 @@ def deepspeed_group_elems(t: TrainingSpec, st: States) -> int:
         return part
     sb = 4 if (t.weight_bytes == 4 or t.fp32_master) else t.weight_bytes
     return min(part, t.ds_sub_group - 1 + -(-(st.largest_param // sb) // d))
+
+
+def deepspeed_partition_elems(t: TrainingSpec, st: States) -> int:
+    """Elements of this rank's flat fp32 partitions under DeepSpeed ZeRO-3, all sub-groups together:
+    ceil(trainable / dp), each parameter's partition ``ceil(numel / dp)`` (``stage3.py``
+    ``_create_fp16_sub_groups``, v0.19.8 L1210-1233), so the sub-groups' sizes are this cut at
+    ``deepspeed_group_elems`` (``reserved._zero3_sub_groups``); 0 where ``deepspeed_fp32_convert`` is."""
+    if not deepspeed_fp32_convert(t, st):
+        return 0
+    return -(-st.trainable // t.shard_group)
 
 
 def deepspeed_fp32_convert(t: TrainingSpec, st: States) -> int:
