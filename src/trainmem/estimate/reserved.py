@@ -160,6 +160,8 @@ def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, 
         R.allocs(m for (_w, k, _g, _s, m) in st.trainables for _ in range(k) if m)
     if q.ds_bucket and not q.ds_backward_buf:                         # DeepSpeed ZeRO-3's bucket, from engine start
         R.alloc(q.ds_bucket)
+    if q.ds_offload_buf:                                               # DeepSpeed ZeRO-1/2 offloading: its GPU
+        R.alloc(q.ds_offload_buf)                                      # gradient buffer, from engine init
     for sizes in st.gathered:                                          # DeepSpeed ZeRO-3's init gathers each
         R.frees(R.allocs(sizes))                                       # parameter in turn (states.ds_init_gathers)
     s = _Step(handle_ws=handle_ws, ao_events=st.torchao_events)

@@ -1,8 +1,13 @@
-"""DeepSpeed ZeRO-3's optimizer step in the estimate's reserved replay (``reserved._zero3_step``): per
-flat fp32 sub-group, the half gradients flattened and cast to fp32 (the flat copy freed), then, at the
-first step, the optimizer's states made as flat tensors of the sub-group's elements, then the fp32
-gradient dropped (DeepSpeed v0.19.8 ``stage3.py`` ``step`` L2873-2930, ``_prepare_fp32_grad_for_sub_group``
-L2683-2700, ``_optimizer_step`` L1235-1260, ``_release_sub_group`` L2731-2736; v0.14.2 the same)."""
+"""DeepSpeed's flat optimizer partitions, found on Giles Thomas's Qwen1.5-0.5B rows (docs/validation.md):
+
+* ZeRO-3's optimizer step in the estimate's reserved replay (``reserved._zero3_step``): per flat fp32
+  sub-group, the half gradients flattened and cast to fp32 (the flat copy freed), then, at the first
+  step, the optimizer's states made as flat tensors of the sub-group's elements, then the fp32 gradient
+  dropped (DeepSpeed v0.19.8 ``stage3.py`` ``step`` L2873-2930, ``_prepare_fp32_grad_for_sub_group``
+  L2683-2700, ``_optimizer_step`` L1235-1260, ``_release_sub_group`` L2731-2736; v0.14.2 the same);
+* ZeRO-3's fp32 master and states counted as flat tensors, rounded once (``states.flat_zero3``);
+* ZeRO-1/2's GPU gradient buffer when the optimizer is offloaded
+  (``quantities.deepspeed_offload_grad_buffer``)."""
 from __future__ import annotations
 
 import json
@@ -10,6 +15,7 @@ import os
 from types import SimpleNamespace
 
 import trainmem
+from trainmem.allocator_rules import block_bytes
 from trainmem.estimate.reserved import _Replay, _Step, _zero3_step, _zero3_sub_groups
 
 MiB = 2 ** 20
@@ -70,8 +76,13 @@ def test_later_steps_make_no_states():
     assert log == [8 * MiB, 16 * MiB, -8 * MiB, -16 * MiB] and not s.states
 
 
-FIXTURE = os.path.join(os.path.dirname(__file__), "..", "validation", "published",
-                       "gpjt_qwen15_05b_zero3_s1_es.json")
+PUBLISHED = os.path.join(os.path.dirname(__file__), "..", "validation", "published")
+
+
+def _fixture(name: str) -> tuple[dict, trainmem.MemoryReport, dict]:
+    fx = json.load(open(os.path.join(PUBLISHED, name + ".json")))
+    r = trainmem.estimate(fx["model"], **fx["setup"])
+    return fx, r, {m["quantity"]: m["mib"] * MiB for m in fx["measured"]}
 
 
 def test_published_row_reserved_moves_up_allocated_stays():
@@ -79,8 +90,33 @@ def test_published_row_reserved_moves_up_allocated_stays():
     step's (measured 10,896 MiB, estimated within 0.1 %); the reserved peak (13,046 MiB) was 16.3 % under
     with the states made per tensor before the cast and is 10.8 % under with them made as DeepSpeed makes
     them (the rest: docs/validation.md, 2026-11-25 Giles Thomas section)."""
-    fx = json.load(open(FIXTURE))
-    r = trainmem.estimate(fx["model"], **fx["setup"])
-    measured = {m["quantity"]: m["mib"] * MiB for m in fx["measured"]}
+    _fx, r, measured = _fixture("gpjt_qwen15_05b_zero3_s1_es")
     assert abs(r.peak_allocated / measured["peak_active"] - 1) < 0.001
     assert 0.88 < r.peak_reserved / measured["peak_reserved"] < 0.90
+
+
+def test_zero3_master_and_states_are_rounded_once():
+    """Under the default allocator the fp32 master (463,987,712 elements on one rank) is one block, and
+    the two Adam states one block each (with FusedAdam's per-tensor ``step`` scalars, under 1 MiB); the
+    measured active peaks of the same run with and without expandable segments differ by 4 MiB
+    (10,900 and 10,896 MiB), the estimates now by less than 32 MiB (241 MiB counted per tensor)."""
+    n = 463_987_712
+    _fx, default, measured = _fixture("gpjt_qwen15_05b_zero3_s1_noes")
+    _fx, expandable, _m = _fixture("gpjt_qwen15_05b_zero3_s1_es")
+    parts = {c.name: c.bytes for c in default.components}
+    assert parts["master_weights"] == block_bytes(n * 4)
+    assert 0 <= parts["optimizer_states"] - 2 * block_bytes(n * 4) < MiB
+    assert 0 <= default.peak_allocated - expandable.peak_allocated < 32 * MiB
+    assert abs(default.peak_allocated / measured["peak_active"] - 1) < 0.005
+
+
+def test_zero2_offload_keeps_a_gpu_buffer_of_the_largest_parameter():
+    """ZeRO-2 with the optimizer on the host: ``temp_grad_buffer_for_gpu_offload``, Qwen1.5-0.5B's embedding
+    (151936 x 1024) in fp16, from engine init; with it the five batch sizes' active peaks are within 0.2 %."""
+    for b in (1, 2, 3, 4, 5):
+        _fx, r, measured = _fixture(f"gpjt_qwen15_05b_zero2_offload_gc_b{b}_s2048_es")
+        parts = {c.name: c.bytes for c in r.components}
+        assert parts["communication.deepspeed_offload_buffer"] == block_bytes(151936 * 1024 * 2, True)
+        assert abs(r.peak_allocated / measured["peak_active"] - 1) < 0.002
+    _fx, r, _m = _fixture("gpjt_qwen15_05b_zero3_s1_es")  # not under ZeRO-3 (its bucket instead)
+    assert not any(c.name == "communication.deepspeed_offload_buffer" for c in r.components)
