@@ -22,11 +22,14 @@ def test_master_copy_only_where_the_framework_keeps_one():
     fsdp_fp32 = states(precision="bf16", fsdp="full", dp=8, master_weights="fp32")
     zero_none = states(precision="bf16", zero=3, dp=8, master_weights="none")
     assert fsdp.master == 0 and zero_none.master == 0 and states(precision="bf16").master == 0
-    assert zero.master > 0 and zero.master == fsdp_fp32.master
+    # the same fp32 copy, DeepSpeed's as one flat tensor rounded once (states.flat_zero3), FSDP's per tensor
+    MiB = 2 ** 20
+    assert zero.master > 0 and zero.master <= fsdp_fp32.master < zero.master + 2 * MiB
     assert states(precision="bf16", distributed_optimizer=True, dp=8).master > 0
     # the states follow: fp32 with a master copy, bf16 without (2 bytes instead of 4 per element)
-    assert zero.optimizer == fsdp_fp32.optimizer == pytest.approx(2 * fsdp.optimizer, rel=0.005)  # + rounding
-    assert zero_none.optimizer == fsdp.optimizer
+    assert fsdp_fp32.optimizer == pytest.approx(2 * fsdp.optimizer, rel=0.005)  # + rounding
+    assert zero.optimizer <= fsdp_fp32.optimizer < zero.optimizer + 2 * 2 * MiB  # two flat states
+    assert zero_none.optimizer <= fsdp.optimizer < zero_none.optimizer + 2 * 2 * MiB
 
 
 def test_fsdp_mixed_precision_policy():

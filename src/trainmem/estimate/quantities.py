@@ -236,6 +236,8 @@ class Quantities:
     ds_fp32_convert: int = 0  # DeepSpeed ZeRO-3's init: the fp32 copy its master is cloned from (``deepspeed_fp32_convert``)
     ds_fp32_group: int = 0    # ... an fp32 engine's: the elements of its largest sub-group, cloned as is (``deepspeed_fp32_group``)
     ds_init_grads: int = 0    # ... its flat gradient partition buffer, made in its ``__init__`` (``deepspeed_init_grads``)
+    ds_offload_buf: int = 0   # DeepSpeed ZeRO-1/2 offloading the optimizer: its GPU gradient buffer (``deepspeed_offload_grad_buffer``)
+    ds_partition: int = 0     # DeepSpeed ZeRO-3: elements of this rank's flat fp32 partition, all sub-groups (``deepspeed_partition_elems``)
     ds_step_flat: int = 0     # ... and the flat copy in the gradient dtype beside it during the cast
     ds_gathered_top: int = 0  # DeepSpeed ZeRO-3's gathered parameters from forward's end to the top layer's backward
     ds_gathered_low: int = 0  # ... in the rest of backward (``deepspeed_gathered``)
@@ -1476,6 +1478,8 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
     return {"ds_backward_buf": backward, "ds_loss_buf": loss_buf, "ds_bucket": each, "ds_step_fp32": fp32,
             "ds_fp32_convert": deepspeed_fp32_convert(t, st),
             "ds_fp32_group": deepspeed_fp32_group(t, st), "ds_init_grads": deepspeed_init_grads(t, st),
+            "ds_partition": deepspeed_partition_elems(t, st),
+            "ds_offload_buf": deepspeed_offload_grad_buffer(t, st),
             "ds_step_flat": flat,
             "ds_gathered_top": top, "ds_gathered_low": low, "ds_coalesced": deepspeed_coalesced(m, t),
             "ds_gathered_emb": deepspeed_gathered_embedding(m, t),
@@ -1858,6 +1862,17 @@ def deepspeed_group_elems(t: TrainingSpec, st: States) -> int:
         return part
     sb = 4 if (t.weight_bytes == 4 or t.fp32_master) else t.weight_bytes
     return min(part, t.ds_sub_group - 1 + -(-(st.largest_param // sb) // d))
+
+
+def deepspeed_partition_elems(t: TrainingSpec, st: States) -> int:
+    """Elements of this rank's flat fp32 partitions under DeepSpeed ZeRO-3, all sub-groups together:
+    ceil(trainable / dp), each parameter's partition ``ceil(numel / dp)`` (``stage3.py``
+    ``_create_fp16_sub_groups``, v0.19.8 L1210-1233), so the sub-groups' sizes are this cut at
+    ``deepspeed_group_elems`` (``reserved._zero3_sub_groups``); 0 where neither ``deepspeed_fp32_convert``
+    nor ``deepspeed_fp32_group`` is (an fp32 engine's partitions are cut alike)."""
+    if not (deepspeed_fp32_convert(t, st) or deepspeed_fp32_group(t, st)):
+        return 0
+    return -(-st.trainable // t.shard_group)
 
 
 def deepspeed_fp32_convert(t: TrainingSpec, st: States) -> int:
@@ -2987,7 +3002,25 @@ def _communication(t: TrainingSpec, st: States) -> tuple[int, str]:
     bucket = deepspeed_buckets(t)[0]   # DeepSpeed ZeRO-3's gradient bucket buffer, from engine start
     if bucket:
         return bucket, "communication.deepspeed_ipg_bucket"
+    offload = deepspeed_offload_grad_buffer(t, st)
+    if offload:
+        return offload, "communication.deepspeed_offload_buffer"
     return 0, ""
+
+
+def deepspeed_offload_grad_buffer(t: TrainingSpec, st: States) -> int:
+    """Bytes of the GPU buffer DeepSpeed ZeRO-1/2 makes when it offloads the optimizer:
+    ``__init__`` creates ``temp_grad_buffer_for_gpu_offload = torch.zeros(largest_param_numel,
+    device=<the GPU>, dtype=self.dtype)``, the largest trainable parameter's elements in the engine's
+    dtype (fp16/bf16 weights: 2 bytes), kept for the whole run (its ``temp_grad_buffer_for_cpu_offload``
+    twin lives on the host); DeepSpeed v0.14.2 ``stage_1_and_2.py`` L445-478, v0.19.8 L626-661. Found
+    by Giles Thomas's Qwen1.5-0.5B ZeRO-2 offload rows: the active peaks were 303-327 MiB over the
+    estimate at every batch size, and Qwen1.5-0.5B's embedding (151936 x 1024) is 296.8 MiB in fp16.
+    0 off DeepSpeed ZeRO-1/2 with ``offload_optimizer``."""
+    if not (deepspeed_zero(t) and t.zero in (1, 2) and t.offload_optimizer and st.trainable):
+        return 0
+    sb = 4 if (t.weight_bytes == 4 or t.fp32_master) else t.weight_bytes   # st.largest_param's dtype
+    return block_of(t, st.largest_param // sb * t.weight_bytes)           # (largest_param_numel,) fp16/bf16
 
 
 def per_linear_replay(t: TrainingSpec) -> bool:

@@ -155,7 +155,7 @@ def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, 
     else:
         R.allocs(st.load)                                               # weights and buffers, load order
     if q.ds_fp32_convert or q.ds_fp32_group:                          # DeepSpeed ZeRO-3: flat fp32 masters
-        _zero3_masters(R, q.ds_fp32_convert // 4 or q.ds_fp32_group, st, convert=bool(q.ds_fp32_convert))
+        _zero3_masters(R, q, st)
     elif st.master:                                                     # fp32 master copies (not offloaded)
         R.allocs(m for (_w, k, _g, _s, m) in st.trainables for _ in range(k) if m)
     if q.ds_bucket and not q.ds_backward_buf:                         # DeepSpeed ZeRO-3's bucket, from engine start
@@ -163,6 +163,8 @@ def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, 
     s = _Step(handle_ws=handle_ws, ao_events=st.torchao_events)
     if q.ds_init_grads:                                                # ... its flat gradient partitions
         _zero3_flat_grads(R, s, q.ds_init_grads, st.trainables)
+    if q.ds_offload_buf:                                               # DeepSpeed ZeRO-1/2 offloading: its GPU
+        R.alloc(q.ds_offload_buf)                                      # gradient buffer, from engine init
     for sizes in st.gathered:                                          # DeepSpeed ZeRO-3's init gathers each
         R.frees(R.allocs(sizes))                                       # parameter in turn (states.ds_init_gathers)
     if flags.states_at_init and st.optimizer:                          # torch Adagrad: states from its constructor
@@ -180,22 +182,20 @@ def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, 
     return max(0, peak_reserved - peak_allocated), R.marks
 
 
-def _zero3_masters(R: _Replay, largest: int, st: Any, convert: bool = True) -> None:
+def _zero3_masters(R: _Replay, q: Quantities, st: Any) -> None:
     """DeepSpeed ZeRO-3's fp32 master partitions as ``_create_fp32_partitions`` makes them: per
-    sub-group, in order, an fp32 copy of the half flat partition (``convert``; an fp32 engine's flat
+    sub-group, in order, an fp32 copy of the half flat partition (a half engine's; an fp32 engine's flat
     partition is its own fp32 copy, ``quantities.deepspeed_fp32_group``) and its ``clone()`` (the
     master, one flat tensor), the copy freed when the next sub-group's replaces it and the last at
-    the end (``quantities.deepspeed_fp32_convert``). The sub-groups hold at most ``largest`` elements
-    (``deepspeed_group_elems``) each, the last the rest."""
-    left = sum(m for (_w, k, _g, _s, m) in st.trainables for _ in range(k)) // 4   # (partition elements)
+    the end (``quantities.deepspeed_fp32_convert``). The sub-groups hold at most the largest's
+    elements (``deepspeed_group_elems``) each, the last the rest (``_zero3_sub_groups``)."""
+    convert = bool(q.ds_fp32_convert)
     copy = None
-    while left > 0:
-        n = min(left, largest)
+    for n in _zero3_sub_groups(q):
         new = R.alloc(n * 4) if convert else None   # converted = flat.to(device, dtype=float32)
         R.free(copy)
         copy = new
         R.alloc(n * 4)                         # converted.clone(): the sub-group's master
-        left -= n
     R.free(copy)
 
 
@@ -207,6 +207,18 @@ def _zero3_flat_grads(R: _Replay, s: "_Step", nbytes: int, trainables: tuple) ->
     for j, (_w, k, *_r) in enumerate(trainables):
         s.made[j] = k
         s.grads.update({(j, c): None for c in range(k)})
+
+
+def _zero3_sub_groups(q: Quantities) -> list[int]:
+    """Elements of each of DeepSpeed ZeRO-3's flat fp32 partitions on this rank, in order: the largest
+    sub-group's (``quantities.deepspeed_group_elems``, block-rounded) each, the last the rest of the
+    rank's partition (``quantities.deepspeed_partition_elems``)."""
+    largest, left = q.ds_fp32_convert // 4 or q.ds_fp32_group, q.ds_partition
+    out = []
+    while largest > 0 and left > 0:
+        out.append(min(left, largest))
+        left -= out[-1]
+    return out
 
 
 def _varying_steps(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, steps: list, recompute: str, b: int,
@@ -1321,6 +1333,32 @@ def _torchao_graph(R: _Replay, events: tuple) -> None:
     R.frees([h for _size, h in live])
 
 
+def _zero3_step(R: _Replay, s: _Step, q: Quantities, order: list, lazy: bool) -> None:
+    """DeepSpeed ZeRO-3's step on the GPU (``DeepSpeedZeroOptimizer_Stage3.step``, v0.14.2 and v0.19.8
+    alike), one flat fp32 sub-group after another (``_zero3_sub_groups``): ``_prepare_fp32_grad_for_sub_group``
+    flattens the sub-group's half gradients (a ``cat``) and casts the copy to fp32, the copy freed
+    (v0.19.8 ``stage3.py`` L2683-2700); ``_optimizer_step`` steps the optimizer on the one flat fp32
+    partition (L1235-1260), whose lazy state init makes each state as one flat tensor of the sub-group's
+    elements at the first step (FusedAdam ``torch.zeros_like(p.data)``), after that fp32 gradient;
+    ``_release_sub_group`` then drops the gradient (L2731-2736). The states are the trainables' states
+    (``States.trainables``), per state kind summed and split over the sub-groups by their elements. Found
+    by trace on Qwen1.5-0.5B over one rank: made per tensor before the cast, the replay reserved 1.5 GiB
+    less than DeepSpeed's own step traced (Giles Thomas's ZeRO-3 rows, docs/validation.md)."""
+    groups = _zero3_sub_groups(q)
+    kinds = max((len(sts) for (_w, _k, _g, sts, _m) in order), default=0)
+    per_kind = [_scaled(groups, sum(sts[i] for (_w, _k, _g, sts, _m) in order if len(sts) > i))
+                for i in range(kinds)]
+    largest = max(groups)
+    for j, n in enumerate(groups):
+        flat = R.alloc(q.ds_step_flat * n // largest)            # (n,) half: flatten(averaged_gradients)
+        fp32 = R.alloc(q.ds_step_fp32 * n // largest)            # (n,) fp32: .to(fp32)
+        R.free(flat)
+        if lazy and per_kind:                                    # (n,) fp32 each: exp_avg, exp_avg_sq, ...
+            s.states += [R.alloc(sizes[j]) for sizes in per_kind if j < len(sizes)]
+        R.free(R.alloc((q.step_temp - q.ds_step_fp32 - q.ds_step_flat) * n // largest))  # the optimizer's own
+        R.free(fp32)                                             # fp32_partitioned_groups_flat[j].grad = None
+
+
 def _optimizer_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, step: int,
                     temp_copies: int | None) -> None:
     """``optimizer.step()``: states at the first step, temporaries, then ``zero_grad``.
@@ -1330,12 +1368,15 @@ def _optimizer_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, step:
     ``q.step_temp`` sets their total (the group's, or the largest tensor's ``temp_copies``)."""
     st = q.detail.states
     order = [st.trainables[j] for j in _parameter_order(st.trainables)]
-    if step == 1 and st.optimizer and not flags.states_at_init:  # lazily, unless offloaded to the host
+    lazy = step == 1 and st.optimizer and not flags.states_at_init   # lazily, unless offloaded to the host
+    if lazy and not (q.ds_fp32_convert and q.ds_step_fp32):
         s.states = _allocate_states(R, st)
     sizes = [(sts[0] if sts else g) for (_w, _k, g, sts, _m) in order]
     if q.ds_norm_temp:                                           # DeepSpeed ZeRO-1/2: the norm's float64 piece
         R.free(R.alloc(q.ds_norm_temp))
-    if q.ds_step_fp32:                                           # DeepSpeed: one flat fp32 partition per group
+    if q.ds_fp32_convert and q.ds_step_fp32:                     # DeepSpeed ZeRO-3: per flat sub-group
+        _zero3_step(R, s, q, order, lazy)
+    elif q.ds_step_fp32:                                         # DeepSpeed: one flat fp32 partition per group
         flat, fp32 = R.alloc(q.ds_step_flat), R.alloc(q.ds_step_fp32)   # the cast: flat copy, then fp32
         R.free(flat)
         R.free(R.alloc(q.step_temp - q.ds_step_fp32 - q.ds_step_flat))  # the optimizer's own, on that tensor

@@ -549,6 +549,7 @@ class _Rank:
     fsdp_unsharded: bool = False  # FSDP over several ranks: a root unit and per-layer unsharded tensors
     expandable: bool = False  # the allocator runs with expandable segments (TrainingSpec.expandable_segments)
     zero_clone: bool = False  # DeepSpeed ZeRO's fp32 copy of fp32 weights' partition (TrainingSpec.ds_fp32_clone)
+    flat_states: bool = False  # DeepSpeed ZeRO-3 on the GPU: master and states flat per sub-group (``flat_zero3``)
 
     @staticmethod
     def of(m: ModelSpec, t: TrainingSpec, stage: str) -> "_Rank":
@@ -561,12 +562,18 @@ class _Rank:
                      max(t.zero_stage, 1) if t.distributed_optimizer else t.zero_stage, t.shard_group,
                      t.zero_stage >= 2 and not t.accumulates_unsharded, t.fsdp_mixed_units,
                      2 if t.precision == "bf16-mp" else w, t.zero_stage == 3 or fsdp_grad_op(t),
-                     t.fsdp is not None and t.shard_group > 1, t.expandable_segments, t.ds_fp32_clone)
+                     t.fsdp is not None and t.shard_group > 1, t.expandable_segments, t.ds_fp32_clone,
+                     flat_zero3(t))
 
     def block(self, nbytes: int) -> int:
         """Allocator bytes of one fresh request of ``nbytes`` in this run's allocator mode
         (``allocator_rules.block_bytes``: the default allocator's, or expandable segments')."""
         return block_bytes(nbytes, self.expandable)
+
+    def part(self, nbytes: int) -> int:
+        """Bytes of one tensor's master copy or optimizer state: its own block, or under DeepSpeed ZeRO-3
+        its exact part of the sub-group's flat tensor (``flat_states``: the totals are rounded once)."""
+        return nbytes if self.flat_states else self.block(nbytes)
 
     def grad_bytes(self, n: int) -> int:
         """Allocator bytes of one gradient of ``n`` elements on this rank: a shard under ZeRO >= 2 /
@@ -669,9 +676,9 @@ class _Tally:
         g = r.grad_bytes(n if grad_n is None else grad_n)
         self.grads += k * g
         sh = -(-n // r.d) if r.zero_states >= 1 else n
-        master = r.block(sh * 4) if (r.half_master or r.zero_clone) else 0  # (sh,) fp32 partition
+        master = r.part(sh * 4) if (r.half_master or r.zero_clone) else 0  # (sh,) fp32 partition
         self.master += k * master
-        sts = tuple(r.block(sb) for sb in _state_bytes(t, shape, sh, r, n, galore))
+        sts = tuple(r.part(sb) for sb in _state_bytes(t, shape, sh, r, n, galore))
         host = t.torchao_offload is not None and n >= TORCHAO_OFFLOAD_MIN
         if host:  # CPUOffloadOptimizer: this tensor's optimizer and its states live on the host (cpu_offload.py L88-107)
             sts = ()
@@ -688,6 +695,20 @@ class _Tally:
         self.largest_n = max(self.largest_n, n)
         self.group += k * r.block(sh * r.sbytes)
         return g
+
+
+def flat_zero3(t: TrainingSpec) -> bool:
+    """Whether DeepSpeed ZeRO-3 keeps this rank's fp32 master and optimizer states as flat tensors on the
+    GPU: ``_create_fp32_partitions`` clones one flat fp32 tensor per sub-group (DeepSpeed v0.19.8
+    ``stage3.py`` L1169-1172, v0.14.2 the same) and the optimizer steps that one tensor
+    (``_optimizer_step`` L1235-1260), so its states (FusedAdam's ``zeros_like(p)``) are flat too: the
+    allocator rounds each sub-group's tensor once, not each parameter's part. Under the default
+    allocator a per-tensor count over-states them by up to 2 MiB a tensor (Qwen1.5-0.5B on one rank:
+    218 MiB of master and Adam states; the measured active peaks of Giles Thomas's rows with and
+    without expandable segments differ by 4 MiB). Not with the optimizer offloaded (host memory), under
+    FSDP, Megatron's distributed optimizer or Gemini."""
+    return t.zero == 3 and t.fsdp is None and not t.distributed_optimizer and t.gemini is None \
+        and not t.offload_optimizer
 
 
 def _state_bytes(t: TrainingSpec, shape: tuple[int, ...], sh: int, r: _Rank, n: int, galore: bool) -> tuple[int, ...]:
@@ -726,6 +747,10 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
                            r.per_stage if m.uniform_layers else 1, tuple(x for _, x in after), r.expandable)
     weights = placed - acc.buffers + acc.lora_w
     master, opt, step_t = acc.master, acc.opt, acc.step_t
+    if r.flat_states:  # DeepSpeed ZeRO-3: one flat fp32 master and one flat tensor per state kind
+        kinds = max((len(item[3]) for item in acc.items), default=0)
+        master = r.block(master) if master else 0
+        opt = sum(r.block(sum(item[1] * item[3][i] for item in acc.items if len(item[3]) > i)) for i in range(kinds))
     # bitsandbytes' two shared 256-entry maps (fp32); GaLore's 8-bit AdamW is bitsandbytes' Optimizer2State
     opt += bnb_qmap_bytes("adamw-8bit" if t.optimizer == "galore-adamw-8bit" else t.optimizer, acc.largest_n)
     if t.offload_optimizer:  # ZeRO-Offload: fp32 master weights and optimizer states live in host memory
