@@ -426,7 +426,7 @@ def loss_upcasts(m: ModelSpec) -> bool:
 def is_lm(m: ModelSpec) -> bool:
     """A language-model head (logits over the vocabulary per token; an encoder-decoder's per
     decoder token)."""
-    return m.head in ("causal-lm", "masked-lm", "seq2seq-lm")
+    return m.head in ("causal-lm", "masked-lm", "seq2seq-lm", "speech-seq2seq")
 
 
 def classifier_width(m: ModelSpec, t: TrainingSpec) -> int:
@@ -441,7 +441,11 @@ def classifier_width(m: ModelSpec, t: TrainingSpec) -> int:
 def input_bytes(m: ModelSpec, t: TrainingSpec) -> tuple[float, int]:
     """The input batch as (bytes per token, bytes less per sample): int64 token ids, or an image
     model's pixel values (b, channels, N, N) in the weights' dtype (``workload.model_batch``):
-    channels x patch^2 values per patch token, none for its class tokens."""
+    channels x patch^2 values per patch token, none for its class tokens; a speech seq2seq model's
+    (Whisper's) log-mel ``input_features`` (b, num_mel_bins, 2 * max_source_positions) in the weights'
+    dtype: 2 x num_mel_bins values per encoder position (``workload.model_batch``)."""
+    if getattr(m, "is_speech_seq2seq", False):
+        return float(2 * m.mel_bins * (2 if t.precision in ("bf16", "fp16") else 4)), 0
     if not m.is_image:
         return 8.0, 0
     per_patch = m.num_channels * m.patch_size ** 2 * (2 if t.precision in ("bf16", "fp16") else 4)
@@ -770,7 +774,7 @@ def _loss_in_one_piece(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int) ->
     mode, half = loss_mode(m, t), pol.half
     if mode == "chunked-nll":
         return _chunked_nll_bytes(m, t, pol)
-    if m.family == "derived" and m.head == "seq2seq-lm" and half != F32 and derived_logits_bytes(m, t) == F32:
+    if m.family == "derived" and m.is_encoder_decoder and half != F32 and derived_logits_bytes(m, t) == F32:
         # fp32 logits under autocast (BART: ``lm_logits = self.lm_head(outputs[0]) +
         # self.final_logits_bias``, a half output plus an fp32 buffer, promoted; measured by the
         # derivation): CrossEntropyLoss's log_softmax saves fp32 log-probabilities, nll_loss needs no

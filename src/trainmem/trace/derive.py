@@ -223,6 +223,37 @@ ENCDEC_TERMS = ("n", "nd", "nsq", "nsqd", "nsqx", "s", "sd", "ssq", "ssqd", "ssq
 ENCDEC_TRANSIENT = ("n", "nd", "nsq", "nsqd", "nsqx", "1", "ssq", "ssqd", "ssqx")
 
 
+#: a speech encoder-decoder's (Whisper's) terms: its encoder's length S is fixed by its config
+#: (``ModelSpec.source_positions``; WhisperEncoder refuses any other), so a quantity is a polynomial
+#: in the batch b and the decoder's length d alone: b, b*d, b*d^2, 1, d, d^2. Written in
+#: ``ENCDEC_TERMS``' names, each the term that is that monomial at S (``n`` = b*S, ``nd`` = b*d,
+#: ``nsqd`` = b*d^2, ``s`` = S for a constant, ``sd`` = d, ``ssqd`` = d^2): the terms of S the
+#: two-length fit has (b*S^2, b*d*S, S^2, d*S) are then folded into these, and
+#: ``estimate.derived.at_lengths`` reads them at the setup's S unchanged. The saved bytes' constant
+#: is per encoder position (``s``: ``at_lengths`` drops a saved quantity's ``1``), a backward
+#: transient's the constant ``1`` and its per-decoder-position term ``ssqx`` (d*S), as
+#: ``ENCDEC_TRANSIENT`` has no per-position terms
+FIXED_ENCODER_TERMS = ("n", "nd", "nsqd", "s", "sd", "ssqd")
+FIXED_ENCODER_TRANSIENT = ("n", "nd", "nsqd", "1", "ssqd", "ssqx")
+
+
+def fixed_encoder_points(m: ModelSpec) -> list[tuple[int, int, int]]:
+    """A speech encoder-decoder's (batch, encoder length, decoder length) points, the held-out one
+    last: the fixed encoder length S, three decoder lengths (d0, 2 d0, 3 d0: d0 a quarter of the
+    decoder's positions rounded down to a multiple of 64, at least 64) at batches 2 and 3 (six points
+    for the six ``FIXED_ENCODER_TERMS``: a quadratic in d per batch, the two batches separating
+    per-sample terms from shared ones); held out: batch 4 at 4 d0 (within the positions: d0 <= a
+    quarter of them). Every length is a multiple of 64: under autocast SDPA's memory-efficient kernel
+    pads its tensors' query length (its logsumexp to 32, ``aten/src/ATen/native/transformers/cuda/
+    attention.cu`` ``kAlignLSE``; a decoder layer's backward moments traced at d = 96 came out 1.4%
+    above the fit through 64, 128 and 192), which makes the bytes a step function of d between
+    those multiples; a setup's length between them is read off the polynomial (the padding's bytes,
+    b x heads x 64 x 4 at most per tensor, left out)."""
+    d0 = max(64, m.max_positions // 4 // 64 * 64)
+    S = m.source_positions
+    return [(b, S, d) for d in (d0, 2 * d0, 3 * d0) for b in (2, 3)] + [(4, S, 4 * d0)]
+
+
 def encdec_points(s0: int) -> list[tuple[int, int, int]]:
     """An encoder-decoder's (batch, encoder length, decoder length) points, the held-out one last:
     six length pairs (equal, either twice the other, one three times the other), not on one conic,
@@ -241,9 +272,11 @@ def encdec_coefficients(m: ModelSpec, t: TrainingSpec, cfg: dict[str, Any], kind
     estimate takes any target length (``estimate.derived.at_lengths`` reads them at the setup's)."""
     kinds_full, kinds_small = kinds
     ckpt = checkpointed(m, t)
-    pts = encdec_points(s0)
+    fixed = m.is_speech_seq2seq  # the encoder's length fixed (``FIXED_ENCODER_TERMS``)
+    pts = fixed_encoder_points(m) if fixed else encdec_points(s0)
     runs = _runs(m, cfg, kinds_small, base, pts, ckpt)
-    terms = ENCDEC_TERMS
+    terms = FIXED_ENCODER_TERMS if fixed else ENCDEC_TERMS
+    transient_terms = FIXED_ENCODER_TRANSIENT if fixed else ENCDEC_TRANSIENT
     out: dict[str, Any] = {"terms": list(terms), "layer_kinds": kinds_full, "kinds": {}, "points": pts,
                            "attention": attention_implementation(m, t)[0], "seq_base": s0,
                            "logits_bytes": runs[-1]["logits_bytes"]}
@@ -255,7 +288,7 @@ def encdec_coefficients(m: ModelSpec, t: TrainingSpec, cfg: dict[str, Any], kind
 
     def moment(key: str) -> list[dict[str, Any]]:
         return _candidates(m, pts, [r["transient"][key] for r in runs], [r["made"][key] for r in runs],
-                           runs[-1]["total_g"][key], ENCDEC_TRANSIENT, with_grads=True)
+                           runs[-1]["total_g"][key], transient_terms, with_grads=True)
     per_token = ("n", "nd")  # what the KV cache, the output's tensors hold: (b, s, ...) and (b, d, ...)
     for kind in sorted(set(kinds_small)):
         v = out["kinds"][kind] = {
@@ -882,8 +915,12 @@ def _candidates(m: ModelSpec, pts: list[tuple[int, ...]], series: list[list[int]
         raise NotPolynomial(f"{m.name}: the derived backward transient is not polynomial in the batch and "
                             f"sequence; trainmem will not extrapolate it: use trace", "backward transient")
     lengths = (16, 128, 512, 4096, 32768) if m.is_image else (512, 4096, 32768)
-    grid = np.array([_basis((b, s, d) if two else (b, s), basis) for b in (1, 4, 32) for s in lengths
-                     for d in ((128,) + lengths if two else (0,))])
+    if m.is_speech_seq2seq:  # the encoder's one length; decoder lengths up to its positions
+        grid = np.array([_basis((b, m.source_positions, d), basis) for b in (1, 4, 32)
+                         for d in (8, 64, 128, 256, m.max_positions)])
+    else:
+        grid = np.array([_basis((b, s, d) if two else (b, s), basis) for b in (1, 4, 32) for s in lengths
+                         for d in ((128,) + lengths if two else (0,))])
     vals = grid @ coef
     g = np.array(made, dtype=np.float64).max(0)
     if with_grads:  # a moment's own gradients made by then count in the choice (the engine adds them)
@@ -957,4 +994,5 @@ def _fitted(m: ModelSpec, what: str, points: list[tuple[int, ...]], ys: list[int
 
 
 __all__ = ["derive_coefficients", "NotPolynomial", "encdec_coefficients", "reduced_config", "DERIVE_TOLERANCE", "ENCDEC_TERMS",
+           "FIXED_ENCODER_TERMS", "FIXED_ENCODER_TRANSIENT", "fixed_encoder_points",
            "BATCH1_TERMS", "batch1_points"]
