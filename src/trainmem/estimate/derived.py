@@ -348,19 +348,46 @@ def moment_activations(m: ModelSpec, t: TrainingSpec) -> tuple[tuple[float, ...]
     base = doc.get("moment_base")
     if not base or not m.is_encoder_decoder or t.pp > 1:
         return (0.0,) * 4, (0.0,) * 4
-    from collections import Counter
-    lower, cut = m.num_layers - m.decoder_layers, doc["cut_kinds"]
-    extra = Counter(doc["layer_kinds"][:lower]) - Counter(cut[:len(cut) // 2])
+    extra = _extra_encoder_layers(m, doc)
     out = []
     for name in ("bottom", "decoder_bottom"):
-        n, pos, nsq, ssq = base[name]
-        if name == "decoder_bottom":
-            for k, c in extra.items():
-                v = doc["kinds"][k]
-                n, nsq, pos = n + c * v["tok"], nsq + c * v["sq"], pos + c * v["pos"]
-                ssq += c * doc["ssq"][f"kind.{k}"]
-        out.append((n, nsq, pos, ssq))
+        out.append(_moment_base_at(doc, name, extra))
     return out[0], out[1]
+
+
+def decoder_embedding_activations(m: ModelSpec, t: TrainingSpec) -> tuple[float, ...]:
+    """A speech encoder-decoder's (Whisper's) activations alive when its decoder's tied token embedding
+    runs its backward, after the decoder's layers and before the encoder's (``trace.derive.
+    _decoder_embedding_base``): every encoder layer's kept tensors and the encoder's embedding side, as
+    (per token, per token x key, per position, per position squared), the full model's encoder layers
+    beyond the cut one's added; zeros where not measured (T5 and BART, whose shared embedding's backward
+    comes after the encoder's; a pipeline)."""
+    if not m.is_encoder_decoder or t.pp > 1:
+        return (0.0,) * 4
+    doc = coefficients(m, t)
+    if "decoder_embedding" not in doc.get("moment_base", {}):
+        return (0.0,) * 4
+    return _moment_base_at(doc, "decoder_embedding", _extra_encoder_layers(m, doc))
+
+
+def _extra_encoder_layers(m: ModelSpec, doc: dict[str, Any]) -> Any:
+    """Layer kind -> how many more encoder layers the full model has than the cut one traced."""
+    from collections import Counter
+    lower, cut = m.num_layers - m.decoder_layers, doc["cut_kinds"]
+    return Counter(doc["layer_kinds"][:lower]) - Counter(cut[:len(cut) // 2])
+
+
+def _moment_base_at(doc: dict[str, Any], name: str, extra: Any) -> tuple[float, float, float, float]:
+    """The activations measured at moment ``name`` (``moment_base``), as (per token, per token x key,
+    per position, per position squared), the ``extra`` encoder layers' kept tensors added at the
+    moments that have every encoder layer alive (the decoder bottom, the decoder embedding)."""
+    n, pos, nsq, ssq = doc["moment_base"][name]
+    if name != "bottom":
+        for k, c in extra.items():
+            v = doc["kinds"][k]
+            n, nsq, pos = n + c * v["tok"], nsq + c * v["sq"], pos + c * v["pos"]
+            ssq += c * doc["ssq"][f"kind.{k}"]
+    return n, nsq, pos, ssq
 
 
 def without_cache(t: TrainingSpec, m: ModelSpec | None = None) -> bool:

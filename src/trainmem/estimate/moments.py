@@ -118,6 +118,7 @@ class Tokens:
     # a derived encoder-decoder's activations at its bottom and decoder-bottom layer moments (measured)
     bottom_acts: Any = 0
     decoder_bottom_acts: Any = 0
+    decoder_embedding_acts: Any = 0  # Whisper: alive at its decoder embedding's backward (Quantities.decemb_*)
     fed: Any = 0           # interleaved 1F1B: pairs in flight whose first layer saved a receive buffer ...
     head_units: Any = 0    # ... the head stage's micro-batches in flight (1 on the last rank) ...
     stage_out: Any = 0     # ... and the other pairs' stage outputs there
@@ -255,7 +256,9 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
                   others_head=outer_head * (head_units - 1),
                   others_loss=(full * q.logits_held + saved) * (head_units - 1),
                   sent=trunc(q.pipe_sent_tok * n) if later else 0, bottom_acts=bottom_acts, tokens=n,
-                  decoder_bottom_acts=decoder_bottom_acts, fed=fed, head_units=head_units, stage_out=stage_out,
+                  decoder_bottom_acts=decoder_bottom_acts, fed=fed,
+                  decoder_embedding_acts=trunc(q.decemb_tok * n + q.decemb_sq * nsq + q.decemb_pos * (n // b)
+                                               + q.decemb_ssq * (n // b) * (n // b)), head_units=head_units, stage_out=stage_out,
                   grads_absent=grads_absent,
                   grad_views=trunc(q.grad_view_tok * n + q.grad_view_pos * (n // b) + q.grad_view_const))
 
@@ -832,6 +835,17 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
                        (mid, states_mid, tk.inputs, ws2, acts, temp),
                        (kept.logits, kept.kv_low, 0), _both(valid, lower > 0), low_graph,
                        comm=root + buf + rs + low_ds + above_mid * kept_layer))
+    # a speech encoder-decoder (Whisper): its decoder's own tied token embedding runs its backward
+    # between the decoder's layers and the encoder's, beside every encoder layer's kept tensors and
+    # the decoder's gradients (derived.decoder_embedding_activations); its temporaries are the
+    # embedding backward's (``_embedding_backward``'s ``temp_emb``: the dense table, the head's part, their sum)
+    # (the tied table's new .grad, the sum, among the gradients as ``_embedding_backward``'s ``q.grads`` has it)
+    dec_grads = grads_before + head_grads + where(fresh, q.decoder_grads + q.tied_grad, 0)
+    moments.append(_mo("backward", micro, step, "embeddings.decoder_backward",
+                       (dec_grads, states_mid, tk.inputs, ws2, tk.decoder_embedding_acts,
+                        _tied_embedding_temp(q, flags, fresh)),
+                       (kept.logits, kept.kv_low, 0), _both(valid, q.decemb_tok > 0), low_graph,
+                       comm=root + buf + rs + low_ds))
     _embedding_backward(q, flags, tk, kept, when, (fresh, states_mid, ws2, low_ds, root, rs, reduced, kept_layer),
                         moments)
     moments.extend(_backward_end(q, tk, kept, when, (fresh, states_mid, ws2, low_ds)))
@@ -846,6 +860,17 @@ def _held_inputs(q: Quantities, own_layers: Any, below: int) -> Any:
     per = own_layers // q.layers
     held = maximum(q.layers - below, 0) * per + maximum(q.layers - below - 1 + (below == 0), 0) * per
     return where(q.fsdp1_held_inputs > 0, held, 0)
+
+
+def _tied_embedding_temp(q: Quantities, flags: StepFlags, fresh: Any) -> Any:
+    """The embedding backward's temporaries on one GPU (``_embedding_backward``'s ``temp_emb`` without
+    FSDP, DeepSpeed or --compile): the tied table's dense gradient, the head's part waiting in autograd's
+    input buffer and their out-of-place sum (an existing ``.grad`` under accumulation one more), an
+    untied embedding's new gradient."""
+    tied = q.tied_grad
+    accumulated = where(fresh, 0, tied)
+    emb_new = where(fresh, q.emb_upcast, q.emb_grad)
+    return 2 * tied + (tied if flags.oib else accumulated) + q.tied_replicated + emb_new
 
 
 def _embedding_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, when: tuple, now: tuple,

@@ -306,6 +306,9 @@ def encdec_coefficients(m: ModelSpec, t: TrainingSpec, cfg: dict[str, Any], kind
     # layer kinds (the full model's decoder bottom has more encoder layers alive)
     out["moment_base"] = {name: fit(f"{name} layer's activations", [r["base"][name] for r in runs])
                           for name in ("bottom", "decoder_bottom")}
+    if fixed:  # (Whisper's decoder embedding, ``_decoder_embedding_base``; the keys of T5's and BART's unchanged)
+        out["moment_base"]["decoder_embedding"] = fit("decoder embedding's backward activations",
+                                                      [r["base"]["decoder_embedding"] for r in runs])
     out["cut_kinds"] = kinds_small
     out["first_layer"] = fit("first layer's bytes", [r["first"] for r in runs])
     for side in ("embed", "head", "head_loss"):
@@ -706,7 +709,25 @@ def _moment_bases(recs: list, layer_of: Any, at: dict[str, int], saved_rec: dict
     fwd_saved = [r for r in recs if r.phase == "forward" and r.category in ("activations", "temporaries")
                  and r.label != "autocast_weight_cache" and r.alloc_event < logits_ev
                  and (r.free_event is None or r.free_event > end - 1)]
-    return {name: _moment_base(recs, layer_of, i, fwd_saved, saved_rec, shared) for name, i in at.items()}
+    out = {name: _moment_base(recs, layer_of, i, fwd_saved, saved_rec, shared) for name, i in at.items()}
+    if "decoder_bottom" in at:
+        out["decoder_embedding"] = _decoder_embedding_base(recs, fwd_saved)
+    return out
+
+
+def _decoder_embedding_base(recs: list, fwd_saved: list) -> int:
+    """The forward's saved bytes still alive when an encoder-decoder's decoder embedding runs its
+    backward (0 when it runs none). Whisper's decoder has a token embedding of its own, tied to its
+    ``proj_out`` (transformers 5.24 ``models/whisper/modeling_whisper.py`` ``WhisperDecoder``,
+    ``WhisperForConditionalGeneration._tied_weights_keys``), whose backward (``EmbeddingBackward0``'s
+    dense (vocab, d_model) gradient added to the head's part) runs once the decoder's first layer is
+    done and before the encoder's layers, all of whose saved tensors are then alive (the engine's
+    moment ``embeddings.decoder_backward``); T5's and BART's shared embedding's runs after the encoder's."""
+    evs = [r.alloc_event for r in recs if r.phase == "backward" and (r.module or "").endswith("decoder.embed_tokens")]
+    if not evs:
+        return 0
+    w0 = min(evs)
+    return sum(r.nbytes for r in fwd_saved if r.free_event is None or r.free_event >= w0)
 
 
 def _moment_base(recs: list, layer_of: Any, i: int, fwd_saved: list, saved_rec: dict[int, list], shared: int) -> int:
