@@ -257,8 +257,11 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
                   others_loss=(full * q.logits_held + saved) * (head_units - 1),
                   sent=trunc(q.pipe_sent_tok * n) if later else 0, bottom_acts=bottom_acts, tokens=n,
                   decoder_bottom_acts=decoder_bottom_acts, fed=fed,
+                  # (+ the encoder layers' autocast weight copies, not yet back-propagated, as at the decoder bottom)
                   decoder_embedding_acts=trunc(q.decemb_tok * n + q.decemb_sq * nsq + q.decemb_pos * (n // b)
-                                               + q.decemb_ssq * (n // b) * (n // b)), head_units=head_units, stage_out=stage_out,
+                                               + q.decemb_ssq * (n // b) * (n // b))
+                  + where(q.decemb_tok > 0, casts * q.lower_layers // q.layers, 0),
+                  head_units=head_units, stage_out=stage_out,
                   grads_absent=grads_absent,
                   grad_views=trunc(q.grad_view_tok * n + q.grad_view_pos * (n // b) + q.grad_view_const))
 

@@ -1741,6 +1741,9 @@ def _size_problems(model: Any, t: TrainingSpec) -> str | None:
                 f"sequence-classification --set num_labels=1")
     if t.target_len is not None and not model.is_encoder_decoder:
         return f"--target-len {t.target_len}: {model.name} is not an encoder-decoder (seq2seq-lm); drop it"
+    if model.head == "ctc":
+        return (f"{model.name} ({model.architecture}) is a CTC speech model: trainmem does not yet build its raw-audio "
+                f"input_values nor model its feature encoder, in trace or estimate; no CTC setup can be estimated yet")
     if getattr(model, "is_speech_seq2seq", False) and t.seq_len != model.source_positions:
         return _fixed_length_refusal(model, t.seq_len)
     if getattr(model, "is_speech_seq2seq", False) and t.decoder_len > model.max_positions:
