@@ -229,11 +229,16 @@ ENCDEC_TRANSIENT = ("n", "nd", "nsq", "nsqd", "nsqx", "1", "ssq", "ssqd", "ssqx"
 #: ``ENCDEC_TERMS``' names, each the term that is that monomial at S (``n`` = b*S, ``nd`` = b*d,
 #: ``nsqd`` = b*d^2, ``s`` = S for a constant, ``sd`` = d, ``ssqd`` = d^2): the terms of S the
 #: two-length fit has (b*S^2, b*d*S, S^2, d*S) are then folded into these, and
-#: ``estimate.derived.at_lengths`` reads them at the setup's S unchanged. The saved bytes' constant
-#: is per encoder position (``s``: ``at_lengths`` drops a saved quantity's ``1``), a backward
-#: transient's the constant ``1`` and its per-decoder-position term ``ssqx`` (d*S), as
-#: ``ENCDEC_TRANSIENT`` has no per-position terms
-FIXED_ENCODER_TERMS = ("n", "nd", "nsqd", "s", "sd", "ssqd")
+#: ``estimate.derived.at_lengths`` reads them at the setup's S unchanged. A saved quantity's constant
+#: is ``1``, which ``at_lengths`` drops as it drops the two-length fit's: the bytes a layer keeps
+#: whatever the batch and lengths are its weights' half copies (with LoRA, autocast casts the frozen
+#: weights at each call and the matmul saves the copy: ``autocast_mode.cpp`` ``cached_cast`` caches
+#: only leaves that require grad), which the engine counts itself (``autocast_weight_copies``;
+#: whisper-small LoRA r32 +18.5% against trace with the constant read as per encoder position); a
+#: tensor of the encoder's S positions shared by the batch would fall in it too (Whisper saves none:
+#: ``embed_positions(all_positions)`` is only added). A backward transient's constant is ``1`` and
+#: its per-decoder-position term ``ssqx`` (d*S), as ``ENCDEC_TRANSIENT`` has no per-position terms
+FIXED_ENCODER_TERMS = ("n", "nd", "nsqd", "1", "sd", "ssqd")
 FIXED_ENCODER_TRANSIENT = ("n", "nd", "nsqd", "1", "ssqd", "ssqx")
 
 
