@@ -242,21 +242,33 @@ FIXED_ENCODER_TERMS = ("n", "nd", "nsqd", "1", "sd", "ssqd")
 FIXED_ENCODER_TRANSIENT = ("n", "nd", "nsqd", "1", "ssqd", "ssqx")
 
 
+#: a speech encoder-decoder's smallest decoder length of the fit (``fixed_encoder_points``)
+FIXED_ENCODER_D0 = 128
+
+
 def fixed_encoder_points(m: ModelSpec) -> list[tuple[int, int, int]]:
     """A speech encoder-decoder's (batch, encoder length, decoder length) points, the held-out one
-    last: the fixed encoder length S, three decoder lengths (d0, 2 d0, 3 d0: d0 a quarter of the
-    decoder's positions rounded down to a multiple of 64, at least 64) at batches 2 and 3 (six points
+    last: the fixed encoder length S, decoder lengths 128, 256 and 384 at batches 2 and 3 (six points
     for the six ``FIXED_ENCODER_TERMS``: a quadratic in d per batch, the two batches separating
-    per-sample terms from shared ones); held out: batch 4 at 4 d0 (within the positions: d0 <= a
-    quarter of them). Every length is a multiple of 64: under autocast SDPA's memory-efficient kernel
-    pads its tensors' query length (its logsumexp to 32, ``aten/src/ATen/native/transformers/cuda/
-    attention.cu`` ``kAlignLSE``; a decoder layer's backward moments traced at d = 96 came out 1.4%
-    above the fit through 64, 128 and 192), which makes the bytes a step function of d between
-    those multiples; a setup's length between them is read off the polynomial (the padding's bytes,
-    b x heads x 64 x 4 at most per tensor, left out)."""
-    d0 = max(64, m.max_positions // 4 // 64 * 64)
-    S = m.source_positions
+    per-sample terms from shared ones); held out: batch 4 at 512. The cut model is traced with
+    ``max_target_positions`` raised to 512 where the config has fewer (Whisper's 448;
+    ``fixed_encoder_config``). Every length is a multiple of 128: SDPA's kernels pad the query length
+    of what they allocate (the memory-efficient kernel's logsumexp to 32, ``aten/src/ATen/native/
+    transformers/cuda/attention.cu`` ``kAlignLSE``; the flash kernel's backward accumulators to 128,
+    its ``seqlen_q_rounded``), which makes the bytes a step function of d between those multiples:
+    whisper-tiny's decoder layer backward traced at d = 96 (fit through 64, 128, 192) missed by 1.4%
+    under bf16-amp, at d = 256 by 43% in pure bf16. A setup's length between them is read off the
+    polynomial (the padding's bytes, at most b x heads x 128 x head_dim x 4 per tensor, left out)."""
+    d0, S = FIXED_ENCODER_D0, m.source_positions
     return [(b, S, d) for d in (d0, 2 * d0, 3 * d0) for b in (2, 3)] + [(4, S, 4 * d0)]
+
+
+def fixed_encoder_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The cut speech model's config with room for ``fixed_encoder_points``' longest decoder length
+    (its decoder's position table longer: a parameter, which the derivation does not measure; the
+    activations per decoder token are the same)."""
+    longest = 4 * FIXED_ENCODER_D0
+    return dict(cfg, max_target_positions=max(int(cfg.get("max_target_positions") or 0), longest))
 
 
 def encdec_points(s0: int) -> list[tuple[int, int, int]]:
@@ -279,6 +291,7 @@ def encdec_coefficients(m: ModelSpec, t: TrainingSpec, cfg: dict[str, Any], kind
     ckpt = checkpointed(m, t)
     fixed = m.is_speech_seq2seq  # the encoder's length fixed (``FIXED_ENCODER_TERMS``)
     pts = fixed_encoder_points(m) if fixed else encdec_points(s0)
+    cfg = fixed_encoder_config(cfg) if fixed else cfg
     runs = _runs(m, cfg, kinds_small, base, pts, ckpt)
     terms = FIXED_ENCODER_TERMS if fixed else ENCDEC_TERMS
     transient_terms = FIXED_ENCODER_TRANSIENT if fixed else ENCDEC_TRANSIENT
