@@ -114,6 +114,13 @@ EXPECTED_PARAMS = {
     "vit-huge-patch14-224-in21k": 630_767_362,
     # SiglipModel (both towers) 203,155,970, the model card's 203M; its vision tower's classifier trained
     "siglip-base-patch16-224": 92_885_762,
+    # WhisperForConditionalGeneration (--task speech-seq2seq), proj_out tied to the decoder's embedding, the
+    # encoder's frozen sinusoidal positions counted (transformers' own totals: 37.8M, 72.6M, 241.7M, 763.9M, 1543.5M)
+    "whisper-tiny": 37_760_640,
+    "whisper-base": 72_593_920,
+    "whisper-small": 241_734_912,
+    "whisper-medium": 763_857_920,
+    "whisper-large-v3": 1_543_490_560,
 }
 HF_NAMES = sorted(n for n in EXPECTED_PARAMS if n not in ("nanogpt-124m", "raschka-gpt-124m"))
 
@@ -122,6 +129,7 @@ _AUTO_BY_SUFFIX = (
     ("LMHeadModel", transformers.AutoModelForCausalLM),
     ("ForMaskedLM", transformers.AutoModelForMaskedLM),
     ("ForSequenceClassification", transformers.AutoModelForSequenceClassification),
+    ("WhisperForConditionalGeneration", transformers.AutoModelForSpeechSeq2Seq),
     ("ForConditionalGeneration", transformers.AutoModelForSeq2SeqLM),
     ("ForImageClassification", transformers.AutoModelForImageClassification),
     ("Model", transformers.AutoModel),

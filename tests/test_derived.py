@@ -414,7 +414,7 @@ def test_every_catalogue_model_type_agrees_with_trace(model_type):
     name = _catalogue_types()[model_type]
     cfg = _cut_to(name, 2 if trainmem.resolve_model(name).is_encoder_decoder else 4)
     m = trainmem.resolve_model(cfg)
-    size = {} if m.is_image else {"seq_len": 512}
+    size = {} if m.is_image else {"target_len": 128} if m.is_speech_seq2seq else {"seq_len": 512}
     setup = dict(batch_size=2, precision="bf16-amp", expandable_segments=True, **size)
     est = trainmem.estimate(cfg, **setup).peak_allocated
     tr = trainmem.trace(cfg, **setup).peak_allocated
