@@ -101,3 +101,14 @@ def test_trace_runs_the_target_length():
 ], ids=["fp32", "bf16-amp", "fp16-amp-b1", "lora", "recompute"])
 def test_estimate_agrees_with_trace(setup):
     assert abs(_error(**setup)) <= TOLERANCE
+
+
+def test_fit_searches_the_micro_batch_at_the_fixed_encoder_length(capsys):
+    """fit without --seq-len searches Whisper's micro-batch (its sequence is fixed); --batch-size, which
+    would search the sequence, is refused in one line."""
+    from trainmem.plan.fit import fit
+    r = fit(WHISPER_SMALL, gpu_memory="2GiB", target_len=64)
+    assert r.fits and r.search == "batch_size" and r.batch_size >= 1 and r.seq_len == 200
+    code, out, err = run_cli(capsys, "fit", "whisper-tiny", "--gpu", "h100", "--batch-size", "4")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "drop --batch-size" in lines[0], err
