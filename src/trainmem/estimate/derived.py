@@ -370,6 +370,17 @@ def decoder_embedding_activations(m: ModelSpec, t: TrainingSpec) -> tuple[float,
     return _moment_base_at(doc, "decoder_embedding", _extra_encoder_layers(m, doc))
 
 
+def decoder_embedding_temporaries(m: ModelSpec, t: TrainingSpec) -> float:
+    """Bytes per token of the backward's temporaries a speech encoder-decoder holds when its decoder
+    embedding runs its backward, beyond the tied table's (``trace.derive._decoder_embedding_temp``: the
+    encoder output's gradient, summed over the decoder layers' cross-attention, fp32 (b, S, d_model));
+    0 where not measured."""
+    if not m.is_encoder_decoder or t.pp > 1:
+        return 0.0
+    base = coefficients(m, t).get("moment_base", {}).get("decoder_embedding_temp")
+    return float(base[0]) if base else 0.0  # (per token b*S, the b*d terms read at the setup's ratio)
+
+
 def _extra_encoder_layers(m: ModelSpec, doc: dict[str, Any]) -> Any:
     """Layer kind -> how many more encoder layers the full model has than the cut one traced."""
     from collections import Counter

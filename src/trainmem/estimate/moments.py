@@ -842,11 +842,12 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     # between the decoder's layers and the encoder's, beside every encoder layer's kept tensors and
     # the decoder's gradients (derived.decoder_embedding_activations); its temporaries are the
     # embedding backward's (``_embedding_backward``'s ``temp_emb``: the dense table, the head's part, their sum)
+    # and the encoder output's gradient the decoder layers' cross-attention summed (decemb_temp_tok)
     # (the tied table's new .grad, the sum, among the gradients as ``_embedding_backward``'s ``q.grads`` has it)
     dec_grads = grads_before + head_grads + where(fresh, q.decoder_grads + q.tied_grad, 0)
     moments.append(_mo("backward", micro, step, "embeddings.decoder_backward",
                        (dec_grads, states_mid, tk.inputs, ws2, tk.decoder_embedding_acts,
-                        _tied_embedding_temp(q, flags, fresh)),
+                        _tied_embedding_temp(q, flags, fresh) + trunc(q.decemb_temp_tok * tk.tokens)),
                        (kept.logits, kept.kv_low, 0), _both(valid, q.decemb_tok > 0), low_graph,
                        comm=root + buf + rs + low_ds))
     _embedding_backward(q, flags, tk, kept, when, (fresh, states_mid, ws2, low_ds, root, rs, reduced, kept_layer),

@@ -33,7 +33,7 @@ from .elementwise import NEVER
 from .derived import adapters_computed_half, batch1 as derived_batch1, point_at, regime as derived_regime
 from .derived import head_during_loss as derived_head_loss, layer_coefs as derived_layer, outer as derived_outer
 from .derived import logits_bytes as derived_logits_bytes, outer_ssq as derived_outer_ssq
-from .derived import decoder_embedding_activations, decoder_ratio, grad_views as derived_grad_views, head_forward as derived_head_forward
+from .derived import decoder_embedding_activations, decoder_embedding_temporaries, decoder_ratio, grad_views as derived_grad_views, head_forward as derived_head_forward
 from .derived import moment_activations
 from .layers import ALL_MOMENTS, HALF, LayerCoefs, LayerKey, Policy, ep_rank_rows, layer_coefficients
 from .layers import sdpa_saves_padded
@@ -232,6 +232,7 @@ class Quantities:
     decemb_sq: float = 0.0
     decemb_pos: float = 0.0
     decemb_ssq: float = 0.0
+    decemb_temp_tok: float = 0.0  # ... its backward temporaries beyond the tied table's (derived.decoder_embedding_temporaries)
     decoder_grads: int = 0
     head_read: int = 0     # ... of it, the copy its matmul reads (the cast, else the dequantized weight)
     head_lora: int = 0     # a LoRA adapter on that 4-bit head: logits-sized tensors alive in its forward (3)
@@ -2670,6 +2671,7 @@ def _derived_fields(m: ModelSpec, t: TrainingSpec, stage: str) -> dict[str, floa
         out.update({f"bottom_{k}": v for k, v in zip(names, bottom)})
         out.update({f"decb_{k}": v for k, v in zip(names, decb)})
         out.update({f"decemb_{k}": v for k, v in zip(names, decoder_embedding_activations(m, t))})
+        out["decemb_temp_tok"] = decoder_embedding_temporaries(m, t)
     return out
 
 

@@ -327,6 +327,8 @@ def encdec_coefficients(m: ModelSpec, t: TrainingSpec, cfg: dict[str, Any], kind
     if fixed:  # (Whisper's decoder embedding, ``_decoder_embedding_base``; the keys of T5's and BART's unchanged)
         out["moment_base"]["decoder_embedding"] = fit("decoder embedding's backward activations",
                                                       [r["base"]["decoder_embedding"] for r in runs])
+        out["moment_base"]["decoder_embedding_temp"] = fit("decoder embedding's backward temporaries",
+                                                           [r["base"]["decoder_embedding_temp"] for r in runs])
     out["cut_kinds"] = kinds_small
     out["first_layer"] = fit("first layer's bytes", [r["first"] for r in runs])
     for side in ("embed", "head", "head_loss"):
@@ -645,7 +647,7 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
     at = {"bottom": 0, "decoder_bottom": starts[1]} if len(starts) > 1 else {f"typical.{k}": typical[k] for k in typical}
     trans, made, total_g, early = _transients(tracker, recs, layer_of, kinds, saved_rec, vocab, early_frees,
                                               shared_frees, at, cast_frees=image)
-    base = _moment_bases(recs, layer_of, at, saved_rec, shared_frees, (end, logits_ev))
+    base = _moment_bases(recs, layer_of, at, saved_rec, shared_frees, (end, logits_ev), vocab)
     outputs = _layer_outputs(recs, layer_of, saved_rec, kinds, typical, top, image and top_less != 0,
                              sorted(set(starts + ends) - {top}))
     # the KV cache: all of it per layer, and what dies with the output (``held``: not saved)
@@ -721,7 +723,7 @@ def _head_forward(tracker: Any, recs: list, window: tuple[int, int], head: int) 
 
 
 def _moment_bases(recs: list, layer_of: Any, at: dict[str, int], saved_rec: dict[int, list], shared: int,
-                  ends: tuple[int, int]) -> dict[str, int]:
+                  ends: tuple[int, int], vocab: int = 0) -> dict[str, int]:
     """``_moment_base`` of each layer ``at`` names; ``ends``: the forward's last event, the logits' first."""
     end, logits_ev = ends
     fwd_saved = [r for r in recs if r.phase == "forward" and r.category in ("activations", "temporaries")
@@ -730,7 +732,27 @@ def _moment_bases(recs: list, layer_of: Any, at: dict[str, int], saved_rec: dict
     out = {name: _moment_base(recs, layer_of, i, fwd_saved, saved_rec, shared) for name, i in at.items()}
     if "decoder_bottom" in at:
         out["decoder_embedding"] = _decoder_embedding_base(recs, fwd_saved)
+        out["decoder_embedding_temp"] = _decoder_embedding_temp(recs, vocab)
     return out
+
+
+def _decoder_backward_start(recs: list) -> int | None:
+    """The first event of the decoder embedding's backward (None: it runs none)."""
+    evs = [r.alloc_event for r in recs if r.phase == "backward" and (r.module or "").endswith("decoder.embed_tokens")]
+    return min(evs) if evs else None
+
+
+def _decoder_embedding_temp(recs: list, vocab: int) -> int:
+    """The backward's temporaries alive when the decoder embedding's backward begins, but the tied
+    head's part of the table's gradient (the engine's ``tied_grad``): the gradient of the encoder's
+    output, which each decoder layer's cross-attention ``k_proj`` and ``v_proj`` add to (b, S, d_model)
+    and which waits there for the encoder's backward (0 when the embedding runs no backward)."""
+    w0 = _decoder_backward_start(recs)
+    if w0 is None:
+        return 0
+    return sum(r.nbytes for r in recs if r.phase == "backward" and r.alloc_event < w0
+               and (r.free_event is None or r.free_event > w0) and r.category not in ("gradients", "workspace")
+               and not (len(r.shape) == 2 and r.shape[0] == vocab))
 
 
 def _decoder_embedding_base(recs: list, fwd_saved: list) -> int:
@@ -741,10 +763,9 @@ def _decoder_embedding_base(recs: list, fwd_saved: list) -> int:
     dense (vocab, d_model) gradient added to the head's part) runs once the decoder's first layer is
     done and before the encoder's layers, all of whose saved tensors are then alive (the engine's
     moment ``embeddings.decoder_backward``); T5's and BART's shared embedding's runs after the encoder's."""
-    evs = [r.alloc_event for r in recs if r.phase == "backward" and (r.module or "").endswith("decoder.embed_tokens")]
-    if not evs:
+    w0 = _decoder_backward_start(recs)
+    if w0 is None:
         return 0
-    w0 = min(evs)
     return sum(r.nbytes for r in fwd_saved if r.free_event is None or r.free_event >= w0)
 
 
