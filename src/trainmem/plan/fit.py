@@ -153,7 +153,8 @@ def fit(model: Any, gpu: Any = None, by: str = "estimate", seq_multiple: int = 1
         ev = Evaluator(model, by=by, gpu=gpu, seq_len=seq_len, **options)
         search, step, fixed, k_max, cap_reason = "batch_size", 1, {"seq_len": seq_len}, BATCH_CAP, "search_cap"
     else:
-        fixed_model = Evaluator(model, by=by, gpu=gpu, batch_size=batch_size, **options).model
+        from ..spec.resolve import _model, _overrides
+        fixed_model = _model(model, _overrides(options), options.get("task"))  # (the model alone: no setup checks)
         if fixed_model.is_image or fixed_model.is_speech_seq2seq:
             raise TrainmemError(f"fit --batch-size {batch_size}: {fixed_model.name}'s sequence is fixed (its "
                                 f"{'image size' if fixed_model.is_image else 'encoder length'}), there is no longer "
