@@ -121,6 +121,14 @@ EXPECTED_PARAMS = {
     "qwen2.5-vl-7b": 8_292_166_656,
     "llava-1.5-7b": 7_063_427_072,
     "gemma-3-4b-it": 4_300_079_472,
+
+    # WhisperForConditionalGeneration (--task speech-seq2seq), proj_out tied to the decoder's embedding, the
+    # encoder's frozen sinusoidal positions counted (transformers' own totals: 37.8M, 72.6M, 241.7M, 763.9M, 1543.5M)
+    "whisper-tiny": 37_760_640,
+    "whisper-base": 72_593_920,
+    "whisper-small": 241_734_912,
+    "whisper-medium": 763_857_920,
+    "whisper-large-v3": 1_543_490_560,
 }
 HF_NAMES = sorted(n for n in EXPECTED_PARAMS if n not in ("nanogpt-124m", "raschka-gpt-124m"))
 
@@ -129,6 +137,7 @@ _AUTO_BY_SUFFIX = (
     ("LMHeadModel", transformers.AutoModelForCausalLM),
     ("ForMaskedLM", transformers.AutoModelForMaskedLM),
     ("ForSequenceClassification", transformers.AutoModelForSequenceClassification),
+    ("WhisperForConditionalGeneration", transformers.AutoModelForSpeechSeq2Seq),
     ("ForConditionalGeneration", transformers.AutoModelForSeq2SeqLM),
     ("ForImageClassification", transformers.AutoModelForImageClassification),
     ("Model", transformers.AutoModel),

@@ -255,11 +255,11 @@ def test_catalogue_has_at_least_45_entries_over_15_types():
 
 def _default_size(m) -> dict:
     """The default setup's size options: an image model's sequence comes from its image size."""
-    return {} if m.is_image else {"seq_len": min(2048, m.max_positions)}
+    return {} if m.is_image or m.is_speech_seq2seq else {"seq_len": min(2048, m.max_positions)}
 
 
 @pytest.mark.parametrize("name", ["qwen3-0.6b", "gemma-2-2b", "phi-2", "t5-base", "flan-t5-large",
-                                  "vit-base-patch16-224"])
+                                  "vit-base-patch16-224", "whisper-tiny"])
 def test_shipped_coefficients_are_current(name):
     """Re-deriving gives the shipped coefficients (else: make ship-derived)."""
     from trainmem.trace.derive import derive_coefficients
@@ -416,7 +416,7 @@ def test_every_catalogue_model_type_agrees_with_trace(model_type):
     name = _catalogue_types()[model_type]
     cfg = _cut_to(name, 2 if trainmem.resolve_model(name).is_encoder_decoder else 4)
     m = trainmem.resolve_model(cfg)
-    size = {} if m.is_image else {"seq_len": 512}
+    size = {} if m.is_image else {"target_len": 128} if m.is_speech_seq2seq else {"seq_len": 512}
     setup = dict(batch_size=2, precision="bf16-amp", expandable_segments=True, **size)
     est = trainmem.estimate(cfg, **setup).peak_allocated
     tr = trainmem.trace(cfg, **setup).peak_allocated

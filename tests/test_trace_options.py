@@ -115,8 +115,11 @@ CASES = [
     ({"contiguous_gradients": False, **ZERO2}, DS_RUN, DS_WHY),
     # (ZeRO-3's sub-groups, kept and prefetched parameters: transients below this tiny model's peak, the loss;
     # DeepSpeed takes each key and a larger model's trace moves: tests/test_trace_deepspeed.py)
-    # a model built under deepspeed.zero.Init is not traced (trace loads it whole: --zero-init off, tests/test_zero_init.py)
-    ({"zero_init": "on", **ZERO3}, REFUSED, "--zero-init on"),
+    # a model built under deepspeed.zero.Init (transformers' own ZeRO-3 path, tests/test_zero_init.py): never whole
+    # at the load, vs --zero-init off's whole-model load; options that add modules after the build are refused
+    ({"zero_init": "on", **ZERO3}, "same", "zero.Init's build and --zero-init off's whole load end alike, both "
+     "below this tiny model's peak (tests/test_zero_init.py compares the load phases)"),
+    ({"zero_init": "on", **ZERO3, "lora_rank": 8}, REFUSED, "--lora-rank"),
     ({"sub_group_size": 1000, **ZERO3}, *DS_SAME),
     ({"stage3_max_reuse_distance": 0, **ZERO3}, *DS_SAME),
     ({"stage3_prefetch_bucket_size": 0, **ZERO3}, *DS_SAME),
@@ -244,7 +247,7 @@ REFERENCE = {"fsdp_version": {"fsdp": "full", "dp": 2},
              "pp_first_stage_less_layers": {"pp": 2, "grad_accum": 2},
              # (where DeepSpeed is installed: its engine options vs their stage alone)
              **({"reduce_bucket_size": ZERO2, "overlap_comm": ZERO1, "contiguous_gradients": ZERO2,
-                 "sub_group_size": ZERO3, "stage3_max_reuse_distance": ZERO3, "stage3_prefetch_bucket_size": ZERO3}
+                 "sub_group_size": ZERO3, "zero_init": ZERO3, "stage3_max_reuse_distance": ZERO3, "stage3_prefetch_bucket_size": ZERO3}
                 if DS else {})}
 GPT2_CASES = [({"dropout": False}, CHANGED, ""), ({"loss": "chunked-nll"}, CHANGED, ""),
                ({"loss": "vocab-parallel"}, CHANGED, ""),

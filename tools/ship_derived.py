@@ -51,8 +51,9 @@ def main() -> None:
         seqs = [2048] if not window or window >= m.max_positions else [max(128, window // 2), 2 * window]
         for precision, recompute in [(p, r) for p in PRECISIONS for r in ("none", "full")]:
             for seq in seqs:
-                # an image model's sequence is its default image size's patches (--seq-len is refused)
-                size = {} if m.is_image else {"seq_len": min(seq, m.max_positions)}
+                # an image model's sequence is its default image size's patches, a speech seq2seq model's its
+                # encoder's fixed positions (--seq-len is refused for both)
+                size = {} if m.is_image or m.is_speech_seq2seq else {"seq_len": min(seq, m.max_positions)}
                 t = resolve(name, precision=precision, recompute=recompute, **size).training
                 # the batch >= 2 set, then the micro-batch-1 set (an encoder-decoder has one set)
                 for b in ((1,) if only1 else (2, 1)) if derived.batch1(m, replace(t, batch_size=1)) else (2,):

@@ -223,7 +223,8 @@ def hf_factory(spec: ModelSpec, t: TrainingSpec) -> Callable[[], torch.nn.Module
             auto = {"causal-lm": "AutoModelForCausalLM", "masked-lm": "AutoModelForMaskedLM",
                     "seq-cls": "AutoModelForSequenceClassification", "base": "AutoModel",
                     "qa": "AutoModelForQuestionAnswering",
-                    "seq2seq-lm": "AutoModelForSeq2SeqLM", "image-cls": "AutoModelForImageClassification"}[spec.head]
+                    "seq2seq-lm": "AutoModelForSeq2SeqLM", "image-cls": "AutoModelForImageClassification",
+                    "speech-seq2seq": "AutoModelForSpeechSeq2Seq", "ctc": "AutoModelForCTC"}[spec.head]
             return getattr(transformers, auto).from_config(config, attn_implementation=impl, dtype=dtype)
         from .spec.profile import config_for_class
         return cls._from_config(config_for_class(cls, config), attn_implementation=impl, dtype=dtype)
@@ -652,11 +653,21 @@ def model_batch(spec: ModelSpec, t: TrainingSpec, device: Any) -> dict[str, Any]
       labels; ``interpolate_pos_encoding`` when N is not the config's image size (ViT refuses
       another size without it);
     * a vision-language model: ``spec.vision.image_batch``.
+    * speech seq2seq (Whisper): ``input_features`` (b, num_mel_bins, 2 * max_source_positions), the
+      log-mel frames ``WhisperFeatureExtractor`` pads every clip to (30 s, 3000 frames), in the weights'
+      dtype (fp32 under autocast: the HF Whisper fine-tuning recipe's collator returns the extractor's
+      float32 features, ``DataCollatorSpeechSeq2SeqWithPadding``), and ``labels`` (b, target_len),
+      which ``WhisperForConditionalGeneration.forward`` shifts right into the decoder's input
+      (``shift_tokens_right``, transformers 5.24 ``models/whisper/modeling_whisper.py`` L1105-1108).
     """
     b, s = t.batch_size, t.seq_len
     if spec.is_vlm:  # ids with image placeholders, pixels, grids (spec.vision.image_batch)
         from .spec.vision import image_batch
         return image_batch(spec, t, device)
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision, torch.float32)
+    if spec.head == "speech-seq2seq":
+        return {"input_features": torch.randn(b, spec.mel_bins, spec.mel_frames, dtype=half, device=device),
+                "labels": torch.randint(0, spec.vocab_size, (b, t.decoder_len), device=device)}
     if spec.head == "image-cls":
         size = t.image_size or spec.image_size
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision, torch.float32)

@@ -344,7 +344,9 @@ def add_input_sizes(g: Any) -> None:
                         "Llama 3.x builders: Llama3ScaledRoPE, max_seq_len 131072 for Llama 3.1/3.2). Default: "
                         "none, transformers' one rotary table")
     g.add_argument("--target-len", type=positive_int, default=None, metavar="N",
-                   help="encoder-decoders (T5, BART): decoder tokens per sample, the labels' length "
+                   help="encoder-decoders (T5, BART, Whisper): decoder tokens per sample, the labels' length "
+                        "(Whisper: default its 448 decoder positions; its encoder takes a fixed 30 s of audio, 3000 "
+                        "log-mel frames, so --seq-len is refused) "
                         "(default: --seq-len, the encoder's tokens)")
     g.add_argument("--image-size", type=positive_int, default=None, metavar="N",
                    help="image models (ViT): N x N pixels (default: the config's image_size); it sets the sequence, "

@@ -118,8 +118,10 @@ def components(q: Quantities, tk: Tokens, mo: Moment, t: TrainingSpec, n: int, n
         out += _logits(mo, m, half, loss_mode(m, t) if is_lm(m) else "")
     if parts["inputs"]:  # (none yet at the model's load: DeepSpeed's whole-model load can be the peak)
         image = getattr(m, "is_image", False)  # pixel values in the weights' dtype, int64 labels
-        out.append(Component("inputs", INPUTS, parts["inputs"], None if image else "int64",
-                             "pixel_values and labels" if image else "input_ids and labels"))
+        speech = getattr(m, "is_speech_seq2seq", False)  # log-mel features in the weights' dtype
+        out.append(Component("inputs", INPUTS, parts["inputs"], None if image or speech else "int64",
+                             "pixel_values and labels" if image else "input_features and labels" if speech
+                             else "input_ids and labels"))
     out += _workspaces(parts["workspace"], handle_ws, kept)
     comm = q.fixed - st.weights - st.buffers - st.master
     if comm:

@@ -36,7 +36,7 @@ from .layers import LayerCoefs
 
 COEF_VERSION = 17  # (quantized setups have keys of their own: ``key``)
 #: the heads whose derived coefficients are checked against trace (tests/test_encdec_vit.py, test_derived.py)
-DERIVED_HEADS = ("causal-lm", "seq2seq-lm", "image-cls")
+DERIVED_HEADS = ("causal-lm", "seq2seq-lm", "image-cls", "speech-seq2seq")
 #: the model types whose image classifier's derived estimate is checked against trace (ViT's, and the
 #: vision towers of SigLIP's and CLIP's, ``SiglipForImageClassification``, ``CLIPForImageClassification``)
 DERIVED_IMAGE_TYPES = ("vit", "siglip", "clip")
@@ -49,8 +49,8 @@ def derived_problems(m: ModelSpec, t: TrainingSpec) -> list[str]:
         out.append(f"its image-text-to-text head ({m.architecture}: a vision-language model, whose vision tower's "
                    f"activations the derived estimate does not compose with the language model's; use trace)")
     elif m.head not in DERIVED_HEADS:
-        out.append(f"its {m.head} head ({m.architecture}; the derived estimate covers causal-lm, seq2seq-lm and "
-                   f"image-classification heads)")
+        out.append(f"its {m.head} head ({m.architecture}; the derived estimate covers causal-lm, seq2seq-lm, "
+                   f"speech-seq2seq and image-classification heads)")
     if checkpointed(m, t) and t.recompute_every > 1:
         out.append(f"--recompute-every {t.recompute_every} (an encoder-decoder's full-recompute coefficients are "
                    f"traced with every layer checkpointed)")
@@ -351,19 +351,57 @@ def moment_activations(m: ModelSpec, t: TrainingSpec) -> tuple[tuple[float, ...]
     base = doc.get("moment_base")
     if not base or not m.is_encoder_decoder or t.pp > 1:
         return (0.0,) * 4, (0.0,) * 4
-    from collections import Counter
-    lower, cut = m.num_layers - m.decoder_layers, doc["cut_kinds"]
-    extra = Counter(doc["layer_kinds"][:lower]) - Counter(cut[:len(cut) // 2])
+    extra = _extra_encoder_layers(m, doc)
     out = []
     for name in ("bottom", "decoder_bottom"):
-        n, pos, nsq, ssq = base[name]
-        if name == "decoder_bottom":
-            for k, c in extra.items():
-                v = doc["kinds"][k]
-                n, nsq, pos = n + c * v["tok"], nsq + c * v["sq"], pos + c * v["pos"]
-                ssq += c * doc["ssq"][f"kind.{k}"]
-        out.append((n, nsq, pos, ssq))
+        out.append(_moment_base_at(doc, name, extra))
     return out[0], out[1]
+
+
+def decoder_embedding_activations(m: ModelSpec, t: TrainingSpec) -> tuple[float, ...]:
+    """A speech encoder-decoder's (Whisper's) activations alive when its decoder's tied token embedding
+    runs its backward, after the decoder's layers and before the encoder's (``trace.derive.
+    _decoder_embedding_base``): every encoder layer's kept tensors and the encoder's embedding side, as
+    (per token, per token x key, per position, per position squared), the full model's encoder layers
+    beyond the cut one's added; zeros where not measured (T5 and BART, whose shared embedding's backward
+    comes after the encoder's; a pipeline)."""
+    if not m.is_encoder_decoder or t.pp > 1:
+        return (0.0,) * 4
+    doc = coefficients(m, t)
+    if "decoder_embedding" not in doc.get("moment_base", {}):
+        return (0.0,) * 4
+    return _moment_base_at(doc, "decoder_embedding", _extra_encoder_layers(m, doc))
+
+
+def decoder_embedding_temporaries(m: ModelSpec, t: TrainingSpec) -> float:
+    """Bytes per token of the backward's temporaries a speech encoder-decoder holds when its decoder
+    embedding runs its backward, beyond the tied table's (``trace.derive._decoder_embedding_temp``: the
+    encoder output's gradient, summed over the decoder layers' cross-attention, fp32 (b, S, d_model));
+    0 where not measured."""
+    if not m.is_encoder_decoder or t.pp > 1:
+        return 0.0
+    base = coefficients(m, t).get("moment_base", {}).get("decoder_embedding_temp")
+    return float(base[0]) if base else 0.0  # (per token b*S, the b*d terms read at the setup's ratio)
+
+
+def _extra_encoder_layers(m: ModelSpec, doc: dict[str, Any]) -> Any:
+    """Layer kind -> how many more encoder layers the full model has than the cut one traced."""
+    from collections import Counter
+    lower, cut = m.num_layers - m.decoder_layers, doc["cut_kinds"]
+    return Counter(doc["layer_kinds"][:lower]) - Counter(cut[:len(cut) // 2])
+
+
+def _moment_base_at(doc: dict[str, Any], name: str, extra: Any) -> tuple[float, float, float, float]:
+    """The activations measured at moment ``name`` (``moment_base``), as (per token, per token x key,
+    per position, per position squared), the ``extra`` encoder layers' kept tensors added at the
+    moments that have every encoder layer alive (the decoder bottom, the decoder embedding)."""
+    n, pos, nsq, ssq = doc["moment_base"][name]
+    if name != "bottom":
+        for k, c in extra.items():
+            v = doc["kinds"][k]
+            n, nsq, pos = n + c * v["tok"], nsq + c * v["sq"], pos + c * v["pos"]
+            ssq += c * doc["ssq"][f"kind.{k}"]
+    return n, nsq, pos, ssq
 
 
 def without_cache(t: TrainingSpec, m: ModelSpec | None = None) -> bool:

@@ -118,6 +118,7 @@ class Tokens:
     # a derived encoder-decoder's activations at its bottom and decoder-bottom layer moments (measured)
     bottom_acts: Any = 0
     decoder_bottom_acts: Any = 0
+    decoder_embedding_acts: Any = 0  # Whisper: alive at its decoder embedding's backward (Quantities.decemb_*)
     fed: Any = 0           # interleaved 1F1B: pairs in flight whose first layer saved a receive buffer ...
     head_units: Any = 0    # ... the head stage's micro-batches in flight (1 on the last rank) ...
     stage_out: Any = 0     # ... and the other pairs' stage outputs there
@@ -255,9 +256,20 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
                   others_head=outer_head * (head_units - 1),
                   others_loss=(full * q.logits_held + saved) * (head_units - 1),
                   sent=trunc(q.pipe_sent_tok * n) if later else 0, bottom_acts=bottom_acts, tokens=n,
-                  decoder_bottom_acts=decoder_bottom_acts, fed=fed, head_units=head_units, stage_out=stage_out,
-                  grads_absent=grads_absent,
+                  decoder_bottom_acts=decoder_bottom_acts, fed=fed,
+                  decoder_embedding_acts=_decoder_embedding_acts(q, n, nsq, b, casts),
+                  head_units=head_units, stage_out=stage_out, grads_absent=grads_absent,
                   grad_views=trunc(q.grad_view_tok * n + q.grad_view_pos * (n // b) + q.grad_view_const))
+
+
+def _decoder_embedding_acts(q: Quantities, n: Any, nsq: Any, b: Any, casts: Any) -> Any:
+    """What is alive at a speech seq2seq decoder's embedding backward (``embeddings.decoder_backward``):
+    the measured encoder-side tensors (``decemb_*``: per token, per query x key pair, per position and per
+    position pair), plus the encoder layers' autocast weight copies, not yet back-propagated, as at the
+    decoder bottom."""
+    pos = n // b
+    measured = trunc(q.decemb_tok * n + q.decemb_sq * nsq + q.decemb_pos * pos + q.decemb_ssq * pos * pos)
+    return measured + where(q.decemb_tok > 0, casts * q.lower_layers // q.layers, 0)
 
 
 def _logit_sizes(q: Quantities, flags: StepFlags, n: Any, b: Any) -> tuple[Any, Any, Any]:
@@ -767,9 +779,8 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     # hold shards; in the others, under FSDP1's grad-op, they stay gathered
     # (a pipeline stage under FSDP2 full keeps them gathered in every micro-batch: quantities.pipeline_kept_layer)
     reduced, kept_layer = where(final, q.nosync_layer_reduce, 0), where(final, 0, q.nosync_kept_layer) + q.pipe_kept_layer
-    # (+ DeepSpeed ZeRO-1/2's bucket buffers, alive through backward; ZeRO-3's gathered parameters:
-    # the head and the top layers kept, ``ds_gathered_top``, then the current module, ``low_ds``)
-    # (ColossalAI Gemini: other ranks' chunks gathered and the gradient hook's copies, ``gemini_fields``)
+    # (+ DeepSpeed ZeRO-1/2's bucket buffers, alive through backward; ZeRO-3's gathered head and top layers, ``ds_gathered_top``,
+    # then the current module, ``low_ds``; Gemini: other ranks' chunks gathered, the hook's copies, ``gemini_fields``)
     root, buf, rs = q.fsdp_root + q.ds_backward_buf, q.fsdp_layer_buf, q.fsdp_rs_buf
     low_ds = q.ds_gathered_low + q.gemini_low
     fresh = grads_before == 0                                  # gradients are being created, not added to
@@ -819,8 +830,7 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
                        (bottom, states_mid, tk.inputs, ws2, acts + _held_inputs(q, own_layers, 1), temp),
                        (kept.logits, kept.kv_low, 0), _both(valid, q.layers > 1), low_graph,
                        comm=root + buf + rs + low_ds + (q.layers - 1) * kept_layer + q.fsdp_emb_unit))
-    # an encoder-decoder: the decoder's first layer's backward, with every encoder layer's kept
-    # tensors still alive (the encoder's backward comes after the decoder's)
+    # an encoder-decoder: the decoder's first layer's backward, every encoder layer's kept tensors alive
     lower = q.lower_layers
     _i, redo, grads = tk.decoder_bottom
     above_mid = maximum(q.layers - lower - 1, 0)
@@ -832,9 +842,29 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
                        (mid, states_mid, tk.inputs, ws2, acts, temp),
                        (kept.logits, kept.kv_low, 0), _both(valid, lower > 0), low_graph,
                        comm=root + buf + rs + low_ds + above_mid * kept_layer))
+    _decoder_embedding_backward(q, flags, tk, kept, when, (grads_before + head_grads, fresh, states_mid, ws2,
+                                                          low_graph, root + buf + rs + low_ds), moments)
     _embedding_backward(q, flags, tk, kept, when, (fresh, states_mid, ws2, low_ds, root, rs, reduced, kept_layer),
                         moments)
     moments.extend(_backward_end(q, tk, kept, when, (fresh, states_mid, ws2, low_ds)))
+
+
+def _decoder_embedding_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, when: tuple, at: tuple,
+                                moments: list) -> None:
+    """A speech encoder-decoder's (Whisper's) decoder embedding backward: its own tied token embedding
+    runs its backward between the decoder's layers and the encoder's, beside every encoder layer's kept
+    tensors and the decoder's gradients (derived.decoder_embedding_activations); its temporaries are the
+    embedding backward's (``_embedding_backward``'s ``temp_emb``: the dense table, the head's part, their
+    sum) and the encoder output's gradient the decoder layers' cross-attention summed (decemb_temp_tok);
+    the tied table's new .grad, the sum, is among the gradients as ``_embedding_backward``'s ``q.grads``
+    has it. ``at``: (gradients before it, fresh, optimizer states, workspace, graph, communication)."""
+    step, micro, valid, _final = when
+    grads, fresh, states_mid, ws2, low_graph, comm = at
+    dec_grads = grads + where(fresh, q.decoder_grads + q.tied_grad, 0)
+    moments.append(_mo("backward", micro, step, "embeddings.decoder_backward",
+                       (dec_grads, states_mid, tk.inputs, ws2, tk.decoder_embedding_acts,
+                        _tied_embedding_temp(q, flags, fresh) + trunc(q.decemb_temp_tok * tk.tokens)),
+                       (kept.logits, kept.kv_low, 0), _both(valid, q.decemb_tok > 0), low_graph, comm=comm))
 
 
 def _held_inputs(q: Quantities, own_layers: Any, below: int) -> Any:
@@ -846,6 +876,17 @@ def _held_inputs(q: Quantities, own_layers: Any, below: int) -> Any:
     per = own_layers // q.layers
     held = maximum(q.layers - below, 0) * per + maximum(q.layers - below - 1 + (below == 0), 0) * per
     return where(q.fsdp1_held_inputs > 0, held, 0)
+
+
+def _tied_embedding_temp(q: Quantities, flags: StepFlags, fresh: Any) -> Any:
+    """The embedding backward's temporaries on one GPU (``_embedding_backward``'s ``temp_emb`` without
+    FSDP, DeepSpeed or --compile): the tied table's dense gradient, the head's part waiting in autograd's
+    input buffer and their out-of-place sum (an existing ``.grad`` under accumulation one more), an
+    untied embedding's new gradient."""
+    tied = q.tied_grad
+    accumulated = where(fresh, 0, tied)
+    emb_new = where(fresh, q.emb_upcast, q.emb_grad)
+    return 2 * tied + (tied if flags.oib else accumulated) + q.tied_replicated + emb_new
 
 
 def _embedding_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, when: tuple, now: tuple,

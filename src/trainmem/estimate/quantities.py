@@ -33,7 +33,7 @@ from .elementwise import NEVER
 from .derived import adapters_computed_half, batch1 as derived_batch1, point_at, regime as derived_regime
 from .derived import head_during_loss as derived_head_loss, layer_coefs as derived_layer, outer as derived_outer
 from .derived import logits_bytes as derived_logits_bytes, outer_ssq as derived_outer_ssq
-from .derived import decoder_ratio, grad_views as derived_grad_views, head_forward as derived_head_forward
+from .derived import decoder_embedding_activations, decoder_embedding_temporaries, decoder_ratio, grad_views as derived_grad_views, head_forward as derived_head_forward
 from .derived import moment_activations
 from .layers import ALL_MOMENTS, HALF, LayerCoefs, LayerKey, Policy, ep_rank_rows, layer_coefficients
 from .layers import sdpa_saves_padded
@@ -225,6 +225,15 @@ class Quantities:
     decb_sq: float = 0.0
     decb_pos: float = 0.0
     decb_ssq: float = 0.0
+    # a speech encoder-decoder's (Whisper's) decoder embedding backward (derived.decoder_embedding_activations):
+    # the activations alive there (per token, per token x key, per position, per position squared) and the
+    # gradients made by then when fresh (the decoder's layers and tables, the head's)
+    decemb_tok: float = 0.0
+    decemb_sq: float = 0.0
+    decemb_pos: float = 0.0
+    decemb_ssq: float = 0.0
+    decemb_temp_tok: float = 0.0  # ... its backward temporaries beyond the tied table's (derived.decoder_embedding_temporaries)
+    decoder_grads: int = 0
     head_read: int = 0     # ... of it, the copy its matmul reads (the cast, else the dequantized weight)
     head_lora: int = 0     # a LoRA adapter on that 4-bit head: logits-sized tensors alive in its forward (3)
     step_groups: int = 1   # a foreach step's temporaries: how many per tensor, all alive at once (``foreach_groups``)
@@ -431,7 +440,7 @@ def loss_upcasts(m: ModelSpec) -> bool:
 def is_lm(m: ModelSpec) -> bool:
     """A language-model head (logits over the vocabulary per token; an encoder-decoder's per
     decoder token)."""
-    return m.head in ("causal-lm", "masked-lm", "seq2seq-lm")
+    return m.head in ("causal-lm", "masked-lm", "seq2seq-lm", "speech-seq2seq")
 
 
 def classifier_width(m: ModelSpec, t: TrainingSpec) -> int:
@@ -446,7 +455,11 @@ def classifier_width(m: ModelSpec, t: TrainingSpec) -> int:
 def input_bytes(m: ModelSpec, t: TrainingSpec) -> tuple[float, int]:
     """The input batch as (bytes per token, bytes less per sample): int64 token ids, or an image
     model's pixel values (b, channels, N, N) in the weights' dtype (``workload.model_batch``):
-    channels x patch^2 values per patch token, none for its class tokens."""
+    channels x patch^2 values per patch token, none for its class tokens; a speech seq2seq model's
+    (Whisper's) log-mel ``input_features`` (b, num_mel_bins, 2 * max_source_positions) in the weights'
+    dtype: 2 x num_mel_bins values per encoder position (``workload.model_batch``)."""
+    if getattr(m, "is_speech_seq2seq", False):
+        return float(2 * m.mel_bins * (2 if t.precision in ("bf16", "fp16") else 4)), 0
     if not m.is_image:
         return 8.0, 0
     per_patch = m.num_channels * m.patch_size ** 2 * (2 if t.precision in ("bf16", "fp16") else 4)
@@ -775,7 +788,7 @@ def _loss_in_one_piece(m: ModelSpec, t: TrainingSpec, pol: Policy, held: int) ->
     mode, half = loss_mode(m, t), pol.half
     if mode == "chunked-nll":
         return _chunked_nll_bytes(m, t, pol)
-    if m.family == "derived" and m.head == "seq2seq-lm" and half != F32 and derived_logits_bytes(m, t) == F32:
+    if m.family == "derived" and m.is_encoder_decoder and half != F32 and derived_logits_bytes(m, t) == F32:
         # fp32 logits under autocast (BART: ``lm_logits = self.lm_head(outputs[0]) +
         # self.final_logits_bias``, a half output plus an fp32 buffer, promoted; measured by the
         # derivation): CrossEntropyLoss's log_softmax saves fp32 log-probabilities, nll_loss needs no
@@ -2511,6 +2524,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         **_graph_held(t, lc.graph_held, checkpointed, layers), **fsdp,
         outer_rest_ssq=derived_outer_ssq(m, t, stage) if derived else 0.0,
         lower_layers=lower, above_bottom=above_bottom, above_decoder_bottom=above_decoder_bottom,
+        decoder_grads=_decoder_grads(m, t, st, layers),
         input_tok=input_bytes(m, t)[0], input_sample=input_bytes(m, t)[1], expandable=int(t.expandable_segments),
         trainer_cp=trainer_cp_inputs(m, t), embeds_tok=held_embeddings(m, t, pol, lc),
         **_top_fields(m, t, pol),
@@ -2717,6 +2731,8 @@ def _derived_fields(m: ModelSpec, t: TrainingSpec, stage: str) -> dict[str, floa
         names = ("tok", "sq", "pos", "ssq")
         out.update({f"bottom_{k}": v for k, v in zip(names, bottom)})
         out.update({f"decb_{k}": v for k, v in zip(names, decb)})
+        out.update({f"decemb_{k}": v for k, v in zip(names, decoder_embedding_activations(m, t))})
+        out["decemb_temp_tok"] = decoder_embedding_temporaries(m, t)
     return out
 
 
@@ -2785,6 +2801,16 @@ def _grads_above(m: ModelSpec, t: TrainingSpec, st: States, layers: int) -> tupl
     if each:  # (the decoder's position tables' gradients are made before the encoder's backward)
         return lower, sum(each[1:]) + st.between_grads, sum(each[lower + 1:])
     return lower, (layers - 1) * st.layer_grads, max(layers - lower - 1, 0) * st.layer_grads
+
+
+def _decoder_grads(m: ModelSpec, t: TrainingSpec, st: States, layers: int) -> int:
+    """Gradient bytes of an encoder-decoder's decoder layers (all of them: made by the time its
+    decoder embedding runs its backward, ``moments`` ``embeddings.decoder_backward``); 0 otherwise."""
+    lower = m.num_layers - m.decoder_layers if m.is_encoder_decoder and t.pp == 1 else 0
+    if not lower or t.grads_freed_in_backward:
+        return 0
+    each = st.each_layer_grads if (m.family == "derived" and len(st.each_layer_grads) == layers) else ()
+    return sum(each[lower:]) if each else (layers - lower) * st.layer_grads
 
 
 def head_wgrad(m: ModelSpec, t: TrainingSpec, cast_head: int) -> int:

@@ -1082,7 +1082,7 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
     if not uniform and r.per_stage:
         acc.layer_grads = -(-acc.layer_grads // r.per_stage)
         acc.lmh = -(-acc.lmh // r.per_stage)
-    if m.tied_embeddings and t.amp and m.head in ("causal-lm", "masked-lm", "seq2seq-lm") and \
+    if m.tied_embeddings and t.amp and m.head in ("causal-lm", "masked-lm", "seq2seq-lm", "speech-seq2seq") and \
             (t.pp == 1 or r.stage == "last") and not t.half_embeddings:
         # the tied embedding is also the LM head: autocast casts it for the head matmul
         emb = next(p for p in m.parameter_tensors() if p.role == "embedding")

@@ -142,9 +142,10 @@ def fit(model: Any, gpu: Any = None, by: str = "estimate", seq_multiple: int = 1
     if not isinstance(seq_multiple, int) or seq_multiple <= 0:
         raise TrainmemError(f"--seq-multiple must be a positive integer, got {seq_multiple!r}")
     if seq_len is None and batch_size is None:
-        # an image model's sequence is its image size's patches (--image-size): the micro-batch is searched
+        # an image model's sequence is its image size's patches (--image-size), a speech seq2seq model's its
+        # encoder's fixed positions (Whisper): the micro-batch is searched
         ev = Evaluator(model, by=by, gpu=gpu, **options)
-        if not ev.model.is_image:
+        if not (ev.model.is_image or ev.model.is_speech_seq2seq):
             raise TrainmemError("fit needs --seq-len N (to find the largest micro-batch) or --batch-size N "
                                 "(to find the longest sequence)")
         search, step, fixed, k_max, cap_reason = "batch_size", 1, {}, BATCH_CAP, "search_cap"
@@ -152,6 +153,12 @@ def fit(model: Any, gpu: Any = None, by: str = "estimate", seq_multiple: int = 1
         ev = Evaluator(model, by=by, gpu=gpu, seq_len=seq_len, **options)
         search, step, fixed, k_max, cap_reason = "batch_size", 1, {"seq_len": seq_len}, BATCH_CAP, "search_cap"
     else:
+        from ..spec.resolve import model_of
+        fixed_model = model_of(model, options)  # (the model alone: no setup checks)
+        if fixed_model.is_image or fixed_model.is_speech_seq2seq:
+            raise TrainmemError(f"fit --batch-size {batch_size}: {fixed_model.name}'s sequence is fixed (its "
+                                f"{'image size' if fixed_model.is_image else 'encoder length'}), there is no longer "
+                                f"one to search: drop --batch-size to search the micro-batch")
         step = math.lcm(seq_multiple, *_seq_divisors(model, options))
         ev = Evaluator(model, by=by, gpu=gpu, batch_size=batch_size, seq_len=step, **options)
         search, fixed, m = "seq_len", {"batch_size": batch_size}, ev.model

@@ -545,6 +545,8 @@ def _derived_spec(cfg: dict[str, Any], arch: str, name: str, common: dict[str, A
     head = HEAD_OF_TASK[s.get("task", "causal-lm")]
     image = dict(image_size=s["image_size"], patch_size=s["patch_size"], num_channels=s.get("num_channels", 3),
                  class_tokens=s.get("class_tokens", 0)) if head == "image-cls" else {}
+    if head == "speech-seq2seq":  # Whisper: the log-mel input and the encoder's fixed length (profile.summary)
+        image = dict(mel_bins=s["mel_bins"], source_positions=s["source_positions"])
     return ModelSpec(
         family="derived", head=head, num_layers=s["num_layers"], hidden_size=s["hidden_size"],
         decoder_layers=s.get("decoder_layers", 0), **image,

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 from ..errors import TrainmemError
 
 FAMILIES = ("gpt2", "nanogpt", "bert", "roberta-prenorm", "llama", "mixtral", "gpt-next", "derived")
-HEADS = ("causal-lm", "masked-lm", "seq-cls", "qa", "base", "seq2seq-lm", "image-cls", "vlm")
+HEADS = ("causal-lm", "masked-lm", "seq-cls", "qa", "base", "seq2seq-lm", "image-cls", "vlm", "speech-seq2seq", "ctc")
 ACTIVATIONS = ("gelu", "swiglu", "relu")
 NORMS = ("layernorm", "rmsnorm")
 
@@ -96,6 +96,8 @@ class ModelSpec:
     patch_size: int = 0      # ... its patch side: a sequence of (image_size / patch_size)^2 patches
     num_channels: int = 3    # ... colour channels of its pixel values
     class_tokens: int = 0    # ... tokens added to the patches (ViT's class token)
+    mel_bins: int = 0        # a speech seq2seq model (head speech-seq2seq, Whisper): log-mel channels of its input
+    source_positions: int = 0  # ... its encoder's fixed positions (Whisper: 1500, from 3000 mel frames)
     architecture: str = ""  # the config's architectures[0], e.g. "LlamaForCausalLM"
     model_type: str = ""
     fingerprint: str = ""  # family "derived": the config's hash, which names its profile (spec.profile)
@@ -167,7 +169,20 @@ class ModelSpec:
 
     @property
     def is_encoder_decoder(self) -> bool:
-        return self.head == "seq2seq-lm" and self.decoder_layers > 0
+        return self.head in ("seq2seq-lm", "speech-seq2seq") and self.decoder_layers > 0
+
+    @property
+    def is_speech_seq2seq(self) -> bool:
+        """A speech encoder-decoder (Whisper): its encoder's length is fixed by its config
+        (``source_positions``), its input log-mel features; ``--target-len`` is the decoder's tokens."""
+        return self.head == "speech-seq2seq" and self.decoder_layers > 0
+
+    @property
+    def mel_frames(self) -> int:
+        """The log-mel frames of a speech seq2seq model's input: twice its encoder positions
+        (transformers 5.24 ``models/whisper/modeling_whisper.py`` L611-615: ``WhisperEncoder.forward``
+        refuses any length but ``max_source_positions * conv1.stride * conv2.stride``, strides 1 and 2)."""
+        return 2 * self.source_positions
 
     def image_tokens(self, image_size: int) -> int:
         """The sequence of an ``image_size`` x ``image_size`` image: its patches and class tokens

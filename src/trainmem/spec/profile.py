@@ -251,6 +251,10 @@ def build_profile(config: Mapping[str, Any]) -> Profile:
     unused = without_gradient(model, summ) if task == "image-classification" else \
         text_without_gradient(model) if task == "causal-lm" and getattr(cfg, "vision_config", None) is not None \
         else frozenset()
+    if task in ("speech-seq2seq", "ctc"):
+        # parameters the model builds frozen (Whisper's sinusoidal encoder positions,
+        # ``WhisperEncoder.__init__``: ``self.embed_positions.requires_grad_(False)``): no gradient, no state
+        unused = unused | frozenset(n for n, p in model.named_parameters() if not p.requires_grad)
     return profile_of_module(model, mtype, cls.__name__, dict(summ, task=task), transformers.__version__, unused)
 
 
@@ -347,6 +351,11 @@ def summary(cfg: Any, labels_only: bool = False) -> dict[str, Any]:
            "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
            "sliding_window": window if isinstance(window, int) else 0,
            "use_cache": bool(getattr(cfg, "use_cache", True))}
+    if out["decoder_layers"] and isinstance(first("num_mel_bins", default=None), int):
+        # a speech encoder-decoder (Whisper): its mel channels, its encoder's fixed positions, and as
+        # max_positions its decoder's learned ones (``max_target_positions``)
+        out.update(mel_bins=int(first("num_mel_bins")), source_positions=int(first("max_source_positions")),
+                   max_positions=int(first("max_target_positions", default=out["max_positions"])))
     if isinstance(image[0], int) and isinstance(image[1], int):
         out.update(image_size=image[0], patch_size=image[1], num_channels=int(first("num_channels", default=3)))
     return out

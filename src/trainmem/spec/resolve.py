@@ -257,6 +257,12 @@ def _model(model: Any, overrides: Any, task: str | None = None) -> ModelSpec:
                         f"Resolved, got {type(model).__name__}")
 
 
+def model_of(model: Any, options: Mapping[str, Any]) -> ModelSpec:
+    """The ModelSpec ``model`` and ``options`` name (their ``set``/``overrides`` and ``task``), without
+    checking any training option against it."""
+    return _model(model, _overrides(options), options.get("task"))
+
+
 def training_from(options: Mapping[str, Any], model: ModelSpec | None = None,
                   base: TrainingSpec | None = None) -> TrainingSpec:
     """The TrainingSpec of ``options``: their training fields on top of ``training=`` (or ``base``),

@@ -24,6 +24,8 @@ from ..errors import TrainmemError
 TASKS = {
     "causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
     "seq2seq-lm": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    "speech-seq2seq": "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES",
+    "ctc": "MODEL_FOR_CTC_MAPPING_NAMES",
     "image-classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
     "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
     "sequence-classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
@@ -32,7 +34,8 @@ TASKS = {
     "image-text-to-text": "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
 }
 #: task -> ModelSpec.head
-HEAD_OF_TASK = {"causal-lm": "causal-lm", "seq2seq-lm": "seq2seq-lm", "image-classification": "image-cls",
+HEAD_OF_TASK = {"causal-lm": "causal-lm", "seq2seq-lm": "seq2seq-lm", "speech-seq2seq": "speech-seq2seq",
+                "ctc": "ctc", "image-classification": "image-cls",
                 "masked-lm": "masked-lm", "sequence-classification": "seq-cls", "question-answering": "qa",
                 "image-text-to-text": "vlm"}
 #: the config key ``--task image-text-to-text`` sets where the class is also the type's causal LM (Gemma 3):
@@ -44,7 +47,13 @@ TASK_KEY = "_trainmem_task"
 _SUFFIXES = {"causal-lm": ("ForCausalLM", "LMHeadModel"), "masked-lm": ("ForMaskedLM",),
              "sequence-classification": ("ForSequenceClassification",),
              "question-answering": ("ForQuestionAnswering",),
-             "image-classification": ("ForImageClassification",)}
+             "image-classification": ("ForImageClassification",), "ctc": ("ForCTC",)}
+#: the model types whose speech seq2seq class trainmem builds its input for (``workload.model_batch``:
+#: Whisper's log-mel ``input_features``); another type's speech class is refused in one line
+SPEECH_SEQ2SEQ_TYPES = ("whisper",)
+#: the model types whose CTC class trainmem builds its input for (raw 16 kHz ``input_values`` through
+#: the 7-convolution feature encoder of ``Wav2Vec2FeatureEncoder``)
+CTC_TYPES = ("wav2vec2", "hubert", "wavlm")
 
 
 def _mapping(task: str) -> Mapping[str, Any]:
@@ -109,9 +118,20 @@ def is_base_class(model_type: str, class_name: str) -> bool:
     return class_name == names or (isinstance(names, (list, tuple)) and class_name in names)
 
 
+def _natural_order(model_type: str) -> list[str]:
+    """TASKS in the order a config without ``architectures`` picks its head: the speech seq2seq task
+    first for the types trainmem builds speech input for (Whisper: its ``WhisperForCausalLM`` is the
+    decoder alone, built as the assistant model of speculative decoding, transformers 5.24
+    ``models/whisper/modeling_whisper.py`` ``WhisperForCausalLM``; what is fine-tuned is
+    ``WhisperForConditionalGeneration``), else TASKS' own order."""
+    if model_type in SPEECH_SEQ2SEQ_TYPES:
+        return ["speech-seq2seq"] + [t for t in TASKS if t != "speech-seq2seq"]
+    return list(TASKS)
+
+
 def natural_class(model_type: str) -> str | None:
-    """The class of the first task in TASKS that ``model_type`` has (None: none)."""
-    for task in TASKS:
+    """The class of the first task in ``_natural_order`` that ``model_type`` has (None: none)."""
+    for task in _natural_order(model_type):
         name = _mapping(task).get(model_type)
         if name:
             return str(name[0] if isinstance(name, (list, tuple)) else name)
@@ -127,6 +147,14 @@ def trainable_class(config: Mapping[str, Any]) -> Mapping[str, Any]:
     archs = config.get("architectures") or []
     mtype = str(config.get("model_type") or "")
     current = archs[0] if archs and isinstance(archs[0], str) else ""
+    if not current and mtype in SPEECH_SEQ2SEQ_TYPES:
+        # named explicitly, so the config's fingerprint (its profile's and coefficients' key) is that
+        # of the speech class, never that of a profile an older trainmem built as its causal LM
+        try:
+            speech = class_for_task(mtype, "speech-seq2seq")
+        except TrainmemError:  # no transformers: the config as it is
+            return config
+        return dict(config, architectures=[speech])
     try:
         if not current.endswith("ForConditionalGeneration") or not mtype or task_of_class(mtype, current) is not None:
             return config  # another head (token classification...) is refused where it is read

@@ -1665,6 +1665,8 @@ def default_seq_len(model: Any) -> int:
     when it has fewer (GPT-2: 1024, BERT: 512); an image model's patches of its config's image size."""
     if model.is_image:
         return model.image_tokens(model.image_size)
+    if getattr(model, "is_speech_seq2seq", False):
+        return model.source_positions
     if model.learned_positions:
         return min(2048, model.max_positions)
     return 2048
@@ -1673,7 +1675,11 @@ def default_seq_len(model: Any) -> int:
 def image_sizes(model: Any, given: dict[str, Any], current: int | None = None) -> dict[str, Any]:
     """``given`` training options with an image model's sequence set from its image size: the
     ``image_size`` given, else ``current`` (the setup's), else the config's; ``--seq-len`` is refused
-    (the image size sets it). Other models: ``given`` unchanged."""
+    (the image size sets it). A speech seq2seq model's (Whisper's) sequence is its encoder's fixed
+    positions and its ``target_len`` defaults to its decoder's learned positions (``speech_lengths``).
+    Other models: ``given`` unchanged."""
+    if getattr(model, "is_speech_seq2seq", False):
+        return speech_lengths(model, given)
     if not model.is_image:
         return given
     if given.get("seq_len") is not None:
@@ -1712,9 +1718,31 @@ def _vlm_problem(model: Any, t: TrainingSpec) -> str | None:
                     f"without {flag}; drop it")
     return None
 
+def _fixed_length_refusal(model: Any, seq_len: int) -> str:
+    return (f"--seq-len {seq_len}: {model.name}'s encoder takes a fixed {model.mel_frames} log-mel frames "
+            f"({model.source_positions} positions after its convolutions; WhisperEncoder refuses any other length): "
+            f"drop --seq-len (the decoder's tokens are --target-len)")
+
+
+def speech_lengths(model: Any, given: dict[str, Any]) -> dict[str, Any]:
+    """``given`` with a speech seq2seq model's lengths: the sequence is the encoder's fixed positions
+    (``--seq-len`` another one refused: transformers 5.24 ``models/whisper/modeling_whisper.py``
+    L611-615), the decoder's tokens ``target_len``, default its learned positions (Whisper's
+    ``max_target_positions``, 448: the longest labels ``WhisperForConditionalGeneration.forward``
+    takes, L1101-1104)."""
+    seq = given.get("seq_len")
+    if seq is not None and seq != model.source_positions:
+        raise TrainmemError(_fixed_length_refusal(model, seq))
+    return dict(given, seq_len=model.source_positions, target_len=given.get("target_len") or model.max_positions)
+
 
 def _size_problems(model: Any, t: TrainingSpec) -> str | None:
     """An image size, target length or loss the model cannot take (None: none)."""
+    return _input_problems(model, t) or _layer_option_problems(model, t)
+
+
+def _input_problems(model: Any, t: TrainingSpec) -> str | None:
+    """Inputs the model's head cannot take: images, lengths, trainers, a loss of another head."""
     if model.is_vlm:
         bad = _vlm_problem(model, t)
         if bad:
@@ -1757,9 +1785,23 @@ def _size_problems(model: Any, t: TrainingSpec) -> str | None:
                 f"sequence-classification --set num_labels=1")
     if t.target_len is not None and not model.is_encoder_decoder:
         return f"--target-len {t.target_len}: {model.name} is not an encoder-decoder (seq2seq-lm); drop it"
-    if model.head in ("seq2seq-lm", "image-cls") and t.loss is not None:
+    if model.head == "ctc":
+        return (f"{model.name} ({model.architecture}) is a CTC speech model: trainmem does not yet build its raw-audio "
+                f"input_values nor model its feature encoder, in trace or estimate; no CTC setup can be estimated yet")
+    if getattr(model, "is_speech_seq2seq", False) and t.seq_len != model.source_positions:
+        return _fixed_length_refusal(model, t.seq_len)
+    if getattr(model, "is_speech_seq2seq", False) and t.decoder_len > model.max_positions:
+        # (WhisperForConditionalGeneration.forward raises on longer labels, transformers 5.24 L1101-1104)
+        return (f"--target-len {t.decoder_len} exceeds the {model.max_positions} decoder positions of {model.name}; "
+                f"use --target-len <= {model.max_positions}")
+    if model.head in ("seq2seq-lm", "image-cls", "speech-seq2seq", "ctc") and t.loss is not None:
         return (f"--loss {t.loss}: {model.name}'s {model.head} head computes its own loss "
                 f"({model.architecture}.forward with labels); drop --loss")
+    return None
+
+
+def _layer_option_problems(model: Any, t: TrainingSpec) -> str | None:
+    """Options of another framework's layer or loss code that the model's layers do not have."""
     if t.fused_qkv and not {"q_proj", "k_proj", "v_proj"} <= {p.module for p in model.parameter_tensors()}:
         return (f"--fused-qkv models litgpt's fused q/k/v linear over a transformers attention with separate "
                 f"q_proj, k_proj and v_proj; {model.name}'s has none (it fuses them itself): drop --fused-qkv")
@@ -1844,7 +1886,7 @@ def check_against(model: Any, t: TrainingSpec) -> None:
     if t.moe_imbalance > 1 and not model.num_experts:
         raise TrainmemError(f"--moe-imbalance {t.moe_imbalance:g}: {model.name} has no experts to route to; "
                             "drop --moe-imbalance")
-    if model.learned_positions and t.seq_len > model.max_positions:
+    if model.learned_positions and t.seq_len > model.max_positions and not getattr(model, "is_speech_seq2seq", False):
         raise TrainmemError(f"--seq-len {t.seq_len} exceeds the {model.max_positions} learned positions of "
                             f"{model.name}; use --seq-len <= {model.max_positions}")
     if model.learned_positions and model.is_encoder_decoder and t.decoder_len > model.max_positions:

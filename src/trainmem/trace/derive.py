@@ -223,6 +223,54 @@ ENCDEC_TERMS = ("n", "nd", "nsq", "nsqd", "nsqx", "s", "sd", "ssq", "ssqd", "ssq
 ENCDEC_TRANSIENT = ("n", "nd", "nsq", "nsqd", "nsqx", "1", "ssq", "ssqd", "ssqx")
 
 
+#: a speech encoder-decoder's (Whisper's) terms: its encoder's length S is fixed by its config
+#: (``ModelSpec.source_positions``; WhisperEncoder refuses any other), so a quantity is a polynomial
+#: in the batch b and the decoder's length d alone: b, b*d, b*d^2, 1, d, d^2. Written in
+#: ``ENCDEC_TERMS``' names, each the term that is that monomial at S (``n`` = b*S, ``nd`` = b*d,
+#: ``nsqd`` = b*d^2, ``s`` = S for a constant, ``sd`` = d, ``ssqd`` = d^2): the terms of S the
+#: two-length fit has (b*S^2, b*d*S, S^2, d*S) are then folded into these, and
+#: ``estimate.derived.at_lengths`` reads them at the setup's S unchanged. A saved quantity's constant
+#: is ``1``, which ``at_lengths`` drops as it drops the two-length fit's: the bytes a layer keeps
+#: whatever the batch and lengths are its weights' half copies (with LoRA, autocast casts the frozen
+#: weights at each call and the matmul saves the copy: ``autocast_mode.cpp`` ``cached_cast`` caches
+#: only leaves that require grad), which the engine counts itself (``autocast_weight_copies``;
+#: whisper-small LoRA r32 +18.5% against trace with the constant read as per encoder position); a
+#: tensor of the encoder's S positions shared by the batch would fall in it too (Whisper saves none:
+#: ``embed_positions(all_positions)`` is only added). A backward transient's constant is ``1`` and
+#: its per-decoder-position term ``ssqx`` (d*S), as ``ENCDEC_TRANSIENT`` has no per-position terms
+FIXED_ENCODER_TERMS = ("n", "nd", "nsqd", "1", "sd", "ssqd")
+FIXED_ENCODER_TRANSIENT = ("n", "nd", "nsqd", "1", "ssqd", "ssqx")
+
+
+#: a speech encoder-decoder's smallest decoder length of the fit (``fixed_encoder_points``)
+FIXED_ENCODER_D0 = 128
+
+
+def fixed_encoder_points(m: ModelSpec) -> list[tuple[int, int, int]]:
+    """A speech encoder-decoder's (batch, encoder length, decoder length) points, the held-out one
+    last: the fixed encoder length S, decoder lengths 128, 256 and 384 at batches 2 and 3 (six points
+    for the six ``FIXED_ENCODER_TERMS``: a quadratic in d per batch, the two batches separating
+    per-sample terms from shared ones); held out: batch 4 at 512. The cut model is traced with
+    ``max_target_positions`` raised to 512 where the config has fewer (Whisper's 448;
+    ``fixed_encoder_config``). Every length is a multiple of 128: SDPA's kernels pad the query length
+    of what they allocate (the memory-efficient kernel's logsumexp to 32, ``aten/src/ATen/native/
+    transformers/cuda/attention.cu`` ``kAlignLSE``; the flash kernel's backward accumulators to 128,
+    its ``seqlen_q_rounded``), which makes the bytes a step function of d between those multiples:
+    whisper-tiny's decoder layer backward traced at d = 96 (fit through 64, 128, 192) missed by 1.4%
+    under bf16-amp, at d = 256 by 43% in pure bf16. A setup's length between them is read off the
+    polynomial (the padding's bytes, at most b x heads x 128 x head_dim x 4 per tensor, left out)."""
+    d0, S = FIXED_ENCODER_D0, m.source_positions
+    return [(b, S, d) for d in (d0, 2 * d0, 3 * d0) for b in (2, 3)] + [(4, S, 4 * d0)]
+
+
+def fixed_encoder_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The cut speech model's config with room for ``fixed_encoder_points``' longest decoder length
+    (its decoder's position table longer: a parameter, which the derivation does not measure; the
+    activations per decoder token are the same)."""
+    longest = 4 * FIXED_ENCODER_D0
+    return dict(cfg, max_target_positions=max(int(cfg.get("max_target_positions") or 0), longest))
+
+
 def encdec_points(s0: int) -> list[tuple[int, int, int]]:
     """An encoder-decoder's (batch, encoder length, decoder length) points, the held-out one last:
     six length pairs (equal, either twice the other, one three times the other), not on one conic,
@@ -241,9 +289,12 @@ def encdec_coefficients(m: ModelSpec, t: TrainingSpec, cfg: dict[str, Any], kind
     estimate takes any target length (``estimate.derived.at_lengths`` reads them at the setup's)."""
     kinds_full, kinds_small = kinds
     ckpt = checkpointed(m, t)
-    pts = encdec_points(s0)
+    fixed = m.is_speech_seq2seq  # the encoder's length fixed (``FIXED_ENCODER_TERMS``)
+    pts = fixed_encoder_points(m) if fixed else encdec_points(s0)
+    cfg = fixed_encoder_config(cfg) if fixed else cfg
     runs = _runs(m, cfg, kinds_small, base, pts, ckpt)
-    terms = ENCDEC_TERMS
+    terms = FIXED_ENCODER_TERMS if fixed else ENCDEC_TERMS
+    transient_terms = FIXED_ENCODER_TRANSIENT if fixed else ENCDEC_TRANSIENT
     out: dict[str, Any] = {"terms": list(terms), "layer_kinds": kinds_full, "kinds": {}, "points": pts,
                            "attention": attention_implementation(m, t)[0], "seq_base": s0,
                            "logits_bytes": runs[-1]["logits_bytes"]}
@@ -255,7 +306,7 @@ def encdec_coefficients(m: ModelSpec, t: TrainingSpec, cfg: dict[str, Any], kind
 
     def moment(key: str) -> list[dict[str, Any]]:
         return _candidates(m, pts, [r["transient"][key] for r in runs], [r["made"][key] for r in runs],
-                           runs[-1]["total_g"][key], ENCDEC_TRANSIENT, with_grads=True)
+                           runs[-1]["total_g"][key], transient_terms, with_grads=True)
     per_token = ("n", "nd")  # what the KV cache, the output's tensors hold: (b, s, ...) and (b, d, ...)
     for kind in sorted(set(kinds_small)):
         v = out["kinds"][kind] = {
@@ -273,6 +324,11 @@ def encdec_coefficients(m: ModelSpec, t: TrainingSpec, cfg: dict[str, Any], kind
     # layer kinds (the full model's decoder bottom has more encoder layers alive)
     out["moment_base"] = {name: fit(f"{name} layer's activations", [r["base"][name] for r in runs])
                           for name in ("bottom", "decoder_bottom")}
+    if fixed:  # (Whisper's decoder embedding, ``_decoder_embedding_base``; the keys of T5's and BART's unchanged)
+        out["moment_base"]["decoder_embedding"] = fit("decoder embedding's backward activations",
+                                                      [r["base"]["decoder_embedding"] for r in runs])
+        out["moment_base"]["decoder_embedding_temp"] = fit("decoder embedding's backward temporaries",
+                                                           [r["base"]["decoder_embedding_temp"] for r in runs])
     out["cut_kinds"] = kinds_small
     out["first_layer"] = fit("first layer's bytes", [r["first"] for r in runs])
     for side in ("embed", "head", "head_loss"):
@@ -591,7 +647,7 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
     at = {"bottom": 0, "decoder_bottom": starts[1]} if len(starts) > 1 else {f"typical.{k}": typical[k] for k in typical}
     trans, made, total_g, early = _transients(tracker, recs, layer_of, kinds, saved_rec, vocab, early_frees,
                                               shared_frees, at, cast_frees=image)
-    base = _moment_bases(recs, layer_of, at, saved_rec, shared_frees, (end, logits_ev))
+    base = _moment_bases(recs, layer_of, at, saved_rec, shared_frees, (end, logits_ev), vocab)
     outputs = _layer_outputs(recs, layer_of, saved_rec, kinds, typical, top, image and top_less != 0,
                              sorted(set(starts + ends) - {top}))
     # the KV cache: all of it per layer, and what dies with the output (``held``: not saved)
@@ -667,13 +723,50 @@ def _head_forward(tracker: Any, recs: list, window: tuple[int, int], head: int) 
 
 
 def _moment_bases(recs: list, layer_of: Any, at: dict[str, int], saved_rec: dict[int, list], shared: int,
-                  ends: tuple[int, int]) -> dict[str, int]:
+                  ends: tuple[int, int], vocab: int = 0) -> dict[str, int]:
     """``_moment_base`` of each layer ``at`` names; ``ends``: the forward's last event, the logits' first."""
     end, logits_ev = ends
     fwd_saved = [r for r in recs if r.phase == "forward" and r.category in ("activations", "temporaries")
                  and r.label != "autocast_weight_cache" and r.alloc_event < logits_ev
                  and (r.free_event is None or r.free_event > end - 1)]
-    return {name: _moment_base(recs, layer_of, i, fwd_saved, saved_rec, shared) for name, i in at.items()}
+    out = {name: _moment_base(recs, layer_of, i, fwd_saved, saved_rec, shared) for name, i in at.items()}
+    if "decoder_bottom" in at:
+        out["decoder_embedding"] = _decoder_embedding_base(recs, fwd_saved)
+        out["decoder_embedding_temp"] = _decoder_embedding_temp(recs, vocab)
+    return out
+
+
+def _decoder_backward_start(recs: list) -> int | None:
+    """The first event of the decoder embedding's backward (None: it runs none)."""
+    evs = [r.alloc_event for r in recs if r.phase == "backward" and (r.module or "").endswith("decoder.embed_tokens")]
+    return min(evs) if evs else None
+
+
+def _decoder_embedding_temp(recs: list, vocab: int) -> int:
+    """The backward's temporaries alive when the decoder embedding's backward begins, but the tied
+    head's part of the table's gradient (the engine's ``tied_grad``): the gradient of the encoder's
+    output, which each decoder layer's cross-attention ``k_proj`` and ``v_proj`` add to (b, S, d_model)
+    and which waits there for the encoder's backward (0 when the embedding runs no backward)."""
+    w0 = _decoder_backward_start(recs)
+    if w0 is None:
+        return 0
+    return sum(r.nbytes for r in recs if r.phase == "backward" and r.alloc_event < w0
+               and (r.free_event is None or r.free_event > w0) and r.category not in ("gradients", "workspace")
+               and not (len(r.shape) == 2 and r.shape[0] == vocab))
+
+
+def _decoder_embedding_base(recs: list, fwd_saved: list) -> int:
+    """The forward's saved bytes still alive when an encoder-decoder's decoder embedding runs its
+    backward (0 when it runs none). Whisper's decoder has a token embedding of its own, tied to its
+    ``proj_out`` (transformers 5.24 ``models/whisper/modeling_whisper.py`` ``WhisperDecoder``,
+    ``WhisperForConditionalGeneration._tied_weights_keys``), whose backward (``EmbeddingBackward0``'s
+    dense (vocab, d_model) gradient added to the head's part) runs once the decoder's first layer is
+    done and before the encoder's layers, all of whose saved tensors are then alive (the engine's
+    moment ``embeddings.decoder_backward``); T5's and BART's shared embedding's runs after the encoder's."""
+    w0 = _decoder_backward_start(recs)
+    if w0 is None:
+        return 0
+    return sum(r.nbytes for r in fwd_saved if r.free_event is None or r.free_event >= w0)
 
 
 def _moment_base(recs: list, layer_of: Any, i: int, fwd_saved: list, saved_rec: dict[int, list], shared: int) -> int:
@@ -882,8 +975,12 @@ def _candidates(m: ModelSpec, pts: list[tuple[int, ...]], series: list[list[int]
         raise NotPolynomial(f"{m.name}: the derived backward transient is not polynomial in the batch and "
                             f"sequence; trainmem will not extrapolate it: use trace", "backward transient")
     lengths = (16, 128, 512, 4096, 32768) if m.is_image else (512, 4096, 32768)
-    grid = np.array([_basis((b, s, d) if two else (b, s), basis) for b in (1, 4, 32) for s in lengths
-                     for d in ((128,) + lengths if two else (0,))])
+    if m.is_speech_seq2seq:  # the encoder's one length; decoder lengths up to its positions
+        grid = np.array([_basis((b, m.source_positions, d), basis) for b in (1, 4, 32)
+                         for d in (8, 64, 128, 256, m.max_positions)])
+    else:
+        grid = np.array([_basis((b, s, d) if two else (b, s), basis) for b in (1, 4, 32) for s in lengths
+                         for d in ((128,) + lengths if two else (0,))])
     vals = grid @ coef
     g = np.array(made, dtype=np.float64).max(0)
     if with_grads:  # a moment's own gradients made by then count in the choice (the engine adds them)
@@ -957,4 +1054,5 @@ def _fitted(m: ModelSpec, what: str, points: list[tuple[int, ...]], ys: list[int
 
 
 __all__ = ["derive_coefficients", "NotPolynomial", "encdec_coefficients", "reduced_config", "DERIVE_TOLERANCE", "ENCDEC_TERMS",
+           "FIXED_ENCODER_TERMS", "FIXED_ENCODER_TRANSIENT", "fixed_encoder_points",
            "BATCH1_TERMS", "batch1_points"]
