@@ -199,6 +199,40 @@ def _zero3_masters(R: _Replay, largest: int, st: Any, convert: bool = True) -> N
     R.free(copy)
 
 
+def _zero3_step(R: _Replay, s: "_Step", q: Quantities, st: Any, order: list, first: bool) -> None:
+    """DeepSpeed ZeRO-3's ``step`` on the device (v0.19.8 ``stage3.py``). ``_get_norm_groups``
+    (L2579) -> ``get_grad_norm_direct`` takes each parameter's gradient partition in turn, copied to
+    ``get_norm_dtype()`` (float64 where the device has it, ``zero/utils.py`` L59-63) for its
+    ``.norm`` (L2454-2457): one float64 copy at a time, the largest the embedding's partition (its
+    norm, 8 B, is not replayed). Then per sub-group (L2905-2925): ``_prepare_fp32_grad_for_sub_group``
+    flattens the partition (``cat``, gradient dtype) and casts it to fp32 (L2686), the flat copy
+    freed; ``_optimizer_step`` steps the torch optimizer on the sub-group's one fp32 partition
+    (L1245-1261), whose states are made lazily at the first step as ``zeros_like`` of it (one flat
+    tensor per state and sub-group, after the fp32 gradient: not per tensor at the step's start);
+    the fp32 gradient is released after it. Sub-groups hold at most ``deepspeed_group_elems``
+    elements (``q.ds_step_fp32`` / 4), the last the rest."""
+    def elems(tr: tuple) -> int:
+        """a tensor's partition elements: its gradient partition's bytes over the gradient dtype's"""
+        return tr[2] // q.ds_norm_fp64
+    for tr in order:                                            # the norm: (partition,) float64, one by one
+        for _ in range(tr[1]):
+            R.free(R.alloc(elems(tr) * 8))
+    total = sum(elems(tr) * tr[1] for tr in st.trainables)      # the rank's partition elements
+    per_state = [sum(sts[i] for (_w, k, _g, sts, _m) in st.trainables for _ in range(k) if len(sts) > i)
+                 for i in range(max((len(sts) for (*_x, sts, _m) in st.trainables), default=0))]
+    largest, left = max(1, q.ds_step_fp32 // 4), total
+    while left > 0:
+        n = min(left, largest)
+        flat = R.alloc(q.ds_step_flat * n // largest)            # (n,) gradient dtype, then (n,) fp32
+        fp32 = R.alloc(q.ds_step_fp32 * n // largest)
+        R.free(flat)
+        if first:                                                # the states: zeros_like(fp32 partition)
+            s.states += [R.alloc(x * n // max(1, total)) for x in per_state]
+        R.free(R.alloc((q.step_temp - q.ds_step_fp32 - q.ds_step_flat) * n // largest))  # the optimizer's own
+        R.free(fp32)
+        left -= n
+
+
 def _zero3_flat_grads(R: _Replay, s: "_Step", nbytes: int, trainables: tuple) -> None:
     """DeepSpeed ZeRO-3's gradient partition buffer (``quantities.deepspeed_init_grads``): one block,
     made in the optimizer's ``__init__`` before its gathers; every trainable tensor's gradient is a
@@ -555,11 +589,13 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     if q.fsdp_emb_unit:                                           # split root: the embedding's pre-backward
         f.fs.below_first = 0
         f.root = f.fs.unshard_backward(R, q.fsdp_emb_unit, _emb_unit_tensors(st), prefetch=False)
+    gathered = R.alloc(q.ds_gathered_emb)                         # ZeRO-3: the embedding gathered whole
     emb_full = R.alloc(st.emb_grads_full)                         # FSDP: the embedding's unsharded gradient
     if tied is not None and not _fsdp(q):                         # the embedding's own gradient, then
         emb_out = R.alloc(q.tied_grad)                            # autograd's InputBuffer adds it to the
         _make_grads(R, s, st.trainables, ("before",), flags.oib)  # head's out of place: the sum is .grad
-        R.frees([tied, emb_out])                                  # (``quantities.tied_head_grad``)
+        acc = R.alloc(q.tied_grad) if q.ds_init_grads else None   # (ZeRO-3: a new tensor, copied to its bucket)
+        R.frees([tied, emb_out, acc])                             # (``quantities.tied_head_grad``)
         tied = None
     if tied is not None and _root_resharded(q, f.fs):             # FSDP2, a tied head: the embedding's own
         emb_out = R.alloc(q.tied_grad)                            # gradient, then autograd's InputBuffer adds
@@ -572,6 +608,8 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     _make_grads(R, s, st.trainables, ("before",) if q.fsdp_head_unit else ("after", "before"), flags.oib,
                 f.fs.grad_stream)                                 # head, norm, embeddings
     f.fs.reduced(R)                                               # torch < 2.5: the input dropped on return
+    R.free(R.alloc(q.ds_reduce_cat))                              # ZeRO-3's epilogue: the bucket reduced
+    R.free(gathered)                                              # ... and every parameter released
     R.frees([tied, f.emb, f.inputs] + buckets)
     f.fs.reshard(R, f.root)                                       # the root's post-backward
     f.fs.done(R)
@@ -1330,12 +1368,15 @@ def _optimizer_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, step:
     ``q.step_temp`` sets their total (the group's, or the largest tensor's ``temp_copies``)."""
     st = q.detail.states
     order = [st.trainables[j] for j in _parameter_order(st.trainables)]
-    if step == 1 and st.optimizer and not flags.states_at_init:  # lazily, unless offloaded to the host
+    zero3 = bool(q.ds_norm_fp64 and q.ds_step_fp32)              # DeepSpeed ZeRO-3 on the device
+    if step == 1 and st.optimizer and not flags.states_at_init and not zero3:  # lazily, unless offloaded
         s.states = _allocate_states(R, st)
     sizes = [(sts[0] if sts else g) for (_w, _k, g, sts, _m) in order]
     if q.ds_norm_temp:                                           # DeepSpeed ZeRO-1/2: the norm's float64 piece
         R.free(R.alloc(q.ds_norm_temp))
-    if q.ds_step_fp32:                                           # DeepSpeed: one flat fp32 partition per group
+    if zero3:
+        _zero3_step(R, s, q, st, order, step == 1 and bool(st.optimizer))
+    elif q.ds_step_fp32:                                         # DeepSpeed: one flat fp32 partition per group
         flat, fp32 = R.alloc(q.ds_step_flat), R.alloc(q.ds_step_fp32)   # the cast: flat copy, then fp32
         R.free(flat)
         R.free(R.alloc(q.step_temp - q.ds_step_fp32 - q.ds_step_flat))  # the optimizer's own, on that tensor
