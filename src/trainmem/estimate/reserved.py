@@ -114,6 +114,7 @@ class _Step:
     workspaces: list = field(default_factory=list)  # the forward thread's, then autograd's (kept)
     ao_events: tuple = ()                        # torchao: each trainable's compiled-step buffers (States)
     lomo: Any = None                             # LOMO: the gradient its next hook updates (handle, bytes, states)
+    forwards: int = 0                            # micro-batch forwards begun (DeepSpeed ZeRO-3 records its order in the first)
 
     def workspace(self, R: "_Replay", thread: int) -> None:
         """The cuBLAS workspace of the forward (0) or the autograd (1) thread, at its first matmul
@@ -318,6 +319,7 @@ class _Forward:
     saved: list                                  # what the loss saved
     full: int                                    # logit elements
     chunks: int
+    gathered: Any = None                         # ZeRO-3: the embedding's table kept gathered since its forward
 
 
 def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, parts: list[int],
@@ -333,7 +335,14 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     # torchtitan's split root (quantities.fsdp2_split_root): the embedding unit gathered, resharded
     # by its post-forward (its all-gather output kept until the first layer's copy-out)
     fs.reshard(R, fs.unshard(R, q.fsdp_emb_unit, _emb_unit_tensors(st)))
+    # ZeRO-3: the embedding's table gathered on the all-gather stream (``_zero3_gathered``); once the
+    # module order is recorded it may stay gathered until its backward (quantities.deepspeed_embedding_kept)
+    gathered = R.alloc(q.ds_gathered_emb, GATHER_STREAM * q.ds_streams)
+    s.forwards += 1
     embeds = R.alloc(int(q.embeds_tok * tk.tokens))              # the base model's inputs_embeds, unsaved
+    if not (q.ds_emb_kept and s.forwards > 1):                   # released after the embedding's forward
+        R.free(gathered)
+        gathered = None
     emb = R.alloc(tk.outer_rest)                                  # embeddings' saved tensors
     s.workspace(R, 0)                                             # the first layer's first matmul
     cached: list = []                                             # autocast's weight cache (checkpointed layers)
@@ -383,7 +392,7 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
         R.free(fs.ag)                                             # (``_fsdp_state.py`` ``_post_forward``)
         fs.ag = None
     R.mark("forward" + suffix, s.step)
-    return _Forward(inputs, fs, root, emb, kept, head, out, saved, full, chunks)
+    return _Forward(inputs, fs, root, emb, kept, head, out, saved, full, chunks, gathered)
 
 
 def _emb_unit_tensors(st: Any) -> tuple[int, ...]:
@@ -589,7 +598,8 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     if q.fsdp_emb_unit:                                           # split root: the embedding's pre-backward
         f.fs.below_first = 0
         f.root = f.fs.unshard_backward(R, q.fsdp_emb_unit, _emb_unit_tensors(st), prefetch=False)
-    gathered = R.alloc(q.ds_gathered_emb)                         # ZeRO-3: the embedding gathered whole
+    gathered = f.gathered if f.gathered is not None else R.alloc(q.ds_gathered_emb, GATHER_STREAM * q.ds_streams)
+    # the embedding gathered whole at its backward (on the all-gather stream), unless kept since its forward
     emb_full = R.alloc(st.emb_grads_full)                         # FSDP: the embedding's unsharded gradient
     if tied is not None and not _fsdp(q):                         # the embedding's own gradient, then
         emb_out = R.alloc(q.tied_grad)                            # autograd's InputBuffer adds it to the
@@ -608,7 +618,7 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     _make_grads(R, s, st.trainables, ("before",) if q.fsdp_head_unit else ("after", "before"), flags.oib,
                 f.fs.grad_stream)                                 # head, norm, embeddings
     f.fs.reduced(R)                                               # torch < 2.5: the input dropped on return
-    R.free(R.alloc(q.ds_reduce_cat))                              # ZeRO-3's epilogue: the bucket reduced
+    R.free(R.alloc(q.ds_reduce_cat, GRAD_STREAM * q.ds_streams))  # ZeRO-3's epilogue: the bucket reduced
     R.free(gathered)                                              # ... and every parameter released
     R.frees([tied, f.emb, f.inputs] + buckets)
     f.fs.reshard(R, f.root)                                       # the root's post-backward
@@ -688,7 +698,9 @@ def _micro_batches(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: To
         _backward(R, s, q, flags, tk, f, parts, n, nsq, recompute, sfx)
 
 
-#: the side streams of PyTorch FSDP (ids of the replay's allocator pools; 0 is the default stream)
+#: the side streams of PyTorch FSDP, and DeepSpeed ZeRO-3's all-gather stream (``partitioned_param_coordinator.py``
+#: L400, L606: its fetches allocate under ``stream(__allgather_stream)``, ``parameter_offload.py`` L195-196
+#: under ``overlap_comm``) as GATHER_STREAM (ids of the replay's allocator pools; 0 is the default stream)
 GATHER_STREAM, GRAD_STREAM = 1, 2
 
 
