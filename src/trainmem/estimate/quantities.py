@@ -253,6 +253,11 @@ class Quantities:
     ds_gathered_emb: int = 0  # ... at the embedding's backward, the last module's (``deepspeed_gathered_embedding``)
     ds_coalesced: int = 0     # ... and the flat all-gather output of the prefetch in flight at the top
     #                           layer's forward, steps after the first (``deepspeed_coalesced``)
+    ds_reduce_cat: int = 0    # ... the reduce-scatter's flat input of its largest reduction (``deepspeed_reduce_cat``)
+    ds_streams: int = 0       # 1: ZeRO-3 under overlap_comm: fetches on its all-gather stream, reductions on its own
+    ds_emb_kept: int = 0      # 1: ZeRO-3 keeps the embedding gathered from its forward to its backward (``deepspeed_embedding_kept``)
+    ds_norm_fp64: int = 0     # ZeRO-3's step, which takes each gradient partition's norm on a float64 copy:
+    #                           bytes per gradient element (0 off ZeRO-3 on the device; ``reserved._zero3_step``)
     ds_partition_grads: int = 0  # DeepSpeed ZeRO-2's gradient partition when a reduction in backward makes it
     ds_partition_from: int = 3   # ... which backward moment it exists from (``deepspeed_partition_from``)
     ds_emb_grads: int = 0        # ... the gradients beside the word embedding's (``deepspeed_grads_at_embedding``)
@@ -1496,6 +1501,13 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
             "ds_step_flat": flat,
             "ds_gathered_top": top, "ds_gathered_low": low, "ds_coalesced": deepspeed_coalesced(m, t),
             "ds_gathered_emb": deepspeed_gathered_embedding(m, t),
+            "ds_reduce_cat": deepspeed_reduce_cat(t, st),
+            "ds_emb_kept": int(deepspeed_embedding_kept(m, t, st)),
+            # v0.19.8 ``parameter_offload.py`` L195-196, ``stage3.py`` L340-341: the side streams exist
+            # under ``overlap_comm`` (else the default stream is used)
+            "ds_streams": int(deepspeed_zero(t) and t.zero == 3 and t.ds_overlap_comm),
+            "ds_norm_fp64": t.weight_bytes if (deepspeed_zero(t) and t.zero == 3 and not t.offload_optimizer
+                                                and st.trainable > 0) else 0,
             "ds_partition_grads": part, "ds_cast_grads": cast,
             "ds_partition_from": made,
             "ds_emb_grads": deepspeed_grads_at_embedding(m, t, st) if hooked else 0,
@@ -1860,6 +1872,43 @@ def deepspeed_coalesced(m: ModelSpec, t: TrainingSpec) -> int:
         return 0
     total_n = sum(-(-p.numel // t.tp) for p in m.parameter_tensors()) // t.pp  # the stage's parameters
     return block_of(t, min(t.ds_prefetch, total_n) * t.weight_bytes)
+
+
+def deepspeed_embedding_kept(m: ModelSpec, t: TrainingSpec, st: States) -> bool:
+    """Whether DeepSpeed ZeRO-3, once its module order is recorded (from the run's second forward on:
+    ``reset_step`` at each forward's start completes the trace, v0.19.8 ``parameter_offload.py`` L304-306,
+    ``partitioned_param_coordinator.py`` L251-270), keeps the input embedding's table gathered from its
+    forward to its backward. A module's parameters are not released if they come up again in the
+    modules of the recorded order within ``stage3_max_reuse_distance`` elements after it (``__params_to_release``
+    L634-664: the traversal stops once the elements it passed reach the distance). Between the
+    embedding's uses come: a tied table (the head's weight), the layers' forward, then (after the
+    head's forward and backward, which use it) the layers' backward, recomputed forward first under
+    full recompute; an untied one, the layers' forward, the head's forward and backward, the layers'
+    backward. (The final norm's elements are neglected.)"""
+    if not deepspeed_gathered_embedding(m, t) or not is_lm(m):
+        return False
+    layer_n = st.layer_params_full // t.weight_bytes
+    layers = m.num_layers // t.pp
+    back = (2 if t.recompute == "full" else 1) * layers * layer_n      # the layers' backward (recomputed)
+    if m.tied_embeddings:
+        return max(layers * layer_n, back) < t.ds_reuse_distance
+    return layers * layer_n + 2 * _head_weight_numel(m, t.tp) + back < t.ds_reuse_distance
+
+
+def deepspeed_reduce_cat(t: TrainingSpec, st: States) -> int:
+    """Bytes of the flat tensor DeepSpeed ZeRO-3's largest gradient reduction makes (0 off ZeRO-3 over
+    several ranks): ``__reduce_and_partition_ipg_grads`` hands the bucket's whole gradients to
+    ``__avg_scatter_grads`` (v0.19.8 ``stage3.py`` L1678, L1931), whose ``reduce_scatter_coalesced``
+    concatenates every rank's piece of each of them, padded to a multiple of the ranks, into one new
+    tensor in the gradient dtype (``comm/coalesced_collectives.py`` L122 ``torch.cat``), made and
+    freed within the reduction. The bucket is reduced when it holds ``reduce_bucket_size`` elements
+    and at the end of backward (``independent_gradient_partition_epilogue``), so the largest holds
+    min(reduce_bucket_size, the trainable parameters) elements (the padding, under a rank's count of
+    elements per tensor, neglected). Found by trace: Llama-3.2-1B cut to 2 layers, ZeRO-3 dp 2 bf16:
+    a 733 MiB ``cat`` (the whole model's gradients) at the end of each backward."""
+    if not (deepspeed_zero(t) and t.zero == 3 and t.shard_group > 1):
+        return 0
+    return block_of(t, min(t.ds_reduce_bucket, st.trainable) * t.weight_bytes)  # (n,) gradient dtype
 
 
 def deepspeed_group_elems(t: TrainingSpec, st: States) -> int:

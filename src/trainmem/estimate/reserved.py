@@ -29,6 +29,10 @@ runs it through the same simulator as ``trace`` (``trainmem.allocator.CachingAll
   FSDP1's rate limiter lets the GPU be (``_Fsdp1Lag``), and the backward prefetch of the layer below;
   FSDP2 before PyTorch 2.5: each reduce-scatter input on the reduce-scatter stream, freed when the
   reduce returns (``_Fsdp.reduce``);
+* DeepSpeed ZeRO-3: the embedding's table gathered on its all-gather stream at its forward and
+  backward (kept between them once its module order is recorded), the epilogue's flat reduction
+  input on its reduce stream, its step's float64 norm copies, flat fp32 gradient and flat states
+  (``_zero3_step``);
 * the optimizer step: the states of every trainable tensor at the first step, in parameter order
   (``torch.optim``'s lazy ``_init_group``), then the step's temporaries as per-tensor blocks;
   ``zero_grad(set_to_none=True)`` frees the gradients.
@@ -114,6 +118,7 @@ class _Step:
     workspaces: list = field(default_factory=list)  # the forward thread's, then autograd's (kept)
     ao_events: tuple = ()                        # torchao: each trainable's compiled-step buffers (States)
     lomo: Any = None                             # LOMO: the gradient its next hook updates (handle, bytes, states)
+    forwards: int = 0                            # micro-batch forwards begun (DeepSpeed ZeRO-3 records its order in the first)
 
     def workspace(self, R: "_Replay", thread: int) -> None:
         """The cuBLAS workspace of the forward (0) or the autograd (1) thread, at its first matmul
@@ -198,6 +203,43 @@ def _zero3_masters(R: _Replay, q: Quantities, st: Any) -> None:
         R.alloc(n * 4)                         # converted.clone(): the sub-group's master
     R.free(copy)
 
+
+def _zero3_step(R: _Replay, s: "_Step", q: Quantities, order: list, first: bool) -> None:
+    """DeepSpeed ZeRO-3's ``step`` on the device (v0.19.8 ``stage3.py``; v0.14.2 alike). ``_get_norm_groups``
+    (L2579) -> ``get_grad_norm_direct`` takes each parameter's gradient partition in turn, copied to
+    ``get_norm_dtype()`` (float64 where the device has it, ``zero/utils.py`` L59-63) for its
+    ``.norm`` (L2454-2457): one float64 copy at a time, the largest the embedding's partition (its
+    norm, 8 B, is not replayed). Then per sub-group (L2905-2925; ``_zero3_sub_groups``, the masters'
+    cut): ``_prepare_fp32_grad_for_sub_group`` flattens the partition (``cat``, gradient dtype) and
+    casts it to fp32 (L2683-2700), the flat copy freed; ``_optimizer_step`` steps the torch optimizer on
+    the sub-group's one fp32 partition (L1235-1261), whose states are made lazily at the first step
+    (``first``) as ``zeros_like`` of it (one flat tensor per state kind and sub-group, after the fp32
+    gradient: not per tensor at the step's start; found by trace on Qwen1.5-0.5B over one rank, Giles
+    Thomas's rows); ``_release_sub_group`` then drops the fp32 gradient (L2731-2736). ``order``: the
+    trainables (``States.trainables`` items) in parameter order."""
+    for tr in order:                                            # the norm: (partition,) float64, one by one
+        elems = tr[2] // q.ds_norm_fp64 if q.ds_norm_fp64 else 0
+        for _ in range(tr[1] if elems else 0):
+            R.free(R.alloc(elems * 8))
+    groups = _zero3_sub_groups(q) or _cut(sum(tr[2] // max(1, q.ds_norm_fp64) * tr[1] for tr in order),
+                                          max(1, q.ds_step_fp32 // 4))
+    kinds = max((len(sts) for (_w, _k, _g, sts, _m) in order), default=0)
+    per_kind = [_scaled(groups, sum(sts[i] for (_w, k, _g, sts, _m) in order for _ in range(k) if len(sts) > i))
+                for i in range(kinds)]
+    largest = max(groups, default=1)
+    for j, n in enumerate(groups):
+        flat = R.alloc(q.ds_step_flat * n // largest)            # (n,) gradient dtype, then (n,) fp32
+        fp32 = R.alloc(q.ds_step_fp32 * n // largest)
+        R.free(flat)
+        if first:                                                # the states: zeros_like(fp32 partition)
+            s.states += [R.alloc(sizes[j]) for sizes in per_kind if j < len(sizes)]
+        R.free(R.alloc((q.step_temp - q.ds_step_fp32 - q.ds_step_flat) * n // largest))  # the optimizer's own
+        R.free(fp32)
+
+
+def _cut(total: int, largest: int) -> list[int]:
+    """``total`` elements in pieces of ``largest``, the last the rest."""
+    return [min(largest, total - i) for i in range(0, total, largest)] if total > 0 else []
 
 def _zero3_flat_grads(R: _Replay, s: "_Step", nbytes: int, trainables: tuple) -> None:
     """DeepSpeed ZeRO-3's gradient partition buffer (``quantities.deepspeed_init_grads``): one block,
@@ -296,6 +338,7 @@ class _Forward:
     saved: list                                  # what the loss saved
     full: int                                    # logit elements
     chunks: int
+    gathered: Any = None                         # ZeRO-3: the embedding's table kept gathered since its forward
 
 
 def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, parts: list[int],
@@ -311,7 +354,14 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     # torchtitan's split root (quantities.fsdp2_split_root): the embedding unit gathered, resharded
     # by its post-forward (its all-gather output kept until the first layer's copy-out)
     fs.reshard(R, fs.unshard(R, q.fsdp_emb_unit, _emb_unit_tensors(st)))
+    # ZeRO-3: the embedding's table gathered on the all-gather stream (``_zero3_gathered``); once the
+    # module order is recorded it may stay gathered until its backward (quantities.deepspeed_embedding_kept)
+    gathered = R.alloc(q.ds_gathered_emb, GATHER_STREAM * q.ds_streams)
+    s.forwards += 1
     embeds = R.alloc(int(q.embeds_tok * tk.tokens))              # the base model's inputs_embeds, unsaved
+    if not (q.ds_emb_kept and s.forwards > 1):                   # released after the embedding's forward
+        R.free(gathered)
+        gathered = None
     emb = R.alloc(tk.outer_rest)                                  # embeddings' saved tensors
     s.workspace(R, 0)                                             # the first layer's first matmul
     cached: list = []                                             # autocast's weight cache (checkpointed layers)
@@ -361,7 +411,7 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
         R.free(fs.ag)                                             # (``_fsdp_state.py`` ``_post_forward``)
         fs.ag = None
     R.mark("forward" + suffix, s.step)
-    return _Forward(inputs, fs, root, emb, kept, head, out, saved, full, chunks)
+    return _Forward(inputs, fs, root, emb, kept, head, out, saved, full, chunks, gathered)
 
 
 def _emb_unit_tensors(st: Any) -> tuple[int, ...]:
@@ -567,11 +617,14 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     if q.fsdp_emb_unit:                                           # split root: the embedding's pre-backward
         f.fs.below_first = 0
         f.root = f.fs.unshard_backward(R, q.fsdp_emb_unit, _emb_unit_tensors(st), prefetch=False)
+    gathered = f.gathered if f.gathered is not None else R.alloc(q.ds_gathered_emb, GATHER_STREAM * q.ds_streams)
+    # the embedding gathered whole at its backward (on the all-gather stream), unless kept since its forward
     emb_full = R.alloc(st.emb_grads_full)                         # FSDP: the embedding's unsharded gradient
     if tied is not None and not _fsdp(q):                         # the embedding's own gradient, then
         emb_out = R.alloc(q.tied_grad)                            # autograd's InputBuffer adds it to the
         _make_grads(R, s, st.trainables, ("before",), flags.oib)  # head's out of place: the sum is .grad
-        R.frees([tied, emb_out])                                  # (``quantities.tied_head_grad``)
+        acc = R.alloc(q.tied_grad) if q.ds_init_grads else None   # (ZeRO-3: a new tensor, copied to its bucket)
+        R.frees([tied, emb_out, acc])                             # (``quantities.tied_head_grad``)
         tied = None
     if tied is not None and _root_resharded(q, f.fs):             # FSDP2, a tied head: the embedding's own
         emb_out = R.alloc(q.tied_grad)                            # gradient, then autograd's InputBuffer adds
@@ -584,6 +637,8 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     _make_grads(R, s, st.trainables, ("before",) if q.fsdp_head_unit else ("after", "before"), flags.oib,
                 f.fs.grad_stream)                                 # head, norm, embeddings
     f.fs.reduced(R)                                               # torch < 2.5: the input dropped on return
+    R.free(R.alloc(q.ds_reduce_cat, GRAD_STREAM * q.ds_streams))  # ZeRO-3's epilogue: the bucket reduced
+    R.free(gathered)                                              # ... and every parameter released
     R.frees([tied, f.emb, f.inputs] + buckets)
     f.fs.reshard(R, f.root)                                       # the root's post-backward
     f.fs.done(R)
@@ -662,7 +717,9 @@ def _micro_batches(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: To
         _backward(R, s, q, flags, tk, f, parts, n, nsq, recompute, sfx)
 
 
-#: the side streams of PyTorch FSDP (ids of the replay's allocator pools; 0 is the default stream)
+#: the side streams of PyTorch FSDP, and DeepSpeed ZeRO-3's all-gather stream (``partitioned_param_coordinator.py``
+#: L400, L606: its fetches allocate under ``stream(__allgather_stream)``, ``parameter_offload.py`` L195-196
+#: under ``overlap_comm``) as GATHER_STREAM (ids of the replay's allocator pools; 0 is the default stream)
 GATHER_STREAM, GRAD_STREAM = 1, 2
 
 
@@ -1333,32 +1390,6 @@ def _torchao_graph(R: _Replay, events: tuple) -> None:
     R.frees([h for _size, h in live])
 
 
-def _zero3_step(R: _Replay, s: _Step, q: Quantities, order: list, lazy: bool) -> None:
-    """DeepSpeed ZeRO-3's step on the GPU (``DeepSpeedZeroOptimizer_Stage3.step``, v0.14.2 and v0.19.8
-    alike), one flat fp32 sub-group after another (``_zero3_sub_groups``): ``_prepare_fp32_grad_for_sub_group``
-    flattens the sub-group's half gradients (a ``cat``) and casts the copy to fp32, the copy freed
-    (v0.19.8 ``stage3.py`` L2683-2700); ``_optimizer_step`` steps the optimizer on the one flat fp32
-    partition (L1235-1260), whose lazy state init makes each state as one flat tensor of the sub-group's
-    elements at the first step (FusedAdam ``torch.zeros_like(p.data)``), after that fp32 gradient;
-    ``_release_sub_group`` then drops the gradient (L2731-2736). The states are the trainables' states
-    (``States.trainables``), per state kind summed and split over the sub-groups by their elements. Found
-    by trace on Qwen1.5-0.5B over one rank: made per tensor before the cast, the replay reserved 1.5 GiB
-    less than DeepSpeed's own step traced (Giles Thomas's ZeRO-3 rows, docs/validation.md)."""
-    groups = _zero3_sub_groups(q)
-    kinds = max((len(sts) for (_w, _k, _g, sts, _m) in order), default=0)
-    per_kind = [_scaled(groups, sum(sts[i] for (_w, _k, _g, sts, _m) in order if len(sts) > i))
-                for i in range(kinds)]
-    largest = max(groups)
-    for j, n in enumerate(groups):
-        flat = R.alloc(q.ds_step_flat * n // largest)            # (n,) half: flatten(averaged_gradients)
-        fp32 = R.alloc(q.ds_step_fp32 * n // largest)            # (n,) fp32: .to(fp32)
-        R.free(flat)
-        if lazy and per_kind:                                    # (n,) fp32 each: exp_avg, exp_avg_sq, ...
-            s.states += [R.alloc(sizes[j]) for sizes in per_kind if j < len(sizes)]
-        R.free(R.alloc((q.step_temp - q.ds_step_fp32 - q.ds_step_flat) * n // largest))  # the optimizer's own
-        R.free(fp32)                                             # fp32_partitioned_groups_flat[j].grad = None
-
-
 def _optimizer_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, step: int,
                     temp_copies: int | None) -> None:
     """``optimizer.step()``: states at the first step, temporaries, then ``zero_grad``.
@@ -1369,13 +1400,14 @@ def _optimizer_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, step:
     st = q.detail.states
     order = [st.trainables[j] for j in _parameter_order(st.trainables)]
     lazy = step == 1 and st.optimizer and not flags.states_at_init   # lazily, unless offloaded to the host
-    if lazy and not (q.ds_fp32_convert and q.ds_step_fp32):
+    zero3 = bool(q.ds_norm_fp64 and q.ds_step_fp32)              # DeepSpeed ZeRO-3 on the device
+    if lazy and not zero3:
         s.states = _allocate_states(R, st)
     sizes = [(sts[0] if sts else g) for (_w, _k, g, sts, _m) in order]
     if q.ds_norm_temp:                                           # DeepSpeed ZeRO-1/2: the norm's float64 piece
         R.free(R.alloc(q.ds_norm_temp))
-    if q.ds_fp32_convert and q.ds_step_fp32:                     # DeepSpeed ZeRO-3: per flat sub-group
-        _zero3_step(R, s, q, order, lazy)
+    if zero3:                                                    # DeepSpeed ZeRO-3: per flat sub-group
+        _zero3_step(R, s, q, order, bool(lazy))
     elif q.ds_step_fp32:                                         # DeepSpeed: one flat fp32 partition per group
         flat, fp32 = R.alloc(q.ds_step_flat), R.alloc(q.ds_step_fp32)   # the cast: flat copy, then fp32
         R.free(flat)
