@@ -35,8 +35,12 @@ from ..spec.training import TrainingSpec, config_use_cache
 from .layers import LayerCoefs
 
 COEF_VERSION = 17  # (quantized setups have keys of their own: ``key``)
-#: the heads whose derived coefficients are checked against trace (tests/test_encdec_vit.py, test_derived.py)
-DERIVED_HEADS = ("causal-lm", "seq2seq-lm", "image-cls")
+#: the heads whose derived coefficients are checked against trace (tests/test_encdec_vit.py, test_derived.py,
+#: test_encoder_heads.py)
+DERIVED_HEADS = ("causal-lm", "seq2seq-lm", "image-cls", "masked-lm", "seq-cls", "qa")
+#: an encoder's heads (``trace.derive.ENCODER_HEADS``): fitted with a per-sample term, their top
+#: layer's forward measured (``head_forward``)
+ENCODER_HEADS = ("masked-lm", "seq-cls", "qa")
 #: the model types whose image classifier's derived estimate is checked against trace (ViT's, and the
 #: vision towers of SigLIP's and CLIP's, ``SiglipForImageClassification``, ``CLIPForImageClassification``)
 DERIVED_IMAGE_TYPES = ("vit", "siglip", "clip")
@@ -46,8 +50,8 @@ def derived_problems(m: ModelSpec, t: TrainingSpec) -> list[str]:
     """What a derived architecture's estimate cannot model in setup ``t`` (empty when it can)."""
     out = []
     if m.head not in DERIVED_HEADS:
-        out.append(f"its {m.head} head ({m.architecture}; the derived estimate covers causal-lm, seq2seq-lm and "
-                   f"image-classification heads)")
+        out.append(f"its {m.head} head ({m.architecture}; the derived estimate covers causal-lm, seq2seq-lm, "
+                   f"image-classification, masked-lm, sequence-classification and question-answering heads)")
     if checkpointed(m, t) and t.recompute_every > 1:
         out.append(f"--recompute-every {t.recompute_every} (an encoder-decoder's full-recompute coefficients are "
                    f"traced with every layer checkpointed)")
@@ -122,6 +126,8 @@ def key(m: ModelSpec, t: TrainingSpec, one: bool | None = None) -> str:
         parts.append("two-lengths")  # fitted in the encoder's and the decoder's lengths (``at_lengths``)
     if checkpointed(m, t):  # traced with its layers checkpointed (the keys of other setups are unchanged)
         parts.append("checkpointed")
+    if m.head in ENCODER_HEADS:  # fitted with a per-sample term, the top layer's forward measured
+        parts.append(("encoder-head", m.head))
     if batch1(m, t) if one is None else one:  # fitted on batch-1 points (the keys of other batches are unchanged)
         parts.append("batch-1")
     return _key(*parts)
@@ -560,8 +566,42 @@ def head_forward(m: ModelSpec, t: TrainingSpec, stage: str) -> float:
     last pipeline stage."""
     if not (t.pp == 1 or stage == "last"):
         return 0.0
-    tok, s, _sq = coefficients(m, t).get("head_forward", (0.0, 0.0, 0.0))
+    doc = coefficients(m, t)
+    tok, s, _sq = doc.get("head_forward", (0.0, 0.0, 0.0))
     return max(tok + s, 0.0)
+
+
+def top_forward(m: ModelSpec, t: TrainingSpec, stage: str) -> tuple[float, float, float, float]:
+    """An encoder head's forward at its highest point, from its top layer's first tensor to the
+    logits, beyond every layer's saved tensors and the embedding and head sides
+    (``trace.derive._top_forward``: the frame-held top-layer input, a linear's output beside its
+    dropout's, a residual sum beside its LayerNorm's output, DeBERTa's attention scores while its
+    top layer's attention runs): a sequence classifier's or question-answering head's forward peak,
+    which has no vocabulary-sized loss after it. As (bytes per token, per token x key, per sample,
+    per position pair shared by the batch); a per-position term read as per token. Zeros for other
+    heads, off the last pipeline stage, and under recompute (measured with every layer's tensors
+    saved: a checkpointed layer saves none in forward)."""
+    if m.head not in ENCODER_HEADS or t.recompute not in (None, "none") or not (t.pp == 1 or stage == "last"):
+        return 0.0, 0.0, 0.0, 0.0
+    doc = coefficients(m, t)
+    tok, s, sq = doc.get("top_forward", (0.0, 0.0, 0.0))
+    return tok + s, sq, doc.get("per_sample", {}).get("top_forward", 0.0), doc.get("ssq", {}).get("top_forward", 0.0)
+
+
+def outer_per_sample(m: ModelSpec, t: TrainingSpec, stage: str) -> float:
+    """Bytes per sample (sized by the batch alone) an encoder head's model keeps through the step
+    (``trace.derive.ENCODER_TERMS``' ``b``): a sequence classifier's pooled (b, h) output and
+    (b, labels) logits on the head side, DeBERTa's per-layer ``repeat`` of the relative position
+    projections over the batch (transformers 5.24 ``models/deberta_v2/modeling_deberta_v2.py``
+    ``disentangled_attention_bias``: (b x heads, 2 x position_buckets, head_dim), saved by the
+    ``bmm`` with the query) in the layers; 0 for other heads."""
+    doc = coefficients(m, t)
+    b = doc.get("per_sample")
+    if not b:
+        return 0.0
+    out = sum(b.get(f"kind.{k}", 0.0) for k in stage_kinds(m, t, stage, doc))
+    out += b.get("embed", 0.0) if (t.pp == 1 or stage == "first") else 0.0
+    return out + (b.get("head", 0.0) if (t.pp == 1 or stage == "last") else 0.0)
 
 
 def grad_views(m: ModelSpec, t: TrainingSpec) -> tuple[float, float, float]:
@@ -632,8 +672,8 @@ def outer_ssq(m: ModelSpec, t: TrainingSpec, stage: str) -> float:
     if not ssq:
         return 0.0
     kinds = stage_kinds(m, t, stage, doc)
-    return (sum(ssq.get(f"kind.{k}", 0.0) for k in kinds)
-            + sum(ssq.get(side, 0.0) for side in ("first", "embed", "head")))
+    return (sum(ssq.get(f"kind.{k}", 0.0) for k in kinds)  # (an encoder head's ``head_loss`` and
+            + sum(ssq.get(side, 0.0) for side in ("first", "embed", "head")))  # ``top_forward``: its moments')
 
 
 def notes(m: ModelSpec, t: TrainingSpec) -> list[str]:

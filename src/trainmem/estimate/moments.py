@@ -115,6 +115,7 @@ class Tokens:
     others_loss: Any = 0   # ... and on a pipeline's last stage their logits and what their loss saved (GPipe)
     sent: Any = 0          # the previous micro-batch's input gradient a later 1F1B stage's send ops hold
     tokens: Any = 0        # the micro-batch's tokens on this rank
+    head_fwd: Any = 0      # a derived head's forward beyond the saved tensors (Quantities.head_fwd_*)
     # a derived encoder-decoder's activations at its bottom and decoder-bottom layer moments (measured)
     bottom_acts: Any = 0
     decoder_bottom_acts: Any = 0
@@ -205,8 +206,9 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
     layers = (layers - trunc(q.first_unsaved_tok * n + q.first_unsaved_sq * nsq) * fed
               - q.cast_first_free * per_forward)
     # + per sequence position and per position squared (T5's (s, s) position buckets), shared by the batch
+    # (and per sample: a derived encoder head's pooled output, DeBERTa's relative-position repeats)
     outer_rest = trunc(q.outer_rest_tok * n + q.outer_rest_sq * nsq + q.outer_rest_pos * (n // b)
-                       + q.outer_rest_ssq * (n // b) ** 2) * inflight + q.cast_embed * per_forward  # (patch emb.)
+                       + q.outer_rest_ssq * (n // b) ** 2 + q.outer_rest_b * b) * inflight + q.cast_embed * per_forward  # (patch emb.)
     outer_head = trunc(q.outer_head_tok * n)
     all_acts = layers + outer_rest + outer_head * head_units + stage_out + q.cast_head * where(
         q.pipe_head_once > 0, 1, per_forward)
@@ -255,6 +257,7 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
                   others_head=outer_head * (head_units - 1),
                   others_loss=(full * q.logits_held + saved) * (head_units - 1),
                   sent=trunc(q.pipe_sent_tok * n) if later else 0, bottom_acts=bottom_acts, tokens=n,
+                  head_fwd=trunc(q.head_fwd_tok * n + q.head_fwd_sq * nsq + q.head_fwd_b * b + q.head_fwd_ssq * ssq),
                   decoder_bottom_acts=decoder_bottom_acts, fed=fed, head_units=head_units, stage_out=stage_out,
                   grads_absent=grads_absent,
                   grad_views=trunc(q.grad_view_tok * n + q.grad_view_pos * (n // b) + q.grad_view_const))
@@ -735,11 +738,11 @@ def _top_forward(q: Quantities, tk: Tokens, base: tuple, prev: tuple, step: int,
                (grads_before, states, tk.inputs, ws, tk.layers + tk.outer_rest, 0),
                (prev_logits, prev_kv + tk.kv_held, 0), _both(valid, _both(step > 1, q.ds_coalesced > 0)),
                graph, comm=q.ds_gathered_top + q.ds_coalesced)]
-    for where_, per_tok in (("head.forward", q.head_fwd_tok), ("final_norm.forward", q.final_norm_fwd_tok),
-                            ("layer.output.LayerNorm.forward", q.bert_top_fwd_tok)):
+    for where_, extra in (("head.forward", tk.head_fwd), ("final_norm.forward", trunc(q.final_norm_fwd_tok * tk.tokens)),
+                          ("layer.output.LayerNorm.forward", trunc(q.bert_top_fwd_tok * tk.tokens))):
         out.append(_mo("forward", micro, step, where_,
-                       (grads_before, states, tk.inputs, ws, tk.all_acts, trunc(per_tok * tk.tokens)),
-                       (prev_logits, prev_kv + tk.kv_held, 0), _both(valid, per_tok > 0), graph))
+                       (grads_before, states, tk.inputs, ws, tk.all_acts, extra),
+                       (prev_logits, prev_kv + tk.kv_held, 0), _both(valid, extra > 0), graph))
     return out
 
 

@@ -34,6 +34,7 @@ from .derived import adapters_computed_half, batch1 as derived_batch1, point_at,
 from .derived import head_during_loss as derived_head_loss, layer_coefs as derived_layer, outer as derived_outer
 from .derived import logits_bytes as derived_logits_bytes, outer_ssq as derived_outer_ssq
 from .derived import decoder_ratio, grad_views as derived_grad_views, head_forward as derived_head_forward
+from .derived import outer_per_sample as derived_outer_per_sample, top_forward as derived_top_forward
 from .derived import moment_activations
 from .layers import ALL_MOMENTS, HALF, LayerCoefs, LayerKey, Policy, ep_rank_rows, layer_coefficients
 from .layers import sdpa_saves_padded
@@ -181,6 +182,7 @@ class Quantities:
     above_bottom: int = 0  # gradient bytes of the layers above the bottom one (made before its backward)
     above_decoder_bottom: int = 0  # ... above an encoder-decoder's decoder-bottom layer
     outer_rest_ssq: float = 0.0  # per sequence position squared, shared by the micro-batch (T5's position buckets)
+    outer_rest_b: float = 0.0  # per sample, whatever the sequence (derived.outer_per_sample: an encoder head's)
     loss_backward_tok: float = 0.0  # per token, alive at the start of backward (--compile: the KV cache's zero gradients)
     # TRL's chunked_nll (``loss_bytes``): tokens per chunk (0: another loss), and its forward's matmul
     # moment (the head weight's cast, then the chunk's logits) and its backward's constant
@@ -209,6 +211,10 @@ class Quantities:
     # a derived encoder-decoder's activations alive at its bottom and decoder-bottom backward moments
     # (``derived.moment_activations``): per token, per token x key, per position, per position squared
     head_fwd_tok: float = 0.0  # a derived image model's head forward beyond its saved tensors (derived.head_forward)
+    # ... a derived encoder head's top forward (derived.top_forward): per token x key, per sample, per position pair
+    head_fwd_sq: float = 0.0
+    head_fwd_b: float = 0.0
+    head_fwd_ssq: float = 0.0
     final_norm_bwd_tok: float = 0.0  # a classifier's final RMSNorm backward beyond the saved tensors (final_norm_backward)
     final_norm_fwd_tok: float = 0.0  # ... and its forward beyond them (final_norm_forward)
     bert_top_fwd_tok: float = 0.0  # a BERT classifier's last LayerNorm forward beyond the saved tensors (bert_top_forward)
@@ -2449,6 +2455,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         **_head_dequant_fields(m, t, head_here),
         **_graph_held(t, lc.graph_held, checkpointed, layers), **fsdp,
         outer_rest_ssq=derived_outer_ssq(m, t, stage) if derived else 0.0,
+        outer_rest_b=derived_outer_per_sample(m, t, stage) if derived else 0.0,
         lower_layers=lower, above_bottom=above_bottom, above_decoder_bottom=above_decoder_bottom,
         input_tok=input_bytes(m, t)[0], input_sample=input_bytes(m, t)[1], expandable=int(t.expandable_segments),
         trainer_cp=trainer_cp_inputs(m, t), embeds_tok=held_embeddings(m, t, pol, lc),
@@ -2650,6 +2657,9 @@ def _derived_fields(m: ModelSpec, t: TrainingSpec, stage: str) -> dict[str, floa
     if m.family != "derived":
         return {}
     out = {"head_fwd_tok": derived_head_forward(m, t, stage)}
+    top = derived_top_forward(m, t, stage)  # an encoder head's (zeros for other heads)
+    if any(top):
+        out.update(zip(("head_fwd_tok", "head_fwd_sq", "head_fwd_b", "head_fwd_ssq"), top))
     out.update(zip(("grad_view_tok", "grad_view_pos", "grad_view_const"), derived_grad_views(m, t)))
     if m.is_encoder_decoder:
         bottom, decb = moment_activations(m, t)

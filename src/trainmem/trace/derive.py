@@ -126,6 +126,9 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1:
         held = _fitted(m, f"layer {kind} output-held bytes", pts, [r["held"][kind] for r in runs], ("n",))[0]
         out["kinds"][kind] = {"tok": c["n"], "sq": c["nsq"], "pos": c["s"], "parts": parts, "transients": trans,
                               "cache": cache, "held": held, **_sequence(runs, kind, fit)}
+        if "ssq" in c:  # an encoder head's (``ENCODER_TERMS``: ``estimate.derived.outer_ssq``, ``outer_per_sample``)
+            out.setdefault("ssq", {})[f"kind.{kind}"] = c["ssq"]
+            out.setdefault("per_sample", {})[f"kind.{kind}"] = c["b"]
         # the layer's output, kept only by what follows the layer (the next layer, the final norm):
         # a layer recomputed in its backward does not make it again (quantities._recompute);
         # measured at the kind's typical layer (``_analyse``'s ``at``), whose output the next layer
@@ -140,13 +143,19 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1:
                                                             [r["early"][kind] for r in runs], ("n",))[0]
     c = fit("first layer's bytes", [r["first"] for r in runs])
     out["first_layer"] = [c["n"], c["s"], c["nsq"]]
+    if "ssq" in c:
+        out.setdefault("ssq", {})["first"] = c["ssq"]
     # full recompute (``derived.layer_coefs``, ``derived.outer``): the first layer's input where the
     # embedding side holds it (kept again as a checkpoint input), the top layer's output kept by what
     # follows it, and the end layers' outputs beside their kinds' (``_layer_outputs``), per token
     for name, what in (("first_input", "first layer's input"), ("top_kept", "top layer's kept output"),
                        ("first_early", "end layers' outputs")):
         out[name] = _fitted(m, what, pts, [r[name] for r in runs], ("n",))[0]
-    return dict(out, **_outside_layers(m, runs, fit))
+    sides = _outside_layers(m, runs, fit)
+    for terms_of in ("per_sample", "ssq"):  # (an encoder head's: the layers' and the sides' in one dict each)
+        if terms_of in sides:
+            sides[terms_of] = dict(out.get(terms_of, {}), **sides[terms_of])
+    return dict(out, **sides)
 
 
 def _sequence(runs: list[dict[str, Any]], kind: str, fit: Any) -> dict[str, list]:
@@ -175,23 +184,45 @@ def _outside_layers(m: ModelSpec, runs: list[dict[str, Any]], fit: Any) -> dict[
     (and an image model's head forward) per token, per position and per token x key; the gradients
     kept as views of larger tensors (``_grad_view_bytes``) per token, per position and constant."""
     out = {}
-    for side in ("embed", "head", "head_loss") + (("head_forward",) if m.is_image else ()):
+    top = ("top_forward",) if m.head in ENCODER_HEADS else ()
+    for side in ("embed", "head", "head_loss") + (("head_forward",) if m.is_image else ()) + top:
         c = fit(f"{side} bytes", [r[side] for r in runs])
         out[side] = [c["n"], c["s"], c["nsq"]]
+        if "b" in c:  # an encoder head's bytes per sample and per position pair (``ENCODER_TERMS``)
+            out.setdefault("per_sample", {})[side] = c["b"]
+            out.setdefault("ssq", {})[side] = c["ssq"]
     c = fit("gradient views' bytes", [r["grad_views"] for r in runs])
     out["grad_views"] = [c["n"], c["s"], c["1"]]
     return out
 
 
 def _points(m: ModelSpec, s0: int, batch1: bool) -> tuple[list[tuple[int, int]], tuple[int, int], tuple[str, ...]]:
-    """(the fitting points, the held-out one, the terms) of a decoder or image model. Batch 1 is a
-    special case (some transposes are views there, copies for larger batches): the points use
-    batches of 2 and more, and batch 1 has its own set (``batch1``: ``batch1_points``)."""
+    """(the fitting points, the held-out one, the terms) of a decoder, encoder or image model. Batch
+    1 is a special case (some transposes are views there, copies for larger batches): the points use
+    batches of 2 and more, and batch 1 has its own set (``batch1``: ``batch1_points``). An encoder's
+    classifier or question-answering head (``ENCODER_HEADS``) has tensors sized by the batch alone
+    (a sequence classifier's pooled (b, h) output, its (b, labels) logits) and by the sequence
+    squared alone (DeBERTa's (1, s, s) relative positions, their clamped indices in each layer):
+    ``ENCODER_TERMS``, and two more points, batch 4 at ``2 s0`` and batch 2 at ``1.5 s0`` (two
+    batches at each of the three lengths: the six columns are independent on these six points)."""
     if batch1:
         *points, check = batch1_points(m, s0)
         return points, check, BATCH1_TERMS
     seqs = _image_seqs(m, s0) if m.is_image else (s0, 2 * s0, s0 + s0 // 2)
-    return [(2, seqs[0]), (4, seqs[0]), (2, seqs[1]), (3, seqs[2])], (4, seqs[2]), ("n", "s", "nsq", "1")
+    points = [(2, seqs[0]), (4, seqs[0]), (2, seqs[1]), (3, seqs[2])]
+    if m.head in ENCODER_HEADS:
+        return points + [(4, seqs[1]), (2, seqs[2])], (4, seqs[2]), ENCODER_TERMS
+    return points, (4, seqs[2]), ("n", "s", "nsq", "1")
+
+
+#: the heads of an encoder (bidirectional attention, no KV cache) whose derivation fits a per-sample
+#: and a per-position-pair term (``ENCODER_TERMS``, ``_points``) and measures the top layer's forward
+#: (``_top_forward``)
+ENCODER_HEADS = ("masked-lm", "seq-cls", "qa")
+#: an encoder head's terms: a decoder's, then per sample (``b``) and per position pair shared by the
+#: batch (``ssq`` = s^2: DeBERTa-v2's ``build_relative_position`` (1, s, s) int64 and each layer's
+#: ``torch.clamp`` of it, transformers 5.24 ``models/deberta_v2/modeling_deberta_v2.py``)
+ENCODER_TERMS = ("n", "s", "nsq", "1", "b", "ssq")
 
 
 #: the terms of a micro-batch-1 fit: at b = 1 the tokens are the positions (``n`` = ``s``), so a
@@ -444,7 +475,8 @@ def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpe
                 h.remove()
     return dict(_analyse(tracker, stacks, kinds, cache, released, m.vocab_size if is_lm(m) else -1,
                          early_frees=m.is_encoder_decoder or m.is_image,
-                         shared_frees=t.batch_size if (m.is_encoder_decoder and ckpt) else 0, first_in=first_in),
+                         shared_frees=t.batch_size if (m.is_encoder_decoder and ckpt) else 0, first_in=first_in,
+                         top=m.head in ENCODER_HEADS),
                 grad_views=views)
 
 
@@ -533,8 +565,8 @@ def _quiet() -> Any:
 
 
 def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cache: list, released: tuple[int, int],
-             vocab: int, early_frees: bool = False, shared_frees: int = 0, first_in: list | None = None
-             ) -> dict[str, Any]:
+             vocab: int, early_frees: bool = False, shared_frees: int = 0, first_in: list | None = None,
+             top: bool = False) -> dict[str, Any]:
     recs = tracker.records
     first_ids = {r.rid for r in first_in or ()}  # the first layer's hidden-state input (``_first_input``)
     fwd = next(pm for pm in tracker.phase_marks if pm.name == "forward")
@@ -607,7 +639,9 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
             "cache": {k: max(v) for k, v in kv.items()}, "held": {k: max(v) for k, v in held.items()},
             "embed": embed, "head": head, "head_loss": head_loss - head, "first": first, "transient": trans,
             "made": made, "total_g": total_g, "first_input": first_input, "sequence": sequence, **outputs,
-            "head_forward": _head_forward(tracker, recs, (last_layer_ev, logits_ev), head) if image else 0}
+            "head_forward": _head_forward(tracker, recs, (last_layer_ev, logits_ev), head) if image else 0,
+            "top_forward": _top_forward(tracker, recs, (min(events[len(kinds) - 1], default=0), logits_ev, end))
+            if top else 0}
 
 
 def _head_loss(tracker: Any, recs: list, end: int, window: tuple[int, int]) -> int:
@@ -664,6 +698,37 @@ def _head_forward(tracker: Any, recs: list, window: tuple[int, int], head: int) 
         cur += r.nbytes if code >= 0 else -r.nbytes
         best = max(best, cur)
     return max(best - head, 0)
+
+
+def _top_forward(tracker: Any, recs: list, window: tuple[int, int, int]) -> int:
+    """An encoder head's forward from its top layer's first tensor to the logits (a classifier's or
+    question-answering head has no vocabulary-sized loss after it: this is its forward's peak): the
+    most bytes of forward tensors alive at once (activations and temporaries, autocast's weight
+    copies apart: the engine counts those) less those alive at the forward's end made before the
+    logits (every layer's saved tensors, the embedding and head sides: what the engine counts at
+    that moment). What it holds beyond them are tensors only Python frames reference: the top
+    layer's input and the base model's ``embedding_output`` while the layer runs, a linear's output
+    next to its dropout's and its residual sum next to its LayerNorm's output (transformers 5.24
+    ``models/distilbert/modeling_distilbert.py`` ``TransformerBlock.forward``,
+    ``models/deberta_v2/modeling_deberta_v2.py`` ``DebertaV2Output.forward``: the forms
+    ``bert_top_forward`` counts by hand for BERT). ``window``: the top layer's first event, the
+    logits' (the forward's end when no output is marked as logits: question answering's two), the
+    forward's end."""
+    start, stop, end = window
+
+    def counted(r: Any) -> bool:
+        return r.phase == "forward" and r.category in ("activations", "temporaries") \
+            and r.label != "autocast_weight_cache"
+    cur = best = 0
+    for e in range(stop):
+        code = tracker.ev_rec[e]
+        r = recs[code] if code >= 0 else recs[~code]
+        if counted(r):
+            cur += r.nbytes if code >= 0 else -r.nbytes
+            best = max(best, cur) if e >= start else best
+    kept = sum(r.nbytes for r in recs if counted(r) and r.alloc_event < stop
+               and (r.free_event is None or r.free_event >= end))
+    return max(best - kept, 0)
 
 
 def _moment_bases(recs: list, layer_of: Any, at: dict[str, int], saved_rec: dict[int, list], shared: int,
@@ -917,7 +982,7 @@ def _basis(point: tuple[int, ...], terms: tuple[str, ...]) -> list[float]:
     decoder length) (see ``ENCDEC_TERMS``)."""
     b, s, *rest = point
     d = rest[0] if rest else s
-    v = {"n": b * s, "s": s, "nsq": b * s * s, "ssq": s * s, "1": 1,
+    v = {"n": b * s, "s": s, "nsq": b * s * s, "ssq": s * s, "1": 1, "b": b,
          "nd": b * d, "sd": d, "nsqd": b * d * d, "nsqx": b * d * s, "ssqd": d * d, "ssqx": d * s}
     return [float(v[k]) for k in terms]
 
