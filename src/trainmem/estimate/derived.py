@@ -588,6 +588,15 @@ def top_forward(m: ModelSpec, t: TrainingSpec, stage: str) -> tuple[float, float
     return tok + s, sq, doc.get("per_sample", {}).get("top_forward", 0.0), doc.get("ssq", {}).get("top_forward", 0.0)
 
 
+def loss_upcasts(m: ModelSpec, t: TrainingSpec) -> bool:
+    """Whether a derived masked LM's own loss casts its logits to fp32 first, as traced
+    (``trace.derive._loss_upcasts``: transformers' ``ForMaskedLMLoss``, ModernBERT's); the masked-LM
+    heads that call ``CrossEntropyLoss()`` on the half logits do not (``quantities.loss_upcasts``)."""
+    if m.family != "derived" or m.head != "masked-lm" or derived_problems(m, t):
+        return False
+    return bool(coefficients(m, t).get("loss_upcast", False))
+
+
 def outer_per_sample(m: ModelSpec, t: TrainingSpec, stage: str) -> float:
     """Bytes per sample (sized by the batch alone) an encoder head's model keeps through the step
     (``trace.derive.ENCODER_TERMS``' ``b``): a sequence classifier's pooled (b, h) output and

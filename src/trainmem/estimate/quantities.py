@@ -34,7 +34,8 @@ from .derived import adapters_computed_half, batch1 as derived_batch1, point_at,
 from .derived import head_during_loss as derived_head_loss, layer_coefs as derived_layer, outer as derived_outer
 from .derived import logits_bytes as derived_logits_bytes, outer_ssq as derived_outer_ssq
 from .derived import decoder_ratio, grad_views as derived_grad_views, head_forward as derived_head_forward
-from .derived import outer_per_sample as derived_outer_per_sample, top_forward as derived_top_forward
+from .derived import loss_upcasts as derived_loss_upcasts, outer_per_sample as derived_outer_per_sample
+from .derived import top_forward as derived_top_forward
 from .derived import moment_activations
 from .layers import ALL_MOMENTS, HALF, LayerCoefs, LayerKey, Policy, ep_rank_rows, layer_coefficients
 from .layers import sdpa_saves_padded
@@ -662,7 +663,7 @@ def loss_mode(m: ModelSpec, t: TrainingSpec) -> str:
         return t.loss
     if release_loss(m, t) == "shift-half":
         return "half"
-    return "upcast" if loss_upcasts(m) else "half"
+    return "upcast" if loss_upcasts(m) or derived_loss_upcasts(m, t) else "half"
 
 
 def release_loss(m: ModelSpec, t: TrainingSpec) -> str:

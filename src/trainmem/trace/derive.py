@@ -151,6 +151,8 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1:
     for name, what in (("first_input", "first layer's input"), ("top_kept", "top layer's kept output"),
                        ("first_early", "end layers' outputs")):
         out[name] = _fitted(m, what, pts, [r[name] for r in runs], ("n",))[0]
+    if m.head == "masked-lm":  # (``estimate.derived.loss_upcasts``)
+        out["loss_upcast"] = bool(runs[-1]["loss_upcast"])
     sides = _outside_layers(m, runs, fit)
     for terms_of in ("per_sample", "ssq"):  # (an encoder head's: the layers' and the sides' in one dict each)
         if terms_of in sides:
@@ -635,7 +637,7 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
     # the logits' element size: BART adds its fp32 ``final_logits_bias`` buffer to the half head
     # output under autocast, so its logits (and its loss) are fp32 (estimate.quantities.loss_bytes)
     logits_bytes = logits[0].nbytes // max(1, _numel(logits[0].shape)) if logits else 0
-    return {"saved": saved, "logits_bytes": logits_bytes, "parts": parts, "early": early, "base": base,
+    return {"saved": saved, "logits_bytes": logits_bytes, "loss_upcast": _loss_upcasts(recs, logits), "parts": parts, "early": early, "base": base,
             "cache": {k: max(v) for k, v in kv.items()}, "held": {k: max(v) for k, v in held.items()},
             "embed": embed, "head": head, "head_loss": head_loss - head, "first": first, "transient": trans,
             "made": made, "total_g": total_g, "first_input": first_input, "sequence": sequence, **outputs,
@@ -698,6 +700,19 @@ def _head_forward(tracker: Any, recs: list, window: tuple[int, int], head: int) 
         cur += r.nbytes if code >= 0 else -r.nbytes
         best = max(best, cur)
     return max(best - head, 0)
+
+
+def _loss_upcasts(recs: list, logits: list) -> bool:
+    """Whether the model's own loss casts its half logits to fp32 before the log-softmax: its
+    ``_log_softmax`` output has more bytes than the logits. transformers' ``loss_utils.ForMaskedLMLoss``
+    does (``logits = logits.float()``: ModernBERT's ``self.loss_function``); the masked-LM heads that
+    call ``CrossEntropyLoss()`` on the logits as they are (BERT's, DistilBERT's, DeBERTa-v2's) do not
+    (``estimate.quantities.loss_upcasts``)."""
+    if not logits:
+        return False
+    lsm = next((r for r in recs if r.phase == "forward" and r.op == "_log_softmax"
+                and r.alloc_event > logits[0].alloc_event), None)
+    return lsm is not None and lsm.nbytes > logits[0].nbytes
 
 
 def _top_forward(tracker: Any, recs: list, window: tuple[int, int, int]) -> int:
