@@ -571,21 +571,24 @@ def head_forward(m: ModelSpec, t: TrainingSpec, stage: str) -> float:
     return max(tok + s, 0.0)
 
 
-def top_forward(m: ModelSpec, t: TrainingSpec, stage: str) -> tuple[float, float, float, float]:
-    """An encoder head's forward at its highest point, from its top layer's first tensor to the
-    logits, beyond every layer's saved tensors and the embedding and head sides
-    (``trace.derive._top_forward``: the frame-held top-layer input, a linear's output beside its
-    dropout's, a residual sum beside its LayerNorm's output, DeBERTa's attention scores while its
-    top layer's attention runs): a sequence classifier's or question-answering head's forward peak,
-    which has no vocabulary-sized loss after it. As (bytes per token, per token x key, per sample,
-    per position pair shared by the batch); a per-position term read as per token. Zeros for other
+def top_forward(m: ModelSpec, t: TrainingSpec, stage: str) -> tuple[tuple[float, ...], ...]:
+    """An encoder head's forward moments from its top layer's first tensor to the logits, beyond
+    every layer's saved tensors and the embedding and head sides (``trace.derive._top_forward``:
+    the frame-held top-layer input, a linear's output beside its dropout's, a residual sum beside
+    its LayerNorm's output, DeBERTa's attention scores while its top layer's attention runs): a
+    sequence classifier's or question-answering head's forward peak, which has no vocabulary-sized
+    loss after it. Up to ``trace.derive.TOP_MOMENTS`` moments (which is the highest depends on the
+    batch and sequence), each as (bytes per token, per token x key, per position, per sample, per
+    position pair shared by the batch), with what each layer below the top holds then beyond its
+    saved tensors (``top_held``) for the full model's layers beyond the cut model's. Empty for other
     heads, off the last pipeline stage, and under recompute (measured with every layer's tensors
     saved: a checkpointed layer saves none in forward)."""
     if m.head not in ENCODER_HEADS or t.recompute not in (None, "none") or not (t.pp == 1 or stage == "last"):
-        return 0.0, 0.0, 0.0, 0.0
+        return ()
     doc = coefficients(m, t)
-    tok, s, sq = doc.get("top_forward", (0.0, 0.0, 0.0))
-    return tok + s, sq, doc.get("per_sample", {}).get("top_forward", 0.0), doc.get("ssq", {}).get("top_forward", 0.0)
+    held, more = doc.get("top_held", {}), max(m.num_layers - doc.get("cut_layers", m.num_layers), 0)
+    return tuple(tuple(float(c.get(k, 0.0) + more * held.get(k, 0.0)) for k in ("n", "nsq", "s", "b", "ssq"))
+                 for c in doc.get("top_forward", ()))
 
 
 def loss_upcasts(m: ModelSpec, t: TrainingSpec) -> bool:

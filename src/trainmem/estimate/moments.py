@@ -257,7 +257,7 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
                   others_head=outer_head * (head_units - 1),
                   others_loss=(full * q.logits_held + saved) * (head_units - 1),
                   sent=trunc(q.pipe_sent_tok * n) if later else 0, bottom_acts=bottom_acts, tokens=n,
-                  head_fwd=trunc(q.head_fwd_tok * n + q.head_fwd_sq * nsq + q.head_fwd_b * b + q.head_fwd_ssq * ssq),
+                  head_fwd=_head_forward(q, n, nsq, b),
                   decoder_bottom_acts=decoder_bottom_acts, fed=fed, head_units=head_units, stage_out=stage_out,
                   grads_absent=grads_absent,
                   grad_views=trunc(q.grad_view_tok * n + q.grad_view_pos * (n // b) + q.grad_view_const))
@@ -744,6 +744,17 @@ def _top_forward(q: Quantities, tk: Tokens, base: tuple, prev: tuple, step: int,
                        (grads_before, states, tk.inputs, ws, tk.all_acts, extra),
                        (prev_logits, prev_kv + tk.kv_held, 0), _both(valid, extra > 0), graph))
     return out
+
+
+def _head_forward(q: Quantities, n: Any, nsq: Any, b: Any) -> Any:
+    """Bytes a derived head's forward holds beyond the saved tensors (``Quantities.head_fwd*``): an
+    image model's head per token; an encoder head's higher of its two top-forward moments."""
+    s = n // b
+
+    def at(tok: Any, sq: Any, pos: Any, per_b: Any, ssq: Any) -> Any:
+        return trunc(tok * n + sq * nsq + pos * s + per_b * b + ssq * s * s)
+    return maximum(at(q.head_fwd_tok, q.head_fwd_sq, q.head_fwd_pos, q.head_fwd_b, q.head_fwd_ssq),
+                   at(q.head_fwd2_tok, q.head_fwd2_sq, q.head_fwd2_pos, q.head_fwd2_b, q.head_fwd2_ssq))
 
 
 def _previous(q: Quantities, flags: StepFlags, before: Any, exists: bool) -> tuple[Any, Any, Any]:

@@ -212,10 +212,17 @@ class Quantities:
     # a derived encoder-decoder's activations alive at its bottom and decoder-bottom backward moments
     # (``derived.moment_activations``): per token, per token x key, per position, per position squared
     head_fwd_tok: float = 0.0  # a derived image model's head forward beyond its saved tensors (derived.head_forward)
-    # ... a derived encoder head's top forward (derived.top_forward): per token x key, per sample, per position pair
+    # a derived encoder head's two top-forward moments (derived.top_forward), the higher counted: per token, per
+    # token x key, per position, per sample, per position pair
     head_fwd_sq: float = 0.0
+    head_fwd_pos: float = 0.0
     head_fwd_b: float = 0.0
     head_fwd_ssq: float = 0.0
+    head_fwd2_tok: float = 0.0
+    head_fwd2_sq: float = 0.0
+    head_fwd2_pos: float = 0.0
+    head_fwd2_b: float = 0.0
+    head_fwd2_ssq: float = 0.0
     final_norm_bwd_tok: float = 0.0  # a classifier's final RMSNorm backward beyond the saved tensors (final_norm_backward)
     final_norm_fwd_tok: float = 0.0  # ... and its forward beyond them (final_norm_forward)
     bert_top_fwd_tok: float = 0.0  # a BERT classifier's last LayerNorm forward beyond the saved tensors (bert_top_forward)
@@ -2658,9 +2665,8 @@ def _derived_fields(m: ModelSpec, t: TrainingSpec, stage: str) -> dict[str, floa
     if m.family != "derived":
         return {}
     out = {"head_fwd_tok": derived_head_forward(m, t, stage)}
-    top = derived_top_forward(m, t, stage)  # an encoder head's (zeros for other heads)
-    if any(top):
-        out.update(zip(("head_fwd_tok", "head_fwd_sq", "head_fwd_b", "head_fwd_ssq"), top))
+    for i, c in enumerate(derived_top_forward(m, t, stage)):  # an encoder head's moments (none for other heads)
+        out.update(zip((f"head_fwd{'2' if i else ''}_{k}" for k in ("tok", "sq", "pos", "b", "ssq")), c))
     out.update(zip(("grad_view_tok", "grad_view_pos", "grad_view_const"), derived_grad_views(m, t)))
     if m.is_encoder_decoder:
         bottom, decb = moment_activations(m, t)

@@ -151,6 +151,10 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1:
     for name, what in (("first_input", "first layer's input"), ("top_kept", "top layer's kept output"),
                        ("first_early", "end layers' outputs")):
         out[name] = _fitted(m, what, pts, [r[name] for r in runs], ("n",))[0]
+    if m.head in ENCODER_HEADS:  # its forward's moments above the layers' saved tensors (``_top_forward``)
+        out["top_forward"] = _top_candidates(m, pts, [r["top_forward"] for r in runs], terms)
+        out["top_held"] = dict(fit("top forward's held bytes per layer", [r["top_held"] for r in runs]))
+        out["cut_layers"] = len(kinds_small)
     if m.head == "masked-lm":  # (``estimate.derived.loss_upcasts``)
         out["loss_upcast"] = bool(runs[-1]["loss_upcast"])
     sides = _outside_layers(m, runs, fit)
@@ -186,8 +190,7 @@ def _outside_layers(m: ModelSpec, runs: list[dict[str, Any]], fit: Any) -> dict[
     (and an image model's head forward) per token, per position and per token x key; the gradients
     kept as views of larger tensors (``_grad_view_bytes``) per token, per position and constant."""
     out = {}
-    top = ("top_forward",) if m.head in ENCODER_HEADS else ()
-    for side in ("embed", "head", "head_loss") + (("head_forward",) if m.is_image else ()) + top:
+    for side in ("embed", "head", "head_loss") + (("head_forward",) if m.is_image else ()):
         c = fit(f"{side} bytes", [r[side] for r in runs])
         out[side] = [c["n"], c["s"], c["nsq"]]
         if "b" in c:  # an encoder head's bytes per sample and per position pair (``ENCODER_TERMS``)
@@ -642,8 +645,8 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
             "embed": embed, "head": head, "head_loss": head_loss - head, "first": first, "transient": trans,
             "made": made, "total_g": total_g, "first_input": first_input, "sequence": sequence, **outputs,
             "head_forward": _head_forward(tracker, recs, (last_layer_ev, logits_ev), head) if image else 0,
-            "top_forward": _top_forward(tracker, recs, (min(events[len(kinds) - 1], default=0), logits_ev, end))
-            if top else 0}
+            **(_top_forward(tracker, recs, (min(events[len(kinds) - 1], default=0), logits_ev, end), layer_of,
+                            typical[kinds[len(kinds) // 2]]) if top else {})}
 
 
 def _head_loss(tracker: Any, recs: list, end: int, window: tuple[int, int]) -> int:
@@ -715,7 +718,8 @@ def _loss_upcasts(recs: list, logits: list) -> bool:
     return lsm is not None and lsm.nbytes > logits[0].nbytes
 
 
-def _top_forward(tracker: Any, recs: list, window: tuple[int, int, int]) -> int:
+def _top_forward(tracker: Any, recs: list, window: tuple[int, int, int], layer_of: Any, middle: int
+                 ) -> dict[str, Any]:
     """An encoder head's forward from its top layer's first tensor to the logits (a classifier's or
     question-answering head has no vocabulary-sized loss after it: this is its forward's peak): the
     most bytes of forward tensors alive at once (activations and temporaries, autocast's weight
@@ -728,22 +732,62 @@ def _top_forward(tracker: Any, recs: list, window: tuple[int, int, int]) -> int:
     ``models/deberta_v2/modeling_deberta_v2.py`` ``DebertaV2Output.forward``: the forms
     ``bert_top_forward`` counts by hand for BERT). ``window``: the top layer's first event, the
     logits' (the forward's end when no output is marked as logits: question answering's two), the
-    forward's end."""
+    forward's end. Each moment of the window (``top_forward``: which is the highest depends on the
+    batch and sequence, ``_top_candidates``), and ``top_held``: what one layer below the top (the cut
+    model's middle one, ``middle``) made that is alive when the top layer begins and freed before
+    the forward ends, which the full model holds for each of its layers below the top (DeBERTa-v2's
+    encoder keeps every layer's fp32 LayerNorm output until it returns, 5.24
+    ``DebertaV2Encoder.forward``; under autocast the next layer's linears save half casts)."""
     start, stop, end = window
 
     def counted(r: Any) -> bool:
         return r.phase == "forward" and r.category in ("activations", "temporaries") \
             and r.label != "autocast_weight_cache"
-    cur = best = 0
+    cur, series = 0, []
     for e in range(stop):
         code = tracker.ev_rec[e]
         r = recs[code] if code >= 0 else recs[~code]
         if counted(r):
             cur += r.nbytes if code >= 0 else -r.nbytes
-            best = max(best, cur) if e >= start else best
+        if e >= start:
+            series.append(cur)
     kept = sum(r.nbytes for r in recs if counted(r) and r.alloc_event < stop
                and (r.free_event is None or r.free_event >= end))
-    return max(best - kept, 0)
+    held = sum(r.nbytes for r in recs if counted(r) and layer_of(r) == middle and r.alloc_event < start
+               and r.free_event is not None and start <= r.free_event < end)
+    return {"top_forward": [x - kept for x in series], "top_held": held}
+
+
+def _top_candidates(m: ModelSpec, pts: list[tuple[int, ...]], series: list[list[int]], terms: tuple[str, ...]
+                    ) -> list[dict[str, float]]:
+    """An encoder head's top-forward moments worth keeping (``_top_forward``): each moment fitted in
+    ``terms`` over all points but the last and checked on it, like the backward transients
+    (``_candidates``); of those, the ones that are the highest somewhere on a grid of batch and
+    sequence (DeBERTa's attention moment at long sequences, its feed-forward's at short ones), at
+    most ``TOP_MOMENTS``, those highest at the most grid points. Each as {term: coefficient}."""
+    import numpy as np
+    if len({len(x) for x in series}) != 1:
+        raise NotPolynomial(f"{m.name}: its top layer's forward runs different operations at different sizes; "
+                            "trainmem cannot derive its forward peak (use trace)", "top forward")
+    y = np.array(series, dtype=np.float64)           # runs x moments
+    a = np.array([_basis(p, terms) for p in pts])
+    coef = _lstsq(a[:-1], y[:-1], False)             # terms x moments
+    pred = a[-1] @ coef
+    ok = np.abs(pred - y[-1]) <= DERIVE_TOLERANCE * np.abs(y[-1]) + DERIVE_SLACK
+    if not ok.any() or abs(pred[ok].max() - y[-1].max()) > DERIVE_TOLERANCE * abs(y[-1].max()) + DERIVE_SLACK:
+        raise NotPolynomial(f"{m.name}: the derived top-layer forward is not polynomial in the batch and sequence; "
+                            f"trainmem will not extrapolate it: use trace", "top forward")
+    grid = np.array([_basis((b, s), terms) for b in (1, 2, 4, 8, 16, 32, 64)
+                     for s in (64, 128, 256, 512, 1024, 2048, 4096, 8192, 32768)])
+    vals = grid @ coef
+    vals[:, ~ok] = -np.inf
+    wins = np.bincount(vals.argmax(1), minlength=y.shape[1])
+    keep = sorted(int(j) for j in np.argsort(-wins)[:TOP_MOMENTS] if wins[j] > 0)
+    return [{k: float(coef[i, j]) for i, k in enumerate(terms)} for j in keep]
+
+
+#: the most top-forward moments an encoder head keeps (``Quantities.head_fwd*``: fixed fields)
+TOP_MOMENTS = 2
 
 
 def _moment_bases(recs: list, layer_of: Any, at: dict[str, int], saved_rec: dict[int, list], shared: int,
