@@ -607,12 +607,27 @@ def outer_per_sample(m: ModelSpec, t: TrainingSpec, stage: str) -> float:
     projections over the batch (transformers 5.24 ``models/deberta_v2/modeling_deberta_v2.py``
     ``disentangled_attention_bias``: (b x heads, 2 x position_buckets, head_dim), saved by the
     ``bmm`` with the query) in the layers; 0 for other heads."""
+    return _summed(m, t, stage, "per_sample")
+
+
+def outer_const(m: ModelSpec, t: TrainingSpec, stage: str) -> float:
+    """Bytes an encoder head's model keeps through the step whatever the batch and sequence
+    (``trace.derive.ENCODER_TERMS``' constant): each DeBERTa-v2 layer's half casts of its (2 x
+    position_buckets, h) relative embeddings for the query and key projections and their dropout's
+    (5.24 ``modeling_deberta_v2.py`` ``disentangled_attention_bias``); 0 for other heads, whose
+    derivations leave the constant out."""
+    return _summed(m, t, stage, "const")
+
+
+def _summed(m: ModelSpec, t: TrainingSpec, stage: str, terms_of: str) -> float:
+    """An encoder head's ``terms_of`` coefficients over the stage's layers, its first layer's
+    excess and the embedding and head sides on the stages that hold them."""
     doc = coefficients(m, t)
-    b = doc.get("per_sample")
+    b = doc.get(terms_of)
     if not b:
         return 0.0
     out = sum(b.get(f"kind.{k}", 0.0) for k in stage_kinds(m, t, stage, doc))
-    out += b.get("embed", 0.0) if (t.pp == 1 or stage == "first") else 0.0
+    out += b.get("embed", 0.0) + b.get("first", 0.0) if (t.pp == 1 or stage == "first") else 0.0
     return out + (b.get("head", 0.0) if (t.pp == 1 or stage == "last") else 0.0)
 
 

@@ -34,7 +34,8 @@ from .derived import adapters_computed_half, batch1 as derived_batch1, point_at,
 from .derived import head_during_loss as derived_head_loss, layer_coefs as derived_layer, outer as derived_outer
 from .derived import logits_bytes as derived_logits_bytes, outer_ssq as derived_outer_ssq
 from .derived import decoder_ratio, grad_views as derived_grad_views, head_forward as derived_head_forward
-from .derived import loss_upcasts as derived_loss_upcasts, outer_per_sample as derived_outer_per_sample
+from .derived import loss_upcasts as derived_loss_upcasts, outer_const as derived_outer_const
+from .derived import outer_per_sample as derived_outer_per_sample
 from .derived import top_forward as derived_top_forward
 from .derived import moment_activations
 from .layers import ALL_MOMENTS, HALF, LayerCoefs, LayerKey, Policy, ep_rank_rows, layer_coefficients
@@ -184,6 +185,7 @@ class Quantities:
     above_decoder_bottom: int = 0  # ... above an encoder-decoder's decoder-bottom layer
     outer_rest_ssq: float = 0.0  # per sequence position squared, shared by the micro-batch (T5's position buckets)
     outer_rest_b: float = 0.0  # per sample, whatever the sequence (derived.outer_per_sample: an encoder head's)
+    outer_rest_const: float = 0.0  # bytes whatever the batch and sequence (derived.outer_const: an encoder head's)
     loss_backward_tok: float = 0.0  # per token, alive at the start of backward (--compile: the KV cache's zero gradients)
     # TRL's chunked_nll (``loss_bytes``): tokens per chunk (0: another loss), and its forward's matmul
     # moment (the head weight's cast, then the chunk's logits) and its backward's constant
@@ -2464,6 +2466,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         **_graph_held(t, lc.graph_held, checkpointed, layers), **fsdp,
         outer_rest_ssq=derived_outer_ssq(m, t, stage) if derived else 0.0,
         outer_rest_b=derived_outer_per_sample(m, t, stage) if derived else 0.0,
+        outer_rest_const=derived_outer_const(m, t, stage) if derived else 0.0,
         lower_layers=lower, above_bottom=above_bottom, above_decoder_bottom=above_decoder_bottom,
         input_tok=input_bytes(m, t)[0], input_sample=input_bytes(m, t)[1], expandable=int(t.expandable_segments),
         trainer_cp=trainer_cp_inputs(m, t), embeds_tok=held_embeddings(m, t, pol, lc),

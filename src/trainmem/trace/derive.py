@@ -129,6 +129,7 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1:
         if "ssq" in c:  # an encoder head's (``ENCODER_TERMS``: ``estimate.derived.outer_ssq``, ``outer_per_sample``)
             out.setdefault("ssq", {})[f"kind.{kind}"] = c["ssq"]
             out.setdefault("per_sample", {})[f"kind.{kind}"] = c["b"]
+            out.setdefault("const", {})[f"kind.{kind}"] = c["1"]
         # the layer's output, kept only by what follows the layer (the next layer, the final norm):
         # a layer recomputed in its backward does not make it again (quantities._recompute);
         # measured at the kind's typical layer (``_analyse``'s ``at``), whose output the next layer
@@ -145,6 +146,7 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1:
     out["first_layer"] = [c["n"], c["s"], c["nsq"]]
     if "ssq" in c:
         out.setdefault("ssq", {})["first"] = c["ssq"]
+        out.setdefault("const", {})["first"] = c["1"]
     # full recompute (``derived.layer_coefs``, ``derived.outer``): the first layer's input where the
     # embedding side holds it (kept again as a checkpoint input), the top layer's output kept by what
     # follows it, and the end layers' outputs beside their kinds' (``_layer_outputs``), per token
@@ -158,7 +160,7 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1:
     if m.head == "masked-lm":  # (``estimate.derived.loss_upcasts``)
         out["loss_upcast"] = bool(runs[-1]["loss_upcast"])
     sides = _outside_layers(m, runs, fit)
-    for terms_of in ("per_sample", "ssq"):  # (an encoder head's: the layers' and the sides' in one dict each)
+    for terms_of in ("per_sample", "ssq", "const"):  # (an encoder head's: the layers' and the sides' in one dict each)
         if terms_of in sides:
             sides[terms_of] = dict(out.get(terms_of, {}), **sides[terms_of])
     return dict(out, **sides)
@@ -196,6 +198,7 @@ def _outside_layers(m: ModelSpec, runs: list[dict[str, Any]], fit: Any) -> dict[
         if "b" in c:  # an encoder head's bytes per sample and per position pair (``ENCODER_TERMS``)
             out.setdefault("per_sample", {})[side] = c["b"]
             out.setdefault("ssq", {})[side] = c["ssq"]
+            out.setdefault("const", {})[side] = c["1"]
     c = fit("gradient views' bytes", [r["grad_views"] for r in runs])
     out["grad_views"] = [c["n"], c["s"], c["1"]]
     return out
@@ -226,7 +229,9 @@ def _points(m: ModelSpec, s0: int, batch1: bool) -> tuple[list[tuple[int, int]],
 ENCODER_HEADS = ("masked-lm", "seq-cls", "qa")
 #: an encoder head's terms: a decoder's, then per sample (``b``) and per position pair shared by the
 #: batch (``ssq`` = s^2: DeBERTa-v2's ``build_relative_position`` (1, s, s) int64 and each layer's
-#: ``torch.clamp`` of it, transformers 5.24 ``models/deberta_v2/modeling_deberta_v2.py``)
+#: ``torch.clamp`` of it, transformers 5.24 ``models/deberta_v2/modeling_deberta_v2.py``); the
+#: constant is kept too (``const``: each DeBERTa layer's half casts and dropout of the (2 x buckets, h)
+#: relative embeddings it projects, whatever the batch and sequence)
 ENCODER_TERMS = ("n", "s", "nsq", "1", "b", "ssq")
 
 
