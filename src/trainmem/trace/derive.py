@@ -92,10 +92,12 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1:
     if m.is_encoder_decoder:  # two lengths: the encoder's and the decoder's (``encdec_coefficients``)
         return encdec_coefficients(m, t, cfg, (kinds_full, kinds_small), base, s0)
     points, check, terms = ([], point, ("n", "s", "nsq", "1")) if point else _points(m, s0, batch1)
-    # refinements of the backward transients applied to the encoder-decoder and image models only
-    # (``_transients``' early frees, ``_candidates``' gradients): decoder LMs would need them too,
-    # but their shipped coefficients predate them and re-shipping is the lead's call
-    refined = m.is_image
+    # refinements of the backward transients applied to the encoder-decoder, image and encoder-head
+    # models only (``_transients``' early frees, ``_candidates``' gradients: ModernBERT's classifier,
+    # whose top layer's backward peaks after the head's backward freed the final norm's tensors, was
+    # +1.4% without them): decoder LMs would need them too, but their shipped coefficients predate
+    # them and re-shipping is the lead's call
+    refined = m.is_image or m.head in ENCODER_HEADS
     runs = _runs(m, cfg, kinds_small, base, points + [check], ckpt)
     out: dict[str, Any] = {"layer_kinds": kinds_full, "kinds": {}, "points": points + [check],
                            "attention": attention_implementation(m, t)[0], "seq_base": s0}
@@ -129,7 +131,7 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1:
         if "ssq" in c:  # an encoder head's (``ENCODER_TERMS``: ``estimate.derived.outer_ssq``, ``outer_per_sample``)
             out.setdefault("ssq", {})[f"kind.{kind}"] = c["ssq"]
             out.setdefault("per_sample", {})[f"kind.{kind}"] = c["b"]
-            out.setdefault("const", {})[f"kind.{kind}"] = c["1"]
+            out.setdefault("const", {})[f"kind.{kind}"] = c["1"] - runs[-1]["wcast"][kind]
         # the layer's output, kept only by what follows the layer (the next layer, the final norm):
         # a layer recomputed in its backward does not make it again (quantities._recompute);
         # measured at the kind's typical layer (``_analyse``'s ``at``), whose output the next layer
@@ -146,7 +148,7 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1:
     out["first_layer"] = [c["n"], c["s"], c["nsq"]]
     if "ssq" in c:
         out.setdefault("ssq", {})["first"] = c["ssq"]
-        out.setdefault("const", {})["first"] = c["1"]
+        out.setdefault("const", {})["first"] = c["1"] - runs[-1]["wcast"]["first"]
     # full recompute (``derived.layer_coefs``, ``derived.outer``): the first layer's input where the
     # embedding side holds it (kept again as a checkpoint input), the top layer's output kept by what
     # follows it, and the end layers' outputs beside their kinds' (``_layer_outputs``), per token
@@ -484,7 +486,7 @@ def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpe
             for h in hooks:
                 h.remove()
     return dict(_analyse(tracker, stacks, kinds, cache, released, m.vocab_size if is_lm(m) else -1,
-                         early_frees=m.is_encoder_decoder or m.is_image,
+                         early_frees=m.is_encoder_decoder or m.is_image or m.head in ENCODER_HEADS,
                          shared_frees=t.batch_size if (m.is_encoder_decoder and ckpt) else 0, first_in=first_in,
                          top=m.head in ENCODER_HEADS),
                 grad_views=views)
@@ -626,6 +628,13 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
 
     def excess(i: int) -> int:
         return sum(r.nbytes for r in saved_rec[i]) - saved[kinds[i]] if typical[kinds[i]] != i else 0
+    # the 2-D weight copies a layer's matmuls save (autocast's uncached casts of frozen LoRA bases):
+    # the engine counts every layer's copies (``quantities._autocast_copies``), so an encoder head's
+    # constant (``ENCODER_TERMS``) leaves them out
+    def wcasts(i: int) -> int:
+        return sum(r.nbytes for r in saved_rec[i] if r.op == "_to_copy" and len(r.shape or ()) == 2)
+    wcast = {kind: wcasts(i) for kind, i in typical.items()}
+    wcast["first"] = sum(wcasts(i) - wcast[kinds[i]] for i in sorted(set(starts + ends) - {top})) if top > 0 else 0
     top_less = min(excess(top), 0) if image else 0
     head += excess(top) - top_less
     first = sum(excess(i) for i in sorted(set(starts + ends) - {top})) + top_less if top > 0 else 0
@@ -645,7 +654,7 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
     # the logits' element size: BART adds its fp32 ``final_logits_bias`` buffer to the half head
     # output under autocast, so its logits (and its loss) are fp32 (estimate.quantities.loss_bytes)
     logits_bytes = logits[0].nbytes // max(1, _numel(logits[0].shape)) if logits else 0
-    return {"saved": saved, "logits_bytes": logits_bytes, "loss_upcast": _loss_upcasts(recs, logits), "parts": parts, "early": early, "base": base,
+    return {"saved": saved, "logits_bytes": logits_bytes, "loss_upcast": _loss_upcasts(recs, logits), "wcast": wcast, "parts": parts, "early": early, "base": base,
             "cache": {k: max(v) for k, v in kv.items()}, "held": {k: max(v) for k, v in held.items()},
             "embed": embed, "head": head, "head_loss": head_loss - head, "first": first, "transient": trans,
             "made": made, "total_g": total_g, "first_input": first_input, "sequence": sequence, **outputs,
