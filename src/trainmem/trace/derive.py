@@ -780,6 +780,8 @@ def _top_candidates(m: ModelSpec, pts: list[tuple[int, ...]], series: list[list[
     sequence (DeBERTa's attention moment at long sequences, its feed-forward's at short ones), at
     most ``TOP_MOMENTS``, those highest at the most grid points. Each as {term: coefficient}."""
     import numpy as np
+    if len(pts) == 1:  # one traced point (``derive_coefficients``' ``point``): its highest moment per token
+        return [dict.fromkeys(terms, 0.0) | {terms[0]: max(series[0]) / _basis(pts[0], terms)[0]}]
     if len({len(x) for x in series}) != 1:
         raise NotPolynomial(f"{m.name}: its top layer's forward runs different operations at different sizes; "
                             "trainmem cannot derive its forward peak (use trace)", "top forward")
