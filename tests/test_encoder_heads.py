@@ -98,6 +98,19 @@ def test_classifier_forward_peak_is_the_top_layer():
     assert rep.peak_phase.startswith("forward") and "head.forward" in rep.peak_where
 
 
+def test_deberta_classifier_needs_a_problem_type():
+    """DeBERTa-v2's classifier without a problem_type picks its labelled rows with ``nonzero()`` (data-
+    dependent: not traceable): refused in one line naming the fix; with it, derived like the others."""
+    from trainmem.errors import TrainmemError
+    with pytest.raises(TrainmemError, match="problem_type=single_label_classification"):
+        trainmem.estimate(DEBERTA, task="sequence-classification", batch_size=4, seq_len=256)
+    cfg = dict(DEBERTA, problem_type="single_label_classification")
+    setup = dict(task="sequence-classification", batch_size=4, seq_len=256, precision="bf16-amp",
+                 expandable_segments=True)
+    est, tr = trainmem.estimate(cfg, **setup), trainmem.trace(cfg, **setup)
+    assert abs(est.peak_allocated / tr.peak_allocated - 1) <= TOLERANCE
+
+
 @pytest.mark.parametrize("argv,names", [
     (["--task", "masked-lm"], "albert_layer_groups"),
     (["--task", "sequence-classification"], "num_hidden_groups=1"),
