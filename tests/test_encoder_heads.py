@@ -66,9 +66,11 @@ LORA_TARGETS = {"distilbert": ["q_lin", "v_lin"], "deberta": ["query_proj", "val
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(MODELS))
-def test_encoder_head_lora_agrees_with_trace(name):
-    assert abs(_error(name, "question-answering", lora_rank=16, lora_targets=LORA_TARGETS[name])) <= TOLERANCE
+@pytest.mark.parametrize("name,task", [(n, t) for n in MODELS for t in ("masked-lm", "question-answering")])
+def test_encoder_head_lora_agrees_with_trace(name, task):
+    """LoRA: the frozen weights' half copies (uncached by autocast, saved by their matmuls; a frozen
+    tied head's too) are the engine's, not the fitted constant's (+2.3% on DistilBERT's masked LM before)."""
+    assert abs(_error(name, task, lora_rank=16, lora_targets=LORA_TARGETS[name])) <= TOLERANCE
 
 
 def test_masked_lm_loss_upcast_is_traced():

@@ -200,7 +200,7 @@ def _outside_layers(m: ModelSpec, runs: list[dict[str, Any]], fit: Any) -> dict[
         if "b" in c:  # an encoder head's bytes per sample and per position pair (``ENCODER_TERMS``)
             out.setdefault("per_sample", {})[side] = c["b"]
             out.setdefault("ssq", {})[side] = c["ssq"]
-            out.setdefault("const", {})[side] = c["1"]
+            out.setdefault("const", {})[side] = c["1"] - runs[-1]["wcast"].get(side, 0)
     c = fit("gradient views' bytes", [r["grad_views"] for r in runs])
     out["grad_views"] = [c["n"], c["s"], c["1"]]
     return out
@@ -601,7 +601,7 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
         return r.alloc_event <= e and (r.free_event is None or r.free_event > e)
 
     saved_rec: dict[int, list[Any]] = defaultdict(list)
-    embed = head = first_input = 0
+    embed = head = first_input = head_wcast = 0
     head_loss = _head_loss(tracker, recs, end, (last_layer_ev, logits_ev))
     for r in recs:
         if r.phase != "forward" or r.category not in ("activations", "temporaries") or \
@@ -616,6 +616,7 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
             first_input += r.nbytes if r.rid in first_ids else 0
         elif last_layer_ev < r.alloc_event < logits_ev:
             head += r.nbytes
+            head_wcast += r.nbytes if (r.op == "_to_copy" and len(r.shape or ()) == 2) else 0
     # a kind's bytes come from a layer inside its stack when the cut model has one. The top layer's
     # output may be kept by what follows it (a post-norm model's final norm saves it, OLMo 2): that
     # excess is the head's; an image model's top layer may keep less (nothing after it saves its
@@ -635,6 +636,7 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
         return sum(r.nbytes for r in saved_rec[i] if r.op == "_to_copy" and len(r.shape or ()) == 2)
     wcast = {kind: wcasts(i) for kind, i in typical.items()}
     wcast["first"] = sum(wcasts(i) - wcast[kinds[i]] for i in sorted(set(starts + ends) - {top})) if top > 0 else 0
+    wcast["head"] = head_wcast  # (a frozen LoRA head's uncached copy: the engine's ``cast_head``)
     top_less = min(excess(top), 0) if image else 0
     head += excess(top) - top_less
     first = sum(excess(i) for i in sorted(set(starts + ends) - {top})) + top_less if top > 0 else 0
