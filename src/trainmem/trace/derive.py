@@ -662,7 +662,7 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
             "made": made, "total_g": total_g, "first_input": first_input, "sequence": sequence, **outputs,
             "head_forward": _head_forward(tracker, recs, (last_layer_ev, logits_ev), head) if image else 0,
             **(_top_forward(tracker, recs, (min(events[len(kinds) - 1], default=0), logits_ev, end), layer_of,
-                            typical[kinds[len(kinds) // 2]]) if top else {})}
+                            len(kinds) - 3) if top else {})}
 
 
 def _head_loss(tracker: Any, recs: list, end: int, window: tuple[int, int]) -> int:
@@ -734,7 +734,7 @@ def _loss_upcasts(recs: list, logits: list) -> bool:
     return lsm is not None and lsm.nbytes > logits[0].nbytes
 
 
-def _top_forward(tracker: Any, recs: list, window: tuple[int, int, int], layer_of: Any, middle: int
+def _top_forward(tracker: Any, recs: list, window: tuple[int, int, int], layer_of: Any, below: int
                  ) -> dict[str, Any]:
     """An encoder head's forward from its top layer's first tensor to the logits (a classifier's or
     question-answering head has no vocabulary-sized loss after it: this is its forward's peak): the
@@ -749,11 +749,12 @@ def _top_forward(tracker: Any, recs: list, window: tuple[int, int, int], layer_o
     ``bert_top_forward`` counts by hand for BERT). ``window``: the top layer's first event, the
     logits' (the forward's end when no output is marked as logits: question answering's two), the
     forward's end. Each moment of the window (``top_forward``: which is the highest depends on the
-    batch and sequence, ``_top_candidates``), and ``top_held``: what one layer below the top (the cut
-    model's middle one, ``middle``) made that is alive when the top layer begins and freed before
-    the forward ends, which the full model holds for each of its layers below the top (DeBERTa-v2's
-    encoder keeps every layer's fp32 LayerNorm output until it returns, 5.24
-    ``DebertaV2Encoder.forward``; under autocast the next layer's linears save half casts)."""
+    batch and sequence, ``_top_candidates``), and ``top_held``: what layer ``below`` (two below the
+    top: the layer just below it makes the top layer's input, which every model holds then) made that
+    is alive when the top layer begins and freed before the forward ends, which the full model holds
+    for each of its layers below the top (DeBERTa-v2's encoder keeps every layer's fp32 LayerNorm
+    output in ``all_hidden_states`` until it returns, 5.24 ``DebertaV2Encoder.forward``; under autocast
+    the next layer's linears save half casts; DistilBERT's holds none). None below 3 layers."""
     start, stop, end = window
 
     def counted(r: Any) -> bool:
@@ -769,8 +770,8 @@ def _top_forward(tracker: Any, recs: list, window: tuple[int, int, int], layer_o
             series.append(cur)
     kept = sum(r.nbytes for r in recs if counted(r) and r.alloc_event < stop
                and (r.free_event is None or r.free_event >= end))
-    held = sum(r.nbytes for r in recs if counted(r) and layer_of(r) == middle and r.alloc_event < start
-               and r.free_event is not None and start <= r.free_event < end)
+    held = sum(r.nbytes for r in recs if counted(r) and below >= 0 and layer_of(r) == below
+               and r.alloc_event < start and r.free_event is not None and start <= r.free_event < end)
     return {"top_forward": [x - kept for x in series], "top_held": held}
 
 
