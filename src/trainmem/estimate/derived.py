@@ -41,6 +41,9 @@ DERIVED_HEADS = ("causal-lm", "seq2seq-lm", "image-cls", "masked-lm", "seq-cls",
 #: an encoder's heads (``trace.derive.ENCODER_HEADS``): fitted with a per-sample term, their top
 #: layer's forward measured (``head_forward``)
 ENCODER_HEADS = ("masked-lm", "seq-cls", "qa")
+#: the model types whose encoder heads' derived estimate is checked against trace
+#: (tests/test_encoder_heads.py, docs/architectures.md); a decoder's classifier is not
+DERIVED_ENCODER_TYPES = ("distilbert", "deberta-v2", "modernbert")
 #: the model types whose image classifier's derived estimate is checked against trace (ViT's, and the
 #: vision towers of SigLIP's and CLIP's, ``SiglipForImageClassification``, ``CLIPForImageClassification``)
 DERIVED_IMAGE_TYPES = ("vit", "siglip", "clip")
@@ -55,6 +58,10 @@ def derived_problems(m: ModelSpec, t: TrainingSpec) -> list[str]:
     if checkpointed(m, t) and t.recompute_every > 1:
         out.append(f"--recompute-every {t.recompute_every} (an encoder-decoder's full-recompute coefficients are "
                    f"traced with every layer checkpointed)")
+    if m.head in ENCODER_HEADS and m.model_type not in DERIVED_ENCODER_TYPES:
+        out.append(f"its {m.architecture} {m.head} head (the derived estimate covers the masked-LM, sequence-"
+                   f"classification and question-answering heads of {', '.join(DERIVED_ENCODER_TYPES)} only, "
+                   f"checked against trace; use trace)")
     if m.head == "image-cls" and m.model_type not in DERIVED_IMAGE_TYPES:
         out.append(f"its {m.architecture} image classifier (the derived estimate is checked against trace for "
                    f"{', '.join(DERIVED_IMAGE_TYPES)} only; use trace)")
