@@ -73,6 +73,21 @@ def test_encoder_head_lora_agrees_with_trace(name, task):
     assert abs(_error(name, task, lora_rank=16, lora_targets=LORA_TARGETS[name])) <= TOLERANCE
 
 
+@pytest.mark.parametrize("name,setup", [("distilbert", dict(recompute="full")), ("modernbert", dict(recompute="full")),
+                                        ("deberta", dict(batch_size=1, seq_len=512)),
+                                        ("modernbert", dict(grad_accum=2))])
+def test_encoder_head_recompute_batch1_accumulation(name, setup):
+    """Full recompute (the layers keep their inputs; the top forward moment is not counted), micro-
+    batch 1 (its own fit, whose constant holds DeBERTa's per-sample bytes) and accumulation."""
+    assert abs(_error(name, "question-answering", **setup)) <= TOLERANCE
+
+
+def test_deberta_full_recompute_refused_in_one_line():
+    from trainmem.errors import TrainmemError
+    with pytest.raises(TrainmemError, match="--recompute full on DeBERTa-v2"):
+        trainmem.estimate(DEBERTA, task="masked-lm", batch_size=4, seq_len=256, recompute="full")
+
+
 def test_masked_lm_loss_upcast_is_traced():
     """ModernBERT's masked LM calls transformers' ``ForMaskedLMLoss`` (``logits.float()``), DistilBERT's
     ``CrossEntropyLoss()`` on the half logits: the derivation records which (the estimate's log-

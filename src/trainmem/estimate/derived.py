@@ -62,6 +62,12 @@ def derived_problems(m: ModelSpec, t: TrainingSpec) -> list[str]:
         out.append(f"its {m.architecture} {m.head} head (the derived estimate covers the masked-LM, sequence-"
                    f"classification and question-answering heads of {', '.join(DERIVED_ENCODER_TYPES)} only, "
                    f"checked against trace; use trace)")
+    if m.head in ENCODER_HEADS and m.model_type == "deberta-v2" and t.recompute == "full":
+        # its layers' bytes per sample and per position pair (``outer_per_sample``, ``outer_ssq``) are
+        # counted for the layers that keep their tensors, not in the layer recomputed in backward
+        # (tests/test_encoder_heads.py: -1.9% masked LM, -8.9% question answering)
+        out.append("--recompute full on DeBERTa-v2 (its recomputed layer's relative-position repeats and indices, "
+                   "per sample and per position pair, are not modelled; use trace)")
     if m.head == "image-cls" and m.model_type not in DERIVED_IMAGE_TYPES:
         out.append(f"its {m.architecture} image classifier (the derived estimate is checked against trace for "
                    f"{', '.join(DERIVED_IMAGE_TYPES)} only; use trace)")
@@ -633,7 +639,7 @@ def _summed(m: ModelSpec, t: TrainingSpec, stage: str, terms_of: str) -> float:
     b = doc.get(terms_of)
     if not b:
         return 0.0
-    out = sum(b.get(f"kind.{k}", 0.0) for k in stage_kinds(m, t, stage, doc))
+    out = sum(b.get(f"kind.{k}", 0.0) for k in kept_kinds(m, t, stage, doc))
     out += b.get("embed", 0.0) + b.get("first", 0.0) if (t.pp == 1 or stage == "first") else 0.0
     return out + (b.get("head", 0.0) if (t.pp == 1 or stage == "last") else 0.0)
 
@@ -696,6 +702,17 @@ def logits_bytes(m: ModelSpec, t: TrainingSpec) -> int:
     return int(coefficients(m, t).get("logits_bytes", 0))
 
 
+def kept_kinds(m: ModelSpec, t: TrainingSpec, stage: str, doc: dict[str, Any]) -> list[str]:
+    """The kinds of the stage's layers that keep their tensors through the step: all of them, but
+    under full recompute (an encoder head's coefficients are traced without it) only those not
+    checkpointed (a checkpointed layer keeps its input alone: ``recomputed_ends``' rule, every
+    ``recompute_every``-th layer of the stage is)."""
+    kinds = stage_kinds(m, t, stage, doc)
+    if t.recompute != "full" or m.head not in ENCODER_HEADS:
+        return kinds
+    return [k for i, k in enumerate(kinds) if (i + 1) % t.recompute_every]
+
+
 def outer_ssq(m: ModelSpec, t: TrainingSpec, stage: str) -> float:
     """Bytes per sequence position squared, shared by the micro-batch: an encoder-decoder's (s, s)
     tensors (T5's relative position buckets, ``T5Attention.compute_bias``, which the first layer
@@ -705,7 +722,7 @@ def outer_ssq(m: ModelSpec, t: TrainingSpec, stage: str) -> float:
     ssq = doc.get("ssq")
     if not ssq:
         return 0.0
-    kinds = stage_kinds(m, t, stage, doc)
+    kinds = kept_kinds(m, t, stage, doc)
     return (sum(ssq.get(f"kind.{k}", 0.0) for k in kinds)  # (an encoder head's ``head_loss`` and
             + sum(ssq.get(side, 0.0) for side in ("first", "embed", "head")))  # ``top_forward``: its moments')
 

@@ -128,10 +128,11 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1:
         held = _fitted(m, f"layer {kind} output-held bytes", pts, [r["held"][kind] for r in runs], ("n",))[0]
         out["kinds"][kind] = {"tok": c["n"], "sq": c["nsq"], "pos": c["s"], "parts": parts, "transients": trans,
                               "cache": cache, "held": held, **_sequence(runs, kind, fit)}
-        if "ssq" in c:  # an encoder head's (``ENCODER_TERMS``: ``estimate.derived.outer_ssq``, ``outer_per_sample``)
-            out.setdefault("ssq", {})[f"kind.{kind}"] = c["ssq"]
-            out.setdefault("per_sample", {})[f"kind.{kind}"] = c["b"]
-            out.setdefault("const", {})[f"kind.{kind}"] = c["1"] - runs[-1]["wcast"][kind]
+        if m.head in ENCODER_HEADS:  # (``ENCODER_TERMS``: ``estimate.derived.outer_ssq``, ``outer_per_sample``)
+            out.setdefault("ssq", {})[f"kind.{kind}"] = c.get("ssq", 0.0)
+            out.setdefault("per_sample", {})[f"kind.{kind}"] = c.get("b", 0.0)
+            # (at batch 1, ``BATCH1_TERMS``, the per-sample bytes are in the constant)
+            out.setdefault("const", {})[f"kind.{kind}"] = c.get("1", 0.0) - runs[-1]["wcast"][kind]
         # the layer's output, kept only by what follows the layer (the next layer, the final norm):
         # a layer recomputed in its backward does not make it again (quantities._recompute);
         # measured at the kind's typical layer (``_analyse``'s ``at``), whose output the next layer
@@ -146,9 +147,9 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1:
                                                             [r["early"][kind] for r in runs], ("n",))[0]
     c = fit("first layer's bytes", [r["first"] for r in runs])
     out["first_layer"] = [c["n"], c["s"], c["nsq"]]
-    if "ssq" in c:
-        out.setdefault("ssq", {})["first"] = c["ssq"]
-        out.setdefault("const", {})["first"] = c["1"] - runs[-1]["wcast"]["first"]
+    if m.head in ENCODER_HEADS:
+        out.setdefault("ssq", {})["first"] = c.get("ssq", 0.0)
+        out.setdefault("const", {})["first"] = c.get("1", 0.0) - runs[-1]["wcast"]["first"]
     # full recompute (``derived.layer_coefs``, ``derived.outer``): the first layer's input where the
     # embedding side holds it (kept again as a checkpoint input), the top layer's output kept by what
     # follows it, and the end layers' outputs beside their kinds' (``_layer_outputs``), per token
@@ -193,14 +194,14 @@ def _outside_layers(m: ModelSpec, runs: list[dict[str, Any]], fit: Any) -> dict[
     """The fitted quantities outside the layers: the embedding side, the head side and its loss
     (and an image model's head forward) per token, per position and per token x key; the gradients
     kept as views of larger tensors (``_grad_view_bytes``) per token, per position and constant."""
-    out = {}
+    out: dict[str, Any] = {}
     for side in ("embed", "head", "head_loss") + (("head_forward",) if m.is_image else ()):
         c = fit(f"{side} bytes", [r[side] for r in runs])
         out[side] = [c["n"], c["s"], c["nsq"]]
-        if "b" in c:  # an encoder head's bytes per sample and per position pair (``ENCODER_TERMS``)
-            out.setdefault("per_sample", {})[side] = c["b"]
-            out.setdefault("ssq", {})[side] = c["ssq"]
-            out.setdefault("const", {})[side] = c["1"] - runs[-1]["wcast"].get(side, 0)
+        if m.head in ENCODER_HEADS:  # its bytes per sample, per position pair, constant (``ENCODER_TERMS``)
+            out.setdefault("per_sample", {})[side] = c.get("b", 0.0)
+            out.setdefault("ssq", {})[side] = c.get("ssq", 0.0)
+            out.setdefault("const", {})[side] = c.get("1", 0.0) - runs[-1]["wcast"].get(side, 0)
     c = fit("gradient views' bytes", [r["grad_views"] for r in runs])
     out["grad_views"] = [c["n"], c["s"], c["1"]]
     return out
