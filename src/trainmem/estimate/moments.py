@@ -208,7 +208,8 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
     # + per sequence position and per position squared (T5's (s, s) position buckets), shared by the batch
     # (and per sample: a derived encoder head's pooled output, DeBERTa's relative-position repeats)
     outer_rest = trunc(q.outer_rest_tok * n + q.outer_rest_sq * nsq + q.outer_rest_pos * (n // b)
-                       + q.outer_rest_ssq * (n // b) ** 2 + q.outer_rest_b * b + q.outer_rest_const) * inflight + q.cast_embed * per_forward  # (patch emb.)
+                       + q.outer_rest_ssq * (n // b) ** 2 + q.outer_rest_b * b
+                       + q.outer_rest_const) * inflight + q.cast_embed * per_forward  # (patch emb.)
     outer_head = trunc(q.outer_head_tok * n)
     all_acts = layers + outer_rest + outer_head * head_units + stage_out + q.cast_head * where(
         q.pipe_head_once > 0, 1, per_forward)

@@ -657,7 +657,8 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
     # the logits' element size: BART adds its fp32 ``final_logits_bias`` buffer to the half head
     # output under autocast, so its logits (and its loss) are fp32 (estimate.quantities.loss_bytes)
     logits_bytes = logits[0].nbytes // max(1, _numel(logits[0].shape)) if logits else 0
-    return {"saved": saved, "logits_bytes": logits_bytes, "loss_upcast": _loss_upcasts(recs, logits), "wcast": wcast, "parts": parts, "early": early, "base": base,
+    return {"saved": saved, "logits_bytes": logits_bytes, "loss_upcast": _loss_upcasts(recs, logits),
+            "wcast": wcast, "parts": parts, "early": early, "base": base,
             "cache": {k: max(v) for k, v in kv.items()}, "held": {k: max(v) for k, v in held.items()},
             "embed": embed, "head": head, "head_loss": head_loss - head, "first": first, "transient": trans,
             "made": made, "total_g": total_g, "first_input": first_input, "sequence": sequence, **outputs,
