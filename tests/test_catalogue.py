@@ -352,8 +352,9 @@ def test_nanogpt_module_runs():
                                   and trainmem.resolve_model(n).head == "causal-lm"])
 def test_derived_sequence_classifier_is_traced_not_estimated(name):
     """A derived model type's sequence-classification class (--task sequence-classification) is read
-    as such (its head's tensors), and the estimate, whose coefficients cover causal LM, seq2seq LM
-    and image classification heads, refuses it in one line."""
+    as such (its head's tensors), and the estimate, whose coefficients cover causal LM, seq2seq LM,
+    image classification and some encoders' heads (``derived.DERIVED_ENCODER_TYPES``), refuses it in
+    one line."""
     cfg = _raw(name)
     arch = cfg["architectures"][0].replace("ForCausalLM", "ForSequenceClassification")
     if not hasattr(transformers, arch):

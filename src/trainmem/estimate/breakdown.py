@@ -302,6 +302,10 @@ def _shared(q: Quantities, tk: Tokens, t: TrainingSpec, n: int, per_forward: int
     if ssq:  # encoder-decoders: T5's (s, s) position buckets and its per-layer (1, heads, s, s) bias
         out.append(Component("activations.derived.per_position_squared", ACTIVATIONS, ssq * tk.inflight, None,
                              "tensors sized by the sequence squared, shared by the micro-batch"))
+    per_sample = int(q.outer_rest_b * max(t.batch_size, 1) + q.outer_rest_const)
+    if per_sample:  # derived encoder heads: a classifier's pooled output, DeBERTa's relative-position repeats
+        out.append(Component("activations.derived.per_sample", ACTIVATIONS, per_sample * tk.inflight, None,
+                             "tensors sized by the batch alone or by neither batch nor sequence"))
     if q.cast_embed:  # (quantities._autocast_copies)
         out.append(Component("activations.autocast_weight_copies.embeddings", ACTIVATIONS, q.cast_embed * per_forward,
                              half, "half copy of the patch-embedding weight, saved by its convolution"))

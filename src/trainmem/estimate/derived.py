@@ -35,8 +35,15 @@ from ..spec.training import TrainingSpec, config_use_cache
 from .layers import LayerCoefs
 
 COEF_VERSION = 17  # (quantized setups have keys of their own: ``key``)
-#: the heads whose derived coefficients are checked against trace (tests/test_encdec_vit.py, test_derived.py)
-DERIVED_HEADS = ("causal-lm", "seq2seq-lm", "image-cls", "speech-seq2seq")
+#: the heads whose derived coefficients are checked against trace (tests/test_encdec_vit.py, test_derived.py,
+#: test_encoder_heads.py, test_speech.py)
+DERIVED_HEADS = ("causal-lm", "seq2seq-lm", "image-cls", "speech-seq2seq", "masked-lm", "seq-cls", "qa")
+#: an encoder's heads (``trace.derive.ENCODER_HEADS``): fitted with a per-sample term, their top
+#: layer's forward measured (``head_forward``)
+ENCODER_HEADS = ("masked-lm", "seq-cls", "qa")
+#: the model types whose encoder heads' derived estimate is checked against trace
+#: (tests/test_encoder_heads.py, docs/architectures.md); a decoder's classifier is not
+DERIVED_ENCODER_TYPES = ("distilbert", "deberta-v2", "modernbert")
 #: the model types whose image classifier's derived estimate is checked against trace (ViT's, and the
 #: vision towers of SigLIP's and CLIP's, ``SiglipForImageClassification``, ``CLIPForImageClassification``)
 DERIVED_IMAGE_TYPES = ("vit", "siglip", "clip")
@@ -50,10 +57,21 @@ def derived_problems(m: ModelSpec, t: TrainingSpec) -> list[str]:
                    f"activations the derived estimate does not compose with the language model's; use trace)")
     elif m.head not in DERIVED_HEADS:
         out.append(f"its {m.head} head ({m.architecture}; the derived estimate covers causal-lm, seq2seq-lm, "
-                   f"speech-seq2seq and image-classification heads)")
+                   f"speech-seq2seq, image-classification, masked-lm, sequence-classification and "
+                   f"question-answering heads)")
     if checkpointed(m, t) and t.recompute_every > 1:
         out.append(f"--recompute-every {t.recompute_every} (an encoder-decoder's full-recompute coefficients are "
                    f"traced with every layer checkpointed)")
+    if m.head in ENCODER_HEADS and m.model_type not in DERIVED_ENCODER_TYPES:
+        out.append(f"its {m.architecture} {m.head} head (the derived estimate covers the masked-LM, sequence-"
+                   f"classification and question-answering heads of {', '.join(DERIVED_ENCODER_TYPES)} only, "
+                   f"checked against trace; use trace)")
+    if m.head in ENCODER_HEADS and m.model_type == "deberta-v2" and t.recompute == "full":
+        # its layers' bytes per sample and per position pair (``outer_per_sample``, ``outer_ssq``) are
+        # counted for the layers that keep their tensors, not in the layer recomputed in backward
+        # (tests/test_encoder_heads.py: -1.9% masked LM, -8.9% question answering)
+        out.append("--recompute full on DeBERTa-v2 (its recomputed layer's relative-position repeats and indices, "
+                   "per sample and per position pair, are not modelled; use trace)")
     if m.head == "image-cls" and m.model_type not in DERIVED_IMAGE_TYPES:
         out.append(f"its {m.architecture} image classifier (the derived estimate is checked against trace for "
                    f"{', '.join(DERIVED_IMAGE_TYPES)} only; use trace)")
@@ -125,6 +143,8 @@ def key(m: ModelSpec, t: TrainingSpec, one: bool | None = None) -> str:
         parts.append("two-lengths")  # fitted in the encoder's and the decoder's lengths (``at_lengths``)
     if checkpointed(m, t):  # traced with its layers checkpointed (the keys of other setups are unchanged)
         parts.append("checkpointed")
+    if m.head in ENCODER_HEADS:  # fitted with a per-sample term, the top layer's forward measured
+        parts.append(("encoder-head", m.head))
     if batch1(m, t) if one is None else one:  # fitted on batch-1 points (the keys of other batches are unchanged)
         parts.append("batch-1")
     return _key(*parts)
@@ -601,8 +621,69 @@ def head_forward(m: ModelSpec, t: TrainingSpec, stage: str) -> float:
     last pipeline stage."""
     if not (t.pp == 1 or stage == "last"):
         return 0.0
-    tok, s, _sq = coefficients(m, t).get("head_forward", (0.0, 0.0, 0.0))
+    doc = coefficients(m, t)
+    tok, s, _sq = doc.get("head_forward", (0.0, 0.0, 0.0))
     return max(tok + s, 0.0)
+
+
+def top_forward(m: ModelSpec, t: TrainingSpec, stage: str) -> tuple[tuple[float, ...], ...]:
+    """An encoder head's forward moments from its top layer's first tensor to the logits, beyond
+    every layer's saved tensors and the embedding and head sides (``trace.derive._top_forward``:
+    the frame-held top-layer input, a linear's output beside its dropout's, a residual sum beside
+    its LayerNorm's output, DeBERTa's attention scores while its top layer's attention runs): a
+    sequence classifier's or question-answering head's forward peak, which has no vocabulary-sized
+    loss after it. Up to ``trace.derive.TOP_MOMENTS`` moments (which is the highest depends on the
+    batch and sequence), each as (bytes per token, per token x key, per position, per sample, per
+    position pair shared by the batch), with what each layer below the top holds then beyond its
+    saved tensors (``top_held``) for the full model's layers beyond the cut model's. Empty for other
+    heads, off the last pipeline stage, and under recompute (measured with every layer's tensors
+    saved: a checkpointed layer saves none in forward)."""
+    if m.head not in ENCODER_HEADS or t.recompute not in (None, "none") or not (t.pp == 1 or stage == "last"):
+        return ()
+    doc = coefficients(m, t)
+    held, more = doc.get("top_held", {}), max(m.num_layers - doc.get("cut_layers", m.num_layers), 0)
+    return tuple(tuple(float(c.get(k, 0.0) + more * held.get(k, 0.0)) for k in ("n", "nsq", "s", "b", "ssq"))
+                 for c in doc.get("top_forward", ()))
+
+
+def loss_upcasts(m: ModelSpec, t: TrainingSpec) -> bool:
+    """Whether a derived masked LM's own loss casts its logits to fp32 first, as traced
+    (``trace.derive._loss_upcasts``: transformers' ``ForMaskedLMLoss``, ModernBERT's); the masked-LM
+    heads that call ``CrossEntropyLoss()`` on the half logits do not (``quantities.loss_upcasts``)."""
+    if m.family != "derived" or m.head != "masked-lm" or derived_problems(m, t):
+        return False
+    return bool(coefficients(m, t).get("loss_upcast", False))
+
+
+def outer_per_sample(m: ModelSpec, t: TrainingSpec, stage: str) -> float:
+    """Bytes per sample (sized by the batch alone) an encoder head's model keeps through the step
+    (``trace.derive.ENCODER_TERMS``' ``b``): a sequence classifier's pooled (b, h) output and
+    (b, labels) logits on the head side, DeBERTa's per-layer ``repeat`` of the relative position
+    projections over the batch (transformers 5.24 ``models/deberta_v2/modeling_deberta_v2.py``
+    ``disentangled_attention_bias``: (b x heads, 2 x position_buckets, head_dim), saved by the
+    ``bmm`` with the query) in the layers; 0 for other heads."""
+    return _summed(m, t, stage, "per_sample")
+
+
+def outer_const(m: ModelSpec, t: TrainingSpec, stage: str) -> float:
+    """Bytes an encoder head's model keeps through the step whatever the batch and sequence
+    (``trace.derive.ENCODER_TERMS``' constant): each DeBERTa-v2 layer's half casts of its (2 x
+    position_buckets, h) relative embeddings for the query and key projections and their dropout's
+    (5.24 ``modeling_deberta_v2.py`` ``disentangled_attention_bias``); 0 for other heads, whose
+    derivations leave the constant out."""
+    return _summed(m, t, stage, "const")
+
+
+def _summed(m: ModelSpec, t: TrainingSpec, stage: str, terms_of: str) -> float:
+    """An encoder head's ``terms_of`` coefficients over the stage's layers, its first layer's
+    excess and the embedding and head sides on the stages that hold them."""
+    doc = coefficients(m, t)
+    b = doc.get(terms_of)
+    if not b:
+        return 0.0
+    out = sum(b.get(f"kind.{k}", 0.0) for k in kept_kinds(m, t, stage, doc))
+    out += b.get("embed", 0.0) + b.get("first", 0.0) if (t.pp == 1 or stage == "first") else 0.0
+    return out + (b.get("head", 0.0) if (t.pp == 1 or stage == "last") else 0.0)
 
 
 def grad_views(m: ModelSpec, t: TrainingSpec) -> tuple[float, float, float]:
@@ -663,6 +744,17 @@ def logits_bytes(m: ModelSpec, t: TrainingSpec) -> int:
     return int(coefficients(m, t).get("logits_bytes", 0))
 
 
+def kept_kinds(m: ModelSpec, t: TrainingSpec, stage: str, doc: dict[str, Any]) -> list[str]:
+    """The kinds of the stage's layers that keep their tensors through the step: all of them, but
+    under full recompute (an encoder head's coefficients are traced without it) only those not
+    checkpointed (a checkpointed layer keeps its input alone: ``recomputed_ends``' rule, every
+    ``recompute_every``-th layer of the stage is)."""
+    kinds = stage_kinds(m, t, stage, doc)
+    if t.recompute != "full" or m.head not in ENCODER_HEADS:
+        return kinds
+    return [k for i, k in enumerate(kinds) if (i + 1) % t.recompute_every]
+
+
 def outer_ssq(m: ModelSpec, t: TrainingSpec, stage: str) -> float:
     """Bytes per sequence position squared, shared by the micro-batch: an encoder-decoder's (s, s)
     tensors (T5's relative position buckets, ``T5Attention.compute_bias``, which the first layer
@@ -672,9 +764,9 @@ def outer_ssq(m: ModelSpec, t: TrainingSpec, stage: str) -> float:
     ssq = doc.get("ssq")
     if not ssq:
         return 0.0
-    kinds = stage_kinds(m, t, stage, doc)
-    return (sum(ssq.get(f"kind.{k}", 0.0) for k in kinds)
-            + sum(ssq.get(side, 0.0) for side in ("first", "embed", "head")))
+    kinds = kept_kinds(m, t, stage, doc)
+    return (sum(ssq.get(f"kind.{k}", 0.0) for k in kinds)  # (an encoder head's ``head_loss`` and
+            + sum(ssq.get(side, 0.0) for side in ("first", "embed", "head")))  # ``top_forward``: its moments')
 
 
 def notes(m: ModelSpec, t: TrainingSpec) -> list[str]:

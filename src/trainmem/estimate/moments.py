@@ -115,6 +115,7 @@ class Tokens:
     others_loss: Any = 0   # ... and on a pipeline's last stage their logits and what their loss saved (GPipe)
     sent: Any = 0          # the previous micro-batch's input gradient a later 1F1B stage's send ops hold
     tokens: Any = 0        # the micro-batch's tokens on this rank
+    head_fwd: Any = 0      # a derived head's forward beyond the saved tensors (Quantities.head_fwd_*)
     # a derived encoder-decoder's activations at its bottom and decoder-bottom layer moments (measured)
     bottom_acts: Any = 0
     decoder_bottom_acts: Any = 0
@@ -188,8 +189,7 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
     backward (the warm-up forwards); at the backward of micro-batch k the forwards of k to
     ``min(k + pp, ga) - 1`` have run (torch ``schedules.py`` ``Schedule1F1B._step_microbatches``:
     ``pp`` warm-up forwards, then one backward and one forward), so once gradients exist (k >= 1)
-    at most ``min(pp, ga - 1)``. Found by trace: llama-3.2-1b (4 layers) --pp 2 --grad-accum 2,
-    first stage +8.7% before."""
+    at most ``min(pp, ga - 1)`` (trace, llama-3.2-1b (4 layers) --pp 2 --grad-accum 2, first stage: +8.7% before)."""
     pending = maximum(ga - 1, 1) if later else ga
     inflight = where(q.fixed_inflight > 0, q.fixed_inflight, minimum(q.pp_inflight, pending))
     inflight, fed, head_units, stage_out, grads_absent = _interleaved(q, n, nsq, later, inflight)
@@ -205,9 +205,10 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
     # (and the half copies of its frozen linears on that input are not kept, in each forward's region)
     layers = (layers - trunc(q.first_unsaved_tok * n + q.first_unsaved_sq * nsq) * fed
               - q.cast_first_free * per_forward)
-    # + per sequence position and per position squared (T5's (s, s) position buckets), shared by the batch
-    outer_rest = trunc(q.outer_rest_tok * n + q.outer_rest_sq * nsq + q.outer_rest_pos * (n // b)
-                       + q.outer_rest_ssq * (n // b) ** 2) * inflight + q.cast_embed * per_forward  # (patch emb.)
+    # + per position and per position squared (T5's (s, s) position buckets), shared by the batch
+    # (and per sample: a derived encoder head's pooled output, DeBERTa's relative-position repeats)
+    outer_rest = trunc(q.outer_rest_tok * n + q.outer_rest_sq * nsq + q.outer_rest_pos * (n // b) + q.outer_rest_ssq
+                       * (n // b) ** 2 + q.outer_rest_b * b + q.outer_rest_const) * inflight + q.cast_embed * per_forward
     outer_head = trunc(q.outer_head_tok * n)
     all_acts = layers + outer_rest + outer_head * head_units + stage_out + q.cast_head * where(
         q.pipe_head_once > 0, 1, per_forward)
@@ -255,8 +256,8 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
                   others_layers=layers * (inflight - 1) // inflight + stage_out,
                   others_head=outer_head * (head_units - 1),
                   others_loss=(full * q.logits_held + saved) * (head_units - 1),
-                  sent=trunc(q.pipe_sent_tok * n) if later else 0, bottom_acts=bottom_acts, tokens=n,
-                  decoder_bottom_acts=decoder_bottom_acts, fed=fed,
+                  sent=trunc(q.pipe_sent_tok * n) if later else 0, bottom_acts=bottom_acts, tokens=n, fed=fed,
+                  head_fwd=_head_forward(q, n, nsq, b), decoder_bottom_acts=decoder_bottom_acts,
                   decoder_embedding_acts=_decoder_embedding_acts(q, n, nsq, b, casts),
                   head_units=head_units, stage_out=stage_out, grads_absent=grads_absent,
                   grad_views=trunc(q.grad_view_tok * n + q.grad_view_pos * (n // b) + q.grad_view_const))
@@ -747,12 +748,23 @@ def _top_forward(q: Quantities, tk: Tokens, base: tuple, prev: tuple, step: int,
                (grads_before, states, tk.inputs, ws, tk.layers + tk.outer_rest, 0),
                (prev_logits, prev_kv + tk.kv_held, 0), _both(valid, _both(step > 1, q.ds_coalesced > 0)),
                graph, comm=q.ds_gathered_top + q.ds_coalesced)]
-    for where_, per_tok in (("head.forward", q.head_fwd_tok), ("final_norm.forward", q.final_norm_fwd_tok),
-                            ("layer.output.LayerNorm.forward", q.bert_top_fwd_tok)):
+    for where_, extra in (("head.forward", tk.head_fwd), ("final_norm.forward", trunc(q.final_norm_fwd_tok * tk.tokens)),
+                          ("layer.output.LayerNorm.forward", trunc(q.bert_top_fwd_tok * tk.tokens))):
         out.append(_mo("forward", micro, step, where_,
-                       (grads_before, states, tk.inputs, ws, tk.all_acts, trunc(per_tok * tk.tokens)),
-                       (prev_logits, prev_kv + tk.kv_held, 0), _both(valid, per_tok > 0), graph))
+                       (grads_before, states, tk.inputs, ws, tk.all_acts, extra),
+                       (prev_logits, prev_kv + tk.kv_held, 0), _both(valid, extra > 0), graph))
     return out
+
+
+def _head_forward(q: Quantities, n: Any, nsq: Any, b: Any) -> Any:
+    """Bytes a derived head's forward holds beyond the saved tensors (``Quantities.head_fwd*``): an
+    image model's head per token; an encoder head's higher of its two top-forward moments."""
+    s = n // b
+
+    def at(tok: Any, sq: Any, pos: Any, per_b: Any, ssq: Any) -> Any:
+        return trunc(tok * n + sq * nsq + pos * s + per_b * b + ssq * s * s)
+    return maximum(at(q.head_fwd_tok, q.head_fwd_sq, q.head_fwd_pos, q.head_fwd_b, q.head_fwd_ssq),
+                   at(q.head_fwd2_tok, q.head_fwd2_sq, q.head_fwd2_pos, q.head_fwd2_b, q.head_fwd2_ssq))
 
 
 def _previous(q: Quantities, flags: StepFlags, before: Any, exists: bool) -> tuple[Any, Any, Any]:

@@ -33,7 +33,11 @@ from .elementwise import NEVER
 from .derived import adapters_computed_half, batch1 as derived_batch1, point_at, regime as derived_regime
 from .derived import head_during_loss as derived_head_loss, layer_coefs as derived_layer, outer as derived_outer
 from .derived import logits_bytes as derived_logits_bytes, outer_ssq as derived_outer_ssq
-from .derived import decoder_embedding_activations, decoder_embedding_temporaries, decoder_ratio, grad_views as derived_grad_views, head_forward as derived_head_forward
+from .derived import decoder_embedding_activations, decoder_embedding_temporaries
+from .derived import decoder_ratio, grad_views as derived_grad_views, head_forward as derived_head_forward
+from .derived import loss_upcasts as derived_loss_upcasts, outer_const as derived_outer_const
+from .derived import outer_per_sample as derived_outer_per_sample
+from .derived import top_forward as derived_top_forward
 from .derived import moment_activations
 from .layers import ALL_MOMENTS, HALF, LayerCoefs, LayerKey, Policy, ep_rank_rows, layer_coefficients
 from .layers import sdpa_saves_padded
@@ -181,6 +185,8 @@ class Quantities:
     above_bottom: int = 0  # gradient bytes of the layers above the bottom one (made before its backward)
     above_decoder_bottom: int = 0  # ... above an encoder-decoder's decoder-bottom layer
     outer_rest_ssq: float = 0.0  # per sequence position squared, shared by the micro-batch (T5's position buckets)
+    outer_rest_b: float = 0.0  # per sample, whatever the sequence (derived.outer_per_sample: an encoder head's)
+    outer_rest_const: float = 0.0  # bytes whatever the batch and sequence (derived.outer_const: an encoder head's)
     loss_backward_tok: float = 0.0  # per token, alive at the start of backward (--compile: the KV cache's zero gradients)
     # TRL's chunked_nll (``loss_bytes``): tokens per chunk (0: another loss), and its forward's matmul
     # moment (the head weight's cast, then the chunk's logits) and its backward's constant
@@ -209,6 +215,17 @@ class Quantities:
     # a derived encoder-decoder's activations alive at its bottom and decoder-bottom backward moments
     # (``derived.moment_activations``): per token, per token x key, per position, per position squared
     head_fwd_tok: float = 0.0  # a derived image model's head forward beyond its saved tensors (derived.head_forward)
+    # a derived encoder head's two top-forward moments (derived.top_forward), the higher counted: per token, per
+    # token x key, per position, per sample, per position pair
+    head_fwd_sq: float = 0.0
+    head_fwd_pos: float = 0.0
+    head_fwd_b: float = 0.0
+    head_fwd_ssq: float = 0.0
+    head_fwd2_tok: float = 0.0
+    head_fwd2_sq: float = 0.0
+    head_fwd2_pos: float = 0.0
+    head_fwd2_b: float = 0.0
+    head_fwd2_ssq: float = 0.0
     final_norm_bwd_tok: float = 0.0  # a classifier's final RMSNorm backward beyond the saved tensors (final_norm_backward)
     final_norm_fwd_tok: float = 0.0  # ... and its forward beyond them (final_norm_forward)
     bert_top_fwd_tok: float = 0.0  # a BERT classifier's last LayerNorm forward beyond the saved tensors (bert_top_forward)
@@ -679,7 +696,7 @@ def loss_mode(m: ModelSpec, t: TrainingSpec) -> str:
         return t.loss
     if release_loss(m, t) == "shift-half":
         return "half"
-    return "upcast" if loss_upcasts(m) else "half"
+    return "upcast" if loss_upcasts(m) or derived_loss_upcasts(m, t) else "half"
 
 
 def release_loss(m: ModelSpec, t: TrainingSpec) -> str:
@@ -2501,6 +2518,15 @@ def _build_temp(t: TrainingSpec, st: States, comm: int) -> int:
     return max(0, st.build_peak - (st.weights + st.buffers + st.master + comm + grads), gather, convert)
 
 
+def _derived_outer_fields(m: ModelSpec, t: TrainingSpec, stage: str) -> dict[str, float]:
+    """A derived model's outer bytes per position pair, per sample and per step (an encoder head's:
+    ``estimate.derived.outer_ssq``, ``outer_per_sample``, ``outer_const``); zeros otherwise."""
+    if m.family != "derived":
+        return {"outer_rest_ssq": 0.0, "outer_rest_b": 0.0, "outer_rest_const": 0.0}
+    return {"outer_rest_ssq": derived_outer_ssq(m, t, stage), "outer_rest_b": derived_outer_per_sample(m, t, stage),
+            "outer_rest_const": derived_outer_const(m, t, stage)}
+
+
 def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     pol = Policy.of(t.precision)
     st = model_states(m, t, stage)
@@ -2571,7 +2597,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         fwd_temp=int(lc.fwd_const), fwd_temp_tok=lc.fwd_tok, fwd_scratch=int(lc.fwd_scratch), head_wgrad_half=head_weight_grad_half(m, t, cast_head),
         **_head_dequant_fields(m, t, head_here),
         **_graph_held(t, lc.graph_held, checkpointed, layers), **fsdp,
-        outer_rest_ssq=derived_outer_ssq(m, t, stage) if derived else 0.0,
+        **_derived_outer_fields(m, t, stage),
         lower_layers=lower, above_bottom=above_bottom, above_decoder_bottom=above_decoder_bottom,
         decoder_grads=_decoder_grads(m, t, st, layers),
         input_tok=input_bytes(m, t)[0], input_sample=input_bytes(m, t)[1], expandable=int(t.expandable_segments),
@@ -2774,6 +2800,8 @@ def _derived_fields(m: ModelSpec, t: TrainingSpec, stage: str) -> dict[str, floa
     if m.family != "derived":
         return {}
     out = {"head_fwd_tok": derived_head_forward(m, t, stage)}
+    for i, c in enumerate(derived_top_forward(m, t, stage)):  # an encoder head's moments (none for other heads)
+        out.update(zip((f"head_fwd{'2' if i else ''}_{k}" for k in ("tok", "sq", "pos", "b", "ssq")), c))
     out.update(zip(("grad_view_tok", "grad_view_pos", "grad_view_const"), derived_grad_views(m, t)))
     if m.is_encoder_decoder:
         bottom, decb = moment_activations(m, t)

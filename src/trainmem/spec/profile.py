@@ -231,6 +231,10 @@ def build_profile(config: Mapping[str, Any]) -> Profile:
     import torch
     import transformers
     mtype = str(config.get("model_type"))
+    shared = shared_layers(config)
+    if shared:
+        raise TrainmemError(f"model_type {mtype!r}: {shared}; trainmem models stacks of distinct layers and "
+                            f"neither estimates nor traces shared ones")
     cfg = hf_config_object(config)
     cls = model_class(config, cfg)
     from .tasks import TASKS, task_of_config
@@ -256,6 +260,21 @@ def build_profile(config: Mapping[str, Any]) -> Profile:
         # ``WhisperEncoder.__init__``: ``self.embed_positions.requires_grad_(False)``): no gradient, no state
         unused = unused | frozenset(n for n, p in model.named_parameters() if not p.requires_grad)
     return profile_of_module(model, mtype, cls.__name__, dict(summ, task=task), transformers.__version__, unused)
+
+
+def shared_layers(config: Mapping[str, Any]) -> str:
+    """Why ``config``'s layers share weights ("" when they do not): ALBERT runs one layer group's
+    modules for all ``num_hidden_layers`` applications (transformers 5.24
+    ``models/albert/modeling_albert.py`` ``AlbertTransformer.forward``: ``group_idx = int(i /
+    (num_hidden_layers / num_hidden_groups))``, ``self.albert_layer_groups[group_idx]``), so its layer
+    list has ``num_hidden_groups`` entries, not one per layer."""
+    groups, layers = config.get("num_hidden_groups"), config.get("num_hidden_layers")
+    if config.get("model_type") != "albert" or not isinstance(groups, int) or not isinstance(layers, int):
+        return ""
+    if groups >= layers:
+        return ""
+    return (f"its {layers} layers run the weights of {groups} shared layer group{'s' if groups > 1 else ''} "
+            f"(albert_layer_groups, num_hidden_groups={groups})")
 
 
 def config_for_class(cls: Any, cfg: Any) -> Any:

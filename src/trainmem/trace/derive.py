@@ -92,10 +92,12 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1:
     if m.is_encoder_decoder:  # two lengths: the encoder's and the decoder's (``encdec_coefficients``)
         return encdec_coefficients(m, t, cfg, (kinds_full, kinds_small), base, s0)
     points, check, terms = ([], point, ("n", "s", "nsq", "1")) if point else _points(m, s0, batch1)
-    # refinements of the backward transients applied to the encoder-decoder and image models only
-    # (``_transients``' early frees, ``_candidates``' gradients): decoder LMs would need them too,
-    # but their shipped coefficients predate them and re-shipping is the lead's call
-    refined = m.is_image
+    # refinements of the backward transients applied to the encoder-decoder, image and encoder-head
+    # models only (``_transients``' early frees, ``_candidates``' gradients: ModernBERT's classifier,
+    # whose top layer's backward peaks after the head's backward freed the final norm's tensors, was
+    # +1.4% without them): decoder LMs would need them too, but their shipped coefficients predate
+    # them and re-shipping is the lead's call
+    refined = m.is_image or m.head in ENCODER_HEADS
     runs = _runs(m, cfg, kinds_small, base, points + [check], ckpt)
     out: dict[str, Any] = {"layer_kinds": kinds_full, "kinds": {}, "points": points + [check],
                            "attention": attention_implementation(m, t)[0], "seq_base": s0}
@@ -110,43 +112,76 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1:
         # (at batch 1 the per-position term is the per-token one: ``BATCH1_TERMS`` has no ``s``)
         return dict({"s": 0.0}, **dict(zip(terms, _fitted(m, what, pts, ys, terms, check_fit))))
     for kind in sorted(set(kinds_small)):
-        # a layer may keep tensors sized by the sequence alone (Falcon's rotary cos/sin cache)
-        # and a few bytes per layer whatever the size (a norm's ``1 + weight``): fitted, then left out
-        c = fit(f"layer {kind} saved bytes", [r["saved"][kind] for r in runs])
-        parts = {}
-        for name in runs[-1]["parts"][kind]:
-            ys = [r["parts"][kind].get(name, 0) for r in runs]
-            # the same terms as the layer's total, so the parts' coefficients add up to it (least
-            # squares is linear in the data); their per-position terms are in the total's ``pos``
-            cp = fit("", ys, check_fit=False)
-            parts[name] = [cp["n"], cp["nsq"]]
-        trans = _candidates(m, pts, [r["transient"][kind] for r in runs], [r["made"][kind] for r in runs],
-                            runs[-1]["total_g"][kind], terms, with_grads=refined)
-        cache = _fitted(m, f"layer {kind} KV cache", pts, [r["cache"][kind] for r in runs], ("n",))[0]
-        held = _fitted(m, f"layer {kind} output-held bytes", pts, [r["held"][kind] for r in runs], ("n",))[0]
-        out["kinds"][kind] = {"tok": c["n"], "sq": c["nsq"], "pos": c["s"], "parts": parts, "transients": trans,
-                              "cache": cache, "held": held, **_sequence(runs, kind, fit)}
-        # the layer's output, kept only by what follows the layer (the next layer, the final norm):
-        # a layer recomputed in its backward does not make it again (quantities._recompute);
-        # measured at the kind's typical layer (``_analyse``'s ``at``), whose output the next layer
-        # keeps (CLIP's top layer's, which nothing after it saves, is freed in forward)
-        out["kinds"][kind]["not_recomputed"] = _fitted(m, f"layer {kind} output", pts,
-                                                       [r["early"][f"@typical.{kind}"] for r in runs], ("n",))[0]
-        if refined:
-            # the bytes the transients took off as freed before the backward began (``_transients``'
-            # early frees, at the kind's last layer: ViT's top layer's output, saved by the final
-            # norm): a recomputed layer never made them again (derived.layer_coefs adds them back)
-            out["kinds"][kind]["transient_freed"] = _fitted(m, f"layer {kind} early-freed bytes", pts,
-                                                            [r["early"][kind] for r in runs], ("n",))[0]
+        _kind_coefficients(m, kind, runs, (pts, terms, fit, refined), out)
     c = fit("first layer's bytes", [r["first"] for r in runs])
     out["first_layer"] = [c["n"], c["s"], c["nsq"]]
+    if m.head in ENCODER_HEADS:
+        out.setdefault("ssq", {})["first"] = c.get("ssq", 0.0)
+        out.setdefault("const", {})["first"] = c.get("1", 0.0) - runs[-1]["wcast"]["first"]
     # full recompute (``derived.layer_coefs``, ``derived.outer``): the first layer's input where the
     # embedding side holds it (kept again as a checkpoint input), the top layer's output kept by what
     # follows it, and the end layers' outputs beside their kinds' (``_layer_outputs``), per token
     for name, what in (("first_input", "first layer's input"), ("top_kept", "top layer's kept output"),
                        ("first_early", "end layers' outputs")):
         out[name] = _fitted(m, what, pts, [r[name] for r in runs], ("n",))[0]
-    return dict(out, **_outside_layers(m, runs, fit))
+    if m.head in ENCODER_HEADS:
+        _encoder_head_top(m, runs, (pts, terms, fit), len(kinds_small), out)
+    sides = _outside_layers(m, runs, fit)
+    for terms_of in ("per_sample", "ssq", "const"):  # (an encoder head's: the layers' and the sides' in one dict each)
+        if terms_of in sides:
+            sides[terms_of] = dict(out.get(terms_of, {}), **sides[terms_of])
+    return dict(out, **sides)
+
+
+def _kind_coefficients(m: ModelSpec, kind: str, runs: list[dict[str, Any]], how: tuple, out: dict[str, Any]) -> None:
+    """One layer kind's coefficients into ``out["kinds"][kind]`` (``derive_coefficients``); ``how``: (the
+    points, the terms, the fitting function, whether the transients are refined)."""
+    pts, terms, fit, refined = how
+    # a layer may keep tensors sized by the sequence alone (Falcon's rotary cos/sin cache)
+    # and a few bytes per layer whatever the size (a norm's ``1 + weight``): fitted, then left out
+    c = fit(f"layer {kind} saved bytes", [r["saved"][kind] for r in runs])
+    parts = {}
+    for name in runs[-1]["parts"][kind]:
+        ys = [r["parts"][kind].get(name, 0) for r in runs]
+        # the same terms as the layer's total, so the parts' coefficients add up to it (least
+        # squares is linear in the data); their per-position terms are in the total's ``pos``
+        cp = fit("", ys, check_fit=False)
+        parts[name] = [cp["n"], cp["nsq"]]
+    trans = _candidates(m, pts, [r["transient"][kind] for r in runs], [r["made"][kind] for r in runs],
+                        runs[-1]["total_g"][kind], terms, with_grads=refined)
+    cache = _fitted(m, f"layer {kind} KV cache", pts, [r["cache"][kind] for r in runs], ("n",))[0]
+    held = _fitted(m, f"layer {kind} output-held bytes", pts, [r["held"][kind] for r in runs], ("n",))[0]
+    out["kinds"][kind] = {"tok": c["n"], "sq": c["nsq"], "pos": c["s"], "parts": parts, "transients": trans,
+                          "cache": cache, "held": held, **_sequence(runs, kind, fit)}
+    if m.head in ENCODER_HEADS:  # (``ENCODER_TERMS``: ``estimate.derived.outer_ssq``, ``outer_per_sample``)
+        out.setdefault("ssq", {})[f"kind.{kind}"] = c.get("ssq", 0.0)
+        out.setdefault("per_sample", {})[f"kind.{kind}"] = c.get("b", 0.0)
+        # (at batch 1, ``BATCH1_TERMS``, the per-sample bytes are in the constant)
+        out.setdefault("const", {})[f"kind.{kind}"] = c.get("1", 0.0) - runs[-1]["wcast"][kind]
+    # the layer's output, kept only by what follows the layer (the next layer, the final norm):
+    # a layer recomputed in its backward does not make it again (quantities._recompute);
+    # measured at the kind's typical layer (``_analyse``'s ``at``), whose output the next layer
+    # keeps (CLIP's top layer's, which nothing after it saves, is freed in forward)
+    out["kinds"][kind]["not_recomputed"] = _fitted(m, f"layer {kind} output", pts,
+                                                   [r["early"][f"@typical.{kind}"] for r in runs], ("n",))[0]
+    if refined:
+        # the bytes the transients took off as freed before the backward began (``_transients``'
+        # early frees, at the kind's last layer: ViT's top layer's output, saved by the final
+        # norm): a recomputed layer never made them again (derived.layer_coefs adds them back)
+        out["kinds"][kind]["transient_freed"] = _fitted(m, f"layer {kind} early-freed bytes", pts,
+                                                        [r["early"][kind] for r in runs], ("n",))[0]
+
+
+def _encoder_head_top(m: ModelSpec, runs: list[dict[str, Any]], how: tuple, cut_layers: int,
+                      out: dict[str, Any]) -> None:
+    """An encoder head's forward moments above the layers' saved tensors (``_top_forward``), what each
+    layer holds then, and whether its masked-LM loss upcasts (``estimate.derived.loss_upcasts``)."""
+    pts, terms, fit = how
+    out["top_forward"] = _top_candidates(m, pts, [r["top_forward"] for r in runs], terms)
+    out["top_held"] = dict(fit("top forward's held bytes per layer", [r["top_held"] for r in runs]))
+    out["cut_layers"] = cut_layers
+    if m.head == "masked-lm":
+        out["loss_upcast"] = bool(runs[-1]["loss_upcast"])
 
 
 def _sequence(runs: list[dict[str, Any]], kind: str, fit: Any) -> dict[str, list]:
@@ -174,24 +209,48 @@ def _outside_layers(m: ModelSpec, runs: list[dict[str, Any]], fit: Any) -> dict[
     """The fitted quantities outside the layers: the embedding side, the head side and its loss
     (and an image model's head forward) per token, per position and per token x key; the gradients
     kept as views of larger tensors (``_grad_view_bytes``) per token, per position and constant."""
-    out = {}
+    out: dict[str, Any] = {}
     for side in ("embed", "head", "head_loss") + (("head_forward",) if m.is_image else ()):
         c = fit(f"{side} bytes", [r[side] for r in runs])
         out[side] = [c["n"], c["s"], c["nsq"]]
+        if m.head in ENCODER_HEADS:  # its bytes per sample, per position pair, constant (``ENCODER_TERMS``)
+            out.setdefault("per_sample", {})[side] = c.get("b", 0.0)
+            out.setdefault("ssq", {})[side] = c.get("ssq", 0.0)
+            out.setdefault("const", {})[side] = c.get("1", 0.0) - runs[-1]["wcast"].get(side, 0)
     c = fit("gradient views' bytes", [r["grad_views"] for r in runs])
     out["grad_views"] = [c["n"], c["s"], c["1"]]
     return out
 
 
 def _points(m: ModelSpec, s0: int, batch1: bool) -> tuple[list[tuple[int, int]], tuple[int, int], tuple[str, ...]]:
-    """(the fitting points, the held-out one, the terms) of a decoder or image model. Batch 1 is a
-    special case (some transposes are views there, copies for larger batches): the points use
-    batches of 2 and more, and batch 1 has its own set (``batch1``: ``batch1_points``)."""
+    """(the fitting points, the held-out one, the terms) of a decoder, encoder or image model. Batch
+    1 is a special case (some transposes are views there, copies for larger batches): the points use
+    batches of 2 and more, and batch 1 has its own set (``batch1``: ``batch1_points``). An encoder's
+    classifier or question-answering head (``ENCODER_HEADS``) has tensors sized by the batch alone
+    (a sequence classifier's pooled (b, h) output, its (b, labels) logits) and by the sequence
+    squared alone (DeBERTa's (1, s, s) relative positions, their clamped indices in each layer):
+    ``ENCODER_TERMS``, and two more points, batch 4 at ``2 s0`` and batch 2 at ``1.5 s0`` (two
+    batches at each of the three lengths: the six columns are independent on these six points)."""
     if batch1:
         *points, check = batch1_points(m, s0)
         return points, check, BATCH1_TERMS
     seqs = _image_seqs(m, s0) if m.is_image else (s0, 2 * s0, s0 + s0 // 2)
-    return [(2, seqs[0]), (4, seqs[0]), (2, seqs[1]), (3, seqs[2])], (4, seqs[2]), ("n", "s", "nsq", "1")
+    points = [(2, seqs[0]), (4, seqs[0]), (2, seqs[1]), (3, seqs[2])]
+    if m.head in ENCODER_HEADS:
+        return points + [(4, seqs[1]), (2, seqs[2])], (4, seqs[2]), ENCODER_TERMS
+    return points, (4, seqs[2]), ("n", "s", "nsq", "1")
+
+
+#: the heads of an encoder (bidirectional attention, no KV cache) whose derivation fits a per-sample
+#: and a per-position-pair term (``ENCODER_TERMS``, ``_points``) and measures the top layer's forward
+#: (``_top_forward``)
+ENCODER_HEADS = ("masked-lm", "seq-cls", "qa")
+#: an encoder head's terms: a decoder's, then per sample (``b``) and per position pair shared by the
+#: batch (``ssq`` = s^2: DeBERTa-v2's ``build_relative_position`` (1, s, s) int64 and each layer's
+#: ``torch.clamp`` of it, transformers 5.24 ``models/deberta_v2/modeling_deberta_v2.py``); the
+#: constant is kept too (``const``: each DeBERTa layer's half casts and dropout of the (2 x buckets, h)
+#: relative embeddings it projects, whatever the batch and sequence)
+ENCODER_TERMS = ("n", "s", "nsq", "1", "b", "ssq")
 
 
 #: the terms of a micro-batch-1 fit: at b = 1 the tokens are the positions (``n`` = ``s``), so a
@@ -499,8 +558,9 @@ def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpe
             for h in hooks:
                 h.remove()
     return dict(_analyse(tracker, stacks, kinds, cache, released, m.vocab_size if is_lm(m) else -1,
-                         early_frees=m.is_encoder_decoder or m.is_image,
-                         shared_frees=t.batch_size if (m.is_encoder_decoder and ckpt) else 0, first_in=first_in),
+                         early_frees=m.is_encoder_decoder or m.is_image or m.head in ENCODER_HEADS,
+                         shared_frees=t.batch_size if (m.is_encoder_decoder and ckpt) else 0, first_in=first_in,
+                         top=m.head in ENCODER_HEADS),
                 grad_views=views)
 
 
@@ -589,8 +649,8 @@ def _quiet() -> Any:
 
 
 def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cache: list, released: tuple[int, int],
-             vocab: int, early_frees: bool = False, shared_frees: int = 0, first_in: list | None = None
-             ) -> dict[str, Any]:
+             vocab: int, early_frees: bool = False, shared_frees: int = 0, first_in: list | None = None,
+             top: bool = False) -> dict[str, Any]:
     recs = tracker.records
     first_ids = {r.rid for r in first_in or ()}  # the first layer's hidden-state input (``_first_input``)
     fwd = next(pm for pm in tracker.phase_marks if pm.name == "forward")
@@ -613,7 +673,7 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
         return r.alloc_event <= e and (r.free_event is None or r.free_event > e)
 
     saved_rec: dict[int, list[Any]] = defaultdict(list)
-    embed = head = first_input = 0
+    embed = head = first_input = head_wcast = 0
     head_loss = _head_loss(tracker, recs, end, (last_layer_ev, logits_ev))
     for r in recs:
         if r.phase != "forward" or r.category not in ("activations", "temporaries") or \
@@ -628,6 +688,7 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
             first_input += r.nbytes if r.rid in first_ids else 0
         elif last_layer_ev < r.alloc_event < logits_ev:
             head += r.nbytes
+            head_wcast += r.nbytes if (r.op == "_to_copy" and len(r.shape or ()) == 2) else 0
     # a kind's bytes come from a layer inside its stack when the cut model has one. The top layer's
     # output may be kept by what follows it (a post-norm model's final norm saves it, OLMo 2): that
     # excess is the head's; an image model's top layer may keep less (nothing after it saves its
@@ -640,6 +701,8 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
 
     def excess(i: int) -> int:
         return sum(r.nbytes for r in saved_rec[i]) - saved[kinds[i]] if typical[kinds[i]] != i else 0
+    wcast = _weight_casts(saved_rec, kinds, typical, sorted(set(starts + ends) - {top}) if top > 0 else [],
+                          head_wcast)
     top_less = min(excess(top), 0) if image else 0
     head += excess(top) - top_less
     first = sum(excess(i) for i in sorted(set(starts + ends) - {top})) + top_less if top > 0 else 0
@@ -650,20 +713,43 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
     base = _moment_bases(recs, layer_of, at, saved_rec, shared_frees, (end, logits_ev), vocab)
     outputs = _layer_outputs(recs, layer_of, saved_rec, kinds, typical, top, image and top_less != 0,
                              sorted(set(starts + ends) - {top}))
-    # the KV cache: all of it per layer, and what dies with the output (``held``: not saved)
-    kv, held = defaultdict(list), defaultdict(list)  # kind -> bytes
-    for kind, i in typical.items():
-        kv[kind].append(sum(r.nbytes for r in cache if layer_of(r) == i))
-        held[kind].append(sum(r.nbytes for r in recs if layer_of(r) == i and r.free_event is not None
-                              and released[0] <= r.free_event < released[1]))
+    kv, held = _kv_and_held(recs, cache, layer_of, typical, released)
     # the logits' element size: BART adds its fp32 ``final_logits_bias`` buffer to the half head
     # output under autocast, so its logits (and its loss) are fp32 (estimate.quantities.loss_bytes)
     logits_bytes = logits[0].nbytes // max(1, _numel(logits[0].shape)) if logits else 0
-    return {"saved": saved, "logits_bytes": logits_bytes, "parts": parts, "early": early, "base": base,
-            "cache": {k: max(v) for k, v in kv.items()}, "held": {k: max(v) for k, v in held.items()},
+    return {"saved": saved, "logits_bytes": logits_bytes, "loss_upcast": _loss_upcasts(recs, logits),
+            "wcast": wcast, "parts": parts, "early": early, "base": base,
+            "cache": kv, "held": held,
             "embed": embed, "head": head, "head_loss": head_loss - head, "first": first, "transient": trans,
             "made": made, "total_g": total_g, "first_input": first_input, "sequence": sequence, **outputs,
-            "head_forward": _head_forward(tracker, recs, (last_layer_ev, logits_ev), head) if image else 0}
+            "head_forward": _head_forward(tracker, recs, (last_layer_ev, logits_ev), head) if image else 0,
+            **(_top_forward(tracker, recs, (min(events[len(kinds) - 1], default=0), logits_ev, end), layer_of,
+                            len(kinds) - 3) if top else {})}
+
+
+def _weight_casts(saved_rec: dict[int, list], kinds: list[str], typical: dict[str, int], ends: list[int],
+                  head_wcast: int) -> dict[str, int]:
+    """The 2-D weight copies a layer's matmuls save (autocast's uncached casts of frozen LoRA bases), per
+    kind at its typical layer, the end layers' (``ends``) excess over their kinds' as ``first``, and the
+    head's (a frozen LoRA head's uncached copy: the engine's ``cast_head``): the engine counts every
+    layer's copies (``quantities._autocast_copies``), so an encoder head's constant (``ENCODER_TERMS``)
+    leaves them out."""
+    def wcasts(i: int) -> int:
+        return sum(r.nbytes for r in saved_rec[i] if r.op == "_to_copy" and len(r.shape or ()) == 2)
+    out = {kind: wcasts(i) for kind, i in typical.items()}
+    out["first"] = sum(wcasts(i) - out[kinds[i]] for i in ends)
+    out["head"] = head_wcast
+    return out
+
+
+def _kv_and_held(recs: list, cache: list, layer_of: Any, typical: dict[str, int],
+                 released: tuple[int, int]) -> tuple[dict[str, int], dict[str, int]]:
+    """Per kind, at its typical layer: the KV cache, all of it, and what dies with the output (``held``:
+    freed in ``released``, not saved)."""
+    kv = {kind: sum(r.nbytes for r in cache if layer_of(r) == i) for kind, i in typical.items()}
+    held = {kind: sum(r.nbytes for r in recs if layer_of(r) == i and r.free_event is not None
+                      and released[0] <= r.free_event < released[1]) for kind, i in typical.items()}
+    return kv, held
 
 
 def _head_loss(tracker: Any, recs: list, end: int, window: tuple[int, int]) -> int:
@@ -720,6 +806,94 @@ def _head_forward(tracker: Any, recs: list, window: tuple[int, int], head: int) 
         cur += r.nbytes if code >= 0 else -r.nbytes
         best = max(best, cur)
     return max(best - head, 0)
+
+
+def _loss_upcasts(recs: list, logits: list) -> bool:
+    """Whether the model's own loss casts its half logits to fp32 before the log-softmax: its
+    ``_log_softmax`` output has more bytes than the logits. transformers' ``loss_utils.ForMaskedLMLoss``
+    does (``logits = logits.float()``: ModernBERT's ``self.loss_function``); the masked-LM heads that
+    call ``CrossEntropyLoss()`` on the logits as they are (BERT's, DistilBERT's, DeBERTa-v2's) do not
+    (``estimate.quantities.loss_upcasts``)."""
+    if not logits:
+        return False
+    lsm = next((r for r in recs if r.phase == "forward" and r.op == "_log_softmax"
+                and r.alloc_event > logits[0].alloc_event), None)
+    return lsm is not None and lsm.nbytes > logits[0].nbytes
+
+
+def _top_forward(tracker: Any, recs: list, window: tuple[int, int, int], layer_of: Any, below: int
+                 ) -> dict[str, Any]:
+    """An encoder head's forward from its top layer's first tensor to the logits (a classifier's or
+    question-answering head has no vocabulary-sized loss after it: this is its forward's peak): the
+    most bytes of forward tensors alive at once (activations and temporaries, autocast's weight
+    copies apart: the engine counts those) less those alive at the forward's end made before the
+    logits (every layer's saved tensors, the embedding and head sides: what the engine counts at
+    that moment). What it holds beyond them are tensors only Python frames reference: the top
+    layer's input and the base model's ``embedding_output`` while the layer runs, a linear's output
+    next to its dropout's and its residual sum next to its LayerNorm's output (transformers 5.24
+    ``models/distilbert/modeling_distilbert.py`` ``TransformerBlock.forward``,
+    ``models/deberta_v2/modeling_deberta_v2.py`` ``DebertaV2Output.forward``: the forms
+    ``bert_top_forward`` counts by hand for BERT). ``window``: the top layer's first event, the
+    logits' (the forward's end when no output is marked as logits: question answering's two), the
+    forward's end. Each moment of the window (``top_forward``: which is the highest depends on the
+    batch and sequence, ``_top_candidates``), and ``top_held``: what layer ``below`` (two below the
+    top: the layer just below it makes the top layer's input, which every model holds then) made that
+    is alive when the top layer begins and freed before the forward ends, which the full model holds
+    for each of its layers below the top (DeBERTa-v2's encoder keeps every layer's fp32 LayerNorm
+    output in ``all_hidden_states`` until it returns, 5.24 ``DebertaV2Encoder.forward``; under autocast
+    the next layer's linears save half casts; DistilBERT's holds none). None below 3 layers."""
+    start, stop, end = window
+
+    def counted(r: Any) -> bool:
+        return r.phase == "forward" and r.category in ("activations", "temporaries") \
+            and r.label != "autocast_weight_cache"
+    cur, series = 0, []
+    for e in range(stop):
+        code = tracker.ev_rec[e]
+        r = recs[code] if code >= 0 else recs[~code]
+        if counted(r):
+            cur += r.nbytes if code >= 0 else -r.nbytes
+        if e >= start:
+            series.append(cur)
+    kept = sum(r.nbytes for r in recs if counted(r) and r.alloc_event < stop
+               and (r.free_event is None or r.free_event >= end))
+    held = sum(r.nbytes for r in recs if counted(r) and below >= 0 and layer_of(r) == below
+               and r.alloc_event < start and r.free_event is not None and start <= r.free_event < end)
+    return {"top_forward": [x - kept for x in series], "top_held": held}
+
+
+def _top_candidates(m: ModelSpec, pts: list[tuple[int, ...]], series: list[list[int]], terms: tuple[str, ...]
+                    ) -> list[dict[str, float]]:
+    """An encoder head's top-forward moments worth keeping (``_top_forward``): each moment fitted in
+    ``terms`` over all points but the last and checked on it, like the backward transients
+    (``_candidates``); of those, the ones that are the highest somewhere on a grid of batch and
+    sequence (DeBERTa's attention moment at long sequences, its feed-forward's at short ones), at
+    most ``TOP_MOMENTS``, those highest at the most grid points. Each as {term: coefficient}."""
+    import numpy as np
+    if len(pts) == 1:  # one traced point (``derive_coefficients``' ``point``): its highest moment per token
+        return [dict.fromkeys(terms, 0.0) | {terms[0]: max(series[0]) / _basis(pts[0], terms)[0]}]
+    if len({len(x) for x in series}) != 1:
+        raise NotPolynomial(f"{m.name}: its top layer's forward runs different operations at different sizes; "
+                            "trainmem cannot derive its forward peak (use trace)", "top forward")
+    y = np.array(series, dtype=np.float64)           # runs x moments
+    a = np.array([_basis(p, terms) for p in pts])
+    coef = _lstsq(a[:-1], y[:-1], False)             # terms x moments
+    pred = a[-1] @ coef
+    ok = np.abs(pred - y[-1]) <= DERIVE_TOLERANCE * np.abs(y[-1]) + DERIVE_SLACK
+    if not ok.any() or abs(pred[ok].max() - y[-1].max()) > DERIVE_TOLERANCE * abs(y[-1].max()) + DERIVE_SLACK:
+        raise NotPolynomial(f"{m.name}: the derived top-layer forward is not polynomial in the batch and sequence; "
+                            f"trainmem will not extrapolate it: use trace", "top forward")
+    grid = np.array([_basis((b, s), terms) for b in (1, 2, 4, 8, 16, 32, 64)
+                     for s in (64, 128, 256, 512, 1024, 2048, 4096, 8192, 32768)])
+    vals = grid @ coef
+    vals[:, ~ok] = -np.inf
+    wins = np.bincount(vals.argmax(1), minlength=y.shape[1])
+    keep = sorted(int(j) for j in np.argsort(-wins)[:TOP_MOMENTS] if wins[j] > 0)
+    return [{k: float(coef[i, j]) for i, k in enumerate(terms)} for j in keep]
+
+
+#: the most top-forward moments an encoder head keeps (``Quantities.head_fwd*``: fixed fields)
+TOP_MOMENTS = 2
 
 
 def _moment_bases(recs: list, layer_of: Any, at: dict[str, int], saved_rec: dict[int, list], shared: int,
@@ -1014,7 +1188,7 @@ def _basis(point: tuple[int, ...], terms: tuple[str, ...]) -> list[float]:
     decoder length) (see ``ENCDEC_TERMS``)."""
     b, s, *rest = point
     d = rest[0] if rest else s
-    v = {"n": b * s, "s": s, "nsq": b * s * s, "ssq": s * s, "1": 1,
+    v = {"n": b * s, "s": s, "nsq": b * s * s, "ssq": s * s, "1": 1, "b": b,
          "nd": b * d, "sd": d, "nsqd": b * d * d, "nsqx": b * d * s, "ssqd": d * d, "ssqx": d * s}
     return [float(v[k]) for k in terms]
 
