@@ -62,10 +62,11 @@ def model(name: str):
 
 
 #: the decoder-only and encoder-only catalogue models; encoder-decoders (two stacks, --target-len, no
-#: pipeline split) and image models (--image-size sets the sequence) have their own option space and
-#: their own tests (tests/test_encdec_vit.py)
+#: pipeline split), image models (--image-size sets the sequence) and Whisper (a fixed encoder length) have
+#: their own option space and their own tests (tests/test_encdec_vit.py, tests/test_speech.py);
+#: vision-language models are traced only (tests/test_vlm.py)
 MODELS = [n for n in catalogue_names()
-          if not model(n).is_encoder_decoder and model(n).head != "image-cls"]
+          if not model(n).is_encoder_decoder and model(n).head not in ("image-cls", "vlm", "speech-seq2seq")]
 
 
 def max_seq(m) -> int:

@@ -154,7 +154,10 @@ def fit(model: Any, gpu: Any = None, by: str = "estimate", seq_multiple: int = 1
         search, step, fixed, k_max, cap_reason = "batch_size", 1, {"seq_len": seq_len}, BATCH_CAP, "search_cap"
     else:
         from ..spec.resolve import model_of
-        fixed_model = model_of(model, options)  # (the model alone: no setup checks)
+        # the model alone (no setup checks), resolved once: the Evaluator takes it (its overrides and task applied)
+        fixed_model = model.model if isinstance(model, Resolved) else model_of(model, options)
+        if not isinstance(model, Resolved):
+            model, options = fixed_model, {k: v for k, v in options.items() if k not in ("set", "overrides", "task")}
         if fixed_model.is_image or fixed_model.is_speech_seq2seq:
             raise TrainmemError(f"fit --batch-size {batch_size}: {fixed_model.name}'s sequence is fixed (its "
                                 f"{'image size' if fixed_model.is_image else 'encoder length'}), there is no longer "

@@ -4,9 +4,15 @@ from __future__ import annotations
 from typing import Any
 
 
+#: the widest family cell (a longer family name, ``roberta-prenorm``, ends in "…"; ``--json`` has it whole)
+FAMILY_WIDTH = 8
+
+
 def render_models(rows: list[dict[str, Any]]) -> str:
     """One line per catalogue model: family, head, parameters and shape."""
     # columns as wide as their widest cell, so that the longest names still fit the terminal
+    rows = [dict(r, family=r["family"] if len(r["family"]) <= FAMILY_WIDTH else r["family"][:FAMILY_WIDTH - 1] + "…")
+            for r in rows]
     w = {k: max([len(h)] + [len(f"{r[k]:,d}" if k == "params" else str(r[k])) for r in rows])
          for k, h in (("name", "name"), ("family", "family"), ("head", "head"), ("params", "params"),
                       ("vocab", "vocab"))}

@@ -505,6 +505,28 @@ def _llama_spec(cfg: dict[str, Any], extra: Mapping[str, Any], mtype: str, arch:
         qk_norm=mtype == "qwen3", **common)
 
 
+def _deberta_problem_type(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``config``, or, for DeBERTa-v2's sequence classifier of several labels without a ``problem_type``,
+    the config with ``single_label_classification`` and a note. Without it the model's loss picks the
+    labelled rows with ``(labels >= 0).nonzero()`` (transformers 5.24 ``models/deberta_v2/
+    modeling_deberta_v2.py`` L1059-1068), whose size depends on the data and which fake tensors cannot
+    trace; with it, ``CrossEntropyLoss`` on every row: the same tensors but for a (batch, labels) gather
+    (bytes), as when every label is set (the HF Trainer's classification examples)."""
+    archs = config.get("architectures") or []
+    labels = len(config["id2label"]) if isinstance(config.get("id2label"), dict) and config["id2label"] \
+        else config.get("num_labels", 2)
+    if config.get("model_type") != "deberta-v2" or config.get("problem_type") or not isinstance(labels, int) \
+            or labels < 2 or archs[:1] != ["DebertaV2ForSequenceClassification"]:
+        return config
+    out = dict(config, problem_type="single_label_classification")
+    extra = dict(out.get("_trainmem") or {})
+    extra["notes"] = list(extra.get("notes") or ()) + [
+        "DebertaV2ForSequenceClassification without a problem_type: estimated as single_label_classification "
+        "(its loss's nonzero() over the labels cannot be traced; the memory differs by a (batch, labels) gather)"]
+    out["_trainmem"] = extra
+    return out
+
+
 def spec_from_config(config: Mapping[str, Any], name: str = "model") -> ModelSpec:
     """Parse a Hugging Face ``config.json`` dict into a ModelSpec (a class no task builds: the causal-LM
     class of its type, ``spec.tasks.trainable_class``; a catalogue entry's ``_trainmem.task``: the task it is
@@ -513,7 +535,7 @@ def spec_from_config(config: Mapping[str, Any], name: str = "model") -> ModelSpe
     task = (config.get("_trainmem") or {}).get("task") if isinstance(config.get("_trainmem"), Mapping) else None
     if task and TASK_KEY not in config:
         config = with_task(config, task, name)
-    cfg, extra, mtype, arch = _header(trainable_class(config), name)
+    cfg, extra, mtype, arch = _header(_deberta_problem_type(trainable_class(config)), name)
     common: dict[str, Any] = dict(name=name, model_type=mtype, architecture=arch, config=cfg,
                                   num_labels=_num_labels(cfg, name))
     if extra.get("family") == "derived":  # any model type through derived coefficients (spec.profile)

@@ -249,6 +249,8 @@ def _model(model: Any, overrides: Any, task: str | None = None) -> ModelSpec:
     """The ModelSpec of ``model`` (a name, path, config dict, ModelSpec or Resolved), overridden,
     with the head of ``task`` (``spec.tasks``)."""
     extra = (task,) if task is not None else ()
+    if isinstance(model, ModelSpec) and not overrides and task is None:
+        return model  # (already resolved)
     if isinstance(model, Resolved):
         return resolve_model(model.model, overrides, *extra) if (overrides or task) else model.model
     if isinstance(model, (str, os.PathLike, ModelSpec, Mapping)):

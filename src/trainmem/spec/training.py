@@ -1783,15 +1783,6 @@ def _input_problems(model: Any, t: TrainingSpec) -> str | None:
                 f"(num_labels=1, which TRL sets); {model.name} has a {model.head} head"
                 f"{f' with {model.num_labels} labels' if model.head == 'seq-cls' else ''}: give --task "
                 f"sequence-classification --set num_labels=1")
-    if model.model_type == "deberta-v2" and model.head == "seq-cls" and model.num_labels > 1 \
-            and not model.config.get("problem_type"):
-        # transformers 5.24 models/deberta_v2/modeling_deberta_v2.py L1059-1068: without problem_type the
-        # loss picks the labelled rows with ``(labels >= 0).nonzero()``, whose size depends on the data
-        # (fake tensors cannot run it); with it, ``CrossEntropyLoss`` on all rows (the same tensors but a
-        # (b, labels) gather of them)
-        return (f"{model.name} ({model.architecture}): its loss without a problem_type selects the labelled rows "
-                f"with nonzero(), which depends on the data and cannot be traced: give --set "
-                f"problem_type=single_label_classification (the same memory but for a (batch, labels) copy)")
     if t.target_len is not None and not model.is_encoder_decoder:
         return f"--target-len {t.target_len}: {model.name} is not an encoder-decoder (seq2seq-lm); drop it"
     if model.head == "ctc":
