@@ -862,6 +862,20 @@ def _top_forward(tracker: Any, recs: list, window: tuple[int, int, int], layer_o
     return {"top_forward": [x - kept for x in series], "top_held": held}
 
 
+def _fit_moments(m: ModelSpec, a: Any, y: Any, scaled: bool, what: str, label: str) -> tuple[Any, Any]:
+    """Each moment's series ``y`` (runs x moments) fitted on the basis rows ``a`` of all runs but the last
+    (``_lstsq``), checked on the last: (coefficients, terms x moments; which moments the held-out run
+    confirms). ``NotPolynomial`` when none does, or the confirmed ones miss the held-out run's highest."""
+    import numpy as np
+    coef = _lstsq(a[:-1], y[:-1], scaled)            # terms x moments
+    pred = a[-1] @ coef
+    ok = np.abs(pred - y[-1]) <= DERIVE_TOLERANCE * np.abs(y[-1]) + DERIVE_SLACK
+    if not ok.any() or abs(pred[ok].max() - y[-1].max()) > DERIVE_TOLERANCE * abs(y[-1].max()) + DERIVE_SLACK:
+        raise NotPolynomial(f"{m.name}: the derived {what} is not polynomial in the batch and sequence; "
+                            f"trainmem will not extrapolate it: use trace", label)
+    return coef, ok
+
+
 def _top_candidates(m: ModelSpec, pts: list[tuple[int, ...]], series: list[list[int]], terms: tuple[str, ...]
                     ) -> list[dict[str, float]]:
     """An encoder head's top-forward moments worth keeping (``_top_forward``): each moment fitted in
@@ -876,13 +890,8 @@ def _top_candidates(m: ModelSpec, pts: list[tuple[int, ...]], series: list[list[
         raise NotPolynomial(f"{m.name}: its top layer's forward runs different operations at different sizes; "
                             "trainmem cannot derive its forward peak (use trace)", "top forward")
     y = np.array(series, dtype=np.float64)           # runs x moments
-    a = np.array([_basis(p, terms) for p in pts])
-    coef = _lstsq(a[:-1], y[:-1], False)             # terms x moments
-    pred = a[-1] @ coef
-    ok = np.abs(pred - y[-1]) <= DERIVE_TOLERANCE * np.abs(y[-1]) + DERIVE_SLACK
-    if not ok.any() or abs(pred[ok].max() - y[-1].max()) > DERIVE_TOLERANCE * abs(y[-1].max()) + DERIVE_SLACK:
-        raise NotPolynomial(f"{m.name}: the derived top-layer forward is not polynomial in the batch and sequence; "
-                            f"trainmem will not extrapolate it: use trace", "top forward")
+    coef, ok = _fit_moments(m, np.array([_basis(p, terms) for p in pts]), y, False, "top-layer forward",
+                            "top forward")
     grid = np.array([_basis((b, s), terms) for b in (1, 2, 4, 8, 16, 32, 64)
                      for s in (64, 128, 256, 512, 1024, 2048, 4096, 8192, 32768)])
     vals = grid @ coef
@@ -1141,13 +1150,8 @@ def _candidates(m: ModelSpec, pts: list[tuple[int, ...]], series: list[list[int]
     y = np.array(series, dtype=np.float64)           # runs x moments
     two = "nd" in terms
     basis = terms if two else ("n", "nsq", "1")
-    a = np.array([_basis(p, basis) for p in pts])
-    coef = _lstsq(a[:-1], y[:-1], two)               # terms x moments
-    pred = a[-1] @ coef
-    ok = np.abs(pred - y[-1]) <= DERIVE_TOLERANCE * np.abs(y[-1]) + DERIVE_SLACK
-    if not ok.any() or abs(pred[ok].max() - y[-1].max()) > DERIVE_TOLERANCE * abs(y[-1].max()) + DERIVE_SLACK:
-        raise NotPolynomial(f"{m.name}: the derived backward transient is not polynomial in the batch and "
-                            f"sequence; trainmem will not extrapolate it: use trace", "backward transient")
+    coef, ok = _fit_moments(m, np.array([_basis(p, basis) for p in pts]), y, two, "backward transient",
+                            "backward transient")
     lengths = (16, 128, 512, 4096, 32768) if m.is_image else (512, 4096, 32768)
     if m.is_speech_seq2seq:  # the encoder's one length; decoder lengths up to its positions
         grid = np.array([_basis((b, m.source_positions, d), basis) for b in (1, 4, 32)
