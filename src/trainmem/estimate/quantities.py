@@ -2544,7 +2544,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     lora_first = first_layer_unsaved(t, lc, stage)
     pipe, received = _pipeline_terms(m, t, st, pol, stage, input_tok, lc)
     half_in = half_embedding_output(t, pol, stage, input_tok)
-    first = lora_first + received + half_in
+    first = lora_first + received + half_in + peft_offload_leaf(t, stage, input_tok)
     outer, rest_pos = derived_outer(m, t, stage) if derived else (outer_tensors(m, t, pol, stage), 0.0)
     loss = loss_bytes(m, t, pol) if head_here else LossBytes()
     if derived and head_here and caps_hidden_not_logits(m, t):
@@ -3188,6 +3188,23 @@ def half_embedding_output(t: TrainingSpec, pol: Policy, stage: str, input_tok: f
             or t.offload_activations or not (t.pp == 1 or stage == "first") or pol.stream <= 2:
         return ()
     return (("first_layer.half_input", input_tok * (1 - 2 / pol.stream), 0.0),)
+
+
+def peft_offload_leaf(t: TrainingSpec, stage: str, input_tok: float) -> tuple[tuple[str, float, float], ...]:
+    """LoRA with activation offloading on a transformers model: the first layer's input stays on the GPU.
+    peft's ``PeftModel`` calls ``enable_input_require_grads`` (peft 0.21.2 peft_model.py L725-735), a
+    forward hook on the input embeddings that makes their output require grad: a leaf, which its
+    ``AccumulateGrad`` node holds until the graph is freed (``torch/csrc/autograd/functions/
+    accumulate_grad.h``: ``Variable variable``), so offloading the checkpoint's copy of it frees nothing,
+    and the bottom layer's recompute brings a second copy back beside it. Counted as a negative
+    ``first_unsaved`` term: the first layer keeps one input (b, s, h) more, bf16 or the stream's dtype.
+    torchtune's own models (``OWN_MODEL_CODE``) have no such hook: their first layer's input is
+    offloaded like the others. Found by trace (Llama 4 x 256, LoRA r8, full recompute, bf16,
+    4 x 1024): the bottom layer's backward peak was one layer input (2 MiB) above the estimate."""
+    if not (t.lora_rank and t.offload_activations) or t.extra.get("framework") in OWN_MODEL_CODE \
+            or not (t.pp == 1 or stage == "first"):
+        return ()
+    return (("first_layer.offload_leaf", -input_tok, 0.0),)
 
 
 def first_layer_unsaved(t: TrainingSpec, lc: LayerCoefs, stage: str) -> tuple[tuple[str, float, float], ...]:
