@@ -11,7 +11,7 @@ import pytest
 
 import trainmem
 from trainmem.errors import TrainmemError
-from trainmem.estimate.quantities import peft_offload_leaf
+from trainmem.estimate.quantities import offload_stash_keeps_top_input, peft_offload_leaf
 from trainmem.spec.resolve import resolve
 from trainmem.trace.api import trace
 from trainmem.validate import validate
@@ -37,9 +37,11 @@ def test_lora_offload_estimate_matches_trace(precision):
                expandable_segments=True, **KW)
     assert abs(est.peak_allocated - tr.peak_allocated) <= 0.002 * tr.peak_allocated
     tr_kept = trace("llama-3.2-1b", set=DEEP, precision=precision, expandable_segments=True, **KW)
+    est_kept = trainmem.estimate("llama-3.2-1b", set=DEEP, precision=precision, **KW)
     # layers 1 and 2's inputs leave the GPU; layer 0's is peft's embedding leaf, layer 3's stays in the
     # stash (the frozen final norm packs four offloadable tensors after it, one fewer than the stash holds)
-    assert _forward_end(tr_kept) - _forward_end(tr) == 2 * INPUT * (1 if precision == "bf16" else 2)
+    two = 2 * INPUT * (1 if precision == "bf16" else 2)
+    assert _forward_end(tr_kept) - _forward_end(tr) == two == _forward_end(est_kept) - _forward_end(est)
 
 
 def test_peft_leaf_only_for_transformers_models():
@@ -49,14 +51,19 @@ def test_peft_leaf_only_for_transformers_models():
     assert peft_offload_leaf(tt, "only", 2048.0) == ()   # torchtune's own model: no enable_input_require_grads
     full = resolve("llama-3.2-1b", set=DEEP, offload_activations=True, recompute="full").training
     assert peft_offload_leaf(full, "only", 2048.0) == ()
+    assert offload_stash_keeps_top_input(t) and not offload_stash_keeps_top_input(full)
 
 
-def test_lora_offload_lowers_the_estimate_by_the_inputs():
-    """torchtune's own model: every checkpointed input leaves the GPU (the 1B's 16 layers at 2 x 2048)."""
+@pytest.mark.parametrize("version, left", [("0.3.1", 0), ("0.4.0", 1), (None, 1)])
+def test_lora_offload_lowers_the_estimate_by_the_inputs(version, left):
+    """torchtune's own model (the 1B's 16 layers at 2 x 2048): every checkpointed input leaves the GPU
+    but, from v0.4.0 (parameters exempt from offloading), the top layer's, left in the stash."""
     kw = dict(framework="torchtune", batch_size=2, seq_len=2048, recompute="full", lora_rank=8)
+    if version:
+        kw["framework_version"] = version
     on = trainmem.estimate("llama-3.2-1b", offload_activations=True, **kw)
     off = trainmem.estimate("llama-3.2-1b", **kw)
-    assert _forward_end(off) - _forward_end(on) == 16 * 2 * 2048 * 2048 * 2
+    assert _forward_end(off) - _forward_end(on) == (16 - left) * 2 * 2048 * 2048 * 2
 
 
 def test_offload_with_a_4bit_base_is_still_refused():
