@@ -3205,7 +3205,7 @@ def offload_stash_keeps_top_input(t: TrainingSpec) -> bool:
     and an ``nn.Parameter``, which the hook keeps on the GPU without offloading (exempt since 3ca0d309c,
     2024-10-18, torchtune v0.4.0), so only four count and the input stays; its unpack then takes it from
     the stash without a copy (the layer's recompute). Before v0.4.0 the weight was offloaded too
-    (30b8519e8 L138-170: every tensor of >= 1024 B): nothing stays. Found by trace (Llama 4 x 256, LoRA r8,
+    (30b8519e8 L134-197: every tensor of >= 1024 B): nothing stays. Found by trace (Llama 4 x 256, LoRA r8,
     4 x 1024): its forward ended one layer input above the estimate."""
     if not (t.lora_rank and t.offload_activations):
         return False
