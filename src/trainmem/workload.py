@@ -858,10 +858,15 @@ def _offload_base_model(model: torch.nn.Module) -> Any:
     """torchtune's activation offloading (``checkpointing.OffloadActivations``) around the base model's
     forward: the recipe enters it around ``self._model(**batch)`` and exempts the output head
     (torchtune v0.6.1 recipes/full_finetune_distributed.py L786-787, _activation_offloading.py L393-418),
-    so here the embeddings, layers and final norm offload and the head and the loss do not."""
+    so here the embeddings, layers and final norm offload and the head and the loss do not. A peft
+    model's ``base_model`` is its ``LoraModel``, which ``PeftModel.forward`` never calls (it calls
+    ``get_base_model()`` directly, peft 0.21.2 peft_model.py L1001-1007): the hooks go on the
+    transformers body inside it, as torchtune's LoRA recipes offload their decoder less the head
+    (lora_finetune_single_device.py L450-465 at 30b8519e8)."""
     from .checkpointing import OffloadActivations
     ctx = OffloadActivations()
-    body = getattr(model, "base_model", model)
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    body = getattr(inner, "base_model", inner)
     body.register_forward_pre_hook(lambda *a: ctx.__enter__())
     body.register_forward_hook(lambda *a: ctx.__exit__(None, None, None), always_call=True)
     return ctx

@@ -21,7 +21,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..errors import TrainmemError
-from ..spec.frameworks import OWN_MODEL_CODE, caps_hidden_not_logits, torchtune_norm_saves_fp32
+from ..spec.frameworks import (OWN_MODEL_CODE, caps_hidden_not_logits, torchtune_norm_saves_fp32,
+                               torchtune_offload_exempts_parameters)
 from ..spec.model import ModelSpec
 from ..spec.tf_releases import (cache_values_own_dtype, causal_lm_loss, checkpoint_wraps_unit, code_release,
                                 eager_clamp, kv_cache_kind, moe_expert_loop, rotary_keys_half, sdpa_repeats_kv)
@@ -65,7 +66,8 @@ ENGINE_CAST = ".engine_cast"
 #: outer tensors of the final norm and the head (``_head_side``), freed by the head's backward before the
 #: last layer's (``qa_outputs.input`` among them: before, a question-answering head's saved input stayed
 #: in the layers' backward moments; trace, Llama 2 layers hidden 256, fp32, 4 x 256: +0.9%)
-HEAD_KEYS = ("final_norm", "lm_head.input", "mlm.transform", "pooler.input", "qa_outputs.input", "derived.head_side")
+HEAD_KEYS = ("final_norm", "lm_head.input", "mlm.transform", "pooler.input", "qa_outputs.input", "derived.head_side",
+             "offload.stash_top_input")
 
 
 @dataclass(frozen=True)
@@ -508,6 +510,8 @@ def outer_tensors(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) -> tup
                           frozen=bool(t.lora_rank), head_adapted=_head_is_lora_target(m, t),
                           rms_input=t.rms_norm == "input", norm_fp32=torchtune_norm_saves_fp32(m, t),
                           liger=t.liger or t.unsloth_kernels)  # (Unsloth's final norm: Fast_RMS_Layernorm, Liger's set)
+        if offload_stash_keeps_top_input(t):
+            out.append(("offload.stash_top_input", h * pol.stream / sp, 0.0))
     elif torch_pipeline(t):
         # the stage's output (b, s, h), residual dtype: torch's PipelineStage keeps it in ``fwd_cache``
         # from the micro-batch's forward to its backward (torch 2.13 distributed/pipelining/stage.py
@@ -2544,7 +2548,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     lora_first = first_layer_unsaved(t, lc, stage)
     pipe, received = _pipeline_terms(m, t, st, pol, stage, input_tok, lc)
     half_in = half_embedding_output(t, pol, stage, input_tok)
-    first = lora_first + received + half_in
+    first = lora_first + received + half_in + peft_offload_leaf(t, stage, input_tok)
     outer, rest_pos = derived_outer(m, t, stage) if derived else (outer_tensors(m, t, pol, stage), 0.0)
     loss = loss_bytes(m, t, pol) if head_here else LossBytes()
     if derived and head_here and caps_hidden_not_logits(m, t):
@@ -3188,6 +3192,42 @@ def half_embedding_output(t: TrainingSpec, pol: Policy, stage: str, input_tok: f
             or t.offload_activations or not (t.pp == 1 or stage == "first") or pol.stream <= 2:
         return ()
     return (("first_layer.half_input", input_tok * (1 - 2 / pol.stream), 0.0),)
+
+
+def offload_stash_keeps_top_input(t: TrainingSpec) -> bool:
+    """LoRA with activation offloading: whether the top layer's input stays on the GPU from the end of
+    forward until that layer is recomputed. torchtune's pack hook drops a tensor from ``fwd_stash`` only
+    when ``max_fwd_stash_size`` (5) later tensors big enough to offload were packed (v0.6.1
+    _activation_offloading.py L133-200; trainmem.checkpointing.OffloadActivations). After the top layer's
+    input only the final RMSNorm packs: its fp32 input (``pow``), the ``rsqrt`` output, both again for the
+    ``mul``, and, for the weight's product, the weight (needed for the input's gradient) and, when the
+    weight is trained, the normalized tensor. With LoRA the norm is frozen: its weight is the fifth pack
+    and an ``nn.Parameter``, which the hook keeps on the GPU without offloading (exempt since 3ca0d309c,
+    2024-10-18, torchtune v0.4.0), so only four count and the input stays; its unpack then takes it from
+    the stash without a copy (the layer's recompute). Before v0.4.0 the weight was offloaded too
+    (30b8519e8 L134-197: every tensor of >= 1024 B): nothing stays. Found by trace (Llama 4 x 256, LoRA r8,
+    4 x 1024): its forward ended one layer input above the estimate."""
+    if not (t.lora_rank and t.offload_activations):
+        return False
+    # (without --framework torchtune: trainmem.checkpointing's hooks, which exempt parameters as v0.6.1)
+    return t.extra.get("framework") != "torchtune" or torchtune_offload_exempts_parameters(t)
+
+
+def peft_offload_leaf(t: TrainingSpec, stage: str, input_tok: float) -> tuple[tuple[str, float, float], ...]:
+    """LoRA with activation offloading on a transformers model: the first layer's input stays on the GPU.
+    peft's ``PeftModel`` calls ``enable_input_require_grads`` (peft 0.21.2 peft_model.py L725-735), a
+    forward hook on the input embeddings that makes their output require grad: a leaf, which its
+    ``AccumulateGrad`` node holds until the graph is freed (``torch/csrc/autograd/functions/
+    accumulate_grad.h``: ``Variable variable``), so offloading the checkpoint's copy of it frees nothing,
+    and the bottom layer's recompute brings a second copy back beside it. Counted as a negative
+    ``first_unsaved`` term: the first layer keeps one input (b, s, h) more, bf16 or the stream's dtype.
+    torchtune's own models (``OWN_MODEL_CODE``) have no such hook: their first layer's input is
+    offloaded like the others. Found by trace (Llama 4 x 256, LoRA r8, full recompute, bf16,
+    4 x 1024): the bottom layer's backward peak was one layer input (2 MiB) above the estimate."""
+    if not (t.lora_rank and t.offload_activations) or t.extra.get("framework") in OWN_MODEL_CODE \
+            or not (t.pp == 1 or stage == "first"):
+        return ()
+    return (("first_layer.offload_leaf", -input_tok, 0.0),)
 
 
 def first_layer_unsaved(t: TrainingSpec, lc: LayerCoefs, stage: str) -> tuple[tuple[str, float, float], ...]:

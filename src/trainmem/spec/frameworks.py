@@ -533,6 +533,16 @@ def caps_hidden_not_logits(m: Any, t: Any) -> bool:
             and bool(getattr(m, "config", None) and m.config.get("final_logit_softcapping") is not None))
 
 
+def torchtune_offload_exempts_parameters(t: Any) -> bool:
+    """Whether torchtune's ``OffloadActivations`` keeps saved ``nn.Parameter``s (and buffers) on the GPU
+    instead of offloading them: from 3ca0d309c (2024-10-18, "Add offloading tests and fix obscure edge
+    case", torchtune v0.4.0; _activation_offloading.py ``pack_tensor``); before it every saved tensor of
+    at least ``min_offload_size`` bytes was offloaded (L134-197 at 30b8519e8, the check at L150). No ``--framework-version``:
+    the preset's release (0.6.1), which exempts them."""
+    version = t.extra.get("framework_version")
+    return version is None or _v(str(version).strip().lstrip("v"))[:2] >= (0, 4)
+
+
 def torchtune_norm_saves_fp32(m: Any, t: Any) -> bool:
     """Whether the run's RMSNorm saves its fp32 normalized product for the weight's gradient:
     torchtune 0.5.0 to 0.6.1's ``RMSNorm.forward`` is ``F.rms_norm(x.float(), normalized_shape,

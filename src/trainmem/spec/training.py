@@ -576,9 +576,9 @@ class TrainingSpec:
             raise TrainmemError("--offload-activations needs --recompute full on every layer: torchtune offloads "
                                 "the checkpointed layers' inputs and refuses enable_activation_offloading without "
                                 "enable_activation_checkpointing")
-        if self.offload_activations and (self.tp * self.pp * self.cp > 1 or self.lora_rank or self.quantize):
-            raise TrainmemError("--offload-activations is modelled for one data-parallel rank's full training "
-                                "(no --tp/--pp/--cp, --lora-rank or --quantize); drop it or those options")
+        if self.offload_activations and (self.tp * self.pp * self.cp > 1 or self.quantize):
+            raise TrainmemError("--offload-activations is modelled for one data-parallel rank's full or LoRA "
+                                "training (no --tp/--pp/--cp or --quantize); drop it or those options")
         self._check_unsloth_gc()
         self._check_unsloth_kernels()
 
