@@ -987,7 +987,15 @@ def _backward_end(q: Quantities, tk: Tokens, kept: Kept, when: tuple, now: tuple
                     (kept.logits, kept.kv_end, 0),
                     _both(_both(valid, q.ds_reduce_flat > 0), _either(final, q.ds_accumulated > 0)), tk.graph,
                     comm=q.ds_backward_buf + low_ds + kept_end)
-    return [ds_reduce, _mo("backward", micro, step, "fsdp.root_reduce",
+    # DeepSpeed ZeRO-1/2 offloaded: the epilogue hands the largest gradient of rank 0's partition to
+    # the host after an elementwise inf/NaN check (``quantities.deepspeed_offload_check``), at the
+    # accumulation boundary, beside that gradient (its own tensor) and the bucket buffers; every
+    # other gradient is on the host or freed (offload keeps none on the device, L1315-1326)
+    ds_check = _mo("backward", micro, step, "deepspeed.offload_check",
+                   (q.ds_offload_grad, states_mid, tk.inputs, ws2, tk.others + tk.others_head, q.ds_offload_check),
+                   (kept.logits, kept.kv_end, 0), _both(valid, _both(final, q.ds_offload_check > 0)), tk.graph,
+                   comm=q.ds_backward_buf + low_ds + kept_end)
+    return [ds_reduce, ds_check, _mo("backward", micro, step, "fsdp.root_reduce",
                 (grads_end + where(_either(fresh, nosync), 0, q.fsdp_root_sharded), states_mid, tk.inputs, ws2,
                  tk.others + tk.others_head, 0),
                 (kept.logits, kept.kv_end, 0), _both(_both(valid, q.fsdp_root_rs > 0), _either(synced, final)),

@@ -284,6 +284,8 @@ class Quantities:
     ds_reduce_flat: int = 0      # ... and the flat copy of the bucket (``deepspeed_epilogue``)
     ds_bucketed: int = 0      # 1: DeepSpeed ZeRO-1/2's hooks reduce buckets in backward (``deepspeed_hooks_reduce``)
     ds_norm_temp: int = 0     # DeepSpeed ZeRO-1/2's step: the float64 copy of one gradient piece its norm takes
+    ds_offload_grad: int = 0  # DeepSpeed ZeRO-1/2 offloaded: the gradient of rank 0's largest parameter, own tensor,
+    ds_offload_check: int = 0  # ... and the temporaries of its elementwise inf/NaN check (``deepspeed_offload_check``)
     ds_cast_grads: int = 0    # DeepSpeed's step: the gradients alive while the fp32 gradient is cast (``deepspeed_partition_grads``)
     ds_opt_grads: int = 0     # ... and while the optimizer steps (ZeRO-3's persistent partition; none for stages 1, 2)
     gemini_top: int = 0       # ColossalAI Gemini: other ranks' fp16 chunks gathered and the gradient hook's two
@@ -1541,6 +1543,7 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
             "ds_kept_buf": backward if (t.zero == 1 and t.grad_accum > 1) else 0,
             "ds_bucketed": int(hooked),
             "ds_norm_temp": deepspeed_norm_temp(m, t, st),
+            **dict(zip(("ds_offload_grad", "ds_offload_check"), deepspeed_offload_check(m, t, st))),
             "ds_opt_grads": opt}
 
 
@@ -1569,6 +1572,44 @@ def deepspeed_norm_temp(m: ModelSpec, t: TrainingSpec, st: States) -> int:
         largest = max(largest, min(start + p.numel, part) - start)
         start += p.numel
     return block_of(t, largest * 8)              # (piece,) float64
+
+
+def deepspeed_offload_check(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, int]:
+    """(bytes of the parameter's gradient when it is its own tensor, bytes of the check's
+    temporaries) on rank 0 when DeepSpeed ZeRO-1/2, the optimizer offloaded, hands the gradient of
+    the largest parameter of its partition to the host at the accumulation boundary; (0, 0) off
+    that path or where the check is not elementwise (``TrainingSpec.ds_elementwise_overflow``).
+
+    ``reduce_ipg_grads`` -> ``copy_grads_in_partition`` (v0.14.2 ``stage_1_and_2.py`` L1315-1326)
+    runs for each parameter of the rank's partition, one at a time:
+    ``set_norm_for_param_grad_in_gpu`` (L1244-1257: ``.double().norm(2)`` of the partition's slice,
+    8 B per element), then ``update_overflow_tracker_for_param_grad`` (L1167-1170) ->
+    ``_has_inf_or_nan`` on the parameter's *whole* gradient (L2019-2025): ``float_x = x.float()``
+    (fp32, 4 B per element), ``isnan`` and ``isinf`` (bool, 1 B each), ``logical_or`` (bool, 1 B)
+    and ``inf_or_nan.float()`` (fp32, 4 B), all alive together: 11 B per element, the most of the
+    three (``async_inplace_copy_grad_to_fp32_buffer_from_gpu`` L1259-1275 makes a 4 B fp32 copy of
+    the slice). Rank 0's partition holds the first parameters in registration order
+    (``_rank0_own``), with the word embedding, whose gradient comes last in backward: its check
+    runs in backward's epilogue, the activations freed. A parameter larger than
+    ``reduce_bucket_size`` (or any, without ``contiguous_gradients``) keeps its gradient as its own
+    tensor (``extra_large_param_to_reduce``, L944-946) until the check's end
+    (``param.grad = None`` L1275); a smaller one's is a view of the bucket buffer (counted there).
+    A partial set of trainable tensors or a tensor- or pipeline-parallel layout takes its largest
+    trainable tensor's shard; LoRA's adapters are neglected. Found by Giles Thomas's Llama-3-8B
+    ZeRO-2 offload rows over 8 GPUs: ranks 0 and 7, whose partitions hold the embedding and the
+    head (525,336,576 elements: 5,511 MiB for the check), peak 3.4-3.5 GiB above the other ranks;
+    DeepSpeed #8325 gives the same 11 B per element."""
+    if not (deepspeed_zero(t) and t.zero in (1, 2) and t.offload_optimizer and st.trainable
+            and t.ds_elementwise_overflow) or t.lora_rank:
+        return 0, 0
+    tensors = m.parameter_tensors()
+    if _partial_layout(m, t, st):
+        n = max(p.numel for p in tensors) // t.tp
+    else:
+        n = max(p.numel for p in tensors[:_rank0_own(tensors, st, t)])
+    own = block_of(t, n * t.weight_bytes) if (n > t.ds_reduce_bucket or not t.contiguous_gradients) else 0
+    # float_x (n,) fp32, isnan / isinf / logical_or (n,) bool, inf_or_nan.float() (n,) fp32
+    return own, 2 * block_of(t, n * 4) + 3 * block_of(t, n)
 
 
 def deepspeed_hooks_reduce(t: TrainingSpec) -> bool:

@@ -637,6 +637,9 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     _make_grads(R, s, st.trainables, ("before",) if q.fsdp_head_unit else ("after", "before"), flags.oib,
                 f.fs.grad_stream)                                 # head, norm, embeddings
     f.fs.reduced(R)                                               # torch < 2.5: the input dropped on return
+    if q.ds_offload_check and suffix != ".micro1":                # DeepSpeed ZeRO-1/2 offloaded, at the boundary:
+        R.free(R.alloc(q.ds_offload_check))                       # the epilogue's inf/NaN check of rank 0's
+    #                                                               largest gradient (deepspeed_offload_check)
     R.free(R.alloc(q.ds_reduce_cat, GRAD_STREAM * q.ds_streams))  # ZeRO-3's epilogue: the bucket reduced
     R.free(gathered)                                              # ... and every parameter released
     R.frees([tied, f.emb, f.inputs] + buckets)
