@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO-1/2 with the optimizer offloaded checks each gradient of the rank's partition for
 inf/NaN elementwise before handing it to the host (``quantities.deepspeed_offload_check``): v0.14.2
-``stage_1_and_2.py`` ``copy_grads_in_partition`` L1315-1326 -> ``update_overflow_tracker_for_param_grad``
+``stage_1_and_2.py`` ``copy_grads_in_partition`` L1320-1333 -> ``update_overflow_tracker_for_param_grad``
 L1167-1170 -> ``_has_inf_or_nan`` L2019-2025 (an fp32 copy, three bool masks, a second fp32 tensor: 11 B
 per element of the whole gradient, all alive at once), replaced by a max/min test in DeepSpeed #8325
 (``runtime/utils.py`` ``has_inf_or_nan`` at v0.19.8). Found on Giles Thomas's Llama-3-8B ZeRO-2 offload

@@ -990,7 +990,7 @@ def _backward_end(q: Quantities, tk: Tokens, kept: Kept, when: tuple, now: tuple
     # DeepSpeed ZeRO-1/2 offloaded: the epilogue hands the largest gradient of rank 0's partition to
     # the host after an elementwise inf/NaN check (``quantities.deepspeed_offload_check``), at the
     # accumulation boundary, beside that gradient (its own tensor) and the bucket buffers; every
-    # other gradient is on the host or freed (offload keeps none on the device, L1315-1326)
+    # other gradient is on the host or freed (offload keeps none on the device, L1320-1333)
     ds_check = _mo("backward", micro, step, "deepspeed.offload_check",
                    (q.ds_offload_grad, states_mid, tk.inputs, ws2, tk.others + tk.others_head, q.ds_offload_check),
                    (kept.logits, kept.kv_end, 0), _both(valid, _both(final, q.ds_offload_check > 0)), tk.graph,

@@ -1580,7 +1580,7 @@ def deepspeed_offload_check(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[
     the largest parameter of its partition to the host at the accumulation boundary; (0, 0) off
     that path or where the check is not elementwise (``TrainingSpec.ds_elementwise_overflow``).
 
-    ``reduce_ipg_grads`` -> ``copy_grads_in_partition`` (v0.14.2 ``stage_1_and_2.py`` L1315-1326)
+    ``reduce_ipg_grads`` -> ``copy_grads_in_partition`` (v0.14.2 ``stage_1_and_2.py`` L1320-1333)
     runs for each parameter of the rank's partition, one at a time:
     ``set_norm_for_param_grad_in_gpu`` (L1244-1257: ``.double().norm(2)`` of the partition's slice,
     8 B per element), then ``update_overflow_tracker_for_param_grad`` (L1167-1170) ->
