@@ -530,6 +530,12 @@ def _head_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, befo
     out.append(_mo("backward", micro, step, "final_norm.backward",
                    (grads_before, states, tk.inputs, ws2, tk.all_acts, trunc(q.final_norm_bwd_tok * tk.tokens)),
                    (kept.logits, kept.kv_forward, 0), _both(valid, q.final_norm_bwd_tok > 0)))
+    # DeepSpeed ZeRO-1/2 offloaded: the untied head's inf/NaN check on the rank holding it, when the final
+    # norm's hook reduces the head's bucket, every activation saved (quantities.deepspeed_offload_check_head);
+    # no other gradient is on the device (offload hands each to the host); the bucket buffers exist
+    out.append(_mo("backward", micro, step, "deepspeed.offload_check.head",
+                   (q.ds_head_grad, states, tk.inputs, ws2, tk.all_acts, q.ds_head_check),
+                   (kept.logits, kept.kv_forward, 0), _both(valid, q.ds_head_check > 0), comm=q.ds_backward_buf))
     out.append(_fsdp_head_reduce(q, tk, kept, before, step, micro, valid))
     out.extend(_fsdp1_head_unit(q, tk, kept, before, step, micro, valid, _either(fsdp_sync(q, flags), micro > 0)))
     return out

@@ -286,6 +286,8 @@ class Quantities:
     ds_norm_temp: int = 0     # DeepSpeed ZeRO-1/2's step: the float64 copy of one gradient piece its norm takes
     ds_offload_grad: int = 0  # DeepSpeed ZeRO-1/2 offloaded: the gradient of rank 0's largest parameter, own tensor,
     ds_offload_check: int = 0  # ... and the temporaries of its elementwise inf/NaN check (``deepspeed_offload_check``)
+    ds_head_grad: int = 0     # ... the untied head's gradient, own tensor, when its bucket is reduced at the top of
+    ds_head_check: int = 0    # backward, and its check's temporaries, on the rank that holds it (``deepspeed_offload_check_head``)
     ds_cast_grads: int = 0    # DeepSpeed's step: the gradients alive while the fp32 gradient is cast (``deepspeed_partition_grads``)
     ds_opt_grads: int = 0     # ... and while the optimizer steps (ZeRO-3's persistent partition; none for stages 1, 2)
     gemini_top: int = 0       # ColossalAI Gemini: other ranks' fp16 chunks gathered and the gradient hook's two
@@ -1544,6 +1546,7 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
             "ds_bucketed": int(hooked),
             "ds_norm_temp": deepspeed_norm_temp(m, t, st),
             **dict(zip(("ds_offload_grad", "ds_offload_check"), deepspeed_offload_check(m, t, st))),
+            **dict(zip(("ds_head_grad", "ds_head_check"), deepspeed_offload_check_head(m, t, st))),
             "ds_opt_grads": opt}
 
 
@@ -1607,6 +1610,31 @@ def deepspeed_offload_check(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[
         n = max(p.numel for p in tensors) // t.tp
     else:
         n = max(p.numel for p in tensors[:_rank0_own(tensors, st, t)])
+    own = block_of(t, n * t.weight_bytes) if (n > t.ds_reduce_bucket or not t.contiguous_gradients) else 0
+    # float_x (n,) fp32, isnan / isinf / logical_or (n,) bool, inf_or_nan.float() (n,) fp32
+    return own, 2 * block_of(t, n * 4) + 3 * block_of(t, n)
+
+
+def deepspeed_offload_check_head(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, int]:
+    """(bytes of the head's gradient when it is its own tensor, bytes of the check's temporaries) of
+    ``deepspeed_offload_check`` for an untied LM head (``lm_head.weight``, registered last: the last
+    rank's partition ends with it), whose check runs where its bucket is reduced: the head's gradient
+    is the first of backward, and the next gradient's hook (the final norm's) reduces the bucket when
+    adding it would pass ``reduce_bucket_size`` (v0.14.2 ``stage_1_and_2.py``
+    ``reduce_independent_p_g_buckets_and_remove_grads`` L927-936), with every activation still saved.
+    That rank is not rank 0 over several ranks; its other bytes are rank 0's (the fp16 weights, the
+    buckets and the offload buffer are replicated), so the estimate's peak is the worse of the two
+    (the measured quantity of Giles Thomas's Llama-3-8B offload rows is the worst rank's: rank 7 at
+    24,205 and 24,484 MiB, rank 0 at 23,929). (0, 0) where the head is tied or absent, frozen, its
+    bucket reduced later in backward (a head and final norm within one bucket), or off the path."""
+    if not (deepspeed_zero(t) and t.zero in (1, 2) and t.offload_optimizer and st.trainable
+            and t.ds_elementwise_overflow) or t.lora_rank or _partial_layout(m, t, st):
+        return 0, 0
+    tensors = m.parameter_tensors()
+    head = tensors[-1] if tensors and tensors[-1].name == "lm_head.weight" else None
+    if head is None or len(tensors) < 2 or head.numel + tensors[-2].numel <= t.ds_reduce_bucket:
+        return 0, 0
+    n = head.numel
     own = block_of(t, n * t.weight_bytes) if (n > t.ds_reduce_bucket or not t.contiguous_gradients) else 0
     # float_x (n,) fp32, isnan / isinf / logical_or (n,) bool, inf_or_nan.float() (n,) fp32
     return own, 2 * block_of(t, n * 4) + 3 * block_of(t, n)

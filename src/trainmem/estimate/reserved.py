@@ -607,6 +607,9 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     if q.fsdp_head_pref:                                          # split root: the head's pre-backward
         f.fs.prefetched = R.alloc(q.fsdp_head_pref, f.fs.streams[0])  # prefetches the top layer
     head_full, tied = _head_backward(R, s, q, flags, f, dlogits)
+    if q.ds_head_check and suffix != ".micro1":                   # DeepSpeed ZeRO-1/2 offloaded: the untied
+        R.free(R.alloc(q.ds_head_check))                          # head's inf/NaN check (its bucket reduced at
+    #                                                               the next hook: deepspeed_offload_check_head)
     if q.fsdp_head_unit:                                          # ... and its post-backward reduces the
         f.fs.post_backward(R, f.root, [head_full], q.fsdp_head_rs)  # head's gradients (fsdp2_split_root)
         _make_grads(R, s, st.trainables, ("after",), flags.oib, f.fs.grad_stream)
