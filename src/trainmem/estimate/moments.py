@@ -200,6 +200,9 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
     # copies are saved with its activations; trace, llama-3.2-1b (4 layers) --pp 2 bf16-amp, first: -3.3% before)
     per_forward = where(q.pipe_batch > 0, inflight, 1)  # forwards whose autocast copies are alive
     casts = (q.cast_layer * q.layers - q.cast_checkpointed) * per_forward + q.gathered_layer * q.layers * q.pipe_stages
+    # + DeepSpeed ZeRO-3 under torch's F.linear: each layer's gathered matmul weights, kept by its saved
+    # transposed views from its forward to its backward (quantities.deepspeed_linear_kept)
+    casts = casts + q.ds_linear_kept * q.layers * inflight
     layers = layer * q.layers * inflight + casts
     # LoRA: the first layer's input needs no gradient, so it keeps less (quantities.first_layer_unsaved)
     # (and the half copies of its frozen linears on that input are not kept, in each forward's region)

@@ -284,6 +284,8 @@ class Quantities:
     ds_reduce_flat: int = 0      # ... and the flat copy of the bucket (``deepspeed_epilogue``)
     ds_bucketed: int = 0      # 1: DeepSpeed ZeRO-1/2's hooks reduce buckets in backward (``deepspeed_hooks_reduce``)
     ds_norm_temp: int = 0     # DeepSpeed ZeRO-1/2's step: the float64 copy of one gradient piece its norm takes
+    ds_linear_kept: int = 0  # DeepSpeed ZeRO-3 with torch's F.linear: one layer's gathered matmul weights its
+    #                          autograd keeps from its forward to its backward (``deepspeed_linear_kept``)
     ds_offload_grad: int = 0  # DeepSpeed ZeRO-1/2 offloaded: the gradient of rank 0's largest parameter, own tensor,
     ds_offload_check: int = 0  # ... and the temporaries of its elementwise inf/NaN check (``deepspeed_offload_check``)
     ds_head_grad: int = 0     # ... the untied head's gradient, own tensor, when its bucket is reduced at the top of
@@ -1916,7 +1918,37 @@ def deepspeed_gathered(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, 
     current = max(layer, block_of(t, emb_n * wb))
     head = block_of(t, head_n * wb) if dist > 0 else 0
     kept_n = (head_n if dist > 0 else 0) + max(k, 1) * layer_n
-    return head + max(k, 1) * layer + prefetch(kept_n), current + prefetch(current_n)
+    # the kept layers' matmul weights are the storage autograd holds under torch's F.linear (counted
+    # with the layers' activations: deepspeed_linear_kept); their norms are neglected
+    kept_layers = 0 if deepspeed_linear_kept(m, t) else max(k, 1) * layer
+    return head + kept_layers + prefetch(kept_n), current + prefetch(current_n)
+
+
+def deepspeed_linear_kept(m: ModelSpec, t: TrainingSpec) -> int:
+    """Bytes of one layer's matmul weights, whole, in the engine's dtype, that autograd keeps gathered
+    from the layer's forward to its backward under DeepSpeed ZeRO-3 with torch's own ``F.linear``
+    (``TrainingSpec.ds_linear_keeps_gathered``: a model built outside ``zero.Init``, DeepSpeed up to
+    0.19.1); 0 otherwise, on one rank (there a gathered parameter is its partition itself:
+    ``_no_gather_coalesced``, v0.14.2 L769-779, ``NoGatherHandle``: ``param.data = ds_tensor.data``),
+    or under full recompute (a checkpointed layer's forward saves nothing under ``no_grad``; the
+    second copy its recomputed forward keeps through that layer's backward is neglected).
+
+    ``F.linear`` on a (b, s, h) input is ``matmul(input, weight.t())`` (ATen ``linear``), whose
+    ``MmBackward`` saves ``mat2``, the transposed weight: a view of the gathered storage, not the
+    parameter. After the module's forward ZeRO-3 releases the parameter (``free_param``, v0.14.2
+    ``partition_parameters.py`` L279-289: ``param.data = torch.empty(0)``), which frees nothing while
+    the view holds the storage; it goes when the linear's backward has run, after ZeRO-3 gathered the
+    parameter again (a new tensor) for that backward. ``zero3_linear_wrap`` saves the parameter
+    itself, whose storage ``free_param`` does swap out (DeepSpeed #8189: "the standard Linear
+    implementation can retain the gathered weight storage until backward completes"). The layers ZeRO-3
+    keeps gathered anyway (``deepspeed_gathered``'s reuse distance) are the same storage, counted here.
+    Found by Giles Thomas's Llama-3-8B ZeRO-3 rows over 8 GPUs (no ``zero.Init``, DeepSpeed 0.14.2): at
+    1001 and 2001 tokens the worst rank was the estimate plus 14,953 / 14,963 MiB at the loss, and 32
+    layers' matmul weights in fp16 are 13,312 MiB (the head's 1,002 counted already as kept)."""
+    if not (t.ds_linear_keeps_gathered and t.shard_group > 1 and t.recompute != "full"):
+        return 0
+    layer = [p for p in m.parameter_tensors() if p.layer == 0 and p.is_matmul]
+    return sum(block_of(t, -(-p.numel // t.tp) * t.weight_bytes) for p in layer)   # (out, in) per weight
 
 
 def deepspeed_gathered_embedding(m: ModelSpec, t: TrainingSpec) -> int:
@@ -2648,6 +2680,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         cast_forward_only=0 if (t.lora_rank or fsdp1_views(t) or loss_after_stage_forward(t, stage))
         else cast_layer * checkpointed,  # see cast_checkpointed
         gathered_layer=(st.layer_units_full or st.layer_params_full) if fsdp_grad_op(t) else 0,
+        ds_linear_kept=deepspeed_linear_kept(m, t),
         logit_chunks=t.loss_chunks, logit_width=m.vocab_size if is_lm(m) else classifier_width(m, t),
         tp=t.tp if is_lm(m) else 1, logits_held=loss.held, logits_out=loss.out, loss_saved=loss.saved,
         logits_cast=loss.cast, cast_output=int(t.cast_output), loss_forward=loss.forward, loss_backward=loss.backward,
