@@ -909,6 +909,10 @@ def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: _Parts, tk: Toke
     else:
         (cached if cached is not None else []).extend(_checkpointed(R, q, parts, recompute))  # no-grad forward
         kept = _Kept(R.allocs(_kept_blocks(parts, tk.layer, recompute)))  # what the checkpoint keeps
+    if q.ds_linear_kept and recompute != "full":                  # DeepSpeed ZeRO-3 under torch's F.linear: the
+        # gathered weights its saved views keep, made on the all-gather stream under overlap_comm (the
+        # ``torch.cat`` of ``AllGatherCoalescedHandle.wait`` in ``fetch_sub_module``'s stream context)
+        kept.append(R.alloc(q.ds_linear_kept, GATHER_STREAM * q.ds_streams))  # (quantities.deepspeed_linear_kept)
     if keep:
         fs.last = params                                          # not resharded after forward
     else:
