@@ -283,6 +283,10 @@ def activations(q: Quantities, tk: Tokens, at_peak: int, t: TrainingSpec, n: int
                                 "bf16" if t.precision == "bf16-mp" else None,
                                 "FSDP grad-op: every layer's weights gathered at its forward, kept until its "
                                 "backward (reshard_after_forward=False)"))
+    if q.ds_linear_kept:
+        listed.append(Component("communication.deepspeed_linear_kept", COMMUNICATION, q.ds_linear_kept * alive, None,
+                                "DeepSpeed ZeRO-3 with torch's F.linear: each layer's gathered matmul weights, "
+                                "kept by autograd's saved views from its forward to its backward"))
     diff = at_peak - sum(c.bytes for c in listed)
     if diff:
         listed.append(Component("activations.rounding", ACTIVATIONS, diff, None, "integer rounding"))

@@ -200,6 +200,9 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
     # copies are saved with its activations; trace, llama-3.2-1b (4 layers) --pp 2 bf16-amp, first: -3.3% before)
     per_forward = where(q.pipe_batch > 0, inflight, 1)  # forwards whose autocast copies are alive
     casts = (q.cast_layer * q.layers - q.cast_checkpointed) * per_forward + q.gathered_layer * q.layers * q.pipe_stages
+    # + DeepSpeed ZeRO-3 under torch's F.linear: each layer's gathered matmul weights, kept by its saved
+    # transposed views from its forward to its backward (quantities.deepspeed_linear_kept)
+    casts = casts + q.ds_linear_kept * q.layers * inflight
     layers = layer * q.layers * inflight + casts
     # LoRA: the first layer's input needs no gradient, so it keeps less (quantities.first_layer_unsaved)
     # (and the half copies of its frozen linears on that input are not kept, in each forward's region)
@@ -530,6 +533,12 @@ def _head_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, befo
     out.append(_mo("backward", micro, step, "final_norm.backward",
                    (grads_before, states, tk.inputs, ws2, tk.all_acts, trunc(q.final_norm_bwd_tok * tk.tokens)),
                    (kept.logits, kept.kv_forward, 0), _both(valid, q.final_norm_bwd_tok > 0)))
+    # DeepSpeed ZeRO-1/2 offloaded: the untied head's inf/NaN check on the rank holding it, when the final
+    # norm's hook reduces the head's bucket, every activation saved (quantities.deepspeed_offload_check_head);
+    # no other gradient is on the device (offload hands each to the host); the bucket buffers exist
+    out.append(_mo("backward", micro, step, "deepspeed.offload_check.head",
+                   (q.ds_head_grad, states, tk.inputs, ws2, tk.all_acts, q.ds_head_check),
+                   (kept.logits, kept.kv_forward, 0), _both(valid, q.ds_head_check > 0), comm=q.ds_backward_buf))
     out.append(_fsdp_head_reduce(q, tk, kept, before, step, micro, valid))
     out.extend(_fsdp1_head_unit(q, tk, kept, before, step, micro, valid, _either(fsdp_sync(q, flags), micro > 0)))
     return out
@@ -987,7 +996,15 @@ def _backward_end(q: Quantities, tk: Tokens, kept: Kept, when: tuple, now: tuple
                     (kept.logits, kept.kv_end, 0),
                     _both(_both(valid, q.ds_reduce_flat > 0), _either(final, q.ds_accumulated > 0)), tk.graph,
                     comm=q.ds_backward_buf + low_ds + kept_end)
-    return [ds_reduce, _mo("backward", micro, step, "fsdp.root_reduce",
+    # DeepSpeed ZeRO-1/2 offloaded: the epilogue hands the largest gradient of rank 0's partition to
+    # the host after an elementwise inf/NaN check (``quantities.deepspeed_offload_check``), at the
+    # accumulation boundary, beside that gradient (its own tensor) and the bucket buffers; every
+    # other gradient is on the host or freed (offload keeps none on the device, L1320-1333)
+    ds_check = _mo("backward", micro, step, "deepspeed.offload_check",
+                   (q.ds_offload_grad, states_mid, tk.inputs, ws2, tk.others + tk.others_head, q.ds_offload_check),
+                   (kept.logits, kept.kv_end, 0), _both(valid, _both(final, q.ds_offload_check > 0)), tk.graph,
+                   comm=q.ds_backward_buf + low_ds + kept_end)
+    return [ds_reduce, ds_check, _mo("backward", micro, step, "fsdp.root_reduce",
                 (grads_end + where(_either(fresh, nosync), 0, q.fsdp_root_sharded), states_mid, tk.inputs, ws2,
                  tk.others + tk.others_head, 0),
                 (kept.logits, kept.kv_end, 0), _both(_both(valid, q.fsdp_root_rs > 0), _either(synced, final)),

@@ -286,6 +286,12 @@ class Quantities:
     ds_reduce_flat: int = 0      # ... and the flat copy of the bucket (``deepspeed_epilogue``)
     ds_bucketed: int = 0      # 1: DeepSpeed ZeRO-1/2's hooks reduce buckets in backward (``deepspeed_hooks_reduce``)
     ds_norm_temp: int = 0     # DeepSpeed ZeRO-1/2's step: the float64 copy of one gradient piece its norm takes
+    ds_linear_kept: int = 0  # DeepSpeed ZeRO-3 with torch's F.linear: one layer's gathered matmul weights its
+    #                          autograd keeps from its forward to its backward (``deepspeed_linear_kept``)
+    ds_offload_grad: int = 0  # DeepSpeed ZeRO-1/2 offloaded: the gradient of rank 0's largest parameter, own tensor,
+    ds_offload_check: int = 0  # ... and the temporaries of its elementwise inf/NaN check (``deepspeed_offload_check``)
+    ds_head_grad: int = 0     # ... the untied head's gradient, own tensor, when its bucket is reduced at the top of
+    ds_head_check: int = 0    # backward, and its check's temporaries, on the rank that holds it (``deepspeed_offload_check_head``)
     ds_cast_grads: int = 0    # DeepSpeed's step: the gradients alive while the fp32 gradient is cast (``deepspeed_partition_grads``)
     ds_opt_grads: int = 0     # ... and while the optimizer steps (ZeRO-3's persistent partition; none for stages 1, 2)
     gemini_top: int = 0       # ColossalAI Gemini: other ranks' fp16 chunks gathered and the gradient hook's two
@@ -1545,6 +1551,8 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
             "ds_kept_buf": backward if (t.zero == 1 and t.grad_accum > 1) else 0,
             "ds_bucketed": int(hooked),
             "ds_norm_temp": deepspeed_norm_temp(m, t, st),
+            **dict(zip(("ds_offload_grad", "ds_offload_check"), deepspeed_offload_check(m, t, st))),
+            **dict(zip(("ds_head_grad", "ds_head_check"), deepspeed_offload_check_head(m, t, st))),
             "ds_opt_grads": opt}
 
 
@@ -1573,6 +1581,69 @@ def deepspeed_norm_temp(m: ModelSpec, t: TrainingSpec, st: States) -> int:
         largest = max(largest, min(start + p.numel, part) - start)
         start += p.numel
     return block_of(t, largest * 8)              # (piece,) float64
+
+
+def deepspeed_offload_check(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, int]:
+    """(bytes of the parameter's gradient when it is its own tensor, bytes of the check's
+    temporaries) on rank 0 when DeepSpeed ZeRO-1/2, the optimizer offloaded, hands the gradient of
+    the largest parameter of its partition to the host at the accumulation boundary; (0, 0) off
+    that path or where the check is not elementwise (``TrainingSpec.ds_elementwise_overflow``).
+
+    ``reduce_ipg_grads`` -> ``copy_grads_in_partition`` (v0.14.2 ``stage_1_and_2.py`` L1320-1333)
+    runs for each parameter of the rank's partition, one at a time:
+    ``set_norm_for_param_grad_in_gpu`` (L1244-1257: ``.double().norm(2)`` of the partition's slice,
+    8 B per element), then ``update_overflow_tracker_for_param_grad`` (L1167-1170) ->
+    ``_has_inf_or_nan`` on the parameter's *whole* gradient (L2019-2025): ``float_x = x.float()``
+    (fp32, 4 B per element), ``isnan`` and ``isinf`` (bool, 1 B each), ``logical_or`` (bool, 1 B)
+    and ``inf_or_nan.float()`` (fp32, 4 B), all alive together: 11 B per element, the most of the
+    three (``async_inplace_copy_grad_to_fp32_buffer_from_gpu`` L1259-1275 makes a 4 B fp32 copy of
+    the slice). Rank 0's partition holds the first parameters in registration order
+    (``_rank0_own``), with the word embedding, whose gradient comes last in backward: its check
+    runs in backward's epilogue, the activations freed. A parameter larger than
+    ``reduce_bucket_size`` (or any, without ``contiguous_gradients``) keeps its gradient as its own
+    tensor (``extra_large_param_to_reduce``, L944-946) until the check's end
+    (``param.grad = None`` L1275); a smaller one's is a view of the bucket buffer (counted there).
+    A partial set of trainable tensors or a tensor- or pipeline-parallel layout takes its largest
+    trainable tensor's shard; LoRA's adapters are neglected. Found by Giles Thomas's Llama-3-8B
+    ZeRO-2 offload rows over 8 GPUs: ranks 0 and 7, whose partitions hold the embedding and the
+    head (525,336,576 elements: 5,511 MiB for the check), peak 3.4-3.5 GiB above the other ranks;
+    DeepSpeed #8325 gives the same 11 B per element."""
+    if not (deepspeed_zero(t) and t.zero in (1, 2) and t.offload_optimizer and st.trainable
+            and t.ds_elementwise_overflow) or t.lora_rank:
+        return 0, 0
+    tensors = m.parameter_tensors()
+    if _partial_layout(m, t, st):
+        n = max(p.numel for p in tensors) // t.tp
+    else:
+        n = max(p.numel for p in tensors[:_rank0_own(tensors, st, t)])
+    own = block_of(t, n * t.weight_bytes) if (n > t.ds_reduce_bucket or not t.contiguous_gradients) else 0
+    # float_x (n,) fp32, isnan / isinf / logical_or (n,) bool, inf_or_nan.float() (n,) fp32
+    return own, 2 * block_of(t, n * 4) + 3 * block_of(t, n)
+
+
+def deepspeed_offload_check_head(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, int]:
+    """(bytes of the head's gradient when it is its own tensor, bytes of the check's temporaries) of
+    ``deepspeed_offload_check`` for an untied LM head (``lm_head.weight``, registered last: the last
+    rank's partition ends with it), whose check runs where its bucket is reduced: the head's gradient
+    is the first of backward, and the next gradient's hook (the final norm's) reduces the bucket when
+    adding it would pass ``reduce_bucket_size`` (v0.14.2 ``stage_1_and_2.py``
+    ``reduce_independent_p_g_buckets_and_remove_grads`` L927-936), with every activation still saved.
+    That rank is not rank 0 over several ranks; its other bytes are rank 0's (the fp16 weights, the
+    buckets and the offload buffer are replicated), so the estimate's peak is the worse of the two
+    (the measured quantity of Giles Thomas's Llama-3-8B offload rows is the worst rank's: rank 7 at
+    24,205 and 24,484 MiB, rank 0 at 23,929). (0, 0) where the head is tied or absent, frozen, its
+    bucket reduced later in backward (a head and final norm within one bucket), or off the path."""
+    if not (deepspeed_zero(t) and t.zero in (1, 2) and t.offload_optimizer and st.trainable
+            and t.ds_elementwise_overflow) or t.lora_rank or _partial_layout(m, t, st):
+        return 0, 0
+    tensors = m.parameter_tensors()
+    head = tensors[-1] if tensors and tensors[-1].name == "lm_head.weight" else None
+    if head is None or len(tensors) < 2 or head.numel + tensors[-2].numel <= t.ds_reduce_bucket:
+        return 0, 0
+    n = head.numel
+    own = block_of(t, n * t.weight_bytes) if (n > t.ds_reduce_bucket or not t.contiguous_gradients) else 0
+    # float_x (n,) fp32, isnan / isinf / logical_or (n,) bool, inf_or_nan.float() (n,) fp32
+    return own, 2 * block_of(t, n * 4) + 3 * block_of(t, n)
 
 
 def deepspeed_hooks_reduce(t: TrainingSpec) -> bool:
@@ -1851,7 +1922,37 @@ def deepspeed_gathered(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, 
     current = max(layer, block_of(t, emb_n * wb))
     head = block_of(t, head_n * wb) if dist > 0 else 0
     kept_n = (head_n if dist > 0 else 0) + max(k, 1) * layer_n
-    return head + max(k, 1) * layer + prefetch(kept_n), current + prefetch(current_n)
+    # the kept layers' matmul weights are the storage autograd holds under torch's F.linear (counted
+    # with the layers' activations: deepspeed_linear_kept); their norms are neglected
+    kept_layers = 0 if deepspeed_linear_kept(m, t) else max(k, 1) * layer
+    return head + kept_layers + prefetch(kept_n), current + prefetch(current_n)
+
+
+def deepspeed_linear_kept(m: ModelSpec, t: TrainingSpec) -> int:
+    """Bytes of one layer's matmul weights, whole, in the engine's dtype, that autograd keeps gathered
+    from the layer's forward to its backward under DeepSpeed ZeRO-3 with torch's own ``F.linear``
+    (``TrainingSpec.ds_linear_keeps_gathered``: a model built outside ``zero.Init``, DeepSpeed up to
+    0.19.1); 0 otherwise, on one rank (there a gathered parameter is its partition itself:
+    ``_no_gather_coalesced``, v0.14.2 L769-779, ``NoGatherHandle``: ``param.data = ds_tensor.data``),
+    or under full recompute (a checkpointed layer's forward saves nothing under ``no_grad``; the
+    second copy its recomputed forward keeps through that layer's backward is neglected).
+
+    ``F.linear`` on a (b, s, h) input is ``matmul(input, weight.t())`` (ATen ``linear``), whose
+    ``MmBackward`` saves ``mat2``, the transposed weight: a view of the gathered storage, not the
+    parameter. After the module's forward ZeRO-3 releases the parameter (``free_param``, v0.14.2
+    ``partition_parameters.py`` L279-289: ``param.data = torch.empty(0)``), which frees nothing while
+    the view holds the storage; it goes when the linear's backward has run, after ZeRO-3 gathered the
+    parameter again (a new tensor) for that backward. ``zero3_linear_wrap`` saves the parameter
+    itself, whose storage ``free_param`` does swap out (DeepSpeed #8189: "the standard Linear
+    implementation can retain the gathered weight storage until backward completes"). The layers ZeRO-3
+    keeps gathered anyway (``deepspeed_gathered``'s reuse distance) are the same storage, counted here.
+    Found by Giles Thomas's Llama-3-8B ZeRO-3 rows over 8 GPUs (no ``zero.Init``, DeepSpeed 0.14.2): at
+    1001 and 2001 tokens the worst rank was the estimate plus 14,953 / 14,963 MiB at the loss, and 32
+    layers' matmul weights in fp16 are 13,312 MiB (the head's 1,002 counted already as kept)."""
+    if not (t.ds_linear_keeps_gathered and t.shard_group > 1 and t.recompute != "full"):
+        return 0
+    layer = [p for p in m.parameter_tensors() if p.layer == 0 and p.is_matmul]
+    return sum(block_of(t, -(-p.numel // t.tp) * t.weight_bytes) for p in layer)   # (out, in) per weight
 
 
 def deepspeed_gathered_embedding(m: ModelSpec, t: TrainingSpec) -> int:
@@ -2583,6 +2684,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         cast_forward_only=0 if (t.lora_rank or fsdp1_views(t) or loss_after_stage_forward(t, stage))
         else cast_layer * checkpointed,  # see cast_checkpointed
         gathered_layer=(st.layer_units_full or st.layer_params_full) if fsdp_grad_op(t) else 0,
+        ds_linear_kept=deepspeed_linear_kept(m, t),
         logit_chunks=t.loss_chunks, logit_width=m.vocab_size if is_lm(m) else classifier_width(m, t),
         tp=t.tp if is_lm(m) else 1, logits_held=loss.held, logits_out=loss.out, loss_saved=loss.saved,
         logits_cast=loss.cast, cast_output=int(t.cast_output), loss_forward=loss.forward, loss_backward=loss.backward,

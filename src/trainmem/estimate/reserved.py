@@ -607,6 +607,9 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     if q.fsdp_head_pref:                                          # split root: the head's pre-backward
         f.fs.prefetched = R.alloc(q.fsdp_head_pref, f.fs.streams[0])  # prefetches the top layer
     head_full, tied = _head_backward(R, s, q, flags, f, dlogits)
+    if q.ds_head_check and suffix != ".micro1":                   # DeepSpeed ZeRO-1/2 offloaded: the untied
+        R.free(R.alloc(q.ds_head_check))                          # head's inf/NaN check (its bucket reduced at
+    #                                                               the next hook: deepspeed_offload_check_head)
     if q.fsdp_head_unit:                                          # ... and its post-backward reduces the
         f.fs.post_backward(R, f.root, [head_full], q.fsdp_head_rs)  # head's gradients (fsdp2_split_root)
         _make_grads(R, s, st.trainables, ("after",), flags.oib, f.fs.grad_stream)
@@ -637,6 +640,9 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     _make_grads(R, s, st.trainables, ("before",) if q.fsdp_head_unit else ("after", "before"), flags.oib,
                 f.fs.grad_stream)                                 # head, norm, embeddings
     f.fs.reduced(R)                                               # torch < 2.5: the input dropped on return
+    if q.ds_offload_check and suffix != ".micro1":                # DeepSpeed ZeRO-1/2 offloaded, at the boundary:
+        R.free(R.alloc(q.ds_offload_check))                       # the epilogue's inf/NaN check of rank 0's
+    #                                                               largest gradient (deepspeed_offload_check)
     R.free(R.alloc(q.ds_reduce_cat, GRAD_STREAM * q.ds_streams))  # ZeRO-3's epilogue: the bucket reduced
     R.free(gathered)                                              # ... and every parameter released
     R.frees([tied, f.emb, f.inputs] + buckets)
@@ -903,6 +909,10 @@ def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: _Parts, tk: Toke
     else:
         (cached if cached is not None else []).extend(_checkpointed(R, q, parts, recompute))  # no-grad forward
         kept = _Kept(R.allocs(_kept_blocks(parts, tk.layer, recompute)))  # what the checkpoint keeps
+    if q.ds_linear_kept and recompute != "full":                  # DeepSpeed ZeRO-3 under torch's F.linear: the
+        # gathered weights its saved views keep, made on the all-gather stream under overlap_comm (the
+        # ``torch.cat`` of ``AllGatherCoalescedHandle.wait`` in ``fetch_sub_module``'s stream context)
+        kept.append(R.alloc(q.ds_linear_kept, GATHER_STREAM * q.ds_streams))  # (quantities.deepspeed_linear_kept)
     if keep:
         fs.last = params                                          # not resharded after forward
     else:
