@@ -1922,10 +1922,18 @@ def deepspeed_reduce_cat(t: TrainingSpec, st: States) -> int:
     and at the end of backward (``independent_gradient_partition_epilogue``), so the largest holds
     min(reduce_bucket_size, the trainable parameters) elements (the padding, under a rank's count of
     elements per tensor, neglected). Found by trace: Llama-3.2-1B cut to 2 layers, ZeRO-3 dp 2 bf16:
-    a 733 MiB ``cat`` (the whole model's gradients) at the end of each backward."""
-    if not (deepspeed_zero(t) and t.zero == 3 and t.shard_group > 1):
+    a 733 MiB ``cat`` (the whole model's gradients) at the end of each backward. One rank too: the
+    ``cat`` is skipped only for a bucket of one tensor whose elements divide by the ranks (L102-105,
+    the same at v0.14.2), so a bucket of several tensors is concatenated at dp 1 as well (trace of
+    Qwen1.5-0.5B ZeRO-3 on one rank, Giles Thomas's rows: an 885 MiB ``cat`` on the reduce stream)."""
+    if not (deepspeed_zero(t) and t.zero == 3) or (t.shard_group == 1 and _one_tensor(st)):
         return 0
     return block_of(t, min(t.ds_reduce_bucket, st.trainable) * t.weight_bytes)  # (n,) gradient dtype
+
+
+def _one_tensor(st: States) -> bool:
+    """Whether the model has a single trainable tensor (``States.trainables``: (where, copies, ...))."""
+    return sum(k for _w, k, *_r in st.trainables) <= 1
 
 
 def deepspeed_group_elems(t: TrainingSpec, st: States) -> int:
