@@ -275,6 +275,9 @@ class Quantities:
     ds_emb_kept: int = 0      # 1: ZeRO-3 keeps the embedding gathered from its forward to its backward (``deepspeed_embedding_kept``)
     ds_norm_fp64: int = 0     # ZeRO-3's step, which takes each gradient partition's norm on a float64 copy:
     #                           bytes per gradient element (0 off ZeRO-3 on the device; ``reserved._zero3_step``)
+    ds_offload_checks: int = 0   # ZeRO-1/2 offloading the optimizer, before v0.17: each gradient's float64 norm,
+    #                              inf/nan check and fp32 copy to the host at the epilogue: bytes per gradient
+    #                              element (0 off it; ``deepspeed_offload_checks``, ``reserved._offload_epilogue``)
     ds_partition_grads: int = 0  # DeepSpeed ZeRO-2's gradient partition when a reduction in backward makes it
     ds_partition_from: int = 3   # ... which backward moment it exists from (``deepspeed_partition_from``)
     ds_emb_grads: int = 0        # ... the gradients beside the word embedding's (``deepspeed_grads_at_embedding``)
@@ -1515,6 +1518,7 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
             "ds_fp32_group": deepspeed_fp32_group(t, st), "ds_init_grads": deepspeed_init_grads(t, st),
             "ds_partition": deepspeed_partition_elems(t, st),
             "ds_offload_buf": deepspeed_offload_grad_buffer(t, st),
+            "ds_offload_checks": deepspeed_offload_checks(t, st),
             "ds_step_flat": flat,
             "ds_gathered_top": top, "ds_gathered_low": low, "ds_coalesced": deepspeed_coalesced(m, t),
             "ds_gathered_emb": deepspeed_gathered_embedding(m, t),
@@ -3132,6 +3136,28 @@ def deepspeed_offload_grad_buffer(t: TrainingSpec, st: States) -> int:
         return 0
     sb = 4 if (t.weight_bytes == 4 or t.fp32_master) else t.weight_bytes   # st.largest_param's dtype
     return block_of(t, st.largest_param // sb * t.weight_bytes)           # (largest_param_numel,) fp16/bf16
+
+
+def deepspeed_offload_checks(t: TrainingSpec, st: States) -> int:
+    """Bytes per gradient element of the gradients DeepSpeed ZeRO-1/2 hands to its offloaded optimizer
+    (the engine's dtype, 2 for fp16/bf16), where its reduction makes device copies of each: 0 off
+    ZeRO-1/2 with ``offload_optimizer`` and ``contiguous_gradients``, and from v0.17 (not read between
+    v0.16.4 and v0.19.8, whose ``copy_grads_in_partition`` works on a compact partition buffer, L2142-2158:
+    not modelled). Before, at the accumulation boundary ``reduce_ipg_grads`` calls ``copy_grads_in_partition``
+    for every parameter of the reduced bucket, in the order its hooks filled it (v0.14.2 ``stage_1_and_2.py``
+    L1356-1412, L1320-1334; the same at v0.16.4), which makes on the device, one after another
+    (``reserved._offload_epilogue``): ``set_norm_for_param_grad_in_gpu``'s ``.double()`` copy of the gradient
+    (8 B per element, freed after its ``norm``; L1244-1257), ``update_overflow_tracker_for_param_grad`` ->
+    ``_has_inf_or_nan``'s ``x.float()``, ``isnan``, ``isinf``, ``logical_or`` and ``.float()`` (4 + 1 + 1 +
+    1 + 4 B per element, all alive until it returns; L1167-1170, L2020-2025), and
+    ``async_inplace_copy_grad_to_fp32_buffer_from_gpu``'s ``src_tensor.float()`` copied to the pinned fp32
+    gradient on the host (4 B per element; L1259-1275). Under the default ``reduce_bucket_size`` (5e8
+    elements) a model of fewer parameters is one bucket reduced at the end of backward
+    (``independent_gradient_partition_epilogue``), its largest gradient (the word embedding) among them."""
+    if not (deepspeed_zero(t) and t.zero in (1, 2) and t.offload_optimizer and t.contiguous_gradients
+            and st.trainable and t.deepspeed_release() < (0, 17)):
+        return 0
+    return t.weight_bytes
 
 
 def per_linear_replay(t: TrainingSpec) -> bool:

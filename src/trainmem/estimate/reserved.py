@@ -637,6 +637,8 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     _make_grads(R, s, st.trainables, ("before",) if q.fsdp_head_unit else ("after", "before"), flags.oib,
                 f.fs.grad_stream)                                 # head, norm, embeddings
     f.fs.reduced(R)                                               # torch < 2.5: the input dropped on return
+    if suffix != ".micro1":                                       # ZeRO-1/2 offloading, at the boundary:
+        _offload_epilogue(R, q)                                   # each gradient's device copies
     R.free(R.alloc(q.ds_reduce_cat, GRAD_STREAM * q.ds_streams))  # ZeRO-3's epilogue: the bucket reduced
     R.free(gathered)                                              # ... and every parameter released
     R.frees([tied, f.emb, f.inputs] + buckets)
@@ -650,6 +652,22 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
         s.held = f.out
     elif flags.hold == "backward":
         R.frees(f.out)
+
+
+def _offload_epilogue(R: _Replay, q: Quantities) -> None:
+    """DeepSpeed ZeRO-1/2 offloading the optimizer (``quantities.deepspeed_offload_checks``, before v0.17):
+    at the boundary's reduction each gradient, in the order backward made them (the parameters'
+    reversed), gets a float64 copy for its norm, then ``_has_inf_or_nan``'s fp32 copy, its three bool
+    tensors and a second fp32 tensor alive together, then an fp32 copy sent to the host; each freed
+    before the next (v0.14.2 ``stage_1_and_2.py`` L1320-1334, L2020-2025)."""
+    if not q.ds_offload_checks:
+        return
+    st = q.detail.states
+    for j in reversed(_parameter_order(st.trainables)):
+        elems = st.trainables[j][2] // q.ds_offload_checks      # (numel,) of one copy of this tensor
+        R.free(R.alloc(elems * 8))                             # .double(): (numel,) float64
+        R.frees(R.allocs([elems * 4, elems, elems, elems, elems * 4]))  # float, isnan, isinf, or, float
+        R.free(R.alloc(elems * 4))                             # src_tensor.float(): (numel,) fp32
 
 
 def _logits_gradient(R: _Replay, q: Quantities, tk: Tokens, f: _Forward, lb: list, sizes: list[int]) -> list:
