@@ -136,6 +136,7 @@ class Quantities:
     step_events: tuple = ()  # GaLore: a steady step's allocations and frees in order (galore.step_replay)
     step_events_first: tuple = ()  # ... and a projector update's (the replay's first step)
     loss_saves_out: int = 0  # 1: the loss saves the head's output itself (loss_saved is not a new tensor)
+    loss_fp32_logits: int = 0  # 1: the model's forward returns fp32 logits and shifts them (``fp32_logits_replay``)
     loss_logps: int = 0    # 1: --loss logps, TRL's selective_log_softmax (reserved.py replays its backward)
     dpo_reference: int = 0  # --trainer dpo: 1 when a reference forward runs after the policy's log-probs
     dpo_metrics: int = 0    # --trainer dpo: 1, _compute_loss's metrics (both replayed by reserved.py)
@@ -765,6 +766,17 @@ def loss_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy) -> LossBytes:
     if t.softmax_saves_input and is_lm(m):
         b = _log_softmax_keeps_input(b, t, pol, loss_mode(m, t), kind == "shift-half")
     return b
+
+
+def fp32_logits_replay(m: ModelSpec, t: TrainingSpec, pol: Policy, b: LossBytes) -> bool:
+    """Whether the allocator replay makes the ``forward-fp32`` loss (``_release_upcast_bytes``) tensor by
+    tensor (``reserved._fp32_logits_forward`` / ``_backward``) rather than as the sums ``loss_bytes``
+    gives the moments: the causal-LM loss of a transformers release whose forward upcasts the half
+    logits (Qwen2 4.37-4.44, Llama 4.31-4.45, ... ``spec.tf_releases.causal_lm_loss``), one piece (no
+    chunks, no ``--cast-output``, no shifted half copy, PyTorch >= 1.11), one tensor-parallel rank."""
+    return (is_lm(m) and release_loss(m, t) == "forward-fp32" and pol.half != F32 and t.loss_chunks <= 1
+            and not b.cast and not b.saves_out and t.loss_shift != "logits" and not t.softmax_saves_input
+            and t.tp == 1)
 
 
 def _release_upcast_bytes(b: LossBytes, pol: Policy, kind: str) -> LossBytes:
@@ -2595,6 +2607,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         tp=t.tp if is_lm(m) else 1, logits_held=loss.held, logits_out=loss.out, loss_saved=loss.saved,
         logits_cast=loss.cast, cast_output=int(t.cast_output), loss_forward=loss.forward, loss_backward=loss.backward,
         loss_saves_out=loss.saves_out, loss_elem=loss.elem, **_preference_fields(m, t),
+        loss_fp32_logits=int(head_here and fp32_logits_replay(m, t, pol, loss)),
         loss_backward_chunk=loss.backward_chunk, loss_saved_tok=loss.saved_tok, loss_saved_const=loss.saved_const,
         # --compile: the zero gradients of the KV-cache tensors the model returns (_compiled_loss_bytes)
         **{"loss_backward_tok": lc.cache * layers if whole_model_compiled(t) else 0.0,

@@ -276,7 +276,7 @@ def _varying_steps(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, steps:
         for ql, tk, n, nsq in micro:   # the quantities at that length (a derived model's may differ)
             parts = _layer_parts(ql, n, nsq)
             full = label_tokens(ql, n) * ql.logit_width // ql.tp if flags.lm else b * ql.logit_width
-            f = _forward(R, s, ql, flags, tk, parts, recompute, full, ".varying")
+            f = _forward(R, s, ql, flags, tk, parts, recompute, full, ".varying", b)
             _backward(R, s, ql, flags, tk, f, parts, n, nsq, recompute, ".varying")
         _optimizer_step(R, s, q, flags, s.step, temp_copies)
 
@@ -339,6 +339,7 @@ class _Forward:
     full: int                                    # logit elements
     chunks: int
     gathered: Any = None                         # ZeRO-3: the embedding's table kept gathered since its forward
+    shifted: int = 0                             # logit elements of the shifted logits (``_fp32_logits_forward``)
 
 
 def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, parts: list[int],
@@ -388,6 +389,8 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
         fwd, saved = _fused_forward(R, q, tk, flags)
     elif q.unsloth_loss:      # Unsloth's fused loss: its tensors one by one
         fwd, saved = _unsloth_forward(R, q, tk, flags)
+    elif q.loss_fp32_logits:  # an older release's forward: fp32 logits returned, shifted, then the loss
+        fwd, saved = [], _fp32_logits_forward(R, q, tk, out, full, seqs)
     else:
         fwd = R.allocs(_logit_tensors(tk.loss_forward, q.loss_forward, full, chunks))  # the fp32 copy, transient
         if q.loss_saves_out:   # the loss saves the output itself (its per-token tensors are new)
@@ -411,7 +414,49 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
         R.free(fs.ag)                                             # (``_fsdp_state.py`` ``_post_forward``)
         fs.ag = None
     R.mark("forward" + suffix, s.step)
-    return _Forward(inputs, fs, root, emb, kept, head, out, saved, full, chunks, gathered)
+    return _Forward(inputs, fs, root, emb, kept, head, out, saved, full, chunks, gathered, _shifted(q, full, seqs))
+
+
+def _shifted(q: Quantities, full: int, seqs: int) -> int:
+    """Logit elements of ``logits[..., :-1, :]``: one row fewer per sequence."""
+    return max(0, full - seqs * (q.logit_width // q.tp))
+
+
+def _fp32_logits_forward(R: _Replay, q: Quantities, tk: Tokens, out: list, full: int, seqs: int) -> list:
+    """The causal-LM loss of a release whose model forward upcasts (``quantities.fp32_logits_replay``;
+    transformers 4.40.0 ``modeling_qwen2.py`` L1183-1200): ``logits = logits.float()`` rebinds the name,
+    so the half output (``out``, 2 B per element) is freed once its fp32 copy exists; ``shift_logits =
+    logits[..., :-1, :].contiguous()`` is a second fp32 tensor of one row fewer per sequence, freed when
+    forward returns; ``CrossEntropyLoss`` -> ``log_softmax`` saves its fp32 output (what
+    ``tk.loss_saved`` holds beyond it, per-token terms, one block more). The fp32 logits take the half
+    output's place in ``out`` (the model's output, freed where the loop drops it). Returns the saved."""
+    shifted = _shifted(q, full, seqs)
+    logits = R.alloc(full * F32)                                  # (b, s, vocab) fp32
+    R.frees(out)
+    out[:] = [logits]
+    shift = R.alloc(shifted * F32)                                # (b, s - 1, vocab) fp32, contiguous
+    saved = [R.alloc(shifted * F32), R.alloc(int(tk.loss_saved) - shifted * F32)]  # log-probabilities
+    R.free(shift)
+    return saved
+
+
+def _fp32_logits_backward(R: _Replay, q: Quantities, f: _Forward) -> list:
+    """Its backward (torch ``FunctionsManual.cpp``, ``tools/autograd/derivatives.yaml``): ``nll_loss_backward``'s
+    zero-filled fp32 gradient and ``_log_softmax_backward_data``'s, then the first and the saved
+    log-probabilities freed (the node's input and saved variables); ``SliceBackward0``'s
+    ``slice_backward`` makes a zero-filled fp32 gradient of the whole logits and copies the shifted one
+    in (``CloneBackward0``, ``ViewBackward0`` make none), which is then freed; ``ToCopyBackward0`` casts
+    it to the head's dtype (returned, the logits' gradient the head reads) and the fp32 one is freed."""
+    nll = R.alloc(f.shifted * F32)                                  # (b*(s-1), vocab) fp32
+    lsm = R.alloc(f.shifted * F32)                                # (b*(s-1), vocab) fp32
+    R.free(nll)
+    R.frees(f.saved)
+    f.saved = []
+    whole = R.alloc(f.full * F32)                                 # (b, s, vocab) fp32, zeros
+    R.free(lsm)
+    dlogits = R.alloc(f.full * q.logits_out)                      # (b, s, vocab) in the head's dtype
+    R.free(whole)
+    return [dlogits]
 
 
 def _emb_unit_tensors(st: Any) -> tuple[int, ...]:
@@ -594,6 +639,8 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
         dlogits = R.allocs(_logit_tensors(tk.logits_grad, q.logits_out, f.full)) if q.logits_cast else [full]
         if q.logits_cast:
             R.free(full)
+    elif q.loss_fp32_logits:
+        dlogits = _fp32_logits_backward(R, q, f)
     else:
         sizes = [] if q.loss_chunk_tokens else _logit_tensors(tk.loss_backward, q.loss_backward, f.full, f.chunks,
                                                               q.loss_elem)
