@@ -216,15 +216,16 @@ def _zero3_step(R: _Replay, s: "_Step", q: Quantities, order: list, first: bool)
     (``first``) as ``zeros_like`` of it (one flat tensor per state kind and sub-group, after the fp32
     gradient: not per tensor at the step's start; found by trace on Qwen1.5-0.5B over one rank, Giles
     Thomas's rows); ``_release_sub_group`` then drops the fp32 gradient (L2731-2736). ``order``: the
-    trainables (``States.trainables`` items) in parameter order."""
+    trainables (``States.trainables`` items) in parameter order, one per tensor (``states.parameter_order``:
+    a per-layer item once per layer, so its copies are not counted again here)."""
     for tr in order:                                            # the norm: (partition,) float64, one by one
         elems = tr[2] // q.ds_norm_fp64 if q.ds_norm_fp64 else 0
-        for _ in range(tr[1] if elems else 0):
+        if elems:
             R.free(R.alloc(elems * 8))
-    groups = _zero3_sub_groups(q) or _cut(sum(tr[2] // max(1, q.ds_norm_fp64) * tr[1] for tr in order),
+    groups = _zero3_sub_groups(q) or _cut(sum(tr[2] // max(1, q.ds_norm_fp64) for tr in order),
                                           max(1, q.ds_step_fp32 // 4))
     kinds = max((len(sts) for (_w, _k, _g, sts, _m) in order), default=0)
-    per_kind = [_scaled(groups, sum(sts[i] for (_w, k, _g, sts, _m) in order for _ in range(k) if len(sts) > i))
+    per_kind = [_scaled(groups, sum(sts[i] for (_w, _k, _g, sts, _m) in order if len(sts) > i))
                 for i in range(kinds)]
     largest = max(groups, default=1)
     for j, n in enumerate(groups):
