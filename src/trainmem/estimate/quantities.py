@@ -1929,40 +1929,27 @@ def deepspeed_embedding_kept(m: ModelSpec, t: TrainingSpec, st: States) -> bool:
 
 
 def deepspeed_reduce_cat(t: TrainingSpec, st: States) -> int:
-    """Bytes of the flat tensor DeepSpeed ZeRO-3's largest gradient reduction makes (0 off ZeRO-3):
-    ``__reduce_and_partition_ipg_grads`` hands the bucket's whole gradients to ``__avg_scatter_grads``
-    (v0.19.8 ``stage3.py`` L1678, L1931; v0.14.2 L1274, L1343), whose ``reduce_scatter_coalesced``
+    """Bytes of the flat tensor DeepSpeed ZeRO-3's largest gradient reduction makes (0 off ZeRO-3 over
+    several ranks): ``__reduce_and_partition_ipg_grads`` hands the bucket's whole gradients to
+    ``__avg_scatter_grads`` (v0.19.8 ``stage3.py`` L1678, L1931), whose ``reduce_scatter_coalesced``
     concatenates every rank's piece of each of them, padded to a multiple of the ranks, into one new
-    tensor in the gradient dtype (``comm/coalesced_collectives.py`` L122 ``torch.cat``), made and freed
-    within the reduction; a bucket of one tensor whose elements divide by the ranks is reduced in place
-    (L102-105). The bucket fills in the order backward makes the gradients (``reduce_independent_p_g_
-    buckets_and_remove_grads``, L1583-1585: reduced first when the next gradient would take it past
-    ``reduce_bucket_size`` elements; the last at the end of backward), here the parameters' reversed
-    order, each gradient ceil(numel / dp) * dp elements (``States.trainables`` holds a rank's partition;
-    a tensor alone in its bucket is taken to divide by the ranks). Found by trace: Llama-3.2-1B cut to
-    2 layers, ZeRO-3 dp 2 bf16: a 733 MiB ``cat`` (the whole model's gradients) at the end of each
-    backward; on one rank too (Qwen1.5-0.5B, Giles Thomas's rows: an 885 MiB ``cat``); Llama-3.2-1B cut
-    to 4 layers on one rank, fp32: the layers' 928 MiB, the tied embedding's 1002 MiB alone in the next
-    bucket with none."""
-    if not (deepspeed_zero(t) and t.zero == 3) or not st.trainables:
+    tensor in the gradient dtype (``comm/coalesced_collectives.py`` L122 ``torch.cat``), made and
+    freed within the reduction. The bucket is reduced when it holds ``reduce_bucket_size`` elements
+    and at the end of backward (``independent_gradient_partition_epilogue``), so the largest holds
+    min(reduce_bucket_size, the trainable parameters) elements (the padding, under a rank's count of
+    elements per tensor, neglected). Found by trace: Llama-3.2-1B cut to 2 layers, ZeRO-3 dp 2 bf16:
+    a 733 MiB ``cat`` (the whole model's gradients) at the end of each backward. One rank too: the
+    ``cat`` is skipped only for a bucket of one tensor whose elements divide by the ranks (L102-105,
+    the same at v0.14.2), so a bucket of several tensors is concatenated at dp 1 as well (trace of
+    Qwen1.5-0.5B ZeRO-3 on one rank, Giles Thomas's rows: an 885 MiB ``cat`` on the reduce stream)."""
+    if not (deepspeed_zero(t) and t.zero == 3) or (t.shard_group == 1 and _one_tensor(st)):
         return 0
-    d, wb = t.shard_group, t.weight_bytes
-    sizes = [st.trainables[j][2] // wb * d for j in reversed(parameter_order(st.trainables))]  # whole, padded
-    return block_of(t, max(_reduce_cats(sizes, t.ds_reduce_bucket), default=0) * wb)  # (n,) gradient dtype
+    return block_of(t, min(t.ds_reduce_bucket, st.trainable) * t.weight_bytes)  # (n,) gradient dtype
 
 
-def _reduce_cats(sizes: list[int], bucket: int) -> list[int]:
-    """Elements of each ``cat`` of ZeRO-3's gradient buckets (``deepspeed_reduce_cat``): ``sizes`` fill a
-    bucket in order, reduced before one would take it past ``bucket`` elements; a bucket of several
-    tensors is concatenated, one of a single tensor not."""
-    out, cur = [], []
-    for n in sizes + [None]:
-        if cur and (n is None or sum(cur) + n > bucket):
-            out.append(sum(cur) if len(cur) > 1 else 0)
-            cur = []
-        if n is not None:
-            cur.append(n)
-    return out
+def _one_tensor(st: States) -> bool:
+    """Whether the model has a single trainable tensor (``States.trainables``: (where, copies, ...))."""
+    return sum(k for _w, k, *_r in st.trainables) <= 1
 
 
 def deepspeed_group_elems(t: TrainingSpec, st: States) -> int:
