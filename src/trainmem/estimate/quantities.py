@@ -1941,7 +1941,14 @@ def deepspeed_reduce_cat(t: TrainingSpec, st: States) -> int:
     a 733 MiB ``cat`` (the whole model's gradients) at the end of each backward. One rank too: the
     ``cat`` is skipped only for a bucket of one tensor whose elements divide by the ranks (L102-105,
     the same at v0.14.2), so a bucket of several tensors is concatenated at dp 1 as well (trace of
-    Qwen1.5-0.5B ZeRO-3 on one rank, Giles Thomas's rows: an 885 MiB ``cat`` on the reduce stream)."""
+    Qwen1.5-0.5B ZeRO-3 on one rank, Giles Thomas's rows: an 885 MiB ``cat`` on the reduce stream).
+    Known to overcount a model of more than ``reduce_bucket_size`` elements: the bucket is reduced when
+    the next gradient would take it past that size (``reduce_independent_p_g_buckets_and_remove_grads``
+    L1583-1585), so Llama-3.2-1B cut to 4 layers (506M elements) makes the layers' cat (464 MiB in
+    bf16) and none for its tied embedding, reduced alone at the end, where this counts 954 MiB; the
+    replay's second-step prefetch buffers on the all-gather stream (four layers' coalesced outputs
+    there) are missing by about as much, so the bucket-by-bucket cat waits for them (docs/validation.md,
+    fifteenth session)."""
     if not (deepspeed_zero(t) and t.zero == 3) or (t.shard_group == 1 and _one_tensor(st)):
         return 0
     return block_of(t, min(t.ds_reduce_bucket, st.trainable) * t.weight_bytes)  # (n,) gradient dtype
