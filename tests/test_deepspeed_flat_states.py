@@ -90,11 +90,14 @@ def test_published_row_reserved_moves_up_allocated_stays():
     step's (measured 10,896 MiB, estimated within 0.1 %); the reserved peak (13,046 MiB) was 16.3 % under
     with the states made per tensor before the cast, 10.8 % under with them made as DeepSpeed makes
     them, 6.3 % under with the gradient partition buffer made in the optimizer's ``__init__`` before its
-    gathers (``reserved._zero3_flat_grads``), and is 4.0 % under with the step's float64 norm copies and
-    the gathers' streams (``reserved._zero3_step``; the rest: docs/validation.md, 2026-11-25 sections)."""
+    gathers (``reserved._zero3_flat_grads``), 4.0 % under with the step's float64 norm copies and
+    the gathers' streams (``reserved._zero3_step``), and is 2.9 % over with the reduce ``cat`` on one
+    rank (885 MiB on the reduce stream: the replay is trace's within 2 MiB without the release pins)
+    and the states made once per tensor (docs/validation.md, fifteenth session: the rest is the 4.40
+    release's load, which trace cannot run)."""
     _fx, r, measured = _fixture("gpjt_qwen15_05b_zero3_s1_es")
     assert abs(r.peak_allocated / measured["peak_active"] - 1) < 0.001
-    assert 0.95 < r.peak_reserved / measured["peak_reserved"] < 0.97
+    assert 1.02 < r.peak_reserved / measured["peak_reserved"] < 1.04
 
 
 def test_zero3_master_and_states_are_rounded_once():

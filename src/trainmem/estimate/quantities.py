@@ -138,6 +138,7 @@ class Quantities:
     step_events: tuple = ()  # GaLore: a steady step's allocations and frees in order (galore.step_replay)
     step_events_first: tuple = ()  # ... and a projector update's (the replay's first step)
     loss_saves_out: int = 0  # 1: the loss saves the head's output itself (loss_saved is not a new tensor)
+    loss_fp32_logits: int = 0  # 1: the model's forward returns fp32 logits and shifts them (``fp32_logits_replay``)
     loss_logps: int = 0    # 1: --loss logps, TRL's selective_log_softmax (reserved.py replays its backward)
     dpo_reference: int = 0  # --trainer dpo: 1 when a reference forward runs after the policy's log-probs
     dpo_metrics: int = 0    # --trainer dpo: 1, _compute_loss's metrics (both replayed by reserved.py)
@@ -277,6 +278,9 @@ class Quantities:
     ds_emb_kept: int = 0      # 1: ZeRO-3 keeps the embedding gathered from its forward to its backward (``deepspeed_embedding_kept``)
     ds_norm_fp64: int = 0     # ZeRO-3's step, which takes each gradient partition's norm on a float64 copy:
     #                           bytes per gradient element (0 off ZeRO-3 on the device; ``reserved._zero3_step``)
+    ds_offload_checks: int = 0   # ZeRO-1/2 offloading the optimizer, before v0.17: each gradient's float64 norm,
+    #                              inf/nan check and fp32 copy to the host at the epilogue: bytes per gradient
+    #                              element (0 off it; ``deepspeed_offload_checks``, ``reserved._offload_epilogue``)
     ds_partition_grads: int = 0  # DeepSpeed ZeRO-2's gradient partition when a reduction in backward makes it
     ds_partition_from: int = 3   # ... which backward moment it exists from (``deepspeed_partition_from``)
     ds_emb_grads: int = 0        # ... the gradients beside the word embedding's (``deepspeed_grads_at_embedding``)
@@ -772,6 +776,17 @@ def loss_bytes(m: ModelSpec, t: TrainingSpec, pol: Policy) -> LossBytes:
     if t.softmax_saves_input and is_lm(m):
         b = _log_softmax_keeps_input(b, t, pol, loss_mode(m, t), kind == "shift-half")
     return b
+
+
+def fp32_logits_replay(m: ModelSpec, t: TrainingSpec, pol: Policy, b: LossBytes) -> bool:
+    """Whether the allocator replay makes the ``forward-fp32`` loss (``_release_upcast_bytes``) tensor by
+    tensor (``reserved._fp32_logits_forward`` / ``_backward``) rather than as the sums ``loss_bytes``
+    gives the moments: the causal-LM loss of a transformers release whose forward upcasts the half
+    logits (Qwen2 4.37-4.44, Llama 4.31-4.45, ... ``spec.tf_releases.causal_lm_loss``), one piece (no
+    chunks, no ``--cast-output``, no shifted half copy, PyTorch >= 1.11), one tensor-parallel rank."""
+    return (is_lm(m) and release_loss(m, t) == "forward-fp32" and pol.half != F32 and t.loss_chunks <= 1
+            and not b.cast and not b.saves_out and t.loss_shift != "logits" and not t.softmax_saves_input
+            and t.tp == 1)
 
 
 def _release_upcast_bytes(b: LossBytes, pol: Policy, kind: str) -> LossBytes:
@@ -1525,6 +1540,7 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
             "ds_fp32_group": deepspeed_fp32_group(t, st), "ds_init_grads": deepspeed_init_grads(t, st),
             "ds_partition": deepspeed_partition_elems(t, st),
             "ds_offload_buf": deepspeed_offload_grad_buffer(t, st),
+            "ds_offload_checks": deepspeed_offload_checks(t, st),
             "ds_step_flat": flat,
             "ds_gathered_top": top, "ds_gathered_low": low, "ds_coalesced": deepspeed_coalesced(m, t),
             "ds_gathered_emb": deepspeed_gathered_embedding(m, t),
@@ -2027,10 +2043,25 @@ def deepspeed_reduce_cat(t: TrainingSpec, st: States) -> int:
     and at the end of backward (``independent_gradient_partition_epilogue``), so the largest holds
     min(reduce_bucket_size, the trainable parameters) elements (the padding, under a rank's count of
     elements per tensor, neglected). Found by trace: Llama-3.2-1B cut to 2 layers, ZeRO-3 dp 2 bf16:
-    a 733 MiB ``cat`` (the whole model's gradients) at the end of each backward."""
-    if not (deepspeed_zero(t) and t.zero == 3 and t.shard_group > 1):
+    a 733 MiB ``cat`` (the whole model's gradients) at the end of each backward. One rank too: the
+    ``cat`` is skipped only for a bucket of one tensor whose elements divide by the ranks (L102-105,
+    the same at v0.14.2), so a bucket of several tensors is concatenated at dp 1 as well (trace of
+    Qwen1.5-0.5B ZeRO-3 on one rank, Giles Thomas's rows: an 885 MiB ``cat`` on the reduce stream).
+    Known to overcount a model of more than ``reduce_bucket_size`` elements: the bucket is reduced when
+    the next gradient would take it past that size (``reduce_independent_p_g_buckets_and_remove_grads``
+    L1583-1585), so Llama-3.2-1B cut to 4 layers (506M elements) makes the layers' cat (464 MiB in
+    bf16) and none for its tied embedding, reduced alone at the end, where this counts 954 MiB; the
+    replay's second-step prefetch buffers on the all-gather stream (four layers' coalesced outputs
+    there) are missing by about as much, so the bucket-by-bucket cat waits for them (docs/validation.md,
+    fifteenth session)."""
+    if not (deepspeed_zero(t) and t.zero == 3) or (t.shard_group == 1 and _one_tensor(st)):
         return 0
     return block_of(t, min(t.ds_reduce_bucket, st.trainable) * t.weight_bytes)  # (n,) gradient dtype
+
+
+def _one_tensor(st: States) -> bool:
+    """Whether the model has a single trainable tensor (``States.trainables``: (where, copies, ...))."""
+    return sum(k for _w, k, *_r in st.trainables) <= 1
 
 
 def deepspeed_group_elems(t: TrainingSpec, st: States) -> int:
@@ -2689,6 +2720,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         tp=t.tp if is_lm(m) else 1, logits_held=loss.held, logits_out=loss.out, loss_saved=loss.saved,
         logits_cast=loss.cast, cast_output=int(t.cast_output), loss_forward=loss.forward, loss_backward=loss.backward,
         loss_saves_out=loss.saves_out, loss_elem=loss.elem, **_preference_fields(m, t),
+        loss_fp32_logits=int(head_here and fp32_logits_replay(m, t, pol, loss)),
         loss_backward_chunk=loss.backward_chunk, loss_saved_tok=loss.saved_tok, loss_saved_const=loss.saved_const,
         # --compile: the zero gradients of the KV-cache tensors the model returns (_compiled_loss_bytes)
         **{"loss_backward_tok": lc.cache * layers if whole_model_compiled(t) else 0.0,
@@ -3230,6 +3262,28 @@ def deepspeed_offload_grad_buffer(t: TrainingSpec, st: States) -> int:
         return 0
     sb = 4 if (t.weight_bytes == 4 or t.fp32_master) else t.weight_bytes   # st.largest_param's dtype
     return block_of(t, st.largest_param // sb * t.weight_bytes)           # (largest_param_numel,) fp16/bf16
+
+
+def deepspeed_offload_checks(t: TrainingSpec, st: States) -> int:
+    """Bytes per gradient element of the gradients DeepSpeed ZeRO-1/2 hands to its offloaded optimizer
+    (the engine's dtype, 2 for fp16/bf16), where its reduction makes device copies of each: 0 off
+    ZeRO-1/2 with ``offload_optimizer`` and ``contiguous_gradients``, and from v0.17 (not read between
+    v0.16.4 and v0.19.8, whose ``copy_grads_in_partition`` works on a compact partition buffer, L2142-2158:
+    not modelled). Before, at the accumulation boundary ``reduce_ipg_grads`` calls ``copy_grads_in_partition``
+    for every parameter of the reduced bucket, in the order its hooks filled it (v0.14.2 ``stage_1_and_2.py``
+    L1356-1412, L1320-1334; the same at v0.16.4), which makes on the device, one after another
+    (``reserved._offload_epilogue``): ``set_norm_for_param_grad_in_gpu``'s ``.double()`` copy of the gradient
+    (8 B per element, freed after its ``norm``; L1244-1257), ``update_overflow_tracker_for_param_grad`` ->
+    ``_has_inf_or_nan``'s ``x.float()``, ``isnan``, ``isinf``, ``logical_or`` and ``.float()`` (4 + 1 + 1 +
+    1 + 4 B per element, all alive until it returns; L1167-1170, L2020-2025), and
+    ``async_inplace_copy_grad_to_fp32_buffer_from_gpu``'s ``src_tensor.float()`` copied to the pinned fp32
+    gradient on the host (4 B per element; L1259-1275). Under the default ``reduce_bucket_size`` (5e8
+    elements) a model of fewer parameters is one bucket reduced at the end of backward
+    (``independent_gradient_partition_epilogue``), its largest gradient (the word embedding) among them."""
+    if not (deepspeed_zero(t) and t.zero in (1, 2) and t.offload_optimizer and t.contiguous_gradients
+            and st.trainable and t.deepspeed_release() < (0, 17)):
+        return 0
+    return t.weight_bytes
 
 
 def per_linear_replay(t: TrainingSpec) -> bool:

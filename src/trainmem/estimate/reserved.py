@@ -216,15 +216,16 @@ def _zero3_step(R: _Replay, s: "_Step", q: Quantities, order: list, first: bool)
     (``first``) as ``zeros_like`` of it (one flat tensor per state kind and sub-group, after the fp32
     gradient: not per tensor at the step's start; found by trace on Qwen1.5-0.5B over one rank, Giles
     Thomas's rows); ``_release_sub_group`` then drops the fp32 gradient (L2731-2736). ``order``: the
-    trainables (``States.trainables`` items) in parameter order."""
+    trainables (``States.trainables`` items) in parameter order, one per tensor (``states.parameter_order``:
+    a per-layer item once per layer, so its copies are not counted again here)."""
     for tr in order:                                            # the norm: (partition,) float64, one by one
         elems = tr[2] // q.ds_norm_fp64 if q.ds_norm_fp64 else 0
-        for _ in range(tr[1] if elems else 0):
+        if elems:
             R.free(R.alloc(elems * 8))
-    groups = _zero3_sub_groups(q) or _cut(sum(tr[2] // max(1, q.ds_norm_fp64) * tr[1] for tr in order),
+    groups = _zero3_sub_groups(q) or _cut(sum(tr[2] // max(1, q.ds_norm_fp64) for tr in order),
                                           max(1, q.ds_step_fp32 // 4))
     kinds = max((len(sts) for (_w, _k, _g, sts, _m) in order), default=0)
-    per_kind = [_scaled(groups, sum(sts[i] for (_w, k, _g, sts, _m) in order for _ in range(k) if len(sts) > i))
+    per_kind = [_scaled(groups, sum(sts[i] for (_w, _k, _g, sts, _m) in order if len(sts) > i))
                 for i in range(kinds)]
     largest = max(groups, default=1)
     for j, n in enumerate(groups):
@@ -276,7 +277,7 @@ def _varying_steps(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, steps:
         for ql, tk, n, nsq in micro:   # the quantities at that length (a derived model's may differ)
             parts = _layer_parts(ql, n, nsq)
             full = label_tokens(ql, n) * ql.logit_width // ql.tp if flags.lm else b * ql.logit_width
-            f = _forward(R, s, ql, flags, tk, parts, recompute, full, ".varying")
+            f = _forward(R, s, ql, flags, tk, parts, recompute, full, ".varying", b)
             _backward(R, s, ql, flags, tk, f, parts, n, nsq, recompute, ".varying")
         _optimizer_step(R, s, q, flags, s.step, temp_copies)
 
@@ -339,6 +340,7 @@ class _Forward:
     full: int                                    # logit elements
     chunks: int
     gathered: Any = None                         # ZeRO-3: the embedding's table kept gathered since its forward
+    shifted: int = 0                             # logit elements of the shifted logits (``_fp32_logits_forward``)
 
 
 def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, parts: list[int],
@@ -388,6 +390,8 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
         fwd, saved = _fused_forward(R, q, tk, flags)
     elif q.unsloth_loss:      # Unsloth's fused loss: its tensors one by one
         fwd, saved = _unsloth_forward(R, q, tk, flags)
+    elif q.loss_fp32_logits:  # an older release's forward: fp32 logits returned, shifted, then the loss
+        fwd, saved = [], _fp32_logits_forward(R, q, tk, out, full, seqs)
     else:
         fwd = R.allocs(_logit_tensors(tk.loss_forward, q.loss_forward, full, chunks))  # the fp32 copy, transient
         if q.loss_saves_out:   # the loss saves the output itself (its per-token tensors are new)
@@ -411,7 +415,49 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
         R.free(fs.ag)                                             # (``_fsdp_state.py`` ``_post_forward``)
         fs.ag = None
     R.mark("forward" + suffix, s.step)
-    return _Forward(inputs, fs, root, emb, kept, head, out, saved, full, chunks, gathered)
+    return _Forward(inputs, fs, root, emb, kept, head, out, saved, full, chunks, gathered, _shifted(q, full, seqs))
+
+
+def _shifted(q: Quantities, full: int, seqs: int) -> int:
+    """Logit elements of ``logits[..., :-1, :]``: one row fewer per sequence."""
+    return max(0, full - seqs * (q.logit_width // q.tp))
+
+
+def _fp32_logits_forward(R: _Replay, q: Quantities, tk: Tokens, out: list, full: int, seqs: int) -> list:
+    """The causal-LM loss of a release whose model forward upcasts (``quantities.fp32_logits_replay``;
+    transformers 4.40.0 ``modeling_qwen2.py`` L1183-1200): ``logits = logits.float()`` rebinds the name,
+    so the half output (``out``, 2 B per element) is freed once its fp32 copy exists; ``shift_logits =
+    logits[..., :-1, :].contiguous()`` is a second fp32 tensor of one row fewer per sequence, freed when
+    forward returns; ``CrossEntropyLoss`` -> ``log_softmax`` saves its fp32 output (what
+    ``tk.loss_saved`` holds beyond it, per-token terms, one block more). The fp32 logits take the half
+    output's place in ``out`` (the model's output, freed where the loop drops it). Returns the saved."""
+    shifted = _shifted(q, full, seqs)
+    logits = R.alloc(full * F32)                                  # (b, s, vocab) fp32
+    R.frees(out)
+    out[:] = [logits]
+    shift = R.alloc(shifted * F32)                                # (b, s - 1, vocab) fp32, contiguous
+    saved = [R.alloc(shifted * F32), R.alloc(int(tk.loss_saved) - shifted * F32)]  # log-probabilities
+    R.free(shift)
+    return saved
+
+
+def _fp32_logits_backward(R: _Replay, q: Quantities, f: _Forward) -> list:
+    """Its backward (torch ``FunctionsManual.cpp``, ``tools/autograd/derivatives.yaml``): ``nll_loss_backward``'s
+    zero-filled fp32 gradient and ``_log_softmax_backward_data``'s, then the first and the saved
+    log-probabilities freed (the node's input and saved variables); ``SliceBackward0``'s
+    ``slice_backward`` makes a zero-filled fp32 gradient of the whole logits and copies the shifted one
+    in (``CloneBackward0``, ``ViewBackward0`` make none), which is then freed; ``ToCopyBackward0`` casts
+    it to the head's dtype (returned, the logits' gradient the head reads) and the fp32 one is freed."""
+    nll = R.alloc(f.shifted * F32)                                  # (b*(s-1), vocab) fp32
+    lsm = R.alloc(f.shifted * F32)                                # (b*(s-1), vocab) fp32
+    R.free(nll)
+    R.frees(f.saved)
+    f.saved = []
+    whole = R.alloc(f.full * F32)                                 # (b, s, vocab) fp32, zeros
+    R.free(lsm)
+    dlogits = R.alloc(f.full * q.logits_out)                      # (b, s, vocab) in the head's dtype
+    R.free(whole)
+    return [dlogits]
 
 
 def _emb_unit_tensors(st: Any) -> tuple[int, ...]:
@@ -594,6 +640,8 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
         dlogits = R.allocs(_logit_tensors(tk.logits_grad, q.logits_out, f.full)) if q.logits_cast else [full]
         if q.logits_cast:
             R.free(full)
+    elif q.loss_fp32_logits:
+        dlogits = _fp32_logits_backward(R, q, f)
     else:
         sizes = [] if q.loss_chunk_tokens else _logit_tensors(tk.loss_backward, q.loss_backward, f.full, f.chunks,
                                                               q.loss_elem)
@@ -643,6 +691,8 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     if q.ds_offload_check and suffix != ".micro1":                # DeepSpeed ZeRO-1/2 offloaded, at the boundary:
         R.free(R.alloc(q.ds_offload_check))                       # the epilogue's inf/NaN check of rank 0's
     #                                                               largest gradient (deepspeed_offload_check)
+    if suffix != ".micro1":                                       # ZeRO-1/2 offloading, at the boundary:
+        _offload_epilogue(R, q)                                   # each gradient's device copies (before v0.17)
     R.free(R.alloc(q.ds_reduce_cat, GRAD_STREAM * q.ds_streams))  # ZeRO-3's epilogue: the bucket reduced
     R.free(gathered)                                              # ... and every parameter released
     R.frees([tied, f.emb, f.inputs] + buckets)
@@ -656,6 +706,22 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
         s.held = f.out
     elif flags.hold == "backward":
         R.frees(f.out)
+
+
+def _offload_epilogue(R: _Replay, q: Quantities) -> None:
+    """DeepSpeed ZeRO-1/2 offloading the optimizer (``quantities.deepspeed_offload_checks``, before v0.17):
+    at the boundary's reduction each gradient, in the order backward made them (the parameters'
+    reversed), gets a float64 copy for its norm, then ``_has_inf_or_nan``'s fp32 copy, its three bool
+    tensors and a second fp32 tensor alive together, then an fp32 copy sent to the host; each freed
+    before the next (v0.14.2 ``stage_1_and_2.py`` L1320-1334, L2020-2025)."""
+    if not q.ds_offload_checks:
+        return
+    st = q.detail.states
+    for j in reversed(_parameter_order(st.trainables)):
+        elems = st.trainables[j][2] // q.ds_offload_checks      # (numel,) of one copy of this tensor
+        R.free(R.alloc(elems * 8))                             # .double(): (numel,) float64
+        R.frees(R.allocs([elems * 4, elems, elems, elems, elems * 4]))  # float, isnan, isinf, or, float
+        R.free(R.alloc(elems * 4))                             # src_tensor.float(): (numel,) fp32
 
 
 def _logits_gradient(R: _Replay, q: Quantities, tk: Tokens, f: _Forward, lb: list, sizes: list[int]) -> list:

@@ -1,0 +1,114 @@
+"""The reserved replay of DeepSpeed runs (``estimate/reserved.py``): ZeRO-3's reduce ``cat`` per bucket
+(one rank too), ZeRO-3's step states once per tensor, ZeRO-1/2's offload epilogue copies before v0.17,
+and an older transformers release's fp32-logits loss tensor by tensor. Found on Giles Thomas's
+Qwen1.5-0.5B rows (docs/validation.md, fifteenth session); each test checks one mechanism."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+import trainmem
+from trainmem import allocator
+from trainmem.estimate.quantities import deepspeed_offload_checks, deepspeed_reduce_cat
+from trainmem.estimate.states import model_states
+from trainmem.spec.resolve import resolve
+
+MiB = 2 ** 20
+# a tied Qwen2 (Qwen1.5's shape, cut down) small enough to trace in seconds: its table is the largest tensor
+QWEN = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 256,
+        "intermediate_size": 704, "num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 2,
+        "vocab_size": 32000, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+        "tie_word_embeddings": True, "hidden_act": "silu", "torch_dtype": "bfloat16"}
+ZERO3 = dict(framework="hf-trainer", zero=3, dp=1, precision="fp16", batch_size=1, seq_len=256, zero_init="off")
+
+
+def _requests(monkeypatch) -> list:
+    """Every (bytes, stream) request the simulated allocators get from now on."""
+    seen: list = []
+    original = allocator.CachingAllocator.allocate
+
+    def allocate(self, nbytes, tag=None, stream=None):
+        seen.append((nbytes, self.current_stream if stream is None else stream))
+        return original(self, nbytes, tag, stream)
+    monkeypatch.setattr(allocator.CachingAllocator, "allocate", allocate)
+    return seen
+
+
+def test_zero3_reduce_cat_on_one_rank():
+    """One rank concatenates a bucket of several gradients as several ranks do (the Qwen rows' 885 MiB
+    ``cat``): the model's fp16 gradients up to the bucket; a model of one trainable tensor reduces it in
+    place (``reduce_scatter_coalesced`` L102-105); ZeRO-2 has none."""
+    rs = resolve(QWEN, **ZERO3)
+    st = model_states(rs.model, rs.training)
+    assert deepspeed_reduce_cat(rs.training, st) >= st.trainable * 2
+    assert st.trainables[0][:2] == ("before", 1)                # the embedding, one tensor
+    assert deepspeed_reduce_cat(rs.training, replace(st, trainables=st.trainables[:1])) == 0
+    two = {k: v for k, v in ZERO3.items() if k != "zero_init"}
+    assert deepspeed_reduce_cat(resolve(QWEN, **{**two, "zero": 2}).training, st) == 0
+
+
+def test_zero3_step_states_once_per_tensor(monkeypatch):
+    """ZeRO-3's replayed step makes each state kind as one flat tensor of the fp32 partition (a per-layer
+    tensor's copies were counted twice: the states were 2 x 2 layers' worth here, 28.8 GB instead of
+    1.77 GB on Qwen1.5-0.5B). Requests of the fp32 partition's size: the init's fp32 copy and master
+    (2), the first step's fp32 gradient and two Adam states (3), the second step's fp32 gradient (1)."""
+    kw = dict(ZERO3, reduce_bucket_size=100_000)
+    rs = resolve(QWEN, **kw)
+    fp32 = model_states(rs.model, rs.training).trainable * 4
+    seen = _requests(monkeypatch)
+    trainmem.estimate(QWEN, **kw)
+    assert sum(1 for n, _s in seen if fp32 <= n <= fp32 + 2 * MiB) == 6
+
+
+def test_zero3_reserved_on_one_rank_follows_trace(one_torch_thread):
+    """DeepSpeed 0.19.8's engine traced on one rank (ZeRO-3, fp16, the model loaded whole): the replay
+    has the reduce stream's ``cat`` and the states made once, so the reserved peak is trace's within 1%
+    (1328 MiB against 1332, -0.3%; before: 1308, -1.8%; on Qwen1.5-0.5B s1 12424 against 12426, before -7.2%)."""
+    pytest.importorskip("deepspeed")
+    from trainmem.trace import trace
+    e, r = trainmem.estimate(QWEN, **ZERO3), trace(QWEN, **ZERO3)
+    assert abs(e.peak_allocated - r.peak_allocated) < 0.003 * r.peak_allocated
+    assert abs(e.peak_reserved - r.peak_reserved) < 0.01 * r.peak_reserved
+
+
+OFFLOAD = dict(framework="hf-trainer", zero=2, dp=1, precision="fp16", batch_size=1, seq_len=256,
+               offload_optimizer=True)
+
+
+def test_offload_epilogue_copies_before_v017(monkeypatch):
+    """ZeRO-2 offloading its optimizer, v0.14.2: at the boundary each gradient gets a float64 copy, the
+    inf/nan check's fp32 copy and three bool tensors, and an fp32 copy for the host; the embedding's
+    (the largest) among them. v0.19.8 (a compact partition buffer) is not replayed so: none."""
+    old = resolve(QWEN, **OFFLOAD, deepspeed_version="0.14.2")
+    st = model_states(old.model, old.training)
+    assert deepspeed_offload_checks(old.training, st) == 2
+    assert deepspeed_offload_checks(resolve(QWEN, **OFFLOAD).training, st) == 0
+    emb = st.trainables[0][2] // 2                              # the embedding's elements (block-rounded bytes)
+    seen = _requests(monkeypatch)
+    trainmem.estimate(QWEN, **OFFLOAD, deepspeed_version="0.14.2")
+    sizes = [n for n, _s in seen]
+    assert emb * 8 in sizes and sizes.count(emb) >= 3 * 2   # float64; isnan, isinf, or (each replayed step)
+    seen.clear()
+    trainmem.estimate(QWEN, **OFFLOAD)
+    assert emb * 8 not in [n for n, _s in seen]
+
+
+def test_fp32_logits_loss_replayed_tensor_by_tensor(monkeypatch):
+    """transformers 4.40's Qwen2 forward returns fp32 logits and shifts them: the replay makes the half
+    logits, their fp32 copy, the shifted fp32 copy (one row fewer) and log_softmax's, and in backward
+    nll_loss's and log_softmax's gradients (shifted), SliceBackward's zero-filled whole fp32 gradient,
+    then ToCopyBackward's half one. The installed release (labels shifted in the loss) is not replayed so."""
+    kw = dict(zero=0, dp=1, precision="fp16", batch_size=3, seq_len=50, framework="hf-trainer")
+    full, shifted = 3 * 50 * 32000, 3 * 49 * 32000
+    seen = _requests(monkeypatch)
+    trainmem.estimate(QWEN, **kw, transformers_version="4.40.0")
+    sizes = [n for n, _s in seen]
+    i = sizes.index(full * 4)                                   # the fp32 logits
+    assert sizes[i - 1] == full * 2                             # after the half ones
+    assert sizes[i + 1:i + 3] == [shifted * 4, shifted * 4]     # the shifted copy, log_softmax's output
+    j = sizes.index(shifted * 4, i + 3)                         # backward: nll_loss's, log_softmax's gradient
+    assert sizes[j:j + 4] == [shifted * 4, shifted * 4, full * 4, full * 2]
+    seen.clear()
+    trainmem.estimate(QWEN, **kw)
+    assert shifted * 4 not in [n for n, _s in seen]
