@@ -181,6 +181,19 @@ def _trainer_cp_blocks(cp: int, n: Any, b: Any, es: int) -> Any:
     return (2 * block_bytes(8 * b * s, es) + shift + block_bytes(8 * maximum(s, n), es) + 5 * block_bytes(8 * n, es))
 
 
+def _weight_copies(q: Quantities, inflight: Any) -> tuple[Any, Any]:
+    """(forwards whose autocast copies are alive, bytes of the weight copies the layers keep from their
+    forward to their backward): autocast's copies of the weights and FSDP grad-op's gathered weights
+    (once per layer of each of the rank's stages, Quantities.pipe_stages; under torch's pipeline schedule
+    each micro-batch in flight ran its own forward, whose autocast region cast the weights again: its
+    copies are saved with its activations; trace, llama-3.2-1b (4 layers) --pp 2 bf16-amp, first: -3.3%
+    before), and DeepSpeed ZeRO-3 under torch's F.linear: each layer's gathered matmul weights, kept by
+    its saved transposed views (quantities.deepspeed_linear_kept)."""
+    per_forward = where(q.pipe_batch > 0, inflight, 1)
+    casts = (q.cast_layer * q.layers - q.cast_checkpointed) * per_forward + q.gathered_layer * q.layers * q.pipe_stages
+    return per_forward, casts + q.ds_linear_kept * q.layers * inflight
+
+
 def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, later: bool = False) -> Tokens:
     """The per-micro-batch terms for ``n`` tokens on this rank, ``nsq`` token x key pairs, micro-
     batch ``b`` and ``ga`` accumulated micro-batches; ``later``: at the micro-steps after the first.
@@ -194,15 +207,7 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
     inflight = where(q.fixed_inflight > 0, q.fixed_inflight, minimum(q.pp_inflight, pending))
     inflight, fed, head_units, stage_out, grads_absent = _interleaved(q, n, nsq, later, inflight)
     layer = trunc(q.kept_tok * n + q.kept_sq * nsq)                        # (b, s, ...) per layer
-    # + autocast's copies of the weights and FSDP grad-op's gathered weights (once per layer of each of the
-    # rank's stages, Quantities.pipe_stages), each from its forward to its backward (under torch's pipeline
-    # schedule each micro-batch in flight ran its own forward, whose autocast region cast the weights again: its
-    # copies are saved with its activations; trace, llama-3.2-1b (4 layers) --pp 2 bf16-amp, first: -3.3% before)
-    per_forward = where(q.pipe_batch > 0, inflight, 1)  # forwards whose autocast copies are alive
-    casts = (q.cast_layer * q.layers - q.cast_checkpointed) * per_forward + q.gathered_layer * q.layers * q.pipe_stages
-    # + DeepSpeed ZeRO-3 under torch's F.linear: each layer's gathered matmul weights, kept by its saved
-    # transposed views from its forward to its backward (quantities.deepspeed_linear_kept)
-    casts = casts + q.ds_linear_kept * q.layers * inflight
+    per_forward, casts = _weight_copies(q, inflight)
     layers = layer * q.layers * inflight + casts
     # LoRA: the first layer's input needs no gradient, so it keeps less (quantities.first_layer_unsaved)
     # (and the half copies of its frozen linears on that input are not kept, in each forward's region)

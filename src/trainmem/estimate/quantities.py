@@ -1540,7 +1540,7 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
             "ds_fp32_group": deepspeed_fp32_group(t, st), "ds_init_grads": deepspeed_init_grads(t, st),
             "ds_partition": deepspeed_partition_elems(t, st),
             "ds_offload_buf": deepspeed_offload_grad_buffer(t, st),
-            "ds_offload_checks": deepspeed_offload_checks(t, st),
+            "ds_offload_checks": deepspeed_offload_checks(t, st), "ds_linear_kept": deepspeed_linear_kept(m, t),
             "ds_step_flat": flat,
             "ds_gathered_top": top, "ds_gathered_low": low, "ds_coalesced": deepspeed_coalesced(m, t),
             "ds_gathered_emb": deepspeed_gathered_embedding(m, t),
@@ -2715,7 +2715,6 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         cast_forward_only=0 if (t.lora_rank or fsdp1_views(t) or loss_after_stage_forward(t, stage))
         else cast_layer * checkpointed,  # see cast_checkpointed
         gathered_layer=(st.layer_units_full or st.layer_params_full) if fsdp_grad_op(t) else 0,
-        ds_linear_kept=deepspeed_linear_kept(m, t),
         logit_chunks=t.loss_chunks, logit_width=m.vocab_size if is_lm(m) else classifier_width(m, t),
         tp=t.tp if is_lm(m) else 1, logits_held=loss.held, logits_out=loss.out, loss_saved=loss.saved,
         logits_cast=loss.cast, cast_output=int(t.cast_output), loss_forward=loss.forward, loss_backward=loss.backward,

@@ -632,23 +632,7 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     buckets = R.allocs([q.ds_bucket] * (q.ds_backward_buf // q.ds_bucket if q.ds_bucket else 0))  # DeepSpeed ZeRO-1/2
     if _root_resharded(q, f.fs) and not q.fsdp_root_regather:     # the root's pre-backward: the loss is its output
         f.root = f.fs.unshard(R, q.fsdp_root, st.root_tensors, backward=True)
-    if q.logits_cast and f.chunks > 1:
-        dlogits = _cast_chunks_backward(R, q, f)
-    elif q.loss_logps:
-        full = _logps_backward(R, f, n, nsq)
-        # ToCopyBackward: the fp32 logits' gradient cast to the head's dtype (fp32 logits: it is that gradient)
-        dlogits = R.allocs(_logit_tensors(tk.logits_grad, q.logits_out, f.full)) if q.logits_cast else [full]
-        if q.logits_cast:
-            R.free(full)
-    elif q.loss_fp32_logits:
-        dlogits = _fp32_logits_backward(R, q, f)
-    else:
-        sizes = [] if q.loss_chunk_tokens else _logit_tensors(tk.loss_backward, q.loss_backward, f.full, f.chunks,
-                                                              q.loss_elem)
-        lb = _chunked_nll_backward(R, q, tk) if q.loss_chunk_tokens else R.allocs(sizes)  # the loss's backward
-        R.frees(f.saved)
-        dlogits = _logits_gradient(R, q, tk, f, lb, sizes)        # in the head's dtype
-        R.frees(lb)
+    dlogits = _loss_backward(R, q, tk, f, n, nsq)
     if _root_resharded(q, f.fs) and q.fsdp_root_regather:         # ... the logits (a loss outside the model)
         f.root = f.fs.unshard(R, q.fsdp_root, st.root_tensors, backward=True)
     f.fs.root_pre_backward(R, q.fsdp_layer_buf)                  # FSDP1: the top layer prefetched
@@ -688,11 +672,8 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     _make_grads(R, s, st.trainables, ("before",) if q.fsdp_head_unit else ("after", "before"), flags.oib,
                 f.fs.grad_stream)                                 # head, norm, embeddings
     f.fs.reduced(R)                                               # torch < 2.5: the input dropped on return
-    if q.ds_offload_check and suffix != ".micro1":                # DeepSpeed ZeRO-1/2 offloaded, at the boundary:
-        R.free(R.alloc(q.ds_offload_check))                       # the epilogue's inf/NaN check of rank 0's
-    #                                                               largest gradient (deepspeed_offload_check)
     if suffix != ".micro1":                                       # ZeRO-1/2 offloading, at the boundary:
-        _offload_epilogue(R, q)                                   # each gradient's device copies (before v0.17)
+        _offload_epilogue(R, q)                                   # rank 0's inf/NaN check, each gradient's copies
     R.free(R.alloc(q.ds_reduce_cat, GRAD_STREAM * q.ds_streams))  # ZeRO-3's epilogue: the bucket reduced
     R.free(gathered)                                              # ... and every parameter released
     R.frees([tied, f.emb, f.inputs] + buckets)
@@ -708,12 +689,37 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
         R.frees(f.out)
 
 
+def _loss_backward(R: _Replay, q: Quantities, tk: Tokens, f: _Forward, n: int, nsq: int) -> list:
+    """The loss's backward down to the logits' gradient in the head's dtype (the blocks it returns)."""
+    if q.logits_cast and f.chunks > 1:
+        return _cast_chunks_backward(R, q, f)
+    if q.loss_logps:
+        full = _logps_backward(R, f, n, nsq)
+        # ToCopyBackward: the fp32 logits' gradient cast to the head's dtype (fp32 logits: it is that gradient)
+        if not q.logits_cast:
+            return [full]
+        dlogits = R.allocs(_logit_tensors(tk.logits_grad, q.logits_out, f.full))
+        R.free(full)
+        return dlogits
+    if q.loss_fp32_logits:
+        return _fp32_logits_backward(R, q, f)
+    sizes = [] if q.loss_chunk_tokens else _logit_tensors(tk.loss_backward, q.loss_backward, f.full, f.chunks,
+                                                          q.loss_elem)
+    lb = _chunked_nll_backward(R, q, tk) if q.loss_chunk_tokens else R.allocs(sizes)  # the loss's backward
+    R.frees(f.saved)
+    dlogits = _logits_gradient(R, q, tk, f, lb, sizes)            # in the head's dtype
+    R.frees(lb)
+    return dlogits
+
+
 def _offload_epilogue(R: _Replay, q: Quantities) -> None:
     """DeepSpeed ZeRO-1/2 offloading the optimizer (``quantities.deepspeed_offload_checks``, before v0.17):
     at the boundary's reduction each gradient, in the order backward made them (the parameters'
     reversed), gets a float64 copy for its norm, then ``_has_inf_or_nan``'s fp32 copy, its three bool
     tensors and a second fp32 tensor alive together, then an fp32 copy sent to the host; each freed
     before the next (v0.14.2 ``stage_1_and_2.py`` L1320-1334, L2020-2025)."""
+    if q.ds_offload_check:                                        # the inf/NaN check of rank 0's largest
+        R.free(R.alloc(q.ds_offload_check))                       # gradient (deepspeed_offload_check)
     if not q.ds_offload_checks:
         return
     st = q.detail.states
