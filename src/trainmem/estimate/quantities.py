@@ -1188,8 +1188,38 @@ def derived_clamp(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs) ->
 
 def litgpt_terms(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs) -> LayerCoefs:
     """A layer of transformers' model as litgpt's own modules differ from it (``--fused-qkv``,
-    ``--split-gate-up``): ``lc`` with their per-token terms added."""
-    return split_gate_up_kept(m, t, pol, fused_qkv_kept(m, t, pol, lc))
+    ``--split-gate-up``), or torchvision's (``--attention-call mha``): ``lc`` with their per-token
+    terms added."""
+    return mha_kept(m, t, pol, split_gate_up_kept(m, t, pol, fused_qkv_kept(m, t, pol, lc)))
+
+
+def mha_kept(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs) -> LayerCoefs:
+    """``--attention-call mha``: torchvision's ``EncoderBlock`` runs ``nn.MultiheadAttention(x, x, x,
+    need_weights=False)`` (torchvision/models/vision_transformer.py ``EncoderBlock.forward``), whose
+    ``F.multi_head_attention_forward`` (torch/nn/functional.py, 2.0-2.13) differs from transformers'
+    ``ViTSelfAttention`` + ``ViTSelfOutput`` in two saved tensors per layer:
+
+    * the attention output. SDPA returns (b, heads, s, d) laid out as (b, s, heads, d); MHA then runs
+      ``attn_output.permute(2, 0, 1, 3).contiguous().view(bsz * tgt_len, embed_dim)`` (its sequence-first
+      layout), a copy that ``out_proj``'s ``linear`` saves while SDPA keeps its own output: one (b, s, h)
+      tensor more, in the matmul dtype (``pol.half``). transformers' ``transpose(1, 2).contiguous()`` of
+      the same output is a view, which its dense layer saves;
+    * under autocast, the input casts. ``_in_projection_packed`` runs one ``linear(q, in_proj_weight)``
+      over the packed q/k/v weight, so the fp32 LayerNorm output is cast to half once and saved once;
+      transformers' three ``query``/``key``/``value`` linears cast and save it three times: two (b, s, h)
+      half tensors fewer (as ``fused_qkv_kept``'s ``one_cast``).
+
+    q, k and v are the same bytes: MHA makes the packed projection contiguous as (3, s, b, h)
+    (``proj.unflatten(-1, (3, E)).unsqueeze(0).transpose(0, -2).squeeze(-2).contiguous()``) and SDPA
+    saves views of that copy, where transformers' SDPA saves views of its three outputs."""
+    if t.attention_call != "mha":
+        return lc
+    parts = [("attn.mha_out_copy", float(m.hidden_size * pol.half))]  # (b, s, h): the permuted output's copy
+    if pol.amp:
+        parts.append(("attn.mha_one_cast", -2.0 * m.hidden_size * HALF))  # (b, s, h) half casts: 1, not 3
+    extra = sum(b for _, b in parts)
+    tensors = lc.tensors + tuple((b, 0.0) for _, b in parts) if lc.tensors else lc.tensors
+    return replace(lc, tok=lc.tok + extra, parts=lc.parts + tuple((n, b, 0.0) for n, b in parts), tensors=tensors)
 
 
 def split_gate_up_kept(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs) -> LayerCoefs:
@@ -1446,7 +1476,11 @@ def foreach_groups(t: TrainingSpec) -> int:
     bias_correction2)``, the update then in place: ``_foreach_div_(grad, denom)``). Adagrad: two
     (torch 2.13 ``adagrad.py`` ``_multi_tensor_adagrad`` L530-540: ``std = torch._foreach_sqrt(state_sums)``
     and, without weight decay or maximize, ``numerator = torch._foreach_mul(device_grads, minus_clr)``
-    in the gradient's dtype, the parameter's, both alive at ``_foreach_addcdiv_``)."""
+    in the gradient's dtype, the parameter's, both alive at ``_foreach_addcdiv_``). Adam and AdamW before
+    PyTorch 2.1: two (``exp_avg_sq_sqrt`` and ``denom = torch._foreach_add(exp_avg_sq_sqrt, eps)``, torch
+    2.0 ``adam.py`` / ``adamw.py`` ``_multi_tensor_adam(w)``; ``spec.releases.foreach_adam_denom_copy``)."""
+    if t.optimizer in ("adam", "adamw") and t.foreach_adam_denom_copy:
+        return 2
     return 2 if t.optimizer == "adagrad" else 1
 
 
