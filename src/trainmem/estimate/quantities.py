@@ -40,7 +40,7 @@ from .derived import outer_per_sample as derived_outer_per_sample
 from .derived import top_forward as derived_top_forward
 from .derived import moment_activations
 from .layers import ALL_MOMENTS, HALF, LayerCoefs, LayerKey, Policy, ep_rank_rows, layer_coefficients
-from .layers import sdpa_saves_padded
+from .layers import layer_sdpa_backend, sdpa_saves_padded
 from .quant4 import dequant_dtypes, dequant_scratch, is_quantized
 from . import unsloth
 from .schedules import in_flight_at_backwards
@@ -1196,27 +1196,41 @@ def litgpt_terms(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs) -> 
 def mha_kept(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs) -> LayerCoefs:
     """``--attention-call mha``: torchvision's ``EncoderBlock`` runs ``nn.MultiheadAttention(x, x, x,
     need_weights=False)`` (torchvision/models/vision_transformer.py ``EncoderBlock.forward``), whose
-    ``F.multi_head_attention_forward`` (torch/nn/functional.py, 2.0-2.13) differs from transformers'
-    ``ViTSelfAttention`` + ``ViTSelfOutput`` in two saved tensors per layer:
+    ``F.multi_head_attention_forward`` (torch/nn/functional.py, 2.0-2.13) works sequence-first: it
+    makes q, k and v one contiguous (3, s, b, h) copy of the packed ``in_proj`` output
+    (``_in_projection_packed``) and hands SDPA (b, heads, s, d) views of it, then runs
+    ``attn_output.permute(2, 0, 1, 3).contiguous()`` for ``out_proj``. Against transformers'
+    ``ViTSelfAttention`` + ``ViTSelfOutput`` (three linears, batch-first) that saves, per layer:
 
-    * the attention output. SDPA returns (b, heads, s, d) laid out as (b, s, heads, d); MHA then runs
-      ``attn_output.permute(2, 0, 1, 3).contiguous().view(bsz * tgt_len, embed_dim)`` (its sequence-first
-      layout), a copy that ``out_proj``'s ``linear`` saves while SDPA keeps its own output: one (b, s, h)
-      tensor more, in the matmul dtype (``pol.half``). transformers' ``transpose(1, 2).contiguous()`` of
-      the same output is a view, which its dense layer saves;
-    * under autocast, the input casts. ``_in_projection_packed`` runs one ``linear(q, in_proj_weight)``
-      over the packed q/k/v weight, so the fp32 LayerNorm output is cast to half once and saved once;
-      transformers' three ``query``/``key``/``value`` linears cast and save it three times: two (b, s, h)
-      half tensors fewer (as ``fused_qkv_kept``'s ``one_cast``).
+    * one (b, s, h) tensor more, in the matmul dtype (``pol.half``), where the kernel lays its output
+      out as (b, s, heads, d) whatever the query's strides: the memory-efficient kernel
+      (``_efficient_attention_forward``: ``at::empty({B, M, num_heads, Kv})``) and, before PyTorch
+      2.2, the flash kernel (FlashAttention v1 packs q, k, v as (b * s, heads, d) and returns a
+      contiguous output; FlashAttention-2, in SDPA from 2.2, allocates ``empty_like(q)``). MHA's
+      permute of that output is then a copy, which ``out_proj``'s ``linear`` saves beside the output
+      SDPA keeps; transformers' ``transpose(1, 2).contiguous()`` of it is a view. With FlashAttention-2
+      the output follows the query's sequence-first layout and the permute is a view: nothing more
+      (so on the CPU, whose flash kernel does the same: tests/test_memopt.py);
+    * under autocast, two (b, s, h) half tensors fewer: the one packed ``in_proj`` casts the fp32
+      LayerNorm output to half once and saves it once, transformers' three linears three times (on
+      the CPU, measured: tests/test_memopt.py).
 
-    q, k and v are the same bytes: MHA makes the packed projection contiguous as (3, s, b, h)
-    (``proj.unflatten(-1, (3, E)).unsqueeze(0).transpose(0, -2).squeeze(-2).contiguous()``) and SDPA
-    saves views of that copy, where transformers' SDPA saves views of its three outputs."""
+    The math and cuDNN kernels keep other tensors of the packed copy (the math kernel's value is a
+    view of it) and are refused."""
     if t.attention_call != "mha":
         return lc
-    parts = [("attn.mha_out_copy", float(m.hidden_size * pol.half))]  # (b, s, h): the permuted output's copy
+    backend = layer_sdpa_backend(layer_key(m, t))
+    if backend not in ("efficient", "flash"):
+        raise TrainmemError(f"--attention-call mha is modelled for SDPA's memory-efficient and flash kernels; this "
+                            f"setup runs the {backend} kernel: give --attention sdpa-efficient or drop --attention-call")
+    release = t.torch_release
+    parts = []
+    if backend == "efficient" or (release is not None and release < (2, 2)):
+        parts.append(("attn.mha_out_copy", float(m.hidden_size * pol.half)))  # (b, s, h): the permuted output
     if pol.amp:
         parts.append(("attn.mha_one_cast", -2.0 * m.hidden_size * HALF))  # (b, s, h) half casts: 1, not 3
+    if not parts:
+        return lc
     extra = sum(b for _, b in parts)
     tensors = lc.tensors + tuple((b, 0.0) for _, b in parts) if lc.tensors else lc.tensors
     return replace(lc, tok=lc.tok + extra, parts=lc.parts + tuple((n, b, 0.0) for n, b in parts), tensors=tensors)
