@@ -15,7 +15,7 @@ from .hardware import parse_cublas_workspace_config
 from .layout import layout_problems, stage_layers
 from .preference import preference_problem
 from .releases import (SDPA_ATTENTION, foreach_adam_denom_copy, fsdp2_rs_on_default_stream, math_sdpa_upcasts,
-                       parse_torch_version, softmax_saves_input, torch_problems)
+                       parse_torch_version, release_warnings, softmax_saves_input, torch_problems)
 from .tf_releases import parse_transformers_version, reentrant_checkpointing, transformers_problems
 
 #: fp32; fp16-amp/bf16-amp: fp32 weights + autocast; bf16/fp16: everything in that dtype ("pure",
@@ -1662,8 +1662,9 @@ def setup_warnings(t: TrainingSpec) -> list[str]:
 
 def report_warnings(t: TrainingSpec) -> list[str]:
     """The warnings every report of ``t`` carries: its framework preset's (``spec.frameworks``), then
-    the pointless choices (``setup_warnings``)."""
-    return list(t.extra.get("framework_warnings", ())) + setup_warnings(t)
+    the pointless choices (``setup_warnings``), then what its PyTorch release does that the estimate
+    bounds from one side only (``spec.releases.release_warnings``)."""
+    return list(t.extra.get("framework_warnings", ())) + setup_warnings(t) + release_warnings(t)
 
 
 LEARNED_POSITION_FAMILIES = ("gpt2", "nanogpt", "bert", "roberta-prenorm")
