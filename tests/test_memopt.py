@@ -1,5 +1,5 @@
 """Two mechanisms found on Sebastian Raschka's pytorch-memory-optim ViT-L/16 runs
-(validation/published/raschka_memopt_*.json, docs/validation.md):
+(validation/published/memopt_*.json, docs/validation.md):
 
 * a foreach Adam/AdamW step before PyTorch 2.1 holds two state-sized lists at once
   (``exp_avg_sq_sqrt`` and ``denom = torch._foreach_add(exp_avg_sq_sqrt, eps)``; pytorch/pytorch
