@@ -146,6 +146,8 @@ def test_estimate_mha_terms(precision, attention, version, per_token):
 def test_mha_refusals():
     with pytest.raises(TrainmemError, match="math kernel"):
         _forward_end(precision="fp32", attention="sdpa-math", attention_call="mha")
+    with pytest.raises(TrainmemError, match="drop --compile"):
+        _forward_end(precision="fp32", attention_call="mha", compile=True)
     with pytest.raises(TrainmemError, match="image classifier"):
         trainmem.estimate("gpt2", set=GPT2, batch_size=1, seq_len=32, attention_call="mha")
     with pytest.raises(TrainmemError, match="use estimate"):

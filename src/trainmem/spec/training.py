@@ -1825,8 +1825,10 @@ def _layer_option_problems(model: Any, t: TrainingSpec) -> str | None:
         bad = liger_problem(model)
         if bad:
             return bad
-    if t.attention_call == "mha" and t.lora_rank:
-        return "--attention-call mha (torchvision's nn.MultiheadAttention) is modelled without LoRA: drop --lora-rank"
+    if t.attention_call == "mha" and (t.lora_rank or t.compile):
+        what = "--lora-rank" if t.lora_rank else "--compile"
+        return (f"--attention-call mha (torchvision's nn.MultiheadAttention) is modelled eagerly and without LoRA: "
+                f"drop {what}")
     if t.attention_call == "mha" and not (model.is_image and model.family == "derived"):
         return (f"--attention-call mha models torchvision's VisionTransformer (nn.MultiheadAttention) over "
                 f"transformers' ViT of the same shape; {model.name} is not a transformers image classifier: "
