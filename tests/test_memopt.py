@@ -163,3 +163,13 @@ def test_fsdp1_before_2_1_warns_of_unlimited_gathers():
         return any("limit_all_gathers" in w for w in rep.warnings)
 
     assert warned("2.0") and not warned("2.1") and not warned(None) and not warned(None, fsdp_version=2)
+
+
+def test_mha_reads_transformers_coefficients():
+    """``--attention-call mha`` adds its terms to transformers' derived layer: the same coefficient key
+    (nothing is derived again for it)."""
+    from trainmem.estimate.derived import key
+    m = resolve_model("vit-base-patch16-224", VIT)
+    t = TrainingSpec(batch_size=B, seq_len=m.image_tokens(224), precision="bf16", image_size=224)
+    from dataclasses import replace
+    assert key(m, replace(t, attention_call="mha")) == key(m, t)
