@@ -1206,7 +1206,8 @@ def mha_kept(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs) -> Laye
       out as (b, s, heads, d) whatever the query's strides: the memory-efficient kernel
       (``_efficient_attention_forward``: ``at::empty({B, M, num_heads, Kv})``) and, before PyTorch
       2.2, the flash kernel (FlashAttention v1 packs q, k, v as (b * s, heads, d) and returns a
-      contiguous output; FlashAttention-2, in SDPA from 2.2, allocates ``empty_like(q)``). MHA's
+      contiguous output; FlashAttention-2, which SDPA runs from 2.2 on (the 2.2 release notes; pytorch/pytorch
+      issue #106280 "Ship FlashAttentionV2"), allocates ``empty_like(q)``). MHA's
       permute of that output is then a copy, which ``out_proj``'s ``linear`` saves beside the output
       SDPA keeps; transformers' ``transpose(1, 2).contiguous()`` of it is a view. With FlashAttention-2
       the output follows the query's sequence-first layout and the permute is a view: nothing more
