@@ -69,6 +69,9 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
         raise TrainmemError(f"--quantize {t.quantize} under --framework torchtune is torchao's NF4Tensor, which "
                             f"{what} does not run (it emulates bitsandbytes' 4-bit linears only); use estimate")
     _check_release(t, what)
+    if t.attention_call == "mha":
+        raise TrainmemError(f"--attention-call mha (torchvision's nn.MultiheadAttention): {what} runs transformers' "
+                            "attention modules, not torch.nn.MultiheadAttention; use estimate")
     if t.torchao_offload:
         raise TrainmemError(f"--torchao-offload {t.torchao_offload}: {what} does not run torchao's CPUOffloadOptimizer "
                             "(pinned host copies, its side CUDA stream and the host step); use estimate")

@@ -304,7 +304,9 @@ def _add_loss(g: Any) -> None:
     g.add_argument("--attention-call", choices=ATTENTION_CALLS, default=None,
                    help="model (default): SDPA called as transformers' attention calls it; repeat-kv: with "
                         "is_causal and no mask, K and V first copied to the query's heads, as litgpt's "
-                        "CausalSelfAttention does in training (estimate and trace)")
+                        "CausalSelfAttention does in training (estimate and trace); mha: as "
+                        "torch.nn.MultiheadAttention(need_weights=False) calls it, torchvision's VisionTransformer "
+                        "over a transformers ViT of the same shape (estimate only)")
     g.add_argument("--rms-norm", choices=RMS_NORMS, default=None,
                    help="fp32 (default): the RMSNorms cast their input to fp32 (transformers' LlamaRMSNorm, litgpt "
                         "since Oct 2023); input: they compute in the input's dtype and save the input itself "

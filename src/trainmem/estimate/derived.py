@@ -132,8 +132,8 @@ def key(m: ModelSpec, t: TrainingSpec, one: bool | None = None) -> str:
     lora = (t.lora_rank, tuple(t.lora_targets or ()), t.lora_dropout, adapters_computed_half(t)) if t.lora_rank else ()
     parts = [m.fingerprint, activation_precision(t), t.attention, t.dropout, lora, regime(m, t), without_cache(t, m)]
     parts += release_parts(m, t)
-    if t.attention_call != "model":  # traced with litgpt's SDPA call (the keys of other setups are unchanged)
-        parts.append(("attention-call", t.attention_call))
+    if t.attention_call == "repeat-kv":  # traced with litgpt's SDPA call (the keys of other setups are unchanged);
+        parts.append(("attention-call", t.attention_call))  # mha's terms are added to transformers' layer (mha_kept)
     if not t.math_sdpa_upcasts:  # PyTorch < 2.5: traced with SDPA's math kernel in the inputs' dtype
         parts.append(("math-sdpa", "input-dtype"))
     if t.quantize:  # a 4-bit base is traced as one (the keys of other setups are unchanged)
@@ -467,7 +467,8 @@ def adapters_computed_half(t: TrainingSpec) -> bool:
 
 def _canonical(t: TrainingSpec, m: ModelSpec | None = None) -> TrainingSpec:
     """``t`` reduced to what the derivation reads (so that equal keys share one derivation):
-    ``recompute`` "full" stands for "derive without the KV cache" (``without_cache``)."""
+    ``recompute`` "full" stands for "derive without the KV cache" (``without_cache``); ``--attention-call
+    mha`` derives transformers' own layer, to which ``quantities.mha_kept`` adds its terms."""
     from dataclasses import replace
     # 4-bit bases (bitsandbytes >= 0.43.2, whose MatMul4Bit keeps no input) are traced as such
     return replace(t, batch_size=1, seq_len=128, target_len=None, later_seq_len=None, min_seq_len=None,
@@ -478,7 +479,8 @@ def _canonical(t: TrainingSpec, m: ModelSpec | None = None) -> TrainingSpec:
                    precision=activation_precision(t),
                    lora_dtype="half" if (t.lora_rank and adapters_computed_half(t)) else t.lora_dtype,
                    recompute="full" if without_cache(t, m) else "none",
-                   recompute_every=1, bitsandbytes_version=None)
+                   recompute_every=1, bitsandbytes_version=None,
+                   attention_call="model" if t.attention_call == "mha" else t.attention_call)
 
 
 def stage_kinds(m: ModelSpec, t: TrainingSpec, stage: str, doc: dict[str, Any]) -> list[str]:

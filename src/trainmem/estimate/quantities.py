@@ -41,7 +41,7 @@ from .derived import outer_per_sample as derived_outer_per_sample
 from .derived import top_forward as derived_top_forward
 from .derived import moment_activations
 from .layers import ALL_MOMENTS, HALF, LayerCoefs, LayerKey, Policy, ep_rank_rows, layer_coefficients
-from .layers import sdpa_saves_padded
+from .layers import layer_sdpa_backend, sdpa_saves_padded
 from .quant4 import dequant_dtypes, dequant_scratch, is_quantized
 from . import unsloth
 from .schedules import in_flight_at_backwards
@@ -1213,8 +1213,53 @@ def derived_clamp(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs) ->
 
 def litgpt_terms(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs) -> LayerCoefs:
     """A layer of transformers' model as litgpt's own modules differ from it (``--fused-qkv``,
-    ``--split-gate-up``): ``lc`` with their per-token terms added."""
-    return split_gate_up_kept(m, t, pol, fused_qkv_kept(m, t, pol, lc))
+    ``--split-gate-up``), or torchvision's (``--attention-call mha``): ``lc`` with their per-token
+    terms added."""
+    return mha_kept(m, t, pol, split_gate_up_kept(m, t, pol, fused_qkv_kept(m, t, pol, lc)))
+
+
+def mha_kept(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs) -> LayerCoefs:
+    """``--attention-call mha``: torchvision's ``EncoderBlock`` runs ``nn.MultiheadAttention(x, x, x,
+    need_weights=False)`` (torchvision/models/vision_transformer.py ``EncoderBlock.forward``), whose
+    ``F.multi_head_attention_forward`` (torch/nn/functional.py, 2.0-2.13) works sequence-first: it
+    makes q, k and v one contiguous (3, s, b, h) copy of the packed ``in_proj`` output
+    (``_in_projection_packed``) and hands SDPA (b, heads, s, d) views of it, then runs
+    ``attn_output.permute(2, 0, 1, 3).contiguous()`` for ``out_proj``. Against transformers'
+    ``ViTSelfAttention`` + ``ViTSelfOutput`` (three linears, batch-first) that saves, per layer:
+
+    * one (b, s, h) tensor more, in the matmul dtype (``pol.half``), where the kernel lays its output
+      out as (b, s, heads, d) whatever the query's strides: the memory-efficient kernel
+      (``_efficient_attention_forward``: ``at::empty({B, M, num_heads, Kv})``) and, before PyTorch
+      2.2, the flash kernel (FlashAttention v1 packs q, k, v as (b * s, heads, d) and returns a
+      contiguous output; FlashAttention-2, which SDPA runs from 2.2 on (the 2.2 release notes; pytorch/pytorch
+      issue #106280 "Ship FlashAttentionV2"), allocates ``empty_like(q)``). MHA's
+      permute of that output is then a copy, which ``out_proj``'s ``linear`` saves beside the output
+      SDPA keeps; transformers' ``transpose(1, 2).contiguous()`` of it is a view. With FlashAttention-2
+      the output follows the query's sequence-first layout and the permute is a view: nothing more
+      (so on the CPU, whose flash kernel does the same: tests/test_memopt.py);
+    * under autocast, two (b, s, h) half tensors fewer: the one packed ``in_proj`` casts the fp32
+      LayerNorm output to half once and saves it once, transformers' three linears three times (on
+      the CPU, measured: tests/test_memopt.py).
+
+    The math and cuDNN kernels keep other tensors of the packed copy (the math kernel's value is a
+    view of it) and are refused."""
+    if t.attention_call != "mha":
+        return lc
+    backend = layer_sdpa_backend(layer_key(m, t))
+    if backend not in ("efficient", "flash"):
+        raise TrainmemError(f"--attention-call mha is modelled for SDPA's memory-efficient and flash kernels; this "
+                            f"setup runs the {backend} kernel: give --attention sdpa-efficient or drop --attention-call")
+    release = t.torch_release
+    parts = []
+    if backend == "efficient" or (release is not None and release < (2, 2)):
+        parts.append(("attn.mha_out_copy", float(m.hidden_size * pol.half)))  # (b, s, h): the permuted output
+    if pol.amp:
+        parts.append(("attn.mha_one_cast", -2.0 * m.hidden_size * HALF))  # (b, s, h) half casts: 1, not 3
+    if not parts:
+        return lc
+    extra = sum(b for _, b in parts)
+    tensors = lc.tensors + tuple((b, 0.0) for _, b in parts) if lc.tensors else lc.tensors
+    return replace(lc, tok=lc.tok + extra, parts=lc.parts + tuple((n, b, 0.0) for n, b in parts), tensors=tensors)
 
 
 def split_gate_up_kept(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs) -> LayerCoefs:
@@ -1471,7 +1516,11 @@ def foreach_groups(t: TrainingSpec) -> int:
     bias_correction2)``, the update then in place: ``_foreach_div_(grad, denom)``). Adagrad: two
     (torch 2.13 ``adagrad.py`` ``_multi_tensor_adagrad`` L530-540: ``std = torch._foreach_sqrt(state_sums)``
     and, without weight decay or maximize, ``numerator = torch._foreach_mul(device_grads, minus_clr)``
-    in the gradient's dtype, the parameter's, both alive at ``_foreach_addcdiv_``)."""
+    in the gradient's dtype, the parameter's, both alive at ``_foreach_addcdiv_``). Adam and AdamW before
+    PyTorch 2.1: two (``exp_avg_sq_sqrt`` and ``denom = torch._foreach_add(exp_avg_sq_sqrt, eps)``, torch
+    2.0 ``adam.py`` / ``adamw.py`` ``_multi_tensor_adam(w)``; ``spec.releases.foreach_adam_denom_copy``)."""
+    if t.optimizer in ("adam", "adamw") and t.foreach_adam_denom_copy:
+        return 2
     return 2 if t.optimizer == "adagrad" else 1
 
 

@@ -53,6 +53,16 @@ release trace runs). What depends on it:
   silently ignored for CUDA in 2.9.1 (only deprecated PYTORCH_CUDA_ALLOC_CONF alias works)"), and
   only the old name works. torchtitan's launcher sets the new name from torchtitan e629fe58a
   (2025-08-15) and in every 0.2.x release (``spec.frameworks``, the torchtitan preset).
+* **How many temporaries a foreach Adam/AdamW step holds** (``foreach_adam_denom_copy``): before 2.1,
+  ``_multi_tensor_adam`` / ``_multi_tensor_adamw`` made ``exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)``,
+  divided it in place and then ``denom = torch._foreach_add(exp_avg_sq_sqrt, eps)``, a second list of
+  state-sized tensors, both alive at ``torch._foreach_addcdiv_(params, exp_avgs, denom, step_size)``
+  (torch 2.0 ``torch/optim/adam.py`` and ``adamw.py``; the ``torch/optim/_multi_tensor`` versions before
+  alike). pytorch/pytorch PR #104780 ("[foreach][Adam] Minimize use of intermediates to decrease peak
+  memory", Jane Xu, merged 2023-07-07, issue #97712 "Foreach optimizers use higher memory due to
+  intermediates", closed 2023-07-31 when the Adam family and the others were done) adds ``eps`` in place,
+  leaving one list; 2.1.0 (branch cut August 2023) is the first release with it. A 2.1 nightly from before
+  2023-07-07 steps as 2.0 does.
 * **What did not exist** (``torch_problems``): ``--compile``, SDPA kernels, fused AdamW (but
   DeepSpeed's own FusedAdam under ``--zero``) and
   ``--optimizer-in-backward`` (``register_post_accumulate_grad_hook``, 2.1) are refused with one
@@ -148,6 +158,33 @@ def torch_problems(t: Any) -> list[str]:
         out.append("--fsdp-version 2 (fully_shard's code first shipped in 2.3, as torch.distributed._composable.fsdp; "
                    "give --fsdp-version 1)")
     return [f"--torch-version {name} has no {x}" for x in out]
+
+
+def foreach_adam_denom_copy(version: tuple[int, ...] | None) -> bool:
+    """PyTorch < 2.1: a foreach Adam/AdamW step holds two state-sized lists at once, ``exp_avg_sq_sqrt``
+    and ``denom = torch._foreach_add(exp_avg_sq_sqrt, eps)`` (pytorch/pytorch PR #104780,
+    https://github.com/pytorch/pytorch/pull/104780, made the add in place; module docstring)."""
+    return version is not None and version < (2, 1)
+
+
+def fsdp1_unlimited_gathers(version: tuple[int, ...] | None) -> bool:
+    """PyTorch < 2.1: ``FullyShardedDataParallel(limit_all_gathers=False)`` by default, so no rate limiter
+    bounds how far the CPU queues all-gathers ahead of the GPU (pytorch/pytorch PR #104900, "[FSDP]
+    Default ``limit_all_gathers=True``", merged 2023-07-11, first in 2.1.0). How far it runs ahead is
+    timing, not code: the estimate keeps the limiter's bound and the report says so (``release_warnings``)."""
+    return version is not None and version < (2, 1)
+
+
+def release_warnings(t: Any) -> list[str]:
+    """One line for each thing ``t``'s release does that the estimate bounds only from one side."""
+    v = None if t.torch_version is None else parse_torch_version(t.torch_version)
+    if t.fsdp is not None and t.fsdp_version == 1 and fsdp1_unlimited_gathers(v):
+        return [f"--torch-version {t.torch_version} with --fsdp-version 1: FullyShardedDataParallel's limit_all_gathers "
+                "defaulted to False before 2.1 (pytorch/pytorch PR #104900), so the CPU may queue every unit's "
+                "all-gather (and, in backward, the unsharded gradients' reduce-scatters) ahead of the GPU; the "
+                "estimate assumes the rate limiter, and reserved memory can exceed it by up to about twice the "
+                "gathered model and its unsharded gradients (unless the run passed limit_all_gathers=True)"]
+    return []
 
 
 def softmax_saves_input(version: tuple[int, ...] | None) -> bool:

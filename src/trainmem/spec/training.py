@@ -14,8 +14,8 @@ from .galore import (ADAFACTOR_LAYERWISE, LOWRANK_OPTIMIZERS, is_target, parse_o
 from .hardware import parse_cublas_workspace_config
 from .layout import layout_problems, stage_layers
 from .preference import preference_problem
-from .releases import (SDPA_ATTENTION, fsdp2_rs_on_default_stream, math_sdpa_upcasts, parse_torch_version,
-                       softmax_saves_input, torch_problems)
+from .releases import (SDPA_ATTENTION, foreach_adam_denom_copy, fsdp2_rs_on_default_stream, math_sdpa_upcasts,
+                       parse_torch_version, release_warnings, softmax_saves_input, torch_problems)
 from .tf_releases import parse_transformers_version, reentrant_checkpointing, transformers_problems
 
 #: fp32; fp16-amp/bf16-amp: fp32 weights + autocast; bf16/fp16: everything in that dtype ("pure",
@@ -122,8 +122,11 @@ RECOMPUTE = ("none", "selective", "full", "op")
 ATTENTION = ("eager", "sdpa", "flash", "sdpa-flash", "sdpa-efficient", "sdpa-math", "sdpa-cudnn")
 #: how SDPA is called: model = as transformers' attention calls it (its mask or is_causal, enable_gqa or
 #: repeat_kv); repeat-kv = with is_causal and no mask, K and V first copied to the query's heads
-#: (``expand`` + ``reshape``), as litgpt's CausalSelfAttention does in training (lit-gpt 50b1974b on)
-ATTENTION_CALLS = ("model", "repeat-kv")
+#: (``expand`` + ``reshape``), as litgpt's CausalSelfAttention does in training (lit-gpt 50b1974b on);
+#: mha = as ``torch.nn.MultiheadAttention(need_weights=False)`` calls it (torchvision's VisionTransformer
+#: over a transformers ViT of the same shape: q, k, v from one packed in_proj, the output permuted into a
+#: contiguous copy for out_proj; ``estimate.quantities.mha_kept``)
+ATTENTION_CALLS = ("model", "repeat-kv", "mha")
 #: how a Llama-style RMSNorm computes: fp32 = transformers' LlamaRMSNorm (the input cast to fp32, the
 #: normalised tensor cast back before the weight; litgpt's since lit-gpt 6178c7cc, 2023-10-24); input =
 #: in the input's own dtype, no cast (lit-gpt's RMSNorm before that, and lightning-thunder's copy of its
@@ -1165,6 +1168,12 @@ class TrainingSpec:
         return softmax_saves_input(self.torch_release)
 
     @property
+    def foreach_adam_denom_copy(self) -> bool:
+        """PyTorch < 2.1: a foreach Adam/AdamW step makes ``denom`` as a second state-sized list beside
+        ``exp_avg_sq_sqrt`` (``spec.releases``)."""
+        return foreach_adam_denom_copy(self.torch_release)
+
+    @property
     def math_sdpa_upcasts(self) -> bool:
         """PyTorch >= 2.5: SDPA's math kernel computes half inputs in fp32 (``spec.releases``)."""
         return math_sdpa_upcasts(self.torch_release)
@@ -1351,8 +1360,8 @@ class TrainingSpec:
                                 f"is called; --attention {self.attention} does not call it: give --attention sdpa")
         if self.tp > 1 or self.pp > 1 or self.cp > 1:
             what = "--tp" if self.tp > 1 else ("--pp" if self.pp > 1 else "--cp")
-            raise TrainmemError(f"--attention-call {self.attention_call} is litgpt's and torchtune's attention on one "
-                                f"GPU or data parallelism; drop {what} or --attention-call")
+            raise TrainmemError(f"--attention-call {self.attention_call} is modelled on one GPU or data "
+                                f"parallelism; drop {what} or --attention-call")
 
     def _check_cast_output(self) -> None:
         """``--cast-output`` is Lightning Fabric's wrapper around a model whose logits the loop's own
@@ -1681,8 +1690,9 @@ def setup_warnings(t: TrainingSpec) -> list[str]:
 
 def report_warnings(t: TrainingSpec) -> list[str]:
     """The warnings every report of ``t`` carries: its framework preset's (``spec.frameworks``), then
-    the pointless choices (``setup_warnings``)."""
-    return list(t.extra.get("framework_warnings", ())) + setup_warnings(t)
+    the pointless choices (``setup_warnings``), then what its PyTorch release does that the estimate
+    bounds from one side only (``spec.releases.release_warnings``)."""
+    return list(t.extra.get("framework_warnings", ())) + setup_warnings(t) + release_warnings(t)
 
 
 LEARNED_POSITION_FAMILIES = ("gpt2", "nanogpt", "bert", "roberta-prenorm")
@@ -1843,7 +1853,15 @@ def _layer_option_problems(model: Any, t: TrainingSpec) -> str | None:
         bad = liger_problem(model)
         if bad:
             return bad
-    if t.attention_call != "model" and (model.head != "causal-lm" or model.family == "nanogpt"):
+    if t.attention_call == "mha" and (t.lora_rank or t.compile):
+        what = "--lora-rank" if t.lora_rank else "--compile"
+        return (f"--attention-call mha (torchvision's nn.MultiheadAttention) is modelled eagerly and without LoRA: "
+                f"drop {what}")
+    if t.attention_call == "mha" and not (model.is_image and model.family == "derived"):
+        return (f"--attention-call mha models torchvision's VisionTransformer (nn.MultiheadAttention) over "
+                f"transformers' ViT of the same shape; {model.name} is not a transformers image classifier: "
+                f"drop --attention-call")
+    if t.attention_call == "repeat-kv" and (model.head != "causal-lm" or model.family == "nanogpt"):
         return (f"--attention-call {t.attention_call} calls SDPA with is_causal (litgpt's decoder); {model.name} "
                 f"is not a transformers causal-LM decoder: drop --attention-call")
     if t.unsloth_kernels and (model.family != "llama" or model.head != "causal-lm" or model.num_experts):
