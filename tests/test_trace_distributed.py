@@ -189,3 +189,47 @@ def test_estimate_agrees_with_fsdp2_trace(options):
     r, e = trace("llama-3.2-1b", **opts), estimate("llama-3.2-1b", **opts)
     assert e.peak_allocated == pytest.approx(r.peak_allocated, rel=0.005)
     assert _component(e, "communication.fsdp_unsharded") > 0
+
+
+
+def test_ddp_construction_broadcast_and_bucket_rebuild_are_traced(monkeypatch):
+    """What DDP does on the device beyond its buckets runs in trace too (docs/validation.md, fifteenth
+    session, later): construction broadcasts the module in flattened chunks of ``broadcast_bucket_size``
+    (250 MiB; ``_sync_module_states`` -> ``dist._broadcast_coalesced``, comm.cpp ``broadcast_coalesced``:
+    ``flatten_dense_tensors``, a new tensor of the chunk's bytes), whose allocation the tracker sees and
+    whose block it frees to the cache; the first iteration's one bucket of every parameter (``sys.maxsize``
+    limit while ``find_unused_parameters`` is off) is rebuilt in the second step's ``_pre_forward``."""
+    import torch.distributed as dist
+    import torch.nn.parallel.distributed as ddp_module
+    from trainmem.trace import tracker as tracker_module
+    trackers, seen, rebuilt = [], [], []
+    init, broadcast_coalesced = tracker_module.Tracker.__init__, dist._broadcast_coalesced
+    pre_forward = ddp_module.DistributedDataParallel._pre_forward
+
+    def keep(self, *a, **k):
+        init(self, *a, **k)
+        trackers.append(self)
+
+    def broadcast(group, tensors, size, src):
+        t = trackers[-1]
+        first, allocated = len(t.records), t.allocator.allocated
+        out = broadcast_coalesced(group, tensors, size, src)
+        seen.append((sum(x.numel() * x.element_size() for x in tensors), size, t.records[first:],
+                     t.allocator.allocated - allocated))
+        return out
+
+    def forward(self, *a, **k):
+        out = pre_forward(self, *a, **k)
+        rebuilt.append(self._has_rebuilt_buckets)
+        return out
+
+    monkeypatch.setattr(tracker_module.Tracker, "__init__", keep)
+    monkeypatch.setattr(dist, "_broadcast_coalesced", broadcast)
+    monkeypatch.setattr(ddp_module.DistributedDataParallel, "_pre_forward", forward)
+    _run(dp=2)
+    params = sum(c.bytes for c in _run().components if c.category == "parameters")
+    nbytes, size, records, left = seen[0]     # the module's parameters and buffers (rotary inv_freq), at construction
+    assert size == 250 * 1024 * 1024 and params <= nbytes < params + 1024
+    flat = [r for r in records if r.op == "cat"]              # one chunk: the flattened copy of all of them
+    assert [r.nbytes for r in flat] == [nbytes] and flat[0].free_event is not None and left == 0
+    assert rebuilt == [False, True]                           # one bucket in step 1, rebuilt in step 2
