@@ -192,13 +192,17 @@ def test_estimate_agrees_with_fsdp2_trace(options):
 
 
 
-def test_ddp_construction_broadcast_and_bucket_rebuild_are_traced(monkeypatch):
+@pytest.mark.parametrize("init_stream", ["current", "side"])
+def test_ddp_construction_broadcast_and_bucket_rebuild_are_traced(monkeypatch, init_stream):
     """What DDP does on the device beyond its buckets runs in trace too (docs/validation.md, fifteenth
     session, later): construction broadcasts the module in flattened chunks of ``broadcast_bucket_size``
     (250 MiB; ``_sync_module_states`` -> ``dist._broadcast_coalesced``, comm.cpp ``broadcast_coalesced``:
     ``flatten_dense_tensors``, a new tensor of the chunk's bytes), whose allocation the tracker sees and
     whose block it frees to the cache; the first iteration's one bucket of every parameter (``sys.maxsize``
-    limit while ``find_unused_parameters`` is off) is rebuilt in the second step's ``_pre_forward``."""
+    limit while ``find_unused_parameters`` is off) is rebuilt in the second step's ``_pre_forward``. With
+    ``ddp_init_stream="side"`` (Lightning's DDPStrategy) the construction runs on a side stream of the
+    emulated GPU, whose pool the allocator keeps apart."""
+    import torch
     import torch.distributed as dist
     import torch.nn.parallel.distributed as ddp_module
     from trainmem.trace import tracker as tracker_module
@@ -213,9 +217,10 @@ def test_ddp_construction_broadcast_and_bucket_rebuild_are_traced(monkeypatch):
     def broadcast(group, tensors, size, src):
         t = trackers[-1]
         first, allocated = len(t.records), t.allocator.allocated
+        stream = torch.cuda.current_stream().stream_id                # the emulated module inside trace
         out = broadcast_coalesced(group, tensors, size, src)
         seen.append((sum(x.numel() * x.element_size() for x in tensors), size, t.records[first:],
-                     t.allocator.allocated - allocated))
+                     t.allocator.allocated - allocated, stream))
         return out
 
     def forward(self, *a, **k):
@@ -226,10 +231,17 @@ def test_ddp_construction_broadcast_and_bucket_rebuild_are_traced(monkeypatch):
     monkeypatch.setattr(tracker_module.Tracker, "__init__", keep)
     monkeypatch.setattr(dist, "_broadcast_coalesced", broadcast)
     monkeypatch.setattr(ddp_module.DistributedDataParallel, "_pre_forward", forward)
-    _run(dp=2)
+    _run(dp=2, ddp_init_stream=init_stream)
     params = sum(c.bytes for c in _run().components if c.category == "parameters")
-    nbytes, size, records, left = seen[0]     # the module's parameters and buffers (rotary inv_freq), at construction
+    nbytes, size, records, left, stream = seen[0]
+    assert (stream != 0) == (init_stream == "side")     # the module's parameters and buffers (rotary inv_freq), at construction
     assert size == 250 * 1024 * 1024 and params <= nbytes < params + 1024
     flat = [r for r in records if r.op == "cat"]              # one chunk: the flattened copy of all of them
     assert [r.nbytes for r in flat] == [nbytes] and flat[0].free_event is not None and left == 0
     assert rebuilt == [False, True]                           # one bucket in step 1, rebuilt in step 2
+
+
+@pytest.mark.parametrize("options", [{"dp": 1}, {"dp": 2, "fsdp": "full"}, {"dp": 2, "zero": 2}])
+def test_ddp_init_stream_side_needs_plain_ddp(options):
+    with pytest.raises(TrainmemError, match="--ddp-init-stream side"):
+        _run(ddp_init_stream="side", **options)

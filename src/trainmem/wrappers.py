@@ -382,10 +382,18 @@ def user_wrap_policy(t: TrainingSpec) -> Any:
 
 def ddp(module: torch.nn.Module, t: TrainingSpec, device: torch.device, process_group: Any = None) -> Any:
     """``DistributedDataParallel`` with ``bucket_cap_mb=ddp_bucket_mb`` (``device_ids`` on CUDA), over
-    ``process_group`` (None: the default group; a pipeline stage's replicas: its data-parallel group)."""
+    ``process_group`` (None: the default group; a pipeline stage's replicas: its data-parallel group).
+    With ``ddp_init_stream="side"`` it is built inside ``torch.cuda.stream(torch.cuda.Stream())``, as
+    Lightning's DDPStrategy builds it (lightning 59c7fadc, 2023-06-19,
+    ``src/lightning/fabric/strategies/ddp.py`` L115-121, the same in its pytorch strategy): what the
+    construction allocates (``_sync_module_states``' broadcast chunks, the first iteration's bucket) is
+    cached in that stream's pool (on the emulated GPU too: ``trace.cuda._stream_patches``)."""
+    import contextlib
     from torch.nn.parallel import DistributedDataParallel
-    return DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None,
-                                   bucket_cap_mb=t.ddp_bucket_mb, process_group=process_group)
+    side = t.ddp_init_stream == "side" and device.type != "cpu"
+    with torch.cuda.stream(torch.cuda.Stream()) if side else contextlib.nullcontext():
+        return DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None,
+                                       bucket_cap_mb=t.ddp_bucket_mb, process_group=process_group)
 
 
 def wrap(module: torch.nn.Module, spec: Any, t: TrainingSpec, device_mesh: Any, device: torch.device) -> Any:

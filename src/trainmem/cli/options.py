@@ -207,6 +207,11 @@ def add_training(g: Any) -> None:
                    help="the run sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the caching allocator's "
                         "virtual-memory mode; torchtitan's launcher sets it): blocks rounded to 512 B only, reserved "
                         "replayed in that mode; measure runs with it. --no-expandable-segments overrides a preset")
+    g.add_argument("--ddp-init-stream", choices=("current", "side"), default=None,
+                   help="the stream DistributedDataParallel is built on: current (default; plain PyTorch) or side "
+                        "(Lightning's DDPStrategy builds it inside torch.cuda.stream(torch.cuda.Stream()): the "
+                        "construction's broadcast chunks and the first iteration's bucket stay cached in a pool "
+                        "nothing else uses)")
     g.add_argument("--cublas-workspace-config", metavar="CONFIG", default=None,
                    help="the run's CUBLAS_WORKSPACE_CONFIG (e.g. :4096:8 = 32 MiB, :16:8 = 128 KiB per cuBLAS handle, "
                         "as PyTorch parses it); default PyTorch's size for the GPU (32 MiB on Hopper, else 8.1 MiB) "
@@ -527,6 +532,7 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 zero_init=a.zero_init,
                 gemini=a.gemini, gemini_chunk_size=a.gemini_chunk_size,
                 expandable_segments=a.expandable_segments, cublas_workspace_config=a.cublas_workspace_config,
+                ddp_init_stream=a.ddp_init_stream,
                 trainer=a.trainer, ref_model=a.ref_model, task=getattr(a, "task", None))
     if a.fsdp is not None and a.zero in (0, None):
         opts.pop("zero")

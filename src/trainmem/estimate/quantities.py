@@ -362,6 +362,7 @@ class Quantities:
     # freed chunk by chunk before that chunk's head backward (``softcap_saved``)
     softcap_saved: int = 0
     expandable: int = 0  # 1: the allocator runs with expandable segments (TrainingSpec.expandable_segments)
+    ddp_side: int = 0    # 1: DDP built on a side stream (TrainingSpec.ddp_init_stream, reserved._ddp_side_stream)
     trainer_cp: int = 1  # the context-parallel ranks of the Trainer's sharded buffers (trainer_cp_inputs); 1 none
     detail: Detail | None = None
 
@@ -2787,6 +2788,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         lower_layers=lower, above_bottom=above_bottom, above_decoder_bottom=above_decoder_bottom,
         decoder_grads=_decoder_grads(m, t, st, layers),
         input_tok=input_bytes(m, t)[0], input_sample=input_bytes(m, t)[1], expandable=int(t.expandable_segments),
+        ddp_side=int(t.ddp_init_stream == "side"),
         trainer_cp=trainer_cp_inputs(m, t), embeds_tok=held_embeddings(m, t, pol, lc),
         **_top_fields(m, t, pol),
         dec_num=decoder_ratio(m, t)[0], dec_den=decoder_ratio(m, t)[1], **_derived_fields(m, t, stage), **pipe,

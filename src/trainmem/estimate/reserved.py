@@ -174,6 +174,8 @@ def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, 
         R.frees(R.allocs(sizes))                                       # parameter in turn (states.ds_init_gathers)
     if flags.states_at_init and st.optimizer:                          # torch Adagrad: states from its constructor
         s.states = _allocate_states(R, st)
+    if q.ddp_side:                                                     # DDP built on a side stream (Lightning)
+        _ddp_side_stream(R, st)
     R.mark("model_loaded", 0)
     if flags.grads_persistent or q.grads_loaded:                        # Megatron main grads, DeepSpeed ZeRO-3's
         for _ in range(max((k for _w, k, *_r in st.trainables), default=0)):
@@ -185,6 +187,49 @@ def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, 
     _varying_steps(R, s, q, flags, varying or [], recompute, b, temp_copies)
     peak_allocated, peak_reserved = R.peaks()
     return max(0, peak_reserved - peak_allocated), R.marks
+
+
+#: the pool of the side stream Lightning's DDPStrategy builds DDP on (``_ddp_side_stream``)
+DDP_INIT_STREAM = 3
+#: ``DistributedDataParallel.broadcast_bucket_size`` (torch 2.13 ``nn/parallel/distributed.py`` L1020; 2.0 the same)
+DDP_BROADCAST_BYTES = 250 * 1024 * 1024
+
+
+def broadcast_chunks(sizes: Any, cap: int = DDP_BROADCAST_BYTES) -> list[int]:
+    """Bytes of each flat tensor ``dist._broadcast_coalesced`` makes of tensors of ``sizes`` bytes (in
+    order): ``compute_bucket_assignment_by_size`` fills a bucket until it holds at least ``cap`` bytes
+    and then starts the next (reducer.cpp; the tensors are of one dtype here: the weights and buffers in
+    their load order), and comm.cpp's ``BroadcastWork`` flattens each into one new tensor
+    (``flatten_dense_tensors``)."""
+    out, cur = [], 0
+    for x in sizes:
+        cur += int(x)
+        if cur >= cap:
+            out.append(cur)
+            cur = 0
+    return out + ([cur] if cur else [])
+
+
+def _ddp_side_stream(R: _Replay, st: Any) -> None:
+    """DDP built inside ``torch.cuda.stream(torch.cuda.Stream())`` (Lightning's DDPStrategy,
+    ``wrappers.ddp``): its construction allocates on that stream, whose pool nothing else uses again
+    (the caching allocator reuses a block only on the stream that allocated it, ``allocator.py``
+    "Streams"), so those segments stay reserved and idle for the whole run. They are
+    ``_sync_module_states``' broadcast of the weights and buffers (torch 2.13 ``distributed/utils.py``
+    L289-327 -> comm.cpp ``broadcast_coalesced``: each chunk's flat copy, at most two in flight, the
+    older freed before the next is made; ``broadcast_chunks``) and the first iteration's one bucket of
+    every gradient (``sys.maxsize`` bucket limit while ``find_unused_parameters`` is off,
+    ``nn/parallel/distributed.py`` L128-162; 2.0's ``_ddp_init_helper`` the same), made after them on the
+    same stream and freed when the second step's ``_pre_forward`` rebuilds the buckets on the default
+    stream (reducer.cpp ``rebuild_buckets`` -> ``initialize_buckets``: ``buckets_.clear()`` first). The
+    rebuilt buckets are the ``communication.ddp_buckets`` component, outside this replay."""
+    live: list = []
+    for nbytes in broadcast_chunks(st.load):
+        if len(live) == 2:                                                 # max_in_flight = 2 (comm.cpp)
+            R.free(live.pop(0))
+        live.append(R.alloc(nbytes, DDP_INIT_STREAM))
+    R.frees(live)
+    R.free(R.alloc(st.grads, DDP_INIT_STREAM))                            # the first iteration's bucket
 
 
 def _zero3_masters(R: _Replay, q: Quantities, st: Any) -> None:

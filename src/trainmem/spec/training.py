@@ -342,6 +342,8 @@ class TrainingSpec:
     transformers_version: str | None = None  # the transformers release (spec.tf_releases); None: the installed one
     distributed_optimizer: bool = False  # Megatron/NeMo: fp32 main grads + sharded states
     ddp_bucket_mb: float = 25.0
+    ddp_init_stream: str = "current"  # "side": DDP built inside torch.cuda.stream(torch.cuda.Stream()), as
+    #                                   Lightning's DDPStrategy does (wrappers.ddp, estimate.reserved._ddp_side_stream)
     optimizer_bucket_mb: float | None = None  # NeMo distributed_fused_adam bucket
     fsdp_node_size: int = 8
     keep_logits: bool = False  # alias of hold_output="step" (the loop keeps the model output)
@@ -505,6 +507,12 @@ class TrainingSpec:
                                 "it does not combine with --zero or --fsdp: give one of them")
         if self.ddp_bucket_mb <= 0:
             raise TrainmemError(f"ddp_bucket_mb must be positive, got {self.ddp_bucket_mb}")
+        if self.ddp_init_stream not in ("current", "side"):
+            raise TrainmemError(f"--ddp-init-stream must be current or side, got {self.ddp_init_stream!r}")
+        if self.ddp_init_stream == "side" and not self.plain_ddp:
+            raise TrainmemError("--ddp-init-stream side describes PyTorch's DistributedDataParallel, which trainmem "
+                                "builds only with --dp > 1 and without --fsdp, --zero, --gemini, --pp, "
+                                "--distributed-optimizer or Megatron's DDP: drop the flag or use --dp alone")
         if self.optimizer_bucket_mb is not None and self.optimizer_bucket_mb <= 0:
             raise TrainmemError(f"optimizer_bucket_mb must be positive, got {self.optimizer_bucket_mb}")
         if self.num_microbatches_in_flight is not None and self.num_microbatches_in_flight <= 0:
@@ -1429,6 +1437,13 @@ class TrainingSpec:
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def plain_ddp(self) -> bool:
+        """Whether the ranks run PyTorch's ``DistributedDataParallel`` (``wrappers.ddp``): ``--dp`` > 1
+        without FSDP, ZeRO, Gemini, pipeline stages, Megatron's distributed optimizer or its own DDP."""
+        return (self.dp > 1 and self.zero_stage == 0 and self.gemini is None and self.pp == 1
+                and not self.distributed_optimizer and not self.megatron_ddp)
 
     @property
     def zero_stage(self) -> int:
