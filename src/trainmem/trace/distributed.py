@@ -79,11 +79,12 @@ allocator simulation (``cuda._stream_patches``; the caching allocator reuses a b
 stream that allocated it). DDP's construction (``_sync_module_states``: the module flattened into
 250 MiB chunks by ``dist._broadcast_coalesced``, freed to the cache when it returns), its first
 iteration's one bucket of every parameter and the bucket rebuild in the second step's ``_pre_forward``
-all run here (``tests/test_trace_distributed.py``). Not modelled: NCCL's own buffers (outside the caching
+all run here (``tests/test_trace_distributed.py``), on the side stream Lightning builds DDP on under
+``--ddp-init-stream side`` (``wrappers.ddp``). Not modelled: NCCL's own buffers (outside the caching
 allocator), and the wait of a block a real NCCL collective used (``recordStream`` on NCCL's stream:
 the broadcast's chunks, the buckets freed by the rebuild) before the caching allocator reuses it, which
 depends on how far the CPU runs ahead of the GPU, not on the code (docs/validation.md, fifteenth
-session, later: up to +336 MiB on the cvpr2023 DDP row).
+session, later: up to +336 MiB on the cvpr2023 DDP row's setup built on the current stream).
 """
 from __future__ import annotations
 
