@@ -67,6 +67,9 @@ CASES = [
     ({"fsdp": "hybrid", "dp": 4, "fsdp_node_size": 2}, REFUSED, "--fsdp hybrid"),
     ({"dp": 2, "ddp_bucket_mb": 1.0}, "same", "the cap regroups DDP's buckets, which together are as large as the "
                                               "gradients (vs --dp 2 alone)"),
+    ({"dp": 2, "ddp_init_stream": "side"}, "same", "the side stream keeps the construction's blocks in a pool of "
+                                                    "its own: reserved, not allocated (vs --dp 2 alone)"),
+    ({"ddp_init_stream": "side"}, REFUSED, "--ddp-init-stream side"),
     ({"tp": 2}, CHANGED, ""), ({"cp": 2}, CHANGED, ""),  # PyTorch's context_parallel (tests/test_trace_cp.py)
     ({"cp": 2, "attention": "eager"}, REFUSED, "--attention eager"),
     # pipeline parallelism: torch's Schedule1F1B on the fake group (vs --grad-accum 2 alone, REFERENCE)
@@ -233,6 +236,7 @@ REFERENCE = {"fsdp_version": {"fsdp": "full", "dp": 2},
              "fsdp_auto_wrap_policy": {"fsdp_version": 1, "fsdp": "full", "dp": 2},
              "use_cache": {"hold_output": "step"},
              "fsdp_lora_units": {"lora_rank": 8}, "fsdp_gathered": {"fsdp": "full", "dp": 2}, "ddp_bucket_mb": {"dp": 2},
+             "ddp_init_stream": {"dp": 2},
              "sequence_parallel": {"tp": 2},
              "quantize": {"lora_rank": 8}, "quantize_via": {"lora_rank": 8, "quantize": "nf4"},
              "bitsandbytes_version": {"lora_rank": 8, "quantize": "nf4"},
