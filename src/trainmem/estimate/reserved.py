@@ -341,6 +341,7 @@ class _Forward:
     chunks: int
     gathered: Any = None                         # ZeRO-3: the embedding's table kept gathered since its forward
     shifted: int = 0                             # logit elements of the shifted logits (``_fp32_logits_forward``)
+    z3: "_Zero3Fetch | None" = None              # ZeRO-3: the layers' gathered parameters (``_Zero3Fetch``)
 
 
 def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, parts: list[int],
@@ -367,8 +368,12 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     emb = R.alloc(tk.outer_rest)                                  # embeddings' saved tensors
     s.workspace(R, 0)                                             # the first layer's first matmul
     cached: list = []                                             # autocast's weight cache (checkpointed layers)
-    kept = [_layer_forward(R, q, fs, parts, tk, recompute, keep=(i == q.layers - 1 and q.fsdp_last_kept > 0),
-                           cached=cached) for i in range(q.layers)]
+    z3 = _Zero3Fetch(R, q, recorded=s.forwards > 1)               # ZeRO-3: the layers' gathers (the embedding's
+    kept = []                                                     # fetch starts the first layer's prefetch)
+    for i in range(q.layers):
+        z3.forward(R, i)
+        kept.append(_layer_forward(R, q, fs, parts, tk, recompute, keep=(i == q.layers - 1 and q.fsdp_last_kept > 0),
+                                   cached=cached))
     R.frees([h for at, h in R.carry if at != LATE])               # the top layer's late frees (a derived layer)
     R.carry = [(at, h) for at, h in R.carry if at == LATE]
     root = root + fs.unshard(R, q.fsdp_head_unit, st.head_unit_tensors)  # split root: [norm, head] kept
@@ -415,7 +420,7 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
         R.free(fs.ag)                                             # (``_fsdp_state.py`` ``_post_forward``)
         fs.ag = None
     R.mark("forward" + suffix, s.step)
-    return _Forward(inputs, fs, root, emb, kept, head, out, saved, full, chunks, gathered, _shifted(q, full, seqs))
+    return _Forward(inputs, fs, root, emb, kept, head, out, saved, full, chunks, gathered, _shifted(q, full, seqs), z3)
 
 
 def _shifted(q: Quantities, full: int, seqs: int) -> int:
@@ -649,6 +654,8 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
         f.fs.below_first = q.fsdp_emb_unit                        # the first layer prefetches the embedding
     for i in reversed(range(q.layers)):
         _layer_backward(R, s, q, f.fs, parts, f.kept[i], i, n, nsq, recompute, flags.oib)
+        if f.z3 is not None:
+            f.z3.backward(R, i)                                   # ZeRO-3: the layer's parameters released
     if q.fsdp_emb_unit:                                           # split root: the embedding's pre-backward
         f.fs.below_first = 0
         f.root = f.fs.unshard_backward(R, q.fsdp_emb_unit, _emb_unit_tensors(st), prefetch=False)
@@ -674,7 +681,8 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     f.fs.reduced(R)                                               # torch < 2.5: the input dropped on return
     if suffix != ".micro1":                                       # ZeRO-1/2 offloading, at the boundary:
         _offload_epilogue(R, q)                                   # rank 0's inf/NaN check, each gradient's copies
-    R.free(R.alloc(q.ds_reduce_cat, GRAD_STREAM * q.ds_streams))  # ZeRO-3's epilogue: the bucket reduced
+    for cat in q.ds_reduce_cats:                                  # ZeRO-3's buckets reduced, each a flat cat
+        R.free(R.alloc(cat, GRAD_STREAM * q.ds_streams))          # (quantities.deepspeed_reduce_cats)
     R.free(gathered)                                              # ... and every parameter released
     R.frees([tied, f.emb, f.inputs] + buckets)
     f.fs.reshard(R, f.root)                                       # the root's post-backward
@@ -965,6 +973,85 @@ class _Fsdp:
     def done(self, R: _Replay) -> None:
         R.frees([self.ag, self.rs, self.prefetched])
         self.ag = self.rs = self.prefetched = None
+
+
+class _Zero3Fetch:
+    """DeepSpeed ZeRO-3's gathers of the layers' parameters (``quantities.deepspeed_layer_params``) on the
+    all-gather stream, one micro-batch's forward and backward (nothing off ZeRO-3 over several ranks).
+
+    Before the module order is recorded (the run's first forward: ``is_complete_trace``, v0.19.8
+    ``partitioned_param_coordinator.py`` L417-420) each module fetches its own parameters, each a
+    whole tensor, and releases them after its forward (``release_sub_module`` L502-507: every parameter
+    of the module while the trace is incomplete), and so again at its backward: one parameter alive at
+    a time. Once it is recorded, each module's fetch also starts the prefetch of the next group
+    (``quantities.deepspeed_prefetch_groups``): one flat ``all_gather_coalesced`` output
+    (``partition_parameters.py`` ``_all_gather_dtype`` L1329-1350); the first of its parameters
+    fetched waits on the handle, which builds every parameter of the group by ``torch.cat``
+    (``AllGatherCoalescedHandle.wait`` L761-803), and the flat output goes when the last of them is
+    popped from ``__inflight_param_registry`` (coordinator L407-411). A layer's module and each of its
+    parameters' modules fetch (modules without parameters of their own, attention and MLP, are left
+    out), so the prefetch runs ahead by up to that many groups: on Llama-3.2-1B cut to 2 layers (ZeRO-3
+    dp 4 bf16, groups of one layer) trace's second forward holds both layers' flat outputs (116 MiB
+    each) when the first layer's parameters are built. The top ``ds_layers_kept`` layers keep their
+    parameters until their backward (``__params_to_release`` L634-664); the others are released after
+    their forward and gathered again, one at a time, at their backward (its prefetch left out)."""
+
+    def __init__(self, R: _Replay, q: Quantities, recorded: bool) -> None:
+        self.sizes, self.k = q.ds_layer_params, len(q.ds_layer_params)
+        self.stream = GATHER_STREAM * q.ds_streams
+        self.groups = list(q.ds_prefetch_groups) if recorded else []
+        self.kept_from = q.layers - q.ds_layers_kept if recorded else q.layers
+        self.flats: dict = {}     # group -> [flat handle, its parameters not yet fetched]
+        self.built: dict = {}     # parameter index -> handle, built from a flat output, not yet fetched
+        self.held: dict = {}      # layer -> its parameters' handles, kept until its backward
+        self.next = 0             # the next group to prefetch
+        if self.k:
+            self._prefetch(R)     # the embedding's fetch: the first layer's group
+
+    def _prefetch(self, R: _Replay) -> None:
+        """One module's fetch: the next group's flat output, (n,) engine dtype."""
+        if self.next < len(self.groups):
+            a, b = self.groups[self.next]
+            self.flats[self.next] = [R.alloc(sum(self.sizes[j % self.k] for j in range(a, b)), self.stream), b - a]
+            self.next += 1
+
+    def _fetch(self, R: _Replay, idx: int) -> Any:
+        """The parameter ``idx`` of the layers gathered: from its group's flat output, or on its own."""
+        g = next((n for n, (a, b) in enumerate(self.groups) if a <= idx < b), None)
+        if g is None:
+            return R.alloc(self.sizes[idx % self.k], self.stream)
+        while self.next <= g:                                     # not prefetched: fetched now
+            self._prefetch(R)
+        if idx not in self.built:                                 # the handle's wait: the group's parameters
+            a, b = self.groups[g]                                 # built, each (numel,) by torch.cat
+            self.built.update({j: R.alloc(self.sizes[j % self.k], self.stream) for j in range(a, b)})
+        flat = self.flats[g]
+        flat[1] -= 1
+        if flat[1] == 0:                                          # the last of the group popped
+            R.free(flat[0])
+        return self.built.pop(idx)
+
+    def forward(self, R: _Replay, i: int) -> None:
+        """Layer ``i``'s forward: its module's fetch, then each parameter's module's."""
+        if not self.k:
+            return
+        self._prefetch(R)
+        for j in range(self.k):
+            h = self._fetch(R, i * self.k + j)
+            self._prefetch(R)
+            if i >= self.kept_from:
+                self.held.setdefault(i, []).append(h)
+            else:
+                R.free(h)
+
+    def backward(self, R: _Replay, i: int) -> None:
+        """Layer ``i``'s backward (called after it): its kept parameters released, or each gathered and
+        released in turn."""
+        if i in self.held:
+            R.frees(self.held.pop(i))
+        else:
+            for n in self.sizes:
+                R.free(R.alloc(n, self.stream))
 
 
 def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: _Parts, tk: Tokens, recompute: str,
