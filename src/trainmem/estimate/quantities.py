@@ -275,10 +275,12 @@ class Quantities:
     #                           layer's forward, steps after the first (``deepspeed_coalesced``)
     ds_reduce_cat: int = 0    # ... the reduce-scatter's flat input of its largest reduction (``deepspeed_reduce_cat``)
     ds_reduce_cats: tuple = ()  # ... and of each bucket's, in backward order (``deepspeed_reduce_cats``)
-    ds_layer_params: tuple = ()  # ZeRO-3 over several ranks: one layer's parameters, whole, engine dtype, in
+    ds_layer_params: tuple = ()  # ZeRO-3 over several ranks: one layer's parameters, whole (elements), in
     #                              module order: each gathered at its module (``deepspeed_layer_params``)
-    ds_prefetch_groups: tuple = ()  # ... the second step's prefetch groups over the layers' parameters
-    #                                 (``deepspeed_prefetch_groups``): (layer, first, last) indices each
+    ds_param_bytes: int = 0   # ... bytes per element of a gathered parameter (the engine's dtype)
+    ds_prefetch: int = 0      # ... stage3_prefetch_bucket_size (elements; 0: no prefetch)
+    ds_max_live: int = 0      # ... stage3_max_live_parameters (elements; ``DS_MAX_LIVE``)
+    ds_emb_numel: int = 0     # ... the input embedding's elements, gathered at its forward
     ds_layers_kept: int = 0   # ... the top layers kept gathered from their forward to their backward once the
     #                           module order is recorded (``deepspeed_layers_kept``)
     ds_streams: int = 0       # 1: ZeRO-3 under overlap_comm: fetches on its all-gather stream, reductions on its own
@@ -1601,8 +1603,11 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
             "ds_gathered_top": top, "ds_gathered_low": low, "ds_coalesced": deepspeed_coalesced(m, t),
             "ds_gathered_emb": deepspeed_gathered_embedding(m, t),
             "ds_reduce_cat": deepspeed_reduce_cat(t, st), "ds_reduce_cats": deepspeed_reduce_cats(t, st),
-            "ds_layer_params": deepspeed_layer_params(m, t),
-            "ds_prefetch_groups": deepspeed_prefetch_groups(m, t), "ds_layers_kept": deepspeed_layers_kept(m, t, st),
+            "ds_layer_params": deepspeed_layer_params(m, t), "ds_param_bytes": t.weight_bytes,
+            "ds_prefetch": t.ds_prefetch if deepspeed_layer_params(m, t) else 0, "ds_max_live": DS_MAX_LIVE,
+            "ds_emb_numel": deepspeed_gathered_embedding(m, t) and next(
+                (-(-p.numel // t.tp) for p in m.parameter_tensors() if p.role == "embedding"), 0),
+            "ds_layers_kept": deepspeed_layers_kept(m, t, st),
             "ds_emb_kept": int(deepspeed_embedding_kept(m, t, st)),
             # v0.19.8 ``parameter_offload.py`` L195-196, ``stage3.py`` L340-341: the side streams exist
             # under ``overlap_comm`` (else the default stream is used)
@@ -2136,41 +2141,25 @@ def _reduce_cats(sizes: list[int], bucket: int) -> list[int]:
     return out
 
 
+#: DeepSpeed ZeRO-3's ``stage3_max_live_parameters`` (DeepSpeed v0.19.8 ``runtime/zero/config.py`` L245:
+#: 1e9 elements; not an option here, and trace's engine runs with this default too)
+DS_MAX_LIVE = 1_000_000_000
+
+
 def deepspeed_layer_params(m: ModelSpec, t: TrainingSpec) -> tuple[int, ...]:
-    """Bytes of each of one layer's parameters, whole, in the engine's dtype, in the order the layer's
-    modules run (norm before attention, attention before the MLP; () off ZeRO-3 over several ranks).
-    ZeRO-3 gathers a module's own parameters at its forward and backward hooks (v0.19.8
+    """Elements of each of one layer's parameters, whole, in the order the layer's modules run (norm
+    before attention, attention before the MLP; () off ZeRO-3 over several ranks). ZeRO-3 gathers a
+    module's own parameters at its forward and backward hooks (v0.19.8
     ``partitioned_param_coordinator.py`` ``fetch_sub_module`` L340-381); each whole parameter is a
-    tensor of its own (``partition_parameters.py`` ``_allgather_params_coalesced``, or built by
-    ``torch.cat`` from a prefetch's flat output: ``AllGatherCoalescedHandle.wait`` L761-803), on the
-    all-gather stream under ``overlap_comm`` (coordinator L400)."""
+    tensor of its own in the engine's dtype (``partition_parameters.py`` ``_allgather_params_coalesced``,
+    or built by ``torch.cat`` from a prefetch's flat output: ``AllGatherCoalescedHandle.wait``
+    L761-803), on the all-gather stream under ``overlap_comm`` (coordinator L400)."""
     if not (deepspeed_zero(t) and t.zero == 3 and t.shard_group > 1):
         return ()
     layer = sorted((p for p in m.parameter_tensors() if p.layer == 0),   # (stable: registration order within)
                    key=lambda p: (0 if "input_layernorm" in p.module else 1 if "attn" in p.module else
                                   2 if "post_attention" in p.module else 3))
-    return tuple(block_of(t, -(-p.numel // t.tp) * t.weight_bytes) for p in layer)
-
-
-def deepspeed_prefetch_groups(m: ModelSpec, t: TrainingSpec) -> tuple[tuple[int, int], ...]:
-    """The prefetch's all-gathers over the layers once ZeRO-3's module order is recorded (steps after
-    the first): (start, stop) of each group, indices into the layers' parameters in order (layer i's
-    j-th of ``deepspeed_layer_params`` is i * len + j); () without prefetch. At each module's fetch (with or without parameters of its own) ``fetch_sub_module``
-    pops parameters of the recorded order that are not gathered yet until they reach
-    min(stage3_prefetch_bucket_size, stage3_max_live_parameters - those available) elements (v0.19.8
-    ``partitioned_param_coordinator.py`` L451-480: whole parameters, the last one past the bucket
-    included) and gathers them with one ``all_gather_coalesced`` (L582-613). The embedding (fetched
-    before the layers) and the final norm and head (after) are left out here."""
-    if not deepspeed_layer_params(m, t) or t.ds_prefetch <= 0:
-        return ()
-    elems = [n // t.weight_bytes for n in deepspeed_layer_params(m, t)] * (m.num_layers // t.pp)
-    groups, start, acc = [], 0, 0
-    for i, n in enumerate(elems):                               # whole parameters until the bucket is reached
-        acc += n
-        if acc >= t.ds_prefetch or i == len(elems) - 1:
-            groups.append((start, i + 1))
-            start, acc = i + 1, 0
-    return tuple(groups)
+    return tuple(-(-p.numel // t.tp) for p in layer)
 
 
 def deepspeed_layers_kept(m: ModelSpec, t: TrainingSpec, st: States) -> int:

@@ -983,49 +983,66 @@ class _Zero3Fetch:
     ``partitioned_param_coordinator.py`` L417-420) each module fetches its own parameters, each a
     whole tensor, and releases them after its forward (``release_sub_module`` L502-507: every parameter
     of the module while the trace is incomplete), and so again at its backward: one parameter alive at
-    a time. Once it is recorded, each module's fetch also starts the prefetch of the next group
-    (``quantities.deepspeed_prefetch_groups``): one flat ``all_gather_coalesced`` output
-    (``partition_parameters.py`` ``_all_gather_dtype`` L1329-1350); the first of its parameters
-    fetched waits on the handle, which builds every parameter of the group by ``torch.cat``
+    a time. Once it is recorded, each module's fetch also starts a prefetch (L451-480): parameters of
+    the recorded order not gathered yet, whole, until they reach min(stage3_prefetch_bucket_size,
+    stage3_max_live_parameters - the elements gathered or in flight) (``__n_available_params``: up at
+    each all-gather L593, down at each release L630), gathered as one flat ``all_gather_coalesced``
+    output (``partition_parameters.py`` ``_all_gather_dtype`` L1329-1350); the first of them fetched
+    waits on the handle, which builds every parameter of the group by ``torch.cat``
     (``AllGatherCoalescedHandle.wait`` L761-803), and the flat output goes when the last of them is
     popped from ``__inflight_param_registry`` (coordinator L407-411). A layer's module and each of its
     parameters' modules fetch (modules without parameters of their own, attention and MLP, are left
-    out), so the prefetch runs ahead by up to that many groups: on Llama-3.2-1B cut to 2 layers (ZeRO-3
-    dp 4 bf16, groups of one layer) trace's second forward holds both layers' flat outputs (116 MiB
-    each) when the first layer's parameters are built. The top ``ds_layers_kept`` layers keep their
-    parameters until their backward (``__params_to_release`` L634-664); the others are released after
-    their forward and gathered again, one at a time, at their backward (its prefetch left out)."""
+    out), so the prefetch runs ahead up to the live-parameter limit: on Llama-3.2-1B cut to 2 layers
+    (ZeRO-3 dp 4 bf16, one layer per group) trace's second forward holds both layers' flat outputs
+    (116 MiB each) when the first layer's parameters are built. The top ``ds_layers_kept`` layers keep
+    their parameters until their backward (``__params_to_release`` L634-664); the others are released
+    after their forward and gathered again, one at a time, at their backward (the backward's prefetch
+    is not replayed); the final norm and the head are left out."""
 
     def __init__(self, R: _Replay, q: Quantities, recorded: bool) -> None:
-        self.sizes, self.k = q.ds_layer_params, len(q.ds_layer_params)
-        self.stream = GATHER_STREAM * q.ds_streams
-        self.groups = list(q.ds_prefetch_groups) if recorded else []
+        self.numels, self.k = q.ds_layer_params, len(q.ds_layer_params)
+        self.wb, self.stream = q.ds_param_bytes, GATHER_STREAM * q.ds_streams
+        self.bucket = q.ds_prefetch if recorded else 0
+        self.max_live, self.total = q.ds_max_live, q.layers * self.k
         self.kept_from = q.layers - q.ds_layers_kept if recorded else q.layers
-        self.flats: dict = {}     # group -> [flat handle, its parameters not yet fetched]
+        self.group_of: dict = {}  # parameter index -> its group
+        self.flats: dict = {}     # group -> [flat handle, its parameters not yet fetched, (start, stop)]
         self.built: dict = {}     # parameter index -> handle, built from a flat output, not yet fetched
         self.held: dict = {}      # layer -> its parameters' handles, kept until its backward
-        self.next = 0             # the next group to prefetch
+        self.queue = 0            # the next parameter of the recorded order not yet taken
+        self.avail = q.ds_emb_numel  # the embedding, fetched
         if self.k:
-            self._prefetch(R)     # the embedding's fetch: the first layer's group
+            self._prefetch(R)     # the embedding's fetch: the first group
+        if not (q.ds_emb_kept and recorded):
+            self.avail -= q.ds_emb_numel  # ... released after its forward
+
+    def _numel(self, idx: int) -> int:
+        return self.numels[idx % self.k]
 
     def _prefetch(self, R: _Replay) -> None:
         """One module's fetch: the next group's flat output, (n,) engine dtype."""
-        if self.next < len(self.groups):
-            a, b = self.groups[self.next]
-            self.flats[self.next] = [R.alloc(sum(self.sizes[j % self.k] for j in range(a, b)), self.stream), b - a]
-            self.next += 1
+        most = min(self.bucket, self.max_live - self.avail)
+        start, n = self.queue, 0
+        while self.queue < self.total and n < most:
+            n += self._numel(self.queue)
+            self.queue += 1
+        if n:
+            g = len(self.flats)                                   # groups are never removed from flats
+            self.group_of.update({j: g for j in range(start, self.queue)})
+            self.flats[g] = [R.alloc(n * self.wb, self.stream), self.queue - start, (start, self.queue)]
+            self.avail += n
 
     def _fetch(self, R: _Replay, idx: int) -> Any:
         """The parameter ``idx`` of the layers gathered: from its group's flat output, or on its own."""
-        g = next((n for n, (a, b) in enumerate(self.groups) if a <= idx < b), None)
-        if g is None:
-            return R.alloc(self.sizes[idx % self.k], self.stream)
-        while self.next <= g:                                     # not prefetched: fetched now
-            self._prefetch(R)
-        if idx not in self.built:                                 # the handle's wait: the group's parameters
-            a, b = self.groups[g]                                 # built, each (numel,) by torch.cat
-            self.built.update({j: R.alloc(self.sizes[j % self.k], self.stream) for j in range(a, b)})
+        g = self.group_of.pop(idx, None)
+        if g is None:                                             # not prefetched: fetched now
+            self.queue = max(self.queue, idx + 1)
+            self.avail += self._numel(idx)
+            return R.alloc(self._numel(idx) * self.wb, self.stream)
         flat = self.flats[g]
+        if idx not in self.built:                                 # the handle's wait: the group's parameters
+            a, b = flat[2]                                        # built, each (numel,) by torch.cat
+            self.built.update({j: R.alloc(self._numel(j) * self.wb, self.stream) for j in range(a, b)})
         flat[1] -= 1
         if flat[1] == 0:                                          # the last of the group popped
             R.free(flat[0])
@@ -1042,16 +1059,17 @@ class _Zero3Fetch:
             if i >= self.kept_from:
                 self.held.setdefault(i, []).append(h)
             else:
-                R.free(h)
+                R.free(h)                                         # released after its module's forward
+                self.avail -= self._numel(j)
 
     def backward(self, R: _Replay, i: int) -> None:
         """Layer ``i``'s backward (called after it): its kept parameters released, or each gathered and
         released in turn."""
         if i in self.held:
             R.frees(self.held.pop(i))
-        else:
-            for n in self.sizes:
-                R.free(R.alloc(n, self.stream))
+        elif self.k:
+            for n in self.numels:
+                R.free(R.alloc(n * self.wb, self.stream))
 
 
 def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: _Parts, tk: Tokens, recompute: str,
