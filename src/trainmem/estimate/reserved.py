@@ -30,9 +30,10 @@ runs it through the same simulator as ``trace`` (``trainmem.allocator.CachingAll
   FSDP2 before PyTorch 2.5: each reduce-scatter input on the reduce-scatter stream, freed when the
   reduce returns (``_Fsdp.reduce``);
 * DeepSpeed ZeRO-3: the embedding's table gathered on its all-gather stream at its forward and
-  backward (kept between them once its module order is recorded), the epilogue's flat reduction
-  input on its reduce stream, its step's float64 norm copies, flat fp32 gradient and flat states
-  (``_zero3_step``);
+  backward (kept between them once its module order is recorded), the layers' parameters gathered
+  there one at a time in the first step and by the prefetch's flat outputs after it (``_Zero3Fetch``),
+  each bucket's flat reduction input on its reduce stream, its step's float64 norm copies, flat fp32
+  gradient and flat states (``_zero3_step``);
 * the optimizer step: the states of every trainable tensor at the first step, in parameter order
   (``torch.optim``'s lazy ``_init_group``), then the step's temporaries as per-tensor blocks;
   ``zero_grad(set_to_none=True)`` frees the gradients.
