@@ -112,3 +112,61 @@ def test_fp32_logits_loss_replayed_tensor_by_tensor(monkeypatch):
     seen.clear()
     trainmem.estimate(QWEN, **kw)
     assert shifted * 4 not in [n for n, _s in seen]
+
+
+def _fetcher(monkeypatch, recorded: bool, max_live: int, kept: int = 2) -> list:
+    """The gather-stream requests of ``_Zero3Fetch`` over two layers of parameters of 10, 20 and 30
+    elements (1 byte each), prefetch bucket 25, every layer's forward then backward."""
+    from types import SimpleNamespace
+
+    from trainmem.estimate.reserved import GATHER_STREAM, _Replay, _Zero3Fetch
+    q = SimpleNamespace(ds_layer_params=(10, 20, 30), ds_param_bytes=1, ds_streams=1, ds_prefetch=25,
+                        ds_max_live=max_live, layers=2, ds_layers_kept=kept, ds_emb_kept=0, ds_emb_numel=0)
+    seen = _requests(monkeypatch)
+    R = _Replay()
+    z = _Zero3Fetch(R, q, recorded)
+    for i in range(2):
+        z.forward(R, i)
+    for i in reversed(range(2)):
+        z.backward(R, i)
+    assert R.a.allocated == 0                                   # everything gathered is released
+    assert {s for _n, s in seen} == {GATHER_STREAM}
+    return [n for n, _s in seen]
+
+
+def test_zero3_gathers_one_parameter_at_a_time_before_the_order_is_recorded(monkeypatch):
+    """The first forward (no recorded order): each parameter gathered at its module and released after
+    it, in forward and again in backward; no flat prefetch output."""
+    assert _fetcher(monkeypatch, recorded=False, max_live=1000) == [10, 20, 30] * 4
+
+
+def test_zero3_prefetch_groups_run_ahead_within_the_live_limit(monkeypatch):
+    """Once the order is recorded each module's fetch prefetches whole parameters up to the bucket (25):
+    the groups (10, 20), (30), (10, 20), (30) as flat outputs, each group's parameters built from it at
+    its first fetch; with stage3_max_live_parameters 1000 the prefetch runs ahead into the second layer
+    before the first layer's parameters are built; with 40 (the first layer kept gathered) it stops, and
+    the second layer's parameters are fetched one by one."""
+    assert _fetcher(monkeypatch, recorded=True, max_live=1000) == [30, 30, 10, 20, 30, 30, 30, 10, 20, 30]
+    assert _fetcher(monkeypatch, recorded=True, max_live=40) == [30, 30, 10, 20, 30, 10, 20, 30]
+
+
+def test_zero3_layers_not_kept_are_gathered_again_in_backward(monkeypatch):
+    """A layer whose next use is past stage3_max_reuse_distance (``ds_layers_kept`` 0) is released after
+    its forward and gathered again, parameter by parameter, at its backward."""
+    sizes = _fetcher(monkeypatch, recorded=True, max_live=1000, kept=0)
+    assert sizes[-6:] == [10, 20, 30, 10, 20, 30]
+
+
+def test_zero3_reduce_cat_bucket_by_bucket():
+    """The gradients fill reduce_bucket_size in backward order: Llama-3.2-1B cut to 4 layers (506M
+    elements) has the layers' gradients (and the final norm's) in the first bucket, concatenated, and
+    the tied embedding alone in the second, reduced in place (found by trace: a 464 MiB ``cat``, bf16)."""
+    from trainmem.estimate.quantities import deepspeed_reduce_cats
+    rs = resolve("llama-3.2-1b", framework="hf-trainer", zero=3, dp=2, precision="bf16",
+                 set=["num_hidden_layers=4"])
+    st = model_states(rs.model, rs.training)
+    cats = deepspeed_reduce_cats(rs.training, st)
+    layers = sum(p.numel for p in rs.model.parameter_tensors() if p.role != "embedding")
+    assert len(cats) == 2 and cats[1] == 0
+    assert layers * 2 <= cats[0] < layers * 2 + 4 * MiB and cats[0] // MiB == 464
+    assert deepspeed_reduce_cat(rs.training, st) == cats[0]

@@ -247,14 +247,15 @@ def test_zero3_reserved_replays_the_step_s_gathers_norm_and_states(one_torch_thr
     ``cat`` of the bucket on the reduce stream (``quantities.deepspeed_reduce_cat``); in ``step`` each
     gradient partition's float64 copy for the norm, then per sub-group the flat and fp32 gradients
     and, at the first step, the states as flat ``zeros_like`` of the fp32 partition
-    (``reserved._zero3_step``). Against DeepSpeed's own engine traced: the reserved peak within 2.5%
-    (1404 MiB against 1434, -2.1%: the second step's prefetch buffers are not replayed; before: 1326,
-    -7.5%), the allocated peak as before (within 0.3%)."""
+    (``reserved._zero3_step``); the layers' gathers, one parameter at a time in the first step and the
+    prefetch's flat outputs after it (``reserved._Zero3Fetch``). Against DeepSpeed's own engine traced:
+    the reserved peak within 0.5% (1432 MiB against 1434, -0.1%; before the layers' gathers: 1404, -2.1%;
+    before the step's replay: 1326, -7.5%), the allocated peak as before (within 0.3%)."""
     pytest.importorskip("deepspeed")
     from trainmem.trace import trace
     e, r = trainmem.estimate(MODEL, **TIED), trace(MODEL, **TIED)
     assert abs(e.peak_allocated - r.peak_allocated) < 0.003 * r.peak_allocated
-    assert abs(e.peak_reserved - r.peak_reserved) < 0.025 * r.peak_reserved
+    assert abs(e.peak_reserved - r.peak_reserved) < 0.005 * r.peak_reserved
 
 
 @pytest.mark.slow
@@ -263,11 +264,15 @@ def test_zero3_reserved_replays_the_step_s_gathers_norm_and_states(one_torch_thr
 def test_zero3_reserved_grid(layers, dp, precision, recompute, one_torch_thread):
     """docs/validation.md "ZeRO-3's reserved memory through the step": Llama-3.2-1B cut to 2 or 4 layers,
     batch 1 x 512, the HF Trainer's ZeRO-3: the step's allocated peak within 0.1% of DeepSpeed's engine
-    traced, the reserved peak within 8% (measured -7.4 ... +1.8%; before -28.4 ... -14.2%)."""
+    traced, the reserved peak within 6.5% (measured -5.0 ... +6.0%, 22 of 24 within 0.15%, with the
+    layers' gathers and prefetch and the reduce ``cat`` bucket by bucket; before -7.4 ... +1.8%; before
+    the step's replay -28.4 ... -14.2%). The two others, 4 layers dp 2 bf16 (-496 MiB) and 2 layers dp 2
+    bf16 full recompute (+504 MiB), differ by one block of the tied embedding's size in the default
+    stream's pool at the embedding's backward (docs/validation.md, fifteenth session, later)."""
     pytest.importorskip("deepspeed")
     from trainmem.trace import trace
     kw = dict(framework="hf-trainer", zero=3, set=[f"num_hidden_layers={layers}"], dp=dp, precision=precision,
               recompute=recompute, batch_size=1, seq_len=512)
     e, r = trainmem.estimate("llama-3.2-1b", **kw), trace("llama-3.2-1b", **kw)
     assert abs(e.peak_allocated - r.peak_allocated) < 0.001 * r.peak_allocated
-    assert abs(e.peak_reserved - r.peak_reserved) < 0.08 * r.peak_reserved
+    assert abs(e.peak_reserved - r.peak_reserved) < 0.065 * r.peak_reserved

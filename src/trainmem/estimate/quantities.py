@@ -274,6 +274,15 @@ class Quantities:
     ds_coalesced: int = 0     # ... and the flat all-gather output of the prefetch in flight at the top
     #                           layer's forward, steps after the first (``deepspeed_coalesced``)
     ds_reduce_cat: int = 0    # ... the reduce-scatter's flat input of its largest reduction (``deepspeed_reduce_cat``)
+    ds_reduce_cats: tuple = ()  # ... and of each bucket's, in backward order (``deepspeed_reduce_cats``)
+    ds_layer_params: tuple = ()  # ZeRO-3 over several ranks: one layer's parameters, whole (elements), in
+    #                              module order: each gathered at its module (``deepspeed_layer_params``)
+    ds_param_bytes: int = 0   # ... bytes per element of a gathered parameter (the engine's dtype)
+    ds_prefetch: int = 0      # ... stage3_prefetch_bucket_size (elements; 0: no prefetch)
+    ds_max_live: int = 0      # ... stage3_max_live_parameters (elements; ``DS_MAX_LIVE``)
+    ds_emb_numel: int = 0     # ... the input embedding's elements, gathered at its forward
+    ds_layers_kept: int = 0   # ... the top layers kept gathered from their forward to their backward once the
+    #                           module order is recorded (``deepspeed_layers_kept``)
     ds_streams: int = 0       # 1: ZeRO-3 under overlap_comm: fetches on its all-gather stream, reductions on its own
     ds_emb_kept: int = 0      # 1: ZeRO-3 keeps the embedding gathered from its forward to its backward (``deepspeed_embedding_kept``)
     ds_norm_fp64: int = 0     # ZeRO-3's step, which takes each gradient partition's norm on a float64 copy:
@@ -1594,7 +1603,12 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
             "ds_step_flat": flat,
             "ds_gathered_top": top, "ds_gathered_low": low, "ds_coalesced": deepspeed_coalesced(m, t),
             "ds_gathered_emb": deepspeed_gathered_embedding(m, t),
-            "ds_reduce_cat": deepspeed_reduce_cat(t, st),
+            "ds_reduce_cat": deepspeed_reduce_cat(t, st), "ds_reduce_cats": deepspeed_reduce_cats(t, st),
+            "ds_layer_params": deepspeed_layer_params(m, t), "ds_param_bytes": t.weight_bytes,
+            "ds_prefetch": t.ds_prefetch if deepspeed_layer_params(m, t) else 0, "ds_max_live": DS_MAX_LIVE,
+            "ds_emb_numel": deepspeed_gathered_embedding(m, t) and next(
+                (-(-p.numel // t.tp) for p in m.parameter_tensors() if p.role == "embedding"), 0),
+            "ds_layers_kept": deepspeed_layers_kept(m, t, st),
             "ds_emb_kept": int(deepspeed_embedding_kept(m, t, st)),
             # v0.19.8 ``parameter_offload.py`` L195-196, ``stage3.py`` L340-341: the side streams exist
             # under ``overlap_comm`` (else the default stream is used)
@@ -2084,34 +2098,81 @@ def deepspeed_embedding_kept(m: ModelSpec, t: TrainingSpec, st: States) -> bool:
 
 
 def deepspeed_reduce_cat(t: TrainingSpec, st: States) -> int:
-    """Bytes of the flat tensor DeepSpeed ZeRO-3's largest gradient reduction makes (0 off ZeRO-3 over
-    several ranks): ``__reduce_and_partition_ipg_grads`` hands the bucket's whole gradients to
-    ``__avg_scatter_grads`` (v0.19.8 ``stage3.py`` L1678, L1931), whose ``reduce_scatter_coalesced``
-    concatenates every rank's piece of each of them, padded to a multiple of the ranks, into one new
-    tensor in the gradient dtype (``comm/coalesced_collectives.py`` L122 ``torch.cat``), made and
-    freed within the reduction. The bucket is reduced when it holds ``reduce_bucket_size`` elements
-    and at the end of backward (``independent_gradient_partition_epilogue``), so the largest holds
-    min(reduce_bucket_size, the trainable parameters) elements (the padding, under a rank's count of
-    elements per tensor, neglected). Found by trace: Llama-3.2-1B cut to 2 layers, ZeRO-3 dp 2 bf16:
-    a 733 MiB ``cat`` (the whole model's gradients) at the end of each backward. One rank too: the
-    ``cat`` is skipped only for a bucket of one tensor whose elements divide by the ranks (L102-105,
-    the same at v0.14.2), so a bucket of several tensors is concatenated at dp 1 as well (trace of
-    Qwen1.5-0.5B ZeRO-3 on one rank, Giles Thomas's rows: an 885 MiB ``cat`` on the reduce stream).
-    Known to overcount a model of more than ``reduce_bucket_size`` elements: the bucket is reduced when
-    the next gradient would take it past that size (``reduce_independent_p_g_buckets_and_remove_grads``
-    L1583-1585), so Llama-3.2-1B cut to 4 layers (506M elements) makes the layers' cat (464 MiB in
-    bf16) and none for its tied embedding, reduced alone at the end, where this counts 954 MiB; the
-    replay's second-step prefetch buffers on the all-gather stream (four layers' coalesced outputs
-    there) are missing by about as much, so the bucket-by-bucket cat waits for them (docs/validation.md,
-    fifteenth session)."""
-    if not (deepspeed_zero(t) and t.zero == 3) or (t.shard_group == 1 and _one_tensor(st)):
+    """Bytes of the flat tensor DeepSpeed ZeRO-3's largest gradient reduction makes (0 off ZeRO-3; the
+    largest of ``deepspeed_reduce_cats``)."""
+    return max(deepspeed_reduce_cats(t, st), default=0)
+
+
+def deepspeed_reduce_cats(t: TrainingSpec, st: States) -> tuple[int, ...]:
+    """Bytes of the flat tensor each of DeepSpeed ZeRO-3's gradient reductions makes, in backward order
+    (() off ZeRO-3; 0 for a bucket reduced in place). ``__reduce_and_partition_ipg_grads`` hands the
+    bucket's whole gradients to ``__avg_scatter_grads`` (v0.19.8 ``stage3.py`` L1678, L1931; v0.14.2
+    L1274, L1343), whose ``reduce_scatter_coalesced`` concatenates every rank's piece of each of them,
+    padded to a multiple of the ranks, into one new tensor in the gradient dtype
+    (``comm/coalesced_collectives.py`` L122 ``torch.cat``), made and freed within the reduction; a
+    bucket of one tensor whose elements divide by the ranks is reduced in place (L102-105, the same at
+    v0.14.2; on one rank too). The bucket fills in the order backward makes the gradients
+    (``reduce_independent_p_g_buckets_and_remove_grads`` L1583-1585: reduced first when the next
+    gradient would take it past ``reduce_bucket_size`` elements; the last at the end of backward,
+    ``independent_gradient_partition_epilogue``), here the parameters' reversed order, each gradient
+    ceil(numel / dp) * dp elements (``States.trainables`` holds a rank's partition; a tensor alone in its
+    bucket is taken to divide by the ranks). Found by trace: Llama-3.2-1B cut to 2 layers, ZeRO-3 dp 2
+    bf16: a 733 MiB ``cat`` (the whole model's gradients) at the end of each backward; on one rank too
+    (Qwen1.5-0.5B, Giles Thomas's rows: an 885 MiB ``cat``); cut to 4 layers (506M elements, more
+    than the 500M bucket): the layers' ``cat`` (464 MiB in bf16) and none for the tied embedding,
+    reduced alone at the end."""
+    if not (deepspeed_zero(t) and t.zero == 3) or not st.trainables:
+        return ()
+    d, wb = t.shard_group, t.weight_bytes
+    sizes = [st.trainables[j][2] // wb * d for j in reversed(parameter_order(st.trainables))]  # whole, padded
+    return tuple(block_of(t, n * wb) for n in _reduce_cats(sizes, t.ds_reduce_bucket))  # (n,) gradient dtype
+
+
+def _reduce_cats(sizes: list[int], bucket: int) -> list[int]:
+    """Elements of each ``cat`` of ZeRO-3's gradient buckets (``deepspeed_reduce_cats``): ``sizes`` fill a
+    bucket in order, reduced before one would take it past ``bucket`` elements; a bucket of several
+    tensors is concatenated, one of a single tensor not."""
+    out, cur = [], []
+    for n in sizes + [None]:
+        if cur and (n is None or sum(cur) + n > bucket):
+            out.append(sum(cur) if len(cur) > 1 else 0)
+            cur = []
+        if n is not None:
+            cur.append(n)
+    return out
+
+
+#: DeepSpeed ZeRO-3's ``stage3_max_live_parameters`` (DeepSpeed v0.19.8 ``runtime/zero/config.py`` L245:
+#: 1e9 elements; not an option here, and trace's engine runs with this default too)
+DS_MAX_LIVE = 1_000_000_000
+
+
+def deepspeed_layer_params(m: ModelSpec, t: TrainingSpec) -> tuple[int, ...]:
+    """Elements of each of one layer's parameters, whole, in the order the layer's modules run (norm
+    before attention, attention before the MLP; () off ZeRO-3 over several ranks). ZeRO-3 gathers a
+    module's own parameters at its forward and backward hooks (v0.19.8
+    ``partitioned_param_coordinator.py`` ``fetch_sub_module`` L340-381); each whole parameter is a
+    tensor of its own in the engine's dtype (``partition_parameters.py`` ``_allgather_params_coalesced``,
+    or built by ``torch.cat`` from a prefetch's flat output: ``AllGatherCoalescedHandle.wait``
+    L761-803), on the all-gather stream under ``overlap_comm`` (coordinator L400)."""
+    if not (deepspeed_zero(t) and t.zero == 3 and t.shard_group > 1):
+        return ()
+    layer = sorted((p for p in m.parameter_tensors() if p.layer == 0),   # (stable: registration order within)
+                   key=lambda p: (0 if "input_layernorm" in p.module else 1 if "attn" in p.module else
+                                  2 if "post_attention" in p.module else 3))
+    return tuple(-(-p.numel // t.tp) for p in layer)
+
+
+def deepspeed_layers_kept(m: ModelSpec, t: TrainingSpec, st: States) -> int:
+    """The top layers whose gathered parameters ZeRO-3 keeps from their forward to their backward once
+    its module order is recorded: those whose next use comes within ``stage3_max_reuse_distance``
+    elements (``__params_to_release`` L634-664; the count ``deepspeed_gathered`` takes)."""
+    if not deepspeed_layer_params(m, t):
         return 0
-    return block_of(t, min(t.ds_reduce_bucket, st.trainable) * t.weight_bytes)  # (n,) gradient dtype
-
-
-def _one_tensor(st: States) -> bool:
-    """Whether the model has a single trainable tensor (``States.trainables``: (where, copies, ...))."""
-    return sum(k for _w, k, *_r in st.trainables) <= 1
+    layer_n = st.layer_params_full // t.weight_bytes
+    head_n = _head_weight_numel(m, t.tp) if is_lm(m) else 0
+    c, dist, layers = (3 if t.recompute == "full" else 2), t.ds_reuse_distance, m.num_layers // t.pp
+    return min(layers, -(-(dist - 2 * head_n) // (c * layer_n))) if (layer_n and dist > 2 * head_n) else 0
 
 
 def deepspeed_group_elems(t: TrainingSpec, st: States) -> int:

@@ -30,9 +30,10 @@ runs it through the same simulator as ``trace`` (``trainmem.allocator.CachingAll
   FSDP2 before PyTorch 2.5: each reduce-scatter input on the reduce-scatter stream, freed when the
   reduce returns (``_Fsdp.reduce``);
 * DeepSpeed ZeRO-3: the embedding's table gathered on its all-gather stream at its forward and
-  backward (kept between them once its module order is recorded), the epilogue's flat reduction
-  input on its reduce stream, its step's float64 norm copies, flat fp32 gradient and flat states
-  (``_zero3_step``);
+  backward (kept between them once its module order is recorded), the layers' parameters gathered
+  there one at a time in the first step and by the prefetch's flat outputs after it (``_Zero3Fetch``),
+  each bucket's flat reduction input on its reduce stream, its step's float64 norm copies, flat fp32
+  gradient and flat states (``_zero3_step``);
 * the optimizer step: the states of every trainable tensor at the first step, in parameter order
   (``torch.optim``'s lazy ``_init_group``), then the step's temporaries as per-tensor blocks;
   ``zero_grad(set_to_none=True)`` frees the gradients.
@@ -386,6 +387,7 @@ class _Forward:
     chunks: int
     gathered: Any = None                         # ZeRO-3: the embedding's table kept gathered since its forward
     shifted: int = 0                             # logit elements of the shifted logits (``_fp32_logits_forward``)
+    z3: "_Zero3Fetch | None" = None              # ZeRO-3: the layers' gathered parameters (``_Zero3Fetch``)
 
 
 def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, parts: list[int],
@@ -412,8 +414,12 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     emb = R.alloc(tk.outer_rest)                                  # embeddings' saved tensors
     s.workspace(R, 0)                                             # the first layer's first matmul
     cached: list = []                                             # autocast's weight cache (checkpointed layers)
-    kept = [_layer_forward(R, q, fs, parts, tk, recompute, keep=(i == q.layers - 1 and q.fsdp_last_kept > 0),
-                           cached=cached) for i in range(q.layers)]
+    z3 = _Zero3Fetch(R, q, recorded=s.forwards > 1)               # ZeRO-3: the layers' gathers (the embedding's
+    kept = []                                                     # fetch starts the first layer's prefetch)
+    for i in range(q.layers):
+        z3.forward(R, i)
+        kept.append(_layer_forward(R, q, fs, parts, tk, recompute, keep=(i == q.layers - 1 and q.fsdp_last_kept > 0),
+                                   cached=cached))
     R.frees([h for at, h in R.carry if at != LATE])               # the top layer's late frees (a derived layer)
     R.carry = [(at, h) for at, h in R.carry if at == LATE]
     root = root + fs.unshard(R, q.fsdp_head_unit, st.head_unit_tensors)  # split root: [norm, head] kept
@@ -460,7 +466,7 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
         R.free(fs.ag)                                             # (``_fsdp_state.py`` ``_post_forward``)
         fs.ag = None
     R.mark("forward" + suffix, s.step)
-    return _Forward(inputs, fs, root, emb, kept, head, out, saved, full, chunks, gathered, _shifted(q, full, seqs))
+    return _Forward(inputs, fs, root, emb, kept, head, out, saved, full, chunks, gathered, _shifted(q, full, seqs), z3)
 
 
 def _shifted(q: Quantities, full: int, seqs: int) -> int:
@@ -694,6 +700,8 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
         f.fs.below_first = q.fsdp_emb_unit                        # the first layer prefetches the embedding
     for i in reversed(range(q.layers)):
         _layer_backward(R, s, q, f.fs, parts, f.kept[i], i, n, nsq, recompute, flags.oib)
+        if f.z3 is not None:
+            f.z3.backward(R, i)                                   # ZeRO-3: the layer's parameters released
     if q.fsdp_emb_unit:                                           # split root: the embedding's pre-backward
         f.fs.below_first = 0
         f.root = f.fs.unshard_backward(R, q.fsdp_emb_unit, _emb_unit_tensors(st), prefetch=False)
@@ -719,7 +727,8 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     f.fs.reduced(R)                                               # torch < 2.5: the input dropped on return
     if suffix != ".micro1":                                       # ZeRO-1/2 offloading, at the boundary:
         _offload_epilogue(R, q)                                   # rank 0's inf/NaN check, each gradient's copies
-    R.free(R.alloc(q.ds_reduce_cat, GRAD_STREAM * q.ds_streams))  # ZeRO-3's epilogue: the bucket reduced
+    for cat in q.ds_reduce_cats:                                  # ZeRO-3's buckets reduced, each a flat cat
+        R.free(R.alloc(cat, GRAD_STREAM * q.ds_streams))          # (quantities.deepspeed_reduce_cats)
     R.free(gathered)                                              # ... and every parameter released
     R.frees([tied, f.emb, f.inputs] + buckets)
     f.fs.reshard(R, f.root)                                       # the root's post-backward
@@ -1010,6 +1019,103 @@ class _Fsdp:
     def done(self, R: _Replay) -> None:
         R.frees([self.ag, self.rs, self.prefetched])
         self.ag = self.rs = self.prefetched = None
+
+
+class _Zero3Fetch:
+    """DeepSpeed ZeRO-3's gathers of the layers' parameters (``quantities.deepspeed_layer_params``) on the
+    all-gather stream, one micro-batch's forward and backward (nothing off ZeRO-3 over several ranks).
+
+    Before the module order is recorded (the run's first forward: ``is_complete_trace``, v0.19.8
+    ``partitioned_param_coordinator.py`` L417-420) each module fetches its own parameters, each a
+    whole tensor, and releases them after its forward (``release_sub_module`` L502-507: every parameter
+    of the module while the trace is incomplete), and so again at its backward: one parameter alive at
+    a time. Once it is recorded, each module's fetch also starts a prefetch (L451-480): parameters of
+    the recorded order not gathered yet, whole, until they reach min(stage3_prefetch_bucket_size,
+    stage3_max_live_parameters - the elements gathered or in flight) (``__n_available_params``: up at
+    each all-gather L593, down at each release L630), gathered as one flat ``all_gather_coalesced``
+    output (``partition_parameters.py`` ``_all_gather_dtype`` L1329-1350); the first of them fetched
+    waits on the handle, which builds every parameter of the group by ``torch.cat``
+    (``AllGatherCoalescedHandle.wait`` L761-803), and the flat output goes when the last of them is
+    popped from ``__inflight_param_registry`` (coordinator L407-411). A layer's module and each of its
+    parameters' modules fetch (modules without parameters of their own, attention and MLP, are left
+    out), so the prefetch runs ahead up to the live-parameter limit: on Llama-3.2-1B cut to 2 layers
+    (ZeRO-3 dp 4 bf16, one layer per group) trace's second forward holds both layers' flat outputs
+    (116 MiB each) when the first layer's parameters are built. The top ``ds_layers_kept`` layers keep
+    their parameters until their backward (``__params_to_release`` L634-664); the others are released
+    after their forward and gathered again, one at a time, at their backward (the backward's prefetch
+    is not replayed); the final norm and the head are left out."""
+
+    def __init__(self, R: _Replay, q: Quantities, recorded: bool) -> None:
+        self.numels, self.k = q.ds_layer_params, len(q.ds_layer_params)
+        self.wb, self.stream = q.ds_param_bytes, GATHER_STREAM * q.ds_streams
+        self.bucket = q.ds_prefetch if recorded else 0
+        self.max_live, self.total = q.ds_max_live, q.layers * self.k
+        self.kept_from = q.layers - q.ds_layers_kept if recorded else q.layers
+        self.group_of: dict = {}  # parameter index -> its group
+        self.flats: dict = {}     # group -> [flat handle, its parameters not yet fetched, (start, stop)]
+        self.built: dict = {}     # parameter index -> handle, built from a flat output, not yet fetched
+        self.held: dict = {}      # layer -> its parameters' handles, kept until its backward
+        self.queue = 0            # the next parameter of the recorded order not yet taken
+        self.avail = q.ds_emb_numel  # the embedding, fetched
+        if self.k:
+            self._prefetch(R)     # the embedding's fetch: the first group
+        if not (q.ds_emb_kept and recorded):
+            self.avail -= q.ds_emb_numel  # ... released after its forward
+
+    def _numel(self, idx: int) -> int:
+        return self.numels[idx % self.k]
+
+    def _prefetch(self, R: _Replay) -> None:
+        """One module's fetch: the next group's flat output, (n,) engine dtype."""
+        most = min(self.bucket, self.max_live - self.avail)
+        start, n = self.queue, 0
+        while self.queue < self.total and n < most:
+            n += self._numel(self.queue)
+            self.queue += 1
+        if n:
+            g = len(self.flats)                                   # groups are never removed from flats
+            self.group_of.update({j: g for j in range(start, self.queue)})
+            self.flats[g] = [R.alloc(n * self.wb, self.stream), self.queue - start, (start, self.queue)]
+            self.avail += n
+
+    def _fetch(self, R: _Replay, idx: int) -> Any:
+        """The parameter ``idx`` of the layers gathered: from its group's flat output, or on its own."""
+        g = self.group_of.pop(idx, None)
+        if g is None:                                             # not prefetched: fetched now
+            self.queue = max(self.queue, idx + 1)
+            self.avail += self._numel(idx)
+            return R.alloc(self._numel(idx) * self.wb, self.stream)
+        flat = self.flats[g]
+        if idx not in self.built:                                 # the handle's wait: the group's parameters
+            a, b = flat[2]                                        # built, each (numel,) by torch.cat
+            self.built.update({j: R.alloc(self._numel(j) * self.wb, self.stream) for j in range(a, b)})
+        flat[1] -= 1
+        if flat[1] == 0:                                          # the last of the group popped
+            R.free(flat[0])
+        return self.built.pop(idx)
+
+    def forward(self, R: _Replay, i: int) -> None:
+        """Layer ``i``'s forward: its module's fetch, then each parameter's module's."""
+        if not self.k:
+            return
+        self._prefetch(R)
+        for j in range(self.k):
+            h = self._fetch(R, i * self.k + j)
+            self._prefetch(R)
+            if i >= self.kept_from:
+                self.held.setdefault(i, []).append(h)
+            else:
+                R.free(h)                                         # released after its module's forward
+                self.avail -= self._numel(j)
+
+    def backward(self, R: _Replay, i: int) -> None:
+        """Layer ``i``'s backward (called after it): its kept parameters released, or each gathered and
+        released in turn."""
+        if i in self.held:
+            R.frees(self.held.pop(i))
+        elif self.k:
+            for n in self.numels:
+                R.free(R.alloc(n * self.wb, self.stream))
 
 
 def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: _Parts, tk: Tokens, recompute: str,
