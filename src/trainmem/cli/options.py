@@ -133,6 +133,24 @@ def _add_pipeline(g: Any) -> None:
                             "--framework torchtitan: 1)")
 
 
+def _add_allocator(g: Any) -> None:
+    """Flags of what the caching allocator and cuBLAS hold: its mode, DDP's construction stream, cuBLAS's
+    workspaces."""
+    g.add_argument("--expandable-segments", action=argparse.BooleanOptionalAction, default=None,
+                   help="the run sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the caching allocator's "
+                        "virtual-memory mode; torchtitan's launcher sets it): blocks rounded to 512 B only, reserved "
+                        "replayed in that mode; measure runs with it. --no-expandable-segments overrides a preset")
+    g.add_argument("--ddp-init-stream", choices=("current", "side"), default=None,
+                   help="the stream DistributedDataParallel is built on: current (default; plain PyTorch) or side "
+                        "(Lightning's DDPStrategy builds it inside torch.cuda.stream(torch.cuda.Stream()): the "
+                        "construction's broadcast chunks and the first iteration's bucket stay cached in a pool "
+                        "nothing else uses)")
+    g.add_argument("--cublas-workspace-config", metavar="CONFIG", default=None,
+                   help="the run's CUBLAS_WORKSPACE_CONFIG (e.g. :4096:8 = 32 MiB, :16:8 = 128 KiB per cuBLAS handle, "
+                        "as PyTorch parses it); default PyTorch's size for the GPU (32 MiB on Hopper, else 8.1 MiB) "
+                        "or a calibration profile's")
+
+
 def add_training(g: Any) -> None:
     """The training-setup flags (a parser or an argument group). Flags a framework preset sets
     default to None (not given), so that only an explicit flag overrides the preset."""
@@ -203,19 +221,7 @@ def add_training(g: Any) -> None:
                         "set_to_none=False keeps them allocated through the next step")
     g.add_argument("--optimizer-in-backward", action="store_true",
                    help="apply the optimizer per parameter inside backward, freeing each gradient")
-    g.add_argument("--expandable-segments", action=argparse.BooleanOptionalAction, default=None,
-                   help="the run sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the caching allocator's "
-                        "virtual-memory mode; torchtitan's launcher sets it): blocks rounded to 512 B only, reserved "
-                        "replayed in that mode; measure runs with it. --no-expandable-segments overrides a preset")
-    g.add_argument("--ddp-init-stream", choices=("current", "side"), default=None,
-                   help="the stream DistributedDataParallel is built on: current (default; plain PyTorch) or side "
-                        "(Lightning's DDPStrategy builds it inside torch.cuda.stream(torch.cuda.Stream()): the "
-                        "construction's broadcast chunks and the first iteration's bucket stay cached in a pool "
-                        "nothing else uses)")
-    g.add_argument("--cublas-workspace-config", metavar="CONFIG", default=None,
-                   help="the run's CUBLAS_WORKSPACE_CONFIG (e.g. :4096:8 = 32 MiB, :16:8 = 128 KiB per cuBLAS handle, "
-                        "as PyTorch parses it); default PyTorch's size for the GPU (32 MiB on Hopper, else 8.1 MiB) "
-                        "or a calibration profile's")
+    _add_allocator(g)
     _add_lora(g)
     _add_loss(g)
 

@@ -2819,7 +2819,6 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         # (a layer traced checkpointed has its recomputed copies in its measured transients)
         redo_const=cast_layer if (checkpointed and top_recomputed and not lc.checkpointed) else 0,
         **_output_cache(t, lc),
-        loss_forward_chunk=loss.forward_chunk,
         outer_head_tok=head_tok, outer_rest_tok=rest_tok, outer_rest_sq=rest_sq, outer_rest_pos=rest_pos,
         head_loss_tok=derived_head_loss(m, t, stage) if derived else head_during_loss(m, t, pol, stage),
         cast_layer=cast_layer, cast_head=cast_head, cast_embed=cast_embed, cast_checkpointed=cast_layer * checkpointed, head_wgrad=head_wgrad(m, t, cast_head),
@@ -2827,11 +2826,8 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         else cast_layer * checkpointed,  # see cast_checkpointed
         gathered_layer=(st.layer_units_full or st.layer_params_full) if fsdp_grad_op(t) else 0,
         logit_chunks=t.loss_chunks, logit_width=m.vocab_size if is_lm(m) else classifier_width(m, t),
-        tp=t.tp if is_lm(m) else 1, logits_held=loss.held, logits_out=loss.out, loss_saved=loss.saved,
-        logits_cast=loss.cast, cast_output=int(t.cast_output), loss_forward=loss.forward, loss_backward=loss.backward,
-        loss_saves_out=loss.saves_out, loss_elem=loss.elem, **_preference_fields(m, t),
-        loss_fp32_logits=int(head_here and fp32_logits_replay(m, t, pol, loss)),
-        loss_backward_chunk=loss.backward_chunk, loss_saved_tok=loss.saved_tok, loss_saved_const=loss.saved_const,
+        tp=t.tp if is_lm(m) else 1, cast_output=int(t.cast_output), **_loss_fields(m, t, pol, loss, head_here),
+        **_preference_fields(m, t),
         # --compile: the zero gradients of the KV-cache tensors the model returns (_compiled_loss_bytes)
         **{"loss_backward_tok": lc.cache * layers if whole_model_compiled(t) else 0.0,
            **_chunked_nll_fields(m, t, pol, loss, head_here)},
@@ -2855,6 +2851,16 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         dec_num=decoder_ratio(m, t)[0], dec_den=decoder_ratio(m, t)[1], **_derived_fields(m, t, stage), **pipe,
         detail=Detail(st, lc, outer, comm_name, input_tok, sum(a for _, a, _ in received),
                       half_input_tok=sum(a for _, a, _ in half_in), recompute_ops=len(recompute_transients(t, lc))))
+
+
+def _loss_fields(m: ModelSpec, t: TrainingSpec, pol: Policy, loss: LossBytes, head_here: bool) -> dict[str, Any]:
+    """The loss's per-logit and per-token terms (``loss_bytes``) under the names ``Quantities`` gives them,
+    and whether the replay builds transformers 4.40's fp32-logits loss tensor by tensor."""
+    return dict(logits_held=loss.held, logits_out=loss.out, loss_saved=loss.saved, logits_cast=loss.cast,
+                loss_forward=loss.forward, loss_backward=loss.backward, loss_saves_out=loss.saves_out,
+                loss_elem=loss.elem, loss_forward_chunk=loss.forward_chunk, loss_backward_chunk=loss.backward_chunk,
+                loss_saved_tok=loss.saved_tok, loss_saved_const=loss.saved_const,
+                loss_fp32_logits=int(head_here and fp32_logits_replay(m, t, pol, loss)))
 
 
 def _tied_fields(m: ModelSpec, t: TrainingSpec, pol: Policy) -> dict[str, int]:
