@@ -64,6 +64,7 @@ EXPECTED_PARAMS = {
     "deberta-v3-large": 435_191_908,
     "modernbert-base": 149_655_232,
     "modernbert-large": 395_881_664,
+    "roberta-base": 124_697_433,  # published: 125M
     # the families without hand-written formulas (spec.profile, family "derived") and the newer
     # hand-family checkpoints; Gemma-2-2B's 2,614,341,888 is the published figure
     "deepseek-v2-lite": 15_706_484_224,

@@ -332,7 +332,8 @@ def test_catalogue_estimate_needs_no_torch(tmp_path):
 
 
 #: the encoder entries (masked-LM heads of derived architectures) whose default setups ship their coefficients
-ENCODERS = ["distilbert-base-uncased", "deberta-v3-base", "deberta-v3-large", "modernbert-base", "modernbert-large"]
+ENCODERS = ["distilbert-base-uncased", "deberta-v3-base", "deberta-v3-large", "modernbert-base", "modernbert-large",
+            "roberta-base"]
 
 
 def test_encoder_catalogue_estimate_needs_no_torch(tmp_path):
@@ -368,11 +369,11 @@ def test_encoder_catalogue_estimate_needs_no_torch(tmp_path):
 
 @pytest.mark.parametrize("name", ENCODERS)
 def test_encoder_entries_are_masked_lm_of_their_type(name):
-    """Each entry trains its checkpoint's masked-LM head (DistilBERT and ModernBERT name the class;
-    DeBERTa-v3's config names none, so its type's natural head) as a derived architecture."""
+    """Each entry trains its checkpoint's masked-LM head as a derived architecture (DeBERTa-v3's hub config
+    names no class: its entry names the type's natural head, DebertaV2ForMaskedLM)."""
     m = trainmem.resolve_model(name)
     assert (m.family, m.head) == ("derived", "masked-lm")
-    assert m.model_type in ("distilbert", "deberta-v2", "modernbert")
+    assert m.model_type in ("distilbert", "deberta-v2", "modernbert", "roberta")
 
 
 @pytest.mark.parametrize("setup", [dict(precision="bf16", quantize="nf4", lora_rank=16),
