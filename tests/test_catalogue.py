@@ -57,6 +57,14 @@ EXPECTED_PARAMS = {
     "qwen2.5-7b": 7_615_616_512,
     "qwen2.5-72b": 72_706_203_648,
     "xlm-roberta-xl": 3_482_741_760,
+    # encoders' masked-LM heads (derived): the published sizes are DistilBERT 66M, DeBERTa-v3-base 86M
+    # backbone + 98M embedding (184M), -large 304M + 131M, ModernBERT-base 149M, -large 395M
+    "distilbert-base-uncased": 66_985_530,
+    "deberta-v3-base": 184_551_780,
+    "deberta-v3-large": 435_191_908,
+    "modernbert-base": 149_655_232,
+    "modernbert-large": 395_881_664,
+    "roberta-base": 124_697_433,  # published: 125M
     # the families without hand-written formulas (spec.profile, family "derived") and the newer
     # hand-family checkpoints; Gemma-2-2B's 2,614,341,888 is the published figure
     "deepseek-v2-lite": 15_706_484_224,

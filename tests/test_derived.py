@@ -259,7 +259,8 @@ def _default_size(m) -> dict:
 
 
 @pytest.mark.parametrize("name", ["qwen3-0.6b", "gemma-2-2b", "phi-2", "t5-base", "flan-t5-large",
-                                  "vit-base-patch16-224", "whisper-tiny"])
+                                  "vit-base-patch16-224", "whisper-tiny", "distilbert-base-uncased",
+                                  "deberta-v3-base", "modernbert-base"])
 def test_shipped_coefficients_are_current(name):
     """Re-deriving gives the shipped coefficients (else: make ship-derived)."""
     from trainmem.trace.derive import derive_coefficients
@@ -328,6 +329,51 @@ def test_catalogue_estimate_needs_no_torch(tmp_path):
     out = subprocess.run([sys.executable, "-c", "import json\n" + code], capture_output=True, text=True,
                          env={"TRAINMEM_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"}, check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [False, False]
+
+
+#: the encoder entries (masked-LM heads of derived architectures) whose default setups ship their coefficients
+ENCODERS = ["distilbert-base-uncased", "deberta-v3-base", "deberta-v3-large", "modernbert-base", "modernbert-large",
+            "roberta-base"]
+
+
+def test_encoder_catalogue_estimate_needs_no_torch(tmp_path):
+    """The encoder entries estimate from their shipped profiles and coefficients: with torch and
+    transformers unimportable (a derivation would need both) and an empty cache, each default setup (its
+    micro-batch-1 set, not the batch >= 2 set that stands in for it: ``derived._coefficients``),
+    its batch >= 2 set and fp32 with full recompute (refused on DeBERTa-v2: ``derived.check``) answer."""
+    import os
+    src = os.path.dirname(os.path.dirname(trainmem.__file__))  # this checkout's package, not an installed one
+    code = ("import importlib.abc, json, sys\n"
+            "class Block(importlib.abc.MetaPathFinder):\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] in ('torch', 'transformers'):\n"
+            "            raise ImportError('blocked: ' + name)\n"
+            "sys.meta_path.insert(0, Block())\n"
+            "import trainmem\n"
+            "out = {}\n"
+            f"for n in {ENCODERS!r}:\n"
+            "    full = {} if n.startswith('deberta') else {'recompute': 'full'}\n"  # (refused on DeBERTa-v2)
+            "    for opts in ({}, {'batch_size': 2}, dict(full, precision='fp32')):\n"
+            "        r = trainmem.estimate(n, **opts)\n"
+            "        assert not [w for w in r.warnings if 'micro-batch-1 coefficients' in w], (n, opts)\n"
+            "        out[n] = r.peak_allocated\n"
+            "print(json.dumps([out, 'torch' in sys.modules, 'transformers' in sys.modules]))\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={"TRAINMEM_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin", "PYTHONPATH": src})
+    assert res.returncode == 0, res.stderr[-2000:]
+    out, torch_in, tf_in = json.loads(res.stdout.strip().splitlines()[-1])
+    assert (torch_in, tf_in) == (False, False)
+    assert sorted(out) == sorted(ENCODERS) and all(peak > 0 for peak in out.values())
+    assert not (tmp_path / "coefficients").exists()  # nothing derived into the cache
+
+
+@pytest.mark.parametrize("name", ENCODERS)
+def test_encoder_entries_are_masked_lm_of_their_type(name):
+    """Each entry trains its checkpoint's masked-LM head as a derived architecture (DeBERTa-v3's hub config
+    names no class: its entry names the type's natural head, DebertaV2ForMaskedLM)."""
+    m = trainmem.resolve_model(name)
+    assert (m.family, m.head) == ("derived", "masked-lm")
+    assert m.model_type in ("distilbert", "deberta-v2", "modernbert", "roberta")
 
 
 @pytest.mark.parametrize("setup", [dict(precision="bf16", quantize="nf4", lora_rank=16),

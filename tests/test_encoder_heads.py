@@ -1,5 +1,5 @@
 """Derived estimates of encoder heads: masked LM, sequence classification and question answering on
-architectures without hand-written formulas (DistilBERT, DeBERTa-v2, ModernBERT), checked against a
+architectures without hand-written formulas (DistilBERT, DeBERTa-v2, ModernBERT, RoBERTa), checked against a
 trace of the same setup (the real model, all its layers, two steps with the optimizer).
 
 Under ``expandable_segments`` (as tests/test_encdec_vit.py): the default allocator's unsplit block
@@ -11,7 +11,7 @@ from __future__ import annotations
 import warnings
 
 import pytest
-from transformers import DebertaV2Config, DistilBertConfig, ModernBertConfig
+from transformers import DebertaV2Config, DistilBertConfig, ModernBertConfig, RobertaConfig
 
 import trainmem
 from trainmem.estimate import derived
@@ -32,7 +32,11 @@ DEBERTA = DebertaV2Config(hidden_size=256, intermediate_size=1024, num_hidden_la
 MODERNBERT = ModernBertConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
                               vocab_size=4000, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1,
                               sep_token_id=2).to_dict()
-MODELS = {"distilbert": DISTILBERT, "deberta": DEBERTA, "modernbert": MODERNBERT}
+#: roberta-base's layout (absolute positions offset past the padding index, one token type), narrower, 3 layers
+ROBERTA = RobertaConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=3, num_attention_heads=4,
+                        vocab_size=4000, max_position_embeddings=514, type_vocab_size=1, pad_token_id=1,
+                        bos_token_id=0, eos_token_id=2).to_dict()
+MODELS = {"distilbert": DISTILBERT, "deberta": DEBERTA, "modernbert": MODERNBERT, "roberta": ROBERTA}
 TASKS = ("masked-lm", "sequence-classification", "question-answering")
 TOLERANCE = 0.01
 
@@ -44,7 +48,8 @@ def _error(name: str, task: str, **setup) -> float:
     return est / tr - 1
 
 
-QUICK = [("distilbert", "sequence-classification"), ("deberta", "question-answering"), ("modernbert", "masked-lm")]
+QUICK = [("distilbert", "sequence-classification"), ("deberta", "question-answering"), ("modernbert", "masked-lm"),
+         ("roberta", "masked-lm")]
 
 
 @pytest.mark.parametrize("name,task", QUICK)
@@ -62,7 +67,8 @@ def test_encoder_heads_grid(name, task, precision):
 
 
 #: each model's attention query and value projections (peft has no default targets for DistilBERT)
-LORA_TARGETS = {"distilbert": ["q_lin", "v_lin"], "deberta": ["query_proj", "value_proj"], "modernbert": ["Wqkv"]}
+LORA_TARGETS = {"distilbert": ["q_lin", "v_lin"], "deberta": ["query_proj", "value_proj"], "modernbert": ["Wqkv"],
+                "roberta": ["query", "value"]}
 
 
 @pytest.mark.slow

@@ -43,7 +43,7 @@ DERIVED_HEADS = ("causal-lm", "seq2seq-lm", "image-cls", "speech-seq2seq", "mask
 ENCODER_HEADS = ("masked-lm", "seq-cls", "qa")
 #: the model types whose encoder heads' derived estimate is checked against trace
 #: (tests/test_encoder_heads.py, docs/architectures.md); a decoder's classifier is not
-DERIVED_ENCODER_TYPES = ("distilbert", "deberta-v2", "modernbert")
+DERIVED_ENCODER_TYPES = ("distilbert", "deberta-v2", "modernbert", "roberta")
 #: the model types whose image classifier's derived estimate is checked against trace (ViT's, and the
 #: vision towers of SigLIP's and CLIP's, ``SiglipForImageClassification``, ``CLIPForImageClassification``)
 DERIVED_IMAGE_TYPES = ("vit", "siglip", "clip")
