@@ -207,6 +207,7 @@ class Quantities:
     tied_final: int = 0     # --compile: ... and its gradient in the weight's dtype (in ``grads``, made last)
     input_tok: float = 8.0  # the input batch per token: int64 ids, or an image model's pixel values per patch
     input_sample: int = 0   # ... less this per sample (an image model's class tokens have no pixels)
+    input_pixels: int = 0   # a vision-language model's pixel values per sample, a tensor of their own (fp32)
     embeds_tok: float = 0.0  # the base model's embedding output held, unsaved, until it returns (held_embeddings)
     # an encoder-decoder's decoder tokens per encoder token, dec_num / dec_den (``derived.decoder_ratio``):
     # its labels and logits are (b, target_len), b*s * dec_num // dec_den tokens
@@ -456,13 +457,13 @@ def loss_upcasts(m: ModelSpec) -> bool:
     both loss gradients stay bf16; under autocast ``cross_entropy`` has no autocast rule, so
     ``log_softmax`` keeps the half dtype and ``nll_loss`` (fp32 list) saves an fp32 copy.
     """
-    return m.head == "causal-lm" and m.family != "nanogpt"
+    return m.head in ("causal-lm", "vlm") and m.family != "nanogpt"
 
 
 def is_lm(m: ModelSpec) -> bool:
     """A language-model head (logits over the vocabulary per token; an encoder-decoder's per
     decoder token)."""
-    return m.head in ("causal-lm", "masked-lm", "seq2seq-lm", "speech-seq2seq")
+    return m.head in ("causal-lm", "masked-lm", "seq2seq-lm", "speech-seq2seq", "vlm")
 
 
 def classifier_width(m: ModelSpec, t: TrainingSpec) -> int:
@@ -482,10 +483,28 @@ def input_bytes(m: ModelSpec, t: TrainingSpec) -> tuple[float, int]:
     dtype: 2 x num_mel_bins values per encoder position (``workload.model_batch``)."""
     if getattr(m, "is_speech_seq2seq", False):
         return float(2 * m.mel_bins * (2 if t.precision in ("bf16", "fp16") else 4)), 0
+    if m.is_vlm:  # ids and labels, and Qwen2-VL's ``mm_token_type_ids`` or Gemma 3's ``token_type_ids`` (b, s)
+        return (16.0 if m.model_type != "llava" else 8.0), 0
     if not m.is_image:
         return 8.0, 0
     per_patch = m.num_channels * m.patch_size ** 2 * (2 if t.precision in ("bf16", "fp16") else 4)
     return float(per_patch), per_patch * m.class_tokens
+
+
+def vlm_pixel_bytes(m: ModelSpec, t: TrainingSpec) -> int:
+    """A vision-language model's ``pixel_values`` per sample (``spec.vision.image_batch``), fp32 as its
+    processor returns them and the HF Trainer moves them (no cast without DeepSpeed): ``--images`` x
+    Qwen2-VL's (S/14)^2 patches of 3 x 2 x 14 x 14 values, or LLaVA's and Gemma 3's 3 x S x S; 0 for other
+    models. (Qwen2-VL's ``image_grid_thw``, [images, 3] int64, one 512-byte block on a GPU, stays on the host
+    in trace: not counted.)"""
+    if not m.is_vlm:
+        return 0
+    from ..spec.vision import vision_inputs
+    vis = vision_inputs(m.config)
+    side = vis.side(t.image_size)
+    per = vis.patches(t.image_size) * vis.channels * vis.temporal * vis.patch ** 2 if vis.kind == "patches" \
+        else vis.channels * side * side
+    return t.images * per * 4
 
 
 def trainer_cp_inputs(m: ModelSpec, t: TrainingSpec) -> int:
@@ -2601,6 +2620,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         lower_layers=lower, above_bottom=above_bottom, above_decoder_bottom=above_decoder_bottom,
         decoder_grads=_decoder_grads(m, t, st, layers),
         input_tok=input_bytes(m, t)[0], input_sample=input_bytes(m, t)[1], expandable=int(t.expandable_segments),
+        input_pixels=vlm_pixel_bytes(m, t),
         trainer_cp=trainer_cp_inputs(m, t), embeds_tok=held_embeddings(m, t, pol, lc),
         **_top_fields(m, t, pol),
         dec_num=decoder_ratio(m, t)[0], dec_den=decoder_ratio(m, t)[1], **_derived_fields(m, t, stage), **pipe,

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from ..spec.model import ModelSpec, ParamTensor
 from ..spec.tf_releases import layer_rotary_cache
+from ..spec.vision import VISION_SIDE, in_vision_tower
 from ..spec.galore import LOWRANK_OPTIMIZERS
 from ..spec.training import TORCHAO_OFFLOAD_MIN, TrainingSpec, galore_target
 
@@ -1016,6 +1017,7 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
     (``layer_grads``, ``lmh``) are the stage's average layer, ``lpf`` its largest."""
     frozen = bool(t.lora_rank)
     uniform = m.uniform_layers
+    vlm = m.is_vlm
     lpf_of: dict[int, int] = {}
     rank = r
     expert_rank = _expert_rank(r, t)
@@ -1056,10 +1058,13 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
             # experts have no autocast rule and run in the weights' dtype (no copies)
             if p.is_matmul and t.amp and p.role != "expert":
                 acc.lmh += n * 2
-        elif p.is_matmul and t.amp and not half_table:  # (a half head needs no autocast copy; before the
-            #                                              layers, a patch embedding's: kept to its backward)
+        elif p.is_matmul and t.amp and not half_table and not (vlm and VISION_SIDE.search(p.name)):
+            # (a half head needs no autocast copy; before the layers, a patch embedding's: kept to its
+            # backward; a VLM's vision side's copies are measured with its activations,
+            # ``estimate.derived.vision_side``)
             acc.hmh, acc.emh = (acc.hmh + n * 2, acc.emh) if layer else (acc.hmh, acc.emh + n * 2)
-        if frozen or p.role == "unused":  # (unused: built, never given a gradient, spec.profile.without_gradient)
+        # (``--freeze-vision-tower``: LLaMA-Factory's frozen tower, ``spec.vision.VISION_TOWER``)
+        if frozen or p.role == "unused" or (vlm and t.freeze_vision_tower and in_vision_tower(m.model_type, p.name)):  # (unused: built, never given a gradient, spec.profile.without_gradient)
             if r.mixed_units and p.layer is not None:
                 acc.mixed_unit_grad(r, n, k, uniform or p.layer == r.lo)
             continue
@@ -1082,7 +1087,7 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
     if not uniform and r.per_stage:
         acc.layer_grads = -(-acc.layer_grads // r.per_stage)
         acc.lmh = -(-acc.lmh // r.per_stage)
-    if m.tied_embeddings and t.amp and m.head in ("causal-lm", "masked-lm", "seq2seq-lm", "speech-seq2seq") and \
+    if m.tied_embeddings and t.amp and m.head in ("causal-lm", "masked-lm", "seq2seq-lm", "speech-seq2seq", "vlm") and \
             (t.pp == 1 or r.stage == "last") and not t.half_embeddings:
         # the tied embedding is also the LM head: autocast casts it for the head matmul
         emb = next(p for p in m.parameter_tensors() if p.role == "embedding")

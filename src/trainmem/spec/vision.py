@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -48,6 +49,17 @@ VLM_TYPES = ("qwen2_vl", "qwen2_5_vl", "llava", "gemma3")
 #: (``model.visual.blocks``, ``model.vision_tower``)
 VISION_TOWER = {"qwen2_vl": ("visual.patch_embed", "visual.blocks"), "qwen2_5_vl": ("visual.patch_embed", "visual.blocks"),
                 "llava": ("vision_tower",), "gemma3": ("vision_tower",)}
+
+#: a VLM's vision side, its vision tower and projector, by dotted module or parameter name (transformers 5.24:
+#: Qwen2-VL's ``model.visual`` with its ``merger``, LLaVA's and Gemma 3's ``model.vision_tower`` and
+#: ``model.multi_modal_projector``; under peft ``base_model.model.`` before them)
+VISION_SIDE = re.compile(r"(^|\.)(visual|vision_tower|multi_modal_projector)(\.|$)")
+
+
+def in_vision_tower(model_type: str, name: str) -> bool:
+    """Whether parameter ``name`` is one ``--freeze-vision-tower`` freezes (``VISION_TOWER``, as
+    ``vision_tower_parameters`` matches them on the built model)."""
+    return any(f".{k}." in f".{name}" for k in VISION_TOWER.get(model_type, ()))
 
 
 @dataclass(frozen=True)
@@ -187,11 +199,35 @@ def _emulated(device: Any) -> bool:
     return torch.empty(0, device=device).device.type == "meta"
 
 
+def unread_vision_parameters(cfg: Any, names: list[str]) -> frozenset[str]:
+    """Of a VLM's parameter ``names`` (transformers' config object ``cfg``), those its step on images gives no
+    gradient: modules its vision tower runs whose output no loss reads, so ``torch.optim`` keeps no state for
+    them. LLaVA reads CLIP's ``hidden_states[vision_feature_layer]`` (transformers 5.24
+    ``models/llava/modeling_llava.py`` L133-146, the layers' outputs after the embeddings: -2 is the output of
+    the last layer but one), so CLIP's layers above it and its ``post_layernorm`` (applied to the pooled class
+    token only, ``models/clip/modeling_clip.py`` ``CLIPVisionTransformer.forward``) get none; SigLIP's
+    attention-pooling ``head``, which Gemma 3's tower builds when ``vision_use_head`` is on, runs on the last
+    hidden state that Gemma 3 reads before it (``models/gemma3/modeling_gemma3.py`` L766-768). Qwen2-VL reads
+    its whole tower through its merger."""
+    mtype = getattr(cfg, "model_type", "")
+    v = getattr(cfg, "vision_config", None)
+    out = set()
+    if mtype == "llava" and v is not None:
+        layer = cfg.vision_feature_layer
+        layers = int(v.num_hidden_layers)
+        top = max(layer) if isinstance(layer, (list, tuple)) else layer
+        read = top if top >= 0 else layers + 1 + top   # hidden_states[k]: the output of layer k - 1
+        pat = re.compile(r"(^|\.)vision_tower\.(?:vision_model\.)?encoder\.layers\.(\d+)\.")
+        out |= {n for n in names if (mm := pat.search(n)) and int(mm.group(2)) >= read}
+        out |= {n for n in names if ".vision_tower.post_layernorm." in f".{n}" or ".vision_model.post_layernorm." in n}
+    if mtype == "gemma3":
+        out |= {n for n in names if ".vision_tower.head." in f".{n}"}
+    return frozenset(out)
+
+
 def vision_tower_parameters(model: Any, model_type: str) -> list[Any]:
     """The parameters ``--freeze-vision-tower`` freezes (``VISION_TOWER``: LLaMA-Factory's keys)."""
-    keys = VISION_TOWER[model_type]
-    return [p for name, p in model.named_parameters()
-            if any(f".{k}." in f".{name}" for k in keys)]
+    return [p for name, p in model.named_parameters() if in_vision_tower(model_type, name)]
 
 
 def host_grid_positions(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
