@@ -667,6 +667,16 @@ def outer_per_sample(m: ModelSpec, t: TrainingSpec, stage: str) -> float:
     return _summed(m, t, stage, "per_sample")
 
 
+def first_free_casts(m: ModelSpec, t: TrainingSpec) -> int:
+    """Bytes of the first layer's half weight copies no matmul saves (``trace.derive._weight_casts``'
+    ``first_free``: with LoRA under autocast the frozen linears on the first layer's input, which needs no
+    gradient, keep no copy of their weight, which the engine counts in every layer); measured for
+    vision-language models (0 for others: the shipped coefficients of derived decoders predate it)."""
+    if m.family != "derived" or derived_problems(m, t):
+        return 0
+    return int(coefficients(m, t).get("first_free_casts", 0))
+
+
 def vision_side(m: ModelSpec, t: TrainingSpec) -> dict[str, float]:
     """A vision-language model's vision tower and projector at the end of the forward (``trace.derive.
     _vision_fit``): bytes per image (its patches' saved activations through the whole tower, the

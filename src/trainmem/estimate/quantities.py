@@ -37,6 +37,7 @@ from .derived import decoder_embedding_activations, decoder_embedding_temporarie
 from .derived import decoder_ratio, grad_views as derived_grad_views, head_forward as derived_head_forward
 from .derived import loss_upcasts as derived_loss_upcasts, outer_const as derived_outer_const
 from .derived import outer_per_sample as derived_outer_per_sample
+from .derived import first_free_casts as derived_first_free_casts
 from .derived import top_forward as derived_top_forward
 from .derived import moment_activations
 from .layers import ALL_MOMENTS, HALF, LayerCoefs, LayerKey, Policy, ep_rank_rows, layer_coefficients
@@ -2581,7 +2582,8 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     lower, above_bottom, above_decoder_bottom = _grads_above(m, t, st, layers)
     return Quantities(
         first_unsaved_tok=sum(a for _, a, _ in first), first_unsaved_sq=sum(b for _, _, b in first),
-        cast_first_free=int(sum(lc.first_free_weights) * 2) if (lora_first and cast_layer) else 0,  # bf16/fp16 copies
+        cast_first_free=(int(sum(lc.first_free_weights) * 2) if (lora_first and cast_layer) else 0)  # bf16/fp16 copies
+        + (derived_first_free_casts(m, t) if (t.pp == 1 or stage == "first") and cast_layer else 0),
         fixed=st.weights + st.buffers + st.master + comm, grads=0 if oib else st.grads,
         grads_loaded=(0 if oib else st.grads) if grads_from_wrap(t) else 0,
         build_temp=_build_temp(t, st, comm), states=st.optimizer + st.step_tensors,

@@ -238,6 +238,8 @@ def _lora_tensors(m: ModelSpec, t: TrainingSpec) -> list[tuple[str, int, int | N
     targets = set(t.lora_targets or default_lora_targets(m))
     out = []
     for p in m.parameter_tensors():
+        if m.is_vlm and ".language_model." not in f".{p.name}":
+            continue  # a VLM's adapters go on its language model's linears only (``workload.language_model_targets``)
         if p.is_matmul and p.module in targets and len(p.shape) >= 2 and p.role != "embedding":
             rows, cols = p.shape[-2], p.shape[-1]
             if m.family in ("gpt2", "nanogpt"):  # Conv1D stores (in, out)
@@ -495,7 +497,7 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
            layer_rotary_cache(m, t.transformers_release),
            t.gemini, t.gemini_chunk_size, t.ds_params_on_host, t.ds_whole_load, t.ds_fp32_clone, t.half_embeddings,
            t.fsdp_auto_wrap_policy, t.fsdp_min_num_params, t.torchao_block, t.torchao_offload, t.optim_target_modules,
-           t.optim_args)
+           t.optim_args, t.freeze_vision_tower)
     return _STATES_CACHE.get_or_build(key, lambda: _model_states(m, t, stage))
 
 

@@ -131,6 +131,8 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1:
     sides = _outside_layers(m, runs, fit)
     if m.is_vlm:
         sides["vision"] = _vision_fit(m, pts, [r["vision"] for r in runs])
+        # (its decoders' shipped coefficients predate it: ``estimate.derived.first_free_casts``)
+        sides["first_free_casts"] = runs[-1]["wcast"]["first_free"]
     for terms_of in ("per_sample", "ssq", "const"):  # (an encoder head's: the layers' and the sides' in one dict each)
         if terms_of in sides:
             sides[terms_of] = dict(out.get(terms_of, {}), **sides[terms_of])
@@ -826,6 +828,10 @@ def _weight_casts(saved_rec: dict[int, list], kinds: list[str], typical: dict[st
     out = {kind: wcasts(i) for kind, i in typical.items()}
     out["first"] = sum(wcasts(i) - out[kinds[i]] for i in ends)
     out["head"] = head_wcast
+    # the first layer's copies no matmul saved (LoRA: its frozen linears on the grad-free input, the copies
+    # the engine counts in every layer: ``Quantities.cast_first_free``), against another layer of its kind
+    same = [i for i in range(1, len(kinds)) if kinds[i] == kinds[0]]
+    out["first_free"] = max(wcasts(same[0]) - wcasts(0), 0) if same else 0
     return out
 
 
