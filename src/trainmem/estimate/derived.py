@@ -56,6 +56,10 @@ def derived_problems(m: ModelSpec, t: TrainingSpec) -> list[str]:
         out.append(f"its {m.head} head ({m.architecture}; the derived estimate covers causal-lm, seq2seq-lm, "
                    f"speech-seq2seq, image-classification, masked-lm, sequence-classification and "
                    f"question-answering heads)")
+    if m.is_vlm and t.recompute_every > 1:
+        # (transformers' ``every_n_layers`` counts the vision tower's blocks before the language model's layers)
+        out.append(f"--recompute-every {t.recompute_every} on a vision-language model (its vision tower's blocks are "
+                   f"counted with its language model's layers; every layer checkpointed is modelled)")
     if checkpointed(m, t) and t.recompute_every > 1:
         out.append(f"--recompute-every {t.recompute_every} (an encoder-decoder's full-recompute coefficients are "
                    f"traced with every layer checkpointed)")
@@ -143,7 +147,7 @@ def key(m: ModelSpec, t: TrainingSpec, one: bool | None = None) -> str:
     if m.head in ENCODER_HEADS:  # fitted with a per-sample term, the top layer's forward measured
         parts.append(("encoder-head", m.head))
     if m.is_vlm:  # its vision side fitted in images (``trace.derive._vision_fit``): per image size and frozen tower
-        parts.append(("vlm", t.image_size, t.freeze_vision_tower))
+        parts.append(("vlm", t.image_size, t.freeze_vision_tower, t.recompute == "full"))
     if batch1(m, t) if one is None else one:  # fitted on batch-1 points (the keys of other batches are unchanged)
         parts.append("batch-1")
     return _key(*parts)
@@ -476,7 +480,10 @@ def _canonical(t: TrainingSpec, m: ModelSpec | None = None) -> TrainingSpec:
                    fsdp_lora_units="separate", grad_sync="micro-batch",
                    precision=activation_precision(t),
                    lora_dtype="half" if (t.lora_rank and adapters_computed_half(t)) else t.lora_dtype,
-                   recompute="full" if without_cache(t, m) else "none",
+                   # (a VLM's: its tower traced checkpointed, ``trace.derive._checkpoint_vision``; no other
+                   # setup of one builds no cache but by its config, which the derivation reads)
+                   recompute="full" if (t.recompute == "full" if m is not None and m.is_vlm else without_cache(t, m))
+                   else "none",
                    recompute_every=1, bitsandbytes_version=None,
                    images=1)  # (a VLM's points set their own images: ``trace.derive.vlm_images``)
 

@@ -100,7 +100,9 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1:
     # +1.4% without them): decoder LMs would need them too, but their shipped coefficients predate
     # them and re-shipping is the lead's call
     refined = m.is_image or m.head in ENCODER_HEADS
-    runs = _runs(m, cfg, kinds_small, base, points + [check], ckpt)
+    # a VLM under full recompute: transformers checkpoints its vision tower's blocks too (they are
+    # ``GradientCheckpointingLayer``s: ``modeling_utils.py`` ``set_gradient_checkpointing`` L3240-3249), traced so
+    runs = _runs(m, cfg, kinds_small, base, points + [check], ckpt, vision_ckpt=m.is_vlm and t.recompute == "full")
     out: dict[str, Any] = {"layer_kinds": kinds_full, "kinds": {}, "points": points + [check],
                            "attention": attention_implementation(m, t)[0], "seq_base": s0}
     if ckpt:
@@ -130,7 +132,7 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1:
         _encoder_head_top(m, runs, (pts, terms, fit), len(kinds_small), out)
     sides = _outside_layers(m, runs, fit)
     if m.is_vlm:
-        sides["vision"] = _vision_fit(m, pts, [r["vision"] for r in runs])
+        sides["vision"] = _vision_fit(m, [r["images"] for r in runs], [r["vision"] for r in runs])
         # (its decoders' shipped coefficients predate it: ``estimate.derived.first_free_casts``)
         sides["first_free_casts"] = runs[-1]["wcast"]["first_free"]
     for terms_of in ("per_sample", "ssq", "const"):  # (an encoder head's: the layers' and the sides' in one dict each)
@@ -256,21 +258,24 @@ VLM_IMAGES = (1, 1, 2, 1, 2)
 VLM_IMAGES_BATCH1 = (1, 2, 1, 2)
 
 
-def vlm_images(points: int) -> tuple[int, ...]:
-    """Images per sample of a vision-language model's ``points`` fitting points (``VLM_IMAGES``)."""
-    return VLM_IMAGES if points == len(VLM_IMAGES) else VLM_IMAGES_BATCH1
+def vlm_images(m: ModelSpec, image_size: int | None, points: list[tuple[int, ...]]) -> list[int]:
+    """Images per sample at a vision-language model's fitting ``points`` (``VLM_IMAGES``), as many as a
+    point's sequence holds (``spec.vision.min_seq_len``: below a sliding window, Gemma 3's 1024 tokens, the
+    points hold one 256-token image, not two: the fit is then in the batch's images alone)."""
+    per = vision_inputs(m.config).tokens(image_size)
+    pattern = VLM_IMAGES if len(points) == len(VLM_IMAGES) else VLM_IMAGES_BATCH1
+    return [max(1, min(n, s // (per + 1))) for n, (_b, s, *_r) in zip(pattern, points)]
 
 
-def _vision_fit(m: ModelSpec, pts: list[tuple[int, ...]], ys: list[int]) -> dict[str, float]:
+def _vision_fit(m: ModelSpec, imgs: list[int], ys: list[int]) -> dict[str, float]:
     """A vision-language model's vision side (``_analyse``'s ``vision``: what its vision tower and projector
-    keep at the end of the forward) fitted as ``per_image * I + const`` in the micro-batch's images ``I`` =
+    keep at the end of the forward) fitted as ``per_image * I + const`` in the micro-batch's images ``imgs`` =
     b x images per sample (``vlm_images``) over all points but the last, which it must reproduce
     (``DERIVE_TOLERANCE``). Every image runs the same tower at the same size (LLaVA's and Gemma 3's fixed
     image; Qwen2-VL's ``--image-size``, a part of the key): its tensors are (images x patches, ...) or per
     image (eager attention's (heads, patches, patches) per image or per window), so per image; the constant
     is autocast's cached half copies of a trained tower's weights, saved by its matmuls."""
     import numpy as np
-    imgs = [b * n for (b, *_r), n in zip(pts, vlm_images(len(pts)))]
     a = np.array([[float(i), 1.0] for i in imgs])
     coef = np.linalg.lstsq(a[:-1], np.array(ys[:-1], dtype=np.float64), rcond=None)[0]
     predicted = float(a[-1] @ coef)
@@ -436,16 +441,17 @@ def encdec_coefficients(m: ModelSpec, t: TrainingSpec, cfg: dict[str, Any], kind
 
 
 def _runs(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], base: TrainingSpec, points: list[tuple[int, ...]],
-          ckpt: bool) -> list[dict[str, Any]]:
+          ckpt: bool, vision_ckpt: bool = False) -> list[dict[str, Any]]:
     """``_measure`` at each (batch, sequence) point; a step that fails on fake tensors is one line."""
     try:
         with _quiet(), progress(len(points), f"deriving {m.name}'s coefficients") as bar:
             runs = []
-            images = vlm_images(len(points)) if m.is_vlm else (1,) * len(points)
+            images = vlm_images(m, base.image_size, points) if m.is_vlm else [1] * len(points)
             for (b, s, *d), n in zip(points, images):  # (an encoder-decoder's points carry the decoder's length)
                 size = base.image_size if m.is_vlm else _image_side(m, s)
                 runs.append(_measure(m, cfg, kinds, replace(base, batch_size=b, seq_len=s, target_len=d[0] if d else None,
-                                                            image_size=size, images=n), ckpt))
+                                                            image_size=size, images=n), ckpt, vision_ckpt))
+                runs[-1]["images"] = b * n  # (the micro-batch's: ``_vision_fit``)
                 bar.update(1)
             return runs
     except TrainmemError:
@@ -540,9 +546,11 @@ def _base_seq(m: ModelSpec, regime: str = "", image_size: int | None = None) -> 
         s0 = max(2048, 2 * window)
     if m.learned_positions:
         s0 = min(s0, m.max_positions // 2)
-    if m.is_vlm:  # room for the most images a point has (``vlm_images``), each after a text token
-        vis = vision_inputs(m.config)
+    if m.is_vlm and not (window and regime == "below"):  # room for ``VLM_IMAGES``' images, each after a text
+        vis = vision_inputs(m.config)                     # token (below a window: one, ``vlm_images``)
         s0 = max(s0, -(-min_seq_len(max(VLM_IMAGES), vis.tokens(image_size)) // 128) * 128)
+    elif m.is_vlm:
+        s0 = max(s0, -(-min_seq_len(1, vision_inputs(m.config).tokens(image_size)) // 128) * 128)
     return max(128, s0 // 128 * 128)
 
 
@@ -562,10 +570,11 @@ def _image_side(m: ModelSpec, s: int) -> int | None:
 
 
 # ----- one trace ------------------------------------------------------------------------------------
-def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpec, ckpt: bool = False
-             ) -> dict[str, Any]:
+def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpec, ckpt: bool = False,
+             vision_ckpt: bool = False) -> dict[str, Any]:
     """Trace forward + loss + backward of the cut model at ``t``'s batch and sequence (``ckpt``: with
-    every layer checkpointed, as ``workload.TrainStep`` enables it for ``--recompute full``)."""
+    every layer checkpointed, as ``workload.TrainStep`` enables it for ``--recompute full``; ``vision_ckpt``:
+    a VLM's vision tower's blocks alone, ``_checkpoint_vision``)."""
     from .api import _device, _load_to_device
     small = replace(m, num_layers=len(kinds), config=cfg, decoder_layers=len(kinds) // 2 if m.decoder_layers else 0)
     dev = _device(True, None, t, False, None, None, None, None, False)
@@ -579,6 +588,8 @@ def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpe
             if ckpt:  # transformers' GradientCheckpointingLayer, non-reentrant (as TrainStep enables it)
                 inner = unwrapped(model)
                 (getattr(inner, "activation_checkpointing_enable", None) or inner.gradient_checkpointing_enable)()
+            if vision_ckpt:
+                _checkpoint_vision(unwrapped(model))
         with tracker:
             _load_to_device(tracker, model)
         tracker.name_modules(model)
@@ -618,6 +629,17 @@ def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpe
                          shared_frees=t.batch_size if (m.is_encoder_decoder and ckpt) else 0, first_in=first_in,
                          top=m.head in ENCODER_HEADS, vision=vision_in if m.is_vlm else None),
                 grad_views=views)
+
+
+def _checkpoint_vision(model: Any) -> None:
+    """A VLM's vision tower traced as ``--recompute full`` runs it: transformers' ``gradient_checkpointing_enable``
+    (``workload.TrainStep``, non-reentrant) checkpoints every ``GradientCheckpointingLayer`` of the model, the
+    tower's blocks among them; the language model's layers are left unchecked here (the engine models their
+    recompute from the layers' coefficients, ``quantities._recompute``)."""
+    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+    for name, mod in model.named_modules():
+        if hasattr(mod, "gradient_checkpointing") and not VISION_SIDE.search(name):
+            mod.gradient_checkpointing = False
 
 
 def _grad_view_bytes(tracker: Any, params: list[Any]) -> int:
