@@ -2,8 +2,9 @@
 "Vision-language models"): Qwen2.5-VL-3B, LLaVA-1.5-7B and Gemma-3-4B-it at their real widths, vocabularies and
 whole vision towers, their language models cut to a few layers (2; Gemma 3's 6, one full-attention layer among
 its five sliding ones) x images per sample (1, 2) x micro-batch (1, 2) x the tuning (full, ``--freeze-vision-tower``,
-LoRA r16 on the language model's q/k/v/o) x precision (bf16, fp16-amp): 72 setups, AdamW, 2048 tokens
-(Qwen2.5-VL's images 448 px: 256 tokens each; LLaVA's 576, Gemma 3's 256).
+LoRA r16 on the language model's q/k/v/o) x precision (bf16, fp16-amp): 72 setups, and 6 under ``--recompute
+full`` (the tower's blocks checkpointed too: each family x precision, full tuning, 2 images, micro-batch 2);
+AdamW, 2048 tokens (Qwen2.5-VL's images 448 px: 256 tokens each; LLaVA's 576, Gemma 3's 256).
 
     .venv/bin/python benchmarks/bench_vlm.py out.jsonl                 # the sweep, one JSON row per setup
     .venv/bin/python benchmarks/bench_vlm.py out.jsonl --family llava  # one family
@@ -47,24 +48,26 @@ def config(family: str) -> dict:
 
 def setups(families=None):
     for fam, n, b, tune, prec in itertools.product(families or MODELS, IMAGES, BATCHES, TUNING, PRECISIONS):
-        yield fam, n, b, tune, prec
+        yield fam, n, b, tune, prec, "none"
+    for fam, prec in itertools.product(families or MODELS, PRECISIONS):
+        yield fam, 2, 2, "full", prec, "full"
 
 
-def options(family: str, images: int, batch: int, tuning: str, precision: str) -> dict:
+def options(family: str, images: int, batch: int, tuning: str, precision: str, recompute: str = "none") -> dict:
     extra = {"frozen-tower": {"freeze_vision_tower": True},
              "lora": {"lora_rank": 16, "lora_targets": "q_proj,k_proj,v_proj,o_proj"}}.get(tuning, {})
     return dict(MODELS[family][2], images=images, batch_size=batch, seq_len=SEQ_LEN, precision=precision,
-                optimizer="adamw", **extra)
+                optimizer="adamw", recompute=recompute, **extra)
 
 
-def compare(family: str, images: int, batch: int, tuning: str, precision: str) -> dict:
+def compare(family: str, images: int, batch: int, tuning: str, precision: str, recompute: str = "none") -> dict:
     import trainmem
-    cfg, kw = config(family), options(family, images, batch, tuning, precision)
+    cfg, kw = config(family), options(family, images, batch, tuning, precision, recompute)
     start = time.perf_counter()
     e = trainmem.estimate(cfg, **kw)
     seconds = time.perf_counter() - start
     t = trainmem.trace(cfg, steps=2, **kw)
-    return dict(family=family, images=images, b=batch, tuning=tuning, prec=precision,
+    return dict(family=family, images=images, b=batch, tuning=tuning, prec=precision, recompute=recompute,
                 err=100 * (e.peak_allocated / t.peak_allocated - 1), estimate_mib=e.peak_allocated / 2 ** 20,
                 trace_mib=t.peak_allocated / 2 ** 20, trace_at=f"{t.peak_phase}/{t.peak_where}",
                 estimate_at=f"{e.peak_phase}/{e.peak_where}", estimate_s=round(seconds, 2))
@@ -87,6 +90,7 @@ def main(argv: list[str]) -> None:
             f.write(json.dumps(row) + "\n")
             f.flush()
             print(f"{row['family']:11s} img {row['images']} b {row['b']} {row['tuning']:12s} {row['prec']:8s} "
+                  f"{'recompute ' if row['recompute'] == 'full' else ''}"
                   f"{row['estimate_mib']:10.1f} {row['trace_mib']:10.1f} {row['err']:+6.2f}%  "
                   f"{row['trace_at']}", flush=True)
     for fam in sorted({r["family"] for r in rows}):

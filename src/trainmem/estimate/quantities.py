@@ -38,6 +38,7 @@ from .derived import decoder_ratio, grad_views as derived_grad_views, head_forwa
 from .derived import loss_upcasts as derived_loss_upcasts, outer_const as derived_outer_const
 from .derived import outer_per_sample as derived_outer_per_sample
 from .derived import first_free_casts as derived_first_free_casts
+from ..spec.vision import VISION_SIDE
 from .derived import top_forward as derived_top_forward
 from .derived import moment_activations
 from .layers import ALL_MOMENTS, HALF, LayerCoefs, LayerKey, Policy, ep_rank_rows, layer_coefficients
@@ -48,7 +49,7 @@ from .schedules import in_flight_at_backwards
 from .gemini import model_gemini
 from .galore import GTensor, step_order, step_replay
 from ..spec.galore import LOWRANK_OPTIMIZERS
-from .states import (States, block_bytes, default_lora_targets, parameter_order, dtensor_tp, fsdp_grad_op, model_states,
+from .states import (States, word_embedding, block_bytes, default_lora_targets, parameter_order, dtensor_tp, fsdp_grad_op, model_states,
                      torch_cp, torch_pipeline)
 
 F32 = 4
@@ -1391,9 +1392,9 @@ def _loss_parallel_bytes(held: int, half: int, on_half: bool, amp: bool) -> Loss
 
 def _head_weight_numel(m: ModelSpec, tp: int) -> int:
     """Elements of the LM head's weight on this rank (a tied head is the input embedding)."""
-    head = [p for p in m.parameter_tensors() if p.role != "embedding" and p.layer is None and p.is_matmul]
-    emb = [p for p in m.parameter_tensors() if p.role == "embedding"]
-    p = head[-1] if head else emb[0]
+    head = [p for p in m.parameter_tensors() if p.role != "embedding" and p.layer is None and p.is_matmul
+            and not (m.is_vlm and VISION_SIDE.search(p.name))]  # (not a VLM's vision tower nor projector)
+    p = head[-1] if head else word_embedding(m)
     return -(-p.numel // tp)
 
 
@@ -2407,7 +2408,7 @@ def block_of(t: TrainingSpec, nbytes: Any) -> Any:
 
 @lru_cache(maxsize=1024)
 def _embedding_block(m: ModelSpec, tp: int, nbytes: int, expandable: bool) -> int:
-    emb = next((p for p in m.parameter_tensors() if p.role == "embedding"), None)
+    emb = word_embedding(m)
     return block_bytes(-(-emb.numel // tp) * nbytes, expandable) if emb is not None else 0
 
 

@@ -504,6 +504,14 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
 TIED_NAMES = ("wte.weight", "embed_tokens.weight", "word_embeddings.weight")
 
 
+def word_embedding(m: ModelSpec) -> ParamTensor | None:
+    """The model's input embedding table (a tied head's weight): its first ``embedding`` tensor, a
+    vision-language model's language model's (its vision tower's position tables come first: SigLIP's
+    and CLIP's ``position_embedding``, ``spec.vision.VISION_SIDE``)."""
+    return next((p for p in m.parameter_tensors() if p.role == "embedding"
+                 and not (m.is_vlm and VISION_SIDE.search(p.name))), None)
+
+
 def fsdp_grad_op(t: TrainingSpec) -> bool:
     """FSDP's SHARD_GRAD_OP over several ranks, which is not DeepSpeed's ZeRO-2: the parameters are
     stored as shards too, and each layer is gathered at its forward and kept gathered until its
@@ -1092,7 +1100,7 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
     if m.tied_embeddings and t.amp and m.head in ("causal-lm", "masked-lm", "seq2seq-lm", "speech-seq2seq", "vlm") and \
             (t.pp == 1 or r.stage == "last") and not t.half_embeddings:
         # the tied embedding is also the LM head: autocast casts it for the head matmul
-        emb = next(p for p in m.parameter_tensors() if p.role == "embedding")
+        emb = word_embedding(m)
         acc.hmh += _tp_div(emb, t.tp) * 2
 
 
