@@ -10,6 +10,8 @@ images, SigLIP's 896-pixel ones pooled to 256 tokens); each trace takes about a 
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
@@ -237,6 +239,34 @@ def test_estimate_refusals_are_one_line(capsys, argv, names):
     code, out, err = run_cli(capsys, "estimate", *argv)
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith(ERROR_PREFIX) and names in lines[0], err
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-vl-3b", "qwen2.5-vl-7b", "llava-1.5-7b", "gemma-3-4b-it"])
+def test_images_are_read_without_transformers_as_with_it(name):
+    """The catalogue's estimate needs no transformers: its image fields read from the config dict and its
+    classes' defaults give what transformers' config objects give."""
+    from trainmem.spec.vision import _plain_vision_inputs
+    cfg = {k: v for k, v in trainmem.resolve_model(name).config.items() if not k.startswith("_")}
+    assert _plain_vision_inputs(cfg) == vision_inputs(cfg)
+
+
+def test_catalogue_estimate_needs_no_torch(tmp_path):
+    """The shipped coefficients (tools/ship_derived.py ``_ship_vlm``: one image per sample, any --images reads
+    them; Qwen2.5-VL at 448 px) answer the catalogue's VLMs without torch or transformers."""
+    import json
+    import subprocess
+    import sys
+    code = ("import json, sys, trainmem\n"
+            "for n, kw in [('qwen2.5-vl-3b', {'image_size': 448}), ('qwen2.5-vl-7b', {'image_size': 448}),\n"
+            "              ('llava-1.5-7b', {}), ('gemma-3-4b-it', {})]:\n"
+            "    for b in (1, 2):\n"
+            "        trainmem.estimate(n, batch_size=b, seq_len=2048, images=2, precision='bf16', **kw)\n"
+            "        trainmem.estimate(n, batch_size=b, seq_len=2048, precision='bf16-amp', freeze_vision_tower=True, **kw)\n"
+            "print(json.dumps(['torch' in sys.modules, 'transformers' in sys.modules]))\n")
+    src = str(Path(trainmem.__file__).resolve().parents[1])  # (this checkout's trainmem)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={"TRAINMEM_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin", "PYTHONPATH": src})
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [False, False]
 
 
 def _small_vocab(cfg: dict) -> dict:

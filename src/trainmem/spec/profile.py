@@ -21,6 +21,7 @@ expert; anything else (norm weights and biases, SSM vectors) -> norm.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -185,7 +186,9 @@ def hf_config_object(config: Mapping[str, Any]) -> Any:
     except ImportError:
         raise TrainmemError(f"model_type {config.get('model_type')!r} has no bundled profile; reading it needs "
                             f"transformers: pip install transformers") from None
-    d = {k: v for k, v in config.items() if not k.startswith("_") and k != "model_type"}
+    # (a copy: transformers' config classes update the nested dicts they are given, a composite config's
+    # ``rope_scaling`` among them, which would change the caller's config and its fingerprint)
+    d = copy.deepcopy({k: v for k, v in config.items() if not k.startswith("_") and k != "model_type"})
     level = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # a published config's validation notes are not the user's
     mtype = str(config["model_type"])

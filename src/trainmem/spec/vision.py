@@ -115,13 +115,52 @@ def vision_inputs(config: Mapping[str, Any]) -> VisionInputs:
     return _vision_inputs(json.dumps(clean, sort_keys=True, default=str))
 
 
+#: the image fields' defaults of transformers 5.24's config classes, for reading a config without transformers
+#: (``_plain_vision_inputs``): ``models/qwen2_5_vl/configuration_qwen2_5_vl.py`` L58-61 and L186 (Qwen2-VL's the
+#: same), ``models/llava/configuration_llava.py`` L59-60 (its default CLIP tower) and L72-75,
+#: ``models/gemma3/configuration_gemma3.py`` L207-210
+_DEFAULTS = {"qwen2_vl": {"image_token_id": 151655, "patch_size": 14, "spatial_merge_size": 2,
+                          "temporal_patch_size": 2, "in_channels": 3},
+             "qwen2_5_vl": {"image_token_id": 151655, "patch_size": 14, "spatial_merge_size": 2,
+                            "temporal_patch_size": 2, "in_channels": 3},
+             "llava": {"image_token_index": 32000, "image_size": 336, "patch_size": 14,
+                       "vision_feature_select_strategy": "default"},
+             "gemma3": {"image_token_index": 262144, "mm_tokens_per_image": 256}}
+
+
+def _plain_vision_inputs(d: dict[str, Any]) -> VisionInputs:
+    """``_vision_inputs`` without transformers (an estimate from shipped coefficients needs neither it nor
+    torch): the config's own fields, else its class's defaults (``_DEFAULTS``); a field neither has (Gemma 3's
+    SigLIP image and patch sizes) is one line asking for transformers."""
+    mtype = str(d["model_type"])
+    v, dflt = dict(d.get("vision_config") or {}), _DEFAULTS[mtype]
+
+    def get(key: str, src: dict[str, Any] = d) -> Any:
+        alias = {"image_token_id": "image_token_index", "image_token_index": "image_token_id"}.get(key)
+        for k in (key, alias):
+            if k is not None and src.get(k) is not None:
+                return src[k]
+        if key not in dflt:
+            raise TrainmemError(f"a {mtype} config without vision_config.{key}: reading its default needs "
+                                f"transformers (pip install transformers)")
+        return dflt[key]
+    token = int(get("image_token_id"))
+    if mtype in ("qwen2_vl", "qwen2_5_vl"):
+        return VisionInputs(mtype, "patches", int(get("patch_size", v)), int(v.get("in_chans") or get("in_channels", v)),
+                            token, merge=int(get("spatial_merge_size", v)), temporal=int(get("temporal_patch_size", v)))
+    side, patch = int(get("image_size", v)), int(get("patch_size", v))
+    tokens = ((side // patch) ** 2 + (1 if get("vision_feature_select_strategy") == "full" else 0)
+              if mtype == "llava" else int(get("mm_tokens_per_image")))
+    return VisionInputs(mtype, "pixels", patch, int(v.get("num_channels") or 3), token, default_size=side,
+                        fixed_tokens=tokens)
+
+
 @functools.lru_cache(maxsize=32)
 def _vision_inputs(config_json: str) -> VisionInputs:
     try:
         import transformers
     except ImportError:
-        raise TrainmemError("a vision-language model's images are read from its config with transformers: "
-                            "pip install transformers") from None
+        return _plain_vision_inputs(json.loads(config_json))
     d = json.loads(config_json)
     mtype = str(d.pop("model_type"))
     cfg = transformers.AutoConfig.for_model(mtype, **d)
