@@ -7,7 +7,8 @@ full`` (the tower's blocks checkpointed too: each family x precision, full tunin
 AdamW, 2048 tokens (Qwen2.5-VL's images 448 px: 256 tokens each; LLaVA's 576, Gemma 3's 256).
 
     .venv/bin/python benchmarks/bench_vlm.py out.jsonl                 # the sweep, one JSON row per setup
-    .venv/bin/python benchmarks/bench_vlm.py out.jsonl --family llava  # one family
+    .venv/bin/python benchmarks/bench_vlm.py out.jsonl --family llava-1.5  # one family
+    .venv/bin/python benchmarks/bench_vlm.py out.jsonl --recompute-only    # the --recompute full setups
 
 Each row: estimate / trace - 1 of the step's peak allocated (``err``, percent), where each has its peak, and the
 seconds the estimate took (its first setup of a kind derives the coefficients: a few traces of the cut model).
@@ -82,9 +83,12 @@ def summary(rows: list[dict]) -> str:
 def main(argv: list[str]) -> None:
     out = argv[0]
     families = [argv[argv.index("--family") + 1]] if "--family" in argv else None
+    only = "--recompute-only" in argv  # the --recompute full setups alone
     rows = []
     with open(out, "w") as f:
         for setup in setups(families):
+            if only and setup[-1] != "full":
+                continue
             row = compare(*setup)
             rows.append(row)
             f.write(json.dumps(row) + "\n")

@@ -2583,8 +2583,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     lower, above_bottom, above_decoder_bottom = _grads_above(m, t, st, layers)
     return Quantities(
         first_unsaved_tok=sum(a for _, a, _ in first), first_unsaved_sq=sum(b for _, _, b in first),
-        cast_first_free=(int(sum(lc.first_free_weights) * 2) if (lora_first and cast_layer) else 0)  # bf16/fp16 copies
-        + (derived_first_free_casts(m, t) if (t.pp == 1 or stage == "first") and cast_layer else 0),
+        cast_first_free=_cast_first_free(m, t, lc, bool(lora_first and cast_layer), bool(cast_layer), stage),
         fixed=st.weights + st.buffers + st.master + comm, grads=0 if oib else st.grads,
         grads_loaded=(0 if oib else st.grads) if grads_from_wrap(t) else 0,
         build_temp=_build_temp(t, st, comm), states=st.optimizer + st.step_tensors,
@@ -3211,6 +3210,15 @@ def half_embedding_output(t: TrainingSpec, pol: Policy, stage: str, input_tok: f
             or t.offload_activations or not (t.pp == 1 or stage == "first") or pol.stream <= 2:
         return ()
     return (("first_layer.half_input", input_tok * (1 - 2 / pol.stream), 0.0),)
+
+
+def _cast_first_free(m: ModelSpec, t: TrainingSpec, lc: LayerCoefs, lora_first: bool, cast: bool, stage: str) -> int:
+    """Bytes of the first layer's half weight copies (bf16/fp16) that no matmul keeps, which the engine's
+    per-layer copies count (``Quantities.cast_first_free``): the hand-written recipes' frozen linears on a
+    LoRA model's grad-free first-layer input (``LayerCoefs.first_free_weights``, with ``lora_first``), a
+    derived model's measured ones (``derived.first_free_casts``; on the stage holding the first layer)."""
+    own = int(sum(lc.first_free_weights) * 2) if lora_first else 0
+    return own + (derived_first_free_casts(m, t) if cast and (t.pp == 1 or stage == "first") else 0)
 
 
 def first_layer_unsaved(t: TrainingSpec, lc: LayerCoefs, stage: str) -> tuple[tuple[str, float, float], ...]:

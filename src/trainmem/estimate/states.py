@@ -1025,9 +1025,7 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
     stage's layers. Layers that differ (``ModelSpec.uniform_layers`` false): each of the stage's
     layers is counted, ``layer`` lists all of them in load order, and the per-layer figures
     (``layer_grads``, ``lmh``) are the stage's average layer, ``lpf`` its largest."""
-    frozen = bool(t.lora_rank)
     uniform = m.uniform_layers
-    vlm = m.is_vlm
     lpf_of: dict[int, int] = {}
     rank = r
     expert_rank = _expert_rank(r, t)
@@ -1068,13 +1066,11 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
             # experts have no autocast rule and run in the weights' dtype (no copies)
             if p.is_matmul and t.amp and p.role != "expert":
                 acc.lmh += n * 2
-        elif p.is_matmul and t.amp and not half_table and not (vlm and VISION_SIDE.search(p.name)):
+        elif p.is_matmul and t.amp and not half_table and not _vision_side(m, p):
             # (a half head needs no autocast copy; before the layers, a patch embedding's: kept to its
-            # backward; a VLM's vision side's copies are measured with its activations,
-            # ``estimate.derived.vision_side``)
+            # backward; a VLM's vision side's: measured, ``estimate.derived.vision_side``)
             acc.hmh, acc.emh = (acc.hmh + n * 2, acc.emh) if layer else (acc.hmh, acc.emh + n * 2)
-        # (``--freeze-vision-tower``: LLaMA-Factory's frozen tower, ``spec.vision.VISION_TOWER``)
-        if frozen or p.role == "unused" or (vlm and t.freeze_vision_tower and in_vision_tower(m.model_type, p.name)):  # (unused: built, never given a gradient, spec.profile.without_gradient)
+        if _frozen(m, t, p):
             if r.mixed_units and p.layer is not None:
                 acc.mixed_unit_grad(r, n, k, uniform or p.layer == r.lo)
             continue
@@ -1102,6 +1098,19 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
         # the tied embedding is also the LM head: autocast casts it for the head matmul
         emb = word_embedding(m)
         acc.hmh += _tp_div(emb, t.tp) * 2
+
+
+def _vision_side(m: ModelSpec, p: ParamTensor) -> bool:
+    """Whether ``p`` is a VLM's vision tower's or projector's (``spec.vision.VISION_SIDE``)."""
+    return m.is_vlm and bool(VISION_SIDE.search(p.name))
+
+
+def _frozen(m: ModelSpec, t: TrainingSpec, p: ParamTensor) -> bool:
+    """Whether ``p`` gets no gradient: LoRA's frozen base, a parameter built but never given one (``unused``:
+    ``spec.profile.without_gradient``, ``spec.vision.unread_vision_parameters``), a VLM's vision tower under
+    ``--freeze-vision-tower`` (LLaMA-Factory's: ``spec.vision.VISION_TOWER``)."""
+    return bool(t.lora_rank) or p.role == "unused" or (
+        m.is_vlm and t.freeze_vision_tower and in_vision_tower(m.model_type, p.name))
 
 
 def _outer_gradient(m: ModelSpec, acc: _Tally, p: Any, n: int, r: _Rank, grad: tuple[int, int],

@@ -755,9 +755,7 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
     head_loss = _head_loss(tracker, recs, end, (last_layer_ev, logits_ev))
     seen = _vision_saved(recs, end, {r.rid for r in vision}) if vision is not None else set()
     for r in recs:
-        if r.rid in seen:
-            continue
-        if r.phase != "forward" or r.category not in ("activations", "temporaries") or \
+        if r.rid in seen or r.phase != "forward" or r.category not in ("activations", "temporaries") or \
                 r.label == "autocast_weight_cache" or not alive_at(r, end - 1):
             continue
         i = layer_of(r)
