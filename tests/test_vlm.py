@@ -199,7 +199,8 @@ def test_estimate_agrees_with_trace(name, setup):
     e, t = trainmem.estimate(cfg, **kw), trainmem.trace(cfg, steps=2, **kw)
     assert e.peak_allocated == pytest.approx(t.peak_allocated, rel=ESTIMATE_BOUND)
     per_sample = sum(c.bytes for c in e.components if c.name == "activations.derived.per_sample")
-    assert per_sample > 0  # the vision side is counted
+    # the vision side is counted; under LoRA peft freezes the tower and the projector: it saves nothing
+    assert (per_sample > 0) == (not setup.get("lora_rank"))
 
 
 def test_estimate_frozen_tower_keeps_no_gradients_nor_states_for_it():
@@ -218,7 +219,7 @@ def test_estimate_frozen_tower_keeps_no_gradients_nor_states_for_it():
                    any(k in c.name for k in (".vision_tower.", ".multi_modal_projector.")))
     assert states(frozen) < states(full)
     assert states(frozen) == pytest.approx(states(traced), rel=0.02)  # (the estimate's 512-byte blocks)
-    assert 0 < vision(frozen) < vision(full) and vision(frozen) == vision(traced)
+    assert 0 < vision(frozen) < vision(full) and vision(frozen) == pytest.approx(vision(traced), abs=16)  # (fit)
 
 
 def test_unread_vision_parameters_get_no_gradient():
@@ -248,6 +249,15 @@ def test_images_are_read_without_transformers_as_with_it(name):
     from trainmem.spec.vision import _plain_vision_inputs
     cfg = {k: v for k, v in trainmem.resolve_model(name).config.items() if not k.startswith("_")}
     assert _plain_vision_inputs(cfg) == vision_inputs(cfg)
+
+
+def test_bundled_vlm_classes_are_transformers():
+    """``spec.tasks.VLM_CLASSES`` (read while transformers is not imported) is transformers' auto mapping."""
+    from transformers.models.auto import modeling_auto
+    from trainmem.spec.tasks import TASKS, VLM_CLASSES
+    for task, mapping in TASKS.items():
+        for mtype in MODELS | {"qwen2_vl": None}:
+            assert getattr(modeling_auto, mapping).get(mtype) == VLM_CLASSES.get(task, {}).get(mtype), (task, mtype)
 
 
 def test_catalogue_estimate_needs_no_torch(tmp_path):

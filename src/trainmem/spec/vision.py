@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -157,6 +158,14 @@ def _plain_vision_inputs(d: dict[str, Any]) -> VisionInputs:
 
 @functools.lru_cache(maxsize=32)
 def _vision_inputs(config_json: str) -> VisionInputs:
+    """The image side as transformers' config classes read it; without transformers imported already (an
+    estimate from shipped coefficients imports neither it nor torch), from the dict (``_plain_vision_inputs``)
+    where that has every field."""
+    if "transformers" not in sys.modules:
+        try:
+            return _plain_vision_inputs(json.loads(config_json))
+        except TrainmemError:
+            pass
     try:
         import transformers
     except ImportError:
