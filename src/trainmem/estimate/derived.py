@@ -36,7 +36,7 @@ from .layers import LayerCoefs
 
 COEF_VERSION = 17  # (quantized setups have keys of their own: ``key``)
 #: the heads whose derived coefficients are checked against trace (tests/test_encdec_vit.py, test_derived.py,
-#: test_encoder_heads.py, test_speech.py)
+#: test_encoder_heads.py, test_speech.py, test_vlm.py)
 DERIVED_HEADS = ("causal-lm", "seq2seq-lm", "image-cls", "speech-seq2seq", "masked-lm", "seq-cls", "qa", "vlm")
 #: an encoder's heads (``trace.derive.ENCODER_HEADS``): fitted with a per-sample term, their top
 #: layer's forward measured (``head_forward``)
