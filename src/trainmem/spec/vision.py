@@ -134,7 +134,9 @@ def _plain_vision_inputs(d: dict[str, Any]) -> VisionInputs:
     torch): the config's own fields, else its class's defaults (``_DEFAULTS``); a field neither has (Gemma 3's
     SigLIP image and patch sizes) is one line asking for transformers."""
     mtype = str(d["model_type"])
-    v, dflt = dict(d.get("vision_config") or {}), _DEFAULTS[mtype]
+    v, dflt = dict(d.get("vision_config") or {}), dict(_DEFAULTS[mtype])
+    if mtype == "llava" and v.get("model_type", "clip_vision_model") != "clip_vision_model":
+        dflt.pop("image_size"), dflt.pop("patch_size")  # (the defaults are LLaVA's CLIP tower's, not another's)
 
     def get(key: str, src: dict[str, Any] = d) -> Any:
         alias = {"image_token_id": "image_token_index", "image_token_index": "image_token_id"}.get(key)
