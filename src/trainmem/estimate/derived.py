@@ -36,8 +36,8 @@ from .layers import LayerCoefs
 
 COEF_VERSION = 17  # (quantized setups have keys of their own: ``key``)
 #: the heads whose derived coefficients are checked against trace (tests/test_encdec_vit.py, test_derived.py,
-#: test_encoder_heads.py, test_speech.py)
-DERIVED_HEADS = ("causal-lm", "seq2seq-lm", "image-cls", "speech-seq2seq", "masked-lm", "seq-cls", "qa")
+#: test_encoder_heads.py, test_speech.py, test_vlm.py)
+DERIVED_HEADS = ("causal-lm", "seq2seq-lm", "image-cls", "speech-seq2seq", "masked-lm", "seq-cls", "qa", "vlm")
 #: an encoder's heads (``trace.derive.ENCODER_HEADS``): fitted with a per-sample term, their top
 #: layer's forward measured (``head_forward``)
 ENCODER_HEADS = ("masked-lm", "seq-cls", "qa")
@@ -52,13 +52,14 @@ DERIVED_IMAGE_TYPES = ("vit", "siglip", "clip")
 def derived_problems(m: ModelSpec, t: TrainingSpec) -> list[str]:
     """What a derived architecture's estimate cannot model in setup ``t`` (empty when it can)."""
     out = []
-    if m.is_vlm:
-        out.append(f"its image-text-to-text head ({m.architecture}: a vision-language model, whose vision tower's "
-                   f"activations the derived estimate does not compose with the language model's; use trace)")
-    elif m.head not in DERIVED_HEADS:
+    if m.head not in DERIVED_HEADS:
         out.append(f"its {m.head} head ({m.architecture}; the derived estimate covers causal-lm, seq2seq-lm, "
                    f"speech-seq2seq, image-classification, masked-lm, sequence-classification and "
                    f"question-answering heads)")
+    if m.is_vlm and t.recompute_every > 1:
+        # (transformers' ``every_n_layers`` counts the vision tower's blocks before the language model's layers)
+        out.append(f"--recompute-every {t.recompute_every} on a vision-language model (its vision tower's blocks are "
+                   f"counted with its language model's layers; every layer checkpointed is modelled)")
     if checkpointed(m, t) and t.recompute_every > 1:
         out.append(f"--recompute-every {t.recompute_every} (an encoder-decoder's full-recompute coefficients are "
                    f"traced with every layer checkpointed)")
@@ -145,6 +146,8 @@ def key(m: ModelSpec, t: TrainingSpec, one: bool | None = None) -> str:
         parts.append("checkpointed")
     if m.head in ENCODER_HEADS:  # fitted with a per-sample term, the top layer's forward measured
         parts.append(("encoder-head", m.head))
+    if m.is_vlm:  # its vision side fitted in images (``trace.derive._vision_fit``): per image size and frozen tower
+        parts.append(("vlm", t.image_size, t.freeze_vision_tower, t.recompute == "full"))
     if batch1(m, t) if one is None else one:  # fitted on batch-1 points (the keys of other batches are unchanged)
         parts.append("batch-1")
     return _key(*parts)
@@ -233,7 +236,7 @@ def _coefficients(k: str, m: ModelSpec, t: TrainingSpec, side: str, one: bool = 
     try:
         doc = derive_coefficients(m, t, side, batch1=one)
     except NotPolynomial as e:
-        if m.is_encoder_decoder or m.is_image:  # (their point derivation is not checked against trace)
+        if m.is_encoder_decoder or m.is_image or m.is_vlm:  # (their point derivation is not checked against trace)
             raise
         # cached as such, so the next estimate goes straight to its point (``point_at``)
         doc = {"not_polynomial": str(e), "quantity": e.what}
@@ -478,9 +481,13 @@ def _canonical(t: TrainingSpec, m: ModelSpec | None = None) -> TrainingSpec:
                    fsdp_lora_units="separate", grad_sync="micro-batch", ddp_init_stream="current",
                    precision=activation_precision(t),
                    lora_dtype="half" if (t.lora_rank and adapters_computed_half(t)) else t.lora_dtype,
-                   recompute="full" if without_cache(t, m) else "none",
+                   # (a VLM's: its tower traced checkpointed, ``trace.derive._checkpoint_vision``; no other
+                   # setup of one builds no cache but by its config, which the derivation reads)
+                   recompute="full" if (t.recompute == "full" if m is not None and m.is_vlm else without_cache(t, m))
+                   else "none",
                    recompute_every=1, bitsandbytes_version=None,
-                   attention_call="model" if t.attention_call == "mha" else t.attention_call)
+                   attention_call="model" if t.attention_call == "mha" else t.attention_call,
+                   images=1)  # (a VLM's points set their own images: ``trace.derive.vlm_images``)
 
 
 def stage_kinds(m: ModelSpec, t: TrainingSpec, stage: str, doc: dict[str, Any]) -> list[str]:
@@ -664,7 +671,28 @@ def outer_per_sample(m: ModelSpec, t: TrainingSpec, stage: str) -> float:
     projections over the batch (transformers 5.24 ``models/deberta_v2/modeling_deberta_v2.py``
     ``disentangled_attention_bias``: (b x heads, 2 x position_buckets, head_dim), saved by the
     ``bmm`` with the query) in the layers; 0 for other heads."""
+    if m.is_vlm:
+        return t.images * vision_side(m, t)["per_image"]
     return _summed(m, t, stage, "per_sample")
+
+
+def first_free_casts(m: ModelSpec, t: TrainingSpec) -> int:
+    """Bytes of the first layer's half weight copies no matmul saves (``trace.derive._weight_casts``'
+    ``first_free``: with LoRA under autocast the frozen linears on the first layer's input, which needs no
+    gradient, keep no copy of their weight, which the engine counts in every layer); measured for
+    vision-language models (0 for others: the shipped coefficients of derived decoders predate it)."""
+    if m.family != "derived" or derived_problems(m, t):
+        return 0
+    return int(coefficients(m, t).get("first_free_casts", 0))
+
+
+def vision_side(m: ModelSpec, t: TrainingSpec) -> dict[str, float]:
+    """A vision-language model's vision tower and projector at the end of the forward (``trace.derive.
+    _vision_fit``): bytes per image (its patches' saved activations through the whole tower, the
+    projector's input and output; Qwen2-VL's at ``--image-size``, a part of the key) and constant bytes
+    (a trained tower's cached half weight copies under autocast). Alive from the forward until the tower's
+    backward, after the language model's: counted with the activations at every moment."""
+    return coefficients(m, t).get("vision", {"per_image": 0.0, "const": 0.0})
 
 
 def outer_const(m: ModelSpec, t: TrainingSpec, stage: str) -> float:
@@ -673,6 +701,8 @@ def outer_const(m: ModelSpec, t: TrainingSpec, stage: str) -> float:
     position_buckets, h) relative embeddings for the query and key projections and their dropout's
     (5.24 ``modeling_deberta_v2.py`` ``disentangled_attention_bias``); 0 for other heads, whose
     derivations leave the constant out."""
+    if m.is_vlm:
+        return vision_side(m, t)["const"]
     return _summed(m, t, stage, "const")
 
 

@@ -162,6 +162,7 @@ def _input_blocks(q: Quantities, n: Any, b: Any, labels: Any, batch: Any, ga: An
     labels, and the stage's pipeline receive buffers, in the allocator's mode (``q.expandable``)."""
     es = q.expandable
     plain = (block_bytes((trunc(q.input_tok * n) - q.input_sample * b) * batch, es) + block_bytes(labels * 8 * batch, es)
+             + where(q.input_pixels > 0, block_bytes(q.input_pixels * b * batch, es), 0)
              + q.pipe_recv * ga * block_bytes(trunc(q.pipe_buf_tok * n), es))
     return where(q.trainer_cp > 1, _trainer_cp_blocks(q.trainer_cp, n, b, es), plain)
 

@@ -38,6 +38,8 @@ from .derived import decoder_embedding_activations, decoder_embedding_temporarie
 from .derived import decoder_ratio, grad_views as derived_grad_views, head_forward as derived_head_forward
 from .derived import loss_upcasts as derived_loss_upcasts, outer_const as derived_outer_const
 from .derived import outer_per_sample as derived_outer_per_sample
+from .derived import first_free_casts as derived_first_free_casts
+from ..spec.vision import VISION_SIDE
 from .derived import top_forward as derived_top_forward
 from .derived import moment_activations
 from .layers import ALL_MOMENTS, HALF, LayerCoefs, LayerKey, Policy, ep_rank_rows, layer_coefficients
@@ -48,7 +50,7 @@ from .schedules import in_flight_at_backwards
 from .gemini import model_gemini
 from .galore import GTensor, step_order, step_replay
 from ..spec.galore import LOWRANK_OPTIMIZERS
-from .states import (States, block_bytes, default_lora_targets, parameter_order, dtensor_tp, fsdp_grad_op, model_states,
+from .states import (States, word_embedding, block_bytes, default_lora_targets, parameter_order, dtensor_tp, fsdp_grad_op, model_states,
                      torch_cp, torch_pipeline)
 
 F32 = 4
@@ -210,6 +212,7 @@ class Quantities:
     tied_final: int = 0     # --compile: ... and its gradient in the weight's dtype (in ``grads``, made last)
     input_tok: float = 8.0  # the input batch per token: int64 ids, or an image model's pixel values per patch
     input_sample: int = 0   # ... less this per sample (an image model's class tokens have no pixels)
+    input_pixels: int = 0   # a vision-language model's pixel values per sample, a tensor of their own (fp32)
     embeds_tok: float = 0.0  # the base model's embedding output held, unsaved, until it returns (held_embeddings)
     # an encoder-decoder's decoder tokens per encoder token, dec_num / dec_den (``derived.decoder_ratio``):
     # its labels and logits are (b, target_len), b*s * dec_num // dec_den tokens
@@ -478,13 +481,13 @@ def loss_upcasts(m: ModelSpec) -> bool:
     both loss gradients stay bf16; under autocast ``cross_entropy`` has no autocast rule, so
     ``log_softmax`` keeps the half dtype and ``nll_loss`` (fp32 list) saves an fp32 copy.
     """
-    return m.head == "causal-lm" and m.family != "nanogpt"
+    return m.head in ("causal-lm", "vlm") and m.family != "nanogpt"
 
 
 def is_lm(m: ModelSpec) -> bool:
     """A language-model head (logits over the vocabulary per token; an encoder-decoder's per
     decoder token)."""
-    return m.head in ("causal-lm", "masked-lm", "seq2seq-lm", "speech-seq2seq")
+    return m.head in ("causal-lm", "masked-lm", "seq2seq-lm", "speech-seq2seq", "vlm")
 
 
 def classifier_width(m: ModelSpec, t: TrainingSpec) -> int:
@@ -504,10 +507,28 @@ def input_bytes(m: ModelSpec, t: TrainingSpec) -> tuple[float, int]:
     dtype: 2 x num_mel_bins values per encoder position (``workload.model_batch``)."""
     if getattr(m, "is_speech_seq2seq", False):
         return float(2 * m.mel_bins * (2 if t.precision in ("bf16", "fp16") else 4)), 0
+    if m.is_vlm:  # ids and labels, and Qwen2-VL's ``mm_token_type_ids`` or Gemma 3's ``token_type_ids`` (b, s)
+        return (16.0 if m.model_type != "llava" else 8.0), 0
     if not m.is_image:
         return 8.0, 0
     per_patch = m.num_channels * m.patch_size ** 2 * (2 if t.precision in ("bf16", "fp16") else 4)
     return float(per_patch), per_patch * m.class_tokens
+
+
+def vlm_pixel_bytes(m: ModelSpec, t: TrainingSpec) -> int:
+    """A vision-language model's ``pixel_values`` per sample (``spec.vision.image_batch``), fp32 as its
+    processor returns them and the HF Trainer moves them (no cast without DeepSpeed): ``--images`` x
+    Qwen2-VL's (S/14)^2 patches of 3 x 2 x 14 x 14 values, or LLaVA's and Gemma 3's 3 x S x S; 0 for other
+    models. (Qwen2-VL's ``image_grid_thw``, [images, 3] int64, one 512-byte block on a GPU, stays on the host
+    in trace: not counted.)"""
+    if not m.is_vlm:
+        return 0
+    from ..spec.vision import vision_inputs
+    vis = vision_inputs(m.config)
+    side = vis.side(t.image_size)
+    per = vis.patches(t.image_size) * vis.channels * vis.temporal * vis.patch ** 2 if vis.kind == "patches" \
+        else vis.channels * side * side
+    return t.images * per * 4
 
 
 def trainer_cp_inputs(m: ModelSpec, t: TrainingSpec) -> int:
@@ -1451,9 +1472,9 @@ def _loss_parallel_bytes(held: int, half: int, on_half: bool, amp: bool) -> Loss
 
 def _head_weight_numel(m: ModelSpec, tp: int) -> int:
     """Elements of the LM head's weight on this rank (a tied head is the input embedding)."""
-    head = [p for p in m.parameter_tensors() if p.role != "embedding" and p.layer is None and p.is_matmul]
-    emb = [p for p in m.parameter_tensors() if p.role == "embedding"]
-    p = head[-1] if head else emb[0]
+    head = [p for p in m.parameter_tensors() if p.role != "embedding" and p.layer is None and p.is_matmul
+            and not (m.is_vlm and VISION_SIDE.search(p.name))]  # (not a VLM's vision tower nor projector)
+    p = head[-1] if head else word_embedding(m)
     return -(-p.numel // tp)
 
 
@@ -2634,7 +2655,7 @@ def block_of(t: TrainingSpec, nbytes: Any) -> Any:
 
 @lru_cache(maxsize=1024)
 def _embedding_block(m: ModelSpec, tp: int, nbytes: int, expandable: bool) -> int:
-    emb = next((p for p in m.parameter_tensors() if p.role == "embedding"), None)
+    emb = word_embedding(m)
     return block_bytes(-(-emb.numel // tp) * nbytes, expandable) if emb is not None else 0
 
 
@@ -2809,7 +2830,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
     lower, above_bottom, above_decoder_bottom = _grads_above(m, t, st, layers)
     return Quantities(
         first_unsaved_tok=sum(a for _, a, _ in first), first_unsaved_sq=sum(b for _, _, b in first),
-        cast_first_free=int(sum(lc.first_free_weights) * 2) if (lora_first and cast_layer) else 0,  # bf16/fp16 copies
+        cast_first_free=_cast_first_free(m, t, lc, bool(lora_first and cast_layer), bool(cast_layer), stage),
         fixed=st.weights + st.buffers + st.master + comm, grads=0 if oib else st.grads,
         grads_loaded=(0 if oib else st.grads) if grads_from_wrap(t) else 0,
         build_temp=_build_temp(t, st, comm), states=st.optimizer + st.step_tensors,
@@ -2846,6 +2867,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         decoder_grads=_decoder_grads(m, t, st, layers),
         input_tok=input_bytes(m, t)[0], input_sample=input_bytes(m, t)[1], expandable=int(t.expandable_segments),
         ddp_side=int(t.ddp_init_stream == "side"),
+        input_pixels=vlm_pixel_bytes(m, t),
         trainer_cp=trainer_cp_inputs(m, t), embeds_tok=held_embeddings(m, t, pol, lc),
         **_top_fields(m, t, pol),
         dec_num=decoder_ratio(m, t)[0], dec_den=decoder_ratio(m, t)[1], **_derived_fields(m, t, stage), **pipe,
@@ -3501,6 +3523,15 @@ def peft_offload_leaf(t: TrainingSpec, stage: str, input_tok: float) -> tuple[tu
             or not (t.pp == 1 or stage == "first"):
         return ()
     return (("first_layer.offload_leaf", -input_tok, 0.0),)
+
+
+def _cast_first_free(m: ModelSpec, t: TrainingSpec, lc: LayerCoefs, lora_first: bool, cast: bool, stage: str) -> int:
+    """Bytes of the first layer's half weight copies (bf16/fp16) that no matmul keeps, which the engine's
+    per-layer copies count (``Quantities.cast_first_free``): the hand-written recipes' frozen linears on a
+    LoRA model's grad-free first-layer input (``LayerCoefs.first_free_weights``, with ``lora_first``), a
+    derived model's measured ones (``derived.first_free_casts``; on the stage holding the first layer)."""
+    own = int(sum(lc.first_free_weights) * 2) if lora_first else 0
+    return own + (derived_first_free_casts(m, t) if cast and (t.pp == 1 or stage == "first") else 0)
 
 
 def first_layer_unsaved(t: TrainingSpec, lc: LayerCoefs, stage: str) -> tuple[tuple[str, float, float], ...]:

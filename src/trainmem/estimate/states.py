@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from ..spec.model import ModelSpec, ParamTensor
 from ..spec.tf_releases import layer_rotary_cache
+from ..spec.vision import VISION_SIDE, in_vision_tower
 from ..spec.galore import LOWRANK_OPTIMIZERS
 from ..spec.training import TORCHAO_OFFLOAD_MIN, TrainingSpec, galore_target
 
@@ -237,6 +238,8 @@ def _lora_tensors(m: ModelSpec, t: TrainingSpec) -> list[tuple[str, int, int | N
     targets = set(t.lora_targets or default_lora_targets(m))
     out = []
     for p in m.parameter_tensors():
+        if m.is_vlm and ".language_model." not in f".{p.name}":
+            continue  # a VLM's adapters go on its language model's linears only (``workload.language_model_targets``)
         if p.is_matmul and p.module in targets and len(p.shape) >= 2 and p.role != "embedding":
             rows, cols = p.shape[-2], p.shape[-1]
             if m.family in ("gpt2", "nanogpt"):  # Conv1D stores (in, out)
@@ -494,11 +497,19 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
            layer_rotary_cache(m, t.transformers_release),
            t.gemini, t.gemini_chunk_size, t.ds_params_on_host, t.ds_whole_load, t.ds_fp32_clone, t.half_embeddings,
            t.fsdp_auto_wrap_policy, t.fsdp_min_num_params, t.torchao_block, t.torchao_offload, t.optim_target_modules,
-           t.optim_args)
+           t.optim_args, t.freeze_vision_tower)
     return _STATES_CACHE.get_or_build(key, lambda: _model_states(m, t, stage))
 
 
 TIED_NAMES = ("wte.weight", "embed_tokens.weight", "word_embeddings.weight")
+
+
+def word_embedding(m: ModelSpec) -> ParamTensor | None:
+    """The model's input embedding table (a tied head's weight): its first ``embedding`` tensor, a
+    vision-language model's language model's (its vision tower's position tables come first: SigLIP's
+    and CLIP's ``position_embedding``, ``spec.vision.VISION_SIDE``)."""
+    return next((p for p in m.parameter_tensors() if p.role == "embedding"
+                 and not (m.is_vlm and VISION_SIDE.search(p.name))), None)
 
 
 def fsdp_grad_op(t: TrainingSpec) -> bool:
@@ -1014,7 +1025,6 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
     stage's layers. Layers that differ (``ModelSpec.uniform_layers`` false): each of the stage's
     layers is counted, ``layer`` lists all of them in load order, and the per-layer figures
     (``layer_grads``, ``lmh``) are the stage's average layer, ``lpf`` its largest."""
-    frozen = bool(t.lora_rank)
     uniform = m.uniform_layers
     lpf_of: dict[int, int] = {}
     rank = r
@@ -1056,10 +1066,11 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
             # experts have no autocast rule and run in the weights' dtype (no copies)
             if p.is_matmul and t.amp and p.role != "expert":
                 acc.lmh += n * 2
-        elif p.is_matmul and t.amp and not half_table:  # (a half head needs no autocast copy; before the
-            #                                              layers, a patch embedding's: kept to its backward)
+        elif p.is_matmul and t.amp and not half_table and not _vision_side(m, p):
+            # (a half head needs no autocast copy; before the layers, a patch embedding's: kept to its
+            # backward; a VLM's vision side's: measured, ``estimate.derived.vision_side``)
             acc.hmh, acc.emh = (acc.hmh + n * 2, acc.emh) if layer else (acc.hmh, acc.emh + n * 2)
-        if frozen or p.role == "unused":  # (unused: built, never given a gradient, spec.profile.without_gradient)
+        if _frozen(m, t, p):
             if r.mixed_units and p.layer is not None:
                 acc.mixed_unit_grad(r, n, k, uniform or p.layer == r.lo)
             continue
@@ -1082,11 +1093,24 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
     if not uniform and r.per_stage:
         acc.layer_grads = -(-acc.layer_grads // r.per_stage)
         acc.lmh = -(-acc.lmh // r.per_stage)
-    if m.tied_embeddings and t.amp and m.head in ("causal-lm", "masked-lm", "seq2seq-lm", "speech-seq2seq") and \
+    if m.tied_embeddings and t.amp and m.head in ("causal-lm", "masked-lm", "seq2seq-lm", "speech-seq2seq", "vlm") and \
             (t.pp == 1 or r.stage == "last") and not t.half_embeddings:
         # the tied embedding is also the LM head: autocast casts it for the head matmul
-        emb = next(p for p in m.parameter_tensors() if p.role == "embedding")
+        emb = word_embedding(m)
         acc.hmh += _tp_div(emb, t.tp) * 2
+
+
+def _vision_side(m: ModelSpec, p: ParamTensor) -> bool:
+    """Whether ``p`` is a VLM's vision tower's or projector's (``spec.vision.VISION_SIDE``)."""
+    return m.is_vlm and bool(VISION_SIDE.search(p.name))
+
+
+def _frozen(m: ModelSpec, t: TrainingSpec, p: ParamTensor) -> bool:
+    """Whether ``p`` gets no gradient: LoRA's frozen base, a parameter built but never given one (``unused``:
+    ``spec.profile.without_gradient``, ``spec.vision.unread_vision_parameters``), a VLM's vision tower under
+    ``--freeze-vision-tower`` (LLaMA-Factory's: ``spec.vision.VISION_TOWER``)."""
+    return bool(t.lora_rank) or p.role == "unused" or (
+        m.is_vlm and t.freeze_vision_tower and in_vision_tower(m.model_type, p.name))
 
 
 def _outer_gradient(m: ModelSpec, acc: _Tally, p: Any, n: int, r: _Rank, grad: tuple[int, int],

@@ -21,6 +21,7 @@ expert; anything else (norm weights and biases, SSM vectors) -> norm.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -185,7 +186,9 @@ def hf_config_object(config: Mapping[str, Any]) -> Any:
     except ImportError:
         raise TrainmemError(f"model_type {config.get('model_type')!r} has no bundled profile; reading it needs "
                             f"transformers: pip install transformers") from None
-    d = {k: v for k, v in config.items() if not k.startswith("_") and k != "model_type"}
+    # (a copy: transformers' config classes update the nested dicts they are given, a composite config's
+    # ``rope_scaling`` among them, which would change the caller's config and its fingerprint)
+    d = copy.deepcopy({k: v for k, v in config.items() if not k.startswith("_") and k != "model_type"})
     level = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # a published config's validation notes are not the user's
     mtype = str(config["model_type"])
@@ -254,7 +257,7 @@ def build_profile(config: Mapping[str, Any]) -> Profile:
         else summary(cfg)
     unused = without_gradient(model, summ) if task == "image-classification" else \
         text_without_gradient(model) if task == "causal-lm" and getattr(cfg, "vision_config", None) is not None \
-        else frozenset()
+        else vlm_without_gradient(model, cfg) if task == "image-text-to-text" else frozenset()
     if task in ("speech-seq2seq", "ctc"):
         # parameters the model builds frozen (Whisper's sinusoidal encoder positions,
         # ``WhisperEncoder.__init__``: ``self.embed_positions.requires_grad_(False)``): no gradient, no state
@@ -320,6 +323,13 @@ def text_without_gradient(model: Any) -> frozenset[str]:
     except Exception:  # a step that does not run on meta tensors: every parameter is taken as trained
         return frozenset()
     return frozenset(name for name, p in model.named_parameters() if p.requires_grad and p.grad is None)
+
+
+def vlm_without_gradient(model: Any, cfg: Any) -> frozenset[str]:
+    """The parameters a vision-language model's training step on images leaves without a gradient
+    (``vision.unread_vision_parameters``: modules its vision tower runs but whose output no loss reads)."""
+    from .vision import unread_vision_parameters
+    return unread_vision_parameters(cfg, [name for name, _p in model.named_parameters()])
 
 
 def summary(cfg: Any, labels_only: bool = False) -> dict[str, Any]:

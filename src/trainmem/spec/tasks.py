@@ -16,6 +16,8 @@ looked up (``with_task`` for a class the config does not name, ``natural_class``
 """
 from __future__ import annotations
 
+import sys
+
 from typing import Any, Mapping
 
 from ..errors import TrainmemError
@@ -65,6 +67,26 @@ def _mapping(task: str) -> Mapping[str, Any]:
     return getattr(modeling_auto, TASKS[task])
 
 
+#: transformers 5.24's auto-mapping entries of the vision-language types (``spec.vision.VLM_TYPES``;
+#: ``models/auto/modeling_auto.py``, tests/test_vlm.py checks them against it), read without importing
+#: transformers (and torch) when it is not loaded yet: an estimate from shipped coefficients needs neither
+VLM_CLASSES = {
+    "image-text-to-text": {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+                           "llava": "LlavaForConditionalGeneration", "gemma3": "Gemma3ForConditionalGeneration"},
+    "causal-lm": {"gemma3": "Gemma3ForConditionalGeneration"},
+    "sequence-classification": {"gemma3": "Gemma3ForSequenceClassification"},
+}
+
+
+def _class_for(task: str, model_type: str) -> Any:
+    """transformers' class name of ``model_type`` for ``task`` (None: none); a VLM type's from ``VLM_CLASSES``
+    while transformers is not imported."""
+    from .vision import VLM_TYPES
+    if model_type in VLM_TYPES and "transformers" not in sys.modules:
+        return VLM_CLASSES.get(task, {}).get(model_type)
+    return _mapping(task).get(model_type)
+
+
 def task_of_class(model_type: str, class_name: str) -> str | None:
     """The task whose auto mapping gives ``class_name`` for ``model_type`` (None: none of TASKS). The
     image-text-to-text class of a type ``spec.vision`` runs (``VLM_TYPES``) is that task unless the causal-LM
@@ -73,13 +95,13 @@ def task_of_class(model_type: str, class_name: str) -> str | None:
     ``--task image-text-to-text`` marks the config (``TASK_KEY``, ``task_of_config``); another type's
     (``Qwen3_5ForConditionalGeneration``) is no task here, and ``trainable_class`` trains its text model."""
     from .vision import VLM_TYPES
-    if (model_type in VLM_TYPES and _in(_mapping("image-text-to-text").get(model_type), class_name)
-            and not _in(_mapping("causal-lm").get(model_type), class_name)):
+    if (model_type in VLM_TYPES and _in(_class_for("image-text-to-text", model_type), class_name)
+            and not _in(_class_for("causal-lm", model_type), class_name)):
         return "image-text-to-text"
     for task in TASKS:
         if task == "image-text-to-text":
             continue
-        if _in(_mapping(task).get(model_type), class_name):
+        if _in(_class_for(task, model_type), class_name):
             return task
     # a class the mapping lists under a sibling type (Gemma3ForSequenceClassification is gemma3's,
     # its text model is gemma3_text): the ending that names one task
@@ -101,11 +123,11 @@ def class_for_task(model_type: str, task: str) -> str:
     """The class transformers builds for ``task`` on ``model_type``; one line when there is none."""
     if task not in TASKS:
         raise TrainmemError(f"--task {task!r} is not one of: {', '.join(TASKS)}")
-    name = _mapping(task).get(model_type)
+    name = _class_for(task, model_type)
     if isinstance(name, (list, tuple)):
         name = name[0] if name else None
     if not name:
-        have = [t for t in TASKS if _mapping(t).get(model_type)]
+        have = [t for t in TASKS if _class_for(t, model_type)]
         raise TrainmemError(f"--task {task}: transformers has no {task} class for model_type {model_type!r} "
                             f"(its tasks: {', '.join(have) or 'none of ' + ', '.join(TASKS)})")
     return str(name)
@@ -132,7 +154,7 @@ def _natural_order(model_type: str) -> list[str]:
 def natural_class(model_type: str) -> str | None:
     """The class of the first task in ``_natural_order`` that ``model_type`` has (None: none)."""
     for task in _natural_order(model_type):
-        name = _mapping(task).get(model_type)
+        name = _class_for(task, model_type)
         if name:
             return str(name[0] if isinstance(name, (list, tuple)) else name)
     return None
@@ -158,7 +180,7 @@ def trainable_class(config: Mapping[str, Any]) -> Mapping[str, Any]:
     try:
         if not current.endswith("ForConditionalGeneration") or not mtype or task_of_class(mtype, current) is not None:
             return config  # another head (token classification...) is refused where it is read
-        causal = _mapping("causal-lm").get(mtype)
+        causal = _class_for("causal-lm", mtype)
     except TrainmemError:  # no transformers: the config's own class stands
         return config
     causal = causal[0] if isinstance(causal, (list, tuple)) else causal

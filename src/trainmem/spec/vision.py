@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import functools
 import json
+import re
+import sys
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -48,6 +50,17 @@ VLM_TYPES = ("qwen2_vl", "qwen2_5_vl", "llava", "gemma3")
 #: (``model.visual.blocks``, ``model.vision_tower``)
 VISION_TOWER = {"qwen2_vl": ("visual.patch_embed", "visual.blocks"), "qwen2_5_vl": ("visual.patch_embed", "visual.blocks"),
                 "llava": ("vision_tower",), "gemma3": ("vision_tower",)}
+
+#: a VLM's vision side, its vision tower and projector, by dotted module or parameter name (transformers 5.24:
+#: Qwen2-VL's ``model.visual`` with its ``merger``, LLaVA's and Gemma 3's ``model.vision_tower`` and
+#: ``model.multi_modal_projector``; under peft ``base_model.model.`` before them)
+VISION_SIDE = re.compile(r"(^|\.)(visual|vision_tower|multi_modal_projector)(\.|$)")
+
+
+def in_vision_tower(model_type: str, name: str) -> bool:
+    """Whether parameter ``name`` is one ``--freeze-vision-tower`` freezes (``VISION_TOWER``, as
+    ``vision_tower_parameters`` matches them on the built model)."""
+    return any(f".{k}." in f".{name}" for k in VISION_TOWER.get(model_type, ()))
 
 
 @dataclass(frozen=True)
@@ -103,13 +116,62 @@ def vision_inputs(config: Mapping[str, Any]) -> VisionInputs:
     return _vision_inputs(json.dumps(clean, sort_keys=True, default=str))
 
 
+#: the image fields' defaults of transformers 5.24's config classes, for reading a config without transformers
+#: (``_plain_vision_inputs``): ``models/qwen2_5_vl/configuration_qwen2_5_vl.py`` L58-61 and L186 (Qwen2-VL's the
+#: same), ``models/llava/configuration_llava.py`` L59-60 (its default CLIP tower) and L72-75,
+#: ``models/gemma3/configuration_gemma3.py`` L207-210
+_DEFAULTS = {"qwen2_vl": {"image_token_id": 151655, "patch_size": 14, "spatial_merge_size": 2,
+                          "temporal_patch_size": 2, "in_channels": 3},
+             "qwen2_5_vl": {"image_token_id": 151655, "patch_size": 14, "spatial_merge_size": 2,
+                            "temporal_patch_size": 2, "in_channels": 3},
+             "llava": {"image_token_index": 32000, "image_size": 336, "patch_size": 14,
+                       "vision_feature_select_strategy": "default"},
+             "gemma3": {"image_token_index": 262144, "mm_tokens_per_image": 256}}
+
+
+def _plain_vision_inputs(d: dict[str, Any]) -> VisionInputs:
+    """``_vision_inputs`` without transformers (an estimate from shipped coefficients needs neither it nor
+    torch): the config's own fields, else its class's defaults (``_DEFAULTS``); a field neither has (Gemma 3's
+    SigLIP image and patch sizes) is one line asking for transformers."""
+    mtype = str(d["model_type"])
+    v, dflt = dict(d.get("vision_config") or {}), dict(_DEFAULTS[mtype])
+    if mtype == "llava" and v.get("model_type", "clip_vision_model") != "clip_vision_model":
+        dflt.pop("image_size"), dflt.pop("patch_size")  # (the defaults are LLaVA's CLIP tower's, not another's)
+
+    def get(key: str, src: dict[str, Any] = d) -> Any:
+        alias = {"image_token_id": "image_token_index", "image_token_index": "image_token_id"}.get(key)
+        for k in (key, alias):
+            if k is not None and src.get(k) is not None:
+                return src[k]
+        if key not in dflt:
+            raise TrainmemError(f"a {mtype} config without vision_config.{key}: reading its default needs "
+                                f"transformers (pip install transformers)")
+        return dflt[key]
+    token = int(get("image_token_id"))
+    if mtype in ("qwen2_vl", "qwen2_5_vl"):
+        return VisionInputs(mtype, "patches", int(get("patch_size", v)), int(v.get("in_chans") or get("in_channels", v)),
+                            token, merge=int(get("spatial_merge_size", v)), temporal=int(get("temporal_patch_size", v)))
+    side, patch = int(get("image_size", v)), int(get("patch_size", v))
+    tokens = ((side // patch) ** 2 + (1 if get("vision_feature_select_strategy") == "full" else 0)
+              if mtype == "llava" else int(get("mm_tokens_per_image")))
+    return VisionInputs(mtype, "pixels", patch, int(v.get("num_channels") or 3), token, default_size=side,
+                        fixed_tokens=tokens)
+
+
 @functools.lru_cache(maxsize=32)
 def _vision_inputs(config_json: str) -> VisionInputs:
+    """The image side as transformers' config classes read it; without transformers imported already (an
+    estimate from shipped coefficients imports neither it nor torch), from the dict (``_plain_vision_inputs``)
+    where that has every field."""
+    if "transformers" not in sys.modules:
+        try:
+            return _plain_vision_inputs(json.loads(config_json))
+        except TrainmemError:
+            pass
     try:
         import transformers
     except ImportError:
-        raise TrainmemError("a vision-language model's images are read from its config with transformers: "
-                            "pip install transformers") from None
+        return _plain_vision_inputs(json.loads(config_json))
     d = json.loads(config_json)
     mtype = str(d.pop("model_type"))
     cfg = transformers.AutoConfig.for_model(mtype, **d)
@@ -187,11 +249,35 @@ def _emulated(device: Any) -> bool:
     return torch.empty(0, device=device).device.type == "meta"
 
 
+def unread_vision_parameters(cfg: Any, names: list[str]) -> frozenset[str]:
+    """Of a VLM's parameter ``names`` (transformers' config object ``cfg``), those its step on images gives no
+    gradient: modules its vision tower runs whose output no loss reads, so ``torch.optim`` keeps no state for
+    them. LLaVA reads CLIP's ``hidden_states[vision_feature_layer]`` (transformers 5.24
+    ``models/llava/modeling_llava.py`` L133-146, the layers' outputs after the embeddings: -2 is the output of
+    the last layer but one), so CLIP's layers above it and its ``post_layernorm`` (applied to the pooled class
+    token only, ``models/clip/modeling_clip.py`` ``CLIPVisionTransformer.forward``) get none; SigLIP's
+    attention-pooling ``head``, which Gemma 3's tower builds when ``vision_use_head`` is on, runs on the last
+    hidden state that Gemma 3 reads before it (``models/gemma3/modeling_gemma3.py`` L766-768). Qwen2-VL reads
+    its whole tower through its merger."""
+    mtype = getattr(cfg, "model_type", "")
+    v = getattr(cfg, "vision_config", None)
+    out = set()
+    if mtype == "llava" and v is not None:
+        layer = cfg.vision_feature_layer
+        layers = int(v.num_hidden_layers)
+        top = max(layer) if isinstance(layer, (list, tuple)) else layer
+        read = top if top >= 0 else layers + 1 + top   # hidden_states[k]: the output of layer k - 1
+        pat = re.compile(r"(^|\.)vision_tower\.(?:vision_model\.)?encoder\.layers\.(\d+)\.")
+        out |= {n for n in names if (mm := pat.search(n)) and int(mm.group(2)) >= read}
+        out |= {n for n in names if ".vision_tower.post_layernorm." in f".{n}" or ".vision_model.post_layernorm." in n}
+    if mtype == "gemma3":
+        out |= {n for n in names if ".vision_tower.head." in f".{n}"}
+    return frozenset(out)
+
+
 def vision_tower_parameters(model: Any, model_type: str) -> list[Any]:
     """The parameters ``--freeze-vision-tower`` freezes (``VISION_TOWER``: LLaMA-Factory's keys)."""
-    keys = VISION_TOWER[model_type]
-    return [p for name, p in model.named_parameters()
-            if any(f".{k}." in f".{name}" for k in keys)]
+    return [p for name, p in model.named_parameters() if in_vision_tower(model_type, name)]
 
 
 def host_grid_positions(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:

@@ -49,9 +49,11 @@ from ..errors import TrainmemError
 from ..progress import progress
 from ..spec import ModelSpec, TrainingSpec
 from ..spec.profile import build_profile, layer_stacks, layers_list
+from ..spec.vision import VISION_SIDE, VLM_TYPES, min_seq_len, vision_inputs
 from ..estimate.derived import checkpointed, sliding_window
 from ..estimate.quantities import is_lm
-from ..workload import apply_lora, apply_quantization, attention_implementation, hf_factory, model_batch, unwrapped
+from ..workload import (apply_lora, apply_quantization, attention_implementation, freeze_vision_tower, hf_factory,
+                        model_batch, unwrapped)
 
 #: relative error a fitted quantity may show on the held-out point (plus DERIVE_SLACK bytes)
 DERIVE_TOLERANCE = 0.005
@@ -88,7 +90,7 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1:
     cfg, kinds_full, kinds_small = reduced_config(m)
     if no_cache:
         cfg = dict(cfg, use_cache=False)
-    s0 = _base_seq(m, regime)
+    s0 = _base_seq(m, regime, t.image_size)
     if m.is_encoder_decoder:  # two lengths: the encoder's and the decoder's (``encdec_coefficients``)
         return encdec_coefficients(m, t, cfg, (kinds_full, kinds_small), base, s0)
     points, check, terms = ([], point, ("n", "s", "nsq", "1")) if point else _points(m, s0, batch1)
@@ -98,7 +100,9 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1:
     # +1.4% without them): decoder LMs would need them too, but their shipped coefficients predate
     # them and re-shipping is the lead's call
     refined = m.is_image or m.head in ENCODER_HEADS
-    runs = _runs(m, cfg, kinds_small, base, points + [check], ckpt)
+    # a VLM under full recompute: transformers checkpoints its vision tower's blocks too (they are
+    # ``GradientCheckpointingLayer``s: ``modeling_utils.py`` ``set_gradient_checkpointing`` L3240-3249), traced so
+    runs = _runs(m, cfg, kinds_small, base, points + [check], ckpt, vision_ckpt=m.is_vlm and t.recompute == "full")
     out: dict[str, Any] = {"layer_kinds": kinds_full, "kinds": {}, "points": points + [check],
                            "attention": attention_implementation(m, t)[0], "seq_base": s0}
     if ckpt:
@@ -127,6 +131,10 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1:
     if m.head in ENCODER_HEADS:
         _encoder_head_top(m, runs, (pts, terms, fit), len(kinds_small), out)
     sides = _outside_layers(m, runs, fit)
+    if m.is_vlm:
+        sides["vision"] = _vision_fit(m, [r["images"] for r in runs], [r["vision"] for r in runs])
+        # (its decoders' shipped coefficients predate it: ``estimate.derived.first_free_casts``)
+        sides["first_free_casts"] = runs[-1]["wcast"]["first_free"]
     for terms_of in ("per_sample", "ssq", "const"):  # (an encoder head's: the layers' and the sides' in one dict each)
         if terms_of in sides:
             sides[terms_of] = dict(out.get(terms_of, {}), **sides[terms_of])
@@ -239,6 +247,43 @@ def _points(m: ModelSpec, s0: int, batch1: bool) -> tuple[list[tuple[int, int]],
     if m.head in ENCODER_HEADS:
         return points + [(4, seqs[1]), (2, seqs[2])], (4, seqs[2]), ENCODER_TERMS
     return points, (4, seqs[2]), ("n", "s", "nsq", "1")
+
+
+#: images per sample at each fitting point of a vision-language model, the held-out one last (``_points``:
+#: (2, s0), (4, s0), (2, 2 s0), (3, 1.5 s0), held out (4, 1.5 s0)); at micro-batch 1 (``batch1_points``:
+#: s0, 1.5 s0, 2 s0, held out 1.25 s0). The language model's quantities do not depend on them (its
+#: sequence counts the image tokens); the vision tower's are fitted in the micro-batch's images
+#: (``_vision_fit``), which these make independent of its samples
+VLM_IMAGES = (1, 1, 2, 1, 2)
+VLM_IMAGES_BATCH1 = (1, 2, 1, 2)
+
+
+def vlm_images(m: ModelSpec, image_size: int | None, points: list[tuple[int, ...]]) -> list[int]:
+    """Images per sample at a vision-language model's fitting ``points`` (``VLM_IMAGES``), as many as a
+    point's sequence holds (``spec.vision.min_seq_len``: below a sliding window, Gemma 3's 1024 tokens, the
+    points hold one 256-token image, not two: the fit is then in the batch's images alone)."""
+    per = vision_inputs(m.config).tokens(image_size)
+    pattern = VLM_IMAGES if len(points) == len(VLM_IMAGES) else VLM_IMAGES_BATCH1
+    return [max(1, min(n, s // (per + 1))) for n, (_b, s, *_r) in zip(pattern, points)]
+
+
+def _vision_fit(m: ModelSpec, imgs: list[int], ys: list[int]) -> dict[str, float]:
+    """A vision-language model's vision side (``_analyse``'s ``vision``: what its vision tower and projector
+    keep at the end of the forward) fitted as ``per_image * I + const`` in the micro-batch's images ``imgs`` =
+    b x images per sample (``vlm_images``) over all points but the last, which it must reproduce
+    (``DERIVE_TOLERANCE``). Every image runs the same tower at the same size (LLaVA's and Gemma 3's fixed
+    image; Qwen2-VL's ``--image-size``, a part of the key): its tensors are (images x patches, ...) or per
+    image (eager attention's (heads, patches, patches) per image or per window), so per image; the constant
+    is autocast's cached half copies of a trained tower's weights, saved by its matmuls."""
+    import numpy as np
+    a = np.array([[float(i), 1.0] for i in imgs])
+    coef = np.linalg.lstsq(a[:-1], np.array(ys[:-1], dtype=np.float64), rcond=None)[0]
+    predicted = float(a[-1] @ coef)
+    if abs(predicted - ys[-1]) > DERIVE_TOLERANCE * abs(ys[-1]) + DERIVE_SLACK:
+        raise NotPolynomial(f"{m.name}: its vision tower's saved bytes are not linear in the images (predicted "
+                            f"{predicted:,.0f} B, traced {ys[-1]:,} B at {imgs[-1]} images); trainmem will not "
+                            f"extrapolate them: use trace", "vision tower")
+    return {"per_image": float(coef[0]), "const": float(coef[1])}
 
 
 #: the heads of an encoder (bidirectional attention, no KV cache) whose derivation fits a per-sample
@@ -396,14 +441,17 @@ def encdec_coefficients(m: ModelSpec, t: TrainingSpec, cfg: dict[str, Any], kind
 
 
 def _runs(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], base: TrainingSpec, points: list[tuple[int, ...]],
-          ckpt: bool) -> list[dict[str, Any]]:
+          ckpt: bool, vision_ckpt: bool = False) -> list[dict[str, Any]]:
     """``_measure`` at each (batch, sequence) point; a step that fails on fake tensors is one line."""
     try:
         with _quiet(), progress(len(points), f"deriving {m.name}'s coefficients") as bar:
             runs = []
-            for b, s, *d in points:  # (an encoder-decoder's points carry the decoder's length)
+            images = vlm_images(m, base.image_size, points) if m.is_vlm else [1] * len(points)
+            for (b, s, *d), n in zip(points, images):  # (an encoder-decoder's points carry the decoder's length)
+                size = base.image_size if m.is_vlm else _image_side(m, s)
                 runs.append(_measure(m, cfg, kinds, replace(base, batch_size=b, seq_len=s, target_len=d[0] if d else None,
-                                                            image_size=_image_side(m, s)), ckpt))
+                                                            image_size=size, images=n), ckpt, vision_ckpt))
+                runs[-1]["images"] = b * n  # (the micro-batch's: ``_vision_fit``)
                 bar.update(1)
             return runs
     except TrainmemError:
@@ -416,6 +464,9 @@ def _runs(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], base: TrainingSpe
 # ----- the model cut to a few layers ----------------------------------------------------------------
 def _layer_types(cfg: dict[str, Any], n: int) -> list[str]:
     lt = cfg.get("layer_types")
+    if lt is None and cfg.get("model_type") in VLM_TYPES:  # a VLM's language model: its text config's, resolved
+        from ..spec.profile import hf_config_object
+        lt = getattr(hf_config_object(cfg).get_text_config(), "layer_types", None)
     return [str(x) for x in lt] if isinstance(lt, list) and len(lt) == n else [""] * n
 
 
@@ -454,7 +505,11 @@ _DECODER_KEYS = ("num_decoder_layers", "decoder_layers")
 
 
 def _cut(cfg: dict[str, Any], L: int, k: int, dec: int = 0) -> dict[str, Any]:
-    """``cfg`` cut to its first ``k`` layers (an encoder-decoder: ``k`` in each stack)."""
+    """``cfg`` cut to its first ``k`` layers (an encoder-decoder: ``k`` in each stack; a vision-language
+    model: its language model's, in its ``text_config`` where it has one, the vision tower kept whole:
+    ``vlm_images``)."""
+    if cfg.get("model_type") in VLM_TYPES and isinstance(cfg.get("text_config"), dict):
+        return dict(cfg, text_config=_cut(cfg["text_config"], L, k))
     out = {}
     for key, v in cfg.items():
         out[key] = v[:k] if isinstance(v, list) and len(v) == L and key != "architectures" else v
@@ -477,7 +532,7 @@ def _cut(cfg: dict[str, Any], L: int, k: int, dec: int = 0) -> dict[str, Any]:
     return out
 
 
-def _base_seq(m: ModelSpec, regime: str = "") -> int:
+def _base_seq(m: ModelSpec, regime: str = "", image_size: int | None = None) -> int:
     """The smallest sequence of the fitting points: 2048; with a sliding window some sequence
     reaches (``estimate.derived.regime``), sequences that stay
     on one side of it (``regime`` "below": every point shorter than the window, where transformers'
@@ -491,6 +546,11 @@ def _base_seq(m: ModelSpec, regime: str = "") -> int:
         s0 = max(2048, 2 * window)
     if m.learned_positions:
         s0 = min(s0, m.max_positions // 2)
+    if m.is_vlm and not (window and regime == "below"):  # room for ``VLM_IMAGES``' images, each after a text
+        vis = vision_inputs(m.config)                     # token (below a window: one, ``vlm_images``)
+        s0 = max(s0, -(-min_seq_len(max(VLM_IMAGES), vis.tokens(image_size)) // 128) * 128)
+    elif m.is_vlm:
+        s0 = max(s0, -(-min_seq_len(1, vision_inputs(m.config).tokens(image_size)) // 128) * 128)
     return max(128, s0 // 128 * 128)
 
 
@@ -510,10 +570,11 @@ def _image_side(m: ModelSpec, s: int) -> int | None:
 
 
 # ----- one trace ------------------------------------------------------------------------------------
-def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpec, ckpt: bool = False
-             ) -> dict[str, Any]:
+def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpec, ckpt: bool = False,
+             vision_ckpt: bool = False) -> dict[str, Any]:
     """Trace forward + loss + backward of the cut model at ``t``'s batch and sequence (``ckpt``: with
-    every layer checkpointed, as ``workload.TrainStep`` enables it for ``--recompute full``)."""
+    every layer checkpointed, as ``workload.TrainStep`` enables it for ``--recompute full``; ``vision_ckpt``:
+    a VLM's vision tower's blocks alone, ``_checkpoint_vision``)."""
     from .api import _device, _load_to_device
     small = replace(m, num_layers=len(kinds), config=cfg, decoder_layers=len(kinds) // 2 if m.decoder_layers else 0)
     dev = _device(True, None, t, False, None, None, None, None, False)
@@ -521,10 +582,14 @@ def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpe
     amp = {"bf16-amp": torch.bfloat16, "fp16-amp": torch.float16}.get(t.precision)
     with dev.env, dev.emulation:
         with dev.build_ctx:
-            model = apply_lora(apply_quantization(hf_factory(small, t)(), t), small, t)
+            model = hf_factory(small, t)()
+            freeze_vision_tower(model, small, t)  # (a VLM: Qwen2-VL's host grid hook, --freeze-vision-tower)
+            model = apply_lora(apply_quantization(model, t), small, t)
             if ckpt:  # transformers' GradientCheckpointingLayer, non-reentrant (as TrainStep enables it)
                 inner = unwrapped(model)
                 (getattr(inner, "activation_checkpointing_enable", None) or inner.gradient_checkpointing_enable)()
+            if vision_ckpt:
+                _checkpoint_vision(unwrapped(model))
         with tracker:
             _load_to_device(tracker, model)
         tracker.name_modules(model)
@@ -534,6 +599,8 @@ def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpe
         first_in: list[Any] = []  # the record of the first layer's hidden-state input (``_first_input``)
         hooks.append(model.get_submodule(f"{stacks[0][0]}.0").register_forward_pre_hook(
             _first_input(tracker, first_in), with_kwargs=True))
+        vision_in: list[Any] = []  # a VLM's vision tower's tensor inputs (``_tower_inputs``)
+        hooks += _tower_inputs(model, tracker, vision_in) if m.is_vlm else []
         try:
             with tracker, tracker.hooks():
                 model.train()
@@ -560,8 +627,19 @@ def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpe
     return dict(_analyse(tracker, stacks, kinds, cache, released, m.vocab_size if is_lm(m) else -1,
                          early_frees=m.is_encoder_decoder or m.is_image or m.head in ENCODER_HEADS,
                          shared_frees=t.batch_size if (m.is_encoder_decoder and ckpt) else 0, first_in=first_in,
-                         top=m.head in ENCODER_HEADS),
+                         top=m.head in ENCODER_HEADS, vision=vision_in if m.is_vlm else None),
                 grad_views=views)
+
+
+def _checkpoint_vision(model: Any) -> None:
+    """A VLM's vision tower traced as ``--recompute full`` runs it: transformers' ``gradient_checkpointing_enable``
+    (``workload.TrainStep``, non-reentrant) checkpoints every ``GradientCheckpointingLayer`` of the model, the
+    tower's blocks among them; the language model's layers are left unchecked here (the engine models their
+    recompute from the layers' coefficients, ``quantities._recompute``)."""
+    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+    for name, mod in model.named_modules():
+        if hasattr(mod, "gradient_checkpointing") and not VISION_SIDE.search(name):
+            mod.gradient_checkpointing = False
 
 
 def _grad_view_bytes(tracker: Any, params: list[Any]) -> int:
@@ -650,7 +728,7 @@ def _quiet() -> Any:
 
 def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cache: list, released: tuple[int, int],
              vocab: int, early_frees: bool = False, shared_frees: int = 0, first_in: list | None = None,
-             top: bool = False) -> dict[str, Any]:
+             top: bool = False, vision: list | None = None) -> dict[str, Any]:
     recs = tracker.records
     first_ids = {r.rid for r in first_in or ()}  # the first layer's hidden-state input (``_first_input``)
     fwd = next(pm for pm in tracker.phase_marks if pm.name == "forward")
@@ -675,8 +753,9 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
     saved_rec: dict[int, list[Any]] = defaultdict(list)
     embed = head = first_input = head_wcast = 0
     head_loss = _head_loss(tracker, recs, end, (last_layer_ev, logits_ev))
+    seen = _vision_saved(recs, end, {r.rid for r in vision}) if vision is not None else set()
     for r in recs:
-        if r.phase != "forward" or r.category not in ("activations", "temporaries") or \
+        if r.rid in seen or r.phase != "forward" or r.category not in ("activations", "temporaries") or \
                 r.label == "autocast_weight_cache" or not alive_at(r, end - 1):
             continue
         i = layer_of(r)
@@ -718,6 +797,7 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
     # output under autocast, so its logits (and its loss) are fp32 (estimate.quantities.loss_bytes)
     logits_bytes = logits[0].nbytes // max(1, _numel(logits[0].shape)) if logits else 0
     return {"saved": saved, "logits_bytes": logits_bytes, "loss_upcast": _loss_upcasts(recs, logits),
+            "vision": sum(r.nbytes for r in recs if r.rid in seen),
             "wcast": wcast, "parts": parts, "early": early, "base": base,
             "cache": kv, "held": held,
             "embed": embed, "head": head, "head_loss": head_loss - head, "first": first, "transient": trans,
@@ -725,6 +805,35 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
             "head_forward": _head_forward(tracker, recs, (last_layer_ev, logits_ev), head) if image else 0,
             **(_top_forward(tracker, recs, (min(events[len(kinds) - 1], default=0), logits_ev, end), layer_of,
                             len(kinds) - 3) if top else {})}
+
+
+def _tower_inputs(model: Any, tracker: Any, out: list[Any]) -> list[Any]:
+    """Forward pre-hooks on a VLM's vision tower (the outermost ``VISION_SIDE`` modules but the projector)
+    that append the tracker's records of its tensor inputs to ``out``: Qwen2-VL's patches cast to the tower's
+    dtype by its model (transformers 5.24 ``modeling_qwen2_5_vl.py`` ``get_image_features``:
+    ``pixel_values.type(self.visual.dtype)``), which its patch embedding saves, are made outside the tower
+    and sized by the images. (LLaVA's and Gemma 3's towers take the fp32 pixels, an input, and cast them
+    inside.)"""
+    def hook(_module: Any, args: tuple, kwargs: dict) -> None:
+        for x in list(args) + list(kwargs.values()):
+            rec = tracker.live.get(id(x.untyped_storage())) if isinstance(x, torch.Tensor) else None
+            if rec is not None:
+                out.append(rec)
+    names = [n for n, _mod in model.named_modules() if re.search(r"(^|\.)(visual|vision_tower)$", n)]
+    return [model.get_submodule(n).register_forward_pre_hook(hook, with_kwargs=True) for n in names]
+
+
+def _vision_saved(recs: list, end: int, tower_in: set[int]) -> set[int]:
+    """The records of a vision-language model's vision side alive at the end of the forward (``end``): the
+    tensors its vision tower and projector made (``spec.vision.VISION_SIDE``) and saved for backward, autocast's
+    cached half weight copies among them (a trained tower's leaves: ``autocast_mode.cpp`` ``cached_cast``;
+    a frozen tower's are cast per call and freed: the engine leaves the vision tower out of its own count,
+    ``states``). Left out of the embedding side, whose per-token fit they would break: they are sized by
+    the images (``_vision_fit``). A frozen tower's pixels need no gradient, so it saves nothing: what is
+    left is the trained projector's input. ``tower_in``: the tower's inputs made outside it (``_tower_inputs``)."""
+    return {r.rid for r in recs if r.phase == "forward" and (VISION_SIDE.search(r.module or "") or r.rid in tower_in)
+            and (r.category in ("activations", "temporaries") or r.label == "autocast_weight_cache")
+            and r.alloc_event <= end - 1 and (r.free_event is None or r.free_event > end - 1)}
 
 
 def _weight_casts(saved_rec: dict[int, list], kinds: list[str], typical: dict[str, int], ends: list[int],
@@ -739,6 +848,10 @@ def _weight_casts(saved_rec: dict[int, list], kinds: list[str], typical: dict[st
     out = {kind: wcasts(i) for kind, i in typical.items()}
     out["first"] = sum(wcasts(i) - out[kinds[i]] for i in ends)
     out["head"] = head_wcast
+    # the first layer's copies no matmul saved (LoRA: its frozen linears on the grad-free input, the copies
+    # the engine counts in every layer: ``Quantities.cast_first_free``), against another layer of its kind
+    same = [i for i in range(1, len(kinds)) if kinds[i] == kinds[0]]
+    out["first_free"] = max(wcasts(same[0]) - wcasts(0), 0) if same else 0
     return out
 
 
