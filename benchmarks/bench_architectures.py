@@ -12,7 +12,8 @@ bf16-amp; with ``--lora`` also LoRA r8) and the type is classified:
 - OK: both ran (estimate vs trace of the peak allocated and the peak reserved, in %);
 - REFUSED: a TrainmemError (its one line is recorded);
 - CRASH: any other exception (its type, message and last frame);
-- TIMEOUT: the type took longer than ``--timeout`` seconds.
+- TIMEOUT: the type took longer than ``--timeout`` seconds;
+- NO-CONFIG: transformers rejects the sweep's own tiny config (no verdict on trainmem).
 
 The types run one after the other in one worker process (torch and transformers are imported once);
 a worker that times out is killed and a new one takes the next type. Results are merged into the
@@ -162,16 +163,12 @@ def run_type(model_type: str, lora: bool) -> dict:
             el = trainmem.estimate(cfg, lora_rank=8, **SETUP)
             tl = trainmem.trace(cfg, lora_rank=8, **SETUP)
             row["lora_peak_pct"] = _pct(el.peak_allocated, tl.peak_allocated)
-    except Exception as e:  # noqa: BLE001
-        if stage != "config":
-            raise
-        row.update(status="NO-CONFIG", stage=stage, error=type(e).__name__,
-                   message=str(e).replace("\n", " ")[:300], frame=_last_frame(e))
     except trainmem.TrainmemError as e:
         row.update(status="REFUSED", stage=stage, message=str(e).splitlines()[0][:300] if str(e) else "")
     except Exception as e:  # noqa: BLE001 - the sweep records every other failure
-        row.update(status="CRASH", stage=stage, error=type(e).__name__,
-                   message=str(e).splitlines()[0][:300] if str(e) else "", frame=_last_frame(e))
+        # the sweep's own tiny config that transformers rejects is no verdict on trainmem: NO-CONFIG
+        row.update(status="NO-CONFIG" if stage == "config" else "CRASH", stage=stage, error=type(e).__name__,
+                   message=str(e).replace("\n", " ")[:300], frame=_last_frame(e))
     row["seconds"] = round(time.perf_counter() - t0, 1)
     return row
 
@@ -271,7 +268,7 @@ def sweep(types: list[str], timeout: float, lora: bool = False, path: str | None
 def markdown(rows: list[dict]) -> str:
     """The table: counts, then one row per type."""
     import transformers
-    counts = {s: sum(r["status"] == s for r in rows) for s in ("OK", "REFUSED", "CRASH", "TIMEOUT")}
+    counts = {s: sum(r["status"] == s for r in rows) for s in ("OK", "REFUSED", "CRASH", "TIMEOUT", "NO-CONFIG")}
     out = [f"transformers {transformers.__version__}, {time.strftime('%Y-%m-%d')}, {len(rows)} types, "
            f"batch {SETUP['batch_size']} x {SETUP['seq_len']}, {SETUP['precision']}: "
            + ", ".join(f"{k} {v}" for k, v in counts.items()), "",
@@ -279,7 +276,7 @@ def markdown(rows: list[dict]) -> str:
            "|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: r["type"]):
         note = r.get("message", "")
-        if r["status"] == "CRASH":
+        if r["status"] in ("CRASH", "NO-CONFIG"):
             note = f"{r.get('stage')}: {r.get('error')}: {note} ({r.get('frame', '')})"
         elif r["status"] == "REFUSED":
             note = f"{r.get('stage')}: {note}"

@@ -315,17 +315,14 @@ def text_without_gradient(model: Any, summ: Mapping[str, Any] | None = None) -> 
     cross-attention of an encoder-decoder family's decoder-only class (transformers 5.24
     ``models/bart/modeling_bart.py`` ``BartDecoderLayer.forward``: ``if encoder_hidden_states is not
     None:`` runs ``encoder_attn``; BartForCausalLM, MBart, Blenderbot, PLBart, MVP, Marian, Pegasus get
-    none). Found as ``without_gradient`` finds them: a step of eight tokens on meta tensors, no memory,
+    none), and DeepSeek-V3.2's DSA indexer (``models/deepseek_v32/modeling_deepseek_v32.py``
+    ``DeepseekV32Indexer.forward`` is ``@torch.no_grad()``, L178: it returns top-k token indices).
+    Found as ``without_gradient`` finds them: a step of eight tokens on meta tensors, no memory,
     whose data-dependent reads (``.item()``, e.g. BART's mask checks) are answered by ``_meta_scalars``.
     In a MoE model the routing of meta tokens is no real routing: its experts and routers are kept as
     trained (``summ``'s ``num_experts``)."""
-    import torch
-    ids = torch.zeros(1, 8, dtype=torch.long, device="meta")
-    try:
-        with _meta_scalars():
-            model(input_ids=ids, labels=ids).loss.backward()
-    except Exception:  # a step that does not run on meta tensors: every parameter is taken as trained
-        return frozenset()
+    if not (_meta_step(model) or _meta_step_half(model)):
+        return frozenset()  # a step that does not run on meta tensors: every parameter is taken as trained
     unused = frozenset(name for name, p in model.named_parameters() if p.requires_grad and p.grad is None)
     if (summ or {}).get("num_experts"):
         params = dict(model.named_parameters())
@@ -336,6 +333,37 @@ def text_without_gradient(model: Any, summ: Mapping[str, Any] | None = None) -> 
     for p in model.parameters():
         p.grad = None
     return unused
+
+
+def _meta_step(model: Any) -> bool:
+    """Run a step of eight tokens of ``model`` on meta tensors (no memory); whether it ran."""
+    import torch
+    ids = torch.zeros(1, 8, dtype=torch.long, device="meta")
+    try:
+        with _meta_scalars():
+            model(input_ids=ids, labels=ids).loss.backward()
+    except Exception:
+        model.zero_grad(set_to_none=True)
+        return False
+    return True
+
+
+def _meta_step_half(model: Any) -> bool:
+    """``_meta_step`` with the model cast to bf16 and back: transformers' ``grouped_mm`` experts take half
+    inputs only (5.24 ``integrations/moe.py``; the fp32 meta build's step fails there: DeepSeek-V3.2,
+    Mixtral). Each tensor gets its own dtype back (meta tensors: no data, no memory)."""
+    import torch
+    params = {n: p.dtype for n, p in model.named_parameters()}
+    buffers = {n: b.dtype for n, b in model.named_buffers()}
+    model.to(torch.bfloat16)
+    try:
+        return _meta_step(model)
+    finally:
+        for n, p in model.named_parameters():
+            p.data = p.data.to(params[n])
+        for n, b in model.named_buffers():  # (``Module.to`` replaces the buffers)
+            owner, _, leaf = n.rpartition(".")
+            model.get_submodule(owner)._buffers[leaf] = b.to(buffers[n])
 
 
 def _meta_scalars() -> Any:
