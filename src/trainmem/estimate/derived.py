@@ -51,6 +51,8 @@ def top_forward_measured(m: ModelSpec) -> bool:
     logits inside the layer's forward). Not a vision-language model's nor an encoder-decoder's."""
     return m.head in ENCODER_HEADS or (m.head == "causal-lm" and not m.is_encoder_decoder and not m.is_vlm
                                        and not m.is_image)
+
+
 #: the model types whose encoder heads' derived estimate is checked against trace
 #: (tests/test_encoder_heads.py, docs/architectures.md); a decoder's classifier is not
 DERIVED_ENCODER_TYPES = ("distilbert", "deberta-v2", "modernbert")
