@@ -41,6 +41,18 @@ DERIVED_HEADS = ("causal-lm", "seq2seq-lm", "image-cls", "speech-seq2seq", "mask
 #: an encoder's heads (``trace.derive.ENCODER_HEADS``): fitted with a per-sample term, their top
 #: layer's forward measured (``head_forward``)
 ENCODER_HEADS = ("masked-lm", "seq-cls", "qa")
+
+
+def top_forward_measured(m: ModelSpec) -> bool:
+    """Whether the derived path measures ``m``'s top-layer forward moments (``trace.derive._top_forward``):
+    an encoder head's (no vocabulary-sized loss after its layers), and a decoder-only causal LM's, whose
+    top layer may make a transient larger than its loss's (DeepSeek-V3.2's DSA indexer scores,
+    transformers 5.24 ``models/deepseek_v32/modeling_deepseek_v32.py``: (b, index_n_heads, s, s) fp32
+    logits inside the layer's forward). Not a vision-language model's nor an encoder-decoder's."""
+    return m.head in ENCODER_HEADS or (m.head == "causal-lm" and not m.is_encoder_decoder and not m.is_vlm
+                                       and not m.is_image)
+
+
 #: the model types whose encoder heads' derived estimate is checked against trace
 #: (tests/test_encoder_heads.py, docs/architectures.md); a decoder's classifier is not
 DERIVED_ENCODER_TYPES = ("distilbert", "deberta-v2", "modernbert", "roberta")
@@ -647,7 +659,7 @@ def top_forward(m: ModelSpec, t: TrainingSpec, stage: str) -> tuple[tuple[float,
     saved tensors (``top_held``) for the full model's layers beyond the cut model's. Empty for other
     heads, off the last pipeline stage, and under recompute (measured with every layer's tensors
     saved: a checkpointed layer saves none in forward)."""
-    if m.head not in ENCODER_HEADS or t.recompute not in (None, "none") or not (t.pp == 1 or stage == "last"):
+    if not top_forward_measured(m) or t.recompute not in (None, "none") or not (t.pp == 1 or stage == "last"):
         return ()
     doc = coefficients(m, t)
     held, more = doc.get("top_held", {}), max(m.num_layers - doc.get("cut_layers", m.num_layers), 0)

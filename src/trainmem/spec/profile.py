@@ -256,7 +256,7 @@ def build_profile(config: Mapping[str, Any]) -> Profile:
     summ = dict(summary(vision), vocab_size=summary(cfg, labels_only=True)["vocab_size"]) if vision is not None \
         else summary(cfg)
     unused = without_gradient(model, summ) if task == "image-classification" else \
-        text_without_gradient(model) if task == "causal-lm" and getattr(cfg, "vision_config", None) is not None \
+        text_without_gradient(model, summ) if task == "causal-lm" \
         else vlm_without_gradient(model, cfg) if task == "image-text-to-text" else frozenset()
     if task in ("speech-seq2seq", "ctc"):
         # parameters the model builds frozen (Whisper's sinusoidal encoder positions,
@@ -311,18 +311,79 @@ def without_gradient(model: Any, summ: Mapping[str, Any]) -> frozenset[str]:
     return frozenset(name for name, p in model.named_parameters() if p.requires_grad and p.grad is None)
 
 
-def text_without_gradient(model: Any) -> frozenset[str]:
-    """The parameters a multimodal class trained on text leaves without a gradient: its vision tower and
-    projector, built (``AutoModelForCausalLM`` loads Gemma 3's ``Gemma3ForConditionalGeneration`` whole) but
-    not run without ``pixel_values`` (``Gemma3Model.forward`` runs ``get_image_features`` only for them).
-    Found as ``without_gradient`` finds them: a step of eight tokens on meta tensors, no memory."""
+def text_without_gradient(model: Any, summ: Mapping[str, Any] | None = None) -> frozenset[str]:
+    """The parameters a causal LM's training step on text leaves without a gradient: modules it builds
+    but does not run on ``input_ids`` alone. A multimodal class's vision tower and projector
+    (``AutoModelForCausalLM`` loads Gemma 3's ``Gemma3ForConditionalGeneration`` whole; ``Gemma3Model.forward``
+    runs ``get_image_features`` only for ``pixel_values``; Fuyu's ``vision_embed_tokens``), and the
+    cross-attention of an encoder-decoder family's decoder-only class (transformers 5.24
+    ``models/bart/modeling_bart.py`` ``BartDecoderLayer.forward``: ``if encoder_hidden_states is not
+    None:`` runs ``encoder_attn``; BartForCausalLM, MBart, Blenderbot, PLBart, MVP, Marian, Pegasus get
+    none), and DeepSeek-V3.2's DSA indexer (``models/deepseek_v32/modeling_deepseek_v32.py``
+    ``DeepseekV32Indexer.forward`` is ``@torch.no_grad()``, L178: it returns top-k token indices).
+    Found as ``without_gradient`` finds them: a step of eight tokens on meta tensors, no memory,
+    whose data-dependent reads (``.item()``, e.g. BART's mask checks) are answered by ``_meta_scalars``.
+    In a MoE model the routing of meta tokens is no real routing: its experts and routers are kept as
+    trained (``summ``'s ``num_experts``)."""
+    if not (_meta_step(model) or _meta_step_half(model)):
+        return frozenset()  # a step that does not run on meta tensors: every parameter is taken as trained
+    unused = frozenset(name for name, p in model.named_parameters() if p.requires_grad and p.grad is None)
+    if (summ or {}).get("num_experts"):
+        params = dict(model.named_parameters())
+        modules = dict(model.named_modules())
+        unused = frozenset(n for n in unused if _role(modules.get(n.rpartition(".")[0]), n.rpartition(".")[2],
+                                                      params[n], summ["num_experts"]) not in ("expert", "router")
+                           and "expert" not in n)
+    for p in model.parameters():
+        p.grad = None
+    return unused
+
+
+def _meta_step(model: Any) -> bool:
+    """Run a step of eight tokens of ``model`` on meta tensors (no memory); whether it ran."""
     import torch
     ids = torch.zeros(1, 8, dtype=torch.long, device="meta")
     try:
-        model(input_ids=ids, labels=ids).loss.backward()
-    except Exception:  # a step that does not run on meta tensors: every parameter is taken as trained
-        return frozenset()
-    return frozenset(name for name, p in model.named_parameters() if p.requires_grad and p.grad is None)
+        with _meta_scalars():
+            model(input_ids=ids, labels=ids).loss.backward()
+    except Exception:
+        model.zero_grad(set_to_none=True)
+        return False
+    return True
+
+
+def _meta_step_half(model: Any) -> bool:
+    """``_meta_step`` with the model cast to bf16 and back: transformers' ``grouped_mm`` experts take half
+    inputs only (5.24 ``integrations/moe.py``; the fp32 meta build's step fails there: DeepSeek-V3.2,
+    Mixtral). Each tensor gets its own dtype back (meta tensors: no data, no memory)."""
+    import torch
+    params = {n: p.dtype for n, p in model.named_parameters()}
+    buffers = {n: b.dtype for n, b in model.named_buffers()}
+    model.to(torch.bfloat16)
+    try:
+        return _meta_step(model)
+    finally:
+        for n, p in model.named_parameters():
+            p.data = p.data.to(params[n])
+        for n, b in model.named_buffers():  # (``Module.to`` replaces the buffers)
+            owner, _, leaf = n.rpartition(".")
+            model.get_submodule(owner)._buffers[leaf] = b.to(buffers[n])
+
+
+def _meta_scalars() -> Any:
+    """A dispatch mode answering a meta tensor's ``.item()`` (``aten._local_scalar_dense``) as trace's
+    tracker answers a clean batch's (``trace/tracker.py`` ``Tracker.__torch_dispatch__``): booleans False,
+    numbers 1."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class MetaScalars(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == "meta":
+                t = args[0]
+                return False if t.dtype == torch.bool else (1.0 if t.is_floating_point() else 1)
+            return func(*args, **(kwargs or {}))
+    return MetaScalars()
 
 
 def vlm_without_gradient(model: Any, cfg: Any) -> frozenset[str]:

@@ -50,7 +50,7 @@ from ..progress import progress
 from ..spec import ModelSpec, TrainingSpec
 from ..spec.profile import build_profile, layer_stacks, layers_list
 from ..spec.vision import VISION_SIDE, VLM_TYPES, min_seq_len, vision_inputs
-from ..estimate.derived import checkpointed, sliding_window
+from ..estimate.derived import checkpointed, sliding_window, top_forward_measured
 from ..estimate.quantities import is_lm
 from ..workload import (apply_lora, apply_quantization, attention_implementation, freeze_vision_tower, hf_factory,
                         model_batch, unwrapped)
@@ -130,6 +130,8 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1:
         out[name] = _fitted(m, what, pts, [r[name] for r in runs], ("n",))[0]
     if m.head in ENCODER_HEADS:
         _encoder_head_top(m, runs, (pts, terms, fit), len(kinds_small), out)
+    elif top_forward_measured(m):
+        _decoder_top(m, runs, (pts, terms, fit), len(kinds_small), out)
     sides = _outside_layers(m, runs, fit)
     if m.is_vlm:
         sides["vision"] = _vision_fit(m, [r["images"] for r in runs], [r["vision"] for r in runs])
@@ -627,7 +629,7 @@ def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpe
     return dict(_analyse(tracker, stacks, kinds, cache, released, m.vocab_size if is_lm(m) else -1,
                          early_frees=m.is_encoder_decoder or m.is_image or m.head in ENCODER_HEADS,
                          shared_frees=t.batch_size if (m.is_encoder_decoder and ckpt) else 0, first_in=first_in,
-                         top=m.head in ENCODER_HEADS, vision=vision_in if m.is_vlm else None),
+                         top=top_forward_measured(m), vision=vision_in if m.is_vlm else None),
                 grad_views=views)
 
 
@@ -987,6 +989,17 @@ def _fit_moments(m: ModelSpec, a: Any, y: Any, scaled: bool, what: str, label: s
         raise NotPolynomial(f"{m.name}: the derived {what} is not polynomial in the batch and sequence; "
                             f"trainmem will not extrapolate it: use trace", label)
     return coef, ok
+
+
+def _decoder_top(m: ModelSpec, runs: list[dict[str, Any]], how: tuple, cut_layers: int, out: dict[str, Any]) -> None:
+    """A decoder's top-layer forward moments as an encoder head's (``_encoder_head_top``); a decoder whose top
+    layer runs different operations at different sizes keeps none (its forward peak taken at the loss, as
+    before these were measured)."""
+    try:
+        _encoder_head_top(m, runs, how, cut_layers, out)
+    except NotPolynomial:
+        for k in ("top_forward", "top_held", "cut_layers"):
+            out.pop(k, None)
 
 
 def _top_candidates(m: ModelSpec, pts: list[tuple[int, ...]], series: list[list[int]], terms: tuple[str, ...]
