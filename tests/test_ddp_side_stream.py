@@ -62,3 +62,19 @@ def test_trace_agrees_on_the_side_stream():
     assert abs(r.peak_reserved - e.peak_reserved) <= 0.02 * r.peak_reserved
     cur = trace("vit-base-patch16-224", **{**opts, "ddp_init_stream": "current"})
     assert r.peak_reserved - cur.peak_reserved >= (252 + 78 + 328) * MiB
+
+
+def test_lightning_preset_builds_plain_ddp_on_the_side_stream():
+    """``--framework lightning`` (2.6.5: DDPStrategy._setup_model's side stream, since 2.1.0): plain DDP
+    gets ``ddp_init_stream side``, which adds the construction's chunks and the first bucket (about twice
+    GPT-2's 475 MiB of fp32 weights) to reserved only; an explicit ``current`` wins; FSDP and one rank
+    get nothing (the option would be refused there)."""
+    from trainmem.spec.frameworks import preset_options
+    assert preset_options("lightning", given={"dp": 4})["ddp_init_stream"] == "side"
+    for given in ({"dp": 4, "fsdp": "full"}, {"dp": 4, "zero": 2}, {"dp": 1}, {"dp": 4, "pp": 2}):
+        assert "ddp_init_stream" not in preset_options("lightning", given=given), given
+    opts = dict(framework="lightning", dp=4, batch_size=4, seq_len=512)
+    side, cur = estimate("gpt2", **opts), estimate("gpt2", ddp_init_stream="current", **opts)
+    assert side.peak_allocated == cur.peak_allocated
+    assert 1.9 * 474 * MiB < side.peak_reserved - cur.peak_reserved < 2.2 * 475 * MiB
+    estimate("gpt2", framework="lightning", dp=4, fsdp="full", batch_size=4, seq_len=512)  # not refused

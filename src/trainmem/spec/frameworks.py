@@ -202,11 +202,22 @@ def _lightning_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ..
     ``src/lightning/pytorch/strategies/deepspeed.py`` L96-102, the same in Fabric's strategy L74-80)."""
     zero = view.get("zero") or 0
     if not zero or view.get("fsdp") is not None:
-        return {}
+        return _lightning_ddp_stream(view, version)
     out: dict[str, Any] = {"reduce_bucket_size": 200_000_000, "overlap_comm": True}
     if zero == 3:
         out["sub_group_size"] = 1_000_000_000_000
     return out
+
+
+def _lightning_ddp_stream(view: Mapping[str, Any], version: tuple[int, ...] | None) -> dict[str, Any]:
+    """Plain DDP (``strategy="ddp"``, ``--dp`` > 1 alone): from 2.1.0 to 2.6.5 Lightning's ``DDPStrategy``
+    builds ``DistributedDataParallel`` inside ``torch.cuda.stream(torch.cuda.Stream())`` (Lightning
+    PR #17334, 524608ce53, 2023-04-24, first in 2.1.0; 2.6.5 ``src/lightning/pytorch/strategies/ddp.py``
+    ``_setup_model`` and Fabric's ``setup_module``): ``--ddp-init-stream side``. The default stream since
+    PR #21746 (35e56ef935, 2026-06-01, after 2.6.5, in no release yet), and before 2.1.0: current."""
+    plain = (view.get("dp") or 1) > 1 and view.get("fsdp") is None and not view.get("zero") \
+        and view.get("gemini") is None and (view.get("pp") or 1) == 1 and not view.get("distributed_optimizer")
+    return {"ddp_init_stream": "side"} if plain and (version is None or version >= (2, 1)) else {}
 
 
 def _trl_chunked(view: Mapping[str, Any], model: Any, version: tuple[int, ...] | None) -> bool:
