@@ -732,6 +732,7 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
              vocab: int, early_frees: bool = False, shared_frees: int = 0, first_in: list | None = None,
              top: bool = False, vision: list | None = None) -> dict[str, Any]:
     recs = tracker.records
+    measure_top = top  # (``top`` names the top layer's index below)
     first_ids = {r.rid for r in first_in or ()}  # the first layer's hidden-state input (``_first_input``)
     fwd = next(pm for pm in tracker.phase_marks if pm.name == "forward")
     end = fwd.end_event
@@ -806,7 +807,7 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
             "made": made, "total_g": total_g, "first_input": first_input, "sequence": sequence, **outputs,
             "head_forward": _head_forward(tracker, recs, (last_layer_ev, logits_ev), head) if image else 0,
             **(_top_forward(tracker, recs, (min(events[len(kinds) - 1], default=0), logits_ev, end), layer_of,
-                            len(kinds) - 3) if top else {})}
+                            len(kinds) - 3) if measure_top else {})}
 
 
 def _tower_inputs(model: Any, tracker: Any, out: list[Any]) -> list[Any]:
