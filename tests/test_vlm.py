@@ -304,3 +304,15 @@ def test_batch_runs_the_real_model_on_real_tensors(name, seq, images):
     assert out.logits.shape[:2] == (2, seq) and torch.isfinite(out.loss)
     if name == "qwen2_5_vl":  # the image tokens got 3-D positions: the rope deltas are not all zero
         assert model.model.rope_deltas is not None and (model.model.rope_deltas != 0).any()
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "x"])
+def test_images_must_be_a_positive_integer(capsys, value):
+    """``--images`` (images per sample): 0, a negative count and a non-number are one error line, exit 2;
+    the Python API refuses 0 as TrainmemError."""
+    code, out, err = run_cli(capsys, "estimate", "llava-1.5-7b", "--seq-len", "2048", f"--images={value}")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(ERROR_PREFIX) and "--images" in lines[0], err
+    if value == "0":
+        with pytest.raises(TrainmemError, match="--images must be a positive integer"):
+            trainmem.estimate("llava-1.5-7b", seq_len=2048, images=0)
