@@ -1,9 +1,18 @@
 """Shared fixtures and helpers."""
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
 import pytest
+
+try:  # property tests draw the same examples on every run, so `make test` passes or fails alike on CI;
+    # TRAINMEM_PROPERTY_EXAMPLES=N (any N) draws random ones, --hypothesis-seed S repeats a search
+    from hypothesis import settings as _hypothesis_settings
+    _hypothesis_settings.register_profile("trainmem", derandomize="TRAINMEM_PROPERTY_EXAMPLES" not in os.environ)
+    _hypothesis_settings.load_profile("trainmem")
+except ImportError:
+    pass
 
 
 def load_benchmark(name: str):

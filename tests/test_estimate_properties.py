@@ -47,6 +47,7 @@ from trainmem.spec.training import (ATTENTION, BNB_OPTIMIZERS, LOMO_OPTIMIZERS, 
 from trainmem.estimate.layers import F32, HALF, sdpa_pin_problem
 
 # TRAINMEM_PROPERTY_EXAMPLES=1000 searches deeper (minutes); the default keeps the file to seconds
+# (derandomized by tests/conftest.py's profile; TRAINMEM_PROPERTY_EXAMPLES=N draws N random examples)
 FAST = settings(max_examples=int(os.environ.get("TRAINMEM_PROPERTY_EXAMPLES", "40")), deadline=None,
                 suppress_health_check=[HealthCheck.too_slow])
 LEARNED_POSITIONS = {"gpt2", "nanogpt", "bert", "roberta-prenorm"}
@@ -409,7 +410,12 @@ def test_higher_zero_stage_never_raises_model_states(case):
 @FAST
 @given(setups())
 def test_larger_tp_never_raises_model_states(case):
+    """(Not for torchao's low-bit AdamW: it quantizes a state only when the block size divides the tensor,
+    ``torchao_optim.quantized``, so a TP shard that stops being a whole number of blocks keeps fp32 states:
+    bert-base-uncased, adamw-torchao-8bit, tp 4 holds more than tp 3.)"""
     name, m, o = case
+    if o["optimizer"] in TORCHAO_OPTIMIZERS:
+        return
     sizes = [tp for tp in tp_choices(m) if not (o["sequence_parallel"] and o["seq_len"] % tp)]
     values = []
     for tp in sizes:
