@@ -1717,6 +1717,12 @@ def deepspeed_offload_check(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[
         n = max(p.numel for p in tensors) // t.tp
     else:
         n = max(p.numel for p in tensors[:_rank0_own(tensors, st, t)])
+    return _overflow_check_bytes(t, n)
+
+
+def _overflow_check_bytes(t: TrainingSpec, n: int) -> tuple[int, int]:
+    """(bytes of an ``n``-element gradient kept as its own tensor, bytes of ``_has_inf_or_nan``'s
+    temporaries on it) for ``deepspeed_offload_check`` and ``deepspeed_offload_check_head``."""
     own = block_of(t, n * t.weight_bytes) if (n > t.ds_reduce_bucket or not t.contiguous_gradients) else 0
     # float_x (n,) fp32, isnan / isinf / logical_or (n,) bool, inf_or_nan.float() (n,) fp32
     return own, 2 * block_of(t, n * 4) + 3 * block_of(t, n)
@@ -1742,9 +1748,7 @@ def deepspeed_offload_check_head(m: ModelSpec, t: TrainingSpec, st: States) -> t
     if head is None or len(tensors) < 2 or head.numel + tensors[-2].numel <= t.ds_reduce_bucket:
         return 0, 0
     n = head.numel
-    own = block_of(t, n * t.weight_bytes) if (n > t.ds_reduce_bucket or not t.contiguous_gradients) else 0
-    # float_x (n,) fp32, isnan / isinf / logical_or (n,) bool, inf_or_nan.float() (n,) fp32
-    return own, 2 * block_of(t, n * 4) + 3 * block_of(t, n)
+    return _overflow_check_bytes(t, n)
 
 
 def deepspeed_hooks_reduce(t: TrainingSpec) -> bool:
