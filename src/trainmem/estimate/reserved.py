@@ -63,21 +63,38 @@ from .states import parameter_order as _parameter_order
 
 @dataclass
 class _Replay:
-    """The simulated allocator and the handles of what is alive."""
+    """The simulated allocator and the handles of what is alive.
+
+    Its allocated peak is counted as the estimate counts memory (``net``): each block allocated after
+    the load at what a fresh request of its size is charged (``block_bytes``), not at the block it got.
+    A large block is split only when more than 1 MiB would remain (``DeviceCachingAllocator::
+    should_split``, c10/cuda/CUDACachingAllocator.cpp, PyTorch 2.1 to 2.13), so a request served from a
+    cached block or a segment's tail up to 1 MiB larger takes all of it, and ``memory_allocated()``
+    counts the block (``malloc``: ``allocated_bytes`` grows by ``block->size``): up to 1 MiB per tensor
+    that depends on where it lands, which only the replay knows. The estimate's allocated peak charges
+    gradients, states and activations at ``block_bytes`` of their own size (the weights at their load
+    placement, ``allocator_rules.placed_bytes``, as the replay's load), so the gap the replay reports
+    (reserved minus the net peak) carries that placement excess into the reserved estimate.
+    """
 
     a: CachingAllocator = field(default_factory=CachingAllocator)
-    # (phase label, step) -> (reserved bytes at its end, the replay's allocated peak so far)
+    # (phase label, step) -> (reserved bytes at its end, the replay's net allocated peak so far)
     marks: dict = field(default_factory=dict)
-    # the allocated and reserved peaks before the last ``empty_cache`` (DeepSpeed's ``defragment``): the
+    # the net allocated and reserved peaks before the last ``empty_cache`` (DeepSpeed's ``defragment``): the
     # allocator's own peaks restart there, so that a phase's marks are those since the cache was emptied
     before: tuple = (0, 0)
     emptied: bool = False  # the cache was emptied since the last mark
     lag: "_Fsdp1Lag | None" = None   # FSDP1: frees awaiting other streams, released by its rate limiter
     carry: list = field(default_factory=list)  # a derived layer's late frees: (J, handle), ``_sequence_forward``
+    loaded: bool = False   # the load is replayed (its blocks' placement is in the estimate's weights)
+    excess: dict = field(default_factory=dict)  # handle -> bytes its block exceeds ``block_bytes`` of its request
+    over: int = 0          # the sum of ``excess`` over the live blocks
+    net_peak: int = 0      # the highest ``allocated - over`` since the cache was last emptied
 
     def mark(self, label: str, step: int) -> None:
-        self.marks[(label, step)] = (self.a.reserved, self.a.peak_allocated, self.emptied)
+        self.marks[(label, step)] = (self.a.reserved, self.net_peak, self.emptied)
         self.emptied = False
+        self.loaded = self.loaded or label == "model_loaded"
 
     def empty_cache(self) -> None:
         """``torch.cuda.empty_cache()``: the segments with no live block are released; the peaks so far
@@ -85,21 +102,36 @@ class _Replay:
         self.before = self.peaks()
         self.a.empty_cache()
         self.a.reset_peak()
+        self.net_peak = self.a.allocated - self.over
         self.emptied = True
 
     def peaks(self) -> tuple[int, int]:
-        """The allocated and reserved peaks of the whole replay."""
-        return max(self.before[0], self.a.peak_allocated), max(self.before[1], self.a.peak_reserved)
+        """The net allocated and the reserved peaks of the whole replay."""
+        return max(self.before[0], self.net_peak), max(self.before[1], self.a.peak_reserved)
 
     def alloc(self, nbytes: Any, stream: int = 0) -> int | None:
-        return self.a.allocate(int(nbytes), stream=stream) if nbytes > 0 else None
+        if nbytes <= 0:
+            return None
+        h = self.a.allocate(int(nbytes), stream=stream)
+        if self.loaded:  # the block beyond a fresh request's charge (bytes; 0 where it was split to size)
+            extra = self.a.block_size(h) - block_bytes(int(nbytes), self.a.expandable_segments)
+            if extra > 0:
+                self.excess[h] = extra
+                self.over += extra
+        self.net_peak = max(self.net_peak, self.a.allocated - self.over)
+        return h
 
     def allocs(self, sizes: Any, stream: int = 0) -> list:
         return [self.alloc(x, stream) for x in sizes]
 
     def free(self, h: int | None) -> None:
         if h is not None:
+            self.unlive(h)
             self.a.free(h)
+
+    def unlive(self, h: int) -> None:
+        """Forget the placement excess of ``h``'s block, which stops being allocated."""
+        self.over -= self.excess.pop(h, 0)
 
     def frees(self, hs: list) -> None:
         for h in hs:
@@ -1521,6 +1553,7 @@ class _Fsdp1Lag:
     def defer(self, R: _Replay, handle: int | None, tick: int) -> None:
         """Free ``handle`` pending until the default stream passes ``tick``."""
         if handle is not None:
+            R.unlive(handle)
             self.pending.append((tick, R.a.free_pending(handle)))
 
     def synchronize(self, R: _Replay) -> None:
