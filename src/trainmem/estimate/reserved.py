@@ -39,7 +39,11 @@ runs it through the same simulator as ``trace`` (``trainmem.allocator.CachingAll
   ``zero_grad(set_to_none=True)`` frees the gradients.
 
 Two steps are replayed with up to two micro-batches each, as the moments are (``moments.py``). The
-result is the reserved-minus-allocated gap at the end, added to the estimate's own allocated peak:
+result is the reserved-minus-allocated gap at the end, added to the estimate's own allocated peak,
+with the replay's allocated peak counted as the estimate counts it: each block allocated after the
+load at ``block_bytes`` of its request, not at the unsplit block it got (``_Replay``: a large block
+is split only when more than 1 MiB would remain, so a 1.125 MiB gradient landing in a 2 MiB tail
+takes all of it, and ``memory_allocated`` counts that; the excess stays in the gap);
 the replay is coarser than the moments (a backward transient is one block, Megatron's selective policy's kept tensors are scaled), so its
 allocated peak is not the estimate's, but the segments it leaves behind are those of tensors of the
 estimate's sizes in the step's order. With ``TrainingSpec.expandable_segments`` the simulator runs in
