@@ -1226,13 +1226,13 @@ class TrainingSpec:
     def ds_elementwise_overflow(self) -> bool:
         """Whether DeepSpeed ZeRO-1/2 with the optimizer offloaded checks each gradient of its
         partition for inf/NaN elementwise (``_has_inf_or_nan``: ``x.float()``, ``isnan``, ``isinf``,
-        ``logical_or``, ``.float().max()``, v0.14.2 ``stage_1_and_2.py`` L2019-2025, the same at
-        v0.16.4 L2030-2036) rather than from ``max``/``min`` (``runtime/utils.py`` ``has_inf_or_nan``
-        at v0.19.8, DeepSpeed #8325 "stop allocating per-element temporaries in the overflow check",
-        merged 2026-08-26). The first release with #8325 was not found; 0.19.1 (May 2026) predates
-        it, so releases up to 0.19.1 are taken as elementwise and later ones (0.19.2-0.19.7 not
-        checked) as current."""
-        return self.deepspeed_release() < (0, 19, 2)
+        ``logical_or``, ``.float().max()``, v0.14.2 ``stage_1_and_2.py`` L2019-2025, v0.16.4 L2030-2036,
+        v0.19.5 L2459-2465) rather than from ``max``/``min`` (``runtime/utils.py`` ``has_inf_or_nan``,
+        DeepSpeed #8325 "stop allocating per-element temporaries in the overflow check", merged
+        2026-08-26). Read from the tags: every release up to v0.19.5 (2026-08-09) is elementwise; the
+        v0.19.6 sdist (2026-08-27) has #8325 (``stage_1_and_2.py`` L2496-2497 calling ``utils.py``
+        L225-248), as do v0.19.7 and v0.19.8 (``quantities.deepspeed_offload_steps``)."""
+        return self.deepspeed_release() < (0, 19, 6)
 
     @property
     def ds_linear_keeps_gathered(self) -> bool:
