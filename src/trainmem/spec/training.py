@@ -1238,17 +1238,17 @@ class TrainingSpec:
     def ds_linear_keeps_gathered(self) -> bool:
         """Whether DeepSpeed ZeRO-3 trains with torch's own ``F.linear``, whose autograd saves the
         transposed weight (a view of the gathered storage) for backward: a model built outside
-        ``zero.Init`` in releases up to 0.19.1. The memory-efficient ``zero3_linear_wrap``
+        ``zero.Init`` in releases up to 0.19.3. The memory-efficient ``zero3_linear_wrap``
         (``LinearFunctionForZeroStage3``, ``zero/linear.py``: saves the parameter itself) replaces
         ``F.linear`` only in ``zero.Init``'s ``__enter__`` (v0.14.2 ``partition_parameters.py``
         ``patch_init_and_builtins`` L548-553, "This will persist unless manually reset"), which
         ``Init(module=...)`` for an already built model does not run (L1020-1027); DeepSpeed #8189
-        ("Enable ZeRO-3 linear wrapper for existing models", merged 2026-07-28, in 0.19.8:
-        ``_enable_mem_efficient_linear`` L1090-1091) installs it there too. 0.19.1 (May 2026)
-        predates it; the first release with it was not found, so later releases are taken as
-        current."""
+        ("Enable ZeRO-3 linear wrapper for existing models", merged 2026-07-28) installs it there too
+        (``_enable_mem_efficient_linear``, v0.19.4 ``partition_parameters.py`` L400-407 called from
+        ``__init__`` L1060-1061; 0.19.8 L1090-1091). Read from the tags: absent at v0.19.1-v0.19.3,
+        present from v0.19.4 (2026-08-06)."""
         return (self.zero == 3 and self.fsdp is None and not self.distributed_optimizer and self.gemini is None
-                and not self.ds_zero_init and self.deepspeed_release() < (0, 19, 2))
+                and not self.ds_zero_init and self.deepspeed_release() < (0, 19, 4))
 
     @property
     def ds_fp32_clone(self) -> bool:
