@@ -272,6 +272,7 @@ class Quantities:
     ds_partition: int = 0     # DeepSpeed ZeRO-3: elements of this rank's flat fp32 partition, all sub-groups (``deepspeed_partition_elems``)
     ds_step_flat: int = 0     # ... and the flat copy in the gradient dtype beside it during the cast
     ds_gathered_top: int = 0  # DeepSpeed ZeRO-3's gathered parameters from forward's end to the top layer's backward
+    ds_head_wgrad: int = 0    # DeepSpeed ZeRO-3: an untied head's whole weight gradient at its backward (``deepspeed_head_wgrad``)
     ds_gathered_low: int = 0  # ... in the rest of backward (``deepspeed_gathered``)
     ds_gathered_emb: int = 0  # ... at the embedding's backward, the last module's (``deepspeed_gathered_embedding``)
     ds_coalesced: int = 0     # ... and the flat all-gather output of the prefetch in flight at the top
@@ -1623,6 +1624,7 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
             "ds_offload_steps": deepspeed_offload_epilogue(m, t, st), "ds_linear_kept": deepspeed_linear_kept(m, t),
             "ds_step_flat": flat,
             "ds_gathered_top": top, "ds_gathered_low": low, "ds_coalesced": deepspeed_coalesced(m, t),
+            "ds_head_wgrad": deepspeed_head_wgrad(m, t, st),
             "ds_gathered_emb": deepspeed_gathered_embedding(m, t),
             "ds_reduce_cat": deepspeed_reduce_cat(t, st), "ds_reduce_cats": deepspeed_reduce_cats(t, st),
             "ds_layer_params": deepspeed_layer_params(m, t), "ds_param_bytes": t.weight_bytes,
@@ -2043,6 +2045,26 @@ def gemini_fields(m: ModelSpec, t: TrainingSpec) -> dict[str, int]:
     top = g.gathered_layer[-1] if g.gathered_layer else 0
     low = max(g.gathered_layer[:-1], default=top)
     return {"gemini_top": top + g.gathered_always + g.grad_hook, "gemini_low": low + g.gathered_always + g.grad_hook}
+
+
+def deepspeed_head_wgrad(m: ModelSpec, t: TrainingSpec, st: States) -> int:
+    """Bytes of an untied LM head's weight gradient, whole (vocab x hidden, the engine's dtype), as
+    its ``MmBackward0`` makes it under DeepSpeed ZeRO-3, beside the logits' gradient it reads and the
+    head still gathered (``deepspeed_gathered``). ZeRO-3 partitions a gradient only in the hook after
+    autograd made it whole: ``reduce_independent_p_g_buckets_and_remove_grads`` ->
+    ``__add_grad_to_ipg_bucket`` copies it into the bucket buffer when it fits, else keeps it as its
+    own tensor until the next hook reduces the bucket (v0.14.2 ``stage3.py`` L1191-1243; v0.19.8 the
+    same path), so the whole gradient exists at the head's backward in every release. The layers'
+    weight gradients are counted in their backward's temporaries; a tied head's waits in autograd's
+    input buffer (``tied_head_grad``). Found by tracing DeepSpeed 0.14.2's engine on Giles Thomas's
+    Llama-3-8B ZeRO-3 row at one token (8 GPUs, no zero.Init): the peak is the head's ``mm`` backward,
+    1,002 MiB (128256 x 4096 fp16) above the moments before. 0 off ZeRO-3, for a tied, absent or
+    frozen head, or a partial set of trainable tensors."""
+    if not (deepspeed_zero(t) and t.zero == 3 and st.trainable) or _partial_layout(m, t, st):
+        return 0
+    tensors = m.parameter_tensors()
+    head = tensors[-1] if tensors and tensors[-1].name == "lm_head.weight" and not m.tied_embeddings else None
+    return block_of(t, head.numel * t.weight_bytes) if head is not None else 0   # (vocab, hidden) fp16/bf16
 
 
 def deepspeed_gathered(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, int]:
