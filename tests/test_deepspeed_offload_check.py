@@ -49,6 +49,8 @@ def test_check_is_eleven_bytes_of_the_embedding_beside_its_own_gradient():
     # a bucket larger than the embedding takes its gradient into the bucket buffer (a view, no own tensor)
     own, check2 = _check(fx, reduce_bucket_size=600_000_000)
     assert own == 0 and check2 == check
+    # offloading forces contiguous gradients on (``contiguous_gradients or self.cpu_offload``, v0.14.2 L205)
+    assert _check(fx, reduce_bucket_size=600_000_000, contiguous_gradients=False) == (0, check)
 
 
 def test_largest_step_is_the_check_up_to_v0195_then_the_norms_float64_copy():
@@ -98,3 +100,17 @@ def test_qwen_one_gpu_rows_do_not_peak_at_the_check():
     _fx, r, measured = _fixture("gpjt_qwen15_05b_zero2_offload_gc_b1_s2048_es")
     assert r.peak_where != "deepspeed.offload_check"
     assert abs(r.peak_allocated / measured["peak_active"] - 1) < 0.002
+
+
+def test_rank0_gradients_are_its_partition_in_registration_order():
+    """Rank 0 hands the host the parameters overlapping its ceil(8,030,261,248 / 8) elements: the
+    embedding whole first, the last one only in part (``grad_position``'s ``num_elements``); the
+    replay takes them in backward's order, the embedding's three steps last."""
+    from trainmem.estimate.quantities import deepspeed_offload_epilogue, deepspeed_offload_grads
+    fx = json.load(open(os.path.join(PUBLISHED, "gpjt_llama3_8b_zero2_offload_gc_s1_dp8_es.json")))
+    m, t, st = _resolved(fx)
+    grads = deepspeed_offload_grads(m, t, st)
+    assert grads[0] == (EMB, EMB)
+    assert sum(piece for piece, _whole in grads) == -(-st.trainable // 8)
+    assert grads[-1][0] < grads[-1][1]                          # cut by the partition's end
+    assert deepspeed_offload_epilogue(m, t, st)[-3:] == ((EMB * 8,), (EMB * 4, EMB, EMB, EMB, EMB * 4), (EMB * 4,))
