@@ -1,8 +1,8 @@
-"""DeepSpeed ZeRO-3 of a model built outside ``zero.Init`` in releases up to 0.19.1 trains with torch's own
+"""DeepSpeed ZeRO-3 of a model built outside ``zero.Init`` in releases up to 0.19.3 trains with torch's own
 ``F.linear``: ``MmBackward`` saves the transposed weight, a view of the gathered storage, so ZeRO-3's
 ``free_param`` after the module's forward frees nothing until that linear's backward
 (``quantities.deepspeed_linear_kept``; ``zero3_linear_wrap`` saves the parameter itself and is installed
-only by ``zero.Init``'s ``__enter__`` at v0.14.2, also for ``Init(module=...)`` from DeepSpeed #8189).
+only by ``zero.Init``'s ``__enter__`` at v0.14.2, also for ``Init(module=...)`` from DeepSpeed #8189, v0.19.4).
 Found on Giles Thomas's Llama-3-8B ZeRO-3 rows over 8 GPUs (docs/validation.md, fifteenth session)."""
 from __future__ import annotations
 
@@ -41,7 +41,9 @@ def test_kept_is_one_layers_matmul_weights_whole_in_fp16():
 def test_kept_only_without_the_linear_wrapper():
     fx = _fx("gpjt_llama3_8b_zero3_s1001_dp8_es")
     assert _kept(fx, deepspeed_version="0.19.1") > 0
-    assert _kept(fx, deepspeed_version="0.19.8") == 0      # #8189: the wrapper for existing models too
+    assert _kept(fx, deepspeed_version="0.19.3") > 0       # the last release without #8189
+    assert _kept(fx, deepspeed_version="0.19.4") == 0      # #8189: the wrapper for existing models too
+    assert _kept(fx, deepspeed_version="0.19.8") == 0
     assert _kept(fx, deepspeed_version=None) == 0
     assert _kept(fx, zero_init="on") == 0                  # zero.Init's __enter__ installs the wrapper
     assert _kept(fx, recompute="full") == 0                # checkpointed layers save nothing in forward

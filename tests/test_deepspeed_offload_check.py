@@ -3,7 +3,8 @@ inf/NaN elementwise before handing it to the host (``quantities.deepspeed_offloa
 ``stage_1_and_2.py`` ``copy_grads_in_partition`` L1320-1333 -> ``update_overflow_tracker_for_param_grad``
 L1167-1170 -> ``_has_inf_or_nan`` L2019-2025 (an fp32 copy, three bool masks, a second fp32 tensor: 11 B
 per element of the whole gradient, all alive at once), replaced by a max/min test in DeepSpeed #8325
-(``runtime/utils.py`` ``has_inf_or_nan`` at v0.19.8). Found on Giles Thomas's Llama-3-8B ZeRO-2 offload
+(``runtime/utils.py`` ``has_inf_or_nan``, first in v0.19.6), after which the norm's float64 copy is the
+largest step (``quantities.deepspeed_offload_steps``). Found on Giles Thomas's Llama-3-8B ZeRO-2 offload
 rows over 8 GPUs (docs/validation.md, fifteenth session)."""
 from __future__ import annotations
 
@@ -48,13 +49,19 @@ def test_check_is_eleven_bytes_of_the_embedding_beside_its_own_gradient():
     # a bucket larger than the embedding takes its gradient into the bucket buffer (a view, no own tensor)
     own, check2 = _check(fx, reduce_bucket_size=600_000_000)
     assert own == 0 and check2 == check
+    # offloading forces contiguous gradients on (``contiguous_gradients or self.cpu_offload``, v0.14.2 L205)
+    assert _check(fx, reduce_bucket_size=600_000_000, contiguous_gradients=False) == (0, check)
 
 
-def test_check_only_offloaded_and_only_in_releases_before_the_fix():
+def test_largest_step_is_the_check_up_to_v0195_then_the_norms_float64_copy():
+    """Up to v0.19.5 the elementwise check (11 B per element) is the largest of the three steps; v0.19.6
+    (#8325) checks with ``amax``/``amin``, so the norm's float64 copy (8 B per element) is, as at v0.19.8
+    and a current release. ZeRO-3 and an optimizer on the device have none of it."""
     fx = json.load(open(os.path.join(PUBLISHED, "gpjt_llama3_8b_zero2_offload_gc_s1_dp8_es.json")))
-    assert _check(fx, deepspeed_version="0.19.1")[1] > 0
-    assert _check(fx, deepspeed_version="0.19.8") == (0, 0)
-    assert _check(fx, deepspeed_version=None) == (0, 0)
+    eleven = 2 * block_bytes(EMB * 4, True) + 3 * block_bytes(EMB, True)
+    assert _check(fx, deepspeed_version="0.19.5")[1] == eleven
+    for v in ("0.19.6", "0.19.8", None):
+        assert _check(fx, deepspeed_version=v) == (block_bytes(EMB * 2, True), block_bytes(EMB * 8, True))
     assert _check(fx, offload_optimizer=False) == (0, 0)
     z3 = json.load(open(os.path.join(PUBLISHED, "gpjt_llama3_8b_zero3_s1_dp8_es.json")))
     assert _check(z3) == (0, 0)
@@ -93,3 +100,17 @@ def test_qwen_one_gpu_rows_do_not_peak_at_the_check():
     _fx, r, measured = _fixture("gpjt_qwen15_05b_zero2_offload_gc_b1_s2048_es")
     assert r.peak_where != "deepspeed.offload_check"
     assert abs(r.peak_allocated / measured["peak_active"] - 1) < 0.002
+
+
+def test_rank0_gradients_are_its_partition_in_registration_order():
+    """Rank 0 hands the host the parameters overlapping its ceil(8,030,261,248 / 8) elements: the
+    embedding whole first, the last one only in part (``grad_position``'s ``num_elements``); the
+    replay takes them in backward's order, the embedding's three steps last."""
+    from trainmem.estimate.quantities import deepspeed_offload_epilogue, deepspeed_offload_grads
+    fx = json.load(open(os.path.join(PUBLISHED, "gpjt_llama3_8b_zero2_offload_gc_s1_dp8_es.json")))
+    m, t, st = _resolved(fx)
+    grads = deepspeed_offload_grads(m, t, st)
+    assert grads[0] == (EMB, EMB)
+    assert sum(piece for piece, _whole in grads) == -(-st.trainable // 8)
+    assert grads[-1][0] < grads[-1][1]                          # cut by the partition's end
+    assert deepspeed_offload_epilogue(m, t, st)[-3:] == ((EMB * 8,), (EMB * 4, EMB, EMB, EMB, EMB * 4), (EMB * 4,))

@@ -1,5 +1,5 @@
 """The reserved replay of DeepSpeed runs (``estimate/reserved.py``): ZeRO-3's reduce ``cat`` per bucket
-(one rank too), ZeRO-3's step states once per tensor, ZeRO-1/2's offload epilogue copies before v0.17,
+(one rank too), ZeRO-3's step states once per tensor, ZeRO-1/2's offload epilogue copies per gradient,
 and an older transformers release's fp32-logits loss tensor by tensor. Found on Giles Thomas's
 Qwen1.5-0.5B rows (docs/validation.md, fifteenth session); each test checks one mechanism."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 import trainmem
 from trainmem import allocator
-from trainmem.estimate.quantities import deepspeed_offload_checks, deepspeed_reduce_cat
+from trainmem.estimate.quantities import deepspeed_offload_epilogue, deepspeed_reduce_cat
 from trainmem.estimate.states import model_states
 from trainmem.spec.resolve import resolve
 
@@ -76,22 +76,29 @@ OFFLOAD = dict(framework="hf-trainer", zero=2, dp=1, precision="fp16", batch_siz
                offload_optimizer=True)
 
 
-def test_offload_epilogue_copies_before_v017(monkeypatch):
-    """ZeRO-2 offloading its optimizer, v0.14.2: at the boundary each gradient gets a float64 copy, the
-    inf/nan check's fp32 copy and three bool tensors, and an fp32 copy for the host; the embedding's
-    (the largest) among them. v0.19.8 (a compact partition buffer) is not replayed so: none."""
-    old = resolve(QWEN, **OFFLOAD, deepspeed_version="0.14.2")
+def test_offload_epilogue_copies_per_release(monkeypatch):
+    """ZeRO-2 offloading its optimizer: at the boundary each gradient gets a float64 copy for its norm, then
+    (up to v0.19.5) the inf/nan check's fp32 copy, three bool tensors and a second fp32 tensor, then an fp32
+    copy for the host; the embedding's (the largest, backward's last) among them. From v0.19.6 (#8325) the
+    check allocates nothing per element; the norm's and the host's copies stay (v0.19.8 L2161-2178)."""
+    old = resolve(QWEN, **OFFLOAD, deepspeed_version="0.19.5")
     st = model_states(old.model, old.training)
-    assert deepspeed_offload_checks(old.training, st) == 2
-    assert deepspeed_offload_checks(resolve(QWEN, **OFFLOAD).training, st) == 0
-    emb = st.trainables[0][2] // 2                              # the embedding's elements (block-rounded bytes)
+    emb = 32000 * 256                                           # the embedding's elements
+    assert deepspeed_offload_epilogue(old.model, old.training, st)[-3:] == (
+        (emb * 8,), (emb * 4, emb, emb, emb, emb * 4), (emb * 4,))
+    new = resolve(QWEN, **OFFLOAD, deepspeed_version="0.19.6")
+    steps = deepspeed_offload_epilogue(new.model, new.training, st)
+    assert steps[-2:] == ((emb * 8,), (emb * 4,)) and all(len(s) == 1 for s in steps)
+    assert deepspeed_offload_epilogue(old.model, resolve(QWEN, **{**OFFLOAD, "offload_optimizer": False}).training,
+                                      st) == ()
     seen = _requests(monkeypatch)
     trainmem.estimate(QWEN, **OFFLOAD, deepspeed_version="0.14.2")
     sizes = [n for n, _s in seen]
     assert emb * 8 in sizes and sizes.count(emb) >= 3 * 2   # float64; isnan, isinf, or (each replayed step)
     seen.clear()
     trainmem.estimate(QWEN, **OFFLOAD)
-    assert emb * 8 not in [n for n, _s in seen]
+    sizes = [n for n, _s in seen]
+    assert emb * 8 in sizes and emb not in sizes              # the norm's float64 copy; no bool masks
 
 
 def test_fp32_logits_loss_replayed_tensor_by_tensor(monkeypatch):

@@ -529,6 +529,12 @@ def _head_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, befo
            _mo("backward", micro, step, "fsdp.head_prefetch",
                (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.logits_grad), (kept.logits, kept.kv_forward, 0),
                _both(valid, q.fsdp_head_pref > 0), comm=q.fsdp_loss_root + q.fsdp_head_pref)]
+    # DeepSpeed ZeRO-3, an untied head: its MmBackward0 makes the whole weight gradient beside the logits'
+    # gradient, the head still gathered (quantities.deepspeed_head_wgrad)
+    out.append(_mo("backward", micro, step, "deepspeed.head_wgrad",
+                   (grads_before + q.ds_head_wgrad, states, tk.inputs, ws2, tk.all_acts, tk.logits_grad),
+                   (kept.logits, kept.kv_forward, 0), _both(valid, q.ds_head_wgrad > 0),
+                   comm=q.ds_loss_buf + q.ds_gathered_top))
     for where_, temp in (("lm_head.backward", tk.head_chunk_first), ("lm_head.backward.sum", tk.head_chunk)):
         out.append(_mo("backward", micro, step, where_, (grads_before, states, tk.inputs, ws2, tk.all_acts, temp),
                        (kept.logits, kept.kv_forward, 0), _both(valid, q.chunk_head_grads > 0),

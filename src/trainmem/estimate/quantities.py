@@ -272,6 +272,7 @@ class Quantities:
     ds_partition: int = 0     # DeepSpeed ZeRO-3: elements of this rank's flat fp32 partition, all sub-groups (``deepspeed_partition_elems``)
     ds_step_flat: int = 0     # ... and the flat copy in the gradient dtype beside it during the cast
     ds_gathered_top: int = 0  # DeepSpeed ZeRO-3's gathered parameters from forward's end to the top layer's backward
+    ds_head_wgrad: int = 0    # DeepSpeed ZeRO-3: an untied head's whole weight gradient at its backward (``deepspeed_head_wgrad``)
     ds_gathered_low: int = 0  # ... in the rest of backward (``deepspeed_gathered``)
     ds_gathered_emb: int = 0  # ... at the embedding's backward, the last module's (``deepspeed_gathered_embedding``)
     ds_coalesced: int = 0     # ... and the flat all-gather output of the prefetch in flight at the top
@@ -290,9 +291,9 @@ class Quantities:
     ds_emb_kept: int = 0      # 1: ZeRO-3 keeps the embedding gathered from its forward to its backward (``deepspeed_embedding_kept``)
     ds_norm_fp64: int = 0     # ZeRO-3's step, which takes each gradient partition's norm on a float64 copy:
     #                           bytes per gradient element (0 off ZeRO-3 on the device; ``reserved._zero3_step``)
-    ds_offload_checks: int = 0   # ZeRO-1/2 offloading the optimizer, before v0.17: each gradient's float64 norm,
-    #                              inf/nan check and fp32 copy to the host at the epilogue: bytes per gradient
-    #                              element (0 off it; ``deepspeed_offload_checks``, ``reserved._offload_epilogue``)
+    ds_offload_steps: tuple = ()  # ZeRO-1/2 offloading the optimizer: each of rank 0's gradients' float64 norm
+    #                               copy, inf/NaN check and fp32 copy for the host at the boundary, raw bytes of
+    #                               each step's tensors (``deepspeed_offload_epilogue``, ``reserved._offload_epilogue``)
     ds_partition_grads: int = 0  # DeepSpeed ZeRO-2's gradient partition when a reduction in backward makes it
     ds_partition_from: int = 3   # ... which backward moment it exists from (``deepspeed_partition_from``)
     ds_emb_grads: int = 0        # ... the gradients beside the word embedding's (``deepspeed_grads_at_embedding``)
@@ -305,9 +306,9 @@ class Quantities:
     ds_linear_kept: int = 0  # DeepSpeed ZeRO-3 with torch's F.linear: one layer's gathered matmul weights its
     #                          autograd keeps from its forward to its backward (``deepspeed_linear_kept``)
     ds_offload_grad: int = 0  # DeepSpeed ZeRO-1/2 offloaded: the gradient of rank 0's largest parameter, own tensor,
-    ds_offload_check: int = 0  # ... and the temporaries of its elementwise inf/NaN check (``deepspeed_offload_check``)
+    ds_offload_check: int = 0  # ... and its largest step's tensors (``deepspeed_offload_check``, ``deepspeed_offload_steps``)
     ds_head_grad: int = 0     # ... the untied head's gradient, own tensor, when its bucket is reduced at the top of
-    ds_head_check: int = 0    # backward, and its check's temporaries, on the rank that holds it (``deepspeed_offload_check_head``)
+    ds_head_check: int = 0    # backward, and its largest step's tensors, on the rank that holds it (``deepspeed_offload_check_head``)
     ds_cast_grads: int = 0    # DeepSpeed's step: the gradients alive while the fp32 gradient is cast (``deepspeed_partition_grads``)
     ds_opt_grads: int = 0     # ... and while the optimizer steps (ZeRO-3's persistent partition; none for stages 1, 2)
     gemini_top: int = 0       # ColossalAI Gemini: other ranks' fp16 chunks gathered and the gradient hook's two
@@ -1620,9 +1621,10 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
             "ds_fp32_group": deepspeed_fp32_group(t, st), "ds_init_grads": deepspeed_init_grads(t, st),
             "ds_partition": deepspeed_partition_elems(t, st),
             "ds_offload_buf": deepspeed_offload_grad_buffer(t, st),
-            "ds_offload_checks": deepspeed_offload_checks(t, st), "ds_linear_kept": deepspeed_linear_kept(m, t),
+            "ds_offload_steps": deepspeed_offload_epilogue(m, t, st), "ds_linear_kept": deepspeed_linear_kept(m, t),
             "ds_step_flat": flat,
             "ds_gathered_top": top, "ds_gathered_low": low, "ds_coalesced": deepspeed_coalesced(m, t),
+            "ds_head_wgrad": deepspeed_head_wgrad(m, t, st),
             "ds_gathered_emb": deepspeed_gathered_embedding(m, t),
             "ds_reduce_cat": deepspeed_reduce_cat(t, st), "ds_reduce_cats": deepspeed_reduce_cats(t, st),
             "ds_layer_params": deepspeed_layer_params(m, t), "ds_param_bytes": t.weight_bytes,
@@ -1684,71 +1686,132 @@ def deepspeed_norm_temp(m: ModelSpec, t: TrainingSpec, st: States) -> int:
     return block_of(t, largest * 8)              # (piece,) float64
 
 
-def deepspeed_offload_check(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, int]:
-    """(bytes of the parameter's gradient when it is its own tensor, bytes of the check's
-    temporaries) on rank 0 when DeepSpeed ZeRO-1/2, the optimizer offloaded, hands the gradient of
-    the largest parameter of its partition to the host at the accumulation boundary; (0, 0) off
-    that path or where the check is not elementwise (``TrainingSpec.ds_elementwise_overflow``).
+def deepspeed_offload_steps(t: TrainingSpec, piece: int, whole: int) -> tuple[tuple[int, ...], ...]:
+    """The device tensors DeepSpeed ZeRO-1/2, the optimizer offloaded (``contiguous_gradients`` forced
+    on: ``self.contiguous_gradients = contiguous_gradients or self.cpu_offload``, ``stage_1_and_2.py``
+    v0.14.2 L205, v0.19.5 L259, v0.19.8 L300), makes for one gradient of its partition at the
+    accumulation boundary: ``copy_grads_in_partition``'s three calls, one after another, each step's
+    tensors alive together and freed before the next; as raw bytes per step. ``piece``: the gradient's
+    elements in the rank's partition (``grad_position``'s ``num_elements``), ``whole``: the parameter's.
 
-    ``reduce_ipg_grads`` -> ``copy_grads_in_partition`` (v0.14.2 ``stage_1_and_2.py`` L1320-1333)
-    runs for each parameter of the rank's partition, one at a time:
-    ``set_norm_for_param_grad_in_gpu`` (L1244-1257: ``.double().norm(2)`` of the partition's slice,
-    8 B per element), then ``update_overflow_tracker_for_param_grad`` (L1167-1170) ->
-    ``_has_inf_or_nan`` on the parameter's *whole* gradient (L2019-2025): ``float_x = x.float()``
-    (fp32, 4 B per element), ``isnan`` and ``isinf`` (bool, 1 B each), ``logical_or`` (bool, 1 B)
-    and ``inf_or_nan.float()`` (fp32, 4 B), all alive together: 11 B per element, the most of the
-    three (``async_inplace_copy_grad_to_fp32_buffer_from_gpu`` L1259-1275 makes a 4 B fp32 copy of
-    the slice). Rank 0's partition holds the first parameters in registration order
-    (``_rank0_own``), with the word embedding, whose gradient comes last in backward: its check
-    runs in backward's epilogue, the activations freed. A parameter larger than
-    ``reduce_bucket_size`` (or any, without ``contiguous_gradients``) keeps its gradient as its own
-    tensor (``extra_large_param_to_reduce``, L944-946) until the check's end
-    (``param.grad = None`` L1275); a smaller one's is a view of the bucket buffer (counted there).
-    A partial set of trainable tensors or a tensor- or pipeline-parallel layout takes its largest
-    trainable tensor's shard; LoRA's adapters are neglected. Found by Giles Thomas's Llama-3-8B
-    ZeRO-2 offload rows over 8 GPUs: ranks 0 and 7, whose partitions hold the embedding and the
-    head (525,336,576 elements: 5,511 MiB for the check), peak 3.4-3.5 GiB above the other ranks;
-    DeepSpeed #8325 gives the same 11 B per element."""
-    if not (deepspeed_zero(t) and t.zero in (1, 2) and t.offload_optimizer and st.trainable
-            and t.ds_elementwise_overflow) or t.lora_rank:
-        return 0, 0
-    tensors = m.parameter_tensors()
+    1. ``set_norm_for_param_grad_in_gpu``: ``accumulated_grad.view(-1).narrow(...).double().norm(2)``,
+       a (piece,) float64 copy, 8 B per element, in every release read: ``.double()`` at v0.14.2
+       L1244-1257, v0.16.9 L1259-1272, v0.17.0 L1275-1288, v0.19.5 L1548-1561; ``.to(get_norm_dtype())``
+       from v0.19.6 (L1585-1598), ``torch.double`` on a device with float64 (``zero/utils.py`` v0.19.8
+       L59-63). v0.19.8's compact partition buffer (L2145-2160) is taken only when ``grad_accum_dtype``
+       is fp32 and the model's dtype is not (L1259-1266); the engine's default is the model's dtype
+       (``engine.py`` v0.19.8 ``get_data_types`` L1799-1810), so the per-gradient path stays (L2161-2178).
+    2. ``_has_inf_or_nan`` on the parameter's whole gradient, elementwise up to v0.19.5:
+       ``float_x = x.float()`` (whole,) fp32, ``isnan``, ``isinf``, ``logical_or`` (whole,) bool each,
+       ``inf_or_nan.float()`` (whole,) fp32: 11 B per element (v0.14.2 L1167-1170, L2019-2025; v0.17.1+
+       through ``update_offload_overflow_tracker_for_param_grad``; v0.19.5 L1471-1477, L2459-2465).
+       DeepSpeed #8325 ("stop allocating per-element temporaries in the overflow check", stas00) made it
+       ``runtime/utils.py`` ``has_inf_or_nan``: ``isfinite(x.amax())`` and ``x.amin()``, scalars only
+       (v0.19.6 L225-248, v0.19.8 L205-228); v0.19.6 (2026-08-27) is the first release with it, read from
+       the v0.19.5 tag (elementwise) and the v0.19.6 and v0.19.7 sdists (``TrainingSpec.ds_elementwise_overflow``).
+    3. ``async_inplace_copy_grad_to_fp32_buffer_from_gpu``: the (piece,) slice cast to fp32 on the device
+       before the host copy, 4 B per element (``src_tensor.float()``, v0.14.2 L1259-1275, through
+       v0.18.2; ``src_tensor.to(self.master_weights_and_grads_dtype)`` from v0.18.3, v0.19.5 L1563-1578),
+       none for an fp32 gradient (``.float()`` and ``.to`` return the tensor itself)."""
+    steps: list[tuple[int, ...]] = [(piece * 8,)]                 # (piece,) float64
+    if t.ds_elementwise_overflow:                                 # (whole,) fp32, 3 x (whole,) bool, fp32
+        steps.append((whole * 4, whole, whole, whole, whole * 4))
+    if t.weight_bytes != 4:                                       # (piece,) fp32
+        steps.append((piece * 4,))
+    return tuple(steps)
+
+
+def _offloads_grads(t: TrainingSpec, st: States) -> bool:
+    """Whether DeepSpeed ZeRO-1/2 hands the gradients to an offloaded optimizer (``deepspeed_offload_steps``)."""
+    return bool(deepspeed_zero(t) and t.zero in (1, 2) and t.offload_optimizer and st.trainable)
+
+
+def _offload_peak(t: TrainingSpec, piece: int, whole: int) -> tuple[int, int]:
+    """(bytes of a ``whole``-element gradient kept as its own tensor, bytes of the largest step of
+    ``deepspeed_offload_steps`` for it, in blocks) for ``deepspeed_offload_check`` and
+    ``deepspeed_offload_check_head``: a parameter larger than ``reduce_bucket_size`` keeps its gradient as
+    its own tensor (``extra_large_param_to_reduce``, v0.14.2 ``stage_1_and_2.py`` L944-946) until
+    ``param.grad = None`` (L1275); a smaller one's is a view of the bucket buffer (counted there)."""
+    own = block_of(t, whole * t.weight_bytes) if whole > t.ds_reduce_bucket else 0
+    return own, max(sum(block_of(t, b) for b in step) for step in deepspeed_offload_steps(t, piece, whole))
+
+
+def deepspeed_offload_grads(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[tuple[int, int], ...]:
+    """(elements in rank 0's partition, elements of the parameter) of each gradient rank 0 hands to the
+    offloaded optimizer, in registration order: the parameters overlapping its partition of
+    ceil(trainable / dp) elements (``_rank0_own``). Where the rank's flat group is not the model's tensors
+    in order (``_partial_layout``: LoRA, tensor or pipeline parallelism, a partial set) every trainable
+    tensor of ``States.trainables`` is taken whole (its gradient bytes over the engine's dtype). () off
+    DeepSpeed ZeRO-1/2 with ``offload_optimizer``."""
+    if not _offloads_grads(t, st):
+        return ()
     if _partial_layout(m, t, st):
-        n = max(p.numel for p in tensors) // t.tp
-    else:
-        n = max(p.numel for p in tensors[:_rank0_own(tensors, st, t)])
-    return _overflow_check_bytes(t, n)
+        wb = t.weight_bytes
+        return tuple((st.trainables[j][2] // wb,) * 2 for j in parameter_order(st.trainables))
+    part, start, out = -(-st.trainable // t.shard_group), 0, []
+    for p in m.parameter_tensors():
+        if start >= part:
+            break
+        out.append((min(start + p.numel, part) - start, p.numel))
+        start += p.numel
+    return tuple(out)
 
 
-def _overflow_check_bytes(t: TrainingSpec, n: int) -> tuple[int, int]:
-    """(bytes of an ``n``-element gradient kept as its own tensor, bytes of ``_has_inf_or_nan``'s
-    temporaries on it) for ``deepspeed_offload_check`` and ``deepspeed_offload_check_head``."""
-    own = block_of(t, n * t.weight_bytes) if (n > t.ds_reduce_bucket or not t.contiguous_gradients) else 0
-    # float_x (n,) fp32, isnan / isinf / logical_or (n,) bool, inf_or_nan.float() (n,) fp32
-    return own, 2 * block_of(t, n * 4) + 3 * block_of(t, n)
+def deepspeed_offload_epilogue(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[tuple[int, ...], ...]:
+    """The steps of ``deepspeed_offload_steps`` (raw bytes of each step's tensors) for every gradient of
+    rank 0's partition (``deepspeed_offload_grads``), in the order backward made them (the parameters'
+    reversed), for the reserved replay at the accumulation boundary (``reserved._offload_epilogue``):
+    ``reduce_ipg_grads`` calls ``copy_grads_in_partition`` for each parameter of the reduced bucket in the
+    order its hooks filled it (v0.14.2 ``stage_1_and_2.py`` L1356-1412, v0.19.8 L2205-2275). Under the
+    default ``reduce_bucket_size`` (5e8 elements) a model of fewer parameters is one bucket reduced at the
+    end of backward (``independent_gradient_partition_epilogue``), the word embedding's gradient last;
+    a larger model's buckets reduced during backward are replayed there too (their sizes, not their place)."""
+    return tuple(step for piece, whole in reversed(deepspeed_offload_grads(m, t, st))
+                 for step in deepspeed_offload_steps(t, piece, whole))
+
+
+def deepspeed_offload_check(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, int]:
+    """(bytes of the parameter's gradient when it is its own tensor, bytes of the largest step of
+    ``deepspeed_offload_steps``) on rank 0 for the largest gradient of its partition, when DeepSpeed
+    ZeRO-1/2, the optimizer offloaded, hands it to the host at the accumulation boundary; (0, 0) off that
+    path. Up to v0.19.5 the largest step is the elementwise inf/NaN check, 11 B per element of the whole
+    gradient; from v0.19.6 the norm's float64 copy, 8 B per element of its piece.
+
+    Rank 0's partition holds the first parameters in registration order (``_rank0_own``), with the word
+    embedding, whose gradient comes last in backward: its steps run in backward's epilogue, the
+    activations freed. A partial set of trainable tensors or a tensor- or pipeline-parallel layout takes
+    its largest trainable tensor's shard; LoRA's adapters are neglected. Found by Giles Thomas's
+    Llama-3-8B ZeRO-2 offload rows over 8 GPUs (DeepSpeed 0.14.2): ranks 0 and 7, whose partitions hold
+    the embedding and the head (525,336,576 elements: 5,511 MiB for the check), peak 3.4-3.5 GiB above
+    the other ranks; DeepSpeed #8325 gives the same 11 B per element."""
+    if not _offloads_grads(t, st) or t.lora_rank:
+        return 0, 0
+    if _partial_layout(m, t, st):
+        n = max(p.numel for p in m.parameter_tensors()) // t.tp
+        return _offload_peak(t, n, n)
+    piece, whole = max(deepspeed_offload_grads(m, t, st), key=lambda g: g[1])
+    return _offload_peak(t, piece, whole)
 
 
 def deepspeed_offload_check_head(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, int]:
-    """(bytes of the head's gradient when it is its own tensor, bytes of the check's temporaries) of
-    ``deepspeed_offload_check`` for an untied LM head (``lm_head.weight``, registered last: the last
-    rank's partition ends with it), whose check runs where its bucket is reduced: the head's gradient
-    is the first of backward, and the next gradient's hook (the final norm's) reduces the bucket when
-    adding it would pass ``reduce_bucket_size`` (v0.14.2 ``stage_1_and_2.py``
+    """(bytes of the head's gradient when it is its own tensor, bytes of the largest step of
+    ``deepspeed_offload_steps``) for an untied LM head (``lm_head.weight``, registered last: the last
+    rank's partition ends with it, whole), whose steps run where its bucket is reduced: the head's
+    gradient is the first of backward, and the next gradient's hook (the final norm's) reduces the bucket
+    when adding it would pass ``reduce_bucket_size`` (v0.14.2 ``stage_1_and_2.py``
     ``reduce_independent_p_g_buckets_and_remove_grads`` L927-936), with every activation still saved.
     That rank is not rank 0 over several ranks; its other bytes are rank 0's (the fp16 weights, the
     buckets and the offload buffer are replicated), so the estimate's peak is the worse of the two
     (the measured quantity of Giles Thomas's Llama-3-8B offload rows is the worst rank's: rank 7 at
     24,205 and 24,484 MiB, rank 0 at 23,929). (0, 0) where the head is tied or absent, frozen, its
     bucket reduced later in backward (a head and final norm within one bucket), or off the path."""
-    if not (deepspeed_zero(t) and t.zero in (1, 2) and t.offload_optimizer and st.trainable
-            and t.ds_elementwise_overflow) or t.lora_rank or _partial_layout(m, t, st):
+    if not _offloads_grads(t, st) or t.lora_rank or _partial_layout(m, t, st):
         return 0, 0
     tensors = m.parameter_tensors()
     head = tensors[-1] if tensors and tensors[-1].name == "lm_head.weight" else None
     if head is None or len(tensors) < 2 or head.numel + tensors[-2].numel <= t.ds_reduce_bucket:
         return 0, 0
-    n = head.numel
-    return _overflow_check_bytes(t, n)
+    return _offload_peak(t, head.numel, head.numel)
 
 
 def deepspeed_hooks_reduce(t: TrainingSpec) -> bool:
@@ -1982,6 +2045,26 @@ def gemini_fields(m: ModelSpec, t: TrainingSpec) -> dict[str, int]:
     top = g.gathered_layer[-1] if g.gathered_layer else 0
     low = max(g.gathered_layer[:-1], default=top)
     return {"gemini_top": top + g.gathered_always + g.grad_hook, "gemini_low": low + g.gathered_always + g.grad_hook}
+
+
+def deepspeed_head_wgrad(m: ModelSpec, t: TrainingSpec, st: States) -> int:
+    """Bytes of an untied LM head's weight gradient, whole (vocab x hidden, the engine's dtype), as
+    its ``MmBackward0`` makes it under DeepSpeed ZeRO-3, beside the logits' gradient it reads and the
+    head still gathered (``deepspeed_gathered``). ZeRO-3 partitions a gradient only in the hook after
+    autograd made it whole: ``reduce_independent_p_g_buckets_and_remove_grads`` ->
+    ``__add_grad_to_ipg_bucket`` copies it into the bucket buffer when it fits, else keeps it as its
+    own tensor until the next hook reduces the bucket (v0.14.2 ``stage3.py`` L1191-1243; v0.19.8 the
+    same path), so the whole gradient exists at the head's backward in every release. The layers'
+    weight gradients are counted in their backward's temporaries; a tied head's waits in autograd's
+    input buffer (``tied_head_grad``). Found by tracing DeepSpeed 0.14.2's engine on Giles Thomas's
+    Llama-3-8B ZeRO-3 row at one token (8 GPUs, no zero.Init): the peak is the head's ``mm`` backward,
+    1,002 MiB (128256 x 4096 fp16) above the moments before. 0 off ZeRO-3, for a tied, absent or
+    frozen head, or a partial set of trainable tensors."""
+    if not (deepspeed_zero(t) and t.zero == 3 and st.trainable) or _partial_layout(m, t, st):
+        return 0
+    tensors = m.parameter_tensors()
+    head = tensors[-1] if tensors and tensors[-1].name == "lm_head.weight" and not m.tied_embeddings else None
+    return block_of(t, head.numel * t.weight_bytes) if head is not None else 0   # (vocab, hidden) fp16/bf16
 
 
 def deepspeed_gathered(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, int]:
@@ -3405,28 +3488,6 @@ def deepspeed_offload_grad_buffer(t: TrainingSpec, st: States) -> int:
         return 0
     sb = 4 if (t.weight_bytes == 4 or t.fp32_master) else t.weight_bytes   # st.largest_param's dtype
     return block_of(t, st.largest_param // sb * t.weight_bytes)           # (largest_param_numel,) fp16/bf16
-
-
-def deepspeed_offload_checks(t: TrainingSpec, st: States) -> int:
-    """Bytes per gradient element of the gradients DeepSpeed ZeRO-1/2 hands to its offloaded optimizer
-    (the engine's dtype, 2 for fp16/bf16), where its reduction makes device copies of each: 0 off
-    ZeRO-1/2 with ``offload_optimizer`` and ``contiguous_gradients``, and from v0.17 (not read between
-    v0.16.4 and v0.19.8, whose ``copy_grads_in_partition`` works on a compact partition buffer, L2142-2158:
-    not modelled). Before, at the accumulation boundary ``reduce_ipg_grads`` calls ``copy_grads_in_partition``
-    for every parameter of the reduced bucket, in the order its hooks filled it (v0.14.2 ``stage_1_and_2.py``
-    L1356-1412, L1320-1334; the same at v0.16.4), which makes on the device, one after another
-    (``reserved._offload_epilogue``): ``set_norm_for_param_grad_in_gpu``'s ``.double()`` copy of the gradient
-    (8 B per element, freed after its ``norm``; L1244-1257), ``update_overflow_tracker_for_param_grad`` ->
-    ``_has_inf_or_nan``'s ``x.float()``, ``isnan``, ``isinf``, ``logical_or`` and ``.float()`` (4 + 1 + 1 +
-    1 + 4 B per element, all alive until it returns; L1167-1170, L2020-2025), and
-    ``async_inplace_copy_grad_to_fp32_buffer_from_gpu``'s ``src_tensor.float()`` copied to the pinned fp32
-    gradient on the host (4 B per element; L1259-1275). Under the default ``reduce_bucket_size`` (5e8
-    elements) a model of fewer parameters is one bucket reduced at the end of backward
-    (``independent_gradient_partition_epilogue``), its largest gradient (the word embedding) among them."""
-    if not (deepspeed_zero(t) and t.zero in (1, 2) and t.offload_optimizer and t.contiguous_gradients
-            and st.trainable and t.deepspeed_release() < (0, 17)):
-        return 0
-    return t.weight_bytes
 
 
 def per_linear_replay(t: TrainingSpec) -> bool:

@@ -762,7 +762,7 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
                 f.fs.grad_stream)                                 # head, norm, embeddings
     f.fs.reduced(R)                                               # torch < 2.5: the input dropped on return
     if suffix != ".micro1":                                       # ZeRO-1/2 offloading, at the boundary:
-        _offload_epilogue(R, q)                                   # rank 0's inf/NaN check, each gradient's copies
+        _offload_epilogue(R, q)                                   # each of rank 0's gradients' copies
     for cat in q.ds_reduce_cats:                                  # ZeRO-3's buckets reduced, each a flat cat
         R.free(R.alloc(cat, GRAD_STREAM * q.ds_streams))          # (quantities.deepspeed_reduce_cats)
     R.free(gathered)                                              # ... and every parameter released
@@ -803,21 +803,13 @@ def _loss_backward(R: _Replay, q: Quantities, tk: Tokens, f: _Forward, n: int, n
 
 
 def _offload_epilogue(R: _Replay, q: Quantities) -> None:
-    """DeepSpeed ZeRO-1/2 offloading the optimizer (``quantities.deepspeed_offload_checks``, before v0.17):
-    at the boundary's reduction each gradient, in the order backward made them (the parameters'
-    reversed), gets a float64 copy for its norm, then ``_has_inf_or_nan``'s fp32 copy, its three bool
-    tensors and a second fp32 tensor alive together, then an fp32 copy sent to the host; each freed
-    before the next (v0.14.2 ``stage_1_and_2.py`` L1320-1334, L2020-2025)."""
-    if q.ds_offload_check:                                        # the inf/NaN check of rank 0's largest
-        R.free(R.alloc(q.ds_offload_check))                       # gradient (deepspeed_offload_check)
-    if not q.ds_offload_checks:
-        return
-    st = q.detail.states
-    for j in reversed(_parameter_order(st.trainables)):
-        elems = st.trainables[j][2] // q.ds_offload_checks      # (numel,) of one copy of this tensor
-        R.free(R.alloc(elems * 8))                             # .double(): (numel,) float64
-        R.frees(R.allocs([elems * 4, elems, elems, elems, elems * 4]))  # float, isnan, isinf, or, float
-        R.free(R.alloc(elems * 4))                             # src_tensor.float(): (numel,) fp32
+    """DeepSpeed ZeRO-1/2 offloading the optimizer, at the boundary's reduction: each of rank 0's
+    gradients, in the order backward made them, gets its float64 norm copy, then (up to v0.19.5) the
+    elementwise inf/NaN check's fp32 copy, three bool tensors and second fp32 tensor, then the fp32 copy
+    for the host, each step's tensors freed before the next (``quantities.deepspeed_offload_steps``,
+    ``deepspeed_offload_epilogue``: v0.14.2 ``stage_1_and_2.py`` L1320-1334)."""
+    for step in q.ds_offload_steps:
+        R.frees(R.allocs(list(step)))
 
 
 def _logits_gradient(R: _Replay, q: Quantities, tk: Tokens, f: _Forward, lb: list, sizes: list[int]) -> list:

@@ -1226,29 +1226,29 @@ class TrainingSpec:
     def ds_elementwise_overflow(self) -> bool:
         """Whether DeepSpeed ZeRO-1/2 with the optimizer offloaded checks each gradient of its
         partition for inf/NaN elementwise (``_has_inf_or_nan``: ``x.float()``, ``isnan``, ``isinf``,
-        ``logical_or``, ``.float().max()``, v0.14.2 ``stage_1_and_2.py`` L2019-2025, the same at
-        v0.16.4 L2030-2036) rather than from ``max``/``min`` (``runtime/utils.py`` ``has_inf_or_nan``
-        at v0.19.8, DeepSpeed #8325 "stop allocating per-element temporaries in the overflow check",
-        merged 2026-08-26). The first release with #8325 was not found; 0.19.1 (May 2026) predates
-        it, so releases up to 0.19.1 are taken as elementwise and later ones (0.19.2-0.19.7 not
-        checked) as current."""
-        return self.deepspeed_release() < (0, 19, 2)
+        ``logical_or``, ``.float().max()``, v0.14.2 ``stage_1_and_2.py`` L2019-2025, v0.16.4 L2030-2036,
+        v0.19.5 L2459-2465) rather than from ``max``/``min`` (``runtime/utils.py`` ``has_inf_or_nan``,
+        DeepSpeed #8325 "stop allocating per-element temporaries in the overflow check", merged
+        2026-08-26). Read from the tags: every release up to v0.19.5 (2026-08-09) is elementwise; the
+        v0.19.6 sdist (2026-08-27) has #8325 (``stage_1_and_2.py`` L2496-2497 calling ``utils.py``
+        L225-248), as do v0.19.7 and v0.19.8 (``quantities.deepspeed_offload_steps``)."""
+        return self.deepspeed_release() < (0, 19, 6)
 
     @property
     def ds_linear_keeps_gathered(self) -> bool:
         """Whether DeepSpeed ZeRO-3 trains with torch's own ``F.linear``, whose autograd saves the
         transposed weight (a view of the gathered storage) for backward: a model built outside
-        ``zero.Init`` in releases up to 0.19.1. The memory-efficient ``zero3_linear_wrap``
+        ``zero.Init`` in releases up to 0.19.3. The memory-efficient ``zero3_linear_wrap``
         (``LinearFunctionForZeroStage3``, ``zero/linear.py``: saves the parameter itself) replaces
         ``F.linear`` only in ``zero.Init``'s ``__enter__`` (v0.14.2 ``partition_parameters.py``
         ``patch_init_and_builtins`` L548-553, "This will persist unless manually reset"), which
         ``Init(module=...)`` for an already built model does not run (L1020-1027); DeepSpeed #8189
-        ("Enable ZeRO-3 linear wrapper for existing models", merged 2026-07-28, in 0.19.8:
-        ``_enable_mem_efficient_linear`` L1090-1091) installs it there too. 0.19.1 (May 2026)
-        predates it; the first release with it was not found, so later releases are taken as
-        current."""
+        ("Enable ZeRO-3 linear wrapper for existing models", merged 2026-07-28) installs it there too
+        (``_enable_mem_efficient_linear``, v0.19.4 ``partition_parameters.py`` L400-407 called from
+        ``__init__`` L1060-1061; 0.19.8 L1090-1091). Read from the tags: absent at v0.19.1-v0.19.3,
+        present from v0.19.4 (2026-08-06)."""
         return (self.zero == 3 and self.fsdp is None and not self.distributed_optimizer and self.gemini is None
-                and not self.ds_zero_init and self.deepspeed_release() < (0, 19, 2))
+                and not self.ds_zero_init and self.deepspeed_release() < (0, 19, 4))
 
     @property
     def ds_fp32_clone(self) -> bool:
