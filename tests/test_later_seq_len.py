@@ -65,7 +65,10 @@ def test_published_litgpt_fsdp_rows_lie_between_the_first_iteration_and_the_long
     """lit-gpt's FSDP LoRA rows (resource tables, 2 and 4 A100s): the published peak lies between
     the estimate whose later micro-batches are short (128 tokens: the first iteration's peak, or
     the gradients held beside a short batch) and the one whose later micro-batches are as long as
-    the first (the fixtures' setup); the single-GPU rows' peak is in the first iteration."""
+    the first (the fixtures' setup); the single-GPU rows' peak is in the first iteration, but for
+    the QLoRA rows under bitsandbytes 0.41 (MatMul4Bit keeps every linear's input on its node, so the
+    previous micro-batch's graph, which the loop still references, holds them through the next
+    forward), whose published peak lies between the two as the FSDP rows' does."""
     rows = [fx for fx in load_fixtures() if "litgpt_rt_" in fx["_path"] and "lora" in fx["_path"]]
     fsdp = [fx for fx in rows if "_fsdp" in fx["_path"]]
     assert len(fsdp) >= 7
@@ -74,7 +77,7 @@ def test_published_litgpt_fsdp_rows_lie_between_the_first_iteration_and_the_long
         low = _predict(estimate, dict(fx, setup=dict(fx["setup"], later_seq_len=128))).peak_allocated
         high = _predict(estimate, fx).peak_allocated
         assert low <= high
-        if fx in fsdp:
+        if fx in fsdp or fx["setup"].get("quantize"):
             assert low < measured < high, fx["name"]
         else:  # one GPU, no recompute: the first micro-batch's activations dwarf what later ones add
             assert low == pytest.approx(high, rel=0.025), fx["name"]
@@ -117,6 +120,7 @@ def test_suggestions_keep_it():
 #: the longest Alpaca sample in tokens for each tokenizer, as lit-gpt's resource tables state them
 #: (tutorials/resource-tables.md at 0cc02afa: phi-1.5 1044, Llama 2 1304)
 PHI_PER_LLAMA = 1044 / 1304
+STABLELM_PER_LLAMA = 1034 / 1304  # StableLM Alpha's tokenizer: 1034 (same page)
 
 
 @pytest.mark.parametrize("mb", [1, 2, 4])
@@ -125,10 +129,11 @@ def test_one_later_sample_meets_every_fsdp_row_of_a_micro_batch_size(mb):
     finetune/lora.py seeds ``1337 + rank`` before training, draws 100 validation batches and then
     ``torch.randint(len(train_data), (micro_batch_size,))`` per iteration, and every tokenizer sees
     the same train/test split (scripts/prepare_alpaca.py: ``random_split`` with seed 42 over the
-    same JSON, no sample dropped), so rank 0 of the phi-1.5, Llama-2-7B and Llama-2-13B runs padded
+    same JSON, no sample dropped), so rank 0 of the phi-1.5, StableLM-Alpha-3B, Llama-2-7B and
+    Llama-2-13B runs padded
     its later micro-batches to the same samples (1,000 iterations each: the tables' 'Time 1k
     iterations' column). One longest later sample, L Llama-2 tokens (about L x 1044/1304 phi-1.5
-    tokens), must then bring all of them near their published figures at once; it does within 2 %
+    and L x 1034/1304 StableLM tokens), must then bring all of them near their published figures at once; it does within 2 %
     (the one-GPU rows of the same tables reach 1.95 %), which fails if the later micro-batches'
     memory were wrong for one of the two models."""
     rows = [fx for fx in load_fixtures()
@@ -138,7 +143,8 @@ def test_one_later_sample_meets_every_fsdp_row_of_a_micro_batch_size(mb):
     def worst(later: int) -> float:
         errs = []
         for fx in rows:
-            n = round(later * PHI_PER_LLAMA) if "phi15" in fx["_path"] else later
+            n = round(later * PHI_PER_LLAMA) if "phi15" in fx["_path"] else \
+                round(later * STABLELM_PER_LLAMA) if "stablelm" in fx["_path"] else later
             rep = _predict(estimate, dict(fx, setup=dict(fx["setup"], later_seq_len=n)))
             errs.append(abs(rep.peak_allocated / fx["measured"][0]["bytes"] - 1))
         return max(errs)

@@ -94,6 +94,25 @@ def test_4bit_storage_per_linear_is_the_packed_formula(quant):
     assert not any(p.requires_grad for p in q.parameters())
 
 
+
+class _SubLinear(torch.nn.Linear):
+    """A subclass of nn.Linear, as transformers' FalconLinear is."""
+
+
+@pytest.mark.parametrize("via,replaced", [("fabric", True), ("transformers", False)])
+def test_linear_subclasses_follow_each_converter(via, replaced):
+    """Fabric's _convert_layers replaces every isinstance(child, nn.Linear) (a FalconLinear too);
+    transformers 5.x's replace_with_bnb_linear only type(module) is nn.Linear. A Linear4bit already
+    there is not quantized again."""
+    model = torch.nn.Sequential(_SubLinear(64, 128, device="meta"), torch.nn.Linear(128, 64, device="meta"),
+                                torch.nn.Linear(64, 8, device="meta"))
+    quantize_linears(model, "nf4", via, "bf16", False, True)
+    assert isinstance(model[0], Linear4bit) is replaced
+    assert isinstance(model[1], Linear4bit)  # a plain linear, not the last module: both convert it
+    first = model[1]
+    quantize_linears(model, "nf4", via, "bf16", False, True)
+    assert model[1] is first
+
 def _agree(**options):
     kw = {**BASE, **options}
     t = trace("llama-3.2-1b", set=SMALL, **kw)

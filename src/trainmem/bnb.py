@@ -400,11 +400,23 @@ def quantized_names(model: torch.nn.Module, via: str) -> list[str]:
     transformers' ``replace_with_bnb_linear`` all but ``get_keys_to_not_convert(model)``: the output
     embedding (``lm_head``) and the model's last module (``integrations/bitsandbytes.py``). A head
     tied to the input embedding stays the embedding in both (trainmem's estimate counts no separate
-    head tensor for tied models)."""
+    head tensor for tied models).
+
+    Which modules count as linears differs: Fabric's ``_convert_layers`` tests ``isinstance(child,
+    torch.nn.Linear)`` (lightning ``fabric/plugins/precision/bitsandbytes.py`` L274 at 2.1.0, L418 at 2.4.0), so a
+    subclass such as transformers' ``FalconLinear`` is replaced too (the run itself, litgpt's model,
+    has plain ``nn.Linear``); transformers 5.x tests ``type(module) is nn.Linear`` (and ``Conv1D``,
+    not emulated here: ``integrations/bitsandbytes.py`` ``replace_with_bnb_linear`` L189 at 5.24), so
+    it leaves a subclass in 16 bits. An emulated ``Linear4bit`` (itself an ``nn.Linear``) is not
+    replaced again."""
     out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     in_emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     tied = out_emb is not None and in_emb is not None and out_emb.weight is in_emb.weight
-    names = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear]
+    if via == "fabric":
+        names = [n for n, m in model.named_modules()
+                 if isinstance(m, torch.nn.Linear) and not isinstance(m, Linear4bit)]
+    else:
+        names = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear]
     last = [n for n, _ in model.named_modules()][-1]
     keep = []
     for n in names:
