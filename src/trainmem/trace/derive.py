@@ -132,6 +132,9 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1:
         _encoder_head_top(m, runs, (pts, terms, fit), len(kinds_small), out)
     elif top_forward_measured(m):
         _decoder_top(m, runs, (pts, terms, fit), len(kinds_small), out)
+    if m.head == "causal-lm" and runs[-1]["logits_bytes"] == 2:
+        # half logits: whether the model's own loss upcasts them (``estimate.derived.loss_upcasts``)
+        out["loss_upcast"] = bool(runs[-1]["loss_upcast"])
     sides = _outside_layers(m, runs, fit)
     if m.is_vlm:
         sides["vision"] = _vision_fit(m, [r["images"] for r in runs], [r["vision"] for r in runs])
