@@ -490,7 +490,12 @@ def reduced_config(m: ModelSpec) -> tuple[dict[str, Any], list[str], list[str]]:
     dec = m.decoder_layers  # an encoder-decoder: both stacks cut to k layers (k <= the shorter one)
     for k in range(min(3, L - dec, dec) if dec else min(3, L), (min(L - dec, dec) if dec else L) + 1):
         cfg = _cut(full_cfg, L, k, dec)
-        small = build_profile(cfg)
+        try:
+            small = build_profile(cfg)
+        except TrainmemError:
+            if full_cfg.get("num_kv_shared_layers"):
+                continue  # too few layers for a type of every shared layer among the unshared ones (``_cut``)
+            raise
         sig_small = {kind: tuple((p.name, p.shape) for p in ts) for kind, ts in small.kinds.items()}
         sig_full = {tuple((p.name, p.shape) for p in ts): kind for kind, ts in prof.kinds.items()}
         names = [sig_full.get(sig_small[kd], "?") for kd in small.layer_kinds]
@@ -534,6 +539,13 @@ def _cut(cfg: dict[str, Any], L: int, k: int, dec: int = 0) -> dict[str, Any]:
             out[key] = k
     if not any(key in cfg for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers")):
         out["num_hidden_layers"] = k
+    shared = cfg.get("num_kv_shared_layers")
+    if isinstance(shared, int) and 0 < shared < L and k < L:
+        # Gemma 3n's and Gemma 4's last ``num_kv_shared_layers`` layers reuse the keys and values of the last
+        # earlier layer of their type (transformers 5.24 models/gemma3n/configuration_gemma3n.py L205-225
+        # ``kv_sharing_modes``: every type among the shared layers needs one among the others): the cut model's
+        # last half shares as the full model's last layers do (``reduced_config`` matches its kinds)
+        out["num_kv_shared_layers"] = min(shared, k // 2)
     return out
 
 
