@@ -85,5 +85,11 @@ def test_cut_of_a_kv_sharing_decoder_shares_in_its_last_half():
 
 @pytest.mark.slow
 def test_gemma3n_text_runs_and_the_estimate_agrees():
-    """Gemma 3n's KV-sharing layers: the cut model (``_cut``) builds and its coefficients hold on the full model."""
-    assert abs(_pct("gemma3n_text")) < 1.0
+    """Gemma 3n's KV-sharing layers: the cut model (``_cut``) builds and its coefficients hold on the full model,
+    its per-layer inputs counted for all 20 layers, not the cut's 10 (``trace.derive._per_layer_inputs``: -1.7 %
+    at 4 x 512 without). Its activation sparsity is set in every layer here: the cut model's first layers are all
+    sparse, and a kind does not tell a sparse layer from a dense one (docs/architectures.md)."""
+    cfg = dict(bench.tiny_config("gemma3n_text"), activation_sparsity_pattern=[0.95] * 20)
+    kw = dict(batch_size=2, seq_len=512, precision="bf16-amp")
+    est, tr = trainmem.estimate(cfg, **kw), trainmem.trace(cfg, **kw)
+    assert abs(est.peak_allocated - tr.peak_allocated) < 0.01 * tr.peak_allocated

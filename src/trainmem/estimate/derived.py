@@ -766,6 +766,10 @@ def outer(m: ModelSpec, t: TrainingSpec, stage: str) -> tuple[list[tuple[str, fl
         # the embedding side holds that tensor too (a norm saved it: CLIP's pre_layrnorm output,
         # ViT's and Falcon's embeddings), it is not counted twice
         tok -= doc.get("first_input", 0.0) if first_ckpt else 0.0
+        # per-layer inputs (Gemma 3n's, ``trace.derive._per_layer_inputs``): measured for the cut model's layers,
+        # made for every layer of the model
+        per_layer, cut = doc.get("per_layer_inputs", (0.0, 1))
+        tok += per_layer * (m.num_layers - cut) / cut
         out.append(("derived.embedding_side", tok, sq))
         pos = s + doc["first_layer"][1]
     # the layers' tensors sized by the sequence alone (not by the batch), counted with these

@@ -132,6 +132,9 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1:
         _encoder_head_top(m, runs, (pts, terms, fit), len(kinds_small), out)
     elif top_forward_measured(m):
         _decoder_top(m, runs, (pts, terms, fit), len(kinds_small), out)
+    if any(r["per_layer_inputs"] for r in runs):  # (Gemma 3n's per-layer inputs, ``_per_layer_inputs``)
+        tok = _fitted(m, "per-layer inputs' bytes", pts, [r["per_layer_inputs"] for r in runs], ("n",))[0]
+        out["per_layer_inputs"] = [tok, len(kinds_small)]  # per token, at the cut model's layer count
     if m.head == "causal-lm" and runs[-1]["logits_bytes"] == 2:
         # half logits: whether the model's own loss upcasts them (``estimate.derived.loss_upcasts``)
         out["loss_upcast"] = bool(runs[-1]["loss_upcast"])
@@ -645,7 +648,29 @@ def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpe
                          early_frees=m.is_encoder_decoder or m.is_image or m.head in ENCODER_HEADS,
                          shared_frees=t.batch_size if (m.is_encoder_decoder and ckpt) else 0, first_in=first_in,
                          top=top_forward_measured(m), vision=vision_in if m.is_vlm else None),
-                grad_views=views)
+                grad_views=views, per_layer_inputs=_per_layer_inputs(tracker, stacks, len(kinds), m.config))
+
+
+def _per_layer_inputs(tracker: Any, stacks: list[tuple[str, int]], k: int, config: Any) -> int:
+    """Bytes of the embedding side's per-layer inputs alive at the forward's end (counted in its ``embed``):
+    Gemma 3n's (and Gemma 4's) ``hidden_size_per_layer_input`` wide input of every layer, made once before the
+    first layer (transformers 5.24 ``models/gemma3n/modeling_gemma3n.py`` ``Gemma3nTextModel.get_per_layer_inputs``:
+    ``embed_tokens_per_layer(input_ids).reshape(*input_ids.shape, num_hidden_layers, hidden_size_per_layer_input)``,
+    and ``project_per_layer_inputs``: the projection of the embeddings to that shape, its norm, the sum and the
+    scaling). Their size is the layer count's: the cut model's ``k`` layers' here, the full model's in the
+    estimate (``estimate.derived.outer``). The tensors of shape (..., k, width) or (..., k * width)."""
+    width = (config or {}).get("hidden_size_per_layer_input") if isinstance(config, dict) else None
+    if not isinstance(width, int) or width <= 0:
+        return 0
+    recs = tracker.records
+    end = next(pm for pm in tracker.phase_marks if pm.name == "forward").end_event
+    _, layer_of, _, _ = _layer_index(stacks)
+    first = min((r.alloc_event for r in recs if r.phase == "forward" and layer_of(r) is not None), default=0)
+    def kept(r: Any) -> bool:  # an embedding-side tensor alive at the forward's end (``_analyse``'s ``embed``)
+        return r.phase == "forward" and r.category in ("activations", "temporaries") and r.alloc_event < first \
+            and r.label != "autocast_weight_cache" and (r.free_event is None or r.free_event > end - 1)
+    return sum(r.nbytes for r in recs if kept(r) and (tuple(r.shape or ())[-2:] == (k, width)
+                                                      or tuple(r.shape or ())[-1:] == (k * width,)))
 
 
 def _checkpoint_vision(model: Any) -> None:
