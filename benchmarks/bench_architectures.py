@@ -65,6 +65,23 @@ OVERRIDES: dict[str, dict] = {
     "hunyuan_v1_dense": {"head_dim": 16}, "hunyuan_v1_moe": {"head_dim": 16},  # default None breaks the build
     "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},  # defaults None
 }
+#: per-type fields set last, after the shrinking (which would undo them): the fields the real hub configs give and
+#: transformers 5.24's defaults lack (spec.profile._TRANSFORMERS_BUGS), and sizes that must add up
+FINAL: dict[str, dict] = {
+    "ministral": {"head_dim": 16},  # Ministral-8B's config.json: head_dim 128
+    "lfm2_moe": {"num_hidden_layers": 4, "num_dense_layers": 1,  # LFM2-8B-A1B's config.json: conv and attention
+                 "layer_types": ["conv", "full_attention", "conv", "full_attention"]},
+    "dbrx": {"attn_config": {"clip_qkv": 8, "kv_n_heads": 2, "rope_theta": 500000}},  # DBRX's config.json
+    "marian": {"decoder_vocab_size": 1024},  # its pad id is vocab_size - 1: the decoder's vocabulary is as wide
+    "mimo_v2_flash": {"num_key_value_heads": 1},  # sliding layers double the KV heads: 2 x 4 > 4 query heads
+    # LongCat-Flash's query/key head is qk_nope_head_dim + qk_rope_head_dim (shrunk alone it no longer adds up)
+    "longcat_flash": {"qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "qk_head_dim": 48, "head_dim": 16,
+                      "v_head_dim": 32, "q_lora_rank": 48, "kv_lora_rank": 32, "zero_expert_num": 2},
+    # Gemma 3n: a per-layer intermediate size and sparsity, and 10 of 20 layers sharing KV (the default 15 of 35)
+    "gemma3n_text": {"num_hidden_layers": 20, "intermediate_size": 128, "num_kv_shared_layers": 10,
+                     "layer_types": (["sliding_attention"] * 4 + ["full_attention"]) * 4,
+                     "activation_sparsity_pattern": [0.95] * 10 + [0.0] * 10},
+}
 
 
 def _shrink(d: dict, depth: int = 0) -> dict:
@@ -125,6 +142,7 @@ def tiny_config(model_type: str) -> dict:
         layers = {k for k in small if "layers" in k or k in ("n_layer", "num_layers")}
         keep = {k: v for k, v in small.items() if k not in layers and not isinstance(v, (list, dict))}
         cfg = AutoConfig.for_model(model_type, **keep).to_dict()
+    cfg.update(FINAL.get(model_type, {}))
     cfg["architectures"] = [causal[model_type]]
     return cfg
 

@@ -667,13 +667,21 @@ def top_forward(m: ModelSpec, t: TrainingSpec, stage: str) -> tuple[tuple[float,
                  for c in doc.get("top_forward", ()))
 
 
-def loss_upcasts(m: ModelSpec, t: TrainingSpec) -> bool:
-    """Whether a derived masked LM's own loss casts its logits to fp32 first, as traced
-    (``trace.derive._loss_upcasts``: transformers' ``ForMaskedLMLoss``, ModernBERT's); the masked-LM
-    heads that call ``CrossEntropyLoss()`` on the half logits do not (``quantities.loss_upcasts``)."""
-    if m.family != "derived" or m.head != "masked-lm" or derived_problems(m, t):
-        return False
-    return bool(coefficients(m, t).get("loss_upcast", False))
+def loss_upcasts(m: ModelSpec, t: TrainingSpec) -> bool | None:
+    """Whether a derived masked or causal LM's own loss casts its logits to fp32 first, as traced
+    (``trace.derive._loss_upcasts``: transformers' ``ForMaskedLMLoss``, ModernBERT's, and ``ForCausalLMLoss``);
+    the heads that call ``CrossEntropyLoss()`` on the half logits do not (``quantities.loss_upcasts``): BERT's
+    masked-LM head, and the decoder-only class of an encoder-decoder family (transformers 5.24
+    ``models/marian/modeling_marian.py`` and ``models/bart/modeling_bart.py`` ``...ForCausalLM.forward``:
+    ``loss_fct = CrossEntropyLoss()`` on ``logits.view(-1, vocab)``). None where it was not measured: a
+    causal LM derived in fp32 (its logits are fp32 either way) or before it was recorded, which keeps
+    transformers' ``ForCausalLMLoss`` (``quantities.loss_upcasts``)."""
+    if m.family != "derived" or m.head not in ("masked-lm", "causal-lm") or derived_problems(m, t):
+        return None
+    measured = coefficients(m, t).get("loss_upcast")
+    if m.head == "masked-lm":
+        return bool(measured)
+    return None if measured is None else bool(measured)
 
 
 def outer_per_sample(m: ModelSpec, t: TrainingSpec, stage: str) -> float:
@@ -758,6 +766,10 @@ def outer(m: ModelSpec, t: TrainingSpec, stage: str) -> tuple[list[tuple[str, fl
         # the embedding side holds that tensor too (a norm saved it: CLIP's pre_layrnorm output,
         # ViT's and Falcon's embeddings), it is not counted twice
         tok -= doc.get("first_input", 0.0) if first_ckpt else 0.0
+        # per-layer inputs (Gemma 3n's, ``trace.derive._per_layer_inputs``): measured for the cut model's layers,
+        # made for every layer of the model
+        per_layer, cut = doc.get("per_layer_inputs", (0.0, 1))
+        tok += per_layer * (m.num_layers - cut) / cut
         out.append(("derived.embedding_side", tok, sq))
         pos = s + doc["first_layer"][1]
     # the layers' tensors sized by the sequence alone (not by the batch), counted with these

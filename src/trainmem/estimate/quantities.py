@@ -742,7 +742,8 @@ def loss_mode(m: ModelSpec, t: TrainingSpec) -> str:
         return t.loss
     if release_loss(m, t) == "shift-half":
         return "half"
-    return "upcast" if loss_upcasts(m) or derived_loss_upcasts(m, t) else "half"
+    measured = derived_loss_upcasts(m, t)  # a derived model's own loss, as traced (None: not measured)
+    return "upcast" if (loss_upcasts(m) if measured is None else measured) else "half"
 
 
 def release_loss(m: ModelSpec, t: TrainingSpec) -> str:

@@ -39,6 +39,11 @@ _LAYER_LIST_NAMES = ("layers", "h", "layer", "blocks", "block", "decoder_layers"
 #: the config keys (after transformers resolves its attribute_map) a profile's summary reads
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 _TOPK_KEYS = ("num_experts_per_tok", "moe_topk", "top_k", "num_experts_per_token")
+#: model types whose ``num_hidden_layers`` counts something other than their decoder layers, and the key that
+#: counts those: LongCat-Flash's layers each hold two attention sublayers, and its ``num_hidden_layers`` is
+#: ``2 * num_layers`` (transformers 5.24 ``models/longcat_flash/configuration_longcat_flash.py`` L117-118, the
+#: cache's layers) while ``LongcatFlashModel.layers`` has ``num_layers`` (``modeling_longcat_flash.py`` L568)
+_LAYER_COUNT_KEY = {"longcat_flash": "num_layers"}
 
 
 def fingerprint(config: Mapping[str, Any]) -> str:
@@ -245,24 +250,67 @@ def build_profile(config: Mapping[str, Any]) -> Profile:
     if task is None:
         raise TrainmemError(f"model_type {mtype!r} ({cls.__name__}): trainmem derives the classes of the tasks "
                             f"{', '.join(TASKS)}; this class is none of them (give --task)")
-    try:
-        with torch.device("meta"):
-            model = cls._from_config(config_for_class(cls, cfg), dtype=torch.float32)  # buffers as an fp32 build
-    except Exception as e:  # a config that does not build: say which and why, once
-        raise TrainmemError(f"model_type {mtype!r}: {cls.__name__} does not build from this config on the meta "
-                            f"device ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
+    own = config_for_class(cls, cfg)
+    codebooks = getattr(own, "num_codebooks", None)
+    if task == "causal-lm" and isinstance(codebooks, int) and codebooks > 1:
+        # MusicGen's decoder: ``input_ids`` of shape (batch * num_codebooks, seq) and labels (batch, seq,
+        # num_codebooks) (transformers 5.24 models/musicgen/modeling_musicgen.py ``MusicgenForCausalLM.forward``)
+        raise TrainmemError(f"model_type {mtype!r} ({cls.__name__}): its decoder reads {codebooks} codebooks of "
+                            f"audio codes per sample (input_ids of batch x {codebooks} rows); trainmem's step feeds "
+                            f"text (one row per sample) and does not model it")
+    model = _build_meta(cls, own, mtype)
     # a vision tower's classifier on a composite config (SigLIP's, CLIP's): its sizes are the vision config's
     vision = getattr(cfg, "vision_config", None) if task == "image-classification" else None
     summ = dict(summary(vision), vocab_size=summary(cfg, labels_only=True)["vocab_size"]) if vision is not None \
-        else summary(cfg)
+        else summary(cfg if own is cfg else own)  # a composite's sub-config the class is built from
     unused = without_gradient(model, summ) if task == "image-classification" else \
         text_without_gradient(model, summ) if task == "causal-lm" \
         else vlm_without_gradient(model, cfg) if task == "image-text-to-text" else frozenset()
-    if task in ("speech-seq2seq", "ctc"):
-        # parameters the model builds frozen (Whisper's sinusoidal encoder positions,
-        # ``WhisperEncoder.__init__``: ``self.embed_positions.requires_grad_(False)``): no gradient, no state
-        unused = unused | frozenset(n for n, p in model.named_parameters() if not p.requires_grad)
+    # parameters the model builds frozen, whatever its task: no gradient, no state (Whisper's sinusoidal encoder
+    # positions, ``WhisperEncoder.__init__``: ``self.embed_positions.requires_grad_(False)``; Marian's sinusoidal
+    # positions, transformers 5.24 ``models/marian/modeling_marian.py`` L76-77 ``nn.Embedding(..., _freeze=True)``,
+    # which torch/nn/modules/sparse.py makes a ``Parameter(requires_grad=not _freeze)``)
+    unused = unused | frozenset(n for n, p in model.named_parameters() if not p.requires_grad)
     return profile_of_module(model, mtype, cls.__name__, dict(summ, task=task), transformers.__version__, unused)
+
+
+#: configs transformers 5.24 accepts but its own model class does not build from (its bugs, hit by any
+#: ``from_config``/``from_pretrained`` of such a config), keyed by model type: (whether the built config has the
+#: bug, the fix)
+_TRANSFORMERS_BUGS = {
+    # MinistralConfig leaves ``head_dim`` None without one (configuration_ministral.py L71; Mistral's defaults
+    # it to hidden_size // num_attention_heads, configuration_mistral.py L83): ``head_dim**-0.5`` fails
+    # (modeling_ministral.py L147)
+    "ministral": (lambda c: getattr(c, "head_dim", None) is None, "give head_dim (Ministral-8B's hub config: 128)"),
+    # Lfm2MoeConfig has no default ``layer_types`` (configuration_lfm2_moe.py L87; LFM2's derives them from
+    # ``full_attn_idxs``, configuration_lfm2.py L82-87); ``Lfm2MoeDecoderLayer`` indexes it (modeling_lfm2_moe.py L474)
+    "lfm2_moe": (lambda c: getattr(c, "layer_types", None) is None,
+                 "give layer_types (\"conv\" or \"full_attention\" per layer, as LFM2-8B-A1B's hub config does)"),
+    # DbrxAttention reads ``attn_config.rope_theta`` (modeling_dbrx.py L184), a field DbrxAttentionConfig does not
+    # declare (configuration_dbrx.py L28-42): only a config that sets it builds
+    "dbrx": (lambda c: getattr(getattr(c, "attn_config", None), "rope_theta", None) is None,
+             "give attn_config.rope_theta (DBRX's hub config: 500000)"),
+}
+
+
+def _build_meta(cls: Any, own: Any, mtype: str) -> Any:
+    """``cls`` built from its config ``own`` on the meta device (buffers as an fp32 build); a config that
+    does not build is one line naming transformers' error (a known bug of transformers: which, and the fix)."""
+    import torch
+    import transformers
+    try:
+        with torch.device("meta"):
+            return cls._from_config(own, dtype=torch.float32)
+    except Exception as e:  # a config that does not build: say which and why, once
+        lines = [x.strip() for x in str(e).splitlines() if x.strip()]  # (timm's ImportError starts with a blank)
+        why = f"{type(e).__name__}: {lines[0][:160] if lines else ''}"
+        bug = _TRANSFORMERS_BUGS.get(mtype)
+        if bug is not None and bug[0](own):
+            raise TrainmemError(f"model_type {mtype!r}: {cls.__name__} does not build from this config ({why}): a "
+                                f"bug of transformers {transformers.__version__} (its from_pretrained fails alike), "
+                                f"not of trainmem; {bug[1]}") from None
+        raise TrainmemError(f"model_type {mtype!r}: {cls.__name__} does not build from this config on the meta "
+                            f"device ({why})") from None
 
 
 def shared_layers(config: Mapping[str, Any]) -> str:
@@ -287,8 +335,18 @@ def config_for_class(cls: Any, cfg: Any) -> Any:
     wanted = getattr(cls, "config_class", None)
     if wanted is None or isinstance(cfg, wanted):
         return cfg
-    text = getattr(cfg, "get_text_config", lambda: None)()
-    return text if text is not None and isinstance(text, wanted) else cfg
+    try:
+        text = getattr(cfg, "get_text_config", lambda: None)()
+    except ValueError:  # several text configs (transformers 5.24 ``PreTrainedConfig.get_text_config``)
+        text = None
+    if text is not None and isinstance(text, wanted):
+        return text
+    # the one sub-config of the class's own config class: MusicGen's ``decoder`` (``MusicgenConfig`` holds
+    # ``text_encoder``, ``audio_encoder`` and ``decoder``; 5.24 ``models/musicgen/modeling_musicgen.py``
+    # ``MusicgenForConditionalGeneration.__init__`` builds ``MusicgenForCausalLM._from_config(config.decoder)``)
+    subs = [getattr(cfg, k, None) for k in getattr(cfg, "sub_configs", None) or {}]
+    subs = [c for c in subs if isinstance(c, wanted)]
+    return subs[0] if len(subs) == 1 else cfg
 
 
 def without_gradient(model: Any, summ: Mapping[str, Any]) -> frozenset[str]:
@@ -424,7 +482,8 @@ def summary(cfg: Any, labels_only: bool = False) -> dict[str, Any]:
     window = first("sliding_window", "attention_window", "attention_chunk_size", default=0)
     if not first(*_TOPK_KEYS, default=0):
         experts = 0  # no top-k in the config: not read as a mixture of experts
-    layers = int(first("encoder_layers", "num_hidden_layers", "n_layer", "num_layers"))
+    own = _LAYER_COUNT_KEY.get(str(getattr(cfg, "model_type", "")))
+    layers = int(first(*((own,) if own else ()), "encoder_layers", "num_hidden_layers", "n_layer", "num_layers"))
     decoder = int(first("decoder_layers", "num_decoder_layers", default=layers)) \
         if getattr(cfg, "is_encoder_decoder", False) else 0
     image = first("image_size", default=None), first("patch_size", default=None)

@@ -132,6 +132,12 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1:
         _encoder_head_top(m, runs, (pts, terms, fit), len(kinds_small), out)
     elif top_forward_measured(m):
         _decoder_top(m, runs, (pts, terms, fit), len(kinds_small), out)
+    if any(r["per_layer_inputs"] for r in runs):  # (Gemma 3n's per-layer inputs, ``_per_layer_inputs``)
+        tok = _fitted(m, "per-layer inputs' bytes", pts, [r["per_layer_inputs"] for r in runs], ("n",))[0]
+        out["per_layer_inputs"] = [tok, len(kinds_small)]  # per token, at the cut model's layer count
+    if m.head == "causal-lm" and runs[-1]["logits_bytes"] == 2:
+        # half logits: whether the model's own loss upcasts them (``estimate.derived.loss_upcasts``)
+        out["loss_upcast"] = bool(runs[-1]["loss_upcast"])
     sides = _outside_layers(m, runs, fit)
     if m.is_vlm:
         sides["vision"] = _vision_fit(m, [r["images"] for r in runs], [r["vision"] for r in runs])
@@ -487,7 +493,12 @@ def reduced_config(m: ModelSpec) -> tuple[dict[str, Any], list[str], list[str]]:
     dec = m.decoder_layers  # an encoder-decoder: both stacks cut to k layers (k <= the shorter one)
     for k in range(min(3, L - dec, dec) if dec else min(3, L), (min(L - dec, dec) if dec else L) + 1):
         cfg = _cut(full_cfg, L, k, dec)
-        small = build_profile(cfg)
+        try:
+            small = build_profile(cfg)
+        except TrainmemError:
+            if full_cfg.get("num_kv_shared_layers"):
+                continue  # too few layers for a type of every shared layer among the unshared ones (``_cut``)
+            raise
         sig_small = {kind: tuple((p.name, p.shape) for p in ts) for kind, ts in small.kinds.items()}
         sig_full = {tuple((p.name, p.shape) for p in ts): kind for kind, ts in prof.kinds.items()}
         names = [sig_full.get(sig_small[kd], "?") for kd in small.layer_kinds]
@@ -531,6 +542,13 @@ def _cut(cfg: dict[str, Any], L: int, k: int, dec: int = 0) -> dict[str, Any]:
             out[key] = k
     if not any(key in cfg for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers")):
         out["num_hidden_layers"] = k
+    shared = cfg.get("num_kv_shared_layers")
+    if isinstance(shared, int) and 0 < shared < L and k < L:
+        # Gemma 3n's and Gemma 4's last ``num_kv_shared_layers`` layers reuse the keys and values of the last
+        # earlier layer of their type (transformers 5.24 models/gemma3n/configuration_gemma3n.py L205-225
+        # ``kv_sharing_modes``: every type among the shared layers needs one among the others): the cut model's
+        # last half shares as the full model's last layers do (``reduced_config`` matches its kinds)
+        out["num_kv_shared_layers"] = min(shared, k // 2)
     return out
 
 
@@ -630,7 +648,29 @@ def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpe
                          early_frees=m.is_encoder_decoder or m.is_image or m.head in ENCODER_HEADS,
                          shared_frees=t.batch_size if (m.is_encoder_decoder and ckpt) else 0, first_in=first_in,
                          top=top_forward_measured(m), vision=vision_in if m.is_vlm else None),
-                grad_views=views)
+                grad_views=views, per_layer_inputs=_per_layer_inputs(tracker, stacks, len(kinds), m.config))
+
+
+def _per_layer_inputs(tracker: Any, stacks: list[tuple[str, int]], k: int, config: Any) -> int:
+    """Bytes of the embedding side's per-layer inputs alive at the forward's end (counted in its ``embed``):
+    Gemma 3n's (and Gemma 4's) ``hidden_size_per_layer_input`` wide input of every layer, made once before the
+    first layer (transformers 5.24 ``models/gemma3n/modeling_gemma3n.py`` ``Gemma3nTextModel.get_per_layer_inputs``:
+    ``embed_tokens_per_layer(input_ids).reshape(*input_ids.shape, num_hidden_layers, hidden_size_per_layer_input)``,
+    and ``project_per_layer_inputs``: the projection of the embeddings to that shape, its norm, the sum and the
+    scaling). Their size is the layer count's: the cut model's ``k`` layers' here, the full model's in the
+    estimate (``estimate.derived.outer``). The tensors of shape (..., k, width) or (..., k * width)."""
+    width = (config or {}).get("hidden_size_per_layer_input") if isinstance(config, dict) else None
+    if not isinstance(width, int) or width <= 0:
+        return 0
+    recs = tracker.records
+    end = next(pm for pm in tracker.phase_marks if pm.name == "forward").end_event
+    _, layer_of, _, _ = _layer_index(stacks)
+    first = min((r.alloc_event for r in recs if r.phase == "forward" and layer_of(r) is not None), default=0)
+    def kept(r: Any) -> bool:  # an embedding-side tensor alive at the forward's end (``_analyse``'s ``embed``)
+        return r.phase == "forward" and r.category in ("activations", "temporaries") and r.alloc_event < first \
+            and r.label != "autocast_weight_cache" and (r.free_event is None or r.free_event > end - 1)
+    return sum(r.nbytes for r in recs if kept(r) and (tuple(r.shape or ())[-2:] == (k, width)
+                                                      or tuple(r.shape or ())[-1:] == (k * width,)))
 
 
 def _checkpoint_vision(model: Any) -> None:

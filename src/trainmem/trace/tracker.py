@@ -89,6 +89,11 @@ def local(t: Any) -> Any:
 PHASES = ("model_loaded", "forward", "backward", "optimizer_step", "zero_grad")
 
 
+class DataDependentSize(RuntimeError):
+    """An op whose sizes come from a tensor's values, which a trace without data does not have
+    (``Tracker._sized_by_data``)."""
+
+
 @dataclass
 class Record:
     """One storage (one allocator block) and what the tracker knows about it."""
@@ -180,6 +185,7 @@ class Tracker(TorchDispatchMode):
         self.warnings: list[str] = []
         self.ops_seen = 0
         self.data_dependent = 0
+        self.value_reads: list[str] = []  # host reads of integer tensors' values (``note_value_read``)
         self._scalar_producer: dict[int, str] = {}
         self._scopes: list[tuple[str, str]] = []
         self._paused = False      # ops pass through uncounted (trace --compile: fused kernels' insides)
@@ -223,7 +229,10 @@ class Tracker(TorchDispatchMode):
             host = self._host_copy(func, args, kwargs)
             if host is not None:
                 return host
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except (RuntimeError, NotImplementedError) as e:
+            raise self._sized_by_data(func, e) from None
         donor = self._donor(func, args, kwargs, out) if self.emulate_cuda_kernels else None
         if donor is not None:
             self._adopt = (func, out, id(donor.untyped_storage()))
@@ -235,6 +244,32 @@ class Tracker(TorchDispatchMode):
         if self.emulate_cuda_kernels:
             self._kernel_scratch(func, args, out)
         return out
+
+    def _sized_by_data(self, func: Any, e: Exception) -> Exception:
+        """An op that failed because a size comes from a tensor's values, which tensors without data do not
+        have, as one line naming the op and the module; any other failure as it was. ``nonzero`` (and
+        ``torch.where(mask)``, ``masked_select``) sizes its output by the count of true entries: its meta
+        kernel raises (torch/_meta_registrations.py ``nonzero``). A size read back to the host
+        (``.tolist()``: ``trace.cuda.CudaEmulation._host_read`` answers zeros) that then fails a shape check:
+        JetMoE's expert sizes (transformers 5.24 ``models/jetmoe/modeling_jetmoe.py`` L192-195
+        ``expert_size = gates.long().sum(0).tolist()``, then ``inputs.split(expert_size)``, L152). Both are
+        the per-expert loops of MoE blocks transformers does not run through ``grouped_mm`` (DBRX's, JetMoE's,
+        LongCat-Flash's): trainmem traces experts whose sizes do not depend on the routing (docs/moe.md)."""
+        name = _op_name(func)
+        where = self._current_module() or "the model"
+        if name.split(".")[0] in ("nonzero", "nonzero_static", "masked_select", "nonzero_numpy") and \
+                isinstance(e, NotImplementedError):
+            return DataDependentSize(f"{name.split('.')[0]} in {where}: its size is a count of a tensor's values, "
+                                     f"which the trace has no data for (a per-expert MoE loop)")
+        if self.value_reads and name.split(".")[0] in ("split_with_sizes", "split"):
+            return DataDependentSize(f"{name.split('.')[0]} in {where}: sizes from a tensor's "
+                                     f"{self.value_reads[-1]}, zeros without data (a per-expert MoE loop)")
+        return e
+
+    def note_value_read(self, what: str) -> None:
+        """Remember that the program read the values of a non-scalar device integer tensor to the host (its
+        ``.tolist()``, answered with zeros): what and where (``_sized_by_data``)."""
+        self.value_reads.append(what)
 
     def _note_scalar(self, func: Any, out: Any) -> None:
         """Remember which op made a device bool scalar (``all``, ``any``...), for its host read."""
