@@ -2555,7 +2555,15 @@ def chunk_head_grads(m: ModelSpec, t: TrainingSpec, pol: Policy) -> int:
     (the later adds go into the sum in place). Returns those three gradients' bytes (0 without
     chunks, with a frozen head, or off one GPU, where trace does not run the chunked loop). Found by
     trace: Llama-3.2 (2 layers, tied head) pure bf16, 4 chunks: -11.6% before; the chunks' logits
-    gradients waiting meanwhile are the moments' (``moments._micro_step``)."""
+    gradients waiting meanwhile are the moments' (``moments._micro_step``). Not an artifact of trace's
+    dispatch mode, under which every ``InputBuffer`` add is out of place (``trace/cuda_kernels.py``):
+    on plain tensors, as on CUDA, ``can_accumulate_inplace`` also needs the buffer's tensor to hold
+    the last reference to its storage, and the first chunk's gradient is a view
+    (``mm_mat2_backward``'s ``grad.t().mm(mat1).t()`` for the column-major ``weight.t()``, then
+    ``TBackward0``'s ``.t()``, torch/csrc/autograd/FunctionsManual.cpp) whose view metadata keeps the
+    ``mm`` output alive (``as_view``, torch/csrc/autograd/VariableTypeUtils.h): the CPU profiler shows one
+    out-of-place ``aten::add`` of the weight's size, then in-place ``add_``
+    (tests/test_torchtune_readme31.py)."""
     if not (is_lm(m) and t.loss_chunks > 1 and loss_mode(m, t) in ("chunked", "half")) or t.lora_rank:
         return 0
     if t.dp > 1 or t.tp > 1 or t.pp > 1 or t.cp > 1 or t.fsdp is not None or t.zero_stage:
