@@ -107,3 +107,37 @@ def test_which_runs_replay_torchtune_s_build(version, opts, builds):
     kw = dict(framework="torchtune", framework_version=version) if version else {}
     t = resolve("llama-2-7b", batch_size=2, seq_len=512, gpu="rtx-4090", **kw, **opts).training
     assert builds_on_device(t) is builds
+
+
+def test_the_replay_runs_the_loops_shift_and_log_softmax_copy():
+    """torchtune < 0.3's loss in the reserved replay (``reserved._torchtune_loop_loss``): from the fp32
+    output, the shifted fp32 copy (kept as the held output), ``log_softmax``'s contiguous copy of its
+    transposed input beside its fp32 output, the copy freed: 3 shifted-sized tensors at the top."""
+    from types import SimpleNamespace
+    from trainmem.estimate.reserved import _Replay, _torchtune_loop_loss
+    b, s, vocab, per_token = 2, 512, 32000, 8 * 1024          # tensors of whole 512-byte units
+    full, shifted = b * s * vocab, b * (s - 1) * vocab
+    q = SimpleNamespace(logit_width=vocab, tp=1)
+    tk = SimpleNamespace(loss_saved=shifted * 4 + per_token)
+    R = _Replay()
+    out = [R.alloc(full * 4)]                                  # the decoder's fp32 output
+    saved = _torchtune_loop_loss(R, q, tk, out, full, b)
+    assert len(saved) == 2 and len(out) == 1
+    assert R.a.block_size(out[0]) == shifted * 4               # the loop's logits: the shifted copy
+    assert R.a.allocated == 2 * shifted * 4 + per_token        # the copy and the log-probabilities
+    assert R.a.peak_allocated == 3 * shifted * 4 + per_token   # ... with log_softmax's contiguous input
+
+
+@pytest.mark.parametrize("version, opts, shifts", [
+    ("0.1.0", dict(lora_rank=8), True),
+    ("0.2.1", {}, True),
+    ("0.3.0", {}, False),                                      # CEWithChunkedOutputLoss, del logits
+    ("0.1.0", dict(lora_rank=8, hold_output="loss"), False),   # not the release's loop
+    (None, dict(lora_rank=8, cast_output=True, hold_output="step", loss="upcast"), False),  # no preset
+])
+def test_which_runs_replay_the_loops_shift(version, opts, shifts):
+    from trainmem.estimate.quantities import quantities
+    from trainmem.spec.resolve import resolve
+    kw = dict(framework="torchtune", framework_version=version) if version else {}
+    r = resolve("llama-2-7b", batch_size=2, seq_len=512, gpu="rtx-4090", **kw, **opts)
+    assert bool(quantities(r.model, r.training, "worst").loss_tt_shift) is shifts

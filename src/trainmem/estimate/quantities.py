@@ -21,8 +21,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..errors import TrainmemError
-from ..spec.frameworks import (OWN_MODEL_CODE, caps_hidden_not_logits, torchtune_norm_saves_fp32,
-                               torchtune_offload_exempts_parameters)
+from ..spec.frameworks import (OWN_MODEL_CODE, caps_hidden_not_logits, torchtune_loop_shifts_fp32_logits,
+                               torchtune_norm_saves_fp32, torchtune_offload_exempts_parameters)
 from ..spec.model import ModelSpec
 from ..spec.tf_releases import (cache_values_own_dtype, causal_lm_loss, checkpoint_wraps_unit, code_release,
                                 eager_clamp, kv_cache_kind, moe_expert_loop, rotary_keys_half, sdpa_repeats_kv)
@@ -141,6 +141,7 @@ class Quantities:
     step_events_first: tuple = ()  # ... and a projector update's (the replay's first step)
     loss_saves_out: int = 0  # 1: the loss saves the head's output itself (loss_saved is not a new tensor)
     loss_fp32_logits: int = 0  # 1: the model's forward returns fp32 logits and shifts them (``fp32_logits_replay``)
+    loss_tt_shift: int = 0  # 1: torchtune < 0.3's loop shifts the fp32 logits and keeps the copy (``reserved._torchtune_loop_loss``)
     loss_logps: int = 0    # 1: --loss logps, TRL's selective_log_softmax (reserved.py replays its backward)
     dpo_reference: int = 0  # --trainer dpo: 1 when a reference forward runs after the policy's log-probs
     dpo_metrics: int = 0    # --trainer dpo: 1, _compute_loss's metrics (both replayed by reserved.py)
@@ -2894,7 +2895,8 @@ def _loss_fields(m: ModelSpec, t: TrainingSpec, pol: Policy, loss: LossBytes, he
                 loss_forward=loss.forward, loss_backward=loss.backward, loss_saves_out=loss.saves_out,
                 loss_elem=loss.elem, loss_forward_chunk=loss.forward_chunk, loss_backward_chunk=loss.backward_chunk,
                 loss_saved_tok=loss.saved_tok, loss_saved_const=loss.saved_const,
-                loss_fp32_logits=int(head_here and fp32_logits_replay(m, t, pol, loss)))
+                loss_fp32_logits=int(head_here and fp32_logits_replay(m, t, pol, loss)),
+                loss_tt_shift=int(head_here and is_lm(m) and t.tp == 1 and torchtune_loop_shifts_fp32_logits(t)))
 
 
 def _tied_fields(m: ModelSpec, t: TrainingSpec, pol: Policy) -> dict[str, int]:

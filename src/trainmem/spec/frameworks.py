@@ -578,6 +578,24 @@ def torchtune_builds_template_on_device(t: Any) -> bool:
             and not t.zero_stage)
 
 
+def torchtune_loop_shifts_fp32_logits(t: Any) -> bool:
+    """Whether the loop is torchtune's before 0.3, which computes the loss on a shifted copy of the
+    decoder's fp32 output: ``logits = self._model(input_ids)`` (``TransformerDecoder`` returns
+    ``self.output(h).float()``, torchtune/modules/transformer.py L210 at ff594c231), then ``logits =
+    logits[..., :-1, :].contiguous()``, ``logits = logits.transpose(1, 2)`` and
+    ``self._loss_fn(logits, labels)`` with ``nn.CrossEntropyLoss``
+    (recipes/lora_finetune_single_device.py L447-453 at ff594c231; full_finetune_single_device.py
+    L416-426 at 0217d44c2), the shifted copy held in ``logits`` until the next forward returns. What the
+    preset sets for those releases (loss upcast, one chunk, ``--cast-output``, ``--hold-output
+    step``); from 0.3 the chunked loss and ``del logits`` (the preset's ``Since`` entries)."""
+    if t.extra.get("framework") != "torchtune":
+        return False
+    version = t.extra.get("framework_version")
+    if version is None or _v(str(version).strip().lstrip("v"))[:2] >= (0, 3):
+        return False
+    return t.cast_output and t.loss == "upcast" and t.loss_chunks <= 1 and t.hold_output == "step"
+
+
 def torchtune_norm_saves_fp32(m: Any, t: Any) -> bool:
     """Whether the run's RMSNorm saves its fp32 normalized product for the weight's gradient:
     torchtune 0.5.0 to 0.6.1's ``RMSNorm.forward`` is ``F.rms_norm(x.float(), normalized_shape,
