@@ -315,5 +315,11 @@ def torchtune_v01_build(m: Any, t: Any) -> tuple[tuple, ...]:
 
 def builds_on_device(t: Any) -> bool:
     """Whether the run's model build is replayed (``torchtune_v01_build``): torchao's NF4 under
-    torchao < 0.2 (unchunked ``to_nf4``), as torchtune 0.1.x ran it."""
+    torchao < 0.2 (unchunked ``to_nf4``), as torchtune 0.1.x ran it; or torchtune's bf16 build of a
+    template layer deep-copied on the GPU (``spec.frameworks.torchtune_builds_template_on_device``),
+    whose freed template stays cached: Llama-2-7B LoRA q, v rank 8 at v0.1.0 reaches 13.96 GB
+    allocated and reserves 13.98 GB at model init, as torchtune printed (QLoRA tutorial, ff594c231)."""
+    from ..spec.frameworks import torchtune_builds_template_on_device
+    if torchtune_builds_template_on_device(t):
+        return True
     return bool(t.quantize) and t.quantize_via == "torchao" and t.torchao_release() < (0, 2)

@@ -21,8 +21,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..errors import TrainmemError
-from ..spec.frameworks import (OWN_MODEL_CODE, caps_hidden_not_logits, torchtune_norm_saves_fp32,
-                               torchtune_offload_exempts_parameters)
+from ..spec.frameworks import (OWN_MODEL_CODE, caps_hidden_not_logits, torchtune_loop_shifts_fp32_logits,
+                               torchtune_norm_saves_fp32, torchtune_offload_exempts_parameters)
 from ..spec.model import ModelSpec
 from ..spec.tf_releases import (cache_values_own_dtype, causal_lm_loss, checkpoint_wraps_unit, code_release,
                                 eager_clamp, kv_cache_kind, moe_expert_loop, rotary_keys_half, sdpa_repeats_kv)
@@ -141,6 +141,7 @@ class Quantities:
     step_events_first: tuple = ()  # ... and a projector update's (the replay's first step)
     loss_saves_out: int = 0  # 1: the loss saves the head's output itself (loss_saved is not a new tensor)
     loss_fp32_logits: int = 0  # 1: the model's forward returns fp32 logits and shifts them (``fp32_logits_replay``)
+    loss_tt_shift: int = 0  # 1: torchtune < 0.3's loop shifts the fp32 logits and keeps the copy (``reserved._torchtune_loop_loss``)
     loss_logps: int = 0    # 1: --loss logps, TRL's selective_log_softmax (reserved.py replays its backward)
     dpo_reference: int = 0  # --trainer dpo: 1 when a reference forward runs after the policy's log-probs
     dpo_metrics: int = 0    # --trainer dpo: 1, _compute_loss's metrics (both replayed by reserved.py)
@@ -2639,7 +2640,15 @@ def chunk_head_grads(m: ModelSpec, t: TrainingSpec, pol: Policy) -> int:
     (the later adds go into the sum in place). Returns those three gradients' bytes (0 without
     chunks, with a frozen head, or off one GPU, where trace does not run the chunked loop). Found by
     trace: Llama-3.2 (2 layers, tied head) pure bf16, 4 chunks: -11.6% before; the chunks' logits
-    gradients waiting meanwhile are the moments' (``moments._micro_step``)."""
+    gradients waiting meanwhile are the moments' (``moments._micro_step``). Not an artifact of trace's
+    dispatch mode, under which every ``InputBuffer`` add is out of place (``trace/cuda_kernels.py``):
+    on plain tensors, as on CUDA, ``can_accumulate_inplace`` also needs the buffer's tensor to hold
+    the last reference to its storage, and the first chunk's gradient is a view
+    (``mm_mat2_backward``'s ``grad.t().mm(mat1).t()`` for the column-major ``weight.t()``, then
+    ``TBackward0``'s ``.t()``, torch/csrc/autograd/FunctionsManual.cpp) whose view metadata keeps the
+    ``mm`` output alive (``as_view``, torch/csrc/autograd/VariableTypeUtils.h): the CPU profiler shows one
+    out-of-place ``aten::add`` of the weight's size, then in-place ``add_``
+    (tests/test_torchtune_readme31.py)."""
     if not (is_lm(m) and t.loss_chunks > 1 and loss_mode(m, t) in ("chunked", "half")) or t.lora_rank:
         return 0
     if t.dp > 1 or t.tp > 1 or t.pp > 1 or t.cp > 1 or t.fsdp is not None or t.zero_stage:
@@ -2970,7 +2979,8 @@ def _loss_fields(m: ModelSpec, t: TrainingSpec, pol: Policy, loss: LossBytes, he
                 loss_forward=loss.forward, loss_backward=loss.backward, loss_saves_out=loss.saves_out,
                 loss_elem=loss.elem, loss_forward_chunk=loss.forward_chunk, loss_backward_chunk=loss.backward_chunk,
                 loss_saved_tok=loss.saved_tok, loss_saved_const=loss.saved_const,
-                loss_fp32_logits=int(head_here and fp32_logits_replay(m, t, pol, loss)))
+                loss_fp32_logits=int(head_here and fp32_logits_replay(m, t, pol, loss)),
+                loss_tt_shift=int(head_here and is_lm(m) and t.tp == 1 and torchtune_loop_shifts_fp32_logits(t)))
 
 
 def _tied_fields(m: ModelSpec, t: TrainingSpec, pol: Policy) -> dict[str, int]:

@@ -479,6 +479,8 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
         fwd, saved = _unsloth_forward(R, q, tk, flags)
     elif q.loss_fp32_logits:  # an older release's forward: fp32 logits returned, shifted, then the loss
         fwd, saved = [], _fp32_logits_forward(R, q, tk, out, full, seqs)
+    elif q.loss_tt_shift:     # torchtune < 0.3's loop: the shifted fp32 copy kept, the loss on its transpose
+        fwd, saved = [], _torchtune_loop_loss(R, q, tk, out, full, seqs)
     else:
         fwd = R.allocs(_logit_tensors(tk.loss_forward, q.loss_forward, full, chunks))  # the fp32 copy, transient
         if q.loss_saves_out:   # the loss saves the output itself (its per-token tensors are new)
@@ -525,6 +527,27 @@ def _fp32_logits_forward(R: _Replay, q: Quantities, tk: Tokens, out: list, full:
     shift = R.alloc(shifted * F32)                                # (b, s - 1, vocab) fp32, contiguous
     saved = [R.alloc(shifted * F32), R.alloc(int(tk.loss_saved) - shifted * F32)]  # log-probabilities
     R.free(shift)
+    return saved
+
+
+def _torchtune_loop_loss(R: _Replay, q: Quantities, tk: Tokens, out: list, full: int, seqs: int) -> list:
+    """torchtune < 0.3's loss (``spec.frameworks.torchtune_loop_shifts_fp32_logits``), tensor by tensor, from
+    the decoder's fp32 output (``out``, ``--cast-output``'s copy: the half output is already freed):
+    ``logits[..., :-1, :].contiguous()`` is a (b, s - 1, vocab) fp32 copy, and rebinding ``logits`` to it
+    frees the output; ``nn.CrossEntropyLoss`` on its transpose runs ``log_softmax`` over dim 1, whose
+    CUDA kernel first makes a contiguous copy of that transposed input (aten/src/ATen/native/cuda/
+    SoftMax.cu ``host_softmax``: ``input_.contiguous()``), saves its fp32 output and frees the copy when
+    it returns. The shifted copy takes the output's place in ``out`` (held until the next forward
+    returns, ``--hold-output step``). Its backward is ``_fp32_logits_backward``'s (``nll_loss2d``'s and
+    ``log_softmax``'s fp32 gradients, ``slice_backward``'s zero-filled one of the whole logits,
+    ``ToCopyBackward0``'s cast to the head's dtype). Returns the loss's saved tensors."""
+    shifted = _shifted(q, full, seqs)
+    shift = R.alloc(shifted * F32)                                # (b, s - 1, vocab) fp32, contiguous
+    R.frees(out)                                                  # the fp32 output, unreferenced
+    out[:] = [shift]
+    copy = R.alloc(shifted * F32)                                 # log_softmax's contiguous input
+    saved = [R.alloc(shifted * F32), R.alloc(int(tk.loss_saved) - shifted * F32)]  # log-probabilities
+    R.free(copy)
     return saved
 
 
@@ -791,7 +814,7 @@ def _loss_backward(R: _Replay, q: Quantities, tk: Tokens, f: _Forward, n: int, n
         dlogits = R.allocs(_logit_tensors(tk.logits_grad, q.logits_out, f.full))
         R.free(full)
         return dlogits
-    if q.loss_fp32_logits:
+    if q.loss_fp32_logits or q.loss_tt_shift:
         return _fp32_logits_backward(R, q, f)
     sizes = [] if q.loss_chunk_tokens else _logit_tensors(tk.loss_backward, q.loss_backward, f.full, f.chunks,
                                                           q.loss_elem)

@@ -497,7 +497,8 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
            layer_rotary_cache(m, t.transformers_release),
            t.gemini, t.gemini_chunk_size, t.ds_params_on_host, t.ds_whole_load, t.ds_fp32_clone, t.half_embeddings,
            t.fsdp_auto_wrap_policy, t.fsdp_min_num_params, t.torchao_block, t.torchao_offload, t.optim_target_modules,
-           t.optim_args, t.freeze_vision_tower)
+           t.optim_args, t.freeze_vision_tower,
+           builds_on_device(t))   # (torchtune's on-device build reads the preset, which TrainingSpec's equality leaves out)
     return _STATES_CACHE.get_or_build(key, lambda: _model_states(m, t, stage))
 
 

@@ -554,6 +554,48 @@ def torchtune_offload_exempts_parameters(t: Any) -> bool:
     return version is None or _v(str(version).strip().lstrip("v"))[:2] >= (0, 4)
 
 
+def torchtune_builds_template_on_device(t: Any) -> bool:
+    """Whether torchtune builds the run's model on the GPU from one template layer that it then
+    deep-copies ``num_layers`` times, the template freed when the builder returns and its blocks left
+    in the caching allocator (``estimate.quant4.torchtune_v01_build`` replays the build). The
+    single-device recipes build on the device in the recipe's dtype
+    (``recipes/lora_finetune_single_device.py`` L254-255 at ff594c231, v0.1.0: ``with
+    utils.set_default_dtype(self._dtype), self._device: model = config.instantiate(cfg_model)``;
+    ``full_finetune_single_device.py`` the same); the distributed ones build elsewhere (meta device or
+    CPU) and shard. Up to 0.5 the builders hand one layer to ``TransformerDecoder``, whose
+    ``_get_clones`` deep-copies it (``torchtune/modules/transformer.py`` L93, L137 at ff594c231;
+    ``torchtune/models/llama2/_component_builders.py`` L113-114, L242-243 from v0.1.0 to v0.5.0); from
+    0.6.0 they build a list of layers in a loop. A deep-copied template is what gives each layer its
+    own RoPE cache there (``--layer-rope-cache``, ``TORCHTUNE_BUILDERS``), so that option before 0.6
+    marks it. bf16 (the builder's tensors are replayed at 2 B per element), one GPU, no
+    ``--quantize`` (torchao 0.1's NF4 build is ``quant4.builds_on_device``'s own case)."""
+    if t.extra.get("framework") != "torchtune" or t.layer_rope_cache is None or t.precision != "bf16":
+        return False
+    version = t.extra.get("framework_version")
+    if version is None or _v(str(version).strip().lstrip("v"))[:2] >= (0, 6):
+        return False
+    return (not t.quantize and t.dp == 1 and t.tp == 1 and t.pp == 1 and t.cp == 1 and t.fsdp is None
+            and not t.zero_stage)
+
+
+def torchtune_loop_shifts_fp32_logits(t: Any) -> bool:
+    """Whether the loop is torchtune's before 0.3, which computes the loss on a shifted copy of the
+    decoder's fp32 output: ``logits = self._model(input_ids)`` (``TransformerDecoder`` returns
+    ``self.output(h).float()``, torchtune/modules/transformer.py L210 at ff594c231), then ``logits =
+    logits[..., :-1, :].contiguous()``, ``logits = logits.transpose(1, 2)`` and
+    ``self._loss_fn(logits, labels)`` with ``nn.CrossEntropyLoss``
+    (recipes/lora_finetune_single_device.py L447-453 at ff594c231; full_finetune_single_device.py
+    L416-426 at 0217d44c2), the shifted copy held in ``logits`` until the next forward returns. What the
+    preset sets for those releases (loss upcast, one chunk, ``--cast-output``, ``--hold-output
+    step``); from 0.3 the chunked loss and ``del logits`` (the preset's ``Since`` entries)."""
+    if t.extra.get("framework") != "torchtune":
+        return False
+    version = t.extra.get("framework_version")
+    if version is None or _v(str(version).strip().lstrip("v"))[:2] >= (0, 3):
+        return False
+    return t.cast_output and t.loss == "upcast" and t.loss_chunks <= 1 and t.hold_output == "step"
+
+
 def torchtune_norm_saves_fp32(m: Any, t: Any) -> bool:
     """Whether the run's RMSNorm saves its fp32 normalized product for the weight's gradient:
     torchtune 0.5.0 to 0.6.1's ``RMSNorm.forward`` is ``F.rms_norm(x.float(), normalized_shape,
