@@ -100,6 +100,8 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1:
     # +1.4% without them): decoder LMs would need them too, but their shipped coefficients predate
     # them and re-shipping is the lead's call
     refined = m.is_image or m.head in ENCODER_HEADS
+    if not point and not regime:
+        _probe_operations(m, cfg, kinds_small, base, ckpt)
     # a VLM under full recompute: transformers checkpoints its vision tower's blocks too (they are
     # ``GradientCheckpointingLayer``s: ``modeling_utils.py`` ``set_gradient_checkpointing`` L3240-3249), traced so
     runs = _runs(m, cfg, kinds_small, base, points + [check], ckpt, vision_ckpt=m.is_vlm and t.recompute == "full")
@@ -461,6 +463,37 @@ def _runs(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], base: TrainingSpe
     except Exception as e:  # the real model's step fails on fake tensors: say which and why, once
         raise TrainmemError(f"{m.name} ({m.architecture}): its training step fails when traced "
                             f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
+
+
+#: the two short sequences ``_probe_operations`` traces (batch 2) before the fit's points
+PROBE_SEQS = (64, 128)
+
+#: the quantity a model whose backward runs different operations at different sizes is refused for
+#: (``_probe_operations``, ``_candidates``: ``estimate.derived`` names it in the report's point note)
+OPS_VARY = "backward transients (its backward runs different operations at different sizes)"
+
+
+def _probe_operations(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], base: TrainingSpec, ckpt: bool) -> None:
+    """Refuse the fit (``NotPolynomial``) before its points when the cut model's backward runs a
+    different number of operations at two short sequences (``PROBE_SEQS``, batch 2): a model whose
+    operation count grows with the sequence (Mamba's reference scan, ``mamba_selective_scan``'s
+    ``for index in range(seq_len)``, transformers 5.24 ``models/mamba/modeling_mamba.py`` L256-265;
+    chunked linear attention's loop over sequence chunks) would otherwise be traced op by op at the
+    fit's five points of 2048 to 4096 tokens (minutes for Mamba on 2 cores) only for ``_candidates``
+    to refuse it after them. Run for a decoder LM whose points have no sliding-window
+    regime (below or above a window the two short sequences could sit on another side of it than
+    the fit's points); the encoder-decoder, image and vision-language models are not probed."""
+    if m.is_encoder_decoder or m.is_image or m.is_vlm or m.head in ENCODER_HEADS or (
+            m.learned_positions and m.max_positions < max(PROBE_SEQS)):
+        return
+    runs = _runs(m, cfg, kinds, base, [(2, s) for s in PROBE_SEQS], ckpt)
+    for kind in sorted(set(kinds)):
+        counts = {len(r["transient"].get(kind, ())) for r in runs}
+        if len(counts) > 1:
+            raise NotPolynomial(f"{m.name}: its backward runs different operations at different sizes "
+                                f"(layer {kind}: {' and '.join(str(len(r['transient'].get(kind, ()))) for r in runs)}"
+                                f" moments at sequences {' and '.join(map(str, PROBE_SEQS))}); trainmem cannot fit "
+                                "its transients (use trace)", OPS_VARY)
 
 
 # ----- the model cut to a few layers ----------------------------------------------------------------
@@ -1272,8 +1305,7 @@ def _candidates(m: ModelSpec, pts: list[tuple[int, ...]], series: list[list[int]
         return _point_candidates(pts[0], series[0], made[0], total_g)
     if len({len(x) for x in series}) != 1:
         raise NotPolynomial(f"{m.name}: its backward runs different operations at different sizes; trainmem "
-                            "cannot derive its transients (use trace)", "backward transients (its backward runs "
-                            "different operations at different sizes)")
+                            "cannot derive its transients (use trace)", OPS_VARY)
     y = np.array(series, dtype=np.float64)           # runs x moments
     two = "nd" in terms
     basis = terms if two else ("n", "nsq", "1")
