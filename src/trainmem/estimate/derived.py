@@ -266,10 +266,12 @@ POINT_LIMIT = 4
 #: type's ``*_chunk_scan`` (transformers 5.24) pads it to a whole number of chunks,
 #: ``pad_size = (chunk_size - sequence_length % chunk_size) % chunk_size`` (``models/mamba2/modeling_mamba2.py``
 #: L286, ``bamba`` L496, ``falcon_h1`` L501, ``granitemoehybrid`` L417, ``nemotron_h`` L302, ``zamba2`` L558),
-#: and runs its scan's tensors ((b, c, l, h, p), (b, h, c, l, l), ...) on the padded length
-SCAN_CHUNK_FIELDS = {"mamba2": "chunk_size", "nemotron_h": "chunk_size", "zamba2": "chunk_size",
-                     "bamba": "mamba_chunk_size", "falcon_h1": "mamba_chunk_size",
-                     "granitemoehybrid": "mamba_chunk_size"}
+#: and runs its scan's tensors ((b, c, l, h, p), (b, h, c, l, l), ...) on the padded length; with the
+#: field's default where a config leaves it out (each type's ``configuration_*.py``: ``chunk_size: int = 256``,
+#: Nemotron-H's 128, which also reads a ``mamba_chunk_size`` key)
+SCAN_CHUNK_FIELDS = {"mamba2": ("chunk_size", 256), "nemotron_h": ("chunk_size", 128),
+                     "zamba2": ("chunk_size", 256), "bamba": ("mamba_chunk_size", 256),
+                     "falcon_h1": ("mamba_chunk_size", 256), "granitemoehybrid": ("mamba_chunk_size", 256)}
 
 
 def scan_chunk(m: ModelSpec) -> int:
@@ -279,8 +281,10 @@ def scan_chunk(m: ModelSpec) -> int:
     sequences that are; at any other sequence the scan's tensors are those of the next whole chunk
     (at 128 tokens and chunk 256, twice the fit's bytes per token) and ``point_at`` derives the
     coefficients at the setup's own point instead."""
-    field = SCAN_CHUNK_FIELDS.get(m.model_type)
-    value = m.config.get(field) if field else None
+    if m.model_type not in SCAN_CHUNK_FIELDS:
+        return 0
+    field, default = SCAN_CHUNK_FIELDS[m.model_type]
+    value = m.config.get(field, m.config.get("mamba_chunk_size", default) if m.model_type == "nemotron_h" else default)
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
@@ -712,7 +716,8 @@ def kind_forward(doc: dict[str, Any]) -> float | None:
     its kind's highest layer ``J`` in the full model, as a top-forward moment (the engine adds it to
     every layer's saved tensors and the embedding and head sides): bytes per token, its measured peak
     over the tensors made before its layer less what is made from layer ``J`` on (each layer's saved
-    bytes from ``J`` up, the head side). None for a fitted set (its kinds have no ``forward_peak``):
+    bytes from ``J`` up, the head side) and less every layer's cache the output holds, which the
+    engine's moment adds to the saved bytes that already count it. None for a fitted set (its kinds have no ``forward_peak``):
     their top layer's forward is ``top_forward``'s. The later layers' autocast weight copies, which
     the engine counts among the saved tensors and which are not made yet at ``J``, are not taken off
     (a few layers' half weights: high by them)."""
@@ -721,10 +726,13 @@ def kind_forward(doc: dict[str, Any]) -> float | None:
     if not peaks or not order:
         return None
     head = doc.get("head", [0.0])[0]
+    # the engine's moment adds the cache the output holds (``moments.Tokens.kv_held``: every layer's ``held``),
+    # which the layers' saved bytes (``tok``: every tensor of the layer alive at the forward's end) count already
+    held = sum(kinds[k].get("held", 0.0) for k in order)
     out = []
     for kind, peak in peaks.items():
         j = max(i for i, k in enumerate(order) if k == kind)
-        out.append(peak - sum(kinds[k]["tok"] for k in order[j:]) - head)
+        out.append(peak - sum(kinds[k]["tok"] for k in order[j:]) - head - held)
     return max(out)
 
 
