@@ -467,10 +467,12 @@ def _runs(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], base: TrainingSpe
                             f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
 
 
-#: the two short sequences ``_probe_operations`` traces (batch 2) before the fit's points; a Mamba-2
-#: mixer's, whose scan pads the sequence to whole chunks, one and two chunks (``estimate.derived.scan_chunk``:
-#: a padded and an unpadded sequence run different operations, and the fit's points are whole chunks)
-PROBE_SEQS = (64, 128)
+#: the two short sequences ``_probe_operations`` traces (batch 2) before the fit's points, in chunks of 64
+#: tokens or of a Mamba-2 mixer's scan (``estimate.derived.scan_chunk``: a padded and an unpadded sequence
+#: run different operations, and the fit's points are whole chunks): two and three, as the fit's points
+#: have several (at one chunk some of the scan's tensors have a dimension of 1, and ops that copy
+#: elsewhere make views: Nemotron-H's backward makes 331 tensors at one chunk, 339 at two and more)
+PROBE_CHUNKS = (2, 3)
 
 #: the quantity a model whose backward runs different operations at different sizes is refused for
 #: (``_probe_operations``, ``_candidates``: ``estimate.derived`` names it in the report's point note)
@@ -479,19 +481,18 @@ OPS_VARY = "backward transients (its backward runs different operations at diffe
 
 def _probe_operations(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], base: TrainingSpec, ckpt: bool) -> None:
     """Refuse the fit (``NotPolynomial``) before its points when the cut model's backward runs a
-    different number of operations at two short sequences (``PROBE_SEQS``, batch 2; a Mamba-2 mixer's
-    one and two scan chunks): a model whose
+    different number of operations at two short sequences (``PROBE_CHUNKS``, batch 2): a model whose
     operation count grows with the sequence (Mamba's reference scan, ``mamba_selective_scan``'s
-    ``for index in range(seq_len)``, transformers 5.24 ``models/mamba/modeling_mamba.py`` L256-265;
+    ``for index in range(seq_len)``, transformers 5.24 ``models/mamba/modeling_mamba.py`` L261-265;
     chunked linear attention's loop over sequence chunks) would otherwise be traced op by op at the
     fit's five points of 2048 to 4096 tokens (minutes for Mamba on 2 cores) only for ``_candidates``
     to refuse it after them. Run for a decoder LM whose points have no sliding-window
     regime (below or above a window the two short sequences could sit on another side of it than
     the fit's points); the encoder-decoder, image and vision-language models are not probed."""
     if m.is_encoder_decoder or m.is_image or m.is_vlm or m.head in ENCODER_HEADS or (
-            m.learned_positions and m.max_positions < 2 * max(PROBE_SEQS[-1], scan_chunk(m))):
+            m.learned_positions and m.max_positions < PROBE_CHUNKS[-1] * (scan_chunk(m) or 64)):
         return
-    seqs = (scan_chunk(m), 2 * scan_chunk(m)) if scan_chunk(m) else PROBE_SEQS
+    seqs = tuple(k * (scan_chunk(m) or 64) for k in PROBE_CHUNKS)
     runs = _runs(m, cfg, kinds, base, [(2, s) for s in seqs], ckpt)
     for kind in sorted(set(kinds)):
         counts = {len(r["transient"].get(kind, ())) for r in runs}
@@ -1027,7 +1028,7 @@ def _kind_forward(tracker: Any, recs: list, kinds: list[str], events: dict[int, 
     embedding side). What it holds beyond them is the layer's own saved tensors made by then and its
     temporaries: a Mamba-2 mixer's torch scan makes (b, c, l, s, h) fp32 ``G``, ``L`` and ``M`` and
     (b, c, l, h, p) ``Y_diag`` at once (transformers 5.24 ``models/nemotron_h/modeling_nemotron_h.py``
-    ``torch_chunk_scan``-style ``*_chunk_scan`` L302-350), above any later layer's forward peak when a
+    ``mamba2_chunk_scan`` L274-378), above any later layer's forward peak when a
     hybrid's top layer is an attention or MLP layer (Nemotron-H). ``estimate.derived.top_forward``
     places it at the kind's highest layer in the full model (coefficients at a point only)."""
     counted = [r.phase == "forward" and r.category in ("activations", "temporaries")
