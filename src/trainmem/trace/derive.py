@@ -846,9 +846,16 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
             "embed": embed, "head": head, "head_loss": head_loss - head, "first": first, "transient": trans,
             "made": made, "total_g": total_g, "first_input": first_input, "sequence": sequence, **outputs,
             "head_forward": _head_forward(tracker, recs, (last_layer_ev, logits_ev), head) if image else 0,
-            **(_top_forward(tracker, recs, (min(events[len(kinds) - 1], default=0), logits_ev, end), layer_of,
-                            len(kinds) - 3) if measure_top else {}),
-            **({"kind_forward": _kind_forward(tracker, recs, kinds, events, end)} if measure_top else {})}
+            **(_forward_peaks(tracker, recs, kinds, events, (logits_ev, end), layer_of) if measure_top else {})}
+
+
+def _forward_peaks(tracker: Any, recs: list, kinds: list[str], events: dict[int, list[int]], ends: tuple[int, int],
+                   layer_of: Any) -> dict[str, Any]:
+    """The top layer's forward moments (``_top_forward``) and each kind's forward peak (``_kind_forward``);
+    ``ends``: the logits' first event, the forward's end."""
+    logits_ev, end = ends
+    return _top_forward(tracker, recs, (min(events[len(kinds) - 1], default=0), logits_ev, end), layer_of,
+                        len(kinds) - 3) | {"kind_forward": _kind_forward(tracker, recs, kinds, events, end)}
 
 
 def _tower_inputs(model: Any, tracker: Any, out: list[Any]) -> list[Any]:
