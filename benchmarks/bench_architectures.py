@@ -60,6 +60,9 @@ SIZE_WORDS = ("size", "dim", "hidden", "inner", "ffn", "rank", "channels", "widt
 #: per-type fields the generic shrinking cannot guess (each a config field whose default breaks a tiny model)
 OVERRIDES: dict[str, dict] = {
     "bamba": {"attn_layer_indices": [1]},  # default None: no attention layer at all
+    # default every layer Mamba-2: its cache has no attention layer, whose length the model asks for
+    # (transformers 5.24 ``GraniteMoeHybridModel.forward`` ``cache.get_seq_length()``: ValueError)
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
     "mamba2": {"head_dim": 32, "n_groups": 1},  # num_heads x head_dim = expand x hidden
     "hunyuan_v1_dense": {"head_dim": 16}, "hunyuan_v1_moe": {"head_dim": 16},  # default None breaks the build

@@ -27,6 +27,7 @@ from functools import lru_cache
 from typing import Any
 
 from ..errors import TrainmemError
+from ..spec.kernel_paths import reference_path_note
 from ..spec.model import ModelSpec
 from ..spec.profile import read_cached, write_cached
 from ..spec.tf_releases import (DERIVED_TYPES, cache_values_own_dtype, code_release, kv_cache_kind, parse_transformers_version,
@@ -262,21 +263,63 @@ def _coefficients(k: str, m: ModelSpec, t: TrainingSpec, side: str, one: bool = 
 POINT_LIMIT = 4
 
 
+#: the config field of the chunk a Mamba-2 mixer's torch path pads the sequence to, by model type: each
+#: type's ``*_chunk_scan`` (transformers 5.24) pads it to a whole number of chunks,
+#: ``pad_size = (chunk_size - sequence_length % chunk_size) % chunk_size`` (``models/mamba2/modeling_mamba2.py``
+#: L286, ``bamba`` L496, ``falcon_h1`` L501, ``granitemoehybrid`` L417, ``nemotron_h`` L302, ``zamba2`` L558),
+#: and runs its scan's tensors ((b, c, l, h, p), (b, h, c, l, l), ...) on the padded length; with the
+#: field's default where a config leaves it out (each type's ``configuration_*.py``: ``chunk_size: int = 256``,
+#: Nemotron-H's 128, which also reads a ``mamba_chunk_size`` key)
+SCAN_CHUNK_FIELDS = {"mamba2": ("chunk_size", 256), "nemotron_h": ("chunk_size", 128),
+                     "zamba2": ("chunk_size", 256), "bamba": ("mamba_chunk_size", 256),
+                     "falcon_h1": ("mamba_chunk_size", 256), "granitemoehybrid": ("mamba_chunk_size", 256)}
+
+
+def scan_chunk(m: ModelSpec) -> int:
+    """The chunk a Mamba-2 mixer's torch path pads the sequence to (``SCAN_CHUNK_FIELDS``); 0 for
+    any other model. The derivation's points (2048, 4096, 3072 tokens: ``trace.derive._points``) are
+    whole numbers of such chunks (256, or 128 for Nemotron-H), so the fitted coefficients hold at
+    sequences that are; at any other sequence the scan's tensors are those of the next whole chunk
+    (at 128 tokens and chunk 256, twice the fit's bytes per token) and ``point_at`` derives the
+    coefficients at the setup's own point instead."""
+    if m.model_type not in SCAN_CHUNK_FIELDS:
+        return 0
+    field, default = SCAN_CHUNK_FIELDS[m.model_type]
+    value = m.config.get(field, m.config.get("mamba_chunk_size", default) if m.model_type == "nemotron_h" else default)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def padded_scan(m: ModelSpec, t: TrainingSpec) -> bool:
+    """Whether ``t``'s sequence is no whole number of ``m``'s scan chunks (``scan_chunk``)."""
+    chunk = scan_chunk(m)
+    return bool(chunk) and t.seq_len % chunk != 0
+
+
 def point_at(m: ModelSpec, t: TrainingSpec) -> tuple[int, int] | None:
     """(batch, sequence) of ``t`` when ``m``'s coefficients under ``t`` hold at that point alone: a
     decoder whose fit over batch and sequence ``trace.derive`` refused (``NotPolynomial``: chunked
     linear attention, whose torch fallback loops over sequence chunks; compressed or sparse attention;
-    convolution and state caches), derived at the setup's own point (``_at_point``). None otherwise
-    (a hand-written family, a polynomial fit, a setup the derivation does not cover)."""
+    convolution and state caches), or a Mamba-2 mixer's at a sequence its scan pads (``padded_scan``),
+    derived at the setup's own point (``_at_point``). None otherwise (a hand-written family, a
+    polynomial fit, a setup the derivation does not cover)."""
     if m.family != "derived" or derived_problems(m, t):
         return None
-    return (t.batch_size, t.seq_len) if "not_polynomial" in _lookup(m, t) else None
+    return (t.batch_size, t.seq_len) if padded_scan(m, t) or "not_polynomial" in _lookup(m, t) else None
+
+
+def point_quantity(m: ModelSpec, t: TrainingSpec) -> str:
+    """What ``point_at`` derives at the point for: the quantity whose fit was refused, else the scan's padding."""
+    if padded_scan(m, t):
+        return (f"Mamba-2 scan pads the sequence to a whole number of its {scan_chunk(m)}-token chunks, "
+                f"and {t.seq_len} is not one")
+    return _lookup(m, t)["quantity"]
 
 
 def _doc(m: ModelSpec, t: TrainingSpec) -> dict[str, Any]:
     """The coefficients of ``m`` under ``t``: the fitted set, else (``point_at``) those at ``t``'s point."""
-    doc = _lookup(m, t)
-    if "not_polynomial" not in doc:
+    # (a padded scan's point needs no fit: the fit's points are whole chunks, and are not traced for it)
+    doc = {} if m.family == "derived" and padded_scan(m, t) else _lookup(m, t)
+    if doc and "not_polynomial" not in doc:
         return doc
     return _at_point(key(m, t), m, _canonical(t, m), regime(m, t), (t.batch_size, t.seq_len))
 
@@ -663,8 +706,35 @@ def top_forward(m: ModelSpec, t: TrainingSpec, stage: str) -> tuple[tuple[float,
         return ()
     doc = coefficients(m, t)
     held, more = doc.get("top_held", {}), max(m.num_layers - doc.get("cut_layers", m.num_layers), 0)
-    return tuple(tuple(float(c.get(k, 0.0) + more * held.get(k, 0.0)) for k in ("n", "nsq", "s", "b", "ssq"))
-                 for c in doc.get("top_forward", ()))
+    top = tuple(tuple(float(c.get(k, 0.0) + more * held.get(k, 0.0)) for k in ("n", "nsq", "s", "b", "ssq"))
+                for c in doc.get("top_forward", ()))
+    lower = kind_forward(doc) if t.pp == 1 else None
+    return top + ((lower, 0.0, 0.0, 0.0, 0.0),) if lower is not None and len(top) < 2 else top
+
+
+def kind_forward(doc: dict[str, Any]) -> float | None:
+    """The highest of a point set's layer kinds' forward peaks (``trace.derive._kind_forward``), each at
+    its kind's highest layer ``J`` in the full model, as a top-forward moment (the engine adds it to
+    every layer's saved tensors and the embedding and head sides): bytes per token, its measured peak
+    over the tensors made before its layer less what is made from layer ``J`` on (each layer's saved
+    bytes from ``J`` up, the head side) and less every layer's cache the output holds, which the
+    engine's moment adds to the saved bytes that already count it. None for a fitted set (its kinds have no ``forward_peak``):
+    their top layer's forward is ``top_forward``'s. The later layers' autocast weight copies, which
+    the engine counts among the saved tensors and which are not made yet at ``J``, are not taken off
+    (a few layers' half weights: high by them)."""
+    kinds, order = doc.get("kinds", {}), doc.get("layer_kinds", [])
+    peaks = {k: c["forward_peak"] for k, c in kinds.items() if "forward_peak" in c}
+    if not peaks or not order:
+        return None
+    head = doc.get("head", [0.0])[0]
+    # the engine's moment adds the cache the output holds (``moments.Tokens.kv_held``: every layer's ``held``),
+    # which the layers' saved bytes (``tok``: every tensor of the layer alive at the forward's end) count already
+    held = sum(kinds[k].get("held", 0.0) for k in order)
+    out = []
+    for kind, peak in peaks.items():
+        j = max(i for i, k in enumerate(order) if k == kind)
+        out.append(peak - sum(kinds[k]["tok"] for k in order[j:]) - head - held)
+    return max(out)
 
 
 def loss_upcasts(m: ModelSpec, t: TrainingSpec) -> bool | None:
@@ -834,7 +904,7 @@ def notes(m: ModelSpec, t: TrainingSpec) -> list[str]:
     if hit is None:
         hit = _NOTES[k] = _notes(m, _doc(m, t), t.attention, _canonical(t, m))
         if point:
-            hit += (point_note(m, _lookup(m, t)["quantity"], _doc(m, t)),)
+            hit += (point_note(m, point_quantity(m, t), _doc(m, t)),)
     return list(hit)
 
 
@@ -856,6 +926,8 @@ def _notes(m: ModelSpec, doc: dict[str, Any], attention: str, t: TrainingSpec) -
         out.append(f"{m.model_type}: no micro-batch-1 coefficients are stored for this setup and deriving them "
                    f"needs torch: it is estimated with those fitted on batches of 2 and more, which count as "
                    f"copies a few tensors that are views at batch 1 (slightly high)")
+    if reference_path_note(m.model_type):
+        out.append(reference_path_note(m.model_type))
     if doc.get("attention") == "eager" and t.attention != "eager":
         out.append(f"{m.architecture} has no SDPA attention in transformers: it runs eager attention "
                    f"(--attention {attention} is not honoured)")

@@ -22,6 +22,7 @@ from ..errors import TrainmemError
 from ..report import Component, MemoryReport, Phase
 from ..spec import Hardware, ModelSpec, TrainingSpec
 from ..spec.config import input_notes
+from ..spec.kernel_paths import reference_path_note
 from ..spec.training import report_warnings
 from ..progress import progress
 from ..spec.resolve import TRAINING_FIELDS, Resolved, resolve, resolve_setup
@@ -134,12 +135,13 @@ def trace(model: Any, step_fn: Callable | None = None, steps: int = 2, *, device
 
 
 def _add_notes(report: MemoryReport, spec: ModelSpec | None, t: TrainingSpec, options_given: bool) -> None:
-    """The report's warnings on what ran: the attention implementation transformers took, and that a
-    user step function decides the training options."""
+    """The report's warnings on what ran: the attention implementation transformers took, the reference
+    path of a state-space or linear-attention mixer (``spec.kernel_paths``), and that a user step
+    function decides the training options."""
     if spec is not None:
-        note = _attention_implementation(spec, t)[1]
-        if note:
-            report.warnings.append(note)
+        for note in (_attention_implementation(spec, t)[1], reference_path_note(spec.model_type)):
+            if note:
+                report.warnings.append(note)
     if spec is None and options_given:
         report.warnings.append("training options are recorded but not applied to a user step_fn: "
                                "the step function decides batch, precision and optimizer")

@@ -50,7 +50,7 @@ from ..progress import progress
 from ..spec import ModelSpec, TrainingSpec
 from ..spec.profile import build_profile, layer_stacks, layers_list
 from ..spec.vision import VISION_SIDE, VLM_TYPES, min_seq_len, vision_inputs
-from ..estimate.derived import checkpointed, sliding_window, top_forward_measured
+from ..estimate.derived import checkpointed, scan_chunk, sliding_window, top_forward_measured
 from ..estimate.quantities import is_lm
 from ..workload import (apply_lora, apply_quantization, attention_implementation, freeze_vision_tower, hf_factory,
                         model_batch, unwrapped)
@@ -100,6 +100,8 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1:
     # +1.4% without them): decoder LMs would need them too, but their shipped coefficients predate
     # them and re-shipping is the lead's call
     refined = m.is_image or m.head in ENCODER_HEADS
+    if not point and not regime:
+        _probe_operations(m, cfg, kinds_small, base, ckpt)
     # a VLM under full recompute: transformers checkpoints its vision tower's blocks too (they are
     # ``GradientCheckpointingLayer``s: ``modeling_utils.py`` ``set_gradient_checkpointing`` L3240-3249), traced so
     runs = _runs(m, cfg, kinds_small, base, points + [check], ckpt, vision_ckpt=m.is_vlm and t.recompute == "full")
@@ -117,6 +119,8 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1:
         return dict({"s": 0.0}, **dict(zip(terms, _fitted(m, what, pts, ys, terms, check_fit))))
     for kind in sorted(set(kinds_small)):
         _kind_coefficients(m, kind, runs, (pts, terms, fit, refined), out)
+        if point and "kind_forward" in runs[-1]:  # (``_kind_forward``: per token at the point)
+            out["kinds"][kind]["forward_peak"] = runs[-1]["kind_forward"].get(kind, 0) / (point[0] * point[1])
     c = fit("first layer's bytes", [r["first"] for r in runs])
     out["first_layer"] = [c["n"], c["s"], c["nsq"]]
     if m.head in ENCODER_HEADS:
@@ -467,6 +471,42 @@ def _runs(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], base: TrainingSpe
     except Exception as e:  # the real model's step fails on fake tensors: say which and why, once
         raise TrainmemError(f"{m.name} ({m.architecture}): its training step fails when traced "
                             f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
+
+
+#: the two short sequences ``_probe_operations`` traces (batch 2) before the fit's points, in chunks of 64
+#: tokens or of a Mamba-2 mixer's scan (``estimate.derived.scan_chunk``: a padded and an unpadded sequence
+#: run different operations, and the fit's points are whole chunks): two and three, as the fit's points
+#: have several (at one chunk some of the scan's tensors have a dimension of 1, and ops that copy
+#: elsewhere make views: Nemotron-H's backward makes 331 tensors at one chunk, 339 at two and more)
+PROBE_CHUNKS = (2, 3)
+
+#: the quantity a model whose backward runs different operations at different sizes is refused for
+#: (``_probe_operations``, ``_candidates``: ``estimate.derived`` names it in the report's point note)
+OPS_VARY = "backward transients (its backward runs different operations at different sizes)"
+
+
+def _probe_operations(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], base: TrainingSpec, ckpt: bool) -> None:
+    """Refuse the fit (``NotPolynomial``) before its points when the cut model's backward runs a
+    different number of operations at two short sequences (``PROBE_CHUNKS``, batch 2): a model whose
+    operation count grows with the sequence (Mamba's reference scan, ``mamba_selective_scan``'s
+    ``for index in range(seq_len)``, transformers 5.24 ``models/mamba/modeling_mamba.py`` L261-265;
+    chunked linear attention's loop over sequence chunks) would otherwise be traced op by op at the
+    fit's five points of 2048 to 4096 tokens (minutes for Mamba on 2 cores) only for ``_candidates``
+    to refuse it after them. Run for a decoder LM whose points have no sliding-window
+    regime (below or above a window the two short sequences could sit on another side of it than
+    the fit's points); the encoder-decoder, image and vision-language models are not probed."""
+    if m.is_encoder_decoder or m.is_image or m.is_vlm or m.head in ENCODER_HEADS or (
+            m.learned_positions and m.max_positions < PROBE_CHUNKS[-1] * (scan_chunk(m) or 64)):
+        return
+    seqs = tuple(k * (scan_chunk(m) or 64) for k in PROBE_CHUNKS)
+    runs = _runs(m, cfg, kinds, base, [(2, s) for s in seqs], ckpt)
+    for kind in sorted(set(kinds)):
+        counts = {len(r["transient"].get(kind, ())) for r in runs}
+        if len(counts) > 1:
+            raise NotPolynomial(f"{m.name}: its backward runs different operations at different sizes "
+                                f"(layer {kind}: {' and '.join(str(len(r['transient'].get(kind, ()))) for r in runs)}"
+                                f" moments at sequences {' and '.join(map(str, seqs))}); trainmem cannot fit "
+                                "its transients (use trace)", OPS_VARY)
 
 
 # ----- the model cut to a few layers ----------------------------------------------------------------
@@ -846,8 +886,16 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
             "embed": embed, "head": head, "head_loss": head_loss - head, "first": first, "transient": trans,
             "made": made, "total_g": total_g, "first_input": first_input, "sequence": sequence, **outputs,
             "head_forward": _head_forward(tracker, recs, (last_layer_ev, logits_ev), head) if image else 0,
-            **(_top_forward(tracker, recs, (min(events[len(kinds) - 1], default=0), logits_ev, end), layer_of,
-                            len(kinds) - 3) if measure_top else {})}
+            **(_forward_peaks(tracker, recs, kinds, events, (logits_ev, end), layer_of) if measure_top else {})}
+
+
+def _forward_peaks(tracker: Any, recs: list, kinds: list[str], events: dict[int, list[int]], ends: tuple[int, int],
+                   layer_of: Any) -> dict[str, Any]:
+    """The top layer's forward moments (``_top_forward``) and each kind's forward peak (``_kind_forward``);
+    ``ends``: the logits' first event, the forward's end."""
+    logits_ev, end = ends
+    return _top_forward(tracker, recs, (min(events[len(kinds) - 1], default=0), logits_ev, end), layer_of,
+                        len(kinds) - 3) | {"kind_forward": _kind_forward(tracker, recs, kinds, events, end)}
 
 
 def _tower_inputs(model: Any, tracker: Any, out: list[Any]) -> list[Any]:
@@ -1016,6 +1064,41 @@ def _top_forward(tracker: Any, recs: list, window: tuple[int, int, int], layer_o
     held = sum(r.nbytes for r in recs if counted(r) and below >= 0 and layer_of(r) == below
                and r.alloc_event < start and r.free_event is not None and start <= r.free_event < end)
     return {"top_forward": [x - kept for x in series], "top_held": held}
+
+
+def _kind_forward(tracker: Any, recs: list, kinds: list[str], events: dict[int, list[int]], end: int
+                  ) -> dict[str, int]:
+    """Per kind, its last layer's forward peak over what the engine counts as made before that layer:
+    the most bytes of forward tensors alive at once in the layer's forward (activations and
+    temporaries, autocast's weight copies apart, as ``_top_forward``) less those made before the
+    layer began that are alive at the forward's end (the layers below's saved tensors and the
+    embedding side). What it holds beyond them is the layer's own saved tensors made by then and its
+    temporaries: a Mamba-2 mixer's torch scan makes (b, c, l, s, h) fp32 ``G``, ``L`` and ``M`` and
+    (b, c, l, h, p) ``Y_diag`` at once (transformers 5.24 ``models/nemotron_h/modeling_nemotron_h.py``
+    ``mamba2_chunk_scan`` L274-378), above any later layer's forward peak when a
+    hybrid's top layer is an attention or MLP layer (Nemotron-H). ``estimate.derived.top_forward``
+    places it at the kind's highest layer in the full model (coefficients at a point only)."""
+    counted = [r.phase == "forward" and r.category in ("activations", "temporaries")
+               and r.label != "autocast_weight_cache" for r in recs]
+    last = {kind: i for i, kind in enumerate(kinds) if events.get(i)}
+    windows = {kind: (min(events[i]), max(events[i])) for kind, i in last.items()}
+    stop = max((w[1] for w in windows.values()), default=-1)
+    peak = dict.fromkeys(windows, 0)
+    cur = 0
+    for e in range(stop + 1):
+        code = tracker.ev_rec[e]
+        j = code if code >= 0 else ~code
+        if counted[j]:
+            cur += recs[j].nbytes if code >= 0 else -recs[j].nbytes
+        for kind, (a, b) in windows.items():
+            if a <= e <= b and cur > peak[kind]:
+                peak[kind] = cur
+    out = {}
+    for kind, (a, _) in windows.items():
+        before = sum(r.nbytes for r, c in zip(recs, counted) if c and r.alloc_event < a
+                     and (r.free_event is None or r.free_event >= end))
+        out[kind] = peak[kind] - before
+    return out
 
 
 def _fit_moments(m: ModelSpec, a: Any, y: Any, scaled: bool, what: str, label: str) -> tuple[Any, Any]:
@@ -1312,8 +1395,7 @@ def _candidates(m: ModelSpec, pts: list[tuple[int, ...]], series: list[list[int]
         return _point_candidates(pts[0], series[0], made[0], total_g)
     if len({len(x) for x in series}) != 1:
         raise NotPolynomial(f"{m.name}: its backward runs different operations at different sizes; trainmem "
-                            "cannot derive its transients (use trace)", "backward transients (its backward runs "
-                            "different operations at different sizes)")
+                            "cannot derive its transients (use trace)", OPS_VARY)
     y = np.array(series, dtype=np.float64)           # runs x moments
     two = "nd" in terms
     basis = terms if two else ("n", "nsq", "1")
