@@ -69,6 +69,17 @@ class NotPolynomial(TrainmemError):
         self.what = what
 
 
+def _measured_extras(m: ModelSpec, runs: list[dict], pts: list, n_cut: int, out: dict[str, Any]) -> None:
+    """What only some models have, written into ``out``: Gemma 3n's per-layer inputs (bytes per token at
+    the cut model's ``n_cut`` layers, ``_per_layer_inputs``) and, where the logits are half, whether the
+    model's own loss upcasts them (``estimate.derived.loss_upcasts``)."""
+    if any(r["per_layer_inputs"] for r in runs):
+        tok = _fitted(m, "per-layer inputs' bytes", pts, [r["per_layer_inputs"] for r in runs], ("n",))[0]
+        out["per_layer_inputs"] = [tok, n_cut]
+    if m.head == "causal-lm" and runs[-1]["logits_bytes"] == 2:
+        out["loss_upcast"] = bool(runs[-1]["loss_upcast"])
+
+
 def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1: bool = False,
                         point: tuple[int, int] | None = None) -> dict[str, Any]:
     """The coefficients of ``m`` trained as ``t`` (one GPU, no recompute; ``t.recompute == "full"``
@@ -136,12 +147,7 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1:
         _encoder_head_top(m, runs, (pts, terms, fit), len(kinds_small), out)
     elif top_forward_measured(m):
         _decoder_top(m, runs, (pts, terms, fit), len(kinds_small), out)
-    if any(r["per_layer_inputs"] for r in runs):  # (Gemma 3n's per-layer inputs, ``_per_layer_inputs``)
-        tok = _fitted(m, "per-layer inputs' bytes", pts, [r["per_layer_inputs"] for r in runs], ("n",))[0]
-        out["per_layer_inputs"] = [tok, len(kinds_small)]  # per token, at the cut model's layer count
-    if m.head == "causal-lm" and runs[-1]["logits_bytes"] == 2:
-        # half logits: whether the model's own loss upcasts them (``estimate.derived.loss_upcasts``)
-        out["loss_upcast"] = bool(runs[-1]["loss_upcast"])
+    _measured_extras(m, runs, pts, len(kinds_small), out)
     sides = _outside_layers(m, runs, fit)
     if m.is_vlm:
         sides["vision"] = _vision_fit(m, [r["images"] for r in runs], [r["vision"] for r in runs])
