@@ -68,7 +68,7 @@ def test_other_frameworks_keep_transformers_rotation():
 @pytest.mark.slow
 def test_torchtitan_rotation_saves_what_transformers_saves(monkeypatch):
     """The swap changes the forward's temporaries, not what autograd keeps: the allocated peak moves
-    only by the complex frequencies kept on the model ((s, head_dim / 2) complex64)."""
+    by no more than the complex frequencies the layers share ((s, head_dim / 2) complex64)."""
     setup = dict(batch_size=2, seq_len=512, dp=8, fsdp="full", fsdp_version=2, precision="bf16-mp",
                  recompute="op", optimizer_impl="foreach", loss="half", gpu="h100", expandable_segments=False,
                  hold_output="loss")
@@ -78,3 +78,27 @@ def test_torchtitan_rotation_saves_what_transformers_saves(monkeypatch):
     plain = trace("llama-2-7b", framework="torchtitan", overrides=cut, **setup)  # transformers' rotation
     freqs = 512 * 64 * 8
     assert abs(titan.peak_allocated - plain.peak_allocated) <= freqs + 512
+
+
+def test_the_layers_share_one_complex_frequency_tensor_per_forward():
+    """torchtitan's layers multiply by views of one ``freqs_cis`` buffer: one complex tensor of
+    (s, head_dim / 2) is made per forward, however many layers, and none outlives the step."""
+    cfg = dict(CFG, num_hidden_layers=3)
+    model = LlamaForCausalLM(LlamaConfig(**cfg)).to(torch.bfloat16)
+    t = resolve("llama-3.2-1b", framework="torchtitan").training
+    ids = torch.randint(0, cfg["vocab_size"], (2, 16))
+    freqs = (16, cfg["hidden_size"] // cfg["num_attention_heads"] // 2)
+    rec = _Dtypes()
+    with torchtitan_modules.rope(model, t):
+        with rec:
+            model(input_ids=ids)
+    assert [s for d, s in rec.seen if d == torch.complex64 and s == freqs] == [freqs]
+
+
+@pytest.mark.slow
+def test_compiled_trace_runs_torchtitans_rotation():
+    """Under ``--compile`` the complex frequencies are made inside the captured graph (a tensor kept
+    from outside it would be a constant the fake-tensor capture refuses)."""
+    r = trace("llama-3.2-1b", framework="torchtitan", overrides={"num_hidden_layers": 2}, batch_size=1,
+              seq_len=256, compile=True)
+    assert r.peak_allocated > 0

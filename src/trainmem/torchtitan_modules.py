@@ -27,13 +27,14 @@ under ``--framework torchtitan`` (the attention's forward reads the module globa
 in a checkpoint's recompute). Only Llama: torchtitan's Qwen3 rotates with cos/sin as transformers
 does (``rope_cache``, ``apply_rotary_emb_cos_sin``). The pairing of q's elements (adjacent in
 torchtitan, halves in transformers) differs with the checkpoint's layout, not in memory; the
-complex frequencies are made once per sequence length from transformers' cos/sin and kept on the
-model, as torchtitan keeps ``freqs_cis`` (views of it add nothing).
+complex frequencies are made once per forward from transformers' cos/sin and shared by the layers,
+as torchtitan's layers share views of its ``freqs_cis`` buffer (``_freqs_cis``).
 """
 from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -45,25 +46,28 @@ from .spec import TrainingSpec
 LLAMA_MODELING = "transformers.models.llama.modeling_llama"
 
 
-def _freqs_cis(model: nn.Module, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _freqs_cis(cache: dict, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """torchtitan's ``freqs_cis[0:seqlen]``: (s, head_dim / 2) complex64, cos + i sin of the angles
     (``precompute_freqs_cis``: ``torch.polar(ones, freqs)``), from transformers' cos/sin ((b, s,
-    head_dim), the angles repeated over the two halves), made once per length and device."""
-    cache = model.__dict__.setdefault("_trainmem_freqs_cis", {})
-    half = cos.shape[-1] // 2
-    key = (cos.shape[-2], half, str(cos.device))
-    if key not in cache:
+    head_dim), the angles repeated over the two halves, made once per model forward and handed to
+    every layer): made once per cos tensor, so every layer's product (and a checkpoint's recompute,
+    which gets the same cos) shares one, as torchtitan's layers share views of its buffer. ``cache``
+    holds only the latest (a weak reference to its cos) and is cleared when the step ends (``rope``)."""
+    ref = cache.get("cos")
+    if ref is None or ref() is not cos:
+        half = cos.shape[-1] // 2
         with torch.no_grad():
-            cache[key] = torch.complex(cos[0, :, :half].float(), sin[0, :, :half].float())
-    return cache[key]
+            cache["freqs"] = torch.complex(cos[0, :, :half].float(), sin[0, :, :half].float())
+        cache["cos"] = weakref.ref(cos)
+    return cache["freqs"]
 
 
-def rotary(model: nn.Module) -> Any:
+def rotary(cache: dict) -> Any:
     """``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)`` as torchtitan's ``apply_rotary_emb``
     computes it, on transformers' (b, heads, s, head_dim) q and k (``unsqueeze_dim`` 1)."""
     def apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = _freqs_cis(model, cos, sin).unsqueeze(0)          # (1, s, d/2), then broadcast
+        freqs = _freqs_cis(cache, cos, sin).unsqueeze(0)          # (1, s, d/2), then broadcast
         if unsqueeze_dim == 1:
             freqs = freqs.unsqueeze(1)                            # (1, 1, s, d/2)
 
@@ -84,9 +88,10 @@ def rope(model: nn.Module, t: TrainingSpec) -> Iterator[None]:
     if t.extra.get("framework") != "torchtitan" or t.liger or not uses:
         yield
         return
-    saved = f.apply_rotary_pos_emb
+    saved, cache = f.apply_rotary_pos_emb, {}
     try:
-        f.apply_rotary_pos_emb = rotary(model)
+        f.apply_rotary_pos_emb = rotary(cache)
         yield
     finally:
         f.apply_rotary_pos_emb = saved
+        cache.clear()
