@@ -522,8 +522,9 @@ class TrainStep:
         return contextlib.nullcontext() if self.emulated else litgpt_modules.attention_call(self.training)
 
     def __call__(self, i: int) -> None:
-        from . import liger_modules
-        with self.sdpa_pin(), self.attention_call(), liger_modules.rope(self.model, self.training):
+        from . import liger_modules, torchtitan_modules
+        with self.sdpa_pin(), self.attention_call(), liger_modules.rope(self.model, self.training), \
+                torchtitan_modules.rope(self.model, self.training):
             self._step(i)
 
     def _step(self, i: int) -> None:
