@@ -287,7 +287,7 @@ def _litgpt_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] 
     hands the loop an fp32 copy of a half output (``_FabricModule.forward``: ``convert_output``) under
     every half or mixed precision (``--cast-output``). LoRA's defaults (lora.py L56-64): dropout 0.05,
     adapters built in the weights' dtype by ``fabric.init_module`` (L209-210), on query and value
-    but not key (``lora_query=True, lora_key=False, lora_value=True``, L61-63: ``--lora-qkv q,v`` on a
+    but not key (``lora_query=True, lora_key=False, lora_value=True``, L59-61: ``--lora-qkv q,v`` on a
     model that fuses them itself, GPT-NeoX and Falcon). With ``--dp`` > 1 the
     LoRA script shards with FSDP2 and checkpoints every block (``ModelParallelStrategy`` and
     ``parallelize_fn``, L152-166, L522-543), the full script with FSDP1 (``FSDPStrategy(auto_wrap_policy=
