@@ -61,6 +61,12 @@ def test_shorter_later_batches_lower_the_later_micro_steps_only():
     assert drop_e == pytest.approx(drop_t, rel=0.02)
 
 
+#: the one-GPU QLoRA rows whose published peak is the first iteration's own: phi-1.5's layers and StableLM's
+#: hold less graph-kept input per token against their first backward than Llama-2's, so at short later
+#: micro-batches the first iteration's backward is the peak (estimate -0.03 ... +0.25 % of the figure)
+FIRST_ITERATION_QLORA = ("phi15_qlora", "stablelm3b_qlora")
+
+
 def test_published_litgpt_fsdp_rows_lie_between_the_first_iteration_and_the_longest():
     """lit-gpt's FSDP LoRA rows (resource tables, 2 and 4 A100s): the published peak lies between
     the estimate whose later micro-batches are short (128 tokens: the first iteration's peak, or
@@ -68,7 +74,8 @@ def test_published_litgpt_fsdp_rows_lie_between_the_first_iteration_and_the_long
     the first (the fixtures' setup); the single-GPU rows' peak is in the first iteration, but for
     the QLoRA rows under bitsandbytes 0.41 (MatMul4Bit keeps every linear's input on its node, so the
     previous micro-batch's graph, which the loop still references, holds them through the next
-    forward), whose published peak lies between the two as the FSDP rows' does."""
+    forward), whose published peak lies between the two as the FSDP rows' does, or, for phi-1.5 and
+    StableLM (``FIRST_ITERATION_QLORA``), is the low one: the first iteration's backward."""
     rows = [fx for fx in load_fixtures() if "litgpt_rt_" in fx["_path"] and "lora" in fx["_path"]]
     fsdp = [fx for fx in rows if "_fsdp" in fx["_path"]]
     assert len(fsdp) >= 7
@@ -77,7 +84,9 @@ def test_published_litgpt_fsdp_rows_lie_between_the_first_iteration_and_the_long
         low = _predict(estimate, dict(fx, setup=dict(fx["setup"], later_seq_len=128))).peak_allocated
         high = _predict(estimate, fx).peak_allocated
         assert low <= high
-        if fx in fsdp or fx["setup"].get("quantize"):
+        if any(k in fx["_path"] for k in FIRST_ITERATION_QLORA):
+            assert measured < high and low == pytest.approx(measured, rel=0.005), fx["name"]
+        elif fx in fsdp or fx["setup"].get("quantize"):
             assert low < measured < high, fx["name"]
         else:  # one GPU, no recompute: the first micro-batch's activations dwarf what later ones add
             assert low == pytest.approx(high, rel=0.025), fx["name"]

@@ -304,6 +304,10 @@ def _add_loss(g: Any) -> None:
                    help="the attention computes q, k and v with one fused linear and keeps its whole output while "
                         "the value (a view of it when each query head has its own key/value head) is saved: "
                         "litgpt's CausalSelfAttention (estimate only)")
+    g.add_argument("--lora-qkv", default=None, metavar="PARTS",
+                   help="with --lora-targets query_key_value on a model that fuses q/k/v (GPT-NeoX, Falcon): litgpt's "
+                        "LoRAQKVLinear with only these parts adapted, e.g. q,v (lora_query, lora_value): its delta is "
+                        "zero-padded to the fused width and kept until backward (estimate only)")
     g.add_argument("--use-cache", type=_true_false, default=None, metavar="{true,false}",
                    help="whether the forward builds a KV cache in training (transformers' config.use_cache; "
                         "default: the config's). false: the loop's model builds none (torchtune's, torchtitan's and "
@@ -525,7 +529,7 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 transformers_version=a.transformers_version,
                 fsdp_gathered=a.fsdp_gathered, fsdp_auto_wrap_policy=a.fsdp_auto_wrap_policy,
                 fsdp_min_num_params=a.fsdp_min_num_params,
-                fsdp_version=a.fsdp_version, loss_shift=a.loss_shift, cast_output=a.cast_output, fused_qkv=a.fused_qkv,
+                fsdp_version=a.fsdp_version, loss_shift=a.loss_shift, cast_output=a.cast_output, fused_qkv=a.fused_qkv, lora_qkv=a.lora_qkv,
                 use_cache=a.use_cache, attention_call=a.attention_call, split_gate_up=a.split_gate_up,
                 rms_norm=a.rms_norm, liger=a.liger, liger_version=a.liger_version,
                 target_len=a.target_len, image_size=a.image_size, images=a.images,

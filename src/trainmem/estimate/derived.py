@@ -12,8 +12,10 @@ a derived architecture whose coefficients are nowhere stored.
 
 What the derivation does not cover is refused in one line (``derived_problems``): tensor and
 context parallelism and sequence parallelism (the traced model is one GPU's), bitsandbytes 4-bit
-bases before 0.43.2 (their MatMul4Bit keeps its input on the graph). Later 4-bit bases are traced
-as such (``trainmem.bnb`` emulates bitsandbytes' ``Linear4bit``: its outputs in its input's dtype,
+bases before 0.43.2 (their MatMul4Bit keeps its input on the graph) outside decoder-only causal LMs.
+A decoder's are traced with that input kept (``trainmem.bnb``), the bytes the graph keeps after each
+layer's backward measured per layer kind (``trace.derive._graph_held``, ``LayerCoefs.graph_held``).
+4-bit bases are traced as such (``trainmem.bnb`` emulates bitsandbytes' ``Linear4bit``: its outputs in its input's dtype,
 fp32 under autocast over prepare_model_for_kbit_training's fp32 residual stream, its
 dequantized weight in backward); the forward's dequantized weight is added by ``layer_coefs``.
 """
@@ -98,8 +100,10 @@ def derived_problems(m: ModelSpec, t: TrainingSpec) -> list[str]:
     if t.softmax_saves_input:
         out.append(f"--torch-version {t.torch_version} (before 1.11 softmax also saves its input; the traces run "
                    f"the installed PyTorch)")
-    if t.quantize and t.bnb_saves_input:
-        out.append(f"--quantize {t.quantize} with bitsandbytes < 0.43.2 (MatMul4Bit saves its input)")
+    if t.quantize and t.bnb_saves_input and (m.head != "causal-lm" or m.is_encoder_decoder or m.is_vlm):
+        # (a decoder's graph-held inputs are measured per layer kind, ``trace.derive._graph_held``)
+        out.append(f"--quantize {t.quantize} with bitsandbytes < 0.43.2 on its {m.head} head (MatMul4Bit keeps its "
+                   f"input on the graph; measured for decoder-only causal LMs)")
     if t.quantize and t.quantize_via == "torchao":
         out.append("torchao NF4 base weights (torchtune's QLoRA; the derived coefficients are traced with "
                    "bitsandbytes' dequantization)")
@@ -152,6 +156,8 @@ def key(m: ModelSpec, t: TrainingSpec, one: bool | None = None) -> str:
         parts.append(("math-sdpa", "input-dtype"))
     if t.quantize:  # a 4-bit base is traced as one (the keys of other setups are unchanged)
         parts.append(("quantize", t.quantize, t.quantize_via))
+        if t.bnb_saves_input:  # bitsandbytes < 0.43.2: traced with MatMul4Bit keeping its input (``bnb_saves_input``)
+            parts.append(("bnb", "keeps-input"))
     if m.is_encoder_decoder:  # measured per backward moment (keys of earlier derivations no longer match)
         parts.append("by-moment")
         parts.append("two-lengths")  # fitted in the encoder's and the decoder's lengths (``at_lengths``)
@@ -528,7 +534,9 @@ def _canonical(t: TrainingSpec, m: ModelSpec | None = None) -> TrainingSpec:
     ``recompute`` "full" stands for "derive without the KV cache" (``without_cache``); ``--attention-call
     mha`` derives transformers' own layer, to which ``quantities.mha_kept`` adds its terms."""
     from dataclasses import replace
-    # 4-bit bases (bitsandbytes >= 0.43.2, whose MatMul4Bit keeps no input) are traced as such
+    # 4-bit bases are traced as such; every bitsandbytes before 0.43.2 keeps MatMul4Bit's input the same
+    # way (one release stands for them), later ones keep none (``TrainingSpec.bnb_saves_input``)
+    old_bnb = "0.42.0" if t.quantize and t.bnb_saves_input else None
     return replace(t, batch_size=1, seq_len=128, target_len=None, later_seq_len=None, min_seq_len=None,
                    layer_rope_cache=None, rope_cache=None, grad_accum=1, dp=1, pp=1, zero=0, fsdp=None,
                    fsdp_version=2, fsdp_gathered="none",  # (TrainingSpec refuses units kept gathered without FSDP,
@@ -540,7 +548,7 @@ def _canonical(t: TrainingSpec, m: ModelSpec | None = None) -> TrainingSpec:
                    # setup of one builds no cache but by its config, which the derivation reads)
                    recompute="full" if (t.recompute == "full" if m is not None and m.is_vlm else without_cache(t, m))
                    else "none",
-                   recompute_every=1, bitsandbytes_version=None,
+                   recompute_every=1, bitsandbytes_version=old_bnb,
                    attention_call="model" if t.attention_call == "mha" else t.attention_call,
                    images=1)  # (a VLM's points set their own images: ``trace.derive.vlm_images``)
 
@@ -598,6 +606,14 @@ def layer_coefs(m: ModelSpec, t: TrainingSpec, stage: str) -> LayerCoefs:
     # an encoder-decoder's (s, s) tensors of the moment, shared by the batch (T5's position bias)
     ssq = tuple(float(d[0]) if d else 0.0 for _k, _j, (_a, _b, _c, _g, *d) in cands)
     held = sum(doc["kinds"][k]["held"] * c for k, c in count.items()) / total
+    # per token: what the graph's nodes keep until the graph is freed, not freed by the layer's
+    # backward (bitsandbytes < 0.43.2 MatMul4Bit inputs: ``trace.derive._graph_held``)
+    graph = sum(doc["kinds"][k].get("graph", 0.0) * c for k, c in count.items()) / total
+    # the first layer's excess (LoRA: the 4-bit linears on its frozen input keep nothing) and a 4-bit
+    # head's input (the final norm's output), spread over the stage's layers: the graph's total, which
+    # the next micro-batch's forward meets, is exact; a backward moment's share of them is approximate
+    graph += (doc.get("first_graph", 0.0) if t.pp == 1 or stage == "first" else 0.0) / total
+    graph += (doc.get("head_graph", 0.0) if t.pp == 1 or stage == "last" else 0.0) / total
     # per token: the average layer's output, which a recomputed layer does not make again; its end
     # layers' own where they differ, as ``tok`` takes the first layer's excess (CLIP's top layer
     # keeps no output: nothing after it saves it)
@@ -613,7 +629,7 @@ def layer_coefs(m: ModelSpec, t: TrainingSpec, stage: str) -> LayerCoefs:
         fwd = _largest_dequantized(m, t, stage)
     return LayerCoefs(max(tok, 0.0), max(sq, 0.0), tuple((n, a, b) for n, (a, b) in sorted(parts.items())),
                       trans, held=held, cache=cache, weights=1.0, after=after, fwd_const=fwd[0], fwd_tok=fwd[1],
-                      not_recomputed=max(not_recomputed, 0.0), checkpointed=bool(doc.get("checkpointed")),
+                      not_recomputed=max(not_recomputed, 0.0), graph_held=max(graph, 0.0), checkpointed=bool(doc.get("checkpointed")),
                       transients_ssq=ssq if any(ssq) else (), transients_at=tuple(at),
                       **_sequence(doc, list(count)))
 

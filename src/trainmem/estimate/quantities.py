@@ -1249,7 +1249,37 @@ def litgpt_terms(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs) -> 
     """A layer of transformers' model as litgpt's own modules differ from it (``--fused-qkv``,
     ``--split-gate-up``), or torchvision's (``--attention-call mha``): ``lc`` with their per-token
     terms added."""
-    return mha_kept(m, t, pol, split_gate_up_kept(m, t, pol, fused_qkv_kept(m, t, pol, lc)))
+    return mha_kept(m, t, pol, split_gate_up_kept(m, t, pol, lora_qkv_kept(m, t, pol, fused_qkv_kept(m, t, pol, lc))))
+
+
+def lora_qkv_kept(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs) -> LayerCoefs:
+    """``--lora-qkv``: litgpt's ``LoRAQKVLinear`` on a model's own fused ``query_key_value`` (GPT-NeoX,
+    Falcon), against peft's adapter on the whole linear that the derived layer was traced with: bytes per
+    token of one layer, in the adapters' dtype (``pol.half`` for half adapters, else fp32; half under
+    autocast). ``forward`` runs ``after_A = F.linear(self.lora_dropout(x), self.lora_A)`` (one dropout,
+    as peft's), ``after_B = self.conv1d(after_A.transpose(-2, -1), self.lora_B.unsqueeze(-1))``, whose
+    grouped conv saves its (b, r * n, s) input where peft's ``lora_B`` saves a (b, s, r) one
+    (``lora.qkv.lora_A_rows``: (n - 1) * r more), and ``zero_pad``: with some but not all parts
+    enabled, ``result.index_copy(1, lora_ind, x.reshape(-1, sum(self.qkv_shapes)))`` scatters the
+    (b * s, enabled widths) delta into zeros of the fused width (lit_gpt/lora.py L256-296 at 8641822;
+    litgpt/lora.py L334-338 at 43c44323), and ``index_copy``'s backward reads its ``source``
+    (derivatives.yaml: ``source: grad.index_select(dim, index)...``; ``fused_qkv_lora``), so the delta
+    stays saved until the layer's backward (``lora.qkv.zero_pad``). peft's full-width delta is saved
+    by nothing. StableLM-3B, q and v: 16 layers x 8192 x 2 B = 0.27 MB per token."""
+    if not t.lora_qkv:
+        return lc
+    from .states import fused_qkv_widths
+    widths = fused_qkv_widths(m, t)
+    adapter = HALF if pol.amp else (pol.half if adapters_computed_half(t) else F32)
+    parts = [("lora.qkv.lora_A_rows", float((len(widths) - 1) * t.lora_rank * adapter))]
+    if len(widths) < 3:
+        parts.append(("lora.qkv.zero_pad", float(sum(widths) * adapter)))
+    parts = [(n, b) for n, b in parts if b]
+    if not parts:
+        return lc
+    extra = sum(b for _, b in parts)
+    tensors = lc.tensors + tuple((b, 0.0) for _, b in parts) if lc.tensors else lc.tensors
+    return replace(lc, tok=lc.tok + extra, parts=lc.parts + tuple((n, b, 0.0) for n, b in parts), tensors=tensors)
 
 
 def mha_kept(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs) -> LayerCoefs:

@@ -246,8 +246,25 @@ def _lora_tensors(m: ModelSpec, t: TrainingSpec) -> list[tuple[str, int, int | N
                 rows, cols = cols, rows
             experts = p.shape[0] if len(p.shape) == 3 else 1
             a, b = experts * t.lora_rank * cols, experts * t.lora_rank * rows
+            if t.lora_qkv and p.module == "query_key_value":  # litgpt's LoRAQKVLinear: r rows of A per part
+                widths = fused_qkv_widths(m, t, rows)
+                a, b = len(widths) * t.lora_rank * cols, t.lora_rank * sum(widths)
             out.append((p.module, a + b, p.layer, (a, b)))
     return _litgpt_adapters(out, t)
+
+
+def fused_qkv_widths(m: ModelSpec, t: TrainingSpec, rows: int | None = None) -> tuple[int, ...]:
+    """The output widths of the parts ``--lora-qkv`` enables on a model's fused ``query_key_value``
+    (``rows`` outputs: the query heads' ``m.q_size``, then two equal key/value widths), as lit-gpt's
+    ``LoRAQKVLinear`` sizes them: ``lora_A`` of ``r * sum(enable_lora)`` rows, ``lora_B`` of
+    ``sum(qkv_shapes)`` rows, ``qkv_shapes = (in_features * enable_q, kv_embd_size * enable_k,
+    kv_embd_size * enable_v)``, ``kv_embd_size = in_features // (n_head // n_query_groups)``
+    (lit_gpt/lora.py at 8641822, ``LoRAQKVLinear.__init__``; litgpt/lora.py at 43c44323 the same):
+    StableLM-3B's q, v (4096, 4096), Falcon-7B's (4544, 64) (one key/value head)."""
+    if rows is None:
+        rows = next(p.shape[0] for p in m.parameter_tensors() if p.module == "query_key_value" and len(p.shape) == 2)
+    kv = (rows - m.q_size) // 2
+    return tuple({"q": m.q_size, "k": kv, "v": kv}[part] for part in t.lora_qkv_parts)
 
 
 QKV_MODULES = ("q_proj", "k_proj", "v_proj")
@@ -493,7 +510,7 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
     key = (m, stage, t.tp, t.ep, dtensor_tp(t), t.pp, t.pp_less, t.precision, t.zero_stage, t.fsdp, t.shard_group, t.optimizer,
            t.impl, t.lora_rank, t.lora_targets, t.lora_dtype, t.distributed_optimizer, t.offload_optimizer,
            t.fp32_master, t.quantize, t.quantize_via, t.bitsandbytes_version, t.torchao_version, t.accumulates_unsharded,
-           t.fsdp_mixed_units, t.fsdp_version, t.fused_qkv, t.split_gate_up, t.layer_rope_cache, t.rope_cache, t.expandable_segments,
+           t.fsdp_mixed_units, t.fsdp_version, t.fused_qkv, t.lora_qkv, t.split_gate_up, t.layer_rope_cache, t.rope_cache, t.expandable_segments,
            layer_rotary_cache(m, t.transformers_release),
            t.gemini, t.gemini_chunk_size, t.ds_params_on_host, t.ds_whole_load, t.ds_fp32_clone, t.half_embeddings,
            t.fsdp_auto_wrap_policy, t.fsdp_min_num_params, t.torchao_block, t.torchao_offload, t.optim_target_modules,

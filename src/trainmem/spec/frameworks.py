@@ -286,7 +286,9 @@ def _litgpt_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] 
     finetune/lora.py L355, model.py L177-179: ``--loss-chunks`` ceil(seq/128)). Lightning Fabric
     hands the loop an fp32 copy of a half output (``_FabricModule.forward``: ``convert_output``) under
     every half or mixed precision (``--cast-output``). LoRA's defaults (lora.py L56-64): dropout 0.05,
-    adapters built in the weights' dtype by ``fabric.init_module`` (L209-210). With ``--dp`` > 1 the
+    adapters built in the weights' dtype by ``fabric.init_module`` (L209-210), on query and value
+    but not key (``lora_query=True, lora_key=False, lora_value=True``, L59-61: ``--lora-qkv q,v`` on a
+    model that fuses them itself, GPT-NeoX and Falcon). With ``--dp`` > 1 the
     LoRA script shards with FSDP2 and checkpoints every block (``ModelParallelStrategy`` and
     ``parallelize_fn``, L152-166, L522-543), the full script with FSDP1 (``FSDPStrategy(auto_wrap_policy=
     {Block}, activation_checkpointing_policy={Block})``, finetune/full.py L107-114). With ``--quantize``
@@ -310,6 +312,10 @@ def _litgpt_rules(view: Mapping[str, Any], model: Any, version: tuple[int, ...] 
         out["lora_dropout"] = 0.05
         if view.get("precision") in ("bf16", "fp16"):
             out["lora_dtype"] = "half"
+        targets = view.get("lora_targets") or ()
+        if "query_key_value" in modules and "query_key_value" in (targets.split(",") if isinstance(targets, str)
+                                                                 else targets):
+            out["lora_qkv"] = "q,v"  # LoRAQKVLinear on the model's fused linear: lora_query, lora_value (L59-61)
     if view.get("quantize"):
         out.update(quantize_via="fabric", optimizer="paged-adamw")
     if view.get("fsdp") is None and not view.get("zero") and _sharded(view):

@@ -374,6 +374,8 @@ class TrainingSpec:
     #                            that copy (Lightning Fabric's ``_FabricModule.forward``: ``convert_output``; litgpt)
     fused_qkv: bool = False  # q, k, v from one fused linear whose output the attention keeps while a view of it is
     #                          saved (litgpt's CausalSelfAttention); the model's transformers class has separate ones
+    lora_qkv: str | None = None  # litgpt's LoRA on a model's own fused q/k/v linear (``query_key_value``: GPT-NeoX,
+    #                              Falcon) with these parts enabled ("q,v": lora_query/lora_value); None: peft's adapter
     use_cache: bool | None = None  # whether the forward builds a KV cache in training (transformers' DynamicCache,
     #                                config.use_cache); None: the model config's. False: the loop's model builds none
     #                                (torchtune's, torchtitan's and litgpt's own model code; use_cache=False)
@@ -1296,7 +1298,27 @@ class TrainingSpec:
         """One cuBLAS handle's workspace in bytes under ``--cublas-workspace-config`` (None: not given)."""
         return None if self.cublas_workspace_config is None else parse_cublas_workspace_config(self.cublas_workspace_config)
 
+    @property
+    def lora_qkv_parts(self) -> tuple[str, ...]:
+        """The parts of a fused q/k/v linear litgpt's ``LoRAQKVLinear`` adapts (``--lora-qkv``), in q, k, v
+        order; () without it."""
+        return tuple(p for p in "qkv" if p in (self.lora_qkv or "").split(","))
+
+    def _check_lora_qkv(self) -> None:
+        if self.lora_qkv is None:
+            return
+        given = [p.strip() for p in str(self.lora_qkv).split(",")]
+        if not given or any(p not in ("q", "k", "v") for p in given) or len(set(given)) != len(given):
+            raise TrainmemError(f"--lora-qkv {self.lora_qkv!r}: name the enabled parts of the fused q/k/v linear, "
+                                f"comma-separated, each once (e.g. 'q,v' for litgpt's lora_query and lora_value)")
+        if not self.lora_rank:
+            raise TrainmemError("--lora-qkv describes litgpt's LoRA on a fused q/k/v linear: give --lora-rank too")
+        if self.fused_qkv:
+            raise TrainmemError("--lora-qkv is for models that fuse q/k/v themselves (query_key_value); --fused-qkv "
+                                "is for transformers models with separate q_proj/k_proj/v_proj: give one")
+
     def _check_fused_qkv(self) -> None:
+        self._check_lora_qkv()
         for flag, on in (("--fused-qkv", self.fused_qkv), ("--split-gate-up", self.split_gate_up)):
             if on and (self.tp > 1 or self.pp > 1):
                 raise TrainmemError(f"{flag} is litgpt's model on one GPU or data parallelism; drop "
@@ -1855,6 +1877,11 @@ def _input_problems(model: Any, t: TrainingSpec) -> str | None:
 
 def _layer_option_problems(model: Any, t: TrainingSpec) -> str | None:
     """Options of another framework's layer or loss code that the model's layers do not have."""
+    if t.lora_qkv and ("query_key_value" not in {p.module for p in model.parameter_tensors()}
+                       or "query_key_value" not in (t.lora_targets or ())):
+        return (f"--lora-qkv models litgpt's LoRA on a fused query_key_value linear (GPT-NeoX, Falcon) given as "
+                f"--lora-targets query_key_value; {model.name} has no such linear or it is not a target: "
+                f"drop --lora-qkv or target query_key_value")
     if t.fused_qkv and not {"q_proj", "k_proj", "v_proj"} <= {p.module for p in model.parameter_tensors()}:
         return (f"--fused-qkv models litgpt's fused q/k/v linear over a transformers attention with separate "
                 f"q_proj, k_proj and v_proj; {model.name}'s has none (it fuses them itself): drop --fused-qkv")

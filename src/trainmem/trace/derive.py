@@ -70,9 +70,15 @@ class NotPolynomial(TrainmemError):
 
 
 def _measured_extras(m: ModelSpec, runs: list[dict], pts: list, n_cut: int, out: dict[str, Any]) -> None:
-    """What only some models have, written into ``out``: Gemma 3n's per-layer inputs (bytes per token at
-    the cut model's ``n_cut`` layers, ``_per_layer_inputs``) and, where the logits are half, whether the
+    """What only some models have, written into ``out``: the first layer's and the head's bytes the
+    graph holds until the loop drops the loss (old bitsandbytes' kept 4-bit inputs, ``_graph_held``),
+    Gemma 3n's per-layer inputs (bytes per token at the cut model's ``n_cut`` layers,
+    ``_per_layer_inputs``) and, where the logits are half, whether the
     model's own loss upcasts them (``estimate.derived.loss_upcasts``)."""
+    for side in ("first", "head"):  # (``_graph_held``; ``estimate.derived.layer_coefs``)
+        if any(r["graph"][side] for r in runs):
+            out[f"{side}_graph"] = _fitted(m, f"{side} side's graph-held bytes", pts, [r["graph"][side] for r in runs],
+                                           ("n",))[0]
     if any(r["per_layer_inputs"] for r in runs):
         tok = _fitted(m, "per-layer inputs' bytes", pts, [r["per_layer_inputs"] for r in runs], ("n",))[0]
         out["per_layer_inputs"] = [tok, n_cut]
@@ -179,6 +185,9 @@ def _kind_coefficients(m: ModelSpec, kind: str, runs: list[dict[str, Any]], how:
     held = _fitted(m, f"layer {kind} output-held bytes", pts, [r["held"][kind] for r in runs], ("n",))[0]
     out["kinds"][kind] = {"tok": c["n"], "sq": c["nsq"], "pos": c["s"], "parts": parts, "transients": trans,
                           "cache": cache, "held": held, **_sequence(runs, kind, fit)}
+    if any(r["graph"][kind] for r in runs):  # kept by the graph's nodes until it is freed (``_graph_held``)
+        out["kinds"][kind]["graph"] = _fitted(m, f"layer {kind} graph-held bytes", pts,
+                                              [r["graph"][kind] for r in runs], ("n",))[0]
     if m.head in ENCODER_HEADS:  # (``ENCODER_TERMS``: ``estimate.derived.outer_ssq``, ``outer_per_sample``)
         out.setdefault("ssq", {})[f"kind.{kind}"] = c.get("ssq", 0.0)
         out.setdefault("per_sample", {})[f"kind.{kind}"] = c.get("b", 0.0)
@@ -682,7 +691,9 @@ def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpe
                 del out
                 released = (before, len(tracker.ev_rec))
                 loss.backward()
-                del loss
+                before = len(tracker.ev_rec)
+                del loss  # the graph goes: what its nodes kept outside save_for_backward is freed now
+                graph_freed = (before, len(tracker.ev_rec))
                 tracker.end_step()
                 tracker.mark_gradients(params)
                 views = _grad_view_bytes(tracker, params)
@@ -690,7 +701,7 @@ def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpe
             tracker.finish()
             for h in hooks:
                 h.remove()
-    return dict(_analyse(tracker, stacks, kinds, cache, released, m.vocab_size if is_lm(m) else -1,
+    return dict(_analyse(tracker, stacks, kinds, cache, (released, graph_freed), m.vocab_size if is_lm(m) else -1,
                          early_frees=m.is_encoder_decoder or m.is_image or m.head in ENCODER_HEADS,
                          shared_frees=t.batch_size if (m.is_encoder_decoder and ckpt) else 0, first_in=first_in,
                          top=top_forward_measured(m), vision=vision_in if m.is_vlm else None),
@@ -814,14 +825,13 @@ def _quiet() -> Any:
         transformers.logging.set_verbosity(level)
 
 
-def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cache: list, released: tuple[int, int],
-             vocab: int, early_frees: bool = False, shared_frees: int = 0, first_in: list | None = None,
+def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cache: list,
+             windows: tuple[tuple[int, int], ...], vocab: int, early_frees: bool = False, shared_frees: int = 0, first_in: list | None = None,
              top: bool = False, vision: list | None = None) -> dict[str, Any]:
     recs = tracker.records
     measure_top = top  # (``top`` names the top layer's index below)
     first_ids = {r.rid for r in first_in or ()}  # the first layer's hidden-state input (``_first_input``)
-    fwd = next(pm for pm in tracker.phase_marks if pm.name == "forward")
-    end = fwd.end_event
+    end = next(pm for pm in tracker.phase_marks if pm.name == "forward").end_event
     pat, layer_of, starts, ends = _layer_index(stacks)
     logits = [r for r in recs if r.category == "logits"]
     logits_ev, events = logits[0].alloc_event if logits else end, defaultdict(list)
@@ -830,8 +840,7 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
         if i is not None:
             events[i].append(r.alloc_event)
     layer_events = [e for v in events.values() for e in v]
-    first_layer_ev = min(layer_events, default=0)
-    last_layer_ev = max(layer_events, default=0)
+    first_layer_ev, last_layer_ev = min(layer_events, default=0), max(layer_events, default=0)
     # an encoder-decoder's tensors made between its stacks (the encoder's final norm, the decoder's
     # embeddings and masks) are the embedding side's, like those made before the first layer
     gaps = [(max(events[e], default=0), min(events[s_], default=0)) for e, s_ in zip(ends, starts[1:])]
@@ -839,7 +848,7 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
     def alive_at(r: Any, e: int) -> bool:
         return r.alloc_event <= e and (r.free_event is None or r.free_event > e)
 
-    saved_rec: dict[int, list[Any]] = defaultdict(list)
+    saved_rec, head_rec = defaultdict(list), []  # (the layers' records alive at the end; the head side's)
     embed = head = first_input = head_wcast = 0
     head_loss = _head_loss(tracker, recs, end, (last_layer_ev, logits_ev))
     seen = _vision_saved(recs, end, {r.rid for r in vision}) if vision is not None else set()
@@ -856,6 +865,7 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
             first_input += r.nbytes if r.rid in first_ids else 0
         elif last_layer_ev < r.alloc_event < logits_ev:
             head += r.nbytes
+            head_rec.append(r)
             head_wcast += r.nbytes if (r.op == "_to_copy" and len(r.shape or ()) == 2) else 0
     # a kind's bytes come from a layer inside its stack when the cut model has one. The top layer's
     # output may be kept by what follows it (a post-norm model's final norm saves it, OLMo 2): that
@@ -881,14 +891,15 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
     base = _moment_bases(recs, layer_of, at, saved_rec, shared_frees, (end, logits_ev), vocab)
     outputs = _layer_outputs(recs, layer_of, saved_rec, kinds, typical, top, image and top_less != 0,
                              sorted(set(starts + ends) - {top}))
-    kv, held = _kv_and_held(recs, cache, layer_of, typical, released)
+    kv, held = _kv_and_held(recs, cache, layer_of, typical, windows[0])
+    graph = _graph_sides(saved_rec, kinds, typical, head_rec, windows[1])
     # the logits' element size: BART adds its fp32 ``final_logits_bias`` buffer to the half head
     # output under autocast, so its logits (and its loss) are fp32 (estimate.quantities.loss_bytes)
     logits_bytes = logits[0].nbytes // max(1, _numel(logits[0].shape)) if logits else 0
     return {"saved": saved, "logits_bytes": logits_bytes, "loss_upcast": _loss_upcasts(recs, logits),
             "vision": sum(r.nbytes for r in recs if r.rid in seen),
             "wcast": wcast, "parts": parts, "early": early, "base": base,
-            "cache": kv, "held": held,
+            "cache": kv, "held": held, "graph": graph,
             "embed": embed, "head": head, "head_loss": head_loss - head, "first": first, "transient": trans,
             "made": made, "total_g": total_g, "first_input": first_input, "sequence": sequence, **outputs,
             "head_forward": _head_forward(tracker, recs, (last_layer_ev, logits_ev), head) if image else 0,
@@ -960,6 +971,28 @@ def _kv_and_held(recs: list, cache: list, layer_of: Any, typical: dict[str, int]
     held = {kind: sum(r.nbytes for r in recs if layer_of(r) == i and r.free_event is not None
                       and released[0] <= r.free_event < released[1]) for kind, i in typical.items()}
     return kv, held
+
+
+def _graph_held(saved: list, graph_freed: tuple[int, int]) -> int:
+    """Bytes of a layer's forward tensors that outlive its backward and die with the graph, when
+    the loop drops the loss (``graph_freed``: the events of ``del loss``): what autograd nodes keep
+    outside ``save_for_backward``, which backward does not release. bitsandbytes < 0.43.2's
+    ``MatMul4Bit`` keeps its input ``A`` so (``ctx.tensors = (A, B)``, ``autograd/_functions.py``
+    L522-523 at 0.42.0; emulated by ``trainmem.bnb``); the engine counts these bytes for every layer
+    whose backward has run (``LayerCoefs.graph_held``, ``moments``' ``graph_layer``)."""
+    return sum(r.nbytes for r in saved if r.free_event is not None and graph_freed[0] <= r.free_event < graph_freed[1])
+
+
+def _graph_sides(saved_rec: dict[int, list], kinds: list[str], typical: dict[str, int], head_rec: list,
+                 graph_freed: tuple[int, int]) -> dict[str, int]:
+    """What the graph keeps after backward (``_graph_held``): per kind at its typical layer; ``first``,
+    the first layer's excess over its kind's (LoRA: its frozen input needs no gradient, so the 4-bit
+    linears on it keep nothing; GPT-NeoX's parallel MLP keeps none of its inputs there); ``head``, the
+    head side's (a 4-bit ``lm_head``'s input, the final norm's output: Fabric quantizes the head too)."""
+    graph = {kind: _graph_held(saved_rec[i], graph_freed) for kind, i in typical.items()}
+    graph["first"] = _graph_held(saved_rec[0], graph_freed) - graph[kinds[0]] if typical[kinds[0]] != 0 else 0
+    graph["head"] = _graph_held(head_rec, graph_freed)
+    return graph
 
 
 def _head_loss(tracker: Any, recs: list, end: int, window: tuple[int, int]) -> int:
