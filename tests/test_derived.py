@@ -496,7 +496,8 @@ CATALOGUE_GAPS: dict[str, str] = {}
 def test_every_catalogue_model_type_agrees_with_trace(model_type):
     """Each model type of the catalogue (hand-written families and derived architectures), its
     first entry cut to 4 layers (an encoder-decoder to 2 + 2; DeepSeek-V3 keeps one MoE layer after
-    its 3 dense ones), bf16-amp, batch 2 x 512 tokens (an image model at its image size): the
+    its 3 dense ones), bf16-amp, batch 2 x 512 tokens (an image model at its image size; a
+    vision-language model 2 x 1024 with one image per sample): the
     estimate within 0.5% of the trace, both with expandable segments (so that the allocator's unsplit
     1-10 MiB block remainders, which the estimate does not place, do not enter, and both charge each
     tensor its 512 B-rounded block)."""
@@ -504,6 +505,8 @@ def test_every_catalogue_model_type_agrees_with_trace(model_type):
     cfg = _cut_to(name, 2 if trainmem.resolve_model(name).is_encoder_decoder else 4)
     m = trainmem.resolve_model(cfg)
     size = {} if m.is_image else {"target_len": 128} if m.is_speech_seq2seq else {"seq_len": 512}
+    if m.is_vlm:  # one image per sample within the tokens: LLaVA-1.5's 576, Qwen2.5-VL's 64 at 224 px
+        size = dict(seq_len=1024, **({"image_size": 224} if model_type.startswith("qwen2") else {}))
     setup = dict(batch_size=2, precision="bf16-amp", expandable_segments=True, **size)
     est = trainmem.estimate(cfg, **setup).peak_allocated
     tr = trainmem.trace(cfg, **setup).peak_allocated
