@@ -156,7 +156,7 @@ def test_layer_units_without_fsdp1_and_lora_is_a_warning():
 
 def test_published_litgpt_fsdp_lora_runs():
     """lit-gpt's FSDP LoRA resource table (Fabric FSDP1, Block units, no_backward_sync): 7 runs that
-    trainmem missed by 36-75% before these two mechanisms. The estimate is the steady state (the
+    trainmem missed by 36-75% before these two mechanisms, and its 3 StableLM-Alpha-3B rows. The estimate is the steady state (the
     unsharded no_sync gradients beside a full-length micro-batch); lit-gpt 8641822 puts its longest
     sample in the first iteration only, when no gradient exists yet, so a published peak lies at
     most the gradients below the estimate (phi-1.5 at micro-batch 2 and 4 with Fabric's fp32
@@ -166,7 +166,7 @@ def test_published_litgpt_fsdp_lora_runs():
     from trainmem.validate import validate
     v = validate(None, ["estimate"], ["litgpt_rt_"])
     checks = [c for c in v.checks if "FSDP" in c.case and c.primary]
-    assert len(checks) == 7
+    assert len(checks) == 10
     for c in checks:
         assert c.error > -0.06, (c.case, c.error)
         fx = next(json.loads(p.read_text()) for p in Path(__file__).resolve().parents[1].glob(
