@@ -942,8 +942,8 @@ def _notes(m: ModelSpec, doc: dict[str, Any], attention: str, t: TrainingSpec) -
         out.append(f"{m.model_type}: no micro-batch-1 coefficients are stored for this setup and deriving them "
                    f"needs torch: it is estimated with those fitted on batches of 2 and more, which count as "
                    f"copies a few tensors that are views at batch 1 (slightly high)")
-    if reference_path_note(m.model_type):
-        out.append(reference_path_note(m.model_type))
+    if note := reference_path_note(m.model_type):
+        out.append(note)
     if doc.get("attention") == "eager" and t.attention != "eager":
         out.append(f"{m.architecture} has no SDPA attention in transformers: it runs eager attention "
                    f"(--attention {attention} is not honoured)")

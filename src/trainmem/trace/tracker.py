@@ -185,7 +185,7 @@ class Tracker(TorchDispatchMode):
         self.warnings: list[str] = []
         self.ops_seen = 0
         self.data_dependent = 0
-        self.value_reads: list[str] = []  # host reads of integer tensors' values (``note_value_read``)
+        self.value_read = ""  # the last host read of an integer tensor's values (``note_value_read``)
         self._scalar_producer: dict[int, str] = {}
         self._scopes: list[tuple[str, str]] = []
         self._paused = False      # ops pass through uncounted (trace --compile: fused kernels' insides)
@@ -261,15 +261,15 @@ class Tracker(TorchDispatchMode):
                 isinstance(e, NotImplementedError):
             return DataDependentSize(f"{name.split('.')[0]} in {where}: its size is a count of a tensor's values, "
                                      f"which the trace has no data for (a per-expert MoE loop)")
-        if self.value_reads and name.split(".")[0] in ("split_with_sizes", "split"):
+        if self.value_read and name.split(".")[0] in ("split_with_sizes", "split"):
             return DataDependentSize(f"{name.split('.')[0]} in {where}: sizes from a tensor's "
-                                     f"{self.value_reads[-1]}, zeros without data (a per-expert MoE loop)")
+                                     f"{self.value_read}, zeros without data (a per-expert MoE loop)")
         return e
 
     def note_value_read(self, what: str) -> None:
         """Remember that the program read the values of a non-scalar device integer tensor to the host (its
         ``.tolist()``, answered with zeros): what and where (``_sized_by_data``)."""
-        self.value_reads.append(what)
+        self.value_read = what
 
     def _note_scalar(self, func: Any, out: Any) -> None:
         """Remember which op made a device bool scalar (``all``, ``any``...), for its host read."""
