@@ -63,6 +63,6 @@ def test_a_model_without_a_fused_linear_is_refused():
 
 
 def test_trace_refuses_it_in_one_line():
-    with pytest.raises(trainmem.TrainmemError, match="--lora-qkv q,v: trace runs peft's adapter") as e:
+    with pytest.raises(trainmem.TrainmemError, match="--lora-qkv q,v: trace and measure run peft's adapter") as e:
         trainmem.trace(NEOX, lora_qkv="q,v", **SETUP)
     assert "\n" not in str(e.value)

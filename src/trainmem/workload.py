@@ -182,8 +182,8 @@ def _check_litgpt_modules(t: TrainingSpec) -> None:
     adapters compute in the input's dtype (``LoRALinear.forward`` casts nothing, so litgpt builds them
     in the weights' dtype under a pure half precision: ``fabric.init_module``)."""
     if t.lora_qkv:
-        raise TrainmemError(f"--lora-qkv {t.lora_qkv}: trace runs peft's adapter on the whole query_key_value, not "
-                            "litgpt's LoRAQKVLinear (its zero-padded delta); use estimate")
+        raise TrainmemError(f"--lora-qkv {t.lora_qkv}: trace and measure run peft's adapter on the whole "
+                            "query_key_value, not litgpt's LoRAQKVLinear (its zero-padded delta); use estimate")
     flag = "--fused-qkv" if t.fused_qkv else "--split-gate-up" if t.split_gate_up else ""
     if not flag:
         return
