@@ -69,7 +69,11 @@ def test_malformed_fixture(tmp_path):
 
 @pytest.mark.parametrize("item, match", [({"quantity": "peak_bogus", "mib": 1}, "unknown quantity"),
                                          ({"quantity": "phase:forward:allocated", "mib": 1}, "unknown quantity"),
-                                         ({"quantity": "peak_allocated"}, "no bytes/mib/gib")])
+                                         ({"quantity": "peak_allocated"}, "no bytes/mib/gib"),
+                                         ({"quantity": "peak_allocated", "mib": 1, "baseline_bytes": -2},
+                                          "baseline_bytes must be a non-negative"),
+                                         ({"quantity": "peak_allocated", "mib": 1, "baseline_bytes": "2MiB"},
+                                          "baseline_bytes must be a non-negative")])
 def test_bad_measured_item_is_refused_on_load(tmp_path, item, match):
     fx = _tiny()
     fx["measured"] = [item]
@@ -137,3 +141,21 @@ def test_to_dict_is_json(tmp_path):
     d = to_dict(validate(str(tmp_path), ["estimate"]))
     json.dumps(d)
     assert d["cases"][0]["framework"] == "test" and d["cases"][0]["source_url"] == "https://x"
+
+
+def test_baseline_bytes_is_subtracted_from_the_prediction(tmp_path):
+    """A figure published as (quantity - baseline) is compared with the prediction less the same
+    bytes: the same fixture with and without a 2 MiB baseline differs by exactly 2 MiB predicted,
+    the measured value as written."""
+    plain, based = _tiny(), _tiny()
+    based["measured"] = [{"quantity": "peak_allocated", "mib": 600, "baseline_bytes": 2**21},
+                         {"quantity": "phase:optimizer_step@1:allocated", "mib": 500, "baseline_bytes": 2**21}]
+    plain["measured"] = [{"quantity": "peak_allocated", "mib": 600},
+                         {"quantity": "phase:optimizer_step@1:allocated", "mib": 500}]
+    for name, fx in (("plain.json", plain), ("based.json", based)):
+        (tmp_path / name.split(".")[0]).mkdir()
+        _write(tmp_path / name.split(".")[0], name, fx)
+    a = run(str(tmp_path / "plain"), ["estimate"])
+    b = run(str(tmp_path / "based"), ["estimate"])
+    assert [c.measured for c in a] == [c.measured for c in b] == [600 * 2**20, 500 * 2**20]
+    assert all(x.predicted and y.predicted == x.predicted - 2**21 for x, y in zip(a, b))

@@ -6,6 +6,10 @@ with its value in ``bytes``, ``mib`` or ``gib``. A quantity is ``peak_allocated`
 ``peak_active``, ``peak_reserved``, ``device_used`` or ``phase:NAME@STEP:FIELD`` (FIELD =
 allocated | peak | reserved). ``peak_active`` is ``torch.cuda.memory_stats()["active_bytes.all.peak"]``
 (torchtune's ``peak_memory_active``), predicted by the allocated peak (:func:`quantity`).
+A measured item may carry ``baseline_bytes``: the published figure is the quantity minus a value the
+run read before it built anything (PEFT's MetaMathQA benchmark subtracts ``init_accelerator()``'s
+2 MiB reservation from every figure), so the prediction is compared after subtracting the same
+bytes (:func:`predicted_value`).
 
 Published fixtures (``validation/published/``) also say where the numbers come from: ``source``
 (author, title, ``url``, ``where`` in the text), ``framework`` and ``framework_version``, ``gpu``,
@@ -120,6 +124,9 @@ def _check_fixture(fx: dict[str, Any], path: str) -> None:
         if not _is_number(item[units[0]]):
             raise TrainmemError(f"fixture {path}: measured {item['quantity']!r}: {units[0]} must be a non-negative "
                                 f"number, got {item[units[0]]!r}")
+        if "baseline_bytes" in item and not _is_number(item["baseline_bytes"]):
+            raise TrainmemError(f"fixture {path}: measured {item['quantity']!r}: baseline_bytes must be a "
+                                f"non-negative number of bytes, got {item['baseline_bytes']!r}")
 
 
 def default_root() -> str:
@@ -281,6 +288,15 @@ def _chosen(which: list[str] | None) -> dict[str, Callable[..., MemoryReport]]:
     return {k: v for k, v in preds.items() if k in which}
 
 
+def predicted_value(report: MemoryReport, item: dict[str, Any]) -> int | None:
+    """What a report predicts for one measured item: :func:`quantity` less the item's
+    ``baseline_bytes`` (0 when absent), the bytes the published figure already had subtracted."""
+    value = quantity(report, item["quantity"])
+    if value is None:
+        return None
+    return value - int(round(item.get("baseline_bytes", 0)))
+
+
 def _predict(fn: Callable[..., MemoryReport], fx: dict[str, Any]) -> MemoryReport:
     """One predictor's report for a fixture (every predictor takes the API's options)."""
     opts = dict(fx["setup"])
@@ -315,7 +331,7 @@ def _reason(e: BaseException) -> str:
 def _checks_of(fx: dict[str, Any], pname: str, report: MemoryReport) -> list[Check]:
     primary = primary_quantity(fx)
     name, fw, src = case_name(fx), framework(fx), source_label(fx)
-    return [Check(name, pname, item["quantity"], _value(item), quantity(report, item["quantity"]), fw, src,
+    return [Check(name, pname, item["quantity"], _value(item), predicted_value(report, item), fw, src,
                   item["quantity"] == primary) for item in fx["measured"]]
 
 
