@@ -5,7 +5,7 @@ that need the model too (heads divisible by TP, layers by PP) are in ``check_aga
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, asdict, field
+from dataclasses import dataclass, asdict, field, fields
 from typing import Any
 
 from ..errors import TrainmemError
@@ -461,8 +461,7 @@ class TrainingSpec:
         if self.zero_init is not None:
             _choice("zero_init", self.zero_init, ZERO_INIT)
         self._check_transformer_impl()
-        if not isinstance(self.expandable_segments, bool):
-            raise TrainmemError(f"--expandable-segments is on or off (True or False), got {self.expandable_segments!r}")
+        self._check_switches()
         self._check_cublas_workspace_config()
         preference = preference_problem(self)
         if preference:
@@ -519,6 +518,16 @@ class TrainingSpec:
             raise TrainmemError(f"optimizer_bucket_mb must be positive, got {self.optimizer_bucket_mb}")
         if self.num_microbatches_in_flight is not None and self.num_microbatches_in_flight <= 0:
             raise TrainmemError("num_microbatches_in_flight must be positive")
+
+    def _check_switches(self) -> None:
+        """Each on/off field (annotated ``bool``, or ``bool | None`` where None means the framework's or the
+        config's default) holds True or False: a string such as ``"true"`` from the Python API would
+        otherwise be taken as set whatever it says."""
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.type in ("bool", "bool | None") and not isinstance(v, bool) and not (v is None and "None" in f.type):
+                raise TrainmemError(f"--{f.name.replace('_', '-')} is on or off (True or False"
+                                    f"{', or None for the default' if 'None' in f.type else ''}), got {v!r}")
 
     def _check_optimizer_name(self) -> None:
         """The optimizer: an HF name trainmem refuses (one line saying why), one of ``OPTIMIZERS``, its
