@@ -116,6 +116,9 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
         flag = "--liger" if t.liger else "--loss fused"
         raise TrainmemError(f"{flag} runs Liger-Kernel's Triton kernels, which {what} does not install; use trace "
                             "(which emulates their memory, liger_modules) or estimate")
+    if t.mixer_kernels == "fused" and what != "trace":
+        raise TrainmemError(f"--mixer-kernels fused runs flash-linear-attention's and causal-conv1d's kernels, which "
+                            f"{what} does not install; use trace (which emulates their memory, fla_modules) or estimate")
     if t.loss == "vocab-parallel" and (t.tp > 1 or t.pp > 1 or t.cast_output or t.loss_shift == "logits"):
         raise TrainmemError(f"--loss vocab-parallel: {what} runs Megatron-LM's cross-entropy on one rank's whole "
                             "logits (no --tp, --pp, --cast-output or --loss-shift logits); use estimate")
@@ -525,9 +528,9 @@ class TrainStep:
         return contextlib.nullcontext() if self.emulated else litgpt_modules.attention_call(self.training)
 
     def __call__(self, i: int) -> None:
-        from . import liger_modules, torchtitan_modules
+        from . import fla_modules, liger_modules, torchtitan_modules
         with self.sdpa_pin(), self.attention_call(), liger_modules.rope(self.model, self.training), \
-                torchtitan_modules.rope(self.model, self.training):
+                torchtitan_modules.rope(self.model, self.training), fla_modules.fused_mixers(self.training):
             self._step(i)
 
     def _step(self, i: int) -> None:
