@@ -102,6 +102,8 @@ def test_trace_runs_the_fused_mixer_and_says_so():
     assert fused.training.mixer_kernels == "fused"
     assert reference_path_note("qwen3_5_text", "fused") in fused.warnings
     assert reference_path_note("qwen3_5_text") in ref.warnings
+    assert "give --mixer-kernels fused" in reference_path_note("qwen3_5_text")
+    assert "not modelled" in reference_path_note("mamba2")  # (no fused path of its own here)
 
 
 def test_fused_estimate_agrees_with_trace():

@@ -63,6 +63,7 @@ def reference_path_note(model_type: str, mixer_kernels: str = "reference") -> st
         return (f"{model_type}: its gated delta net modelled on flash-linear-attention 0.5's and causal-conv1d "
                 f"1.6's fused kernels (--mixer-kernels fused), as a GPU run takes it with both installed")
     names = " and ".join(packages)
+    fused = "give --mixer-kernels fused to model them" if model_type in FUSED_MODULES else "not modelled"
     return (f"{model_type}: modelled on transformers' reference PyTorch path of its mixer, which a GPU run takes "
             f"without {names} installed; with them installed it runs their fused kernels, which keep other "
-            f"tensors (not modelled)")
+            f"tensors ({fused})")
