@@ -117,18 +117,22 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
                          dtype=torch.float32, device=g.device)
         dw = torch.empty_like(w)
         if H != HV:                                                      # the grouped heads summed (L761-763)
-            dq, dk = dq.view(B, T, H, HV // H, K).sum(3), dk.view(B, T, H, HV // H, K).sum(3)
+            dq = dq.view(B, T, H, HV // H, K).sum(3)
+            dk = dk.view(B, T, H, HV // H, K).sum(3)
         dg = dg.sum(0)                                                   # L764-765
         dk2 = k.new_empty(B, T, HV, K)                                   # prepare_wy_repr_bwd (wy_fast.py L314-317)
-        dv, dg2, db = torch.empty_like(v), torch.empty_like(g), torch.empty_like(beta)
+        dv_wy, dg2, db = torch.empty_like(v), torch.empty_like(g), torch.empty_like(beta)
         if H != HV:
             dk2 = dk2.view(B, T, H, HV // H, K).sum(3)                   # L340-341
+        dv = dv_wy                                                       # (the returned dv replaces bwd_dhu's)
+        del dv_wy
         dk.add_(dk2)                                                     # chunk.py L244-245
         dg.add_(dg2)
         dg = torch.empty_like(dg, dtype=torch.float32)                   # reverse chunk_local_cumsum (L246)
         del w, u, h, v_new, dh, dw, dk2, dg2                             # chunk_gated_delta_rule_bwd returns
-        if ctx.l2norm:                                                   # l2norm_bwd (l2norm.py L212): dx
-            dq, dk = torch.empty_like(q), torch.empty_like(k)            # in y's dtype (chunk.py L383-385)
+        if ctx.l2norm:                                                   # l2norm_bwd (l2norm.py L212): dx in
+            dq = torch.empty_like(q)                                     # y's dtype, one after the other
+            dk = torch.empty_like(k)                                     # (chunk.py L383-385)
         return dq.to(q), dk.to(k), dv.to(v), dg.to(g), db.to(beta), None, None
 
 
