@@ -119,6 +119,7 @@ def test_fused_estimate_agrees_with_trace():
     ("llama-3.2-1b", {}, "--mixer-kernels fused models flash-linear-attention"),
     (QWEN35, {"compile": True}, "--mixer-kernels fused is modelled in eager steps"),
     (QWEN35, {"mixer_kernels": "triton"}, "--mixer-kernels"),
+    (QWEN35, {"transformers_version": "5.20.0"}, "modelled on transformers 5.24's gated delta net"),
 ])
 def test_refused_in_one_line(model, options, names):
     opts = {"mixer_kernels": "fused", **SETUP, **options}

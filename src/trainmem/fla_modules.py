@@ -11,7 +11,8 @@ output_final_state=cache is not None, use_qk_l2norm_in_kernel=True)`` and
 training whenever the forward builds a cache (``use_cache``, the config's by default). The gated RMSNorm
 after the rule (``Qwen3_5RMSNormGated``, ``Qwen3NextRMSNormGated``) is transformers' torch module on both
 paths in 5.24 (``use_kernel_forward_from_hub("RMSNormGated")`` swaps it only for a kernelized model;
-transformers 4.57 took fla's ``FusedRMSNormGated`` instead): unchanged here.
+earlier modeling files took fla's ``FusedRMSNormGated`` where fla imported, so ``TrainingSpec`` refuses
+``--mixer-kernels fused`` with an older ``--transformers-version``): unchanged here.
 
 Their Triton and CUDA kernels cannot run on trace's fake tensors, so each Function here is an emulation of
 the kernel's memory, as ``liger_modules`` is of Liger's: it allocates what the package's Python code

@@ -1370,6 +1370,13 @@ class TrainingSpec:
         _choice("mixer-kernels", self.mixer_kernels, MIXER_KERNELS)
         if self.mixer_kernels == "fused" and self.compile:
             raise TrainmemError("--mixer-kernels fused is modelled in eager steps; drop --compile or --mixer-kernels")
+        # earlier 5.x modeling files imported fla's functions directly and swapped the gated RMSNorm for fla's
+        # FusedRMSNormGated when fla imported (``if FusedRMSNormGated is None else FusedRMSNormGated(...)``)
+        if (self.mixer_kernels == "fused" and self.transformers_version is not None
+                and parse_transformers_version(self.transformers_version) < (5, 24)):
+            raise TrainmemError(f"--mixer-kernels fused is modelled on transformers 5.24's gated delta net (torch "
+                                f"gated RMSNorm, fla's rule through use_kernel_func_from_hub_with_fallback); "
+                                f"--transformers-version {self.transformers_version} is older: drop one of them")
 
     def liger_release(self) -> tuple[int, ...]:
         """``liger_version`` as numbers (``"0.6.4"`` -> (0, 6, 4)); None: a current release."""
