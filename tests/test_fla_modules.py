@@ -23,6 +23,12 @@ QWEN35 = dict(model_type="qwen3_5_text", architectures=["Qwen3_5ForCausalLM"], h
               num_hidden_layers=4, vocab_size=1000, intermediate_size=256, num_attention_heads=4,
               num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
               linear_key_head_dim=32, linear_value_head_dim=32)
+#: Qwen3-Next at a small size (hidden 256, 4 layers, 4 experts; as tests/test_pointderive.py's)
+QWEN3_NEXT = dict(model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"], hidden_size=256,
+                  num_hidden_layers=4, vocab_size=1000, intermediate_size=512, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+                  linear_key_head_dim=64, linear_value_head_dim=64, num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=256, shared_expert_intermediate_size=256)
 SETUP = dict(batch_size=2, seq_len=512, precision="bf16-amp")
 
 
@@ -106,10 +112,11 @@ def test_trace_runs_the_fused_mixer_and_says_so():
     assert "not modelled" in reference_path_note("mamba2")  # (no fused path of its own here)
 
 
-def test_fused_estimate_agrees_with_trace():
-    est = trainmem.estimate(QWEN35, mixer_kernels="fused", **SETUP)
-    tr = trainmem.trace(QWEN35, mixer_kernels="fused", **SETUP)
-    ref = trainmem.estimate(QWEN35, **SETUP)
+@pytest.mark.parametrize("cfg", [QWEN35, pytest.param(QWEN3_NEXT, marks=pytest.mark.slow)], ids=["qwen3_5", "qwen3_next"])
+def test_fused_estimate_agrees_with_trace(cfg):
+    est = trainmem.estimate(cfg, mixer_kernels="fused", **SETUP)
+    tr = trainmem.trace(cfg, mixer_kernels="fused", **SETUP)
+    ref = trainmem.estimate(cfg, **SETUP)
     assert abs(est.peak_allocated / tr.peak_allocated - 1) <= 0.01
     assert est.peak_allocated < ref.peak_allocated  # coefficients derived under the fused path, keyed apart
     assert any("--mixer-kernels fused" in w for w in est.warnings)
