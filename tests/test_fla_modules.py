@@ -141,3 +141,10 @@ def test_measure_refuses_fused():
     with pytest.raises(trainmem.TrainmemError, match="--mixer-kernels fused runs .* use trace"):
         check_supported(t, "measure")
     check_supported(t, "trace")
+
+
+def test_derived_key_names_the_fused_path():
+    from trainmem.estimate import derived
+    ref = trainmem.resolve(QWEN35, **SETUP)
+    fused = trainmem.resolve(QWEN35, mixer_kernels="fused", **SETUP)
+    assert derived.key(fused.model, fused.training) != derived.key(ref.model, ref.training)

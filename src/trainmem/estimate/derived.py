@@ -29,7 +29,7 @@ from functools import lru_cache
 from typing import Any
 
 from ..errors import TrainmemError
-from ..spec.kernel_paths import reference_path_note
+from ..spec.kernel_paths import FUSED_RELEASES, reference_path_note
 from ..spec.model import ModelSpec
 from ..spec.profile import read_cached, write_cached
 from ..spec.tf_releases import (DERIVED_TYPES, cache_values_own_dtype, code_release, kv_cache_kind, parse_transformers_version,
@@ -153,7 +153,7 @@ def key(m: ModelSpec, t: TrainingSpec, one: bool | None = None) -> str:
     if t.attention_call == "repeat-kv":  # traced with litgpt's SDPA call (the keys of other setups are unchanged);
         parts.append(("attention-call", t.attention_call))  # mha's terms are added to transformers' layer (mha_kept)
     if t.mixer_kernels == "fused":  # traced with fla's and causal-conv1d's Functions (fla_modules; others unchanged)
-        parts.append(("mixer-kernels", t.mixer_kernels))
+        parts.append(("mixer-kernels", t.mixer_kernels, FUSED_RELEASES))
     if not t.math_sdpa_upcasts:  # PyTorch < 2.5: traced with SDPA's math kernel in the inputs' dtype
         parts.append(("math-sdpa", "input-dtype"))
     if t.quantize:  # a 4-bit base is traced as one (the keys of other setups are unchanged)

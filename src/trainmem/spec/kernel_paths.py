@@ -43,6 +43,9 @@ MIXER_KERNELS = ("reference", "fused")
 FUSED_MODULES: dict[str, str] = {"qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe",
                                  "qwen3_5_moe_text": "qwen3_5_moe", "qwen3_next": "qwen3_next"}
 
+#: the package releases whose Functions ``trainmem.fla_modules`` emulates (part of the derived coefficients' key)
+FUSED_RELEASES = "flash-linear-attention 0.5.2, causal-conv1d 1.6.1.post4"
+
 
 def fused_problem(model_type: str, name: str) -> str | None:
     """Why ``--mixer-kernels fused`` cannot be modelled for this model (None: it can)."""
