@@ -207,6 +207,8 @@ CASES = [
     ({"loss": "fused"}, CHANGED, ""), ({"liger": True}, CHANGED, ""),
     ({"liger": True, "liger_version": "0.6.1", "precision": "bf16"}, CHANGED, ""),
     ({"liger_version": "0.6.1"}, REFUSED, "--liger-version"), ({"liger": True, "compile": True}, REFUSED, "--liger"),
+    # flash-linear-attention's gated delta net (trainmem.fla_modules; tests/test_fla_modules.py runs Qwen3.5's)
+    ({"mixer_kernels": "fused"}, REFUSED, "--mixer-kernels fused"),
     ({"loss": "chunked-nll"}, CHANGED, ""),  # TRL's chunked_nll, run as TRL writes it (workload._chunked_nll_loss)
     ({"loss": "chunked-nll", "tp": 2}, REFUSED, "--loss chunked-nll"),
     ({"master_weights": "fp32", "precision": "bf16"}, REFUSED, "--master-weights fp32"),

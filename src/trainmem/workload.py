@@ -112,10 +112,7 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
         raise TrainmemError(f"--recompute selective is a Megatron feature; {what} supports none, full and op "
                             "(transformers gradient checkpointing, torchtitan's per-op policy)")
     _check_unsloth(t, what)
-    if (t.liger or t.loss == "fused") and what != "trace":
-        flag = "--liger" if t.liger else "--loss fused"
-        raise TrainmemError(f"{flag} runs Liger-Kernel's Triton kernels, which {what} does not install; use trace "
-                            "(which emulates their memory, liger_modules) or estimate")
+    _check_emulated_kernels(t, what)
     if t.loss == "vocab-parallel" and (t.tp > 1 or t.pp > 1 or t.cast_output or t.loss_shift == "logits"):
         raise TrainmemError(f"--loss vocab-parallel: {what} runs Megatron-LM's cross-entropy on one rank's whole "
                             "logits (no --tp, --pp, --cast-output or --loss-shift logits); use estimate")
@@ -133,6 +130,18 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
         raise TrainmemError(f"--master-weights fp32: {what} runs torch.optim on the half parameters, which keeps "
                             "no fp32 master copy; use estimate for a framework that keeps one (or trace --zero N, "
                             "DeepSpeed's engine)")
+
+
+def _check_emulated_kernels(t: TrainingSpec, what: str) -> None:
+    """Packages' kernels that trace emulates (Liger-Kernel's: liger_modules; flash-linear-attention's and
+    causal-conv1d's: fla_modules) and the other commands do not install."""
+    if (t.liger or t.loss == "fused") and what != "trace":
+        flag = "--liger" if t.liger else "--loss fused"
+        raise TrainmemError(f"{flag} runs Liger-Kernel's Triton kernels, which {what} does not install; use trace "
+                            "(which emulates their memory, liger_modules) or estimate")
+    if t.mixer_kernels == "fused" and what != "trace":
+        raise TrainmemError(f"--mixer-kernels fused runs flash-linear-attention's and causal-conv1d's kernels, which "
+                            f"{what} does not install; use trace (which emulates their memory, fla_modules) or estimate")
 
 
 def _check_unsloth(t: TrainingSpec, what: str) -> None:
@@ -525,9 +534,9 @@ class TrainStep:
         return contextlib.nullcontext() if self.emulated else litgpt_modules.attention_call(self.training)
 
     def __call__(self, i: int) -> None:
-        from . import liger_modules, torchtitan_modules
+        from . import fla_modules, liger_modules, torchtitan_modules
         with self.sdpa_pin(), self.attention_call(), liger_modules.rope(self.model, self.training), \
-                torchtitan_modules.rope(self.model, self.training):
+                torchtitan_modules.rope(self.model, self.training), fla_modules.fused_mixers(self.training):
             self._step(i)
 
     def _step(self, i: int) -> None:

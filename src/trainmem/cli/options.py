@@ -8,6 +8,7 @@ from typing import Any, Callable
 from ..spec.frameworks import FRAMEWORKS
 from ..spec.preference import REF_MODELS, TRAINERS
 from ..spec.tasks import TASKS
+from ..spec.kernel_paths import MIXER_KERNELS
 from ..spec.galore import LOWRANK_HF_NAMES
 from ..spec.training import (ATTENTION, ATTENTION_CALLS, FSDP_GATHERED, FSDP_LORA_UNITS, FSDP_MODES,
                              FSDP_WRAP_POLICIES, GRAD_SYNC,
@@ -334,6 +335,10 @@ def _add_loss(g: Any) -> None:
     g.add_argument("--liger-version", default=None, metavar="X.Y.Z",
                    help="the Liger-Kernel release of --liger or --loss fused (default: a current one, >= 0.8.1): "
                         "how the fused loss accumulates the head's weight gradient changed in 0.6.2 and 0.8.1")
+    g.add_argument("--mixer-kernels", choices=MIXER_KERNELS, default=None,
+                   help="reference (default): a linear-attention or state-space mixer runs transformers' torch "
+                        "fallback (no flash-linear-attention, causal-conv1d or mamba-ssm installed); fused: their "
+                        "kernels (Qwen3.5's and Qwen3-Next's gated delta net; estimate and trace)")
     g.add_argument("--loss-chunks", type=positive_int, default=None, metavar="N",
                    help="--loss chunked (each chunk upcast, torchtune's num_output_chunks) or half (half "
                         "chunks, litgpt's lm_head_chunk_size: N = ceil(seq / 128)): the output projection and "
@@ -531,7 +536,7 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 fsdp_min_num_params=a.fsdp_min_num_params,
                 fsdp_version=a.fsdp_version, loss_shift=a.loss_shift, cast_output=a.cast_output, fused_qkv=a.fused_qkv, lora_qkv=a.lora_qkv,
                 use_cache=a.use_cache, attention_call=a.attention_call, split_gate_up=a.split_gate_up,
-                rms_norm=a.rms_norm, liger=a.liger, liger_version=a.liger_version,
+                rms_norm=a.rms_norm, liger=a.liger, liger_version=a.liger_version, mixer_kernels=a.mixer_kernels,
                 target_len=a.target_len, image_size=a.image_size, images=a.images,
                 freeze_vision_tower=a.freeze_vision_tower, later_seq_len=a.later_seq_len,
                 min_seq_len=a.min_seq_len, layer_rope_cache=a.layer_rope_cache, rope_cache=a.rope_cache,

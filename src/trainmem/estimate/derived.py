@@ -29,7 +29,7 @@ from functools import lru_cache
 from typing import Any
 
 from ..errors import TrainmemError
-from ..spec.kernel_paths import reference_path_note
+from ..spec.kernel_paths import FUSED_RELEASES, reference_path_note
 from ..spec.model import ModelSpec
 from ..spec.profile import read_cached, write_cached
 from ..spec.tf_releases import (DERIVED_TYPES, cache_values_own_dtype, code_release, kv_cache_kind, parse_transformers_version,
@@ -152,6 +152,8 @@ def key(m: ModelSpec, t: TrainingSpec, one: bool | None = None) -> str:
     parts += release_parts(m, t)
     if t.attention_call == "repeat-kv":  # traced with litgpt's SDPA call (the keys of other setups are unchanged);
         parts.append(("attention-call", t.attention_call))  # mha's terms are added to transformers' layer (mha_kept)
+    if t.mixer_kernels == "fused":  # traced with fla's and causal-conv1d's Functions (fla_modules; others unchanged)
+        parts.append(("mixer-kernels", t.mixer_kernels, FUSED_RELEASES))
     if not t.math_sdpa_upcasts:  # PyTorch < 2.5: traced with SDPA's math kernel in the inputs' dtype
         parts.append(("math-sdpa", "input-dtype"))
     if t.quantize:  # a 4-bit base is traced as one (the keys of other setups are unchanged)
@@ -942,7 +944,7 @@ def _notes(m: ModelSpec, doc: dict[str, Any], attention: str, t: TrainingSpec) -
         out.append(f"{m.model_type}: no micro-batch-1 coefficients are stored for this setup and deriving them "
                    f"needs torch: it is estimated with those fitted on batches of 2 and more, which count as "
                    f"copies a few tensors that are views at batch 1 (slightly high)")
-    if note := reference_path_note(m.model_type):
+    if note := reference_path_note(m.model_type, t.mixer_kernels):
         out.append(note)
     if doc.get("attention") == "eager" and t.attention != "eager":
         out.append(f"{m.architecture} has no SDPA attention in transformers: it runs eager attention "

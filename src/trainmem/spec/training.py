@@ -12,6 +12,7 @@ from ..errors import TrainmemError
 from .galore import (ADAFACTOR_LAYERWISE, LOWRANK_OPTIMIZERS, is_target, parse_optim_args,
                      target_modules)
 from .hardware import parse_cublas_workspace_config
+from .kernel_paths import MIXER_KERNELS, fused_problem
 from .layout import layout_problems, stage_layers
 from .preference import preference_problem
 from .releases import (SDPA_ATTENTION, foreach_adam_denom_copy, fsdp2_rs_on_default_stream, math_sdpa_upcasts,
@@ -386,6 +387,10 @@ class TrainingSpec:
     #                      linear cross-entropy (--loss fused); estimate only (liger_problem)
     liger_version: str | None = None  # the Liger-Kernel release of --liger / --loss fused; None: a current one
     #                                   (>= 0.8.1; quantities._fused_weight_grad_bytes)
+    mixer_kernels: str = "reference"  # MIXER_KERNELS: the path of a linear-attention or state-space mixer;
+    #                                   "fused" = the packages' kernels (flash-linear-attention and causal-conv1d
+    #                                   in Qwen3.5's and Qwen3-Next's gated delta net: trainmem.fla_modules),
+    #                                   "reference" = transformers' torch fallback (spec.kernel_paths)
     split_gate_up: bool = False  # the MLP's gate and up projections as two linears (litgpt's LLaMAMLP fc_1, fc_2)
     #                              where the model's transformers class fuses them (gate_up_proj: Phi-3)
     fsdp_lora_units: str = "separate"  # FSDP_LORA_UNITS: "layer" puts adapters in their layer's FSDP1 unit
@@ -1368,6 +1373,20 @@ class TrainingSpec:
                                 "cross-entropy (--loss fused, the default) or, with fused_linear_cross_entropy="
                                 "False, the model's own loss (--loss upcast)")
 
+    def _check_mixer_kernels(self) -> None:
+        """``--mixer-kernels fused`` is modelled eagerly (fla's Function is ``torch.compiler.disable``d:
+        chunk.py L396 at v0.5.2; inductor's partition around it is not modelled)."""
+        _choice("mixer-kernels", self.mixer_kernels, MIXER_KERNELS)
+        if self.mixer_kernels == "fused" and self.compile:
+            raise TrainmemError("--mixer-kernels fused is modelled in eager steps; drop --compile or --mixer-kernels")
+        # earlier 5.x modeling files imported fla's functions directly and swapped the gated RMSNorm for fla's
+        # FusedRMSNormGated when fla imported (``if FusedRMSNormGated is None else FusedRMSNormGated(...)``)
+        if (self.mixer_kernels == "fused" and self.transformers_version is not None
+                and parse_transformers_version(self.transformers_version) < (5, 24)):
+            raise TrainmemError(f"--mixer-kernels fused is modelled on transformers 5.24's gated delta net (torch "
+                                f"gated RMSNorm, fla's rule through use_kernel_func_from_hub_with_fallback); "
+                                f"--transformers-version {self.transformers_version} is older: drop one of them")
+
     def liger_release(self) -> tuple[int, ...]:
         """``liger_version`` as numbers (``"0.6.4"`` -> (0, 6, 4)); None: a current release."""
         v = self.liger_version
@@ -1454,6 +1473,7 @@ class TrainingSpec:
         self._check_attention_call()
         self._check_rms_norm()
         self._check_liger()
+        self._check_mixer_kernels()
         if self.loss_shift == "logits" and (self.loss != "half" or self.loss_chunks > 1):
             raise TrainmemError("--loss-shift logits is a loop that shifts the half logits before its cross-entropy "
                                 "(GPTLMLoss, older transformers models): give --loss half (in one piece), or drop "
@@ -1904,6 +1924,8 @@ def _layer_option_problems(model: Any, t: TrainingSpec) -> str | None:
         bad = liger_problem(model)
         if bad:
             return bad
+    if t.mixer_kernels == "fused" and (bad := fused_problem(model.model_type, model.name)):
+        return bad
     if t.attention_call == "mha" and (t.lora_rank or t.compile):
         what = "--lora-rank" if t.lora_rank else "--compile"
         return (f"--attention-call mha (torchvision's nn.MultiheadAttention) is modelled eagerly and without LoRA: "

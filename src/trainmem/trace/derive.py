@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from ..errors import TrainmemError
+from ..fla_modules import fused_mixers
 from ..progress import progress
 from ..spec import ModelSpec, TrainingSpec
 from ..spec.profile import build_profile, layer_stacks, layers_list
@@ -677,7 +678,7 @@ def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpe
         vision_in: list[Any] = []  # a VLM's vision tower's tensor inputs (``_tower_inputs``)
         hooks += _tower_inputs(model, tracker, vision_in) if m.is_vlm else []
         try:
-            with tracker, tracker.hooks():
+            with tracker, tracker.hooks(), fused_mixers(t):  # (--mixer-kernels fused: fla's Functions, emulated)
                 model.train()
                 tracker.begin_step(1)
                 batch = model_batch(small, t, "cuda")  # ids and labels; an image model's pixel values
