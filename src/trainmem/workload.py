@@ -425,6 +425,7 @@ class TrainStep:
                                     f"{device} has none to move: drop it or run on cuda")
             self.offload = _offload_base_model(unwrapped(model))
         self.model, self.spec, self.training, self.device = model, spec, t, device
+        self.what = what
         self.on_phase = on_phase
         self.optimizer: Any = self._optimizer(model, t, what)
         self.amp = {"bf16-amp": torch.bfloat16, "fp16-amp": torch.float16}.get(t.precision)
@@ -524,10 +525,17 @@ class TrainStep:
         from . import litgpt_modules
         return contextlib.nullcontext() if self.emulated else litgpt_modules.attention_call(self.training)
 
+    def mixer_kernels(self) -> Any:
+        """``--mixer-kernels fused`` in a trace: mamba-ssm's fused mixer Functions emulated in place of the
+        modeling files' (``mamba_kernels.swap``), around the whole step, so that a checkpoint's recomputed
+        forward calls them too; on a real GPU the installed packages decide (``measure`` checks them)."""
+        from . import mamba_kernels
+        return mamba_kernels.swap(self.model, self.training) if self.what == "trace" else contextlib.nullcontext()
+
     def __call__(self, i: int) -> None:
         from . import liger_modules, torchtitan_modules
         with self.sdpa_pin(), self.attention_call(), liger_modules.rope(self.model, self.training), \
-                torchtitan_modules.rope(self.model, self.training):
+                torchtitan_modules.rope(self.model, self.training), self.mixer_kernels():
             self._step(i)
 
     def _step(self, i: int) -> None:

@@ -312,6 +312,11 @@ def _add_loss(g: Any) -> None:
                    help="whether the forward builds a KV cache in training (transformers' config.use_cache; "
                         "default: the config's). false: the loop's model builds none (torchtune's, torchtitan's and "
                         "litgpt's own model code, whose presets set it)")
+    g.add_argument("--mixer-kernels", choices=("reference", "fused"), default=None,
+                   help="a Mamba / Mamba-2 mixer's training path (Mamba, Mamba-2, Bamba, Falcon-H1, Granite 4.0-H, "
+                        "Nemotron-H, Zamba2): reference (default), transformers' PyTorch path, as without mamba-ssm "
+                        "and causal-conv1d; fused, their fused kernels (mamba_inner_fn, "
+                        "mamba_split_conv1d_scan_combined), as with them installed. measure: the installed packages")
     g.add_argument("--split-gate-up", action="store_true", default=None,
                    help="the MLP's gate and up projections are two linears, each with its own LoRA adapter and "
                         "dropout, where the transformers model fuses them (gate_up_proj): litgpt's LLaMAMLP over "
@@ -530,6 +535,7 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 fsdp_gathered=a.fsdp_gathered, fsdp_auto_wrap_policy=a.fsdp_auto_wrap_policy,
                 fsdp_min_num_params=a.fsdp_min_num_params,
                 fsdp_version=a.fsdp_version, loss_shift=a.loss_shift, cast_output=a.cast_output, fused_qkv=a.fused_qkv, lora_qkv=a.lora_qkv,
+                mixer_kernels=a.mixer_kernels,
                 use_cache=a.use_cache, attention_call=a.attention_call, split_gate_up=a.split_gate_up,
                 rms_norm=a.rms_norm, liger=a.liger, liger_version=a.liger_version,
                 target_len=a.target_len, image_size=a.image_size, images=a.images,

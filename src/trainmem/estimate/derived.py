@@ -158,6 +158,8 @@ def key(m: ModelSpec, t: TrainingSpec, one: bool | None = None) -> str:
         parts.append(("quantize", t.quantize, t.quantize_via))
         if t.bnb_saves_input:  # bitsandbytes < 0.43.2: traced with MatMul4Bit keeping its input (``bnb_saves_input``)
             parts.append(("bnb", "keeps-input"))
+    if t.mixer_kernels != "reference":  # traced with mamba-ssm's fused mixer Functions (``trainmem.mamba_kernels``)
+        parts.append(("mixer-kernels", t.mixer_kernels))
     if m.is_encoder_decoder:  # measured per backward moment (keys of earlier derivations no longer match)
         parts.append("by-moment")
         parts.append("two-lengths")  # fitted in the encoder's and the decoder's lengths (``at_lengths``)
@@ -942,7 +944,7 @@ def _notes(m: ModelSpec, doc: dict[str, Any], attention: str, t: TrainingSpec) -
         out.append(f"{m.model_type}: no micro-batch-1 coefficients are stored for this setup and deriving them "
                    f"needs torch: it is estimated with those fitted on batches of 2 and more, which count as "
                    f"copies a few tensors that are views at batch 1 (slightly high)")
-    if note := reference_path_note(m.model_type):
+    if note := reference_path_note(m.model_type, t.mixer_kernels):
         out.append(note)
     if doc.get("attention") == "eager" and t.attention != "eager":
         out.append(f"{m.architecture} has no SDPA attention in transformers: it runs eager attention "

@@ -13,9 +13,13 @@ scan over the sequence (``mamba_selective_scan`` L261-265), Mamba-2's chunked sc
 L257-362).
 
 trainmem's trace runs the installed transformers on fake tensors with none of these packages (their Triton
-and CUDA kernels cannot run there), so trace and the coefficients derived from it model the reference path,
-as a GPU run takes it without the packages. With them installed a GPU run keeps other (in general fewer)
-tensors: not modelled, said in one line.
+and CUDA kernels cannot run there), so by default (``TrainingSpec.mixer_kernels`` "reference") trace and the
+coefficients derived from it model the reference path, as a GPU run takes it without the packages.
+``--mixer-kernels fused`` models the packages' path for the mixers whose training forward is one of
+mamba-ssm's fused autograd Functions (``FUSED_FUNCTIONS``): trace swaps the modeling file's function for an
+emulation of the Function's memory (``trainmem.mamba_kernels``), and the derived coefficients come from that
+trace. Other mixers with kernels (Jamba's, which calls ``causal_conv1d_fn`` and ``selective_scan_fn`` apart;
+the causal-conv1d-only and flash-linear-attention ones) are refused under "fused" in one line.
 """
 from __future__ import annotations
 
@@ -33,12 +37,64 @@ KERNEL_PACKAGES: dict[str, tuple[str, ...]] = {
 }
 
 
-def reference_path_note(model_type: str) -> str:
-    """The report's line for a model whose mixer has a fused-kernel path (``KERNEL_PACKAGES``); "" otherwise."""
+#: the model types whose mixer's training forward (``self.training and cache is None``) is one fused autograd
+#: Function of mamba-ssm, and that function's name in the transformers 5.24 modeling file
+#: (``models/mamba/modeling_mamba.py`` L381-400, ``models/falcon_mamba/modeling_falcon_mamba.py`` L404-425:
+#: ``mamba_inner_fn``; ``models/mamba2/modeling_mamba2.py`` L483-506 and the same lines of Bamba's, Falcon-H1's,
+#: Granite 4.0-H's, Nemotron-H's and Zamba2's: ``mamba2_split_conv1d_scan_combined``, mamba-ssm's
+#: ``mamba_split_conv1d_scan_combined``)
+FUSED_FUNCTIONS: dict[str, str] = {
+    **dict.fromkeys(("mamba", "falcon_mamba"), "mamba_inner_fn"),
+    **dict.fromkeys(("mamba2", "bamba", "falcon_h1", "granitemoehybrid", "nemotron_h", "zamba2"),
+                    "mamba2_split_conv1d_scan_combined"),
+}
+
+
+def fused_path_problem(model_type: str) -> str | None:
+    """Why ``--mixer-kernels fused`` cannot be modelled for ``model_type`` (None: it can)."""
+    if model_type in FUSED_FUNCTIONS:
+        return None
+    if model_type in KERNEL_PACKAGES:
+        return (f"--mixer-kernels fused: {model_type}'s mixer runs {' and '.join(KERNEL_PACKAGES[model_type])} "
+                f"kernels other than mamba-ssm's fused Mamba / Mamba-2 Functions, not modelled: drop it (the "
+                f"reference path is modelled)")
+    return (f"--mixer-kernels fused: {model_type or 'this model'} has no state-space mixer with a fused-kernel "
+            f"path: drop it")
+
+
+def reference_path_note(model_type: str, mixer_kernels: str = "reference") -> str:
+    """The report's line saying which path of the mixer is modelled, for a model whose mixer has a
+    fused-kernel path (``KERNEL_PACKAGES``); "" otherwise."""
     packages = KERNEL_PACKAGES.get(model_type)
     if not packages:
         return ""
     names = " and ".join(packages)
+    if mixer_kernels == "fused":
+        return (f"{model_type}: modelled on the fused-kernel path of its mixer (mamba-ssm's "
+                f"{FUSED_FUNCTIONS[model_type].replace('mamba2_', 'mamba_')}), which a GPU run takes with {names} "
+                f"installed (--mixer-kernels fused)")
     return (f"{model_type}: modelled on transformers' reference PyTorch path of its mixer, which a GPU run takes "
             f"without {names} installed; with them installed it runs their fused kernels, which keep other "
-            f"tensors (not modelled)")
+            f"tensors (--mixer-kernels fused models them{'' if model_type in FUSED_FUNCTIONS else ': not for this model'})")
+
+
+#: the module each package of ``KERNEL_PACKAGES`` imports as
+PACKAGE_MODULES = {"mamba-ssm": "mamba_ssm", "causal-conv1d": "causal_conv1d", "flash-linear-attention": "fla"}
+
+
+def measured_path_note(model_type: str, mixer_kernels: str, installed: bool, on_cuda: bool) -> str:
+    """measure's line on the mixer path the installed packages made the run take ("" for a model without a
+    fused-kernel path); ``installed``: every package of ``KERNEL_PACKAGES[model_type]`` imports. Raises
+    TrainmemError for ``--mixer-kernels fused`` that the run cannot take."""
+    packages = KERNEL_PACKAGES.get(model_type)
+    if not packages:
+        return ""
+    names = " and ".join(packages)
+    if mixer_kernels == "fused" and not (installed and on_cuda):
+        from ..errors import TrainmemError
+        why = f"{names} do not import here" if not installed else "their kernels run on CUDA only"
+        raise TrainmemError(f"--mixer-kernels fused: measure runs the path the installed packages decide and "
+                            f"{why}: install them on the GPU machine, or drop --mixer-kernels")
+    ran = "fused-kernel" if installed and on_cuda else "reference PyTorch"
+    return (f"{model_type}: measure ran the {ran} path of its mixer ({names} "
+            f"{'installed' if installed else 'not installed'}{'' if on_cuda else ', CPU'})")

@@ -12,6 +12,7 @@ from ..errors import TrainmemError
 from .galore import (ADAFACTOR_LAYERWISE, LOWRANK_OPTIMIZERS, is_target, parse_optim_args,
                      target_modules)
 from .hardware import parse_cublas_workspace_config
+from .kernel_paths import fused_path_problem
 from .layout import layout_problems, stage_layers
 from .preference import preference_problem
 from .releases import (SDPA_ATTENTION, foreach_adam_denom_copy, fsdp2_rs_on_default_stream, math_sdpa_upcasts,
@@ -146,6 +147,7 @@ LOSSES = ("upcast", "half", "chunked", "fused", "chunked-nll", "vocab-parallel",
 #: vocab-parallel: Megatron-LM's ``_VocabParallelCrossEntropy`` (estimate.quantities._vocab_parallel_bytes)
 #: TRL's chunk of labelled tokens (trl/trainer/sft_trainer.py ``_CHUNKED_LM_HEAD_CHUNK_SIZE``, L86 at v1.9.0)
 CHUNKED_NLL_TOKENS = 256
+MIXER_KERNELS = ("reference", "fused")  # a state-space mixer's path: transformers' PyTorch one, or mamba-ssm's kernels
 LOSS_SHIFTS = ("labels", "logits")  # how next-token targets are aligned: shifted labels, or a shifted logits copy
 MASTER_WEIGHTS = ("none", "fp32")
 #: when sharded gradients are reduce-scattered under gradient accumulation: after every micro-batch
@@ -376,6 +378,9 @@ class TrainingSpec:
     #                          saved (litgpt's CausalSelfAttention); the model's transformers class has separate ones
     lora_qkv: str | None = None  # litgpt's LoRA on a model's own fused q/k/v linear (``query_key_value``: GPT-NeoX,
     #                              Falcon) with these parts enabled ("q,v": lora_query/lora_value); None: peft's adapter
+    mixer_kernels: str = "reference"  # a Mamba / Mamba-2 mixer's training path (spec.kernel_paths): "reference",
+    #                                   transformers' PyTorch one (mamba-ssm and causal-conv1d not installed);
+    #                                   "fused", mamba-ssm's fused autograd Functions (installed)
     use_cache: bool | None = None  # whether the forward builds a KV cache in training (transformers' DynamicCache,
     #                                config.use_cache); None: the model config's. False: the loop's model builds none
     #                                (torchtune's, torchtitan's and litgpt's own model code; use_cache=False)
@@ -454,7 +459,7 @@ class TrainingSpec:
                              ("hold_output", HOLD_OUTPUT), ("grad_sync", GRAD_SYNC), ("pp_schedule", PP_SCHEDULES),
                              ("pp_stage", PP_STAGES),
                              ("fsdp_lora_units", FSDP_LORA_UNITS), ("fsdp_gathered", FSDP_GATHERED),
-                             ("fsdp_auto_wrap_policy", FSDP_WRAP_POLICIES)):
+                             ("fsdp_auto_wrap_policy", FSDP_WRAP_POLICIES), ("mixer_kernels", MIXER_KERNELS)):
             _choice(key, getattr(self, key), choices)
         if self.remote_device is not None:
             _choice("remote_device", self.remote_device, REMOTE_DEVICES)
@@ -1877,6 +1882,8 @@ def _input_problems(model: Any, t: TrainingSpec) -> str | None:
 
 def _layer_option_problems(model: Any, t: TrainingSpec) -> str | None:
     """Options of another framework's layer or loss code that the model's layers do not have."""
+    if t.mixer_kernels != "reference" and (bad := fused_path_problem(model.model_type)):
+        return bad
     if t.lora_qkv and ("query_key_value" not in {p.module for p in model.parameter_tensors()}
                        or "query_key_value" not in (t.lora_targets or ())):
         return (f"--lora-qkv models litgpt's LoRA on a fused query_key_value linear (GPT-NeoX, Falcon) given as "

@@ -139,7 +139,7 @@ def _add_notes(report: MemoryReport, spec: ModelSpec | None, t: TrainingSpec, op
     path of a state-space or linear-attention mixer (``spec.kernel_paths``), and that a user step
     function decides the training options."""
     if spec is not None:
-        for note in (_attention_implementation(spec, t)[1], reference_path_note(spec.model_type)):
+        for note in (_attention_implementation(spec, t)[1], reference_path_note(spec.model_type, t.mixer_kernels)):
             if note:
                 report.warnings.append(note)
     if spec is None and options_given:
