@@ -196,6 +196,8 @@ CASES = [
     ({"fused_qkv": True, "quantize": "nf4", "lora_rank": 8}, REFUSED, "--fused-qkv with --quantize nf4"),
     # litgpt's LoRAQKVLinear on a model's own fused query_key_value (tests/test_lora_qkv.py): Llama has none
     ({"lora_rank": 8, "lora_qkv": "q,v"}, REFUSED, "--lora-qkv"),
+    # mamba-ssm's fused mixer Functions (trainmem.mamba_kernels; tests/test_mamba_kernels.py): Llama has no mixer
+    ({"mixer_kernels": "fused"}, REFUSED, "--mixer-kernels fused"),
     # litgpt's fc_1/fc_2 where transformers fuses gate_up_proj (Phi-3; tests/test_litgpt_modules.py): Llama has none
     ({"split_gate_up": True}, REFUSED, "--split-gate-up"),
     # litgpt's SDPA call: K/V copied to the query's heads (this model has 2 key/value heads for 4 query heads)
