@@ -29,7 +29,7 @@ from functools import lru_cache
 from typing import Any
 
 from ..errors import TrainmemError
-from ..spec.kernel_paths import reference_path_note
+from ..spec.kernel_paths import CACHE_IN_TRAINING, reference_path_note
 from ..spec.model import ModelSpec
 from ..spec.profile import read_cached, write_cached
 from ..spec.tf_releases import (DERIVED_TYPES, cache_values_own_dtype, code_release, kv_cache_kind, parse_transformers_version,
@@ -490,6 +490,13 @@ def _moment_base_at(doc: dict[str, Any], name: str, extra: Any) -> tuple[float, 
     return n, nsq, pos, ssq
 
 
+def fused_skipped(m: ModelSpec, t: TrainingSpec) -> bool:
+    """Whether ``--mixer-kernels fused`` leaves ``m``'s mixers on their reference path all the same: a hybrid
+    whose model builds its cache in training (``spec.kernel_paths.CACHE_IN_TRAINING``, ``use_cache`` on:
+    not ``without_cache``)."""
+    return t.mixer_kernels == "fused" and m.model_type in CACHE_IN_TRAINING and not without_cache(t, m)
+
+
 def without_cache(t: TrainingSpec, m: ModelSpec | None = None) -> bool:
     """Whether the run builds no KV cache: transformers turns ``use_cache`` off under gradient
     checkpointing (``merge_with_config_defaults``), pipeline-parallel loops (torchtitan,
@@ -944,7 +951,7 @@ def _notes(m: ModelSpec, doc: dict[str, Any], attention: str, t: TrainingSpec) -
         out.append(f"{m.model_type}: no micro-batch-1 coefficients are stored for this setup and deriving them "
                    f"needs torch: it is estimated with those fitted on batches of 2 and more, which count as "
                    f"copies a few tensors that are views at batch 1 (slightly high)")
-    if note := reference_path_note(m.model_type, t.mixer_kernels):
+    if note := reference_path_note(m.model_type, t.mixer_kernels, fused_skipped(m, t)):
         out.append(note)
     if doc.get("attention") == "eager" and t.attention != "eager":
         out.append(f"{m.architecture} has no SDPA attention in transformers: it runs eager attention "

@@ -50,6 +50,15 @@ FUSED_FUNCTIONS: dict[str, str] = {
 }
 
 
+#: the hybrids whose model builds its cache in training when ``use_cache`` is on (the config's default, unless
+#: gradient checkpointing turns it off: ``utils/generic.py`` ``merge_with_config_defaults`` L1113-1160), and
+#: whose mixer then skips the fused function (``if self.training and cache is None``): transformers 5.24
+#: ``models/granitemoehybrid/modeling_granitemoehybrid.py`` L1086-1087 and L600, the same in Bamba's (L969),
+#: Falcon-H1's (L1067), Nemotron-H's (L1112) and Zamba2's (L1177). Mamba's and Mamba-2's models turn
+#: ``use_cache`` off in training (``modeling_mamba.py`` L664, ``modeling_mamba2.py`` L786)
+CACHE_IN_TRAINING = frozenset({"bamba", "falcon_h1", "granitemoehybrid", "nemotron_h", "zamba2"})
+
+
 def fused_path_problem(model_type: str) -> str | None:
     """Why ``--mixer-kernels fused`` cannot be modelled for ``model_type`` (None: it can)."""
     if model_type in FUSED_FUNCTIONS:
@@ -62,13 +71,19 @@ def fused_path_problem(model_type: str) -> str | None:
             f"path: drop it")
 
 
-def reference_path_note(model_type: str, mixer_kernels: str = "reference") -> str:
+def reference_path_note(model_type: str, mixer_kernels: str = "reference", cache_built: bool = False) -> str:
     """The report's line saying which path of the mixer is modelled, for a model whose mixer has a
-    fused-kernel path (``KERNEL_PACKAGES``); "" otherwise."""
+    fused-kernel path (``KERNEL_PACKAGES``); "" otherwise. ``cache_built``: the run's model builds its
+    cache in training (``CACHE_IN_TRAINING`` and ``use_cache`` on), so its mixers skip the fused path."""
     packages = KERNEL_PACKAGES.get(model_type)
     if not packages:
         return ""
     names = " and ".join(packages)
+    if mixer_kernels == "fused" and cache_built:
+        return (f"{model_type}: --mixer-kernels fused, but the model builds its cache in training (use_cache on, "
+                f"no --recompute full) and transformers calls the fused function only without one "
+                f"(self.training and cache is None): its mixers run the reference PyTorch path all the same, "
+                f"as modelled; --use-cache false (or --recompute full) takes the fused path")
     if mixer_kernels == "fused":
         return (f"{model_type}: modelled on the fused-kernel path of its mixer (mamba-ssm's "
                 f"{FUSED_FUNCTIONS[model_type].replace('mamba2_', 'mamba_')}), which a GPU run takes with {names} "
