@@ -7,6 +7,7 @@
 - The option is refused in one line for a model without a modelled fused path and by measure where the
   packages do not import; the report says which path is modelled.
 - The derived estimate under it agrees with trace under it (slow).
+- A hybrid whose model builds its cache in training skips the fused function, as transformers does (slow).
 """
 from __future__ import annotations
 
@@ -122,3 +123,26 @@ def test_fused_estimate_is_derived_under_the_fused_path(cfg):
     ref = trainmem.estimate(cfg, **dict(kw, mixer_kernels="reference"))
     assert abs(est.peak_allocated / tr.peak_allocated - 1) <= 0.015
     assert est.peak_allocated < ref.peak_allocated
+
+
+#: Granite 4.0-H (hidden 64, a Mamba-2 layer and an attention layer, 4 experts; use_cache on by default)
+GRANITE_H = dict(model_type="granitemoehybrid", architectures=["GraniteMoeHybridForCausalLM"], hidden_size=64,
+                 intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                 vocab_size=1000, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=64,
+                 layer_types=["linear_attention", "full_attention"], mamba_n_heads=8, mamba_d_head=16,
+                 mamba_chunk_size=32)
+
+
+@pytest.mark.slow
+def test_hybrid_with_a_training_cache_skips_the_fused_function():
+    """Granite 4.0-H's model builds its cache in training when use_cache is on (the config's), and its mixer
+    calls the fused function only without one: fused traces as the reference path, and says so; with
+    --use-cache false the fused Function runs."""
+    kw = dict(batch_size=2, seq_len=64, precision="bf16-amp")
+    ref = trainmem.trace(GRANITE_H, mixer_kernels="reference", **kw)
+    cached = trainmem.trace(GRANITE_H, mixer_kernels="fused", **kw)
+    fused = trainmem.trace(GRANITE_H, mixer_kernels="fused", use_cache=False, **kw)
+    assert cached.peak_allocated == ref.peak_allocated
+    assert any("run the reference PyTorch path all the same" in w for w in cached.warnings)
+    assert fused.peak_allocated < trainmem.trace(GRANITE_H, mixer_kernels="reference", use_cache=False, **kw).peak_allocated
+    assert any("fused-kernel path" in w for w in fused.warnings)
