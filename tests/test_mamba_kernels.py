@@ -146,3 +146,11 @@ def test_hybrid_with_a_training_cache_skips_the_fused_function():
     assert any("run the reference PyTorch path all the same" in w for w in cached.warnings)
     assert fused.peak_allocated < trainmem.trace(GRANITE_H, mixer_kernels="reference", use_cache=False, **kw).peak_allocated
     assert any("fused-kernel path" in w for w in fused.warnings)
+
+
+def test_measure_refuses_a_fused_path_the_packages_cannot_run():
+    """measure runs what the installed packages decide: without mamba-ssm (this machine) fused is refused."""
+    from trainmem.measure.runner import measure
+    with pytest.raises(TrainmemError, match="--mixer-kernels fused: measure") as e:
+        measure(MAMBA, device="cpu", batch_size=1, seq_len=16, mixer_kernels="fused")
+    assert "\n" not in str(e.value)
