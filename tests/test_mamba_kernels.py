@@ -154,3 +154,17 @@ def test_measure_refuses_a_fused_path_the_packages_cannot_run():
     with pytest.raises(TrainmemError, match="--mixer-kernels fused: measure") as e:
         measure(MAMBA, device="cpu", batch_size=1, seq_len=16, mixer_kernels="fused")
     assert "\n" not in str(e.value)
+
+
+def test_coefficients_are_keyed_by_the_path_traced():
+    """The derived coefficients' cache key carries the fused path where it is traced, and not where the model's
+    training cache makes the mixers skip it (they trace the reference path: its coefficients are shared)."""
+    from trainmem.estimate import derived
+    from trainmem.spec.config import spec_from_config
+    from trainmem.spec.training import TrainingSpec
+    m, hybrid = spec_from_config(MAMBA2), spec_from_config(GRANITE_H)
+    t = {k: TrainingSpec(batch_size=2, seq_len=64, mixer_kernels=k) for k in ("reference", "fused")}
+    no_cache = {k: TrainingSpec(batch_size=2, seq_len=64, mixer_kernels=k, use_cache=False) for k in t}
+    assert derived.key(m, t["fused"]) != derived.key(m, t["reference"])
+    assert derived.key(hybrid, t["fused"]) == derived.key(hybrid, t["reference"])
+    assert derived.key(hybrid, no_cache["fused"]) != derived.key(hybrid, no_cache["reference"])

@@ -158,8 +158,9 @@ def key(m: ModelSpec, t: TrainingSpec, one: bool | None = None) -> str:
         parts.append(("quantize", t.quantize, t.quantize_via))
         if t.bnb_saves_input:  # bitsandbytes < 0.43.2: traced with MatMul4Bit keeping its input (``bnb_saves_input``)
             parts.append(("bnb", "keeps-input"))
-    if t.mixer_kernels != "reference":  # traced with mamba-ssm's fused mixer Functions (``trainmem.mamba_kernels``)
-        parts.append(("mixer-kernels", t.mixer_kernels))
+    if t.mixer_kernels != "reference" and not fused_skipped(m, t):  # traced with mamba-ssm's fused mixer
+        parts.append(("mixer-kernels", t.mixer_kernels))  # Functions (``trainmem.mamba_kernels``); a skipped one
+        #                                                   traces the reference path, whose key it shares
     if m.is_encoder_decoder:  # measured per backward moment (keys of earlier derivations no longer match)
         parts.append("by-moment")
         parts.append("two-lengths")  # fitted in the encoder's and the decoder's lengths (``at_lengths``)
@@ -924,7 +925,7 @@ def notes(m: ModelSpec, t: TrainingSpec) -> list[str]:
     """What a derived estimate's report should say: that its activations were measured, and an
     attention implementation other than the one asked for (a class without SDPA runs eager)."""
     point = point_at(m, t)
-    k = (m, key(m, t), t.attention, point)
+    k = (m, key(m, t), t.attention, point, t.mixer_kernels)  # (a skipped fused path shares the key, not the note)
     hit = _NOTES.get(k)
     if hit is None:
         hit = _NOTES[k] = _notes(m, _doc(m, t), t.attention, _canonical(t, m))
