@@ -2,7 +2,7 @@
 causal-conv1d's Functions (trainmem.fla_modules). The checks: the emulated Functions save what the packages'
 ``ctx.save_for_backward`` saves (shapes, dtypes, fla's fp32 tensors) and return gradients of their inputs'
 shapes and dtypes; trace runs them in the mixer (the step keeps less than the reference path's); the
-estimate's coefficients derived under the fused path agree with trace; other models, measure and --compile
+estimate's coefficients derived under the fused path agree with trace; other models and --compile
 refuse the option in one line."""
 from __future__ import annotations
 
@@ -109,7 +109,8 @@ def test_trace_runs_the_fused_mixer_and_says_so():
     assert reference_path_note("qwen3_5_text", "fused") in fused.warnings
     assert reference_path_note("qwen3_5_text") in ref.warnings
     assert "give --mixer-kernels fused" in reference_path_note("qwen3_5_text")
-    assert "not modelled" in reference_path_note("mamba2")  # (no fused path of its own here)
+    assert "give --mixer-kernels fused" in reference_path_note("mamba2")  # (mamba-ssm's path: trainmem.mamba_kernels)
+    assert "not modelled" in reference_path_note("kimi_linear")  # (other flash-linear-attention kernels)
 
 
 @pytest.mark.parametrize("cfg", [QWEN35, pytest.param(QWEN3_NEXT, marks=pytest.mark.slow)], ids=["qwen3_5", "qwen3_next"])
@@ -123,7 +124,7 @@ def test_fused_estimate_agrees_with_trace(cfg):
 
 
 @pytest.mark.parametrize("model, options, names", [
-    ("llama-3.2-1b", {}, "--mixer-kernels fused models flash-linear-attention"),
+    ("llama-3.2-1b", {}, "--mixer-kernels fused: llama has no state-space mixer"),
     (QWEN35, {"compile": True}, "--mixer-kernels fused is modelled in eager steps"),
     (QWEN35, {"mixer_kernels": "triton"}, "--mixer-kernels"),
     (QWEN35, {"transformers_version": "5.20.0"}, "modelled on transformers 5.24's gated delta net"),
@@ -135,12 +136,13 @@ def test_refused_in_one_line(model, options, names):
     assert names in str(e.value) and "\n" not in str(e.value)
 
 
-def test_measure_refuses_fused():
-    from trainmem.workload import check_supported
-    t = trainmem.resolve(QWEN35, mixer_kernels="fused", **SETUP).training
-    with pytest.raises(trainmem.TrainmemError, match="--mixer-kernels fused runs .* use trace"):
-        check_supported(t, "measure")
-    check_supported(t, "trace")
+def test_measure_runs_what_is_installed():
+    """measure takes the path the installed packages decide (transformers calls fla's rule when it imports):
+    --mixer-kernels fused is refused in one line where flash-linear-attention and causal-conv1d do not import."""
+    from trainmem.spec.kernel_paths import measured_path_note
+    with pytest.raises(trainmem.TrainmemError, match="--mixer-kernels fused: measure runs the path the installed"):
+        measured_path_note("qwen3_5_text", "fused", installed=False, on_cuda=True)
+    assert "fused-kernel path" in measured_path_note("qwen3_next", "fused", installed=True, on_cuda=True)
 
 
 def test_derived_key_names_the_fused_path():

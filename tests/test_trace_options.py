@@ -196,6 +196,9 @@ CASES = [
     ({"fused_qkv": True, "quantize": "nf4", "lora_rank": 8}, REFUSED, "--fused-qkv with --quantize nf4"),
     # litgpt's LoRAQKVLinear on a model's own fused query_key_value (tests/test_lora_qkv.py): Llama has none
     ({"lora_rank": 8, "lora_qkv": "q,v"}, REFUSED, "--lora-qkv"),
+    # the packages' fused mixer Functions (trainmem.mamba_kernels, trainmem.fla_modules; tests/test_mamba_kernels.py,
+    # tests/test_fla_modules.py run them): Llama has no such mixer
+    ({"mixer_kernels": "fused"}, REFUSED, "--mixer-kernels fused"),
     # litgpt's fc_1/fc_2 where transformers fuses gate_up_proj (Phi-3; tests/test_litgpt_modules.py): Llama has none
     ({"split_gate_up": True}, REFUSED, "--split-gate-up"),
     # litgpt's SDPA call: K/V copied to the query's heads (this model has 2 key/value heads for 4 query heads)
@@ -207,8 +210,6 @@ CASES = [
     ({"loss": "fused"}, CHANGED, ""), ({"liger": True}, CHANGED, ""),
     ({"liger": True, "liger_version": "0.6.1", "precision": "bf16"}, CHANGED, ""),
     ({"liger_version": "0.6.1"}, REFUSED, "--liger-version"), ({"liger": True, "compile": True}, REFUSED, "--liger"),
-    # flash-linear-attention's gated delta net (trainmem.fla_modules; tests/test_fla_modules.py runs Qwen3.5's)
-    ({"mixer_kernels": "fused"}, REFUSED, "--mixer-kernels fused"),
     ({"loss": "chunked-nll"}, CHANGED, ""),  # TRL's chunked_nll, run as TRL writes it (workload._chunked_nll_loss)
     ({"loss": "chunked-nll", "tp": 2}, REFUSED, "--loss chunked-nll"),
     ({"master_weights": "fp32", "precision": "bf16"}, REFUSED, "--master-weights fp32"),

@@ -133,15 +133,13 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
 
 
 def _check_emulated_kernels(t: TrainingSpec, what: str) -> None:
-    """Packages' kernels that trace emulates (Liger-Kernel's: liger_modules; flash-linear-attention's and
-    causal-conv1d's: fla_modules) and the other commands do not install."""
+    """Packages' kernels that trace emulates (Liger-Kernel's: liger_modules) and the other commands do not
+    install. (``--mixer-kernels fused``: transformers takes the packages' path by itself where they import,
+    which measure checks: ``measure.runner._mixer_path``.)"""
     if (t.liger or t.loss == "fused") and what != "trace":
         flag = "--liger" if t.liger else "--loss fused"
         raise TrainmemError(f"{flag} runs Liger-Kernel's Triton kernels, which {what} does not install; use trace "
                             "(which emulates their memory, liger_modules) or estimate")
-    if t.mixer_kernels == "fused" and what != "trace":
-        raise TrainmemError(f"--mixer-kernels fused runs flash-linear-attention's and causal-conv1d's kernels, which "
-                            f"{what} does not install; use trace (which emulates their memory, fla_modules) or estimate")
 
 
 def _check_unsloth(t: TrainingSpec, what: str) -> None:
@@ -434,6 +432,7 @@ class TrainStep:
                                     f"{device} has none to move: drop it or run on cuda")
             self.offload = _offload_base_model(unwrapped(model))
         self.model, self.spec, self.training, self.device = model, spec, t, device
+        self.what = what
         self.on_phase = on_phase
         self.optimizer: Any = self._optimizer(model, t, what)
         self.amp = {"bf16-amp": torch.bfloat16, "fp16-amp": torch.float16}.get(t.precision)
@@ -533,10 +532,23 @@ class TrainStep:
         from . import litgpt_modules
         return contextlib.nullcontext() if self.emulated else litgpt_modules.attention_call(self.training)
 
+    def mixer_kernels(self) -> Any:
+        """``--mixer-kernels fused`` in a trace: mamba-ssm's fused mixer Functions (``mamba_kernels.swap``) and
+        flash-linear-attention's and causal-conv1d's (``fla_modules.fused_mixers``) emulated in place of the
+        modeling files', around the whole step, so that a checkpoint's recomputed forward calls them too; on a
+        real GPU the installed packages decide (``measure`` checks them)."""
+        from . import fla_modules, mamba_kernels
+        if self.what != "trace":
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(mamba_kernels.swap(self.model, self.training))
+        stack.enter_context(fla_modules.fused_mixers(self.training))
+        return stack
+
     def __call__(self, i: int) -> None:
-        from . import fla_modules, liger_modules, torchtitan_modules
+        from . import liger_modules, torchtitan_modules
         with self.sdpa_pin(), self.attention_call(), liger_modules.rope(self.model, self.training), \
-                torchtitan_modules.rope(self.model, self.training), fla_modules.fused_mixers(self.training):
+                torchtitan_modules.rope(self.model, self.training), self.mixer_kernels():
             self._step(i)
 
     def _step(self, i: int) -> None:

@@ -336,9 +336,11 @@ def _add_loss(g: Any) -> None:
                    help="the Liger-Kernel release of --liger or --loss fused (default: a current one, >= 0.8.1): "
                         "how the fused loss accumulates the head's weight gradient changed in 0.6.2 and 0.8.1")
     g.add_argument("--mixer-kernels", choices=MIXER_KERNELS, default=None,
-                   help="reference (default): a linear-attention or state-space mixer runs transformers' torch "
-                        "fallback (no flash-linear-attention, causal-conv1d or mamba-ssm installed); fused: their "
-                        "kernels (Qwen3.5's and Qwen3-Next's gated delta net; estimate and trace)")
+                   help="a state-space or linear-attention mixer's training path: reference (default), transformers' "
+                        "torch fallback, as without the packages; fused, their kernels as with them installed: "
+                        "mamba-ssm's mamba_inner_fn / mamba_split_conv1d_scan_combined (Mamba, Mamba-2, Bamba, "
+                        "Falcon-H1, Granite 4.0-H, Nemotron-H, Zamba2) and flash-linear-attention's gated delta rule "
+                        "with causal-conv1d (Qwen3.5, Qwen3-Next). measure: the installed packages decide")
     g.add_argument("--loss-chunks", type=positive_int, default=None, metavar="N",
                    help="--loss chunked (each chunk upcast, torchtune's num_output_chunks) or half (half "
                         "chunks, litgpt's lm_head_chunk_size: N = ceil(seq / 128)): the output projection and "

@@ -29,7 +29,7 @@ from functools import lru_cache
 from typing import Any
 
 from ..errors import TrainmemError
-from ..spec.kernel_paths import FUSED_RELEASES, reference_path_note
+from ..spec.kernel_paths import CACHE_IN_TRAINING, fused_releases, reference_path_note
 from ..spec.model import ModelSpec
 from ..spec.profile import read_cached, write_cached
 from ..spec.tf_releases import (DERIVED_TYPES, cache_values_own_dtype, code_release, kv_cache_kind, parse_transformers_version,
@@ -152,14 +152,16 @@ def key(m: ModelSpec, t: TrainingSpec, one: bool | None = None) -> str:
     parts += release_parts(m, t)
     if t.attention_call == "repeat-kv":  # traced with litgpt's SDPA call (the keys of other setups are unchanged);
         parts.append(("attention-call", t.attention_call))  # mha's terms are added to transformers' layer (mha_kept)
-    if t.mixer_kernels == "fused":  # traced with fla's and causal-conv1d's Functions (fla_modules; others unchanged)
-        parts.append(("mixer-kernels", t.mixer_kernels, FUSED_RELEASES))
     if not t.math_sdpa_upcasts:  # PyTorch < 2.5: traced with SDPA's math kernel in the inputs' dtype
         parts.append(("math-sdpa", "input-dtype"))
     if t.quantize:  # a 4-bit base is traced as one (the keys of other setups are unchanged)
         parts.append(("quantize", t.quantize, t.quantize_via))
         if t.bnb_saves_input:  # bitsandbytes < 0.43.2: traced with MatMul4Bit keeping its input (``bnb_saves_input``)
             parts.append(("bnb", "keeps-input"))
+    if t.mixer_kernels != "reference" and not fused_skipped(m, t):  # traced with the packages' emulated mixer
+        # Functions (``trainmem.mamba_kernels``, ``trainmem.fla_modules``) of these releases; a skipped one
+        # traces the reference path, whose key it shares (the keys of other setups are unchanged)
+        parts.append(("mixer-kernels", t.mixer_kernels, fused_releases(m.model_type)))
     if m.is_encoder_decoder:  # measured per backward moment (keys of earlier derivations no longer match)
         parts.append("by-moment")
         parts.append("two-lengths")  # fitted in the encoder's and the decoder's lengths (``at_lengths``)
@@ -488,6 +490,13 @@ def _moment_base_at(doc: dict[str, Any], name: str, extra: Any) -> tuple[float, 
             n, nsq, pos = n + c * v["tok"], nsq + c * v["sq"], pos + c * v["pos"]
             ssq += c * doc["ssq"][f"kind.{k}"]
     return n, nsq, pos, ssq
+
+
+def fused_skipped(m: ModelSpec, t: TrainingSpec) -> bool:
+    """Whether ``--mixer-kernels fused`` leaves ``m``'s mixers on their reference path all the same: a hybrid
+    whose model builds its cache in training (``spec.kernel_paths.CACHE_IN_TRAINING``, ``use_cache`` on:
+    not ``without_cache``)."""
+    return t.mixer_kernels == "fused" and m.model_type in CACHE_IN_TRAINING and not without_cache(t, m)
 
 
 def without_cache(t: TrainingSpec, m: ModelSpec | None = None) -> bool:
@@ -917,7 +926,7 @@ def notes(m: ModelSpec, t: TrainingSpec) -> list[str]:
     """What a derived estimate's report should say: that its activations were measured, and an
     attention implementation other than the one asked for (a class without SDPA runs eager)."""
     point = point_at(m, t)
-    k = (m, key(m, t), t.attention, point)
+    k = (m, key(m, t), t.attention, point, t.mixer_kernels)  # (a skipped fused path shares the key, not the note)
     hit = _NOTES.get(k)
     if hit is None:
         hit = _NOTES[k] = _notes(m, _doc(m, t), t.attention, _canonical(t, m))
@@ -944,7 +953,7 @@ def _notes(m: ModelSpec, doc: dict[str, Any], attention: str, t: TrainingSpec) -
         out.append(f"{m.model_type}: no micro-batch-1 coefficients are stored for this setup and deriving them "
                    f"needs torch: it is estimated with those fitted on batches of 2 and more, which count as "
                    f"copies a few tensors that are views at batch 1 (slightly high)")
-    if note := reference_path_note(m.model_type, t.mixer_kernels):
+    if note := reference_path_note(m.model_type, t.mixer_kernels, fused_skipped(m, t)):
         out.append(note)
     if doc.get("attention") == "eager" and t.attention != "eager":
         out.append(f"{m.architecture} has no SDPA attention in transformers: it runs eager attention "

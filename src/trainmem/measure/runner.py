@@ -353,7 +353,9 @@ def measure(model: Any, steps: int = 2, *, device: str = "cuda", training: Train
                                                                      context_memory=context_memory,
                                                                      max_fraction=max_fraction))
     from .distributed import check_layout, launcher_env, measure_rank, needs_launcher, several
+    mixer_note = _mixer_path(r.model.model_type, r.training, kind)  # (refuses a fused path that cannot run)
     alloc_warnings = alloc_conf.apply(r.training.expandable_segments, kind)  # before CUDA is initialised
+    alloc_warnings = mixer_note + list(alloc_warnings)
     alloc_conf.apply_cublas(r.training.cublas_workspace_config, kind)  # before the first matmul
     env = launcher_env()
     if probe is None and ((env is not None and env["world_size"] > 1) or several(r.training)):
@@ -398,6 +400,18 @@ def _check_outputs(kind: str, memory_limit: Any, snapshot: str | None, html: str
     if profile:
         check_dir(profile, "--profile")
     return limit
+
+
+def _mixer_path(model_type: str, t: TrainingSpec, kind: str) -> list[str]:
+    """The mixer path the installed packages make a state-space model's run take (``spec.kernel_paths``:
+    transformers 5.24 takes mamba-ssm's fused Functions when they import), as a report line; ``--mixer-kernels
+    fused`` refused in one line where they do not."""
+    import importlib.util
+    from ..spec.kernel_paths import KERNEL_PACKAGES, PACKAGE_MODULES, measured_path_note
+    packages = KERNEL_PACKAGES.get(model_type, ())
+    installed = bool(packages) and all(importlib.util.find_spec(PACKAGE_MODULES[p]) for p in packages)
+    note = measured_path_note(model_type, t.mixer_kernels, installed, kind == "cuda")
+    return [note] if note else []
 
 
 def _not_applied(t: TrainingSpec) -> list[str]:

@@ -12,7 +12,7 @@ from ..errors import TrainmemError
 from .galore import (ADAFACTOR_LAYERWISE, LOWRANK_OPTIMIZERS, is_target, parse_optim_args,
                      target_modules)
 from .hardware import parse_cublas_workspace_config
-from .kernel_paths import MIXER_KERNELS, fused_problem
+from .kernel_paths import MIXER_KERNELS, fused_path_problem
 from .layout import layout_problems, stage_layers
 from .preference import preference_problem
 from .releases import (SDPA_ATTENTION, foreach_adam_denom_copy, fsdp2_rs_on_default_stream, math_sdpa_upcasts,
@@ -388,7 +388,8 @@ class TrainingSpec:
     liger_version: str | None = None  # the Liger-Kernel release of --liger / --loss fused; None: a current one
     #                                   (>= 0.8.1; quantities._fused_weight_grad_bytes)
     mixer_kernels: str = "reference"  # MIXER_KERNELS: the path of a linear-attention or state-space mixer;
-    #                                   "fused" = the packages' kernels (flash-linear-attention and causal-conv1d
+    #                                   "fused" = the packages' kernels (mamba-ssm's fused Mamba / Mamba-2
+    #                                   Functions: trainmem.mamba_kernels; flash-linear-attention and causal-conv1d
     #                                   in Qwen3.5's and Qwen3-Next's gated delta net: trainmem.fla_modules),
     #                                   "reference" = transformers' torch fallback (spec.kernel_paths)
     split_gate_up: bool = False  # the MLP's gate and up projections as two linears (litgpt's LLaMAMLP fc_1, fc_2)
@@ -459,7 +460,7 @@ class TrainingSpec:
                              ("hold_output", HOLD_OUTPUT), ("grad_sync", GRAD_SYNC), ("pp_schedule", PP_SCHEDULES),
                              ("pp_stage", PP_STAGES),
                              ("fsdp_lora_units", FSDP_LORA_UNITS), ("fsdp_gathered", FSDP_GATHERED),
-                             ("fsdp_auto_wrap_policy", FSDP_WRAP_POLICIES)):
+                             ("fsdp_auto_wrap_policy", FSDP_WRAP_POLICIES), ("mixer_kernels", MIXER_KERNELS)):
             _choice(key, getattr(self, key), choices)
         if self.remote_device is not None:
             _choice("remote_device", self.remote_device, REMOTE_DEVICES)
@@ -1375,7 +1376,8 @@ class TrainingSpec:
 
     def _check_mixer_kernels(self) -> None:
         """``--mixer-kernels fused`` is modelled eagerly (fla's Function is ``torch.compiler.disable``d:
-        chunk.py L396 at v0.5.2; inductor's partition around it is not modelled)."""
+        chunk.py L396 at v0.5.2; inductor's partition around the packages' Functions is not modelled), on
+        transformers 5.24's modeling files."""
         _choice("mixer-kernels", self.mixer_kernels, MIXER_KERNELS)
         if self.mixer_kernels == "fused" and self.compile:
             raise TrainmemError("--mixer-kernels fused is modelled in eager steps; drop --compile or --mixer-kernels")
@@ -1906,6 +1908,8 @@ def _input_problems(model: Any, t: TrainingSpec) -> str | None:
 
 def _layer_option_problems(model: Any, t: TrainingSpec) -> str | None:
     """Options of another framework's layer or loss code that the model's layers do not have."""
+    if t.mixer_kernels != "reference" and (bad := fused_path_problem(model.model_type)):
+        return bad
     if t.lora_qkv and ("query_key_value" not in {p.module for p in model.parameter_tensors()}
                        or "query_key_value" not in (t.lora_targets or ())):
         return (f"--lora-qkv models litgpt's LoRA on a fused query_key_value linear (GPT-NeoX, Falcon) given as "
@@ -1924,8 +1928,6 @@ def _layer_option_problems(model: Any, t: TrainingSpec) -> str | None:
         bad = liger_problem(model)
         if bad:
             return bad
-    if t.mixer_kernels == "fused" and (bad := fused_problem(model.model_type, model.name)):
-        return bad
     if t.attention_call == "mha" and (t.lora_rank or t.compile):
         what = "--lora-rank" if t.lora_rank else "--compile"
         return (f"--attention-call mha (torchvision's nn.MultiheadAttention) is modelled eagerly and without LoRA: "

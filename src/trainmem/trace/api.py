@@ -139,7 +139,9 @@ def _add_notes(report: MemoryReport, spec: ModelSpec | None, t: TrainingSpec, op
     path of a state-space or linear-attention mixer (``spec.kernel_paths``), and that a user step
     function decides the training options."""
     if spec is not None:
-        for note in (_attention_implementation(spec, t)[1], reference_path_note(spec.model_type, t.mixer_kernels)):
+        from ..estimate.derived import fused_skipped
+        mixer = reference_path_note(spec.model_type, t.mixer_kernels, fused_skipped(spec, t))
+        for note in (_attention_implementation(spec, t)[1], mixer):
             if note:
                 report.warnings.append(note)
     if spec is None and options_given:

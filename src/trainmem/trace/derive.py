@@ -652,6 +652,7 @@ def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpe
     every layer checkpointed, as ``workload.TrainStep`` enables it for ``--recompute full``; ``vision_ckpt``:
     a VLM's vision tower's blocks alone, ``_checkpoint_vision``)."""
     from .api import _device, _load_to_device
+    from .. import mamba_kernels
     small = replace(m, num_layers=len(kinds), config=cfg, decoder_layers=len(kinds) // 2 if m.decoder_layers else 0)
     dev = _device(True, None, t, False, None, None, None, None, False)
     tracker = dev.tracker
@@ -677,8 +678,8 @@ def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpe
             _first_input(tracker, first_in), with_kwargs=True))
         vision_in: list[Any] = []  # a VLM's vision tower's tensor inputs (``_tower_inputs``)
         hooks += _tower_inputs(model, tracker, vision_in) if m.is_vlm else []
-        try:
-            with tracker, tracker.hooks(), fused_mixers(t):  # (--mixer-kernels fused: fla's Functions, emulated)
+        try:  # (--mixer-kernels fused: the packages' mixer Functions, emulated as TrainStep.mixer_kernels runs them)
+            with tracker, tracker.hooks(), mamba_kernels.swap(model, t), fused_mixers(t):
                 model.train()
                 tracker.begin_step(1)
                 batch = model_batch(small, t, "cuda")  # ids and labels; an image model's pixel values
