@@ -79,6 +79,14 @@ class _Replay:
     gradients, states and activations at ``block_bytes`` of their own size (the weights at their load
     placement, ``allocator_rules.placed_bytes``, as the replay's load), so the gap the replay reports
     (reserved minus the net peak) carries that placement excess into the reserved estimate.
+
+    Only a block that is one real tensor is netted (``alloc``'s ``one``): gradients, states, logits, the
+    hand-written layers' saved tensors (``LayerCoefs.tensors``: each a tensor autograd saves). A block
+    that stands for several smaller tensors (a derived layer's saved bytes summed by module and op,
+    ``LayerCoefs.parts``; a backward moment's transient; autocast's weight copies as one block) has no
+    placement of its own: each tensor it stands for lands where it fits, so its "excess" is an
+    artefact of the sum and is counted as allocated, as before the netting (Qwen3-Next's point-derived
+    layers, against trace: reserved +4.05% netting every block).
     """
 
     a: CachingAllocator = field(default_factory=CachingAllocator)
@@ -113,11 +121,13 @@ class _Replay:
         """The net allocated and the reserved peaks of the whole replay."""
         return max(self.before[0], self.net_peak), max(self.before[1], self.a.peak_reserved)
 
-    def alloc(self, nbytes: Any, stream: int = 0) -> int | None:
+    def alloc(self, nbytes: Any, stream: int = 0, one: bool = True) -> int | None:
+        """A block of ``nbytes`` on ``stream``; ``one``: it is one real tensor, whose placement excess
+        is netted out of the allocated peak (else several tensors' sum: not netted)."""
         if nbytes <= 0:
             return None
         h = self.a.allocate(int(nbytes), stream=stream)
-        if self.loaded:  # the block beyond a fresh request's charge (bytes; 0 where it was split to size)
+        if self.loaded and one:  # the block beyond a fresh request's charge (bytes; 0 where it was split to size)
             extra = self.a.block_size(h) - block_bytes(int(nbytes), self.a.expandable_segments)
             if extra > 0:
                 self.excess[h] = extra
@@ -125,8 +135,8 @@ class _Replay:
         self.net_peak = max(self.net_peak, self.a.allocated - self.over)
         return h
 
-    def allocs(self, sizes: Any, stream: int = 0) -> list:
-        return [self.alloc(x, stream) for x in sizes]
+    def allocs(self, sizes: Any, stream: int = 0, one: bool = True) -> list:
+        return [self.alloc(x, stream, one) for x in sizes]
 
     def free(self, h: int | None) -> None:
         if h is not None:
@@ -386,11 +396,13 @@ def _logit_tensors(total: int, per_elem: int, elems: int, chunks: int = 1, elem:
 
 class _Parts(list):
     """Bytes of each tensor one layer saves for backward, in order; ``forward_only``: those it makes
-    and frees in its forward (``LayerCoefs.fwd_free``)."""
+    and frees in its forward (``LayerCoefs.fwd_free``). ``whole``: each is one tensor (else a derived
+    layer's saved bytes by module and op, several tensors each: ``_layer_parts``)."""
 
     def __init__(self, saved: Any, forward_only: list[int], op: list[int] | None = None,
-                 temps: list[int] | None = None, events: tuple[str, ...] = ()) -> None:
+                 temps: list[int] | None = None, events: tuple[str, ...] = (), whole: bool = True) -> None:
         super().__init__(saved)
+        self.whole = whole
         self.forward_only = forward_only
         self.op = op or []     # the op outputs torchtitan's per-op policy keeps (``LayerCoefs.op_tensors``)
         self.temps = temps or []  # a derived layer's forward temporaries (``LayerCoefs.fwd_temps``)
@@ -399,12 +411,15 @@ class _Parts(list):
 
 def _layer_parts(q: Quantities, n: int, nsq: int) -> _Parts:
     """Bytes of each tensor one layer saves for backward, in the order it saves them
-    (``LayerCoefs.tensors``; a derived architecture's named parts, one block each)."""
+    (``LayerCoefs.tensors``: the hand-written recipes' saved tensors, a derived layer's where its
+    derivation recorded them one by one, ``trace.derive._layer_sequence``). Else a derived layer's named
+    parts, one block each: the saved bytes of a module and op summed over its tensors (and averaged
+    over the layer kinds of a model that mixes them, ``derived.layer_coefs``), so not ``whole``."""
     lc = q.detail.layer
     return _Parts((int(a * n + b * nsq) for a, b in (lc.tensors or [(a, b) for _name, a, b in lc.parts])),
                   [int(a * n + b * nsq) for a, b in lc.fwd_free],
                   [int(a * n + b * nsq) for a, b in lc.op_tensors],
-                  [int(a * n + b * nsq) for a, b in lc.fwd_temps], lc.fwd_events)
+                  [int(a * n + b * nsq) for a, b in lc.fwd_temps], lc.fwd_events, whole=bool(lc.tensors))
 
 
 @dataclass
@@ -1182,7 +1197,8 @@ def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: _Parts, tk: Toke
         R.frees(R.allocs(parts.forward_only))                     # what the forward makes and frees
     else:
         (cached if cached is not None else []).extend(_checkpointed(R, q, parts, recompute))  # no-grad forward
-        kept = _Kept(R.allocs(_kept_blocks(parts, tk.layer, recompute)))  # what the checkpoint keeps
+        kept = _Kept(R.allocs(_kept_blocks(parts, tk.layer, recompute),  # what the checkpoint keeps
+                              one=_kept_whole(parts, tk.layer, recompute)))
     if q.ds_linear_kept and recompute != "full":                  # DeepSpeed ZeRO-3 under torch's F.linear: the
         # gathered weights its saved views keep, made on the all-gather stream under overlap_comm (the
         # ``torch.cat`` of ``AllGatherCoalescedHandle.wait`` in ``fetch_sub_module``'s stream context)
@@ -1209,17 +1225,18 @@ def _checkpointed(R: _Replay, q: Quantities, parts: list[int], recompute: str) -
     casts = _linear_casts(q) if recompute == "full" and _recompute_casts(q) else None
     if recompute == "full" and getattr(parts, "events", ()):      # a derived layer, tensor by tensor
         return _sequence_forward(R, q, parts, keep=False, casts=casts is not None).casts
+    one = getattr(parts, "whole", True)
     if casts is None:
-        R.frees(R.allocs(parts))
+        R.frees(R.allocs(parts, one=one))
         return []
     copies: list = []
     prev: list = [None]
     done = 0
     for (pos, _w, _g), nbytes in zip(q.detail.layer.linears, casts):
-        _chain(R, list(parts[done:pos]), prev)
+        _chain(R, list(parts[done:pos]), prev, one)
         done = max(done, pos)
         copies.append(R.alloc(nbytes))                            # (out, in) in bf16/fp16, cached
-    _chain(R, list(parts[done:]), prev)
+    _chain(R, list(parts[done:]), prev, one)
     R.free(prev[0])
     return copies
 
@@ -1254,7 +1271,7 @@ def _sequence_forward(R: _Replay, q: Quantities, parts: _Parts, keep: bool, cast
     R.frees([h for at, h in carry if at != LATE] + list(temps.live.values()))
     R.free(prev[0])
     if keep and sizes is None and q.cast_layer:
-        made.append(R.alloc(q.cast_layer))                        # the copies as one block (``_saved_and_casts``)
+        made.append(R.alloc(q.cast_layer, one=False))             # the copies as one block (``_saved_and_casts``)
     return _Kept(handles, made) if sizes is not None else _Kept(handles + made)
 
 
@@ -1298,10 +1315,11 @@ def _late_frees(R: _Replay, carry: list, done: int) -> list:
     return [(at, h) for at, h in carry if at > done]
 
 
-def _chain(R: _Replay, sizes: list[int], prev: list) -> None:
-    """Tensors made one after another, each freeing the one before (``prev[0]``: the last alive)."""
+def _chain(R: _Replay, sizes: list[int], prev: list, one: bool = True) -> None:
+    """Tensors made one after another, each freeing the one before (``prev[0]``: the last alive;
+    ``one``: each block is one tensor, ``_Replay.alloc``)."""
     for x in sizes:
-        h = R.alloc(x)
+        h = R.alloc(x, one=one)
         R.free(prev[0])
         prev[0] = h
 
@@ -1346,16 +1364,17 @@ def _saved_and_casts(R: _Replay, q: Quantities, parts: list[int]) -> _Kept:
     """One layer's forward without recomputation: the tensors it saves, in order, with autocast's
     weight copies made between them at their linears (``_linear_casts``; else one block after them)."""
     casts = _linear_casts(q)
-    if casts is None:
-        return _Kept(R.allocs(parts) + [R.alloc(q.cast_layer)])
+    one = getattr(parts, "whole", True)                           # (a derived layer's parts: several tensors)
+    if casts is None:                                             # the copies as one block: several tensors
+        return _Kept(R.allocs(parts, one=one) + [R.alloc(q.cast_layer, one=False)])
     handles: list = []
     copies: list = []
     done = 0
     for (pos, _w, _g), nbytes in zip(q.detail.layer.linears, casts):
-        handles += R.allocs(parts[done:pos])                      # saved before this linear's weight cast
+        handles += R.allocs(parts[done:pos], one=one)             # saved before this linear's weight cast
         done = max(done, pos)
         copies.append(R.alloc(nbytes))                            # (out, in) in bf16/fp16
-    return _Kept(handles + R.allocs(parts[done:]), copies)
+    return _Kept(handles + R.allocs(parts[done:], one=one), copies)
 
 
 def _per_linear(q: Quantities, kept: _Kept, recompute: str) -> bool:
@@ -1421,6 +1440,16 @@ def _kept_blocks(parts: list[int], kept: int, recompute: str) -> list[int]:
     return [p * kept // total for p in parts]
 
 
+def _kept_whole(parts: list[int], kept: int, recompute: str) -> bool:
+    """Whether each of ``_kept_blocks``' blocks is one tensor: the input, the per-op policy's outputs
+    (where the layer's parts are tensors, ``_Parts.whole``); not the shares of Megatron's selective
+    recomputation, each a fraction of a saved tensor."""
+    if recompute == "full" or sum(parts) <= 0:
+        return True
+    op = getattr(parts, "op", [])
+    return recompute == "op" and bool(op) and kept >= sum(op)
+
+
 def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[int], kept: list, i: int,
                     n: int, nsq: int, recompute: str, oib: bool) -> None:
     """One layer's backward: recompute, the largest transient, the gradients, then its tensors freed."""
@@ -1437,9 +1466,10 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
         R.carry = []
         kept, per_linear = _Kept(list(kept), redo.casts), True
     else:
-        redo = R.allocs(parts) if recompute != "none" else []     # the checkpointed forward again
+        redo = R.allocs(parts, one=getattr(parts, "whole", True)) if recompute != "none" else []  # forward again
     R.frees(R.allocs(_recompute_blocks(q, n, nsq)))               # ... its frames' own tensors meanwhile
-    tr = R.alloc(_activation_transient(q, n, nsq) if per_linear else _transient(q, n, nsq))
+    # the worst backward moment as one block: several tensors (not netted, ``_Replay.alloc``)
+    tr = R.alloc(_activation_transient(q, n, nsq) if per_linear else _transient(q, n, nsq), one=False)
     if st.layer_grads_full and not fs.v2 and q.fsdp1_post:        # FSDP1: the flat gradient, then its hook
         params = _fsdp1_reduce(R, q, st, params, fs)
     elif st.layer_grads_full and fs.v2:                           # FSDP2: the unsharded gradients made, the
