@@ -326,7 +326,7 @@ def _zero3_step(R: _Replay, s: "_Step", q: Quantities, order: list, first: bool)
         R.free(flat)
         if first:                                                # the states: zeros_like(fp32 partition)
             s.states += [R.alloc(sizes[j]) for sizes in per_kind if j < len(sizes)]
-        R.free(R.alloc((q.step_temp - q.ds_step_fp32 - q.ds_step_flat) * n // largest))  # the optimizer's own
+        R.free(R.alloc((q.step_temp - q.ds_step_fp32 - q.ds_step_flat) * n // largest, one=False))  # the optimizer's
         R.free(fp32)
 
 
@@ -382,16 +382,32 @@ def _logit_tensors(total: int, per_elem: int, elems: int, chunks: int = 1, elem:
     elements (the loss keeps whole logits-sized tensors: the fp32 upcast, log-probabilities, their
     gradients), or ``chunks`` tensors each under a chunked loss (torchtune's ``CEWithChunkedOutputLoss``
     and litgpt's ``chunked_cross_entropy`` keep a list of per-chunk logits); what is left of ``total``
-    (one chunk's transient tensors, per-token terms) is one more block."""
+    (one chunk's transient tensors, per-token terms) is one more block, several tensors
+    (``_Sizes.whole`` counts the whole tensors before it; ``_logit_allocs``)."""
     per_elem, part = int(per_elem), -(-elems // chunks)
     if elem != 4:
         sizes = [part * elem] * (chunks * (per_elem // elem))
         rest = int(total) - elems * (per_elem // elem) * elem
-        return sizes + [rest] if rest > 0 else sizes
-    sizes = [part * 4] * (chunks * (per_elem // 4)) + [part * 2] * (chunks * ((per_elem % 4) // 2))
-    sizes += [part] * (chunks * (per_elem % 2))
-    rest = int(total) - elems * per_elem
-    return sizes + [rest] if rest > 0 else sizes
+    else:
+        sizes = [part * 4] * (chunks * (per_elem // 4)) + [part * 2] * (chunks * ((per_elem % 4) // 2))
+        sizes += [part] * (chunks * (per_elem % 2))
+        rest = int(total) - elems * per_elem
+    return _Sizes(sizes + [rest] if rest > 0 else sizes, len(sizes))
+
+
+class _Sizes(list):
+    """Block sizes of which the first ``whole`` are one tensor each, the rest a sum of several."""
+
+    def __init__(self, sizes: list[int], whole: int) -> None:
+        super().__init__(sizes)
+        self.whole = whole
+
+
+def _logit_allocs(R: _Replay, sizes: list[int]) -> list:
+    """``_logit_tensors``' blocks: the whole tensors netted of their placement excess, the rest
+    (several tensors' sum) not (``_Replay.alloc``)."""
+    whole = getattr(sizes, "whole", len(sizes))
+    return R.allocs(sizes[:whole]) + R.allocs(sizes[whole:], one=False)
 
 
 class _Parts(list):
@@ -448,7 +464,7 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     st = q.detail.states
     if R.lag is not None:                                         # the batch's blocking host-to-device copy
         R.lag.synchronize(R)
-    inputs = R.alloc(tk.inputs)                                   # int64 ids and labels
+    inputs = R.alloc(tk.inputs, one=False)                        # int64 ids and labels, one block
     fs = _Fsdp(q.fsdp_ag_result > 0, _fsdp_streams(q), lag=R.lag, rs_side=q.fsdp_rs_side > 0)
     root = fs.unshard(R, q.fsdp_root, st.root_tensors)            # FSDP: the root unit gathered
     # torchtitan's split root (quantities.fsdp2_split_root): the embedding unit gathered, resharded
@@ -462,7 +478,7 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     if not (q.ds_emb_kept and s.forwards > 1):                   # released after the embedding's forward
         R.free(gathered)
         gathered = None
-    emb = R.alloc(tk.outer_rest)                                  # embeddings' saved tensors
+    emb = R.alloc(tk.outer_rest, one=False)                       # embeddings' saved tensors, one block
     s.workspace(R, 0)                                             # the first layer's first matmul
     cached: list = []                                             # autocast's weight cache (checkpointed layers)
     z3 = _Zero3Fetch(R, q, recorded=s.forwards > 1)               # ZeRO-3: the layers' gathers (the embedding's
@@ -474,14 +490,14 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     R.frees([h for at, h in R.carry if at != LATE])               # the top layer's late frees (a derived layer)
     R.carry = [(at, h) for at, h in R.carry if at == LATE]
     root = root + fs.unshard(R, q.fsdp_head_unit, st.head_unit_tensors)  # split root: [norm, head] kept
-    head = [R.alloc(tk.outer_head)]                               # the final norm's output: the head's input
+    head = [R.alloc(tk.outer_head, one=False)]                    # the final norm's tensors, the head's input
     R.free(embeds)                                                # the base model returns (held_embeddings)
     head.append(R.alloc(q.cast_head))                             # autocast's half copy of the head
     # a chunked loss: one tensor per chunk, at most one chunk per token (more are not made: setup_warnings)
     chunks = max(1, min(int(q.logit_chunks), int(tk.tokens))) if q.liger_factor == 0 else 1
-    out = R.allocs(_logit_tensors(tk.out_logits, q.logits_out, full, chunks))  # (b, s, vocab) logits
+    out = _logit_allocs(R, _logit_tensors(tk.out_logits, q.logits_out, full, chunks))  # (b, s, vocab) logits
     if q.logits_cast:  # --cast-output: Fabric's fp32 copies, made while the half output is alive
-        cast = R.allocs(_logit_tensors(tk.cast_logits, q.logits_cast, full, chunks))
+        cast = _logit_allocs(R, _logit_tensors(tk.cast_logits, q.logits_cast, full, chunks))
         R.frees(out)
         out = cast
     R.frees(s.held)                                               # the previous step's output, replaced
@@ -497,12 +513,12 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     elif q.loss_tt_shift:     # torchtune < 0.3's loop: the shifted fp32 copy kept, the loss on its transpose
         fwd, saved = [], _torchtune_loop_loss(R, q, tk, out, full, seqs)
     else:
-        fwd = R.allocs(_logit_tensors(tk.loss_forward, q.loss_forward, full, chunks))  # the fp32 copy, transient
+        fwd = _logit_allocs(R, _logit_tensors(tk.loss_forward, q.loss_forward, full, chunks))  # fp32 copy, transient
         if q.loss_saves_out:   # the loss saves the output itself (its per-token tensors are new)
-            saved = out + R.allocs([int(tk.loss_saved) - full * q.loss_saved])
+            saved = out + R.allocs([int(tk.loss_saved) - full * q.loss_saved], one=False)  # per-token
             out = []
         else:
-            saved = R.allocs(_logit_tensors(tk.loss_saved, q.loss_saved, full, chunks, q.loss_elem))  # log-probs
+            saved = _logit_allocs(R, _logit_tensors(tk.loss_saved, q.loss_saved, full, chunks, q.loss_elem))  # logps
     if q.dpo_metrics:                                             # DPOTrainer's reference forward and metrics
         _dpo_after_logps(R, q, full, seqs)
     R.frees([h for _at, h in R.carry])                            # derived layers' tensors the loss frees
@@ -599,7 +615,7 @@ def _chunked_nll_forward(R: _Replay, q: Quantities, tk: Tokens) -> tuple[list, l
     last = R.alloc(int(q.head_loss_tok * n))
     saved = R.allocs([int(q.loss_saved_tok - 16) * n, 8 * n, 8 * n])
     rest = int(tk.loss_forward) - int(q.head_loss_tok * n) - q.loss_backward_const
-    chunk = R.allocs([q.loss_backward_const, rest])
+    chunk = [R.alloc(q.loss_backward_const), R.alloc(rest, one=False)]  # the copy; the chunk's tensors
     R.frees(chunk)
     return [last], saved
 
@@ -657,7 +673,8 @@ def _chunked_nll_backward(R: _Replay, q: Quantities, tk: Tokens) -> list:
     """TRL's chunked_nll backward: the gathered hidden states' gradient, then a chunk's recompute (the
     head-weight copy its matmul saves and the logits-chunk tensors)."""
     grad = int(q.loss_backward_tok * int(tk.tokens))
-    return R.allocs([grad, q.loss_backward_const, int(tk.loss_backward) - grad - q.loss_backward_const])
+    rest = int(tk.loss_backward) - grad - q.loss_backward_const      # the chunk's tensors, one block
+    return R.allocs([grad, q.loss_backward_const]) + [R.alloc(rest, one=False)]
 
 
 def _cast_chunks_backward(R: _Replay, q: Quantities, f: _Forward) -> list:
@@ -826,14 +843,14 @@ def _loss_backward(R: _Replay, q: Quantities, tk: Tokens, f: _Forward, n: int, n
         # ToCopyBackward: the fp32 logits' gradient cast to the head's dtype (fp32 logits: it is that gradient)
         if not q.logits_cast:
             return [full]
-        dlogits = R.allocs(_logit_tensors(tk.logits_grad, q.logits_out, f.full))
+        dlogits = _logit_allocs(R, _logit_tensors(tk.logits_grad, q.logits_out, f.full))
         R.free(full)
         return dlogits
     if q.loss_fp32_logits or q.loss_tt_shift:
         return _fp32_logits_backward(R, q, f)
     sizes = [] if q.loss_chunk_tokens else _logit_tensors(tk.loss_backward, q.loss_backward, f.full, f.chunks,
                                                           q.loss_elem)
-    lb = _chunked_nll_backward(R, q, tk) if q.loss_chunk_tokens else R.allocs(sizes)  # the loss's backward
+    lb = _chunked_nll_backward(R, q, tk) if q.loss_chunk_tokens else _logit_allocs(R, sizes)  # its backward
     R.frees(f.saved)
     dlogits = _logits_gradient(R, q, tk, f, lb, sizes)            # in the head's dtype
     R.frees(lb)
@@ -860,7 +877,7 @@ def _logits_gradient(R: _Replay, q: Quantities, tk: Tokens, f: _Forward, lb: lis
     if q.loss_forward == 0 and f.chunks == 1 and not q.logits_cast and size in sizes:
         k = len(sizes) - 1 - sizes[::-1].index(size)
         return [lb.pop(k)]
-    return R.allocs(_logit_tensors(tk.logits_grad, q.logits_out, f.full, f.chunks))
+    return _logit_allocs(R, _logit_tensors(tk.logits_grad, q.logits_out, f.full, f.chunks))
 
 
 def _fsdp(q: Quantities) -> bool:
@@ -1473,7 +1490,7 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
     if st.layer_grads_full and not fs.v2 and q.fsdp1_post:        # FSDP1: the flat gradient, then its hook
         params = _fsdp1_reduce(R, q, st, params, fs)
     elif st.layer_grads_full and fs.v2:                           # FSDP2: the unsharded gradients made, the
-        full = R.allocs(st.layer_tensors) if st.layer_tensors else [R.alloc(st.layer_grads_full)]
+        full = R.allocs(st.layer_tensors) if st.layer_tensors else [R.alloc(st.layer_grads_full, one=False)]
         R.frees([tr] + redo + kept + kept.casts)                  # layer's backward done, its tensors freed;
         tr, redo, kept = None, [], _Kept([])                      # then its post-backward hook
         fs.post_backward(R, params, full, q.fsdp_rs_buf or q.fsdp_rs_side or st.layer_grads_full)
@@ -1533,11 +1550,11 @@ def _fsdp1_reduce(R: _Replay, q: Quantities, st: Any, params: list, fs: "_Fsdp")
     shard stands for the sharded gradients ``_make_grads`` allocates next). Returns the gathered
     parameters left to free."""
     whole = sum(block_bytes(x, q.expandable) for x in st.layer_tensors) == st.layer_grads_full
-    views = R.allocs(st.layer_tensors) if whole else [R.alloc(st.layer_grads_full)]
+    views = R.allocs(st.layer_tensors) if whole else [R.alloc(st.layer_grads_full, one=False)]  # (several)
     flat = R.alloc(st.layer_grads_full)                           # SplitWithSizesBackward's cat
     R.frees(views)
     fs.reshard(R, params)                                         # _post_backward_reshard
-    hook = R.alloc(q.fsdp1_post - st.layer_grads_full, GRAD_STREAM)  # the reduce dtype's copy, the new shard
+    hook = R.alloc(q.fsdp1_post - st.layer_grads_full, GRAD_STREAM, one=False)  # the reduce dtype's copy, the shard
     R.frees([flat, hook])
     return []
 
@@ -1726,7 +1743,7 @@ def _optimizer_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, step:
     elif q.ds_step_fp32:                                         # DeepSpeed: one flat fp32 partition per group
         flat, fp32 = R.alloc(q.ds_step_flat), R.alloc(q.ds_step_fp32)   # the cast: flat copy, then fp32
         R.free(flat)
-        R.free(R.alloc(q.step_temp - q.ds_step_fp32 - q.ds_step_flat))  # the optimizer's own, on that tensor
+        R.free(R.alloc(q.step_temp - q.ds_step_fp32 - q.ds_step_flat, one=False))  # the optimizer's own temporaries
         R.free(fp32)
     elif temp_copies is None:                                    # foreach: the whole group's at once, each
         k = max(1, q.step_groups)                                # temporary per tensor as its own list (Adagrad 2)
