@@ -631,7 +631,7 @@ def layer_coefs(m: ModelSpec, t: TrainingSpec, stage: str) -> LayerCoefs:
                       trans, held=held, cache=cache, weights=1.0, after=after, fwd_const=fwd[0], fwd_tok=fwd[1],
                       not_recomputed=max(not_recomputed, 0.0), graph_held=max(graph, 0.0), checkpointed=bool(doc.get("checkpointed")),
                       transients_ssq=ssq if any(ssq) else (), transients_at=tuple(at),
-                      **_sequence(doc, kinds))
+                      **_sequence(doc, list(count)))
 
 
 def _sequence(doc: dict[str, Any], kinds: list[str]) -> dict[str, tuple]:
@@ -642,16 +642,8 @@ def _sequence(doc: dict[str, Any], kinds: list[str]) -> dict[str, tuple]:
     elements and its gradient's bytes per element (fp32: autocast caches only fp32 leaves that
     require grad, ``autocast_mode.cpp`` ``cached_cast``, and ``AccumulateGrad`` keeps the weight's
     dtype), and the tensors its forward makes and frees, in the order of it all
-    (``LayerCoefs.fwd_temps``, ``fwd_events``). A stage of several kinds (``kinds``: its layers' in
-    order): each layer's kind's tensors, temporaries and order (``LayerCoefs.layer_sequences``), its
-    linears not placed (their weight copies one block, as where none was recorded)."""
-    unique = list(dict.fromkeys(kinds))
-    if len(unique) > 1 and all("tensors" in doc["kinds"][k] for k in unique):
-        seq = {k: (tuple((float(a), float(b)) for a, b in doc["kinds"][k]["tensors"]),
-                   tuple((float(a), float(b)) for a, b in doc["kinds"][k].get("temps", ())),
-                   tuple(doc["kinds"][k].get("events", ()))) for k in unique}
-        return {"layer_sequences": tuple(seq[k] for k in kinds)}
-    kind = doc["kinds"][unique[0]] if len(unique) == 1 else {}
+    (``LayerCoefs.fwd_temps``, ``fwd_events``)."""
+    kind = doc["kinds"][kinds[0]] if len(kinds) == 1 else {}
     if "tensors" not in kind:
         return {}
     return {"tensors": tuple((float(a), float(b)) for a, b in kind["tensors"]),

@@ -1113,11 +1113,6 @@ class LayerCoefs:
     # temporary freed), for the allocator replay (reserved.py ``_sequence_forward``); () without one
     fwd_temps: tuple[tuple[float, float], ...] = ()
     fwd_events: tuple[str, ...] = ()
-    # a derived stage that mixes layer kinds (Qwen3.5's linear and full attention): each layer's own
-    # forward one tensor at a time, in layer order, as (``tensors``, ``fwd_temps``, ``fwd_events``) of
-    # its kind (``derived._sequence``), where ``tensors`` above is () (the kinds' average is no one
-    # layer's tensors); () otherwise
-    layer_sequences: tuple[tuple[tuple, tuple, tuple], ...] = ()
     held_b1: float | None = None  # ``held`` at a micro-batch of one sequence (Recipe.held_b1); None: ``held``
     fwd_scratch: float = 0.0  # torchao NF4: the largest dequantization peak (weight and scratch) before its matmul, bytes
 

@@ -1213,8 +1213,8 @@ def fused_qkv_kept(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs) -
     if not parts:
         return lc
     extra = sum(b for _, b in parts)
-    return replace(lc, tok=lc.tok + extra, parts=lc.parts + tuple((n, b, 0.0) for n, b in parts),
-                   **_saved_after(lc, tuple((b, 0.0) for _, b in parts)))
+    tensors = lc.tensors + tuple((b, 0.0) for _, b in parts) if lc.tensors else lc.tensors
+    return replace(lc, tok=lc.tok + extra, parts=lc.parts + tuple((n, b, 0.0) for n, b in parts), tensors=tensors)
 
 
 def _stage_layer(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) -> LayerCoefs:
@@ -1223,14 +1223,6 @@ def _stage_layer(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) -> Laye
     if m.family == "derived":
         return derived_clamp(m, t, pol, derived_layer(m, t, stage))
     return layer_coefficients(layer_key(m, t))
-
-
-def _saved_after(lc: LayerCoefs, extra: tuple[tuple[float, float], ...]) -> dict[str, tuple]:
-    """``LayerCoefs`` fields with ``extra`` saved tensors (bytes per token, per token x key) after the
-    layer's listed ones, for the reserved replay: ``tensors`` where the layer lists them, and each
-    layer's own of a derived stage of several kinds (``layer_sequences``)."""
-    return {"tensors": lc.tensors + extra if lc.tensors else lc.tensors,
-            "layer_sequences": tuple((t + extra, temps, ev) for t, temps, ev in lc.layer_sequences)}
 
 
 def derived_clamp(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs) -> LayerCoefs:
@@ -1249,8 +1241,8 @@ def derived_clamp(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs) ->
     if not (t.attention == "eager" and eager_clamp(m, t.transformers_release)):
         return lc
     sq = float(m.num_heads * pol.half)  # (b, heads, s, s) in the scores' dtype: fp16 or fp32
-    return replace(lc, sq=lc.sq + sq, parts=lc.parts + (("attn.scores_clamp_input", 0.0, sq),),
-                   **_saved_after(lc, ((0.0, sq),)))
+    tensors = lc.tensors + ((0.0, sq),) if lc.tensors else lc.tensors
+    return replace(lc, sq=lc.sq + sq, parts=lc.parts + (("attn.scores_clamp_input", 0.0, sq),), tensors=tensors)
 
 
 def litgpt_terms(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs) -> LayerCoefs:
@@ -1286,8 +1278,8 @@ def lora_qkv_kept(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs) ->
     if not parts:
         return lc
     extra = sum(b for _, b in parts)
-    return replace(lc, tok=lc.tok + extra, parts=lc.parts + tuple((n, b, 0.0) for n, b in parts),
-                   **_saved_after(lc, tuple((b, 0.0) for _, b in parts)))
+    tensors = lc.tensors + tuple((b, 0.0) for _, b in parts) if lc.tensors else lc.tensors
+    return replace(lc, tok=lc.tok + extra, parts=lc.parts + tuple((n, b, 0.0) for n, b in parts), tensors=tensors)
 
 
 def mha_kept(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs) -> LayerCoefs:
@@ -1330,8 +1322,8 @@ def mha_kept(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs) -> Laye
     if not parts:
         return lc
     extra = sum(b for _, b in parts)
-    return replace(lc, tok=lc.tok + extra, parts=lc.parts + tuple((n, b, 0.0) for n, b in parts),
-                   **_saved_after(lc, tuple((b, 0.0) for _, b in parts)))
+    tensors = lc.tensors + tuple((b, 0.0) for _, b in parts) if lc.tensors else lc.tensors
+    return replace(lc, tok=lc.tok + extra, parts=lc.parts + tuple((n, b, 0.0) for n, b in parts), tensors=tensors)
 
 
 def split_gate_up_kept(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs) -> LayerCoefs:
@@ -1360,8 +1352,8 @@ def split_gate_up_kept(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoef
         extra = float(own + t.lora_rank * dropped)
     else:
         return lc
-    return replace(lc, tok=lc.tok + extra, parts=lc.parts + (("lora.mlp.split_gate_up", extra, 0.0),),
-                   **_saved_after(lc, ((extra, 0.0),)))
+    tensors = lc.tensors + ((extra, 0.0),) if lc.tensors else lc.tensors
+    return replace(lc, tok=lc.tok + extra, parts=lc.parts + (("lora.mlp.split_gate_up", extra, 0.0),), tensors=tensors)
 
 
 def fused_qkv_lora(m: ModelSpec, t: TrainingSpec, pol: Policy) -> tuple[tuple[str, float], ...]:

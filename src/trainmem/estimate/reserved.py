@@ -423,11 +423,6 @@ class _Parts(list):
         self.op = op or []     # the op outputs torchtitan's per-op policy keeps (``LayerCoefs.op_tensors``)
         self.temps = temps or []  # a derived layer's forward temporaries (``LayerCoefs.fwd_temps``)
         self.events = events      # ... and the order of its forward (``LayerCoefs.fwd_events``)
-        self.layers: list = []    # a stage of several kinds: each layer's own (``at``)
-
-    def at(self, i: int) -> "_Parts":
-        """Layer ``i``'s parts: its kind's where the stage mixes kinds (``LayerCoefs.layer_sequences``)."""
-        return self.layers[i] if self.layers else self
 
 
 def _layer_parts(q: Quantities, n: int, nsq: int) -> _Parts:
@@ -437,15 +432,10 @@ def _layer_parts(q: Quantities, n: int, nsq: int) -> _Parts:
     parts, one block each: the saved bytes of a module and op summed over its tensors (and averaged
     over the layer kinds of a model that mixes them, ``derived.layer_coefs``), so not ``whole``."""
     lc = q.detail.layer
-    parts = _Parts((int(a * n + b * nsq) for a, b in (lc.tensors or [(a, b) for _name, a, b in lc.parts])),
-                   [int(a * n + b * nsq) for a, b in lc.fwd_free],
-                   [int(a * n + b * nsq) for a, b in lc.op_tensors],
-                   [int(a * n + b * nsq) for a, b in lc.fwd_temps], lc.fwd_events, whole=bool(lc.tensors))
-    if len(lc.layer_sequences) == q.layers:                       # each layer its kind's tensors
-        parts.layers = [_Parts([int(a * n + b * nsq) for a, b in tensors], [], [],
-                               [int(a * n + b * nsq) for a, b in temps], events)
-                        for tensors, temps, events in lc.layer_sequences]
-    return parts
+    return _Parts((int(a * n + b * nsq) for a, b in (lc.tensors or [(a, b) for _name, a, b in lc.parts])),
+                  [int(a * n + b * nsq) for a, b in lc.fwd_free],
+                  [int(a * n + b * nsq) for a, b in lc.op_tensors],
+                  [int(a * n + b * nsq) for a, b in lc.fwd_temps], lc.fwd_events, whole=bool(lc.tensors))
 
 
 @dataclass
@@ -495,7 +485,7 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     kept = []                                                     # fetch starts the first layer's prefetch)
     for i in range(q.layers):
         z3.forward(R, i)
-        kept.append(_layer_forward(R, q, fs, parts.at(i), tk, recompute, keep=(i == q.layers - 1 and q.fsdp_last_kept > 0),
+        kept.append(_layer_forward(R, q, fs, parts, tk, recompute, keep=(i == q.layers - 1 and q.fsdp_last_kept > 0),
                                    cached=cached))
     R.frees([h for at, h in R.carry if at != LATE])               # the top layer's late frees (a derived layer)
     R.carry = [(at, h) for at, h in R.carry if at == LATE]
@@ -800,7 +790,7 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
         head_full, f.root = None, []
         f.fs.below_first = q.fsdp_emb_unit                        # the first layer prefetches the embedding
     for i in reversed(range(q.layers)):
-        _layer_backward(R, s, q, f.fs, parts.at(i), f.kept[i], i, n, nsq, recompute, flags.oib)
+        _layer_backward(R, s, q, f.fs, parts, f.kept[i], i, n, nsq, recompute, flags.oib)
         if f.z3 is not None:
             f.z3.backward(R, i)                                   # ZeRO-3: the layer's parameters released
     if q.fsdp_emb_unit:                                           # split root: the embedding's pre-backward
