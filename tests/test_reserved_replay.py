@@ -200,6 +200,29 @@ def test_a_whole_block_handed_out_counts_in_the_gap():
     assert expandable.peaks()[0] == expandable.a.peak_allocated == 17 * n
 
 
+def test_a_block_of_several_tensors_keeps_its_excess():
+    """A block that stands for several tensors (``one=False``: a derived layer's parts by module and
+    op, a backward moment's transient) has no placement of its own: the tail it takes is counted as
+    allocated, not netted into the gap; a logits term's rest is such a block (``_Sizes.whole``)."""
+    from trainmem.allocator_rules import LARGE_BUFFER, block_bytes
+    from trainmem.estimate.reserved import _logit_allocs, _Replay, _Sizes
+    n = 768 * 768 * 2
+    R = _Replay()
+    R.mark("model_loaded", 0)
+    R.allocs([n] * 16)
+    h = R.alloc(n, one=False)                              # the 2 MiB tail, taken whole
+    assert R.a.block_size(h) > n and R.over == 0
+    assert R.peaks() == (LARGE_BUFFER, LARGE_BUFFER)       # no gap: the tail counts as allocated
+    sizes = _logit_tensors(200 + 50, 2, 100, chunks=4)
+    assert sizes.whole == 4 and _logit_tensors(800, 8, 100).whole == 2
+    for whole, over in ((1, LARGE_BUFFER - 16 * n - block_bytes(n)), (0, 0)):  # the tail a whole tensor's, a rest's
+        S = _Replay()
+        S.mark("model_loaded", 0)
+        S.allocs([n] * 16)
+        _logit_allocs(S, _Sizes([n], whole))
+        assert S.over == over and S.peaks()[0] == LARGE_BUFFER - over
+
+
 #: Raschka's ViT precision benchmark, 06_bf16-full, as trace runs it (transformers' ViT): the
 #: gradients and states of the 768 x 768 and 768 x 3072 weights land in unsplit tails of earlier
 #: blocks. Before the replay's allocated peak was counted net of that excess: -1.52% (1680.2 MiB

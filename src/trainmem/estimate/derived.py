@@ -726,15 +726,24 @@ def top_forward(m: ModelSpec, t: TrainingSpec, stage: str) -> tuple[tuple[float,
     loss after it. Up to ``trace.derive.TOP_MOMENTS`` moments (which is the highest depends on the
     batch and sequence), each as (bytes per token, per token x key, per position, per sample, per
     position pair shared by the batch), with what each layer below the top holds then beyond its
-    saved tensors (``top_held``) for the full model's layers beyond the cut model's. Empty for other
-    heads, off the last pipeline stage, and under recompute (measured with every layer's tensors
-    saved: a checkpointed layer saves none in forward)."""
+    saved tensors (``top_held``) for the full model's layers beyond the cut model's, less the cache the
+    output holds (every layer's ``held``: the engine's moment adds it). A decoder's too
+    (``top_forward_measured``). Empty for other heads, off the last pipeline stage, and under recompute
+    (measured with every layer's tensors saved: a checkpointed layer saves none in forward)."""
     if not top_forward_measured(m) or t.recompute not in (None, "none") or not (t.pp == 1 or stage == "last"):
         return ()
     doc = coefficients(m, t)
     held, more = doc.get("top_held", {}), max(m.num_layers - doc.get("cut_layers", m.num_layers), 0)
-    top = tuple(tuple(float(c.get(k, 0.0) + more * held.get(k, 0.0)) for k in ("n", "nsq", "s", "b", "ssq"))
-                for c in doc.get("top_forward", ()))
+    # the cache the output holds (each layer's ``held``, bytes per token) is freed by ``del out``, inside
+    # the traced forward phase, so ``_top_forward`` counts it in each moment (not among the tensors alive
+    # at the forward's end it takes off) and the engine's moment adds it again (``moments.Tokens.kv_held``,
+    # every layer's): taken off here, as ``kind_forward`` does. Qwen3.5's linear-attention layers' cache
+    # states (transformers 5.24 ``modeling_qwen3_5.py`` L585, L647: ``cache.update_conv_state``,
+    # ``update_recurrent_state``) are 10.1 MiB a layer at the architecture sweep's config, 30.4 of its
+    # 30.5 MiB top moment (peak +4.11% against trace; +0.24% without them)
+    cache = sum(doc["kinds"][k].get("held", 0.0) for k in stage_kinds(m, t, stage, doc))
+    top = tuple(tuple(float(c.get(k, 0.0) + more * held.get(k, 0.0) - (cache if k == "n" else 0.0))
+                      for k in ("n", "nsq", "s", "b", "ssq")) for c in doc.get("top_forward", ()))
     lower = kind_forward(doc) if t.pp == 1 else None
     return top + ((lower, 0.0, 0.0, 0.0, 0.0),) if lower is not None and len(top) < 2 else top
 

@@ -79,6 +79,14 @@ class _Replay:
     gradients, states and activations at ``block_bytes`` of their own size (the weights at their load
     placement, ``allocator_rules.placed_bytes``, as the replay's load), so the gap the replay reports
     (reserved minus the net peak) carries that placement excess into the reserved estimate.
+
+    Only a block that is one real tensor is netted (``alloc``'s ``one``): gradients, states, logits, the
+    hand-written layers' saved tensors (``LayerCoefs.tensors``: each a tensor autograd saves). A block
+    that stands for several smaller tensors (a derived layer's saved bytes summed by module and op,
+    ``LayerCoefs.parts``; a backward moment's transient; autocast's weight copies as one block) has no
+    placement of its own: each tensor it stands for lands where it fits, so its "excess" is an
+    artefact of the sum and is counted as allocated, as before the netting (Qwen3-Next's point-derived
+    layers, against trace: reserved +4.05% netting every block).
     """
 
     a: CachingAllocator = field(default_factory=CachingAllocator)
@@ -113,11 +121,13 @@ class _Replay:
         """The net allocated and the reserved peaks of the whole replay."""
         return max(self.before[0], self.net_peak), max(self.before[1], self.a.peak_reserved)
 
-    def alloc(self, nbytes: Any, stream: int = 0) -> int | None:
+    def alloc(self, nbytes: Any, stream: int = 0, one: bool = True) -> int | None:
+        """A block of ``nbytes`` on ``stream``; ``one``: it is one real tensor, whose placement excess
+        is netted out of the allocated peak (else several tensors' sum: not netted)."""
         if nbytes <= 0:
             return None
         h = self.a.allocate(int(nbytes), stream=stream)
-        if self.loaded:  # the block beyond a fresh request's charge (bytes; 0 where it was split to size)
+        if self.loaded and one:  # the block beyond a fresh request's charge (bytes; 0 where it was split to size)
             extra = self.a.block_size(h) - block_bytes(int(nbytes), self.a.expandable_segments)
             if extra > 0:
                 self.excess[h] = extra
@@ -125,8 +135,8 @@ class _Replay:
         self.net_peak = max(self.net_peak, self.a.allocated - self.over)
         return h
 
-    def allocs(self, sizes: Any, stream: int = 0) -> list:
-        return [self.alloc(x, stream) for x in sizes]
+    def allocs(self, sizes: Any, stream: int = 0, one: bool = True) -> list:
+        return [self.alloc(x, stream, one) for x in sizes]
 
     def free(self, h: int | None) -> None:
         if h is not None:
@@ -316,7 +326,7 @@ def _zero3_step(R: _Replay, s: "_Step", q: Quantities, order: list, first: bool)
         R.free(flat)
         if first:                                                # the states: zeros_like(fp32 partition)
             s.states += [R.alloc(sizes[j]) for sizes in per_kind if j < len(sizes)]
-        R.free(R.alloc((q.step_temp - q.ds_step_fp32 - q.ds_step_flat) * n // largest))  # the optimizer's own
+        R.free(R.alloc((q.step_temp - q.ds_step_fp32 - q.ds_step_flat) * n // largest, one=False))  # the optimizer's
         R.free(fp32)
 
 
@@ -372,25 +382,43 @@ def _logit_tensors(total: int, per_elem: int, elems: int, chunks: int = 1, elem:
     elements (the loss keeps whole logits-sized tensors: the fp32 upcast, log-probabilities, their
     gradients), or ``chunks`` tensors each under a chunked loss (torchtune's ``CEWithChunkedOutputLoss``
     and litgpt's ``chunked_cross_entropy`` keep a list of per-chunk logits); what is left of ``total``
-    (one chunk's transient tensors, per-token terms) is one more block."""
+    (one chunk's transient tensors, per-token terms) is one more block, several tensors
+    (``_Sizes.whole`` counts the whole tensors before it; ``_logit_allocs``)."""
     per_elem, part = int(per_elem), -(-elems // chunks)
     if elem != 4:
         sizes = [part * elem] * (chunks * (per_elem // elem))
         rest = int(total) - elems * (per_elem // elem) * elem
-        return sizes + [rest] if rest > 0 else sizes
-    sizes = [part * 4] * (chunks * (per_elem // 4)) + [part * 2] * (chunks * ((per_elem % 4) // 2))
-    sizes += [part] * (chunks * (per_elem % 2))
-    rest = int(total) - elems * per_elem
-    return sizes + [rest] if rest > 0 else sizes
+    else:
+        sizes = [part * 4] * (chunks * (per_elem // 4)) + [part * 2] * (chunks * ((per_elem % 4) // 2))
+        sizes += [part] * (chunks * (per_elem % 2))
+        rest = int(total) - elems * per_elem
+    return _Sizes(sizes + [rest] if rest > 0 else sizes, len(sizes))
+
+
+class _Sizes(list):
+    """Block sizes of which the first ``whole`` are one tensor each, the rest a sum of several."""
+
+    def __init__(self, sizes: list[int], whole: int) -> None:
+        super().__init__(sizes)
+        self.whole = whole
+
+
+def _logit_allocs(R: _Replay, sizes: list[int]) -> list:
+    """``_logit_tensors``' blocks: the whole tensors netted of their placement excess, the rest
+    (several tensors' sum) not (``_Replay.alloc``)."""
+    whole = getattr(sizes, "whole", len(sizes))
+    return R.allocs(sizes[:whole]) + R.allocs(sizes[whole:], one=False)
 
 
 class _Parts(list):
     """Bytes of each tensor one layer saves for backward, in order; ``forward_only``: those it makes
-    and frees in its forward (``LayerCoefs.fwd_free``)."""
+    and frees in its forward (``LayerCoefs.fwd_free``). ``whole``: each is one tensor (else a derived
+    layer's saved bytes by module and op, several tensors each: ``_layer_parts``)."""
 
     def __init__(self, saved: Any, forward_only: list[int], op: list[int] | None = None,
-                 temps: list[int] | None = None, events: tuple[str, ...] = ()) -> None:
+                 temps: list[int] | None = None, events: tuple[str, ...] = (), whole: bool = True) -> None:
         super().__init__(saved)
+        self.whole = whole
         self.forward_only = forward_only
         self.op = op or []     # the op outputs torchtitan's per-op policy keeps (``LayerCoefs.op_tensors``)
         self.temps = temps or []  # a derived layer's forward temporaries (``LayerCoefs.fwd_temps``)
@@ -399,12 +427,15 @@ class _Parts(list):
 
 def _layer_parts(q: Quantities, n: int, nsq: int) -> _Parts:
     """Bytes of each tensor one layer saves for backward, in the order it saves them
-    (``LayerCoefs.tensors``; a derived architecture's named parts, one block each)."""
+    (``LayerCoefs.tensors``: the hand-written recipes' saved tensors, a derived layer's where its
+    derivation recorded them one by one, ``trace.derive._layer_sequence``). Else a derived layer's named
+    parts, one block each: the saved bytes of a module and op summed over its tensors (and averaged
+    over the layer kinds of a model that mixes them, ``derived.layer_coefs``), so not ``whole``."""
     lc = q.detail.layer
     return _Parts((int(a * n + b * nsq) for a, b in (lc.tensors or [(a, b) for _name, a, b in lc.parts])),
                   [int(a * n + b * nsq) for a, b in lc.fwd_free],
                   [int(a * n + b * nsq) for a, b in lc.op_tensors],
-                  [int(a * n + b * nsq) for a, b in lc.fwd_temps], lc.fwd_events)
+                  [int(a * n + b * nsq) for a, b in lc.fwd_temps], lc.fwd_events, whole=bool(lc.tensors))
 
 
 @dataclass
@@ -433,7 +464,7 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     st = q.detail.states
     if R.lag is not None:                                         # the batch's blocking host-to-device copy
         R.lag.synchronize(R)
-    inputs = R.alloc(tk.inputs)                                   # int64 ids and labels
+    inputs = R.alloc(tk.inputs, one=False)                        # int64 ids and labels, one block
     fs = _Fsdp(q.fsdp_ag_result > 0, _fsdp_streams(q), lag=R.lag, rs_side=q.fsdp_rs_side > 0)
     root = fs.unshard(R, q.fsdp_root, st.root_tensors)            # FSDP: the root unit gathered
     # torchtitan's split root (quantities.fsdp2_split_root): the embedding unit gathered, resharded
@@ -447,7 +478,7 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     if not (q.ds_emb_kept and s.forwards > 1):                   # released after the embedding's forward
         R.free(gathered)
         gathered = None
-    emb = R.alloc(tk.outer_rest)                                  # embeddings' saved tensors
+    emb = R.alloc(tk.outer_rest, one=False)                       # embeddings' saved tensors, one block
     s.workspace(R, 0)                                             # the first layer's first matmul
     cached: list = []                                             # autocast's weight cache (checkpointed layers)
     z3 = _Zero3Fetch(R, q, recorded=s.forwards > 1)               # ZeRO-3: the layers' gathers (the embedding's
@@ -459,14 +490,14 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     R.frees([h for at, h in R.carry if at != LATE])               # the top layer's late frees (a derived layer)
     R.carry = [(at, h) for at, h in R.carry if at == LATE]
     root = root + fs.unshard(R, q.fsdp_head_unit, st.head_unit_tensors)  # split root: [norm, head] kept
-    head = [R.alloc(tk.outer_head)]                               # the final norm's output: the head's input
+    head = [R.alloc(tk.outer_head, one=False)]                    # the final norm's tensors, the head's input
     R.free(embeds)                                                # the base model returns (held_embeddings)
     head.append(R.alloc(q.cast_head))                             # autocast's half copy of the head
     # a chunked loss: one tensor per chunk, at most one chunk per token (more are not made: setup_warnings)
     chunks = max(1, min(int(q.logit_chunks), int(tk.tokens))) if q.liger_factor == 0 else 1
-    out = R.allocs(_logit_tensors(tk.out_logits, q.logits_out, full, chunks))  # (b, s, vocab) logits
+    out = _logit_allocs(R, _logit_tensors(tk.out_logits, q.logits_out, full, chunks))  # (b, s, vocab) logits
     if q.logits_cast:  # --cast-output: Fabric's fp32 copies, made while the half output is alive
-        cast = R.allocs(_logit_tensors(tk.cast_logits, q.logits_cast, full, chunks))
+        cast = _logit_allocs(R, _logit_tensors(tk.cast_logits, q.logits_cast, full, chunks))
         R.frees(out)
         out = cast
     R.frees(s.held)                                               # the previous step's output, replaced
@@ -482,12 +513,12 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     elif q.loss_tt_shift:     # torchtune < 0.3's loop: the shifted fp32 copy kept, the loss on its transpose
         fwd, saved = [], _torchtune_loop_loss(R, q, tk, out, full, seqs)
     else:
-        fwd = R.allocs(_logit_tensors(tk.loss_forward, q.loss_forward, full, chunks))  # the fp32 copy, transient
+        fwd = _logit_allocs(R, _logit_tensors(tk.loss_forward, q.loss_forward, full, chunks))  # fp32 copy, transient
         if q.loss_saves_out:   # the loss saves the output itself (its per-token tensors are new)
-            saved = out + R.allocs([int(tk.loss_saved) - full * q.loss_saved])
+            saved = out + R.allocs([int(tk.loss_saved) - full * q.loss_saved], one=False)  # per-token
             out = []
         else:
-            saved = R.allocs(_logit_tensors(tk.loss_saved, q.loss_saved, full, chunks, q.loss_elem))  # log-probs
+            saved = _logit_allocs(R, _logit_tensors(tk.loss_saved, q.loss_saved, full, chunks, q.loss_elem))  # logps
     if q.dpo_metrics:                                             # DPOTrainer's reference forward and metrics
         _dpo_after_logps(R, q, full, seqs)
     R.frees([h for _at, h in R.carry])                            # derived layers' tensors the loss frees
@@ -584,7 +615,7 @@ def _chunked_nll_forward(R: _Replay, q: Quantities, tk: Tokens) -> tuple[list, l
     last = R.alloc(int(q.head_loss_tok * n))
     saved = R.allocs([int(q.loss_saved_tok - 16) * n, 8 * n, 8 * n])
     rest = int(tk.loss_forward) - int(q.head_loss_tok * n) - q.loss_backward_const
-    chunk = R.allocs([q.loss_backward_const, rest])
+    chunk = [R.alloc(q.loss_backward_const), R.alloc(rest, one=False)]  # the copy; the chunk's tensors
     R.frees(chunk)
     return [last], saved
 
@@ -642,7 +673,8 @@ def _chunked_nll_backward(R: _Replay, q: Quantities, tk: Tokens) -> list:
     """TRL's chunked_nll backward: the gathered hidden states' gradient, then a chunk's recompute (the
     head-weight copy its matmul saves and the logits-chunk tensors)."""
     grad = int(q.loss_backward_tok * int(tk.tokens))
-    return R.allocs([grad, q.loss_backward_const, int(tk.loss_backward) - grad - q.loss_backward_const])
+    rest = int(tk.loss_backward) - grad - q.loss_backward_const      # the chunk's tensors, one block
+    return R.allocs([grad, q.loss_backward_const]) + [R.alloc(rest, one=False)]
 
 
 def _cast_chunks_backward(R: _Replay, q: Quantities, f: _Forward) -> list:
@@ -811,14 +843,14 @@ def _loss_backward(R: _Replay, q: Quantities, tk: Tokens, f: _Forward, n: int, n
         # ToCopyBackward: the fp32 logits' gradient cast to the head's dtype (fp32 logits: it is that gradient)
         if not q.logits_cast:
             return [full]
-        dlogits = R.allocs(_logit_tensors(tk.logits_grad, q.logits_out, f.full))
+        dlogits = _logit_allocs(R, _logit_tensors(tk.logits_grad, q.logits_out, f.full))
         R.free(full)
         return dlogits
     if q.loss_fp32_logits or q.loss_tt_shift:
         return _fp32_logits_backward(R, q, f)
     sizes = [] if q.loss_chunk_tokens else _logit_tensors(tk.loss_backward, q.loss_backward, f.full, f.chunks,
                                                           q.loss_elem)
-    lb = _chunked_nll_backward(R, q, tk) if q.loss_chunk_tokens else R.allocs(sizes)  # the loss's backward
+    lb = _chunked_nll_backward(R, q, tk) if q.loss_chunk_tokens else _logit_allocs(R, sizes)  # its backward
     R.frees(f.saved)
     dlogits = _logits_gradient(R, q, tk, f, lb, sizes)            # in the head's dtype
     R.frees(lb)
@@ -845,7 +877,7 @@ def _logits_gradient(R: _Replay, q: Quantities, tk: Tokens, f: _Forward, lb: lis
     if q.loss_forward == 0 and f.chunks == 1 and not q.logits_cast and size in sizes:
         k = len(sizes) - 1 - sizes[::-1].index(size)
         return [lb.pop(k)]
-    return R.allocs(_logit_tensors(tk.logits_grad, q.logits_out, f.full, f.chunks))
+    return _logit_allocs(R, _logit_tensors(tk.logits_grad, q.logits_out, f.full, f.chunks))
 
 
 def _fsdp(q: Quantities) -> bool:
@@ -1182,7 +1214,8 @@ def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: _Parts, tk: Toke
         R.frees(R.allocs(parts.forward_only))                     # what the forward makes and frees
     else:
         (cached if cached is not None else []).extend(_checkpointed(R, q, parts, recompute))  # no-grad forward
-        kept = _Kept(R.allocs(_kept_blocks(parts, tk.layer, recompute)))  # what the checkpoint keeps
+        kept = _Kept(R.allocs(_kept_blocks(parts, tk.layer, recompute),  # what the checkpoint keeps
+                              one=_kept_whole(parts, tk.layer, recompute)))
     if q.ds_linear_kept and recompute != "full":                  # DeepSpeed ZeRO-3 under torch's F.linear: the
         # gathered weights its saved views keep, made on the all-gather stream under overlap_comm (the
         # ``torch.cat`` of ``AllGatherCoalescedHandle.wait`` in ``fetch_sub_module``'s stream context)
@@ -1209,17 +1242,18 @@ def _checkpointed(R: _Replay, q: Quantities, parts: list[int], recompute: str) -
     casts = _linear_casts(q) if recompute == "full" and _recompute_casts(q) else None
     if recompute == "full" and getattr(parts, "events", ()):      # a derived layer, tensor by tensor
         return _sequence_forward(R, q, parts, keep=False, casts=casts is not None).casts
+    one = getattr(parts, "whole", True)
     if casts is None:
-        R.frees(R.allocs(parts))
+        R.frees(R.allocs(parts, one=one))
         return []
     copies: list = []
     prev: list = [None]
     done = 0
     for (pos, _w, _g), nbytes in zip(q.detail.layer.linears, casts):
-        _chain(R, list(parts[done:pos]), prev)
+        _chain(R, list(parts[done:pos]), prev, one)
         done = max(done, pos)
         copies.append(R.alloc(nbytes))                            # (out, in) in bf16/fp16, cached
-    _chain(R, list(parts[done:]), prev)
+    _chain(R, list(parts[done:]), prev, one)
     R.free(prev[0])
     return copies
 
@@ -1254,7 +1288,7 @@ def _sequence_forward(R: _Replay, q: Quantities, parts: _Parts, keep: bool, cast
     R.frees([h for at, h in carry if at != LATE] + list(temps.live.values()))
     R.free(prev[0])
     if keep and sizes is None and q.cast_layer:
-        made.append(R.alloc(q.cast_layer))                        # the copies as one block (``_saved_and_casts``)
+        made.append(R.alloc(q.cast_layer, one=False))             # the copies as one block (``_saved_and_casts``)
     return _Kept(handles, made) if sizes is not None else _Kept(handles + made)
 
 
@@ -1298,10 +1332,11 @@ def _late_frees(R: _Replay, carry: list, done: int) -> list:
     return [(at, h) for at, h in carry if at > done]
 
 
-def _chain(R: _Replay, sizes: list[int], prev: list) -> None:
-    """Tensors made one after another, each freeing the one before (``prev[0]``: the last alive)."""
+def _chain(R: _Replay, sizes: list[int], prev: list, one: bool = True) -> None:
+    """Tensors made one after another, each freeing the one before (``prev[0]``: the last alive;
+    ``one``: each block is one tensor, ``_Replay.alloc``)."""
     for x in sizes:
-        h = R.alloc(x)
+        h = R.alloc(x, one=one)
         R.free(prev[0])
         prev[0] = h
 
@@ -1346,16 +1381,17 @@ def _saved_and_casts(R: _Replay, q: Quantities, parts: list[int]) -> _Kept:
     """One layer's forward without recomputation: the tensors it saves, in order, with autocast's
     weight copies made between them at their linears (``_linear_casts``; else one block after them)."""
     casts = _linear_casts(q)
-    if casts is None:
-        return _Kept(R.allocs(parts) + [R.alloc(q.cast_layer)])
+    one = getattr(parts, "whole", True)                           # (a derived layer's parts: several tensors)
+    if casts is None:                                             # the copies as one block: several tensors
+        return _Kept(R.allocs(parts, one=one) + [R.alloc(q.cast_layer, one=False)])
     handles: list = []
     copies: list = []
     done = 0
     for (pos, _w, _g), nbytes in zip(q.detail.layer.linears, casts):
-        handles += R.allocs(parts[done:pos])                      # saved before this linear's weight cast
+        handles += R.allocs(parts[done:pos], one=one)             # saved before this linear's weight cast
         done = max(done, pos)
         copies.append(R.alloc(nbytes))                            # (out, in) in bf16/fp16
-    return _Kept(handles + R.allocs(parts[done:]), copies)
+    return _Kept(handles + R.allocs(parts[done:], one=one), copies)
 
 
 def _per_linear(q: Quantities, kept: _Kept, recompute: str) -> bool:
@@ -1421,6 +1457,16 @@ def _kept_blocks(parts: list[int], kept: int, recompute: str) -> list[int]:
     return [p * kept // total for p in parts]
 
 
+def _kept_whole(parts: list[int], kept: int, recompute: str) -> bool:
+    """Whether each of ``_kept_blocks``' blocks is one tensor: the input, the per-op policy's outputs
+    (where the layer's parts are tensors, ``_Parts.whole``); not the shares of Megatron's selective
+    recomputation, each a fraction of a saved tensor."""
+    if recompute == "full" or sum(parts) <= 0:
+        return True
+    op = getattr(parts, "op", [])
+    return recompute == "op" and bool(op) and kept >= sum(op)
+
+
 def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[int], kept: list, i: int,
                     n: int, nsq: int, recompute: str, oib: bool) -> None:
     """One layer's backward: recompute, the largest transient, the gradients, then its tensors freed."""
@@ -1437,13 +1483,14 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
         R.carry = []
         kept, per_linear = _Kept(list(kept), redo.casts), True
     else:
-        redo = R.allocs(parts) if recompute != "none" else []     # the checkpointed forward again
+        redo = R.allocs(parts, one=getattr(parts, "whole", True)) if recompute != "none" else []  # forward again
     R.frees(R.allocs(_recompute_blocks(q, n, nsq)))               # ... its frames' own tensors meanwhile
-    tr = R.alloc(_activation_transient(q, n, nsq) if per_linear else _transient(q, n, nsq))
+    # the worst backward moment as one block: several tensors (not netted, ``_Replay.alloc``)
+    tr = R.alloc(_activation_transient(q, n, nsq) if per_linear else _transient(q, n, nsq), one=False)
     if st.layer_grads_full and not fs.v2 and q.fsdp1_post:        # FSDP1: the flat gradient, then its hook
         params = _fsdp1_reduce(R, q, st, params, fs)
     elif st.layer_grads_full and fs.v2:                           # FSDP2: the unsharded gradients made, the
-        full = R.allocs(st.layer_tensors) if st.layer_tensors else [R.alloc(st.layer_grads_full)]
+        full = R.allocs(st.layer_tensors) if st.layer_tensors else [R.alloc(st.layer_grads_full, one=False)]
         R.frees([tr] + redo + kept + kept.casts)                  # layer's backward done, its tensors freed;
         tr, redo, kept = None, [], _Kept([])                      # then its post-backward hook
         fs.post_backward(R, params, full, q.fsdp_rs_buf or q.fsdp_rs_side or st.layer_grads_full)
@@ -1503,11 +1550,11 @@ def _fsdp1_reduce(R: _Replay, q: Quantities, st: Any, params: list, fs: "_Fsdp")
     shard stands for the sharded gradients ``_make_grads`` allocates next). Returns the gathered
     parameters left to free."""
     whole = sum(block_bytes(x, q.expandable) for x in st.layer_tensors) == st.layer_grads_full
-    views = R.allocs(st.layer_tensors) if whole else [R.alloc(st.layer_grads_full)]
+    views = R.allocs(st.layer_tensors) if whole else [R.alloc(st.layer_grads_full, one=False)]  # (several)
     flat = R.alloc(st.layer_grads_full)                           # SplitWithSizesBackward's cat
     R.frees(views)
     fs.reshard(R, params)                                         # _post_backward_reshard
-    hook = R.alloc(q.fsdp1_post - st.layer_grads_full, GRAD_STREAM)  # the reduce dtype's copy, the new shard
+    hook = R.alloc(q.fsdp1_post - st.layer_grads_full, GRAD_STREAM, one=False)  # the reduce dtype's copy, the shard
     R.frees([flat, hook])
     return []
 
@@ -1696,7 +1743,7 @@ def _optimizer_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, step:
     elif q.ds_step_fp32:                                         # DeepSpeed: one flat fp32 partition per group
         flat, fp32 = R.alloc(q.ds_step_flat), R.alloc(q.ds_step_fp32)   # the cast: flat copy, then fp32
         R.free(flat)
-        R.free(R.alloc(q.step_temp - q.ds_step_fp32 - q.ds_step_flat))  # the optimizer's own, on that tensor
+        R.free(R.alloc(q.step_temp - q.ds_step_fp32 - q.ds_step_flat, one=False))  # the optimizer's own temporaries
         R.free(fp32)
     elif temp_copies is None:                                    # foreach: the whole group's at once, each
         k = max(1, q.step_groups)                                # temporary per tensor as its own list (Adagrad 2)
