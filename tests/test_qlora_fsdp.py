@@ -6,6 +6,7 @@ import pytest
 import trainmem
 
 from trainmem.errors import TrainmemError
+from trainmem.estimate.quant4 import fsdp_packed_bytes, is_quantized
 from trainmem.estimate.quantities import clear_cache, quantities
 from trainmem.estimate.states import model_states
 from trainmem.spec import TrainingSpec
@@ -41,9 +42,12 @@ def test_packed_codes_are_sharded_and_gathered_with_the_layer():
     # the layer unit gathered: every linear's codes (numel / 2 bytes) and the two bf16 norms
     assert st.layer_params_full == sum(n // 2 for n in numels) + 2 * 256 * 2
     assert sorted(st.layer_tensors) == sorted([n // 2 for n in numels] + [256 * 2, 256 * 2])
-    # the whole model's codes over both ranks: half a byte per quantized parameter
-    quantized_params = SMALL.num_layers * sum(numels)
-    assert 2 * SMALL.num_layers * sum(n // 2 // 2 for n in numels) == quantized_params // 2
+    # against the model's parameter count: half a byte per quantized parameter, gathered or over both ranks
+    t = TrainingSpec(**FSDP1)
+    quantized = [p.numel for p in SMALL.parameter_tensors() if is_quantized(p, t)]
+    assert sum(quantized) == SMALL.num_layers * sum(numels)
+    assert 2 * sum(fsdp_packed_bytes(n, t) for n in quantized) == sum(quantized)
+    assert SMALL.num_layers * (st.layer_params_full - 2 * 256 * 2) == sum(quantized) // 2
     one = model_states(SMALL, TrainingSpec(precision="bf16", lora_rank=8, quantize="nf4-dq"))
     assert st.quantized < one.quantized and st.lora_params == one.lora_params
     plain = model_states(SMALL, TrainingSpec(**{**FSDP1, "quantize": None}))
