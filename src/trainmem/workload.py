@@ -53,6 +53,19 @@ def _check_release(t: TrainingSpec, what: str) -> None:
                             f"estimate for another release, or drop --torch-version")
 
 
+def _check_quantize(t: TrainingSpec, what: str) -> None:
+    """The 4-bit bases a run does not execute: torchao's NF4Tensor (not a dependency, and a
+    ``__torch_dispatch__`` subclass that would wrap trainmem's own byte counting of every inner tensor;
+    estimate/quant4.py counts it), and bitsandbytes' under FSDP (``quant_storage`` codes sharded by
+    FSDP1: ``estimate.quant4.fsdp_packed_bytes``; trainmem.bnb's emulated Linear4bit stores uint8 codes)."""
+    if t.quantize and t.quantize_via == "torchao":
+        raise TrainmemError(f"--quantize {t.quantize} under --framework torchtune is torchao's NF4Tensor, which "
+                            f"{what} does not run (it emulates bitsandbytes' 4-bit linears only); use estimate")
+    if t.quantize and t.fsdp is not None:
+        raise TrainmemError(f"--quantize {t.quantize} under --fsdp: {what} does not run FSDP1 over bitsandbytes' "
+                            "Params4bit stored in the model's dtype (quant_storage); use estimate")
+
+
 def check_supported(t: TrainingSpec, what: str = "trace") -> None:
     """Refuse the setups a run cannot execute. ``trace`` runs one GPU, or data and tensor parallelism
     (DDP, FSDP2 with ``--fsdp``, ``--tp`` with or without ``--sequence-parallel``) and pipeline
@@ -63,11 +76,7 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
     if t.gemini is not None:
         raise TrainmemError(f"--gemini {t.gemini}: {what} runs PyTorch's own wrappers, not ColossalAI's ZeroDDP "
                             "chunk manager; use estimate for ColossalAI Gemini")
-    if t.quantize and t.quantize_via == "torchao":
-        # torchao is not a dependency, and NF4Tensor is a __torch_dispatch__ subclass that would wrap
-        # trainmem's own byte counting of every inner tensor (estimate/quant4.py counts it)
-        raise TrainmemError(f"--quantize {t.quantize} under --framework torchtune is torchao's NF4Tensor, which "
-                            f"{what} does not run (it emulates bitsandbytes' 4-bit linears only); use estimate")
+    _check_quantize(t, what)
     _check_release(t, what)
     if t.attention_call == "mha":
         raise TrainmemError(f"--attention-call mha (torchvision's nn.MultiheadAttention): {what} runs transformers' "

@@ -106,6 +106,23 @@ def torchao_storage(numel: int, full_factor: bool) -> tuple[int, ...]:
     return (NF4_TABLE_BYTES, 2, blocks, factor, numel // 2)
 
 
+def fsdp_packed_bytes(numel: int, t: Any) -> int:
+    """Bytes of one 4-bit weight's packed codes as FSDP1 flattens, shards and all-gathers them
+    (bitsandbytes >= 0.43 with ``quant_storage`` the model's dtype, as Answer.AI's fsdp_qlora
+    ``replace_linear(..., Linear4bit, quant_type='nf4', quant_storage=torch_dtype)`` (train.py at
+    50efa1e) and transformers' ``BitsAndBytesConfig(bnb_4bit_quant_storage=...)`` set it).
+    ``quantize_4bit`` allocates ``torch.zeros(((n + 1) // mod, 1), dtype=quant_storage)`` with ``mod =
+    dtype2bytes[quant_storage] * 2`` (bitsandbytes 0.43.0 ``functional.py`` L985-986): two 4-bit codes
+    per byte whatever the storage dtype (bf16: ``(n + 1) // 4`` elements of 2 B), so a dtype FSDP1 can
+    put in one flat parameter with the bf16 norms. The quant state (absmax, nested absmax, offset,
+    code) is no parameter: it stays an attribute of the ``Linear4bit`` (``module.quant_state``, set by
+    ``Params4bit._quantize``, ``nn/modules.py`` L278-292), whole on every rank (fsdp_qlora's
+    ``load_and_quantize`` quantizes each weight on every rank, then moves only the codes to the CPU or
+    meta device), and ``Linear4bit.forward`` re-attaches it to the gathered view (L405-416)."""
+    storage = {"fp32": 4, "bf16": 2, "fp16": 2}["fp32" if t.weight_bytes == 4 else "bf16"]
+    return (numel + 1) // (storage * 2) * storage
+
+
 def weight_storage(numel: int, t: Any) -> tuple[int, ...]:
     """The device tensors of one 4-bit weight under ``t``: torchao's NF4Tensor (``quantize_via``
     torchao) or bitsandbytes' packed codes and quant state."""

@@ -23,7 +23,7 @@ from .fsdp_wrap import wrap_policy_states
 from . import torchao_optim
 from .galore import galore_state_bytes
 from .gemini import model_gemini
-from .quant4 import builds_on_device, is_quantized, torchtune_v01_build, weight_storage
+from .quant4 import builds_on_device, fsdp_packed_bytes, is_quantized, torchtune_v01_build, weight_storage
 
 __all__ = ["States", "model_states", "block_bytes", "default_lora_targets", "state_bytes"]
 
@@ -1060,8 +1060,9 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
         if is_quantized(p, t):
             # bitsandbytes Linear4bit (packed codes + quant state) or torchao's NF4Tensor (packed codes,
             # int8 scalers, their factors, mean and table) instead of the weight (quant4.py); frozen
-            # (LoRA), never cast by autocast, never sharded (TrainingSpec refuses TP/ZeRO-3)
+            # (LoRA), never cast by autocast; under FSDP1 the packed codes are sharded (_sharded_4bit)
             parts = weight_storage(n, t)
+            parts = _sharded_4bit(t, r, acc, p, n, uniform, lpf_of) + parts[1:] if r.shard_weights else parts
             dest.extend((f"{p.name}.4bit.{i}", b) for i, b in enumerate(parts))
             acc.q4 += k * sum(r.block(b) for b in parts)
             continue
@@ -1116,6 +1117,22 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
         # the tied embedding is also the LM head: autocast casts it for the head matmul
         emb = word_embedding(m)
         acc.hmh += _tp_div(emb, t.tp) * 2
+
+
+def _sharded_4bit(t: TrainingSpec, r: _Rank, acc: _Tally, p: ParamTensor, n: int, uniform: bool,
+                  lpf_of: dict[int, int]) -> tuple[int]:
+    """A bitsandbytes 4-bit weight's packed codes in its decoder layer's FSDP1 unit
+    (``quant4.fsdp_packed_bytes``: stored in the flat parameter's dtype): this rank's shard, its
+    ``1/d`` of the bytes (returned), and the whole codes gathered with the layer's unit in forward
+    and again in backward (``layer_tensors``, ``layer_params_full``). Frozen: the unit holds no
+    gradient for it (adapters are units of their own, ``TrainingSpec._check_quantize_sharding``).
+    The quant state is whole on every rank (the caller's other ``weight_storage`` parts)."""
+    packed = fsdp_packed_bytes(n, t)
+    if r.fsdp_unsharded and (uniform or p.layer == r.lo):
+        acc.layer_list.append(packed)
+    if p.layer is not None:
+        lpf_of[p.layer] = lpf_of.get(p.layer, 0) + packed
+    return (-(-packed // r.d),)
 
 
 def _vision_side(m: ModelSpec, p: ParamTensor) -> bool:

@@ -1059,7 +1059,7 @@ class TrainingSpec:
 
     def _check_quantize(self) -> None:
         """``quantize``: litgpt's ``bnb.`` prefix and ``none`` accepted; only over a frozen base (LoRA),
-        one GPU's whole layers (no TP, no ZeRO-3/FSDP sharding of the 4-bit tensors)."""
+        whole layers on each GPU or FSDP1-sharded codes (``_check_quantize_sharding``)."""
         q = self.quantize
         if isinstance(q, str) and q.startswith("bnb."):
             if self.quantize_via == "torchao":
@@ -1097,13 +1097,40 @@ class TrainingSpec:
         if not self.lora_rank:
             raise TrainmemError(f"--quantize {q} stores the frozen base weights in 4 bits and bitsandbytes computes "
                                 "no gradient for them (MatMul4Bit): give --lora-rank R, or drop --quantize")
-        if self.tp > 1 or self.zero_stage == 3:
-            raise TrainmemError(f"--quantize {q} is modelled on one GPU's whole 4-bit weights: drop --tp and "
-                                "ZeRO-3/FSDP sharding (or --quantize)")
+        self._check_quantize_sharding(q)
         if self.bitsandbytes_version is not None:
             self.bitsandbytes_release()
         if self.quantize_via == "torchao":
             self._check_torchao(q)
+
+    def _check_quantize_sharding(self, q: str) -> None:
+        """4-bit base weights are modelled whole on each GPU, or sharded by FSDP1 as bitsandbytes >= 0.43
+        lets it (``quant_storage``: the packed codes stored in the flat parameter's dtype; Answer.AI's
+        fsdp_qlora, accelerate/peft "FSDP + QLoRA": ``estimate.quant4.fsdp_packed_bytes``): full or
+        grad-op sharding, adapters in units of their own, one flat-parameter dtype (no FSDP mixed
+        precision). Each sharding it is not modelled under is refused in one line."""
+        if self.tp > 1:
+            raise TrainmemError(f"--quantize {q} is modelled with each GPU's whole 4-bit linears: drop --tp "
+                                "(or --quantize)")
+        if self.zero_stage < 3 and self.fsdp is None:
+            return
+        if self.fsdp is None:
+            raise TrainmemError(f"--quantize {q} with DeepSpeed ZeRO-3: partitioning 4-bit weights is not "
+                                "modelled; use --fsdp full --fsdp-version 1 (FSDP + QLoRA) or --zero 2")
+        if self.quantize_via != "transformers":
+            raise TrainmemError(f"--quantize {q} under --fsdp is modelled for bitsandbytes' Params4bit with "
+                                f"quant_storage (FSDP1); quantize_via {self.quantize_via} sharded (torchtune's "
+                                "torchao NF4Tensor under FSDP2, litgpt) is not: drop --fsdp")
+        if self.fsdp_version != 1 or self.fsdp == "hybrid":
+            raise TrainmemError(f"--quantize {q} under FSDP is modelled for FSDP1 full or grad-op sharding "
+                                "(Answer.AI's fsdp_qlora, accelerate): give --fsdp full --fsdp-version 1")
+        if self.fsdp_lora_units != "separate":
+            raise TrainmemError(f"--quantize {q} under FSDP1 is modelled with adapters in units of their own "
+                                "(peft's/llama-recipes' policy): drop --fsdp-lora-units layer")
+        if self.precision == "bf16-mp":
+            raise TrainmemError(f"--quantize {q} under FSDP1 keeps the packed 4-bit codes in the flat parameter's "
+                                "dtype (quant_storage), which FSDP mixed precision would cast: give --precision "
+                                "bf16 (or bf16-amp)")
 
     def _check_torchao(self, q: str) -> None:
         """torchao's NF4Tensor as torchtune makes it: NF4 with its own double quantization of the
