@@ -24,6 +24,9 @@ from typing import Any
 
 from trainmem.errors import TrainmemError
 
+from .nograd import NoGradLayer
+from .nograd import llama_layer as nograd_llama
+
 F32, HALF = 4, 2
 
 
@@ -1114,6 +1117,10 @@ class LayerCoefs:
     fwd_temps: tuple[tuple[float, float], ...] = ()
     fwd_events: tuple[str, ...] = ()
     held_b1: float | None = None  # ``held`` at a micro-batch of one sequence (Recipe.held_b1); None: ``held``
+    # a checkpointed hand-written layer's first forward, tensor by tensor (nograd.py): each temporary's
+    # bytes per token and the events ("t" made, "fK" freed, "o" the output), for reserved._checkpointed
+    nograd_temps: tuple[float, ...] = ()
+    nograd_events: tuple[str, ...] = ()
     fwd_scratch: float = 0.0  # torchao NF4: the largest dequantization peak (weight and scratch) before its matmul, bytes
 
     def bytes(self, n: int, nsq: int) -> int:
@@ -1207,7 +1214,30 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
                       first_adapter_op=B.r.first_adapter_op, linears=tuple(B.r.linears),
                       recompute_moments=B.r.recompute_moments(tok, sq), fwd_scratch=B.r.fwd_scratch,
                       recompute_incoming=B.r.trigger[1] if B.r.trigger else 0.0,
-                      op_tensors=tuple(t.bytes_coef() for t in op_checkpoint_kept(B.r)), held_b1=held_b1)
+                      op_tensors=tuple(t.bytes_coef() for t in op_checkpoint_kept(B.r)), held_b1=held_b1,
+                      **_nograd_sequence(k, pol, B, build))
+
+
+def _nograd_sequence(k: LayerKey, pol: Policy, B: Builder, build: Any) -> dict:
+    """A checkpointed layer's first forward tensor by tensor (``nograd.llama_layer``), where the layer
+    is transformers' Llama decoder layer as ``_llama_layer`` builds it in the plain case: no autocast
+    (its per-call input and frozen-weight casts are not written there), a fused SDPA kernel on as many
+    key as query heads (no ``repeat_kv`` copies), one sequence shard (no TP sequence parallelism),
+    dense SwiGLU, HF's RMSNorm, full-precision linears; else {} (the replay makes the layer's saved
+    tensors at once, ``reserved._checkpointed``)."""
+    fused = B.sdpa(k.attention, k.head_dim, k.heads / k.tp, k.kv_heads / k.tp, k.attention_dropout) in (
+        "flash", "efficient", "cudnn") if k.attention != "eager" else False
+    plain = (build is _llama_layer and not pol.amp and fused and k.heads == k.kv_heads and not k.sp
+             and not k.experts and not (k.liger or k.rms_norm_input or k.norm_fp32_product or k.qk_norm)
+             and not k.quant[0] and not k.kv_cache and k.attention_call == "model")
+    if not plain:
+        return {}
+    t = k.tp
+    adapter = pol.weight if B.base_trains else (pol.half if k.lora_half else F32)
+    L = NoGradLayer(k.h, k.q / t, k.kv / t, k.f / t, pol.stream, pol.half, pol.weight, dict(B.lora),
+                    k.lora_dropout if B.lora else 0.0, adapter if B.lora else 0)
+    S = nograd_llama(L)
+    return {"nograd_temps": tuple(S.sizes), "nograd_events": tuple(S.events)}
 
 
 def op_checkpoint_kept(r: Recipe) -> list[T]:
