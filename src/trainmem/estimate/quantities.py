@@ -187,6 +187,8 @@ class Quantities:
     #                               order) run their backward before the previous layer is prefetched
     fsdp1_held_inputs: int = 0    # 1 where FSDP1's reshard-only hooks hold every layer's input and its gradient
     #                               to the end of backward (reentrant checkpointing, frozen layer units)
+    fsdp1_adapter_units: int = 0  # FSDP1, LoRA units of their own: a layer's adapter units (lora_A, lora_B each),
+    #                               each unsharded and resharded through FSDP1's rate limiter (reserved._Fsdp)
     lower_layers: int = 0  # an encoder-decoder's encoder layers on this rank (backward after the decoder's)
     above_bottom: int = 0  # gradient bytes of the layers above the bottom one (made before its backward)
     above_decoder_bottom: int = 0  # ... above an encoder-decoder's decoder-bottom layer
@@ -435,7 +437,7 @@ def layer_key(m: ModelSpec, t: TrainingSpec) -> LayerKey:
                     qk_norm=m.qk_norm, rms_norm_input=t.rms_norm == "input", liger=t.liger,
                     unsloth=t.unsloth_kernels, expert_loop=bool(m.num_experts) and moe_expert_loop(m, release),
                     norm_fp32_product=torchtune_norm_saves_fp32(m, t), manual_layernorm=m.manual_layernorm,
-                    separate_qkv=m.separate_qkv)
+                    separate_qkv=m.separate_qkv, hf_code=t.extra.get("framework") not in OWN_MODEL_CODE)
 
 
 def release_attention_call(m: ModelSpec, t: TrainingSpec) -> str:
@@ -3945,7 +3947,8 @@ def _fsdp1_fields(t: TrainingSpec, st: States, lc: LayerCoefs) -> dict[str, int]
             "fsdp1_root_flat": fsdp1_root_flat_gradient(st) if one else 0,
             "fsdp1_emb_units": st.emb_units_full if one else 0,
             "fsdp1_root_post": fsdp1_root_post_backward(t, st) if one else 0,
-            "fsdp1_unprefetched": fsdp1_unprefetched(t, lc), "fsdp1_held_inputs": int(fsdp1_held_inputs(t))}
+            "fsdp1_unprefetched": fsdp1_unprefetched(t, lc), "fsdp1_held_inputs": int(fsdp1_held_inputs(t)),
+            "fsdp1_adapter_units": 2 * lc.adapters if fsdp1_unprefetched(t, lc) >= 0 else 0}
 
 
 def fsdp1_held_inputs(t: TrainingSpec) -> bool:
