@@ -74,6 +74,17 @@ def test_sequence_only_for_transformers_code_without_autocast(precision, framewo
     assert bool(lc.nograd_events) is expect
 
 
+def test_grouped_kv_full_finetuning_follows_trace():
+    """Llama-3.2-1B (8 key heads for 32 query heads, SDPA's ``enable_gqa``: no copies) cut to 2 layers,
+    b4 s1024, pure bf16 full fine-tuning, full recomputation: +2.28 % against trace's peak reserved
+    with the layer's tensors made at once, +0.22 % in order (LoRA r16: +1.04 % -> 0.00 %)."""
+    kw = dict(set=["num_hidden_layers=2"], batch_size=4, seq_len=1024, precision="bf16", recompute="full",
+              attention="sdpa", use_cache=False)
+    est = trainmem.estimate("llama-3.2-1b", **kw)
+    tr = trainmem.trace("llama-3.2-1b", **kw)
+    assert est.peak_reserved == pytest.approx(tr.peak_reserved, rel=0.01)
+
+
 def test_pure_bf16_lora_checkpointed_follows_trace():
     """Llama-2-7B cut to 2 layers, pure bf16 LoRA r64 with dropout, full recomputation: against trace's
     peak reserved memory the replay was +7.3 % with the layer's tensors made at once, -0.04 % in order

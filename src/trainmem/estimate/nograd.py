@@ -64,6 +64,7 @@ class NoGradLayer:
     lora: dict = field(default_factory=dict)   # target module name -> rank
     lora_dropout: float = 0.0
     adapter: int = 0     # the adapters' dtype, bytes (peft ``_cast_input_dtype`` casts x to it)
+    repeat_kv: bool = False  # grouped keys and values copied to the query's heads before SDPA
 
 
 def _rank(L: NoGradLayer, name: str) -> int:
@@ -144,7 +145,11 @@ def llama_layer(L: NoGradLayer) -> NoGradSeq:
     until the attention returns (the rotated q and k replace q and k once both are made, L249);
     SDPA's output until ``o_proj`` has read it; the residual sum until the MLP's output is added;
     ``LlamaMLP`` (L164): ``act_fn(gate_proj(x))`` (the gate output freed when ``silu`` returns),
-    ``up_proj(x)``, their product (both freed), ``down_proj`` (the product freed)."""
+    ``up_proj(x)``, their product (both freed), ``down_proj`` (the product freed). Grouped keys and
+    values (``repeat_kv``: the releases that copy them, ``quantities.release_attention_call``) are
+    copied to the query's heads inside ``sdpa_attention_forward`` (L126-127 at 5.24; 4.48-4.53 the
+    same) and freed when it returns, the rotated ones still held by the caller (before 4.48
+    ``LlamaSdpaAttention`` rebinds ``key_states``, freeing the rotated keys a little earlier)."""
     S = NoGradSeq()
     n1 = rms_norm(S, L, L.stream)
     q = linear(S, L, "q_proj", L.h, L.q)
@@ -153,7 +158,10 @@ def llama_layer(L: NoGradLayer) -> NoGradSeq:
     qe = rotary(S, L, L.q)
     ke = rotary(S, L, L.kv)
     S.free(q, k)
+    rk = S.make(L.q * L.half) if L.repeat_kv else None  # repeat_kv(key), repeat_kv(value): q-wide copies,
+    rv = S.make(L.q * L.half) if L.repeat_kv else None  # locals of sdpa_attention_forward (L126-127)
     ao = S.make(L.q * L.half)                           # scaled_dot_product_attention (fused kernel)
+    S.free(rk, rv)
     o = linear(S, L, "o_proj", L.q, L.h)
     S.free(ao, qe, ke, v, n1)                           # o_proj returns; the attention returns
     h1 = S.make(L.h * L.stream)                         # residual + hidden_states
