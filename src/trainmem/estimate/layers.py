@@ -1224,18 +1224,18 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
 
 def _nograd_sequence(k: LayerKey, pol: Policy, B: Builder, build: Any) -> dict:
     """A checkpointed layer's first forward tensor by tensor (``nograd.llama_layer``), where the layer
-    is transformers' Llama decoder layer (``k.hf_code``) as ``_llama_layer`` builds it in the plain case: no autocast
-    (its per-call input and frozen-weight casts are not written there), a fused SDPA kernel (grouped
-    keys copied to the query's heads where the release does, ``repeat-kv``), one sequence shard (no TP
-    sequence parallelism),
-    dense SwiGLU, HF's RMSNorm, full-precision linears; else {} (the replay makes the layer's saved
-    tensors at once, ``reserved._checkpointed``)."""
-    fused = B.sdpa(k.attention, k.head_dim, k.heads / k.tp, k.kv_heads / k.tp, k.attention_dropout) in (
-        "flash", "efficient", "cudnn") if k.attention != "eager" else False
-    plain = (build is _llama_layer and k.hf_code and not pol.amp and fused and not k.sp
+    is transformers' Llama decoder layer (``k.hf_code``; Llama, Mistral, Qwen2) as ``_llama_layer``
+    builds it in the plain case: no autocast (its per-call input and frozen-weight casts are not
+    written there), a fused SDPA kernel (grouped keys copied to the query's heads where the release
+    does, ``repeat-kv``), one sequence shard (no sequence or context parallelism), dense SwiGLU, HF's
+    RMSNorm, full-precision linears; else {} (the replay makes the layer's saved tensors at once,
+    ``reserved._checkpointed``)."""
+    plain = (build is _llama_layer and k.hf_code and not pol.amp and not k.sp and k.ring == 1
              and not k.experts and not (k.liger or k.rms_norm_input or k.norm_fp32_product or k.qk_norm)
-             and not k.quant[0] and not k.kv_cache and k.attention_call in ("model", "repeat-kv"))
-    if not plain:
+             and not k.quant[0] and not k.kv_cache and k.attention_call in ("model", "repeat-kv")
+             and k.attention != "eager")
+    if not plain or B.sdpa(k.attention, k.head_dim, k.heads / k.tp, k.kv_heads / k.tp,
+                           k.attention_dropout) not in ("flash", "efficient", "cudnn"):
         return {}
     t = k.tp
     adapter = pol.weight if B.base_trains else (pol.half if k.lora_half else F32)
