@@ -1495,8 +1495,15 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
     else:
         redo = R.allocs(parts) if recompute != "none" else []     # the checkpointed forward again
     R.frees(R.allocs(_recompute_blocks(q, n, nsq)))               # ... its frames' own tensors meanwhile
+    flat1 = bool(st.layer_grads_full and not fs.v2 and q.fsdp1_post)  # FSDP1: views, flat gradient, hook
+    early = _fsdp1_early_views(q, st, n, nsq) if flat1 and not per_linear else None
+    views = R.allocs(st.layer_tensors[j] for j in early) if early else []  # made by the worst moment
     tr = R.alloc(_activation_transient(q, n, nsq) if per_linear else _transient(q, n, nsq))
-    if st.layer_grads_full and not fs.v2 and q.fsdp1_post:        # FSDP1: the flat gradient, then its hook
+    if flat1 and _fsdp1_whole(q, st):                             # every op of the layer ran before the
+        R.frees([tr] + redo)                                      # cat: their tensors freed by then
+        tr, redo = None, []
+        params = _fsdp1_reduce(R, q, st, params, fs, views, early or [])
+    elif flat1:
         params = _fsdp1_reduce(R, q, st, params, fs)
     elif st.layer_grads_full and fs.v2:                           # FSDP2: the unsharded gradients made, the
         full = R.allocs(st.layer_tensors) if st.layer_tensors else [R.alloc(st.layer_grads_full)]
@@ -1550,16 +1557,57 @@ def _activation_transient(q: Quantities, n: int, nsq: int) -> int:
     return max([0] + [int(a * n + b * nsq) for a, b, *_rest in _backward_ops(q)])
 
 
-def _fsdp1_reduce(R: _Replay, q: Quantities, st: Any, params: list, fs: "_Fsdp") -> list:
+def _fsdp1_whole(q: Quantities, st: Any) -> bool:
+    """Whether every parameter of an FSDP1 layer trains: its gradients are the views' of its flat
+    parameter (``st.layer_tensors``), which ``SplitWithSizesBackward0`` concatenates after the last of
+    them is made, the end of the layer's backward (``quantities.fsdp1_flat_gradient``)."""
+    return bool(st.layer_tensors) and \
+        sum(block_bytes(x, q.expandable) for x in st.layer_tensors) == st.layer_grads_full
+
+
+def _fsdp1_early_views(q: Quantities, st: Any, n: int, nsq: int) -> list[int]:
+    """The indices in ``st.layer_tensors`` of the view gradients an FSDP1 layer's backward has made by
+    its worst moment (``best_transient``: the gradients of the linears after that op, which
+    ``_transient`` leaves out), last linear first: each ``mm``'s weight gradient (the view's shape,
+    its dtype: ``LayerCoefs.linears`` ``(position, weight elements, gradient bytes per element)``)
+    waits in ``SplitWithSizesBackward0``'s input buffer until the last view's arrives (autograd
+    ``engine.cpp`` ``InputBuffer``). Matched by size; stops at the first linear without a view of its
+    size (a flat parameter of another dtype), so that no view is counted twice. Empty unless every
+    parameter of the layer trains (``_fsdp1_whole``)."""
+    if not _fsdp1_whole(q, st):
+        return []
+    _i, _v, left = best_transient(_backward_ops(q), n, nsq)        # bytes of the later linears' gradients
+    pending = list(range(len(st.layer_tensors)))
+    early: list[int] = []
+    for _pos, w, gbytes in reversed(q.detail.layer.linears):
+        nbytes = round(w) * gbytes                                # one weight's gradient, its dtype
+        j = next((j for j in reversed(pending) if st.layer_tensors[j] == nbytes), None)
+        if not gbytes or nbytes > left or j is None:
+            break
+        pending.remove(j)
+        early.append(j)
+        left -= nbytes
+    return early
+
+
+def _fsdp1_reduce(R: _Replay, q: Quantities, st: Any, params: list, fs: "_Fsdp", made: list | None = None,
+                  early: list[int] | None = None) -> list:
     """The end of an FSDP1 layer's backward (``quantities.fsdp1_flat_gradient``,
     ``fsdp1_post_backward``): each parameter view's gradient, when every parameter of the layer trains
-    (else the adapters' as one block), concatenated into the flat gradient; then the post-backward
-    hook reshards the layer (its gathered parameters freed, ``_Fsdp.reshard``) and allocates the
-    reduce dtype's copy and the new shard beside the flat gradient, all freed when it returns (the
-    shard stands for the sharded gradients ``_make_grads`` allocates next). Returns the gathered
-    parameters left to free."""
-    whole = sum(block_bytes(x, q.expandable) for x in st.layer_tensors) == st.layer_grads_full
-    views = R.allocs(st.layer_tensors) if whole else [R.alloc(st.layer_grads_full)]
+    (``_fsdp1_whole``; those of ``early`` already ``made`` by the layer's worst moment,
+    ``_fsdp1_early_views``; else the adapters' as one block), concatenated into the flat gradient;
+    then the post-backward hook reshards the layer (its gathered parameters freed, ``_Fsdp.reshard``)
+    and allocates the reduce dtype's copy and the new shard beside the flat gradient, all freed when
+    it returns (the shard stands for the sharded gradients ``_make_grads`` allocates next; torch 2.13
+    ``fsdp/_runtime_utils.py`` ``_post_backward_hook``: ``_post_backward_reshard`` before
+    ``_reduce_grad``, whose ``padded_unsharded_grad`` and ``new_sharded_grad`` are made on the
+    post-backward stream). Returns the gathered parameters left to free."""
+    early = early or []
+    if _fsdp1_whole(q, st):
+        rest = [x for j, x in enumerate(st.layer_tensors) if j not in early]
+        views = list(made or []) + R.allocs(rest)
+    else:
+        views = [R.alloc(st.layer_grads_full)]
     flat = R.alloc(st.layer_grads_full)                           # SplitWithSizesBackward's cat
     R.frees(views)
     fs.reshard(R, params)                                         # _post_backward_reshard
