@@ -20,11 +20,12 @@ CUT = dict(set=["num_hidden_layers=2"], batch_size=2, seq_len=1024, precision="b
 
 
 def test_full_finetuning_follows_trace():
-    """The replay's allocated peak is the flat gradient's ``cat``: the layer's views and the cat, its
-    other tensors freed (they held it 0.43 GiB above trace's)."""
+    """The replay's allocated peak is the flat gradient's ``cat`` (the layer's views and the cat,
+    its other tensors freed), and the forward's activations fill the segment the lazy init cached."""
     est = trainmem.estimate("llama-2-7b", gpu="a100-80gb", **CUT)
     tr = trainmem.trace("llama-2-7b", gpu="a100-80gb", **CUT)
     assert est.peak_allocated == pytest.approx(tr.peak_allocated, rel=0.015)
+    assert est.peak_reserved == pytest.approx(tr.peak_reserved, rel=0.015)
 
 
 def _q(**kw):
@@ -43,3 +44,18 @@ def test_early_views_are_the_later_linears_gradients():
     assert 0 < len(early) < len(grads)
     assert [st.layer_tensors[j] for j in early] == grads[::-1][:len(early)]
     assert _fsdp1_early_views(_q(lora_rank=8), _q(lora_rank=8).detail.states, n, nsq) == []
+
+
+@pytest.mark.parametrize("precision,per_unit", [("bf16", 1), ("bf16-mp", 3)])
+def test_lazy_init_buffers(precision, per_unit):
+    """``init_flat_param_attributes``: the padded unsharded flat parameter of the root and of a layer;
+    under parameter mixed precision first the bf16 shard and then the fp32 twin as well."""
+    q = _q(precision=precision)
+    st = q.detail.states
+    init = q.fsdp1_init
+    assert len(init) == 2 * per_unit
+    root, layer = init[:per_unit], init[per_unit:]
+    assert max(root) >= st.root_full and max(layer) >= st.layer_params_full
+    if per_unit == 3:
+        assert root[0] < root[1] < root[2] and layer[2] >= 2 * st.layer_params_full
+    assert _q(fsdp_version=2).fsdp1_init == ()

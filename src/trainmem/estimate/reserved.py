@@ -436,9 +436,7 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     """One micro-batch's forward, the loss included (``seqs``: its sequences, read by ``--trainer dpo``'s
     moments after the loss, ``_dpo_after_logps``)."""
     st = q.detail.states
-    if R.lag is not None:                                         # the batch's blocking host-to-device copy
-        R.lag.synchronize(R)
-    inputs = R.alloc(tk.inputs)                                   # int64 ids and labels
+    inputs = _batch_in(R, s, q, tk)
     fs = _Fsdp(q.fsdp_ag_result > 0, _fsdp_streams(q), lag=R.lag, rs_side=q.fsdp_rs_side > 0,
                adapters=q.fsdp1_adapter_units, recomputed=recompute != "none")
     root = fs.unshard(R, q.fsdp_root, st.root_tensors)            # FSDP: the root unit gathered
@@ -511,6 +509,21 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
         fs.ag = None
     R.mark("forward" + suffix, s.step)
     return _Forward(inputs, fs, root, emb, kept, head, out, saved, full, chunks, gathered, _shifted(q, full, seqs), z3)
+
+
+def _batch_in(R: _Replay, s: _Step, q: Quantities, tk: Tokens) -> int | None:
+    """A micro-batch's start: its int64 ids and labels copied to the device (a blocking copy, which
+    FSDP1's rate limiter sees: ``_Fsdp1Lag.synchronize``); before the run's first forward, FSDP1's
+    lazy init, which allocates and frees each unit's buffers on the default stream in turn
+    (``quantities.fsdp1_lazy_init``), leaving the largest one's segment cached. Returns the batch's
+    handle."""
+    if R.lag is not None:                                         # the batch's blocking host-to-device copy
+        R.lag.synchronize(R)
+    inputs = R.alloc(tk.inputs)                                   # int64 ids and labels
+    if s.forwards == 0:                                           # FSDP1's ``_lazy_init``
+        for nbytes in q.fsdp1_init:
+            R.free(R.alloc(nbytes))
+    return inputs
 
 
 def _shifted(q: Quantities, full: int, seqs: int) -> int:
