@@ -24,6 +24,9 @@ from typing import Any
 
 from trainmem.errors import TrainmemError
 
+from .nograd import NoGradLayer
+from .nograd import llama_layer as nograd_llama
+
 F32, HALF = 4, 2
 
 
@@ -1029,6 +1032,9 @@ class LayerKey:
     manual_layernorm: bool = False  # the LayerNorms in Python ops (ModelSpec.manual_layernorm)
     separate_qkv: bool = False  # GPT-2 family: q, k, v as three linears (ModelSpec.separate_qkv)
     expert_loop: bool = False  # transformers < 5: Mixtral's experts one nn.Linear MLP at a time (_moe_loop)
+    # the layer is transformers' own module (not torchtune's, torchtitan's, litgpt's... re-implementation,
+    # spec.frameworks.OWN_MODEL_CODE): its checkpointed forward is written tensor by tensor (nograd.py)
+    hf_code: bool = False
 
 
 def ep_rank_rows(top_k: int, experts: int, ep: int, imbalance: float) -> float:
@@ -1114,6 +1120,11 @@ class LayerCoefs:
     fwd_temps: tuple[tuple[float, float], ...] = ()
     fwd_events: tuple[str, ...] = ()
     held_b1: float | None = None  # ``held`` at a micro-batch of one sequence (Recipe.held_b1); None: ``held``
+    # a checkpointed hand-written layer's first forward, tensor by tensor (nograd.py): each temporary's
+    # bytes per token and the events ("t" made, "fK" freed, "o" the output), for reserved._checkpointed
+    nograd_temps: tuple[float, ...] = ()
+    nograd_events: tuple[str, ...] = ()
+    adapters: int = 0  # LoRA: the layer's adapted linears (each a lora_A and a lora_B)
     fwd_scratch: float = 0.0  # torchao NF4: the largest dequantization peak (weight and scratch) before its matmul, bytes
 
     def bytes(self, n: int, nsq: int) -> int:
@@ -1204,10 +1215,35 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
                       own_cast=own_cast if any(own_cast) else (),
                       incoming=tuple(B.r.incoming) if any(B.r.incoming) else (),
                       after_frozen=after_frozen if any(after_frozen) else (),
-                      first_adapter_op=B.r.first_adapter_op, linears=tuple(B.r.linears),
+                      first_adapter_op=B.r.first_adapter_op, linears=tuple(B.r.linears), adapters=len(B.lora),
                       recompute_moments=B.r.recompute_moments(tok, sq), fwd_scratch=B.r.fwd_scratch,
                       recompute_incoming=B.r.trigger[1] if B.r.trigger else 0.0,
-                      op_tensors=tuple(t.bytes_coef() for t in op_checkpoint_kept(B.r)), held_b1=held_b1)
+                      op_tensors=tuple(t.bytes_coef() for t in op_checkpoint_kept(B.r)), held_b1=held_b1,
+                      **_nograd_sequence(k, pol, B, build))
+
+
+def _nograd_sequence(k: LayerKey, pol: Policy, B: Builder, build: Any) -> dict:
+    """A checkpointed layer's first forward tensor by tensor (``nograd.llama_layer``), where the layer
+    is transformers' Llama decoder layer (``k.hf_code``; Llama, Mistral, Qwen2) as ``_llama_layer``
+    builds it in the plain case: no autocast (its per-call input and frozen-weight casts are not
+    written there), a fused SDPA kernel (grouped keys copied to the query's heads where the release
+    does, ``repeat-kv``), one sequence shard (no sequence or context parallelism), dense SwiGLU, HF's
+    RMSNorm, full-precision linears; else {} (the replay makes the layer's saved tensors at once,
+    ``reserved._checkpointed``)."""
+    plain = (build is _llama_layer and k.hf_code and not pol.amp and not k.sp and k.ring == 1
+             and not k.experts and not (k.liger or k.rms_norm_input or k.norm_fp32_product or k.qk_norm)
+             and not k.quant[0] and not k.kv_cache and k.attention_call in ("model", "repeat-kv")
+             and k.attention != "eager")
+    if not plain or B.sdpa(k.attention, k.head_dim, k.heads / k.tp, k.kv_heads / k.tp,
+                           k.attention_dropout) not in ("flash", "efficient", "cudnn"):
+        return {}
+    t = k.tp
+    adapter = pol.weight if B.base_trains else (pol.half if k.lora_half else F32)
+    L = NoGradLayer(k.h, k.q / t, k.kv / t, k.f / t, pol.stream, pol.half, pol.weight, dict(B.lora),
+                    k.lora_dropout if B.lora else 0.0, adapter if B.lora else 0,
+                    k.heads != k.kv_heads and k.attention_call == "repeat-kv")
+    S = nograd_llama(L)
+    return {"nograd_temps": tuple(S.sizes), "nograd_events": tuple(S.events)}
 
 
 def op_checkpoint_kept(r: Recipe) -> list[T]:
