@@ -318,7 +318,7 @@ def fsdp1(module: torch.nn.Module, spec: Any, t: TrainingSpec, fsdp_mesh: Any, d
     over ``Block``)."""
     from torch.distributed.fsdp import BackwardPrefetch, FullyShardedDataParallel, MixedPrecision, ShardingStrategy
     strategy = {"full": ShardingStrategy.FULL_SHARD, "grad-op": ShardingStrategy.SHARD_GRAD_OP,
-                "hybrid": ShardingStrategy.HYBRID_SHARD}[t.fsdp]
+                "hybrid": ShardingStrategy.HYBRID_SHARD, "no-shard": ShardingStrategy.NO_SHARD}[t.fsdp]
     kw: dict[str, Any] = {"sharding_strategy": strategy, "device_mesh": fsdp_mesh,
                           "auto_wrap_policy": fsdp1_wrap_policy(module, spec, t), "use_orig_params": True,
                           "backward_prefetch": BackwardPrefetch.BACKWARD_PRE, "limit_all_gathers": True,
