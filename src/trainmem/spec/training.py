@@ -289,8 +289,8 @@ class TrainingSpec:
     step. ``precision``: ``fp32``; ``fp16-amp``/``bf16-amp`` = fp32 weights with autocast;
     ``bf16``/``fp16`` = weights, gradients and optimizer states in that dtype ("pure").
     ``zero`` is the DeepSpeed ZeRO stage over the data-parallel group (``fsdp`` maps onto it:
-    full -> 3, grad-op -> 2, hybrid -> 3 within a node, no-shard -> 3 over one rank). ``optimizer_impl`` None means PyTorch's
-    CUDA default (foreach, or fused for nanoGPT-style AdamW when asked).
+    full -> 3, grad-op -> 2, hybrid -> 3 within a node, no-shard -> 3 over one rank).
+    ``optimizer_impl`` None means PyTorch's CUDA default (foreach, or fused for nanoGPT-style AdamW when asked).
     """
 
     batch_size: int = 1
@@ -481,7 +481,8 @@ class TrainingSpec:
         self._check_pipeline()
         if self.precision == "bf16-mp" and self.fsdp is None:
             raise TrainmemError("--precision bf16-mp is FSDP's MixedPrecisionPolicy(param_dtype=bf16, "
-                                "reduce_dtype=fp32): give --fsdp full (or grad-op, hybrid, no-shard), or use --precision bf16-amp")
+                                "reduce_dtype=fp32): give --fsdp full (or grad-op, hybrid, no-shard), or use "
+                                "--precision bf16-amp")
         if self.master_weights is not None:
             _choice("master_weights", self.master_weights, MASTER_WEIGHTS)
             if self.precision not in ("bf16", "fp16"):
