@@ -58,6 +58,8 @@ CASES = [
     ({"fsdp": "grad-op", "dp": 2}, CHANGED, ""), ({"dp": 2}, CHANGED, ""),
     # FSDP1 FullyShardedDataParallel on the fake group (vs FSDP2 with the same options, REFERENCE)
     ({"fsdp_version": 1, "fsdp": "full", "dp": 2}, CHANGED, ""),
+    ({"fsdp_version": 1, "fsdp": "no-shard", "dp": 2}, CHANGED, ""),
+    ({"fsdp": "no-shard", "dp": 2}, REFUSED, "--fsdp-version 1"),
     ({"fsdp_version": 1, "fsdp": "full", "dp": 2, "optimizer_in_backward": True}, REFUSED, "--optimizer-in-backward"),
     ({"fsdp_version": 1, "fsdp": "full", "dp": 2, "tp": 2}, REFUSED, "--fsdp-version 1"),
     ({"fsdp_version": 1, "fsdp": "full", "dp": 2, "precision": "bf16-mp", "lora_rank": 8}, REFUSED,

@@ -14,7 +14,7 @@ both run the same code). PyTorch's own wrappers; line references are to torch 2.
   ``fsdp_node_size`` ranks (HSDP); ``--precision bf16-mp`` is
   ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``.
 * ``fsdp_version=1``: ``FullyShardedDataParallel`` with ``ShardingStrategy`` FULL_SHARD /
-  SHARD_GRAD_OP / HYBRID_SHARD, ``ModuleWrapPolicy({decoder layer class})`` (LoRA: peft's
+  SHARD_GRAD_OP / HYBRID_SHARD / NO_SHARD (``--fsdp no-shard``, FSDP1 only), ``ModuleWrapPolicy({decoder layer class})`` (LoRA: peft's
   ``fsdp_auto_wrap_policy`` unless ``fsdp_lora_units="layer"``), ``use_orig_params=True``,
   ``BackwardPrefetch.BACKWARD_PRE``, ``limit_all_gathers=True`` (:func:`fsdp1`).
 * ``--tp N``: ``parallelize_module`` with torchtitan's Llama plan (:func:`tensor_parallel`):
@@ -318,7 +318,7 @@ def fsdp1(module: torch.nn.Module, spec: Any, t: TrainingSpec, fsdp_mesh: Any, d
     over ``Block``)."""
     from torch.distributed.fsdp import BackwardPrefetch, FullyShardedDataParallel, MixedPrecision, ShardingStrategy
     strategy = {"full": ShardingStrategy.FULL_SHARD, "grad-op": ShardingStrategy.SHARD_GRAD_OP,
-                "hybrid": ShardingStrategy.HYBRID_SHARD}[t.fsdp]
+                "hybrid": ShardingStrategy.HYBRID_SHARD, "no-shard": ShardingStrategy.NO_SHARD}[t.fsdp]
     kw: dict[str, Any] = {"sharding_strategy": strategy, "device_mesh": fsdp_mesh,
                           "auto_wrap_policy": fsdp1_wrap_policy(module, spec, t), "use_orig_params": True,
                           "backward_prefetch": BackwardPrefetch.BACKWARD_PRE, "limit_all_gathers": True,

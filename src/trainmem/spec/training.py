@@ -198,7 +198,9 @@ QUANTIZE = ("nf4", "fp4", "nf4-dq", "fp4-dq")
 #: it (every nn.Linear including lm_head, quantized from an fp16 copy), or torchao's ``NF4Tensor`` as
 #: torchtune's QLoRA builders make it (``--quantize nf4`` under ``--framework torchtune``; estimate.quant4)
 QUANTIZE_VIA = ("transformers", "fabric", "torchao")
-FSDP_MODES = ("full", "grad-op", "hybrid")
+#: FSDP sharding strategies: FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD and (FSDP1 only) NO_SHARD, whose flat
+#: parameters stay whole on every rank and whose gradients are all-reduced (``TrainingSpec.shard_group``)
+FSDP_MODES = ("full", "grad-op", "hybrid", "no-shard")
 #: ColossalAI Gemini's ``placement_policy`` values trainmem models: "cuda" keeps every chunk on the
 #: GPU (ColossalAI 0.1.9-0.1.10 ``colossalai/gemini/placement_policy.py``); "cpu" and "auto" move
 #: chunks to host memory as the run goes, which is not modelled
@@ -287,8 +289,8 @@ class TrainingSpec:
     step. ``precision``: ``fp32``; ``fp16-amp``/``bf16-amp`` = fp32 weights with autocast;
     ``bf16``/``fp16`` = weights, gradients and optimizer states in that dtype ("pure").
     ``zero`` is the DeepSpeed ZeRO stage over the data-parallel group (``fsdp`` maps onto it:
-    full -> 3, grad-op -> 2, hybrid -> 3 within a node). ``optimizer_impl`` None means PyTorch's
-    CUDA default (foreach, or fused for nanoGPT-style AdamW when asked).
+    full -> 3, grad-op -> 2, hybrid -> 3 within a node, no-shard -> 3 over one rank).
+    ``optimizer_impl`` None means PyTorch's CUDA default (foreach, or fused for nanoGPT-style AdamW when asked).
     """
 
     batch_size: int = 1
@@ -479,7 +481,8 @@ class TrainingSpec:
         self._check_pipeline()
         if self.precision == "bf16-mp" and self.fsdp is None:
             raise TrainmemError("--precision bf16-mp is FSDP's MixedPrecisionPolicy(param_dtype=bf16, "
-                                "reduce_dtype=fp32): give --fsdp full (or grad-op, hybrid), or use --precision bf16-amp")
+                                "reduce_dtype=fp32): give --fsdp full (or grad-op, hybrid, no-shard), or use "
+                                "--precision bf16-amp")
         if self.master_weights is not None:
             _choice("master_weights", self.master_weights, MASTER_WEIGHTS)
             if self.precision not in ("bf16", "fp16"):
@@ -698,9 +701,12 @@ class TrainingSpec:
             raise TrainmemError(f"--fsdp-version {self.fsdp_version!r} is not one of: 1, 2")
         if self.fsdp_version == 1 and self.fsdp is None:
             raise TrainmemError("--fsdp-version 1 picks FullyShardedDataParallel for --fsdp: give --fsdp full "
-                                "(or grad-op, hybrid), or drop --fsdp-version")
+                                "(or grad-op, hybrid, no-shard), or drop --fsdp-version")
         if self.fsdp is not None:
             _choice("fsdp", self.fsdp, FSDP_MODES)
+            if self.fsdp == "no-shard" and self.fsdp_version != 1:
+                raise TrainmemError("--fsdp no-shard is FSDP1's ShardingStrategy.NO_SHARD; FSDP2 (fully_shard) has "
+                                    "no such strategy: add --fsdp-version 1 (or use plain --dp for DDP)")
             if self.zero:
                 raise TrainmemError(f"--fsdp {self.fsdp} and --zero {self.zero} both shard the model states "
                                     "(FSDP or DeepSpeed ZeRO): give one of them")
@@ -1122,7 +1128,7 @@ class TrainingSpec:
                                 f"quant_storage (FSDP1); quantize_via {self.quantize_via} sharded (torchtune's "
                                 "torchao NF4Tensor under FSDP2, litgpt) is not: drop --fsdp")
         if self.fsdp_version != 1 or self.fsdp == "hybrid":
-            raise TrainmemError(f"--quantize {q} under FSDP is modelled for FSDP1 full or grad-op sharding "
+            raise TrainmemError(f"--quantize {q} under FSDP is modelled for FSDP1 full, grad-op or no-shard "
                                 "(Answer.AI's fsdp_qlora, accelerate): give --fsdp full --fsdp-version 1")
         if self.fsdp_lora_units != "separate":
             raise TrainmemError(f"--quantize {q} under FSDP1 is modelled with adapters in units of their own "
@@ -1529,7 +1535,7 @@ class TrainingSpec:
     def zero_stage(self) -> int:
         """ZeRO stage, with FSDP modes mapped onto it."""
         if self.fsdp is not None:
-            return {"full": 3, "grad-op": 2, "hybrid": 3}[self.fsdp]
+            return {"full": 3, "grad-op": 2, "hybrid": 3, "no-shard": 3}[self.fsdp]
         return self.zero
 
     @property
@@ -1619,9 +1625,17 @@ class TrainingSpec:
         shard them too: FSDP2 runs over accelerate's ``dp_shard_cp`` mesh dimension, torchtitan's
         ``fsdp`` one, of ``dp * cp`` ranks (accelerate 1.15.0 ``parallelism_config.py``
         ``build_device_mesh``; torchtitan 69cf207 ``distributed/parallel_dims.py``). Megatron-LM's
-        (``--framework megatron``) is kept at the DP group."""
+        (``--framework megatron``) is kept at the DP group. FSDP1's ``NO_SHARD`` (``--fsdp no-shard``)
+        shards over one rank: every rank holds each unit's whole flat parameter, its gradient and the
+        optimizer states of the whole model, which is what FSDP1 itself runs at world size 1 (torch 2.13
+        ``fsdp/_init_utils.py`` L430-438 switches any strategy to ``NO_SHARD`` there). Its only
+        difference with more ranks is the gradient reduction, an in-place ``all_reduce`` of the unit's
+        flat gradient (``_runtime_utils.py`` ``_post_backward_hook`` L765-768, ``_reduce_grad_no_shard``
+        L932-949), which allocates nothing in the caching allocator."""
         if self.fsdp == "hybrid":
             return min(self.dp, self.fsdp_node_size)
+        if self.fsdp == "no-shard":
+            return 1
         return self.dp * (self.cp if self.extra.get("framework") != "megatron" else 1)
 
     @property
@@ -1754,7 +1768,7 @@ def padded_lengths(t: TrainingSpec, count: int = PADDED_MICRO_BATCHES, seed: int
 def setup_warnings(t: TrainingSpec) -> list[str]:
     """One line for each legal but pointless choice in ``t`` (the run works; the option does nothing)."""
     out = []
-    if t.zero_stage and t.shard_group == 1:
+    if t.zero_stage and t.shard_group == 1 and t.fsdp != "no-shard":
         what = f"--fsdp {t.fsdp}" if t.fsdp else f"--zero {t.zero}"
         out.append(f"{what} with --dp 1 shards the model states over one rank: it changes nothing")
     if t.distributed_optimizer and t.dp == 1:

@@ -843,7 +843,9 @@ def describe(t: TrainingSpec, rank: int = 0) -> str:
         why = ("ZeRO pads every rank's flat partition to one size; the buckets and gathered parameters are the "
                "same on every rank")
         which = "rank 0 traced" if rank == 0 else f"rank {rank} traced"
-    if t.fsdp is not None and t.fsdp_version == 1:
+    if t.fsdp == "no-shard":
+        why = "NO_SHARD: every rank holds the same whole flat parameters and gradients"
+    elif t.fsdp is not None and t.fsdp_version == 1:
         why = ("FSDP1 pads every rank's flat shard to one size; the optimizer keeps a state per piece of an original "
                "parameter in the rank's shard, so a rank whose shard cuts more parameters rounds a few more "
                "512-byte blocks: other ranks may differ by some KiB")
@@ -869,7 +871,7 @@ def rank_entries(report: Any, t: TrainingSpec, rank: int = 0) -> list[dict[str, 
             "parameters_bytes", "optimizer_states_bytes", "cuda_context")
     why = ({"not_traced": "the same program; FSDP1 pads every rank's flat shard to one size, and the optimizer "
                           "states of the parameter pieces in it may round to some KiB more or less"}
-           if t.fsdp is not None and t.fsdp_version == 1 else
+           if t.fsdp is not None and t.fsdp_version == 1 and t.fsdp != "no-shard" else
            {"not_traced": "the same program on its share of the sequence; the ring attention's steps differ by "
                           "context-parallel rank (the last one makes no copy of the merged output and holds one more "
                           "fp32 output-sized temporary while merging); trace rank=k for another"}
