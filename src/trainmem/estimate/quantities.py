@@ -2527,7 +2527,7 @@ def _copies_per_tensor(t: TrainingSpec, per_parameter: bool) -> int | None:
     if t.optimizer in LOWRANK_OPTIMIZERS + LOMO_OPTIMIZERS:
         return 0  # replayed tensor by tensor (galore_step_bytes, galore_oib_bytes; lomo_update_bytes)
     if t.optimizer in ("sgd", "sgd-momentum", "schedule-free-sgd") + BNB_OPTIMIZERS + TORCHAO_OPTIMIZERS \
-            or t.offload_optimizer or t.torchao_offload:
+            or t.offload_optimizer or t.torchao_offload or t.fsdp_offload_params:
         # torchao's CPUOffloadOptimizer steps the tensors of >= 4096 elements on the host and copies them
         # back in place (``p_device.copy_(p_host, non_blocking=True)``, cpu_offload.py L131-135); the
         # smaller ones' on-device optimizer is fused AdamW by default (none) and small
