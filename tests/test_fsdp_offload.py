@@ -85,3 +85,26 @@ def test_cli_flag():
     a = build_parser().parse_args(["estimate", "llama-2-7b", "--dp", "2", "--fsdp", "full", "--fsdp-version", "1",
                                    "--fsdp-offload-params"])
     assert training_options(a)["fsdp_offload_params"] is True
+
+
+def test_unshard_copies_the_host_shard_in_on_its_own_stream():
+    """``pre_unshard`` copies the host shard to the device on the pre-unshard stream before the
+    all-gather allocates the unsharded flat parameter; the copy is dropped after, but its block stays
+    cached in that stream's pool (reserved, not allocated, and unusable by the default stream)."""
+    from trainmem.allocator import CachingAllocator
+    from trainmem.estimate.reserved import GATHER_STREAM, GRAD_STREAM, _Fsdp, _Replay
+    MiB = 2**20
+    off, on = _Replay(CachingAllocator()), _Replay(CachingAllocator())
+    for R, host in ((off, 2), (on, 0)):
+        fs = _Fsdp(False, (GATHER_STREAM, GRAD_STREAM), host=host)
+        fs.reshard(R, fs.unshard(R, 400 * MiB, ()))
+    assert off.a.allocated == on.a.allocated == 0
+    assert off.a.reserved == on.a.reserved + 200 * MiB   # the 400 MiB unit's half, copied in
+    assert off.a.peak_allocated == on.a.peak_allocated + 200 * MiB
+
+
+def test_quantities_carry_the_shard_count():
+    from trainmem.estimate.quantities import quantities
+    clear_cache()
+    assert quantities(SMALL, TrainingSpec(**FULL, fsdp_offload_params=True)).fsdp1_host_shards == 2
+    assert quantities(SMALL, TrainingSpec(**FULL)).fsdp1_host_shards == 0

@@ -185,6 +185,8 @@ class Quantities:
     nosync_kept_root: int = 0
     fsdp1_unprefetched: int = -1  # FSDP1, LoRA units of their own: layer ops from this one on (forward
     #                               order) run their backward before the previous layer is prefetched
+    fsdp1_host_shards: int = 0    # FSDP1 parameter offload: the ranks a unit is sharded over (its shard is
+    #                               copied to the device before each all-gather: reserved._Fsdp.unshard); 0 off
     fsdp1_held_inputs: int = 0    # 1 where FSDP1's reshard-only hooks hold every layer's input and its gradient
     #                               to the end of backward (reentrant checkpointing, frozen layer units)
     lower_layers: int = 0  # an encoder-decoder's encoder layers on this rank (backward after the decoder's)
@@ -3945,7 +3947,8 @@ def _fsdp1_fields(t: TrainingSpec, st: States, lc: LayerCoefs) -> dict[str, int]
             "fsdp1_root_flat": fsdp1_root_flat_gradient(st) if one else 0,
             "fsdp1_emb_units": st.emb_units_full if one else 0,
             "fsdp1_root_post": fsdp1_root_post_backward(t, st) if one else 0,
-            "fsdp1_unprefetched": fsdp1_unprefetched(t, lc), "fsdp1_held_inputs": int(fsdp1_held_inputs(t))}
+            "fsdp1_unprefetched": fsdp1_unprefetched(t, lc), "fsdp1_held_inputs": int(fsdp1_held_inputs(t)),
+            "fsdp1_host_shards": t.shard_group if one and t.fsdp_offload_params else 0}
 
 
 def fsdp1_held_inputs(t: TrainingSpec) -> bool:

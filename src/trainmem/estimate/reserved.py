@@ -465,7 +465,8 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     if R.lag is not None:                                         # the batch's blocking host-to-device copy
         R.lag.synchronize(R)
     inputs = R.alloc(tk.inputs, one=False)                        # int64 ids and labels, one block
-    fs = _Fsdp(q.fsdp_ag_result > 0, _fsdp_streams(q), lag=R.lag, rs_side=q.fsdp_rs_side > 0)
+    fs = _Fsdp(q.fsdp_ag_result > 0, _fsdp_streams(q), lag=R.lag, rs_side=q.fsdp_rs_side > 0,
+               host=q.fsdp1_host_shards)
     root = fs.unshard(R, q.fsdp_root, st.root_tensors)            # FSDP: the root unit gathered
     # torchtitan's split root (quantities.fsdp2_split_root): the embedding unit gathered, resharded
     # by its post-forward (its all-gather output kept until the first layer's copy-out)
@@ -936,6 +937,9 @@ def _micro_batches(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: To
 #: L400, L606: its fetches allocate under ``stream(__allgather_stream)``, ``parameter_offload.py`` L195-196
 #: under ``overlap_comm``) as GATHER_STREAM (ids of the replay's allocator pools; 0 is the default stream)
 GATHER_STREAM, GRAD_STREAM = 1, 2
+#: FSDP1's pre-unshard stream: under parameter offload ``pre_unshard`` copies the unit's host shard to the
+#: device on it (torch 2.13 ``fsdp/_runtime_utils.py`` ``_unshard`` L293-294, ``_flat_param.py`` L1335-1338)
+PRE_UNSHARD_STREAM = 4
 
 
 def _fsdp_streams(q: Quantities) -> tuple[int, int]:
@@ -976,6 +980,7 @@ class _Fsdp:
     lag: "_Fsdp1Lag | None" = None  # FSDP1's rate limiter and its pending frees (``_fsdp1_limited``)
     rs_side: bool = False      # FSDP2 before PyTorch 2.5: the reduce-scatter input on the gradient stream (``reduce``)
     below_first: int = 0       # split root: the embedding unit's all-gather output, the first layer's prefetch
+    host: int = 0              # FSDP1 parameter offload: the ranks a unit is sharded over (``fsdp1_host_shards``)
 
     @property
     def grad_stream(self) -> int:
@@ -991,7 +996,12 @@ class _Fsdp:
         if not self.v2 or not tensors:
             if self.lag is not None and not self.v2:              # FSDP1's ``_unshard``: the rate limiter
                 self.lag.wait(R)
-            return [R.alloc(flat, self.streams[0])]               # FSDP1's unsharded flat parameter
+            # offload: the host shard copied in on the pre-unshard stream, the all-gather's input, dropped
+            # once the flat parameter uses the unsharded buffer (``FlatParamHandle.unshard`` L1381-1383)
+            copy = R.alloc(-(-flat // self.host), PRE_UNSHARD_STREAM) if self.host else None
+            out = [R.alloc(flat, self.streams[0])]                # FSDP1's unsharded flat parameter
+            R.free(copy)
+            return out
         ag = R.alloc(flat, self.streams[0])                       # the all-gather output, flat
         R.free(self.ag)
         self.ag = ag
