@@ -938,7 +938,8 @@ def _micro_batches(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: To
 #: under ``overlap_comm``) as GATHER_STREAM (ids of the replay's allocator pools; 0 is the default stream)
 GATHER_STREAM, GRAD_STREAM = 1, 2
 #: FSDP1's pre-unshard stream: under parameter offload ``pre_unshard`` copies the unit's host shard to the
-#: device on it (torch 2.13 ``fsdp/_runtime_utils.py`` ``_unshard`` L293-294, ``_flat_param.py`` L1335-1338)
+#: device on it (torch 2.13 ``fsdp/_runtime_utils.py`` ``_init_streams`` L267-269: a stream of its own "for CPU
+#: offloading (H2D copy)"; ``_unshard`` L293-294; ``_flat_param.py`` L1335-1338)
 PRE_UNSHARD_STREAM = 4
 
 
