@@ -66,6 +66,8 @@ CASES = [
      "--precision bf16-mp with --lora-rank"),
     ({"fsdp_version": 1, "fsdp": "full", "dp": 2, "precision": "bf16", "lora_rank": 8, "fsdp_lora_units": "layer"},
      REFUSED, "Must flatten tensors with uniform dtype"),
+    # FSDP1 CPUOffload(offload_params=True): estimate only (tests/test_fsdp_offload.py)
+    ({"fsdp_version": 1, "fsdp": "full", "dp": 2, "fsdp_offload_params": True}, REFUSED, "--fsdp-offload-params"),
     ({"fsdp": "hybrid", "dp": 4, "fsdp_node_size": 2}, REFUSED, "--fsdp hybrid"),
     ({"dp": 2, "ddp_bucket_mb": 1.0}, "same", "the cap regroups DDP's buckets, which together are as large as the "
                                               "gradients (vs --dp 2 alone)"),

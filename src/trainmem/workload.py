@@ -61,6 +61,9 @@ def _check_quantize(t: TrainingSpec, what: str) -> None:
     if t.quantize and t.quantize_via == "torchao":
         raise TrainmemError(f"--quantize {t.quantize} under --framework torchtune is torchao's NF4Tensor, which "
                             f"{what} does not run (it emulates bitsandbytes' 4-bit linears only); use estimate")
+    if t.fsdp_offload_params:  # (FSDP1 CPUOffload: the shards on the host; estimate.states models it)
+        raise TrainmemError(f"--fsdp-offload-params: {what} does not run FSDP1 with its flat parameters in host "
+                            "memory; use estimate")
     if t.quantize and t.fsdp is not None:
         raise TrainmemError(f"--quantize {t.quantize} under --fsdp: {what} does not run FSDP1 over bitsandbytes' "
                             "Params4bit stored in the model's dtype (quant_storage); use estimate")

@@ -241,6 +241,11 @@ def _add_fsdp(g: Any) -> None:
                    help="FSDP1 + LoRA: separate (default; peft's fsdp_auto_wrap_policy: refused on BERT / "
                         "XLM-RoBERTa-XL, whose embeddings it splits from their tied head) or layer (adapters in "
                         "their layer's unit, Lightning/litgpt: gradients for the frozen weights too)")
+    g.add_argument("--fsdp-offload-params", action="store_true", default=None,
+                   help="FSDP1 CPUOffload(offload_params=True) (accelerate fsdp_offload_params, Answer.AI "
+                        "--use_cpu_offload): sharded parameters, reduced gradients and the optimizer step on the "
+                        "host; each unit copied in and gathered for compute (with --fsdp full --fsdp-version 1; "
+                        "estimate only)")
     g.add_argument("--fsdp-gathered", choices=FSDP_GATHERED, default=None, help="FSDP2 units kept gathered after "
                    "forward: none (default), root (PyTorch < 2.8 kept it whatever reshard_after_forward said), "
                    "root-last (and the last decoder layer: torchtitan 2024-2025), head (torchtitan since July "
@@ -533,6 +538,7 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 optimizer_bucket_mb=a.optimizer_bucket_mb, loss_chunks=a.loss_chunks, loss=a.loss,
                 master_weights=a.master_weights, framework=a.framework, framework_version=a.framework_version,
                 torch_version=a.torch_version, grad_sync=a.grad_sync, fsdp_lora_units=a.fsdp_lora_units,
+                fsdp_offload_params=a.fsdp_offload_params,
                 transformers_version=a.transformers_version,
                 fsdp_gathered=a.fsdp_gathered, fsdp_auto_wrap_policy=a.fsdp_auto_wrap_policy,
                 fsdp_min_num_params=a.fsdp_min_num_params,

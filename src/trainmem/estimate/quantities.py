@@ -186,6 +186,8 @@ class Quantities:
     nosync_kept_root: int = 0
     fsdp1_unprefetched: int = -1  # FSDP1, LoRA units of their own: layer ops from this one on (forward
     #                               order) run their backward before the previous layer is prefetched
+    fsdp1_host_shards: int = 0    # FSDP1 parameter offload: the ranks a unit is sharded over (its shard is
+    #                               copied to the device before each all-gather: reserved._Fsdp.unshard); 0 off
     fsdp1_held_inputs: int = 0    # 1 where FSDP1's reshard-only hooks hold every layer's input and its gradient
     #                               to the end of backward (reentrant checkpointing, frozen layer units)
     fsdp1_adapter_units: int = 0  # FSDP1, LoRA units of their own: a layer's adapter units (lora_A, lora_B each),
@@ -2530,7 +2532,7 @@ def _copies_per_tensor(t: TrainingSpec, per_parameter: bool) -> int | None:
     if t.optimizer in LOWRANK_OPTIMIZERS + LOMO_OPTIMIZERS:
         return 0  # replayed tensor by tensor (galore_step_bytes, galore_oib_bytes; lomo_update_bytes)
     if t.optimizer in ("sgd", "sgd-momentum", "schedule-free-sgd") + BNB_OPTIMIZERS + TORCHAO_OPTIMIZERS \
-            or t.offload_optimizer or t.torchao_offload:
+            or t.offload_optimizer or t.torchao_offload or t.fsdp_offload_params:
         # torchao's CPUOffloadOptimizer steps the tensors of >= 4096 elements on the host and copies them
         # back in place (``p_device.copy_(p_host, non_blocking=True)``, cpu_offload.py L131-135); the
         # smaller ones' on-device optimizer is fused AdamW by default (none) and small
@@ -3950,7 +3952,8 @@ def _fsdp1_fields(t: TrainingSpec, st: States, lc: LayerCoefs) -> dict[str, int]
             "fsdp1_root_post": fsdp1_root_post_backward(t, st) if one else 0,
             "fsdp1_unprefetched": fsdp1_unprefetched(t, lc), "fsdp1_held_inputs": int(fsdp1_held_inputs(t)),
             "fsdp1_adapter_units": 2 * lc.adapters if fsdp1_unprefetched(t, lc) >= 0 else 0,
-            "fsdp1_init": fsdp1_lazy_init(t, st) if one else ()}
+            "fsdp1_init": fsdp1_lazy_init(t, st) if one else (),
+            "fsdp1_host_shards": t.shard_group if one and t.fsdp_offload_params else 0}
 
 
 def fsdp1_lazy_init(t: TrainingSpec, st: States) -> tuple[int, ...]:

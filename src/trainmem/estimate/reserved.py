@@ -469,7 +469,7 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     st = q.detail.states
     inputs = _batch_in(R, s, q, tk)
     fs = _Fsdp(q.fsdp_ag_result > 0, _fsdp_streams(q), lag=R.lag, rs_side=q.fsdp_rs_side > 0,
-               adapters=q.fsdp1_adapter_units, recomputed=recompute != "none")
+               adapters=q.fsdp1_adapter_units, recomputed=recompute != "none", host=q.fsdp1_host_shards)
     root = fs.unshard(R, q.fsdp_root, st.root_tensors)            # FSDP: the root unit gathered
     # torchtitan's split root (quantities.fsdp2_split_root): the embedding unit gathered, resharded
     # by its post-forward (its all-gather output kept until the first layer's copy-out)
@@ -955,6 +955,10 @@ def _micro_batches(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: To
 #: L400, L606: its fetches allocate under ``stream(__allgather_stream)``, ``parameter_offload.py`` L195-196
 #: under ``overlap_comm``) as GATHER_STREAM (ids of the replay's allocator pools; 0 is the default stream)
 GATHER_STREAM, GRAD_STREAM = 1, 2
+#: FSDP1's pre-unshard stream: under parameter offload ``pre_unshard`` copies the unit's host shard to the
+#: device on it (torch 2.13 ``fsdp/_runtime_utils.py`` ``_init_streams`` L267-269: a stream of its own "for CPU
+#: offloading (H2D copy)"; ``_unshard`` L293-294; ``_flat_param.py`` L1335-1338)
+PRE_UNSHARD_STREAM = 4
 
 
 def _fsdp_streams(q: Quantities) -> tuple[int, int]:
@@ -997,6 +1001,7 @@ class _Fsdp:
     below_first: int = 0       # split root: the embedding unit's all-gather output, the first layer's prefetch
     adapters: int = 0          # FSDP1, LoRA units of their own: a layer's adapter units (``adapter_units``)
     recomputed: bool = False   # ... whose forward runs again in the layer's recomputation
+    host: int = 0              # FSDP1 parameter offload: the ranks a unit is sharded over (``fsdp1_host_shards``)
 
     @property
     def grad_stream(self) -> int:
@@ -1012,7 +1017,12 @@ class _Fsdp:
         if not self.v2 or not tensors:
             if self.lag is not None and not self.v2:              # FSDP1's ``_unshard``: the rate limiter
                 self.lag.wait(R)
-            return [R.alloc(flat, self.streams[0])]               # FSDP1's unsharded flat parameter
+            # offload: the host shard copied in on the pre-unshard stream, the all-gather's input, dropped
+            # once the flat parameter uses the unsharded buffer (``FlatParamHandle.unshard`` L1381-1383)
+            copy = R.alloc(-(-flat // self.host), PRE_UNSHARD_STREAM) if self.host else None
+            out = [R.alloc(flat, self.streams[0])]                # FSDP1's unsharded flat parameter
+            R.free(copy)
+            return out
         ag = R.alloc(flat, self.streams[0])                       # the all-gather output, flat
         R.free(self.ag)
         self.ag = ag

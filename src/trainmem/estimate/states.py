@@ -510,7 +510,7 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
     key = (m, stage, t.tp, t.ep, dtensor_tp(t), t.pp, t.pp_less, t.precision, t.zero_stage, t.fsdp, t.shard_group, t.optimizer,
            t.impl, t.lora_rank, t.lora_targets, t.lora_dtype, t.distributed_optimizer, t.offload_optimizer,
            t.fp32_master, t.quantize, t.quantize_via, t.bitsandbytes_version, t.torchao_version, t.accumulates_unsharded,
-           t.fsdp_mixed_units, t.fsdp_version, t.fused_qkv, t.lora_qkv, t.split_gate_up, t.layer_rope_cache, t.rope_cache, t.expandable_segments,
+           t.fsdp_mixed_units, t.fsdp_version, t.fsdp_offload_params, t.fused_qkv, t.lora_qkv, t.split_gate_up, t.layer_rope_cache, t.rope_cache, t.expandable_segments,
            layer_rotary_cache(m, t.transformers_release),
            t.gemini, t.gemini_chunk_size, t.ds_params_on_host, t.ds_whole_load, t.ds_fp32_clone, t.half_embeddings,
            t.fsdp_auto_wrap_policy, t.fsdp_min_num_params, t.torchao_block, t.torchao_offload, t.optim_target_modules,
@@ -579,6 +579,7 @@ class _Rank:
     expandable: bool = False  # the allocator runs with expandable segments (TrainingSpec.expandable_segments)
     zero_clone: bool = False  # DeepSpeed ZeRO's fp32 copy of fp32 weights' partition (TrainingSpec.ds_fp32_clone)
     flat_states: bool = False  # DeepSpeed ZeRO-3 on the GPU: master and states flat per sub-group (``flat_zero3``)
+    host_shards: bool = False  # FSDP1 CPUOffload(offload_params=True): the sharded flat parameters in host memory
 
     @staticmethod
     def of(m: ModelSpec, t: TrainingSpec, stage: str) -> "_Rank":
@@ -592,12 +593,19 @@ class _Rank:
                      t.zero_stage >= 2 and not t.accumulates_unsharded, t.fsdp_mixed_units,
                      2 if t.precision == "bf16-mp" else w, t.zero_stage == 3 or fsdp_grad_op(t),
                      t.fsdp is not None and t.shard_group > 1, t.expandable_segments, t.ds_fp32_clone,
-                     flat_zero3(t))
+                     flat_zero3(t), t.fsdp_offload_params)
 
     def block(self, nbytes: int) -> int:
         """Allocator bytes of one fresh request of ``nbytes`` in this run's allocator mode
         (``allocator_rules.block_bytes``: the default allocator's, or expandable segments')."""
         return block_bytes(nbytes, self.expandable)
+
+    def shard(self, nbytes: int) -> int:
+        """Device bytes of one parameter's stored shard of ``nbytes`` whole bytes: its ``1/d`` (ceil),
+        none under FSDP1's parameter offload (``host_shards``: ``FlatParamHandle._init_flat_param_attributes``
+        pins ``_local_shard`` in host memory, torch 2.13 ``fsdp/_flat_param.py`` L1249-1265; each unit's
+        shard is copied to the device only to be all-gathered, ``pre_unshard`` L1335-1338)."""
+        return 0 if self.host_shards else -(-nbytes // self.d)
 
     def part(self, nbytes: int) -> int:
         """Bytes of one tensor's master copy or optimizer state: its own block, or under DeepSpeed ZeRO-3
@@ -706,11 +714,14 @@ class _Tally:
         self.grads += k * g
         sh = -(-n // r.d) if r.zero_states >= 1 else n
         master = r.part(sh * 4) if (r.half_master or r.zero_clone) else 0  # (sh,) fp32 partition
-        self.master += k * master
         sts = tuple(r.part(sb) for sb in _state_bytes(t, shape, sh, r, n, galore))
-        host = t.torchao_offload is not None and n >= TORCHAO_OFFLOAD_MIN
-        if host:  # CPUOffloadOptimizer: this tensor's optimizer and its states live on the host (cpu_offload.py L88-107)
+        host = r.host_shards or (t.torchao_offload is not None and n >= TORCHAO_OFFLOAD_MIN)
+        if host:  # CPUOffloadOptimizer: this tensor's optimizer and its states live on the host (cpu_offload.py L88-107);
+            # FSDP1 parameter offload: the optimizer holds the host flat parameters, whose ``.grad`` is the
+            # pinned ``_cpu_grad`` (torch 2.13 fsdp/_flat_param.py L1694-1698), so it steps there, states and all
             sts = ()
+            master = 0 if r.host_shards else master
+        self.master += k * master
         events = torchao_optim.step_events(t.optimizer, sh, t.torchao_block) if t.torchao_block and not host else ()
         if events:  # torchao: the compiled step's buffers (torchao_optim.step_events)
             self.ao_step = max(self.ao_step, torchao_optim.step_peak(t.optimizer, sh, t.torchao_block, r.block))
@@ -720,9 +731,10 @@ class _Tally:
         self.item_elems.append(n)
         if t.impl == "fused" and t.optimizer in ("adam", "adamw", "adagrad") and not host:
             self.step_t += k * r.block(4)  # fused: the scalar fp32 ``step`` on the device (adagrad.py L82-88)
-        self.largest = max(self.largest, n * r.sbytes)
-        self.largest_n = max(self.largest_n, n)
-        self.group += k * r.block(sh * r.sbytes)
+        if not r.host_shards:  # (the step's temporaries: on the host under FSDP1 parameter offload)
+            self.largest = max(self.largest, n * r.sbytes)
+            self.largest_n = max(self.largest_n, n)
+            self.group += k * r.block(sh * r.sbytes)
         return g
 
 
@@ -1063,13 +1075,13 @@ def _base_tensors(m: ModelSpec, t: TrainingSpec, r: _Rank, acc: _Tally, before: 
             # (LoRA), never cast by autocast; under FSDP1 the packed codes are sharded (_sharded_4bit)
             parts = weight_storage(n, t)
             parts = _sharded_4bit(t, r, acc, p, n, uniform, lpf_of) + parts[1:] if r.shard_weights else parts
-            dest.extend((f"{p.name}.4bit.{i}", b) for i, b in enumerate(parts))
-            acc.q4 += k * sum(r.block(b) for b in parts)
+            dest.extend((f"{p.name}.4bit.{i}", b) for i, b in enumerate(parts) if b)  # (offloaded shard: none)
+            acc.q4 += k * sum(r.block(b) for b in parts if b)
             continue
         half_table = half_embedding_tensor(p, t)
         wb = n * (2 if half_table else r.w)  # (TRL's bf16 embeddings and head: half_embedding_tensor)
-        item = (p.name, -(-wb // r.d) if r.shard_weights else wb)
-        dest.append(item)
+        item = (p.name, r.shard(wb) if r.shard_weights else wb)
+        dest.extend([item] if item[1] else [])  # (none on the device when FSDP1 offloads the shards: _Rank.shard)
         acc.whole[p.name] = wb
         if r.fsdp_unsharded and p.layer is None:
             acc.root += r.block(n * r.gather)  # the root unit's unsharded parameter (fsdp_root below)
@@ -1132,7 +1144,7 @@ def _sharded_4bit(t: TrainingSpec, r: _Rank, acc: _Tally, p: ParamTensor, n: int
         acc.layer_list.append(packed)
     if p.layer is not None:
         lpf_of[p.layer] = lpf_of.get(p.layer, 0) + packed
-    return (-(-packed // r.d),)
+    return (r.shard(packed),)
 
 
 def _vision_side(m: ModelSpec, p: ParamTensor) -> bool:
@@ -1181,7 +1193,8 @@ def _lora_adapters(t: TrainingSpec, r: _Rank, acc: _Tally, lora: list[tuple[str,
             continue
         for n in parts:
             n = -(-n // t.tp) if t.tp > 1 else n
-            acc.lora_w += r.block(-(-n * r.w // r.d) if r.shard_weights else n * r.w)
+            held = r.shard(n * r.w) if r.shard_weights else n * r.w
+            acc.lora_w += r.block(held) if held else 0
             g = acc.trainable_tensor(t, r, (-(-n // r.d) if r.zero_states >= 1 else n,), n, 1,
                                      where=f"layer{lyr - r.lo}" if lyr is not None else "after")
             if lyr == r.lo:

@@ -397,6 +397,8 @@ class TrainingSpec:
     split_gate_up: bool = False  # the MLP's gate and up projections as two linears (litgpt's LLaMAMLP fc_1, fc_2)
     #                              where the model's transformers class fuses them (gate_up_proj: Phi-3)
     fsdp_lora_units: str = "separate"  # FSDP_LORA_UNITS: "layer" puts adapters in their layer's FSDP1 unit
+    fsdp_offload_params: bool = False  # FSDP1 CPUOffload(offload_params=True): sharded flat parameters, their
+    #                                    reduced gradients and the optimizer step in host memory (_check_fsdp_offload)
     later_seq_len: int | None = None  # the padded length of every micro-batch after the run's first, which is
     #                                   seq_len long (lit-gpt forces its longest sample into the first iteration
     #                                   only and pads each later batch to its own longest); None: seq_len
@@ -721,6 +723,35 @@ class TrainingSpec:
                                 "--lora-rank (frozen embedding and head units) it is not modelled: use "
                                 "--fsdp-gathered none or root")
         self._check_wrap_policy()
+        self._check_fsdp_offload()
+
+    def _check_fsdp_offload(self) -> None:
+        """``fsdp_offload_params``: FSDP1's ``CPUOffload(offload_params=True)`` (Answer.AI fsdp_qlora
+        ``--use_cpu_offload``, accelerate ``fsdp_offload_params``, Lightning ``FSDPStrategy(cpu_offload=True)``),
+        modelled for full sharding over several ranks (``estimate.states``: the sharded flat parameters
+        pinned on the host, torch 2.13 ``fsdp/_flat_param.py`` L1249-1265; the optimizer steps there).
+        FSDP2's ``CPUOffloadPolicy``, FSDP1 mixed precision's device low-precision shard, ``no_sync``
+        accumulation and device-only optimizers are refused in one line each."""
+        if not self.fsdp_offload_params:
+            return
+        flag = "--fsdp-offload-params"
+        if self.fsdp is None or self.fsdp_version != 1:
+            raise TrainmemError(f"{flag} is FSDP1's CPUOffload(offload_params=True): give --fsdp full --fsdp-version 1 "
+                                "(FSDP2's CPUOffloadPolicy is not modelled)")
+        if self.fsdp != "full" or self.dp < 2 or self.tp * self.pp * self.cp > 1:
+            raise TrainmemError(f"{flag} is modelled for FSDP1 FULL_SHARD over --dp >= 2 ranks without --tp, --pp "
+                                "or --cp: give --fsdp full --dp N")
+        if self.precision == "bf16-mp":
+            raise TrainmemError(f"{flag} with --precision bf16-mp: FSDP1's device low-precision shard under "
+                                "offload is not modelled; give --precision bf16 or bf16-amp")
+        if self.grad_accum > 1 and self.grad_sync == "step":
+            raise TrainmemError(f"{flag} with --grad-sync step: FSDP1 accumulates unsharded gradients on the "
+                                "device under no_sync(), not modelled with offload; give --grad-sync micro-batch")
+        if self.optimizer not in ("adam", "adamw", "sgd", "sgd-momentum", "rmsprop") \
+                or self.optimizer_impl == "fused" or self.torchao_offload or self.optimizer_in_backward:
+            raise TrainmemError(f"{flag} steps the optimizer on the host's gradients: use a torch.optim optimizer "
+                                f"(adamw, adam, sgd...) with its foreach or for-loop step, not --optimizer "
+                                f"{self.optimizer} / fused / torchao offload / optimizer-in-backward")
 
     def _check_wrap_policy(self) -> None:
         """``fsdp_auto_wrap_policy`` and ``fsdp_min_num_params``: FSDP1's ``auto_wrap_policy`` (FSDP2 has
