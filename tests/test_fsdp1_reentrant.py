@@ -9,7 +9,8 @@ accumulated into it, until FSDP's final callback (``estimate.quantities.fsdp1_he
 The slow test runs the real code (installed torch, transformers, peft) on a 2-rank gloo group and
 counts the residual-stream tensors alive when the bottom layer's recompute starts, for the loop of
 transformers < 4.52 (reentrant, outside the unit), the layer's own checkpoint of 4.52 and later
-(inside the unit) and non-reentrant checkpointing outside it. The fast tests check when the estimate
+(inside the unit), torch's apply_activation_checkpointing after wrapping (a CheckpointWrapper inside each
+unit: it holds them too) and non-reentrant checkpointing outside it. The fast tests check when the estimate
 applies it and the two published fms-acceleration Mistral-7B LoRA FSDP1 rows."""
 import json
 from types import SimpleNamespace
@@ -80,14 +81,21 @@ base = model.base_model.model
 if mode == "inside":                         # transformers >= 4.52: the layer checkpoints itself, inside the unit
     base.gradient_checkpointing_enable({"use_reentrant": True})
 model = FSDP(model, auto_wrap_policy=fsdp_auto_wrap_policy(base), use_orig_params=True, device_id=torch.device("cpu"))
-if mode != "inside":
+if mode == "applied":                        # torch's apply_activation_checkpointing after wrapping (accelerate's
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # fsdp_activation_checkpointing,
+        CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)    # Answer.AI fsdp_qlora)
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=functools.partial(
+        checkpoint_wrapper, checkpoint_impl=CheckpointImpl.REENTRANT), check_fn=lambda m: isinstance(m, LlamaDecoderLayer))
+if mode not in ("inside", "applied"):
     for i, unit in enumerate(base.model.layers):
         base.model.layers[i] = Outside(unit, mode == "reentrant")
 model.train()
 seen = {}
 live = Live()
 bottom = base.model.layers[0]
-norm = (bottom.unit if mode != "inside" else bottom)._fsdp_wrapped_module.input_layernorm
+inner = (bottom.unit if mode not in ("inside", "applied") else bottom)._fsdp_wrapped_module
+norm = getattr(inner, "_checkpoint_wrapped_module", inner).input_layernorm
 def at_recompute(mod, *a):                   # the bottom layer's recompute starts
     if live.phase == "backward" and "bottom" not in seen:
         stream = [ph for ph, shape, dt in live.meta.values() if shape == (B, S, H) and dt == torch.bfloat16]
@@ -115,11 +123,15 @@ def _run(tmp_path, mode):
 
 @pytest.mark.slow
 def test_reentrant_checkpoint_around_a_frozen_fsdp1_unit_holds_inputs_and_gradients(tmp_path):
-    runs = {mode: _run(tmp_path, mode) for mode in ("reentrant", "inside", "nonreentrant")}
+    runs = {mode: _run(tmp_path, mode) for mode in ("reentrant", "inside", "nonreentrant", "applied")}
     for run in runs.values():  # every adapter trained in each (the embedding's output requires grad)
         assert run["adapter_grads"] == 2 * 2 * LAYERS
     # without the hold: the bottom layer's saved input, and the gradient it received
     assert runs["inside"]["bottom"] == runs["nonreentrant"]["bottom"] == [1, 1]
+    # torch's apply_activation_checkpointing run after wrapping puts the wrapper inside each unit, and the
+    # hold is there all the same (measured here; Answer.AI's fsdp_qlora and accelerate's
+    # fsdp_activation_checkpointing run it so): the estimate applies the term to both
+    assert runs["applied"]["bottom"] == runs["reentrant"]["bottom"]
     # with it: every layer's input, and the gradients of the inputs of all layers above the bottom
     assert runs["reentrant"]["bottom"] == [LAYERS, LAYERS - 1]
     # the estimate's term counts the same tensors (one layer's input each) beyond the normal bottom moment

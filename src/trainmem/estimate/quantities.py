@@ -4011,7 +4011,10 @@ def fsdp1_held_inputs(t: TrainingSpec) -> bool:
     the unit inputs with a ``grad_fn`` (no ``AccumulateGrad`` kept), and a flat parameter that requires
     grad registers no such hook; nor does a unit that runs the checkpoint inside its own forward
     (transformers 4.52 and later: ``tf_releases.checkpoint_wraps_unit``), whose inputs have a ``grad_fn``
-    too. Checked on a real CPU run (tests/test_fsdp1_reentrant.py); found by the
+    too. torch's ``apply_activation_checkpointing`` run after FSDP1 wrapping (a reentrant
+    ``CheckpointWrapper`` inside each unit: accelerate's ``fsdp_activation_checkpointing``, Answer.AI's
+    fsdp_qlora ``train.py`` L728-743 at 50efa1e) holds them all the same, measured on the same real run.
+    Checked on a real CPU run (tests/test_fsdp1_reentrant.py); found by the
     fms-acceleration Mistral-7B LoRA FSDP1 rows (-8.7 % / -10.0 % before)."""
     return (t.checkpoint_reentrant and t.fsdp is not None and t.fsdp_version == 1 and t.lora_rank > 0
             and t.fsdp_lora_units == "separate" and checkpoint_wraps_unit(t.transformers_release))
