@@ -109,7 +109,8 @@ def linear(S: NoGradSeq, L: NoGradLayer, name: str, x_tok: float, out: float) ->
     ``lora_A``'s (rank) output, freed when ``lora_B`` returns; ``lora_B``'s output, ``* scaling``,
     ``result + ...`` (promoted), each freeing the one before; ``result.to(torch_result_dtype)`` (a
     copy only where the sum was promoted). A 4-bit base layer dequantizes its weight first
-    (``dequantize_4bit``). Returns the output's index."""
+    (``dequantized``) and has peft's ``bnb.Linear4bit`` around it (``lora_4bit``). Returns the
+    output's index."""
     dq = dequantized(S, L, x_tok * out)
     res = S.make(out * L.half)                          # result = self.base_layer(x)
     S.free(dq)                                          # freed when MatMul4Bit.forward returns
@@ -117,7 +118,26 @@ def linear(S: NoGradSeq, L: NoGradLayer, name: str, x_tok: float, out: float) ->
     if not rank:
         return res
     ad = L.adapter or L.half
+    if L.quant[0]:
+        return lora_4bit(S, L, rank, x_tok, out, res)
     xc = S.make(x_tok * ad) if ad != L.half else None   # self._cast_input_dtype(x, lora_A.weight.dtype)
+    s = _adapter(S, L, rank, x_tok, out)                # lora_B(lora_A(dropout(x))) * scaling
+    total = S.make(out * max(ad, L.half))               # result + ...
+    S.free(s, res)
+    if max(ad, L.half) != L.half:
+        cast = S.make(out * L.half)                     # result.to(torch_result_dtype)
+        S.free(total)
+        total = cast
+    S.free(xc)
+    return total
+
+
+def _adapter(S: NoGradSeq, L: NoGradLayer, rank: int, x_tok: float, out: float) -> int:
+    """``lora_B(lora_A(dropout(x))) * scaling`` in the adapters' dtype on the (cast) input:
+    ``native_dropout``'s bool mask (made first and dropped at once) and its output, freed when
+    ``lora_A`` returns; ``lora_A``'s (rank) output, freed when ``lora_B`` returns; ``lora_B``'s
+    output, freed once ``* scaling`` is made. Returns the scaled output's index."""
+    ad = L.adapter or L.half
     dropped = None
     if L.lora_dropout > 0:
         S.free(S.make(x_tok * 1))                       # the dropout mask (bool), discarded
@@ -128,13 +148,30 @@ def linear(S: NoGradSeq, L: NoGradLayer, name: str, x_tok: float, out: float) ->
     S.free(a)
     s = S.make(out * ad)                                # ... * scaling
     S.free(b)
-    total = S.make(out * max(ad, L.half))               # result + ...
-    S.free(s, res)
-    if max(ad, L.half) != L.half:
-        cast = S.make(out * L.half)                     # result.to(torch_result_dtype)
-        S.free(total)
-        total = cast
-    S.free(xc)
+    return s
+
+
+def lora_4bit(S: NoGradSeq, L: NoGradLayer, rank: int, x_tok: float, out: float, res: int) -> int:
+    """peft's LoRA layer over a bitsandbytes 4-bit base (peft 0.21.2 ``tuners/lora/bnb.py``
+    ``Linear4bit.forward`` L513-565), after ``result = self.base_layer(x)`` (``res``):
+    ``result = result.clone()`` (L533, "we need to defensively clone here": the base output freed
+    as the name is rebound); outside autocast ``x`` cast to the adapters' dtype (L546, a copy where
+    it differs, a local until the forward returns); ``output = lora_B(lora_A(dropout(x))) *
+    scaling`` (L549, ``_adapter``) and, where the dtypes differ, ``output.to(expected_dtype)``
+    (L551, the first freed as ``output`` is rebound); ``result = result + output`` (L552) in the
+    base output's dtype, the clone freed, ``output`` a local until the forward returns. Returns the
+    output's index."""
+    ad = L.adapter or L.half
+    clone = S.make(out * L.half)                        # result.clone()
+    S.free(res)
+    xc = S.make(x_tok * ad) if ad != L.half else None   # self._cast_input_dtype(x, lora_A.weight.dtype)
+    s = _adapter(S, L, rank, x_tok, out)
+    if ad != L.half:
+        cast = S.make(out * L.half)                     # output.to(expected_dtype)
+        S.free(s)
+        s = cast
+    total = S.make(out * L.half)                        # result + output
+    S.free(clone, s, xc)
     return total
 
 
