@@ -1035,6 +1035,9 @@ class LayerKey:
     # the layer is transformers' own module (not torchtune's, torchtitan's, litgpt's... re-implementation,
     # spec.frameworks.OWN_MODEL_CODE): its checkpointed forward is written tensor by tensor (nograd.py)
     hf_code: bool = False
+    # 4-bit base weights: bitsandbytes' ``Linear4bit`` (not torchao's NF4), double-quantized (``*-dq``)
+    quant_bnb: bool = False
+    quant_nested: bool = False
 
 
 def ep_rank_rows(top_k: int, experts: int, ep: int, imbalance: float) -> float:
@@ -1124,6 +1127,7 @@ class LayerCoefs:
     # bytes per token and the events ("t" made, "fK" freed, "o" the output), for reserved._checkpointed
     nograd_temps: tuple[float, ...] = ()
     nograd_events: tuple[str, ...] = ()
+    nograd_const: tuple[float, ...] = ()  # ... and each one's bytes beside those (a dequantized 4-bit weight)
     adapters: int = 0  # LoRA: the layer's adapted linears (each a lora_A and a lora_B)
     fwd_scratch: float = 0.0  # torchao NF4: the largest dequantization peak (weight and scratch) before its matmul, bytes
 
@@ -1228,11 +1232,12 @@ def _nograd_sequence(k: LayerKey, pol: Policy, B: Builder, build: Any) -> dict:
     builds it in the plain case: no autocast (its per-call input and frozen-weight casts are not
     written there), a fused SDPA kernel (grouped keys copied to the query's heads where the release
     does, ``repeat-kv``), one sequence shard (no sequence or context parallelism), dense SwiGLU, HF's
-    RMSNorm, full-precision linears; else {} (the replay makes the layer's saved tensors at once,
-    ``reserved._checkpointed``)."""
+    RMSNorm, 16-bit or bitsandbytes 4-bit linears (``nograd.dequantized``; not torchao's NF4, whose
+    ``get_original_weight`` differs); else {} (the replay makes the layer's saved tensors at
+    once, ``reserved._checkpointed``)."""
     plain = (build is _llama_layer and k.hf_code and not pol.amp and not k.sp and k.ring == 1
              and not k.experts and not (k.liger or k.rms_norm_input or k.norm_fp32_product or k.qk_norm)
-             and not k.quant[0] and not k.kv_cache and k.attention_call in ("model", "repeat-kv")
+             and (k.quant_bnb or not k.quant[0]) and not k.kv_cache and k.attention_call in ("model", "repeat-kv")
              and k.attention != "eager")
     if not plain or B.sdpa(k.attention, k.head_dim, k.heads / k.tp, k.kv_heads / k.tp,
                            k.attention_dropout) not in ("flash", "efficient", "cudnn"):
@@ -1241,9 +1246,10 @@ def _nograd_sequence(k: LayerKey, pol: Policy, B: Builder, build: Any) -> dict:
     adapter = pol.weight if B.base_trains else (pol.half if k.lora_half else F32)
     L = NoGradLayer(k.h, k.q / t, k.kv / t, k.f / t, pol.stream, pol.half, pol.weight, dict(B.lora),
                     k.lora_dropout if B.lora else 0.0, adapter if B.lora else 0,
-                    k.heads != k.kv_heads and k.attention_call == "repeat-kv")
+                    k.heads != k.kv_heads and k.attention_call == "repeat-kv", k.quant[:2], k.quant_nested)
     S = nograd_llama(L)
-    return {"nograd_temps": tuple(S.sizes), "nograd_events": tuple(S.events)}
+    return {"nograd_temps": tuple(S.sizes), "nograd_events": tuple(S.events),
+            "nograd_const": tuple(S.consts) if any(S.consts) else ()}
 
 
 def op_checkpoint_kept(r: Recipe) -> list[T]:

@@ -20,7 +20,11 @@ L233-271, ``LlamaDecoderLayer.forward`` L286-316; ``integrations/sdpa_attention.
 ``sdpa_attention_forward`` L182-197 (the fused kernels write (b, s, heads, d): the final
 ``transpose(1, 2).contiguous()`` copies nothing); peft 0.21.2 ``tuners/lora/layer.py``
 ``Linear.forward`` L1074-1117. Tensors of one element per token or row (the norm's variance, the
-fused attention's logsumexp) are left out: a few KiB to 1 MiB, in the small pool."""
+fused attention's logsumexp) are left out: a few KiB to 1 MiB, in the small pool.
+
+A bitsandbytes 4-bit base linear (``Linear4bit``, ``NoGradLayer.quant``) also makes its weight
+dequantized, whose size is the weight's, not per token: each temporary has ``sizes`` bytes per token
+plus ``consts`` bytes (0 for all but those), the replay allocating ``sizes * tokens + consts``."""
 
 from __future__ import annotations
 
@@ -35,10 +39,12 @@ class NoGradSeq:
 
     sizes: list = field(default_factory=list)
     events: list = field(default_factory=list)
+    consts: list = field(default_factory=list)   # bytes of each beside its per-token ones
 
-    def make(self, nbytes_tok: float) -> int:
-        """A new temporary of ``nbytes_tok`` bytes per token; returns its index."""
+    def make(self, nbytes_tok: float, nbytes: float = 0.0) -> int:
+        """A new temporary of ``nbytes_tok`` bytes per token plus ``nbytes``; returns its index."""
         self.sizes.append(float(nbytes_tok))
+        self.consts.append(float(nbytes))
         self.events.append("t")
         return len(self.sizes) - 1
 
@@ -65,6 +71,11 @@ class NoGradLayer:
     lora_dropout: float = 0.0
     adapter: int = 0     # the adapters' dtype, bytes (peft ``_cast_input_dtype`` casts x to it)
     repeat_kv: bool = False  # grouped keys and values copied to the query's heads before SDPA
+    # bitsandbytes 4-bit base linears: bytes per element of the dequantized weight (the quant state's
+    # dtype) and of its cast to the compute dtype (0: none), LayerKey.quant; ``nested``: double
+    # quantization (the fp32 absmax dequantized first)
+    quant: tuple = (0, 0)
+    nested: bool = False
 
 
 def _rank(L: NoGradLayer, name: str) -> int:
@@ -97,13 +108,36 @@ def linear(S: NoGradSeq, L: NoGradLayer, name: str, x_tok: float, out: float) ->
     at once: ``at::dropout`` keeps the output only) and its output, freed when ``lora_A`` returns;
     ``lora_A``'s (rank) output, freed when ``lora_B`` returns; ``lora_B``'s output, ``* scaling``,
     ``result + ...`` (promoted), each freeing the one before; ``result.to(torch_result_dtype)`` (a
-    copy only where the sum was promoted). Returns the output's index."""
+    copy only where the sum was promoted). A 4-bit base layer dequantizes its weight first
+    (``dequantized``) and has peft's ``bnb.Linear4bit`` around it (``lora_4bit``). Returns the
+    output's index."""
+    dq = dequantized(S, L, x_tok * out)
     res = S.make(out * L.half)                          # result = self.base_layer(x)
+    S.free(dq)                                          # freed when MatMul4Bit.forward returns
     rank = _rank(L, name)
     if not rank:
         return res
     ad = L.adapter or L.half
+    if L.quant[0]:
+        return lora_4bit(S, L, rank, x_tok, out, res)
     xc = S.make(x_tok * ad) if ad != L.half else None   # self._cast_input_dtype(x, lora_A.weight.dtype)
+    s = _adapter(S, L, rank, x_tok, out)                # lora_B(lora_A(dropout(x))) * scaling
+    total = S.make(out * max(ad, L.half))               # result + ...
+    S.free(s, res)
+    if max(ad, L.half) != L.half:
+        cast = S.make(out * L.half)                     # result.to(torch_result_dtype)
+        S.free(total)
+        total = cast
+    S.free(xc)
+    return total
+
+
+def _adapter(S: NoGradSeq, L: NoGradLayer, rank: int, x_tok: float, out: float) -> int:
+    """``lora_B(lora_A(dropout(x))) * scaling`` in the adapters' dtype on the (cast) input:
+    ``native_dropout``'s bool mask (made first and dropped at once) and its output, freed when
+    ``lora_A`` returns; ``lora_A``'s (rank) output, freed when ``lora_B`` returns; ``lora_B``'s
+    output, freed once ``* scaling`` is made. Returns the scaled output's index."""
+    ad = L.adapter or L.half
     dropped = None
     if L.lora_dropout > 0:
         S.free(S.make(x_tok * 1))                       # the dropout mask (bool), discarded
@@ -114,14 +148,55 @@ def linear(S: NoGradSeq, L: NoGradLayer, name: str, x_tok: float, out: float) ->
     S.free(a)
     s = S.make(out * ad)                                # ... * scaling
     S.free(b)
-    total = S.make(out * max(ad, L.half))               # result + ...
-    S.free(s, res)
-    if max(ad, L.half) != L.half:
-        cast = S.make(out * L.half)                     # result.to(torch_result_dtype)
-        S.free(total)
-        total = cast
-    S.free(xc)
+    return s
+
+
+def lora_4bit(S: NoGradSeq, L: NoGradLayer, rank: int, x_tok: float, out: float, res: int) -> int:
+    """peft's LoRA layer over a bitsandbytes 4-bit base (peft 0.21.2 ``tuners/lora/bnb.py``
+    ``Linear4bit.forward`` L513-565), after ``result = self.base_layer(x)`` (``res``):
+    ``result = result.clone()`` (L533, "we need to defensively clone here": the base output freed
+    as the name is rebound); outside autocast ``x`` cast to the adapters' dtype (L546, a copy where
+    it differs, a local until the forward returns); ``output = lora_B(lora_A(dropout(x))) *
+    scaling`` (L549, ``_adapter``) and, where the dtypes differ, ``output.to(expected_dtype)``
+    (L551, the first freed as ``output`` is rebound); ``result = result + output`` (L552) in the
+    base output's dtype, the clone freed, ``output`` a local until the forward returns. Returns the
+    output's index."""
+    ad = L.adapter or L.half
+    clone = S.make(out * L.half)                        # result.clone()
+    S.free(res)
+    xc = S.make(x_tok * ad) if ad != L.half else None   # self._cast_input_dtype(x, lora_A.weight.dtype)
+    s = _adapter(S, L, rank, x_tok, out)
+    if ad != L.half:
+        cast = S.make(out * L.half)                     # output.to(expected_dtype)
+        S.free(s)
+        s = cast
+    total = S.make(out * L.half)                        # result + output
+    S.free(clone, s, xc)
     return total
+
+
+def dequantized(S: NoGradSeq, L: NoGradLayer, w: float) -> int | None:
+    """A bitsandbytes 4-bit base weight of ``w`` elements in ``Linear4bit.forward`` -> ``matmul_4bit``
+    -> ``MatMul4Bit.forward`` (bitsandbytes 0.43.3 ``nn/modules.py`` L451-481, ``autograd/_functions.py``
+    L559-579 and L493-520): ``F.linear(A, F.dequantize_4bit(B, quant_state).to(A.dtype).t(), bias)``
+    (L509). ``dequantize_4bit`` (``functional.py`` L1291-1425): with double quantization the fp32
+    absmax, one per 64-element block (``dequantize_blockwise``, L1346-1350), then ``out`` (L1353, the
+    quant state's dtype), the absmax freed as it returns; ``.to(A.dtype)`` a copy only where the
+    dtypes differ, the uncast one freed as ``.to`` returns (a temporary of the expression). What is
+    left lives until ``F.linear`` has made the output (freed by the caller, ``linear``); under
+    no_grad nothing is saved (``ctx.tensors`` dies with the unattached node). Weight-sized: all in
+    ``consts``. Returns the index of the weight the matmul reads, None for a 16-bit base."""
+    dq_bytes, cast_bytes = L.quant
+    if not dq_bytes:
+        return None
+    absmax = S.make(0.0, w / 64 * F32) if L.nested else None  # fp32 per 64-element block
+    dq = S.make(0.0, w * dq_bytes)                      # torch.empty(quant_state.shape, quant_state.dtype)
+    S.free(absmax)
+    if cast_bytes:
+        cast = S.make(0.0, w * cast_bytes)              # .to(A.dtype)
+        S.free(dq)
+        dq = cast
+    return dq
 
 
 def rotary(S: NoGradSeq, L: NoGradLayer, width: float) -> int:

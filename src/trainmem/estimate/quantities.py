@@ -440,7 +440,9 @@ def layer_key(m: ModelSpec, t: TrainingSpec) -> LayerKey:
                     qk_norm=m.qk_norm, rms_norm_input=t.rms_norm == "input", liger=t.liger,
                     unsloth=t.unsloth_kernels, expert_loop=bool(m.num_experts) and moe_expert_loop(m, release),
                     norm_fp32_product=torchtune_norm_saves_fp32(m, t), manual_layernorm=m.manual_layernorm,
-                    separate_qkv=m.separate_qkv, hf_code=t.extra.get("framework") not in OWN_MODEL_CODE)
+                    separate_qkv=m.separate_qkv, quant_nested=bool(t.quantize) and t.quantize.endswith("-dq"),
+                    quant_bnb=bool(t.quantize) and t.quantize_via != "torchao",
+                    hf_code=t.extra.get("framework") not in OWN_MODEL_CODE)
 
 
 def release_attention_call(m: ModelSpec, t: TrainingSpec) -> str:

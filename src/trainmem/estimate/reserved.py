@@ -440,7 +440,8 @@ def _layer_parts(q: Quantities, n: int, nsq: int) -> _Parts:
                   [int(a * n + b * nsq) for a, b in lc.fwd_free],
                   [int(a * n + b * nsq) for a, b in lc.op_tensors],
                   [int(a * n + b * nsq) for a, b in lc.fwd_temps], lc.fwd_events,
-                  [int(a * n) for a in lc.nograd_temps], lc.nograd_events, whole=bool(lc.tensors))
+                  [int(a * n + c) for a, c in zip(lc.nograd_temps, lc.nograd_const or [0.0] * len(lc.nograd_temps))],
+                  lc.nograd_events, whole=bool(lc.tensors))
 
 
 @dataclass
