@@ -303,8 +303,9 @@ def test_hf_trainer_qlora_runs_the_kbit_prepared_model():
 
 
 # ----- litgpt ---------------------------------------------------------------------------------------------
-#: what a litgpt user gives on the command line: the rest is the preset's
-LITGPT_GIVEN = ("batch_size", "seq_len", "grad_accum", "lora_rank", "lora_targets", "gpu")
+#: what a litgpt user gives on the command line (later_seq_len: their data's later micro-batches); the
+#: rest is the preset's
+LITGPT_GIVEN = ("batch_size", "seq_len", "later_seq_len", "grad_accum", "lora_rank", "lora_targets", "gpu")
 
 
 def _litgpt_fixtures():
