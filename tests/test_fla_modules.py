@@ -17,18 +17,10 @@ from trainmem.spec.kernel_paths import reference_path_note
 
 warnings.filterwarnings("ignore")
 
-#: Qwen3.5's text model at a small size (hidden 128, 4 layers: three linear-attention and one full; 2 key
-#: heads, 4 value heads: fla's grouped value heads)
-QWEN35 = dict(model_type="qwen3_5_text", architectures=["Qwen3_5ForCausalLM"], hidden_size=128,
-              num_hidden_layers=4, vocab_size=1000, intermediate_size=256, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
-              linear_key_head_dim=32, linear_value_head_dim=32)
-#: Qwen3-Next at a small size (hidden 256, 4 layers, 4 experts; as tests/test_pointderive.py's)
-QWEN3_NEXT = dict(model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"], hidden_size=256,
-                  num_hidden_layers=4, vocab_size=1000, intermediate_size=512, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
-                  linear_key_head_dim=64, linear_value_head_dim=64, num_experts=4, num_experts_per_tok=2,
-                  moe_intermediate_size=256, shared_expert_intermediate_size=256)
+#: Qwen3.5's text model (hidden 128, 4 layers: three linear-attention and one full; 2 key heads, 4 value heads:
+#: fla's grouped value heads) and Qwen3-Next (hidden 256, 4 layers, 4 experts) at small sizes, as the
+#: point-derivation tests build them
+from test_pointderive import QWEN35, QWEN3_NEXT  # noqa: E402
 SETUP = dict(batch_size=2, seq_len=512, precision="bf16-amp")
 
 
