@@ -19,7 +19,7 @@ import contextlib
 import importlib.util
 import types
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -403,6 +403,13 @@ def make_optimizer(t: TrainingSpec, params: list[torch.nn.Parameter], lr: float 
     return opt
 
 
+@contextlib.contextmanager
+def _both(first: Any, second: Any) -> Iterator[None]:
+    """Two context managers entered in order, as one."""
+    with first, second:
+        yield
+
+
 class TrainStep:
     """The training step trainmem writes for a transformers model (like the loops of the published measurements).
 
@@ -552,10 +559,7 @@ class TrainStep:
         from . import fla_modules, mamba_kernels
         if self.what != "trace":
             return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        stack.enter_context(mamba_kernels.swap(self.model, self.training))
-        stack.enter_context(fla_modules.fused_mixers(self.training))
-        return stack
+        return _both(mamba_kernels.swap(self.model, self.training), fla_modules.fused_mixers(self.training))
 
     def __call__(self, i: int) -> None:
         from . import liger_modules, torchtitan_modules
