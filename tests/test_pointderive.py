@@ -120,3 +120,11 @@ def test_layout_grids_derive_a_few_points_and_refuse_more():
     many = np.arange(2, 3 + derived.POINT_LIMIT)
     with pytest.raises(trainmem.TrainmemError, match="fit and plan: .*not polynomial"):
         estimate_layouts(r.model, r.training, batch_size=many)
+
+
+def test_a_second_estimate_says_what_the_first_said():
+    """The notes of a setup are kept once per key: the point-derivation line was added to the first report
+    only (the stored tuple lacked it), so a second estimate of the same setup dropped it."""
+    first, second = (trainmem.estimate(QWEN35, batch_size=2, seq_len=256, precision="bf16-amp") for _ in range(2))
+    assert [w for w in first.warnings if "not polynomial" in w]
+    assert first.warnings == second.warnings

@@ -937,10 +937,11 @@ def notes(m: ModelSpec, t: TrainingSpec) -> list[str]:
     point = point_at(m, t)
     k = (m, key(m, t), t.attention, point, t.mixer_kernels)  # (a skipped fused path shares the key, not the note)
     hit = _NOTES.get(k)
-    if hit is None:
-        hit = _NOTES[k] = _notes(m, _doc(m, t), t.attention, _canonical(t, m))
+    if hit is None:  # (stored whole: a second estimate of the setup says what the first said)
+        hit = _notes(m, _doc(m, t), t.attention, _canonical(t, m))
         if point:
             hit += (point_note(m, point_quantity(m, t), _doc(m, t)),)
+        _NOTES[k] = hit
     return list(hit)
 
 
