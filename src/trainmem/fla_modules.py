@@ -54,6 +54,7 @@ import torch
 from .errors import TrainmemError
 from .spec import TrainingSpec
 from .spec.kernel_paths import FUSED_MODULES
+from .swaps import swapped
 
 #: fla's chunk length (``chunk_gated_delta_rule``'s ``chunk_size`` default, chunk.py L534)
 CHUNK = 64
@@ -190,11 +191,5 @@ def fused_mixers(t: TrainingSpec) -> Iterator[None]:
         return
     swaps = {"torch_chunk_gated_delta_rule": chunk_gated_delta_rule, "causal_conv1d_fn": causal_conv1d_fn}
     modules = [importlib.import_module(f"transformers.models.{n}.modeling_{n}") for n in sorted(set(FUSED_MODULES.values()))]
-    saved = [(mod, name, getattr(mod, name)) for mod in modules for name in swaps]
-    try:
-        for mod, name, _ in saved:
-            setattr(mod, name, swaps[name])
+    with swapped({(mod, name): fn for mod in modules for name, fn in swaps.items()}):
         yield
-    finally:
-        for mod, name, old in saved:
-            setattr(mod, name, old)

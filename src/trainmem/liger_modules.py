@@ -34,7 +34,6 @@ step only.
 from __future__ import annotations
 
 import contextlib
-import sys
 import types
 from typing import Any, Iterator
 
@@ -44,6 +43,7 @@ from torch import nn
 
 from .errors import TrainmemError
 from .spec import TrainingSpec
+from .swaps import model_files, swapped
 
 IGNORE_INDEX = -100
 
@@ -226,13 +226,6 @@ def rope(model: nn.Module, t: TrainingSpec) -> Iterator[None]:
     if not t.liger:
         yield
         return
-    files = {sys.modules[type(m).__module__] for m in model.modules()
-             if hasattr(sys.modules.get(type(m).__module__), "apply_rotary_pos_emb")}
-    saved = {f: f.apply_rotary_pos_emb for f in files}
-    try:
-        for f in files:
-            f.apply_rotary_pos_emb = rotary_pos_emb
+    files = model_files(model, ("apply_rotary_pos_emb",))
+    with swapped({(f, "apply_rotary_pos_emb"): rotary_pos_emb for f in files}):
         yield
-    finally:
-        for f, fn in saved.items():
-            f.apply_rotary_pos_emb = fn

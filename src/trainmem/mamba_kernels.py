@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 from typing import Any, Iterator
 
 import torch
@@ -46,7 +45,7 @@ from torch import nn
 
 from .errors import TrainmemError
 from .spec import TrainingSpec
-from .spec.kernel_paths import FUSED_FUNCTIONS
+from .swaps import model_files, swapped
 
 #: selective_scan_cuda's chunk of the sequence whose last state it keeps (selective_scan.cpp L307)
 SCAN_CHUNK = 2048
@@ -602,13 +601,6 @@ def swap(model: nn.Module, t: TrainingSpec) -> Iterator[None]:
     if t.mixer_kernels != "fused":
         yield
         return
-    files = {sys.modules[type(m).__module__] for m in model.modules()
-             if any(hasattr(sys.modules.get(type(m).__module__), name) for name in EMULATIONS)}
-    saved = {(f, name): getattr(f, name) for f in files for name in EMULATIONS if hasattr(f, name)}
-    try:
-        for (f, name) in saved:
-            setattr(f, name, EMULATIONS[name])
+    files = model_files(model, EMULATIONS)
+    with swapped({(f, name): EMULATIONS[name] for f in files for name in EMULATIONS if hasattr(f, name)}):
         yield
-    finally:
-        for (f, name), fn in saved.items():
-            setattr(f, name, fn)

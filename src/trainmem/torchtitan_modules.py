@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from .spec import TrainingSpec
+from .swaps import swapped
 
 #: the modeling file whose rotary function torchtitan's replaces (its Llama's)
 LLAMA_MODELING = "transformers.models.llama.modeling_llama"
@@ -88,10 +89,9 @@ def rope(model: nn.Module, t: TrainingSpec) -> Iterator[None]:
     if t.extra.get("framework") != "torchtitan" or t.liger or not uses:
         yield
         return
-    saved, cache = f.apply_rotary_pos_emb, {}
+    cache: dict = {}
     try:
-        f.apply_rotary_pos_emb = rotary(cache)
-        yield
+        with swapped({(f, "apply_rotary_pos_emb"): rotary(cache)}):
+            yield
     finally:
-        f.apply_rotary_pos_emb = saved
         cache.clear()

@@ -404,9 +404,13 @@ def make_optimizer(t: TrainingSpec, params: list[torch.nn.Parameter], lr: float 
 
 
 @contextlib.contextmanager
-def _both(first: Any, second: Any) -> Iterator[None]:
-    """Two context managers entered in order, as one."""
-    with first, second:
+def emulated_mixers(model: torch.nn.Module, t: TrainingSpec) -> Iterator[None]:
+    """``--mixer-kernels fused`` on fake tensors: mamba-ssm's fused mixer Functions (``mamba_kernels.swap``)
+    and flash-linear-attention's and causal-conv1d's (``fla_modules.fused_mixers``) emulated in place of the
+    modeling files' while the block runs (each a no-op under "reference"): a trace's step
+    (``TrainStep.mixer_kernels``) and the derivation's (``trace.derive._measure``)."""
+    from . import fla_modules, mamba_kernels
+    with mamba_kernels.swap(model, t), fla_modules.fused_mixers(t):
         yield
 
 
@@ -552,14 +556,10 @@ class TrainStep:
         return contextlib.nullcontext() if self.emulated else litgpt_modules.attention_call(self.training)
 
     def mixer_kernels(self) -> Any:
-        """``--mixer-kernels fused`` in a trace: mamba-ssm's fused mixer Functions (``mamba_kernels.swap``) and
-        flash-linear-attention's and causal-conv1d's (``fla_modules.fused_mixers``) emulated in place of the
-        modeling files', around the whole step, so that a checkpoint's recomputed forward calls them too; on a
-        real GPU the installed packages decide (``measure`` checks them)."""
-        from . import fla_modules, mamba_kernels
-        if self.what != "trace":
-            return contextlib.nullcontext()
-        return _both(mamba_kernels.swap(self.model, self.training), fla_modules.fused_mixers(self.training))
+        """``--mixer-kernels fused`` in a trace: the packages' mixer Functions emulated (``emulated_mixers``)
+        around the whole step, so that a checkpoint's recomputed forward calls them too; on a real GPU the
+        installed packages decide (``measure`` checks them)."""
+        return emulated_mixers(self.model, self.training) if self.what == "trace" else contextlib.nullcontext()
 
     def __call__(self, i: int) -> None:
         from . import liger_modules, torchtitan_modules

@@ -46,15 +46,14 @@ from typing import Any
 import torch
 
 from ..errors import TrainmemError
-from ..fla_modules import fused_mixers
 from ..progress import progress
 from ..spec import ModelSpec, TrainingSpec
 from ..spec.profile import build_profile, layer_stacks, layers_list
 from ..spec.vision import VISION_SIDE, VLM_TYPES, min_seq_len, vision_inputs
 from ..estimate.derived import checkpointed, scan_chunk, sliding_window, top_forward_measured
 from ..estimate.quantities import is_lm
-from ..workload import (apply_lora, apply_quantization, attention_implementation, freeze_vision_tower, hf_factory,
-                        model_batch, unwrapped)
+from ..workload import (apply_lora, apply_quantization, attention_implementation, emulated_mixers, freeze_vision_tower,
+                        hf_factory, model_batch, unwrapped)
 
 #: relative error a fitted quantity may show on the held-out point (plus DERIVE_SLACK bytes)
 DERIVE_TOLERANCE = 0.005
@@ -652,7 +651,6 @@ def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpe
     every layer checkpointed, as ``workload.TrainStep`` enables it for ``--recompute full``; ``vision_ckpt``:
     a VLM's vision tower's blocks alone, ``_checkpoint_vision``)."""
     from .api import _device, _load_to_device
-    from .. import mamba_kernels
     small = replace(m, num_layers=len(kinds), config=cfg, decoder_layers=len(kinds) // 2 if m.decoder_layers else 0)
     dev = _device(True, None, t, False, None, None, None, None, False)
     tracker = dev.tracker
@@ -678,8 +676,8 @@ def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpe
             _first_input(tracker, first_in), with_kwargs=True))
         vision_in: list[Any] = []  # a VLM's vision tower's tensor inputs (``_tower_inputs``)
         hooks += _tower_inputs(model, tracker, vision_in) if m.is_vlm else []
-        try:  # (--mixer-kernels fused: the packages' mixer Functions, emulated as TrainStep.mixer_kernels runs them)
-            with tracker, tracker.hooks(), mamba_kernels.swap(model, t), fused_mixers(t):
+        try:  # (--mixer-kernels fused: the packages' mixer Functions, emulated as in a trace's step)
+            with tracker, tracker.hooks(), emulated_mixers(model, t):
                 model.train()
                 tracker.begin_step(1)
                 batch = model_batch(small, t, "cuda")  # ids and labels; an image model's pixel values
