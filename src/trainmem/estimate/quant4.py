@@ -119,7 +119,7 @@ def fsdp_packed_bytes(numel: int, t: Any) -> int:
     ``Params4bit._quantize``, ``nn/modules.py`` L278-292), whole on every rank (fsdp_qlora's
     ``load_and_quantize`` quantizes each weight on every rank, then moves only the codes to the CPU or
     meta device), and ``Linear4bit.forward`` re-attaches it to the gathered view (L405-416)."""
-    storage = {"fp32": 4, "bf16": 2, "fp16": 2}["fp32" if t.weight_bytes == 4 else "bf16"]
+    storage = 4 if t.weight_bytes == 4 else 2  # bytes of one quant_storage element (fp32, or bf16/fp16)
     return (numel + 1) // (storage * 2) * storage
 
 

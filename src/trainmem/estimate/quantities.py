@@ -3944,7 +3944,7 @@ def _fsdp1_fields(t: TrainingSpec, st: States, lc: LayerCoefs) -> dict[str, int]
     gradient waits for ``SplitWithSizesBackward``'s cat at the embedding's backward
     (``fsdp1_flat_gradient``), also when it will be added to an accumulated .grad (no_sync). Found
     by the sampled grid: Mistral FSDP1 --grad-sync step, 2 micro-batches, -9.4% before."""
-    one = t.fsdp_version == 1
+    one, unprefetched = t.fsdp_version == 1, fsdp1_unprefetched(t, lc)
     return {"fsdp1_post": fsdp1_post_backward(t, st) if one else 0,
             "fsdp1_head_wait": st.head_grads_full if one else 0,
             "fsdp1_flat": fsdp1_flat_gradient(st) if one else 0,
@@ -3952,8 +3952,8 @@ def _fsdp1_fields(t: TrainingSpec, st: States, lc: LayerCoefs) -> dict[str, int]
             "fsdp1_root_flat": fsdp1_root_flat_gradient(st) if one else 0,
             "fsdp1_emb_units": st.emb_units_full if one else 0,
             "fsdp1_root_post": fsdp1_root_post_backward(t, st) if one else 0,
-            "fsdp1_unprefetched": fsdp1_unprefetched(t, lc), "fsdp1_held_inputs": int(fsdp1_held_inputs(t)),
-            "fsdp1_adapter_units": 2 * lc.adapters if fsdp1_unprefetched(t, lc) >= 0 else 0,
+            "fsdp1_unprefetched": unprefetched, "fsdp1_held_inputs": int(fsdp1_held_inputs(t)),
+            "fsdp1_adapter_units": 2 * lc.adapters if unprefetched >= 0 else 0,
             "fsdp1_init": fsdp1_lazy_init(t, st) if one else (),
             "fsdp1_host_shards": t.shard_group if one and t.fsdp_offload_params else 0}
 

@@ -1442,7 +1442,6 @@ class TrainingSpec:
         """``--mixer-kernels fused`` is modelled eagerly (fla's Function is ``torch.compiler.disable``d:
         chunk.py L396 at v0.5.2; inductor's partition around the packages' Functions is not modelled), on
         transformers 5.24's modeling files."""
-        _choice("mixer-kernels", self.mixer_kernels, MIXER_KERNELS)
         if self.mixer_kernels == "fused" and self.compile:
             raise TrainmemError("--mixer-kernels fused is modelled in eager steps; drop --compile or --mixer-kernels")
         # earlier 5.x modeling files imported fla's functions directly and swapped the gated RMSNorm for fla's
