@@ -29,12 +29,12 @@ from functools import lru_cache
 from typing import Any
 
 from ..errors import TrainmemError
-from ..spec.kernel_paths import CACHE_IN_TRAINING, fused_releases, reference_path_note
+from ..spec.kernel_paths import fused_releases, reference_path_note
 from ..spec.model import ModelSpec
 from ..spec.profile import read_cached, write_cached
 from ..spec.tf_releases import (DERIVED_TYPES, cache_values_own_dtype, code_release, kv_cache_kind, parse_transformers_version,
                                 sdpa_ignores_softcap)
-from ..spec.training import TrainingSpec, config_use_cache
+from ..spec.training import TrainingSpec, fused_skipped, without_cache
 from .layers import LayerCoefs
 
 COEF_VERSION = 17  # (quantized setups have keys of their own: ``key``)
@@ -490,23 +490,6 @@ def _moment_base_at(doc: dict[str, Any], name: str, extra: Any) -> tuple[float, 
             n, nsq, pos = n + c * v["tok"], nsq + c * v["sq"], pos + c * v["pos"]
             ssq += c * doc["ssq"][f"kind.{k}"]
     return n, nsq, pos, ssq
-
-
-def fused_skipped(m: ModelSpec, t: TrainingSpec) -> bool:
-    """Whether ``--mixer-kernels fused`` leaves ``m``'s mixers on their reference path all the same: a hybrid
-    whose model builds its cache in training (``spec.kernel_paths.CACHE_IN_TRAINING``, ``use_cache`` on:
-    not ``without_cache``)."""
-    return t.mixer_kernels == "fused" and m.model_type in CACHE_IN_TRAINING and not without_cache(t, m)
-
-
-def without_cache(t: TrainingSpec, m: ModelSpec | None = None) -> bool:
-    """Whether the run builds no KV cache: transformers turns ``use_cache`` off under gradient
-    checkpointing (``merge_with_config_defaults``), pipeline-parallel loops (torchtitan,
-    Megatron) run the layers without one (``quantities.kv_cache`` for the hand families), and a
-    decoder-only config with ``use_cache`` false (``--set use_cache=false``, or ``--use-cache false``) builds none. The
-    profile's fingerprint leaves ``use_cache`` out, so this is what tells the two derivations apart."""
-    off = m is not None and not m.is_encoder_decoder and not config_use_cache(m.config, t)
-    return t.recompute == "full" or t.pp > 1 or off
 
 
 def checkpointed(m: ModelSpec, t: TrainingSpec) -> bool:

@@ -12,7 +12,7 @@ from ..errors import TrainmemError
 from .galore import (ADAFACTOR_LAYERWISE, LOWRANK_OPTIMIZERS, is_target, parse_optim_args,
                      target_modules)
 from .hardware import parse_cublas_workspace_config
-from .kernel_paths import MIXER_KERNELS, fused_path_problem
+from .kernel_paths import CACHE_IN_TRAINING, MIXER_KERNELS, fused_path_problem
 from .layout import layout_problems, stage_layers
 from .preference import preference_problem
 from .releases import (SDPA_ATTENTION, foreach_adam_denom_copy, fsdp2_rs_on_default_stream, math_sdpa_upcasts,
@@ -274,6 +274,23 @@ def config_use_cache(config: Any, t: "TrainingSpec") -> bool:
     """``config.use_cache`` as the run sets it: ``--use-cache`` (a framework whose own model code has
     no cache sets it false), else the model config's (transformers' default True)."""
     return t.use_cache if t.use_cache is not None else bool((config or {}).get("use_cache", True))
+
+
+def fused_skipped(m: Any, t: "TrainingSpec") -> bool:
+    """Whether ``--mixer-kernels fused`` leaves ``m``'s mixers on their reference path all the same: a hybrid
+    whose model builds its cache in training (``kernel_paths.CACHE_IN_TRAINING``, ``use_cache`` on:
+    not ``without_cache``)."""
+    return t.mixer_kernels == "fused" and m.model_type in CACHE_IN_TRAINING and not without_cache(t, m)
+
+
+def without_cache(t: "TrainingSpec", m: Any = None) -> bool:
+    """Whether the run builds no KV cache: transformers turns ``use_cache`` off under gradient
+    checkpointing (``merge_with_config_defaults``), pipeline-parallel loops (torchtitan,
+    Megatron) run the layers without one (``quantities.kv_cache`` for the hand families), and a
+    decoder-only config with ``use_cache`` false (``--set use_cache=false``, or ``--use-cache false``) builds none. The
+    profile's fingerprint leaves ``use_cache`` out, so this is what tells the two derivations apart."""
+    off = m is not None and not m.is_encoder_decoder and not config_use_cache(m.config, t)
+    return t.recompute == "full" or t.pp > 1 or off
 
 
 def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:

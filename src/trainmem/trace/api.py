@@ -23,7 +23,7 @@ from ..report import Component, MemoryReport, Phase
 from ..spec import Hardware, ModelSpec, TrainingSpec
 from ..spec.config import input_notes
 from ..spec.kernel_paths import reference_path_note
-from ..spec.training import report_warnings
+from ..spec.training import fused_skipped, report_warnings
 from ..progress import progress
 from ..spec.resolve import TRAINING_FIELDS, Resolved, resolve, resolve_setup
 from ..allocator import CachingAllocator, ExactAllocator, SimulatedOutOfMemory
@@ -139,7 +139,6 @@ def _add_notes(report: MemoryReport, spec: ModelSpec | None, t: TrainingSpec, op
     path of a state-space or linear-attention mixer (``spec.kernel_paths``), and that a user step
     function decides the training options."""
     if spec is not None:
-        from ..estimate.derived import fused_skipped
         mixer = reference_path_note(spec.model_type, t.mixer_kernels, fused_skipped(spec, t))
         for note in (_attention_implementation(spec, t)[1], mixer):
             if note:

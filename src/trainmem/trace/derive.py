@@ -98,7 +98,7 @@ def derive_coefficients(m: ModelSpec, t: TrainingSpec, regime: str = "", batch1:
     batch 1 alone (``batch1_points``), in the same format (``batch: 1``); see ``BATCH1_TERMS``. ``point``:
     (batch, sequence): one trace there, for a model not polynomial in them (``NotPolynomial``), each
     quantity's bytes over b*s its per-token term (``_fitted``, ``_point_candidates``)."""
-    no_cache = t.recompute == "full"  # estimate.derived.without_cache: derive with use_cache off
+    no_cache = t.recompute == "full"  # spec.training.without_cache: derive with use_cache off
     # an encoder-decoder under full recompute is traced with its layers checkpointed (``checkpointed``)
     ckpt = checkpointed(m, t)
     base = replace(t, recompute="none", recompute_every=1, grad_accum=1, hold_output="loss", loss="upcast",
