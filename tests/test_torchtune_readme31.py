@@ -9,6 +9,10 @@ Llama 3.1; validation/published/torchtune_readme31_*.json): what its two largest
   (``trace/cuda_kernels.py``). Checked here on plain tensors, where ``InputBuffer::accumulate`` takes
   CUDA's path (``torch/csrc/autograd/input_buffer.cpp``; only stream handling is device-specific): the
   first add is out of place, the later ones in place. So the three gradients are eager CUDA's too.
+  What did move it (+6.2 % -> +5.1 %): the run's bitsandbytes was 0.43.3 (0.44.0's release commit is
+  dated the day the table was merged), whose 8-bit states keep one fp32 ``absmax`` per 2048 elements,
+  not 256 (``Optimizer2State.init_state`` L458-461 at 0.43.3); PagedAdamW8bit pages the uint8 states,
+  not ``absmax``, so those are the optimizer's only device bytes besides the small tensors'.
 * Llama-3.1-70B LoRA on 8 A100s (estimate +10.8 %): under the fixture's mapping (FSDP2 over 8 ranks,
   2 x 2048 packed tokens, every layer checkpointed) four terms that do not depend on any modelling
   choice already exceed the published 27.6 GiB at the first layer's backward: the bf16 shards, the
@@ -18,6 +22,7 @@ Llama 3.1; validation/published/torchtune_readme31_*.json): what its two largest
   80 checkpointed layer inputs. The figure belongs to some other setup (docs/validation.md,
   2026-11-25, sixteenth session)."""
 import json
+import math
 import os
 
 import torch
@@ -66,6 +71,26 @@ def test_the_estimate_counts_those_three_gradients_for_the_8b_row():
     q = quantities(r.model, r.training, "worst")
     head = next(p for p in r.model.parameter_tensors() if p.layer is None and p.role == "linear")
     assert q.chunk_head_grads >= 3 * head.numel * 2                 # bf16 (vocab, hidden), block-rounded
+
+
+def _states(report) -> int:
+    return next(c.bytes for c in report.components if c.name == "optimizer_states")
+
+
+def test_the_8b_full_row_keeps_bitsandbytes_0433_absmax_blocks():
+    """PagedAdamW8bit under bitsandbytes 0.43.3 (the fixture's release) against 0.44.1: every tensor of
+    at least 4096 elements has two fp32 absmax tensors of ceil(n / 2048) entries, not ceil(n / 256)
+    (``optim/optimizer.py`` ``Optimizer2State.init_state``: ``blocks = n // 2048`` L458 at 0.43.3,
+    ``n // 256`` L480 at 0.44.0); each is one allocation, rounded up to 512 B by the caching allocator."""
+    fx = _fixture("torchtune_readme31_llama31_8b_full_4090")
+    assert fx["setup"]["bitsandbytes_version"] == "0.43.3"
+    old = trainmem.estimate(fx["model"], **fx["setup"])
+    new = trainmem.estimate(fx["model"], **dict(fx["setup"], bitsandbytes_version="0.44.1"))
+    r = resolve(fx["model"], **fx["setup"])
+    big = [p.numel for p in r.model.parameter_tensors() if p.numel >= 4096]
+    fewer = sum(2 * 4 * (math.ceil(n / 256) - math.ceil(n / 2048)) for n in big)   # fp32 (blocks,) x 2
+    assert abs(_states(new) - _states(old) - fewer) <= 2 * 512 * len(big)
+    assert new.peak_allocated - old.peak_allocated >= fewer - 2 * 512 * len(big)
 
 
 def _fsdp2_floor(fx) -> int:
