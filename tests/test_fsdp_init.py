@@ -2,13 +2,16 @@
 (``--fsdp-sync-module-states``, ``estimate.fsdp_init``): each unit's parameters moved to the GPU one by
 one, broadcast in 250 MiB buckets (two in flight), flattened into one tensor and sharded (torch 2.13
 ``distributed/fsdp/_init_utils.py`` L563-672, ``_flat_param.py`` L838-975), the segments of those
-transients left cached for the training loop. Checked: the events of one unit, the model's whole
+transients left cached for the training loop. The slow test wraps a small model with real FSDP1 on a
+2-rank gloo group on the CPU (where nothing is moved: the copies are the CPU parameters themselves) and
+logs rank 0's allocations against ``unit_events``. Checked: the events of one unit, the model's whole
 wrap against the shards it must leave, the estimate (reserved up, allocated unchanged), the refusals,
 and the Answer.AI fsdp_qlora row whose post gives the reserved memory right after the wrap."""
 import json
 from pathlib import Path
 
 import pytest
+from gloo_ranks import run_ranks
 
 import trainmem
 from trainmem.errors import TrainmemError
@@ -156,3 +159,97 @@ def test_answerai_reserved_after_the_wrap():
     assert abs(wrap.reserved / 2**30 - 3.72) / 3.72 < 0.10
     off = trainmem.estimate("llama-2-7b", **{**setup, "fsdp_sync_module_states": False})
     assert next(p for p in off.phases if p.name == "model_loaded").reserved / 2**30 < 3.72 * 0.7
+
+
+RANK_SCRIPT = r'''
+import json, sys, weakref, warnings  # noqa: E401
+import torch, torch.nn as nn, torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+warnings.filterwarnings("ignore")
+rank, out = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", rank=rank, world_size=2)
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+import torch.distributed.fsdp._init_utils as init_utils
+init_utils._check_module_states_for_sync_module_states = lambda states: None  # gloo broadcasts CPU tensors
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(64)
+        self.up = nn.Linear(64, 256, bias=False)
+        self.down = nn.Linear(256, 64, bias=False)
+        self.register_buffer("cache", torch.zeros(100, 16))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(1000, 64)
+        self.layers = nn.ModuleList(Block() for _ in range(3))
+        self.head = nn.Linear(64, 1000, bias=False)
+
+
+class Log(TorchDispatchMode):
+    def freed(self, i, ptr):
+        self.events.append(["f", i])
+        self.seen.discard(ptr)
+
+    def __init__(self):
+        super().__init__()
+        self.events, self.n, self.seen = [], 0, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        res = func(*args, **(kwargs or {}))
+        for t in tree_flatten(res)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() and t.untyped_storage()._cdata not in self.seen:
+                st = t.untyped_storage()
+                self.seen.add(st._cdata)
+                self.n += 1
+                i = self.n
+                self.events.append(["a", i, st.nbytes(), str(func)])
+                weakref.finalize(st, self.freed, i, st._cdata)
+        return res
+
+
+model = Net() if rank == 0 else Net()
+torch.manual_seed(0)
+log = Log()
+with log:
+    fsdp = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), sync_module_states=True,
+                sharding_strategy=ShardingStrategy.FULL_SHARD, use_orig_params=False, device_id=torch.device("cpu"))
+import gc; gc.collect()
+if rank == 0:
+    json.dump(log.events, open(out, "w"))
+'''
+
+
+@pytest.mark.slow
+def test_real_fsdp1_wrap_allocates_as_the_events_say(tmp_path):
+    """Real FSDP1 (torch in this venv) with ``sync_module_states=True`` on a 2-rank gloo group, rank 0's
+    storages logged by a dispatch mode: per unit the broadcast bucket (buffers + parameters, freed), the
+    flat ``torch.cat`` of the parameters, rank 0's shard, then the parameters' old storages freed; the
+    buffers kept. (The CPU check that refuses CPU tensors under ``sync_module_states`` is lifted: gloo
+    broadcasts them.)"""
+    out = tmp_path / "events.json"
+    run_ranks(tmp_path / "rank.py", RANK_SCRIPT, out)
+    ev = json.loads(out.read_text())
+    made = [e[2] for e in ev if e[0] == "a" and "detach" not in e[3]]     # new storages (not the model's own)
+    layer = [("norm.weight", 256, False), ("norm.bias", 256, False), ("up.weight", 64 * 256 * 4, False),
+             ("down.weight", 256 * 64 * 4, False)]
+    root = [("embed.weight", 1000 * 64 * 4, False), ("head.weight", 64 * 1000 * 4, False)]
+    expected = []
+    for params, buffers in [(layer, [100 * 16 * 4])] * 3 + [(root, [])]:
+        allocs = [e[2] for e in unit_events(params, buffers, 4, 2, True, False, [0]) if e[0] == "a"]
+        expected += allocs[len(params) + len(buffers):]                   # no move on the CPU
+    assert made == expected
+    own = {e[1]: e[2] for e in ev if e[0] == "a" and "detach" in e[3]}   # the model's parameters and buffers
+    freed = [e[1] for e in ev if e[0] == "f"]
+    assert {i for i, b in own.items() if b == 6400}.isdisjoint(freed)     # buffers stay
+    pos = {(e[0], e[1]): k for k, e in enumerate(ev)}
+    shards = [e[1] for e in ev if e[0] == "a" and "clone" in e[3]]
+    for i, b in own.items():                                               # each parameter's old storage dies
+        if b != 6400:                                                      # after its unit's shard is made
+            assert pos[("a", min(s for s in shards if s > i))] < pos[("f", i)]
