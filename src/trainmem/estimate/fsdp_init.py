@@ -12,8 +12,8 @@ which is no parameter: ``load_and_quantize`` L168-212, then ``torch.cuda.empty_c
 FSDP1 wraps bottom-up (``_recursive_wrap``: a unit's children first), so the units come in this order:
 per decoder layer, under peft's policy, each adapter linear's own unit (``lora_A`` then ``lora_B`` of
 each targeted linear), then the layer; the root (embeddings, final norm, head) last. Each unit, in
-``_init_param_handle_from_module`` (torch 2.13 ``distributed/fsdp/_init_utils.py`` L563-642; torch
-2.2 the same steps):
+``_init_param_handle_from_module`` (read at torch 2.13, ``distributed/fsdp/_init_utils.py`` L563-642;
+the Answer.AI fixtures' torch 2.2 has the same functions, not re-read line by line here):
 
 1. ``_move_module_to_device`` (L977-1028) -> ``_move_states_to_device`` (L1031-1059): each of the
    unit's parameters still on the CPU, then each buffer, copied to the GPU one tensor at a time
@@ -39,13 +39,15 @@ from __future__ import annotations
 
 from typing import Any
 
-#: ``PARAM_BROADCAST_BUCKET_SIZE`` (torch 2.13 ``distributed/fsdp/_init_utils.py`` L60; 2.2 the same)
+#: ``PARAM_BROADCAST_BUCKET_SIZE`` (torch 2.13 ``distributed/fsdp/_init_utils.py`` L60)
 SYNC_BUCKET_BYTES = 250 * 1024 * 1024
 
 
 def _depth(name: str, wrapped: bool) -> int:
     """A parameter's module depth in the tree FSDP's breadth-first move walks: a linear that peft wraps
-    holds its weight one level deeper (``q_proj.base_layer.weight``)."""
+    holds its weight one level deeper (``q_proj.base_layer.weight``). trainmem's names drop the base
+    model's prefix (``model.``), so in the root the head, which the walk moves first (a child of the
+    ``*ForCausalLM``), comes after the embedding here: the same bytes in Llama-2, Mistral and Yi."""
     return name.count(".") + (1 if wrapped else 0)
 
 
