@@ -68,6 +68,9 @@ CASES = [
      REFUSED, "Must flatten tensors with uniform dtype"),
     # FSDP1 CPUOffload(offload_params=True): estimate only (tests/test_fsdp_offload.py)
     ({"fsdp_version": 1, "fsdp": "full", "dp": 2, "fsdp_offload_params": True}, REFUSED, "--fsdp-offload-params"),
+    # FSDP1 sync_module_states over rank 0's CPU model: estimate only (tests/test_fsdp_init.py)
+    ({"fsdp_version": 1, "fsdp": "full", "dp": 2, "fsdp_sync_module_states": True}, REFUSED,
+     "--fsdp-sync-module-states"),
     ({"fsdp": "hybrid", "dp": 4, "fsdp_node_size": 2}, REFUSED, "--fsdp hybrid"),
     ({"dp": 2, "ddp_bucket_mb": 1.0}, "same", "the cap regroups DDP's buckets, which together are as large as the "
                                               "gradients (vs --dp 2 alone)"),

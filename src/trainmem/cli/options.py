@@ -246,6 +246,11 @@ def _add_fsdp(g: Any) -> None:
                         "--use_cpu_offload): sharded parameters, reduced gradients and the optimizer step on the "
                         "host; each unit copied in and gathered for compute (with --fsdp full --fsdp-version 1; "
                         "estimate only)")
+    g.add_argument("--fsdp-sync-module-states", action="store_true", default=None,
+                   help="FSDP1 sync_module_states=True over a model rank 0 holds on the CPU (accelerate "
+                        "fsdp_cpu_ram_efficient_loading, Answer.AI fsdp_qlora's default low_memory): each unit "
+                        "moved to the GPU, broadcast, flattened and sharded in turn at wrap time, whose cached "
+                        "segments the step starts from (with --fsdp-version 1; estimate only)")
     g.add_argument("--fsdp-gathered", choices=FSDP_GATHERED, default=None, help="FSDP2 units kept gathered after "
                    "forward: none (default), root (PyTorch < 2.8 kept it whatever reshard_after_forward said), "
                    "root-last (and the last decoder layer: torchtitan 2024-2025), head (torchtitan since July "
@@ -539,6 +544,7 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 master_weights=a.master_weights, framework=a.framework, framework_version=a.framework_version,
                 torch_version=a.torch_version, grad_sync=a.grad_sync, fsdp_lora_units=a.fsdp_lora_units,
                 fsdp_offload_params=a.fsdp_offload_params,
+                fsdp_sync_module_states=a.fsdp_sync_module_states,
                 transformers_version=a.transformers_version,
                 fsdp_gathered=a.fsdp_gathered, fsdp_auto_wrap_policy=a.fsdp_auto_wrap_policy,
                 fsdp_min_num_params=a.fsdp_min_num_params,

@@ -204,6 +204,9 @@ def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, 
                 lag=_Fsdp1Lag() if _fsdp1_limited(q) else None)
     if st.build:                                                        # the model built on the device
         _replay_build(R, st.build)
+    elif st.fsdp_init:                                                  # FSDP1's wrap of rank 0's CPU model,
+        _replay_build(R, st.fsdp_init)                                  # unit by unit (fsdp_init); the loop's
+        R.net_peak = R.a.allocated - R.over                             # allocated peak starts after it
     else:
         R.allocs(st.load)                                               # weights and buffers, load order
     if q.ds_fp32_convert or q.ds_fp32_group:                          # DeepSpeed ZeRO-3: flat fp32 masters

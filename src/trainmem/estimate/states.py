@@ -18,11 +18,13 @@ from ..spec.galore import LOWRANK_OPTIMIZERS
 from ..spec.training import TORCHAO_OFFLOAD_MIN, TrainingSpec, galore_target
 
 from ..allocator_rules import block_bytes, placed_bytes
+from ..errors import TrainmemError
 from .cache import BoundedCache
 from .fsdp_wrap import wrap_policy_states
 from . import torchao_optim
 from .galore import galore_state_bytes
 from .gemini import model_gemini
+from .fsdp_init import sync_init_events, wrap_units
 from .quant4 import builds_on_device, fsdp_packed_bytes, is_quantized, torchtune_v01_build, weight_storage
 
 __all__ = ["States", "model_states", "block_bytes", "default_lora_targets", "state_bytes"]
@@ -117,6 +119,9 @@ class States:
     # DeepSpeed ZeRO-3 of a model built whole (``zero3_whole_load``): the allocated peak of ``build``
     # (block-rounded), which is reached before the engine's other buffers exist (``quantities._build``)
     build_peak: int = 0
+    # FSDP1 with sync_module_states over rank 0's CPU model (``fsdp_init``): the wrap's alloc/free events,
+    # replayed instead of ``load`` (the units moved, broadcast, flattened and sharded one by one)
+    fsdp_init: tuple = ()
     # DeepSpeed ZeRO-3 (``ds_init_gathers``): the bytes of each trainable parameter whole, in order, as the
     # stage-3 optimizer gathers and re-partitions them one at a time at the end of its init
     gathered: tuple[tuple[int, ...], ...] = ()
@@ -510,7 +515,7 @@ def model_states(m: ModelSpec, t: TrainingSpec, stage: str = "first") -> States:
     key = (m, stage, t.tp, t.ep, dtensor_tp(t), t.pp, t.pp_less, t.precision, t.zero_stage, t.fsdp, t.shard_group, t.optimizer,
            t.impl, t.lora_rank, t.lora_targets, t.lora_dtype, t.distributed_optimizer, t.offload_optimizer,
            t.fp32_master, t.quantize, t.quantize_via, t.bitsandbytes_version, t.torchao_version, t.accumulates_unsharded,
-           t.fsdp_mixed_units, t.fsdp_version, t.fsdp_offload_params, t.fused_qkv, t.lora_qkv, t.split_gate_up, t.layer_rope_cache, t.rope_cache, t.expandable_segments,
+           t.fsdp_mixed_units, t.fsdp_version, t.fsdp_offload_params, t.fsdp_sync_module_states, t.fused_qkv, t.lora_qkv, t.split_gate_up, t.layer_rope_cache, t.rope_cache, t.expandable_segments,
            layer_rotary_cache(m, t.transformers_release),
            t.gemini, t.gemini_chunk_size, t.ds_params_on_host, t.ds_whole_load, t.ds_fp32_clone, t.half_embeddings,
            t.fsdp_auto_wrap_policy, t.fsdp_min_num_params, t.torchao_block, t.torchao_offload, t.optim_target_modules,
@@ -824,7 +829,8 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
                   build_peak=build_peak, gathered=gathered,
                   root_flat=r.block(acc.root_flat_bytes) if acc.root_flat_bytes else 0,
                   embed_matmul_half=acc.emh, root_flat_elems=acc.root_flat_bytes // r.gather,
-                  torchao_step=acc.ao_step, torchao_events=tuple(acc.ao_events) if acc.ao_step else ())
+                  torchao_step=acc.ao_step, torchao_events=tuple(acc.ao_events) if acc.ao_step else (),
+                  fsdp_init=_sync_init(m, t, r, lora, (before, layer, after)) if t.fsdp_sync_module_states else ())
     return wrap_policy_states(m, t, st, r, acc, litgpt_tensors(m.first_layer_and_outer_tensors, t))
 
 
@@ -852,6 +858,31 @@ def _gemini_states(m: ModelSpec, t: TrainingSpec, r: _Rank) -> States:
     return States(placed - acc.buffers, acc.buffers, sum(g.fp32_chunks), 0, 2 * sum(states), 0, trainable,
                   trainable, 0, 0, 0, 0, largest, sum(states), 0, 0,
                   load=_load_list(before, layer, 0, after), trainables=items)
+
+
+def _sync_init(m: ModelSpec, t: TrainingSpec, r: "_Rank", lora: list, loaded: tuple) -> tuple:
+    """FSDP1's wrap of rank 0's CPU model with ``sync_module_states`` as alloc/free events
+    (``fsdp_init.sync_init_events``): each parameter's whole bytes on the device (a 4-bit weight's
+    packed codes in ``quant_storage``, ``quant4.fsdp_packed_bytes``; a half embedding's 2 B), peft's
+    adapters in their own dtype (fp32 unless ``lora_half``, ``_lora_adapters``), the buffers and
+    quant-state parts from the load lists ``loaded``. One layer stands for each: models whose layers
+    differ are refused in one line."""
+    if not m.uniform_layers:
+        raise TrainmemError(f"--fsdp-sync-module-states: the estimate models the wrap's moves for models whose "
+                            f"decoder layers are alike; {m.name} is not one: drop the option")
+    root: list[tuple[str, int]] = []
+    layer_params: list[tuple[str, int]] = []
+    for p in litgpt_tensors(m.first_layer_and_outer_tensors, t):
+        if is_quantized(p, t):
+            nbytes = fsdp_packed_bytes(p.numel, t)
+        else:
+            nbytes = p.numel * (2 if half_embedding_tensor(p, t) else r.w)
+        (layer_params if p.layer is not None else root).append((p.name, nbytes))
+    targets = set(t.lora_targets or default_lora_targets(m)) if t.lora_rank else set()
+    adapter_w = r.w if (r.half_master or t.lora_half) else 4
+    adapters = [n * adapter_w for _mod, _n, lyr, parts in lora if lyr == r.lo for n in parts]
+    units, resident = wrap_units(t, root, layer_params, targets, adapters, loaded, r.per_stage)
+    return sync_init_events(units, resident, r.w, t.shard_group, t.fsdp != "no-shard", r.host_shards)
 
 
 def _device_build(m: ModelSpec, t: TrainingSpec, r: "_Rank") -> tuple[tuple, int]:

@@ -416,6 +416,9 @@ class TrainingSpec:
     fsdp_lora_units: str = "separate"  # FSDP_LORA_UNITS: "layer" puts adapters in their layer's FSDP1 unit
     fsdp_offload_params: bool = False  # FSDP1 CPUOffload(offload_params=True): sharded flat parameters, their
     #                                    reduced gradients and the optimizer step in host memory (_check_fsdp_offload)
+    fsdp_sync_module_states: bool = False  # FSDP1 sync_module_states=True over a model rank 0 holds on the CPU
+    #                                        (others on meta): each unit moved to the GPU, broadcast, flattened
+    #                                        and sharded in turn at wrap time (_check_fsdp_sync; estimate.fsdp_init)
     later_seq_len: int | None = None  # the padded length of every micro-batch after the run's first, which is
     #                                   seq_len long (lit-gpt forces its longest sample into the first iteration
     #                                   only and pads each later batch to its own longest); None: seq_len
@@ -741,6 +744,28 @@ class TrainingSpec:
                                 "--fsdp-gathered none or root")
         self._check_wrap_policy()
         self._check_fsdp_offload()
+        self._check_fsdp_sync()
+
+    def _check_fsdp_sync(self) -> None:
+        """``fsdp_sync_module_states``: FSDP1 built with ``sync_module_states=True`` and ``device_id`` over a
+        model that rank 0 holds on the CPU and the other ranks on the meta device (Answer.AI fsdp_qlora
+        ``train.py`` ``low_memory``, its default, 50efa1e L555-563, L627, L704-716; accelerate's
+        ``fsdp_cpu_ram_efficient_loading``, which sets ``sync_module_states``). Its wrap moves each unit to
+        the GPU, broadcasts it and flattens it in turn (``estimate.fsdp_init``), leaving those transients'
+        segments cached. Modelled for FSDP1 over several data-parallel ranks with the transformer wrap
+        policy (peft's, under LoRA), without TP, PP or CP; anything else is refused in one line."""
+        if not self.fsdp_sync_module_states:
+            return
+        flag = "--fsdp-sync-module-states"
+        if self.fsdp is None or self.fsdp_version != 1:
+            raise TrainmemError(f"{flag} is FSDP1's sync_module_states=True: give --fsdp full (or grad-op, "
+                                "no-shard) --fsdp-version 1")
+        if self.fsdp == "hybrid" or self.dp < 2 or self.tp * self.pp * self.cp > 1:
+            raise TrainmemError(f"{flag} is modelled for FSDP1 full, grad-op or no-shard over --dp >= 2 ranks "
+                                "without --tp, --pp or --cp: give --fsdp full --dp N")
+        if self.fsdp_auto_wrap_policy != "transformer":
+            raise TrainmemError(f"{flag} with --fsdp-auto-wrap-policy {self.fsdp_auto_wrap_policy}: the wrap's "
+                                "unit-by-unit moves are modelled for one unit per decoder layer (transformer)")
 
     def _check_fsdp_offload(self) -> None:
         """``fsdp_offload_params``: FSDP1's ``CPUOffload(offload_params=True)`` (Answer.AI fsdp_qlora
