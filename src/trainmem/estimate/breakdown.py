@@ -81,10 +81,12 @@ def _weights_formula(st: Any, t: TrainingSpec) -> str:
 
 
 def components(q: Quantities, tk: Tokens, mo: Moment, t: TrainingSpec, n: int, nsq: int, m: Any,
-               handle_ws: int = CUBLAS_WORKSPACE, kept: tuple = (0, 0, 0)) -> list[Component]:
+               handle_ws: int = CUBLAS_WORKSPACE, kept: tuple = (0, 0, 0), pipe: int = 0) -> list[Component]:
     """The bytes alive at the peak moment ``mo``, by name and category (``handle_ws``: one cuBLAS
     handle's workspace; ``kept``: Transformer Engine's workspace and Megatron's global buffer,
-    ``megatron_buffers.kept_buffers``, in the moment's workspace part)."""
+    ``megatron_buffers.kept_buffers``, in the moment's workspace part; ``pipe``: the pipeline inputs
+    Megatron keeps after backward, ``megatron_buffers.pipeline_inputs_kept``, in the activations of the
+    optimizer step's moments)."""
     st = q.detail.states
     parts = dict(zip(PARTS, mo.parts))
     half = HALF_NAMES.get(t.precision, "fp32")
@@ -104,12 +106,9 @@ def components(q: Quantities, tk: Tokens, mo: Moment, t: TrainingSpec, n: int, n
     if parts["optimizer_states"]:
         out.append(Component("optimizer_states", STATES, parts["optimizer_states"], None,
                              f"{t.optimizer} states of trainable tensors [/dp under ZeRO>=1]", True))
-    held = _fsdp1_held(q, tk, mo)
-    if held:
-        stream = "fp32" if t.weight_bytes == 4 else half  # the residual stream's dtype
-        out.append(Component("activations.fsdp1_held_inputs", ACTIVATIONS, held, stream,
-                             "FSDP1 under reentrant checkpointing: the inputs of the layers above and their "
-                             "gradients, held by the reshard-only hooks until backward ends"))
+    held = _held_inputs_component(q, tk, mo, "fp32" if t.weight_bytes == 4 else half, pipe)  # (stream dtype)
+    out += held
+    held = sum(c.bytes for c in held)
     if parts["activations"] - held:
         # FSDP's moments of a layer below the top one (moments.MIDDLE): the layers up to it are alive
         alive = middle_index(mo.where, q.layers) + 1 if mo.where in MIDDLE_NAMES else None
@@ -184,6 +183,23 @@ def _workspaces(total: int, handle_ws: int, kept: tuple) -> list[Component]:
                              "Unsloth's global dequantization buffers (WEIGHT_BUFFER, ABSMAX_BUFFER): the largest "
                              "4-bit weight in half and its blocks' fp32 absmax, kept", True))
     return out
+
+
+def _held_inputs_component(q: Quantities, tk: Tokens, mo: Moment, stream: str, pipe: int) -> list[Component]:
+    """Layer inputs (and their gradients) the moment's activations hold outside the layers' saved
+    tensors: Megatron's pipeline inputs after backward (``pipe``: ``megatron_buffers.pipeline_inputs_kept``,
+    the optimizer step's only activations) or FSDP1's under reentrant checkpointing (:func:`_fsdp1_held`),
+    in the residual stream's dtype ``stream``."""
+    if pipe and mo.phase == "optimizer_step":
+        return [Component("activations.pipeline_inputs_kept", ACTIVATIONS, int(pipe), stream,
+                          "Megatron's pipeline: each model chunk's last received input [s, b, h] and its .grad, "
+                          "kept by set_input_tensor after backward")]
+    held = _fsdp1_held(q, tk, mo)
+    if not held:
+        return []
+    return [Component("activations.fsdp1_held_inputs", ACTIVATIONS, held, stream,
+                      "FSDP1 under reentrant checkpointing: the inputs of the layers above and their "
+                      "gradients, held by the reshard-only hooks until backward ends")]
 
 
 def _fsdp1_held(q: Quantities, tk: Tokens, mo: Moment) -> int:

@@ -26,6 +26,9 @@ alive at every phase from the first forward on, the after-step ``mem-allocated-b
     megatron/core/models/gpt/gpt_model.py L264-269) on the stage that holds it, and with local layers
     also their ``linear_qkv`` and ``linear_fc1``.
   Requests of the same dtype share one buffer (the larger one); of different dtypes, one each.
+
+And what Megatron's pipeline schedules leave referenced after the step (``pipeline_inputs_kept``): each
+model chunk's last received input and its gradient, from the chunk's last backward to its next forward.
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from ..spec.model import ModelSpec
-from ..spec.training import TrainingSpec
+from ..spec.training import MULTI_STAGE_SCHEDULES, PP_VIRTUAL_STAGES, TrainingSpec
 from . import unsloth
 from .layers import Policy
 
@@ -84,3 +87,41 @@ def kept_buffers(m: ModelSpec, t: TrainingSpec, stage: str, n: Any, nsq: Any,
         return 0, 0
     te = te_workspace(capability) if t.transformer_impl == "transformer_engine" else 0
     return te, global_buffer(m, t, t.pp == 1 or stage == "last", n, nsq, tp, sp)
+
+
+def pipeline_inputs_kept(m: ModelSpec, t: TrainingSpec, stage: str, n: Any, tp: Any = None, sp: Any = None,
+                         pp: Any = None) -> Any:
+    """Bytes of the pipeline inputs Megatron-LM's schedules leave referenced after a step, on a rank of
+    ``stage`` (``--framework megatron`` under ``--pp``; 0 otherwise), for ``n`` tokens of a micro-batch
+    on the rank (``b x s / cp``): every model chunk that receives its input from the previous stage
+    keeps its last micro-batch's received input and that input's gradient, both ``[s / cp (/ tp
+    under --sequence-parallel), b, hidden]`` in the pipeline dtype (the parameters' dtype: bf16 under
+    ``--bf16``, the residual stream's here), from the chunk's last backward of the step to its first
+    forward of the next one: through the optimizer step and the after-step ``mem-allocated-bytes``.
+
+    Source (Megatron-LM at 6e091e1b, the same in core_v0.15.0 to core_v0.19.0): ``forward_step`` calls
+    the model's ``set_input_tensor(input_tensor)`` for every micro-batch
+    (megatron/core/pipeline_parallel/schedules.py L428-429), which ``GPTModel.set_input_tensor``
+    hands to ``TransformerBlock.set_input_tensor``: ``self.input_tensor = input_tensor``
+    (megatron/core/models/gpt/gpt_model.py L282-296; megatron/core/transformer/transformer_block.py
+    L440-448), a reference the block keeps until the next call; ``backward_step`` calls
+    ``x.retain_grad()`` on the received input before ``backward`` and reads ``x.grad`` to send it
+    back (schedules.py L460-512), and nothing clears that ``.grad``. The schedule's own lists
+    (``input_tensors``, ``output_tensors``) are popped empty by the step's backwards. A received input
+    is a fresh ``torch.empty(tensor_shape, requires_grad=True, dtype=config.pipeline_dtype)``
+    (megatron/core/pipeline_parallel/p2p_communication.py L330-344), ``tensor_shape = [seq_length /
+    cp (/ tp with sequence parallelism), micro_batch, hidden]`` (schedules.py L1084-1087). Chunks that receive: all ``v`` of a rank under the interleaved
+    schedule (``v`` = ``--pp-virtual-stages``; 1 without it) but the first stage's first chunk, which
+    starts from the embedding (``set_input_tensor(None)``). ``tp``, ``sp``, ``pp``: arrays over layouts
+    (None: ``t.tp``, ``t.sequence_parallel``, ``t.pp``)."""
+    if not t.megatron_ddp:
+        return 0
+    tp = t.tp if tp is None else tp
+    sp = t.sequence_parallel if sp is None else sp
+    pp = np.asarray(t.pp if pp is None else pp)
+    v = (t.pp_virtual_stages or PP_VIRTUAL_STAGES) if t.pp_schedule in MULTI_STAGE_SCHEDULES else 1
+    chunks = np.where(pp > 1, v - (1 if stage == "first" else 0), 0)   # chunks fed by the previous stage
+    # [s / cp (/ tp under SP), b, hidden] in the pipeline (parameter) dtype, twice: the input and its .grad
+    tok = np.where(np.asarray(sp) != 0, n // np.asarray(tp), n)
+    total = chunks * 2 * tok * m.hidden_size * Policy.of(t.precision).stream
+    return int(total) if np.ndim(total) == 0 else total
