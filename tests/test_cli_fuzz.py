@@ -41,6 +41,7 @@ ESTIMATE_OPTIONS = {
     "--lora-rank": NUMBERS, "--lora-dtype": ["half", "fp32", "x"], "--no-dropout": None,
     "--loss": ["upcast", "half", "chunked", "fused", "x"], "--loss-chunks": NUMBERS,
     "--liger": None, "--liger-version": ["0.6.4", "0.8.2", "0.2.0", "x", ""],
+    "--megatron-version": ["0.18.0", "core_v0.19.0", "0.9", "x", ""],
     "--master-weights": ["fp32", "none", "x"], "--compile": None,
     "--framework": ["hf-trainer", "torchtune", "lightning", "nanogpt", "x"],
     "--gpu": GPUS, "--gpu-memory": SIZES, "--context-memory": SIZES, "--max-fraction": NUMBERS + ["0.9"],

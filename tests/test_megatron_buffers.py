@@ -10,7 +10,7 @@ import pytest
 import trainmem
 from trainmem.errors import TrainmemError
 from trainmem.estimate.megatron_buffers import (TE_WORKSPACE, TE_WORKSPACE_SM90, global_buffer, pipeline_inputs_kept,
-                                                te_workspace)
+                                                rerun_batches_kept, te_workspace)
 from trainmem.validate import fixture_model
 
 HERE = os.path.join(os.path.dirname(__file__), "..", "validation", "published")
@@ -123,16 +123,17 @@ def test_pipeline_inputs_kept_by_chunk_and_stage(monkeypatch):
 
 
 @pytest.mark.parametrize("name,before_mib,after_mib", [
-    ("megatron_ci_small_tp1_pp4vp3_te", 40.1, 16.1), ("megatron_ci_gpt7b_pp4vp8_dp2_distopt_b1_s8192_gb200", 1020.7, -3.3)])
+    ("megatron_ci_small_tp1_pp4vp3_te", 40.1, -0.1), ("megatron_ci_gpt7b_pp4vp8_dp2_distopt_b1_s8192_gb200", 1020.7, -3.3)])
 def test_interleaved_after_step_memory(name, before_mib, after_mib):
     """The interleaved rows: ``before_mib`` short without the kept pipeline inputs (3 and 8 chunks on
     the last stage, two [s, b, h] bf16 tensors each: 24 and 1024 MiB), ``after_mib`` with them (the
-    small row's rest: the batches Megatron 0.18's RerunDataIterator keeps, not counted here)."""
+    small row's, at 6e091e1b: also the batches Megatron 0.18's RerunDataIterator keeps, 4 x 4.05 MiB)."""
     fx, model = _fixture(name)
     r, after, measured = _after_step(fx, model)
-    pipe = pipeline_inputs_kept(r.model, r.training, "last", fx["setup"]["batch_size"] * fx["setup"]["seq_len"])
-    assert pipe == r.training.virtual_stages * 2 * fx["setup"]["batch_size"] * fx["setup"]["seq_len"] * \
-        r.model.hidden_size * 2
+    n = fx["setup"]["batch_size"] * fx["setup"]["seq_len"]
+    pipe = pipeline_inputs_kept(r.model, r.training, "last", n)
+    assert pipe == r.training.virtual_stages * 2 * n * r.model.hidden_size * 2
+    pipe += rerun_batches_kept(r.model, r.training, "last", n)
     assert (measured - (after - pipe)) / MiB == pytest.approx(before_mib, abs=0.1)
     assert (measured - after) / MiB == pytest.approx(after_mib, abs=0.1)
 
@@ -170,3 +171,37 @@ def test_trace_allocates_transformer_engines_workspace(gpu, one_torch_thread):
     assert te == [32 * MiB + 1024 if gpu == "h100" else 4 * MiB]
     assert te == [c.bytes for c in e.components if c.name == "workspace.transformer_engine"]
     assert abs(e.peak_allocated / r.peak_allocated - 1) < 0.002
+
+
+@pytest.mark.parametrize("version,kept", [("0.17.1", False), ("0.18.0", True), ("core_v0.18.2", True),
+                                          ("0.19.0", False), (None, False)])
+def test_rerun_iterator_keeps_batches_in_0_18(version, kept):
+    """Megatron 0.18's get_batch moves each micro-batch to the GPU in the dict RerunDataIterator saved
+    (kept to the next step); 0.19 saves a shallow copy: the last stage keeps labels (int64), loss_mask
+    (fp32) and the [b, 1, s, s] bool mask of each of the step's micro-batches, the first stage tokens
+    and position_ids (int64) and the mask, a rank without a pipeline all five."""
+    kw = dict(SMALL, grad_accum=4, **({"megatron_version": version} if version else {}))
+    r = trainmem.estimate("gpt2", pp=2, pp_stage="last", **kw)
+    n, per_mask = 4 * 1024, 4 * 1024 * 1024
+    assert rerun_batches_kept(r.model, r.training, "last", n) == (4 * (n * 12 + per_mask) if kept else 0)
+    if not kept:
+        return
+    assert rerun_batches_kept(r.model, r.training, "first", n) == 4 * (n * 16 + per_mask)
+    assert rerun_batches_kept(r.model, r.training, "middle", n) == 0
+    flat = trainmem.estimate("gpt2", **kw)
+    assert rerun_batches_kept(flat.model, flat.training, "first", n) == 4 * (n * 28 + per_mask)
+    saved = [c.bytes for c in r.components if c.name == "inputs.megatron_saved_batches"]
+    assert saved == []   # the peak is in the step, before the optimizer: only the after-step phases count them
+    # TP rank 0 only receives the iterator's batches: another TP rank (the estimate's) does not keep them
+    tp2 = trainmem.estimate("gpt2", tp=2, **kw)
+    assert rerun_batches_kept(tp2.model, tp2.training, "first", n) == 0
+    assert any("TP rank 0" in w and f"{4 * (n * 28 + per_mask):,} B" in w for w in tp2.warnings)
+
+
+def test_megatron_version_is_megatrons_and_a_release():
+    with pytest.raises(TrainmemError, match="--framework megatron"):
+        trainmem.estimate("gpt2", megatron_version="0.18.0", precision="bf16")
+    with pytest.raises(TrainmemError, match="release number"):
+        trainmem.estimate("gpt2", megatron_version="latest", **SMALL)
+    with pytest.raises(TrainmemError, match="before core_v0.15.0"):
+        trainmem.estimate("gpt2", megatron_version="0.9.0", **SMALL)

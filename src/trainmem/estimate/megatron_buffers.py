@@ -27,11 +27,13 @@ alive at every phase from the first forward on, the after-step ``mem-allocated-b
     also their ``linear_qkv`` and ``linear_fc1``.
   Requests of the same dtype share one buffer (the larger one); of different dtypes, one each.
 
-And what Megatron's pipeline schedules leave referenced after the step (``pipeline_inputs_kept``): each
-model chunk's last received input and its gradient, from the chunk's last backward to its next forward.
+And what Megatron's loop leaves referenced after backward: its pipeline schedules, each model chunk's last
+received input and its gradient (``pipeline_inputs_kept``); release 0.18's ``RerunDataIterator``, the step's
+micro-batches on the GPU (``rerun_batches_kept``).
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -125,3 +127,58 @@ def pipeline_inputs_kept(m: ModelSpec, t: TrainingSpec, stage: str, n: Any, tp: 
     tok = np.where(np.asarray(sp) != 0, n // np.asarray(tp), n)
     total = chunks * 2 * tok * m.hidden_size * Policy.of(t.precision).stream
     return int(total) if np.ndim(total) == 0 else total
+
+
+#: bytes per token of what Megatron's ``get_batch`` leaves in a micro-batch's dict after moving it to the GPU,
+#: by pipeline stage (``"whole"``: no pipeline): tokens, labels, position_ids int64, loss_mask fp32
+#: (GPTDataset.__getitem__, megatron/core/datasets/gpt_dataset.py L240-296 at 6e091e1b); the first stage drops
+#: labels and loss_mask, the last tokens and position_ids (megatron/core/utils.py L2084-2100)
+BATCH_BYTES_PER_TOKEN = {"whole": 8 + 8 + 4 + 8, "first": 8 + 8, "last": 8 + 4, "middle": 0}
+
+
+def rerun_batches_kept(m: ModelSpec, t: TrainingSpec, stage: str, n: Any, tp: Any = None, pp: Any = None,
+                       seq_len: Any = None, ga: Any = None) -> Any:
+    """Bytes of the step's micro-batches Megatron-LM 0.18's ``RerunDataIterator`` keeps on the GPU on a
+    rank of ``stage`` (``TrainingSpec.megatron_keeps_batches``; 0 otherwise, and on TP ranks other than
+    0: see below) after the step's backward, for ``n`` tokens of a micro-batch on the rank (``b x s / cp``).
+
+    Source: with ``--rerun-mode validate_results`` (the default, megatron/training/config/resilience_config.py
+    L21 at 6e091e1b) ``RerunDataIterator.__next__`` appends each micro-batch dict it returns to
+    ``saved_microbatches`` (megatron/core/rerun_state_machine.py L1143-1156), emptied by ``advance()`` when
+    the next step starts (``should_run_forward_backward``, L300-316). From PR #4103 (5e4fc931, 2026-05-21;
+    core_v0.18.0 and 0.18.2) ``pretrain_gpt.get_batch`` moves the batch to the GPU in that same dict,
+    ``batch[key] = batch[key].cuda(non_blocking=True)`` (pretrain_gpt.py L94-98 at 6e091e1b), so the saved
+    dicts hold the GPU copies; PR #5635 (bf32f441, 2026-07-06; core_v0.19.0) saves ``copy.copy(n)`` instead.
+    Only TP rank 0 calls ``next(data_iterator)`` (L95-97; the others receive into fresh tensors,
+    ``get_batch_on_this_tp_rank``), and only the first and last pipeline stages do (a middle one returns
+    before, L91-92; under the interleaved schedule only the first stage's first chunk and the last stage's
+    last chunk): ``grad_accum`` micro-batches a step. Each keeps ``BATCH_BYTES_PER_TOKEN`` of its stage per
+    token and the dataset's causal mask, ``[b, 1, s / cp, s]`` bool (``create_attention_mask``, on by
+    default: ``--no-create-attention-mask-in-dataloader`` is not modelled; ``_get_ltor_masks_and_position_ids``
+    ``< 0.5``, gpt_dataset.py L740-778), sliced in the same dict under context parallelism
+    (``get_pretrain_batch_on_this_cp_rank``, megatron/core/utils.py L2348-2364). Counted for a rank of TP
+    rank 0 when ``tp`` is 1 (the estimate's rank is any TP rank; ``engine.estimate_stage`` notes TP rank 0's
+    more). ``tp``, ``pp``, ``seq_len``, ``ga``: arrays over layouts (None: ``t.tp``, ``t.pp``, ``t.seq_len``,
+    ``t.grad_accum``)."""
+    if not t.megatron_keeps_batches:
+        return 0
+    tp = np.asarray(t.tp if tp is None else tp)
+    pp = np.asarray(t.pp if pp is None else pp)
+    per_token = np.where(pp > 1, BATCH_BYTES_PER_TOKEN[stage], BATCH_BYTES_PER_TOKEN["whole"])
+    seq_len = t.seq_len if seq_len is None else seq_len
+    ga = t.grad_accum if ga is None else ga
+    mask = np.where((pp > 1) & (stage == "middle"), 0, n * seq_len)   # [b, 1, s / cp, s] bool
+    total = np.where(tp == 1, ga * (n * per_token + mask), 0)
+    return int(total) if np.ndim(total) == 0 else total
+
+
+def tp_rank0_note(m: ModelSpec, t: TrainingSpec, stage: str, n: int) -> str | None:
+    """One line where TP rank 0 keeps more after the step than the rank the estimate reports
+    (``rerun_batches_kept``, under ``--tp``); None elsewhere."""
+    if not t.megatron_keeps_batches or t.tp == 1:
+        return None
+    more = rerun_batches_kept(m, replace(t, tp=1), stage, n)
+    if not more:
+        return None
+    return (f"Megatron {t.megatron_version}: TP rank 0 of each group keeps the step's micro-batches ({t.grad_accum} a step) on "
+            f"the GPU until the next step ({more:,} B more after the step than the rank reported here)")
