@@ -93,29 +93,27 @@ def kept_buffers(m: ModelSpec, t: TrainingSpec, stage: str, n: Any, nsq: Any,
 
 def pipeline_inputs_kept(m: ModelSpec, t: TrainingSpec, stage: str, n: Any, tp: Any = None, sp: Any = None,
                          pp: Any = None) -> Any:
-    """Bytes of the pipeline inputs Megatron-LM's schedules leave referenced after a step, on a rank of
-    ``stage`` (``--framework megatron`` under ``--pp``; 0 otherwise), for ``n`` tokens of a micro-batch
-    on the rank (``b x s / cp``): every model chunk that receives its input from the previous stage
-    keeps its last micro-batch's received input and that input's gradient, both ``[s / cp (/ tp
-    under --sequence-parallel), b, hidden]`` in the pipeline dtype (the parameters' dtype: bf16 under
-    ``--bf16``, the residual stream's here), from the chunk's last backward of the step to its first
-    forward of the next one: through the optimizer step and the after-step ``mem-allocated-bytes``.
-
-    Source (Megatron-LM at 6e091e1b, the same in core_v0.15.0 to core_v0.19.0): ``forward_step`` calls
-    the model's ``set_input_tensor(input_tensor)`` for every micro-batch
-    (megatron/core/pipeline_parallel/schedules.py L428-429), which ``GPTModel.set_input_tensor``
-    hands to ``TransformerBlock.set_input_tensor``: ``self.input_tensor = input_tensor``
-    (megatron/core/models/gpt/gpt_model.py L282-296; megatron/core/transformer/transformer_block.py
-    L440-448), a reference the block keeps until the next call; ``backward_step`` calls
-    ``x.retain_grad()`` on the received input before ``backward`` and reads ``x.grad`` to send it
-    back (schedules.py L460-512), and nothing clears that ``.grad``. The schedule's own lists
-    (``input_tensors``, ``output_tensors``) are popped empty by the step's backwards. A received input
-    is a fresh ``torch.empty(tensor_shape, requires_grad=True, dtype=config.pipeline_dtype)``
-    (megatron/core/pipeline_parallel/p2p_communication.py L330-344), ``tensor_shape = [seq_length /
-    cp (/ tp with sequence parallelism), micro_batch, hidden]`` (schedules.py L1084-1087). Chunks that receive: all ``v`` of a rank under the interleaved
-    schedule (``v`` = ``--pp-virtual-stages``; 1 without it) but the first stage's first chunk, which
-    starts from the embedding (``set_input_tensor(None)``). ``tp``, ``sp``, ``pp``: arrays over layouts
-    (None: ``t.tp``, ``t.sequence_parallel``, ``t.pp``)."""
+    """Bytes of the pipeline inputs Megatron-LM's schedules leave referenced after a step, on a rank of ``stage``
+    (``--framework megatron`` under ``--pp``; 0 otherwise), for ``n`` tokens of a micro-batch on the rank (``b x
+    s / cp``): every model chunk that receives its input from the previous stage keeps its last micro-batch's
+    received input and that input's gradient, both ``[s / cp (/ tp under --sequence-parallel), b, hidden]`` in
+    the pipeline dtype (the parameters' dtype: bf16 under ``--bf16``, the residual stream's here), from the
+    chunk's last backward of the step to its first forward of the next one: through the optimizer step and the
+    after-step ``mem-allocated-bytes``. Source (Megatron-LM at 6e091e1b, the same in core_v0.15.0 to
+    core_v0.19.0): ``forward_step`` calls the model's ``set_input_tensor(input_tensor)`` for every micro-batch
+    (megatron/core/pipeline_parallel/schedules.py L428-429), which ``GPTModel.set_input_tensor`` hands to
+    ``TransformerBlock.set_input_tensor``: ``self.input_tensor = input_tensor``
+    (megatron/core/models/gpt/gpt_model.py L282-296; megatron/core/transformer/transformer_block.py L440-448), a
+    reference the block keeps until the next call; ``backward_step`` calls ``x.retain_grad()`` on the received
+    input before ``backward`` and reads ``x.grad`` to send it back (schedules.py L460-512), and nothing clears
+    that ``.grad``. The schedule's own lists (``input_tensors``, ``output_tensors``) are popped empty by the
+    step's backwards. A received input is a fresh ``torch.empty(tensor_shape, requires_grad=True,
+    dtype=config.pipeline_dtype)`` (megatron/core/pipeline_parallel/p2p_communication.py L330-344),
+    ``tensor_shape = [seq_length / cp (/ tp with sequence parallelism), micro_batch, hidden]`` (schedules.py
+    L1084-1087). Chunks that receive: all ``v`` of a rank under the interleaved schedule (``v`` =
+    ``--pp-virtual-stages``; 1 without it) but the first stage's first chunk, which starts from the embedding
+    (``set_input_tensor(None)``). ``tp``, ``sp``, ``pp``: arrays over layouts (None: ``t.tp``,
+    ``t.sequence_parallel``, ``t.pp``)."""
     if not t.megatron_ddp:
         return 0
     tp = t.tp if tp is None else tp
@@ -180,5 +178,6 @@ def tp_rank0_note(m: ModelSpec, t: TrainingSpec, stage: str, n: int) -> str | No
     more = rerun_batches_kept(m, replace(t, tp=1), stage, n)
     if not more:
         return None
-    return (f"Megatron {t.megatron_version}: TP rank 0 of each group keeps the step's micro-batches ({t.grad_accum} a step) on "
-            f"the GPU until the next step ({more:,} B more after the step than the rank reported here)")
+    return (f"Megatron {t.megatron_version}: TP rank 0 of each group keeps the step's micro-batches "
+            f"({t.grad_accum} a step) on the GPU until the next step ({more:,} B more after the step than the rank "
+            "reported here)")
