@@ -196,6 +196,8 @@ def test_rerun_iterator_keeps_batches_in_0_18(version, kept):
     tp2 = trainmem.estimate("gpt2", tp=2, **kw)
     assert rerun_batches_kept(tp2.model, tp2.training, "first", n) == 0
     assert any("TP rank 0" in w and f"{4 * (n * 28 + per_mask):,} B" in w for w in tp2.warnings)
+    sp = trainmem.estimate("gpt2", tp=2, sequence_parallel=True, **kw)   # (the note's own TP-rank-0 reading)
+    assert any("TP rank 0" in w for w in sp.warnings)
 
 
 def test_megatron_version_is_megatrons_and_a_release():
@@ -205,3 +207,31 @@ def test_megatron_version_is_megatrons_and_a_release():
         trainmem.estimate("gpt2", megatron_version="latest", **SMALL)
     with pytest.raises(TrainmemError, match="before core_v0.15.0"):
         trainmem.estimate("gpt2", megatron_version="0.9.0", **SMALL)
+
+
+@pytest.mark.parametrize("inside,outside", [
+    ("megatron_ci_gpt7b_pp4vp8_dp2_distopt_b1_s8192_h100", "megatron_ci_gpt7b_pp4vp8_dp2_distopt_b1_s8192_gb200"),
+    ("megatron_ci_small_tp1_dp8_distopt_fim_te_gb200", "megatron_ci_small_tp1_dp8_distopt_fim_te")])
+def test_published_rows_differ_by_the_kept_batches(inside, outside):
+    """The same CI case measured at a commit of 0.18's window (6e091e1b) and at one outside it (7e6a045a
+    after PR #5635; 5fe3f06658 before PR #4103): the after-step memory differs by exactly the batches
+    ``rerun_batches_kept`` counts (7B PP last stage: 4 x (labels, loss_mask, [1, 1, 8192, 8192] mask);
+    DP 8 without a pipeline: 1 x (all five tensors of [4, 1024] and the [4, 1, 1024, 1024] mask))."""
+    fx_in, model = _fixture(inside)
+    fx_out, _ = _fixture(outside)
+    r, _, measured_in = _after_step(fx_in, model)
+    _, _, measured_out = _after_step(fx_out, model)
+    st = fx_in["setup"]
+    kept = rerun_batches_kept(r.model, r.training, st.get("pp_stage", "first"), st["batch_size"] * st["seq_len"])
+    assert kept > 0 and measured_in - measured_out == kept
+
+
+def test_every_megatron_ci_after_step_within_half_a_percent():
+    """Every Megatron-LM CI row's after-step ``mem-allocated-bytes``: within 0.5% of the estimate (the
+    pipeline rows were -1% to -5.4% before ``pipeline_inputs_kept`` and ``rerun_batches_kept``)."""
+    names = sorted(f[:-5] for f in os.listdir(HERE) if f.startswith("megatron_ci_"))
+    assert len(names) >= 18
+    for name in names:
+        fx, model = _fixture(name)
+        _, after, measured = _after_step(fx, model)
+        assert abs(after / measured - 1) < 0.005, name

@@ -33,7 +33,6 @@ micro-batches on the GPU (``rerun_batches_kept``).
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -175,7 +174,7 @@ def tp_rank0_note(m: ModelSpec, t: TrainingSpec, stage: str, n: int) -> str | No
     (``rerun_batches_kept``, under ``--tp``); None elsewhere."""
     if not t.megatron_keeps_batches or t.tp == 1:
         return None
-    more = rerun_batches_kept(m, replace(t, tp=1), stage, n)
+    more = rerun_batches_kept(m, t, stage, n, tp=1)   # (TP rank 0's)
     if not more:
         return None
     return (f"Megatron {t.megatron_version}: TP rank 0 of each group keeps the step's micro-batches "
