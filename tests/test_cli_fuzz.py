@@ -106,6 +106,8 @@ CASES = [
     ["estimate", "llama-3.1-8b", "--tp", "16"],
     ["estimate", "gpt2", "--zero", "3", "--fsdp", "full", "--dp", "2"],
     ["estimate", "gpt2", "--distributed-optimizer", "--zero", "3", "--dp", "2"],
+    ["estimate", "gpt2", "--megatron-version", "0.18.0"],
+    ["estimate", "gpt2", "--framework", "megatron", "--megatron-version", "latest"],
     ["plan", "llama-3.1-8b", "--gpus", "7", "--gpu", "h100", "--global-batch", "8"],
     ["plan", "llama-3.1-8b", "--gpus", "8", "--tp", "3", "--gpu", "h100", "--global-batch", "8"],
     ["trace", "nosuchmodel"],
