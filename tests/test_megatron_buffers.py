@@ -123,7 +123,8 @@ def test_pipeline_inputs_kept_by_chunk_and_stage(monkeypatch):
 
 
 @pytest.mark.parametrize("name,before_mib,after_mib", [
-    ("megatron_ci_small_tp1_pp4vp3_te", 40.1, -0.1), ("megatron_ci_gpt7b_pp4vp8_dp2_distopt_b1_s8192_gb200", 1020.7, -3.3)])
+    ("megatron_ci_small_tp1_pp4vp3_te", 40.1, -0.1),
+    ("megatron_ci_gpt7b_pp4vp8_dp2_distopt_b1_s8192_gb200", 1020.7, -3.3)])
 def test_interleaved_after_step_memory(name, before_mib, after_mib):
     """The interleaved rows: ``before_mib`` short without the kept pipeline inputs (3 and 8 chunks on
     the last stage, two [s, b, h] bf16 tensors each: 24 and 1024 MiB), ``after_mib`` with them (the
