@@ -271,7 +271,9 @@ GPT2_CASES = [({"dropout": False}, CHANGED, ""), ({"loss": "chunked-nll"}, CHANG
               ({"rope_cache": 128}, REFUSED, "--rope-cache 128"),
               # Megatron-LM's layers (estimate.megatron_buffers): trace runs the transformers model's
               ({"framework": "megatron", "transformer_impl": "local", "attention": "eager"}, REFUSED,
-               "--transformer-impl local")]
+               "--transformer-impl local"),
+              # Megatron 0.18's RerunDataIterator keeping the step's batches (estimate.megatron_buffers)
+              ({"framework": "megatron", "megatron_version": "0.18.0"}, REFUSED, "--megatron-version 0.18.0")]
 #: FSDP1 with LoRA adapters in units of their own on BERT: peft's policy wraps its embeddings apart
 #: from the masked-LM head that ties their weight (spec.training.fsdp1_tied_split)
 BERT = ["num_hidden_layers=2", "hidden_size=64", "num_attention_heads=4", "intermediate_size=128", "vocab_size=1000"]

@@ -114,6 +114,10 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
                             f"sets transformer_engine){' with --sequence-parallel' if t.sequence_parallel else ''}: "
                             f"{what} runs the transformers model's layers, not Megatron's, nor the global buffer "
                             "they keep (estimate.megatron_buffers); use estimate")
+    if t.megatron_keeps_batches:
+        raise TrainmemError(f"--megatron-version {t.megatron_version}: {what} runs its own loop, not Megatron's "
+                            "RerunDataIterator, which keeps the step's batches on the GPU in 0.18.x "
+                            "(estimate.megatron_buffers); use estimate, or drop --megatron-version")
     if bad:
         sp = ", --sequence-parallel" if what == "trace" else ""
         pp = ", pipeline parallelism (--pp)" if what == "trace" else ""

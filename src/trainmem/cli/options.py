@@ -204,6 +204,9 @@ def add_training(g: Any) -> None:
                    help="Megatron-LM's layers (--framework megatron; default transformer_engine): Transformer "
                         "Engine's, whose GEMM workspace stays allocated, or local, Megatron's own, whose unfused "
                         "attention keeps its baddbmm buffer")
+    g.add_argument("--megatron-version", default=None, metavar="X.Y.Z",
+                   help="the Megatron-LM (megatron-core) release of --framework megatron (default: a current one, "
+                        ">= 0.19): 0.18.x keeps each step's micro-batches on the GPU until the next step (estimate)")
     _add_moe(g)
     _add_recompute(g)
     g.add_argument("--compile", action="store_true",
@@ -530,6 +533,7 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 pp_virtual_stages=a.pp_virtual_stages, pp_first_stage_less_layers=a.pp_first_stage_less_layers,
                 pp_last_stage_less_layers=a.pp_last_stage_less_layers, cp=a.cp, ep=a.ep, moe_imbalance=a.moe_imbalance,
                 sequence_parallel=a.sequence_parallel, transformer_impl=a.transformer_impl,
+                megatron_version=a.megatron_version,
                 recompute=a.recompute, recompute_every=a.recompute_every, reentrant=a.reentrant, attention=a.attention,
                 compile=a.compile,
                 offload_activations=a.offload_activations, unsloth_gc=a.unsloth_gc,

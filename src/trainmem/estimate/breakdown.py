@@ -81,10 +81,12 @@ def _weights_formula(st: Any, t: TrainingSpec) -> str:
 
 
 def components(q: Quantities, tk: Tokens, mo: Moment, t: TrainingSpec, n: int, nsq: int, m: Any,
-               handle_ws: int = CUBLAS_WORKSPACE, kept: tuple = (0, 0, 0)) -> list[Component]:
+               handle_ws: int = CUBLAS_WORKSPACE, kept: tuple = (0, 0, 0), pipe: tuple = (0, 0)) -> list[Component]:
     """The bytes alive at the peak moment ``mo``, by name and category (``handle_ws``: one cuBLAS
     handle's workspace; ``kept``: Transformer Engine's workspace and Megatron's global buffer,
-    ``megatron_buffers.kept_buffers``, in the moment's workspace part)."""
+    ``megatron_buffers.kept_buffers``, in the moment's workspace part; ``pipe``: the pipeline inputs and
+    the step's batches Megatron keeps after backward, ``megatron_buffers.pipeline_inputs_kept`` and
+    ``rerun_batches_kept``, in the activations and inputs of the optimizer step's moments)."""
     st = q.detail.states
     parts = dict(zip(PARTS, mo.parts))
     half = HALF_NAMES.get(t.precision, "fp32")
@@ -104,22 +106,23 @@ def components(q: Quantities, tk: Tokens, mo: Moment, t: TrainingSpec, n: int, n
     if parts["optimizer_states"]:
         out.append(Component("optimizer_states", STATES, parts["optimizer_states"], None,
                              f"{t.optimizer} states of trainable tensors [/dp under ZeRO>=1]", True))
-    held = _fsdp1_held(q, tk, mo)
-    if held:
-        stream = "fp32" if t.weight_bytes == 4 else half  # the residual stream's dtype
-        out.append(Component("activations.fsdp1_held_inputs", ACTIVATIONS, held, stream,
-                             "FSDP1 under reentrant checkpointing: the inputs of the layers above and their "
-                             "gradients, held by the reshard-only hooks until backward ends"))
+    held = _held_inputs_component(q, tk, mo, "fp32" if t.weight_bytes == 4 else half, pipe[0])  # (stream dtype)
+    out += held
+    held = sum(c.bytes for c in held)
     if parts["activations"] - held:
         # FSDP's moments of a layer below the top one (moments.MIDDLE): the layers up to it are alive
         alive = middle_index(mo.where, q.layers) + 1 if mo.where in MIDDLE_NAMES else None
         out += activations(q, tk, parts["activations"] - held, t, n, nsq, half, alive)
     if parts["logits"]:
         out += _logits(mo, m, half, loss_mode(m, t) if is_lm(m) else "")
-    if parts["inputs"]:  # (none yet at the model's load: DeepSpeed's whole-model load can be the peak)
+    saved = int(pipe[1]) if mo.phase == "optimizer_step" else 0
+    if saved:
+        out.append(Component("inputs.megatron_saved_batches", INPUTS, saved, None, "Megatron 0.18's "
+                             "RerunDataIterator: the step's micro-batches moved to the GPU in its saved dicts"))
+    if parts["inputs"] - saved:  # (none yet at the model's load: DeepSpeed's whole-model load can be the peak)
         image = getattr(m, "is_image", False)  # pixel values in the weights' dtype, int64 labels
         speech = getattr(m, "is_speech_seq2seq", False)  # log-mel features in the weights' dtype
-        out.append(Component("inputs", INPUTS, parts["inputs"], None if image or speech else "int64",
+        out.append(Component("inputs", INPUTS, parts["inputs"] - saved, None if image or speech else "int64",
                              "pixel_values and labels" if image else "input_features and labels" if speech
                              else "input_ids and labels"))
     out += _workspaces(parts["workspace"], handle_ws, kept)
@@ -184,6 +187,23 @@ def _workspaces(total: int, handle_ws: int, kept: tuple) -> list[Component]:
                              "Unsloth's global dequantization buffers (WEIGHT_BUFFER, ABSMAX_BUFFER): the largest "
                              "4-bit weight in half and its blocks' fp32 absmax, kept", True))
     return out
+
+
+def _held_inputs_component(q: Quantities, tk: Tokens, mo: Moment, stream: str, pipe: int) -> list[Component]:
+    """Layer inputs (and their gradients) the moment's activations hold outside the layers' saved
+    tensors: Megatron's pipeline inputs after backward (``pipe``: ``megatron_buffers.pipeline_inputs_kept``,
+    the optimizer step's only activations) or FSDP1's under reentrant checkpointing (:func:`_fsdp1_held`),
+    in the residual stream's dtype ``stream``."""
+    if pipe and mo.phase == "optimizer_step":
+        return [Component("activations.pipeline_inputs_kept", ACTIVATIONS, int(pipe), stream,
+                          "Megatron's pipeline: each model chunk's last received input [s, b, h] and its .grad, "
+                          "kept by set_input_tensor after backward")]
+    held = _fsdp1_held(q, tk, mo)
+    if not held:
+        return []
+    return [Component("activations.fsdp1_held_inputs", ACTIVATIONS, held, stream,
+                      "FSDP1 under reentrant checkpointing: the inputs of the layers above and their "
+                      "gradients, held by the reshard-only hooks until backward ends")]
 
 
 def _fsdp1_held(q: Quantities, tk: Tokens, mo: Moment) -> int:

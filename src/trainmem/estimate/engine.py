@@ -35,7 +35,7 @@ from .derived import notes as derived_notes
 from .breakdown import components, phase_label, phases, where_label
 from .moments import StepFlags, peak, tokens, walk
 from .layers import compiled_recipe
-from .megatron_buffers import kept_buffers
+from .megatron_buffers import kept_buffers, pipeline_inputs_kept, rerun_batches_kept, tp_rank0_note
 from .quantities import SHAPE_FIELDS, gather, layer_key, quantities, shape_quantities
 
 #: layout fields ``estimate_layouts`` takes as arrays: SHAPE_FIELDS pick the quantities
@@ -140,11 +140,14 @@ def estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str, handle_ws: int = C
     tk, tk_later = tokens(q, flags, n, nsq, b, ga), tokens(q, flags, n, nsq, b, ga, later=True)
     after = later_tokens(m, t, stage, flags)
     kept = kept_buffers(m, t, stage, n, nsq, capability)  # Megatron's and TE's, from the first forward on
+    # Megatron's pipeline inputs and (0.18) the step's batches, after backward
+    pipe, saved = pipeline_inputs_kept(m, t, stage, n), rerun_batches_kept(m, t, stage, n)
     if after is None:
-        moments, ends = walk(q, flags, tk, ga, handle_ws, tk_later, kept=sum(kept))
+        moments, ends = walk(q, flags, tk, ga, handle_ws, tk_later, kept=sum(kept), pipe_kept=pipe, batches_kept=saved)
     else:  # --later-seq-len: the run's first micro-batch at seq_len, every later one shorter
         tk_later = after[1]
-        moments, ends = walk(q, flags, tk, ga, handle_ws, tk_later, after[0], kept=sum(kept))
+        moments, ends = walk(q, flags, tk, ga, handle_ws, tk_later, after[0], kept=sum(kept), pipe_kept=pipe,
+                             batches_kept=saved)
     total, i, totals = peak(moments, q.fixed)
     mo = moments[i]
     if after is not None and (mo.micro or mo.step > 1):  # the peak is in a micro-batch after the first
@@ -152,7 +155,7 @@ def estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str, handle_ws: int = C
     else:
         at, an, ansq = (tk_later if mo.micro else tk), n, nsq  # the terms of the peak's micro-step
     rep = MemoryReport(source="estimate", method="trainmem",
-                       components=components(q, at, mo, t, an, ansq, m, handle_ws, kept),
+                       components=components(q, at, mo, t, an, ansq, m, handle_ws, kept, (pipe, saved)),
                        phases=phases(moments, totals, ends, ga), peak_allocated=total,
                        peak_phase=f"{phase_label(mo.phase, mo.micro, ga)}@{mo.step}",
                        peak_where=where_label(mo, q, at), model=m, training=t)
@@ -165,6 +168,9 @@ def estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str, handle_ws: int = C
         rep.peak_reserved = total + gap
         _phase_reserved(rep, marks)
     rep.extra["pipeline_stage"] = stage if t.pp > 1 else None
+    note = tp_rank0_note(m, t, stage, n)
+    if note:
+        rep.warnings.append(note)
     rep.extra["activations_per_layer"] = tk.layer
     return rep
 
@@ -365,7 +371,10 @@ def _stage_arrays(m: ModelSpec, base: TrainingSpec, cols: dict[str, np.ndarray],
     flags = StepFlags.of(m, base)
     tk = tokens(q, flags, n, nsq, b, ga)
     kept = kept_buffers(m, base, stage, n, nsq, capability, cols["tp"], cols["sequence_parallel"])
-    moments, _ = walk(q, flags, tk, ga, handle_ws, tokens(q, flags, n, nsq, b, ga, later=True), kept=sum(kept))
+    pipe = pipeline_inputs_kept(m, base, stage, n, cols["tp"], cols["sequence_parallel"], cols["pp"])
+    saved = rerun_batches_kept(m, base, stage, n, cols["tp"], cols["pp"], s, ga)
+    moments, _ = walk(q, flags, tk, ga, handle_ws, tokens(q, flags, n, nsq, b, ga, later=True), kept=sum(kept),
+                      pipe_kept=pipe, batches_kept=saved)
     total, _, _ = peak(moments, q.fixed)
     params = np.array([x[3] for x in shapes], dtype=np.int64)[inv]
     return {"peak_allocated": np.asarray(total, dtype=np.int64), "params_rank": params}

@@ -407,7 +407,7 @@ class Kept:
 
 def walk(q: Quantities, flags: StepFlags, tk: Tokens, ga: Any, handle_ws: int = CUBLAS_WORKSPACE,
          tk_later: Tokens | None = None, tk_next: Tokens | None = None,
-         kept: Any = 0) -> tuple[list[Moment], list[tuple]]:
+         kept: Any = 0, pipe_kept: Any = 0, batches_kept: Any = 0) -> tuple[list[Moment], list[tuple]]:
     """The moments of two training steps in order, and the bytes allocated at the end of each
     phase as (phase, micro, step, bytes). With arrays both micro-steps are walked and the second
     is marked invalid where ``ga == 1``. ``handle_ws``: the cuBLAS workspace of one handle
@@ -418,7 +418,11 @@ def walk(q: Quantities, flags: StepFlags, tk: Tokens, ga: Any, handle_ws: int = 
     is then the only one at its length, and each micro-batch's forward meets the output the loop
     still holds of the one before it, of that one's length (``hold_output`` step). ``kept``: bytes a
     framework allocates in the first forward and keeps to the end (``megatron_buffers.kept_buffers``),
-    counted with the workspaces from the first forward on."""
+    counted with the workspaces from the first forward on. ``pipe_kept``: the pipeline inputs (and their
+    gradients) Megatron's schedules leave referenced after backward (``megatron_buffers.pipeline_inputs_kept``),
+    counted as activations through each step's optimizer step and zero_grad; ``batches_kept``: the step's
+    micro-batches Megatron 0.18 keeps on the GPU (``megatron_buffers.rerun_batches_kept``), counted as inputs
+    there."""
     tk_later = tk if tk_later is None else tk_later
     at_init = q.states if flags.states_at_init else 0   # the optimizer built after the model: its states
     # (a model built on the device: its build's transients above the model, States.build_temp)
@@ -445,7 +449,8 @@ def walk(q: Quantities, flags: StepFlags, tk: Tokens, ga: Any, handle_ws: int = 
             states_before = states_before or flags.oib
             prev = here
         last = tk if tk_next is None else prev  # the step's last micro-batch: what the loop holds at the step
-        _optimizer_step(q, flags, last, Kept.of(q, flags, last), step, 2 * handle_ws + kept, moments, ends)
+        _optimizer_step(q, flags, last, Kept.of(q, flags, last), step, 2 * handle_ws + kept, moments, ends,
+                        pipe_kept, batches_kept)
     return moments, ends
 
 
@@ -1159,9 +1164,12 @@ def _dequant_forward(q: Quantities, tk: Tokens, four: tuple, prev: tuple, micro:
 
 
 def _optimizer_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: int, ws2: int, moments: list,
-                    ends: list) -> None:
+                    ends: list, pipe: Any = 0, batches: Any = 0) -> None:
     """``optimizer.step()`` (its temporaries), then ``zero_grad``: with ``set_to_none=True`` the
-    gradients are freed (but Megatron's main-grad buffers), with ``set_to_none=False`` zeroed in place."""
+    gradients are freed (but Megatron's main-grad buffers), with ``set_to_none=False`` zeroed in place.
+    ``pipe``, ``batches``: activations and inputs still referenced after backward (``walk``'s ``pipe_kept``,
+    ``batches_kept``), alive throughout."""
+    inputs = tk.inputs + batches
     logits, kv = kept.after_backward()
     graph = tk.graph if _graph_outlives_backward(flags) else 0
     # FSDP's no_sync: the last micro-batch left shards (fsdp_no_sync); + gradients kept as views of
@@ -1174,17 +1182,17 @@ def _optimizer_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, ste
     # (``free_grad_in_param_list``, ``averaged_gradients[i] = None``) before the optimizer's own step
     ds = q.ds_step_fp32 > 0
     step_grads = where(ds, q.ds_opt_grads, grads)
-    after = q.fixed + step_grads + q.states + tk.inputs + ws2 + logits + kv + graph
+    after = q.fixed + step_grads + q.states + inputs + ws2 + logits + kv + graph + pipe
     if not flags.oib:
         # (ZeRO-1/2: the gradient norm first, a float64 copy of one piece of the partition at a time)
         moments.append(_mo("optimizer_step", 0, step, "deepspeed.grad_norm",
-                           (q.ds_cast_grads, q.states, tk.inputs, ws2, 0, q.ds_norm_temp),
+                           (q.ds_cast_grads, q.states, inputs, ws2, pipe, q.ds_norm_temp),
                            (logits, kv, 0), q.ds_norm_temp > 0, graph))
         moments.append(_mo("optimizer_step", 0, step, "deepspeed.fp32_grad",
-                           (q.ds_cast_grads, q.states, tk.inputs, ws2, 0, q.ds_step_flat + q.ds_step_fp32),
+                           (q.ds_cast_grads, q.states, inputs, ws2, pipe, q.ds_step_flat + q.ds_step_fp32),
                            (logits, kv, 0), ds, graph))
         moments.append(_mo("optimizer_step", 0, step, "optimizer.step",
-                           (step_grads, q.states, tk.inputs, ws2, 0, q.step_temp - where(ds, q.ds_step_flat, 0)),
+                           (step_grads, q.states, inputs, ws2, pipe, q.step_temp - where(ds, q.ds_step_flat, 0)),
                            (logits, kv, 0), True, graph))
         ends.append(("optimizer_step", 0, step, after))
     # (FSDP1, use_orig_params: zero_grad(set_to_none=True) clears the views' .grad; the flat

@@ -459,6 +459,9 @@ class TrainingSpec:
     transformer_impl: str | None = None  # TRANSFORMER_IMPLS: Megatron-LM's layers (--framework megatron; its
     #                                      preset: transformer_engine); what they keep from the first forward on
     #                                      (estimate.megatron_buffers); None: not Megatron's
+    megatron_version: str | None = None  # the Megatron-LM (megatron-core) release of --framework megatron; None: a
+    #                                      current one (>= 0.19): 0.18.x keeps the step's batches on the GPU
+    #                                      (TrainingSpec.megatron_keeps_batches, estimate.megatron_buffers)
     expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: the caching allocator's
     #                                    virtual-memory mode (every block split to its 512 B-rounded request; one
     #                                    growing segment per pool); torchtitan's launcher sets it (spec.frameworks)
@@ -491,6 +494,7 @@ class TrainingSpec:
         if self.zero_init is not None:
             _choice("zero_init", self.zero_init, ZERO_INIT)
         self._check_transformer_impl()
+        self.megatron_release()
         self._check_switches()
         self._check_cublas_workspace_config()
         preference = preference_problem(self)
@@ -1044,6 +1048,30 @@ class TrainingSpec:
             raise TrainmemError("--transformer-impl local runs Megatron's unfused DotProductAttention only (no "
                                 "context parallelism): give --attention eager and no --cp, or --transformer-impl "
                                 "transformer_engine")
+
+    def megatron_release(self) -> tuple[int, ...]:
+        """``megatron_version`` as numbers (``"0.18.0"`` -> (0, 18, 0); ``core_v`` accepted before it);
+        None: a current release. Only with ``--framework megatron``."""
+        v = self.megatron_version
+        if v is None:
+            return (1 << 30,)
+        if self.extra.get("framework") != "megatron":
+            raise TrainmemError(f"--megatron-version {v} describes Megatron-LM's training loop: give --framework "
+                                "megatron, or drop --megatron-version")
+        try:
+            out = tuple(int(x) for x in str(v).removeprefix("core_v").split(".")[:3])
+        except ValueError:
+            raise TrainmemError(f"--megatron-version {v!r} is not a release number like 0.18.0") from None
+        if out < (0, 15):
+            raise TrainmemError(f"--megatron-version {v}: Megatron-LM releases before core_v0.15.0 are not modelled; "
+                                "give 0.15.0 or later")
+        return out
+
+    @property
+    def megatron_keeps_batches(self) -> bool:
+        """Whether Megatron's ``RerunDataIterator`` keeps the step's micro-batches on the GPU (releases 0.18.x:
+        ``estimate.megatron_buffers.rerun_batches_kept``)."""
+        return (0, 18) <= self.megatron_release() < (0, 19)
 
     def _check_pipeline(self) -> None:
         """``pp_virtual_stages``: a positive integer, only under ``--pp-schedule interleaved-1f1b``
