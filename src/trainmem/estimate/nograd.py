@@ -76,6 +76,7 @@ class NoGradLayer:
     # quantization (the fp32 absmax dequantized first)
     quant: tuple = (0, 0)
     nested: bool = False
+    code: str = "transformers"  # whose layer: transformers' ``LlamaDecoderLayer`` or "torchtitan"'s ``TransformerBlock``
 
 
 def _rank(L: NoGradLayer, name: str) -> int:
@@ -214,6 +215,60 @@ def rotary(S: NoGradSeq, L: NoGradLayer, width: float) -> int:
     return out
 
 
+def titan_rms_norm(S: NoGradSeq, L: NoGradLayer, x_bytes: int) -> int:
+    """torchtitan's ``RMSNorm.forward`` (torchtrain ``models/llama/model.py`` L63 and L76-77 at
+    pytorch/torchtitan@83c879f18^): ``self._norm(x.float())``: the fp32 copy (none where ``x`` is
+    fp32), ``x.pow(2)`` (fp32, freed once ``mean`` has reduced it), ``x * torch.rsqrt(...)`` (fp32),
+    the copy freed as ``_norm`` returns (its argument); ``.type_as(x)`` (a copy unless fp32), the fp32
+    product freed as it returns; ``output * self.weight`` (the promoted dtype: the output), the cast
+    freed when the norm returns. Unlike transformers' norm the fp32 product is gone before the
+    output is made. Returns the output's index."""
+    h = L.h
+    a = S.make(h * F32) if x_bytes != F32 else None    # x.float()
+    p = S.make(h * F32)                                 # x.pow(2), reduced by .mean(-1, keepdim=True)
+    S.free(p)
+    m = S.make(h * F32)                                 # x * torch.rsqrt(...)
+    S.free(a)
+    c = S.make(h * x_bytes) if x_bytes != F32 else None  # .type_as(x)
+    if c is not None:
+        S.free(m)
+    out = S.make(h * max(L.weight, x_bytes))            # output * self.weight
+    S.free(c if c is not None else m)
+    return out
+
+
+def titan_rotary(S: NoGradSeq, L: NoGradLayer, q: int, k: int) -> tuple[int, int]:
+    """torchtitan's ``apply_rotary_emb`` (torchtrain ``models/llama/model.py`` L148-153 at
+    pytorch/torchtitan@83c879f18^, the same body in torchtitan's ``models/llama3/model/model.py``
+    through 2025) on the linears' outputs ``q``, ``k``: ``xq.float()`` and ``xk.float()`` (fp32
+    copies, kept by their complex views ``xq_``, ``xk_`` until it returns; none where the linears'
+    dtype is fp32), the complex64 products ``xq_ * freqs_cis`` and ``xk_ * freqs_cis`` (as many
+    bytes as the fp32 copies; ``view_as_real(...).flatten(3)`` views them), ``.type_as(xq)`` and
+    ``.type_as(xk)`` (the linears' dtype: copies unless fp32, where the products are returned), the
+    copies and products freed as it returns and the linears' outputs when ``xq, xk`` are rebound
+    (``Attention.forward`` L250). Returns the rotated q's and k's indices."""
+    widths = (L.q, L.kv)
+    copies = [S.make(w * F32) if L.half != F32 else None for w in widths]  # xq.float(), xk.float()
+    prods = [S.make(w * F32) for w in widths]           # xq_ * freqs_cis, xk_ * freqs_cis (complex64)
+    if L.half == F32:                                   # .type_as: the products themselves
+        S.free(q, k)
+        return prods[0], prods[1]
+    outs = [S.make(w * L.half) for w in widths]         # xq_out.type_as(xq), xk_out.type_as(xk)
+    S.free(*copies, *prods, q, k)
+    return outs[0], outs[1]
+
+
+def _rotated(S: NoGradSeq, L: NoGradLayer, q: int, k: int) -> tuple[int, int]:
+    """q and k rotated by the layer's code (``rotary`` twice, transformers', or ``titan_rotary``);
+    the unrotated ones freed."""
+    if L.code == "torchtitan":
+        return titan_rotary(S, L, q, k)
+    qe = rotary(S, L, L.q)
+    ke = rotary(S, L, L.kv)
+    S.free(q, k)
+    return qe, ke
+
+
 def llama_layer(L: NoGradLayer) -> NoGradSeq:
     """``LlamaDecoderLayer.forward`` (L286-316) under no_grad, the layer's input alive throughout (the
     checkpoint keeps it). The norm's output lives until ``self_attn`` returns; q, k, v (L244-246)
@@ -224,24 +279,37 @@ def llama_layer(L: NoGradLayer) -> NoGradSeq:
     values (``repeat_kv``: the releases that copy them, ``quantities.release_attention_call``) are
     copied to the query's heads inside ``sdpa_attention_forward`` (L126-127 at 5.24; 4.48-4.53 the
     same) and freed when it returns, the rotated ones still held by the caller (before 4.48
-    ``LlamaSdpaAttention`` rebinds ``key_states``, freeing the rotated keys a little earlier)."""
+    ``LlamaSdpaAttention`` rebinds ``key_states``, freeing the rotated keys a little earlier).
+
+    torchtitan's ``TransformerBlock.forward`` (``code`` "torchtitan"; torchtrain
+    ``models/llama/model.py`` L420-422 at pytorch/torchtitan@83c879f18^: ``h = x +
+    self.attention(self.attention_norm(x), freqs_cis)``, ``out = h +
+    self.feed_forward(self.ffn_norm(h))``) has the same lifetimes around its own norm
+    (``titan_rms_norm``) and rotation (``titan_rotary``); ``Attention.forward`` L240-271: ``wq``,
+    ``wk``, ``wv`` (L244), the rotation (L250), ``repeat_kv`` (L253-258, copies where the key heads
+    are fewer; the rotated keys and the values freed as ``xk``, ``xv`` are rebound to them,
+    L261-262, the copies held until the attention returns), SDPA (L265; the fused kernels write
+    (b, s, heads, d), so ``transpose(1, 2).contiguous()`` copies nothing), ``wo`` (L271);
+    ``FeedForward.forward`` L310 ``w2(F.silu(w1(x)) * w3(x))`` is transformers' MLP."""
     S = NoGradSeq()
-    n1 = rms_norm(S, L, L.stream)
+    norm = titan_rms_norm if L.code == "torchtitan" else rms_norm
+    n1 = norm(S, L, L.stream)
     q = linear(S, L, "q_proj", L.h, L.q)
     k = linear(S, L, "k_proj", L.h, L.kv)
     v = linear(S, L, "v_proj", L.h, L.kv)
-    qe = rotary(S, L, L.q)
-    ke = rotary(S, L, L.kv)
-    S.free(q, k)
+    qe, ke = _rotated(S, L, q, k)
     rk = S.make(L.q * L.half) if L.repeat_kv else None  # repeat_kv(key), repeat_kv(value): q-wide copies,
     rv = S.make(L.q * L.half) if L.repeat_kv else None  # locals of sdpa_attention_forward (L126-127)
+    if L.code == "torchtitan" and L.repeat_kv:          # xk = keys.transpose(1, 2), xv = values...
+        S.free(ke, v)
+        ke, v, rk, rv = rk, rv, None, None              # held until Attention.forward returns
     ao = S.make(L.q * L.half)                           # scaled_dot_product_attention (fused kernel)
     S.free(rk, rv)
     o = linear(S, L, "o_proj", L.q, L.h)
     S.free(ao, qe, ke, v, n1)                           # o_proj returns; the attention returns
     h1 = S.make(L.h * L.stream)                         # residual + hidden_states
     S.free(o)
-    n2 = rms_norm(S, L, L.stream)
+    n2 = norm(S, L, L.stream)
     g = linear(S, L, "gate_proj", L.h, L.f)
     act = S.make(L.f * L.half)                          # act_fn(...): silu, out of place
     S.free(g)
