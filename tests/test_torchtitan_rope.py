@@ -60,6 +60,35 @@ def test_torchtitan_rotates_q_and_k_as_complex_numbers():
     assert model.model.layers[0].self_attn.q_proj.weight.grad is not None   # gradients flow through
 
 
+class _Ops(TorchDispatchMode):
+    """Each op's name and its first output's dtype, in call order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, torch.dtype]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        first = out[0] if isinstance(out, (tuple, list)) else out
+        self.seen.append((str(func), getattr(first, "dtype", None)))
+        return out
+
+
+def test_torchtitan_rotation_copies_q_and_k_before_either_product():
+    """``apply_rotary_emb``'s order (``xq.float()``, ``xk.float()``, then ``xq_ * freqs_cis``, ``xk_ *
+    freqs_cis``, then the two ``type_as``): both fp32 copies before the first complex product, and
+    both products before the first cast back to bf16."""
+    f = torchtitan_modules.rotary({})
+    q, k = (torch.randn(2, 4, 16, 16, dtype=torch.bfloat16) for _ in range(2))
+    cos, sin = torch.ones(2, 16, 16), torch.zeros(2, 16, 16)
+    rec = _Ops()
+    with rec:
+        f(q, k, cos, sin)
+    ops = [(n, d) for n, d in rec.seen if n in ("aten._to_copy.default", "aten.mul.Tensor")]
+    kinds = ["fp32" if d == torch.float32 else "c64" if d == torch.complex64 else "bf16" for _n, d in ops]
+    assert kinds[-6:] == ["fp32", "fp32", "c64", "c64", "bf16", "bf16"], kinds
+
+
 def test_other_frameworks_keep_transformers_rotation():
     rec, _model = _forward(None)
     assert not any(d == torch.complex64 for d, _s in rec.seen)
