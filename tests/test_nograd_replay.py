@@ -71,15 +71,18 @@ def test_fp32_adapters_cast_and_promote():
 @pytest.mark.parametrize("precision,framework,expect", [("bf16", None, True), ("bf16-amp", None, False),
                                                         ("bf16", "torchtune", False), ("bf16", "torchtitan", True)])
 def test_sequence_only_for_transformers_code_without_autocast(precision, framework, expect):
-    """Written for transformers' own Llama layer and torchtitan's without autocast; under autocast (its
-    per-call casts) and for other frameworks' own model code (torchtune's RMSNorm and rotary differ)
-    there is none."""
+    """Written for transformers' own Llama layer and torchtitan's; under autocast with LoRA (peft's
+    casts of the input and the adapters' outputs are not written) and for other frameworks' own model
+    code (torchtune's RMSNorm and rotary differ) there is none."""
     kw = dict(precision=precision, recompute="full", lora_rank=8)
     if framework:
         kw["framework"] = framework
     r = resolve("llama-2-7b", **kw)
     lc = layer_coefficients(layer_key(r.model, r.training))
     assert bool(lc.nograd_events) is expect
+    if precision == "bf16-amp":                                   # full fine-tuning under autocast: written
+        r = resolve("llama-2-7b", precision=precision, recompute="full")
+        assert layer_coefficients(layer_key(r.model, r.training)).nograd_events
 
 
 def test_grouped_kv_full_finetuning_follows_trace():
@@ -261,3 +264,42 @@ def test_torchtitan_full_recompute_follows_trace():
     tr = trainmem.trace("llama-2-7b", **kw)
     assert est.peak_allocated == pytest.approx(tr.peak_allocated, rel=0.005)
     assert est.peak_reserved == pytest.approx(tr.peak_reserved, rel=0.025)
+
+
+def test_autocast_layer_casts_inputs_weights_and_sdpa_arguments():
+    """transformers' Llama layer under autocast (fp32 weights and stream, full fine-tuning): each of
+    the seven linears makes autocast's half copy of its weight ("c", kept in autocast's cache); the
+    five that read a norm's fp32 output (q, k, v, gate, up) cast it to half first, a copy freed as
+    the linear returns; the rotation is promoted to fp32 by the fp32 cos and sin, so SDPA's autocast
+    wrapper casts the rotated query and keys to half (two more); the output stays fp32."""
+    h = 64
+    base = dict(h=h, q=h, kv=h, f=2 * h, stream=F32, half=2, weight=F32)
+    S = llama_layer(NoGradLayer(**base, amp=True))
+    assert S.events.count("c") == 7
+    plain = llama_layer(NoGradLayer(**base))                       # the same widths, no autocast
+    assert "c" not in plain.events
+    assert len(S.sizes) == len(plain.sizes) + 5 + 2                # the input casts, the query and key casts
+    assert S.sizes.count(h * F32) == plain.sizes.count(h * F32) + 6  # q and k: q * cos, * sin and the sum
+    live, made = {}, 0
+    for e in S.events:
+        if e == "o":
+            break
+        if e == "t":
+            live[made] = S.sizes[made]
+            made += 1
+        elif e != "c":
+            del live[int(e[1:])]
+    assert sorted(live.values()) == [h * 2, h * F32]             # the MLP's half output, the fp32 residual sum
+
+
+def test_autocast_full_recompute_follows_trace():
+    """Qwen2.5-1.5B cut to 2 layers, b4 s2048, bf16-amp, full recomputation (H200): against trace's
+    peak reserved -1.39 % as a chain (each tensor freed once the next is made), -0.22 % in code order
+    with the input and SDPA casts (8 layers: -1.28 %, -0.19 %; the H200 runs of OpenLLaMA-3B-shaped
+    and Qwen2.5-1.5B, measured: -3.61 % -> -1.48 %, -1.90 % -> -1.44 %)."""
+    kw = dict(set=["num_hidden_layers=2"], batch_size=4, seq_len=2048, precision="bf16-amp", recompute="full",
+              gpu="h200")
+    est = trainmem.estimate("qwen2.5-1.5b", **kw)
+    tr = trainmem.trace("qwen2.5-1.5b", **kw)
+    assert est.peak_allocated == pytest.approx(tr.peak_allocated, rel=0.005)
+    assert est.peak_reserved == pytest.approx(tr.peak_reserved, rel=0.01)

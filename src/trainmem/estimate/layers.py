@@ -1239,7 +1239,8 @@ def _nograd_sequence(k: LayerKey, pol: Policy, B: Builder, build: Any) -> dict:
     whose ``get_original_weight`` differs); else {} (the replay makes the layer's saved tensors at
     once, ``reserved._checkpointed``)."""
     titan = k.model_code == "torchtitan" and k.family == "llama"
-    plain = (build is _llama_layer and (k.model_code == "transformers" or titan) and not pol.amp and not k.sp
+    plain = (build is _llama_layer and (k.model_code == "transformers" or titan)
+             and not (pol.amp and (B.lora or k.quant[0] or titan)) and not k.sp
              and k.ring == 1 and not k.experts
              and not (k.liger or k.rms_norm_input or k.norm_fp32_product or k.qk_norm)
              and (k.quant_bnb or not k.quant[0]) and not k.kv_cache and k.attention_call in ("model", "repeat-kv")
@@ -1252,7 +1253,7 @@ def _nograd_sequence(k: LayerKey, pol: Policy, B: Builder, build: Any) -> dict:
     repeat = k.heads != k.kv_heads and (titan or k.attention_call == "repeat-kv")
     L = NoGradLayer(k.h, k.q / t, k.kv / t, k.f / t, pol.stream, pol.half, pol.weight, dict(B.lora),
                     k.lora_dropout if B.lora else 0.0, adapter if B.lora else 0,
-                    repeat, k.quant[:2], k.quant_nested, "torchtitan" if titan else "transformers")
+                    repeat, k.quant[:2], k.quant_nested, pol.amp, "torchtitan" if titan else "transformers")
     S = nograd_llama(L)
     return {"nograd_temps": tuple(S.sizes), "nograd_events": tuple(S.events),
             "nograd_const": tuple(S.consts) if any(S.consts) else ()}

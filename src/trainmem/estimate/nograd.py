@@ -48,6 +48,11 @@ class NoGradSeq:
         self.events.append("t")
         return len(self.sizes) - 1
 
+    def cast(self) -> None:
+        """autocast's half copy of the next linear's weight (``reserved._nograd_forward`` makes it
+        where the replay keeps the copies, ``_linear_casts``)."""
+        self.events.append("c")
+
     def free(self, *idx: int | None) -> None:
         for i in idx:
             if i is not None:
@@ -76,6 +81,7 @@ class NoGradLayer:
     # quantization (the fp32 absmax dequantized first)
     quant: tuple = (0, 0)
     nested: bool = False
+    amp: bool = False    # under autocast: fp32 weights and stream, linears and SDPA in ``half``
     code: str = "transformers"  # whose layer: transformers' ``LlamaDecoderLayer`` or "torchtitan"'s ``TransformerBlock``
 
 
@@ -101,7 +107,7 @@ def rms_norm(S: NoGradSeq, L: NoGradLayer, x_bytes: int) -> int:
     return out
 
 
-def linear(S: NoGradSeq, L: NoGradLayer, name: str, x_tok: float, out: float) -> int:
+def linear(S: NoGradSeq, L: NoGradLayer, name: str, x_tok: float, out: float, x_bytes: int = 0) -> int:
     """A linear on an input of ``x_tok`` elements per token in the linear's dtype, ``out`` wide. A
     LoRA target is peft's ``Linear.forward`` (L1088-1111): ``result = base_layer(x)``; ``x`` cast
     to the adapter's dtype (a copy where it differs, a local until the forward returns);
@@ -111,7 +117,16 @@ def linear(S: NoGradSeq, L: NoGradLayer, name: str, x_tok: float, out: float) ->
     ``result + ...`` (promoted), each freeing the one before; ``result.to(torch_result_dtype)`` (a
     copy only where the sum was promoted). A 4-bit base layer dequantizes its weight first
     (``dequantized``) and has peft's ``bnb.Linear4bit`` around it (``lora_4bit``). Returns the
-    output's index."""
+    output's index. Under autocast (``L.amp``; no LoRA there) ``at::linear``'s autocast wrapper casts
+    its arguments in order (``aten/src/ATen/autocast_mode.cpp`` ``cached_cast``): the input, a copy
+    freed as the wrapper returns where its dtype (``x_bytes``) is not the half one, then the weight
+    (the "c" event: autocast's cached copy), then the output in half."""
+    if L.amp:
+        xc = S.make(x_tok * L.half) if x_bytes and x_bytes != L.half else None  # the input cast
+        S.cast()                                        # the weight's half copy (cached)
+        res = S.make(out * L.half)
+        S.free(xc)
+        return res
     dq = dequantized(S, L, x_tok * out)
     res = S.make(out * L.half)                          # result = self.base_layer(x)
     S.free(dq)                                          # freed when MatMul4Bit.forward returns
@@ -203,14 +218,18 @@ def dequantized(S: NoGradSeq, L: NoGradLayer, w: float) -> int | None:
 def rotary(S: NoGradSeq, L: NoGradLayer, width: float) -> int:
     """One of ``apply_rotary_pos_emb``'s (L147-148) ``(q * cos) + (rotate_half(q) * sin)``, left to
     right: ``q * cos``; ``rotate_half``'s ``-x2`` (half the width) and ``torch.cat`` (the negation
-    freed as ``cat`` returns); ``* sin`` (the cat freed); the sum (both products freed)."""
-    qc = S.make(width * L.half)
+    freed as ``cat`` returns); ``* sin`` (the cat freed); the sum (both products freed). Under
+    autocast ``cos`` and ``sin`` are in the stream's dtype (fp32: ``LlamaRotaryEmbedding.forward``
+    returns ``cos.to(dtype=x.dtype)`` of the fp32 hidden states, L110-116), so the products and the sum
+    are promoted to fp32 (``mul`` and ``add`` are not autocast ops) and the rotated q and k are fp32."""
+    pd = max(L.half, L.stream) if L.amp else L.half    # the products' dtype
+    qc = S.make(width * pd)
     neg = S.make(width / 2 * L.half)
     cat = S.make(width * L.half)
     S.free(neg)
-    qs = S.make(width * L.half)
+    qs = S.make(width * pd)
     S.free(cat)
-    out = S.make(width * L.half)
+    out = S.make(width * pd)
     S.free(qc, qs)
     return out
 
@@ -269,6 +288,16 @@ def _rotated(S: NoGradSeq, L: NoGradLayer, q: int, k: int) -> tuple[int, int]:
     return qe, ke
 
 
+def _sdpa_casts(S: NoGradSeq, L: NoGradLayer, rb: int) -> list:
+    """Under autocast SDPA is on the lower-precision list: its autocast wrapper casts the query and
+    the keys (rotated in ``rb`` bytes, fp32: ``rotary``) to half, in argument order, freed as it
+    returns; the values are the linear's half output, not copied."""
+    if not L.amp or rb == L.half:
+        return []
+    width = L.q if L.repeat_kv else L.kv
+    return [S.make(L.q * L.half), S.make(width * L.half)]   # query.to(half), key.to(half)
+
+
 def llama_layer(L: NoGradLayer) -> NoGradSeq:
     """``LlamaDecoderLayer.forward`` (L286-316) under no_grad, the layer's input alive throughout (the
     checkpoint keeps it). The norm's output lives until ``self_attn`` returns; q, k, v (L244-246)
@@ -293,30 +322,33 @@ def llama_layer(L: NoGradLayer) -> NoGradSeq:
     ``FeedForward.forward`` L310 ``w2(F.silu(w1(x)) * w3(x))`` is transformers' MLP."""
     S = NoGradSeq()
     norm = titan_rms_norm if L.code == "torchtitan" else rms_norm
+    nb = max(L.weight, L.stream)                        # the norms' outputs' dtype
     n1 = norm(S, L, L.stream)
-    q = linear(S, L, "q_proj", L.h, L.q)
-    k = linear(S, L, "k_proj", L.h, L.kv)
-    v = linear(S, L, "v_proj", L.h, L.kv)
+    q = linear(S, L, "q_proj", L.h, L.q, nb)
+    k = linear(S, L, "k_proj", L.h, L.kv, nb)
+    v = linear(S, L, "v_proj", L.h, L.kv, nb)
     qe, ke = _rotated(S, L, q, k)
-    rk = S.make(L.q * L.half) if L.repeat_kv else None  # repeat_kv(key), repeat_kv(value): q-wide copies,
+    rb = max(L.half, L.stream) if L.amp else L.half     # the rotated keys' dtype (``rotary``)
+    rk = S.make(L.q * rb) if L.repeat_kv else None      # repeat_kv(key), repeat_kv(value): q-wide copies,
     rv = S.make(L.q * L.half) if L.repeat_kv else None  # locals of sdpa_attention_forward (L126-127)
     if L.code == "torchtitan" and L.repeat_kv:          # xk = keys.transpose(1, 2), xv = values...
         S.free(ke, v)
         ke, v, rk, rv = rk, rv, None, None              # held until Attention.forward returns
+    casts = _sdpa_casts(S, L, rb)
     ao = S.make(L.q * L.half)                           # scaled_dot_product_attention (fused kernel)
-    S.free(rk, rv)
-    o = linear(S, L, "o_proj", L.q, L.h)
+    S.free(*casts, rk, rv)
+    o = linear(S, L, "o_proj", L.q, L.h, L.half)
     S.free(ao, qe, ke, v, n1)                           # o_proj returns; the attention returns
     h1 = S.make(L.h * L.stream)                         # residual + hidden_states
     S.free(o)
     n2 = norm(S, L, L.stream)
-    g = linear(S, L, "gate_proj", L.h, L.f)
+    g = linear(S, L, "gate_proj", L.h, L.f, nb)
     act = S.make(L.f * L.half)                          # act_fn(...): silu, out of place
     S.free(g)
-    up = linear(S, L, "up_proj", L.h, L.f)
+    up = linear(S, L, "up_proj", L.h, L.f, nb)
     prod = S.make(L.f * L.half)                         # ... * up_proj(x)
     S.free(act, up)
-    down = linear(S, L, "down_proj", L.f, L.h)
+    down = linear(S, L, "down_proj", L.f, L.h, L.half)
     S.free(prod, n2)
     S.events.append("o")                                # residual + hidden_states: the output
     del h1, down                                        # (freed after it: the replay frees what is alive)
