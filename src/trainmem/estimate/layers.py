@@ -1231,8 +1231,9 @@ def _nograd_sequence(k: LayerKey, pol: Policy, B: Builder, build: Any) -> dict:
     """A checkpointed layer's first forward tensor by tensor (``nograd.llama_layer``), where the layer
     is transformers' Llama decoder layer (``k.model_code``; Llama, Mistral, Qwen2) or torchtitan's
     Llama ``TransformerBlock`` (its own norm and rotation, ``nograd.titan_rms_norm``,
-    ``titan_rotary``) as ``_llama_layer`` builds it in the plain case: no autocast (its per-call
-    input and frozen-weight casts are not written there), a fused SDPA kernel (grouped keys copied
+    ``titan_rotary``) as ``_llama_layer`` builds it in the plain case: transformers' layer also under
+    autocast without LoRA or 4-bit weights (``NoGradLayer.amp``: the inputs' and weights' casts; peft's
+    casts are not written), a fused SDPA kernel (grouped keys copied
     to the query's heads where the code does: transformers' releases of ``repeat-kv``, torchtitan's
     ``repeat_kv`` always), one sequence shard (no sequence or context parallelism), dense SwiGLU,
     HF's RMSNorm, 16-bit or bitsandbytes 4-bit linears (``nograd.dequantized``; not torchao's NF4,

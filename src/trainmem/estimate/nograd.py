@@ -24,7 +24,11 @@ fused attention's logsumexp) are left out: a few KiB to 1 MiB, in the small pool
 
 A bitsandbytes 4-bit base linear (``Linear4bit``, ``NoGradLayer.quant``) also makes its weight
 dequantized, whose size is the weight's, not per token: each temporary has ``sizes`` bytes per token
-plus ``consts`` bytes (0 for all but those), the replay allocating ``sizes * tokens + consts``."""
+plus ``consts`` bytes (0 for all but those), the replay allocating ``sizes * tokens + consts``.
+
+Under autocast (``NoGradLayer.amp``, full fine-tuning) a "c" event stands for autocast's half copy
+of the next linear's weight, which the replay makes where it keeps the copies linear by linear
+(``reserved._nograd_forward``)."""
 
 from __future__ import annotations
 

@@ -1285,8 +1285,9 @@ def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: _Parts, tk: Toke
 def _checkpointed(R: _Replay, q: Quantities, parts: list[int], recompute: str, late: list | None = None) -> list:
     """A checkpointed layer's first forward. Nothing is saved, so each tensor lives only as long as
     the layer's code holds it. A hand-written layer whose forward is written tensor by tensor
-    (``parts.nograd``, ``estimate/nograd.py``) is replayed so (``_nograd_forward``), the tensors alive
-    when its output is made handed to ``late``, freed once the caller has made it. Else, under
+    (``parts.nograd``, ``estimate/nograd.py``) is replayed so (``_nograd_forward``, under autocast
+    with its weight copies, kept as below), the tensors alive when its output is made handed to
+    ``late``, freed once the caller has made it. Else, under
     autocast with the copies replayed linear by linear (``_recompute_casts``), as a chain, each of
     the layer's tensors freed once the next is made, each linear's half weight copy, made where the
     linear runs, staying in autocast's cache until the autocast context around the model's
