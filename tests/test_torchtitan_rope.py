@@ -96,8 +96,11 @@ def test_other_frameworks_keep_transformers_rotation():
 
 @pytest.mark.slow
 def test_torchtitan_rotation_saves_what_transformers_saves(monkeypatch):
-    """The swap changes the forward's temporaries, not what autograd keeps: the allocated peak moves
-    by no more than the complex frequencies the layers share ((s, head_dim / 2) complex64)."""
+    """The swap changes the forward's temporaries, not what autograd keeps: the tensors alive at the
+    allocated peak differ by no more than the complex frequencies the layers share ((s, head_dim / 2)
+    complex64). The allocator's rounding of the blocks it did not split (``allocator_overhead``)
+    depends on which cached blocks the temporaries left, so it is not part of the comparison (with
+    the rotation in torchtitan's order it is 1.5 MiB more here)."""
     setup = dict(batch_size=2, seq_len=512, dp=8, fsdp="full", fsdp_version=2, precision="bf16-mp",
                  recompute="op", optimizer_impl="foreach", loss="half", gpu="h100", expandable_segments=False,
                  hold_output="loss")
@@ -106,7 +109,11 @@ def test_torchtitan_rotation_saves_what_transformers_saves(monkeypatch):
     monkeypatch.setattr(torchtitan_modules, "rope", lambda model, t: contextlib.nullcontext())
     plain = trace("llama-2-7b", framework="torchtitan", overrides=cut, **setup)  # transformers' rotation
     freqs = 512 * 64 * 8
-    assert abs(titan.peak_allocated - plain.peak_allocated) <= freqs + 512
+
+    def tensors(r) -> int:                                                  # the peak less block rounding
+        return r.peak_allocated - sum(c.bytes for c in r.components if c.category == "allocator_overhead")
+    assert sum(c.bytes for c in titan.components) == titan.peak_allocated
+    assert abs(tensors(titan) - tensors(plain)) <= freqs + 512
 
 
 def test_the_layers_share_one_complex_frequency_tensor_per_forward():
