@@ -60,6 +60,35 @@ def test_torchtitan_rotates_q_and_k_as_complex_numbers():
     assert model.model.layers[0].self_attn.q_proj.weight.grad is not None   # gradients flow through
 
 
+class _Ops(TorchDispatchMode):
+    """Each op's name and its first output's dtype, in call order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, torch.dtype]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        first = out[0] if isinstance(out, (tuple, list)) else out
+        self.seen.append((str(func), getattr(first, "dtype", None)))
+        return out
+
+
+def test_torchtitan_rotation_copies_q_and_k_before_either_product():
+    """``apply_rotary_emb``'s order (``xq.float()``, ``xk.float()``, then ``xq_ * freqs_cis``, ``xk_ *
+    freqs_cis``, then the two ``type_as``): both fp32 copies before the first complex product, and
+    both products before the first cast back to bf16."""
+    f = torchtitan_modules.rotary({})
+    q, k = (torch.randn(2, 4, 16, 16, dtype=torch.bfloat16) for _ in range(2))
+    cos, sin = torch.ones(2, 16, 16), torch.zeros(2, 16, 16)
+    rec = _Ops()
+    with rec:
+        f(q, k, cos, sin)
+    ops = [(n, d) for n, d in rec.seen if n in ("aten._to_copy.default", "aten.mul.Tensor")]
+    kinds = ["fp32" if d == torch.float32 else "c64" if d == torch.complex64 else "bf16" for _n, d in ops]
+    assert kinds[-6:] == ["fp32", "fp32", "c64", "c64", "bf16", "bf16"], kinds
+
+
 def test_other_frameworks_keep_transformers_rotation():
     rec, _model = _forward(None)
     assert not any(d == torch.complex64 for d, _s in rec.seen)
@@ -67,8 +96,11 @@ def test_other_frameworks_keep_transformers_rotation():
 
 @pytest.mark.slow
 def test_torchtitan_rotation_saves_what_transformers_saves(monkeypatch):
-    """The swap changes the forward's temporaries, not what autograd keeps: the allocated peak moves
-    by no more than the complex frequencies the layers share ((s, head_dim / 2) complex64)."""
+    """The swap changes the forward's temporaries, not what autograd keeps: the tensors alive at the
+    allocated peak differ by no more than the complex frequencies the layers share ((s, head_dim / 2)
+    complex64). The allocator's rounding of the blocks it did not split (``allocator_overhead``)
+    depends on which cached blocks the temporaries left, so it is not part of the comparison (with
+    the rotation in torchtitan's order it is 1.5 MiB more here)."""
     setup = dict(batch_size=2, seq_len=512, dp=8, fsdp="full", fsdp_version=2, precision="bf16-mp",
                  recompute="op", optimizer_impl="foreach", loss="half", gpu="h100", expandable_segments=False,
                  hold_output="loss")
@@ -77,7 +109,11 @@ def test_torchtitan_rotation_saves_what_transformers_saves(monkeypatch):
     monkeypatch.setattr(torchtitan_modules, "rope", lambda model, t: contextlib.nullcontext())
     plain = trace("llama-2-7b", framework="torchtitan", overrides=cut, **setup)  # transformers' rotation
     freqs = 512 * 64 * 8
-    assert abs(titan.peak_allocated - plain.peak_allocated) <= freqs + 512
+
+    def tensors(r) -> int:                                                  # the peak less block rounding
+        return r.peak_allocated - sum(c.bytes for c in r.components if c.category == "allocator_overhead")
+    assert sum(c.bytes for c in titan.components) == titan.peak_allocated
+    assert abs(tensors(titan) - tensors(plain)) <= freqs + 512
 
 
 def test_the_layers_share_one_complex_frequency_tensor_per_forward():

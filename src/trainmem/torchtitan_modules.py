@@ -65,17 +65,21 @@ def _freqs_cis(cache: dict, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 def rotary(cache: dict) -> Any:
     """``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)`` as torchtitan's ``apply_rotary_emb``
-    computes it, on transformers' (b, heads, s, head_dim) q and k (``unsqueeze_dim`` 1)."""
+    computes it, on transformers' (b, heads, s, head_dim) q and k (``unsqueeze_dim`` 1), in its
+    order (torchtrain ``models/llama/model.py`` L148-153 at pytorch/torchtitan@83c879f18^; v0.2.2
+    ``torchtitan/models/llama3/model/model.py`` L164-169 the same): both fp32
+    copies, then both complex64 products, then both casts back, every copy and product alive until
+    it returns (they decide which cached blocks the next tensors reuse)."""
     def apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = _freqs_cis(cache, cos, sin).unsqueeze(0)          # (1, s, d/2), then broadcast
         if unsqueeze_dim == 1:
             freqs = freqs.unsqueeze(1)                            # (1, 1, s, d/2)
-
-        def one(x: torch.Tensor) -> torch.Tensor:
-            x_ = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))  # fp32 copy, complex view
-            return torch.view_as_real(x_ * freqs).flatten(-2).type_as(x)          # complex64 product -> x's dtype
-        return one(q), one(k)
+        xq_ = torch.view_as_complex(q.float().reshape(*q.shape[:-1], -1, 2))  # fp32 copies, complex views
+        xk_ = torch.view_as_complex(k.float().reshape(*k.shape[:-1], -1, 2))
+        xq_out = torch.view_as_real(xq_ * freqs).flatten(-2)      # complex64 products
+        xk_out = torch.view_as_real(xk_ * freqs).flatten(-2)
+        return xq_out.type_as(q), xk_out.type_as(k)               # back to the projections' dtype
     return apply
 
 

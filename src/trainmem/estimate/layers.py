@@ -1032,9 +1032,10 @@ class LayerKey:
     manual_layernorm: bool = False  # the LayerNorms in Python ops (ModelSpec.manual_layernorm)
     separate_qkv: bool = False  # GPT-2 family: q, k, v as three linears (ModelSpec.separate_qkv)
     expert_loop: bool = False  # transformers < 5: Mixtral's experts one nn.Linear MLP at a time (_moe_loop)
-    # the layer is transformers' own module (not torchtune's, torchtitan's, litgpt's... re-implementation,
-    # spec.frameworks.OWN_MODEL_CODE): its checkpointed forward is written tensor by tensor (nograd.py)
-    hf_code: bool = False
+    # whose code the layer runs: "transformers" (its own module) or the framework of
+    # spec.frameworks.OWN_MODEL_CODE that re-implements it (torchtune, torchtitan, litgpt...); transformers'
+    # Llama layer and torchtitan's are written tensor by tensor for a checkpointed forward (nograd.py)
+    model_code: str = ""
     # 4-bit base weights: bitsandbytes' ``Linear4bit`` (not torchao's NF4), double-quantized (``*-dq``)
     quant_bnb: bool = False
     quant_nested: bool = False
@@ -1228,15 +1229,21 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
 
 def _nograd_sequence(k: LayerKey, pol: Policy, B: Builder, build: Any) -> dict:
     """A checkpointed layer's first forward tensor by tensor (``nograd.llama_layer``), where the layer
-    is transformers' Llama decoder layer (``k.hf_code``; Llama, Mistral, Qwen2) as ``_llama_layer``
-    builds it in the plain case: no autocast (its per-call input and frozen-weight casts are not
-    written there), a fused SDPA kernel (grouped keys copied to the query's heads where the release
-    does, ``repeat-kv``), one sequence shard (no sequence or context parallelism), dense SwiGLU, HF's
-    RMSNorm, 16-bit or bitsandbytes 4-bit linears (``nograd.dequantized``; not torchao's NF4, whose
-    ``get_original_weight`` differs); else {} (the replay makes the layer's saved tensors at
+    is transformers' Llama decoder layer (``k.model_code``; Llama, Mistral, Qwen2) or torchtitan's
+    Llama ``TransformerBlock`` (its own norm and rotation, ``nograd.titan_rms_norm``,
+    ``titan_rotary``) as ``_llama_layer`` builds it in the plain case: transformers' layer also under
+    autocast without LoRA or 4-bit weights (``NoGradLayer.amp``: the inputs' and weights' casts; peft's
+    casts are not written), a fused SDPA kernel (grouped keys copied
+    to the query's heads where the code does: transformers' releases of ``repeat-kv``, torchtitan's
+    ``repeat_kv`` always), one sequence shard (no sequence or context parallelism), dense SwiGLU,
+    HF's RMSNorm, 16-bit or bitsandbytes 4-bit linears (``nograd.dequantized``; not torchao's NF4,
+    whose ``get_original_weight`` differs); else {} (the replay makes the layer's saved tensors at
     once, ``reserved._checkpointed``)."""
-    plain = (build is _llama_layer and k.hf_code and not pol.amp and not k.sp and k.ring == 1
-             and not k.experts and not (k.liger or k.rms_norm_input or k.norm_fp32_product or k.qk_norm)
+    titan = k.model_code == "torchtitan" and k.family == "llama"
+    plain = (build is _llama_layer and (k.model_code == "transformers" or titan)
+             and not (pol.amp and (B.lora or k.quant[0] or titan)) and not k.sp
+             and k.ring == 1 and not k.experts
+             and not (k.liger or k.rms_norm_input or k.norm_fp32_product or k.qk_norm)
              and (k.quant_bnb or not k.quant[0]) and not k.kv_cache and k.attention_call in ("model", "repeat-kv")
              and k.attention != "eager")
     if not plain or B.sdpa(k.attention, k.head_dim, k.heads / k.tp, k.kv_heads / k.tp,
@@ -1244,9 +1251,10 @@ def _nograd_sequence(k: LayerKey, pol: Policy, B: Builder, build: Any) -> dict:
         return {}
     t = k.tp
     adapter = pol.weight if B.base_trains else (pol.half if k.lora_half else F32)
+    repeat = k.heads != k.kv_heads and (titan or k.attention_call == "repeat-kv")
     L = NoGradLayer(k.h, k.q / t, k.kv / t, k.f / t, pol.stream, pol.half, pol.weight, dict(B.lora),
                     k.lora_dropout if B.lora else 0.0, adapter if B.lora else 0,
-                    k.heads != k.kv_heads and k.attention_call == "repeat-kv", k.quant[:2], k.quant_nested)
+                    repeat, k.quant[:2], k.quant_nested, pol.amp, "torchtitan" if titan else "transformers")
     S = nograd_llama(L)
     return {"nograd_temps": tuple(S.sizes), "nograd_events": tuple(S.events),
             "nograd_const": tuple(S.consts) if any(S.consts) else ()}

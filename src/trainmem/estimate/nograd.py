@@ -24,7 +24,11 @@ fused attention's logsumexp) are left out: a few KiB to 1 MiB, in the small pool
 
 A bitsandbytes 4-bit base linear (``Linear4bit``, ``NoGradLayer.quant``) also makes its weight
 dequantized, whose size is the weight's, not per token: each temporary has ``sizes`` bytes per token
-plus ``consts`` bytes (0 for all but those), the replay allocating ``sizes * tokens + consts``."""
+plus ``consts`` bytes (0 for all but those), the replay allocating ``sizes * tokens + consts``.
+
+Under autocast (``NoGradLayer.amp``, full fine-tuning) a "c" event stands for autocast's half copy
+of the next linear's weight, which the replay makes where it keeps the copies linear by linear
+(``reserved._nograd_forward``)."""
 
 from __future__ import annotations
 
@@ -47,6 +51,11 @@ class NoGradSeq:
         self.consts.append(float(nbytes))
         self.events.append("t")
         return len(self.sizes) - 1
+
+    def cast(self) -> None:
+        """autocast's half copy of the next linear's weight (``reserved._nograd_forward`` makes it
+        where the replay keeps the copies, ``_linear_casts``)."""
+        self.events.append("c")
 
     def free(self, *idx: int | None) -> None:
         for i in idx:
@@ -76,6 +85,8 @@ class NoGradLayer:
     # quantization (the fp32 absmax dequantized first)
     quant: tuple = (0, 0)
     nested: bool = False
+    amp: bool = False    # under autocast: fp32 weights and stream, linears and SDPA in ``half``
+    code: str = "transformers"  # whose layer: transformers' ``LlamaDecoderLayer`` or "torchtitan"'s ``TransformerBlock``
 
 
 def _rank(L: NoGradLayer, name: str) -> int:
@@ -100,7 +111,7 @@ def rms_norm(S: NoGradSeq, L: NoGradLayer, x_bytes: int) -> int:
     return out
 
 
-def linear(S: NoGradSeq, L: NoGradLayer, name: str, x_tok: float, out: float) -> int:
+def linear(S: NoGradSeq, L: NoGradLayer, name: str, x_tok: float, out: float, x_bytes: int = 0) -> int:
     """A linear on an input of ``x_tok`` elements per token in the linear's dtype, ``out`` wide. A
     LoRA target is peft's ``Linear.forward`` (L1088-1111): ``result = base_layer(x)``; ``x`` cast
     to the adapter's dtype (a copy where it differs, a local until the forward returns);
@@ -110,7 +121,16 @@ def linear(S: NoGradSeq, L: NoGradLayer, name: str, x_tok: float, out: float) ->
     ``result + ...`` (promoted), each freeing the one before; ``result.to(torch_result_dtype)`` (a
     copy only where the sum was promoted). A 4-bit base layer dequantizes its weight first
     (``dequantized``) and has peft's ``bnb.Linear4bit`` around it (``lora_4bit``). Returns the
-    output's index."""
+    output's index. Under autocast (``L.amp``; no LoRA there) ``at::linear``'s autocast wrapper casts
+    its arguments in order (``aten/src/ATen/autocast_mode.cpp`` ``cached_cast``): the input, a copy
+    freed as the wrapper returns where its dtype (``x_bytes``) is not the half one, then the weight
+    (the "c" event: autocast's cached copy), then the output in half."""
+    if L.amp:
+        xc = S.make(x_tok * L.half) if x_bytes and x_bytes != L.half else None  # the input cast
+        S.cast()                                        # the weight's half copy (cached)
+        res = S.make(out * L.half)
+        S.free(xc)
+        return res
     dq = dequantized(S, L, x_tok * out)
     res = S.make(out * L.half)                          # result = self.base_layer(x)
     S.free(dq)                                          # freed when MatMul4Bit.forward returns
@@ -202,16 +222,84 @@ def dequantized(S: NoGradSeq, L: NoGradLayer, w: float) -> int | None:
 def rotary(S: NoGradSeq, L: NoGradLayer, width: float) -> int:
     """One of ``apply_rotary_pos_emb``'s (L147-148) ``(q * cos) + (rotate_half(q) * sin)``, left to
     right: ``q * cos``; ``rotate_half``'s ``-x2`` (half the width) and ``torch.cat`` (the negation
-    freed as ``cat`` returns); ``* sin`` (the cat freed); the sum (both products freed)."""
-    qc = S.make(width * L.half)
+    freed as ``cat`` returns); ``* sin`` (the cat freed); the sum (both products freed). Under
+    autocast ``cos`` and ``sin`` are in the stream's dtype (fp32: ``LlamaRotaryEmbedding.forward``
+    returns ``cos.to(dtype=x.dtype)`` of the fp32 hidden states, L110-116), so the products and the sum
+    are promoted to fp32 (``mul`` and ``add`` are not autocast ops) and the rotated q and k are fp32."""
+    pd = max(L.half, L.stream) if L.amp else L.half    # the products' dtype
+    qc = S.make(width * pd)
     neg = S.make(width / 2 * L.half)
     cat = S.make(width * L.half)
     S.free(neg)
-    qs = S.make(width * L.half)
+    qs = S.make(width * pd)
     S.free(cat)
-    out = S.make(width * L.half)
+    out = S.make(width * pd)
     S.free(qc, qs)
     return out
+
+
+def titan_rms_norm(S: NoGradSeq, L: NoGradLayer, x_bytes: int) -> int:
+    """torchtitan's ``RMSNorm.forward`` (torchtrain ``models/llama/model.py`` L63 and L76-77 at
+    pytorch/torchtitan@83c879f18^): ``self._norm(x.float())``: the fp32 copy (none where ``x`` is
+    fp32), ``x.pow(2)`` (fp32, freed once ``mean`` has reduced it), ``x * torch.rsqrt(...)`` (fp32),
+    the copy freed as ``_norm`` returns (its argument); ``.type_as(x)`` (a copy unless fp32), the fp32
+    product freed as it returns; ``output * self.weight`` (the promoted dtype: the output), the cast
+    freed when the norm returns. Unlike transformers' norm the fp32 product is gone before the
+    output is made. Returns the output's index."""
+    h = L.h
+    a = S.make(h * F32) if x_bytes != F32 else None    # x.float()
+    p = S.make(h * F32)                                 # x.pow(2), reduced by .mean(-1, keepdim=True)
+    S.free(p)
+    m = S.make(h * F32)                                 # x * torch.rsqrt(...)
+    S.free(a)
+    c = S.make(h * x_bytes) if x_bytes != F32 else None  # .type_as(x)
+    if c is not None:
+        S.free(m)
+    out = S.make(h * max(L.weight, x_bytes))            # output * self.weight
+    S.free(c if c is not None else m)
+    return out
+
+
+def titan_rotary(S: NoGradSeq, L: NoGradLayer, q: int, k: int) -> tuple[int, int]:
+    """torchtitan's ``apply_rotary_emb`` (torchtrain ``models/llama/model.py`` L148-153 at
+    pytorch/torchtitan@83c879f18^, the same body in torchtitan's ``models/llama3/model/model.py``
+    through 2025) on the linears' outputs ``q``, ``k``: ``xq.float()`` and ``xk.float()`` (fp32
+    copies, kept by their complex views ``xq_``, ``xk_`` until it returns; none where the linears'
+    dtype is fp32), the complex64 products ``xq_ * freqs_cis`` and ``xk_ * freqs_cis`` (as many
+    bytes as the fp32 copies; ``view_as_real(...).flatten(3)`` views them), ``.type_as(xq)`` and
+    ``.type_as(xk)`` (the linears' dtype: copies unless fp32, where the products are returned), the
+    copies and products freed as it returns and the linears' outputs when ``xq, xk`` are rebound
+    (``Attention.forward`` L250). Returns the rotated q's and k's indices."""
+    widths = (L.q, L.kv)
+    copies = [S.make(w * F32) if L.half != F32 else None for w in widths]  # xq.float(), xk.float()
+    prods = [S.make(w * F32) for w in widths]           # xq_ * freqs_cis, xk_ * freqs_cis (complex64)
+    if L.half == F32:                                   # .type_as: the products themselves
+        S.free(q, k)
+        return prods[0], prods[1]
+    outs = [S.make(w * L.half) for w in widths]         # xq_out.type_as(xq), xk_out.type_as(xk)
+    S.free(*copies, *prods, q, k)
+    return outs[0], outs[1]
+
+
+def _rotated(S: NoGradSeq, L: NoGradLayer, q: int, k: int) -> tuple[int, int]:
+    """q and k rotated by the layer's code (``rotary`` twice, transformers', or ``titan_rotary``);
+    the unrotated ones freed."""
+    if L.code == "torchtitan":
+        return titan_rotary(S, L, q, k)
+    qe = rotary(S, L, L.q)
+    ke = rotary(S, L, L.kv)
+    S.free(q, k)
+    return qe, ke
+
+
+def _sdpa_casts(S: NoGradSeq, L: NoGradLayer, rb: int) -> list:
+    """Under autocast SDPA is on the lower-precision list: its autocast wrapper casts the query and
+    the keys (rotated in ``rb`` bytes, fp32: ``rotary``) to half, in argument order, freed as it
+    returns; the values are the linear's half output, not copied."""
+    if not L.amp or rb == L.half:
+        return []
+    width = L.q if L.repeat_kv else L.kv
+    return [S.make(L.q * L.half), S.make(width * L.half)]   # query.to(half), key.to(half)
 
 
 def llama_layer(L: NoGradLayer) -> NoGradSeq:
@@ -224,31 +312,47 @@ def llama_layer(L: NoGradLayer) -> NoGradSeq:
     values (``repeat_kv``: the releases that copy them, ``quantities.release_attention_call``) are
     copied to the query's heads inside ``sdpa_attention_forward`` (L126-127 at 5.24; 4.48-4.53 the
     same) and freed when it returns, the rotated ones still held by the caller (before 4.48
-    ``LlamaSdpaAttention`` rebinds ``key_states``, freeing the rotated keys a little earlier)."""
+    ``LlamaSdpaAttention`` rebinds ``key_states``, freeing the rotated keys a little earlier).
+
+    torchtitan's ``TransformerBlock.forward`` (``code`` "torchtitan"; torchtrain
+    ``models/llama/model.py`` L420-422 at pytorch/torchtitan@83c879f18^: ``h = x +
+    self.attention(self.attention_norm(x), freqs_cis)``, ``out = h +
+    self.feed_forward(self.ffn_norm(h))``) has the same lifetimes around its own norm
+    (``titan_rms_norm``) and rotation (``titan_rotary``); ``Attention.forward`` L240-271: ``wq``,
+    ``wk``, ``wv`` (L244), the rotation (L250), ``repeat_kv`` (L253-258, copies where the key heads
+    are fewer; the rotated keys and the values freed as ``xk``, ``xv`` are rebound to them,
+    L261-262, the copies held until the attention returns), SDPA (L265; the fused kernels write
+    (b, s, heads, d), so ``transpose(1, 2).contiguous()`` copies nothing), ``wo`` (L271);
+    ``FeedForward.forward`` L310 ``w2(F.silu(w1(x)) * w3(x))`` is transformers' MLP."""
     S = NoGradSeq()
-    n1 = rms_norm(S, L, L.stream)
-    q = linear(S, L, "q_proj", L.h, L.q)
-    k = linear(S, L, "k_proj", L.h, L.kv)
-    v = linear(S, L, "v_proj", L.h, L.kv)
-    qe = rotary(S, L, L.q)
-    ke = rotary(S, L, L.kv)
-    S.free(q, k)
-    rk = S.make(L.q * L.half) if L.repeat_kv else None  # repeat_kv(key), repeat_kv(value): q-wide copies,
+    norm = titan_rms_norm if L.code == "torchtitan" else rms_norm
+    nb = max(L.weight, L.stream)                        # the norms' outputs' dtype
+    n1 = norm(S, L, L.stream)
+    q = linear(S, L, "q_proj", L.h, L.q, nb)
+    k = linear(S, L, "k_proj", L.h, L.kv, nb)
+    v = linear(S, L, "v_proj", L.h, L.kv, nb)
+    qe, ke = _rotated(S, L, q, k)
+    rb = max(L.half, L.stream) if L.amp else L.half     # the rotated keys' dtype (``rotary``)
+    rk = S.make(L.q * rb) if L.repeat_kv else None      # repeat_kv(key), repeat_kv(value): q-wide copies,
     rv = S.make(L.q * L.half) if L.repeat_kv else None  # locals of sdpa_attention_forward (L126-127)
+    if L.code == "torchtitan" and L.repeat_kv:          # xk = keys.transpose(1, 2), xv = values...
+        S.free(ke, v)
+        ke, v, rk, rv = rk, rv, None, None              # held until Attention.forward returns
+    casts = _sdpa_casts(S, L, rb)
     ao = S.make(L.q * L.half)                           # scaled_dot_product_attention (fused kernel)
-    S.free(rk, rv)
-    o = linear(S, L, "o_proj", L.q, L.h)
+    S.free(*casts, rk, rv)
+    o = linear(S, L, "o_proj", L.q, L.h, L.half)
     S.free(ao, qe, ke, v, n1)                           # o_proj returns; the attention returns
     h1 = S.make(L.h * L.stream)                         # residual + hidden_states
     S.free(o)
-    n2 = rms_norm(S, L, L.stream)
-    g = linear(S, L, "gate_proj", L.h, L.f)
+    n2 = norm(S, L, L.stream)
+    g = linear(S, L, "gate_proj", L.h, L.f, nb)
     act = S.make(L.f * L.half)                          # act_fn(...): silu, out of place
     S.free(g)
-    up = linear(S, L, "up_proj", L.h, L.f)
+    up = linear(S, L, "up_proj", L.h, L.f, nb)
     prod = S.make(L.f * L.half)                         # ... * up_proj(x)
     S.free(act, up)
-    down = linear(S, L, "down_proj", L.f, L.h)
+    down = linear(S, L, "down_proj", L.f, L.h, L.half)
     S.free(prod, n2)
     S.events.append("o")                                # residual + hidden_states: the output
     del h1, down                                        # (freed after it: the replay frees what is alive)

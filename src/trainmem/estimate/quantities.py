@@ -442,7 +442,14 @@ def layer_key(m: ModelSpec, t: TrainingSpec) -> LayerKey:
                     norm_fp32_product=torchtune_norm_saves_fp32(m, t), manual_layernorm=m.manual_layernorm,
                     separate_qkv=m.separate_qkv, quant_nested=bool(t.quantize) and t.quantize.endswith("-dq"),
                     quant_bnb=bool(t.quantize) and t.quantize_via != "torchao",
-                    hf_code=t.extra.get("framework") not in OWN_MODEL_CODE)
+                    model_code=model_code(t))
+
+
+def model_code(t: TrainingSpec) -> str:
+    """Whose code a layer runs: the framework that re-implements the model
+    (``spec.frameworks.OWN_MODEL_CODE``: torchtune, torchtitan, litgpt...), else "transformers"."""
+    framework = t.extra.get("framework")
+    return framework if framework in OWN_MODEL_CODE else "transformers"
 
 
 def release_attention_call(m: ModelSpec, t: TrainingSpec) -> str:

@@ -1288,8 +1288,9 @@ def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: _Parts, tk: Toke
 def _checkpointed(R: _Replay, q: Quantities, parts: list[int], recompute: str, late: list | None = None) -> list:
     """A checkpointed layer's first forward. Nothing is saved, so each tensor lives only as long as
     the layer's code holds it. A hand-written layer whose forward is written tensor by tensor
-    (``parts.nograd``, ``estimate/nograd.py``) is replayed so (``_nograd_forward``), the tensors alive
-    when its output is made handed to ``late``, freed once the caller has made it. Else, under
+    (``parts.nograd``, ``estimate/nograd.py``) is replayed so (``_nograd_forward``, under autocast
+    with its weight copies, kept as below), the tensors alive when its output is made handed to
+    ``late``, freed once the caller has made it. Else, under
     autocast with the copies replayed linear by linear (``_recompute_casts``), as a chain, each of
     the layer's tensors freed once the next is made, each linear's half weight copy, made where the
     linear runs, staying in autocast's cache until the autocast context around the model's
@@ -1302,9 +1303,8 @@ def _checkpointed(R: _Replay, q: Quantities, parts: list[int], recompute: str, l
     casts = _linear_casts(q) if recompute == "full" and _recompute_casts(q) else None
     if recompute == "full" and getattr(parts, "events", ()):      # a derived layer, tensor by tensor
         return _sequence_forward(R, q, parts, keep=False, casts=casts is not None).casts
-    if recompute == "full" and casts is None and getattr(parts, "nograd_events", ()):
-        _nograd_forward(R, parts, late if late is not None else [])  # a hand-written layer, tensor by tensor
-        return []
+    if recompute == "full" and getattr(parts, "nograd_events", ()):  # a hand-written layer, tensor by tensor
+        return _nograd_forward(R, parts, late if late is not None else [], casts)
     one = getattr(parts, "whole", True)
     if casts is None:
         R.frees(R.allocs(parts, one=one))
@@ -1321,24 +1321,34 @@ def _checkpointed(R: _Replay, q: Quantities, parts: list[int], recompute: str, l
     return copies
 
 
-def _nograd_forward(R: _Replay, parts: _Parts, late: list) -> None:
+def _nograd_forward(R: _Replay, parts: _Parts, late: list, casts: list | None = None) -> list:
     """A hand-written layer's checkpointed first forward in its code's order (``LayerCoefs.nograd_events``,
     ``estimate/nograd.py``): "t" makes the next temporary, "fK" frees the K-th; at "o" (the layer's
     output, which the caller makes as what the checkpoint keeps) the temporaries still alive go to
     ``late``. Against trace, Llama-2-7B cut to 2 layers, b2 s1024, pure bf16, full recomputation
     (``compare --trace``), peak reserved: LoRA r64 +7.27 % -> -0.04 % (all of the layer's tensors made
-    at once before), full fine-tuning -0.17 % -> -1.13 % (reentrant), +3.59 % -> +3.08 % (not)."""
+    at once before), full fine-tuning -0.17 % -> -1.13 % (reentrant), +3.59 % -> +3.08 % (not).
+    Under autocast "c" makes the next linear's half weight copy, kept in autocast's cache (returned,
+    freed when the forward ends, as ``_checkpointed``'s chain keeps them) where the replay makes the
+    copies linear by linear (``casts``, ``_linear_casts``); else they are one block elsewhere."""
     live: dict[int, Any] = {}                                     # temporary's index -> handle
     made = 0
+    sizes = iter(casts or [])
+    copies: list = []
     for e in parts.nograd_events:
         if e == "t":
             live[made] = R.alloc(parts.nograd[made])
             made += 1
+        elif e == "c":
+            nbytes = next(sizes, None)
+            if casts is not None and nbytes is not None:
+                copies.append(R.alloc(nbytes))                    # (out, in) in bf16/fp16, cached
         elif e == "o":
             break
         else:
             R.free(live.pop(int(e[1:]), None))
     late.extend(live.values())
+    return copies
 
 
 def _sequence_forward(R: _Replay, q: Quantities, parts: _Parts, keep: bool, casts: bool = True) -> "_Kept":
