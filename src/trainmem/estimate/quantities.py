@@ -2110,10 +2110,13 @@ def deepspeed_head_wgrad(m: ModelSpec, t: TrainingSpec, st: States) -> int:
 
 
 def deepspeed_gathered(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, int]:
-    """DeepSpeed ZeRO-3's gathered (whole) parameters in the engine's dtype: (from the end of
-    forward to the top layer's backward, in the rest of backward); (0, 0) off ZeRO-3 over several
-    ranks. None at the optimizer step: ``step`` starts by releasing every parameter
-    (``stage3.py`` ``_partition_all_parameters``).
+    """DeepSpeed ZeRO-3's gathered (whole) parameters in the engine's dtype: (at the top layer's
+    backward, in the rest of backward); (0, 0) off ZeRO-3 over several ranks. None at the optimizer
+    step: ``step`` starts by releasing every parameter (``stage3.py`` ``_partition_all_parameters``).
+    Where the coordinator's replay applies (``deepspeed_gather_zones``: an LM, no pipeline stages,
+    recompute none or full) its top-layer and lower-layer maxima; else the rule below, which neglects
+    the prefetcher's passes over gathered entries (so the layers kept past the reuse distance) and
+    the live-parameter limit.
 
     ZeRO-3 gathers a submodule's own parameters when its forward or backward hook fires and
     releases them after it, except a parameter that comes up again within the next

@@ -3,8 +3,8 @@ are gathered (whole, in the engine's dtype) at each module's forward and backwar
 coordinator's trace is complete (the run's second step on).
 
 The coordinator is the same in DeepSpeed v0.14.2 (the published rows' pin) and v0.19.8 (installed):
-``runtime/zero/partitioned_param_coordinator.py`` ``fetch_sub_module`` (v0.14.2 L260-391, v0.19.8
-L353-490), ``release_sub_module`` (L395-403 / L494-533), ``__params_to_release`` (L487-517 /
+``runtime/zero/partitioned_param_coordinator.py`` ``fetch_sub_module`` (v0.14.2 L261-391, v0.19.8
+L310-490), ``release_sub_module`` (L395-403 / L494-533), ``__params_to_release`` (L487-517 /
 L634-664), ``__all_gather_params_`` (L436-474 / L582-620). What it does, replayed here:
 
 * Every module is fetched at its forward pre-hook and its backward pre-hook (``parameter_offload.py``
@@ -18,12 +18,13 @@ L634-664), ``__all_gather_params_`` (L436-474 / L582-620). What it does, replaye
   stage3_prefetch_bucket_size)`` elements (v0.19.8 L452-476). An entry whose parameter is gathered
   already is popped without counting, and its step is recorded as the parameter's most recent fetch,
   so the prefetcher runs past every gathered parameter. ``n_available`` counts every gathered
-  element (L593, L630) and is reset to 0 at each forward's start (``reset_step`` L287).
+  element (L593, L630) and is reset to 0 at each forward's start (``reset_step`` L287; v0.14.2 L239).
 * A module's release (post hook) keeps a parameter whose most recent fetch step lies ahead
   (L649-651), or that recurs in the modules of the order within ``stage3_max_reuse_distance``
   elements (L656-662); a parameter still in flight is not released (``__release_param``: AVAILABLE only).
 * Storage (``partition_parameters.py``): one parameter gathered alone is gathered into its own buffer
-  (``all_gather_coalesced`` -> ``_all_gather_sequential`` for ``len(params) == 1``, v0.19.8 L1598); a
+  (``all_gather_coalesced`` -> ``_all_gather_sequential`` for ``len(params) == 1``, v0.19.8 L1598;
+  v0.14.2 L1205); a
   group of several into one flat buffer, from which the first wait builds every member by
   ``torch.cat`` (``AllGatherCoalescedHandle.wait`` L761-803); the handle, holding the flat buffer,
   stays in ``__inflight_param_registry`` until the group's last member is fetched (coordinator L406).
