@@ -2138,7 +2138,7 @@ def deepspeed_gathered(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, 
         return 0, 0
     zones = deepspeed_gather_zones(m, t, st)
     if zones is not None:
-        return block_of(t, zones[2] * t.weight_bytes), block_of(t, zones[3] * t.weight_bytes)
+        return zones[2], zones[3]
     wb = t.weight_bytes
     layer = st.layer_params_full                            # one layer's weights, whole, engine dtype
     layer_n = layer // wb
@@ -2169,7 +2169,7 @@ def deepspeed_gathered_head(m: ModelSpec, t: TrainingSpec, st: States) -> int:
     LM head's backward (the loss's moments): the replay's (``deepspeed_gather_zones``), else the
     rule's top (``deepspeed_gathered``); 0 off ZeRO-3 over several ranks."""
     zones = deepspeed_gather_zones(m, t, st)
-    return deepspeed_gathered(m, t, st)[0] if zones is None else block_of(t, zones[1] * t.weight_bytes)
+    return deepspeed_gathered(m, t, st)[0] if zones is None else zones[1]
 
 
 def deepspeed_gathered_forward(m: ModelSpec, t: TrainingSpec, st: States) -> int:
@@ -2179,11 +2179,11 @@ def deepspeed_gathered_forward(m: ModelSpec, t: TrainingSpec, st: States) -> int
     zones = deepspeed_gather_zones(m, t, st)
     if zones is None:
         return deepspeed_gathered(m, t, st)[0] + deepspeed_coalesced(m, t)
-    return block_of(t, zones[0] * t.weight_bytes)
+    return zones[0]
 
 
 def deepspeed_gather_zones(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, int, int, int] | None:
-    """Elements DeepSpeed ZeRO-3 holds gathered (whole parameters and the flat all-gather buffers,
+    """Bytes DeepSpeed ZeRO-3 holds gathered (whole parameters and the flat all-gather buffers,
     the engine's dtype) at most in the top layer's forward, from forward's end through the head's
     backward, in the top layer's backward and in the other layers' backward (with the flat ``cat`` of
     a gradient bucket reduced there), from the second step on: the coordinator
@@ -2213,7 +2213,8 @@ def deepspeed_gather_zones(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[i
     if head is None and tied is None:
         return None
     return gathered_zones(params, head, tied, t.recompute == "full", t.ds_reuse_distance, t.ds_prefetch,
-                          DS_MAX_LIVE, deepspeed_linear_kept(m, t) > 0, bucket)
+                          DS_MAX_LIVE, deepspeed_linear_kept(m, t) > 0, bucket, t.weight_bytes,
+                          bool(t.expandable_segments))
 
 
 def deepspeed_linear_kept(m: ModelSpec, t: TrainingSpec) -> int:

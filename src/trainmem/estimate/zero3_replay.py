@@ -40,6 +40,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Callable
+
+from ..allocator_rules import block_bytes
 
 #: DeepSpeed's ``stage3_param_persistence_threshold`` default (v0.19.8 ``runtime/zero/config.py`` L228;
 #: v0.14.2 the same): parameters of this many elements or fewer stay gathered and are left out here
@@ -67,6 +70,7 @@ class Moment:
 @dataclass
 class _State:
     numels: tuple[int, ...]
+    size: Callable[[int], int]                          # elements -> the storage counted for one tensor
     status: list[int]                                   # 0 not available, 1 in flight, 2 available
     group: dict[int, int] = field(default_factory=dict)  # parameter -> its gather group
     groups: dict[int, list] = field(default_factory=dict)  # group -> [members, flat elements, pending set]
@@ -103,9 +107,9 @@ def _storage(s: _State) -> tuple[int, int]:
     total = fresh = 0
     for p, st in enumerate(s.status):
         if st == 2 or (st == 1 and s.groups[s.group[p]][1] == 0):
-            total += s.numels[p]
-            fresh += s.numels[p] if p in s.fresh else 0
-    total += sum(flat for _, flat, pending in s.groups.values() if pending)
+            total += s.size(s.numels[p])
+            fresh += s.size(s.numels[p]) if p in s.fresh else 0
+    total += sum(s.size(flat) for _, flat, pending in s.groups.values() if pending)
     return total, fresh
 
 
@@ -161,12 +165,13 @@ def _release(s: _State, uses: tuple[Use, ...], i: int, dist: int) -> None:
 
 
 def replay(uses: tuple[Use, ...], numels: tuple[int, ...], dist: int, bucket: int,
-           max_live: int) -> list[Moment]:
+           max_live: int, size: Callable[[int], int] = int) -> list[Moment]:
     """The gathered storage (elements) at each fetch of one step with the trace complete: ``uses``
     the recorded order, ``numels`` each parameter's elements, ``dist`` ``stage3_max_reuse_distance``,
     ``bucket`` ``stage3_prefetch_bucket_size``, ``max_live`` ``stage3_max_live_parameters``. The step
-    starts with every parameter released (the previous optimizer step's ``_partition_all_parameters``)."""
-    s = _State(numels, [0] * len(numels))
+    starts with every parameter released (the previous optimizer step's ``_partition_all_parameters``).
+    ``size``: the storage counted for a tensor of so many elements (default: the elements)."""
+    s = _State(numels, size, [0] * len(numels))
     queue = deque((p, i) for i, use in enumerate(uses) for p in sorted(set(use.params)))
     out = []
     for i, use in enumerate(uses):
@@ -298,8 +303,10 @@ def reduce_cats(uses: tuple[Use, ...], numels: tuple[int, ...], bucket: int) -> 
 @lru_cache(maxsize=256)
 def gathered_zones(params: tuple[tuple[str, int, int | None], ...], head: str | None, tied_head: int | None,
                    recompute: bool, dist: int, bucket: int, max_live: int,
-                   forward_storage_kept: bool, reduce_bucket: int = 0) -> tuple[int, int, int, int]:
-    """Elements ZeRO-3 holds gathered, the most at each of four stretches of a step with the trace
+                   forward_storage_kept: bool, reduce_bucket: int, weight_bytes: int,
+                   expandable: bool) -> tuple[int, int, int, int]:
+    """Bytes ZeRO-3 holds gathered (each tensor's caching-allocator block, ``weight_bytes`` per element,
+    ``allocator_rules.block_bytes`` under ``expandable`` segments or not), the most at each of four stretches of a step with the trace
     complete (``replay`` over ``module_order``): the top layer's forward; from the end of forward
     (the head's forward) through the modules above the layers in backward (the head's); the top
     layer's backward; the other layers' backward (the embedding's own backward, the last module, not
@@ -311,7 +318,9 @@ def gathered_zones(params: tuple[tuple[str, int, int | None], ...], head: str | 
     (``reduce_cats``) make their flat ``cat`` beside what is gathered at that module's backward: counted
     there with it."""
     uses, numels = module_order(list(params), head, tied_head, recompute)
-    moments = replay(uses, numels, dist, bucket, max_live)
+    def size(n: int) -> int:
+        return block_bytes(n * weight_bytes, expandable)     # (n,) engine dtype
+    moments = replay(uses, numels, dist, bucket, max_live, size)
     top_layer = max((u.layer for u in uses if u.layer is not None), default=None)
     first_bwd = next(i for i, u in enumerate(uses) if not u.forward)
     head_fwd = max((i for i, u in enumerate(uses[:first_bwd]) if u.layer is None), default=0)
@@ -324,6 +333,6 @@ def gathered_zones(params: tuple[tuple[str, int, int | None], ...], head: str | 
     for i in range(first_bwd, len(moments) - 1):
         mo = moments[i]
         zone = head if mo.use.layer is None else top if mo.use.layer == top_layer else low
-        zone.append(held(mo) + cats.get(i, 0))
+        zone.append(held(mo) + (size(cats[i]) if cats.get(i) else 0))
     top = top or head
     return max(fwd, default=0), max(head), max(top), max(low, default=max(top))
