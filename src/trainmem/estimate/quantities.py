@@ -2194,7 +2194,8 @@ def deepspeed_gather_zones(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[i
     passes marks its parameter as fetched for that later use, which its module's release then keeps:
     at forward's end the head and the layers below it up to that count stay gathered into backward.
     None where the replay does not apply (the rule in ``deepspeed_gathered`` then): off ZeRO-3 over
-    several ranks, a model without an LM head, pipeline stages, or recompute other than none/full.
+    several ranks, a model without an LM head, pipeline stages, recompute other than none/full, or
+    mixture-of-experts layers.
     Found by trace (DeepSpeed 0.19.8): Giles Thomas's Llama-3-8B ZeRO-3 setup cut to 6 layers, dp 8,
     one token: at the second step's backward start the head, layers 5 and 4 and layer 3's down_proj
     gathered, and at layer 4's MLP the embedding and layer 0's q/k/v in one flat all-gather (1,050 MiB)."""
@@ -2204,6 +2205,8 @@ def deepspeed_gather_zones(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[i
         return None
     from .zero3_replay import gathered_zones
     tensors = m.parameter_tensors()
+    if any(p.role in ("expert", "router") for p in tensors):
+        return None   # MoE: the experts a step calls vary, and so does the recorded order (trace invalidated)
     bucket = t.ds_reduce_bucket if (st.trainable > 0 and not _partial_layout(m, t, st)) else 0      # the reductions' cats with every parameter trainable
     params = tuple((p.name, -(-p.numel // t.tp), p.layer) for p in tensors)   # (name, whole elements, layer)
     last = tensors[-1] if tensors else None                # an untied head: the last tensor, outside the layers

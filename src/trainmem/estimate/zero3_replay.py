@@ -37,6 +37,7 @@ outruns the forward anyway.
 """
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -77,6 +78,8 @@ class _State:
     recent: dict[int, int] = field(default_factory=dict)
     fresh: set = field(default_factory=set)
     n_available: int = 0
+    prefix: list = field(default_factory=list)          # elements of the order's uses before each index
+    occurs: dict = field(default_factory=dict)          # parameter -> the indices of the uses holding it
 
 
 def _gather(s: _State, params: list[int]) -> None:
@@ -148,20 +151,21 @@ def _fetch(s: _State, uses: tuple[Use, ...], i: int, queue: deque, bucket: int, 
 
 
 def _release(s: _State, uses: tuple[Use, ...], i: int, dist: int) -> None:
-    """``release_sub_module`` after the module fetched at step ``i`` (``__step_id`` is then i + 1)."""
+    """``release_sub_module`` after the module fetched at step ``i`` (``__step_id`` is then i + 1). The
+    reuse-distance walk (L656-662) passes the uses from i + 1 until the elements passed reach ``dist``:
+    those in [i + 1, stop), found on the prefix sums."""
     step = i + 1
-    keep = {p for p in uses[i].params if s.recent.get(p, -10**10) > step}
-    traversed = 0
-    for use in uses[step:]:
-        if traversed >= dist:
-            break
-        keep.update(use.params)
-        traversed += sum(s.numels[p] for p in use.params)
+    stop = bisect_left(s.prefix, s.prefix[step] + dist, lo=step) if dist > 0 else step
     for p in uses[i].params:
-        if p not in keep and s.status[p] == 2:
-            s.status[p] = 0
-            s.n_available -= s.numels[p]
-            s.fresh.discard(p)
+        if s.recent.get(p, -10**10) > step or s.status[p] != 2:
+            continue
+        occ = s.occurs[p]
+        k = bisect_left(occ, step)
+        if k < len(occ) and occ[k] < stop:
+            continue                                    # used again within the distance
+        s.status[p] = 0
+        s.n_available -= s.numels[p]
+        s.fresh.discard(p)
 
 
 def replay(uses: tuple[Use, ...], numels: tuple[int, ...], dist: int, bucket: int,
@@ -172,6 +176,11 @@ def replay(uses: tuple[Use, ...], numels: tuple[int, ...], dist: int, bucket: in
     starts with every parameter released (the previous optimizer step's ``_partition_all_parameters``).
     ``size``: the storage counted for a tensor of so many elements (default: the elements)."""
     s = _State(numels, size, [0] * len(numels))
+    s.prefix = [0]
+    for k, use in enumerate(uses):
+        s.prefix.append(s.prefix[-1] + sum(numels[p] for p in use.params))
+        for p in use.params:
+            s.occurs.setdefault(p, []).append(k)
     queue = deque((p, i) for i, use in enumerate(uses) for p in sorted(set(use.params)))
     out = []
     for i, use in enumerate(uses):
