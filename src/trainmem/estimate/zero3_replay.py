@@ -61,7 +61,8 @@ class Use:
 
 @dataclass(frozen=True)
 class Moment:
-    """The gathered storage at a module's fetch (after its prefetch, before its compute), elements."""
+    """The gathered storage at a module's fetch (after its prefetch, before its compute), in ``replay``'s
+    ``size`` units (elements unless given)."""
     use: Use
     gathered: int              # every gathered parameter's storage and the flat buffers alive
     fresh: int                 # of it: layers' parameters gathered since their forward use, never released
@@ -105,7 +106,7 @@ def _wait(s: _State, p: int) -> None:
 
 
 def _storage(s: _State) -> tuple[int, int]:
-    """Elements held: gathered parameters (a coalesced group's members only once waited) and the
+    """Storage held (``size`` of each tensor): gathered parameters (a coalesced group's members only once waited) and the
     flat buffers of groups with a member still in flight; and those of them fresh since forward."""
     total = fresh = 0
     for p, st in enumerate(s.status):
@@ -287,25 +288,23 @@ def reduce_cats(uses: tuple[Use, ...], numels: tuple[int, ...], bucket: int) -> 
     by the index of the use whose gradient hook runs it: gradients join the bucket in the order backward
     makes them; a gradient that would take the bucket past ``reduce_bucket_size`` elements first reduces
     it (``reduce_independent_p_g_buckets_and_remove_grads``, v0.19.8 ``stage3.py`` L1583-1585; v0.14.2
-    L1191-1243), whose ``reduce_scatter_coalesced`` concatenates a bucket of several tensors into one new
-    tensor (``comm/coalesced_collectives.py`` L122; one tensor alone is reduced in place). The last
+    L1191-1243); a parameter's hook runs after its last use's backward (a tied table's at the
+    embedding's, after the head's contribution). The reduction's ``reduce_scatter_coalesced``
+    concatenates a bucket of several tensors into one new tensor (``comm/coalesced_collectives.py`` L122; one tensor alone is reduced in place). The last
     bucket, reduced after backward (``independent_gradient_partition_epilogue``), is not listed.
     Persistent parameters' gradients (norms) are neglected; ``bucket`` 0: none."""
+    first_bwd = next((i for i, u in enumerate(uses) if not u.forward), len(uses))
+    last: dict[int, int] = {}                            # parameter -> its last backward use: a gradient
+    for i in range(first_bwd, len(uses)):                # accumulates over every use (a tied table's over
+        if not uses[i].forward:                          # the head's and the embedding's), then its hook
+            last.update({p: i for p in uses[i].params})
     out: dict[int, int] = {}
     cur: list[int] = []
-    seen: set[int] = set()
-    first_bwd = next((i for i, u in enumerate(uses) if not u.forward), len(uses))
-    for i in range(first_bwd, len(uses) if bucket > 0 else 0):
-        if uses[i].forward:
-            continue
-        for p in uses[i].params:
-            if p in seen:
-                continue
-            seen.add(p)
-            if cur and sum(cur) + numels[p] > bucket:
-                out[i] = max(out.get(i, 0), sum(cur) if len(cur) > 1 else 0)
-                cur = []
-            cur.append(numels[p])
+    for p, i in sorted(last.items(), key=lambda item: item[1]) if bucket > 0 else ():
+        if cur and sum(cur) + numels[p] > bucket:
+            out[i] = max(out.get(i, 0), sum(cur) if len(cur) > 1 else 0)
+            cur = []
+        cur.append(numels[p])
     return out
 
 
