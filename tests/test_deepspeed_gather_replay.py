@@ -65,6 +65,17 @@ def test_reduce_cats_of_several_tensors_only():
     assert set(reduce_cats(uses, numels, M + 1).values()) == {0}  # one tensor per bucket: in place
 
 
+def test_a_tied_tables_gradient_joins_the_bucket_at_the_embeddings_backward():
+    """The head's use of a tied table is not its gradient hook: the gradient accumulates over the head's
+    and the embedding's backward, so the buckets are layers 3 + 2, then 1 + 0, then the table."""
+    tied = TOY[:-1]                                            # no head tensor: the head uses the table
+    uses, numels = module_order(tied, None, 0, recompute=False)
+    assert [u.params for u in uses if u.name.endswith("<head>")] == [(0,), (0,)]
+    cats = reduce_cats(uses, numels, 2 * M + 1)
+    assert sorted((uses[i].layer if uses[i].layer is not None else -1) for i in cats) == [-1, 1]
+    assert set(cats.values()) == {2 * M}
+
+
 def _gpjt(layers: int, dp: int) -> tuple[dict, dict]:
     """Giles Thomas's Llama-3-8B ZeRO-3 fp16 setup (HF Trainer, DeepSpeed defaults) cut to ``layers``,
     the release pins dropped (trace runs the installed DeepSpeed)."""
