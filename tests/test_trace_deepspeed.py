@@ -303,7 +303,10 @@ def test_fp32_engine_clones_its_partition_as_master(stage, one_torch_thread):
     """An fp32 ZeRO engine keeps an fp32 clone of the rank's partition for its torch optimizer
     (``single_partition_of_fp32_groups`` / ``fp32_partitioned_groups_flat``: ``TrainingSpec.ds_fp32_clone``),
     not the parameters themselves: trace of DeepSpeed's engine finds it as a tensor of its own, and
-    the estimate counts the same bytes (ceil(n / dp) x 4) and lands within 3 % of trace's peak."""
+    the estimate counts the same bytes (ceil(n / dp) x 4) and lands within 1 % of trace's peak less its
+    ``allocator_overhead`` (block rounding and unsplit remainders, which the estimate's allocated bytes
+    do not place: 2.5 MiB of this 98 MiB peak at stage 3, where the estimate read -2.6 % of the whole
+    peak only because ZeRO-3's gathered parameters were over-counted by 0.5 MiB; now they equal trace's)."""
     pytest.importorskip("deepspeed")
     kw = dict(GPT2, zero=stage, dp=2, precision="fp32", reduce_bucket_size=1_000_000)
     r, e = trace("gpt2", **kw), trainmem.estimate("gpt2", **kw)
@@ -311,7 +314,8 @@ def test_fp32_engine_clones_its_partition_as_master(stage, one_torch_thread):
     whole = sum(c.bytes for c in trainmem.estimate("gpt2", precision="fp32", **GPT2).components
                 if c.category == "parameters")
     assert traced == estimated == -(-whole // 4 // 2) * 4 > 0
-    assert abs(e.peak_allocated / r.peak_allocated - 1) < 0.03
+    placed = r.peak_allocated - sum(c.bytes for c in r.components if c.category == "allocator_overhead")
+    assert abs(e.peak_allocated / placed - 1) < 0.01
 
 
 def test_fp32_clone_is_deepspeeds_zero_on_fp32_weights_only():

@@ -539,12 +539,12 @@ def _head_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, befo
     out.append(_mo("backward", micro, step, "deepspeed.head_wgrad",
                    (grads_before + q.ds_head_wgrad, states, tk.inputs, ws2, tk.all_acts, tk.logits_grad),
                    (kept.logits, kept.kv_forward, 0), _both(valid, q.ds_head_wgrad > 0),
-                   comm=q.ds_loss_buf + q.ds_gathered_top))
+                   comm=q.ds_loss_buf + q.ds_gathered_head))
     for where_, temp in (("lm_head.backward", tk.head_chunk_first), ("lm_head.backward.sum", tk.head_chunk)):
         out.append(_mo("backward", micro, step, where_, (grads_before, states, tk.inputs, ws2, tk.all_acts, temp),
                        (kept.logits, kept.kv_forward, 0), _both(valid, q.chunk_head_grads > 0),
                        comm=q.fsdp_loss_root + q.fsdp_last_kept + q.fsdp_loss_buf + q.fsdp_head_pref
-                       + q.ds_loss_buf + q.ds_gathered_top))
+                       + q.ds_loss_buf + q.ds_gathered_head))
     out.append(_head_weight_grad(q, flags, tk, kept, before, step, micro, valid))
     # a classifier's final RMSNorm backward, every activation alive (quantities.final_norm_backward)
     out.append(_mo("backward", micro, step, "final_norm.backward",
@@ -626,7 +626,7 @@ def _head_weight_grad(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, b
                (grads_before + head, states, tk.inputs, ws2, tk.all_acts - q.cast_head, q.head_wgrad + q.tied_grad),
                (kept.logits, kept.kv_forward, 0), _both(valid, _both(q.head_wgrad > 0, _either(fresh, sync))),
                comm=q.fsdp_loss_root + q.fsdp_root_regather + q.fsdp_last_kept + q.fsdp_head_pref
-               + q.fsdp_loss_buf + q.ds_loss_buf + q.ds_gathered_top)
+               + q.fsdp_loss_buf + q.ds_loss_buf + q.ds_gathered_head)
 
 
 def _root_regather_at_loss(q: Quantities, tk: Tokens, kept: Kept, before: tuple, step: int, micro: int,
@@ -665,7 +665,7 @@ def _quant4_head_backward(q: Quantities, tk: Tokens, kept: "Kept", base: tuple, 
     return _mo("backward", micro, step, "lm_head.backward",
                (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.out_logits + q.head_temp),
                (kept.logits, kept.kv_forward, 0), _both(valid, q.head_temp > 0), graph,
-               comm=q.ds_loss_buf + q.ds_gathered_top)
+               comm=q.ds_loss_buf + q.ds_gathered_head)
 
 
 def _fsdp1_head_unit_forward(q: Quantities, tk: Tokens, base: tuple, prev: tuple, step: int, micro: int, valid: Any,
@@ -720,7 +720,7 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
                        (grads_before, states, tk.inputs, ws, tk.all_acts, 0),
                        (prev_logits + tk.out_logits + tk.cast_logits, prev_kv + tk.kv_held, 0),
                        _both(valid, _both(cast, q.logits_cast > 0)), prev_graph + own,
-                       comm=q.fsdp_loss_root + q.fsdp_last_kept + q.fsdp_loss_ag + q.ds_gathered_top))
+                       comm=q.fsdp_loss_root + q.fsdp_last_kept + q.fsdp_loss_ag + q.ds_gathered_head))
     loss_logits = where(cast, where(q.logits_cast > 0, tk.cast_logits, tk.out_logits), prev_logits + tk.out_logits)
     # (a loss that saves the logits it reads, quantities._compiled_chunked_loss_bytes: counted once)
     read = where(cast, where(q.logits_cast > 0, tk.cast_logits, tk.out_logits), tk.out_logits)
@@ -728,17 +728,17 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     moments.append(_mo("forward", micro, step, "cross_entropy",
                        (grads_before, states, tk.inputs, ws, tk.all_acts, tk.loss_forward + q.cast_forward_only),
                        (loss_logits, where(cast, 0, prev_kv) + tk.kv_held, loss_new), valid, prev_graph + own,
-                       comm=q.fsdp_loss_root + q.fsdp_last_kept + q.fsdp_loss_ag + q.ds_gathered_top))
+                       comm=q.fsdp_loss_root + q.fsdp_last_kept + q.fsdp_loss_ag + q.ds_gathered_head))
     # FSDP grad-op (and FSDP1) keep the root gathered from its forward to its backward
     ends.append(("forward", micro, step, q.fixed + grads_before + states + tk.inputs + ws + tk.all_acts
                  + kept.logits + kept.kv_forward + tk.loss_saved + q.fsdp_root_kept + q.fsdp_last_kept
-                 + q.ds_gathered_top))
+                 + q.ds_gathered_head))
     moments.append(_root_regather_at_loss(q, tk, kept, (grads_before, states, ws2, own), step, micro, valid))
     moments.append(_mo("backward", micro, step, "cross_entropy.backward",
                        (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.loss_backward),
                        (kept.logits, kept.kv_forward, tk.loss_saved), valid, own,
                        comm=q.fsdp_loss_root + q.fsdp_last_kept + q.fsdp_loss_buf + q.ds_loss_buf
-                       + q.ds_gathered_top))
+                       + q.ds_gathered_head))
     moments.extend(_head_backward(q, flags, tk, kept, (grads_before, states, ws2), step, micro, valid))
     if flags.quant4:
         moments.append(_quant4_head_backward(q, tk, kept, (grads_before, states, ws2), step, micro, valid, own))
@@ -773,7 +773,7 @@ def _top_forward(q: Quantities, tk: Tokens, base: tuple, prev: tuple, step: int,
     out = [_mo("forward", micro, step, "deepspeed.top_layer.forward",
                (grads_before, states, tk.inputs, ws, tk.layers + tk.outer_rest, 0),
                (prev_logits, prev_kv + tk.kv_held, 0), _both(valid, _both(step > 1, q.ds_coalesced > 0)),
-               graph, comm=q.ds_gathered_top + q.ds_coalesced)]
+               graph, comm=q.ds_gathered_fwd)]
     for where_, extra in (("head.forward", tk.head_fwd), ("final_norm.forward", trunc(q.final_norm_fwd_tok * tk.tokens)),
                           ("layer.output.LayerNorm.forward", trunc(q.bert_top_fwd_tok * tk.tokens))):
         out.append(_mo("forward", micro, step, where_,

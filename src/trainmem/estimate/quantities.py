@@ -277,7 +277,9 @@ class Quantities:
     ds_offload_buf: int = 0   # DeepSpeed ZeRO-1/2 offloading the optimizer: its GPU gradient buffer (``deepspeed_offload_grad_buffer``)
     ds_partition: int = 0     # DeepSpeed ZeRO-3: elements of this rank's flat fp32 partition, all sub-groups (``deepspeed_partition_elems``)
     ds_step_flat: int = 0     # ... and the flat copy in the gradient dtype beside it during the cast
-    ds_gathered_top: int = 0  # DeepSpeed ZeRO-3's gathered parameters from forward's end to the top layer's backward
+    ds_gathered_top: int = 0  # DeepSpeed ZeRO-3's gathered parameters at the top layer's backward
+    ds_gathered_head: int = 0  # ... from forward's end through the head's backward (``deepspeed_gathered_head``)
+    ds_gathered_fwd: int = 0  # ... at the top layer's forward, with the prefetch's flat output (``deepspeed_gathered_forward``)
     ds_head_wgrad: int = 0    # DeepSpeed ZeRO-3: an untied head's whole weight gradient at its backward (``deepspeed_head_wgrad``)
     ds_gathered_low: int = 0  # ... in the rest of backward (``deepspeed_gathered``)
     ds_gathered_emb: int = 0  # ... at the embedding's backward, the last module's (``deepspeed_gathered_embedding``)
@@ -1670,6 +1672,7 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
             "ds_offload_steps": deepspeed_offload_epilogue(m, t, st), "ds_linear_kept": deepspeed_linear_kept(m, t),
             "ds_step_flat": flat,
             "ds_gathered_top": top, "ds_gathered_low": low, "ds_coalesced": deepspeed_coalesced(m, t),
+            "ds_gathered_head": deepspeed_gathered_head(m, t, st), "ds_gathered_fwd": deepspeed_gathered_forward(m, t, st),
             "ds_head_wgrad": deepspeed_head_wgrad(m, t, st),
             "ds_gathered_emb": deepspeed_gathered_embedding(m, t),
             "ds_reduce_cat": deepspeed_reduce_cat(t, st), "ds_reduce_cats": deepspeed_reduce_cats(t, st),
@@ -2114,10 +2117,13 @@ def deepspeed_head_wgrad(m: ModelSpec, t: TrainingSpec, st: States) -> int:
 
 
 def deepspeed_gathered(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, int]:
-    """DeepSpeed ZeRO-3's gathered (whole) parameters in the engine's dtype: (from the end of
-    forward to the top layer's backward, in the rest of backward); (0, 0) off ZeRO-3 over several
-    ranks. None at the optimizer step: ``step`` starts by releasing every parameter
-    (``stage3.py`` ``_partition_all_parameters``).
+    """DeepSpeed ZeRO-3's gathered (whole) parameters in the engine's dtype: (at the top layer's
+    backward, in the rest of backward); (0, 0) off ZeRO-3 over several ranks. None at the optimizer
+    step: ``step`` starts by releasing every parameter (``stage3.py`` ``_partition_all_parameters``).
+    Where the coordinator's replay applies (``deepspeed_gather_zones``: an LM, no pipeline stages,
+    recompute none or full) its top-layer and lower-layer maxima; else the rule below, which neglects
+    the prefetcher's passes over gathered entries (so the layers kept past the reuse distance) and
+    the live-parameter limit.
 
     ZeRO-3 gathers a submodule's own parameters when its forward or backward hook fires and
     releases them after it, except a parameter that comes up again within the next
@@ -2137,6 +2143,9 @@ def deepspeed_gathered(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, 
     are gathered. Modules within a layer are taken as the layer (their offsets in it neglected)."""
     if not (deepspeed_zero(t) and t.zero == 3 and t.shard_group > 1):
         return 0, 0
+    zones = deepspeed_gather_zones(m, t, st)
+    if zones is not None:
+        return zones[2], zones[3]
     wb = t.weight_bytes
     layer = st.layer_params_full                            # one layer's weights, whole, engine dtype
     layer_n = layer // wb
@@ -2160,6 +2169,62 @@ def deepspeed_gathered(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, 
     # with the layers' activations: deepspeed_linear_kept); their norms are neglected
     kept_layers = 0 if deepspeed_linear_kept(m, t) else max(k, 1) * layer
     return head + kept_layers + prefetch(kept_n), current + prefetch(current_n)
+
+
+def deepspeed_gathered_head(m: ModelSpec, t: TrainingSpec, st: States) -> int:
+    """Bytes DeepSpeed ZeRO-3 holds gathered (engine's dtype) from the end of forward through the
+    LM head's backward (the loss's moments): the replay's (``deepspeed_gather_zones``), else the
+    rule's top (``deepspeed_gathered``); 0 off ZeRO-3 over several ranks."""
+    zones = deepspeed_gather_zones(m, t, st)
+    return deepspeed_gathered(m, t, st)[0] if zones is None else zones[1]
+
+
+def deepspeed_gathered_forward(m: ModelSpec, t: TrainingSpec, st: States) -> int:
+    """Bytes DeepSpeed ZeRO-3 holds gathered (engine's dtype) at the top layer's forward from the
+    second step on, a prefetch's flat all-gather output included: the replay's
+    (``deepspeed_gather_zones``), else the rule's top and ``deepspeed_coalesced``."""
+    zones = deepspeed_gather_zones(m, t, st)
+    if zones is None:
+        return deepspeed_gathered(m, t, st)[0] + deepspeed_coalesced(m, t)
+    return zones[0]
+
+
+def deepspeed_gather_zones(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, int, int, int] | None:
+    """Bytes DeepSpeed ZeRO-3 holds gathered (whole parameters and the flat all-gather buffers,
+    the engine's dtype) at most in the top layer's forward, from forward's end through the head's
+    backward, in the top layer's backward and in the other layers' backward (with the flat ``cat`` of
+    a gradient bucket reduced there), from the second step on: the coordinator
+    replayed over the model's module order (``zero3_replay.gathered_zones``; the same code at
+    DeepSpeed v0.14.2 and v0.19.8, ``partitioned_param_coordinator.py`` v0.19.8 L353-490, L634-664).
+    The prefetcher pops queue entries of parameters gathered already without counting them, so it
+    runs ahead until ``stage3_max_live_parameters`` (1e9 elements) are gathered, and each entry it
+    passes marks its parameter as fetched for that later use, which its module's release then keeps:
+    at forward's end the head and the layers below it up to that count stay gathered into backward.
+    None where the replay does not apply (the rule in ``deepspeed_gathered`` then): off ZeRO-3 over
+    several ranks, a model without an LM head, pipeline stages, recompute other than none/full, or
+    mixture-of-experts layers.
+    Found by trace (DeepSpeed 0.19.8): Giles Thomas's Llama-3-8B ZeRO-3 setup cut to 6 layers, dp 8,
+    one token: at the second step's backward start the head, layers 5 and 4 and layer 3's down_proj
+    gathered, and at layer 4's MLP the embedding and layer 0's q/k/v in one flat all-gather (1,050 MiB)."""
+    if not (deepspeed_zero(t) and t.zero == 3 and t.shard_group > 1) or not is_lm(m) or t.pp > 1:
+        return None
+    if t.recompute not in ("none", "full"):
+        return None
+    from .zero3_replay import gathered_zones
+    tensors = m.parameter_tensors()
+    if any(p.role in ("expert", "router") for p in tensors):
+        return None   # MoE: the experts a step calls vary, and so does the recorded order (trace invalidated)
+    bucket = t.ds_reduce_bucket if (st.trainable > 0 and not _partial_layout(m, t, st)) else 0      # the reductions' cats with every parameter trainable
+    params = tuple((p.name, -(-p.numel // t.tp), p.layer) for p in tensors)   # (name, whole elements, layer)
+    last = tensors[-1] if tensors else None                # an untied head: the last tensor, outside the layers
+    untied = not m.tied_embeddings and last is not None and last.layer is None and last.role == "linear"
+    head = ".".join(last.name.split(".")[:-1]) if untied else None
+    tied = None if untied else next((i for i, p in enumerate(tensors) if p.role == "embedding"), None)
+    if head is None and tied is None:
+        return None
+    return gathered_zones(params, head, tied, t.recompute == "full", t.ds_reuse_distance, t.ds_prefetch,
+                          DS_MAX_LIVE, deepspeed_linear_kept(m, t) > 0, bucket, t.weight_bytes,
+                          bool(t.expandable_segments))
 
 
 def deepspeed_linear_kept(m: ModelSpec, t: TrainingSpec) -> int:

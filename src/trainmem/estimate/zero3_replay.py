@@ -1,0 +1,346 @@
+"""DeepSpeed ZeRO-3's parameter coordinator replayed over a model's module order: which parameters
+are gathered (whole, in the engine's dtype) at each module's forward and backward once the
+coordinator's trace is complete (the run's second step on).
+
+The coordinator is the same in DeepSpeed v0.14.2 (the published rows' pin) and v0.19.8 (installed):
+``runtime/zero/partitioned_param_coordinator.py`` ``fetch_sub_module`` (v0.14.2 L261-391, v0.19.8
+L310-490), ``release_sub_module`` (L395-403 / L494-533), ``__params_to_release`` (L487-517 /
+L634-664), ``__all_gather_params_`` (L436-474 / L582-620). What it does, replayed here:
+
+* Every module is fetched at its forward pre-hook and its backward pre-hook (``parameter_offload.py``
+  ``_register_deepspeed_module``: every submodule, those without parameters of their own too), and
+  each fetch advances ``__step_id`` (v0.19.8 L490). The recorded order (``record_module``) is the
+  forward's pre-order and the backward's reverse post-order; the parameter queue lists each module's
+  own parameters at its step (``record_parameters``, sorted by ``ds_id``: registration order).
+* A fetch gathers the module's parameters not yet gathered, pops their own entries off the queue
+  (setting ``__most_recent_step_id_param_fetched_for``), then prefetches: it pops queue entries while
+  the parameters it gathers stay under ``min(stage3_max_live_parameters - n_available,
+  stage3_prefetch_bucket_size)`` elements (v0.19.8 L452-476). An entry whose parameter is gathered
+  already is popped without counting, and its step is recorded as the parameter's most recent fetch,
+  so the prefetcher runs past every gathered parameter. ``n_available`` counts every gathered
+  element (L593, L630) and is reset to 0 at each forward's start (``reset_step`` L287; v0.14.2 L239).
+* A module's release (post hook) keeps a parameter whose most recent fetch step lies ahead
+  (L649-651), or that recurs in the modules of the order within ``stage3_max_reuse_distance``
+  elements (L656-662); a parameter still in flight is not released (``__release_param``: AVAILABLE only).
+* Storage (``partition_parameters.py``): one parameter gathered alone is gathered into its own buffer
+  (``all_gather_coalesced`` -> ``_all_gather_sequential`` for ``len(params) == 1``, v0.19.8 L1598;
+  v0.14.2 L1205); a
+  group of several into one flat buffer, from which the first wait builds every member by
+  ``torch.cat`` (``AllGatherCoalescedHandle.wait`` L761-803); the handle, holding the flat buffer,
+  stays in ``__inflight_param_registry`` until the group's last member is fetched (coordinator L406).
+
+Parameters of ``stage3_param_persistence_threshold`` (1e5, ``zero/config.py`` L228) elements or fewer
+persist gathered (``parameter_offload.py`` ``mark_persistent_parameters`` L317-329) and are left out
+(norms: negligible). Modules without parameters that the spec does not name (activations, rotary
+embeddings, dropout) are left out of the order: they only add prefetch rounds, and the prefetcher
+outruns the forward anyway.
+"""
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections import deque
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Callable
+
+from ..allocator_rules import block_bytes
+
+#: DeepSpeed's ``stage3_param_persistence_threshold`` default (v0.19.8 ``runtime/zero/config.py`` L228;
+#: v0.14.2 the same): parameters of this many elements or fewer stay gathered and are left out here
+PERSISTENCE_THRESHOLD = 100_000
+
+
+@dataclass(frozen=True)
+class Use:
+    """One module fetch of the recorded order: forward or backward, its own parameters (indices)."""
+    forward: bool
+    params: tuple[int, ...]
+    layer: int | None = None   # the decoder layer it belongs to (None outside the layers)
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class Moment:
+    """The gathered storage at a module's fetch (after its prefetch, before its compute), in ``replay``'s
+    ``size`` units (elements unless given)."""
+    use: Use
+    gathered: int              # every gathered parameter's storage and the flat buffers alive
+    fresh: int                 # of it: layers' parameters gathered since their forward use, never released
+    available: int = 0         # the coordinator's ``n_available`` count (gathered parameters' elements)
+
+
+@dataclass
+class _State:
+    numels: tuple[int, ...]
+    size: Callable[[int], int]                          # elements -> the storage counted for one tensor
+    status: list[int]                                   # 0 not available, 1 in flight, 2 available
+    group: dict[int, int] = field(default_factory=dict)  # parameter -> its gather group
+    groups: dict[int, list] = field(default_factory=dict)  # group -> [members, flat elements, pending set]
+    recent: dict[int, int] = field(default_factory=dict)
+    fresh: set = field(default_factory=set)
+    n_available: int = 0
+    prefix: list = field(default_factory=list)          # elements of the order's uses before each index
+    occurs: dict = field(default_factory=dict)          # parameter -> the indices of the uses holding it
+
+
+def _gather(s: _State, params: list[int]) -> None:
+    """``__all_gather_params_``: one group of the parameters not gathered yet (L582-613)."""
+    todo = sorted(p for p in set(params) if s.status[p] == 0)
+    if not todo:
+        return
+    gid = len(s.groups) + 1
+    flat = sum(s.numels[p] for p in todo) if len(todo) > 1 else 0   # (sum numel,) flat all-gather output
+    s.groups[gid] = [todo, flat, set(todo)]
+    for p in todo:
+        s.status[p], s.group[p] = 1, gid
+    s.n_available += sum(s.numels[p] for p in todo)
+
+
+def _wait(s: _State, p: int) -> None:
+    """The fetch's wait: the group's first wait builds every member; ``p`` leaves the registry."""
+    members, _, pending = s.groups[s.group[p]]
+    for q in members:
+        if s.status[q] == 1:
+            s.status[q] = 2
+    pending.discard(p)
+
+
+def _storage(s: _State) -> tuple[int, int]:
+    """Storage held (``size`` of each tensor): gathered parameters (a coalesced group's members only once waited) and the
+    flat buffers of groups with a member still in flight; and those of them fresh since forward."""
+    total = fresh = 0
+    for p, st in enumerate(s.status):
+        if st == 2 or (st == 1 and s.groups[s.group[p]][1] == 0):
+            total += s.size(s.numels[p])
+            fresh += s.size(s.numels[p]) if p in s.fresh else 0
+    total += sum(s.size(flat) for _, flat, pending in s.groups.values() if pending)
+    return total, fresh
+
+
+def _prefetch(s: _State, queue: deque, bucket: int, max_live: int) -> None:
+    """The prefetch loop (v0.19.8 L452-485, v0.14.2 L353-386)."""
+    if bucket <= 0:
+        return
+    limit = min(max_live - s.n_available, bucket)
+    chosen: list[int] = []
+    numel = 0
+    while queue and numel < limit:
+        p, step = queue.popleft()
+        do = s.status[p] == 0 and p not in chosen
+        s.recent[p] = max(s.recent.get(p, -10**10), step)
+        if do:
+            chosen.append(p)
+            numel += s.numels[p]
+    _gather(s, chosen)
+
+
+def _fetch(s: _State, uses: tuple[Use, ...], i: int, queue: deque, bucket: int, max_live: int) -> None:
+    """``fetch_sub_module`` at step ``i`` of a complete trace."""
+    own = list(uses[i].params)
+    _gather(s, own)
+    for p in own:
+        if p in s.groups[s.group[p]][2]:                # in ``__inflight_param_registry``
+            _wait(s, p)
+        if uses[i].forward and uses[i].layer is not None:
+            s.fresh.add(p)                              # a layer's weight as its forward used it
+    ahead = {p for p in own if s.recent.get(p, -10**10) < i}
+    for _ in range(len(ahead)):                         # its own entries off the queue (L428-434)
+        if queue:
+            p, step = queue.popleft()
+            s.recent[p] = step
+    _prefetch(s, queue, bucket, max_live)
+
+
+def _release(s: _State, uses: tuple[Use, ...], i: int, dist: int) -> None:
+    """``release_sub_module`` after the module fetched at step ``i`` (``__step_id`` is then i + 1). The
+    reuse-distance walk (L656-662) passes the uses from i + 1 until the elements passed reach ``dist``:
+    those in [i + 1, stop), found on the prefix sums."""
+    step = i + 1
+    stop = bisect_left(s.prefix, s.prefix[step] + dist, lo=step) if dist > 0 else step
+    for p in uses[i].params:
+        if s.recent.get(p, -10**10) > step or s.status[p] != 2:
+            continue
+        occ = s.occurs[p]
+        k = bisect_left(occ, step)
+        if k < len(occ) and occ[k] < stop:
+            continue                                    # used again within the distance
+        s.status[p] = 0
+        s.n_available -= s.numels[p]
+        s.fresh.discard(p)
+
+
+def replay(uses: tuple[Use, ...], numels: tuple[int, ...], dist: int, bucket: int,
+           max_live: int, size: Callable[[int], int] = int) -> list[Moment]:
+    """The gathered storage (elements) at each fetch of one step with the trace complete: ``uses``
+    the recorded order, ``numels`` each parameter's elements, ``dist`` ``stage3_max_reuse_distance``,
+    ``bucket`` ``stage3_prefetch_bucket_size``, ``max_live`` ``stage3_max_live_parameters``. The step
+    starts with every parameter released (the previous optimizer step's ``_partition_all_parameters``).
+    ``size``: the storage counted for a tensor of so many elements (default: the elements)."""
+    s = _State(numels, size, [0] * len(numels))
+    s.prefix = [0]
+    for k, use in enumerate(uses):
+        s.prefix.append(s.prefix[-1] + sum(numels[p] for p in use.params))
+        for p in use.params:
+            s.occurs.setdefault(p, []).append(k)
+    queue = deque((p, i) for i, use in enumerate(uses) for p in sorted(set(use.params)))
+    out = []
+    for i, use in enumerate(uses):
+        _fetch(s, uses, i, queue, bucket, max_live)
+        out.append(Moment(use, *_storage(s), s.n_available))
+        _release(s, uses, i, dist)
+    return out
+
+
+def _call_key(name: str) -> int:
+    """A layer's modules in the order its forward calls them: the norm before attention, attention,
+    the norm after it, the MLP (registration order, e.g. Llama's, lists the norms last)."""
+    return (0 if ("input_layernorm" in name or ".ln_1." in name) else 1 if "attn" in name else
+            2 if ("post_attention" in name or ".ln_2." in name) else 3)
+
+
+def _path(name: str, head: str | None) -> list[str]:
+    """The modules from the root to a parameter's own: the root (the task model, e.g.
+    ``LlamaForCausalLM``), then the LM head, or the base model and the parameter's module path."""
+    parts = name.split(".")[:-1]
+    return ["<root>", "<head>"] if ".".join(parts) == head else ["<root>", "<base>"] + parts
+
+
+def _key(path: list[str]) -> str:
+    return ".".join(path)
+
+
+def _tree(names: list[str], head: str | None) -> dict:
+    """The module tree of ``names`` in call order: every module path and the containers above it
+    (a ``ModuleList``, the prefix before an index, is never called)."""
+    root: dict = {}
+    for name in names:
+        path, node = _path(name, head), root
+        for k in range(len(path)):
+            if k + 1 < len(path) and path[k + 1].isdigit():
+                continue
+            node = node.setdefault(_key(path[:k + 1]), {})
+    return root
+
+
+def _forward_sorted(params: list[tuple[str, int, int | None]]) -> list[int]:
+    """Indices of ``params`` in call order: each layer's modules by ``_call_key`` (stable), the
+    layers in place among the tensors registered before and after them."""
+    key = {i: (p[2], _call_key(p[0])) for i, p in enumerate(params) if p[2] is not None}
+    out, layer = [], sorted(key, key=lambda i: key[i])
+    for i, p in enumerate(params):
+        if p[2] is None:
+            out.append(i)
+        elif i == min(key):
+            out.extend(layer)
+    return out
+
+
+def _is_layer(path: str) -> bool:
+    """A decoder layer's container: the path ends in the layer's index (``layers.3``, ``h.3``)."""
+    return path.rsplit(".", 1)[-1].isdigit()
+
+
+def _walk(tree: dict, pre: list[str], post: list[str]) -> None:
+    for key, sub in tree.items():
+        pre.append(key)
+        _walk(sub, pre, post)
+        post.append(key)
+
+
+def module_order(params: list[tuple[str, int, int | None]], head: str | None, tied_head: int | None,
+                 recompute: bool) -> tuple[tuple[Use, ...], tuple[int, ...]]:
+    """The recorded order of one step (``record_module`` at every fetch) and each parameter's elements,
+    from ``params`` (name, elements on this rank's whole copy, layer) in registration order: the
+    forward's pre-order, then the backward's reverse post-order (a module's backward pre-hook fires
+    when its output's gradient is ready, ``parameter_offload.py`` ``_pre_backward_module_hook``), under
+    ``recompute`` each layer's forward again right after its own backward hook (non-reentrant
+    checkpointing unpacks the layer's first saved tensor in its backward). ``head`` names the LM
+    head's module (last in forward, first in backward); a tied head (``tied_head``: the table's
+    index) uses the embedding's parameter. Persistent parameters are left out (module docstring)."""
+    own: dict[str, list[int]] = {}
+    for i, (name, numel, _) in enumerate(params):
+        if numel > PERSISTENCE_THRESHOLD:
+            own.setdefault(_key(_path(name, head)), []).append(i)
+    if tied_head is not None:
+        own["<root>.<head>"] = [tied_head]
+    layer_of: dict[str, int] = {}
+    for name, _, layer in params:
+        path = _path(name, head)
+        for k in range(3, len(path) + 1):
+            if layer is not None and str(layer) in path[2:k]:
+                layer_of[_key(path[:k])] = layer
+    names = [params[i][0] for i in _forward_sorted(params)]
+    tree = _tree(names + (["<head>.weight"] if tied_head is not None else []), head if tied_head is None else "<head>")
+    pre: list[str] = []
+    post: list[str] = []
+    _walk(tree, pre, post)
+    uses = [Use(True, tuple(own.get(k, ())), layer_of.get(k), k) for k in pre]
+    for k in reversed(post):
+        uses.append(Use(False, tuple(own.get(k, ())), layer_of.get(k), k))
+        if recompute and _is_layer(k):
+            uses.extend(Use(True, tuple(own.get(j, ())), layer_of.get(j), j)
+                        for j in pre if j == k or j.startswith(k + "."))
+    return tuple(uses), tuple(n for _, n, _ in params)
+
+
+def reduce_cats(uses: tuple[Use, ...], numels: tuple[int, ...], bucket: int) -> dict[int, int]:
+    """Elements of the flat ``cat`` each of ZeRO-3's gradient bucket reductions makes during backward,
+    by the index of the use whose gradient hook runs it: gradients join the bucket in the order backward
+    makes them; a gradient that would take the bucket past ``reduce_bucket_size`` elements first reduces
+    it (``reduce_independent_p_g_buckets_and_remove_grads``, v0.19.8 ``stage3.py`` L1583-1585; v0.14.2
+    L1191-1243); a parameter's hook runs after its last use's backward (a tied table's at the
+    embedding's, after the head's contribution). The reduction's ``reduce_scatter_coalesced``
+    concatenates a bucket of several tensors into one new tensor (``comm/coalesced_collectives.py`` L122; one tensor alone is reduced in place). The last
+    bucket, reduced after backward (``independent_gradient_partition_epilogue``), is not listed.
+    Persistent parameters' gradients (norms) are neglected; ``bucket`` 0: none."""
+    first_bwd = next((i for i, u in enumerate(uses) if not u.forward), len(uses))
+    last: dict[int, int] = {}                            # parameter -> its last backward use: a gradient
+    for i in range(first_bwd, len(uses)):                # accumulates over every use (a tied table's over
+        if not uses[i].forward:                          # the head's and the embedding's), then its hook
+            last.update({p: i for p in uses[i].params})
+    out: dict[int, int] = {}
+    cur: list[int] = []
+    for p, i in sorted(last.items(), key=lambda item: item[1]) if bucket > 0 else ():
+        if cur and sum(cur) + numels[p] > bucket:
+            out[i] = max(out.get(i, 0), sum(cur) if len(cur) > 1 else 0)
+            cur = []
+        cur.append(numels[p])
+    return out
+
+
+@lru_cache(maxsize=256)
+def gathered_zones(params: tuple[tuple[str, int, int | None], ...], head: str | None, tied_head: int | None,
+                   recompute: bool, dist: int, bucket: int, max_live: int,
+                   forward_storage_kept: bool, reduce_bucket: int, weight_bytes: int,
+                   expandable: bool) -> tuple[int, int, int, int]:
+    """Bytes ZeRO-3 holds gathered (each tensor's caching-allocator block, ``weight_bytes`` per element,
+    ``allocator_rules.block_bytes`` under ``expandable`` segments or not), the most at each of four stretches of a step with the trace
+    complete (``replay`` over ``module_order``): the top layer's forward; from the end of forward
+    (the head's forward) through the modules above the layers in backward (the head's); the top
+    layer's backward; the other layers' backward (the embedding's own backward, the last module, not
+    included: ``deepspeed_gathered_embedding``).
+    ``forward_storage_kept``: torch's ``F.linear`` keeps each layer's weights as its forward gathered
+    them until its backward (``deepspeed_linear_kept`` counts that storage), so a layer's parameter
+    still gathered since its forward use is not counted again. ``reduce_bucket``: ZeRO-3's
+    ``reduce_bucket_size`` with every parameter trainable (0: none), whose reductions during backward
+    (``reduce_cats``) make their flat ``cat`` beside what is gathered at that module's backward: counted
+    there with it."""
+    uses, numels = module_order(list(params), head, tied_head, recompute)
+    def size(n: int) -> int:
+        return block_bytes(n * weight_bytes, expandable)     # (n,) engine dtype
+    moments = replay(uses, numels, dist, bucket, max_live, size)
+    top_layer = max((u.layer for u in uses if u.layer is not None), default=None)
+    first_bwd = next(i for i, u in enumerate(uses) if not u.forward)
+    head_fwd = max((i for i, u in enumerate(uses[:first_bwd]) if u.layer is None), default=0)
+
+    def held(mo: Moment) -> int:
+        return mo.gathered - (mo.fresh if forward_storage_kept else 0)
+    fwd = [held(mo) for i, mo in enumerate(moments[:first_bwd]) if mo.use.layer == top_layer]
+    cats = reduce_cats(uses, numels, reduce_bucket)
+    head, top, low = [held(moments[head_fwd])], [], []
+    for i in range(first_bwd, len(moments) - 1):
+        mo = moments[i]
+        zone = head if mo.use.layer is None else top if mo.use.layer == top_layer else low
+        zone.append(held(mo) + (size(cats[i]) if cats.get(i) else 0))
+    top = top or head
+    return max(fwd, default=0), max(head), max(top), max(low, default=max(top))
