@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..allocator import CachingAllocator, ExactAllocator
 from . import cuda_kernels
+from .routing_values import RoutingValues
 
 #: cuBLAS workspace per handle (spec.hardware: 8,519,680 B, 32 MiB on sm90 exactly)
 from ..spec.hardware import CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_SM90  # noqa: F401  (re-exported)
@@ -187,6 +188,7 @@ class Tracker(TorchDispatchMode):
         self.data_dependent = 0
         self.value_read = ""  # the last host read of an integer tensor's values (``note_value_read``)
         self._scalar_producer: dict[int, str] = {}
+        self.routing = RoutingValues(device_type)  # values a MoE router's choice decides (routing_values)
         self._scopes: list[tuple[str, str]] = []
         self._paused = False      # ops pass through uncounted (trace --compile: fused kernels' insides)
         self._adopt: tuple[Any, torch.Tensor, int] | None = None  # (op, result, donor storage key)
@@ -213,6 +215,9 @@ class Tracker(TorchDispatchMode):
             # batch the model accepts.
             self.data_dependent += 1
             t = args[0]
+            v = self.routing.value(t)
+            if v is not None:
+                return v.item()
             if t.dtype == torch.bool:
                 return self._scalar_producer.get(self._scalar_key(t)) in ("all", "_is_all_true")
             return 1.0 if t.is_floating_point() else 1
@@ -232,7 +237,11 @@ class Tracker(TorchDispatchMode):
         try:
             out = func(*args, **kwargs)
         except (RuntimeError, NotImplementedError) as e:
-            raise self._sized_by_data(func, e) from None
+            out = self.routing.sized(func, args, kwargs)
+            if out is None:
+                raise self._sized_by_data(func, e) from None
+        else:
+            self.routing.after(func, args, kwargs, out)
         donor = self._donor(func, args, kwargs, out) if self.emulate_cuda_kernels else None
         if donor is not None:
             self._adopt = (func, out, id(donor.untyped_storage()))
@@ -303,6 +312,9 @@ class Tracker(TorchDispatchMode):
             if dev is None or torch.device(dev).type != "cpu":
                 return None
             self.data_dependent += 1
+            v = self.routing.value(src)
+            if v is not None:
+                return v.to(dtype=kwargs.get("dtype") or src.dtype)
             return torch.zeros(src.shape, dtype=kwargs.get("dtype") or src.dtype, device="cpu")
         dst = args[0]
         if isinstance(dst, torch.Tensor) and dst.device.type == "cpu":
