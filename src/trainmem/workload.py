@@ -229,7 +229,19 @@ def hf_config(spec: ModelSpec, t: TrainingSpec) -> Any:
         for k in DROPOUT_KEYS:
             if isinstance(cfg.get(k), (int, float)) and not isinstance(cfg.get(k), bool):
                 cfg[k] = 0.0
-    return transformers.AutoConfig.for_model(spec.model_type, **cfg)
+    return default_language(transformers.AutoConfig.for_model(spec.model_type, **cfg))
+
+
+def default_language(config: Any) -> Any:
+    """``config`` with a language where the model takes one per batch and none is set: X-MOD's layers run
+    one adapter per language and refuse a batch without ``lang_ids`` or ``default_language`` ("Input language
+    unknown. Please call ``XmodPreTrainedModel.set_default_language()``", transformers 5.24
+    ``models/xmod/modeling_xmod.py`` L729-734); the step trains on the first of the config's ``languages``,
+    as ``set_default_language(languages[0])`` sets it (L620-631); ``--set default_language=de_DE`` picks another."""
+    langs = getattr(config, "languages", None)
+    if hasattr(config, "default_language") and config.default_language is None and langs:
+        config.default_language = list(langs)[0]
+    return config
 
 
 def hf_factory(spec: ModelSpec, t: TrainingSpec) -> Callable[[], torch.nn.Module]:

@@ -185,6 +185,8 @@ def _kind_coefficients(m: ModelSpec, kind: str, runs: list[dict[str, Any]], how:
     held = _fitted(m, f"layer {kind} output-held bytes", pts, [r["held"][kind] for r in runs], ("n",))[0]
     out["kinds"][kind] = {"tok": c["n"], "sq": c["nsq"], "pos": c["s"], "parts": parts, "transients": trans,
                           "cache": cache, "held": held, **_sequence(runs, kind, fit)}
+    if runs[-1].get("view_casts", {}).get(kind):  # (the same at every point: a constant, ``derived.view_casts``)
+        out["kinds"][kind]["view_casts"] = runs[-1]["view_casts"][kind]
     if any(r["graph"][kind] for r in runs):  # kept by the graph's nodes until it is freed (``_graph_held``)
         out["kinds"][kind]["graph"] = _fitted(m, f"layer {kind} graph-held bytes", pts,
                                               [r["graph"][kind] for r in runs], ("n",))[0]
@@ -849,6 +851,7 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
         return r.alloc_event <= e and (r.free_event is None or r.free_event > e)
 
     saved_rec, head_rec = defaultdict(list), []  # (the layers' records alive at the end; the head side's)
+    view_rec = defaultdict(list)  # (a layer's half copies of weight views alive at the end: ``view_casts``)
     embed = head = first_input = head_wcast = 0
     head_loss = _head_loss(tracker, recs, end, (last_layer_ev, logits_ev))
     seen = _vision_saved(recs, end, {r.rid for r in vision}) if vision is not None else set()
@@ -858,7 +861,7 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
             continue
         i = layer_of(r)
         if i is not None:
-            saved_rec[i].append(r)
+            (view_rec if r.label == "autocast_weight_view" else saved_rec)[i].append(r)
         elif r.alloc_event < first_layer_ev or any(a < r.alloc_event < b for a, b in gaps):
             embed += r.nbytes
             # of it, the first layer's input, which something saved (its norm, in the input's dtype)
@@ -896,7 +899,10 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
     # the logits' element size: BART adds its fp32 ``final_logits_bias`` buffer to the half head
     # output under autocast, so its logits (and its loss) are fp32 (estimate.quantities.loss_bytes)
     logits_bytes = logits[0].nbytes // max(1, _numel(logits[0].shape)) if logits else 0
-    return {"saved": saved, "logits_bytes": logits_bytes, "loss_upcast": _loss_upcasts(recs, logits),
+    # the half copies of weight views a layer's matmuls save (``cuda.CudaEmulation._cast``), per kind:
+    # weights' bytes, kept apart from the activations as autocast's cached copies are (``derived.view_casts``)
+    view_casts = {kind: sum(r.nbytes for r in view_rec[i]) for kind, i in typical.items()}
+    return {"saved": saved, "logits_bytes": logits_bytes, "view_casts": view_casts, "loss_upcast": _loss_upcasts(recs, logits),
             "vision": sum(r.nbytes for r in recs if r.rid in seen),
             "wcast": wcast, "parts": parts, "early": early, "base": base,
             "cache": kv, "held": held, "graph": graph,

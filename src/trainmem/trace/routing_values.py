@@ -135,9 +135,12 @@ class RoutingValues:
             self._set(out[1], balanced_topk(tuple(out[1].shape), dim, n))
             return
         valued = any(self._known(a) for a in tensors)
+        small = isinstance(out, torch.Tensor) and out.numel() <= CAP
         if not valued:
-            if name in _VALUE_FREE and isinstance(out, torch.Tensor) and out.numel() <= CAP:
-                self._set(out, self._recipe(func, args, kwargs, tensors))
+            recipe = self._recipe(func, args, kwargs, tensors) if small and (
+                name in _VALUE_FREE or (tensors and not self._writes(func))) else None
+            if recipe is not None:
+                self._set(out, recipe)
             else:
                 self._drop_written(func, args)
             return
@@ -147,14 +150,31 @@ class RoutingValues:
             return
         self._attach(out, result)
 
-    def _recipe(self, func: Any, args: tuple, kwargs: dict, tensors: list) -> Callable[[], Any]:
-        shapes = [(t, tuple(t.shape), t.dtype) for t in tensors]
+    def _recipe(self, func: Any, args: tuple, kwargs: dict, tensors: list) -> Callable[[], Any] | None:
+        """A function making ``func``'s output on the CPU from its inputs' values or recipes as they are now
+        (a value-free op's inputs as zeros of their shapes), or None where an input has neither; it holds
+        no device tensor (which would outlive its free)."""
+        inputs: dict[int, Any] = {}
+        for t in tensors:
+            entry = self._entry(t)
+            if entry is not None:
+                inputs[id(t)] = entry[1]
+            elif _name(func) in _VALUE_FREE:
+                inputs[id(t)] = (tuple(t.shape), t.dtype)
+            else:
+                return None
+        slots = {key: _Slot(key) for key in inputs}
+        a_t, k_t = _substitute(args, kwargs, slots, self.device_type)
 
         def make() -> Any:
-            sub = {id(t): torch.zeros(s, dtype=d) for t, s, d in shapes}
-            a, k = _substitute(args, kwargs, sub, self.device_type)
-            return func(*a, **k)
+            sub = {}
+            for key, v in inputs.items():
+                sub[key] = v() if callable(v) else (torch.zeros(v[0], dtype=v[1]) if isinstance(v, tuple) else v)
+            return func(*_fill(a_t, sub), **{k: _fill(v, sub) for k, v in k_t.items()})
         return make
+
+    def _writes(self, func: Any) -> bool:
+        return bool(self._written(func))
 
     def run_on_cpu(self, func: Any, args: tuple, kwargs: dict, tensors: list | None = None) -> Any:
         """``func`` run on the CPU values of its device inputs, or None where one has none."""
@@ -187,26 +207,63 @@ class RoutingValues:
             for o, r in zip(out, result):
                 self._attach(o, r)
 
-    def _drop_written(self, func: Any, args: tuple) -> None:
-        """The values of every storage ``func`` writes and the CPU did not: no longer known."""
+    def _written(self, func: Any) -> tuple[int, ...]:
+        """The positions of the arguments ``func`` writes (its schema's ``alias_info.is_write``)."""
         idx = self._mutable.get(func)
         if idx is None:
             schema = getattr(func, "_schema", None)
             idx = tuple(i for i, a in enumerate(getattr(schema, "arguments", ()))
                         if a.alias_info is not None and a.alias_info.is_write)
             self._mutable[func] = idx
-        for i in idx:
+        return idx
+
+    def _drop_written(self, func: Any, args: tuple) -> None:
+        """The values of every storage ``func`` writes and the CPU did not: no longer known."""
+        for i in self._written(func):
             if i < len(args) and isinstance(args[i], torch.Tensor):
                 self._drop_storage(args[i])
 
     def sized(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        """Outputs of an op that fails without data (``nonzero``), sized by its CPU result, or None."""
-        result = self.run_on_cpu(func, args, kwargs)
-        if result is None:
+        """Outputs of an op that fails without data (``nonzero``, indexing by a boolean mask), sized by the
+        op run on the CPU, or None where a value it needs is missing. Inputs without values enter as zeros
+        of their shapes, one element broadcast (an activation indexed by a routing or language mask: its
+        values do not size the output); the outputs get values only where every input had one. An op that
+        writes its first argument (``index_put_`` by a mask) returns it, its size unchanged."""
+        tensors = [a for a in _flat(args, kwargs) if isinstance(a, torch.Tensor) and a.device.type == self.device_type]
+        if not any(self.value(t) is not None for t in tensors):
+            return None
+        if 0 in self._written(func):
+            result = self.run_on_cpu(func, args, kwargs, tensors)
+            self._drop_written(func, args) if result is None else self._attach(args[0], result)
+            return args[0]
+        sub = {id(t): self.value(t) for t in tensors}
+        complete = all(v is not None for v in sub.values())
+        sub = {id(t): sub[id(t)] if sub[id(t)] is not None else torch.zeros((), dtype=t.dtype).expand(t.shape)
+               for t in tensors}
+        a, k = _substitute(args, kwargs, sub, self.device_type)
+        try:
+            result = func(*a, **k)
+        except Exception:  # noqa: BLE001 - not an op the CPU sizes this way
             return None
         out = _meta_like(result, self.device_type)
-        self._attach(out, result)
+        if complete:
+            self._attach(out, result)
         return out
+
+
+class _Slot:
+    """A recipe's placeholder for a device input (``RoutingValues._recipe``)."""
+
+    def __init__(self, key: int) -> None:
+        self.key = key
+
+
+def _fill(a: Any, sub: dict[int, torch.Tensor]) -> Any:
+    if isinstance(a, _Slot):
+        return sub[a.key]
+    if isinstance(a, (list, tuple)):
+        return type(a)(_fill(x, sub) for x in a)
+    return a
 
 
 def _flat(args: tuple, kwargs: dict) -> list:
