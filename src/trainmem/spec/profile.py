@@ -261,8 +261,11 @@ def build_profile(config: Mapping[str, Any]) -> Profile:
     model = _build_meta(cls, own, mtype)
     # a vision tower's classifier on a composite config (SigLIP's, CLIP's): its sizes are the vision config's
     vision = getattr(cfg, "vision_config", None) if task == "image-classification" else None
+    # (else the config the class was built with: a decoder-only class of an encoder-decoder family sets
+    # ``is_encoder_decoder`` False on its own copy, PegasusForCausalLM and ProphetNetForCausalLM, transformers
+    # 5.24 ``models/pegasus/modeling_pegasus.py`` L1021-1024; BartForCausalLM on the config it is given)
     summ = dict(summary(vision), vocab_size=summary(cfg, labels_only=True)["vocab_size"]) if vision is not None \
-        else summary(cfg if own is cfg else own)  # a composite's sub-config the class is built from
+        else summary(getattr(model, "config", None) or own)
     unused = without_gradient(model, summ) if task == "image-classification" else \
         text_without_gradient(model, summ) if task == "causal-lm" \
         else vlm_without_gradient(model, cfg) if task == "image-text-to-text" else frozenset()
@@ -483,7 +486,11 @@ def summary(cfg: Any, labels_only: bool = False) -> dict[str, Any]:
     if not first(*_TOPK_KEYS, default=0):
         experts = 0  # no top-k in the config: not read as a mixture of experts
     own = _LAYER_COUNT_KEY.get(str(getattr(cfg, "model_type", "")))
-    layers = int(first(*((own,) if own else ()), "encoder_layers", "num_hidden_layers", "n_layer", "num_layers"))
+    # the decoder-only class of an encoder-decoder family (its config ``is_decoder`` and no longer
+    # ``is_encoder_decoder``) has the decoder's layers: distilbart-12-6's BartForCausalLM six, not twelve
+    decoder_only = bool(getattr(cfg, "is_decoder", False)) and not getattr(cfg, "is_encoder_decoder", False)
+    keys = ((own,) if own else ()) + (("decoder_layers", "num_decoder_layers") if decoder_only else ())
+    layers = int(first(*keys, "encoder_layers", "num_hidden_layers", "n_layer", "num_layers"))
     decoder = int(first("decoder_layers", "num_decoder_layers", default=layers)) \
         if getattr(cfg, "is_encoder_decoder", False) else 0
     image = first("image_size", default=None), first("patch_size", default=None)
@@ -494,7 +501,8 @@ def summary(cfg: Any, labels_only: bool = False) -> dict[str, Any]:
            "vocab_size": int(first("vocab_size", default=labels)),
            "ffn_size": int(first("intermediate_size", "ffn_hidden_size", "n_inner", "d_ff", "encoder_ffn_dim",
                                  default=4 * h) or 4 * h),
-           "max_positions": int(first("max_position_embeddings", "n_positions", "max_seq_len", default=2048)),
+           "max_positions": _max_positions(first("max_position_embeddings", "n_positions", "max_seq_len",
+                                                 default=2048)),
            "num_experts": experts,
            "experts_top_k": int(first(*_TOPK_KEYS, default=0) or 0) if experts else 0,
            "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
@@ -564,6 +572,18 @@ def layers_list(model: Any, num_layers: int) -> str:
         raise TrainmemError(f"{type(model).__name__}: no list of {num_layers} layers found among its modules")
     found.sort(key=lambda nm: (nm[0].rsplit(".", 1)[-1] not in _LAYER_LIST_NAMES, nm[0].count(".")))
     return found[0][0]
+
+
+#: the positions of a model without a sequence length limit (``_max_positions``)
+NO_POSITION_LIMIT = 1 << 31
+
+
+def _max_positions(value: Any) -> int:
+    """A config's position limit; a value below 1 is transformers' "no sequence length limit": XLNet's
+    relative positions (transformers 5.24 ``models/xlnet/configuration_xlnet.py`` L148-151,
+    ``max_position_embeddings`` returns -1), which any ``--seq-len`` fits."""
+    n = int(value)
+    return n if n > 0 else NO_POSITION_LIMIT
 
 
 def _role(mod: Any, pname: str, param: Any, experts: int) -> str:

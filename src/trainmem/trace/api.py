@@ -295,6 +295,7 @@ def _build(dev: _Device, factory: Callable, spec: ModelSpec | None, t: TrainingS
         with dev.build_ctx:
             module = factory()
             module = _as_module(module)
+            _on_device(module)
             _cast(module, spec, t)
             if spec is not None:  # the rope buffers, 4-bit linears, LoRA and litgpt's linears
                 module = prepare_model(module, spec, t)
@@ -438,6 +439,14 @@ def _load_order(module: torch.nn.Module) -> list[tuple[str, torch.Tensor, str, s
 
     walk(module, "")
     return out
+
+
+def _on_device(module: torch.nn.Module) -> None:
+    """Move onto the emulated GPU the tensors the build left on the CPU, as ``model.to("cuda")`` moves
+    every one: a legacy constructor ignores the default device (XLNet's ``nn.Parameter(torch.FloatTensor(
+    d_model, n_head, d_head))``, transformers 5.24 ``models/xlnet/modeling_xlnet.py`` L60-68)."""
+    if any(x.device.type == "cpu" for x in (*module.parameters(), *module.buffers())):
+        module.to(torch.device(EMULATED))
 
 
 def _load_to_device(tracker: Tracker, module: torch.nn.Module) -> None:

@@ -594,10 +594,13 @@ def _cut(cfg: dict[str, Any], L: int, k: int, dec: int = 0) -> dict[str, Any]:
         if not any(key in cfg for key in _DECODER_KEYS):
             out["num_decoder_layers" if "num_layers" in cfg else "decoder_layers"] = k
         return out
-    for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
+    # (the decoder-only class of an encoder-decoder family builds its decoder's layers: the decoder's count,
+    # ProphetNet's ``num_decoder_layers``, whose config refuses ``num_hidden_layers``)
+    counts = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", *_DECODER_KEYS)
+    for key in counts:
         if key in out:
             out[key] = k
-    if not any(key in cfg for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers")):
+    if not any(key in cfg for key in counts):
         out["num_hidden_layers"] = k
     shared = cfg.get("num_kv_shared_layers")
     if isinstance(shared, int) and 0 < shared < L and k < L:
@@ -652,7 +655,7 @@ def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpe
     """Trace forward + loss + backward of the cut model at ``t``'s batch and sequence (``ckpt``: with
     every layer checkpointed, as ``workload.TrainStep`` enables it for ``--recompute full``; ``vision_ckpt``:
     a VLM's vision tower's blocks alone, ``_checkpoint_vision``)."""
-    from .api import _device, _load_to_device
+    from .api import _device, _load_to_device, _on_device
     small = replace(m, num_layers=len(kinds), config=cfg, decoder_layers=len(kinds) // 2 if m.decoder_layers else 0)
     dev = _device(True, None, t, False, None, None, None, None, False)
     tracker = dev.tracker
@@ -660,6 +663,7 @@ def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpe
     with dev.env, dev.emulation:
         with dev.build_ctx:
             model = hf_factory(small, t)()
+            _on_device(model)  # (a legacy constructor's CPU tensors: XLNet's)
             freeze_vision_tower(model, small, t)  # (a VLM: Qwen2-VL's host grid hook, --freeze-vision-tower)
             model = apply_lora(apply_quantization(model, t), small, t)
             if ckpt:  # transformers' GradientCheckpointingLayer, non-reentrant (as TrainStep enables it)
