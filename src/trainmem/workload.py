@@ -232,6 +232,32 @@ def hf_config(spec: ModelSpec, t: TrainingSpec) -> Any:
     return default_language(transformers.AutoConfig.for_model(spec.model_type, **cfg))
 
 
+#: the non-text inputs a model's ``forward`` may take (images, audio)
+MEDIA_INPUTS = ("pixel_values", "image_patches", "input_features", "input_values")
+
+
+def step_failure(spec: ModelSpec, e: BaseException) -> str:
+    """The one line saying that ``spec``'s real training step failed when traced, and why: the exception's first
+    line, and where the class's ``forward`` takes images or audio (GIT's ``GitForCausalLM`` slices its logits
+    past the image tokens with or without images, transformers 5.24 ``models/git/modeling_git.py``
+    ``GitForCausalLM.forward``; GOT-OCR2's ``pixel_values``) and the model is not a vision-language type trainmem
+    feeds images to (docs/architectures.md), that its step fed text alone."""
+    line = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    media: list[str] = []
+    if not spec.is_vlm and spec.family == "derived":
+        import inspect
+
+        import transformers
+        cls = getattr(transformers, spec.architecture or "", None)
+        try:
+            media = [p for p in inspect.signature(cls.forward).parameters if p in MEDIA_INPUTS] if cls else []
+        except (TypeError, ValueError):
+            media = []
+    why = (f"; its forward takes {', '.join(media)}, and trainmem feeds images only to the vision-language types "
+           f"of docs/architectures.md: this step fed text alone") if media else ""
+    return f"{spec.name} ({spec.architecture or spec.model_type}): its training step fails when traced ({line}){why}"
+
+
 def default_language(config: Any) -> Any:
     """``config`` with a language where the model takes one per batch and none is set: X-MOD's layers run
     one adapter per language and refuse a batch without ``lang_ids`` or ``default_language`` ("Input language

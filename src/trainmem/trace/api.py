@@ -39,7 +39,7 @@ from ..workload import hf_config as _hf_config  # noqa: F401
 from ..workload import hf_factory as _hf_factory
 from ..workload import prepare_model
 from ..workload import attention_implementation as _attention_implementation
-from ..workload import padded_steps
+from ..workload import padded_steps, step_failure
 from ..workload import hf_step as _hf_step
 from ..workload import make_optimizer, optimizer_class  # noqa: F401
 
@@ -401,8 +401,7 @@ def _run_steps(dev: _Device, module: torch.nn.Module, spec: ModelSpec | None, t:
         if spec is None:
             raise  # the user's own step function: their traceback is theirs to read
         # the real model's step fails on tensors without data: one line saying which and why
-        raise TrainmemError(f"{spec.name} ({spec.architecture or spec.model_type}): its training step fails when "
-                            f"traced ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
+        raise TrainmemError(step_failure(spec, e)) from None
     finally:
         tracker.finish()
         for h in grad_hooks:

@@ -53,7 +53,7 @@ from ..spec.vision import VISION_SIDE, VLM_TYPES, min_seq_len, vision_inputs
 from ..estimate.derived import checkpointed, scan_chunk, sliding_window, top_forward_measured
 from ..estimate.quantities import is_lm
 from ..workload import (apply_lora, apply_quantization, attention_implementation, emulated_mixers, freeze_vision_tower,
-                        hf_factory, model_batch, unwrapped)
+                        hf_factory, model_batch, step_failure, unwrapped)
 
 #: relative error a fitted quantity may show on the held-out point (plus DERIVE_SLACK bytes)
 DERIVE_TOLERANCE = 0.005
@@ -486,8 +486,7 @@ def _runs(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], base: TrainingSpe
     except TrainmemError:
         raise
     except Exception as e:  # the real model's step fails on fake tensors: say which and why, once
-        raise TrainmemError(f"{m.name} ({m.architecture}): its training step fails when traced "
-                            f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
+        raise TrainmemError(step_failure(m, e)) from None
 
 
 #: the two short sequences ``_probe_operations`` traces (batch 2) before the fit's points, in chunks of 64
