@@ -840,10 +840,8 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
     pat, layer_of, starts, ends = _layer_index(stacks)
     logits = [r for r in recs if r.category == "logits"]
     logits_ev, events = logits[0].alloc_event if logits else end, defaultdict(list)
-    for r in recs:
-        i = layer_of(r) if r.phase == "forward" else None
-        if i is not None:
-            events[i].append(r.alloc_event)
+    for r, i in ((r, layer_of(r)) for r in recs if r.phase == "forward"):
+        events[i].append(r.alloc_event) if i is not None else None
     layer_events = [e for v in events.values() for e in v]
     first_layer_ev, last_layer_ev = min(layer_events, default=0), max(layer_events, default=0)
     # an encoder-decoder's tensors made between its stacks (the encoder's final norm, the decoder's
@@ -853,8 +851,9 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
     def alive_at(r: Any, e: int) -> bool:
         return r.alloc_event <= e and (r.free_event is None or r.free_event > e)
 
-    saved_rec, head_rec = defaultdict(list), []  # (the layers' records alive at the end; the head side's)
-    view_rec = defaultdict(list)  # (a layer's half copies of weight views alive at the end: ``view_casts``)
+    # (the layers' records alive at the end; the head side's; a layer's half copies of weight views, weights'
+    # bytes kept apart from the activations as autocast's cached copies are: ``derived.view_casts``)
+    saved_rec, head_rec, view_rec = defaultdict(list), [], defaultdict(list)
     embed = head = first_input = head_wcast = 0
     head_loss = _head_loss(tracker, recs, end, (last_layer_ev, logits_ev))
     seen = _vision_saved(recs, end, {r.rid for r in vision}) if vision is not None else set()
@@ -902,10 +901,8 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
     # the logits' element size: BART adds its fp32 ``final_logits_bias`` buffer to the half head
     # output under autocast, so its logits (and its loss) are fp32 (estimate.quantities.loss_bytes)
     logits_bytes = logits[0].nbytes // max(1, _numel(logits[0].shape)) if logits else 0
-    # the half copies of weight views a layer's matmuls save (``cuda.CudaEmulation._cast``), per kind:
-    # weights' bytes, kept apart from the activations as autocast's cached copies are (``derived.view_casts``)
-    view_casts = {kind: sum(r.nbytes for r in view_rec[i]) for kind, i in typical.items()}
-    return {"saved": saved, "logits_bytes": logits_bytes, "view_casts": view_casts, "loss_upcast": _loss_upcasts(recs, logits),
+    return {"saved": saved, "logits_bytes": logits_bytes,
+            "view_casts": {kind: sum(r.nbytes for r in view_rec[i]) for kind, i in typical.items()}, "loss_upcast": _loss_upcasts(recs, logits),
             "vision": sum(r.nbytes for r in recs if r.rid in seen),
             "wcast": wcast, "parts": parts, "early": early, "base": base,
             "cache": kv, "held": held, "graph": graph,
