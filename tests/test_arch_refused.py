@@ -130,3 +130,10 @@ def test_a_class_taking_images_says_its_step_fed_text_alone(model_type):
     feeds to its vision-language types only: a text-only step that fails says so in its one line."""
     with pytest.raises(trainmem.TrainmemError, match="its forward takes pixel_values.*fed text alone"):
         trainmem.estimate(bench.tiny_config(model_type), **SETUP)
+
+
+def test_moe_imbalance_is_refused_for_a_per_expert_loop():
+    """The loops are traced on a balanced routing: an imbalance, which would change their busiest expert's
+    transients, is refused in one line rather than ignored."""
+    with pytest.raises(trainmem.TrainmemError, match="--moe-imbalance 2: dbrx's experts run one by one"):
+        trainmem.estimate(bench.tiny_config("dbrx"), moe_imbalance=2.0, **SETUP)
