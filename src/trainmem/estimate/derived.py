@@ -813,7 +813,7 @@ def first_free_casts(m: ModelSpec, t: TrainingSpec) -> int:
 
 
 def view_casts(m: ModelSpec, t: TrainingSpec, stage: str) -> int:
-    """Bytes of the stage's average layer's half copies of weight *views* its matmuls save under autocast
+    """Bytes of the stage's average layer's half copies of weight *slices* its matmuls save under autocast
     (``trace.derive``'s ``view_casts``, per kind, the records ``trace.cuda.CudaEmulation._cast`` labels
     ``autocast_weight_view``). A per-expert MoE loop multiplies by each expert's slice, ``weight[e]`` (DBRX
     ``x.matmul(expert_w1.T)``, transformers 5.24 ``models/dbrx/modeling_dbrx.py`` L264-268; JetMoE

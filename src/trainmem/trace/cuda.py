@@ -194,10 +194,13 @@ class CudaEmulation(TorchFunctionMode):
                 out = t.to(dtype)
             self._cast_cache[id(t)] = (_weak(t), out)
             return out
-        # a view of a trained weight (a per-expert loop's ``weight[e]``: DBRX, JetMoE, LongCat-Flash) is cast
-        # at every call, uncached (``cached_cast``: not a view); its copy is a weight's, not an activation's
+        # a slice of a trained weight (a per-expert loop's ``weight[e]``: DBRX, JetMoE, LongCat-Flash) is cast
+        # at every call, uncached (``cached_cast``: not a leaf); its copy is a weight's, not an activation's. A view
+        # of the whole weight (Falcon's ``x @ self.weight.T``) copies what the engine counts as the weight's
+        # cached copy (``states``' ``layer_matmul_half``), so it stays an ``autocast_cast``
         base = t._base if t._is_view() else None
-        view = base is not None and base.is_leaf and base.requires_grad and dtype == lower
+        view = base is not None and base.is_leaf and base.requires_grad and dtype == lower \
+            and t.numel() < base.numel()
         ctx = self.tracker.label("autocast_weight_view" if view else "autocast_cast") if self.tracker \
             else contextlib.nullcontext()
         with ctx:
