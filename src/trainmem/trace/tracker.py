@@ -261,9 +261,9 @@ class Tracker(TorchDispatchMode):
         kernel raises (torch/_meta_registrations.py ``nonzero``). A size read back to the host
         (``.tolist()``: ``trace.cuda.CudaEmulation._host_read`` answers zeros) that then fails a shape check:
         JetMoE's expert sizes (transformers 5.24 ``models/jetmoe/modeling_jetmoe.py`` L192-195
-        ``expert_size = gates.long().sum(0).tolist()``, then ``inputs.split(expert_size)``, L152). Both are
-        the per-expert loops of MoE blocks transformers does not run through ``grouped_mm`` (DBRX's, JetMoE's,
-        LongCat-Flash's): trainmem traces experts whose sizes do not depend on the routing (docs/moe.md)."""
+        ``expert_size = gates.long().sum(0).tolist()``, then ``inputs.split(expert_size)``, L152). The
+        per-expert MoE loops (DBRX's, JetMoE's, LongCat-Flash's) get their sizes from a balanced routing
+        (``routing_values``, tried first); this is the line for a size no router's choice decides."""
         name = _op_name(func)
         where = self._current_module() or "the model"
         if name.split(".")[0] in ("nonzero", "nonzero_static", "masked_select", "nonzero_numpy") and \
