@@ -269,10 +269,10 @@ class Tracker(TorchDispatchMode):
         if name.split(".")[0] in ("nonzero", "nonzero_static", "masked_select", "nonzero_numpy") and \
                 isinstance(e, NotImplementedError):
             return DataDependentSize(f"{name.split('.')[0]} in {where}: its size is a count of a tensor's values, "
-                                     f"which the trace has no data for (a per-expert MoE loop)")
+                                     f"which the trace has no data for (no router's top-k decides it)")
         if self.value_read and name.split(".")[0] in ("split_with_sizes", "split"):
             return DataDependentSize(f"{name.split('.')[0]} in {where}: sizes from a tensor's "
-                                     f"{self.value_read}, zeros without data (a per-expert MoE loop)")
+                                     f"{self.value_read}, zeros without data (no router's top-k decides them)")
         return e
 
     def note_value_read(self, what: str) -> None:
