@@ -28,6 +28,7 @@ from .spec import ModelSpec, TrainingSpec
 from .spec.tf_releases import installed_version, same_release
 from .spec.frameworks import caps_hidden_not_logits, torchtune_norm_saves_fp32
 from .spec.galore import LOWRANK_OPTIMIZERS
+from .spec.profile import default_language
 from .spec.training import BNB_OPTIMIZERS, LOMO_OPTIMIZERS, TORCHAO_OPTIMIZERS, padded_lengths
 
 DROPOUT_KEYS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "resid_pdrop", "embd_pdrop", "attn_pdrop",
@@ -257,17 +258,6 @@ def step_failure(spec: ModelSpec, e: BaseException) -> str:
            f"of docs/architectures.md: this step fed text alone") if media else ""
     return f"{spec.name} ({spec.architecture or spec.model_type}): its training step fails when traced ({line}){why}"
 
-
-def default_language(config: Any) -> Any:
-    """``config`` with a language where the model takes one per batch and none is set: X-MOD's layers run
-    one adapter per language and refuse a batch without ``lang_ids`` or ``default_language`` ("Input language
-    unknown. Please call ``XmodPreTrainedModel.set_default_language()``", transformers 5.24
-    ``models/xmod/modeling_xmod.py`` L729-734); the step trains on the first of the config's ``languages``,
-    as ``set_default_language(languages[0])`` sets it (L620-631); ``--set default_language=de_DE`` picks another."""
-    langs = getattr(config, "languages", None)
-    if hasattr(config, "default_language") and config.default_language is None and langs:
-        config.default_language = list(langs)[0]
-    return config
 
 
 def hf_factory(spec: ModelSpec, t: TrainingSpec) -> Callable[[], torch.nn.Module]:

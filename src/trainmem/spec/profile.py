@@ -250,7 +250,7 @@ def build_profile(config: Mapping[str, Any]) -> Profile:
     if task is None:
         raise TrainmemError(f"model_type {mtype!r} ({cls.__name__}): trainmem derives the classes of the tasks "
                             f"{', '.join(TASKS)}; this class is none of them (give --task)")
-    own = config_for_class(cls, cfg)
+    own = default_language(config_for_class(cls, cfg))
     codebooks = getattr(own, "num_codebooks", None)
     if task == "causal-lm" and isinstance(codebooks, int) and codebooks > 1:
         # MusicGen's decoder: ``input_ids`` of shape (batch * num_codebooks, seq) and labels (batch, seq,
@@ -352,6 +352,18 @@ def config_for_class(cls: Any, cfg: Any) -> Any:
     return subs[0] if len(subs) == 1 else cfg
 
 
+def default_language(config: Any) -> Any:
+    """``config`` with a language where the model takes one per batch and none is set: X-MOD's layers run
+    one adapter per language and refuse a batch without ``lang_ids`` or ``default_language`` ("Input language
+    unknown. Please call ``XmodPreTrainedModel.set_default_language()``", transformers 5.24
+    ``models/xmod/modeling_xmod.py`` L729-734); the step trains on the first of the config's ``languages``,
+    as ``set_default_language(languages[0])`` sets it (L620-631); ``--set default_language=de_DE`` picks another."""
+    langs = getattr(config, "languages", None)
+    if hasattr(config, "default_language") and config.default_language is None and langs:
+        config.default_language = list(langs)[0]
+    return config
+
+
 def without_gradient(model: Any, summ: Mapping[str, Any]) -> frozenset[str]:
     """The parameters an image classifier's training step leaves without a gradient: modules it
     builds but its forward does not run (SigLIP's vision tower builds its attention-pooling
@@ -438,12 +450,27 @@ def _meta_scalars() -> Any:
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from ..trace.routing_values import RoutingValues
+    values = RoutingValues("meta")  # (X-MOD's adapter of the step's language: ``trace.routing_values``)
+
     class MetaScalars(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
             if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == "meta":
                 t = args[0]
+                v = values.value(t)
+                if v is not None:
+                    return v.item()
                 return False if t.dtype == torch.bool else (1.0 if t.is_floating_point() else 1)
-            return func(*args, **(kwargs or {}))
+            try:
+                out = func(*args, **kwargs)
+            except (RuntimeError, NotImplementedError):
+                out = values.sized(func, args, kwargs)
+                if out is None:
+                    raise
+                return out
+            values.after(func, args, kwargs, out)
+            return out
     return MetaScalars()
 
 
