@@ -161,10 +161,10 @@ class CudaEmulation(TorchFunctionMode):
     def _host_read(self, name: str, t: torch.Tensor) -> Any:
         if name == "item" and t.dim() == 0 and self.tracker is not None and self.tracker.asserted(t):
             return True  # a torch._check_tensor_all holds (Tracker.asserted)
-        self.host_reads += 1
         known = self.tracker.routing.value(t) if hasattr(self.tracker, "routing") else None
         if known is not None:  # a value a MoE router's choice decides (trace.routing_values)
             return known.clone() if name == "cpu" else (t if name == "pin_memory" else getattr(known, name)())
+        self.host_reads += 1
         if name == "tolist" and t.dim() and not t.is_floating_point() \
                 and hasattr(self.tracker, "note_value_read"):
             self.tracker.note_value_read(".tolist()")

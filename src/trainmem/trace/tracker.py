@@ -213,11 +213,11 @@ class Tracker(TorchDispatchMode):
             # ``torch._check_tensor_all`` (``_is_all_true``: torch/__init__.py ``_check_tensor_all_with``,
             # transformers' ``torch_compilable_check``, e.g. a VLM's image-token count) holds, as on a
             # batch the model accepts.
-            self.data_dependent += 1
             t = args[0]
             v = self.routing.value(t)
-            if v is not None:
+            if v is not None:  # (a value the router's choice decides: ``routing_values``)
                 return v.item()
+            self.data_dependent += 1
             if t.dtype == torch.bool:
                 return self._scalar_producer.get(self._scalar_key(t)) in ("all", "_is_all_true")
             return 1.0 if t.is_floating_point() else 1
@@ -311,10 +311,10 @@ class Tracker(TorchDispatchMode):
             dev = kwargs.get("device")
             if dev is None or torch.device(dev).type != "cpu":
                 return None
-            self.data_dependent += 1
             v = self.routing.value(src)
             if v is not None:
                 return v.to(dtype=kwargs.get("dtype") or src.dtype)
+            self.data_dependent += 1
             return torch.zeros(src.shape, dtype=kwargs.get("dtype") or src.dtype, device="cpu")
         dst = args[0]
         if isinstance(dst, torch.Tensor) and dst.device.type == "cpu":
