@@ -75,6 +75,15 @@ FINAL: dict[str, dict] = {
     "lfm2_moe": {"num_hidden_layers": 4, "num_dense_layers": 1,  # LFM2-8B-A1B's config.json: conv and attention
                  "layer_types": ["conv", "full_attention", "conv", "full_attention"]},
     "dbrx": {"attn_config": {"clip_qkv": 8, "kv_n_heads": 2, "rope_theta": 500000}},  # DBRX's config.json
+    # block_types (recurrent, recurrent, attention) repeat: 2 layers have no attention layer, whose cache length
+    # the model asks for (transformers 5.24 ``RecurrentGemmaModel.forward`` ``cache.get_seq_length()``: ValueError)
+    "recurrent_gemma": {"num_hidden_layers": 3},
+    # Zamba2Config.__post_init__ derives these from the hidden size (transformers 5.24
+    # ``models/zamba2/configuration_zamba2.py`` L113-115); the default config's dict carries them for hidden 2560
+    "zamba2": {"attention_hidden_size": 128, "attention_head_dim": 32, "mamba_headdim": 16},
+    # xLSTMConfig rounds qk_dim up to a multiple of 64 for its cache (``configuration_xlstm.py`` L161-176) and the
+    # layer does not (``modeling_xlstm.py`` L1043): hidden 64 x qk_dim_factor 0.5 = 32 breaks transformers' own step
+    "xlstm": {"hidden_size": 128, "embedding_dim": 128},
     "marian": {"decoder_vocab_size": 1024},  # its pad id is vocab_size - 1: the decoder's vocabulary is as wide
     "mimo_v2_flash": {"num_key_value_heads": 1},  # sliding layers double the KV heads: 2 x 4 > 4 query heads
     # LongCat-Flash's query/key head is qk_nope_head_dim + qk_rope_head_dim (shrunk alone it no longer adds up)

@@ -28,6 +28,7 @@ from .spec import ModelSpec, TrainingSpec
 from .spec.tf_releases import installed_version, same_release
 from .spec.frameworks import caps_hidden_not_logits, torchtune_norm_saves_fp32
 from .spec.galore import LOWRANK_OPTIMIZERS
+from .spec.profile import default_language
 from .spec.training import BNB_OPTIMIZERS, LOMO_OPTIMIZERS, TORCHAO_OPTIMIZERS, padded_lengths
 
 DROPOUT_KEYS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "resid_pdrop", "embd_pdrop", "attn_pdrop",
@@ -236,7 +237,34 @@ def hf_config(spec: ModelSpec, t: TrainingSpec) -> Any:
         for k in DROPOUT_KEYS:
             if isinstance(cfg.get(k), (int, float)) and not isinstance(cfg.get(k), bool):
                 cfg[k] = 0.0
-    return transformers.AutoConfig.for_model(spec.model_type, **cfg)
+    return default_language(transformers.AutoConfig.for_model(spec.model_type, **cfg))
+
+
+#: the non-text inputs a model's ``forward`` may take (images, audio)
+MEDIA_INPUTS = ("pixel_values", "image_patches", "input_features", "input_values")
+
+
+def step_failure(spec: ModelSpec, e: BaseException) -> str:
+    """The one line saying that ``spec``'s real training step failed when traced, and why: the exception's first
+    line, and where the class's ``forward`` takes images or audio (GIT's ``GitForCausalLM`` slices its logits
+    past the image tokens with or without images, transformers 5.24 ``models/git/modeling_git.py``
+    ``GitForCausalLM.forward``; GOT-OCR2's ``pixel_values``) and the model is not a vision-language type trainmem
+    feeds images to (docs/architectures.md), that its step fed text alone."""
+    line = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    media: list[str] = []
+    if not spec.is_vlm and spec.family == "derived":
+        import inspect
+
+        import transformers
+        cls = getattr(transformers, spec.architecture or "", None)
+        try:
+            media = [p for p in inspect.signature(cls.forward).parameters if p in MEDIA_INPUTS] if cls else []
+        except (TypeError, ValueError):
+            media = []
+    why = (f"; its forward takes {', '.join(media)}, and trainmem feeds images only to the vision-language types "
+           f"of docs/architectures.md: this step fed text alone") if media else ""
+    return f"{spec.name} ({spec.architecture or spec.model_type}): its training step fails when traced ({line}){why}"
+
 
 
 def hf_factory(spec: ModelSpec, t: TrainingSpec) -> Callable[[], torch.nn.Module]:

@@ -795,6 +795,26 @@ def first_free_casts(m: ModelSpec, t: TrainingSpec) -> int:
     return int(coefficients(m, t).get("first_free_casts", 0))
 
 
+def view_casts(m: ModelSpec, t: TrainingSpec, stage: str) -> int:
+    """Bytes of the stage's average layer's half copies of weight *slices* its matmuls save under autocast
+    (``trace.derive``'s ``view_casts``, per kind, the records ``trace.cuda.CudaEmulation._cast`` labels
+    ``autocast_weight_view``). A per-expert MoE loop multiplies by each expert's slice, ``weight[e]`` (DBRX
+    ``x.matmul(expert_w1.T)``, transformers 5.24 ``models/dbrx/modeling_dbrx.py`` L264-268; JetMoE
+    ``F.linear(input_list[i], self.weight[i])``, ``models/jetmoe/modeling_jetmoe.py`` L154; LongCat-Flash
+    ``F.linear(current_state, self.gate_up_proj[expert_idx])``, ``models/longcat_flash/modeling_longcat_flash.py``
+    L198-200): autocast casts a view at every call, uncached (``aten/src/ATen/autocast_mode.cpp``
+    ``cached_cast``: only fp32 leaves that require grad and are no view), so each expert hit keeps a
+    half copy of its slice until its backward, in all the experts' half weights under a balanced routing
+    (``trace.routing_values``). The engine's own count (``states``' ``layer_matmul_half``) has the linears'
+    leaf weights only (grouped_mm experts are cast by none); this is added to it. 0 for coefficients
+    derived before it was measured."""
+    if m.family != "derived" or derived_problems(m, t):
+        return 0
+    doc = coefficients(m, t)
+    kinds = stage_kinds(m, t, stage, doc)
+    return int(sum(doc["kinds"][k].get("view_casts", 0) for k in kinds) / max(len(kinds), 1))
+
+
 def vision_side(m: ModelSpec, t: TrainingSpec) -> dict[str, float]:
     """A vision-language model's vision tower and projector at the end of the forward (``trace.derive.
     _vision_fit``): bytes per image (its patches' saved activations through the whole tower, the

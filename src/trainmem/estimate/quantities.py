@@ -38,7 +38,7 @@ from .derived import decoder_embedding_activations, decoder_embedding_temporarie
 from .derived import decoder_ratio, grad_views as derived_grad_views, head_forward as derived_head_forward
 from .derived import loss_upcasts as derived_loss_upcasts, outer_const as derived_outer_const
 from .derived import outer_per_sample as derived_outer_per_sample
-from .derived import first_free_casts as derived_first_free_casts
+from .derived import first_free_casts as derived_first_free_casts, view_casts as derived_view_casts
 from ..spec.vision import VISION_SIDE
 from .derived import top_forward as derived_top_forward
 from .derived import moment_activations
@@ -3409,7 +3409,8 @@ def _autocast_copies(m: ModelSpec, t: TrainingSpec, st: States, pol: Policy, hea
     grad, leaf, not a view). Found by trace on the fake group (docs/trace.md): llama-3.2-1b dp 8
     fsdp full bf16-amp was -35% against trace, the whole model's bf16 copies missing."""
     sharded = t.zero_stage == 3 and t.shard_group > 1 and t.fsdp is None
-    cast_layer = st.layer_matmul_half if pol.amp and not sharded else 0
+    # (a derived model's layer also keeps the copies of weight views its matmuls cast: ``derived.view_casts``)
+    cast_layer = st.layer_matmul_half + derived_view_casts(m, t, stage) if pol.amp and not sharded else 0
     # the head's copies: one, or one per loss chunk for a frozen head (``head_casts``)
     cast_head = st.head_matmul_half * head_casts(m, t) if pol.amp and not sharded and head_here else 0
     cast_embed = st.embed_matmul_half if pol.amp and not sharded and (t.pp == 1 or stage == "first") else 0

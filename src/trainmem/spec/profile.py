@@ -250,7 +250,7 @@ def build_profile(config: Mapping[str, Any]) -> Profile:
     if task is None:
         raise TrainmemError(f"model_type {mtype!r} ({cls.__name__}): trainmem derives the classes of the tasks "
                             f"{', '.join(TASKS)}; this class is none of them (give --task)")
-    own = config_for_class(cls, cfg)
+    own = default_language(config_for_class(cls, cfg))
     codebooks = getattr(own, "num_codebooks", None)
     if task == "causal-lm" and isinstance(codebooks, int) and codebooks > 1:
         # MusicGen's decoder: ``input_ids`` of shape (batch * num_codebooks, seq) and labels (batch, seq,
@@ -261,8 +261,11 @@ def build_profile(config: Mapping[str, Any]) -> Profile:
     model = _build_meta(cls, own, mtype)
     # a vision tower's classifier on a composite config (SigLIP's, CLIP's): its sizes are the vision config's
     vision = getattr(cfg, "vision_config", None) if task == "image-classification" else None
+    # (else the config the class was built with: a decoder-only class of an encoder-decoder family sets
+    # ``is_encoder_decoder`` False on its own copy, PegasusForCausalLM and ProphetNetForCausalLM, transformers
+    # 5.24 ``models/pegasus/modeling_pegasus.py`` L1021-1024; BartForCausalLM on the config it is given)
     summ = dict(summary(vision), vocab_size=summary(cfg, labels_only=True)["vocab_size"]) if vision is not None \
-        else summary(cfg if own is cfg else own)  # a composite's sub-config the class is built from
+        else summary(getattr(model, "config", None) or own)
     unused = without_gradient(model, summ) if task == "image-classification" else \
         text_without_gradient(model, summ) if task == "causal-lm" \
         else vlm_without_gradient(model, cfg) if task == "image-text-to-text" else frozenset()
@@ -347,6 +350,18 @@ def config_for_class(cls: Any, cfg: Any) -> Any:
     subs = [getattr(cfg, k, None) for k in getattr(cfg, "sub_configs", None) or {}]
     subs = [c for c in subs if isinstance(c, wanted)]
     return subs[0] if len(subs) == 1 else cfg
+
+
+def default_language(config: Any) -> Any:
+    """``config`` with a language where the model takes one per batch and none is set: X-MOD's layers run
+    one adapter per language and refuse a batch without ``lang_ids`` or ``default_language`` ("Input language
+    unknown. Please call ``XmodPreTrainedModel.set_default_language()``", transformers 5.24
+    ``models/xmod/modeling_xmod.py`` L729-734); the step trains on the first of the config's ``languages``,
+    as ``set_default_language(languages[0])`` sets it (L620-631); ``--set default_language=de_DE`` picks another."""
+    langs = getattr(config, "languages", None)
+    if hasattr(config, "default_language") and config.default_language is None and langs:
+        config.default_language = list(langs)[0]
+    return config
 
 
 def without_gradient(model: Any, summ: Mapping[str, Any]) -> frozenset[str]:
@@ -435,12 +450,27 @@ def _meta_scalars() -> Any:
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from ..trace.routing_values import RoutingValues
+    values = RoutingValues("meta")  # (X-MOD's adapter of the step's language: ``trace.routing_values``)
+
     class MetaScalars(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
             if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == "meta":
                 t = args[0]
+                v = values.value(t)
+                if v is not None:
+                    return v.item()
                 return False if t.dtype == torch.bool else (1.0 if t.is_floating_point() else 1)
-            return func(*args, **(kwargs or {}))
+            try:
+                out = func(*args, **kwargs)
+            except (RuntimeError, NotImplementedError):
+                out = values.sized(func, args, kwargs)
+                if out is None:
+                    raise
+                return out
+            values.after(func, args, kwargs, out)
+            return out
     return MetaScalars()
 
 
@@ -483,7 +513,11 @@ def summary(cfg: Any, labels_only: bool = False) -> dict[str, Any]:
     if not first(*_TOPK_KEYS, default=0):
         experts = 0  # no top-k in the config: not read as a mixture of experts
     own = _LAYER_COUNT_KEY.get(str(getattr(cfg, "model_type", "")))
-    layers = int(first(*((own,) if own else ()), "encoder_layers", "num_hidden_layers", "n_layer", "num_layers"))
+    # the decoder-only class of an encoder-decoder family (its config ``is_decoder`` and no longer
+    # ``is_encoder_decoder``) has the decoder's layers: distilbart-12-6's BartForCausalLM six, not twelve
+    decoder_only = bool(getattr(cfg, "is_decoder", False)) and not getattr(cfg, "is_encoder_decoder", False)
+    keys = ((own,) if own else ()) + (("decoder_layers", "num_decoder_layers") if decoder_only else ())
+    layers = int(first(*keys, "encoder_layers", "num_hidden_layers", "n_layer", "num_layers"))
     decoder = int(first("decoder_layers", "num_decoder_layers", default=layers)) \
         if getattr(cfg, "is_encoder_decoder", False) else 0
     image = first("image_size", default=None), first("patch_size", default=None)
@@ -494,7 +528,8 @@ def summary(cfg: Any, labels_only: bool = False) -> dict[str, Any]:
            "vocab_size": int(first("vocab_size", default=labels)),
            "ffn_size": int(first("intermediate_size", "ffn_hidden_size", "n_inner", "d_ff", "encoder_ffn_dim",
                                  default=4 * h) or 4 * h),
-           "max_positions": int(first("max_position_embeddings", "n_positions", "max_seq_len", default=2048)),
+           "max_positions": _max_positions(first("max_position_embeddings", "n_positions", "max_seq_len",
+                                                 default=2048)),
            "num_experts": experts,
            "experts_top_k": int(first(*_TOPK_KEYS, default=0) or 0) if experts else 0,
            "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
@@ -564,6 +599,18 @@ def layers_list(model: Any, num_layers: int) -> str:
         raise TrainmemError(f"{type(model).__name__}: no list of {num_layers} layers found among its modules")
     found.sort(key=lambda nm: (nm[0].rsplit(".", 1)[-1] not in _LAYER_LIST_NAMES, nm[0].count(".")))
     return found[0][0]
+
+
+#: the positions of a model without a sequence length limit (``_max_positions``)
+NO_POSITION_LIMIT = 1 << 31
+
+
+def _max_positions(value: Any) -> int:
+    """A config's position limit; a value below 1 is transformers' "no sequence length limit": XLNet's
+    relative positions (transformers 5.24 ``models/xlnet/configuration_xlnet.py`` L148-151,
+    ``max_position_embeddings`` returns -1), which any ``--seq-len`` fits."""
+    n = int(value)
+    return n if n > 0 else NO_POSITION_LIMIT
 
 
 def _role(mod: Any, pname: str, param: Any, experts: int) -> str:

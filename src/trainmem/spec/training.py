@@ -298,6 +298,11 @@ def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
         raise TrainmemError(f"--{name.replace('_', '-')} {value!r} is not one of: {', '.join(choices)}")
 
 
+#: model types whose MoE experts transformers 5.24 runs only as a per-expert loop sized by the routing (DBRX
+#: ``DbrxExperts.forward``, JetMoE ``JetMoeParallelExperts``, LongCat-Flash ``LongcatFlashExperts.forward``):
+#: traced on a balanced routing (``trace.routing_values``), so ``--moe-imbalance`` is refused for them
+EXPERT_LOOP_TYPES = frozenset({"dbrx", "jetmoe", "longcat_flash"})
+
 @dataclass(frozen=True)
 class TrainingSpec:
     """One training setup, seen from one GPU.
@@ -2145,6 +2150,10 @@ def check_against(model: Any, t: TrainingSpec) -> None:
         raise TrainmemError(f"--pp {t.pp} --pp-virtual-stages {t.virtual_stages}: the {model.num_layers} layers of "
                             f"{model.name} do not split into {stages} pipeline stages of whole layers; use a "
                             f"--pp-virtual-stages whose product with --pp divides {model.num_layers}")
+    if t.moe_imbalance > 1 and model.model_type in EXPERT_LOOP_TYPES:
+        raise TrainmemError(f"--moe-imbalance {t.moe_imbalance:g}: {model.model_type}'s experts run one by one on the "
+                            "tokens routed to each, which trainmem traces on a balanced routing only (its busiest "
+                            "expert's transients are not modelled); drop --moe-imbalance")
     if t.moe_imbalance > 1 and not model.num_experts:
         raise TrainmemError(f"--moe-imbalance {t.moe_imbalance:g}: {model.name} has no experts to route to; "
                             "drop --moe-imbalance")

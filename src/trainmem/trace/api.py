@@ -39,7 +39,7 @@ from ..workload import hf_config as _hf_config  # noqa: F401
 from ..workload import hf_factory as _hf_factory
 from ..workload import prepare_model
 from ..workload import attention_implementation as _attention_implementation
-from ..workload import padded_steps
+from ..workload import padded_steps, step_failure
 from ..workload import hf_step as _hf_step
 from ..workload import make_optimizer, optimizer_class  # noqa: F401
 
@@ -294,6 +294,7 @@ def _build(dev: _Device, factory: Callable, spec: ModelSpec | None, t: TrainingS
         with dev.build_ctx:
             module = factory()
             module = _as_module(module)
+            _on_device(module)
             _cast(module, spec, t)
             if spec is not None:  # the rope buffers, 4-bit linears, LoRA and litgpt's linears
                 module = prepare_model(module, spec, t)
@@ -399,8 +400,7 @@ def _run_steps(dev: _Device, module: torch.nn.Module, spec: ModelSpec | None, t:
         if spec is None:
             raise  # the user's own step function: their traceback is theirs to read
         # the real model's step fails on tensors without data: one line saying which and why
-        raise TrainmemError(f"{spec.name} ({spec.architecture or spec.model_type}): its training step fails when "
-                            f"traced ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
+        raise TrainmemError(step_failure(spec, e)) from None
     finally:
         tracker.finish()
         for h in grad_hooks:
@@ -437,6 +437,14 @@ def _load_order(module: torch.nn.Module) -> list[tuple[str, torch.Tensor, str, s
 
     walk(module, "")
     return out
+
+
+def _on_device(module: torch.nn.Module) -> None:
+    """Move onto the emulated GPU the tensors the build left on the CPU, as ``model.to("cuda")`` moves
+    every one: a legacy constructor ignores the default device (XLNet's ``nn.Parameter(torch.FloatTensor(
+    d_model, n_head, d_head))``, transformers 5.24 ``models/xlnet/modeling_xlnet.py`` L60-68)."""
+    if any(x.device.type == "cpu" for x in (*module.parameters(), *module.buffers())):
+        module.to(torch.device(EMULATED))
 
 
 def _load_to_device(tracker: Tracker, module: torch.nn.Module) -> None:

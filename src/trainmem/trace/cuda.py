@@ -161,6 +161,9 @@ class CudaEmulation(TorchFunctionMode):
     def _host_read(self, name: str, t: torch.Tensor) -> Any:
         if name == "item" and t.dim() == 0 and self.tracker is not None and self.tracker.asserted(t):
             return True  # a torch._check_tensor_all holds (Tracker.asserted)
+        known = self.tracker.routing.value(t) if hasattr(self.tracker, "routing") else None
+        if known is not None:  # a value a MoE router's choice decides (trace.routing_values)
+            return known.clone() if name == "cpu" else (t if name == "pin_memory" else getattr(known, name)())
         self.host_reads += 1
         if name == "tolist" and t.dim() and not t.is_floating_point() \
                 and hasattr(self.tracker, "note_value_read"):
@@ -191,7 +194,15 @@ class CudaEmulation(TorchFunctionMode):
                 out = t.to(dtype)
             self._cast_cache[id(t)] = (_weak(t), out)
             return out
-        ctx = self.tracker.label("autocast_cast") if self.tracker else contextlib.nullcontext()
+        # a slice of a trained weight (a per-expert loop's ``weight[e]``: DBRX, JetMoE, LongCat-Flash) is cast
+        # at every call, uncached (``cached_cast``: not a leaf); its copy is a weight's, not an activation's. A view
+        # of the whole weight (Falcon's ``x @ self.weight.T``) copies what the engine counts as the weight's
+        # cached copy (``states``' ``layer_matmul_half``), so it stays an ``autocast_cast``
+        base = t._base if t._is_view() else None
+        view = base is not None and base.is_leaf and base.requires_grad and dtype == lower \
+            and t.numel() < base.numel()
+        ctx = self.tracker.label("autocast_weight_view" if view else "autocast_cast") if self.tracker \
+            else contextlib.nullcontext()
         with ctx:
             return t.to(dtype)
 
@@ -936,6 +947,37 @@ def _patched(patches: dict[tuple[Any, str], Any]) -> Iterator[None]:
                 setattr(obj, attr, val)
 
 
+def _autocast_patches() -> dict[tuple[Any, str], Any]:
+    """Autocast queried or entered by the device type of a tensor (``x.device.type``): on the emulated GPU
+    that is ``meta``, which stands for ``cuda``. ``torch.get_autocast_dtype`` raises for it
+    (``unsupported scalarType``: NVIDIA Nemotron's ``NemotronLayerNorm1P``, transformers 5.24
+    ``models/nemotron/modeling_nemotron.py`` L54-59 and L75-80, casts its arguments to the autocast dtype and
+    runs ``F.layer_norm`` with autocast off), ``torch.is_autocast_enabled("meta")`` is False, and
+    transformers' ``maybe_autocast`` (``utils/generic.py`` L228-253) returns a no-op for ``meta``: a
+    model's "autocast off" block (the rotary embeddings' fp32 ``inv_freq @ position_ids``, that layer norm)
+    would run under CUDA autocast. Each answers for ``cuda``, as on the GPU."""
+    import sys
+
+    def cuda(d: Any) -> Any:
+        return "cuda" if d == EMULATED else d
+    dtype_of, enabled = torch.get_autocast_dtype, torch.is_autocast_enabled
+    patches: dict[tuple[Any, str], Any] = {
+        (torch, "get_autocast_dtype"): lambda device_type: dtype_of(cuda(device_type)),
+        (torch, "is_autocast_enabled"): lambda *a: enabled(*(cuda(x) for x in a)),
+    }
+    generic = sys.modules.get("transformers.utils.generic")
+    original = getattr(generic, "maybe_autocast", None)
+    if original is None:
+        return patches
+
+    def maybe_autocast(device_type: str, *args: Any, **kwargs: Any) -> Any:
+        return original(cuda(device_type), *args, **kwargs)
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("transformers") and getattr(mod, "maybe_autocast", None) is original:
+            patches[(mod, "maybe_autocast")] = maybe_autocast
+    return patches
+
+
 @contextlib.contextmanager
 def cuda_environment(allocator: Any, *, capability: tuple[int, int] = (8, 0), capacity: int | None = None,
                      name: str = "trainmem emulated GPU", emulation: CudaEmulation | None = None) -> Iterator[None]:
@@ -944,6 +986,7 @@ def cuda_environment(allocator: Any, *, capability: tuple[int, int] = (8, 0), ca
     patches = _torch_cuda_patches(allocator, capability, cap, name)
     patches.update(_device_check_patches())
     patches.update(_emulation_patches(emulation))
+    patches.update(_autocast_patches())
     with _patched(patches):
         yield
 

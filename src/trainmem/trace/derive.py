@@ -53,7 +53,7 @@ from ..spec.vision import VISION_SIDE, VLM_TYPES, min_seq_len, vision_inputs
 from ..estimate.derived import checkpointed, scan_chunk, sliding_window, top_forward_measured
 from ..estimate.quantities import is_lm
 from ..workload import (apply_lora, apply_quantization, attention_implementation, emulated_mixers, freeze_vision_tower,
-                        hf_factory, model_batch, unwrapped)
+                        hf_factory, model_batch, step_failure, unwrapped)
 
 #: relative error a fitted quantity may show on the held-out point (plus DERIVE_SLACK bytes)
 DERIVE_TOLERANCE = 0.005
@@ -185,6 +185,8 @@ def _kind_coefficients(m: ModelSpec, kind: str, runs: list[dict[str, Any]], how:
     held = _fitted(m, f"layer {kind} output-held bytes", pts, [r["held"][kind] for r in runs], ("n",))[0]
     out["kinds"][kind] = {"tok": c["n"], "sq": c["nsq"], "pos": c["s"], "parts": parts, "transients": trans,
                           "cache": cache, "held": held, **_sequence(runs, kind, fit)}
+    if runs[-1].get("view_casts", {}).get(kind):  # (the same at every point: a constant, ``derived.view_casts``)
+        out["kinds"][kind]["view_casts"] = runs[-1]["view_casts"][kind]
     if any(r["graph"][kind] for r in runs):  # kept by the graph's nodes until it is freed (``_graph_held``)
         out["kinds"][kind]["graph"] = _fitted(m, f"layer {kind} graph-held bytes", pts,
                                               [r["graph"][kind] for r in runs], ("n",))[0]
@@ -484,8 +486,7 @@ def _runs(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], base: TrainingSpe
     except TrainmemError:
         raise
     except Exception as e:  # the real model's step fails on fake tensors: say which and why, once
-        raise TrainmemError(f"{m.name} ({m.architecture}): its training step fails when traced "
-                            f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
+        raise TrainmemError(step_failure(m, e)) from None
 
 
 #: the two short sequences ``_probe_operations`` traces (batch 2) before the fit's points, in chunks of 64
@@ -592,10 +593,13 @@ def _cut(cfg: dict[str, Any], L: int, k: int, dec: int = 0) -> dict[str, Any]:
         if not any(key in cfg for key in _DECODER_KEYS):
             out["num_decoder_layers" if "num_layers" in cfg else "decoder_layers"] = k
         return out
-    for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
+    # (the decoder-only class of an encoder-decoder family builds its decoder's layers: the decoder's count,
+    # ProphetNet's ``num_decoder_layers``, whose config refuses ``num_hidden_layers``)
+    counts = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", *_DECODER_KEYS)
+    for key in counts:
         if key in out:
             out[key] = k
-    if not any(key in cfg for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers")):
+    if not any(key in cfg for key in counts):
         out["num_hidden_layers"] = k
     shared = cfg.get("num_kv_shared_layers")
     if isinstance(shared, int) and 0 < shared < L and k < L:
@@ -650,7 +654,7 @@ def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpe
     """Trace forward + loss + backward of the cut model at ``t``'s batch and sequence (``ckpt``: with
     every layer checkpointed, as ``workload.TrainStep`` enables it for ``--recompute full``; ``vision_ckpt``:
     a VLM's vision tower's blocks alone, ``_checkpoint_vision``)."""
-    from .api import _device, _load_to_device
+    from .api import _device, _load_to_device, _on_device
     small = replace(m, num_layers=len(kinds), config=cfg, decoder_layers=len(kinds) // 2 if m.decoder_layers else 0)
     dev = _device(True, None, t, False, None, None, None, None, False)
     tracker = dev.tracker
@@ -658,6 +662,7 @@ def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpe
     with dev.env, dev.emulation:
         with dev.build_ctx:
             model = hf_factory(small, t)()
+            _on_device(model)  # (a legacy constructor's CPU tensors: XLNet's)
             freeze_vision_tower(model, small, t)  # (a VLM: Qwen2-VL's host grid hook, --freeze-vision-tower)
             model = apply_lora(apply_quantization(model, t), small, t)
             if ckpt:  # transformers' GradientCheckpointingLayer, non-reentrant (as TrainStep enables it)
@@ -835,10 +840,8 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
     pat, layer_of, starts, ends = _layer_index(stacks)
     logits = [r for r in recs if r.category == "logits"]
     logits_ev, events = logits[0].alloc_event if logits else end, defaultdict(list)
-    for r in recs:
-        i = layer_of(r) if r.phase == "forward" else None
-        if i is not None:
-            events[i].append(r.alloc_event)
+    for r, i in ((r, layer_of(r)) for r in recs if r.phase == "forward"):
+        events[i].append(r.alloc_event) if i is not None else None
     layer_events = [e for v in events.values() for e in v]
     first_layer_ev, last_layer_ev = min(layer_events, default=0), max(layer_events, default=0)
     # an encoder-decoder's tensors made between its stacks (the encoder's final norm, the decoder's
@@ -848,7 +851,9 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
     def alive_at(r: Any, e: int) -> bool:
         return r.alloc_event <= e and (r.free_event is None or r.free_event > e)
 
-    saved_rec, head_rec = defaultdict(list), []  # (the layers' records alive at the end; the head side's)
+    # (the layers' records alive at the end; the head side's; a layer's half copies of weight views, weights'
+    # bytes kept apart from the activations as autocast's cached copies are: ``derived.view_casts``)
+    saved_rec, head_rec, view_rec = defaultdict(list), [], defaultdict(list)
     embed = head = first_input = head_wcast = 0
     head_loss = _head_loss(tracker, recs, end, (last_layer_ev, logits_ev))
     seen = _vision_saved(recs, end, {r.rid for r in vision}) if vision is not None else set()
@@ -858,7 +863,7 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
             continue
         i = layer_of(r)
         if i is not None:
-            saved_rec[i].append(r)
+            (view_rec if r.label == "autocast_weight_view" else saved_rec)[i].append(r)
         elif r.alloc_event < first_layer_ev or any(a < r.alloc_event < b for a, b in gaps):
             embed += r.nbytes
             # of it, the first layer's input, which something saved (its norm, in the input's dtype)
@@ -896,7 +901,8 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
     # the logits' element size: BART adds its fp32 ``final_logits_bias`` buffer to the half head
     # output under autocast, so its logits (and its loss) are fp32 (estimate.quantities.loss_bytes)
     logits_bytes = logits[0].nbytes // max(1, _numel(logits[0].shape)) if logits else 0
-    return {"saved": saved, "logits_bytes": logits_bytes, "loss_upcast": _loss_upcasts(recs, logits),
+    return {"saved": saved, "logits_bytes": logits_bytes,
+            "view_casts": {kind: sum(r.nbytes for r in view_rec[i]) for kind, i in typical.items()}, "loss_upcast": _loss_upcasts(recs, logits),
             "vision": sum(r.nbytes for r in recs if r.rid in seen),
             "wcast": wcast, "parts": parts, "early": early, "base": base,
             "cache": kv, "held": held, "graph": graph,

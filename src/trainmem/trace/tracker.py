@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..allocator import CachingAllocator, ExactAllocator
 from . import cuda_kernels
+from .routing_values import RoutingValues
 
 #: cuBLAS workspace per handle (spec.hardware: 8,519,680 B, 32 MiB on sm90 exactly)
 from ..spec.hardware import CUBLAS_WORKSPACE, CUBLAS_WORKSPACE_SM90  # noqa: F401  (re-exported)
@@ -187,6 +188,7 @@ class Tracker(TorchDispatchMode):
         self.data_dependent = 0
         self.value_read = ""  # the last host read of an integer tensor's values (``note_value_read``)
         self._scalar_producer: dict[int, str] = {}
+        self.routing = RoutingValues(device_type)  # values a MoE router's choice decides (routing_values)
         self._scopes: list[tuple[str, str]] = []
         self._paused = False      # ops pass through uncounted (trace --compile: fused kernels' insides)
         self._adopt: tuple[Any, torch.Tensor, int] | None = None  # (op, result, donor storage key)
@@ -211,8 +213,11 @@ class Tracker(TorchDispatchMode):
             # ``torch._check_tensor_all`` (``_is_all_true``: torch/__init__.py ``_check_tensor_all_with``,
             # transformers' ``torch_compilable_check``, e.g. a VLM's image-token count) holds, as on a
             # batch the model accepts.
-            self.data_dependent += 1
             t = args[0]
+            v = self.routing.value(t)
+            if v is not None:  # (a value the router's choice decides: ``routing_values``)
+                return v.item()
+            self.data_dependent += 1
             if t.dtype == torch.bool:
                 return self._scalar_producer.get(self._scalar_key(t)) in ("all", "_is_all_true")
             return 1.0 if t.is_floating_point() else 1
@@ -232,7 +237,11 @@ class Tracker(TorchDispatchMode):
         try:
             out = func(*args, **kwargs)
         except (RuntimeError, NotImplementedError) as e:
-            raise self._sized_by_data(func, e) from None
+            out = self.routing.sized(func, args, kwargs)
+            if out is None:
+                raise self._sized_by_data(func, e) from None
+        else:
+            self.routing.after(func, args, kwargs, out)
         donor = self._donor(func, args, kwargs, out) if self.emulate_cuda_kernels else None
         if donor is not None:
             self._adopt = (func, out, id(donor.untyped_storage()))
@@ -252,18 +261,18 @@ class Tracker(TorchDispatchMode):
         kernel raises (torch/_meta_registrations.py ``nonzero``). A size read back to the host
         (``.tolist()``: ``trace.cuda.CudaEmulation._host_read`` answers zeros) that then fails a shape check:
         JetMoE's expert sizes (transformers 5.24 ``models/jetmoe/modeling_jetmoe.py`` L192-195
-        ``expert_size = gates.long().sum(0).tolist()``, then ``inputs.split(expert_size)``, L152). Both are
-        the per-expert loops of MoE blocks transformers does not run through ``grouped_mm`` (DBRX's, JetMoE's,
-        LongCat-Flash's): trainmem traces experts whose sizes do not depend on the routing (docs/moe.md)."""
+        ``expert_size = gates.long().sum(0).tolist()``, then ``inputs.split(expert_size)``, L152). The
+        per-expert MoE loops (DBRX's, JetMoE's, LongCat-Flash's) get their sizes from a balanced routing
+        (``routing_values``, tried first); this is the line for a size no router's choice decides."""
         name = _op_name(func)
         where = self._current_module() or "the model"
         if name.split(".")[0] in ("nonzero", "nonzero_static", "masked_select", "nonzero_numpy") and \
                 isinstance(e, NotImplementedError):
             return DataDependentSize(f"{name.split('.')[0]} in {where}: its size is a count of a tensor's values, "
-                                     f"which the trace has no data for (a per-expert MoE loop)")
+                                     f"which the trace has no data for (no router's top-k decides it)")
         if self.value_read and name.split(".")[0] in ("split_with_sizes", "split"):
             return DataDependentSize(f"{name.split('.')[0]} in {where}: sizes from a tensor's "
-                                     f"{self.value_read}, zeros without data (a per-expert MoE loop)")
+                                     f"{self.value_read}, zeros without data (no router's top-k decides them)")
         return e
 
     def note_value_read(self, what: str) -> None:
@@ -302,6 +311,9 @@ class Tracker(TorchDispatchMode):
             dev = kwargs.get("device")
             if dev is None or torch.device(dev).type != "cpu":
                 return None
+            v = self.routing.value(src)
+            if v is not None:
+                return v.to(dtype=kwargs.get("dtype") or src.dtype)
             self.data_dependent += 1
             return torch.zeros(src.shape, dtype=kwargs.get("dtype") or src.dtype, device="cpu")
         dst = args[0]
