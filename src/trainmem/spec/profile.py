@@ -38,7 +38,11 @@ PROFILE_VERSION = 3
 _LAYER_LIST_NAMES = ("layers", "h", "layer", "blocks", "block", "decoder_layers")
 #: the config keys (after transformers resolves its attribute_map) a profile's summary reads
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-_TOPK_KEYS = ("num_experts_per_tok", "moe_topk", "top_k", "num_experts_per_token")
+_TOPK_KEYS = ("num_experts_per_tok", "moe_topk", "top_k", "num_experts_per_token", "moe_top_k")
+#: sub-configs whose keys are the model's own sizes: DBRX keeps its experts, their top-k and width in
+#: ``ffn_config`` (transformers 5.24 ``models/dbrx/configuration_dbrx.py``: ``DbrxFFNConfig.moe_num_experts``,
+#: ``moe_top_k``, ``ffn_hidden_size``; ``modeling_dbrx.py`` ``DbrxExperts`` sizes its weights from them)
+_SUB_CONFIGS = ("ffn_config",)
 #: model types whose ``num_hidden_layers`` counts something other than their decoder layers, and the key that
 #: counts those: LongCat-Flash's layers each hold two attention sublayers, and its ``num_hidden_layers`` is
 #: ``2 * num_layers`` (transformers 5.24 ``models/longcat_flash/configuration_longcat_flash.py`` L117-118, the
@@ -560,6 +564,9 @@ def _config_value(cfg: Any, key: str) -> Any:
         return max(values) if values else None
     if isinstance(v, (list, tuple)) and v and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
         return max(v)
+    if v is None:
+        subs = (getattr(cfg, name, None) for name in _SUB_CONFIGS)
+        v = next((getattr(sub, key) for sub in subs if sub is not None and getattr(sub, key, None) is not None), None)
     return v
 
 
