@@ -17,6 +17,7 @@ on keeps the recompute's keys and values, and through their graph each detached 
 The fast tests check when the estimate applies it and the two published fms-acceleration Mistral-7B LoRA
 FSDP1 rows."""
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -221,3 +222,21 @@ def test_trl_sets_use_reentrant_by_release(trl, options, reentrant):
     r = trainmem.estimate("llama-3.2-1b", framework="trl", framework_version=trl, recompute="full",
                           transformers_version="4.48.1", seq_len=512, **options)
     assert r.training.checkpoint_reentrant is reentrant
+
+
+def test_published_answerai_lora_row_without_held_inputs():
+    """Answer.AI fsdp_qlora (train.py 50efa1e): torch's apply_activation_checkpointing after the FSDP wrap
+    (``checkpoint_wrapper``) holds no layer inputs, and the loop keeps ``output`` (transformers 4.37.2's fp32
+    logits) through backward; the LoRA b1 s2048 row's published peak allocated is 9.16 GiB
+    (validation/published/answerai_fsdpqlora_llama2_7b_lora_fsdp2_b1_s2048.json)."""
+    path = "validation/published/answerai_fsdpqlora_llama2_7b_lora_fsdp2_b1_s2048.json"
+    fixture = json.loads((Path(__file__).parent.parent / path).read_text())
+    setup, measured = fixture["setup"], 9.16 * 2**30
+    assert setup["checkpoint_wrapper"] is True and setup["hold_output"] == "backward"
+    row = trainmem.estimate(fixture["model"], **setup)
+    held = trainmem.estimate(fixture["model"], **{**setup, "checkpoint_wrapper": False})
+    comp = {c.name: c.bytes for c in row.components}
+    assert "activations.fsdp1_held_inputs" not in comp
+    assert comp["logits.logits"] == 2048 * 32000 * 4                # the kept fp32 logits, b1 s2048
+    assert abs(row.peak_allocated / measured - 1) < 0.01
+    assert held.peak_allocated / measured - 1 > 0.03                 # with the reshard-only hold counted
