@@ -10,9 +10,14 @@ The slow test runs the real code (installed torch, transformers, peft) on a 2-ra
 counts the residual-stream tensors alive when the bottom layer's recompute starts, for the loop of
 transformers < 4.52 (reentrant, outside the unit), the layer's own checkpoint of 4.52 and later
 (inside the unit), torch's apply_activation_checkpointing after wrapping (a CheckpointWrapper inside each
-unit: it holds them too) and non-reentrant checkpointing outside it. The fast tests check when the estimate
-applies it and the two published fms-acceleration Mistral-7B LoRA FSDP1 rows."""
+unit: it holds nothing, as inside), non-reentrant checkpointing outside it, and the loop of transformers < 4.52
+with FSDP's reshard-only hook switched off (the hold goes: the hook is what holds). Every run passes
+``use_cache=False``, as transformers' own checkpointing and Answer.AI's train.py do: a ``DynamicCache`` left
+on keeps the recompute's keys and values, and through their graph each detached input and its gradient.
+The fast tests check when the estimate applies it and the two published fms-acceleration Mistral-7B LoRA
+FSDP1 rows."""
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -32,6 +37,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 warnings.filterwarnings("ignore")
 rank, mode, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+if mode == "unhooked":                      # the loop of transformers < 4.52 without FSDP1's reshard-only hook
+    import torch.distributed.fsdp._runtime_utils as fsdp_runtime
+    fsdp_runtime._register_post_backward_reshard_only_hook = lambda *args, **kwargs: None
 dist.init_process_group("gloo", rank=rank, world_size=2)
 import transformers
 transformers.logging.set_verbosity_error()
@@ -89,7 +97,7 @@ if mode == "applied":                        # torch's apply_activation_checkpoi
         checkpoint_wrapper, checkpoint_impl=CheckpointImpl.REENTRANT), check_fn=lambda m: isinstance(m, LlamaDecoderLayer))
 if mode not in ("inside", "applied"):
     for i, unit in enumerate(base.model.layers):
-        base.model.layers[i] = Outside(unit, mode == "reentrant")
+        base.model.layers[i] = Outside(unit, mode in ("reentrant", "unhooked"))
 model.train()
 seen = {}
 live = Live()
@@ -103,7 +111,7 @@ def at_recompute(mod, *a):                   # the bottom layer's recompute star
 norm.register_forward_pre_hook(at_recompute)
 x = torch.randint(0, 512, (B, S))
 with live:
-    loss = model(input_ids=x, labels=x).loss
+    loss = model(input_ids=x, labels=x, use_cache=False).loss
     live.phase = "backward"
     loss.backward()
 adapters = sum(p.grad is not None for n, p in model.named_parameters() if "lora_" in n)
@@ -123,15 +131,16 @@ def _run(tmp_path, mode):
 
 @pytest.mark.slow
 def test_reentrant_checkpoint_around_a_frozen_fsdp1_unit_holds_inputs_and_gradients(tmp_path):
-    runs = {mode: _run(tmp_path, mode) for mode in ("reentrant", "inside", "nonreentrant", "applied")}
+    runs = {mode: _run(tmp_path, mode) for mode in ("reentrant", "inside", "nonreentrant", "applied", "unhooked")}
     for run in runs.values():  # every adapter trained in each (the embedding's output requires grad)
         assert run["adapter_grads"] == 2 * 2 * LAYERS
     # without the hold: the bottom layer's saved input, and the gradient it received
     assert runs["inside"]["bottom"] == runs["nonreentrant"]["bottom"] == [1, 1]
-    # torch's apply_activation_checkpointing run after wrapping puts the wrapper inside each unit, and the
-    # hold is there all the same (measured here; Answer.AI's fsdp_qlora and accelerate's
-    # fsdp_activation_checkpointing run it so): the estimate applies the term to both
-    assert runs["applied"]["bottom"] == runs["reentrant"]["bottom"]
+    # torch's apply_activation_checkpointing run after wrapping puts the wrapper inside each unit (Answer.AI's
+    # fsdp_qlora, accelerate's fsdp_activation_checkpointing): the recompute never calls the unit, no hold
+    assert runs["applied"]["bottom"] == [1, 1]
+    # the loop around the unit without FSDP1's reshard-only hook: no hold either, so the hook is the holder
+    assert runs["unhooked"]["bottom"] == [1, 1]
     # with it: every layer's input, and the gradients of the inputs of all layers above the bottom
     assert runs["reentrant"]["bottom"] == [LAYERS, LAYERS - 1]
     # the estimate's term counts the same tensors (one layer's input each) beyond the normal bottom moment
@@ -151,9 +160,17 @@ FSDP1_LORA = dict(recompute="full", reentrant=True, lora_rank=16, dp=2, fsdp="fu
     ({"fsdp_lora_units": "layer"}, False),          # the layer's flat parameter requires grad: no such hook
     ({"fsdp_version": 2}, False),
     ({"lora_rank": 0}, False),
+    ({"checkpoint_wrapper": True}, False),         # torch's CheckpointWrapper inside each unit (Answer.AI, accelerate)
 ])
 def test_when_fsdp1_holds_the_inputs(change, held):
     assert fsdp1_held_inputs(TrainingSpec(**{**FSDP1_LORA, **change})) is held
+
+
+def test_checkpoint_wrapper_needs_full_recompute_on_every_layer():
+    with pytest.raises(TrainmemError, match="--checkpoint-wrapper"):
+        TrainingSpec(checkpoint_wrapper=True)
+    with pytest.raises(TrainmemError, match="--checkpoint-wrapper"):
+        TrainingSpec(checkpoint_wrapper=True, recompute="full", recompute_every=2)
 
 
 def test_reentrant_needs_full_recompute_on_every_layer():
@@ -205,3 +222,21 @@ def test_trl_sets_use_reentrant_by_release(trl, options, reentrant):
     r = trainmem.estimate("llama-3.2-1b", framework="trl", framework_version=trl, recompute="full",
                           transformers_version="4.48.1", seq_len=512, **options)
     assert r.training.checkpoint_reentrant is reentrant
+
+
+def test_published_answerai_lora_row_without_held_inputs():
+    """Answer.AI fsdp_qlora (train.py 50efa1e): torch's apply_activation_checkpointing after the FSDP wrap
+    (``checkpoint_wrapper``) holds no layer inputs, and the loop keeps ``output`` (transformers 4.37.2's fp32
+    logits) through backward; the LoRA b1 s2048 row's published peak allocated is 9.16 GiB
+    (validation/published/answerai_fsdpqlora_llama2_7b_lora_fsdp2_b1_s2048.json)."""
+    path = "validation/published/answerai_fsdpqlora_llama2_7b_lora_fsdp2_b1_s2048.json"
+    fixture = json.loads((Path(__file__).parent.parent / path).read_text())
+    setup, measured = fixture["setup"], 9.16 * 2**30
+    assert setup["checkpoint_wrapper"] is True and setup["hold_output"] == "backward"
+    row = trainmem.estimate(fixture["model"], **setup)
+    held = trainmem.estimate(fixture["model"], **{**setup, "checkpoint_wrapper": False})
+    comp = {c.name: c.bytes for c in row.components}
+    assert "activations.fsdp1_held_inputs" not in comp
+    assert comp["logits.logits"] == 2048 * 32000 * 4                # the kept fp32 logits, b1 s2048
+    assert abs(row.peak_allocated / measured - 1) < 0.01
+    assert held.peak_allocated / measured - 1 > 0.03                 # with the reshard-only hold counted

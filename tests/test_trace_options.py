@@ -68,6 +68,10 @@ CASES = [
      REFUSED, "Must flatten tensors with uniform dtype"),
     # FSDP1 CPUOffload(offload_params=True): estimate only (tests/test_fsdp_offload.py)
     ({"fsdp_version": 1, "fsdp": "full", "dp": 2, "fsdp_offload_params": True}, REFUSED, "--fsdp-offload-params"),
+    # torch's apply_activation_checkpointing after FSDP1 wrapping (tests/test_fsdp1_reentrant.py)
+    ({"checkpoint_wrapper": True, "recompute": "full", "fsdp_version": 1, "fsdp": "full", "dp": 2}, "same",
+     "trace's transformers (>= 4.52) checkpoints each layer inside its FSDP unit already, where torch's "
+     "CheckpointWrapper puts it (vs the same run without the option)"),
     # FSDP1 sync_module_states over rank 0's CPU model: estimate only (tests/test_fsdp_init.py)
     ({"fsdp_version": 1, "fsdp": "full", "dp": 2, "fsdp_sync_module_states": True}, REFUSED,
      "--fsdp-sync-module-states"),
@@ -246,6 +250,7 @@ CASES = [
 #: the options a case is compared with instead of the baseline (the case's own options minus one)
 REFERENCE = {"fsdp_version": {"fsdp": "full", "dp": 2},
              "fsdp_auto_wrap_policy": {"fsdp_version": 1, "fsdp": "full", "dp": 2},
+             "checkpoint_wrapper": {"recompute": "full", "fsdp_version": 1, "fsdp": "full", "dp": 2},
              "use_cache": {"hold_output": "step"},
              "fsdp_lora_units": {"lora_rank": 8}, "fsdp_gathered": {"fsdp": "full", "dp": 2}, "ddp_bucket_mb": {"dp": 2},
              "ddp_init_stream": {"dp": 2},

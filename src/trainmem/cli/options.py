@@ -249,6 +249,10 @@ def _add_fsdp(g: Any) -> None:
                         "--use_cpu_offload): sharded parameters, reduced gradients and the optimizer step on the "
                         "host; each unit copied in and gathered for compute (with --fsdp full --fsdp-version 1; "
                         "estimate only)")
+    g.add_argument("--checkpoint-wrapper", action="store_true", default=None,
+                   help="--recompute full through torch's apply_activation_checkpointing after FSDP1 wrapping "
+                        "(a CheckpointWrapper inside each unit: Answer.AI fsdp_qlora, accelerate "
+                        "fsdp_activation_checkpointing), not the model's own loop around the unit")
     g.add_argument("--fsdp-sync-module-states", action="store_true", default=None,
                    help="FSDP1 sync_module_states=True over a model rank 0 holds on the CPU (accelerate "
                         "fsdp_cpu_ram_efficient_loading, Answer.AI fsdp_qlora's default low_memory): each unit "
@@ -548,7 +552,7 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 master_weights=a.master_weights, framework=a.framework, framework_version=a.framework_version,
                 torch_version=a.torch_version, grad_sync=a.grad_sync, fsdp_lora_units=a.fsdp_lora_units,
                 fsdp_offload_params=a.fsdp_offload_params,
-                fsdp_sync_module_states=a.fsdp_sync_module_states,
+                fsdp_sync_module_states=a.fsdp_sync_module_states, checkpoint_wrapper=a.checkpoint_wrapper,
                 transformers_version=a.transformers_version,
                 fsdp_gathered=a.fsdp_gathered, fsdp_auto_wrap_policy=a.fsdp_auto_wrap_policy,
                 fsdp_min_num_params=a.fsdp_min_num_params,

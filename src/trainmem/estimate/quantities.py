@@ -4086,13 +4086,19 @@ def fsdp1_held_inputs(t: TrainingSpec) -> bool:
     the unit inputs with a ``grad_fn`` (no ``AccumulateGrad`` kept), and a flat parameter that requires
     grad registers no such hook; nor does a unit that runs the checkpoint inside its own forward
     (transformers 4.52 and later: ``tf_releases.checkpoint_wraps_unit``), whose inputs have a ``grad_fn``
-    too. torch's ``apply_activation_checkpointing`` run after FSDP1 wrapping (a reentrant
-    ``CheckpointWrapper`` inside each unit: accelerate's ``fsdp_activation_checkpointing``, Answer.AI's
-    fsdp_qlora ``train.py`` L728-743 at 50efa1e) holds them all the same, measured on the same real run.
-    Checked on a real CPU run (tests/test_fsdp1_reentrant.py); found by the
+    too; nor does torch's ``apply_activation_checkpointing`` run after FSDP1 wrapping
+    (``checkpoint_wrapper``: a reentrant ``CheckpointWrapper`` inside each unit, accelerate's
+    ``fsdp_activation_checkpointing``, Answer.AI's fsdp_qlora ``train.py`` L728-743 at 50efa1e): the
+    unit's ``_pre_forward`` runs in the first forward only, where each input but the bottom one has a
+    ``grad_fn``, and the recompute calls the wrapped layer, not the unit, so no hook sees the detached
+    leaves (torch 2.13 ``distributed/algorithms/_checkpoint/checkpoint_wrapper.py`` L143-171). Checked
+    on a real CPU run (tests/test_fsdp1_reentrant.py: with ``use_cache=False``, as the training loops
+    run; a ``DynamicCache`` left on keeps the recompute's keys and values, and through their graph every
+    detached input, which an earlier version of that test took for the hook); found by the
     fms-acceleration Mistral-7B LoRA FSDP1 rows (-8.7 % / -10.0 % before)."""
     return (t.checkpoint_reentrant and t.fsdp is not None and t.fsdp_version == 1 and t.lora_rank > 0
-            and t.fsdp_lora_units == "separate" and checkpoint_wraps_unit(t.transformers_release))
+            and t.fsdp_lora_units == "separate" and not t.checkpoint_wrapper
+            and checkpoint_wraps_unit(t.transformers_release))
 
 
 def fsdp1_views(t: TrainingSpec) -> bool:

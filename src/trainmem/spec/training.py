@@ -332,6 +332,10 @@ class TrainingSpec:
     sequence_parallel: bool = False
     recompute: str = "none"
     recompute_every: int = 1  # full recompute of every N-th layer only (torchtitan/torchtune ac_freq)
+    checkpoint_wrapper: bool = False  # --recompute full through torch's apply_activation_checkpointing run after
+    #                                   FSDP1 wrapping: a CheckpointWrapper inside each unit, not the model's loop
+    #                                   around it (Answer.AI fsdp_qlora train.py, accelerate
+    #                                   fsdp_activation_checkpointing; estimate.quantities.fsdp1_held_inputs)
     reentrant: bool | None = None  # full recompute through torch.utils.checkpoint(use_reentrant=True); None:
     #                          transformers' default of the run's release (``checkpoint_reentrant``)
     offload_activations: bool = False  # torchtune's OffloadActivations: checkpointed layers' inputs in CPU memory
@@ -633,6 +637,10 @@ class TrainingSpec:
             if self.tp > 1:
                 raise TrainmemError("--recompute op with --tp > 1: the reduce-scatter outputs torchtitan's policy saves "
                                     "under tensor parallelism are not modelled; use --recompute full")
+        if self.checkpoint_wrapper and (self.recompute != "full" or self.recompute_every > 1):
+            raise TrainmemError("--checkpoint-wrapper is how --recompute full checkpoints every layer (torch's "
+                                "apply_activation_checkpointing): give --recompute full on every layer (no "
+                                "--recompute-every), or drop --checkpoint-wrapper")
         if self.offload_activations and (self.recompute != "full" or self.recompute_every > 1):
             # torchtune v0.6.1 recipes/full_finetune_distributed.py L205-213 (every recipe alike)
             raise TrainmemError("--offload-activations needs --recompute full on every layer: torchtune offloads "
