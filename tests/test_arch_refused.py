@@ -137,3 +137,16 @@ def test_moe_imbalance_is_refused_for_a_per_expert_loop():
     transients, is refused in one line rather than ignored."""
     with pytest.raises(trainmem.TrainmemError, match="--moe-imbalance 2: dbrx's experts run one by one"):
         trainmem.estimate(bench.tiny_config("dbrx"), moe_imbalance=2.0, **SETUP)
+
+
+def test_dbrx_experts_are_read_from_its_ffn_config():
+    """DBRX keeps its experts' count, top-k and width in ``ffn_config`` (``DbrxFFNConfig``) and stacks its experts
+    along the rows of 2-D parameters (``DbrxExpertGLU.w1/v1/w2``, (experts * ffn, hidden)): the spec reads them as a
+    mixture of experts and the stacked weights as experts (before: no experts, the weights classed as norms)."""
+    cfg = bench.tiny_config("dbrx")
+    ffn = cfg["ffn_config"]
+    m = trainmem.resolve(cfg, **SETUP).model
+    assert (m.num_experts, m.experts_top_k, m.ffn_size) == (ffn["moe_num_experts"], ffn["moe_top_k"],
+                                                           ffn["ffn_hidden_size"])
+    roles = {t.name.rsplit(".", 1)[-1]: t.role for t in m._tensors if ".ffn." in t.name}
+    assert roles["w1"] == roles["v1"] == roles["w2"] == "expert" and roles["weight"] == "router"

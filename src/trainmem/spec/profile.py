@@ -16,8 +16,8 @@ built once and kept in the user cache (``cache_dir()``).
 Roles, from the module that owns the parameter: ``nn.Embedding`` -> embedding; the weight of an
 ``nn.Linear``/``Conv1D``/convolution -> linear (``router`` when it is a MoE gate: a linear whose
 output width is the number of experts); a Linear's bias -> bias; a 3-D parameter of another
-module (transformers >= 5 fuses each MoE layer's experts into ``(experts, out, in)`` tensors) ->
-expert; anything else (norm weights and biases, SSM vectors) -> norm.
+module (transformers >= 5 fuses each MoE layer's experts into ``(experts, out, in)`` tensors), or a 2-D
+one of an experts module stacking them along its rows (DBRX) -> expert; anything else (norm weights and biases, SSM vectors) -> norm.
 """
 from __future__ import annotations
 
@@ -633,6 +633,9 @@ def _role(mod: Any, pname: str, param: Any, experts: int) -> str:
         return "linear"
     if param.dim() == 3:
         return "expert"
+    if param.dim() == 2 and experts and "expert" in type(mod).__name__.lower() and param.shape[0] % experts == 0:
+        return "expert"  # experts stacked along dim 0 of a 2-D parameter: DBRX's ``DbrxExpertGLU`` w1/v1/w2,
+        # (experts * ffn, hidden) each, sliced per expert (transformers 5.24 ``modeling_dbrx.py`` L290-306)
     if param.dim() == 2 and experts and param.shape[0] == experts:
         return "router"  # a router kept as a bare (experts, hidden) parameter
     return "norm"
