@@ -533,8 +533,8 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     R.carry = []
     R.frees(fwd)
     R.frees(cached)                                               # autocast exits: its cache cleared
-    if flags.hold == "loss":
-        R.frees(out)
+    if flags.hold == "loss" and not flags.pipe_out:               # (a pipeline stage's fwd_cache keeps it:
+        R.frees(out)                                              # moments.pipeline_output)
         out = []
     if _root_resharded(q, fs):                                    # FSDP2 reshards the root after its forward
         R.frees(root)
@@ -851,9 +851,9 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
         _lomo_update(R, *s.lomo, flags.oib)
         s.lomo = None
     R.mark("backward" + suffix, s.step)
-    if flags.hold == "step":
-        s.held = f.out
-    elif flags.hold == "backward":
+    if flags.hold == "step" or flags.pipe_out == "1f1b":          # Schedule1F1B's ``output``: to the next
+        s.held = f.out                                            # forward (moments.pipeline_output)
+    elif flags.hold == "backward" or flags.pipe_out:
         R.frees(f.out)
 
 
@@ -953,6 +953,9 @@ def _micro_batches(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: To
             _backward(R, s, q, flags, tk, f, parts, n, nsq, recompute, sfx)
     for f, sfx in pending:
         _backward(R, s, q, flags, tk, f, parts, n, nsq, recompute, sfx)
+    if flags.pipe_out:                                            # the schedule's step returns: its last
+        R.frees(s.held)                                           # output freed (moments.pipeline_output)
+        s.held = []
 
 
 #: the side streams of PyTorch FSDP, and DeepSpeed ZeRO-3's all-gather stream (``partitioned_param_coordinator.py``
