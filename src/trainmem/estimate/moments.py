@@ -72,14 +72,17 @@ def pipeline_output(t: TrainingSpec) -> str:
       ``detach_`` (stage.py L1051-1061) frees no data. The step's last output dies when
       ``_step_microbatches`` returns, before ``optimizer.step()``. ``ScheduleGPipe`` runs every
       forward before the first backward (L905-922), so its ``output`` is the last micro-batch's,
-      still in ``fwd_cache`` until the step's last backward: "cache". The interleaved schedules'
-      ``output`` (L2054) is any of the rank's stages' last forward: "cache" (not modelled beyond).
+      still in ``fwd_cache`` until the step's last backward: "cache".
+    * "": no pipeline, or an interleaved schedule (``--pp-virtual-stages``): its ``output`` (L2054)
+      is the last forward of any of the rank's stages, and the allocator replay runs each (stage,
+      micro-batch) pair in flight with the head's logits, which only the last stage's pairs make
+      (``_interleaved``'s ``head_units``): not modelled (the logits as freed when forward ends).
     Found by trace: qwen2.5-1.5b (4 layers) --pp 2 --grad-accum 4 fp16-amp b4 s2048, last stage: the
     previous micro-batch's fp16 logits (2.32 GiB) alive from its backward's end to the next forward's
     end; reserved -9.2% before."""
-    if not torch_pipeline(t):
+    if not torch_pipeline(t) or t.virtual_stages > 1:
         return ""
-    return "1f1b" if t.pp_schedule == "1f1b" and t.virtual_stages == 1 else "cache"
+    return "1f1b" if t.pp_schedule == "1f1b" else "cache"
 
 
 def lomo_hook(t: TrainingSpec) -> tuple:
