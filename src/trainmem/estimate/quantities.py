@@ -322,6 +322,9 @@ class Quantities:
     graph_tok: float = 0.0  # per layer, saved bytes per token the graph keeps until it is freed (bnb < 0.43.2)
     graph_extra_tok: float = 0.0  # ... of it, per layer on average, not among the kept activations (checkpointed)
     pipe_batch: int = 0    # 1: torch's pipeline schedule takes the whole step's batch (every micro-batch's ids, labels)
+    # a pipeline's last stage, full recompute under autocast: the layers' cached half weight copies, alive
+    # until the stage forward's autocast region closes, before the loss (loss_after_stage_forward)
+    cast_stage_only: int = 0
     pipe_recv: int = 0     # torch's pipeline receive buffers per micro-batch on this stage (pipeline_buffers)
     pipe_buf_tok: float = 0.0  # ... bytes per token of one
     pipe_sent_tok: float = 0.0  # 1F1B, a later stage: the previous micro-batch's input gradient its send ops hold
@@ -2986,6 +2989,8 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         cast_layer=cast_layer, cast_head=cast_head, cast_embed=cast_embed, cast_checkpointed=cast_layer * checkpointed, head_wgrad=head_wgrad(m, t, cast_head),
         cast_forward_only=0 if (t.lora_rank or fsdp1_views(t) or loss_after_stage_forward(t, stage))
         else cast_layer * checkpointed,  # see cast_checkpointed
+        cast_stage_only=cast_layer * checkpointed if (loss_after_stage_forward(t, stage) and not t.lora_rank
+                                                      and not fsdp1_views(t)) else 0,
         gathered_layer=(st.layer_units_full or st.layer_params_full) if fsdp_grad_op(t) else 0,
         logit_chunks=t.loss_chunks, logit_width=m.vocab_size if is_lm(m) else classifier_width(m, t),
         tp=t.tp if is_lm(m) else 1, cast_output=int(t.cast_output), **_loss_fields(m, t, pol, loss, head_here),

@@ -508,6 +508,9 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
         cast = _logit_allocs(R, _logit_tensors(tk.cast_logits, q.logits_cast, full, chunks))
         R.frees(out)
         out = cast
+    if q.cast_stage_only:                                         # a pipeline's last stage: its forward's
+        R.frees(cached)                                           # autocast region closes before the loss
+        cached = []                                               # (quantities.loss_after_stage_forward)
     R.frees(s.held)                                               # the previous step's output, replaced
     s.held = []
     if q.loss_chunk_tokens:   # TRL's chunked_nll: its tensors one by one (quantities._chunked_nll_bytes)
@@ -1442,9 +1445,9 @@ def _recompute_casts(q: Quantities) -> bool:
     its first forward (``_checkpointed``) and again in its recomputed forward, whose backward then
     makes each weight's gradient as a layer without recomputation does (``_linears_backward``).
     Where the replay follows the layer's linears under autocast (``_linear_casts``) and the forward
-    caches the copies (``q.cast_forward_only``: not under LoRA, whose frozen weights autocast does
-    not cache)."""
-    return bool(q.cast_forward_only) and _linear_casts(q) is not None
+    caches the copies (``q.cast_forward_only``, or ``q.cast_stage_only`` on a pipeline's last stage:
+    not under LoRA, whose frozen weights autocast does not cache)."""
+    return bool(q.cast_forward_only or q.cast_stage_only) and _linear_casts(q) is not None
 
 
 class _Kept(list):
