@@ -2989,8 +2989,9 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         cast_layer=cast_layer, cast_head=cast_head, cast_embed=cast_embed, cast_checkpointed=cast_layer * checkpointed, head_wgrad=head_wgrad(m, t, cast_head),
         cast_forward_only=0 if (t.lora_rank or fsdp1_views(t) or loss_after_stage_forward(t, stage))
         else cast_layer * checkpointed,  # see cast_checkpointed
-        cast_stage_only=cast_layer * checkpointed if (loss_after_stage_forward(t, stage) and not t.lora_rank
-                                                      and not fsdp1_views(t)) else 0,
+        # (not under an interleaved schedule, whose replay runs (stage, micro-batch) pairs: moments.pipeline_output)
+        cast_stage_only=cast_layer * checkpointed if (loss_after_stage_forward(t, stage) and t.virtual_stages == 1
+                                                      and not t.lora_rank and not fsdp1_views(t)) else 0,
         gathered_layer=(st.layer_units_full or st.layer_params_full) if fsdp_grad_op(t) else 0,
         logit_chunks=t.loss_chunks, logit_width=m.vocab_size if is_lm(m) else classifier_width(m, t),
         tp=t.tp if is_lm(m) else 1, cast_output=int(t.cast_output), **_loss_fields(m, t, pol, loss, head_here),
