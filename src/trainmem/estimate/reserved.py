@@ -508,9 +508,8 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
         cast = _logit_allocs(R, _logit_tensors(tk.cast_logits, q.logits_cast, full, chunks))
         R.frees(out)
         out = cast
-    if q.cast_stage_only:                                         # a pipeline's last stage: its forward's
-        R.frees(cached)                                           # autocast region closes before the loss
-        cached = []                                               # (quantities.loss_after_stage_forward)
+    if q.cast_stage_only:                                         # a pipeline's last stage: its forward's autocast
+        cached = R.frees(cached) or []                            # region closes before the loss (Quantities.cast_stage_only)
     R.frees(s.held)                                               # the previous step's output, replaced
     s.held = []
     if q.loss_chunk_tokens:   # TRL's chunked_nll: its tensors one by one (quantities._chunked_nll_bytes)
