@@ -661,6 +661,10 @@ def test_the_last_stage_keeps_each_output_to_the_next_forward(options):
     r = trace("llama-3.2-1b", set=overrides, **setup)
     est = estimate("llama-3.2-1b", set=overrides, **setup)
     assert r.extra["pipeline_stage"] == "last" and est.extra["pipeline_stage"] == "last"
+    # the (meta) example logits the step gives PipelineStage are no device memory
+    # (trace.api._example_meta_uncounted): nothing above the parameters at load (before: 62.5 MiB)
+    loaded = r.phase("model_loaded", 0)
+    assert loaded.peak == loaded.allocated
     logits = BASE["batch_size"] * 512 * 32000 * 2  # one micro-batch's half logits
     ended = {p.name: p.allocated for p in r.phases if p.step == 1}
     assert ended["backward.micro1"] - ended["backward.micro4"] >= logits  # still held after the first
