@@ -24,6 +24,7 @@ from ..spec.training import TrainingSpec
 from .elementwise import NEVER, ceil_div, maximum, minimum, next_pow2, trunc, where
 from .layers import ALL_MOMENTS, BOTTOM, DECODER_BOTTOM, TOP
 from .quantities import Quantities, TransientTable, is_lm
+from .states import torch_pipeline
 
 #: the parts of a moment, in this order; ``logits`` is itself (logits, KV cache, log-probabilities);
 #: ``communication``: FSDP's unsharded buffers of forward and backward (``quantities.fsdp_buffers``)
@@ -47,13 +48,41 @@ class StepFlags:
     by_moment: bool = False  # the layer backward moments have transients of their own (a derived encoder-decoder)
     fsdp1_views: bool = False  # FSDP1: parameters are views of the flat parameter (quantities.fsdp1_views)
     states_at_init: bool = False  # the optimizer's constructor makes its states (states_at_init)
+    pipe_out: str = ""      # torch's pipeline schedule: what keeps the last stage's output (pipeline_output)
 
     @staticmethod
     def of(m: ModelSpec, t: TrainingSpec) -> "StepFlags":
         return StepFlags(lomo_hook(t) or t.grads_freed_in_backward, t.hold_output, t.distributed_optimizer or t.megatron_ddp, is_lm(m),
                          t.zero_grad == "zeros", bool(t.quantize), t.fsdp is not None and t.shard_group > 1,
                          m.family == "derived" and m.is_encoder_decoder,
-                         t.fsdp is not None and t.shard_group > 1 and t.fsdp_version == 1, states_at_init(t))
+                         t.fsdp is not None and t.shard_group > 1 and t.fsdp_version == 1, states_at_init(t),
+                         pipeline_output(t))
+
+
+def pipeline_output(t: TrainingSpec) -> str:
+    """What keeps the last pipeline stage's output (its logits, in the head's dtype: half under
+    autocast) under torch.distributed.pipelining (``states.torch_pipeline``); "" without it.
+
+    * "cache": ``PipelineStage.forward_one_chunk`` stores it in ``fwd_cache`` and
+      ``backward_one_chunk`` pops it and holds it through the micro-batch's backward (torch 2.13
+      ``distributed/pipelining/stage.py`` L904-916, L962-967), however the loop treats its own output.
+    * "1f1b": and then ``Schedule1F1B._step_microbatches`` keeps it in its local ``output``
+      (``schedules.py`` L1070, L1130), which the last stage (one warm-up forward, L1052-1055) rebinds
+      only when the next micro-batch's ``forward_one_chunk`` has returned; the backward's in-place
+      ``detach_`` (stage.py L1051-1061) frees no data. The step's last output dies when
+      ``_step_microbatches`` returns, before ``optimizer.step()``. ``ScheduleGPipe`` runs every
+      forward before the first backward (L905-922), so its ``output`` is the last micro-batch's,
+      still in ``fwd_cache`` until the step's last backward: "cache".
+    * "": no pipeline, or an interleaved schedule (``--pp-virtual-stages``): its ``output`` (L2054)
+      is the last forward of any of the rank's stages, and the allocator replay runs each (stage,
+      micro-batch) pair in flight with the head's logits, which only the last stage's pairs make
+      (``_interleaved``'s ``head_units``): not modelled (the logits as freed when forward ends).
+    Found by trace: qwen2.5-1.5b (4 layers) --pp 2 --grad-accum 4 fp16-amp b4 s2048, last stage: the
+    previous micro-batch's fp16 logits (2.32 GiB) alive from its backward's end to the next forward's
+    end; reserved -9.2% before."""
+    if not torch_pipeline(t) or t.virtual_stages > 1:
+        return ""
+    return "1f1b" if t.pp_schedule == "1f1b" else "cache"
 
 
 def lomo_hook(t: TrainingSpec) -> tuple:
@@ -390,9 +419,12 @@ class Kept:
     kv_low: Any
     kv_end: Any
     persists: bool = False
+    within: bool = False  # kept until the next forward returns, in the step only (``pipeline_output`` 1f1b)
 
     @staticmethod
     def of(q: Quantities, flags: StepFlags, tk: Tokens) -> "Kept":
+        if flags.pipe_out == "1f1b":
+            return Kept(tk.held, 0, 0, 0, within=True)
         if flags.hold == "loss":
             return Kept(tk.held, 0, 0, 0)
         per_layer = tk.kv_saved * tk.inflight
@@ -403,6 +435,15 @@ class Kept:
         """(logits, KV cache) still referenced after backward: at the optimizer step, zero_grad and
         during the next forward."""
         return (self.logits, self.kv_end) if self.persists else (0, 0)
+
+    def into_next(self) -> tuple[Any, Any]:
+        """(logits, KV cache) the next micro-batch's forward meets (``within``: that of the same step)."""
+        return (self.logits, self.kv_end) if (self.persists or self.within) else (0, 0)
+
+    def after_micro(self, final: Any) -> tuple[Any, Any]:
+        """(logits, KV cache) still referenced as a micro-batch's backward ends (``final``: the step's
+        last micro-batch, after which ``within`` keeps nothing)."""
+        return (where(final, 0, self.logits), 0) if self.within else self.after_backward()
 
 
 def walk(q: Quantities, flags: StepFlags, tk: Tokens, ga: Any, handle_ws: int = CUBLAS_WORKSPACE,
@@ -696,7 +737,8 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     ws, ws2 = workspaces
     grads_before = _grads_before(q, flags, tk, micro, step)
     states = q.states if states_before else 0
-    prev_logits, prev_kv, prev_graph = _previous(q, flags, (kept, tk) if prev is None else prev, step > 1 or micro > 0)
+    exists = micro > 0 if kept.within else (step > 1 or micro > 0)  # (a pipeline's: in the step only)
+    prev_logits, prev_kv, prev_graph = _previous(q, flags, (kept, tk) if prev is None else prev, exists)
     own = tk.graph_extra  # this micro-batch's graph-kept tensors beyond the kept activations
     if flags.quant4:
         _dequant_forward(q, tk, (grads_before, states, tk.inputs, ws), (prev_logits, prev_kv), micro, step, valid,
@@ -719,9 +761,11 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     moments.append(_mo("forward", micro, step, "output.cast",
                        (grads_before, states, tk.inputs, ws, tk.all_acts, 0),
                        (prev_logits + tk.out_logits + tk.cast_logits, prev_kv + tk.kv_held, 0),
-                       _both(valid, _both(cast, q.logits_cast > 0)), prev_graph + own,
+                       _both(valid, _either(_both(cast, q.logits_cast > 0), kept.within)), prev_graph + own,
                        comm=q.fsdp_loss_root + q.fsdp_last_kept + q.fsdp_loss_ag + q.ds_gathered_head))
-    loss_logits = where(cast, where(q.logits_cast > 0, tk.cast_logits, tk.out_logits), prev_logits + tk.out_logits)
+    # (a pipeline schedule rebinds its ``output`` before its loss runs: the previous one freed, Kept.within)
+    loss_logits = where(cast, where(q.logits_cast > 0, tk.cast_logits, tk.out_logits),
+                        (0 if kept.within else prev_logits) + tk.out_logits)
     # (a loss that saves the logits it reads, quantities._compiled_chunked_loss_bytes: counted once)
     read = where(cast, where(q.logits_cast > 0, tk.cast_logits, tk.out_logits), tk.out_logits)
     loss_new = tk.loss_saved - where(q.loss_saves_out > 0, read, 0)
@@ -749,7 +793,9 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     layer_grads_before = grads_before + where(q.ds_partition_from <= 0, q.ds_partition_grads, 0)
     _layers_backward(q, flags, tk, kept, (step, micro, valid, final), (layer_grads_before, states_mid, ws2, own),
                      moments)
-    after_logits, after_kv = kept.after_backward()   # hold_output="backward": freed as backward returns
+    # hold_output="backward": freed as backward returns; a pipeline's (Kept.within): kept after the first
+    # micro-batch (micro-step 2 ends as the step's last does, the optimizer step after it)
+    after_logits, after_kv = kept.after_micro(final if micro == 0 else True)
     after_graph = tk.graph if _graph_outlives_backward(flags) else 0
     # FSDP's no_sync: shards after the last micro-batch; FSDP1 grad-op's units kept gathered after the others
     grads_end, kept_end = q.grads + tk.grad_views - where(final, q.nosync_reduce, 0), where(final, 0, _nosync_kept(q))
@@ -802,7 +848,7 @@ def _previous(q: Quantities, flags: StepFlags, before: Any, exists: bool) -> tup
     if not exists:
         return 0, 0, 0
     kept, tk = before if isinstance(before, tuple) else (Kept.of(q, flags, before), before)
-    return (*kept.after_backward(), tk.graph if _graph_outlives_backward(flags) else 0)
+    return (*kept.into_next(), tk.graph if _graph_outlives_backward(flags) else 0)
 
 
 def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, when: tuple, before: tuple,

@@ -324,6 +324,9 @@ class Quantities:
     graph_tok: float = 0.0  # per layer, saved bytes per token the graph keeps until it is freed (bnb < 0.43.2)
     graph_extra_tok: float = 0.0  # ... of it, per layer on average, not among the kept activations (checkpointed)
     pipe_batch: int = 0    # 1: torch's pipeline schedule takes the whole step's batch (every micro-batch's ids, labels)
+    # a pipeline's last stage, full recompute under autocast: the layers' cached half weight copies, alive
+    # until the stage forward's autocast region closes, before the loss (loss_after_stage_forward)
+    cast_stage_only: int = 0
     pipe_recv: int = 0     # torch's pipeline receive buffers per micro-batch on this stage (pipeline_buffers)
     pipe_buf_tok: float = 0.0  # ... bytes per token of one
     pipe_sent_tok: float = 0.0  # 1F1B, a later stage: the previous micro-batch's input gradient its send ops hold
@@ -3051,6 +3054,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         cast_layer=cast_layer, cast_head=cast_head, cast_embed=cast_embed, cast_checkpointed=cast_layer * checkpointed, head_wgrad=head_wgrad(m, t, cast_head),
         cast_forward_only=0 if (t.lora_rank or fsdp1_views(t) or loss_after_stage_forward(t, stage))
         else cast_layer * checkpointed,  # see cast_checkpointed
+        cast_stage_only=_cast_stage_only(t, stage, cast_layer * checkpointed),
         gathered_layer=(st.layer_units_full or st.layer_params_full) if fsdp_grad_op(t) else 0,
         logit_chunks=t.loss_chunks, logit_width=m.vocab_size if is_lm(m) else classifier_width(m, t),
         tp=t.tp if is_lm(m) else 1, cast_output=int(t.cast_output), **_loss_fields(m, t, pol, loss, head_here),
@@ -3427,6 +3431,19 @@ def loss_after_stage_forward(t: TrainingSpec, stage: str) -> bool:
     runs (``cast_forward_only`` 0 there). Found by trace: llama (8 layers, h 512) --pp 2 bf16-amp full
     recompute, 2 x 1024 tokens, the last stage +2.0% before."""
     return torch_pipeline(t) and t.pp > 1 and stage == "last"
+
+
+def _cast_stage_only(t: TrainingSpec, stage: str, cached: int) -> int:
+    """Bytes of one checkpointed layer's half weight copies (``cached``: ``cast_layer`` under full
+    recompute) that autocast's cache holds on a pipeline's last stage until the stage forward's region
+    closes, before the loss (``loss_after_stage_forward``), for the allocator replay
+    (``reserved._forward``); 0 elsewhere, under LoRA (frozen weights are not cached) and FSDP1's views
+    (as ``cast_forward_only``), and under an interleaved schedule, whose replay runs (stage,
+    micro-batch) pairs (``moments.pipeline_output``). Found by trace: Qwen2.5-1.5B --pp 2 fp16-amp
+    full recompute, b4 s2048, the last stage's first forward 1.25 GiB of segments short (28 layers)."""
+    if not loss_after_stage_forward(t, stage) or t.virtual_stages > 1 or t.lora_rank or fsdp1_views(t):
+        return 0
+    return cached
 
 
 def receives_output_grad(t: TrainingSpec, stage: str) -> bool:

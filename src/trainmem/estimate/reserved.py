@@ -508,6 +508,8 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
         cast = _logit_allocs(R, _logit_tensors(tk.cast_logits, q.logits_cast, full, chunks))
         R.frees(out)
         out = cast
+    if q.cast_stage_only:                                         # a pipeline's last stage: its forward's autocast
+        cached = R.frees(cached) or []                            # region closes before the loss (Quantities.cast_stage_only)
     R.frees(s.held)                                               # the previous step's output, replaced
     s.held = []
     if q.loss_chunk_tokens:   # TRL's chunked_nll: its tensors one by one (quantities._chunked_nll_bytes)
@@ -533,8 +535,8 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     R.carry = []
     R.frees(fwd)
     R.frees(cached)                                               # autocast exits: its cache cleared
-    if flags.hold == "loss":
-        R.frees(out)
+    if flags.hold == "loss" and not flags.pipe_out:               # (a pipeline stage's fwd_cache keeps it:
+        R.frees(out)                                              # moments.pipeline_output)
         out = []
     if _root_resharded(q, fs):                                    # FSDP2 reshards the root after its forward
         R.frees(root)
@@ -851,9 +853,9 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
         _lomo_update(R, *s.lomo, flags.oib)
         s.lomo = None
     R.mark("backward" + suffix, s.step)
-    if flags.hold == "step":
-        s.held = f.out
-    elif flags.hold == "backward":
+    if flags.hold == "step" or flags.pipe_out == "1f1b":          # Schedule1F1B's ``output``: to the next
+        s.held = f.out                                            # forward (moments.pipeline_output)
+    elif flags.hold == "backward" or flags.pipe_out:
         R.frees(f.out)
 
 
@@ -953,6 +955,9 @@ def _micro_batches(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: To
             _backward(R, s, q, flags, tk, f, parts, n, nsq, recompute, sfx)
     for f, sfx in pending:
         _backward(R, s, q, flags, tk, f, parts, n, nsq, recompute, sfx)
+    if flags.pipe_out:                                            # the schedule's step returns: its last
+        R.frees(s.held)                                           # output freed (moments.pipeline_output)
+        s.held = []
 
 
 #: the side streams of PyTorch FSDP, and DeepSpeed ZeRO-3's all-gather stream (``partitioned_param_coordinator.py``
@@ -1439,9 +1444,9 @@ def _recompute_casts(q: Quantities) -> bool:
     its first forward (``_checkpointed``) and again in its recomputed forward, whose backward then
     makes each weight's gradient as a layer without recomputation does (``_linears_backward``).
     Where the replay follows the layer's linears under autocast (``_linear_casts``) and the forward
-    caches the copies (``q.cast_forward_only``: not under LoRA, whose frozen weights autocast does
-    not cache)."""
-    return bool(q.cast_forward_only) and _linear_casts(q) is not None
+    caches the copies (``q.cast_forward_only``, or ``q.cast_stage_only`` on a pipeline's last stage:
+    not under LoRA, whose frozen weights autocast does not cache)."""
+    return bool(q.cast_forward_only or q.cast_stage_only) and _linear_casts(q) is not None
 
 
 class _Kept(list):
