@@ -480,8 +480,9 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     fs.reshard(R, fs.unshard(R, q.fsdp_emb_unit, _emb_unit_tensors(st)))
     # ZeRO-3: the embedding's table gathered on the all-gather stream (``_zero3_gathered``); once the
     # module order is recorded it may stay gathered until its backward (quantities.deepspeed_embedding_kept)
-    gathered = R.alloc(q.ds_gathered_emb, GATHER_STREAM * q.ds_streams)
     s.forwards += 1
+    z3 = _Zero3Replay(R, q, recorded=s.forwards > 1) if q.ds_events else None   # the root's, the embedding's fetches
+    gathered = R.alloc(q.ds_gathered_emb, GATHER_STREAM * q.ds_streams) if z3 is None else None
     embeds = R.alloc(int(q.embeds_tok * tk.tokens))              # the base model's inputs_embeds, unsaved
     if not (q.ds_emb_kept and s.forwards > 1):                   # released after the embedding's forward
         R.free(gathered)
@@ -489,7 +490,7 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     emb = R.alloc(tk.outer_rest, one=False)                       # embeddings' saved tensors, one block
     s.workspace(R, 0)                                             # the first layer's first matmul
     cached: list = []                                             # autocast's weight cache (checkpointed layers)
-    z3 = _Zero3Fetch(R, q, recorded=s.forwards > 1)               # ZeRO-3: the layers' gathers (the embedding's
+    z3 = z3 or _Zero3Fetch(R, q, recorded=s.forwards > 1)        # ZeRO-3: the layers' gathers (the embedding's
     kept = []                                                     # fetch starts the first layer's prefetch)
     for i in range(q.layers):
         z3.forward(R, i)
@@ -497,6 +498,8 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
                                    cached=cached))
     R.frees([h for at, h in R.carry if at != LATE])               # the top layer's late frees (a derived layer)
     R.carry = [(at, h) for at, h in R.carry if at == LATE]
+    if isinstance(z3, _Zero3Replay):                              # the final norm's and the head's fetches,
+        z3.forward_end(R)                                         # and backward's down to the top layer's
     root = root + fs.unshard(R, q.fsdp_head_unit, st.head_unit_tensors)  # split root: [norm, head] kept
     head = [R.alloc(tk.outer_head, one=False)]                    # the final norm's tensors, the head's input
     R.free(embeds)                                                # the base model returns (held_embeddings)
@@ -813,13 +816,18 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
         head_full, f.root = None, []
         f.fs.below_first = q.fsdp_emb_unit                        # the first layer prefetches the embedding
     for i in reversed(range(q.layers)):
+        if isinstance(f.z3, _Zero3Replay):                        # ZeRO-3: the layer's backward fetches
+            f.z3.before(R, i)
         _layer_backward(R, s, q, f.fs, parts, f.kept[i], i, n, nsq, recompute, flags.oib)
         if f.z3 is not None:
             f.z3.backward(R, i)                                   # ZeRO-3: the layer's parameters released
     if q.fsdp_emb_unit:                                           # split root: the embedding's pre-backward
         f.fs.below_first = 0
         f.root = f.fs.unshard_backward(R, q.fsdp_emb_unit, _emb_unit_tensors(st), prefetch=False)
-    gathered = f.gathered if f.gathered is not None else R.alloc(q.ds_gathered_emb, GATHER_STREAM * q.ds_streams)
+    gathered = f.gathered if f.gathered is not None or q.ds_events else R.alloc(q.ds_gathered_emb,
+                                                                                GATHER_STREAM * q.ds_streams)
+    if isinstance(f.z3, _Zero3Replay):                            # the embedding's backward fetch
+        f.z3.embedding(R)
     # the embedding gathered whole at its backward (on the all-gather stream), unless kept since its forward
     emb_full = R.alloc(st.emb_grads_full)                         # FSDP: the embedding's unsharded gradient
     if tied is not None and not _fsdp(q):                         # the embedding's own gradient, then
@@ -844,6 +852,8 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     for cat in q.ds_reduce_cats:                                  # ZeRO-3's buckets reduced, each a flat cat
         R.free(R.alloc(cat, GRAD_STREAM * q.ds_streams))          # (quantities.deepspeed_reduce_cats)
     R.free(gathered)                                              # ... and every parameter released
+    if isinstance(f.z3, _Zero3Replay):
+        f.z3.done(R)
     R.frees([tied, f.emb, f.inputs] + buckets)
     f.fs.reshard(R, f.root)                                       # the root's post-backward
     f.fs.done(R)
@@ -1254,6 +1264,63 @@ class _Zero3Fetch:
         elif self.k:
             for n in self.numels:
                 R.free(R.alloc(n * self.wb, self.stream))
+
+
+class _Zero3Replay:
+    """DeepSpeed ZeRO-3's gathered parameters as the coordinator's replay makes and frees them
+    (``quantities.deepspeed_gather_events``, ``zero3_replay.events``), one micro-batch's forward and
+    backward: every module fetch of the recorded order in turn, the parameters gathered alone, the
+    prefetches' flat outputs, the members built from them and each release, each its own block of the
+    engine's dtype on the all-gather stream (the ``torch.cat`` of ``AllGatherCoalescedHandle.wait`` runs
+    in ``fetch_sub_module``'s stream context, v0.19.8 ``partitioned_param_coordinator.py`` L400). The
+    uses outside the layers run where the replay reaches them (the embedding's before the first layer,
+    the final norm's and the head's after the last, their backward before the loss's, the embedding's
+    backward after the layers'); a layer's uses all before its compute (its forward's, or under full
+    recompute its backward hook's, its forward's again and its modules' backward). The run's first
+    forward and backward, before the order is recorded, gather each module's own parameters and release
+    them after it; what is still gathered at the end is released by the step (``done``)."""
+
+    def __init__(self, R: _Replay, q: Quantities, recorded: bool) -> None:
+        self.uses = q.ds_events[1 if recorded else 0]
+        self.wb, self.stream = q.ds_param_bytes, GATHER_STREAM * q.ds_streams
+        self.pos = 0
+        self.live: dict = {}      # key (a parameter's index, or minus a group's number) -> its handle
+        self._run(R, lambda fwd, layer: fwd and layer is None)   # the root's and the embedding's forward
+
+    def _run(self, R: _Replay, take) -> None:
+        """Run the uses from here on while ``take(forward, layer)`` holds."""
+        while self.pos < len(self.uses) and take(*self.uses[self.pos][:2]):
+            for sign, key, numel in self.uses[self.pos][2]:
+                if sign > 0:
+                    self.live[key] = R.alloc(numel * self.wb, self.stream)   # (numel,) engine dtype
+                else:
+                    R.free(self.live.pop(key, None))
+            self.pos += 1
+
+    def forward(self, R: _Replay, i: int) -> None:
+        """Layer ``i``'s forward fetches (its module's and its children's)."""
+        self._run(R, lambda fwd, layer: fwd and layer == i)
+
+    def forward_end(self, R: _Replay) -> None:
+        """The final norm's and the head's forward, then backward's first modules (the root, the head,
+        the base model, the final norm), up to the top layer's."""
+        self._run(R, lambda fwd, layer: layer is None)
+
+    def before(self, R: _Replay, i: int) -> None:
+        """Layer ``i``'s backward fetches (under full recompute its forward's again among them)."""
+        self._run(R, lambda fwd, layer: layer == i)
+
+    def backward(self, R: _Replay, i: int) -> None:
+        """After layer ``i``'s backward: nothing more (its releases ran with its fetches)."""
+
+    def embedding(self, R: _Replay) -> None:
+        """The embedding's backward fetch (the last module's)."""
+        self._run(R, lambda fwd, layer: True)
+
+    def done(self, R: _Replay) -> None:
+        """Every parameter still gathered released (by the step's ``_partition_all_parameters``)."""
+        R.frees(list(self.live.values()))
+        self.live = {}
 
 
 def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: _Parts, tk: Tokens, recompute: str,
