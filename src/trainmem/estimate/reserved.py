@@ -498,8 +498,8 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
                                    cached=cached))
     R.frees([h for at, h in R.carry if at != LATE])               # the top layer's late frees (a derived layer)
     R.carry = [(at, h) for at, h in R.carry if at == LATE]
-    if isinstance(z3, _Zero3Replay):                              # the final norm's and the head's fetches,
-        z3.forward_end(R)                                         # and backward's down to the top layer's
+    if isinstance(z3, _Zero3Replay):                              # the final norm's and the head's fetches
+        z3.forward_end(R)
     root = root + fs.unshard(R, q.fsdp_head_unit, st.head_unit_tensors)  # split root: [norm, head] kept
     head = [R.alloc(tk.outer_head, one=False)]                    # the final norm's tensors, the head's input
     R.free(embeds)                                                # the base model returns (held_embeddings)
@@ -800,6 +800,8 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     buckets = R.allocs([q.ds_bucket] * (q.ds_backward_buf // q.ds_bucket if q.ds_bucket else 0))  # DeepSpeed ZeRO-1/2
     if _root_resharded(q, f.fs) and not q.fsdp_root_regather:     # the root's pre-backward: the loss is its output
         f.root = f.fs.unshard(R, q.fsdp_root, st.root_tensors, backward=True)
+    if isinstance(f.z3, _Zero3Replay):                            # ZeRO-3: backward's first modules' fetches
+        f.z3.backward_start(R)
     dlogits = _loss_backward(R, q, tk, f, n, nsq)
     if _root_resharded(q, f.fs) and q.fsdp_root_regather:         # ... the logits (a loss outside the model)
         f.root = f.fs.unshard(R, q.fsdp_root, st.root_tensors, backward=True)
@@ -928,6 +930,9 @@ def _head_backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, f: _Fo
     Returns (FSDP's unsharded head gradients, the tied part)."""
     st = q.detail.states
     half = R.alloc(q.head_wgrad_half)                             # (vocab, hidden) in the compute dtype
+    # DeepSpeed ZeRO-3: the untied head's whole weight gradient, (vocab, hidden) in the engine's dtype, as
+    # its ``MmBackward0`` makes it, until the head's backward ends (``quantities.deepspeed_head_wgrad``)
+    wgrad = R.alloc(q.ds_head_wgrad) if q.ds_events else None
 
     def gradients() -> tuple:
         head_full = R.alloc(st.head_grads_full)                   # FSDP: the head's unsharded gradients
@@ -939,6 +944,7 @@ def _head_backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, f: _Fo
     made = gradients() if half is None else None                  # the matmul's output is the gradient
     s.workspace(R, 1)                                             # after the head's first backward matmul
     R.frees(dlogits + f.head)
+    R.free(wgrad)
     if half is not None:
         made = gradients()                                        # ToCopyBackward0: the fp32 cast
         R.free(half)
@@ -1273,52 +1279,83 @@ class _Zero3Replay:
     prefetches' flat outputs, the members built from them and each release, each its own block of the
     engine's dtype on the all-gather stream (the ``torch.cat`` of ``AllGatherCoalescedHandle.wait`` runs
     in ``fetch_sub_module``'s stream context, v0.19.8 ``partitioned_param_coordinator.py`` L400). The
-    uses outside the layers run where the replay reaches them (the embedding's before the first layer,
-    the final norm's and the head's after the last, their backward before the loss's, the embedding's
-    backward after the layers'); a layer's uses all before its compute (its forward's, or under full
-    recompute its backward hook's, its forward's again and its modules' backward). The run's first
-    forward and backward, before the order is recorded, gather each module's own parameters and release
-    them after it; what is still gathered at the end is released by the step (``done``)."""
+    replay's modules run in stretches around the compute the reserved replay knows: the root's and the
+    embedding's forward fetches before the embedding, a layer's before its forward (``forward``), the
+    final norm's and the head's before the head's, backward's first modules (root, head, base model,
+    final norm) before the loss's backward (``backward_start``), a layer's backward fetches (under full
+    recompute its forward's again among them) before its backward (``before``), the embedding's backward
+    fetch last (``embedding``); each stretch's fetches in order, a module's releases before the next module with
+    parameters is fetched (it has run by then), the last one's once the stretch's compute is done
+    (``settle``). The run's first forward and backward, before the order is recorded, gather each
+    module's own parameters and release them after it; what is still gathered at the end is released
+    by the step (``done``)."""
 
     def __init__(self, R: _Replay, q: Quantities, recorded: bool) -> None:
         self.uses = q.ds_events[1 if recorded else 0]
         self.wb, self.stream = q.ds_param_bytes, GATHER_STREAM * q.ds_streams
         self.pos = 0
         self.live: dict = {}      # key (a parameter's index, or minus a group's number) -> its handle
+        self.pending: list = []   # handles released by the stretch's modules, freed once its compute is done
         self._run(R, lambda fwd, layer: fwd and layer is None)   # the root's and the embedding's forward
 
+    def _apply(self, R: _Replay, events: tuple, later: bool) -> None:
+        for sign, key, numel in events:
+            if sign > 0:
+                self.live[key] = R.alloc(numel * self.wb, self.stream)   # (numel,) engine dtype
+            elif later:
+                self.pending.append(self.live.pop(key, None))
+            else:
+                R.free(self.live.pop(key, None))
+
     def _run(self, R: _Replay, take) -> None:
-        """Run the uses from here on while ``take(forward, layer)`` holds."""
+        """Run the uses from here on while ``take(forward, layer)`` holds: their fetches, and their
+        releases (a flat output's free at a fetch at once; a parameter's once its module has run: at
+        the next fetch of a module with parameters of its own, or after the stretch's compute)."""
         while self.pos < len(self.uses) and take(*self.uses[self.pos][:2]):
-            for sign, key, numel in self.uses[self.pos][2]:
-                if sign > 0:
-                    self.live[key] = R.alloc(numel * self.wb, self.stream)   # (numel,) engine dtype
-                else:
-                    R.free(self.live.pop(key, None))
+            _fwd, _layer, own, fetch, release = self.uses[self.pos]
+            if own:                                               # the modules before it have run
+                self.settle(R)
+            self._apply(R, fetch, later=False)
+            self._apply(R, release, later=True)
             self.pos += 1
+
+    def settle(self, R: _Replay) -> None:
+        """The stretch's compute done: the parameters its modules released are freed."""
+        R.frees(self.pending)
+        self.pending = []
 
     def forward(self, R: _Replay, i: int) -> None:
         """Layer ``i``'s forward fetches (its module's and its children's)."""
+        self.settle(R)
         self._run(R, lambda fwd, layer: fwd and layer == i)
 
     def forward_end(self, R: _Replay) -> None:
-        """The final norm's and the head's forward, then backward's first modules (the root, the head,
-        the base model, the final norm), up to the top layer's."""
+        """The final norm's and the head's forward fetches."""
+        self.settle(R)
+        self._run(R, lambda fwd, layer: fwd and layer is None)
+
+    def backward_start(self, R: _Replay) -> None:
+        """Backward's first modules' fetches (the root, the head, the base model, the final norm)."""
+        self.settle(R)
         self._run(R, lambda fwd, layer: layer is None)
 
     def before(self, R: _Replay, i: int) -> None:
         """Layer ``i``'s backward fetches (under full recompute its forward's again among them)."""
+        self.settle(R)
         self._run(R, lambda fwd, layer: layer == i)
 
     def backward(self, R: _Replay, i: int) -> None:
-        """After layer ``i``'s backward: nothing more (its releases ran with its fetches)."""
+        """After layer ``i``'s backward: its modules' releases."""
+        self.settle(R)
 
     def embedding(self, R: _Replay) -> None:
         """The embedding's backward fetch (the last module's)."""
+        self.settle(R)
         self._run(R, lambda fwd, layer: True)
 
     def done(self, R: _Replay) -> None:
         """Every parameter still gathered released (by the step's ``_partition_all_parameters``)."""
+        self.settle(R)
         R.frees(list(self.live.values()))
         self.live = {}
 

@@ -203,13 +203,15 @@ def _run(s: _State, uses: tuple[Use, ...], dist: int, bucket: int, max_live: int
     for i, use in enumerate(uses):
         s.marks.append(len(s.log))
         _fetch(s, uses, i, queue, bucket, max_live)
+        s.marks.append(len(s.log))
         yield i, use
         _release(s, uses, i, dist)
 
 
 def events(uses: tuple[Use, ...], numels: tuple[int, ...], dist: int, bucket: int,
-           max_live: int) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+           max_live: int) -> tuple[tuple[tuple[tuple[int, int, int], ...], ...], ...]:
     """The gathered storage's allocations and frees at each use of ``replay``'s step, in order: per use,
+    those of its fetch (before the module runs) and those of its release (after it), each
     (+1, key, elements) where a tensor of the engine's dtype is made (a parameter gathered alone into
     its own buffer, ``_all_gather_sequential``; a coalesced group's flat output; each member built from
     it by ``torch.cat`` at the group's first wait) and (-1, key, 0) where it is freed (a parameter
@@ -223,17 +225,19 @@ def events(uses: tuple[Use, ...], numels: tuple[int, ...], dist: int, bucket: in
     for _ in _run(s, uses, dist, bucket, max_live):
         pass
     ends = s.marks[1:] + [len(s.log)]
-    return tuple(tuple(s.log[a:b]) for a, b in zip(s.marks, ends))
+    spans = [tuple(s.log[a:b]) for a, b in zip(s.marks, ends)]
+    return tuple(zip(spans[0::2], spans[1::2]))
 
 
 @lru_cache(maxsize=64)
 def gather_events(params: tuple[tuple[str, int, int | None], ...], head: str | None, tied_head: int | None,
                   recompute: bool, dist: int, bucket: int, max_live: int) -> tuple:
-    """The recorded order's uses, each as (forward, layer, its ``events``), for the run's first step (no
+    """The recorded order's uses, each as (forward, layer, whether it has parameters of its own, its
+    fetch's ``events``, its release's), for the run's first step (no
     prefetch, each module's parameters released after it) and for the steps after it; arguments as
     ``gathered_zones``'s."""
     uses, numels = module_order(list(params), head, tied_head, recompute)
-    return tuple(tuple((u.forward, u.layer, ev) for u, ev in zip(uses, events(uses, numels, d, b, max_live)))
+    return tuple(tuple((u.forward, u.layer, bool(u.params), *ev) for u, ev in zip(uses, events(uses, numels, d, b, max_live)))
                  for d, b in ((0, 0), (dist, bucket)))
 
 
