@@ -1296,12 +1296,18 @@ class _Zero3Replay:
         self.pos = 0
         self.live: dict = {}      # key (a parameter's index, or minus a group's number) -> its handle
         self.pending: list = []   # handles released by the stretch's modules, freed once its compute is done
+        # under torch's F.linear (``quantities.deepspeed_linear_kept``) a layer's weights released in its
+        # forward stay alive in what autograd saved until that layer's backward: layer -> their handles
+        self.keep = q.ds_linear_kept > 0
+        self.saved: dict = {}
         self._run(R, lambda fwd, layer: fwd and layer is None)   # the root's and the embedding's forward
 
-    def _apply(self, R: _Replay, events: tuple, later: bool) -> None:
+    def _apply(self, R: _Replay, events: tuple, later: bool, hold: int | None = None) -> None:
         for sign, key, numel in events:
             if sign > 0:
                 self.live[key] = R.alloc(numel * self.wb, self.stream)   # (numel,) engine dtype
+            elif hold is not None:
+                self.saved.setdefault(hold, []).append(self.live.pop(key, None))
             elif later:
                 self.pending.append(self.live.pop(key, None))
             else:
@@ -1312,11 +1318,11 @@ class _Zero3Replay:
         releases (a flat output's free at a fetch at once; a parameter's once its module has run: at
         the next fetch of a module with parameters of its own, or after the stretch's compute)."""
         while self.pos < len(self.uses) and take(*self.uses[self.pos][:2]):
-            _fwd, _layer, own, fetch, release = self.uses[self.pos]
+            fwd, layer, own, fetch, release = self.uses[self.pos]
             if own:                                               # the modules before it have run
                 self.settle(R)
             self._apply(R, fetch, later=False)
-            self._apply(R, release, later=True)
+            self._apply(R, release, later=True, hold=layer if (self.keep and fwd) else None)
             self.pos += 1
 
     def settle(self, R: _Replay) -> None:
@@ -1345,8 +1351,9 @@ class _Zero3Replay:
         self._run(R, lambda fwd, layer: layer == i)
 
     def backward(self, R: _Replay, i: int) -> None:
-        """After layer ``i``'s backward: its modules' releases."""
+        """After layer ``i``'s backward: its modules' releases, and the weights its forward saved."""
         self.settle(R)
+        R.frees(self.saved.pop(i, []))
 
     def embedding(self, R: _Replay) -> None:
         """The embedding's backward fetch (the last module's)."""
@@ -1356,8 +1363,8 @@ class _Zero3Replay:
     def done(self, R: _Replay) -> None:
         """Every parameter still gathered released (by the step's ``_partition_all_parameters``)."""
         self.settle(R)
-        R.frees(list(self.live.values()))
-        self.live = {}
+        R.frees(list(self.live.values()) + [h for hs in self.saved.values() for h in hs])
+        self.live, self.saved = {}, {}
 
 
 def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: _Parts, tk: Tokens, recompute: str,
@@ -1378,7 +1385,7 @@ def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: _Parts, tk: Toke
         kept = _Kept(R.allocs(_kept_blocks(parts, tk.layer, recompute),  # what the checkpoint keeps
                               one=_kept_whole(parts, tk.layer, recompute)))
         R.frees(late)
-    if q.ds_linear_kept and recompute != "full":                  # DeepSpeed ZeRO-3 under torch's F.linear: the
+    if q.ds_linear_kept and recompute != "full" and not q.ds_events:  # DeepSpeed ZeRO-3 under F.linear: the
         # gathered weights its saved views keep, made on the all-gather stream under overlap_comm (the
         # ``torch.cat`` of ``AllGatherCoalescedHandle.wait`` in ``fetch_sub_module``'s stream context)
         kept.append(R.alloc(q.ds_linear_kept, GATHER_STREAM * q.ds_streams))  # (quantities.deepspeed_linear_kept)
