@@ -498,8 +498,7 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
                                    cached=cached))
     R.frees([h for at, h in R.carry if at != LATE])               # the top layer's late frees (a derived layer)
     R.carry = [(at, h) for at, h in R.carry if at == LATE]
-    if isinstance(z3, _Zero3Replay):                              # the final norm's and the head's fetches
-        z3.forward_end(R)
+    z3.forward_end(R)                                             # ZeRO-3: the final norm's and the head's fetches
     root = root + fs.unshard(R, q.fsdp_head_unit, st.head_unit_tensors)  # split root: [norm, head] kept
     head = [R.alloc(tk.outer_head, one=False)]                    # the final norm's tensors, the head's input
     R.free(embeds)                                                # the base model returns (held_embeddings)
@@ -1247,6 +1246,9 @@ class _Zero3Fetch:
         if flat[1] == 0:                                          # the last of the group popped
             R.free(flat[0])
         return self.built.pop(idx)
+
+    def forward_end(self, R: _Replay) -> None:
+        """The final norm and the head: left out."""
 
     def forward(self, R: _Replay, i: int) -> None:
         """Layer ``i``'s forward: its module's fetch, then each parameter's module's."""
