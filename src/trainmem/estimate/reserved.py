@@ -29,9 +29,13 @@ runs it through the same simulator as ``trace`` (``trainmem.allocator.CachingAll
   FSDP1's rate limiter lets the GPU be (``_Fsdp1Lag``), and the backward prefetch of the layer below;
   FSDP2 before PyTorch 2.5: each reduce-scatter input on the reduce-scatter stream, freed when the
   reduce returns (``_Fsdp.reduce``);
-* DeepSpeed ZeRO-3: the embedding's table gathered on its all-gather stream at its forward and
-  backward (kept between them once its module order is recorded), the layers' parameters gathered
-  there one at a time in the first step and by the prefetch's flat outputs after it (``_Zero3Fetch``),
+* DeepSpeed ZeRO-3: where the coordinator's replay applies (``quantities.deepspeed_gather_events``),
+  every parameter gathered, every prefetch's flat output and the members built from it, and each
+  release, in the replay's order around the compute (``_Zero3Replay``), and the untied head's whole
+  weight gradient at its backward; elsewhere the embedding's table gathered on its all-gather stream
+  at its forward and backward (kept between them once its module order is recorded), the layers'
+  parameters gathered there one at a time in the first step and by the prefetch's flat outputs after
+  it (``_Zero3Fetch``),
   each bucket's flat reduction input on its reduce stream, its step's float64 norm copies, flat fp32
   gradient and flat states (``_zero3_step``);
 * the optimizer step: the states of every trainable tensor at the first step, in parameter order
@@ -1176,7 +1180,8 @@ class _Fsdp:
 
 class _Zero3Fetch:
     """DeepSpeed ZeRO-3's gathers of the layers' parameters (``quantities.deepspeed_layer_params``) on the
-    all-gather stream, one micro-batch's forward and backward (nothing off ZeRO-3 over several ranks).
+    all-gather stream, one micro-batch's forward and backward (nothing off ZeRO-3 over several ranks),
+    where the coordinator's replay does not apply (``_Zero3Replay`` where it does).
 
     Before the module order is recorded (the run's first forward: ``is_complete_trace``, v0.19.8
     ``partitioned_param_coordinator.py`` L417-420) each module fetches its own parameters, each a
