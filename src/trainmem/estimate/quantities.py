@@ -1679,7 +1679,7 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
             "ds_gathered_emb": deepspeed_gathered_embedding(m, t),
             "ds_reduce_cat": deepspeed_reduce_cat(t, st), "ds_reduce_cats": deepspeed_reduce_cats(t, st),
             "ds_layer_params": deepspeed_layer_params(m, t), "ds_param_bytes": t.weight_bytes,
-            "ds_events": deepspeed_gather_events(m, t),
+            "ds_events": deepspeed_gather_events(m, t, st),
             "ds_prefetch": t.ds_prefetch if deepspeed_layer_params(m, t) else 0, "ds_max_live": DS_MAX_LIVE,
             "ds_emb_numel": deepspeed_gathered_embedding(m, t) and next(
                 (-(-p.numel // t.tp) for p in m.parameter_tensors() if p.role == "embedding"), 0),
@@ -2240,16 +2240,18 @@ def _gather_order_args(m: ModelSpec, t: TrainingSpec) -> tuple | None:
     return params, head, tied
 
 
-def deepspeed_gather_events(m: ModelSpec, t: TrainingSpec) -> tuple:
+def deepspeed_gather_events(m: ModelSpec, t: TrainingSpec, st: States) -> tuple:
     """DeepSpeed ZeRO-3's gathered storage made and freed at each module fetch of the recorded order, for
     the run's first step and the steps after it (``zero3_replay.gather_events``: elements, the engine's
-    dtype), which the reserved replay runs through the allocator (``reserved._Zero3Replay``); () where
+    dtype) and the gradient buckets' flat ``cat`` at each backward hook that reduces one (``reduce_cats``),
+    which the reserved replay runs through the allocator (``reserved._Zero3Replay``); () where
     the coordinator's replay does not apply (``deepspeed_gather_zones``)."""
     args = _gather_order_args(m, t)
     if args is None:
         return ()
     from .zero3_replay import gather_events
-    return gather_events(*args, t.recompute == "full", t.ds_reuse_distance, t.ds_prefetch, DS_MAX_LIVE)
+    bucket = t.ds_reduce_bucket if (st.trainable > 0 and not _partial_layout(m, t, st)) else 0   # with every parameter trainable
+    return gather_events(*args, t.recompute == "full", t.ds_reuse_distance, t.ds_prefetch, DS_MAX_LIVE, bucket)
 
 
 def deepspeed_linear_kept(m: ModelSpec, t: TrainingSpec) -> int:

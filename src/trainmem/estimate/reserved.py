@@ -854,8 +854,9 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     f.fs.reduced(R)                                               # torch < 2.5: the input dropped on return
     if suffix != ".micro1":                                       # ZeRO-1/2 offloading, at the boundary:
         _offload_epilogue(R, q)                                   # each of rank 0's gradients' copies
-    for cat in q.ds_reduce_cats:                                  # ZeRO-3's buckets reduced, each a flat cat
-        R.free(R.alloc(cat, GRAD_STREAM * q.ds_streams))          # (quantities.deepspeed_reduce_cats)
+    for cat in q.ds_reduce_cats[-1:] if q.ds_events else q.ds_reduce_cats:  # ZeRO-3's buckets reduced, each a
+        R.free(R.alloc(cat, GRAD_STREAM * q.ds_streams))          # flat cat (quantities.deepspeed_reduce_cats;
+    #                                                               with ``ds_events`` the last, the others at their hooks)
     R.free(gathered)                                              # ... and every parameter released
     if isinstance(f.z3, _Zero3Replay):
         f.z3.done(R)
@@ -1307,6 +1308,8 @@ class _Zero3Replay:
         # forward stay alive in what autograd saved until that layer's backward: layer -> their handles
         self.keep = q.ds_linear_kept > 0
         self.saved: dict = {}
+        self.cats: list = []      # the stretch's gradient-bucket reductions: elements of each flat ``cat``
+        self.grad_stream = GRAD_STREAM * q.ds_streams
         self._run(R, lambda fwd, layer: fwd and layer is None)   # the root's and the embedding's forward
 
     def _apply(self, R: _Replay, events: tuple, later: bool, hold: int | None = None) -> None:
@@ -1325,7 +1328,8 @@ class _Zero3Replay:
         releases (a flat output's free at a fetch at once; a parameter's once its module has run: at
         the next fetch of a module with parameters of its own, or after the stretch's compute)."""
         while self.pos < len(self.uses) and take(*self.uses[self.pos][:2]):
-            fwd, layer, own, fetch, release = self.uses[self.pos]
+            fwd, layer, own, fetch, release, cat = self.uses[self.pos]
+            self.cats.append(cat)
             if own:                                               # the modules before it have run
                 self.settle(R)
             self._apply(R, fetch, later=False)
@@ -1333,7 +1337,12 @@ class _Zero3Replay:
             self.pos += 1
 
     def settle(self, R: _Replay) -> None:
-        """The stretch's compute done: the parameters its modules released are freed."""
+        """The stretch's compute done: its gradient buckets reduced, each a flat ``cat`` of the gradients
+        in their dtype made and freed on the reduce stream (``quantities.deepspeed_reduce_cats``), and the
+        parameters its modules released freed."""
+        for n in self.cats:
+            R.free(R.alloc(n * self.wb, self.grad_stream))        # (n,) gradient dtype
+        self.cats = []
         R.frees(self.pending)
         self.pending = []
 

@@ -231,13 +231,16 @@ def events(uses: tuple[Use, ...], numels: tuple[int, ...], dist: int, bucket: in
 
 @lru_cache(maxsize=64)
 def gather_events(params: tuple[tuple[str, int, int | None], ...], head: str | None, tied_head: int | None,
-                  recompute: bool, dist: int, bucket: int, max_live: int) -> tuple:
+                  recompute: bool, dist: int, bucket: int, max_live: int, reduce_bucket: int = 0) -> tuple:
     """The recorded order's uses, each as (forward, layer, whether it has parameters of its own, its
-    fetch's ``events``, its release's), for the run's first step (no
-    prefetch, each module's parameters released after it) and for the steps after it; arguments as
-    ``gathered_zones``'s."""
+    fetch's ``events``, its release's, the elements of the gradient bucket's flat ``cat`` its backward's
+    gradient hook makes, ``reduce_cats``, 0 for none), for the run's first step (no prefetch, each
+    module's parameters released after it) and for the steps after it (the reductions are the same in
+    both); arguments as ``gathered_zones``'s."""
     uses, numels = module_order(list(params), head, tied_head, recompute)
-    return tuple(tuple((u.forward, u.layer, bool(u.params), *ev) for u, ev in zip(uses, events(uses, numels, d, b, max_live)))
+    cats = reduce_cats(uses, numels, reduce_bucket)
+    return tuple(tuple((u.forward, u.layer, bool(u.params), *ev, cats.get(i, 0))
+                       for i, (u, ev) in enumerate(zip(uses, events(uses, numels, d, b, max_live))))
                  for d, b in ((0, 0), (dist, bucket)))
 
 
