@@ -31,8 +31,8 @@ runs it through the same simulator as ``trace`` (``trainmem.allocator.CachingAll
   reduce returns (``_Fsdp.reduce``);
 * DeepSpeed ZeRO-3: where the coordinator's replay applies (``quantities.deepspeed_gather_events``),
   every parameter gathered, every prefetch's flat output and the members built from it, and each
-  release, in the replay's order around the compute (``_Zero3Replay``), and the untied head's whole
-  weight gradient at its backward; elsewhere the embedding's table gathered on its all-gather stream
+  release, in the replay's order around the compute, each gradient bucket's flat ``cat`` at the hook
+  that reduces it (``_Zero3Replay``), and the untied head's whole weight gradient at its backward; elsewhere the embedding's table gathered on its all-gather stream
   at its forward and backward (kept between them once its module order is recorded), the layers'
   parameters gathered there one at a time in the first step and by the prefetch's flat outputs after
   it (``_Zero3Fetch``),
