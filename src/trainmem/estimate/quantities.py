@@ -290,6 +290,8 @@ class Quantities:
     ds_layer_params: tuple = ()  # ZeRO-3 over several ranks: one layer's parameters, whole (elements), in
     #                              module order: each gathered at its module (``deepspeed_layer_params``)
     ds_param_bytes: int = 0   # ... bytes per element of a gathered parameter (the engine's dtype)
+    ds_events: tuple = ()     # ... the coordinator's gathers and releases at each module fetch, first step and
+    #                           after (``deepspeed_gather_events``; () where not replayed: ``ds_layer_params``)
     ds_prefetch: int = 0      # ... stage3_prefetch_bucket_size (elements; 0: no prefetch)
     ds_max_live: int = 0      # ... stage3_max_live_parameters (elements; ``DS_MAX_LIVE``)
     ds_emb_numel: int = 0     # ... the input embedding's elements, gathered at its forward
@@ -1680,6 +1682,7 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
             "ds_gathered_emb": deepspeed_gathered_embedding(m, t),
             "ds_reduce_cat": deepspeed_reduce_cat(t, st), "ds_reduce_cats": deepspeed_reduce_cats(t, st),
             "ds_layer_params": deepspeed_layer_params(m, t), "ds_param_bytes": t.weight_bytes,
+            "ds_events": deepspeed_gather_events(m, t, st),
             "ds_prefetch": t.ds_prefetch if deepspeed_layer_params(m, t) else 0, "ds_max_live": DS_MAX_LIVE,
             "ds_emb_numel": deepspeed_gathered_embedding(m, t) and next(
                 (-(-p.numel // t.tp) for p in m.parameter_tensors() if p.role == "embedding"), 0),
@@ -2209,15 +2212,27 @@ def deepspeed_gather_zones(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[i
     Found by trace (DeepSpeed 0.19.8): Giles Thomas's Llama-3-8B ZeRO-3 setup cut to 6 layers, dp 8,
     one token: at the second step's backward start the head, layers 5 and 4 and layer 3's down_proj
     gathered, and at layer 4's MLP the embedding and layer 0's q/k/v in one flat all-gather (1,050 MiB)."""
+    args = _gather_order_args(m, t)
+    if args is None:
+        return None
+    from .zero3_replay import gathered_zones
+    bucket = t.ds_reduce_bucket if (st.trainable > 0 and not _partial_layout(m, t, st)) else 0      # the reductions' cats with every parameter trainable
+    return gathered_zones(*args, t.recompute == "full", t.ds_reuse_distance, t.ds_prefetch,
+                          DS_MAX_LIVE, deepspeed_linear_kept(m, t) > 0, bucket, t.weight_bytes,
+                          bool(t.expandable_segments))
+
+
+def _gather_order_args(m: ModelSpec, t: TrainingSpec) -> tuple | None:
+    """``zero3_replay.module_order``'s inputs from the spec: each parameter (name, whole elements on this
+    rank, layer), the untied head's module or the tied table's index; None where the replay does not
+    apply (``deepspeed_gather_zones``)."""
     if not (deepspeed_zero(t) and t.zero == 3 and t.shard_group > 1) or not is_lm(m) or t.pp > 1:
         return None
     if t.recompute not in ("none", "full"):
         return None
-    from .zero3_replay import gathered_zones
     tensors = m.parameter_tensors()
     if any(p.role in ("expert", "router") for p in tensors):
         return None   # MoE: the experts a step calls vary, and so does the recorded order (trace invalidated)
-    bucket = t.ds_reduce_bucket if (st.trainable > 0 and not _partial_layout(m, t, st)) else 0      # the reductions' cats with every parameter trainable
     params = tuple((p.name, -(-p.numel // t.tp), p.layer) for p in tensors)   # (name, whole elements, layer)
     last = tensors[-1] if tensors else None                # an untied head: the last tensor, outside the layers
     untied = not m.tied_embeddings and last is not None and last.layer is None and last.role == "linear"
@@ -2225,9 +2240,21 @@ def deepspeed_gather_zones(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[i
     tied = None if untied else next((i for i, p in enumerate(tensors) if p.role == "embedding"), None)
     if head is None and tied is None:
         return None
-    return gathered_zones(params, head, tied, t.recompute == "full", t.ds_reuse_distance, t.ds_prefetch,
-                          DS_MAX_LIVE, deepspeed_linear_kept(m, t) > 0, bucket, t.weight_bytes,
-                          bool(t.expandable_segments))
+    return params, head, tied
+
+
+def deepspeed_gather_events(m: ModelSpec, t: TrainingSpec, st: States) -> tuple:
+    """DeepSpeed ZeRO-3's gathered storage made and freed at each module fetch of the recorded order, for
+    the run's first step and the steps after it (``zero3_replay.gather_events``: elements, the engine's
+    dtype) and the gradient buckets' flat ``cat`` at each backward hook that reduces one (``reduce_cats``),
+    which the reserved replay runs through the allocator (``reserved._Zero3Replay``); () where
+    the coordinator's replay does not apply (``deepspeed_gather_zones``)."""
+    args = _gather_order_args(m, t)
+    if args is None:
+        return ()
+    from .zero3_replay import gather_events
+    bucket = t.ds_reduce_bucket if (st.trainable > 0 and not _partial_layout(m, t, st)) else 0   # with every parameter trainable
+    return gather_events(*args, t.recompute == "full", t.ds_reuse_distance, t.ds_prefetch, DS_MAX_LIVE, bucket)
 
 
 def deepspeed_linear_kept(m: ModelSpec, t: TrainingSpec) -> int:

@@ -29,9 +29,13 @@ runs it through the same simulator as ``trace`` (``trainmem.allocator.CachingAll
   FSDP1's rate limiter lets the GPU be (``_Fsdp1Lag``), and the backward prefetch of the layer below;
   FSDP2 before PyTorch 2.5: each reduce-scatter input on the reduce-scatter stream, freed when the
   reduce returns (``_Fsdp.reduce``);
-* DeepSpeed ZeRO-3: the embedding's table gathered on its all-gather stream at its forward and
-  backward (kept between them once its module order is recorded), the layers' parameters gathered
-  there one at a time in the first step and by the prefetch's flat outputs after it (``_Zero3Fetch``),
+* DeepSpeed ZeRO-3: where the coordinator's replay applies (``quantities.deepspeed_gather_events``),
+  every parameter gathered, every prefetch's flat output and the members built from it, and each
+  release, in the replay's order around the compute, each gradient bucket's flat ``cat`` at the hook
+  that reduces it (``_Zero3Replay``), and the untied head's whole weight gradient at its backward; elsewhere the embedding's table gathered on its all-gather stream
+  at its forward and backward (kept between them once its module order is recorded), the layers'
+  parameters gathered there one at a time in the first step and by the prefetch's flat outputs after
+  it (``_Zero3Fetch``),
   each bucket's flat reduction input on its reduce stream, its step's float64 norm copies, flat fp32
   gradient and flat states (``_zero3_step``);
 * the optimizer step: the states of every trainable tensor at the first step, in parameter order
@@ -480,8 +484,9 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     fs.reshard(R, fs.unshard(R, q.fsdp_emb_unit, _emb_unit_tensors(st)))
     # ZeRO-3: the embedding's table gathered on the all-gather stream (``_zero3_gathered``); once the
     # module order is recorded it may stay gathered until its backward (quantities.deepspeed_embedding_kept)
-    gathered = R.alloc(q.ds_gathered_emb, GATHER_STREAM * q.ds_streams)
     s.forwards += 1
+    z3 = _Zero3Replay(R, q, recorded=s.forwards > 1) if q.ds_events else None   # the root's, the embedding's fetches
+    gathered = R.alloc(q.ds_gathered_emb, GATHER_STREAM * q.ds_streams) if z3 is None else None
     embeds = R.alloc(int(q.embeds_tok * tk.tokens))              # the base model's inputs_embeds, unsaved
     if not (q.ds_emb_kept and s.forwards > 1):                   # released after the embedding's forward
         R.free(gathered)
@@ -489,7 +494,7 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     emb = R.alloc(tk.outer_rest, one=False)                       # embeddings' saved tensors, one block
     s.workspace(R, 0)                                             # the first layer's first matmul
     cached: list = []                                             # autocast's weight cache (checkpointed layers)
-    z3 = _Zero3Fetch(R, q, recorded=s.forwards > 1)               # ZeRO-3: the layers' gathers (the embedding's
+    z3 = z3 or _Zero3Fetch(R, q, recorded=s.forwards > 1)        # ZeRO-3: the layers' gathers (the embedding's
     kept = []                                                     # fetch starts the first layer's prefetch)
     for i in range(q.layers):
         z3.forward(R, i)
@@ -497,6 +502,7 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
                                    cached=cached))
     R.frees([h for at, h in R.carry if at != LATE])               # the top layer's late frees (a derived layer)
     R.carry = [(at, h) for at, h in R.carry if at == LATE]
+    z3.forward_end(R)                                             # ZeRO-3: the final norm's and the head's fetches
     root = root + fs.unshard(R, q.fsdp_head_unit, st.head_unit_tensors)  # split root: [norm, head] kept
     head = [R.alloc(tk.outer_head, one=False)]                    # the final norm's tensors, the head's input
     R.free(embeds)                                                # the base model returns (held_embeddings)
@@ -799,6 +805,8 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     buckets = R.allocs([q.ds_bucket] * (q.ds_backward_buf // q.ds_bucket if q.ds_bucket else 0))  # DeepSpeed ZeRO-1/2
     if _root_resharded(q, f.fs) and not q.fsdp_root_regather:     # the root's pre-backward: the loss is its output
         f.root = f.fs.unshard(R, q.fsdp_root, st.root_tensors, backward=True)
+    if isinstance(f.z3, _Zero3Replay):                            # ZeRO-3: backward's first modules' fetches
+        f.z3.backward_start(R)
     dlogits = _loss_backward(R, q, tk, f, n, nsq)
     if _root_resharded(q, f.fs) and q.fsdp_root_regather:         # ... the logits (a loss outside the model)
         f.root = f.fs.unshard(R, q.fsdp_root, st.root_tensors, backward=True)
@@ -815,13 +823,18 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
         head_full, f.root = None, []
         f.fs.below_first = q.fsdp_emb_unit                        # the first layer prefetches the embedding
     for i in reversed(range(q.layers)):
+        if isinstance(f.z3, _Zero3Replay):                        # ZeRO-3: the layer's backward fetches
+            f.z3.before(R, i)
         _layer_backward(R, s, q, f.fs, parts, f.kept[i], i, n, nsq, recompute, flags.oib)
         if f.z3 is not None:
             f.z3.backward(R, i)                                   # ZeRO-3: the layer's parameters released
     if q.fsdp_emb_unit:                                           # split root: the embedding's pre-backward
         f.fs.below_first = 0
         f.root = f.fs.unshard_backward(R, q.fsdp_emb_unit, _emb_unit_tensors(st), prefetch=False)
-    gathered = f.gathered if f.gathered is not None else R.alloc(q.ds_gathered_emb, GATHER_STREAM * q.ds_streams)
+    gathered = f.gathered if f.gathered is not None or q.ds_events else R.alloc(q.ds_gathered_emb,
+                                                                                GATHER_STREAM * q.ds_streams)
+    if isinstance(f.z3, _Zero3Replay):                            # the embedding's backward fetch
+        f.z3.embedding(R)
     # the embedding gathered whole at its backward (on the all-gather stream), unless kept since its forward
     emb_full = R.alloc(st.emb_grads_full)                         # FSDP: the embedding's unsharded gradient
     if tied is not None and not _fsdp(q):                         # the embedding's own gradient, then
@@ -843,9 +856,12 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     f.fs.reduced(R)                                               # torch < 2.5: the input dropped on return
     if suffix != ".micro1":                                       # ZeRO-1/2 offloading, at the boundary:
         _offload_epilogue(R, q)                                   # each of rank 0's gradients' copies
-    for cat in q.ds_reduce_cats:                                  # ZeRO-3's buckets reduced, each a flat cat
-        R.free(R.alloc(cat, GRAD_STREAM * q.ds_streams))          # (quantities.deepspeed_reduce_cats)
+    for cat in q.ds_reduce_cats[-1:] if q.ds_events else q.ds_reduce_cats:  # ZeRO-3's buckets reduced, each a
+        R.free(R.alloc(cat, GRAD_STREAM * q.ds_streams))          # flat cat (quantities.deepspeed_reduce_cats;
+    #                                                               with ``ds_events`` the last, the others at their hooks)
     R.free(gathered)                                              # ... and every parameter released
+    if isinstance(f.z3, _Zero3Replay):
+        f.z3.done(R)
     R.frees([tied, f.emb, f.inputs] + buckets)
     f.fs.reshard(R, f.root)                                       # the root's post-backward
     f.fs.done(R)
@@ -920,6 +936,9 @@ def _head_backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, f: _Fo
     Returns (FSDP's unsharded head gradients, the tied part)."""
     st = q.detail.states
     half = R.alloc(q.head_wgrad_half)                             # (vocab, hidden) in the compute dtype
+    # DeepSpeed ZeRO-3: the untied head's whole weight gradient, (vocab, hidden) in the engine's dtype, as
+    # its ``MmBackward0`` makes it, until the head's backward ends (``quantities.deepspeed_head_wgrad``)
+    wgrad = R.alloc(q.ds_head_wgrad) if q.ds_events else None
 
     def gradients() -> tuple:
         head_full = R.alloc(st.head_grads_full)                   # FSDP: the head's unsharded gradients
@@ -931,6 +950,7 @@ def _head_backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, f: _Fo
     made = gradients() if half is None else None                  # the matmul's output is the gradient
     s.workspace(R, 1)                                             # after the head's first backward matmul
     R.frees(dlogits + f.head)
+    R.free(wgrad)
     if half is not None:
         made = gradients()                                        # ToCopyBackward0: the fp32 cast
         R.free(half)
@@ -1166,7 +1186,8 @@ class _Fsdp:
 
 class _Zero3Fetch:
     """DeepSpeed ZeRO-3's gathers of the layers' parameters (``quantities.deepspeed_layer_params``) on the
-    all-gather stream, one micro-batch's forward and backward (nothing off ZeRO-3 over several ranks).
+    all-gather stream, one micro-batch's forward and backward (nothing off ZeRO-3 over several ranks),
+    where the coordinator's replay does not apply (``_Zero3Replay`` where it does).
 
     Before the module order is recorded (the run's first forward: ``is_complete_trace``, v0.19.8
     ``partitioned_param_coordinator.py`` L417-420) each module fetches its own parameters, each a
@@ -1237,6 +1258,9 @@ class _Zero3Fetch:
             R.free(flat[0])
         return self.built.pop(idx)
 
+    def forward_end(self, R: _Replay) -> None:
+        """The final norm and the head: left out."""
+
     def forward(self, R: _Replay, i: int) -> None:
         """Layer ``i``'s forward: its module's fetch, then each parameter's module's."""
         if not self.k:
@@ -1261,6 +1285,109 @@ class _Zero3Fetch:
                 R.free(R.alloc(n * self.wb, self.stream))
 
 
+class _Zero3Replay:
+    """DeepSpeed ZeRO-3's gathered parameters as the coordinator's replay makes and frees them
+    (``quantities.deepspeed_gather_events``, ``zero3_replay.events``), one micro-batch's forward and
+    backward: every module fetch of the recorded order in turn, the parameters gathered alone, the
+    prefetches' flat outputs, the members built from them and each release, each its own block of the
+    engine's dtype on the all-gather stream (the ``torch.cat`` of ``AllGatherCoalescedHandle.wait`` runs
+    in ``fetch_sub_module``'s stream context, v0.19.8 ``partitioned_param_coordinator.py`` L400). The
+    replay's modules run in stretches around the compute the reserved replay knows: the root's and the
+    embedding's forward fetches before the embedding, a layer's before its forward (``forward``), the
+    final norm's and the head's before the head's, backward's first modules (root, head, base model,
+    final norm) before the loss's backward (``backward_start``), a layer's backward fetches (under full
+    recompute its forward's again among them) before its backward (``before``), the embedding's backward
+    fetch last (``embedding``); each stretch's fetches in order, a module's releases before the next module with
+    parameters is fetched (it has run by then), the last one's once the stretch's compute is done
+    (``settle``). The run's first forward and backward, before the order is recorded, gather each
+    module's own parameters and release them after it; what is still gathered at the end is released
+    by the step (``done``)."""
+
+    def __init__(self, R: _Replay, q: Quantities, recorded: bool) -> None:
+        self.uses = q.ds_events[1 if recorded else 0]
+        self.wb, self.stream = q.ds_param_bytes, GATHER_STREAM * q.ds_streams
+        self.pos = 0
+        self.live: dict = {}      # key (a parameter's index, or minus a group's number) -> its handle
+        self.pending: list = []   # handles released by the stretch's modules, freed once its compute is done
+        # under torch's F.linear (``quantities.deepspeed_linear_kept``) a layer's weights released in its
+        # forward stay alive in what autograd saved until that layer's backward: layer -> their handles
+        self.keep = q.ds_linear_kept > 0
+        self.saved: dict = {}
+        self.cats: list = []      # the stretch's gradient-bucket reductions: elements of each flat ``cat``
+        self.grad_stream = GRAD_STREAM * q.ds_streams
+        self._run(R, lambda fwd, layer: fwd and layer is None)   # the root's and the embedding's forward
+
+    def _apply(self, R: _Replay, events: tuple, later: bool, hold: int | None = None) -> None:
+        for sign, key, numel in events:
+            if sign > 0:
+                self.live[key] = R.alloc(numel * self.wb, self.stream)   # (numel,) engine dtype
+            elif hold is not None:
+                self.saved.setdefault(hold, []).append(self.live.pop(key, None))
+            elif later:
+                self.pending.append(self.live.pop(key, None))
+            else:
+                R.free(self.live.pop(key, None))
+
+    def _run(self, R: _Replay, take) -> None:
+        """Run the uses from here on while ``take(forward, layer)`` holds: their fetches, and their
+        releases (a flat output's free at a fetch at once; a parameter's once its module has run: at
+        the next fetch of a module with parameters of its own, or after the stretch's compute)."""
+        while self.pos < len(self.uses) and take(*self.uses[self.pos][:2]):
+            fwd, layer, own, fetch, release, cat = self.uses[self.pos]
+            self.cats.append(cat)
+            if own:                                               # the modules before it have run
+                self.settle(R)
+            self._apply(R, fetch, later=False)
+            self._apply(R, release, later=True, hold=layer if (self.keep and fwd) else None)
+            self.pos += 1
+
+    def settle(self, R: _Replay) -> None:
+        """The stretch's compute done: its gradient buckets reduced, each a flat ``cat`` of the gradients
+        in their dtype made and freed on the reduce stream (``quantities.deepspeed_reduce_cats``), and the
+        parameters its modules released freed."""
+        for n in self.cats:
+            R.free(R.alloc(n * self.wb, self.grad_stream))        # (n,) gradient dtype
+        self.cats = []
+        R.frees(self.pending)
+        self.pending = []
+
+    def forward(self, R: _Replay, i: int) -> None:
+        """Layer ``i``'s forward fetches (its module's and its children's)."""
+        self.settle(R)
+        self._run(R, lambda fwd, layer: fwd and layer == i)
+
+    def forward_end(self, R: _Replay) -> None:
+        """The final norm's and the head's forward fetches."""
+        self.settle(R)
+        self._run(R, lambda fwd, layer: fwd and layer is None)
+
+    def backward_start(self, R: _Replay) -> None:
+        """Backward's first modules' fetches (the root, the head, the base model, the final norm)."""
+        self.settle(R)
+        self._run(R, lambda fwd, layer: layer is None)
+
+    def before(self, R: _Replay, i: int) -> None:
+        """Layer ``i``'s backward fetches (under full recompute its forward's again among them)."""
+        self.settle(R)
+        self._run(R, lambda fwd, layer: layer == i)
+
+    def backward(self, R: _Replay, i: int) -> None:
+        """After layer ``i``'s backward: its modules' releases, and the weights its forward saved."""
+        self.settle(R)
+        R.frees(self.saved.pop(i, []))
+
+    def embedding(self, R: _Replay) -> None:
+        """The embedding's backward fetch (the last module's)."""
+        self.settle(R)
+        self._run(R, lambda fwd, layer: True)
+
+    def done(self, R: _Replay) -> None:
+        """Every parameter still gathered released (by the step's ``_partition_all_parameters``)."""
+        self.settle(R)
+        R.frees(list(self.live.values()) + [h for hs in self.saved.values() for h in hs])
+        self.live, self.saved = {}, {}
+
+
 def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: _Parts, tk: Tokens, recompute: str,
                    keep: bool = False, cached: list | None = None) -> list:
     """One layer's forward: what it keeps for backward (a list of handles). ``keep``: its gathered
@@ -1279,7 +1406,7 @@ def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: _Parts, tk: Toke
         kept = _Kept(R.allocs(_kept_blocks(parts, tk.layer, recompute),  # what the checkpoint keeps
                               one=_kept_whole(parts, tk.layer, recompute)))
         R.frees(late)
-    if q.ds_linear_kept and recompute != "full":                  # DeepSpeed ZeRO-3 under torch's F.linear: the
+    if q.ds_linear_kept and recompute != "full" and not q.ds_events:  # DeepSpeed ZeRO-3 under F.linear: the
         # gathered weights its saved views keep, made on the all-gather stream under overlap_comm (the
         # ``torch.cat`` of ``AllGatherCoalescedHandle.wait`` in ``fetch_sub_module``'s stream context)
         kept.append(R.alloc(q.ds_linear_kept, GATHER_STREAM * q.ds_streams))  # (quantities.deepspeed_linear_kept)

@@ -81,6 +81,8 @@ class _State:
     n_available: int = 0
     prefix: list = field(default_factory=list)          # elements of the order's uses before each index
     occurs: dict = field(default_factory=dict)          # parameter -> the indices of the uses holding it
+    log: list = field(default_factory=list)             # storage events (``events``): (+1, key, elements) / (-1, key, 0)
+    marks: list = field(default_factory=list)           # the log's length at each use's fetch
 
 
 def _gather(s: _State, params: list[int]) -> None:
@@ -93,16 +95,21 @@ def _gather(s: _State, params: list[int]) -> None:
     s.groups[gid] = [todo, flat, set(todo)]
     for p in todo:
         s.status[p], s.group[p] = 1, gid
+    s.log.extend([(1, -gid, flat)] if flat else [(1, todo[0], s.numels[todo[0]])])   # the gather's output
     s.n_available += sum(s.numels[p] for p in todo)
 
 
 def _wait(s: _State, p: int) -> None:
     """The fetch's wait: the group's first wait builds every member; ``p`` leaves the registry."""
-    members, _, pending = s.groups[s.group[p]]
+    members, flat, pending = s.groups[s.group[p]]
     for q in members:
         if s.status[q] == 1:
             s.status[q] = 2
+            if flat:
+                s.log.append((1, q, s.numels[q]))       # built from the flat output by ``torch.cat``
     pending.discard(p)
+    if flat and not pending:
+        s.log.append((-1, -s.group[p], 0))              # the handle leaves the registry: its flat output freed
 
 
 def _storage(s: _State) -> tuple[int, int]:
@@ -166,6 +173,7 @@ def _release(s: _State, uses: tuple[Use, ...], i: int, dist: int) -> None:
             continue                                    # used again within the distance
         s.status[p] = 0
         s.n_available -= s.numels[p]
+        s.log.append((-1, p, 0))
         s.fresh.discard(p)
 
 
@@ -177,18 +185,63 @@ def replay(uses: tuple[Use, ...], numels: tuple[int, ...], dist: int, bucket: in
     starts with every parameter released (the previous optimizer step's ``_partition_all_parameters``).
     ``size``: the storage counted for a tensor of so many elements (default: the elements)."""
     s = _State(numels, size, [0] * len(numels))
+    out = []
+    for i, use in _run(s, uses, dist, bucket, max_live):
+        out.append(Moment(use, *_storage(s), s.n_available))
+    return out
+
+
+def _run(s: _State, uses: tuple[Use, ...], dist: int, bucket: int, max_live: int):
+    """The step's fetches in order: yields each use's index and itself after its fetch (and prefetch),
+    releasing its parameters once the caller resumes."""
     s.prefix = [0]
     for k, use in enumerate(uses):
-        s.prefix.append(s.prefix[-1] + sum(numels[p] for p in use.params))
+        s.prefix.append(s.prefix[-1] + sum(s.numels[p] for p in use.params))
         for p in use.params:
             s.occurs.setdefault(p, []).append(k)
     queue = deque((p, i) for i, use in enumerate(uses) for p in sorted(set(use.params)))
-    out = []
     for i, use in enumerate(uses):
+        s.marks.append(len(s.log))
         _fetch(s, uses, i, queue, bucket, max_live)
-        out.append(Moment(use, *_storage(s), s.n_available))
+        s.marks.append(len(s.log))
+        yield i, use
         _release(s, uses, i, dist)
-    return out
+
+
+def events(uses: tuple[Use, ...], numels: tuple[int, ...], dist: int, bucket: int,
+           max_live: int) -> tuple[tuple[tuple[tuple[int, int, int], ...], ...], ...]:
+    """The gathered storage's allocations and frees at each use of ``replay``'s step, in order: per use,
+    those of its fetch (before the module runs) and those of its release (after it), each
+    (+1, key, elements) where a tensor of the engine's dtype is made (a parameter gathered alone into
+    its own buffer, ``_all_gather_sequential``; a coalesced group's flat output; each member built from
+    it by ``torch.cat`` at the group's first wait) and (-1, key, 0) where it is freed (a parameter
+    released, ``__release_param``; the flat output when the group's last member leaves
+    ``__inflight_param_registry``, coordinator v0.19.8 L406). Keys: a parameter's index, or minus a
+    group's number for its flat output. What is still gathered after the last use stays so until the
+    optimizer step partitions every parameter (the caller frees it). ``bucket`` 0 and ``dist`` 0: the
+    run's first step, before the order is recorded (each module gathers its own parameters and releases
+    them after its forward or backward: ``release_sub_module`` v0.19.8 L502-507)."""
+    s = _State(numels, int, [0] * len(numels))
+    for _ in _run(s, uses, dist, bucket, max_live):
+        pass
+    ends = s.marks[1:] + [len(s.log)]
+    spans = [tuple(s.log[a:b]) for a, b in zip(s.marks, ends)]
+    return tuple(zip(spans[0::2], spans[1::2]))
+
+
+@lru_cache(maxsize=64)
+def gather_events(params: tuple[tuple[str, int, int | None], ...], head: str | None, tied_head: int | None,
+                  recompute: bool, dist: int, bucket: int, max_live: int, reduce_bucket: int = 0) -> tuple:
+    """The recorded order's uses, each as (forward, layer, whether it has parameters of its own, its
+    fetch's ``events``, its release's, the elements of the gradient bucket's flat ``cat`` its backward's
+    gradient hook makes, ``reduce_cats``, 0 for none), for the run's first step (no prefetch, each
+    module's parameters released after it) and for the steps after it (the reductions are the same in
+    both); arguments as ``gathered_zones``'s."""
+    uses, numels = module_order(list(params), head, tied_head, recompute)
+    cats = reduce_cats(uses, numels, reduce_bucket)
+    return tuple(tuple((u.forward, u.layer, bool(u.params), *ev, cats.get(i, 0))
+                       for i, (u, ev) in enumerate(zip(uses, events(uses, numels, d, b, max_live))))
+                 for d, b in ((0, 0), (dist, bucket)))
 
 
 def _call_key(name: str) -> int:
