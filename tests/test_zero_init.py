@@ -4,6 +4,7 @@ moved to the GPU by ``deepspeed.initialize`` and partitioned there parameter by 
 The replay is checked against DeepSpeed's own engine traced on the fake group (``trace.deepspeed_engine``)."""
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 
@@ -248,17 +249,31 @@ def test_zero3_reserved_replays_the_step_s_gathers_norm_and_states(one_torch_thr
     gradient partition's float64 copy for the norm, then per sub-group the flat and fp32 gradients
     and, at the first step, the states as flat ``zeros_like`` of the fp32 partition
     (``reserved._zero3_step``); the parameters' gathers as the coordinator's replay makes and releases
-    them (``reserved._Zero3Replay``). Against DeepSpeed's own engine traced: the reserved peak within
-    1.5% (1454 MiB against 1434, +1.4%), the allocated peak as before (within 0.3%). Its last segment on
+    them (``reserved._Zero3Replay``). Against DeepSpeed's own engine traced: the allocated peak within 0.3%;
+    the reserved peak is held to 0.5% and reads +1.4% (1454 MiB against 1434): a known miss, strict xfail
+    (``test_zero3_reserved_agrees_with_trace``) until the default-stream segment below is found. Its last segment on
     the all-gather stream is now trace's 40.25 MiB one (``_Zero3Fetch`` made a 9 MiB one there, 1432 MiB,
     -0.1%, which offset the 20 MiB more than trace the replay reserves on the default stream in the first
     step, not a gather's: an 8.12 MiB segment where trace has none; docs/validation.md, `zero3c`). Before
     the layers' gathers: 1404, -2.1%; before the step's replay: 1326, -7.5%."""
+    e, r = _zero3_tied()
+    assert abs(e.peak_allocated - r.peak_allocated) < 0.003 * r.peak_allocated
+
+
+@pytest.mark.xfail(strict=True, reason="the replay reserves an 8.12 MiB default-stream segment in ZeRO-3's first step "
+                   "that trace does not make (docs/validation.md, `zero3c`): +1.4% against the 0.5% bound")
+def test_zero3_reserved_agrees_with_trace(one_torch_thread):
+    """The reserved peak of the step above within 0.5% of DeepSpeed's own engine traced (it was, -0.1%, while
+    ``_Zero3Fetch``'s 9 MiB gather segment offset the default-stream miss)."""
+    e, r = _zero3_tied()
+    assert abs(e.peak_reserved - r.peak_reserved) < 0.005 * r.peak_reserved
+
+
+@functools.lru_cache(maxsize=1)
+def _zero3_tied():
     pytest.importorskip("deepspeed")
     from trainmem.trace import trace
-    e, r = trainmem.estimate(MODEL, **TIED), trace(MODEL, **TIED)
-    assert abs(e.peak_allocated - r.peak_allocated) < 0.003 * r.peak_allocated
-    assert abs(e.peak_reserved - r.peak_reserved) < 0.015 * r.peak_reserved
+    return trainmem.estimate(MODEL, **TIED), trace(MODEL, **TIED)
 
 
 @pytest.mark.slow
