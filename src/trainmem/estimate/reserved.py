@@ -518,23 +518,7 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
         cached = R.frees(cached) or []                            # region closes before the loss (Quantities.cast_stage_only)
     R.frees(s.held)                                               # the previous step's output, replaced
     s.held = []
-    if q.loss_chunk_tokens:   # TRL's chunked_nll: its tensors one by one (quantities._chunked_nll_bytes)
-        fwd, saved = _chunked_nll_forward(R, q, tk)
-    elif q.fused_parts:       # Liger's fused linear cross-entropy: its tensors one by one
-        fwd, saved = _fused_forward(R, q, tk, flags)
-    elif q.unsloth_loss:      # Unsloth's fused loss: its tensors one by one
-        fwd, saved = _unsloth_forward(R, q, tk, flags)
-    elif q.loss_fp32_logits:  # an older release's forward: fp32 logits returned, shifted, then the loss
-        fwd, saved = [], _fp32_logits_forward(R, q, tk, out, full, seqs)
-    elif q.loss_tt_shift:     # torchtune < 0.3's loop: the shifted fp32 copy kept, the loss on its transpose
-        fwd, saved = [], _torchtune_loop_loss(R, q, tk, out, full, seqs)
-    else:
-        fwd = _logit_allocs(R, _logit_tensors(tk.loss_forward, q.loss_forward, full, chunks))  # fp32 copy, transient
-        if q.loss_saves_out:   # the loss saves the output itself (its per-token tensors are new)
-            saved = out + R.allocs([int(tk.loss_saved) - full * q.loss_saved], one=False)  # per-token
-            out = []
-        else:
-            saved = _logit_allocs(R, _logit_tensors(tk.loss_saved, q.loss_saved, full, chunks, q.loss_elem))  # logps
+    fwd, saved, out = _loss_forward(R, q, tk, flags, out, full, chunks, seqs)
     if q.dpo_metrics:                                             # DPOTrainer's reference forward and metrics
         _dpo_after_logps(R, q, full, seqs)
     R.frees([h for _at, h in R.carry])                            # derived layers' tensors the loss frees
@@ -552,6 +536,30 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
         fs.ag = None
     R.mark("forward" + suffix, s.step)
     return _Forward(inputs, fs, root, emb, kept, head, out, saved, full, chunks, gathered, _shifted(q, full, seqs), z3)
+
+
+def _loss_forward(R: _Replay, q: Quantities, tk: Tokens, flags: StepFlags, out: list, full: int, chunks: int,
+                  seqs: int) -> tuple[list, list, list]:
+    """The loss's forward on the logits ``out``: its transient tensors (``fwd``), what it saves for backward
+    (``saved``), and the logits still held apart from those (``out``, emptied where the loss saves them)."""
+    if q.loss_chunk_tokens:   # TRL's chunked_nll: its tensors one by one (quantities._chunked_nll_bytes)
+        fwd, saved = _chunked_nll_forward(R, q, tk)
+    elif q.fused_parts:       # Liger's fused linear cross-entropy: its tensors one by one
+        fwd, saved = _fused_forward(R, q, tk, flags)
+    elif q.unsloth_loss:      # Unsloth's fused loss: its tensors one by one
+        fwd, saved = _unsloth_forward(R, q, tk, flags)
+    elif q.loss_fp32_logits:  # an older release's forward: fp32 logits returned, shifted, then the loss
+        fwd, saved = [], _fp32_logits_forward(R, q, tk, out, full, seqs)
+    elif q.loss_tt_shift:     # torchtune < 0.3's loop: the shifted fp32 copy kept, the loss on its transpose
+        fwd, saved = [], _torchtune_loop_loss(R, q, tk, out, full, seqs)
+    else:
+        fwd = _logit_allocs(R, _logit_tensors(tk.loss_forward, q.loss_forward, full, chunks))  # fp32 copy, transient
+        if q.loss_saves_out:   # the loss saves the output itself (its per-token tensors are new)
+            saved = out + R.allocs([int(tk.loss_saved) - full * q.loss_saved], one=False)  # per-token
+            out = []
+        else:
+            saved = _logit_allocs(R, _logit_tensors(tk.loss_saved, q.loss_saved, full, chunks, q.loss_elem))  # logps
+    return fwd, saved, out
 
 
 def _batch_in(R: _Replay, s: _Step, q: Quantities, tk: Tokens) -> int | None:
