@@ -67,6 +67,9 @@ class Moment:
     gathered: int              # every gathered parameter's storage and the flat buffers alive
     fresh: int                 # of it: layers' parameters gathered since their forward use, never released
     available: int = 0         # the coordinator's ``n_available`` count (gathered parameters' elements)
+    kept: int = 0              # layers' weights as their forward gathered them, released since and not yet
+    #                            back-propagated: under torch's ``F.linear`` autograd's saved views still hold them
+    own_kept: int = 0          # of ``kept``: this use's own parameters (freed once its backward has run)
 
 
 @dataclass
@@ -78,6 +81,8 @@ class _State:
     groups: dict[int, list] = field(default_factory=dict)  # group -> [members, flat elements, pending set]
     recent: dict[int, int] = field(default_factory=dict)
     fresh: set = field(default_factory=set)
+    used: set = field(default_factory=set)              # layers' parameters their forward has used
+    done: set = field(default_factory=set)              # parameters whose backward has run
     n_available: int = 0
     prefix: list = field(default_factory=list)          # elements of the order's uses before each index
     occurs: dict = field(default_factory=dict)          # parameter -> the indices of the uses holding it
@@ -124,6 +129,12 @@ def _storage(s: _State) -> tuple[int, int]:
     return total, fresh
 
 
+def _kept(s: _State, params) -> int:
+    """Storage of ``params`` that a layer's forward used and whose backward has not run, held only by
+    that forward's saved views (released by the coordinator since, ``fresh`` no more)."""
+    return sum(s.size(s.numels[p]) for p in set(params) if p in s.used and p not in s.done and p not in s.fresh)
+
+
 def _prefetch(s: _State, queue: deque, bucket: int, max_live: int) -> None:
     """The prefetch loop (v0.19.8 L452-485, v0.14.2 L353-386)."""
     if bucket <= 0:
@@ -150,6 +161,7 @@ def _fetch(s: _State, uses: tuple[Use, ...], i: int, queue: deque, bucket: int, 
             _wait(s, p)
         if uses[i].forward and uses[i].layer is not None:
             s.fresh.add(p)                              # a layer's weight as its forward used it
+            s.used.add(p)
     ahead = {p for p in own if s.recent.get(p, -10**10) < i}
     for _ in range(len(ahead)):                         # its own entries off the queue (L428-434)
         if queue:
@@ -187,7 +199,7 @@ def replay(uses: tuple[Use, ...], numels: tuple[int, ...], dist: int, bucket: in
     s = _State(numels, size, [0] * len(numels))
     out = []
     for i, use in _run(s, uses, dist, bucket, max_live):
-        out.append(Moment(use, *_storage(s), s.n_available))
+        out.append(Moment(use, *_storage(s), s.n_available, _kept(s, s.used), _kept(s, use.params)))
     return out
 
 
@@ -205,6 +217,8 @@ def _run(s: _State, uses: tuple[Use, ...], dist: int, bucket: int, max_live: int
         _fetch(s, uses, i, queue, bucket, max_live)
         s.marks.append(len(s.log))
         yield i, use
+        if not use.forward:
+            s.done.update(use.params)
         _release(s, uses, i, dist)
 
 
@@ -361,6 +375,22 @@ def reduce_cats(uses: tuple[Use, ...], numels: tuple[int, ...], bucket: int) -> 
     return out
 
 
+def _low_kept(mo: Moment, cat: int, bottom: int) -> int:
+    """Under torch's ``F.linear``, a lower layer's backward moment: the storage gathered (``fresh``
+    included: the forward's own storage, still gathered) and, beside it, the forward storage of every
+    layer weight whose backward has not run that the coordinator has released (and re-gathered) since
+    (``Moment.kept``), less the one layer's kept weights the bottom layer's moment counts itself
+    (``deepspeed_linear_kept``, ``bottom``). At the fetch that includes the module's own weights; at
+    its reduction's ``cat`` (the gradient hook after its backward, ``reduce_cats``) their forward
+    storage is gone: ``MmBackward`` released its saved transposed view once it ran (torch
+    ``torch/csrc/autograd/engine.cpp`` ``call_function``/``release_variables`` when the graph is not
+    kept), and the coordinator's ``free_param`` had left nothing else holding it. Found by trace with
+    DeepSpeed's linear wrapper left out (Llama-3-8B cut to 6 layers, dp 8, one token): the peak is
+    layer 3's ``up_proj`` reduction ``cat`` with layers 0-2's and layer 3's remaining forward weights
+    alive, where the bottom moment counted one layer's."""
+    return max(mo.gathered + mo.kept, mo.gathered + mo.kept - mo.own_kept + cat) - bottom
+
+
 @lru_cache(maxsize=256)
 def gathered_zones(params: tuple[tuple[str, int, int | None], ...], head: str | None, tied_head: int | None,
                    recompute: bool, dist: int, bucket: int, max_live: int,
@@ -391,9 +421,13 @@ def gathered_zones(params: tuple[tuple[str, int, int | None], ...], head: str | 
     fwd = [held(mo) for i, mo in enumerate(moments[:first_bwd]) if mo.use.layer == top_layer]
     cats = reduce_cats(uses, numels, reduce_bucket)
     head, top, low = [held(moments[head_fwd])], [], []
+    bottom = sum(size(n) for _, n, layer in params if layer == 0 and n > PERSISTENCE_THRESHOLD)
     for i in range(first_bwd, len(moments) - 1):
         mo = moments[i]
         zone = head if mo.use.layer is None else top if mo.use.layer == top_layer else low
+        if zone is low and forward_storage_kept:
+            zone.append(_low_kept(mo, size(cats.get(i, 0)) if cats.get(i) else 0, bottom))
+            continue
         zone.append(held(mo) + (size(cats[i]) if cats.get(i) else 0))
     top = top or head
     return max(fwd, default=0), max(head), max(top), max(low, default=max(top))
