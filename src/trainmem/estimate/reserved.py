@@ -901,9 +901,25 @@ def _loss_backward(R: _Replay, q: Quantities, tk: Tokens, f: _Forward, n: int, n
                                                           q.loss_elem)
     lb = _chunked_nll_backward(R, q, tk) if q.loss_chunk_tokens else _logit_allocs(R, sizes)  # its backward
     R.frees(f.saved)
+    if _copied_from_last(q, f, lb, sizes):                        # the loss's earlier backward tensors are
+        R.frees(lb[:-1])                                          # gone before ToCopyBackward0 runs
+        lb = lb[-1:]
     dlogits = _logits_gradient(R, q, tk, f, lb, sizes)            # in the head's dtype
     R.frees(lb)
     return dlogits
+
+
+def _copied_from_last(q: Quantities, f: _Forward, lb: list, sizes: list[int]) -> bool:
+    """Whether the logits' gradient is ``ToCopyBackward0``'s copy of the last of the loss's backward
+    tensors ``lb`` alone (each a whole tensor, one chunk): then the others, ``nll_loss_backward``'s
+    output, are freed before the copy is made. Autograd's engine moves a node's inputs into its
+    ``apply`` (torch 2.13 ``csrc/autograd/engine.cpp`` ``call_function``: ``fn(std::move(inputs))``),
+    so ``NllLossBackward0``'s output, ``LogSoftmaxBackward0``'s input, goes when that node returns,
+    with the forward's saved log-probabilities (``release_variables``), before ``ToCopyBackward0``
+    runs on ``_log_softmax_backward_data``'s output."""
+    size = f.full * q.logits_out
+    popped = q.loss_forward == 0 and f.chunks == 1 and not q.logits_cast and size in sizes
+    return not popped and f.chunks == 1 and len(lb) > 1 and getattr(sizes, "whole", len(sizes)) == len(sizes)
 
 
 def _offload_epilogue(R: _Replay, q: Quantities) -> None:
