@@ -913,10 +913,13 @@ def _copied_from_last(q: Quantities, f: _Forward, lb: list, sizes: list[int]) ->
     """Whether the logits' gradient is ``ToCopyBackward0``'s copy of the last of the loss's backward
     tensors ``lb`` alone (each a whole tensor, one chunk): then the others, ``nll_loss_backward``'s
     output, are freed before the copy is made. Autograd's engine moves a node's inputs into its
-    ``apply`` (torch 2.13 ``csrc/autograd/engine.cpp`` ``call_function``: ``fn(std::move(inputs))``),
-    so ``NllLossBackward0``'s output, ``LogSoftmaxBackward0``'s input, goes when that node returns,
-    with the forward's saved log-probabilities (``release_variables``), before ``ToCopyBackward0``
-    runs on ``_log_softmax_backward_data``'s output."""
+    ``apply`` (``torch/csrc/autograd/engine.cpp`` ``call_function``: ``outputs = fn(std::move(inputs))``,
+    then ``evaluate_function`` calls ``fn.release_variables()`` unless the graph is kept; read at
+    pytorch/pytorch e1253a9, the same structure in 2.x, line numbers at 2.13 not checked), so
+    ``NllLossBackward0``'s output, ``LogSoftmaxBackward0``'s input, goes when that node returns, with
+    the forward's saved log-probabilities, before ``ToCopyBackward0`` runs on
+    ``_log_softmax_backward_data``'s output. Found on the tied ZeRO-3 toy of tests/test_zero_init.py
+    (trace's allocator log: free, free, then the copy; docs/validation.md `z3seg`)."""
     size = f.full * q.logits_out
     popped = q.loss_forward == 0 and f.chunks == 1 and not q.logits_cast and size in sizes
     return not popped and f.chunks == 1 and len(lb) > 1 and getattr(sizes, "whole", len(sizes)) == len(sizes)
