@@ -281,11 +281,15 @@ def _zero3_tied():
 def test_zero3_reserved_grid(layers, dp, precision, recompute, one_torch_thread):
     """docs/validation.md "ZeRO-3's reserved memory through the step": Llama-3.2-1B cut to 2 or 4 layers,
     batch 1 x 512, the HF Trainer's ZeRO-3: the step's allocated peak within 0.1% of DeepSpeed's engine
-    traced, the reserved peak within 6.5% (measured -5.0 ... +6.0%, 22 of 24 within 0.15%, with the
+    traced, the reserved peak within 6.5% (measured -5.1 ... +0.2%, 22 of 24 within 0.15%, with the
     layers' gathers and prefetch and the reduce ``cat`` bucket by bucket; before -7.4 ... +1.8%; before
-    the step's replay -28.4 ... -14.2%). The two others, 4 layers dp 2 bf16 (-496 MiB) and 2 layers dp 2
-    bf16 full recompute (+504 MiB), differ by one block of the tied embedding's size in the default
-    stream's pool at the embedding's backward (docs/validation.md, fifteenth session, later)."""
+    the step's replay -28.4 ... -14.2%). The two others, 4 layers dp 2 bf16, recompute none (-496 MiB)
+    and full (-502 MiB), miss one block of the tied embedding's size in the default stream's pool at
+    the embedding's backward: the replay's forward cuBLAS workspace takes the 966 MiB segment's tail
+    where trace has three 2 MiB layer-0 tensors alive, so trace's lands in the 502 MiB segment
+    (docs/validation.md `z3seg`). 2 layers dp 2 bf16 full read +504 MiB until the loss's backward freed
+    its first tensor before the logits' gradient copy (``reserved._copied_from_last``), which moved 4
+    layers' full case from -0.04% (a compensation) to -5.1%."""
     pytest.importorskip("deepspeed")
     from trainmem.trace import trace
     kw = dict(framework="hf-trainer", zero=3, set=[f"num_hidden_layers={layers}"], dp=dp, precision=precision,
