@@ -962,7 +962,8 @@ def _head_backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, f: _Fo
     (``quantities.deepspeed_linear_wrap``; v0.19.8 ``zero/linear.py`` L125-134). The gradient is a
     tied head's part, waiting in the embedding's input buffer (``q.tied_grad``), FSDP's unsharded
     head gradients, or, outside FSDP, the ``.grad`` of an untied head, made here with the final
-    norm's (autograd's order: the head is back-propagated first). Returns (FSDP's unsharded head gradients, the tied part)."""
+    norm's (autograd's order: the head is back-propagated first). Returns (FSDP's unsharded head
+    gradients, the tied part)."""
     st = q.detail.states
     if q.ds_linear_wrap:                                          # grad_output.matmul(weight) first: the
         s.workspace(R, 1)                                         # workspace before the weight's gradient
