@@ -250,21 +250,20 @@ def test_zero3_reserved_replays_the_step_s_gathers_norm_and_states(one_torch_thr
     and, at the first step, the states as flat ``zeros_like`` of the fp32 partition
     (``reserved._zero3_step``); the parameters' gathers as the coordinator's replay makes and releases
     them (``reserved._Zero3Replay``). Against DeepSpeed's own engine traced: the allocated peak within 0.3%;
-    the reserved peak is held to 0.5% and reads +1.4% (1454 MiB against 1434): a known miss, strict xfail
-    (``test_zero3_reserved_agrees_with_trace``) until the default-stream segment below is found. Its last segment on
-    the all-gather stream is now trace's 40.25 MiB one (``_Zero3Fetch`` made a 9 MiB one there, 1432 MiB,
-    -0.1%, which offset the 20 MiB more than trace the replay reserves on the default stream in the first
-    step, not a gather's: an 8.12 MiB segment where trace has none; docs/validation.md, `zero3c`). Before
-    the layers' gathers: 1404, -2.1%; before the step's replay: 1326, -7.5%."""
+    the reserved peak within 0.5% (``test_zero3_reserved_agrees_with_trace``): 1434.4 MiB against 1434,
+    the replay's segments trace's one for one. It read +1.4% (1454) while the replay made an 8.12 MiB
+    default-stream segment in the first step that trace does not: the loss's backward freed
+    ``NllLossBackward0``'s output after ``ToCopyBackward0``'s copy rather than before it, so the autograd
+    thread's cuBLAS workspace found no block (``reserved._copied_from_last``; docs/validation.md,
+    `z3seg`). Before the layers' gathers: 1404, -2.1%; before the step's replay: 1326, -7.5%."""
     e, r = _zero3_tied()
     assert abs(e.peak_allocated - r.peak_allocated) < 0.003 * r.peak_allocated
 
 
-@pytest.mark.xfail(strict=True, reason="the replay reserves an 8.12 MiB default-stream segment in ZeRO-3's first step "
-                   "that trace does not make (docs/validation.md, `zero3c`): +1.4% against the 0.5% bound")
 def test_zero3_reserved_agrees_with_trace(one_torch_thread):
-    """The reserved peak of the step above within 0.5% of DeepSpeed's own engine traced (it was, -0.1%, while
-    ``_Zero3Fetch``'s 9 MiB gather segment offset the default-stream miss)."""
+    """The reserved peak of the step above within 0.5% of DeepSpeed's own engine traced (+0.03%; +1.4%
+    while the loss's backward freed its first tensor after the logits' gradient copy, docs/validation.md
+    `z3seg`)."""
     e, r = _zero3_tied()
     assert abs(e.peak_reserved - r.peak_reserved) < 0.005 * r.peak_reserved
 
@@ -282,11 +281,15 @@ def _zero3_tied():
 def test_zero3_reserved_grid(layers, dp, precision, recompute, one_torch_thread):
     """docs/validation.md "ZeRO-3's reserved memory through the step": Llama-3.2-1B cut to 2 or 4 layers,
     batch 1 x 512, the HF Trainer's ZeRO-3: the step's allocated peak within 0.1% of DeepSpeed's engine
-    traced, the reserved peak within 6.5% (measured -5.0 ... +6.0%, 22 of 24 within 0.15%, with the
+    traced, the reserved peak within 6.5% (measured -5.1 ... +0.2%, 22 of 24 within 0.15%, with the
     layers' gathers and prefetch and the reduce ``cat`` bucket by bucket; before -7.4 ... +1.8%; before
-    the step's replay -28.4 ... -14.2%). The two others, 4 layers dp 2 bf16 (-496 MiB) and 2 layers dp 2
-    bf16 full recompute (+504 MiB), differ by one block of the tied embedding's size in the default
-    stream's pool at the embedding's backward (docs/validation.md, fifteenth session, later)."""
+    the step's replay -28.4 ... -14.2%). The two others, 4 layers dp 2 bf16, recompute none (-496 MiB)
+    and full (-502 MiB), miss one block of the tied embedding's size in the default stream's pool at
+    the embedding's backward: the replay's forward cuBLAS workspace takes the 966 MiB segment's tail
+    where trace has three 2 MiB layer-0 tensors alive, so trace's lands in the 502 MiB segment
+    (docs/validation.md `z3seg`). 2 layers dp 2 bf16 full read +504 MiB until the loss's backward freed
+    its first tensor before the logits' gradient copy (``reserved._copied_from_last``), which moved 4
+    layers' full case from -0.04% (a compensation) to -5.1%."""
     pytest.importorskip("deepspeed")
     from trainmem.trace import trace
     kw = dict(framework="hf-trainer", zero=3, set=[f"num_hidden_layers={layers}"], dp=dp, precision=precision,

@@ -313,6 +313,8 @@ class Quantities:
     ds_reduce_flat: int = 0      # ... and the flat copy of the bucket (``deepspeed_epilogue``)
     ds_bucketed: int = 0      # 1: DeepSpeed ZeRO-1/2's hooks reduce buckets in backward (``deepspeed_hooks_reduce``)
     ds_norm_temp: int = 0     # DeepSpeed ZeRO-1/2's step: the float64 copy of one gradient piece its norm takes
+    ds_linear_wrap: int = 0  # 1: DeepSpeed ZeRO-3's linears run through its ``zero3_linear_wrap``
+    #                          (``deepspeed_linear_wrap``)
     ds_linear_kept: int = 0  # DeepSpeed ZeRO-3 with torch's F.linear: one layer's gathered matmul weights its
     #                          autograd keeps from its forward to its backward (``deepspeed_linear_kept``)
     ds_offload_grad: int = 0  # DeepSpeed ZeRO-1/2 offloaded: the gradient of rank 0's largest parameter, own tensor,
@@ -1675,6 +1677,7 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
             "ds_partition": deepspeed_partition_elems(t, st),
             "ds_offload_buf": deepspeed_offload_grad_buffer(t, st),
             "ds_offload_steps": deepspeed_offload_epilogue(m, t, st), "ds_linear_kept": deepspeed_linear_kept(m, t),
+            "ds_linear_wrap": int(deepspeed_linear_wrap(t)),
             "ds_step_flat": flat,
             "ds_gathered_top": top, "ds_gathered_low": low, "ds_coalesced": deepspeed_coalesced(m, t),
             "ds_gathered_head": deepspeed_gathered_head(m, t, st), "ds_gathered_fwd": deepspeed_gathered_forward(m, t, st),
@@ -2255,6 +2258,16 @@ def deepspeed_gather_events(m: ModelSpec, t: TrainingSpec, st: States) -> tuple:
     from .zero3_replay import gather_events
     bucket = t.ds_reduce_bucket if (st.trainable > 0 and not _partial_layout(m, t, st)) else 0   # with every parameter trainable
     return gather_events(*args, t.recompute == "full", t.ds_reuse_distance, t.ds_prefetch, DS_MAX_LIVE, bucket)
+
+
+def deepspeed_linear_wrap(t: TrainingSpec) -> bool:
+    """Whether DeepSpeed ZeRO-3 runs ``F.linear`` as its ``zero3_linear_wrap`` (``LinearFunctionForZeroStage3``,
+    ``zero/linear.py``): under ``zero.Init``, and for a model built outside it from v0.19.4
+    (``TrainingSpec.ds_linear_keeps_gathered`` says when not). Its backward computes the input's gradient
+    first, ``grad_output.matmul(weight)``, then the weight's (v0.19.8 ``zero/linear.py`` L125-134), so the
+    first cuBLAS call of autograd's thread, which binds that thread's workspace, is the input gradient's,
+    before the head's weight gradient exists (``reserved._head_backward``)."""
+    return deepspeed_zero(t) and t.zero == 3 and t.gemini is None and not t.ds_linear_keeps_gathered
 
 
 def deepspeed_linear_kept(m: ModelSpec, t: TrainingSpec) -> int:

@@ -901,9 +901,28 @@ def _loss_backward(R: _Replay, q: Quantities, tk: Tokens, f: _Forward, n: int, n
                                                           q.loss_elem)
     lb = _chunked_nll_backward(R, q, tk) if q.loss_chunk_tokens else _logit_allocs(R, sizes)  # its backward
     R.frees(f.saved)
+    if _copied_from_last(q, f, lb, sizes):                        # the loss's earlier backward tensors are
+        R.frees(lb[:-1])                                          # gone before ToCopyBackward0 runs
+        lb = lb[-1:]
     dlogits = _logits_gradient(R, q, tk, f, lb, sizes)            # in the head's dtype
     R.frees(lb)
     return dlogits
+
+
+def _copied_from_last(q: Quantities, f: _Forward, lb: list, sizes: list[int]) -> bool:
+    """Whether the logits' gradient is ``ToCopyBackward0``'s copy of the last of the loss's backward
+    tensors ``lb`` alone (each a whole tensor, one chunk): then the others, ``nll_loss_backward``'s
+    output, are freed before the copy is made. Autograd's engine moves a node's inputs into its
+    ``apply`` (``torch/csrc/autograd/engine.cpp`` ``call_function``: ``outputs = fn(std::move(inputs))``,
+    then ``evaluate_function`` calls ``fn.release_variables()`` unless the graph is kept; read at
+    pytorch/pytorch e1253a9, the same structure in 2.x, line numbers at 2.13 not checked), so
+    ``NllLossBackward0``'s output, ``LogSoftmaxBackward0``'s input, goes when that node returns, with
+    the forward's saved log-probabilities, before ``ToCopyBackward0`` runs on
+    ``_log_softmax_backward_data``'s output. Found on the tied ZeRO-3 toy of tests/test_zero_init.py
+    (trace's allocator log: free, free, then the copy; docs/validation.md `z3seg`)."""
+    size = f.full * q.logits_out
+    popped = q.loss_forward == 0 and f.chunks == 1 and not q.logits_cast and size in sizes
+    return not popped and f.chunks == 1 and len(lb) > 1 and getattr(sizes, "whole", len(sizes)) == len(sizes)
 
 
 def _offload_epilogue(R: _Replay, q: Quantities) -> None:
@@ -938,11 +957,16 @@ def _head_backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, f: _Fo
     """The head's matmuls' backward: the weight's gradient (under autocast first in the compute dtype,
     ``quantities.head_weight_grad_half``, then cast to fp32 once the logits' gradient, the head's
     input and its half copy are freed), the cuBLAS workspace of autograd's thread at its first
-    matmul. The gradient is a tied head's part, waiting in the embedding's input buffer
-    (``q.tied_grad``), FSDP's unsharded head gradients, or, outside FSDP, the ``.grad`` of an untied
-    head, made here with the final norm's (autograd's order: the head is back-propagated first).
-    Returns (FSDP's unsharded head gradients, the tied part)."""
+    matmul: after the weight's gradient (or its half copy) under torch's own linear, before it under
+    DeepSpeed ZeRO-3's ``zero3_linear_wrap``, whose backward runs the input's gradient matmul first
+    (``quantities.deepspeed_linear_wrap``; v0.19.8 ``zero/linear.py`` L125-134). The gradient is a
+    tied head's part, waiting in the embedding's input buffer (``q.tied_grad``), FSDP's unsharded
+    head gradients, or, outside FSDP, the ``.grad`` of an untied head, made here with the final
+    norm's (autograd's order: the head is back-propagated first). Returns (FSDP's unsharded head
+    gradients, the tied part)."""
     st = q.detail.states
+    if q.ds_linear_wrap:                                          # grad_output.matmul(weight) first: the
+        s.workspace(R, 1)                                         # workspace before the weight's gradient
     half = R.alloc(q.head_wgrad_half)                             # (vocab, hidden) in the compute dtype
     # DeepSpeed ZeRO-3: the untied head's whole weight gradient, (vocab, hidden) in the engine's dtype, as
     # its ``MmBackward0`` makes it, until the head's backward ends (``quantities.deepspeed_head_wgrad``)
@@ -957,6 +981,7 @@ def _head_backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, f: _Fo
 
     made = gradients() if half is None else None                  # the matmul's output is the gradient
     s.workspace(R, 1)                                             # after the head's first backward matmul
+    #                                                               (already made under ``ds_linear_wrap``)
     R.frees(dlogits + f.head)
     R.free(wgrad)
     if half is not None:
