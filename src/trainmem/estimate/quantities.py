@@ -3468,8 +3468,8 @@ def _cast_stage_only(t: TrainingSpec, stage: str, cached: int) -> int:
     recompute) that autocast's cache holds on a pipeline's last stage until the stage forward's region
     closes, before the loss (``loss_after_stage_forward``), for the allocator replay
     (``reserved._forward``); 0 elsewhere, under LoRA (frozen weights are not cached) and FSDP1's views
-    (as ``cast_forward_only``), and under an interleaved schedule, whose replay runs (stage,
-    micro-batch) pairs (``moments.pipeline_output``). Found by trace: Qwen2.5-1.5B --pp 2 fp16-amp
+    (as ``cast_forward_only``), and under an interleaved schedule (not checked there: its replay
+    walks (stage, micro-batch) pairs, ``reserved._pipeline_pairs``). Found by trace: Qwen2.5-1.5B --pp 2 fp16-amp
     full recompute, b4 s2048, the last stage's first forward 1.25 GiB of segments short (28 layers)."""
     if not loss_after_stage_forward(t, stage) or t.virtual_stages > 1 or t.lora_rank or fsdp1_views(t):
         return 0
@@ -3523,7 +3523,8 @@ def _interleaved_terms(m: ModelSpec, t: TrainingSpec, st: States, stage: str, pe
     rank's first backward, ``pipe_units_later`` at most afterwards (schedules.in_flight_at_backwards).
     The last rank's peak is its head stage's backward, with one micro-batch of that stage in flight
     (its forward is followed by its backward, the loss in between) and the others its other stages'
-    pairs, each holding its stage output (``pipe_out_tok``, torch ``stage.py`` ``fwd_cache``).
+    pairs, each holding its stage output (``pipe_out_tok``, torch ``stage.py`` ``fwd_cache``); its
+    actions in order (``pipe_order``, torch's schedule only) drive the allocator replay.
 
     Megatron-LM's interleaved schedule (``--framework megatron``) runs its own order
     (``schedules.megatron_rank_order``; the same as torch's when the micro-batches are a multiple of
