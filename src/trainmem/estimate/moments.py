@@ -73,15 +73,21 @@ def pipeline_output(t: TrainingSpec) -> str:
       ``_step_microbatches`` returns, before ``optimizer.step()``. ``ScheduleGPipe`` runs every
       forward before the first backward (L905-922), so its ``output`` is the last micro-batch's,
       still in ``fwd_cache`` until the step's last backward: "cache".
-    * "": no pipeline, or an interleaved schedule (``--pp-virtual-stages``): its ``output`` (L2054)
-      is the last forward of any of the rank's stages, and the allocator replay runs each (stage,
-      micro-batch) pair in flight with the head's logits, which only the last stage's pairs make
-      (``_interleaved``'s ``head_units``): not modelled (the logits as freed when forward ends).
+    * "interleaved": a schedule of several stages per rank (``--pp-virtual-stages``, run by
+      ``_PipelineScheduleRuntime._step_microbatches``): each (stage, micro-batch) pair's output stays
+      in its stage's ``fwd_cache`` through that pair's backward, as "cache"; the schedule's
+      ``output`` (L2530) is a local of ``_perform_action`` (L2442), gone as the action returns. The
+      allocator replay walks the last rank's order (``Quantities.pipe_order``, ``reserved._pipeline_pairs``):
+      only its last local stage's pairs make the head's logits. The allocated moments count them
+      apart already (``_interleaved``'s ``head_units``) and keep nothing past a backward (``Kept``).
+    * "": no pipeline.
     Found by trace: qwen2.5-1.5b (4 layers) --pp 2 --grad-accum 4 fp16-amp b4 s2048, last stage: the
     previous micro-batch's fp16 logits (2.32 GiB) alive from its backward's end to the next forward's
     end; reserved -9.2% before."""
-    if not torch_pipeline(t) or t.virtual_stages > 1:
+    if not torch_pipeline(t):
         return ""
+    if t.virtual_stages > 1:
+        return "interleaved"
     return "1f1b" if t.pp_schedule == "1f1b" else "cache"
 
 

@@ -46,7 +46,7 @@ from .layers import ALL_MOMENTS, HALF, LayerCoefs, LayerKey, Policy, ep_rank_row
 from .layers import layer_sdpa_backend, sdpa_saves_padded
 from .quant4 import dequant_dtypes, dequant_scratch, is_quantized
 from . import unsloth
-from .schedules import in_flight_at_backwards
+from .schedules import in_flight_at_backwards, rank_order
 from .gemini import model_gemini
 from .galore import GTensor, step_order, step_replay
 from ..spec.galore import LOWRANK_OPTIMIZERS
@@ -346,6 +346,9 @@ class Quantities:
     pipe_grads_absent_alt: int = 0
     pipe_head_once: int = 0    # 1: the last rank, whose head stage holds one micro-batch in flight; the others ...
     pipe_out_tok: float = 0.0  # ... keep their stage's output (b, s, h), bytes per token
+    # torch's interleaved schedule, the last rank: its actions in order, (F or B, local stage, micro-batch)
+    # (schedules.rank_order), which the allocator replay walks (reserved._pipeline_pairs); () elsewhere
+    pipe_order: tuple = ()
     # stages this rank holds (interleaved: virtual_stages). Under FSDP grad-op each layer of each is
     # gathered once, however many micro-batches are in flight (torch 2.13 _fully_shard/_fsdp_param_group.py
     # ``unshard`` returns when the parameters are unsharded), all forwarded before the rank's first backward
@@ -3478,8 +3481,8 @@ def _cast_stage_only(t: TrainingSpec, stage: str, cached: int) -> int:
     recompute) that autocast's cache holds on a pipeline's last stage until the stage forward's region
     closes, before the loss (``loss_after_stage_forward``), for the allocator replay
     (``reserved._forward``); 0 elsewhere, under LoRA (frozen weights are not cached) and FSDP1's views
-    (as ``cast_forward_only``), and under an interleaved schedule, whose replay runs (stage,
-    micro-batch) pairs (``moments.pipeline_output``). Found by trace: Qwen2.5-1.5B --pp 2 fp16-amp
+    (as ``cast_forward_only``), and under an interleaved schedule (not checked there: its replay
+    walks (stage, micro-batch) pairs, ``reserved._pipeline_pairs``). Found by trace: Qwen2.5-1.5B --pp 2 fp16-amp
     full recompute, b4 s2048, the last stage's first forward 1.25 GiB of segments short (28 layers)."""
     if not loss_after_stage_forward(t, stage) or t.virtual_stages > 1 or t.lora_rank or fsdp1_views(t):
         return 0
@@ -3533,7 +3536,8 @@ def _interleaved_terms(m: ModelSpec, t: TrainingSpec, st: States, stage: str, pe
     rank's first backward, ``pipe_units_later`` at most afterwards (schedules.in_flight_at_backwards).
     The last rank's peak is its head stage's backward, with one micro-batch of that stage in flight
     (its forward is followed by its backward, the loss in between) and the others its other stages'
-    pairs, each holding its stage output (``pipe_out_tok``, torch ``stage.py`` ``fwd_cache``).
+    pairs, each holding its stage output (``pipe_out_tok``, torch ``stage.py`` ``fwd_cache``); its
+    actions in order (``pipe_order``, torch's schedule only) drive the allocator replay.
 
     Megatron-LM's interleaved schedule (``--framework megatron``) runs its own order
     (``schedules.megatron_rank_order``; the same as torch's when the micro-batches are a multiple of
@@ -3561,7 +3565,8 @@ def _interleaved_terms(m: ModelSpec, t: TrainingSpec, st: States, stage: str, pe
     return {"pipe_units": first, "pipe_units_later": most[0], "pipe_fed": fed, "pipe_fed_later": most[1],
             "pipe_units_alt": grads[0], "pipe_fed_alt": grads[1], "pipe_grads_absent_alt": absent(grads[2]),
             "pipe_grads_absent": absent(most[2]), "pipe_head_once": int(stage == "last"),
-            "pipe_out_tok": per_tok if (stage == "last" and torch_pp) else 0.0, "pipe_stages": v}
+            "pipe_out_tok": per_tok if (stage == "last" and torch_pp) else 0.0, "pipe_stages": v,
+            "pipe_order": rank_order(t.pp, v, t.grad_accum, rank) if (stage == "last" and torch_pp) else ()}
 
 
 def _split_outer(outer: list[tuple[str, float, float]], rest_pos: float) -> tuple[float, float, float, float]:

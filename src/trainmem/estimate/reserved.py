@@ -66,6 +66,7 @@ from ..allocator_rules import block_bytes
 from .layers import F32, HALF
 from .moments import StepFlags, Tokens, _logit_sizes, best_transient, label_tokens
 from .quantities import Quantities
+from .schedules import FORWARD
 from .states import parameter_order as _parameter_order
 
 
@@ -471,9 +472,10 @@ class _Forward:
 
 
 def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, parts: list[int],
-             recompute: str, full: int, suffix: str, seqs: int = 1) -> _Forward:
+             recompute: str, full: int, suffix: str, seqs: int = 1, head: bool = True) -> _Forward:
     """One micro-batch's forward, the loss included (``seqs``: its sequences, read by ``--trainer dpo``'s
-    moments after the loss, ``_dpo_after_logps``)."""
+    moments after the loss, ``_dpo_after_logps``); ``head`` False: a pipeline stage without the head
+    (an interleaved schedule's other stages, ``_pipeline_pairs``): its layers and output only."""
     st = q.detail.states
     inputs = _batch_in(R, s, q, tk)
     fs = _Fsdp(q.fsdp_ag_result > 0, _fsdp_streams(q), lag=R.lag, rs_side=q.fsdp_rs_side > 0,
@@ -502,6 +504,9 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
                                    cached=cached))
     R.frees([h for at, h in R.carry if at != LATE])               # the top layer's late frees (a derived layer)
     R.carry = [(at, h) for at, h in R.carry if at == LATE]
+    if not head:
+        return _stage_output(R, s, q, tk, _Forward(inputs, fs, root, emb, kept, [], [], [], 0, 1, gathered, 0, z3),
+                             cached, suffix)
     z3.forward_end(R)                                             # ZeRO-3: the final norm's and the head's fetches
     root = root + fs.unshard(R, q.fsdp_head_unit, st.head_unit_tensors)  # split root: [norm, head] kept
     head = [R.alloc(tk.outer_head, one=False)]                    # the final norm's tensors, the head's input
@@ -528,6 +533,13 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     if flags.hold == "loss" and not flags.pipe_out:               # (a pipeline stage's fwd_cache keeps it:
         R.frees(out)                                              # moments.pipeline_output)
         out = []
+    root = _forward_end(R, s, q, fs, root, suffix)
+    return _Forward(inputs, fs, root, emb, kept, head, out, saved, full, chunks, gathered, _shifted(q, full, seqs), z3)
+
+
+def _forward_end(R: _Replay, s: _Step, q: Quantities, fs: "_Fsdp", root: list, suffix: str) -> list:
+    """A forward's return: FSDP2's root resharded and its last all-gather output freed; the phase
+    marked. Returns the root's handles still held."""
     if _root_resharded(q, fs):                                    # FSDP2 reshards the root after its forward
         R.frees(root)
         root = []
@@ -535,7 +547,24 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
         R.free(fs.ag)                                             # (``_fsdp_state.py`` ``_post_forward``)
         fs.ag = None
     R.mark("forward" + suffix, s.step)
-    return _Forward(inputs, fs, root, emb, kept, head, out, saved, full, chunks, gathered, _shifted(q, full, seqs), z3)
+    return root
+
+
+def _stage_output(R: _Replay, s: _Step, q: Quantities, tk: Tokens, f: _Forward, cached: list,
+                  suffix: str) -> _Forward:
+    """The end of a pipeline pair's forward on a stage without the head (``_forward``'s ``head``
+    False): the stage's output, the top layer's (b, s, h) hidden states in the layers' dtype
+    (``q.pipe_out_tok`` bytes per token, ``quantities._interleaved_terms``), which the stage keeps
+    in ``fwd_cache`` until the pair's backward (torch 2.13 ``pipelining/stage.py`` L904-916,
+    L962-967; ``schedules.py`` L2530 binds it to a local of ``_perform_action``, gone as the action
+    returns); autocast's weight cache cleared as the stage's forward returns. No final norm, head,
+    logits or loss."""
+    R.frees([h for _at, h in R.carry])                            # a derived layer's late frees
+    R.carry = []
+    f.out = [R.alloc(int(q.pipe_out_tok * tk.tokens))]            # (b, s, h): the stage's output
+    R.frees(cached)                                               # autocast exits: its cache cleared
+    f.root = _forward_end(R, s, q, f.fs, f.root, suffix)
+    return f
 
 
 def _loss_forward(R: _Replay, q: Quantities, tk: Tokens, flags: StepFlags, out: list, full: int, chunks: int,
@@ -807,21 +836,22 @@ def _root_resharded(q: Quantities, fs: "_Fsdp") -> bool:
 
 
 def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, f: _Forward, parts: list[int],
-              n: int, nsq: int, recompute: str, suffix: str) -> None:
-    """One micro-batch's backward, from the loss to the embeddings."""
+              n: int, nsq: int, recompute: str, suffix: str, head: bool = True) -> None:
+    """One micro-batch's backward, from the loss to the embeddings (``head`` False: a pipeline
+    stage without the head, from its output's gradient, ``_pipeline_pairs``)."""
     st = q.detail.states
     buckets = R.allocs([q.ds_bucket] * (q.ds_backward_buf // q.ds_bucket if q.ds_bucket else 0))  # DeepSpeed ZeRO-1/2
     if _root_resharded(q, f.fs) and not q.fsdp_root_regather:     # the root's pre-backward: the loss is its output
         f.root = f.fs.unshard(R, q.fsdp_root, st.root_tensors, backward=True)
     if isinstance(f.z3, _Zero3Replay):                            # ZeRO-3: backward's first modules' fetches
         f.z3.backward_start(R)
-    dlogits = _loss_backward(R, q, tk, f, n, nsq)
+    dlogits = _loss_backward(R, q, tk, f, n, nsq) if head else []
     if _root_resharded(q, f.fs) and q.fsdp_root_regather:         # ... the logits (a loss outside the model)
         f.root = f.fs.unshard(R, q.fsdp_root, st.root_tensors, backward=True)
     f.fs.root_pre_backward(R, q.fsdp_layer_buf)                  # FSDP1: the top layer prefetched
     if q.fsdp_head_pref:                                          # split root: the head's pre-backward
         f.fs.prefetched = R.alloc(q.fsdp_head_pref, f.fs.streams[0])  # prefetches the top layer
-    head_full, tied = _head_backward(R, s, q, flags, f, dlogits)
+    head_full, tied = _head_backward(R, s, q, flags, f, dlogits) if head else (None, None)
     if q.ds_head_check and suffix != ".micro1":                   # DeepSpeed ZeRO-1/2 offloaded: the untied
         R.free(R.alloc(q.ds_head_check))                          # head's inf/NaN check (its bucket reduced at
     #                                                               the next hook: deepspeed_offload_check_head)
@@ -996,9 +1026,11 @@ def _micro_batches(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: To
     flight (1: one after the other; a pipeline stage under 1F1B: min(pp, grad_accum) on the first
     stage, every micro-batch under GPipe, ``moments.tokens``), the rest drained at the end. Up to
     one micro-batch more than are in flight is replayed (two without a pipeline)."""
-    inflight = max(1, int(tk.inflight))
     parts = _layer_parts(q, n, nsq)
     full = label_tokens(q, n) * q.logit_width // q.tp if flags.lm else b * q.logit_width   # logit elements
+    if q.pipe_order:                                              # an interleaved schedule's last rank
+        return _pipeline_pairs(R, s, q, flags, tk, (n, nsq, b), parts, recompute, full, ga)
+    inflight = max(1, int(tk.inflight))
     pending: list = []
     for micro in range(min(ga, inflight + 1)):
         suffix = "" if ga == 1 else (".micro1" if micro == 0 else f".micro2-{ga}")
@@ -1011,6 +1043,27 @@ def _micro_batches(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: To
     if flags.pipe_out:                                            # the schedule's step returns: its last
         R.frees(s.held)                                           # output freed (moments.pipeline_output)
         s.held = []
+
+
+def _pipeline_pairs(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, shape: tuple,
+                    parts: list[int], recompute: str, full: int, ga: int) -> None:
+    """A step of an interleaved pipeline schedule on the last rank: its (stage, micro-batch) pairs'
+    forwards and backwards in the rank's order (``q.pipe_order``, ``schedules.rank_order``: torch
+    2.13 ``_PipelineScheduleRuntime._step_microbatches`` runs them so, L2407-2600). Only the pairs
+    of its last local stage, the model's last, run the final norm, head and loss
+    (``_maybe_compute_loss``: ``stage.is_last``, L299-304) and keep the logits; the others keep their
+    stage output (``_stage_output``). Each pair's output, the logits included, is freed as its
+    backward ends (``fwd_cache`` popped, ``moments.pipeline_output``). ``shape``: (tokens, token x
+    key pairs, micro-batch)."""
+    n, nsq, b = shape
+    top = max(v for _kind, v, _mb in q.pipe_order)                # the head's local stage
+    alive: dict = {}
+    for kind, v, mb in q.pipe_order:
+        suffix = "" if ga == 1 else (".micro1" if mb == 0 else f".micro2-{ga}")
+        if kind == FORWARD:
+            alive[v, mb] = _forward(R, s, q, flags, tk, parts, recompute, full, suffix, b, head=v == top)
+        else:
+            _backward(R, s, q, flags, tk, alive.pop((v, mb)), parts, n, nsq, recompute, suffix, head=v == top)
 
 
 #: the side streams of PyTorch FSDP, and DeepSpeed ZeRO-3's all-gather stream (``partitioned_param_coordinator.py``
