@@ -116,7 +116,10 @@ def test_order_is_the_documented_cost():
             if s.name != "combined"]
     names = [s.name for s in sugg]
     assert [s.order for s in sugg] == sorted(s.order for s in sugg)
-    want = ["recompute-selective", "adamw-8bit", "recompute-full", "pure-bf16", "offload-optimizer", "more-gpus-2",
+    # (ZeRO-3 over 2 GPUs is not among them: DeepSpeed's prefetcher keeps up to stage3_max_live_parameters
+    # (1e9) elements gathered through backward, most of this 1.24B-parameter model in fp32, which outweighs
+    # the halved states: estimate.zero3_replay; over 4 GPUs it saves memory)
+    want = ["recompute-selective", "adamw-8bit", "recompute-full", "pure-bf16", "offload-optimizer", "more-gpus-4",
             "lora"]
     assert [n for n in names if n in want] == want
     assert names.index("micro-batch-4") < names.index("recompute-full")   # same training, ≈2% per halving

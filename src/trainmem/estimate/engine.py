@@ -33,7 +33,7 @@ from ..spec.model import ModelSpec
 from ..spec.training import RECOMPUTE, TrainingSpec, padded_lengths
 from .derived import notes as derived_notes
 from .breakdown import components, phase_label, phases, where_label
-from .moments import StepFlags, peak, tokens, walk
+from .moments import StepFlags, peak, pipeline_output, tokens, walk
 from .layers import compiled_recipe
 from .megatron_buffers import kept_buffers, pipeline_inputs_kept, rerun_batches_kept, tp_rank0_note
 from .quantities import SHAPE_FIELDS, gather, layer_key, quantities, shape_quantities
@@ -369,6 +369,8 @@ def _stage_arrays(m: ModelSpec, base: TrainingSpec, cols: dict[str, np.ndarray],
     n = b * (s // cols["cp"])
     nsq = n * s
     flags = StepFlags.of(m, base)
+    if stage == "last":  # every row pipelined (estimate_layouts' pp > 1 rows): the schedule keeps the output
+        flags = replace(flags, pipe_out=pipeline_output(base, pipelined=True))
     tk = tokens(q, flags, n, nsq, b, ga)
     kept = kept_buffers(m, base, stage, n, nsq, capability, cols["tp"], cols["sequence_parallel"])
     pipe = pipeline_inputs_kept(m, base, stage, n, cols["tp"], cols["sequence_parallel"], cols["pp"])

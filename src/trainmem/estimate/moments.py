@@ -59,7 +59,7 @@ class StepFlags:
                          pipeline_output(t))
 
 
-def pipeline_output(t: TrainingSpec) -> str:
+def pipeline_output(t: TrainingSpec, pipelined: bool = False) -> str:
     """What keeps the last pipeline stage's output (its logits, in the head's dtype: half under
     autocast) under torch.distributed.pipelining (``states.torch_pipeline``); "" without it.
 
@@ -84,8 +84,8 @@ def pipeline_output(t: TrainingSpec) -> str:
     Found by trace: qwen2.5-1.5b (4 layers) --pp 2 --grad-accum 4 fp16-amp b4 s2048, last stage: the
     previous micro-batch's fp16 logits (2.32 GiB) alive from its backward's end to the next forward's
     end; reserved -9.2% before."""
-    if not torch_pipeline(t):
-        return ""
+    if not (torch_pipeline(t) or (pipelined and t.extra.get("framework") != "megatron")):
+        return ""                      # (``pipelined``: a layout array's last-stage rows, pp > 1 each, of a base at pp 1)
     if t.virtual_stages > 1:
         return "interleaved"
     return "1f1b" if t.pp_schedule == "1f1b" else "cache"
