@@ -16,20 +16,17 @@ loop make them all, each from the router's top-k choice (transformers 5.24):
 routing: token ``t``'s ``j``-th choice is expert ``(t·k + j) mod n`` (each of the ``n`` experts gets
 ``⌊T·k/n⌋`` or ``⌈T·k/n⌉`` of the ``T·k`` choices, every token ``k`` distinct experts), the load the
 ``grouped_mm`` path's memory does not depend on and that the busiest expert's ``--moe-imbalance`` 1 means.
-From there every op whose device inputs all have values (or recipes) gets a recipe of its output: the same
-op, run on the CPU on those values when a value is first asked for (integer masks, counts, sorted indices:
-``T·k`` or ``T·n`` elements, at most ``CAP``). An op that fails on tensors without data (``nonzero``, indexing
-by a mask) takes its output's size from the op run on the CPU then, and a host read (``.item()``,
-``.tolist()``, ``.cpu()``) answers the value. Factory outputs (``zeros``, ``arange``, ...) get recipes too
-(``one_hot``'s ``arange``, JetMoE's ``zeros``). So nothing runs on the CPU where no value is read (the
-``grouped_mm`` experts' routing: Qwen3-30B-A3B's trace at 2 x 4096, 7 s, as without). A recipe takes its inputs
-as they are when its op runs (an in-place op writes a copy); a write drops the recipes of the storage it
-writes (its views').
+From there every op whose device inputs all have values is run again on the CPU on those values
+(integer masks, counts, sorted indices: ``T·k`` elements, below ``CAP``); an op that fails on tensors
+without data (``nonzero``) takes its output's size from that CPU result, and a host read (``.item()``,
+``.tolist()``, ``.cpu()``) answers the value. Factory outputs (``zeros``, ``arange``, ...) are remembered
+as recipes and made on the CPU only when an op meets them with a valued input (``one_hot``'s ``arange``,
+JetMoE's ``zeros``). A write the CPU does not repeat drops the values of that storage.
 """
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -108,27 +105,26 @@ class RoutingValues:
         entry = self._vals.get(id(t))
         return entry if entry is not None and entry[0]() is t else None
 
-    def value(self, t: Any) -> torch.Tensor | None:
-        """``t``'s CPU value (made now from its recipe), or None."""
+    def value(self, t: Any, lazy: bool = True) -> torch.Tensor | None:
+        """``t``'s CPU value, or None; a recipe is made (``lazy``) or not counted."""
         entry = self._entry(t)
         if entry is None:
             return None
         v = entry[1]
         if callable(v):
-            try:
-                v = v()
-            except RecursionError:  # (a chain of recipes too long to make)
-                v = None
-            if not isinstance(v, torch.Tensor):
-                self._forget(id(t))
+            if not lazy:
                 return None
+            v = v()
             self._set(t, v)
         return v
 
+    def _known(self, t: Any) -> bool:
+        entry = self._entry(t)
+        return entry is not None and not callable(entry[1])
+
     # ----- the ops -------------------------------------------------------------------------------
     def after(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        """Give ``out`` a recipe of its values where ``func``'s inputs have values or recipes (or seed
-        ``topk``'s indices); drop what ``func`` writes otherwise."""
+        """Give ``out`` its values where ``func``'s inputs have theirs (or seed ``topk``'s indices)."""
         name = _name(func)
         tensors = [a for a in _flat(args, kwargs) if isinstance(a, torch.Tensor)
                    and a.device.type == self.device_type]
@@ -138,46 +134,68 @@ class RoutingValues:
             n = src.size(dim) if src.dim() else 1
             self._set(out[1], balanced_topk(tuple(out[1].shape), dim, n))
             return
-        recipe = None
-        if name in _VALUE_FREE or any(self._entry(t) is not None for t in tensors):
-            recipe = self._recipe(func, args, kwargs, tensors)
-        written = self._written(func)
-        for i in written:
-            if i < len(args) and isinstance(args[i], torch.Tensor):
-                self._drop_storage(args[i])  # (its views' recipes hold its values before this write)
-        if recipe is None:
+        valued = any(self._known(a) for a in tensors)
+        small = isinstance(out, torch.Tensor) and out.numel() <= CAP
+        if not valued:
+            recipe = self._recipe(func, args, kwargs, tensors) if small and (
+                name in _VALUE_FREE or (tensors and not self._writes(func))) else None
+            if recipe is not None:
+                self._set(out, recipe)
+            else:
+                self._drop_written(func, args)
             return
-        outs = list(out) if isinstance(out, (tuple, list)) else [out]
-        for i, o in enumerate(outs):
-            if isinstance(o, torch.Tensor) and o.numel() <= CAP:
-                self._set(o, recipe if not isinstance(out, (tuple, list)) else _Part(recipe, i))
+        result = self.run_on_cpu(func, args, kwargs, tensors)
+        if result is None:
+            self._drop_written(func, args)
+            return
+        self._attach(out, result)
 
-    def _recipe(self, func: Any, args: tuple, kwargs: dict, tensors: list) -> "_Recipe | None":
-        """``func``'s outputs made on the CPU from its inputs' values or recipes as they are now (a value-free
-        op's inputs, and the first argument an op overwrites, as zeros of their shapes), or None where an
-        input has neither; it holds no device tensor (which would outlive its free)."""
-        name = _name(func)
+    def _recipe(self, func: Any, args: tuple, kwargs: dict, tensors: list) -> Callable[[], Any] | None:
+        """A function making ``func``'s output on the CPU from its inputs' values or recipes as they are now
+        (a value-free op's inputs as zeros of their shapes), or None where an input has neither; it holds
+        no device tensor (which would outlive its free)."""
         inputs: dict[int, Any] = {}
-        for i, t in enumerate(tensors):
+        for t in tensors:
             entry = self._entry(t)
             if entry is not None:
                 inputs[id(t)] = entry[1]
-            elif name in _VALUE_FREE or (name in _OVERWRITE and i == 0 and args and t is args[0]):
+            elif _name(func) in _VALUE_FREE:
                 inputs[id(t)] = (tuple(t.shape), t.dtype)
             else:
                 return None
         slots = {key: _Slot(key) for key in inputs}
         a_t, k_t = _substitute(args, kwargs, slots, self.device_type)
-        first = id(args[0]) if args and isinstance(args[0], torch.Tensor) and self._written(func) else None
-        return _Recipe(func, a_t, k_t, inputs, first)
+
+        def make() -> Any:
+            sub = {}
+            for key, v in inputs.items():
+                sub[key] = v() if callable(v) else (torch.zeros(v[0], dtype=v[1]) if isinstance(v, tuple) else v)
+            return func(*_fill(a_t, sub), **{k: _fill(v, sub) for k, v in k_t.items()})
+        return make
+
+    def _writes(self, func: Any) -> bool:
+        return bool(self._written(func))
 
     def run_on_cpu(self, func: Any, args: tuple, kwargs: dict, tensors: list | None = None) -> Any:
-        """``func`` run now on the CPU values of its device inputs, or None where one has none."""
+        """``func`` run on the CPU values of its device inputs, or None where one has none."""
         if tensors is None:
             tensors = [a for a in _flat(args, kwargs) if isinstance(a, torch.Tensor)
                        and a.device.type == self.device_type]
-        recipe = self._recipe(func, args, kwargs, tensors)
-        return recipe() if recipe is not None else None
+        name = _name(func)
+        sub: dict[int, torch.Tensor] = {}
+        for i, t in enumerate(tensors):
+            v = self.value(t)
+            if v is None:
+                if name in _VALUE_FREE or (name in _OVERWRITE and i == 0 and t is args[0]):
+                    v = torch.zeros(tuple(t.shape), dtype=t.dtype)
+                else:
+                    return None
+            sub[id(t)] = v
+        a, k = _substitute(args, kwargs, sub, self.device_type)
+        try:
+            return func(*a, **k)
+        except Exception:  # noqa: BLE001 - an op the CPU does not run the same way: no value
+            return None
 
     def _attach(self, out: Any, result: Any) -> None:
         if isinstance(out, torch.Tensor) and isinstance(result, torch.Tensor):
@@ -199,6 +217,12 @@ class RoutingValues:
             self._mutable[func] = idx
         return idx
 
+    def _drop_written(self, func: Any, args: tuple) -> None:
+        """The values of every storage ``func`` writes and the CPU did not: no longer known."""
+        for i in self._written(func):
+            if i < len(args) and isinstance(args[i], torch.Tensor):
+                self._drop_storage(args[i])
+
     def sized(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """Outputs of an op that fails without data (``nonzero``, indexing by a boolean mask), sized by the
         op run on the CPU, or None where a value it needs is missing. Inputs without values enter as zeros
@@ -209,7 +233,8 @@ class RoutingValues:
         if not any(self.value(t) is not None for t in tensors):
             return None
         if 0 in self._written(func):
-            self.after(func, args, kwargs, args[0])
+            result = self.run_on_cpu(func, args, kwargs, tensors)
+            self._drop_written(func, args) if result is None else self._attach(args[0], result)
             return args[0]
         sub = {id(t): self.value(t) for t in tensors}
         complete = all(v is not None for v in sub.values())
@@ -224,46 +249,6 @@ class RoutingValues:
         if complete:
             self._attach(out, result)
         return out
-
-
-class _Recipe:
-    """A value made on the CPU when first asked for: ``func`` on its inputs' values as they were when it ran
-    (an op that writes its first argument writes a copy of it), made once."""
-
-    __slots__ = ("func", "args", "kwargs", "inputs", "first", "done", "result")
-
-    def __init__(self, func: Any, args: tuple, kwargs: dict, inputs: dict[int, Any], first: int | None) -> None:
-        self.func, self.args, self.kwargs, self.inputs, self.first = func, args, kwargs, inputs, first
-        self.done, self.result = False, None
-
-    def __call__(self) -> Any:
-        if not self.done:
-            self.done = True
-            sub: dict[int, Any] = {}
-            for key, v in self.inputs.items():
-                v = v() if callable(v) else (torch.zeros(v[0], dtype=v[1]) if isinstance(v, tuple) else v)
-                if v is None:
-                    return None
-                sub[key] = v.clone() if key == self.first else v
-            try:
-                self.result = self.func(*_fill(self.args, sub), **{k: _fill(v, sub) for k, v in self.kwargs.items()})
-            except Exception:  # noqa: BLE001 - an op the CPU does not run the same way: no value
-                self.result = None
-            self.inputs = {}  # (made: what it was made from is no longer needed)
-        return self.result
-
-
-class _Part:
-    """Output ``i`` of a recipe of several outputs (``sort``'s values and indices)."""
-
-    __slots__ = ("recipe", "i")
-
-    def __init__(self, recipe: _Recipe, i: int) -> None:
-        self.recipe, self.i = recipe, i
-
-    def __call__(self) -> Any:
-        r = self.recipe()
-        return r[self.i] if isinstance(r, (tuple, list)) and len(r) > self.i else None
 
 
 class _Slot:
