@@ -130,20 +130,25 @@ def test_adapter_units_release_the_upper_layer_before_the_lower_gather():
     assert _replay_backward_gather(12) == 2 * (100 << 20)
 
 
-def _const_live(S) -> list[float]:
-    """The weight-sized bytes (``NoGradSeq.consts``) alive after each event."""
+def _alive(events: list[str], sizes: list[float]):
+    """The tensors alive (index -> bytes) after each event of a no-grad forward, up to its output ("o"): "t" makes
+    the next of ``sizes``, "f<i>" frees tensor i, an autocast cache entry ("c") is not one of them."""
     live: dict[int, float] = {}
-    made, out = 0, []
-    for e in S.events:
+    made = 0
+    for e in events:
         if e == "o":
             break
         if e == "t":
-            live[made] = S.consts[made]
+            live[made] = sizes[made]
             made += 1
-        else:
+        elif e != "c":
             del live[int(e[1:])]
-        out.append(sum(live.values()))
-    return out
+        yield live
+
+
+def _const_live(S) -> list[float]:
+    """The weight-sized bytes (``NoGradSeq.consts``) alive after each event."""
+    return [sum(live.values()) for live in _alive(S.events, S.consts)]
 
 
 @pytest.mark.parametrize("quant,nested", [((2, 0), False), ((2, 0), True), ((4, 2), True)])
@@ -280,15 +285,7 @@ def test_autocast_layer_casts_inputs_weights_and_sdpa_arguments():
     assert "c" not in plain.events
     assert len(S.sizes) == len(plain.sizes) + 5 + 2                # the input casts, the query and key casts
     assert S.sizes.count(h * F32) == plain.sizes.count(h * F32) + 6  # q and k: q * cos, * sin and the sum
-    live, made = {}, 0
-    for e in S.events:
-        if e == "o":
-            break
-        if e == "t":
-            live[made] = S.sizes[made]
-            made += 1
-        elif e != "c":
-            del live[int(e[1:])]
+    *_, live = _alive(S.events, S.sizes)
     assert sorted(live.values()) == [h * 2, h * F32]             # the MLP's half output, the fp32 residual sum
 
 
