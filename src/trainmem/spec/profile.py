@@ -35,6 +35,10 @@ from ..errors import TrainmemError
 from .model import BufferTensor, ParamTensor
 
 PROFILE_VERSION = 3
+#: model types whose profile changed after PROFILE_VERSION 3, each with its revision: a profile of such a
+#: type that an earlier trainmem wrote into the user cache is built again. DBRX (1): its experts, top-k and
+#: expert width are read from ``ffn_config`` (``_SUB_CONFIGS``), where profiles before said it had none
+TYPE_REVISION = {"dbrx": 1}
 _LAYER_LIST_NAMES = ("layers", "h", "layer", "blocks", "block", "decoder_layers")
 #: the config keys (after transformers resolves its attribute_map) a profile's summary reads
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -109,6 +113,7 @@ class Profile:
                 "layer_kinds": list(self.layer_kinds),
                 "buffers": [[b.name, list(b.shape), b.dtype] for b in self.buffers],
                 "transformers_version": self.transformers_version,
+                **({"revision": TYPE_REVISION[self.model_type]} if self.model_type in TYPE_REVISION else {}),
                 **({"stacks": [list(x) for x in self.stacks]} if self.stacks else {})}
 
     @staticmethod
@@ -169,10 +174,35 @@ def write_cached(kind: str, key: str, doc: Mapping[str, Any]) -> None:
         pass
 
 
+@lru_cache(maxsize=1)
+def _installed_transformers() -> str | None:
+    """The installed transformers release (its distribution metadata; transformers is not imported), or None."""
+    from importlib import metadata
+    try:
+        return metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _current(doc: Mapping[str, Any] | None, shipped: bool) -> bool:
+    """Whether a stored profile is the one this trainmem would build now: the same ``PROFILE_VERSION`` and
+    model-type revision (``TYPE_REVISION``), and, for one in the user cache, built by the installed
+    transformers (a release's model classes may name, shape or fuse their parameters differently: transformers
+    5 stacks MoE experts into 3-D tensors). A shipped profile (the catalogue's, built under the pinned
+    transformers) stands whatever is installed: it is what lets trainmem run without transformers."""
+    if doc is None or doc.get("version") != PROFILE_VERSION:
+        return False
+    if doc.get("revision", 0) != TYPE_REVISION.get(str(doc.get("model_type")), 0):
+        return False
+    installed = None if shipped else _installed_transformers()
+    return installed is None or doc.get("transformers_version", "") in ("", installed)
+
+
 @lru_cache(maxsize=256)
 def _profile_for(key: str, config_json: str) -> Profile:
-    doc = read_cached("profiles", key)
-    if doc is not None and doc.get("version") == PROFILE_VERSION:
+    text = _shipped("profiles", key)
+    doc = json.loads(text) if text is not None else read_cached("profiles", key)
+    if _current(doc, shipped=text is not None):
         return Profile.from_json(doc)
     prof = build_profile(json.loads(config_json))
     write_cached("profiles", key, prof.to_json())
