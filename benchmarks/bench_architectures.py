@@ -67,6 +67,11 @@ OVERRIDES: dict[str, dict] = {
     "mamba2": {"head_dim": 32, "n_groups": 1},  # num_heads x head_dim = expand x hidden
     "hunyuan_v1_dense": {"head_dim": 16}, "hunyuan_v1_moe": {"head_dim": 16},  # default None breaks the build
     "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},  # defaults None
+    # FalconH1Config's default mamba_d_ssm 1024 is no size-named field: it must equal mamba_n_heads x mamba_d_head
+    # (8 x 16; transformers 5.24 ``models/falcon_h1/configuration_falcon_h1.py`` ``validate_architecture`` L122-130)
+    "falcon_h1": {"mamba_d_ssm": 128},
+    # ZayaConfig accepts one expert per token only (``models/zaya/configuration_zaya.py`` L123-124)
+    "zaya": {"num_experts_per_tok": 1},
 }
 #: per-type fields set last, after the shrinking (which would undo them): the fields the real hub configs give and
 #: transformers 5.24's defaults lack (spec.profile._TRANSFORMERS_BUGS), and sizes that must add up
@@ -93,6 +98,38 @@ FINAL: dict[str, dict] = {
     "gemma3n_text": {"num_hidden_layers": 20, "intermediate_size": 128, "num_kv_shared_layers": 10,
                      "layer_types": (["sliding_attention"] * 4 + ["full_attention"]) * 4,
                      "activation_sparsity_pattern": [0.95] * 10 + [0.0] * 10},
+    # ZambaModel ties the shared attention block of every hybrid layer to the first one's; with one hybrid layer the
+    # tie has no target and the build fails (transformers 5.24 ``models/zamba/modeling_zamba.py`` L854-862, the
+    # check in ``modeling_utils.py`` ``get_expanded_tied_weights_keys``): Zyphra/Zamba-7B-v1 has 13 of 76; two here
+    # (and, as for zamba2, the widths ZambaConfig.__post_init__ derives from the hidden size, configuration_zamba.py
+    # L98-99: the shared block reads the hidden state concatenated with the embeddings, 2 x 64)
+    "zamba": {"num_hidden_layers": 5, "attention_hidden_size": 128, "attention_head_dim": 32,
+              "layers_block_type": ["linear_attention", "linear_attention", "hybrid", "linear_attention", "hybrid"]},
+    # ReformerModelWithLMHead asserts ``is_decoder`` (``models/reformer/modeling_reformer.py`` L2153), as
+    # google/reformer-crime-and-punishment's config.json sets it; training needs the axial position shape to multiply
+    # to the sequence (L233-239: 8 x 16 = 128) and its embedding widths to add up to the hidden size (L207-211)
+    "reformer": {"is_decoder": True, "axial_pos_shape": [8, 16], "axial_pos_embds_dim": [16, 48]},
+    # CohereCompassTextConfig's default ``rope_parameters`` is {} and its rotary embedding reads one entry per layer
+    # type (``models/cohere_compass/modeling_cohere_compass.py`` L79-80): CohereLabs/North-Micro-Vision-Instruct's
+    # config gives them; M-RoPE sections of a 16-wide head (8 frequencies)
+    "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0,
+                                                                   "mrope_section": [4, 2, 2]}}},
+}
+#: the QSA indexer every Qwen4-Exp attention layer builds (transformers 5.24 ``models/qwen4_exp/modeling_qwen4_exp.py``
+#: L857, L697-699: ``indexer_budget // indexer_compress_ratio``), whose fields default to None; the values obey
+#: ``Qwen4ExpTextConfig.validate_architecture`` (one key head, budget a multiple of the ratio, index head >= rotary)
+_QSA = {"indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 64, "indexer_budget": 32,
+        "indexer_compress_ratio": 4}
+FINAL["qwen4_exp_text"] = _QSA
+#: per-type fields of the text config of a composite config (``text_config``), set before building it and last
+TEXT: dict[str, dict] = {
+    "qwen4_exp": _QSA,
+    # Gemma4AssistantConfig validates its text config as a drafter's: no per-layer inputs, no MoE block, no double-wide
+    # MLP, every layer reading shared keys and values (``models/gemma4_assistant/configuration_gemma4_assistant.py``
+    # L80-98); the default Gemma4TextConfig it builds has per-layer inputs of 256 and fails it
+    "gemma4_assistant": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0, "enable_moe_block": False,
+                         "use_double_wide_mlp": False, "num_hidden_layers": 2, "num_kv_shared_layers": 2,
+                         "layer_types": ["sliding_attention", "full_attention"]},
 }
 
 
@@ -144,17 +181,21 @@ def tiny_config(model_type: str) -> dict:
     """A tiny config dict of ``model_type`` for its causal-LM class (``architectures``)."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as causal
-    base = AutoConfig.for_model(model_type).to_dict()
+    base = AutoConfig.for_model(model_type, **({"text_config": TEXT[model_type]} if model_type in TEXT else {})).to_dict()
     small = {k: v for k, v in _shrink(base).items() if k in TINY or base.get(k) != _shrink(base).get(k)}
     small.update(OVERRIDES.get(model_type, {}))
+    if model_type in TEXT:
+        small["text_config"] = dict(small.get("text_config") or base["text_config"], **TEXT[model_type])
     try:
-        cfg = _shrink(AutoConfig.for_model(model_type, **small).to_dict())
+        cfg = _shrink(AutoConfig.for_model(model_type, **small).to_dict()) | OVERRIDES.get(model_type, {})
         AutoConfig.for_model(model_type, **{k: v for k, v in cfg.items() if k != "model_type"})
     except Exception:  # per-layer fields tied to the layer count: keep the default layers
         layers = {k for k in small if "layers" in k or k in ("n_layer", "num_layers")}
         keep = {k: v for k, v in small.items() if k not in layers and not isinstance(v, (list, dict))}
         cfg = AutoConfig.for_model(model_type, **keep).to_dict()
     cfg.update(FINAL.get(model_type, {}))
+    if model_type in TEXT:
+        cfg["text_config"] = dict(cfg["text_config"], **TEXT[model_type])
     cfg["architectures"] = [causal[model_type]]
     return cfg
 

@@ -19,6 +19,7 @@ import contextlib
 import importlib.util
 import types
 from dataclasses import replace
+from collections.abc import Mapping
 from typing import Any, Callable, Iterator
 
 import torch
@@ -717,6 +718,21 @@ class TrainStep:
         self.state.clear()
 
 
+def audio_codebooks(config: Mapping[str, Any]) -> int:
+    """The codebooks of audio codes each position of ``config``'s decoder reads (1: text): MusicGen's
+    ``num_codebooks`` (its own config, or the ``decoder`` sub-config of a ``musicgen`` / ``musicgen_melody`` one).
+    ``MusicgenForCausalLM.forward`` takes ``input_ids`` of shape (batch * num_codebooks, seq) and ``labels`` of shape
+    (batch, seq, num_codebooks) (transformers 5.24 ``models/musicgen/modeling_musicgen.py`` L663-712, its
+    docstring), sums one embedding per codebook (``MusicgenDecoder.forward`` L508:
+    ``sum(self.embed_tokens[codebook](input[:, codebook]) for codebook in range(num_codebooks))``) and runs one head and one cross-entropy per codebook
+    (L727-749), as audiocraft's MusicGen solver trains it (``audiocraft/solvers/musicgen.py`` L242-243)."""
+    for c in (config, config.get("decoder") if isinstance(config.get("decoder"), Mapping) else {}):
+        books = c.get("num_codebooks")
+        if isinstance(books, int) and not isinstance(books, bool) and books > 1:
+            return books
+    return 1
+
+
 def model_batch(spec: ModelSpec, t: TrainingSpec, device: Any) -> dict[str, Any]:
     """A random batch of ``t``'s micro-batch for ``spec``'s head, as ``model(**batch)`` takes it:
 
@@ -756,6 +772,10 @@ def model_batch(spec: ModelSpec, t: TrainingSpec, device: Any) -> dict[str, Any]
         if size != spec.image_size:
             out["interpolate_pos_encoding"] = True
         return out
+    books = audio_codebooks(spec.config) if spec.head == "causal-lm" else 1
+    if books > 1:  # MusicGen's decoder: ids (b * codebooks, s), labels (b, s, codebooks) (``audio_codebooks``)
+        return {"input_ids": torch.randint(0, spec.vocab_size, (b * books, s), device=device),
+                "labels": torch.randint(0, spec.vocab_size, (b, s, books), device=device)}
     out = {"input_ids": torch.randint(0, spec.vocab_size, (b, s), device=device)}
     if spec.head == "seq-cls":
         out["labels"] = torch.randint(0, spec.num_labels, (b,), device=device)

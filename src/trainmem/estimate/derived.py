@@ -32,6 +32,7 @@ from ..errors import TrainmemError
 from ..spec.kernel_paths import fused_releases, reference_path_note
 from ..spec.model import ModelSpec
 from ..spec.profile import read_cached, write_cached
+from ..spec.sequence_rules import fixed_sequence
 from ..spec.tf_releases import (DERIVED_TYPES, cache_values_own_dtype, code_release, kv_cache_kind, parse_transformers_version,
                                 sdpa_ignores_softcap)
 from ..spec.training import TrainingSpec, fused_skipped, without_cache
@@ -314,11 +315,22 @@ def point_at(m: ModelSpec, t: TrainingSpec) -> tuple[int, int] | None:
     polynomial fit, a setup the derivation does not cover)."""
     if m.family != "derived" or derived_problems(m, t):
         return None
-    return (t.batch_size, t.seq_len) if padded_scan(m, t) or "not_polynomial" in _lookup(m, t) else None
+    at_point = padded_scan(m, t) or one_sequence(m) or "not_polynomial" in _lookup(m, t)
+    return (t.batch_size, t.seq_len) if at_point else None
+
+
+def one_sequence(m: ModelSpec) -> bool:
+    """Whether ``m`` trains at one sequence length alone (``spec.sequence_rules.fixed_sequence``: Reformer's axial
+    position embeddings), so that no fit over several sequences can be traced: its coefficients are derived at
+    the setup's own point (``point_at``)."""
+    return bool(fixed_sequence(m.model_type, m.config))
 
 
 def point_quantity(m: ModelSpec, t: TrainingSpec) -> str:
     """What ``point_at`` derives at the point for: the quantity whose fit was refused, else the scan's padding."""
+    if one_sequence(m):
+        return (f"Reformer trains at prod(axial_pos_shape) = {fixed_sequence(m.model_type, m.config)} tokens alone, "
+                "so no fit over several sequences can be traced")
     if padded_scan(m, t):
         return (f"Mamba-2 scan pads the sequence to a whole number of its {scan_chunk(m)}-token chunks, "
                 f"and {t.seq_len} is not one")
@@ -328,7 +340,7 @@ def point_quantity(m: ModelSpec, t: TrainingSpec) -> str:
 def _doc(m: ModelSpec, t: TrainingSpec) -> dict[str, Any]:
     """The coefficients of ``m`` under ``t``: the fitted set, else (``point_at``) those at ``t``'s point."""
     # (a padded scan's point needs no fit: the fit's points are whole chunks, and are not traced for it)
-    doc = {} if m.family == "derived" and padded_scan(m, t) else _lookup(m, t)
+    doc = {} if m.family == "derived" and (padded_scan(m, t) or one_sequence(m)) else _lookup(m, t)
     if doc and "not_polynomial" not in doc:
         return doc
     return _at_point(key(m, t), m, _canonical(t, m), regime(m, t), (t.batch_size, t.seq_len))

@@ -285,13 +285,11 @@ def build_profile(config: Mapping[str, Any]) -> Profile:
         raise TrainmemError(f"model_type {mtype!r} ({cls.__name__}): trainmem derives the classes of the tasks "
                             f"{', '.join(TASKS)}; this class is none of them (give --task)")
     own = default_language(config_for_class(cls, cfg))
-    codebooks = getattr(own, "num_codebooks", None)
-    if task == "causal-lm" and isinstance(codebooks, int) and codebooks > 1:
-        # MusicGen's decoder: ``input_ids`` of shape (batch * num_codebooks, seq) and labels (batch, seq,
-        # num_codebooks) (transformers 5.24 models/musicgen/modeling_musicgen.py ``MusicgenForCausalLM.forward``)
-        raise TrainmemError(f"model_type {mtype!r} ({cls.__name__}): its decoder reads {codebooks} codebooks of "
-                            f"audio codes per sample (input_ids of batch x {codebooks} rows); trainmem's step feeds "
-                            f"text (one row per sample) and does not model it")
+    drafter = drafter_inputs(cls)
+    if drafter:
+        raise TrainmemError(f"model_type {mtype!r} ({cls.__name__}): a speculative-decoding drafter whose forward "
+                            f"reads its target model's {drafter} (the target runs first and hands them over), not "
+                            f"input_ids alone; trainmem trains a model on its own tokens and does not model it")
     model = _build_meta(cls, own, mtype)
     # a vision tower's classifier on a composite config (SigLIP's, CLIP's): its sizes are the vision config's
     vision = getattr(cfg, "vision_config", None) if task == "image-classification" else None
@@ -311,6 +309,25 @@ def build_profile(config: Mapping[str, Any]) -> Profile:
     return profile_of_module(model, mtype, cls.__name__, dict(summ, task=task), transformers.__version__, unused)
 
 
+def drafter_inputs(cls: Any) -> str:
+    """The inputs ``cls.forward`` needs from another model ("" for none): Gemma 4's assistants (drafters for
+    speculative decoding) raise without the target model's ``inputs_embeds`` and ``shared_kv_states``, the keys and
+    values every one of their layers reads instead of computing its own (transformers 5.24
+    ``models/gemma4_assistant/modeling_gemma4_assistant.py`` L165-166, ``models/gemma4_unified_assistant``
+    alike)."""
+    import inspect
+    try:
+        params = inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError):
+        return ""
+    return "shared_kv_states and inputs_embeds" if "shared_kv_states" in params else ""
+
+
+_QSA_FIX = ("give the QSA indexer's fields (indexer_n_heads, indexer_kv_heads=1, indexer_head_dim, indexer_budget, "
+            "indexer_compress_ratio) as a Qwen4-Exp checkpoint's config does")
+_COMPASS_FIX = ("give rope_parameters per layer type ({\"full_attention\": {\"rope_type\": \"default\", \"rope_theta\": "
+                "...}}) as CohereLabs/North-Micro-Vision-Instruct's config does")
+
 #: configs transformers 5.24 accepts but its own model class does not build from (its bugs, hit by any
 #: ``from_config``/``from_pretrained`` of such a config), keyed by model type: (whether the built config has the
 #: bug, the fix)
@@ -327,6 +344,19 @@ _TRANSFORMERS_BUGS = {
     # declare (configuration_dbrx.py L28-42): only a config that sets it builds
     "dbrx": (lambda c: getattr(getattr(c, "attn_config", None), "rope_theta", None) is None,
              "give attn_config.rope_theta (DBRX's hub config: 500000)"),
+    # every Qwen4ExpTextAttention builds a QSA indexer (modeling_qwen4_exp.py L857) that divides
+    # ``indexer_budget // indexer_compress_ratio`` (L697-699), fields whose defaults are None (configuration_qwen4_exp.py
+    # L156-160, "setting this enables QSA"): only a config that sets them builds
+    "qwen4_exp_text": (lambda c: getattr(c, "indexer_budget", None) is None, _QSA_FIX),
+    "qwen4_exp": (lambda c: getattr(c, "indexer_budget", None) is None, _QSA_FIX),
+    # CohereCompassTextConfig defaults ``rope_parameters`` to {} (configuration_cohere_compass.py L134) and its rotary
+    # embedding reads one entry per layer type (modeling_cohere_compass.py L79-80)
+    "cohere_compass_text": (lambda c: not set(c.layer_types) <= set(c.rope_parameters or {}), _COMPASS_FIX),
+    "cohere_compass": (lambda c: not set(c.layer_types) <= set(c.rope_parameters or {}), _COMPASS_FIX),
+    # ZambaModel ties each hybrid layer's shared attention block to the first hybrid layer's (modeling_zamba.py
+    # L854-862); with one hybrid layer the tie has no target (modeling_utils.py ``get_expanded_tied_weights_keys``)
+    "zamba": (lambda c: list(c.layers_block_type).count("hybrid") == 1,
+              "give at least two \"hybrid\" layers in layers_block_type (Zyphra/Zamba-7B-v1 has 13 of 76)"),
 }
 
 
@@ -563,7 +593,7 @@ def summary(cfg: Any, labels_only: bool = False) -> dict[str, Any]:
            "ffn_size": int(first("intermediate_size", "ffn_hidden_size", "n_inner", "d_ff", "encoder_ffn_dim",
                                  default=4 * h) or 4 * h),
            "max_positions": _max_positions(first("max_position_embeddings", "n_positions", "max_seq_len",
-                                                 default=2048)),
+                                                 default=2048)) - _POSITION_MARGIN.get(str(cfg.model_type), 0),
            "num_experts": experts,
            "experts_top_k": int(first(*_TOPK_KEYS, default=0) or 0) if experts else 0,
            "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
@@ -640,6 +670,14 @@ def layers_list(model: Any, num_layers: int) -> str:
 
 #: the positions of a model without a sequence length limit (``_max_positions``)
 NO_POSITION_LIMIT = 1 << 31
+
+
+#: positions of the table a model's longest sequence cannot use, by model type: ProphetNet's decoder buffers its
+#: relative buckets for positions 1 .. max_position_embeddings - 1 (transformers 5.24
+#: ``models/prophetnet/modeling_prophetnet.py`` L1274-1289 ``compute_buffered_relative_buckets``: ``torch.arange(1,
+#: self.max_target_positions)``), so a sequence of max_position_embeddings tokens fails its ngram attention's
+#: ``view`` (L803-808)
+_POSITION_MARGIN = {"prophetnet": 1}
 
 
 def _max_positions(value: Any) -> int:

@@ -15,6 +15,7 @@ from .hardware import parse_cublas_workspace_config
 from .kernel_paths import CACHE_IN_TRAINING, MIXER_KERNELS, fused_path_problem
 from .layout import layout_problems, stage_layers
 from .preference import preference_problem
+from .sequence_rules import sequence_problem
 from .releases import (SDPA_ATTENTION, foreach_adam_denom_copy, fsdp2_rs_on_default_stream, math_sdpa_upcasts,
                        parse_torch_version, release_warnings, softmax_saves_input, torch_problems)
 from .tf_releases import parse_transformers_version, reentrant_checkpointing, transformers_problems
@@ -2168,6 +2169,9 @@ def check_against(model: Any, t: TrainingSpec) -> None:
     if model.learned_positions and t.seq_len > model.max_positions and not getattr(model, "is_speech_seq2seq", False):
         raise TrainmemError(f"--seq-len {t.seq_len} exceeds the {model.max_positions} learned positions of "
                             f"{model.name}; use --seq-len <= {model.max_positions}")
+    seq_rule = sequence_problem(model.model_type, model.config, t.seq_len)
+    if seq_rule:
+        raise TrainmemError(seq_rule)
     if model.learned_positions and model.is_encoder_decoder and t.decoder_len > model.max_positions:
         raise TrainmemError(f"--target-len {t.decoder_len} exceeds the {model.max_positions} learned positions of "
                             f"{model.name}'s decoder; use --target-len <= {model.max_positions}")

@@ -547,13 +547,18 @@ def reduced_config(m: ModelSpec) -> tuple[dict[str, Any], list[str], list[str]]:
     full = [f"{k}:{a}" if a else k for k, a in zip(prof.layer_kinds, _layer_types(full_cfg, L))]
     want = set(full)
     dec = m.decoder_layers  # an encoder-decoder: both stacks cut to k layers (k <= the shorter one)
-    for k in range(min(3, L - dec, dec) if dec else min(3, L), (min(L - dec, dec) if dec else L) + 1):
+    top = min(L - dec, dec) if dec else L
+    for k in range(min(3, L - dec, dec) if dec else min(3, L), top + 1):
         cfg = _cut(full_cfg, L, k, dec)
         try:
             small = build_profile(cfg)
         except TrainmemError:
-            if full_cfg.get("num_kv_shared_layers"):
-                continue  # too few layers for a type of every shared layer among the unshared ones (``_cut``)
+            if full_cfg.get("num_kv_shared_layers") or (k < top and _cut_loses_a_type(full_cfg, cfg, L)):
+                # too few layers for a type of every shared layer among the unshared ones (``_cut``), or for
+                # a layer type the config requires (OLMo-Hybrid's attention among its linear-attention layers,
+                # transformers 5.24 models/olmo_hybrid/configuration_olmo_hybrid.py L146-149; Zamba's second
+                # hybrid layer, whose shared block ties to the first one's, models/zamba/modeling_zamba.py L854-862)
+                continue
             raise
         sig_small = {kind: tuple((p.name, p.shape) for p in ts) for kind, ts in small.kinds.items()}
         sig_full = {tuple((p.name, p.shape) for p in ts): kind for kind, ts in prof.kinds.items()}
@@ -565,6 +570,18 @@ def reduced_config(m: ModelSpec) -> tuple[dict[str, Any], list[str], list[str]]:
             break
     raise TrainmemError(f"{m.name}: its layer kinds ({', '.join(sorted(want))}) do not all appear in its first "
                         f"layers; trainmem cannot derive its coefficients (use trace)")
+
+
+def _cut_loses_a_type(full_cfg: dict[str, Any], cfg: dict[str, Any], L: int) -> bool:
+    """Whether the cut config ``cfg`` has fewer layers of some type (``layer_types``, or Zamba's
+    ``layers_block_type``) than the full config ``full_cfg`` (``L`` layers), counted up to two: a type it lacks, or
+    a type whose later layers tie their weights to the first one of it and that the cut keeps once."""
+    for key in ("layer_types", "layers_block_type"):
+        full, cut = full_cfg.get(key), cfg.get(key)
+        if isinstance(full, list) and isinstance(cut, list) and len(full) == L:
+            if any(cut.count(t) < min(2, full.count(t)) for t in set(full)):
+                return True
+    return False
 
 
 #: an encoder-decoder's layer counts: T5's num_layers / num_decoder_layers, BART's encoder_layers /
