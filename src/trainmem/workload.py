@@ -774,8 +774,9 @@ def model_batch(spec: ModelSpec, t: TrainingSpec, device: Any) -> dict[str, Any]
         return out
     books = audio_codebooks(spec.config) if spec.head == "causal-lm" else 1
     if books > 1:  # MusicGen's decoder: ids (b * codebooks, s), labels (b, s, codebooks) (``audio_codebooks``)
-        return {"input_ids": torch.randint(0, spec.vocab_size, (b * books, s), device=device),
-                "labels": torch.randint(0, spec.vocab_size, (b, s, books), device=device)}
+        codes = spec.vocab_size // books  # (the spec's vocabulary is the logits' width: books x codes)
+        return {"input_ids": torch.randint(0, codes, (b * books, s), device=device),
+                "labels": torch.randint(0, codes, (b, s, books), device=device)}
     out = {"input_ids": torch.randint(0, spec.vocab_size, (b, s), device=device)}
     if spec.head == "seq-cls":
         out["labels"] = torch.randint(0, spec.num_labels, (b,), device=device)

@@ -285,11 +285,9 @@ def build_profile(config: Mapping[str, Any]) -> Profile:
         raise TrainmemError(f"model_type {mtype!r} ({cls.__name__}): trainmem derives the classes of the tasks "
                             f"{', '.join(TASKS)}; this class is none of them (give --task)")
     own = default_language(config_for_class(cls, cfg))
-    drafter = drafter_inputs(cls)
-    if drafter:
-        raise TrainmemError(f"model_type {mtype!r} ({cls.__name__}): a speculative-decoding drafter whose forward "
-                            f"reads its target model's {drafter} (the target runs first and hands them over), not "
-                            f"input_ids alone; trainmem trains a model on its own tokens and does not model it")
+    unmodelled = unmodelled_step(mtype, cls)
+    if unmodelled:
+        raise TrainmemError(f"model_type {mtype!r} ({cls.__name__}): {unmodelled}")
     model = _build_meta(cls, own, mtype)
     # a vision tower's classifier on a composite config (SigLIP's, CLIP's): its sizes are the vision config's
     vision = getattr(cfg, "vision_config", None) if task == "image-classification" else None
@@ -309,18 +307,36 @@ def build_profile(config: Mapping[str, Any]) -> Profile:
     return profile_of_module(model, mtype, cls.__name__, dict(summ, task=task), transformers.__version__, unused)
 
 
-def drafter_inputs(cls: Any) -> str:
-    """The inputs ``cls.forward`` needs from another model ("" for none): Gemma 4's assistants (drafters for
-    speculative decoding) raise without the target model's ``inputs_embeds`` and ``shared_kv_states``, the keys and
-    values every one of their layers reads instead of computing its own (transformers 5.24
+#: model types whose training step trainmem does not model, and why: BLT (Byte Latent Transformer) runs its bytes
+#: through a local encoder, a global transformer over patches and a local decoder of different widths, and its
+#: patches' count comes from its entropy model's predictions on the bytes themselves (transformers 5.24
+#: ``models/blt/modeling_blt.py`` ``BltModel.forward`` L1211-1226, ``BltPatcher.patch_lengths_from_entropies``
+#: L933-984), so no config sizes its global sequence
+_UNMODELLED_TYPES = {
+    "blt": "its bytes run through a local encoder, a global transformer and a local decoder of different widths, "
+           "the global one over patches its entropy patcher picks from the data (patching_mode 'entropy'); trainmem "
+           "sizes one stack over the --seq-len tokens and does not model it",
+}
+
+
+def unmodelled_step(mtype: str, cls: Any) -> str:
+    """Why trainmem does not model the training step of ``cls`` ("" when it does): ``_UNMODELLED_TYPES``, and
+    the drafters whose forward needs another model's states: Gemma 4's assistants (for speculative decoding)
+    raise without the target model's ``inputs_embeds`` and ``shared_kv_states``, the keys and values every one
+    of their layers reads instead of computing its own (transformers 5.24
     ``models/gemma4_assistant/modeling_gemma4_assistant.py`` L165-166, ``models/gemma4_unified_assistant``
     alike)."""
     import inspect
+    if mtype in _UNMODELLED_TYPES:
+        return _UNMODELLED_TYPES[mtype]
     try:
         params = inspect.signature(cls.forward).parameters
     except (TypeError, ValueError):
         return ""
-    return "shared_kv_states and inputs_embeds" if "shared_kv_states" in params else ""
+    if "shared_kv_states" not in params:
+        return ""
+    return ("a speculative-decoding drafter: its forward reads its target model's shared_kv_states and "
+            "inputs_embeds, not input_ids; trainmem does not model its training")
 
 
 _QSA_FIX = ("give the QSA indexer's fields (indexer_n_heads, indexer_kv_heads=1, indexer_head_dim, indexer_budget, "
@@ -385,7 +401,11 @@ def shared_layers(config: Mapping[str, Any]) -> str:
     modules for all ``num_hidden_layers`` applications (transformers 5.24
     ``models/albert/modeling_albert.py`` ``AlbertTransformer.forward``: ``group_idx = int(i /
     (num_hidden_layers / num_hidden_groups))``, ``self.albert_layer_groups[group_idx]``), so its layer
-    list has ``num_hidden_groups`` entries, not one per layer."""
+    list has ``num_hidden_groups`` entries, not one per layer; the recurrent-depth models loop a stack
+    of layers (``_looped_layers``)."""
+    looped = _looped_layers(config)
+    if looped:
+        return looped
     groups, layers = config.get("num_hidden_groups"), config.get("num_hidden_layers")
     if config.get("model_type") != "albert" or not isinstance(groups, int) or not isinstance(layers, int):
         return ""
@@ -393,6 +413,26 @@ def shared_layers(config: Mapping[str, Any]) -> str:
         return ""
     return (f"its {layers} layers run the weights of {groups} shared layer group{'s' if groups > 1 else ''} "
             f"(albert_layer_groups, num_hidden_groups={groups})")
+
+
+def _looped_layers(config: Mapping[str, Any]) -> str:
+    """Why a recurrent-depth model's layers run more than once per step ("" for any other): HRM-Text runs its
+    low-level stack ``L_cycles`` times and its high-level stack once in each of ``H_cycles`` cycles
+    (transformers 5.24 ``models/hrm_text/modeling_hrm_text.py`` L486-515, ``L_module`` and ``H_module``: both
+    ``HrmTextStack``s of ``num_layers_per_stack`` layers; the earlier low-level cycles without gradient,
+    ``L_bp_cycles``); Dory runs its ``n_recurrent_layers`` middle layers ``n_recurrent_loops`` times between its
+    input and output layers (``models/dory/modeling_dory.py`` L479-515), defaults as their configs give them
+    (``configuration_hrm_text.py`` L93-94, ``configuration_dory.py`` L81)."""
+    mtype = config.get("model_type")
+    if mtype == "hrm_text":
+        h, l_ = int(config.get("H_cycles", 2)), int(config.get("L_cycles", 3))
+        return (f"its two layer stacks (L_module, H_module) run in {h} high-level cycles of {l_} low-level ones "
+                f"(H_cycles={h}, L_cycles={l_}), each cycle over the same layers' weights")
+    loops = config.get("n_recurrent_loops", 2)
+    if mtype == "dory" and isinstance(loops, int) and loops > 1:
+        return (f"its recurrent middle layers (n_recurrent_layers) run {loops} times (n_recurrent_loops={loops}) "
+                f"over the same weights, between its input and output layers")
+    return ""
 
 
 def config_for_class(cls: Any, cfg: Any) -> Any:
@@ -589,7 +629,7 @@ def summary(cfg: Any, labels_only: bool = False) -> dict[str, Any]:
     out = {"num_layers": layers + decoder, "decoder_layers": decoder, "hidden_size": h,
            "num_heads": heads, "num_kv_heads": int(kv) if kv else heads,
            "head_dim": int(head_dim) if head_dim else (h // heads if h % heads == 0 else None),
-           "vocab_size": int(first("vocab_size", default=labels)),
+           "vocab_size": int(first("vocab_size", default=labels)) * _codebooks(cfg),
            "ffn_size": int(first("intermediate_size", "ffn_hidden_size", "n_inner", "d_ff", "encoder_ffn_dim",
                                  default=4 * h) or 4 * h),
            "max_positions": _max_positions(first("max_position_embeddings", "n_positions", "max_seq_len",
@@ -670,6 +710,16 @@ def layers_list(model: Any, num_layers: int) -> str:
 
 #: the positions of a model without a sequence length limit (``_max_positions``)
 NO_POSITION_LIMIT = 1 << 31
+
+
+def _codebooks(cfg: Any) -> int:
+    """The codebooks each position of ``cfg``'s decoder predicts (1: text), by which its logits per position are
+    wider than its vocabulary: MusicGen's ``num_codebooks`` heads, each (vocab_size, hidden), stacked into logits of
+    (batch, num_codebooks, seq, vocab_size) (transformers 5.24 ``models/musicgen/modeling_musicgen.py`` L727,
+    ``MusicgenForCausalLM.__init__``'s ``lm_heads``), so trainmem sizes its logits and heads by num_codebooks x
+    vocab_size (``workload.audio_codebooks`` feeds its batch)."""
+    books = getattr(cfg, "num_codebooks", None)
+    return books if isinstance(books, int) and not isinstance(books, bool) and books > 1 else 1
 
 
 #: positions of the table a model's longest sequence cannot use, by model type: ProphetNet's decoder buffers its
