@@ -5,7 +5,9 @@
 
 For each ``model_type`` in transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` a tiny config is built
 with ``AutoConfig.for_model`` (``tiny_config``: hidden 64, 2 layers, 4 heads, vocab 1024; every other
-integer field that names a size is shrunk; ``architectures`` names the type's causal-LM class), then
+integer field that names a size is shrunk; per-type fields in ``OVERRIDES``, ``FINAL`` and ``TEXT`` where the
+shrinking breaks a config or transformers' default does not build; ``architectures`` names the type's causal-LM
+class), then
 ``trainmem.estimate`` and ``trainmem.trace`` run on it through the Python API (batch 2, sequence 128,
 bf16-amp; with ``--lora`` also LoRA r8) and the type is classified:
 

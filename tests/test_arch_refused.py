@@ -230,13 +230,13 @@ def test_reformer_sequence_rules():
 
 
 def test_prophetnet_runs_below_its_last_position():
-    """ProphetNet's decoder buffers relative buckets for positions 1 .. max_position_embeddings - 1: its spec allows
-    one position fewer than the table (a 512-token step failed the ngram attention's view); the estimate runs."""
+    """ProphetNet's predicting streams take the position after the main stream's last (its table of 512 rows runs
+    510 tokens: a 512-token derivation point failed the ngram attention's view); the estimate runs."""
     cfg = bench.tiny_config("prophetnet")
     r = trainmem.resolve(cfg, batch_size=2, seq_len=128, precision="bf16-amp")
-    assert r.model.max_positions == cfg["max_position_embeddings"] - 1
-    with pytest.raises(trainmem.TrainmemError, match="--seq-len 512 exceeds the 511 learned positions"):
-        trainmem.estimate(cfg, batch_size=2, seq_len=512, precision="bf16-amp")
+    assert r.model.max_positions == cfg["max_position_embeddings"] - 2 == 510
+    with pytest.raises(trainmem.TrainmemError, match="--seq-len 511 exceeds the 510 learned positions"):
+        trainmem.estimate(cfg, batch_size=2, seq_len=511, precision="bf16-amp")
     # (its relative-bucket tables, max_position_embeddings squared, are a constant the fit places at the head:
     # +1.7 % at 2 x 128, docs/architectures.md)
     assert abs(_pct("prophetnet", batch_size=2, seq_len=128, precision="bf16-amp")) < 2.0

@@ -722,12 +722,14 @@ def _codebooks(cfg: Any) -> int:
     return books if isinstance(books, int) and not isinstance(books, bool) and books > 1 else 1
 
 
-#: positions of the table a model's longest sequence cannot use, by model type: ProphetNet's decoder buffers its
-#: relative buckets for positions 1 .. max_position_embeddings - 1 (transformers 5.24
-#: ``models/prophetnet/modeling_prophetnet.py`` L1274-1289 ``compute_buffered_relative_buckets``: ``torch.arange(1,
-#: self.max_target_positions)``), so a sequence of max_position_embeddings tokens fails its ngram attention's
-#: ``view`` (L803-808)
-_POSITION_MARGIN = {"prophetnet": 1}
+#: positions of the table a model's longest sequence cannot use, by model type: ProphetNet's decoder numbers its
+#: main stream from ``padding_idx`` + 1 (``cumsum(attention_mask) + padding_idx``, transformers 5.24
+#: ``models/prophetnet/modeling_prophetnet.py`` L372-375; ``pad_token_id`` 0 in its configs) and its predicting
+#: streams one further (``self.position_embeddings._forward(position_ids + 1)``, L1160), so a sequence's last
+#: predicting position is seq + 1, which the table of ``max_position_embeddings`` rows holds up to seq =
+#: max_position_embeddings - 2 (a longer one fails the embedding's lookup, or the relative buckets' ``view``,
+#: L1274-1289, L803-808)
+_POSITION_MARGIN = {"prophetnet": 2}
 
 
 def _max_positions(value: Any) -> int:
