@@ -183,7 +183,12 @@ def tiny_config(model_type: str) -> dict:
     """A tiny config dict of ``model_type`` for its causal-LM class (``architectures``)."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as causal
-    base = AutoConfig.for_model(model_type, **({"text_config": TEXT[model_type]} if model_type in TEXT else {})).to_dict()
+    try:
+        base = AutoConfig.for_model(model_type).to_dict()
+    except Exception:  # a default transformers rejects (Gemma 4's assistant's text config): with its TEXT fields
+        if model_type not in TEXT:
+            raise
+        base = AutoConfig.for_model(model_type, text_config=TEXT[model_type]).to_dict()
     small = {k: v for k, v in _shrink(base).items() if k in TINY or base.get(k) != _shrink(base).get(k)}
     small.update(OVERRIDES.get(model_type, {}))
     if model_type in TEXT:
