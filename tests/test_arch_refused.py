@@ -235,6 +235,8 @@ def test_prophetnet_runs_below_its_last_position():
     cfg = bench.tiny_config("prophetnet")
     r = trainmem.resolve(cfg, batch_size=2, seq_len=128, precision="bf16-amp")
     assert r.model.max_positions == cfg["max_position_embeddings"] - 2 == 510
+    from trainmem.spec.profile import TYPE_REVISION
+    assert TYPE_REVISION["prophetnet"] >= 1  # a profile cached with the whole table is built again
     with pytest.raises(trainmem.TrainmemError, match="--seq-len 511 exceeds the 510 learned positions"):
         trainmem.estimate(cfg, batch_size=2, seq_len=511, precision="bf16-amp")
     # (its relative-bucket tables, max_position_embeddings squared, are a constant the fit places at the head:

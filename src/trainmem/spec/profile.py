@@ -37,8 +37,10 @@ from .model import BufferTensor, ParamTensor
 PROFILE_VERSION = 3
 #: model types whose profile changed after PROFILE_VERSION 3, each with its revision: a profile of such a
 #: type that an earlier trainmem wrote into the user cache is built again. DBRX (1): its experts, top-k and
-#: expert width are read from ``ffn_config`` (``_SUB_CONFIGS``), where profiles before said it had none
-TYPE_REVISION = {"dbrx": 1}
+#: expert width are read from ``ffn_config`` (``_SUB_CONFIGS``), where profiles before said it had none.
+#: ProphetNet (1): its ``max_positions`` is two below its table (``_POSITION_MARGIN``). (MusicGen's logits width,
+#: ``_codebooks``, needs none: its profile was refused before, so none is cached.)
+TYPE_REVISION = {"dbrx": 1, "prophetnet": 1}
 _LAYER_LIST_NAMES = ("layers", "h", "layer", "blocks", "block", "decoder_layers")
 #: the config keys (after transformers resolves its attribute_map) a profile's summary reads
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
