@@ -723,9 +723,10 @@ def audio_codebooks(config: Mapping[str, Any]) -> int:
     ``num_codebooks`` (its own config, or the ``decoder`` sub-config of a ``musicgen`` / ``musicgen_melody`` one).
     ``MusicgenForCausalLM.forward`` takes ``input_ids`` of shape (batch * num_codebooks, seq) and ``labels`` of shape
     (batch, seq, num_codebooks) (transformers 5.24 ``models/musicgen/modeling_musicgen.py`` L663-712, its
-    docstring), sums one embedding per codebook (``MusicgenDecoder.forward`` L508:
-    ``sum(self.embed_tokens[codebook](input[:, codebook]) for codebook in range(num_codebooks))``) and runs one head and one cross-entropy per codebook
-    (L727-749), as audiocraft's MusicGen solver trains it (``audiocraft/solvers/musicgen.py`` L242-243)."""
+    docstring), sums one embedding per codebook (``MusicgenDecoder.forward`` L508: ``sum(self.embed_tokens[codebook]
+    (input[:, codebook]) for codebook in range(num_codebooks))``) and runs one head and one cross-entropy per codebook
+    (L727-749), as audiocraft's MusicGen solver trains it (facebookresearch/audiocraft 69fea8b
+    ``audiocraft/solvers/musicgen.py`` L242-243, which transformers' comment there cites)."""
     for c in (config, config.get("decoder") if isinstance(config.get("decoder"), Mapping) else {}):
         books = c.get("num_codebooks")
         if isinstance(books, int) and not isinstance(books, bool) and books > 1:
@@ -748,6 +749,8 @@ def model_batch(spec: ModelSpec, t: TrainingSpec, device: Any) -> dict[str, Any]
       labels; ``interpolate_pos_encoding`` when N is not the config's image size (ViT refuses
       another size without it);
     * a vision-language model: ``spec.vision.image_batch``.
+    * MusicGen's decoder (``audio_codebooks``): ``input_ids`` (b * num_codebooks, seq_len) and ``labels``
+      (b, seq_len, num_codebooks), codes below its per-codebook vocabulary.
     * speech seq2seq (Whisper): ``input_features`` (b, num_mel_bins, 2 * max_source_positions), the
       log-mel frames ``WhisperFeatureExtractor`` pads every clip to (30 s, 3000 frames), in the weights'
       dtype (fp32 under autocast: the HF Whisper fine-tuning recipe's collator returns the extractor's
