@@ -94,3 +94,34 @@ def test_held_fp32_logits_cost_one_logits_segment(monkeypatch, one_torch_thread,
                 - trainmem.estimate(SMALL, transformers_version="4.37.2", **dropped).peak_reserved)
     assert traced == segment
     assert abs(replayed - segment) <= 2 * 2**20
+
+
+# a wider 2-layer Llama for FSDP1: its top layer's flat parameter (24.5 MiB gathered) is 5 % of the peak
+WIDE = dict(SMALL, hidden_size=1024, intermediate_size=2816, num_attention_heads=16, num_key_value_heads=16)
+# fsdp_qlora's wrap (train.py 50efa1e): FSDP1 full shard over 2 ranks, each adapter a unit of its own,
+# torch's checkpoint wrapper inside each layer's unit (no quantization: trace refuses it under FSDP)
+FSDP1 = dict(ANSWERAI, dp=2, fsdp="full", fsdp_version=1, fsdp_lora_units="separate", checkpoint_wrapper=True,
+             hold_output="backward")
+
+
+def test_fsdp1_top_layer_prefetched_before_the_models_own_loss_backward(monkeypatch, one_torch_thread):
+    """FSDP1's root pre-backward hook sits on every tensor the root returns, the model's own loss among
+    them, so it fires before ``nll_loss_backward`` and its ``BACKWARD_PRE`` prefetch gathers the top
+    layer's flat parameter through the loss's backward (trace: live at ``LogSoftmaxBackward0``). The
+    replay made that prefetch after the loss's backward, where its block was cached on the unshard
+    stream: the reserved estimate counted it twice, once in the allocated peak (the moments'
+    ``fsdp_loss_buf``) and once as cache: +3.8 % against trace here before, -1.1 % after (Llama-2-7B
+    LoRA b10 s2048, 32 layers: 28.27 GiB before, 27.89 after, trace 27.89)."""
+    kw = dict(BASE, **FSDP1)
+    model = dict(WIDE)
+    from transformers.models.llama import modeling_llama
+    with monkeypatch.context() as m:
+        m.setattr(modeling_llama.LlamaForCausalLM, "forward", _release_forward)
+        t = trace(model, **kw)
+    top = 1024 * (4 * 1024 + 3 * 2816) * 2 + 2 * 1024 * 2       # the layer unit's bf16 weights and norms
+    gathered = [r for r in t.extra["largest_tensors"] if r["category"] == "communication" and r["phase"] == "backward"]
+    assert [r["bytes"] for r in gathered] == [top]             # the prefetched top layer, live at the peak
+    e = trainmem.estimate(model, transformers_version="4.37.2", **kw)
+    assert e.peak_allocated == pytest.approx(t.peak_allocated, rel=0.005)
+    assert e.peak_reserved == pytest.approx(t.peak_reserved, rel=0.02)
+
