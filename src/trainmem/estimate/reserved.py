@@ -924,13 +924,21 @@ def _loss_gradient(R: _Replay, q: Quantities, tk: Tokens, f: _Forward, n: int, n
     is the loss's, before ``nll_loss_backward``, so the top layer's flat parameter is gathered through
     the loss's backward (``q.fsdp_loss_buf``, ``quantities.fsdp1_prefetch_after_loss``, as the
     moments count it); with the loop's ``cross_entropy`` on the returned logits, at the logits'
-    gradient, after it. Found by trace: Llama-2-7B FSDP1 full shard dp 2, LoRA r64, b10 s2048,
-    transformers 4.37.2's loss, the top layer's 0.38 GiB flat parameter live at
-    ``LogSoftmaxBackward0`` in trace, not in the replay (docs/validation.md, nineteenth session)."""
+    gradient, after it. FSDP2's root (one unit with the head, its forward's outputs hooked the same
+    way: torch 2.13 ``_fully_shard/_fsdp_state.py`` ``_register_pre_backward_hook``, ``_pre_backward``
+    L381-392) runs ``FSDPParamGroup.pre_backward`` (``_fsdp_param_group.py`` L576-585), whose
+    ``_backward_prefetch`` issues the top layer's all-gather: its flat output is alive through the
+    loss's backward and copied out at the layer's own pre-backward (``_Fsdp.unshard_backward``). Not
+    under torchtitan's split root (``q.fsdp_head_pref``: the head unit's hook, at the logits'
+    gradient). Found by trace: Llama-2-7B FSDP1 full shard dp 2, LoRA r64, b10 s2048, transformers
+    4.37.2's loss, the top layer's 0.38 GiB flat parameter live at ``LogSoftmaxBackward0`` in trace,
+    not in the replay; FSDP2 on a 2-layer Llama the same (docs/validation.md, nineteenth session)."""
     st = q.detail.states
-    early = q.fsdp_loss_buf > 0 and not f.fs.v2                   # FSDP1, the model's own loss
-    if early:
-        f.fs.root_pre_backward(R, q.fsdp_layer_buf)               # the top layer prefetched first
+    early = q.fsdp_loss_buf > 0 and not q.fsdp_head_pref          # the model's own loss, one root unit
+    if early and f.fs.v2 and f.fs.prefetched is None:             # FSDP2: the top layer's all-gather output
+        f.fs.prefetched = R.alloc(q.fsdp_layer_buf, f.fs.streams[0])
+    elif early:
+        f.fs.root_pre_backward(R, q.fsdp_layer_buf)               # FSDP1: the top layer prefetched first
     dlogits = _loss_backward(R, q, tk, f, n, nsq) if head else []
     if _root_resharded(q, f.fs) and q.fsdp_root_regather:         # ... the logits (a loss outside the model)
         f.root = f.fs.unshard(R, q.fsdp_root, st.root_tensors, backward=True)
