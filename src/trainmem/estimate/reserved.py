@@ -26,7 +26,9 @@ runs it through the same simulator as ``trace`` (``trainmem.allocator.CachingAll
   autocast: half gradient, copy freed, fp32 ``.grad``), the layer's other gradients, FSDP's
   unsharded gradients; the embeddings' gradients (a tied one: its own part and the sum);
 * FSDP1: each gathered flat parameter freed pending until the GPU passes its free, as far behind as
-  FSDP1's rate limiter lets the GPU be (``_Fsdp1Lag``), and the backward prefetch of the layer below;
+  FSDP1's rate limiter lets the GPU be (``_Fsdp1Lag``), and the backward prefetch of the layer below
+  (the top layer's by the root's pre-backward hook, before the model's own loss's backward:
+  ``_loss_gradient``);
   FSDP2 before PyTorch 2.5: each reduce-scatter input on the reduce-scatter stream, freed when the
   reduce returns (``_Fsdp.reduce``);
 * DeepSpeed ZeRO-3: where the coordinator's replay applies (``quantities.deepspeed_gather_events``),
@@ -845,10 +847,7 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
         f.root = f.fs.unshard(R, q.fsdp_root, st.root_tensors, backward=True)
     if isinstance(f.z3, _Zero3Replay):                            # ZeRO-3: backward's first modules' fetches
         f.z3.backward_start(R)
-    dlogits = _loss_backward(R, q, tk, f, n, nsq) if head else []
-    if _root_resharded(q, f.fs) and q.fsdp_root_regather:         # ... the logits (a loss outside the model)
-        f.root = f.fs.unshard(R, q.fsdp_root, st.root_tensors, backward=True)
-    f.fs.root_pre_backward(R, q.fsdp_layer_buf)                  # FSDP1: the top layer prefetched
+    dlogits = _loss_gradient(R, q, tk, f, n, nsq, head)
     if q.fsdp_head_pref:                                          # split root: the head's pre-backward
         f.fs.prefetched = R.alloc(q.fsdp_head_pref, f.fs.streams[0])  # prefetches the top layer
     head_full, tied = _head_backward(R, s, q, flags, f, dlogits) if head else (None, None)
@@ -911,6 +910,41 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
         s.held = f.out                                            # forward (moments.pipeline_output)
     elif flags.hold == "backward" or flags.pipe_out:
         R.frees(f.out)
+
+
+def _loss_gradient(R: _Replay, q: Quantities, tk: Tokens, f: _Forward, n: int, nsq: int, head: bool) -> list:
+    """The loss's backward (``head``; a pipeline stage without the head has none) and the root's
+    pre-backward hook, in the order they run. FSDP2 with its root resharded after forward gathers it
+    again at the logits' gradient when the loop computes the loss (``q.fsdp_root_regather``). FSDP1's
+    root pre-backward hook (torch 2.13 ``fsdp/_runtime_utils.py``: ``_register_pre_backward_hooks``
+    puts it on every tensor the root's forward returns; ``_pre_backward_hook`` L630-697 runs once per
+    handle and, ``BackwardPrefetch.BACKWARD_PRE``, ``_prefetch_handle`` L1208-1235 unshards the top
+    layer; the same hook in the 2.x releases) fires at the first
+    of those gradients: with the model's own loss among the outputs (transformers' ``labels=``) that
+    is the loss's, before ``nll_loss_backward``, so the top layer's flat parameter is gathered through
+    the loss's backward (``q.fsdp_loss_buf``, ``quantities.fsdp1_prefetch_after_loss``, as the
+    moments count it); with the loop's ``cross_entropy`` on the returned logits, at the logits'
+    gradient, after it. FSDP2's root (one unit with the head, its forward's outputs hooked the same
+    way: torch 2.13 ``_fully_shard/_fsdp_state.py`` ``_register_pre_backward_hook``, ``_pre_backward``
+    L381-392) runs ``FSDPParamGroup.pre_backward`` (``_fsdp_param_group.py`` L576-585), whose
+    ``_backward_prefetch`` issues the top layer's all-gather: its flat output is alive through the
+    loss's backward and copied out at the layer's own pre-backward (``_Fsdp.unshard_backward``). Not
+    under torchtitan's split root (``q.fsdp_head_pref``: the head unit's hook, at the logits'
+    gradient). Found by trace: Llama-2-7B FSDP1 full shard dp 2, LoRA r64, b10 s2048, transformers
+    4.37.2's loss, the top layer's 0.38 GiB flat parameter live at ``LogSoftmaxBackward0`` in trace,
+    not in the replay; FSDP2 on a 2-layer Llama the same (docs/validation.md, nineteenth session)."""
+    st = q.detail.states
+    early = q.fsdp_loss_buf > 0 and not q.fsdp_head_pref          # the model's own loss, one root unit
+    if early and f.fs.v2 and f.fs.prefetched is None:             # FSDP2: the top layer's all-gather output
+        f.fs.prefetched = R.alloc(q.fsdp_layer_buf, f.fs.streams[0])
+    elif early:
+        f.fs.root_pre_backward(R, q.fsdp_layer_buf)               # FSDP1: the top layer prefetched first
+    dlogits = _loss_backward(R, q, tk, f, n, nsq) if head else []
+    if _root_resharded(q, f.fs) and q.fsdp_root_regather:         # ... the logits (a loss outside the model)
+        f.root = f.fs.unshard(R, q.fsdp_root, st.root_tensors, backward=True)
+    if not early:
+        f.fs.root_pre_backward(R, q.fsdp_layer_buf)               # FSDP1: the top layer prefetched
+    return dlogits
 
 
 def _loss_backward(R: _Replay, q: Quantities, tk: Tokens, f: _Forward, n: int, nsq: int) -> list:
