@@ -2223,22 +2223,24 @@ def deepspeed_gather_zones(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[i
         return None
     from .zero3_replay import gathered_zones
     bucket = t.ds_reduce_bucket if (st.trainable > 0 and not _partial_layout(m, t, st)) else 0      # the reductions' cats with every parameter trainable
-    return gathered_zones(*args, t.recompute == "full", t.ds_reuse_distance, t.ds_prefetch,
+    params, head, tied, leaves = args
+    return gathered_zones(params, head, tied, t.recompute == "full", t.ds_reuse_distance, t.ds_prefetch,
                           DS_MAX_LIVE, deepspeed_linear_kept(m, t) > 0, bucket, t.weight_bytes,
-                          bool(t.expandable_segments))
+                          bool(t.expandable_segments), leaves)
 
 
 def _gather_order_args(m: ModelSpec, t: TrainingSpec) -> tuple | None:
     """``zero3_replay.module_order``'s inputs from the spec: each parameter (name, whole elements on this
-    rank, layer), the untied head's module or the tied table's index; None where the replay does not
-    apply (``deepspeed_gather_zones``)."""
+    rank, layer), the untied head's module or the tied table's index, the ZeRO-3 leaf modules' paths
+    (``_z3_leaves``); None where the replay does not apply (``deepspeed_gather_zones``)."""
     if not (deepspeed_zero(t) and t.zero == 3 and t.shard_group > 1) or not is_lm(m) or t.pp > 1:
         return None
     if t.recompute not in ("none", "full"):
         return None
     tensors = m.parameter_tensors()
-    if any(p.role in ("expert", "router") for p in tensors):
-        return None   # MoE: the experts a step calls vary, and so does the recorded order (trace invalidated)
+    leaves = _z3_leaves(m, t)
+    if leaves is None:
+        return None   # experts as modules skipped when no token routes to them: the recorded order varies
     params = tuple((p.name, -(-p.numel // t.tp), p.layer) for p in tensors)   # (name, whole elements, layer)
     last = tensors[-1] if tensors else None                # an untied head: the last tensor, outside the layers
     untied = not m.tied_embeddings and last is not None and last.layer is None and last.role == "linear"
@@ -2246,7 +2248,37 @@ def _gather_order_args(m: ModelSpec, t: TrainingSpec) -> tuple | None:
     tied = None if untied else next((i for i, p in enumerate(tensors) if p.role == "embedding"), None)
     if head is None and tied is None:
         return None
-    return params, head, tied
+    return params, head, tied, leaves
+
+
+#: DeepSpeed's default ZeRO-3 leaf modules (``zero_optimization.leaf_module.classes``), by transformers
+#: model type: ``runtime/zero/leaf_module_config.py`` ``DEFAULT_LEAF_MODULE_CLASSES`` (v0.19.8 L11-15;
+#: added in v0.18.0, #7604 "Improve leaf module interface", 7d9a2f2), applied to every model the engine
+#: wraps (``engine.py`` ``_configure_distributed_model`` L2076 ``apply_zero_leaf_module_config``)
+DS_DEFAULT_LEAF_TYPES = {"mixtral": "MixtralSparseMoeBlock", "qwen2_moe": "Qwen2MoeSparseMoeBlock",
+                         "qwen3_moe": "Qwen3MoeSparseMoeBlock"}
+
+
+def _z3_leaves(m: ModelSpec, t: TrainingSpec) -> tuple[str, ...] | None:
+    """The module paths ZeRO-3 fetches as leaf modules (one fetch of every parameter under them, no
+    hooks below: ``zero3_replay._path``), () for none; None where the recorded module order varies step
+    to step. A mixture-of-experts block (the module holding ``experts``) is a leaf under DeepSpeed
+    >= 0.18.0 for the model types it lists by default (``DS_DEFAULT_LEAF_TYPES``). Elsewhere its router
+    and experts are fetched as modules of their own, each in every step: transformers >= 5 holds a
+    layer's experts as fused 3-D parameters of one module that the block always calls (5.24
+    ``modeling_mixtral.py`` ``MixtralExperts`` L56-93, ``MixtralSparseMoeBlock.forward`` L122-131), so the
+    order is the same each step. Before 5, each expert is a module of its own that the block calls only
+    when a token routes to it (4.x ``MixtralSparseMoeBlock.forward``: ``expert_hitted =
+    torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()``, ``for expert_idx in expert_hitted:
+    expert_layer = self.experts[expert_idx]``): the order changes, and DeepSpeed drops its trace
+    (v0.19.8 ``partitioned_param_coordinator.py`` ``trace_prologue`` L202-219, ``_invalidate_trace``): None."""
+    experts = [p.name for p in m.parameter_tensors() if p.role == "expert"]
+    if not experts:
+        return ()
+    if t.deepspeed_release() >= (0, 18, 0) and m.model_type in DS_DEFAULT_LEAF_TYPES:
+        return tuple(dict.fromkeys(n.rsplit(".experts.", 1)[0] for n in experts if ".experts." in n))
+    tf = t.transformers_release
+    return () if tf is None or tf >= (5,) else None
 
 
 def deepspeed_gather_events(m: ModelSpec, t: TrainingSpec, st: States) -> tuple:
@@ -2260,7 +2292,9 @@ def deepspeed_gather_events(m: ModelSpec, t: TrainingSpec, st: States) -> tuple:
         return ()
     from .zero3_replay import gather_events
     bucket = t.ds_reduce_bucket if (st.trainable > 0 and not _partial_layout(m, t, st)) else 0   # with every parameter trainable
-    return gather_events(*args, t.recompute == "full", t.ds_reuse_distance, t.ds_prefetch, DS_MAX_LIVE, bucket)
+    params, head, tied, leaves = args
+    return gather_events(params, head, tied, t.recompute == "full", t.ds_reuse_distance, t.ds_prefetch,
+                         DS_MAX_LIVE, bucket, leaves)
 
 
 def deepspeed_linear_wrap(t: TrainingSpec) -> bool:

@@ -41,6 +41,7 @@ from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field
 from functools import lru_cache
+from itertools import permutations
 from typing import Callable
 
 from ..allocator_rules import block_bytes
@@ -70,6 +71,8 @@ class Moment:
     kept: int = 0              # layers' weights as their forward gathered them, released since and not yet
     #                            back-propagated: under torch's ``F.linear`` autograd's saved views still hold them
     own_kept: int = 0          # of ``kept``: this use's own parameters (freed once its backward has run)
+    waits: int = 0             # the most storage held during the fetch's waits (``_wait_order``), where above
+    #                            ``gathered``: one group's members built while another's flat output is alive
 
 
 @dataclass
@@ -88,6 +91,7 @@ class _State:
     occurs: dict = field(default_factory=dict)          # parameter -> the indices of the uses holding it
     log: list = field(default_factory=list)             # storage events (``events``): (+1, key, elements) / (-1, key, 0)
     marks: list = field(default_factory=list)           # the log's length at each use's fetch
+    waits: int = 0                                      # the most storage held during the last fetch's waits
 
 
 def _gather(s: _State, params: list[int]) -> None:
@@ -152,13 +156,59 @@ def _prefetch(s: _State, queue: deque, bucket: int, max_live: int) -> None:
     _gather(s, chosen)
 
 
+def _rise(s: _State, order) -> int:
+    """The most storage (``size`` units) the waits on ``order`` (parameters in flight) add to what is
+    held before them: a coalesced group's members built at its first wait, its flat output freed at
+    the wait on its last member in the registry (``_wait``)."""
+    built: set = set()
+    left: dict = {}
+    rise = top = 0
+    for p in order:
+        gid = s.group[p]
+        members, flat, pending = s.groups[gid]
+        if not flat:
+            continue                                     # gathered alone into its own buffer: counted
+        if gid not in built:
+            built.add(gid)
+            rise += sum(s.size(s.numels[q]) for q in members if s.status[q] == 1)
+            top = max(top, rise)
+        rest = left.setdefault(gid, set(pending))
+        rest.discard(p)
+        if not rest:
+            rise -= s.size(flat)
+    return top
+
+
+def _wait_order(s: _State, own: list[int]) -> tuple[list[int], int]:
+    """The fetch's waits and the most storage they add (``_rise``). DeepSpeed waits on the module's
+    parameters in the order of a Python ``set`` of them (v0.19.8 ``partitioned_param_coordinator.py``
+    L364 ``params_to_fetch = set(iter_params(...))``, L391 ``for param in params_to_fetch``; v0.14.2
+    L276 a ``frozenset``, L297): CPython hashes an object by its address, so the order is any from run to run
+    (trace, the real engine on fake tensors, reached 440 and 340 MiB gathered at the same fetch in two
+    runs: a small Mixtral's MoE block waiting on its experts' ``down_proj``, in a new group, before or
+    after ``gate_up_proj``, the last member of an older one). Where the module's parameters in flight
+    belong to several groups, the order that reaches the most (up to 6 of them; else ``ds_id``
+    order), the first in ``ds_id`` order of those that reach it."""
+    waiting = [p for p in sorted(set(own)) if p in s.groups[s.group[p]][2]]
+    best, top = waiting, _rise(s, waiting)
+    if 1 < len({s.group[p] for p in waiting}) and len(waiting) <= 6:
+        for order in permutations(waiting):
+            rise = _rise(s, order)
+            if rise > top:
+                best, top = list(order), rise
+    return best, top
+
+
 def _fetch(s: _State, uses: tuple[Use, ...], i: int, queue: deque, bucket: int, max_live: int) -> None:
-    """``fetch_sub_module`` at step ``i`` of a complete trace."""
+    """``fetch_sub_module`` at step ``i`` of a complete trace; ``s.waits``: the most storage held
+    during its waits (``_wait_order``), 0 where they add nothing."""
     own = list(uses[i].params)
     _gather(s, own)
+    order, rise = _wait_order(s, own)
+    s.waits = _storage(s)[0] + rise if rise else 0
+    for p in order:                                     # in ``__inflight_param_registry``
+        _wait(s, p)
     for p in own:
-        if p in s.groups[s.group[p]][2]:                # in ``__inflight_param_registry``
-            _wait(s, p)
         if uses[i].forward and uses[i].layer is not None:
             s.fresh.add(p)                              # a layer's weight as its forward used it
             s.used.add(p)
@@ -199,7 +249,7 @@ def replay(uses: tuple[Use, ...], numels: tuple[int, ...], dist: int, bucket: in
     s = _State(numels, size, [0] * len(numels))
     out = []
     for i, use in _run(s, uses, dist, bucket, max_live):
-        out.append(Moment(use, *_storage(s), s.n_available, _kept(s, s.used), _kept(s, use.params)))
+        out.append(Moment(use, *_storage(s), s.n_available, _kept(s, s.used), _kept(s, use.params), s.waits))
     return out
 
 
@@ -245,30 +295,43 @@ def events(uses: tuple[Use, ...], numels: tuple[int, ...], dist: int, bucket: in
 
 @lru_cache(maxsize=64)
 def gather_events(params: tuple[tuple[str, int, int | None], ...], head: str | None, tied_head: int | None,
-                  recompute: bool, dist: int, bucket: int, max_live: int, reduce_bucket: int = 0) -> tuple:
+                  recompute: bool, dist: int, bucket: int, max_live: int, reduce_bucket: int = 0,
+                  leaves: tuple[str, ...] = ()) -> tuple:
     """The recorded order's uses, each as (forward, layer, whether it has parameters of its own, its
     fetch's ``events``, its release's, the elements of the gradient bucket's flat ``cat`` its backward's
     gradient hook makes, ``reduce_cats``, 0 for none), for the run's first step (no prefetch, each
     module's parameters released after it) and for the steps after it (the reductions are the same in
     both); arguments as ``gathered_zones``'s."""
-    uses, numels = module_order(list(params), head, tied_head, recompute)
+    uses, numels = module_order(list(params), head, tied_head, recompute, leaves)
     cats = reduce_cats(uses, numels, reduce_bucket)
     return tuple(tuple((u.forward, u.layer, bool(u.params), *ev, cats.get(i, 0))
                        for i, (u, ev) in enumerate(zip(uses, events(uses, numels, d, b, max_live))))
                  for d, b in ((0, 0), (dist, bucket)))
 
 
-def _call_key(name: str) -> int:
+def _call_key(name: str) -> tuple[int, int]:
     """A layer's modules in the order its forward calls them: the norm before attention, attention,
-    the norm after it, the MLP (registration order, e.g. Llama's, lists the norms last)."""
-    return (0 if ("input_layernorm" in name or ".ln_1." in name) else 1 if "attn" in name else
+    the norm after it, the MLP (registration order, e.g. Llama's, lists the norms last); in a
+    mixture-of-experts block the router (``mlp.gate``) before the experts, which its routing feeds
+    (transformers 5.24 ``Qwen3MoeSparseMoeBlock`` registers ``experts`` first, ``modeling_qwen3_moe.py``
+    L274-281, and calls ``self.gate`` first)."""
+    part = (0 if ("input_layernorm" in name or ".ln_1." in name) else 1 if "attn" in name else
             2 if ("post_attention" in name or ".ln_2." in name) else 3)
+    return part, 0 if name.endswith(".gate.weight") else 1
 
 
-def _path(name: str, head: str | None) -> list[str]:
+def _path(name: str, head: str | None, leaves: tuple[str, ...] = ()) -> list[str]:
     """The modules from the root to a parameter's own: the root (the task model, e.g.
-    ``LlamaForCausalLM``), then the LM head, or the base model and the parameter's module path."""
+    ``LlamaForCausalLM``), then the LM head, or the base model and the parameter's module path, cut
+    at a ZeRO-3 leaf module among ``leaves`` (module paths): a leaf's submodules get no hooks, its
+    own fetch gathers every parameter under it (DeepSpeed v0.19.8 ``parameter_offload.py``
+    ``_register_deepspeed_module`` L350-356; ``partitioned_param_coordinator.py`` L364
+    ``iter_params(recurse=is_leaf)``)."""
     parts = name.split(".")[:-1]
+    for k in range(len(parts)):
+        if ".".join(parts[:k + 1]) in leaves:
+            parts = parts[:k + 1]
+            break
     return ["<root>", "<head>"] if ".".join(parts) == head else ["<root>", "<base>"] + parts
 
 
@@ -276,12 +339,12 @@ def _key(path: list[str]) -> str:
     return ".".join(path)
 
 
-def _tree(names: list[str], head: str | None) -> dict:
+def _tree(names: list[str], head: str | None, leaves: tuple[str, ...] = ()) -> dict:
     """The module tree of ``names`` in call order: every module path and the containers above it
     (a ``ModuleList``, the prefix before an index, is never called)."""
     root: dict = {}
     for name in names:
-        path, node = _path(name, head), root
+        path, node = _path(name, head, leaves), root
         for k in range(len(path)):
             if k + 1 < len(path) and path[k + 1].isdigit():
                 continue
@@ -315,7 +378,7 @@ def _walk(tree: dict, pre: list[str], post: list[str]) -> None:
 
 
 def module_order(params: list[tuple[str, int, int | None]], head: str | None, tied_head: int | None,
-                 recompute: bool) -> tuple[tuple[Use, ...], tuple[int, ...]]:
+                 recompute: bool, leaves: tuple[str, ...] = ()) -> tuple[tuple[Use, ...], tuple[int, ...]]:
     """The recorded order of one step (``record_module`` at every fetch) and each parameter's elements,
     from ``params`` (name, elements on this rank's whole copy, layer) in registration order: the
     forward's pre-order, then the backward's reverse post-order (a module's backward pre-hook fires
@@ -323,21 +386,24 @@ def module_order(params: list[tuple[str, int, int | None]], head: str | None, ti
     ``recompute`` each layer's forward again right after its own backward hook (non-reentrant
     checkpointing unpacks the layer's first saved tensor in its backward). ``head`` names the LM
     head's module (last in forward, first in backward); a tied head (``tied_head``: the table's
-    index) uses the embedding's parameter. Persistent parameters are left out (module docstring)."""
+    index) uses the embedding's parameter. Persistent parameters are left out (module docstring).
+    ``leaves``: the module paths of ZeRO-3 leaf modules (``_path``), each one use with its subtree's
+    parameters (a mixture-of-experts block's router and experts: ``quantities._z3_leaves``)."""
     own: dict[str, list[int]] = {}
     for i, (name, numel, _) in enumerate(params):
         if numel > PERSISTENCE_THRESHOLD:
-            own.setdefault(_key(_path(name, head)), []).append(i)
+            own.setdefault(_key(_path(name, head, leaves)), []).append(i)
     if tied_head is not None:
         own["<root>.<head>"] = [tied_head]
     layer_of: dict[str, int] = {}
     for name, _, layer in params:
-        path = _path(name, head)
+        path = _path(name, head, leaves)
         for k in range(3, len(path) + 1):
             if layer is not None and str(layer) in path[2:k]:
                 layer_of[_key(path[:k])] = layer
     names = [params[i][0] for i in _forward_sorted(params)]
-    tree = _tree(names + (["<head>.weight"] if tied_head is not None else []), head if tied_head is None else "<head>")
+    tree = _tree(names + (["<head>.weight"] if tied_head is not None else []),
+                 head if tied_head is None else "<head>", leaves)
     pre: list[str] = []
     post: list[str] = []
     _walk(tree, pre, post)
@@ -395,7 +461,7 @@ def _low_kept(mo: Moment, cat: int, bottom: int) -> int:
 def gathered_zones(params: tuple[tuple[str, int, int | None], ...], head: str | None, tied_head: int | None,
                    recompute: bool, dist: int, bucket: int, max_live: int,
                    forward_storage_kept: bool, reduce_bucket: int, weight_bytes: int,
-                   expandable: bool) -> tuple[int, int, int, int]:
+                   expandable: bool, leaves: tuple[str, ...] = ()) -> tuple[int, int, int, int]:
     """Bytes ZeRO-3 holds gathered (each tensor's caching-allocator block, ``weight_bytes`` per element,
     ``allocator_rules.block_bytes`` under ``expandable`` segments or not), the most at each of four stretches of a step with the trace
     complete (``replay`` over ``module_order``): the top layer's forward; from the end of forward
@@ -407,8 +473,8 @@ def gathered_zones(params: tuple[tuple[str, int, int | None], ...], head: str | 
     still gathered since its forward use is not counted again. ``reduce_bucket``: ZeRO-3's
     ``reduce_bucket_size`` with every parameter trainable (0: none), whose reductions during backward
     (``reduce_cats``) make their flat ``cat`` beside what is gathered at that module's backward: counted
-    there with it."""
-    uses, numels = module_order(list(params), head, tied_head, recompute)
+    there with it. ``leaves``: ZeRO-3 leaf modules' paths (``module_order``)."""
+    uses, numels = module_order(list(params), head, tied_head, recompute, leaves)
     def size(n: int) -> int:
         return block_bytes(n * weight_bytes, expandable)     # (n,) engine dtype
     moments = replay(uses, numels, dist, bucket, max_live, size)
@@ -416,8 +482,9 @@ def gathered_zones(params: tuple[tuple[str, int, int | None], ...], head: str | 
     first_bwd = next(i for i, u in enumerate(uses) if not u.forward)
     head_fwd = max((i for i, u in enumerate(uses[:first_bwd]) if u.layer is None), default=0)
 
-    def held(mo: Moment) -> int:
-        return mo.gathered - (mo.fresh if forward_storage_kept else 0)
+    def held(mo: Moment, cat: int = 0) -> int:
+        """after the fetch (with the reduction's ``cat`` after its backward), or during its waits"""
+        return max(mo.gathered + cat, mo.waits) - (mo.fresh if forward_storage_kept else 0)
     fwd = [held(mo) for i, mo in enumerate(moments[:first_bwd]) if mo.use.layer == top_layer]
     cats = reduce_cats(uses, numels, reduce_bucket)
     head, top, low = [held(moments[head_fwd])], [], []
@@ -428,6 +495,6 @@ def gathered_zones(params: tuple[tuple[str, int, int | None], ...], head: str | 
         if zone is low and forward_storage_kept:
             zone.append(_low_kept(mo, size(cats.get(i, 0)) if cats.get(i) else 0, bottom))
             continue
-        zone.append(held(mo) + (size(cats[i]) if cats.get(i) else 0))
+        zone.append(held(mo, size(cats[i]) if cats.get(i) else 0))
     top = top or head
     return max(fwd, default=0), max(head), max(top), max(low, default=max(top))
