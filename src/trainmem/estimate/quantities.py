@@ -2133,7 +2133,7 @@ def deepspeed_gathered(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, 
     backward, in the rest of backward); (0, 0) off ZeRO-3 over several ranks. None at the optimizer
     step: ``step`` starts by releasing every parameter (``stage3.py`` ``_partition_all_parameters``).
     Where the coordinator's replay applies (``deepspeed_gather_zones``: an LM, no pipeline stages,
-    recompute none or full) its top-layer and lower-layer maxima; else the rule below, which neglects
+    recompute none, selective or full) its top-layer and lower-layer maxima; else the rule below, which neglects
     the prefetcher's passes over gathered entries (so the layers kept past the reuse distance) and
     the live-parameter limit.
 
@@ -2213,8 +2213,11 @@ def deepspeed_gather_zones(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[i
     passes marks its parameter as fetched for that later use, which its module's release then keeps:
     at forward's end the head and the layers below it up to that count stay gathered into backward.
     None where the replay does not apply (the rule in ``deepspeed_gathered`` then): off ZeRO-3 over
-    several ranks, a model without an LM head, pipeline stages, recompute other than none/full, or
-    mixture-of-experts layers.
+    several ranks, a model without an LM head, pipeline stages, ``--recompute op`` (refused with ZeRO-3
+    anyway), or mixture-of-experts layers whose experts a step calls only when routed to (``_z3_leaves``).
+    Mixture-of-experts blocks: one fetch of the block where DeepSpeed makes it a leaf module, else its
+    router and fused experts in turn (``_z3_leaves``). ``--recompute selective`` recomputes the
+    attention core, which holds no parameters: the order is none's.
     Found by trace (DeepSpeed 0.19.8): Giles Thomas's Llama-3-8B ZeRO-3 setup cut to 6 layers, dp 8,
     one token: at the second step's backward start the head, layers 5 and 4 and layer 3's down_proj
     gathered, and at layer 4's MLP the embedding and layer 0's q/k/v in one flat all-gather (1,050 MiB)."""
@@ -2223,20 +2226,21 @@ def deepspeed_gather_zones(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[i
         return None
     from .zero3_replay import gathered_zones
     bucket = t.ds_reduce_bucket if (st.trainable > 0 and not _partial_layout(m, t, st)) else 0      # the reductions' cats with every parameter trainable
-    params, head, tied, leaves = args
+    params, head, tied, leaves, views = args
     return gathered_zones(params, head, tied, t.recompute == "full", t.ds_reuse_distance, t.ds_prefetch,
                           DS_MAX_LIVE, deepspeed_linear_kept(m, t) > 0, bucket, t.weight_bytes,
-                          bool(t.expandable_segments), leaves)
+                          bool(t.expandable_segments), leaves, views)
 
 
 def _gather_order_args(m: ModelSpec, t: TrainingSpec) -> tuple | None:
     """``zero3_replay.module_order``'s inputs from the spec: each parameter (name, whole elements on this
     rank, layer), the untied head's module or the tied table's index, the ZeRO-3 leaf modules' paths
-    (``_z3_leaves``); None where the replay does not apply (``deepspeed_gather_zones``)."""
+    (``_z3_leaves``), the parameters whose forward storage a saved view holds (``zero3_replay.view_held``);
+    None where the replay does not apply (``deepspeed_gather_zones``)."""
     if not (deepspeed_zero(t) and t.zero == 3 and t.shard_group > 1) or not is_lm(m) or t.pp > 1:
         return None
-    if t.recompute not in ("none", "full"):
-        return None
+    if t.recompute not in ("none", "full", "selective"):
+        return None   # selective: Megatron's attention core, recomputed without parameters: none's order
     tensors = m.parameter_tensors()
     leaves = _z3_leaves(m, t)
     if leaves is None:
@@ -2248,7 +2252,8 @@ def _gather_order_args(m: ModelSpec, t: TrainingSpec) -> tuple | None:
     tied = None if untied else next((i for i, p in enumerate(tensors) if p.role == "embedding"), None)
     if head is None and tied is None:
         return None
-    return params, head, tied, leaves
+    from .zero3_replay import view_held
+    return params, head, tied, leaves, view_held(tuple(p.role for p in tensors))
 
 
 #: DeepSpeed's default ZeRO-3 leaf modules (``zero_optimization.leaf_module.classes``), by transformers
@@ -2292,9 +2297,9 @@ def deepspeed_gather_events(m: ModelSpec, t: TrainingSpec, st: States) -> tuple:
         return ()
     from .zero3_replay import gather_events
     bucket = t.ds_reduce_bucket if (st.trainable > 0 and not _partial_layout(m, t, st)) else 0   # with every parameter trainable
-    params, head, tied, leaves = args
+    params, head, tied, leaves, views = args
     return gather_events(params, head, tied, t.recompute == "full", t.ds_reuse_distance, t.ds_prefetch,
-                         DS_MAX_LIVE, bucket, leaves)
+                         DS_MAX_LIVE, bucket, leaves, views)
 
 
 def deepspeed_linear_wrap(t: TrainingSpec) -> bool:

@@ -73,6 +73,8 @@ class Moment:
     own_kept: int = 0          # of ``kept``: this use's own parameters (freed once its backward has run)
     waits: int = 0             # the most storage held during the fetch's waits (``_wait_order``), where above
     #                            ``gathered``: one group's members built while another's flat output is alive
+    views: int = 0             # fused experts' storage released since their forward, held by the view autograd
+    #                            saved until their backward (``view_held``), beside ``gathered``
 
 
 @dataclass
@@ -92,6 +94,10 @@ class _State:
     log: list = field(default_factory=list)             # storage events (``events``): (+1, key, elements) / (-1, key, 0)
     marks: list = field(default_factory=list)           # the log's length at each use's fetch
     waits: int = 0                                      # the most storage held during the last fetch's waits
+    views: frozenset = frozenset()                      # parameters autograd saves as views (``view_held``)
+    recompute_from: int = 0                             # uses before it: a forward autograd saves nothing of
+    saved: set = field(default_factory=set)             # ``views`` a forward saved, their backward not run yet
+    held: set = field(default_factory=set)              # of them: released since, their storage held by the view
 
 
 def _gather(s: _State, params: list[int]) -> None:
@@ -212,6 +218,8 @@ def _fetch(s: _State, uses: tuple[Use, ...], i: int, queue: deque, bucket: int, 
         if uses[i].forward and uses[i].layer is not None:
             s.fresh.add(p)                              # a layer's weight as its forward used it
             s.used.add(p)
+            if p in s.views and i >= s.recompute_from:
+                s.saved.add(p)                          # a view of its gathered storage saved for backward
     ahead = {p for p in own if s.recent.get(p, -10**10) < i}
     for _ in range(len(ahead)):                         # its own entries off the queue (L428-434)
         if queue:
@@ -235,28 +243,48 @@ def _release(s: _State, uses: tuple[Use, ...], i: int, dist: int) -> None:
             continue                                    # used again within the distance
         s.status[p] = 0
         s.n_available -= s.numels[p]
-        s.log.append((-1, p, 0))
+        view = p in s.saved and p not in s.done and uses[i].forward
+        s.log.append((-2 if view else -1, p, 0))        # -2: its storage lives on in the saved view
+        if view:
+            s.held.add(p)
         s.fresh.discard(p)
 
 
 def replay(uses: tuple[Use, ...], numels: tuple[int, ...], dist: int, bucket: int,
-           max_live: int, size: Callable[[int], int] = int) -> list[Moment]:
+           max_live: int, size: Callable[[int], int] = int, views: frozenset = frozenset()) -> list[Moment]:
     """The gathered storage (elements) at each fetch of one step with the trace complete: ``uses``
     the recorded order, ``numels`` each parameter's elements, ``dist`` ``stage3_max_reuse_distance``,
     ``bucket`` ``stage3_prefetch_bucket_size``, ``max_live`` ``stage3_max_live_parameters``. The step
     starts with every parameter released (the previous optimizer step's ``_partition_all_parameters``).
-    ``size``: the storage counted for a tensor of so many elements (default: the elements)."""
-    s = _State(numels, size, [0] * len(numels))
+    ``size``: the storage counted for a tensor of so many elements (default: the elements). ``views``:
+    the parameters whose forward storage autograd keeps through a view (``view_held``)."""
+    s = _State(numels, size, [0] * len(numels), views=frozenset(views))
     out = []
     for i, use in _run(s, uses, dist, bucket, max_live):
-        out.append(Moment(use, *_storage(s), s.n_available, _kept(s, s.used), _kept(s, use.params), s.waits))
+        held = sum(size(numels[p]) for p in s.held - s.done)
+        out.append(Moment(use, *_storage(s), s.n_available, _kept(s, s.used), _kept(s, use.params), s.waits, held))
     return out
+
+
+def view_held(roles: tuple[str, ...]) -> frozenset:
+    """Indices of the parameters whose gathered storage a layer's forward keeps alive until that layer's
+    backward, whatever ZeRO-3 releases: fused experts, which transformers (5.24 ``integrations/moe.py``
+    ``_grouped_linear``) multiplies as ``_grouped_mm(input, weight.transpose(-2, -1))`` (its eager loop:
+    ``F.linear(x, self.gate_up_proj[expert_idx])``), so autograd saves a view of the storage, not the
+    parameter: ZeRO-3's ``free_param`` (``param.data = torch.empty(0)``) frees nothing while the view
+    lives (DeepSpeed's ``zero3_linear_wrap`` saves the parameter itself, but only for ``nn.Linear``'s
+    ``F.linear`` on a parameter). ``roles``: each parameter's (``ParamTensor.role``), ``expert`` held.
+    Found by trace: Mixtral's real widths cut to 4 layers over 8 ranks held 11,322 MiB gathered at layer
+    3's backward where the replay without it held 5,536."""
+    return frozenset(i for i, r in enumerate(roles) if r == "expert")
 
 
 def _run(s: _State, uses: tuple[Use, ...], dist: int, bucket: int, max_live: int):
     """The step's fetches in order: yields each use's index and itself after its fetch (and prefetch),
     releasing its parameters once the caller resumes."""
     s.prefix = [0]
+    first_bwd = next((k for k, u in enumerate(uses) if not u.forward), len(uses))
+    s.recompute_from = first_bwd if any(u.forward for u in uses[first_bwd:]) else 0   # the first forward: no_grad
     for k, use in enumerate(uses):
         s.prefix.append(s.prefix[-1] + sum(s.numels[p] for p in use.params))
         for p in use.params:
@@ -273,7 +301,7 @@ def _run(s: _State, uses: tuple[Use, ...], dist: int, bucket: int, max_live: int
 
 
 def events(uses: tuple[Use, ...], numels: tuple[int, ...], dist: int, bucket: int,
-           max_live: int) -> tuple[tuple[tuple[tuple[int, int, int], ...], ...], ...]:
+           max_live: int, views: frozenset = frozenset()) -> tuple[tuple[tuple[tuple[int, int, int], ...], ...], ...]:
     """The gathered storage's allocations and frees at each use of ``replay``'s step, in order: per use,
     those of its fetch (before the module runs) and those of its release (after it), each
     (+1, key, elements) where a tensor of the engine's dtype is made (a parameter gathered alone into
@@ -284,8 +312,10 @@ def events(uses: tuple[Use, ...], numels: tuple[int, ...], dist: int, bucket: in
     group's number for its flat output. What is still gathered after the last use stays so until the
     optimizer step partitions every parameter (the caller frees it). ``bucket`` 0 and ``dist`` 0: the
     run's first step, before the order is recorded (each module gathers its own parameters and releases
-    them after its forward or backward: ``release_sub_module`` v0.19.8 L502-507)."""
-    s = _State(numels, int, [0] * len(numels))
+    them after its forward or backward: ``release_sub_module`` v0.19.8 L502-507). A parameter of ``views``
+    released after its forward is (-2, key, 0): its storage lives on in the view autograd saved until
+    its layer's backward (``view_held``)."""
+    s = _State(numels, int, [0] * len(numels), views=frozenset(views))
     for _ in _run(s, uses, dist, bucket, max_live):
         pass
     ends = s.marks[1:] + [len(s.log)]
@@ -296,7 +326,7 @@ def events(uses: tuple[Use, ...], numels: tuple[int, ...], dist: int, bucket: in
 @lru_cache(maxsize=64)
 def gather_events(params: tuple[tuple[str, int, int | None], ...], head: str | None, tied_head: int | None,
                   recompute: bool, dist: int, bucket: int, max_live: int, reduce_bucket: int = 0,
-                  leaves: tuple[str, ...] = ()) -> tuple:
+                  leaves: tuple[str, ...] = (), views: frozenset = frozenset()) -> tuple:
     """The recorded order's uses, each as (forward, layer, whether it has parameters of its own, its
     fetch's ``events``, its release's, the elements of the gradient bucket's flat ``cat`` its backward's
     gradient hook makes, ``reduce_cats``, 0 for none), for the run's first step (no prefetch, each
@@ -305,7 +335,7 @@ def gather_events(params: tuple[tuple[str, int, int | None], ...], head: str | N
     uses, numels = module_order(list(params), head, tied_head, recompute, leaves)
     cats = reduce_cats(uses, numels, reduce_bucket)
     return tuple(tuple((u.forward, u.layer, bool(u.params), *ev, cats.get(i, 0))
-                       for i, (u, ev) in enumerate(zip(uses, events(uses, numels, d, b, max_live))))
+                       for i, (u, ev) in enumerate(zip(uses, events(uses, numels, d, b, max_live, views))))
                  for d, b in ((0, 0), (dist, bucket)))
 
 
@@ -461,7 +491,8 @@ def _low_kept(mo: Moment, cat: int, bottom: int) -> int:
 def gathered_zones(params: tuple[tuple[str, int, int | None], ...], head: str | None, tied_head: int | None,
                    recompute: bool, dist: int, bucket: int, max_live: int,
                    forward_storage_kept: bool, reduce_bucket: int, weight_bytes: int,
-                   expandable: bool, leaves: tuple[str, ...] = ()) -> tuple[int, int, int, int]:
+                   expandable: bool, leaves: tuple[str, ...] = (),
+                   views: frozenset = frozenset()) -> tuple[int, int, int, int]:
     """Bytes ZeRO-3 holds gathered (each tensor's caching-allocator block, ``weight_bytes`` per element,
     ``allocator_rules.block_bytes`` under ``expandable`` segments or not), the most at each of four stretches of a step with the trace
     complete (``replay`` over ``module_order``): the top layer's forward; from the end of forward
@@ -473,18 +504,20 @@ def gathered_zones(params: tuple[tuple[str, int, int | None], ...], head: str | 
     still gathered since its forward use is not counted again. ``reduce_bucket``: ZeRO-3's
     ``reduce_bucket_size`` with every parameter trainable (0: none), whose reductions during backward
     (``reduce_cats``) make their flat ``cat`` beside what is gathered at that module's backward: counted
-    there with it. ``leaves``: ZeRO-3 leaf modules' paths (``module_order``)."""
+    there with it. ``leaves``: ZeRO-3 leaf modules' paths (``module_order``); ``views``: the parameters
+    whose released forward storage autograd holds (``view_held``), counted beside the gathered."""
     uses, numels = module_order(list(params), head, tied_head, recompute, leaves)
     def size(n: int) -> int:
         return block_bytes(n * weight_bytes, expandable)     # (n,) engine dtype
-    moments = replay(uses, numels, dist, bucket, max_live, size)
+    moments = replay(uses, numels, dist, bucket, max_live, size, views)
     top_layer = max((u.layer for u in uses if u.layer is not None), default=None)
     first_bwd = next(i for i, u in enumerate(uses) if not u.forward)
     head_fwd = max((i for i, u in enumerate(uses[:first_bwd]) if u.layer is None), default=0)
 
     def held(mo: Moment, cat: int = 0) -> int:
         """after the fetch (with the reduction's ``cat`` after its backward), or during its waits"""
-        return max(mo.gathered + cat, mo.waits) - (mo.fresh if forward_storage_kept else 0)
+        kept = mo.fresh if forward_storage_kept else -mo.views   # F.linear's kept weights: deepspeed_linear_kept
+        return max(mo.gathered + cat, mo.waits) - kept
     fwd = [held(mo) for i, mo in enumerate(moments[:first_bwd]) if mo.use.layer == top_layer]
     cats = reduce_cats(uses, numels, reduce_bucket)
     head, top, low = [held(moments[head_fwd])], [], []
