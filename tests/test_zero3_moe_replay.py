@@ -85,14 +85,26 @@ def test_released_experts_live_on_in_their_saved_view_until_their_backward():
     assert all(mo.views == 0 for mo in without)
 
 
-def test_under_full_recompute_only_the_recomputed_forward_saves_a_view():
-    """A checkpointed layer's first forward runs under ``no_grad`` and saves nothing; its forward again in
-    backward saves the view, freed by that layer's backward: never more than one layer's experts held."""
-    uses, numels = module_order(MOE, "head", None, recompute=True, leaves=("layers.0.mlp", "layers.1.mlp"))
-    moments = replay(uses, numels, dist=0, bucket=0, max_live=100 * M, views=frozenset({2, 3, 6, 7}))
-    assert max(mo.views for mo in moments) == 6 * M
-    first_bwd = next(i for i, u in enumerate(uses) if not u.forward)
-    assert all(mo.views == 0 for mo in moments[:first_bwd])
+def test_a_recomputed_layer_keeps_what_its_backward_has_begun_to_use():
+    """Under full recompute the first forward runs under ``no_grad`` (no view saved), and a layer is
+    recomputed once its backward reaches a saved tensor: after the backward hooks of the layer, its MoE
+    block and (without leaves) the block's experts, the last-called chain. Those modules' parameters stay
+    gathered through the recomputed forward (DeepSpeed frees none a module in backward still uses), so the
+    experts are never released into a saved view; the attention's are released after its recomputation."""
+    views = frozenset({2, 3, 6, 7})
+    for leaves, chain in ((("layers.0.mlp", "layers.1.mlp"), {"layers.1", "layers.1.mlp"}),
+                          ((), {"layers.1", "layers.1.mlp", "layers.1.mlp.experts"})):
+        uses, numels = module_order(MOE, "head", None, recompute=True, leaves=leaves)
+        first_bwd = next(i for i, u in enumerate(uses) if not u.forward)
+        again = [u for u in uses[first_bwd:] if u.forward and u.layer == 1]
+        assert {u.name.split(".", 2)[-1] for u in again if u.active} == chain
+        moments = replay(uses, numels, dist=0, bucket=0, max_live=100 * M, views=views)
+        assert all(mo.views == 0 for mo in moments)
+        ev = events(uses, numels, 0, 0, 100 * M, views)
+        recomputed = [(u, r) for i, (u, (f, r)) in enumerate(zip(uses, ev)) if i > first_bwd and u.forward]
+        assert all(not r for u, r in recomputed if u.active)                    # nothing of the chain released
+        assert any(k == 5 for u, r in recomputed for _s, k, _n in r)          # layer 1's q_proj released
+        assert not any(sign == -2 for f, r in ev for sign, _k, _n in r)      # no expert held by a view
 
 
 @pytest.mark.parametrize("options, leaves", [

@@ -29,6 +29,13 @@ L634-664), ``__all_gather_params_`` (L436-474 / L582-620). What it does, replaye
   ``torch.cat`` (``AllGatherCoalescedHandle.wait`` L761-803); the handle, holding the flat buffer,
   stays in ``__inflight_param_registry`` until the group's last member is fetched (coordinator L406).
 
+* A ZeRO-3 leaf module (``set_z3_leaf_modules``; DeepSpeed >= 0.18.0 makes Mixtral's, Qwen2-MoE's and
+  Qwen3-MoE's MoE blocks leaves by default) is one fetch of every parameter under it, its submodules
+  unhooked (``module_order``'s ``leaves``). A fetch waits on its parameters in a ``set``'s order, which
+  varies run to run: taken here in the order that holds the most (``_wait_order``).
+* Fused experts (transformers >= 5) are multiplied through a view of the gathered weight, which autograd
+  saves: their storage outlives ZeRO-3's release until their layer's backward (``view_held``).
+
 Parameters of ``stage3_param_persistence_threshold`` (1e5, ``zero/config.py`` L228) elements or fewer
 persist gathered (``parameter_offload.py`` ``mark_persistent_parameters`` L317-329) and are left out
 (norms: negligible). Modules without parameters that the spec does not name (activations, rotary
@@ -58,6 +65,7 @@ class Use:
     params: tuple[int, ...]
     layer: int | None = None   # the decoder layer it belongs to (None outside the layers)
     name: str = ""
+    active: bool = False       # a recomputed forward of a module whose backward has begun: not released
 
 
 @dataclass(frozen=True)
@@ -234,7 +242,7 @@ def _release(s: _State, uses: tuple[Use, ...], i: int, dist: int) -> None:
     those in [i + 1, stop), found on the prefix sums."""
     step = i + 1
     stop = bisect_left(s.prefix, s.prefix[step] + dist, lo=step) if dist > 0 else step
-    for p in uses[i].params:
+    for p in uses[i].params if not uses[i].active else ():
         if s.recent.get(p, -10**10) > step or s.status[p] != 2:
             continue
         occ = s.occurs[p]
@@ -441,9 +449,34 @@ def module_order(params: list[tuple[str, int, int | None]], head: str | None, ti
     for k in reversed(post):
         uses.append(Use(False, tuple(own.get(k, ())), layer_of.get(k), k))
         if recompute and _is_layer(k):
-            uses.extend(Use(True, tuple(own.get(j, ())), layer_of.get(j), j)
+            chain = _last_chain(tree, k)
+            uses.extend(Use(True, tuple(own.get(j, ())), layer_of.get(j), j, active=j in chain)
                         for j in pre if j == k or j.startswith(k + "."))
     return tuple(uses), tuple(n for _, n, _ in params)
+
+
+def _last_chain(tree: dict, key: str) -> set[str]:
+    """``key`` and its last-called child, that one's, and so on: the modules whose backward hooks fire
+    before a checkpointed layer is recomputed (each one's output gradient reaches its
+    ``PreBackwardFunctionForModule`` before any node that unpacks a saved tensor, which recomputes the
+    layer under non-reentrant checkpointing; a layer's output is its residual add of the MLP's, the MLP's
+    its last projection's). Their parameters stay gathered through the recomputed forward: DeepSpeed frees
+    a parameter only when no module using it is active (v0.19.8 ``partitioned_param_coordinator.py``
+    ``__release_param``: ``not param.ds_active_sub_modules``), and their backward has begun."""
+    def find(node: dict) -> dict | None:
+        for k, sub in node.items():
+            if k == key:
+                return sub
+            hit = find(sub)
+            if hit is not None:
+                return hit
+        return None
+    out, node = {key}, find(tree) or {}
+    while node:
+        last = list(node)[-1]
+        out.add(last)
+        node = node[last]
+    return out
 
 
 def reduce_cats(uses: tuple[Use, ...], numels: tuple[int, ...], bucket: int) -> dict[int, int]:
