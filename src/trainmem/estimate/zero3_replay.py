@@ -280,8 +280,9 @@ def view_held(roles: tuple[str, ...]) -> frozenset:
     ``_grouped_linear``) multiplies as ``_grouped_mm(input, weight.transpose(-2, -1))`` (its eager loop:
     ``F.linear(x, self.gate_up_proj[expert_idx])``), so autograd saves a view of the storage, not the
     parameter: ZeRO-3's ``free_param`` (``param.data = torch.empty(0)``) frees nothing while the view
-    lives (DeepSpeed's ``zero3_linear_wrap`` saves the parameter itself, but only for ``nn.Linear``'s
-    ``F.linear`` on a parameter). ``roles``: each parameter's (``ParamTensor.role``), ``expert`` held.
+    lives (DeepSpeed's ``zero3_linear_wrap``, ``zero/linear.py``, saves the weight it is given: a
+    parameter, whose storage ``free_param`` swaps out, for ``nn.Linear``; here a view, which keeps it).
+    ``roles``: each parameter's (``ParamTensor.role``), ``expert`` held.
     Found by trace: Mixtral's real widths cut to 4 layers over 8 ranks held 11,322 MiB gathered at layer
     3's backward where the replay without it held 5,536."""
     return frozenset(i for i, r in enumerate(roles) if r == "expert")
