@@ -49,6 +49,23 @@ def test_without_leaves_the_router_is_fetched_before_the_experts_it_routes_to():
     assert [n for n, _ in _fetched(uses, forward=False)][1:3] == ["layers.1.mlp.experts", "layers.1.mlp.gate"]
 
 
+def test_the_reuse_distance_walk_lists_a_leafs_parameters_only_when_a_leaf_is_released():
+    """``__params_to_release`` walks the next modules with ``iter_params(module,
+    recurse=z3_leaf_module(submodule_to_release))`` (v0.19.8 L659): releasing a layer's ``q_proj`` it lists
+    each module's own parameters, none for the MoE block (a leaf: its parameters are its children's), so
+    the block's 6.2M elements do not count and ``q_proj``, back 2M elements later in backward, stays
+    gathered; with the block's router and experts as modules of their own they count and it is released
+    and gathered again for its backward. Releasing a leaf lists every parameter under each module: the
+    root's backward fetch, first in backward, lists the block's own, which stays gathered."""
+    def regathered(leaves):
+        uses, numels = module_order(MOE, "head", None, recompute=False, leaves=leaves)
+        ev = events(uses, numels, dist=3 * M, bucket=0, max_live=100 * M)
+        bwd = [(u, f) for u, (f, _r) in zip(uses, ev) if not u.forward and u.layer == 1]
+        return {k for u, f in bwd for sign, k, _n in f if sign > 0}
+    assert regathered(("layers.0.mlp", "layers.1.mlp")) == set()
+    assert 5 in regathered(())                           # layer 1's q_proj
+
+
 def test_a_fetch_waits_in_the_order_that_holds_the_most():
     """A fetch of two parameters from two coalesced all-gathers: ``a``, the last of an older group's
     members still in the registry (members built, its flat output alive), and ``b`` of a new group.

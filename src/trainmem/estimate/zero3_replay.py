@@ -66,6 +66,7 @@ class Use:
     layer: int | None = None   # the decoder layer it belongs to (None outside the layers)
     name: str = ""
     active: bool = False       # a recomputed forward of a module whose backward has begun: not released
+    below: tuple[int, ...] | None = None   # a ZeRO-3 leaf's: None; else every parameter under the module
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,8 @@ class _State:
     n_available: int = 0
     prefix: list = field(default_factory=list)          # elements of the order's uses before each index
     occurs: dict = field(default_factory=dict)          # parameter -> the indices of the uses holding it
+    prefix_below: list = field(default_factory=list)    # the same over every parameter under each module
+    occurs_below: dict = field(default_factory=dict)    # (what a leaf's release walks: ``_release``)
     log: list = field(default_factory=list)             # storage events (``events``): (+1, key, elements) / (-1, key, 0)
     marks: list = field(default_factory=list)           # the log's length at each use's fetch
     waits: int = 0                                      # the most storage held during the last fetch's waits
@@ -239,13 +242,18 @@ def _fetch(s: _State, uses: tuple[Use, ...], i: int, queue: deque, bucket: int, 
 def _release(s: _State, uses: tuple[Use, ...], i: int, dist: int) -> None:
     """``release_sub_module`` after the module fetched at step ``i`` (``__step_id`` is then i + 1). The
     reuse-distance walk (L656-662) passes the uses from i + 1 until the elements passed reach ``dist``:
-    those in [i + 1, stop), found on the prefix sums."""
+    those in [i + 1, stop), found on the prefix sums. It lists each passed module's parameters with
+    ``iter_params(module, recurse=z3_leaf_module(submodule_to_release))`` (v0.19.8 L659; v0.14.2 L513):
+    recursive, every parameter under each module, where the module released is a leaf; else each one's
+    own, none for a leaf (a MoE block's are its router's and experts')."""
     step = i + 1
-    stop = bisect_left(s.prefix, s.prefix[step] + dist, lo=step) if dist > 0 else step
+    leaf = uses[i].below is None
+    prefix, occurs = (s.prefix_below, s.occurs_below) if leaf else (s.prefix, s.occurs)
+    stop = bisect_left(prefix, prefix[step] + dist, lo=step) if dist > 0 else step
     for p in uses[i].params if not uses[i].active else ():
         if s.recent.get(p, -10**10) > step or s.status[p] != 2:
             continue
-        occ = s.occurs[p]
+        occ = occurs[p]
         k = bisect_left(occ, step)
         if k < len(occ) and occ[k] < stop:
             continue                                    # used again within the distance
@@ -291,13 +299,18 @@ def view_held(roles: tuple[str, ...]) -> frozenset:
 def _run(s: _State, uses: tuple[Use, ...], dist: int, bucket: int, max_live: int):
     """The step's fetches in order: yields each use's index and itself after its fetch (and prefetch),
     releasing its parameters once the caller resumes."""
-    s.prefix = [0]
+    s.prefix, s.prefix_below = [0], [0]
     first_bwd = next((k for k, u in enumerate(uses) if not u.forward), len(uses))
     s.recompute_from = first_bwd if any(u.forward for u in uses[first_bwd:]) else 0   # the first forward: no_grad
     for k, use in enumerate(uses):
-        s.prefix.append(s.prefix[-1] + sum(s.numels[p] for p in use.params))
-        for p in use.params:
+        own = use.params if use.below is not None else ()                 # a leaf's own: none
+        below = use.below if use.below is not None else use.params
+        s.prefix.append(s.prefix[-1] + sum(s.numels[p] for p in own))
+        s.prefix_below.append(s.prefix_below[-1] + sum(s.numels[p] for p in below))
+        for p in own:
             s.occurs.setdefault(p, []).append(k)
+        for p in below:
+            s.occurs_below.setdefault(p, []).append(k)
     queue = deque((p, i) for i, use in enumerate(uses) for p in sorted(set(use.params)))
     for i, use in enumerate(uses):
         s.marks.append(len(s.log))
@@ -446,13 +459,18 @@ def module_order(params: list[tuple[str, int, int | None]], head: str | None, ti
     pre: list[str] = []
     post: list[str] = []
     _walk(tree, pre, post)
-    uses = [Use(True, tuple(own.get(k, ())), layer_of.get(k), k) for k in pre]
+    below = {k: (None if k.split("<base>.", 1)[-1] in leaves else
+                 tuple(sorted({p for j, ps in own.items() if j == k or j.startswith(k + ".") for p in ps})))
+             for k in pre}
+
+    def use(forward: bool, k: str, active: bool = False) -> Use:
+        return Use(forward, tuple(own.get(k, ())), layer_of.get(k), k, active, below[k])
+    uses = [use(True, k) for k in pre]
     for k in reversed(post):
-        uses.append(Use(False, tuple(own.get(k, ())), layer_of.get(k), k))
+        uses.append(use(False, k))
         if recompute and _is_layer(k):
             chain = _last_chain(tree, k)
-            uses.extend(Use(True, tuple(own.get(j, ())), layer_of.get(j), j, active=j in chain)
-                        for j in pre if j == k or j.startswith(k + "."))
+            uses.extend(use(True, j, j in chain) for j in pre if j == k or j.startswith(k + "."))
     return tuple(uses), tuple(n for _, n, _ in params)
 
 
