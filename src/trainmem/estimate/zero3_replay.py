@@ -32,7 +32,8 @@ L634-664), ``__all_gather_params_`` (L436-474 / L582-620). What it does, replaye
 * A ZeRO-3 leaf module (``set_z3_leaf_modules``; DeepSpeed >= 0.18.0 makes Mixtral's, Qwen2-MoE's and
   Qwen3-MoE's MoE blocks leaves by default) is one fetch of every parameter under it, its submodules
   unhooked (``module_order``'s ``leaves``). A fetch waits on its parameters in a ``set``'s order, which
-  varies run to run: taken here in the order that holds the most (``_wait_order``).
+  varies run to run: taken here in the order that holds the most (``_wait_order``). The release's
+  reuse-distance walk counts a leaf's parameters only when the module released is a leaf (``_release``).
 * Fused experts (transformers >= 5) are multiplied through a view of the gathered weight, which autograd
   saves: their storage outlives ZeRO-3's release until their layer's backward (``view_held``).
 
