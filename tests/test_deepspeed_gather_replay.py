@@ -117,8 +117,14 @@ def test_events_rebuild_the_replays_gathered_storage_at_every_fetch():
             apply(live, fetch)
             assert sum(live.values()) == mo.gathered
             apply(live, release)
-    first = events(uses, numels, 0, 0, max_live=4 * M)
+    plain, _ = module_order(TOY, "head", None, recompute=False)
+    first = events(plain, numels, 0, 0, max_live=4 * M)
     assert all(sum(s for s, _k, _n in f + r) == 0 for f, r in first)   # nothing kept past its module
+    # under recompute, a recomputed layer's last-called module (``Use.active``: its backward has begun,
+    # ``zero3_replay._last_chain``) stays gathered to its own backward use, which releases it
+    first = events(uses, numels, 0, 0, max_live=4 * M)
+    assert all(not r for (f, r), u in zip(first, uses) if u.active) and any(u.active for u in uses)
+    assert sum(s for f, r in first for s, _k, _n in f + r) == 0
 
 
 @pytest.mark.parametrize("layers", [2, 6])

@@ -2133,7 +2133,7 @@ def deepspeed_gathered(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, 
     backward, in the rest of backward); (0, 0) off ZeRO-3 over several ranks. None at the optimizer
     step: ``step`` starts by releasing every parameter (``stage3.py`` ``_partition_all_parameters``).
     Where the coordinator's replay applies (``deepspeed_gather_zones``: an LM, no pipeline stages,
-    recompute none or full) its top-layer and lower-layer maxima; else the rule below, which neglects
+    recompute none, selective or full) its top-layer and lower-layer maxima; else the rule below, which neglects
     the prefetcher's passes over gathered entries (so the layers kept past the reuse distance) and
     the live-parameter limit.
 
@@ -2213,8 +2213,11 @@ def deepspeed_gather_zones(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[i
     passes marks its parameter as fetched for that later use, which its module's release then keeps:
     at forward's end the head and the layers below it up to that count stay gathered into backward.
     None where the replay does not apply (the rule in ``deepspeed_gathered`` then): off ZeRO-3 over
-    several ranks, a model without an LM head, pipeline stages, recompute other than none/full, or
-    mixture-of-experts layers.
+    several ranks, a model without an LM head, pipeline stages, ``--recompute op`` (refused with ZeRO-3
+    anyway), or mixture-of-experts layers whose experts a step calls only when routed to (``_z3_leaves``).
+    Mixture-of-experts blocks: one fetch of the block where DeepSpeed makes it a leaf module, else its
+    router and fused experts in turn (``_z3_leaves``). ``--recompute selective`` recomputes the
+    attention core, which holds no parameters: the order is none's.
     Found by trace (DeepSpeed 0.19.8): Giles Thomas's Llama-3-8B ZeRO-3 setup cut to 6 layers, dp 8,
     one token: at the second step's backward start the head, layers 5 and 4 and layer 3's down_proj
     gathered, and at layer 4's MLP the embedding and layer 0's q/k/v in one flat all-gather (1,050 MiB)."""
@@ -2223,22 +2226,25 @@ def deepspeed_gather_zones(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[i
         return None
     from .zero3_replay import gathered_zones
     bucket = t.ds_reduce_bucket if (st.trainable > 0 and not _partial_layout(m, t, st)) else 0      # the reductions' cats with every parameter trainable
-    return gathered_zones(*args, t.recompute == "full", t.ds_reuse_distance, t.ds_prefetch,
+    params, head, tied, leaves, views = args
+    return gathered_zones(params, head, tied, t.recompute == "full", t.ds_reuse_distance, t.ds_prefetch,
                           DS_MAX_LIVE, deepspeed_linear_kept(m, t) > 0, bucket, t.weight_bytes,
-                          bool(t.expandable_segments))
+                          bool(t.expandable_segments), leaves, views)
 
 
 def _gather_order_args(m: ModelSpec, t: TrainingSpec) -> tuple | None:
     """``zero3_replay.module_order``'s inputs from the spec: each parameter (name, whole elements on this
-    rank, layer), the untied head's module or the tied table's index; None where the replay does not
-    apply (``deepspeed_gather_zones``)."""
+    rank, layer), the untied head's module or the tied table's index, the ZeRO-3 leaf modules' paths
+    (``_z3_leaves``), the parameters whose forward storage a saved view holds (``zero3_replay.view_held``);
+    None where the replay does not apply (``deepspeed_gather_zones``)."""
     if not (deepspeed_zero(t) and t.zero == 3 and t.shard_group > 1) or not is_lm(m) or t.pp > 1:
         return None
-    if t.recompute not in ("none", "full"):
-        return None
+    if t.recompute not in ("none", "full", "selective"):
+        return None   # selective: Megatron's attention core, recomputed without parameters: none's order
     tensors = m.parameter_tensors()
-    if any(p.role in ("expert", "router") for p in tensors):
-        return None   # MoE: the experts a step calls vary, and so does the recorded order (trace invalidated)
+    leaves = _z3_leaves(m, t)
+    if leaves is None:
+        return None   # experts as modules skipped when no token routes to them: the recorded order varies
     params = tuple((p.name, -(-p.numel // t.tp), p.layer) for p in tensors)   # (name, whole elements, layer)
     last = tensors[-1] if tensors else None                # an untied head: the last tensor, outside the layers
     untied = not m.tied_embeddings and last is not None and last.layer is None and last.role == "linear"
@@ -2246,7 +2252,38 @@ def _gather_order_args(m: ModelSpec, t: TrainingSpec) -> tuple | None:
     tied = None if untied else next((i for i, p in enumerate(tensors) if p.role == "embedding"), None)
     if head is None and tied is None:
         return None
-    return params, head, tied
+    from .zero3_replay import view_held
+    return params, head, tied, leaves, view_held(tuple(p.role for p in tensors))
+
+
+#: DeepSpeed's default ZeRO-3 leaf modules (``zero_optimization.leaf_module.classes``), by transformers
+#: model type: ``runtime/zero/leaf_module_config.py`` ``DEFAULT_LEAF_MODULE_CLASSES`` (v0.19.8 L11-15;
+#: added in v0.18.0, #7604 "Improve leaf module interface", 7d9a2f2), applied to every model the engine
+#: wraps (``engine.py`` ``_configure_distributed_model`` L2076 ``apply_zero_leaf_module_config``)
+DS_DEFAULT_LEAF_TYPES = {"mixtral": "MixtralSparseMoeBlock", "qwen2_moe": "Qwen2MoeSparseMoeBlock",
+                         "qwen3_moe": "Qwen3MoeSparseMoeBlock"}
+
+
+def _z3_leaves(m: ModelSpec, t: TrainingSpec) -> tuple[str, ...] | None:
+    """The module paths ZeRO-3 fetches as leaf modules (one fetch of every parameter under them, no
+    hooks below: ``zero3_replay._path``), () for none; None where the recorded module order varies step
+    to step. A mixture-of-experts block (the module holding ``experts``) is a leaf under DeepSpeed
+    >= 0.18.0 for the model types it lists by default (``DS_DEFAULT_LEAF_TYPES``). Elsewhere its router
+    and experts are fetched as modules of their own, each in every step: transformers >= 5 holds a
+    layer's experts as fused 3-D parameters of one module that the block always calls (5.24
+    ``modeling_mixtral.py`` ``MixtralExperts`` L56-93, ``MixtralSparseMoeBlock.forward`` L122-131), so the
+    order is the same each step. Before 5, each expert is a module of its own that the block calls only
+    when a token routes to it (4.x ``MixtralSparseMoeBlock.forward``: ``expert_hitted =
+    torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()``, ``for expert_idx in expert_hitted:
+    expert_layer = self.experts[expert_idx]``): the order changes, and DeepSpeed drops its trace
+    (v0.19.8 ``partitioned_param_coordinator.py`` ``trace_prologue`` L202-219, ``_invalidate_trace``): None."""
+    experts = [p.name for p in m.parameter_tensors() if p.role == "expert"]
+    if not experts:
+        return ()
+    if t.deepspeed_release() >= (0, 18, 0) and m.model_type in DS_DEFAULT_LEAF_TYPES:
+        return tuple(dict.fromkeys(n.rsplit(".experts.", 1)[0] for n in experts if ".experts." in n))
+    tf = t.transformers_release
+    return () if tf is None or tf >= (5,) else None
 
 
 def deepspeed_gather_events(m: ModelSpec, t: TrainingSpec, st: States) -> tuple:
@@ -2260,7 +2297,9 @@ def deepspeed_gather_events(m: ModelSpec, t: TrainingSpec, st: States) -> tuple:
         return ()
     from .zero3_replay import gather_events
     bucket = t.ds_reduce_bucket if (st.trainable > 0 and not _partial_layout(m, t, st)) else 0   # with every parameter trainable
-    return gather_events(*args, t.recompute == "full", t.ds_reuse_distance, t.ds_prefetch, DS_MAX_LIVE, bucket)
+    params, head, tied, leaves, views = args
+    return gather_events(params, head, tied, t.recompute == "full", t.ds_reuse_distance, t.ds_prefetch,
+                         DS_MAX_LIVE, bucket, leaves, views)
 
 
 def deepspeed_linear_wrap(t: TrainingSpec) -> bool:

@@ -1437,12 +1437,13 @@ class _Zero3Replay:
         self.grad_stream = GRAD_STREAM * q.ds_streams
         self._run(R, lambda fwd, layer: fwd and layer is None)   # the root's and the embedding's forward
 
-    def _apply(self, R: _Replay, events: tuple, later: bool, hold: int | None = None) -> None:
+    def _apply(self, R: _Replay, events: tuple, later: bool, hold: int | None = None,
+               layer: int | None = None) -> None:
         for sign, key, numel in events:
             if sign > 0:
                 self.live[key] = R.alloc(numel * self.wb, self.stream)   # (numel,) engine dtype
-            elif hold is not None:
-                self.saved.setdefault(hold, []).append(self.live.pop(key, None))
+            elif hold is not None or sign == -2:                  # -2: a saved view holds it (view_held)
+                self.saved.setdefault(hold if hold is not None else layer, []).append(self.live.pop(key, None))
             elif later:
                 self.pending.append(self.live.pop(key, None))
             else:
@@ -1458,7 +1459,7 @@ class _Zero3Replay:
             if own:                                               # the modules before it have run
                 self.settle(R)
             self._apply(R, fetch, later=False)
-            self._apply(R, release, later=True, hold=layer if (self.keep and fwd) else None)
+            self._apply(R, release, later=True, hold=layer if (self.keep and fwd) else None, layer=layer)
             self.pos += 1
 
     def settle(self, R: _Replay) -> None:

@@ -29,6 +29,14 @@ L634-664), ``__all_gather_params_`` (L436-474 / L582-620). What it does, replaye
   ``torch.cat`` (``AllGatherCoalescedHandle.wait`` L761-803); the handle, holding the flat buffer,
   stays in ``__inflight_param_registry`` until the group's last member is fetched (coordinator L406).
 
+* A ZeRO-3 leaf module (``set_z3_leaf_modules``; DeepSpeed >= 0.18.0 makes Mixtral's, Qwen2-MoE's and
+  Qwen3-MoE's MoE blocks leaves by default) is one fetch of every parameter under it, its submodules
+  unhooked (``module_order``'s ``leaves``). A fetch waits on its parameters in a ``set``'s order, which
+  varies run to run: taken here in the order that holds the most (``_wait_order``). The release's
+  reuse-distance walk counts a leaf's parameters only when the module released is a leaf (``_release``).
+* Fused experts (transformers >= 5) are multiplied through a view of the gathered weight, which autograd
+  saves: their storage outlives ZeRO-3's release until their layer's backward (``view_held``).
+
 Parameters of ``stage3_param_persistence_threshold`` (1e5, ``zero/config.py`` L228) elements or fewer
 persist gathered (``parameter_offload.py`` ``mark_persistent_parameters`` L317-329) and are left out
 (norms: negligible). Modules without parameters that the spec does not name (activations, rotary
@@ -41,6 +49,7 @@ from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field
 from functools import lru_cache
+from itertools import permutations
 from typing import Callable
 
 from ..allocator_rules import block_bytes
@@ -57,6 +66,8 @@ class Use:
     params: tuple[int, ...]
     layer: int | None = None   # the decoder layer it belongs to (None outside the layers)
     name: str = ""
+    active: bool = False       # a recomputed forward of a module whose backward has begun: not released
+    below: tuple[int, ...] | None = None   # a ZeRO-3 leaf's: None; else every parameter under the module
 
 
 @dataclass(frozen=True)
@@ -70,6 +81,10 @@ class Moment:
     kept: int = 0              # layers' weights as their forward gathered them, released since and not yet
     #                            back-propagated: under torch's ``F.linear`` autograd's saved views still hold them
     own_kept: int = 0          # of ``kept``: this use's own parameters (freed once its backward has run)
+    waits: int = 0             # the most storage held during the fetch's waits (``_wait_order``), where above
+    #                            ``gathered``: one group's members built while another's flat output is alive
+    views: int = 0             # fused experts' storage released since their forward, held by the view autograd
+    #                            saved until their backward (``view_held``), beside ``gathered``
 
 
 @dataclass
@@ -86,8 +101,15 @@ class _State:
     n_available: int = 0
     prefix: list = field(default_factory=list)          # elements of the order's uses before each index
     occurs: dict = field(default_factory=dict)          # parameter -> the indices of the uses holding it
+    prefix_below: list = field(default_factory=list)    # the same over every parameter under each module
+    occurs_below: dict = field(default_factory=dict)    # (what a leaf's release walks: ``_release``)
     log: list = field(default_factory=list)             # storage events (``events``): (+1, key, elements) / (-1, key, 0)
     marks: list = field(default_factory=list)           # the log's length at each use's fetch
+    waits: int = 0                                      # the most storage held during the last fetch's waits
+    views: frozenset = frozenset()                      # parameters autograd saves as views (``view_held``)
+    recompute_from: int = 0                             # uses before it: a forward autograd saves nothing of
+    saved: set = field(default_factory=set)             # ``views`` a forward saved, their backward not run yet
+    held: set = field(default_factory=set)              # of them: released since, their storage held by the view
 
 
 def _gather(s: _State, params: list[int]) -> None:
@@ -152,16 +174,64 @@ def _prefetch(s: _State, queue: deque, bucket: int, max_live: int) -> None:
     _gather(s, chosen)
 
 
+def _rise(s: _State, order) -> int:
+    """The most storage (``size`` units) the waits on ``order`` (parameters in flight) add to what is
+    held before them: a coalesced group's members built at its first wait, its flat output freed at
+    the wait on its last member in the registry (``_wait``)."""
+    built: set = set()
+    left: dict = {}
+    rise = top = 0
+    for p in order:
+        gid = s.group[p]
+        members, flat, pending = s.groups[gid]
+        if not flat:
+            continue                                     # gathered alone into its own buffer: counted
+        if gid not in built:
+            built.add(gid)
+            rise += sum(s.size(s.numels[q]) for q in members if s.status[q] == 1)
+            top = max(top, rise)
+        rest = left.setdefault(gid, set(pending))
+        rest.discard(p)
+        if not rest:
+            rise -= s.size(flat)
+    return top
+
+
+def _wait_order(s: _State, own: list[int]) -> tuple[list[int], int]:
+    """The fetch's waits and the most storage they add (``_rise``). DeepSpeed waits on the module's
+    parameters in the order of a Python ``set`` of them (v0.19.8 ``partitioned_param_coordinator.py``
+    L364 ``params_to_fetch = set(iter_params(...))``, L391 ``for param in params_to_fetch``; v0.14.2
+    L276 a ``frozenset``, L297): CPython hashes an object by its address, so the order is any from run to run
+    (trace, the real engine on fake tensors, reached 440 and 340 MiB gathered at the same fetch in two
+    runs: a small Mixtral's MoE block waiting on its experts' ``down_proj``, in a new group, before or
+    after ``gate_up_proj``, the last member of an older one). Where the module's parameters in flight
+    belong to several groups, the order that reaches the most (up to 6 of them; else ``ds_id``
+    order), the first in ``ds_id`` order of those that reach it."""
+    waiting = [p for p in sorted(set(own)) if p in s.groups[s.group[p]][2]]
+    best, top = waiting, _rise(s, waiting)
+    if 1 < len({s.group[p] for p in waiting}) and len(waiting) <= 6:
+        for order in permutations(waiting):
+            rise = _rise(s, order)
+            if rise > top:
+                best, top = list(order), rise
+    return best, top
+
+
 def _fetch(s: _State, uses: tuple[Use, ...], i: int, queue: deque, bucket: int, max_live: int) -> None:
-    """``fetch_sub_module`` at step ``i`` of a complete trace."""
+    """``fetch_sub_module`` at step ``i`` of a complete trace; ``s.waits``: the most storage held
+    during its waits (``_wait_order``), 0 where they add nothing."""
     own = list(uses[i].params)
     _gather(s, own)
+    order, rise = _wait_order(s, own)
+    s.waits = _storage(s)[0] + rise if rise else 0
+    for p in order:                                     # in ``__inflight_param_registry``
+        _wait(s, p)
     for p in own:
-        if p in s.groups[s.group[p]][2]:                # in ``__inflight_param_registry``
-            _wait(s, p)
         if uses[i].forward and uses[i].layer is not None:
             s.fresh.add(p)                              # a layer's weight as its forward used it
             s.used.add(p)
+            if p in s.views and i >= s.recompute_from:
+                s.saved.add(p)                          # a view of its gathered storage saved for backward
     ahead = {p for p in own if s.recent.get(p, -10**10) < i}
     for _ in range(len(ahead)):                         # its own entries off the queue (L428-434)
         if queue:
@@ -173,44 +243,75 @@ def _fetch(s: _State, uses: tuple[Use, ...], i: int, queue: deque, bucket: int, 
 def _release(s: _State, uses: tuple[Use, ...], i: int, dist: int) -> None:
     """``release_sub_module`` after the module fetched at step ``i`` (``__step_id`` is then i + 1). The
     reuse-distance walk (L656-662) passes the uses from i + 1 until the elements passed reach ``dist``:
-    those in [i + 1, stop), found on the prefix sums."""
+    those in [i + 1, stop), found on the prefix sums. It lists each passed module's parameters with
+    ``iter_params(module, recurse=z3_leaf_module(submodule_to_release))`` (v0.19.8 L659; v0.14.2 L513):
+    recursive, every parameter under each module, where the module released is a leaf; else each one's
+    own, none for a leaf (a MoE block's are its router's and experts')."""
     step = i + 1
-    stop = bisect_left(s.prefix, s.prefix[step] + dist, lo=step) if dist > 0 else step
-    for p in uses[i].params:
+    leaf = uses[i].below is None
+    prefix, occurs = (s.prefix_below, s.occurs_below) if leaf else (s.prefix, s.occurs)
+    stop = bisect_left(prefix, prefix[step] + dist, lo=step) if dist > 0 else step
+    for p in uses[i].params if not uses[i].active else ():
         if s.recent.get(p, -10**10) > step or s.status[p] != 2:
             continue
-        occ = s.occurs[p]
+        occ = occurs[p]
         k = bisect_left(occ, step)
         if k < len(occ) and occ[k] < stop:
             continue                                    # used again within the distance
         s.status[p] = 0
         s.n_available -= s.numels[p]
-        s.log.append((-1, p, 0))
+        view = p in s.saved and p not in s.done and uses[i].forward
+        s.log.append((-2 if view else -1, p, 0))        # -2: its storage lives on in the saved view
+        if view:
+            s.held.add(p)
         s.fresh.discard(p)
 
 
 def replay(uses: tuple[Use, ...], numels: tuple[int, ...], dist: int, bucket: int,
-           max_live: int, size: Callable[[int], int] = int) -> list[Moment]:
+           max_live: int, size: Callable[[int], int] = int, views: frozenset = frozenset()) -> list[Moment]:
     """The gathered storage (elements) at each fetch of one step with the trace complete: ``uses``
     the recorded order, ``numels`` each parameter's elements, ``dist`` ``stage3_max_reuse_distance``,
     ``bucket`` ``stage3_prefetch_bucket_size``, ``max_live`` ``stage3_max_live_parameters``. The step
     starts with every parameter released (the previous optimizer step's ``_partition_all_parameters``).
-    ``size``: the storage counted for a tensor of so many elements (default: the elements)."""
-    s = _State(numels, size, [0] * len(numels))
+    ``size``: the storage counted for a tensor of so many elements (default: the elements). ``views``:
+    the parameters whose forward storage autograd keeps through a view (``view_held``)."""
+    s = _State(numels, size, [0] * len(numels), views=frozenset(views))
     out = []
     for i, use in _run(s, uses, dist, bucket, max_live):
-        out.append(Moment(use, *_storage(s), s.n_available, _kept(s, s.used), _kept(s, use.params)))
+        held = sum(size(numels[p]) for p in s.held - s.done)
+        out.append(Moment(use, *_storage(s), s.n_available, _kept(s, s.used), _kept(s, use.params), s.waits, held))
     return out
+
+
+def view_held(roles: tuple[str, ...]) -> frozenset:
+    """Indices of the parameters whose gathered storage a layer's forward keeps alive until that layer's
+    backward, whatever ZeRO-3 releases: fused experts, which transformers (5.24 ``integrations/moe.py``
+    ``_grouped_linear``) multiplies as ``_grouped_mm(input, weight.transpose(-2, -1))`` (its eager loop:
+    ``F.linear(x, self.gate_up_proj[expert_idx])``), so autograd saves a view of the storage, not the
+    parameter: ZeRO-3's ``free_param`` (``param.data = torch.empty(0)``) frees nothing while the view
+    lives (DeepSpeed's ``zero3_linear_wrap``, ``zero/linear.py``, saves the weight it is given: a
+    parameter, whose storage ``free_param`` swaps out, for ``nn.Linear``; here a view, which keeps it).
+    ``roles``: each parameter's (``ParamTensor.role``), ``expert`` held.
+    Found by trace: Mixtral's real widths cut to 4 layers over 8 ranks held 11,322 MiB gathered at layer
+    3's backward where the replay without it held 5,536."""
+    return frozenset(i for i, r in enumerate(roles) if r == "expert")
 
 
 def _run(s: _State, uses: tuple[Use, ...], dist: int, bucket: int, max_live: int):
     """The step's fetches in order: yields each use's index and itself after its fetch (and prefetch),
     releasing its parameters once the caller resumes."""
-    s.prefix = [0]
+    s.prefix, s.prefix_below = [0], [0]
+    first_bwd = next((k for k, u in enumerate(uses) if not u.forward), len(uses))
+    s.recompute_from = first_bwd if any(u.forward for u in uses[first_bwd:]) else 0   # the first forward: no_grad
     for k, use in enumerate(uses):
-        s.prefix.append(s.prefix[-1] + sum(s.numels[p] for p in use.params))
-        for p in use.params:
+        own = use.params if use.below is not None else ()                 # a leaf's own: none
+        below = use.below if use.below is not None else use.params
+        s.prefix.append(s.prefix[-1] + sum(s.numels[p] for p in own))
+        s.prefix_below.append(s.prefix_below[-1] + sum(s.numels[p] for p in below))
+        for p in own:
             s.occurs.setdefault(p, []).append(k)
+        for p in below:
+            s.occurs_below.setdefault(p, []).append(k)
     queue = deque((p, i) for i, use in enumerate(uses) for p in sorted(set(use.params)))
     for i, use in enumerate(uses):
         s.marks.append(len(s.log))
@@ -223,7 +324,7 @@ def _run(s: _State, uses: tuple[Use, ...], dist: int, bucket: int, max_live: int
 
 
 def events(uses: tuple[Use, ...], numels: tuple[int, ...], dist: int, bucket: int,
-           max_live: int) -> tuple[tuple[tuple[tuple[int, int, int], ...], ...], ...]:
+           max_live: int, views: frozenset = frozenset()) -> tuple[tuple[tuple[tuple[int, int, int], ...], ...], ...]:
     """The gathered storage's allocations and frees at each use of ``replay``'s step, in order: per use,
     those of its fetch (before the module runs) and those of its release (after it), each
     (+1, key, elements) where a tensor of the engine's dtype is made (a parameter gathered alone into
@@ -234,8 +335,10 @@ def events(uses: tuple[Use, ...], numels: tuple[int, ...], dist: int, bucket: in
     group's number for its flat output. What is still gathered after the last use stays so until the
     optimizer step partitions every parameter (the caller frees it). ``bucket`` 0 and ``dist`` 0: the
     run's first step, before the order is recorded (each module gathers its own parameters and releases
-    them after its forward or backward: ``release_sub_module`` v0.19.8 L502-507)."""
-    s = _State(numels, int, [0] * len(numels))
+    them after its forward or backward: ``release_sub_module`` v0.19.8 L502-507). A parameter of ``views``
+    released after its forward is (-2, key, 0): its storage lives on in the view autograd saved until
+    its layer's backward (``view_held``)."""
+    s = _State(numels, int, [0] * len(numels), views=frozenset(views))
     for _ in _run(s, uses, dist, bucket, max_live):
         pass
     ends = s.marks[1:] + [len(s.log)]
@@ -245,30 +348,43 @@ def events(uses: tuple[Use, ...], numels: tuple[int, ...], dist: int, bucket: in
 
 @lru_cache(maxsize=64)
 def gather_events(params: tuple[tuple[str, int, int | None], ...], head: str | None, tied_head: int | None,
-                  recompute: bool, dist: int, bucket: int, max_live: int, reduce_bucket: int = 0) -> tuple:
+                  recompute: bool, dist: int, bucket: int, max_live: int, reduce_bucket: int = 0,
+                  leaves: tuple[str, ...] = (), views: frozenset = frozenset()) -> tuple:
     """The recorded order's uses, each as (forward, layer, whether it has parameters of its own, its
     fetch's ``events``, its release's, the elements of the gradient bucket's flat ``cat`` its backward's
     gradient hook makes, ``reduce_cats``, 0 for none), for the run's first step (no prefetch, each
     module's parameters released after it) and for the steps after it (the reductions are the same in
     both); arguments as ``gathered_zones``'s."""
-    uses, numels = module_order(list(params), head, tied_head, recompute)
+    uses, numels = module_order(list(params), head, tied_head, recompute, leaves)
     cats = reduce_cats(uses, numels, reduce_bucket)
     return tuple(tuple((u.forward, u.layer, bool(u.params), *ev, cats.get(i, 0))
-                       for i, (u, ev) in enumerate(zip(uses, events(uses, numels, d, b, max_live))))
+                       for i, (u, ev) in enumerate(zip(uses, events(uses, numels, d, b, max_live, views))))
                  for d, b in ((0, 0), (dist, bucket)))
 
 
-def _call_key(name: str) -> int:
+def _call_key(name: str) -> tuple[int, int]:
     """A layer's modules in the order its forward calls them: the norm before attention, attention,
-    the norm after it, the MLP (registration order, e.g. Llama's, lists the norms last)."""
-    return (0 if ("input_layernorm" in name or ".ln_1." in name) else 1 if "attn" in name else
+    the norm after it, the MLP (registration order, e.g. Llama's, lists the norms last); in a
+    mixture-of-experts block the router (``mlp.gate``) before the experts, which its routing feeds
+    (transformers 5.24 ``Qwen3MoeSparseMoeBlock`` registers ``experts`` first, ``modeling_qwen3_moe.py``
+    L274-281, and calls ``self.gate`` first)."""
+    part = (0 if ("input_layernorm" in name or ".ln_1." in name) else 1 if "attn" in name else
             2 if ("post_attention" in name or ".ln_2." in name) else 3)
+    return part, 0 if name.endswith(".gate.weight") else 1
 
 
-def _path(name: str, head: str | None) -> list[str]:
+def _path(name: str, head: str | None, leaves: tuple[str, ...] = ()) -> list[str]:
     """The modules from the root to a parameter's own: the root (the task model, e.g.
-    ``LlamaForCausalLM``), then the LM head, or the base model and the parameter's module path."""
+    ``LlamaForCausalLM``), then the LM head, or the base model and the parameter's module path, cut
+    at a ZeRO-3 leaf module among ``leaves`` (module paths): a leaf's submodules get no hooks, its
+    own fetch gathers every parameter under it (DeepSpeed v0.19.8 ``parameter_offload.py``
+    ``_register_deepspeed_module`` L350-356; ``partitioned_param_coordinator.py`` L364
+    ``iter_params(recurse=is_leaf)``)."""
     parts = name.split(".")[:-1]
+    for k in range(len(parts)):
+        if ".".join(parts[:k + 1]) in leaves:
+            parts = parts[:k + 1]
+            break
     return ["<root>", "<head>"] if ".".join(parts) == head else ["<root>", "<base>"] + parts
 
 
@@ -276,12 +392,12 @@ def _key(path: list[str]) -> str:
     return ".".join(path)
 
 
-def _tree(names: list[str], head: str | None) -> dict:
+def _tree(names: list[str], head: str | None, leaves: tuple[str, ...] = ()) -> dict:
     """The module tree of ``names`` in call order: every module path and the containers above it
     (a ``ModuleList``, the prefix before an index, is never called)."""
     root: dict = {}
     for name in names:
-        path, node = _path(name, head), root
+        path, node = _path(name, head, leaves), root
         for k in range(len(path)):
             if k + 1 < len(path) and path[k + 1].isdigit():
                 continue
@@ -315,7 +431,7 @@ def _walk(tree: dict, pre: list[str], post: list[str]) -> None:
 
 
 def module_order(params: list[tuple[str, int, int | None]], head: str | None, tied_head: int | None,
-                 recompute: bool) -> tuple[tuple[Use, ...], tuple[int, ...]]:
+                 recompute: bool, leaves: tuple[str, ...] = ()) -> tuple[tuple[Use, ...], tuple[int, ...]]:
     """The recorded order of one step (``record_module`` at every fetch) and each parameter's elements,
     from ``params`` (name, elements on this rank's whole copy, layer) in registration order: the
     forward's pre-order, then the backward's reverse post-order (a module's backward pre-hook fires
@@ -323,31 +439,64 @@ def module_order(params: list[tuple[str, int, int | None]], head: str | None, ti
     ``recompute`` each layer's forward again right after its own backward hook (non-reentrant
     checkpointing unpacks the layer's first saved tensor in its backward). ``head`` names the LM
     head's module (last in forward, first in backward); a tied head (``tied_head``: the table's
-    index) uses the embedding's parameter. Persistent parameters are left out (module docstring)."""
+    index) uses the embedding's parameter. Persistent parameters are left out (module docstring).
+    ``leaves``: the module paths of ZeRO-3 leaf modules (``_path``), each one use with its subtree's
+    parameters (a mixture-of-experts block's router and experts: ``quantities._z3_leaves``)."""
     own: dict[str, list[int]] = {}
     for i, (name, numel, _) in enumerate(params):
         if numel > PERSISTENCE_THRESHOLD:
-            own.setdefault(_key(_path(name, head)), []).append(i)
+            own.setdefault(_key(_path(name, head, leaves)), []).append(i)
     if tied_head is not None:
         own["<root>.<head>"] = [tied_head]
     layer_of: dict[str, int] = {}
     for name, _, layer in params:
-        path = _path(name, head)
+        path = _path(name, head, leaves)
         for k in range(3, len(path) + 1):
             if layer is not None and str(layer) in path[2:k]:
                 layer_of[_key(path[:k])] = layer
     names = [params[i][0] for i in _forward_sorted(params)]
-    tree = _tree(names + (["<head>.weight"] if tied_head is not None else []), head if tied_head is None else "<head>")
+    tree = _tree(names + (["<head>.weight"] if tied_head is not None else []),
+                 head if tied_head is None else "<head>", leaves)
     pre: list[str] = []
     post: list[str] = []
     _walk(tree, pre, post)
-    uses = [Use(True, tuple(own.get(k, ())), layer_of.get(k), k) for k in pre]
+    below = {k: (None if k.split("<base>.", 1)[-1] in leaves else
+                 tuple(sorted({p for j, ps in own.items() if j == k or j.startswith(k + ".") for p in ps})))
+             for k in pre}
+
+    def use(forward: bool, k: str, active: bool = False) -> Use:
+        return Use(forward, tuple(own.get(k, ())), layer_of.get(k), k, active, below[k])
+    uses = [use(True, k) for k in pre]
     for k in reversed(post):
-        uses.append(Use(False, tuple(own.get(k, ())), layer_of.get(k), k))
+        uses.append(use(False, k))
         if recompute and _is_layer(k):
-            uses.extend(Use(True, tuple(own.get(j, ())), layer_of.get(j), j)
-                        for j in pre if j == k or j.startswith(k + "."))
+            chain = _last_chain(tree, k)
+            uses.extend(use(True, j, j in chain) for j in pre if j == k or j.startswith(k + "."))
     return tuple(uses), tuple(n for _, n, _ in params)
+
+
+def _last_chain(tree: dict, key: str) -> set[str]:
+    """``key`` and its last-called child, that one's, and so on: the modules whose backward hooks fire
+    before a checkpointed layer is recomputed (each one's output gradient reaches its
+    ``PreBackwardFunctionForModule`` before any node that unpacks a saved tensor, which recomputes the
+    layer under non-reentrant checkpointing; a layer's output is its residual add of the MLP's, the MLP's
+    its last projection's). Their parameters stay gathered through the recomputed forward: DeepSpeed frees
+    a parameter only when no module using it is active (v0.19.8 ``partitioned_param_coordinator.py``
+    ``__release_param``: ``not param.ds_active_sub_modules``), and their backward has begun."""
+    def find(node: dict) -> dict | None:
+        for k, sub in node.items():
+            if k == key:
+                return sub
+            hit = find(sub)
+            if hit is not None:
+                return hit
+        return None
+    out, node = {key}, find(tree) or {}
+    while node:
+        last = list(node)[-1]
+        out.add(last)
+        node = node[last]
+    return out
 
 
 def reduce_cats(uses: tuple[Use, ...], numels: tuple[int, ...], bucket: int) -> dict[int, int]:
@@ -395,7 +544,8 @@ def _low_kept(mo: Moment, cat: int, bottom: int) -> int:
 def gathered_zones(params: tuple[tuple[str, int, int | None], ...], head: str | None, tied_head: int | None,
                    recompute: bool, dist: int, bucket: int, max_live: int,
                    forward_storage_kept: bool, reduce_bucket: int, weight_bytes: int,
-                   expandable: bool) -> tuple[int, int, int, int]:
+                   expandable: bool, leaves: tuple[str, ...] = (),
+                   views: frozenset = frozenset()) -> tuple[int, int, int, int]:
     """Bytes ZeRO-3 holds gathered (each tensor's caching-allocator block, ``weight_bytes`` per element,
     ``allocator_rules.block_bytes`` under ``expandable`` segments or not), the most at each of four stretches of a step with the trace
     complete (``replay`` over ``module_order``): the top layer's forward; from the end of forward
@@ -407,17 +557,20 @@ def gathered_zones(params: tuple[tuple[str, int, int | None], ...], head: str | 
     still gathered since its forward use is not counted again. ``reduce_bucket``: ZeRO-3's
     ``reduce_bucket_size`` with every parameter trainable (0: none), whose reductions during backward
     (``reduce_cats``) make their flat ``cat`` beside what is gathered at that module's backward: counted
-    there with it."""
-    uses, numels = module_order(list(params), head, tied_head, recompute)
+    there with it. ``leaves``: ZeRO-3 leaf modules' paths (``module_order``); ``views``: the parameters
+    whose released forward storage autograd holds (``view_held``), counted beside the gathered."""
+    uses, numels = module_order(list(params), head, tied_head, recompute, leaves)
     def size(n: int) -> int:
         return block_bytes(n * weight_bytes, expandable)     # (n,) engine dtype
-    moments = replay(uses, numels, dist, bucket, max_live, size)
+    moments = replay(uses, numels, dist, bucket, max_live, size, views)
     top_layer = max((u.layer for u in uses if u.layer is not None), default=None)
     first_bwd = next(i for i, u in enumerate(uses) if not u.forward)
     head_fwd = max((i for i, u in enumerate(uses[:first_bwd]) if u.layer is None), default=0)
 
-    def held(mo: Moment) -> int:
-        return mo.gathered - (mo.fresh if forward_storage_kept else 0)
+    def held(mo: Moment, cat: int = 0) -> int:
+        """after the fetch (with the reduction's ``cat`` after its backward), or during its waits"""
+        kept = mo.fresh if forward_storage_kept else -mo.views   # F.linear's kept weights: deepspeed_linear_kept
+        return max(mo.gathered + cat, mo.waits) - kept
     fwd = [held(mo) for i, mo in enumerate(moments[:first_bwd]) if mo.use.layer == top_layer]
     cats = reduce_cats(uses, numels, reduce_bucket)
     head, top, low = [held(moments[head_fwd])], [], []
@@ -428,6 +581,6 @@ def gathered_zones(params: tuple[tuple[str, int, int | None], ...], head: str | 
         if zone is low and forward_storage_kept:
             zone.append(_low_kept(mo, size(cats.get(i, 0)) if cats.get(i) else 0, bottom))
             continue
-        zone.append(held(mo) + (size(cats[i]) if cats.get(i) else 0))
+        zone.append(held(mo, size(cats[i]) if cats.get(i) else 0))
     top = top or head
     return max(fwd, default=0), max(head), max(top), max(low, default=max(top))
