@@ -1,0 +1,80 @@
+"""DeepSpeed ZeRO-1/2 with the optimizer offloaded (``offload_optimizer: {device: cpu}``) traced through
+DeepSpeed's own engine (``trace.deepspeed_engine``): the host buffers are fake CPU tensors (no data, no
+host memory), the device side is DeepSpeed's (docs/trace.md, "DeepSpeed ZeRO")."""
+from __future__ import annotations
+
+import pytest
+
+import trainmem
+from trainmem.errors import TrainmemError
+from trainmem.trace import deepspeed_engine, trace
+
+LLAMA = dict(set=["num_hidden_layers=2", "hidden_size=512", "intermediate_size=1024", "num_attention_heads=8",
+                  "num_key_value_heads=4", "head_dim=64", "vocab_size=2048"], seq_len=256, batch_size=2)
+OFFLOAD = dict(LLAMA, dp=2, precision="fp16", offload_optimizer=True)
+
+
+def _watch_step(monkeypatch) -> list:
+    """The ZeRO-1/2 optimizer each offloaded step runs (``_optimizer_step`` is called per group under
+    ``cpu_offload``, v0.19.8 ``stage_1_and_2.py`` L3085), recorded as the step sees it."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    seen, orig = [], DeepSpeedZeroOptimizer._optimizer_step
+
+    def step(self, i):
+        out = orig(self, i)
+        seen.append((self, i))
+        return out
+    monkeypatch.setattr(DeepSpeedZeroOptimizer, "_optimizer_step", step)
+    return seen
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_offloaded_host_buffers_are_fake_and_the_gradient_buffer_is_on_the_gpu(stage, monkeypatch, one_torch_thread):
+    """The pinned fp32 partition, its gradient, the half copy for the upload, the host gradient buffer
+    and the torch optimizer's states are CPU tensors without data; the device gradient buffer
+    (``temp_grad_buffer_for_gpu_offload``, the largest parameter's elements in fp16) is on the emulated GPU."""
+    pytest.importorskip("deepspeed")
+    from torch._subclasses.fake_tensor import FakeTensor
+    seen = _watch_step(monkeypatch)
+    r = trace("llama-3.2-1b", zero=stage, **OFFLOAD)
+    assert seen, "the offloaded step did not run"
+    opt, i = seen[-1]
+    assert opt.cpu_offload
+    host = [opt.single_partition_of_fp32_groups[i], opt.single_partition_of_fp32_groups[i].grad,
+            opt.param_buffer_of_bit16_for_cpu_offload_groups[i], opt.temp_grad_buffer_for_cpu_offload,
+            *[v for state in opt.optimizer.state.values() for v in state.values() if v.dim()]]
+    assert len(host) >= 6   # (AdamW's exp_avg and exp_avg_sq among them)
+    assert all(isinstance(t, FakeTensor) and t.device.type == "cpu" for t in host)
+    assert opt.temp_grad_buffer_for_gpu_offload.device.type == "meta"
+    comps = {c.name: c.bytes for c in r.components}
+    assert "master_weights" not in {c.category for c in r.components}
+    assert not any(c.category == "optimizer_states" for c in r.components)
+    assert comps.get("communication.deepspeed_offload_buffer") == 2048 * 512 * 2   # the embedding's fp16 elements
+
+
+def test_the_upload_of_the_updated_half_partition_allocates_nothing(one_torch_thread):
+    """The step copies the host's updated half partition into the device's (``bit16_partitions[partition_id]
+    .data.copy_(bit16_partition_buffer.data)``, v0.19.8 L3094-3096): in place, nothing allocated. Before,
+    the fake tensor's dispatch stood a new storage of the whole flat group in for the device tensor."""
+    pytest.importorskip("deepspeed")
+    r = trace("llama-3.2-1b", zero=2, **dict(OFFLOAD, dp=1))
+    flat = sum(c.bytes for c in r.components if c.category == "parameters")
+    backward_end = [p for p in r.phases if p.name == "backward"][-1].allocated
+    step = max(p.peak for p in r.phases if p.name == "optimizer_step")
+    assert step - backward_end < flat
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_estimate_agrees_with_the_offloaded_engine(stage, one_torch_thread):
+    """The estimate's ZeRO-1/2 offload model (``quantities.deepspeed_offload_steps``, the offload buffer) on
+    the installed release against the engine: peak allocated within 0.5%."""
+    pytest.importorskip("deepspeed")
+    r, e = trace("llama-3.2-1b", zero=stage, **OFFLOAD), trainmem.estimate("llama-3.2-1b", zero=stage, **OFFLOAD)
+    assert abs(e.peak_allocated / r.peak_allocated - 1) <= 0.005
+
+
+def test_trace_refuses_zero3_offload(monkeypatch):
+    """ZeRO-3's offload (``DeepSpeedZeroOptimizer_Stage3``'s host partitions and swapper) is not traced."""
+    monkeypatch.setattr(deepspeed_engine, "available", lambda: True)
+    with pytest.raises(TrainmemError, match="--offload-optimizer"):
+        trace("llama-3.2-1b", zero=3, **OFFLOAD)
