@@ -78,3 +78,25 @@ def test_trace_refuses_zero3_offload(monkeypatch):
     monkeypatch.setattr(deepspeed_engine, "available", lambda: True)
     with pytest.raises(TrainmemError, match="--offload-optimizer"):
         trace("llama-3.2-1b", zero=3, **OFFLOAD)
+
+
+SMALL_BUCKETS = dict(OFFLOAD, reduce_bucket_size=500_000)
+
+
+def test_zero2_offload_keeps_no_gradient_between_micro_batches():
+    """ZeRO-2 offloaded hands each reduced gradient to a host buffer and backward's epilogue frees the rest
+    (``quantities.deepspeed_grads_on_host``): a second micro-batch meets no gradient on the GPU, so its peak is
+    the first's. ZeRO-1 reduces at the boundary only: its earlier micro-batch's ``.grad`` stays (a larger peak)."""
+    one, two = (trainmem.estimate("llama-3.2-1b", zero=2, grad_accum=ga, **SMALL_BUCKETS) for ga in (1, 2))
+    assert two.peak_allocated == one.peak_allocated
+    z1 = [trainmem.estimate("llama-3.2-1b", zero=1, grad_accum=ga, **SMALL_BUCKETS) for ga in (1, 2)]
+    assert z1[1].peak_allocated > z1[0].peak_allocated
+
+
+def test_estimate_agrees_with_the_offloaded_zero2_engine_under_accumulation(one_torch_thread):
+    """Two micro-batches through the offloaded ZeRO-2 engine, buckets small enough to reduce in backward: within
+    0.5 % (was +8.8 %: the estimate kept the sharded gradients from the first micro-batch)."""
+    pytest.importorskip("deepspeed")
+    kw = dict(SMALL_BUCKETS, zero=2, grad_accum=2)
+    r, e = trace("llama-3.2-1b", **kw), trainmem.estimate("llama-3.2-1b", **kw)
+    assert abs(e.peak_allocated / r.peak_allocated - 1) <= 0.005

@@ -308,6 +308,8 @@ class Quantities:
     ds_partition_from: int = 3   # ... which backward moment it exists from (``deepspeed_partition_from``)
     ds_emb_grads: int = 0        # ... the gradients beside the word embedding's (``deepspeed_grads_at_embedding``)
     ds_accumulated: int = 0      # ZeRO-2: the earlier micro-batches' partition gradients (``all_grad_tensors``)
+    ds_host_grads: int = 0       # 1: ZeRO-2 offloaded: an earlier micro-batch's gradients are on the host,
+    #                              none on the GPU (``deepspeed_grads_on_host``)
     ds_kept_buf: int = 0         # ZeRO-1 under accumulation: the buckets kept from one micro-batch to the next
     ds_reduce_grads: int = 0     # ZeRO-1/2's last reduction after backward: the gradients ...
     ds_reduce_flat: int = 0      # ... and the flat copy of the bucket (``deepspeed_epilogue``)
@@ -1707,6 +1709,7 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
             # ``all_grad_tensors`` until the boundary (``get_all_grad_tensors``, L1036-1044, L2703-2710),
             # so a later micro-batch makes its own ``grads_in_partition`` beside them
             "ds_accumulated": held if hooked and t.zero == 2 else 0,
+            "ds_host_grads": int(deepspeed_grads_on_host(t, st)),
             **dict(zip(("ds_reduce_grads", "ds_reduce_flat"), deepspeed_epilogue(m, t, st))),
             # ZeRO-1 reduces at the boundary only (``engine.py`` v0.19.8 ``allreduce_gradients`` L3083-3093),
             # so ``_release_ipg_buffers`` (L924-932, from the epilogue) runs there only: the buckets the
@@ -1780,6 +1783,23 @@ def deepspeed_offload_steps(t: TrainingSpec, piece: int, whole: int) -> tuple[tu
     if t.weight_bytes != 4:                                       # (piece,) fp32
         steps.append((piece * 4,))
     return tuple(steps)
+
+
+def deepspeed_grads_on_host(t: TrainingSpec, st: States) -> bool:
+    """Whether DeepSpeed ZeRO-2, the optimizer offloaded (its hooks reduce in every micro-batch's
+    backward, ``process_gradients`` under ``partition_gradients``, v0.19.8 L2284-2291; ZeRO-1's only at
+    the boundary, so its earlier micro-batches keep ``.grad``), leaves no gradient on the GPU from one
+    micro-batch to the next: each
+    reduced gradient of the rank's partition goes to a host buffer (``copy_grads_in_partition`` ->
+    ``async_accumulate_grad_in_cpu_via_gpu`` when ``micro_step_id > 0 or not boundary``, the host's
+    ``accumulated_grads_in_cpu``; v0.19.8 ``stage_1_and_2.py`` L1809-1871, L2161-2170; v0.14.2 the same
+    under ``gradient_accumulation_steps > 1``), the other parameters' are cleared, and backward's epilogue
+    frees the rest: ``zero_grad(set_to_none=True)`` (v0.14.2 ``independent_gradient_partition_epilogue``
+    L795); on the GPU there is no ``averaged_gradients`` partition to keep (``if self.cpu_offload is False``,
+    v0.14.2 L769, v0.19.8 L1032). Found by trace: a 2-layer Llama over 2 ranks, ZeRO-2 offloaded,
+    2 micro-batches, 5e5-element buckets: the second micro-batch's loss backward holds no gradient
+    (the estimate held the sharded gradients there, +8.8 %)."""
+    return _offloads_grads(t, st) and t.zero == 2
 
 
 def _offloads_grads(t: TrainingSpec, st: States) -> bool:
