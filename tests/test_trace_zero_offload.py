@@ -50,6 +50,8 @@ def test_offloaded_host_buffers_are_fake_and_the_gradient_buffer_is_on_the_gpu(s
     assert "master_weights" not in {c.category for c in r.components}
     assert not any(c.category == "optimizer_states" for c in r.components)
     assert comps.get("communication.deepspeed_offload_buffer") == 2048 * 512 * 2   # the embedding's fp16 elements
+    # the ranks differ (each copies its own partition's gradients): the report says so, not "the same on every rank"
+    assert any("its own partition's gradients" in w for w in r.warnings)
 
 
 def test_the_upload_of_the_updated_half_partition_allocates_nothing(one_torch_thread):
