@@ -223,6 +223,8 @@ def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, 
     s = _Step(handle_ws=handle_ws, ao_events=st.torchao_events)
     if q.ds_init_grads:                                                # ... its flat gradient partitions
         _zero3_flat_grads(R, s, q.ds_init_grads, st.trainables)
+    if q.ds_offload_clone:                                             # DeepSpeed ZeRO-1/2 offloading (v0.18.3+): the
+        R.free(R.alloc(q.ds_offload_clone))                            # partition's half clone, copied to the host
     if q.ds_offload_buf:                                               # DeepSpeed ZeRO-1/2 offloading: its GPU
         R.alloc(q.ds_offload_buf)                                      # gradient buffer, from engine init
     for sizes in st.gathered:                                          # DeepSpeed ZeRO-3's init gathers each
