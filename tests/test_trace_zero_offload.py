@@ -126,3 +126,25 @@ def test_offload_clones_the_half_partition_on_the_gpu_from_v0_18_3(monkeypatch, 
     # at the peak, 3 % reserved; the rule before v0.18.3, no clone, is 9 % and 14 % under)
     assert abs(_load(new)[0] / traced[0] - 1) <= 0.01 and abs(_load(new)[1] / traced[1] - 1) <= 0.03
     assert _load(old)[0] < 0.95 * traced[0]
+
+
+# Qwen1.5-0.5B's shape cut to 2 layers: its 151936-row vocabulary makes the loss the peak, as on the full model
+QWEN = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 1024,
+        "intermediate_size": 2816, "num_attention_heads": 16, "num_key_value_heads": 16, "num_hidden_layers": 2,
+        "vocab_size": 151936, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+        "tie_word_embeddings": True, "hidden_act": "silu", "torch_dtype": "bfloat16"}
+
+
+def test_replay_makes_the_buckets_at_the_first_hook_from_v0_18_3(monkeypatch, one_torch_thread):
+    """From v0.18.3 ZeRO-1/2's buckets are made at the first gradient's hook, after the loss's backward
+    (``reserved._ds_buckets``): the loss's two fp32 gradients meet the logits' holes without a bucket in
+    them, and the second maps new memory, as the engine does (Giles Thomas's Qwen1.5-0.5B offload setup, b2
+    s2048, the flat group made on the host: reserved within 0.1 %; the bucket at backward's start: -10.6 %)."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+    monkeypatch.setattr(CUDA_Accelerator, "available_memory", lambda self, device_index=None: 0)
+    kw = dict(framework="hf-trainer", zero=2, dp=1, precision="fp16", batch_size=2, seq_len=2048,
+              offload_optimizer=True, expandable_segments=True, recompute="full", reentrant=True)
+    r, e = trace(QWEN, **kw), trainmem.estimate(QWEN, **kw)
+    assert e.peak_allocated == pytest.approx(r.peak_allocated, rel=1e-4)
+    assert abs(e.peak_reserved / r.peak_reserved - 1) <= 0.001
