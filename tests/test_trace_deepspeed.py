@@ -31,7 +31,7 @@ def test_trace_zero_without_deepspeed_names_the_install(monkeypatch):
         trace("gpt2", zero=2, dp=2, precision="bf16", **GPT2)
 
 
-@pytest.mark.parametrize("option,match", [({"offload_optimizer": True}, "offload"),
+@pytest.mark.parametrize("option,match", [({"offload_optimizer": True, "zero": 3}, "offload"),
                                           ({"precision": "bf16-amp"}, "precision bf16-amp"),
                                           ({"optimizer": "adafactor"}, "optimizer adafactor"),
                                           ({"master_weights": "none"}, "master-weights none"),

@@ -122,7 +122,11 @@ CASES = [
      "2 is what 1F1B keeps in flight on the first of 2 stages, the schedule trace runs (vs without it)"),
     ({"num_microbatches_in_flight": 1, "pp": 2, "grad_accum": 2}, REFUSED, "--num-microbatches-in-flight 1"),
     ({"distributed_optimizer": True, "dp": 2}, REFUSED, "--distributed-optimizer"),
-    ({"offload_optimizer": True, "zero": 2, "dp": 2}, REFUSED, "--offload-optimizer"),
+    # ZeRO-1/2's offload runs through DeepSpeed's engine, the host buffers without data (tests/test_trace_zero_offload.py):
+    # the fp32 partition and the optimizer states leave the GPU; ZeRO-3's offload and DDP's are refused
+    ({"offload_optimizer": True, **ZERO2}, DS_RUN, DS_WHY),
+    ({"offload_optimizer": True, **ZERO3}, REFUSED, "--offload-optimizer"),
+    ({"offload_optimizer": True, "dp": 2}, REFUSED, "--offload-optimizer"),
     # DeepSpeed ZeRO's engine options: its config's zero_optimization keys (each vs its stage alone, REFERENCE)
     ({"reduce_bucket_size": 1000, **ZERO2}, DS_RUN, DS_WHY),
     ({"overlap_comm": True, **ZERO1}, DS_RUN, DS_WHY),

@@ -103,8 +103,10 @@ def check_supported(t: TrainingSpec, what: str = "trace") -> None:
     if t.min_seq_len is not None and what != "trace":  # trace runs the drawn lengths (padded_steps)
         bad.append(f"--min-seq-len {t.min_seq_len} (its lengths are drawn over {len(padded_lengths(t))} micro-batches "
                    "after two full steps; trace and estimate run them)")
-    if t.offload_optimizer:
-        bad.append("--offload-optimizer")
+    if t.offload_optimizer and not (what == "trace" and t.zero and t.fsdp is None and t.gemini is None
+                                    and not t.distributed_optimizer):
+        bad.append("--offload-optimizer")  # (trace runs ZeRO-1/2's offload through DeepSpeed's engine; ZeRO-3's
+        #                                     it refuses in one line: deepspeed_engine.check)
 
     if t.distributed_optimizer:
         bad.append("--distributed-optimizer")

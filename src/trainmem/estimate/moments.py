@@ -699,8 +699,10 @@ def _grads_before(q: Quantities, flags: StepFlags, tk: Tokens, micro: int, step:
         return q.grads_loaded
     # DeepSpeed ZeRO-2 whose hooks reduce: the whole parameters of the rank's partition, not the shard
     # (``quantities.ds_accumulated``)
-    return where(q.ds_accumulated > 0, q.ds_accumulated,
-                 q.grads + tk.grad_views - (tk.grads_absent if micro > 0 and not kept else 0))
+    grads = where(q.ds_accumulated > 0, q.ds_accumulated,
+                  q.grads + tk.grad_views - (tk.grads_absent if micro > 0 and not kept else 0))
+    # ... with the optimizer offloaded: on the host (``quantities.deepspeed_grads_on_host``)
+    return grads if kept else where(q.ds_host_grads > 0, 0, grads)
 
 
 def _quant4_head_backward(q: Quantities, tk: Tokens, kept: "Kept", base: tuple, step: int, micro: int, valid: Any,

@@ -308,6 +308,9 @@ class Quantities:
     ds_partition_from: int = 3   # ... which backward moment it exists from (``deepspeed_partition_from``)
     ds_emb_grads: int = 0        # ... the gradients beside the word embedding's (``deepspeed_grads_at_embedding``)
     ds_accumulated: int = 0      # ZeRO-2: the earlier micro-batches' partition gradients (``all_grad_tensors``)
+    ds_offload_clone: int = 0    # ZeRO-1/2 offloaded: the half clone of the partition at init (``deepspeed_offload_clone``)
+    ds_host_grads: int = 0       # 1: ZeRO-2 offloaded: an earlier micro-batch's gradients are on the host,
+    #                              none on the GPU (``deepspeed_grads_on_host``)
     ds_kept_buf: int = 0         # ZeRO-1 under accumulation: the buckets kept from one micro-batch to the next
     ds_reduce_grads: int = 0     # ZeRO-1/2's last reduction after backward: the gradients ...
     ds_reduce_flat: int = 0      # ... and the flat copy of the bucket (``deepspeed_epilogue``)
@@ -1707,6 +1710,7 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
             # ``all_grad_tensors`` until the boundary (``get_all_grad_tensors``, L1036-1044, L2703-2710),
             # so a later micro-batch makes its own ``grads_in_partition`` beside them
             "ds_accumulated": held if hooked and t.zero == 2 else 0,
+            "ds_host_grads": int(deepspeed_grads_on_host(t, st)), "ds_offload_clone": deepspeed_offload_clone(t, st),
             **dict(zip(("ds_reduce_grads", "ds_reduce_flat"), deepspeed_epilogue(m, t, st))),
             # ZeRO-1 reduces at the boundary only (``engine.py`` v0.19.8 ``allreduce_gradients`` L3083-3093),
             # so ``_release_ipg_buffers`` (L924-932, from the epilogue) runs there only: the buckets the
@@ -1780,6 +1784,38 @@ def deepspeed_offload_steps(t: TrainingSpec, piece: int, whole: int) -> tuple[tu
     if t.weight_bytes != 4:                                       # (piece,) fp32
         steps.append((piece * 4,))
     return tuple(steps)
+
+
+def deepspeed_offload_clone(t: TrainingSpec, st: States) -> int:
+    """Bytes of the half clone of the rank's flat partition that DeepSpeed ZeRO-1/2, the optimizer
+    offloaded, makes on the GPU at init (0 otherwise): from v0.18.3 the fp32 master partition is
+    ``parallel_partitioned_bit16_groups[i][partition_id].detach().clone().to(device=self.device,
+    dtype=...)`` (v0.18.3 ``stage_1_and_2.py`` L449, v0.19.8 L559-561): the clone is made where the
+    partition is, on the GPU, in the engine's half dtype, ceil(trainable / dp) elements, and freed once
+    ``.to`` has copied it to the host (``self.device`` is ``cpu``), before ``temp_grad_buffer_for_gpu_offload``
+    (L653-661). Up to v0.18.2 it was ``.to(self.device).clone().float()`` (v0.14.2 L393-394): the host copy
+    first, nothing on the GPU. Its segment stays cached under the offload buffer and the forward's first
+    tensors (found by trace: DeepSpeed 0.19.8's engine on Giles Thomas's Qwen1.5-0.5B offload setup)."""
+    if not _offloads_grads(t, st) or t.deepspeed_release() < (0, 18, 3):
+        return 0
+    return block_of(t, -(-st.trainable // t.shard_group) * t.weight_bytes)
+
+
+def deepspeed_grads_on_host(t: TrainingSpec, st: States) -> bool:
+    """Whether DeepSpeed ZeRO-2, the optimizer offloaded (its hooks reduce in every micro-batch's
+    backward, ``process_gradients`` under ``partition_gradients``, v0.19.8 L2284-2291; ZeRO-1's only at
+    the boundary, so its earlier micro-batches keep ``.grad``), leaves no gradient on the GPU from one
+    micro-batch to the next: each
+    reduced gradient of the rank's partition goes to a host buffer (``copy_grads_in_partition`` ->
+    ``async_accumulate_grad_in_cpu_via_gpu`` when ``micro_step_id > 0 or not boundary``, the host's
+    ``accumulated_grads_in_cpu``; v0.19.8 ``stage_1_and_2.py`` L1809-1871, L2161-2170; v0.14.2 the same
+    under ``gradient_accumulation_steps > 1``), the other parameters' are cleared, and backward's epilogue
+    frees the rest: ``zero_grad(set_to_none=True)`` (v0.14.2 ``independent_gradient_partition_epilogue``
+    L795); on the GPU there is no ``averaged_gradients`` partition to keep (``if self.cpu_offload is False``,
+    v0.14.2 L769, v0.19.8 L1032). Found by trace: a 2-layer Llama over 2 ranks, ZeRO-2 offloaded,
+    2 micro-batches, 5e5-element buckets: the second micro-batch's loss backward holds no gradient
+    (the estimate held the sharded gradients there, +8.8 %)."""
+    return _offloads_grads(t, st) and t.zero == 2
 
 
 def _offloads_grads(t: TrainingSpec, st: States) -> bool:
@@ -3068,10 +3104,13 @@ def _build_temp(t: TrainingSpec, st: States, comm: int) -> int:
     against all of ``model_loaded``'s end, not only the weights; a smaller peak adds nothing. DeepSpeed
     ZeRO-3's last init step gathers each trainable parameter whole on top of all of it
     (``states.ds_init_gathers``): its largest one. Before them its fp32 master is cloned from an fp32
-    copy of the half partition (``deepspeed_fp32_convert``)."""
+    copy of the half partition (``deepspeed_fp32_convert``). ZeRO-1/2 offloaded clones the half
+    partition on the GPU before its offload buffer exists (``deepspeed_offload_clone``)."""
     gather = max((sum(block_bytes(x, t.expandable_segments) for x in g) for g in st.gathered), default=0)
     grads = st.grads if grads_from_wrap(t) and not t.optimizer_in_backward else 0
     convert = max(0, deepspeed_fp32_convert(t, st) - comm - grads)  # (before the bucket and the gradients)
+    # ZeRO-1/2 offloaded: the partition's half clone, before the offload buffer (``comm``) exists
+    convert = max(convert, deepspeed_offload_clone(t, st) - comm)
     if not st.build_peak:
         return max(st.build_temp, gather, convert)
     return max(0, st.build_peak - (st.weights + st.buffers + st.master + comm + grads), gather, convert)

@@ -225,6 +225,8 @@ def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, 
     s = _Step(handle_ws=handle_ws, ao_events=st.torchao_events)
     if q.ds_init_grads:                                                # ... its flat gradient partitions
         _zero3_flat_grads(R, s, q.ds_init_grads, st.trainables)
+    if q.ds_offload_clone:                                             # DeepSpeed ZeRO-1/2 offloading (v0.18.3+): the
+        R.free(R.alloc(q.ds_offload_clone))                            # partition's half clone, copied to the host
     if q.ds_offload_buf:                                               # DeepSpeed ZeRO-1/2 offloading: its GPU
         R.alloc(q.ds_offload_buf)                                      # gradient buffer, from engine init
     for sizes in st.gathered:                                          # DeepSpeed ZeRO-3's init gathers each
@@ -837,12 +839,27 @@ def _root_resharded(q: Quantities, fs: "_Fsdp") -> bool:
     return fs.v2 and q.fsdp_root > 0 and not q.fsdp_root_kept
 
 
+def _ds_buckets(R: _Replay, q: Quantities, at_start: bool) -> list:
+    """DeepSpeed ZeRO-1/2's gradient buckets (``quantities.deepspeed_buckets``), made where the release makes
+    them: when backward starts before v0.18.3 (``ds_loss_buf``: ``backward`` L2046-2061 at v0.16.4, beside
+    the loss's backward), since at the first gradient's hook (``process_gradients`` -> ``setup_buckets``,
+    v0.19.8 ``stage_1_and_2.py`` L2287, L3256-3281: an untied head's weight, or a tied head's final norm),
+    after the loss's and the head's backward, so the loss's gradients meet the holes the logits left without
+    the buckets in them (found by trace: DeepSpeed 0.19.8 on Qwen1.5-0.5B ZeRO-2 offload b2, its loss's
+    second fp32 gradient mapped 2,380 MiB where the replay had put the bucket and reused a hole; the
+    reserved peak 8,808 -> 9,762 MiB against trace's 9,764 with the flat group made on the host).
+    ``at_start``: the call at backward's start (else after the head's backward); [] where the other makes them."""
+    if bool(q.ds_loss_buf) != at_start:
+        return []
+    return R.allocs([q.ds_bucket] * (q.ds_backward_buf // q.ds_bucket if q.ds_bucket else 0))
+
+
 def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, f: _Forward, parts: list[int],
               n: int, nsq: int, recompute: str, suffix: str, head: bool = True) -> None:
     """One micro-batch's backward, from the loss to the embeddings (``head`` False: a pipeline
     stage without the head, from its output's gradient, ``_pipeline_pairs``)."""
     st = q.detail.states
-    buckets = R.allocs([q.ds_bucket] * (q.ds_backward_buf // q.ds_bucket if q.ds_bucket else 0))  # DeepSpeed ZeRO-1/2
+    buckets = _ds_buckets(R, q, at_start=True)                     # DeepSpeed ZeRO-1/2 before v0.18.3
     if _root_resharded(q, f.fs) and not q.fsdp_root_regather:     # the root's pre-backward: the loss is its output
         f.root = f.fs.unshard(R, q.fsdp_root, st.root_tensors, backward=True)
     if isinstance(f.z3, _Zero3Replay):                            # ZeRO-3: backward's first modules' fetches
@@ -851,6 +868,7 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     if q.fsdp_head_pref:                                          # split root: the head's pre-backward
         f.fs.prefetched = R.alloc(q.fsdp_head_pref, f.fs.streams[0])  # prefetches the top layer
     head_full, tied = _head_backward(R, s, q, flags, f, dlogits) if head else (None, None)
+    buckets += _ds_buckets(R, q, at_start=False)                  # ... from v0.18.3, at the first hook
     if q.ds_head_check and suffix != ".micro1":                   # DeepSpeed ZeRO-1/2 offloaded: the untied
         R.free(R.alloc(q.ds_head_check))                          # head's inf/NaN check (its bucket reduced at
     #                                                               the next hook: deepspeed_offload_check_head)

@@ -83,6 +83,10 @@ def _is_cuda_device(d: Any) -> bool:
     return False
 
 
+def _is_cpu_device(d: Any) -> bool:
+    return d == "cpu" if isinstance(d, str) else isinstance(d, torch.device) and d.type == "cpu"
+
+
 def _is_meta_device(d: Any) -> bool:
     return d == "meta" if isinstance(d, str) else isinstance(d, torch.device) and d.type == "meta"
 
@@ -125,6 +129,9 @@ class CudaEmulation(TorchFunctionMode):
         # whether a ``device="meta"`` the program gives itself is the real meta device (no memory), as
         # DeepSpeed's ZeRO-1/2 layout tensors (``trace.deepspeed_engine``), rather than the emulated GPU
         self.explicit_meta_uncounted = False
+        # a ``FakeTensorMode`` in which host (``device="cpu"``) tensors are made without data while set
+        # (DeepSpeed's ZeRO-Offload host buffers: ``trace.deepspeed_engine.host_buffers``); None: real ones
+        self.fake_host: Any = None
 
     # ----- dispatch --------------------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -134,6 +141,8 @@ class CudaEmulation(TorchFunctionMode):
                 # a tensor the program itself asks for on ``meta`` (shapes only: no memory on a GPU)
                 with self.tracker.paused():
                     return func(*args, **kwargs)
+            if self.fake_host is not None and _is_cpu_device(kwargs["device"]):
+                return self._fake_host(func, args, kwargs)
             kwargs["device"] = _map_device(kwargs["device"])
         name = getattr(func, "__name__", "")
         if name == "to" or name == "_to":
@@ -157,6 +166,13 @@ class CudaEmulation(TorchFunctionMode):
         if name == "_grouped_mm":
             return self._grouped_mm(func, args, kwargs)
         return func(*args, **kwargs)
+
+    def _fake_host(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        """A host tensor the program makes (``device="cpu"``) while :attr:`fake_host` is set: a fake CPU
+        tensor (shape, dtype, device, no data), so that host buffers of a GPU's size take no host memory."""
+        paused = self.tracker.paused() if self.tracker is not None else contextlib.nullcontext()
+        with paused, self.fake_host:
+            return func(*args, **kwargs)
 
     def _host_read(self, name: str, t: torch.Tensor) -> Any:
         if name == "item" and t.dim() == 0 and self.tracker is not None and self.tracker.asserted(t):

@@ -12,6 +12,20 @@ loop is DeepSpeed's (``loss = engine(**batch).loss; engine.backward(loss); engin
 ``workload.DeepSpeedTrainStep``). Every allocation goes through the tracker and the caching-allocator
 simulation, as the rest of the step.
 
+ZeRO-1/2 with ``--offload-optimizer`` (``offload_optimizer: {device: cpu, pin_memory: true}``) runs
+DeepSpeed's ``cpu_offload`` path (``stage_1_and_2.py`` v0.19.8): the pinned fp32 partition and its
+gradient on the host, ``temp_grad_buffer_for_gpu_offload`` (the largest parameter's elements in the
+model's dtype) on the GPU, ``copy_grads_in_partition``'s per-gradient device copies for the host at each
+bucket's reduction (``set_norm_for_param_grad_in_gpu``'s float64 copy, the fp32 cast of
+``async_inplace_copy_grad_to_fp32_buffer_from_gpu``; ``async_accumulate_grad_in_cpu_via_gpu`` under
+accumulation), the step on the host and the upload of the updated half partition. The host tensors
+are fake CPU tensors (:func:`host_buffers`): shape and dtype, no data, no host memory, so an 8B
+model's partition costs nothing here. The optimizer on them is the options' ``torch.optim`` one with
+``zero_force_ds_cpu_optimizer: false`` (engine.py ``_configure_optimizer`` L2342-2346 accepts a
+client optimizer then): DeepSpeed's ``DeepSpeedCPUAdam``, which the runs used, is a compiled op
+(``csrc/adam/cpu_adam.cpp``) that reads and writes the host arrays' data, which fake tensors do not
+have; both step on the host only, and the GPU is what is measured.
+
 The DeepSpeed config is written from the options (:func:`config`): ``zero_optimization`` with the
 stage, ``reduce_bucket_size``, ``overlap_comm``, ``contiguous_gradients`` and the stage-3
 ``sub_group_size``, ``stage3_max_reuse_distance`` and ``stage3_prefetch_bucket_size`` (DeepSpeed's
@@ -133,7 +147,8 @@ def available() -> bool:
 def check(t: TrainingSpec) -> None:
     """Refuse, in one line, what trace does not run through DeepSpeed's engine."""
     what = f"trace --zero {t.zero}"
-    refused = [(t.offload_optimizer, "--offload-optimizer (DeepSpeed's CPU optimizer and pinned host buffers)"),
+    refused = [(t.offload_optimizer and t.zero == 3,
+                "--offload-optimizer with --zero 3 (ZeRO-3's host partitions and their swapper)"),
                (t.remote_device == "cpu", "--remote-device cpu (zero.Init partitions in pinned host memory)"),
                (builds_under_init(t) and _added_modules(t),
                 f"--zero-init on with {_added_modules(t)} (modules added after zero.Init built the model)"),
@@ -182,6 +197,9 @@ def config(t: TrainingSpec) -> dict[str, Any]:
                            "gradient_accumulation_steps": t.grad_accum,
                            "train_batch_size": t.batch_size * t.grad_accum * t.dp,
                            "zero_optimization": zero, "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}
+    if t.offload_optimizer:  # ZeRO-1/2's offload (``check`` refuses stage 3's); the client torch.optim optimizer on
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}  # the host (module docstring)
+        cfg["zero_force_ds_cpu_optimizer"] = False
     if t.precision in ("bf16", "fp16"):
         cfg[t.precision] = {"enabled": True}
     if t.optimizer not in ("adamw", "adam"):  # torch.optim.SGD is not in ZERO_SUPPORTED_OPTIMIZERS: the engine
@@ -269,6 +287,9 @@ def _mark_master(engine: Any, tracker: Any) -> None:
               or getattr(opt, "fp32_partitioned_groups_flat", None) or []):
         if not any(p is flat for flat in flats):
             tracker.reclassify(p, "master_weights", "")
+    offload = getattr(opt, "temp_grad_buffer_for_gpu_offload", None)  # ZeRO-Offload's device gradient buffer
+    if offload is not None:                                             # (v0.19.8 ``stage_1_and_2.py`` L659-661)
+        tracker.reclassify(offload, "communication", "deepspeed_offload_buffer")
     grads = getattr(opt, "grad_partitions_flat_buffer", None)
     if grads is not None:
         tracker.reclassify(grads, "gradients", "")
@@ -338,6 +359,20 @@ def _scoped(tracker: Any, orig: Callable, label: str, category: str = "communica
     return run
 
 
+def _partition_scope(tracker: Any, orig: Callable) -> Callable:
+    """``copy_grads_in_partition`` with what it allocates named: ``grads_in_partition`` as ``gradients``;
+    under ZeRO-Offload (``cpu_offload``) the per-gradient device copies it makes for the host
+    (``set_norm_for_param_grad_in_gpu``'s float64 copy, ``async_inplace_copy_grad_to_fp32_buffer_from_gpu``'s
+    fp32 cast, v0.19.8 ``stage_1_and_2.py`` L1873-1912, L2161-2178) as ``temporaries.deepspeed.offload_check``,
+    the estimate's name for them (``quantities.deepspeed_offload_steps``)."""
+    @functools.wraps(orig)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        category, label = ("temporaries", "deepspeed.offload_check") if self.cpu_offload else ("gradients", "")
+        with tracker.scope(category, label):
+            return orig(self, *args, **kwargs)
+    return run
+
+
 def _step_phase(tracker: Any, orig: Callable) -> Callable:
     """``DeepSpeedEngine.step`` as the ``optimizer_step`` phase (its flat fp32 gradients, the torch
     optimizer's step and the copy back into the half parameters)."""
@@ -347,6 +382,43 @@ def _step_phase(tracker: Any, orig: Callable) -> Callable:
             tracker.enter_phase("optimizer_step")
         return orig(self, *args, **kwargs)
     return run
+
+
+#: the ZeRO-1/2 optimizer's methods that make its ZeRO-Offload host buffers (DeepSpeed 0.19.8
+#: ``runtime/zero/stage_1_and_2.py``): ``__init__`` (the pinned fp32 partition, a ``.to(device="cpu")`` of the
+#: rank's half partition, L559-561; its half copy ``temp_buffer_bit16`` L567-575;
+#: ``temp_grad_buffer_for_cpu_offload`` L653-658; the fp32 gradient partition, ``initialize_optimizer_states``
+#: L937-941) and ``async_accumulate_grad_in_cpu_via_gpu`` (a gradient's host accumulation buffer under
+#: accumulation, L1822-1825)
+HOST_BUFFER_METHODS = ("__init__", "async_accumulate_grad_in_cpu_via_gpu")
+
+
+def host_buffers(tracker: Any, emulation: Any) -> dict[tuple[Any, str], Any]:
+    """ZeRO-Offload's host buffers without data: while DeepSpeed's ZeRO-1/2 optimizer runs one of
+    :data:`HOST_BUFFER_METHODS`, a host tensor it makes (``torch.zeros(..., device="cpu")``, a copy
+    of a device tensor to the host) is a fake CPU tensor (``torch._subclasses.FakeTensorMode``:
+    shape, dtype and device, no storage), so that an 8B model's fp32 partition and optimizer states
+    take no host memory; what is computed from them (the torch optimizer's states and step on the host,
+    ``bit16_partition_buffer``) is fake too, by the tensor subclass's own dispatch. Nothing on the
+    emulated GPU changes: the copies between host and device allocate no device memory (``copy_``
+    into an existing tensor), and the device tensors they copy from are made and counted as before.
+    Without offload none of these methods makes a host tensor."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def scoped(orig: Callable) -> Callable:
+        @functools.wraps(orig)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            saved = emulation.fake_host, tracker.fake_host
+            emulation.fake_host = tracker.fake_host = fake
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                emulation.fake_host, tracker.fake_host = saved
+        return run
+    return {(DeepSpeedZeroOptimizer, name): scoped(getattr(DeepSpeedZeroOptimizer, name))
+            for name in HOST_BUFFER_METHODS}
 
 
 def _fresh_groups() -> dict[tuple[Any, str], Any]:
@@ -388,10 +460,11 @@ def patches(tracker: Any, emulation: Any) -> dict[tuple[Any, str], Any]:
     gather = Coordinator._PartitionedParameterCoordinator__all_gather_params  # stage 3: whole parameters
     partition = DeepSpeedZeroOptimizer.copy_grads_in_partition  # stages 1, 2: ``grads_in_partition``
     named = {(DeepSpeedZeroOptimizer, "setup_buckets"): _scoped(tracker, buckets, "deepspeed_buckets"),
-             (DeepSpeedZeroOptimizer, "copy_grads_in_partition"): _scoped(tracker, partition, "", "gradients"),
+             (DeepSpeedZeroOptimizer, "copy_grads_in_partition"): _partition_scope(tracker, partition),
              (Coordinator, "_PartitionedParameterCoordinator__all_gather_params"):
                  _scoped(tracker, gather, "deepspeed_gathered"),
              **{(cls, "wait"): _scoped(tracker, cls.wait, "deepspeed_gathered") for cls in _gather_handles()},
+             **host_buffers(tracker, emulation),
              (DeepSpeedEngine, "step"): _step_phase(tracker, DeepSpeedEngine.step),
              (GatheredParameters, "_exit"): _gathered_exit(GatheredParameters._exit, accelerator)}
     return {**_fresh_groups(), **named, (F, "linear"): F.linear, (F, "embedding"): F.embedding,

@@ -842,6 +842,10 @@ def describe(t: TrainingSpec, rank: int = 0) -> str:
     elif deepspeed_engine.uses_deepspeed(t):
         why = ("ZeRO pads every rank's flat partition to one size; the buckets and gathered parameters are the "
                "same on every rank")
+        if t.offload_optimizer:  # (copy_grads_in_partition's device copies: the rank's own parameters)
+            why = ("with the optimizer offloaded each rank copies its own partition's gradients for the host: the "
+                   "rank holding the largest parameter (rank 0: the embedding; the last: an untied head) peaks "
+                   "higher; trace(..., rank=N) traces another")
         which = "rank 0 traced" if rank == 0 else f"rank {rank} traced"
     if t.fsdp == "no-shard":
         why = "NO_SHARD: every rank holds the same whole flat parameters and gradients"

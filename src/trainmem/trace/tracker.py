@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -69,6 +70,12 @@ _STATE_FACTORY = _overloads("zeros_like", "empty_like", "ones_like", "full_like"
                             "clone", "_to_copy", "scalar_tensor", "lift_fresh_copy", "copy", "empty_strided")
 
 _HOST_COPIES = frozenset({_aten._to_copy.default, _aten.copy_.default})
+
+
+def _is_fake(t: Any) -> bool:
+    """Whether ``t`` is a fake tensor (``torch._subclasses.FakeTensor``: no data), e.g. a host buffer made
+    under ``Tracker.fake_host``."""
+    return isinstance(t, FakeTensor)
 
 
 def _wrapper_types() -> tuple[type, ...]:
@@ -194,6 +201,7 @@ class Tracker(TorchDispatchMode):
         self._adopt: tuple[Any, torch.Tensor, int] | None = None  # (op, result, donor storage key)
         self._cpp_inplace = 0     # inside a C++ kernel whose add runs in place on CUDA (math SDPA)
         self._suspended = False   # module hooks ignored too (trace --compile: tracing the graph)
+        self.fake_host: Any = None  # a FakeTensorMode for device-to-host copies (``CudaEmulation.fake_host``)
         self.graph_module: str | None = None  # the module a compiled graph's node came from
 
     # ----- modes -------------------------------------------------------------------------------
@@ -303,8 +311,14 @@ class Tracker(TorchDispatchMode):
             return id(t)
 
     def _host_copy(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        """A device-to-host copy (e.g. the gradient of ``cpu_tensor.cuda()``): zeros on the host."""
+        """A device-to-host copy (e.g. the gradient of ``cpu_tensor.cuda()``): zeros on the host. A copy
+        into a device tensor from a host tensor without data (``fake_host``: ZeRO-Offload's updated half
+        partition, ``stage_1_and_2.py`` v0.19.8 L3094-3096) writes the device tensor in place: nothing is
+        allocated (run by the fake tensor's dispatch it would stand the device tensor's whole storage
+        in for it, a new one)."""
         src = args[0] if func is _aten._to_copy.default else args[1]
+        if func is _aten.copy_.default and self._is_tracked_tensor(args[0]) and _is_fake(src):
+            return args[0]
         if not self._is_tracked_tensor(src):
             return None
         if func is _aten._to_copy.default:
@@ -315,6 +329,9 @@ class Tracker(TorchDispatchMode):
             if v is not None:
                 return v.to(dtype=kwargs.get("dtype") or src.dtype)
             self.data_dependent += 1
+            if self.fake_host is not None:  # a host buffer made without data (``CudaEmulation.fake_host``)
+                with self.fake_host:
+                    return torch.zeros(src.shape, dtype=kwargs.get("dtype") or src.dtype, device="cpu")
             return torch.zeros(src.shape, dtype=kwargs.get("dtype") or src.dtype, device="cpu")
         dst = args[0]
         if isinstance(dst, torch.Tensor) and dst.device.type == "cpu":
