@@ -1524,9 +1524,9 @@ def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: _Parts, tk: Toke
     ``tuners/lora/layer.py`` ``Linear.forward`` L1088 ``result = self.base_layer(x)`` first). It
     was made before the first layer's gather: against trace, a wide 2-layer Llama (b4 s512 vocab
     8000, dp 2, FSDP2 full shard, full recomputation) +11.3 % -> +1.6 % on the peak reserved memory
-    (the gathered weights' copy-out had moved into the 32 MiB logits segment trace leaves to the
-    layers' tensors, which spilled into a 62.5 MiB fp32-logits segment where the top layer's kept
-    output stayed, so the loss backward opened a fourth one; tests/test_workspace_order.py)."""
+    (the workspace's segment took the copied-out weights trace places elsewhere, and by the second
+    step the top layer's kept output sat in a free fp32-logits segment, so the loss backward opened
+    a fourth; docs/validation.md ``ckout``, tests/test_workspace_order.py)."""
     params = fs.unshard(R, q.fsdp_layer_buf, q.detail.states.layer_tensors)  # FSDP: this layer gathered
     if s is not None:
         s.workspace(R, 0)                                         # the first layer's first matmul
