@@ -498,14 +498,14 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
         R.free(gathered)
         gathered = None
     emb = R.alloc(tk.outer_rest, one=False)                       # embeddings' saved tensors, one block
-    s.workspace(R, 0)                                             # the first layer's first matmul
     cached: list = []                                             # autocast's weight cache (checkpointed layers)
     z3 = z3 or _Zero3Fetch(R, q, recorded=s.forwards > 1)        # ZeRO-3: the layers' gathers (the embedding's
     kept = []                                                     # fetch starts the first layer's prefetch)
     for i in range(q.layers):
         z3.forward(R, i)
         kept.append(_layer_forward(R, q, fs, parts, tk, recompute, keep=(i == q.layers - 1 and q.fsdp_last_kept > 0),
-                                   cached=cached))
+                                   cached=cached, s=s))
+    s.workspace(R, 0)                                             # no layer here: the head's matmul
     R.frees([h for at, h in R.carry if at != LATE])               # the top layer's late frees (a derived layer)
     R.carry = [(at, h) for at, h in R.carry if at == LATE]
     if not head:
@@ -1528,11 +1528,27 @@ class _Zero3Replay:
 
 
 def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: _Parts, tk: Tokens, recompute: str,
-                   keep: bool = False, cached: list | None = None) -> list:
+                   keep: bool = False, cached: list | None = None, s: _Step | None = None) -> list:
     """One layer's forward: what it keeps for backward (a list of handles). ``keep``: its gathered
     parameters stay until its backward (``quantities.fsdp2_last_gathered``); ``cached``: where a
-    checkpointed layer's autocast weight copies go, freed when the forward ends (``_checkpointed``)."""
+    checkpointed layer's autocast weight copies go, freed when the forward ends (``_checkpointed``).
+
+    ``s``: the forward thread's cuBLAS workspace (``_Step.workspace``, made once per step's first
+    matmul) is made here, once the layer is gathered (FSDP's unshard before it; DeepSpeed ZeRO-3's
+    fetch, ``_forward``'s ``z3.forward``, too): the first matmul is the first layer's first linear
+    (transformers ``LlamaDecoderLayer.forward`` L299 ``self_attn`` -> ``q_proj``), which runs in
+    the layer's forward, after FSDP2's pre-forward all-gather and copy-out (torch 2.13
+    ``_fully_shard/_fsdp_state.py`` ``_pre_forward`` -> ``_fsdp_param_group.py`` ``unshard``,
+    ``wait_for_unshard``) and before any of its LoRA adapters' own FSDP1 units gather (peft 0.21.2
+    ``tuners/lora/layer.py`` ``Linear.forward`` L1088 ``result = self.base_layer(x)`` first). It
+    was made before the first layer's gather: against trace, a wide 2-layer Llama (b4 s512 vocab
+    8000, dp 2, FSDP2 full shard, full recomputation) +11.3 % -> +1.6 % on the peak reserved memory
+    (the workspace's segment took the copied-out weights trace places elsewhere, and by the second
+    step the top layer's kept output sat in a free fp32-logits segment, so the loss backward opened
+    a fourth; docs/validation.md ``ckout``, tests/test_workspace_order.py)."""
     params = fs.unshard(R, q.fsdp_layer_buf, q.detail.states.layer_tensors)  # FSDP: this layer gathered
+    if s is not None:
+        s.workspace(R, 0)                                         # the first layer's first matmul
     fs.adapter_units(R, fs.adapters)                              # FSDP1: its LoRA units' forward
     if recompute == "none" and parts.events:                      # a derived layer, tensor by tensor
         kept = _sequence_forward(R, q, parts, keep=True)
