@@ -581,13 +581,25 @@ def reserved_stats(rows: list) -> dict | None:
             "within_5%": sum(v <= 0.05 for v in x)}
 
 
+def replay_excess(e: Any) -> float | None:
+    """How far the estimate's allocator replay's own allocated peak (``extra["replay_peak_allocated"]``)
+    exceeds the estimate's allocated peak (replay / estimate - 1). The estimate's peak reserved is its
+    allocated peak plus the replay's gap (reserved minus that replay peak), so a replay that holds
+    blocks the step does not (a positive excess) shrinks the gap: the reserved difference of such a
+    row lies in those blocks, not in the allocator's placement."""
+    x = (getattr(e, "extra", None) or {}).get("replay_peak_allocated")
+    return None if not x or not e.peak_allocated else x / e.peak_allocated - 1
+
+
 def _reserved_cols(r: Any) -> str:
-    """The row's peak reserved, estimate and trace (MiB), and their difference; '' without it."""
+    """The row's peak reserved, estimate and trace (MiB), their difference and the replay's excess
+    (``replay_excess``); '' without it."""
     d = _reserved_diff(r.estimate, r.trace)
     if d is None:
         return ""
+    x = replay_excess(r.estimate)
     return (f"  reserved {100 * d:+7.2f}%  {r.estimate.peak_reserved / MiB:9.1f} "
-            f"{r.trace.peak_reserved / MiB:9.1f}")
+            f"{r.trace.peak_reserved / MiB:9.1f}" + ("" if x is None else f"  replay {100 * x:+6.2f}%"))
 
 
 def print_grid(rows: list[Row], refused: list[tuple[Case, str]], out=sys.stdout) -> dict:
@@ -634,12 +646,21 @@ def reserved_markdown(rows: list, rs: dict, top: int = 15) -> str:
              f"p90 {100 * rs['p90']:.2f}%, max {100 * rs['max']:.2f}%; within 1%: {rs['within_1%']}, within 5%: "
              f"{rs['within_5%']}. Every row: `docs/agreement_grid.json` (`estimate_reserved`, `trace_reserved`).", "",
              f"The {top} largest differences of peak reserved:", "",
-             "| setup | estimate MiB | trace MiB | diff | allocated diff |", "|---|---|---|---|---|"]
+             "| setup | estimate MiB | trace MiB | diff | allocated diff | replay's allocated peak over the estimate's |",
+             "|---|---|---|---|---|---|"]
     have = [r for r in rows if _reserved_diff(r.estimate, r.trace) is not None]
     for r in sorted(have, key=lambda r: -abs(_reserved_diff(r.estimate, r.trace)))[:top]:
+        x = _stored_excess(r)
         lines.append(f"| {r.setup.name} | {r.estimate.peak_reserved / MiB:.1f} | {r.trace.peak_reserved / MiB:.1f} "
-                     f"| {100 * _reserved_diff(r.estimate, r.trace):+.2f}% | {100 * r.diff:+.2f}% |")
+                     f"| {100 * _reserved_diff(r.estimate, r.trace):+.2f}% | {100 * r.diff:+.2f}% | "
+                     + ("-" if x is None else f"{100 * x:+.2f}%") + " |")
     return "\n".join(lines) + "\n"
+
+
+def _stored_excess(r: Any) -> float | None:
+    """``replay_excess`` of a fresh row, or the one a stored row kept."""
+    x = replay_excess(r.estimate)
+    return getattr(r.estimate, "replay_excess", None) if x is None else x
 
 
 def _between(text: str, begin: str, end: str, body: str) -> str:
@@ -658,6 +679,9 @@ def _json_row(r: Any) -> dict:
     if d is not None:
         out.update(estimate_reserved=r.estimate.peak_reserved, trace_reserved=r.trace.peak_reserved,
                    reserved_diff=round(d, 6))
+        x = _stored_excess(r)
+        if x is not None:
+            out["replay_excess"] = round(x, 6)
     return out
 
 
@@ -701,7 +725,8 @@ def stored_rows(js: Path) -> dict[str, StoredRow]:
         opts = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in r["options"].items()))
         case = Case(r["family"], r["batch"], r["seq"], opts, r.get("layers", 2))
         out[case.name] = StoredRow(case, SimpleNamespace(peak_allocated=r["estimate"], peak_where=r["estimate_at"],
-                                                         peak_reserved=r.get("estimate_reserved")),
+                                                         peak_reserved=r.get("estimate_reserved"),
+                                                         replay_excess=r.get("replay_excess")),
                                    SimpleNamespace(peak_allocated=r["trace"], peak_where=r["trace_at"],
                                                    peak_reserved=r.get("trace_reserved")), r["diff"])
     return out
