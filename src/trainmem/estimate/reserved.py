@@ -232,8 +232,8 @@ def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, 
         s.states = _allocate_states(R, st)
     if q.ddp_side:                                                     # DDP built on a side stream (Lightning)
         _ddp_side_stream(R, st)
-    elif q.detail.comm_name == "communication.ddp_buckets":            # DDP built on the default stream
-        s.ddp = _ddp_init(R, st)
+    elif q.detail.comm_name == "communication.ddp_buckets" and flags.pipe_out != "interleaved":
+        s.ddp = _ddp_init(R, st)                                       # DDP built on the default stream
     R.mark("model_loaded", 0)
     if flags.grads_persistent or q.grads_loaded:                        # Megatron main grads, DeepSpeed ZeRO-3's
         for _ in range(max((k for _w, k, *_r in st.trainables), default=0)):
@@ -336,7 +336,10 @@ def _ddp_init(R: _Replay, st: Any) -> int | None:
     rebuilt (``_ddp_rebuild``). Their segments stay reserved and are the load's: trace of Llama
     (2 layers, h 2048) 2 x 512 DDP over 2 ranks reserves 2420 MiB at load for 1778 MiB allocated, where
     the replay had 1786 MiB (peak reserved -1.44%). The estimate's allocated memory counts the buckets
-    (``communication.ddp_buckets``) from the load on; the replay now holds them too."""
+    (``communication.ddp_buckets``) from the load on; the replay now holds them too. Not replayed under
+    an interleaved pipeline schedule, whose rank wraps each of its virtual stages in a DDP of its own
+    (each stage's copies and bucket apart: trace's 221.5 and 96.5 MiB segments on a 4-layer Llama),
+    which the rank's one load list does not split."""
     live: list = []
     for nbytes in flat_copies(st.load, DDP_BROADCAST_BYTES):
         if len(live) == 2:                                                 # max_in_flight = 2 (comm.cpp)
