@@ -639,16 +639,36 @@ GRID_BEGIN, GRID_END = "<!-- sampled-grid:begin -->", "<!-- sampled-grid:end -->
 RESERVED_BEGIN, RESERVED_END = "<!-- reserved-grid:begin -->", "<!-- reserved-grid:end -->"
 
 
-def reserved_markdown(rows: list, rs: dict, top: int = 15) -> str:
+def layout_class(c: Case) -> str:
+    """A setup's layout, as the reserved summary groups rows: DeepSpeed ZeRO, FSDP1, FSDP2, a pipeline,
+    tensor parallelism, DDP or one GPU (the first that applies), and whether the family's layers are
+    derived (``estimate/derived.py``: Qwen3, Gemma-2, Phi-3)."""
+    o = dict(c.options)
+    kind = ("DeepSpeed ZeRO" if "zero" in o else "FSDP1" if o.get("fsdp_version") == 1 else "FSDP2" if "fsdp" in o
+            else "pipeline" if "pp" in o else "TP" if "tp" in o else "DDP" if o.get("dp", 1) > 1 else "one GPU")
+    return kind + (", derived layers" if c.family not in RECIPE_FAMILIES else "")
+
+
+def _reserved_by_layout(have: list) -> list[str]:
+    """Table rows: per ``layout_class``, the setups, median and max |peak reserved diff|, within 5%."""
+    groups: dict[str, list[float]] = {}
+    for r in have:
+        groups.setdefault(layout_class(r.setup), []).append(abs(_reserved_diff(r.estimate, r.trace)))
+    return [f"| {k} | {len(v)} | {100 * statistics.median(v):.2f}% | {100 * max(v):.2f}% | {sum(x <= 0.05 for x in v)} |"
+            for k, v in sorted(groups.items(), key=lambda kv: -len(kv[1]))]
+
+
+def reserved_markdown(rows: list, rs: dict, top: int = 30) -> str:
     """The reserved section of docs/agreement.md: the summary of peak reserved over the rows run with
-    ``--reserved`` and their largest disagreements."""
+    ``--reserved``, by layout (``layout_class``), and their largest disagreements."""
     lines = [f"{rs['setups']} setups run with `--reserved`: median |peak reserved diff| {100 * rs['median']:.2f}%, "
              f"p90 {100 * rs['p90']:.2f}%, max {100 * rs['max']:.2f}%; within 1%: {rs['within_1%']}, within 5%: "
              f"{rs['within_5%']}. Every row: `docs/agreement_grid.json` (`estimate_reserved`, `trace_reserved`).", "",
-             f"The {top} largest differences of peak reserved:", "",
-             "| setup | estimate MiB | trace MiB | diff | allocated diff | replay's allocated peak over the estimate's |",
-             "|---|---|---|---|---|---|"]
+             "| layout | setups | median | max | within 5% |", "|---|---|---|---|---|"]
     have = [r for r in rows if _reserved_diff(r.estimate, r.trace) is not None]
+    lines += _reserved_by_layout(have) + ["", f"The {top} largest differences of peak reserved:", "",
+              "| setup | estimate MiB | trace MiB | diff | allocated diff | replay's allocated peak over the estimate's |",
+              "|---|---|---|---|---|---|"]
     for r in sorted(have, key=lambda r: -abs(_reserved_diff(r.estimate, r.trace)))[:top]:
         x = _stored_excess(r)
         lines.append(f"| {r.setup.name} | {r.estimate.peak_reserved / MiB:.1f} | {r.trace.peak_reserved / MiB:.1f} "
