@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_agreement.py               # the sampled option grid (410 setups)
     .venv/bin/python benchmarks/bench_agreement.py --write       # ... and write docs/agreement.md's grid section
     .venv/bin/python benchmarks/bench_agreement.py --subset      # its 40-setup subset (the slow test)
+    .venv/bin/python benchmarks/bench_agreement.py --reserved --write   # ... with peak reserved per row (~12 min)
     .venv/bin/python benchmarks/bench_agreement.py --draw 3 --write   # re-run the FSDP1 draw only, keep the rest
     .venv/bin/python benchmarks/bench_agreement.py --draw 5      # the DeepSpeed ZeRO draw only (40 setups)
     .venv/bin/python benchmarks/bench_agreement.py --classic     # six families x precision x attention x recompute (72)
