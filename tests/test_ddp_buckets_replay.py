@@ -7,7 +7,7 @@ its first iteration's one bucket of every gradient at construction; the buckets 
 forward after the first reducing backward. The replay made none of them: trace's load reserves 2420 MiB
 where the replay had 1786 on Llama (2 layers, h 2048) 2 x 512 over 2 ranks. On the grid's 39 DDP rows
 (pipelines with DDP replicas included) peak reserved went from median 2.28% / 11 within 1% to
-1.17% / 18 within 1% of trace's.
+1.11% / 18 within 1% of trace's.
 """
 from __future__ import annotations
 
