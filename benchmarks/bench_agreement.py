@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_agreement.py               # the sampled option grid (410 setups)
     .venv/bin/python benchmarks/bench_agreement.py --write       # ... and write docs/agreement.md's grid section
     .venv/bin/python benchmarks/bench_agreement.py --subset      # its 40-setup subset (the slow test)
+    .venv/bin/python benchmarks/bench_agreement.py --reserved --write   # ... with peak reserved per row (~12 min)
     .venv/bin/python benchmarks/bench_agreement.py --draw 3 --write   # re-run the FSDP1 draw only, keep the rest
     .venv/bin/python benchmarks/bench_agreement.py --draw 5      # the DeepSpeed ZeRO draw only (40 setups)
     .venv/bin/python benchmarks/bench_agreement.py --classic     # six families x precision x attention x recompute (72)
@@ -121,6 +122,18 @@ class Row:
     @property
     def diff(self) -> float:
         return self.estimate.peak_allocated / self.trace.peak_allocated - 1
+
+    @property
+    def reserved_diff(self) -> float | None:
+        """estimate / trace - 1 of the peak reserved (``max_memory_reserved``): the estimate's replay of
+        the step through the caching allocator (``estimate/reserved.py``) against trace's simulation of
+        the real op stream; None where either has none (the estimate replays only with ``reserved``)."""
+        return _reserved_diff(self.estimate, self.trace)
+
+
+def _reserved_diff(e: Any, t: Any) -> float | None:
+    a, b = getattr(e, "peak_reserved", None), getattr(t, "peak_reserved", None)
+    return None if a is None or not b else a / b - 1
 
 
 def grid() -> list[Setup]:
@@ -483,13 +496,15 @@ def grid_subset(n: int = 40, pipelines: int = 6) -> list[Case]:
     return g[::len(g) // n][:n] + pp[::len(pp) // pipelines][:pipelines]
 
 
-def compare(setup: Setup) -> Row:
+def compare(setup: Setup, reserved: bool = False) -> Row:
+    """Estimate and trace of one setup; ``reserved``: the estimate also replays the step through the
+    caching allocator (``estimate(..., reserved=True)``) for its peak reserved (``Row.reserved_diff``)."""
     from trainmem.trace.api import trace
     m, t = setup.specs()
     t0 = time.perf_counter()
     tr = trace(m, training=t)
     seconds = time.perf_counter() - t0
-    est = estimate(m, t)
+    est = estimate(m, t, reserved=reserved)
     row = Row(setup, est, tr, seconds)
     for (name, step), tag in zip(PHASES, PHASE_TAGS):
         a = _phase(est, name, step)
@@ -554,17 +569,57 @@ def grid_stats(rows: list[Row]) -> dict:
             "within_2%": sum(x <= 0.02 for x in d)}
 
 
+def reserved_stats(rows: list) -> dict | None:
+    """The grid's summary of peak reserved (``Row.reserved_diff``, |estimate / trace - 1|) over the rows
+    that have it: median, p90, max, and how many setups are within 1% and 5%; None if none has it."""
+    d = sorted((abs(_reserved_diff(r.estimate, r.trace)), r.setup.name) for r in rows
+               if _reserved_diff(r.estimate, r.trace) is not None)
+    if not d:
+        return None
+    x = [v for v, _ in d]
+    return {"setups": len(x), "median": statistics.median(x), "p90": x[min(len(x) - 1, int(0.9 * len(x)))],
+            "max": x[-1], "worst": d[-1][1], "within_1%": sum(v <= 0.01 for v in x),
+            "within_5%": sum(v <= 0.05 for v in x)}
+
+
+def replay_excess(e: Any) -> float | None:
+    """How far the estimate's allocator replay's own allocated peak (``extra["replay_peak_allocated"]``)
+    exceeds the estimate's allocated peak (replay / estimate - 1). The estimate's peak reserved is its
+    allocated peak plus the replay's gap (reserved minus that replay peak), so a replay that holds
+    blocks the step does not (a positive excess) shrinks the gap: the reserved difference of such a
+    row lies in those blocks, not in the allocator's placement."""
+    x = (getattr(e, "extra", None) or {}).get("replay_peak_allocated")
+    return None if not x or not e.peak_allocated else x / e.peak_allocated - 1
+
+
+def _reserved_cols(r: Any) -> str:
+    """The row's peak reserved, estimate and trace (MiB), their difference and the replay's excess
+    (``replay_excess``); '' without it."""
+    d = _reserved_diff(r.estimate, r.trace)
+    if d is None:
+        return ""
+    x = replay_excess(r.estimate)
+    return (f"  reserved {100 * d:+7.2f}%  {r.estimate.peak_reserved / MiB:9.1f} "
+            f"{r.trace.peak_reserved / MiB:9.1f}" + ("" if x is None else f"  replay {100 * x:+6.2f}%"))
+
+
 def print_grid(rows: list[Row], refused: list[tuple[Case, str]], out=sys.stdout) -> dict:
-    """One line per setup (the estimate's and the trace's peak and where each is), then the summary."""
+    """One line per setup (the estimate's and the trace's peak and where each is; with their peak
+    reserved where the rows have it, ``--reserved``), then the summary (and reserved's)."""
     for r in rows:
         print(f"{100 * r.diff:+7.2f}%  {r.estimate.peak_allocated / MiB:9.1f} {r.trace.peak_allocated / MiB:9.1f}  "
-              f"{r.setup.name}  [{r.estimate.peak_where}]", file=out)
+              f"{r.setup.name}  [{r.estimate.peak_where}]{_reserved_cols(r)}", file=out)
     for c, why in refused:
         print(f"refused  {c.name}: {why}", file=out)
     st = grid_stats(rows)
     print(f"{st['setups']} setups ({len(refused)} refused): |peak difference| median {100 * st['median']:.2f}%, "
           f"p90 {100 * st['p90']:.2f}%, max {100 * st['max']:.2f}% ({st['worst']}); within 0.5%: "
           f"{st['within_0.5%']}, within 2%: {st['within_2%']}", file=out)
+    rs = reserved_stats(rows)
+    if rs:
+        print(f"peak reserved, {rs['setups']} setups: |difference| median {100 * rs['median']:.2f}%, p90 "
+              f"{100 * rs['p90']:.2f}%, max {100 * rs['max']:.2f}% ({rs['worst']}); within 1%: {rs['within_1%']}, "
+              f"within 5%: {rs['within_5%']}", file=out)
     return st
 
 
@@ -582,19 +637,85 @@ def grid_markdown(rows: list[Row], st: dict, top: int = 30) -> str:
 
 
 GRID_BEGIN, GRID_END = "<!-- sampled-grid:begin -->", "<!-- sampled-grid:end -->"
+RESERVED_BEGIN, RESERVED_END = "<!-- reserved-grid:begin -->", "<!-- reserved-grid:end -->"
+
+
+def layout_class(c: Case) -> str:
+    """A setup's layout, as the reserved summary groups rows: DeepSpeed ZeRO, FSDP1, FSDP2, a pipeline,
+    tensor parallelism, DDP or one GPU (the first that applies), and whether the family's layers are
+    derived (``estimate/derived.py``: Qwen3, Gemma-2, Phi-3)."""
+    o = dict(c.options)
+    kind = ("DeepSpeed ZeRO" if "zero" in o else "FSDP1" if o.get("fsdp_version") == 1 else "FSDP2" if "fsdp" in o
+            else "pipeline" if "pp" in o else "TP" if "tp" in o else "DDP" if o.get("dp", 1) > 1 else "one GPU")
+    return kind + (", derived layers" if c.family not in RECIPE_FAMILIES else "")
+
+
+def _reserved_by_layout(have: list) -> list[str]:
+    """Table rows: per ``layout_class``, the setups, median and max |peak reserved diff|, within 5%."""
+    groups: dict[str, list[float]] = {}
+    for r in have:
+        groups.setdefault(layout_class(r.setup), []).append(abs(_reserved_diff(r.estimate, r.trace)))
+    return [f"| {k} | {len(v)} | {100 * statistics.median(v):.2f}% | {100 * max(v):.2f}% | {sum(x <= 0.05 for x in v)} |"
+            for k, v in sorted(groups.items(), key=lambda kv: -len(kv[1]))]
+
+
+def reserved_markdown(rows: list, rs: dict, top: int = 30) -> str:
+    """The reserved section of docs/agreement.md: the summary of peak reserved over the rows run with
+    ``--reserved``, by layout (``layout_class``), and their largest disagreements."""
+    lines = [f"{rs['setups']} setups run with `--reserved`: median |peak reserved diff| {100 * rs['median']:.2f}%, "
+             f"p90 {100 * rs['p90']:.2f}%, max {100 * rs['max']:.2f}%; within 1%: {rs['within_1%']}, within 5%: "
+             f"{rs['within_5%']}. Every row: `docs/agreement_grid.json` (`estimate_reserved`, `trace_reserved`).", "",
+             "| layout | setups | median | max | within 5% |", "|---|---|---|---|---|"]
+    have = [r for r in rows if _reserved_diff(r.estimate, r.trace) is not None]
+    lines += _reserved_by_layout(have) + ["", f"The {top} largest differences of peak reserved:", "",
+              "| setup | estimate MiB | trace MiB | diff | allocated diff | replay's allocated peak over the estimate's |",
+              "|---|---|---|---|---|---|"]
+    for r in sorted(have, key=lambda r: -abs(_reserved_diff(r.estimate, r.trace)))[:top]:
+        x = _stored_excess(r)
+        lines.append(f"| {r.setup.name} | {r.estimate.peak_reserved / MiB:.1f} | {r.trace.peak_reserved / MiB:.1f} "
+                     f"| {100 * _reserved_diff(r.estimate, r.trace):+.2f}% | {100 * r.diff:+.2f}% | "
+                     + ("-" if x is None else f"{100 * x:+.2f}%") + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _stored_excess(r: Any) -> float | None:
+    """``replay_excess`` of a fresh row, or the one a stored row kept."""
+    x = replay_excess(r.estimate)
+    return getattr(r.estimate, "replay_excess", None) if x is None else x
+
+
+def _between(text: str, begin: str, end: str, body: str) -> str:
+    a, b = text.index(begin) + len(begin), text.index(end)
+    return text[:a] + "\n" + body + text[b:]
+
+
+def _json_row(r: Any) -> dict:
+    """One row of docs/agreement_grid.json; the reserved keys only where the row has them."""
+    out = {"family": r.setup.family, "batch": r.setup.batch, "seq": r.setup.seq,
+           **({"layers": r.setup.layers} if r.setup.layers != 2 else {}),
+           "options": {k: list(v) if isinstance(v, tuple) else v for k, v in r.setup.options},
+           "estimate": r.estimate.peak_allocated, "trace": r.trace.peak_allocated, "diff": round(r.diff, 6),
+           "estimate_at": r.estimate.peak_where, "trace_at": r.trace.peak_where}
+    d = _reserved_diff(r.estimate, r.trace)
+    if d is not None:
+        out.update(estimate_reserved=r.estimate.peak_reserved, trace_reserved=r.trace.peak_reserved,
+                   reserved_diff=round(d, 6))
+        x = _stored_excess(r)
+        if x is not None:
+            out["replay_excess"] = round(x, 6)
+    return out
 
 
 def write_doc(rows: list[Row], st: dict, doc: Path, js: Path) -> None:
-    """Replace the text between the grid markers of ``doc`` and write every row to ``js``."""
-    text = doc.read_text()
-    a, b = text.index(GRID_BEGIN) + len(GRID_BEGIN), text.index(GRID_END)
-    doc.write_text(text[:a] + "\n" + grid_markdown(rows, st) + text[b:])
-    js.write_text(json.dumps({"summary": st, "rows": [
-        {"family": r.setup.family, "batch": r.setup.batch, "seq": r.setup.seq,
-         **({"layers": r.setup.layers} if r.setup.layers != 2 else {}),
-         "options": {k: list(v) if isinstance(v, tuple) else v for k, v in r.setup.options},
-         "estimate": r.estimate.peak_allocated, "trace": r.trace.peak_allocated, "diff": round(r.diff, 6),
-         "estimate_at": r.estimate.peak_where, "trace_at": r.trace.peak_where} for r in rows]}, indent=1) + "\n")
+    """Replace the text between the grid markers of ``doc`` (and the reserved markers, where rows have
+    peak reserved) and write every row to ``js`` (the reserved summary as ``reserved_summary``)."""
+    text = _between(doc.read_text(), GRID_BEGIN, GRID_END, grid_markdown(rows, st))
+    rs = reserved_stats(rows)
+    if rs:
+        text = _between(text, RESERVED_BEGIN, RESERVED_END, reserved_markdown(rows, rs))
+    doc.write_text(text)
+    js.write_text(json.dumps({"summary": st, **({"reserved_summary": rs} if rs else {}),
+                              "rows": [_json_row(r) for r in rows]}, indent=1) + "\n")
 
 
 def draw_cases(draw: int, n: int = 240) -> list[Case]:
@@ -624,8 +745,11 @@ def stored_rows(js: Path) -> dict[str, StoredRow]:
     for r in json.loads(js.read_text())["rows"]:
         opts = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in r["options"].items()))
         case = Case(r["family"], r["batch"], r["seq"], opts, r.get("layers", 2))
-        out[case.name] = StoredRow(case, SimpleNamespace(peak_allocated=r["estimate"], peak_where=r["estimate_at"]),
-                                   SimpleNamespace(peak_allocated=r["trace"], peak_where=r["trace_at"]), r["diff"])
+        out[case.name] = StoredRow(case, SimpleNamespace(peak_allocated=r["estimate"], peak_where=r["estimate_at"],
+                                                         peak_reserved=r.get("estimate_reserved"),
+                                                         replay_excess=r.get("replay_excess")),
+                                   SimpleNamespace(peak_allocated=r["trace"], peak_where=r["trace_at"],
+                                                   peak_reserved=r.get("trace_reserved")), r["diff"])
     return out
 
 
@@ -635,13 +759,14 @@ def merged_rows(rows: list, js: Path, n: int = 240) -> list:
     return [fresh.get(c.name) or stored[c.name] for c in sampled_grid(n) if c.name in fresh or c.name in stored]
 
 
-def run_grid(cases: list[Case]) -> tuple[list[Row], list[tuple[Case, str]]]:
-    """Compare every case; the ones the spec or trace refuses are returned apart (with the reason)."""
+def run_grid(cases: list[Case], reserved: bool = False) -> tuple[list[Row], list[tuple[Case, str]]]:
+    """Compare every case (``reserved``: with peak reserved); the ones the spec or trace refuses are
+    returned apart (with the reason)."""
     from trainmem.errors import TrainmemError
     rows, refused = [], []
     for c in cases:
         try:
-            rows.append(compare(c))
+            rows.append(compare(c, reserved))
         except TrainmemError as e:
             refused.append((c, str(e)))
     return rows, refused
@@ -663,6 +788,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--explain", type=int, default=0, metavar="N", help="break down the N largest disagreements")
     ap.add_argument("--keep-logits", action="store_true",
                     help="the loop keeps the model output (outputs = model(...)) until the next step")
+    ap.add_argument("--reserved", action="store_true",
+                    help="also compare peak reserved (the estimate's allocator replay, estimate/reserved.py, against "
+                    "trace's simulated allocator): printed per row, summarised, and with --write kept in "
+                    "docs/agreement_grid.json (estimate_reserved, trace_reserved, reserved_diff)")
     ap.add_argument("--write", action="store_true",
                     help="write the sampled grid's summary to docs/agreement.md and its rows to docs/agreement_grid.json")
     a = ap.parse_args(argv)
@@ -679,14 +808,15 @@ def main(argv: list[str] | None = None) -> int:
         cases = grid_subset() if a.subset else draw_cases(a.draw, a.n) if a.draw else sampled_grid(a.n)
         if a.family:
             cases = [c for c in cases if c.family in a.family]
-        rows, refused = run_grid(cases)
+        rows, refused = run_grid(cases, a.reserved)
         st = print_grid(rows, refused)
         if a.write:
             root = Path(__file__).resolve().parents[1]
             js = root / "docs" / "agreement_grid.json"
-            every = merged_rows(rows, js, a.n) if a.draw else rows
-            write_doc(every, grid_stats(every) if a.draw else st, root / "docs" / "agreement.md", js)
-            if a.draw:
+            part = a.draw or a.subset or a.family   # a part re-run: the other rows kept as stored
+            every = merged_rows(rows, js, a.n) if part else rows
+            write_doc(every, grid_stats(every) if part else st, root / "docs" / "agreement.md", js)
+            if part:
                 print(f"written with the other draws' stored rows: {len(every)} setups")
     print(f"{len(rows)} traces in {time.perf_counter() - t0:.1f} s "
           f"(trace median {statistics.median(r.seconds for r in rows):.2f} s)")

@@ -473,3 +473,33 @@ def test_lora_first_layer_estimate_does_not_depend_on_object_ids():
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         seen.add(out.stdout.strip())
     assert len(seen) == 1, seen
+
+
+def test_reserved_column_is_summarised_and_stored(bench, tmp_path):
+    """``--reserved``: each row's peak reserved, estimate and trace, its difference, the summary over
+    the rows that have it, and docs/agreement_grid.json's new keys (the allocated keys unchanged); a
+    row run without it (or stored before it) has no reserved keys and is left out of that summary."""
+    from types import SimpleNamespace as NS
+    case = bench.Case("gpt2", 1, 256, (("precision", "bf16"),))
+    other = bench.Case("bert", 1, 256)
+    M = bench.MiB
+    rep = lambda a, r, x=0: NS(peak_allocated=a * M, peak_reserved=None if r is None else r * M, peak_where="here",
+                               extra={"replay_peak_allocated": x * M})
+    rows = [bench.Row(case, rep(100, 130, 110), rep(100, 120), 0.0), bench.Row(other, rep(99, None), rep(100, 110), 0.0)]
+    assert rows[0].reserved_diff == pytest.approx(130 / 120 - 1) and rows[1].reserved_diff is None
+    rs = bench.reserved_stats(rows)
+    assert rs["setups"] == 1 and rs["max"] == pytest.approx(130 / 120 - 1) and rs["worst"] == case.name
+    assert rs["within_5%"] == 0 and bench.reserved_stats(rows[1:]) is None
+    doc, js = tmp_path / "agreement.md", tmp_path / "grid.json"
+    doc.write_text(f"a\n{bench.GRID_BEGIN}\nSTALE\n{bench.GRID_END}\nb\n{bench.RESERVED_BEGIN}\nSTALE\n{bench.RESERVED_END}\n")
+    bench.write_doc(rows, bench.grid_stats(rows), doc, js)
+    text = doc.read_text()
+    assert "STALE" not in text and "| gpt2 1x256 precision=bf16 | 130.0 | 120.0 | +8.33% | +0.00% | +10.00% |" in text
+    stored = bench.stored_rows(js)
+    assert stored[case.name].estimate.peak_reserved == 130 * M and stored[case.name].trace.peak_reserved == 120 * M
+    assert stored[other.name].estimate.peak_reserved is None
+    assert stored[case.name].estimate.replay_excess == pytest.approx(0.1)
+    import json
+    first, second = json.loads(js.read_text())["rows"]
+    assert first["reserved_diff"] == pytest.approx(130 / 120 - 1, abs=1e-6) and "estimate_reserved" not in second
+    assert {"estimate", "trace", "diff", "estimate_at", "trace_at"} <= set(second)

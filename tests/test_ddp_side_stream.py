@@ -41,13 +41,16 @@ def test_side_stream_segments_stay_reserved_and_apart():
 
 def test_cvpr23_fabric_ddp_row():
     """torchvision-shaped ViT-B/16 under Fabric's DDP (fixture cvpr23_05): the side stream holds the two
-    broadcast chunks (252 and 78 MiB segments of the 327 MiB of fp32 weights) and the one 328 MiB bucket."""
+    broadcast chunks (252 and 78 MiB segments of the 327 MiB of fp32 weights) and the one 328 MiB bucket.
+    Built on the current stream, the construction's flat copies and first bucket are replayed too
+    (``reserved._ddp_init``), in the default pool where the step reuses them, so the side stream adds at
+    least its own 658 MiB and at most what trace's two constructions differ by (3862 - 3166 MiB)."""
     opts = dict(set=["num_labels=10"], task="image-classification", batch_size=16, optimizer="adam",
                 optimizer_impl="foreach", zero_grad="zeros", hold_output="step", image_size=224,
                 gpu="a100-40gb", attention="sdpa", precision="bf16-amp", dp=4)
     cur, side = (estimate("vit-base-patch16-224", ddp_init_stream=s, **opts) for s in ("current", "side"))
     assert side.peak_allocated == cur.peak_allocated
-    assert side.peak_reserved - cur.peak_reserved == (252 + 78 + 328) * MiB
+    assert (252 + 78 + 328) * MiB <= side.peak_reserved - cur.peak_reserved <= (3862 - 3166) * MiB
 
 
 @pytest.mark.slow

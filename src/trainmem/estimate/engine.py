@@ -167,6 +167,9 @@ def estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str, handle_ws: int = C
                                   varying_steps(m, t, stage, flags))
         rep.peak_reserved = total + gap
         _phase_reserved(rep, marks)
+        # the replay's own allocated peak (bytes): the gap stands on it, so where it exceeds the estimate's
+        # the replay holds blocks the step does not (benchmarks/bench_agreement.py --reserved shows both)
+        rep.extra["replay_peak_allocated"] = max((mk[1] for mk in marks.values()), default=0)
     rep.extra["pipeline_stage"] = stage if t.pp > 1 else None
     note = tp_rank0_note(m, t, stage, n)
     if note:
