@@ -5,16 +5,19 @@ import pytest
 
 from trainmem.allocator import CachingAllocator
 from trainmem.estimate.api import estimate
-from trainmem.estimate.reserved import DDP_INIT_STREAM, _ddp_side_stream, _Replay, broadcast_chunks
+from trainmem.estimate.reserved import DDP_INIT_STREAM, _ddp_side_stream, _Replay, flat_copies
 
 MiB = 1 << 20
 
 
 def test_broadcast_chunks_close_once_they_hold_250_mib():
-    # compute_bucket_assignment_by_size: a chunk is closed by the tensor that takes it to >= 250 MiB
-    assert broadcast_chunks([100 * MiB] * 3 + [10 * MiB]) == [300 * MiB, 10 * MiB]
-    assert broadcast_chunks([250 * MiB, 1]) == [250 * MiB, 1]
-    assert broadcast_chunks([4, 4]) == [8]
+    # compute_bucket_assignment_by_size: a chunk is closed by the tensor that takes it to >= 250 MiB;
+    # a chunk of one tensor is flattened to a view of it (tensor_flatten.h), no copy
+    cap = 250 * MiB
+    assert flat_copies([100 * MiB] * 3 + [5 * MiB] * 2, cap) == [300 * MiB, 10 * MiB]
+    assert flat_copies([100 * MiB] * 3 + [10 * MiB], cap) == [300 * MiB]
+    assert flat_copies([250 * MiB, 1], cap) == []
+    assert flat_copies([4, 4], cap) == [8]
 
 
 class _States:
@@ -30,7 +33,7 @@ def _replay(load, grads):
 
 def test_side_stream_segments_stay_reserved_and_apart():
     # two chunks (300 and 10 MiB) freed, then a 310 MiB bucket: larger than either, a segment of its own
-    R = _replay([100 * MiB] * 3 + [10 * MiB], 310 * MiB)
+    R = _replay([100 * MiB] * 3 + [5 * MiB] * 2, 310 * MiB)
     assert R.a.allocated == 0 and R.a.reserved == 620 * MiB
     R.free(R.alloc(10 * MiB))                       # the default stream cannot use the side stream's cache
     assert R.a.reserved == 630 * MiB

@@ -257,21 +257,6 @@ DDP_INIT_STREAM = 3
 DDP_BROADCAST_BYTES = 250 * 1024 * 1024
 
 
-def broadcast_chunks(sizes: Any, cap: int = DDP_BROADCAST_BYTES) -> list[int]:
-    """Bytes of each flat tensor ``dist._broadcast_coalesced`` makes of tensors of ``sizes`` bytes (in
-    order): ``compute_bucket_assignment_by_size`` fills a bucket until it holds at least ``cap`` bytes
-    and then starts the next (reducer.cpp; the tensors are of one dtype here: the weights and buffers in
-    their load order), and comm.cpp's ``BroadcastWork`` flattens each into one new tensor
-    (``flatten_dense_tensors``)."""
-    out, cur = [], 0
-    for x in sizes:
-        cur += int(x)
-        if cur >= cap:
-            out.append(cur)
-            cur = 0
-    return out + ([cur] if cur else [])
-
-
 def _ddp_side_stream(R: _Replay, st: Any) -> None:
     """DDP built inside ``torch.cuda.stream(torch.cuda.Stream())`` (Lightning's DDPStrategy,
     ``wrappers.ddp``): its construction allocates on that stream, whose pool nothing else uses again
@@ -279,14 +264,14 @@ def _ddp_side_stream(R: _Replay, st: Any) -> None:
     "Streams"), so those segments stay reserved and idle for the whole run. They are
     ``_sync_module_states``' broadcast of the weights and buffers (torch 2.13 ``distributed/utils.py``
     L289-327 -> comm.cpp ``broadcast_coalesced``: each chunk's flat copy, at most two in flight, the
-    older freed before the next is made; ``broadcast_chunks``) and the first iteration's one bucket of
+    older freed before the next is made; ``flat_copies``) and the first iteration's one bucket of
     every gradient (``sys.maxsize`` bucket limit while ``find_unused_parameters`` is off,
     ``nn/parallel/distributed.py`` L128-162; 2.0's ``_ddp_init_helper`` the same), made after them on the
     same stream and freed when the second step's ``_pre_forward`` rebuilds the buckets on the default
     stream (reducer.cpp ``rebuild_buckets`` -> ``initialize_buckets``: ``buckets_.clear()`` first). The
     rebuilt buckets are the ``communication.ddp_buckets`` component, outside this replay."""
     live: list = []
-    for nbytes in broadcast_chunks(st.load):
+    for nbytes in flat_copies(st.load, DDP_BROADCAST_BYTES):
         if len(live) == 2:                                                 # max_in_flight = 2 (comm.cpp)
             R.free(live.pop(0))
         live.append(R.alloc(nbytes, DDP_INIT_STREAM))
@@ -300,8 +285,10 @@ DDP_FIRST_BUCKET, DDP_BUCKET_CAP = 1024 * 1024, 25 * 1024 * 1024
 
 
 def flat_copies(sizes: Any, cap: int) -> list[int]:
-    """Bytes of the flat copies ``dist._broadcast_coalesced`` makes of tensors of ``sizes`` bytes
-    (``broadcast_chunks``' buckets), without the buckets of a single tensor: comm.cpp's
+    """Bytes of the flat copies ``dist._broadcast_coalesced`` makes of tensors of ``sizes`` bytes (in
+    order), without the buckets of a single tensor: ``compute_bucket_assignment_by_size`` fills a
+    bucket until it holds at least ``cap`` bytes and then starts the next (reducer.cpp; the tensors are
+    of one dtype here: the weights and buffers in their load order), and comm.cpp's
     ``BroadcastWork`` flattens each bucket with ``torch::utils::flatten_dense_tensors``, which returns
     ``tensors[0].contiguous().view({-1})`` for one tensor (torch/csrc/utils/tensor_flatten.h) and
     ``at::cat`` of them otherwise, so only a bucket of several tensors is a new tensor. Trace's
