@@ -37,7 +37,7 @@ from ..spec.tf_releases import (DERIVED_TYPES, cache_values_own_dtype, code_rele
 from ..spec.training import TrainingSpec, fused_skipped, without_cache
 from .layers import LayerCoefs
 
-COEF_VERSION = 17  # (quantized setups have keys of their own: ``key``)
+COEF_VERSION = 18  # (quantized setups have keys of their own: ``key``)
 #: the heads whose derived coefficients are checked against trace (tests/test_encdec_vit.py, test_derived.py,
 #: test_encoder_heads.py, test_speech.py, test_vlm.py)
 DERIVED_HEADS = ("causal-lm", "seq2seq-lm", "image-cls", "speech-seq2seq", "masked-lm", "seq-cls", "qa", "vlm")
@@ -636,14 +636,19 @@ def _sequence(doc: dict[str, Any], kinds: list[str]) -> dict[str, tuple]:
     elements and its gradient's bytes per element (fp32: autocast caches only fp32 leaves that
     require grad, ``autocast_mode.cpp`` ``cached_cast``, and ``AccumulateGrad`` keeps the weight's
     dtype), and the tensors its forward makes and frees, in the order of it all
-    (``LayerCoefs.fwd_temps``, ``fwd_events``)."""
+    (``LayerCoefs.fwd_temps``, ``fwd_events``); its backward likewise where the derivation recorded it
+    (``trace.derive._backward_sequence``, ``LayerCoefs.bwd_events``: coefficients before version 18 did not)."""
     kind = doc["kinds"][kinds[0]] if len(kinds) == 1 else {}
     if "tensors" not in kind:
         return {}
     return {"tensors": tuple((float(a), float(b)) for a, b in kind["tensors"]),
             "linears": tuple((int(pos), float(w), 4) for pos, w in kind["linears"]),
             "fwd_temps": tuple((float(a), float(b)) for a, b in kind.get("temps", ())),
-            "fwd_events": tuple(kind.get("events", ()))}
+            "fwd_events": tuple(kind.get("events", ())),
+            "bwd_temps": tuple(tuple(float(x) for x in c) for c in kind.get("bwd_temps", ())),
+            "bwd_ins": tuple(tuple(float(x) for x in c) for c in kind.get("bwd_ins", ())),
+            "bwd_grads": tuple(int(g) for g in kind.get("bwd_grads", ())),
+            "bwd_events": tuple(kind.get("bwd_events", ())), "bwd_out": tuple(int(k) for k in kind.get("bwd_out", ()))}
 
 
 def _moments_of(m: ModelSpec, t: TrainingSpec, kinds: list[str]) -> dict[str, int]:
