@@ -22,7 +22,9 @@ runs it through the same simulator as ``trace`` (``trainmem.allocator.CachingAll
   the loss's transient and saved tensors; backward: the loss
   gradients, the head's weight gradient (under autocast its half form first), a tied head's part,
   the untied head's and final norm's gradients, per layer (last first) the recomputed tensors, the
-  largest backward transient, each linear's weight gradient as its backward makes it (under
+  largest backward transient (a derived layer whose derivation recorded its backward, without
+  recomputation: that record's tensors, frees and gradients in order, ``_recorded_backward``), each
+  linear's weight gradient as its backward makes it (under
   autocast: half gradient, copy freed, fp32 ``.grad``), the layer's other gradients, FSDP's
   unsharded gradients; the embeddings' gradients (a tied one: its own part and the sum);
 * FSDP1: each gathered flat parameter freed pending until the GPU passes its free, as far behind as

@@ -906,9 +906,7 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
     # parallel MLP), and an encoder-decoder's at the ends of its stacks (once per model).
     top, image = len(kinds) - 1, vocab == -1 and early_frees
     typical, saved, parts = _typical_layers(kinds, starts, ends, saved_rec, pat)
-    sequence = {kind: dict(_layer_sequence(recs, layer_of, i, saved_rec[i], end, logits_ev),
-                           backward=_layer_backward_sequence(tracker, recs, layer_of, i, saved_rec, vocab))
-                for kind, i in typical.items()}
+    sequence = {kind: _sequences(tracker, layer_of, i, saved_rec, (end, logits_ev, vocab)) for kind, i in typical.items()}
 
     def excess(i: int) -> int:
         return sum(r.nbytes for r in saved_rec[i]) - saved[kinds[i]] if typical[kinds[i]] != i else 0
@@ -1329,6 +1327,15 @@ def _typical_layers(kinds: list[str], starts: list[int], ends: list[int], saved_
             by[f"{rel or 'layer'}.{r.op}"] += r.nbytes
         parts[kind] = dict(by)
     return typical, saved, parts
+
+
+def _sequences(tracker: Any, layer_of: Any, i: int, saved_rec: dict[int, list], at: tuple[int, int, int]) -> dict:
+    """Layer ``i``'s forward (``_layer_sequence``) and, under ``backward``, its backward
+    (``_layer_backward_sequence``); ``at``: the forward's end event, the logits' first, the vocabulary."""
+    end, logits, vocab = at
+    recs = tracker.records
+    return dict(_layer_sequence(recs, layer_of, i, saved_rec[i], end, logits),
+                backward=_layer_backward_sequence(tracker, recs, layer_of, i, saved_rec, vocab))
 
 
 def _layer_sequence(recs: list, layer_of: Any, i: int, saved: list, end: int, logits: int) -> dict[str, list]:
