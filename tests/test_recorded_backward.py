@@ -76,3 +76,14 @@ def test_without_a_record_the_backward_is_one_block(monkeypatch):
         monkeypatch.undo()
         quantities._CACHE.clear()
     assert without == _one_block(monkeypatch, SMALL)
+
+
+def test_a_set_this_installation_cannot_derive_is_read_under_the_previous_version():
+    """The H200 runs' sets of transformers 5.17.0 (shipped under ``derived.PREVIOUS_VERSION``, before the
+    backward record) are read as they are: the installed transformers cannot derive them again, and
+    their layers' backward stays one block."""
+    r = trainmem.resolve("qwen3-0.6b", batch_size=8, seq_len=2048, precision="bf16-amp", transformers_version="5.17.0")
+    doc = derived.coefficients(r.model, r.training)
+    assert doc["version"] == derived.PREVIOUS_VERSION < derived.COEF_VERSION
+    assert "events" in doc["kinds"]["k0"] and "bwd_events" not in doc["kinds"]["k0"]
+    assert derived.layer_coefs(r.model, r.training, "first").bwd_events == ()
