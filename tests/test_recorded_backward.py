@@ -87,3 +87,24 @@ def test_a_set_this_installation_cannot_derive_is_read_under_the_previous_versio
     assert doc["version"] == derived.PREVIOUS_VERSION < derived.COEF_VERSION
     assert "events" in doc["kinds"]["k0"] and "bwd_events" not in doc["kinds"]["k0"]
     assert derived.layer_coefs(r.model, r.training, "first").bwd_events == ()
+
+
+def test_without_torch_a_set_stored_only_under_the_previous_version_is_read(monkeypatch):
+    """Where the current version's set is stored nowhere and the derivation cannot run (no torch), the set
+    shipped under ``derived.PREVIOUS_VERSION`` is read (its backward one block), not refused."""
+    import sys
+    r = trainmem.resolve("qwen3-0.6b", batch_size=2, seq_len=2048, precision="bf16")
+    new = derived.key(r.model, r.training)
+    assert derived.read_cached("coefficients", derived.key(r.model, r.training, version=derived.PREVIOUS_VERSION))
+    real = derived.read_cached
+    monkeypatch.setattr(derived, "read_cached", lambda kind, k: None if k == new else real(kind, k))
+    monkeypatch.setitem(sys.modules, "trainmem.trace.derive", None)  # import fails as without torch
+    derived._coefficients.cache_clear()
+    quantities.clear_cache()
+    try:
+        doc = derived.coefficients(r.model, r.training)
+        assert doc["version"] == derived.PREVIOUS_VERSION and "bwd_events" not in doc["kinds"]["k0"]
+    finally:
+        monkeypatch.undo()
+        derived._coefficients.cache_clear()
+        quantities.clear_cache()
