@@ -1388,8 +1388,9 @@ def _layer_backward_sequence(tracker: Any, recs: list, layer_of: Any, i: int, sa
     "iK" the K-th (in allocation order) of the tensors the layer above's window left alive (``out`` of
     that window, the gradients flowing down: measured at layer ``i + 1``, ``ins``) freed; "sK" / "pK"
     the K-th saved tensor (``_layer_sequence``'s order) of this layer / of the layer below freed
-    (``release_variables`` of the node that saved it; the layer below's input saved here belongs to
-    it); "wK" the K-th 2-D autocast weight copy of the layer's forward freed. ``out``: the indices of
+    (``fn.release_variables()`` once the node that saved it has run: ``Engine::evaluate_function``,
+    ``torch/csrc/autograd/engine.cpp``, torch 2.13; the layer below's output, saved here as this layer's
+    input, is the layer below's); "wK" the K-th 2-D autocast weight copy of the layer's forward freed. ``out``: the indices of
     this window's tensors alive at its end, in allocation order (the next layer's ``iK``). Empty when
     the layer has no backward allocation (frozen and needing no input gradient)."""
     ev_rec = tracker.ev_rec
