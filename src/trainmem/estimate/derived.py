@@ -38,7 +38,7 @@ from ..spec.tf_releases import (DERIVED_TYPES, cache_values_own_dtype, code_rele
 from ..spec.training import TrainingSpec, fused_skipped, without_cache
 from .layers import LayerCoefs
 
-COEF_VERSION = 17  # (quantized setups have keys of their own: ``key``)
+COEF_VERSION = 18  # (quantized setups have keys of their own: ``key``)
 #: the heads whose derived coefficients are checked against trace (tests/test_encdec_vit.py, test_derived.py,
 #: test_encoder_heads.py, test_speech.py, test_vlm.py)
 DERIVED_HEADS = ("causal-lm", "seq2seq-lm", "image-cls", "speech-seq2seq", "masked-lm", "seq-cls", "qa", "vlm")
@@ -145,9 +145,10 @@ def batch1(m: ModelSpec, t: TrainingSpec) -> bool:
     return m.family == "derived" and not m.is_encoder_decoder and t.batch_size == 1
 
 
-def key(m: ModelSpec, t: TrainingSpec, one: bool | None = None) -> str:
+def key(m: ModelSpec, t: TrainingSpec, one: bool | None = None, version: int = 0) -> str:
     """The cache key of ``m``'s coefficients under ``t``: everything the traced layer depends on;
-    ``one``: of its micro-batch-1 set or not (default: ``batch1``)."""
+    ``one``: of its micro-batch-1 set or not (default: ``batch1``); ``version``: under that
+    ``COEF_VERSION`` (default: the current one; ``PREVIOUS_VERSION``'s sets, ``_coefficients``)."""
     lora = (t.lora_rank, tuple(t.lora_targets or ()), t.lora_dropout, adapters_computed_half(t)) if t.lora_rank else ()
     parts = [m.fingerprint, activation_precision(t), t.attention, t.dropout, lora, regime(m, t), without_cache(t, m)]
     parts += release_parts(m, t)
@@ -174,7 +175,7 @@ def key(m: ModelSpec, t: TrainingSpec, one: bool | None = None) -> str:
         parts.append(("vlm", t.image_size, t.freeze_vision_tower, t.recompute == "full"))
     if batch1(m, t) if one is None else one:  # fitted on batch-1 points (the keys of other batches are unchanged)
         parts.append("batch-1")
-    return _key(*parts)
+    return _key(version or COEF_VERSION, *parts)
 
 
 def release_parts(m: ModelSpec, t: TrainingSpec, release: tuple[int, ...] | None = None) -> list[tuple[str, str]]:
@@ -227,34 +228,52 @@ def derivable(m: ModelSpec, t: TrainingSpec) -> str | None:
 
 
 @lru_cache(maxsize=4096)
-def _key(*parts: Any) -> str:
-    return hashlib.sha256(json.dumps([COEF_VERSION, *parts], default=str).encode()).hexdigest()[:24]
+def _key(version: int, *parts: Any) -> str:
+    return hashlib.sha256(json.dumps([version, *parts], default=str).encode()).hexdigest()[:24]
 
 
-def _stored(k: str) -> dict[str, Any] | None:
+def _stored(k: str, version: int = 0) -> dict[str, Any] | None:
     doc = read_cached("coefficients", k)
-    return doc if doc is not None and doc.get("version") == COEF_VERSION else None
+    return doc if doc is not None and doc.get("version") == (version or COEF_VERSION) else None
+
+
+#: the coefficient version before the derivation recorded each layer's backward (``trace.derive.
+#: _layer_backward_sequence``): a set stored under it is read where this installation cannot derive the
+#: setup's set again (another transformers release's code: the H200 runs' 5.17.0 sets, which
+#: ``tools/ship_sequence.py`` wrote with that release; or no torch): everything but the backward record is
+#: the same, and the replay keeps such a layer's backward as one block (``reserved._recorded``)
+PREVIOUS_VERSION = 17
+
+
+def _previous(k_old: str, why: str) -> dict[str, Any]:
+    """The set stored under ``PREVIOUS_VERSION``'s key ``k_old``, else ``why`` refused in one line."""
+    doc = _stored(k_old, PREVIOUS_VERSION) if k_old else None
+    if doc is None:
+        raise TrainmemError(why)
+    return doc
 
 
 @lru_cache(maxsize=512)
 def _coefficients(k: str, m: ModelSpec, t: TrainingSpec, side: str, one: bool = False,
-                  general: str = "") -> dict[str, Any]:
+                  general: str = "", k_old: str = "") -> dict[str, Any]:
     """The coefficients stored under key ``k``, else derived now. ``one``: the micro-batch-1 set
     (``batch1``); when it is stored nowhere and cannot be derived (no torch) but the batch >= 2 set
     (key ``general``) is stored, that set is used, marked ``batch1_fallback`` (its batch-1 copies
-    make it slightly high: ``notes`` says so), so an estimate that worked without torch still does."""
+    make it slightly high: ``notes`` says so), so an estimate that worked without torch still does.
+    Where it cannot be derived, the set stored under ``PREVIOUS_VERSION``'s key ``k_old`` is used."""
     doc = _stored(k)
     if doc is not None:
         return doc
     why = derivable(m, t)
     if why is not None:
-        raise TrainmemError(why)
+        return _previous(k_old, why)
     try:
         from ..trace.derive import NotPolynomial, derive_coefficients
     except ImportError as e:
-        doc = _stored(general) if one and general else None
+        doc = _stored(k_old, PREVIOUS_VERSION) if k_old else None
+        doc = doc if doc is not None else _stored(general) if one and general else None
         if doc is not None:
-            return dict(doc, batch1_fallback=True)
+            return doc if doc.get("version") == PREVIOUS_VERSION else dict(doc, batch1_fallback=True)
         raise TrainmemError(f"{m.name}: no stored coefficients for this setup, and deriving them needs torch and "
                             f"transformers ({e.name} is not installed)") from None
     try:
@@ -350,7 +369,7 @@ def _doc(m: ModelSpec, t: TrainingSpec) -> dict[str, Any]:
 def _at_point(k: str, m: ModelSpec, t: TrainingSpec, side: str, point: tuple[int, int]) -> dict[str, Any]:
     """The coefficients at ``point`` (``trace.derive.derive_coefficients``' ``point``: one trace of
     the cut model there), stored under the setup's key and the point, with the seconds it took."""
-    pk = _key(k, "point", *point)
+    pk = _key(COEF_VERSION, k, "point", *point)
     doc = _stored(pk)
     if doc is not None:
         return doc
@@ -380,7 +399,8 @@ def coefficients(m: ModelSpec, t: TrainingSpec) -> dict[str, Any]:
 
 def _lookup(m: ModelSpec, t: TrainingSpec) -> dict[str, Any]:
     one = batch1(m, t)
-    return _coefficients(key(m, t), m, _canonical(t, m), regime(m, t), one, key(m, t, False) if one else "")
+    return _coefficients(key(m, t), m, _canonical(t, m), regime(m, t), one, key(m, t, False) if one else "",
+                         key(m, t, version=PREVIOUS_VERSION))
 
 
 def decoder_ratio(m: ModelSpec, t: TrainingSpec) -> tuple[int, int]:
@@ -648,14 +668,19 @@ def _sequence(doc: dict[str, Any], kinds: list[str]) -> dict[str, tuple]:
     elements and its gradient's bytes per element (fp32: autocast caches only fp32 leaves that
     require grad, ``autocast_mode.cpp`` ``cached_cast``, and ``AccumulateGrad`` keeps the weight's
     dtype), and the tensors its forward makes and frees, in the order of it all
-    (``LayerCoefs.fwd_temps``, ``fwd_events``)."""
+    (``LayerCoefs.fwd_temps``, ``fwd_events``); its backward likewise where the derivation recorded it
+    (``trace.derive._backward_sequence``, ``LayerCoefs.bwd_events``: coefficients before version 18 did not)."""
     kind = doc["kinds"][kinds[0]] if len(kinds) == 1 else {}
     if "tensors" not in kind:
         return {}
     return {"tensors": tuple((float(a), float(b)) for a, b in kind["tensors"]),
             "linears": tuple((int(pos), float(w), 4) for pos, w in kind["linears"]),
             "fwd_temps": tuple((float(a), float(b)) for a, b in kind.get("temps", ())),
-            "fwd_events": tuple(kind.get("events", ()))}
+            "fwd_events": tuple(kind.get("events", ())),
+            "bwd_temps": tuple(tuple(float(x) for x in c) for c in kind.get("bwd_temps", ())),
+            "bwd_ins": tuple(tuple(float(x) for x in c) for c in kind.get("bwd_ins", ())),
+            "bwd_grads": tuple(int(g) for g in kind.get("bwd_grads", ())),
+            "bwd_events": tuple(kind.get("bwd_events", ())), "bwd_out": tuple(int(k) for k in kind.get("bwd_out", ()))}
 
 
 def _moments_of(m: ModelSpec, t: TrainingSpec, kinds: list[str]) -> dict[str, int]:

@@ -1123,6 +1123,15 @@ class LayerCoefs:
     # temporary freed), for the allocator replay (reserved.py ``_sequence_forward``); () without one
     fwd_temps: tuple[tuple[float, float], ...] = ()
     fwd_events: tuple[str, ...] = ()
+    # ... and its backward (``trace.derive._layer_backward_sequence``): each tensor it makes, its bytes in
+    # ``trace.derive.BACKWARD_TERMS`` (per token, per position, per token x key, constant, per sample, per
+    # position pair), the tensors the layer above leaves to it, its parameter gradients' bytes, the events
+    # ("t", "fK", "g", "iK", "sK", "pK", "wK") and its tensors alive at its end, for reserved._recorded_backward
+    bwd_temps: tuple[tuple[float, ...], ...] = ()
+    bwd_ins: tuple[tuple[float, ...], ...] = ()
+    bwd_grads: tuple[int, ...] = ()
+    bwd_events: tuple[str, ...] = ()
+    bwd_out: tuple[int, ...] = ()
     held_b1: float | None = None  # ``held`` at a micro-batch of one sequence (Recipe.held_b1); None: ``held``
     # a checkpointed hand-written layer's first forward, tensor by tensor (nograd.py): each temporary's
     # bytes per token and the events ("t" made, "fK" freed, "o" the output), for reserved._checkpointed

@@ -22,7 +22,9 @@ runs it through the same simulator as ``trace`` (``trainmem.allocator.CachingAll
   the loss's transient and saved tensors; backward: the loss
   gradients, the head's weight gradient (under autocast its half form first), a tied head's part,
   the untied head's and final norm's gradients, per layer (last first) the recomputed tensors, the
-  largest backward transient, each linear's weight gradient as its backward makes it (under
+  largest backward transient (a derived layer whose derivation recorded its backward, without
+  recomputation: that record's tensors, frees and gradients in order, ``_recorded_backward``), each
+  linear's weight gradient as its backward makes it (under
   autocast: half gradient, copy freed, fp32 ``.grad``), the layer's other gradients, FSDP's
   unsharded gradients; the embeddings' gradients (a tied one: its own part and the sum);
 * FSDP1: each gathered flat parameter freed pending until the GPU passes its free, as far behind as
@@ -105,6 +107,7 @@ class _Replay:
     emptied: bool = False  # the cache was emptied since the last mark
     lag: "_Fsdp1Lag | None" = None   # FSDP1: frees awaiting other streams, released by its rate limiter
     carry: list = field(default_factory=list)  # a derived layer's late frees: (J, handle), ``_sequence_forward``
+    bcarry: list = field(default_factory=list)  # a derived layer's backward tensors left to the next (``_recorded_backward``)
     loaded: bool = False   # the load is replayed (its blocks' placement is in the estimate's weights)
     excess: dict = field(default_factory=dict)  # handle -> bytes its block exceeds ``block_bytes`` of its request
     over: int = 0          # the sum of ``excess`` over the live blocks
@@ -492,8 +495,10 @@ class _Parts(list):
 
     def __init__(self, saved: Any, forward_only: list[int], op: list[int] | None = None,
                  temps: list[int] | None = None, events: tuple[str, ...] = (),
-                 nograd: list[int] | None = None, nograd_events: tuple[str, ...] = (), whole: bool = True) -> None:
+                 nograd: list[int] | None = None, nograd_events: tuple[str, ...] = (), whole: bool = True,
+                 bwd: "_BackwardRecord | None" = None) -> None:
         super().__init__(saved)
+        self.bwd = bwd            # a derived layer's recorded backward (``_recorded_backward``)
         self.whole = whole
         self.forward_only = forward_only
         self.op = op or []     # the op outputs torchtitan's per-op policy keeps (``LayerCoefs.op_tensors``)
@@ -516,7 +521,35 @@ def _layer_parts(q: Quantities, n: int, nsq: int) -> _Parts:
                   [int(a * n + b * nsq) for a, b in lc.op_tensors],
                   [int(a * n + b * nsq) for a, b in lc.fwd_temps], lc.fwd_events,
                   [int(a * n + c) for a, c in zip(lc.nograd_temps, lc.nograd_const or [0.0] * len(lc.nograd_temps))],
-                  lc.nograd_events, whole=bool(lc.tensors))
+                  lc.nograd_events, whole=bool(lc.tensors), bwd=_backward_record(lc, n, nsq))
+
+
+@dataclass
+class _BackwardRecord:
+    """A derived layer's backward as its derivation recorded it (``LayerCoefs.bwd_events``,
+    ``trace.derive._layer_backward_sequence``), at one setup's sizes: the bytes of each tensor it makes,
+    of those the layer above leaves to it, of each parameter gradient, the events, and which of its
+    tensors it leaves to the layer below."""
+
+    temps: list
+    ins: list
+    grads: tuple
+    events: tuple
+    out: tuple
+
+
+def _backward_record(lc: Any, n: int, nsq: int) -> "_BackwardRecord | None":
+    """``LayerCoefs``' recorded backward at ``n`` tokens and ``nsq`` tokens x keys: each tensor's bytes from
+    its terms (``trace.derive.BACKWARD_TERMS``: per token n = b*s, per position s = nsq / n, per token x key,
+    constant, per sample b = n / s, per position pair s^2); None where the coefficients lack one."""
+    if not lc.bwd_events or n <= 0:
+        return None
+    s = nsq / n
+    basis = (n, s, nsq, 1.0, n / s if s else 0.0, s * s)
+
+    def sizes(coefs: tuple) -> list:
+        return [max(0, round(sum(c * x for c, x in zip(cs, basis)))) for cs in coefs]
+    return _BackwardRecord(sizes(lc.bwd_temps), sizes(lc.bwd_ins), lc.bwd_grads, lc.bwd_events, lc.bwd_out)
 
 
 @dataclass
@@ -945,9 +978,12 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     for i in reversed(range(q.layers)):
         if isinstance(f.z3, _Zero3Replay):                        # ZeRO-3: the layer's backward fetches
             f.z3.before(R, i)
-        _layer_backward(R, s, q, f.fs, parts, f.kept[i], i, n, nsq, recompute, flags.oib)
+        _layer_backward(R, s, q, f.fs, parts, f.kept[i], i, n, nsq, recompute, flags.oib,
+                        below=f.kept[i - 1] if i > 0 else None)
         if f.z3 is not None:
             f.z3.backward(R, i)                                   # ZeRO-3: the layer's parameters released
+    R.frees(R.bcarry)                                             # the bottom layer's input gradient, which
+    R.bcarry = []                                                 # the embedding's backward reads
     if q.fsdp_emb_unit:                                           # split root: the embedding's pre-backward
         f.fs.below_first = 0
         f.root = f.fs.unshard_backward(R, q.fsdp_emb_unit, _emb_unit_tensors(st), prefetch=False)
@@ -1968,8 +2004,10 @@ def _kept_whole(parts: list[int], kept: int, recompute: str) -> bool:
 
 
 def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[int], kept: list, i: int,
-                    n: int, nsq: int, recompute: str, oib: bool) -> None:
-    """One layer's backward: recompute, the largest transient, the gradients, then its tensors freed."""
+                    n: int, nsq: int, recompute: str, oib: bool, below: list | None = None) -> None:
+    """One layer's backward: recompute, the largest transient (a derived layer whose backward is recorded:
+    its tensors as recorded, ``_recorded_backward``, which frees its saved tensors and ``below``'s, the layer
+    below's, where the trace did), the gradients, then its tensors freed."""
     st = q.detail.states
     if fs.last:                                                   # kept gathered since its forward
         params, fs.last = fs.last, []
@@ -1988,8 +2026,12 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
     flat1 = bool(st.layer_grads_full and not fs.v2 and q.fsdp1_post)  # FSDP1: views, flat gradient, hook
     early = _fsdp1_early_views(q, st, n, nsq) if flat1 and not per_linear else None
     views = R.allocs(st.layer_tensors[j] for j in early) if early else []  # made by the worst moment
-    # the worst backward moment as one block: several tensors (not netted, ``_Replay.alloc``)
-    tr = R.alloc(_activation_transient(q, n, nsq) if per_linear else _transient(q, n, nsq), one=False)
+    where = ("layer", f"layer{i}")
+    pre: set = set()
+    if _recorded(q, parts, recompute, flat1 or bool(st.layer_grads_full)):  # a derived layer, tensor by tensor
+        pre, tr, per_linear = _recorded_backward(R, s, q, (parts.bwd, kept, below), where, oib), None, False
+    else:  # the worst backward moment as one block: several tensors (not netted, ``_Replay.alloc``)
+        tr = R.alloc(_activation_transient(q, n, nsq) if per_linear else _transient(q, n, nsq), one=False)
     if flat1 and _fsdp1_whole(q, st):                             # every op of the layer ran before the
         R.frees([tr] + redo)                                      # cat: their tensors freed by then
         tr, redo = None, []
@@ -2004,14 +2046,80 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
         params = []
     elif st.layer_grads_full:                                     # FSDP1 without a hook of its own
         fs.reduce(R, [R.alloc(st.layer_grads_full)], q.fsdp_rs_buf or st.layer_grads_full)
-    where = ("layer", f"layer{i}")
-    made = _linears_backward(R, s, q, kept, where, oib) if per_linear else set()
+    made = _linears_backward(R, s, q, kept, where, oib) if per_linear else pre
     _make_grads(R, s, st.trainables, where, oib, fs.grad_stream, made)
     fs.reduced(R)                                                 # FSDP2 < 2.5: its reduce-scatter input dropped
     R.free(tr)
     fs.reshard(R, params)                                         # FSDP1 without its reduce hook (no_sync)
     R.frees(redo)
     R.frees(kept + kept.casts)
+
+
+def _recorded(q: Quantities, parts: Any, recompute: str, fsdp: bool) -> bool:
+    """Whether a layer's backward is replayed as its derivation recorded it (``_recorded_backward``): a
+    derived layer whose coefficients hold its backward (``_Parts.bwd``), without recomputation (the record
+    is of a layer that saved its tensors), outside FSDP (whose gradient hooks the replay places around one
+    block) and DeepSpeed ZeRO-3's recorded fetches."""
+    return recompute == "none" and getattr(parts, "bwd", None) is not None and not fsdp and not q.ds_events
+
+
+def _recorded_backward(R: _Replay, s: _Step, q: Quantities, layer: tuple, where: tuple[str, ...], oib: bool) -> set:
+    """A derived layer's backward as the trace ran it (``_BackwardRecord``, ``trace.derive.
+    _layer_backward_sequence``: every allocation and free of its window, in order): each backward tensor
+    made ("t") and freed ("fK"), the gradients the layer above left freed ("iK", ``R.bcarry``; at the top,
+    where none is left, they are made first: the final norm's backward made them), its saved tensors
+    ("sK"), the layer below's ("pK": ``below``, its input kept here) and its autocast weight copies ("wK",
+    where the replay made them linear by linear) freed where autograd released them, and each parameter
+    gradient ("g") made where ``AccumulateGrad`` ran, as the trainable of its size (``_grad_of``; the
+    layer's others follow in ``_layer_backward``). Its tensors alive at the end go to ``R.bcarry``, for
+    the layer below. ``layer``: (the record, the layer's kept handles, the layer below's or None). Returns
+    the trainable indices whose gradient was made."""
+    rec, kept, below = layer
+    st = q.detail.states
+    ins = R.bcarry or R.allocs(rec.ins)
+    R.bcarry = []
+    live: dict[int, Any] = {}                                     # this layer's tensor index -> handle
+    made: set = set()
+    pending = list(_placed(st.trainables, where))
+    grads = iter(rec.grads)
+    handles = (live, ins, kept, below or [], getattr(kept, "casts", []))
+    for e in rec.events:
+        if e == "t":
+            k = len(live)                                         # (a freed one stays, as ``_GONE``)
+            live[k] = R.alloc(rec.temps[k]) if k < len(rec.temps) else None
+        elif e == "g":
+            want = block_bytes(next(grads, 0), q.expandable)      # the .grad, its dtype
+            j = next((j for j in pending if st.trainables[j][2] == want), None)
+            if j is not None:
+                pending.remove(j)
+                made.add(j)
+                _grad_of(R, s, st.trainables, j, oib)
+        else:
+            _recorded_free(R, e, handles)
+    R.bcarry = [h for h in (live.pop(k, None) for k in rec.out) if h is not _GONE]
+    R.frees([h for h in live.values() if h is not _GONE] + ins)
+    return made
+
+
+#: a recorded backward tensor already freed (``_recorded_backward``: kept in ``live`` so indices stay dense)
+_GONE = object()
+
+
+def _recorded_free(R: _Replay, e: str, handles: tuple) -> None:
+    """One free event of a recorded backward (``_recorded_backward``): "fK" the layer's K-th tensor, "iK"
+    the K-th the layer above left, "sK" / "pK" the K-th saved tensor of the layer / the layer below, "wK"
+    the K-th weight copy (each taken out of its list so it is freed once)."""
+    live, ins, kept, below, casts = handles
+    k = int(e[1:])
+    if e[0] == "f":
+        h = live.get(k)
+        live[k] = _GONE
+        R.free(None if h is _GONE else h)
+        return
+    where = {"i": ins, "s": kept, "p": below, "w": casts}.get(e[0])
+    if where is not None and k < len(where):
+        R.free(where[k])
+        where[k] = None
 
 
 def _transient(q: Quantities, n: int, nsq: int) -> int:

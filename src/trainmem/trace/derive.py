@@ -239,7 +239,33 @@ def _sequence(runs: list[dict[str, Any]], kind: str, fit: Any) -> dict[str, list
             out.append([cp["n"], cp["nsq"]])
         return out
     return {"tensors": fitted("tensors"), "linears": first["casts"], "temps": fitted("temps"),
-            "events": first["events"]}
+            "events": first["events"], **_backward_sequence([q.get("backward", {}) for q in seqs], fit)}
+
+
+#: the terms of a backward sequence's tensor (``_backward_sequence``; ``estimate.derived.backward_bytes``
+#: reads them): per token b*s, per position s, per token x key b*s^2, constant, per sample b, per position
+#: pair s^2 (those the fit has: ``derive_coefficients``' terms, the others 0)
+BACKWARD_TERMS = ("n", "s", "nsq", "1", "b", "ssq")
+
+
+def _backward_sequence(seqs: list[dict[str, list]], fit: Any) -> dict[str, Any]:
+    """A kind's backward one tensor at a time (``_layer_backward_sequence``), each tensor's bytes fitted
+    in ``BACKWARD_TERMS`` (a backward tensor may be of a constant size: autocast's half weight gradient),
+    the gradients' bytes as measured (constant), under ``bwd_``; where every point ran the same events
+    (else nothing: the replay keeps the one block of the worst moment)."""
+    first = seqs[0]
+    if not first or any(q.get("events") != first["events"] or q["out"] != first["out"] or q["grads"] != first["grads"]
+                        or len(q["ins"]) != len(first["ins"]) for q in seqs):
+        return {}
+
+    def fitted(what: str) -> list[list[float]]:
+        out = []
+        for j in range(len(first[what])):
+            cp = fit("", [q[what][j] for q in seqs], check_fit=False)
+            out.append([float(cp.get(t, 0.0)) for t in BACKWARD_TERMS])
+        return out
+    return {"bwd_temps": fitted("temps"), "bwd_ins": fitted("ins"), "bwd_grads": first["grads"],
+            "bwd_events": first["events"], "bwd_out": first["out"]}
 
 
 def _outside_layers(m: ModelSpec, runs: list[dict[str, Any]], fit: Any) -> dict[str, list[float]]:
@@ -897,7 +923,7 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
     # parallel MLP), and an encoder-decoder's at the ends of its stacks (once per model).
     top, image = len(kinds) - 1, vocab == -1 and early_frees
     typical, saved, parts = _typical_layers(kinds, starts, ends, saved_rec, pat)
-    sequence = {kind: _layer_sequence(recs, layer_of, i, saved_rec[i], end, logits_ev) for kind, i in typical.items()}
+    sequence = {kind: _sequences(tracker, layer_of, i, saved_rec, (end, logits_ev, vocab)) for kind, i in typical.items()}
 
     def excess(i: int) -> int:
         return sum(r.nbytes for r in saved_rec[i]) - saved[kinds[i]] if typical[kinds[i]] != i else 0
@@ -1320,6 +1346,15 @@ def _typical_layers(kinds: list[str], starts: list[int], ends: list[int], saved_
     return typical, saved, parts
 
 
+def _sequences(tracker: Any, layer_of: Any, i: int, saved_rec: dict[int, list], at: tuple[int, int, int]) -> dict:
+    """Layer ``i``'s forward (``_layer_sequence``) and, under ``backward``, its backward
+    (``_layer_backward_sequence``); ``at``: the forward's end event, the logits' first, the vocabulary."""
+    end, logits, vocab = at
+    recs = tracker.records
+    return dict(_layer_sequence(recs, layer_of, i, saved_rec[i], end, logits),
+                backward=_layer_backward_sequence(tracker, recs, layer_of, i, saved_rec, vocab))
+
+
 def _layer_sequence(recs: list, layer_of: Any, i: int, saved: list, end: int, logits: int) -> dict[str, list]:
     """Layer ``i``'s forward as the allocator sees it, for the estimate's replay of the step
     (``estimate.reserved``): the bytes of each tensor it saves, one by one in the order they are
@@ -1355,6 +1390,75 @@ def _layer_sequence(recs: list, layer_of: Any, i: int, saved: list, end: int, lo
     return {"tensors": [r.nbytes for r in order], "temps": [r.nbytes for r in temps],
             "events": [e for _n, e in sorted(ev, key=lambda x: x[0])],
             "casts": [[sum(1 for x in order if x.alloc_event < c.alloc_event), _numel(c.shape)] for c in casts]}
+
+
+def _layer_backward_sequence(tracker: Any, recs: list, layer_of: Any, i: int, saved_rec: dict[int, list],
+                             vocab: int) -> dict[str, list]:
+    """Layer ``i``'s backward as the allocator sees it, for the estimate's replay (``estimate.reserved``
+    ``_recorded_backward``), in the form of its forward's (``_layer_sequence``). Its window runs from the
+    first allocation after the layer above's last backward allocation (from its own first, at the top)
+    to the first allocation after its own last (``tracker.ev_rec``: every allocation and free of the
+    step, in order). Events: "t" the next backward tensor made (a gradient of an activation, an op's
+    formula temporary, autocast's half weight gradient, an ``InputBuffer`` sum: category not
+    ``gradients`` nor ``workspace``, as ``_transients`` counts them), its bytes in ``temps``; "fK" the
+    K-th of them freed; "g" the next parameter gradient made (``.grad``, its bytes in ``grads``: constant);
+    "iK" the K-th (in allocation order) of the tensors the layer above's window left alive (``out`` of
+    that window, the gradients flowing down: measured at layer ``i + 1``, ``ins``) freed; "sK" / "pK"
+    the K-th saved tensor (``_layer_sequence``'s order) of this layer / of the layer below freed
+    (``fn.release_variables()`` once the node that saved it has run: ``Engine::evaluate_function``,
+    ``torch/csrc/autograd/engine.cpp``, torch 2.13; the layer below's output, saved here as this layer's
+    input, is the layer below's); "wK" the K-th 2-D autocast weight copy of the layer's forward freed. ``out``: the indices of
+    this window's tensors alive at its end, in allocation order (the next layer's ``iK``). Empty when
+    the layer has no backward allocation (frozen and needing no input gradient)."""
+    ev_rec = tracker.ev_rec
+
+    def span(j: int) -> tuple[int, int] | None:
+        evs = [r.alloc_event for r in recs if r.phase == "backward" and layer_of(r) == j]
+        return (min(evs), max(evs)) if evs else None
+
+    def next_alloc(e: int) -> int:  # the first allocation event after ``e`` (the end of the events: their count)
+        return next((k for k in range(e + 1, len(ev_rec)) if ev_rec[k] >= 0), len(ev_rec))
+    own, above, above2 = span(i), span(i + 1), span(i + 2)
+    if own is None:
+        return {}
+    start, end = (next_alloc(above[1]) if above else own[0]), next_alloc(own[1])
+    above_start = (next_alloc(above2[1]) if above2 else above[0]) if above else start
+
+    def temp(r: Any) -> bool:  # (``_transients``' backward temporaries)
+        return r.phase == "backward" and r.category not in ("gradients", "workspace") and not (
+            len(r.shape) == 2 and r.shape[0] == vocab)
+
+    def alive_out(r: Any, lo: int, hi: int) -> bool:  # made in [lo, hi) and alive at ``hi``
+        return lo <= r.alloc_event < hi and (r.free_event is None or r.free_event >= hi) and temp(r)
+    ins = sorted((r for r in recs if above and alive_out(r, above_start, start)),
+                 key=lambda r: r.alloc_event)
+    in_index = {r.rid: k for k, r in enumerate(ins)}
+    saved_index = {r.rid: ("s", k) for k, r in enumerate(sorted(saved_rec[i], key=lambda r: r.alloc_event))}
+    saved_index.update({r.rid: ("p", k) for k, r in enumerate(sorted(saved_rec.get(i - 1, ()),
+                                                                      key=lambda r: r.alloc_event))})
+    casts = sorted((r for r in recs if r.label == "autocast_weight_cache" and r.phase == "forward"
+                    and layer_of(r) == i and len(r.shape or ()) == 2), key=lambda r: r.alloc_event)
+    saved_index.update({r.rid: ("w", k) for k, r in enumerate(casts)})
+    temps, grads, events, index = [], [], [], {}
+    for e in range(start, end):
+        code = ev_rec[e]
+        r = recs[code] if code >= 0 else recs[~code]
+        if code >= 0 and temp(r):
+            index[r.rid] = len(temps)
+            temps.append(r.nbytes)
+            events.append("t")
+        elif code >= 0 and r.category == "gradients":
+            grads.append(r.nbytes)
+            events.append("g")
+        elif code < 0 and r.rid in index:
+            events.append(f"f{index[r.rid]}")
+        elif code < 0 and r.rid in in_index:
+            events.append(f"i{in_index[r.rid]}")
+        elif code < 0 and r.rid in saved_index:
+            events.append("%s%d" % saved_index[r.rid])
+    out = [index[r.rid] for r in sorted((r for r in recs if r.rid in index and alive_out(r, start, end)),
+                                        key=lambda r: r.alloc_event)]
+    return {"temps": temps, "grads": grads, "events": events, "out": out, "ins": [r.nbytes for r in ins]}
 
 
 def _numel(shape: Any) -> int:
