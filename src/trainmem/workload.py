@@ -856,7 +856,10 @@ def apply_lora(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec) -> torc
     except ImportError:
         raise TrainmemError("--lora-rank needs peft to trace or measure: pip install 'trainmem[lora]'") from None
     from .estimate.states import default_lora_targets
+    from .spec.lora_targets import ALL_LINEAR, is_all_linear
     targets: Any = list(t.lora_targets or default_lora_targets(spec))
+    if is_all_linear(targets):  # a model factory's (no config to expand it against): peft expands it
+        targets = ALL_LINEAR
     if spec.is_vlm:  # the language model's linears only (language_model_targets)
         targets = language_model_targets(targets)
     config = LoraConfig(r=t.lora_rank, lora_alpha=2 * t.lora_rank, target_modules=targets,

@@ -280,8 +280,9 @@ def _add_lora(g: Any) -> None:
                    help="LoRA dropout on the adapters' input (peft default 0; torchtune and litgpt use 0.05)")
     g.add_argument("--lora-dtype", choices=("fp32", "half"), default=None,
                    help="adapters over half weights: fp32 (peft's default upcast) or half (torchtune, litgpt)")
-    g.add_argument("--lora-targets", default=None, metavar="M1,M2",
-                   help="peft target module names (peft's defaults when omitted)")
+    g.add_argument("--lora-targets", default=None, metavar="M1,M2|all-linear",
+                   help="peft target module names (peft's defaults when omitted), or all-linear (peft's "
+                        "shorthand: every linear module but the output embedding)")
     g.add_argument("--quantize", choices=("none", "nf4", "fp4", "nf4-dq", "fp4-dq", "bnb.nf4", "bnb.fp4",
                                           "bnb.nf4-dq", "bnb.fp4-dq"), default=None,
                    help="QLoRA: bitsandbytes 4-bit base weights (BitsAndBytesConfig bnb_4bit_quant_type; -dq: "

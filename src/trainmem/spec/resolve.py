@@ -45,6 +45,7 @@ from .config import resolve_model, tensor_parallel_twin
 from .frameworks import FRAMEWORKS, LINKED, get_preset, parse_version, preset_options, preset_warnings
 from .calibration import calibrated
 from .hardware import Hardware, get_gpu
+from .lora_targets import all_linear_targets, is_all_linear
 from .model import ModelSpec
 from .deepspeed import zero_options
 from .releases import parse_torch_version, torch_defaults
@@ -270,8 +271,11 @@ def training_from(options: Mapping[str, Any], model: ModelSpec | None = None,
     """The TrainingSpec of ``options``: their training fields on top of ``training=`` (or ``base``),
     else a new one whose ``seq_len`` defaults to the model's ``default_seq_len`` (2048 without a
     model). With ``framework`` (or a base made under one) the preset goes between the base and the
-    options (``preset_training``). DeepSpeed's engine options without its ZeRO stage are refused."""
+    options (``preset_training``). ``lora_targets`` "all-linear" becomes the model's linear modules
+    as peft expands it (``spec.lora_targets``). DeepSpeed's engine options without its ZeRO stage are refused."""
     t = _training_from(options, model, base)
+    if model is not None and is_all_linear(t.lora_targets):  # peft's shorthand, named as peft expands it
+        t = dataclasses.replace(t, lora_targets=all_linear_targets(model))
     problem = deepspeed_problems(t) or _manual_layernorm_problem(model, t)
     if problem:
         raise TrainmemError(problem)
