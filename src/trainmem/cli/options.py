@@ -468,7 +468,8 @@ def add_deepspeed(g: Any) -> None:
     """DeepSpeed ZeRO's engine options, named as its ``zero_optimization`` config names them."""
     g.add_argument("--deepspeed-config", default=None, metavar="FILE",
                    help="a DeepSpeed JSON config: its zero_optimization stage, buckets and optimizer offload "
-                        "(\"auto\" as the HF Trainer fills it); explicit flags win")
+                        "(\"auto\" as the HF Trainer fills it), bf16/fp16.enabled, train_micro_batch_size_per_gpu, "
+                        "gradient_accumulation_steps, train_batch_size; explicit flags win where they agree")
     g.add_argument("--reduce-bucket-size", type=_elements, default=None, metavar="N",
                    help="DeepSpeed ZeRO: elements per gradient bucket buffer (default 5e8; 2 buffers in "
                         "backward under --overlap-comm with stages 1-2, one kept buffer with stage 3)")
