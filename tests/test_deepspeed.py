@@ -386,3 +386,19 @@ def test_deepspeed_config_contradiction_is_one_cli_line(tmp_path, capsys):
     assert main(["estimate", MODEL, "--dp", "8", "--deepspeed-config", str(path), "--batch-size", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--batch-size 2 contradicts" in err[0] and "train_micro_batch_size_per_gpu (4)" in err[0]
+
+
+def test_deepspeed_config_batch_keys_reach_every_cli_command(tmp_path, capsys):
+    """The CLI's --batch-size and --grad-accum default to None, so that a config's micro-batch and
+    accumulation are read, not contradicted by a default of 1 the user never typed."""
+    from trainmem.cli import main
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 4,
+                                "gradient_accumulation_steps": 8, "bf16": {"enabled": True}}))
+    args = ["gpt2", "--set", "n_layer=1", "--seq-len", "32", "--dp", "2", "--deepspeed-config", str(path)]
+    for cmd in ("estimate", "trace"):
+        assert main([cmd, *args, "--json"]) == 0, cmd
+        t = json.loads(capsys.readouterr().out)["training"]
+        assert (t["batch_size"], t["grad_accum"], t["precision"]) == (4, 8, "bf16"), cmd
+    assert main(["compare", *args]) == 0
+    assert "bf16 · micro-batch 4 × seq 32" in capsys.readouterr().out

@@ -167,14 +167,14 @@ def add_training(g: Any) -> None:
                    help="the transformers release whose model code the run uses (default: the installed one); an "
                         "older one changes the default attention and the causal-LM loss's logits copies of llama, "
                         "mistral, qwen2, mixtral, gpt2, bert and opt (estimate only; docs/estimate.md)")
-    g.add_argument(*BATCH_FLAGS, dest="batch_size", type=positive_int, default=1,
+    g.add_argument(*BATCH_FLAGS, dest="batch_size", type=positive_int, default=None,
                    help="micro-batch per data-parallel rank (the HF Trainer's per_device_train_batch_size, "
-                        "Megatron's and litgpt's micro_batch_size)")
+                        "Megatron's and litgpt's micro_batch_size; default 1, or --deepspeed-config's)")
     g.add_argument(*SEQ_FLAGS, dest="seq_len", type=positive_int, default=None,
                    help="tokens per sample (default 2048, or the model's learned positions if fewer)")
     add_input_sizes(g)
-    g.add_argument(*ACCUM_FLAGS, dest="grad_accum", type=positive_int, default=1,
-                   help="micro-batches per optimizer step")
+    g.add_argument(*ACCUM_FLAGS, dest="grad_accum", type=positive_int, default=None,
+                   help="micro-batches per optimizer step (default 1, or --deepspeed-config's)")
     add_precision_optimizer(g)
     g.add_argument("--optimizer-impl", choices=OPTIMIZER_IMPLS, default=None,
                    help="torch.optim implementation (default foreach, as PyTorch on CUDA)")
