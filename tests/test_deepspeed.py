@@ -346,3 +346,59 @@ def test_old_pytorch_defaults_do_not_reach_deepspeeds_own_zero_grad_and_fused_ad
     assert t.zero_grad == "none" and t.optimizer_impl == "fused"
     with pytest.raises(TrainmemError, match="fused"):
         resolve(MODEL, dp=4, precision="fp16", optimizer="adamw", optimizer_impl="fused", torch_version="1.13")
+
+
+def test_deepspeed_config_engine_keys_are_read_not_dropped(tmp_path):
+    """bf16/fp16.enabled, train_micro_batch_size_per_gpu, gradient_accumulation_steps and
+    train_batch_size change memory: read from the file (deepspeed 0.19.8 runtime/config.py
+    _set_batch_related_parameters L607-648), "auto" left to the flags, a contradicting flag refused."""
+    zo = {"zero_optimization": {"stage": 2}}
+    base = dict(dp=8, seq_len=1024)
+    t = trainmem.estimate(MODEL, deepspeed_config={**zo, "bf16": {"enabled": True}, "gradient_accumulation_steps": 8,
+                                                   "train_micro_batch_size_per_gpu": 4}, **base).training
+    assert (t.precision, t.batch_size, t.grad_accum) == ("bf16", 4, 8)
+    assert trainmem.estimate(MODEL, deepspeed_config={**zo, "fp16": {"enabled": True}}, **base).training.precision == "fp16"
+    auto = {**zo, "bf16": {"enabled": "auto"}, "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+            "gradient_accumulation_steps": "auto"}
+    t = trainmem.estimate(MODEL, deepspeed_config=auto, batch_size=2, grad_accum=3, precision="bf16-amp", **base).training
+    assert (t.precision, t.batch_size, t.grad_accum) == ("bf16-amp", 2, 3)
+    # train_batch_size over the data-parallel ranks, as the engine derives the rest
+    t = trainmem.estimate(MODEL, deepspeed_config={**zo, "train_batch_size": 512}, **base).training
+    assert (t.batch_size, t.grad_accum) == (64, 1)
+    t = trainmem.estimate(MODEL, deepspeed_config={**zo, "train_batch_size": 512, "train_micro_batch_size_per_gpu": 16},
+                          **base).training
+    assert (t.batch_size, t.grad_accum) == (16, 4)
+    bf16 = trainmem.estimate(MODEL, deepspeed_config={**zo, "bf16": {"enabled": True}}, **base)
+    assert bf16.peak_allocated < trainmem.estimate(MODEL, deepspeed_config=zo, precision="bf16-amp", **base).peak_allocated
+    for cfg, flags, words in [({**zo, "train_micro_batch_size_per_gpu": 4}, dict(batch_size=2), "train_micro_batch"),
+                              ({**zo, "bf16": {"enabled": True}}, dict(precision="fp32"), "bf16.enabled"),
+                              ({**zo, "bf16": {"enabled": True}, "fp16": {"enabled": True}}, {}, "both true"),
+                              ({**zo, "train_batch_size": 4}, {}, "less than one sample"),
+                              ({**zo, "gradient_accumulation_steps": 0}, {}, "positive integer")]:
+        with pytest.raises(TrainmemError, match=words):
+            trainmem.estimate(MODEL, deepspeed_config=cfg, **{**base, **flags})
+
+
+def test_deepspeed_config_contradiction_is_one_cli_line(tmp_path, capsys):
+    from trainmem.cli import main
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 4}))
+    assert main(["estimate", MODEL, "--dp", "8", "--deepspeed-config", str(path), "--batch-size", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--batch-size 2 contradicts" in err[0] and "train_micro_batch_size_per_gpu (4)" in err[0]
+
+
+def test_deepspeed_config_batch_keys_reach_every_cli_command(tmp_path, capsys):
+    """The CLI's --batch-size and --grad-accum default to None, so that a config's micro-batch and
+    accumulation are read, not contradicted by a default of 1 the user never typed."""
+    from trainmem.cli import main
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 4,
+                                "gradient_accumulation_steps": 8, "bf16": {"enabled": True}}))
+    args = ["gpt2", "--set", "n_layer=1", "--seq-len", "32", "--dp", "2", "--deepspeed-config", str(path)]
+    for cmd in ("estimate", "trace"):
+        assert main([cmd, *args, "--json"]) == 0, cmd
+        t = json.loads(capsys.readouterr().out)["training"]
+        assert (t["batch_size"], t["grad_accum"], t["precision"]) == (4, 8, "bf16"), cmd
+    assert main(["compare", *args]) == 0
+    assert "bf16 · micro-batch 4 × seq 32" in capsys.readouterr().out

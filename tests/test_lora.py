@@ -109,3 +109,14 @@ def test_recomputed_forward_is_a_backward_moment():
     none = trainmem.estimate("llama-3.2-1b", **LLAMA, lora_targets=ALL)
     assert recompute_transients(none.training, lc) == ()
     assert none.peak_where != full.peak_where
+
+
+def test_peft_wrapping_shows_no_library_deprecation_warning(one_torch_thread):
+    """peft reads transformers' deprecated ``is_gradient_checkpointing`` when it wraps the model: a
+    FutureWarning the user cannot act on, kept off trace's stderr (workload.apply_lora)."""
+    import warnings
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        r = trace("llama-3.2-1b", set=["num_hidden_layers=1"], seq_len=32, batch_size=1, lora_rank=4)
+    assert r.peak_allocated > 0
+    assert not [w for w in seen if "is_gradient_checkpointing" in str(w.message)], [str(w.message) for w in seen]

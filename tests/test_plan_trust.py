@@ -223,3 +223,14 @@ def test_a_wide_sweep_grid_fits_100_columns(capsys):
     assert len(heads) == 3  # 20 micro-batch sizes in blocks of 8
     cols = [int(v) for h in heads for v in h.split()[3:]]
     assert cols == list(range(1, 21))  # every size once, in order
+
+
+@pytest.mark.parametrize("argv", [["llama-3.1-8b", "--gpu", "h100"], ["llama-3.1-8b", "--gpu", "h100", "--detail"],
+                                  ["llama-3.1-70b", "--gpu", "a100-80gb", "--detail"]])
+def test_suggestion_costs_and_notes_wrap_to_the_terminal_width(capsys, argv):
+    """The costs, notes and a combination's parts are free text: they wrap to render.text.WIDTH (a
+    combination of per-op recompute and 8-bit Adam printed a 103-column line before)."""
+    from trainmem.render.text import WIDTH
+    rc, out, _ = run(capsys, "estimate", *argv)
+    assert rc == 1 and "cost:" in out
+    assert max(len(ln) for ln in out.splitlines()) <= WIDTH, out

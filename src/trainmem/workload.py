@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import types
+import warnings
 from dataclasses import replace
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator
@@ -856,7 +857,10 @@ def apply_lora(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec) -> torc
     except ImportError:
         raise TrainmemError("--lora-rank needs peft to trace or measure: pip install 'trainmem[lora]'") from None
     from .estimate.states import default_lora_targets
+    from .spec.lora_targets import ALL_LINEAR, is_all_linear
     targets: Any = list(t.lora_targets or default_lora_targets(spec))
+    if is_all_linear(targets):  # a model factory's (no config to expand it against): peft expands it
+        targets = ALL_LINEAR
     if spec.is_vlm:  # the language model's linears only (language_model_targets)
         targets = language_model_targets(targets)
     config = LoraConfig(r=t.lora_rank, lora_alpha=2 * t.lora_rank, target_modules=targets,
@@ -865,7 +869,10 @@ def apply_lora(model: torch.nn.Module, spec: ModelSpec, t: TrainingSpec) -> torc
         # peft's LoRA layer for a bitsandbytes 4-bit base (peft/tuners/lora/bnb.py Linear4bit)
         from .bnb import Linear4bit, lora_layer_class
         config._register_custom_module({Linear4bit: lora_layer_class()})
-    model = get_peft_model(model, config, autocast_adapter_dtype=not t.lora_half)
+    with warnings.catch_warnings():  # peft 0.21 peft_model.py L184 reads transformers 5's deprecated
+        warnings.filterwarnings(  # is_gradient_checkpointing (modeling_utils.py L3312): not the user's to act on
+            "ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        model = get_peft_model(model, config, autocast_adapter_dtype=not t.lora_half)
     if t.lora_half and t.precision in ("bf16", "fp16"):
         # torchtune and litgpt build the adapters in the model's dtype (peft creates them in fp32)
         half = torch.bfloat16 if t.precision == "bf16" else torch.float16

@@ -167,14 +167,14 @@ def add_training(g: Any) -> None:
                    help="the transformers release whose model code the run uses (default: the installed one); an "
                         "older one changes the default attention and the causal-LM loss's logits copies of llama, "
                         "mistral, qwen2, mixtral, gpt2, bert and opt (estimate only; docs/estimate.md)")
-    g.add_argument(*BATCH_FLAGS, dest="batch_size", type=positive_int, default=1,
+    g.add_argument(*BATCH_FLAGS, dest="batch_size", type=positive_int, default=None,
                    help="micro-batch per data-parallel rank (the HF Trainer's per_device_train_batch_size, "
-                        "Megatron's and litgpt's micro_batch_size)")
+                        "Megatron's and litgpt's micro_batch_size; default 1, or --deepspeed-config's)")
     g.add_argument(*SEQ_FLAGS, dest="seq_len", type=positive_int, default=None,
                    help="tokens per sample (default 2048, or the model's learned positions if fewer)")
     add_input_sizes(g)
-    g.add_argument(*ACCUM_FLAGS, dest="grad_accum", type=positive_int, default=1,
-                   help="micro-batches per optimizer step")
+    g.add_argument(*ACCUM_FLAGS, dest="grad_accum", type=positive_int, default=None,
+                   help="micro-batches per optimizer step (default 1, or --deepspeed-config's)")
     add_precision_optimizer(g)
     g.add_argument("--optimizer-impl", choices=OPTIMIZER_IMPLS, default=None,
                    help="torch.optim implementation (default foreach, as PyTorch on CUDA)")
@@ -280,8 +280,9 @@ def _add_lora(g: Any) -> None:
                    help="LoRA dropout on the adapters' input (peft default 0; torchtune and litgpt use 0.05)")
     g.add_argument("--lora-dtype", choices=("fp32", "half"), default=None,
                    help="adapters over half weights: fp32 (peft's default upcast) or half (torchtune, litgpt)")
-    g.add_argument("--lora-targets", default=None, metavar="M1,M2",
-                   help="peft target module names (peft's defaults when omitted)")
+    g.add_argument("--lora-targets", default=None, metavar="M1,M2|all-linear",
+                   help="peft target module names (peft's defaults when omitted), or all-linear (peft's "
+                        "shorthand: every linear module but the output embedding)")
     g.add_argument("--quantize", choices=("none", "nf4", "fp4", "nf4-dq", "fp4-dq", "bnb.nf4", "bnb.fp4",
                                           "bnb.nf4-dq", "bnb.fp4-dq"), default=None,
                    help="QLoRA: bitsandbytes 4-bit base weights (BitsAndBytesConfig bnb_4bit_quant_type; -dq: "
@@ -467,7 +468,8 @@ def add_deepspeed(g: Any) -> None:
     """DeepSpeed ZeRO's engine options, named as its ``zero_optimization`` config names them."""
     g.add_argument("--deepspeed-config", default=None, metavar="FILE",
                    help="a DeepSpeed JSON config: its zero_optimization stage, buckets and optimizer offload "
-                        "(\"auto\" as the HF Trainer fills it); explicit flags win")
+                        "(\"auto\" as the HF Trainer fills it), bf16/fp16.enabled, train_micro_batch_size_per_gpu, "
+                        "gradient_accumulation_steps, train_batch_size; explicit flags win where they agree")
     g.add_argument("--reduce-bucket-size", type=_elements, default=None, metavar="N",
                    help="DeepSpeed ZeRO: elements per gradient bucket buffer (default 5e8; 2 buffers in "
                         "backward under --overlap-comm with stages 1-2, one kept buffer with stage 3)")

@@ -1,9 +1,11 @@
-"""Suggestions (``trainmem.plan.suggest``) as plain text: what makes a setup fit, cheapest first."""
+"""Suggestions (``trainmem.plan.suggest``) as plain text: what makes a setup fit, cheapest first; the
+free-text lines (costs, notes, a combination's parts) wrap to the terminal ``WIDTH`` (``render.text``)."""
 from __future__ import annotations
 
 from typing import Any, Sequence
 
 from ..units import fmt, pick_unit
+from .text import wrap
 
 
 def _row(i: Any, s: Any, units: str) -> list[str]:
@@ -13,9 +15,9 @@ def _row(i: Any, s: Any, units: str) -> list[str]:
     fits = "-" if s.fits is None else ("yes" if s.fits else "no")
     sem = " [changes training]" if s.changes_semantics else ""
     lines = [f"{str(i):>2s}  {s.title[:48]:48s} {fmt(s.peak_allocated, units):>11s} {fmt(used, units):>11s} "
-             f"{margin:>11s} {fits:>4s}", f"{'':4s}cost: {s.cost}{sem}"]
+             f"{margin:>11s} {fits:>4s}"] + wrap(f"{'':4s}cost: {s.cost}{sem}")
     if s.note:
-        lines.append(f"{'':4s}{s.note}")
+        lines += wrap(f"{'':4s}{s.note}")
     return lines
 
 
@@ -31,9 +33,9 @@ def _combined(c: Any, units: str, alone: bool) -> list[str]:
                 "cheapest: these changes together fit:")
     lines = [head]
     for p in c.parts:
-        lines.append(f"  - {p.title}: {p.cost}{' [changes training]' if p.changes_semantics else ''}")
-    lines.append(f"  => peak allocated {fmt(c.peak_allocated, units)}, device {fmt(c.device_used, units)}, "
-                 f"margin {fmt(c.margin, units)}")
+        lines += wrap(f"  - {p.title}: {p.cost}{' [changes training]' if p.changes_semantics else ''}")
+    lines += wrap(f"  => peak allocated {fmt(c.peak_allocated, units)}, device {fmt(c.device_used, units)}, "
+                  f"margin {fmt(c.margin, units)}")
     return lines
 
 

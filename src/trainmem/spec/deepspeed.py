@@ -11,6 +11,14 @@ Trainer fills them before it starts DeepSpeed (transformers ``integrations/deeps
 ``stage3_param_persistence_threshold``, is not a trainmem option: parameters below it, norms and
 biases, stay whole, a few MiB). Keys trainmem does not model are
 named in one line, not silently dropped, when they would change memory (``offload_param``).
+
+The engine's top-level keys that change memory are read too (``engine_options``): ``bf16.enabled`` /
+``fp16.enabled`` true -> ``--precision bf16`` / ``fp16`` (the engine casts the module, no autocast:
+deepspeed 0.19.8 ``runtime/engine.py`` ``_configure_distributed_model``; the old ``bfloat16`` key
+too, ``runtime/precision_config.py`` L34-38), ``train_micro_batch_size_per_gpu`` -> ``batch_size``
+(``runtime/config.py`` L343-348), ``gradient_accumulation_steps`` -> ``grad_accum`` (L208-209),
+``train_batch_size`` divided over the ``--dp`` ranks where those two are not given (L607-648);
+``"auto"`` leaves them to the flags, as the HF Trainer fills them from its TrainingArguments.
 """
 from __future__ import annotations
 
@@ -69,6 +77,58 @@ def zero_options(source: Any, hidden_size: int | None) -> dict[str, Any]:
     if stage == 0:  # the engine options configure ZeRO only
         out = {"zero": 0}
     return out
+
+
+def engine_options(source: Any, dp: int = 1) -> dict[str, Any]:
+    """TrainingSpec options from a DeepSpeed config's top-level engine keys (the module docstring):
+    ``precision``, ``batch_size``, ``grad_accum``, each only where the file gives a value ("auto"
+    and absent keys give none); ``dp`` ranks divide ``train_batch_size`` (``_batch_options``)."""
+    cfg = load_config(source)
+    out: dict[str, Any] = {}
+    half = []
+    for key, precision in (("bf16", "bf16"), ("bfloat16", "bf16"), ("fp16", "fp16")):
+        section = cfg.get(key)
+        if isinstance(section, Mapping) and section.get("enabled") is True:
+            half.append((key, precision))
+    if len({p for _, p in half}) > 1:
+        raise TrainmemError("--deepspeed-config: bf16.enabled and fp16.enabled are both true (DeepSpeed refuses "
+                            "it); enable one of them")
+    if half:
+        out["precision"] = half[0][1]
+    out.update(_batch_options(cfg, dp))
+    return out
+
+
+def _batch_options(cfg: Mapping[str, Any], dp: int) -> dict[str, Any]:
+    """``batch_size`` and ``grad_accum`` from the config's batch keys, the ones it leaves out derived
+    over ``dp`` data-parallel ranks as the engine derives them (deepspeed 0.19.8 ``runtime/config.py``
+    ``_set_batch_related_parameters`` L607-648: micro = train_batch_size // dp // accumulation;
+    accumulation = train_batch_size // micro // dp, 1 when only train_batch_size is given)."""
+    given = {}
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        value = cfg.get(key)
+        if value is None or value == "auto":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise TrainmemError(f"--deepspeed-config: {key} must be a positive integer or \"auto\", got {value!r}")
+        given[key] = value
+    train, micro = given.get("train_batch_size"), given.get("train_micro_batch_size_per_gpu")
+    accum = given.get("gradient_accumulation_steps")
+    if train is not None and micro is None:
+        micro = train // dp // (accum or 1)
+        accum = accum or 1
+    elif train is not None and accum is None:
+        accum = train // micro // dp
+    if (micro is not None and micro < 1) or (accum is not None and accum < 1):
+        raise TrainmemError(f"--deepspeed-config: train_batch_size {train} is less than one sample per rank over "
+                            f"--dp {dp}; give train_micro_batch_size_per_gpu")
+    return {k: v for k, v in (("batch_size", micro), ("grad_accum", accum)) if v is not None}
+
+
+#: the flag each engine option is given by, for a contradiction's message
+ENGINE_FLAGS = {"precision": ("--precision", "bf16.enabled/fp16.enabled"),
+                "batch_size": ("--batch-size", "train_micro_batch_size_per_gpu"),
+                "grad_accum": ("--grad-accum", "gradient_accumulation_steps")}
 
 
 def _value(key: str, value: Any, hidden_size: int | None) -> Any:

@@ -45,8 +45,9 @@ from .config import resolve_model, tensor_parallel_twin
 from .frameworks import FRAMEWORKS, LINKED, get_preset, parse_version, preset_options, preset_warnings
 from .calibration import calibrated
 from .hardware import Hardware, get_gpu
+from .lora_targets import all_linear_targets, is_all_linear
 from .model import ModelSpec
-from .deepspeed import zero_options
+from .deepspeed import ENGINE_FLAGS, engine_options, zero_options
 from .releases import parse_torch_version, torch_defaults
 from .tf_releases import default_attention, model_key, parse_transformers_version
 from .galore import LOWRANK_HF_NAMES
@@ -270,8 +271,11 @@ def training_from(options: Mapping[str, Any], model: ModelSpec | None = None,
     """The TrainingSpec of ``options``: their training fields on top of ``training=`` (or ``base``),
     else a new one whose ``seq_len`` defaults to the model's ``default_seq_len`` (2048 without a
     model). With ``framework`` (or a base made under one) the preset goes between the base and the
-    options (``preset_training``). DeepSpeed's engine options without its ZeRO stage are refused."""
+    options (``preset_training``). ``lora_targets`` "all-linear" becomes the model's linear modules
+    as peft expands it (``spec.lora_targets``). DeepSpeed's engine options without its ZeRO stage are refused."""
     t = _training_from(options, model, base)
+    if model is not None and is_all_linear(t.lora_targets):  # peft's shorthand, named as peft expands it
+        t = dataclasses.replace(t, lora_targets=all_linear_targets(model))
     problem = deepspeed_problems(t) or _manual_layernorm_problem(model, t)
     if problem:
         raise TrainmemError(problem)
@@ -347,13 +351,20 @@ def _release_defaults(fields: dict[str, Any], kept: set[str], model: ModelSpec |
 
 
 def _with_deepspeed_config(source: Any, given: dict[str, Any], model: ModelSpec | None) -> dict[str, Any]:
-    """``given`` completed by a DeepSpeed config's ``zero_optimization`` (``spec.deepspeed``): a flag
-    given explicitly wins, but not a ``--zero`` stage other than the file's."""
+    """``given`` completed by a DeepSpeed config's ``zero_optimization`` and engine keys (precision,
+    micro-batch, accumulation: ``spec.deepspeed``): a flag given explicitly wins where it agrees; a
+    ``--zero`` stage, precision, batch size or accumulation other than the file's is refused."""
     from_file = zero_options(source, model.hidden_size if model is not None else None)
     if "zero" in given and given["zero"] != from_file["zero"]:
         raise TrainmemError(f"--zero {given['zero']} contradicts the DeepSpeed config's zero_optimization.stage "
                             f"{from_file['zero']}: give one of them")
-    return {**from_file, **given}
+    engine = engine_options(source, given.get("dp") or 1)
+    for field, value in engine.items():
+        if field in given and given[field] != value:
+            flag, key = ENGINE_FLAGS[field]
+            raise TrainmemError(f"{flag} {given[field]} contradicts the DeepSpeed config's {key} ({value}): give "
+                                f"one of them, or \"auto\" in the config")
+    return {**from_file, **engine, **given}
 
 
 def preset_training(framework: str, version: Any, given: Mapping[str, Any], model: ModelSpec | None = None,
