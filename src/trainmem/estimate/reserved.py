@@ -2028,10 +2028,14 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
     views = R.allocs(st.layer_tensors[j] for j in early) if early else []  # made by the worst moment
     where = ("layer", f"layer{i}")
     pre: set = set()
+    held: list = []
     if _recorded(q, parts, recompute, flat1 or bool(st.layer_grads_full)):  # a derived layer, tensor by tensor
         pre, tr, per_linear = _recorded_backward(R, s, q, (parts.bwd, kept, below), where, oib), None, False
     else:  # the worst backward moment as one block: several tensors (not netted, ``_Replay.alloc``)
-        tr = R.alloc(_activation_transient(q, n, nsq) if per_linear else _transient(q, n, nsq), one=False)
+        held_b = [] if per_linear else _leaf_held(q, n, nsq)      # a ZeRO-3 leaf MoE block: down's gradient,
+        held = R.allocs(held_b)                                   # its own tensor, made first
+        tr = R.alloc(_activation_transient(q, n, nsq) if per_linear else _transient(q, n, nsq) - sum(held_b),
+                     one=False)
     if flat1 and _fsdp1_whole(q, st):                             # every op of the layer ran before the
         R.frees([tr] + redo)                                      # cat: their tensors freed by then
         tr, redo = None, []
@@ -2050,6 +2054,7 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
     _make_grads(R, s, st.trainables, where, oib, fs.grad_stream, made)
     fs.reduced(R)                                                 # FSDP2 < 2.5: its reduce-scatter input dropped
     R.free(tr)
+    R.frees(held)
     fs.reshard(R, params)                                         # FSDP1 without its reduce hook (no_sync)
     R.frees(redo)
     R.frees(kept + kept.casts)
@@ -2127,6 +2132,17 @@ def _transient(q: Quantities, n: int, nsq: int) -> int:
     later linears (made by then, replayed as gradients): one block."""
     _idx, value, grads = best_transient(_backward_ops(q), n, nsq)
     return max(0, value - grads)
+
+
+def _leaf_held(q: Quantities, n: int, nsq: int) -> list[int]:
+    """The down projection's weight gradient of a ZeRO-3 leaf MoE block, alive at gate/up's backward
+    (``quantities.deepspeed_leaf_held``), as its own block where that is the layer's worst moment: down's
+    ``_grouped_mm`` backward made it before gate/up's gradient (DeepSpeed v0.19.8 ``stage3.py`` L1533:
+    a leaf's gradients are reduced at the block's backward hook)."""
+    i, nbytes = q.ds_leaf_held
+    if not nbytes or best_transient(_backward_ops(q), n, nsq)[0] != i:
+        return []
+    return [nbytes]
 
 
 def _backward_ops(q: Quantities) -> tuple:
