@@ -425,11 +425,12 @@ def test_deepspeed_config_optimizer_section_is_read_not_dropped():
     offload = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
     assert spec({"type": "AdamW"}, offload) == ("adamw", None)  # DeepSpeedCPUAdam steps on the host
     assert spec({"type": "adagrad"}) == ("adagrad", None)
-    assert spec({"type": "SGD", "params": {"momentum": 0.9}}) == ("sgd-momentum", None)
-    assert spec({"type": "SGD"}, optimizer="sgd") == ("sgd", None)  # a flag that agrees is taken
+    untested = {"zero_allow_untested_optimizer": True}  # engine.py L2294-2301: SGD under ZeRO needs it
+    assert spec({"type": "SGD", "params": {"momentum": 0.9}}, untested) == ("sgd-momentum", None)
+    assert spec({"type": "SGD"}, untested, optimizer="sgd") == ("sgd", None)  # a flag that agrees is taken
     assert spec({"type": "AdamW"}, optimizer="adamw_torch_fused") == ("adamw", "fused")
     # the section, not the default AdamW, is what steps: SGD keeps no states
-    sgd = trainmem.estimate(MODEL, deepspeed_config={**zo, "optimizer": {"type": "SGD"}}, **base)
+    sgd = trainmem.estimate(MODEL, deepspeed_config={**zo, **untested, "optimizer": {"type": "SGD"}}, **base)
     adamw = trainmem.estimate(MODEL, deepspeed_config={**zo, "optimizer": {"type": "AdamW"}}, **base)
     assert sgd.peak_allocated < adamw.peak_allocated
     assert trainmem.estimate(MODEL, deepspeed_config=zo, **base).training.optimizer_impl is None  # no section
@@ -442,6 +443,7 @@ def test_deepspeed_config_optimizer_section_is_read_not_dropped():
     ({"type": "OneBitAdam"}, {}, "'OneBitAdam' is not one trainmem models"),
     ({"type": "sgd"}, {}, "exact name"),  # getattr(torch.optim, "sgd") is the module, not the class
     ({"type": "RMSprop", "params": {"centered": True}}, {}, "centered"),
+    ({"type": "SGD"}, {}, "zero_allow_untested_optimizer"),
     ({"params": {"lr": 1e-4}}, {}, "must be an object with a \"type\""),
     ({"type": "AdamW"}, dict(optimizer="sgd"), "--optimizer sgd contradicts the DeepSpeed config's optimizer.type"),
     ({"type": "AdamW"}, dict(optimizer_impl="foreach"), "--optimizer-impl foreach contradicts"),

@@ -159,7 +159,9 @@ def optimizer_options(source: Any, offload: bool = False) -> dict[str, Any]:
       ``ops/adam/multi_tensor_apply.py``), as torch's ``fused=True`` step, trainmem's "fused".
     - "Adagrad": torch.optim.Adagrad (DeepSpeedCPUAdagrad under offload), L2495-2500.
     - a torch.optim class by exact name (L2547-2549): "SGD" (momentum > 0: "sgd-momentum"), "RMSprop"
-      at its defaults (momentum 0, not centered: trainmem's rmsprop keeps one state).
+      at its defaults (momentum 0, not centered: trainmem's rmsprop keeps one state); under ZeRO only with
+      ``zero_allow_untested_optimizer`` true, as the engine asserts (L2294-2301; ``runtime/zero/utils.py``
+      ``ZERO_SUPPORTED_OPTIMIZERS`` L45-48 lists Adam(W), FusedAdam, the CPU ones, Adagrad and Lion).
     - the others (Lamb, Lion, MuAdam, MuAdamW, MuSGD, Muon, any other name) refused in one line.
     An absent section gives {} (the flags decide, as the HF Trainer's ``optim`` does)."""
     cfg = load_config(source)
@@ -193,6 +195,11 @@ def optimizer_options(source: Any, offload: bool = False) -> dict[str, Any]:
         raise TrainmemError(f"--deepspeed-config: optimizer.type {name!r} is not one trainmem models (DeepSpeed "
                             "builds Adam/AdamW/Adagrad itself, any other as a torch.optim class of that exact name); "
                             "give \"AdamW\", \"Adam\", \"Adagrad\", \"SGD\" or \"RMSprop\"")
+    zo = cfg.get("zero_optimization")
+    if isinstance(zo, Mapping) and zo.get("stage", 0) and cfg.get("zero_allow_untested_optimizer") is not True:
+        # engine.py _do_optimizer_sanity_check L2294-2301 against zero/utils.py ZERO_SUPPORTED_OPTIMIZERS L45-48
+        raise TrainmemError(f"--deepspeed-config: optimizer.type {name!r} under ZeRO stops DeepSpeed at start (an "
+                            "untested ZeRO optimizer); add \"zero_allow_untested_optimizer\": true to the config")
     return _with_impl(ours, _torch_impl(params))
 
 
