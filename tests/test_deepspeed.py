@@ -402,3 +402,64 @@ def test_deepspeed_config_batch_keys_reach_every_cli_command(tmp_path, capsys):
         assert (t["batch_size"], t["grad_accum"], t["precision"]) == (4, 8, "bf16"), cmd
     assert main(["compare", *args]) == 0
     assert "bf16 · micro-batch 4 × seq 32" in capsys.readouterr().out
+
+
+def test_deepspeed_config_optimizer_section_is_read_not_dropped():
+    """With an ``optimizer`` section the engine builds its own optimizer and the HF Trainer steps it
+    (transformers 5.24 integrations/deepspeed.py L576-577): deepspeed 0.19.8 engine.py
+    _configure_basic_optimizer L2476-2550 -> trainmem's optimizer and implementation."""
+    zo = {"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}
+    base = dict(dp=8, seq_len=1024)
+
+    def spec(section, extra=None, **flags):
+        t = trainmem.estimate(MODEL, deepspeed_config={**zo, **(extra or {}), "optimizer": section},
+                              **{**base, **flags}).training
+        return t.optimizer, t.optimizer_impl
+
+    assert spec({"type": "AdamW", "params": {"lr": "auto", "betas": "auto"}}) == ("adamw", "fused")  # FusedAdam
+    assert spec({"type": "Adam"}) == ("adamw", "fused")  # adam_w_mode defaults to true
+    assert spec({"type": "Adam", "params": {"adam_w_mode": False}}) == ("adam", "fused")
+    assert spec({"type": "AdamW", "params": {"torch_adam": True}}) == ("adamw", None)  # torch's default
+    assert spec({"type": "AdamW", "params": {"torch_adam": True}}, optimizer_impl="foreach") == ("adamw", "foreach")
+    assert spec({"type": "AdamW", "params": {"torch_adam": True, "foreach": False}}) == ("adamw", "for-loop")
+    offload = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    assert spec({"type": "AdamW"}, offload) == ("adamw", None)  # DeepSpeedCPUAdam steps on the host
+    assert spec({"type": "adagrad"}) == ("adagrad", None)
+    untested = {"zero_allow_untested_optimizer": True}  # engine.py L2294-2301: SGD under ZeRO needs it
+    assert spec({"type": "SGD", "params": {"momentum": 0.9}}, untested) == ("sgd-momentum", None)
+    assert spec({"type": "SGD"}, untested, optimizer="sgd") == ("sgd", None)  # a flag that agrees is taken
+    assert spec({"type": "AdamW"}, optimizer="adamw_torch_fused") == ("adamw", "fused")
+    # the section, not the default AdamW, is what steps: SGD keeps no states
+    sgd = trainmem.estimate(MODEL, deepspeed_config={**zo, **untested, "optimizer": {"type": "SGD"}}, **base)
+    adamw = trainmem.estimate(MODEL, deepspeed_config={**zo, "optimizer": {"type": "AdamW"}}, **base)
+    assert sgd.peak_allocated < adamw.peak_allocated
+    assert trainmem.estimate(MODEL, deepspeed_config=zo, **base).training.optimizer_impl is None  # no section
+
+
+@pytest.mark.parametrize("section, flags, words", [
+    ({"type": "Lamb"}, {}, "optimizer.type 'Lamb': DeepSpeed's FusedLamb"),
+    ({"type": "Lion"}, {}, "FusedLion"),
+    ({"type": "Muon"}, {}, "MuonWithAuxAdam"),
+    ({"type": "OneBitAdam"}, {}, "'OneBitAdam' is not one trainmem models"),
+    ({"type": "sgd"}, {}, "exact name"),  # getattr(torch.optim, "sgd") is the module, not the class
+    ({"type": "RMSprop", "params": {"centered": True}}, {}, "centered"),
+    ({"type": "SGD"}, {}, "zero_allow_untested_optimizer"),
+    ({"params": {"lr": 1e-4}}, {}, "must be an object with a \"type\""),
+    ({"type": "AdamW"}, dict(optimizer="sgd"), "--optimizer sgd contradicts the DeepSpeed config's optimizer.type"),
+    ({"type": "AdamW"}, dict(optimizer_impl="foreach"), "--optimizer-impl foreach contradicts"),
+    ({"type": "AdamW", "params": {"torch_adam": True}}, dict(optimizer_impl="fused"), "never fused"),
+])
+def test_deepspeed_config_optimizer_refused_in_one_line(section, flags, words):
+    with pytest.raises(TrainmemError, match=words) as e:
+        trainmem.estimate(MODEL, deepspeed_config={"zero_optimization": {"stage": 2}, "optimizer": section},
+                          dp=8, seq_len=1024, **flags)
+    assert "\n" not in str(e.value)
+
+
+def test_deepspeed_config_optimizer_contradiction_is_one_cli_line(tmp_path, capsys):
+    from trainmem.cli import main
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW"}}))
+    assert main(["estimate", MODEL, "--dp", "8", "--deepspeed-config", str(path), "--optimizer", "sgd"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "optimizer.type (adamw)" in err[0] and "drop the flag" in err[0]

@@ -19,6 +19,11 @@ too, ``runtime/precision_config.py`` L34-38), ``train_micro_batch_size_per_gpu``
 (``runtime/config.py`` L343-348), ``gradient_accumulation_steps`` -> ``grad_accum`` (L208-209),
 ``train_batch_size`` divided over the ``--dp`` ranks where those two are not given (L607-648);
 ``"auto"`` leaves them to the flags, as the HF Trainer fills them from its TrainingArguments.
+
+The ``optimizer`` section is read too (``optimizer_options``): with it the engine builds its own optimizer
+and the HF Trainer hands it a ``DummyOptim`` instead of its ``optim=`` one (transformers 5.24
+``integrations/deepspeed.py`` ``deepspeed_optim_sched`` L576-577), so the section, not ``--optimizer``, says
+what steps. Its ``params`` (lr, betas, ``"auto"``) change no memory; the keys that choose the class do.
 """
 from __future__ import annotations
 
@@ -125,8 +130,102 @@ def _batch_options(cfg: Mapping[str, Any], dp: int) -> dict[str, Any]:
     return {k: v for k, v in (("batch_size", micro), ("grad_accum", accum)) if v is not None}
 
 
+#: optimizer.type names the engine builds itself and trainmem does not model, and why (deepspeed 0.19.8
+#: ``runtime/engine.py`` ``_configure_basic_optimizer`` L2501-2546)
+_DS_UNMODELLED = {
+    "lamb": "DeepSpeed's FusedLamb (deepspeed/ops/lamb) has no model in trainmem",
+    "lion": "DeepSpeed's FusedLion (its multi-tensor CUDA kernel) has no model in trainmem (its --optimizer lion "
+            "is lion-pytorch's per-tensor loop)",
+    "muadam": "mup's MuAdam has no model in trainmem", "muadamw": "mup's MuAdamW has no model in trainmem",
+    "musgd": "mup's MuSGD has no model in trainmem",
+    "muon": "DeepSpeed's MuonWithAuxAdam (its Newton-Schulz step) has no model in trainmem"}
+#: torch.optim classes the engine builds by name (``getattr(torch.optim, type)``, engine.py L2547-2549:
+#: the exact class name) that trainmem models, as trainmem's optimizer
+_TORCH_BY_NAME = {"SGD": "sgd", "RMSprop": "rmsprop"}
+
+
+def optimizer_options(source: Any, offload: bool = False) -> dict[str, Any]:
+    """``optimizer`` and ``optimizer_impl`` from a DeepSpeed config's ``optimizer`` section, as
+    deepspeed 0.19.8 builds it (``runtime/engine.py`` ``_configure_basic_optimizer`` L2476-2550;
+    ``runtime/config.py`` L518-520 lower-cases the names in ``DEEPSPEED_OPTIMIZERS``, L52-66):
+
+    - "Adam"/"AdamW": AdamW unless "Adam" with ``params.adam_w_mode`` false (L2487-2490, default true:
+      config.py L72-73); the class from ``get_optimizer_configuration`` (L2377-2409): ``torch_adam`` true
+      -> torch.optim.Adam/AdamW with ``params.foreach`` (``_torch_impl``); under ``offload_optimizer``
+      DeepSpeedCPUAdam on the host (no step on the GPU: no implementation set); else deepspeed's FusedAdam,
+      ``optimizer_impl`` "fused": its states are ``zeros_like(p)`` in the (flat fp32 partition's) dtype and
+      one ``multi_tensor_adam`` launch per dtype steps every tensor in place, chunks of 2048*32 elements,
+      no temporaries beyond a one-int overflow flag (``ops/adam/fused_adam.py`` L13, L96, L136-191;
+      ``ops/adam/multi_tensor_apply.py``), as torch's ``fused=True`` step, trainmem's "fused".
+    - "Adagrad": torch.optim.Adagrad (DeepSpeedCPUAdagrad under offload), L2495-2500.
+    - a torch.optim class by exact name (L2547-2549): "SGD" (momentum > 0: "sgd-momentum"), "RMSprop"
+      at its defaults (momentum 0, not centered: trainmem's rmsprop keeps one state); under ZeRO only with
+      ``zero_allow_untested_optimizer`` true, as the engine asserts (L2294-2301; ``runtime/zero/utils.py``
+      ``ZERO_SUPPORTED_OPTIMIZERS`` L45-48 lists Adam(W), FusedAdam, the CPU ones, Adagrad and Lion).
+    - the others (Lamb, Lion, MuAdam, MuAdamW, MuSGD, Muon, any other name) refused in one line.
+    An absent section gives {} (the flags decide, as the HF Trainer's ``optim`` does)."""
+    cfg = load_config(source)
+    if "optimizer" not in cfg:
+        return {}
+    sec = cfg["optimizer"]
+    name = sec.get("type") if isinstance(sec, Mapping) else None
+    params = sec.get("params") or {} if isinstance(sec, Mapping) else {}
+    if not isinstance(name, str) or not isinstance(params, Mapping):
+        raise TrainmemError("--deepspeed-config: optimizer must be an object with a \"type\" (\"AdamW\", \"Adam\", "
+                            "\"Adagrad\", \"SGD\"...) and optional \"params\"; fix the section or remove it")
+    low = name.lower()
+    if low in ("adam", "adamw"):
+        adamw = low == "adamw" or params.get("adam_w_mode", True) is not False
+        if params.get("torch_adam") is not True and offload:  # DeepSpeedCPUAdam: no step on the GPU
+            return {"optimizer": "adamw" if adamw else "adam"}
+        impl = _torch_impl(params) if params.get("torch_adam") is True else "fused"
+        return _with_impl("adamw" if adamw else "adam", impl)
+    if low == "adagrad":
+        return {"optimizer": "adagrad"} if offload else _with_impl("adagrad", _torch_impl(params))
+    if low in _DS_UNMODELLED:
+        raise TrainmemError(f"--deepspeed-config: optimizer.type {name!r}: {_DS_UNMODELLED[low]}; give the section "
+                            "\"AdamW\" (or Adam, Adagrad, SGD, RMSprop), or estimate without it")
+    ours = _TORCH_BY_NAME.get(name)
+    if ours == "sgd" and params.get("momentum", 0):
+        ours = "sgd-momentum"
+    if ours == "rmsprop" and (params.get("momentum", 0) or params.get("centered") is True):
+        raise TrainmemError("--deepspeed-config: optimizer RMSprop with momentum or centered keeps states trainmem "
+                            "does not model (it models RMSprop's square_avg alone); drop them from params")
+    if ours is None:
+        raise TrainmemError(f"--deepspeed-config: optimizer.type {name!r} is not one trainmem models (DeepSpeed "
+                            "builds Adam/AdamW/Adagrad itself, any other as a torch.optim class of that exact name); "
+                            "give \"AdamW\", \"Adam\", \"Adagrad\", \"SGD\" or \"RMSprop\"")
+    zo = cfg.get("zero_optimization")
+    if isinstance(zo, Mapping) and zo.get("stage", 0) and cfg.get("zero_allow_untested_optimizer") is not True:
+        # engine.py _do_optimizer_sanity_check L2294-2301 against zero/utils.py ZERO_SUPPORTED_OPTIMIZERS L45-48
+        raise TrainmemError(f"--deepspeed-config: optimizer.type {name!r} under ZeRO stops DeepSpeed at start (an "
+                            "untested ZeRO optimizer); add \"zero_allow_untested_optimizer\": true to the config")
+    return _with_impl(ours, _torch_impl(params))
+
+
+def _torch_impl(params: Mapping[str, Any]) -> str | None:
+    """A torch.optim class's implementation from its ``fused``/``foreach`` arguments (torch 2.13
+    ``torch/optim/adamw.py``: ``fused=True`` one kernel, ``foreach=False`` the per-tensor loop, neither
+    given: torch's default, which trainmem's release defaults choose: None)."""
+    if params.get("fused") is True:
+        return "fused"
+    if params.get("foreach") is True:
+        return "foreach"
+    if params.get("foreach") is False:
+        return "for-loop"
+    return None
+
+
+def _with_impl(optimizer: str, impl: str | None) -> dict[str, Any]:
+    """The options: ``optimizer_impl`` None (torch's default chooser) is kept, so that a ``fused`` flag,
+    which torch never defaults to (torch 2.13 ``torch/optim/adam.py`` L933-943), is refused."""
+    return {"optimizer": optimizer, "optimizer_impl": impl}
+
+
 #: the flag each engine option is given by, for a contradiction's message
-ENGINE_FLAGS = {"precision": ("--precision", "bf16.enabled/fp16.enabled"),
+ENGINE_FLAGS = {"optimizer": ("--optimizer", "optimizer.type"),
+                "optimizer_impl": ("--optimizer-impl", "optimizer section's implementation"),
+                "precision": ("--precision", "bf16.enabled/fp16.enabled"),
                 "batch_size": ("--batch-size", "train_micro_batch_size_per_gpu"),
                 "grad_accum": ("--grad-accum", "gradient_accumulation_steps")}
 

@@ -47,7 +47,7 @@ from .calibration import calibrated
 from .hardware import Hardware, get_gpu
 from .lora_targets import all_linear_targets, is_all_linear
 from .model import ModelSpec
-from .deepspeed import ENGINE_FLAGS, engine_options, zero_options
+from .deepspeed import ENGINE_FLAGS, engine_options, optimizer_options, zero_options
 from .releases import parse_torch_version, torch_defaults
 from .tf_releases import default_attention, model_key, parse_transformers_version
 from .galore import LOWRANK_HF_NAMES
@@ -352,19 +352,26 @@ def _release_defaults(fields: dict[str, Any], kept: set[str], model: ModelSpec |
 
 def _with_deepspeed_config(source: Any, given: dict[str, Any], model: ModelSpec | None) -> dict[str, Any]:
     """``given`` completed by a DeepSpeed config's ``zero_optimization`` and engine keys (precision,
-    micro-batch, accumulation: ``spec.deepspeed``): a flag given explicitly wins where it agrees; a
-    ``--zero`` stage, precision, batch size or accumulation other than the file's is refused."""
+    micro-batch, accumulation, the ``optimizer`` section: ``spec.deepspeed``): a flag given explicitly wins
+    where it agrees; a ``--zero`` stage, precision, batch size, accumulation, optimizer or optimizer
+    implementation other than the file's is refused."""
     from_file = zero_options(source, model.hidden_size if model is not None else None)
     if "zero" in given and given["zero"] != from_file["zero"]:
         raise TrainmemError(f"--zero {given['zero']} contradicts the DeepSpeed config's zero_optimization.stage "
                             f"{from_file['zero']}: give one of them")
-    engine = engine_options(source, given.get("dp") or 1)
+    engine = {**engine_options(source, given.get("dp") or 1),
+              **optimizer_options(source, bool(from_file.get("offload_optimizer") or given.get("offload_optimizer")))}
     for field, value in engine.items():
+        if field == "optimizer_impl" and value is None and given.get(field) != "fused":
+            continue  # torch.optim's default chooser: foreach, or the for-loop before PyTorch 2.0
         if field in given and given[field] != value:
             flag, key = ENGINE_FLAGS[field]
-            raise TrainmemError(f"{flag} {given[field]} contradicts the DeepSpeed config's {key} ({value}): give "
-                                f"one of them, or \"auto\" in the config")
-    return {**from_file, **engine, **given}
+            fix = "give one of them, or \"auto\" in the config"
+            if field.startswith("optimizer"):
+                fix = "drop the flag (DeepSpeed's engine builds and steps the config's optimizer)"
+            shown = "torch.optim's default, never fused" if value is None else value
+            raise TrainmemError(f"{flag} {given[field]} contradicts the DeepSpeed config's {key} ({shown}): {fix}")
+    return {**from_file, **{k: v for k, v in engine.items() if v is not None}, **given}
 
 
 def preset_training(framework: str, version: Any, given: Mapping[str, Any], model: ModelSpec | None = None,
