@@ -1734,14 +1734,14 @@ def _checkpointed(R: _Replay, q: Quantities, parts: list[int], recompute: str, l
     (``parts.nograd``, ``estimate/nograd.py``) is replayed so (``_nograd_forward``, under autocast
     with its weight copies, kept as below), the tensors alive when its output is made handed to
     ``late``, freed once the caller has made it. Else, under
-    autocast with the copies replayed linear by linear (``_recompute_casts``), as a chain, each of
+    autocast with the copies replayed linear by linear (``_forward_casts``), as a chain, each of
     the layer's tensors freed once the next is made, each linear's half weight copy, made where the
     linear runs, staying in autocast's cache until the autocast context around the model's
     forward exits after the loss (``autocast_mode.cpp`` ``cached_cast`` caches a leaf fp32 weight
     that requires grad while grad mode is on, which non-reentrant checkpointing leaves on;
     ``torch.autocast.__exit__`` calls ``torch.clear_autocast_cache()``; trace, Llama-3.2-1B
     bf16-amp with full recompute: every layer's copies are freed together after the loss).
-    Elsewhere (not full recomputation, or not linear by linear: ``_recompute_casts``) its tensors
+    Elsewhere (not full recomputation, or no copies to cache: ``_forward_casts``) its tensors
     are made and freed together. Returns the copies, to be freed when the forward ends."""
     casts = _forward_casts(q) if recompute == "full" else None
     if recompute == "full" and getattr(parts, "events", ()):      # a derived layer, tensor by tensor
@@ -1773,7 +1773,7 @@ def _nograd_forward(R: _Replay, parts: _Parts, late: list, casts: list | None = 
     at once before), full fine-tuning -0.17 % -> -1.13 % (reentrant), +3.59 % -> +3.08 % (not).
     Under autocast "c" makes the next linear's half weight copy, kept in autocast's cache (returned,
     freed when the forward ends, as ``_checkpointed``'s chain keeps them) where the replay makes the
-    copies linear by linear (``casts``, ``_linear_casts``); else they are one block elsewhere."""
+    copies linear by linear (``casts``, ``_forward_casts``); else the forward caches none."""
     live: dict[int, Any] = {}                                     # temporary's index -> handle
     made = 0
     sizes = iter(casts or [])
