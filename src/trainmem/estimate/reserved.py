@@ -1734,18 +1734,18 @@ def _checkpointed(R: _Replay, q: Quantities, parts: list[int], recompute: str, l
     (``parts.nograd``, ``estimate/nograd.py``) is replayed so (``_nograd_forward``, under autocast
     with its weight copies, kept as below), the tensors alive when its output is made handed to
     ``late``, freed once the caller has made it. Else, under
-    autocast with the copies replayed linear by linear (``_recompute_casts``), as a chain, each of
+    autocast with the copies replayed linear by linear (``_forward_casts``), as a chain, each of
     the layer's tensors freed once the next is made, each linear's half weight copy, made where the
     linear runs, staying in autocast's cache until the autocast context around the model's
     forward exits after the loss (``autocast_mode.cpp`` ``cached_cast`` caches a leaf fp32 weight
     that requires grad while grad mode is on, which non-reentrant checkpointing leaves on;
     ``torch.autocast.__exit__`` calls ``torch.clear_autocast_cache()``; trace, Llama-3.2-1B
     bf16-amp with full recompute: every layer's copies are freed together after the loss).
-    Elsewhere (not full recomputation, or not linear by linear: ``_recompute_casts``) its tensors
+    Elsewhere (not full recomputation, or no copies to cache: ``_forward_casts``) its tensors
     are made and freed together. Returns the copies, to be freed when the forward ends."""
-    casts = _linear_casts(q) if recompute == "full" and _recompute_casts(q) else None
+    casts = _forward_casts(q) if recompute == "full" else None
     if recompute == "full" and getattr(parts, "events", ()):      # a derived layer, tensor by tensor
-        return _sequence_forward(R, q, parts, keep=False, casts=casts is not None).casts
+        return _sequence_forward(R, q, parts, keep=False, casts=casts or False).casts
     if recompute == "full" and getattr(parts, "nograd_events", ()):  # a hand-written layer, tensor by tensor
         return _nograd_forward(R, parts, late if late is not None else [], casts)
     one = getattr(parts, "whole", True)
@@ -1773,7 +1773,7 @@ def _nograd_forward(R: _Replay, parts: _Parts, late: list, casts: list | None = 
     at once before), full fine-tuning -0.17 % -> -1.13 % (reentrant), +3.59 % -> +3.08 % (not).
     Under autocast "c" makes the next linear's half weight copy, kept in autocast's cache (returned,
     freed when the forward ends, as ``_checkpointed``'s chain keeps them) where the replay makes the
-    copies linear by linear (``casts``, ``_linear_casts``); else they are one block elsewhere."""
+    copies linear by linear (``casts``, ``_forward_casts``); else the forward caches none."""
     live: dict[int, Any] = {}                                     # temporary's index -> handle
     made = 0
     sizes = iter(casts or [])
@@ -1794,15 +1794,15 @@ def _nograd_forward(R: _Replay, parts: _Parts, late: list, casts: list | None = 
     return copies
 
 
-def _sequence_forward(R: _Replay, q: Quantities, parts: _Parts, keep: bool, casts: bool = True) -> "_Kept":
+def _sequence_forward(R: _Replay, q: Quantities, parts: _Parts, keep: bool, casts: bool | list = True) -> "_Kept":
     """A derived layer's forward in the order its traced forward made and freed its tensors
     (``LayerCoefs.fwd_events``, ``trace.derive._layer_sequence``): each saved tensor, each temporary
     (freed where the trace freed it: ``_Temps``) and each linear's autocast weight copy where it was
     cast (``_linear_casts``; else, under autocast, one block after them, as ``_saved_and_casts``).
     ``keep``: the saved tensors are kept for backward; else (a checkpointed first forward, which
     saves nothing) they are chained as ``_checkpointed`` chains them, each freed once the next is
-    made, and the copies are kept only where ``casts`` (autocast's cache, ``_recompute_casts``)."""
-    sizes = _linear_casts(q) if casts else None
+    made, and the copies are kept only where ``casts`` (autocast's cache: their sizes, ``_forward_casts``)."""
+    sizes = casts if isinstance(casts, list) else _linear_casts(q) if casts else None
     saved, copies, temps = iter(parts), iter(sizes or []), _Temps(parts.temps)
     handles: list = []
     made: list = []
@@ -1895,6 +1895,27 @@ class _Kept(list):
     def __init__(self, handles: list, casts: list | None = None) -> None:
         super().__init__(handles)
         self.casts = casts or []
+
+
+def _forward_casts(q: Quantities) -> list[int] | None:
+    """Bytes of autocast's half copy of each linear's weight in one layer, in forward order, as a fully
+    recomputed layer's first forward caches them (``_checkpointed``): wherever the forward caches the
+    copies (``q.cast_forward_only``, or ``q.cast_stage_only`` on a pipeline's last stage) and the
+    layer's recipe lists the linears autocast copies (``LayerCoefs.linears``; their sizes summing to
+    ``q.cast_layer``). Unlike ``_linear_casts`` this does not need ``_linear_replay``: that gate is
+    for the backward's weight gradients, which FSDP, TP and ZeRO make elsewhere, while the cache is
+    the same under them. FSDP2's unsharded parameter is an ``nn.Parameter`` leaf requiring grad
+    (torch 2.13 ``_fully_shard/_fsdp_param.py`` ``init_unsharded_param``), so ``cached_cast`` keeps
+    its bf16 copy (``aten/src/ATen/autocast_mode.cpp``: fp32, requires grad, leaf, not a view)
+    after ``reshard`` frees the unsharded weight, until autocast exits after the loss. Without them
+    the replay of Llama-3.1-8B FSDP2 over 8, b2 s4096, full recomputation missed 32 layers' copies
+    (416 MiB each, 13 GiB) at the loss, its peak allocated 33.0 against trace's 44.2 GiB
+    (docs/validation.md ``runex``). None where the forward does not cache them."""
+    lc = q.detail.layer
+    if not (q.cast_forward_only or q.cast_stage_only) or not q.cast_layer or not lc.linears or lc.after_uncast:
+        return None
+    casts = [round(w) * HALF for _pos, w, _g in lc.linears]      # (out, in) each, bf16/fp16
+    return casts if sum(casts) == q.cast_layer else None
 
 
 def _linear_casts(q: Quantities) -> list[int] | None:
