@@ -256,7 +256,8 @@ def _phase_reserved(rep: MemoryReport, marks: dict) -> None:
 
 
 def estimate_layouts(m: ModelSpec, base: TrainingSpec, cublas_workspace: int | None = None,
-                     capability: tuple[int, int] | None = None, **layout: Any) -> dict[str, np.ndarray]:
+                     capability: tuple[int, int] | None = None, room: int | None = None,
+                     **layout: Any) -> dict[str, np.ndarray]:
     """Peak memory of one GPU for many layouts at once.
 
     ``layout``: any of ``SHAPE_FIELDS`` and ``TOKEN_FIELDS`` as equal-length arrays (``recompute``
@@ -264,7 +265,7 @@ def estimate_layouts(m: ModelSpec, base: TrainingSpec, cublas_workspace: int | N
     arrays: ``peak_allocated`` and ``peak_reserved`` (the worst pipeline stage, as ``estimate``),
     ``stage`` (0 first, 1 last) and ``params_rank`` (parameters on a rank before ZeRO sharding, the
     larger stage). The layouts must be valid (``spec.layout.layout_problems``).
-    ``cublas_workspace``: one cuBLAS handle's workspace, and ``capability``, as for ``estimate``.
+    ``cublas_workspace``: one cuBLAS handle's workspace, and ``capability`` and ``room``, as for ``estimate``.
     """
     ws = CUBLAS_WORKSPACE if cublas_workspace is None else int(cublas_workspace)
     if base.later_seq_len is not None:
@@ -287,16 +288,16 @@ def estimate_layouts(m: ModelSpec, base: TrainingSpec, cublas_workspace: int | N
         out = {"peak_allocated": np.zeros(n, np.int64), "peak_reserved": np.zeros(n, np.int64),
                "stage": np.zeros(n, np.int64), "params_rank": np.zeros(n, np.int64)}
         for rows, b in parts:
-            sub = estimate_layouts(m, b, ws, capability, **{k: v[rows] for k, v in cols.items()
+            sub = estimate_layouts(m, b, ws, capability, room, **{k: v[rows] for k, v in cols.items()
                                                 if k in layout or k in ("seq_len", "batch_size")})
             for k in out:
                 out[k][rows] = sub[k]
         return out
-    out = _stage_arrays(m, base, cols, "first", ws, capability)
+    out = _stage_arrays(m, base, cols, "first", ws, capability, room)
     out["stage"] = np.zeros(len(cols["tp"]), np.int64)
     sel = np.nonzero(cols["pp"] > 1)[0]
     if len(sel):
-        last = _stage_arrays(m, base, {k: v[sel] for k, v in cols.items()}, "last", ws, capability)
+        last = _stage_arrays(m, base, {k: v[sel] for k, v in cols.items()}, "last", ws, capability, room)
         take = last["peak_allocated"] > out["peak_allocated"][sel]
         rows = sel[take]
         out["peak_allocated"][rows] = last["peak_allocated"][take]
@@ -373,7 +374,8 @@ def _columns(base: TrainingSpec, layout: dict[str, Any]) -> dict[str, np.ndarray
 
 
 def _stage_arrays(m: ModelSpec, base: TrainingSpec, cols: dict[str, np.ndarray], stage: str,
-                  handle_ws: int = CUBLAS_WORKSPACE, capability: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
+                  handle_ws: int = CUBLAS_WORKSPACE, capability: tuple[int, int] | None = None,
+                  room: int | None = None) -> dict[str, np.ndarray]:
     """``quantities`` per distinct parallel shape, gathered; then ``tokens`` and ``walk`` on arrays."""
     # (+ whether FSDP accumulates unsharded, and interleaved 1F1B's micro-batches: shape_quantities' key)
     ga = cols["grad_accum"]
@@ -381,7 +383,7 @@ def _stage_arrays(m: ModelSpec, base: TrainingSpec, cols: dict[str, np.ndarray],
     first, inv = group_rows(*(cols[k] for k in SHAPE_FIELDS), np.asarray(accumulation, dtype=np.int64))
     rows = np.stack([cols[k][first] for k in SHAPE_FIELDS + TOKEN_FIELDS], 1).tolist()
     shapes = shape_quantities(m, base, stage, rows)
-    q = gather(shapes, inv)
+    q = without_gpu_flatten(gather(shapes, inv), room)   # (DeepSpeed's flat group, row by row)
     b, s, ga = cols["batch_size"], cols["seq_len"], cols["grad_accum"]
     n = b * (s // cols["cp"])
     nsq = n * s

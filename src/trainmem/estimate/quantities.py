@@ -314,6 +314,7 @@ class Quantities:
     #                              at init (``deepspeed_flat_on_gpu``; 0 where it goes to the host, ``without_gpu_flatten``)
     ds_flat_temp: int = 0        # ... its bytes above ``model_loaded``'s end: ``ds_flat_group`` - master - comm
     ds_flat_frees: int = 0       # 1: ... every weight is in it, so the parameters' own blocks are freed after it
+    ds_flat_need: int = 0        # ... the free bytes it needs beside the CUDA context: loaded weights, buffers, group
     ds_host_grads: int = 0       # 1: ZeRO-2 offloaded: an earlier micro-batch's gradients are on the host,
     #                              none on the GPU (``deepspeed_grads_on_host``)
     ds_kept_buf: int = 0         # ZeRO-1 under accumulation: the buckets kept from one micro-batch to the next
@@ -1717,6 +1718,7 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
             "ds_accumulated": held if hooked and t.zero == 2 else 0,
             "ds_host_grads": int(deepspeed_grads_on_host(t, st)), "ds_offload_clone": deepspeed_offload_clone(t, st),
             "ds_flat_group": deepspeed_flat_on_gpu(t, st), "ds_flat_frees": int(deepspeed_flat_frees(m, t, st)),
+            "ds_flat_need": deepspeed_flat_on_gpu(t, st) and st.weights + st.buffers + deepspeed_flat_on_gpu(t, st),
             **dict(zip(("ds_reduce_grads", "ds_reduce_flat"), deepspeed_epilogue(m, t, st))),
             # ZeRO-1 reduces at the boundary only (``engine.py`` v0.19.8 ``allreduce_gradients`` L3083-3093),
             # so ``_release_ipg_buffers`` (L924-932, from the epilogue) runs there only: the buckets the
@@ -1838,14 +1840,16 @@ def without_gpu_flatten(q: "Quantities", room: int | None) -> "Quantities":
     (``deepspeed_flat_on_gpu``): ``available_memory()`` is NVML's free bytes (``CUDA_Accelerator``,
     v0.19.8 ``accelerator/cuda_accelerator.py`` L193-201), after ``empty_cache()`` (``stage_1_and_2.py``
     L449): ``room`` (the GPU's capacity less its CUDA context and other processes, bytes) less the loaded
-    weights and buffers. ``room`` None (no GPU given): the flat group is taken to fit, the common case
-    (a model whose half copy fits twice), and ``q`` is returned as it is."""
-    if room is None or not q.ds_flat_group:
+    weights and buffers (``Quantities.ds_flat_need``). ``room`` None (no GPU given): the flat group is
+    taken to fit, the common case (a model whose half copy fits twice), and ``q`` is returned as it is.
+    ``q`` of many layouts (``gather``'s arrays): the transient is dropped row by row."""
+    if room is None:
         return q
-    st = q.detail.states
-    if room - (st.weights + st.buffers) >= q.ds_flat_group:
+    if isinstance(q.ds_flat_need, np.ndarray):
+        return replace(q, ds_flat_temp=np.where(q.ds_flat_need <= room, q.ds_flat_temp, 0))
+    if q.ds_flat_need <= room:
         return q
-    return replace(q, ds_flat_group=0, ds_flat_temp=0, ds_flat_frees=0)
+    return replace(q, ds_flat_group=0, ds_flat_temp=0, ds_flat_frees=0, ds_flat_need=0)
 
 
 def deepspeed_grads_on_host(t: TrainingSpec, st: States) -> bool:
