@@ -155,8 +155,10 @@ def estimate_resolved(r: Resolved, replay: bool = True) -> MemoryReport:
     # or a calibration profile's
     # the trainmem engine also replays the step through the caching allocator (peak reserved)
     cap = r.hardware.capability if r.hardware is not None else None
-    report = fn(r.model, r.training, cublas_workspace=ws, reserved=replay, capability=cap) if r.method == "trainmem" \
-        else fn(r.model, r.training)
+    # the bytes cudaMalloc can hand out beside the CUDA context: where DeepSpeed ZeRO-1/2 flattens its groups
+    room = r.hardware.capacity - r.hardware.context if r.hardware is not None else None
+    report = fn(r.model, r.training, cublas_workspace=ws, reserved=replay, capability=cap, room=room) \
+        if r.method == "trainmem" else fn(r.model, r.training)
     if r.method == "trainmem":
         bucket_check(report, r.model, r.training)
     report.method = r.method

@@ -25,7 +25,7 @@ import numpy as np
 from ..allocator_rules import reserved_overhead
 from ..errors import TrainmemError
 from .reserved import reserved_gap
-from .quantities import step_copies
+from .quantities import step_copies, without_gpu_flatten
 from .states import fsdp_grad_op
 from ..report import MemoryReport
 from ..spec.hardware import CUBLAS_WORKSPACE
@@ -83,7 +83,8 @@ def compile_warning(m: ModelSpec, t: TrainingSpec) -> str | None:
 
 
 def estimate(m: ModelSpec, t: TrainingSpec, cublas_workspace: int | None = None,
-             reserved: bool = False, capability: tuple[int, int] | None = None) -> MemoryReport:
+             reserved: bool = False, capability: tuple[int, int] | None = None,
+             room: int | None = None) -> MemoryReport:
     """One GPU's training memory for model ``m`` trained as ``t`` (the worst pipeline stage).
     ``cublas_workspace``: bytes of one cuBLAS handle's workspace (None: ``CUBLAS_WORKSPACE``,
     PyTorch's default ``:4096:2:16:8``; a calibration profile gives the measured size,
@@ -91,20 +92,22 @@ def estimate(m: ModelSpec, t: TrainingSpec, cublas_workspace: int | None = None,
     allocator for ``peak_reserved`` (``reserved.py``; milliseconds, where the rest takes
     microseconds: ``trainmem.estimate`` asks for it, sweeps of the engine do not). ``capability``:
     the GPU's compute capability, which sizes Transformer Engine's workspace (``megatron_buffers``;
-    None: not known)."""
+    None: not known). ``room``: the GPU's bytes beside its CUDA context, which decide where DeepSpeed
+    ZeRO-1/2 flattens its parameters (``quantities.without_gpu_flatten``; None: no GPU given, on the GPU)."""
     if t.trainer is not None and not t.extra.get("dpo_policy_step"):
         # TRL's DPOTrainer (the policy's step here, marked, plus the reference) or RewardTrainer
         from .preference import estimate_dpo, estimate_reward
         kind = estimate_dpo if t.trainer == "dpo" else estimate_reward
-        return kind(m, t, estimate, cublas_workspace=cublas_workspace, reserved=reserved, capability=capability)
+        return kind(m, t, estimate, cublas_workspace=cublas_workspace, reserved=reserved, capability=capability,
+                    room=room)
     ws = CUBLAS_WORKSPACE if cublas_workspace is None else int(cublas_workspace)
     stage = "first"
     if t.pp > 1:  # the worst stage by allocated memory; only it is replayed for reserved memory
-        reps = {s: estimate_stage(m, t, s, ws, capability=capability) for s in t.worst_stage_candidates}
+        reps = {s: estimate_stage(m, t, s, ws, capability=capability, room=room) for s in t.worst_stage_candidates}
         stage = max(reps, key=lambda s: reps[s].peak_allocated)  # (the first of equals: first, middle, last)
         rep = reps[stage]
     if t.pp == 1 or reserved:
-        rep = estimate_stage(m, t, stage, ws, reserved, capability)
+        rep = estimate_stage(m, t, stage, ws, reserved, capability, room)
     warning = compile_warning(m, t)
     if warning:
         rep.warnings.append(warning)
@@ -128,11 +131,12 @@ def zero_init_warning(t: TrainingSpec, rep: MemoryReport) -> str | None:
 
 
 def estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str, handle_ws: int = CUBLAS_WORKSPACE,
-                   reserved: bool = False, capability: tuple[int, int] | None = None) -> MemoryReport:
+                   reserved: bool = False, capability: tuple[int, int] | None = None,
+                   room: int | None = None) -> MemoryReport:
     """The report of one pipeline stage (``first``, ``middle`` or ``last``); ``handle_ws``: one cuBLAS
     handle's workspace in bytes; ``reserved``: replay the step for ``peak_reserved``; ``capability``:
-    the GPU's compute capability (``estimate``)."""
-    q = quantities(m, t, stage)
+    the GPU's compute capability, ``room`` its bytes beside the CUDA context (``estimate``)."""
+    q = without_gpu_flatten(quantities(m, t, stage), room)
     flags = StepFlags.of(m, t)
     b, ga = t.batch_size, t.grad_accum
     n = b * (t.seq_len // t.cp)      # tokens on this rank
@@ -171,11 +175,21 @@ def estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str, handle_ws: int = C
         # the replay holds blocks the step does not (benchmarks/bench_agreement.py --reserved shows both)
         rep.extra["replay_peak_allocated"] = max((mk[1] for mk in marks.values()), default=0)
     rep.extra["pipeline_stage"] = stage if t.pp > 1 else None
-    note = tp_rank0_note(m, t, stage, n)
-    if note:
-        rep.warnings.append(note)
+    for note in (tp_rank0_note(m, t, stage, n), flatten_note(q, room)):
+        if note:
+            rep.warnings.append(note)
     rep.extra["activations_per_layer"] = tk.layer
     return rep
+
+
+def flatten_note(q, room: int | None) -> str | None:
+    """One line when DeepSpeed ZeRO-1/2's flat group is taken to be made on the GPU without a GPU to
+    decide it (``quantities.without_gpu_flatten``: ``room`` None)."""
+    if room is not None or not q.ds_flat_group:
+        return None
+    return (f"DeepSpeed >= 0.19.0 flattens the ZeRO-1/2 parameters on the GPU when the flat group "
+            f"({q.ds_flat_group / 2**30:.2f} GiB) fits in its free memory, else on the host; no GPU given, so it is "
+            "taken to fit (the load holds the parameters twice): give --gpu or --gpu-memory to decide it")
 
 
 def later_tokens(m: ModelSpec, t: TrainingSpec, stage: str, flags: StepFlags) -> tuple | None:
@@ -242,7 +256,8 @@ def _phase_reserved(rep: MemoryReport, marks: dict) -> None:
 
 
 def estimate_layouts(m: ModelSpec, base: TrainingSpec, cublas_workspace: int | None = None,
-                     capability: tuple[int, int] | None = None, **layout: Any) -> dict[str, np.ndarray]:
+                     capability: tuple[int, int] | None = None, room: int | None = None,
+                     **layout: Any) -> dict[str, np.ndarray]:
     """Peak memory of one GPU for many layouts at once.
 
     ``layout``: any of ``SHAPE_FIELDS`` and ``TOKEN_FIELDS`` as equal-length arrays (``recompute``
@@ -250,7 +265,7 @@ def estimate_layouts(m: ModelSpec, base: TrainingSpec, cublas_workspace: int | N
     arrays: ``peak_allocated`` and ``peak_reserved`` (the worst pipeline stage, as ``estimate``),
     ``stage`` (0 first, 1 last) and ``params_rank`` (parameters on a rank before ZeRO sharding, the
     larger stage). The layouts must be valid (``spec.layout.layout_problems``).
-    ``cublas_workspace``: one cuBLAS handle's workspace, and ``capability``, as for ``estimate``.
+    ``cublas_workspace``: one cuBLAS handle's workspace, and ``capability`` and ``room``, as for ``estimate``.
     """
     ws = CUBLAS_WORKSPACE if cublas_workspace is None else int(cublas_workspace)
     if base.later_seq_len is not None:
@@ -273,16 +288,16 @@ def estimate_layouts(m: ModelSpec, base: TrainingSpec, cublas_workspace: int | N
         out = {"peak_allocated": np.zeros(n, np.int64), "peak_reserved": np.zeros(n, np.int64),
                "stage": np.zeros(n, np.int64), "params_rank": np.zeros(n, np.int64)}
         for rows, b in parts:
-            sub = estimate_layouts(m, b, ws, capability, **{k: v[rows] for k, v in cols.items()
+            sub = estimate_layouts(m, b, ws, capability, room, **{k: v[rows] for k, v in cols.items()
                                                 if k in layout or k in ("seq_len", "batch_size")})
             for k in out:
                 out[k][rows] = sub[k]
         return out
-    out = _stage_arrays(m, base, cols, "first", ws, capability)
+    out = _stage_arrays(m, base, cols, "first", ws, capability, room)
     out["stage"] = np.zeros(len(cols["tp"]), np.int64)
     sel = np.nonzero(cols["pp"] > 1)[0]
     if len(sel):
-        last = _stage_arrays(m, base, {k: v[sel] for k, v in cols.items()}, "last", ws, capability)
+        last = _stage_arrays(m, base, {k: v[sel] for k, v in cols.items()}, "last", ws, capability, room)
         take = last["peak_allocated"] > out["peak_allocated"][sel]
         rows = sel[take]
         out["peak_allocated"][rows] = last["peak_allocated"][take]
@@ -359,7 +374,8 @@ def _columns(base: TrainingSpec, layout: dict[str, Any]) -> dict[str, np.ndarray
 
 
 def _stage_arrays(m: ModelSpec, base: TrainingSpec, cols: dict[str, np.ndarray], stage: str,
-                  handle_ws: int = CUBLAS_WORKSPACE, capability: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
+                  handle_ws: int = CUBLAS_WORKSPACE, capability: tuple[int, int] | None = None,
+                  room: int | None = None) -> dict[str, np.ndarray]:
     """``quantities`` per distinct parallel shape, gathered; then ``tokens`` and ``walk`` on arrays."""
     # (+ whether FSDP accumulates unsharded, and interleaved 1F1B's micro-batches: shape_quantities' key)
     ga = cols["grad_accum"]
@@ -367,7 +383,7 @@ def _stage_arrays(m: ModelSpec, base: TrainingSpec, cols: dict[str, np.ndarray],
     first, inv = group_rows(*(cols[k] for k in SHAPE_FIELDS), np.asarray(accumulation, dtype=np.int64))
     rows = np.stack([cols[k][first] for k in SHAPE_FIELDS + TOKEN_FIELDS], 1).tolist()
     shapes = shape_quantities(m, base, stage, rows)
-    q = gather(shapes, inv)
+    q = without_gpu_flatten(gather(shapes, inv), room)   # (DeepSpeed's flat group, row by row)
     b, s, ga = cols["batch_size"], cols["seq_len"], cols["grad_accum"]
     n = b * (s // cols["cp"])
     nsq = n * s

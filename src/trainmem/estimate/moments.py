@@ -472,8 +472,11 @@ def walk(q: Quantities, flags: StepFlags, tk: Tokens, ga: Any, handle_ws: int = 
     there."""
     tk_later = tk if tk_later is None else tk_later
     at_init = q.states if flags.states_at_init else 0   # the optimizer built after the model: its states
-    # (a model built on the device: its build's transients above the model, States.build_temp)
-    moments = [_mo("model_loaded", 0, 0, "model.to(device)", (q.grads_loaded, at_init, 0, 0, 0, q.build_temp))]
+    # (a model built on the device: its build's transients above the model, States.build_temp; DeepSpeed
+    # ZeRO-1/2 from v0.19.0: the flat half group beside the parameters, quantities.deepspeed_flat_on_gpu)
+    build = q.build_temp, q.ds_flat_temp
+    build = max(build) if not any(isinstance(x, np.ndarray) for x in build) else np.maximum(*build)  # (layouts: arrays)
+    moments = [_mo("model_loaded", 0, 0, "model.to(device)", (q.grads_loaded, at_init, 0, 0, 0, build))]
     ends = [("model_loaded", 0, 0, q.fixed + q.grads_loaded + at_init)]
     prev = None  # the previous micro-batch's terms (``tk_next`` given), else each micro-step's own
     for step in (1, 2):

@@ -310,6 +310,11 @@ class Quantities:
     ds_emb_grads: int = 0        # ... the gradients beside the word embedding's (``deepspeed_grads_at_embedding``)
     ds_accumulated: int = 0      # ZeRO-2: the earlier micro-batches' partition gradients (``all_grad_tensors``)
     ds_offload_clone: int = 0    # ZeRO-1/2 offloaded: the half clone of the partition at init (``deepspeed_offload_clone``)
+    ds_flat_group: int = 0       # ZeRO-1/2 (v0.19.0+): the flat half group made on the GPU beside the parameters
+    #                              at init (``deepspeed_flat_on_gpu``; 0 where it goes to the host, ``without_gpu_flatten``)
+    ds_flat_temp: int = 0        # ... its bytes above ``model_loaded``'s end: ``ds_flat_group`` - master - comm
+    ds_flat_frees: int = 0       # 1: ... every weight is in it, so the parameters' own blocks are freed after it
+    ds_flat_need: int = 0        # ... the free bytes it needs beside the CUDA context: loaded weights, buffers, group
     ds_host_grads: int = 0       # 1: ZeRO-2 offloaded: an earlier micro-batch's gradients are on the host,
     #                              none on the GPU (``deepspeed_grads_on_host``)
     ds_kept_buf: int = 0         # ZeRO-1 under accumulation: the buckets kept from one micro-batch to the next
@@ -1712,6 +1717,8 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
             # so a later micro-batch makes its own ``grads_in_partition`` beside them
             "ds_accumulated": held if hooked and t.zero == 2 else 0,
             "ds_host_grads": int(deepspeed_grads_on_host(t, st)), "ds_offload_clone": deepspeed_offload_clone(t, st),
+            "ds_flat_group": deepspeed_flat_on_gpu(t, st), "ds_flat_frees": int(deepspeed_flat_frees(m, t, st)),
+            "ds_flat_need": deepspeed_flat_on_gpu(t, st) and st.weights + st.buffers + deepspeed_flat_on_gpu(t, st),
             **dict(zip(("ds_reduce_grads", "ds_reduce_flat"), deepspeed_epilogue(m, t, st))),
             # ZeRO-1 reduces at the boundary only (``engine.py`` v0.19.8 ``allreduce_gradients`` L3083-3093),
             # so ``_release_ipg_buffers`` (L924-932, from the epilogue) runs there only: the buckets the
@@ -1800,6 +1807,49 @@ def deepspeed_offload_clone(t: TrainingSpec, st: States) -> int:
     if not _offloads_grads(t, st) or t.deepspeed_release() < (0, 18, 3):
         return 0
     return block_of(t, -(-st.trainable // t.shard_group) * t.weight_bytes)
+
+
+def deepspeed_flat_on_gpu(t: TrainingSpec, st: States) -> int:
+    """Bytes of the flat copy of the trainable parameters that DeepSpeed ZeRO-1/2 makes on the GPU beside
+    them at init, from v0.19.0 (0 before, or off ZeRO-1/2): ``DeepSpeedZeroOptimizer.__init__`` flattens each
+    parameter group on the accelerator when ``available_memory() >= flat_buffer_bytes`` (v0.19.0
+    ``stage_1_and_2.py`` L383-423, v0.19.8 L449-510; commit 37e232faf, DeepSpeed PR #7948), then points the
+    parameters at it (``_update_model_bit16_weights``, L535), which frees their own storages; up to v0.18.x
+    each group went to the host first (``param.data.cpu()``, ``empty_cache()``, v0.14.2 L318-362): nothing
+    on the GPU beside it. ``flat_buffer_bytes``: the group's elements rounded up to
+    ``nccl_start_alignment_factor`` (2, v0.19.8 L387) x the data-parallel size, in the engine's dtype
+    (fp16/bf16, fp32 for an fp32 engine: ``t.weight_bytes``), one (elements,) tensor (``torch.cat``); the
+    per-parameter padding to 16 bytes (L444-445) and the split into the HF Trainer's decay and no-decay
+    groups (the norms and biases, a few MiB) are left out: one group holds every trainable element. Whether
+    it fits is decided on the GPU's free memory where the GPU is known (``without_gpu_flatten``)."""
+    if not (deepspeed_zero(t) and t.zero in (1, 2) and st.trainable) or t.deepspeed_release() < (0, 19, 0):
+        return 0
+    align = 2 * t.shard_group                                     # nccl_start_alignment_factor x world size
+    return block_of(t, -(-st.trainable // align) * align * t.weight_bytes)   # (elements,) half
+
+
+def deepspeed_flat_frees(m: ModelSpec, t: TrainingSpec, st: States) -> bool:
+    """Whether the flat group of ``deepspeed_flat_on_gpu`` holds every weight of the model (no frozen
+    parameter), so that the reserved replay frees the loaded weights' blocks once it exists (a LoRA run's
+    group holds its adapters only; their small blocks stay in the replay)."""
+    return bool(deepspeed_flat_on_gpu(t, st)) and st.trainable >= sum(p.numel for p in m.parameter_tensors()) // t.tp
+
+
+def without_gpu_flatten(q: "Quantities", room: int | None) -> "Quantities":
+    """``q`` with DeepSpeed's flat group made on the host when it does not fit in the GPU's free memory
+    (``deepspeed_flat_on_gpu``): ``available_memory()`` is NVML's free bytes (``CUDA_Accelerator``,
+    v0.19.8 ``accelerator/cuda_accelerator.py`` L193-201), after ``empty_cache()`` (``stage_1_and_2.py``
+    L449): ``room`` (the GPU's capacity less its CUDA context and other processes, bytes) less the loaded
+    weights and buffers (``Quantities.ds_flat_need``). ``room`` None (no GPU given): the flat group is
+    taken to fit, the common case (a model whose half copy fits twice), and ``q`` is returned as it is.
+    ``q`` of many layouts (``gather``'s arrays): the transient is dropped row by row."""
+    if room is None:
+        return q
+    if isinstance(q.ds_flat_need, np.ndarray):
+        return replace(q, ds_flat_temp=np.where(q.ds_flat_need <= room, q.ds_flat_temp, 0))
+    if q.ds_flat_need <= room:
+        return q
+    return replace(q, ds_flat_group=0, ds_flat_temp=0, ds_flat_frees=0, ds_flat_need=0)
 
 
 def deepspeed_grads_on_host(t: TrainingSpec, st: States) -> bool:
@@ -3117,6 +3167,13 @@ def _build_temp(t: TrainingSpec, st: States, comm: int) -> int:
     return max(0, st.build_peak - (st.weights + st.buffers + st.master + comm + grads), gather, convert)
 
 
+def _flat_temp(t: TrainingSpec, st: States, comm: int) -> int:
+    """``Quantities.ds_flat_temp``: bytes of DeepSpeed ZeRO-1/2's flat group (``deepspeed_flat_on_gpu``) above
+    what ``model_loaded`` ends with: it is made before the fp32 partitions (``st.master``) and the offload
+    buffer or buckets (``comm``), and it replaces the parameters, so only its excess over those counts."""
+    return max(0, deepspeed_flat_on_gpu(t, st) - st.master - comm)
+
+
 def _derived_outer_fields(m: ModelSpec, t: TrainingSpec, stage: str) -> dict[str, float]:
     """A derived model's outer bytes per position pair, per sample and per step (an encoder head's:
     ``estimate.derived.outer_ssq``, ``outer_per_sample``, ``outer_const``); zeros otherwise."""
@@ -3164,7 +3221,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         cast_first_free=_cast_first_free(m, t, lc, bool(lora_first and cast_layer), bool(cast_layer), stage),
         fixed=st.weights + st.buffers + st.master + comm, grads=0 if oib else st.grads,
         grads_loaded=(0 if oib else st.grads) if grads_from_wrap(t) else 0,
-        build_temp=_build_temp(t, st, comm), states=st.optimizer + st.step_tensors,
+        build_temp=_build_temp(t, st, comm), states=st.optimizer + st.step_tensors, ds_flat_temp=_flat_temp(t, st, comm),
         layer_grads=0 if oib else st.layer_grads, head_grads=0 if oib else st.head_grads, layers=layers,
         pp_inflight=pp_inflight, fixed_inflight=inflight_fixed, saved_tok=lc.tok, saved_sq=lc.sq,
         kept_tok=kept[0], kept_sq=kept[1], redo_tok=redo[0], redo_sq=redo[1],

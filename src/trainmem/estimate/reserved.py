@@ -219,7 +219,11 @@ def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, 
         _replay_build(R, st.fsdp_init)                                  # unit by unit (fsdp_init); the loop's
         R.net_peak = R.a.allocated - R.over                             # allocated peak starts after it
     else:
-        R.allocs(st.load)                                               # weights and buffers, load order
+        loaded = R.allocs(st.load)                                      # weights and buffers, load order
+        if q.ds_flat_group:                                             # DeepSpeed ZeRO-1/2 (v0.19.0+): the flat
+            R.alloc(q.ds_flat_group)                                    # group made beside the parameters, whose
+            if q.ds_flat_frees:                                         # own blocks it frees (deepspeed_flat_on_gpu;
+                R.frees(loaded)                                         # the buffers' blocks with them: small pool)
     if q.ds_fp32_convert or q.ds_fp32_group:                          # DeepSpeed ZeRO-3: flat fp32 masters
         _zero3_masters(R, q, st)
     elif st.master:                                                     # fp32 master copies (not offloaded)

@@ -242,6 +242,6 @@ def _fits_many(ev: Evaluator, search: str, step: int, limit: int):
 
     def fits_many(ks: np.ndarray) -> np.ndarray:
         out = estimate_layouts(ev.model, base, handle_workspace(ev.hardware, base), ev.hardware.capability,
-                               **{search: ks * step})
+                               ev.hardware.capacity - ev.hardware.context, **{search: ks * step})
         return out["peak_reserved"] + context <= limit
     return fits_many
