@@ -178,11 +178,13 @@ def write_cached(kind: str, key: str, doc: Mapping[str, Any]) -> None:
 
 @lru_cache(maxsize=1)
 def _installed_transformers() -> str | None:
-    """The installed transformers release (its distribution metadata; transformers is not imported), or None."""
-    from importlib import metadata
+    """The installed transformers release (``tf_releases.installed_version``: its distribution metadata,
+    transformers not imported), or None when it is not installed."""
+    from importlib.metadata import PackageNotFoundError
+    from .tf_releases import installed_version
     try:
-        return metadata.version("transformers")
-    except metadata.PackageNotFoundError:
+        return installed_version()
+    except PackageNotFoundError:
         return None
 
 
