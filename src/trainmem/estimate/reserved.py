@@ -245,6 +245,8 @@ def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, 
         _ddp_side_stream(R, st)
     elif q.detail.comm_name == "communication.ddp_buckets" and flags.pipe_out != "interleaved":
         s.ddp = _ddp_init(R, st)                                       # DDP built on the default stream
+    elif q.detail.comm_name == "communication.ddp_buckets":            # one DDP per virtual stage
+        s.ddp = _DdpStages.init(R, st, q.pipe_stages, q.pipe_head_once > 0)   # (the last rank's or the first's)
     R.mark("model_loaded", 0)
     if flags.grads_persistent or q.grads_loaded:                        # Megatron main grads, DeepSpeed ZeRO-3's
         for _ in range(max((k for _w, k, *_r in st.trainables), default=0)):
@@ -334,10 +336,10 @@ def _ddp_init(R: _Replay, st: Any) -> int | None:
     rebuilt (``_ddp_rebuild``). Their segments stay reserved and are the load's: trace of Llama
     (2 layers, h 2048) 2 x 512 DDP over 2 ranks reserves 2420 MiB at load for 1778 MiB allocated, where
     the replay had 1786 MiB (peak reserved -1.44%). The estimate's allocated memory counts the buckets
-    (``communication.ddp_buckets``) from the load on; the replay now holds them too. Not replayed under
-    an interleaved pipeline schedule, whose rank wraps each of its virtual stages in a DDP of its own
-    (each stage's copies and bucket apart: trace's 221.5 and 96.5 MiB segments on a 4-layer Llama),
-    which the rank's one load list does not split."""
+    (``communication.ddp_buckets``) from the load on; the replay now holds them too. Under an
+    interleaved pipeline schedule the rank wraps each of its virtual stages in a DDP of its own (each
+    stage's copies and bucket apart: trace's 221.5 and 96.5 MiB segments on a 4-layer Llama):
+    ``_DdpStages``."""
     live: list = []
     for nbytes in flat_copies(st.load, DDP_BROADCAST_BYTES):
         if len(live) == 2:                                                 # max_in_flight = 2 (comm.cpp)
@@ -359,6 +361,99 @@ def _ddp_rebuild(R: _Replay, s: _Step, st: Any) -> None:
     s.ddp = None
     grads = [st.trainables[j][2] for j in _parameter_order(st.trainables)]
     R.allocs(ddp_buckets(grads[::-1]))
+
+
+def stage_loads(st: Any, v: int, last: bool = False) -> list[tuple[int, ...]] | None:
+    """``States.load`` cut into a pipeline rank's ``v`` virtual stages, in the order the rank holds them
+    (``wrappers.PipelineRankModule``: stage r, r + pp, ...): the rank's layers dealt out evenly, the
+    tensors before the layers with its first stage (the first rank's embedding), those after them with
+    its last (the last rank's final norm and head). On the ``last`` rank the tensors the states list
+    before the layers are a tied head's table (``States.load`` lists it as the embedding's), which its
+    last stage registers after its layers and norm (``lm_head``): they go there, last. None where
+    ``load_split`` does not describe ``load`` (layers that differ)."""
+    if not st.load_split or v < 1:
+        return None
+    nb, nl, na = st.load_split
+    k = (len(st.load) - nb - na) // nl if nl else 0
+    if not nl or k % v or nb + nl * k + na != len(st.load):
+        return None
+    per = k // v * nl                                                      # one stage's layers' tensors
+    body = st.load[nb:nb + nl * k]
+    out = [tuple(body[u * per:(u + 1) * per]) for u in range(v)]
+    out[-1] = out[-1] + tuple(st.load[nb + nl * k:])
+    if last:
+        out[-1] = out[-1] + tuple(st.load[:nb])
+    else:
+        out[0] = tuple(st.load[:nb]) + out[0]
+    return out
+
+
+def stage_grads(trainables: tuple, v: int, last: bool = False, raw: tuple = ()) -> list[list[int]]:
+    """Gradient bytes of each of a pipeline rank's ``v`` virtual stages, each in ``model.parameters()``
+    order (``states.parameter_order``): the trainables before the layers with the first stage (on the
+    ``last`` rank: a tied head's, with the last stage after the rest, as ``stage_loads``), each
+    layer's with the stage holding that layer (the rank's layers dealt out evenly), those after the
+    layers with the last stage. ``raw``: each trainable's gradient bytes unrounded (``States.grad_raw``,
+    what a flat bucket holds), used where given."""
+    if len(raw) == len(trainables):
+        trainables = tuple((w, k, g, *r) for (w, k, _g, *r), g in zip(trainables, raw))
+    layers = max((k for w, k, *_r in trainables if w == "layer"), default=0)
+    layers = max([layers] + [int(w[5:]) + 1 for w, *_r in trainables if w.startswith("layer") and w != "layer"])
+    per = max(1, layers // v)
+    out: list[list[int]] = [[] for _ in range(v)]
+    before = [g for w, _k, g, *_r in trainables if w == "before"]
+    out[0] += [] if last else before
+    for i in range(layers):
+        u = min(v - 1, i // per)
+        out[u] += [g for w, k, g, *_r in trainables if w == "layer" and i < k]
+        out[u] += [g for w, _k, g, *_r in trainables if w == f"layer{i}"]
+    out[-1] += [g for w, _k, g, *_r in trainables if w == "after"] + (before if last else [])
+    return out
+
+
+@dataclass
+class _DdpStages:
+    """An interleaved pipeline rank's DDP modules, one per virtual stage (trace wraps each stage of
+    ``PipelineRankModule.stages`` in its own ``DistributedDataParallel``, ``trace/distributed.py``
+    ``wrap_loaded``; torchtitan's ``parallelize_llama`` applies data parallelism to each model part
+    alike): each has its own reducer, so its own ``_sync_module_states`` broadcast copies and first
+    iteration's bucket at construction (``_ddp_init``, over that stage's tensors only), and rebuilds
+    its own buckets at its own first forward after a reducing backward (``_ddp_rebuild``; under
+    torch's schedules the last micro-batch's backward, ``stage.py`` ``backward_maybe_with_nosync``,
+    so at the next step's first forward of that stage). Trace of a 4-layer Llama-3.2 over pp 2 x dp 2,
+    last rank: stage 1's 232.02 MiB copy and bucket, then stage 3's 1234.02 MiB (its layer, final norm
+    and tied head) copy and bucket; at step 2 each stage's rebuilt buckets at its first forward."""
+
+    first: list          # each stage's first-iteration bucket (handle), None once rebuilt
+    grads: list          # each stage's gradient bytes in parameter order
+
+    @classmethod
+    def init(cls, R: _Replay, st: Any, v: int, last: bool) -> "_DdpStages | None":
+        loads = stage_loads(st, v, last)
+        if loads is None:
+            return None
+        grads = stage_grads(st.trainables, v, last, st.grad_raw)
+        first = []
+        for load, g in zip(loads, grads):                                  # DDP(stage) in the rank's order
+            live: list = []
+            for nbytes in flat_copies(load, DDP_BROADCAST_BYTES):
+                if len(live) == 2:                                         # max_in_flight = 2 (comm.cpp)
+                    R.free(live.pop(0))
+                live.append(R.alloc(nbytes))
+            R.frees(live)
+            first.append(R.alloc(sum(g)))                                  # one bucket of the stage's gradients
+        return cls(first, grads)
+
+    def rebuild(self, R: _Replay, stage: int | None) -> None:
+        """Stage ``stage``'s ``_pre_forward`` rebuild (None: every stage's not yet rebuilt, the rank's
+        forward replayed as one): its first bucket freed, then its rebuilt buckets (``ddp_buckets``
+        over its gradients in reverse parameter order)."""
+        for u in range(len(self.first)) if stage is None else (stage,):
+            if self.first[u] is None:
+                continue
+            R.free(self.first[u])
+            self.first[u] = None
+            R.allocs(ddp_buckets(self.grads[u][::-1]))
 
 
 def _zero3_masters(R: _Replay, q: Quantities, st: Any) -> None:
@@ -576,13 +671,17 @@ class _Forward:
 
 
 def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, parts: list[int],
-             recompute: str, full: int, suffix: str, seqs: int = 1, head: bool = True) -> _Forward:
+             recompute: str, full: int, suffix: str, seqs: int = 1, head: bool = True,
+             stage: int | None = None) -> _Forward:
     """One micro-batch's forward, the loss included (``seqs``: its sequences, read by ``--trainer dpo``'s
     moments after the loss, ``_dpo_after_logps``); ``head`` False: a pipeline stage without the head
-    (an interleaved schedule's other stages, ``_pipeline_pairs``): its layers and output only."""
+    (an interleaved schedule's other stages, ``_pipeline_pairs``): its layers and output only; ``stage``:
+    the rank's virtual stage run (``_pipeline_pairs``; None: all of them, or no interleaved schedule)."""
     st = q.detail.states
     inputs = _batch_in(R, s, q, tk)
-    if s.ddp is not None and (s.step > 1 or (s.forwards and not flags.pipe_out)):
+    if isinstance(s.ddp, _DdpStages) and s.step > 1:              # an interleaved rank's stage's DDP
+        s.ddp.rebuild(R, stage)
+    elif s.ddp is not None and (s.step > 1 or (s.forwards and not flags.pipe_out)):
         _ddp_rebuild(R, s, st)                                    # DDP's _pre_forward rebuilds its buckets
     fs = _Fsdp(q.fsdp_ag_result > 0, _fsdp_streams(q), lag=R.lag, rs_side=q.fsdp_rs_side > 0,
                adapters=q.fsdp1_adapter_units, recomputed=recompute != "none", host=q.fsdp1_host_shards)
@@ -1273,7 +1372,7 @@ def _pipeline_pairs(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: T
     for kind, v, mb in q.pipe_order:
         suffix = "" if ga == 1 else (".micro1" if mb == 0 else f".micro2-{ga}")
         if kind == FORWARD:
-            alive[v, mb] = _forward(R, s, q, flags, tk, parts, recompute, full, suffix, b, head=v == top)
+            alive[v, mb] = _forward(R, s, q, flags, tk, parts, recompute, full, suffix, b, head=v == top, stage=v)
         else:
             _backward(R, s, q, flags, tk, alive.pop((v, mb)), parts, n, nsq, recompute, suffix, head=v == top)
 

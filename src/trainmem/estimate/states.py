@@ -125,6 +125,12 @@ class States:
     # DeepSpeed ZeRO-3 (``ds_init_gathers``): the bytes of each trainable parameter whole, in order, as the
     # stage-3 optimizer gathers and re-partitions them one at a time at the end of its init
     gathered: tuple[tuple[int, ...], ...] = ()
+    # how ``load`` splits: (tensors before the layers, tensors of one layer, tensors after the layers), the
+    # layer's repeated once per layer on the rank; () where the layers differ (``reserved.stage_loads``)
+    load_split: tuple[int, int, int] = ()
+    # each of ``trainables``' whole gradient in bytes, not rounded to the allocator's blocks (a part of
+    # a flat buffer such as DDP's buckets takes its elements only); () where not known
+    grad_raw: tuple[int, ...] = ()
 
 
 def _dim0_padded(shape: tuple[int, ...], n: int, d: int) -> int:
@@ -830,7 +836,9 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
                   root_flat=r.block(acc.root_flat_bytes) if acc.root_flat_bytes else 0,
                   embed_matmul_half=acc.emh, root_flat_elems=acc.root_flat_bytes // r.gather,
                   torchao_step=acc.ao_step, torchao_events=tuple(acc.ao_events) if acc.ao_step else (),
-                  fsdp_init=_sync_init(m, t, r, lora, (before, layer, after)) if t.fsdp_sync_module_states else ())
+                  fsdp_init=_sync_init(m, t, r, lora, (before, layer, after)) if t.fsdp_sync_module_states else (),
+                  load_split=(len(before), len(layer), len(after)) if m.uniform_layers else (),
+                  grad_raw=tuple(n * r.gbytes for n in acc.item_elems))
     return wrap_policy_states(m, t, st, r, acc, litgpt_tensors(m.first_layer_and_outer_tensors, t))
 
 
