@@ -358,6 +358,9 @@ class Quantities:
     # torch's interleaved schedule, the last rank: its actions in order, (F or B, local stage, micro-batch)
     # (schedules.rank_order), which the allocator replay walks (reserved._pipeline_pairs); () elsewhere
     pipe_order: tuple = ()
+    # 1: torch's pipeline, the last stage of a tied model: its head is its own copy of the embedding table
+    # (``states._Rank.holds``, listed before the layers), whose gradient the head's backward makes
+    pipe_head_tied: int = 0
     # stages this rank holds (interleaved: virtual_stages). Under FSDP grad-op each layer of each is
     # gathered once, however many micro-batches are in flight (torch 2.13 _fully_shard/_fsdp_param_group.py
     # ``unshard`` returns when the parameters are unsharded), all forwarded before the rank's first backward
@@ -3695,6 +3698,7 @@ def _pipeline_terms(m: ModelSpec, t: TrainingSpec, st: States, pol: Policy, stag
     return {"pipe_batch": int(torch_pipeline(t)), "pipe_recv": count, "pipe_buf_tok": per_tok,
             "pipe_sent_tok": per_tok if (later and t.pp_schedule == "1f1b") else 0.0,
             "fsdp_pipe_top": pipeline_top_first(t, st, stage), "pipe_kept_layer": pipeline_kept_layer(t, st),
+            "pipe_head_tied": int(torch_pipeline(t) and t.pp > 1 and stage == "last" and m.tied_embeddings),
             **_interleaved_terms(m, t, st, stage, per_tok)}, received
 
 
