@@ -1098,9 +1098,10 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     emb_full = R.alloc(st.emb_grads_full)                         # FSDP: the embedding's unsharded gradient
     if tied is not None and not _fsdp(q):                         # the embedding's own gradient, then
         emb_out = R.alloc(q.tied_grad)                            # autograd's InputBuffer adds it to the
-        _make_grads(R, s, st.trainables, ("before",), flags.oib)  # head's out of place: the sum is .grad
+        added = _accumulated(R, s, st.trainables, ("before",))    # head's out of place: the sum is .grad
+        _make_grads(R, s, st.trainables, ("before",), flags.oib)  # (or is added to an existing .grad)
         acc = R.alloc(q.tied_grad) if q.ds_init_grads else None   # (ZeRO-3: a new tensor, copied to its bucket)
-        R.frees([tied, emb_out, acc])                             # (``quantities.tied_head_grad``)
+        R.frees([tied, emb_out, acc] + added)                     # (``quantities.tied_head_grad``)
         tied = None
     if tied is not None and _root_resharded(q, f.fs):             # FSDP2, a tied head: the embedding's own
         emb_out = R.alloc(q.tied_grad)                            # gradient, then autograd's InputBuffer adds
