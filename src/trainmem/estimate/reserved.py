@@ -1096,12 +1096,13 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
         f.z3.embedding(R)
     # the embedding gathered whole at its backward (on the all-gather stream), unless kept since its forward
     emb_full = R.alloc(st.emb_grads_full)                         # FSDP: the embedding's unsharded gradient
-    if tied is not None and not _fsdp(q):                         # the embedding's own gradient, then
-        emb_out = R.alloc(q.tied_grad)                            # autograd's InputBuffer adds it to the
-        added = _accumulated(R, s, st.trainables, ("before",))    # head's out of place: the sum is .grad
-        _make_grads(R, s, st.trainables, ("before",), flags.oib)  # (or is added to an existing .grad)
+    if tied is not None and not _fsdp(q):                         # the embedding's own gradient (DTensor TP:
+        whole = R.alloc(q.tied_replicated)                        # the whole table first, tied_replicated_grad,
+        emb_out = R.alloc(q.tied_grad)                            # then this rank's rows), then autograd's
+        added = _accumulated(R, s, st.trainables, ("before",))    # InputBuffer adds it to the head's out of
+        _make_grads(R, s, st.trainables, ("before",), flags.oib)  # place: the sum is .grad (or is added to it)
         acc = R.alloc(q.tied_grad) if q.ds_init_grads else None   # (ZeRO-3: a new tensor, copied to its bucket)
-        R.frees([tied, emb_out, acc] + added)                     # (``quantities.tied_head_grad``)
+        R.frees([tied, emb_out, acc] + added + [whole])           # (``quantities.tied_head_grad``)
         tied = None
     if tied is not None and _root_resharded(q, f.fs):             # FSDP2, a tied head: the embedding's own
         emb_out = R.alloc(q.tied_grad)                            # gradient, then autograd's InputBuffer adds
