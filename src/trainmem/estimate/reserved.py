@@ -177,6 +177,8 @@ class _Step:
     lomo: Any = None                             # LOMO: the gradient its next hook updates (handle, bytes, states)
     forwards: int = 0                            # micro-batch forwards begun (DeepSpeed ZeRO-3 records its order in the first)
     ddp: Any = None                              # DDP: its first iteration's one bucket, until rebuilt (``_ddp_init``)
+    ga: int = 1                                  # micro-batches per step
+    recv: Any = None                             # torch's pipeline stage: its receive buffers, once made (``_batch_in``)
 
     def workspace(self, R: "_Replay", thread: int) -> None:
         """The cuBLAS workspace of the forward (0) or the autograd (1) thread, at its first matmul
@@ -804,11 +806,30 @@ def _batch_in(R: _Replay, s: _Step, q: Quantities, tk: Tokens) -> int | None:
     handle."""
     if R.lag is not None:                                         # the batch's blocking host-to-device copy
         R.lag.synchronize(R)
-    inputs = R.alloc(tk.inputs, one=False)                        # int64 ids and labels, one block
+    recv = recv_buffers(q, tk.tokens, s.ga)
+    if recv and s.recv is None:                                   # torch's pipeline: the stage's receive buffers
+        s.recv = R.allocs(recv)
+    inputs = R.alloc(int(tk.inputs) - sum(recv), one=False)       # int64 ids and labels, one block
     if s.forwards == 0:                                           # FSDP1's ``_lazy_init``
         for nbytes in q.fsdp1_init:
             R.free(R.alloc(nbytes))
     return inputs
+
+
+def recv_buffers(q: Quantities, n: Any, ga: int) -> list[int]:
+    """Bytes of each receive buffer of a stage of torch's pipeline schedule (``q.pipe_recv`` per
+    micro-batch, ``q.pipe_buf_tok`` bytes per token each: ``quantities.pipeline_buffers``, which the
+    estimate counts among the inputs, ``moments._input_blocks``). Each is a tensor of its own, made by
+    the stage's infrastructure before its first micro-batch and kept for the run: torch 2.13
+    ``distributed/pipelining/stage.py`` ``_prepare_forward_infra`` L2266-2273 (a non-first stage's
+    activation buffer per chunk, ``_make_tensor_from_meta``) and ``_create_grad_recv_info`` L2306-2313 (a
+    non-last stage's output-gradient buffer per chunk). Trace's last rank of a 4-layer Llama
+    interleaved over pp 2, 4 micro-batches of 4 x 512: twelve 16 MiB tensors after DDP's construction,
+    where the replay made one 192 MiB block at every forward of a (stage, micro-batch) pair."""
+    if not (q.pipe_recv and q.pipe_buf_tok):
+        return []
+    one = block_bytes(int(q.pipe_buf_tok * n), q.expandable)      # (b, s, h) in the stage's dtype
+    return [one] * int(q.pipe_recv * ga)
 
 
 def _shifted(q: Quantities, full: int, seqs: int) -> int:
@@ -1347,6 +1368,7 @@ def _micro_batches(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: To
     stage, every micro-batch under GPipe, ``moments.tokens``), the rest drained at the end. Up to
     one micro-batch more than are in flight is replayed (two without a pipeline)."""
     parts = _layer_parts(q, n, nsq)
+    s.ga = ga
     full = label_tokens(q, n) * q.logit_width // q.tp if flags.lm else b * q.logit_width   # logit elements
     if q.pipe_order:                                              # an interleaved schedule's last rank
         return _pipeline_pairs(R, s, q, flags, tk, (n, nsq, b), parts, recompute, full, ga)
