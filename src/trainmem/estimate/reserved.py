@@ -42,6 +42,10 @@ runs it through the same simulator as ``trace`` (``trainmem.allocator.CachingAll
   it (``_Zero3Fetch``),
   each bucket's flat reduction input on its reduce stream, its step's float64 norm copies, flat fp32
   gradient and flat states (``_zero3_step``);
+* DDP: its construction's broadcast copies and first bucket, its rebuilt buckets at the forward after
+  the first reducing backward (``_ddp_init``, ``_ddp_rebuild``; under an interleaved pipeline schedule
+  one DDP per virtual stage, ``_DdpStages``); torch's pipeline stage's receive buffers, made once
+  (``recv_buffers``); a gradient added into an existing ``.grad`` as a tensor of its own (``_accumulated``);
 * the optimizer step: the states of every trainable tensor at the first step, in parameter order
   (``torch.optim``'s lazy ``_init_group``), then the step's temporaries as per-tensor blocks;
   ``zero_grad(set_to_none=True)`` frees the gradients.
