@@ -64,5 +64,7 @@ def bench():
 def test_the_replay_holds_every_stage_s_buckets(bench, family, precision):
     options = {"dp": 2, "grad_accum": 2, "pp": 2, "pp_schedule": "interleaved-1f1b", "precision": precision}
     r = bench.compare(bench.Case(family, 1, 512, tuple(sorted(options.items())), layers=4), reserved=True)
-    # the replay's allocated peak is the estimate's: before, -15.5 % and -17.0 % (no DDP bucket replayed)
-    assert abs(r.estimate.extra["replay_peak_allocated"] / r.estimate.peak_allocated - 1) <= 0.01
+    # the replay's allocated peak is trace's (before, the estimate's -15.5 % and -17.0 %: no DDP bucket
+    # replayed; since the head's gradient added into .grad, _accumulated, the replay's meets trace's
+    # 9311 MiB on Llama-3.2 where the estimate's allocated moments are 2.7 % lower)
+    assert abs(r.estimate.extra["replay_peak_allocated"] / r.trace.peak_allocated - 1) <= 0.01
