@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..units import fmt, scale
-from .text import width, wrap
+from .text import fit_columns, width, wrap
 
 #: the layout table's columns: heading, then the cell of a layout ``x`` (``div``: bytes per unit)
 _COLUMNS = (("rank", None), ("dp", lambda x, div: f"{x.dp:d}"), ("tp", lambda x, div: f"{x.tp:d}"),
@@ -45,19 +45,12 @@ def layout_table(rows: list[tuple[Any, Any]], div: int, label: str) -> list[str]
 
 def _packed_table(rows: list[tuple[Any, Any]], div: int, label: str, w: int) -> list[str]:
     """The layout table with each column as wide as its widest cell (numbers right-aligned, the
-    amounts' unit in their heading), one space apart; the optional last columns that do not fit
-    ``w`` are left out and named in a last line."""
+    amounts' unit in their heading: ``render.text.fit_columns``); the optional last columns that do
+    not fit ``w`` are left out and named in a last line."""
     heads = [h.format(label=label) for h, _ in _COLUMNS]
     cells = [[str(i)] + [f(x, div) for _, f in _COLUMNS[1:]] for i, x in rows]
-    widths = [max([len(heads[k])] + [len(c[k]) for c in cells]) for k in range(len(heads))]
     n = len(heads)
-    while n > len(heads) - _OPTIONAL and sum(widths[:n]) + n - 1 > w:
-        n -= 1
-    lines = [" ".join(f"{h:>{x}s}" for h, x in zip(heads[:n], widths))]
-    lines += [" ".join(f"{v:>{x}s}" for v, x in zip(c[:n], widths)) for c in cells]
-    if n < len(heads):
-        lines.append(f"({', '.join(heads[n:])} left out on this narrow terminal: --json has them)")
-    return lines
+    return fit_columns(heads, cells, w, left=0, optional=range(n - 1, n - 1 - _OPTIONAL, -1))
 
 
 def _head_lines(r: Any, units: str) -> list[str]:

@@ -91,3 +91,38 @@ def free_width(fixed: int, widest: int, minimum: int = 12, width: int | None = N
     (never below ``minimum``, never wider than its widest cell ``widest``; ``width`` by default
     :func:`width`)."""
     return max(minimum, min(widest, _resolve(width) - fixed))
+
+
+def fit_columns(heads: Sequence[str], rows: Sequence[Sequence[str]], width: int | None = None, left: int = 1,
+                shrink: int | None = None, shrink_min: int = 12, optional: Sequence[int] = ()) -> list[str]:
+    """A table of ``rows`` under ``heads``, each column as wide as its widest cell, one space apart;
+    the first ``left`` columns left-aligned (names), the rest right-aligned (numbers keep their
+    width). Where the row passes ``width`` (default :func:`width`): the free-text column ``shrink``
+    narrows (its cells shortened, their head kept) down to ``shrink_min``, then the ``optional``
+    columns are left out in the order given (a last line names them: ``--json`` has them), then
+    ``shrink`` narrows further, to 4."""
+    w = _resolve(width)
+    n = len(heads)
+    widths = [max([len(heads[k])] + [len(r[k]) for r in rows]) for k in range(n)]
+    keep = list(range(n))
+
+    def others() -> int:  # the kept columns but ``shrink``, and every separator
+        return sum(widths[k] for k in keep if k != shrink) + len(keep) - 1
+
+    floor = 0 if shrink is None else min(widths[shrink], shrink_min)
+    for k in optional:
+        if others() + floor <= w:
+            break
+        keep.remove(k)
+    if shrink is not None:
+        widths[shrink] = max(min(widths[shrink], 4), min(widths[shrink], w - others()))
+
+    def line(cells: Sequence[str]) -> str:
+        out = [shorten(cells[k], widths[k], keep="start") if k == shrink else cells[k] for k in keep]
+        return " ".join(f"{c:{widths[k]}s}" if k < left else f"{c:>{widths[k]}s}" for c, k in zip(out, keep)).rstrip()
+
+    lines = [line(heads)] + [line(r) for r in rows]
+    left_out = [heads[k] for k in range(n) if k not in keep]
+    if left_out:
+        lines += wrap(f"({', '.join(left_out)} left out on this narrow terminal: --json has them)", w)
+    return lines
