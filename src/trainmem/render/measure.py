@@ -101,7 +101,7 @@ def _oom_lines(r: Any, oom: dict[str, Any], units: str) -> list[str]:
 def measure_details(r: Any, units: str = "auto") -> str:
     """What a measured report adds to the common table: the phases in exact bytes for a run below
     1 GiB, driver figures and CUDA context per phase, the out-of-memory diagnosis, notes and files
-    written; every line fits 100 columns."""
+    written; every line fits the terminal (``render.text.width``)."""
     ex = r.extra
     lines: list[str] = []
     rows = ex.get("phases") or []
