@@ -25,6 +25,13 @@ def load_benchmark(name: str):
     return mod
 
 
+@pytest.fixture(autouse=True)
+def _piped_width(monkeypatch):
+    """Every test sees output as a pipe sees it (``render.text.width``: 100 columns), whatever COLUMNS
+    the shell that runs pytest exports; a test about other widths sets COLUMNS itself."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+
+
 @pytest.fixture
 def one_torch_thread():
     """Run a test with one torch thread: CPU memory measurements of real runs then see one

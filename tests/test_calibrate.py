@@ -308,12 +308,16 @@ def test_a_negative_context_is_null_not_a_crash():
     assert p["values"]["context"] == 400 * MiB and p["reasons"]["context_from"] == "context_lazy"
 
 
-def test_the_profile_table_names_what_estimate_uses_within_100_columns():
+@pytest.mark.parametrize("width", [None, 72, 80, 100, 132])
+def test_the_profile_table_names_what_estimate_uses_within_the_terminal(monkeypatch, width):
     from trainmem.render.calibrate import render_plan, render_profile
+    if width is not None:  # None: piped, 100 columns
+        monkeypatch.setenv("COLUMNS", str(width))
     text = render_profile(build_profile(made_up_results(), command="test"), "/tmp/x/calibration.json")
-    assert "used by estimate (from" in text and "item nccl failed: 1 GPU visible" in text
+    words = " ".join(text.split())  # a note wraps under itself on a narrow terminal
+    assert "used by estimate (from" in words and "item nccl failed: 1 GPU visible" in words
     text += "\n" + render_plan(plan(), "no CUDA GPU here", "/tmp/x/calibration.json")
-    assert max(len(line) for line in text.splitlines()) <= 100
+    assert max(len(line) for line in text.splitlines()) <= (width or 100)
 
 
 def test_default_cublas_workspace_follows_the_compute_capability():

@@ -214,23 +214,33 @@ def test_sweep_without_seq_len_uses_the_models_default_sequence(capsys):
     assert json.loads(capsys.readouterr().out)["seq_lens"] == [2048]
 
 
-def test_a_wide_sweep_grid_fits_100_columns(capsys):
+@pytest.mark.parametrize("width, blocks", [(None, 3), (72, 4), (80, 4), (100, 3), (132, 2)])
+def test_a_wide_sweep_grid_fits_the_terminal(capsys, monkeypatch, width, blocks):
     from trainmem.cli import main
+    if width is not None:  # None: piped, 100 columns
+        monkeypatch.setenv("COLUMNS", str(width))
     assert main(["sweep", "gpt2", "--batch-size", "1:20", "--seq-len", "128,256"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert max(len(x) for x in out) <= 100
+    assert max(len(x) for x in out) <= (width or 100)
     heads = [x for x in out if x.lstrip().startswith("seq \\ batch")]
-    assert len(heads) == 3  # 20 micro-batch sizes in blocks of 8
+    assert len(heads) == blocks  # 20 micro-batch sizes in blocks of 6 (72), 6 (80), 8 (100), 12 (132)
     cols = [int(v) for h in heads for v in h.split()[3:]]
     assert cols == list(range(1, 21))  # every size once, in order
 
 
+@pytest.mark.parametrize("width", [None, 72, 80, 100, 132])
 @pytest.mark.parametrize("argv", [["llama-3.1-8b", "--gpu", "h100"], ["llama-3.1-8b", "--gpu", "h100", "--detail"],
                                   ["llama-3.1-70b", "--gpu", "a100-80gb", "--detail"]])
-def test_suggestion_costs_and_notes_wrap_to_the_terminal_width(capsys, argv):
-    """The costs, notes and a combination's parts are free text: they wrap to render.text.WIDTH (a
-    combination of per-op recompute and 8-bit Adam printed a 103-column line before)."""
-    from trainmem.render.text import WIDTH
+def test_suggestion_costs_and_notes_wrap_to_the_terminal_width(capsys, monkeypatch, argv, width):
+    """The costs, notes and a combination's parts are free text: they wrap to render.text.width() (a
+    combination of per-op recompute and 8-bit Adam printed a 103-column line before); the change
+    column is shortened to what the terminal leaves."""
+    from trainmem.render.text import width as terminal_width
+    if width is not None:  # None: piped, 100 columns
+        monkeypatch.setenv("COLUMNS", str(width))
+    assert terminal_width() == (width or 100)
     rc, out, _ = run(capsys, "estimate", *argv)
     assert rc == 1 and "cost:" in out
-    assert max(len(ln) for ln in out.splitlines()) <= WIDTH, out
+    assert max(len(ln) for ln in out.splitlines()) <= terminal_width(), out
+    head = next(ln for ln in out.splitlines() if ln.startswith(" #  change"))
+    assert head.endswith("fits") and len(head) == min(terminal_width(), 93)  # 48-wide changes fit from 93 on

@@ -1,7 +1,8 @@
 """Tables, units, plots and progress a user can trust (issue 14, "Messages and pictures"): units
 that scale with the run and are always labelled, parameter counts that never read 0.00B, tables
-that fit 100 columns with aligned columns, plots whose titles are whole and whose labels do not
-collide, a one-line message without matplotlib, and progress bars only where they belong."""
+that fit the terminal (100 columns when piped; 72, 80, 100 and 132 set by COLUMNS) with aligned
+columns, plots whose titles are whole and whose labels do not collide, a one-line message without
+matplotlib, and progress bars only where they belong."""
 from __future__ import annotations
 
 import io
@@ -122,13 +123,25 @@ def _component_block(text):
     return lines[i], lines[i + 1:j]
 
 
+WIDTHS = [None, 72, 80, 100, 132]  # None: piped, no COLUMNS (100)
+
+
+def _columns(monkeypatch, width):
+    """Set COLUMNS to ``width`` (None: leave it unset, as a pipe sees it); the width lines must fit."""
+    if width is not None:
+        monkeypatch.setenv("COLUMNS", str(width))
+    return width or 100
+
+
+@pytest.mark.parametrize("width", WIDTHS)
 @pytest.mark.parametrize("detail", [False, True])
-def test_tables_fit_100_columns_and_columns_align(reports, detail):
+def test_tables_fit_the_terminal_and_columns_align(reports, detail, width, monkeypatch):
+    limit = _columns(monkeypatch, width)
     mixed = []  # rows whose dtype cell names two dtypes (bf16/fp32), aligned like the others
     for name, r in reports.items():
         text = render_report(r, detail=detail)
         if not detail:
-            assert max(len(ln) for ln in text.splitlines()) <= 100, (name, text)
+            assert max(len(ln) for ln in text.splitlines()) <= limit, (name, text)
         header, rows = _component_block(text)
         # the amount and the share end where their headings end, the dtype where "dtype" ends
         unit = header.split()[-2]
@@ -156,20 +169,24 @@ def test_setup_line_wraps_with_indented_continuation(reports):
         assert word in joined, word
 
 
-def test_trace_tensor_table_fits():
+@pytest.mark.parametrize("width", WIDTHS)
+def test_trace_tensor_table_fits(width, monkeypatch):
+    limit = _columns(monkeypatch, width)
     from trainmem.render.trace import largest_tensors
     rows = [{"block": (3 - i) * 300 * MiB, "category": "optimizer_states", "dtype": "bfloat16",
              "shape": [128256, 4096], "module": "model.layers.31.self_attn.q_proj.base_layer.lora_A.default" * (i + 1),
              "op": "_log_softmax_backward_data" * (i + 1)} for i in range(3)]
     text = largest_tensors(rows)
     lines = text.splitlines()
-    assert "(MiB)" in lines[0] and all(len(ln) <= 100 for ln in lines), text
+    assert "(MiB)" in lines[0] and all(len(ln) <= limit for ln in lines), text
     ends = {ln.index(" optimizer_states") for ln in lines[2:]}
     assert len(ends) == 1  # the size column ends at the same place on every row
-    assert max(len(ln) for ln in largest_tensors(rows, detail=True).splitlines()) > 100  # --detail: everything
+    assert max(len(ln) for ln in largest_tensors(rows, detail=True).splitlines()) > limit  # --detail: everything
 
 
-def test_comparison_and_catalogues_fit():
+@pytest.mark.parametrize("width", WIDTHS)
+def test_comparison_and_catalogues_fit(width, monkeypatch):
+    limit = _columns(monkeypatch, width)
     from trainmem.measure.compare import compare_reports
     from trainmem.render.catalogue import render_gpus, render_models
     from trainmem.render.measure import render_comparison
@@ -180,18 +197,32 @@ def test_comparison_and_catalogues_fit():
                          ("nemo", trainmem.estimate("gpt2", method="nemo", **kw)),
                          ("eleuther", trainmem.estimate("gpt2", method="eleuther", **kw))])
     text = render_comparison(c)
-    assert max(len(ln) for ln in text.splitlines()) <= 100, text
+    assert max(len(ln) for ln in text.splitlines()) <= limit, text
     assert "values in MiB" in text or "values in GiB" in text
+    exact = render_comparison(c, exact=True)  # byte counts: the difference columns give way, named
+    assert max(len(ln) for ln in exact.splitlines()) <= limit, exact
+    assert all(f"{rep.peak_allocated:,d}" in exact for rep in c.reports)  # every source's peak whole
+    monkeypatch.setenv("COLUMNS", "160")  # the widest terminal: every column (117 wide here)
+    full = max(len(ln) for ln in render_comparison(c, exact=True).splitlines())
+    monkeypatch.delenv("COLUMNS")
+    _columns(monkeypatch, width)
+    assert ("left out on this narrow terminal" in exact) == (limit < full), exact
     rows = []
     for n in catalogue_names():
         m = resolve_model(n)
         rows.append({"name": n, "family": m.family, "head": m.head, "params": m.num_params, "layers": m.num_layers,
                      "hidden": m.hidden_size, "heads": m.num_heads, "kv_heads": m.num_kv_heads, "vocab": m.vocab_size})
     for t in (render_models(rows), render_gpus(catalogue_table())):
-        assert max(len(ln) for ln in t.splitlines()) <= 100
+        assert max(len(ln) for ln in t.splitlines()) <= limit, t
+    # the names --model and --gpu take are whole at every width (other columns give way first)
+    models, gpus = render_models(rows).splitlines(), render_gpus(catalogue_table())
+    assert [ln.split()[0] for ln in models[1:len(rows) + 1]] == catalogue_names()
+    assert all(f"\n{g['name']} " in "\n" + gpus for g in catalogue_table())
 
 
-def test_measure_details_fit():
+@pytest.mark.parametrize("width", WIDTHS)
+def test_measure_details_fit(width, monkeypatch):
+    limit = _columns(monkeypatch, width)
     from trainmem.render.measure import measure_details
     r = trainmem.estimate("gpt2", set=TINY_SET)
     r.extra = {"phases": [{"step": 1, "name": "backward", "allocated": 10**6, "peak": 2 * 10**6, "reserved": None,
@@ -203,7 +234,7 @@ def test_measure_details_fit():
                "notes": ["a note " * 30], "environment": {"cpu": "x86_64", "threads": 2, "torch": "2", "transformers": "5"},
                "steps": 2, "runtime_s": 1.0}
     text = measure_details(r)
-    assert max(len(ln) for ln in text.splitlines()) <= 100, text
+    assert max(len(ln) for ln in text.splitlines()) <= limit, text
     assert "phases in bytes" in text and "OUT OF MEMORY in forward@1" in text
 
 

@@ -5,7 +5,8 @@ it is asked for (``enabled=True``, or the default the CLI switches on with :func
 and off for ``--json``), stderr is a terminal (``sys.stderr.isatty()``) and tqdm is installed
 (https://github.com/tqdm/tqdm; it comes with transformers and the ``trace`` extra). Otherwise the
 object does nothing: library calls print nothing unless their caller asks. A bar inside another
-(the traces of a ``fit --by trace``) is not drawn: the outer one counts.
+(the traces of a ``fit --by trace``) is not drawn: the outer one counts. A bar is as wide as the
+terminal, at most ``render.text.CAP`` columns (tqdm shortens its text to that width).
 """
 from __future__ import annotations
 
@@ -74,14 +75,27 @@ def progress(total: int | None, desc: str, enabled: bool | None = None) -> Itera
         if tqdm is None:
             yield _Silent()
             return
-        bar = tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True,
-                   mininterval=0.2, unit="step" if total is not None else "it")
+        bar = tqdm(total=total, desc=desc, file=sys.stderr, leave=False, mininterval=0.2,
+                   unit="step" if total is not None else "it", **_bar_width())
         try:
             yield _Bar(bar)
         finally:
             bar.close()
     finally:
         _state["depth"] -= 1
+
+
+def _bar_width() -> dict[str, Any]:
+    """tqdm's width option: the terminal's own width, followed as it is resized (``dynamic_ncols``;
+    a bar redrawn in place must never wrap, so no floor), except that a terminal wider than
+    ``render.text.CAP`` (160) gets a bar of that width, as every table."""
+    import os
+    from .render.text import CAP
+    try:
+        cols = os.get_terminal_size(sys.stderr.fileno()).columns  # the bar's own terminal
+    except (AttributeError, ValueError, OSError):  # replaced or closed stderr: tqdm finds out itself
+        cols = 0
+    return {"ncols": CAP} if cols > CAP else {"dynamic_ncols": True}
 
 
 def _isatty() -> bool:

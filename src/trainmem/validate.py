@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 from .errors import TrainmemError
 from .report import MemoryReport
-from .render.text import WIDTH, shorten, wrap
+from .render.text import shorten, width, wrap
 
 UNITS = {"bytes": 1, "mib": 2**20, "gib": 2**30}
 PEAKS = ("peak_allocated", "peak_active", "peak_reserved", "device_used")
@@ -454,7 +454,8 @@ def _fmt_err(e: float | None) -> str:
 
 def _check_rows(v: Validation, preds: list[str]) -> list[str]:
     """One line per (case, quantity) under a line naming its framework: the measured value and each
-    predictor's value and error; the case and quantity columns shortened so a line fits 100 columns."""
+    predictor's value and error; the case and quantity columns shortened so a line fits the terminal
+    (:func:`render.text.width`)."""
     by_key: dict[tuple[str, str], dict[str, Check]] = {}
     order: list[tuple[str, str, str]] = []
     for c in v.checks:
@@ -463,8 +464,10 @@ def _check_rows(v: Validation, preds: list[str]) -> list[str]:
             by_key[key] = {}
             order.append((c.framework, c.case, c.quantity))
         by_key[key][c.predictor] = c
-    qw = 22                                              # quantity column
-    cw = max(16, WIDTH - 2 - qw - 13 - 22 * len(preds) - 2)  # case column: what is left
+    w = width()                                          # the terminal's (render.text.width)
+    fixed = 2 + 1 + 12 + 22 * len(preds)                 # indent, measured, each predictor's value and error
+    qw = max(12, min(22, (w - fixed) // 2))              # quantity column: half of what is left, at most 22
+    cw = max(16, w - fixed - qw - 2)                     # case column: the rest (one column spare)
     head = f"  {'case':{cw}s} {'quantity':{qw}s} {'measured MiB':>12s}"
     head += "".join(f" {p + ' MiB':>12s} {'error':>8s}" for p in preds)
     lines = [head]
@@ -484,40 +487,65 @@ def _check_rows(v: Validation, preds: list[str]) -> list[str]:
     return lines
 
 
+_STATS_HEAD = (f"{'cases':>5s} {'median|err|':>11s} {'p90|err|':>9s} {'within 5%':>9s} {'max|err|':>9s} "
+               f"{'bias':>8s}")  # 56 columns, the width of :func:`_stats_cells`
+
+
+def _stats_cells(st: dict[str, float]) -> str:
+    """One row's statistics (:func:`stats`): cases, median, p90, within 5 %, max, bias; 56 columns."""
+    return (f"{int(st['n']):5d} {100 * st['median']:10.2f}% {100 * st['p90']:8.2f}% "
+            f"{int(st['within_5pct']):4d}/{int(st['n']):<4d} {100 * st['max']:8.2f}% {_fmt_err(st['bias']):>8s}")
+
+
+def _per_predictor(s: dict[str, dict[str, Any]], rows: Any, name_min: int) -> "list[str] | None":
+    """With several predictors on a terminal too narrow for a predictor column beside a name column
+    of ``name_min``: one table per predictor, each under its name; else None (one table)."""
+    if len(s) < 2 or name_min + 1 + 10 + len(_STATS_HEAD) <= width():
+        return None
+    lines: list[str] = []
+    for p, ps in s.items():
+        lines += [f"predictor {p}:"] + rows({p: ps})
+    return lines
+
+
 def _summary_rows(s: dict[str, dict[str, Any]], group: str) -> list[str]:
     """The summary table of one grouping (``frameworks`` or ``sources``) plus the overall row; the
-    predictor column only when there is more than one, the name column what is left of 100."""
+    predictor column only when there is more than one (one table per predictor where the terminal
+    is too narrow for it), the name column what is left of the terminal's width
+    (:func:`render.text.width`)."""
+    split = _per_predictor(s, lambda one: _summary_rows(one, group), 10)
+    if split is not None:
+        return split
     title = "framework" if group == "frameworks" else "source"
     many = len(s) > 1
-    nw = WIDTH - 59 - (10 if many else 0)
-    lines = [f"{title:{nw}s} " + (f"{'predictor':9s} " if many else "") + f"{'cases':>5s} {'median|err|':>11s} "
-             f"{'p90|err|':>9s} {'within 5%':>9s} {'max|err|':>9s} {'bias':>8s}"]
+    nw = max(10, width() - 3 - len(_STATS_HEAD) - (10 if many else 0))  # name, a space, 2 spare
+    lines = [f"{title:{nw}s} " + (f"{'predictor':9s} " if many else "") + _STATS_HEAD]
     keys = sorted({k for p in s.values() for k in p[group]}, key=str.lower) + ["ALL CASES"]
     for k in keys:
         for p, ps in s.items():
             st = ps["overall"] if k == "ALL CASES" else ps[group].get(k)
             if st is None:
                 continue
-            lines.append(f"{shorten(k, nw, 'start'):{nw}s} " + (f"{p:9s} " if many else "")
-                         + f"{int(st['n']):5d} {100 * st['median']:10.2f}% {100 * st['p90']:8.2f}% "
-                         f"{int(st['within_5pct']):4d}/{int(st['n']):<4d} {100 * st['max']:8.2f}% "
-                         f"{_fmt_err(st['bias']):>8s}")
+            lines.append(f"{shorten(k, nw, 'start'):{nw}s} " + (f"{p:9s} " if many else "") + _stats_cells(st))
     return lines
 
 
 def _peak_rows(s: dict[str, dict[str, Any]]) -> list[str]:
     """Peak allocated, peak reserved and device used (reserved + context, the driver's figure),
-    each scored separately per predictor."""
-    lines = [f"{'quantity':16s} {'predictor':9s} {'cases':>5s} {'median|err|':>11s} {'p90|err|':>9s} "
-             f"{'within 5%':>9s} {'max|err|':>9s} {'bias':>8s}"]
+    each scored separately per predictor (a predictor column when there are several, one table per
+    predictor where the terminal is too narrow for it)."""
+    qw = max(len(q) for q in ("quantity",) + PEAKS)
+    split = _per_predictor(s, _peak_rows, qw)
+    if split is not None:
+        return split
+    many = len(s) > 1
+    lines = [f"{'quantity':{qw}s} " + (f"{'predictor':9s} " if many else "") + _STATS_HEAD]
     for q in PEAKS:
         for p, ps in s.items():
             st = ps.get("peaks", {}).get(q)
             if st is None:
                 continue
-            lines.append(f"{q:16s} {p:9s} {int(st['n']):5d} {100 * st['median']:10.2f}% {100 * st['p90']:8.2f}% "
-                         f"{int(st['within_5pct']):4d}/{int(st['n']):<4d} {100 * st['max']:8.2f}% "
-                         f"{_fmt_err(st['bias']):>8s}")
+            lines.append(f"{q:{qw}s} " + (f"{p:9s} " if many else "") + _stats_cells(st))
     return lines
 
 

@@ -18,7 +18,63 @@ COMMANDS = (estimate.register, trace.register, measure.register, plan.register, 
             calibrate.register)
 
 
+class _Formatter(argparse.HelpFormatter):
+    """argparse's help layout at the width of every other output (``render.text.width``: the
+    terminal's, within 72..160, 100 when piped), less argparse's own two-column margin. An option
+    with a long list of choices (argparse writes ``{a,b,...}`` as one unbreakable word) shows its
+    name in capitals instead, the choices then listed in its help, where they wrap."""
+
+    LONG = 24  # a choice list longer than this is moved into the help text
+
+    def __init__(self, prog: str, indent_increment: int = 2, max_help_position: int = 24,
+                 width: int | None = None) -> None:
+        from ..render.text import width as terminal_width
+        super().__init__(prog, indent_increment, max_help_position, width or terminal_width() - 2)
+
+    @classmethod
+    def _long_choices(cls, action: argparse.Action) -> str:
+        """The choices of an option that lists too many to show as its metavar, else ""."""
+        if not action.option_strings or action.choices is None:
+            return ""
+        listed = (action.metavar[1:-1] if isinstance(action.metavar, str) and action.metavar.startswith("{")
+                  else ",".join(map(str, action.choices)) if action.metavar is None else "")
+        return listed.replace(",", ", ") if len(listed) > cls.LONG else ""
+
+    def _metavar_formatter(self, action: argparse.Action, default_metavar: str):  # type: ignore[override]
+        if self._long_choices(action):
+            return super()._metavar_formatter(argparse.Action(action.option_strings, action.dest,
+                                                              metavar=action.dest.upper()), default_metavar)
+        return super()._metavar_formatter(action, default_metavar)
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = super()._get_help_string(action)
+        listed = self._long_choices(action)
+        return (text or "") + f" (one of: {listed})" if listed else text
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        """An option's names, its argument once after the last (``--batch-size, --micro-batch-size
+        N``), broken after a comma where the names would pass the width."""
+        if not action.option_strings:
+            return super()._format_action_invocation(action)
+        parts = list(action.option_strings)
+        if action.nargs != 0:
+            parts[-1] += " " + self._format_args(action, action.dest.upper())
+        room = self._width - self._current_indent
+        lines = [parts[0]]
+        for p in parts[1:]:
+            if len(lines[-1]) + 2 + len(p) + 1 > room:
+                lines[-1] += ","
+                lines.append(p)
+            else:
+                lines[-1] += ", " + p
+        return ("\n" + " " * (self._current_indent + 2)).join(lines)
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs.setdefault("formatter_class", _Formatter)
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
     def error(self, message: str) -> None:  # one clear line, exit 2 (no usage dump)
         sys.stderr.write(f"trainmem: error: {message} (see `trainmem {self.prog.split()[-1]} --help`)\n"
                          if " " in self.prog else f"trainmem: error: {message} (see `trainmem --help`)\n")

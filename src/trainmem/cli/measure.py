@@ -15,7 +15,7 @@ from typing import Any
 from ..errors import TrainmemError
 from ..paths import NotWritten, check_file, not_written
 from .options import add_model_and_training, device_choice, positive_int, training_options
-from .output import emit, exit_code, print_json
+from .output import emit, exit_code, print_json, say
 
 
 def _quiet_transformers() -> None:
@@ -167,8 +167,8 @@ def _save_fixture(r: Any, a: argparse.Namespace) -> str | None:
     except OSError as e:
         return not_written(a.save_fixture, "--save-fixture", e)
     if not a.json:
-        print(f"fixture written: {a.save_fixture} ({len(fx['measured'])} quantities; "
-              f"`trainmem validate DIR` reads it)")
+        say(f"fixture written: {a.save_fixture} ({len(fx['measured'])} quantities; "
+            f"`trainmem validate DIR` reads it)")
     return None
 
 
@@ -188,8 +188,8 @@ def _find_max_batch(a: argparse.Namespace) -> int:
         lim = f", limit {fmt_bytes(parse_bytes(a.memory_limit), a.units)}" if a.memory_limit else ""
         from ..spec.resolve import resolve
         seq = resolve(a.model, set=a.set or None, seq_len=a.seq_len).training.seq_len  # the model's default if none
-        print(f"trainmem measure --find-max-batch — {a.model} on {a.device}{lim}, sequence {seq}, "
-              f"{a.steps} step(s) per try")
+        say(f"trainmem measure --find-max-batch — {a.model} on {a.device}{lim}, sequence {seq}, "
+            f"{a.steps} step(s) per try")
     res = find_max_batch(a.model, device=a.device, steps=a.steps, memory_limit=a.memory_limit,
                          batch_cap=a.batch_cap, gpu=a.gpu, gpu_memory=a.gpu_memory,
                          context_memory=a.context_memory, overrides=a.set or None, on_try=show,
@@ -221,7 +221,7 @@ def cmd_compare(a: argparse.Namespace) -> int:
     else:
         print(render_comparison(c, a.units, a.bytes))
         if ref.capacity is not None:
-            print(_verdict(ref, c.reference, a.units))
+            say(_verdict(ref, c.reference, a.units))
     return exit_code(ref)
 
 

@@ -55,6 +55,15 @@ def exit_code(report: Any) -> int:
     return 1 if report.capacity is not None and report.fits is False else 0
 
 
+def say(text: str) -> None:
+    """Print a free-text line on stdout wrapped to the terminal's width (``render.text.width``), its
+    continuation lines indented. (Errors and warnings on stderr stay one line each: scripts read them
+    by their ``trainmem: error:`` / ``trainmem: warning:`` prefix.)"""
+    from ..render.text import wrap
+    lead = text[:len(text) - len(text.lstrip("\n"))]  # a blank line asked for before it
+    print(lead + "\n".join(wrap(text[len(lead):])))
+
+
 def print_json(data: Any) -> None:
     """``data`` as indented JSON on stdout."""
     print(json.dumps(data, indent=2))

@@ -6,7 +6,7 @@ from typing import Any
 
 from .options import (ACCUM_FLAGS, BATCH_FLAGS, SEQ_FLAGS, add_model_and_training, fraction, positive_int,
                       training_options)
-from .output import print_json, warn_pointless
+from .output import print_json, say, warn_pointless
 
 _LAYOUT_KEYS = ("batch_size", "seq_len", "grad_accum", "dp", "tp", "pp", "cp", "zero", "recompute",
                 "sequence_parallel")
@@ -76,7 +76,7 @@ def cmd_sweep(a: argparse.Namespace) -> int:
     else:
         print(r.render(a.units))
         for k, p in written:
-            print(f"wrote {k} plot: {p}")
+            say(f"wrote {k} plot: {p}")
     return sweep_exit_code(r)
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from ..errors import TrainmemError
 from .options import add_model_and_training, require_gpu_for_max_fraction, training_options
-from .output import emit
+from .output import emit, say
 
 
 def cmd_trace(a: argparse.Namespace) -> int:
@@ -45,7 +45,7 @@ def cmd_trace(a: argparse.Namespace) -> int:
         from ..render.plots import plot_timeline
         plot_timeline(r, a.timeline, a.units)
         if not a.json:
-            print(f"\ntimeline written to {a.timeline}")
+            say(f"\ntimeline written to {a.timeline}")
     # a step stopped by the simulated out-of-memory did not fit, whatever its partial peak says
     simulated_oom = bool(r.extra.get("simulated_oom"))
     return 1 if simulated_oom else code

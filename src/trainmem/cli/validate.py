@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from .options import device_choice, positive_int
-from .output import print_json
+from .output import print_json, say
 
 
 def _percent(text: str) -> float:
@@ -39,7 +39,7 @@ def cmd_validate(a: argparse.Namespace) -> int:
         print_json(dict(to_dict(result), tolerance=a.tolerance, exceeding=len(over), verdict=why))
     else:
         print(render(result))
-        print(f"\n{'FAIL' if code else 'OK'}: {why}")
+        say(f"\n{'FAIL' if code else 'OK'}: {why}")
     return code
 
 
@@ -80,11 +80,11 @@ def _campaign(a: argparse.Namespace) -> int:
     else:
         how = ("stopped at the time budget: run the same command again to resume" if prog.stopped_by_budget
                else "every run done" if not prog.left else f"stopped after {len(prog.ran)} run(s) (--limit)")
-        print(f"campaign {prog.name}: {len(prog.ran)} run(s) now, {prog.done_before + len(prog.ran)}/{prog.total} "
-              f"done, {prog.left} left; {how}")
-        print(f"results: {results} ({', '.join(f'{k} {v}' for k, v in d['statuses'].items())})")
+        say(f"campaign {prog.name}: {len(prog.ran)} run(s) now, {prog.done_before + len(prog.ran)}/{prog.total} "
+            f"done, {prog.left} left; {how}")
+        say(f"results: {results} ({', '.join(f'{k} {v}' for k, v in d['statuses'].items())})")
         if "fixtures" in d:
-            print(f"fixtures: {d['fixtures']} written to {a.into}")
+            say(f"fixtures: {d['fixtures']} written to {a.into}")
     return 0
 
 
@@ -106,9 +106,10 @@ def _dry_run(a: argparse.Namespace) -> int:
     if a.json:
         print_json({"campaign": name, "runs": rows})
     else:
-        for r in rows:
-            print(f"{r['n']:3d} {'done' if r['done'] else 'todo'} {r['id']}")
-        print(f"campaign {name}: {len(runs)} runs, {sum(r['done'] for r in rows)} done, {bad} would be refused")
+        from ..render.text import shorten, width
+        for r in rows:  # the id shortened (its head kept) to the terminal's width
+            print(f"{r['n']:3d} {'done' if r['done'] else 'todo'} {shorten(r['id'], width() - 9, keep='start')}")
+        say(f"campaign {name}: {len(runs)} runs, {sum(r['done'] for r in rows)} done, {bad} would be refused")
     return 2 if bad else 0
 
 
@@ -122,7 +123,7 @@ def _fixtures(results: str, into: str | None, as_json: bool) -> int:
     if as_json:
         print_json({"results": results, "into": into, "fixtures": paths})
     else:
-        print(f"{len(paths)} fixture(s) written to {into}")
+        say(f"{len(paths)} fixture(s) written to {into}")
     return 0
 
 

@@ -26,8 +26,7 @@ from ..spec.config import tensor_parallel_twin
 from ..spec.hardware import handle_workspace
 from ..spec.layout import cp_problems, pp_problems, sequence_problems, tp_problems
 from ..spec.training import RECOMPUTE, TrainingSpec, deepspeed_given, default_seq_len
-from ..render.text import wrap
-from ..units import fmt, scale
+from ..units import fmt
 from ._common import (Evaluator, divisors, gpu_extras, hardware_with_speeds, parse_int_list, refuse_one_stage,
                       refuse_varying_lengths)
 from .infeasible import no_layout_message
@@ -129,6 +128,8 @@ class PlanResult:
                 "all": [x.to_dict() for x in self.rows] if self.rows else None}
 
     def render(self, units: str = "GiB", explain: bool = False) -> str:
+        """The plan as text (``render.plan.render_plan``), every line within the terminal's width."""
+        from ..render.plan import render_plan
         return render_plan(self, units, explain)
 
 
@@ -593,85 +594,3 @@ def _smallest_cluster(P: Planner, gpus: int, max_cluster: int) -> tuple[int | No
         if lay is not None:
             return c, lay, note
     return hi, found, note
-
-
-# ---------------------------------------------------------------------------------------------
-def render_plan(r: PlanResult, units: str = "GiB", explain: bool = False) -> str:
-    div, label = scale(units)
-    lines = [f"trainmem plan — {r.model} on {r.gpus} x {r.gpu} ({fmt(r.capacity, units)}"
-             + ("" if r.limit == r.capacity else f", limit {fmt(r.limit, units)}")
-             + f") · seq {r.seq_len} · global batch {r.global_batch} sequences · method {r.method}",
-             f"layouts: {r.considered:,} considered, {r.valid:,} valid, {r.fitting:,} fit"
-             + (f"; {r.shapes_rejected:,} parallel shapes not allowed" if r.shapes_rejected else "")
-             + f" ({r.elapsed_s * 1000:.0f} ms{'' if r.vectorised else ', estimated one by one'})",
-             f"step-time model: MFU {r.assumptions['mfu']:g} of {r.assumptions['bf16_tflops']:g} TFLOP/s, "
-             f"NVLink {r.assumptions['interconnect_gbs']:g} GB/s within {r.assumptions['gpus_per_node']} GPUs, "
-             f"network {r.assumptions['internode_gbs']:g} GB/s per GPU, DP traffic overlapped (docs/plan.md)", ""]
-    hdr = (f"{'rank':>4s} {'dp':>4s} {'tp':>3s} {'pp':>3s} {'cp':>3s} {'zero':>4s} {'recompute':>9s} "
-           f"{'micro':>5s} {'accum':>5s} {'memory/GPU':>12s} {'margin':>11s} {'step s':>9s} {'tok/s/GPU':>10s} "
-           f"{'MFU':>5s}")
-
-    def row(i: Any, x: Layout) -> str:
-        return (f"{str(i):>4s} {x.dp:>4d} {x.tp:>3d} {x.pp:>3d} {x.cp:>3d} {x.zero:>4d} {x.recompute:>9s} "
-                f"{x.micro_batch:>5d} {x.grad_accum:>5d} {x.device_used / div:>8.2f} {label} "
-                f"{x.margin / div:>7.2f} {label} {x.step_time:>9.3f} {x.tokens_per_s_per_gpu:>10.0f} "
-                f"{100 * x.mfu:>4.0f}%")
-
-    if r.top:
-        if not r.rows:
-            lines.append(hdr)
-            for i, x in enumerate(r.top, 1):
-                lines.append(row(i, x))
-        if len(r.top) > 1:
-            lines.append("")
-            lines.append("why the best beat the next:")
-            for i, x in enumerate(r.top[:-1], 1):
-                lines.append(f"  #{i} vs #{i + 1}: {x.why}")
-    else:
-        lines.append(f"NOTHING FITS: none of the {r.valid:,} valid layouts fits {r.gpus} x {r.gpu}.")
-        if r.smallest_cluster:
-            x = r.smallest_layout
-            lines.append(f"smallest cluster that fits: {r.smallest_cluster:,} x {r.gpu} — e.g. {x.label()}, "
-                         f"{fmt(x.device_used, units)} per GPU ({r.cluster_note})")
-        elif r.cluster_note:
-            lines.append(r.cluster_note)
-        closest = [s for s in r.shapes]
-        closest.sort(key=lambda s: s["min_device_used"])
-        if closest:
-            s = closest[0]
-            lines.append(f"closest on {r.gpus} GPU{'s' if r.gpus != 1 else ''}: "
-                         f"dp={s['dp']} tp={s['tp']} pp={s['pp']} cp={s['cp']} "
-                         f"zero={s['min_at']['zero']} recompute={s['min_at']['recompute']} "
-                         f"micro-batch={s['min_at']['micro_batch']}: {fmt(s['min_device_used'], units)}, "
-                         f"{fmt(s['min_device_used'] - r.limit, units)} over")
-    if r.rows:
-        lines += ["", "all valid layouts (fitting ones by rank, then the rest by memory; - = does not fit):", hdr]
-        k = 0
-        for x in r.rows:
-            if x.fits:
-                k += 1
-            lines.append(row(k if x.fits else "-", x))
-    if explain:
-        lines += ["", "why the other layouts were rejected:"]
-        if r.rejected:
-            for what, reason, n, unit in r.rejected:
-                lines.append(f"  not allowed   {what}: {reason} ({n:,} {unit if n != 1 else unit[:-1]})")
-        over = r.valid - r.fitting
-        if over:
-            lines.append(f"  memory        {over:,} valid layouts need more than {fmt(r.limit, units)} per GPU")
-        slower = r.fitting - len(r.top)
-        if slower > 0:
-            lines.append(f"  slower        {slower:,} fitting layouts have a longer modelled step than #{len(r.top)}")
-        lines += ["", "by parallel shape (dp x tp x pp x cp):"]
-        for s in r.shapes[:60]:
-            shape = f"dp={s['dp']:<4d} tp={s['tp']:<3d} pp={s['pp']:<3d} cp={s['cp']:<3d}"
-            if s["fitting"]:
-                lines.append(f"  {shape} {s['fitting']:>4d}/{s['layouts']:<4d} fit; best rank {s['best_rank']:,} "
-                             f"({s['best_step_time']:.3f} s/step)")
-            else:
-                lines.append(f"  {shape}    0/{s['layouts']:<4d} fit; smallest {fmt(s['min_device_used'], units)} "
-                             f"(zero={s['min_at']['zero']}, recompute={s['min_at']['recompute']}, micro-batch "
-                             f"{s['min_at']['micro_batch']}) is {fmt(s['min_device_used'] - r.limit, units)} over")
-        if len(r.shapes) > 60:
-            lines.append(f"  ... {len(r.shapes) - 60} more shapes (--json lists them all)")
-    return "\n".join(x for ln in lines for x in wrap(ln, indent="    "))  # 100 columns (render.text)

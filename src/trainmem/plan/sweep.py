@@ -7,7 +7,7 @@ from typing import Any, Iterable
 from ..errors import TrainmemError
 from ..report import CATEGORIES, MemoryReport
 from ..progress import progress
-from ..render.text import wrap
+from ..render.text import width, wrap
 from ..units import scale
 from ..spec.training import default_seq_len
 from ._common import Evaluator, parse_int_list, refuse_varying_lengths
@@ -86,12 +86,13 @@ class SweepResult:
     def render(self, units: str = "auto") -> str:
         """Plain-text grid: a row per sequence length, a column per micro-batch; ``*`` = does not fit.
         One unit (``auto``: from the largest cell, ``trainmem.units.pick_unit``). More micro-batch
-        sizes than fit 100 columns (8) continue in further blocks below."""
+        sizes than fit the terminal (``render.text.width``: 8 columns of 10 at 100, 6 at 72) continue
+        in further blocks below."""
         div, label = scale(units, max([c.device_used or 0 for row in self.cells for c in row] or [0]) or None)
         lines = wrap(f"device memory ({label}) of {self.model}" + (f" on {self.gpu}" if self.gpu else "")
                      + (f", the {self.stage} pipeline stage's rank only" if self.stage else "")
                      + (f", limit {self.limit / div:.2f} {label}" if self.limit else "") + "; * = does not fit")
-        per_block = 8  # 11 + 8 x 10 = 91 columns
+        per_block = max(1, (width() - 11) // 10)  # the sequence column (11), then cells of 10
         for start in range(0, len(self.batch_sizes), per_block):
             cols = range(start, min(start + per_block, len(self.batch_sizes)))
             if start:

@@ -6,13 +6,15 @@ from typing import Any
 
 from ..units import fmt, pick_unit
 from .suggestions import format_suggestions
+from .text import wrap
 
 _WORD = {"batch_size": "micro-batch", "seq_len": "sequence length"}
 
 
 def render_fit(r: Any, units: str = "GiB", detail: bool = False) -> str:
     """The text `trainmem fit` prints for a :class:`trainmem.plan.FitResult` (``detail``: every
-    suggestion, not only those that make it fit)."""
+    suggestion, not only those that make it fit); each line wrapped to the terminal's width
+    (``render.text.width``), continuation lines indented."""
     u = pick_unit(units, r.capacity)  # one unit for the whole answer, from the GPU's size
     what = "largest micro-batch" if r.search == "batch_size" else f"longest sequence (multiple of {r.step})"
     fixed = f"sequence {r.seq_len}" if r.search == "batch_size" else f"micro-batch {r.batch_size}"
@@ -33,6 +35,7 @@ def render_fit(r: Any, units: str = "GiB", detail: bool = False) -> str:
         first = 1 if r.search == "batch_size" else r.step
         lines.append(f"NOTHING FITS: {_WORD[r.search]} {first} at {fixed} needs {fmt(r.device_used, u)} "
                      f"({fmt(-r.margin, u)} over)")
-        lines.append(format_suggestions(r.suggestions, u, detail=detail))
-    lines.append(f"  ({r.evaluations} estimates)")
-    return "\n".join(lines)
+    text = [x for ln in lines for x in wrap(ln, indent="    ")]
+    if not r.fits:  # a table of its own, each line already fitted (render.suggestions)
+        text.append(format_suggestions(r.suggestions, u, detail=detail))
+    return "\n".join(text + [f"  ({r.evaluations} estimates)"])

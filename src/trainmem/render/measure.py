@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..units import fmt, pick_unit, scale
-from .text import free_width, shorten, wrap, wrap_parts
+from .text import fit_columns, free_width, shorten, width, wrap, wrap_parts
 
 
 def fmt_bytes(n: int | None, units: str) -> str:
@@ -42,15 +42,22 @@ def _driver_phases(rows: list[dict[str, Any]], units: str) -> list[str]:
     src = next((p.get("driver_source") for p in rows if p.get("driver_source")), "")
     units = _table_unit(units, [p.get("driver_used") for p in rows] + [p["reserved"] for p in rows])
     lines = [""] + wrap(f"driver's view per phase ({src}; context = driver − reserved)")
-    wn = max([len("phase")] + [len(p["name"]) for p in rows])
-    lines.append(f"{'step':>4s}  {'phase':{wn}s} {'allocated':>12s} {'reserved':>12s} {'driver used':>12s} "
-                 f"{'this process':>12s} {'context':>12s}")
-    for p in rows:
-        lines.append(f"{p['step']:>4d}  {p['name']:{wn}s} {fmt_bytes(p['allocated'], units):>12s} "
-                     f"{fmt_bytes(p['reserved'], units):>12s} {fmt_bytes(p.get('driver_used'), units):>12s} "
-                     f"{fmt_bytes(p.get('process_used'), units):>12s} "
-                     f"{fmt_bytes(p.get('cuda_context'), units):>12s}")
-    return lines
+    heads = ("step", "phase", "allocated", "reserved", "driver used", "this process", "context")
+    cells = [(str(p["step"]), p["name"], fmt_bytes(p["allocated"], units), fmt_bytes(p["reserved"], units),
+              fmt_bytes(p.get("driver_used"), units), fmt_bytes(p.get("process_used"), units),
+              fmt_bytes(p.get("cuda_context"), units)) for p in rows]
+    # step right-aligned, the phase name left-aligned and shortened where the terminal is narrow
+    return lines + _step_phase_table(heads, cells)
+
+
+def _step_phase_table(heads: tuple[str, ...], cells: list[tuple[str, ...]]) -> list[str]:
+    """A table whose first column is the step (right-aligned), the second the phase name (left-aligned,
+    shortened to fit the terminal), the rest amounts (right-aligned): ``render.text.fit_columns``
+    with the step moved to the right of its column."""
+    ws = max(len(c[0]) for c in [heads] + cells)
+    table = fit_columns((heads[1],) + heads[2:], [(c[1],) + c[2:] for c in cells], width() - ws - 2, left=1,
+                        shrink=0, shrink_min=8)
+    return [f"{s:>{ws}s}  {ln}" for s, ln in zip([heads[0]] + [c[0] for c in cells], table)]
 
 
 def _oom_lines(r: Any, oom: dict[str, Any], units: str) -> list[str]:
@@ -62,8 +69,9 @@ def _oom_lines(r: Any, oom: dict[str, Any], units: str) -> list[str]:
                      else "")
                   + (f"; the refused allocation {fmt_bytes(oom.get('requested'), units)}"
                      if oom.get("requested") else ""))
+    kw = max(16, min(56, width() - 19))  # the kind column: 56 wide, narrower where the terminal is
     for kind, b in sorted((oom.get("by_kind") or {}).items(), key=lambda kv: -kv[1]):
-        lines.append(f"    {shorten(kind, 56):56s} {fmt_bytes(b, units):>14s}")
+        lines.append(f"    {shorten(kind, kw):{kw}s} {fmt_bytes(b, units):>14s}")
     if oom.get("largest"):
         lines.append("  largest live tensors:")
         cells = [(fmt_bytes(t["bytes"], units), t.get("category", ""), t.get("dtype", ""),
@@ -74,7 +82,7 @@ def _oom_lines(r: Any, oom: dict[str, Any], units: str) -> list[str]:
         fixed = 4 + w[0] + 2 + w[1] + 1 + w[2] + 1 + w[3] + 1
         for c in cells:
             lines.append(f"    {c[0]:>{w[0]}s}  {c[1]:{w[1]}s} {c[2]:{w[2]}s} {c[3]:{w[3]}s} "
-                         f"{shorten(c[4], free_width(fixed, w[4], minimum=16), keep='start')}".rstrip())
+                         f"{shorten(c[4], free_width(fixed, w[4], minimum=8), keep='start')}".rstrip())
     fit = oom.get("fit")
     if fit:
         if fit.get("batch_size"):
@@ -93,7 +101,7 @@ def _oom_lines(r: Any, oom: dict[str, Any], units: str) -> list[str]:
 def measure_details(r: Any, units: str = "auto") -> str:
     """What a measured report adds to the common table: the phases in exact bytes for a run below
     1 GiB, driver figures and CUDA context per phase, the out-of-memory diagnosis, notes and files
-    written; every line fits 100 columns."""
+    written; every line fits the terminal (``render.text.width``)."""
     ex = r.extra
     lines: list[str] = []
     rows = ex.get("phases") or []
@@ -143,10 +151,11 @@ def rank_lines(ex: dict[str, Any], units: str = "auto") -> list[str]:
 def max_batch_try(row: dict[str, Any], units: str = "GiB") -> str:
     """One try of ``--find-max-batch``: whether it ran, its peak, its runtime."""
     res = "runs" if row["ok"] else f"OOM in {row['oom_phase']}"
-    return (f"  micro-batch {row['batch_size']:>6d}: {res:28s} peak allocated "
-            f"{fmt_bytes(row['peak_allocated'], units):>14s}"
-            + (f", reserved {fmt_bytes(row['peak_reserved'], units)}" if row["peak_reserved"] is not None else "")
-            + f"  ({row['runtime_s']} s)")
+    return "\n".join(wrap(f"  micro-batch {row['batch_size']:>6d}: {res:28s} peak allocated "
+                          f"{fmt_bytes(row['peak_allocated'], units):>14s}"
+                          + (f", reserved {fmt_bytes(row['peak_reserved'], units)}"
+                             if row["peak_reserved"] is not None else "")
+                          + f"  ({row['runtime_s']} s)", indent=" " * 21))
 
 
 def max_batch_summary(res: dict[str, Any]) -> str:
@@ -201,12 +210,26 @@ def _comparison_cells(c: Any, div: int, exact: bool) -> dict[str, list[list[str]
     return out
 
 
+def _kept_columns(heads: list[str], w: list[int], sources: int) -> list[int]:
+    """The value columns of a comparison that fit the terminal (``render.text.width``) beside a row
+    name of 12: every source's values, then the differences as fit; the absolute differences (``Δ``,
+    after the ``sources`` value columns, every other one) are left out first, the last first, then
+    the relative ones (``Δ%``), where the row would not fit."""
+    keep = list(range(len(heads)))
+    for k in [*reversed(range(sources, len(heads), 2)), *reversed(range(sources + 1, len(heads), 2))]:
+        if 12 + sum(w[j] + 2 for j in keep) <= width():
+            break
+        keep.remove(k)
+    return keep
+
+
 def render_comparison(c: Any, units: str = "auto", exact: bool = False) -> str:
     """One table per kind (totals, categories, phase allocated / peak / reserved), with the
     difference of each source against the reference, absolute and relative. One unit for all
-    tables (``auto``: from the largest value), columns as wide as their widest cell; the row names
-    are shortened where a row would pass 100 columns (not with ``exact``, whose byte counts are
-    what was asked for)."""
+    tables (``auto``: from the largest value), columns as wide as their widest cell; where a row
+    would pass the terminal's width (``render.text.width``) the absolute differences are left out
+    (:func:`_kept_columns`, named in a last line), then the row names shortened (their head kept);
+    the numbers keep their width, in bytes with ``exact``."""
     div, label = _unit(c, units, exact)
     others = [i for i in range(len(c.sources)) if i != c.ref_index]
     m, t = c.reports[0].model, c.reports[0].training
@@ -219,16 +242,20 @@ def render_comparison(c: Any, units: str = "auto", exact: bool = False) -> str:
     cells = _comparison_cells(c, div, exact)
     heads = list(c.sources) + [x for i in others for x in ("Δ " + c.sources[i], "Δ% " + c.sources[i])]
     w = [max([len(h)] + [len(row[k + 1]) for rows in cells.values() for row in rows]) for k, h in enumerate(heads)]
-    fixed = sum(x + 2 for x in w)
+    keep = _kept_columns(heads, w, len(c.sources))
+    fixed = sum(w[k] + 2 for k in keep)
     names = max([len(_TITLES[k]) for k in cells] + [len(row[0]) for rows in cells.values() for row in rows])
-    wn = names if exact else free_width(fixed, names, minimum=12)
+    wn = free_width(fixed, names, minimum=12)
     for kind, rows in cells.items():
         lines.append(f"{shorten(_TITLES[kind], wn, keep='start'):{wn}s}"
-                     + "".join(f"  {h:>{x}s}" for h, x in zip(heads, w)))
+                     + "".join(f"  {heads[k]:>{w[k]}s}" for k in keep))
         for row in rows:
             lines.append(f"{shorten(row[0], wn, keep='start'):{wn}s}"
-                         + "".join(f"  {v:>{x}s}" for v, x in zip(row[1:], w)))
+                         + "".join(f"  {row[k + 1]:>{w[k]}s}" for k in keep))
         lines.append("")
+    if len(keep) < len(heads):
+        lines += wrap(f"({', '.join(h for k, h in enumerate(heads) if k not in keep)} left out on this narrow "
+                      "terminal: --json has them)") + [""]
     for i in others:
         wr = c.worst_phase_rel(c.sources[i])
         if wr is not None:

@@ -1,27 +1,40 @@
 """Suggestions (``trainmem.plan.suggest``) as plain text: what makes a setup fit, cheapest first; the
-free-text lines (costs, notes, a combination's parts) wrap to the terminal ``WIDTH`` (``render.text``)."""
+free-text lines (costs, notes, a combination's parts) wrap to the terminal's width and the change
+column is shortened to it (``render.text.width``)."""
 from __future__ import annotations
 
 from typing import Any, Sequence
 
 from ..units import fmt, pick_unit
-from .text import wrap
+from .text import shorten, width, wrap
+
+
+_FIXED = 2 + 2 + 1 + 11 + 1 + 11 + 1 + 11 + 1 + 4  # a row but its change column: number, amounts, fits
+
+
+def _change_width() -> int:
+    """The change column: 48 wide, narrower where the terminal is (never below 16)."""
+    return max(16, min(48, width() - _FIXED))
 
 
 def _row(i: Any, s: Any, units: str) -> list[str]:
-    """A suggestion as a table row (peak allocated, device memory, margin, fits) and its cost line."""
+    """A suggestion as a table row (peak allocated, device memory, margin, fits) and its cost line;
+    the change shortened to the change column (its head kept), the cost and note wrapped."""
     used = s.device_used if s.device_used is not None else s.peak_allocated
     margin = "-" if s.margin is None else fmt(s.margin, units)
     fits = "-" if s.fits is None else ("yes" if s.fits else "no")
     sem = " [changes training]" if s.changes_semantics else ""
-    lines = [f"{str(i):>2s}  {s.title[:48]:48s} {fmt(s.peak_allocated, units):>11s} {fmt(used, units):>11s} "
-             f"{margin:>11s} {fits:>4s}"] + wrap(f"{'':4s}cost: {s.cost}{sem}")
+    cw = _change_width()
+    lines = [f"{str(i):>2s}  {shorten(s.title, cw, keep='start'):{cw}s} {fmt(s.peak_allocated, units):>11s} "
+             f"{fmt(used, units):>11s} {margin:>11s} {fits:>4s}"] + wrap(f"{'':4s}cost: {s.cost}{sem}")
     if s.note:
         lines += wrap(f"{'':4s}{s.note}")
     return lines
 
 
-_HEAD = f"{'#':>2s}  {'change':48s} {'peak alloc':>11s} {'device':>11s} {'margin':>11s} {'fits':>4s}"
+def _head() -> str:
+    cw = _change_width()
+    return f"{'#':>2s}  {'change':{cw}s} {'peak alloc':>11s} {'device':>11s} {'margin':>11s} {'fits':>4s}"
 
 
 def _combined(c: Any, units: str, alone: bool) -> list[str]:
@@ -54,7 +67,7 @@ def format_suggestions(suggestions: Sequence[Any], units: str = "GiB", detail: b
     if not singles:
         return "no single change lowers the memory of this setup"
     if detail or all(s.fits is None for s in singles):
-        lines = ["every change that lowers the memory, cheapest first (each re-estimated):", _HEAD]
+        lines = ["every change that lowers the memory, cheapest first (each re-estimated):", _head()]
         for i, s in enumerate(singles, 1):
             lines += _row(i, s, units)
         return "\n".join(lines + ([""] + _combined(combined, units, False) if combined else []))
@@ -67,11 +80,11 @@ def format_suggestions(suggestions: Sequence[Any], units: str = "GiB", detail: b
     more = f"{rest} more change{'s' if rest != 1 else ''} lower the memory" if rest else ""
     if shown:
         lines = _combined(combined, units, True) + [""] if combined else []
-        lines += ["single changes that make it fit, cheapest first (each re-estimated):", _HEAD]
+        lines += ["single changes that make it fit, cheapest first (each re-estimated):", _head()]
         for i, s in enumerate(shown, 1):
             lines += _row(i, s, units)
         if more:
-            lines.append(f"({more}: --detail lists them)")
+            lines += wrap(f"({more}: --detail lists them)")
         return "\n".join(lines)
     lines = _combined(combined, units, False) if combined else ["no single change makes it fit"]
-    return "\n".join(lines + [f"({more}, none enough alone: --detail lists them)"])
+    return "\n".join(lines + wrap(f"({more}, none enough alone: --detail lists them)"))

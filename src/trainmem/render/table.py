@@ -146,8 +146,8 @@ def _phase_rows(r: MemoryReport, unit: str) -> list[str]:
 def render_report(r: MemoryReport, units: str = "auto", detail: bool = False) -> str:
     """The default view: components by category (or each component with ``detail``), the peak,
     device memory and fit, then the phases of the step. One unit for the whole table
-    (:func:`report_unit`), always labelled; every line fits 100 columns without ``detail``
-    (the setup line and long messages wrap, continuation lines indented)."""
+    (:func:`report_unit`), always labelled; every line fits the terminal (``render.text.width``)
+    without ``detail`` (the setup line and long messages wrap, continuation lines indented)."""
     unit = report_unit(r, units)
     lines = [f"trainmem {r.source} — method {r.method or r.source}", *wrap_parts(setup_parts(r)), ""]
     lines += _component_rows(r, unit, detail)

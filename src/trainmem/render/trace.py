@@ -5,14 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 from ..units import fmt, number, scale
-from .text import WIDTH, free_width, shorten, wrap
+from .text import free_width, shorten, width, wrap
 
 
 def largest_tensors(rows: list[dict[str, Any]], units: str = "auto", top: int = 10, detail: bool = False) -> str:
     """The ``top`` largest live tensors at the peak (a trace report's ``extra["largest_tensors"]``);
     empty when there are none. One unit for the table (``auto``: from the largest tensor); each
     column as wide as its widest cell; without ``detail`` the module column is shortened (its
-    tail kept) so that every line fits 100 columns."""
+    tail kept), then the op column (its head kept), so that every line fits the terminal
+    (:func:`render.text.width`)."""
     if not rows:
         return ""
     rows = rows[:top]
@@ -22,14 +23,25 @@ def largest_tensors(rows: list[dict[str, Any]], units: str = "auto", top: int = 
     heads = ("size", "category", "dtype", "shape", "module", "op")
     w = [max([len(heads[i])] + [len(c[i]) for c in cells]) for i in range(6)]
     prefix = 2 + w[0] + 2 + w[1] + 1 + w[2] + 1 + w[3] + 1
-    wm = w[4] if detail else free_width(prefix + 1 + w[5], w[4], minimum=16, width=WIDTH)
+    room = width() - prefix - 1  # the module and op columns together
+    wm = w[4] if detail else _module_width(room, w[4], w[5])
     lines = [f"largest live tensors at the peak ({label})",
              f"  {label:>{w[0]}s}  {'category':{w[1]}s} {'dtype':{w[2]}s} {'shape':{w[3]}s} {'module':{wm}s} op"]
     for size, cat, dtype, shape, module, op in cells:
-        op = op if detail else shorten(op, max(8, WIDTH - prefix - wm - 1), keep="start")
+        op = op if detail else shorten(op, max(1, room - wm), keep="start")
         lines.append(f"  {size:>{w[0]}s}  {cat:{w[1]}s} {dtype:{w[2]}s} {shape:{w[3]}s} "
                      f"{shorten(module, wm) if not detail else module:{wm}s} {op}".rstrip())
     return "\n".join(lines)
+
+
+def _module_width(room: int, module: int, op: int) -> int:
+    """The module column's width when ``room`` columns hold it and the op column (widest cells
+    ``module`` and ``op``): it yields to the op down to 16 columns, then, on a narrow terminal, the
+    op keeps 8 and the module shrinks down to 8."""
+    wm = free_width(op, module, minimum=min(module, 16), width=room)
+    if room - wm < min(op, 8):
+        wm = max(min(module, 8), room - min(op, 8))
+    return wm
 
 
 def rank_lines(extra: dict[str, Any], units: str = "auto") -> list[str]:
