@@ -226,6 +226,8 @@ def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, 
                 R.frees(loaded)                                         # the buffers' blocks with them: small pool)
     if q.ds_fp32_convert or q.ds_fp32_group:                          # DeepSpeed ZeRO-3: flat fp32 masters
         _zero3_masters(R, q, st)
+    elif q.ds_flat12:                                                   # DeepSpeed ZeRO-1/2: one flat master
+        _zero12_master(R, q, st)
     elif st.master:                                                     # fp32 master copies (not offloaded)
         R.allocs(m for (_w, k, _g, _s, m) in st.trainables for _ in range(k) if m)
     if q.ds_bucket and not q.ds_backward_buf:                         # DeepSpeed ZeRO-3's bucket, from engine start
@@ -376,6 +378,47 @@ def _zero3_masters(R: _Replay, q: Quantities, st: Any) -> None:
         copy = new
         R.alloc(n * 4)                         # converted.clone(): the sub-group's master
     R.free(copy)
+
+
+def _zero12_master(R: _Replay, q: Quantities, st: Any) -> None:
+    """DeepSpeed ZeRO-1/2's fp32 master of this rank's partition (``quantities.deepspeed_flat12``), one
+    flat tensor: ``parallel_partitioned_bit16_groups[i][partition_id].detach().clone().to(device,
+    fp32)`` (v0.19.8 ``stage_1_and_2.py`` L560-561; v0.14.2 L393-394 ``.clone().float()``): the clone,
+    (n,) in the weights' half dtype (``ds_clone12``; none for fp32 weights, whose clone is the
+    master), then its fp32 cast, the clone freed; then ``initialize_optimizer_states`` (v0.19.8
+    L934-951, v0.14.2 L671-690) sets a ``torch.zeros`` (n,) fp32 gradient on it and drops it again
+    (``ds_step_fp32``, the partition's fp32 bytes). Its states are made by the first step
+    (``_zero12_step``)."""
+    clone = R.alloc(q.ds_clone12)                     # (n,) bf16/fp16 clone of the partition
+    R.alloc(st.master)                                # (n,) fp32: the master, kept
+    R.free(clone)
+    R.free(R.alloc(q.ds_step_fp32))                   # (n,) fp32 zeros, the init's gradient
+
+
+def _zero12_step(R: _Replay, s: "_Step", q: Quantities, st: Any, first: bool) -> None:
+    """DeepSpeed ZeRO-1/2's ``step`` on the GPU for one flat group (v0.19.8 ``stage_1_and_2.py``
+    L3106-3139; v0.14.2 L1870-1905): the partition's gradients flattened (``ds_step_flat``, gradient
+    dtype; none where rank 0's partition is one piece, ``quantities.deepspeed_partition_one_piece``) and
+    cast to the fp32 partition's dtype (``ds_step_fp32``, L3118), the flat copy freed, and the parameters'
+    gradients dropped (``free_grad_in_param_list``: those outside the partition before the flatten, L3100,
+    those in it after the cast, L3128; both here after the cast); then ``_optimizer_step`` runs the
+    torch optimizer on the one flat fp32 parameter, whose states are made there at the first step (``first``), lazily, as ``zeros_like`` of it: one flat block per state kind
+    after the fp32 gradient, not per tensor at the step's start (trace, 2-layer Qwen3 ZeRO-2 over 4
+    ranks). Its temporaries are each of the flat partition's size (for-loop Adam's ``sqrt`` and quotient,
+    foreach's one per tensor: ``quantities.step_temporaries``), separate blocks; then the fp32 gradient
+    is dropped."""
+    flat, fp32 = R.alloc(q.ds_step_flat), R.alloc(q.ds_step_fp32)   # the cast: flat copy, then fp32
+    R.free(flat)
+    R.frees(list(s.grads.values()))                                 # free_grad_in_param_list: every .grad
+    s.grads, s.made = {}, {}                                        # dropped before the optimizer runs
+    if first:                                                       # zeros_like(fp32 partition) per kind
+        kinds = max((len(sts) for (_w, _k, _g, sts, _m) in st.trainables), default=0)
+        s.states = [R.alloc(sum(k * sts[i] for (_w, k, _g, sts, _m) in st.trainables if len(sts) > i))
+                    for i in range(kinds)]
+    rest = q.step_temp - q.ds_step_fp32 - q.ds_step_flat            # the optimizer's own temporaries,
+    each = q.ds_step_fp32                                           # each (n,) fp32
+    R.frees(R.allocs([each] * (rest // each) + ([rest % each] if rest % each else [])))
+    R.free(fp32)
 
 
 def _zero3_step(R: _Replay, s: "_Step", q: Quantities, order: list, first: bool) -> None:
@@ -2430,13 +2473,15 @@ def _optimizer_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, step:
     order = [st.trainables[j] for j in _parameter_order(st.trainables)]
     lazy = step == 1 and st.optimizer and not flags.states_at_init   # lazily, unless offloaded to the host
     zero3 = bool(q.ds_norm_fp64 and q.ds_step_fp32)              # DeepSpeed ZeRO-3 on the device
-    if lazy and not zero3:
+    if lazy and not zero3 and not q.ds_flat12:
         s.states = _allocate_states(R, st)
     sizes = [(sts[0] if sts else g) for (_w, _k, g, sts, _m) in order]
     if q.ds_norm_temp:                                           # DeepSpeed ZeRO-1/2: the norm's float64 piece
         R.free(R.alloc(q.ds_norm_temp))
     if zero3:                                                    # DeepSpeed ZeRO-3: per flat sub-group
         _zero3_step(R, s, q, order, bool(lazy))
+    elif q.ds_flat12:                                            # DeepSpeed ZeRO-1/2: one flat group, its states
+        _zero12_step(R, s, q, st, bool(lazy))                    # made inside the first step
     elif q.ds_step_fp32:                                         # DeepSpeed: one flat fp32 partition per group
         flat, fp32 = R.alloc(q.ds_step_flat), R.alloc(q.ds_step_fp32)   # the cast: flat copy, then fp32
         R.free(flat)
