@@ -324,6 +324,7 @@ class Quantities:
     ds_norm_temp: int = 0     # DeepSpeed ZeRO-1/2's step: the float64 copy of one gradient piece its norm takes
     ds_flat12: int = 0        # 1: DeepSpeed ZeRO-1/2 on the GPU, one flat fp32 master and flat states (``deepspeed_flat12``)
     ds_clone12: int = 0       # ... the half clone of its partition the master is cast from at init (``deepspeed_clone12``)
+    ds_epilogue_part: int = 0  # ZeRO-1: ``grads_in_partition`` made by backward's epilogue (``deepspeed_epilogue_partition``)
     ds_linear_wrap: int = 0  # 1: DeepSpeed ZeRO-3's linears run through its ``zero3_linear_wrap``
     #                          (``deepspeed_linear_wrap``)
     ds_linear_kept: int = 0  # DeepSpeed ZeRO-3 with torch's F.linear: one layer's gathered matmul weights its
@@ -1730,6 +1731,7 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
             "ds_bucketed": int(hooked),
             "ds_norm_temp": deepspeed_norm_temp(m, t, st), "ds_flat12": int(deepspeed_flat12(t, st)),
             "ds_clone12": deepspeed_clone12(t, st),
+            "ds_epilogue_part": held if made == PARTITION_AFTER and deepspeed_epilogue_partition(m, t, st) else 0,
             **dict(zip(("ds_offload_grad", "ds_offload_check"), deepspeed_offload_check(m, t, st))),
             **dict(zip(("ds_head_grad", "ds_head_check"), deepspeed_offload_check_head(m, t, st))),
             "ds_opt_grads": opt}
@@ -1741,6 +1743,30 @@ def deepspeed_flat12(t: TrainingSpec, st: States) -> bool:
     ``DeepSpeedZeroOptimizer.__init__`` does and the states inside the first step
     (``reserved._zero12_master``, ``reserved._zero12_step``)."""
     return deepspeed_zero(t) and t.zero in (1, 2) and flat_zero(t) and st.trainable > 0 and st.master > 0
+
+
+def deepspeed_epilogue_partition(m: ModelSpec, t: TrainingSpec, st: States) -> bool:
+    """Whether DeepSpeed ZeRO-1 on the GPU makes rank 0's ``grads_in_partition``
+    (``deepspeed_partition_grads``) in backward's epilogue and drops the parameters' own gradients there
+    (the reserved replay's ``_zero12_epilogue``): with ``contiguous_gradients`` and without
+    ``overlap_comm``, whose hooks reduce nothing, so it reduces only there. (ZeRO-2's hooks free each gradient as they copy it into the bucket buffer, which the replay's
+    per-parameter shards stand for; not replayed here.) ZeRO-1's
+    ``reduce_gradients`` (v0.19.8 ``stage_1_and_2.py`` L958-981, from the engine's ``allreduce_gradients``
+    L3083-3093) walks the parameters: a gradient is copied into the bucket buffer
+    (``reduce_independent_p_g_buckets_and_remove_grads`` L1450-1460: the parameter's ``.grad`` becomes a
+    view of it, its own storage freed) or, larger than the bucket, reduced alone; each reduction copies
+    the partition's parameters into ``grads_in_partition`` (``reduce_ipg_grads`` L2205-2274 ->
+    ``copy_grads_in_partition`` L2142-2195: ``torch.empty`` of the whole parameters that overlap the
+    partition, made by the first copy) and the epilogue ends with every ``.grad`` cleared
+    (``_clear_param_grad_only``, L1067), so only that buffer reaches the step, which drops it after
+    its fp32 cast (trace: a 2-layer Qwen3 ZeRO-1 over 4 ranks, its 296.75 MiB embedding-sized buffer
+    made after the embedding's backward, the gradients freed after it). v0.14.2 the same
+    (``reduce_ipg_grads`` L1404-1406, ``copy_grads_in_partition``), except that it clears no ``.grad``:
+    those outside the partition stay views of the bucket buffer until the step frees them (L1876), which
+    keeps that buffer (``reduce_bucket_size`` elements) alive to the step; not replayed. Not offloaded,
+    not under a partial layout (``_partial_layout``)."""
+    return deepspeed_zero(t) and t.zero == 1 and not t.offload_optimizer and st.trainable > 0 \
+        and t.contiguous_gradients and not t.ds_overlap_comm and not _partial_layout(m, t, st)
 
 
 def deepspeed_clone12(t: TrainingSpec, st: States) -> int:

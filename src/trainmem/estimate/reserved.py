@@ -395,6 +395,16 @@ def _zero12_master(R: _Replay, q: Quantities, st: Any) -> None:
     R.free(R.alloc(q.ds_step_fp32))                   # (n,) fp32 zeros, the init's gradient
 
 
+def _zero12_epilogue(R: _Replay, s: "_Step", q: Quantities) -> None:
+    """DeepSpeed ZeRO-1's backward epilogue at the accumulation boundary where it makes rank 0's
+    ``grads_in_partition`` (``quantities.deepspeed_epilogue_partition``): the buffer first, then every
+    parameter's own gradient freed (copied into it or into the bucket buffers, and ``.grad`` cleared);
+    the buffer stands for the gradients until the step drops it after its fp32 cast (``_zero12_step``)."""
+    part = R.alloc(q.ds_epilogue_part)                  # (whole parameters overlapping the partition,) half
+    R.frees(list(s.grads.values()))
+    s.grads = {("grads_in_partition", 0): part}         # (``s.made`` kept: no gradient is made again)
+
+
 def _zero12_step(R: _Replay, s: "_Step", q: Quantities, st: Any, first: bool) -> None:
     """DeepSpeed ZeRO-1/2's ``step`` on the GPU for one flat group (v0.19.8 ``stage_1_and_2.py``
     L3106-3139; v0.14.2 L1870-1905): the partition's gradients flattened (``ds_step_flat``, gradient
@@ -1065,6 +1075,8 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     R.free(gathered)                                              # ... and every parameter released
     if isinstance(f.z3, _Zero3Replay):
         f.z3.done(R)
+    if q.ds_epilogue_part and suffix != ".micro1":                # DeepSpeed ZeRO-1: the epilogue's
+        _zero12_epilogue(R, s, q)                                 # grads_in_partition, before the buckets go
     R.frees([tied, f.emb, f.inputs] + buckets)
     f.fs.reshard(R, f.root)                                       # the root's post-backward
     f.fs.done(R)
