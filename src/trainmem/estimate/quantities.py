@@ -325,6 +325,9 @@ class Quantities:
     ds_flat12: int = 0        # 1: DeepSpeed ZeRO-1/2 on the GPU, one flat fp32 master and flat states (``deepspeed_flat12``)
     ds_clone12: int = 0       # ... the half clone of its partition the master is cast from at init (``deepspeed_clone12``)
     ds_epilogue_part: int = 0  # ZeRO-1: ``grads_in_partition`` made by backward's epilogue (``deepspeed_epilogue_partition``)
+    ds_hook_part: int = 0     # ZeRO-1/2 reducing in its hooks: ``grads_in_partition`` (``deepspeed_hook_partition``) ...
+    ds_hook_at: int = -1      # ... the backward moment it is made at (``deepspeed_partition_from``: PARTITION_*)
+    ds_reduce_side: int = 0   # ... 1: made on the reduction stream (``overlap_comm``), 0: the default stream
     ds_linear_wrap: int = 0  # 1: DeepSpeed ZeRO-3's linears run through its ``zero3_linear_wrap``
     #                          (``deepspeed_linear_wrap``)
     ds_linear_kept: int = 0  # DeepSpeed ZeRO-3 with torch's F.linear: one layer's gathered matmul weights its
@@ -1732,6 +1735,7 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
             "ds_norm_temp": deepspeed_norm_temp(m, t, st), "ds_flat12": int(deepspeed_flat12(t, st)),
             "ds_clone12": deepspeed_clone12(t, st),
             "ds_epilogue_part": held if made == PARTITION_AFTER and deepspeed_epilogue_partition(m, t, st) else 0,
+            **_hook_partition_fields(m, t, st, made),
             **dict(zip(("ds_offload_grad", "ds_offload_check"), deepspeed_offload_check(m, t, st))),
             **dict(zip(("ds_head_grad", "ds_head_check"), deepspeed_offload_check_head(m, t, st))),
             "ds_opt_grads": opt}
@@ -1767,6 +1771,32 @@ def deepspeed_epilogue_partition(m: ModelSpec, t: TrainingSpec, st: States) -> b
     not under a partial layout (``_partial_layout``)."""
     return deepspeed_zero(t) and t.zero == 1 and not t.offload_optimizer and st.trainable > 0 \
         and t.contiguous_gradients and not t.ds_overlap_comm and not _partial_layout(m, t, st)
+
+
+def _hook_partition_fields(m: ModelSpec, t: TrainingSpec, st: States, made: int) -> dict[str, int]:
+    """``ds_hook_part``, ``ds_hook_at``, ``ds_reduce_side`` (``deepspeed_hook_partition``; off it 0, -1, 0)."""
+    if not deepspeed_hook_partition(m, t, st):
+        return {"ds_hook_part": 0, "ds_hook_at": -1, "ds_reduce_side": 0}
+    return {"ds_hook_part": deepspeed_partition_grads(m, t, st), "ds_hook_at": made,
+            "ds_reduce_side": int(t.ds_overlap_comm)}
+
+
+def deepspeed_hook_partition(m: ModelSpec, t: TrainingSpec, st: States) -> bool:
+    """Whether the reserved replay makes DeepSpeed ZeRO-1/2's ``grads_in_partition`` where its gradient
+    hooks reduce the buckets (``deepspeed_hooks_reduce``), with ``contiguous_gradients``, one micro-batch:
+    each hook copies its parameter's gradient into the bucket buffer and frees it
+    (``reduce_independent_p_g_buckets_and_remove_grads``, v0.19.8 ``stage_1_and_2.py`` L1450-1460; a
+    parameter larger than the bucket is reduced alone and its gradient freed when it is copied into the
+    partition or cleared, ``reduce_ipg_grads`` L2253-2274), and the first reduction holding one of rank
+    0's parameters makes ``grads_in_partition`` (``copy_grads_in_partition`` L2184-2195) at the moment
+    ``deepspeed_partition_from`` finds (the epilogue when none in backward), on the reduction stream
+    under ``overlap_comm`` (``reduce_ipg_grads`` L2239-2249: ``stream = self.reduction_stream``), whose
+    pool no default-stream tensor shares (found by trace: Mistral-shaped ZeRO-1 ``overlap_comm`` over 2
+    ranks, its 90.5 MiB buffer in a segment of its own). The step drops it after the fp32 cast. Not
+    offloaded, under accumulation or a partial layout (``_partial_layout``)."""
+    return deepspeed_zero(t) and t.zero in (1, 2) and not t.offload_optimizer and st.trainable > 0 \
+        and t.contiguous_gradients and deepspeed_hooks_reduce(t) and t.grad_accum == 1 \
+        and not _partial_layout(m, t, st)
 
 
 def deepspeed_clone12(t: TrainingSpec, st: States) -> int:

@@ -69,7 +69,7 @@ from ..allocator import CachingAllocator
 from ..allocator_rules import block_bytes
 from .layers import F32, HALF
 from .moments import StepFlags, Tokens, _logit_sizes, best_transient, label_tokens
-from .quantities import Quantities
+from .quantities import PARTITION_AFTER, PARTITION_BOTTOM, PARTITION_EMBEDDING, PARTITION_TOP, Quantities
 from .schedules import FORWARD
 from .states import parameter_order as _parameter_order
 
@@ -175,6 +175,7 @@ class _Step:
     workspaces: list = field(default_factory=list)  # the forward thread's, then autograd's (kept)
     ao_events: tuple = ()                        # torchao: each trainable's compiled-step buffers (States)
     lomo: Any = None                             # LOMO: the gradient its next hook updates (handle, bytes, states)
+    hook_frees: bool = False                     # DeepSpeed ZeRO-1/2: a hook copies each gradient away and frees it
     forwards: int = 0                            # micro-batch forwards begun (DeepSpeed ZeRO-3 records its order in the first)
     ddp: Any = None                              # DDP: its first iteration's one bucket, until rebuilt (``_ddp_init``)
 
@@ -232,7 +233,7 @@ def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, 
         R.allocs(m for (_w, k, _g, _s, m) in st.trainables for _ in range(k) if m)
     if q.ds_bucket and not q.ds_backward_buf:                         # DeepSpeed ZeRO-3's bucket, from engine start
         R.alloc(q.ds_bucket)
-    s = _Step(handle_ws=handle_ws, ao_events=st.torchao_events)
+    s = _Step(handle_ws=handle_ws, ao_events=st.torchao_events, hook_frees=bool(q.ds_hook_part))
     if q.ds_init_grads:                                                # ... its flat gradient partitions
         _zero3_flat_grads(R, s, q.ds_init_grads, st.trainables)
     if q.ds_offload_clone:                                             # DeepSpeed ZeRO-1/2 offloading (v0.18.3+): the
@@ -396,13 +397,25 @@ def _zero12_master(R: _Replay, q: Quantities, st: Any) -> None:
 
 
 def _zero12_epilogue(R: _Replay, s: "_Step", q: Quantities) -> None:
-    """DeepSpeed ZeRO-1's backward epilogue at the accumulation boundary where it makes rank 0's
-    ``grads_in_partition`` (``quantities.deepspeed_epilogue_partition``): the buffer first, then every
-    parameter's own gradient freed (copied into it or into the bucket buffers, and ``.grad`` cleared);
-    the buffer stands for the gradients until the step drops it after its fp32 cast (``_zero12_step``)."""
-    part = R.alloc(q.ds_epilogue_part)                  # (whole parameters overlapping the partition,) half
+    """DeepSpeed ZeRO-1/2's backward epilogue at the accumulation boundary where it makes rank 0's
+    ``grads_in_partition`` (``quantities.deepspeed_epilogue_partition``; ``deepspeed_hook_partition``
+    where no hook in backward did): the buffer first, then every parameter's own gradient freed (copied
+    into it or into the bucket buffers, and ``.grad`` cleared); the buffer stands for the gradients until
+    the step drops it after its fp32 cast (``_zero12_step``)."""
+    _zero12_partition(R, s, q)
+    part = s.grads.pop(("grads_in_partition", 0))
     R.frees(list(s.grads.values()))
     s.grads = {("grads_in_partition", 0): part}         # (``s.made`` kept: no gradient is made again)
+
+
+def _zero12_partition(R: _Replay, s: "_Step", q: Quantities) -> None:
+    """DeepSpeed ZeRO-1/2's ``grads_in_partition`` (whole parameters overlapping rank 0's partition, the
+    gradient dtype), made once per step by the first copy into it (``copy_grads_in_partition``), on the
+    reduction stream under ``overlap_comm`` (``quantities.deepspeed_hook_partition``)."""
+    if q.ds_hook_part or q.ds_epilogue_part:
+        if ("grads_in_partition", 0) not in s.grads:
+            stream = GRAD_STREAM if q.ds_reduce_side else 0
+            s.grads[("grads_in_partition", 0)] = R.alloc(q.ds_hook_part or q.ds_epilogue_part, stream)
 
 
 def _zero12_step(R: _Replay, s: "_Step", q: Quantities, st: Any, first: bool) -> None:
@@ -1033,6 +1046,8 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
         head_full, f.root = None, []
         f.fs.below_first = q.fsdp_emb_unit                        # the first layer prefetches the embedding
     for i in reversed(range(q.layers)):
+        if i == (q.layers - 1 if q.ds_hook_at == PARTITION_TOP else 0 if q.ds_hook_at == PARTITION_BOTTOM else -1):
+            _zero12_partition(R, s, q)                            # DeepSpeed ZeRO-1/2: made by a hook here
         if isinstance(f.z3, _Zero3Replay):                        # ZeRO-3: the layer's backward fetches
             f.z3.before(R, i)
         _layer_backward(R, s, q, f.fs, parts, f.kept[i], i, n, nsq, recompute, flags.oib,
@@ -1049,6 +1064,8 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     if isinstance(f.z3, _Zero3Replay):                            # the embedding's backward fetch
         f.z3.embedding(R)
     # the embedding gathered whole at its backward (on the all-gather stream), unless kept since its forward
+    if q.ds_hook_at == PARTITION_EMBEDDING:                       # DeepSpeed ZeRO-1/2: made by the hook of a
+        _zero12_partition(R, s, q)                                # parameter before the word embedding's
     emb_full = R.alloc(st.emb_grads_full)                         # FSDP: the embedding's unsharded gradient
     if tied is not None and not _fsdp(q):                         # the embedding's own gradient, then
         emb_out = R.alloc(q.tied_grad)                            # autograd's InputBuffer adds it to the
@@ -1075,8 +1092,8 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     R.free(gathered)                                              # ... and every parameter released
     if isinstance(f.z3, _Zero3Replay):
         f.z3.done(R)
-    if q.ds_epilogue_part and suffix != ".micro1":                # DeepSpeed ZeRO-1: the epilogue's
-        _zero12_epilogue(R, s, q)                                 # grads_in_partition, before the buckets go
+    if (q.ds_epilogue_part or q.ds_hook_at == PARTITION_AFTER) and suffix != ".micro1":  # DeepSpeed ZeRO-1/2:
+        _zero12_epilogue(R, s, q)                                 # the epilogue's grads_in_partition
     R.frees([tied, f.emb, f.inputs] + buckets)
     f.fs.reshard(R, f.root)                                       # the root's post-backward
     f.fs.done(R)
@@ -2412,9 +2429,9 @@ def _grad_of(R: _Replay, s: _Step, trainables: tuple, j: int, oib: bool = False,
             _lomo_update(R, *s.lomo, oib)
         s.lomo = (s.grads[(j, copy)], g, _sts)
         s.grads[(j, copy)] = None
-    elif oib:
-        if s.ao_events:  # torchao's compiled step in the hook, beside the gradient (``_torchao_graph``)
-            _torchao_graph(R, s.ao_events[j])
+    elif oib or s.hook_frees:                          # (DeepSpeed ZeRO-1/2: copied into the bucket buffer,
+        if oib and s.ao_events:  # torchao's compiled step in the hook, beside the gradient (``_torchao_graph``)
+            _torchao_graph(R, s.ao_events[j])             # ``quantities.deepspeed_hook_partition``)
         R.free(s.grads[(j, copy)])
         s.grads[(j, copy)] = None
 
