@@ -322,7 +322,7 @@ class Quantities:
     ds_reduce_flat: int = 0      # ... and the flat copy of the bucket (``deepspeed_epilogue``)
     ds_bucketed: int = 0      # 1: DeepSpeed ZeRO-1/2's hooks reduce buckets in backward (``deepspeed_hooks_reduce``)
     ds_norm_temp: int = 0     # DeepSpeed ZeRO-1/2's step: the float64 copy of one gradient piece its norm takes
-    ds_flat12: int = 0        # 1: DeepSpeed ZeRO-1/2 on the GPU, one flat fp32 master and flat states (``deepspeed_flat12``)
+    ds_flat12: int = 0        # DeepSpeed ZeRO-1/2 on the GPU, flat master and states: its partition's elements (``deepspeed_flat12``)
     ds_clone12: int = 0       # ... the half clone of its partition the master is cast from at init (``deepspeed_clone12``)
     ds_epilogue_part: int = 0  # ZeRO-1: ``grads_in_partition`` made by backward's epilogue (``deepspeed_epilogue_partition``)
     ds_hook_part: int = 0     # ZeRO-1/2 reducing in its hooks: ``grads_in_partition`` (``deepspeed_hook_partition``) ...
@@ -1732,7 +1732,7 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
             # through the later micro-batches' forward and loss
             "ds_kept_buf": backward if (t.zero == 1 and t.grad_accum > 1) else 0,
             "ds_bucketed": int(hooked),
-            "ds_norm_temp": deepspeed_norm_temp(m, t, st), "ds_flat12": int(deepspeed_flat12(t, st)),
+            "ds_norm_temp": deepspeed_norm_temp(m, t, st), "ds_flat12": deepspeed_group_elems(t, st) if deepspeed_flat12(t, st) else 0,
             "ds_clone12": deepspeed_clone12(t, st),
             "ds_epilogue_part": held if made == PARTITION_AFTER and deepspeed_epilogue_partition(m, t, st) else 0,
             **_hook_partition_fields(m, t, st, made),

@@ -390,10 +390,11 @@ def _zero12_master(R: _Replay, q: Quantities, st: Any) -> None:
     L934-951, v0.14.2 L671-690) sets a ``torch.zeros`` (n,) fp32 gradient on it and drops it again
     (``ds_step_fp32``, the partition's fp32 bytes). Its states are made by the first step
     (``_zero12_step``)."""
-    clone = R.alloc(q.ds_clone12)                     # (n,) bf16/fp16 clone of the partition
-    R.alloc(st.master)                                # (n,) fp32: the master, kept
-    R.free(clone)
-    R.free(R.alloc(q.ds_step_fp32))                   # (n,) fp32 zeros, the init's gradient
+    n = q.ds_flat12                                   # the partition's elements (exact: the allocator
+    clone = R.alloc(n * q.ds_param_bytes if q.ds_clone12 else 0)  # rounds each request itself)
+    R.alloc(n * 4)                                    # (n,) fp32: the master, kept
+    R.free(clone)                                     # (the bf16/fp16 clone of the partition)
+    R.free(R.alloc(n * 4))                            # (n,) fp32 zeros, the init's gradient
 
 
 def _zero12_epilogue(R: _Replay, s: "_Step", q: Quantities) -> None:
@@ -430,7 +431,9 @@ def _zero12_step(R: _Replay, s: "_Step", q: Quantities, st: Any, first: bool) ->
     ranks). Its temporaries are each of the flat partition's size (for-loop Adam's ``sqrt`` and quotient,
     foreach's one per tensor: ``quantities.step_temporaries``), separate blocks; then the fp32 gradient
     is dropped."""
-    flat, fp32 = R.alloc(q.ds_step_flat), R.alloc(q.ds_step_fp32)   # the cast: flat copy, then fp32
+    n = q.ds_flat12                                                 # (n,) each, exact bytes
+    flat = R.alloc(n * q.ds_param_bytes if q.ds_step_flat else 0)   # the cast: flat copy, then fp32
+    fp32 = R.alloc(n * 4)
     R.free(flat)
     R.frees(list(s.grads.values()))                                 # free_grad_in_param_list: every .grad
     s.grads, s.made = {}, {}                                        # dropped before the optimizer runs
@@ -439,8 +442,7 @@ def _zero12_step(R: _Replay, s: "_Step", q: Quantities, st: Any, first: bool) ->
         s.states = [R.alloc(sum(k * sts[i] for (_w, k, _g, sts, _m) in st.trainables if len(sts) > i))
                     for i in range(kinds)]
     rest = q.step_temp - q.ds_step_fp32 - q.ds_step_flat            # the optimizer's own temporaries,
-    each = q.ds_step_fp32                                           # each (n,) fp32
-    R.frees(R.allocs([each] * (rest // each) + ([rest % each] if rest % each else [])))
+    R.frees(R.allocs([n * 4] * (rest // q.ds_step_fp32)))           # each (n,) fp32
     R.free(fp32)
 
 
