@@ -1072,8 +1072,10 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     if tied is not None and not _fsdp(q):                         # the embedding's own gradient, then
         emb_out = R.alloc(q.tied_grad)                            # autograd's InputBuffer adds it to the
         _make_grads(R, s, st.trainables, ("before",), flags.oib)  # head's out of place: the sum is .grad
-        acc = R.alloc(q.tied_grad) if q.ds_init_grads else None   # (ZeRO-3: a new tensor, copied to its bucket)
-        R.frees([tied, emb_out, acc])                             # (``quantities.tied_head_grad``)
+        acc = R.alloc(q.tied_grad) if q.ds_init_grads or q.ds_hook_part else None  # (ZeRO-3: a new tensor,
+        if q.ds_hook_part:                                        # copied to its bucket; ZeRO-1/2's hooks: the
+            s.grads[("embedding_sum", 0)], acc = acc, None        # sum, larger than a bucket, waits for the
+        R.frees([tied, emb_out, acc])                             # epilogue's reduction; tied_head_grad)
         tied = None
     if tied is not None and _root_resharded(q, f.fs):             # FSDP2, a tied head: the embedding's own
         emb_out = R.alloc(q.tied_grad)                            # gradient, then autograd's InputBuffer adds
@@ -1094,7 +1096,7 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     R.free(gathered)                                              # ... and every parameter released
     if isinstance(f.z3, _Zero3Replay):
         f.z3.done(R)
-    if (q.ds_epilogue_part or q.ds_hook_at == PARTITION_AFTER) and suffix != ".micro1":  # DeepSpeed ZeRO-1/2:
+    if (q.ds_epilogue_part or q.ds_hook_part) and suffix != ".micro1":  # DeepSpeed ZeRO-1/2:
         _zero12_epilogue(R, s, q)                                 # the epilogue's grads_in_partition
     R.frees([tied, f.emb, f.inputs] + buckets)
     f.fs.reshard(R, f.root)                                       # the root's post-backward
