@@ -69,7 +69,7 @@ from ..allocator import CachingAllocator
 from ..allocator_rules import block_bytes
 from .layers import F32, HALF
 from .moments import StepFlags, Tokens, _logit_sizes, best_transient, label_tokens
-from .quantities import PARTITION_AFTER, PARTITION_BOTTOM, PARTITION_EMBEDDING, PARTITION_TOP, Quantities
+from .quantities import PARTITION_BOTTOM, PARTITION_EMBEDDING, PARTITION_TOP, Quantities
 from .schedules import FORWARD
 from .states import parameter_order as _parameter_order
 
@@ -397,12 +397,41 @@ def _zero12_master(R: _Replay, q: Quantities, st: Any) -> None:
     R.free(R.alloc(n * 4))                            # (n,) fp32 zeros, the init's gradient
 
 
-def _zero12_epilogue(R: _Replay, s: "_Step", q: Quantities) -> None:
-    """DeepSpeed ZeRO-1/2's backward epilogue at the accumulation boundary where it makes rank 0's
-    ``grads_in_partition`` (``quantities.deepspeed_epilogue_partition``; ``deepspeed_hook_partition``
-    where no hook in backward did): the buffer first, then every parameter's own gradient freed (copied
-    into it or into the bucket buffers, and ``.grad`` cleared); the buffer stands for the gradients until
-    the step drops it after its fp32 cast (``_zero12_step``)."""
+def _tied_embedding_sum(R: _Replay, s: "_Step", q: Quantities, flags: StepFlags, tied: int | None) -> None:
+    """A tied embedding's backward outside FSDP: its own gradient, then autograd's InputBuffer adds it to
+    the head's (``tied``) out of place, the sum is ``.grad`` (``quantities.tied_head_grad``). Under
+    DeepSpeed ZeRO-3 the sum is a new tensor, copied to its bucket; where ZeRO-1/2's hooks reduce
+    (``quantities.deepspeed_hook_partition``) the sum, larger than a bucket, waits for the epilogue's
+    reduction (``_zero12_epilogue``; ``extra_large_param_to_reduce``, v0.19.8 ``stage_1_and_2.py``
+    L1444-1449). Returns None (the head's part is freed)."""
+    emb_out = R.alloc(q.tied_grad)
+    _make_grads(R, s, q.detail.states.trainables, ("before",), flags.oib)
+    acc = R.alloc(q.tied_grad) if q.ds_init_grads or q.ds_hook_part else None
+    if q.ds_hook_part:
+        s.grads[("embedding_sum", 0)], acc = acc, None
+    R.frees([tied, emb_out, acc])
+    return None
+
+
+def _zero12_at(R: _Replay, s: "_Step", q: Quantities, layer: int | None) -> None:
+    """DeepSpeed ZeRO-1/2's ``grads_in_partition`` made by a hook at the backward moment
+    ``quantities.deepspeed_partition_from`` finds (``ds_hook_at``): the top layer's, the bottom layer's
+    (``layer`` its index) or, ``layer`` None, before the word embedding's."""
+    at = {PARTITION_EMBEDDING} if layer is None else \
+        ({PARTITION_TOP} if layer == q.layers - 1 else set()) | ({PARTITION_BOTTOM} if layer == 0 else set())
+    if q.ds_hook_part and q.ds_hook_at in at:
+        _zero12_partition(R, s, q)
+
+
+def _zero12_epilogue(R: _Replay, s: "_Step", q: Quantities, suffix: str) -> None:
+    """DeepSpeed ZeRO-1/2's backward epilogue at the accumulation boundary (not after the first of two
+    micro-batches, ``suffix``) where it makes rank 0's ``grads_in_partition``
+    (``quantities.deepspeed_epilogue_partition``; ``deepspeed_hook_partition`` where no hook in backward
+    did): the buffer first, then every parameter's own gradient freed (copied into it or into the bucket
+    buffers, and ``.grad`` cleared); the buffer stands for the gradients until the step drops it after
+    its fp32 cast (``_zero12_step``)."""
+    if not (q.ds_epilogue_part or q.ds_hook_part) or suffix == ".micro1":
+        return
     _zero12_partition(R, s, q)
     part = s.grads.pop(("grads_in_partition", 0))
     R.frees(list(s.grads.values()))
@@ -1048,8 +1077,7 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
         head_full, f.root = None, []
         f.fs.below_first = q.fsdp_emb_unit                        # the first layer prefetches the embedding
     for i in reversed(range(q.layers)):
-        if i == (q.layers - 1 if q.ds_hook_at == PARTITION_TOP else 0 if q.ds_hook_at == PARTITION_BOTTOM else -1):
-            _zero12_partition(R, s, q)                            # DeepSpeed ZeRO-1/2: made by a hook here
+        _zero12_at(R, s, q, i)                                    # DeepSpeed ZeRO-1/2: made by a hook here?
         if isinstance(f.z3, _Zero3Replay):                        # ZeRO-3: the layer's backward fetches
             f.z3.before(R, i)
         _layer_backward(R, s, q, f.fs, parts, f.kept[i], i, n, nsq, recompute, flags.oib,
@@ -1066,17 +1094,10 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     if isinstance(f.z3, _Zero3Replay):                            # the embedding's backward fetch
         f.z3.embedding(R)
     # the embedding gathered whole at its backward (on the all-gather stream), unless kept since its forward
-    if q.ds_hook_at == PARTITION_EMBEDDING:                       # DeepSpeed ZeRO-1/2: made by the hook of a
-        _zero12_partition(R, s, q)                                # parameter before the word embedding's
+    _zero12_at(R, s, q, None)                                     # ... or before the word embedding's
     emb_full = R.alloc(st.emb_grads_full)                         # FSDP: the embedding's unsharded gradient
-    if tied is not None and not _fsdp(q):                         # the embedding's own gradient, then
-        emb_out = R.alloc(q.tied_grad)                            # autograd's InputBuffer adds it to the
-        _make_grads(R, s, st.trainables, ("before",), flags.oib)  # head's out of place: the sum is .grad
-        acc = R.alloc(q.tied_grad) if q.ds_init_grads or q.ds_hook_part else None  # (ZeRO-3: a new tensor,
-        if q.ds_hook_part:                                        # copied to its bucket; ZeRO-1/2's hooks: the
-            s.grads[("embedding_sum", 0)], acc = acc, None        # sum, larger than a bucket, waits for the
-        R.frees([tied, emb_out, acc])                             # epilogue's reduction; tied_head_grad)
-        tied = None
+    if tied is not None and not _fsdp(q):                         # the embedding's own gradient added to
+        tied = _tied_embedding_sum(R, s, q, flags, tied)          # the head's
     if tied is not None and _root_resharded(q, f.fs):             # FSDP2, a tied head: the embedding's own
         emb_out = R.alloc(q.tied_grad)                            # gradient, then autograd's InputBuffer adds
         acc = R.alloc(q.tied_grad)                                # it to the head's into a new tensor, the
@@ -1096,8 +1117,7 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     R.free(gathered)                                              # ... and every parameter released
     if isinstance(f.z3, _Zero3Replay):
         f.z3.done(R)
-    if (q.ds_epilogue_part or q.ds_hook_part) and suffix != ".micro1":  # DeepSpeed ZeRO-1/2:
-        _zero12_epilogue(R, s, q)                                 # the epilogue's grads_in_partition
+    _zero12_epilogue(R, s, q, suffix)                             # DeepSpeed ZeRO-1/2: grads_in_partition
     R.frees([tied, f.emb, f.inputs] + buckets)
     f.fs.reshard(R, f.root)                                       # the root's post-backward
     f.fs.done(R)
