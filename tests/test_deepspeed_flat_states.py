@@ -5,7 +5,7 @@
   step, the optimizer's states made as flat tensors of the sub-group's elements, then the fp32 gradient
   dropped (DeepSpeed v0.19.8 ``stage3.py`` ``step`` L2873-2930, ``_prepare_fp32_grad_for_sub_group``
   L2683-2700, ``_optimizer_step`` L1235-1260, ``_release_sub_group`` L2731-2736; v0.14.2 the same);
-* ZeRO-3's fp32 master and states counted as flat tensors, rounded once (``states.flat_zero3``);
+* ZeRO-3's fp32 master and states counted as flat tensors, rounded once (``states.flat_zero``);
 * ZeRO-1/2's GPU gradient buffer when the optimizer is offloaded
   (``quantities.deepspeed_offload_grad_buffer``)."""
 from __future__ import annotations

@@ -38,7 +38,7 @@ import trainmem
 from trainmem import TrainmemError, TrainingSpec
 from trainmem.estimate import engine
 from trainmem.estimate.derived import ENCODER_HEADS, sliding_window
-from trainmem.estimate.states import PEFT_DEFAULT_TARGETS, flat_zero3, model_states
+from trainmem.estimate.states import PEFT_DEFAULT_TARGETS, flat_zero, model_states
 from trainmem.report import CATEGORIES
 from trainmem.spec import catalogue_names, resolve_model
 from trainmem.spec.galore import LOWRANK_OPTIMIZERS
@@ -401,9 +401,9 @@ def test_higher_zero_stage_never_raises_model_states(case):
                 # does not: at a small DP group that clone outweighs what the stage shards (dp 1: a whole
                 # fp32 copy more). Every other state never grows with the stage.
                 # DeepSpeed ZeRO-3 keeps the master and each optimizer state as one flat tensor
-                # (states.flat_zero3): one allocation rounded up by the allocator (< 2 MiB), where the
+                # (states.flat_zero): one allocation rounded up by the allocator (< 2 MiB), where the
                 # per-tensor count rounds each tensor by at most 512 B
-                flat = 2 * 2 ** 20 * 3 if flat_zero3(TrainingSpec(**dict(o, zero=hi))) else 0
+                flat = 2 * 2 ** 20 * 3 if flat_zero(TrainingSpec(**dict(o, zero=hi))) else 0
                 assert by_stage[hi][s] - clone - flat <= by_stage[lo][s], (lo, hi, s)
 
 

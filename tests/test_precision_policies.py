@@ -22,7 +22,7 @@ def test_master_copy_only_where_the_framework_keeps_one():
     fsdp_fp32 = states(precision="bf16", fsdp="full", dp=8, master_weights="fp32")
     zero_none = states(precision="bf16", zero=3, dp=8, master_weights="none")
     assert fsdp.master == 0 and zero_none.master == 0 and states(precision="bf16").master == 0
-    # the same fp32 copy, DeepSpeed's as one flat tensor rounded once (states.flat_zero3), FSDP's per tensor
+    # the same fp32 copy, DeepSpeed's as one flat tensor rounded once (states.flat_zero), FSDP's per tensor
     MiB = 2 ** 20
     assert zero.master > 0 and zero.master <= fsdp_fp32.master < zero.master + 2 * MiB
     assert states(precision="bf16", distributed_optimizer=True, dp=8).master > 0

@@ -50,7 +50,7 @@ from .schedules import in_flight_at_backwards, rank_order
 from .gemini import model_gemini
 from .galore import GTensor, step_order, step_replay
 from ..spec.galore import LOWRANK_OPTIMIZERS
-from .states import (States, word_embedding, block_bytes, default_lora_targets, parameter_order, dtensor_tp, fsdp_grad_op, model_states,
+from .states import (States, flat_zero, word_embedding, block_bytes, default_lora_targets, parameter_order, dtensor_tp, fsdp_grad_op, model_states,
                      torch_cp, torch_pipeline)
 
 F32 = 4
@@ -322,6 +322,12 @@ class Quantities:
     ds_reduce_flat: int = 0      # ... and the flat copy of the bucket (``deepspeed_epilogue``)
     ds_bucketed: int = 0      # 1: DeepSpeed ZeRO-1/2's hooks reduce buckets in backward (``deepspeed_hooks_reduce``)
     ds_norm_temp: int = 0     # DeepSpeed ZeRO-1/2's step: the float64 copy of one gradient piece its norm takes
+    ds_flat12: int = 0        # DeepSpeed ZeRO-1/2 on the GPU, flat master and states: its partition's elements (``deepspeed_flat12``)
+    ds_clone12: int = 0       # ... the half clone of its partition the master is cast from at init (``deepspeed_clone12``)
+    ds_epilogue_part: int = 0  # ZeRO-1: ``grads_in_partition`` made by backward's epilogue (``deepspeed_epilogue_partition``)
+    ds_hook_part: int = 0     # ZeRO-1/2 reducing in its hooks: ``grads_in_partition`` (``deepspeed_hook_partition``) ...
+    ds_hook_at: int = -1      # ... the backward moment it is made at (``deepspeed_partition_from``: PARTITION_*)
+    ds_reduce_side: int = 0   # ... 1: made on the reduction stream (``overlap_comm``), 0: the default stream
     ds_linear_wrap: int = 0  # 1: DeepSpeed ZeRO-3's linears run through its ``zero3_linear_wrap``
     #                          (``deepspeed_linear_wrap``)
     ds_linear_kept: int = 0  # DeepSpeed ZeRO-3 with torch's F.linear: one layer's gathered matmul weights its
@@ -1549,7 +1555,7 @@ def _head_weight_numel(m: ModelSpec, tp: int) -> int:
     return -(-p.numel // tp)
 
 
-def step_temporaries(t: TrainingSpec, st: States) -> int:
+def step_temporaries(t: TrainingSpec, st: States, m: ModelSpec | None = None) -> int:
     """Bytes ``optimizer.step()`` allocates and frees again (steady state, states already exist).
 
     From torch/optim/adam.py (torch 2.13; AdamW = Adam with decoupled weight decay, in place):
@@ -1568,7 +1574,7 @@ def step_temporaries(t: TrainingSpec, st: States) -> int:
         # DeepSpeed hands the optimizer one flat fp32 partition per group: a per-tensor loop or a
         # foreach step sees that one tensor (``deepspeed_group_elems``); fused steps make none
         flat = block_of(t, deepspeed_group_elems(t, st) * 4)
-        return deepspeed_step_grad(t, st) + (foreach_groups(t) * flat if k is None else k * flat)
+        return deepspeed_step_grad(t, st, m) + (foreach_groups(t) * flat if k is None else k * flat)
     if t.optimizer == "adafactor" and not t.offload_optimizer:
         return _adafactor_temporaries(t, st, k)
     if t.torchao_block:
@@ -1668,7 +1674,7 @@ def deepspeed_buckets(t: TrainingSpec) -> tuple[int, int]:
 def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, int]:
     """The ``Quantities`` fields of DeepSpeed's ZeRO engine (all 0 off it)."""
     kept, backward = deepspeed_buckets(t)
-    fp32, flat = deepspeed_step_parts(t, st)
+    fp32, flat = deepspeed_step_parts(t, st, m)
     each = kept or (backward // (2 if t.ds_overlap_comm else 1))
     top, low = deepspeed_gathered(m, t, st)
     # ZeRO-2 (and ZeRO-1 reducing in its hooks) copies each reduced bucket's share into
@@ -1729,10 +1735,81 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
             # through the later micro-batches' forward and loss
             "ds_kept_buf": backward if (t.zero == 1 and t.grad_accum > 1) else 0,
             "ds_bucketed": int(hooked),
-            "ds_norm_temp": deepspeed_norm_temp(m, t, st),
+            "ds_norm_temp": deepspeed_norm_temp(m, t, st), "ds_flat12": deepspeed_group_elems(t, st) if deepspeed_flat12(t, st) else 0,
+            "ds_clone12": deepspeed_clone12(t, st),
+            "ds_epilogue_part": held if made == PARTITION_AFTER and deepspeed_epilogue_partition(m, t, st) else 0,
+            **_hook_partition_fields(m, t, st, made),
             **dict(zip(("ds_offload_grad", "ds_offload_check"), deepspeed_offload_check(m, t, st))),
             **dict(zip(("ds_head_grad", "ds_head_check"), deepspeed_offload_check_head(m, t, st))),
             "ds_opt_grads": opt}
+
+
+def deepspeed_flat12(t: TrainingSpec, st: States) -> bool:
+    """Whether DeepSpeed ZeRO-1/2 keeps its fp32 master and optimizer states on the GPU as flat tensors
+    of this rank's partition (``states.flat_zero``): the reserved replay makes the master as
+    ``DeepSpeedZeroOptimizer.__init__`` does and the states inside the first step
+    (``reserved._zero12_master``, ``reserved._zero12_step``)."""
+    return deepspeed_zero(t) and t.zero in (1, 2) and flat_zero(t) and st.trainable > 0 and st.master > 0
+
+
+def deepspeed_epilogue_partition(m: ModelSpec, t: TrainingSpec, st: States) -> bool:
+    """Whether DeepSpeed ZeRO-1 on the GPU makes rank 0's ``grads_in_partition``
+    (``deepspeed_partition_grads``) in backward's epilogue and drops the parameters' own gradients there
+    (the reserved replay's ``_zero12_epilogue``): with ``contiguous_gradients`` and without
+    ``overlap_comm``, whose hooks reduce nothing, so it reduces only there. (ZeRO-2's hooks free each gradient as they copy it into the bucket buffer, which the replay's
+    per-parameter shards stand for; not replayed here.) ZeRO-1's
+    ``reduce_gradients`` (v0.19.8 ``stage_1_and_2.py`` L958-981, from the engine's ``allreduce_gradients``
+    L3083-3093) walks the parameters: a gradient is copied into the bucket buffer
+    (``reduce_independent_p_g_buckets_and_remove_grads`` L1450-1460: the parameter's ``.grad`` becomes a
+    view of it, its own storage freed) or, larger than the bucket, reduced alone; each reduction copies
+    the partition's parameters into ``grads_in_partition`` (``reduce_ipg_grads`` L2205-2274 ->
+    ``copy_grads_in_partition`` L2142-2195: ``torch.empty`` of the whole parameters that overlap the
+    partition, made by the first copy) and the epilogue ends with every ``.grad`` cleared
+    (``_clear_param_grad_only``, L1067), so only that buffer reaches the step, which drops it after
+    its fp32 cast (trace: a 2-layer Qwen3 ZeRO-1 over 4 ranks, its 296.75 MiB embedding-sized buffer
+    made after the embedding's backward, the gradients freed after it). v0.14.2 the same
+    (``reduce_ipg_grads`` L1404-1406, ``copy_grads_in_partition``), except that it clears no ``.grad``:
+    those outside the partition stay views of the bucket buffer until the step frees them (L1876), which
+    keeps that buffer (``reduce_bucket_size`` elements) alive to the step; not replayed. Not offloaded,
+    not under a partial layout (``_partial_layout``)."""
+    return deepspeed_zero(t) and t.zero == 1 and not t.offload_optimizer and st.trainable > 0 \
+        and t.contiguous_gradients and not t.ds_overlap_comm and not _partial_layout(m, t, st)
+
+
+def _hook_partition_fields(m: ModelSpec, t: TrainingSpec, st: States, made: int) -> dict[str, int]:
+    """``ds_hook_part``, ``ds_hook_at``, ``ds_reduce_side`` (``deepspeed_hook_partition``; off it 0, -1, 0)."""
+    if not deepspeed_hook_partition(m, t, st):
+        return {"ds_hook_part": 0, "ds_hook_at": -1, "ds_reduce_side": 0}
+    return {"ds_hook_part": deepspeed_partition_grads(m, t, st), "ds_hook_at": made,
+            "ds_reduce_side": int(t.ds_overlap_comm)}
+
+
+def deepspeed_hook_partition(m: ModelSpec, t: TrainingSpec, st: States) -> bool:
+    """Whether the reserved replay makes DeepSpeed ZeRO-1/2's ``grads_in_partition`` where its gradient
+    hooks reduce the buckets (``deepspeed_hooks_reduce``), with ``contiguous_gradients``, one micro-batch:
+    each hook copies its parameter's gradient into the bucket buffer and frees it
+    (``reduce_independent_p_g_buckets_and_remove_grads``, v0.19.8 ``stage_1_and_2.py`` L1450-1460; a
+    parameter larger than the bucket is reduced alone and its gradient freed when it is copied into the
+    partition or cleared, ``reduce_ipg_grads`` L2253-2274), and the first reduction holding one of rank
+    0's parameters makes ``grads_in_partition`` (``copy_grads_in_partition`` L2184-2195) at the moment
+    ``deepspeed_partition_from`` finds (the epilogue when none in backward), on the reduction stream
+    under ``overlap_comm`` (``reduce_ipg_grads`` L2239-2249: ``stream = self.reduction_stream``), whose
+    pool no default-stream tensor shares (found by trace: Mistral-shaped ZeRO-1 ``overlap_comm`` over 2
+    ranks, its 90.5 MiB buffer in a segment of its own). The step drops it after the fp32 cast. Not
+    offloaded, under accumulation or a partial layout (``_partial_layout``)."""
+    return deepspeed_zero(t) and t.zero in (1, 2) and not t.offload_optimizer and st.trainable > 0 \
+        and t.contiguous_gradients and deepspeed_hooks_reduce(t) and t.grad_accum == 1 \
+        and not _partial_layout(m, t, st)
+
+
+def deepspeed_clone12(t: TrainingSpec, st: States) -> int:
+    """Bytes of the clone of this rank's half partition DeepSpeed ZeRO-1/2 casts its fp32 master from
+    (``deepspeed_flat12``; 0 off it or for fp32 weights, whose clone is the master itself):
+    ``.detach().clone().to(device, fp32)`` (v0.19.8 ``stage_1_and_2.py`` L560-561; v0.14.2 L393-394
+    ``.to(device).clone().float()``, the same blocks), ceil(trainable / dp) elements in the weights' dtype."""
+    if not deepspeed_flat12(t, st) or t.weight_bytes == 4:
+        return 0
+    return block_of(t, -(-st.trainable // t.shard_group) * t.weight_bytes)
 
 
 def deepspeed_norm_temp(m: ModelSpec, t: TrainingSpec, st: States) -> int:
@@ -2634,16 +2711,36 @@ def deepspeed_init_grads(t: TrainingSpec, st: States) -> int:
     return st.grads if grads_from_wrap(t) and deepspeed_zero(t) and t.zero == 3 and st.trainable else 0
 
 
-def deepspeed_step_parts(t: TrainingSpec, st: States) -> tuple[int, int]:
-    """(the fp32 gradient, the flat copy in the gradient dtype) of ``deepspeed_step_grad``."""
+def deepspeed_step_parts(t: TrainingSpec, st: States, m: ModelSpec | None = None) -> tuple[int, int]:
+    """(the fp32 gradient, the flat copy in the gradient dtype) of ``deepspeed_step_grad``; ``m`` given,
+    no flat copy where rank 0's ZeRO-1/2 partition is one piece (``deepspeed_partition_one_piece``)."""
     if not deepspeed_zero(t) or t.offload_optimizer or not st.trainable:
         return 0, 0
     n = deepspeed_group_elems(t, st)
     gb = t.weight_bytes
-    return block_of(t, n * 4), (block_of(t, n * gb) if gb != 4 else 0)  # (n,) fp32; (n,) fp16/bf16
+    one = m is not None and deepspeed_partition_one_piece(m, t, st)
+    return block_of(t, n * 4), (block_of(t, n * gb) if gb != 4 and not one else 0)  # (n,) fp32; (n,) fp16/bf16
 
 
-def deepspeed_step_grad(t: TrainingSpec, st: States) -> int:
+def deepspeed_partition_one_piece(m: ModelSpec, t: TrainingSpec, st: States) -> bool:
+    """Whether rank 0's ZeRO-1/2 gradient partition lies inside the group's first parameter (a large
+    embedding table over several ranks), so the step's flatten copies nothing: ``averaged_gradients[i]``
+    is ``get_flat_partition(..., return_tensor_list=True)``, a list of narrowed views of the gradients of
+    the parameters in the partition (v0.19.8 ``stage_1_and_2.py`` L1085-1091, L2715-2790), and
+    ``self.flatten`` (L263, torch ``_flatten_dense_tensors``) of a single tensor returns
+    ``tensors[0].contiguous().view({-1})`` (torch ``csrc/utils/tensor_flatten.h``
+    ``flatten_dense_tensors``), a view; only the fp32 cast allocates (L3117-3118; v0.14.2 L1870-1890 the
+    same). Found by trace: a 2-layer Qwen3 (vocab 151,936) ZeRO-1/2 over 4 ranks makes no (n,) bf16
+    block in its step. Not under LoRA (small adapters), tensor or pipeline parallelism."""
+    if not (deepspeed_zero(t) and t.zero in (1, 2)) or t.lora_rank or t.tp > 1 or t.pp > 1:
+        return False
+    tensors = m.parameter_tensors()
+    if not tensors or sum(p.numel for p in tensors) != st.trainable:
+        return False
+    return tensors[0].numel >= -(-st.trainable // t.shard_group)
+
+
+def deepspeed_step_grad(t: TrainingSpec, st: States, m: ModelSpec | None = None) -> int:
     """Bytes DeepSpeed's ZeRO step adds on the GPU before the optimizer runs (0 off DeepSpeed, or
     with the optimizer offloaded: its fp32 gradients are in host memory). For each group it
     flattens the group's gradient partition (``self.flatten``, torch ``_flatten_dense_tensors``: a
@@ -2652,7 +2749,7 @@ def deepspeed_step_grad(t: TrainingSpec, st: States) -> int:
     through the optimizer's step and is dropped after it (``stage_1_and_2.py`` L1892-1917,
     ``stage3.py`` ``_prepare_fp32_grad_for_sub_group`` L1895-1905 and ``_release_sub_group``). An
     fp32 engine's cast returns the flat copy itself: one fp32 tensor."""
-    return sum(deepspeed_step_parts(t, st))
+    return sum(deepspeed_step_parts(t, st, m))
 
 
 def step_copies(t: TrainingSpec) -> int | None:
@@ -2720,7 +2817,7 @@ def lomo_update_bytes(m: ModelSpec, t: TrainingSpec) -> tuple[int, int]:
 def _galore_fields(m: ModelSpec, t: TrainingSpec, st: States, oib: bool) -> dict[str, Any]:
     """``step_temp`` (and GaLore's ``step_events``): a layerwise GaLore steps inside backward (none)."""
     if t.optimizer not in LOWRANK_OPTIMIZERS:
-        return {"step_temp": step_temporaries(t, st)}
+        return {"step_temp": step_temporaries(t, st, m)}
     if oib:
         return {"step_temp": 0}
     o, tensors = t.galore_options(), step_order([x for _, x in _galore_tensors(m, t)])

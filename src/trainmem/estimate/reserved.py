@@ -73,7 +73,7 @@ from ..allocator import CachingAllocator
 from ..allocator_rules import block_bytes
 from .layers import F32, HALF
 from .moments import StepFlags, Tokens, _logit_sizes, best_transient, label_tokens
-from .quantities import Quantities
+from .quantities import PARTITION_BOTTOM, PARTITION_EMBEDDING, PARTITION_TOP, Quantities
 from .schedules import FORWARD
 from .states import parameter_order as _parameter_order
 
@@ -179,6 +179,7 @@ class _Step:
     workspaces: list = field(default_factory=list)  # the forward thread's, then autograd's (kept)
     ao_events: tuple = ()                        # torchao: each trainable's compiled-step buffers (States)
     lomo: Any = None                             # LOMO: the gradient its next hook updates (handle, bytes, states)
+    hook_frees: bool = False                     # DeepSpeed ZeRO-1/2: a hook copies each gradient away and frees it
     forwards: int = 0                            # micro-batch forwards begun (DeepSpeed ZeRO-3 records its order in the first)
     ddp: Any = None                              # DDP: its first iteration's one bucket, until rebuilt (``_ddp_init``)
     ga: int = 1                                  # micro-batches per step
@@ -232,11 +233,13 @@ def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, 
                 R.frees(loaded)                                         # the buffers' blocks with them: small pool)
     if q.ds_fp32_convert or q.ds_fp32_group:                          # DeepSpeed ZeRO-3: flat fp32 masters
         _zero3_masters(R, q, st)
+    elif q.ds_flat12:                                                   # DeepSpeed ZeRO-1/2: one flat master
+        _zero12_master(R, q, st)
     elif st.master:                                                     # fp32 master copies (not offloaded)
         R.allocs(m for (_w, k, _g, _s, m) in st.trainables for _ in range(k) if m)
     if q.ds_bucket and not q.ds_backward_buf:                         # DeepSpeed ZeRO-3's bucket, from engine start
         R.alloc(q.ds_bucket)
-    s = _Step(handle_ws=handle_ws, ao_events=st.torchao_events)
+    s = _Step(handle_ws=handle_ws, ao_events=st.torchao_events, hook_frees=bool(q.ds_hook_part))
     if q.ds_init_grads:                                                # ... its flat gradient partitions
         _zero3_flat_grads(R, s, q.ds_init_grads, st.trainables)
     if q.ds_offload_clone:                                             # DeepSpeed ZeRO-1/2 offloading (v0.18.3+): the
@@ -477,6 +480,103 @@ def _zero3_masters(R: _Replay, q: Quantities, st: Any) -> None:
         copy = new
         R.alloc(n * 4)                         # converted.clone(): the sub-group's master
     R.free(copy)
+
+
+def _zero12_master(R: _Replay, q: Quantities, st: Any) -> None:
+    """DeepSpeed ZeRO-1/2's fp32 master of this rank's partition (``quantities.deepspeed_flat12``), one
+    flat tensor: ``parallel_partitioned_bit16_groups[i][partition_id].detach().clone().to(device,
+    fp32)`` (v0.19.8 ``stage_1_and_2.py`` L560-561; v0.14.2 L393-394 ``.clone().float()``): the clone,
+    (n,) in the weights' half dtype (``ds_clone12``; none for fp32 weights, whose clone is the
+    master), then its fp32 cast, the clone freed; then ``initialize_optimizer_states`` (v0.19.8
+    L934-951, v0.14.2 L671-690) sets a ``torch.zeros`` (n,) fp32 gradient on it and drops it again
+    (``ds_step_fp32``, the partition's fp32 bytes). Its states are made by the first step
+    (``_zero12_step``)."""
+    n = q.ds_flat12                                   # the partition's elements (exact: the allocator
+    clone = R.alloc(n * q.ds_param_bytes if q.ds_clone12 else 0)  # rounds each request itself)
+    R.alloc(n * 4)                                    # (n,) fp32: the master, kept
+    R.free(clone)                                     # (the bf16/fp16 clone of the partition)
+    R.free(R.alloc(n * 4))                            # (n,) fp32 zeros, the init's gradient
+
+
+def _tied_embedding_sum(R: _Replay, s: "_Step", q: Quantities, flags: StepFlags, tied: int | None) -> None:
+    """A tied embedding's backward outside FSDP: its own gradient, then autograd's InputBuffer adds it to
+    the head's (``tied``) out of place, the sum is ``.grad`` (``quantities.tied_head_grad``). Under
+    DeepSpeed ZeRO-3 the sum is a new tensor, copied to its bucket; where ZeRO-1/2's hooks reduce
+    (``quantities.deepspeed_hook_partition``) the sum, larger than a bucket, waits for the epilogue's
+    reduction (``_zero12_epilogue``; ``extra_large_param_to_reduce``, v0.19.8 ``stage_1_and_2.py``
+    L1444-1449). Returns None (the head's part is freed)."""
+    trainables = q.detail.states.trainables
+    whole = R.alloc(q.tied_replicated)                  # DTensor TP: the whole table first (tied_replicated_grad)
+    emb_out = R.alloc(q.tied_grad)                      # then this rank's rows
+    added = _accumulated(R, s, trainables, ("before",))  # the sum added into an existing .grad: a temporary
+    _make_grads(R, s, trainables, ("before",), flags.oib)
+    acc = R.alloc(q.tied_grad) if q.ds_init_grads or q.ds_hook_part else None
+    if q.ds_hook_part:
+        s.grads[("embedding_sum", 0)], acc = acc, None
+    R.frees([tied, emb_out, acc] + added + [whole])
+    return None
+
+
+def _zero12_at(R: _Replay, s: "_Step", q: Quantities, layer: int | None) -> None:
+    """DeepSpeed ZeRO-1/2's ``grads_in_partition`` made by a hook at the backward moment
+    ``quantities.deepspeed_partition_from`` finds (``ds_hook_at``): the top layer's, the bottom layer's
+    (``layer`` its index) or, ``layer`` None, before the word embedding's."""
+    at = {PARTITION_EMBEDDING} if layer is None else \
+        ({PARTITION_TOP} if layer == q.layers - 1 else set()) | ({PARTITION_BOTTOM} if layer == 0 else set())
+    if q.ds_hook_part and q.ds_hook_at in at:
+        _zero12_partition(R, s, q)
+
+
+def _zero12_epilogue(R: _Replay, s: "_Step", q: Quantities, suffix: str) -> None:
+    """DeepSpeed ZeRO-1/2's backward epilogue at the accumulation boundary (not after the first of two
+    micro-batches, ``suffix``) where it makes rank 0's ``grads_in_partition``
+    (``quantities.deepspeed_epilogue_partition``; ``deepspeed_hook_partition`` where no hook in backward
+    did): the buffer first, then every parameter's own gradient freed (copied into it or into the bucket
+    buffers, and ``.grad`` cleared); the buffer stands for the gradients until the step drops it after
+    its fp32 cast (``_zero12_step``)."""
+    if not (q.ds_epilogue_part or q.ds_hook_part) or suffix == ".micro1":
+        return
+    _zero12_partition(R, s, q)
+    part = s.grads.pop(("grads_in_partition", 0))
+    R.frees(list(s.grads.values()))
+    s.grads = {("grads_in_partition", 0): part}         # (``s.made`` kept: no gradient is made again)
+
+
+def _zero12_partition(R: _Replay, s: "_Step", q: Quantities) -> None:
+    """DeepSpeed ZeRO-1/2's ``grads_in_partition`` (whole parameters overlapping rank 0's partition, the
+    gradient dtype), made once per step by the first copy into it (``copy_grads_in_partition``), on the
+    reduction stream under ``overlap_comm`` (``quantities.deepspeed_hook_partition``)."""
+    if q.ds_hook_part or q.ds_epilogue_part:
+        if ("grads_in_partition", 0) not in s.grads:
+            stream = GRAD_STREAM if q.ds_reduce_side else 0
+            s.grads[("grads_in_partition", 0)] = R.alloc(q.ds_hook_part or q.ds_epilogue_part, stream)
+
+
+def _zero12_step(R: _Replay, s: "_Step", q: Quantities, st: Any, first: bool) -> None:
+    """DeepSpeed ZeRO-1/2's ``step`` on the GPU for one flat group (v0.19.8 ``stage_1_and_2.py``
+    L3106-3139; v0.14.2 L1870-1905): the partition's gradients flattened (``ds_step_flat``, gradient
+    dtype; none where rank 0's partition is one piece, ``quantities.deepspeed_partition_one_piece``) and
+    cast to the fp32 partition's dtype (``ds_step_fp32``, L3118), the flat copy freed, and the parameters'
+    gradients dropped (``free_grad_in_param_list``: those outside the partition before the flatten, L3100,
+    those in it after the cast, L3128; both here after the cast); then ``_optimizer_step`` runs the
+    torch optimizer on the one flat fp32 parameter, whose states are made there at the first step (``first``), lazily, as ``zeros_like`` of it: one flat block per state kind
+    after the fp32 gradient, not per tensor at the step's start (trace, 2-layer Qwen3 ZeRO-2 over 4
+    ranks). Its temporaries are each of the flat partition's size (for-loop Adam's ``sqrt`` and quotient,
+    foreach's one per tensor: ``quantities.step_temporaries``), separate blocks; then the fp32 gradient
+    is dropped."""
+    n = q.ds_flat12                                                 # (n,) each, exact bytes
+    flat = R.alloc(n * q.ds_param_bytes if q.ds_step_flat else 0)   # the cast: flat copy, then fp32
+    fp32 = R.alloc(n * 4)
+    R.free(flat)
+    R.frees(list(s.grads.values()))                                 # free_grad_in_param_list: every .grad
+    s.grads, s.made = {}, {}                                        # dropped before the optimizer runs
+    if first:                                                       # zeros_like(fp32 partition) per kind
+        kinds = max((len(sts) for (_w, _k, _g, sts, _m) in st.trainables), default=0)
+        s.states = [R.alloc(sum(k * sts[i] for (_w, k, _g, sts, _m) in st.trainables if len(sts) > i))
+                    for i in range(kinds)]
+    rest = q.step_temp - q.ds_step_fp32 - q.ds_step_flat            # the optimizer's own temporaries,
+    R.frees(R.allocs([n * 4] * (rest // q.ds_step_fp32)))           # each (n,) fp32
+    R.free(fp32)
 
 
 def _zero3_step(R: _Replay, s: "_Step", q: Quantities, order: list, first: bool) -> None:
@@ -1104,6 +1204,7 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
         head_full, f.root = None, []
         f.fs.below_first = q.fsdp_emb_unit                        # the first layer prefetches the embedding
     for i in reversed(range(q.layers)):
+        _zero12_at(R, s, q, i)                                    # DeepSpeed ZeRO-1/2: made by a hook here?
         if isinstance(f.z3, _Zero3Replay):                        # ZeRO-3: the layer's backward fetches
             f.z3.before(R, i)
         _layer_backward(R, s, q, f.fs, parts, f.kept[i], i, n, nsq, recompute, flags.oib,
@@ -1120,15 +1221,10 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     if isinstance(f.z3, _Zero3Replay):                            # the embedding's backward fetch
         f.z3.embedding(R)
     # the embedding gathered whole at its backward (on the all-gather stream), unless kept since its forward
+    _zero12_at(R, s, q, None)                                     # ... or before the word embedding's
     emb_full = R.alloc(st.emb_grads_full)                         # FSDP: the embedding's unsharded gradient
-    if tied is not None and not _fsdp(q):                         # the embedding's own gradient (DTensor TP:
-        whole = R.alloc(q.tied_replicated)                        # the whole table first, tied_replicated_grad,
-        emb_out = R.alloc(q.tied_grad)                            # then this rank's rows), then autograd's
-        added = _accumulated(R, s, st.trainables, ("before",))    # InputBuffer adds it to the head's out of
-        _make_grads(R, s, st.trainables, ("before",), flags.oib)  # place: the sum is .grad (or is added to it)
-        acc = R.alloc(q.tied_grad) if q.ds_init_grads else None   # (ZeRO-3: a new tensor, copied to its bucket)
-        R.frees([tied, emb_out, acc] + added + [whole])           # (``quantities.tied_head_grad``)
-        tied = None
+    if tied is not None and not _fsdp(q):                         # the embedding's own gradient added to
+        tied = _tied_embedding_sum(R, s, q, flags, tied)          # the head's
     if tied is not None and _root_resharded(q, f.fs):             # FSDP2, a tied head: the embedding's own
         emb_out = R.alloc(q.tied_grad)                            # gradient, then autograd's InputBuffer adds
         acc = R.alloc(q.tied_grad)                                # it to the head's into a new tensor, the
@@ -1148,6 +1244,7 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     R.free(gathered)                                              # ... and every parameter released
     if isinstance(f.z3, _Zero3Replay):
         f.z3.done(R)
+    _zero12_epilogue(R, s, q, suffix)                             # DeepSpeed ZeRO-1/2: grads_in_partition
     R.frees([tied, f.emb, f.inputs] + buckets)
     f.fs.reshard(R, f.root)                                       # the root's post-backward
     f.fs.done(R)
@@ -2507,9 +2604,9 @@ def _grad_of(R: _Replay, s: _Step, trainables: tuple, j: int, oib: bool = False,
             _lomo_update(R, *s.lomo, oib)
         s.lomo = (s.grads[(j, copy)], g, _sts)
         s.grads[(j, copy)] = None
-    elif oib:
-        if s.ao_events:  # torchao's compiled step in the hook, beside the gradient (``_torchao_graph``)
-            _torchao_graph(R, s.ao_events[j])
+    elif oib or s.hook_frees:                          # (DeepSpeed ZeRO-1/2: copied into the bucket buffer,
+        if oib and s.ao_events:  # torchao's compiled step in the hook, beside the gradient (``_torchao_graph``)
+            _torchao_graph(R, s.ao_events[j])             # ``quantities.deepspeed_hook_partition``)
         R.free(s.grads[(j, copy)])
         s.grads[(j, copy)] = None
 
@@ -2580,13 +2677,15 @@ def _optimizer_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, step:
     order = [st.trainables[j] for j in _parameter_order(st.trainables)]
     lazy = step == 1 and st.optimizer and not flags.states_at_init   # lazily, unless offloaded to the host
     zero3 = bool(q.ds_norm_fp64 and q.ds_step_fp32)              # DeepSpeed ZeRO-3 on the device
-    if lazy and not zero3:
+    if lazy and not zero3 and not q.ds_flat12:
         s.states = _allocate_states(R, st)
     sizes = [(sts[0] if sts else g) for (_w, _k, g, sts, _m) in order]
     if q.ds_norm_temp:                                           # DeepSpeed ZeRO-1/2: the norm's float64 piece
         R.free(R.alloc(q.ds_norm_temp))
     if zero3:                                                    # DeepSpeed ZeRO-3: per flat sub-group
         _zero3_step(R, s, q, order, bool(lazy))
+    elif q.ds_flat12:                                            # DeepSpeed ZeRO-1/2: one flat group, its states
+        _zero12_step(R, s, q, st, bool(lazy))                    # made inside the first step
     elif q.ds_step_fp32:                                         # DeepSpeed: one flat fp32 partition per group
         flat, fp32 = R.alloc(q.ds_step_flat), R.alloc(q.ds_step_fp32)   # the cast: flat copy, then fp32
         R.free(flat)

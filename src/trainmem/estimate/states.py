@@ -589,7 +589,7 @@ class _Rank:
     fsdp_unsharded: bool = False  # FSDP over several ranks: a root unit and per-layer unsharded tensors
     expandable: bool = False  # the allocator runs with expandable segments (TrainingSpec.expandable_segments)
     zero_clone: bool = False  # DeepSpeed ZeRO's fp32 copy of fp32 weights' partition (TrainingSpec.ds_fp32_clone)
-    flat_states: bool = False  # DeepSpeed ZeRO-3 on the GPU: master and states flat per sub-group (``flat_zero3``)
+    flat_states: bool = False  # DeepSpeed ZeRO on the GPU: master and states flat per group / sub-group (``flat_zero``)
     host_shards: bool = False  # FSDP1 CPUOffload(offload_params=True): the sharded flat parameters in host memory
 
     @staticmethod
@@ -604,7 +604,7 @@ class _Rank:
                      t.zero_stage >= 2 and not t.accumulates_unsharded, t.fsdp_mixed_units,
                      2 if t.precision == "bf16-mp" else w, t.zero_stage == 3 or fsdp_grad_op(t),
                      t.fsdp is not None and t.shard_group > 1, t.expandable_segments, t.ds_fp32_clone,
-                     flat_zero3(t), t.fsdp_offload_params)
+                     flat_zero(t), t.fsdp_offload_params)
 
     def block(self, nbytes: int) -> int:
         """Allocator bytes of one fresh request of ``nbytes`` in this run's allocator mode
@@ -619,8 +619,8 @@ class _Rank:
         return 0 if self.host_shards else -(-nbytes // self.d)
 
     def part(self, nbytes: int) -> int:
-        """Bytes of one tensor's master copy or optimizer state: its own block, or under DeepSpeed ZeRO-3
-        its exact part of the sub-group's flat tensor (``flat_states``: the totals are rounded once)."""
+        """Bytes of one tensor's master copy or optimizer state: its own block, or under DeepSpeed ZeRO
+        its exact part of the group's / sub-group's flat tensor (``flat_states``: the totals are rounded once)."""
         return nbytes if self.flat_states else self.block(nbytes)
 
     def grad_bytes(self, n: int) -> int:
@@ -749,17 +749,22 @@ class _Tally:
         return g
 
 
-def flat_zero3(t: TrainingSpec) -> bool:
-    """Whether DeepSpeed ZeRO-3 keeps this rank's fp32 master and optimizer states as flat tensors on the
-    GPU: ``_create_fp32_partitions`` clones one flat fp32 tensor per sub-group (DeepSpeed v0.19.8
-    ``stage3.py`` L1169-1172, v0.14.2 the same) and the optimizer steps that one tensor
-    (``_optimizer_step`` L1235-1260), so its states (FusedAdam's ``zeros_like(p)``) are flat too: the
-    allocator rounds each sub-group's tensor once, not each parameter's part. Under the default
-    allocator a per-tensor count over-states them by up to 2 MiB a tensor (Qwen1.5-0.5B on one rank:
-    218 MiB of master and Adam states; the measured active peaks of Giles Thomas's rows with and
-    without expandable segments differ by 4 MiB). Not with the optimizer offloaded (host memory), under
-    FSDP, Megatron's distributed optimizer or Gemini."""
-    return t.zero == 3 and t.fsdp is None and not t.distributed_optimizer and t.gemini is None \
+def flat_zero(t: TrainingSpec) -> bool:
+    """Whether DeepSpeed's ZeRO optimizer keeps this rank's fp32 master and optimizer states as flat tensors
+    on the GPU. ZeRO-3: ``_create_fp32_partitions`` clones one flat fp32 tensor per sub-group (DeepSpeed
+    v0.19.8 ``stage3.py`` L1169-1172, v0.14.2 the same) and the optimizer steps that one tensor
+    (``_optimizer_step`` L1235-1260). ZeRO-1/2: one flat fp32 partition per parameter group,
+    ``single_partition_of_fp32_groups`` (v0.19.8 ``stage_1_and_2.py`` L560-561, a clone of the flat half
+    group's partition cast to fp32; v0.14.2 L393-394 ``.clone().float()``), which becomes the group's only
+    parameter (``param_group['params'] = [...]``, v0.19.8 L584, v0.14.2 L409). So the states (torch
+    Adam's ``zeros_like(p)``) are flat too: the allocator rounds each flat tensor once, not each
+    parameter's part, and each is one block (trace on a 2-layer Qwen3 ZeRO-2 over 4 ranks: one 178.4 MiB
+    master and two 178.4 MiB Adam states, where a per-tensor count made the embedding's 148.4 MiB and
+    many small blocks). Under the default allocator a per-tensor count over-states them by up to 2 MiB a
+    tensor (Qwen1.5-0.5B on one rank: 218 MiB of master and Adam states; the measured active peaks of
+    Giles Thomas's rows with and without expandable segments differ by 4 MiB). Not with the optimizer
+    offloaded (host memory), under FSDP, Megatron's distributed optimizer or Gemini."""
+    return t.zero >= 1 and t.fsdp is None and not t.distributed_optimizer and t.gemini is None \
         and not t.offload_optimizer
 
 
@@ -799,7 +804,7 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
                            r.per_stage if m.uniform_layers else 1, tuple(x for _, x in after), r.expandable)
     weights = placed - acc.buffers + acc.lora_w
     master, opt, step_t = acc.master, acc.opt, acc.step_t
-    if r.flat_states:  # DeepSpeed ZeRO-3: one flat fp32 master and one flat tensor per state kind
+    if r.flat_states:  # DeepSpeed ZeRO: one flat fp32 master and one flat tensor per state kind
         kinds = max((len(item[3]) for item in acc.items), default=0)
         master = r.block(master) if master else 0
         opt = sum(r.block(sum(item[1] * item[3][i] for item in acc.items if len(item[3]) > i)) for i in range(kinds))

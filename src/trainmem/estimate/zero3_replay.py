@@ -356,7 +356,7 @@ def gather_events(params: tuple[tuple[str, int, int | None], ...], head: str | N
     module's parameters released after it) and for the steps after it (the reductions are the same in
     both); arguments as ``gathered_zones``'s."""
     uses, numels = module_order(list(params), head, tied_head, recompute, leaves)
-    cats = reduce_cats(uses, numels, reduce_bucket)
+    cats = reduce_cats(uses, numels, reduce_bucket, persistent_by_module(list(params), head, leaves))
     return tuple(tuple((u.forward, u.layer, bool(u.params), *ev, cats.get(i, 0))
                        for i, (u, ev) in enumerate(zip(uses, events(uses, numels, d, b, max_live, views))))
                  for d, b in ((0, 0), (dist, bucket)))
@@ -499,7 +499,20 @@ def _last_chain(tree: dict, key: str) -> set[str]:
     return out
 
 
-def reduce_cats(uses: tuple[Use, ...], numels: tuple[int, ...], bucket: int) -> dict[int, int]:
+def persistent_by_module(params: list[tuple[str, int, int | None]], head: str | None,
+                         leaves: tuple[str, ...] = ()) -> dict[str, tuple[int, ...]]:
+    """The persistent parameters (``PERSISTENCE_THRESHOLD`` elements or fewer: norms, biases, a small
+    router) by the key of the module that owns them, as ``module_order`` keys its uses: never fetched,
+    but their gradients are reduced by their hooks like every other (``reduce_cats``)."""
+    out: dict[str, list[int]] = {}
+    for i, (name, numel, _) in enumerate(params):
+        if 0 < numel <= PERSISTENCE_THRESHOLD:
+            out.setdefault(_key(_path(name, head, leaves)), []).append(i)
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def reduce_cats(uses: tuple[Use, ...], numels: tuple[int, ...], bucket: int,
+                persistent: dict[str, tuple[int, ...]] | None = None) -> dict[int, int]:
     """Elements of the flat ``cat`` each of ZeRO-3's gradient bucket reductions makes during backward,
     by the index of the use whose gradient hook runs it: gradients join the bucket in the order backward
     makes them; a gradient that would take the bucket past ``reduce_bucket_size`` elements first reduces
@@ -508,12 +521,16 @@ def reduce_cats(uses: tuple[Use, ...], numels: tuple[int, ...], bucket: int) -> 
     embedding's, after the head's contribution). The reduction's ``reduce_scatter_coalesced``
     concatenates a bucket of several tensors into one new tensor (``comm/coalesced_collectives.py`` L122; one tensor alone is reduced in place). The last
     bucket, reduced after backward (``independent_gradient_partition_epilogue``), is not listed.
-    Persistent parameters' gradients (norms) are neglected; ``bucket`` 0: none."""
+    ``persistent`` (``persistent_by_module``): the persistent parameters, never fetched, whose hooks
+    still put their gradients in the bucket (``create_reduce_and_remove_grad_hooks``, v0.19.8
+    ``stage3.py`` L1487-1559, hooks every parameter that requires a gradient), at their module's backward
+    (found by trace: a 2-layer Llama ZeRO-3 over 4 ranks with 1e7-element buckets reduces four 8,390,656-
+    element ``cat`` a step, two projections and a 2,048-element norm each). ``bucket`` 0: none."""
     first_bwd = next((i for i, u in enumerate(uses) if not u.forward), len(uses))
     last: dict[int, int] = {}                            # parameter -> its last backward use: a gradient
     for i in range(first_bwd, len(uses)):                # accumulates over every use (a tied table's over
         if not uses[i].forward:                          # the head's and the embedding's), then its hook
-            last.update({p: i for p in uses[i].params})
+            last.update({p: i for p in uses[i].params + (persistent or {}).get(uses[i].name, ())})
     out: dict[int, int] = {}
     cur: list[int] = []
     for p, i in sorted(last.items(), key=lambda item: item[1]) if bucket > 0 else ():
