@@ -397,6 +397,9 @@ class Quantities:
     chunk_head_grads: int = 0  # chunked output loss: the head's per-chunk weight gradients being summed
     # autocast, a trainable head: its weight gradient in the compute dtype (``head_weight_grad_half``)
     head_wgrad_half: int = 0
+    # 1: the head's output linear has a bias, so its backward computes the input's gradient before the
+    # weight's (``head_input_grad_first``; the replay's autograd workspace comes between them)
+    head_input_first: int = 0
     linear_replay: int = 0  # 1: the allocator replay makes each linear's blocks in turn (``per_linear_replay``)
     # ... and the bytes per logit element a final soft-cap's tanh saves (part of the derived head side),
     # freed chunk by chunk before that chunk's head backward (``softcap_saved``)
@@ -3250,7 +3253,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         chunk_head_grads=chunk_head_grads(m, t, pol) if head_here else 0, ds_leaf_held=deepspeed_leaf_held(m, t, lc),
         transients=z3_leaf_grads_held(trans, deepspeed_leaf_held(m, t, lc)),
         fwd_temp=int(lc.fwd_const), fwd_temp_tok=lc.fwd_tok, fwd_scratch=int(lc.fwd_scratch), head_wgrad_half=head_weight_grad_half(m, t, cast_head),
-        **_head_dequant_fields(m, t, head_here),
+        **_head_dequant_fields(m, t, head_here), head_input_first=int(head_input_grad_first(m)),
         **_graph_held(t, lc.graph_held, checkpointed, layers), **fsdp,
         **_derived_outer_fields(m, t, stage),
         lower_layers=lower, above_bottom=above_bottom, above_decoder_bottom=above_decoder_bottom,
@@ -3870,6 +3873,23 @@ def head_weight_grad_half(m: ModelSpec, t: TrainingSpec, cast_head: int) -> int:
     if not cast_head or t.lora_rank or t.loss_chunks > 1 or t.compile or not per_linear_replay(t):
         return 0
     return cast_head
+
+
+def head_input_grad_first(m: ModelSpec) -> bool:
+    """Whether the head's output linear has a bias, so that its backward computes the gradient of its
+    input before the weight's: ``F.linear`` with a bias runs ``addmm``, whose ``AddmmBackward0`` makes
+    ``mat1``'s gradient (the input's, ``grad @ weight``) first and then ``mat2``'s (the weight's,
+    ``tools/autograd/derivatives.yaml`` ``addmm``: ``self``, ``mat1``, ``mat2`` in that order); without
+    one it runs ``mm`` and ``MmBackward0`` makes the weight's first (torch 2.13.0, the backward's
+    ``aten.mm`` calls logged under a ``TorchDispatchMode``: ``nn.Linear(8, 50)`` on a (2, 5, 8) input
+    gives the (10, 8) input gradient before the (50, 8) weight gradient; with ``bias=False`` the
+    other way round; trace's op stream alike). The first cuBLAS call of autograd's thread binds its
+    workspace (``reserved._head_backward``), so with a bias the workspace is made before the
+    (vocab, hidden) weight gradient. The heads with a bias (``spec.architectures._head``): a masked
+    LM's decoder (transformers 5.24 ``models/bert/modeling_bert.py`` L494 ``nn.Linear(hidden_size,
+    vocab_size, bias=True)``, run at L499), extractive QA's ``qa_outputs``, and BERT's and the
+    pre-norm RoBERTa's sequence classifiers; a causal LM's ``lm_head`` and a decoder's ``score`` have none."""
+    return m.head in ("masked-lm", "qa") or (m.head == "seq-cls" and m.family in ("bert", "roberta-prenorm"))
 
 
 def head_casts(m: ModelSpec, t: TrainingSpec) -> int:

@@ -1144,15 +1144,17 @@ def _head_backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, f: _Fo
     """The head's matmuls' backward: the weight's gradient (under autocast first in the compute dtype,
     ``quantities.head_weight_grad_half``, then cast to fp32 once the logits' gradient, the head's
     input and its half copy are freed), the cuBLAS workspace of autograd's thread at its first
-    matmul: after the weight's gradient (or its half copy) under torch's own linear, before it under
-    DeepSpeed ZeRO-3's ``zero3_linear_wrap``, whose backward runs the input's gradient matmul first
+    matmul: after the weight's gradient (or its half copy) under torch's own bias-free linear
+    (``MmBackward0``), before it under a head with a bias (``AddmmBackward0``: the input's gradient
+    first, ``quantities.head_input_grad_first``; BERT's masked-LM decoder) and under DeepSpeed
+    ZeRO-3's ``zero3_linear_wrap``, whose backward runs the input's gradient matmul first
     (``quantities.deepspeed_linear_wrap``; v0.19.8 ``zero/linear.py`` L125-134). The gradient is a
     tied head's part, waiting in the embedding's input buffer (``q.tied_grad``), FSDP's unsharded
     head gradients, or, outside FSDP, the ``.grad`` of an untied head, made here with the final
     norm's (autograd's order: the head is back-propagated first). Returns (FSDP's unsharded head
     gradients, the tied part)."""
     st = q.detail.states
-    if q.ds_linear_wrap:                                          # grad_output.matmul(weight) first: the
+    if q.ds_linear_wrap or q.head_input_first:                    # grad_output.matmul(weight) first: the
         s.workspace(R, 1)                                         # workspace before the weight's gradient
     half = R.alloc(q.head_wgrad_half)                             # (vocab, hidden) in the compute dtype
     # DeepSpeed ZeRO-3: the untied head's whole weight gradient, (vocab, hidden) in the engine's dtype, as
@@ -1170,7 +1172,7 @@ def _head_backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, f: _Fo
         return _chunk_head_backward(R, s, q, f, dlogits, gradients)
     made = gradients() if half is None else None                  # the matmul's output is the gradient
     s.workspace(R, 1)                                             # after the head's first backward matmul
-    #                                                               (already made under ``ds_linear_wrap``)
+    #                                                               (already made under ``ds_linear_wrap``, a bias)
     R.frees(dlogits + f.head)
     R.free(wgrad)
     if half is not None:
