@@ -497,6 +497,8 @@ class _Parts(list):
     and frees in its forward (``LayerCoefs.fwd_free``). ``whole``: each is one tensor (else a derived
     layer's saved bytes by module and op, several tensors each: ``_layer_parts``)."""
 
+    inputs: list = []   # per linear: (bytes of the input it reads unsaved, shared with the next) (``LayerCoefs.linear_inputs``)
+
     def __init__(self, saved: Any, forward_only: list[int], op: list[int] | None = None,
                  temps: list[int] | None = None, events: tuple[str, ...] = (),
                  nograd: list[int] | None = None, nograd_events: tuple[str, ...] = (), whole: bool = True,
@@ -520,12 +522,14 @@ def _layer_parts(q: Quantities, n: int, nsq: int) -> _Parts:
     parts, one block each: the saved bytes of a module and op summed over its tensors (and averaged
     over the layer kinds of a model that mixes them, ``derived.layer_coefs``), so not ``whole``."""
     lc = q.detail.layer
-    return _Parts((int(a * n + b * nsq) for a, b in (lc.tensors or [(a, b) for _name, a, b in lc.parts])),
+    p = _Parts((int(a * n + b * nsq) for a, b in (lc.tensors or [(a, b) for _name, a, b in lc.parts])),
                   [int(a * n + b * nsq) for a, b in lc.fwd_free],
                   [int(a * n + b * nsq) for a, b in lc.op_tensors],
                   [int(a * n + b * nsq) for a, b in lc.fwd_temps], lc.fwd_events,
                   [int(a * n + c) for a, c in zip(lc.nograd_temps, lc.nograd_const or [0.0] * len(lc.nograd_temps))],
                   lc.nograd_events, whole=bool(lc.tensors), bwd=_backward_record(lc, n, nsq))
+    p.inputs = [(int(a * n + b * nsq), shared) for a, b, shared in lc.linear_inputs]   # (``_saved_and_casts``)
+    return p
 
 
 @dataclass
@@ -1942,7 +1946,14 @@ def _linear_casts(q: Quantities) -> list[int] | None:
 
 def _saved_and_casts(R: _Replay, q: Quantities, parts: list[int]) -> _Kept:
     """One layer's forward without recomputation: the tensors it saves, in order, with autocast's
-    weight copies made between them at their linears (``_linear_casts``; else one block after them)."""
+    weight copies made between them at their linears (``_linear_casts``; else one block after them).
+    A linear's fp32 input that autocast casts and does not save (``layers.linear_inputs``: a norm's
+    output, GPT-2's GELU output) is alive from before its saved half cast (the last tensor saved
+    before the linear) until the weight of the last linear reading it is cast, where its matmul
+    runs. Without it the replay of GPT-2 (2 layers, b1 s1024, bf16-amp) lacked the fp32 GELU output
+    (12 MiB) beside ``c_proj``'s weight copy, so trace's 20 MiB segment for that copy, which later
+    holds autograd's cuBLAS workspace, was never opened and the workspace split a logits segment for
+    good: +18.5 % over trace's peak reserved memory (docs/agreement.md, reserved section)."""
     casts = _linear_casts(q)
     one = getattr(parts, "whole", True)                           # (a derived layer's parts: several tensors)
     if casts is None:                                             # the copies as one block: several tensors
@@ -1950,10 +1961,22 @@ def _saved_and_casts(R: _Replay, q: Quantities, parts: list[int]) -> _Kept:
     handles: list = []
     copies: list = []
     done = 0
-    for (pos, _w, _g), nbytes in zip(q.detail.layer.linears, casts):
+    held = None                                                   # the unsaved fp32 input being read
+    inputs = getattr(parts, "inputs", [])
+    for i, ((pos, _w, _g), nbytes) in enumerate(zip(q.detail.layer.linears, casts)):
+        size, shared = inputs[i] if i < len(inputs) else (0, 0)
+        if size and held is None:                                 # made before its half cast, the last saved
+            cut = max(done, pos - 1)
+            handles += R.allocs(parts[done:cut], one=one)
+            done = cut
+            held = R.alloc(size)
         handles += R.allocs(parts[done:pos], one=one)             # saved before this linear's weight cast
         done = max(done, pos)
         copies.append(R.alloc(nbytes))                            # (out, in) in bf16/fp16
+        if held is not None and not shared:                       # its last linear has run
+            R.free(held)
+            held = None
+    R.free(held)
     return _Kept(handles + R.allocs(parts[done:], one=one), copies)
 
 
