@@ -619,12 +619,13 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
                              cached, suffix)
     z3.forward_end(R)                                             # ZeRO-3: the final norm's and the head's fetches
     root = root + fs.unshard(R, q.fsdp_head_unit, st.head_unit_tensors)  # split root: [norm, head] kept
-    head = [R.alloc(tk.outer_head, one=False)]                    # the final norm's tensors, the head's input
+    head, late = _head_side(R, q, tk)                             # the final norm's tensors, the head's input
     R.free(embeds)                                                # the base model returns (held_embeddings)
     head.append(R.alloc(q.cast_head))                             # autocast's half copy of the head
     # a chunked loss: one tensor per chunk, at most one chunk per token (more are not made: setup_warnings)
     chunks = max(1, min(int(q.logit_chunks), int(tk.tokens))) if q.liger_factor == 0 else 1
     out = _logit_allocs(R, _logit_tensors(tk.out_logits, q.logits_out, full, chunks))  # (b, s, vocab) logits
+    R.frees(late)                                                 # the head's input, once its matmul has run
     if q.logits_cast:  # --cast-output: Fabric's fp32 copies, made while the half output is alive
         cast = _logit_allocs(R, _logit_tensors(tk.cast_logits, q.logits_cast, full, chunks))
         R.frees(out)
@@ -645,6 +646,27 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
         out = []
     root = _forward_end(R, s, q, fs, root, suffix)
     return _Forward(inputs, fs, root, emb, kept, head, out, saved, full, chunks, gathered, _shifted(q, full, seqs), z3)
+
+
+def _head_side(R: _Replay, q: Quantities, tk: Tokens) -> tuple[list, list]:
+    """The head side's saved tensors (``tk.outer_head`` bytes) and, apart, those freed once the logits
+    are made. One block each where the estimate knows them one by one (``quantities.head_side_tensors``:
+    a masked LM's transform and decoder input, with autocast's forward-only copies), what is left of
+    ``tk.outer_head`` beside the saved ones as one more; else one block (several tensors)."""
+    sizes = [(int(x * tk.tokens), held) for x, held in q.head_side]
+    rest = int(tk.outer_head) - sum(x for x, held in sizes if held == 0)
+    if not sizes or rest < 0:
+        return [R.alloc(tk.outer_head, one=False)], []
+    kept: list = []
+    late: list = []
+    temp = None                                                   # freed once the next tensor is made
+    for nbytes, held in sizes:
+        h = R.alloc(nbytes)
+        R.free(temp)
+        temp = h if held == 1 else None
+        (kept if held == 0 else late if held == 2 else []).append(h)
+    R.free(temp)
+    return kept + [R.alloc(rest, one=False)], late
 
 
 def _forward_end(R: _Replay, s: _Step, q: Quantities, fs: "_Fsdp", root: list, suffix: str) -> list:
