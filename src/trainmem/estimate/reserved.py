@@ -456,7 +456,8 @@ def _varying_steps(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, steps:
         _optimizer_step(R, s, q, flags, s.step, temp_copies)
 
 
-def _logit_tensors(total: int, per_elem: int, elems: int, chunks: int = 1, elem: int = 4) -> list[int]:
+def _logit_tensors(total: int, per_elem: int, elems: int, chunks: int = 1, elem: int = 4,
+                   half_first: bool = False) -> list[int]:
     """A logits-sized term as the tensors it is made of: ``per_elem`` bytes per logit element are
     tensors of ``elem`` bytes per element (fp32, or the half dtype of a loss run in it without
     autocast: ``LossBytes.elem``, where ``nll_loss_backward`` and ``_log_softmax_backward_data`` make
@@ -465,13 +466,18 @@ def _logit_tensors(total: int, per_elem: int, elems: int, chunks: int = 1, elem:
     gradients), or ``chunks`` tensors each under a chunked loss (torchtune's ``CEWithChunkedOutputLoss``
     and litgpt's ``chunked_cross_entropy`` keep a list of per-chunk logits); what is left of ``total``
     (one chunk's transient tensors, per-token terms) is one more block, several tensors
-    (``_Sizes.whole`` counts the whole tensors before it; ``_logit_allocs``)."""
+    (``_Sizes.whole`` counts the whole tensors before it; ``_logit_allocs``). The fp32 tensors come
+    first, unless ``half_first``: the loss's saved tensors on half logits under autocast, where
+    ``log_softmax`` (no autocast rule) saves its half output before ``nll_loss`` (autocast's fp32
+    list, ``aten/src/ATen/autocast_mode.cpp``) casts it to fp32 and saves the copy
+    (``quantities._eager_loss_bytes``; trace's op stream: ``_log_softmax`` then ``_to_copy``)."""
     per_elem, part = int(per_elem), -(-elems // chunks)
     if elem != 4:
         sizes = [part * elem] * (chunks * (per_elem // elem))
         rest = int(total) - elems * (per_elem // elem) * elem
     else:
-        sizes = [part * 4] * (chunks * (per_elem // 4)) + [part * 2] * (chunks * ((per_elem % 4) // 2))
+        fp32, half = [part * 4] * (chunks * (per_elem // 4)), [part * 2] * (chunks * ((per_elem % 4) // 2))
+        sizes = half + fp32 if half_first else fp32 + half
         sizes += [part] * (chunks * (per_elem % 2))
         rest = int(total) - elems * per_elem
     return _Sizes(sizes + [rest] if rest > 0 else sizes, len(sizes))
@@ -719,7 +725,8 @@ def _loss_forward(R: _Replay, q: Quantities, tk: Tokens, flags: StepFlags, out: 
             saved = out + R.allocs([int(tk.loss_saved) - full * q.loss_saved], one=False)  # per-token
             out = []
         else:
-            saved = _logit_allocs(R, _logit_tensors(tk.loss_saved, q.loss_saved, full, chunks, q.loss_elem))  # logps
+            saved = _logit_allocs(R, _logit_tensors(tk.loss_saved, q.loss_saved, full, chunks, q.loss_elem,
+                                                    half_first=True))  # logps (half), then nll_loss's fp32 copy
     return fwd, saved, out
 
 
