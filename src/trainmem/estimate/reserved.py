@@ -16,9 +16,11 @@ runs it through the same simulator as ``trace`` (``trainmem.allocator.CachingAll
   (``quantities.held_embeddings``, freed before the head), the embeddings' saved tensors, per layer
   FSDP's gathered parameters, the tensors autograd saves (``LayerCoefs.tensors``, one block each)
   with autocast's half copy of each linear's weight made between them where its linear runs
-  (``LayerCoefs.linears``) or, under recomputation, the kept input with the layer's tensors made and
+  (``LayerCoefs.linears``) and the fp32 input it casts and does not save alive until then
+  (``LayerCoefs.linear_inputs``) or, under recomputation, the kept input with the layer's tensors made and
   freed again (under full recomputation with autocast one after another, the copies kept in
-  autocast's cache until the loss: ``_checkpointed``); the head's input and half copy, the logits,
+  autocast's cache until the loss: ``_checkpointed``); the head side's tensors (a masked LM's one by
+  one, ``quantities.head_side_tensors``), the head's half copy, the logits,
   the loss's transient and saved tensors; backward: the loss
   gradients, the head's weight gradient (under autocast its half form first), a tied head's part,
   the untied head's and final norm's gradients, per layer (last first) the recomputed tensors, the
