@@ -55,6 +55,21 @@ def test_gpt2_amp_replay_opens_traces_segments(monkeypatch, one_torch_thread):
     assert e.peak_reserved == pytest.approx(t.peak_reserved, rel=0.02)
 
 
+LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 2048, "intermediate_size": 5504,
+         "num_attention_heads": 16, "num_key_value_heads": 16, "num_hidden_layers": 2, "vocab_size": 32000,
+         "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu"}
+
+
+def test_not_twice_in_the_recomputation(one_torch_thread):
+    """A checkpointed layer's recomputed forward: its frames' unsaved tensors are replayed by
+    ``_recompute_blocks``, not again at the linears (the agreement grid's Llama b1 s1024 bf16-amp,
+    offloaded activations, full recomputation, two micro-batches: +6.25 % with them, +0.56 % without)."""
+    kw = dict(batch_size=1, seq_len=1024, precision="bf16-amp", recompute="full", offload_activations=True,
+              grad_accum=2)
+    e, t = trainmem.estimate(LLAMA, **kw), trace(LLAMA, **kw)
+    assert e.peak_reserved == pytest.approx(t.peak_reserved, rel=0.02)
+
+
 def test_no_unsaved_input_without_autocast():
     """In fp32 every linear saves its input itself: no entry (the replay is unchanged there); under
     autocast GPT-2's ``c_attn``, ``c_fc`` and ``mlp.c_proj`` read an unsaved fp32 input (the

@@ -1975,7 +1975,7 @@ def _linear_casts(q: Quantities) -> list[int] | None:
     return casts if sum(casts) == q.cast_layer else None
 
 
-def _saved_and_casts(R: _Replay, q: Quantities, parts: list[int]) -> _Kept:
+def _saved_and_casts(R: _Replay, q: Quantities, parts: list[int], inputs: bool = True) -> _Kept:
     """One layer's forward without recomputation: the tensors it saves, in order, with autocast's
     weight copies made between them at their linears (``_linear_casts``; else one block after them).
     A linear's fp32 input that autocast casts and does not save (``layers.linear_inputs``: a norm's
@@ -1984,7 +1984,11 @@ def _saved_and_casts(R: _Replay, q: Quantities, parts: list[int]) -> _Kept:
     runs. Without it the replay of GPT-2 (2 layers, b1 s1024, bf16-amp) lacked the fp32 GELU output
     (12 MiB) beside ``c_proj``'s weight copy, so trace's 20 MiB segment for that copy, which later
     holds autograd's cuBLAS workspace, was never opened and the workspace split a logits segment for
-    good: +18.5 % over trace's peak reserved memory (docs/agreement.md, reserved section)."""
+    good: +18.5 % over trace's peak reserved memory (docs/agreement.md, reserved section).
+    ``inputs`` False: a checkpointed layer's recomputation in backward (``_layer_backward``), whose
+    frames' unsaved tensors, these inputs among them, are replayed apart (``_recompute_blocks``:
+    ``LayerCoefs.recompute_moments``); replayed here too they took the segment that trace's
+    recomputation leaves to the loss (Llama b1 s1024, offloaded activations, ga 2: +0.56 -> +6.25 %)."""
     casts = _linear_casts(q)
     one = getattr(parts, "whole", True)                           # (a derived layer's parts: several tensors)
     if casts is None:                                             # the copies as one block: several tensors
@@ -1993,9 +1997,9 @@ def _saved_and_casts(R: _Replay, q: Quantities, parts: list[int]) -> _Kept:
     copies: list = []
     done = 0
     held = None                                                   # the unsaved fp32 input being read
-    inputs = getattr(parts, "inputs", [])
+    unsaved = getattr(parts, "inputs", []) if inputs else []
     for i, ((pos, _w, _g), nbytes) in enumerate(zip(q.detail.layer.linears, casts)):
-        size, shared = inputs[i] if i < len(inputs) else (0, 0)
+        size, shared = unsaved[i] if i < len(unsaved) else (0, 0)
         if size and held is None:                                 # made before its half cast, the last saved
             cut = max(done, pos - 1)
             handles += R.allocs(parts[done:cut], one=one)
@@ -2097,7 +2101,7 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
     per_linear = _per_linear(q, kept, recompute)                  # the weights' gradients linear by linear
     if recompute == "full" and _recompute_casts(q):               # the checkpointed forward again, with
         redo = _sequence_forward(R, q, parts, keep=True) if getattr(parts, "events", ()) else \
-            _saved_and_casts(R, q, parts)                         # autocast's weight copies at its linears
+            _saved_and_casts(R, q, parts, inputs=False)           # autocast's weight copies at its linears
         R.frees([h for _at, h in R.carry])                        # (no next layer nor loss follows a recomputed one)
         R.carry = []
         kept, per_linear = _Kept(list(kept), redo.casts), True
