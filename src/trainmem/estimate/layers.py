@@ -97,6 +97,9 @@ class Recipe:
     # each linear in forward order: (saved tensors before its weight is cast under autocast, weight
     # elements, bytes per element of its weight's gradient, 0 for a frozen one) (``LayerCoefs.linears``)
     linears: list = field(default_factory=list)
+    # ... and the tensor each reads, where autocast saves a half cast of it instead (None: it saves
+    # the input itself, or the linear is frozen): ``LayerCoefs.linear_inputs``
+    linear_in: list = field(default_factory=list)
     # a checkpointed layer's recomputation (full recompute; ``Recipe.recompute_moment``): the tensors
     # packed so far (saved tensors and frozen weights' copies), the moments of the recomputed forward
     # (live bytes per token beyond the saved ones, saved bytes so far, packs so far, whether at a pack),
@@ -287,6 +290,7 @@ class Builder:
         in_features = xin.tok if in_features is None else in_features
         w = in_features * out
         self.r.linears.append((len(self.r.saved), w, self.p.weight))  # (under autocast, cast after its input)
+        self.r.linear_in.append(x if xin is not x else None)
         self._linear_backward(name, x, xin, out, w)
         self.r.weights += w
         rank = self.lora_rank_of(name)
@@ -340,6 +344,7 @@ class Builder:
         self.r.forward_only[id(x)] = x
         if not self.quant[0]:  # (a 4-bit weight is dequantized instead: ``dequantized``)
             self.r.linears.append((len(self.r.saved), (x.tok if in_features is None else in_features) * out, 0))
+            self.r.linear_in.append(None)
         # the first layer (Recipe.first_layer_unsaved): is this linear's input the grad-free one?
         free_in = not self.r.adapter_seen or x is self.r.free_input
         if free_in:
@@ -1117,6 +1122,12 @@ class LayerCoefs:
     # casts its weight, the weight's elements, bytes per element of its gradient (the weight's dtype;
     # 0: frozen)), for the allocator replay (reserved.py)
     linears: tuple[tuple[int, float, int], ...] = ()
+    # per linear (as ``linears``): the (per token, per token x key) bytes of the input it reads but does
+    # not save, autocast saving its half cast instead (a norm's fp32 output, GPT-2's fp32 GELU output),
+    # and 1 where the next linear reads the same tensor (Llama's q, k, v projections); (0, 0, 0) where
+    # the input is saved itself (``Recipe.linear_in``, ``linear_inputs``; the replay's
+    # ``reserved._saved_and_casts``); () where no recipe lists them (a derived layer)
+    linear_inputs: tuple[tuple[float, float, int], ...] = ()
     # a derived layer's forward one tensor at a time (``trace.derive._layer_sequence``): the tensors it
     # makes and frees within the forward, as ``tensors``, and the order of everything it makes ("s" the
     # next of ``tensors``, "c" the next linear's weight copy, "t" the next temporary, "fK" the K-th
@@ -1230,6 +1241,7 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
                       incoming=tuple(B.r.incoming) if any(B.r.incoming) else (),
                       after_frozen=after_frozen if any(after_frozen) else (),
                       first_adapter_op=B.r.first_adapter_op, linears=tuple(B.r.linears), adapters=len(B.lora),
+                      linear_inputs=linear_inputs(B.r),
                       recompute_moments=B.r.recompute_moments(tok, sq), fwd_scratch=B.r.fwd_scratch,
                       recompute_incoming=B.r.trigger[1] if B.r.trigger else 0.0,
                       op_tensors=tuple(t.bytes_coef() for t in op_checkpoint_kept(B.r)), held_b1=held_b1,
@@ -1288,6 +1300,29 @@ def op_checkpoint_saved(r: Recipe) -> tuple[float, float]:
     dispatcher, not ``_scaled_dot_product_attention_math``) are not on the list and are recomputed."""
     kept: dict[int, T] = {id(t): t for t in r.mm_outs[0::2] + r.sdpa_outs}
     return (sum(t.tok * t.nbytes for t in kept.values()), sum(t.sq * t.nbytes for t in kept.values()))
+
+
+def linear_inputs(r: Recipe) -> tuple[tuple[float, float, int], ...]:
+    """Per linear of a layer (``Recipe.linears``), the input it reads but autograd does not keep:
+    under autocast ``F.linear`` casts its fp32 input to the compute dtype and ``mm``/``addmm`` saves
+    that cast (``aten/src/ATen/autocast_mode.cpp``: ``linear`` on the lower-precision list, its
+    arguments cast; ``derivatives.yaml`` ``mm``: ``self`` saved for the weight's gradient), while the
+    fp32 input stays alive in the caller's frame until the linear has run (GPT-2's ``ln_1`` output,
+    held by ``GPT2Block.forward``'s ``hidden_states`` from L276 through ``self.attn`` until L285
+    rebinds it; its fp32 GELU output, held
+    by ``GPT2MLP.forward`` L242-243 until ``c_proj`` returns; transformers 5.24
+    ``models/gpt2/modeling_gpt2.py``). (bytes per token, per token x key, 1 where the next linear reads
+    the same tensor); (0, 0, 0) where the linear saves its input itself, the input is saved by
+    another op, or the linear is frozen. Without autocast, or in a half compute dtype, every entry is
+    (0, 0, 0)."""
+    out = []
+    for i, x in enumerate(r.linear_in):
+        if x is None or id(x) in r.saved:
+            out.append((0.0, 0.0, 0))
+            continue
+        shared = i + 1 < len(r.linear_in) and r.linear_in[i + 1] is x
+        out.append((*x.bytes_coef(), int(shared)))
+    return tuple(out) if any(a or b for a, b, _ in out) else ()
 
 
 def _gpt2_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: float, heads: float, kvh: float, sp_div: int) -> None:

@@ -406,6 +406,10 @@ class Quantities:
     chunk_head_grads: int = 0  # chunked output loss: the head's per-chunk weight gradients being summed
     # autocast, a trainable head: its weight gradient in the compute dtype (``head_weight_grad_half``)
     head_wgrad_half: int = 0
+    # 1: the head's output linear has a bias, so its backward computes the input's gradient before the
+    # weight's (``head_input_grad_first``; the replay's autograd workspace comes between them)
+    head_input_first: int = 0
+    head_side: tuple = ()  # bytes per token of each head-side saved tensor, in order (``head_side_tensors``)
     linear_replay: int = 0  # 1: the allocator replay makes each linear's blocks in turn (``per_linear_replay``)
     # ... and the bytes per logit element a final soft-cap's tanh saves (part of the derived head side),
     # freed chunk by chunk before that chunk's head backward (``softcap_saved``)
@@ -690,6 +694,42 @@ def _quant_head(m: ModelSpec, t: TrainingSpec) -> str:
     return "keeps" if t.bnb_saves_input else "none"
 
 
+def mlm_transform_tensors(h: int, pol: Policy, frozen: bool) -> tuple[float, ...]:
+    """Bytes per token of each tensor a masked LM's head transform saves, in forward order
+    (transformers 5.24 ``models/bert/modeling_bert.py`` ``BertPredictionHeadTransform.forward``:
+    ``dense``, ``transform_act_fn``, ``LayerNorm``): the dense's input (its half cast under autocast;
+    none for a frozen weight), the activation's input (the dense's output, compute dtype), the
+    LayerNorm's input (the activation's output, in the LayerNorm's dtype: fp32 under autocast) and
+    its fp32 mean and rstd (one each per token)."""
+    return (float(0 if frozen else h * pol.half), float(h * pol.half), float(h * pol.stream), float(F32), float(F32))
+
+
+def head_side_tensors(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) -> tuple[tuple[float, int], ...]:
+    """The head side's tensors one by one, in forward order, for the allocator replay
+    (``reserved._head_side``): (bytes per token, how long it lives: 0 saved for backward, 1 until
+    the next one is made, 2 until the logits are made). A masked LM's transform saves
+    ``mlm_transform_tensors`` and its decoder's half input (as ``_head_side`` counts them); under
+    autocast two more live in forward only: the activation's half output, until the LayerNorm has
+    cast it to fp32 (the LayerNorm saves that copy), and the LayerNorm's fp32 output, which the
+    decoder casts (and saves the cast) and which ``BertLMPredictionHead.forward`` holds until the
+    decoder returns (transformers 5.24 ``models/bert/modeling_bert.py`` L497-500; trace's op stream:
+    the activation's output freed after the fp32 cast, the LayerNorm's after the logits). ()
+    elsewhere: the replay keeps the head side as one block. Found by the agreement grid: BERT b4 s512
+    fp32 with bitsandbytes' paged 8-bit AdamW read -14.4 % below trace's peak reserved memory; as one
+    24 MiB block the transform's tensors opened a segment of their own whose hole then took autograd's
+    cuBLAS workspace, which trace places in a freed logits segment (where it stays, so trace's second
+    step opens one more)."""
+    if m.head != "masked-lm" or m.family == "derived" or not (t.pp == 1 or stage == "last"):
+        return ()
+    frozen = bool(t.lora_rank)
+    h = m.hidden_size
+    dense_in, dense_out, norm_in, mean, rstd = mlm_transform_tensors(h, pol, frozen)
+    temp = pol.amp and pol.half != pol.stream
+    out = [(dense_in, 0), (dense_out, 0)] + ([(float(h * pol.half), 1)] if temp else [])
+    out += [(norm_in, 0), (mean, 0), (rstd, 0)] + ([(float(h * pol.stream), 2)] if temp else [])
+    return tuple(out) + (() if frozen else ((float(h * pol.half), 0),))
+
+
 def _head_side(m: ModelSpec, pol: Policy, h: int, sp: int, fused: bool = False, quant_head: str = "",
                frozen: bool = False, head_adapted: bool = False, rms_input: bool = False,
                norm_fp32: bool = False, liger: bool = False
@@ -728,7 +768,7 @@ def _head_side(m: ModelSpec, pol: Policy, h: int, sp: int, fused: bool = False, 
             out.append(("final_norm", (h * pol.stream + 8) / sp, 0.0))
     if m.head == "masked-lm":
         # transform: dense (saves its input) + activation + LayerNorm, then the decoder's input
-        out.append(("mlm.transform", float(h * ((0 if frozen else pol.half) + pol.half + pol.stream) + 8), 0.0))
+        out.append(("mlm.transform", float(sum(mlm_transform_tensors(h, pol, frozen))), 0.0))
         if not frozen:
             out.append(("lm_head.input", float(h * pol.half), 0.0))
     elif m.head == "causal-lm" and quant_head:
@@ -3350,7 +3390,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         chunk_head_grads=chunk_head_grads(m, t, pol) if head_here else 0, ds_leaf_held=deepspeed_leaf_held(m, t, lc),
         transients=z3_leaf_grads_held(trans, deepspeed_leaf_held(m, t, lc)),
         fwd_temp=int(lc.fwd_const), fwd_temp_tok=lc.fwd_tok, fwd_scratch=int(lc.fwd_scratch), head_wgrad_half=head_weight_grad_half(m, t, cast_head),
-        **_head_dequant_fields(m, t, head_here),
+        **_head_dequant_fields(m, t, head_here), **_head_replay_fields(m, t, pol, stage),
         **_graph_held(t, lc.graph_held, checkpointed, layers), **fsdp,
         **_derived_outer_fields(m, t, stage),
         lower_layers=lower, above_bottom=above_bottom, above_decoder_bottom=above_decoder_bottom,
@@ -3971,6 +4011,30 @@ def head_weight_grad_half(m: ModelSpec, t: TrainingSpec, cast_head: int) -> int:
     if not cast_head or t.lora_rank or t.loss_chunks > 1 or t.compile or not per_linear_replay(t):
         return 0
     return cast_head
+
+
+def _head_replay_fields(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) -> dict[str, Any]:
+    """The ``Quantities`` fields only the allocator replay reads about the head: whether its backward
+    makes the input's gradient first (``head_input_grad_first``) and its side's tensors one by one
+    (``head_side_tensors``)."""
+    return {"head_input_first": int(head_input_grad_first(m)), "head_side": head_side_tensors(m, t, pol, stage)}
+
+
+def head_input_grad_first(m: ModelSpec) -> bool:
+    """Whether the head's output linear has a bias, so that its backward computes the gradient of its
+    input before the weight's: ``F.linear`` with a bias runs ``addmm``, whose ``AddmmBackward0`` makes
+    ``mat1``'s gradient (the input's, ``grad @ weight``) first and then ``mat2``'s (the weight's,
+    ``tools/autograd/derivatives.yaml`` ``addmm``: ``self``, ``mat1``, ``mat2`` in that order); without
+    one it runs ``mm`` and ``MmBackward0`` makes the weight's first (torch 2.13.0, the backward's
+    ``aten.mm`` calls logged under a ``TorchDispatchMode``: ``nn.Linear(8, 50)`` on a (2, 5, 8) input
+    gives the (10, 8) input gradient before the (50, 8) weight gradient; with ``bias=False`` the
+    other way round; trace's op stream alike). The first cuBLAS call of autograd's thread binds its
+    workspace (``reserved._head_backward``), so with a bias the workspace is made before the
+    (vocab, hidden) weight gradient. The heads with a bias (``spec.architectures._head``): a masked
+    LM's decoder (transformers 5.24 ``models/bert/modeling_bert.py`` L494 ``nn.Linear(hidden_size,
+    vocab_size, bias=True)``, run at L499), extractive QA's ``qa_outputs``, and BERT's and the
+    pre-norm RoBERTa's sequence classifiers; a causal LM's ``lm_head`` and a decoder's ``score`` have none."""
+    return m.head in ("masked-lm", "qa") or (m.head == "seq-cls" and m.family in ("bert", "roberta-prenorm"))
 
 
 def head_casts(m: ModelSpec, t: TrainingSpec) -> int:

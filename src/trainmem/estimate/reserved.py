@@ -16,9 +16,11 @@ runs it through the same simulator as ``trace`` (``trainmem.allocator.CachingAll
   (``quantities.held_embeddings``, freed before the head), the embeddings' saved tensors, per layer
   FSDP's gathered parameters, the tensors autograd saves (``LayerCoefs.tensors``, one block each)
   with autocast's half copy of each linear's weight made between them where its linear runs
-  (``LayerCoefs.linears``) or, under recomputation, the kept input with the layer's tensors made and
+  (``LayerCoefs.linears``) and the fp32 input it casts and does not save alive until then
+  (``LayerCoefs.linear_inputs``) or, under recomputation, the kept input with the layer's tensors made and
   freed again (under full recomputation with autocast one after another, the copies kept in
-  autocast's cache until the loss: ``_checkpointed``); the head's input and half copy, the logits,
+  autocast's cache until the loss: ``_checkpointed``); the head side's tensors (a masked LM's one by
+  one, ``quantities.head_side_tensors``), the head's half copy, the logits,
   the loss's transient and saved tensors; backward: the loss
   gradients, the head's weight gradient (under autocast its half form first), a tied head's part,
   the untied head's and final norm's gradients, per layer (last first) the recomputed tensors, the
@@ -657,7 +659,8 @@ def _varying_steps(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, steps:
         _optimizer_step(R, s, q, flags, s.step, temp_copies)
 
 
-def _logit_tensors(total: int, per_elem: int, elems: int, chunks: int = 1, elem: int = 4) -> list[int]:
+def _logit_tensors(total: int, per_elem: int, elems: int, chunks: int = 1, elem: int = 4,
+                   half_first: bool = False) -> list[int]:
     """A logits-sized term as the tensors it is made of: ``per_elem`` bytes per logit element are
     tensors of ``elem`` bytes per element (fp32, or the half dtype of a loss run in it without
     autocast: ``LossBytes.elem``, where ``nll_loss_backward`` and ``_log_softmax_backward_data`` make
@@ -666,13 +669,18 @@ def _logit_tensors(total: int, per_elem: int, elems: int, chunks: int = 1, elem:
     gradients), or ``chunks`` tensors each under a chunked loss (torchtune's ``CEWithChunkedOutputLoss``
     and litgpt's ``chunked_cross_entropy`` keep a list of per-chunk logits); what is left of ``total``
     (one chunk's transient tensors, per-token terms) is one more block, several tensors
-    (``_Sizes.whole`` counts the whole tensors before it; ``_logit_allocs``)."""
+    (``_Sizes.whole`` counts the whole tensors before it; ``_logit_allocs``). The fp32 tensors come
+    first, unless ``half_first``: the loss's saved tensors on half logits under autocast, where
+    ``log_softmax`` (no autocast rule) saves its half output before ``nll_loss`` (autocast's fp32
+    list, ``aten/src/ATen/autocast_mode.cpp``) casts it to fp32 and saves the copy
+    (``quantities._eager_loss_bytes``; trace's op stream: ``_log_softmax`` then ``_to_copy``)."""
     per_elem, part = int(per_elem), -(-elems // chunks)
     if elem != 4:
         sizes = [part * elem] * (chunks * (per_elem // elem))
         rest = int(total) - elems * (per_elem // elem) * elem
     else:
-        sizes = [part * 4] * (chunks * (per_elem // 4)) + [part * 2] * (chunks * ((per_elem % 4) // 2))
+        fp32, half = [part * 4] * (chunks * (per_elem // 4)), [part * 2] * (chunks * ((per_elem % 4) // 2))
+        sizes = half + fp32 if half_first else fp32 + half
         sizes += [part] * (chunks * (per_elem % 2))
         rest = int(total) - elems * per_elem
     return _Sizes(sizes + [rest] if rest > 0 else sizes, len(sizes))
@@ -698,6 +706,8 @@ class _Parts(list):
     and frees in its forward (``LayerCoefs.fwd_free``). ``whole``: each is one tensor (else a derived
     layer's saved bytes by module and op, several tensors each: ``_layer_parts``)."""
 
+    inputs: list = []   # per linear: (bytes of the input it reads unsaved, shared with the next) (``LayerCoefs.linear_inputs``)
+
     def __init__(self, saved: Any, forward_only: list[int], op: list[int] | None = None,
                  temps: list[int] | None = None, events: tuple[str, ...] = (),
                  nograd: list[int] | None = None, nograd_events: tuple[str, ...] = (), whole: bool = True,
@@ -721,12 +731,14 @@ def _layer_parts(q: Quantities, n: int, nsq: int) -> _Parts:
     parts, one block each: the saved bytes of a module and op summed over its tensors (and averaged
     over the layer kinds of a model that mixes them, ``derived.layer_coefs``), so not ``whole``."""
     lc = q.detail.layer
-    return _Parts((int(a * n + b * nsq) for a, b in (lc.tensors or [(a, b) for _name, a, b in lc.parts])),
+    p = _Parts((int(a * n + b * nsq) for a, b in (lc.tensors or [(a, b) for _name, a, b in lc.parts])),
                   [int(a * n + b * nsq) for a, b in lc.fwd_free],
                   [int(a * n + b * nsq) for a, b in lc.op_tensors],
                   [int(a * n + b * nsq) for a, b in lc.fwd_temps], lc.fwd_events,
                   [int(a * n + c) for a, c in zip(lc.nograd_temps, lc.nograd_const or [0.0] * len(lc.nograd_temps))],
                   lc.nograd_events, whole=bool(lc.tensors), bwd=_backward_record(lc, n, nsq))
+    p.inputs = [(int(a * n + b * nsq), shared) for a, b, shared in lc.linear_inputs]   # (``_saved_and_casts``)
+    return p
 
 
 @dataclass
@@ -820,12 +832,13 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
                              cached, suffix)
     z3.forward_end(R)                                             # ZeRO-3: the final norm's and the head's fetches
     root = root + fs.unshard(R, q.fsdp_head_unit, st.head_unit_tensors)  # split root: [norm, head] kept
-    head = [R.alloc(tk.outer_head, one=False)]                    # the final norm's tensors, the head's input
+    head, late = _head_side(R, q, tk)                             # the final norm's tensors, the head's input
     R.free(embeds)                                                # the base model returns (held_embeddings)
     head.append(R.alloc(q.cast_head))                             # autocast's half copy of the head
     # a chunked loss: one tensor per chunk, at most one chunk per token (more are not made: setup_warnings)
     chunks = max(1, min(int(q.logit_chunks), int(tk.tokens))) if q.liger_factor == 0 else 1
     out = _logit_allocs(R, _logit_tensors(tk.out_logits, q.logits_out, full, chunks))  # (b, s, vocab) logits
+    R.frees(late)                                                 # the head's input, once its matmul has run
     if q.logits_cast:  # --cast-output: Fabric's fp32 copies, made while the half output is alive
         cast = _logit_allocs(R, _logit_tensors(tk.cast_logits, q.logits_cast, full, chunks))
         R.frees(out)
@@ -846,6 +859,27 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
         out = []
     root = _forward_end(R, s, q, fs, root, suffix)
     return _Forward(inputs, fs, root, emb, kept, head, out, saved, full, chunks, gathered, _shifted(q, full, seqs), z3)
+
+
+def _head_side(R: _Replay, q: Quantities, tk: Tokens) -> tuple[list, list]:
+    """The head side's saved tensors (``tk.outer_head`` bytes) and, apart, those freed once the logits
+    are made. One block each where the estimate knows them one by one (``quantities.head_side_tensors``:
+    a masked LM's transform and decoder input, with autocast's forward-only copies), what is left of
+    ``tk.outer_head`` beside the saved ones as one more; else one block (several tensors)."""
+    sizes = [(int(x * tk.tokens), held) for x, held in q.head_side]
+    rest = int(tk.outer_head) - sum(x for x, held in sizes if held == 0)
+    if not sizes or rest < 0:
+        return [R.alloc(tk.outer_head, one=False)], []
+    kept: list = []
+    late: list = []
+    temp = None                                                   # freed once the next tensor is made
+    for nbytes, held in sizes:
+        h = R.alloc(nbytes)
+        R.free(temp)
+        temp = h if held == 1 else None
+        (kept if held == 0 else late if held == 2 else []).append(h)
+    R.free(temp)
+    return kept + [R.alloc(rest, one=False)], late
 
 
 def _forward_end(R: _Replay, s: _Step, q: Quantities, fs: "_Fsdp", root: list, suffix: str) -> list:
@@ -898,7 +932,8 @@ def _loss_forward(R: _Replay, q: Quantities, tk: Tokens, flags: StepFlags, out: 
             saved = out + R.allocs([int(tk.loss_saved) - full * q.loss_saved], one=False)  # per-token
             out = []
         else:
-            saved = _logit_allocs(R, _logit_tensors(tk.loss_saved, q.loss_saved, full, chunks, q.loss_elem))  # logps
+            saved = _logit_allocs(R, _logit_tensors(tk.loss_saved, q.loss_saved, full, chunks, q.loss_elem,
+                                                    half_first=True))  # logps (half), then nll_loss's fp32 copy
     return fwd, saved, out
 
 
@@ -1367,15 +1402,17 @@ def _head_backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, f: _Fo
     """The head's matmuls' backward: the weight's gradient (under autocast first in the compute dtype,
     ``quantities.head_weight_grad_half``, then cast to fp32 once the logits' gradient, the head's
     input and its half copy are freed), the cuBLAS workspace of autograd's thread at its first
-    matmul: after the weight's gradient (or its half copy) under torch's own linear, before it under
-    DeepSpeed ZeRO-3's ``zero3_linear_wrap``, whose backward runs the input's gradient matmul first
+    matmul: after the weight's gradient (or its half copy) under torch's own bias-free linear
+    (``MmBackward0``), before it under a head with a bias (``AddmmBackward0``: the input's gradient
+    first, ``quantities.head_input_grad_first``; BERT's masked-LM decoder) and under DeepSpeed
+    ZeRO-3's ``zero3_linear_wrap``, whose backward runs the input's gradient matmul first
     (``quantities.deepspeed_linear_wrap``; v0.19.8 ``zero/linear.py`` L125-134). The gradient is a
     tied head's part, waiting in the embedding's input buffer (``q.tied_grad``), FSDP's unsharded
     head gradients, or, outside FSDP, the ``.grad`` of an untied head, made here with the final
     norm's (autograd's order: the head is back-propagated first). Returns (FSDP's unsharded head
     gradients, the tied part)."""
     st = q.detail.states
-    if q.ds_linear_wrap:                                          # grad_output.matmul(weight) first: the
+    if q.ds_linear_wrap or q.head_input_first:                    # grad_output.matmul(weight) first: the
         s.workspace(R, 1)                                         # workspace before the weight's gradient
     half = R.alloc(q.head_wgrad_half)                             # (vocab, hidden) in the compute dtype
     # DeepSpeed ZeRO-3: the untied head's whole weight gradient, (vocab, hidden) in the engine's dtype, as
@@ -1399,7 +1436,7 @@ def _head_backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, f: _Fo
         return made
     made = gradients() if half is None else None                  # the matmul's output is the gradient
     s.workspace(R, 1)                                             # after the head's first backward matmul
-    #                                                               (already made under ``ds_linear_wrap``)
+    #                                                               (already made under ``ds_linear_wrap``, a bias)
     R.frees(dlogits + f.head)
     R.free(wgrad)
     if half is not None:
@@ -2169,9 +2206,20 @@ def _linear_casts(q: Quantities) -> list[int] | None:
     return casts if sum(casts) == q.cast_layer else None
 
 
-def _saved_and_casts(R: _Replay, q: Quantities, parts: list[int]) -> _Kept:
+def _saved_and_casts(R: _Replay, q: Quantities, parts: list[int], inputs: bool = True) -> _Kept:
     """One layer's forward without recomputation: the tensors it saves, in order, with autocast's
-    weight copies made between them at their linears (``_linear_casts``; else one block after them)."""
+    weight copies made between them at their linears (``_linear_casts``; else one block after them).
+    A linear's fp32 input that autocast casts and does not save (``layers.linear_inputs``: a norm's
+    output, GPT-2's GELU output) is alive from before its saved half cast (the last tensor saved
+    before the linear) until the weight of the last linear reading it is cast, where its matmul
+    runs. Without it the replay of GPT-2 (2 layers, b1 s1024, bf16-amp) lacked the fp32 GELU output
+    (12 MiB) beside ``c_proj``'s weight copy, so trace's 20 MiB segment for that copy, which later
+    holds autograd's cuBLAS workspace, was never opened and the workspace split a logits segment for
+    good: +18.5 % over trace's peak reserved memory (docs/agreement.md, reserved section).
+    ``inputs`` False: a checkpointed layer's recomputation in backward (``_layer_backward``), whose
+    frames' unsaved tensors, these inputs among them, are replayed apart (``_recompute_blocks``:
+    ``LayerCoefs.recompute_moments``); replayed here too they took the segment that trace's
+    recomputation leaves to the loss (Llama b1 s1024, offloaded activations, ga 2: +0.56 -> +6.25 %)."""
     casts = _linear_casts(q)
     one = getattr(parts, "whole", True)                           # (a derived layer's parts: several tensors)
     if casts is None:                                             # the copies as one block: several tensors
@@ -2179,10 +2227,22 @@ def _saved_and_casts(R: _Replay, q: Quantities, parts: list[int]) -> _Kept:
     handles: list = []
     copies: list = []
     done = 0
-    for (pos, _w, _g), nbytes in zip(q.detail.layer.linears, casts):
+    held = None                                                   # the unsaved fp32 input being read
+    unsaved = getattr(parts, "inputs", []) if inputs else []
+    for i, ((pos, _w, _g), nbytes) in enumerate(zip(q.detail.layer.linears, casts)):
+        size, shared = unsaved[i] if i < len(unsaved) else (0, 0)
+        if size and held is None:                                 # made before its half cast, the last saved
+            cut = max(done, pos - 1)
+            handles += R.allocs(parts[done:cut], one=one)
+            done = cut
+            held = R.alloc(size)
         handles += R.allocs(parts[done:pos], one=one)             # saved before this linear's weight cast
         done = max(done, pos)
         copies.append(R.alloc(nbytes))                            # (out, in) in bf16/fp16
+        if held is not None and not shared:                       # its last linear has run
+            R.free(held)
+            held = None
+    R.free(held)
     return _Kept(handles + R.allocs(parts[done:], one=one), copies)
 
 
@@ -2272,7 +2332,7 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
     per_linear = _per_linear(q, kept, recompute)                  # the weights' gradients linear by linear
     if recompute == "full" and _recompute_casts(q):               # the checkpointed forward again, with
         redo = _sequence_forward(R, q, parts, keep=True) if getattr(parts, "events", ()) else \
-            _saved_and_casts(R, q, parts)                         # autocast's weight copies at its linears
+            _saved_and_casts(R, q, parts, inputs=False)           # autocast's weight copies at its linears
         R.frees([h for _at, h in R.carry])                        # (no next layer nor loss follows a recomputed one)
         R.carry = []
         kept, per_linear = _Kept(list(kept), redo.casts), True
