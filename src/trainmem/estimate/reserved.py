@@ -790,7 +790,8 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     elif s.ddp is not None and (s.step > 1 or (s.forwards and not flags.pipe_out)):
         _ddp_rebuild(R, s, st)                                    # DDP's _pre_forward rebuilds its buckets
     fs = _Fsdp(q.fsdp_ag_result > 0, _fsdp_streams(q), lag=R.lag, rs_side=q.fsdp_rs_side > 0,
-               adapters=q.fsdp1_adapter_units, recomputed=recompute != "none", host=q.fsdp1_host_shards)
+               adapters=q.fsdp1_adapter_units, recomputed=recompute != "none", host=q.fsdp1_host_shards,
+               grad_op=q.gathered_layer > 0)
     root = fs.unshard(R, q.fsdp_root, st.root_tensors)            # FSDP: the root unit gathered
     # torchtitan's split root (quantities.fsdp2_split_root): the embedding unit gathered, resharded
     # by its post-forward (its all-gather output kept until the first layer's copy-out)
@@ -1560,6 +1561,8 @@ class _Fsdp:
     adapters: int = 0          # FSDP1, LoRA units of their own: a layer's adapter units (``adapter_units``)
     recomputed: bool = False   # ... whose forward runs again in the layer's recomputation
     host: int = 0              # FSDP1 parameter offload: the ranks a unit is sharded over (``fsdp1_host_shards``)
+    grad_op: bool = False      # SHARD_GRAD_OP / reshard_after_forward=False: each layer kept gathered (``gathered``)
+    gathered: list = field(default_factory=list)  # grad-op: each layer's gathered parameters, bottom first
 
     @property
     def grad_stream(self) -> int:
@@ -1937,7 +1940,7 @@ def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: _Parts, tk: Toke
     (the workspace's segment took the copied-out weights trace places elsewhere, and by the second
     step the top layer's kept output sat in a free fp32-logits segment, so the loss backward opened
     a fourth; docs/validation.md ``ckout``, tests/test_workspace_order.py)."""
-    params = fs.unshard(R, q.fsdp_layer_buf, q.detail.states.layer_tensors)  # FSDP: this layer gathered
+    params = fs.unshard(R, _layer_gather(q, fs), q.detail.states.layer_tensors)  # FSDP: this layer gathered
     if s is not None:
         s.workspace(R, 0)                                         # the first layer's first matmul
     fs.adapter_units(R, fs.adapters)                              # FSDP1: its LoRA units' forward
@@ -1956,11 +1959,29 @@ def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: _Parts, tk: Toke
         # gathered weights its saved views keep, made on the all-gather stream under overlap_comm (the
         # ``torch.cat`` of ``AllGatherCoalescedHandle.wait`` in ``fetch_sub_module``'s stream context)
         kept.append(R.alloc(q.ds_linear_kept, GATHER_STREAM * q.ds_streams))  # (quantities.deepspeed_linear_kept)
-    if keep:
+    if fs.grad_op:
+        fs.gathered.append(params)                                # grad-op: kept until its post-backward
+    elif keep:
         fs.last = params                                          # not resharded after forward
     else:
         fs.reshard(R, params)                                     # resharded after forward
     return kept
+
+
+def _layer_gather(q: Quantities, fs: _Fsdp) -> int:
+    """Bytes of one layer's unshard in forward (``_Fsdp.unshard``'s ``flat``): the all-gather buffer
+    under full / hybrid sharding (``fsdp_layer_buf``); under SHARD_GRAD_OP (FSDP2
+    ``reshard_after_forward=False``), where ``fsdp_layer_buf`` is 0 because nothing more is gathered in
+    backward, the same unshard at the layer's forward: FSDP2's flat all-gather output
+    (``fsdp_ag_result``, the parameters then copied out of it), FSDP1's unsharded flat parameter
+    (``gathered_layer``). torch 2.13 ``fsdp/_runtime_utils.py`` ``_pre_forward_unshard`` L440-460
+    unshards every strategy; ``_post_forward_reshard`` L478-497 reshards only
+    ``RESHARD_AFTER_FORWARD_HANDLE_STRATEGIES`` (not SHARD_GRAD_OP); ``_fully_shard/_fsdp_param_group.py``
+    ``post_forward`` reshards only with ``reshard_after_forward``. They stay gathered until the layer's
+    post-backward reshards it (``_layer_backward``)."""
+    if q.fsdp_layer_buf > 0 or not fs.grad_op:
+        return q.fsdp_layer_buf
+    return q.fsdp_ag_result if fs.v2 else q.gathered_layer
 
 
 def _checkpointed(R: _Replay, q: Quantities, parts: list[int], recompute: str, late: list | None = None) -> list:
@@ -2265,7 +2286,9 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
     its tensors as recorded, ``_recorded_backward``, which frees its saved tensors and ``below``'s, the layer
     below's, where the trace did), the gradients, then its tensors freed."""
     st = q.detail.states
-    if fs.last:                                                   # kept gathered since its forward
+    if fs.grad_op and fs.gathered:                                # grad-op: gathered since its forward; the
+        params = fs.gathered.pop()                                # pre-backward unshard finds it so
+    elif fs.last:                                                 # kept gathered since its forward
         params, fs.last = fs.last, []
     else:  # FSDP: gathered again (FSDP2: and the layer below prefetched)
         params = fs.unshard_backward(R, q.fsdp_layer_buf, st.layer_tensors, prefetch=i > 0)
