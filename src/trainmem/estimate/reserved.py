@@ -1226,10 +1226,12 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     emb_full = R.alloc(st.emb_grads_full)                         # FSDP: the embedding's unsharded gradient
     if tied is not None and not _fsdp(q):                         # the embedding's own gradient added to
         tied = _tied_embedding_sum(R, s, q, flags, tied)          # the head's
-    if tied is not None and _root_resharded(q, f.fs):             # FSDP2, a tied head: the embedding's own
+    if tied is not None and f.fs.v2:                              # FSDP2, a tied head: the embedding's own
         emb_out = R.alloc(q.tied_grad)                            # gradient, then autograd's InputBuffer adds
         acc = R.alloc(q.tied_grad)                                # it to the head's into a new tensor, the
-        R.frees([tied, emb_out])                                  # unsharded gradient reduce-scattered
+        R.frees([tied, emb_out])                                  # unsharded gradient reduce-scattered (the
+        #                                                           root resharded after forward or kept gathered:
+        #                                                           grad-op, trace's Gemma-2 b4 s512 dp 4)
         tied = None
         emb_full = acc if emb_full is None else emb_full
     f.fs.reduce(R, [head_full, emb_full],                         # the root's reduce-scatter input
