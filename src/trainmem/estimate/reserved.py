@@ -1160,6 +1160,21 @@ def _logps_backward(R: _Replay, f: _Forward, n: int, nsq: int) -> Any:
     return full
 
 
+def _root_reduce_input(q: Quantities, fs: "_Fsdp") -> int:
+    """Bytes of the root unit's reduce input at the end of backward, made while its unsharded gradients
+    (``_Fsdp.reduce``'s ``grads``) are alive: FSDP2's flat reduce-scatter input (``fsdp_root_rs``, else
+    the unsharded gradients in the reduce dtype); FSDP1's flat gradient, ``SplitWithSizesBackward0``'s
+    ``torch.cat`` of the root's view gradients (``quantities.fsdp1_root_flat_gradient``: the whole root
+    flat parameter, also where a tied head's gradient is the embedding's, whose ``head_grads_full`` and
+    ``emb_grads_full`` are 0: trace, Gemma-2 FSDP1 dp 4, makes the 2,250 MiB cat after the tied sum,
+    torch 2.13 ``fsdp/_flat_param.py`` ``_use_unsharded_views`` L1900-1960 makes the root's parameters
+    views of the flat parameter)."""
+    st = q.detail.states
+    if not fs.v2 and q.fsdp1_root_flat:
+        return q.fsdp1_root_flat
+    return q.fsdp_root_rs or (st.head_grads_full + st.emb_grads_full) * fs.rs_factor(q)
+
+
 def _root_resharded(q: Quantities, fs: "_Fsdp") -> bool:
     """FSDP2 reshards the root unit when its forward returns and gathers it again at its pre-backward
     (``quantities.root_resharded_for_loss``): under ``--fsdp full``/``hybrid``, not grad-op."""
@@ -1226,16 +1241,15 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     emb_full = R.alloc(st.emb_grads_full)                         # FSDP: the embedding's unsharded gradient
     if tied is not None and not _fsdp(q):                         # the embedding's own gradient added to
         tied = _tied_embedding_sum(R, s, q, flags, tied)          # the head's
-    if tied is not None and f.fs.v2:                              # FSDP2, a tied head: the embedding's own
+    if tied is not None and (f.fs.v2 or q.fsdp1_root_flat):      # FSDP, a tied head: the embedding's own
         emb_out = R.alloc(q.tied_grad)                            # gradient, then autograd's InputBuffer adds
         acc = R.alloc(q.tied_grad)                                # it to the head's into a new tensor, the
-        R.frees([tied, emb_out])                                  # unsharded gradient reduce-scattered (the
+        R.frees([tied, emb_out])                                  # unsharded gradient reduce-scattered (FSDP2's
         #                                                           root resharded after forward or kept gathered:
-        #                                                           grad-op, trace's Gemma-2 b4 s512 dp 4)
-        tied = None
+        #                                                           grad-op, trace's Gemma-2 b4 s512 dp 4); FSDP1's
+        tied = None                                               # view gradient, concatenated below
         emb_full = acc if emb_full is None else emb_full
-    f.fs.reduce(R, [head_full, emb_full],                         # the root's reduce-scatter input
-                q.fsdp_root_rs or (st.head_grads_full + st.emb_grads_full) * f.fs.rs_factor(q))
+    f.fs.reduce(R, [head_full, emb_full], _root_reduce_input(q, f.fs))
     _make_grads(R, s, st.trainables, ("before",) if q.fsdp_head_unit else ("after", "before"), flags.oib,
                 f.fs.grad_stream)                                 # head, norm, embeddings
     f.fs.reduced(R)                                               # torch < 2.5: the input dropped on return
