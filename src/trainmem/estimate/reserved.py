@@ -1216,7 +1216,7 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     #                                                               the next hook: deepspeed_offload_check_head)
     if q.fsdp_head_unit:                                          # ... and its post-backward reduces the
         f.fs.post_backward(R, f.root, [head_full], q.fsdp_head_rs)  # head's gradients (fsdp2_split_root)
-        _make_grads(R, s, st.trainables, ("after",), flags.oib, f.fs.grad_stream)
+        _make_grads(R, s, st.trainables, ("after",), flags.oib, f.fs.grad_stream, flat=f.fs.v2)
         head_full, f.root = None, []
         f.fs.below_first = q.fsdp_emb_unit                        # the first layer prefetches the embedding
     for i in reversed(range(q.layers)):
@@ -1251,7 +1251,7 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
         emb_full = acc if emb_full is None else emb_full
     f.fs.reduce(R, [head_full, emb_full], _root_reduce_input(q, f.fs))
     _make_grads(R, s, st.trainables, ("before",) if q.fsdp_head_unit else ("after", "before"), flags.oib,
-                f.fs.grad_stream)                                 # head, norm, embeddings
+                f.fs.grad_stream, flat=f.fs.v2)                   # head, norm, embeddings
     f.fs.reduced(R)                                               # torch < 2.5: the input dropped on return
     if suffix != ".micro1":                                       # ZeRO-1/2 offloading, at the boundary:
         _offload_epilogue(R, q)                                   # each of rank 0's gradients' copies
@@ -2346,7 +2346,7 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
     elif st.layer_grads_full:                                     # FSDP1 without a hook of its own
         fs.reduce(R, [R.alloc(st.layer_grads_full)], q.fsdp_rs_buf or st.layer_grads_full)
     made = _linears_backward(R, s, q, kept, where, oib) if per_linear else pre
-    _make_grads(R, s, st.trainables, where, oib, fs.grad_stream, made)
+    _make_grads(R, s, st.trainables, where, oib, fs.grad_stream, made, flat=fs.v2)
     fs.reduced(R)                                                 # FSDP2 < 2.5: its reduce-scatter input dropped
     R.free(tr)
     R.frees(held)
@@ -2602,11 +2602,14 @@ class _Fsdp1Lag:
 
 
 def _make_grads(R: _Replay, s: _Step, trainables: tuple, where: tuple[str, ...], oib: bool = False,
-                stream: int = 0, made: set | frozenset = frozenset()) -> None:
+                stream: int = 0, made: set | frozenset = frozenset(), flat: bool = False) -> None:
     """Allocate the gradients that do not exist yet of the trainable tensors placed at one of
     ``where`` (one copy of a per-layer tensor per call: the layer being back-propagated; ``made``:
     those whose copy this layer made already), on ``stream`` (FSDP's sharded gradients: its
-    reduce-scatter stream)."""
+    reduce-scatter stream); ``flat``: FSDP2's, one block per unit (``_flat_grads``)."""
+    if flat and not oib:
+        _flat_grads(R, s, trainables, [j for j in _placed(trainables, where) if j not in made], stream)
+        return
     for j in _placed(trainables, where):
         if j not in made:
             _grad_of(R, s, trainables, j, oib, stream)
@@ -2626,6 +2629,34 @@ def _accumulated(R: _Replay, s: _Step, trainables: tuple, where: tuple[str, ...]
         if s.grads.get((j, 0)) is not None:
             out.append(R.alloc(trainables[j][2]))
     return out
+
+
+def _flat_grads(R: _Replay, s: _Step, trainables: tuple, js: list[int], stream: int) -> None:
+    """FSDP2's sharded gradients of one unit (trainable tensors ``js``): ``foreach_reduce`` allocates
+    one flat reduce-scatter output for the whole unit on its reduce-scatter stream and the sharded
+    gradients are views of it (torch 2.13 ``_fully_shard/_fsdp_collectives.py`` ``foreach_reduce``:
+    ``reduce_output = reduce_scatter_input.new_empty((reduce_scatter_output_numel,))`` inside the
+    reduce-scatter stream's context, ``_get_sharded_grads`` / ``torch.as_strided`` views): one block,
+    freed when every view is (``zero_grad(set_to_none=True)`` frees them together; the block is
+    kept under the first tensor's key, the others' None). Where the unit's gradients exist already
+    (``zero_grad(set_to_none=False)``, an earlier micro-batch's), the new output is made all the same
+    and added into them (``sharded_param.grad._local_tensor += new_sharded_grad``), then dropped.
+    Trace (Phi-3 FSDP2 bf16-mp, ``--zero-grad zeros``) opens a segment of a layer's flat output in
+    the second step's backward, which per-tensor gradients that already exist did not."""
+    new, total = [], 0
+    for j in js:
+        _w, k, g, _sts, _m = trainables[j]
+        copy = s.made.get(j, 0) if _w == "layer" else 0
+        total += g                                                # (this layer's copy: one per call)
+        if copy < k and (j, copy) not in s.grads:
+            new.append((j, copy))
+    if not new:                                                   # accumulated into: made and dropped
+        R.free(R.alloc(total, stream, one=False))
+        return
+    h = R.alloc(total, stream)                                    # (unit's shard numel,) reduce dtype
+    for n, (j, copy) in enumerate(new):
+        s.made[j] = copy + 1
+        s.grads[(j, copy)] = h if n == 0 else None
 
 
 def _grad_of(R: _Replay, s: _Step, trainables: tuple, j: int, oib: bool = False, stream: int = 0) -> None:
