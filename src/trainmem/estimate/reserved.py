@@ -796,7 +796,7 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
         _ddp_rebuild(R, s, st)                                    # DDP's _pre_forward rebuilds its buckets
     fs = _Fsdp(q.fsdp_ag_result > 0, _fsdp_streams(q), lag=R.lag, rs_side=q.fsdp_rs_side > 0,
                adapters=q.fsdp1_adapter_units, recomputed=recompute != "none", host=q.fsdp1_host_shards,
-               grad_op=q.gathered_layer > 0)
+               grad_op=q.gathered_layer > 0, cast_shards=q.fsdp2_cast_shards)
     root = fs.unshard(R, q.fsdp_root, st.root_tensors)            # FSDP: the root unit gathered
     # torchtitan's split root (quantities.fsdp2_split_root): the embedding unit gathered, resharded
     # by its post-forward (its all-gather output kept until the first layer's copy-out)
@@ -1213,7 +1213,7 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
         f.z3.backward_start(R)
     dlogits = _loss_gradient(R, q, tk, f, n, nsq, head)
     if q.fsdp_head_pref:                                          # split root: the head's pre-backward
-        f.fs.prefetched = R.alloc(q.fsdp_head_pref, f.fs.streams[0])  # prefetches the top layer
+        f.fs.prefetched = f.fs.gather_output(R, q.fsdp_head_pref)  # prefetches the top layer
     head_full, tied = _head_backward(R, s, q, flags, f, dlogits) if head else (None, None)
     buckets += _ds_buckets(R, q, at_start=False)                  # ... from v0.18.3, at the first hook
     if q.ds_head_check and suffix != ".micro1":                   # DeepSpeed ZeRO-1/2 offloaded: the untied
@@ -1304,7 +1304,7 @@ def _loss_gradient(R: _Replay, q: Quantities, tk: Tokens, f: _Forward, n: int, n
     st = q.detail.states
     early = q.fsdp_loss_buf > 0 and not q.fsdp_head_pref          # the model's own loss, one root unit
     if early and f.fs.v2 and f.fs.prefetched is None:             # FSDP2: the top layer's all-gather output
-        f.fs.prefetched = R.alloc(q.fsdp_layer_buf, f.fs.streams[0])
+        f.fs.prefetched = f.fs.gather_output(R, q.fsdp_layer_buf)
     elif early:
         f.fs.root_pre_backward(R, q.fsdp_layer_buf)               # FSDP1: the top layer prefetched first
     dlogits = _loss_backward(R, q, tk, f, n, nsq) if head else []
@@ -1582,6 +1582,7 @@ class _Fsdp:
     adapters: int = 0          # FSDP1, LoRA units of their own: a layer's adapter units (``adapter_units``)
     recomputed: bool = False   # ... whose forward runs again in the layer's recomputation
     host: int = 0              # FSDP1 parameter offload: the ranks a unit is sharded over (``fsdp1_host_shards``)
+    cast_shards: int = 0       # FSDP2 under bf16-mp: the ranks a unit is sharded over (``unshard``'s cast input)
     grad_op: bool = False      # SHARD_GRAD_OP / reshard_after_forward=False: each layer kept gathered (``gathered``)
     gathered: list = field(default_factory=list)  # grad-op: each layer's gathered parameters, bottom first
 
@@ -1605,7 +1606,7 @@ class _Fsdp:
             out = [R.alloc(flat, self.streams[0])]                # FSDP1's unsharded flat parameter
             R.free(copy)
             return out
-        ag = R.alloc(flat, self.streams[0])                       # the all-gather output, flat
+        ag = self.gather_output(R, flat)                          # the all-gather output, flat
         R.free(self.ag)
         self.ag = ag
         params = R.allocs(tensors)                                # each parameter copied out
@@ -1613,6 +1614,19 @@ class _Fsdp:
             R.free(self.ag)
             self.ag = None
         return params
+
+    def gather_output(self, R: _Replay, nbytes: int) -> int | None:
+        """FSDP2's flat all-gather output of ``nbytes`` on the all-gather stream. Under bf16-mp each
+        parameter's shard is first cast to bf16 into one flat all-gather input there, dropped once copied
+        in (torch 2.13 ``_fully_shard/_fsdp_collectives.py`` ``foreach_all_gather`` L336-361:
+        ``_get_param_all_gather_inputs`` L382-427, ``flat_foreach_copy_input = torch.empty(...,
+        dtype=param_dtype)`` when ``use_foreach_copy``, i.e. a ``param_dtype`` differing from the stored
+        one; ``del param_all_gather_inputs`` after ``all_gather_copy_in``): the output's size over the ranks.
+        Trace, Phi-3 FSDP2 dp 2 bf16-mp: the root's gather opens a 64 MiB segment for it."""
+        cast = R.alloc(-(-nbytes // self.cast_shards), self.streams[0], one=False) if self.cast_shards else None
+        out = R.alloc(nbytes, self.streams[0])
+        R.free(cast)
+        return out
 
     def unshard_backward(self, R: _Replay, flat: int, tensors: tuple[int, ...], prefetch: bool) -> list:
         """A layer gathered in backward. FSDP2 (torch 2.13 ``_fsdp_param_group.py``): its
@@ -1638,12 +1652,12 @@ class _Fsdp:
             return params
         if flat <= 0 or not self.v2 or not tensors:
             return self.unshard(R, flat, tensors, backward=True)
-        ag = self.prefetched if self.prefetched is not None else R.alloc(flat, self.streams[0])
+        ag = self.prefetched if self.prefetched is not None else self.gather_output(R, flat)
         self.prefetched = None
         params = R.allocs(tensors)                                # each parameter copied out
         R.free(ag)
         if prefetch or self.below_first:                          # the lower layer's all-gather output
-            self.prefetched = R.alloc(flat if prefetch else self.below_first, self.streams[0])
+            self.prefetched = self.gather_output(R, flat if prefetch else self.below_first)
         return params
 
     def adapter_units(self, R: _Replay, count: int) -> None:
