@@ -149,3 +149,15 @@ def test_fsdp2_bf16_mp_all_gather_input_cast(one_torch_thread):
     assert all(cast == -(-out // 2) for cast, out in zip(seen[::2], seen[1::2]))
     tr = trace(m, training=t)
     assert e.peak_reserved == pytest.approx(tr.peak_reserved, rel=0.01)
+
+
+@pytest.mark.parametrize("fsdp", ["full", "grad-op"])
+def test_fsdp1_flat_gradient_shard_per_unit(one_torch_thread, fsdp):
+    """FSDP1's sharded gradients are one flat ``new_sharded_grad`` per unit on its post-backward stream
+    (the flat parameter's ``_saved_grad_shard``; ``reserved._flat_grads``), made again and added where
+    the gradients exist: the wide Llama FSDP1 dp 2 bf16-amp with ``--zero-grad zeros``, peak reserved
+    within 1 % of trace's (-2.6 % / -2.9 % before)."""
+    kw = dict(batch_size=4, seq_len=512, use_cache=False, dp=2, fsdp=fsdp, fsdp_version=1, precision="bf16-amp",
+              zero_grad="zeros")
+    e, t = trainmem.estimate(WIDE, **kw), trace(WIDE, **kw)
+    assert e.peak_reserved == pytest.approx(t.peak_reserved, rel=0.01)
