@@ -28,8 +28,9 @@ runs it through the same simulator as ``trace`` (``trainmem.allocator.CachingAll
   autocast: half gradient, copy freed, fp32 ``.grad``), the layer's other gradients, FSDP's
   unsharded gradients; the embeddings' gradients (a tied one: its own part and the sum);
 * FSDP under SHARD_GRAD_OP (``--fsdp grad-op``): each layer gathered at its forward and kept gathered
-  until its post-backward (``_layer_gather``); FSDP2's sharded gradients: one flat reduce-scatter
+  until its post-backward (``_layer_gather``); FSDP's sharded gradients: one flat reduce-scatter
   output per unit on its stream, made again and dropped where the gradients exist (``_flat_grads``);
+  FSDP2 under bf16-mp: the flat bf16 all-gather input before each output (``_Fsdp.gather_output``);
   FSDP1's root flat gradient at the end of backward (``_root_reduce_input``), a tied head's
   out-of-place sum before it (and FSDP2's, the root resharded or not);
 * FSDP1: each gathered flat parameter freed pending until the GPU passes its free, as far behind as
