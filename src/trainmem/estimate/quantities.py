@@ -161,6 +161,8 @@ class Quantities:
     fsdp_head_full: int = 0   # the head's and final norm's unsharded gradients, until backward ends
     fsdp_emb_full: int = 0    # an untied embedding's unsharded gradient, at its backward
     fsdp_ag_result: int = 0   # FSDP2: the last layer's all-gather output, kept from its forward to the next
+    fsdp2_cast_shards: int = 0  # FSDP2 under bf16-mp: the ranks a unit is sharded over (its bf16 all-gather
+    #                             input, 1/that of the output, is a copy: reserved._Fsdp.unshard)
     fsdp_root_sharded: int = 0  # of ``grads``: the root's sharded gradients (after the root's reduce-scatter)
     fsdp_root_rs: int = 0     # FSDP2: the root's reduce-scatter input, at its post-backward (end of backward)
     fsdp_root_last: int = 0   # ... and the root's last unsharded gradient, alive until the reduce returns
@@ -4382,6 +4384,7 @@ def fsdp_buffers(m: ModelSpec, t: TrainingSpec, st: States, lc: LayerCoefs) -> d
             and not pipeline_fsdp(t) else 0,
             "fsdp_head_full": st.head_grads_full, "fsdp_emb_full": st.emb_grads_full,
             "fsdp_ag_result": block_of(t, st.layer_params_full) if t.fsdp_version == 2 else 0,
+            "fsdp2_cast_shards": t.shard_group if t.fsdp_version == 2 and t.precision == "bf16-mp" else 0,
             "fsdp_root_sharded": st.root_grads,
             "fsdp_root_rs": st.root_rs if t.fsdp_version == 2 else 0,
             "fsdp_root_last": st.root_last_grad if t.fsdp_version == 2 else 0,
