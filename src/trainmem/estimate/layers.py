@@ -94,6 +94,11 @@ class Recipe:
     # tensors a layer makes in forward that may be freed there: frozen linears' inputs (when nothing
     # saves them) and RMSNorm's fp32 intermediates (``LayerCoefs.fwd_free``, the replay's free blocks)
     forward_only: dict = field(default_factory=dict)
+    # eager attention's forward temporaries (``Builder._eager_forward``): how many tensors were saved
+    # before its scores matmul, each temporary, and the events ("t", "fK", "s"; ``LayerCoefs.attn_events``)
+    attn_at: int = -1
+    attn_temps: list = field(default_factory=list)
+    attn_events: list = field(default_factory=list)
     # each linear in forward order: (saved tensors before its weight is cast under autocast, weight
     # elements, bytes per element of its weight's gradient, 0 for a frozen one) (``LayerCoefs.linears``)
     linears: list = field(default_factory=list)
@@ -230,6 +235,7 @@ class Builder:
         self.repeat_kv = repeat_kv
         self.softmax_saves_input = softmax_saves_input  # PyTorch < 1.11 (spec.releases)
         self.eager_clamp = False  # transformers' torch.max clamp of the masked scores (spec.tf_releases)
+        self.fp16 = False  # the half type is fp16 (else bf16): softmax's half_to_float kernel, no fp32 copy
         self.norm_fp32_product = False  # torchtune 0.5-0.6.1's F.rms_norm: the fp32 normalized product saved
         self.biased = biased  # linears with a bias: ``addmm`` (not ``mm``) under F.linear / Conv1D
         # 4-bit base weights (quant4.py): bytes per element of the dequantized weight, of its cast to
@@ -658,6 +664,8 @@ class Builder:
             k = T(k.tok * rep, 0, k.nbytes, "attn.k_repeated")
             v = T(v.tok * rep, 0, v.nbytes, "attn.v_repeated")
         self.r.save(q, k, v)
+        if not (self.eager_clamp or self.softmax_saves_input or dropout_before_cast or (p_drop > 0 and self.dropout)):
+            self._eager_forward(heads, softmax_fp32_then_cast)
         if self.eager_clamp:
             # ``torch.max(attn_weights, torch.tensor(finfo.min))`` after the mask is added (older
             # transformers, ``spec.tf_releases.eager_clamp``): MaximumBackward saves its input, the
@@ -694,6 +702,42 @@ class Builder:
         # p @ v's backward: the probabilities' gradient (half) and v's
         self.r.transient("attn.pv.backward", T(0, heads, half), T(v.tok, 0, half))
         return T(heads * head_dim, 0, half, "attn.context")
+
+    def _eager_forward(self, heads: float, fp32_then_cast: bool) -> None:
+        """Eager attention's forward temporaries, each (b, heads, s, s), in op order for the allocator
+        replay (``reserved._saved_and_casts``), beside the two tensors it saves: softmax's output and the
+        probabilities' half copy. transformers 5.24.0 ``models/qwen2/modeling_qwen2.py``
+        ``eager_attention_forward`` L155-159 (Llama, Mistral, Mixtral the same; GPT-2
+        ``models/gpt2/modeling_gpt2.py`` L59-67, softmax without ``dtype``, its cast on the next line):
+        ``matmul(q, k^T)`` (A, half) ``* scaling`` (B, half; A freed: ``mul`` by a Python scalar saves
+        nothing), ``+ attention_mask`` (C; B freed: ``add`` saves nothing), in the wider of the scores'
+        dtype and the mask's, which is built in the embeddings' dtype (the residual stream's: fp32 under
+        autocast); ``softmax(C, dtype=float32)`` (D, fp32, saved by ``_softmax``'s backward) and
+        ``.to(query.dtype)`` (E, saved by ``matmul(p, v)``), C freed when ``attn_weights`` is rebound
+        after both (GPT-2: after D). torch 2.13 ``aten/src/ATen/native/SoftMax.cpp`` ``softmax``: a CUDA
+        fp16 input with ``dtype=float`` runs ``_softmax(input, dim, half_to_float=true)``; any other
+        (bf16) is first copied ``input_.toType(dtype)`` (F, fp32, freed once D is made: ``_softmax``
+        saves its result, not its input). Under autocast C is fp32 already (softmax is on autocast's
+        fp32 list, ``autocast_mode.cpp``, a no-op cast), and ``query`` is fp32 (rotary's fp32 ``cos``),
+        so E is ``matmul``'s own bf16 cast, made after the rebinding frees C. Trace, Qwen2 b2 s1024
+        pure bf16: A, B, -A, C, -B, F, D, -F, E, -C (56 and 112 MiB blocks), where the replay made D
+        and E alone. Not written with dropout (its mask and output between), BERT's softmax before its
+        cast, the clamp of older transformers or PyTorch < 1.11's saved softmax input: there the
+        temporaries are left out."""
+        half, r = self.p.half, self.r
+        c = max(half, self.p.stream)                     # scores + mask: the wider dtype
+        copy = fp32_then_cast and c == HALF and not self.p.amp and not self.fp16  # bf16 -> fp32 copy
+        r.attn_at = len(r.saved)                         # D is the next saved tensor
+        r.attn_temps = [T(0, heads, half), T(0, heads, half), T(0, heads, c)] + ([T(0, heads, F32)] if copy else [])
+        ev = ["t", "t", "f0", "t", "f1"] + (["t", "s", "f3"] if copy else ["s"])
+        sm = F32 if (self.p.amp or half == F32 or fp32_then_cast) else half
+        if sm == half:                                   # E is D: one saved tensor
+            ev.append("f2")
+        elif fp32_then_cast and not self.p.amp:          # D, E on one line, then C rebound
+            ev += ["s", "f2"]
+        else:                                            # C rebound before E is made
+            ev += ["f2", "s"]
+        r.attn_events = ev
 
     def _math_attention(self, v: T, heads: float, kv_heads: float, head_dim: int, p_drop: float = 0.0) -> T:
         """at::_scaled_dot_product_attention_math: computes in fp32 (half inputs are upcast), scales
@@ -1150,6 +1194,12 @@ class LayerCoefs:
     nograd_events: tuple[str, ...] = ()
     nograd_const: tuple[float, ...] = ()  # ... and each one's bytes beside those (a dequantized 4-bit weight)
     adapters: int = 0  # LoRA: the layer's adapted linears (each a lora_A and a lora_B)
+    # eager attention's forward temporaries (``Builder._eager_forward``): how many of ``tensors`` are
+    # saved before its scores matmul (-1: not written), each temporary as ``tensors``, the events ("t"
+    # the next temporary, "fK" the K-th freed, "s" the next of ``tensors``), for reserved._saved_and_casts
+    attn_at: int = -1
+    attn_temps: tuple[tuple[float, float], ...] = ()
+    attn_events: tuple[str, ...] = ()
     fwd_scratch: float = 0.0  # torchao NF4: the largest dequantization peak (weight and scratch) before its matmul, bytes
 
     def bytes(self, n: int, nsq: int) -> int:
@@ -1200,6 +1250,7 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
                 k.quant_saves_input, k.biased, k.lora_base_trains, k.softmax_saves_input,
                 k.attention_call == "repeat-kv", k.math_upcast)
     B.eager_clamp = k.eager_clamp
+    B.fp16 = k.precision in ("fp16", "fp16-amp")
     B.norm_fp32_product = k.norm_fp32_product
     B.ring = k.ring
     B.rms_input = k.rms_norm_input
@@ -1245,6 +1296,8 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
                       recompute_moments=B.r.recompute_moments(tok, sq), fwd_scratch=B.r.fwd_scratch,
                       recompute_incoming=B.r.trigger[1] if B.r.trigger else 0.0,
                       op_tensors=tuple(t.bytes_coef() for t in op_checkpoint_kept(B.r)), held_b1=held_b1,
+                      attn_at=B.r.attn_at, attn_temps=tuple(t.bytes_coef() for t in B.r.attn_temps),
+                      attn_events=tuple(B.r.attn_events),
                       **_nograd_sequence(k, pol, B, build))
 
 

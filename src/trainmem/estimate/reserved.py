@@ -717,8 +717,9 @@ class _Parts(list):
     def __init__(self, saved: Any, forward_only: list[int], op: list[int] | None = None,
                  temps: list[int] | None = None, events: tuple[str, ...] = (),
                  nograd: list[int] | None = None, nograd_events: tuple[str, ...] = (), whole: bool = True,
-                 bwd: "_BackwardRecord | None" = None) -> None:
+                 bwd: "_BackwardRecord | None" = None, attn: tuple = (-1, [], ())) -> None:
         super().__init__(saved)
+        self.attn = attn          # eager attention's forward temporaries (at, bytes, events): ``_attn_allocs``
         self.bwd = bwd            # a derived layer's recorded backward (``_recorded_backward``)
         self.whole = whole
         self.forward_only = forward_only
@@ -742,7 +743,9 @@ def _layer_parts(q: Quantities, n: int, nsq: int) -> _Parts:
                   [int(a * n + b * nsq) for a, b in lc.op_tensors],
                   [int(a * n + b * nsq) for a, b in lc.fwd_temps], lc.fwd_events,
                   [int(a * n + c) for a, c in zip(lc.nograd_temps, lc.nograd_const or [0.0] * len(lc.nograd_temps))],
-                  lc.nograd_events, whole=bool(lc.tensors), bwd=_backward_record(lc, n, nsq))
+                  lc.nograd_events, whole=bool(lc.tensors), bwd=_backward_record(lc, n, nsq),
+                  attn=(lc.attn_at if lc.tensors else -1, [int(a * n + b * nsq) for a, b in lc.attn_temps],
+                        lc.attn_events))
     p.inputs = [(int(a * n + b * nsq), shared) for a, b, shared in lc.linear_inputs]   # (``_saved_and_casts``)
     return p
 
@@ -2280,7 +2283,7 @@ def _saved_and_casts(R: _Replay, q: Quantities, parts: list[int], inputs: bool =
     casts = _linear_casts(q)
     one = getattr(parts, "whole", True)                           # (a derived layer's parts: several tensors)
     if casts is None:                                             # the copies as one block: several tensors
-        return _Kept(R.allocs(parts, one=one) + [R.alloc(q.cast_layer, one=False)])
+        return _Kept(_attn_allocs(R, parts, 0, len(parts), one) + [R.alloc(q.cast_layer, one=False)])
     handles: list = []
     copies: list = []
     done = 0
@@ -2290,17 +2293,44 @@ def _saved_and_casts(R: _Replay, q: Quantities, parts: list[int], inputs: bool =
         size, shared = unsaved[i] if i < len(unsaved) else (0, 0)
         if size and held is None:                                 # made before its half cast, the last saved
             cut = max(done, pos - 1)
-            handles += R.allocs(parts[done:cut], one=one)
+            handles += _attn_allocs(R, parts, done, cut, one)
             done = cut
             held = R.alloc(size)
-        handles += R.allocs(parts[done:pos], one=one)             # saved before this linear's weight cast
+        handles += _attn_allocs(R, parts, done, pos, one)         # saved before this linear's weight cast
         done = max(done, pos)
         copies.append(R.alloc(nbytes))                            # (out, in) in bf16/fp16
         if held is not None and not shared:                       # its last linear has run
             R.free(held)
             held = None
     R.free(held)
-    return _Kept(handles + R.allocs(parts[done:], one=one), copies)
+    return _Kept(handles + _attn_allocs(R, parts, done, len(parts), one), copies)
+
+
+def _attn_allocs(R: _Replay, parts: list[int], lo: int, hi: int, one: bool) -> list:
+    """The saved tensors ``parts[lo:hi]`` (handles), with eager attention's forward temporaries made and
+    freed among them in op order where the layer's recipe writes them (``_Parts.attn``: before the
+    ``at``-th saved tensor, ``layers.Builder._eager_forward``: "t" makes the next temporary, "fK" frees
+    the K-th, "s" makes the next saved tensor). Trace makes them so (transformers 5.24.0
+    ``eager_attention_forward``: the scores, scaled and masked, softmax's fp32 copy of bf16 scores);
+    without them a pure-bf16 Qwen2 (b2 s1024, dp 4) opened one fp32 softmax block per layer where trace
+    opened two (docs/validation.md ``reslayer``)."""
+    at, temps, events = getattr(parts, "attn", (-1, [], ()))
+    if not lo <= at < hi or at + events.count("s") > hi:
+        return R.allocs(parts[lo:hi], one=one)
+    handles = R.allocs(parts[lo:at], one=one)
+    live: dict[int, Any] = {}                                     # temporary's index -> handle
+    made, nxt = 0, at
+    for e in events:
+        if e == "t":
+            live[made] = R.alloc(temps[made])                     # (b, heads, s, s)
+            made += 1
+        elif e == "s":
+            handles.append(R.alloc(parts[nxt], one=one))          # softmax's output, its half copy
+            nxt += 1
+        else:
+            R.free(live.pop(int(e[1:]), None))
+    R.frees(list(live.values()))
+    return handles + R.allocs(parts[nxt:hi], one=one)
 
 
 def _per_linear(q: Quantities, kept: _Kept, recompute: str) -> bool:
