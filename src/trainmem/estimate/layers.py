@@ -99,6 +99,10 @@ class Recipe:
     attn_at: int = -1
     attn_temps: list = field(default_factory=list)
     attn_events: list = field(default_factory=list)
+    # per transient: its tensors as (bytes per token, per token x key) each, and the index in ``linears`` of the linear whose backward it is (-1: none; ``at_linear``
+    # while one is built): ``LayerCoefs.moment_blocks``, ``reserved._op_backward``
+    moments: list = field(default_factory=list)
+    at_linear: int = -1
     # each linear in forward order: (saved tensors before its weight is cast under autocast, weight
     # elements, bytes per element of its weight's gradient, 0 for a frozen one) (``LayerCoefs.linears``)
     linears: list = field(default_factory=list)
@@ -184,6 +188,7 @@ class Recipe:
         so_sq = sum(t.sq * t.nbytes for t in self.saved.values())
         self.transients.append((name, tok, sq, const, so_tok, so_sq, self.weights + own_weights,
                                 self.uncast + own_uncast))
+        self.moments.append((tuple(t.bytes_coef() for t in ts), self.at_linear))
         self.own_cast.append(own_cast)  # this op's weight elements whose half copy is freed by then
         self.incoming.append(incoming.tok * incoming.nbytes if incoming is not None else 0.0)
         self.frozen_at.append(self.frozen)
@@ -297,7 +302,9 @@ class Builder:
         w = in_features * out
         self.r.linears.append((len(self.r.saved), w, self.p.weight))  # (under autocast, cast after its input)
         self.r.linear_in.append(x if xin is not x else None)
+        self.r.at_linear = len(self.r.linears) - 1
         self._linear_backward(name, x, xin, out, w)
+        self.r.at_linear = -1
         self.r.weights += w
         rank = self.lora_rank_of(name)
         if rank:  # a LoRA target in a mixed FSDP1 unit: the trainable base, then the adapter
@@ -375,8 +382,10 @@ class Builder:
             self.adapter(x, name, saved_name, rank, free_in, (out, out_bytes))
         # backward: grad_out and grad_in, no weight gradient
         dq = self.dequantized(x, out, name, in_features, out_bytes)
+        self.r.at_linear = -1 if self.quant[0] else len(self.r.linears) - 1
         self.r.transient(f"{name}.backward", T(out, 0, out_bytes), T(x.tok, 0, x.nbytes if self.quant[0] else
                                                                        self.p.half), const=dq)
+        self.r.at_linear = -1
         return T(out, 0.0, out_bytes, name)
 
     def _frozen_pack(self, x: T, out: float, out_bytes: int, name: str, rank: int) -> None:
@@ -1200,6 +1209,11 @@ class LayerCoefs:
     attn_at: int = -1
     attn_temps: tuple[tuple[float, float], ...] = ()
     attn_events: tuple[str, ...] = ()
+    # per backward transient (``transients``' order, before any recomputation's): the op's backward
+    # tensors alive then, (bytes per token, per token x key) each (``Recipe.transient``'s ``ts``), and
+    # the index in ``linears`` of the linear it is the backward of (-1: another op):
+    # ``reserved._op_backward`` makes them op by op instead of one block of the worst moment
+    moment_blocks: tuple[tuple[tuple[tuple[float, float], ...], int], ...] = ()
     fwd_scratch: float = 0.0  # torchao NF4: the largest dequantization peak (weight and scratch) before its matmul, bytes
 
     def bytes(self, n: int, nsq: int) -> int:
@@ -1298,6 +1312,7 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
                       op_tensors=tuple(t.bytes_coef() for t in op_checkpoint_kept(B.r)), held_b1=held_b1,
                       attn_at=B.r.attn_at, attn_temps=tuple(t.bytes_coef() for t in B.r.attn_temps),
                       attn_events=tuple(B.r.attn_events),
+                      moment_blocks=() if k.reentrant else tuple(B.r.moments),
                       **_nograd_sequence(k, pol, B, build))
 
 

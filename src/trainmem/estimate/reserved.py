@@ -2436,6 +2436,8 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
     held: list = []
     if _recorded(q, parts, recompute, flat1 or bool(st.layer_grads_full)):  # a derived layer, tensor by tensor
         pre, tr, per_linear = _recorded_backward(R, s, q, (parts.bwd, kept, below), where, oib), None, False
+    elif per_linear and _by_op(q, parts, recompute, flat1):  # a hand-written layer, op by op
+        pre, tr, per_linear = _op_backward(R, s, q, kept, (n, nsq), where, oib), None, False
     else:  # the worst backward moment as one block: several tensors (not netted, ``_Replay.alloc``)
         held_b = [] if per_linear else _leaf_held(q, n, nsq)      # a ZeRO-3 leaf MoE block: down's gradient,
         held = R.allocs(held_b)                                   # its own tensor, made first
@@ -2463,6 +2465,85 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
     fs.reshard(R, params)                                         # FSDP1 without its reduce hook (no_sync)
     R.frees(redo)
     R.frees(kept + kept.casts)
+
+
+def _by_op(q: Quantities, parts: Any, recompute: str, flat1: bool) -> bool:
+    """Whether a hand-written layer's backward is replayed op by op (``_op_backward``): its recipe
+    (``_Parts.whole``: the layer's saved tensors listed one by one) lists each backward op's tensors
+    (``LayerCoefs.moment_blocks``, one per backward transient), without recomputation, FSDP's flat
+    gradients or DeepSpeed's recorded fetches (the replay's one block stays there). Called where
+    ``_per_linear`` holds (one GPU, DDP, pipeline stages: ``quantities.per_linear_replay``)."""
+    lc = q.detail.layer
+    return (recompute == "none" and bool(lc.moment_blocks) and getattr(parts, "whole", False)
+            and len(lc.moment_blocks) == len(_backward_ops(q))
+            and not flat1 and not q.detail.states.layer_grads_full and not q.ds_events)
+
+
+def _op_backward(R: _Replay, s: _Step, q: Quantities, kept: _Kept, nb: tuple[int, int], where: tuple[str, ...],
+                 oib: bool) -> set:
+    """A hand-written layer's backward op by op, last op first (autograd runs a layer's nodes in
+    reverse of its forward, torch 2.13 ``torch/csrc/autograd/engine.cpp`` ``Engine::thread_main``:
+    the ready queue orders nodes by ``sequence_nr``, the latest first), instead of one block of its
+    worst moment: each op's backward tensors (``LayerCoefs.moment_blocks``, ``Recipe.transient``'s
+    ``ts``: a linear's output and input gradients in the compute dtype, ``derivatives.yaml`` ``mm``
+    ``self: mm_mat1_backward``; eager attention's fp32 ``_softmax_backward_data`` output and the
+    scores' gradient; SDPA's grad_q/k/v and its fp32 scratch), each its own block, freed before the
+    next op's. A linear's weight gradient is made inside its backward, beside its moment's tensors
+    (``_linear_grad``, as ``_linears_backward`` makes it: under autocast ``mm``'s half gradient, the
+    weight copy freed, then ``ToCopyBackward0``'s fp32 ``.grad`` at the linear's second moment). The
+    layer's saved tensors stay until the layer's end, as in the one-block replay: freeing each op's
+    where its node ran (``Node::release_variables``) put the grid further from trace (27 rows moved,
+    13 closer, 14 further; within 5 % 313 -> 308 of 409; docs/validation.md ``reslbw``), for a reason
+    not found. ``nb``: (tokens, tokens x keys). Returns the trainable indices whose gradient was made."""
+    lc, st = q.detail.layer, q.detail.states
+    n, nsq = nb
+    pending, made = list(_placed(st.trainables, where)), set()
+    copies = list(kept.casts) or [None] * len(lc.linears)
+    groups: list = []                                              # one op's moments, in recorded order
+    for m in lc.moment_blocks:
+        if groups and m[1] >= 0 and groups[-1][0][1] == m[1]:
+            groups[-1].append(m)
+        else:
+            groups.append([m])
+    for group in reversed(groups):
+        half = None
+        for k, (blocks, lin) in enumerate(group):
+            hs = R.allocs([int(a * n + b * nsq) for a, b in blocks])  # (b, s, width) each, its dtype
+            if lin >= 0 and k == 0:                                # mm: the weight gradient (compute dtype
+                half = _linear_grad(R, s, q, (lin, copies, pending, made), oib, cast=len(group) > 1)
+            elif lin >= 0:                                         # ToCopyBackward0: its fp32 .grad
+                _linear_grad(R, s, q, (lin, copies, pending, made), oib, cast=False)
+                R.free(half)
+                half = None
+            R.frees(hs)
+        R.free(half)
+    R.frees(copies)
+    kept.casts = []
+    return made
+
+
+def _linear_grad(R: _Replay, s: _Step, q: Quantities, lin: tuple, oib: bool, cast: bool) -> int | None:
+    """One linear's weight gradient in ``_op_backward`` (``_linears_backward``' step): ``cast``: under
+    autocast ``mm`` makes it in the compute dtype (returned, freed after ``ToCopyBackward0``) and its
+    half weight copy is freed; else the ``.grad`` itself, the trainable of its size (``_grad_of``).
+    ``lin``: (its index in ``LayerCoefs.linears``, the copies, the pending and made trainables)."""
+    i, copies, pending, made = lin
+    st = q.detail.states
+    _pos, w, gbytes = q.detail.layer.linears[i]
+    if cast:
+        half = R.alloc(round(w) * HALF) if (copies[i] is not None and gbytes) else None
+        R.free(copies[i])
+        copies[i] = None
+        return half
+    R.free(copies[i])
+    copies[i] = None
+    want = block_bytes(round(w) * gbytes, q.expandable)            # the weight's .grad, its dtype
+    j = next((j for j in pending if gbytes and st.trainables[j][2] == want), None)
+    if j is not None:
+        pending.remove(j)
+        made.add(j)
+        _grad_of(R, s, st.trainables, j, oib)
+    return None
 
 
 def _recorded(q: Quantities, parts: Any, recompute: str, fsdp: bool) -> bool:
