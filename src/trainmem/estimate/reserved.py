@@ -2509,7 +2509,7 @@ def _op_backward(R: _Replay, s: _Step, q: Quantities, kept: _Kept, nb: tuple[int
         half = None
         for k, (blocks, lin) in enumerate(group):
             hs = R.allocs([int(a * n + b * nsq) for a, b in blocks])  # (b, s, width) each, its dtype
-            if lin >= 0 and k == 0:                                # mm: the weight gradient (compute dtype
+            if lin >= 0 and k == 0:                                # mm: the weight gradient (half under autocast)
                 half = _linear_grad(R, s, q, (lin, copies, pending, made), oib, cast=len(group) > 1)
             elif lin >= 0:                                         # ToCopyBackward0: its fp32 .grad
                 _linear_grad(R, s, q, (lin, copies, pending, made), oib, cast=False)
