@@ -523,6 +523,7 @@ def patches(tracker: Tracker) -> dict[tuple[Any, str], Any]:
     out[(ddp_module, "_verify_param_shape_across_processes")] = lambda *a, **k: None
     out[(dist_utils, "_verify_param_shape_across_processes")] = lambda *a, **k: None
     out.update(_speed_patches())
+    out.update(_meta_uncounted(tracker))
     dp_cls = ddp_module.DistributedDataParallel
     out[(dp_cls, "_pre_forward")] = _scoped(tracker, "communication", "ddp_buckets", dp_cls._pre_forward)
     from torch.distributed.pipelining import schedules
@@ -612,6 +613,28 @@ def _strided_flag_once(orig: Callable) -> Callable:
         if last[1]:
             orig(op_strategy, op_schema)
     return run
+
+
+def _meta_uncounted(tracker: Tracker) -> dict[tuple[Any, str], Any]:
+    """DTensor's sharding propagation on a cache miss (a rank's first step: every op's first schema)
+    runs the op once on fake tensors of the GLOBAL shapes for its output's metadata (torch 2.13
+    ``distributed/tensor/_sharding_prop.py`` L520-578 ``_propagate_tensor_meta_non_cached``:
+    ``fake_mode = detect_fake_mode() or FakeTensorMode()`` L546, ``gen_fake_args()`` and
+    ``op_schema.op(...)`` L548-550; "We must call the tracing in fake tensor mode so that it avoids
+    materializing memory", L531). On a GPU no fake mode is active, so a fresh ``FakeTensorMode``
+    makes them and no device memory is taken. Trace runs inside its own fake mode, which
+    ``detect_fake_mode`` finds, so without this the tracker counted those global-shape tensors as
+    device blocks: under TP 2 with autocast, ``ToCopyBackward0``'s fp32 cast of the tied head's
+    gradient as the whole (vocab, hidden) table (1002 MiB for Llama-3.2, first step only) opened a
+    segment the real run never opens. Here they pass through uncounted (``Tracker.paused``)."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    orig = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    @functools.wraps(orig)
+    def run(self: Any, op_schema: Any) -> Any:
+        with tracker.paused():
+            return orig(self, op_schema)
+    return {(ShardingPropagator, "_propagate_tensor_meta_non_cached"): run}
 
 
 def _speed_patches() -> dict[tuple[Any, str], Any]:
