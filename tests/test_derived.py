@@ -105,10 +105,10 @@ def test_batch_1_without_its_stored_set_nor_torch_takes_the_stored_one_with_a_no
     from trainmem.spec.resolve import resolve
     r = resolve("qwen3-0.6b", seq_len=2048, precision="bf16")
     one, more = derived.key(r.model, r.training), derived.key(r.model, r.training, False)
-    # (stored nowhere: nor under the previous version's key, which is read where the derivation cannot run)
-    old = derived.key(r.model, r.training, version=derived.PREVIOUS_VERSION)
+    # (stored nowhere: nor under the previous versions' keys, which are read where the derivation cannot run)
+    old = {derived.key(r.model, r.training, version=v) for v in derived.PREVIOUS_VERSIONS}
     real = derived.read_cached
-    monkeypatch.setattr(derived, "read_cached", lambda kind, k: None if k in (one, old) else real(kind, k))
+    monkeypatch.setattr(derived, "read_cached", lambda kind, k: None if k == one or k in old else real(kind, k))
     monkeypatch.setitem(sys.modules, "trainmem.trace.derive", None)  # import fails as without torch
 
     def fresh():

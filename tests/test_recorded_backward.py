@@ -79,27 +79,28 @@ def test_without_a_record_the_backward_is_one_block(monkeypatch):
 
 
 def test_a_set_this_installation_cannot_derive_is_read_under_the_previous_version():
-    """The H200 runs' sets of transformers 5.17.0 (shipped under ``derived.PREVIOUS_VERSION``, before the
-    backward record) are read as they are: the installed transformers cannot derive them again, and
-    their layers' backward stays one block."""
+    """The H200 runs' sets of transformers 5.17.0 (shipped under version 17, the oldest of
+    ``derived.PREVIOUS_VERSIONS``, before the backward record) are read as they are: the installed
+    transformers cannot derive them again, and their layers' backward stays one block."""
     r = trainmem.resolve("qwen3-0.6b", batch_size=8, seq_len=2048, precision="bf16-amp", transformers_version="5.17.0")
     doc = derived.coefficients(r.model, r.training)
-    assert doc["version"] == derived.PREVIOUS_VERSION < derived.COEF_VERSION
+    assert doc["version"] == derived.PREVIOUS_VERSIONS[-1] == 17 < derived.COEF_VERSION
     assert "events" in doc["kinds"]["k0"] and "bwd_events" not in doc["kinds"]["k0"]
     assert derived.layer_coefs(r.model, r.training, "first").bwd_events == ()
 
 
 def test_without_torch_a_set_stored_only_under_the_previous_version_is_read(monkeypatch):
     """Where the current version's set is stored nowhere and the derivation cannot run (no torch), the set
-    shipped under ``derived.PREVIOUS_VERSION`` is read (its backward one block), not refused."""
+    stored under ``derived.PREVIOUS_VERSION`` (18: no last reads, "uK") is read, not refused."""
     import sys
     r = trainmem.resolve("qwen3-0.6b", batch_size=2, seq_len=2048, precision="bf16")
     new, old = derived.key(r.model, r.training), derived.key(r.model, r.training, version=derived.PREVIOUS_VERSION)
     real = derived.read_cached
     shipped = real("coefficients", new)
-    previous = {**shipped, "version": derived.PREVIOUS_VERSION,  # (the catalogue's own version-17 sets are gone)
-                "kinds": {k: {f: v for f, v in kind.items() if not f.startswith("bwd_")}
+    previous = {**shipped, "version": derived.PREVIOUS_VERSION,  # (the catalogue's own version-18 sets are gone)
+                "kinds": {k: {**kind, "events": [e for e in kind["events"] if e[0] != "u"]}
                           for k, kind in shipped["kinds"].items()}}
+    assert any(e[0] == "u" for e in shipped["kinds"]["k0"]["events"])
     monkeypatch.setattr(derived, "read_cached", lambda kind, k: None if k == new else previous if k == old
                         else real(kind, k))
     monkeypatch.setitem(sys.modules, "trainmem.trace.derive", None)  # import fails as without torch
@@ -107,7 +108,7 @@ def test_without_torch_a_set_stored_only_under_the_previous_version_is_read(monk
     quantities.clear_cache()
     try:
         doc = derived.coefficients(r.model, r.training)
-        assert doc["version"] == derived.PREVIOUS_VERSION and "bwd_events" not in doc["kinds"]["k0"]
+        assert doc["version"] == derived.PREVIOUS_VERSION and not any(e[0] == "u" for e in doc["kinds"]["k0"]["events"])
     finally:
         monkeypatch.undo()
         derived._coefficients.cache_clear()

@@ -38,7 +38,7 @@ from ..spec.tf_releases import (DERIVED_TYPES, cache_values_own_dtype, code_rele
 from ..spec.training import TrainingSpec, fused_skipped, without_cache
 from .layers import LayerCoefs
 
-COEF_VERSION = 18  # (quantized setups have keys of their own: ``key``)
+COEF_VERSION = 19  # (quantized setups have keys of their own: ``key``)
 #: the heads whose derived coefficients are checked against trace (tests/test_encdec_vit.py, test_derived.py,
 #: test_encoder_heads.py, test_speech.py, test_vlm.py)
 DERIVED_HEADS = ("causal-lm", "seq2seq-lm", "image-cls", "speech-seq2seq", "masked-lm", "seq-cls", "qa", "vlm")
@@ -148,7 +148,7 @@ def batch1(m: ModelSpec, t: TrainingSpec) -> bool:
 def key(m: ModelSpec, t: TrainingSpec, one: bool | None = None, version: int = 0) -> str:
     """The cache key of ``m``'s coefficients under ``t``: everything the traced layer depends on;
     ``one``: of its micro-batch-1 set or not (default: ``batch1``); ``version``: under that
-    ``COEF_VERSION`` (default: the current one; ``PREVIOUS_VERSION``'s sets, ``_coefficients``)."""
+    ``COEF_VERSION`` (default: the current one; ``PREVIOUS_VERSIONS``' sets, ``_coefficients``)."""
     lora = (t.lora_rank, tuple(t.lora_targets or ()), t.lora_dropout, adapters_computed_half(t)) if t.lora_rank else ()
     parts = [m.fingerprint, activation_precision(t), t.attention, t.dropout, lora, regime(m, t), without_cache(t, m)]
     parts += release_parts(m, t)
@@ -237,17 +237,25 @@ def _stored(k: str, version: int = 0) -> dict[str, Any] | None:
     return doc if doc is not None and doc.get("version") == (version or COEF_VERSION) else None
 
 
-#: the coefficient version before the derivation recorded each layer's backward (``trace.derive.
-#: _layer_backward_sequence``): a set stored under it is read where this installation cannot derive the
-#: setup's set again (another transformers release's code: the H200 runs' 5.17.0 sets, which
-#: ``tools/ship_sequence.py`` wrote with that release; or no torch): everything but the backward record is
-#: the same, and the replay keeps such a layer's backward as one block (``reserved._recorded``)
-PREVIOUS_VERSION = 17
+#: the coefficient versions before this one, newest first, whose sets are read where this installation
+#: cannot derive the setup's set again (another transformers release's code, or no torch): 18, before the
+#: derivation recorded each saved tensor's last read in the forward (``trace.derive._last_reads``: the
+#: replay chains a checkpointed layer's tensors, ``reserved._sequence_forward``); 17, before it recorded
+#: each layer's backward (``trace.derive._layer_backward_sequence``: the H200 runs' 5.17.0 sets, which
+#: ``tools/ship_sequence.py`` wrote with that release; the replay keeps such a layer's backward as one
+#: block, ``reserved._recorded``). Everything else in such a set is the same as in this version's.
+PREVIOUS_VERSIONS = (18, 17)
+PREVIOUS_VERSION = PREVIOUS_VERSIONS[0]
 
 
-def _previous(k_old: str, why: str) -> dict[str, Any]:
-    """The set stored under ``PREVIOUS_VERSION``'s key ``k_old``, else ``why`` refused in one line."""
-    doc = _stored(k_old, PREVIOUS_VERSION) if k_old else None
+def _older(k_old: tuple) -> dict[str, Any] | None:
+    """The newest set stored under ``PREVIOUS_VERSIONS``' keys ``k_old`` ((version, key) pairs), else None."""
+    return next((doc for v, k in k_old for doc in [_stored(k, v)] if doc is not None), None)
+
+
+def _previous(k_old: tuple, why: str) -> dict[str, Any]:
+    """The newest set stored under ``PREVIOUS_VERSIONS``' keys ``k_old``, else ``why`` refused in one line."""
+    doc = _older(k_old)
     if doc is None:
         raise TrainmemError(why)
     return doc
@@ -255,12 +263,12 @@ def _previous(k_old: str, why: str) -> dict[str, Any]:
 
 @lru_cache(maxsize=512)
 def _coefficients(k: str, m: ModelSpec, t: TrainingSpec, side: str, one: bool = False,
-                  general: str = "", k_old: str = "") -> dict[str, Any]:
+                  general: str = "", k_old: tuple = ()) -> dict[str, Any]:
     """The coefficients stored under key ``k``, else derived now. ``one``: the micro-batch-1 set
     (``batch1``); when it is stored nowhere and cannot be derived (no torch) but the batch >= 2 set
     (key ``general``) is stored, that set is used, marked ``batch1_fallback`` (its batch-1 copies
     make it slightly high: ``notes`` says so), so an estimate that worked without torch still does.
-    Where it cannot be derived, the set stored under ``PREVIOUS_VERSION``'s key ``k_old`` is used."""
+    Where it cannot be derived, the newest set stored under ``PREVIOUS_VERSIONS``' keys ``k_old`` is used."""
     doc = _stored(k)
     if doc is not None:
         return doc
@@ -270,10 +278,10 @@ def _coefficients(k: str, m: ModelSpec, t: TrainingSpec, side: str, one: bool = 
     try:
         from ..trace.derive import NotPolynomial, derive_coefficients
     except ImportError as e:
-        doc = _stored(k_old, PREVIOUS_VERSION) if k_old else None
+        doc = _older(k_old)
         doc = doc if doc is not None else _stored(general) if one and general else None
         if doc is not None:
-            return doc if doc.get("version") == PREVIOUS_VERSION else dict(doc, batch1_fallback=True)
+            return doc if doc.get("version") in PREVIOUS_VERSIONS else dict(doc, batch1_fallback=True)
         raise TrainmemError(f"{m.name}: no stored coefficients for this setup, and deriving them needs torch and "
                             f"transformers ({e.name} is not installed)") from None
     try:
@@ -400,7 +408,7 @@ def coefficients(m: ModelSpec, t: TrainingSpec) -> dict[str, Any]:
 def _lookup(m: ModelSpec, t: TrainingSpec) -> dict[str, Any]:
     one = batch1(m, t)
     return _coefficients(key(m, t), m, _canonical(t, m), regime(m, t), one, key(m, t, False) if one else "",
-                         key(m, t, version=PREVIOUS_VERSION))
+                         tuple((v, key(m, t, version=v)) for v in PREVIOUS_VERSIONS))
 
 
 def decoder_ratio(m: ModelSpec, t: TrainingSpec) -> tuple[int, int]:

@@ -2132,20 +2132,30 @@ def _sequence_forward(R: _Replay, q: Quantities, parts: _Parts, keep: bool, cast
     (freed where the trace freed it: ``_Temps``) and each linear's autocast weight copy where it was
     cast (``_linear_casts``; else, under autocast, one block after them, as ``_saved_and_casts``).
     ``keep``: the saved tensors are kept for backward; else (a checkpointed first forward, which
-    saves nothing) they are chained as ``_checkpointed`` chains them, each freed once the next is
-    made, and the copies are kept only where ``casts`` (autocast's cache: their sizes, ``_forward_casts``)."""
+    saves nothing: torch 2.13 ``utils/checkpoint.py`` ``_checkpoint_hook`` L1153-1163) each lives
+    until its last consumer has run, where the record has it ("uK", ``trace.derive._last_reads``:
+    against trace, a cut Qwen3-32B under FSDP2 with full recomputation, docs/validation.md ``lastuse``),
+    else (a record derived before COEF_VERSION 19) they are chained as ``_checkpointed`` chains them,
+    each freed once the next is made; the copies are kept only where ``casts`` (autocast's cache:
+    their sizes, ``_forward_casts``)."""
     sizes = casts if isinstance(casts, list) else _linear_casts(q) if casts else None
     saved, copies, temps = iter(parts), iter(sizes or []), _Temps(parts.temps)
     handles: list = []
     made: list = []
     prev: list = [None]
+    reads: dict | None = None if keep or not any(e[0] == "u" for e in parts.events) else {}  # K -> handle
     carry, done = R.carry, 0                                      # the layer before's late frees
     R.carry = []
     for e in parts.events:
         carry = _late_frees(R, carry, done)
         done += e in ("s", "c", "t")
-        if e == "s":
+        if e == "s" and reads is not None:
+            reads[len(reads)] = R.alloc(next(saved))        # (freed ones stay as None)
+        elif e == "s":
             _saved(R, next(saved), keep, handles, prev)
+        elif e[0] == "u" and reads is not None:
+            R.free(reads.get(int(e[1:])))                         # its last consumer has run
+            reads[int(e[1:])] = None
         elif e == "c" and sizes is not None:
             made.append(R.alloc(next(copies)))                    # (out, in) in bf16/fp16
         elif e != "c":
@@ -2153,7 +2163,8 @@ def _sequence_forward(R: _Replay, q: Quantities, parts: _Parts, keep: bool, cast
     for x in saved:   # tensors the traced layer did not save, added for the run's release or framework
         _saved(R, x, keep, handles, prev)  # (``quantities.derived_clamp``, ``litgpt_terms``): after the traced ones
     R.carry += [(at, h) for at, h in carry if at == LATE]          # (kept to the loss)
-    R.frees([h for at, h in carry if at != LATE] + list(temps.live.values()))
+    R.frees([h for at, h in carry if at != LATE] + list(temps.live.values())
+            + [h for h in (reads or {}).values() if h is not None])
     R.free(prev[0])
     if keep and sizes is None and q.cast_layer:
         made.append(R.alloc(q.cast_layer, one=False))             # the copies as one block (``_saved_and_casts``)

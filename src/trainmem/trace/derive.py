@@ -225,12 +225,16 @@ def _sequence(runs: list[dict[str, Any]], kind: str, fit: Any) -> dict[str, list
     """A kind's forward one tensor at a time (``_layer_sequence``): its saved tensors and its
     temporaries, each fitted as the parts are (bytes per token, per token x key), its linears'
     weight casts among them, and the order of it all; where every point made the same tensors in
-    the same order (else nothing: the replay keeps the parts)."""
+    the same order (else nothing: the replay keeps the parts); the saved tensors' last reads ("uK",
+    ``_last_reads``) where every point read them at the same places (else the events without them:
+    the replay chains them, as before COEF_VERSION 19)."""
     seqs = [r["sequence"][kind] for r in runs]
     first = seqs[0]
-    if any(len(q["tensors"]) != len(first["tensors"]) or q["casts"] != first["casts"] or q["events"] != first["events"]
-           for q in seqs):
+    plain = [[e for e in q["events"] if e[0] != "u"] for q in seqs]
+    if any(len(q["tensors"]) != len(first["tensors"]) or q["casts"] != first["casts"] or p != plain[0]
+           for q, p in zip(seqs, plain)):
         return {}
+    events = first["events"] if all(q["events"] == first["events"] for q in seqs) else plain[0]
 
     def fitted(what: str) -> list[list[float]]:
         out = []
@@ -239,7 +243,7 @@ def _sequence(runs: list[dict[str, Any]], kind: str, fit: Any) -> dict[str, list
             out.append([cp["n"], cp["nsq"]])
         return out
     return {"tensors": fitted("tensors"), "linears": first["casts"], "temps": fitted("temps"),
-            "events": first["events"], **_backward_sequence([q.get("backward", {}) for q in seqs], fit)}
+            "events": events, **_backward_sequence([q.get("backward", {}) for q in seqs], fit)}
 
 
 #: the terms of a backward sequence's tensor (``_backward_sequence``; ``estimate.derived.backward_bytes``
@@ -701,6 +705,7 @@ def _measure(m: ModelSpec, cfg: dict[str, Any], kinds: list[str], t: TrainingSpe
     small = replace(m, num_layers=len(kinds), config=cfg, decoder_layers=len(kinds) // 2 if m.decoder_layers else 0)
     dev = _device(True, None, t, False, None, None, None, None, False)
     tracker = dev.tracker
+    tracker.reads = True  # each forward tensor's last read (``_last_reads``)
     amp = {"bf16-amp": torch.bfloat16, "fp16-amp": torch.float16}.get(t.precision)
     with dev.env, dev.emulation:
         with dev.build_ctx:
@@ -1366,7 +1371,8 @@ def _layer_sequence(recs: list, layer_of: Any, i: int, saved: list, end: int, lo
     temporary freed, "dK@J" the K-th freed by the next layer's forward once J of its tensors are made
     (all of them: at its end, as a layer's output in half, which the next layer's RMSNorm copies to
     fp32 and keeps as its residual), "dK@end" freed once the head has made the logits: by the loss,
-    as the keys transformers 5.24's ``DynamicCache`` concatenates in fp32 under autocast)."""
+    as the keys transformers 5.24's ``DynamicCache`` concatenates in fp32 under autocast), "uK" the
+    K-th saved tensor's last read in the forward (``_last_reads``)."""
     saved_ids = {r.rid for r in saved}
     fwd = sorted((r for r in recs if r.phase == "forward" and layer_of(r) == i), key=lambda r: r.alloc_event)
     casts = [r for r in fwd if r.label == "autocast_weight_cache" and len(r.shape or ()) == 2]
@@ -1387,9 +1393,27 @@ def _layer_sequence(recs: list, layer_of: Any, i: int, saved: list, end: int, lo
         j = sum(1 for a in nxt if a < r.free_event)
         ev.append((r.free_event, (f"d{index[r.rid]}@end" if r.free_event > logits else f"d{index[r.rid]}@{j}")
                    if late else f"f{index[r.rid]}"))
+    ev += _last_reads(order)
     return {"tensors": [r.nbytes for r in order], "temps": [r.nbytes for r in temps],
             "events": [e for _n, e in sorted(ev, key=lambda x: x[0])],
             "casts": [[sum(1 for x in order if x.alloc_event < c.alloc_event), _numel(c.shape)] for c in casts]}
+
+
+def _last_reads(order: list) -> list[tuple[float, str]]:
+    """Each saved tensor's last read in the forward as an event "uK" (K: its index in ``order``, the
+    saved tensors in the order they are made), placed after the reading op's outputs and before
+    anything after it (``Record.last_read``: the event count once those outputs were logged; a
+    half step keeps it apart from the events' own integer positions); one no forward op read
+    (a kernel's extra output: flash attention's logsumexp) right after it is made. For the replay of
+    a checkpointed layer's first forward (``estimate.reserved._sequence_forward``, ``keep=False``):
+    non-reentrant checkpointing saves nothing there (torch 2.13 ``utils/checkpoint.py``
+    ``_checkpoint_hook`` L1153-1163), so such a tensor dies once its last consumer has run:
+    transformers 5.24 ``models/qwen3/modeling_qwen3.py`` ``Qwen3RMSNorm.forward`` L61-63's fp32 copy
+    lives until ``hidden_states * torch.rsqrt(...)`` has made the product, ``Qwen3MLP.forward`` L82's
+    ``act_fn(gate_proj(x))`` until ``* up_proj(x)`` has. A layer's local variable that Python holds
+    past its last read (a return at the function's end) is freed at that read here."""
+    return [((r.last_read if r.last_read > r.alloc_event else r.alloc_event + 1) - 0.5, f"u{k}")
+            for k, r in enumerate(order)]
 
 
 def _layer_backward_sequence(tracker: Any, recs: list, layer_of: Any, i: int, saved_rec: dict[int, list],

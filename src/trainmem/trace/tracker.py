@@ -121,6 +121,9 @@ class Record:
     dtype: str = ""
     shape: tuple[int, ...] = ()
     saved: bool = False
+    # the forward's last op that took this storage as an input (``Tracker.reads``): the count of
+    # events (``ev_rec``) logged once that op's outputs were made; -1: no forward op read it
+    last_read: int = -1
 
 
 @dataclass
@@ -203,6 +206,7 @@ class Tracker(TorchDispatchMode):
         self._suspended = False   # module hooks ignored too (trace --compile: tracing the graph)
         self.fake_host: Any = None  # a FakeTensorMode for device-to-host copies (``CudaEmulation.fake_host``)
         self.graph_module: str | None = None  # the module a compiled graph's node came from
+        self.reads = False        # note each forward op's inputs (``Record.last_read``, ``_note_reads``)
 
     # ----- modes -------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -255,12 +259,32 @@ class Tracker(TorchDispatchMode):
             self._adopt = (func, out, id(donor.untyped_storage()))
         else:
             self._register_outputs(func, out)
+        if self.reads and self.phase == "forward":
+            self._note_reads(args, kwargs)
         self._note_scalar(func, out)
         if self.cublas_workspace and func in MATMUL_OPS:
             self._cublas(func)
         if self.emulate_cuda_kernels:
             self._kernel_scratch(func, args, out)
         return out
+
+    def _note_reads(self, args: tuple, kwargs: dict) -> None:
+        """Mark each live storage among an op's tensor inputs (a view's: its base's) as read by it, at the
+        event count after its outputs were made (``Record.last_read``): where a tensor's last consumer in
+        the forward has run. Under non-reentrant checkpointing a layer's first forward saves nothing
+        (torch 2.13 ``utils/checkpoint.py`` ``_checkpoint_hook`` L1153: its ``pack_hook`` returns a
+        ``_Holder``, L811), so a tensor lives until its last consumer, not to the backward
+        (``trace.derive._layer_sequence``'s "uK" events, ``estimate.reserved._sequence_forward``)."""
+        at = len(self.ev_rec)
+        for t in tree_flatten((args, kwargs))[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            try:
+                rec = self.live.get(id(local(t).untyped_storage()))
+            except (RuntimeError, NotImplementedError):
+                continue
+            if rec is not None:
+                rec.last_read = at
 
     def _sized_by_data(self, func: Any, e: Exception) -> Exception:
         """An op that failed because a size comes from a tensor's values, which tensors without data do not
