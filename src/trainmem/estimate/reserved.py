@@ -1371,12 +1371,50 @@ def _loss_backward(R: _Replay, q: Quantities, tk: Tokens, f: _Forward, n: int, n
     sizes = [] if q.loss_chunk_tokens else _logit_tensors(tk.loss_backward, q.loss_backward, f.full, f.chunks,
                                                           q.loss_elem)
     lb = _chunked_nll_backward(R, q, tk) if q.loss_chunk_tokens else _logit_allocs(R, sizes)  # its backward
+    if _half_logps(q, f):                                         # log_softmax on half logits under autocast
+        return _half_logps_backward(R, q, f, lb)
     R.frees(f.saved)
     if _copied_from_last(q, f, lb, sizes):                        # the loss's earlier backward tensors are
         R.frees(lb[:-1])                                          # gone before ToCopyBackward0 runs
         lb = lb[-1:]
     dlogits = _logits_gradient(R, q, tk, f, lb, sizes)            # in the head's dtype
     R.frees(lb)
+    return dlogits
+
+
+def _half_logps(q: Quantities, f: _Forward) -> bool:
+    """Whether the loss is ``F.cross_entropy`` on whole half logits under autocast (``--loss half``,
+    ``quantities._eager_loss_bytes``: ``LossBytes(held, half, half + F32, 0, F32)``): ``log_softmax``
+    (no autocast rule) saved its half output, ``nll_loss`` (autocast's fp32 list) an fp32 copy of it
+    (``f.saved``: half first, ``_logit_tensors(half_first=True)``), and backward starts with
+    ``nll_loss_backward``'s one fp32 gradient."""
+    return (f.chunks == 1 and not q.loss_chunk_tokens and not q.logits_cast and not q.loss_saves_out
+            and q.loss_forward == 0 and q.loss_elem == F32 and q.logits_out == HALF
+            and q.loss_saved == HALF + F32 and q.loss_backward == F32 and len(f.saved) >= 2)
+
+
+def _half_logps_backward(R: _Replay, q: Quantities, f: _Forward, lb: list) -> list:
+    """The backward of ``_half_logps``' loss, node by node, down to the logits' gradient (returned).
+    Autograd runs ``NllLossBackward0`` (its output: ``lb``, (b*s, vocab) fp32), which releases its saved
+    fp32 copy (``torch/csrc/autograd/engine.cpp`` ``evaluate_function``: ``fn.release_variables()``,
+    as ``_copied_from_last`` reads it); then ``ToCopyBackward0`` casts that gradient to the logits' half
+    dtype (a new (b*s, vocab) half tensor; the fp32 gradient, its only input, goes when it returns);
+    then ``LogSoftmaxBackward0`` runs ``_log_softmax_backward_data(grad, output)`` on the half copy
+    and the saved half log-probabilities (torch 2.13 ``tools/autograd/derivatives.yaml``
+    ``_log_softmax``: ``self: _log_softmax_backward_data(grad, result, dim, self.scalar_type())``),
+    making the logits' gradient, a third (b*s, vocab) half tensor, before both of its inputs go. So
+    two half logits-sized tensors and the gradient are alive together, where one tensor (the
+    gradient, ``_logits_gradient``) was replayed, with the log-probabilities freed first. Found by
+    trace: GPT-2 b8 s256 ``--loss half``, bf16 autocast, the op stream ``nll_loss_backward``,
+    ``_to_copy``, ``_log_softmax_backward_data``, then two frees (docs/validation.md, `resop`)."""
+    logps, rest = f.saved[0], f.saved[1:]
+    f.saved = []
+    R.frees(rest)                                                 # nll_loss's fp32 copy (and per-token terms)
+    copy = R.alloc(f.full * q.logits_out)                         # ToCopyBackward0: (b*s, vocab) half
+    R.frees(lb)                                                   # nll_loss_backward's fp32 gradient
+    dlogits = [R.alloc(f.full * q.logits_out)]                    # _log_softmax_backward_data: (b*s, vocab) half
+    R.free(copy)
+    R.free(logps)                                                 # log_softmax's saved half output
     return dlogits
 
 
