@@ -110,6 +110,7 @@ class _State:
     recompute_from: int = 0                             # uses before it: a forward autograd saves nothing of
     saved: set = field(default_factory=set)             # ``views`` a forward saved, their backward not run yet
     held: set = field(default_factory=set)              # of them: released since, their storage held by the view
+    sizes: tuple = ()                                   # ``size`` of each parameter, computed once (``replay``)
 
 
 def _gather(s: _State, params: list[int]) -> None:
@@ -143,10 +144,11 @@ def _storage(s: _State) -> tuple[int, int]:
     """Storage held (``size`` of each tensor): gathered parameters (a coalesced group's members only once waited) and the
     flat buffers of groups with a member still in flight; and those of them fresh since forward."""
     total = fresh = 0
+    sizes = s.sizes
     for p, st in enumerate(s.status):
         if st == 2 or (st == 1 and s.groups[s.group[p]][1] == 0):
-            total += s.size(s.numels[p])
-            fresh += s.size(s.numels[p]) if p in s.fresh else 0
+            total += sizes[p]
+            fresh += sizes[p] if p in s.fresh else 0
     total += sum(s.size(flat) for _, flat, pending in s.groups.values() if pending)
     return total, fresh
 
@@ -154,7 +156,9 @@ def _storage(s: _State) -> tuple[int, int]:
 def _kept(s: _State, params) -> int:
     """Storage of ``params`` that a layer's forward used and whose backward has not run, held only by
     that forward's saved views (released by the coordinator since, ``fresh`` no more)."""
-    return sum(s.size(s.numels[p]) for p in set(params) if p in s.used and p not in s.done and p not in s.fresh)
+    sizes, used, done, fresh = s.sizes, s.used, s.done, s.fresh
+    return sum(sizes[p] for p in (params if isinstance(params, set) else set(params))
+               if p in used and p not in done and p not in fresh)
 
 
 def _prefetch(s: _State, queue: deque, bucket: int, max_live: int) -> None:
@@ -188,7 +192,7 @@ def _rise(s: _State, order) -> int:
             continue                                     # gathered alone into its own buffer: counted
         if gid not in built:
             built.add(gid)
-            rise += sum(s.size(s.numels[q]) for q in members if s.status[q] == 1)
+            rise += sum(s.sizes[q] for q in members if s.status[q] == 1)
             top = max(top, rise)
         rest = left.setdefault(gid, set(pending))
         rest.discard(p)
@@ -275,10 +279,14 @@ def replay(uses: tuple[Use, ...], numels: tuple[int, ...], dist: int, bucket: in
     starts with every parameter released (the previous optimizer step's ``_partition_all_parameters``).
     ``size``: the storage counted for a tensor of so many elements (default: the elements). ``views``:
     the parameters whose forward storage autograd keeps through a view (``view_held``)."""
-    s = _State(numels, size, [0] * len(numels), views=frozenset(views))
+    memo: dict[int, int] = {}
+    for n in numels:                                    # few distinct widths: ``size`` once per width
+        if n not in memo:
+            memo[n] = size(n)
+    s = _State(numels, size, [0] * len(numels), views=frozenset(views), sizes=tuple(memo[n] for n in numels))
     out = []
     for i, use in _run(s, uses, dist, bucket, max_live):
-        held = sum(size(numels[p]) for p in s.held - s.done)
+        held = sum(s.sizes[p] for p in s.held - s.done)
         out.append(Moment(use, *_storage(s), s.n_available, _kept(s, s.used), _kept(s, use.params), s.waits, held))
     return out
 
@@ -338,7 +346,7 @@ def events(uses: tuple[Use, ...], numels: tuple[int, ...], dist: int, bucket: in
     them after its forward or backward: ``release_sub_module`` v0.19.8 L502-507). A parameter of ``views``
     released after its forward is (-2, key, 0): its storage lives on in the view autograd saved until
     its layer's backward (``view_held``)."""
-    s = _State(numels, int, [0] * len(numels), views=frozenset(views))
+    s = _State(numels, int, [0] * len(numels), views=frozenset(views), sizes=numels)
     for _ in _run(s, uses, dist, bucket, max_live):
         pass
     ends = s.marks[1:] + [len(s.log)]
@@ -460,9 +468,12 @@ def module_order(params: list[tuple[str, int, int | None]], head: str | None, ti
     pre: list[str] = []
     post: list[str] = []
     _walk(tree, pre, post)
-    below = {k: (None if k.split("<base>.", 1)[-1] in leaves else
-                 tuple(sorted({p for j, ps in own.items() if j == k or j.startswith(k + ".") for p in ps})))
-             for k in pre}
+    under: dict[str, set[int]] = {k: set() for k in pre}   # every parameter at or under each module
+    for j, ps in own.items():                            # (k == j or j.startswith(k + ".")): j's dotted prefixes
+        for k in [j] + [j[:d] for d, c in enumerate(j) if c == "."]:
+            if k in under:
+                under[k].update(ps)
+    below = {k: None if k.split("<base>.", 1)[-1] in leaves else tuple(sorted(under[k])) for k in pre}
 
     def use(forward: bool, k: str, active: bool = False) -> Use:
         return Use(forward, tuple(own.get(k, ())), layer_of.get(k), k, active, below[k])
