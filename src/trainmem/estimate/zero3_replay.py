@@ -110,7 +110,13 @@ class _State:
     recompute_from: int = 0                             # uses before it: a forward autograd saves nothing of
     saved: set = field(default_factory=set)             # ``views`` a forward saved, their backward not run yet
     held: set = field(default_factory=set)              # of them: released since, their storage held by the view
-    sizes: tuple = ()                                   # ``size`` of each parameter, computed once (``replay``)
+    sizes: tuple = ()                                   # ``size`` of each parameter (``__post_init__``)
+
+    def __post_init__(self) -> None:
+        """``size`` of each parameter, once per distinct width (few: a layer's shapes repeat), where not given."""
+        if not self.sizes:
+            memo: dict[int, int] = {}
+            self.sizes = tuple(memo[n] if n in memo else memo.setdefault(n, self.size(n)) for n in self.numels)
 
 
 def _gather(s: _State, params: list[int]) -> None:
@@ -279,11 +285,7 @@ def replay(uses: tuple[Use, ...], numels: tuple[int, ...], dist: int, bucket: in
     starts with every parameter released (the previous optimizer step's ``_partition_all_parameters``).
     ``size``: the storage counted for a tensor of so many elements (default: the elements). ``views``:
     the parameters whose forward storage autograd keeps through a view (``view_held``)."""
-    memo: dict[int, int] = {}
-    for n in numels:                                    # few distinct widths: ``size`` once per width
-        if n not in memo:
-            memo[n] = size(n)
-    s = _State(numels, size, [0] * len(numels), views=frozenset(views), sizes=tuple(memo[n] for n in numels))
+    s = _State(numels, size, [0] * len(numels), views=frozenset(views))
     out = []
     for i, use in _run(s, uses, dist, bucket, max_live):
         held = sum(s.sizes[p] for p in s.held - s.done)
