@@ -111,12 +111,15 @@ class _State:
     saved: set = field(default_factory=set)             # ``views`` a forward saved, their backward not run yet
     held: set = field(default_factory=set)              # of them: released since, their storage held by the view
     sizes: tuple = ()                                   # ``size`` of each parameter (``__post_init__``)
+    live: set = field(default_factory=set)              # parameters whose status is not 0 (``_storage`` walks them)
 
     def __post_init__(self) -> None:
-        """``size`` of each parameter, once per distinct width (few: a layer's shapes repeat), where not given."""
+        """``size`` of each parameter, once per distinct width (few: a layer's shapes repeat), where not given;
+        ``live``: the parameters gathered or in flight."""
         if not self.sizes:
             memo: dict[int, int] = {}
             self.sizes = tuple(memo[n] if n in memo else memo.setdefault(n, self.size(n)) for n in self.numels)
+        self.live = {p for p, st in enumerate(self.status) if st}
 
 
 def _gather(s: _State, params: list[int]) -> None:
@@ -129,6 +132,7 @@ def _gather(s: _State, params: list[int]) -> None:
     s.groups[gid] = [todo, flat, set(todo)]
     for p in todo:
         s.status[p], s.group[p] = 1, gid
+        s.live.add(p)
     s.log.extend([(1, -gid, flat)] if flat else [(1, todo[0], s.numels[todo[0]])])   # the gather's output
     s.n_available += sum(s.numels[p] for p in todo)
 
@@ -150,8 +154,9 @@ def _storage(s: _State) -> tuple[int, int]:
     """Storage held (``size`` of each tensor): gathered parameters (a coalesced group's members only once waited) and the
     flat buffers of groups with a member still in flight; and those of them fresh since forward."""
     total = fresh = 0
-    sizes = s.sizes
-    for p, st in enumerate(s.status):
+    sizes, status = s.sizes, s.status
+    for p in s.live:                                    # (status 1 or 2; a sum of ints: any order)
+        st = status[p]
         if st == 2 or (st == 1 and s.groups[s.group[p]][1] == 0):
             total += sizes[p]
             fresh += sizes[p] if p in s.fresh else 0
@@ -162,9 +167,8 @@ def _storage(s: _State) -> tuple[int, int]:
 def _kept(s: _State, params) -> int:
     """Storage of ``params`` that a layer's forward used and whose backward has not run, held only by
     that forward's saved views (released by the coordinator since, ``fresh`` no more)."""
-    sizes, used, done, fresh = s.sizes, s.used, s.done, s.fresh
-    return sum(sizes[p] for p in (params if isinstance(params, set) else set(params))
-               if p in used and p not in done and p not in fresh)
+    sizes = s.sizes
+    return sum(sizes[p] for p in (s.used if params is s.used else s.used.intersection(params)) - s.done - s.fresh)
 
 
 def _prefetch(s: _State, queue: deque, bucket: int, max_live: int) -> None:
@@ -269,6 +273,7 @@ def _release(s: _State, uses: tuple[Use, ...], i: int, dist: int) -> None:
         if k < len(occ) and occ[k] < stop:
             continue                                    # used again within the distance
         s.status[p] = 0
+        s.live.discard(p)
         s.n_available -= s.numels[p]
         view = p in s.saved and p not in s.done and uses[i].forward
         s.log.append((-2 if view else -1, p, 0))        # -2: its storage lives on in the saved view
