@@ -17,6 +17,7 @@ on the arrays, so both paths give the same bytes (tests/test_plan_layouts.py che
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import replace
 from typing import Any
 
@@ -136,7 +137,8 @@ def estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str, handle_ws: int = C
     """The report of one pipeline stage (``first``, ``middle`` or ``last``); ``handle_ws``: one cuBLAS
     handle's workspace in bytes; ``reserved``: replay the step for ``peak_reserved``; ``capability``:
     the GPU's compute capability, ``room`` its bytes beside the CUDA context (``estimate``)."""
-    q = without_gpu_flatten(quantities(m, t, stage), room)
+    q0 = quantities(m, t, stage)
+    q = without_gpu_flatten(q0, room)
     flags = StepFlags.of(m, t)
     b, ga = t.batch_size, t.grad_accum
     n = b * (t.seq_len // t.cp)      # tokens on this rank
@@ -167,8 +169,8 @@ def estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str, handle_ws: int = C
     # first's, whose blocks the allocator keeps cached for the shorter ones after it)
     # reserved: the step replayed through the caching allocator (reserved.py)
     if reserved:
-        gap, marks = reserved_gap(q, flags, tk, n, nsq, b, ga, t.recompute, step_copies(t), handle_ws,
-                                  varying_steps(m, t, stage, flags))
+        gap, marks = replayed_gap(q0, q, flags, tk, (after is None and bool(mo.micro), n, nsq, b, ga, t.recompute,
+                                                    step_copies(t), handle_ws), varying_steps(m, t, stage, flags))
         rep.peak_reserved = total + gap
         _phase_reserved(rep, marks)
         # the replay's own allocated peak (bytes): the gap stands on it, so where it exceeds the estimate's
@@ -180,6 +182,29 @@ def estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str, handle_ws: int = C
             rep.warnings.append(note)
     rep.extra["activations_per_layer"] = tk.layer
     return rep
+
+
+#: ``reserved_gap``'s answers by the setup's quantities (``quantities``' cached object, built once per setup
+#: and never changed afterwards: ``quantities.Quantities``), then by the replay's other arguments (``replayed_gap``)
+_GAPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def replayed_gap(q0, q, flags: StepFlags, tk, args: tuple, varying: list) -> tuple[int, dict]:
+    """``reserved.reserved_gap`` of ``q`` (``q0`` as ``without_gpu_flatten`` left it, or its copy without the
+    flat group), remembered: the replay reads only its arguments, so a setup replayed again (the planner
+    re-estimates its top layouts on every call; ``fit``'s searches meet a setup more than once) reuses it.
+    ``args``: (whether ``tk`` are a later micro-step's terms, at the first micro-batch's length, then
+    ``reserved_gap``'s n, nsq, b, ga, recompute, temp_copies, handle_ws); ``tk`` the terms they name
+    (``moments.tokens`` of ``q``, ``flags`` and those). ``varying`` (``--min-seq-len``): replayed each time."""
+    rest = args[1:]
+    if varying:
+        return reserved_gap(q, flags, tk, *rest, varying)
+    per = _GAPS.setdefault(q0, {})
+    key = (q is not q0, flags, *args)
+    if key not in per:
+        per[key] = reserved_gap(q, flags, tk, *rest, varying)
+    gap, marks = per[key]
+    return gap, dict(marks)
 
 
 def flatten_note(q, room: int | None) -> str | None:

@@ -1870,8 +1870,8 @@ def deepspeed_norm_temp(m: ModelSpec, t: TrainingSpec, st: States) -> int:
     tensors = m.parameter_tensors()
     if t.lora_rank:
         return 0
-    if t.tp > 1 or t.pp > 1 or sum(p.numel for p in tensors) != st.trainable:
-        return block_of(t, min(part, max(p.numel for p in tensors) // t.tp) * 8)
+    if t.tp > 1 or t.pp > 1 or tensor_elements(tensors) != st.trainable:
+        return block_of(t, min(part, largest_tensor_elements(tensors) // t.tp) * 8)
     largest, start = 0, 0
     for p in tensors:
         if start >= part:
@@ -1950,11 +1950,35 @@ def deepspeed_flat_on_gpu(t: TrainingSpec, st: States) -> int:
     return block_of(t, -(-st.trainable // align) * align * t.weight_bytes)   # (elements,) half
 
 
+_ELEMENTS: dict[int, tuple] = {}
+
+
+def tensor_elements(tensors: tuple) -> int:
+    """Elements of ``tensors`` (a model's ``parameter_tensors()``, the sum of each ``ParamTensor.numel``,
+    the product of its shape), computed once per tuple: the same for every layout of the model, which
+    the DeepSpeed fields below compare with each layout's trainable elements (``_build`` of every shape).
+    Keyed by the tuple's identity, which the entry keeps alive (a ``ModelSpec`` builds it once)."""
+    hit = _ELEMENTS.get(id(tensors))
+    if hit is None or hit[0] is not tensors:
+        if len(_ELEMENTS) >= 64:                         # (models met: few; a tuple built per call: bounded)
+            _ELEMENTS.clear()
+        numels = [p.numel for p in tensors]
+        hit = _ELEMENTS[id(tensors)] = (tensors, sum(numels), max(numels, default=0))
+    return hit[1]
+
+
+def largest_tensor_elements(tensors: tuple) -> int:
+    """Elements of the largest of ``tensors`` (``max`` of each ``ParamTensor.numel``), once per tuple
+    as ``tensor_elements``; 0 for none."""
+    tensor_elements(tensors)
+    return _ELEMENTS[id(tensors)][2]
+
+
 def deepspeed_flat_frees(m: ModelSpec, t: TrainingSpec, st: States) -> bool:
     """Whether the flat group of ``deepspeed_flat_on_gpu`` holds every weight of the model (no frozen
     parameter), so that the reserved replay frees the loaded weights' blocks once it exists (a LoRA run's
     group holds its adapters only; their small blocks stay in the replay)."""
-    return bool(deepspeed_flat_on_gpu(t, st)) and st.trainable >= sum(p.numel for p in m.parameter_tensors()) // t.tp
+    return bool(deepspeed_flat_on_gpu(t, st)) and st.trainable >= tensor_elements(m.parameter_tensors()) // t.tp
 
 
 def without_gpu_flatten(q: "Quantities", room: int | None) -> "Quantities":
@@ -2137,7 +2161,7 @@ def _partial_layout(m: ModelSpec, t: TrainingSpec, st: States) -> bool:
     """Whether the rank's flat group is not the model's tensors whole in registration order: a
     tensor- or pipeline-parallel layout, LoRA, or a partial set of trainable tensors (the bucket
     walks of ``_bucket_reductions`` do not apply)."""
-    return t.tp > 1 or t.pp > 1 or bool(t.lora_rank) or sum(p.numel for p in m.parameter_tensors()) != st.trainable
+    return t.tp > 1 or t.pp > 1 or bool(t.lora_rank) or tensor_elements(m.parameter_tensors()) != st.trainable
 
 
 def _rank0_own(tensors: tuple, st: States, t: TrainingSpec) -> int:
@@ -2286,7 +2310,7 @@ def deepspeed_partition_grads(m: ModelSpec, t: TrainingSpec, st: States) -> int:
     gb = t.weight_bytes
     part = -(-st.trainable // t.shard_group)
     tensors = m.parameter_tensors()
-    if t.tp > 1 or t.pp > 1 or t.lora_rank or sum(p.numel for p in tensors) != st.trainable:
+    if t.tp > 1 or t.pp > 1 or t.lora_rank or tensor_elements(tensors) != st.trainable:
         return block_of(t, part * gb)
     held = 0
     for p in tensors:
@@ -2777,7 +2801,7 @@ def deepspeed_partition_one_piece(m: ModelSpec, t: TrainingSpec, st: States) -> 
     if not (deepspeed_zero(t) and t.zero in (1, 2)) or t.lora_rank or t.tp > 1 or t.pp > 1:
         return False
     tensors = m.parameter_tensors()
-    if not tensors or sum(p.numel for p in tensors) != st.trainable:
+    if not tensors or tensor_elements(tensors) != st.trainable:
         return False
     return tensors[0].numel >= -(-st.trainable // t.shard_group)
 
@@ -2987,7 +3011,7 @@ def _head_is_lora_target(m: ModelSpec, t: TrainingSpec) -> bool:
     scaling`` and ``result + output``: three logits-sized tensors alive at once (the clone, the
     adapter's output and its scaled copy; then the clone, the scaled copy and the sum)."""
     targets = set(t.lora_targets or default_lora_targets(m)) if t.lora_rank else set()
-    return any(p.layer is None and p.role == "linear" and p.module in targets for p in m.parameter_tensors())
+    return bool(targets) and any(p.layer is None and p.role == "linear" and p.module in targets for p in m.parameter_tensors())
 
 
 def head_dequant_bytes(m: ModelSpec, t: TrainingSpec) -> tuple[int, int]:

@@ -110,6 +110,16 @@ class _State:
     recompute_from: int = 0                             # uses before it: a forward autograd saves nothing of
     saved: set = field(default_factory=set)             # ``views`` a forward saved, their backward not run yet
     held: set = field(default_factory=set)              # of them: released since, their storage held by the view
+    sizes: tuple = ()                                   # ``size`` of each parameter (``__post_init__``)
+    live: set = field(default_factory=set)              # parameters whose status is not 0 (``_storage`` walks them)
+
+    def __post_init__(self) -> None:
+        """``size`` of each parameter, once per distinct width (few: a layer's shapes repeat), where not given;
+        ``live``: the parameters gathered or in flight."""
+        if not self.sizes:
+            memo: dict[int, int] = {}
+            self.sizes = tuple(memo[n] if n in memo else memo.setdefault(n, self.size(n)) for n in self.numels)
+        self.live = {p for p, st in enumerate(self.status) if st}
 
 
 def _gather(s: _State, params: list[int]) -> None:
@@ -122,6 +132,7 @@ def _gather(s: _State, params: list[int]) -> None:
     s.groups[gid] = [todo, flat, set(todo)]
     for p in todo:
         s.status[p], s.group[p] = 1, gid
+        s.live.add(p)
     s.log.extend([(1, -gid, flat)] if flat else [(1, todo[0], s.numels[todo[0]])])   # the gather's output
     s.n_available += sum(s.numels[p] for p in todo)
 
@@ -143,10 +154,12 @@ def _storage(s: _State) -> tuple[int, int]:
     """Storage held (``size`` of each tensor): gathered parameters (a coalesced group's members only once waited) and the
     flat buffers of groups with a member still in flight; and those of them fresh since forward."""
     total = fresh = 0
-    for p, st in enumerate(s.status):
+    sizes, status = s.sizes, s.status
+    for p in s.live:                                    # (status 1 or 2; a sum of ints: any order)
+        st = status[p]
         if st == 2 or (st == 1 and s.groups[s.group[p]][1] == 0):
-            total += s.size(s.numels[p])
-            fresh += s.size(s.numels[p]) if p in s.fresh else 0
+            total += sizes[p]
+            fresh += sizes[p] if p in s.fresh else 0
     total += sum(s.size(flat) for _, flat, pending in s.groups.values() if pending)
     return total, fresh
 
@@ -154,7 +167,8 @@ def _storage(s: _State) -> tuple[int, int]:
 def _kept(s: _State, params) -> int:
     """Storage of ``params`` that a layer's forward used and whose backward has not run, held only by
     that forward's saved views (released by the coordinator since, ``fresh`` no more)."""
-    return sum(s.size(s.numels[p]) for p in set(params) if p in s.used and p not in s.done and p not in s.fresh)
+    sizes = s.sizes
+    return sum(sizes[p] for p in (s.used if params is s.used else s.used.intersection(params)) - s.done - s.fresh)
 
 
 def _prefetch(s: _State, queue: deque, bucket: int, max_live: int) -> None:
@@ -188,7 +202,7 @@ def _rise(s: _State, order) -> int:
             continue                                     # gathered alone into its own buffer: counted
         if gid not in built:
             built.add(gid)
-            rise += sum(s.size(s.numels[q]) for q in members if s.status[q] == 1)
+            rise += sum(s.sizes[q] for q in members if s.status[q] == 1)
             top = max(top, rise)
         rest = left.setdefault(gid, set(pending))
         rest.discard(p)
@@ -259,6 +273,7 @@ def _release(s: _State, uses: tuple[Use, ...], i: int, dist: int) -> None:
         if k < len(occ) and occ[k] < stop:
             continue                                    # used again within the distance
         s.status[p] = 0
+        s.live.discard(p)
         s.n_available -= s.numels[p]
         view = p in s.saved and p not in s.done and uses[i].forward
         s.log.append((-2 if view else -1, p, 0))        # -2: its storage lives on in the saved view
@@ -278,7 +293,7 @@ def replay(uses: tuple[Use, ...], numels: tuple[int, ...], dist: int, bucket: in
     s = _State(numels, size, [0] * len(numels), views=frozenset(views))
     out = []
     for i, use in _run(s, uses, dist, bucket, max_live):
-        held = sum(size(numels[p]) for p in s.held - s.done)
+        held = sum(s.sizes[p] for p in s.held - s.done)
         out.append(Moment(use, *_storage(s), s.n_available, _kept(s, s.used), _kept(s, use.params), s.waits, held))
     return out
 
@@ -338,7 +353,7 @@ def events(uses: tuple[Use, ...], numels: tuple[int, ...], dist: int, bucket: in
     them after its forward or backward: ``release_sub_module`` v0.19.8 L502-507). A parameter of ``views``
     released after its forward is (-2, key, 0): its storage lives on in the view autograd saved until
     its layer's backward (``view_held``)."""
-    s = _State(numels, int, [0] * len(numels), views=frozenset(views))
+    s = _State(numels, int, [0] * len(numels), views=frozenset(views), sizes=numels)
     for _ in _run(s, uses, dist, bucket, max_live):
         pass
     ends = s.marks[1:] + [len(s.log)]
@@ -460,9 +475,12 @@ def module_order(params: list[tuple[str, int, int | None]], head: str | None, ti
     pre: list[str] = []
     post: list[str] = []
     _walk(tree, pre, post)
-    below = {k: (None if k.split("<base>.", 1)[-1] in leaves else
-                 tuple(sorted({p for j, ps in own.items() if j == k or j.startswith(k + ".") for p in ps})))
-             for k in pre}
+    under: dict[str, set[int]] = {k: set() for k in pre}   # every parameter at or under each module
+    for j, ps in own.items():                            # (k == j or j.startswith(k + ".")): j's dotted prefixes
+        for k in [j] + [j[:d] for d, c in enumerate(j) if c == "."]:
+            if k in under:
+                under[k].update(ps)
+    below = {k: None if k.split("<base>.", 1)[-1] in leaves else tuple(sorted(under[k])) for k in pre}
 
     def use(forward: bool, k: str, active: bool = False) -> Use:
         return Use(forward, tuple(own.get(k, ())), layer_of.get(k), k, active, below[k])
