@@ -2412,18 +2412,13 @@ def _linears_backward(R: _Replay, s: _Step, q: Quantities, kept: _Kept, where: t
     was made (the layer's others, its norms, follow in ``_layer_backward``)."""
     st = q.detail.states
     linears = q.detail.layer.linears
-    copies = kept.casts or [None] * len(linears)
+    copies = list(kept.casts or [None] * len(linears))
     pending = list(_placed(st.trainables, where))
     made: set = set()
-    for (_pos, w, gbytes), copy in reversed(list(zip(linears, copies))):
-        half = R.alloc(round(w) * HALF) if (copy is not None and gbytes) else None  # mm's, compute dtype
-        R.free(copy)
-        want = block_bytes(round(w) * gbytes, q.expandable)       # the weight's .grad, its dtype
-        j = next((j for j in pending if gbytes and st.trainables[j][2] == want), None)
-        if j is not None:
-            pending.remove(j)
-            made.add(j)
-            _grad_of(R, s, st.trainables, j, oib)
+    for i in reversed(range(len(linears))):
+        lin = (i, copies, pending, made)
+        half = _linear_grad(R, s, q, lin, oib, cast=True)          # mm's, compute dtype; the copy freed
+        _linear_grad(R, s, q, lin, oib, cast=False)                # the weight's .grad, its dtype
         R.free(half)
     kept.casts = []
     return made
