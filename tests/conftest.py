@@ -32,6 +32,14 @@ def _piped_width(monkeypatch):
     monkeypatch.delenv("COLUMNS", raising=False)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_replays():
+    """Every test replays its setups anew (``engine.forget_replays``): a replay remembered from an earlier
+    test would hide the allocations a test spies on, making it depend on which tests ran before."""
+    from trainmem.estimate import engine
+    engine.forget_replays()
+
+
 @pytest.fixture
 def one_torch_thread():
     """Run a test with one torch thread: CPU memory measurements of real runs then see one

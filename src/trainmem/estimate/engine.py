@@ -189,6 +189,12 @@ def estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str, handle_ws: int = C
 _GAPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def forget_replays() -> None:
+    """Drop every remembered replay (``replayed_gap``): the next estimate of any setup replays it anew
+    (what a caller that watches the replay's allocations, e.g. a test's spy on the allocator, needs)."""
+    _GAPS.clear()
+
+
 def replayed_gap(q0, q, flags: StepFlags, tk, args: tuple, varying: list) -> tuple[int, dict]:
     """``reserved.reserved_gap`` of ``q`` (``q0`` as ``without_gpu_flatten`` left it, or its copy without the
     flat group), remembered: the replay reads only its arguments, so a setup replayed again (the planner

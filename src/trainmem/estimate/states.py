@@ -131,6 +131,9 @@ class States:
     # each of ``trainables``' whole gradient in bytes, not rounded to the allocator's blocks (a part of
     # a flat buffer such as DDP's buckets takes its elements only); () where not known
     grad_raw: tuple[int, ...] = ()
+    # each of ``trainables``' gradient on this rank in bytes, not rounded (``_Rank.grad_raw_bytes``: a
+    # shard under FSDP): FSDP's flat reduce-scatter output holds these elements once (``reserved._flat_grads``)
+    grad_rank_raw: tuple[int, ...] = ()
 
 
 def _dim0_padded(shape: tuple[int, ...], n: int, d: int) -> int:
@@ -626,7 +629,11 @@ class _Rank:
     def grad_bytes(self, n: int) -> int:
         """Allocator bytes of one gradient of ``n`` elements on this rank: a shard under ZeRO >= 2 /
         FSDP, the whole tensor when not sharded or accumulated unsharded (``no_sync``)."""
-        return self.block(-(-n * self.gbytes // self.d) if self.grads_sharded else n * self.gbytes)
+        return self.block(self.grad_raw_bytes(n))
+
+    def grad_raw_bytes(self, n: int) -> int:
+        """``grad_bytes`` before the allocator's rounding: the gradient's own bytes on this rank."""
+        return -(-n * self.gbytes // self.d) if self.grads_sharded else n * self.gbytes
 
     def holds(self, m: ModelSpec, pp: int, p: ParamTensor) -> bool:
         """Whether this pipeline stage holds tensor ``p`` (the first stage the embeddings; the last
@@ -665,6 +672,7 @@ class _Tally:
     ao_events: list = field(default_factory=list)  # ... each item's ``torchao_optim.step_events``
     items: list = field(default_factory=list)  # States.trainables, as they are counted
     item_elems: list = field(default_factory=list)  # ... each one's unsharded elements
+    item_rank_raw: list = field(default_factory=list)  # ... each one's gradient bytes on this rank, unrounded
     root_list: list = field(default_factory=list)   # States.root_tensors
     layer_list: list = field(default_factory=list)  # States.layer_tensors
     group: int = 0
@@ -740,6 +748,7 @@ class _Tally:
         self.opt += k * sum(sts)
         self.items.append((where, k, g, sts, master))
         self.item_elems.append(n)
+        self.item_rank_raw.append(r.grad_raw_bytes(n if grad_n is None else grad_n))
         if t.impl == "fused" and t.optimizer in ("adam", "adamw", "adagrad") and not host:
             self.step_t += k * r.block(4)  # fused: the scalar fp32 ``step`` on the device (adagrad.py L82-88)
         if not r.host_shards:  # (the step's temporaries: on the host under FSDP1 parameter offload)
@@ -843,7 +852,7 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
                   torchao_step=acc.ao_step, torchao_events=tuple(acc.ao_events) if acc.ao_step else (),
                   fsdp_init=_sync_init(m, t, r, lora, (before, layer, after)) if t.fsdp_sync_module_states else (),
                   load_split=(len(before), len(layer), len(after)) if m.uniform_layers else (),
-                  grad_raw=tuple(n * r.gbytes for n in acc.item_elems))
+                  grad_raw=tuple(n * r.gbytes for n in acc.item_elems), grad_rank_raw=tuple(acc.item_rank_raw))
     return wrap_policy_states(m, t, st, r, acc, litgpt_tensors(m.first_layer_and_outer_tensors, t))
 
 
