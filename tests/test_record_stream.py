@@ -95,8 +95,10 @@ CASES = [
 
 def _no_deferral(monkeypatch):
     """Both sides with FSDP1's frees made at once (the replay's ``defer`` a plain free; trace without
-    the ``record_stream`` hook)."""
+    the ``record_stream`` hook); the replay run anew, not read from the engine's memo."""
     import trainmem.trace.cuda as tc
+    from trainmem.estimate import engine
+    engine.forget_replays()
     monkeypatch.setattr(rv._Fsdp1Lag, "defer", lambda self, R, h, tick: R.free(h))
     monkeypatch.setattr(tc, "_record_stream_patches", lambda tracker: {})
 
