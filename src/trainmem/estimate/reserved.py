@@ -188,7 +188,7 @@ class _Step:
     ao_events: tuple = ()                        # torchao: each trainable's compiled-step buffers (States)
     lomo: Any = None                             # LOMO: the gradient its next hook updates (handle, bytes, states)
     hook_frees: bool = False                     # DeepSpeed ZeRO-1/2: a hook copies each gradient away and frees it
-    grad_raw: tuple = ()                         # each trainable's gradient bytes on this rank, unrounded
+    grad_rank_raw: tuple = ()                    # each trainable's gradient bytes on this rank, unrounded
     forwards: int = 0                            # micro-batch forwards begun (DeepSpeed ZeRO-3 records its order in the first)
     ddp: Any = None                              # DDP: its first iteration's one bucket, until rebuilt (``_ddp_init``)
     ga: int = 1                                  # micro-batches per step
@@ -249,7 +249,7 @@ def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, 
     if q.ds_bucket and not q.ds_backward_buf:                         # DeepSpeed ZeRO-3's bucket, from engine start
         R.alloc(q.ds_bucket)
     s = _Step(handle_ws=handle_ws, ao_events=st.torchao_events, hook_frees=bool(q.ds_hook_part),
-              grad_raw=st.grad_rank_raw)
+              grad_rank_raw=st.grad_rank_raw)
     if q.ds_init_grads:                                                # ... its flat gradient partitions
         _zero3_flat_grads(R, s, q.ds_init_grads, st.trainables)
     if q.ds_offload_clone:                                             # DeepSpeed ZeRO-1/2 offloading (v0.18.3+): the
@@ -2889,7 +2889,7 @@ def _flat_grads(R: _Replay, s: _Step, trainables: tuple, js: list[int], stream: 
     for j in js:
         _w, k, g, _sts, _m = trainables[j]
         copy = s.made.get(j, 0) if _w == "layer" else 0
-        total += s.grad_raw[j] if j < len(s.grad_raw) else g      # its own bytes: the output is one block
+        total += s.grad_rank_raw[j] if j < len(s.grad_rank_raw) else g    # its own bytes: the output is one block
         if copy < k and (j, copy) not in s.grads:
             new.append((j, copy))
     if not new:                                                   # accumulated into: made and dropped
