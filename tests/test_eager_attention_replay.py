@@ -13,6 +13,7 @@ import pytest
 
 import trainmem
 from trainmem.trace.api import trace
+import alloc_spy
 
 # a small Qwen2 (grouped keys: 8 heads, 2 key/value heads): at b2 s1024 each (b, heads, s, s) block is
 # 32 MiB in bf16, 64 MiB in fp32, the large blocks of the step beside the 31.25 MiB bf16 logits
@@ -27,17 +28,12 @@ BIG = 16 * 2**20
 def _large_requests(monkeypatch, run) -> list[int]:
     """The sizes (MiB, floored) of the requests of 16 MiB and over, in order, while ``run()`` runs
     (the replay's allocator and trace's are both ``trainmem.allocator.CachingAllocator``)."""
-    from trainmem import allocator
     seen: list[int] = []
-    orig = allocator.CachingAllocator.allocate
 
-    def spy(self, nbytes, tag=None, stream=None):
+    def note(nbytes, stream):
         if nbytes >= BIG:
             seen.append(nbytes >> 20)
-        return orig(self, nbytes, tag, stream)
-    with monkeypatch.context() as m:
-        m.setattr(allocator.CachingAllocator, "allocate", spy)
-        run()
+    alloc_spy.requests(monkeypatch, run, note)
     return seen
 
 

@@ -15,6 +15,7 @@ import pytest
 
 import trainmem
 from trainmem.trace.api import trace
+import alloc_spy
 
 # a wide 2-layer Llama (tests/test_workspace_order.py's WIDE): one layer gathered is 24.5 MiB
 WIDE = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 1024,
@@ -34,24 +35,17 @@ def test_fsdp2_grad_op_layers_gathered_in_the_replay(one_torch_thread, recompute
     assert e.peak_reserved == pytest.approx(t.peak_reserved, rel=0.02)
 
 
-def test_grad_op_replay_gathers_each_layer_once(one_torch_thread):
+def test_grad_op_replay_gathers_each_layer_once(monkeypatch, one_torch_thread):
     """The replay's all-gather stream sees one gather per layer per micro-batch in forward and none in
     backward (FSDP2's pre-backward finds the layer unsharded: ``_fsdp_param_group.py`` ``unshard``
     returns early), besides the root's: two layers x two steps + the root's two."""
-    from trainmem import allocator
     from trainmem.estimate.reserved import GATHER_STREAM
     seen: list[int] = []
-    orig = allocator.CachingAllocator.allocate
 
-    def spy(self, nbytes, tag=None, stream=None):
+    def note(nbytes, stream):
         if stream == GATHER_STREAM and nbytes >= 2**20:
             seen.append(nbytes)
-        return orig(self, nbytes, tag, stream)
-    allocator.CachingAllocator.allocate = spy
-    try:
-        trainmem.estimate(WIDE, **dict(BASE, precision="bf16"))
-    finally:
-        allocator.CachingAllocator.allocate = orig
+    alloc_spy.requests(monkeypatch, lambda: trainmem.estimate(WIDE, **dict(BASE, precision="bf16")), note)
     layer = max(seen)
     assert len(seen) == 6 and sorted(seen).count(layer) >= 2
 
@@ -91,42 +85,34 @@ def test_fsdp1_tied_root_flat_gradient(one_torch_thread, fsdp):
     assert e.peak_reserved == pytest.approx(tr.peak_reserved, rel=0.02)
 
 
-def test_fsdp2_sharded_gradients_one_flat_output_per_unit(one_torch_thread):
+def test_fsdp2_sharded_gradients_one_flat_output_per_unit(monkeypatch, one_torch_thread):
     """FSDP2's sharded gradients are views of one flat reduce-scatter output per unit, made on its
     reduce-scatter stream also when the gradients exist already (``zero_grad(set_to_none=False)``:
     added into them, then dropped; ``reserved._flat_grads``). The replay makes one block per unit per
     step on its gradient stream: two layers and the root, in both steps (before: a block per tensor in
     the first step, none in the second). Peak reserved memory, bf16-mp: within 3 % of trace's (-5.1 %
     before)."""
-    from trainmem import allocator
     from trainmem.estimate.reserved import GRAD_STREAM
     kw = dict(batch_size=4, seq_len=512, use_cache=False, dp=2, fsdp="full", fsdp_version=2, precision="bf16-mp",
               zero_grad="zeros")
     seen: list[int] = []
-    orig = allocator.CachingAllocator.allocate
 
-    def spy(self, nbytes, tag=None, stream=None):
+    def note(nbytes, stream):
         if stream == GRAD_STREAM:
             seen.append(nbytes)
-        return orig(self, nbytes, tag, stream)
-    allocator.CachingAllocator.allocate = spy
-    try:
-        e = trainmem.estimate(WIDE, **kw)
-    finally:
-        allocator.CachingAllocator.allocate = orig
+    e = alloc_spy.requests(monkeypatch, lambda: trainmem.estimate(WIDE, **kw), note)
     assert len(seen) == 6 and seen[:3] == seen[3:] and seen[0] == seen[1] < seen[2]
     t = trace(WIDE, **kw)
     assert e.peak_reserved == pytest.approx(t.peak_reserved, rel=0.03)
 
 
-def test_fsdp2_bf16_mp_all_gather_input_cast(one_torch_thread):
+def test_fsdp2_bf16_mp_all_gather_input_cast(monkeypatch, one_torch_thread):
     """FSDP2 under bf16-mp casts each parameter's shard into one flat bf16 all-gather input on the
     all-gather stream before it makes the all-gather output, and drops it once copied in
     (``reserved._Fsdp.gather_output``): in the replay every all-gather output follows a block of its
     size over the ranks there. Phi-3-mini's shapes narrowed (the agreement grid's Phi-3), b1 s2048 FSDP2
     dp 2, ``--zero-grad zeros``: peak reserved within 1 % of trace's (-8.1 % before the flat gradients,
     -1.5 % before the cast)."""
-    from trainmem import allocator
     from trainmem.estimate.engine import estimate
     from trainmem.estimate.reserved import GATHER_STREAM
     from trainmem.spec import TrainingSpec, resolve_model
@@ -134,17 +120,11 @@ def test_fsdp2_bf16_mp_all_gather_input_cast(one_torch_thread):
                                                "num_attention_heads=16", "num_key_value_heads=16"])
     t = TrainingSpec(batch_size=1, seq_len=2048, dp=2, fsdp="full", precision="bf16-mp", zero_grad="zeros")
     seen: list[int] = []
-    orig = allocator.CachingAllocator.allocate
 
-    def spy(self, nbytes, tag=None, stream=None):
+    def note(nbytes, stream):
         if stream == GATHER_STREAM:
             seen.append(nbytes)
-        return orig(self, nbytes, tag, stream)
-    allocator.CachingAllocator.allocate = spy
-    try:
-        e = estimate(m, t, reserved=True)
-    finally:
-        allocator.CachingAllocator.allocate = orig
+    e = alloc_spy.requests(monkeypatch, lambda: estimate(m, t, reserved=True), note)
     assert seen and len(seen) % 2 == 0
     assert all(cast == -(-out // 2) for cast, out in zip(seen[::2], seen[1::2]))
     tr = trace(m, training=t)

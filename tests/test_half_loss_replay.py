@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import trainmem
 from trainmem.trace.api import trace
+import alloc_spy
 
 # GPT-2 small's widths, two layers: (8 x 256) x 50257 logits are 196.3 MiB in bf16, 392.6 MiB in fp32,
 # and the tied (50257, 768) fp32 embedding's gradient is 147.2 MiB
@@ -29,20 +30,15 @@ def _large_requests(monkeypatch, run) -> list[int]:
     caching allocator gets while ``run()`` runs, up to the first one of 140-150 MiB (the head's
     weight gradient in fp32: the loss's backward is over); the replay's and trace's allocator is the
     same ``trainmem.allocator.CachingAllocator``."""
-    from trainmem import allocator
     seen: list[int] = []
     done = []
-    orig = allocator.CachingAllocator.allocate
 
-    def spy(self, nbytes, tag=None, stream=None):
+    def note(nbytes, stream):
         if not done and 140 * MIB <= nbytes <= 150 * MIB and seen:
             done.append(True)
         elif not done and nbytes >= 190 * MIB:
             seen.append(round(nbytes / MIB))
-        return orig(self, nbytes, tag, stream)
-    with monkeypatch.context() as m:
-        m.setattr(allocator.CachingAllocator, "allocate", spy)
-        run()
+    alloc_spy.requests(monkeypatch, run, note)
     return seen
 
 

@@ -14,6 +14,7 @@ import pytest
 
 import trainmem
 from trainmem.trace.api import trace
+import alloc_spy
 
 BERT = {"model_type": "bert", "architectures": ["BertForMaskedLM"], "hidden_size": 768, "intermediate_size": 3072,
         "num_attention_heads": 12, "num_hidden_layers": 2, "vocab_size": 30522, "max_position_embeddings": 512,
@@ -24,17 +25,12 @@ KW = dict(batch_size=8, seq_len=256, precision="bf16-amp", attention="eager")
 def _logit_requests(monkeypatch, run, elems: int) -> list[int]:
     """Bytes per logit element of each request of a whole logits-sized tensor (half: 2, fp32: 4) while
     ``run()`` runs, in order."""
-    from trainmem import allocator
     seen: list[int] = []
-    orig = allocator.CachingAllocator.allocate
 
-    def spy(self, nbytes, tag=None, stream=None):
+    def note(nbytes, stream):
         if nbytes in (2 * elems, 4 * elems):
             seen.append(nbytes // elems)
-        return orig(self, nbytes, tag, stream)
-    with monkeypatch.context() as m:
-        m.setattr(allocator.CachingAllocator, "allocate", spy)
-        run()
+    alloc_spy.requests(monkeypatch, run, note)
     return seen
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import trainmem
 from trainmem.trace.api import trace
+import alloc_spy
 
 # a narrow 2-layer BERT with a wide vocabulary: the (vocab, hidden) blocks are far from the workspace's size
 BERT = {"model_type": "bert", "architectures": ["BertForMaskedLM"], "hidden_size": 256, "intermediate_size": 1024,
@@ -27,19 +28,14 @@ def _requests(monkeypatch, run, wgrad: int) -> list[str]:
     """The caching allocator's requests of a workspace's size ("ws") and of the head's weight's
     ("w": ``wgrad`` bytes, or up to the 2 MiB the replay rounds a gradient's block to) while ``run()``
     runs, in order (the replay's and trace's allocator being ``trainmem.allocator.CachingAllocator``)."""
-    from trainmem import allocator
     seen: list[str] = []
-    orig = allocator.CachingAllocator.allocate
 
-    def spy(self, nbytes, tag=None, stream=None):
+    def note(nbytes, stream):
         if nbytes == WS:
             seen.append("ws")
         elif wgrad <= nbytes < wgrad + 2 * 2**20:
             seen.append("w")
-        return orig(self, nbytes, tag, stream)
-    with monkeypatch.context() as m:
-        m.setattr(allocator.CachingAllocator, "allocate", spy)
-        run()
+    alloc_spy.requests(monkeypatch, run, note)
     return seen
 
 

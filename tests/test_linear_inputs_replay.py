@@ -16,6 +16,7 @@ import pytest
 
 import trainmem
 from trainmem.trace.api import trace
+import alloc_spy
 
 GPT2 = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 768, "n_head": 12, "n_layer": 2,
         "vocab_size": 50257, "n_positions": 1024, "activation_function": "gelu_new"}
@@ -25,19 +26,13 @@ KW = dict(batch_size=1, seq_len=1024, precision="bf16-amp")
 def _large_segments(monkeypatch, run) -> list[int]:
     """The sizes of the segments of 64 MiB and over the caching allocator opens while ``run()`` runs,
     in order (both the replay's and trace's being ``trainmem.allocator.CachingAllocator``)."""
-    from trainmem import allocator
     from trainmem.allocator_rules import segment_size
     opened: list[int] = []
-    orig = allocator.CachingAllocator._device_alloc
 
-    def spy(self, pool, size):
-        block = orig(self, pool, size)
-        if block is not None and segment_size(size) >= 64 * 2**20:
+    def note(pool, size):
+        if segment_size(size) >= 64 * 2**20:
             opened.append(segment_size(size))
-        return block
-    with monkeypatch.context() as m:
-        m.setattr(allocator.CachingAllocator, "_device_alloc", spy)
-        run()
+    alloc_spy.segments(monkeypatch, run, note)
     return opened
 
 

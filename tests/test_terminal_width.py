@@ -131,12 +131,13 @@ def test_the_whole_published_validation_fits(capsys, monkeypatch, cols):
 
 
 # ----- 4. --help: argparse's layout at the same width; long choice lists move into the help text -------------
-@pytest.mark.parametrize("cols", (80, 100, 132))
+@pytest.mark.parametrize("cols", (72, 80, 100, 132))
 @pytest.mark.parametrize("command", ["estimate", "trace", "measure", "compare", "fit", "sweep", "plan", "validate",
                                      "calibrate"])
 def test_help_fits(capsys, monkeypatch, command, cols):
     """(At 72 one usage part is wider than what argparse leaves beside ``usage: trainmem estimate``:
-    ``[--expandable-segments | --no-expandable-segments]``, which argparse never breaks.)"""
+    ``[--expandable-segments | --no-expandable-segments]``, which argparse never breaks: the usage is
+    wrapped again under ``usage: ``.)"""
     monkeypatch.setenv("COLUMNS", str(cols))
     with pytest.raises(SystemExit) as e:
         main([command, "--help"])
@@ -145,3 +146,22 @@ def test_help_fits(capsys, monkeypatch, command, cols):
     if command == "estimate":  # the optimizers listed in the help, not as a 300-column metavar
         assert "--optimizer OPTIMIZER" in out and "(one of: adamw, adam," in " ".join(out.split())
         assert "--batch-size, --per-device-train-batch-size" in out and "--micro-batch-size BATCH_SIZE" in out
+
+
+def _usage(capsys, monkeypatch, cols: int) -> str:
+    monkeypatch.setenv("COLUMNS", str(cols))
+    with pytest.raises(SystemExit):
+        main(["estimate", "--help"])
+    return capsys.readouterr().out.split("\n\n")[0]
+
+
+def test_usage_wrapped_again_keeps_every_part_in_order(capsys, monkeypatch):
+    """At 72 columns the usage's continuation lines start under ``usage: `` and hold argparse's
+    parts in argparse's order (the same as at 160 columns, where argparse's own layout fits); the
+    widest part stays whole on its line."""
+    narrow, wide = _usage(capsys, monkeypatch, 72), _usage(capsys, monkeypatch, 160)
+    assert " ".join(narrow.split()) == " ".join(wide.split())
+    assert narrow.splitlines()[1].startswith(" " * 7 + "[") and not narrow.splitlines()[1].startswith(" " * 8)
+    assert any(ln.strip() == "[--expandable-segments | --no-expandable-segments]" for ln in narrow.splitlines())
+    assert wide.splitlines()[1].startswith(" " * len("usage: trainmem estimate "))
+

@@ -16,6 +16,7 @@ import pytest
 
 import trainmem
 from trainmem.trace.api import trace
+import alloc_spy
 
 # a wide 2-layer Llama: its fp32 logits (4 x 512 x 8000 x 4 B = 62.5 MiB) and its top layer's flat
 # parameter (24.5 MiB gathered) both matter (tests/test_fp32_logits_replay.py's WIDE)
@@ -31,19 +32,13 @@ def _segments_opened(monkeypatch, run) -> list[int]:
     while ``run()`` runs, both the replay's and trace's being ``trainmem.allocator.CachingAllocator``
     (not the all-gather stream's: the root's gather, 31.25 MiB in trace, is a little over 32 MiB in
     the estimate's flat buffer, so its segment is 2 MiB apart, before and after)."""
-    from trainmem import allocator
     from trainmem.allocator_rules import segment_size
     opened: list[int] = []
-    orig = allocator.CachingAllocator._device_alloc
 
-    def spy(self, pool, size):
-        block = orig(self, pool, size)
-        if block is not None and not pool.small and pool.stream == 0:
+    def note(pool, size):
+        if not pool.small and pool.stream == 0:
             opened.append(segment_size(size))
-        return block
-    with monkeypatch.context() as m:
-        m.setattr(allocator.CachingAllocator, "_device_alloc", spy)
-        run()
+    alloc_spy.segments(monkeypatch, run, note)
     return opened
 
 

@@ -8,6 +8,7 @@ import torch (trace and measure import it inside their commands).
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from typing import Sequence
 
@@ -50,6 +51,28 @@ class _Formatter(argparse.HelpFormatter):
         text = super()._get_help_string(action)
         listed = self._long_choices(action)
         return (text or "") + f" (one of: {listed})" if listed else text
+
+    # argparse's own split of a usage line into parts it never breaks (Lib/argparse.py,
+    # ``HelpFormatter._format_usage``'s ``part_regexp``, CPython 3.11-3.13)
+    USAGE_PART = re.compile(r"\(.*?\)+(?=\s|$)|\[.*?\]+(?=\s|$)|\S+")
+
+    def _format_usage(self, usage, actions, groups, prefix) -> str:  # type: ignore[override]
+        """argparse's usage, unless one of its parts passes the width where argparse indents the
+        continuation lines (under the command's name: ``[--expandable-segments |
+        --no-expandable-segments]`` at 72 columns); then every continuation line starts under the
+        first option instead, at ``usage: ``'s width, the parts wrapped again in their order."""
+        text = super()._format_usage(usage, actions, groups, prefix)
+        if max(map(len, text.splitlines())) <= self._width:
+            return text
+        head = prefix if prefix is not None else "usage: "
+        words = self.USAGE_PART.findall(" ".join(text.strip()[len(head):].split()))
+        lines, indent = [head + words[0]], " " * len(head)
+        for w in words[1:]:
+            if len(lines[-1]) + 1 + len(w) > self._width:
+                lines.append(indent + w)
+            else:
+                lines[-1] += " " + w
+        return "\n".join(lines) + "\n\n"
 
     def _format_action_invocation(self, action: argparse.Action) -> str:
         """An option's names, its argument once after the last (``--batch-size, --micro-batch-size

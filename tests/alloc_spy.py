@@ -1,0 +1,37 @@
+"""Spies on the simulated caching allocator (``trainmem.allocator.CachingAllocator``), for tests that
+compare the order of what the estimate's reserved replay and trace ask of it: both drive that class, so
+one spy sees either side. Each runs ``run()`` with the spy in place and returns ``run()``'s result."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+
+def requests(monkeypatch, run: Callable[[], Any], note: Callable[[int, Any], None]) -> Any:
+    """``note(nbytes, stream)`` is told of every request (``CachingAllocator.allocate``: the bytes
+    asked for, before rounding, and the stream) before the allocator serves it."""
+    from trainmem import allocator
+    orig = allocator.CachingAllocator.allocate
+
+    def spy(self, nbytes, tag=None, stream=None):
+        note(nbytes, stream)
+        return orig(self, nbytes, tag, stream)
+    with monkeypatch.context() as m:
+        m.setattr(allocator.CachingAllocator, "allocate", spy)
+        return run()
+
+
+def segments(monkeypatch, run: Callable[[], Any], note: Callable[[Any, int], None]) -> Any:
+    """``note(pool, size)`` is told of every segment the allocator opens (``CachingAllocator._device_alloc``
+    that returned a block: the pool, with its ``stream`` and ``small``, and the bytes asked of the
+    device before ``allocator_rules.segment_size`` rounds them)."""
+    from trainmem import allocator
+    orig = allocator.CachingAllocator._device_alloc
+
+    def spy(self, pool, size):
+        block = orig(self, pool, size)
+        if block is not None:
+            note(pool, size)
+        return block
+    with monkeypatch.context() as m:
+        m.setattr(allocator.CachingAllocator, "_device_alloc", spy)
+        return run()
