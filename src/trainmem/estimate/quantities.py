@@ -269,6 +269,7 @@ class Quantities:
     head_lora: int = 0     # a LoRA adapter on that 4-bit head: logits-sized tensors alive in its forward (3)
     step_groups: int = 1   # a foreach step's temporaries: how many per tensor, all alive at once (``foreach_groups``)
     step_linger: bool = False  # a per-tensor loop keeps each tensor's last temporary until the next's (``step_lingers``)
+    step_adafactor: tuple = ()  # transformers' Adafactor, tensor by tensor (``adafactor_loop``); () otherwise
     ds_backward_buf: int = 0  # DeepSpeed ZeRO-1/2's gradient bucket buffers, alive during backward (``deepspeed_buckets``)
     ds_loss_buf: int = 0      # ... of them, those alive in the loss's and the head's backward (before v0.18.3)
     ds_bucket: int = 0        # one DeepSpeed bucket buffer (ZeRO-3's is kept from engine start, in ``fixed``)
@@ -2828,13 +2829,45 @@ def step_copies(t: TrainingSpec) -> int | None:
     return _copies_per_tensor(t, t.grads_freed_in_backward)
 
 
+def adafactor_loop(t: TrainingSpec, st: States) -> tuple:
+    """What each trainable tensor of ``States.trainables`` (by index) allocates in transformers'
+    ``Adafactor.step``, for the reserved replay (``reserved._adafactor_step``): (one fp32 tensor of its
+    size, its fp32 copies of a half gradient and weight (``grad.float()``, ``p.float()``; 0 for fp32),
+    the row and the column vector of a factored tensor's ``update.mean(dim=-1)`` / ``(dim=-2)`` and
+    ``_approx_sq_grad``'s ``r_factor`` / ``c_factor`` (fp32, the sizes of its two states; 0 for a vector)),
+    each the block of its request. () where the optimizer is not transformers' Adafactor on one device
+    over whole tensors (sharded or offloaded states keep ``_adafactor_temporaries``' count)."""
+    if (t.optimizer != "adafactor" or t.offload_optimizer or t.zero_stage or t.fsdp is not None or t.tp > 1
+            or t.gemini is not None or t.grads_freed_in_backward
+            or len(st.trainable_elems) != len(st.trainables)):
+        return ()
+    half = not (t.weight_bytes == 4 or t.fp32_master)            # bf16/fp16 weights stepped as they are
+    out = []
+    for (_w, _k, _g, sts, _m), n in zip(st.trainables, st.trainable_elems):
+        f = int(block_of(t, n * 4))                               # (shape,) fp32
+        row, col = (sts[0], sts[1]) if len(sts) == 2 else (0, 0)  # factored: (lead, rows) and (lead, cols) fp32
+        out.append((f, f if half else 0, row, col))
+    return tuple(out)
+
+
 def _adafactor_temporaries(t: TrainingSpec, st: States, copies: int) -> int:
     """transformers' Adafactor (``optimization.py``, ``Adafactor.step``) is a loop over tensors in
     fp32 (there is no foreach version): ``update = grad**2 + eps`` and the factored approximation
     that replaces it, then ``-update * lr``, leave two fp32 tensors of the parameter's size alive at
     once; a bf16/fp16 parameter adds its fp32 copy (``p.float()``) and its gradient's
     (``grad.float()``). The largest parameter sets the peak (2x or 4x its fp32 size, as trace of
-    the real optimizer shows: tests/test_optim_transients.py; ``copies``: ``step_copies``)."""
+    the real optimizer shows: tests/test_optim_transients.py; ``copies``: ``step_copies``). On one
+    device over whole tensors (``adafactor_loop``) the previous tensor's ``update`` is freed only when
+    the name is rebound, after this tensor's ``grad**2`` and ``+ eps`` exist (L1258; the copies of a
+    half gradient and weight come before them), so the peak is the largest ``previous + copies x this``
+    over neighbours in parameter order, as ``loop_pair_bytes`` for Adam's loop: a Llama whose MLP
+    matrices are its largest tensors holds gate_proj's update beside up_proj's two (fp32) or four (half)
+    temporaries (trace, 2 layers, hidden 1024, MLP 8192, vocab 8000, b1 s64: 32 MiB above ``copies``
+    x the largest)."""
+    loop = adafactor_loop(t, st)
+    if loop:
+        f = [loop[j][0] for j in parameter_order(st.trainables)]  # each tensor's fp32 block, in step order
+        return max([copies * f[0]] + [a + copies * b for a, b in zip(f, f[1:])])
     sb = 4 if (t.weight_bytes == 4 or t.fp32_master) else t.weight_bytes
     elems = st.largest_param // sb
     return copies * block_of(t, elems * 4)
@@ -3410,7 +3443,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         liger_factor=-(-m.vocab_size // m.hidden_size) if (head_here and is_lm(m) and loss_mode(m, t) == "fused") else 0,
         **_galore_fields(m, t, st, oib), step_groups=foreach_groups(t), step_linger=step_lingers(t),
         linear_replay=int(per_linear_replay(t)), oib_mid=oib_mid, oib_end=oib_end, **_deepspeed_fields(m, t, st),
-        **gemini_fields(m, t),
+        **gemini_fields(m, t), step_adafactor=adafactor_loop(t, st),
         **_tied_fields(m, t, pol),
         emb_grad=emb_accumulated(m, t, stage), emb_upcast=emb_upcast(m, t, stage), softcap_saved=softcap_saved(m, loss.out, t) if head_here else 0,
         chunk_head_grads=chunk_head_grads(m, t, pol) if head_here else 0, ds_leaf_held=deepspeed_leaf_held(m, t, lc),

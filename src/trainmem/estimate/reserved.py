@@ -2965,6 +2965,48 @@ def _allocate_states(R: _Replay, st: Any) -> list:
             for x in sts]
 
 
+def _adafactor_step(R: _Replay, s: _Step, st: Any, loop: tuple, lazy: bool) -> None:
+    """transformers' ``Adafactor.step`` (transformers 5.24.0 ``optimization.py`` L1203-1287), one
+    tensor at a time in parameter order, each allocation in its op order (``quantities.adafactor_loop``
+    gives the sizes). Per tensor: ``grad = p.grad`` drops the previous tensor's fp32 copy of a half
+    gradient, ``grad.float()`` makes this one's (L1217-1219); at the first step its states, made here
+    and not before the loop (L1228-1239: ``torch.zeros(grad_shape[:-1]).to(grad)`` and the column
+    vector when factored, else ``zeros_like(grad)``); ``p_data_fp32 = p`` drops the previous weight
+    copy and ``p.float()`` makes this one's (L1249-1251); ``update = (grad**2) + group["eps"][0]``:
+    the square and the sum, the square freed, then the previous tensor's ``update`` freed by the
+    rebinding (L1258); factored: ``update.mean(dim=-1)`` and ``(dim=-2)`` each made and freed by
+    ``add_`` (L1263-1264), ``_approx_sq_grad``'s ``r_factor`` and ``c_factor`` and their product
+    ``torch.mul`` (L1195-1200), the factors freed on return and the sum by the rebinding (L1267);
+    a vector: ``exp_avg_sq.rsqrt()`` (L1273); ``p_data_fp32.add_(-update)``: ``-update`` made and
+    freed (L1284). The last tensor's copies and ``update`` go when ``step`` returns. Scalars
+    (``_rms``'s norm, the clip) are not replayed (512 B blocks of the small pool). The trace of
+    Qwen3 (2 layers, b2 s512) shows this order: the embedding's ``update`` lives until the first
+    layer tensor's square and sum exist."""
+    g32 = p32 = upd = None                                       # the loop's locals from the previous tensor
+    for j in _parameter_order(st.trainables):
+        f, half, row, col = loop[j]
+        R.free(g32)
+        g32 = R.alloc(half) if half else None                    # grad.float() (half gradients)
+        if lazy:
+            s.states += [R.alloc(x) for x in st.trainables[j][3]]
+        R.free(p32)
+        p32 = R.alloc(half) if half else None                    # p.float() (half weights)
+        sq = R.alloc(f)                                          # grad**2
+        new = R.alloc(f)                                         # ... + eps
+        R.frees([sq, upd])
+        if row:                                                  # factored: the means, then _approx_sq_grad
+            R.free(R.alloc(row))
+            R.free(R.alloc(col))
+            factors = [R.alloc(row), R.alloc(col)]
+            upd = R.alloc(f)                                     # torch.mul(r_factor, c_factor)
+            R.frees(factors)
+        else:
+            upd = R.alloc(f)                                     # exp_avg_sq.rsqrt()
+        R.free(new)
+        R.free(R.alloc(f))                                       # -update
+    R.frees([g32, p32, upd])
+
+
 def _torchao_graph(R: _Replay, events: tuple) -> None:
     """One tensor's ``single_param_adam`` graph (``torchao_optim.step_events``): its buffers allocated
     and freed in inductor's order, the rest freed when it returns."""
@@ -2989,7 +3031,7 @@ def _optimizer_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, step:
     order = [st.trainables[j] for j in _parameter_order(st.trainables)]
     lazy = step == 1 and st.optimizer and not flags.states_at_init   # lazily, unless offloaded to the host
     zero3 = bool(q.ds_norm_fp64 and q.ds_step_fp32)              # DeepSpeed ZeRO-3 on the device
-    if lazy and not zero3 and not q.ds_flat12:
+    if lazy and not zero3 and not q.ds_flat12 and not q.step_adafactor:   # (Adafactor: tensor by tensor)
         s.states = _allocate_states(R, st)
     sizes = [(sts[0] if sts else g) for (_w, _k, g, sts, _m) in order]
     if q.ds_norm_temp:                                           # DeepSpeed ZeRO-1/2: the norm's float64 piece
@@ -3006,6 +3048,8 @@ def _optimizer_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, step:
     elif temp_copies is None:                                    # foreach: the whole group's at once, each
         k = max(1, q.step_groups)                                # temporary per tensor as its own list (Adagrad 2)
         R.frees([b for _ in range(k) for b in R.allocs(_scaled(sizes, q.step_temp // k))])
+    elif q.step_adafactor:                                       # transformers' Adafactor, in its op order
+        _adafactor_step(R, s, st, q.step_adafactor, bool(lazy))
     elif q.step_linger and temp_copies and sizes:               # a loop whose last temporary lingers: the
         prev = None                                              # previous tensor's until the next's exist
         for x in sizes:                                          # (quantities.loop_pair_bytes)
