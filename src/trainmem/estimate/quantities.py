@@ -722,6 +722,8 @@ def head_side_tensors(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) ->
     24 MiB block the transform's tensors opened a segment of their own whose hole then took autograd's
     cuBLAS workspace, which trace places in a freed logits segment (where it stays, so trace's second
     step opens one more)."""
+    if m.head == "causal-lm" and (t.pp == 1 or stage == "last"):
+        return () if m.family == "derived" else causal_lm_head_tensors(m, t, pol)
     if m.head != "masked-lm" or m.family == "derived" or not (t.pp == 1 or stage == "last"):
         return ()
     frozen = bool(t.lora_rank)
@@ -731,6 +733,67 @@ def head_side_tensors(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) ->
     out = [(dense_in, 0), (dense_out, 0)] + ([(float(h * pol.half), 1)] if temp else [])
     out += [(norm_in, 0), (mean, 0), (rstd, 0)] + ([(float(h * pol.stream), 2)] if temp else [])
     return tuple(out) + (() if frozen else ((float(h * pol.half), 0),))
+
+
+#: ``head_side_tensors``' lifetimes: saved for backward; freed once the next one (two) are made; alive
+#: until the logits are made; until the model's own loss returns
+HEAD_SAVED, HEAD_NEXT, HEAD_LOGITS, HEAD_LOSS, HEAD_NEXT2 = 0, 1, 2, 3, 4
+
+
+def causal_lm_head_tensors(m: ModelSpec, t: TrainingSpec, pol: Policy) -> tuple[tuple[float, int], ...]:
+    """A transformers causal LM's final norm and head input, tensor by tensor in forward order, for the
+    allocator replay (``head_side_tensors``): (bytes per token, lifetime ``HEAD_*``). What it saves sums
+    to ``_head_side``'s ``final_norm`` and ``lm_head.input``: HF RMSNorm's (``rmsnorm_head_tensors``),
+    nn.LayerNorm's (GPT-2's ``ln_f``: ``native_layer_norm`` saves its input and fp32 mean and rstd and
+    returns the output), then the head's input (``head_input_tensors``). () where the replay keeps the
+    side as one block: another norm (Liger's, ``--rms-norm input``, torchtune's, a Python-op
+    LayerNorm), a fused loss, a 4-bit head, sequence parallelism, another framework's model code,
+    ``--compile`` (inductor's fused kernels make none of the norm's temporaries).
+    Found by the agreement grid: Mistral (2 layers, hidden 1024) b4 s512 bf16-amp, op recompute,
+    AdamW-8bit: the side's 20 MiB as one block took a logits segment's head in the second step, where
+    trace's 8, 8, 8 and 4 MiB tensors fit the layers' freed blocks."""
+    fused = loss_mode(m, t) in ("fused", "chunked-nll", "unsloth")
+    if (m.family not in ("gpt2", "llama", "mixtral") or not m.final_norm or model_code(t) != "transformers"
+            or fused or _quant_head(m, t) or t.sequence_parallel or t.liger or t.unsloth_kernels
+            or t.rms_norm == "input" or torchtune_norm_saves_fp32(m, t) or m.manual_layernorm or t.compile):
+        return ()
+    h, frozen = m.hidden_size, bool(t.lora_rank)
+    if m.norm == "rmsnorm":
+        norm = rmsnorm_head_tensors(h, pol, frozen, input_counted=False)
+    else:                                                         # input, fp32 mean and rstd
+        norm = ((float(h * pol.stream), HEAD_SAVED), (8.0, HEAD_SAVED))
+    return norm + head_input_tensors(h, pol, _head_is_lora_target(m, t) or not frozen, t.loss is None)
+
+
+def rmsnorm_head_tensors(h: int, pol: Policy, frozen: bool, input_counted: bool) -> tuple[tuple[float, int], ...]:
+    """HF RMSNorm's tensors up to its output (transformers 5.24 ``models/llama/modeling_llama.py``
+    L62-67; Qwen2's, Mistral's the same), bytes per token and lifetime (``HEAD_*``): ``to(float32)`` (in a half stream an
+    fp32 copy, saved by ``pow`` and ``mul``; in an fp32 stream the input itself, listed unless
+    ``input_counted``: a derivation counts the top layer's output with the layers), ``pow(2)`` (fp32,
+    freed once ``mean`` has read it), ``rsqrt`` (fp32 (b, s, 1), saved), ``hidden * rsqrt`` (fp32: in an
+    fp32 stream the normed tensor itself; in a half stream freed as the norm returns, after its
+    ``to(input_dtype)`` cast and the product), the normed tensor ``weight * normed`` saves for a
+    trainable weight (``frozen``: freed once the product is made). The output: ``head_input_tensors``."""
+    x = () if (input_counted and pol.stream == F32) else ((float(h * F32), HEAD_SAVED),)
+    out = x + ((float(h * F32), HEAD_NEXT), (float(F32), HEAD_SAVED))
+    if pol.stream == F32:                                         # normed: fp32, the product's input
+        return out + ((float(h * F32), HEAD_NEXT if frozen else HEAD_SAVED),)
+    return out + ((float(h * F32), HEAD_NEXT2), (float(h * pol.stream), HEAD_NEXT if frozen else HEAD_SAVED))
+
+
+def head_input_tensors(h: int, pol: Policy, keeps_input: bool, own_loss: bool) -> tuple[tuple[float, int], ...]:
+    """The final norm's output and the head's input, bytes per token and lifetime (``HEAD_*``). Without
+    autocast the output is the head's input, saved (``keeps_input``: a trainable or LoRA-adapted head;
+    ``mm`` saves ``self`` only for ``mat2``'s gradient, ``derivatives.yaml``). Under autocast it is an
+    fp32 tensor the causal LM's forward holds as ``hidden_states`` (``LlamaForCausalLM.forward``,
+    transformers 5.24 ``modeling_llama.py`` L469-475) until its own loss returns (``own_loss``:
+    ``head_during_loss``) or, when the loop computes the loss, until forward returns after the logits,
+    and ``lm_head`` saves its half cast (a frozen head's cast dies with the matmul). An unsaved output
+    lives as the body's output does."""
+    body = HEAD_LOSS if own_loss else HEAD_LOGITS
+    if pol.amp:
+        return ((float(h * pol.stream), body), (float(h * pol.half), HEAD_SAVED if keeps_input else HEAD_LOGITS))
+    return ((float(h * pol.stream), HEAD_SAVED if keeps_input else body),)
 
 
 def _head_side(m: ModelSpec, pol: Policy, h: int, sp: int, fused: bool = False, quant_head: str = "",

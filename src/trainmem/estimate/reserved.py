@@ -81,7 +81,8 @@ from ..allocator import CachingAllocator
 from ..allocator_rules import block_bytes
 from .layers import F32, HALF
 from .moments import StepFlags, Tokens, _logit_sizes, best_transient, label_tokens
-from .quantities import PARTITION_BOTTOM, PARTITION_EMBEDDING, PARTITION_TOP, Quantities
+from .quantities import (HEAD_LOGITS, HEAD_LOSS, HEAD_NEXT, HEAD_NEXT2, HEAD_SAVED, PARTITION_BOTTOM, PARTITION_EMBEDDING,
+                         PARTITION_TOP, Quantities)
 from .schedules import FORWARD
 from .states import parameter_order as _parameter_order
 
@@ -844,7 +845,7 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
                              cached, suffix)
     z3.forward_end(R)                                             # ZeRO-3: the final norm's and the head's fetches
     root = root + fs.unshard(R, q.fsdp_head_unit, st.head_unit_tensors)  # split root: [norm, head] kept
-    head, late = _head_side(R, q, tk)                             # the final norm's tensors, the head's input
+    head, late, body = _head_side(R, q, tk)                       # the final norm's tensors, the head's input
     R.free(embeds)                                                # the base model returns (held_embeddings)
     head.append(R.alloc(q.cast_head))                             # autocast's half copy of the head
     # a chunked loss: one tensor per chunk, at most one chunk per token (more are not made: setup_warnings)
@@ -859,7 +860,8 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
         cached = R.frees(cached) or []                            # region closes before the loss (Quantities.cast_stage_only)
     R.frees(s.held)                                               # the previous step's output, replaced
     s.held = []
-    fwd, saved, out = _loss_forward(R, q, tk, flags, out, full, chunks, seqs)
+    fwd, saved, out = _loss_forward(R, q, tk, flags, out, full, chunks, seqs, sum(map(R.a.block_size, body)))
+    fwd += body                                                   # the body's output, held until the loss returns
     if q.dpo_metrics:                                             # DPOTrainer's reference forward and metrics
         _dpo_after_logps(R, q, full, seqs)
     R.frees([h for _at, h in R.carry])                            # derived layers' tensors the loss frees
@@ -873,25 +875,30 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     return _Forward(inputs, fs, root, emb, kept, head, out, saved, full, chunks, gathered, _shifted(q, full, seqs), z3)
 
 
-def _head_side(R: _Replay, q: Quantities, tk: Tokens) -> tuple[list, list]:
+def _head_side(R: _Replay, q: Quantities, tk: Tokens) -> tuple[list, list, list]:
     """The head side's saved tensors (``tk.outer_head`` bytes) and, apart, those freed once the logits
-    are made. One block each where the estimate knows them one by one (``quantities.head_side_tensors``:
-    a masked LM's transform and decoder input, with autocast's forward-only copies), what is left of
-    ``tk.outer_head`` beside the saved ones as one more; else one block (several tensors)."""
+    are made and those the model's forward holds until its loss returns. One block each where the
+    estimate knows them one by one (``quantities.head_side_tensors``: a masked LM's transform and
+    decoder input, with autocast's forward-only copies; a causal LM's final norm and head input,
+    ``quantities.causal_lm_head_tensors``), what is left of ``tk.outer_head`` beside the saved ones as
+    one more; else one block (several tensors)."""
     sizes = [(int(x * tk.tokens), held) for x, held in q.head_side]
-    rest = int(tk.outer_head) - sum(x for x, held in sizes if held == 0)
+    rest = int(tk.outer_head) - sum(x for x, held in sizes if held == HEAD_SAVED)
     if not sizes or rest < 0:
-        return [R.alloc(tk.outer_head, one=False)], []
-    kept: list = []
-    late: list = []
-    temp = None                                                   # freed once the next tensor is made
+        return [R.alloc(tk.outer_head, one=False)], [], []
+    lists: dict[int, list] = {HEAD_SAVED: [], HEAD_LOGITS: [], HEAD_LOSS: []}
+    temps: list = []                                              # [handle, tensors made before it is freed]
     for nbytes, held in sizes:
         h = R.alloc(nbytes)
-        R.free(temp)
-        temp = h if held == 1 else None
-        (kept if held == 0 else late if held == 2 else []).append(h)
-    R.free(temp)
-    return kept + [R.alloc(rest, one=False)], late
+        for temp in temps:
+            temp[1] -= 1
+        R.frees([temp[0] for temp in temps if temp[1] == 0])
+        temps = [temp for temp in temps if temp[1] > 0]
+        if held in (HEAD_NEXT, HEAD_NEXT2):
+            temps.append([h, 1 if held == HEAD_NEXT else 2])
+        lists.get(held, []).append(h)
+    R.frees([temp[0] for temp in temps])
+    return lists[HEAD_SAVED] + [R.alloc(rest, one=False)], lists[HEAD_LOGITS], lists[HEAD_LOSS]
 
 
 def _forward_end(R: _Replay, s: _Step, q: Quantities, fs: "_Fsdp", root: list, suffix: str) -> list:
@@ -925,9 +932,11 @@ def _stage_output(R: _Replay, s: _Step, q: Quantities, tk: Tokens, f: _Forward, 
 
 
 def _loss_forward(R: _Replay, q: Quantities, tk: Tokens, flags: StepFlags, out: list, full: int, chunks: int,
-                  seqs: int) -> tuple[list, list, list]:
+                  seqs: int, held: int = 0) -> tuple[list, list, list]:
     """The loss's forward on the logits ``out``: its transient tensors (``fwd``), what it saves for backward
-    (``saved``), and the logits still held apart from those (``out``, emptied where the loss saves them)."""
+    (``saved``), and the logits still held apart from those (``out``, emptied where the loss saves them).
+    ``held``: bytes of the body's output the model's forward holds through its loss, made already with
+    the head side (``_head_side``); ``tk.loss_forward`` counts it (``q.head_loss_tok`` per token)."""
     if q.loss_chunk_tokens:   # TRL's chunked_nll: its tensors one by one (quantities._chunked_nll_bytes)
         fwd, saved = _chunked_nll_forward(R, q, tk)
     elif q.fused_parts:       # Liger's fused linear cross-entropy: its tensors one by one
@@ -939,7 +948,8 @@ def _loss_forward(R: _Replay, q: Quantities, tk: Tokens, flags: StepFlags, out: 
     elif q.loss_tt_shift:     # torchtune < 0.3's loop: the shifted fp32 copy kept, the loss on its transpose
         fwd, saved = [], _torchtune_loop_loss(R, q, tk, out, full, seqs)
     else:
-        fwd = _logit_allocs(R, _logit_tensors(tk.loss_forward, q.loss_forward, full, chunks))  # fp32 copy, transient
+        made = min(held, int(q.head_loss_tok * tk.tokens))
+        fwd = _logit_allocs(R, _logit_tensors(tk.loss_forward - made, q.loss_forward, full, chunks))  # fp32 copy, transient
         if q.loss_saves_out:   # the loss saves the output itself (its per-token tensors are new)
             saved = out + R.allocs([int(tk.loss_saved) - full * q.loss_saved], one=False)  # per-token
             out = []
