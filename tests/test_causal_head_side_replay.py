@@ -1,12 +1,14 @@
 """A causal LM's head side in the reserved replay tensor by tensor (``quantities.causal_lm_head_tensors``,
-``reserved._head_side``) instead of one block: the final norm's
+``quantities.derived_head_tensors``, ``reserved._head_side``) instead of one block: the final norm's
 tensors (HF RMSNorm: the fp32 input copy, ``pow``'s fp32 temporary, ``rsqrt``, the fp32 normed tensor
 and its half cast), the norm's output (under autocast held by the model's forward until its loss
 returns) and the head's input.
 
 Found by the agreement grid (2 layers, real widths and vocabularies), estimate against trace's peak
 reserved before: Llama-3.2-1B b1 s2048 bf16-amp op recompute with the loop's half loss +10.3 %
-(the side's 24 MiB as one block split a logits segment); the allocated peak within 0.5 % and unchanged.
+(the side's 24 MiB as one block split a logits segment), Qwen3-0.6B (derived) b2 s512 fp16-amp
+Adafactor +17.7 %, Phi-3-mini narrowed (derived) b1 s2048 fp32 eager full recompute -12.0 %; the
+allocated peaks within 0.5 % and unchanged.
 """
 from __future__ import annotations
 
@@ -19,6 +21,9 @@ from trainmem.estimate.quantities import HEAD_KEYS, HEAD_SAVED, head_side_tensor
 from trainmem.spec import TrainingSpec, resolve_model
 
 LLAMA_GQA = ("llama-3.2-1b", ["num_hidden_layers=2"])
+QWEN3 = ("qwen3-0.6b", ["num_hidden_layers=2"])
+PHI3 = ("phi-3-mini", ["num_hidden_layers=2", "hidden_size=1024", "intermediate_size=2816",
+                       "num_attention_heads=16", "num_key_value_heads=16"])
 
 
 def _one_block(monkeypatch, m, t) -> int:
@@ -27,6 +32,7 @@ def _one_block(monkeypatch, m, t) -> int:
     quantities._CACHE.clear()
     engine.forget_replays()
     monkeypatch.setattr(quantities, "causal_lm_head_tensors", lambda *a: ())
+    monkeypatch.setattr(quantities, "derived_head_tensors", lambda *a: ())
     try:
         return trainmem.estimate(m, training=t).peak_reserved
     finally:
@@ -37,7 +43,9 @@ def _one_block(monkeypatch, m, t) -> int:
 
 @pytest.mark.parametrize("model, kw", [
     (LLAMA_GQA, dict(batch_size=1, seq_len=2048, loss="half", recompute="op")),
-], ids=["llama-gqa-amp-op"])
+    (QWEN3, dict(batch_size=2, seq_len=512, optimizer="adafactor", precision="fp16-amp")),
+    (PHI3, dict(batch_size=1, seq_len=2048, attention="eager", precision="fp32", recompute="full")),
+], ids=["llama-gqa-amp-op", "qwen3-fp16amp-adafactor", "phi3-fp32-eager-full"])
 def test_causal_lm_peak_reserved_follows_trace(monkeypatch, one_torch_thread, model, kw):
     """Peak reserved within 1.5 % of trace's, and nearer than the one-block replay; allocated unmoved."""
     m = resolve_model(model[0], overrides=model[1])
@@ -64,3 +72,16 @@ def test_causal_lm_head_tensors_sum_to_the_head_side(model, precision, lora, los
     assert parts
     assert sum(x for x, held in parts if held == HEAD_SAVED) == pytest.approx(head)
     assert any(held == quantities.HEAD_LOSS for _x, held in parts) == (loss is None and (pol.amp or bool(lora)))
+
+
+def test_derived_head_tensors_only_where_the_derivation_agrees():
+    """A derived model's list is used only where its saved tensors are what the derivation measured for
+    the head side (Qwen3 pure bf16: 8 h + 4 bytes per token); a model type whose final norm is not HF
+    RMSNorm's code (Gemma-2's ``(1 + weight)`` in fp32 and its logit soft-capping) keeps one block."""
+    from trainmem.estimate.derived import coefficients
+    m = resolve_model(*QWEN3[:1], overrides=QWEN3[1])
+    t = TrainingSpec(batch_size=2, seq_len=128, precision="bf16")
+    parts = head_side_tensors(m, t, Policy.of("bf16"), "")
+    assert sum(x for x, held in parts if held == HEAD_SAVED) == pytest.approx(coefficients(m, t)["head"][0], abs=1)
+    gemma = resolve_model("gemma-2-2b", overrides=["num_hidden_layers=2"])
+    assert head_side_tensors(gemma, t, Policy.of("bf16"), "") == ()

@@ -41,6 +41,7 @@ from .derived import outer_per_sample as derived_outer_per_sample
 from .derived import first_free_casts as derived_first_free_casts, view_casts as derived_view_casts
 from ..spec.vision import VISION_SIDE
 from .derived import top_forward as derived_top_forward
+from .derived import coefficients as derived_coefficients
 from .derived import moment_activations
 from .layers import ALL_MOMENTS, HALF, LayerCoefs, LayerKey, Policy, ep_rank_rows, layer_coefficients
 from .layers import layer_sdpa_backend, sdpa_saves_padded
@@ -723,7 +724,7 @@ def head_side_tensors(m: ModelSpec, t: TrainingSpec, pol: Policy, stage: str) ->
     cuBLAS workspace, which trace places in a freed logits segment (where it stays, so trace's second
     step opens one more)."""
     if m.head == "causal-lm" and (t.pp == 1 or stage == "last"):
-        return () if m.family == "derived" else causal_lm_head_tensors(m, t, pol)
+        return derived_head_tensors(m, t, pol) if m.family == "derived" else causal_lm_head_tensors(m, t, pol)
     if m.head != "masked-lm" or m.family == "derived" or not (t.pp == 1 or stage == "last"):
         return ()
     frozen = bool(t.lora_rank)
@@ -767,7 +768,8 @@ def causal_lm_head_tensors(m: ModelSpec, t: TrainingSpec, pol: Policy) -> tuple[
 
 def rmsnorm_head_tensors(h: int, pol: Policy, frozen: bool, input_counted: bool) -> tuple[tuple[float, int], ...]:
     """HF RMSNorm's tensors up to its output (transformers 5.24 ``models/llama/modeling_llama.py``
-    L62-67; Qwen2's, Mistral's the same), bytes per token and lifetime (``HEAD_*``): ``to(float32)`` (in a half stream an
+    L62-67; Qwen2's, Mistral's, Qwen3's ``modeling_qwen3.py`` L59-64, Phi-3's ``modeling_phi3.py``
+    L266-271 the same), bytes per token and lifetime (``HEAD_*``): ``to(float32)`` (in a half stream an
     fp32 copy, saved by ``pow`` and ``mul``; in an fp32 stream the input itself, listed unless
     ``input_counted``: a derivation counts the top layer's output with the layers), ``pow(2)`` (fp32,
     freed once ``mean`` has read it), ``rsqrt`` (fp32 (b, s, 1), saved), ``hidden * rsqrt`` (fp32: in an
@@ -794,6 +796,28 @@ def head_input_tensors(h: int, pol: Policy, keeps_input: bool, own_loss: bool) -
     if pol.amp:
         return ((float(h * pol.stream), body), (float(h * pol.half), HEAD_SAVED if keeps_input else HEAD_LOGITS))
     return ((float(h * pol.stream), HEAD_SAVED if keeps_input else body),)
+
+
+def derived_head_tensors(m: ModelSpec, t: TrainingSpec, pol: Policy) -> tuple[tuple[float, int], ...]:
+    """A derived causal LM's final norm and head input tensor by tensor (``head_side_tensors``), where its
+    final norm is HF RMSNorm's code (``HF_RMSNORM_TYPES``, ``rmsnorm_head_tensors``) and what those
+    tensors save is the head side the derivation measured (``derived.outer``'s ``doc["head"]``, bytes
+    per token): else () (one block, as before). Found by the agreement grid: Qwen3 (2 layers) b8 s256
+    bf16, ZeRO-2 dp 4: the measured 16 MiB as one block opened a segment of its own and in the second
+    step split a logits segment, where trace's 8 + 4 + 4 MiB tensors (and the 8 MiB ``pow`` and fp32
+    normed tensors freed in the norm) fit a 20 MiB one."""
+    if (m.model_type not in HF_RMSNORM_TYPES or m.head != "causal-lm" or t.sequence_parallel
+            or loss_mode(m, t) in ("fused", "chunked-nll", "unsloth") or t.liger or t.quantize or t.compile):
+        return ()
+    h, frozen = m.hidden_size, bool(t.lora_rank)
+    out = rmsnorm_head_tensors(h, pol, frozen, input_counted=True)
+    out += head_input_tensors(h, pol, _head_is_lora_target(m, t) or not frozen, t.loss is None)
+    tok, s, _sq = derived_coefficients(m, t)["head"]
+    return out if abs(sum(x for x, held in out if held == HEAD_SAVED) - (tok + max(s, 0.0))) < 1.0 else ()
+
+
+#: derived model types whose final norm is transformers' Llama RMSNorm code (``rmsnorm_head_tensors``)
+HF_RMSNORM_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 
 def _head_side(m: ModelSpec, pol: Policy, h: int, sp: int, fused: bool = False, quant_head: str = "",
