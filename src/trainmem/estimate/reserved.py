@@ -798,6 +798,7 @@ class _Forward:
     gathered: Any = None                         # ZeRO-3: the embedding's table kept gathered since its forward
     shifted: int = 0                             # logit elements of the shifted logits (``_fp32_logits_forward``)
     z3: "_Zero3Fetch | None" = None              # ZeRO-3: the layers' gathered parameters (``_Zero3Fetch``)
+    capped: list = field(default_factory=list)   # a soft-capped head's saved tanh outputs (``_softcapped_logits``)
 
 
 def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, parts: list[int],
@@ -844,13 +845,15 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
         return _stage_output(R, s, q, tk, _Forward(inputs, fs, root, emb, kept, [], [], [], 0, 1, gathered, 0, z3),
                              cached, suffix)
     z3.forward_end(R)                                             # ZeRO-3: the final norm's and the head's fetches
-    root = root + fs.unshard(R, q.fsdp_head_unit, st.head_unit_tensors)  # split root: [norm, head] kept
-    head, late, body = _head_side(R, q, tk)                       # the final norm's tensors, the head's input
-    R.free(embeds)                                                # the base model returns (held_embeddings)
-    head.append(R.alloc(q.cast_head))                             # autocast's half copy of the head
     # a chunked loss: one tensor per chunk, at most one chunk per token (more are not made: setup_warnings)
     chunks = max(1, min(int(q.logit_chunks), int(tk.tokens))) if q.liger_factor == 0 else 1
-    out = _logit_allocs(R, _logit_tensors(tk.out_logits, q.logits_out, full, chunks))  # (b, s, vocab) logits
+    root = root + fs.unshard(R, q.fsdp_head_unit, st.head_unit_tensors)  # split root: [norm, head] kept
+    capped = _softcap_bytes(q, tk, full, chunks)                  # a soft-capped head's tanh outputs, apart
+    head, late, body = _head_side(R, q, tk, capped)               # the final norm's tensors, the head's input
+    R.free(embeds)                                                # the base model returns (held_embeddings)
+    head.append(R.alloc(q.cast_head))                             # autocast's half copy of the head
+    out, saved_tanh = _softcapped_logits(R, q, tk, full, chunks) if capped else (
+        _logit_allocs(R, _logit_tensors(tk.out_logits, q.logits_out, full, chunks)), [])  # (b, s, vocab) logits
     R.frees(late)                                                 # the head's input, once its matmul has run
     if q.logits_cast:  # --cast-output: Fabric's fp32 copies, made while the half output is alive
         cast = _logit_allocs(R, _logit_tensors(tk.cast_logits, q.logits_cast, full, chunks))
@@ -872,20 +875,22 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
         R.frees(out)                                              # moments.pipeline_output)
         out = []
     root = _forward_end(R, s, q, fs, root, suffix)
-    return _Forward(inputs, fs, root, emb, kept, head, out, saved, full, chunks, gathered, _shifted(q, full, seqs), z3)
+    return _Forward(inputs, fs, root, emb, kept, head, out, saved, full, chunks, gathered, _shifted(q, full, seqs), z3,
+                    saved_tanh)
 
 
-def _head_side(R: _Replay, q: Quantities, tk: Tokens) -> tuple[list, list, list]:
+def _head_side(R: _Replay, q: Quantities, tk: Tokens, capped: int = 0) -> tuple[list, list, list]:
     """The head side's saved tensors (``tk.outer_head`` bytes) and, apart, those freed once the logits
     are made and those the model's forward holds until its loss returns. One block each where the
     estimate knows them one by one (``quantities.head_side_tensors``: a masked LM's transform and
     decoder input, with autocast's forward-only copies; a causal LM's final norm and head input,
     ``quantities.causal_lm_head_tensors``), what is left of ``tk.outer_head`` beside the saved ones as
-    one more; else one block (several tensors)."""
+    one more; else one block (several tensors). ``capped``: bytes of a soft-capped head's tanh outputs
+    among ``tk.outer_head``, made with the logits (``_softcapped_logits``), not here."""
     sizes = [(int(x * tk.tokens), held) for x, held in q.head_side]
-    rest = int(tk.outer_head) - sum(x for x, held in sizes if held == HEAD_SAVED)
+    rest = int(tk.outer_head) - capped - sum(x for x, held in sizes if held == HEAD_SAVED)
     if not sizes or rest < 0:
-        return [R.alloc(tk.outer_head, one=False)], [], []
+        return [R.alloc(int(tk.outer_head) - capped, one=False)], [], []
     lists: dict[int, list] = {HEAD_SAVED: [], HEAD_LOGITS: [], HEAD_LOSS: []}
     temps: list = []                                              # [handle, tensors made before it is freed]
     for nbytes, held in sizes:
@@ -899,6 +904,70 @@ def _head_side(R: _Replay, q: Quantities, tk: Tokens) -> tuple[list, list, list]
         lists.get(held, []).append(h)
     R.frees([temp[0] for temp in temps])
     return lists[HEAD_SAVED] + [R.alloc(rest, one=False)], lists[HEAD_LOGITS], lists[HEAD_LOSS]
+
+
+def _softcap_bytes(q: Quantities, tk: Tokens, full: int, chunks: int) -> int:
+    """Bytes of a soft-capped head's saved tanh outputs (``quantities.softcap_saved`` per logit element,
+    one logits-sized tensor per chunk), which the head side counts (a derivation measures them there),
+    where the replay makes them with the logits (``_softcapped_logits``): 0 without a final logit
+    soft-cap, under a loss that makes its own logits (Liger's, TRL's, Unsloth's), where the logits are
+    not whole tensors of the head's dtype, or where the head side is smaller."""
+    if not q.softcap_saved or q.fused_parts or q.loss_chunk_tokens or q.unsloth_loss or q.liger_factor:
+        return 0
+    sizes = _logit_tensors(tk.out_logits, q.logits_out, full, chunks)
+    nbytes = full * q.softcap_saved
+    whole = sizes[:sizes.whole]
+    ok = len(whole) == chunks and q.softcap_saved == q.logits_out and int(tk.outer_head) >= nbytes
+    return nbytes if ok else 0
+
+
+def _softcapped_logits(R: _Replay, q: Quantities, tk: Tokens, full: int, chunks: int) -> tuple[list, list]:
+    """The logits of a head whose forward soft-caps them, chunk by chunk (one chunk: the whole logits),
+    each op out of place (transformers 5.24 ``models/gemma2/modeling_gemma2.py`` L519-523,
+    ``Gemma2ForCausalLM.forward``: ``logits = self.lm_head(...)``, ``logits = logits / cap``, ``logits =
+    torch.tanh(logits)``, ``logits = logits * cap``): the head's output, its quotient (the output freed as
+    the name is rebound), ``tanh``'s output (saved: derivatives.yaml ``tanh``: ``tanh_backward(grad,
+    result)``; the quotient freed), the product (the logits). A chunked loss caps each chunk in
+    ``workload._softcap``, whose argument, the chunk's head output, lives until the product is made. The
+    division and the scalar product save nothing. Returns (the logits, the saved tanh outputs)."""
+    sizes = _logit_tensors(tk.out_logits, q.logits_out, full, chunks)
+    out: list = []
+    saved: list = []
+    for part in sizes[:sizes.whole]:
+        head = R.alloc(part)                                      # lm_head's output, the head's dtype
+        quotient = R.alloc(part)                                  # logits / cap
+        if chunks == 1:
+            R.free(head)                                          # ``logits`` rebound
+        saved.append(R.alloc(part))                               # tanh: saved for its backward
+        R.free(quotient)
+        out.append(R.alloc(part))                                 # * cap: the logits
+        if chunks > 1:
+            R.free(head)                                          # ``_softcap`` returns
+    return out + R.allocs(sizes[sizes.whole:], one=False), saved
+
+
+def _softcap_backward(R: _Replay, q: Quantities, f: _Forward, dlogits: list) -> list:
+    """The soft-cap's backward on the whole logits' gradient (``_softcapped_logits``, one chunk), node by
+    node (each node's input gradient goes as it returns: ``torch/csrc/autograd/engine.cpp``
+    ``call_function`` moves the inputs in): ``MulBackward0`` (``grad * cap``), ``TanhBackward0``
+    (``tanh_backward(grad, result)``, then its saved output released), ``DivBackward0`` (``grad / cap``),
+    three logits-sized tensors in the head's dtype; the last is what the head's backward reads. Found
+    by trace: Gemma-2 (2 layers) b4 s512 fp32 LoRA: ``mul``, ``tanh_backward``, ``div`` after
+    ``_log_softmax_backward_data``. A chunked loss's tanh outputs go with the head's (``f.head``)."""
+    if f.chunks != 1 or not f.capped:
+        f.head += f.capped
+        f.capped = []
+        return dlogits
+    size = f.full * q.softcap_saved                               # (b, s, vocab) in the head's dtype
+    product = R.alloc(size)                                       # MulBackward0: grad * cap
+    R.frees(dlogits)
+    grad = R.alloc(size)                                          # TanhBackward0: tanh_backward(grad, result)
+    R.free(product)
+    R.frees(f.capped)
+    f.capped = []
+    quotient = R.alloc(size)                                      # DivBackward0: grad / cap
+    R.free(grad)
+    return [quotient]
 
 
 def _forward_end(R: _Replay, s: _Step, q: Quantities, fs: "_Fsdp", root: list, suffix: str) -> list:
@@ -1262,7 +1331,7 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
         f.root = f.fs.unshard(R, q.fsdp_root, st.root_tensors, backward=True)
     if isinstance(f.z3, _Zero3Replay):                            # ZeRO-3: backward's first modules' fetches
         f.z3.backward_start(R)
-    dlogits = _loss_gradient(R, q, tk, f, n, nsq, head)
+    dlogits = _softcap_backward(R, q, f, _loss_gradient(R, q, tk, f, n, nsq, head))
     if q.fsdp_head_pref:                                          # split root: the head's pre-backward
         f.fs.prefetched = f.fs.gather_output(R, q.fsdp_head_pref)  # prefetches the top layer
     head_full, tied = _head_backward(R, s, q, flags, f, dlogits) if head else (None, None)
