@@ -595,6 +595,7 @@ def _head_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, befo
                        (kept.logits, kept.kv_forward, 0), _both(valid, q.chunk_head_grads > 0),
                        comm=q.fsdp_loss_root + q.fsdp_last_kept + q.fsdp_loss_buf + q.fsdp_head_pref
                        + q.ds_loss_buf + q.ds_gathered_head))
+    out.append(_head_matmul_grad(q, tk, kept, before, step, micro, valid))
     out.append(_head_weight_grad(q, flags, tk, kept, before, step, micro, valid))
     # a classifier's final RMSNorm backward, every activation alive (quantities.final_norm_backward)
     out.append(_mo("backward", micro, step, "final_norm.backward",
@@ -661,6 +662,27 @@ def _fsdp_head_reduce(q: Quantities, tk: Tokens, kept: Kept, before: tuple, step
                comm=q.fsdp_head_rs + q.fsdp_head_last + q.fsdp_head_pref)
 
 
+def _head_matmul_grad(q: Quantities, tk: Tokens, kept: Kept, before: tuple, step: int, micro: int,
+                      valid: Any) -> Moment:
+    """The LM head's ``MmBackward0`` as it makes the weight's gradient, ``grad.t().mm(input)`` (a
+    bias-free linear run in one piece outside FSDP, ZeRO and Megatron: ``Quantities.head_added``): the
+    logits' gradient (their dtype, ``tk.logits_grad``), every activation saved, and the new
+    weight gradient: under autocast in the half dtype (``head_wgrad``, cast to fp32 afterwards:
+    ``_head_weight_grad``), else the head side's gradients themselves (``head_added``; a tied head's
+    part in autograd's input buffer, ``tied_grad``). Where ``.grad`` exists (a later micro-batch,
+    ``zero_grad(set_to_none=False)``) the new one is a tensor beside it until ``AccumulateGrad`` adds
+    it in place (torch 2.13 ``torch/csrc/autograd/functions/accumulate_grad.h`` L182-252 ``accumulateGrad``);
+    the node frees the logits' gradient when it returns (``torch/csrc/autograd/engine.cpp``
+    ``call_function``: its inputs are released with it). Found by trace: Llama-3.2-1B cut to 4 layers
+    over pp 2 (1F1B), fp32, 2 micro-batches: the last stage's peak is here, ``lm_head (MmBackward0) mm``
+    in the second micro-batch, -4.2 % before. ``before``: (gradients, states, workspace)."""
+    grads_before, states, ws2 = before
+    new = where(q.head_wgrad > 0, q.head_wgrad, q.head_added + q.tied_grad)
+    return _mo("backward", micro, step, "lm_head.mm_backward",
+               (grads_before + new, states, tk.inputs, ws2, tk.all_acts, tk.logits_grad),
+               (kept.logits, kept.kv_forward, 0), _both(valid, q.head_added > 0))
+
+
 def _head_weight_grad(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, before: tuple, step: int,
                       micro: int, valid: Any) -> Moment:
     """The LM head's weight gradient cast to fp32 under autocast (``quantities.head_wgrad``): the
@@ -671,10 +693,13 @@ def _head_weight_grad(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, b
     added to an accumulated ``.grad``). ``before``: (gradients, states, workspace)."""
     grads_before, states, ws2 = before
     fresh, sync = grads_before == 0, fsdp_sync(q, flags)
-    head = where(q.tied_grad > 0, 0, where(sync, q.fsdp_head_full, where(fresh, q.head_grads, q.fsdp1_head_wait)))
+    # (the head side's new gradients, ``head_added``: its ``.grad`` where fresh, else beside the existing one)
+    made = where(fresh, maximum(q.head_grads, q.head_added), maximum(q.fsdp1_head_wait, q.head_added))
+    head = where(q.tied_grad > 0, 0, where(sync, q.fsdp_head_full, made))
     return _mo("backward", micro, step, "lm_head.weight_grad",
                (grads_before + head, states, tk.inputs, ws2, tk.all_acts - q.cast_head, q.head_wgrad + q.tied_grad),
-               (kept.logits, kept.kv_forward, 0), _both(valid, _both(q.head_wgrad > 0, _either(fresh, sync))),
+               (kept.logits, kept.kv_forward, 0),
+               _both(valid, _both(q.head_wgrad > 0, _either(_either(fresh, sync), q.head_added > 0))),
                comm=q.fsdp_loss_root + q.fsdp_root_regather + q.fsdp_last_kept + q.fsdp_head_pref
                + q.fsdp_loss_buf + q.ds_loss_buf + q.ds_gathered_head)
 
