@@ -61,3 +61,19 @@ def test_the_estimate_s_allocated_peak_is_trace_s(bench, family, layers, options
     # trace's peak is the head's backward in a later micro-batch (MmBackward0, or its ToCopyBackward0)
     assert "lm_head" in r.trace.peak_where and "micro" in r.trace.peak_phase, r.trace.peak_where
     assert abs(r.estimate.peak_allocated / r.trace.peak_allocated - 1) <= 0.005
+
+
+def test_a_tied_last_stage_s_first_micro_batch_keeps_its_table_s_new_grad():
+    # the first micro-batch's backward makes the copy's .grad at the head; the layers' moments below it
+    # hold it (before, layer.top's gradients were the top layer's alone: 208 of 1210 MiB)
+    from trainmem.estimate.moments import StepFlags, tokens, walk
+    m = _model()
+    t = TrainingSpec(batch_size=2, seq_len=2048, pp=2, pp_schedule="1f1b", grad_accum=4, precision="fp32",
+                     optimizer="sgd")
+    q, flags = quantities(m, t, "last"), StepFlags.of(m, t)
+    n = 2 * 2048
+    moments, _ = walk(q, flags, tokens(q, flags, n, n * 2048, 2, 4), 4,
+                      tk_later=tokens(q, flags, n, n * 2048, 2, 4, later=True))
+    for where_ in ("layer.top", "layer.bottom"):
+        mo = next(x for x in moments if x.where == where_ and x.micro == 0 and x.step == 2)
+        assert mo.parts[0] >= q.head_added, (where_, mo.parts[0], q.head_added)
