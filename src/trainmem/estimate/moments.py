@@ -677,9 +677,11 @@ def _head_matmul_grad(q: Quantities, tk: Tokens, kept: Kept, before: tuple, step
     over pp 2 (1F1B), fp32, 2 micro-batches: the last stage's peak is here, ``lm_head (MmBackward0) mm``
     in the second micro-batch, -4.2 % before. ``before``: (gradients, states, workspace)."""
     grads_before, states, ws2 = before
-    new = where(q.head_wgrad > 0, q.head_wgrad, q.head_added + q.tied_grad)
+    # (its ``.grad`` where none exists and no cast follows, a gradient; else a temporary until added or cast)
+    grad = where(_both(grads_before == 0, q.head_wgrad == 0), q.head_added, 0)
+    new = where(q.head_wgrad > 0, q.head_wgrad, q.head_added + q.tied_grad) - grad
     return _mo("backward", micro, step, "lm_head.mm_backward",
-               (grads_before + new, states, tk.inputs, ws2, tk.all_acts, tk.logits_grad),
+               (grads_before + grad, states, tk.inputs, ws2, tk.all_acts, tk.logits_grad + new),
                (kept.logits, kept.kv_forward, 0), _both(valid, q.head_added > 0))
 
 
@@ -693,11 +695,13 @@ def _head_weight_grad(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, b
     added to an accumulated ``.grad``). ``before``: (gradients, states, workspace)."""
     grads_before, states, ws2 = before
     fresh, sync = grads_before == 0, fsdp_sync(q, flags)
-    # (the head side's new gradients, ``head_added``: its ``.grad`` where fresh, else beside the existing one)
-    made = where(fresh, maximum(q.head_grads, q.head_added), maximum(q.fsdp1_head_wait, q.head_added))
+    # (the head side's new gradients, ``head_added``: its ``.grad`` where fresh, else a temporary beside it)
+    made = where(fresh, maximum(q.head_grads, q.head_added), q.fsdp1_head_wait)
     head = where(q.tied_grad > 0, 0, where(sync, q.fsdp_head_full, made))
+    added = where(_either(fresh, sync), 0, q.head_added)
     return _mo("backward", micro, step, "lm_head.weight_grad",
-               (grads_before + head, states, tk.inputs, ws2, tk.all_acts - q.cast_head, q.head_wgrad + q.tied_grad),
+               (grads_before + head, states, tk.inputs, ws2, tk.all_acts - q.cast_head,
+                q.head_wgrad + q.tied_grad + added),
                (kept.logits, kept.kv_forward, 0),
                _both(valid, _both(q.head_wgrad > 0, _either(_either(fresh, sync), q.head_added > 0))),
                comm=q.fsdp_loss_root + q.fsdp_root_regather + q.fsdp_last_kept + q.fsdp_head_pref
