@@ -3144,9 +3144,12 @@ def emb_accumulated(m: ModelSpec, t: TrainingSpec, stage: str) -> int:
     new_grad``), so both exist for a moment (``moments._layers_backward``, valid from the second
     micro-step on). It is the first pipeline stage's peak when the other micro-batches in flight
     keep their activations meanwhile. Found by trace: llama-3.2-1b --pp 4 --grad-accum 8 bf16, b 1,
-    s 1024, first stage -0.8% before. 0 for a tied embedding (``tied_head_grad``), a frozen one
-    (LoRA), FSDP / ZeRO (sharded gradients) and PyTorch's tensor parallelism (``tied_replicated_grad``
-    and ``states._replicated_grad`` count its gradient), but FSDP2 accumulating unsharded gradients
+    s 1024, first stage -0.8% before. Under PyTorch's tensor parallelism (DTensor) the whole table,
+    replicated (``states._replicated_grad``: ``embedding_dense_backward`` has no ``Shard(0)`` output),
+    beside the replicated ``.grad`` it is added to (found by trace: Llama 2 layers, --tp 2, fp32, SGD,
+    2 micro-batches, b 1, s 256, the second micro-batch's ``embedding_dense_backward``: -4.0% before).
+    0 for a tied embedding (``tied_head_grad``; ``tied_replicated_grad`` under DTensor), a frozen one
+    (LoRA), FSDP / ZeRO (sharded gradients), but FSDP2 accumulating unsharded gradients
     (``accumulates_unsharded``, every pipeline stage under FSDP2): its ``post_backward`` adds the new
     unsharded gradient to the accumulated one in place (torch 2.13 ``_fully_shard/_fsdp_param.py``
     L815-821 ``accumulate_unsharded_grad_if_needed``: ``unsharded_accumulated_grad +=
@@ -3160,9 +3163,9 @@ def emb_accumulated(m: ModelSpec, t: TrainingSpec, stage: str) -> int:
     if t.fsdp is not None and t.fsdp_version == 2 and t.accumulates_unsharded and t.shard_group > 1:
         return _embedding_block(m, 1 if dtensor_tp(t) else t.tp, 2 if t.precision == "bf16-mp" else t.weight_bytes,
                                 t.expandable_segments)
-    if t.fsdp is not None or t.zero_stage or dtensor_tp(t):
+    if t.fsdp is not None or t.zero_stage:
         return 0
-    return _embedding_block(m, t.tp, t.weight_bytes, t.expandable_segments)
+    return _embedding_block(m, 1 if dtensor_tp(t) else t.tp, t.weight_bytes, t.expandable_segments)
 
 
 def emb_upcast(m: ModelSpec, t: TrainingSpec, stage: str) -> int:
