@@ -768,8 +768,10 @@ class Builder:
         vv = v if (not expand and half == F32) else T(heads * head_dim if expand else v.tok, 0, F32,
                                                       "attn.math.v")
         self.r.save(T(heads * head_dim, 0, F32, "attn.math.q_scaled"),
-                    T(heads * head_dim, 0, F32, "attn.math.k_scaled"), vv,
-                    T(0, heads, F32, "attn.math.softmax"))
+                    T(heads * head_dim, 0, F32, "attn.math.k_scaled"), vv)
+        if p_drop == 0:
+            self._math_scores(heads)
+        self.r.save(T(0, heads, F32, "attn.math.softmax"))
         # backward, in reverse (as ``_eager_attention``): softmax's with its output alone alive, then
         # the dropout multiply's with its mask, then p @ v's with every probability tensor; each
         # holds the fp32 gradient it receives and the one it makes
@@ -780,6 +782,20 @@ class Builder:
             self.r.save(T(0, heads, F32, "attn.math.probs_dropped"))
         self.r.transient("attn.math.pv.backward", T(0, heads, F32), T(vv.tok, 0, F32))
         return T(heads * head_dim, 0, half, "attn.context")
+
+    def _math_scores(self, heads: float) -> None:
+        """The math kernel's forward temporary, for the allocator replay (``reserved._attn_allocs``), as
+        ``_eager_forward`` writes eager attention's: the scores, (b, heads, s, s) in fp32, made by the
+        ``matmul`` of the scaled query and key, the causal mask added in place, then ``_safe_softmax``
+        makes its output (saved) and the scores are freed when ``attn`` is rebound to it (torch 2.13
+        ``aten/src/ATen/native/transformers/attention.cpp`` ``_scaled_dot_product_attention_math``:
+        ``auto attn = at::matmul(q, k)``, ``attn.add_(*attn_mask)``, ``attn = at::_safe_softmax(attn,
+        -1)``). Trace, Qwen2.5-0.5B (2 layers) b1 s1024 fp32: ``bmm`` 56 MiB, ``_safe_softmax`` 56 MiB,
+        then the scores freed, in every forward and every recomputed one. Not written with dropout
+        (its fp32 mask and dropped probabilities between)."""
+        self.r.attn_at = len(self.r.saved)               # the softmax output is the next saved tensor
+        self.r.attn_temps = [T(0, heads, F32)]
+        self.r.attn_events = ["t", "s", "f0"]
 
     def _math_attention_input_dtype(self, v: T, heads: float, kv_heads: float, head_dim: int,
                                     p_drop: float) -> T:

@@ -595,6 +595,7 @@ def _head_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, befo
                        (kept.logits, kept.kv_forward, 0), _both(valid, q.chunk_head_grads > 0),
                        comm=q.fsdp_loss_root + q.fsdp_last_kept + q.fsdp_loss_buf + q.fsdp_head_pref
                        + q.ds_loss_buf + q.ds_gathered_head))
+    out.append(_head_matmul_grad(q, tk, kept, before, step, micro, valid))
     out.append(_head_weight_grad(q, flags, tk, kept, before, step, micro, valid))
     # a classifier's final RMSNorm backward, every activation alive (quantities.final_norm_backward)
     out.append(_mo("backward", micro, step, "final_norm.backward",
@@ -661,6 +662,29 @@ def _fsdp_head_reduce(q: Quantities, tk: Tokens, kept: Kept, before: tuple, step
                comm=q.fsdp_head_rs + q.fsdp_head_last + q.fsdp_head_pref)
 
 
+def _head_matmul_grad(q: Quantities, tk: Tokens, kept: Kept, before: tuple, step: int, micro: int,
+                      valid: Any) -> Moment:
+    """The LM head's ``MmBackward0`` as it makes the weight's gradient, ``grad.t().mm(input)`` (a
+    bias-free linear run in one piece outside FSDP, ZeRO and Megatron: ``Quantities.head_added``): the
+    logits' gradient (their dtype, ``tk.logits_grad``), every activation saved, and the new
+    weight gradient: under autocast in the half dtype (``head_wgrad``, cast to fp32 afterwards:
+    ``_head_weight_grad``), else the head side's gradients themselves (``head_added``; a tied head's
+    part in autograd's input buffer, ``tied_grad``). Where ``.grad`` exists (a later micro-batch,
+    ``zero_grad(set_to_none=False)``) the new one is a tensor beside it until ``AccumulateGrad`` adds
+    it in place (torch 2.13 ``torch/csrc/autograd/functions/accumulate_grad.h`` L182-252 ``accumulateGrad``);
+    the node frees the logits' gradient when it returns (``torch/csrc/autograd/engine.cpp``
+    ``call_function``: its inputs are released with it). Found by trace: Llama-3.2-1B cut to 4 layers
+    over pp 2 (1F1B), fp32, 2 micro-batches: the last stage's peak is here, ``lm_head (MmBackward0) mm``
+    in the second micro-batch, -4.2 % before. ``before``: (gradients, states, workspace)."""
+    grads_before, states, ws2 = before
+    # (its ``.grad`` where none exists and no cast follows, a gradient; else a temporary until added or cast)
+    grad = where(_both(grads_before == 0, q.head_wgrad == 0), q.head_added, 0)
+    new = where(q.head_wgrad > 0, q.head_wgrad, q.head_added + q.tied_grad) - grad
+    return _mo("backward", micro, step, "lm_head.mm_backward",
+               (grads_before + grad, states, tk.inputs, ws2, tk.all_acts, tk.logits_grad + new),
+               (kept.logits, kept.kv_forward, 0), _both(valid, q.head_added > 0))
+
+
 def _head_weight_grad(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, before: tuple, step: int,
                       micro: int, valid: Any) -> Moment:
     """The LM head's weight gradient cast to fp32 under autocast (``quantities.head_wgrad``): the
@@ -671,10 +695,15 @@ def _head_weight_grad(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, b
     added to an accumulated ``.grad``). ``before``: (gradients, states, workspace)."""
     grads_before, states, ws2 = before
     fresh, sync = grads_before == 0, fsdp_sync(q, flags)
-    head = where(q.tied_grad > 0, 0, where(sync, q.fsdp_head_full, where(fresh, q.head_grads, q.fsdp1_head_wait)))
+    # (the head side's new gradients, ``head_added``: its ``.grad`` where fresh, else a temporary beside it)
+    made = where(fresh, maximum(q.head_grads, q.head_added), q.fsdp1_head_wait)
+    head = where(q.tied_grad > 0, 0, where(sync, q.fsdp_head_full, made))
+    added = where(_either(fresh, sync), 0, q.head_added)
     return _mo("backward", micro, step, "lm_head.weight_grad",
-               (grads_before + head, states, tk.inputs, ws2, tk.all_acts - q.cast_head, q.head_wgrad + q.tied_grad),
-               (kept.logits, kept.kv_forward, 0), _both(valid, _both(q.head_wgrad > 0, _either(fresh, sync))),
+               (grads_before + head, states, tk.inputs, ws2, tk.all_acts - q.cast_head,
+                q.head_wgrad + q.tied_grad + added),
+               (kept.logits, kept.kv_forward, 0),
+               _both(valid, _both(q.head_wgrad > 0, _either(_either(fresh, sync), q.head_added > 0))),
                comm=q.fsdp_loss_root + q.fsdp_root_regather + q.fsdp_last_kept + q.fsdp_head_pref
                + q.fsdp_loss_buf + q.ds_loss_buf + q.ds_gathered_head)
 
@@ -888,10 +917,10 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     def part(g: Any) -> Any:
         return g if flags.fsdp1_views else where(_either(new, fresh), g, 0)
     layer_grads = part(tk.layer_grad_part)
-    # (torchtitan's split root: the head's reduce-scattered already, its shards made now when fresh,
-    # its reduce-scatter input kept through the top layer's backward: quantities.fsdp2_split_root)
+    # (torchtitan's split root: the head reduce-scattered, its shards made now when fresh, its input kept through
+    # the top layer's backward: quantities.fsdp2_split_root; ``head_added``: a tied last stage's table's new .grad)
     head_grads = where(new, q.fsdp_head_full - q.fsdp_head_done + where(fresh, q.fsdp_head_shard, 0),
-                       maximum(where(fresh, q.head_grads, 0), q.fsdp1_head_wait))
+                       maximum(where(fresh, maximum(q.head_grads, q.head_added), 0), q.fsdp1_head_wait))
     # the layer's transient; a tied head's gradient waits in autograd's input buffer meanwhile
     temp = _with_update(tk.redo, q.oib_mid) + q.tied_grad
     _i, top_redo, top_grads = tk.top   # the top layer's own (its output gradient maybe a receive buffer)

@@ -371,6 +371,9 @@ class Quantities:
     # 1: torch's pipeline, the last stage of a tied model: its head is its own copy of the embedding table
     # (``states._Rank.holds``, listed before the layers), whose gradient the head's backward makes
     pipe_head_tied: int = 0
+    # the head side's gradients its backward makes, one copy each (``head_added_grads``): beside an existing
+    # ``.grad`` until AccumulateGrad adds them (a later micro-batch, ``zero_grad(set_to_none=False)``)
+    head_added: int = 0
     # stages this rank holds (interleaved: virtual_stages). Under FSDP grad-op each layer of each is
     # gathered once, however many micro-batches are in flight (torch 2.13 _fully_shard/_fsdp_param_group.py
     # ``unshard`` returns when the parameters are unsharded), all forwarded before the rank's first backward
@@ -3261,9 +3264,12 @@ def emb_accumulated(m: ModelSpec, t: TrainingSpec, stage: str) -> int:
     new_grad``), so both exist for a moment (``moments._layers_backward``, valid from the second
     micro-step on). It is the first pipeline stage's peak when the other micro-batches in flight
     keep their activations meanwhile. Found by trace: llama-3.2-1b --pp 4 --grad-accum 8 bf16, b 1,
-    s 1024, first stage -0.8% before. 0 for a tied embedding (``tied_head_grad``), a frozen one
-    (LoRA), FSDP / ZeRO (sharded gradients) and PyTorch's tensor parallelism (``tied_replicated_grad``
-    and ``states._replicated_grad`` count its gradient), but FSDP2 accumulating unsharded gradients
+    s 1024, first stage -0.8% before. Under PyTorch's tensor parallelism (DTensor) the whole table,
+    replicated (``states._replicated_grad``: ``embedding_dense_backward`` has no ``Shard(0)`` output),
+    beside the replicated ``.grad`` it is added to (found by trace: Llama 2 layers, --tp 2, fp32, SGD,
+    2 micro-batches, b 1, s 256, the second micro-batch's ``embedding_dense_backward``: -4.0% before).
+    0 for a tied embedding (``tied_head_grad``; ``tied_replicated_grad`` under DTensor), a frozen one
+    (LoRA), FSDP / ZeRO (sharded gradients), but FSDP2 accumulating unsharded gradients
     (``accumulates_unsharded``, every pipeline stage under FSDP2): its ``post_backward`` adds the new
     unsharded gradient to the accumulated one in place (torch 2.13 ``_fully_shard/_fsdp_param.py``
     L815-821 ``accumulate_unsharded_grad_if_needed``: ``unsharded_accumulated_grad +=
@@ -3277,9 +3283,9 @@ def emb_accumulated(m: ModelSpec, t: TrainingSpec, stage: str) -> int:
     if t.fsdp is not None and t.fsdp_version == 2 and t.accumulates_unsharded and t.shard_group > 1:
         return _embedding_block(m, 1 if dtensor_tp(t) else t.tp, 2 if t.precision == "bf16-mp" else t.weight_bytes,
                                 t.expandable_segments)
-    if t.fsdp is not None or t.zero_stage or dtensor_tp(t):
+    if t.fsdp is not None or t.zero_stage:
         return 0
-    return _embedding_block(m, t.tp, t.weight_bytes, t.expandable_segments)
+    return _embedding_block(m, 1 if dtensor_tp(t) else t.tp, t.weight_bytes, t.expandable_segments)
 
 
 def emb_upcast(m: ModelSpec, t: TrainingSpec, stage: str) -> int:
@@ -3532,7 +3538,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         linear_replay=int(per_linear_replay(t)), oib_mid=oib_mid, oib_end=oib_end, **_deepspeed_fields(m, t, st),
         **gemini_fields(m, t), step_adafactor=adafactor_loop(t, st),
         **_tied_fields(m, t, pol),
-        emb_grad=emb_accumulated(m, t, stage), emb_upcast=emb_upcast(m, t, stage), softcap_saved=softcap_saved(m, loss.out, t) if head_here else 0,
+        emb_grad=emb_accumulated(m, t, stage), head_added=0 if oib else head_added_grads(m, t, st, stage), emb_upcast=emb_upcast(m, t, stage), softcap_saved=softcap_saved(m, loss.out, t) if head_here else 0,
         chunk_head_grads=chunk_head_grads(m, t, pol) if head_here else 0, ds_leaf_held=deepspeed_leaf_held(m, t, lc),
         transients=z3_leaf_grads_held(trans, deepspeed_leaf_held(m, t, lc)),
         fwd_temp=int(lc.fwd_const), fwd_temp_tok=lc.fwd_tok, fwd_scratch=int(lc.fwd_scratch), head_wgrad_half=head_weight_grad_half(m, t, cast_head),
@@ -3891,9 +3897,40 @@ def head_wgrad(m: ModelSpec, t: TrainingSpec, cast_head: int) -> int:
     the trace's peak is this cast (``lm_head`` ``ToCopyBackward0``), 1.5% above the estimate's
     highest moment before. 0 without an autocast copy of a trainable head run in one piece (LoRA
     freezes it; a chunked, fused or compiled loss, a 4-bit head have moments of their own)."""
-    one_piece = (t.loss_chunks == 1 and loss_mode(m, t) in ("upcast", "half", "vocab-parallel") and not t.compile
-                 and not t.quantize)
-    return cast_head if (cast_head and is_lm(m) and not t.lora_rank and one_piece) else 0
+    return cast_head if (cast_head and is_lm(m) and not t.lora_rank and head_in_one_piece(m, t)) else 0
+
+
+def head_in_one_piece(m: ModelSpec, t: TrainingSpec) -> bool:
+    """Whether the LM head runs as one matmul whose ``MmBackward0`` makes its weight's gradient in the
+    backward (not per loss chunk, fused into the loss, compiled or 4-bit)."""
+    return (t.loss_chunks == 1 and loss_mode(m, t) in ("upcast", "half", "vocab-parallel") and not t.compile
+            and not t.quantize)
+
+
+def head_added_grads(m: ModelSpec, t: TrainingSpec, st: States, stage: str) -> int:
+    """Bytes of the gradients the LM head's backward makes for the head side's trainable tensors (the
+    final norm's, an untied head's weight; on torch's pipeline the last stage of a tied model holds its
+    own copy of the table as its head, ``Quantities.pipe_head_tied``, listed before the layers), one
+    copy each, in the gradient's dtype on this rank (``States.trainables``' rounded blocks).
+
+    Each is a new tensor in every micro-batch: where ``.grad`` is undefined autograd's
+    ``AccumulateGrad`` steals it as ``.grad``; where it exists (a later micro-batch of the step, or
+    every one after ``zero_grad(set_to_none=False)``) it adds it in place, ``variable_grad +=
+    new_grad``, and the new tensor lives beside ``.grad`` until that node has run (torch 2.13
+    ``torch/csrc/autograd/functions/accumulate_grad.h`` L182-252 ``accumulateGrad``; the allocator replay's
+    ``reserved._accumulated``). The moments count it at the head's ``MmBackward0`` and its autocast
+    cast (``moments._head_matmul_grad``, ``_head_weight_grad``). Trace, Llama-3.2-1B cut to 4 layers
+    over pp 2 (1F1B), fp32, 2 micro-batches, last stage: the 1002 MiB table's gradient made anew
+    beside its ``.grad`` at the second micro-batch's ``lm_head`` ``MmBackward0`` (-4.2 % before).
+    0 where the head is not back-propagated in one piece (``head_in_one_piece``), is frozen or not on
+    this stage, and where FSDP, DeepSpeed ZeRO or Megatron own the gradients (their moments of their own)."""
+    if not (t.pp == 1 or stage == "last") or not is_lm(m) or not head_in_one_piece(m, t):
+        return 0
+    if t.fsdp is not None or t.zero_stage or t.megatron_ddp or t.distributed_optimizer:
+        return 0
+    tied_copy = torch_pipeline(t) and t.pp > 1 and m.tied_embeddings      # (the last stage's own table)
+    where = ("after", "before") if tied_copy else ("after",)
+    return sum(g for w, _k, g, *_rest in st.trainables if w in where)
 
 
 def _autocast_copies(m: ModelSpec, t: TrainingSpec, st: States, pol: Policy, head_here: bool,

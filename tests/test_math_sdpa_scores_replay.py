@@ -1,0 +1,59 @@
+"""The math SDPA kernel's scores in the allocator replay (``layers.Builder._math_scores``,
+``reserved._attn_allocs``): ``_scaled_dot_product_attention_math`` makes the (b, heads, s, s) fp32 scores
+with ``matmul``, then ``_safe_softmax`` its output beside them, and frees the scores (torch 2.13
+``aten/src/ATen/native/transformers/attention.cpp``). The replay made the saved softmax output alone,
+so it opened one (b, heads, s, s) segment per layer where trace opens two.
+"""
+from __future__ import annotations
+
+import pytest
+
+from trainmem.spec import TrainingSpec, resolve_model
+
+MiB = 1 << 20
+
+
+def _setup():
+    m = resolve_model("qwen2.5-0.5b", overrides=["num_hidden_layers=2"])
+    return m, TrainingSpec(batch_size=1, seq_len=1024, precision="fp32", attention="sdpa-math")
+
+
+def test_the_recipe_writes_the_scores_before_the_saved_softmax():
+    from trainmem.estimate.quantities import quantities
+    m, t = _setup()
+    lc = quantities(m, t).detail.layer
+    assert lc.attn_events == ("t", "s", "f0")
+    scores = m.num_heads * 4                         # (heads, s, s) fp32 per token x key
+    assert lc.attn_temps == ((0, scores),)
+    assert lc.tensors[lc.attn_at] == (0, scores)               # the softmax output, saved
+
+
+def _segments_of(fn, size: int) -> int:
+    from trainmem import allocator
+    opened = []
+    orig = allocator.CachingAllocator._device_alloc
+
+    def spy(self, pool, n):
+        b = orig(self, pool, n)
+        if b is not None:
+            opened.append(allocator.segment_size(n))
+        return b
+    allocator.CachingAllocator._device_alloc = spy
+    try:
+        fn()
+    finally:
+        allocator.CachingAllocator._device_alloc = orig
+    return opened.count(allocator.segment_size(size))
+
+
+def test_the_replay_opens_trace_s_scores_segments():
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from trainmem.estimate.engine import estimate, forget_replays
+    from trainmem.trace.api import trace
+    m, t = _setup()
+    scores = m.num_heads * t.seq_len * t.seq_len * 4  # 56 MiB
+    forget_replays()                                            # (the replay runs under the spy)
+    est = _segments_of(lambda: estimate(m, t, reserved=True), scores)
+    tr = _segments_of(lambda: trace(m, training=t), scores)
+    assert est == tr == 4, (est, tr)                            # before: 2 against 4
