@@ -189,10 +189,12 @@ class _Step:
     lomo: Any = None                             # LOMO: the gradient its next hook updates (handle, bytes, states)
     hook_frees: bool = False                     # DeepSpeed ZeRO-1/2: a hook copies each gradient away and frees it
     grad_rank_raw: tuple = ()                    # each trainable's gradient bytes on this rank, unrounded
+    grad_shard_raw: tuple = ()                   # ... its shard's, where they accumulate unsharded (no_sync)
     forwards: int = 0                            # micro-batch forwards begun (DeepSpeed ZeRO-3 records its order in the first)
     ddp: Any = None                              # DDP: its first iteration's one bucket, until rebuilt (``_ddp_init``)
     ga: int = 1                                  # micro-batches per step
     recv: Any = None                             # torch's pipeline stage: its receive buffers, once made (``_batch_in``)
+    unsharded: dict = field(default_factory=dict)  # FSDP1 no_sync: each unit's (``where``) accumulated flat gradient
 
     def workspace(self, R: "_Replay", thread: int) -> None:
         """The cuBLAS workspace of the forward (0) or the autograd (1) thread, at its first matmul
@@ -249,7 +251,7 @@ def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, 
     if q.ds_bucket and not q.ds_backward_buf:                         # DeepSpeed ZeRO-3's bucket, from engine start
         R.alloc(q.ds_bucket)
     s = _Step(handle_ws=handle_ws, ao_events=st.torchao_events, hook_frees=bool(q.ds_hook_part),
-              grad_rank_raw=st.grad_rank_raw)
+              grad_rank_raw=st.grad_rank_raw, grad_shard_raw=st.grad_shard_raw)
     if q.ds_init_grads:                                                # ... its flat gradient partitions
         _zero3_flat_grads(R, s, q.ds_init_grads, st.trainables)
     if q.ds_offload_clone:                                             # DeepSpeed ZeRO-1/2 offloading (v0.18.3+): the
@@ -814,7 +816,7 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
         _ddp_rebuild(R, s, st)                                    # DDP's _pre_forward rebuilds its buckets
     fs = _Fsdp(q.fsdp_ag_result > 0, _fsdp_streams(q), lag=R.lag, rs_side=q.fsdp_rs_side > 0,
                adapters=q.fsdp1_adapter_units, recomputed=recompute != "none", host=q.fsdp1_host_shards,
-               grad_op=q.gathered_layer > 0, cast_shards=q.fsdp2_cast_shards)
+               grad_op=q.gathered_layer > 0, cast_shards=q.fsdp2_cast_shards, no_sync=_fsdp1_no_sync(q, suffix))
     root = fs.unshard(R, q.fsdp_root, st.root_tensors)            # FSDP: the root unit gathered
     # torchtitan's split root (quantities.fsdp2_split_root): the embedding unit gathered, resharded
     # by its post-forward (its all-gather output kept until the first layer's copy-out)
@@ -1296,8 +1298,8 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
         tied = None                                               # view gradient, concatenated below
         emb_full = acc if emb_full is None else emb_full
     f.fs.reduce(R, [head_full, emb_full], _root_reduce_input(q, f.fs))
-    _make_grads(R, s, st.trainables, ("before",) if q.fsdp_head_unit else ("after", "before"), flags.oib,
-                f.fs.grad_stream, flat=f.fs.grad_stream > 0)                   # head, norm, embeddings
+    _unit_grads(R, s, f.fs, st.trainables, ("before",) if q.fsdp_head_unit else ("after", "before"),
+                flags.oib)                                        # head, norm, embeddings
     f.fs.reduced(R)                                               # torch < 2.5: the input dropped on return
     if suffix != ".micro1":                                       # ZeRO-1/2 offloading, at the boundary:
         _offload_epilogue(R, q)                                   # each of rank 0's gradients' copies
@@ -1666,6 +1668,8 @@ class _Fsdp:
     cast_shards: int = 0       # FSDP2 under bf16-mp: the ranks a unit is sharded over (``unshard``'s cast input)
     grad_op: bool = False      # SHARD_GRAD_OP / reshard_after_forward=False: each layer kept gathered (``gathered``)
     gathered: list = field(default_factory=list)  # grad-op: each layer's gathered parameters, bottom first
+    no_sync: bool = False      # FSDP1 inside ``no_sync()``: each unit's flat gradient kept unsharded (``_fsdp1_no_sync``)
+    flat: int | None = None    # ... the unit's flat gradient just kept, claimed as its ``.grad`` by ``_unit_grads``
 
     @property
     def grad_stream(self) -> int:
@@ -1814,7 +1818,9 @@ class _Fsdp:
         one layer's input held in that pool beside the default stream's (``reduced``)."""
         rs = R.alloc(rs_bytes, self.grad_stream if self.rs_side else 0)  # the unsharded gradients, flat
         R.frees(grads)
-        if self.v2:
+        if self.no_sync:                                          # FSDP1's root inside no_sync: its flat
+            self.flat = rs                                        # gradient kept (``_fsdp1_no_sync``)
+        elif self.v2:
             R.free(self.rs)
             self.rs = rs
         else:
@@ -2504,7 +2510,7 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
     elif st.layer_grads_full:                                     # FSDP1 without a hook of its own
         fs.reduce(R, [R.alloc(st.layer_grads_full)], q.fsdp_rs_buf or st.layer_grads_full)
     made = _linears_backward(R, s, q, kept, where, oib) if per_linear else pre
-    _make_grads(R, s, st.trainables, where, oib, fs.grad_stream, made, flat=fs.grad_stream > 0)
+    _unit_grads(R, s, fs, st.trainables, where, oib, made)
     fs.reduced(R)                                                 # FSDP2 < 2.5: its reduce-scatter input dropped
     R.free(tr)
     R.frees(held)
@@ -2758,9 +2764,47 @@ def _fsdp1_reduce(R: _Replay, q: Quantities, st: Any, params: list, fs: "_Fsdp",
     flat = R.alloc(st.layer_grads_full)                           # SplitWithSizesBackward's cat
     R.frees(views)
     fs.reshard(R, params)                                         # _post_backward_reshard
+    if fs.no_sync:                                                # no_sync: the hook returns here, the flat
+        fs.flat = flat                                            # gradient stays ``flat_param.grad``
+        return []
     hook = R.alloc(q.fsdp1_post - st.layer_grads_full, GRAD_STREAM, one=False)  # the reduce dtype's copy, the shard
     R.frees([flat, hook])
     return []
+
+
+def _fsdp1_no_sync(q: Quantities, suffix: str) -> bool:
+    """Whether FSDP1 runs this micro-batch's backward inside ``no_sync()`` (``--grad-sync step``,
+    ``quantities.fsdp_no_sync``: every micro-batch but the step's last; the replay's first of two,
+    ``.micro1``). Its post-backward hook reshards the unit and returns before ``_reduce_grad``
+    (torch 2.13 ``fsdp/_runtime_utils.py`` ``_post_backward_hook`` L742-746: ``if not
+    state._sync_gradients: ... return``): the flat gradient ``SplitWithSizesBackward0`` made on the
+    default stream stays ``flat_param.grad``, unsharded, with no reduce dtype copy nor new shard on the
+    post-backward stream (``_unit_grads``)."""
+    return bool(q.fsdp_accumulates) and q.fsdp_ag_result <= 0 and _fsdp(q) and suffix == ".micro1"
+
+
+def _unit_grads(R: _Replay, s: _Step, fs: "_Fsdp", trainables: tuple, where: tuple[str, ...], oib: bool,
+                made: set | frozenset = frozenset()) -> None:
+    """The gradients of an FSDP unit's (or, without FSDP, the placed tensors') trainable tensors at the
+    end of its backward (``_make_grads``). FSDP1 inside ``no_sync()`` (``_fsdp1_no_sync``): the flat
+    gradient the unit just kept (``_Fsdp.flat``, on the default stream, unsharded) is its ``.grad``
+    until the step's last micro-batch. There ``AccumulateGrad`` adds the new flat gradient into it in
+    place and the post-backward hook's ``_reduce_grad`` (torch 2.13 ``fsdp/_runtime_utils.py``
+    L831-885: ``unsharded_grad = flat_param.grad.data; flat_param.grad = None``) reduce-scatters it
+    into the new shard, made on the post-backward stream and kept as ``_saved_grad_shard``
+    (``_get_reduce_scatter_tensors`` L888-903, ``_accumulate_sharded_grad`` L906-929): the unit's
+    sharded gradient (``States.grad_shard_raw``; ``grad_rank_raw`` holds the unsharded accumulation's),
+    and the accumulated unsharded gradient is dropped when the hook returns."""
+    if fs.flat is not None:                                       # inside no_sync: kept as ``.grad``
+        s.unsharded[where], fs.flat = fs.flat, None
+        return
+    kept = s.unsharded.pop(where, None)
+    if kept is None:
+        _make_grads(R, s, trainables, where, oib, fs.grad_stream, made, flat=fs.grad_stream > 0)
+        return
+    _flat_grads(R, s, trainables, [j for j in _placed(trainables, where) if j not in made], fs.grad_stream,
+                shard=True)                                       # the new shard, (numel / world,) reduce dtype
+    R.free(kept)                                                  # the accumulated unsharded gradient
 
 
 def _fsdp1_limited(q: Quantities) -> bool:
@@ -2868,7 +2912,7 @@ def _accumulated(R: _Replay, s: _Step, trainables: tuple, where: tuple[str, ...]
     return out
 
 
-def _flat_grads(R: _Replay, s: _Step, trainables: tuple, js: list[int], stream: int) -> None:
+def _flat_grads(R: _Replay, s: _Step, trainables: tuple, js: list[int], stream: int, shard: bool = False) -> None:
     """FSDP2's sharded gradients of one unit (trainable tensors ``js``): ``foreach_reduce`` allocates
     one flat reduce-scatter output for the whole unit on its reduce-scatter stream and the sharded
     gradients are views of it (torch 2.13 ``_fully_shard/_fsdp_collectives.py`` ``foreach_reduce``:
@@ -2884,12 +2928,14 @@ def _flat_grads(R: _Replay, s: _Step, trainables: tuple, js: list[int], stream: 
     ``_get_reduce_scatter_tensors``) becomes the flat parameter's ``_saved_grad_shard``, or is added
     into it (``_accumulate_sharded_grad``), and the original parameters' gradients are views of it
     (``use_orig_params``); a layer's LoRA units of their own are counted in their layer's block (small).
-    Trace, the wide 2-layer Llama FSDP1 dp 2 ``--zero-grad zeros``: -2.6 % -> +0.2 % on peak reserved."""
+    Trace, the wide 2-layer Llama FSDP1 dp 2 ``--zero-grad zeros``: -2.6 % -> +0.2 % on peak reserved.
+    ``shard``: the last micro-batch's shard after FSDP1's ``no_sync`` (``States.grad_shard_raw``, ``_unit_grads``)."""
     new, total = [], 0
     for j in js:
         _w, k, g, _sts, _m = trainables[j]
         copy = s.made.get(j, 0) if _w == "layer" else 0
-        total += s.grad_rank_raw[j] if j < len(s.grad_rank_raw) else g    # its own bytes: the output is one block
+        raw = s.grad_shard_raw if shard else s.grad_rank_raw      # its own bytes: the output is one block
+        total += raw[j] if j < len(raw) else g
         if copy < k and (j, copy) not in s.grads:
             new.append((j, copy))
     if not new:                                                   # accumulated into: made and dropped
