@@ -54,3 +54,30 @@ def test_fsdp1_no_sync_makes_nothing_on_the_post_backward_stream(one_torch_threa
     one = grad_stream_allocs(**dict(BASE, fsdp="full", grad_accum=1))
     two = grad_stream_allocs(**dict(BASE, fsdp="full"))
     assert one and sorted(two) == sorted(one)
+
+
+def test_fsdp1_flat_gradient_is_asked_for_at_its_own_bytes(one_torch_thread):
+    """``SplitWithSizesBackward0``'s cat, the layer's flat gradient (kept as ``.grad`` inside
+    ``no_sync()``), is one tensor of the flat parameter's elements: trace asks for the layer's
+    parameter bytes, 12,847,104 fp32 elements of the wide Llama's layer (q, k, v, o 1024 x 1024, gate,
+    up, down 1024 x 2816, two norms of 1024); the replay asks for the same request (``_fsdp1_reduce``;
+    it asked for the sum of each parameter's allocator block, 50.01 MiB, before)."""
+    from trainmem import allocator
+    flat = (4 * 1024 * 1024 + 3 * 1024 * 2816 + 2 * 1024) * 4
+
+    def requests(fn) -> set[int]:
+        seen: set[int] = set()
+        orig = allocator.CachingAllocator.allocate
+
+        def spy(self, nbytes, tag=None, stream=None):
+            seen.add(nbytes)
+            return orig(self, nbytes, tag, stream)
+        allocator.CachingAllocator.allocate = spy
+        try:
+            fn()
+        finally:
+            allocator.CachingAllocator.allocate = orig
+        return seen
+    kw = dict(BASE, fsdp="full")
+    assert flat in requests(lambda: trace(WIDE, **kw))
+    assert flat in requests(lambda: trainmem.estimate(WIDE, **kw))
