@@ -1802,7 +1802,11 @@ class _Fsdp:
         """The reduce-scatter input: the unsharded gradients copied into one flat buffer in the reduce
         dtype, then freed. FSDP1 frees it when the collective is issued. FSDP2 from PyTorch 2.5 makes it
         on the default stream and keeps it until the next unit's ``post_backward``
-        (``reduce_scatter_states``). FSDP2 before 2.5 (``rs_side``; pytorch/pytorch PR #129721 moved
+        (``reduce_scatter_states``), which pops it before it makes its own (torch 2.13
+        ``_fsdp_param_group.py`` ``post_backward`` L647-658, ``reduce_scatter_max_input_buffers`` 1): the
+        root's too, whose reduce ``_backward`` makes here (trace, Llama-3.2-1B cut to 2 layers, FSDP2
+        bf16-mp: the root's 1,002 MiB fp32 input reuses its segment, the replay's had the bottom layer's
+        232 MiB input in it and opened another: +14.7 % before). FSDP2 before 2.5 (``rs_side``; pytorch/pytorch PR #129721 moved
         it, ``spec.releases.fsdp2_rs_on_default_stream``) made it on its reduce-scatter stream:
         ``foreach_reduce_scatter`` (pytorch/pytorch@01d66d21f38a
         ``torch/distributed/_composable/fsdp/_fsdp_collectives.py``; the same in the ``foreach_reduce``
@@ -1816,12 +1820,14 @@ class _Fsdp:
         False: ``WorkNCCL::synchronizeStreams`` clears ``stashed_for_allocator_safety_``), so the block
         returns to the reduce-scatter stream's pool at once, where the next unit's input reuses it:
         one layer's input held in that pool beside the default stream's (``reduced``)."""
+        if self.v2:                                               # the upper unit's input popped first
+            R.free(self.rs)                                       # (``post_backward``: the root's too)
+            self.rs = None
         rs = R.alloc(rs_bytes, self.grad_stream if self.rs_side else 0)  # the unsharded gradients, flat
         R.frees(grads)
         if self.no_sync:                                          # FSDP1's root inside no_sync: its flat
             self.flat = rs                                        # gradient kept (``_fsdp1_no_sync``)
         elif self.v2:
-            R.free(self.rs)
             self.rs = rs
         else:
             R.free(rs)
