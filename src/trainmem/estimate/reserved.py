@@ -1286,18 +1286,18 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
         f.z3.embedding(R)
     # the embedding gathered whole at its backward (on the all-gather stream), unless kept since its forward
     _zero12_at(R, s, q, None)                                     # ... or before the word embedding's
-    emb_full = R.alloc(st.emb_grads_full)                         # FSDP: the embedding's unsharded gradient
+    emb_full, acc = R.alloc(st.emb_grads_full), []                # FSDP: the embedding's unsharded gradient
     if tied is not None and not _fsdp(q):                         # the embedding's own gradient added to
         tied = _tied_embedding_sum(R, s, q, flags, tied)          # the head's
     if tied is not None and (f.fs.v2 or q.fsdp1_root_flat):      # FSDP, a tied head: the embedding's own
         emb_out = R.alloc(q.tied_grad)                            # gradient, then autograd's InputBuffer adds
-        acc = R.alloc(q.tied_grad)                                # it to the head's into a new tensor, the
+        acc = [R.alloc(q.tied_grad)]                              # it to the head's into a new tensor, the
         R.frees([tied, emb_out])                                  # unsharded gradient reduce-scattered (FSDP2's
         #                                                           root resharded after forward or kept gathered:
         #                                                           grad-op, trace's Gemma-2 b4 s512 dp 4); FSDP1's
         tied = None                                               # view gradient, concatenated below
-        emb_full = acc if emb_full is None else emb_full
-    f.fs.reduce(R, [head_full, emb_full], _root_reduce_input(q, f.fs))
+        emb_full, acc = (acc[0], []) if emb_full is None else (emb_full, acc)   # (beside the other embeddings')
+    f.fs.reduce(R, [head_full, emb_full] + acc, _root_reduce_input(q, f.fs))     # each freed once reduced
     _unit_grads(R, s, f.fs, st.trainables, ("before",) if q.fsdp_head_unit else ("after", "before"),
                 flags.oib)                                        # head, norm, embeddings
     f.fs.reduced(R)                                               # torch < 2.5: the input dropped on return
