@@ -1297,7 +1297,7 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
         #                                                           grad-op, trace's Gemma-2 b4 s512 dp 4); FSDP1's
         tied = None                                               # view gradient, concatenated below
         emb_full, acc = (acc[0], []) if emb_full is None else (emb_full, acc)   # (beside the other embeddings')
-    f.fs.reduce(R, [head_full, emb_full] + acc, _root_reduce_input(q, f.fs))     # each freed once reduced
+    f.fs.reduce(R, [head_full, emb_full] + acc, _root_reduce_input(q, f.fs), q.fsdp1_root_cast)
     _unit_grads(R, s, f.fs, st.trainables, ("before",) if q.fsdp_head_unit else ("after", "before"),
                 flags.oib)                                        # head, norm, embeddings
     f.fs.reduced(R)                                               # torch < 2.5: the input dropped on return
@@ -1670,6 +1670,7 @@ class _Fsdp:
     gathered: list = field(default_factory=list)  # grad-op: each layer's gathered parameters, bottom first
     no_sync: bool = False      # FSDP1 inside ``no_sync()``: each unit's flat gradient kept unsharded (``_fsdp1_no_sync``)
     flat: int | None = None    # ... the unit's flat gradient just kept, claimed as its ``.grad`` by ``_unit_grads``
+    cast: int | None = None    # FSDP1's root hook: its flat gradient's fp32 copy, until the hook returns (``reduce``)
 
     @property
     def grad_stream(self) -> int:
@@ -1798,7 +1799,7 @@ class _Fsdp:
         rs = q.fsdp_rs_buf or q.fsdp_rs_side
         return max(1, round(rs / full)) if rs and full else 1
 
-    def reduce(self, R: _Replay, grads: list, rs_bytes: int) -> None:
+    def reduce(self, R: _Replay, grads: list, rs_bytes: int, cast: int = 0) -> None:
         """The reduce-scatter input: the unsharded gradients copied into one flat buffer in the reduce
         dtype, then freed. FSDP1 frees it when the collective is issued. FSDP2 from PyTorch 2.5 makes it
         on the default stream and keeps it until the next unit's ``post_backward``
@@ -1819,7 +1820,9 @@ class _Fsdp:
         The process group stashes the input during the collective, not past its ``wait`` (``async_op``
         False: ``WorkNCCL::synchronizeStreams`` clears ``stashed_for_allocator_safety_``), so the block
         returns to the reduce-scatter stream's pool at once, where the next unit's input reuses it:
-        one layer's input held in that pool beside the default stream's (``reduced``)."""
+        one layer's input held in that pool beside the default stream's (``reduced``). ``cast``: FSDP1's
+        root hook copies its flat gradient to the reduce dtype on the post-backward stream first
+        (``quantities.fsdp1_root_cast``), freed once the new shard is made (``reduced``)."""
         if self.v2:                                               # the upper unit's input popped first
             R.free(self.rs)                                       # (``post_backward``: the root's too)
             self.rs = None
@@ -1830,14 +1833,18 @@ class _Fsdp:
         elif self.v2:
             self.rs = rs
         else:
+            self.cast = R.alloc(cast, self.grad_stream) if cast else None   # (before the new shard)
             R.free(rs)
 
     def reduced(self, R: _Replay) -> None:
         """FSDP2 before PyTorch 2.5: ``foreach_reduce_scatter`` returns, once the sharded gradients are
-        made, and its reduce-scatter input is freed (``reduce``)."""
+        made, and its reduce-scatter input is freed (``reduce``); FSDP1's root hook returns and its
+        flat gradient's fp32 copy is freed."""
         if self.rs_side:
             R.free(self.rs)
             self.rs = None
+        R.free(self.cast)
+        self.cast = None
 
     def done(self, R: _Replay) -> None:
         R.frees([self.ag, self.rs, self.prefetched])
