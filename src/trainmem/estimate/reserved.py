@@ -237,7 +237,7 @@ def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, 
         _replay_build(R, st.fsdp_init)                                  # unit by unit (fsdp_init); the loop's
         R.net_peak = R.a.allocated - R.over                             # allocated peak starts after it
     else:
-        loaded = R.allocs(st.load)                                      # weights and buffers, load order
+        loaded = R.allocs(_fsdp1_load(q, st))                           # weights and buffers, load order
         if q.ds_flat_group:                                             # DeepSpeed ZeRO-1/2 (v0.19.0+): the flat
             R.alloc(q.ds_flat_group)                                    # group made beside the parameters, whose
             if q.ds_flat_frees:                                         # own blocks it frees (deepspeed_flat_on_gpu;
@@ -285,6 +285,27 @@ def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, 
 DDP_INIT_STREAM = 3
 #: ``DistributedDataParallel.broadcast_bucket_size`` (torch 2.13 ``nn/parallel/distributed.py`` L1020; 2.0 the same)
 DDP_BROADCAST_BYTES = 250 * 1024 * 1024
+
+
+def _fsdp1_load(q: Quantities, st: Any) -> tuple:
+    """Bytes of the tensors the load leaves on the device, in order (``States.load``); under FSDP1 with
+    its layers units of their own (``fsdp1_post``) each unit's stored shard is one tensor: the root's
+    (the tensors before and after the layers, ``load_split``), then each layer's. ``FlatParamHandle``
+    flattens a unit's parameters into one ``FlatParameter`` and keeps only this rank's chunk of it,
+    ``_get_shard``'s ``chunk.clone()`` (torch 2.13 ``fsdp/_flat_param.py`` ``shard`` L945-975,
+    ``_get_shard`` L1122-1139): the unit's shard elements once (its padding, under a rank's share of
+    the alignment, not counted). Trace (Phi-3 cut to 2 layers, FSDP1 dp 4) makes a 62.63 MiB root
+    shard and two 12.25 MiB layer shards where the per-tensor shards took two 32 MiB and two 20 MiB
+    segments. The root's sum also holds the model's buffers loaded after the layers (rotary frequencies:
+    a few hundred bytes), which stay tensors of their own. Left per tensor: LoRA adapters, embeddings or
+    the head in units of their own, parameter offload (host shards), layers that differ."""
+    nb, nl, na = st.load_split or (0, 0, 0)
+    layers = st.load[nb:len(st.load) - na]
+    if not (q.fsdp1_post > 0 and nl and len(layers) == nl * q.layers and not (
+            q.fsdp1_adapter_units or q.fsdp1_emb_units or q.fsdp1_head_unit or q.fsdp1_host_shards)):
+        return st.load
+    root = sum(st.load[:nb]) + sum(st.load[len(st.load) - na:])    # (embeddings, final norm, head) shard
+    return (root,) + tuple(sum(layers[i * nl:(i + 1) * nl]) for i in range(q.layers))   # each layer's
 
 
 def _ddp_side_stream(R: _Replay, st: Any) -> None:
