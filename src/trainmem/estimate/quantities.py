@@ -175,6 +175,7 @@ class Quantities:
     fsdp1_root_flat: int = 0   # ... and that flat gradient (fsdp1_root_flat_gradient)
     fsdp1_emb_units: int = 0   # FSDP1 --fsdp-auto-wrap-policy module: the embedding units gathered at their backward
     fsdp1_root_post: int = 0   # FSDP1: the root's post-backward beside its flat gradient (fsdp1_root_post_backward)
+    fsdp1_root_cast: int = 0   # ... of which its flat gradient's fp32 copy under bf16-mp, as asked for (fsdp1_root_cast)
     fsdp1_head_unit: int = 0   # FSDP1 --fsdp-auto-wrap-policy module: the final norm and head units gathered ...
     fsdp1_head_in_tok: float = 0.0  # ... at the head's backward, beside its input's gradient (per token)
     fsdp1_head_post: int = 0   # ... and what the head unit's post-backward allocates beside its flat gradient
@@ -4607,6 +4608,7 @@ def _fsdp1_fields(t: TrainingSpec, st: States, lc: LayerCoefs) -> dict[str, int]
             "fsdp1_root_flat": fsdp1_root_flat_gradient(st) if one else 0,
             "fsdp1_emb_units": st.emb_units_full if one else 0,
             "fsdp1_root_post": fsdp1_root_post_backward(t, st) if one else 0,
+            "fsdp1_root_cast": fsdp1_root_cast(t, st) if one else 0,
             "fsdp1_unprefetched": unprefetched, "fsdp1_held_inputs": int(fsdp1_held_inputs(t)),
             "fsdp1_adapter_units": 2 * lc.adapters if unprefetched >= 0 else 0,
             "fsdp1_init": fsdp1_lazy_init(t, st) if one else (),
@@ -4749,6 +4751,16 @@ def fsdp1_root_post_backward(t: TrainingSpec, st: States) -> int:
     trace: an untied Llama of 2 layers (hidden 512, vocabulary 8000), FSDP1 dp 2, NO_WRAP, bf16-mp:
     -5.1 % before (moment ``fsdp1.root_reduce_scatter``)."""
     return fsdp1_unit_post_backward(t, st.root_flat_elems)
+
+
+def fsdp1_root_cast(t: TrainingSpec, st: States) -> int:
+    """Bytes FSDP1's root post-backward hook asks for on the post-backward stream to cast the root's
+    flat gradient to the reduce dtype under ``bf16-mp`` (bf16 gradients, fp32 reduction): one tensor of
+    the root flat parameter's elements in fp32 (``st.root_flat_elems``), made before the new shard and
+    freed when the hook returns (torch 2.13 ``fsdp/_runtime_utils.py`` ``_post_backward_hook`` L754-762:
+    ``flat_param.grad.data = flat_param.grad.to(handle._reduce_dtype)``); 0 otherwise. Trace, Phi-3 cut
+    to 2 layers, FSDP1 grad-op dp 2 bf16-mp: a 250.5 MiB block opens a segment of its own there."""
+    return st.root_flat_elems * 4 if t.precision == "bf16-mp" else 0
 
 
 def fsdp_no_sync(m: ModelSpec, t: TrainingSpec, st: States, stage: str) -> dict[str, int]:

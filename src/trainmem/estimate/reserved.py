@@ -190,10 +190,12 @@ class _Step:
     lomo: Any = None                             # LOMO: the gradient its next hook updates (handle, bytes, states)
     hook_frees: bool = False                     # DeepSpeed ZeRO-1/2: a hook copies each gradient away and frees it
     grad_rank_raw: tuple = ()                    # each trainable's gradient bytes on this rank, unrounded
+    grad_shard_raw: tuple = ()                   # ... its shard's, where they accumulate unsharded (no_sync)
     forwards: int = 0                            # micro-batch forwards begun (DeepSpeed ZeRO-3 records its order in the first)
     ddp: Any = None                              # DDP: its first iteration's one bucket, until rebuilt (``_ddp_init``)
     ga: int = 1                                  # micro-batches per step
     recv: Any = None                             # torch's pipeline stage: its receive buffers, once made (``_batch_in``)
+    unsharded: dict = field(default_factory=dict)  # FSDP1 no_sync: each unit's (``where``) accumulated flat gradient
 
     def workspace(self, R: "_Replay", thread: int) -> None:
         """The cuBLAS workspace of the forward (0) or the autograd (1) thread, at its first matmul
@@ -236,7 +238,7 @@ def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, 
         _replay_build(R, st.fsdp_init)                                  # unit by unit (fsdp_init); the loop's
         R.net_peak = R.a.allocated - R.over                             # allocated peak starts after it
     else:
-        loaded = R.allocs(st.load)                                      # weights and buffers, load order
+        loaded = R.allocs(_fsdp1_load(q, st))                           # weights and buffers, load order
         if q.ds_flat_group:                                             # DeepSpeed ZeRO-1/2 (v0.19.0+): the flat
             R.alloc(q.ds_flat_group)                                    # group made beside the parameters, whose
             if q.ds_flat_frees:                                         # own blocks it frees (deepspeed_flat_on_gpu;
@@ -250,7 +252,7 @@ def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, 
     if q.ds_bucket and not q.ds_backward_buf:                         # DeepSpeed ZeRO-3's bucket, from engine start
         R.alloc(q.ds_bucket)
     s = _Step(handle_ws=handle_ws, ao_events=st.torchao_events, hook_frees=bool(q.ds_hook_part),
-              grad_rank_raw=st.grad_rank_raw)
+              grad_rank_raw=st.grad_rank_raw, grad_shard_raw=st.grad_shard_raw)
     if q.ds_init_grads:                                                # ... its flat gradient partitions
         _zero3_flat_grads(R, s, q.ds_init_grads, st.trainables)
     if q.ds_offload_clone:                                             # DeepSpeed ZeRO-1/2 offloading (v0.18.3+): the
@@ -284,6 +286,27 @@ def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, 
 DDP_INIT_STREAM = 3
 #: ``DistributedDataParallel.broadcast_bucket_size`` (torch 2.13 ``nn/parallel/distributed.py`` L1020; 2.0 the same)
 DDP_BROADCAST_BYTES = 250 * 1024 * 1024
+
+
+def _fsdp1_load(q: Quantities, st: Any) -> tuple:
+    """Bytes of the tensors the load leaves on the device, in order (``States.load``); under FSDP1 with
+    its layers units of their own (``fsdp1_post``) each unit's stored shard is one tensor: the root's
+    (the tensors before and after the layers, ``load_split``), then each layer's. ``FlatParamHandle``
+    flattens a unit's parameters into one ``FlatParameter`` and keeps only this rank's chunk of it,
+    ``_get_shard``'s ``chunk.clone()`` (torch 2.13 ``fsdp/_flat_param.py`` ``shard`` L945-975,
+    ``_get_shard`` L1122-1139): the unit's shard elements once (its padding, under a rank's share of
+    the alignment, not counted). Trace (Phi-3 cut to 2 layers, FSDP1 dp 4) makes a 62.63 MiB root
+    shard and two 12.25 MiB layer shards where the per-tensor shards took two 32 MiB and two 20 MiB
+    segments. The root's sum also holds the model's buffers loaded after the layers (rotary frequencies:
+    a few hundred bytes), which stay tensors of their own. Left per tensor: LoRA adapters, embeddings or
+    the head in units of their own, parameter offload (host shards), layers that differ."""
+    nb, nl, na = st.load_split or (0, 0, 0)
+    layers = st.load[nb:len(st.load) - na]
+    if not (q.fsdp1_post > 0 and nl and len(layers) == nl * q.layers and not (
+            q.fsdp1_adapter_units or q.fsdp1_emb_units or q.fsdp1_head_unit or q.fsdp1_host_shards)):
+        return st.load
+    root = sum(st.load[:nb]) + sum(st.load[len(st.load) - na:])    # (embeddings, final norm, head) shard
+    return (root,) + tuple(sum(layers[i * nl:(i + 1) * nl]) for i in range(q.layers))   # each layer's
 
 
 def _ddp_side_stream(R: _Replay, st: Any) -> None:
@@ -816,7 +839,7 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
         _ddp_rebuild(R, s, st)                                    # DDP's _pre_forward rebuilds its buckets
     fs = _Fsdp(q.fsdp_ag_result > 0, _fsdp_streams(q), lag=R.lag, rs_side=q.fsdp_rs_side > 0,
                adapters=q.fsdp1_adapter_units, recomputed=recompute != "none", host=q.fsdp1_host_shards,
-               grad_op=q.gathered_layer > 0, cast_shards=q.fsdp2_cast_shards)
+               grad_op=q.gathered_layer > 0, cast_shards=q.fsdp2_cast_shards, no_sync=_fsdp1_no_sync(q, suffix))
     root = fs.unshard(R, q.fsdp_root, st.root_tensors)            # FSDP: the root unit gathered
     # torchtitan's split root (quantities.fsdp2_split_root): the embedding unit gathered, resharded
     # by its post-forward (its all-gather output kept until the first layer's copy-out)
@@ -1363,20 +1386,20 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
         f.z3.embedding(R)
     # the embedding gathered whole at its backward (on the all-gather stream), unless kept since its forward
     _zero12_at(R, s, q, None)                                     # ... or before the word embedding's
-    emb_full = R.alloc(st.emb_grads_full)                         # FSDP: the embedding's unsharded gradient
+    emb_full, acc = R.alloc(st.emb_grads_full), []                # FSDP: the embedding's unsharded gradient
     if tied is not None and not _fsdp(q):                         # the embedding's own gradient added to
         tied = _tied_embedding_sum(R, s, q, flags, tied)          # the head's
     if tied is not None and (f.fs.v2 or q.fsdp1_root_flat):      # FSDP, a tied head: the embedding's own
         emb_out = R.alloc(q.tied_grad)                            # gradient, then autograd's InputBuffer adds
-        acc = R.alloc(q.tied_grad)                                # it to the head's into a new tensor, the
+        acc = [R.alloc(q.tied_grad)]                              # it to the head's into a new tensor, the
         R.frees([tied, emb_out])                                  # unsharded gradient reduce-scattered (FSDP2's
         #                                                           root resharded after forward or kept gathered:
         #                                                           grad-op, trace's Gemma-2 b4 s512 dp 4); FSDP1's
         tied = None                                               # view gradient, concatenated below
-        emb_full = acc if emb_full is None else emb_full
-    f.fs.reduce(R, [head_full, emb_full], _root_reduce_input(q, f.fs))
-    _make_grads(R, s, st.trainables, ("before",) if q.fsdp_head_unit else ("after", "before"), flags.oib,
-                f.fs.grad_stream, flat=f.fs.grad_stream > 0)                   # head, norm, embeddings
+        emb_full, acc = (acc[0], []) if emb_full is None else (emb_full, acc)   # (beside the other embeddings')
+    f.fs.reduce(R, [head_full, emb_full] + acc, _root_reduce_input(q, f.fs), q.fsdp1_root_cast)
+    _unit_grads(R, s, f.fs, st.trainables, ("before",) if q.fsdp_head_unit else ("after", "before"),
+                flags.oib)                                        # head, norm, embeddings
     f.fs.reduced(R)                                               # torch < 2.5: the input dropped on return
     if suffix != ".micro1":                                       # ZeRO-1/2 offloading, at the boundary:
         _offload_epilogue(R, q)                                   # each of rank 0's gradients' copies
@@ -1745,6 +1768,9 @@ class _Fsdp:
     cast_shards: int = 0       # FSDP2 under bf16-mp: the ranks a unit is sharded over (``unshard``'s cast input)
     grad_op: bool = False      # SHARD_GRAD_OP / reshard_after_forward=False: each layer kept gathered (``gathered``)
     gathered: list = field(default_factory=list)  # grad-op: each layer's gathered parameters, bottom first
+    no_sync: bool = False      # FSDP1 inside ``no_sync()``: each unit's flat gradient kept unsharded (``_fsdp1_no_sync``)
+    flat: int | None = None    # ... the unit's flat gradient just kept, claimed as its ``.grad`` by ``_unit_grads``
+    cast: int | None = None    # FSDP1's root hook: its flat gradient's fp32 copy, until the hook returns (``reduce``)
 
     @property
     def grad_stream(self) -> int:
@@ -1873,11 +1899,15 @@ class _Fsdp:
         rs = q.fsdp_rs_buf or q.fsdp_rs_side
         return max(1, round(rs / full)) if rs and full else 1
 
-    def reduce(self, R: _Replay, grads: list, rs_bytes: int) -> None:
+    def reduce(self, R: _Replay, grads: list, rs_bytes: int, cast: int = 0) -> None:
         """The reduce-scatter input: the unsharded gradients copied into one flat buffer in the reduce
         dtype, then freed. FSDP1 frees it when the collective is issued. FSDP2 from PyTorch 2.5 makes it
         on the default stream and keeps it until the next unit's ``post_backward``
-        (``reduce_scatter_states``). FSDP2 before 2.5 (``rs_side``; pytorch/pytorch PR #129721 moved
+        (``reduce_scatter_states``), which pops it before it makes its own (torch 2.13
+        ``_fsdp_param_group.py`` ``post_backward`` L647-658, ``reduce_scatter_max_input_buffers`` 1): the
+        root's too, whose reduce ``_backward`` makes here (trace, Llama-3.2-1B cut to 2 layers, FSDP2
+        bf16-mp: the root's 1,002 MiB fp32 input reuses its segment, the replay's had the bottom layer's
+        232 MiB input in it and opened another: +14.7 % before). FSDP2 before 2.5 (``rs_side``; pytorch/pytorch PR #129721 moved
         it, ``spec.releases.fsdp2_rs_on_default_stream``) made it on its reduce-scatter stream:
         ``foreach_reduce_scatter`` (pytorch/pytorch@01d66d21f38a
         ``torch/distributed/_composable/fsdp/_fsdp_collectives.py``; the same in the ``foreach_reduce``
@@ -1890,21 +1920,31 @@ class _Fsdp:
         The process group stashes the input during the collective, not past its ``wait`` (``async_op``
         False: ``WorkNCCL::synchronizeStreams`` clears ``stashed_for_allocator_safety_``), so the block
         returns to the reduce-scatter stream's pool at once, where the next unit's input reuses it:
-        one layer's input held in that pool beside the default stream's (``reduced``)."""
+        one layer's input held in that pool beside the default stream's (``reduced``). ``cast``: FSDP1's
+        root hook copies its flat gradient to the reduce dtype on the post-backward stream first
+        (``quantities.fsdp1_root_cast``), freed once the new shard is made (``reduced``)."""
+        if self.v2:                                               # the upper unit's input popped first
+            R.free(self.rs)                                       # (``post_backward``: the root's too)
+            self.rs = None
         rs = R.alloc(rs_bytes, self.grad_stream if self.rs_side else 0)  # the unsharded gradients, flat
         R.frees(grads)
-        if self.v2:
-            R.free(self.rs)
+        if self.no_sync:                                          # FSDP1's root inside no_sync: its flat
+            self.flat = rs                                        # gradient kept (``_fsdp1_no_sync``)
+        elif self.v2:
             self.rs = rs
         else:
+            self.cast = R.alloc(cast, self.grad_stream) if cast else None   # (before the new shard)
             R.free(rs)
 
     def reduced(self, R: _Replay) -> None:
         """FSDP2 before PyTorch 2.5: ``foreach_reduce_scatter`` returns, once the sharded gradients are
-        made, and its reduce-scatter input is freed (``reduce``)."""
+        made, and its reduce-scatter input is freed (``reduce``); FSDP1's root hook returns and its
+        flat gradient's fp32 copy is freed."""
         if self.rs_side:
             R.free(self.rs)
             self.rs = None
+        R.free(self.cast)
+        self.cast = None
 
     def done(self, R: _Replay) -> None:
         R.frees([self.ag, self.rs, self.prefetched])
@@ -2583,7 +2623,7 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
     elif st.layer_grads_full:                                     # FSDP1 without a hook of its own
         fs.reduce(R, [R.alloc(st.layer_grads_full)], q.fsdp_rs_buf or st.layer_grads_full)
     made = _linears_backward(R, s, q, kept, where, oib) if per_linear else pre
-    _make_grads(R, s, st.trainables, where, oib, fs.grad_stream, made, flat=fs.grad_stream > 0)
+    _unit_grads(R, s, fs, st.trainables, where, oib, made)
     fs.reduced(R)                                                 # FSDP2 < 2.5: its reduce-scatter input dropped
     R.free(tr)
     R.frees(held)
@@ -2827,19 +2867,61 @@ def _fsdp1_reduce(R: _Replay, q: Quantities, st: Any, params: list, fs: "_Fsdp",
     it returns (the shard stands for the sharded gradients ``_make_grads`` allocates next; torch 2.13
     ``fsdp/_runtime_utils.py`` ``_post_backward_hook``: ``_post_backward_reshard`` before
     ``_reduce_grad``, whose ``padded_unsharded_grad`` and ``new_sharded_grad`` are made on the
-    post-backward stream). Returns the gathered parameters left to free."""
+    post-backward stream). The flat gradient is asked for at the unit's parameter bytes
+    (``st.layer_tensors``' sum, trace's request; ``layer_grads_full`` sums each view's allocator block:
+    Phi-3's 49.01 MiB layer asked 50.01 MiB, and the kept flat gradients of ``no_sync`` then fell into
+    other holes than trace's). Returns the gathered parameters left to free."""
     early = early or []
     if _fsdp1_whole(q, st):
         rest = [x for j, x in enumerate(st.layer_tensors) if j not in early]
         views = list(made or []) + R.allocs(rest)
     else:
         views = [R.alloc(st.layer_grads_full, one=False)]            # (several)
-    flat = R.alloc(st.layer_grads_full)                           # SplitWithSizesBackward's cat
+    # SplitWithSizesBackward's cat: one tensor of the flat parameter's elements (its own bytes, not its views' blocks)
+    flat = R.alloc(sum(st.layer_tensors) if _fsdp1_whole(q, st) else st.layer_grads_full)
     R.frees(views)
     fs.reshard(R, params)                                         # _post_backward_reshard
+    if fs.no_sync:                                                # no_sync: the hook returns here, the flat
+        fs.flat = flat                                            # gradient stays ``flat_param.grad``
+        return []
     hook = R.alloc(q.fsdp1_post - st.layer_grads_full, GRAD_STREAM, one=False)  # the reduce dtype's copy, the shard
     R.frees([flat, hook])
     return []
+
+
+def _fsdp1_no_sync(q: Quantities, suffix: str) -> bool:
+    """Whether FSDP1 runs this micro-batch's backward inside ``no_sync()`` (``--grad-sync step``,
+    ``quantities.fsdp_no_sync``: every micro-batch but the step's last; the replay's first of two,
+    ``.micro1``). Its post-backward hook reshards the unit and returns before ``_reduce_grad``
+    (torch 2.13 ``fsdp/_runtime_utils.py`` ``_post_backward_hook`` L742-746: ``if not
+    state._sync_gradients: ... return``): the flat gradient ``SplitWithSizesBackward0`` made on the
+    default stream stays ``flat_param.grad``, unsharded, with no reduce dtype copy nor new shard on the
+    post-backward stream (``_unit_grads``)."""
+    return bool(q.fsdp_accumulates) and q.fsdp_ag_result <= 0 and _fsdp(q) and suffix == ".micro1"
+
+
+def _unit_grads(R: _Replay, s: _Step, fs: "_Fsdp", trainables: tuple, where: tuple[str, ...], oib: bool,
+                made: set | frozenset = frozenset()) -> None:
+    """The gradients of an FSDP unit's (or, without FSDP, the placed tensors') trainable tensors at the
+    end of its backward (``_make_grads``). FSDP1 inside ``no_sync()`` (``_fsdp1_no_sync``): the flat
+    gradient the unit just kept (``_Fsdp.flat``, on the default stream, unsharded) is its ``.grad``
+    until the step's last micro-batch. There ``AccumulateGrad`` adds the new flat gradient into it in
+    place and the post-backward hook's ``_reduce_grad`` (torch 2.13 ``fsdp/_runtime_utils.py``
+    L831-885: ``unsharded_grad = flat_param.grad.data; flat_param.grad = None``) reduce-scatters it
+    into the new shard, made on the post-backward stream and kept as ``_saved_grad_shard``
+    (``_get_reduce_scatter_tensors`` L888-903, ``_accumulate_sharded_grad`` L906-929): the unit's
+    sharded gradient (``States.grad_shard_raw``; ``grad_rank_raw`` holds the unsharded accumulation's),
+    and the accumulated unsharded gradient is dropped when the hook returns."""
+    if fs.flat is not None:                                       # inside no_sync: kept as ``.grad``
+        s.unsharded[where], fs.flat = fs.flat, None
+        return
+    kept = s.unsharded.pop(where, None)
+    if kept is None:
+        _make_grads(R, s, trainables, where, oib, fs.grad_stream, made, flat=fs.grad_stream > 0)
+        return
+    _flat_grads(R, s, trainables, [j for j in _placed(trainables, where) if j not in made], fs.grad_stream,
+                shard=True)                                       # the new shard, (numel / world,) reduce dtype
+    R.free(kept)                                                  # the accumulated unsharded gradient
 
 
 def _fsdp1_limited(q: Quantities) -> bool:
@@ -2947,7 +3029,7 @@ def _accumulated(R: _Replay, s: _Step, trainables: tuple, where: tuple[str, ...]
     return out
 
 
-def _flat_grads(R: _Replay, s: _Step, trainables: tuple, js: list[int], stream: int) -> None:
+def _flat_grads(R: _Replay, s: _Step, trainables: tuple, js: list[int], stream: int, shard: bool = False) -> None:
     """FSDP2's sharded gradients of one unit (trainable tensors ``js``): ``foreach_reduce`` allocates
     one flat reduce-scatter output for the whole unit on its reduce-scatter stream and the sharded
     gradients are views of it (torch 2.13 ``_fully_shard/_fsdp_collectives.py`` ``foreach_reduce``:
@@ -2963,12 +3045,14 @@ def _flat_grads(R: _Replay, s: _Step, trainables: tuple, js: list[int], stream: 
     ``_get_reduce_scatter_tensors``) becomes the flat parameter's ``_saved_grad_shard``, or is added
     into it (``_accumulate_sharded_grad``), and the original parameters' gradients are views of it
     (``use_orig_params``); a layer's LoRA units of their own are counted in their layer's block (small).
-    Trace, the wide 2-layer Llama FSDP1 dp 2 ``--zero-grad zeros``: -2.6 % -> +0.2 % on peak reserved."""
+    Trace, the wide 2-layer Llama FSDP1 dp 2 ``--zero-grad zeros``: -2.6 % -> +0.2 % on peak reserved.
+    ``shard``: the last micro-batch's shard after FSDP1's ``no_sync`` (``States.grad_shard_raw``, ``_unit_grads``)."""
     new, total = [], 0
     for j in js:
         _w, k, g, _sts, _m = trainables[j]
         copy = s.made.get(j, 0) if _w == "layer" else 0
-        total += s.grad_rank_raw[j] if j < len(s.grad_rank_raw) else g    # its own bytes: the output is one block
+        raw = s.grad_shard_raw if shard else s.grad_rank_raw      # its own bytes: the output is one block
+        total += raw[j] if j < len(raw) else g
         if copy < k and (j, copy) not in s.grads:
             new.append((j, copy))
     if not new:                                                   # accumulated into: made and dropped

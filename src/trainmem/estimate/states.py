@@ -136,6 +136,10 @@ class States:
     grad_rank_raw: tuple[int, ...] = ()
     # each of ``trainables``' elements, unsharded (the optimizer's per-tensor temporaries: ``quantities.adafactor_loop``)
     trainable_elems: tuple[int, ...] = ()
+    # FSDP accumulating unsharded (no_sync, ``grad_rank_raw`` the unsharded gradients): each one's shard
+    # on this rank in bytes, not rounded, as the last micro-batch's reduce-scatter leaves it
+    # (``reserved._unit_grads``); () otherwise
+    grad_shard_raw: tuple[int, ...] = ()
 
 
 def _dim0_padded(shape: tuple[int, ...], n: int, d: int) -> int:
@@ -859,7 +863,9 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
                   fsdp_init=_sync_init(m, t, r, lora, (before, layer, after)) if t.fsdp_sync_module_states else (),
                   load_split=(len(before), len(layer), len(after)) if m.uniform_layers else (),
                   grad_raw=tuple(n * r.gbytes for n in acc.item_elems), grad_rank_raw=tuple(acc.item_rank_raw),
-                  trainable_elems=tuple(acc.item_elems))
+                  trainable_elems=tuple(acc.item_elems),
+                  grad_shard_raw=tuple(-(-x // r.d) for x in acc.item_rank_raw)
+                  if r.fsdp_unsharded and not r.grads_sharded else ())
     return wrap_policy_states(m, t, st, r, acc, litgpt_tensors(m.first_layer_and_outer_tensors, t))
 
 

@@ -1,0 +1,43 @@
+"""FSDP1 keeps one shard per unit: ``FlatParamHandle`` flattens the unit's parameters into one
+``FlatParameter`` and keeps this rank's chunk of it (torch 2.13 ``fsdp/_flat_param.py`` ``shard``,
+``_get_shard``: ``chunk.clone()``), so the load leaves one tensor per unit on the device, the root's
+first, then each layer's (``reserved._fsdp1_load``). The replay made every parameter's shard a block of
+its own, which took other segments than trace's (two 32 MiB and two 20 MiB segments for Phi-3's).
+"""
+from __future__ import annotations
+
+import pytest
+
+import trainmem
+from trainmem.trace.api import trace
+
+from test_fsdp_grad_op_replay import WIDE
+
+
+@pytest.mark.parametrize("fsdp", ["full", "grad-op"])
+def test_fsdp1_load_makes_one_shard_per_unit(one_torch_thread, fsdp):
+    """The wide 2-layer Llama, FSDP1 dp 2: the first three requests of 1 MiB and over are the root's
+    shard (embeddings, final norm, head: 16,385,024 fp32 elements over 2 ranks) and each layer's
+    (12,847,104 elements over 2), in trace and in the replay alike; the replay's root load also holds
+    the model's small buffers (the rotary frequencies, 256 bytes), which trace keeps apart."""
+    from trainmem import allocator
+
+    def first(fn) -> list[int]:
+        seen: list[int] = []
+        orig = allocator.CachingAllocator.allocate
+
+        def spy(self, nbytes, tag=None, stream=None):
+            if nbytes >= 2**20:
+                seen.append(nbytes)
+            return orig(self, nbytes, tag, stream)
+        allocator.CachingAllocator.allocate = spy
+        try:
+            fn()
+        finally:
+            allocator.CachingAllocator.allocate = orig
+        return seen[:3]
+    kw = dict(batch_size=4, seq_len=512, use_cache=False, dp=2, fsdp=fsdp, fsdp_version=1)
+    root, layer = (2 * 8000 * 1024 + 1024) * 4 // 2, (4 * 1024 * 1024 + 3 * 1024 * 2816 + 2 * 1024) * 4 // 2
+    assert first(lambda: trace(WIDE, **kw)) == [root, layer, layer]
+    est = first(lambda: trainmem.estimate(WIDE, **kw))
+    assert est[1:] == [layer, layer] and 0 <= est[0] - root <= 1024
