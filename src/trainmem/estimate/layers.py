@@ -1202,6 +1202,8 @@ class LayerCoefs:
     nograd_temps: tuple[float, ...] = ()
     nograd_events: tuple[str, ...] = ()
     nograd_const: tuple[float, ...] = ()  # ... and each one's bytes beside those (a dequantized 4-bit weight)
+    # ... and which of them torchtitan's per-op policy keeps (``NoGradSeq.op_kept``), for --recompute op
+    nograd_op: tuple[int, ...] = ()
     adapters: int = 0  # LoRA: the layer's adapted linears (each a lora_A and a lora_B)
     # eager attention's forward temporaries (``Builder._eager_forward``): how many of ``tensors`` are
     # saved before its scores matmul (-1: not written), each temporary as ``tensors``, the events ("t"
@@ -1346,7 +1348,7 @@ def _nograd_sequence(k: LayerKey, pol: Policy, B: Builder, build: Any) -> dict:
                     repeat, k.quant[:2], k.quant_nested, pol.amp, "torchtitan" if titan else "transformers")
     S = nograd_llama(L)
     return {"nograd_temps": tuple(S.sizes), "nograd_events": tuple(S.events),
-            "nograd_const": tuple(S.consts) if any(S.consts) else ()}
+            "nograd_const": tuple(S.consts) if any(S.consts) else (), "nograd_op": tuple(S.op_kept())}
 
 
 def op_checkpoint_kept(r: Recipe) -> list[T]:

@@ -78,7 +78,7 @@ from functools import lru_cache
 from typing import Any
 
 from ..allocator import CachingAllocator
-from ..allocator_rules import block_bytes
+from ..allocator_rules import SMALL_SIZE, block_bytes
 from .layers import F32, HALF
 from .moments import StepFlags, Tokens, _logit_sizes, best_transient, label_tokens
 from .quantities import PARTITION_BOTTOM, PARTITION_EMBEDDING, PARTITION_TOP, Quantities
@@ -715,6 +715,7 @@ class _Parts(list):
     layer's saved bytes by module and op, several tensors each: ``_layer_parts``)."""
 
     inputs: list = []   # per linear: (bytes of the input it reads unsaved, shared with the next) (``LayerCoefs.linear_inputs``)
+    nograd_op: tuple = ()   # of ``nograd``, the temporaries torchtitan's per-op policy keeps (``LayerCoefs.nograd_op``)
 
     def __init__(self, saved: Any, forward_only: list[int], op: list[int] | None = None,
                  temps: list[int] | None = None, events: tuple[str, ...] = (),
@@ -749,6 +750,7 @@ def _layer_parts(q: Quantities, n: int, nsq: int) -> _Parts:
                   attn=(lc.attn_at if lc.tensors else -1, [int(a * n + b * nsq) for a, b in lc.attn_temps],
                         lc.attn_events))
     p.inputs = [(int(a * n + b * nsq), shared) for a, b, shared in lc.linear_inputs]   # (``_saved_and_casts``)
+    p.nograd_op = tuple(lc.nograd_op)                             # (``_op_forward``)
     return p
 
 
@@ -2067,9 +2069,14 @@ def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: _Parts, tk: Toke
         R.frees(R.allocs(parts.forward_only))                     # what the forward makes and frees
     else:
         late: list = []                                           # alive when the output is made
-        (cached if cached is not None else []).extend(_checkpointed(R, q, parts, recompute, late))  # no-grad
-        kept = _Kept(R.allocs(_kept_blocks(parts, tk.layer, recompute),  # what the checkpoint keeps
-                              one=_kept_whole(parts, tk.layer, recompute)))
+        op = _op_forward(R, q, parts, tk.layer, recompute, late)  # per-op: tensor by tensor, where written so
+        if op is not None:
+            (cached if cached is not None else []).extend(op.casts)
+            kept = _Kept(list(op))
+        else:
+            (cached if cached is not None else []).extend(_checkpointed(R, q, parts, recompute, late))  # no-grad
+            kept = _Kept(R.allocs(_kept_blocks(parts, tk.layer, recompute),  # what the checkpoint keeps
+                                  one=_kept_whole(parts, tk.layer, recompute)))
         R.frees(late)
     if q.ds_linear_kept and recompute != "full" and not q.ds_events:  # DeepSpeed ZeRO-3 under F.linear: the
         # gathered weights its saved views keep, made on the all-gather stream under overlap_comm (the
@@ -2136,7 +2143,53 @@ def _checkpointed(R: _Replay, q: Quantities, parts: list[int], recompute: str, l
     return copies
 
 
-def _nograd_forward(R: _Replay, parts: _Parts, late: list, casts: list | None = None) -> list:
+def _op_forward(R: _Replay, q: Quantities, parts: _Parts, layer: int, recompute: str, late: list) -> "_Kept | None":
+    """A layer's first forward under torchtitan's per-op selective checkpointing, in its code's order
+    (``_nograd_forward``, where the layer is written tensor by tensor: ``parts.nograd_events``): the
+    checkpoint is non-reentrant, so grad mode stays on and its pack hook keeps nothing but what the
+    policy marks ``MUST_SAVE`` (torch 2.13 ``utils/checkpoint.py`` ``_checkpoint_hook``,
+    ``_CachingTorchDispatchMode``: the op's output stored as it is made, no copy). So every tensor
+    lives as the no-grad forward's does except the policy's outputs (``parts.nograd_op``: the odd
+    ``aten.mm`` and the fused SDPA kernel's), kept from where their op runs, and autocast caches each
+    linear's half weight copy where the linear runs until autocast exits after the loss (grad mode
+    on: ``autocast_mode.cpp`` ``cached_cast``, as ``_checkpointed`` says for full recomputation;
+    ``_forward_casts``). Returns what the layer keeps (its output, made at "o" as ``_kept_blocks``'
+    input block, then the policy's outputs) with the copies as ``casts``; None where the layer is
+    not written so or its policy outputs are not the recipe's (``parts.op``), and the replay makes
+    the layer's tensors at once, the policy's outputs after them, without copies (``_checkpointed``).
+    Against trace, Llama-3.2 shapes (2 layers, b8 s256, bf16-amp, Adam, for-loop) under --recompute
+    op: the replay's first forward opened 7 segments of 32 MiB to trace's 12 (no 32 MiB MLP weight
+    copies, the gate's output made after the layer's tensors were freed); now 12, and the first
+    step's reserved peak 8522 MiB to trace's 8496 (9400 before; tests/test_op_forward_replay.py).
+    Its second step still opens a 1002 MiB segment more: the backward, one block under op
+    recomputation, leaves other holes (docs/agreement.md, reserved section, ``bwlay``)."""
+    op, keep = list(getattr(parts, "op", [])), getattr(parts, "nograd_op", ())
+    if recompute != "op" or not keep or not getattr(parts, "nograd_events", ()) or layer < sum(op):
+        return None
+    rest = _op_rest(op, [int(parts.nograd[i]) for i in keep])
+    if rest is None:
+        return None
+    held: list = []
+    copies = _nograd_forward(R, parts, late, _forward_casts(q), held=held)
+    out = R.alloc(layer - sum(op))                                # the layer's output, which the checkpoint keeps
+    return _Kept([out] + held + R.allocs(rest), copies)
+
+
+def _op_rest(op: list[int], written: list[int]) -> list[int] | None:
+    """Of the per-op policy's outputs as the recipe counts them (``parts.op``), those the written
+    sequence leaves out (``nograd``: tensors of one element per row, the fused SDPA kernel's
+    logsumexp, small-pool blocks apart from the layer's large ones); None where a written one is not
+    among them or a left-out one is large (the two do not describe the same layer)."""
+    rest = sorted(op)
+    for x in written:
+        if x not in rest:
+            return None
+        rest.remove(x)
+    return rest if all(x <= SMALL_SIZE for x in rest) else None
+
+
+def _nograd_forward(R: _Replay, parts: _Parts, late: list, casts: list | None = None,
+                    held: list | None = None) -> list:
     """A hand-written layer's checkpointed first forward in its code's order (``LayerCoefs.nograd_events``,
     ``estimate/nograd.py``): "t" makes the next temporary, "fK" frees the K-th; at "o" (the layer's
     output, which the caller makes as what the checkpoint keeps) the temporaries still alive go to
@@ -2145,14 +2198,19 @@ def _nograd_forward(R: _Replay, parts: _Parts, late: list, casts: list | None = 
     at once before), full fine-tuning -0.17 % -> -1.13 % (reentrant), +3.59 % -> +3.08 % (not).
     Under autocast "c" makes the next linear's half weight copy, kept in autocast's cache (returned,
     freed when the forward ends, as ``_checkpointed``'s chain keeps them) where the replay makes the
-    copies linear by linear (``casts``, ``_forward_casts``); else the forward caches none."""
+    copies linear by linear (``casts``, ``_forward_casts``); else the forward caches none. ``held``
+    (per-op checkpointing, ``_op_forward``): the temporaries of ``parts.nograd_op`` are moved there
+    as they are made, never freed here."""
     live: dict[int, Any] = {}                                     # temporary's index -> handle
     made = 0
     sizes = iter(casts or [])
     copies: list = []
+    keep = set(getattr(parts, "nograd_op", ())) if held is not None else set()
     for e in parts.nograd_events:
         if e == "t":
             live[made] = R.alloc(parts.nograd[made])
+            if made in keep:                                      # ``held``: kept by the per-op policy
+                held.append(live.pop(made))                       # (``_op_forward``)
             made += 1
         elif e == "c":
             nbytes = next(sizes, None)

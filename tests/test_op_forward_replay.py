@@ -1,0 +1,58 @@
+"""A layer's first forward under torchtitan's per-op selective checkpointing (``--recompute op``),
+replayed in its code's order (``reserved._op_forward``): the policy's outputs (odd ``aten.mm`` calls,
+the fused SDPA kernel's) kept where their op runs, every other tensor freed as the code drops it, and
+under autocast each linear's half weight copy cached where the linear runs (the checkpoint is
+non-reentrant: grad mode stays on, ``autocast_mode.cpp`` ``cached_cast``).
+
+Found on the agreement grid's Llama-3.2-shaped row (2 layers, b8 s256, bf16-amp, Adam, for-loop):
+the replay made the layer's tensors at once, then the policy's outputs, and no weight copies, so its
+first forward opened 7 segments of 32 MiB (the MLP's width and its weights' bf16 copies) to trace's 12.
+"""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from alloc_spy import segments  # noqa: E402
+
+from trainmem import estimate, trace  # noqa: E402
+from trainmem.estimate.nograd import NoGradLayer, llama_layer  # noqa: E402
+
+MiB = 1 << 20
+CUT = dict(set=["num_hidden_layers=2"], batch_size=8, seq_len=256, precision="bf16-amp", recompute="op",
+           optimizer="adam", optimizer_impl="for-loop", loss="half")
+
+
+def test_policy_keeps_odd_mms_and_the_sdpa_output():
+    """Of a Llama layer's seven linears (q, k, v, o, gate, up, down) the 1st, 3rd, 5th and 7th
+    outputs, and the fused attention's output, are what the per-op policy keeps, in the order made."""
+    L = NoGradLayer(h=64, q=64, kv=16, f=160, stream=4, half=2, weight=4, amp=True)
+    S = llama_layer(L)
+    assert len(S.mm) == 7 and len(S.sdpa) == 1
+    kept = S.op_kept()
+    assert kept == sorted([S.mm[0], S.mm[2], S.mm[4], S.mm[6], S.sdpa[0]])
+    widths = sorted(S.sizes[i] for i in kept)                    # bytes per token, bf16
+    assert widths == sorted([64 * 2, 16 * 2, 160 * 2, 64 * 2, 64 * 2])
+
+
+def _opened(monkeypatch, run) -> list[int]:
+    """Sizes of the segments opened between the first two of at least 256 MiB (the tied embedding's
+    table, made with the parameters, and the head's output): the first forward's layers."""
+    sizes: list[int] = []
+
+    def note(pool, size):
+        sizes.append(size)
+    segments(monkeypatch, run, note)
+    table, logits = [i for i, s in enumerate(sizes) if s >= 256 * MiB][:2]
+    return sizes[table + 1:logits]
+
+
+@pytest.mark.slow
+def test_first_forward_opens_trace_s_mlp_segments(monkeypatch):
+    """The segments of the MLP's width (32 MiB: its bf16 gate, up and down weight copies, cached, and
+    its intermediate tensors) that the two layers' first forward opens: as many as trace's."""
+    est = _opened(monkeypatch, lambda: estimate("llama-3.2-1b", **CUT))
+    tr = _opened(monkeypatch, lambda: trace("llama-3.2-1b", **CUT))
+    assert est.count(32 * MiB) == tr.count(32 * MiB) > 6
