@@ -2163,11 +2163,9 @@ def _op_forward(R: _Replay, q: Quantities, parts: _Parts, layer: int, recompute:
     step's reserved peak 8522 MiB to trace's 8496 (9400 before; tests/test_op_forward_replay.py).
     Its second step still opens a 1002 MiB segment more: the backward, one block under op
     recomputation, leaves other holes (docs/agreement.md, reserved section, ``bwlay``)."""
-    op, keep = list(getattr(parts, "op", [])), getattr(parts, "nograd_op", ())
-    if recompute != "op" or not keep or not getattr(parts, "nograd_events", ()) or layer < sum(op):
-        return None
-    rest = _op_rest(op, [int(parts.nograd[i]) for i in keep])
-    if rest is None:
+    op = list(getattr(parts, "op", []))
+    rest = _op_written(parts, recompute)
+    if rest is None or layer < sum(op):
         return None
     held: list = []
     copies = _nograd_forward(R, parts, late, _forward_casts(q), held=held)
@@ -2175,13 +2173,18 @@ def _op_forward(R: _Replay, q: Quantities, parts: _Parts, layer: int, recompute:
     return _Kept([out] + held + R.allocs(rest), copies)
 
 
-def _op_rest(op: list[int], written: list[int]) -> list[int] | None:
-    """Of the per-op policy's outputs as the recipe counts them (``parts.op``), those the written
-    sequence leaves out (``nograd``: tensors of one element per row, the fused SDPA kernel's
-    logsumexp, small-pool blocks apart from the layer's large ones); None where a written one is not
-    among them or a left-out one is large (the two do not describe the same layer)."""
-    rest = sorted(op)
-    for x in written:
+def _op_written(parts: Any, recompute: str) -> list[int] | None:
+    """Under torchtitan's per-op policy, where the layer's forward is written tensor by tensor
+    (``parts.nograd_events``) with the policy's outputs marked (``parts.nograd_op``): of those
+    outputs as the recipe counts them (``parts.op``), the ones the written sequence leaves out
+    (tensors of one element per row, the fused SDPA kernel's logsumexp: small-pool blocks apart from
+    the layer's large ones). None elsewhere, or where a written one is not among the recipe's or a
+    left-out one is large (the two do not describe the same layer)."""
+    keep = getattr(parts, "nograd_op", ())
+    if recompute != "op" or not keep or not getattr(parts, "nograd_events", ()):
+        return None
+    rest = sorted(getattr(parts, "op", []))
+    for x in (int(parts.nograd[i]) for i in keep):
         if x not in rest:
             return None
         rest.remove(x)
@@ -2529,6 +2532,9 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
         R.frees([h for _at, h in R.carry])                        # (no next layer nor loss follows a recomputed one)
         R.carry = []
         kept, per_linear = _Kept(list(kept), redo.casts), True
+    elif _op_written(parts, recompute) is not None and _recompute_casts(q):  # per-op policy (``_by_op``):
+        redo = _saved_and_casts(R, q, parts, inputs=False)        # recomputed with its copies, then op by op
+        kept, per_linear = _Kept(list(kept), redo.casts), True
     else:
         redo = R.allocs(parts, one=getattr(parts, "whole", True)) if recompute != "none" else []  # forward again
     R.frees(R.allocs(_recompute_blocks(q, n, nsq)))               # ... its frames' own tensors meanwhile
@@ -2576,9 +2582,20 @@ def _by_op(q: Quantities, parts: Any, recompute: str, flat1: bool) -> bool:
     (``_Parts.whole``: the layer's saved tensors listed one by one) lists each backward op's tensors
     (``LayerCoefs.moment_blocks``, one per backward transient), without recomputation, FSDP's flat
     gradients or DeepSpeed's recorded fetches (the replay's one block stays there). Called where
-    ``_per_linear`` holds (one GPU, DDP, pipeline stages: ``quantities.per_linear_replay``)."""
+    ``_per_linear`` holds (one GPU, DDP, pipeline stages: ``quantities.per_linear_replay``).
+
+    Also under torchtitan's per-op policy where the first forward was replayed tensor by tensor
+    (``_op_written``, ``_op_forward``) and the copies linear by linear (``_recompute_casts``, as
+    ``_layer_backward`` replays a fully recomputed layer): the layer's recomputation runs when
+    backward first unpacks one of its tensors, remaking its saved tensors and, under its own
+    autocast context, the weight copies its matmuls save (torch 2.13 ``utils/checkpoint.py``
+    ``_checkpoint_hook.unpack_hook`` -> ``recompute_fn``), then its nodes run as a layer's without
+    recomputation do. Against trace, Llama-3.2 shapes (2 layers, b8 s256, bf16-amp, Adam, for-loop):
+    +12.10 % -> +0.30 % on the peak reserved memory (one block of its worst moment left holes in
+    the 16-32 MiB segments that trace's layer gradients and Adam states did not find, so a k_proj
+    state split the freed 502 MiB head-copy segment the second step needs; docs/agreement.md)."""
     lc = q.detail.layer
-    return (recompute == "none" and bool(lc.moment_blocks) and getattr(parts, "whole", False)
+    return ((recompute == "none" or _op_written(parts, recompute) is not None) and bool(lc.moment_blocks) and getattr(parts, "whole", False)
             and len(lc.moment_blocks) == len(_backward_ops(q))
             and not flat1 and not q.detail.states.layer_grads_full and not q.ds_events)
 
