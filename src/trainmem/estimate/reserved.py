@@ -73,6 +73,7 @@ pages, every block split to its request; ``trainmem.allocator``). Used for one l
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -2173,6 +2174,16 @@ def _op_forward(R: _Replay, q: Quantities, parts: _Parts, layer: int, recompute:
     return _Kept([out] + held + R.allocs(rest), copies)
 
 
+def _op_recomputed(q: Quantities, parts: _Parts) -> _Parts:
+    """A layer's saved tensors as its recomputation under the per-op policy remakes them: those the
+    policy kept (``LayerCoefs.op_saved``) taken from its cache, 0 bytes (their positions kept, for
+    ``_saved_and_casts``' linears)."""
+    cached = set(q.detail.layer.op_saved)
+    redo = copy.copy(parts)
+    redo[:] = [0 if i in cached else x for i, x in enumerate(parts)]
+    return redo
+
+
 def _op_written(parts: Any, recompute: str) -> list[int] | None:
     """Under torchtitan's per-op policy, where the layer's forward is written tensor by tensor
     (``parts.nograd_events``) with the policy's outputs marked (``parts.nograd_op``): of those
@@ -2533,7 +2544,7 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
         R.carry = []
         kept, per_linear = _Kept(list(kept), redo.casts), True
     elif _op_written(parts, recompute) is not None and _recompute_casts(q):  # per-op policy (``_by_op``):
-        redo = _saved_and_casts(R, q, parts, inputs=False)        # recomputed with its copies, then op by op
+        redo = _saved_and_casts(R, q, _op_recomputed(q, parts), inputs=False)  # recomputed with its copies
         kept, per_linear = _Kept(list(kept), redo.casts), True
     else:
         redo = R.allocs(parts, one=getattr(parts, "whole", True)) if recompute != "none" else []  # forward again
