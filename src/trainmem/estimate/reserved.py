@@ -2601,10 +2601,12 @@ def _by_op(q: Quantities, parts: Any, recompute: str, flat1: bool) -> bool:
     backward first unpacks one of its tensors, remaking its saved tensors and, under its own
     autocast context, the weight copies its matmuls save (torch 2.13 ``utils/checkpoint.py``
     ``_checkpoint_hook.unpack_hook`` -> ``recompute_fn``), then its nodes run as a layer's without
-    recomputation do. Against trace, Llama-3.2 shapes (2 layers, b8 s256, bf16-amp, Adam, for-loop):
-    +12.10 % -> +0.30 % on the peak reserved memory (one block of its worst moment left holes in
-    the 16-32 MiB segments that trace's layer gradients and Adam states did not find, so a k_proj
-    state split the freed 502 MiB head-copy segment the second step needs; docs/agreement.md)."""
+    recomputation do (each MLP weight's fp32 gradient right after its half one, as trace makes them;
+    one block of its worst moment made them in a row: tests/test_op_forward_replay.py). Against
+    trace, Llama-3.2 shapes (2 layers, b8 s256, bf16-amp, Adam, for-loop) with the causal-LM head
+    side replayed tensor by tensor: -0.19 % on the peak reserved memory, +11.6 % with the one block
+    (its holes in the 16-32 MiB segments sent an Adam state into the freed 502 MiB head-copy segment
+    the second step needs; docs/agreement.md, reserved section, ``bwlay``)."""
     lc = q.detail.layer
     return ((recompute == "none" or _op_written(parts, recompute) is not None) and bool(lc.moment_blocks) and getattr(parts, "whole", False)
             and len(lc.moment_blocks) == len(_backward_ops(q))
