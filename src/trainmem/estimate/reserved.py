@@ -2162,8 +2162,8 @@ def _op_forward(R: _Replay, q: Quantities, parts: _Parts, layer: int, recompute:
     op: the replay's first forward opened 7 segments of 32 MiB to trace's 12 (no 32 MiB MLP weight
     copies, the gate's output made after the layer's tensors were freed); now 12, and the first
     step's reserved peak 8522 MiB to trace's 8496 (9400 before; tests/test_op_forward_replay.py).
-    Its second step still opens a 1002 MiB segment more: the backward, one block under op
-    recomputation, leaves other holes (docs/agreement.md, reserved section, ``bwlay``)."""
+    Its second step opened a 1002 MiB segment more while the backward was one block (``_by_op``
+    now replays it op by op; docs/agreement.md, reserved section, ``bwlay``)."""
     op = list(getattr(parts, "op", []))
     rest = _op_written(parts, recompute)
     if rest is None or layer < sum(op):
