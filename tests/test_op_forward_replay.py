@@ -106,3 +106,24 @@ def test_recomputation_takes_the_policy_outputs_from_its_cache():
     for i in lc.op_saved:
         rest.remove(tuple(map(float, lc.tensors[i])))            # each one a kept output
     assert len(lc.op_saved) == 4 and rest == [(2048 * 2.0, 0.0)] * 2   # (b, s, h) bf16, per token
+
+
+def _before_workspace(monkeypatch, run) -> list[float]:
+    """Sizes (MiB) of the four requests of 1 MiB and more before the forward's cuBLAS workspace (the
+    first request of 8-9 MiB that is not a whole number of MiB: 8.125 MiB here)."""
+    seen: list[int] = []
+    alloc_spy.requests(monkeypatch, run, lambda nbytes, stream: seen.append(nbytes) if nbytes >= MiB else None)
+    i = next(i for i, x in enumerate(seen) if x % MiB and 8 * MiB < x < 9 * MiB)
+    return [x / MiB for x in seen[i - 4:i]]
+
+
+@pytest.mark.slow
+def test_workspace_after_the_first_matmul_output(monkeypatch):
+    """The forward thread's cuBLAS workspace is made inside q_proj's matmul, after its output (and
+    autocast's input cast and weight copy before it: ``reserved._first_mm_workspace``), as trace makes
+    it: the input norm's output (16 MiB), then 8, 8, 8 MiB. The replay made it before the layer, after
+    the parameters."""
+    ours = _before_workspace(monkeypatch, lambda: estimate("llama-3.2-1b", **CUT))
+    theirs = _before_workspace(monkeypatch, lambda: trace("llama-3.2-1b", **CUT))
+    assert theirs == [16.0, 8.0, 8.0, 8.0]
+    assert ours == theirs

@@ -2060,7 +2060,8 @@ def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: _Parts, tk: Toke
     step the top layer's kept output sat in a free fp32-logits segment, so the loss backward opened
     a fourth; docs/validation.md ``ckout``, tests/test_workspace_order.py)."""
     params = fs.unshard(R, _layer_gather(q, fs), q.detail.states.layer_tensors)  # FSDP: this layer gathered
-    if s is not None:
+    ws = _first_mm_workspace(R, s, fs, parts, recompute)          # made at the first matmul's output, where written
+    if s is not None and ws is None:
         s.workspace(R, 0)                                         # the first layer's first matmul
     fs.adapter_units(R, fs.adapters)                              # FSDP1: its LoRA units' forward
     if recompute == "none" and parts.events:                      # a derived layer, tensor by tensor
@@ -2070,7 +2071,7 @@ def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: _Parts, tk: Toke
         R.frees(R.allocs(parts.forward_only))                     # what the forward makes and frees
     else:
         late: list = []                                           # alive when the output is made
-        op = _op_forward(R, q, parts, tk.layer, recompute, late)  # per-op: tensor by tensor, where written so
+        op = _op_forward(R, q, parts, tk.layer, recompute, late, ws)  # per-op: tensor by tensor, where written so
         if op is not None:
             (cached if cached is not None else []).extend(op.casts)
             kept = _Kept(list(op))
@@ -2144,7 +2145,22 @@ def _checkpointed(R: _Replay, q: Quantities, parts: list[int], recompute: str, l
     return copies
 
 
-def _op_forward(R: _Replay, q: Quantities, parts: _Parts, layer: int, recompute: str, late: list) -> "_Kept | None":
+def _first_mm_workspace(R: _Replay, s: "_Step | None", fs: "_Fsdp", parts: Any, recompute: str) -> Any:
+    """Where a layer's first forward is replayed tensor by tensor (``_op_forward``), the forward
+    thread's cuBLAS workspace is made inside its first matmul, after the matmul's output: ``at::mm``
+    allocates its result, then ``at::cuda::blas::gemm`` takes the handle, whose workspace the caching
+    allocator gives at its first use (torch 2.13 ``aten/src/ATen/native/cuda/Blas.cpp``
+    ``addmm_out_cuda_impl``, ``CUDABlas.cpp`` ``getCUDABlasLtWorkspace``; trace, Mistral-shaped b4
+    s512 bf16-amp: q_proj's input cast, weight copy, output, then the 8.125 MiB workspace). Returns
+    the call that makes it (``_Step.workspace``), for ``_nograd_forward`` at that output; None
+    elsewhere (made before the layer, ``_layer_forward``), and where FSDP1 gathers LoRA units first."""
+    if s is None or fs.adapters or _op_written(parts, recompute) is None or s.workspaces or not s.handle_ws:
+        return None
+    return lambda: s.workspace(R, 0)
+
+
+def _op_forward(R: _Replay, q: Quantities, parts: _Parts, layer: int, recompute: str, late: list,
+                ws: Any = None) -> "_Kept | None":
     """A layer's first forward under torchtitan's per-op selective checkpointing, in its code's order
     (``_nograd_forward``, where the layer is written tensor by tensor: ``parts.nograd_events``): the
     checkpoint is non-reentrant, so grad mode stays on and its pack hook keeps nothing but what the
@@ -2169,7 +2185,7 @@ def _op_forward(R: _Replay, q: Quantities, parts: _Parts, layer: int, recompute:
     if rest is None or layer < sum(op):
         return None
     held: list = []
-    copies = _nograd_forward(R, parts, late, _forward_casts(q), held=held)
+    copies = _nograd_forward(R, parts, late, _forward_casts(q), held=held, ws=ws)
     out = R.alloc(layer - sum(op))                                # the layer's output, which the checkpoint keeps
     return _Kept([out] + held + R.allocs(rest), copies)
 
@@ -2203,7 +2219,7 @@ def _op_written(parts: Any, recompute: str) -> list[int] | None:
 
 
 def _nograd_forward(R: _Replay, parts: _Parts, late: list, casts: list | None = None,
-                    held: list | None = None) -> list:
+                    held: list | None = None, ws: Any = None) -> list:
     """A hand-written layer's checkpointed first forward in its code's order (``LayerCoefs.nograd_events``,
     ``estimate/nograd.py``): "t" makes the next temporary, "fK" frees the K-th; at "o" (the layer's
     output, which the caller makes as what the checkpoint keeps) the temporaries still alive go to
@@ -2225,6 +2241,8 @@ def _nograd_forward(R: _Replay, parts: _Parts, late: list, casts: list | None = 
             live[made] = R.alloc(parts.nograd[made])
             if made in keep:                                      # ``held``: kept by the per-op policy
                 held.append(live.pop(made))                       # (``_op_forward``)
+            if ws is not None and made == min(keep):              # the first matmul's output (q_proj's):
+                ws()                                              # its workspace (``_first_mm_workspace``)
             made += 1
         elif e == "c":
             nbytes = next(sizes, None)
