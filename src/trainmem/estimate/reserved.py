@@ -2626,7 +2626,8 @@ def _by_op(q: Quantities, parts: Any, recompute: str, flat1: bool) -> bool:
     (its holes in the 16-32 MiB segments sent an Adam state into the freed 502 MiB head-copy segment
     the second step needs; docs/agreement.md, reserved section, ``bwlay``)."""
     lc = q.detail.layer
-    return ((recompute == "none" or _op_written(parts, recompute) is not None) and bool(lc.moment_blocks) and getattr(parts, "whole", False)
+    by_op = recompute == "none" or _op_written(parts, recompute) is not None
+    return (by_op and bool(lc.moment_blocks) and getattr(parts, "whole", False)
             and len(lc.moment_blocks) == len(_backward_ops(q))
             and not flat1 and not q.detail.states.layer_grads_full and not q.ds_events)
 
