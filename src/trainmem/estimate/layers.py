@@ -1218,6 +1218,11 @@ class LayerCoefs:
     nograd_temps: tuple[float, ...] = ()
     nograd_events: tuple[str, ...] = ()
     nograd_const: tuple[float, ...] = ()  # ... and each one's bytes beside those (a dequantized 4-bit weight)
+    # ... and which of them torchtitan's per-op policy keeps (``NoGradSeq.op_kept``), for --recompute op
+    nograd_op: tuple[int, ...] = ()
+    # --recompute op: which of ``tensors`` (by index) are outputs the per-op policy keeps
+    # (``op_checkpoint_kept``), which the layer's recomputation takes from the policy's cache, not remakes
+    op_saved: tuple[int, ...] = ()
     adapters: int = 0  # LoRA: the layer's adapted linears (each a lora_A and a lora_B)
     # eager attention's forward temporaries (``Builder._eager_forward``): how many of ``tensors`` are
     # saved before its scores matmul (-1: not written), each temporary as ``tensors``, the events ("t"
@@ -1326,6 +1331,7 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
                       recompute_moments=B.r.recompute_moments(tok, sq), fwd_scratch=B.r.fwd_scratch,
                       recompute_incoming=B.r.trigger[1] if B.r.trigger else 0.0,
                       op_tensors=tuple(t.bytes_coef() for t in op_checkpoint_kept(B.r)), held_b1=held_b1,
+                      op_saved=_op_saved(B.r),
                       attn_at=B.r.attn_at, attn_temps=tuple(t.bytes_coef() for t in B.r.attn_temps),
                       attn_events=tuple(B.r.attn_events),
                       moment_blocks=() if k.reentrant else tuple(B.r.moments),
@@ -1362,7 +1368,16 @@ def _nograd_sequence(k: LayerKey, pol: Policy, B: Builder, build: Any) -> dict:
                     repeat, k.quant[:2], k.quant_nested, pol.amp, "torchtitan" if titan else "transformers")
     S = nograd_llama(L)
     return {"nograd_temps": tuple(S.sizes), "nograd_events": tuple(S.events),
-            "nograd_const": tuple(S.consts) if any(S.consts) else ()}
+            "nograd_const": tuple(S.consts) if any(S.consts) else (), "nograd_op": tuple(S.op_kept())}
+
+
+def _op_saved(r: Recipe) -> tuple[int, ...]:
+    """Indices in the layer's saved tensors (``LayerCoefs.tensors``: ``r.saved`` in save order) of the
+    outputs torchtitan's per-op policy keeps (``op_checkpoint_kept``): in the layer's recomputation in
+    backward the policy hands those back from its cache (torch 2.13 ``utils/checkpoint.py``
+    ``_CachedTorchDispatchMode``: a ``MUST_SAVE`` op pops its stored output, not rerun)."""
+    kept = {id(t) for t in op_checkpoint_kept(r)}
+    return tuple(i for i, k in enumerate(r.saved) if k in kept)
 
 
 def op_checkpoint_kept(r: Recipe) -> list[T]:

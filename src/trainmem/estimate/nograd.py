@@ -44,6 +44,18 @@ class NoGradSeq:
     sizes: list = field(default_factory=list)
     events: list = field(default_factory=list)
     consts: list = field(default_factory=list)   # bytes of each beside its per-token ones
+    # the temporaries that are an ``aten.mm``'s output (each linear's, in call order) and the fused
+    # SDPA kernel's output: what torchtitan's per-op policy may keep (``op_kept``)
+    mm: list = field(default_factory=list)
+    sdpa: list = field(default_factory=list)
+
+    def op_kept(self) -> list:
+        """Indices of the temporaries torchtitan's per-op selective checkpointing keeps from the
+        layer's forward (as ``layers.op_checkpoint_kept`` counts them): the odd ``aten.mm`` calls
+        (1st, 3rd, ...) and the fused SDPA kernel's output, in the order they are made. torchtitan
+        v0.2.2 ``_op_sac_save_list`` (torchtitan/models/llama3/infra/parallelize.py L36-51) and
+        ``_apply_op_sac``'s policy (torchtitan/distributed/activation_checkpoint.py L98-128)."""
+        return sorted(set(self.mm[0::2] + self.sdpa))
 
     def make(self, nbytes_tok: float, nbytes: float = 0.0) -> int:
         """A new temporary of ``nbytes_tok`` bytes per token plus ``nbytes``; returns its index."""
@@ -129,10 +141,12 @@ def linear(S: NoGradSeq, L: NoGradLayer, name: str, x_tok: float, out: float, x_
         xc = S.make(x_tok * L.half) if x_bytes and x_bytes != L.half else None  # the input cast
         S.cast()                                        # the weight's half copy (cached)
         res = S.make(out * L.half)
+        S.mm.append(res)                                # (a bias-free linear: aten.mm)
         S.free(xc)
         return res
     dq = dequantized(S, L, x_tok * out)
     res = S.make(out * L.half)                          # result = self.base_layer(x)
+    S.mm.append(res)
     S.free(dq)                                          # freed when MatMul4Bit.forward returns
     rank = _rank(L, name)
     if not rank:
@@ -340,6 +354,7 @@ def llama_layer(L: NoGradLayer) -> NoGradSeq:
         ke, v, rk, rv = rk, rv, None, None              # held until Attention.forward returns
     casts = _sdpa_casts(S, L, rb)
     ao = S.make(L.q * L.half)                           # scaled_dot_product_attention (fused kernel)
+    S.sdpa.append(ao)
     S.free(*casts, rk, rv)
     o = linear(S, L, "o_proj", L.q, L.h, L.half)
     S.free(ao, qe, ke, v, n1)                           # o_proj returns; the attention returns

@@ -73,12 +73,13 @@ pages, every block split to its request; ``trainmem.allocator``). Used for one l
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
 from ..allocator import CachingAllocator
-from ..allocator_rules import block_bytes
+from ..allocator_rules import SMALL_SIZE, block_bytes
 from .layers import F32, HALF
 from .moments import StepFlags, Tokens, _logit_sizes, best_transient, label_tokens
 from .quantities import (HEAD_LOGITS, HEAD_LOSS, HEAD_NEXT, HEAD_NEXT2, HEAD_SAVED, PARTITION_BOTTOM, PARTITION_EMBEDDING,
@@ -739,6 +740,7 @@ class _Parts(list):
     layer's saved bytes by module and op, several tensors each: ``_layer_parts``)."""
 
     inputs: list = []   # per linear: (bytes of the input it reads unsaved, shared with the next) (``LayerCoefs.linear_inputs``)
+    nograd_op: tuple = ()   # of ``nograd``, the temporaries torchtitan's per-op policy keeps (``LayerCoefs.nograd_op``)
 
     def __init__(self, saved: Any, forward_only: list[int], op: list[int] | None = None,
                  temps: list[int] | None = None, events: tuple[str, ...] = (),
@@ -773,6 +775,7 @@ def _layer_parts(q: Quantities, n: int, nsq: int) -> _Parts:
                   attn=(lc.attn_at if lc.tensors else -1, [int(a * n + b * nsq) for a, b in lc.attn_temps],
                         lc.attn_events))
     p.inputs = [(int(a * n + b * nsq), shared) for a, b, shared in lc.linear_inputs]   # (``_saved_and_casts``)
+    p.nograd_op = tuple(lc.nograd_op)                             # (``_op_forward``)
     return p
 
 
@@ -2176,7 +2179,8 @@ def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: _Parts, tk: Toke
     step the top layer's kept output sat in a free fp32-logits segment, so the loss backward opened
     a fourth; docs/validation.md ``ckout``, tests/test_workspace_order.py)."""
     params = fs.unshard(R, _layer_gather(q, fs), q.detail.states.layer_tensors)  # FSDP: this layer gathered
-    if s is not None:
+    ws = _first_mm_workspace(R, s, fs, parts, recompute)          # made at the first matmul's output, where written
+    if s is not None and ws is None:
         s.workspace(R, 0)                                         # the first layer's first matmul
     fs.adapter_units(R, fs.adapters)                              # FSDP1: its LoRA units' forward
     if recompute == "none" and parts.events:                      # a derived layer, tensor by tensor
@@ -2186,9 +2190,14 @@ def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: _Parts, tk: Toke
         R.frees(R.allocs(parts.forward_only))                     # what the forward makes and frees
     else:
         late: list = []                                           # alive when the output is made
-        (cached if cached is not None else []).extend(_checkpointed(R, q, parts, recompute, late))  # no-grad
-        kept = _Kept(R.allocs(_kept_blocks(parts, tk.layer, recompute),  # what the checkpoint keeps
-                              one=_kept_whole(parts, tk.layer, recompute)))
+        op = _op_forward(R, q, parts, tk.layer, recompute, late, ws)  # per-op: tensor by tensor, where written so
+        if op is not None:
+            (cached if cached is not None else []).extend(op.casts)
+            kept = _Kept(list(op))
+        else:
+            (cached if cached is not None else []).extend(_checkpointed(R, q, parts, recompute, late))  # no-grad
+            kept = _Kept(R.allocs(_kept_blocks(parts, tk.layer, recompute),  # what the checkpoint keeps
+                                  one=_kept_whole(parts, tk.layer, recompute)))
         R.frees(late)
     if q.ds_linear_kept and recompute != "full" and not q.ds_events:  # DeepSpeed ZeRO-3 under F.linear: the
         # gathered weights its saved views keep, made on the all-gather stream under overlap_comm (the
@@ -2255,7 +2264,81 @@ def _checkpointed(R: _Replay, q: Quantities, parts: list[int], recompute: str, l
     return copies
 
 
-def _nograd_forward(R: _Replay, parts: _Parts, late: list, casts: list | None = None) -> list:
+def _first_mm_workspace(R: _Replay, s: "_Step | None", fs: "_Fsdp", parts: Any, recompute: str) -> Any:
+    """Where a layer's first forward is replayed tensor by tensor (``_op_forward``), the forward
+    thread's cuBLAS workspace is made inside its first matmul, after the matmul's output: ``at::mm``
+    allocates its result, then ``at::cuda::blas::gemm`` takes the handle, whose workspace the caching
+    allocator gives at its first use (torch 2.13 ``aten/src/ATen/native/cuda/Blas.cpp``
+    ``addmm_out_cuda_impl``, ``CUDABlas.cpp`` ``getCUDABlasLtWorkspace``; trace, Mistral-shaped b4
+    s512 bf16-amp: q_proj's input cast, weight copy, output, then the 8.125 MiB workspace). Returns
+    the call that makes it (``_Step.workspace``), for ``_nograd_forward`` at that output; None
+    elsewhere (made before the layer, ``_layer_forward``), and where FSDP1 gathers LoRA units first."""
+    if s is None or fs.adapters or _op_written(parts, recompute) is None or s.workspaces or not s.handle_ws:
+        return None
+    return lambda: s.workspace(R, 0)
+
+
+def _op_forward(R: _Replay, q: Quantities, parts: _Parts, layer: int, recompute: str, late: list,
+                ws: Any = None) -> "_Kept | None":
+    """A layer's first forward under torchtitan's per-op selective checkpointing, in its code's order
+    (``_nograd_forward``, where the layer is written tensor by tensor: ``parts.nograd_events``): the
+    checkpoint is non-reentrant, so grad mode stays on and its pack hook keeps nothing but what the
+    policy marks ``MUST_SAVE`` (torch 2.13 ``utils/checkpoint.py`` ``_checkpoint_hook``,
+    ``_CachingTorchDispatchMode``: the op's output stored as it is made, no copy). So every tensor
+    lives as the no-grad forward's does except the policy's outputs (``parts.nograd_op``: the odd
+    ``aten.mm`` and the fused SDPA kernel's), kept from where their op runs, and autocast caches each
+    linear's half weight copy where the linear runs until autocast exits after the loss (grad mode
+    on: ``autocast_mode.cpp`` ``cached_cast``, as ``_checkpointed`` says for full recomputation;
+    ``_forward_casts``). Returns what the layer keeps (its output, made at "o" as ``_kept_blocks``'
+    input block, then the policy's outputs) with the copies as ``casts``; None where the layer is
+    not written so or its policy outputs are not the recipe's (``parts.op``), and the replay makes
+    the layer's tensors at once, the policy's outputs after them, without copies (``_checkpointed``).
+    Against trace, Llama-3.2 shapes (2 layers, b8 s256, bf16-amp, Adam, for-loop) under --recompute
+    op: the replay's first forward opened 7 segments of 32 MiB to trace's 12 (no 32 MiB MLP weight
+    copies, the gate's output made after the layer's tensors were freed); now 12, and the first
+    step's reserved peak 8522 MiB to trace's 8496 (9400 before; tests/test_op_forward_replay.py).
+    Its second step opened a 1002 MiB segment more while the backward was one block (``_by_op``
+    now replays it op by op; docs/agreement.md, reserved section, ``bwlay``)."""
+    op = list(getattr(parts, "op", []))
+    rest = _op_written(parts, recompute)
+    if rest is None or layer < sum(op):
+        return None
+    held: list = []
+    copies = _nograd_forward(R, parts, late, _forward_casts(q), held=held, ws=ws)
+    out = R.alloc(layer - sum(op))                                # the layer's output, which the checkpoint keeps
+    return _Kept([out] + held + R.allocs(rest), copies)
+
+
+def _op_recomputed(q: Quantities, parts: _Parts) -> _Parts:
+    """A layer's saved tensors as its recomputation under the per-op policy remakes them: those the
+    policy kept (``LayerCoefs.op_saved``) taken from its cache, 0 bytes (their positions kept, for
+    ``_saved_and_casts``' linears)."""
+    cached = set(q.detail.layer.op_saved)
+    redo = copy.copy(parts)
+    redo[:] = [0 if i in cached else x for i, x in enumerate(parts)]
+    return redo
+
+
+def _op_written(parts: Any, recompute: str) -> list[int] | None:
+    """Under torchtitan's per-op policy, where the layer's forward is written tensor by tensor
+    (``parts.nograd_events``) with the policy's outputs marked (``parts.nograd_op``): of those
+    outputs as the recipe counts them (``parts.op``), the ones the written sequence leaves out
+    (tensors of one element per row, the fused SDPA kernel's logsumexp: small-pool blocks apart from
+    the layer's large ones). None elsewhere, or where a written one is not among the recipe's or a
+    left-out one is large (the two do not describe the same layer)."""
+    keep = getattr(parts, "nograd_op", ())
+    if recompute != "op" or not keep or not getattr(parts, "nograd_events", ()):
+        return None
+    rest = sorted(getattr(parts, "op", []))
+    for x in (int(parts.nograd[i]) for i in keep):
+        if x not in rest:
+            return None
+        rest.remove(x)
+    return rest if all(x <= SMALL_SIZE for x in rest) else None
+
+
+def _nograd_forward(R: _Replay, parts: _Parts, late: list, casts: list | None = None,
+                    held: list | None = None, ws: Any = None) -> list:
     """A hand-written layer's checkpointed first forward in its code's order (``LayerCoefs.nograd_events``,
     ``estimate/nograd.py``): "t" makes the next temporary, "fK" frees the K-th; at "o" (the layer's
     output, which the caller makes as what the checkpoint keeps) the temporaries still alive go to
@@ -2264,14 +2347,21 @@ def _nograd_forward(R: _Replay, parts: _Parts, late: list, casts: list | None = 
     at once before), full fine-tuning -0.17 % -> -1.13 % (reentrant), +3.59 % -> +3.08 % (not).
     Under autocast "c" makes the next linear's half weight copy, kept in autocast's cache (returned,
     freed when the forward ends, as ``_checkpointed``'s chain keeps them) where the replay makes the
-    copies linear by linear (``casts``, ``_forward_casts``); else the forward caches none."""
+    copies linear by linear (``casts``, ``_forward_casts``); else the forward caches none. ``held``
+    (per-op checkpointing, ``_op_forward``): the temporaries of ``parts.nograd_op`` are moved there
+    as they are made, never freed here."""
     live: dict[int, Any] = {}                                     # temporary's index -> handle
     made = 0
     sizes = iter(casts or [])
     copies: list = []
+    keep = set(getattr(parts, "nograd_op", ())) if held is not None else set()
     for e in parts.nograd_events:
         if e == "t":
             live[made] = R.alloc(parts.nograd[made])
+            if made in keep:                                      # ``held``: kept by the per-op policy
+                held.append(live.pop(made))                       # (``_op_forward``)
+            if ws is not None and made == min(keep):              # the first matmul's output (q_proj's):
+                ws()                                              # its workspace (``_first_mm_workspace``)
             made += 1
         elif e == "c":
             nbytes = next(sizes, None)
@@ -2590,6 +2680,9 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
         R.frees([h for _at, h in R.carry])                        # (no next layer nor loss follows a recomputed one)
         R.carry = []
         kept, per_linear = _Kept(list(kept), redo.casts), True
+    elif _op_written(parts, recompute) is not None and _recompute_casts(q):  # per-op policy (``_by_op``):
+        redo = _saved_and_casts(R, q, _op_recomputed(q, parts), inputs=False)  # recomputed with its copies
+        kept, per_linear = _Kept(list(kept), redo.casts), True
     else:
         redo = R.allocs(parts, one=getattr(parts, "whole", True)) if recompute != "none" else []  # forward again
     R.frees(R.allocs(_recompute_blocks(q, n, nsq)))               # ... its frames' own tensors meanwhile
@@ -2637,9 +2730,23 @@ def _by_op(q: Quantities, parts: Any, recompute: str, flat1: bool) -> bool:
     (``_Parts.whole``: the layer's saved tensors listed one by one) lists each backward op's tensors
     (``LayerCoefs.moment_blocks``, one per backward transient), without recomputation, FSDP's flat
     gradients or DeepSpeed's recorded fetches (the replay's one block stays there). Called where
-    ``_per_linear`` holds (one GPU, DDP, pipeline stages: ``quantities.per_linear_replay``)."""
+    ``_per_linear`` holds (one GPU, DDP, pipeline stages: ``quantities.per_linear_replay``).
+
+    Also under torchtitan's per-op policy where the first forward was replayed tensor by tensor
+    (``_op_written``, ``_op_forward``) and the copies linear by linear (``_recompute_casts``, as
+    ``_layer_backward`` replays a fully recomputed layer): the layer's recomputation runs when
+    backward first unpacks one of its tensors, remaking its saved tensors and, under its own
+    autocast context, the weight copies its matmuls save (torch 2.13 ``utils/checkpoint.py``
+    ``_checkpoint_hook.unpack_hook`` -> ``recompute_fn``), then its nodes run as a layer's without
+    recomputation do (each MLP weight's fp32 gradient right after its half one, as trace makes them;
+    one block of its worst moment made them in a row: tests/test_op_forward_replay.py). Against
+    trace, Llama-3.2 shapes (2 layers, b8 s256, bf16-amp, Adam, for-loop) with the causal-LM head
+    side replayed tensor by tensor: -0.19 % on the peak reserved memory, +11.6 % with the one block
+    (its holes in the 16-32 MiB segments sent an Adam state into the freed 502 MiB head-copy segment
+    the second step needs; docs/agreement.md, reserved section, ``bwlay``)."""
     lc = q.detail.layer
-    return (recompute == "none" and bool(lc.moment_blocks) and getattr(parts, "whole", False)
+    by_op = recompute == "none" or _op_written(parts, recompute) is not None
+    return (by_op and bool(lc.moment_blocks) and getattr(parts, "whole", False)
             and len(lc.moment_blocks) == len(_backward_ops(q))
             and not flat1 and not q.detail.states.layer_grads_full and not q.ds_events)
 
