@@ -145,13 +145,28 @@ class _Replay:
         """The net allocated and the reserved peaks of the whole replay."""
         return max(self.before[0], self.net_peak), max(self.before[1], self.a.peak_reserved)
 
-    def alloc(self, nbytes: Any, stream: int = 0, one: bool = True) -> int | None:
+    def alloc(self, nbytes: Any, stream: int = 0, one: bool = True, charge: int = 0) -> int | None:
         """A block of ``nbytes`` on ``stream``; ``one``: it is one real tensor, whose placement excess
-        is netted out of the allocated peak (else several tensors' sum: not netted)."""
+        is netted out of the allocated peak (else several tensors' sum: not netted). ``charge``: the
+        block the estimate's allocated peak charges this tensor (``block_bytes`` of its own bytes,
+        ``States.trainables``' gradients and states), where ``nbytes`` is the tensor's own size: the
+        block it gets is netted to ``charge`` either way, so the net peak counts it as the estimate
+        does. Such a request may get less than its charge: a tensor of 31.25 MiB alone opens a 32 MiB
+        segment whose 0.75 MiB remainder is not split, but from a larger cached free block it is cut
+        to its 512-rounded size and the next tensor fits behind it (c10/cuda/CUDACachingAllocator.cpp,
+        torch 2.1 to 2.13: ``get_allocation_size``'s ``return kRoundLarge * ((size + kRoundLarge - 1)
+        / kRoundLarge);`` for a request of 10 MiB or more, ``should_split``'s ``return (size <
+        CUDAAllocatorConfig::max_split_size()) && (remaining > kSmallSize);`` for the large pool,
+        ``kSmallSize`` = 1 MiB; ``allocator_rules.block_bytes``)."""
         if nbytes <= 0:
             return None
         h = self.a.allocate(int(nbytes), stream=stream)
-        if self.loaded and one:  # the block beyond a fresh request's charge (bytes; 0 where it was split to size)
+        if self.loaded and one and charge:   # netted to the charge, either way (the block may be smaller)
+            extra = self.a.block_size(h) - charge
+            if extra:
+                self.excess[h] = extra
+                self.over += extra
+        elif self.loaded and one:  # the block beyond a fresh request's charge (bytes; 0 where it was split to size)
             extra = self.a.block_size(h) - block_bytes(int(nbytes), self.a.expandable_segments)
             if extra > 0:
                 self.excess[h] = extra
@@ -3230,9 +3245,28 @@ def _scaled(sizes: list[int], total: int) -> list[int]:
 
 
 def _allocate_states(R: _Replay, st: Any) -> list:
-    """The optimizer states of every trainable tensor, in parameter order."""
-    return [R.alloc(x) for (_w, _k, _g, sts, _m) in (st.trainables[j] for j in _parameter_order(st.trainables))
-            for x in sts]
+    """The optimizer states of every trainable tensor, in parameter order, each requested at its own
+    bytes and charged its block (``_state_requests``)."""
+    return [R.alloc(x, charge=b) for j in _parameter_order(st.trainables)
+            for x, b in zip(_state_requests(R, st, j), st.trainables[j][3])]
+
+
+def _state_requests(R: _Replay, st: Any, j: int) -> tuple:
+    """The bytes trainable ``j``'s optimizer states request: their tensors' own bytes
+    (``States.state_raw``), not the blocks a fresh request is charged (``States.trainables``), which
+    ``_Replay.alloc``'s ``charge`` nets them to. The two differ where a request of 10 MiB or more is
+    within 1 MiB below a multiple of 2 MiB (``allocator_rules.block_bytes``): served from a larger
+    cached free block it is split to its own size (``_Replay.alloc``), so the next request fits behind
+    it: trace requests each state at its own bytes (``torch.zeros_like(p)``, torch 2.13
+    ``optim/adam.py`` ``_init_group``), e.g. a bf16 8000 x 1024 embedding's two AdamW states at 15.625 MiB,
+    where the replay asked 16 MiB. Falls back to the blocks where the raw sizes are not known or were re-partitioned after they were
+    counted (FSDP1's wrap policy: ``block_bytes`` of a raw size no longer its block)."""
+    sts = st.trainables[j][3]
+    raw = st.state_raw[j] if j < len(st.state_raw) else ()
+    mode = R.a.expandable_segments
+    if len(raw) != len(sts) or any(block_bytes(x, mode) != b and x != b for x, b in zip(raw, sts)):
+        return sts
+    return raw
 
 
 def _adafactor_step(R: _Replay, s: _Step, st: Any, loop: tuple, lazy: bool) -> None:

@@ -134,6 +134,9 @@ class States:
     # each of ``trainables``' gradient on this rank in bytes, not rounded (``_Rank.grad_raw_bytes``: a
     # shard under FSDP): FSDP's flat reduce-scatter output holds these elements once (``reserved._flat_grads``)
     grad_rank_raw: tuple[int, ...] = ()
+    # each of ``trainables``' optimizer states in bytes as requested, not rounded to the allocator's
+    # blocks (``trainables`` holds the blocks a fresh request is charged): () where not known
+    state_raw: tuple[tuple[int, ...], ...] = ()
     # each of ``trainables``' elements, unsharded (the optimizer's per-tensor temporaries: ``quantities.adafactor_loop``)
     trainable_elems: tuple[int, ...] = ()
     # FSDP accumulating unsharded (no_sync, ``grad_rank_raw`` the unsharded gradients): each one's shard
@@ -683,6 +686,7 @@ class _Tally:
     items: list = field(default_factory=list)  # States.trainables, as they are counted
     item_elems: list = field(default_factory=list)  # ... each one's unsharded elements
     item_rank_raw: list = field(default_factory=list)  # ... each one's gradient bytes on this rank, unrounded
+    item_state_raw: list = field(default_factory=list)  # ... each one's optimizer states as requested, unrounded
     root_list: list = field(default_factory=list)   # States.root_tensors
     layer_list: list = field(default_factory=list)  # States.layer_tensors
     group: int = 0
@@ -743,12 +747,13 @@ class _Tally:
         self.grads += k * g
         sh = -(-n // r.d) if r.zero_states >= 1 else n
         master = r.part(sh * 4) if (r.half_master or r.zero_clone) else 0  # (sh,) fp32 partition
-        sts = tuple(r.part(sb) for sb in _state_bytes(t, shape, sh, r, n, galore))
+        raw = _state_bytes(t, shape, sh, r, n, galore)                 # each state's requested bytes
+        sts = tuple(r.part(sb) for sb in raw)                          # ... the blocks they are charged
         host = r.host_shards or (t.torchao_offload is not None and n >= TORCHAO_OFFLOAD_MIN)
         if host:  # CPUOffloadOptimizer: this tensor's optimizer and its states live on the host (cpu_offload.py L88-107);
             # FSDP1 parameter offload: the optimizer holds the host flat parameters, whose ``.grad`` is the
             # pinned ``_cpu_grad`` (torch 2.13 fsdp/_flat_param.py L1694-1698), so it steps there, states and all
-            sts = ()
+            sts = raw = ()
             master = 0 if r.host_shards else master
         self.master += k * master
         events = torchao_optim.step_events(t.optimizer, sh, t.torchao_block) if t.torchao_block and not host else ()
@@ -759,6 +764,7 @@ class _Tally:
         self.items.append((where, k, g, sts, master))
         self.item_elems.append(n)
         self.item_rank_raw.append(r.grad_raw_bytes(n if grad_n is None else grad_n))
+        self.item_state_raw.append(tuple(raw))
         if t.impl == "fused" and t.optimizer in ("adam", "adamw", "adagrad") and not host:
             self.step_t += k * r.block(4)  # fused: the scalar fp32 ``step`` on the device (adagrad.py L82-88)
         if not r.host_shards:  # (the step's temporaries: on the host under FSDP1 parameter offload)
@@ -863,7 +869,7 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
                   fsdp_init=_sync_init(m, t, r, lora, (before, layer, after)) if t.fsdp_sync_module_states else (),
                   load_split=(len(before), len(layer), len(after)) if m.uniform_layers else (),
                   grad_raw=tuple(n * r.gbytes for n in acc.item_elems), grad_rank_raw=tuple(acc.item_rank_raw),
-                  trainable_elems=tuple(acc.item_elems),
+                  state_raw=tuple(acc.item_state_raw), trainable_elems=tuple(acc.item_elems),
                   grad_shard_raw=tuple(-(-x // r.d) for x in acc.item_rank_raw)
                   if r.fsdp_unsharded and not r.grads_sharded else ())
     return wrap_policy_states(m, t, st, r, acc, litgpt_tensors(m.first_layer_and_outer_tensors, t))
