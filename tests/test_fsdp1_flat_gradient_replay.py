@@ -48,14 +48,27 @@ def test_early_views_are_the_later_linears_gradients():
 
 @pytest.mark.parametrize("precision,per_unit", [("bf16", 1), ("bf16-mp", 3)])
 def test_lazy_init_buffers(precision, per_unit):
-    """``init_flat_param_attributes``: the padded unsharded flat parameter of the root and of a layer;
-    under parameter mixed precision first the bf16 shard and then the fp32 twin as well."""
+    """``init_flat_param_attributes``: the padded unsharded flat parameter of the root and of a layer,
+    at its own bytes (not an allocator block); under parameter mixed precision first the bf16 shard
+    and then the fp32 twin as well."""
     q = _q(precision=precision)
     st = q.detail.states
     init = q.fsdp1_init
     assert len(init) == 2 * per_unit
     root, layer = init[:per_unit], init[per_unit:]
-    assert max(root) >= st.root_full and max(layer) >= st.layer_params_full
+    full = root[per_unit // 2]
+    assert full == q.fsdp1_root_raw and sum(st.root_tensors) <= full < sum(st.root_tensors) + 16 * len(st.root_tensors)
+    assert sum(st.layer_tensors) <= layer[per_unit // 2] <= st.layer_params_full
     if per_unit == 3:
-        assert root[0] < root[1] < root[2] and layer[2] >= 2 * st.layer_params_full
+        assert root == (full // 2, full, 2 * full)
     assert _q(fsdp_version=2).fsdp1_init == ()
+
+
+def test_flat_bytes_pads_each_parameter_to_16_bytes_and_the_total_to_the_world():
+    """``_init_flat_param_and_metadata``: a parameter starts at a 16-byte aligned element (8 bf16
+    elements), the total is padded to a multiple of the world size; the bytes are the elements'."""
+    from trainmem.estimate.quantities import fsdp1_flat_bytes
+    assert fsdp1_flat_bytes((6, 16), 2, 1) == 32            # 3 elements, 5 of padding, then 8
+    assert fsdp1_flat_bytes((6, 6), 2, 4) == 2 * 12         # 3 + 5 + 3 elements = 11, padded to 12
+    assert fsdp1_flat_bytes((4, 4), 4, 2) == 24             # fp32 (4 elements aligned): 1 + 3 + 1 = 5, padded to 6
+    assert fsdp1_flat_bytes((), 2, 2) == 0

@@ -14,16 +14,12 @@ from trainmem.trace.api import trace
 from test_fsdp_grad_op_replay import WIDE
 
 
-# Since the causal-LM head side is replayed tensor by tensor (merged after this test was written), the
-# replay reads +6.5 % here: measured segments, full: its load opens 18/34/66 MiB where trace opens
-# 16/32/64 (flat shards requested at their charged blocks, 2 MiB over the tensors' own bytes), and its
-# post-backward stream 76+76+32 MiB where trace opens 50+26+26+64 — the same cause as
-# test_fsdp_grad_op_replay's FSDP1_LOGITS xfails (requests at charged blocks, not raw bytes).
-RAW_SIZES = "replay requests FSDP1's flat buffers at charged blocks (+2 MiB each), not their bytes: +6.5 %"
+# The root's flat parameter is gathered (and made by the lazy init) at its own padded bytes, charged
+# its block (``quantities.fsdp1_flat_bytes``): before, 2 MiB over them, the replay opened 34/66 MiB
+# segments where trace opens 32/64 and read +6.5 % here; now +0.00 % (full and grad-op).
 
 
-@pytest.mark.parametrize("fsdp", [pytest.param("full", marks=pytest.mark.xfail(strict=True, reason=RAW_SIZES)),
-                                  pytest.param("grad-op", marks=pytest.mark.xfail(strict=True, reason=RAW_SIZES))])
+@pytest.mark.parametrize("fsdp", ["full", "grad-op"])
 def test_fsdp1_root_hook_casts_the_flat_gradient(one_torch_thread, fsdp):
     """The wide 2-layer Llama, FSDP1 dp 2 bf16-mp: peak reserved within 1.5 % of trace's (before
     -2.65 % full, -2.72 % grad-op; after +0.61 %, +0.63 %)."""

@@ -171,6 +171,7 @@ class Quantities:
     fsdp1_head_wait: int = 0  # FSDP1: the head's unsharded gradient, waiting for the root's flat gradient
     fsdp1_flat: int = 0       # FSDP1: a layer's gradients as its flat gradient is made (fsdp1_flat_gradient)
     fsdp1_init: tuple = ()    # FSDP1: the buffers its lazy init allocates and frees, in order (fsdp1_lazy_init)
+    fsdp1_root_raw: int = 0   # FSDP1: the root's padded unsharded flat parameter as requested (fsdp1_flat_bytes)
     fsdp1_root_views: int = 0  # FSDP1: the root's unsharded view gradients at its flat gradient's cat ...
     fsdp1_root_flat: int = 0   # ... and that flat gradient (fsdp1_root_flat_gradient)
     fsdp1_emb_units: int = 0   # FSDP1 --fsdp-auto-wrap-policy module: the embedding units gathered at their backward
@@ -4612,7 +4613,35 @@ def _fsdp1_fields(t: TrainingSpec, st: States, lc: LayerCoefs) -> dict[str, int]
             "fsdp1_unprefetched": unprefetched, "fsdp1_held_inputs": int(fsdp1_held_inputs(t)),
             "fsdp1_adapter_units": 2 * lc.adapters if unprefetched >= 0 else 0,
             "fsdp1_init": fsdp1_lazy_init(t, st) if one else (),
+            "fsdp1_root_raw": fsdp1_flat_bytes(st.root_tensors, fsdp1_elem(t), t.shard_group) if one else 0,
             "fsdp1_host_shards": t.shard_group if one and t.fsdp_offload_params else 0}
+
+
+def fsdp1_elem(t: TrainingSpec) -> int:
+    """Bytes per element of FSDP1's gathered flat parameter: bf16 under parameter mixed precision
+    (``bf16-mp``), else the stored weights' dtype (``_fwd_bwd_param_dtype``, torch 2.13
+    ``fsdp/_flat_param.py`` ``_init_param_reduce_dtypes`` L903-937)."""
+    return 2 if t.precision == "bf16-mp" else t.weight_bytes
+
+
+def fsdp1_flat_bytes(tensors: tuple[int, ...], elem: int, world: int) -> int:
+    """Bytes of an FSDP1 unit's padded unsharded flat parameter, in the gathered dtype (``elem`` bytes
+    per element), as the all-gather destination is requested (``_alloc_padded_unsharded_flat_param``,
+    torch 2.13 ``fsdp/_flat_param.py`` L1395-1410: ``flat_param.numel() * world_size`` elements,
+    ``init_flat_param_attributes`` L1285-1291). ``tensors``: the unit's parameters' own bytes in that
+    dtype, in registration order. Under ``use_orig_params`` (trace's, ``align_addresses``, L566)
+    ``_init_flat_param_and_metadata`` (L695-775) pads before each parameter to the 16-byte
+    alignment (``_get_aligned_numel``: ``ALIGNMENT // unsharded_dtype_size`` elements, L2771-2776)
+    and the total to a multiple of the world size (L757-775); a rank's shard is the total over the
+    world size (``_get_shard``, L1122-1139). Not rounded to allocator blocks: the caller charges those."""
+    if not tensors or elem <= 0:
+        return 0
+    aligned, total = 16 // elem, 0
+    for nbytes in tensors:
+        total += -total % aligned                                # padding to the parameter's aligned start
+        total += nbytes // elem                                  # its elements
+    total += -total % max(world, 1)                              # padding to the world size
+    return total * elem
 
 
 def fsdp1_lazy_init(t: TrainingSpec, st: States) -> tuple[int, ...]:
@@ -4629,22 +4658,25 @@ def fsdp1_lazy_init(t: TrainingSpec, st: States) -> tuple[int, ...]:
     the first forward, which that forward's activations fill (found by trace: Llama-2-7B cut to 2
     layers, b2 s1024, FSDP1 dp 2 pure bf16 full fine-tuning, full recomputation: the layers' forward
     opens no segment on the default stream; the replay without this -5.95 % against trace's peak
-    reserved memory, with it -0.49 %). Bytes
-    on one rank, as blocks: the root's (``st.root_full``), then one layer's (``st.layer_params_full``);
-    every other layer's repeats it, each block freed before the next of its size is asked for, so
-    that the same cached blocks serve them."""
+    reserved memory, with it -0.49 %). Bytes on one rank, each tensor's own (``fsdp1_flat_bytes`` of
+    the unit's parameters: ``torch.empty`` of the padded flat numel, not an allocator block; the
+    2 MiB-rounded blocks opened 34 MiB segments where trace opens 32 for the wide 2-layer Llama's
+    62.5 MiB root, tests/test_workspace_order.py): the root's (``st.root_tensors``), then one
+    layer's (``st.layer_tensors``); every other layer's repeats it, each freed before the next of
+    its size is asked for, so that the same cached blocks serve them."""
     if t.fsdp is None or t.shard_group < 2:
         return ()
-    mp = t.precision == "bf16-mp"
+    mp, elem, world = t.precision == "bf16-mp", fsdp1_elem(t), t.shard_group
     out: list[int] = []
-    for full in (st.root_full, st.layer_params_full):
+    for tensors in (st.root_tensors, st.layer_tensors):
+        full = fsdp1_flat_bytes(tensors, elem, world)            # the gathered dtype's padded flat parameter
         if full <= 0:
             continue
         if mp:                                                    # the bf16 shard (its fp32 twin is the flat param)
-            out.append(block_of(t, full // t.shard_group))
-        out.append(block_of(t, full))                             # the gathered dtype's padded flat parameter
+            out.append(full // world)
+        out.append(full)
         if mp:                                                    # ... and its fp32 twin
-            out.append(block_of(t, full * 2))
+            out.append(full * 2)
     return tuple(out)
 
 

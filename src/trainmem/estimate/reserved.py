@@ -858,7 +858,7 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     fs = _Fsdp(q.fsdp_ag_result > 0, _fsdp_streams(q), lag=R.lag, rs_side=q.fsdp_rs_side > 0,
                adapters=q.fsdp1_adapter_units, recomputed=recompute != "none", host=q.fsdp1_host_shards,
                grad_op=q.gathered_layer > 0, cast_shards=q.fsdp2_cast_shards, no_sync=_fsdp1_no_sync(q, suffix))
-    root = fs.unshard(R, q.fsdp_root, st.root_tensors)            # FSDP: the root unit gathered
+    root = fs.unshard(R, q.fsdp_root, st.root_tensors, raw=q.fsdp1_root_raw)  # FSDP: the root unit gathered
     # torchtitan's split root (quantities.fsdp2_split_root): the embedding unit gathered, resharded
     # by its post-forward (its all-gather output kept until the first layer's copy-out)
     fs.reshard(R, fs.unshard(R, q.fsdp_emb_unit, _emb_unit_tensors(st)))
@@ -1794,9 +1794,11 @@ class _Fsdp:
     def grad_stream(self) -> int:
         return self.streams[1]
 
-    def unshard(self, R: _Replay, flat: int, tensors: tuple[int, ...], backward: bool = False) -> list:
-        """A unit gathered: FSDP1's flat parameter; FSDP2's flat all-gather output and each parameter
-        copied out of it. In forward the output is freed at the next unit's copy-out
+    def unshard(self, R: _Replay, flat: int, tensors: tuple[int, ...], backward: bool = False,
+                raw: int = 0) -> list:
+        """A unit gathered: FSDP1's flat parameter, requested at ``raw`` bytes where given (its padded
+        flat numel, ``quantities.fsdp1_flat_bytes``) and charged ``flat``, the block the estimate counts
+        (``_Replay.alloc``); FSDP2's flat all-gather output and each parameter copied out of it. In forward the output is freed at the next unit's copy-out
         (``comm_ctx.all_gather_state``), in backward right after its own (torch 2.13
         ``_fsdp_param_group.py`` ``wait_for_unshard``)."""
         if flat <= 0:
@@ -1807,7 +1809,7 @@ class _Fsdp:
             # offload: the host shard copied in on the pre-unshard stream, the all-gather's input, dropped
             # once the flat parameter uses the unsharded buffer (``FlatParamHandle.unshard`` L1381-1383)
             copy = R.alloc(-(-flat // self.host), PRE_UNSHARD_STREAM) if self.host else None
-            out = [R.alloc(flat, self.streams[0])]                # FSDP1's unsharded flat parameter
+            out = [R.alloc(raw or flat, self.streams[0], charge=flat if raw else 0)]  # FSDP1's unsharded flat parameter
             R.free(copy)
             return out
         ag = self.gather_output(R, flat)                          # the all-gather output, flat
