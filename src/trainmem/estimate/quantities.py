@@ -172,6 +172,8 @@ class Quantities:
     fsdp1_flat: int = 0       # FSDP1: a layer's gradients as its flat gradient is made (fsdp1_flat_gradient)
     fsdp1_init: tuple = ()    # FSDP1: the buffers its lazy init allocates and frees, in order (fsdp1_lazy_init)
     fsdp1_root_raw: int = 0   # FSDP1: the root's padded unsharded flat parameter as requested (fsdp1_flat_bytes)
+    fsdp1_mp_shards: int = 0  # FSDP1 under bf16-mp: the ranks a unit is sharded over (its low-precision shard, reserved._Fsdp.unshard)
+    fsdp1_hook: tuple = ()    # FSDP1: a layer's post-backward hook's tensors, (request, charge) each (fsdp1_hook_requests)
     fsdp1_root_views: int = 0  # FSDP1: the root's unsharded view gradients at its flat gradient's cat ...
     fsdp1_root_flat: int = 0   # ... and that flat gradient (fsdp1_root_flat_gradient)
     fsdp1_emb_units: int = 0   # FSDP1 --fsdp-auto-wrap-policy module: the embedding units gathered at their backward
@@ -4603,6 +4605,8 @@ def _fsdp1_fields(t: TrainingSpec, st: States, lc: LayerCoefs) -> dict[str, int]
     by the sampled grid: Mistral FSDP1 --grad-sync step, 2 micro-batches, -9.4% before."""
     one, unprefetched = t.fsdp_version == 1, fsdp1_unprefetched(t, lc)
     return {"fsdp1_post": fsdp1_post_backward(t, st) if one else 0,
+            "fsdp1_hook": fsdp1_hook_requests(t, st) if one else (),
+            "fsdp1_mp_shards": t.shard_group if one and t.precision == "bf16-mp" and not t.fsdp_offload_params else 0,
             "fsdp1_head_wait": st.head_grads_full if one else 0,
             "fsdp1_flat": fsdp1_flat_gradient(st) if one else 0,
             "fsdp1_root_views": st.root_views if one and st.root_flat else 0,
@@ -4881,6 +4885,28 @@ def fsdp1_post_backward(t: TrainingSpec, st: States) -> int:
         return 0
     cast = st.layer_rs if t.precision == "bf16-mp" else 0   # the flat gradient in fp32 (reduce dtype)
     return st.layer_grads_full + cast + block_of(t, -(-st.layer_rs // t.shard_group))  # + the new shard
+
+
+def fsdp1_hook_requests(t: TrainingSpec, st: States) -> tuple[tuple[int, int], ...]:
+    """The tensors a layer's FSDP1 post-backward hook allocates beside its flat gradient, in order, each
+    as (bytes requested, bytes charged): under ``bf16-mp`` the flat gradient's copy in the reduce dtype
+    (fp32, ``flat_param.grad.to(reduce_dtype)``, torch 2.13 ``fsdp/_runtime_utils.py`` L754-762), then
+    the new shard (``_get_reduce_scatter_tensors`` L890-904: ``torch.empty_like(chunks[0])``, the flat
+    gradient's numel over the world size, reduce dtype). The charges are ``fsdp1_post_backward``'s terms
+    (the estimate's allocated accounting, ``reserved._Replay.alloc``'s ``charge``); the requests are
+    the tensors' own bytes: the flat parameter's padded elements (``fsdp1_flat_bytes``) when every
+    parameter of the layer trains (its flat gradient is the whole flat parameter's), else the charges.
+    The 2 MiB-rounded charges as requests opened 76+76+32 MiB post-backward segments where trace
+    opens 50+26+26+64 (the wide 2-layer Llama FSDP1 dp 2 bf16-mp, tests/test_fsdp1_root_cast_replay.py)."""
+    if not st.layer_rs:
+        return ()
+    world, mp = t.shard_group, t.precision == "bf16-mp"
+    charges = (st.layer_rs if mp else 0, block_of(t, -(-st.layer_rs // world)))
+    elem, reduce = fsdp1_elem(t), 4 if mp else fsdp1_elem(t)
+    whole = st.layer_tensors and sum(block_of(t, x) for x in st.layer_tensors) == st.layer_grads_full
+    n = fsdp1_flat_bytes(st.layer_tensors, elem, world) // elem if whole else 0   # the flat gradient's elements
+    raw = (n * reduce if mp else 0, n // world * reduce) if n else charges
+    return tuple((r, c) for r, c in zip(raw, charges) if c)
 
 
 _INT_FIELDS = tuple(f.name for f in fields(Quantities) if f.type == "int")

@@ -857,7 +857,8 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
         _ddp_rebuild(R, s, st)                                    # DDP's _pre_forward rebuilds its buckets
     fs = _Fsdp(q.fsdp_ag_result > 0, _fsdp_streams(q), lag=R.lag, rs_side=q.fsdp_rs_side > 0,
                adapters=q.fsdp1_adapter_units, recomputed=recompute != "none", host=q.fsdp1_host_shards,
-               grad_op=q.gathered_layer > 0, cast_shards=q.fsdp2_cast_shards, no_sync=_fsdp1_no_sync(q, suffix))
+               grad_op=q.gathered_layer > 0, cast_shards=q.fsdp2_cast_shards, mp_shards=q.fsdp1_mp_shards,
+               no_sync=_fsdp1_no_sync(q, suffix))
     root = fs.unshard(R, q.fsdp_root, st.root_tensors, raw=q.fsdp1_root_raw)  # FSDP: the root unit gathered
     # torchtitan's split root (quantities.fsdp2_split_root): the embedding unit gathered, resharded
     # by its post-forward (its all-gather output kept until the first layer's copy-out)
@@ -1788,6 +1789,7 @@ class _Fsdp:
     gathered: list = field(default_factory=list)  # grad-op: each layer's gathered parameters, bottom first
     no_sync: bool = False      # FSDP1 inside ``no_sync()``: each unit's flat gradient kept unsharded (``_fsdp1_no_sync``)
     flat: int | None = None    # ... the unit's flat gradient just kept, claimed as its ``.grad`` by ``_unit_grads``
+    mp_shards: int = 0         # FSDP1 under bf16-mp: the ranks a unit is sharded over (``unshard``'s low-precision shard)
     cast: int | None = None    # FSDP1's root hook: its flat gradient's fp32 copy, until the hook returns (``reduce``)
 
     @property
@@ -1798,19 +1800,25 @@ class _Fsdp:
                 raw: int = 0) -> list:
         """A unit gathered: FSDP1's flat parameter, requested at ``raw`` bytes where given (its padded
         flat numel, ``quantities.fsdp1_flat_bytes``) and charged ``flat``, the block the estimate counts
-        (``_Replay.alloc``); FSDP2's flat all-gather output and each parameter copied out of it. In forward the output is freed at the next unit's copy-out
+        (``_Replay.alloc``); FSDP2's flat all-gather output and each parameter copied out of it. FSDP1
+        under bf16-mp (``mp_shards``) first casts the rank's shard to bf16 on the pre-unshard stream, the
+        all-gather's input, freed after it (torch 2.13 ``fsdp/_runtime_utils.py`` ``_unshard`` L293-307:
+        ``pre_unshard`` before the rate limiter; ``fsdp/_flat_param.py`` ``_use_low_precision_shard``
+        L1342-1357, ``post_unshard`` L1523-1530): trace, the wide 2-layer Llama FSDP1 dp 2 bf16-mp,
+        opens a 16 MiB segment on that stream for the root's 15.6 MiB. In forward the output is freed at the next unit's copy-out
         (``comm_ctx.all_gather_state``), in backward right after its own (torch 2.13
         ``_fsdp_param_group.py`` ``wait_for_unshard``)."""
         if flat <= 0:
             return []
         if not self.v2 or not tensors:
+            low = R.alloc((raw or flat) // self.mp_shards, PRE_UNSHARD_STREAM) if self.mp_shards else None
             if self.lag is not None and not self.v2:              # FSDP1's ``_unshard``: the rate limiter
                 self.lag.wait(R)
             # offload: the host shard copied in on the pre-unshard stream, the all-gather's input, dropped
             # once the flat parameter uses the unsharded buffer (``FlatParamHandle.unshard`` L1381-1383)
             copy = R.alloc(-(-flat // self.host), PRE_UNSHARD_STREAM) if self.host else None
             out = [R.alloc(raw or flat, self.streams[0], charge=flat if raw else 0)]  # FSDP1's unsharded flat parameter
-            R.free(copy)
+            R.frees([copy, low])
             return out
         ag = self.gather_output(R, flat)                          # the all-gather output, flat
         R.free(self.ag)
@@ -3008,8 +3016,8 @@ def _fsdp1_reduce(R: _Replay, q: Quantities, st: Any, params: list, fs: "_Fsdp",
     if fs.no_sync:                                                # no_sync: the hook returns here, the flat
         fs.flat = flat                                            # gradient stays ``flat_param.grad``
         return []
-    hook = R.alloc(q.fsdp1_post - st.layer_grads_full, GRAD_STREAM, one=False)  # the reduce dtype's copy, the shard
-    R.frees([flat, hook])
+    hook = [R.alloc(r, GRAD_STREAM, charge=c) for r, c in q.fsdp1_hook]  # the reduce dtype's copy, the shard
+    R.frees([flat] + hook)
     return []
 
 
