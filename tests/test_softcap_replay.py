@@ -59,9 +59,9 @@ def test_softcap_replay_makes_the_caps_tensors(monkeypatch):
     sizes: list[int] = []
     real = reserved._Replay.alloc
 
-    def spy(self, nbytes, stream=0, one=True):
+    def spy(self, nbytes, stream=0, one=True, charge=0):
         sizes.append(int(nbytes or 0))
-        return real(self, nbytes, stream, one)
+        return real(self, nbytes, stream, one, charge)
     monkeypatch.setattr(reserved._Replay, "alloc", spy)
     engine.forget_replays()
     trainmem.estimate(m, training=t)
