@@ -42,13 +42,10 @@ def test_fsdp2_full_recompute_keeps_the_forward_cast_cache(monkeypatch, one_torc
     assert marks[("forward", 1)][1] == pytest.approx(forward.peak, rel=0.01)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "-2.6 % since FSDP2's flat reduce-scatter outputs (resfsdp, twentieth session): the -1.1 % before "
-    "was partly a 16 MiB over-count of per-tensor gradient segments on the reduce-scatter stream; left: "
-    "a 66 vs 64 MiB all-gather segment, a 22 MiB segment trace does not open, and trace's four 12-20 MiB "
-    "segments after the last reduce-scatter where the replay opens two (docs/agreement.md, FSDP rows)"))
 def test_fsdp2_full_recompute_peak_reserved_is_traces(one_torch_thread):
-    """The same setup's peak reserved memory: trace's within 2 % (-8.7 % before the cast cache)."""
+    """The same setup's peak reserved memory: trace's within 2 % (-8.7 % before the cast cache; -2.6 %,
+    a strict xfail, after the twentieth session's flat reduce-scatter outputs; -1.8 % measured
+    2026-11-26 after the twenty-first session's FSDP and head-side replay fixes)."""
     e = trainmem.estimate(DEEP, **KW)
     t = trace(DEEP, **KW)
     assert e.peak_reserved == pytest.approx(t.peak_reserved, rel=0.02)
