@@ -315,6 +315,8 @@ class Quantities:
     ds_emb_grads: int = 0        # ... the gradients beside the word embedding's (``deepspeed_grads_at_embedding``)
     ds_accumulated: int = 0      # ZeRO-2: the earlier micro-batches' partition gradients (``all_grad_tensors``)
     ds_offload_clone: int = 0    # ZeRO-1/2 offloaded: the half clone of the partition at init (``deepspeed_offload_clone``)
+    ds_offload_upload: int = 0   # ... (before v0.17.0) the fp32 partition copied to the GPU at each step
+    #                              (``deepspeed_offload_upload``)
     ds_flat_group: int = 0       # ZeRO-1/2 (v0.19.0+): the flat half group made on the GPU beside the parameters
     #                              at init (``deepspeed_flat_on_gpu``; 0 where it goes to the host, ``without_gpu_flatten``)
     ds_flat_temp: int = 0        # ... its bytes above ``model_loaded``'s end: ``ds_flat_group`` - master - comm
@@ -1860,6 +1862,7 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
             # so a later micro-batch makes its own ``grads_in_partition`` beside them
             "ds_accumulated": held if hooked and t.zero == 2 else 0,
             "ds_host_grads": int(deepspeed_grads_on_host(t, st)), "ds_offload_clone": deepspeed_offload_clone(t, st),
+            "ds_offload_upload": deepspeed_offload_upload(t, st),
             "ds_flat_group": deepspeed_flat_on_gpu(t, st), "ds_flat_frees": int(deepspeed_flat_frees(m, t, st)),
             "ds_flat_need": deepspeed_flat_on_gpu(t, st) and st.weights + st.buffers + deepspeed_flat_on_gpu(t, st),
             **dict(zip(("ds_reduce_grads", "ds_reduce_flat"), deepspeed_epilogue(m, t, st))),
@@ -2021,6 +2024,26 @@ def deepspeed_offload_clone(t: TrainingSpec, st: States) -> int:
     if not _offloads_grads(t, st) or t.deepspeed_release() < (0, 18, 3):
         return 0
     return block_of(t, -(-st.trainable // t.shard_group) * t.weight_bytes)
+
+
+def deepspeed_offload_upload(t: TrainingSpec, st: States) -> int:
+    """Bytes of the fp32 master partition that DeepSpeed ZeRO-1/2, the optimizer offloaded, copies to the
+    GPU at each step before v0.17.0 (0 otherwise): after the host optimizer's step,
+    ``bit16_partitions[partition_id].data.copy_(fp32_partition.to(get_accelerator().current_device_name()).data)``
+    (v0.14.2 ``stage_1_and_2.py`` L1868-1871, v0.16.9 L1888-1891): ``.to`` makes a (partition,) fp32 tensor
+    on the GPU, the cast into the half partition reads it there, and it is freed when the statement ends
+    (a step that overflows returns before it, L1829-1842). The partition is ceil(trainable / (2 x dp)) x 2
+    elements (the flat group padded to ``nccl_start_alignment_factor`` 2 x the data-parallel size, L350-362,
+    split in dp equal parts). DeepSpeed #7309 ("Fix the GPU memory usage of ZeRO-Offload", first in
+    v0.17.0: a pinned 16-bit host buffer, ``param_buffer_of_bit16_for_cpu_offload_groups``, copied in
+    place) says of the old path: "the memory usage is about 3x that of params_FP16". Found on Giles
+    Thomas's Llama-3-8B ZeRO-2 offload rows (DeepSpeed 0.14.2, dp 8): ranks 1-4 peak at 20,418 MiB at one
+    token, the half weights (15,316.5 MiB), the offload buffer (1,002.0), two cuBLAS workspaces and this
+    3,829.1 MiB copy making 20,164 MiB; none of their backward moments comes near it."""
+    if not _offloads_grads(t, st) or t.deepspeed_release() >= (0, 17, 0):
+        return 0
+    align = 2 * t.shard_group                                     # nccl_start_alignment_factor x world size
+    return block_of(t, -(-st.trainable // align) * 2 * 4)         # (partition,) fp32
 
 
 def deepspeed_flat_on_gpu(t: TrainingSpec, st: States) -> int:

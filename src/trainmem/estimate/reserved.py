@@ -3376,6 +3376,8 @@ def _optimizer_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, step:
         per = _scaled(sizes, q.step_temp * sum(sizes) // (temp_copies * max(sizes)))
         for x in per:
             R.frees(R.allocs([x] * temp_copies))
+    if q.ds_offload_upload:                                      # DeepSpeed ZeRO-1/2 offloaded (before v0.17.0): the
+        R.free(R.alloc(q.ds_offload_upload))                     # fp32 partition copied back for the half cast
     if st.torchao_events and not flags.oib:                      # torchao: one compiled graph per tensor, in order
         for j in _parameter_order(st.trainables):
             _torchao_graph(R, st.torchao_events[j])
