@@ -322,6 +322,8 @@ class Quantities:
     ds_flat_temp: int = 0        # ... its bytes above ``model_loaded``'s end: ``ds_flat_group`` - master - comm
     ds_flat_frees: int = 0       # 1: ... every weight is in it, so the parameters' own blocks are freed after it
     ds_flat_need: int = 0        # ... the free bytes it needs beside the CUDA context: loaded weights, buffers, group
+    ds_keeps_sum: int = 0        # 1: ZeRO-2 without contiguous gradients keeps a tied embedding's summed gradient
+    #                              whole until the step (``deepspeed_keeps_tied_sum``)
     ds_host_grads: int = 0       # 1: ZeRO-2 offloaded: an earlier micro-batch's gradients are on the host,
     #                              none on the GPU (``deepspeed_grads_on_host``)
     ds_kept_buf: int = 0         # ZeRO-1 under accumulation: the buckets kept from one micro-batch to the next
@@ -1861,7 +1863,7 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
             # ``all_grad_tensors`` until the boundary (``get_all_grad_tensors``, L1036-1044, L2703-2710),
             # so a later micro-batch makes its own ``grads_in_partition`` beside them
             "ds_accumulated": held if hooked and t.zero == 2 else 0,
-            "ds_host_grads": int(deepspeed_grads_on_host(t, st)), "ds_offload_clone": deepspeed_offload_clone(t, st),
+            "ds_host_grads": int(deepspeed_grads_on_host(t, st)), "ds_keeps_sum": int(deepspeed_keeps_tied_sum(m, t, st)), "ds_offload_clone": deepspeed_offload_clone(t, st),
             "ds_offload_upload": deepspeed_offload_upload(t, st),
             "ds_flat_group": deepspeed_flat_on_gpu(t, st), "ds_flat_frees": int(deepspeed_flat_frees(m, t, st)),
             "ds_flat_need": deepspeed_flat_on_gpu(t, st) and st.weights + st.buffers + deepspeed_flat_on_gpu(t, st),
@@ -2128,6 +2130,23 @@ def deepspeed_grads_on_host(t: TrainingSpec, st: States) -> bool:
     2 micro-batches, 5e5-element buckets: the second micro-batch's loss backward holds no gradient
     (the estimate held the sharded gradients there, +8.8 %)."""
     return _offloads_grads(t, st) and t.zero == 2
+
+
+def deepspeed_keeps_tied_sum(m: ModelSpec, t: TrainingSpec, st: States) -> bool:
+    """Whether DeepSpeed ZeRO-2 on the GPU without ``contiguous_gradients`` keeps a tied word embedding's
+    whole gradient on rank 0 from the embedding's backward to the step. Its hook appends the gradient
+    itself to the bucket (``bucket.grads.append(grad_reduc)``, v0.19.8 ``stage_1_and_2.py`` L1414-1474:
+    the copy into the bucket buffer is under ``if self.contiguous_gradients``); after the bucket's
+    reduction only the gradients of parameters outside the rank's partition are cleared
+    (``reduce_ipg_grads``, ``clear_grad_attribute``), and rank 0's partition starts with the word
+    embedding (registered first), so its ``.grad`` -- autograd's out-of-place sum of the head's and the
+    embedding's parts (``tied_head_grad``) -- stays whole until ``step`` frees the partition's
+    gradients after their fp32 cast (``free_grad_in_param_list``, L3128). Found by the agreement grid:
+    BERT b1 s1024 ZeRO-2 fp16 without contiguous gradients read -11.0 % under trace's reserved peak, the
+    replay's sum freed at the embedding's backward where trace keeps it past the step's float64 norm copy.
+    Not under offloading (contiguous gradients forced on) nor LoRA (the head is frozen)."""
+    return (deepspeed_zero(t) and t.zero == 2 and not t.contiguous_gradients and not t.offload_optimizer
+            and bool(st.trainable) and tied_head_grad(m, t) > 0)
 
 
 def _offloads_grads(t: TrainingSpec, st: States) -> bool:

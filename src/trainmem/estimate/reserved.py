@@ -559,12 +559,22 @@ def _tied_embedding_sum(R: _Replay, s: "_Step", q: Quantities, flags: StepFlags,
     whole = R.alloc(q.tied_replicated)                  # DTensor TP: the whole table first (tied_replicated_grad)
     emb_out = R.alloc(q.tied_grad)                      # then this rank's rows
     added = _accumulated(R, s, trainables, ("before",))  # the sum added into an existing .grad: a temporary
+    if q.ds_keeps_sum:                                  # ZeRO-2, no contiguous gradients: the sum is rank 0's
+        _sum_as_embedding_grad(s, trainables)           # .grad, whole, not its partition's share
     _make_grads(R, s, trainables, ("before",), flags.oib)
-    acc = R.alloc(q.tied_grad) if q.ds_init_grads or q.ds_hook_part else None
-    if q.ds_hook_part:
-        s.grads[("embedding_sum", 0)], acc = acc, None
+    acc = R.alloc(q.tied_grad) if q.ds_init_grads or q.ds_hook_part or q.ds_keeps_sum else None
+    if q.ds_hook_part or (q.ds_keeps_sum and ("embedding_sum", 0) not in s.grads):  # (kept: a later micro-
+        s.grads[("embedding_sum", 0)], acc = acc, None  # batch's sum is added into it in place and freed)
     R.frees([tied, emb_out, acc] + added + [whole])
     return None
+
+
+def _sum_as_embedding_grad(s: "_Step", trainables: tuple) -> None:
+    """Mark the word embedding's gradient (the largest trainable placed before the layers) as made, so
+    that the tied sum kept whole stands for it (``quantities.deepspeed_keeps_tied_sum``)."""
+    before = [j for j in _placed(trainables, ("before",)) if (j, 0) not in s.grads]
+    if before:
+        s.grads[(max(before, key=lambda j: trainables[j][2]), 0)] = None
 
 
 def _zero12_at(R: _Replay, s: "_Step", q: Quantities, layer: int | None) -> None:
