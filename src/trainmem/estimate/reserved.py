@@ -906,6 +906,8 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     out, saved_tanh = _softcapped_logits(R, q, tk, full, chunks) if capped else (
         _logit_allocs(R, _logit_tensors(tk.out_logits, q.logits_out, full, chunks)), [])  # (b, s, vocab) logits
     R.frees(late)                                                 # the head's input, once its matmul has run
+    if isinstance(z3, _Zero3Replay):                              # ZeRO-3: the head's module has returned, its
+        z3.settle(R)                                              # post-forward hook releases before the loss
     if q.logits_cast:  # --cast-output: Fabric's fp32 copies, made while the half output is alive
         cast = _logit_allocs(R, _logit_tensors(tk.cast_logits, q.logits_cast, full, chunks))
         R.frees(out)
@@ -1380,9 +1382,11 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     buckets = _ds_buckets(R, q, at_start=True)                     # DeepSpeed ZeRO-1/2 before v0.18.3
     if _root_resharded(q, f.fs) and not q.fsdp_root_regather:     # the root's pre-backward: the loss is its output
         f.root = f.fs.unshard(R, q.fsdp_root, st.root_tensors, backward=True)
-    if isinstance(f.z3, _Zero3Replay):                            # ZeRO-3: backward's first modules' fetches
-        f.z3.backward_start(R)
+    if isinstance(f.z3, _Zero3Replay):                            # ZeRO-3: the root's pre-backward (the loss
+        f.z3.backward_root(R)                                     # is its output), then the loss's backward,
     dlogits = _softcap_backward(R, q, f, _loss_gradient(R, q, tk, f, n, nsq, head))
+    if isinstance(f.z3, _Zero3Replay):                            # then the head's, the base model's and the
+        f.z3.backward_start(R)                                    # final norm's at their outputs' gradients
     if q.fsdp_head_pref:                                          # split root: the head's pre-backward
         f.fs.prefetched = f.fs.gather_output(R, q.fsdp_head_pref)  # prefetches the top layer
     head_full, tied = _head_backward(R, s, q, flags, f, dlogits) if head else (None, None)
@@ -2157,8 +2161,24 @@ class _Zero3Replay:
         self.settle(R)
         self._run(R, lambda fwd, layer: fwd and layer is None)
 
+    def backward_root(self, R: _Replay) -> None:
+        """Backward's first module use, the root's: its pre-backward hook runs at the gradient of the
+        root's output, the loss, before the loss's backward (DeepSpeed v0.19.8 ``parameter_offload.py``
+        ``_register_deepspeed_module`` puts ``PreBackwardFunctionForModule`` on each module's outputs;
+        under a recorded order its fetch prefetches what comes next)."""
+        self.settle(R)
+        first = [True]
+
+        def take(fwd: bool, layer: int | None) -> bool:
+            ok, first[0] = first[0] and not fwd and layer is None, False
+            return ok
+        self._run(R, take)
+
     def backward_start(self, R: _Replay) -> None:
-        """Backward's first modules' fetches (the root, the head, the base model, the final norm)."""
+        """Backward's next modules' fetches (the head, the base model, the final norm): at their outputs'
+        gradients, the head's once the loss's backward has made the logits' (in the run's first backward,
+        each module's own parameters gathered there; trace, Llama GQA ZeRO-3 LoRA: the head's 501 MiB
+        gathered after the loss's fp32 gradients are freed)."""
         self.settle(R)
         self._run(R, lambda fwd, layer: layer is None)
 
