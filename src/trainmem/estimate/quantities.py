@@ -322,6 +322,8 @@ class Quantities:
     ds_flat_temp: int = 0        # ... its bytes above ``model_loaded``'s end: ``ds_flat_group`` - master - comm
     ds_flat_frees: int = 0       # 1: ... every weight is in it, so the parameters' own blocks are freed after it
     ds_flat_need: int = 0        # ... the free bytes it needs beside the CUDA context: loaded weights, buffers, group
+    ds_epilogue_cats: tuple = ()  # ZeRO-1/2: the flat copies the epilogue's reduction of the last bucket makes
+    #                              (bytes each, ``deepspeed_epilogue_cats``)
     ds_keeps_sum: int = 0        # 1: ZeRO-2 without contiguous gradients keeps a tied embedding's summed gradient
     #                              whole until the step (``deepspeed_keeps_tied_sum``)
     ds_host_grads: int = 0       # 1: ZeRO-2 offloaded: an earlier micro-batch's gradients are on the host,
@@ -1868,6 +1870,7 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
             "ds_flat_group": deepspeed_flat_on_gpu(t, st), "ds_flat_frees": int(deepspeed_flat_frees(m, t, st)),
             "ds_flat_need": deepspeed_flat_on_gpu(t, st) and st.weights + st.buffers + deepspeed_flat_on_gpu(t, st),
             **dict(zip(("ds_reduce_grads", "ds_reduce_flat"), deepspeed_epilogue(m, t, st))),
+            "ds_epilogue_cats": deepspeed_epilogue_cats(m, t, st),
             # ZeRO-1 reduces at the boundary only (``engine.py`` v0.19.8 ``allreduce_gradients`` L3083-3093),
             # so ``_release_ipg_buffers`` (L924-932, from the epilogue) runs there only: the buckets the
             # first micro-batch's first hook made (``setup_buckets``, made once until released) stay
@@ -2371,6 +2374,52 @@ def deepspeed_epilogue(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, 
         held = block_of(t, alive * t.weight_bytes)
     flat = block_of(t, sum(tensors[j].numel for j in last) * t.weight_bytes)  # (bucket,) gradient dtype
     return held, flat
+
+
+def deepspeed_epilogue_cats(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, ...]:
+    """Bytes of each flat copy DeepSpeed ZeRO-1/2 makes when backward's epilogue reduces the last bucket
+    (``_bucket_reductions``) with contiguous gradients, in order (() elsewhere). ``average_tensor``
+    (v0.19.8 ``stage_1_and_2.py`` L1590-1725; v0.14.2 L1037-1140) cuts the bucket -- its gradients in
+    hook order, a parameter larger than the bucket alone (``extra_large_param_to_reduce``) -- into one
+    slice per partition it overlaps, in offset order, merging consecutive slices of one rank; with
+    ``use_multi_rank_bucket_allreduce`` (the default) all go to ``allreduce_and_scatter``, which gathers
+    slices until their elements pass ``reduce_bucket_size`` and then calls
+    ``allreduce_and_copy_with_multiple_ranks`` -> ``allreduce_bucket`` -> ``self.flatten``: a ``torch.cat``
+    of the group, a new (elements,) tensor of the gradient dtype, when it holds more than one slice (one is
+    a view), freed once copied back. Partitions: ceil(trainable / (2 x dp)) x 2 elements (the flat group
+    padded to 2 x dp). Found by trace: Gemma-2 1 x 2048 ZeRO-1 fp16 ``overlap_comm`` dp 4, the embedding's
+    589.8M elements over ranks 0-3, a 1066.5 MiB ``cat`` of its first three slices (559.2M elements, past
+    5e8) on the reduction stream before ``grads_in_partition``. Not without contiguous gradients
+    (``buffered_reduce_fallback``), under offloading, or for a partial layout."""
+    if not (deepspeed_zero(t) and t.zero in (1, 2) and t.contiguous_gradients and not t.offload_optimizer
+            and st.trainable and (t.zero == 2 or t.ds_overlap_comm)) or _partial_layout(m, t, st):
+        return ()
+    tensors = m.parameter_tensors()
+    reductions = _bucket_reductions(tensors, t)
+    if not reductions:
+        return ()
+    part = -(-st.trainable // (2 * t.shard_group)) * 2              # a partition's elements
+    starts, at = [], 0
+    for p in tensors:
+        starts.append(at)
+        at += p.numel
+    slices: list[list[int]] = []                                    # [rank, elements], merged by rank
+    for j in reductions[-1][1]:                                     # hook order
+        lo, hi = starts[j], starts[j] + tensors[j].numel
+        for r in range(lo // part, (hi - 1) // part + 1):
+            n = min(hi, (r + 1) * part) - max(lo, r * part)
+            if slices and slices[-1][0] == r:
+                slices[-1][1] += n
+            else:
+                slices.append([r, n])
+    cats, group, total = [], 0, 0
+    for _r, n in slices:                                            # allreduce_and_scatter's groups
+        group, total = group + 1, total + n
+        if total > t.ds_reduce_bucket:
+            cats += [total * t.weight_bytes] if group > 1 else []
+            group, total = 0, 0
+    cats += [total * t.weight_bytes] if group > 1 else []
+    return tuple(cats)
 
 
 def deepspeed_grads_at_embedding(m: ModelSpec, t: TrainingSpec, st: States) -> int:

@@ -596,6 +596,8 @@ def _zero12_epilogue(R: _Replay, s: "_Step", q: Quantities, suffix: str) -> None
     its fp32 cast (``_zero12_step``)."""
     if not (q.ds_epilogue_part or q.ds_hook_part) or suffix == ".micro1":
         return
+    stream = GRAD_STREAM if q.ds_reduce_side else 0               # the last bucket's reduction: its flat
+    R.frees([R.alloc(n, stream) for n in q.ds_epilogue_cats])     # copies (quantities.deepspeed_epilogue_cats)
     _zero12_partition(R, s, q)
     part = s.grads.pop(("grads_in_partition", 0))
     R.frees(list(s.grads.values()))
