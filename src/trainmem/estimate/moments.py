@@ -1277,8 +1277,11 @@ def _optimizer_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, ste
         moments.append(_mo("optimizer_step", 0, step, "deepspeed.fp32_grad",
                            (q.ds_cast_grads, q.states, inputs, ws2, pipe, q.ds_step_flat + q.ds_step_fp32),
                            (logits, kv, 0), ds, graph))
+        # (DeepSpeed ZeRO-1/2 offloaded, before v0.17.0: the fp32 partition copied to the GPU for the half
+        # cast after the host's step, ``quantities.deepspeed_offload_upload``)
         moments.append(_mo("optimizer_step", 0, step, "optimizer.step",
-                           (step_grads, q.states, inputs, ws2, pipe, q.step_temp - where(ds, q.ds_step_flat, 0)),
+                           (step_grads, q.states, inputs, ws2, pipe,
+                            q.step_temp - where(ds, q.ds_step_flat, 0) + q.ds_offload_upload),
                            (logits, kv, 0), True, graph))
         ends.append(("optimizer_step", 0, step, after))
     # (FSDP1, use_orig_params: zero_grad(set_to_none=True) clears the views' .grad; the flat

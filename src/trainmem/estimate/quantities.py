@@ -318,11 +318,17 @@ class Quantities:
     ds_emb_grads: int = 0        # ... the gradients beside the word embedding's (``deepspeed_grads_at_embedding``)
     ds_accumulated: int = 0      # ZeRO-2: the earlier micro-batches' partition gradients (``all_grad_tensors``)
     ds_offload_clone: int = 0    # ZeRO-1/2 offloaded: the half clone of the partition at init (``deepspeed_offload_clone``)
+    ds_offload_upload: int = 0   # ... (before v0.17.0) the fp32 partition copied to the GPU at each step
+    #                              (``deepspeed_offload_upload``)
     ds_flat_group: int = 0       # ZeRO-1/2 (v0.19.0+): the flat half group made on the GPU beside the parameters
     #                              at init (``deepspeed_flat_on_gpu``; 0 where it goes to the host, ``without_gpu_flatten``)
     ds_flat_temp: int = 0        # ... its bytes above ``model_loaded``'s end: ``ds_flat_group`` - master - comm
     ds_flat_frees: int = 0       # 1: ... every weight is in it, so the parameters' own blocks are freed after it
     ds_flat_need: int = 0        # ... the free bytes it needs beside the CUDA context: loaded weights, buffers, group
+    ds_epilogue_cats: tuple = ()  # ZeRO-1/2: the flat copies the epilogue's reduction of the last bucket makes
+    #                              (bytes each, ``deepspeed_epilogue_cats``)
+    ds_keeps_sum: int = 0        # 1: ZeRO-2 without contiguous gradients keeps a tied embedding's summed gradient
+    #                              whole until the step (``deepspeed_keeps_tied_sum``)
     ds_host_grads: int = 0       # 1: ZeRO-2 offloaded: an earlier micro-batch's gradients are on the host,
     #                              none on the GPU (``deepspeed_grads_on_host``)
     ds_kept_buf: int = 0         # ZeRO-1 under accumulation: the buckets kept from one micro-batch to the next
@@ -1862,10 +1868,12 @@ def _deepspeed_fields(m: ModelSpec, t: TrainingSpec, st: States) -> dict[str, in
             # ``all_grad_tensors`` until the boundary (``get_all_grad_tensors``, L1036-1044, L2703-2710),
             # so a later micro-batch makes its own ``grads_in_partition`` beside them
             "ds_accumulated": held if hooked and t.zero == 2 else 0,
-            "ds_host_grads": int(deepspeed_grads_on_host(t, st)), "ds_offload_clone": deepspeed_offload_clone(t, st),
+            "ds_host_grads": int(deepspeed_grads_on_host(t, st)), "ds_keeps_sum": int(deepspeed_keeps_tied_sum(m, t, st)), "ds_offload_clone": deepspeed_offload_clone(t, st),
+            "ds_offload_upload": deepspeed_offload_upload(t, st),
             "ds_flat_group": deepspeed_flat_on_gpu(t, st), "ds_flat_frees": int(deepspeed_flat_frees(m, t, st)),
             "ds_flat_need": deepspeed_flat_on_gpu(t, st) and st.weights + st.buffers + deepspeed_flat_on_gpu(t, st),
             **dict(zip(("ds_reduce_grads", "ds_reduce_flat"), deepspeed_epilogue(m, t, st))),
+            "ds_epilogue_cats": deepspeed_epilogue_cats(m, t, st),
             # ZeRO-1 reduces at the boundary only (``engine.py`` v0.19.8 ``allreduce_gradients`` L3083-3093),
             # so ``_release_ipg_buffers`` (L924-932, from the epilogue) runs there only: the buckets the
             # first micro-batch's first hook made (``setup_buckets``, made once until released) stay
@@ -2026,6 +2034,26 @@ def deepspeed_offload_clone(t: TrainingSpec, st: States) -> int:
     return block_of(t, -(-st.trainable // t.shard_group) * t.weight_bytes)
 
 
+def deepspeed_offload_upload(t: TrainingSpec, st: States) -> int:
+    """Bytes of the fp32 master partition that DeepSpeed ZeRO-1/2, the optimizer offloaded, copies to the
+    GPU at each step before v0.17.0 (0 otherwise): after the host optimizer's step,
+    ``bit16_partitions[partition_id].data.copy_(fp32_partition.to(get_accelerator().current_device_name()).data)``
+    (v0.14.2 ``stage_1_and_2.py`` L1868-1871, v0.16.9 L1888-1891): ``.to`` makes a (partition,) fp32 tensor
+    on the GPU, the cast into the half partition reads it there, and it is freed when the statement ends
+    (a step that overflows returns before it, L1829-1842). The partition is ceil(trainable / (2 x dp)) x 2
+    elements (the flat group padded to ``nccl_start_alignment_factor`` 2 x the data-parallel size, L350-362,
+    split in dp equal parts). DeepSpeed #7309 ("Fix the GPU memory usage of ZeRO-Offload", first in
+    v0.17.0: a pinned 16-bit host buffer, ``param_buffer_of_bit16_for_cpu_offload_groups``, copied in
+    place) says of the old path: "the memory usage is about 3x that of params_FP16". Found on Giles
+    Thomas's Llama-3-8B ZeRO-2 offload rows (DeepSpeed 0.14.2, dp 8): ranks 1-4 peak at 20,418 MiB at one
+    token, the half weights (15,316.5 MiB), the offload buffer (1,002.0), two cuBLAS workspaces and this
+    3,829.1 MiB copy making 20,164 MiB; none of their backward moments comes near it."""
+    if not _offloads_grads(t, st) or t.deepspeed_release() >= (0, 17, 0):
+        return 0
+    align = 2 * t.shard_group                                     # nccl_start_alignment_factor x world size
+    return block_of(t, -(-st.trainable // align) * 2 * 4)         # (partition,) fp32
+
+
 def deepspeed_flat_on_gpu(t: TrainingSpec, st: States) -> int:
     """Bytes of the flat copy of the trainable parameters that DeepSpeed ZeRO-1/2 makes on the GPU beside
     them at init, from v0.19.0 (0 before, or off ZeRO-1/2): ``DeepSpeedZeroOptimizer.__init__`` flattens each
@@ -2108,6 +2136,23 @@ def deepspeed_grads_on_host(t: TrainingSpec, st: States) -> bool:
     2 micro-batches, 5e5-element buckets: the second micro-batch's loss backward holds no gradient
     (the estimate held the sharded gradients there, +8.8 %)."""
     return _offloads_grads(t, st) and t.zero == 2
+
+
+def deepspeed_keeps_tied_sum(m: ModelSpec, t: TrainingSpec, st: States) -> bool:
+    """Whether DeepSpeed ZeRO-2 on the GPU without ``contiguous_gradients`` keeps a tied word embedding's
+    whole gradient on rank 0 from the embedding's backward to the step. Its hook appends the gradient
+    itself to the bucket (``bucket.grads.append(grad_reduc)``, v0.19.8 ``stage_1_and_2.py`` L1414-1474:
+    the copy into the bucket buffer is under ``if self.contiguous_gradients``); after the bucket's
+    reduction only the gradients of parameters outside the rank's partition are cleared
+    (``reduce_ipg_grads``, ``clear_grad_attribute``), and rank 0's partition starts with the word
+    embedding (registered first), so its ``.grad`` -- autograd's out-of-place sum of the head's and the
+    embedding's parts (``tied_head_grad``) -- stays whole until ``step`` frees the partition's
+    gradients after their fp32 cast (``free_grad_in_param_list``, L3128). Found by the agreement grid:
+    BERT b1 s1024 ZeRO-2 fp16 without contiguous gradients read -11.0 % under trace's reserved peak, the
+    replay's sum freed at the embedding's backward where trace keeps it past the step's float64 norm copy.
+    Not under offloading (contiguous gradients forced on) nor LoRA (the head is frozen)."""
+    return (deepspeed_zero(t) and t.zero == 2 and not t.contiguous_gradients and not t.offload_optimizer
+            and bool(st.trainable) and tied_head_grad(m, t) > 0)
 
 
 def _offloads_grads(t: TrainingSpec, st: States) -> bool:
@@ -2332,6 +2377,52 @@ def deepspeed_epilogue(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, 
         held = block_of(t, alive * t.weight_bytes)
     flat = block_of(t, sum(tensors[j].numel for j in last) * t.weight_bytes)  # (bucket,) gradient dtype
     return held, flat
+
+
+def deepspeed_epilogue_cats(m: ModelSpec, t: TrainingSpec, st: States) -> tuple[int, ...]:
+    """Bytes of each flat copy DeepSpeed ZeRO-1/2 makes when backward's epilogue reduces the last bucket
+    (``_bucket_reductions``) with contiguous gradients, in order (() elsewhere). ``average_tensor``
+    (v0.19.8 ``stage_1_and_2.py`` L1590-1725; v0.14.2 L1037-1140) cuts the bucket -- its gradients in
+    hook order, a parameter larger than the bucket alone (``extra_large_param_to_reduce``) -- into one
+    slice per partition it overlaps, in offset order, merging consecutive slices of one rank; with
+    ``use_multi_rank_bucket_allreduce`` (the default) all go to ``allreduce_and_scatter``, which gathers
+    slices until their elements pass ``reduce_bucket_size`` and then calls
+    ``allreduce_and_copy_with_multiple_ranks`` -> ``allreduce_bucket`` -> ``self.flatten``: a ``torch.cat``
+    of the group, a new (elements,) tensor of the gradient dtype, when it holds more than one slice (one is
+    a view), freed once copied back. Partitions: ceil(trainable / (2 x dp)) x 2 elements (the flat group
+    padded to 2 x dp). Found by trace: Gemma-2 1 x 2048 ZeRO-1 fp16 ``overlap_comm`` dp 4, the embedding's
+    589.8M elements over ranks 0-3, a 1066.5 MiB ``cat`` of its first three slices (559.2M elements, past
+    5e8) on the reduction stream before ``grads_in_partition``. Not without contiguous gradients
+    (``buffered_reduce_fallback``), under offloading, or for a partial layout."""
+    if not (deepspeed_zero(t) and t.zero in (1, 2) and t.contiguous_gradients and not t.offload_optimizer
+            and st.trainable and (t.zero == 2 or t.ds_overlap_comm)) or _partial_layout(m, t, st):
+        return ()
+    tensors = m.parameter_tensors()
+    reductions = _bucket_reductions(tensors, t)
+    if not reductions:
+        return ()
+    part = -(-st.trainable // (2 * t.shard_group)) * 2              # a partition's elements
+    starts, at = [], 0
+    for p in tensors:
+        starts.append(at)
+        at += p.numel
+    slices: list[list[int]] = []                                    # [rank, elements], merged by rank
+    for j in reductions[-1][1]:                                     # hook order
+        lo, hi = starts[j], starts[j] + tensors[j].numel
+        for r in range(lo // part, (hi - 1) // part + 1):
+            n = min(hi, (r + 1) * part) - max(lo, r * part)
+            if slices and slices[-1][0] == r:
+                slices[-1][1] += n
+            else:
+                slices.append([r, n])
+    cats, group, total = [], 0, 0
+    for _r, n in slices:                                            # allreduce_and_scatter's groups
+        group, total = group + 1, total + n
+        if total > t.ds_reduce_bucket:
+            cats += [total * t.weight_bytes] if group > 1 else []
+            group, total = 0, 0
+    cats += [total * t.weight_bytes] if group > 1 else []
+    return tuple(cats)
 
 
 def deepspeed_grads_at_embedding(m: ModelSpec, t: TrainingSpec, st: States) -> int:

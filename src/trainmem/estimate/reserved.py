@@ -559,12 +559,22 @@ def _tied_embedding_sum(R: _Replay, s: "_Step", q: Quantities, flags: StepFlags,
     whole = R.alloc(q.tied_replicated)                  # DTensor TP: the whole table first (tied_replicated_grad)
     emb_out = R.alloc(q.tied_grad)                      # then this rank's rows
     added = _accumulated(R, s, trainables, ("before",))  # the sum added into an existing .grad: a temporary
+    if q.ds_keeps_sum:                                  # ZeRO-2, no contiguous gradients: the sum is rank 0's
+        _sum_as_embedding_grad(s, trainables)           # .grad, whole, not its partition's share
     _make_grads(R, s, trainables, ("before",), flags.oib)
-    acc = R.alloc(q.tied_grad) if q.ds_init_grads or q.ds_hook_part else None
-    if q.ds_hook_part:
-        s.grads[("embedding_sum", 0)], acc = acc, None
+    acc = R.alloc(q.tied_grad) if q.ds_init_grads or q.ds_hook_part or q.ds_keeps_sum else None
+    if q.ds_hook_part or (q.ds_keeps_sum and ("embedding_sum", 0) not in s.grads):  # (kept: a later micro-
+        s.grads[("embedding_sum", 0)], acc = acc, None  # batch's sum is added into it in place and freed)
     R.frees([tied, emb_out, acc] + added + [whole])
     return None
+
+
+def _sum_as_embedding_grad(s: "_Step", trainables: tuple) -> None:
+    """Mark the word embedding's gradient (the largest trainable placed before the layers) as made, so
+    that the tied sum kept whole stands for it (``quantities.deepspeed_keeps_tied_sum``)."""
+    before = [j for j in _placed(trainables, ("before",)) if (j, 0) not in s.grads]
+    if before:
+        s.grads[(max(before, key=lambda j: trainables[j][2]), 0)] = None
 
 
 def _zero12_at(R: _Replay, s: "_Step", q: Quantities, layer: int | None) -> None:
@@ -586,6 +596,8 @@ def _zero12_epilogue(R: _Replay, s: "_Step", q: Quantities, suffix: str) -> None
     its fp32 cast (``_zero12_step``)."""
     if not (q.ds_epilogue_part or q.ds_hook_part) or suffix == ".micro1":
         return
+    stream = GRAD_STREAM if q.ds_reduce_side else 0               # the last bucket's reduction: its flat
+    R.frees([R.alloc(n, stream) for n in q.ds_epilogue_cats])     # copies (quantities.deepspeed_epilogue_cats)
     _zero12_partition(R, s, q)
     part = s.grads.pop(("grads_in_partition", 0))
     R.frees(list(s.grads.values()))
@@ -897,6 +909,8 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     out, saved_tanh = _softcapped_logits(R, q, tk, full, chunks) if capped else (
         _logit_allocs(R, _logit_tensors(tk.out_logits, q.logits_out, full, chunks)), [])  # (b, s, vocab) logits
     R.frees(late)                                                 # the head's input, once its matmul has run
+    if isinstance(z3, _Zero3Replay):                              # ZeRO-3: the head's module has returned, its
+        z3.settle(R)                                              # post-forward hook releases before the loss
     if q.logits_cast:  # --cast-output: Fabric's fp32 copies, made while the half output is alive
         cast = _logit_allocs(R, _logit_tensors(tk.cast_logits, q.logits_cast, full, chunks))
         R.frees(out)
@@ -1371,9 +1385,11 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
     buckets = _ds_buckets(R, q, at_start=True)                     # DeepSpeed ZeRO-1/2 before v0.18.3
     if _root_resharded(q, f.fs) and not q.fsdp_root_regather:     # the root's pre-backward: the loss is its output
         f.root = f.fs.unshard(R, q.fsdp_root, st.root_tensors, backward=True)
-    if isinstance(f.z3, _Zero3Replay):                            # ZeRO-3: backward's first modules' fetches
-        f.z3.backward_start(R)
+    if isinstance(f.z3, _Zero3Replay):                            # ZeRO-3: the root's pre-backward (the loss
+        f.z3.backward_root(R)                                     # is its output), then the loss's backward,
     dlogits = _softcap_backward(R, q, f, _loss_gradient(R, q, tk, f, n, nsq, head))
+    if isinstance(f.z3, _Zero3Replay):                            # then the head's, the base model's and the
+        f.z3.backward_start(R)                                    # final norm's at their outputs' gradients
     if q.fsdp_head_pref:                                          # split root: the head's pre-backward
         f.fs.prefetched = f.fs.gather_output(R, q.fsdp_head_pref)  # prefetches the top layer
     head_full, tied = _head_backward(R, s, q, flags, f, dlogits) if head else (None, None)
@@ -2157,8 +2173,24 @@ class _Zero3Replay:
         self.settle(R)
         self._run(R, lambda fwd, layer: fwd and layer is None)
 
+    def backward_root(self, R: _Replay) -> None:
+        """Backward's first module use, the root's: its pre-backward hook runs at the gradient of the
+        root's output, the loss, before the loss's backward (DeepSpeed v0.19.8 ``parameter_offload.py``
+        ``_register_deepspeed_module`` puts ``PreBackwardFunctionForModule`` on each module's outputs;
+        under a recorded order its fetch prefetches what comes next)."""
+        self.settle(R)
+        first = [True]
+
+        def take(fwd: bool, layer: int | None) -> bool:
+            ok, first[0] = first[0] and not fwd and layer is None, False
+            return ok
+        self._run(R, take)
+
     def backward_start(self, R: _Replay) -> None:
-        """Backward's first modules' fetches (the root, the head, the base model, the final norm)."""
+        """Backward's next modules' fetches (the head, the base model, the final norm): at their outputs'
+        gradients, the head's once the loss's backward has made the logits' (in the run's first backward,
+        each module's own parameters gathered there; trace, Llama GQA ZeRO-3 LoRA: the head's 501 MiB
+        gathered after the loss's fp32 gradients are freed)."""
         self.settle(R)
         self._run(R, lambda fwd, layer: layer is None)
 
@@ -3386,6 +3418,8 @@ def _optimizer_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, step:
         per = _scaled(sizes, q.step_temp * sum(sizes) // (temp_copies * max(sizes)))
         for x in per:
             R.frees(R.allocs([x] * temp_copies))
+    if q.ds_offload_upload:                                      # DeepSpeed ZeRO-1/2 offloaded (before v0.17.0): the
+        R.free(R.alloc(q.ds_offload_upload))                     # fp32 partition copied back for the half cast
     if st.torchao_events and not flags.oib:                      # torchao: one compiled graph per tensor, in order
         for j in _parameter_order(st.trainables):
             _torchao_graph(R, st.torchao_events[j])

@@ -847,9 +847,9 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
     build, build_temp = _device_build(m, t, r)
     build_peak = 0
     if t.ds_whole_load and not build:
-        build, build_peak = zero3_whole_load(named, acc.whole, r.block)
+        build, build_peak = zero3_whole_load(named, acc.whole, r.block, acc.trained)
     elif zero3_init_on_device(t) and not build:
-        build, build_peak = zero3_init_build(named, acc.whole, r.block)
+        build, build_peak = zero3_init_build(named, acc.whole, r.block, acc.trained)
     st = States(weights, acc.buffers, master, acc.grads, opt, step_t, acc.trainable, acc.params_rank,
                   acc.layer_grads, acc.head_grads, acc.lmh, acc.hmh, acc.largest, acc.group, acc.lpf,
                   sum(x[1] for x in lora), acc.q4, acc.root, acc.head_full, acc.emb_full, acc.layer_full, rs,
@@ -953,7 +953,7 @@ def _events_peak(events: tuple, block: Callable[[int], int]) -> tuple[int, int]:
 
 
 def zero3_whole_load(load: list[tuple[str, int]], whole: dict[str, int],
-                     block: Callable[[int], int]) -> tuple[tuple, int]:
+                     block: Callable[[int], int], trained: set | None = None) -> tuple[tuple, int]:
     """DeepSpeed ZeRO-3 of a model built outside ``zero.Init`` (``TrainingSpec.ds_whole_load``) as
     alloc/free events, and their allocated peak (each tensor ``block``-rounded): the engine moves every
     tensor to the GPU whole in load order (``module.to(device)``: ``whole`` bytes for a parameter, a
@@ -962,15 +962,28 @@ def zero3_whole_load(load: list[tuple[str, int]], whole: dict[str, int],
     empties the cache (``("e",)``: every segment with no live block is released, the whole model's
     among them) and copies them back as one flat buffer. The peak is the whole model and the first
     partition: each later partition replaces a larger whole tensor. What stays is the flat buffer
-    and the buffers (the registered ones are never partitioned)."""
+    and the buffers (the registered ones are never partitioned). Only the trainable parameters'
+    partitions are flattened (``_defragmented``: ``trained``, the names with a gradient; None: all)."""
     ev: list[tuple] = [("a", i, whole.get(name, x)) for i, (name, x) in enumerate(load)]
     params = [i for i, (name, _x) in enumerate(load) if name in whole]
     n = len(load)
     for i in params:                       # _partition_param: torch.empty(partition), copy_, free_param
         ev += [("a", n + i, load[i][1]), ("f", i)]
-    ev += [("f", n + i) for i in params]   # defragment: each partition to the host, its data emptied
-    ev += [("e",), ("a", 2 * n, sum(load[i][1] for i in params))]  # empty_cache; the flat buffer
+    ev += _defragmented(load, params, trained)   # the trainable partitions to one flat buffer
     return tuple(ev), _events_peak(tuple(ev), block)[0]
+
+
+def _defragmented(load: list[tuple[str, int]], params: list[int], trained: set | None) -> list[tuple]:
+    """The events of ZeRO-3's ``defragment`` at the stage-3 optimizer's init: the partitions of the
+    parameters it optimizes (``trainable_param_groups``: those with a gradient, v0.19.8 ``stage3.py``
+    L440-443 -> ``_create_fp16_partitions_with_defragmentation`` L913-973, ``_get_parameter_partitions``
+    L1020-1021) copied to the host and their device data emptied, ``empty_cache()``, one flat buffer of
+    them copied back (``zero/utils.py`` ``defragment`` L215-243); a frozen parameter's partition (LoRA's
+    base weights) stays where it was. ``params``: indices of ``load`` that are parameters (partitions
+    at ``len(load) + i``); ``trained`` the names with a gradient (None: every parameter)."""
+    n = len(load)
+    moved = [i for i in params if trained is None or load[i][0] in trained]
+    return [("f", n + i) for i in moved] + [("e",), ("a", 2 * n, sum(load[i][1] for i in moved))]
 
 
 def zero3_init_on_device(t: TrainingSpec) -> bool:
@@ -982,7 +995,7 @@ def zero3_init_on_device(t: TrainingSpec) -> bool:
 
 
 def zero3_init_build(load: list[tuple[str, int]], whole: dict[str, int],
-                     block: Callable[[int], int]) -> tuple[tuple, int]:
+                     block: Callable[[int], int], trained: set | None = None) -> tuple[tuple, int]:
     """DeepSpeed ZeRO-3 of a model built under ``deepspeed.zero.Init`` (``zero3_init_on_device``) as
     alloc/free events, and their allocated peak (each tensor ``block``-rounded). zero.Init creates
     each module's tensors on the GPU as its ``__init__`` makes them (DeepSpeed 0.19.8
@@ -1017,8 +1030,7 @@ def zero3_init_build(load: list[tuple[str, int]], whole: dict[str, int],
         for k in range(i, j):                                             # _post_init_method
             ev += [("a", n + k, load[k][1]), ("f", k)]
         i = j
-    ev += [("f", n + i) for i in params]   # defragment: each partition to the host, its data emptied
-    ev += [("e",), ("a", 2 * n, sum(load[i][1] for i in params))]  # empty_cache; the flat buffer
+    ev += _defragmented(load, params, trained)   # the trainable partitions to one flat buffer
     return tuple(ev), _events_peak(tuple(ev), block)[0]
 
 
