@@ -126,7 +126,7 @@ class Row:
     @property
     def reserved_diff(self) -> float | None:
         """estimate / trace - 1 of the peak reserved (``max_memory_reserved``): the estimate's replay of
-        the step through the caching allocator (``estimate/reserved.py``) against trace's simulation of
+        the step through the caching allocator (``estimate/reserved/``) against trace's simulation of
         the real op stream; None where either has none (the estimate replays only with ``reserved``)."""
         return _reserved_diff(self.estimate, self.trace)
 
@@ -789,7 +789,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-logits", action="store_true",
                     help="the loop keeps the model output (outputs = model(...)) until the next step")
     ap.add_argument("--reserved", action="store_true",
-                    help="also compare peak reserved (the estimate's allocator replay, estimate/reserved.py, against "
+                    help="also compare peak reserved (the estimate's allocator replay, estimate/reserved/, against "
                     "trace's simulated allocator): printed per row, summarised, and with --write kept in "
                     "docs/agreement_grid.json (estimate_reserved, trace_reserved, reserved_diff)")
     ap.add_argument("--write", action="store_true",

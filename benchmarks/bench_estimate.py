@@ -8,7 +8,7 @@ ZeRO stage x TP size (valid combinations only), drawn with a fixed seed. Three w
 
   api          ``trainmem.estimate(name, **options)``: resolves the model, builds and checks the
                TrainingSpec, runs the engine, replays the step through the caching-allocator
-               simulation for the reserved memory (``estimate/reserved.py``: thousands of simulated
+               simulation for the reserved memory (``estimate/reserved/``: thousands of simulated
                allocations, milliseconds), attaches the (absent) hardware — what users call — with
                the engine's caches cleared first (after one untimed warm-up pass of the process);
   engine cold  ``trainmem.estimate.engine.estimate(model_spec, training_spec)`` with the specs
@@ -37,7 +37,7 @@ import time
 import trainmem
 from trainmem.estimate import engine
 from trainmem.estimate.layers import layer_coefficients
-from trainmem.estimate.quantities import clear_cache as clear_quantities
+from trainmem.estimate.quantities.build import clear_cache as clear_quantities
 from trainmem.spec import TrainingSpec, catalogue_names, resolve_model
 from trainmem.spec.layout import tp_problems
 

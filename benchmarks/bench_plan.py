@@ -63,7 +63,7 @@ def main() -> int:
     base = TrainingSpec(seq_len=4096)
 
     def memory():
-        from trainmem.estimate.quantities import clear_cache
+        from trainmem.estimate.quantities.build import clear_cache
         clear_cache()  # every run computes the quantities of each parallel shape afresh
         return estimate_layouts(m, base, tp=a["tp"], pp=a["pp"], cp=a["cp"], dp=a["dp"], zero=a["zero"],
                                 recompute=a["rec"], sequence_parallel=a["tp"] > 1, batch_size=a["b"],

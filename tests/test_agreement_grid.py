@@ -59,7 +59,7 @@ def test_fsdp2_root_is_gathered_again_at_the_models_own_loss_backward(bench, opt
     """FSDP2 full with the model's own loss: the root, resharded when its forward returns, is
     gathered again by the pre-backward hook on the loss, before NllLossBackward0 runs: its
     all-gather output and its parameters both exist beside the saved log-probabilities
-    (estimate.quantities.root_regathered_at_loss, moment ``fsdp.root_unshard``). Llama (vocabulary
+    (estimate.quantities.fsdp_root.root_regathered_at_loss, moment ``fsdp.root_unshard``). Llama (vocabulary
     32000, h 2048) at 2 x 512 over 4 ranks, 2 micro-batches: the root (500 MiB unsharded) outweighs
     the loss's backward temporaries (250 MiB), so this is the step's peak. Before: -2.19% (-1.68%
     with ``--grad-sync step``); grad-op keeps the root gathered and has no such moment."""
@@ -76,7 +76,7 @@ def test_fsdp2_root_is_gathered_again_at_the_models_own_loss_backward(bench, opt
 def test_fsdp2_root_is_resharded_while_the_loops_loss_runs(bench, fsdp):
     """``--loss upcast``: the loop's cross-entropy runs after ``fully_shard(model,
     reshard_after_forward=True)`` resharded the root; its pre-backward hook sits on the logits
-    (estimate.quantities.root_resharded_for_loss). grad-op keeps the root gathered. Before the fix
+    (estimate.quantities.fsdp_root.root_resharded_for_loss). grad-op keeps the root gathered. Before the fix
     the estimate charged the gathered root there: +12.6% on Qwen2 at 2 x 1024."""
     r = _case(bench, "qwen2", (2, 1024), fsdp=fsdp, dp=2, loss="upcast")
     assert abs(r.diff) < 0.005, (r.estimate.peak_allocated, r.trace.peak_allocated)
@@ -149,7 +149,7 @@ def test_frozen_fp32_experts_save_what_grouped_mm_saves(bench):
     ({"loss": "half", "loss_chunks": 4, "precision": "fp16-amp", "lora_rank": 64}, -0.116),
 ])
 def test_chunked_output_loss_under_lora(bench, options, before):
-    """``estimate.quantities.head_casts``, ``output_holds_cache`` and ``Quantities.cast_checkpointed``.
+    """``estimate.quantities.head_moments.head_casts``, ``output_holds_cache`` and ``Quantities.cast_checkpointed``.
     What remains (<= 1.5%) is the caching allocator's rounding of the per-chunk tensors (each
     >= 10 MiB, rounded to 2 MiB), which the estimate does not apply to activations."""
     r = _case(bench, "llama-gqa", (1, 1024), **options)
@@ -190,7 +190,7 @@ def test_math_sdpa_backward_in_order(bench, precision):
 def test_tied_embedding_gradient_is_replicated_under_tp(bench, options):
     """DTensor TP, tied head, recompute (the embedding's backward is the peak): the embedding's
     gradient is the whole replicated table while it is added to the head's shard
-    (estimate.quantities.tied_replicated_grad). Before: -8.3% (TP), -6.8% (TP x FSDP2)."""
+    (estimate.quantities.head_grads.tied_replicated_grad). Before: -8.3% (TP), -6.8% (TP x FSDP2)."""
     r = _case(bench, "llama-gqa", (2, 1024), recompute="full", tp=2, **options)
     assert r.estimate.peak_where == "embeddings.backward"
     assert "embed_tokens" in r.trace.peak_where
@@ -212,7 +212,7 @@ def test_fsdp2_tied_embedding_has_no_grad_to_add_to_in_later_micro_batches(bench
 ])
 def test_chunked_loss_head_backward(bench, family, options):
     """Every chunk's loss backward runs before the head's; the head's chunk gradients are summed out
-    of place once (estimate.quantities.chunk_head_grads, the ``lm_head.backward`` moments). Before:
+    of place once (estimate.quantities.head_grads.chunk_head_grads, the ``lm_head.backward`` moments). Before:
     -11.6% (Llama-3.2, tied head, 4 chunks), -1.6% (Qwen2 fp32, 8 chunks)."""
     r = _case(bench, family, (1, 1024) if family == "llama-gqa" else (2, 1024), **options)
     assert r.estimate.peak_where.startswith("lm_head.backward")
@@ -248,7 +248,7 @@ def test_fsdp2_forward_unshard_moment(bench, options):
 
 def test_fsdp2_root_post_forward_frees_the_last_all_gather(bench):
     """The loop's loss runs after FSDP2's root post-forward freed the last layer's all-gather output
-    (estimate.quantities.loss_outside_root); grad-op keeps the root gathered until backward, which
+    (estimate.quantities.fsdp_root.loss_outside_root); grad-op keeps the root gathered until backward, which
     the forward's phase end counts (``Quantities.fsdp_root_kept``). Before: +1.3% at the peak and
     -13% at the end of forward (GPT-2, grad-op, dp 4, ``--loss half``)."""
     r = _case(bench, "gpt2", (4, 512), dp=4, fsdp="grad-op", loss="half")
@@ -286,7 +286,7 @@ def test_chunked_loop_soft_caps_each_chunk_as_the_model_does():
     # the model's tanh, which the loop did not compute (the grid's +18.7%)
     ((2, 512), {"lora_rank": 16, "loss": "chunked", "loss_chunks": 4, "precision": "fp32"}, 0.187),
     # litgpt's half chunks: at the head's backward the chunks already back-propagated have freed
-    # their tanh (``quantities.softcap_saved``; +5.96% before both fixes, +2.85% with the loop's alone)
+    # their tanh (``quantities.head_grads.softcap_saved``; +5.96% before both fixes, +2.85% with the loop's alone)
     ((2, 512), {"loss": "half", "loss_chunks": 4, "precision": "bf16"}, 0.0285),
 ])
 def test_chunked_loss_of_a_soft_capped_head(bench, shape, options, before):
@@ -306,7 +306,7 @@ def test_fsdp2_root_post_backward_reduce(bench, family, shape, options):
     """FSDP2 with full recompute: the step's peak is the root's post-backward, where
     ``foreach_reduce`` holds the root's reduce-scatter input (fp32 under bf16-mp), its sharded output
     and the head's unsharded gradient, which the dim-0 loop's variable keeps past
-    ``unsharded_grads.clear()`` (estimate.quantities.fsdp_buffers, moment ``fsdp.root_reduce``)."""
+    ``unsharded_grads.clear()`` (estimate.quantities.fsdp_root.fsdp_buffers, moment ``fsdp.root_reduce``)."""
     r = _case(bench, family, shape, dp=2, fsdp="full", loss="half", recompute="full", **options)
     assert r.estimate.peak_where == "fsdp.root_reduce"
     assert "fsdp_reduce_scatter" in r.trace.peak_where

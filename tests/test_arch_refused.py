@@ -43,7 +43,7 @@ def test_marian_positions_are_frozen_and_its_loss_runs_on_half_logits():
     r = trainmem.resolve(bench.tiny_config("marian"), **SETUP)
     unused = {p.name for p in r.model.parameter_tensors() if p.role == "unused"}
     assert "model.decoder.embed_positions.weight" in unused
-    from trainmem.estimate.quantities import loss_mode
+    from trainmem.estimate.quantities.loss import loss_mode
     assert loss_mode(r.model, r.training) == "half"
     llama = trainmem.resolve(bench.tiny_config("llama"), **SETUP)
     assert loss_mode(llama.model, llama.training) == "upcast"  # transformers' ForCausalLMLoss, measured so

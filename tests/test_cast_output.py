@@ -1,6 +1,6 @@
 """``--cast-output``: Lightning Fabric hands the loop an fp32 copy of the model's logits
 (``_FabricModule.forward`` -> ``precision.convert_output``) and litgpt's loop rebinds ``logits``
-before its loss. The estimate's formulas (``quantities._cast_output_loss_bytes`` and the
+before its loss. The estimate's formulas (``quantities.loss_kinds._cast_output_loss_bytes`` and the
 ``output.cast`` moment) are checked against trace, which runs that step on a transformers Llama cut
 to two layers: the head's chunks, their fp32 copies, litgpt's chunked cross-entropy and backward."""
 from __future__ import annotations
@@ -41,7 +41,7 @@ def test_the_cast_copy_is_the_peak_of_a_half_lora_run():
     e, t = _both(**opts, cast_output=True)
     assert e.peak_where == "output.cast"
     assert "_to_copy" in t.peak_where
-    # the replayed step (estimate/reserved.py) makes the fp32 copies too
+    # the replayed step (estimate/reserved/) makes the fp32 copies too
     assert e.peak_reserved == pytest.approx(t.peak_reserved, rel=0.02)
     plain = trace("llama-3.2-1b", **opts)
     # per logit element: 4 B (previous copy) + 2 B (half) + 4 B (fp32) at the cast against the plain

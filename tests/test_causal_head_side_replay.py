@@ -1,5 +1,5 @@
-"""A causal LM's head side in the reserved replay tensor by tensor (``quantities.causal_lm_head_tensors``,
-``quantities.derived_head_tensors``, ``reserved._head_side``) instead of one block: the final norm's
+"""A causal LM's head side in the reserved replay tensor by tensor (``quantities.outer.causal_lm_head_tensors``,
+``quantities.outer.derived_head_tensors``, ``reserved.loss_forward._head_side``) instead of one block: the final norm's
 tensors (HF RMSNorm: the fp32 input copy, ``pow``'s fp32 temporary, ``rsqrt``, the fp32 normed tensor
 and its half cast), the norm's output (under autocast held by the model's forward until its loss
 returns) and the head's input.
@@ -17,7 +17,8 @@ import pytest
 import trainmem
 from trainmem.estimate import quantities
 from trainmem.estimate.layers import Policy
-from trainmem.estimate.quantities import HEAD_KEYS, HEAD_SAVED, head_side_tensors, outer_tensors
+from trainmem.estimate.quantities.model_facts import HEAD_KEYS
+from trainmem.estimate.quantities.outer import HEAD_SAVED, head_side_tensors, outer_tensors
 from trainmem.spec import TrainingSpec, resolve_model
 
 LLAMA_GQA = ("llama-3.2-1b", ["num_hidden_layers=2"])
@@ -29,15 +30,15 @@ PHI3 = ("phi-3-mini", ["num_hidden_layers=2", "hidden_size=1024", "intermediate_
 def _one_block(monkeypatch, m, t) -> int:
     """The estimate's peak reserved as it was before: the head side as one block."""
     from trainmem.estimate import engine
-    quantities._CACHE.clear()
+    quantities.build._CACHE.clear()
     engine.forget_replays()
-    monkeypatch.setattr(quantities, "causal_lm_head_tensors", lambda *a: ())
-    monkeypatch.setattr(quantities, "derived_head_tensors", lambda *a: ())
+    monkeypatch.setattr(quantities.outer, "causal_lm_head_tensors", lambda *a: ())
+    monkeypatch.setattr(quantities.outer, "derived_head_tensors", lambda *a: ())
     try:
         return trainmem.estimate(m, training=t).peak_reserved
     finally:
         monkeypatch.undo()
-        quantities._CACHE.clear()
+        quantities.build._CACHE.clear()
         engine.forget_replays()
 
 
@@ -71,7 +72,7 @@ def test_causal_lm_head_tensors_sum_to_the_head_side(model, precision, lora, los
     head = sum(tok for name, tok, _sq in outer_tensors(m, t, pol, "") if name in HEAD_KEYS)
     assert parts
     assert sum(x for x, held in parts if held == HEAD_SAVED) == pytest.approx(head)
-    assert any(held == quantities.HEAD_LOSS for _x, held in parts) == (loss is None and (pol.amp or bool(lora)))
+    assert any(held == quantities.outer.HEAD_LOSS for _x, held in parts) == (loss is None and (pol.amp or bool(lora)))
 
 
 def test_derived_head_tensors_only_where_the_derivation_agrees():

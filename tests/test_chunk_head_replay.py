@@ -1,10 +1,10 @@
 """The reserved replay of the LM head's backward under a chunked loss (``--loss-chunks``;
-``estimate/reserved.py`` ``_chunk_head_backward``), found by the reserved column of the sampled
+``estimate/reserved/loss_backward.py`` ``_chunk_head_backward``), found by the reserved column of the sampled
 agreement grid (``benchmarks/bench_agreement.py --reserved``, docs/agreement.md "Peak reserved").
 
 The head runs once per chunk, and each chunk's matmul backward makes a weight gradient of the whole
 head; the first two meet in an out-of-place add, so two chunk gradients and their sum exist at once
-(``quantities.chunk_head_grads``, which the allocated moments already count). The replay made only the
+(``quantities.head_grads.chunk_head_grads``, which the allocated moments already count). The replay made only the
 final gradient, so it neither reserved the three blocks nor reached the moments' allocated peak.
 Before -> after, estimate / trace - 1 of peak reserved: GPT-2 (2 layers) 2 x 512, bf16-amp, 8 chunks
 -11.62% -> +0.53%; Gemma-2 (2 layers) 2 x 1024, pure bf16, 4 chunks -> +19.62% -> +0.01%.

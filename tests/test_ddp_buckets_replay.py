@@ -1,4 +1,4 @@
-"""DDP built on the default stream in the reserved replay (``estimate/reserved.py`` ``_ddp_init``,
+"""DDP built on the default stream in the reserved replay (``estimate/reserved/ddp.py`` ``_ddp_init``,
 ``_ddp_rebuild``), found by the reserved column of the sampled agreement grid
 (``benchmarks/bench_agreement.py --reserved``; docs/agreement.md "Peak reserved on the sampled grid").
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 from conftest import load_benchmark
 
-from trainmem.estimate.reserved import ddp_buckets, flat_copies
+from trainmem.estimate.reserved.ddp import ddp_buckets, flat_copies
 
 MiB = 1 << 20
 

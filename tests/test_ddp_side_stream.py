@@ -1,11 +1,12 @@
 """DDP built on a side stream (``--ddp-init-stream side``, Lightning's DDPStrategy: ``wrappers.ddp``): the
 construction's broadcast chunks and the first iteration's bucket stay cached in a pool nothing else
-uses (``estimate.reserved._ddp_side_stream``). Found by Raschka's cvpr2023 Fabric DDP row (-19.95 %)."""
+uses (``estimate.reserved.ddp._ddp_side_stream``). Found by Raschka's cvpr2023 Fabric DDP row (-19.95 %)."""
 import pytest
 
 from trainmem.allocator import CachingAllocator
 from trainmem.estimate.api import estimate
-from trainmem.estimate.reserved import DDP_INIT_STREAM, _ddp_side_stream, _Replay, flat_copies
+from trainmem.estimate.reserved.ddp import DDP_INIT_STREAM, _ddp_side_stream, flat_copies
+from trainmem.estimate.reserved.replay import _Replay
 
 MiB = 1 << 20
 
@@ -46,7 +47,7 @@ def test_cvpr23_fabric_ddp_row():
     """torchvision-shaped ViT-B/16 under Fabric's DDP (fixture cvpr23_05): the side stream holds the two
     broadcast chunks (252 and 78 MiB segments of the 327 MiB of fp32 weights) and the one 328 MiB bucket.
     Built on the current stream, the construction's flat copies and first bucket are replayed too
-    (``reserved._ddp_init``), in the default pool where the step reuses them, so the side stream adds at
+    (``reserved.ddp._ddp_init``), in the default pool where the step reuses them, so the side stream adds at
     least its own 658 MiB and at most what trace's two constructions differ by (3862 - 3166 MiB)."""
     opts = dict(set=["num_labels=10"], task="image-classification", batch_size=16, optimizer="adam",
                 optimizer_impl="foreach", zero_grad="zeros", hold_output="step", image_size=224,

@@ -1,4 +1,4 @@
-"""An interleaved pipeline rank's DDP modules in the reserved replay (``estimate/reserved.py``
+"""An interleaved pipeline rank's DDP modules in the reserved replay (``estimate/reserved/``
 ``_DdpStages``, ``stage_loads``, ``stage_grads``), found by the reserved column of the sampled agreement
 grid (``benchmarks/bench_agreement.py --reserved``; docs/agreement.md "Peak reserved on the sampled grid").
 
@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 from conftest import load_benchmark
 
-from trainmem.estimate.reserved import stage_grads, stage_loads
+from trainmem.estimate.reserved.ddp import stage_grads, stage_loads
 
 MiB = 1 << 20
 
@@ -67,6 +67,6 @@ def test_the_replay_holds_every_stage_s_buckets(bench, family, precision):
     # the replay's allocated peak is trace's (before, the estimate's -15.5 % and -17.0 %: no DDP bucket
     # replayed; since the head's gradient added into .grad, _accumulated, the replay's meets trace's
     # 9311 MiB on Llama-3.2), and so are the estimate's allocated moments since they count that gradient
-    # too (quantities.head_added_grads: -2.7 % before, tests/test_head_added_grad.py)
+    # too (quantities.head_moments.head_added_grads: -2.7 % before, tests/test_head_added_grad.py)
     assert abs(r.estimate.extra["replay_peak_allocated"] / r.trace.peak_allocated - 1) <= 0.01
     assert abs(r.estimate.peak_allocated / r.trace.peak_allocated - 1) <= 0.01

@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO's engine buffers in the estimate (``quantities.deepspeed_buckets``,
+"""DeepSpeed ZeRO's engine buffers in the estimate (``quantities.zero_partition.deepspeed_buckets``,
 ``deepspeed_step_grad``) and the DeepSpeed config file (``spec/deepspeed.py``).
 
 The mechanisms follow DeepSpeed's source (commit 38327e0): stage 1/2 bucket buffers live through
@@ -36,7 +36,7 @@ def test_zero2_buckets_live_through_backward_two_under_overlap_comm(release):
     from it the first gradient's hook makes them (``TrainingSpec.ds_buckets_at_backward_start``).
     Every gradient fits this bucket, so the epilogue reduces them all at once: without contiguous
     gradients they are all there, unsharded, beside their flat copy (``deepspeed.reduce``,
-    ``quantities.deepspeed_epilogue``: less than the bucket more than with it)."""
+    ``quantities.zero_partition.deepspeed_epilogue``: less than the bucket more than with it)."""
     big = 2_000_000_000
     kw = dict(reduce_bucket_size=big, deepspeed_version=release, **BASE)
     one = trainmem.estimate(MODEL, zero=2, overlap_comm=False, **kw)
@@ -68,7 +68,7 @@ def test_step_makes_fp32_partition_and_flat_copy():
     the gradients kept for the cast (stage 2: ``grads_in_partition``, freed by the step), the fp32
     gradient of the partition and its flat bf16 copy (stage 2: one group, the whole partition); an
     fp32 engine's cast is the flat copy itself."""
-    from trainmem.estimate.quantities import quantities
+    from trainmem.estimate.quantities.build import quantities
     from trainmem.spec.resolve import resolve
     r = trainmem.estimate(MODEL, zero=2, **BASE)
     n = -(-r.model.num_params // 4)  # trainable elements / dp (every parameter trains)
@@ -158,7 +158,7 @@ def test_published_lightning_deepspeed_zero3_gpt2_xl():
 
 
 def test_zero3_reuse_distance_keeps_layers_only_without_the_prefetchers_marks():
-    """stage3_max_reuse_distance (``quantities.deepspeed_gather_zones``): without prefetch a module's
+    """stage3_max_reuse_distance (``quantities.zero3_gather.deepspeed_gather_zones``): without prefetch a module's
     parameters stay gathered after its forward while their next use lies within the distance: at the
     top layer's forward the K layers below it (2 head + 3 j layer < distance under full recompute; the
     tied head is not gathered yet). With the default prefetch the prefetcher's passes over gathered
@@ -191,7 +191,7 @@ def test_zero2_gradient_partition_is_whole_once_backward_reduces():
     layer-backward moment holds at least the states, the weights and that partition; when every
     gradient fits in one bucket (DeepSpeed's default 500M elements), the epilogue makes it after
     the layers (``reduce_first_in_backward``)."""
-    from trainmem.estimate.quantities import quantities
+    from trainmem.estimate.quantities.build import quantities
     from trainmem.estimate.states import model_states
     from trainmem.spec.resolve import resolve
     small = dict(seq_len=128, batch_size=1, reduce_bucket_size=10 ** 7)

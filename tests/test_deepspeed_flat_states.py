@@ -1,13 +1,13 @@
 """DeepSpeed's flat optimizer partitions, found on Giles Thomas's Qwen1.5-0.5B rows (docs/validation.md):
 
-* ZeRO-3's optimizer step in the estimate's reserved replay (``reserved._zero3_step``): per flat fp32
+* ZeRO-3's optimizer step in the estimate's reserved replay (``reserved.zero_step._zero3_step``): per flat fp32
   sub-group, the half gradients flattened and cast to fp32 (the flat copy freed), then, at the first
   step, the optimizer's states made as flat tensors of the sub-group's elements, then the fp32 gradient
   dropped (DeepSpeed v0.19.8 ``stage3.py`` ``step`` L2873-2930, ``_prepare_fp32_grad_for_sub_group``
   L2683-2700, ``_optimizer_step`` L1235-1260, ``_release_sub_group`` L2731-2736; v0.14.2 the same);
 * ZeRO-3's fp32 master and states counted as flat tensors, rounded once (``states.flat_zero``);
 * ZeRO-1/2's GPU gradient buffer when the optimizer is offloaded
-  (``quantities.deepspeed_offload_grad_buffer``)."""
+  (``quantities.zero_offload.deepspeed_offload_grad_buffer``)."""
 from __future__ import annotations
 
 import json
@@ -16,7 +16,8 @@ from types import SimpleNamespace
 
 import trainmem
 from trainmem.allocator_rules import block_bytes
-from trainmem.estimate.reserved import _Replay, _Step, _zero3_step, _zero3_sub_groups
+from trainmem.estimate.reserved.replay import _Replay, _Step
+from trainmem.estimate.reserved.zero_step import _zero3_step, _zero3_sub_groups
 
 MiB = 2 ** 20
 
@@ -90,8 +91,8 @@ def test_published_row_reserved_moves_up_allocated_stays():
     step's (measured 10,896 MiB, estimated within 0.1 %); the reserved peak (13,046 MiB) was 16.3 % under
     with the states made per tensor before the cast, 10.8 % under with them made as DeepSpeed makes
     them, 6.3 % under with the gradient partition buffer made in the optimizer's ``__init__`` before its
-    gathers (``reserved._zero3_flat_grads``), 4.0 % under with the step's float64 norm copies and
-    the gathers' streams (``reserved._zero3_step``), and is 2.9 % over with the reduce ``cat`` on one
+    gathers (``reserved.zero_step._zero3_flat_grads``), 4.0 % under with the step's float64 norm copies and
+    the gathers' streams (``reserved.zero_step._zero3_step``), and is 2.9 % over with the reduce ``cat`` on one
     rank (885 MiB on the reduce stream: the replay is trace's within 2 MiB without the release pins)
     and the states made once per tensor (docs/validation.md, fifteenth session: the rest is the 4.40
     release's load, which trace cannot run)."""

@@ -1,5 +1,5 @@
 """DeepSpeed ZeRO-3's parameter coordinator replayed (``estimate.zero3_replay``) and the estimate's
-gathered parameters built on it (``quantities.deepspeed_gather_zones``), checked on toy orders and
+gathered parameters built on it (``quantities.zero3_gather.deepspeed_gather_zones``), checked on toy orders and
 against DeepSpeed's own engine traced (the installed release; the coordinator is the same code at
 v0.14.2 and v0.19.8, ``partitioned_param_coordinator.py`` ``fetch_sub_module``)."""
 from __future__ import annotations
@@ -150,7 +150,7 @@ def test_events_rebuild_the_replays_gathered_storage_at_every_fetch():
 @pytest.mark.parametrize("layers", [2, 6])
 def test_reserved_replay_follows_the_coordinators_gathers(one_torch_thread, layers):
     """The reserved replay gathers and releases as the coordinator does, and reduces each gradient
-    bucket at its hook (``reserved._Zero3Replay``): Llama-3-8B cut to 2 / 6 layers over 8 ranks, one
+    bucket at its hook (``reserved.zero_gather._Zero3Replay``): Llama-3-8B cut to 2 / 6 layers over 8 ranks, one
     token, against DeepSpeed 0.19.8's engine traced: reserved 9,424 MiB against 9,428 and 11,583 against
     11,588 (its own gather model before: 9,151, -2.9%, and 11,956, +3.2%)."""
     pytest.importorskip("deepspeed")

@@ -1,5 +1,5 @@
 """DeepSpeed ZeRO-3 makes an untied head's weight gradient whole at its ``MmBackward0``, beside the
-logits' gradient and the gathered head, before its hook partitions it (``quantities.deepspeed_head_wgrad``,
+logits' gradient and the gathered head, before its hook partitions it (``quantities.zero_partition.deepspeed_head_wgrad``,
 moment ``deepspeed.head_wgrad``; v0.14.2 ``stage3.py`` ``__add_grad_to_ipg_bucket`` L1191-1243). Found
 by tracing DeepSpeed 0.14.2's engine on Giles Thomas's Llama-3-8B ZeRO-3 row at one token: the traced
 peak (31,721 MiB) is the head's ``mm`` backward, which the estimate had no moment for (30,814 MiB; now
@@ -11,7 +11,7 @@ import os
 
 import trainmem
 from trainmem.allocator_rules import block_bytes
-from trainmem.estimate.quantities import deepspeed_head_wgrad
+from trainmem.estimate.quantities.zero_partition import deepspeed_head_wgrad
 from trainmem.estimate.states import model_states
 from trainmem.spec.resolve import resolve
 

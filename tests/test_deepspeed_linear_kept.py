@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO-3 of a model built outside ``zero.Init`` in releases up to 0.19.3 trains with torch's own
 ``F.linear``: ``MmBackward`` saves the transposed weight, a view of the gathered storage, so ZeRO-3's
 ``free_param`` after the module's forward frees nothing until that linear's backward
-(``quantities.deepspeed_linear_kept``; ``zero3_linear_wrap`` saves the parameter itself and is installed
+(``quantities.zero3_gather.deepspeed_linear_kept``; ``zero3_linear_wrap`` saves the parameter itself and is installed
 only by ``zero.Init``'s ``__enter__`` at v0.14.2, also for ``Init(module=...)`` from DeepSpeed #8189, v0.19.4).
 Found on Giles Thomas's Llama-3-8B ZeRO-3 rows over 8 GPUs (docs/validation.md, fifteenth session)."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 import trainmem
 from trainmem.allocator_rules import block_bytes
-from trainmem.estimate.quantities import deepspeed_linear_kept
+from trainmem.estimate.quantities.zero3_gather import deepspeed_linear_kept
 from trainmem.spec.resolve import resolve
 
 MiB = 2 ** 20

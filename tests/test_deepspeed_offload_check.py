@@ -1,10 +1,10 @@
 """DeepSpeed ZeRO-1/2 with the optimizer offloaded checks each gradient of the rank's partition for
-inf/NaN elementwise before handing it to the host (``quantities.deepspeed_offload_check``): v0.14.2
+inf/NaN elementwise before handing it to the host (``quantities.zero_offload.deepspeed_offload_check``): v0.14.2
 ``stage_1_and_2.py`` ``copy_grads_in_partition`` L1320-1333 -> ``update_overflow_tracker_for_param_grad``
 L1167-1170 -> ``_has_inf_or_nan`` L2019-2025 (an fp32 copy, three bool masks, a second fp32 tensor: 11 B
 per element of the whole gradient, all alive at once), replaced by a max/min test in DeepSpeed #8325
 (``runtime/utils.py`` ``has_inf_or_nan``, first in v0.19.6), after which the norm's float64 copy is the
-largest step (``quantities.deepspeed_offload_steps``). Found on Giles Thomas's Llama-3-8B ZeRO-2 offload
+largest step (``quantities.zero_offload.deepspeed_offload_steps``). Found on Giles Thomas's Llama-3-8B ZeRO-2 offload
 rows over 8 GPUs (docs/validation.md, fifteenth session)."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import os
 
 import trainmem
 from trainmem.allocator_rules import block_bytes
-from trainmem.estimate.quantities import deepspeed_offload_check, deepspeed_offload_check_head
+from trainmem.estimate.quantities.zero_offload import deepspeed_offload_check, deepspeed_offload_check_head
 from trainmem.spec.resolve import resolve
 
 MiB = 2 ** 20
@@ -106,7 +106,7 @@ def test_rank0_gradients_are_its_partition_in_registration_order():
     """Rank 0 hands the host the parameters overlapping its ceil(8,030,261,248 / 8) elements: the
     embedding whole first, the last one only in part (``grad_position``'s ``num_elements``); the
     replay takes them in backward's order, the embedding's three steps last."""
-    from trainmem.estimate.quantities import deepspeed_offload_epilogue, deepspeed_offload_grads
+    from trainmem.estimate.quantities.zero_offload import deepspeed_offload_epilogue, deepspeed_offload_grads
     fx = json.load(open(os.path.join(PUBLISHED, "gpjt_llama3_8b_zero2_offload_gc_s1_dp8_es.json")))
     m, t, st = _resolved(fx)
     grads = deepspeed_offload_grads(m, t, st)

@@ -1,5 +1,5 @@
 """DeepSpeed ZeRO-1/2 with the optimizer offloaded, before v0.17.0, copies the rank's fp32 master partition
-to the GPU at each step to cast it into the half partition (``quantities.deepspeed_offload_upload``):
+to the GPU at each step to cast it into the half partition (``quantities.zero_offload.deepspeed_offload_upload``):
 v0.14.2 ``stage_1_and_2.py`` L1868-1871 ``bit16_partitions[partition_id].data.copy_(fp32_partition.to(
 get_accelerator().current_device_name()).data)``; DeepSpeed #7309 (first in v0.17.0) replaced it by a
 pinned 16-bit host buffer. Found on Giles Thomas's Llama-3-8B ZeRO-2 offload rows (ranks 1-4 at 20,418 MiB,
@@ -11,7 +11,7 @@ import os
 
 import trainmem
 from trainmem.allocator_rules import block_bytes
-from trainmem.estimate.quantities import deepspeed_offload_upload
+from trainmem.estimate.quantities.zero_offload import deepspeed_offload_upload
 from trainmem.estimate.states import model_states
 from trainmem.spec.resolve import resolve
 

@@ -114,7 +114,7 @@ def test_batch_1_without_its_stored_set_nor_torch_takes_the_stored_one_with_a_no
     def fresh():
         derived._coefficients.cache_clear()
         derived._NOTES.clear()
-        quantities.clear_cache()
+        quantities.build.clear_cache()
     fresh()
     try:
         est = trainmem.estimate("qwen3-0.6b", seq_len=2048, precision="bf16")
@@ -462,7 +462,7 @@ def test_derived_model_takes_a_shifted_logits_copy():
     opts = dict(batch_size=4, seq_len=512, precision="fp16", loss="half", optimizer="sgd")
     shifted = trainmem.estimate(opt, loss_shift="logits", **opts)  # first: the derivation runs for it
     plain = trainmem.estimate(opt, **opts)
-    # the half copy lives while log_softmax runs: the forward's peak, not backward's (quantities.loss_bytes)
+    # the half copy lives while log_softmax runs: the forward's peak, not backward's (quantities.loss.loss_bytes)
     fwd = [next(p.peak for p in r.phases if p.name == "forward" and p.step == 2) for r in (plain, shifted)]
     assert fwd[1] - fwd[0] == 4 * 512 * 32000 * 2
 

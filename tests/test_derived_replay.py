@@ -20,13 +20,13 @@ L12 = ["num_hidden_layers=12"]
 
 def _without_sequence(monkeypatch, model: str, kw: dict) -> int:
     """The estimate's reserved peak as it was before: the derived layer as its parts."""
-    quantities._CACHE.clear()
+    quantities.build._CACHE.clear()
     monkeypatch.setattr(derived, "_sequence", lambda doc, kinds: {})
     try:
         return trainmem.estimate(model, **kw).peak_reserved
     finally:
         monkeypatch.undo()
-        quantities._CACHE.clear()
+        quantities.build._CACHE.clear()
 
 
 def _check(monkeypatch, model: str, kw: dict, rel: float) -> None:
@@ -82,12 +82,14 @@ def test_the_derivation_records_the_layer_sequence():
 
 
 def test_sequence_forward_follows_the_events():
-    """``reserved._sequence_forward`` on a made-up layer: saved tensors kept, a temporary freed where
+    """``reserved.layer_forward._sequence_forward`` on a made-up layer: saved tensors kept, a temporary freed where
     its event says, one freed by the next layer after its first tensor, a saved tensor the trace did
-    not record (``quantities.derived_clamp``) made after the traced ones."""
+    not record (``quantities.layer_terms.derived_clamp``) made after the traced ones."""
     from types import SimpleNamespace
 
-    from trainmem.estimate.reserved import _Parts, _Replay, _sequence_forward
+    from trainmem.estimate.reserved.layer_forward import _sequence_forward
+    from trainmem.estimate.reserved.parts import _Parts
+    from trainmem.estimate.reserved.replay import _Replay
     mib = 1 << 20
     layer = SimpleNamespace(linears=(), after_uncast=())
     q = SimpleNamespace(cast_layer=0, linear_replay=0, detail=SimpleNamespace(layer=layer))

@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO-1/2's reduction of the last bucket at backward's epilogue makes a flat copy of each group of
-partition slices ``allreduce_and_scatter`` gathers past ``reduce_bucket_size`` (``quantities.deepspeed_epilogue_cats``,
-``reserved._zero12_epilogue``): ``average_tensor`` cuts the bucket into one slice per partition, merged by rank,
+partition slices ``allreduce_and_scatter`` gathers past ``reduce_bucket_size`` (``quantities.zero_partition.deepspeed_epilogue_cats``,
+``reserved.zero_step._zero12_epilogue``): ``average_tensor`` cuts the bucket into one slice per partition, merged by rank,
 and ``allreduce_bucket``'s ``self.flatten`` concatenates a group of more than one (v0.19.8 ``stage_1_and_2.py``
 L1590-1725, L2359-2367).
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainmem.estimate.quantities import deepspeed_epilogue_cats
+from trainmem.estimate.quantities.zero_partition import deepspeed_epilogue_cats
 from trainmem.estimate.states import model_states
 from trainmem.spec.resolve import resolve
 

@@ -1,4 +1,4 @@
-"""The reserved replay of DeepSpeed runs (``estimate/reserved.py``): ZeRO-3's reduce ``cat`` per bucket
+"""The reserved replay of DeepSpeed runs (``estimate/reserved/``): ZeRO-3's reduce ``cat`` per bucket
 (one rank too), ZeRO-3's step states once per tensor, ZeRO-1/2's offload epilogue copies per gradient,
 and an older transformers release's fp32-logits loss tensor by tensor. Found on Giles Thomas's
 Qwen1.5-0.5B rows (docs/validation.md, fifteenth session); each test checks one mechanism."""
@@ -10,7 +10,8 @@ import pytest
 
 import trainmem
 from trainmem import allocator
-from trainmem.estimate.quantities import deepspeed_offload_epilogue, deepspeed_reduce_cat
+from trainmem.estimate.quantities.zero_offload import deepspeed_offload_epilogue
+from trainmem.estimate.quantities.zero_step import deepspeed_reduce_cat
 from trainmem.estimate.states import model_states
 from trainmem.spec.resolve import resolve
 
@@ -126,7 +127,8 @@ def _fetcher(monkeypatch, recorded: bool, max_live: int, kept: int = 2) -> list:
     elements (1 byte each), prefetch bucket 25, every layer's forward then backward."""
     from types import SimpleNamespace
 
-    from trainmem.estimate.reserved import GATHER_STREAM, _Replay, _Zero3Fetch
+    from trainmem.estimate.reserved.replay import GATHER_STREAM, _Replay
+    from trainmem.estimate.reserved.zero_gather import _Zero3Fetch
     q = SimpleNamespace(ds_layer_params=(10, 20, 30), ds_param_bytes=1, ds_streams=1, ds_prefetch=25,
                         ds_max_live=max_live, layers=2, ds_layers_kept=kept, ds_emb_kept=0, ds_emb_numel=0)
     seen = _requests(monkeypatch)
@@ -168,7 +170,7 @@ def test_zero3_reduce_cat_bucket_by_bucket():
     """The gradients fill reduce_bucket_size in backward order: Llama-3.2-1B cut to 4 layers (506M
     elements) has the layers' gradients (and the final norm's) in the first bucket, concatenated, and
     the tied embedding alone in the second, reduced in place (found by trace: a 464 MiB ``cat``, bf16)."""
-    from trainmem.estimate.quantities import deepspeed_reduce_cats
+    from trainmem.estimate.quantities.zero_step import deepspeed_reduce_cats
     rs = resolve("llama-3.2-1b", framework="hf-trainer", zero=3, dp=2, precision="bf16",
                  set=["num_hidden_layers=4"])
     st = model_states(rs.model, rs.training)

@@ -38,7 +38,7 @@ def _traced(monkeypatch, precision: str):
 @pytest.mark.parametrize("precision", ["bf16-amp", "fp16-amp"])
 def test_first_step_makes_no_global_table_for_the_tied_head_cast(monkeypatch, precision):
     """The whole (vocab, hidden) table is made once per backward, by ``embedding_dense_backward``
-    (replicated: ``quantities.tied_replicated_grad``); ``ToCopyBackward0``'s fp32 gradient of the
+    (replicated: ``quantities.head_grads.tied_replicated_grad``); ``ToCopyBackward0``'s fp32 gradient of the
     head's cast weight is this rank's rows in both steps."""
     m, t, _, trackers = _traced(monkeypatch, precision)
     vocab, hidden = m.config["vocab_size"], m.config["hidden_size"]
@@ -59,7 +59,7 @@ def test_estimate_agrees_with_trace_under_tp_autocast_tied(monkeypatch):
     global-shape fake output of the first step's sharding propagation counted for good (768 KiB here,
     a different byte count than any real tensor). The forward's end is left out: there the estimate
     is 1.4 MiB short of trace in this setup, before and after, for reasons of its own. Peaks: the
-    allocated to 0.1 %, the reserved (the replay, ``estimate/reserved.py``) to 1 %."""
+    allocated to 0.1 %, the reserved (the replay, ``estimate/reserved/``) to 1 %."""
     m, t, r, _ = _traced(monkeypatch, "bf16-amp")
     e = estimate(m, t, reserved=True)
     assert e.peak_allocated == pytest.approx(r.peak_allocated, rel=0.001)

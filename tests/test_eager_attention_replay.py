@@ -1,5 +1,5 @@
 """Eager attention's forward temporaries in the reserved replay of a hand-written layer
-(``layers.Builder._eager_forward``, ``reserved._attn_allocs``).
+(``layers.Builder._eager_forward``, ``reserved.layer_forward._attn_allocs``).
 
 transformers 5.24.0 ``eager_attention_forward`` (``models/qwen2/modeling_qwen2.py`` L155-159) makes the
 scores, the scaled scores and the masked scores, (b, heads, s, s) each, and under pure bf16 softmax's

@@ -16,7 +16,7 @@ import torch
 import trainmem
 import trainmem.trace.compiled as compiled
 from trainmem.estimate.layers import layer_coefficients
-from trainmem.estimate.quantities import layer_key
+from trainmem.estimate.quantities.model_facts import layer_key
 from trainmem.spec.resolve import resolve
 from trainmem.trace.api import trace
 from compile_graphs import saved_bases
@@ -81,7 +81,8 @@ def test_the_loss_saves_the_logits_and_16_bytes_per_token(monkeypatch):
     """What the partition saves outside the layers for the loss: the half logits (returned too)
     and, per token, the fp32 max and log-sum-exp and the int64 padded labels
     (``_compiled_loss_bytes``: saved_tok 16)."""
-    from trainmem.estimate.quantities import LossBytes, loss_bytes
+    from trainmem.estimate.quantities.loss import loss_bytes
+    from trainmem.estimate.quantities.loss_kinds import LossBytes
     from trainmem.estimate.layers import Policy
     catch = _Catch(monkeypatch)
     b, s = 2, 128
@@ -134,7 +135,7 @@ def test_the_warning_names_layers_without_a_compiled_recipe(options, warned):
 
 @pytest.mark.parametrize("precision", ["bf16", "bf16-amp"])
 def test_tied_embedding_backward_under_compile(precision):
-    """A tied embedding's compiled backward (``quantities.compiled_tied_grads``: the head's part and
+    """A tied embedding's compiled backward (``quantities.head_grads.compiled_tied_grads``: the head's part and
     two fp32 tables of the embedding's, summed in the graph): llama-3.2-1b with two layers, where
     the backward's peak is that moment; the backward phase's peak within 2% of trace --compile
     (the eager quantities: bf16 -20%, bf16-amp +14%)."""

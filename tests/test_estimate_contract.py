@@ -145,7 +145,7 @@ def test_device_used_is_reserved_plus_cuda_context():
 def test_without_gpu_fits_and_device_memory_are_null():
     d = trainmem.estimate("gpt2", seq_len=256).to_dict()
     assert d["fits"] is None and d["device_used"] is None and d["capacity"] is None
-    # reserved memory needs no GPU: the step replayed through the caching allocator (estimate/reserved.py)
+    # reserved memory needs no GPU: the step replayed through the caching allocator (estimate/reserved/)
     assert d["peak_reserved"] >= d["peak_allocated"]
 
 

@@ -480,9 +480,9 @@ def test_states_quantity_is_what_the_report_shows(case):
     assert cats.get("master_weights", 0) == s.master
     # gradients and optimizer states are listed as alive at the peak: never more than the full amounts
     # (DeepSpeed ZeRO-2's gradient buffer holds the whole parameters that overlap the rank's partition,
-    # quantities.deepspeed_partition_grads; under accumulation the earlier micro-batches' are kept
+    # quantities.zero_partition.deepspeed_partition_grads; under accumulation the earlier micro-batches' are kept
     # beside it, ``all_grad_tensors``: tests/test_trace_deepspeed.py, against DeepSpeed's engine)
-    from trainmem.estimate.quantities import deepspeed_partition_grads
+    from trainmem.estimate.quantities.zero_partition import deepspeed_partition_grads
     held = deepspeed_partition_grads(m, t, s)
     earlier = held if (t.zero == 2 and t.grad_accum > 1) else 0
     assert cats.get("gradients", 0) <= max(s.grads, held) + earlier

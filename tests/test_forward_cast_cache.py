@@ -1,10 +1,10 @@
 """The reserved replay keeps autocast's cached half weight copies through a fully recomputed forward
-under FSDP2 (``reserved._forward_casts``, ``_checkpointed``).
+under FSDP2 (``reserved.layer_forward._forward_casts``, ``_checkpointed``).
 
 ``cached_cast`` (``aten/src/ATen/autocast_mode.cpp``) caches the bf16 copy of an fp32 leaf weight that
 requires grad until the outermost autocast exits after the loss; FSDP2's unsharded parameters are such
 leaves, so every layer's copies outlive its reshard. The replay made them only where it replays the
-backward linear by linear (``quantities.per_linear_replay``: not under FSDP, TP or ZeRO), so under
+backward linear by linear (``quantities.head_moments.per_linear_replay``: not under FSDP, TP or ZeRO), so under
 FSDP2 its forward lacked them: ``make run``'s Llama-3.1-8B (FSDP2 over 8, b2 s4096, full
 recomputation) read 54.56 against trace's 58.55 GiB peak reserved, its replay's allocated peak 33.0
 against 44.2 GiB (docs/validation.md, ``runex``).
@@ -54,11 +54,11 @@ def test_fsdp2_full_recompute_peak_reserved_is_traces(one_torch_thread):
 def test_forward_casts_are_the_recipes_linears():
     """Under FSDP2 the copies' sizes are the layer's linears in forward order, bf16 (out x in x 2 B),
     summing to the layer's cast bytes; the backward's linear-by-linear gate stays off there."""
-    from trainmem.estimate.quantities import quantities
+    from trainmem.estimate.quantities.build import quantities
     from trainmem.spec import TrainingSpec, resolve_model
     q = quantities(resolve_model(DEEP), TrainingSpec(**{k: v for k, v in KW.items()}))
-    casts = reserved._forward_casts(q)
+    casts = reserved.layer_forward._forward_casts(q)
     h, f = WIDE["hidden_size"], WIDE["intermediate_size"]
     assert casts == [h * h * 2] * 4 + [f * h * 2] * 3
     assert sum(casts) == q.cast_layer
-    assert reserved._linear_casts(q) is None
+    assert reserved.layer_forward._linear_casts(q) is None

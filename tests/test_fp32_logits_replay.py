@@ -7,7 +7,7 @@ The installed transformers cannot build 4.37.2's model, but its head and loss ar
 ``logits = logits.float()``, ``shift_logits = logits[..., :-1, :].contiguous()``, ``CrossEntropyLoss()``
 on its ``view(-1, vocab)``, the fp32 ``logits`` returned in ``CausalLMOutputWithPast``), which
 ``_release_forward`` puts in place of the installed ``LlamaForCausalLM.forward`` for one trace. The
-estimate makes those tensors one by one (``reserved._fp32_logits_forward`` / ``_fp32_logits_backward``);
+estimate makes those tensors one by one (``reserved.loss_forward._fp32_logits_forward`` / ``_fp32_logits_backward``);
 trace's emulated caching allocator places the outputs of the real ops (``log_softmax``, ``nll_loss``
 and their backward kernels, ``slice_backward``, ``ToCopyBackward0``). Checked while looking for the
 Answer.AI QLoRA b10 row's +11.7 % (docs/validation.md, nineteenth session, `logits`): the replay and

@@ -3,16 +3,16 @@
 Found by Llama-2-7B cut to 2 layers, b2 s1024, pure bf16, full reentrant recomputation, flash SDPA,
 FSDP1 dp 2 full fine-tuning, against trace's peak reserved memory: -11.03 % (after the no-grad
 replay of ``estimate/nograd.py``), -5.95 % once the layer's recomputed tensors and its transient are
-freed before the flat gradient's ``cat`` (``reserved._fsdp1_reduce``), -0.49 % with FSDP1's lazy init
-(``quantities.fsdp1_lazy_init``). Its LoRA r64 twin: -5.41 % -> -4.29 %.
+freed before the flat gradient's ``cat`` (``reserved.fsdp._fsdp1_reduce``), -0.49 % with FSDP1's lazy init
+(``quantities.fsdp1.fsdp1_lazy_init``). Its LoRA r64 twin: -5.41 % -> -4.29 %.
 """
 from __future__ import annotations
 
 import pytest
 
 import trainmem
-from trainmem.estimate.quantities import quantities
-from trainmem.estimate.reserved import _fsdp1_early_views
+from trainmem.estimate.quantities.build import quantities
+from trainmem.estimate.reserved.layer_backward import _fsdp1_early_views
 from trainmem.spec.resolve import resolve
 
 CUT = dict(set=["num_hidden_layers=2"], batch_size=2, seq_len=1024, precision="bf16", recompute="full",
@@ -67,7 +67,7 @@ def test_lazy_init_buffers(precision, per_unit):
 def test_flat_bytes_pads_each_parameter_to_16_bytes_and_the_total_to_the_world():
     """``_init_flat_param_and_metadata``: a parameter starts at a 16-byte aligned element (8 bf16
     elements), the total is padded to a multiple of the world size; the bytes are the elements'."""
-    from trainmem.estimate.quantities import fsdp1_flat_bytes
+    from trainmem.estimate.quantities.fsdp1 import fsdp1_flat_bytes
     assert fsdp1_flat_bytes((6, 16), 2, 1) == 32            # 3 elements, 5 of padding, then 8
     assert fsdp1_flat_bytes((6, 6), 2, 4) == 2 * 12         # 3 + 5 + 3 elements = 11, padded to 12
     assert fsdp1_flat_bytes((4, 4), 4, 2) == 24             # fp32 (4 elements aligned): 1 + 3 + 1 = 5, padded to 6

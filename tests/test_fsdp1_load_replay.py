@@ -1,7 +1,7 @@
 """FSDP1 keeps one shard per unit: ``FlatParamHandle`` flattens the unit's parameters into one
 ``FlatParameter`` and keeps this rank's chunk of it (torch 2.13 ``fsdp/_flat_param.py`` ``shard``,
 ``_get_shard``: ``chunk.clone()``), so the load leaves one tensor per unit on the device, the root's
-first, then each layer's (``reserved._fsdp1_load``). The replay made every parameter's shard a block of
+first, then each layer's (``reserved.fsdp._fsdp1_load``). The replay made every parameter's shard a block of
 its own, which took other segments than trace's (two 32 MiB and two 20 MiB segments for Phi-3's).
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """FSDP1 accumulating inside ``no_sync()`` (``--grad-sync step``) in the reserved replay
-(``reserved._fsdp1_no_sync``, ``_unit_grads``).
+(``reserved.fsdp._fsdp1_no_sync``, ``_unit_grads``).
 
 Inside ``no_sync()`` FSDP1's post-backward hook reshards the unit and returns before ``_reduce_grad``
 (torch 2.13 ``fsdp/_runtime_utils.py`` ``_post_backward_hook`` L742-746): the flat gradient made on the
@@ -35,7 +35,7 @@ def test_fsdp1_no_sync_makes_nothing_on_the_post_backward_stream(one_torch_threa
     unit's reduce copy and new shard, then the shard kept; the first micro-batch (inside ``no_sync()``)
     adds none. So the step with two micro-batches allocates there what the step with one does."""
     from trainmem import allocator
-    from trainmem.estimate.reserved import GRAD_STREAM
+    from trainmem.estimate.reserved.replay import GRAD_STREAM
 
     def grad_stream_allocs(**kw: object) -> list[int]:
         seen: list[int] = []

@@ -4,7 +4,7 @@ transformers before 4.52 checkpoints each layer from the model's loop, around th
 ``decoder_layer.__call__``, with ``use_reentrant=True`` by default. The recompute hands the FSDP unit
 detached leaves; a unit whose flat parameter is frozen (peft's wrap policy: adapters in units of their
 own) registers a multi-grad hook on them whose ``AccumulateGrad`` keeps each leaf, and the gradient
-accumulated into it, until FSDP's final callback (``estimate.quantities.fsdp1_held_inputs``).
+accumulated into it, until FSDP's final callback (``estimate.quantities.fsdp1.fsdp1_held_inputs``).
 
 The slow test runs the real code (installed torch, transformers, peft) on a 2-rank gloo group and
 counts the residual-stream tensors alive when the bottom layer's recompute starts, for the loop of
@@ -26,7 +26,7 @@ from gloo_ranks import run_ranks
 import trainmem
 from trainmem.errors import TrainmemError
 from trainmem.estimate.moments import _held_inputs
-from trainmem.estimate.quantities import fsdp1_held_inputs
+from trainmem.estimate.quantities.fsdp1 import fsdp1_held_inputs
 from trainmem.spec.training import TrainingSpec
 
 LAYERS = 4

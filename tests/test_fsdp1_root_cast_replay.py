@@ -1,7 +1,7 @@
 """FSDP1 under ``bf16-mp``: the root's post-backward hook casts the root's flat gradient (bf16) to the
 reduce dtype (fp32) on the post-backward stream before it makes the new shard, and frees the copy when
 it returns (torch 2.13 ``fsdp/_runtime_utils.py`` ``_post_backward_hook`` L754-762;
-``quantities.fsdp1_root_cast``, ``reserved._Fsdp.reduce``). The replay made the root's shard alone:
+``quantities.fsdp1.fsdp1_root_cast``, ``reserved.fsdp._Fsdp.reduce``). The replay made the root's shard alone:
 the copy, twice the root's bf16 flat gradient, opened no segment on that stream.
 """
 from __future__ import annotations
@@ -15,12 +15,12 @@ from test_fsdp_grad_op_replay import WIDE
 
 
 # The root's flat parameter is gathered (and made by the lazy init) at its own padded bytes, charged
-# its block (``quantities.fsdp1_flat_bytes``): before, 2 MiB over them, the replay opened 34/66 MiB
+# its block (``quantities.fsdp1.fsdp1_flat_bytes``): before, 2 MiB over them, the replay opened 34/66 MiB
 # segments where trace opens 32/64 and read +6.5 % here; +0.00 % with that alone (full and grad-op), and
 # -0.20 % / -0.21 % once the layers' post-backward tensors are asked at their own bytes too
-# (``quantities.fsdp1_hook_requests``: the 50+26+26+64 MiB post-backward segments trace opens, where one
+# (``quantities.fsdp1.fsdp1_hook_requests``: the 50+26+26+64 MiB post-backward segments trace opens, where one
 # 75 MiB block per hook opened 76+76+32) and the bf16 shard is made on the pre-unshard stream before each
-# all-gather (``reserved._Fsdp.unshard``: trace's 16 MiB segment there).
+# all-gather (``reserved.fsdp._Fsdp.unshard``: trace's 16 MiB segment there).
 
 
 @pytest.mark.parametrize("fsdp", ["full", "grad-op"])
@@ -35,7 +35,7 @@ def test_fsdp1_root_hook_casts_the_flat_gradient(one_torch_thread, fsdp):
 
 def test_fsdp1_root_cast_is_the_flat_gradient_in_fp32():
     """The copy's bytes: the root flat parameter's elements in fp32 under bf16-mp, none otherwise."""
-    from trainmem.estimate.quantities import fsdp1_root_cast
+    from trainmem.estimate.quantities.fsdp1 import fsdp1_root_cast
     from trainmem.estimate.states import model_states
     from trainmem.spec import TrainingSpec, resolve_model
     m = resolve_model(WIDE)
@@ -49,9 +49,9 @@ def test_fsdp1_root_cast_is_the_flat_gradient_in_fp32():
 def test_fsdp1_hook_tensors_at_their_own_bytes():
     """The layer's post-backward hook under bf16-mp: the flat gradient's fp32 copy, then the new shard
     (its numel over the ranks), each requested at its own bytes (the flat parameter's padded elements,
-    ``quantities.fsdp1_flat_bytes``) and charged the terms of ``fsdp1_post_backward``; without mixed
+    ``quantities.fsdp1.fsdp1_flat_bytes``) and charged the terms of ``fsdp1_post_backward``; without mixed
     precision the shard alone, in the gradients' dtype."""
-    from trainmem.estimate.quantities import fsdp1_flat_bytes, fsdp1_hook_requests, fsdp1_post_backward
+    from trainmem.estimate.quantities.fsdp1 import fsdp1_flat_bytes, fsdp1_hook_requests, fsdp1_post_backward
     from trainmem.estimate.states import model_states
     from trainmem.spec import TrainingSpec, resolve_model
     m = resolve_model(WIDE)

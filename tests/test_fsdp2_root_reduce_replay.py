@@ -2,7 +2,7 @@
 reduce-scatter state (the bottom layer's input, kept since its reduce) before ``foreach_reduce``
 allocates the root's (torch 2.13 ``_fully_shard/_fsdp_param_group.py`` ``post_backward`` L647-658:
 ``while len(states) >= max_input_buffers: states.pop(0)``, ``reduce_scatter_max_input_buffers`` 1 by
-default, L112). The replay's layers did so (``reserved._Fsdp.post_backward``); the root's reduce, made
+default, L112). The replay's layers did so (``reserved.fsdp._Fsdp.post_backward``); the root's reduce, made
 from ``_backward``, allocated its input first and freed the layer's after, so under ``bf16-mp`` (the
 root's fp32 input, twice its bf16 gradients) the bottom layer's input sat in the segment the root's
 input needed and the second step opened another one of the root's size.

@@ -3,7 +3,7 @@ reduce returns (``spec.releases.fsdp2_rs_on_default_stream``, pytorch/pytorch PR
 
 The caching allocator reuses a block only on the stream that allocated it, so before 2.5 the
 reduce-scatter inputs sit in a pool of their own: one segment sized for a layer's input, which every
-later layer reuses, and one for the root's larger input. The replay (``estimate/reserved.py``
+later layer reuses, and one for the root's larger input. The replay (``estimate/reserved/``
 ``_Fsdp.reduce``) is checked on that rule against sizes computed here from the model's shapes;
 trace runs the installed FSDP2 only and refuses another release.
 """
@@ -19,7 +19,7 @@ import trainmem
 from trainmem.allocator import CachingAllocator
 from trainmem.allocator_rules import round_size, segment_size
 from trainmem.errors import TrainmemError
-from trainmem.estimate.reserved import GRAD_STREAM
+from trainmem.estimate.reserved.replay import GRAD_STREAM
 from trainmem.spec.resolve import resolve
 
 H, F, V, LAYERS = 1024, 2816, 32000, 4

@@ -1,4 +1,4 @@
-"""FSDP2's sharded gradients of a unit are one flat reduce-scatter output (``reserved._flat_grads``;
+"""FSDP2's sharded gradients of a unit are one flat reduce-scatter output (``reserved.optimizer._flat_grads``;
 torch 2.13 ``_fully_shard/_fsdp_collectives.py`` ``foreach_reduce``: ``reduce_scatter_input.new_empty(
 (reduce_scatter_output_numel,))``): its size is the unit's shard elements once, not the sum of each
 gradient's allocator block. The root unit of a Llama-shaped model (vocabulary 8000 x 1024, over 2 ranks)

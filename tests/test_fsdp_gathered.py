@@ -4,7 +4,7 @@ Before PyTorch 2.8 ``fully_shard`` never resharded the root unit after forward (
 #154704), and torchtitan's ``parallelize_llama`` left the last transformer block gathered too. trace
 runs it by passing ``reshard_after_forward=False`` to those units (torch 2.13 then keeps them gathered
 exactly as the old clamp did); the estimate adds the root's and the last layer's unsharded parameters
-to the moments between the end of forward and their backward (``quantities.fsdp2_root_gathered``,
+to the moments between the end of forward and their backward (``quantities.fsdp_root.fsdp2_root_gathered``,
 ``fsdp2_last_gathered``). Both are checked here on a Llama cut to four layers, FSDP2 over two ranks
 of the fake process group."""
 from __future__ import annotations

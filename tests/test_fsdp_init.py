@@ -16,7 +16,7 @@ from gloo_ranks import run_ranks
 import trainmem
 from trainmem.errors import TrainmemError
 from trainmem.estimate.fsdp_init import SYNC_BUCKET_BYTES, sync_init_events, unit_events
-from trainmem.estimate.quantities import clear_cache
+from trainmem.estimate.quantities.build import clear_cache
 from trainmem.estimate.states import model_states
 from trainmem.spec import TrainingSpec
 from trainmem.spec.config import resolve_model
@@ -116,7 +116,7 @@ def test_estimate_reserves_more_and_allocates_the_same():
     kw = dict(batch_size=1, seq_len=64, **FULL)
     off, on = trainmem.estimate(SMALL, **kw), trainmem.estimate(SMALL, **kw, fsdp_sync_module_states=True)
     assert on.peak_allocated == off.peak_allocated
-    # without the sync the load is one shard per unit (``reserved._fsdp1_load``), whose root sum also
+    # without the sync the load is one shard per unit (``reserved.fsdp._fsdp1_load``), whose root sum also
     # takes the rotary buffers' 512 B blocks; the sync's wrap keeps them tensors of their own: the
     # replay's allocated peak differs by those 1 KiB (measured 2026-11-26: 34,852,352 vs 34,851,328 B)
     assert on.peak_reserved >= off.peak_reserved - 1024

@@ -1,6 +1,6 @@
 """FSDP's backward of the layers below the top one (estimate.moments._fsdp_middle_layers, moments
 ``layer.below_top`` / ``layer.above_bottom``; docs/agreement.md mechanism 43) and the LM head's weight
-gradient cast under autocast (moment ``lm_head.weight_grad``, quantities.head_wgrad; mechanism 44),
+gradient cast under autocast (moment ``lm_head.weight_grad``, quantities.head_moments.head_wgrad; mechanism 44),
 with a linear's backward under autocast in two moments (layers.Builder._linear_backward; mechanism
 45), each checked against trace on the fake process group.
 

@@ -8,7 +8,7 @@ import pytest
 import trainmem
 
 from trainmem.errors import TrainmemError
-from trainmem.estimate.quantities import clear_cache
+from trainmem.estimate.quantities.build import clear_cache
 from trainmem.estimate.states import model_states
 from trainmem.spec import TrainingSpec
 from trainmem.spec.config import resolve_model
@@ -92,7 +92,8 @@ def test_unshard_copies_the_host_shard_in_on_its_own_stream():
     all-gather allocates the unsharded flat parameter; the copy is dropped after, but its block stays
     cached in that stream's pool (reserved, not allocated, and unusable by the default stream)."""
     from trainmem.allocator import CachingAllocator
-    from trainmem.estimate.reserved import GATHER_STREAM, GRAD_STREAM, _Fsdp, _Replay
+    from trainmem.estimate.reserved.fsdp import _Fsdp
+    from trainmem.estimate.reserved.replay import GATHER_STREAM, GRAD_STREAM, _Replay
     MiB = 2**20
     off, on = _Replay(CachingAllocator()), _Replay(CachingAllocator())
     for R, host in ((off, 2), (on, 0)):
@@ -104,7 +105,7 @@ def test_unshard_copies_the_host_shard_in_on_its_own_stream():
 
 
 def test_quantities_carry_the_shard_count():
-    from trainmem.estimate.quantities import quantities
+    from trainmem.estimate.quantities.build import quantities
     clear_cache()
     assert quantities(SMALL, TrainingSpec(**FULL, fsdp_offload_params=True)).fsdp1_host_shards == 2
     assert quantities(SMALL, TrainingSpec(**FULL)).fsdp1_host_shards == 0

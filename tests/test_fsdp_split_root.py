@@ -4,7 +4,7 @@
 ``reshard_after_forward=True``, the final norm and the output head as one unit kept gathered
 (``fully_shard([norm, output], reshard_after_forward=False)``), and the root ``fully_shard(model)``
 holds no parameters. trace wraps the real model the same way (``wrappers._fsdp2_split``); the estimate
-models the units' moments (``quantities.fsdp2_split_root``). Checked on a Llama cut to four layers
+models the units' moments (``quantities.fsdp_root.fsdp2_split_root``). Checked on a Llama cut to four layers
 with an untied head, FSDP2 over two ranks of the fake process group."""
 from __future__ import annotations
 

@@ -143,7 +143,7 @@ def test_estimate_agrees_with_trace(policy, variant):
 def test_transformer_policy_root_post_backward_under_mixed_precision():
     """FSDP1's root post-backward (every policy): after the root's flat gradient is made, its hook reshards
     the root, casts the flat gradient to the reduce dtype (fp32 under bf16-mp) and allocates the new shard
-    (``quantities.fsdp1_root_post_backward``, moment ``fsdp1.root_reduce_scatter``). With the wide untied
+    (``quantities.fsdp1.fsdp1_root_post_backward``, moment ``fsdp1.root_reduce_scatter``). With the wide untied
     head this is the step's peak under the transformer policy too: -12.4 % before."""
     e, t = _both(**{**WIDE, "precision": "bf16-mp"})
     assert e.peak_where == "fsdp1.root_reduce_scatter" and "AccumulateGrad" in t.peak_where

@@ -16,7 +16,7 @@ import trainmem  # noqa: E402
 from trainmem.errors import TrainmemError  # noqa: E402
 from trainmem.estimate.galore import (GTensor, galore_state_bytes, projected_shape, projector_bytes,  # noqa: E402
                                       step_order, step_peak)
-from trainmem.estimate.quantities import galore_oib_bytes, galore_step_bytes  # noqa: E402
+from trainmem.estimate.quantities.optimizer_step import galore_oib_bytes, galore_step_bytes  # noqa: E402
 from trainmem.estimate.states import block_bytes, model_states  # noqa: E402
 from trainmem.spec import TrainingSpec, resolve_model  # noqa: E402
 from trainmem.spec.resolve import framework_names  # noqa: E402

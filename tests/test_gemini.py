@@ -70,7 +70,7 @@ def test_rank0_holds_its_chunks_and_states_and_no_gradients(tmp_path):
     0 owns chunks 0, 2, 4, 6: fp16 and fp32 copies of them, Adam's two fp32 states of their 13
     parameters, no gradient memory; each layer's backward gathers two of rank 1's chunks (1 and 3,
     5 and 7) beside grad_handle's two copies of the 16,384-element gradient."""
-    from trainmem.estimate.quantities import quantities
+    from trainmem.estimate.quantities.build import quantities
     from trainmem.estimate.states import model_states
     from trainmem.spec.resolve import resolve
     res = resolve(str(_tiny(tmp_path)), gemini_chunk_size=20_000, **OPTS)

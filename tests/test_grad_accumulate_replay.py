@@ -1,4 +1,4 @@
-"""The head's and a tied embedding's gradients in the reserved replay (``estimate/reserved.py``
+"""The head's and a tied embedding's gradients in the reserved replay (``estimate/reserved/``
 ``_head_backward``, ``_backward``, ``_accumulated``), found by the reserved column of the sampled agreement
 grid (``benchmarks/bench_agreement.py --reserved``; docs/agreement.md "Peak reserved on the sampled grid").
 
@@ -12,7 +12,7 @@ grid (``benchmarks/bench_agreement.py --reserved``; docs/agreement.md "Peak rese
   too once ``.grad`` exists (the grid's Gemma-2 rows with ``zero_grad=zeros`` or accumulation: -8.3 to
   -8.9 % before, within 0.5 % after).
 * Under DTensor tensor parallelism a tied embedding's gradient is the whole table first
-  (``quantities.tied_replicated_grad``: ``embedding_dense_backward`` has no ``Shard(0)`` output strategy,
+  (``quantities.head_grads.tied_replicated_grad``: ``embedding_dense_backward`` has no ``Shard(0)`` output strategy,
   torch 2.13 ``distributed/tensor/_ops/_embedding_ops.py`` L66-97), then this rank's rows.
 """
 from __future__ import annotations
@@ -20,7 +20,8 @@ from __future__ import annotations
 import pytest
 from conftest import load_benchmark
 
-from trainmem.estimate.reserved import _accumulated, _Replay, _Step
+from trainmem.estimate.reserved.optimizer import _accumulated
+from trainmem.estimate.reserved.replay import _Replay, _Step
 
 MiB = 1 << 20
 
@@ -70,7 +71,7 @@ def test_a_tied_embedding_s_sum_added_into_grad(bench, shape, options, within):
 ])
 def test_tensor_parallel_tied_embedding_s_whole_table(bench, shape, options):
     # DTensor TP (torchtitan's plan, --tp 2): embedding_dense_backward has no Shard(0) strategy, so the
-    # embedding's gradient is first the whole (vocab, hidden) table (quantities.tied_replicated_grad,
+    # embedding's gradient is first the whole (vocab, hidden) table (quantities.head_grads.tied_replicated_grad,
     # which the allocated moments counted), then this rank's rows; trace opens a 1002 MiB segment for
     # it in each step's embedding backward
     r = bench.compare(bench.Case("llama-gqa", *shape, tuple(sorted({"tp": 2, **options}.items()))), reserved=True)

@@ -1,4 +1,4 @@
-"""The reserved replay's backward of ``--loss half`` under autocast (``reserved._half_logps_backward``):
+"""The reserved replay's backward of ``--loss half`` under autocast (``reserved.loss_backward._half_logps_backward``):
 ``NllLossBackward0``'s fp32 gradient, ``ToCopyBackward0``'s half copy of it, then
 ``_log_softmax_backward_data``'s half gradient of the logits, the saved half log-probabilities freed
 after it, as trace's op stream runs them.

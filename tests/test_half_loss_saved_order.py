@@ -1,9 +1,9 @@
 """The order of the loss's saved logits-sized tensors in the reserved replay when the loss runs on half
-logits under autocast (``reserved._loss_forward``, ``_logit_tensors``' ``half_first``).
+logits under autocast (``reserved.loss_forward._loss_forward``, ``_logit_tensors``' ``half_first``).
 
 ``F.cross_entropy`` has no autocast rule: ``log_softmax`` runs on the half logits and saves its half
 output, then ``nll_loss`` (autocast's fp32 list) casts those log-probabilities to fp32 and saves the
-copy (``quantities._eager_loss_bytes``: saved = half + fp32 per logit). The replay made the fp32 copy
+copy (``quantities.loss_kinds._eager_loss_bytes``: saved = half + fp32 per logit). The replay made the fp32 copy
 first. BERT's masked LM computes its loss so inside its forward (transformers 5.24
 ``models/bert/modeling_bert.py`` L972-973 ``CrossEntropyLoss()(prediction_scores.view(-1, V), ...)``):
 the agreement grid's BERT b8 s256 bf16-amp eager read -8.4 % below trace's peak reserved memory.

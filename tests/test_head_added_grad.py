@@ -1,10 +1,10 @@
 """The head's gradient made anew in a micro-batch whose ``.grad`` exists, in the estimate's allocated
-moments (``quantities.head_added_grads``, ``moments._head_matmul_grad``, ``_head_weight_grad``).
+moments (``quantities.head_moments.head_added_grads``, ``moments._head_matmul_grad``, ``_head_weight_grad``).
 
 AccumulateGrad steals the head's new gradient as ``.grad`` only where none exists; in a later
 micro-batch (or after ``zero_grad(set_to_none=False)``) it is a tensor of its own beside ``.grad`` until
 added in place (torch 2.13 ``csrc/autograd/functions/accumulate_grad.h`` ``accumulateGrad``). The
-allocator replay had it (``reserved._accumulated``); the moments did not: on a pipeline's last stage of
+allocator replay had it (``reserved.optimizer._accumulated``); the moments did not: on a pipeline's last stage of
 Llama-3.2 (its own copy of the tied table as its head) the estimate's allocated peak was 4.2 % (fp32,
 ``MmBackward0``) and 3.2 % (bf16-amp, the cast's ``ToCopyBackward0``) under trace's, and 2.7 % on
 pp 2 x dp 2 interleaved (tests/test_ddp_stages_replay.py); an untied Llama of 2 layers under SGD 5.7 %.
@@ -16,7 +16,7 @@ from dataclasses import replace
 import pytest
 from conftest import load_benchmark
 
-from trainmem.estimate.quantities import quantities
+from trainmem.estimate.quantities.build import quantities
 from trainmem.spec import TrainingSpec, resolve_model
 
 MiB = 1 << 20

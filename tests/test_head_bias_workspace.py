@@ -5,7 +5,7 @@ bias-free head (a causal LM's ``lm_head``) runs ``mm``, whose ``MmBackward0`` ma
 gradient first; BERT's masked-LM decoder (transformers 5.24 ``models/bert/modeling_bert.py`` L494,
 ``nn.Linear(hidden_size, vocab_size, bias=True)``) runs ``addmm``, whose ``AddmmBackward0`` makes the
 input's gradient first, so the workspace comes before the (vocab, hidden) weight gradient
-(``quantities.head_input_grad_first``, ``reserved._head_backward``). Before, the replay made it after
+(``quantities.head_moments.head_input_grad_first``, ``reserved.loss_backward._head_backward``). Before, the replay made it after
 that gradient for every head but DeepSpeed ZeRO-3's wrapped linear: the agreement grid's BERT rows
 placed it in the tail of a logits segment that trace leaves whole.
 """

@@ -8,7 +8,7 @@ import pytest
 
 import trainmem
 from trainmem.estimate.layers import Policy
-from trainmem.estimate.quantities import bert_top_forward, final_norm_backward, final_norm_forward
+from trainmem.estimate.quantities.head_moments import bert_top_forward, final_norm_backward, final_norm_forward
 from trainmem.spec.resolve import resolve
 
 pytest.importorskip("transformers")

@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 
 import trainmem  # noqa: E402
 from trainmem.errors import TrainmemError  # noqa: E402
-from trainmem.estimate.quantities import step_temporaries  # noqa: E402
+from trainmem.estimate.quantities.optimizer_step import step_temporaries  # noqa: E402
 from trainmem.estimate.torchao_optim import TORCHAO_CLASSES  # noqa: E402
 from trainmem.estimate.states import BNB_LAYOUTS, bnb_qmap_bytes, model_states, state_bytes  # noqa: E402
 from trainmem.measure import LiveBytes  # noqa: E402

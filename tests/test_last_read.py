@@ -3,7 +3,7 @@
 Under non-reentrant checkpointing (torch 2.13 ``utils/checkpoint.py`` ``_checkpoint_hook`` L1153-1163)
 a layer's first forward saves nothing: a tensor the layer would save lives until its last consumer
 has run. The derivation records where (``trace.derive._last_reads``: "uK" among the forward's events,
-from ``Tracker.reads``); the replay (``estimate.reserved._sequence_forward``, ``keep=False``) frees
+from ``Tracker.reads``); the replay (``estimate.reserved.layer_forward._sequence_forward``, ``keep=False``) frees
 each saved tensor there. Before (COEF_VERSION 18) it chained them, each freed once the next saved one
 was made: Qwen3RMSNorm's fp32 copy died before the product that reads it (transformers 5.24
 ``models/qwen3/modeling_qwen3.py`` L61-63). Against trace when written (bf16-amp, b4 s2048, 4 layers,
@@ -29,13 +29,13 @@ def _chained(monkeypatch, model: str, kw: dict) -> int:
         if "fwd_events" in out:
             out = dict(out, fwd_events=tuple(e for e in out["fwd_events"] if e[0] != "u"))
         return out
-    quantities._CACHE.clear()
+    quantities.build._CACHE.clear()
     monkeypatch.setattr(derived, "_sequence", without_reads)
     try:
         return trainmem.estimate(model, **kw).peak_reserved
     finally:
         monkeypatch.undo()
-        quantities._CACHE.clear()
+        quantities.build._CACHE.clear()
 
 
 def test_every_saved_tensor_has_one_last_read_after_it_is_made():

@@ -109,7 +109,7 @@ def test_estimate_agrees_with_trace(opts):
 @pytest.mark.parametrize("opts", [dict(), dict(liger_version="0.7.0"), dict(recompute="full")],
                          ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "current")
 def test_reserved_agrees_with_trace_under_autocast(opts):
-    """The allocator replay of the fused loss (``reserved._fused_forward``: Liger's tensors one by one, in
+    """The allocator replay of the fused loss (``reserved.loss_forward._fused_forward``: Liger's tensors one by one, in
     its order) against trace's simulated caching allocator, bf16 autocast (0.5 %: 0.08-0.48 % when
     written; before the replay had them, one block, +10.5 % to +21.7 %)."""
     kw = dict(set=TINY, **SIZE, precision="bf16-amp", liger=True, **opts)

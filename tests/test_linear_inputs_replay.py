@@ -1,5 +1,5 @@
 """A linear's fp32 input that autocast casts and does not save, alive in the reserved replay while the
-linear runs (``layers.linear_inputs``, ``reserved._saved_and_casts``).
+linear runs (``layers.linear_inputs``, ``reserved.layer_forward._saved_and_casts``).
 
 The agreement grid's simplest row, GPT-2 (2 layers, n_embd 768, full vocabulary) b1 s1024 under
 bf16 autocast with nothing else set, read +18.5 % over trace's peak reserved memory (2063.6 against
@@ -71,7 +71,7 @@ def test_no_unsaved_input_without_autocast():
     LayerNorms' outputs, h per token, and the GELU output, 4h per token: fp32 bytes), the attention's
     ``c_proj`` its saved half input."""
     from trainmem.estimate.layers import layer_coefficients
-    from trainmem.estimate.quantities import layer_key
+    from trainmem.estimate.quantities.model_facts import layer_key
     from trainmem.spec import TrainingSpec, resolve_model
     m = resolve_model("gpt2", overrides=["n_layer=2"])
     fp32 = layer_coefficients(layer_key(m, TrainingSpec(batch_size=1, seq_len=64, precision="fp32")))

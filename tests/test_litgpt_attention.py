@@ -93,7 +93,7 @@ def _lora_qkv_saved(enable: tuple[bool, bool, bool], p: float = 0.05):
 
 
 def test_lora_qkv_runs_one_dropout_and_index_copy_saves_the_delta():
-    """The two LoRA terms of ``quantities.fused_qkv_lora``: litgpt saves one 1-byte dropout mask
+    """The two LoRA terms of ``quantities.layer_terms.fused_qkv_lora``: litgpt saves one 1-byte dropout mask
     over the shared input (peft: one per adapted linear), and with q and v enabled (not k) the
     delta of q + v width that ``index_copy`` scatters, which it saves; with all three, no padding."""
     saved, x, width = _lora_qkv_saved((True, False, True))

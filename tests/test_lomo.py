@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import trainmem  # noqa: E402
-from trainmem.estimate.quantities import lomo_temporaries, lomo_update_bytes  # noqa: E402
+from trainmem.estimate.quantities.optimizer_step import lomo_temporaries, lomo_update_bytes  # noqa: E402
 from trainmem.estimate.states import model_states, state_bytes  # noqa: E402
 from trainmem.spec import TrainingSpec, resolve_model  # noqa: E402
 from test_cli import assert_one_error_line, run_cli  # noqa: E402

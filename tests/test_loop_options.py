@@ -133,7 +133,7 @@ def test_fused_loss_keeps_liger_gradients_not_logits():
     n, h, v = 2048, 2048, 128256
     saved = n * (h * 4 + 4) + v * h * 4          # what Liger saves
     # upcast's fp32 log-probs, the head's saved bf16 input and bf16 weight copy (autocast's, saved by lm_head's
-    # matmul; Liger's copies live within the loss only: quantities.fused_linear_ce_bytes, tests/test_liger.py)
+    # matmul; Liger's copies live within the loss only: quantities.loss_kinds.fused_linear_ce_bytes, tests/test_liger.py)
     dropped = n * v * 4 + n * h * 2 + v * h * 2
     assert fused.phase("forward", 2).allocated - upcast.phase("forward", 2).allocated == saved - dropped
     assert fused.peak_allocated < upcast.peak_allocated

@@ -20,7 +20,7 @@ CASES = [("llama-3.2-1b", LLAMA, {}), ("llama-3.2-1b", LLAMA, {"precision": "bf1
          ("llama-3.2-1b", LLAMA, {"precision": "bf16", "lora_dtype": "half", "lora_dropout": 0.05}),
          ("llama-3.2-1b", LLAMA, {"precision": "fp32", "lora_dropout": 0.1}),
          # every projection adapted under gradient checkpointing (most QLoRA/LoRA fine-tunes): the peak is
-         # the top layer's recomputed forward (quantities.recompute_transients), -7.4% / -11.4% before
+         # the top layer's recomputed forward (quantities.layer_moments.recompute_transients), -7.4% / -11.4% before
          ("llama-3.2-1b", LLAMA, {"lora_targets": ALL, "recompute": "full"}),
          ("llama-3.2-1b", LLAMA, {"lora_targets": ALL, "recompute": "full", "lora_dropout": 0.05}),
          ("llama-3.2-1b", LLAMA, {"lora_targets": ALL, "recompute": "full", "precision": "bf16",
@@ -97,7 +97,8 @@ def test_recomputed_forward_is_a_backward_moment():
     # product down_proj got (bf16, 2f), peft's fp32 copy of it (4f), the base output (bf16, 2h) and
     # LlamaMLP's input (the fp32 norm output, 4h); with the layer's output gradient (fp32, 4h), its
     # bf16 cast for the MLP branch (2h) and MulBackward0's scaled gradient (bf16, 2h)
-    from trainmem.estimate.quantities import quantities, recompute_transients
+    from trainmem.estimate.quantities.build import quantities
+    from trainmem.estimate.quantities.layer_moments import recompute_transients
     h, f = 512, 1024
     full = trainmem.estimate("llama-3.2-1b", **LLAMA, lora_targets=ALL, recompute="full")
     assert full.peak_where == "layer[7].mlp.down_proj.lora_B"

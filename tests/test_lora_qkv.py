@@ -1,6 +1,6 @@
 """``--lora-qkv``: lit-gpt's ``LoRAQKVLinear`` on a model's own fused ``query_key_value`` with only some
 parts adapted (lit_gpt/lora.py at 8641822; litgpt/lora.py at 43c44323): its adapter sizes and the
-zero-padded delta ``index_copy`` keeps until the layer's backward (``quantities.lora_qkv_kept``)."""
+zero-padded delta ``index_copy`` keeps until the layer's backward (``quantities.layer_terms.lora_qkv_kept``)."""
 from __future__ import annotations
 
 import pytest

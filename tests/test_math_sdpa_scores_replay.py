@@ -1,5 +1,5 @@
 """The math SDPA kernel's scores in the allocator replay (``layers.Builder._math_scores``,
-``reserved._attn_allocs``): ``_scaled_dot_product_attention_math`` makes the (b, heads, s, s) fp32 scores
+``reserved.layer_forward._attn_allocs``): ``_scaled_dot_product_attention_math`` makes the (b, heads, s, s) fp32 scores
 with ``matmul``, then ``_safe_softmax`` its output beside them, and frees the scores (torch 2.13
 ``aten/src/ATen/native/transformers/attention.cpp``). The replay made the saved softmax output alone,
 so it opened one (b, heads, s, s) segment per layer where trace opens two.
@@ -19,7 +19,7 @@ def _setup():
 
 
 def test_the_recipe_writes_the_scores_before_the_saved_softmax():
-    from trainmem.estimate.quantities import quantities
+    from trainmem.estimate.quantities.build import quantities
     m, t = _setup()
     lc = quantities(m, t).detail.layer
     assert lc.attn_events == ("t", "s", "f0")

@@ -85,7 +85,7 @@ def _reserved_errors(which: str) -> dict[str, float]:
 
 def test_estimate_reserved_on_the_pure_half_h200_runs():
     """The runs in pure bf16 (weights, gradients and Adam states in bf16), where the base model's
-    unsaved ``inputs_embeds`` (``quantities.held_embeddings``) is freed before the head and takes the
+    unsaved ``inputs_embeds`` (``quantities.head_moments.held_embeddings``) is freed before the head and takes the
     backward's 32 MiB cuBLAS workspace. Measured 2026-11-24: Qwen3-0.6B +14.12% before it was
     replayed, -0.19% after; Qwen2.5-1.5B +0.15%, then +0.20%."""
     errors = {k.split(" ")[0].rsplit("-", 1)[0]: e for k, e in _reserved_errors("estimate").items()}
@@ -96,7 +96,7 @@ def test_estimate_reserved_on_the_pure_half_h200_runs():
 def test_estimate_reserved_on_the_full_recompute_h200_runs():
     """Full recomputation under autocast, where the replay follows each linear: autocast's weight
     copies of the first forward kept until the loss, the recomputed forward's made again
-    (``reserved._checkpointed``). Measured 2026-11-24, before -> after: Qwen2.5-1.5B +3.54% ->
+    (``reserved.layer_forward._checkpointed``). Measured 2026-11-24, before -> after: Qwen2.5-1.5B +3.54% ->
     -1.95%, OpenLLaMA-3B-shaped -4.41% -> -3.61%, GPT-2 medium -2.07% -> +0.05%, Llama-3.2-1B
     +0.01% -> -0.01%; the first backward's reserved column -5.97%, -6.72%, -6.11%, -5.08% ->
     -1.20%, -1.45%, -2.57%, -0.51%."""
@@ -111,7 +111,7 @@ def test_estimate_reserved_on_the_full_recompute_h200_runs():
 
 def test_estimate_reserved_on_the_derived_h200_runs():
     """Phi-2, Qwen3-0.6B and Gemma-2-2B are derived architectures: their layers are replayed tensor by
-    tensor as the derivation traced them (``trace.derive._layer_sequence``, ``reserved._sequence_forward``),
+    tensor as the derivation traced them (``trace.derive._layer_sequence``, ``reserved.layer_forward._sequence_forward``),
     with transformers 5.17's sets (``tools/ship_sequence.py``). Measured 2026-11-24, before -> after:
     Phi-2 full recompute -6.37% -> -0.02%, LoRA -1.91% -> +0.17%, bf16-amp -0.20% -> +0.60%;
     Qwen3-0.6B bf16-amp +7.68% -> -0.04%, pure bf16 -0.19% -> 0.00%, full recompute -0.12% -> +0.21%.

@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 
 import trainmem  # noqa: E402
 from trainmem.errors import TrainmemError  # noqa: E402
-from trainmem.estimate.quantities import step_temporaries  # noqa: E402
+from trainmem.estimate.quantities.optimizer_step import step_temporaries  # noqa: E402
 from trainmem.estimate.states import model_states  # noqa: E402
 from trainmem.measure import LiveBytes  # noqa: E402
 from trainmem.spec import TrainingSpec, resolve_model  # noqa: E402

@@ -3,7 +3,7 @@
 Pad-to-longest collation (HF ``DataCollatorWithPadding``, torchtune's ``padded_collate``, TRL without
 packing) hands the caching allocator requests of another size every micro-batch. The estimate keeps
 the allocated peak of the longest micro-batch and replays two steps at ``--seq-len`` and then the
-micro-batches of ``training.padded_lengths`` through the simulated allocator (``estimate/reserved.py``
+micro-batches of ``training.padded_lengths`` through the simulated allocator (``estimate/reserved/``
 ``_varying_steps``); trace runs the same steps on the real model (``workload.TrainStep``). Both are
 compared here on Llama-2-7B cut to a few layers in torchtune v0.1.0's LoRA setup (fp32 logits held
 by the loop: ``--cast-output``), where the held fp32 logits of one length split the blocks the next

@@ -1,5 +1,5 @@
-"""A masked LM's head side in the reserved replay tensor by tensor (``quantities.head_side_tensors``,
-``reserved._head_side``), with autocast's forward-only copies, instead of one block.
+"""A masked LM's head side in the reserved replay tensor by tensor (``quantities.outer.head_side_tensors``,
+``reserved.loss_forward._head_side``), with autocast's forward-only copies, instead of one block.
 
 The agreement grid's BERT rows (2 layers, hidden 768, vocabulary 30522): b4 s512 fp32 with
 bitsandbytes' paged 8-bit AdamW read -14.4 % below trace's peak reserved memory, b1 s2048 bf16-amp
@@ -37,7 +37,8 @@ def test_head_side_tensors_sum_to_the_head_side(precision, lora):
     """The saved ones sum to what the estimate counts for the head side (``outer_tensors``'
     ``mlm.transform`` and ``lm_head.input``); forward-only copies only under autocast."""
     from trainmem.estimate.layers import Policy
-    from trainmem.estimate.quantities import HEAD_KEYS, head_side_tensors, outer_tensors
+    from trainmem.estimate.quantities.model_facts import HEAD_KEYS
+    from trainmem.estimate.quantities.outer import head_side_tensors, outer_tensors
     from trainmem.spec import TrainingSpec, resolve_model
     m = resolve_model("bert-base-uncased", overrides=["num_hidden_layers=2"])
     t = TrainingSpec(batch_size=2, seq_len=128, precision=precision, lora_rank=lora)

@@ -10,7 +10,7 @@ import trainmem
 from trainmem.cli import main
 from trainmem.errors import TrainmemError
 from trainmem.estimate.layers import ep_rank_rows, layer_coefficients
-from trainmem.estimate.quantities import layer_key
+from trainmem.estimate.quantities.model_facts import layer_key
 from trainmem.estimate.states import model_states
 from trainmem.measure.live import LiveBytes
 from trainmem.spec import TrainingSpec, resolve_model

@@ -1,5 +1,5 @@
 """A checkpointed hand-written layer's first forward replayed tensor by tensor (``estimate/nograd.py``,
-``reserved._nograd_forward``) and FSDP1's LoRA units advancing its rate limiter (``reserved._Fsdp.adapter_units``).
+``reserved.layer_forward._nograd_forward``) and FSDP1's LoRA units advancing its rate limiter (``reserved.fsdp._Fsdp.adapter_units``).
 
 Found by the Answer.AI "Benchmarking QLoRA+FSDP" LoRA rows (Llama-2-7B r64, FSDP1 full shard x2, pure
 bf16, reentrant checkpointing): the replay made every tensor of a checkpointed layer's first forward at
@@ -14,8 +14,9 @@ import trainmem
 from trainmem.allocator import CachingAllocator
 from trainmem.estimate.layers import layer_coefficients
 from trainmem.estimate.nograd import F32, NoGradLayer, llama_layer
-from trainmem.estimate.quantities import layer_key
-from trainmem.estimate.reserved import _Fsdp, _Fsdp1Lag, _Replay
+from trainmem.estimate.quantities.model_facts import layer_key
+from trainmem.estimate.reserved.fsdp import _Fsdp, _Fsdp1Lag
+from trainmem.estimate.reserved.replay import _Replay
 from trainmem.spec.resolve import resolve
 
 LORA = dict(lora_rank=64, lora_targets="q_proj,k_proj,v_proj,up_proj,down_proj,gate_proj", lora_dropout=0.1,

@@ -11,7 +11,7 @@ import pytest
 
 import trainmem
 from trainmem.errors import TrainmemError
-from trainmem.estimate.quantities import offload_stash_keeps_top_input, peft_offload_leaf
+from trainmem.estimate.quantities.layer_moments import offload_stash_keeps_top_input, peft_offload_leaf
 from trainmem.spec.resolve import resolve
 from trainmem.trace.api import trace
 from trainmem.validate import validate

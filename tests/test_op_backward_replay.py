@@ -1,5 +1,5 @@
 """A hand-written layer's backward in the reserved replay op by op (``layers.Recipe.transient``'s tensors,
-``LayerCoefs.moment_blocks``; ``reserved._op_backward``), each linear's weight gradient made inside its
+``LayerCoefs.moment_blocks``; ``reserved.layer_backward._op_backward``), each linear's weight gradient made inside its
 backward, instead of one block of the layer's worst backward moment. Against trace (the real step on
 fake tensors through the same caching allocator), on rows of the agreement grid (docs/agreement_grid.json)
 where the one block put the peak reserved memory furthest off (docs/validation.md ``reslbw``)."""
@@ -14,7 +14,7 @@ from trainmem import resolve_model  # noqa: E402
 from trainmem.estimate.engine import estimate  # noqa: E402
 from trainmem.trace.api import trace  # noqa: E402
 from trainmem.estimate.layers import layer_coefficients  # noqa: E402
-from trainmem.estimate.quantities import layer_key  # noqa: E402
+from trainmem.estimate.quantities.model_facts import layer_key  # noqa: E402
 from trainmem.spec import TrainingSpec  # noqa: E402
 
 GPT2 = ("gpt2", ["n_layer=2", "n_positions=4096"])
@@ -28,7 +28,7 @@ def _both(model: tuple, **kw):
     return estimate(m, t, reserved=True), trace(m, training=t)
 
 
-# -0.77 % until the optimizer states were requested at their own bytes (``reserved._state_requests``,
+# -0.77 % until the optimizer states were requested at their own bytes (``reserved.optimizer._state_requests``,
 # twenty-first session: the grid's median 0.82 -> 0.76 %), +14.3 % since: measured block by block, every
 # 147.24 MiB state and gradient is now requested as trace requests it, and the two part in step 1's
 # backward, where trace has a 66.5 MiB free block inside a logits segment and the replay 49.4 + 24 MiB

@@ -1,5 +1,5 @@
 """A layer's first forward under torchtitan's per-op selective checkpointing (``--recompute op``),
-replayed in its code's order (``reserved._op_forward``): the policy's outputs (odd ``aten.mm`` calls,
+replayed in its code's order (``reserved.layer_forward._op_forward``): the policy's outputs (odd ``aten.mm`` calls,
 the fused SDPA kernel's) kept where their op runs, every other tensor freed as the code drops it, and
 under autocast each linear's half weight copy cached where the linear runs (the checkpoint is
 non-reentrant: grad mode stays on, ``autocast_mode.cpp`` ``cached_cast``).
@@ -79,7 +79,7 @@ def _backward_requests(monkeypatch, run) -> list[int]:
 @pytest.mark.slow
 def test_backward_op_by_op_after_recomputation(monkeypatch):
     """The layer's backward under the per-op policy replayed as a layer's without recomputation
-    (``reserved._by_op``) after its recomputation: each MLP weight's fp32 gradient (64 MiB,
+    (``reserved.layer_backward._by_op``) after its recomputation: each MLP weight's fp32 gradient (64 MiB,
     ``ToCopyBackward0``) is made right after its bf16 one (32 MiB, ``mm``), three per layer, as in
     trace; the backward as one block of its worst moment made the three fp32 ones in a row."""
     ours = _backward_requests(monkeypatch, lambda: estimate("llama-3.2-1b", **CUT))
@@ -94,11 +94,11 @@ def test_recomputation_takes_the_policy_outputs_from_its_cache():
     SDPA saves; the attention's output and logsumexp; the gate's, which SiLU saves;
     ``LayerCoefs.op_saved``) are handed back by the policy's cache when the layer is recomputed
     (torch 2.13 ``utils/checkpoint.py`` ``_CachedTorchDispatchMode``), so the replay's recomputation
-    makes them 0 bytes (``reserved._op_recomputed``). q_proj's output (read by the rotation, whose
+    makes them 0 bytes (``reserved.layer_forward._op_recomputed``). q_proj's output (read by the rotation, whose
     products save ``cos`` and ``sin``, not it) and down_proj's (read by the residual add) are kept by
     the policy but saved by nothing."""
     from trainmem.estimate.layers import layer_coefficients
-    from trainmem.estimate.quantities import layer_key
+    from trainmem.estimate.quantities.model_facts import layer_key
     from trainmem.spec.resolve import resolve
     r = resolve("llama-3.2-1b", **CUT)
     lc = layer_coefficients(layer_key(r.model, r.training))
@@ -120,7 +120,7 @@ def _before_workspace(monkeypatch, run) -> list[float]:
 @pytest.mark.slow
 def test_workspace_after_the_first_matmul_output(monkeypatch):
     """The forward thread's cuBLAS workspace is made inside q_proj's matmul, after its output (and
-    autocast's input cast and weight copy before it: ``reserved._first_mm_workspace``), as trace makes
+    autocast's input cast and weight copy before it: ``reserved.layer_forward._first_mm_workspace``), as trace makes
     it: the input norm's output (16 MiB), then 8, 8, 8 MiB. The replay made it before the layer, after
     the parameters."""
     ours = _before_workspace(monkeypatch, lambda: estimate("llama-3.2-1b", **CUT))

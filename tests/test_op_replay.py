@@ -1,6 +1,6 @@
 """The estimate's reserved-memory replay under ``--recompute op`` keeps, of each checkpointed layer,
 its input and the op outputs torchtitan's per-op policy saves, each at its own size
-(``LayerCoefs.op_tensors``, ``reserved._kept_blocks``), not a share of every saved tensor. Checked
+(``LayerCoefs.op_tensors``, ``reserved.layer_forward._kept_blocks``), not a share of every saved tensor. Checked
 against trace (the real policy run through ``torch.utils.checkpoint``) on Llama-2-7B at 8 x 2048
 tokens over 8 ranks, the torchtitan PR #165 'SAC' setups, where the shares left other holes in the
 cache: FSDP2 -7.0 % and FSDP1 -9.1 % against trace's reserved memory before."""

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import trainmem  # noqa: E402
-from trainmem.estimate.quantities import oib_update_bytes, step_temporaries  # noqa: E402
+from trainmem.estimate.quantities.optimizer_step import oib_update_bytes, step_temporaries  # noqa: E402
 from trainmem.estimate.states import model_states  # noqa: E402
 from trainmem.measure import LiveBytes  # noqa: E402
 from trainmem.optim import optimizer_in_backward  # noqa: E402

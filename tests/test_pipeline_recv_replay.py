@@ -1,5 +1,5 @@
 """A stage's receive buffers under torch's pipeline schedules in the reserved replay
-(``estimate/reserved.py`` ``recv_buffers``, ``_batch_in``), found by the reserved column of the sampled
+(``estimate/reserved/ddp.py`` ``recv_buffers``, ``_batch_in``), found by the reserved column of the sampled
 agreement grid (``benchmarks/bench_agreement.py --reserved``; docs/agreement.md "Peak reserved on the
 sampled grid").
 

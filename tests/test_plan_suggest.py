@@ -3,7 +3,7 @@ import pytest
 
 import trainmem
 from trainmem.estimate.layers import layer_coefficients
-from trainmem.estimate.quantities import layer_key
+from trainmem.estimate.quantities.model_facts import layer_key
 from trainmem.errors import TrainmemError
 from trainmem.plan import format_suggestions, suggest, suggest_for_report
 
@@ -52,13 +52,13 @@ def test_chunked_cross_entropy_upcasts_one_chunk_at_a_time():
     assert four.training.loss == "chunked"
     n, v = 2 * 1024, 128256
     # the chunked loop takes the decoder's hidden states and drops the model output with its KV cache
-    # (quantities._output_cache): the output `one` holds keeps what of the cache autograd does not save
+    # (quantities.build._output_cache): the output `one` holds keeps what of the cache autograd does not save
     # (``held``) at the end of forward, and at the loss also the previous step's whole cache (``cache``)
     lc = layer_coefficients(layer_key(one.model, one.training))
     cache_end, cache_loss = 16 * n * lc.held, 16 * n * (lc.held + lc.cache)  # 16 layers
     assert one.phase("forward", 2).allocated - four.phase("forward", 2).allocated == cache_end > 0
     # + the final norm's fp32 output, which the model's own loss (not the chunked one) runs beside
-    # (estimate.quantities.head_during_loss)
+    # (estimate.quantities.outer.head_during_loss)
     assert one.phase("forward", 2).peak - four.phase("forward", 2).peak == \
         (n - n // 4) * v * 4 + n * 2048 * 4 + cache_loss
     # backward: the two fp32 gradients exist for one chunk, but every chunk's half logits gradient

@@ -84,7 +84,7 @@ QWEN3_NEXT = dict(model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"
 @pytest.mark.slow
 def test_point_derived_qwen3_next_agrees_with_trace():
     """Reserved within 4%: the replay nets a block's placement excess only where the block is one
-    tensor (``reserved._Replay.alloc``); its layers' parts are saved bytes by module and op over two
+    tensor (``reserved.replay._Replay.alloc``); its layers' parts are saved bytes by module and op over two
     layer kinds, several tensors each (netted too, the replay was +4.05% against trace; not: +2.96%)."""
     est, tr = _both(QWEN3_NEXT, 4, 1024)
     assert abs(est.peak_allocated / tr.peak_allocated - 1) <= 0.01

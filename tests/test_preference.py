@@ -1,5 +1,5 @@
 """``--trainer dpo`` and ``--trainer reward``: TRL's DPOTrainer and RewardTrainer steps (spec/preference.py). The estimate (estimate/preference.py over
-the engine, ``--loss logps``'s backward in quantities._logps_bytes) is checked against trace, which runs
+the engine, ``--loss logps``'s backward in quantities.loss_kinds._logps_bytes) is checked against trace, which runs
 the step (preference_step.DPOTrainStep: the policy forward on 2B sequences, accelerate's fp32 cast,
 ``selective_log_softmax``, the reference forward under no_grad, the metrics, backward) on a
 transformers Llama cut to two layers, and the copied TRL functions against TRL's own where it is
@@ -62,7 +62,7 @@ def test_the_log_probs_backward_is_the_lora_peak():
 @pytest.mark.parametrize("extra", [dict(batch_size=1, lora_rank=8), dict(batch_size=2, lora_rank=8, ref_model="precomputed"),
                                    dict(batch_size=1)], ids=["lora", "lora-precomputed", "full-copy"])
 def test_reserved_replay_agrees_with_trace(extra):
-    """The reserved replay (estimate/reserved.py ``_dpo_after_logps``, ``_logps_backward``): the reference
+    """The reserved replay (estimate/reserved/loss_forward.py ``_dpo_after_logps``, ``_logps_backward``): the reference
     head's uncached weight copy, its logits, the metrics' copies and the log-probs' backward tensor by
     tensor; without the head's copy the replay missed the segment trace's second step adds (-6.7%)."""
     e, t = _both(**extra, precision="bf16-amp")

@@ -10,7 +10,7 @@ import pytest
 import trainmem
 from trainmem.errors import TrainmemError
 from trainmem.estimate.moments import StepFlags, tokens, walk
-from trainmem.estimate.quantities import clear_cache, quantities
+from trainmem.estimate.quantities.build import clear_cache, quantities
 from trainmem.estimate.states import model_states
 from trainmem.spec import TrainingSpec
 from trainmem.spec.config import resolve_model

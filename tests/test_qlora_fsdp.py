@@ -7,7 +7,7 @@ import trainmem
 
 from trainmem.errors import TrainmemError
 from trainmem.estimate.quant4 import fsdp_packed_bytes, is_quantized
-from trainmem.estimate.quantities import clear_cache, quantities
+from trainmem.estimate.quantities.build import clear_cache, quantities
 from trainmem.estimate.states import model_states
 from trainmem.spec import TrainingSpec
 from trainmem.spec.config import resolve_model

@@ -8,7 +8,7 @@ import pytest
 
 from trainmem import TrainmemError, estimate, resolve
 from trainmem.estimate.layers import Policy, layer_coefficients
-from trainmem.estimate.quantities import layer_key
+from trainmem.estimate.quantities.model_facts import layer_key
 from trainmem.trace.api import trace
 
 from test_trace_tp import GRID

@@ -138,7 +138,7 @@ def test_trace_refuses_the_catalogue_entry():
 def test_pure_half_loss_tensors_are_half_blocks():
     # nll_loss_backward's and _log_softmax_backward_data's gradients: two bf16 (b*s, vocab) tensors,
     # not one fp32-sized block (which no freed bf16 block fits, so the replay reserved more)
-    from trainmem.estimate.reserved import _logit_tensors
+    from trainmem.estimate.reserved.loss_forward import _logit_tensors
     elems = 8 * 1024 * 50257
     assert _logit_tensors(elems * 4, 4, elems, 1, elem=2) == [elems * 2, elems * 2]
     assert _logit_tensors(elems * 8, 8, elems) == [elems * 4, elems * 4]   # fp32: unchanged

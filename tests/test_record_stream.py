@@ -6,7 +6,7 @@ until a later ``malloc`` finds the recorded event complete (``CUDACachingAllocat
 parameter that way, recorded on the default stream, and its rate limiter bounds how far the CPU runs
 ahead: each reshard records a free event and each unshard waits on the CPU for the oldest of two
 (torch ``fsdp/_runtime_utils.py`` ``_reshard``/``_unshard``, ``_limiter_utils.py``). The estimate
-replays that worst case (``estimate/reserved.py`` ``_Fsdp1Lag``); trace runs FSDP1 itself, with
+replays that worst case (``estimate/reserved/fsdp.py`` ``_Fsdp1Lag``); trace runs FSDP1 itself, with
 ``record_stream`` and the limiter's ``Event.synchronize`` seen by its CUDA emulation. The checks
 below: the allocator rule, the limiter's order in the replay, and trace against the estimate on
 what the mechanism adds to reserved memory (one gathered layer in every setup tried: 118 MiB for a
@@ -71,12 +71,12 @@ def test_a_full_device_waits_for_pending_frees_before_failing():
 def test_the_limiter_releases_a_free_two_reshards_later():
     """``_Fsdp1Lag``: an unshard waits for the free event of the reshard two before it, so the unit
     freed just before is still pending and the one before that is reusable."""
-    R = rv._Replay()
-    lag = rv._Fsdp1Lag()
+    R = rv.replay._Replay()
+    lag = rv.fsdp._Fsdp1Lag()
     blocks = []
     for _layer in range(3):
         lag.wait(R)
-        blocks.append(R.alloc(100 * MiB, rv.GATHER_STREAM))
+        blocks.append(R.alloc(100 * MiB, rv.replay.GATHER_STREAM))
         lag.defer(R, blocks[-1], lag.event())
     assert R.a.stats.pending == 200 * MiB         # the first released at the third unshard
     assert R.a.reserved == 200 * MiB              # the third reused the first's block
@@ -99,7 +99,7 @@ def _no_deferral(monkeypatch):
     import trainmem.trace.cuda as tc
     from trainmem.estimate import engine
     engine.forget_replays()
-    monkeypatch.setattr(rv._Fsdp1Lag, "defer", lambda self, R, h, tick: R.free(h))
+    monkeypatch.setattr(rv.fsdp._Fsdp1Lag, "defer", lambda self, R, h, tick: R.free(h))
     monkeypatch.setattr(tc, "_record_stream_patches", lambda tracker: {})
 
 

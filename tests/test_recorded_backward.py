@@ -1,5 +1,5 @@
 """A derived layer's backward in the reserved-memory replay as the derivation recorded it
-(``trace.derive._layer_backward_sequence``, ``estimate.reserved._recorded_backward``): each tensor its
+(``trace.derive._layer_backward_sequence``, ``estimate.reserved.layer_backward._recorded_backward``): each tensor its
 backward makes and frees, the saved tensors and weight copies it releases and its parameter gradients,
 in the traced order. Before, the layer's backward was one block of its worst moment (``_transient``),
 which left the holes trace's backward opens unmade: against trace, peak reserved, a DistilBERT-shaped
@@ -21,17 +21,17 @@ SMALL = dict(set=["n_layers=4", "dim=384", "hidden_dim=1536", "n_heads=6",
 
 def _one_block(monkeypatch, kw: dict) -> int:
     """The estimate's reserved peak with each derived layer's backward one block, as before."""
-    quantities._CACHE.clear()
-    monkeypatch.setattr(reserved, "_recorded", lambda *a: False)
+    quantities.build._CACHE.clear()
+    monkeypatch.setattr(reserved.layer_backward, "_recorded", lambda *a: False)
     try:
         return trainmem.estimate("distilbert-base-uncased", **kw).peak_reserved
     finally:
         monkeypatch.undo()
-        quantities._CACHE.clear()
+        quantities.build._CACHE.clear()
 
 
 def test_recorded_backward_follows_trace(monkeypatch):
-    quantities._CACHE.clear()
+    quantities.build._CACHE.clear()
     est = trainmem.estimate("distilbert-base-uncased", **SMALL)
     tr = trainmem.trace("distilbert-base-uncased", **SMALL)
     block = _one_block(monkeypatch, SMALL)
@@ -66,7 +66,7 @@ def test_the_derivation_records_the_layer_backward():
 
 def test_without_a_record_the_backward_is_one_block(monkeypatch):
     """Coefficients without the backward record (derived before it) keep the one block."""
-    quantities._CACHE.clear()
+    quantities.build._CACHE.clear()
     real = derived._sequence
     monkeypatch.setattr(derived, "_sequence", lambda doc, kinds: {k: v for k, v in real(doc, kinds).items()
                                                                   if not k.startswith("bwd_")})
@@ -74,7 +74,7 @@ def test_without_a_record_the_backward_is_one_block(monkeypatch):
         without = trainmem.estimate("distilbert-base-uncased", **SMALL).peak_reserved
     finally:
         monkeypatch.undo()
-        quantities._CACHE.clear()
+        quantities.build._CACHE.clear()
     assert without == _one_block(monkeypatch, SMALL)
 
 
@@ -105,11 +105,11 @@ def test_without_torch_a_set_stored_only_under_the_previous_version_is_read(monk
                         else real(kind, k))
     monkeypatch.setitem(sys.modules, "trainmem.trace.derive", None)  # import fails as without torch
     derived._coefficients.cache_clear()
-    quantities.clear_cache()
+    quantities.build.clear_cache()
     try:
         doc = derived.coefficients(r.model, r.training)
         assert doc["version"] == derived.PREVIOUS_VERSION and not any(e[0] == "u" for e in doc["kinds"]["k0"]["events"])
     finally:
         monkeypatch.undo()
         derived._coefficients.cache_clear()
-        quantities.clear_cache()
+        quantities.build.clear_cache()

@@ -1,10 +1,11 @@
 """The reserved replay requests an optimizer state at its own bytes and charges it its block
-(``reserved._Replay.alloc``'s ``charge``, ``reserved._state_requests``)."""
+(``reserved.replay._Replay.alloc``'s ``charge``, ``reserved.optimizer._state_requests``)."""
 from __future__ import annotations
 
 from trainmem.allocator_rules import block_bytes
-from trainmem.estimate.quantities import quantities
-from trainmem.estimate.reserved import _Replay, _state_requests
+from trainmem.estimate.quantities.build import quantities
+from trainmem.estimate.reserved.optimizer import _state_requests
+from trainmem.estimate.reserved.replay import _Replay
 from trainmem.spec.resolve import resolve
 
 MiB = 1 << 20

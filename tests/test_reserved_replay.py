@@ -14,7 +14,10 @@ from __future__ import annotations
 import pytest
 
 import trainmem
-from trainmem.estimate.reserved import _kept_blocks, _logit_tensors, _parameter_order, _scaled
+from trainmem.estimate.reserved.layer_forward import _kept_blocks
+from trainmem.estimate.reserved.loss_forward import _logit_tensors
+from trainmem.estimate.reserved.replay import _scaled
+from trainmem.estimate.states import parameter_order as _parameter_order
 
 L2 = ["num_hidden_layers=2"]
 
@@ -136,7 +139,8 @@ def test_held_embeddings_free_a_block_for_the_backward_workspace():
 
 def test_held_embeddings_only_for_a_transformers_decoder_in_half():
     from trainmem.estimate.layers import Policy
-    from trainmem.estimate.quantities import held_embeddings, quantities
+    from trainmem.estimate.quantities.build import quantities
+    from trainmem.estimate.quantities.head_moments import held_embeddings
     from trainmem.spec.resolve import resolve
     r = resolve("llama-3.2-1b", precision="bf16", batch_size=1, seq_len=128)
     assert held_embeddings(r.model, r.training, Policy.of("bf16")) == r.model.hidden_size * 2
@@ -154,7 +158,7 @@ def test_held_embeddings_only_for_a_transformers_decoder_in_half():
 
 
 def test_full_recompute_keeps_autocast_copies_until_the_forward_ends():
-    """Full recomputation under autocast (``reserved._checkpointed``, ``_recompute_casts``): the first
+    """Full recomputation under autocast (``reserved.layer_forward._checkpointed``, ``_recompute_casts``): the first
     forward's half weight copies stay in autocast's cache until the loss is computed, the layer's own
     tensors each live until the next is made, and the recomputed forward makes the copies again.
     Against trace (H200 workspaces): Qwen2.5-1.5B with 2 layers, batch 4, seq 2048 went from -19.5%
@@ -179,7 +183,7 @@ def test_a_whole_block_handed_out_counts_in_the_gap():
     estimate; blocks placed by the load are not counted again (the weights are at their placement)."""
     from trainmem.allocator import CachingAllocator
     from trainmem.allocator_rules import LARGE_BUFFER, block_bytes
-    from trainmem.estimate.reserved import _Replay
+    from trainmem.estimate.reserved.replay import _Replay
     n = 768 * 768 * 2                                      # one bf16 768 x 768 gradient, 1.125 MiB
     R = _Replay()
     R.mark("model_loaded", 0)
@@ -205,7 +209,8 @@ def test_a_block_of_several_tensors_keeps_its_excess():
     op, a backward moment's transient) has no placement of its own: the tail it takes is counted as
     allocated, not netted into the gap; a logits term's rest is such a block (``_Sizes.whole``)."""
     from trainmem.allocator_rules import LARGE_BUFFER, block_bytes
-    from trainmem.estimate.reserved import _logit_allocs, _Replay, _Sizes
+    from trainmem.estimate.reserved.loss_forward import _logit_allocs, _Sizes
+    from trainmem.estimate.reserved.replay import _Replay
     n = 768 * 768 * 2
     R = _Replay()
     R.mark("model_loaded", 0)

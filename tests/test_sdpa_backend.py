@@ -14,7 +14,7 @@ from trainmem.errors import TrainmemError
 from trainmem.estimate.engine import estimate
 from trainmem.estimate.layers import (F32, HALF, layer_coefficients, sdpa_backend, sdpa_pin_problem,
                                       sdpa_priority, sdpa_refusals)
-from trainmem.estimate.quantities import layer_key
+from trainmem.estimate.quantities.model_facts import layer_key
 from trainmem.spec import TrainingSpec, resolve_model
 
 torch = pytest.importorskip("torch")

@@ -1,5 +1,5 @@
-"""Gemma-2's final logit soft-cap in the reserved replay (``reserved._softcapped_logits``,
-``reserved._softcap_backward``): ``lm_head``'s output, ``/ cap``, ``tanh`` (saved), ``* cap``, each a
+"""Gemma-2's final logit soft-cap in the reserved replay (``reserved.loss_forward._softcapped_logits``,
+``reserved.loss_backward._softcap_backward``): ``lm_head``'s output, ``/ cap``, ``tanh`` (saved), ``* cap``, each a
 logits-sized tensor made and freed in the forward's order, and the cap's backward (``MulBackward0``,
 ``TanhBackward0``, ``DivBackward0``) between the loss's gradient and the head's, where the replay had
 the saved tanh output inside the head side's one block and no transient.
@@ -21,14 +21,14 @@ GEMMA2 = ("gemma-2-2b", ["num_hidden_layers=2"])
 
 def _uncapped(monkeypatch, m, t) -> int:
     """The estimate's peak reserved as it was before: no soft-cap tensors in the replay."""
-    quantities._CACHE.clear()
+    quantities.build._CACHE.clear()
     engine.forget_replays()
-    monkeypatch.setattr(reserved, "_softcap_bytes", lambda *a: 0)
+    monkeypatch.setattr(reserved.driver, "_softcap_bytes", lambda *a: 0)
     try:
         return trainmem.estimate(m, training=t).peak_reserved
     finally:
         monkeypatch.undo()
-        quantities._CACHE.clear()
+        quantities.build._CACHE.clear()
         engine.forget_replays()
 
 
@@ -57,12 +57,12 @@ def test_softcap_replay_makes_the_caps_tensors(monkeypatch):
     t = TrainingSpec(batch_size=1, seq_len=256, precision="bf16", loss="half")
     full = 256 * m.vocab_size * 2                                 # (b, s, vocab) bf16
     sizes: list[int] = []
-    real = reserved._Replay.alloc
+    real = reserved.replay._Replay.alloc
 
     def spy(self, nbytes, stream=0, one=True, charge=0):
         sizes.append(int(nbytes or 0))
         return real(self, nbytes, stream, one, charge)
-    monkeypatch.setattr(reserved._Replay, "alloc", spy)
+    monkeypatch.setattr(reserved.replay._Replay, "alloc", spy)
     engine.forget_replays()
     trainmem.estimate(m, training=t)
     # two steps; per step the loss's own logits-sized tensors come on top of the head's 4 + 3

@@ -5,7 +5,7 @@
   dtype (4.39.3 ``modeling_mistral.py`` L103-116, L232-236): ``estimate.states._hf_layer_rotary_cache``;
 * before 5.0 transformers checkpoints with ``use_reentrant=True`` (4.39.3 ``modeling_utils.py``
   L2114-2115), whose first forward builds no autograd node, so bitsandbytes < 0.43.2 ``MatMul4Bit``
-  keeps no inputs for checkpointed layers: ``estimate.quantities._graph_held``.
+  keeps no inputs for checkpointed layers: ``estimate.quantities.build._graph_held``.
 
 The first is checked against two published runs of the same benchmark under two releases."""
 from __future__ import annotations
@@ -109,7 +109,7 @@ def test_reentrant_checkpoint_keeps_no_bnb_inputs():
 def _act_backward(**kw) -> float:
     """Bytes per token the Mistral-7B layer's SwiGLU backward adds over its saved tensors."""
     from trainmem.estimate.layers import layer_coefficients
-    from trainmem.estimate.quantities import layer_key
+    from trainmem.estimate.quantities.model_facts import layer_key
     from trainmem.spec.resolve import resolve
     r = resolve("mistral-7b", precision="fp16-amp", lora_rank=16, lora_targets="q_proj,v_proj",
                 recompute="full", attention="flash", **kw)

@@ -72,7 +72,7 @@ def test_softmax_input_is_saved_before_1_11():
 def test_log_softmax_keeps_the_loss_input_before_1_11():
     """The upcast loss's fp32 logits copy is saved by log_softmax before 1.11 (freed after the loss
     since): the loss's saved bytes grow by one fp32 logits tensor."""
-    from trainmem.estimate.quantities import loss_bytes
+    from trainmem.estimate.quantities.loss import loss_bytes
     from trainmem.estimate.layers import Policy
     from trainmem.spec.config import resolve_model
     from trainmem.spec.training import TrainingSpec

@@ -158,7 +158,7 @@ def test_estimate_matches_trace(name):
     assert abs(e.peak_allocated - t.peak_allocated) <= 0.005 * t.peak_allocated
     pe, pt = e.phase("optimizer_step", 2), t.phase("optimizer_step", 2)
     assert abs((pe.peak - pe.allocated) - (pt.peak - pt.allocated)) <= 0.01 * (pt.peak - pt.allocated)
-    # the reserved replay runs each tensor's graph too (reserved._torchao_graph): the first step's
+    # the reserved replay runs each tensor's graph too (reserved.optimizer._torchao_graph): the first step's
     # fp32 moments of the embedding need segments of their own
     assert abs(e.peak_reserved - t.peak_reserved) <= 0.01 * t.peak_reserved
 

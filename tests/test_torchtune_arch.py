@@ -54,12 +54,12 @@ def test_torchtune_gemma2_caps_the_hidden_state_not_the_logits():
     projection; transformers' ``Gemma2ForCausalLM`` caps the (b, s, vocab) logits, whose tanh result
     the derived head side measured. Under --framework torchtune the head side trades that bf16
     logits-sized tensor for a bf16 hidden-sized one, and no chunk frees a capped copy
-    (``quantities.torchtune_cap_bytes``, ``softcap_saved``). Traced with torchtune 0.6.1's own
+    (``quantities.head_grads.torchtune_cap_bytes``, ``softcap_saved``). Traced with torchtune 0.6.1's own
     ``gemma2`` (2 layers of Gemma-2-2B, 2 x 1024, full_finetune step) the estimate went from +7.69 %
     to -0.14 % of it (docs/validation.md, 2026-11-25)."""
     import dataclasses
 
-    from trainmem.estimate.quantities import quantities
+    from trainmem.estimate.quantities.build import quantities
 
     r = resolve("gemma-2-2b", framework="torchtune", **SETUP)
     m, tt = r.model, r.training
@@ -73,7 +73,7 @@ def test_torchtune_cap_only_for_gemma2():
     """Models without a final logit soft-cap, or other frameworks, keep transformers' head side."""
     import dataclasses
 
-    from trainmem.estimate.quantities import caps_hidden_not_logits
+    from trainmem.spec.frameworks import caps_hidden_not_logits
 
     r = resolve("gemma-2-2b", framework="torchtune", **SETUP)
     assert caps_hidden_not_logits(r.model, r.training)

@@ -4,15 +4,15 @@ an A100, peak_memory_active) they were found on.
 
 * ``CEWithChunkedOutputLoss.compute_cross_entropy`` compiled (``training.compile_loss``): the partition
   saves the half logits chunk itself, its labels and two fp32 values per row; backward writes one
-  gradient in the logits' dtype (``quantities._compiled_chunked_loss_bytes``).
+  gradient in the logits' dtype (``quantities.loss_kinds._compiled_chunked_loss_bytes``).
 * ``nn.CrossEntropyLoss`` compiled on the fp32 logits torchtune's decoder returns: it saves those fp32
-  logits themselves (``quantities._compiled_fp32_loss_bytes``); only the LoRA single-device recipe keeps
+  logits themselves (``quantities.loss_kinds._compiled_fp32_loss_bytes``); only the LoRA single-device recipe keeps
   the compiled module, the full-finetune recipes run it eagerly
-  (``quantities.torchtune_compiles_whole_loss``).
+  (``quantities.loss_kinds.torchtune_compiles_whole_loss``).
 * A layer that copies K and V to the query's heads (torchtune's ``MultiHeadAttention``) saves the
   copies under compile too (``--attention-call repeat-kv`` with ``--compile``).
 * torchtune compiles layer by layer: its tied embedding's gradient is autograd's, not a compiled
-  graph's (``quantities.whole_model_compiled``).
+  graph's (``quantities.head_grads.whole_model_compiled``).
 * ``peak_active`` is scored by the allocated peak (``validate.active_peak``)."""
 import functools
 import json
@@ -23,7 +23,9 @@ import torch
 import torch.nn.functional as F
 
 import trainmem
-from trainmem.estimate.quantities import F32, LossBytes, quantities
+from trainmem.estimate.quantities.build import quantities
+from trainmem.estimate.quantities.loss_kinds import LossBytes
+from trainmem.estimate.quantities.model_facts import F32
 from trainmem.spec.resolve import resolve
 from trainmem.validate import PEAKS, quantity, validate
 
@@ -71,7 +73,7 @@ def test_compiled_chunked_loss_saves_the_half_chunk_and_16_bytes_per_row():
     assert big == [((rows, vocab), torch.bfloat16)]          # the chunk itself, no fp32 log-probabilities
     per_row = sum(_bytes(s) for s in saved if s[0] != (rows, vocab)) / rows
     lb = LossBytes(saved=2, saves_out=1)
-    from trainmem.estimate.quantities import _compiled_chunked_loss_bytes
+    from trainmem.estimate.quantities.loss_kinds import _compiled_chunked_loss_bytes
     b = _compiled_chunked_loss_bytes(0, 2)
     assert (b.saved, b.saves_out, b.forward_chunk, b.forward) == (lb.saved, 1, 0, 0)
     assert b.saved_tok == per_row == 16                       # amax, log (fp32) and the int64 labels
@@ -83,7 +85,7 @@ def test_compiled_fp32_loss_saves_its_fp32_input():
     x = torch.randn(rows, vocab, dtype=torch.float32, requires_grad=True)
     saved = _saved(lambda lg, lb: F.cross_entropy(lg, lb), x, torch.randint(0, vocab, (rows,)))
     assert [s for s in saved if s[0] == (rows, vocab)] == [((rows, vocab), torch.float32)]
-    from trainmem.estimate.quantities import _compiled_fp32_loss_bytes
+    from trainmem.estimate.quantities.loss_kinds import _compiled_fp32_loss_bytes
     b = _compiled_fp32_loss_bytes(0, 2)
     assert (b.saved, b.saves_out, b.cast, b.backward, b.forward) == (F32, 1, F32, F32, 0)
 

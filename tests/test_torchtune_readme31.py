@@ -3,7 +3,7 @@ Llama 3.1; validation/published/torchtune_readme31_*.json): what its two largest
 
 * Llama-3.1-8B full fine-tune on one RTX 4090 (estimate +6.2 %): the peak is the head's backward under
   ``CEWithChunkedOutputLoss``, where the output weight's gradient of each of the 8 chunks meets in its
-  ``AccumulateGrad`` input buffer. ``quantities.chunk_head_grads`` counts three weight-sized gradients
+  ``AccumulateGrad`` input buffer. ``quantities.head_grads.chunk_head_grads`` counts three weight-sized gradients
   there (the first chunk's, the second's and their sum), found with trace, whose dispatch mode makes
   every tensor subclass-like and so every ``InputBuffer`` accumulation out of place
   (``trace/cuda_kernels.py``). Checked here on plain tensors, where ``InputBuffer::accumulate`` takes
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 import trainmem
-from trainmem.estimate.quantities import quantities
+from trainmem.estimate.quantities.build import quantities
 from trainmem.spec.resolve import resolve
 from trainmem.validate import _value
 

@@ -110,11 +110,12 @@ def test_which_runs_replay_torchtune_s_build(version, opts, builds):
 
 
 def test_the_replay_runs_the_loops_shift_and_log_softmax_copy():
-    """torchtune < 0.3's loss in the reserved replay (``reserved._torchtune_loop_loss``): from the fp32
+    """torchtune < 0.3's loss in the reserved replay (``reserved.loss_forward._torchtune_loop_loss``): from the fp32
     output, the shifted fp32 copy (kept as the held output), ``log_softmax``'s contiguous copy of its
     transposed input beside its fp32 output, the copy freed: 3 shifted-sized tensors at the top."""
     from types import SimpleNamespace
-    from trainmem.estimate.reserved import _Replay, _torchtune_loop_loss
+    from trainmem.estimate.reserved.loss_forward import _torchtune_loop_loss
+    from trainmem.estimate.reserved.replay import _Replay
     b, s, vocab, per_token = 2, 512, 32000, 8 * 1024          # tensors of whole 512-byte units
     full, shifted = b * s * vocab, b * (s - 1) * vocab
     q = SimpleNamespace(logit_width=vocab, tp=1)
@@ -136,7 +137,7 @@ def test_the_replay_runs_the_loops_shift_and_log_softmax_copy():
     (None, dict(lora_rank=8, cast_output=True, hold_output="step", loss="upcast"), False),  # no preset
 ])
 def test_which_runs_replay_the_loops_shift(version, opts, shifts):
-    from trainmem.estimate.quantities import quantities
+    from trainmem.estimate.quantities.build import quantities
     from trainmem.spec.resolve import resolve
     kw = dict(framework="torchtune", framework_version=version) if version else {}
     r = resolve("llama-2-7b", batch_size=2, seq_len=512, gpu="rtx-4090", **kw, **opts)

@@ -1,4 +1,4 @@
-"""An untied embedding's gradient made anew under PyTorch's tensor parallelism (``quantities.emb_accumulated``).
+"""An untied embedding's gradient made anew under PyTorch's tensor parallelism (``quantities.head_grads.emb_accumulated``).
 
 DTensor computes the embedding's gradient replicated, the whole (vocab, hidden) table
 (``states._replicated_grad``: torch 2.13 ``distributed/tensor/_ops/_embedding_ops.py`` has no ``Shard(0)``
@@ -15,7 +15,7 @@ from trainmem.spec import TrainingSpec, resolve_model
 
 
 def test_the_new_gradient_is_the_whole_table():
-    from trainmem.estimate.quantities import quantities
+    from trainmem.estimate.quantities.build import quantities
     m = resolve_model("llama-2-7b", overrides=["num_hidden_layers=2", "hidden_size=2048", "intermediate_size=5504",
                                                "num_attention_heads=16", "num_key_value_heads=16"])
     t = TrainingSpec(batch_size=1, seq_len=256, tp=2, grad_accum=2, precision="fp32")

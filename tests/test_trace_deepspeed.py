@@ -122,7 +122,7 @@ def test_zero3_prefetch_keeps_its_coalesced_buffer_through_forward(prefetch, twi
     """The second step's prefetch gathers the whole model (within DeepSpeed's 5e7-element bucket) with
     one ``all_gather_coalesced``, whose flat output lives beside the parameters built from it until the
     final norm's fetch: the top layer's forward holds the model twice (-2.8% before the estimate
-    counted it, ``quantities.deepspeed_coalesced``). Without prefetch there is no such buffer."""
+    counted it, ``quantities.zero3_gather.deepspeed_coalesced``). Without prefetch there is no such buffer."""
     pytest.importorskip("deepspeed")
     kw = dict(LLAMA8, stage3_prefetch_bucket_size=prefetch)
     r, e = trace("llama-3.2-1b", **kw), trainmem.estimate("llama-3.2-1b", **kw)
@@ -162,9 +162,9 @@ def test_zero3_sub_groups_move_the_trace(one_torch_thread):
 def test_gradients_kept_for_the_step_are_the_whole_overlapping_parameters(stage, one_torch_thread):
     """At the step's cast ZeRO-1/2 hold ``grads_in_partition``: the whole parameters that overlap rank
     0's partition (the tied embedding and layer 0's projections to ``down_proj`` on this Llama), as the
-    estimate counts it (``quantities.deepspeed_partition_grads``), byte for byte."""
+    estimate counts it (``quantities.zero_partition.deepspeed_partition_grads``), byte for byte."""
     pytest.importorskip("deepspeed")
-    from trainmem.estimate.quantities import quantities
+    from trainmem.estimate.quantities.build import quantities
     from trainmem.spec.resolve import resolve
     kw = dict(LLAMA, zero=stage, dp=2, precision="bf16", reduce_bucket_size=1_000_000, recompute="full")
     r = trace("llama-3.2-1b", **kw)
@@ -274,7 +274,7 @@ def test_estimate_agrees_with_deepspeeds_engine_grid(one_torch_thread):
 def test_zero2_partition_made_at_the_epilogue_when_every_gradient_fits_one_bucket():
     """GPT-2 (one layer, its tied 50257-row table) has 46M parameters, fewer than DeepSpeed's default
     500M-element bucket: nothing is reduced before backward's epilogue, so at the tied embedding's
-    gradient sum (the peak) no ``grads_in_partition`` exists yet (``quantities.reduce_first_in_backward``;
+    gradient sum (the peak) no ``grads_in_partition`` exists yet (``quantities.zero_partition.reduce_first_in_backward``;
     the estimate had it there: +3.0%), and the sum itself is the embedding's only gradient beside the
     bucket."""
     pytest.importorskip("deepspeed")
@@ -334,7 +334,7 @@ def test_fp32_clone_is_deepspeeds_zero_on_fp32_weights_only():
     assert not any(c.category == "master_weights" for c in offloaded.components)  # host memory under ZeRO-Offload
 
 
-# ----- small buckets: where the reductions leave rank 0's gradients (quantities.deepspeed_partition_from) ----
+# ----- small buckets: where the reductions leave rank 0's gradients (quantities.zero_partition.deepspeed_partition_from) ----
 FULL_GPT2 = dict(zero=2, dp=2, precision="bf16", seq_len=128)
 
 
@@ -344,7 +344,8 @@ def test_zero2_partition_is_made_by_a_reduction_holding_rank0s_parameters():
     comes last: no reduction before the epilogue holds it, so ``grads_in_partition`` exists at none
     of backward's moments (the estimate had it from the head on: +5.63%)."""
     pytest.importorskip("deepspeed")
-    from trainmem.estimate.quantities import PARTITION_AFTER, quantities
+    from trainmem.estimate.quantities.build import quantities
+    from trainmem.estimate.quantities.zero_partition import PARTITION_AFTER
     from trainmem.spec.resolve import resolve
     kw = dict(FULL_GPT2, set=["n_layer=1"], reduce_bucket_size=10_000_000)
     res = resolve("gpt2", **kw)
@@ -367,7 +368,7 @@ def test_zero2_without_contiguous_gradients_keeps_the_unreduced_gradients():
 
 def test_zero1_overlap_comm_reduces_in_backward_as_zero2():
     """ZeRO-1 under ``overlap_comm`` reduces buckets in its gradient hooks at the boundary and keeps
-    only ``grads_in_partition`` (``quantities.deepspeed_hooks_reduce``): at the tied embedding's
+    only ``grads_in_partition`` (``quantities.zero_partition.deepspeed_hooks_reduce``): at the tied embedding's
     backward no other gradient is left (the estimate had every gradient: +2.86%)."""
     pytest.importorskip("deepspeed")
     kw = dict(FULL_GPT2, set=["n_layer=1"], zero=1, overlap_comm=True, reduce_bucket_size=10_000_000)
@@ -379,7 +380,7 @@ def test_zero2_epilogue_flattens_the_last_bucket():
     """Eight GPT-2 layers with full recompute, no contiguous gradients, dp 4: every gradient fits
     DeepSpeed's default bucket, so the epilogue reduces them all, flattening them into one copy
     (``torch.cat``) beside themselves: backward's peak (``deepspeed.reduce``,
-    ``quantities.deepspeed_epilogue``; the estimate had no such moment: -13.13%)."""
+    ``quantities.zero_partition.deepspeed_epilogue``; the estimate had no such moment: -13.13%)."""
     pytest.importorskip("deepspeed")
     kw = dict(FULL_GPT2, set=["n_layer=8"], dp=4, recompute="full", contiguous_gradients=False)
     r, e = trace("gpt2", **kw), trainmem.estimate("gpt2", **kw)
@@ -430,7 +431,7 @@ TIED_FULL = dict(set=["num_hidden_layers=2"], framework="hf-trainer", zero=3, dp
 
 def test_zero3_gathers_a_tied_table_at_the_embeddings_backward():
     """ZeRO-3's pre-backward hook gathers the input embedding's table whole at its backward, the
-    last module's, tied or not, with no prefetch behind it (``quantities.deepspeed_gathered_embedding``):
+    last module's, tied or not, with no prefetch behind it (``quantities.zero3_gather.deepspeed_gathered_embedding``):
     with Llama-3.2-1B's tied 128256 x 2048 table the step's peak is there, and what is gathered
     then is the bucket kept from engine start and the whole table (before: no table, a layer and a
     prefetch bucket)."""

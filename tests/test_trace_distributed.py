@@ -179,7 +179,7 @@ def test_estimate_models_grad_op_as_shards_plus_gathered_layers():
     {"dp": 4, "fsdp": "full", "precision": "bf16", "recompute": "full"},
 ])
 def test_estimate_agrees_with_fsdp2_trace(options):
-    """FSDP's unsharded buffers in the estimate (estimate.quantities.fsdp_buffers): the root unit
+    """FSDP's unsharded buffers in the estimate (estimate.quantities.fsdp_root.fsdp_buffers): the root unit
     (Llama-3.2-1B's tied 128,256-token embedding, a fifth of the model) gathered for the loss and
     again through backward, the layer being computed and the prefetched one, the previous layer's
     reduce-scatter input, the head's unsharded gradient. Before them the estimate was 5-9% under

@@ -153,7 +153,7 @@ def test_fsdp2_shards_each_stage_and_the_pipeline_reduces_once(options):
 
 
 #: PP x FSDP2 (--grad-sync step) where the estimate models torch's PipelineStage: the schedule's loss
-#: outside the stage root (quantities.pipeline_fsdp), grad-op's layers gathered once per stage
+#: outside the stage root (quantities.pipeline.pipeline_fsdp), grad-op's layers gathered once per stage
 #: (moments.tokens, interleaved: each of the rank's stages). (stages checked, setup)
 PP_FSDP = [
     ("both", SMALL, {"pp": 2, "grad_accum": 4, "fsdp": "grad-op", "precision": "bf16-amp"}),
@@ -162,7 +162,7 @@ PP_FSDP = [
     ("both", EIGHT, {"pp": 4, "grad_accum": 4, "fsdp": "grad-op", "precision": "bf16-mp"}),
     # full (reshard after forward), 1F1B: the last stage's peak is the loss's backward with every unit
     # resharded by the forward before it; the first stage's, its top layer's and its root's unshard at a
-    # backward (quantities.pipeline_top_first), every layer above kept gathered (pipeline_kept_layer), nothing
+    # backward (quantities.pipeline.pipeline_top_first), every layer above kept gathered (pipeline_kept_layer), nothing
     # reduced within the stage's backward (fsdp_no_sync), bf16-mp's new gradients beside the fp32 ones
     # (Quantities.fsdp_mp_new). (Interleaved orders: the warning)
     ("both", SMALL, {"pp": 2, "grad_accum": 2, "fsdp": "full", "precision": "bf16-amp"}),
@@ -259,7 +259,7 @@ def test_lora_stages_agree_with_the_estimate(options):
     frozen base weights, fp32 adapters, bf16-amp. Measured (docs/trace.md, pipeline section): first stage
     -0.12% to -0.06%, last -0.93% to -0.27% over pp 2 and 4, 1F1B and GPipe, recompute none and full; the
     first stage was +1.3% / +3.2% before its top layer's output gradient was taken as the receive buffer
-    (``quantities.receives_output_grad``) and frozen linears' weight copies as freed by their backward."""
+    (``quantities.pipeline.receives_output_grad``) and frozen linears' weight copies as freed by their backward."""
     r, stages = _lora_stages(**options)
     for rank, (traced, est) in stages.items():
         assert abs(est / traced - 1) < TOLERANCE, (rank, traced, est)
@@ -281,7 +281,7 @@ def test_lora_pipeline_grid_agrees_with_the_estimate(pp, schedule, recompute):
 def test_the_last_stages_loss_runs_after_its_autocast_region():
     """Without LoRA, full recompute, bf16-amp: the checkpointed layers' weight copies live in autocast's
     cache until the stage forward's region closes, before the schedule's loss runs in its own
-    (``quantities.loss_after_stage_forward``); the last stage was +2.0% before (measured -0.19%)."""
+    (``quantities.pipeline.loss_after_stage_forward``); the last stage was +2.0% before (measured -0.19%)."""
     r, stages = _lora_stages(pp=2, grad_accum=2, recompute="full", lora_rank=None)
     assert not r.training.lora_rank
     for rank, (traced, est) in stages.items():
@@ -292,7 +292,8 @@ def test_a_receiving_stages_top_layer_adds_no_output_gradient():
     """The first stage's top layer back-propagates from the receive buffer (torch ``stage_backward``
     hands it to autograd): its MLP backward adds one (b, s, h) stream-dtype tensor less than the same
     layer on the last stage, whose output gradient comes from the final norm."""
-    from trainmem.estimate.quantities import quantities, receives_output_grad
+    from trainmem.estimate.quantities.build import quantities
+    from trainmem.estimate.quantities.pipeline import receives_output_grad
     from trainmem.estimate.moments import best_transient
     from trainmem.estimate.layers import TOP
     res = resolve("llama-3.2-1b", **LORA, pp=2, grad_accum=2)
@@ -683,7 +684,7 @@ def test_interleaved_last_rank_replays_logits_on_its_head_stage_only(options):
     with the head) make logits and run the loss; its other stage's pairs keep their (b, s, h) output,
     each output in ``fwd_cache`` through its pair's backward (``_perform_action``'s ``output`` is gone
     as the action returns). The estimate's allocator replay walks the rank's order so
-    (``reserved._pipeline_pairs``). Peak reserved against trace, the last rank, vocab 32000 b2 s512:
+    (``reserved.driver._pipeline_pairs``). Peak reserved against trace, the last rank, vocab 32000 b2 s512:
     before +9.4% to +14.4% (every pair replayed with the head's logits); after -0.6% to +1.1%."""
     setup = {**BASE, "seq_len": 512, "pp": 2, "pp_schedule": "interleaved-1f1b", **options}
     r = trace("llama-3.2-1b", set=WIDE_VOCAB, **setup)
@@ -696,7 +697,7 @@ def test_interleaved_last_rank_replays_logits_on_its_head_stage_only(options):
 def test_the_last_stages_checkpointed_layers_cache_their_weight_copies_until_the_stage_forward_ends():
     """Full recompute under autocast on the last stage: each checkpointed layer's half weight copies
     stay in autocast's cache through the stage forward and are freed as its region closes, before the
-    schedule's loss (``quantities.loss_after_stage_forward``, ``Quantities.cast_stage_only``); the
+    schedule's loss (``quantities.pipeline.loss_after_stage_forward``, ``Quantities.cast_stage_only``); the
     allocator replay makes them linear by linear there. Llama-3.2-1B's widths, 4 layers, first
     forward's reserved against trace: 662 MiB where trace has 862 before (the copies not replayed),
     equal after; peak reserved -2.7% -> +0.3%."""

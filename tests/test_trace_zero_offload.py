@@ -68,7 +68,7 @@ def test_the_upload_of_the_updated_half_partition_allocates_nothing(one_torch_th
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_estimate_agrees_with_the_offloaded_engine(stage, one_torch_thread):
-    """The estimate's ZeRO-1/2 offload model (``quantities.deepspeed_offload_steps``, the offload buffer) on
+    """The estimate's ZeRO-1/2 offload model (``quantities.zero_offload.deepspeed_offload_steps``, the offload buffer) on
     the installed release against the engine: peak allocated within 0.5%."""
     pytest.importorskip("deepspeed")
     r, e = trace("llama-3.2-1b", zero=stage, **OFFLOAD), trainmem.estimate("llama-3.2-1b", zero=stage, **OFFLOAD)
@@ -87,7 +87,7 @@ SMALL_BUCKETS = dict(OFFLOAD, reduce_bucket_size=500_000)
 
 def test_zero2_offload_keeps_no_gradient_between_micro_batches():
     """ZeRO-2 offloaded hands each reduced gradient to a host buffer and backward's epilogue frees the rest
-    (``quantities.deepspeed_grads_on_host``): a second micro-batch meets no gradient on the GPU, so its peak is
+    (``quantities.zero_offload.deepspeed_grads_on_host``): a second micro-batch meets no gradient on the GPU, so its peak is
     the first's. ZeRO-1 reduces at the boundary only: its earlier micro-batch's ``.grad`` stays (a larger peak)."""
     one, two = (trainmem.estimate("llama-3.2-1b", zero=2, grad_accum=ga, **SMALL_BUCKETS) for ga in (1, 2))
     assert two.peak_allocated == one.peak_allocated
@@ -112,7 +112,7 @@ def _load(report) -> tuple[int, int]:
 
 def test_offload_clones_the_half_partition_on_the_gpu_from_v0_18_3(monkeypatch, one_torch_thread):
     """From v0.18.3 the fp32 partition is ``partition.detach().clone().to(device="cpu", ...)``: a half clone on
-    the GPU beside the flat group, before the offload buffer (``quantities.deepspeed_offload_clone``); v0.14.2
+    the GPU beside the flat group, before the offload buffer (``quantities.zero_offload.deepspeed_offload_clone``); v0.14.2
     copied to the host first. Traced with the flat group made on the host (``available_memory`` 0: DeepSpeed's
     path before v0.19.0, whose flatten on the GPU the estimate does not make), the load's peak and reserved
     bytes are the estimate's (before: the weights and the offload buffer only)."""
@@ -137,11 +137,11 @@ QWEN = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_si
 
 def test_replay_makes_the_buckets_at_the_first_hook_from_v0_18_3(monkeypatch, one_torch_thread):
     """From v0.18.3 ZeRO-1/2's buckets are made at the first gradient's hook, after the loss's backward
-    (``reserved._ds_buckets``): the loss's two fp32 gradients meet the logits' holes without a bucket in
+    (``reserved.zero_step._ds_buckets``): the loss's two fp32 gradients meet the logits' holes without a bucket in
     them, and the second maps new memory, as the engine does (Giles Thomas's Qwen1.5-0.5B offload setup, b2
     s2048, the flat group made on the host: reserved within 0.1 %; the bucket at backward's start: -10.6 %).
     The estimate takes the host's path where the GPU's free memory does not hold the flat group: a 1 GiB GPU
-    (``quantities.without_gpu_flatten``; its verdict aside, the replay is the same)."""
+    (``quantities.zero_partition.without_gpu_flatten``; its verdict aside, the replay is the same)."""
     pytest.importorskip("deepspeed")
     from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
     monkeypatch.setattr(CUDA_Accelerator, "available_memory", lambda self, device_index=None: 0)
@@ -160,7 +160,7 @@ FLAT = dict(set=LLAMA["set"][:-1] + ["vocab_size=32000"], seq_len=256, batch_siz
 @pytest.mark.parametrize("stage,offload", [(1, False), (2, False), (1, True), (2, True)])
 def test_the_load_holds_the_flat_group_beside_the_parameters_from_v0_19_0(stage, offload, one_torch_thread):
     """From v0.19.0 ZeRO-1/2 flattens each parameter group on the GPU when it fits in the free memory
-    (``quantities.deepspeed_flat_on_gpu``): the load's allocated peak is the parameters twice, as the engine
+    (``quantities.zero_partition.deepspeed_flat_on_gpu``): the load's allocated peak is the parameters twice, as the engine
     traced (DeepSpeed 0.19.8, the emulated GPU's ``available_memory`` its capacity less the allocated bytes).
     Before, the estimate's load peak was the weights and the fp32 partitions (or the offload buffer) only,
     24 % / 10 % under. The reserved bytes at the load are the engine's with the optimizer offloaded (without
@@ -174,7 +174,7 @@ def test_the_load_holds_the_flat_group_beside_the_parameters_from_v0_19_0(stage,
 
 
 def test_the_flat_group_goes_to_the_host_where_it_does_not_fit():
-    """The GPU given decides where the flat group is made (``quantities.without_gpu_flatten``): free memory
+    """The GPU given decides where the flat group is made (``quantities.zero_partition.without_gpu_flatten``): free memory
     (capacity less the CUDA context and the loaded weights) below the group's bytes takes DeepSpeed's host
     path, the load of v0.18.x; above, or with no GPU given (a note says it is assumed), the GPU's. Releases
     before v0.19.0 never flatten on the GPU."""
@@ -193,7 +193,7 @@ def test_the_flat_group_goes_to_the_host_where_it_does_not_fit():
 def test_replay_frees_the_parameters_once_the_flat_group_exists(one_torch_thread):
     """The same Qwen1.5-0.5B shape (default allocator) with the flat group made on the GPU, DeepSpeed 0.19.8's
     default: the parameters' own blocks are freed once it exists, and their segments stay cached through the
-    step (``reserved.reserved_gap``): the load's and the step's reserved bytes are the engine's (before: no
+    step (``reserved.driver.reserved_gap``): the load's and the step's reserved bytes are the engine's (before: no
     flat group, 706 MiB at the load against 1,052, the step -2.8 %)."""
     pytest.importorskip("deepspeed")
     kw = dict(framework="hf-trainer", zero=2, dp=1, precision="fp16", batch_size=2, seq_len=2048,

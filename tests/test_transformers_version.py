@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from trainmem import resolve
 from trainmem.errors import TrainmemError
 from trainmem.estimate.layers import Policy, layer_coefficients
-from trainmem.estimate.quantities import layer_key, loss_bytes
+from trainmem.estimate.quantities.loss import loss_bytes
+from trainmem.estimate.quantities.model_facts import layer_key
 from trainmem.measure.live import LiveBytes
 from trainmem.spec.training import TrainingSpec
 from trainmem.workload import check_supported
@@ -125,10 +126,10 @@ def test_llama_clamp_saves_one_scores_tensor_as_the_real_op_does(precision):
 
 
 def test_opt_clamp_raises_the_derived_layer_by_one_scores_tensor():
-    """OPT before 4.49 (derived): the clamp's saved sum, fp16, per layer (quantities.derived_clamp)."""
+    """OPT before 4.49 (derived): the clamp's saved sum, fp16, per layer (quantities.layer_terms.derived_clamp)."""
     import json
     from pathlib import Path
-    from trainmem.estimate.quantities import quantities
+    from trainmem.estimate.quantities.build import quantities
     fixture = Path(__file__).resolve().parents[1] / "validation/published/deepspeed_chat_opt13b_sft_zero2_b8.json"
     config = {k: v for k, v in json.loads(fixture.read_text())["model"].items() if not k.startswith("_")}
     base = dict(precision="fp16", attention="eager", seq_len=512, batch_size=8, loss="half")

@@ -1,6 +1,6 @@
 """TRL's SFTTrainer ``loss_type="chunked_nll"`` (``--loss chunked-nll``, the default from TRL 1.7):
 trace and measure run it as TRL writes it (``workload._patch_chunked_nll``); the estimate models it
-(``quantities._chunked_nll_bytes``), checked against trace, and refuses a derived architecture or a
+(``quantities.loss_kinds._chunked_nll_bytes``), checked against trace, and refuses a derived architecture or a
 4-bit head in one line; the trl preset sets it where the estimate models it and warns elsewhere. Also
 the metrics of the older loss_type='nll' path (``frameworks.trl_metric_bytes``)."""
 import pytest

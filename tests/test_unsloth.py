@@ -21,7 +21,8 @@ import trainmem
 from trainmem.errors import TrainmemError
 from trainmem.estimate import unsloth
 from trainmem.estimate.layers import LayerKey, layer_coefficients
-from trainmem.estimate.quantities import _unsloth_loss_bytes, quantities
+from trainmem.estimate.quantities.build import quantities
+from trainmem.estimate.quantities.loss_kinds import _unsloth_loss_bytes
 from trainmem.estimate.layers import Policy
 from trainmem.spec.resolve import resolve
 from trainmem.spec.frameworks import preset_options

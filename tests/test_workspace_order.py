@@ -1,5 +1,5 @@
 """Where the reserved replay makes the forward thread's cuBLAS workspace: at the first layer's first
-matmul, after that layer's FSDP all-gather and copy-out (``reserved._layer_forward``), not before
+matmul, after that layer's FSDP all-gather and copy-out (``reserved.layer_forward._layer_forward``), not before
 the gather.
 
 The case is the one docs/validation.md's nineteenth-session ``logits`` section left: FSDP2 full
@@ -59,7 +59,7 @@ def test_fsdp2_workspace_after_the_first_layers_gather(monkeypatch, one_torch_th
 
 
 #: measured on head (2026-11-26): +3.0 % since the causal LM's head side is replayed tensor by tensor
-#: (``quantities.causal_lm_head_tensors``); the replay's first step is in lockstep with trace through the
+#: (``quantities.outer.causal_lm_head_tensors``); the replay's first step is in lockstep with trace through the
 #: head (the final norm's 8, 8, 8, 4, 4 MiB tensors in the same segments, 158 MiB reserved, 148.3 MiB
 #: allocated at the logits), then the first optimizer step opens segments for 5.5, 2, 5.5 and 16 MiB
 #: requests where trace opens them for 5.5, 5.5 and 15.625 MiB (the replay requests the 8000 x 1024 bf16

@@ -2,23 +2,23 @@
 0.19.8's own engine makes it under trace (the agreement grid's ZeRO draw, docs/agreement.md):
 
 * the fp32 master is one flat tensor of the rank's partition, cast from a half clone at init, and a
-  zero fp32 gradient is set on it and dropped (``reserved._zero12_master``; ``stage_1_and_2.py``
+  zero fp32 gradient is set on it and dropped (``reserved.zero_step._zero12_master``; ``stage_1_and_2.py``
   L560-561, L934-951);
 * the optimizer's states are flat too and made inside the first step, after the partition's fp32
-  gradient, the parameters' gradients dropped before them (``reserved._zero12_step``; L3106-3139);
+  gradient, the parameters' gradients dropped before them (``reserved.zero_step._zero12_step``; L3106-3139);
   a partition inside one parameter is flattened without a copy (``deepspeed_partition_one_piece``);
 * ZeRO-1 without ``overlap_comm`` makes ``grads_in_partition`` in backward's epilogue and drops the
-  gradients there (``reserved._zero12_epilogue``; ``deepspeed_epilogue_partition``);
+  gradients there (``reserved.zero_step._zero12_epilogue``; ``deepspeed_epilogue_partition``);
 * where the hooks reduce (ZeRO-2, ZeRO-1 under ``overlap_comm``) each gradient is freed by its hook and
   ``grads_in_partition`` is made at its backward moment, on the reduction stream under ``overlap_comm``
-  (``reserved._zero12_partition``; ``deepspeed_hook_partition``), a tied embedding's gradient sum kept
+  (``reserved.zero_step._zero12_partition``; ``deepspeed_hook_partition``), a tied embedding's gradient sum kept
   to the epilogue."""
 from __future__ import annotations
 
 import pytest
 
 from trainmem.estimate.engine import estimate
-from trainmem.estimate.quantities import deepspeed_partition_one_piece
+from trainmem.estimate.quantities.zero_step import deepspeed_partition_one_piece
 from trainmem.estimate.states import model_states
 from trainmem.spec import TrainingSpec, resolve_model
 

@@ -3,7 +3,7 @@ parameters it optimizes into its flat buffer (v0.19.8 ``stage3.py`` L440-443 ``t
 ``_create_fp16_partitions_with_defragmentation`` L913-973, ``_get_parameter_partitions`` L1020-1021;
 ``zero/utils.py`` ``defragment`` L215-243): a frozen parameter's partition (LoRA's base weights) stays where
 it was (``states._defragmented``). And the reserved replay's ZeRO-3 module order around the head
-(``reserved._Zero3Replay``): the head's parameters released as its forward returns, before the loss, and,
+(``reserved.zero_gather._Zero3Replay``): the head's parameters released as its forward returns, before the loss, and,
 in backward, gathered at the logits' gradient, after the loss's backward.
 
 Found by the agreement grid's row ``llama-gqa 1x1024 contiguous_gradients=False dp=2 grad_accum=2

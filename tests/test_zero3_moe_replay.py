@@ -132,8 +132,8 @@ def test_a_recomputed_layer_keeps_what_its_backward_has_begun_to_use():
 def test_leaves_follow_deepspeeds_default_classes_and_transformers_experts(options, leaves):
     m = resolve_model("mixtral-8x7b", overrides=MIXTRAL)
     e = trainmem.estimate("mixtral-8x7b", set=MIXTRAL, zero=3, dp=4, framework="hf-trainer", **options)
-    assert q._z3_leaves(m, e.training) == leaves
-    assert (q._gather_order_args(m, e.training) is None) == (leaves is None)
+    assert q.zero3_gather._z3_leaves(m, e.training) == leaves
+    assert (q.zero3_gather._gather_order_args(m, e.training) is None) == (leaves is None)
 
 
 # Qwen3-MoE (a ZeRO-3 leaf block under DeepSpeed 0.19.8) and OLMoE (not among DeepSpeed's leaf classes: its
@@ -180,8 +180,8 @@ def test_selective_recompute_keeps_the_order_of_none():
     opts = dict(set=MIXTRAL, zero=3, dp=4, framework="hf-trainer", seq_len=512)
     sel = trainmem.estimate("mixtral-8x7b", recompute="selective", **opts).training
     none = trainmem.estimate("mixtral-8x7b", **opts).training
-    assert q._gather_order_args(m, sel) is not None
-    assert q._gather_order_args(m, sel) == q._gather_order_args(m, none)
+    assert q.zero3_gather._gather_order_args(m, sel) is not None
+    assert q.zero3_gather._gather_order_args(m, sel) == q.zero3_gather._gather_order_args(m, none)
 
 
 @pytest.mark.parametrize("model, options, held", [
@@ -202,10 +202,10 @@ def test_a_leaf_blocks_down_gradient_is_alive_at_gate_ups_backward(model, option
     else:
         m, e = resolve_model(model, overrides=MIXTRAL), trainmem.estimate(model, set=MIXTRAL, **kw)
         experts, h, f = 4, 256, 512
-    lc = q._stage_layer(m, e.training, q.Policy.of("bf16"), "first")
-    i, nbytes = q.deepspeed_leaf_held(m, e.training, lc)
+    lc = q.layer_terms._stage_layer(m, e.training, q.build.Policy.of("bf16"), "first")
+    i, nbytes = q.zero3_gather.deepspeed_leaf_held(m, e.training, lc)
     assert nbytes == (experts * h * f * 2 if held else 0)
-    quant = q.quantities(m, e.training)
+    quant = q.build.quantities(m, e.training)
     assert quant.ds_leaf_held == (i, nbytes)
     if held:
         assert [n for n, *_ in lc.transients][i] == "experts.gate_up.backward"

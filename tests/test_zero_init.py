@@ -13,7 +13,7 @@ import pytest
 import trainmem
 from trainmem.allocator_rules import block_bytes
 from trainmem.errors import TrainmemError
-from trainmem.estimate.reserved import _Replay, _replay_build
+from trainmem.estimate.reserved.replay import _Replay, _replay_build
 from trainmem.estimate.states import model_states
 from trainmem.spec.resolve import resolve
 
@@ -71,7 +71,7 @@ def test_estimate_replays_deepspeeds_conversion(one_torch_thread):
     assert replay.peaks() == (traced_alloc, traced_reserved)
     assert replay.a.reserved < traced_reserved / 2  # empty_cache released the whole model's segments
     # after defragment the fp32 master is cloned from an fp32 copy of the flat partition
-    # (quantities.deepspeed_fp32_convert) and the optimizer gathers each parameter whole in turn
+    # (quantities.zero_step.deepspeed_fp32_convert) and the optimizer gathers each parameter whole in turn
     # (states.ds_init_gathers): the head's (the largest) takes a fresh segment; both stay cached, and
     # the load ends with the same reserved memory as DeepSpeed's engine
     end, traced_end = _load_phase(e), _load_phase(r).reserved
@@ -243,18 +243,18 @@ TIED = dict(set=["num_hidden_layers=2", "hidden_size=512", "intermediate_size=10
 def test_zero3_reserved_replays_the_step_s_gathers_norm_and_states(one_torch_thread):
     """The reserved replay through ZeRO-3's step (DeepSpeed 0.19.8): the embedding's table gathered on
     the all-gather stream at its forward, released there in the first step and kept to its backward
-    once the module order is recorded (``quantities.deepspeed_embedding_kept``), gathered at its
+    once the module order is recorded (``quantities.zero3_gather.deepspeed_embedding_kept``), gathered at its
     backward beside its gradient, the head's part and their out-of-place sum; the epilogue's flat
-    ``cat`` of the bucket on the reduce stream (``quantities.deepspeed_reduce_cat``); in ``step`` each
+    ``cat`` of the bucket on the reduce stream (``quantities.zero_step.deepspeed_reduce_cat``); in ``step`` each
     gradient partition's float64 copy for the norm, then per sub-group the flat and fp32 gradients
     and, at the first step, the states as flat ``zeros_like`` of the fp32 partition
-    (``reserved._zero3_step``); the parameters' gathers as the coordinator's replay makes and releases
-    them (``reserved._Zero3Replay``). Against DeepSpeed's own engine traced: the allocated peak within 0.3%;
+    (``reserved.zero_step._zero3_step``); the parameters' gathers as the coordinator's replay makes and releases
+    them (``reserved.zero_gather._Zero3Replay``). Against DeepSpeed's own engine traced: the allocated peak within 0.3%;
     the reserved peak within 0.5% (``test_zero3_reserved_agrees_with_trace``): 1434.4 MiB against 1434,
     the replay's segments trace's one for one. It read +1.4% (1454) while the replay made an 8.12 MiB
     default-stream segment in the first step that trace does not: the loss's backward freed
     ``NllLossBackward0``'s output after ``ToCopyBackward0``'s copy rather than before it, so the autograd
-    thread's cuBLAS workspace found no block (``reserved._copied_from_last``; docs/validation.md,
+    thread's cuBLAS workspace found no block (``reserved.loss_backward._copied_from_last``; docs/validation.md,
     `z3seg`). Before the layers' gathers: 1404, -2.1%; before the step's replay: 1326, -7.5%."""
     e, r = _zero3_tied()
     assert abs(e.peak_allocated - r.peak_allocated) < 0.003 * r.peak_allocated
@@ -288,7 +288,7 @@ def test_zero3_reserved_grid(layers, dp, precision, recompute, one_torch_thread)
     the embedding's backward: the replay's forward cuBLAS workspace takes the 966 MiB segment's tail
     where trace has three 2 MiB layer-0 tensors alive, so trace's lands in the 502 MiB segment
     (docs/validation.md `z3seg`). 2 layers dp 2 bf16 full read +504 MiB until the loss's backward freed
-    its first tensor before the logits' gradient copy (``reserved._copied_from_last``), which moved 4
+    its first tensor before the logits' gradient copy (``reserved.loss_backward._copied_from_last``), which moved 4
     layers' full case from -0.04% (a compensation) to -5.1%."""
     pytest.importorskip("deepspeed")
     from trainmem.trace import trace

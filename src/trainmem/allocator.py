@@ -33,7 +33,7 @@ for a sequence of allocations and frees, without a GPU. The rules modelled are t
   segment does not fit the device, ``release_cached_blocks`` first waits for every pending event
   (``synchronize_and_free_events``). Modelled by :meth:`CachingAllocator.free_pending` (the free)
   and :meth:`CachingAllocator.release` (the events found complete): when they complete is the
-  caller's model of how far the GPU lags behind the CPU (``estimate/reserved.py``, FSDP1).
+  caller's model of how far the GPU lags behind the CPU (``estimate/reserved/``, FSDP1).
 * **Caching.** Freed blocks stay reserved. ``empty_cache()`` returns every segment that is
   entirely free. When a device capacity is given and a new segment would exceed it, the allocator
   first releases cached segments (as PyTorch does before raising out-of-memory) and retries;

@@ -166,7 +166,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
 
 def _add_weight_grad(grad_weight: torch.Tensor, logits: torch.Tensor, x_chunk: torch.Tensor,
                      release: tuple[int, ...]) -> None:
-    """One chunk's weight gradient added as the release does (``estimate.quantities._fused_weight_grad_bytes``)."""
+    """One chunk's weight gradient added as the release does (``estimate.quantities.loss_kinds._fused_weight_grad_bytes``)."""
     if release < (0, 6, 2):          # v0.5.10 L127-135
         torch.addmm(grad_weight, logits.t().to(x_chunk.dtype), x_chunk, out=grad_weight)
     elif release >= (0, 8, 1) and grad_weight.dtype == torch.float32 and logits.dtype in (torch.float16,

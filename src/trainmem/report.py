@@ -140,7 +140,7 @@ class MemoryReport:
         blocks and retries before it reports out-of-memory (``CUDACachingAllocator.cpp``
         ``release_cached_blocks`` in ``malloc``), so the reserved high-water mark of a run with room
         to spare is not what a full GPU must hold. Their allocator simulations (trace block by block,
-        the estimate on its replayed step, ``estimate/reserved.py``) are still reported
+        the estimate on its replayed step, ``estimate/reserved/``) are still reported
         (``peak_reserved``, ``device_used``) and a disagreement with the verdict becomes a warning
         (``verdict_warnings``); a trace that stopped at a simulated out-of-memory
         (``extra["simulated_oom"]``) counts what the simulation needed there. ``fit_basis`` says

@@ -657,7 +657,7 @@ class TrainStep:
         self._mark("backward", i, micro)
 
     def forward_loss(self, batch: dict[str, torch.Tensor]) -> tuple[Any, torch.Tensor]:
-        """The model's output and the loss, computed as ``--loss`` says (``estimate.quantities.loss_bytes``
+        """The model's output and the loss, computed as ``--loss`` says (``estimate.quantities.loss.loss_bytes``
         models each): the model's own loss; ``upcast`` / ``half`` cross-entropy on its logits
         (``logits.float()`` first, as transformers' ForCausalLMLoss, or on the half logits, as
         nanoGPT; with ``loss_shift="logits"`` on a shifted contiguous copy); ``chunked`` as torchtune (the output projection of each token chunk, then

@@ -49,7 +49,7 @@ def attach_hardware(report: MemoryReport, hw: Hardware | None, max_fraction: flo
 
 
 def _bound_by_device(report: MemoryReport, hw: Hardware) -> None:
-    """A trainmem estimate's replayed reserved memory (``reserved.py``) bounded by the GPU: the caching
+    """A trainmem estimate's replayed reserved memory (``reserved/``) bounded by the GPU: the caching
     allocator never holds more than the device has beside the CUDA context. When ``cudaMalloc`` fails
     it first waits for pending events and returns every cached unsplit segment to the driver, then
     retries (PyTorch ``c10/cuda/CUDACachingAllocator.cpp`` ``DeviceCachingAllocator::malloc``:

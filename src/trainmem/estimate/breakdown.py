@@ -36,7 +36,7 @@ def where_label(mo: Moment, q: Quantities, tk: Tokens) -> str:
         return mo.where
     i = {"layer.top": tk.top[0], "layer.bottom": tk.bottom[0]}.get(
         mo.where, tk.transient_index if mo.where in middle else tk.decoder_bottom[0])
-    ops = q.detail.layer.transients + q.detail.layer.recompute_moments  # (quantities.recompute_transients)
+    ops = q.detail.layer.transients + q.detail.layer.recompute_moments  # (quantities.layer_moments.recompute_transients)
     op = ops[i][0] if 0 <= i < len(ops) else "backward"
     index = {"layer.top": q.layers - 1, "layer.bottom": 0, **middle}.get(mo.where, q.lower_layers)
     return f"layer[{index}].{op or 'backward'}"
@@ -130,12 +130,12 @@ def components(q: Quantities, tk: Tokens, mo: Moment, t: TrainingSpec, n: int, n
     if comm:
         out.append(Component(q.detail.comm_name, COMMUNICATION, comm, None,
                              "DDP buckets / ZeRO-3 gathered layers / DeepSpeed ZeRO-3's gradient bucket buffer", True))
-    if parts["communication"] and t.gemini is not None:  # quantities.gemini_fields
+    if parts["communication"] and t.gemini is not None:  # quantities.build.gemini_fields
         out.append(Component("communication.gemini_chunks", COMMUNICATION, parts["communication"], wdt,
                              "ColossalAI Gemini: other ranks' fp16 chunks gathered for the layer in backward "
                              "(chunk_size x 2 each) + the gradient hook's gradient and grad / dp of its largest "
                              "parameter", True))
-    elif parts["communication"] and t.fsdp is None:  # DeepSpeed ZeRO-1/2 (quantities.deepspeed_buckets)
+    elif parts["communication"] and t.fsdp is None:  # DeepSpeed ZeRO-1/2 (quantities.zero_partition.deepspeed_buckets)
         out.append(Component("communication.deepspeed_buckets", COMMUNICATION, parts["communication"], wdt,
                              f"DeepSpeed ZeRO-{t.zero}: {parts['communication'] // max(q.ds_bucket, 1)} gradient "
                              f"bucket buffer(s) of reduce_bucket_size {t.ds_reduce_bucket:,} elements, through backward",
@@ -260,7 +260,7 @@ def activations(q: Quantities, tk: Tokens, at_peak: int, t: TrainingSpec, n: int
     per_rank = alive * tk.inflight  # the layers whose tensors are alive (all of them but at a middle moment)
     # a later pipeline stage's first layer saves the receive buffer, counted with the inputs
     received = int(q.detail.received_tok * n) * tk.fed
-    # the first layer's half input under --half-embeddings (quantities.half_embedding_output)
+    # the first layer's half input under --half-embeddings (quantities.head_moments.half_embedding_output)
     half_first = int(q.detail.half_input_tok * n) * tk.fed
     if t.recompute == "full" and t.recompute_every > 1:
         listed.append(Component("activations.layers.kept", ACTIVATIONS, tk.layer * per_rank, None,
@@ -277,7 +277,7 @@ def activations(q: Quantities, tk: Tokens, at_peak: int, t: TrainingSpec, n: int
             listed.append(Component("activations.layers.op_saved", ACTIVATIONS, (tk.layer - inputs) * per_rank, None,
                                     "outputs torchtitan's per-op policy saves: every other matmul, the SDPA kernel"))
     else:
-        first = {}  # LoRA: what the first layer does not save (quantities.first_layer_unsaved)
+        first = {}  # LoRA: what the first layer does not save (quantities.layer_moments.first_layer_unsaved)
         if q.first_unsaved_tok - q.detail.received_tok or q.first_unsaved_sq:
             for name, a, b in q.detail.layer.first_unsaved:
                 # per token x key terms are the core attention's, which selective recompute does not keep
@@ -330,7 +330,7 @@ def _shared(q: Quantities, tk: Tokens, t: TrainingSpec, n: int, per_forward: int
     if per_sample:  # derived encoder heads: a classifier's pooled output, DeBERTa's relative-position repeats
         out.append(Component("activations.derived.per_sample", ACTIVATIONS, per_sample * tk.inflight, None,
                              "tensors sized by the batch alone or by neither batch nor sequence"))
-    if q.cast_embed:  # (quantities._autocast_copies)
+    if q.cast_embed:  # (quantities.head_moments._autocast_copies)
         out.append(Component("activations.autocast_weight_copies.embeddings", ACTIVATIONS, q.cast_embed * per_forward,
                              half, "half copy of the patch-embedding weight, saved by its convolution"))
     return out
@@ -340,7 +340,7 @@ def _named_layers(q: Quantities, tk: Tokens, at_peak: int, alive: int | None) ->
     """Whether ``activations`` can name the tensors alive at the peak: (all of them, all but the
     head's half weight copy, how many layers' tensors), or None when only their total is known.
     All are alive at the end of forward and at the loss's backward; at the head's weight gradient
-    its matmul has released the half copy (``quantities.head_wgrad``); at the top layer's backward
+    its matmul has released the half copy (``quantities.head_moments.head_wgrad``); at the top layer's backward
     every layer's are; at FSDP's backward of a layer below it, the ``alive`` lowest layers'."""
     headless = bool(q.head_wgrad) and at_peak == tk.all_acts - q.cast_head
     complete = at_peak == tk.all_acts or headless

@@ -240,10 +240,10 @@ def _stored(k: str, version: int = 0) -> dict[str, Any] | None:
 #: the coefficient versions before this one, newest first, whose sets are read where this installation
 #: cannot derive the setup's set again (another transformers release's code, or no torch): 18, before the
 #: derivation recorded each saved tensor's last read in the forward (``trace.derive._last_reads``: the
-#: replay chains a checkpointed layer's tensors, ``reserved._sequence_forward``); 17, before it recorded
+#: replay chains a checkpointed layer's tensors, ``reserved.layer_forward._sequence_forward``); 17, before it recorded
 #: each layer's backward (``trace.derive._layer_backward_sequence``: the H200 runs' 5.17.0 sets, which
 #: ``tools/ship_sequence.py`` wrote with that release; the replay keeps such a layer's backward as one
-#: block, ``reserved._recorded``). Everything else in such a set is the same as in this version's.
+#: block, ``reserved.layer_backward._recorded``). Everything else in such a set is the same as in this version's.
 PREVIOUS_VERSIONS = (18, 17)
 PREVIOUS_VERSION = PREVIOUS_VERSIONS[0]
 
@@ -557,7 +557,7 @@ def adapters_computed_half(t: TrainingSpec) -> bool:
     ``_fully_shard/_fsdp_param.py``: each ``FSDPParam`` takes the policy's ``param_dtype``; FSDP1's
     ``MixedPrecision`` casts its flat parameter likewise). peft's ``_cast_input_dtype`` then casts
     the input to bf16, which it already is: no copy. The hand-written layers read it
-    (``quantities.layer_key``), and a derivation under ``bf16-mp`` runs peft with half adapters
+    (``quantities.model_facts.layer_key``), and a derivation under ``bf16-mp`` runs peft with half adapters
     (``_canonical``). Found by trace: Llama (2 layers) FSDP2 dp 4 bf16-mp LoRA 16, 1 x 2048:
     +2.98% before (an fp32 copy of q's and v's input counted per layer); Phi-3 (derived): +1.71%."""
     return t.lora_half or t.precision == "bf16-mp"
@@ -566,7 +566,7 @@ def adapters_computed_half(t: TrainingSpec) -> bool:
 def _canonical(t: TrainingSpec, m: ModelSpec | None = None) -> TrainingSpec:
     """``t`` reduced to what the derivation reads (so that equal keys share one derivation):
     ``recompute`` "full" stands for "derive without the KV cache" (``without_cache``); ``--attention-call
-    mha`` derives transformers' own layer, to which ``quantities.mha_kept`` adds its terms."""
+    mha`` derives transformers' own layer, to which ``quantities.layer_terms.mha_kept`` adds its terms."""
     from dataclasses import replace
     # 4-bit bases are traced as such; every bitsandbytes before 0.43.2 keeps MatMul4Bit's input the same
     # way (one release stands for them), later ones keep none (``TrainingSpec.bnb_saves_input``)
@@ -804,12 +804,12 @@ def kind_forward(doc: dict[str, Any]) -> float | None:
 def loss_upcasts(m: ModelSpec, t: TrainingSpec) -> bool | None:
     """Whether a derived masked or causal LM's own loss casts its logits to fp32 first, as traced
     (``trace.derive._loss_upcasts``: transformers' ``ForMaskedLMLoss``, ModernBERT's, and ``ForCausalLMLoss``);
-    the heads that call ``CrossEntropyLoss()`` on the half logits do not (``quantities.loss_upcasts``): BERT's
+    the heads that call ``CrossEntropyLoss()`` on the half logits do not (``quantities.model_facts.loss_upcasts``): BERT's
     masked-LM head, and the decoder-only class of an encoder-decoder family (transformers 5.24
     ``models/marian/modeling_marian.py`` and ``models/bart/modeling_bart.py`` ``...ForCausalLM.forward``:
     ``loss_fct = CrossEntropyLoss()`` on ``logits.view(-1, vocab)``). None where it was not measured: a
     causal LM derived in fp32 (its logits are fp32 either way) or before it was recorded, which keeps
-    transformers' ``ForCausalLMLoss`` (``quantities.loss_upcasts``)."""
+    transformers' ``ForCausalLMLoss`` (``quantities.model_facts.loss_upcasts``)."""
     if m.family != "derived" or m.head not in ("masked-lm", "causal-lm") or derived_problems(m, t):
         return None
     measured = coefficients(m, t).get("loss_upcast")
@@ -940,7 +940,7 @@ def outer(m: ModelSpec, t: TrainingSpec, stage: str) -> tuple[list[tuple[str, fl
 def recomputed_ends(m: ModelSpec, t: TrainingSpec) -> tuple[bool, bool]:
     """Whether a stage's first and top layers are checkpointed under ``t``'s full recompute: a layer
     is when its 1-based count on the stage is a multiple of ``recompute_every`` (torchtitan
-    ``distributed/activation_checkpoint.py``, as ``quantities._build`` reads it), so the first one
+    ``distributed/activation_checkpoint.py``, as ``quantities.build._build`` reads it), so the first one
     only when every layer is, the top one when the stage's layer count is a multiple."""
     if t.recompute != "full":
         return False, False

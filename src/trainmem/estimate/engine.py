@@ -2,7 +2,7 @@
 
 One engine for one layout and for many. It runs in three stages:
 
-1. ``quantities.quantities(m, t, stage)``: what does not depend on batch or sequence: model states
+1. ``quantities.build.quantities(m, t, stage)``: what does not depend on batch or sequence: model states
    per tensor with allocator rounding (``states.py``), a layer's saved tensors op by op in the
    dtype PyTorch stores (``layers.py``), embeddings / head / loss bytes, the autocast cache of
    half weight copies, optimizer temporaries, DDP buckets or ZeRO-3 gathered layers;
@@ -50,10 +50,10 @@ COMPILE_WARNING = ("--compile: the layers are the eager step's saved tensors (in
 
 #: the warning of an estimate of pipeline stages sharded with FSDP2 outside the setups checked against
 #: trace (docs/trace.md, the pipeline section). Modelled: the schedule's loss outside the stage root
-#: (``quantities.pipeline_fsdp``), gradients accumulated unsharded through the schedule and reduced only
-#: after it (``quantities.fsdp_no_sync``), the first stage's top layer gathered before its root
-#: (``quantities.pipeline_top_first``), ``full``'s back-propagated layers kept gathered through the
-#: stage's backward (``quantities.pipeline_kept_layer``), ``grad-op``'s layers gathered once per stage
+#: (``quantities.pipeline.pipeline_fsdp``), gradients accumulated unsharded through the schedule and reduced only
+#: after it (``quantities.fsdp_root.fsdp_no_sync``), the first stage's top layer gathered before its root
+#: (``quantities.pipeline.pipeline_top_first``), ``full``'s back-propagated layers kept gathered through the
+#: stage's backward (``quantities.pipeline.pipeline_kept_layer``), ``grad-op``'s layers gathered once per stage
 #: (``moments.tokens``), under ``bf16-mp`` each micro-batch's new bf16 gradients beside the fp32 ones FSDP2
 #: accumulates (``Quantities.fsdp_mp_new``). Not modelled: units that torch's PipelineStage keeps gathered
 #: after a backward (stage.py ``backward_maybe_with_nosync``: ``set_reshard_after_backward(False)``) into a
@@ -90,11 +90,11 @@ def estimate(m: ModelSpec, t: TrainingSpec, cublas_workspace: int | None = None,
     ``cublas_workspace``: bytes of one cuBLAS handle's workspace (None: ``CUBLAS_WORKSPACE``,
     PyTorch's default ``:4096:2:16:8``; a calibration profile gives the measured size,
     ``Hardware.cublas_workspace``). ``reserved``: also replay the step through the caching
-    allocator for ``peak_reserved`` (``reserved.py``; milliseconds, where the rest takes
+    allocator for ``peak_reserved`` (``reserved/``; milliseconds, where the rest takes
     microseconds: ``trainmem.estimate`` asks for it, sweeps of the engine do not). ``capability``:
     the GPU's compute capability, which sizes Transformer Engine's workspace (``megatron_buffers``;
     None: not known). ``room``: the GPU's bytes beside its CUDA context, which decide where DeepSpeed
-    ZeRO-1/2 flattens its parameters (``quantities.without_gpu_flatten``; None: no GPU given, on the GPU)."""
+    ZeRO-1/2 flattens its parameters (``quantities.zero_partition.without_gpu_flatten``; None: no GPU given, on the GPU)."""
     if t.trainer is not None and not t.extra.get("dpo_policy_step"):
         # TRL's DPOTrainer (the policy's step here, marked, plus the reference) or RewardTrainer
         from .preference import estimate_dpo, estimate_reward
@@ -167,7 +167,7 @@ def estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str, handle_ws: int = C
                        peak_where=where_label(mo, q, at), model=m, training=t)
     tk = at if after is None else tk  # (--later-seq-len: the replay is of micro-batches at seq_len, the
     # first's, whose blocks the allocator keeps cached for the shorter ones after it)
-    # reserved: the step replayed through the caching allocator (reserved.py)
+    # reserved: the step replayed through the caching allocator (reserved/)
     if reserved:
         gap, marks = replayed_gap(q0, q, flags, tk, (after is None and bool(mo.micro), n, nsq, b, ga, t.recompute,
                                                     step_copies(t), handle_ws), varying_steps(m, t, stage, flags))
@@ -185,7 +185,7 @@ def estimate_stage(m: ModelSpec, t: TrainingSpec, stage: str, handle_ws: int = C
 
 
 #: ``reserved_gap``'s answers by the setup's quantities (``quantities``' cached object, built once per setup
-#: and never changed afterwards: ``quantities.Quantities``), then by the replay's other arguments (``replayed_gap``)
+#: and never changed afterwards: ``quantities.record.Quantities``), then by the replay's other arguments (``replayed_gap``)
 _GAPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -196,7 +196,7 @@ def forget_replays() -> None:
 
 
 def replayed_gap(q0, q, flags: StepFlags, tk, args: tuple, varying: list) -> tuple[int, dict]:
-    """``reserved.reserved_gap`` of ``q`` (``q0`` as ``without_gpu_flatten`` left it, or its copy without the
+    """``reserved.driver.reserved_gap`` of ``q`` (``q0`` as ``without_gpu_flatten`` left it, or its copy without the
     flat group), remembered: the replay reads only its arguments, so a setup replayed again (the planner
     re-estimates its top layouts on every call; ``fit``'s searches meet a setup more than once) reuses it.
     ``args``: (whether ``tk`` are a later micro-step's terms, at the first micro-batch's length, then
@@ -215,7 +215,7 @@ def replayed_gap(q0, q, flags: StepFlags, tk, args: tuple, varying: list) -> tup
 
 def flatten_note(q, room: int | None) -> str | None:
     """One line when DeepSpeed ZeRO-1/2's flat group is taken to be made on the GPU without a GPU to
-    decide it (``quantities.without_gpu_flatten``: ``room`` None)."""
+    decide it (``quantities.zero_partition.without_gpu_flatten``: ``room`` None)."""
     if room is not None or not q.ds_flat_group:
         return None
     return (f"DeepSpeed >= 0.19.0 flattens the ZeRO-1/2 parameters on the GPU when the flat group "
@@ -270,7 +270,7 @@ def _one_point_refuses(m: ModelSpec, t: TrainingSpec, option: str, what: str, co
 
 
 def _phase_reserved(rep: MemoryReport, marks: dict) -> None:
-    """Reserved memory at each phase's end: the replay's (``reserved.py``) plus what the replay's
+    """Reserved memory at each phase's end: the replay's (``reserved/``) plus what the replay's
     allocated peak so far falls short of the estimate's (the replay lists fewer tensors; at the
     end this gives the report's peak reserved), never below the estimate's allocated peak so far
     nor above the peak reserved (without ``empty_cache`` reserved memory only grows). A phase whose
@@ -376,7 +376,7 @@ def _regime_parts(m: ModelSpec, base: TrainingSpec, cols: dict[str, np.ndarray])
 
 def _unsloth_parts(m: ModelSpec, base: TrainingSpec, cols: dict[str, np.ndarray]) -> list | None:
     """``--unsloth-gc``: the rows whose micro-batch's layer input is offloaded (above 2 MiB,
-    ``quantities.unsloth_offloads``, which keys the quantities) and those whose input stays, each with a
+    ``quantities.build.unsloth_offloads``, which keys the quantities) and those whose input stays, each with a
     base setup on its side; None when every row is on the base's side."""
     from dataclasses import replace
     from . import unsloth

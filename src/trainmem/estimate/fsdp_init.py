@@ -22,7 +22,7 @@ the Answer.AI fixtures' torch 2.2 has the same functions, not re-read line by li
 2. ``_sync_module_params_and_buffers`` (L1110-1167): the not yet synced buffers, then the parameters,
    broadcast from rank 0 by ``dist._broadcast_coalesced`` with 250 MiB buckets
    (``PARAM_BROADCAST_BUCKET_SIZE``, L60): comm.cpp ``broadcast_coalesced`` flattens each bucket into
-   a new tensor, at most two in flight (``reserved.flat_copies``: a bucket of one tensor is no copy, as in DDP's construction);
+   a new tensor, at most two in flight (``reserved.ddp.flat_copies``: a bucket of one tensor is no copy, as in DDP's construction);
 3. ``_init_param_handle_from_params`` (L645-672): ``FlatParamHandle`` flattens the parameters into one
    new tensor (``flatten_tensors``, ``torch.cat``, ``_flat_param.py`` L838-893; no alignment padding
    with ``use_orig_params=False``), then ``shard()`` (L945-975) clones this rank's chunk

@@ -15,7 +15,7 @@ itself wraps the root):
   whole model is gathered from the start of forward to the root's post-backward at the end of
   backward, and every parameter's gradient (a view of the flat parameter, ``_flat_param.py``
   ``_use_unsharded_views``) waits for ``SplitWithSizesBackward0``'s cat into the flat gradient at the
-  end of backward (``quantities.fsdp1_root_flat_gradient``).
+  end of backward (``quantities.fsdp1.fsdp1_root_flat_gradient``).
 * ``module`` (``always_wrap_policy``, L117: every module is a unit): each module that holds
   parameters (a linear, a norm, the embedding, the head) is its own unit, gathered only around its
   own forward and backward (a non-root unit is resharded after forward); the root holds no
@@ -30,7 +30,7 @@ itself wraps the root):
   old root's end-of-backward moment, with the embeddings alone). Under SHARD_GRAD_OP every unit stays
   gathered from its forward to its backward (``_post_forward_reshard`` reshards only
   FULL_SHARD's units): each layer's modules together (``layer_units_full``), the embedding to the end
-  of backward and the head to its own post-backward (``quantities.module_units_kept``).
+  of backward and the head to its own post-backward (``quantities.fsdp1.module_units_kept``).
 * ``size`` (``size_based_auto_wrap_policy``): the units torch's recursion makes from the model's
   parameter counts (``spec.fsdp_units``); modelled where they are one unit per decoder layer (the
   transformer policy's) or none (NO_WRAP's), refused otherwise.

@@ -100,7 +100,7 @@ class Recipe:
     attn_temps: list = field(default_factory=list)
     attn_events: list = field(default_factory=list)
     # per transient: its tensors as (bytes per token, per token x key) each, and the index in ``linears`` of the linear whose backward it is (-1: none; ``at_linear``
-    # while one is built): ``LayerCoefs.moment_blocks``, ``reserved._op_backward``
+    # while one is built): ``LayerCoefs.moment_blocks``, ``reserved.layer_backward._op_backward``
     moments: list = field(default_factory=list)
     at_linear: int = -1
     # each linear in forward order: (saved tensors before its weight is cast under autocast, weight
@@ -181,7 +181,7 @@ class Recipe:
         of those, the elements autocast does not copy (grouped experts); ``incoming``: the one of
         ``ts`` that is the gradient of the layer's output as backward hands it to the layer (the
         residual stream's, alive until the branch before the last residual add is done), which a
-        pipeline stage's top layer gets as its receive buffer (``quantities._layer_transients``)."""
+        pipeline stage's top layer gets as its receive buffer (``quantities.layer_moments._layer_transients``)."""
         tok = sum(t.tok * t.nbytes for t in ts)
         sq = sum(t.sq * t.nbytes for t in ts)
         so_tok = sum(t.tok * t.nbytes for t in self.saved.values())
@@ -714,7 +714,7 @@ class Builder:
 
     def _eager_forward(self, heads: float, fp32_then_cast: bool) -> None:
         """Eager attention's forward temporaries, each (b, heads, s, s), in op order for the allocator
-        replay (``reserved._saved_and_casts``), beside the two tensors it saves: softmax's output and the
+        replay (``reserved.layer_forward._saved_and_casts``), beside the two tensors it saves: softmax's output and the
         probabilities' half copy. transformers 5.24.0 ``models/qwen2/modeling_qwen2.py``
         ``eager_attention_forward`` L155-159 (Llama, Mistral, Mixtral the same; GPT-2
         ``models/gpt2/modeling_gpt2.py`` L59-67, softmax without ``dtype``, its cast on the next line):
@@ -784,7 +784,7 @@ class Builder:
         return T(heads * head_dim, 0, half, "attn.context")
 
     def _math_scores(self, heads: float) -> None:
-        """The math kernel's forward temporary, for the allocator replay (``reserved._attn_allocs``), as
+        """The math kernel's forward temporary, for the allocator replay (``reserved.layer_forward._attn_allocs``), as
         ``_eager_forward`` writes eager attention's: the scores, (b, heads, s, s) in fp32, made by the
         ``matmul`` of the scaled query and key, the causal mask added in place, then ``_safe_softmax``
         makes its output (saved) and the scores are freed when ``attn`` is rebound to it (torch 2.13
@@ -1160,10 +1160,10 @@ class LayerCoefs:
     first_unsaved: tuple[tuple[str, float, float], ...] = ()
     first_free_weights: tuple[float, ...] = ()
     # each saved tensor in the order autograd saves it: (bytes per token, per token x key), for the
-    # allocator replay of the step (reserved.py)
+    # allocator replay of the step (reserved/)
     tensors: tuple[tuple[float, float], ...] = ()
     # tensors made and freed within the layer's forward (the inputs of frozen linears nothing saves,
-    # RMSNorm's fp32 intermediates), as ``tensors``: the free blocks they leave in the cache (reserved.py)
+    # RMSNorm's fp32 intermediates), as ``tensors``: the free blocks they leave in the cache (reserved/)
     fwd_free: tuple[tuple[float, float], ...] = ()
     # measured with the layers checkpointed (a derived encoder-decoder under full recompute): ``tok``,
     # ``sq`` are what a checkpointed layer keeps, the transients include its recomputation
@@ -1189,24 +1189,24 @@ class LayerCoefs:
     recompute_incoming: float = 0.0
     # each linear of the layer in forward order: (how many of ``tensors`` are saved before autocast
     # casts its weight, the weight's elements, bytes per element of its gradient (the weight's dtype;
-    # 0: frozen)), for the allocator replay (reserved.py)
+    # 0: frozen)), for the allocator replay (reserved/)
     linears: tuple[tuple[int, float, int], ...] = ()
     # per linear (as ``linears``): the (per token, per token x key) bytes of the input it reads but does
     # not save, autocast saving its half cast instead (a norm's fp32 output, GPT-2's fp32 GELU output),
     # and 1 where the next linear reads the same tensor (Llama's q, k, v projections); (0, 0, 0) where
     # the input is saved itself (``Recipe.linear_in``, ``linear_inputs``; the replay's
-    # ``reserved._saved_and_casts``); () where no recipe lists them (a derived layer)
+    # ``reserved.layer_forward._saved_and_casts``); () where no recipe lists them (a derived layer)
     linear_inputs: tuple[tuple[float, float, int], ...] = ()
     # a derived layer's forward one tensor at a time (``trace.derive._layer_sequence``): the tensors it
     # makes and frees within the forward, as ``tensors``, and the order of everything it makes ("s" the
     # next of ``tensors``, "c" the next linear's weight copy, "t" the next temporary, "fK" the K-th
-    # temporary freed), for the allocator replay (reserved.py ``_sequence_forward``); () without one
+    # temporary freed), for the allocator replay (reserved/layer_forward.py ``_sequence_forward``); () without one
     fwd_temps: tuple[tuple[float, float], ...] = ()
     fwd_events: tuple[str, ...] = ()
     # ... and its backward (``trace.derive._layer_backward_sequence``): each tensor it makes, its bytes in
     # ``trace.derive.BACKWARD_TERMS`` (per token, per position, per token x key, constant, per sample, per
     # position pair), the tensors the layer above leaves to it, its parameter gradients' bytes, the events
-    # ("t", "fK", "g", "iK", "sK", "pK", "wK") and its tensors alive at its end, for reserved._recorded_backward
+    # ("t", "fK", "g", "iK", "sK", "pK", "wK") and its tensors alive at its end, for reserved.layer_backward._recorded_backward
     bwd_temps: tuple[tuple[float, ...], ...] = ()
     bwd_ins: tuple[tuple[float, ...], ...] = ()
     bwd_grads: tuple[int, ...] = ()
@@ -1214,7 +1214,7 @@ class LayerCoefs:
     bwd_out: tuple[int, ...] = ()
     held_b1: float | None = None  # ``held`` at a micro-batch of one sequence (Recipe.held_b1); None: ``held``
     # a checkpointed hand-written layer's first forward, tensor by tensor (nograd.py): each temporary's
-    # bytes per token and the events ("t" made, "fK" freed, "o" the output), for reserved._checkpointed
+    # bytes per token and the events ("t" made, "fK" freed, "o" the output), for reserved.layer_forward._checkpointed
     nograd_temps: tuple[float, ...] = ()
     nograd_events: tuple[str, ...] = ()
     nograd_const: tuple[float, ...] = ()  # ... and each one's bytes beside those (a dequantized 4-bit weight)
@@ -1226,14 +1226,14 @@ class LayerCoefs:
     adapters: int = 0  # LoRA: the layer's adapted linears (each a lora_A and a lora_B)
     # eager attention's forward temporaries (``Builder._eager_forward``): how many of ``tensors`` are
     # saved before its scores matmul (-1: not written), each temporary as ``tensors``, the events ("t"
-    # the next temporary, "fK" the K-th freed, "s" the next of ``tensors``), for reserved._saved_and_casts
+    # the next temporary, "fK" the K-th freed, "s" the next of ``tensors``), for reserved.layer_forward._saved_and_casts
     attn_at: int = -1
     attn_temps: tuple[tuple[float, float], ...] = ()
     attn_events: tuple[str, ...] = ()
     # per backward transient (``transients``' order, before any recomputation's): the op's backward
     # tensors alive then, (bytes per token, per token x key) each (``Recipe.transient``'s ``ts``), and
     # the index in ``linears`` of the linear it is the backward of (-1: another op):
-    # ``reserved._op_backward`` makes them op by op instead of one block of the worst moment
+    # ``reserved.layer_backward._op_backward`` makes them op by op instead of one block of the worst moment
     moment_blocks: tuple[tuple[tuple[tuple[float, float], ...], int], ...] = ()
     fwd_scratch: float = 0.0  # torchao NF4: the largest dequantization peak (weight and scratch) before its matmul, bytes
 
@@ -1349,7 +1349,7 @@ def _nograd_sequence(k: LayerKey, pol: Policy, B: Builder, build: Any) -> dict:
     ``repeat_kv`` always), one sequence shard (no sequence or context parallelism), dense SwiGLU,
     HF's RMSNorm, 16-bit or bitsandbytes 4-bit linears (``nograd.dequantized``; not torchao's NF4,
     whose ``get_original_weight`` differs); else {} (the replay makes the layer's saved tensors at
-    once, ``reserved._checkpointed``)."""
+    once, ``reserved.layer_forward._checkpointed``)."""
     titan = k.model_code == "torchtitan" and k.family == "llama"
     plain = (build is _llama_layer and (k.model_code == "transformers" or titan)
              and not (pol.amp and (B.lora or k.quant[0] or titan)) and not k.sp
@@ -1513,7 +1513,7 @@ def _bert_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: f
         # through the MLP's linears' backward (transformers 5.24 bert/modeling_bert.py L352, ``BertOutput.
         # forward``: ``self.LayerNorm(hidden_states + input_tensor)``). Found by trace at ``output.
         # dense``'s backward, 2 layers, fp32, 4 x 256: BERT hidden 64 seq-cls -0.9%; hidden 256 QA
-        # -1.2% once ``qa_outputs.input``, wrongly kept there, was not (quantities.HEAD_KEYS)
+        # -1.2% once ``qa_outputs.input``, wrongly kept there, was not (quantities.model_facts.HEAD_KEYS)
         B.waiting_grad = (T(h / sp_div, 0, pol.stream),)
     B.linear(src2, f, "intermediate.dense", "intermediate.dense.input", h)
     act = _gelu(B, k.act_impl, f, h / sp_div, incoming=k.pre_norm)  # post-LN: LayerNorm's gradient
@@ -1878,7 +1878,7 @@ def _gelu(B: Builder, impl: str, f: float, h: float = 0.0, incoming: bool = True
             # fp32): MulBackward0 returns both gradients in fp32 and the engine then casts the half
             # factor's to its dtype beside them (torch/csrc/autograd/engine.cpp ``validate_outputs``:
             # ``grad.to(metadata dtype)``), the saved factors still held by the node (in a recomputed
-            # layer they are not: ``quantities.ENGINE_CAST``). Found by trace: GPT-2 (2 layers, n_embd
+            # layer they are not: ``quantities.model_facts.ENGINE_CAST``). Found by trace: GPT-2 (2 layers, n_embd
             # 64) sequence classification, bf16-amp, 4 x 256: -1.5% before
             B.r.transient("mlp.act.backward.engine_cast", T(f, 0, wide), T(f, 0, wide), T(f, 0, wide),
                           T(f, 0, half), grad_out, incoming=grad_out if incoming else None)

@@ -6,7 +6,7 @@ alive then, split into ``PARTS``. Two steps are walked (the first creates the op
 and the second cuBLAS workspace; the second is the steady state) and, with accumulation, two
 micro-steps of each (micro-steps 2..N repeat micro-step 2). The peak is the largest moment.
 
-Everything here is arithmetic on ``Quantities`` (``quantities.py``) and on the batch, sequence and
+Everything here is arithmetic on ``Quantities`` (``quantities/``) and on the batch, sequence and
 accumulation, through ``elementwise``: one code path for one layout (ints) and for many (arrays).
 The only Python branches are on ``StepFlags``, which do not vary between layouts.
 """
@@ -27,7 +27,7 @@ from .quantities import Quantities, TransientTable, is_lm
 from .states import torch_pipeline
 
 #: the parts of a moment, in this order; ``logits`` is itself (logits, KV cache, log-probabilities);
-#: ``communication``: FSDP's unsharded buffers of forward and backward (``quantities.fsdp_buffers``)
+#: ``communication``: FSDP's unsharded buffers of forward and backward (``quantities.fsdp_root.fsdp_buffers``)
 PARTS = ("gradients", "optimizer_states", "inputs", "workspace", "activations", "logits", "temporaries",
          "communication")
 
@@ -46,7 +46,7 @@ class StepFlags:
     # (reduce-scattered after every micro-batch, or accumulated unsharded under no_sync: layout by
     # layout, ``Quantities.fsdp_accumulates``, as the accumulation may vary: ``fsdp_sync``)
     by_moment: bool = False  # the layer backward moments have transients of their own (a derived encoder-decoder)
-    fsdp1_views: bool = False  # FSDP1: parameters are views of the flat parameter (quantities.fsdp1_views)
+    fsdp1_views: bool = False  # FSDP1: parameters are views of the flat parameter (quantities.fsdp1.fsdp1_views)
     states_at_init: bool = False  # the optimizer's constructor makes its states (states_at_init)
     pipe_out: str = ""      # torch's pipeline schedule: what keeps the last stage's output (pipeline_output)
 
@@ -77,7 +77,7 @@ def pipeline_output(t: TrainingSpec, pipelined: bool = False) -> str:
       ``_PipelineScheduleRuntime._step_microbatches``): each (stage, micro-batch) pair's output stays
       in its stage's ``fwd_cache`` through that pair's backward, as "cache"; the schedule's
       ``output`` (L2530) is a local of ``_perform_action`` (L2442), gone as the action returns. The
-      allocator replay walks the last rank's order (``Quantities.pipe_order``, ``reserved._pipeline_pairs``):
+      allocator replay walks the last rank's order (``Quantities.pipe_order``, ``reserved.driver._pipeline_pairs``):
       only its last local stage's pairs make the head's logits. The allocated moments count them
       apart already (``_interleaved``'s ``head_units``) and keep nothing past a backward (``Kept``).
     * "": no pipeline.
@@ -93,7 +93,7 @@ def pipeline_output(t: TrainingSpec, pipelined: bool = False) -> str:
 
 def lomo_hook(t: TrainingSpec) -> tuple:
     """LOMO / AdaLomo: (optimizer, weight bytes) for the reserved replay of each parameter's update
-    inside its hook (``reserved._lomo_update``); () otherwise. ``StepFlags.oib`` carries it (truthy)."""
+    inside its hook (``reserved.optimizer._lomo_update``); () otherwise. ``StepFlags.oib`` carries it (truthy)."""
     return (t.optimizer, t.weight_bytes) if t.optimizer in ("lomo", "adalomo") else ()
 
 
@@ -163,7 +163,7 @@ class Tokens:
 
 
 def _interleaved(q: Quantities, n: Any, nsq: Any, later: bool, inflight: Any) -> tuple[Any, ...]:
-    """Interleaved 1F1B's terms (``quantities._interleaved_terms``; else ``inflight`` as given):
+    """Interleaved 1F1B's terms (``quantities.pipeline._interleaved_terms``; else ``inflight`` as given):
     (stage, micro-batch) pairs in flight, each one stage's layers, of two later backwards the
     larger (the most pairs or the most gradients, ``schedules.in_flight_at_backwards``); of them the
     pairs fed by a receive buffer; the head stage's micro-batches in flight (one on the last rank,
@@ -224,7 +224,7 @@ def _weight_copies(q: Quantities, inflight: Any) -> tuple[Any, Any]:
     each micro-batch in flight ran its own forward, whose autocast region cast the weights again: its
     copies are saved with its activations; trace, llama-3.2-1b (4 layers) --pp 2 bf16-amp, first: -3.3%
     before), and DeepSpeed ZeRO-3 under torch's F.linear: each layer's gathered matmul weights, kept by
-    its saved transposed views (quantities.deepspeed_linear_kept)."""
+    its saved transposed views (quantities.zero3_gather.deepspeed_linear_kept)."""
     per_forward = where(q.pipe_batch > 0, inflight, 1)
     casts = (q.cast_layer * q.layers - q.cast_checkpointed) * per_forward + q.gathered_layer * q.layers * q.pipe_stages
     return per_forward, casts + q.ds_linear_kept * q.layers * inflight
@@ -245,7 +245,7 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
     layer = trunc(q.kept_tok * n + q.kept_sq * nsq)                        # (b, s, ...) per layer
     per_forward, casts = _weight_copies(q, inflight)
     layers = layer * q.layers * inflight + casts
-    # LoRA: the first layer's input needs no gradient, so it keeps less (quantities.first_layer_unsaved)
+    # LoRA: the first layer's input needs no gradient, so it keeps less (quantities.layer_moments.first_layer_unsaved)
     # (and the half copies of its frozen linears on that input are not kept, in each forward's region)
     layers = (layers - trunc(q.first_unsaved_tok * n + q.first_unsaved_sq * nsq) * fed
               - q.cast_first_free * per_forward)
@@ -263,7 +263,7 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
     # what the op holds, ``LayerCoefs.transient``; it is taken as it is)
     redo = value - grads + recompute
     # the top layer itself: on a pipeline stage fed its output gradient, that gradient is the receive
-    # buffer (quantities.receives_output_grad); the layers below it (FSDP's middle moments) make theirs
+    # buffer (quantities.pipeline.receives_output_grad); the layers below it (FSDP's middle moments) make theirs
     t_index, t_value, t_grads = best_transient(q.transients, n, nsq, ssq, TOP, received=True)
     top = (t_index, t_value - t_grads + recompute, t_grads)
     # a derived encoder-decoder's bottom and decoder-bottom layers have transients of their own kinds
@@ -271,13 +271,13 @@ def tokens(q: Quantities, flags: StepFlags, n: Any, nsq: Any, b: Any, ga: Any, l
     bottom_acts = decoder_bottom_acts = 0
     if flags.by_moment:
         bottom, lower, bottom_acts, decoder_bottom_acts = _bottom_moments(q, (n, nsq, b), recompute, casts)
-    nl, full, chunk = _logit_sizes(q, flags, n, b)
+    nl, full, chunk = logit_sizes(q, flags, n, b)
     saved = full * q.loss_saved + nl * q.loss_saved_tok + q.loss_saved_const
     labels = nl if flags.lm else b
     kv_tok = trunc(where(b == 1, q.held_b1_tok, q.held_tok) * n)  # (b == 1: eager's matmul saves the cache's views)
     # torch's pipeline schedule takes the step's whole batch (torchtitan: ``pp_schedule.step(inputs,
     # target=labels)`` on every stage) and splits it into views; its stage keeps a receive buffer
-    # per micro-batch (quantities.pipeline_buffers), from the first step's schedule on
+    # per micro-batch (quantities.pipeline.pipeline_buffers), from the first step's schedule on
     batch = where(q.pipe_batch > 0, ga, 1)
     inputs = _input_blocks(q, n, b, labels, batch, ga)
     return Tokens(inflight, layer, layers, outer_rest, outer_head, all_acts, redo, grads, index, top, bottom, lower,
@@ -317,7 +317,7 @@ def _decoder_embedding_acts(q: Quantities, n: Any, nsq: Any, b: Any, casts: Any)
     return measured + where(q.decemb_tok > 0, casts * q.lower_layers // q.layers, 0)
 
 
-def _logit_sizes(q: Quantities, flags: StepFlags, n: Any, b: Any) -> tuple[Any, Any, Any]:
+def logit_sizes(q: Quantities, flags: StepFlags, n: Any, b: Any) -> tuple[Any, Any, Any]:
     """(label tokens, logits, one loss chunk's logits) of a micro-batch, in elements: (b, s, vocab / tp)
     for LM heads, (b, labels) for classifiers; a chunk is s / chunks tokens (chunked), Liger's
     next_power_of_2(ceil(BT / ceil(V / H))) tokens (fused); an encoder-decoder's are its decoder's tokens."""
@@ -367,7 +367,7 @@ def best_transient(tr: Any, n: Any, nsq: Any, ssq: Any = 0, at: int = ALL_MOMENT
     sequence squared (tensors shared by the micro-batch, ``d``: a derived encoder-decoder's);
     ``at``: the backward moment (``layers.TOP``...), whose transients alone are candidates;
     ``received``: the top layer's, whose output gradient a pipeline stage received (less ``e`` per
-    token, ``quantities._layer_transients``)."""
+    token, ``quantities.layer_moments._layer_transients``)."""
     if isinstance(tr, TransientTable):
         nn, qq, ss = np.asarray(n)[:, None], np.asarray(nsq)[:, None], np.asarray(ssq)[..., None]
         less = tr.e * nn if received else 0.0
@@ -473,7 +473,7 @@ def walk(q: Quantities, flags: StepFlags, tk: Tokens, ga: Any, handle_ws: int = 
     tk_later = tk if tk_later is None else tk_later
     at_init = q.states if flags.states_at_init else 0   # the optimizer built after the model: its states
     # (a model built on the device: its build's transients above the model, States.build_temp; DeepSpeed
-    # ZeRO-1/2 from v0.19.0: the flat half group beside the parameters, quantities.deepspeed_flat_on_gpu)
+    # ZeRO-1/2 from v0.19.0: the flat half group beside the parameters, quantities.zero_partition.deepspeed_flat_on_gpu)
     build = q.build_temp, q.ds_flat_temp
     build = max(build) if not any(isinstance(x, np.ndarray) for x in build) else np.maximum(*build)  # (layouts: arrays)
     moments = [_mo("model_loaded", 0, 0, "model.to(device)", (q.grads_loaded, at_init, 0, 0, 0, build))]
@@ -487,7 +487,7 @@ def walk(q: Quantities, flags: StepFlags, tk: Tokens, ga: Any, handle_ws: int = 
         for micro in ((0, 1) if isinstance(ga, np.ndarray) else range(min(ga, 2))):
             valid = (ga > 1) if micro else True
             # the step's last micro-batch (micro-step 2 stands for 2..N: the last one only when N = 2;
-            # with more, the middle ones, which under FSDP's no_sync hold more: quantities.fsdp_no_sync)
+            # with more, the middle ones, which under FSDP's no_sync hold more: quantities.fsdp_root.fsdp_no_sync)
             final = (ga == 2) if micro else (ga == 1)
             ws_before = (handle_ws if (step == 1 and micro == 0) else 2 * handle_ws) + kept
             here = tk_later if micro else first
@@ -534,7 +534,7 @@ def _fsdp_first_unshard(q: Quantities, tk: Tokens, before: tuple, prev: tuple, s
     (the second step) it can be the step's. ``before``: (gradients, states, workspace); ``prev``:
     the previous micro-batch's logits and KV cache. Found by trace: Mistral (2 layers, h 1024,
     vocab 32000) FSDP2 dp 2, 2 x 256, recompute, pure bf16: -1.6% before. Under torchtitan's split
-    root (``quantities.fsdp2_split_root``) the embedding unit's all-gather output instead (its
+    root (``quantities.fsdp_root.fsdp2_split_root``) the embedding unit's all-gather output instead (its
     parameters resharded by its post-forward)."""
     grads_before, states, ws = before
     current = q.fsdp_layer_buf + q.gathered_layer
@@ -546,7 +546,7 @@ def _fsdp_first_unshard(q: Quantities, tk: Tokens, before: tuple, prev: tuple, s
 
 def _fsdp_head_forward(q: Quantities, tk: Tokens, before: tuple, prev: tuple, step: int, micro: int,
                        valid: Any, graph: Any) -> list[Moment]:
-    """FSDP2 under torchtitan's split root (``quantities.fsdp2_split_root``): the [norm, head] unit's
+    """FSDP2 under torchtitan's split root (``quantities.fsdp_root.fsdp2_split_root``): the [norm, head] unit's
     forward. Its unshard allocates its all-gather output while the last layer's is still kept
     (``wait_for_unshard`` frees that one, then copies the head's parameters out), every layer's
     activations saved (moment ``fsdp.head_unshard``); the head's all-gather output then lives until
@@ -568,12 +568,12 @@ def _head_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, befo
     workspace).
 
     * FSDP2 with the loop's loss: the root is gathered again when the logits' gradient reaches the
-      pre-backward hook on them (``quantities.root_resharded_for_loss``).
+      pre-backward hook on them (``quantities.fsdp_root.root_resharded_for_loss``).
     * A chunked loss: autograd runs every chunk's loss backward first (those nodes were created after
       all the head's calls, and the engine runs the highest sequence number first), so the chunks'
       logits gradients wait for the head's backward, which consumes them one by one; at the first
       chunk's one weight gradient is made, at the second's two and their sum exist
-      (``quantities.chunk_head_grads``).
+      (``quantities.head_grads.chunk_head_grads``).
     * Under autocast, the head's weight gradient cast to fp32 (``_head_weight_grad``)."""
     grads_before, states, ws2 = before
     out = [_mo("backward", micro, step, "fsdp.root_unshard",
@@ -585,7 +585,7 @@ def _head_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, befo
                (grads_before, states, tk.inputs, ws2, tk.all_acts, tk.logits_grad), (kept.logits, kept.kv_forward, 0),
                _both(valid, q.fsdp_head_pref > 0), comm=q.fsdp_loss_root + q.fsdp_head_pref)]
     # DeepSpeed ZeRO-3, an untied head: its MmBackward0 makes the whole weight gradient beside the logits'
-    # gradient, the head still gathered (quantities.deepspeed_head_wgrad)
+    # gradient, the head still gathered (quantities.zero_partition.deepspeed_head_wgrad)
     out.append(_mo("backward", micro, step, "deepspeed.head_wgrad",
                    (grads_before + q.ds_head_wgrad, states, tk.inputs, ws2, tk.all_acts, tk.logits_grad),
                    (kept.logits, kept.kv_forward, 0), _both(valid, q.ds_head_wgrad > 0),
@@ -597,12 +597,12 @@ def _head_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, befo
                        + q.ds_loss_buf + q.ds_gathered_head))
     out.append(_head_matmul_grad(q, tk, kept, before, step, micro, valid))
     out.append(_head_weight_grad(q, flags, tk, kept, before, step, micro, valid))
-    # a classifier's final RMSNorm backward, every activation alive (quantities.final_norm_backward)
+    # a classifier's final RMSNorm backward, every activation alive (quantities.head_moments.final_norm_backward)
     out.append(_mo("backward", micro, step, "final_norm.backward",
                    (grads_before, states, tk.inputs, ws2, tk.all_acts, trunc(q.final_norm_bwd_tok * tk.tokens)),
                    (kept.logits, kept.kv_forward, 0), _both(valid, q.final_norm_bwd_tok > 0)))
     # DeepSpeed ZeRO-1/2 offloaded: the untied head's inf/NaN check on the rank holding it, when the final
-    # norm's hook reduces the head's bucket, every activation saved (quantities.deepspeed_offload_check_head);
+    # norm's hook reduces the head's bucket, every activation saved (quantities.zero_offload.deepspeed_offload_check_head);
     # no other gradient is on the device (offload hands each to the host); the bucket buffers exist
     out.append(_mo("backward", micro, step, "deepspeed.offload_check.head",
                    (q.ds_head_grad, states, tk.inputs, ws2, tk.all_acts, q.ds_head_check),
@@ -628,7 +628,7 @@ def _fsdp1_head_unit(q: Quantities, tk: Tokens, kept: Kept, before: tuple, step:
     in_grad = trunc(q.fsdp1_head_in_tok * tk.tokens)
     on = _both(valid, q.fsdp1_head_unit > 0)
     # then (the logits' gradient and autocast's half weight copy freed with MmBackward0) its flat gradient,
-    # concatenated from the weight's view gradient (``quantities.fsdp1_flat_gradient``: twice the unit's
+    # concatenated from the weight's view gradient (``quantities.fsdp1.fsdp1_flat_gradient``: twice the unit's
     # gradients), before its post-backward reshards
     return [_mo("backward", micro, step, "fsdp1.head_unit_backward",
                 (grads_before + q.fsdp1_head_unit, states, tk.inputs, ws2, tk.all_acts, tk.logits_grad + in_grad),
@@ -637,7 +637,7 @@ def _fsdp1_head_unit(q: Quantities, tk: Tokens, kept: Kept, before: tuple, step:
                 (grads_before + 2 * q.fsdp1_head_unit, states, tk.inputs, ws2, tk.all_acts - q.cast_head, in_grad),
                 (kept.logits, kept.kv_forward, 0), on, comm=q.fsdp1_head_unit + q.fsdp_root),
             # its post-backward, the unit resharded first: the flat gradient, its reduce-dtype copy and the new
-            # shard (quantities.fsdp1_unit_post_backward)
+            # shard (quantities.fsdp1.fsdp1_unit_post_backward)
             _mo("backward", micro, step, "fsdp1.head_unit_reduce_scatter",
                 (grads_before + q.fsdp1_head_unit, states, tk.inputs, ws2, tk.all_acts - q.cast_head,
                  in_grad + q.fsdp1_head_post),
@@ -647,11 +647,11 @@ def _fsdp1_head_unit(q: Quantities, tk: Tokens, kept: Kept, before: tuple, step:
 
 def _fsdp_head_reduce(q: Quantities, tk: Tokens, kept: Kept, before: tuple, step: int, micro: int,
                       valid: Any) -> Moment:
-    """FSDP2 under torchtitan's split root (``quantities.fsdp2_split_root``): the head unit's
+    """FSDP2 under torchtitan's split root (``quantities.fsdp_root.fsdp2_split_root``): the head unit's
     post-backward, as the gradient of its input is made: ``foreach_reduce`` (``_fsdp_collectives.py``)
     has copied the head's and norm's unsharded gradients into its reduce-scatter input (flat, the
     reduce dtype) and allocated the sharded output; the head's gradient, the loop variable, lives
-    until it returns (as the old root's, ``quantities.fsdp_buffers``); the last layer prefetched,
+    until it returns (as the old root's, ``quantities.fsdp_root.fsdp_buffers``); the last layer prefetched,
     every layer's activations saved. ``before``: (gradients, states, workspace)."""
     grads_before, states, ws2 = before
     # (the reduce-scatter output, flat: the new shards, or beside the accumulated ones until added, L749)
@@ -687,7 +687,7 @@ def _head_matmul_grad(q: Quantities, tk: Tokens, kept: Kept, before: tuple, step
 
 def _head_weight_grad(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, before: tuple, step: int,
                       micro: int, valid: Any) -> Moment:
-    """The LM head's weight gradient cast to fp32 under autocast (``quantities.head_wgrad``): the
+    """The LM head's weight gradient cast to fp32 under autocast (``quantities.head_moments.head_wgrad``): the
     half gradient and its fp32 cast (a tied head's waits in autograd's input buffer, ``tied_grad``;
     an untied head's is its ``.grad``, unsharded under FSDP), every activation but the head's half
     weight copy (released by its matmul's backward), the root gathered with the last layer
@@ -733,7 +733,7 @@ def _grads_before(q: Quantities, flags: StepFlags, tk: Tokens, micro: int, step:
     # (``quantities.ds_accumulated``)
     grads = where(q.ds_accumulated > 0, q.ds_accumulated,
                   q.grads + tk.grad_views - (tk.grads_absent if micro > 0 and not kept else 0))
-    # ... with the optimizer offloaded: on the host (``quantities.deepspeed_grads_on_host``)
+    # ... with the optimizer offloaded: on the host (``quantities.zero_offload.deepspeed_grads_on_host``)
     return grads if kept else where(q.ds_host_grads > 0, 0, grads)
 
 
@@ -766,9 +766,9 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
                 prev: Tokens | None = None) -> None:
     """Forward (the loss) and backward (head, last layer, first layer, embeddings, end) of one
     micro-batch. ``workspaces``: the cuBLAS workspaces alive in its forward and in its backward.
-    Under FSDP (``quantities.fsdp_buffers``) the root unit is gathered while the loss runs and from
+    Under FSDP (``quantities.fsdp_root.fsdp_buffers``) the root unit is gathered while the loss runs and from
     the start to the end of backward (unless the loop's loss runs after FSDP2 resharded it:
-    ``quantities.root_resharded_for_loss``); backward holds the layer being computed, the prefetched one (last layer first) and the
+    ``quantities.fsdp_root.root_resharded_for_loss``); backward holds the layer being computed, the prefetched one (last layer first) and the
     previous layer's reduce-scatter input; the head's and each layer's gradients are created
     unsharded in every micro-batch's backward, and resharded when its unit's backward ends.
     ``final``: whether this is the step's last micro-batch (FSDP's no_sync: the one that reduces).
@@ -793,7 +793,7 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
                                 prev_graph + own))
     moments.append(_fsdp1_head_unit_forward(q, tk, (grads_before, states, ws), (prev_logits, prev_kv), step, micro,
                                             valid, prev_graph + own))
-    # --cast-output (Lightning Fabric, quantities._cast_output_loss_bytes): as forward returns, the
+    # --cast-output (Lightning Fabric, quantities.loss_kinds._cast_output_loss_bytes): as forward returns, the
     # head's half output and its fp32 copy exist while the loop still holds the previous output; the
     # loop then rebinds its name (the previous output freed) and its loss reads the fp32 copy (the
     # half output freed; with fp32 logits nothing is cast and the loss reads them)
@@ -806,7 +806,7 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
     # (a pipeline schedule rebinds its ``output`` before its loss runs: the previous one freed, Kept.within)
     loss_logits = where(cast, where(q.logits_cast > 0, tk.cast_logits, tk.out_logits),
                         (0 if kept.within else prev_logits) + tk.out_logits)
-    # (a loss that saves the logits it reads, quantities._compiled_chunked_loss_bytes: counted once)
+    # (a loss that saves the logits it reads, quantities.loss_kinds._compiled_chunked_loss_bytes: counted once)
     read = where(cast, where(q.logits_cast > 0, tk.cast_logits, tk.out_logits), tk.out_logits)
     loss_new = tk.loss_saved - where(q.loss_saves_out > 0, read, 0)
     moments.append(_mo("forward", micro, step, "cross_entropy",
@@ -828,7 +828,7 @@ def _micro_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, step: i
         moments.append(_quant4_head_backward(q, tk, kept, (grads_before, states, ws2), step, micro, valid, own))
     states_mid = q.states if (states_before or flags.oib) else 0  # optimizer in backward creates them now
     # DeepSpeed ZeRO-2 allocates its whole gradient partition at the first reduction of a bucket holding
-    # one of rank 0's parameters (``quantities.deepspeed_partition_from``): here when above the layers
+    # one of rank 0's parameters (``quantities.zero_partition.deepspeed_partition_from``): here when above the layers
     # (beside the earlier micro-batches' partition, ``_grads_before``)
     layer_grads_before = grads_before + where(q.ds_partition_from <= 0, q.ds_partition_grads, 0)
     _layers_backward(q, flags, tk, kept, (step, micro, valid, final), (layer_grads_before, states_mid, ws2, own),
@@ -847,10 +847,10 @@ def _top_forward(q: Quantities, tk: Tokens, base: tuple, prev: tuple, step: int,
                  graph: Any) -> list:
     """Forward moments above the layers and before the loss, all layers' tensors saved: a derived
     image model's head forward (SigLIP's pooling head, run but not read; ``head_fwd_tok``), a
-    classifier's final RMSNorm forward (``quantities.final_norm_forward``) and a BERT classifier's
-    last LayerNorm forward (``quantities.bert_top_forward``); each (b, s)-sized term per token. Under
+    classifier's final RMSNorm forward (``quantities.head_moments.final_norm_forward``) and a BERT classifier's
+    last LayerNorm forward (``quantities.head_moments.bert_top_forward``); each (b, s)-sized term per token. Under
     DeepSpeed ZeRO-3 from the second step, the top layer's forward with the prefetch's flat all-gather
-    output beside the parameters built from it (``quantities.deepspeed_coalesced``), every layer's saved
+    output beside the parameters built from it (``quantities.zero3_gather.deepspeed_coalesced``), every layer's saved
     tensors alive (an upper bound by the top layer's tensors saved after the moment).
     ``base``: gradients, states and the forward's workspace; ``prev``: the previous output's logits
     and KV cache the loop still holds."""
@@ -899,9 +899,9 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     micro-batch)."""
     step, micro, valid, final = when
     grads_before, states_mid, ws2, own = before
-    # FSDP's no_sync (quantities.fsdp_no_sync): in the last micro-batch the layers back-propagated
+    # FSDP's no_sync (quantities.fsdp_root.fsdp_no_sync): in the last micro-batch the layers back-propagated
     # hold shards; in the others, under FSDP1's grad-op, they stay gathered
-    # (a pipeline stage under FSDP2 full keeps them gathered in every micro-batch: quantities.pipeline_kept_layer)
+    # (a pipeline stage under FSDP2 full keeps them gathered in every micro-batch: quantities.pipeline.pipeline_kept_layer)
     reduced, kept_layer = where(final, q.nosync_layer_reduce, 0), where(final, 0, q.nosync_kept_layer) + q.pipe_kept_layer
     # (+ DeepSpeed ZeRO-1/2's bucket buffers, alive through backward; ZeRO-3's gathered head and top layers, ``ds_gathered_top``,
     # then the current module, ``low_ds``; Gemini: other ranks' chunks gathered, the hook's copies, ``gemini_fields``)
@@ -913,11 +913,11 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     # FSDP1's are the gradients of views of the flat parameter, new tensors in every micro-batch until
     # the layer's flat gradient is concatenated from them and added to .grad: fsdp1_flat_gradient)
     sync = fsdp_sync(q, flags)
-    new = _either(sync, q.fsdp_mp_new > 0)  # new unsharded gradients in every micro-batch (quantities.fsdp_no_sync)
+    new = _either(sync, q.fsdp_mp_new > 0)  # new unsharded gradients in every micro-batch (quantities.fsdp_root.fsdp_no_sync)
     def part(g: Any) -> Any:
         return g if flags.fsdp1_views else where(_either(new, fresh), g, 0)
     layer_grads = part(tk.layer_grad_part)
-    # (torchtitan's split root: quantities.fsdp2_split_root; ``head_added`` on a tied last stage alone: its table's
+    # (torchtitan's split root: quantities.fsdp_root.fsdp2_split_root; ``head_added`` on a tied last stage alone: its table's
     # new .grad; elsewhere a tied head's waits in autograd's buffer, ``tied_grad``: BART +0.51 % with it, -0.07 % not)
     head_grads = where(new, q.fsdp_head_full - q.fsdp_head_done + where(fresh, q.fsdp_head_shard, 0), maximum(where(
         fresh, where(q.pipe_head_tied > 0, maximum(q.head_grads, q.head_added), q.head_grads), 0), q.fsdp1_head_wait))
@@ -929,7 +929,7 @@ def _layers_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
     # a pipeline stage's other micro-batches in flight keep all their layers' tensors and their head side
     own_layers, others_all = tk.layers - tk.others_layers, tk.others_layers + tk.others_head
     # the layer gathered and the previous one prefetched, unless FSDP1 has not reached it yet (its
-    # LoRA units of their own come first in the prefetch order: quantities.fsdp1_unprefetched)
+    # LoRA units of their own come first in the prefetch order: quantities.fsdp1.fsdp1_unprefetched)
     unprefetched = _both(q.fsdp1_unprefetched >= 0, tk.transient_index > q.fsdp1_unprefetched)
     moments.append(_mo("backward", micro, step, "layer.top",
                        (top, states_mid, tk.inputs, ws2, tk.layers + tk.outer_rest + tk.others_head, top_temp),
@@ -993,7 +993,7 @@ def _decoder_embedding_backward(q: Quantities, flags: StepFlags, tk: Tokens, kep
 
 def _held_inputs(q: Quantities, own_layers: Any, below: int) -> Any:
     """What FSDP1's reshard-only hooks still hold under reentrant checkpointing when ``below`` layers'
-    backwards have not finished (``quantities.fsdp1_held_inputs``): the inputs of the layers above
+    backwards have not finished (``quantities.fsdp1.fsdp1_held_inputs``): the inputs of the layers above
     (``L - below``, one layer's input each, the residual stream in its dtype) and the gradients
     accumulated into them (``L - below - 1``; the one the current layer received is counted with it).
     At the embedding's backward (``below`` 0) every layer's input and gradient."""
@@ -1030,10 +1030,10 @@ def _embedding_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept,
     eager_tied = where(q.tied_compiled > 0, q.tied_final, tied)  # --compile: the eager quantity, see below
     sync = fsdp_sync(q, flags)
     accumulated = where(_either(sync, fresh), 0, eager_tied)
-    # an untied embedding's new gradient beside the accumulated one (quantities.emb_accumulated)
+    # an untied embedding's new gradient beside the accumulated one (quantities.head_grads.emb_accumulated)
     emb_new = where(fresh, q.emb_upcast, q.emb_grad)  # (a first micro-batch's: beside its fp32 copy, emb_upcast)
     temp_emb = 2 * eager_tied + (eager_tied if flags.oib else accumulated) + q.tied_replicated + emb_new
-    # --compile: the backward graph sums the tied weight's gradients itself (quantities.compiled_tied_grads):
+    # --compile: the backward graph sums the tied weight's gradients itself (quantities.head_grads.compiled_tied_grads):
     # the head's part and two fp32 tables of the embedding's, no .grad yet. Only where gradients are
     # fresh: under accumulation the graph also holds every other new gradient until it returns, which
     # is not read off (the eager quantities stay: llama-3.2-1b, three layers, --grad-accum 2: +3.0%)
@@ -1042,7 +1042,7 @@ def _embedding_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept,
     emb_grads = q.grads + where(sync, q.fsdp_head_full - q.fsdp_head_done + q.fsdp_emb_full + tied - where(fresh, q.fsdp_root_sharded, 0),
                                 0) - q.layers * reduced
     # DeepSpeed ZeRO-1/2 whose hooks reduce buckets: the gradients the reductions left before this
-    # moment (``quantities.deepspeed_grads_at_embedding``: contiguous, the partition if made; else
+    # moment (``quantities.zero_partition.deepspeed_grads_at_embedding``: contiguous, the partition if made; else
     # the gradients not freed), beside the embedding's own new gradient (the tied sum), whose hook
     # runs next; counted in ``temp_emb`` where a partition made above the layers had gradients not fresh
     # (and the earlier micro-batches' partition, ``_grads_before``)
@@ -1056,7 +1056,7 @@ def _embedding_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept,
                        _both(valid, _either(_either(tied > 0, emb_new > 0), q.tied_compiled > 0)), tk.graph,
                        comm=root + rs + where(q.ds_gathered_emb > 0, q.ds_gathered_emb, low_ds) + q.layers * kept_layer
                        + q.fsdp_emb_unit + q.fsdp1_emb_units))
-    # FSDP1: the root's flat gradient concatenated from its views' (quantities.fsdp1_root_flat_gradient),
+    # FSDP1: the root's flat gradient concatenated from its views' (quantities.fsdp1.fsdp1_root_flat_gradient),
     # beside the gradients before the root's (its own part of ``grads`` when fresh: not yet made)
     flat_grads = (q.grads - where(fresh, q.fsdp_root_sharded, 0) - q.layers * reduced + q.fsdp1_root_views
                   + q.fsdp1_root_flat)
@@ -1065,7 +1065,7 @@ def _embedding_backward(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept,
                        (kept.logits, kept.kv_end, 0), _both(valid, q.fsdp1_root_flat > 0), tk.graph,
                        comm=root + rs + low_ds + q.layers * kept_layer + q.fsdp1_emb_units))
     # then its post-backward, the root resharded first (``_post_backward_reshard``): the flat gradient alone
-    # (the views freed), its reduce-dtype copy and the new shard (quantities.fsdp1_root_post_backward);
+    # (the views freed), its reduce-dtype copy and the new shard (quantities.fsdp1.fsdp1_root_post_backward);
     # under no_sync only in the micro-batch that reduces
     post_grads = flat_grads - q.fsdp1_root_views
     moments.append(_mo("backward", micro, step, "fsdp1.root_reduce_scatter",
@@ -1081,17 +1081,17 @@ def _backward_end(q: Quantities, tk: Tokens, kept: Kept, when: tuple, now: tuple
     DeepSpeed ZeRO-3's gathered parameters below the top layers)."""
     step, micro, valid, final = when
     fresh, states_mid, ws2, low_ds = now
-    # FSDP's no_sync (quantities.fsdp_no_sync): shards after the last micro-batch, else (FSDP1
+    # FSDP's no_sync (quantities.fsdp_root.fsdp_no_sync): shards after the last micro-batch, else (FSDP1
     # grad-op) every unit still gathered; + gradients kept as views of larger tensors (tk.grad_views)
     grads_end = q.grads + tk.grad_views - where(final, q.nosync_reduce, 0)
     kept_end = where(final, 0, _nosync_kept(q))
     # FSDP2's root post-backward: its reduce-scatter input and the root's last unsharded gradient
-    # beside the new sharded gradients (quantities.fsdp_buffers); under accumulation the new shards
+    # beside the new sharded gradients (quantities.fsdp_root.fsdp_buffers); under accumulation the new shards
     # are added to the accumulated ones (``foreach_reduce_scatter_copy_out``: ``grad += new``); under
     # no_sync only in the last micro-batch, where no shards exist yet
     nosync, synced = q.nosync_reduce > 0, q.nosync_reduce == 0
     # DeepSpeed ZeRO-1/2's last bucket reduction after backward: its flat copy beside the gradients
-    # (``quantities.deepspeed_epilogue``; under accumulation ZeRO-1 reduces in the last micro-batch only,
+    # (``quantities.zero_partition.deepspeed_epilogue``; under accumulation ZeRO-1 reduces in the last micro-batch only,
     # ZeRO-2, whose earlier micro-batches' partition is ``ds_accumulated``, in every one)
     ds_reduce = _mo("backward", micro, step, "deepspeed.reduce",
                     (q.ds_reduce_grads + (q.ds_accumulated if micro > 0 else 0), states_mid, tk.inputs, ws2,
@@ -1100,7 +1100,7 @@ def _backward_end(q: Quantities, tk: Tokens, kept: Kept, when: tuple, now: tuple
                     _both(_both(valid, q.ds_reduce_flat > 0), _either(final, q.ds_accumulated > 0)), tk.graph,
                     comm=q.ds_backward_buf + low_ds + kept_end)
     # DeepSpeed ZeRO-1/2 offloaded: the epilogue hands the largest gradient of rank 0's partition to
-    # the host after an elementwise inf/NaN check (``quantities.deepspeed_offload_check``), at the
+    # the host after an elementwise inf/NaN check (``quantities.zero_offload.deepspeed_offload_check``), at the
     # accumulation boundary, beside that gradient (its own tensor) and the bucket buffers; every
     # other gradient is on the host or freed (offload keeps none on the device, L1320-1333)
     ds_check = _mo("backward", micro, step, "deepspeed.offload_check",
@@ -1141,7 +1141,7 @@ def _fsdp_middle_layers(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept,
     upper layer's reduce-scatter input (its unsharded gradients, flat, in the reduce dtype) is kept in
     ``comm_ctx.reduce_scatter_states`` until layer i's own ``post_backward`` pops it (L645-657,
     ``reduce_scatter_max_input_buffers`` = 1) and appends its own (L717-719; before PyTorch 2.5 the
-    input was freed when the reduce returned and ``fsdp_rs_buf`` is 0, ``quantities.fsdp_buffers``).
+    input was freed when the reduce returned and ``fsdp_rs_buf`` is 0, ``quantities.fsdp_root.fsdp_buffers``).
     So layer i computes with the root gathered, its own unsharded parameters, the lower layer's
     all-gather output, the upper layer's reduce-scatter input, the shards of the layers above
     (``foreach_reduce``'s output, ``_fsdp_collectives.py``) and the activations of layers 0..i.
@@ -1187,13 +1187,13 @@ def _fsdp_middle_layers(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept,
 def fsdp_sync(q: Quantities, flags: StepFlags) -> Any:
     """Whether FSDP over several ranks reduce-scatters after every micro-batch (no unsharded .grad
     kept), layout by layout: not where it accumulates unsharded under no_sync
-    (``Quantities.fsdp_accumulates``, ``quantities.fsdp_no_sync``)."""
+    (``Quantities.fsdp_accumulates``, ``quantities.fsdp_root.fsdp_no_sync``)."""
     return flags.fsdp and (q.fsdp_accumulates == 0)
 
 
 def _nosync_kept(q: Quantities) -> Any:
     """FSDP1 grad-op under no_sync: every unit's parameters still gathered after backward (the
-    layers' and the root's, ``quantities.fsdp_no_sync``); 0 otherwise."""
+    layers' and the root's, ``quantities.fsdp_root.fsdp_no_sync``); 0 otherwise."""
     return q.layers * q.nosync_kept_layer + q.nosync_kept_root
 
 
@@ -1201,8 +1201,8 @@ def _fsdp1_layer_end(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, wh
                      own_layers: Any, root: Any, buf: Any, moments: list, below: tuple | None = None) -> None:
     """FSDP1, the end of the top layer's backward (``_layers_backward``): its activations freed, its
     gradients concatenated into the flat gradient with it and the prefetched layer gathered
-    (``quantities.fsdp1_flat_gradient``); then its post-backward hook, the layer resharded: the
-    flat gradient, its copy in the reduce dtype and the new shard (``quantities.fsdp1_post_backward``).
+    (``quantities.fsdp1.fsdp1_flat_gradient``); then its post-backward hook, the layer resharded: the
+    flat gradient, its copy in the reduce dtype and the new shard (``quantities.fsdp1.fsdp1_post_backward``).
     ``before``: (gradients before, states, the backward's workspace, the graph-kept tensors).
     ``below``: the same at a layer below the top one (``_fsdp_middle_layers``): (its name, its index
     from the bottom, the layers' shards above it, the KV cache then, the graph-kept tensors then)."""
@@ -1240,7 +1240,7 @@ def _dequant_forward(q: Quantities, tk: Tokens, four: tuple, prev: tuple, micro:
     moments.append(_mo("forward", micro, step, "layer.forward", (g, s, i, w, tk.layers + tk.outer_rest, tk.fwd_temp),
                        (prev_logits, prev_kv + tk.kv_held, 0), _both(valid, q.fwd_temp > 0), prev_graph))
     # the head: its dequantized weight and the cast (inside .to()), then the cast beside the output;
-    # a LoRA adapter on it then holds three logits-sized tensors (quantities._head_is_lora_target).
+    # a LoRA adapter on it then holds three logits-sized tensors (quantities.model_facts._head_is_lora_target).
     # A head run chunk by chunk (litgpt's ``[self.lm_head(x_i) for x_i in x.split(128, dim=1)]``,
     # --loss-chunks N) dequantizes its weight for every chunk, so the last chunk's dequantized
     # weight and cast coexist with the first N - 1 chunks' outputs (b, s - s/N, vocab) in half
@@ -1261,7 +1261,7 @@ def _optimizer_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, ste
     # FSDP's no_sync: the last micro-batch left shards (fsdp_no_sync); + gradients kept as views of
     # larger tensors (tk.grad_views), freed with them by zero_grad(set_to_none=True)
     grads = q.grads - q.nosync_reduce + tk.grad_views
-    # DeepSpeed's ZeRO step (``quantities.deepspeed_step_grad``): the flat copy and its fp32 cast beside
+    # DeepSpeed's ZeRO step (``quantities.zero_step.deepspeed_step_grad``): the flat copy and its fp32 cast beside
     # the gradients kept for it (``ds_cast_grads``); the flat copy is then dropped (v0.16.4
     # ``stage_1_and_2.py`` L1891-1897: a temporary of ``.to()``; v0.19.8 L3113-3114 ``del``; ``stage3.py``
     # ``_prepare_fp32_grad_for_sub_group``) and stages 1 and 2 free their gradients
@@ -1278,7 +1278,7 @@ def _optimizer_step(q: Quantities, flags: StepFlags, tk: Tokens, kept: Kept, ste
                            (q.ds_cast_grads, q.states, inputs, ws2, pipe, q.ds_step_flat + q.ds_step_fp32),
                            (logits, kv, 0), ds, graph))
         # (DeepSpeed ZeRO-1/2 offloaded, before v0.17.0: the fp32 partition copied to the GPU for the half
-        # cast after the host's step, ``quantities.deepspeed_offload_upload``)
+        # cast after the host's step, ``quantities.zero_offload.deepspeed_offload_upload``)
         moments.append(_mo("optimizer_step", 0, step, "optimizer.step",
                            (step_grads, q.states, inputs, ws2, pipe,
                             q.step_temp - where(ds, q.ds_step_flat, 0) + q.ds_offload_upload),

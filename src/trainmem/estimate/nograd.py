@@ -1,5 +1,5 @@
 """A checkpointed hand-written layer's first forward, tensor by tensor (the allocator replay's
-``reserved._checkpointed``).
+``reserved.layer_forward._checkpointed``).
 
 Under full recomputation the first forward of a layer saves nothing (reentrant checkpointing runs it
 under ``torch.no_grad()``, torch 2.13 ``utils/checkpoint.py`` ``CheckpointFunction.forward`` L248-276;
@@ -28,7 +28,7 @@ plus ``consts`` bytes (0 for all but those), the replay allocating ``sizes * tok
 
 Under autocast (``NoGradLayer.amp``, full fine-tuning) a "c" event stands for autocast's half copy
 of the next linear's weight, which the replay makes where it keeps the copies linear by linear
-(``reserved._nograd_forward``)."""
+(``reserved.layer_forward._nograd_forward``)."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ class NoGradSeq:
         return len(self.sizes) - 1
 
     def cast(self) -> None:
-        """autocast's half copy of the next linear's weight (``reserved._nograd_forward`` makes it
+        """autocast's half copy of the next linear's weight (``reserved.layer_forward._nograd_forward`` makes it
         where the replay keeps the copies, ``_linear_casts``)."""
         self.events.append("c")
 
@@ -323,7 +323,7 @@ def llama_layer(L: NoGradLayer) -> NoGradSeq:
     SDPA's output until ``o_proj`` has read it; the residual sum until the MLP's output is added;
     ``LlamaMLP`` (L164): ``act_fn(gate_proj(x))`` (the gate output freed when ``silu`` returns),
     ``up_proj(x)``, their product (both freed), ``down_proj`` (the product freed). Grouped keys and
-    values (``repeat_kv``: the releases that copy them, ``quantities.release_attention_call``) are
+    values (``repeat_kv``: the releases that copy them, ``quantities.model_facts.release_attention_call``) are
     copied to the query's heads inside ``sdpa_attention_forward`` (L126-127 at 5.24; 4.48-4.53 the
     same) and freed when it returns, the rotated ones still held by the caller (before 4.48
     ``LlamaSdpaAttention`` rebinds ``key_states``, freeing the rotated keys a little earlier).

@@ -2,7 +2,7 @@
 
 The policy's side is the engine's step on 2B sequences whose fp32 logits (accelerate's
 ``convert_outputs_to_fp32``, the cast-output moment) are saved for backward by the log-probs' loss,
-``--loss logps --cast-output`` (TRL's ``selective_log_softmax``: ``quantities._logps_bytes``). To it
+``--loss logps --cast-output`` (TRL's ``selective_log_softmax``: ``quantities.loss_kinds._logps_bytes``). To it
 this module adds:
 
 * the reference model's weights (``--ref-model copy``): a frozen copy of the parameters in their
@@ -23,7 +23,7 @@ from ..spec.training import TrainingSpec
 
 F32 = 4
 #: the ``TrainingSpec.extra`` key of ``policy_spec``'s setup: the engine runs it as its own step (keeping
-#: ``trainer`` and ``ref_model``, which key its quantities: ``quantities._preference_fields``, read by the
+#: ``trainer`` and ``ref_model``, which key its quantities: ``quantities.build._preference_fields``, read by the
 #: reserved replay)
 POLICY = "dpo_policy_step"
 
@@ -100,7 +100,7 @@ def estimate_dpo(m: ModelSpec, t: TrainingSpec, engine_estimate, **kw) -> Memory
     if top.peak > rep.peak_allocated + ref and top.where == where:
         _forward_peak(rep, t, top, ref)
     rep.peak_allocated = max(rep.peak_allocated + ref, top.peak)
-    # (the engine's moment of a loss's first backward nodes: here GatherBackward's, quantities._logps_bytes)
+    # (the engine's moment of a loss's first backward nodes: here GatherBackward's, quantities.loss_kinds._logps_bytes)
     rep.peak_where = rep.peak_where.replace("cross_entropy.backward", "log_probs.backward")
     if ref:
         rep.components.insert(1, Component("reference_model", "parameters", ref, None,

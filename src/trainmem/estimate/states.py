@@ -58,7 +58,7 @@ class States:
     layer_grads_full: int = 0  # one layer's unsharded gradients, before its reduce-scatter
     layer_rs: int = 0         # one layer's reduce-scatter input (a flat buffer in the reduce dtype)
     root_grads: int = 0       # of ``grads``: the sharded gradients outside the layers (head, norms, embeddings)
-    # tensor by tensor, for replaying the step through the caching allocator (``reserved.py``):
+    # tensor by tensor, for replaying the step through the caching allocator (``reserved/``):
     load: tuple[int, ...] = ()  # bytes of each weight and buffer in load order (every layer on the rank)
     # each trainable tensor: (where: "before"/"after" the layers, "layer" (one in each layer on the rank)
     # or "layerI" (the rank's I-th layer only), copies, gradient bytes, bytes of each optimizer-state
@@ -77,7 +77,7 @@ class States:
     root_rs: int = 0
     root_last_grad: int = 0
     # the same for the units torchtitan splits the root into (``--fsdp-gathered head``,
-    # ``quantities.fsdp2_split_root``): the final norm and head (registered after the layers), gathered
+    # ``quantities.fsdp_root.fsdp2_split_root``): the final norm and head (registered after the layers), gathered
     # bytes, reduce-scatter input and last unsharded gradient; and the embedding side's
     head_unit_full: int = 0
     head_unit_tensors: tuple[int, ...] = ()  # of ``root_tensors``, the last ones: the final norm's, the head's
@@ -88,9 +88,9 @@ class States:
 
     # an encoder-decoder's untied position tables of its decoder (BART's ``decoder.embed_positions``):
     # registered after the encoder's layers, their gradients are made by the decoder's embedding
-    # backward, after its first layer's backward and before the encoder's (``quantities._grads_above``)
+    # backward, after its first layer's backward and before the encoder's (``quantities.layer_moments._grads_above``)
     between_grads: int = 0
-    # FSDP1's root unit at the end of backward (``quantities.fsdp1_root_flat_gradient``): the unsharded
+    # FSDP1's root unit at the end of backward (``quantities.fsdp1.fsdp1_root_flat_gradient``): the unsharded
     # gradients of its parameters (views of its flat parameter), tensor by tensor, and its flat
     # gradient, one tensor of all of them, both in the gathered dtype
     root_views: int = 0
@@ -117,7 +117,7 @@ class States:
     build: tuple = ()
     build_temp: int = 0  # its allocated peak above the model it leaves (block-rounded), bytes
     # DeepSpeed ZeRO-3 of a model built whole (``zero3_whole_load``): the allocated peak of ``build``
-    # (block-rounded), which is reached before the engine's other buffers exist (``quantities._build``)
+    # (block-rounded), which is reached before the engine's other buffers exist (``quantities.build._build``)
     build_peak: int = 0
     # FSDP1 with sync_module_states over rank 0's CPU model (``fsdp_init``): the wrap's alloc/free events,
     # replayed instead of ``load`` (the units moved, broadcast, flattened and sharded one by one)
@@ -126,22 +126,22 @@ class States:
     # stage-3 optimizer gathers and re-partitions them one at a time at the end of its init
     gathered: tuple[tuple[int, ...], ...] = ()
     # how ``load`` splits: (tensors before the layers, tensors of one layer, tensors after the layers), the
-    # layer's repeated once per layer on the rank; () where the layers differ (``reserved.stage_loads``)
+    # layer's repeated once per layer on the rank; () where the layers differ (``reserved.ddp.stage_loads``)
     load_split: tuple[int, int, int] = ()
     # each of ``trainables``' whole gradient in bytes, not rounded to the allocator's blocks (a part of
     # a flat buffer such as DDP's buckets takes its elements only); () where not known
     grad_raw: tuple[int, ...] = ()
     # each of ``trainables``' gradient on this rank in bytes, not rounded (``_Rank.grad_raw_bytes``: a
-    # shard under FSDP): FSDP's flat reduce-scatter output holds these elements once (``reserved._flat_grads``)
+    # shard under FSDP): FSDP's flat reduce-scatter output holds these elements once (``reserved.optimizer._flat_grads``)
     grad_rank_raw: tuple[int, ...] = ()
     # each of ``trainables``' optimizer states in bytes as requested, not rounded to the allocator's
     # blocks (``trainables`` holds the blocks a fresh request is charged): () where not known
     state_raw: tuple[tuple[int, ...], ...] = ()
-    # each of ``trainables``' elements, unsharded (the optimizer's per-tensor temporaries: ``quantities.adafactor_loop``)
+    # each of ``trainables``' elements, unsharded (the optimizer's per-tensor temporaries: ``quantities.optimizer_step.adafactor_loop``)
     trainable_elems: tuple[int, ...] = ()
     # FSDP accumulating unsharded (no_sync, ``grad_rank_raw`` the unsharded gradients): each one's shard
     # on this rank in bytes, not rounded, as the last micro-batch's reduce-scatter leaves it
-    # (``reserved._unit_grads``); () otherwise
+    # (``reserved.fsdp._unit_grads``); () otherwise
     grad_shard_raw: tuple[int, ...] = ()
 
 
@@ -201,7 +201,7 @@ def dtensor_tp(t: TrainingSpec) -> bool:
     torchtitan's ``apply_tp``; what ``trace`` and ``measure`` run), not as Megatron-LM's own
     layers (``--framework megatron``). The two differ in what they keep: the sequence-parallel input
     the column-parallel linears save (``layers._llama_layer``), the embedding's gradient
-    (``_replicated_grad``) and the vocabulary-parallel loss (``quantities.loss_bytes``)."""
+    (``_replicated_grad``) and the vocabulary-parallel loss (``quantities.loss.loss_bytes``)."""
     return t.tp > 1 and t.extra.get("framework") != "megatron"
 
 
@@ -212,7 +212,7 @@ def torch_cp(t: TrainingSpec) -> bool:
     runs, ``trainmem.wrappers.context_parallel``), not as Megatron-LM's own attention
     (``--framework megatron``). They differ in what the layer keeps (``layers.Builder.ring``: the
     merged output's copy, the ring's buffers) and in the KV cache the transformers model builds
-    (``quantities.kv_cache``)."""
+    (``quantities.model_facts.kv_cache``)."""
     return t.cp > 1 and t.extra.get("framework") != "megatron"
 
 
@@ -220,7 +220,7 @@ def torch_pipeline(t: TrainingSpec) -> bool:
     """Whether pipeline parallelism runs as torch.distributed.pipelining's schedules
     (``PipelineStage`` + ``Schedule1F1B``, torchtitan's; what ``trace`` runs), not as Megatron-LM's
     (``--framework megatron``). They differ in what a stage holds beside its layers' activations
-    (``quantities.pipeline_buffers``, ``quantities.outer_tensors``, ``quantities.loss_bytes``):
+    (``quantities.pipeline.pipeline_buffers``, ``quantities.outer.outer_tensors``, ``quantities.loss.loss_bytes``):
     torch's stage keeps each micro-batch's output until its backward and allocates a receive buffer
     per micro-batch, where Megatron frees the output's data once sent
     (``megatron/core/pipeline_parallel/schedules.py`` ``deallocate_output_tensor``) and receives
@@ -716,7 +716,7 @@ class _Tally:
         """A trainable tensor of the FSDP root unit (``full``: its unsharded gradient's bytes, 0
         without FSDP; ``gather``: bytes per element of it): its sharded gradient ``g``, and, in
         registration order, its part of the root's post-backward reduce-scatter
-        (``quantities.fsdp_buffers``) and of FSDP1's flat gradient."""
+        (``quantities.fsdp_root.fsdp_buffers``) and of FSDP1's flat gradient."""
         if full:
             self.root_views += full
             self.root_flat_bytes += n * gather
@@ -1102,7 +1102,7 @@ def _host_partitions(m: ModelSpec, before: list, layer: list, after: list,
     registered buffers reach the GPU (the engine's ``self.module.to(self.device)``, DeepSpeed v0.7.0
     ``runtime/engine.py`` L1036-1037, moves them; a partitioned parameter's ``data`` is empty), and
     no partition counts as device weights (LoRA adapters are parameters too: ``acc.lora_w`` 0).
-    Gathered parameters stay on the GPU (``quantities.deepspeed_gathered``); each gather's copy of
+    Gathered parameters stay on the GPU (``quantities.zero3_gather.deepspeed_gathered``); each gather's copy of
     the partitions to the GPU (``p.ds_tensor.to(cuda)``, v0.7.0 ``partition_parameters.py`` L846,
     L869), at most the gathered bytes / dp and freed when the all-gather is issued, is not counted.
     The step's write of the fp32 weights into the fp16 partitions is a blocking GPU-to-host copy,
@@ -1128,7 +1128,7 @@ def half_embedding_tensor(p: ParamTensor, t: TrainingSpec) -> bool:
     ``embed_tokens``, ``wte`` or ``wpe`` back to bf16 after peft's ``prepare_model_for_kbit_training``
     made them fp32, norms excepted (those it casts to fp32 first): the embedding tables and the LM
     head. A half head is not cast by autocast (no cached copy), and the embedding's output, the first
-    layer's input, is half (``quantities.half_embedding_output``)."""
+    layer's input, is half (``quantities.head_moments.half_embedding_output``)."""
     return t.half_embeddings and p.layer is None and p.role != "norm" and (
         p.role == "embedding" or p.name.startswith("lm_head"))
 

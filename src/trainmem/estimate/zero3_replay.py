@@ -456,7 +456,7 @@ def module_order(params: list[tuple[str, int, int | None]], head: str | None, ti
     head's module (last in forward, first in backward); a tied head (``tied_head``: the table's
     index) uses the embedding's parameter. Persistent parameters are left out (module docstring).
     ``leaves``: the module paths of ZeRO-3 leaf modules (``_path``), each one use with its subtree's
-    parameters (a mixture-of-experts block's router and experts: ``quantities._z3_leaves``)."""
+    parameters (a mixture-of-experts block's router and experts: ``quantities.zero3_gather._z3_leaves``)."""
     own: dict[str, list[int]] = {}
     for i, (name, numel, _) in enumerate(params):
         if numel > PERSISTENCE_THRESHOLD:

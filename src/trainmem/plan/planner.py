@@ -350,7 +350,7 @@ class Planner:
     def _engine(self, model: Any, a: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         ws = handle_workspace(self.ev.hardware, self.base)
         cap = self.ev.hardware.capability if self.ev.hardware is not None else None
-        hw = self.ev.hardware   # (the GPU's bytes beside its context: where DeepSpeed flattens, quantities.without_gpu_flatten)
+        hw = self.ev.hardware   # (the GPU's bytes beside its context: where DeepSpeed flattens, quantities.zero_partition.without_gpu_flatten)
         room = hw.capacity - hw.context if hw is not None else None
         return estimate_layouts(model, self.base, ws, cap, room, tp=a["tp"], pp=a["pp"], cp=a["cp"], dp=a["dp"],
                                 zero=a["zero"], recompute=a["rec"], sequence_parallel=a["tp"] > 1,

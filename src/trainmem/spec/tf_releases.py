@@ -353,7 +353,7 @@ def granite_cache_differs(model: Any, t: Any, version: tuple[int, ...]) -> bool:
 
 def cache_built(model: Any, t: Any) -> bool:
     """Whether transformers builds a KV cache in the run: ``use_cache`` on, no gradient checkpointing,
-    no pipeline or context parallel loop (``estimate.quantities.kv_cache`` for the hand families)."""
+    no pipeline or context parallel loop (``estimate.quantities.model_facts.kv_cache`` for the hand families)."""
     from .training import config_use_cache  # (training imports this module)
     return t.recompute not in ("full", "op") and t.pp * t.cp == 1 and config_use_cache(model.config, t)
 

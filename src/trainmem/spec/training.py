@@ -31,7 +31,7 @@ PRECISIONS = ("fp32", "fp16-amp", "bf16-amp", "bf16", "fp16", "bf16-mp")
 #: AdamWScheduleFree, SGDScheduleFree, RAdamScheduleFree; adamw-torchao-8bit/-4bit/-fp8: torchao's AdamW8bit,
 #: AdamW4bit and AdamWFp8 (``estimate.torchao_optim``)
 #: lomo_optim's Lomo and AdaLomo (the HF Trainer's ``lomo`` / ``adalomo``): the update fused into backward
-#: through a hook on every parameter (``estimate.quantities.lomo_update_bytes``)
+#: through a hook on every parameter (``estimate.quantities.optimizer_step.lomo_update_bytes``)
 LOMO_OPTIMIZERS = ("lomo", "adalomo")
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adamw-8bit", "lion", "paged-adamw-8bit",
               "paged-adamw", "adagrad", "rmsprop", "lion-8bit", "lion-32bit", "paged-lion-8bit", "paged-lion",
@@ -127,7 +127,7 @@ ATTENTION = ("eager", "sdpa", "flash", "sdpa-flash", "sdpa-efficient", "sdpa-mat
 #: (``expand`` + ``reshape``), as litgpt's CausalSelfAttention does in training (lit-gpt 50b1974b on);
 #: mha = as ``torch.nn.MultiheadAttention(need_weights=False)`` calls it (torchvision's VisionTransformer
 #: over a transformers ViT of the same shape: q, k, v from one packed in_proj, the output permuted into a
-#: contiguous copy for out_proj; ``estimate.quantities.mha_kept``)
+#: contiguous copy for out_proj; ``estimate.quantities.layer_terms.mha_kept``)
 ATTENTION_CALLS = ("model", "repeat-kv", "mha")
 #: how a Llama-style RMSNorm computes: fp32 = transformers' LlamaRMSNorm (the input cast to fp32, the
 #: normalised tensor cast back before the weight; litgpt's since lit-gpt 6178c7cc, 2023-10-24); input =
@@ -143,9 +143,9 @@ HOLD_OUTPUT = ("loss", "backward", "step")  # what the loop keeps of the model o
 #: checkpointed)
 LOSSES = ("upcast", "half", "chunked", "fused", "chunked-nll", "vocab-parallel", "logps", "unsloth")
 #: logps: TRL's ``selective_log_softmax`` on the fp32 logits (the policy's log-probs of ``--trainer dpo``):
-#: a gather and one logsumexp per sequence, both saving the logits (estimate.quantities._cast_output_loss_bytes)
-#: unsloth: unsloth_zoo's UnslothFusedLoss (estimate.quantities._unsloth_loss_bytes)
-#: vocab-parallel: Megatron-LM's ``_VocabParallelCrossEntropy`` (estimate.quantities._vocab_parallel_bytes)
+#: a gather and one logsumexp per sequence, both saving the logits (estimate.quantities.loss_kinds._cast_output_loss_bytes)
+#: unsloth: unsloth_zoo's UnslothFusedLoss (estimate.quantities.loss_kinds._unsloth_loss_bytes)
+#: vocab-parallel: Megatron-LM's ``_VocabParallelCrossEntropy`` (estimate.quantities.loss_kinds._vocab_parallel_bytes)
 #: TRL's chunk of labelled tokens (trl/trainer/sft_trainer.py ``_CHUNKED_LM_HEAD_CHUNK_SIZE``, L86 at v1.9.0)
 CHUNKED_NLL_TOKENS = 256
 LOSS_SHIFTS = ("labels", "logits")  # how next-token targets are aligned: shifted labels, or a shifted logits copy
@@ -287,7 +287,7 @@ def fused_skipped(m: Any, t: "TrainingSpec") -> bool:
 def without_cache(t: "TrainingSpec", m: Any = None) -> bool:
     """Whether the run builds no KV cache: transformers turns ``use_cache`` off under gradient
     checkpointing (``merge_with_config_defaults``), pipeline-parallel loops (torchtitan,
-    Megatron) run the layers without one (``quantities.kv_cache`` for the hand families), and a
+    Megatron) run the layers without one (``quantities.model_facts.kv_cache`` for the hand families), and a
     decoder-only config with ``use_cache`` false (``--set use_cache=false``, or ``--use-cache false``) builds none. The
     profile's fingerprint leaves ``use_cache`` out, so this is what tells the two derivations apart."""
     off = m is not None and not m.is_encoder_decoder and not config_use_cache(m.config, t)
@@ -336,7 +336,7 @@ class TrainingSpec:
     checkpoint_wrapper: bool = False  # --recompute full through torch's apply_activation_checkpointing run after
     #                                   FSDP1 wrapping: a CheckpointWrapper inside each unit, not the model's loop
     #                                   around it (Answer.AI fsdp_qlora train.py, accelerate
-    #                                   fsdp_activation_checkpointing; estimate.quantities.fsdp1_held_inputs)
+    #                                   fsdp_activation_checkpointing; estimate.quantities.fsdp1.fsdp1_held_inputs)
     reentrant: bool | None = None  # full recompute through torch.utils.checkpoint(use_reentrant=True); None:
     #                          transformers' default of the run's release (``checkpoint_reentrant``)
     offload_activations: bool = False  # torchtune's OffloadActivations: checkpointed layers' inputs in CPU memory
@@ -373,7 +373,7 @@ class TrainingSpec:
     distributed_optimizer: bool = False  # Megatron/NeMo: fp32 main grads + sharded states
     ddp_bucket_mb: float = 25.0
     ddp_init_stream: str = "current"  # "side": DDP built inside torch.cuda.stream(torch.cuda.Stream()), as
-    #                                   Lightning's DDPStrategy does (wrappers.ddp, estimate.reserved._ddp_side_stream)
+    #                                   Lightning's DDPStrategy does (wrappers.ddp, estimate.reserved.ddp._ddp_side_stream)
     optimizer_bucket_mb: float | None = None  # NeMo distributed_fused_adam bucket
     fsdp_node_size: int = 8
     keep_logits: bool = False  # alias of hold_output="step" (the loop keeps the model output)
@@ -415,7 +415,7 @@ class TrainingSpec:
     #                      RMSNorm, RoPE and SwiGLU Functions in the layers and, unless --loss is given, its fused
     #                      linear cross-entropy (--loss fused); estimate only (liger_problem)
     liger_version: str | None = None  # the Liger-Kernel release of --liger / --loss fused; None: a current one
-    #                                   (>= 0.8.1; quantities._fused_weight_grad_bytes)
+    #                                   (>= 0.8.1; quantities.loss_kinds._fused_weight_grad_bytes)
     mixer_kernels: str = "reference"  # MIXER_KERNELS: the path of a linear-attention or state-space mixer;
     #                                   "fused" = the packages' kernels (mamba-ssm's fused Mamba / Mamba-2
     #                                   Functions: trainmem.mamba_kernels; flash-linear-attention and causal-conv1d
@@ -1396,7 +1396,7 @@ class TrainingSpec:
         DeepSpeed #8325 "stop allocating per-element temporaries in the overflow check", merged
         2026-08-26). Read from the tags: every release up to v0.19.5 (2026-08-09) is elementwise; the
         v0.19.6 sdist (2026-08-27) has #8325 (``stage_1_and_2.py`` L2496-2497 calling ``utils.py``
-        L225-248), as do v0.19.7 and v0.19.8 (``quantities.deepspeed_offload_steps``)."""
+        L225-248), as do v0.19.7 and v0.19.8 (``quantities.zero_offload.deepspeed_offload_steps``)."""
         return self.deepspeed_release() < (0, 19, 6)
 
     @property
@@ -1585,7 +1585,7 @@ class TrainingSpec:
                                 "fp32); drop --loss-shift")
         # (--compile: torchtune's decoder casts outside its compiled layers; its loss runs eagerly in the
         # full-finetune recipes and compiled apart in the LoRA single-device one,
-        # quantities.torchtune_compiles_whole_loss; a whole compiled model's cast is not modelled)
+        # quantities.loss_kinds.torchtune_compiles_whole_loss; a whole compiled model's cast is not modelled)
         if self.pp > 1 or self.tp > 1 or (self.compile and self.extra.get("framework") != "torchtune"):
             what = "--pp" if self.pp > 1 else ("--tp" if self.tp > 1 else "--compile")
             raise TrainmemError(f"--cast-output is modelled for one GPU and data parallelism (Lightning Fabric's "
@@ -2229,7 +2229,7 @@ def wrap_policy_tied_problem(model: Any, t: TrainingSpec) -> str:
 
 def fsdp2_split_root_problem(model: Any, t: TrainingSpec) -> str:
     """Why ``--fsdp-gathered head`` (torchtitan's units since July 2025: the embedding, every block,
-    ``[norm, output]``; ``estimate.quantities.fsdp2_split_root``) does not fit this model, or "".
+    ``[norm, output]``; ``estimate.quantities.fsdp_root.fsdp2_split_root``) does not fit this model, or "".
     It is modelled for a decoder-only causal LM with an untied head: torchtitan puts a tied head in
     the embedding's unit (``torchtitan/distributed/fsdp.py`` L238-250 at main, ``enable_weight_tying``),
     which is not modelled, and FSDP2 refuses the tied weight in two units (``_fsdp_state.py``

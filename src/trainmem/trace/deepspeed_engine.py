@@ -364,7 +364,7 @@ def _partition_scope(tracker: Any, orig: Callable) -> Callable:
     under ZeRO-Offload (``cpu_offload``) the per-gradient device copies it makes for the host
     (``set_norm_for_param_grad_in_gpu``'s float64 copy, ``async_inplace_copy_grad_to_fp32_buffer_from_gpu``'s
     fp32 cast, v0.19.8 ``stage_1_and_2.py`` L1873-1912, L2161-2178) as ``temporaries.deepspeed.offload_check``,
-    the estimate's name for them (``quantities.deepspeed_offload_steps``)."""
+    the estimate's name for them (``quantities.zero_offload.deepspeed_offload_steps``)."""
     @functools.wraps(orig)
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
         category, label = ("temporaries", "deepspeed.offload_check") if self.cpu_offload else ("gradients", "")

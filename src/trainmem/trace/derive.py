@@ -196,7 +196,7 @@ def _kind_coefficients(m: ModelSpec, kind: str, runs: list[dict[str, Any]], how:
         # (at batch 1, ``BATCH1_TERMS``, the per-sample bytes are in the constant)
         out.setdefault("const", {})[f"kind.{kind}"] = c.get("1", 0.0) - runs[-1]["wcast"][kind]
     # the layer's output, kept only by what follows the layer (the next layer, the final norm):
-    # a layer recomputed in its backward does not make it again (quantities._recompute);
+    # a layer recomputed in its backward does not make it again (quantities.layer_moments._recompute);
     # measured at the kind's typical layer (``_analyse``'s ``at``), whose output the next layer
     # keeps (CLIP's top layer's, which nothing after it saves, is freed in forward)
     out["kinds"][kind]["not_recomputed"] = _fitted(m, f"layer {kind} output", pts,
@@ -787,7 +787,7 @@ def _checkpoint_vision(model: Any) -> None:
     """A VLM's vision tower traced as ``--recompute full`` runs it: transformers' ``gradient_checkpointing_enable``
     (``workload.TrainStep``, non-reentrant) checkpoints every ``GradientCheckpointingLayer`` of the model, the
     tower's blocks among them; the language model's layers are left unchecked here (the engine models their
-    recompute from the layers' coefficients, ``quantities._recompute``)."""
+    recompute from the layers' coefficients, ``quantities.layer_moments._recompute``)."""
     (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     for name, mod in model.named_modules():
         if hasattr(mod, "gradient_checkpointing") and not VISION_SIDE.search(name):
@@ -947,7 +947,7 @@ def _analyse(tracker: Any, stacks: list[tuple[str, int]], kinds: list[str], cach
     kv, held = _kv_and_held(recs, cache, layer_of, typical, windows[0])
     graph = _graph_sides(saved_rec, kinds, typical, head_rec, windows[1])
     # the logits' element size: BART adds its fp32 ``final_logits_bias`` buffer to the half head
-    # output under autocast, so its logits (and its loss) are fp32 (estimate.quantities.loss_bytes)
+    # output under autocast, so its logits (and its loss) are fp32 (estimate.quantities.loss.loss_bytes)
     logits_bytes = logits[0].nbytes // max(1, _numel(logits[0].shape)) if logits else 0
     return {"saved": saved, "logits_bytes": logits_bytes,
             "view_casts": {kind: sum(r.nbytes for r in view_rec[i]) for kind, i in typical.items()}, "loss_upcast": _loss_upcasts(recs, logits),
@@ -1003,7 +1003,7 @@ def _weight_casts(saved_rec: dict[int, list], kinds: list[str], typical: dict[st
     """The 2-D weight copies a layer's matmuls save (autocast's uncached casts of frozen LoRA bases), per
     kind at its typical layer, the end layers' (``ends``) excess over their kinds' as ``first``, and the
     head's (a frozen LoRA head's uncached copy: the engine's ``cast_head``): the engine counts every
-    layer's copies (``quantities._autocast_copies``), so an encoder head's constant (``ENCODER_TERMS``)
+    layer's copies (``quantities.head_moments._autocast_copies``), so an encoder head's constant (``ENCODER_TERMS``)
     leaves them out."""
     def wcasts(i: int) -> int:
         return sum(r.nbytes for r in saved_rec[i] if r.op == "_to_copy" and len(r.shape or ()) == 2)
@@ -1110,7 +1110,7 @@ def _loss_upcasts(recs: list, logits: list) -> bool:
     ``_log_softmax`` output has more bytes than the logits. transformers' ``loss_utils.ForMaskedLMLoss``
     does (``logits = logits.float()``: ModernBERT's ``self.loss_function``); the masked-LM heads that
     call ``CrossEntropyLoss()`` on the logits as they are (BERT's, DistilBERT's, DeBERTa-v2's) do not
-    (``estimate.quantities.loss_upcasts``)."""
+    (``estimate.quantities.model_facts.loss_upcasts``)."""
     if not logits:
         return False
     lsm = next((r for r in recs if r.phase == "forward" and r.op == "_log_softmax"
@@ -1405,7 +1405,7 @@ def _last_reads(order: list) -> list[tuple[float, str]]:
     anything after it (``Record.last_read``: the event count once those outputs were logged; a
     half step keeps it apart from the events' own integer positions); one no forward op read
     (a kernel's extra output: flash attention's logsumexp) right after it is made. For the replay of
-    a checkpointed layer's first forward (``estimate.reserved._sequence_forward``, ``keep=False``):
+    a checkpointed layer's first forward (``estimate.reserved.layer_forward._sequence_forward``, ``keep=False``):
     non-reentrant checkpointing saves nothing there (torch 2.13 ``utils/checkpoint.py``
     ``_checkpoint_hook`` L1153-1163), so such a tensor dies once its last consumer has run:
     transformers 5.24 ``models/qwen3/modeling_qwen3.py`` ``Qwen3RMSNorm.forward`` L61-63's fp32 copy
@@ -1505,7 +1505,7 @@ def _transients(tracker: Any, recs: list, layer_of: Any, kinds: list[str], saved
     forward count as freed when its backward frees them (the matmul that saved one is done with it:
     ``aten/src/ATen/autocast_mode.cpp`` ``cached_cast`` keeps a leaf's copy for the autocast region,
     and the matmul's saved reference is what outlives it); the engine counts every layer's copies
-    at a layer's moment (``quantities._autocast_copies``). Decoder LMs' shipped coefficients
+    at a layer's moment (``quantities.head_moments._autocast_copies``). Decoder LMs' shipped coefficients
     predate this; their linears' copies are taken off by the engine's gradient share."""
     trans: dict[str, list[int]] = {}
     early: dict[str, int] = {}  # the layer's tensors freed before its backward began (its output, kept by what follows)

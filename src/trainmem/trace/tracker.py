@@ -274,7 +274,7 @@ class Tracker(TorchDispatchMode):
         the forward has run. Under non-reentrant checkpointing a layer's first forward saves nothing
         (torch 2.13 ``utils/checkpoint.py`` ``_checkpoint_hook`` L1153: its ``pack_hook`` returns a
         ``_Holder``, L811), so a tensor lives until its last consumer, not to the backward
-        (``trace.derive._layer_sequence``'s "uK" events, ``estimate.reserved._sequence_forward``)."""
+        (``trace.derive._layer_sequence``'s "uK" events, ``estimate.reserved.layer_forward._sequence_forward``)."""
         at = len(self.ev_rec)
         for t in tree_flatten((args, kwargs))[0]:
             if not isinstance(t, torch.Tensor):

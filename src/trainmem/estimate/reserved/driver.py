@@ -1,0 +1,370 @@
+"""The replay's driver: ``reserved_gap`` (the load, two steps of micro-batches, the gap at the end),
+the steps of varying lengths, micro-batches and a pipeline rank's (stage, micro-batch) order, and a
+micro-batch's forward and backward over the whole model."""
+from __future__ import annotations
+
+from typing import Any
+
+from ...allocator import CachingAllocator
+from ..moments import StepFlags, Tokens, label_tokens
+from ..quantities import Quantities
+from ..schedules import FORWARD
+from .ddp import _ddp_init, _ddp_rebuild, _ddp_side_stream, _DdpStages, recv_buffers
+from .fsdp import (_Fsdp, _fsdp, _fsdp1_limited, _fsdp1_load, _fsdp1_no_sync, _Fsdp1Lag, _fsdp_streams,
+                   _root_reduce_input, _root_resharded, _unit_grads)
+from .layer_backward import _layer_backward
+from .layer_forward import LATE, _layer_forward
+from .loss_backward import _head_backward, _loss_gradient, _softcap_backward
+from .loss_forward import (_dpo_after_logps, _head_side, _logit_allocs, _logit_tensors, _loss_forward, _shifted,
+                           _softcap_bytes, _softcapped_logits)
+from .optimizer import _allocate_states, _lomo_update, _make_grads, _optimizer_step, _tied_embedding_sum
+from .parts import _Forward, _layer_parts
+from .replay import GATHER_STREAM, GRAD_STREAM, _Replay, _replay_build, _Step
+from .zero_gather import _Zero3Fetch, _Zero3Replay
+from .zero_step import (_ds_buckets, _offload_epilogue, _zero12_at, _zero12_epilogue, _zero12_master, _zero3_flat_grads,
+                        _zero3_masters)
+
+
+def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, b: int, ga: int,
+                 recompute: str, temp_copies: int | None, handle_ws: int = 0,
+                 varying: list | None = None) -> tuple[int, dict]:
+    """Bytes reserved but not allocated at the end of two replayed steps (the allocator's cache),
+    and at the end of each phase, by (phase label, step) as ``breakdown.phases`` labels them, the
+    replay's reserved bytes, its allocated peak so far (since the cache was last emptied) and whether
+    the cache was emptied in the phase. ``varying`` (``--min-seq-len``): more
+    steps replayed after those two, each a list of micro-batches as (Tokens, tokens, token x key
+    pairs) at its own padded length, with its quantities first (``_varying_steps``)."""
+    st = q.detail.states
+    # the allocator in the run's mode: expandable segments map pages into one segment per pool and split
+    # every block (``allocator.CachingAllocator(expandable_segments=True)``), the default cudaMallocs segments
+    R = _Replay(CachingAllocator(expandable_segments=bool(q.expandable)),
+                lag=_Fsdp1Lag() if _fsdp1_limited(q) else None)
+    if st.build:                                                        # the model built on the device
+        _replay_build(R, st.build)
+    elif st.fsdp_init:                                                  # FSDP1's wrap of rank 0's CPU model,
+        _replay_build(R, st.fsdp_init)                                  # unit by unit (fsdp_init); the loop's
+        R.net_peak = R.a.allocated - R.over                             # allocated peak starts after it
+    else:
+        loaded = R.allocs(_fsdp1_load(q, st))                           # weights and buffers, load order
+        if q.ds_flat_group:                                             # DeepSpeed ZeRO-1/2 (v0.19.0+): the flat
+            R.alloc(q.ds_flat_group)                                    # group made beside the parameters, whose
+            if q.ds_flat_frees:                                         # own blocks it frees (deepspeed_flat_on_gpu;
+                R.frees(loaded)                                         # the buffers' blocks with them: small pool)
+    if q.ds_fp32_convert or q.ds_fp32_group:                          # DeepSpeed ZeRO-3: flat fp32 masters
+        _zero3_masters(R, q, st)
+    elif q.ds_flat12:                                                   # DeepSpeed ZeRO-1/2: one flat master
+        _zero12_master(R, q, st)
+    elif st.master:                                                     # fp32 master copies (not offloaded)
+        R.allocs(m for (_w, k, _g, _s, m) in st.trainables for _ in range(k) if m)
+    if q.ds_bucket and not q.ds_backward_buf:                         # DeepSpeed ZeRO-3's bucket, from engine start
+        R.alloc(q.ds_bucket)
+    s = _Step(handle_ws=handle_ws, ao_events=st.torchao_events, hook_frees=bool(q.ds_hook_part),
+              grad_rank_raw=st.grad_rank_raw, grad_shard_raw=st.grad_shard_raw)
+    if q.ds_init_grads:                                                # ... its flat gradient partitions
+        _zero3_flat_grads(R, s, q.ds_init_grads, st.trainables)
+    if q.ds_offload_clone:                                             # DeepSpeed ZeRO-1/2 offloading (v0.18.3+): the
+        R.free(R.alloc(q.ds_offload_clone))                            # partition's half clone, copied to the host
+    if q.ds_offload_buf:                                               # DeepSpeed ZeRO-1/2 offloading: its GPU
+        R.alloc(q.ds_offload_buf)                                      # gradient buffer, from engine init
+    for sizes in st.gathered:                                          # DeepSpeed ZeRO-3's init gathers each
+        R.frees(R.allocs(sizes))                                       # parameter in turn (states.ds_init_gathers)
+    if flags.states_at_init and st.optimizer:                          # torch Adagrad: states from its constructor
+        s.states = _allocate_states(R, st)
+    if q.ddp_side:                                                     # DDP built on a side stream (Lightning)
+        _ddp_side_stream(R, st)
+    elif q.detail.comm_name == "communication.ddp_buckets" and flags.pipe_out != "interleaved":
+        s.ddp = _ddp_init(R, st)                                       # DDP built on the default stream
+    elif q.detail.comm_name == "communication.ddp_buckets":            # one DDP per virtual stage
+        s.ddp = _DdpStages.init(R, st, q.pipe_stages, q.pipe_head_once > 0)   # (the last rank's or the first's)
+    R.mark("model_loaded", 0)
+    if flags.grads_persistent or q.grads_loaded:                        # Megatron main grads, DeepSpeed ZeRO-3's
+        for _ in range(max((k for _w, k, *_r in st.trainables), default=0)):
+            _make_grads(R, s, st.trainables, tuple({w for w, *_r in st.trainables}))
+    for step in (1, 2):
+        s.step = step
+        _micro_batches(R, s, q, flags, tk, n, nsq, recompute, b, ga)
+        _optimizer_step(R, s, q, flags, step, temp_copies)
+    _varying_steps(R, s, q, flags, varying or [], recompute, b, temp_copies)
+    peak_allocated, peak_reserved = R.peaks()
+    return max(0, peak_reserved - peak_allocated), R.marks
+
+
+def _varying_steps(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, steps: list, recompute: str, b: int,
+                   temp_copies: int | None) -> None:
+    """``--min-seq-len``: steps after the first two whose micro-batches are padded to lengths that
+    change every micro-batch, each micro-batch's forward and backward at its own sizes (one stage,
+    one micro-batch in flight: ``TrainingSpec`` refuses the option under a pipeline), then the
+    optimizer step. Each length's tensors are requests of another size, so the blocks an earlier,
+    longer micro-batch left cached are split by a shorter one (``get_free_block`` best fit,
+    ``shouldSplit``) and a later longer one may need a fresh segment: reserved memory grows."""
+    for k, micro in enumerate(steps):
+        s.step = 3 + k
+        for ql, tk, n, nsq in micro:   # the quantities at that length (a derived model's may differ)
+            parts = _layer_parts(ql, n, nsq)
+            full = label_tokens(ql, n) * ql.logit_width // ql.tp if flags.lm else b * ql.logit_width
+            f = _forward(R, s, ql, flags, tk, parts, recompute, full, ".varying", b)
+            _backward(R, s, ql, flags, tk, f, parts, n, nsq, recompute, ".varying")
+        _optimizer_step(R, s, q, flags, s.step, temp_copies)
+
+
+def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, parts: list[int],
+             recompute: str, full: int, suffix: str, seqs: int = 1, head: bool = True,
+             stage: int | None = None) -> _Forward:
+    """One micro-batch's forward, the loss included (``seqs``: its sequences, read by ``--trainer dpo``'s
+    moments after the loss, ``_dpo_after_logps``); ``head`` False: a pipeline stage without the head
+    (an interleaved schedule's other stages, ``_pipeline_pairs``): its layers and output only; ``stage``:
+    the rank's virtual stage run (``_pipeline_pairs``; None: all of them, or no interleaved schedule)."""
+    st = q.detail.states
+    inputs = _batch_in(R, s, q, tk)
+    if isinstance(s.ddp, _DdpStages) and s.step > 1:              # an interleaved rank's stage's DDP
+        s.ddp.rebuild(R, stage)
+    elif s.ddp is not None and (s.step > 1 or (s.forwards and not flags.pipe_out)):
+        _ddp_rebuild(R, s, st)                                    # DDP's _pre_forward rebuilds its buckets
+    fs = _Fsdp(q.fsdp_ag_result > 0, _fsdp_streams(q), lag=R.lag, rs_side=q.fsdp_rs_side > 0,
+               adapters=q.fsdp1_adapter_units, recomputed=recompute != "none", host=q.fsdp1_host_shards,
+               grad_op=q.gathered_layer > 0, cast_shards=q.fsdp2_cast_shards, mp_shards=q.fsdp1_mp_shards,
+               no_sync=_fsdp1_no_sync(q, suffix))
+    root = fs.unshard(R, q.fsdp_root, st.root_tensors, raw=q.fsdp1_root_raw)  # FSDP: the root unit gathered
+    # torchtitan's split root (quantities.fsdp_root.fsdp2_split_root): the embedding unit gathered, resharded
+    # by its post-forward (its all-gather output kept until the first layer's copy-out)
+    fs.reshard(R, fs.unshard(R, q.fsdp_emb_unit, _emb_unit_tensors(st)))
+    # ZeRO-3: the embedding's table gathered on the all-gather stream (``_zero3_gathered``); once the
+    # module order is recorded it may stay gathered until its backward (quantities.zero3_gather.deepspeed_embedding_kept)
+    s.forwards += 1
+    z3 = _Zero3Replay(R, q, recorded=s.forwards > 1) if q.ds_events else None   # the root's, the embedding's fetches
+    gathered = R.alloc(q.ds_gathered_emb, GATHER_STREAM * q.ds_streams) if z3 is None else None
+    embeds = R.alloc(int(q.embeds_tok * tk.tokens))              # the base model's inputs_embeds, unsaved
+    if not (q.ds_emb_kept and s.forwards > 1):                   # released after the embedding's forward
+        R.free(gathered)
+        gathered = None
+    emb = R.alloc(tk.outer_rest, one=False)                       # embeddings' saved tensors, one block
+    cached: list = []                                             # autocast's weight cache (checkpointed layers)
+    z3 = z3 or _Zero3Fetch(R, q, recorded=s.forwards > 1)        # ZeRO-3: the layers' gathers (the embedding's
+    kept = []                                                     # fetch starts the first layer's prefetch)
+    for i in range(q.layers):
+        z3.forward(R, i)
+        kept.append(_layer_forward(R, q, fs, parts, tk, recompute, keep=(i == q.layers - 1 and q.fsdp_last_kept > 0),
+                                   cached=cached, s=s))
+    s.workspace(R, 0)                                             # no layer here: the head's matmul
+    R.frees([h for at, h in R.carry if at != LATE])               # the top layer's late frees (a derived layer)
+    R.carry = [(at, h) for at, h in R.carry if at == LATE]
+    if not head:
+        return _stage_output(R, s, q, tk, _Forward(inputs, fs, root, emb, kept, [], [], [], 0, 1, gathered, 0, z3),
+                             cached, suffix)
+    z3.forward_end(R)                                             # ZeRO-3: the final norm's and the head's fetches
+    # a chunked loss: one tensor per chunk, at most one chunk per token (more are not made: setup_warnings)
+    chunks = max(1, min(int(q.logit_chunks), int(tk.tokens))) if q.liger_factor == 0 else 1
+    root = root + fs.unshard(R, q.fsdp_head_unit, st.head_unit_tensors)  # split root: [norm, head] kept
+    capped = _softcap_bytes(q, tk, full, chunks)                  # a soft-capped head's tanh outputs, apart
+    head, late, body = _head_side(R, q, tk, capped)               # the final norm's tensors, the head's input
+    R.free(embeds)                                                # the base model returns (held_embeddings)
+    head.append(R.alloc(q.cast_head))                             # autocast's half copy of the head
+    out, saved_tanh = _softcapped_logits(R, q, tk, full, chunks) if capped else (
+        _logit_allocs(R, _logit_tensors(tk.out_logits, q.logits_out, full, chunks)), [])  # (b, s, vocab) logits
+    R.frees(late)                                                 # the head's input, once its matmul has run
+    if isinstance(z3, _Zero3Replay):                              # ZeRO-3: the head's module has returned, its
+        z3.settle(R)                                              # post-forward hook releases before the loss
+    if q.logits_cast:  # --cast-output: Fabric's fp32 copies, made while the half output is alive
+        cast = _logit_allocs(R, _logit_tensors(tk.cast_logits, q.logits_cast, full, chunks))
+        R.frees(out)
+        out = cast
+    if q.cast_stage_only:                                         # a pipeline's last stage: its forward's autocast
+        cached = R.frees(cached) or []                            # region closes before the loss (Quantities.cast_stage_only)
+    R.frees(s.held)                                               # the previous step's output, replaced
+    s.held = []
+    fwd, saved, out = _loss_forward(R, q, tk, flags, out, full, chunks, seqs, sum(map(R.a.block_size, body)))
+    fwd += body                                                   # the body's output, held until the loss returns
+    if q.dpo_metrics:                                             # DPOTrainer's reference forward and metrics
+        _dpo_after_logps(R, q, full, seqs)
+    R.frees([h for _at, h in R.carry])                            # derived layers' tensors the loss frees
+    R.carry = []
+    R.frees(fwd)
+    R.frees(cached)                                               # autocast exits: its cache cleared
+    if flags.hold == "loss" and not flags.pipe_out:               # (a pipeline stage's fwd_cache keeps it:
+        R.frees(out)                                              # moments.pipeline_output)
+        out = []
+    root = _forward_end(R, s, q, fs, root, suffix)
+    return _Forward(inputs, fs, root, emb, kept, head, out, saved, full, chunks, gathered, _shifted(q, full, seqs), z3,
+                    saved_tanh)
+
+
+def _forward_end(R: _Replay, s: _Step, q: Quantities, fs: "_Fsdp", root: list, suffix: str) -> list:
+    """A forward's return: FSDP2's root resharded and its last all-gather output freed; the phase
+    marked. Returns the root's handles still held."""
+    if _root_resharded(q, fs):                                    # FSDP2 reshards the root after its forward
+        R.frees(root)
+        root = []
+    if fs.v2:                                                     # ... and frees the last all-gather output
+        R.free(fs.ag)                                             # (``_fsdp_state.py`` ``_post_forward``)
+        fs.ag = None
+    R.mark("forward" + suffix, s.step)
+    return root
+
+
+def _stage_output(R: _Replay, s: _Step, q: Quantities, tk: Tokens, f: _Forward, cached: list,
+                  suffix: str) -> _Forward:
+    """The end of a pipeline pair's forward on a stage without the head (``_forward``'s ``head``
+    False): the stage's output, the top layer's (b, s, h) hidden states in the layers' dtype
+    (``q.pipe_out_tok`` bytes per token, ``quantities.pipeline._interleaved_terms``), which the stage keeps
+    in ``fwd_cache`` until the pair's backward (torch 2.13 ``pipelining/stage.py`` L904-916,
+    L962-967; ``schedules.py`` L2530 binds it to a local of ``_perform_action``, gone as the action
+    returns); autocast's weight cache cleared as the stage's forward returns. No final norm, head,
+    logits or loss."""
+    R.frees([h for _at, h in R.carry])                            # a derived layer's late frees
+    R.carry = []
+    f.out = [R.alloc(int(q.pipe_out_tok * tk.tokens))]            # (b, s, h): the stage's output
+    R.frees(cached)                                               # autocast exits: its cache cleared
+    f.root = _forward_end(R, s, q, f.fs, f.root, suffix)
+    return f
+
+
+def _batch_in(R: _Replay, s: _Step, q: Quantities, tk: Tokens) -> int | None:
+    """A micro-batch's start: its int64 ids and labels copied to the device (a blocking copy, which
+    FSDP1's rate limiter sees: ``_Fsdp1Lag.synchronize``); before the run's first forward, FSDP1's
+    lazy init, which allocates and frees each unit's buffers on the default stream in turn
+    (``quantities.fsdp1.fsdp1_lazy_init``), leaving the largest one's segment cached. Returns the batch's
+    handle."""
+    if R.lag is not None:                                         # the batch's blocking host-to-device copy
+        R.lag.synchronize(R)
+    recv = recv_buffers(q, tk.tokens, s.ga)
+    if recv and s.recv is None:                                   # torch's pipeline: the stage's receive buffers
+        s.recv = R.allocs(recv)
+    inputs = R.alloc(int(tk.inputs) - sum(recv), one=False)       # int64 ids and labels, one block
+    if s.forwards == 0:                                           # FSDP1's ``_lazy_init``
+        for nbytes in q.fsdp1_init:
+            R.free(R.alloc(nbytes))
+    return inputs
+
+
+def _emb_unit_tensors(st: Any) -> tuple[int, ...]:
+    """The embedding unit's parameters under torchtitan's split root: the root's tensors before the
+    [norm, head] unit's (``States.head_unit_tensors``)."""
+    return st.root_tensors[:len(st.root_tensors) - len(st.head_unit_tensors)]
+
+
+def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, f: _Forward, parts: list[int],
+              n: int, nsq: int, recompute: str, suffix: str, head: bool = True) -> None:
+    """One micro-batch's backward, from the loss to the embeddings (``head`` False: a pipeline
+    stage without the head, from its output's gradient, ``_pipeline_pairs``)."""
+    st = q.detail.states
+    buckets = _ds_buckets(R, q, at_start=True)                     # DeepSpeed ZeRO-1/2 before v0.18.3
+    if _root_resharded(q, f.fs) and not q.fsdp_root_regather:     # the root's pre-backward: the loss is its output
+        f.root = f.fs.unshard(R, q.fsdp_root, st.root_tensors, backward=True)
+    if isinstance(f.z3, _Zero3Replay):                            # ZeRO-3: the root's pre-backward (the loss
+        f.z3.backward_root(R)                                     # is its output), then the loss's backward,
+    dlogits = _softcap_backward(R, q, f, _loss_gradient(R, q, tk, f, n, nsq, head))
+    if isinstance(f.z3, _Zero3Replay):                            # then the head's, the base model's and the
+        f.z3.backward_start(R)                                    # final norm's at their outputs' gradients
+    if q.fsdp_head_pref:                                          # split root: the head's pre-backward
+        f.fs.prefetched = f.fs.gather_output(R, q.fsdp_head_pref)  # prefetches the top layer
+    head_full, tied = _head_backward(R, s, q, flags, f, dlogits) if head else (None, None)
+    buckets += _ds_buckets(R, q, at_start=False)                  # ... from v0.18.3, at the first hook
+    if q.ds_head_check and suffix != ".micro1":                   # DeepSpeed ZeRO-1/2 offloaded: the untied
+        R.free(R.alloc(q.ds_head_check))                          # head's inf/NaN check (its bucket reduced at
+    #                                                               the next hook: deepspeed_offload_check_head)
+    if q.fsdp_head_unit:                                          # ... and its post-backward reduces the
+        f.fs.post_backward(R, f.root, [head_full], q.fsdp_head_rs)  # head's gradients (fsdp2_split_root)
+        _make_grads(R, s, st.trainables, ("after",), flags.oib, f.fs.grad_stream, flat=f.fs.grad_stream > 0)
+        head_full, f.root = None, []
+        f.fs.below_first = q.fsdp_emb_unit                        # the first layer prefetches the embedding
+    for i in reversed(range(q.layers)):
+        _zero12_at(R, s, q, i)                                    # DeepSpeed ZeRO-1/2: made by a hook here?
+        if isinstance(f.z3, _Zero3Replay):                        # ZeRO-3: the layer's backward fetches
+            f.z3.before(R, i)
+        _layer_backward(R, s, q, f.fs, parts, f.kept[i], i, n, nsq, recompute, flags.oib,
+                        below=f.kept[i - 1] if i > 0 else None)
+        if f.z3 is not None:
+            f.z3.backward(R, i)                                   # ZeRO-3: the layer's parameters released
+    R.frees(R.bcarry)                                             # the bottom layer's input gradient, which
+    R.bcarry = []                                                 # the embedding's backward reads
+    if q.fsdp_emb_unit:                                           # split root: the embedding's pre-backward
+        f.fs.below_first = 0
+        f.root = f.fs.unshard_backward(R, q.fsdp_emb_unit, _emb_unit_tensors(st), prefetch=False)
+    gathered = f.gathered if f.gathered is not None or q.ds_events else R.alloc(q.ds_gathered_emb,
+                                                                                GATHER_STREAM * q.ds_streams)
+    if isinstance(f.z3, _Zero3Replay):                            # the embedding's backward fetch
+        f.z3.embedding(R)
+    # the embedding gathered whole at its backward (on the all-gather stream), unless kept since its forward
+    _zero12_at(R, s, q, None)                                     # ... or before the word embedding's
+    emb_full, acc = R.alloc(st.emb_grads_full), []                # FSDP: the embedding's unsharded gradient
+    if tied is not None and not _fsdp(q):                         # the embedding's own gradient added to
+        tied = _tied_embedding_sum(R, s, q, flags, tied)          # the head's
+    if tied is not None and (f.fs.v2 or q.fsdp1_root_flat):      # FSDP, a tied head: the embedding's own
+        emb_out = R.alloc(q.tied_grad)                            # gradient, then autograd's InputBuffer adds
+        acc = [R.alloc(q.tied_grad)]                              # it to the head's into a new tensor, the
+        R.frees([tied, emb_out])                                  # unsharded gradient reduce-scattered (FSDP2's
+        #                                                           root resharded after forward or kept gathered:
+        #                                                           grad-op, trace's Gemma-2 b4 s512 dp 4); FSDP1's
+        tied = None                                               # view gradient, concatenated below
+        emb_full, acc = (acc[0], []) if emb_full is None else (emb_full, acc)   # (beside the other embeddings')
+    f.fs.reduce(R, [head_full, emb_full] + acc, _root_reduce_input(q, f.fs), q.fsdp1_root_cast)
+    _unit_grads(R, s, f.fs, st.trainables, ("before",) if q.fsdp_head_unit else ("after", "before"),
+                flags.oib)                                        # head, norm, embeddings
+    f.fs.reduced(R)                                               # torch < 2.5: the input dropped on return
+    if suffix != ".micro1":                                       # ZeRO-1/2 offloading, at the boundary:
+        _offload_epilogue(R, q)                                   # each of rank 0's gradients' copies
+    for cat in q.ds_reduce_cats[-1:] if q.ds_events else q.ds_reduce_cats:  # ZeRO-3's buckets reduced, each a
+        R.free(R.alloc(cat, GRAD_STREAM * q.ds_streams))          # flat cat (quantities.zero_step.deepspeed_reduce_cats;
+    #                                                               with ``ds_events`` the last, the others at their hooks)
+    R.free(gathered)                                              # ... and every parameter released
+    if isinstance(f.z3, _Zero3Replay):
+        f.z3.done(R)
+    _zero12_epilogue(R, s, q, suffix)                             # DeepSpeed ZeRO-1/2: grads_in_partition
+    R.frees([tied, f.emb, f.inputs] + buckets)
+    f.fs.reshard(R, f.root)                                       # the root's post-backward
+    f.fs.done(R)
+    if s.lomo is not None:                                        # LOMO's fused_backward: the last hook call
+        _lomo_update(R, *s.lomo, flags.oib)
+        s.lomo = None
+    R.mark("backward" + suffix, s.step)
+    if flags.hold == "step" or flags.pipe_out == "1f1b":          # Schedule1F1B's ``output``: to the next
+        s.held = f.out                                            # forward (moments.pipeline_output)
+    elif flags.hold == "backward" or flags.pipe_out:
+        R.frees(f.out)
+
+
+def _micro_batches(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int,
+                   recompute: str, b: int, ga: int) -> None:
+    """A step's micro-batches: each forward, then its backward once ``tk.inflight`` forwards are in
+    flight (1: one after the other; a pipeline stage under 1F1B: min(pp, grad_accum) on the first
+    stage, every micro-batch under GPipe, ``moments.tokens``), the rest drained at the end. Up to
+    one micro-batch more than are in flight is replayed (two without a pipeline)."""
+    parts = _layer_parts(q, n, nsq)
+    s.ga = ga
+    full = label_tokens(q, n) * q.logit_width // q.tp if flags.lm else b * q.logit_width   # logit elements
+    if q.pipe_order:                                              # an interleaved schedule's last rank
+        return _pipeline_pairs(R, s, q, flags, tk, (n, nsq, b), parts, recompute, full, ga)
+    inflight = max(1, int(tk.inflight))
+    pending: list = []
+    for micro in range(min(ga, inflight + 1)):
+        suffix = "" if ga == 1 else (".micro1" if micro == 0 else f".micro2-{ga}")
+        pending.append((_forward(R, s, q, flags, tk, parts, recompute, full, suffix, b), suffix))
+        if len(pending) >= inflight:
+            f, sfx = pending.pop(0)
+            _backward(R, s, q, flags, tk, f, parts, n, nsq, recompute, sfx)
+    for f, sfx in pending:
+        _backward(R, s, q, flags, tk, f, parts, n, nsq, recompute, sfx)
+    if flags.pipe_out:                                            # the schedule's step returns: its last
+        R.frees(s.held)                                           # output freed (moments.pipeline_output)
+        s.held = []
+
+
+def _pipeline_pairs(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, shape: tuple,
+                    parts: list[int], recompute: str, full: int, ga: int) -> None:
+    """A step of an interleaved pipeline schedule on the last rank: its (stage, micro-batch) pairs'
+    forwards and backwards in the rank's order (``q.pipe_order``, ``schedules.rank_order``: torch
+    2.13 ``_PipelineScheduleRuntime._step_microbatches`` runs them so, L2407-2600). Only the pairs
+    of its last local stage, the model's last, run the final norm, head and loss
+    (``_maybe_compute_loss``: ``stage.is_last``, L299-304) and keep the logits; the others keep their
+    stage output (``_stage_output``). Each pair's output, the logits included, is freed as its
+    backward ends (``fwd_cache`` popped, ``moments.pipeline_output``). ``shape``: (tokens, token x
+    key pairs, micro-batch)."""
+    n, nsq, b = shape
+    top = max(v for _kind, v, _mb in q.pipe_order)                # the head's local stage
+    alive: dict = {}
+    for kind, v, mb in q.pipe_order:
+        suffix = "" if ga == 1 else (".micro1" if mb == 0 else f".micro2-{ga}")
+        if kind == FORWARD:
+            alive[v, mb] = _forward(R, s, q, flags, tk, parts, recompute, full, suffix, b, head=v == top, stage=v)
+        else:
+            _backward(R, s, q, flags, tk, alive.pop((v, mb)), parts, n, nsq, recompute, suffix, head=v == top)

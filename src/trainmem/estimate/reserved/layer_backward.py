@@ -1,0 +1,333 @@
+"""A layer's backward in the replay: recomputation, its worst transient or its ops one by one, each
+linear's weight gradient, a derived layer's recorded backward, FSDP1's early view gradients."""
+from __future__ import annotations
+
+from typing import Any
+
+from ...allocator_rules import block_bytes
+from ..layers import HALF
+from ..moments import best_transient
+from ..quantities import Quantities
+from .fsdp import _Fsdp, _fsdp1_reduce, _fsdp1_whole, _unit_grads
+from .layer_forward import (_Kept, _op_recomputed, _op_written, _per_linear, _recompute_casts, _saved_and_casts,
+                            _sequence_forward)
+from .optimizer import _grad_of
+from .replay import _placed, _Replay, _Step
+
+
+def _linears_backward(R: _Replay, s: _Step, q: Quantities, kept: _Kept, where: tuple[str, ...], oib: bool) -> set:
+    """Each linear's weight gradient, last linear first, as autograd makes it. Without autocast the
+    ``mm`` output is the gradient, which ``AccumulateGrad`` keeps as ``.grad``. Under autocast ``mm``
+    gives it in the compute dtype (the shape of the half copy), the copy is freed (its last reader),
+    then autocast's ``ToCopyBackward0`` casts the gradient to the fp32 weight's dtype (the ``.grad``)
+    and the half one is freed (``torch/csrc/autograd/generated/Functions.cpp``
+    ``ToCopyBackward0::apply``; trace shows this order for every linear). The gradient is the layer's
+    trainable tensor of that size (``States.trainables`` lists tensors, not linears; a sharded one
+    matches none and is made with the layer's others). Returns the trainable indices whose gradient
+    was made (the layer's others, its norms, follow in ``_layer_backward``)."""
+    st = q.detail.states
+    linears = q.detail.layer.linears
+    copies = list(kept.casts or [None] * len(linears))
+    pending = list(_placed(st.trainables, where))
+    made: set = set()
+    for i in reversed(range(len(linears))):
+        lin = (i, copies, pending, made)
+        half = _linear_grad(R, s, q, lin, oib, cast=True)          # mm's, compute dtype; the copy freed
+        _linear_grad(R, s, q, lin, oib, cast=False)                # the weight's .grad, its dtype
+        R.free(half)
+    kept.casts = []
+    return made
+
+
+def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[int], kept: list, i: int,
+                    n: int, nsq: int, recompute: str, oib: bool, below: list | None = None) -> None:
+    """One layer's backward: recompute, the largest transient (a derived layer whose backward is recorded:
+    its tensors as recorded, ``_recorded_backward``, which frees its saved tensors and ``below``'s, the layer
+    below's, where the trace did), the gradients, then its tensors freed."""
+    st = q.detail.states
+    if fs.grad_op and fs.gathered:                                # grad-op: gathered since its forward; the
+        params = fs.gathered.pop()                                # pre-backward unshard finds it so
+    elif fs.last:                                                 # kept gathered since its forward
+        params, fs.last = fs.last, []
+    else:  # FSDP: gathered again (FSDP2: and the layer below prefetched)
+        params = fs.unshard_backward(R, q.fsdp_layer_buf, st.layer_tensors, prefetch=i > 0)
+    per_linear = _per_linear(q, kept, recompute)                  # the weights' gradients linear by linear
+    if recompute == "full" and _recompute_casts(q):               # the checkpointed forward again, with
+        redo = _sequence_forward(R, q, parts, keep=True) if getattr(parts, "events", ()) else \
+            _saved_and_casts(R, q, parts, inputs=False)           # autocast's weight copies at its linears
+        R.frees([h for _at, h in R.carry])                        # (no next layer nor loss follows a recomputed one)
+        R.carry = []
+        kept, per_linear = _Kept(list(kept), redo.casts), True
+    elif _op_written(parts, recompute) is not None and _recompute_casts(q):  # per-op policy (``_by_op``):
+        redo = _saved_and_casts(R, q, _op_recomputed(q, parts), inputs=False)  # recomputed with its copies
+        kept, per_linear = _Kept(list(kept), redo.casts), True
+    else:
+        redo = R.allocs(parts, one=getattr(parts, "whole", True)) if recompute != "none" else []  # forward again
+    R.frees(R.allocs(_recompute_blocks(q, n, nsq)))               # ... its frames' own tensors meanwhile
+    flat1 = bool(st.layer_grads_full and not fs.v2 and q.fsdp1_post)  # FSDP1: views, flat gradient, hook
+    early = _fsdp1_early_views(q, st, n, nsq) if flat1 and not per_linear else None
+    views = R.allocs(st.layer_tensors[j] for j in early) if early else []  # made by the worst moment
+    where = ("layer", f"layer{i}")
+    pre: set = set()
+    held: list = []
+    if _recorded(q, parts, recompute, flat1 or bool(st.layer_grads_full)):  # a derived layer, tensor by tensor
+        pre, tr, per_linear = _recorded_backward(R, s, q, (parts.bwd, kept, below), where, oib), None, False
+    elif per_linear and _by_op(q, parts, recompute, flat1):  # a hand-written layer, op by op
+        pre, tr, per_linear = _op_backward(R, s, q, kept, (n, nsq), where, oib), None, False
+    else:  # the worst backward moment as one block: several tensors (not netted, ``_Replay.alloc``)
+        held_b = [] if per_linear else _leaf_held(q, n, nsq)      # a ZeRO-3 leaf MoE block: down's gradient,
+        held = R.allocs(held_b)                                   # its own tensor, made first
+        tr = R.alloc(_activation_transient(q, n, nsq) if per_linear else _transient(q, n, nsq) - sum(held_b),
+                     one=False)
+    if flat1 and _fsdp1_whole(q, st):                             # every op of the layer ran before the
+        R.frees([tr] + redo)                                      # cat: their tensors freed by then
+        tr, redo = None, []
+        params = _fsdp1_reduce(R, q, st, params, fs, views, early or [])
+    elif flat1:
+        params = _fsdp1_reduce(R, q, st, params, fs)
+    elif st.layer_grads_full and fs.v2:                           # FSDP2: the unsharded gradients made, the
+        full = R.allocs(st.layer_tensors) if st.layer_tensors else [R.alloc(st.layer_grads_full, one=False)]
+        R.frees([tr] + redo + kept + kept.casts)                  # layer's backward done, its tensors freed;
+        tr, redo, kept = None, [], _Kept([])                      # then its post-backward hook
+        fs.post_backward(R, params, full, q.fsdp_rs_buf or q.fsdp_rs_side or st.layer_grads_full)
+        params = []
+    elif st.layer_grads_full:                                     # FSDP1 without a hook of its own
+        fs.reduce(R, [R.alloc(st.layer_grads_full)], q.fsdp_rs_buf or st.layer_grads_full)
+    made = _linears_backward(R, s, q, kept, where, oib) if per_linear else pre
+    _unit_grads(R, s, fs, st.trainables, where, oib, made)
+    fs.reduced(R)                                                 # FSDP2 < 2.5: its reduce-scatter input dropped
+    R.free(tr)
+    R.frees(held)
+    fs.reshard(R, params)                                         # FSDP1 without its reduce hook (no_sync)
+    R.frees(redo)
+    R.frees(kept + kept.casts)
+
+
+def _by_op(q: Quantities, parts: Any, recompute: str, flat1: bool) -> bool:
+    """Whether a hand-written layer's backward is replayed op by op (``_op_backward``): its recipe
+    (``_Parts.whole``: the layer's saved tensors listed one by one) lists each backward op's tensors
+    (``LayerCoefs.moment_blocks``, one per backward transient), without recomputation, FSDP's flat
+    gradients or DeepSpeed's recorded fetches (the replay's one block stays there). Called where
+    ``_per_linear`` holds (one GPU, DDP, pipeline stages: ``quantities.head_moments.per_linear_replay``).
+
+    Also under torchtitan's per-op policy where the first forward was replayed tensor by tensor
+    (``_op_written``, ``_op_forward``) and the copies linear by linear (``_recompute_casts``, as
+    ``_layer_backward`` replays a fully recomputed layer): the layer's recomputation runs when
+    backward first unpacks one of its tensors, remaking its saved tensors and, under its own
+    autocast context, the weight copies its matmuls save (torch 2.13 ``utils/checkpoint.py``
+    ``_checkpoint_hook.unpack_hook`` -> ``recompute_fn``), then its nodes run as a layer's without
+    recomputation do (each MLP weight's fp32 gradient right after its half one, as trace makes them;
+    one block of its worst moment made them in a row: tests/test_op_forward_replay.py). Against
+    trace, Llama-3.2 shapes (2 layers, b8 s256, bf16-amp, Adam, for-loop) with the causal-LM head
+    side replayed tensor by tensor: -0.19 % on the peak reserved memory, +11.6 % with the one block
+    (its holes in the 16-32 MiB segments sent an Adam state into the freed 502 MiB head-copy segment
+    the second step needs; docs/agreement.md, reserved section, ``bwlay``)."""
+    lc = q.detail.layer
+    by_op = recompute == "none" or _op_written(parts, recompute) is not None
+    return (by_op and bool(lc.moment_blocks) and getattr(parts, "whole", False)
+            and len(lc.moment_blocks) == len(_backward_ops(q))
+            and not flat1 and not q.detail.states.layer_grads_full and not q.ds_events)
+
+
+def _op_backward(R: _Replay, s: _Step, q: Quantities, kept: _Kept, nb: tuple[int, int], where: tuple[str, ...],
+                 oib: bool) -> set:
+    """A hand-written layer's backward op by op, last op first (autograd runs a layer's nodes in
+    reverse of its forward, torch 2.13 ``torch/csrc/autograd/engine.cpp`` ``Engine::thread_main``:
+    the ready queue orders nodes by ``sequence_nr``, the latest first), instead of one block of its
+    worst moment: each op's backward tensors (``LayerCoefs.moment_blocks``, ``Recipe.transient``'s
+    ``ts``: a linear's output and input gradients in the compute dtype, ``derivatives.yaml`` ``mm``
+    ``self: mm_mat1_backward``; eager attention's fp32 ``_softmax_backward_data`` output and the
+    scores' gradient; SDPA's grad_q/k/v and its fp32 scratch), each its own block, freed before the
+    next op's. A linear's weight gradient is made inside its backward, beside its moment's tensors
+    (``_linear_grad``, as ``_linears_backward`` makes it: under autocast ``mm``'s half gradient, the
+    weight copy freed, then ``ToCopyBackward0``'s fp32 ``.grad`` at the linear's second moment). The
+    layer's saved tensors stay until the layer's end, as in the one-block replay: freeing each op's
+    where its node ran (``Node::release_variables``) put the grid further from trace (27 rows moved,
+    13 closer, 14 further; within 5 % 313 -> 308 of 409; docs/validation.md ``reslbw``), for a reason
+    not found. ``nb``: (tokens, tokens x keys). Returns the trainable indices whose gradient was made."""
+    lc, st = q.detail.layer, q.detail.states
+    n, nsq = nb
+    pending, made = list(_placed(st.trainables, where)), set()
+    copies = list(kept.casts) or [None] * len(lc.linears)
+    groups: list = []                                              # one op's moments, in recorded order
+    for m in lc.moment_blocks:
+        if groups and m[1] >= 0 and groups[-1][0][1] == m[1]:
+            groups[-1].append(m)
+        else:
+            groups.append([m])
+    for group in reversed(groups):
+        half = None
+        for k, (blocks, lin) in enumerate(group):
+            hs = R.allocs([int(a * n + b * nsq) for a, b in blocks])  # (b, s, width) each, its dtype
+            if lin >= 0 and k == 0:                                # mm: the weight gradient (half under autocast)
+                half = _linear_grad(R, s, q, (lin, copies, pending, made), oib, cast=len(group) > 1)
+            elif lin >= 0:                                         # ToCopyBackward0: its fp32 .grad
+                _linear_grad(R, s, q, (lin, copies, pending, made), oib, cast=False)
+                R.free(half)
+                half = None
+            R.frees(hs)
+        R.free(half)
+    R.frees(copies)
+    kept.casts = []
+    return made
+
+
+def _linear_grad(R: _Replay, s: _Step, q: Quantities, lin: tuple, oib: bool, cast: bool) -> int | None:
+    """One linear's weight gradient in ``_op_backward`` (``_linears_backward``' step): ``cast``: under
+    autocast ``mm`` makes it in the compute dtype (returned, freed after ``ToCopyBackward0``) and its
+    half weight copy is freed; else the ``.grad`` itself, the trainable of its size (``_grad_of``).
+    ``lin``: (its index in ``LayerCoefs.linears``, the copies, the pending and made trainables)."""
+    i, copies, pending, made = lin
+    st = q.detail.states
+    _pos, w, gbytes = q.detail.layer.linears[i]
+    if cast:
+        half = R.alloc(round(w) * HALF) if (copies[i] is not None and gbytes) else None
+        R.free(copies[i])
+        copies[i] = None
+        return half
+    R.free(copies[i])
+    copies[i] = None
+    want = block_bytes(round(w) * gbytes, q.expandable)            # the weight's .grad, its dtype
+    j = next((j for j in pending if gbytes and st.trainables[j][2] == want), None)
+    if j is not None:
+        pending.remove(j)
+        made.add(j)
+        _grad_of(R, s, st.trainables, j, oib)
+    return None
+
+
+def _recorded(q: Quantities, parts: Any, recompute: str, fsdp: bool) -> bool:
+    """Whether a layer's backward is replayed as its derivation recorded it (``_recorded_backward``): a
+    derived layer whose coefficients hold its backward (``_Parts.bwd``), without recomputation (the record
+    is of a layer that saved its tensors), outside FSDP (whose gradient hooks the replay places around one
+    block) and DeepSpeed ZeRO-3's recorded fetches."""
+    return recompute == "none" and getattr(parts, "bwd", None) is not None and not fsdp and not q.ds_events
+
+
+def _recorded_backward(R: _Replay, s: _Step, q: Quantities, layer: tuple, where: tuple[str, ...], oib: bool) -> set:
+    """A derived layer's backward as the trace ran it (``_BackwardRecord``, ``trace.derive.
+    _layer_backward_sequence``: every allocation and free of its window, in order): each backward tensor
+    made ("t") and freed ("fK"), the gradients the layer above left freed ("iK", ``R.bcarry``; at the top,
+    where none is left, they are made first: the final norm's backward made them), its saved tensors
+    ("sK"), the layer below's ("pK": ``below``, its input kept here) and its autocast weight copies ("wK",
+    where the replay made them linear by linear) freed where autograd released them, and each parameter
+    gradient ("g") made where ``AccumulateGrad`` ran, as the trainable of its size (``_grad_of``; the
+    layer's others follow in ``_layer_backward``). Its tensors alive at the end go to ``R.bcarry``, for
+    the layer below. ``layer``: (the record, the layer's kept handles, the layer below's or None). Returns
+    the trainable indices whose gradient was made."""
+    rec, kept, below = layer
+    st = q.detail.states
+    ins = R.bcarry or R.allocs(rec.ins)
+    R.bcarry = []
+    live: dict[int, Any] = {}                                     # this layer's tensor index -> handle
+    made: set = set()
+    pending = list(_placed(st.trainables, where))
+    grads = iter(rec.grads)
+    handles = (live, ins, kept, below or [], getattr(kept, "casts", []))
+    for e in rec.events:
+        if e == "t":
+            k = len(live)                                         # (a freed one stays, as ``_GONE``)
+            live[k] = R.alloc(rec.temps[k]) if k < len(rec.temps) else None
+        elif e == "g":
+            want = block_bytes(next(grads, 0), q.expandable)      # the .grad, its dtype
+            j = next((j for j in pending if st.trainables[j][2] == want), None)
+            if j is not None:
+                pending.remove(j)
+                made.add(j)
+                _grad_of(R, s, st.trainables, j, oib)
+        else:
+            _recorded_free(R, e, handles)
+    R.bcarry = [h for h in (live.pop(k, None) for k in rec.out) if h is not _GONE]
+    R.frees([h for h in live.values() if h is not _GONE] + ins)
+    return made
+
+
+#: a recorded backward tensor already freed (``_recorded_backward``: kept in ``live`` so indices stay dense)
+_GONE = object()
+
+
+def _recorded_free(R: _Replay, e: str, handles: tuple) -> None:
+    """One free event of a recorded backward (``_recorded_backward``): "fK" the layer's K-th tensor, "iK"
+    the K-th the layer above left, "sK" / "pK" the K-th saved tensor of the layer / the layer below, "wK"
+    the K-th weight copy (each taken out of its list so it is freed once)."""
+    live, ins, kept, below, casts = handles
+    k = int(e[1:])
+    if e[0] == "f":
+        h = live.get(k)
+        live[k] = _GONE
+        R.free(None if h is _GONE else h)
+        return
+    where = {"i": ins, "s": kept, "p": below, "w": casts}.get(e[0])
+    if where is not None and k < len(where):
+        R.free(where[k])
+        where[k] = None
+
+
+def _transient(q: Quantities, n: int, nsq: int) -> int:
+    """Bytes of a layer's worst backward moment above its saved tensors, less the gradients of its
+    later linears (made by then, replayed as gradients): one block."""
+    _idx, value, grads = best_transient(_backward_ops(q), n, nsq)
+    return max(0, value - grads)
+
+
+def _leaf_held(q: Quantities, n: int, nsq: int) -> list[int]:
+    """The down projection's weight gradient of a ZeRO-3 leaf MoE block, alive at gate/up's backward
+    (``quantities.zero3_gather.deepspeed_leaf_held``), as its own block where that is the layer's worst moment: down's
+    ``_grouped_mm`` backward made it before gate/up's gradient (DeepSpeed v0.19.8 ``stage3.py`` L1533:
+    a leaf's gradients are reduced at the block's backward hook)."""
+    i, nbytes = q.ds_leaf_held
+    if not nbytes or best_transient(_backward_ops(q), n, nsq)[0] != i:
+        return []
+    return [nbytes]
+
+
+def _backward_ops(q: Quantities) -> tuple:
+    """The layer's backward-op transients, less the moments of its recomputed forward
+    (``quantities.layer_moments.recompute_transients``, last in ``q.transients``): those are the forward's own
+    tensors, one block each (``_recompute_blocks``), not one block."""
+    return q.transients[:len(q.transients) - q.detail.recompute_ops]
+
+
+def _recompute_blocks(q: Quantities, n: int, nsq: int) -> list[int]:
+    """The blocks of the unsaved tensors a layer's recomputed forward holds at its largest moment
+    (``LayerCoefs.recompute_moments``: the linear's input, peft's cast copy, the base output...),
+    each its own tensor; none without those moments (``quantities.layer_moments.recompute_transients``)."""
+    if not q.detail.recompute_ops:
+        return []
+    i, _v, _g = best_transient(q.transients[-q.detail.recompute_ops:], n, nsq)
+    blocks = q.detail.layer.recompute_moments[i][3]
+    return [int(a * n + b * nsq) for a, b in blocks if int(a * n + b * nsq) > 0]
+
+
+def _activation_transient(q: Quantities, n: int, nsq: int) -> int:
+    """``_transient`` without its constant bytes, where the replay makes each linear's weight
+    gradients and frees its weight copy itself (``_linears_backward``): the constant of an op's
+    transient is its own weight's gradients less the copies of the linears after it
+    (``quantities.layer_moments._layer_transients``); what is left, per token and per token x key, is the
+    gradients of the activations in flight, one block."""
+    return max([0] + [int(a * n + b * nsq) for a, b, *_rest in _backward_ops(q)])
+
+
+def _fsdp1_early_views(q: Quantities, st: Any, n: int, nsq: int) -> list[int]:
+    """The indices in ``st.layer_tensors`` of the view gradients an FSDP1 layer's backward has made by
+    its worst moment (``best_transient``: the gradients of the linears after that op, which
+    ``_transient`` leaves out), last linear first: each ``mm``'s weight gradient (the view's shape,
+    its dtype: ``LayerCoefs.linears`` ``(position, weight elements, gradient bytes per element)``)
+    waits in ``SplitWithSizesBackward0``'s input buffer until the last view's arrives (autograd
+    ``engine.cpp`` ``InputBuffer``). Matched by size; stops at the first linear without a view of its
+    size (a flat parameter of another dtype), so that no view is counted twice. Empty unless every
+    parameter of the layer trains (``_fsdp1_whole``)."""
+    if not _fsdp1_whole(q, st):
+        return []
+    _i, _v, left = best_transient(_backward_ops(q), n, nsq)        # bytes of the later linears' gradients
+    pending = list(range(len(st.layer_tensors)))
+    early: list[int] = []
+    for _pos, w, gbytes in reversed(q.detail.layer.linears):
+        nbytes = round(w) * gbytes                                # one weight's gradient, its dtype
+        j = next((j for j in reversed(pending) if st.layer_tensors[j] == nbytes), None)
+        if not gbytes or nbytes > left or j is None:
+            break
+        pending.remove(j)
+        early.append(j)
+        left -= nbytes
+    return early

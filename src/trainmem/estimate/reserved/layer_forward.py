@@ -1,0 +1,494 @@
+"""A layer's forward in the replay: its saved tensors with autocast's weight copies between them,
+eager attention's temporaries, FSDP grad-op's gather, checkpointed and recorded forwards, the
+recomputation's tensors and casts."""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...allocator_rules import SMALL_SIZE
+from ..layers import HALF
+from ..moments import Tokens
+from ..quantities import Quantities
+from .fsdp import _Fsdp
+from .parts import _Parts
+from .replay import GATHER_STREAM, _Replay, _Step
+
+
+def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: _Parts, tk: Tokens, recompute: str,
+                   keep: bool = False, cached: list | None = None, s: _Step | None = None) -> list:
+    """One layer's forward: what it keeps for backward (a list of handles). ``keep``: its gathered
+    parameters stay until its backward (``quantities.fsdp_root.fsdp2_last_gathered``); ``cached``: where a
+    checkpointed layer's autocast weight copies go, freed when the forward ends (``_checkpointed``).
+
+    ``s``: the forward thread's cuBLAS workspace (``_Step.workspace``, made once per step's first
+    matmul) is made here, once the layer is gathered (FSDP's unshard before it; DeepSpeed ZeRO-3's
+    fetch, ``_forward``'s ``z3.forward``, too): the first matmul is the first layer's first linear
+    (transformers ``LlamaDecoderLayer.forward`` L299 ``self_attn`` -> ``q_proj``), which runs in
+    the layer's forward, after FSDP2's pre-forward all-gather and copy-out (torch 2.13
+    ``_fully_shard/_fsdp_state.py`` ``_pre_forward`` -> ``_fsdp_param_group.py`` ``unshard``,
+    ``wait_for_unshard``) and before any of its LoRA adapters' own FSDP1 units gather (peft 0.21.2
+    ``tuners/lora/layer.py`` ``Linear.forward`` L1088 ``result = self.base_layer(x)`` first). It
+    was made before the first layer's gather: against trace, a wide 2-layer Llama (b4 s512 vocab
+    8000, dp 2, FSDP2 full shard, full recomputation) +11.3 % -> +1.6 % on the peak reserved memory
+    (the workspace's segment took the copied-out weights trace places elsewhere, and by the second
+    step the top layer's kept output sat in a free fp32-logits segment, so the loss backward opened
+    a fourth; docs/validation.md ``ckout``, tests/test_workspace_order.py)."""
+    params = fs.unshard(R, _layer_gather(q, fs), q.detail.states.layer_tensors)  # FSDP: this layer gathered
+    ws = _first_mm_workspace(R, s, fs, parts, recompute)          # made at the first matmul's output, where written
+    if s is not None and ws is None:
+        s.workspace(R, 0)                                         # the first layer's first matmul
+    fs.adapter_units(R, fs.adapters)                              # FSDP1: its LoRA units' forward
+    if recompute == "none" and parts.events:                      # a derived layer, tensor by tensor
+        kept = _sequence_forward(R, q, parts, keep=True)
+    elif recompute == "none":
+        kept = _saved_and_casts(R, q, parts)                      # saved tensors + autocast weight copies
+        R.frees(R.allocs(parts.forward_only))                     # what the forward makes and frees
+    else:
+        late: list = []                                           # alive when the output is made
+        op = _op_forward(R, q, parts, tk.layer, recompute, late, ws)  # per-op: tensor by tensor, where written so
+        if op is not None:
+            (cached if cached is not None else []).extend(op.casts)
+            kept = _Kept(list(op))
+        else:
+            (cached if cached is not None else []).extend(_checkpointed(R, q, parts, recompute, late))  # no-grad
+            kept = _Kept(R.allocs(_kept_blocks(parts, tk.layer, recompute),  # what the checkpoint keeps
+                                  one=_kept_whole(parts, tk.layer, recompute)))
+        R.frees(late)
+    if q.ds_linear_kept and recompute != "full" and not q.ds_events:  # DeepSpeed ZeRO-3 under F.linear: the
+        # gathered weights its saved views keep, made on the all-gather stream under overlap_comm (the
+        # ``torch.cat`` of ``AllGatherCoalescedHandle.wait`` in ``fetch_sub_module``'s stream context)
+        kept.append(R.alloc(q.ds_linear_kept, GATHER_STREAM * q.ds_streams))  # (quantities.zero3_gather.deepspeed_linear_kept)
+    if fs.grad_op:
+        fs.gathered.append(params)                                # grad-op: kept until its post-backward
+    elif keep:
+        fs.last = params                                          # not resharded after forward
+    else:
+        fs.reshard(R, params)                                     # resharded after forward
+    return kept
+
+
+def _layer_gather(q: Quantities, fs: _Fsdp) -> int:
+    """Bytes of one layer's unshard in forward (``_Fsdp.unshard``'s ``flat``): the all-gather buffer
+    under full / hybrid sharding (``fsdp_layer_buf``); under SHARD_GRAD_OP (FSDP2
+    ``reshard_after_forward=False``), where ``fsdp_layer_buf`` is 0 because nothing more is gathered in
+    backward, the same unshard at the layer's forward: FSDP2's flat all-gather output
+    (``fsdp_ag_result``, the parameters then copied out of it), FSDP1's unsharded flat parameter
+    (``gathered_layer``). torch 2.13 ``fsdp/_runtime_utils.py`` ``_pre_forward_unshard`` L440-460
+    unshards every strategy; ``_post_forward_reshard`` L478-497 reshards only
+    ``RESHARD_AFTER_FORWARD_HANDLE_STRATEGIES`` (not SHARD_GRAD_OP); ``_fully_shard/_fsdp_param_group.py``
+    ``post_forward`` reshards only with ``reshard_after_forward``. They stay gathered until the layer's
+    post-backward reshards it (``_layer_backward``)."""
+    if q.fsdp_layer_buf > 0 or not fs.grad_op:
+        return q.fsdp_layer_buf
+    return q.fsdp_ag_result if fs.v2 else q.gathered_layer
+
+
+def _checkpointed(R: _Replay, q: Quantities, parts: list[int], recompute: str, late: list | None = None) -> list:
+    """A checkpointed layer's first forward. Nothing is saved, so each tensor lives only as long as
+    the layer's code holds it. A hand-written layer whose forward is written tensor by tensor
+    (``parts.nograd``, ``estimate/nograd.py``) is replayed so (``_nograd_forward``, under autocast
+    with its weight copies, kept as below), the tensors alive when its output is made handed to
+    ``late``, freed once the caller has made it. Else, under
+    autocast with the copies replayed linear by linear (``_forward_casts``), as a chain, each of
+    the layer's tensors freed once the next is made, each linear's half weight copy, made where the
+    linear runs, staying in autocast's cache until the autocast context around the model's
+    forward exits after the loss (``autocast_mode.cpp`` ``cached_cast`` caches a leaf fp32 weight
+    that requires grad while grad mode is on, which non-reentrant checkpointing leaves on;
+    ``torch.autocast.__exit__`` calls ``torch.clear_autocast_cache()``; trace, Llama-3.2-1B
+    bf16-amp with full recompute: every layer's copies are freed together after the loss).
+    Elsewhere (not full recomputation, or no copies to cache: ``_forward_casts``) its tensors
+    are made and freed together. Returns the copies, to be freed when the forward ends."""
+    casts = _forward_casts(q) if recompute == "full" else None
+    if recompute == "full" and getattr(parts, "events", ()):      # a derived layer, tensor by tensor
+        return _sequence_forward(R, q, parts, keep=False, casts=casts or False).casts
+    if recompute == "full" and getattr(parts, "nograd_events", ()):  # a hand-written layer, tensor by tensor
+        return _nograd_forward(R, parts, late if late is not None else [], casts)
+    one = getattr(parts, "whole", True)
+    if casts is None:
+        R.frees(R.allocs(parts, one=one))
+        return []
+    copies: list = []
+    prev: list = [None]
+    done = 0
+    for (pos, _w, _g), nbytes in zip(q.detail.layer.linears, casts):
+        _chain(R, list(parts[done:pos]), prev, one)
+        done = max(done, pos)
+        copies.append(R.alloc(nbytes))                            # (out, in) in bf16/fp16, cached
+    _chain(R, list(parts[done:]), prev, one)
+    R.free(prev[0])
+    return copies
+
+
+def _first_mm_workspace(R: _Replay, s: "_Step | None", fs: "_Fsdp", parts: Any, recompute: str) -> Any:
+    """Where a layer's first forward is replayed tensor by tensor (``_op_forward``), the forward
+    thread's cuBLAS workspace is made inside its first matmul, after the matmul's output: ``at::mm``
+    allocates its result, then ``at::cuda::blas::gemm`` takes the handle, whose workspace the caching
+    allocator gives at its first use (torch 2.13 ``aten/src/ATen/native/cuda/Blas.cpp``
+    ``addmm_out_cuda_impl``, ``CUDABlas.cpp`` ``getCUDABlasLtWorkspace``; trace, Mistral-shaped b4
+    s512 bf16-amp: q_proj's input cast, weight copy, output, then the 8.125 MiB workspace). Returns
+    the call that makes it (``_Step.workspace``), for ``_nograd_forward`` at that output; None
+    elsewhere (made before the layer, ``_layer_forward``), and where FSDP1 gathers LoRA units first."""
+    if s is None or fs.adapters or _op_written(parts, recompute) is None or s.workspaces or not s.handle_ws:
+        return None
+    return lambda: s.workspace(R, 0)
+
+
+def _op_forward(R: _Replay, q: Quantities, parts: _Parts, layer: int, recompute: str, late: list,
+                ws: Any = None) -> "_Kept | None":
+    """A layer's first forward under torchtitan's per-op selective checkpointing, in its code's order
+    (``_nograd_forward``, where the layer is written tensor by tensor: ``parts.nograd_events``): the
+    checkpoint is non-reentrant, so grad mode stays on and its pack hook keeps nothing but what the
+    policy marks ``MUST_SAVE`` (torch 2.13 ``utils/checkpoint.py`` ``_checkpoint_hook``,
+    ``_CachingTorchDispatchMode``: the op's output stored as it is made, no copy). So every tensor
+    lives as the no-grad forward's does except the policy's outputs (``parts.nograd_op``: the odd
+    ``aten.mm`` and the fused SDPA kernel's), kept from where their op runs, and autocast caches each
+    linear's half weight copy where the linear runs until autocast exits after the loss (grad mode
+    on: ``autocast_mode.cpp`` ``cached_cast``, as ``_checkpointed`` says for full recomputation;
+    ``_forward_casts``). Returns what the layer keeps (its output, made at "o" as ``_kept_blocks``'
+    input block, then the policy's outputs) with the copies as ``casts``; None where the layer is
+    not written so or its policy outputs are not the recipe's (``parts.op``), and the replay makes
+    the layer's tensors at once, the policy's outputs after them, without copies (``_checkpointed``).
+    Against trace, Llama-3.2 shapes (2 layers, b8 s256, bf16-amp, Adam, for-loop) under --recompute
+    op: the replay's first forward opened 7 segments of 32 MiB to trace's 12 (no 32 MiB MLP weight
+    copies, the gate's output made after the layer's tensors were freed); now 12, and the first
+    step's reserved peak 8522 MiB to trace's 8496 (9400 before; tests/test_op_forward_replay.py).
+    Its second step opened a 1002 MiB segment more while the backward was one block (``_by_op``
+    now replays it op by op; docs/agreement.md, reserved section, ``bwlay``)."""
+    op = list(getattr(parts, "op", []))
+    rest = _op_written(parts, recompute)
+    if rest is None or layer < sum(op):
+        return None
+    held: list = []
+    copies = _nograd_forward(R, parts, late, _forward_casts(q), held=held, ws=ws)
+    out = R.alloc(layer - sum(op))                                # the layer's output, which the checkpoint keeps
+    return _Kept([out] + held + R.allocs(rest), copies)
+
+
+def _op_recomputed(q: Quantities, parts: _Parts) -> _Parts:
+    """A layer's saved tensors as its recomputation under the per-op policy remakes them: those the
+    policy kept (``LayerCoefs.op_saved``) taken from its cache, 0 bytes (their positions kept, for
+    ``_saved_and_casts``' linears)."""
+    cached = set(q.detail.layer.op_saved)
+    redo = copy.copy(parts)
+    redo[:] = [0 if i in cached else x for i, x in enumerate(parts)]
+    return redo
+
+
+def _op_written(parts: Any, recompute: str) -> list[int] | None:
+    """Under torchtitan's per-op policy, where the layer's forward is written tensor by tensor
+    (``parts.nograd_events``) with the policy's outputs marked (``parts.nograd_op``): of those
+    outputs as the recipe counts them (``parts.op``), the ones the written sequence leaves out
+    (tensors of one element per row, the fused SDPA kernel's logsumexp: small-pool blocks apart from
+    the layer's large ones). None elsewhere, or where a written one is not among the recipe's or a
+    left-out one is large (the two do not describe the same layer)."""
+    keep = getattr(parts, "nograd_op", ())
+    if recompute != "op" or not keep or not getattr(parts, "nograd_events", ()):
+        return None
+    rest = sorted(getattr(parts, "op", []))
+    for x in (int(parts.nograd[i]) for i in keep):
+        if x not in rest:
+            return None
+        rest.remove(x)
+    return rest if all(x <= SMALL_SIZE for x in rest) else None
+
+
+def _nograd_forward(R: _Replay, parts: _Parts, late: list, casts: list | None = None,
+                    held: list | None = None, ws: Any = None) -> list:
+    """A hand-written layer's checkpointed first forward in its code's order (``LayerCoefs.nograd_events``,
+    ``estimate/nograd.py``): "t" makes the next temporary, "fK" frees the K-th; at "o" (the layer's
+    output, which the caller makes as what the checkpoint keeps) the temporaries still alive go to
+    ``late``. Against trace, Llama-2-7B cut to 2 layers, b2 s1024, pure bf16, full recomputation
+    (``compare --trace``), peak reserved: LoRA r64 +7.27 % -> -0.04 % (all of the layer's tensors made
+    at once before), full fine-tuning -0.17 % -> -1.13 % (reentrant), +3.59 % -> +3.08 % (not).
+    Under autocast "c" makes the next linear's half weight copy, kept in autocast's cache (returned,
+    freed when the forward ends, as ``_checkpointed``'s chain keeps them) where the replay makes the
+    copies linear by linear (``casts``, ``_forward_casts``); else the forward caches none. ``held``
+    (per-op checkpointing, ``_op_forward``): the temporaries of ``parts.nograd_op`` are moved there
+    as they are made, never freed here."""
+    live: dict[int, Any] = {}                                     # temporary's index -> handle
+    made = 0
+    sizes = iter(casts or [])
+    copies: list = []
+    keep = set(getattr(parts, "nograd_op", ())) if held is not None else set()
+    for e in parts.nograd_events:
+        if e == "t":
+            live[made] = R.alloc(parts.nograd[made])
+            if made in keep:                                      # ``held``: kept by the per-op policy
+                held.append(live.pop(made))                       # (``_op_forward``)
+            if ws is not None and made == min(keep):              # the first matmul's output (q_proj's):
+                ws()                                              # its workspace (``_first_mm_workspace``)
+            made += 1
+        elif e == "c":
+            nbytes = next(sizes, None)
+            if casts is not None and nbytes is not None:
+                copies.append(R.alloc(nbytes))                    # (out, in) in bf16/fp16, cached
+        elif e == "o":
+            break
+        else:
+            R.free(live.pop(int(e[1:]), None))
+    late.extend(live.values())
+    return copies
+
+
+def _sequence_forward(R: _Replay, q: Quantities, parts: _Parts, keep: bool, casts: bool | list = True) -> "_Kept":
+    """A derived layer's forward in the order its traced forward made and freed its tensors
+    (``LayerCoefs.fwd_events``, ``trace.derive._layer_sequence``): each saved tensor, each temporary
+    (freed where the trace freed it: ``_Temps``) and each linear's autocast weight copy where it was
+    cast (``_linear_casts``; else, under autocast, one block after them, as ``_saved_and_casts``).
+    ``keep``: the saved tensors are kept for backward; else (a checkpointed first forward, which
+    saves nothing: torch 2.13 ``utils/checkpoint.py`` ``_checkpoint_hook`` L1153-1163) each lives
+    until its last consumer has run, where the record has it ("uK", ``trace.derive._last_reads``:
+    against trace, a cut Qwen3-32B under FSDP2 with full recomputation, docs/validation.md ``lastuse``),
+    else (a record derived before COEF_VERSION 19) they are chained as ``_checkpointed`` chains them,
+    each freed once the next is made; the copies are kept only where ``casts`` (autocast's cache:
+    their sizes, ``_forward_casts``)."""
+    sizes = casts if isinstance(casts, list) else _linear_casts(q) if casts else None
+    saved, copies, temps = iter(parts), iter(sizes or []), _Temps(parts.temps)
+    handles: list = []
+    made: list = []
+    prev: list = [None]
+    reads: dict | None = None if keep or not any(e[0] == "u" for e in parts.events) else {}  # K -> handle
+    carry, done = R.carry, 0                                      # the layer before's late frees
+    R.carry = []
+    for e in parts.events:
+        carry = _late_frees(R, carry, done)
+        done += e in ("s", "c", "t")
+        if e == "s" and reads is not None:
+            reads[len(reads)] = R.alloc(next(saved))        # (freed ones stay as None)
+        elif e == "s":
+            _saved(R, next(saved), keep, handles, prev)
+        elif e[0] == "u" and reads is not None:
+            R.free(reads.get(int(e[1:])))                         # its last consumer has run
+            reads[int(e[1:])] = None
+        elif e == "c" and sizes is not None:
+            made.append(R.alloc(next(copies)))                    # (out, in) in bf16/fp16
+        elif e != "c":
+            temps.event(R, e)
+    for x in saved:   # tensors the traced layer did not save, added for the run's release or framework
+        _saved(R, x, keep, handles, prev)  # (``quantities.layer_terms.derived_clamp``, ``litgpt_terms``): after the traced ones
+    R.carry += [(at, h) for at, h in carry if at == LATE]          # (kept to the loss)
+    R.frees([h for at, h in carry if at != LATE] + list(temps.live.values())
+            + [h for h in (reads or {}).values() if h is not None])
+    R.free(prev[0])
+    if keep and sizes is None and q.cast_layer:
+        made.append(R.alloc(q.cast_layer, one=False))             # the copies as one block (``_saved_and_casts``)
+    return _Kept(handles, made) if sizes is not None else _Kept(handles + made)
+
+
+def _saved(R: _Replay, nbytes: int, keep: bool, handles: list, prev: list) -> None:
+    """One of a derived layer's saved tensors: kept (``handles``), or chained (``_chain``)."""
+    if keep:
+        handles.append(R.alloc(nbytes))
+    else:
+        _chain(R, [nbytes], prev)
+
+
+@dataclass
+class _Temps:
+    """A derived layer's temporaries while its forward runs (``_sequence_forward``): "t" makes the
+    next, "fK" frees the K-th, "dK@J" hands the K-th to the next layer, which frees it once J of its
+    tensors are made (``_late_frees``; "end": by the loss, ``LATE``)."""
+
+    sizes: list
+    live: dict = field(default_factory=dict)   # temporary's index -> handle
+    made: int = 0
+
+    def event(self, R: _Replay, e: str) -> None:
+        if e == "t":
+            self.live[self.made] = R.alloc(self.sizes[self.made])
+            self.made += 1
+        elif e.startswith("f"):
+            R.free(self.live.pop(int(e[1:]), None))
+        elif e.startswith("d"):
+            k, at = e[1:].split("@")
+            R.carry.append((LATE if at == "end" else int(at), self.live.pop(int(k), None)))
+
+
+#: a derived layer's temporary freed after the layers (``dK@end``): by the loss (``_forward``)
+LATE = 1 << 62
+
+
+def _late_frees(R: _Replay, carry: list, done: int) -> list:
+    """Free the layer before's temporaries whose time has come (``done`` of this layer's tensors
+    made: a ``dK@J`` event with J <= done); returns those still waiting."""
+    R.frees([h for at, h in carry if at <= done])
+    return [(at, h) for at, h in carry if at > done]
+
+
+def _chain(R: _Replay, sizes: list[int], prev: list, one: bool = True) -> None:
+    """Tensors made one after another, each freeing the one before (``prev[0]``: the last alive;
+    ``one``: each block is one tensor, ``_Replay.alloc``)."""
+    for x in sizes:
+        h = R.alloc(x, one=one)
+        R.free(prev[0])
+        prev[0] = h
+
+
+def _recompute_casts(q: Quantities) -> bool:
+    """Whether a fully recomputed layer's autocast weight copies are replayed linear by linear: in
+    its first forward (``_checkpointed``) and again in its recomputed forward, whose backward then
+    makes each weight's gradient as a layer without recomputation does (``_linears_backward``).
+    Where the replay follows the layer's linears under autocast (``_linear_casts``) and the forward
+    caches the copies (``q.cast_forward_only``, or ``q.cast_stage_only`` on a pipeline's last stage:
+    not under LoRA, whose frozen weights autocast does not cache)."""
+    return bool(q.cast_forward_only or q.cast_stage_only) and _linear_casts(q) is not None
+
+
+class _Kept(list):
+    """Handles of what one layer keeps for its backward; ``casts``: autocast's half copies of its
+    linears' weights, one handle per linear in forward order (``_linear_casts``), kept apart so that
+    each linear's backward frees its own."""
+
+    def __init__(self, handles: list, casts: list | None = None) -> None:
+        super().__init__(handles)
+        self.casts = casts or []
+
+
+def _forward_casts(q: Quantities) -> list[int] | None:
+    """Bytes of autocast's half copy of each linear's weight in one layer, in forward order, as a fully
+    recomputed layer's first forward caches them (``_checkpointed``): wherever the forward caches the
+    copies (``q.cast_forward_only``, or ``q.cast_stage_only`` on a pipeline's last stage) and the
+    layer's recipe lists the linears autocast copies (``LayerCoefs.linears``; their sizes summing to
+    ``q.cast_layer``). Unlike ``_linear_casts`` this does not need ``_linear_replay``: that gate is
+    for the backward's weight gradients, which FSDP, TP and ZeRO make elsewhere, while the cache is
+    the same under them. FSDP2's unsharded parameter is an ``nn.Parameter`` leaf requiring grad
+    (torch 2.13 ``_fully_shard/_fsdp_param.py`` ``init_unsharded_param``), so ``cached_cast`` keeps
+    its bf16 copy (``aten/src/ATen/autocast_mode.cpp``: fp32, requires grad, leaf, not a view)
+    after ``reshard`` frees the unsharded weight, until autocast exits after the loss. Without them
+    the replay of Llama-3.1-8B FSDP2 over 8, b2 s4096, full recomputation missed 32 layers' copies
+    (416 MiB each, 13 GiB) at the loss, its peak allocated 33.0 against trace's 44.2 GiB
+    (docs/validation.md ``runex``). None where the forward does not cache them."""
+    lc = q.detail.layer
+    if not (q.cast_forward_only or q.cast_stage_only) or not q.cast_layer or not lc.linears or lc.after_uncast:
+        return None
+    casts = [round(w) * HALF for _pos, w, _g in lc.linears]      # (out, in) each, bf16/fp16
+    return casts if sum(casts) == q.cast_layer else None
+
+
+def _linear_casts(q: Quantities) -> list[int] | None:
+    """Bytes of autocast's half copy of each linear's weight in one layer, in forward order.
+    ``cached_cast`` casts an fp32 weight at its linear's first call, after the linear's input is cast
+    (``F.linear`` under autocast: ``at::linear`` is on the lower-precision list, its arguments cast
+    in order), one tensor per weight, and the matmul saves it for the input's gradient
+    (``aten/src/ATen/autocast_mode.cpp`` ``cached_cast``; ``derivatives.yaml`` ``mm``: ``mat2`` saved
+    when ``self`` requires grad). From the layer's recipe (``LayerCoefs.linears``); None without
+    autocast copies, where the replay keeps one block for them (``_linear_replay``), or where the
+    recipe's linears are not the tensors autocast copies (a derived architecture has no recipe: its
+    copies are one block)."""
+    if not q.cast_layer or not _linear_replay(q):
+        return None
+    casts = [round(w) * HALF for _pos, w, _g in q.detail.layer.linears]
+    return casts if sum(casts) == q.cast_layer else None
+
+
+def _saved_and_casts(R: _Replay, q: Quantities, parts: list[int], inputs: bool = True) -> _Kept:
+    """One layer's forward without recomputation: the tensors it saves, in order, with autocast's
+    weight copies made between them at their linears (``_linear_casts``; else one block after them).
+    A linear's fp32 input that autocast casts and does not save (``layers.linear_inputs``: a norm's
+    output, GPT-2's GELU output) is alive from before its saved half cast (the last tensor saved
+    before the linear) until the weight of the last linear reading it is cast, where its matmul
+    runs. Without it the replay of GPT-2 (2 layers, b1 s1024, bf16-amp) lacked the fp32 GELU output
+    (12 MiB) beside ``c_proj``'s weight copy, so trace's 20 MiB segment for that copy, which later
+    holds autograd's cuBLAS workspace, was never opened and the workspace split a logits segment for
+    good: +18.5 % over trace's peak reserved memory (docs/agreement.md, reserved section).
+    ``inputs`` False: a checkpointed layer's recomputation in backward (``_layer_backward``), whose
+    frames' unsaved tensors, these inputs among them, are replayed apart (``_recompute_blocks``:
+    ``LayerCoefs.recompute_moments``); replayed here too they took the segment that trace's
+    recomputation leaves to the loss (Llama b1 s1024, offloaded activations, ga 2: +0.56 -> +6.25 %)."""
+    casts = _linear_casts(q)
+    one = getattr(parts, "whole", True)                           # (a derived layer's parts: several tensors)
+    if casts is None:                                             # the copies as one block: several tensors
+        return _Kept(_attn_allocs(R, parts, 0, len(parts), one) + [R.alloc(q.cast_layer, one=False)])
+    handles: list = []
+    copies: list = []
+    done = 0
+    held = None                                                   # the unsaved fp32 input being read
+    unsaved = getattr(parts, "inputs", []) if inputs else []
+    for i, ((pos, _w, _g), nbytes) in enumerate(zip(q.detail.layer.linears, casts)):
+        size, shared = unsaved[i] if i < len(unsaved) else (0, 0)
+        if size and held is None:                                 # made before its half cast, the last saved
+            cut = max(done, pos - 1)
+            handles += _attn_allocs(R, parts, done, cut, one)
+            done = cut
+            held = R.alloc(size)
+        handles += _attn_allocs(R, parts, done, pos, one)         # saved before this linear's weight cast
+        done = max(done, pos)
+        copies.append(R.alloc(nbytes))                            # (out, in) in bf16/fp16
+        if held is not None and not shared:                       # its last linear has run
+            R.free(held)
+            held = None
+    R.free(held)
+    return _Kept(handles + _attn_allocs(R, parts, done, len(parts), one), copies)
+
+
+def _attn_allocs(R: _Replay, parts: list[int], lo: int, hi: int, one: bool) -> list:
+    """The saved tensors ``parts[lo:hi]`` (handles), with eager attention's forward temporaries made and
+    freed among them in op order where the layer's recipe writes them (``_Parts.attn``: before the
+    ``at``-th saved tensor, ``layers.Builder._eager_forward``: "t" makes the next temporary, "fK" frees
+    the K-th, "s" makes the next saved tensor). Trace makes them so (transformers 5.24.0
+    ``eager_attention_forward``: the scores, scaled and masked, softmax's fp32 copy of bf16 scores);
+    without them a pure-bf16 Qwen2 (b2 s1024, dp 4) opened one fp32 softmax block per layer where trace
+    opened two (docs/validation.md ``reslayer``)."""
+    at, temps, events = getattr(parts, "attn", (-1, [], ()))
+    if not lo <= at < hi or at + events.count("s") > hi:
+        return R.allocs(parts[lo:hi], one=one)
+    handles = R.allocs(parts[lo:at], one=one)
+    live: dict[int, Any] = {}                                     # temporary's index -> handle
+    made, nxt = 0, at
+    for e in events:
+        if e == "t":
+            live[made] = R.alloc(temps[made])                     # (b, heads, s, s)
+            made += 1
+        elif e == "s":
+            handles.append(R.alloc(parts[nxt], one=one))          # softmax's output, its half copy
+            nxt += 1
+        else:
+            R.free(live.pop(int(e[1:]), None))
+    R.frees(list(live.values()))
+    return handles + R.allocs(parts[nxt:hi], one=one)
+
+
+def _per_linear(q: Quantities, kept: _Kept, recompute: str) -> bool:
+    """Whether a layer's backward is replayed linear by linear (``_linears_backward``): without
+    recomputation, where ``_linear_replay`` allows it and, under autocast, the weight copies are
+    the replay's blocks."""
+    return _linear_replay(q) and recompute == "none" and (bool(kept.casts) or not q.cast_layer)
+
+
+def _linear_replay(q: Quantities) -> bool:
+    """Whether the replay follows the layer's linears (``quantities.head_moments.per_linear_replay``, and the
+    recipe lists them: ``LayerCoefs.linears``). Not for a layer with grouped experts
+    (``LayerCoefs.after_uncast``): their weight gradients are no linears of the recipe and are made
+    inside the experts' backward, which the replay does not place among the linears' (Mixtral-shaped,
+    1 layer, 4 experts, against trace with one block and linear by linear: pure bf16 +1.2% and
+    +7.2%, bf16-amp +5.5% and +0.3%; neither places the experts' gradients where trace does)."""
+    lc = q.detail.layer
+    return bool(q.linear_replay) and bool(lc.linears) and not lc.after_uncast
+
+
+def _kept_blocks(parts: list[int], kept: int, recompute: str) -> list[int]:
+    """What a checkpointed layer keeps, as blocks: under full recomputation its input (one tensor);
+    under torchtitan's per-op policy its input and each op output the policy saves, at its own size
+    (``parts.op``: ``LayerCoefs.op_tensors``; a share of every saved tensor left other holes: the
+    torchtitan PR #165 'SAC' rows, FSDP2 -7.0 % and FSDP1 -9.1 % against trace's reserved memory,
+    tests/test_op_replay.py); under Megatron's selective recomputation a share of the saved tensors,
+    each part scaled to the kept total."""
+    total = sum(parts)
+    if recompute == "full" or total <= 0:
+        return [kept]
+    op = getattr(parts, "op", [])
+    if recompute == "op" and op and kept >= sum(op):
+        return [kept - sum(op)] + list(op)                        # the input, then the policy's outputs
+    return [p * kept // total for p in parts]
+
+
+def _kept_whole(parts: list[int], kept: int, recompute: str) -> bool:
+    """Whether each of ``_kept_blocks``' blocks is one tensor: the input, the per-op policy's outputs
+    (where the layer's parts are tensors, ``_Parts.whole``); not the shares of Megatron's selective
+    recomputation, each a fraction of a saved tensor."""
+    if recompute == "full" or sum(parts) <= 0:
+        return True
+    op = getattr(parts, "op", [])
+    return recompute == "op" and bool(op) and kept >= sum(op)
