@@ -12,29 +12,22 @@ import trainmem
 from trainmem.trace.api import trace
 
 from test_fsdp_grad_op_replay import WIDE
+import alloc_spy
 
 
 @pytest.mark.parametrize("fsdp", ["full", "grad-op"])
-def test_fsdp1_load_makes_one_shard_per_unit(one_torch_thread, fsdp):
+def test_fsdp1_load_makes_one_shard_per_unit(monkeypatch, one_torch_thread, fsdp):
     """The wide 2-layer Llama, FSDP1 dp 2: the first three requests of 1 MiB and over are the root's
     shard (embeddings, final norm, head: 16,385,024 fp32 elements over 2 ranks) and each layer's
     (12,847,104 elements over 2), in trace and in the replay alike; the replay's root load also holds
     the model's small buffers (the rotary frequencies, 256 bytes), which trace keeps apart."""
-    from trainmem import allocator
-
     def first(fn) -> list[int]:
         seen: list[int] = []
-        orig = allocator.CachingAllocator.allocate
 
-        def spy(self, nbytes, tag=None, stream=None):
+        def note(nbytes, stream):
             if nbytes >= 2**20:
                 seen.append(nbytes)
-            return orig(self, nbytes, tag, stream)
-        allocator.CachingAllocator.allocate = spy
-        try:
-            fn()
-        finally:
-            allocator.CachingAllocator.allocate = orig
+        alloc_spy.requests(monkeypatch, fn, note)
         return seen[:3]
     kw = dict(batch_size=4, seq_len=512, use_cache=False, dp=2, fsdp=fsdp, fsdp_version=1)
     root, layer = (2 * 8000 * 1024 + 1024) * 4 // 2, (4 * 1024 * 1024 + 3 * 1024 * 2816 + 2 * 1024) * 4 // 2

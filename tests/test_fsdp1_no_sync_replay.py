@@ -16,6 +16,7 @@ import trainmem
 from trainmem.trace.api import trace
 
 from test_fsdp_grad_op_replay import WIDE
+import alloc_spy
 
 BASE = dict(batch_size=4, seq_len=512, use_cache=False, dp=2, fsdp_version=1, grad_accum=2, grad_sync="step")
 
@@ -30,53 +31,36 @@ def test_fsdp1_no_sync_keeps_the_flat_gradient_on_the_default_stream(one_torch_t
     assert e.peak_reserved == pytest.approx(t.peak_reserved, rel=0.01)
 
 
-def test_fsdp1_no_sync_makes_nothing_on_the_post_backward_stream(one_torch_thread):
+def test_fsdp1_no_sync_makes_nothing_on_the_post_backward_stream(monkeypatch, one_torch_thread):
     """The replay's post-backward stream sees per step only the last micro-batch's allocations: each
     unit's reduce copy and new shard, then the shard kept; the first micro-batch (inside ``no_sync()``)
     adds none. So the step with two micro-batches allocates there what the step with one does."""
-    from trainmem import allocator
     from trainmem.estimate.reserved.replay import GRAD_STREAM
 
     def grad_stream_allocs(**kw: object) -> list[int]:
         seen: list[int] = []
-        orig = allocator.CachingAllocator.allocate
 
-        def spy(self, nbytes, tag=None, stream=None):
+        def note(nbytes, stream):
             if stream == GRAD_STREAM:
                 seen.append(nbytes)
-            return orig(self, nbytes, tag, stream)
-        allocator.CachingAllocator.allocate = spy
-        try:
-            trainmem.estimate(WIDE, **kw)
-        finally:
-            allocator.CachingAllocator.allocate = orig
+        alloc_spy.requests(monkeypatch, lambda: trainmem.estimate(WIDE, **kw), note)
         return seen
     one = grad_stream_allocs(**dict(BASE, fsdp="full", grad_accum=1))
     two = grad_stream_allocs(**dict(BASE, fsdp="full"))
     assert one and sorted(two) == sorted(one)
 
 
-def test_fsdp1_flat_gradient_is_asked_for_at_its_own_bytes(one_torch_thread):
+def test_fsdp1_flat_gradient_is_asked_for_at_its_own_bytes(monkeypatch, one_torch_thread):
     """``SplitWithSizesBackward0``'s cat, the layer's flat gradient (kept as ``.grad`` inside
     ``no_sync()``), is one tensor of the flat parameter's elements: trace asks for the layer's
     parameter bytes, 12,847,104 fp32 elements of the wide Llama's layer (q, k, v, o 1024 x 1024, gate,
     up, down 1024 x 2816, two norms of 1024); the replay asks for the same request (``_fsdp1_reduce``;
     it asked for the sum of each parameter's allocator block, 50.01 MiB, before)."""
-    from trainmem import allocator
     flat = (4 * 1024 * 1024 + 3 * 1024 * 2816 + 2 * 1024) * 4
 
     def requests(fn) -> set[int]:
         seen: set[int] = set()
-        orig = allocator.CachingAllocator.allocate
-
-        def spy(self, nbytes, tag=None, stream=None):
-            seen.add(nbytes)
-            return orig(self, nbytes, tag, stream)
-        allocator.CachingAllocator.allocate = spy
-        try:
-            fn()
-        finally:
-            allocator.CachingAllocator.allocate = orig
+        alloc_spy.requests(monkeypatch, fn, lambda nbytes, stream: seen.add(nbytes))
         return seen
     kw = dict(BASE, fsdp="full")
     assert flat in requests(lambda: trace(WIDE, **kw))

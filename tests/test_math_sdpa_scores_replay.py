@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from trainmem.spec import TrainingSpec, resolve_model
+import alloc_spy
 
 MiB = 1 << 20
 
@@ -28,25 +29,14 @@ def test_the_recipe_writes_the_scores_before_the_saved_softmax():
     assert lc.tensors[lc.attn_at] == (0, scores)               # the softmax output, saved
 
 
-def _segments_of(fn, size: int) -> int:
+def _segments_of(monkeypatch, fn, size: int) -> int:
     from trainmem import allocator
     opened = []
-    orig = allocator.CachingAllocator._device_alloc
-
-    def spy(self, pool, n):
-        b = orig(self, pool, n)
-        if b is not None:
-            opened.append(allocator.segment_size(n))
-        return b
-    allocator.CachingAllocator._device_alloc = spy
-    try:
-        fn()
-    finally:
-        allocator.CachingAllocator._device_alloc = orig
+    alloc_spy.segments(monkeypatch, fn, lambda pool, n: opened.append(allocator.segment_size(n)))
     return opened.count(allocator.segment_size(size))
 
 
-def test_the_replay_opens_trace_s_scores_segments():
+def test_the_replay_opens_trace_s_scores_segments(monkeypatch):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from trainmem.estimate.engine import estimate, forget_replays
@@ -54,6 +44,6 @@ def test_the_replay_opens_trace_s_scores_segments():
     m, t = _setup()
     scores = m.num_heads * t.seq_len * t.seq_len * 4  # 56 MiB
     forget_replays()                                            # (the replay runs under the spy)
-    est = _segments_of(lambda: estimate(m, t, reserved=True), scores)
-    tr = _segments_of(lambda: trace(m, training=t), scores)
+    est = _segments_of(monkeypatch, lambda: estimate(m, t, reserved=True), scores)
+    tr = _segments_of(monkeypatch, lambda: trace(m, training=t), scores)
     assert est == tr == 4, (est, tr)                            # before: 2 against 4

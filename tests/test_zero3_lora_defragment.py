@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 
 from trainmem.estimate.states import zero3_init_build, zero3_whole_load
+import alloc_spy
 
 LOAD = [("a.weight", 400), ("a.bias", 40), ("buf", 8), ("b.weight", 400)]
 WHOLE = {"a.weight": 800, "a.bias": 80, "b.weight": 800}
@@ -46,7 +47,7 @@ ROW = dict(batch_size=1, seq_len=1024, contiguous_gradients=False, dp=2, grad_ac
 
 
 @pytest.mark.slow
-def test_head_fetches_in_trace_order(one_torch_thread):
+def test_head_fetches_in_trace_order(monkeypatch, one_torch_thread):
     """The grid row's first requests of 240 MiB and over (the tied 501 MiB table gathered, 250.5 MiB
     partitions and bf16 logits, 501 MiB fp32 loss tensors) in trace's order through the first
     micro-batch's head backward: the head's backward fetch after the logits' gradient."""
@@ -54,7 +55,6 @@ def test_head_fetches_in_trace_order(one_torch_thread):
     import os
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
     from bench_agreement import Case
-    from trainmem import allocator
     from trainmem.estimate import engine
     from trainmem.trace.api import trace
     opts = tuple(sorted((k, v) for k, v in ROW.items() if k not in ("batch_size", "seq_len")))
@@ -62,17 +62,11 @@ def test_head_fetches_in_trace_order(one_torch_thread):
 
     def requests(run) -> list[float]:
         seen: list[float] = []
-        orig = allocator.CachingAllocator.allocate
 
-        def spy(self, nbytes, tag=None, stream=None):
+        def note(nbytes, stream):
             if nbytes >= 240 * 2**20:
                 seen.append(round(nbytes / 2**20, 1))
-            return orig(self, nbytes, tag, stream)
-        allocator.CachingAllocator.allocate = spy
-        try:
-            run()
-        finally:
-            allocator.CachingAllocator.allocate = orig
+        alloc_spy.requests(monkeypatch, run, note)
         return seen
     engine.forget_replays()
     ours = requests(lambda: engine.estimate(m, t, reserved=True))
