@@ -3,6 +3,7 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,6 +24,33 @@ def load_benchmark(name: str):
     sys.modules[spec.name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
+
+
+def estimate_patched(monkeypatch, m, t, patches) -> Any:
+    """The estimate of model ``m`` under ``t`` with ``patches`` ((object, attribute, value) each) in place,
+    the quantities' cache and the remembered replays cleared before and after, so that it neither reads
+    nor leaves a result made without them (tests comparing a mechanism with its absence)."""
+    from trainmem import estimate
+    from trainmem.estimate import engine, quantities
+    quantities.build._CACHE.clear()
+    engine.forget_replays()
+    for obj, name, value in patches:
+        monkeypatch.setattr(obj, name, value)
+    try:
+        return estimate(m, training=t)
+    finally:
+        monkeypatch.undo()
+        quantities.build._CACHE.clear()
+        engine.forget_replays()
+
+
+@pytest.fixture(scope="session")
+def bench():
+    """``benchmarks/bench_agreement.py`` (the agreement grid's setups, ``Case``, ``compare``), loaded once:
+    its rows run trace, so without torch and transformers the tests that take it are skipped."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    return load_benchmark("bench_agreement")
 
 
 @pytest.fixture(autouse=True)

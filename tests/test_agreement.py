@@ -11,17 +11,11 @@ from __future__ import annotations
 import statistics
 
 import pytest
-from conftest import load_benchmark
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 MEDIAN, MAX = 0.01, 0.03
-
-
-@pytest.fixture(scope="module")
-def bench():
-    return load_benchmark("bench_agreement")
 
 
 @pytest.fixture(scope="module")

@@ -5,17 +5,11 @@ on a setup small enough for the fast suite; the ~40-setup subset of the grid is 
 from __future__ import annotations
 
 import pytest
-from conftest import load_benchmark
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 MEDIAN, MAX = 0.002, 0.02
-
-
-@pytest.fixture(scope="module")
-def bench():
-    return load_benchmark("bench_agreement")
 
 
 def _case(bench, family, shape, **options):

@@ -21,6 +21,8 @@ from trainmem.estimate.quantities.model_facts import HEAD_KEYS
 from trainmem.estimate.quantities.outer import HEAD_SAVED, head_side_tensors, outer_tensors
 from trainmem.spec import TrainingSpec, resolve_model
 
+from conftest import estimate_patched
+
 LLAMA_GQA = ("llama-3.2-1b", ["num_hidden_layers=2"])
 QWEN3 = ("qwen3-0.6b", ["num_hidden_layers=2"])
 PHI3 = ("phi-3-mini", ["num_hidden_layers=2", "hidden_size=1024", "intermediate_size=2816",
@@ -29,17 +31,8 @@ PHI3 = ("phi-3-mini", ["num_hidden_layers=2", "hidden_size=1024", "intermediate_
 
 def _one_block(monkeypatch, m, t) -> int:
     """The estimate's peak reserved as it was before: the head side as one block."""
-    from trainmem.estimate import engine
-    quantities.build._CACHE.clear()
-    engine.forget_replays()
-    monkeypatch.setattr(quantities.outer, "causal_lm_head_tensors", lambda *a: ())
-    monkeypatch.setattr(quantities.outer, "derived_head_tensors", lambda *a: ())
-    try:
-        return trainmem.estimate(m, training=t).peak_reserved
-    finally:
-        monkeypatch.undo()
-        quantities.build._CACHE.clear()
-        engine.forget_replays()
+    return estimate_patched(monkeypatch, m, t, [(quantities.outer, "causal_lm_head_tensors", lambda *a: ()),
+                                                (quantities.outer, "derived_head_tensors", lambda *a: ())]).peak_reserved
 
 
 @pytest.mark.parametrize("model, kw", [

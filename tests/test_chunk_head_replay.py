@@ -12,15 +12,9 @@ Before -> after, estimate / trace - 1 of peak reserved: GPT-2 (2 layers) 2 x 512
 from __future__ import annotations
 
 import pytest
-from conftest import load_benchmark
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
-
-
-@pytest.fixture(scope="module")
-def bench():
-    return load_benchmark("bench_agreement")
 
 
 def _row(bench, family, shape, **options):

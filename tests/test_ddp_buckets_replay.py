@@ -12,7 +12,6 @@ where the replay had 1786 on Llama (2 layers, h 2048) 2 x 512 over 2 ranks. On t
 from __future__ import annotations
 
 import pytest
-from conftest import load_benchmark
 
 from trainmem.estimate.reserved.ddp import ddp_buckets, flat_copies
 
@@ -33,13 +32,6 @@ def test_rebuilt_buckets_close_at_one_then_25_mib():
     grads = [250 * MiB, norm, 43 * MiB, 43 * MiB, 43 * MiB, norm, 16 * MiB, 16 * MiB, 16 * MiB, 16 * MiB]
     assert ddp_buckets(grads) == [250 * MiB, 43 * MiB + norm, 43 * MiB, 43 * MiB, 32 * MiB + norm, 32 * MiB]
     assert ddp_buckets([512 * 1024, 512 * 1024, 10 * MiB]) == [MiB, 10 * MiB]
-
-
-@pytest.fixture(scope="module")
-def bench():
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    return load_benchmark("bench_agreement")
 
 
 def _loaded(r):

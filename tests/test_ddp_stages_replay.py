@@ -14,7 +14,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from conftest import load_benchmark
 
 from trainmem.estimate.reserved.ddp import stage_grads, stage_loads
 
@@ -51,13 +50,6 @@ def test_stage_grads_follow_parameter_order_and_take_unrounded_bytes():
     assert stage_grads(items, 2, last=True) == [[22 * MiB, 8 * MiB], [22 * MiB, 8 * MiB, 8192, 1002 * MiB]]
     raw = (1002 * MiB, 21 * MiB + MiB // 2, 8 * MiB, 8192)     # a 21.5 MiB gradient is a 22 MiB block alone
     assert stage_grads(items, 2, raw=raw)[0] == [1002 * MiB, 21 * MiB + MiB // 2, 8 * MiB]
-
-
-@pytest.fixture(scope="module")
-def bench():
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    return load_benchmark("bench_agreement")
 
 
 @pytest.mark.parametrize("family, precision", [("llama-gqa", "bf16-amp"), ("llama", "bf16")])

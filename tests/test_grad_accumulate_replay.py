@@ -18,7 +18,6 @@ grid (``benchmarks/bench_agreement.py --reserved``; docs/agreement.md "Peak rese
 from __future__ import annotations
 
 import pytest
-from conftest import load_benchmark
 
 from trainmem.estimate.reserved.optimizer import _accumulated
 from trainmem.estimate.reserved.replay import _Replay, _Step
@@ -35,13 +34,6 @@ def test_only_an_existing_gradient_is_made_anew_to_be_added():
     made = _accumulated(R, s, items, ("after", "before"))
     assert [R.a.block_size(h) for h in made] == [1002 * MiB]
     assert _accumulated(R, s, items, ("after",)) == []
-
-
-@pytest.fixture(scope="module")
-def bench():
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    return load_benchmark("bench_agreement")
 
 
 def test_a_tied_last_stage_reserves_as_trace(bench):

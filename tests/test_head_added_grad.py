@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from conftest import load_benchmark
 
 from trainmem.estimate.quantities.build import quantities
 from trainmem.spec import TrainingSpec, resolve_model
@@ -41,13 +40,6 @@ def test_only_gradients_autograd_accumulates_are_counted():
     assert 0 < quantities(m, t).head_added < MiB               # tied, one GPU: the norm's (the table's: tied_grad)
     for other in (replace(t, lora_rank=8), replace(t, loss_chunks=4), replace(t, dp=2, fsdp="full")):
         assert quantities(m, other).head_added == 0, other
-
-
-@pytest.fixture(scope="module")
-def bench():
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    return load_benchmark("bench_agreement")
 
 
 @pytest.mark.parametrize("family, layers, options", [

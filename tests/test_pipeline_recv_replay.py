@@ -12,17 +12,10 @@ them several times: on the grid's 42 pipelines its allocated peak was up to 20 %
 from __future__ import annotations
 
 import pytest
-from conftest import load_benchmark
 
 from trainmem.estimate.engine import estimate
 
 MiB = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def bench():
-    pytest.importorskip("transformers")
-    return load_benchmark("bench_agreement")
 
 
 @pytest.mark.parametrize("schedule", ["interleaved-1f1b", "gpipe"])

@@ -13,23 +13,17 @@ from __future__ import annotations
 import pytest
 
 import trainmem
-from trainmem.estimate import engine, quantities, reserved
+from trainmem.estimate import engine, reserved
 from trainmem.spec import TrainingSpec, resolve_model
+
+from conftest import estimate_patched
 
 GEMMA2 = ("gemma-2-2b", ["num_hidden_layers=2"])
 
 
 def _uncapped(monkeypatch, m, t) -> int:
     """The estimate's peak reserved as it was before: no soft-cap tensors in the replay."""
-    quantities.build._CACHE.clear()
-    engine.forget_replays()
-    monkeypatch.setattr(reserved.driver, "_softcap_bytes", lambda *a: 0)
-    try:
-        return trainmem.estimate(m, training=t).peak_reserved
-    finally:
-        monkeypatch.undo()
-        quantities.build._CACHE.clear()
-        engine.forget_replays()
+    return estimate_patched(monkeypatch, m, t, [(reserved.driver, "_softcap_bytes", lambda *a: 0)]).peak_reserved
 
 
 @pytest.mark.parametrize("kw", [

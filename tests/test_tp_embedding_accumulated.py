@@ -8,9 +8,6 @@ under DTensor TP: -4.0 % against trace on a 2-layer Llama, TP 2, fp32, SGD, 2 mi
 """
 from __future__ import annotations
 
-import pytest
-from conftest import load_benchmark
-
 from trainmem.spec import TrainingSpec, resolve_model
 
 
@@ -21,13 +18,6 @@ def test_the_new_gradient_is_the_whole_table():
     t = TrainingSpec(batch_size=1, seq_len=256, tp=2, grad_accum=2, precision="fp32")
     table = m.vocab_size * m.hidden_size * 4
     assert quantities(m, t).emb_grad == table                 # not this rank's rows (table / 2)
-
-
-@pytest.fixture(scope="module")
-def bench():
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    return load_benchmark("bench_agreement")
 
 
 def test_the_estimate_meets_trace_at_the_embedding_s_backward(bench):
