@@ -38,7 +38,9 @@ import trainmem
 from trainmem.estimate import engine
 from trainmem.estimate.layers import layer_coefficients
 from trainmem.estimate.quantities.build import clear_cache as clear_quantities
+from trainmem.errors import TrainmemError
 from trainmem.spec import TrainingSpec, catalogue_names, resolve_model
+from trainmem.spec.resolve import resolve
 from trainmem.spec.layout import tp_problems
 
 TARGET = 10_000  # estimates per second
@@ -65,9 +67,15 @@ def make_setups(n: int, seed: int = 0) -> list[tuple[str, dict]]:
         limit = m.max_positions if m.family in LEARNED else 1 << 30
         tps = [tp for tp in TPS if not tp_problems(m, tp)]
         zero = rng.choice(ZERO)
-        out.append((name, dict(batch_size=rng.choice(BATCHES), seq_len=rng.choice([s for s in SEQS if s <= limit]),
-                               precision=rng.choice(PRECISIONS), recompute=rng.choice(RECOMPUTE),
-                               zero=zero, dp=8 if zero else 1, tp=rng.choice(tps))))
+        opts = dict(batch_size=rng.choice(BATCHES), seq_len=rng.choice([s for s in SEQS if s <= limit]),
+                    precision=rng.choice(PRECISIONS), recompute=rng.choice(RECOMPUTE),
+                    zero=zero, dp=8 if zero else 1, tp=rng.choice(tps))
+        try:  # a draw the model refuses (ZeRO on a VLM, TP with a Python-op norm, a derived model's
+            r = resolve(name, **opts)  # uncovered recompute) is redrawn: resolve()'s and the engine's checks
+            engine.estimate(r.model, r.training)
+        except TrainmemError:
+            continue
+        out.append((name, opts))
     return out
 
 

@@ -3,7 +3,8 @@ sweep"): sequence classification and question answering on GPT-2, BERT, Llama an
 on BERT, the only one of them that has it), each at its real width and a tiny one (2 layers both)
 x fp32, bf16-amp, fp16-amp, bf16 x recompute none, full x (2 x 64, 4 x 256): 288 setups.
 
-    .venv/bin/python benchmarks/bench_heads.py out.jsonl              # run the sweep, one JSON row per setup
+    .venv/bin/python benchmarks/bench_heads.py                        # run the sweep, print the summary
+    .venv/bin/python benchmarks/bench_heads.py out.jsonl              # ... and keep one JSON row per setup
     .venv/bin/python benchmarks/bench_heads.py out.jsonl before.jsonl # ... then compare with an earlier run
 
 Each row: |estimate / trace - 1| of the step's peak allocated (``err``), and of the forward's and
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import statistics
 import sys
 
@@ -67,7 +69,7 @@ def main(argv: list[str]) -> None:
     import torch
     torch.set_num_threads(1)
     rows = []
-    with open(argv[0], "w", encoding="utf-8") as out:
+    with open(argv[0] if argv else os.devnull, "w", encoding="utf-8") as out:  # `make bench` passes no path
         for case in setups():
             rows.append(compare(*case))
             out.write(json.dumps(rows[-1]) + "\n")

@@ -6,7 +6,8 @@ LoRA r16 on the language model's q/k/v/o) x precision (bf16, fp16-amp): 72 setup
 full`` (the tower's blocks checkpointed too: each family x precision, full tuning, 2 images, micro-batch 2);
 AdamW, 2048 tokens (Qwen2.5-VL's images 448 px: 256 tokens each; LLaVA's 576, Gemma 3's 256).
 
-    .venv/bin/python benchmarks/bench_vlm.py out.jsonl                 # the sweep, one JSON row per setup
+    .venv/bin/python benchmarks/bench_vlm.py                           # the sweep, the summary only
+    .venv/bin/python benchmarks/bench_vlm.py out.jsonl                 # ... and one JSON row per setup
     .venv/bin/python benchmarks/bench_vlm.py out.jsonl --family llava-1.5  # one family
     .venv/bin/python benchmarks/bench_vlm.py out.jsonl --recompute-only    # the --recompute full setups
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import statistics
 import sys
 import time
@@ -81,7 +83,7 @@ def summary(rows: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> None:
-    out = argv[0]
+    out = argv[0] if argv and not argv[0].startswith("--") else os.devnull  # `make bench` passes no path
     families = [argv[argv.index("--family") + 1]] if "--family" in argv else None
     only = "--recompute-only" in argv  # the --recompute full setups alone
     rows = []
