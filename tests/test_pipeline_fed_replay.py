@@ -33,6 +33,16 @@ def test_a_fed_stage_makes_its_top_output_once(bench, recompute, attention):
     assert abs(e.extra["replay_peak_allocated"] / e.peak_allocated - 1) <= 0.005
 
 
+def test_a_later_1f1b_stage_holds_the_input_gradient_it_sends(bench):
+    # Llama (h 2048), 2 layers over pp 2 (1F1B), 3 micro-batches of 8 x 256 bf16-amp, op recompute: the
+    # last stage's previous input gradient (16 MiB) is alive at its next loss; without it the replay's
+    # allocated peak was 0.7 % below the estimate's once the top output is made once (now +0.02 %)
+    m, t = _specs(bench, "llama", 8, 256, 2, grad_accum=3, pp=2, loss="half", optimizer="adamw-8bit",
+                  recompute="op")
+    e = estimate(m, t, reserved=True)
+    assert abs(e.extra["replay_peak_allocated"] / e.peak_allocated - 1) <= 0.003
+
+
 @pytest.mark.slow
 def test_fed_stage_reserved_against_trace(bench):
     # the grid's row: Llama 4 layers b4 s512 eager, dp 2, interleaved, AdaFactor, fp32, full recompute:

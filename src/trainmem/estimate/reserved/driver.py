@@ -313,6 +313,7 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
             f.z3.backward(R, i)                                   # ZeRO-3: the layer's parameters released
     R.frees(R.bcarry)                                             # the bottom layer's input gradient, which
     R.bcarry = []                                                 # the embedding's backward reads
+    _sent_grad(R, s, q, tk)                                       # a later 1F1B stage's: held to send
     if q.fsdp_emb_unit:                                           # split root: the embedding's pre-backward
         f.fs.below_first = 0
         f.root = f.fs.unshard_backward(R, q.fsdp_emb_unit, _emb_unit_tensors(st), prefetch=False)
@@ -359,6 +360,28 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
         R.frees(f.out)
 
 
+def _sent_grad(R: _Replay, s: _Step, q: Quantities, tk: Tokens) -> None:
+    """A later stage under ``Schedule1F1B``: the gradient of its input, (b, s, h) in the residual
+    stream's dtype (``Quantities.pipe_sent_tok``), made by its bottom layer's backward and held by the
+    list of send ops until the next micro-batch's backward has run: ``backward_one_chunk`` leaves it in
+    ``bwd_cache`` (``_backward.py`` ``stage_backward`` sets the input's ``.grad`` to None after reading
+    it, L440-450), ``get_bwd_send_ops`` pops it into the ops bound to ``bwd_sends``, which is rebound
+    only after the next backward (torch 2.13 ``pipelining/schedules.py`` L1108-1127 in
+    ``Schedule1F1B._step_microbatches``; the last one held until the step returns, L1145-1168). The
+    estimate counts it (``moments.tokens``' ``sent``); the replay made and freed it inside the layer's
+    backward. Here it is made as the layers' backward ends and the previous micro-batch's freed;
+    ``_micro_batches`` frees the last. Found by trace: llama (2 layers, h 2048) b8 s256 --pp 2
+    --grad-accum 3 bf16-amp op recompute AdamW-8bit, the last stage's loss 12 MiB more allocated than
+    the replay's in the last micro-batch once the replay no longer counted the top layer's output
+    twice (``_fed_top_output``)."""
+    nbytes = int(q.pipe_sent_tok * tk.tokens)
+    if nbytes <= 0:
+        return
+    made = R.alloc(nbytes)
+    R.free(s.sent)
+    s.sent = made
+
+
 def _micro_batches(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int,
                    recompute: str, b: int, ga: int) -> None:
     """A step's micro-batches: each forward, then its backward once ``tk.inflight`` forwards are in
@@ -383,6 +406,8 @@ def _micro_batches(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: To
     if flags.pipe_out:                                            # the schedule's step returns: its last
         R.frees(s.held)                                           # output freed (moments.pipeline_output)
         s.held = []
+    R.free(s.sent)                                                # ... and its last send ops (``_sent_grad``)
+    s.sent = None
 
 
 def _pipeline_pairs(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, shape: tuple,
