@@ -240,3 +240,14 @@ def test_invariants_random_sequences(ops, expandable):
         a.free(h)
     a.empty_cache()
     assert (a.allocated, a.reserved) == (0, 0)
+
+
+def test_requested_size_is_the_request_not_the_block():
+    # a 15.6 MiB request alone opens a 16 MiB segment and takes it whole (R3, R5: 0.4 MiB left, not
+    # split): its block is 16 MiB, its request what was asked; the host allocator has no rounding
+    a = CachingAllocator()
+    h = a.allocate(15 * MiB + 600 * KiB)
+    assert (a.block_size(h), a.requested_size(h)) == (16 * MiB, 15 * MiB + 600 * KiB)
+    assert a.requested_size(None) == 0
+    e = ExactAllocator()
+    assert e.requested_size(e.allocate(1000)) == 1000

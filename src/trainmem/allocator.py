@@ -239,6 +239,10 @@ class CachingAllocator:
         """The stream the block of ``handle`` was allocated on (its pool's)."""
         return 0 if handle is None else self._live[handle].stream
 
+    def requested_size(self, handle: int | None) -> int:
+        """Bytes the request of ``handle`` asked for (before rounding to its block)."""
+        return 0 if handle is None else self._live[handle].requested
+
     def allocate(self, nbytes: int, tag: Any = None, stream: int | None = None) -> int | None:
         """Allocate ``nbytes`` on ``stream`` (default :attr:`current_stream`); returns a handle for
         :meth:`free` (None for a 0-byte request)."""
@@ -647,6 +651,9 @@ class ExactAllocator:
 
     def block_stream(self, handle: int | None) -> int:
         return 0  # host memory has no streams: nothing waits for another stream
+
+    def requested_size(self, handle: int | None) -> int:
+        return self.block_size(handle)  # no rounding: the block is the request
 
     pending_tick = 0
 

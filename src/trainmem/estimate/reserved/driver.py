@@ -148,15 +148,16 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     s.workspace(R, 0)                                             # no layer here: the head's matmul
     R.frees([h for at, h in R.carry if at != LATE])               # the top layer's late frees (a derived layer)
     R.carry = [(at, h) for at, h in R.carry if at == LATE]
+    top = _fed_top_output(R, q, tk, kept, recompute)              # a fed stage: the top layer's output apart
     if not head:
         return _stage_output(R, s, q, tk, _Forward(inputs, fs, root, emb, kept, [], [], [], 0, 1, gathered, 0, z3),
-                             cached, suffix)
+                             cached, suffix, top)
     z3.forward_end(R)                                             # ZeRO-3: the final norm's and the head's fetches
     # a chunked loss: one tensor per chunk, at most one chunk per token (more are not made: setup_warnings)
     chunks = max(1, min(int(q.logit_chunks), int(tk.tokens))) if q.liger_factor == 0 else 1
     root = root + fs.unshard(R, q.fsdp_head_unit, st.head_unit_tensors)  # split root: [norm, head] kept
     capped = _softcap_bytes(q, tk, full, chunks)                  # a soft-capped head's tanh outputs, apart
-    head, late, body = _head_side(R, q, tk, capped)               # the final norm's tensors, the head's input
+    head, late, body = _head_side(R, q, tk, capped, top)          # the final norm's tensors, the head's input
     R.free(embeds)                                                # the base model returns (held_embeddings)
     head.append(R.alloc(q.cast_head))                             # autocast's half copy of the head
     out, saved_tanh = _softcapped_logits(R, q, tk, full, chunks) if capped else (
@@ -202,20 +203,55 @@ def _forward_end(R: _Replay, s: _Step, q: Quantities, fs: "_Fsdp", root: list, s
 
 
 def _stage_output(R: _Replay, s: _Step, q: Quantities, tk: Tokens, f: _Forward, cached: list,
-                  suffix: str) -> _Forward:
+                  suffix: str, top: int | None = None) -> _Forward:
     """The end of a pipeline pair's forward on a stage without the head (``_forward``'s ``head``
     False): the stage's output, the top layer's (b, s, h) hidden states in the layers' dtype
     (``q.pipe_out_tok`` bytes per token, ``quantities.pipeline._interleaved_terms``), which the stage keeps
     in ``fwd_cache`` until the pair's backward (torch 2.13 ``pipelining/stage.py`` L904-916,
     L962-967; ``schedules.py`` L2530 binds it to a local of ``_perform_action``, gone as the action
     returns); autocast's weight cache cleared as the stage's forward returns. No final norm, head,
-    logits or loss."""
+    logits or loss. ``top``: on a fed stage, the top layer's output already made (``_fed_top_output``),
+    which is that output when it is its size."""
     R.frees([h for _at, h in R.carry])                            # a derived layer's late frees
     R.carry = []
-    f.out = [R.alloc(int(q.pipe_out_tok * tk.tokens))]            # (b, s, h): the stage's output
+    nbytes = int(q.pipe_out_tok * tk.tokens)
+    if top is not None and R.a.requested_size(top) == nbytes:
+        f.out = [top]                                             # (b, s, h): the top layer's output itself
+    else:
+        f.out = [R.alloc(nbytes)]                                 # (b, s, h): the stage's output
+        R.free(top)
     R.frees(cached)                                               # autocast exits: its cache cleared
     f.root = _forward_end(R, s, q, f.fs, f.root, suffix)
     return f
+
+
+def _fed_top_output(R: _Replay, q: Quantities, tk: Tokens, kept: list, recompute: str) -> int | None:
+    """On a pipeline stage fed its input (every stage of torch's schedule but the model's first), the
+    handle of the top layer's output, taken out of what that layer keeps; None elsewhere.
+
+    A checkpointed layer (full or per-op recomputation) keeps its input, which the replay makes as the
+    first of its kept blocks at the layer's end (``layer_forward._op_forward``, ``_kept_blocks``): so
+    each layer's block is the next one's input, made where the real one is, and the top layer's is the
+    final norm's input. On a fed stage the bottom layer's input is the receive buffer
+    (``stage.py`` ``_retrieve_recv_activations`` hands the buffer itself to the stage module; the
+    replay holds it from the first forward, ``_batch_in``), which the estimate counts once
+    (``quantities.pipeline._pipeline_terms``: ``pipeline.received_input``), so one block of the layers'
+    is not a tensor of the stage's: the top layer's output is one tensor, which the stage's
+    ``fwd_cache`` keeps as its output until the micro-batch's backward (torch 2.13
+    ``pipelining/stage.py`` L913-916) and, on the head's stage, the final norm reads (transformers 5.24
+    ``models/llama/modeling_llama.py`` L404 ``hidden_states = self.norm(hidden_states)``), where the
+    replay made it again (``_stage_output``, ``loss_forward._head_side``). Taken only where that block
+    is the received input's size (``Detail.received_tok``), on the last rank of an interleaved
+    schedule (its replayed (stage, micro-batch) pairs are all fed) or on a stage of another schedule
+    with a head. Found by the agreement grid: llama (4 layers, h 2048) b8 s256 --pp 2
+    interleaved-1f1b fp32 op recompute, the replay's allocated 16 MiB over trace's after each pair's
+    forward (one block per pair in flight, 51 MiB at its peak)."""
+    fed = int(q.detail.received_tok * tk.tokens)
+    if not fed or recompute not in ("full", "op") or not kept or not kept[-1]:
+        return None
+    if not (q.pipe_order or (q.pipe_stages <= 1 and tk.outer_head)):
+        return None
+    return kept[-1].pop(0) if R.a.requested_size(kept[-1][0]) == fed else None
 
 
 def _batch_in(R: _Replay, s: _Step, q: Quantities, tk: Tokens) -> int | None:
@@ -277,6 +313,7 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
             f.z3.backward(R, i)                                   # ZeRO-3: the layer's parameters released
     R.frees(R.bcarry)                                             # the bottom layer's input gradient, which
     R.bcarry = []                                                 # the embedding's backward reads
+    _sent_grad(R, s, q, tk)                                       # a later 1F1B stage's: held to send
     if q.fsdp_emb_unit:                                           # split root: the embedding's pre-backward
         f.fs.below_first = 0
         f.root = f.fs.unshard_backward(R, q.fsdp_emb_unit, _emb_unit_tensors(st), prefetch=False)
@@ -323,6 +360,28 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
         R.frees(f.out)
 
 
+def _sent_grad(R: _Replay, s: _Step, q: Quantities, tk: Tokens) -> None:
+    """A later stage under ``Schedule1F1B``: the gradient of its input, (b, s, h) in the residual
+    stream's dtype (``Quantities.pipe_sent_tok``), made by its bottom layer's backward and held by the
+    list of send ops until the next micro-batch's backward has run: ``backward_one_chunk`` leaves it in
+    ``bwd_cache`` (``_backward.py`` ``stage_backward`` sets the input's ``.grad`` to None after reading
+    it, L440-450), ``get_bwd_send_ops`` pops it into the ops bound to ``bwd_sends``, which is rebound
+    only after the next backward (torch 2.13 ``pipelining/schedules.py`` L1108-1127 in
+    ``Schedule1F1B._step_microbatches``; the last one held until the step returns, L1145-1168). The
+    estimate counts it (``moments.tokens``' ``sent``); the replay made and freed it inside the layer's
+    backward. Here it is made as the layers' backward ends and the previous micro-batch's freed;
+    ``_micro_batches`` frees the last. Found by trace: llama (2 layers, h 2048) b8 s256 --pp 2
+    --grad-accum 3 bf16-amp op recompute AdamW-8bit, the last stage's loss 12 MiB more allocated than
+    the replay's in the last micro-batch once the replay no longer counted the top layer's output
+    twice (``_fed_top_output``)."""
+    nbytes = int(q.pipe_sent_tok * tk.tokens)
+    if nbytes <= 0:
+        return
+    made = R.alloc(nbytes)
+    R.free(s.sent)
+    s.sent = made
+
+
 def _micro_batches(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int,
                    recompute: str, b: int, ga: int) -> None:
     """A step's micro-batches: each forward, then its backward once ``tk.inflight`` forwards are in
@@ -347,6 +406,8 @@ def _micro_batches(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: To
     if flags.pipe_out:                                            # the schedule's step returns: its last
         R.frees(s.held)                                           # output freed (moments.pipeline_output)
         s.held = []
+    R.free(s.sent)                                                # ... and its last send ops (``_sent_grad``)
+    s.sent = None
 
 
 def _pipeline_pairs(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, shape: tuple,

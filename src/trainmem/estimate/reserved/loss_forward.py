@@ -52,22 +52,27 @@ def _logit_allocs(R: _Replay, sizes: list[int]) -> list:
     return R.allocs(sizes[:whole]) + R.allocs(sizes[whole:], one=False)
 
 
-def _head_side(R: _Replay, q: Quantities, tk: Tokens, capped: int = 0) -> tuple[list, list, list]:
+def _head_side(R: _Replay, q: Quantities, tk: Tokens, capped: int = 0,
+               top: int | None = None) -> tuple[list, list, list]:
     """The head side's saved tensors (``tk.outer_head`` bytes) and, apart, those freed once the logits
     are made and those the model's forward holds until its loss returns. One block each where the
     estimate knows them one by one (``quantities.outer.head_side_tensors``: a masked LM's transform and
     decoder input, with autocast's forward-only copies; a causal LM's final norm and head input,
     ``quantities.outer.causal_lm_head_tensors``), what is left of ``tk.outer_head`` beside the saved ones as
     one more; else one block (several tensors). ``capped``: bytes of a soft-capped head's tanh outputs
-    among ``tk.outer_head``, made with the logits (``_softcapped_logits``), not here."""
+    among ``tk.outer_head``, made with the logits (``_softcapped_logits``), not here. ``top``: on a fed
+    pipeline stage the top layer's output, made (``driver._fed_top_output``): the norm's input
+    (``_fed_norm_input``)."""
     sizes = [(int(x * tk.tokens), held) for x, held in q.head_side]
     rest = int(tk.outer_head) - capped - sum(x for x, held in sizes if held == HEAD_SAVED)
     if not sizes or rest < 0:
-        return [R.alloc(int(tk.outer_head) - capped, one=False)], [], []
+        side = [R.alloc(int(tk.outer_head) - capped, one=False)]
+        R.free(top)
+        return side, [], []
     lists: dict[int, list] = {HEAD_SAVED: [], HEAD_LOGITS: [], HEAD_LOSS: []}
     temps: list = []                                              # [handle, tensors made before it is freed]
     for nbytes, held in sizes:
-        h = R.alloc(nbytes)
+        h, top = _fed_norm_input(R, nbytes, held, top)
         for temp in temps:
             temp[1] -= 1
         R.frees([temp[0] for temp in temps if temp[1] == 0])
@@ -76,7 +81,21 @@ def _head_side(R: _Replay, q: Quantities, tk: Tokens, capped: int = 0) -> tuple[
             temps.append([h, 1 if held == HEAD_NEXT else 2])
         lists.get(held, []).append(h)
     R.frees([temp[0] for temp in temps])
+    R.free(top)                                                   # (a half stream's: once the norm returns)
     return lists[HEAD_SAVED] + [R.alloc(rest, one=False)], lists[HEAD_LOGITS], lists[HEAD_LOSS]
+
+
+def _fed_norm_input(R: _Replay, nbytes: int, held: int, top: int | None) -> tuple[int | None, int | None]:
+    """One of the head side's tensors (``_head_side``), and what is left of ``top``, the top layer's
+    output on a fed pipeline stage (``driver._fed_top_output``; None elsewhere). In an fp32 stream the
+    final norm's first saved tensor is its input itself (``to(torch.float32)`` returns it:
+    ``quantities.outer.rmsnorm_head_tensors``), so ``top`` is that tensor, not a new block; in a half
+    stream it is an fp32 copy and ``top`` lives on until the norm returns (``LlamaModel.forward``'s
+    ``hidden_states`` holds it: transformers 5.24 ``models/llama/modeling_llama.py`` L404), freed
+    after the side's tensors (``_head_side``)."""
+    if top is not None and held == HEAD_SAVED and R.a.requested_size(top) == nbytes:
+        return top, None
+    return R.alloc(nbytes), top
 
 
 def _softcap_bytes(q: Quantities, tk: Tokens, full: int, chunks: int) -> int:

@@ -137,6 +137,7 @@ class _Step:
     ddp: Any = None                              # DDP: its first iteration's one bucket, until rebuilt (``_ddp_init``)
     ga: int = 1                                  # micro-batches per step
     recv: Any = None                             # torch's pipeline stage: its receive buffers, once made (``_batch_in``)
+    sent: Any = None                             # ... a later 1F1B stage: the input gradient its send ops hold (``_sent_grad``)
     unsharded: dict = field(default_factory=dict)  # FSDP1 no_sync: each unit's (``where``) accumulated flat gradient
 
     def workspace(self, R: "_Replay", thread: int) -> None:
