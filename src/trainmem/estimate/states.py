@@ -128,6 +128,9 @@ class States:
     # how ``load`` splits: (tensors before the layers, tensors of one layer, tensors after the layers), the
     # layer's repeated once per layer on the rank; () where the layers differ (``reserved.ddp.stage_loads``)
     load_split: tuple[int, int, int] = ()
+    # which of ``load`` are registered buffers, not parameters (``reserved.fsdp._fsdp1_load``: FSDP1
+    # flattens a unit's parameters only); () where not known
+    load_buffer: tuple[bool, ...] = ()
     # each of ``trainables``' whole gradient in bytes, not rounded to the allocator's blocks (a part of
     # a flat buffer such as DDP's buckets takes its elements only); () where not known
     grad_raw: tuple[int, ...] = ()
@@ -667,6 +670,7 @@ class _Tally:
     """Running sums over the tensors of a rank (bytes unless named otherwise)."""
 
     buffers: int = 0
+    buffer_names: set = field(default_factory=set)  # the names in the load lists that are buffers
     master: int = 0
     grads: int = 0
     opt: int = 0
@@ -868,6 +872,8 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
                   torchao_step=acc.ao_step, torchao_events=tuple(acc.ao_events) if acc.ao_step else (),
                   fsdp_init=_sync_init(m, t, r, lora, (before, layer, after)) if t.fsdp_sync_module_states else (),
                   load_split=(len(before), len(layer), len(after)) if m.uniform_layers else (),
+                  load_buffer=tuple(n in acc.buffer_names for n, _ in _named_load(
+                      before, layer, r.per_stage if m.uniform_layers else 1, after)),
                   grad_raw=tuple(n * r.gbytes for n in acc.item_elems), grad_rank_raw=tuple(acc.item_rank_raw),
                   state_raw=tuple(acc.item_state_raw), trainable_elems=tuple(acc.item_elems),
                   grad_shard_raw=tuple(-(-x // r.d) for x in acc.item_rank_raw)
@@ -1299,9 +1305,11 @@ def _buffers(m: ModelSpec, r: _Rank, acc: _Tally, before: list, layer: list, aft
             if int(b.name.split(".")[1]) != 0:  # layer 0 stands for every layer on this rank
                 continue
             acc.buffers += r.per_stage * r.block(numel * nb)
+            acc.buffer_names.add(b.name)
             _insert_buffer(layer, b.name, numel * nb)
             continue
         acc.buffers += r.block(numel * nb)
+        acc.buffer_names.add(b.name)
         _insert_buffer(after if not b.name.startswith("embeddings") else before, b.name, numel * nb)
 
 
@@ -1321,6 +1329,7 @@ def _layer_rope_cache(m: ModelSpec, t: TrainingSpec, r: "_Rank", acc: "_Tally", 
         acc.buffers += r.per_stage * r.block(numel * 4)
         at = max((i for i, (n, _) in enumerate(layer) if ".self_attn." in n), default=len(layer) - 1) + 1
         layer.insert(at, (f"layers.0.self_attn.pos_embeddings.{name}", numel * 4))
+        acc.buffer_names.add(f"layers.0.self_attn.pos_embeddings.{name}")
 
 
 def _hf_layer_rotary_cache(m: ModelSpec, t: TrainingSpec, r: "_Rank", acc: "_Tally", layer: list) -> None:
@@ -1339,6 +1348,7 @@ def _hf_layer_rotary_cache(m: ModelSpec, t: TrainingSpec, r: "_Rank", acc: "_Tal
         acc.buffers += r.per_stage * r.block(numel * nb)
         at = max((i for i, (n, _) in enumerate(layer) if ".self_attn." in n), default=len(layer) - 1) + 1
         layer.insert(at, (f"layers.0.self_attn.rotary_emb.{name}", numel * nb))
+        acc.buffer_names.add(f"layers.0.self_attn.rotary_emb.{name}")
 
 
 def _rope_cache(m: ModelSpec, t: TrainingSpec, r: "_Rank", acc: "_Tally", before: list) -> None:
@@ -1354,6 +1364,7 @@ def _rope_cache(m: ModelSpec, t: TrainingSpec, r: "_Rank", acc: "_Tally", before
     for i, (name, numel) in enumerate((("theta", half), ("cache", t.rope_cache * half * 2))):   # fp32 each
         acc.buffers += r.block(numel * 4)
         before.insert(i, (f"rope.{name}", numel * 4))
+        acc.buffer_names.add(f"rope.{name}")
 
 
 model_states.cache_clear = _STATES_CACHE.clear  # type: ignore[attr-defined]

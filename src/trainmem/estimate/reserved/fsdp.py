@@ -16,22 +16,33 @@ from .replay import GATHER_STREAM, GRAD_STREAM, _placed, _Replay, _Step
 def _fsdp1_load(q: Quantities, st: Any) -> tuple:
     """Bytes of the tensors the load leaves on the device, in order (``States.load``); under FSDP1 with
     its layers units of their own (``fsdp1_post``) each unit's stored shard is one tensor: the root's
-    (the tensors before and after the layers, ``load_split``), then each layer's. ``FlatParamHandle``
+    (the parameters before and after the layers, ``load_split``), then each layer's. ``FlatParamHandle``
     flattens a unit's parameters into one ``FlatParameter`` and keeps only this rank's chunk of it,
     ``_get_shard``'s ``chunk.clone()`` (torch 2.13 ``fsdp/_flat_param.py`` ``shard`` L945-975,
     ``_get_shard`` L1122-1139): the unit's shard elements once (its padding, under a rank's share of
     the alignment, not counted). Trace (Phi-3 cut to 2 layers, FSDP1 dp 4) makes a 62.63 MiB root
     shard and two 12.25 MiB layer shards where the per-tensor shards took two 32 MiB and two 20 MiB
-    segments. The root's sum also holds the model's buffers loaded after the layers (rotary frequencies:
-    a few hundred bytes), which stay tensors of their own. Left per tensor: LoRA adapters, embeddings or
-    the head in units of their own, parameter offload (host shards), layers that differ."""
+    segments. Left per tensor: LoRA adapters, embeddings or the head in units of their own, parameter
+    offload (host shards), layers that differ; and the buffers (``_fsdp1_load_buffers``)."""
     nb, nl, na = st.load_split or (0, 0, 0)
     layers = st.load[nb:len(st.load) - na]
     if not (q.fsdp1_post > 0 and nl and len(layers) == nl * q.layers and not (
             q.fsdp1_adapter_units or q.fsdp1_emb_units or q.fsdp1_head_unit or q.fsdp1_host_shards)):
         return st.load
-    root = sum(st.load[:nb]) + sum(st.load[len(st.load) - na:])    # (embeddings, final norm, head) shard
-    return (root,) + tuple(sum(layers[i * nl:(i + 1) * nl]) for i in range(q.layers))   # each layer's
+    flags = st.load_buffer or (False,) * len(st.load)
+    params = tuple(0 if b else x for x, b in zip(st.load, flags))   # the buffers left out of the flat sums
+    root = sum(params[:nb]) + sum(params[len(params) - na:])          # (embeddings, final norm, head) shard
+    each = tuple(sum(params[nb + i * nl:nb + (i + 1) * nl]) for i in range(q.layers))   # each layer's
+    return (root,) + each + _fsdp1_load_buffers(st)
+
+
+def _fsdp1_load_buffers(st: Any) -> tuple:
+    """Bytes of each registered buffer in ``States.load`` (``load_buffer``), in load order: FSDP1
+    flattens a unit's parameters, not its buffers (torch 2.13 ``fsdp/_init_utils.py``
+    ``_init_param_handle_from_module`` L563-640 hands ``_get_orig_params`` to ``FlatParamHandle``), so
+    each stays a tensor of its own, after the shards as trace loads them (Llama's rotary
+    ``inv_freq`` and ``original_inv_freq``, 128 B each, after the root's and the layers' shards)."""
+    return tuple(x for x, b in zip(st.load, st.load_buffer) if b)
 
 
 def _root_reduce_input(q: Quantities, fs: "_Fsdp") -> int:
