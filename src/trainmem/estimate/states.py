@@ -131,6 +131,10 @@ class States:
     # which of ``load`` are registered buffers, not parameters (``reserved.fsdp._fsdp1_load``: FSDP1
     # flattens a unit's parameters only); () where not known
     load_buffer: tuple[bool, ...] = ()
+    # ``head_grads_full`` and ``emb_grads_full``'s tensors' own bytes (elements x the gathered dtype), not
+    # rounded to blocks: what the reserved replay requests (``reserved.fsdp._unsharded_grads``)
+    head_grads_raw: int = 0
+    emb_grads_raw: int = 0
     # each of ``trainables``' whole gradient in bytes, not rounded to the allocator's blocks (a part of
     # a flat buffer such as DDP's buckets takes its elements only); () where not known
     grad_raw: tuple[int, ...] = ()
@@ -699,6 +703,8 @@ class _Tally:
     root: int = 0            # FSDP: the root unit's parameters gathered (bytes, per tensor)
     head_full: int = 0       # FSDP: unsharded head / final-norm gradients (bytes)
     emb_full: int = 0        # FSDP: unsharded untied-embedding gradient (bytes)
+    head_raw: int = 0        # ... ``head_full`` and ``emb_full`` unrounded (elements x gathered dtype)
+    emb_raw: int = 0
     layer_full: int = 0      # FSDP: one layer's unsharded gradients (bytes, per tensor)
     layer_elems: int = 0     # FSDP: one layer's trainable elements (the reduce-scatter input)
     root_g: int = 0          # FSDP: the sharded gradients outside the layers (bytes)
@@ -861,6 +867,7 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
                   fsdp1_rank0_items(t, r, acc), tuple(acc.root_list), tuple(acc.layer_list),
                   each_layer_grads=tuple(g for _, g in sorted(acc.each.items())) if not lora else (),
                   root_rs=root_rs, root_last_grad=acc.root_last if root_rs else 0,
+                  head_grads_raw=acc.head_raw, emb_grads_raw=acc.emb_raw,
                   head_unit_full=acc.head_unit, head_unit_last=acc.head_last, head_unit_tensors=tuple(acc.head_list),
                   head_unit_rs=r.block(acc.head_rs_elems * reduce) if (root_rs and acc.head_rs_elems) else 0,
                   emb_unit_rs=r.block(emb_elems * reduce) if (root_rs and emb_elems) else 0,
@@ -1261,12 +1268,14 @@ def _outer_gradient(m: ModelSpec, acc: _Tally, p: Any, n: int, r: _Rank, grad: t
     if p.role != "embedding" and after_layers:
         acc.head_grads += g
         acc.head_full += full
+        acc.head_raw += n * r.gather if full else 0
         if full:
             acc.head_rs_elems, acc.head_last = acc.head_rs_elems + _dim0_padded(p.shape, n, r.d), full
         return
     acc.emb_last = full or acc.emb_last
     if not (m.tied_embeddings and p.name.endswith(TIED_NAMES)):
         acc.emb_full, acc.between = acc.emb_full + full, acc.between + (g if after_layers and m.is_encoder_decoder else 0)
+        acc.emb_raw += n * r.gather if full else 0
 
 
 def _lora_adapters(t: TrainingSpec, r: _Rank, acc: _Tally, lora: list[tuple[str, int, int | None, tuple[int, int]]]

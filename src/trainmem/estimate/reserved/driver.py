@@ -11,7 +11,7 @@ from ..quantities import Quantities
 from ..schedules import FORWARD
 from .ddp import _ddp_init, _ddp_rebuild, _ddp_side_stream, _DdpStages, recv_buffers
 from .fsdp import (_Fsdp, _fsdp, _fsdp1_limited, _fsdp1_load, _fsdp1_no_sync, _Fsdp1Lag, _fsdp_streams,
-                   _root_reduce_input, _root_resharded, _unit_grads)
+                   _root_reduce_input, _root_resharded, _unit_grads, _unsharded_grads)
 from .layer_backward import _layer_backward
 from .layer_forward import LATE, _layer_forward
 from .loss_backward import _head_backward, _loss_gradient, _softcap_backward
@@ -286,7 +286,8 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
         f.z3.embedding(R)
     # the embedding gathered whole at its backward (on the all-gather stream), unless kept since its forward
     _zero12_at(R, s, q, None)                                     # ... or before the word embedding's
-    emb_full, acc = R.alloc(st.emb_grads_full), []                # FSDP: the embedding's unsharded gradient
+    emb_full, acc = _unsharded_grads(R, f.fs, st.emb_grads_full, st.emb_grads_raw), []   # FSDP: the embedding's
+    #                                                               unsharded gradient
     if tied is not None and not _fsdp(q):                         # the embedding's own gradient added to
         tied = _tied_embedding_sum(R, s, q, flags, tied)          # the head's
     if tied is not None and (f.fs.v2 or q.fsdp1_root_flat):      # FSDP, a tied head: the embedding's own
