@@ -164,6 +164,7 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     R.frees(late)                                                 # the head's input, once its matmul has run
     if isinstance(z3, _Zero3Replay):                              # ZeRO-3: the head's module has returned, its
         z3.settle(R)                                              # post-forward hook releases before the loss
+    root = _root_returned(R, q, fs, root)                         # FSDP2, the loop's loss: the root resharded
     if q.logits_cast:  # --cast-output: Fabric's fp32 copies, made while the half output is alive
         cast = _logit_allocs(R, _logit_tensors(tk.cast_logits, q.logits_cast, full, chunks))
         R.frees(out)
@@ -199,6 +200,24 @@ def _forward_end(R: _Replay, s: _Step, q: Quantities, fs: "_Fsdp", root: list, s
         fs.ag = None
     R.mark("forward" + suffix, s.step)
     return root
+
+
+def _root_returned(R: _Replay, q: Quantities, fs: "_Fsdp", root: list) -> list:
+    """FSDP2's root post-forward where the loop computes the loss on the returned logits (``--loss
+    upcast`` / ``half``, ``quantities.fsdp_root.root_resharded_for_loss``: ``fsdp_root_regather``): the
+    root's forward returns with the logits, so ``_post_forward`` reshards the root (its parameters copied
+    out of the all-gather, freed) and frees the last all-gather output before the loss's forward runs
+    (torch 2.13 ``_fully_shard/_fsdp_state.py`` ``_post_forward`` L333-343, ``_fsdp_param_group.py``
+    ``post_forward`` -> ``reshard``). Trace (Mistral cut to 2 layers, FSDP2 dp 4, LoRA r8, fp16-amp,
+    ``--loss half``, b1 s2048): the root's two 125 MiB fp32 parameters are free when the loss asks for its
+    second 125 MiB tensor, which the replay, freeing them after the loss (``_forward_end``), gave a 126
+    MiB segment of its own. Returns the root's handles still held."""
+    if not (q.fsdp_root_regather and _root_resharded(q, fs)):
+        return root
+    R.frees(root)
+    R.free(fs.ag)
+    fs.ag = None
+    return []
 
 
 def _stage_output(R: _Replay, s: _Step, q: Quantities, tk: Tokens, f: _Forward, cached: list,
