@@ -1,6 +1,6 @@
 """FSDP2 with the loop's loss (``--loss half`` / ``upcast``: cross-entropy on the logits the model
 returns): the root's post-forward reshards it as its forward returns, before the loss's forward runs
-(torch 2.13 ``_fully_shard/_fsdp_state.py`` ``_post_forward`` L333-343; ``reserved.driver._root_returned``).
+(torch 2.13 ``_fully_shard/_fsdp_state.py`` ``_post_forward`` L324-343; ``reserved.driver._root_returned``).
 The replay freed the root's copied-out parameters only after the loss's forward, so the loss's tensors
 could not take their blocks and opened a segment trace does not (Mistral cut to 2 layers, FSDP2 dp 4,
 LoRA r8, fp16-amp ``--loss half``: a second 126 MiB segment for the loss's 125 MiB tensor)."""

@@ -207,7 +207,7 @@ def _root_returned(R: _Replay, q: Quantities, fs: "_Fsdp", root: list) -> list:
     upcast`` / ``half``, ``quantities.fsdp_root.root_resharded_for_loss``: ``fsdp_root_regather``): the
     root's forward returns with the logits, so ``_post_forward`` reshards the root (its parameters copied
     out of the all-gather, freed) and frees the last all-gather output before the loss's forward runs
-    (torch 2.13 ``_fully_shard/_fsdp_state.py`` ``_post_forward`` L333-343, ``_fsdp_param_group.py``
+    (torch 2.13 ``_fully_shard/_fsdp_state.py`` ``_post_forward`` L324-343, ``_fsdp_param_group.py``
     ``post_forward`` -> ``reshard``). Trace (Mistral cut to 2 layers, FSDP2 dp 4, LoRA r8, fp16-amp,
     ``--loss half``, b1 s2048): the root's two 125 MiB fp32 parameters are free when the loss asks for its
     second 125 MiB tensor, which the replay, freeing them after the loss (``_forward_end``), gave a 126
