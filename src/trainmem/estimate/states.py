@@ -128,6 +128,13 @@ class States:
     # how ``load`` splits: (tensors before the layers, tensors of one layer, tensors after the layers), the
     # layer's repeated once per layer on the rank; () where the layers differ (``reserved.ddp.stage_loads``)
     load_split: tuple[int, int, int] = ()
+    # which of ``load`` are registered buffers, not parameters (``reserved.fsdp._fsdp1_load``: FSDP1
+    # flattens a unit's parameters only); () where not known
+    load_buffer: tuple[bool, ...] = ()
+    # ``head_grads_full`` and ``emb_grads_full``'s tensors' own bytes (elements x the gathered dtype), not
+    # rounded to blocks: what the reserved replay requests (``reserved.fsdp._unsharded_grads``)
+    head_grads_raw: int = 0
+    emb_grads_raw: int = 0
     # each of ``trainables``' whole gradient in bytes, not rounded to the allocator's blocks (a part of
     # a flat buffer such as DDP's buckets takes its elements only); () where not known
     grad_raw: tuple[int, ...] = ()
@@ -667,6 +674,7 @@ class _Tally:
     """Running sums over the tensors of a rank (bytes unless named otherwise)."""
 
     buffers: int = 0
+    buffer_names: set = field(default_factory=set)  # the names in the load lists that are buffers
     master: int = 0
     grads: int = 0
     opt: int = 0
@@ -695,6 +703,8 @@ class _Tally:
     root: int = 0            # FSDP: the root unit's parameters gathered (bytes, per tensor)
     head_full: int = 0       # FSDP: unsharded head / final-norm gradients (bytes)
     emb_full: int = 0        # FSDP: unsharded untied-embedding gradient (bytes)
+    head_raw: int = 0        # ... ``head_full`` and ``emb_full`` unrounded (elements x gathered dtype)
+    emb_raw: int = 0
     layer_full: int = 0      # FSDP: one layer's unsharded gradients (bytes, per tensor)
     layer_elems: int = 0     # FSDP: one layer's trainable elements (the reduce-scatter input)
     root_g: int = 0          # FSDP: the sharded gradients outside the layers (bytes)
@@ -857,6 +867,7 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
                   fsdp1_rank0_items(t, r, acc), tuple(acc.root_list), tuple(acc.layer_list),
                   each_layer_grads=tuple(g for _, g in sorted(acc.each.items())) if not lora else (),
                   root_rs=root_rs, root_last_grad=acc.root_last if root_rs else 0,
+                  head_grads_raw=acc.head_raw, emb_grads_raw=acc.emb_raw,
                   head_unit_full=acc.head_unit, head_unit_last=acc.head_last, head_unit_tensors=tuple(acc.head_list),
                   head_unit_rs=r.block(acc.head_rs_elems * reduce) if (root_rs and acc.head_rs_elems) else 0,
                   emb_unit_rs=r.block(emb_elems * reduce) if (root_rs and emb_elems) else 0,
@@ -868,6 +879,8 @@ def _model_states(m: ModelSpec, t: TrainingSpec, stage: str) -> States:
                   torchao_step=acc.ao_step, torchao_events=tuple(acc.ao_events) if acc.ao_step else (),
                   fsdp_init=_sync_init(m, t, r, lora, (before, layer, after)) if t.fsdp_sync_module_states else (),
                   load_split=(len(before), len(layer), len(after)) if m.uniform_layers else (),
+                  load_buffer=tuple(n in acc.buffer_names for n, _ in _named_load(
+                      before, layer, r.per_stage if m.uniform_layers else 1, after)),
                   grad_raw=tuple(n * r.gbytes for n in acc.item_elems), grad_rank_raw=tuple(acc.item_rank_raw),
                   state_raw=tuple(acc.item_state_raw), trainable_elems=tuple(acc.item_elems),
                   grad_shard_raw=tuple(-(-x // r.d) for x in acc.item_rank_raw)
@@ -1255,12 +1268,14 @@ def _outer_gradient(m: ModelSpec, acc: _Tally, p: Any, n: int, r: _Rank, grad: t
     if p.role != "embedding" and after_layers:
         acc.head_grads += g
         acc.head_full += full
+        acc.head_raw += n * r.gather if full else 0
         if full:
             acc.head_rs_elems, acc.head_last = acc.head_rs_elems + _dim0_padded(p.shape, n, r.d), full
         return
     acc.emb_last = full or acc.emb_last
     if not (m.tied_embeddings and p.name.endswith(TIED_NAMES)):
         acc.emb_full, acc.between = acc.emb_full + full, acc.between + (g if after_layers and m.is_encoder_decoder else 0)
+        acc.emb_raw += n * r.gather if full else 0
 
 
 def _lora_adapters(t: TrainingSpec, r: _Rank, acc: _Tally, lora: list[tuple[str, int, int | None, tuple[int, int]]]
@@ -1299,9 +1314,11 @@ def _buffers(m: ModelSpec, r: _Rank, acc: _Tally, before: list, layer: list, aft
             if int(b.name.split(".")[1]) != 0:  # layer 0 stands for every layer on this rank
                 continue
             acc.buffers += r.per_stage * r.block(numel * nb)
+            acc.buffer_names.add(b.name)
             _insert_buffer(layer, b.name, numel * nb)
             continue
         acc.buffers += r.block(numel * nb)
+        acc.buffer_names.add(b.name)
         _insert_buffer(after if not b.name.startswith("embeddings") else before, b.name, numel * nb)
 
 
@@ -1321,6 +1338,7 @@ def _layer_rope_cache(m: ModelSpec, t: TrainingSpec, r: "_Rank", acc: "_Tally", 
         acc.buffers += r.per_stage * r.block(numel * 4)
         at = max((i for i, (n, _) in enumerate(layer) if ".self_attn." in n), default=len(layer) - 1) + 1
         layer.insert(at, (f"layers.0.self_attn.pos_embeddings.{name}", numel * 4))
+        acc.buffer_names.add(f"layers.0.self_attn.pos_embeddings.{name}")
 
 
 def _hf_layer_rotary_cache(m: ModelSpec, t: TrainingSpec, r: "_Rank", acc: "_Tally", layer: list) -> None:
@@ -1339,6 +1357,7 @@ def _hf_layer_rotary_cache(m: ModelSpec, t: TrainingSpec, r: "_Rank", acc: "_Tal
         acc.buffers += r.per_stage * r.block(numel * nb)
         at = max((i for i, (n, _) in enumerate(layer) if ".self_attn." in n), default=len(layer) - 1) + 1
         layer.insert(at, (f"layers.0.self_attn.rotary_emb.{name}", numel * nb))
+        acc.buffer_names.add(f"layers.0.self_attn.rotary_emb.{name}")
 
 
 def _rope_cache(m: ModelSpec, t: TrainingSpec, r: "_Rank", acc: "_Tally", before: list) -> None:
@@ -1354,6 +1373,7 @@ def _rope_cache(m: ModelSpec, t: TrainingSpec, r: "_Rank", acc: "_Tally", before
     for i, (name, numel) in enumerate((("theta", half), ("cache", t.rope_cache * half * 2))):   # fp32 each
         acc.buffers += r.block(numel * 4)
         before.insert(i, (f"rope.{name}", numel * 4))
+        acc.buffer_names.add(f"rope.{name}")
 
 
 model_states.cache_clear = _STATES_CACHE.clear  # type: ignore[attr-defined]

@@ -45,6 +45,7 @@ def _fsdp1_fields(t: TrainingSpec, st: States, lc: LayerCoefs) -> dict[str, int]
             "fsdp1_adapter_units": 2 * lc.adapters if unprefetched >= 0 else 0,
             "fsdp1_init": fsdp1_lazy_init(t, st) if one else (),
             "fsdp1_root_raw": fsdp1_flat_bytes(st.root_tensors, fsdp1_elem(t), t.shard_group) if one else 0,
+            "fsdp1_layer_raw": fsdp1_flat_bytes(st.layer_tensors, fsdp1_elem(t), t.shard_group) if one else 0,
             "fsdp1_host_shards": t.shard_group if one and t.fsdp_offload_params else 0}
 
 

@@ -113,6 +113,7 @@ class Quantities:
     fsdp1_flat: int = 0       # FSDP1: a layer's gradients as its flat gradient is made (fsdp1_flat_gradient)
     fsdp1_init: tuple = ()    # FSDP1: the buffers its lazy init allocates and frees, in order (fsdp1_lazy_init)
     fsdp1_root_raw: int = 0   # FSDP1: the root's padded unsharded flat parameter as requested (fsdp1_flat_bytes)
+    fsdp1_layer_raw: int = 0  # FSDP1: a layer's padded unsharded flat parameter as requested (fsdp1_flat_bytes)
     fsdp1_mp_shards: int = 0  # FSDP1 under bf16-mp: the ranks a unit is sharded over (its low-precision shard, reserved.fsdp._Fsdp.unshard)
     fsdp1_hook: tuple = ()    # FSDP1: a layer's post-backward hook's tensors, (request, charge) each (fsdp1_hook_requests)
     fsdp1_root_views: int = 0  # FSDP1: the root's unsharded view gradients at its flat gradient's cat ...

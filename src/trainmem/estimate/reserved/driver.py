@@ -11,7 +11,7 @@ from ..quantities import Quantities
 from ..schedules import FORWARD
 from .ddp import _ddp_init, _ddp_rebuild, _ddp_side_stream, _DdpStages, recv_buffers
 from .fsdp import (_Fsdp, _fsdp, _fsdp1_limited, _fsdp1_load, _fsdp1_no_sync, _Fsdp1Lag, _fsdp_streams,
-                   _root_reduce_input, _root_resharded, _unit_grads)
+                   _root_reduce_input, _root_resharded, _unit_grads, _unsharded_grads)
 from .layer_backward import _layer_backward
 from .layer_forward import LATE, _layer_forward
 from .loss_backward import _head_backward, _loss_gradient, _softcap_backward
@@ -165,6 +165,7 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     R.frees(late)                                                 # the head's input, once its matmul has run
     if isinstance(z3, _Zero3Replay):                              # ZeRO-3: the head's module has returned, its
         z3.settle(R)                                              # post-forward hook releases before the loss
+    root = _root_returned(R, q, fs, root)                         # FSDP2, the loop's loss: the root resharded
     if q.logits_cast:  # --cast-output: Fabric's fp32 copies, made while the half output is alive
         cast = _logit_allocs(R, _logit_tensors(tk.cast_logits, q.logits_cast, full, chunks))
         R.frees(out)
@@ -200,6 +201,24 @@ def _forward_end(R: _Replay, s: _Step, q: Quantities, fs: "_Fsdp", root: list, s
         fs.ag = None
     R.mark("forward" + suffix, s.step)
     return root
+
+
+def _root_returned(R: _Replay, q: Quantities, fs: "_Fsdp", root: list) -> list:
+    """FSDP2's root post-forward where the loop computes the loss on the returned logits (``--loss
+    upcast`` / ``half``, ``quantities.fsdp_root.root_resharded_for_loss``: ``fsdp_root_regather``): the
+    root's forward returns with the logits, so ``_post_forward`` reshards the root (its parameters copied
+    out of the all-gather, freed) and frees the last all-gather output before the loss's forward runs
+    (torch 2.13 ``_fully_shard/_fsdp_state.py`` ``_post_forward`` L324-343, ``_fsdp_param_group.py``
+    ``post_forward`` -> ``reshard``). Trace (Mistral cut to 2 layers, FSDP2 dp 4, LoRA r8, fp16-amp,
+    ``--loss half``, b1 s2048): the root's two 125 MiB fp32 parameters are free when the loss asks for its
+    second 125 MiB tensor, which the replay, freeing them after the loss (``_forward_end``), gave a 126
+    MiB segment of its own. Returns the root's handles still held."""
+    if not (q.fsdp_root_regather and _root_resharded(q, fs)):
+        return root
+    R.frees(root)
+    R.free(fs.ag)
+    fs.ag = None
+    return []
 
 
 def _stage_output(R: _Replay, s: _Step, q: Quantities, tk: Tokens, f: _Forward, cached: list,
@@ -323,7 +342,8 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
         f.z3.embedding(R)
     # the embedding gathered whole at its backward (on the all-gather stream), unless kept since its forward
     _zero12_at(R, s, q, None)                                     # ... or before the word embedding's
-    emb_full, acc = R.alloc(st.emb_grads_full), []                # FSDP: the embedding's unsharded gradient
+    emb_full, acc = _unsharded_grads(R, f.fs, st.emb_grads_full, st.emb_grads_raw), []   # FSDP: the embedding's
+    #                                                               unsharded gradient
     if tied is not None and not _fsdp(q):                         # the embedding's own gradient added to
         tied = _tied_embedding_sum(R, s, q, flags, tied)          # the head's
     if tied is not None and (f.fs.v2 or q.fsdp1_root_flat):      # FSDP, a tied head: the embedding's own

@@ -16,22 +16,51 @@ from .replay import GATHER_STREAM, GRAD_STREAM, _placed, _Replay, _Step
 def _fsdp1_load(q: Quantities, st: Any) -> tuple:
     """Bytes of the tensors the load leaves on the device, in order (``States.load``); under FSDP1 with
     its layers units of their own (``fsdp1_post``) each unit's stored shard is one tensor: the root's
-    (the tensors before and after the layers, ``load_split``), then each layer's. ``FlatParamHandle``
+    (the parameters before and after the layers, ``load_split``), then each layer's. ``FlatParamHandle``
     flattens a unit's parameters into one ``FlatParameter`` and keeps only this rank's chunk of it,
     ``_get_shard``'s ``chunk.clone()`` (torch 2.13 ``fsdp/_flat_param.py`` ``shard`` L945-975,
     ``_get_shard`` L1122-1139): the unit's shard elements once (its padding, under a rank's share of
     the alignment, not counted). Trace (Phi-3 cut to 2 layers, FSDP1 dp 4) makes a 62.63 MiB root
     shard and two 12.25 MiB layer shards where the per-tensor shards took two 32 MiB and two 20 MiB
-    segments. The root's sum also holds the model's buffers loaded after the layers (rotary frequencies:
-    a few hundred bytes), which stay tensors of their own. Left per tensor: LoRA adapters, embeddings or
-    the head in units of their own, parameter offload (host shards), layers that differ."""
+    segments. Left per tensor: LoRA adapters, embeddings or the head in units of their own, parameter
+    offload (host shards), layers that differ; and the buffers (``_fsdp1_load_buffers``)."""
     nb, nl, na = st.load_split or (0, 0, 0)
     layers = st.load[nb:len(st.load) - na]
     if not (q.fsdp1_post > 0 and nl and len(layers) == nl * q.layers and not (
             q.fsdp1_adapter_units or q.fsdp1_emb_units or q.fsdp1_head_unit or q.fsdp1_host_shards)):
         return st.load
-    root = sum(st.load[:nb]) + sum(st.load[len(st.load) - na:])    # (embeddings, final norm, head) shard
-    return (root,) + tuple(sum(layers[i * nl:(i + 1) * nl]) for i in range(q.layers))   # each layer's
+    flags = st.load_buffer or (False,) * len(st.load)
+    params = tuple(0 if b else x for x, b in zip(st.load, flags))   # the buffers left out of the flat sums
+    root = sum(params[:nb]) + sum(params[len(params) - na:])          # (embeddings, final norm, head) shard
+    each = tuple(sum(params[nb + i * nl:nb + (i + 1) * nl]) for i in range(q.layers))   # each layer's
+    return (root,) + each + _fsdp1_load_buffers(st)
+
+
+def _fsdp1_load_buffers(st: Any) -> tuple:
+    """Bytes of each registered buffer in ``States.load`` (``load_buffer``), in load order: FSDP1
+    flattens a unit's parameters, not its buffers (torch 2.13 ``fsdp/_init_utils.py``
+    ``_init_param_handle_from_module`` L563-640 hands ``_get_orig_params`` to ``FlatParamHandle``), so
+    each stays a tensor of its own, after the shards as trace loads them (Llama's rotary
+    ``inv_freq`` and ``original_inv_freq``, 128 B each, after the root's and the layers' shards)."""
+    return tuple(x for x, b in zip(st.load, st.load_buffer) if b)
+
+
+def _unsharded_grads(R: _Replay, fs: "_Fsdp", charge: int, raw: int) -> int | None:
+    """FSDP's unsharded gradients of the head and final norm, or of an untied input embedding, one
+    block charged ``charge``, their ``block_bytes`` as the estimate counts them (``_Replay.alloc``).
+    FSDP1: requested at the tensors' own bytes ``raw`` (elements x the gathered dtype; a (vocab,
+    hidden) fp32 gradient's 125.25 MiB), as the head's matmul backward and ``AccumulateGrad`` ask the
+    allocator for them; the rounded request (126 MiB: ``block_bytes`` charges a request of 10 MiB or
+    more its whole segment only when it opens one) does not fit a 125.25 MiB block an earlier
+    micro-batch left cached where trace's does (Phi-3 cut to 2 layers, FSDP1 dp 4, two micro-batches,
+    ``--grad-sync step``: the replay opened 126 and 252 MiB segments in step 2, trace none). FSDP2:
+    still the rounded request. Trace asks for the tensor's bytes there too, but with them two FSDP2
+    rows of the agreement grid move 10-12 points off: a re-gathered 125.25 MiB root parameter then
+    takes the 252 MiB segment the root's reduce-scatter input needs (the rest of FSDP2's root replay
+    not yet matched to trace's requests)."""
+    if charge <= 0:
+        return None
+    return R.alloc(raw, charge=charge) if raw > 0 and not fs.v2 else R.alloc(charge)
 
 
 def _root_reduce_input(q: Quantities, fs: "_Fsdp") -> int:
@@ -165,7 +194,8 @@ class _Fsdp:
         R.free(cast)
         return out
 
-    def unshard_backward(self, R: _Replay, flat: int, tensors: tuple[int, ...], prefetch: bool) -> list:
+    def unshard_backward(self, R: _Replay, flat: int, tensors: tuple[int, ...], prefetch: bool,
+                         raw: int = 0) -> list:
         """A layer gathered in backward. FSDP2 (torch 2.13 ``_fsdp_param_group.py``): its
         ``pre_backward`` (L576-586) copies its parameters out of the all-gather output that the
         upper layer's backward prefetch allocated (the top layer's: allocated here), frees that
@@ -179,16 +209,17 @@ class _Fsdp:
         first adapter's pre-backward (``quantities.fsdp1.fsdp1_unprefetched``), after the adapters ran their
         forward again in the recomputation and the later adapters their backward (``adapter_units``:
         found by trace, Llama-2-7B cut to 2 layers, FSDP1 dp 2 LoRA r64, Answer.AI's setup: trace opens
-        no segment for that gather, the replay opened one of a layer's size before)."""
+        no segment for that gather, the replay opened one of a layer's size before). ``raw``: FSDP1's
+        flat parameter as requested (``unshard``)."""
         if flat > 0 and not self.v2 and self.lag is not None:
-            params = [self.prefetched] if self.prefetched is not None else self.unshard(R, flat, tensors)
+            params = [self.prefetched] if self.prefetched is not None else self.unshard(R, flat, tensors, raw=raw)
             self.prefetched = None
             self.adapter_units(R, self.adapters * self.recomputed + self.adapters - 1)
             if prefetch:
-                self.prefetched = self.unshard(R, flat, tensors)[0]   # the lower layer's flat parameter
+                self.prefetched = self.unshard(R, flat, tensors, raw=raw)[0]   # the lower layer's flat parameter
             return params
         if flat <= 0 or not self.v2 or not tensors:
-            return self.unshard(R, flat, tensors, backward=True)
+            return self.unshard(R, flat, tensors, backward=True, raw=raw)
         ag = self.prefetched if self.prefetched is not None else self.gather_output(R, flat)
         self.prefetched = None
         params = R.allocs(tensors)                                # each parameter copied out
@@ -211,14 +242,15 @@ class _Fsdp:
             self.lag.wait(R)
             self.lag.event()
 
-    def root_pre_backward(self, R: _Replay, flat: int) -> None:
+    def root_pre_backward(self, R: _Replay, flat: int, raw: int = 0) -> None:
         """FSDP1's root pre-backward hook, once the loss's gradient reaches the root's output: its
         ``_unshard`` (already gathered: only the limiter's dequeue and wait) and the top layer's
-        ``BACKWARD_PRE`` prefetch (``_runtime_utils.py`` L672-694, L1208-1235)."""
+        ``BACKWARD_PRE`` prefetch (``_runtime_utils.py`` L672-694, L1208-1235), its flat parameter
+        requested at ``raw`` bytes where given (``unshard``)."""
         if self.v2 or self.lag is None or flat <= 0:
             return
         self.lag.wait(R)
-        self.prefetched = self.unshard(R, flat, ())[0]
+        self.prefetched = self.unshard(R, flat, (), raw=raw)[0]
 
     def reshard(self, R: _Replay, params: list) -> None:
         """A unit resharded: its gathered parameters freed. FSDP1 (``_reshard``, torch 2.13

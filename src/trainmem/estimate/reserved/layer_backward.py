@@ -50,7 +50,7 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
     elif fs.last:                                                 # kept gathered since its forward
         params, fs.last = fs.last, []
     else:  # FSDP: gathered again (FSDP2: and the layer below prefetched)
-        params = fs.unshard_backward(R, q.fsdp_layer_buf, st.layer_tensors, prefetch=i > 0)
+        params = fs.unshard_backward(R, q.fsdp_layer_buf, st.layer_tensors, prefetch=i > 0, raw=q.fsdp1_layer_raw)
     per_linear = _per_linear(q, kept, recompute)                  # the weights' gradients linear by linear
     if recompute == "full" and _recompute_casts(q):               # the checkpointed forward again, with
         redo = _sequence_forward(R, q, parts, keep=True) if getattr(parts, "events", ()) else \

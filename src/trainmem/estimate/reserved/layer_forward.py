@@ -35,7 +35,9 @@ def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: _Parts, tk: Toke
     (the workspace's segment took the copied-out weights trace places elsewhere, and by the second
     step the top layer's kept output sat in a free fp32-logits segment, so the loss backward opened
     a fourth; docs/validation.md ``ckout``, tests/test_workspace_order.py)."""
-    params = fs.unshard(R, _layer_gather(q, fs), q.detail.states.layer_tensors)  # FSDP: this layer gathered
+    flat = _layer_gather(q, fs)                                   # FSDP: this layer gathered (FSDP1: its flat
+    params = fs.unshard(R, flat, q.detail.states.layer_tensors,   # parameter requested unrounded)
+                        raw=q.fsdp1_layer_raw if flat == q.fsdp_layer_buf else 0)
     ws = _first_mm_workspace(R, s, fs, parts, recompute)          # made at the first matmul's output, where written
     if s is not None and ws is None:
         s.workspace(R, 0)                                         # the first layer's first matmul

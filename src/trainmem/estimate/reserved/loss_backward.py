@@ -8,7 +8,7 @@ from typing import Any
 from ..layers import F32, HALF
 from ..moments import StepFlags, Tokens
 from ..quantities import Quantities
-from .fsdp import _fsdp, _root_resharded
+from .fsdp import _fsdp, _root_resharded, _unsharded_grads
 from .loss_forward import _logit_allocs, _logit_tensors
 from .optimizer import _accumulated, _make_grads
 from .parts import _Forward
@@ -141,12 +141,12 @@ def _loss_gradient(R: _Replay, q: Quantities, tk: Tokens, f: _Forward, n: int, n
     if early and f.fs.v2 and f.fs.prefetched is None:             # FSDP2: the top layer's all-gather output
         f.fs.prefetched = f.fs.gather_output(R, q.fsdp_layer_buf)
     elif early:
-        f.fs.root_pre_backward(R, q.fsdp_layer_buf)               # FSDP1: the top layer prefetched first
+        f.fs.root_pre_backward(R, q.fsdp_layer_buf, q.fsdp1_layer_raw)   # FSDP1: the top layer prefetched first
     dlogits = _loss_backward(R, q, tk, f, n, nsq) if head else []
     if _root_resharded(q, f.fs) and q.fsdp_root_regather:         # ... the logits (a loss outside the model)
         f.root = f.fs.unshard(R, q.fsdp_root, st.root_tensors, backward=True)
     if not early:
-        f.fs.root_pre_backward(R, q.fsdp_layer_buf)               # FSDP1: the top layer prefetched
+        f.fs.root_pre_backward(R, q.fsdp_layer_buf, q.fsdp1_layer_raw)   # FSDP1: the top layer prefetched
     return dlogits
 
 
@@ -268,7 +268,8 @@ def _head_backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, f: _Fo
     added: list = []                                              # gradients made to be added to a ``.grad``
 
     def gradients() -> tuple:
-        head_full = R.alloc(st.head_grads_full)                   # FSDP: the head's unsharded gradients
+        head_full = _unsharded_grads(R, f.fs, st.head_grads_full, st.head_grads_raw)   # FSDP: the head's unsharded
+        #                                                           gradients
         tied = R.alloc(q.tied_grad)                               # a tied head's, until the embedding's
         if not _fsdp(q):
             added.extend(_accumulated(R, s, st.trainables, where))
