@@ -107,6 +107,14 @@ def _varying_steps(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, steps:
         _optimizer_step(R, s, q, flags, s.step, temp_copies)
 
 
+def _forward_fsdp(R: _Replay, q: Quantities, recompute: str, suffix: str) -> _Fsdp:
+    """The micro-batch's FSDP state (``_Fsdp``: which units are gathered, resharded, reduced, and on which stream)."""
+    return _Fsdp(q.fsdp_ag_result > 0, _fsdp_streams(q), lag=R.lag, rs_side=q.fsdp_rs_side > 0,
+                 adapters=q.fsdp1_adapter_units, recomputed=recompute != "none", host=q.fsdp1_host_shards,
+                 grad_op=q.gathered_layer > 0, cast_shards=q.fsdp2_cast_shards, mp_shards=q.fsdp1_mp_shards,
+                 no_sync=_fsdp1_no_sync(q, suffix))
+
+
 def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, parts: list[int],
              recompute: str, full: int, suffix: str, seqs: int = 1, head: bool = True,
              stage: int | None = None) -> _Forward:
@@ -120,10 +128,7 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
         s.ddp.rebuild(R, stage)
     elif s.ddp is not None and (s.step > 1 or (s.forwards and not flags.pipe_out)):
         _ddp_rebuild(R, s, st)                                    # DDP's _pre_forward rebuilds its buckets
-    fs = _Fsdp(q.fsdp_ag_result > 0, _fsdp_streams(q), lag=R.lag, rs_side=q.fsdp_rs_side > 0,
-               adapters=q.fsdp1_adapter_units, recomputed=recompute != "none", host=q.fsdp1_host_shards,
-               grad_op=q.gathered_layer > 0, cast_shards=q.fsdp2_cast_shards, mp_shards=q.fsdp1_mp_shards,
-               no_sync=_fsdp1_no_sync(q, suffix))
+    fs = _forward_fsdp(R, q, recompute, suffix)
     root = fs.unshard(R, q.fsdp_root, st.root_tensors, raw=q.fsdp1_root_raw)  # FSDP: the root unit gathered
     # torchtitan's split root (quantities.fsdp_root.fsdp2_split_root): the embedding unit gathered, resharded
     # by its post-forward (its all-gather output kept until the first layer's copy-out)
@@ -342,8 +347,7 @@ def _backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens,
         f.z3.embedding(R)
     # the embedding gathered whole at its backward (on the all-gather stream), unless kept since its forward
     _zero12_at(R, s, q, None)                                     # ... or before the word embedding's
-    emb_full, acc = _unsharded_grads(R, f.fs, st.emb_grads_full, st.emb_grads_raw), []   # FSDP: the embedding's
-    #                                                               unsharded gradient
+    emb_full, acc = _unsharded_grads(R, f.fs, st.emb_grads_full, st.emb_grads_raw), []  # FSDP: unsharded
     if tied is not None and not _fsdp(q):                         # the embedding's own gradient added to
         tied = _tied_embedding_sum(R, s, q, flags, tied)          # the head's
     if tied is not None and (f.fs.v2 or q.fsdp1_root_flat):      # FSDP, a tied head: the embedding's own
