@@ -99,6 +99,10 @@ class Recipe:
     attn_at: int = -1
     attn_temps: list = field(default_factory=list)
     attn_events: list = field(default_factory=list)
+    # the grouped-experts MoE block's forward temporaries, as ``attn_*`` (``_moe_forward_events``)
+    moe_at: int = -1
+    moe_temps: list = field(default_factory=list)
+    moe_events: list = field(default_factory=list)
     # per transient: its tensors as (bytes per token, per token x key) each, and the index in ``linears`` of the linear whose backward it is (-1: none; ``at_linear``
     # while one is built): ``LayerCoefs.moment_blocks``, ``reserved.layer_backward._op_backward``
     moments: list = field(default_factory=list)
@@ -1230,6 +1234,10 @@ class LayerCoefs:
     attn_at: int = -1
     attn_temps: tuple[tuple[float, float], ...] = ()
     attn_events: tuple[str, ...] = ()
+    # the grouped-experts MoE block's forward temporaries, as ``attn_*`` (``_moe_forward_events``)
+    moe_at: int = -1
+    moe_temps: tuple[tuple[float, float], ...] = ()
+    moe_events: tuple[str, ...] = ()
     # per backward transient (``transients``' order, before any recomputation's): the op's backward
     # tensors alive then, (bytes per token, per token x key) each (``Recipe.transient``'s ``ts``), and
     # the index in ``linears`` of the linear it is the backward of (-1: another op):
@@ -1333,7 +1341,8 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
                       op_tensors=tuple(t.bytes_coef() for t in op_checkpoint_kept(B.r)), held_b1=held_b1,
                       op_saved=_op_saved(B.r),
                       attn_at=B.r.attn_at, attn_temps=tuple(t.bytes_coef() for t in B.r.attn_temps),
-                      attn_events=tuple(B.r.attn_events),
+                      attn_events=tuple(B.r.attn_events), moe_at=B.r.moe_at,
+                      moe_temps=tuple(t.bytes_coef() for t in B.r.moe_temps), moe_events=tuple(B.r.moe_events),
                       moment_blocks=() if k.reentrant else tuple(B.r.moments),
                       **_nograd_sequence(k, pol, B, build))
 
@@ -1917,6 +1926,7 @@ def _moe(B: Builder, src: T, h: float, f: float, experts: int, top_k: int) -> No
     # (sorted expert ids, perm // top_k, inverse permutation) the index backward needs
     xin = T(k * h, 0, wd, "experts.input")
     B.r.save(T(k, 0, F32, "experts.routing_weights"), T(3 * k, 0, 8, "experts.indices"))
+    _moe_forward_events(B.r, xin, f, h, k, wd, trainable, src.nbytes)
     if trainable:
         B.r.save(xin)
     # gate_up: saves the gathered rows; its (S, 2f) output is saved by silu (gate) and the
@@ -1942,6 +1952,43 @@ def _moe(B: Builder, src: T, h: float, f: float, experts: int, top_k: int) -> No
     # combine backward: index_put of the gradient into zeros, both products' gradients (fp32)
     # and the cast back to the experts' dtype
     B.r.transient("experts.combine.backward", T(3 * k * h, 0, F32), T(k * h, 0, wd))
+
+
+def _moe_forward_events(r: Recipe, rows: T, f: float, h: float, k: int, wd: int, trainable: bool,
+                        hidden: int) -> None:
+    """The forward temporaries of ``grouped_mm_experts_forward`` (transformers 5.24
+    ``integrations/moe.py`` L424-537), in op order among the block's large saved tensors, for the
+    allocator replay (``reserved.layer_forward._moe_allocs``; the estimate's allocated moments do not
+    read them). Events as ``Builder._eager_forward``'s: "t" the next temporary, "fK" the K-th freed,
+    "s" the next saved tensor, from the gathered rows on (``r.moe_at``; S = ``k`` rows per token):
+
+    * the gathered rows ``hidden_states[perm // num_top_k]`` ((S, h), the experts' dtype ``wd``, L456):
+      saved by gate/up's ``_grouped_mm`` for its weight's gradient; with frozen experts (LoRA: no
+      operand saved, ``derivatives.yaml`` ``_grouped_mm``) a temporary that the local name
+      ``selected_hidden_states_g`` holds until the function returns;
+    * gate/up's (S, 2f) output and ``act_fn(gate)`` (S, f), saved (``_default_apply_gate`` L579);
+    * the product ``act_fn(gate) * up`` (S, f): saved by down's ``_grouped_mm``, or with frozen
+      experts a temporary freed when down's output rebinds ``proj_out`` (L511);
+    * down's (S, h) output, saved by the routing multiply;
+    * ``proj_out * sample_weights_g.unsqueeze(-1)`` ((S, h) fp32: the routing weights are fp32, L524),
+      saved by nothing (the ``inv_perm`` index saves its indices only), freed when its permuted copy
+      ``weighted_out[inv_perm]`` ((S, h) fp32, L529) rebinds the name; that copy lives until the
+      function returns (the ``view(...).sum(dim=1)`` reads it and saves nothing);
+    * the (T, h) fp32 sum (L535), a temporary where ``.to(hidden_states.dtype)`` casts it to a half
+      hidden stream (``hidden`` bytes); else it is the block's output.
+
+    Trace (Mixtral-shaped, b4 s512, fp32, LoRA r16) makes these blocks in this order; the replay had
+    the saved ones only, so its forward opened one (S, f) segment per layer fewer than trace."""
+    r.moe_at = len(r.saved)                                   # the next saved tensor: rows or gate/up's
+    weighted, perm = T(k * h, 0, F32, "experts.weighted"), T(k * h, 0, F32, "experts.weighted_perm")
+    sum32 = [T(h, 0, F32, "experts.sum32")] if hidden != F32 else []
+    if trainable:                                             # rows and product saved
+        r.moe_temps = [weighted, perm] + sum32
+        ev = ["s", "s", "s", "s", "s", "t", "t", "f0"] + (["t", "f2"] if sum32 else []) + ["f1"]
+    else:                                                     # rows and product temporaries
+        r.moe_temps = [rows, T(k * f, 0, wd, "experts.act_product"), weighted, perm] + sum32
+        ev = ["t", "s", "s", "t", "s", "f1", "t", "t", "f2"] + (["t", "f4"] if sum32 else []) + ["f3", "f0"]
+    r.moe_events = ev
 
 
 def _moe_loop(B: Builder, src: T, h: float, f: float, experts: int, top_k: int) -> None:
