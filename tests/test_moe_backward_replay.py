@@ -52,13 +52,14 @@ def test_the_replay_makes_the_experts_backward_op_by_op(monkeypatch):
 def test_the_replay_asks_what_trace_asks(monkeypatch):
     """Every request of the block's (S, f) and (S, 2f) sizes and its weights' (the load's, the gradients),
     the whole run (two steps), in trace's order; and a second micro-batch's accumulated expert gradients
-    (a tensor of their own). (The (S, h) rows are left out: at b1 s512 they are the size of an (h, h)
+    (a tensor of their own); under FSDP2 the unsharded gradients made there too (each a tensor of its
+    own, handed to the post-backward hook with the layer's others). (The (S, h) rows are left out: at b1 s512 they are the size of an (h, h)
     weight, whose gradient a second micro-batch also accumulates.)"""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from trainmem.estimate.engine import estimate, forget_replays
     from trainmem.trace.api import trace
-    for kw in ({}, {"grad_accum": 2, "batch_size": 1, "seq_len": 512}):
+    for kw in ({}, {"grad_accum": 2, "batch_size": 1, "seq_len": 512}, {"dp": 2, "fsdp": "full"}):
         m, t = _setup(**kw)
         sizes = set(_sizes(t)[1:])
         forget_replays()

@@ -70,12 +70,14 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
     where = ("layer", f"layer{i}")
     pre: set = set()
     held: list = []
+    unsharded = _fsdp2_unsharded(st, fs)                          # FSDP2's gradients, by tensor
     if _recorded(q, parts, recompute, flat1 or bool(st.layer_grads_full)):  # a derived layer, tensor by tensor
         pre, tr, per_linear = _recorded_backward(R, s, q, (parts.bwd, kept, below), where, oib), None, False
     elif per_linear and _by_op(q, parts, recompute, flat1):  # a hand-written layer, op by op
         pre, tr, per_linear = _op_backward(R, s, q, kept, (n, nsq), where, oib), None, False
-    elif not per_linear and _moe_by_op(q, parts, flat1 or bool(st.layer_grads_full)):  # grouped experts op by op,
-        pre = _moe_backward(R, s, q, (redo if recompute != "none" else kept, parts), (n, nsq), where, oib)
+    elif not per_linear and _moe_by_op(q, parts, flat1 or bool(st.layer_grads_full and unsharded is None)):
+        pre = _moe_backward(R, s, q, (redo if recompute != "none" else kept, parts), (n, nsq), where, oib,
+                            unsharded)                            # grouped experts op by op,
         tr = R.alloc(_transient_before_moe(q, n, nsq), one=False)  # then the rest's worst moment, one block
     else:  # the worst backward moment as one block: several tensors (not netted, ``_Replay.alloc``)
         held_b = [] if per_linear else _leaf_held(q, n, nsq)      # a ZeRO-3 leaf MoE block: down's gradient,
@@ -89,7 +91,9 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
     elif flat1:
         params = _fsdp1_reduce(R, q, st, params, fs)
     elif st.layer_grads_full and fs.v2:                           # FSDP2: the unsharded gradients made, the
-        full = R.allocs(st.layer_tensors) if st.layer_tensors else [R.alloc(st.layer_grads_full, one=False)]
+        full = [unsharded.pop(j) if j in unsharded else R.alloc(x) for j, x in enumerate(st.layer_tensors)] \
+            if unsharded is not None else R.allocs(st.layer_tensors) if st.layer_tensors \
+            else [R.alloc(st.layer_grads_full, one=False)]        # (some made by _moe_backward)
         R.frees([tr] + redo + kept + kept.casts)                  # layer's backward done, its tensors freed;
         tr, redo, kept = None, [], _Kept([])                      # then its post-backward hook
         fs.post_backward(R, params, full, q.fsdp_rs_buf or q.fsdp_rs_side or st.layer_grads_full)
@@ -183,6 +187,14 @@ _MOE_OPS = ("experts.gate_up.backward", "experts.act.backward", "experts.down.ba
 _MOE_RELEASED = {True: ((0,), (1, 2), (3,), (4,)), False: ((), (0, 1), (), (2,))}
 
 
+def _fsdp2_unsharded(st: Any, fs: _Fsdp) -> dict | None:
+    """FSDP2: an empty map for the unsharded gradients ``_moe_backward`` makes (tensor index -> handle),
+    where the layer's unsharded tensors (``States.layer_tensors``) are its gradients, every parameter
+    training (their bytes sum to ``layer_grads_full``); else None."""
+    whole = bool(st.layer_grads_full and fs.v2 and st.layer_tensors and sum(st.layer_tensors) == st.layer_grads_full)
+    return {} if whole else None
+
+
 def _moe_by_op(q: Quantities, parts: Any, flat: bool) -> bool:
     """Whether a layer's grouped-experts block is replayed op by op (``_moe_backward``): its recipe
     lists the block's four backward ops last (``layers._moe``) with their tensors
@@ -198,7 +210,7 @@ def _moe_by_op(q: Quantities, parts: Any, flat: bool) -> bool:
 
 
 def _moe_backward(R: _Replay, s: _Step, q: Quantities, saved: tuple, nb: tuple[int, int], where: tuple[str, ...],
-                  oib: bool) -> set:
+                  oib: bool, unsharded: dict | None = None) -> set:
     """A grouped-experts block's backward op by op, last op first (as ``_op_backward``: autograd runs
     the layer's nodes in reverse of its forward): each op's backward tensors (``LayerCoefs.moment_blocks``:
     combine's fp32 gradients, down's input and output gradients, SwiGLU's, gate/up's), each its own
@@ -214,7 +226,10 @@ def _moe_backward(R: _Replay, s: _Step, q: Quantities, saved: tuple, nb: tuple[i
     tensor of the block: a Mixtral-shaped layer (b1 s2048, bf16-amp) 336 MiB of gradients and 240
     MiB of released tensors above trace at gate/up's backward. ``saved``: (the layer's saved handles,
     one per part: its kept tensors, or its recomputed ones; the parts); ``nb``: (tokens, tokens x keys).
-    Returns the trainable indices
+    ``unsharded`` (FSDP2): the weight gradients are the unsharded parameters' (``States.layer_tensors``,
+    the gathered dtype), fresh each backward (the post-backward hook reduce-scatters and frees them,
+    ``_fully_shard/_fsdp_param_group.py`` ``post_backward``): their handles go there by tensor index,
+    for ``_layer_backward`` to hand to the hook with the layer's others. Returns the trainable indices
     whose gradient was made (the layer's others follow in ``_layer_backward``)."""
     handles, parts = saved
     at, _temps, events = parts.moe
@@ -227,7 +242,12 @@ def _moe_backward(R: _Replay, s: _Step, q: Quantities, saved: tuple, nb: tuple[i
         blocks, _lin = q.detail.layer.moment_blocks[first + k]
         hs = R.allocs([int(a * nb[0] + b * nb[1]) for a, b in blocks])  # (S, width) each, its dtype
         want = block_bytes(round(ops[first + k][2]), q.expandable) if ops[first + k][2] > 0 else 0
-        j = next((j for j in pending if want and st.trainables[j][2] == want), None)
+        if unsharded is not None:                                 # FSDP2: the unsharded parameter's
+            u = next((u for u, x in enumerate(st.layer_tensors) if want and u not in unsharded
+                      and block_bytes(x, q.expandable) == want), None)
+            if u is not None:
+                unsharded[u] = R.alloc(st.layer_tensors[u])
+        j = None if unsharded is not None else next((j for j in pending if want and st.trainables[j][2] == want), None)
         if j is not None:                                         # the op's weight gradient
             pending.remove(j)
             made.add(j)
