@@ -1940,7 +1940,7 @@ def _moe(B: Builder, src: T, h: float, f: float, experts: int, top_k: int) -> No
     B.r.save(T(2 * k * f, 0, wd, "experts.gate_up_out"), T(k * f, 0, wd, "experts.silu_out"))
     # SwiGLU backward (the product, saved by down, is freed by then): down's input gradient and the
     # product's two gradients
-    B.r.transient("experts.act.backward", T(3 * k * f, 0, wd))
+    B.r.transient("experts.act.backward", T(k * f, 0, wd), T(k * f, 0, wd), T(k * f, 0, wd))  # one tensor each
     if trainable:
         B.r.save(T(k * f, 0, wd, "experts.act_product"))
     B.r.transient("experts.down.backward", T(k * h, 0, wd), T(k * f, 0, wd),
@@ -1951,7 +1951,8 @@ def _moe(B: Builder, src: T, h: float, f: float, experts: int, top_k: int) -> No
     B.r.save(T(k * h, 0, wd, "experts.down_out"))
     # combine backward: index_put of the gradient into zeros, both products' gradients (fp32)
     # and the cast back to the experts' dtype
-    B.r.transient("experts.combine.backward", T(3 * k * h, 0, F32), T(k * h, 0, wd))
+    B.r.transient("experts.combine.backward", T(k * h, 0, F32), T(k * h, 0, F32), T(k * h, 0, F32),
+                  T(k * h, 0, wd))                            # one tensor each
 
 
 def _moe_forward_events(r: Recipe, rows: T, f: float, h: float, k: int, wd: int, trainable: bool,

@@ -70,10 +70,15 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
     where = ("layer", f"layer{i}")
     pre: set = set()
     held: list = []
+    unsharded = _fsdp2_unsharded(st, fs)                          # FSDP2's gradients, by tensor
     if _recorded(q, parts, recompute, flat1 or bool(st.layer_grads_full)):  # a derived layer, tensor by tensor
         pre, tr, per_linear = _recorded_backward(R, s, q, (parts.bwd, kept, below), where, oib), None, False
     elif per_linear and _by_op(q, parts, recompute, flat1):  # a hand-written layer, op by op
         pre, tr, per_linear = _op_backward(R, s, q, kept, (n, nsq), where, oib), None, False
+    elif not per_linear and _moe_by_op(q, parts, flat1 or bool(st.layer_grads_full and unsharded is None)):
+        pre = _moe_backward(R, s, q, (redo if recompute != "none" else kept, parts), (n, nsq), where, oib,
+                            unsharded)                            # grouped experts op by op,
+        tr = R.alloc(_transient_before_moe(q, n, nsq), one=False)  # then the rest's worst moment, one block
     else:  # the worst backward moment as one block: several tensors (not netted, ``_Replay.alloc``)
         held_b = [] if per_linear else _leaf_held(q, n, nsq)      # a ZeRO-3 leaf MoE block: down's gradient,
         held = R.allocs(held_b)                                   # its own tensor, made first
@@ -86,7 +91,9 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
     elif flat1:
         params = _fsdp1_reduce(R, q, st, params, fs)
     elif st.layer_grads_full and fs.v2:                           # FSDP2: the unsharded gradients made, the
-        full = R.allocs(st.layer_tensors) if st.layer_tensors else [R.alloc(st.layer_grads_full, one=False)]
+        full = [unsharded.pop(j) if j in unsharded else R.alloc(x) for j, x in enumerate(st.layer_tensors)] \
+            if unsharded is not None else R.allocs(st.layer_tensors) if st.layer_tensors \
+            else [R.alloc(st.layer_grads_full, one=False)]        # (some made by _moe_backward)
         R.frees([tr] + redo + kept + kept.casts)                  # layer's backward done, its tensors freed;
         tr, redo, kept = None, [], _Kept([])                      # then its post-backward hook
         fs.post_backward(R, params, full, q.fsdp_rs_buf or q.fsdp_rs_side or st.layer_grads_full)
@@ -186,6 +193,111 @@ def _op_backward(R: _Replay, s: _Step, q: Quantities, kept: _Kept, nb: tuple[int
     R.frees(copies)
     kept.casts = []
     return made
+
+
+#: the backward ops of ``layers._moe`` (grouped experts), in forward order, and of each the saved tensors
+#: autograd releases once it has run (``Node::release_variables``), by their place among the block's
+#: saved tensors as ``layers._moe_forward_events`` lists them (trained experts: rows, gate/up, act,
+#: product, down; frozen: gate/up, act, down)
+_MOE_OPS = ("experts.gate_up.backward", "experts.act.backward", "experts.down.backward", "experts.combine.backward")
+_MOE_RELEASED = {True: ((0,), (1, 2), (3,), (4,)), False: ((), (0, 1), (), (2,))}
+
+
+def _fsdp2_unsharded(st: Any, fs: _Fsdp) -> dict | None:
+    """FSDP2: an empty map for the unsharded gradients ``_moe_backward`` makes (tensor index -> handle),
+    where the layer's unsharded tensors (``States.layer_tensors``) are its gradients, every parameter
+    training (their bytes sum to ``layer_grads_full``); else None."""
+    whole = bool(st.layer_grads_full and fs.v2 and st.layer_tensors and sum(st.layer_tensors) == st.layer_grads_full)
+    return {} if whole else None
+
+
+def _moe_by_op(q: Quantities, parts: Any, flat: bool) -> bool:
+    """Whether a layer's grouped-experts block is replayed op by op (``_moe_backward``): its recipe
+    lists the block's four backward ops last (``layers._moe``) with their tensors
+    (``LayerCoefs.moment_blocks``) and where its saved tensors are (``_Parts.moe``, one tensor each),
+    outside FSDP's flat gradients and DeepSpeed's recorded fetches (whose hooks the replay places
+    around one block)."""
+    lc = q.detail.layer
+    ops = _backward_ops(q)
+    names = tuple(t[0] for t in lc.transients[len(ops) - len(_MOE_OPS):len(ops)])
+    at, _temps, events = getattr(parts, "moe", (-1, [], ()))
+    return (names == _MOE_OPS and at >= 0 and len(lc.moment_blocks) == len(ops) and getattr(parts, "whole", False)
+            and events.count("s") in (3, 5) and not flat and not q.ds_events)
+
+
+def _moe_backward(R: _Replay, s: _Step, q: Quantities, saved: tuple, nb: tuple[int, int], where: tuple[str, ...],
+                  oib: bool, unsharded: dict | None = None) -> set:
+    """A grouped-experts block's backward op by op, last op first (as ``_op_backward``: autograd runs
+    the layer's nodes in reverse of its forward): each op's backward tensors (``LayerCoefs.moment_blocks``:
+    combine's fp32 gradients, down's input and output gradients, SwiGLU's, gate/up's), each its own
+    block, freed before the next op's; down's and gate/up's weight gradients made inside their
+    ``_grouped_mm`` backward (the op's constant, ``Recipe.transient``'s ``const``: the trainable of
+    that size, ``_grad_of``); and after each op the block's saved tensors that it alone read freed
+    (autograd releases a node's saved variables once it has run, torch 2.13
+    ``torch/csrc/autograd/engine.cpp`` ``call_function`` -> ``Node::release_variables``): down's
+    output after the routing multiply's backward, the product after down's, gate/up's output and the
+    activation after SwiGLU's, the gathered rows after gate/up's (transformers 5.24
+    ``integrations/moe.py`` L424-537; ``_MOE_RELEASED``). The one block of the layer's worst moment
+    counted each expert gradient twice (the op's constant, then ``_unit_grads``) beside every saved
+    tensor of the block: a Mixtral-shaped layer (b1 s2048, bf16-amp) 336 MiB of gradients and 240
+    MiB of released tensors above trace at gate/up's backward. ``saved``: (the layer's saved handles,
+    one per part: its kept tensors, or its recomputed ones; the parts); ``nb``: (tokens, tokens x keys).
+    ``unsharded`` (FSDP2): the weight gradients are the unsharded parameters' (``States.layer_tensors``,
+    the gathered dtype), fresh each backward (the post-backward hook reduce-scatters and frees them,
+    ``_fully_shard/_fsdp_param_group.py`` ``post_backward``): their handles go there by tensor index,
+    for ``_layer_backward`` to hand to the hook with the layer's others. Returns the trainable indices
+    whose gradient was made (the layer's others follow in ``_layer_backward``)."""
+    handles, parts = saved
+    at, _temps, events = parts.moe
+    trained = events.count("s") == 5
+    st = q.detail.states
+    ops = _backward_ops(q)
+    first = len(ops) - len(_MOE_OPS)
+    pending, made = list(_placed(st.trainables, where)), set()
+    for k in reversed(range(len(_MOE_OPS))):
+        blocks, _lin = q.detail.layer.moment_blocks[first + k]
+        hs = R.allocs([int(a * nb[0] + b * nb[1]) for a, b in blocks])  # (S, width) each, its dtype
+        want = block_bytes(round(ops[first + k][2]), q.expandable) if ops[first + k][2] > 0 else 0
+        if unsharded is not None:                                 # FSDP2: the unsharded parameter's
+            u = next((u for u, x in enumerate(st.layer_tensors) if want and u not in unsharded
+                      and block_bytes(x, q.expandable) == want), None)
+            if u is not None:
+                unsharded[u] = R.alloc(st.layer_tensors[u])
+        j = None if unsharded is not None else next((j for j in pending if want and st.trainables[j][2] == want), None)
+        if j is not None:                                         # the op's weight gradient
+            pending.remove(j)
+            made.add(j)
+            hs.append(_expert_grad(R, s, st.trainables, j, oib))
+        R.frees(hs)
+        for x in _MOE_RELEASED[trained][k]:                       # its saved tensors released
+            if at + x < len(handles):
+                R.free(handles[at + x])
+                handles[at + x] = None
+    return made
+
+
+def _expert_grad(R: _Replay, s: _Step, trainables: tuple, j: int, oib: bool) -> int | None:
+    """The weight gradient a grouped-experts ``_grouped_mm`` backward makes (``_moe_backward``): stolen as
+    ``.grad`` where none exists (``_grad_of``; None returned); where it exists (a later micro-batch, or
+    ``zero_grad(set_to_none=False)``) ``AccumulateGrad`` adds it in place (torch 2.13
+    ``csrc/autograd/functions/accumulate_grad.h`` ``accumulateGrad``: ``variable_grad += new_grad``), so
+    it is a tensor of its own until its node has run: returned, for the caller to free after the op
+    (as ``optimizer._accumulated`` for the head's). Trace, Mixtral-shaped b2 s512 fp32 with two
+    micro-batches: the second's gate/up gradient opens a 224 MiB segment."""
+    _w, k, g, _sts, _m = trainables[j]
+    copy = s.made.get(j, 0) if _w == "layer" else 0
+    if copy >= k or s.grads.get((j, copy)) is not None:
+        return R.alloc(g)
+    _grad_of(R, s, trainables, j, oib)
+    return None
+
+
+def _transient_before_moe(q: Quantities, n: int, nsq: int) -> int:
+    """``_transient`` over the layer's ops before its grouped-experts block (``_moe_backward`` replays
+    the block's own): the worst moment among them, less the later linears' gradients, one block."""
+    ops = _backward_ops(q)
+    _idx, value, grads = best_transient(ops[:len(ops) - len(_MOE_OPS)], n, nsq)
+    return max(0, value - grads)
 
 
 def _linear_grad(R: _Replay, s: _Step, q: Quantities, lin: tuple, oib: bool, cast: bool) -> int | None:
