@@ -38,19 +38,24 @@ def _loaded(r):
     return next(p.reserved for p in r.phases if p.name == "model_loaded")
 
 
-@pytest.mark.parametrize("family, shape, options", [
-    ("llama", (2, 512), {"dp": 2}),
-    pytest.param("mixtral", (1, 1024), {"dp": 4, "grad_accum": 2},   # rebuilt at the second micro-batch's forward
-                 marks=pytest.mark.xfail(strict=True, reason=(
-                     "peak reserved -1.80 % since the experts' backward is replayed op by op "
-                     "(layer_backward._moe_backward): the layer's autocast weight copies are one 5 MiB block made "
-                     "after the expert tensors, which splits the free space trace's second gradient uses, and one "
-                     "Adam state finds a free block the trace does not; the load-phase checks still hold"))),
+# the mixtral row's whole-step peak reserved, measured -1.80 % since the experts' backward is replayed op by op
+# (layer_backward._moe_backward): the layer's autocast weight copies are one 5 MiB block made after the expert
+# tensors, which splits the free space trace's second gradient uses, and one Adam state finds a free block the
+# trace does not. Its load-phase checks still hold; the step check is a strict expected failure.
+MIXTRAL_STEP = "mixtral step: -1.80 % peak reserved (placement of the layer's autocast copies)"
+
+
+@pytest.mark.parametrize("family, shape, options, step_known", [
+    ("llama", (2, 512), {"dp": 2}, None),
+    ("mixtral", (1, 1024), {"dp": 4, "grad_accum": 2}, MIXTRAL_STEP),   # rebuilt at the second micro-batch's forward
 ])
-def test_ddp_construction_reserves_as_trace(bench, family, shape, options):
+def test_ddp_construction_reserves_as_trace(bench, family, shape, options, step_known):
     b, s = shape
     r = bench.compare(bench.Case(family, b, s, tuple(sorted(options.items()))), reserved=True)
     assert _loaded(r.estimate) == pytest.approx(_loaded(r.trace), rel=0.01)   # before: -26%, -27%
-    assert abs(r.reserved_diff) <= 0.01, r.reserved_diff                       # before: -1.44%, +1.83%
     # the replay now holds the buckets the estimate counts from the load on
     assert abs(r.estimate.extra["replay_peak_allocated"] / r.estimate.peak_allocated - 1) <= 0.01
+    if step_known is not None:                                                # strict: passing again fails
+        assert abs(r.reserved_diff) > 0.01, f"{step_known} passes again ({r.reserved_diff:+.4f}): drop the mark"
+        pytest.xfail(step_known)
+    assert abs(r.reserved_diff) <= 0.01, r.reserved_diff                       # before: -1.44%, +1.83%
