@@ -99,6 +99,9 @@ class Recipe:
     attn_at: int = -1
     attn_temps: list = field(default_factory=list)
     attn_events: list = field(default_factory=list)
+    # other forward temporaries written in op order, as eager attention's: per group, how many tensors
+    # were saved before it, each temporary, and the events (``Recipe.forward_group``; GPT-2's GELU)
+    fwd_groups: list = field(default_factory=list)
     # per transient: its tensors as (bytes per token, per token x key) each, and the index in ``linears`` of the linear whose backward it is (-1: none; ``at_linear``
     # while one is built): ``LayerCoefs.moment_blocks``, ``reserved.layer_backward._op_backward``
     moments: list = field(default_factory=list)
@@ -164,6 +167,15 @@ class Recipe:
         out = {i: self.saved[i] for i in self.prefix if i not in self.post}
         out.update(self.free_extra)
         return list(out.values())
+
+    def forward_group(self, temps: list, events: list, *saved: T) -> None:
+        """Save ``saved`` with forward temporaries ``temps`` made and freed among them in op order, for
+        the allocator replay (``reserved.layer_forward._attn_allocs``; ``LayerCoefs.fwd_groups``): "t"
+        makes the next temporary, "fK" frees the K-th, "s" makes the next of ``saved``, "gK" frees the
+        K-th once the tensor the caller makes next (the group's output) exists."""
+        assert events.count("s") == len(saved) and events.count("t") == len(temps)
+        self.fwd_groups.append((len(self.saved), list(temps), list(events)))
+        self.save(*saved)
 
     def hold(self, *ts: T, b1: tuple[T, ...] | None = None) -> None:
         """The model output references ``ts`` (``b1``: at a micro-batch of one, these instead)."""
@@ -1230,6 +1242,9 @@ class LayerCoefs:
     attn_at: int = -1
     attn_temps: tuple[tuple[float, float], ...] = ()
     attn_events: tuple[str, ...] = ()
+    # other forward temporaries in op order (``Recipe.forward_group``): per group (how many of ``tensors``
+    # are saved before it, each temporary as ``tensors``, the events), for reserved.layer_forward._attn_allocs
+    fwd_groups: tuple[tuple[int, tuple[tuple[float, float], ...], tuple[str, ...]], ...] = ()
     # per backward transient (``transients``' order, before any recomputation's): the op's backward
     # tensors alive then, (bytes per token, per token x key) each (``Recipe.transient``'s ``ts``), and
     # the index in ``linears`` of the linear it is the backward of (-1: another op):
@@ -1334,6 +1349,8 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
                       op_saved=_op_saved(B.r),
                       attn_at=B.r.attn_at, attn_temps=tuple(t.bytes_coef() for t in B.r.attn_temps),
                       attn_events=tuple(B.r.attn_events),
+                      fwd_groups=tuple((at, tuple(t.bytes_coef() for t in ts), tuple(ev))
+                                       for at, ts, ev in B.r.fwd_groups),
                       moment_blocks=() if k.reentrant else tuple(B.r.moments),
                       **_nograd_sequence(k, pol, B, build))
 
@@ -1865,8 +1882,7 @@ def _gelu(B: Builder, impl: str, f: float, h: float = 0.0, incoming: bool = True
     half = B.p.half
     if impl == "gelu_new":
         wide = F32 if B.p.amp else half
-        B.r.save(T(f, 0, wide, "mlp.act.pow_input"), T(f, 0, wide, "mlp.act.tanh"),
-                 T(f, 0, half, "mlp.act.half_x"), T(f, 0, wide, "mlp.act.one_plus_tanh"))
+        _gelu_new_forward(B, f, wide)
         # backward: the incoming gradient (the next linear's input gradient, cast back to wide) and
         # the two gradients the final product's MulBackward makes, all of the activation's size; the
         # residual stream's gradient (b, s, h) waits for the attention branch meanwhile
@@ -1885,6 +1901,30 @@ def _gelu(B: Builder, impl: str, f: float, h: float = 0.0, incoming: bool = True
         return T(f, 0, wide, "mlp.act.out")
     B.r.save(T(f, 0, half, "mlp.act.input"))
     return T(f, 0, half, "mlp.act.out")
+
+
+def _gelu_new_forward(B: Builder, f: float, wide: int) -> None:
+    """transformers NewGELUActivation's forward in op order (transformers 5.24.0 ``activations.py``
+    L65-66: ``0.5 * input * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (input + 0.044715 *
+    torch.pow(input, 3.0))))``, Python evaluating left to right): ``0.5 * input`` (half, saved by
+    the final product), ``pow``'s input (under autocast its fp32 copy, ``pow`` being on autocast's
+    fp32 list, ``aten/src/ATen/autocast_mode.cpp``; else ``input`` itself, the ``c_fc`` output), then
+    four unsaved temporaries of ``wide`` elements, each freed once the next op has read it (``pow``,
+    ``* 0.044715``, ``input +``, ``* sqrt(2/pi)``: a product with a Python scalar and ``add`` save
+    nothing), ``tanh`` (saved, its output) and ``1 + tanh`` (saved). Under autocast the ``c_fc``
+    output (half) is no saved tensor: ``GPT2MLP.forward`` (``models/gpt2/modeling_gpt2.py``
+    L241-242) holds it as ``hidden_states`` until ``self.act`` returns its fp32 product, which the
+    replay makes next (``LayerCoefs.linear_inputs``). Trace, GPT-2 b1 s1024 bf16-amp: ``addmm`` 6,
+    ``mul`` 6, ``_to_copy`` 12, ``pow``, ``mul``, ``add``, ``mul``, ``tanh``, ``add``, ``mul`` 12 MiB each."""
+    half = B.p.half
+    x, t = T(f, 0, half, "mlp.c_fc.out"), [T(f, 0, wide) for _ in range(4)]
+    chain = ["t", "t", "f1", "t", "f2", "t", "f3", "s", "f4", "s"]   # pow .. tanh, 1 + tanh (temporaries 1-4)
+    half_x, tanh, one = T(f, 0, half, "mlp.act.half_x"), T(f, 0, wide, "mlp.act.tanh"), T(f, 0, wide, "mlp.act.one_plus_tanh")
+    if wide != half:                                              # the c_fc output a temporary (0), pow's fp32 copy saved
+        B.r.forward_group([x] + t, ["t", "s", "s"] + chain + ["g0"], half_x, T(f, 0, wide, "mlp.act.pow_input"), tanh, one)
+    else:                                                         # pow saves the c_fc output itself
+        chain = [e[0] + str(int(e[1:]) - 1) if e[0] == "f" else e for e in chain]
+        B.r.forward_group(t, ["s", "s"] + chain, T(f, 0, wide, "mlp.act.pow_input"), half_x, tanh, one)
 
 
 def _moe(B: Builder, src: T, h: float, f: float, experts: int, top_k: int) -> None:

@@ -410,9 +410,11 @@ def _saved_and_casts(R: _Replay, q: Quantities, parts: list[int], inputs: bool =
         size, shared = unsaved[i] if i < len(unsaved) else (0, 0)
         if size and held is None:                                 # made before its half cast, the last saved
             cut = max(done, pos - 1)
-            handles += _attn_allocs(R, parts, done, cut, one)
+            after: list = []                                      # a group's inputs freed once it is made
+            handles += _attn_allocs(R, parts, done, cut, one, after)
             done = cut
             held = R.alloc(size)
+            R.frees(after)
         handles += _attn_allocs(R, parts, done, pos, one)         # saved before this linear's weight cast
         done = max(done, pos)
         copies.append(R.alloc(nbytes))                            # (out, in) in bf16/fp16
@@ -423,18 +425,34 @@ def _saved_and_casts(R: _Replay, q: Quantities, parts: list[int], inputs: bool =
     return _Kept(handles + _attn_allocs(R, parts, done, len(parts), one), copies)
 
 
-def _attn_allocs(R: _Replay, parts: list[int], lo: int, hi: int, one: bool) -> list:
-    """The saved tensors ``parts[lo:hi]`` (handles), with eager attention's forward temporaries made and
-    freed among them in op order where the layer's recipe writes them (``_Parts.attn``: before the
-    ``at``-th saved tensor, ``layers.Builder._eager_forward``: "t" makes the next temporary, "fK" frees
-    the K-th, "s" makes the next saved tensor). Trace makes them so (transformers 5.24.0
+def _attn_allocs(R: _Replay, parts: list[int], lo: int, hi: int, one: bool, after: list | None = None) -> list:
+    """The saved tensors ``parts[lo:hi]`` (handles), with the forward temporaries of eager attention
+    (``_Parts.attn``) and of the other groups a recipe writes in op order (``_Parts.groups``: GPT-2's
+    GELU, ``layers._gelu_new_forward``) made and freed among them (``_group_allocs``). A group whose
+    saved tensors do not all lie in ``parts[lo:hi]`` is left out: its saved tensors are made alone.
+    ``after``: where a group's "gK" temporaries go, freed by the caller once it has made the group's
+    output (else freed at the group's end)."""
+    groups = sorted(g for g in [getattr(parts, "attn", (-1, [], ()))] + list(getattr(parts, "groups", []))
+                    if lo <= g[0] < hi and g[0] + g[2].count("s") <= hi)
+    handles: list = []
+    nxt = lo
+    for at, temps, events in groups:
+        handles += R.allocs(parts[nxt:at], one=one)
+        handles += _group_allocs(R, parts, (at, temps, events), one, after)
+        nxt = at + events.count("s")
+    return handles + R.allocs(parts[nxt:hi], one=one)
+
+
+def _group_allocs(R: _Replay, parts: list[int], group: tuple, one: bool, after: list | None) -> list:
+    """One group of forward temporaries (``at``, bytes, events) made and freed among the saved tensors
+    from ``parts[at]`` on, in op order where the layer's recipe writes them (``layers.Builder._eager_forward``,
+    ``Recipe.forward_group``: "t" makes the next temporary, "fK" frees the K-th, "s" makes the next saved
+    tensor, "gK" hands the K-th to ``after``). Eager attention: trace makes them so (transformers 5.24.0
     ``eager_attention_forward``: the scores, scaled and masked, softmax's fp32 copy of bf16 scores);
     without them a pure-bf16 Qwen2 (b2 s1024, dp 4) opened one fp32 softmax block per layer where trace
-    opened two (docs/validation.md ``reslayer``)."""
-    at, temps, events = getattr(parts, "attn", (-1, [], ()))
-    if not lo <= at < hi or at + events.count("s") > hi:
-        return R.allocs(parts[lo:hi], one=one)
-    handles = R.allocs(parts[lo:at], one=one)
+    opened two (docs/validation.md ``reslayer``). Returns the saved tensors' handles."""
+    at, temps, events = group
+    handles: list = []
     live: dict[int, Any] = {}                                     # temporary's index -> handle
     made, nxt = 0, at
     for e in events:
@@ -444,10 +462,12 @@ def _attn_allocs(R: _Replay, parts: list[int], lo: int, hi: int, one: bool) -> l
         elif e == "s":
             handles.append(R.alloc(parts[nxt], one=one))          # softmax's output, its half copy
             nxt += 1
+        elif e[0] == "g" and after is not None:
+            after.append(live.pop(int(e[1:]), None))
         else:
             R.free(live.pop(int(e[1:]), None))
     R.frees(list(live.values()))
-    return handles + R.allocs(parts[nxt:hi], one=one)
+    return handles
 
 
 def _per_linear(q: Quantities, kept: _Kept, recompute: str) -> bool:
