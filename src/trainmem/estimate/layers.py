@@ -109,6 +109,10 @@ class Recipe:
     # each linear in forward order: (saved tensors before its weight is cast under autocast, weight
     # elements, bytes per element of its weight's gradient, 0 for a frozen one) (``LayerCoefs.linears``)
     linears: list = field(default_factory=list)
+    first_out: Any = None  # the first linear's output (``LayerCoefs.ws_at``: where the cuBLAS workspace is made)
+    # of ``linear_in``'s tensors, those the layer's frames hold past their linear: id -> the saved tensor
+    # made before it is released (its index), or -2 for the layer's end (``LayerCoefs.input_release``)
+    input_release: dict = field(default_factory=dict)
     # ... and the tensor each reads, where autocast saves a half cast of it instead (None: it saves
     # the input itself, or the linear is frozen): ``LayerCoefs.linear_inputs``
     linear_in: list = field(default_factory=list)
@@ -172,7 +176,8 @@ class Recipe:
         """Save ``saved`` with forward temporaries ``temps`` made and freed among them in op order, for
         the allocator replay (``reserved.layer_forward._attn_allocs``; ``LayerCoefs.fwd_groups``): "t"
         makes the next temporary, "fK" frees the K-th, "s" makes the next of ``saved``, "gK" frees the
-        K-th once the tensor the caller makes next (the group's output) exists."""
+        K-th once the tensor the caller makes next (the group's output) exists, "eK" once the layer's
+        forward has returned (the replay: once the next layer's input exists)."""
         assert events.count("s") == len(saved) and events.count("t") == len(temps)
         self.fwd_groups.append((len(self.saved), list(temps), list(events)))
         self.save(*saved)
@@ -313,6 +318,8 @@ class Builder:
         in_features = xin.tok if in_features is None else in_features
         w = in_features * out
         self.r.linears.append((len(self.r.saved), w, self.p.weight))  # (under autocast, cast after its input)
+        if self.r.first_out is None:
+            self.r.first_out = y
         self.r.linear_in.append(x if xin is not x else None)
         self.r.at_linear = len(self.r.linears) - 1
         self._linear_backward(name, x, xin, out, w)
@@ -1203,6 +1210,12 @@ class LayerCoefs:
     # casts its weight, the weight's elements, bytes per element of its gradient (the weight's dtype;
     # 0: frozen)), for the allocator replay (reserved/)
     linears: tuple[tuple[int, float, int], ...] = ()
+    # how many of ``tensors`` are made before the first linear's matmul takes the cuBLAS workspace: those
+    # saved before its weight is cast, and its output where that is the next saved (``first_matmul_at``); -1 none
+    ws_at: int = -1
+    # per linear (as ``linears``): where the unsaved input ``linear_inputs`` holds is released, if not once
+    # its linear has run (-1): after the ``tensors`` entry of that index, or at the layer's end (-2); () all -1
+    input_release: tuple[int, ...] = ()
     # per linear (as ``linears``): the (per token, per token x key) bytes of the input it reads but does
     # not save, autocast saving its half cast instead (a norm's fp32 output, GPT-2's fp32 GELU output),
     # and 1 where the next linear reads the same tensor (Llama's q, k, v projections); (0, 0, 0) where
@@ -1342,6 +1355,7 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
                       incoming=tuple(B.r.incoming) if any(B.r.incoming) else (),
                       after_frozen=after_frozen if any(after_frozen) else (),
                       first_adapter_op=B.r.first_adapter_op, linears=tuple(B.r.linears), adapters=len(B.lora),
+                      ws_at=first_matmul_at(B.r), input_release=input_releases(B.r),
                       linear_inputs=linear_inputs(B.r),
                       recompute_moments=B.r.recompute_moments(tok, sq), fwd_scratch=B.r.fwd_scratch,
                       recompute_incoming=B.r.trigger[1] if B.r.trigger else 0.0,
@@ -1418,6 +1432,30 @@ def op_checkpoint_saved(r: Recipe) -> tuple[float, float]:
     return (sum(t.tok * t.nbytes for t in kept.values()), sum(t.sq * t.nbytes for t in kept.values()))
 
 
+def first_matmul_at(r: Recipe) -> int:
+    """How many of the layer's saved tensors exist when its first linear's matmul runs and takes the
+    forward thread's cuBLAS workspace (made at its first use, after the matmul's output: ``at::mm``
+    allocates its result, then ``at::cuda::blas::gemm`` takes the handle, torch 2.13
+    ``aten/src/ATen/native/cuda/Blas.cpp`` ``addmm_out_cuda_impl``, ``CUDABlas.cpp``
+    ``getCUDABlasLtWorkspace``): those saved before it, and its output where it is the next one saved
+    (GPT-2's ``c_attn`` output, which a fused SDPA kernel saves whole). -1 without a linear."""
+    if not r.linears:
+        return -1
+    at = r.linears[0][0]
+    ids = list(r.saved)
+    return at + 1 if at < len(ids) and ids[at] == id(r.first_out) else at
+
+
+def input_releases(r: Recipe) -> tuple[int, ...]:
+    """Per linear, where the unsaved input it reads (``linear_inputs``) is released when a frame holds
+    it past the linear (``Recipe.input_release``): GPT-2's ``ln_1`` output, bound to ``hidden_states``
+    in ``GPT2Block.forward`` until ``hidden_states = attn_output + residual`` rebinds it, after the
+    residual add (ln_2's saved input); its ``ln_2`` output until the second residual add, the block's
+    output (transformers 5.24.0 ``models/gpt2/modeling_gpt2.py`` L276-318). () where none is."""
+    out = tuple(r.input_release.get(id(x), -1) if x is not None else -1 for x in r.linear_in)
+    return out if any(k != -1 for k in out) else ()
+
+
 def linear_inputs(r: Recipe) -> tuple[tuple[float, float, int], ...]:
     """Per linear of a layer (``Recipe.linears``), the input it reads but autograd does not keep:
     under autocast ``F.linear`` casts its fp32 input to the compute dtype and ``mm``/``addmm`` saves
@@ -1450,12 +1488,13 @@ def _gpt2_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: f
     if k.separate_qkv:  # three linears: under autocast each saves its own half cast of the fp32 input
         for width in (q, kv, kv):
             B.linear(a_out, width, "c_attn", "c_attn.input", h)
+        fused = None
     else:
-        B.linear(a_out, q + 2 * kv, "c_attn", "c_attn.input", h)
+        fused = B.linear(a_out, q + 2 * kv, "c_attn", "c_attn.input", h)
     qq, kk, vv = (T(q, 0, half, "attn.qkv"), T(kv, 0, half, "attn.qkv"), T(kv, 0, half, "attn.qkv"))
     backend = "eager" if k.attention == "eager" else B.sdpa(k.attention, k.head_dim, heads, kvh,
                                                             k.attention_dropout)
-    qkv = T(q + 2 * kv, 0, half, "attn.qkv")  # c_attn's output (b, s, q + 2 kv): q, k, v are views of it
+    qkv = fused or T(q + 2 * kv, 0, half, "attn.qkv")  # c_attn's output (b, s, q + 2 kv): q, k, v are views of it
     qkv_b1 = qkv  # what the cache's views keep at b == 1 (eager: the tensor matmul saves)
     copies = k.kv_cache and k.cache_kind == "copy"
     if backend == "eager":
@@ -1487,16 +1526,40 @@ def _gpt2_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: f
     ctx = B.attention(qq, kk, vv, heads, kvh, k.head_dim, k.attention, k.attention_dropout,
                       softmax_fp32_then_cast=False)
     B.linear(ctx, h, "c_proj", "c_proj.input")
-    B.drop(T(h / sp_div, 0, half, "resid"), k.hidden_dropout, "attn.resid_dropout")
+    hf = k.family == "gpt2"  # transformers' GPT2Block (its frames' lifetimes; nanoGPT's Block differs)
+    _gpt2_branch_dropout(B, h / sp_div, k.hidden_dropout if hf else 0.0, "attn.resid_dropout", k.hidden_dropout)
     x2 = T(h / sp_div, 0, pol.stream, "residual")
+    if hf:
+        B.r.input_release[id(a_out)] = len(B.r.saved)  # ``hidden_states`` rebound by the residual add (x2, next)
     m_in = B.layer_norm(x2, "ln_2")
     m_out = T(h / sp_div, 0, m_in.nbytes, "ln_2.out")
+    if hf:
+        B.r.input_release[id(m_out)] = -2  # ... and by the second, the block's output
     B.outer_live = (m_out,)  # ``hidden_states`` while ``self.mlp`` runs (``residual`` is what ln_2 saved)
     B.linear(m_out, f, "c_fc", "c_fc.input", h)
     act = _gelu(B, k.act_impl, f, h / sp_div)
     B.linear(act, h, "mlp.c_proj", "mlp.c_proj.input")
-    B.drop(T(h / sp_div, 0, half, "resid"), k.hidden_dropout, "mlp.resid_dropout")
+    _gpt2_branch_dropout(B, h / sp_div, k.hidden_dropout if hf else 0.0, "mlp.resid_dropout", k.hidden_dropout)
     B.outer_live = ()
+
+
+def _gpt2_branch_dropout(B: Builder, h: float, p: float, name: str, p_drop: float) -> None:
+    """A GPT-2 residual branch's output projection and dropout (``Builder.drop``: its mask saved), with
+    their outputs in op order for the allocator replay (``Recipe.forward_group``): ``c_proj``'s output
+    (the compute dtype), freed once the dropout has made its own (``GPT2Attention.forward`` /
+    ``GPT2MLP.forward`` rebind it), and the dropout's output, which ``GPT2Block.forward`` holds as
+    ``attn_output`` / ``feed_forward_hidden_states`` until it returns, after the residual adds (transformers
+    5.24.0 ``models/gpt2/modeling_gpt2.py`` L225-226, L241-245, L276-318): "e" hands it to the replay's
+    layer end (freed once the next layer's input exists). Trace, GPT-2 b1 s2048 fp32: ``addmm`` 6,
+    ``native_dropout``'s output 6 MiB, then its mask, the ``addmm`` output freed, the residual ``add`` in its place.
+    Without dropout, under LoRA (``Builder._dropout_pack``) or in nanoGPT's ``Block`` (``p`` 0: its
+    lifetimes differ), ``Builder.drop`` alone, with the dropout probability ``p_drop``."""
+    half = B.p.half
+    if p <= 0 or not B.dropout or B.frozen:
+        B.drop(T(h, 0, half, "resid"), p_drop, name)
+        return
+    B.r.forward_group([T(h, 0, half, "resid"), T(h, 0, half, name)], ["t", "t", "s", "f0", "e1"],
+                      T(h, 0, 1, name + ".mask"))
 
 
 def _bert_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: float, heads: float, kvh: float, sp_div: int) -> None:
