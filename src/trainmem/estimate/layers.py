@@ -103,6 +103,9 @@ class Recipe:
     moe_at: int = -1
     moe_temps: list = field(default_factory=list)
     moe_events: list = field(default_factory=list)
+    # other forward temporaries written in op order, as eager attention's: per group, how many tensors
+    # were saved before it, each temporary, and the events (``Recipe.forward_group``; GPT-2's GELU)
+    fwd_groups: list = field(default_factory=list)
     # per transient: its tensors as (bytes per token, per token x key) each, and the index in ``linears`` of the linear whose backward it is (-1: none; ``at_linear``
     # while one is built): ``LayerCoefs.moment_blocks``, ``reserved.layer_backward._op_backward``
     moments: list = field(default_factory=list)
@@ -110,6 +113,10 @@ class Recipe:
     # each linear in forward order: (saved tensors before its weight is cast under autocast, weight
     # elements, bytes per element of its weight's gradient, 0 for a frozen one) (``LayerCoefs.linears``)
     linears: list = field(default_factory=list)
+    first_out: Any = None  # the first linear's output (``LayerCoefs.ws_at``: where the cuBLAS workspace is made)
+    # of ``linear_in``'s tensors, those the layer's frames hold past their linear: id -> the saved tensor
+    # made before it is released (its index), or -2 for the layer's end (``LayerCoefs.input_release``)
+    input_release: dict = field(default_factory=dict)
     # ... and the tensor each reads, where autocast saves a half cast of it instead (None: it saves
     # the input itself, or the linear is frozen): ``LayerCoefs.linear_inputs``
     linear_in: list = field(default_factory=list)
@@ -168,6 +175,16 @@ class Recipe:
         out = {i: self.saved[i] for i in self.prefix if i not in self.post}
         out.update(self.free_extra)
         return list(out.values())
+
+    def forward_group(self, temps: list, events: list, *saved: T) -> None:
+        """Save ``saved`` with forward temporaries ``temps`` made and freed among them in op order, for
+        the allocator replay (``reserved.layer_forward._attn_allocs``; ``LayerCoefs.fwd_groups``): "t"
+        makes the next temporary, "fK" frees the K-th, "s" makes the next of ``saved``, "gK" frees the
+        K-th once the tensor the caller makes next (the group's output) exists, "eK" once the layer's
+        forward has returned (the replay: once the next layer's input exists)."""
+        assert events.count("s") == len(saved) and events.count("t") == len(temps)
+        self.fwd_groups.append((len(self.saved), list(temps), list(events)))
+        self.save(*saved)
 
     def hold(self, *ts: T, b1: tuple[T, ...] | None = None) -> None:
         """The model output references ``ts`` (``b1``: at a micro-batch of one, these instead)."""
@@ -305,6 +322,8 @@ class Builder:
         in_features = xin.tok if in_features is None else in_features
         w = in_features * out
         self.r.linears.append((len(self.r.saved), w, self.p.weight))  # (under autocast, cast after its input)
+        if self.r.first_out is None:
+            self.r.first_out = y
         self.r.linear_in.append(x if xin is not x else None)
         self.r.at_linear = len(self.r.linears) - 1
         self._linear_backward(name, x, xin, out, w)
@@ -1195,6 +1214,12 @@ class LayerCoefs:
     # casts its weight, the weight's elements, bytes per element of its gradient (the weight's dtype;
     # 0: frozen)), for the allocator replay (reserved/)
     linears: tuple[tuple[int, float, int], ...] = ()
+    # how many of ``tensors`` are made before the first linear's matmul takes the cuBLAS workspace: those
+    # saved before its weight is cast, and its output where that is the next saved (``first_matmul_at``); -1 none
+    ws_at: int = -1
+    # per linear (as ``linears``): where the unsaved input ``linear_inputs`` holds is released, if not once
+    # its linear has run (-1): after the ``tensors`` entry of that index, or at the layer's end (-2); () all -1
+    input_release: tuple[int, ...] = ()
     # per linear (as ``linears``): the (per token, per token x key) bytes of the input it reads but does
     # not save, autocast saving its half cast instead (a norm's fp32 output, GPT-2's fp32 GELU output),
     # and 1 where the next linear reads the same tensor (Llama's q, k, v projections); (0, 0, 0) where
@@ -1238,6 +1263,9 @@ class LayerCoefs:
     moe_at: int = -1
     moe_temps: tuple[tuple[float, float], ...] = ()
     moe_events: tuple[str, ...] = ()
+    # other forward temporaries in op order (``Recipe.forward_group``): per group (how many of ``tensors``
+    # are saved before it, each temporary as ``tensors``, the events), for reserved.layer_forward._attn_allocs
+    fwd_groups: tuple[tuple[int, tuple[tuple[float, float], ...], tuple[str, ...]], ...] = ()
     # per backward transient (``transients``' order, before any recomputation's): the op's backward
     # tensors alive then, (bytes per token, per token x key) each (``Recipe.transient``'s ``ts``), and
     # the index in ``linears`` of the linear it is the backward of (-1: another op):
@@ -1335,6 +1363,7 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
                       incoming=tuple(B.r.incoming) if any(B.r.incoming) else (),
                       after_frozen=after_frozen if any(after_frozen) else (),
                       first_adapter_op=B.r.first_adapter_op, linears=tuple(B.r.linears), adapters=len(B.lora),
+                      ws_at=first_matmul_at(B.r), input_release=input_releases(B.r),
                       linear_inputs=linear_inputs(B.r),
                       recompute_moments=B.r.recompute_moments(tok, sq), fwd_scratch=B.r.fwd_scratch,
                       recompute_incoming=B.r.trigger[1] if B.r.trigger else 0.0,
@@ -1343,6 +1372,8 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
                       attn_at=B.r.attn_at, attn_temps=tuple(t.bytes_coef() for t in B.r.attn_temps),
                       attn_events=tuple(B.r.attn_events), moe_at=B.r.moe_at,
                       moe_temps=tuple(t.bytes_coef() for t in B.r.moe_temps), moe_events=tuple(B.r.moe_events),
+                      fwd_groups=tuple((at, tuple(t.bytes_coef() for t in ts), tuple(ev))
+                                       for at, ts, ev in B.r.fwd_groups),
                       moment_blocks=() if k.reentrant else tuple(B.r.moments),
                       **_nograd_sequence(k, pol, B, build))
 
@@ -1410,6 +1441,30 @@ def op_checkpoint_saved(r: Recipe) -> tuple[float, float]:
     return (sum(t.tok * t.nbytes for t in kept.values()), sum(t.sq * t.nbytes for t in kept.values()))
 
 
+def first_matmul_at(r: Recipe) -> int:
+    """How many of the layer's saved tensors exist when its first linear's matmul runs and takes the
+    forward thread's cuBLAS workspace (made at its first use, after the matmul's output: ``at::mm``
+    allocates its result, then ``at::cuda::blas::gemm`` takes the handle, torch 2.13
+    ``aten/src/ATen/native/cuda/Blas.cpp`` ``addmm_out_cuda_impl``, ``CUDABlas.cpp``
+    ``getCUDABlasLtWorkspace``): those saved before it, and its output where it is the next one saved
+    (GPT-2's ``c_attn`` output, which a fused SDPA kernel saves whole). -1 without a linear."""
+    if not r.linears:
+        return -1
+    at = r.linears[0][0]
+    ids = list(r.saved)
+    return at + 1 if at < len(ids) and ids[at] == id(r.first_out) else at
+
+
+def input_releases(r: Recipe) -> tuple[int, ...]:
+    """Per linear, where the unsaved input it reads (``linear_inputs``) is released when a frame holds
+    it past the linear (``Recipe.input_release``): GPT-2's ``ln_1`` output, bound to ``hidden_states``
+    in ``GPT2Block.forward`` until ``hidden_states = attn_output + residual`` rebinds it, after the
+    residual add (ln_2's saved input); its ``ln_2`` output until the second residual add, the block's
+    output (transformers 5.24.0 ``models/gpt2/modeling_gpt2.py`` L276-318). () where none is."""
+    out = tuple(r.input_release.get(id(x), -1) if x is not None else -1 for x in r.linear_in)
+    return out if any(k != -1 for k in out) else ()
+
+
 def linear_inputs(r: Recipe) -> tuple[tuple[float, float, int], ...]:
     """Per linear of a layer (``Recipe.linears``), the input it reads but autograd does not keep:
     under autocast ``F.linear`` casts its fp32 input to the compute dtype and ``mm``/``addmm`` saves
@@ -1442,12 +1497,13 @@ def _gpt2_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: f
     if k.separate_qkv:  # three linears: under autocast each saves its own half cast of the fp32 input
         for width in (q, kv, kv):
             B.linear(a_out, width, "c_attn", "c_attn.input", h)
+        fused = None
     else:
-        B.linear(a_out, q + 2 * kv, "c_attn", "c_attn.input", h)
+        fused = B.linear(a_out, q + 2 * kv, "c_attn", "c_attn.input", h)
     qq, kk, vv = (T(q, 0, half, "attn.qkv"), T(kv, 0, half, "attn.qkv"), T(kv, 0, half, "attn.qkv"))
     backend = "eager" if k.attention == "eager" else B.sdpa(k.attention, k.head_dim, heads, kvh,
                                                             k.attention_dropout)
-    qkv = T(q + 2 * kv, 0, half, "attn.qkv")  # c_attn's output (b, s, q + 2 kv): q, k, v are views of it
+    qkv = fused or T(q + 2 * kv, 0, half, "attn.qkv")  # c_attn's output (b, s, q + 2 kv): q, k, v are views of it
     qkv_b1 = qkv  # what the cache's views keep at b == 1 (eager: the tensor matmul saves)
     copies = k.kv_cache and k.cache_kind == "copy"
     if backend == "eager":
@@ -1479,16 +1535,40 @@ def _gpt2_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: f
     ctx = B.attention(qq, kk, vv, heads, kvh, k.head_dim, k.attention, k.attention_dropout,
                       softmax_fp32_then_cast=False)
     B.linear(ctx, h, "c_proj", "c_proj.input")
-    B.drop(T(h / sp_div, 0, half, "resid"), k.hidden_dropout, "attn.resid_dropout")
+    hf = k.family == "gpt2"  # transformers' GPT2Block (its frames' lifetimes; nanoGPT's Block differs)
+    _gpt2_branch_dropout(B, h / sp_div, k.hidden_dropout if hf else 0.0, "attn.resid_dropout", k.hidden_dropout)
     x2 = T(h / sp_div, 0, pol.stream, "residual")
+    if hf:
+        B.r.input_release[id(a_out)] = len(B.r.saved)  # ``hidden_states`` rebound by the residual add (x2, next)
     m_in = B.layer_norm(x2, "ln_2")
     m_out = T(h / sp_div, 0, m_in.nbytes, "ln_2.out")
+    if hf:
+        B.r.input_release[id(m_out)] = -2  # ... and by the second, the block's output
     B.outer_live = (m_out,)  # ``hidden_states`` while ``self.mlp`` runs (``residual`` is what ln_2 saved)
     B.linear(m_out, f, "c_fc", "c_fc.input", h)
     act = _gelu(B, k.act_impl, f, h / sp_div)
     B.linear(act, h, "mlp.c_proj", "mlp.c_proj.input")
-    B.drop(T(h / sp_div, 0, half, "resid"), k.hidden_dropout, "mlp.resid_dropout")
+    _gpt2_branch_dropout(B, h / sp_div, k.hidden_dropout if hf else 0.0, "mlp.resid_dropout", k.hidden_dropout)
     B.outer_live = ()
+
+
+def _gpt2_branch_dropout(B: Builder, h: float, p: float, name: str, p_drop: float) -> None:
+    """A GPT-2 residual branch's output projection and dropout (``Builder.drop``: its mask saved), with
+    their outputs in op order for the allocator replay (``Recipe.forward_group``): ``c_proj``'s output
+    (the compute dtype), freed once the dropout has made its own (``GPT2Attention.forward`` /
+    ``GPT2MLP.forward`` rebind it), and the dropout's output, which ``GPT2Block.forward`` holds as
+    ``attn_output`` / ``feed_forward_hidden_states`` until it returns, after the residual adds (transformers
+    5.24.0 ``models/gpt2/modeling_gpt2.py`` L225-226, L241-245, L276-318): "e" hands it to the replay's
+    layer end (freed once the next layer's input exists). Trace, GPT-2 b1 s2048 fp32: ``addmm`` 6,
+    ``native_dropout``'s output 6 MiB, then its mask, the ``addmm`` output freed, the residual ``add`` in its place.
+    Without dropout, under LoRA (``Builder._dropout_pack``) or in nanoGPT's ``Block`` (``p`` 0: its
+    lifetimes differ), ``Builder.drop`` alone, with the dropout probability ``p_drop``."""
+    half = B.p.half
+    if p <= 0 or not B.dropout or B.frozen:
+        B.drop(T(h, 0, half, "resid"), p_drop, name)
+        return
+    B.r.forward_group([T(h, 0, half, "resid"), T(h, 0, half, name)], ["t", "t", "s", "f0", "e1"],
+                      T(h, 0, 1, name + ".mask"))
 
 
 def _bert_layer(B: Builder, k: LayerKey, x: T, h: int, f: float, q: float, kv: float, heads: float, kvh: float, sp_div: int) -> None:
@@ -1874,8 +1954,7 @@ def _gelu(B: Builder, impl: str, f: float, h: float = 0.0, incoming: bool = True
     half = B.p.half
     if impl == "gelu_new":
         wide = F32 if B.p.amp else half
-        B.r.save(T(f, 0, wide, "mlp.act.pow_input"), T(f, 0, wide, "mlp.act.tanh"),
-                 T(f, 0, half, "mlp.act.half_x"), T(f, 0, wide, "mlp.act.one_plus_tanh"))
+        _gelu_new_forward(B, f, wide)
         # backward: the incoming gradient (the next linear's input gradient, cast back to wide) and
         # the two gradients the final product's MulBackward makes, all of the activation's size; the
         # residual stream's gradient (b, s, h) waits for the attention branch meanwhile
@@ -1894,6 +1973,30 @@ def _gelu(B: Builder, impl: str, f: float, h: float = 0.0, incoming: bool = True
         return T(f, 0, wide, "mlp.act.out")
     B.r.save(T(f, 0, half, "mlp.act.input"))
     return T(f, 0, half, "mlp.act.out")
+
+
+def _gelu_new_forward(B: Builder, f: float, wide: int) -> None:
+    """transformers NewGELUActivation's forward in op order (transformers 5.24.0 ``activations.py``
+    L65-66: ``0.5 * input * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (input + 0.044715 *
+    torch.pow(input, 3.0))))``, Python evaluating left to right): ``0.5 * input`` (half, saved by
+    the final product), ``pow``'s input (under autocast its fp32 copy, ``pow`` being on autocast's
+    fp32 list, ``aten/src/ATen/autocast_mode.cpp``; else ``input`` itself, the ``c_fc`` output), then
+    four unsaved temporaries of ``wide`` elements, each freed once the next op has read it (``pow``,
+    ``* 0.044715``, ``input +``, ``* sqrt(2/pi)``: a product with a Python scalar and ``add`` save
+    nothing), ``tanh`` (saved, its output) and ``1 + tanh`` (saved). Under autocast the ``c_fc``
+    output (half) is no saved tensor: ``GPT2MLP.forward`` (``models/gpt2/modeling_gpt2.py``
+    L241-242) holds it as ``hidden_states`` until ``self.act`` returns its fp32 product, which the
+    replay makes next (``LayerCoefs.linear_inputs``). Trace, GPT-2 b1 s1024 bf16-amp: ``addmm`` 6,
+    ``mul`` 6, ``_to_copy`` 12, ``pow``, ``mul``, ``add``, ``mul``, ``tanh``, ``add``, ``mul`` 12 MiB each."""
+    half = B.p.half
+    x, t = T(f, 0, half, "mlp.c_fc.out"), [T(f, 0, wide) for _ in range(4)]
+    chain = ["t", "t", "f1", "t", "f2", "t", "f3", "s", "f4", "s"]   # pow .. tanh, 1 + tanh (temporaries 1-4)
+    half_x, tanh, one = T(f, 0, half, "mlp.act.half_x"), T(f, 0, wide, "mlp.act.tanh"), T(f, 0, wide, "mlp.act.one_plus_tanh")
+    if wide != half:                                              # the c_fc output a temporary (0), pow's fp32 copy saved
+        B.r.forward_group([x] + t, ["t", "s", "s"] + chain + ["g0"], half_x, T(f, 0, wide, "mlp.act.pow_input"), tanh, one)
+    else:                                                         # pow saves the c_fc output itself
+        chain = [e[0] + str(int(e[1:]) - 1) if e[0] == "f" else e for e in chain]
+        B.r.forward_group(t, ["s", "s"] + chain, T(f, 0, wide, "mlp.act.pow_input"), half_x, tanh, one)
 
 
 def _moe(B: Builder, src: T, h: float, f: float, experts: int, top_k: int) -> None:

@@ -28,7 +28,7 @@ from .head_grads import (chunk_head_grads, compiled_tied_grads, emb_accumulated,
                          softcap_saved, tied_head_grad, tied_replicated_grad, torchtune_cap_bytes, whole_model_compiled)
 from .head_moments import (_autocast_copies, _head_replay_fields, bert_top_forward, final_norm_backward,
                            final_norm_forward, half_embedding_output, head_added_grads, head_weight_grad_half,
-                           head_wgrad, held_embeddings, per_linear_replay)
+                           gpt2_embeddings, head_wgrad, held_embeddings, per_linear_replay)
 from .layer_moments import (_cast_first_free, _decoder_grads, _grads_above, _kept_and_redone, _layer_transients,
                             _split_outer, first_layer_unsaved, peft_offload_leaf, recompute_transients)
 from .layer_terms import _stage_layer, litgpt_terms
@@ -44,6 +44,18 @@ from .zero3_gather import deepspeed_leaf_held, z3_leaf_grads_held
 from .zero_offload import deepspeed_offload_clone, deepspeed_offload_grad_buffer
 from .zero_partition import deepspeed_buckets, deepspeed_flat_on_gpu, grads_from_wrap
 from .zero_step import _deepspeed_fields, deepspeed_fp32_convert
+
+
+def _embeddings_held(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs) -> dict[str, float]:
+    """The embedding outputs the base model holds in forward, unsaved (``held_embeddings``; GPT-2's
+    token and position embeddings and their sum, ``gpt2_embeddings``), for the replay's ``_forward``.
+    GPT-2's only without recomputation, where the replay makes the layers' forward in op order around
+    them (``reserved.layer_forward._saved_and_casts``); a checkpointed layer's first forward is replayed
+    as blocks made and freed together, where their placement is luck: against trace, FSDP1 dp 4 b8 s256
+    full recompute +24.4 -> +0.7 %, b2 s1024 op +22.2 -> +1.3 %, but tests/test_half_loss_replay.py's
+    b8 s256 op -0.0 -> -15.9 % (its step-2 forward's small blocks fill another segment than trace's)."""
+    tok, pos, summed = gpt2_embeddings(m, t, pol) if t.recompute == "none" else (0.0, 0.0, 0.0)
+    return dict(embeds_tok=tok or held_embeddings(m, t, pol, lc), embeds_pos=pos, embeds_sum_tok=summed)
 
 
 def gemini_fields(m: ModelSpec, t: TrainingSpec) -> dict[str, int]:
@@ -284,7 +296,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         input_tok=input_bytes(m, t)[0], input_sample=input_bytes(m, t)[1], expandable=int(t.expandable_segments),
         ddp_side=int(t.ddp_init_stream == "side"),
         input_pixels=vlm_pixel_bytes(m, t),
-        trainer_cp=trainer_cp_inputs(m, t), embeds_tok=held_embeddings(m, t, pol, lc),
+        trainer_cp=trainer_cp_inputs(m, t), **_embeddings_held(m, t, pol, lc),
         **_top_fields(m, t, pol),
         dec_num=decoder_ratio(m, t)[0], dec_den=decoder_ratio(m, t)[1], **_derived_fields(m, t, stage), **pipe,
         detail=Detail(st, lc, outer, comm_name, input_tok, sum(a for _, a, _ in received),

@@ -142,6 +142,26 @@ def held_embeddings(m: ModelSpec, t: TrainingSpec, pol: Policy, lc: LayerCoefs |
     return m.hidden_size * pol.stream / sp
 
 
+def gpt2_embeddings(m: ModelSpec, t: TrainingSpec, pol: Policy) -> tuple[float, float, float]:
+    """The embedding outputs transformers' GPT-2 holds in forward although autograd saves none of them,
+    for the allocator replay (``reserved.driver._forward``): ``GPT2Model.forward`` binds ``inputs_embeds
+    = self.wte(input_ids)`` (b, s, h) and ``position_embeds = self.wpe(position_ids)`` (1, s, h: the
+    position ids are ``arange(s)`` of the sequence) to locals that live until it returns, after
+    ``ln_f``; their sum ``hidden_states`` is rebound by ``self.drop`` (a temporary, freed once the
+    dropout's output exists) or, without dropout, is the first layer's input (its LayerNorm saves it)
+    (transformers 5.24.0 ``models/gpt2/modeling_gpt2.py`` L569-577, L603, L624). All in the
+    embeddings' dtype (the residual stream's). Returns (bytes per token of ``inputs_embeds``, bytes
+    per position of ``position_embeds``, bytes per token of the sum where it is a temporary); zeros
+    for another model, a pipeline stage or a model run by its framework's own code (nanoGPT's
+    ``GPT.forward`` keeps its ``tok_emb``, ``pos_emb`` through the loss: not written). Trace, GPT-2
+    b1 s2048 fp32: ``embedding`` 6, ``embedding`` 6, ``add`` 6 MiB, ``native_dropout`` 6, the sum freed."""
+    if m.family != "gpt2" or t.pp > 1 or t.extra.get("framework") in OWN_MODEL_CODE:
+        return (0.0, 0.0, 0.0)
+    sp = t.tp if t.sequence_parallel else 1
+    h = m.hidden_size * pol.stream / sp
+    return (h, h, h if (t.dropout and m.hidden_dropout > 0) else 0.0)
+
+
 def head_wgrad(m: ModelSpec, t: TrainingSpec, cast_head: int) -> int:
     """Bytes of the LM head's weight gradient as its matmul's backward makes it under autocast: in
     the half dtype (the shape of the head's half copy, ``cast_head``), then cast to the weight's

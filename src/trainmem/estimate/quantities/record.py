@@ -169,6 +169,8 @@ class Quantities:
     input_sample: int = 0   # ... less this per sample (an image model's class tokens have no pixels)
     input_pixels: int = 0   # a vision-language model's pixel values per sample, a tensor of their own (fp32)
     embeds_tok: float = 0.0  # the base model's embedding output held, unsaved, until it returns (held_embeddings)
+    embeds_pos: float = 0.0  # GPT-2: ... and its position embeddings' (1, s, h), per position (gpt2_embeddings)
+    embeds_sum_tok: float = 0.0  # GPT-2: their sum, freed once the embeddings' dropout has made its output
     # an encoder-decoder's decoder tokens per encoder token, dec_num / dec_den (``derived.decoder_ratio``):
     # its labels and logits are (b, target_len), b*s * dec_num // dec_den tokens
     dec_num: int = 1

@@ -138,18 +138,17 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     s.forwards += 1
     z3 = _Zero3Replay(R, q, recorded=s.forwards > 1) if q.ds_events else None   # the root's, the embedding's fetches
     gathered = R.alloc(q.ds_gathered_emb, GATHER_STREAM * q.ds_streams) if z3 is None else None
-    embeds = R.alloc(int(q.embeds_tok * tk.tokens))              # the base model's inputs_embeds, unsaved
+    embeds, rebound = _held_embeddings(R, q, tk, seqs)           # the base model's inputs_embeds, unsaved
     if not (q.ds_emb_kept and s.forwards > 1):                   # released after the embedding's forward
         R.free(gathered)
         gathered = None
     emb = R.alloc(tk.outer_rest, one=False)                       # embeddings' saved tensors, one block
     cached: list = []                                             # autocast's weight cache (checkpointed layers)
     z3 = z3 or _Zero3Fetch(R, q, recorded=s.forwards > 1)        # ZeRO-3: the layers' gathers (the embedding's
-    kept = []                                                     # fetch starts the first layer's prefetch)
-    for i in range(q.layers):
-        z3.forward(R, i)
-        kept.append(_layer_forward(R, q, fs, parts, tk, recompute, keep=(i == q.layers - 1 and q.fsdp_last_kept > 0),
-                                   cached=cached, s=s))
+    kept = _layers(R, s, q, (fs, z3), parts, tk, recompute, cached, rebound)  # (its fetch starts the first
+    if q.fsdp_head_unit or q.ds_events or not head:               # layer's prefetch; the head's unit gathered
+        R.frees(rebound)                                          # first, or no head: the top layer's frames'
+        rebound = []                                              # tensors freed when it returns)
     s.workspace(R, 0)                                             # no layer here: the head's matmul
     R.frees([h for at, h in R.carry if at != LATE])               # the top layer's late frees (a derived layer)
     R.carry = [(at, h) for at, h in R.carry if at == LATE]
@@ -162,8 +161,9 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     chunks = max(1, min(int(q.logit_chunks), int(tk.tokens))) if q.liger_factor == 0 else 1
     root = root + fs.unshard(R, q.fsdp_head_unit, st.head_unit_tensors)  # split root: [norm, head] kept
     capped = _softcap_bytes(q, tk, full, chunks)                  # a soft-capped head's tanh outputs, apart
-    head, late, body = _head_side(R, q, tk, capped, top)          # the final norm's tensors, the head's input
-    R.free(embeds)                                                # the base model returns (held_embeddings)
+    head, late, body = _head_side(R, q, tk, capped, top, rebound)  # the final norm's tensors, the head's input
+    R.frees(rebound)                                              # (a head side of one block: after it)
+    R.frees(embeds)                                               # the base model returns (held_embeddings)
     head.append(R.alloc(q.cast_head))                             # autocast's half copy of the head
     out, saved_tanh = _softcapped_logits(R, q, tk, full, chunks) if capped else (
         _logit_allocs(R, _logit_tensors(tk.out_logits, q.logits_out, full, chunks)), [])  # (b, s, vocab) logits
@@ -193,6 +193,31 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     root = _forward_end(R, s, q, fs, root, suffix)
     return _Forward(inputs, fs, root, emb, kept, head, out, saved, full, chunks, gathered, _shifted(q, full, seqs), z3,
                     saved_tanh)
+
+
+def _layers(R: _Replay, s: _Step, q: Quantities, units: tuple, parts: list[int], tk: Tokens, recompute: str,
+            cached: list, rebound: list) -> list:
+    """Each layer's forward (``_layer_forward``; ``units``: FSDP's and ZeRO-3's, ``_Fsdp``, ``_Zero3Fetch``),
+    what each keeps for backward; ``rebound``: what the caller's frames free once the next layer's input
+    exists, handed from layer to layer (``layer_forward._layer_end``)."""
+    fs, z3 = units
+    kept = []
+    for i in range(q.layers):
+        z3.forward(R, i)
+        kept.append(_layer_forward(R, q, fs, parts, tk, recompute, keep=(i == q.layers - 1 and q.fsdp_last_kept > 0),
+                                   cached=cached, s=s, rebound=rebound))
+    return kept
+
+
+def _held_embeddings(R: _Replay, q: Quantities, tk: Tokens, seqs: int) -> tuple[list, list]:
+    """The embedding outputs the base model holds, unsaved, until it returns (``held_embeddings``; GPT-2's
+    ``inputs_embeds`` and ``position_embeds``, one (1, s, h) for the ``seqs`` sequences,
+    ``gpt2_embeddings``), and the tensors freed once the first layer's input exists (GPT-2: their sum,
+    rebound by the embeddings' dropout, whose output the first layer saves first: ``_layer_forward``'s
+    ``rebound``)."""
+    held = [R.alloc(int(q.embeds_tok * tk.tokens)), R.alloc(int(q.embeds_pos * (tk.tokens // max(seqs, 1))))]
+    summed = R.alloc(int(q.embeds_sum_tok * tk.tokens))           # None where there is none (not GPT-2):
+    return held, [summed] if summed is not None else []           # nothing then waits for the first input
 
 
 def _forward_end(R: _Replay, s: _Step, q: Quantities, fs: "_Fsdp", root: list, suffix: str) -> list:

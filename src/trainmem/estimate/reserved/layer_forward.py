@@ -17,11 +17,14 @@ from .replay import GATHER_STREAM, _Replay, _Step
 
 
 def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: _Parts, tk: Tokens, recompute: str,
-                   keep: bool = False, cached: list | None = None, s: _Step | None = None) -> list:
+                   keep: bool = False, cached: list | None = None, s: _Step | None = None,
+                   rebound: list | None = None) -> list:
     """One layer's forward: what it keeps for backward (a list of handles). ``keep``: its gathered
     parameters stay until its backward (``quantities.fsdp_root.fsdp2_last_gathered``); ``cached``: where a
     checkpointed layer's autocast weight copies go, freed when the forward ends (``_checkpointed``).
 
+    ``rebound``: tensors freed once the layer's input exists (made before its unshard, by the caller's
+    frame: ``_input_first``; GPT-2's embeddings' dropout or the block below), else before the layer.
     ``s``: the forward thread's cuBLAS workspace (``_Step.workspace``, made once per step's first
     matmul) is made here, once the layer is gathered (FSDP's unshard before it; DeepSpeed ZeRO-3's
     fetch, ``_forward``'s ``z3.forward``, too): the first matmul is the first layer's first linear
@@ -35,17 +38,23 @@ def _layer_forward(R: _Replay, q: Quantities, fs: _Fsdp, parts: _Parts, tk: Toke
     (the workspace's segment took the copied-out weights trace places elsewhere, and by the second
     step the top layer's kept output sat in a free fp32-logits segment, so the loss backward opened
     a fourth; docs/validation.md ``ckout``, tests/test_workspace_order.py)."""
+    first = _input_first(R, parts, getattr(parts, "whole", True), rebound) \
+        if recompute == "none" and not parts.events else None     # its input, made by the caller's frame
     flat = _layer_gather(q, fs)                                   # FSDP: this layer gathered (FSDP1: its flat
     params = fs.unshard(R, flat, q.detail.states.layer_tensors,   # parameter requested unrounded)
                         raw=q.fsdp1_layer_raw if flat == q.fsdp_layer_buf else 0)
     ws = _first_mm_workspace(R, s, fs, parts, recompute)          # made at the first matmul's output, where written
-    if s is not None and ws is None:
+    mm_ws = _saved_mm_workspace(R, s, fs, parts, recompute)          # ... or in a hand-written layer's saved tensors
+    if s is not None and ws is None and mm_ws is None:
         s.workspace(R, 0)                                         # the first layer's first matmul
     fs.adapter_units(R, fs.adapters)                              # FSDP1: its LoRA units' forward
+    if rebound and (recompute != "none" or parts.events):         # (made apart from its saved tensors)
+        R.frees(rebound)
+        rebound.clear()
     if recompute == "none" and parts.events:                      # a derived layer, tensor by tensor
         kept = _sequence_forward(R, q, parts, keep=True)
     elif recompute == "none":
-        kept = _saved_and_casts(R, q, parts)                      # saved tensors + autocast weight copies
+        kept = _saved_and_casts(R, q, parts, ws=mm_ws, rebound=rebound, first=first)  # saved tensors + autocast copies
         R.frees(R.allocs(parts.forward_only))                     # what the forward makes and frees
     else:
         late: list = []                                           # alive when the output is made
@@ -133,6 +142,20 @@ def _first_mm_workspace(R: _Replay, s: "_Step | None", fs: "_Fsdp", parts: Any, 
     the call that makes it (``_Step.workspace``), for ``_nograd_forward`` at that output; None
     elsewhere (made before the layer, ``_layer_forward``), and where FSDP1 gathers LoRA units first."""
     if s is None or fs.adapters or _op_written(parts, recompute) is None or s.workspaces or not s.handle_ws:
+        return None
+    return lambda: s.workspace(R, 0)
+
+
+def _saved_mm_workspace(R: _Replay, s: "_Step | None", fs: "_Fsdp", parts: Any, recompute: str) -> Any:
+    """Where a hand-written layer's forward is replayed from its saved tensors (``_saved_and_casts``:
+    no recomputation, not a derived layer), the forward thread's cuBLAS workspace is made at its first
+    matmul too (``_first_mm_workspace``), once the tensors saved before it and its output, where saved,
+    exist (``_Parts.ws_at``, ``layers.first_matmul_at``). Trace, GPT-2 b1 s2048 fp32: the embeddings'
+    outputs, their sum, the dropout's output, ``ln_1``'s, ``c_attn``'s ``addmm`` output (saved by the
+    flash kernel), then the 8.125 MiB workspace. Returns the call that makes it (``_Step.workspace``);
+    None elsewhere (made before the layer) and where FSDP1 gathers LoRA units first."""
+    if s is None or fs.adapters or recompute != "none" or getattr(parts, "events", ()) or s.workspaces \
+            or not s.handle_ws or getattr(parts, "ws_at", -1) < 0:
         return None
     return lambda: s.workspace(R, 0)
 
@@ -385,7 +408,8 @@ def _linear_casts(q: Quantities) -> list[int] | None:
     return casts if sum(casts) == q.cast_layer else None
 
 
-def _saved_and_casts(R: _Replay, q: Quantities, parts: list[int], inputs: bool = True) -> _Kept:
+def _saved_and_casts(R: _Replay, q: Quantities, parts: list[int], inputs: bool = True, ws: Any = None,
+                     rebound: list | None = None, first: tuple | None = None) -> _Kept:
     """One layer's forward without recomputation: the tensors it saves, in order, with autocast's
     weight copies made between them at their linears (``_linear_casts``; else one block after them).
     A linear's fp32 input that autocast casts and does not save (``layers.linear_inputs``: a norm's
@@ -398,34 +422,55 @@ def _saved_and_casts(R: _Replay, q: Quantities, parts: list[int], inputs: bool =
     ``inputs`` False: a checkpointed layer's recomputation in backward (``_layer_backward``), whose
     frames' unsaved tensors, these inputs among them, are replayed apart (``_recompute_blocks``:
     ``LayerCoefs.recompute_moments``); replayed here too they took the segment that trace's
-    recomputation leaves to the loss (Llama b1 s1024, offloaded activations, ga 2: +0.56 -> +6.25 %)."""
+    recomputation leaves to the loss (Llama b1 s1024, offloaded activations, ga 2: +0.56 -> +6.25 %).
+    ``ws``: the cuBLAS workspace's call, made at the first matmul (``_saved_mm_workspace``); ``first``:
+    the first saved tensor, the layer's input, made already (``_input_first``: its handles, how many);
+    ``rebound``: where the tensors its frames hold until it returns go (``_layer_end``)."""
     casts = _linear_casts(q)
     one = getattr(parts, "whole", True)                           # (a derived layer's parts: several tensors)
+    at = getattr(parts, "ws_at", -1) if ws is not None else -1
+    end: list = []                                                # held until the layer returns ("eK")
+    pending: list = []                                            # (saved index, held input) released after it
+
+    def saved(lo: int, hi: int, after: list | None = None) -> list:
+        return _released_allocs(R, parts, (lo, hi), one, (after, end), pending)
+    handles, done = first or ([], 0)
     if casts is None:                                             # the copies as one block: several tensors
-        return _Kept(_moe_allocs(R, parts, 0, len(parts), one) + [R.alloc(q.cast_layer, one=False)])
-    handles: list = []
+        handles += saved(done, max(at, done))
+        if ws is not None:
+            ws()                                                  # the first matmul's workspace
+        handles += saved(max(at, done), len(parts)) + [R.alloc(q.cast_layer, one=False)]
+        return _Kept(handles + _layer_end(R, end, rebound))
     copies: list = []
-    done = 0
     held = None                                                   # the unsaved fp32 input being read
     unsaved = getattr(parts, "inputs", []) if inputs else []
     for i, ((pos, _w, _g), nbytes) in enumerate(zip(q.detail.layer.linears, casts)):
         size, shared = unsaved[i] if i < len(unsaved) else (0, 0)
         if size and held is None:                                 # made before its half cast, the last saved
             cut = max(done, pos - 1)
-            handles += _moe_allocs(R, parts, done, cut, one)
+            after: list = []                                      # a group's inputs freed once it is made
+            handles += saved(done, cut, after)
             done = cut
             held = R.alloc(size)
-        handles += _moe_allocs(R, parts, done, pos, one)         # saved before this linear's weight cast
+            R.frees(after)
+        handles += saved(done, pos)                               # saved before this linear's weight cast
         done = max(done, pos)
         copies.append(R.alloc(nbytes))                            # (out, in) in bf16/fp16
+        if i == 0 and ws is not None:                             # the first matmul: its output where saved,
+            handles += saved(done, max(done, at))                 # then its workspace
+            done = max(done, at)
+            ws()
         if held is not None and not shared:                       # its last linear has run
-            R.free(held)
+            _release(R, held, (getattr(parts, "release", []) or [-1] * (i + 1))[i], pending, end)
             held = None
     R.free(held)
-    return _Kept(handles + _moe_allocs(R, parts, done, len(parts), one), copies)
+    handles += saved(done, len(parts))
+    R.frees([h for _k, h in pending])
+    return _Kept(handles + _layer_end(R, end, rebound), copies)
 
 
-def _moe_allocs(R: _Replay, parts: list[int], lo: int, hi: int, one: bool) -> list:
+def _moe_allocs(R: _Replay, parts: list[int], lo: int, hi: int, one: bool, after: list | None = None,
+                end: list | None = None) -> list:
     """The saved tensors ``parts[lo:hi]`` (handles) as ``_attn_allocs`` makes them, with a grouped-experts
     MoE block's forward temporaries made and freed among them in op order where the recipe writes them
     (``_Parts.moe``: from the ``at``-th saved tensor, ``layers._moe_forward_events``: "t" makes the next
@@ -434,11 +479,12 @@ def _moe_allocs(R: _Replay, parts: list[int], lo: int, hi: int, one: bool) -> li
     ``integrations/moe.py`` L424-537: the gathered rows and SwiGLU product of frozen experts, the fp32
     weighted rows and their permuted copy); without them a Mixtral-shaped LoRA run (b4 s512, fp32)
     opened one (S, f) segment per layer fewer than trace, whose second step then opened a fourth
-    logits-sized segment the replay did not (-10.4 % on the peak reserved memory)."""
+    logits-sized segment the replay did not (-10.4 % on the peak reserved memory). ``after``, ``end``: as
+    ``_attn_allocs``'s, for the groups around the block."""
     at, temps, events = getattr(parts, "moe", (-1, [], ()))
     if not lo <= at < hi or at + events.count("s") > hi:
-        return _attn_allocs(R, parts, lo, hi, one)
-    handles = _attn_allocs(R, parts, lo, at, one)
+        return _attn_allocs(R, parts, lo, hi, one, after, end)
+    handles = _attn_allocs(R, parts, lo, at, one, after, end)
     live: dict[int, Any] = {}                                     # temporary's index -> handle
     made, nxt = 0, at
     for e in events:
@@ -451,21 +497,88 @@ def _moe_allocs(R: _Replay, parts: list[int], lo: int, hi: int, one: bool) -> li
         else:
             R.free(live.pop(int(e[1:]), None))
     R.frees(list(live.values()))
-    return handles + _attn_allocs(R, parts, nxt, hi, one)
+    return handles + _attn_allocs(R, parts, nxt, hi, one, after, end)
 
 
-def _attn_allocs(R: _Replay, parts: list[int], lo: int, hi: int, one: bool) -> list:
-    """The saved tensors ``parts[lo:hi]`` (handles), with eager attention's forward temporaries made and
-    freed among them in op order where the layer's recipe writes them (``_Parts.attn``: before the
-    ``at``-th saved tensor, ``layers.Builder._eager_forward``: "t" makes the next temporary, "fK" frees
-    the K-th, "s" makes the next saved tensor). Trace makes them so (transformers 5.24.0
+def _release(R: _Replay, held: Any, at: int, pending: list, end: list) -> None:
+    """A linear's held unsaved input, once the linear has run: freed now (``at`` -1), at the layer's end
+    (-2), or once the saved tensor ``at`` exists (``pending``; ``LayerCoefs.input_release``)."""
+    if at == -1:
+        R.free(held)
+    elif at == -2:
+        end.append(held)
+    else:
+        pending.append((at, held))
+
+
+def _released_allocs(R: _Replay, parts: list[int], span: tuple, one: bool, lists: tuple, pending: list) -> list:
+    """``_moe_allocs`` of ``parts[lo:hi]`` (``span``; ``lists``: its ``after``, ``end``), each held input in
+    ``pending`` freed once the saved tensor it waits for is made."""
+    lo, hi = span
+    out: list = []
+    for at, h in sorted(pending, key=lambda p: p[0]):
+        if lo <= at < hi:
+            out += _moe_allocs(R, parts, lo, at + 1, one, *lists)
+            R.free(h)
+            pending.remove((at, h))
+            lo = at + 1
+    return out + _moe_allocs(R, parts, lo, hi, one, *lists)
+
+
+def _layer_end(R: _Replay, end: list, rebound: list | None) -> list:
+    """What a layer's frames hold until it returns (``end``): handed to ``rebound``, freed once the next
+    layer's input exists (``_input_first``; GPT-2's residual branches' dropout outputs, held by
+    ``GPT2Block.forward`` until it returns its output, the next layer's input), else freed now."""
+    if rebound is not None:
+        rebound.extend(end)
+    else:
+        R.frees(end)
+    return []
+
+
+def _input_first(R: _Replay, parts: list[int], one: bool, rebound: list | None) -> tuple[list, int]:
+    """Where tensors wait to be freed once the layer's input exists (``rebound``), its first saved tensor
+    (the input a LayerNorm saves: GPT-2's ``ln_1``) made and they freed: (its handle, 1); else ([], 0).
+    The caller's frame makes it before the layer is called, so before an FSDP unshard of the layer
+    (trace, GPT-2 b1 s2048 FSDP2 dp 2: ``native_dropout``'s output, then the layer's all-gather)."""
+    if not rebound or not len(parts) or any(g[0] == 0 for g in [getattr(parts, "attn", (-1,))] + list(getattr(parts, "groups", []))):
+        return [], 0
+    first = R.allocs(parts[:1], one=one)
+    R.frees(rebound)
+    rebound.clear()
+    return first, 1
+
+
+def _attn_allocs(R: _Replay, parts: list[int], lo: int, hi: int, one: bool, after: list | None = None,
+                 end: list | None = None) -> list:
+    """The saved tensors ``parts[lo:hi]`` (handles), with the forward temporaries of eager attention
+    (``_Parts.attn``) and of the other groups a recipe writes in op order (``_Parts.groups``: GPT-2's
+    GELU, ``layers._gelu_new_forward``) made and freed among them (``_group_allocs``). A group whose
+    saved tensors do not all lie in ``parts[lo:hi]`` is left out: its saved tensors are made alone.
+    ``after``: where a group's "gK" temporaries go, freed by the caller once it has made the group's
+    output (else freed at the group's end); ``end``: its "eK" temporaries, freed at the layer's end."""
+    groups = sorted(g for g in [getattr(parts, "attn", (-1, [], ()))] + list(getattr(parts, "groups", []))
+                    if lo <= g[0] < hi and g[0] + g[2].count("s") <= hi)
+    handles: list = []
+    nxt = lo
+    for at, temps, events in groups:
+        handles += R.allocs(parts[nxt:at], one=one)
+        handles += _group_allocs(R, parts, (at, temps, events), one, after, end)
+        nxt = at + events.count("s")
+    return handles + R.allocs(parts[nxt:hi], one=one)
+
+
+def _group_allocs(R: _Replay, parts: list[int], group: tuple, one: bool, after: list | None,
+                  end: list | None = None) -> list:
+    """One group of forward temporaries (``at``, bytes, events) made and freed among the saved tensors
+    from ``parts[at]`` on, in op order where the layer's recipe writes them (``layers.Builder._eager_forward``,
+    ``Recipe.forward_group``: "t" makes the next temporary, "fK" frees the K-th, "s" makes the next saved
+    tensor, "gK" hands the K-th to ``after``, "eK" to ``end``; without the list, freed at the group's end). Eager attention: trace makes them so (transformers 5.24.0
     ``eager_attention_forward``: the scores, scaled and masked, softmax's fp32 copy of bf16 scores);
     without them a pure-bf16 Qwen2 (b2 s1024, dp 4) opened one fp32 softmax block per layer where trace
-    opened two (docs/validation.md ``reslayer``)."""
-    at, temps, events = getattr(parts, "attn", (-1, [], ()))
-    if not lo <= at < hi or at + events.count("s") > hi:
-        return R.allocs(parts[lo:hi], one=one)
-    handles = R.allocs(parts[lo:at], one=one)
+    opened two (docs/validation.md ``reslayer``). Returns the saved tensors' handles."""
+    at, temps, events = group
+    handles: list = []
     live: dict[int, Any] = {}                                     # temporary's index -> handle
     made, nxt = 0, at
     for e in events:
@@ -475,10 +588,14 @@ def _attn_allocs(R: _Replay, parts: list[int], lo: int, hi: int, one: bool) -> l
         elif e == "s":
             handles.append(R.alloc(parts[nxt], one=one))          # softmax's output, its half copy
             nxt += 1
+        elif e[0] == "g" and after is not None:
+            after.append(live.pop(int(e[1:]), None))
+        elif e[0] == "e" and end is not None:
+            end.append(live.pop(int(e[1:]), None))
         else:
             R.free(live.pop(int(e[1:]), None))
     R.frees(list(live.values()))
-    return handles + R.allocs(parts[nxt:hi], one=one)
+    return handles
 
 
 def _per_linear(q: Quantities, kept: _Kept, recompute: str) -> bool:

@@ -52,8 +52,8 @@ def _logit_allocs(R: _Replay, sizes: list[int]) -> list:
     return R.allocs(sizes[:whole]) + R.allocs(sizes[whole:], one=False)
 
 
-def _head_side(R: _Replay, q: Quantities, tk: Tokens, capped: int = 0,
-               top: int | None = None) -> tuple[list, list, list]:
+def _head_side(R: _Replay, q: Quantities, tk: Tokens, capped: int = 0, top: int | None = None,
+               rebound: list | None = None) -> tuple[list, list, list]:
     """The head side's saved tensors (``tk.outer_head`` bytes) and, apart, those freed once the logits
     are made and those the model's forward holds until its loss returns. One block each where the
     estimate knows them one by one (``quantities.outer.head_side_tensors``: a masked LM's transform and
@@ -62,7 +62,9 @@ def _head_side(R: _Replay, q: Quantities, tk: Tokens, capped: int = 0,
     one more; else one block (several tensors). ``capped``: bytes of a soft-capped head's tanh outputs
     among ``tk.outer_head``, made with the logits (``_softcapped_logits``), not here. ``top``: on a fed
     pipeline stage the top layer's output, made (``driver._fed_top_output``): the norm's input
-    (``_fed_norm_input``)."""
+    (``_fed_norm_input``). ``rebound``: what the top layer's frames hold until it returns its output,
+    the final norm's saved input, the first tensor here (``layer_forward._layer_end``): freed once that
+    is made (by the caller where the head side is one block)."""
     sizes = [(int(x * tk.tokens), held) for x, held in q.head_side]
     rest = int(tk.outer_head) - capped - sum(x for x, held in sizes if held == HEAD_SAVED)
     if not sizes or rest < 0:
@@ -73,6 +75,9 @@ def _head_side(R: _Replay, q: Quantities, tk: Tokens, capped: int = 0,
     temps: list = []                                              # [handle, tensors made before it is freed]
     for nbytes, held in sizes:
         h, top = _fed_norm_input(R, nbytes, held, top)
+        if rebound:                                               # (after the first)
+            R.frees(rebound)
+            rebound.clear()
         for temp in temps:
             temp[1] -= 1
         R.frees([temp[0] for temp in temps if temp[1] == 0])
