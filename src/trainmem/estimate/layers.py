@@ -25,6 +25,7 @@ from typing import Any
 from trainmem.errors import TrainmemError
 
 from .nograd import NoGradLayer
+from .nograd import bert_layer as nograd_bert
 from .nograd import llama_layer as nograd_llama
 
 F32, HALF = 4, 2
@@ -1218,6 +1219,7 @@ class LayerCoefs:
     nograd_temps: tuple[float, ...] = ()
     nograd_events: tuple[str, ...] = ()
     nograd_const: tuple[float, ...] = ()  # ... and each one's bytes beside those (a dequantized 4-bit weight)
+    nograd_sq: tuple[float, ...] = ()  # ... and bytes per token x key (eager attention's scores, ``nograd.bert_layer``)
     # ... and which of them torchtitan's per-op policy keeps (``NoGradSeq.op_kept``), for --recompute op
     nograd_op: tuple[int, ...] = ()
     # --recompute op: which of ``tensors`` (by index) are outputs the per-op policy keeps
@@ -1350,6 +1352,8 @@ def _nograd_sequence(k: LayerKey, pol: Policy, B: Builder, build: Any) -> dict:
     HF's RMSNorm, 16-bit or bitsandbytes 4-bit linears (``nograd.dequantized``; not torchao's NF4,
     whose ``get_original_weight`` differs); else {} (the replay makes the layer's saved tensors at
     once, ``reserved.layer_forward._checkpointed``)."""
+    if build is _bert_layer:
+        return _bert_nograd(k, pol, B)
     titan = k.model_code == "torchtitan" and k.family == "llama"
     plain = (build is _llama_layer and (k.model_code == "transformers" or titan)
              and not (pol.amp and (B.lora or k.quant[0] or titan)) and not k.sp
@@ -1369,6 +1373,29 @@ def _nograd_sequence(k: LayerKey, pol: Policy, B: Builder, build: Any) -> dict:
     S = nograd_llama(L)
     return {"nograd_temps": tuple(S.sizes), "nograd_events": tuple(S.events),
             "nograd_const": tuple(S.consts) if any(S.consts) else (), "nograd_op": tuple(S.op_kept())}
+
+
+def _bert_nograd(k: LayerKey, pol: Policy, B: Builder) -> dict:
+    """A checkpointed BERT layer's first forward tensor by tensor (``nograd.bert_layer``), where
+    ``_bert_layer`` builds transformers' post-LN ``BertLayer`` in one dtype: no autocast, adapters,
+    quantized weights, tensor, sequence or context parallelism; eager attention or a fused SDPA
+    kernel; the fused GELU (``F.gelu``). Else {} (the replay makes the layer's saved tensors at once). Against trace, BERT-base
+    2 layers, b2 s1024, fp32, eager attention, full recomputation: the first forward's 96 MiB scores,
+    softmax and dropout each freed as the next is made, the dropped probabilities held to the layer's
+    end (docs/agreement.md, reserved section, 2026-11-26 ``bert``)."""
+    if (pol.amp or B.lora or k.quant[0] or k.sp or k.tp != 1 or k.ring != 1 or k.pre_norm or k.kv_cache
+            or k.family != "bert" or k.model_code not in ("", "transformers") or k.manual_layernorm
+            or k.act_impl not in ("gelu", "gelu_pytorch_tanh") or k.eager_clamp or k.reentrant):
+        return {}
+    eager = k.attention == "eager"
+    if not eager and B.sdpa(k.attention, k.head_dim, k.heads, k.kv_heads,
+                            k.attention_dropout) not in ("flash", "efficient", "cudnn"):
+        return {}
+    L = NoGradLayer(k.h, k.q, k.kv, k.f, pol.stream, pol.half, pol.weight)
+    S = nograd_bert(L, k.heads, eager, k.hidden_dropout if B.dropout else 0.0,
+                    k.attention_dropout if B.dropout else 0.0)
+    return {"nograd_temps": tuple(S.sizes), "nograd_events": tuple(S.events),
+            "nograd_const": tuple(S.consts) if any(S.consts) else (), "nograd_sq": tuple(S.sq)}
 
 
 def _op_saved(r: Recipe) -> tuple[int, ...]:

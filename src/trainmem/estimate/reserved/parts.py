@@ -46,13 +46,21 @@ def _layer_parts(q: Quantities, n: int, nsq: int) -> _Parts:
                   [int(a * n + b * nsq) for a, b in lc.fwd_free],
                   [int(a * n + b * nsq) for a, b in lc.op_tensors],
                   [int(a * n + b * nsq) for a, b in lc.fwd_temps], lc.fwd_events,
-                  [int(a * n + c) for a, c in zip(lc.nograd_temps, lc.nograd_const or [0.0] * len(lc.nograd_temps))],
+                  _nograd_bytes(lc, n, nsq),
                   lc.nograd_events, whole=bool(lc.tensors), bwd=_backward_record(lc, n, nsq),
                   attn=(lc.attn_at if lc.tensors else -1, [int(a * n + b * nsq) for a, b in lc.attn_temps],
                         lc.attn_events))
     p.inputs = [(int(a * n + b * nsq), shared) for a, b, shared in lc.linear_inputs]   # (``_saved_and_casts``)
     p.nograd_op = tuple(lc.nograd_op)                             # (``_op_forward``)
     return p
+
+
+def _nograd_bytes(lc: Any, n: int, nsq: int) -> list[int]:
+    """Bytes of each temporary of a hand-written layer's checkpointed first forward (``LayerCoefs.nograd_temps``
+    per token, ``nograd_const`` beside, ``nograd_sq`` per token x key) at ``n`` tokens, ``nsq`` tokens x keys."""
+    m = len(lc.nograd_temps)
+    return [int(a * n + c + b * nsq) for a, c, b in zip(lc.nograd_temps, lc.nograd_const or [0.0] * m,
+                                                        lc.nograd_sq or [0.0] * m)]
 
 
 @dataclass
