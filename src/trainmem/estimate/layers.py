@@ -103,6 +103,9 @@ class Recipe:
     # per transient: its tensors as (bytes per token, per token x key) each, and the index in ``linears`` of the linear whose backward it is (-1: none; ``at_linear``
     # while one is built): ``LayerCoefs.moment_blocks``, ``reserved.layer_backward._op_backward``
     moments: list = field(default_factory=list)
+    # ... and per transient how many tensors the layer had saved by then (the ones its backward has not
+    # released yet: ``reserved.layer_backward._release_saved``)
+    moment_saved: list = field(default_factory=list)
     at_linear: int = -1
     # each linear in forward order: (saved tensors before its weight is cast under autocast, weight
     # elements, bytes per element of its weight's gradient, 0 for a frozen one) (``LayerCoefs.linears``)
@@ -190,6 +193,7 @@ class Recipe:
         self.transients.append((name, tok, sq, const, so_tok, so_sq, self.weights + own_weights,
                                 self.uncast + own_uncast))
         self.moments.append((tuple(t.bytes_coef() for t in ts), self.at_linear))
+        self.moment_saved.append(len(self.saved))
         self.own_cast.append(own_cast)  # this op's weight elements whose half copy is freed by then
         self.incoming.append(incoming.tok * incoming.nbytes if incoming is not None else 0.0)
         self.frozen_at.append(self.frozen)
@@ -1237,6 +1241,7 @@ class LayerCoefs:
     # the index in ``linears`` of the linear it is the backward of (-1: another op):
     # ``reserved.layer_backward._op_backward`` makes them op by op instead of one block of the worst moment
     moment_blocks: tuple[tuple[tuple[tuple[float, float], ...], int], ...] = ()
+    moment_saved: tuple[int, ...] = ()  # per moment: the tensors saved by then (``Recipe.moment_saved``)
     fwd_scratch: float = 0.0  # torchao NF4: the largest dequantization peak (weight and scratch) before its matmul, bytes
 
     def bytes(self, n: int, nsq: int) -> int:
@@ -1337,6 +1342,7 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
                       attn_at=B.r.attn_at, attn_temps=tuple(t.bytes_coef() for t in B.r.attn_temps),
                       attn_events=tuple(B.r.attn_events),
                       moment_blocks=() if k.reentrant else tuple(B.r.moments),
+                      moment_saved=() if k.reentrant else tuple(B.r.moment_saved),
                       **_nograd_sequence(k, pol, B, build))
 
 

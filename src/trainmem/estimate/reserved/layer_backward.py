@@ -141,21 +141,29 @@ def _op_backward(R: _Replay, s: _Step, q: Quantities, kept: _Kept, nb: tuple[int
     next op's. A linear's weight gradient is made inside its backward, beside its moment's tensors
     (``_linear_grad``, as ``_linears_backward`` makes it: under autocast ``mm``'s half gradient, the
     weight copy freed, then ``ToCopyBackward0``'s fp32 ``.grad`` at the linear's second moment). The
-    layer's saved tensors stay until the layer's end, as in the one-block replay: freeing each op's
-    where its node ran (``Node::release_variables``) put the grid further from trace (27 rows moved,
-    13 closer, 14 further; within 5 % 313 -> 308 of 409; docs/validation.md ``reslbw``), for a reason
-    not found. ``nb``: (tokens, tokens x keys). Returns the trainable indices whose gradient was made."""
+    saved tensors of the ops back-propagated already are freed before each op's tensors
+    (``_release_saved``, ``Node::release_variables``; those left at the layer's end as before).
+    Against trace on the agreement grid: beyond 5 % 64 -> 62 of 409 (GPT-2 b1 s1024 +10.66 ->
+    -0.69 %, b1 s2048 fp32 ga 2 +14.34 -> -0.79 %, Mistral b4 s512 eager dp 4 Adafactor +8.48 ->
+    +1.06 %; Mistral b2 s512 eager pp 2 ga 2 +1.05 -> -9.11 %, its last stage's second micro-batch
+    head cast placed in a logits segment trace finds split; docs/agreement.md, reserved section,
+    2026-11-26 ``bert``). An earlier attempt at freeing each op's tensors where its node ran moved
+    27 rows, 14 further (docs/validation.md ``reslbw``). ``nb``: (tokens, tokens x keys). Returns the
+    trainable indices whose gradient was made."""
     lc, st = q.detail.layer, q.detail.states
     n, nsq = nb
     pending, made = list(_placed(st.trainables, where)), set()
     copies = list(kept.casts) or [None] * len(lc.linears)
     groups: list = []                                              # one op's moments, in recorded order
-    for m in lc.moment_blocks:
+    starts: list = []                                              # ... and its first moment's index
+    for i, m in enumerate(lc.moment_blocks):
         if groups and m[1] >= 0 and groups[-1][0][1] == m[1]:
             groups[-1].append(m)
         else:
             groups.append([m])
-    for group in reversed(groups):
+            starts.append(i)
+    for group, start in reversed(list(zip(groups, starts))):
+        _release_saved(R, kept, lc.moment_saved, start)
         half = None
         for k, (blocks, lin) in enumerate(group):
             hs = R.allocs([int(a * n + b * nsq) for a, b in blocks])  # (b, s, width) each, its dtype
@@ -170,6 +178,20 @@ def _op_backward(R: _Replay, s: _Step, q: Quantities, kept: _Kept, nb: tuple[int
     R.frees(copies)
     kept.casts = []
     return made
+
+
+def _release_saved(R: _Replay, kept: _Kept, saved: tuple, start: int) -> None:
+    """Before the backward of the op whose first moment is ``start``: the layer's saved tensors made
+    after that moment (``LayerCoefs.moment_saved``, in save order, the first ones of ``kept``) belong
+    to ops back-propagated already, whose nodes released them once they ran (torch 2.13
+    ``csrc/autograd/engine.cpp`` ``call_function`` -> ``Node::release_variables`` unless
+    ``retain_graph``); a tensor several ops saved counts from its first save, so it lives until the
+    earliest of them has run. Freed here and dropped from ``kept``."""
+    if start >= len(saved):
+        return
+    for i in range(saved[start], min(len(kept), max(saved))):
+        R.free(kept[i])
+        kept[i] = None
 
 
 def _linear_grad(R: _Replay, s: _Step, q: Quantities, lin: tuple, oib: bool, cast: bool) -> int | None:
