@@ -858,22 +858,21 @@ class Builder:
             # copies it (sdpa_attention.py) and the output projection saves that copy beside the output
             # the attention node saves
             ctx = T(heads * head_dim, 0, half, "attn.context")
-        grads = T(q.tok + k.tok + v.tok + heads * dp, 0, half)  # dq, dk, dv and d(out) in flight
+        grads = _sdpa_grads(q, k, v, heads * dp, half)  # d(out) in flight, then dq, dk, dv: each a tensor
         if self.ring > 1:
             self._ring_backward(backend, q, k, v, heads, kv_heads, dp)
         elif backend == "flash":
             # flash_api.cpp mha_bwd: softmax_d (fp32 per head and token) and the fp32 dq accumulator
             # with head_dim rounded to 32 (<= 128) or 64; GQA: dk, dv expanded to all query heads
             d_r = -(-dp // (32 if dp <= 128 else 64)) * (32 if dp <= 128 else 64)
-            scratch = T(heads * d_r + heads, 0, F32)
             gqa = T(2 * heads * dp if heads != kv_heads else 0, 0, half)
-            self.r.transient("attn.flash.backward", grads, scratch, gqa)
+            self.r.transient("attn.flash.backward", *grads, T(heads, 0, F32), T(heads * d_r, 0, F32), gqa)
         elif backend == "cudnn":
             # cudnn-frontend SDPA backward: the fp32 dQ accumulator (b, h, s, d); the engine's own
             # workspace (get_workspace_size) is not known from source and not counted
-            self.r.transient("attn.cudnn.backward", grads, T(heads * head_dim, 0, F32))
+            self.r.transient("attn.cudnn.backward", *grads, T(heads * head_dim, 0, F32))
         else:
-            self.r.transient("attn.efficient.backward", grads, T(heads, 0, F32))
+            self.r.transient("attn.efficient.backward", *grads, T(heads, 0, F32))
         return ctx
 
     def _ring_backward(self, backend: str, q: T, k: T, v: T, heads: float, kv_heads: float, dp: int) -> None:
@@ -1882,6 +1881,17 @@ def _gpt2_layer_compiled(B: Builder, k: LayerKey, x: T, h: int, f: float, q: flo
     del fc
     B.linear(T(f, 0, half, "mlp.act"), h, "mlp.c_proj", "mlp.c_proj.input")   # GELU output (b, s, f) half
     B.drop(T(h, 0, half, "resid"), k.hidden_dropout, "mlp.resid_dropout")       # bool (b, s, h)
+
+
+def _sdpa_grads(q: "T", k: "T", v: "T", out: float, half: int) -> tuple:
+    """The tensors in flight at a fused SDPA kernel's backward, each its own: the output's gradient
+    (``out`` wide, the one the output projection's backward handed over) and the kernel's dq, dk, dv,
+    which its op allocates before its scratch (torch 2.13 ``aten/src/ATen/native/transformers/cuda/
+    attention_backward.cu`` ``_scaled_dot_product_flash_attention_backward_cuda`` ->
+    ``_flash_attention_backward``: ``at::empty_like`` of query, key and value, then ``mha_bwd``'s
+    ``softmax_d`` and fp32 ``dq_accum``; the efficient kernel's grad_q/k/v likewise). One block of
+    their sum stood for them (BERT b8 s256 pure bf16: 12 MiB, where trace makes four of 3 MiB)."""
+    return (T(out, 0, half), T(q.tok, 0, half), T(k.tok, 0, half), T(v.tok, 0, half))
 
 
 def _gelu(B: Builder, impl: str, f: float, h: float = 0.0, incoming: bool = True) -> T:
