@@ -1,8 +1,8 @@
 """A fused SDPA kernel's backward in the replay: the output's gradient and the kernel's dq, dk, dv
 as four tensors (``layers._sdpa_grads``), then its scratch, where one block of their sum stood for them.
 
-torch 2.13 ``_scaled_dot_product_flash_attention_backward_cuda`` allocates ``at::empty_like`` of the
-query, the key and the value before ``mha_bwd``'s ``softmax_d`` and fp32 ``dq_accum``; trace on BERT-base
+torch 2.13 ``flash_attn/flash_api.cpp`` ``mha_bwd`` allocates dq, dk, dv (``empty_like`` of q, k, v)
+before ``softmax_d`` and the fp32 ``dq_accum``; trace on BERT-base
 b8 s256 pure bf16 makes three 3 MiB tensors and a 6 MiB one beside the 3 MiB output gradient, where the
 replay made one 12 MiB block.
 """

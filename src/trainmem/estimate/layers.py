@@ -1886,11 +1886,11 @@ def _gpt2_layer_compiled(B: Builder, k: LayerKey, x: T, h: int, f: float, q: flo
 def _sdpa_grads(q: "T", k: "T", v: "T", out: float, half: int) -> tuple:
     """The tensors in flight at a fused SDPA kernel's backward, each its own: the output's gradient
     (``out`` wide, the one the output projection's backward handed over) and the kernel's dq, dk, dv,
-    which its op allocates before its scratch (torch 2.13 ``aten/src/ATen/native/transformers/cuda/
-    attention_backward.cu`` ``_scaled_dot_product_flash_attention_backward_cuda`` ->
-    ``_flash_attention_backward``: ``at::empty_like`` of query, key and value, then ``mha_bwd``'s
-    ``softmax_d`` and fp32 ``dq_accum``; the efficient kernel's grad_q/k/v likewise). One block of
-    their sum stood for them (BERT b8 s256 pure bf16: 12 MiB, where trace makes four of 3 MiB)."""
+    which the kernel allocates before its scratch (torch 2.13 ``aten/src/ATen/native/transformers/cuda/
+    flash_attn/flash_api.cpp`` ``mha_bwd``: dq, dk, dv ``empty_like`` of q, k, v where not given, then
+    ``softmax_d`` and the fp32 ``dq_accum``; the efficient kernel's grad_q/k/v likewise). One block of
+    their sum stood for them (BERT b8 s256 pure bf16: 12 MiB, where trace makes three of 3 MiB beside
+    the 3 MiB output gradient)."""
     return (T(out, 0, half), T(q.tok, 0, half), T(k.tok, 0, half), T(v.tok, 0, half))
 
 
