@@ -1387,7 +1387,9 @@ def _bert_nograd(k: LayerKey, pol: Policy, B: Builder) -> dict:
     kernel; the fused GELU (``F.gelu``). Else {} (the replay makes the layer's saved tensors at once). Against trace, BERT-base
     2 layers, b2 s1024, fp32, eager attention, full recomputation: the first forward's 96 MiB scores,
     softmax and dropout each freed as the next is made, the dropped probabilities held to the layer's
-    end (docs/agreement.md, reserved section, 2026-11-26 ``bert``)."""
+    end (docs/agreement.md, reserved section, 2026-11-26 ``bert``). Under torchtitan's per-op policy
+    what it keeps is marked (``nograd_op``): the fused SDPA output only, BERT's linears having biases
+    (``addmm``, not on the policy's list: ``op_checkpoint_saved``)."""
     if (pol.amp or B.lora or k.quant[0] or k.sp or k.tp != 1 or k.ring != 1 or k.pre_norm or k.kv_cache
             or k.family != "bert" or k.model_code not in ("", "transformers") or k.manual_layernorm
             or k.act_impl not in ("gelu", "gelu_pytorch_tanh") or k.eager_clamp or k.reentrant):
@@ -1399,8 +1401,10 @@ def _bert_nograd(k: LayerKey, pol: Policy, B: Builder) -> dict:
     L = NoGradLayer(k.h, k.q, k.kv, k.f, pol.stream, pol.half, pol.weight)
     S = nograd_bert(L, k.heads, eager, k.hidden_dropout if B.dropout else 0.0,
                     k.attention_dropout if B.dropout else 0.0)
+    S.mm = []                     # BERT's linears have biases: ``addmm``, which the per-op policy recomputes
     return {"nograd_temps": tuple(S.sizes), "nograd_events": tuple(S.events),
-            "nograd_const": tuple(S.consts) if any(S.consts) else (), "nograd_sq": tuple(S.sq)}
+            "nograd_const": tuple(S.consts) if any(S.consts) else (), "nograd_sq": tuple(S.sq),
+            "nograd_op": tuple(S.op_kept())}
 
 
 def _op_saved(r: Recipe) -> tuple[int, ...]:
