@@ -103,3 +103,18 @@ def test_per_op_policy_row_follows_trace(bench):
     r = bench.compare(bench.Case("bert", 8, 256, (("optimizer", "adam"), ("optimizer_impl", "fused"),
                                                   ("precision", "bf16"), ("recompute", "op"))), reserved=True)
     assert abs(r.reserved_diff) < 0.01, r.reserved_diff
+
+
+def test_per_op_workspace_at_the_query_linear(monkeypatch):
+    """Under the per-op policy the forward thread's cuBLAS workspace (8.125 MiB) is made inside the first
+    matmul, right after its output (``_first_mm_workspace``): BERT's ``query`` linear (b2 s512 bf16: a
+    1.5 MiB (b, s, h) output; trace makes the workspace right after it), not after the fused SDPA output
+    the policy keeps (three linears and the attention later)."""
+    from alloc_spy import requests
+    kw = dict(set=SET, batch_size=2, seq_len=512, precision="bf16", attention="sdpa", recompute="op", use_cache=False)
+    out: list[int] = []
+    requests(monkeypatch, lambda: trainmem.estimate("bert-base-uncased", **kw), lambda n, _s: out.append(n))
+    big = [n for n in out if n >= 1 << 20]
+    i = big.index(8519680)                                        # the workspace
+    hidden = 2 * 512 * 768 * 2
+    assert big[i - 1] == hidden and big[i - 2] != hidden          # the query's output, after the embeddings'

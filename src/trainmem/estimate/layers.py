@@ -1225,6 +1225,7 @@ class LayerCoefs:
     nograd_sq: tuple[float, ...] = ()  # ... and bytes per token x key (eager attention's scores, ``nograd.bert_layer``)
     # ... and which of them torchtitan's per-op policy keeps (``NoGradSeq.op_kept``), for --recompute op
     nograd_op: tuple[int, ...] = ()
+    nograd_mm0: int = -1  # ... the first matmul's output (where its cuBLAS workspace is made); -1: the first kept
     # --recompute op: which of ``tensors`` (by index) are outputs the per-op policy keeps
     # (``op_checkpoint_kept``), which the layer's recomputation takes from the policy's cache, not remakes
     op_saved: tuple[int, ...] = ()
@@ -1389,7 +1390,8 @@ def _bert_nograd(k: LayerKey, pol: Policy, B: Builder) -> dict:
     softmax and dropout each freed as the next is made, the dropped probabilities held to the layer's
     end (docs/agreement.md, reserved section, 2026-11-26 ``bert``). Under torchtitan's per-op policy
     what it keeps is marked (``nograd_op``): the fused SDPA output only, BERT's linears having biases
-    (``addmm``, not on the policy's list: ``op_checkpoint_saved``)."""
+    (``addmm``, not on the policy's list: ``op_checkpoint_saved``); ``nograd_mm0``, the first linear's
+    output (``query``'s), is where the forward's cuBLAS workspace is made (``_first_mm_workspace``)."""
     if (pol.amp or B.lora or k.quant[0] or k.sp or k.tp != 1 or k.ring != 1 or k.pre_norm or k.kv_cache
             or k.family != "bert" or k.model_code not in ("", "transformers") or k.manual_layernorm
             or k.act_impl not in ("gelu", "gelu_pytorch_tanh") or k.eager_clamp or k.reentrant):
@@ -1401,10 +1403,9 @@ def _bert_nograd(k: LayerKey, pol: Policy, B: Builder) -> dict:
     L = NoGradLayer(k.h, k.q, k.kv, k.f, pol.stream, pol.half, pol.weight)
     S = nograd_bert(L, k.heads, eager, k.hidden_dropout if B.dropout else 0.0,
                     k.attention_dropout if B.dropout else 0.0)
-    S.mm = []                     # BERT's linears have biases: ``addmm``, which the per-op policy recomputes
     return {"nograd_temps": tuple(S.sizes), "nograd_events": tuple(S.events),
             "nograd_const": tuple(S.consts) if any(S.consts) else (), "nograd_sq": tuple(S.sq),
-            "nograd_op": tuple(S.op_kept())}
+            "nograd_op": tuple(S.sdpa), "nograd_mm0": S.mm[0]}  # (biased linears: ``addmm``, recomputed)
 
 
 def _op_saved(r: Recipe) -> tuple[int, ...]:

@@ -17,6 +17,7 @@ class _Parts(list):
 
     inputs: list = []   # per linear: (bytes of the input it reads unsaved, shared with the next) (``LayerCoefs.linear_inputs``)
     nograd_op: tuple = ()   # of ``nograd``, the temporaries torchtitan's per-op policy keeps (``LayerCoefs.nograd_op``)
+    nograd_mm0: int = -1    # ... the first matmul's output (``LayerCoefs.nograd_mm0``; -1: the first of ``nograd_op``)
 
     def __init__(self, saved: Any, forward_only: list[int], op: list[int] | None = None,
                  temps: list[int] | None = None, events: tuple[str, ...] = (),
@@ -52,6 +53,7 @@ def _layer_parts(q: Quantities, n: int, nsq: int) -> _Parts:
                         lc.attn_events))
     p.inputs = [(int(a * n + b * nsq), shared) for a, b, shared in lc.linear_inputs]   # (``_saved_and_casts``)
     p.nograd_op = tuple(lc.nograd_op)                             # (``_op_forward``)
+    p.nograd_mm0 = lc.nograd_mm0
     return p
 
 
