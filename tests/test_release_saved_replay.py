@@ -27,3 +27,14 @@ def test_gpt2_peak_reserved_follows_trace(bench):
     fp32 ga 2, +14.3 % -> -0.79 %: tests/test_op_backward_replay.py)."""
     r = bench.compare(bench.Case("gpt2", 1, 1024), reserved=True)
     assert abs(r.reserved_diff) < 0.02, r.reserved_diff
+
+
+def test_per_op_policy_releases_the_remade_tensors(bench):
+    """Under torchtitan's per-op policy the layer keeps its output first, then the policy's outputs
+    (``_op_forward``), not its saved tensors in save order: those are the ones its recomputation remade
+    (``redo``), which the op-by-op backward releases. Releasing from the kept list freed the layer's
+    output and kept outputs early. The grid's Mistral b4 s512 AdamW 8-bit per-op row: +12.61 % against
+    trace's peak reserved memory so (the saved tensors kept to the layer's end: the same), -1.46 %."""
+    r = bench.compare(bench.Case("mistral", 4, 512, (("optimizer", "adamw-8bit"), ("recompute", "op"))),
+                      reserved=True)
+    assert abs(r.reserved_diff) < 0.03, r.reserved_diff

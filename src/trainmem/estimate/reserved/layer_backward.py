@@ -73,7 +73,8 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
     if _recorded(q, parts, recompute, flat1 or bool(st.layer_grads_full)):  # a derived layer, tensor by tensor
         pre, tr, per_linear = _recorded_backward(R, s, q, (parts.bwd, kept, below), where, oib), None, False
     elif per_linear and _by_op(q, parts, recompute, flat1):  # a hand-written layer, op by op
-        pre, tr, per_linear = _op_backward(R, s, q, kept, (n, nsq), where, oib), None, False
+        saved = kept if recompute == "none" else redo             # its saved tensors in save order
+        pre, tr, per_linear = _op_backward(R, s, q, (kept, saved), (n, nsq), where, oib), None, False
     else:  # the worst backward moment as one block: several tensors (not netted, ``_Replay.alloc``)
         held_b = [] if per_linear else _leaf_held(q, n, nsq)      # a ZeRO-3 leaf MoE block: down's gradient,
         held = R.allocs(held_b)                                   # its own tensor, made first
@@ -129,7 +130,7 @@ def _by_op(q: Quantities, parts: Any, recompute: str, flat1: bool) -> bool:
             and not flat1 and not q.detail.states.layer_grads_full and not q.ds_events)
 
 
-def _op_backward(R: _Replay, s: _Step, q: Quantities, kept: _Kept, nb: tuple[int, int], where: tuple[str, ...],
+def _op_backward(R: _Replay, s: _Step, q: Quantities, ks: tuple, nb: tuple[int, int], where: tuple[str, ...],
                  oib: bool) -> set:
     """A hand-written layer's backward op by op, last op first (autograd runs a layer's nodes in
     reverse of its forward, torch 2.13 ``torch/csrc/autograd/engine.cpp`` ``Engine::thread_main``:
@@ -148,10 +149,13 @@ def _op_backward(R: _Replay, s: _Step, q: Quantities, kept: _Kept, nb: tuple[int
     +1.06 %; Mistral b2 s512 eager pp 2 ga 2 +1.05 -> -9.11 %, its last stage's second micro-batch
     head cast placed in a logits segment trace finds split; docs/agreement.md, reserved section,
     2026-11-26 ``bert``). An earlier attempt at freeing each op's tensors where its node ran moved
-    27 rows, 14 further (docs/validation.md ``reslbw``). ``nb``: (tokens, tokens x keys). Returns the
-    trainable indices whose gradient was made."""
+    27 rows, 14 further (docs/validation.md ``reslbw``). ``ks``: (what the layer kept, its saved tensors
+    in save order: the kept ones without recomputation, the remade ones under the per-op policy, whose
+    kept list starts with the layer's output). ``nb``: (tokens, tokens x keys). Returns the trainable
+    indices whose gradient was made."""
     lc, st = q.detail.layer, q.detail.states
     n, nsq = nb
+    kept, saved = ks
     pending, made = list(_placed(st.trainables, where)), set()
     copies = list(kept.casts) or [None] * len(lc.linears)
     groups: list = []                                              # one op's moments, in recorded order
@@ -163,7 +167,7 @@ def _op_backward(R: _Replay, s: _Step, q: Quantities, kept: _Kept, nb: tuple[int
             groups.append([m])
             starts.append(i)
     for group, start in reversed(list(zip(groups, starts))):
-        _release_saved(R, kept, lc.moment_saved, start)
+        _release_saved(R, saved, lc.moment_saved, start)
         half = None
         for k, (blocks, lin) in enumerate(group):
             hs = R.allocs([int(a * n + b * nsq) for a, b in blocks])  # (b, s, width) each, its dtype
