@@ -29,13 +29,12 @@ def _both(model: tuple, **kw):
 
 
 # -0.77 % until the optimizer states were requested at their own bytes (``reserved.optimizer._state_requests``,
-# twenty-first session: the grid's median 0.82 -> 0.76 %), +14.3 % since: measured block by block, every
-# 147.24 MiB state and gradient is now requested as trace requests it, and the two part in step 1's
-# backward, where trace has a 66.5 MiB free block inside a logits segment and the replay 49.4 + 24 MiB
-# (an activation placed elsewhere), so step 2 opens one more 393 MiB segment. The -0.77 % was that
-# placement difference cancelled by the states' 2 MiB rounding. 0.00 % since GPT-2's forward is replayed in
-# trace's op order (twenty-second session: its embeddings' outputs held, the cuBLAS workspace at c_attn's
-# matmul, the GELU's and the residual dropouts' temporaries; tests/test_gpt2_forward_order.py).
+# twenty-first session), +14.3 % since: trace has a 66.5 MiB free block inside a logits segment in step 1's
+# backward where the replay had 49.4 + 24 MiB (an activation kept to its layer's end), so step 2 opened one
+# more 393 MiB segment. Twenty-second session: 0.00 % once GPT-2's forward is replayed in trace's op order
+# (its embeddings' outputs held, the cuBLAS workspace at c_attn's matmul, the GELU's and the residual
+# dropouts' temporaries; tests/test_gpt2_forward_order.py), and -0.79 % once the saved tensors of the ops
+# back-propagated already are freed op by op (``reserved.layer_backward._release_saved``), each alone.
 
 
 @pytest.mark.parametrize("model, kw", [

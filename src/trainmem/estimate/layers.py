@@ -25,6 +25,7 @@ from typing import Any
 from trainmem.errors import TrainmemError
 
 from .nograd import NoGradLayer
+from .nograd import bert_layer as nograd_bert
 from .nograd import llama_layer as nograd_llama
 
 F32, HALF = 4, 2
@@ -109,6 +110,9 @@ class Recipe:
     # per transient: its tensors as (bytes per token, per token x key) each, and the index in ``linears`` of the linear whose backward it is (-1: none; ``at_linear``
     # while one is built): ``LayerCoefs.moment_blocks``, ``reserved.layer_backward._op_backward``
     moments: list = field(default_factory=list)
+    # ... and per transient how many tensors the layer had saved by then (the ones its backward has not
+    # released yet: ``reserved.layer_backward._release_saved``)
+    moment_saved: list = field(default_factory=list)
     at_linear: int = -1
     # each linear in forward order: (saved tensors before its weight is cast under autocast, weight
     # elements, bytes per element of its weight's gradient, 0 for a frozen one) (``LayerCoefs.linears``)
@@ -210,6 +214,7 @@ class Recipe:
         self.transients.append((name, tok, sq, const, so_tok, so_sq, self.weights + own_weights,
                                 self.uncast + own_uncast))
         self.moments.append((tuple(t.bytes_coef() for t in ts), self.at_linear))
+        self.moment_saved.append(len(self.saved))
         self.own_cast.append(own_cast)  # this op's weight elements whose half copy is freed by then
         self.incoming.append(incoming.tok * incoming.nbytes if incoming is not None else 0.0)
         self.frozen_at.append(self.frozen)
@@ -876,22 +881,21 @@ class Builder:
             # copies it (sdpa_attention.py) and the output projection saves that copy beside the output
             # the attention node saves
             ctx = T(heads * head_dim, 0, half, "attn.context")
-        grads = T(q.tok + k.tok + v.tok + heads * dp, 0, half)  # dq, dk, dv and d(out) in flight
+        grads = _sdpa_grads(q, k, v, heads * dp, half)  # d(out) in flight, then dq, dk, dv: each a tensor
         if self.ring > 1:
             self._ring_backward(backend, q, k, v, heads, kv_heads, dp)
         elif backend == "flash":
             # flash_api.cpp mha_bwd: softmax_d (fp32 per head and token) and the fp32 dq accumulator
             # with head_dim rounded to 32 (<= 128) or 64; GQA: dk, dv expanded to all query heads
             d_r = -(-dp // (32 if dp <= 128 else 64)) * (32 if dp <= 128 else 64)
-            scratch = T(heads * d_r + heads, 0, F32)
             gqa = T(2 * heads * dp if heads != kv_heads else 0, 0, half)
-            self.r.transient("attn.flash.backward", grads, scratch, gqa)
+            self.r.transient("attn.flash.backward", *grads, T(heads, 0, F32), T(heads * d_r, 0, F32), gqa)
         elif backend == "cudnn":
             # cudnn-frontend SDPA backward: the fp32 dQ accumulator (b, h, s, d); the engine's own
             # workspace (get_workspace_size) is not known from source and not counted
-            self.r.transient("attn.cudnn.backward", grads, T(heads * head_dim, 0, F32))
+            self.r.transient("attn.cudnn.backward", *grads, T(heads * head_dim, 0, F32))
         else:
-            self.r.transient("attn.efficient.backward", grads, T(heads, 0, F32))
+            self.r.transient("attn.efficient.backward", *grads, T(heads, 0, F32))
         return ctx
 
     def _ring_backward(self, backend: str, q: T, k: T, v: T, heads: float, kv_heads: float, dp: int) -> None:
@@ -1247,8 +1251,10 @@ class LayerCoefs:
     nograd_temps: tuple[float, ...] = ()
     nograd_events: tuple[str, ...] = ()
     nograd_const: tuple[float, ...] = ()  # ... and each one's bytes beside those (a dequantized 4-bit weight)
+    nograd_sq: tuple[float, ...] = ()  # ... and bytes per token x key (eager attention's scores, ``nograd.bert_layer``)
     # ... and which of them torchtitan's per-op policy keeps (``NoGradSeq.op_kept``), for --recompute op
     nograd_op: tuple[int, ...] = ()
+    nograd_mm0: int = -1  # ... the first matmul's output (where its cuBLAS workspace is made); -1: the first kept
     # --recompute op: which of ``tensors`` (by index) are outputs the per-op policy keeps
     # (``op_checkpoint_kept``), which the layer's recomputation takes from the policy's cache, not remakes
     op_saved: tuple[int, ...] = ()
@@ -1271,6 +1277,7 @@ class LayerCoefs:
     # the index in ``linears`` of the linear it is the backward of (-1: another op):
     # ``reserved.layer_backward._op_backward`` makes them op by op instead of one block of the worst moment
     moment_blocks: tuple[tuple[tuple[tuple[float, float], ...], int], ...] = ()
+    moment_saved: tuple[int, ...] = ()  # per moment: the tensors saved by then (``Recipe.moment_saved``)
     fwd_scratch: float = 0.0  # torchao NF4: the largest dequantization peak (weight and scratch) before its matmul, bytes
 
     def bytes(self, n: int, nsq: int) -> int:
@@ -1375,6 +1382,7 @@ def layer_coefficients(k: LayerKey) -> LayerCoefs:
                       fwd_groups=tuple((at, tuple(t.bytes_coef() for t in ts), tuple(ev))
                                        for at, ts, ev in B.r.fwd_groups),
                       moment_blocks=() if k.reentrant else tuple(B.r.moments),
+                      moment_saved=() if k.reentrant else tuple(B.r.moment_saved),
                       **_nograd_sequence(k, pol, B, build))
 
 
@@ -1390,6 +1398,8 @@ def _nograd_sequence(k: LayerKey, pol: Policy, B: Builder, build: Any) -> dict:
     HF's RMSNorm, 16-bit or bitsandbytes 4-bit linears (``nograd.dequantized``; not torchao's NF4,
     whose ``get_original_weight`` differs); else {} (the replay makes the layer's saved tensors at
     once, ``reserved.layer_forward._checkpointed``)."""
+    if build is _bert_layer:
+        return _bert_nograd(k, pol, B)
     titan = k.model_code == "torchtitan" and k.family == "llama"
     plain = (build is _llama_layer and (k.model_code == "transformers" or titan)
              and not (pol.amp and (B.lora or k.quant[0] or titan)) and not k.sp
@@ -1409,6 +1419,33 @@ def _nograd_sequence(k: LayerKey, pol: Policy, B: Builder, build: Any) -> dict:
     S = nograd_llama(L)
     return {"nograd_temps": tuple(S.sizes), "nograd_events": tuple(S.events),
             "nograd_const": tuple(S.consts) if any(S.consts) else (), "nograd_op": tuple(S.op_kept())}
+
+
+def _bert_nograd(k: LayerKey, pol: Policy, B: Builder) -> dict:
+    """A checkpointed BERT layer's first forward tensor by tensor (``nograd.bert_layer``), where
+    ``_bert_layer`` builds transformers' post-LN ``BertLayer`` in one dtype: no autocast, adapters,
+    quantized weights, tensor, sequence or context parallelism; eager attention or a fused SDPA
+    kernel; the fused GELU (``F.gelu``). Else {} (the replay makes the layer's saved tensors at once). Against trace, BERT-base
+    2 layers, b2 s1024, fp32, eager attention, full recomputation: the first forward's 96 MiB scores,
+    softmax and dropout each freed as the next is made, the dropped probabilities held to the layer's
+    end (docs/agreement.md, reserved section, 2026-11-26 ``bert``). Under torchtitan's per-op policy
+    what it keeps is marked (``nograd_op``): the fused SDPA output only, BERT's linears having biases
+    (``addmm``, not on the policy's list: ``op_checkpoint_saved``); ``nograd_mm0``, the first linear's
+    output (``query``'s), is where the forward's cuBLAS workspace is made (``_first_mm_workspace``)."""
+    if (pol.amp or B.lora or k.quant[0] or k.sp or k.tp != 1 or k.ring != 1 or k.pre_norm or k.kv_cache
+            or k.family != "bert" or k.model_code not in ("", "transformers") or k.manual_layernorm
+            or k.act_impl not in ("gelu", "gelu_pytorch_tanh") or k.eager_clamp or k.reentrant):
+        return {}
+    eager = k.attention == "eager"
+    if not eager and B.sdpa(k.attention, k.head_dim, k.heads, k.kv_heads,
+                            k.attention_dropout) not in ("flash", "efficient", "cudnn"):
+        return {}
+    L = NoGradLayer(k.h, k.q, k.kv, k.f, pol.stream, pol.half, pol.weight)
+    S = nograd_bert(L, k.heads, eager, k.hidden_dropout if B.dropout else 0.0,
+                    k.attention_dropout if B.dropout else 0.0)
+    return {"nograd_temps": tuple(S.sizes), "nograd_events": tuple(S.events),
+            "nograd_const": tuple(S.consts) if any(S.consts) else (), "nograd_sq": tuple(S.sq),
+            "nograd_op": tuple(S.sdpa), "nograd_mm0": S.mm[0]}  # (biased linears: ``addmm``, recomputed)
 
 
 def _op_saved(r: Recipe) -> tuple[int, ...]:
@@ -1938,6 +1975,17 @@ def _gpt2_layer_compiled(B: Builder, k: LayerKey, x: T, h: int, f: float, q: flo
     del fc
     B.linear(T(f, 0, half, "mlp.act"), h, "mlp.c_proj", "mlp.c_proj.input")   # GELU output (b, s, f) half
     B.drop(T(h, 0, half, "resid"), k.hidden_dropout, "mlp.resid_dropout")       # bool (b, s, h)
+
+
+def _sdpa_grads(q: "T", k: "T", v: "T", out: float, half: int) -> tuple:
+    """The tensors in flight at a fused SDPA kernel's backward, each its own: the output's gradient
+    (``out`` wide, the one the output projection's backward handed over) and the kernel's dq, dk, dv,
+    which the kernel allocates before its scratch (torch 2.13 ``aten/src/ATen/native/transformers/cuda/
+    flash_attn/flash_api.cpp`` ``mha_bwd``: dq, dk, dv ``empty_like`` of q, k, v where not given, then
+    ``softmax_d`` and the fp32 ``dq_accum``; the efficient kernel's grad_q/k/v likewise). One block of
+    their sum stood for them (BERT b8 s256 pure bf16: 12 MiB, where trace makes three of 3 MiB beside
+    the 3 MiB output gradient)."""
+    return (T(out, 0, half), T(q.tok, 0, half), T(k.tok, 0, half), T(v.tok, 0, half))
 
 
 def _gelu(B: Builder, impl: str, f: float, h: float = 0.0, incoming: bool = True) -> T:

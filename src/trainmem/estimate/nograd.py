@@ -48,6 +48,8 @@ class NoGradSeq:
     # SDPA kernel's output: what torchtitan's per-op policy may keep (``op_kept``)
     mm: list = field(default_factory=list)
     sdpa: list = field(default_factory=list)
+    # bytes per token x key of each (eager attention's scores, ``make_sq``; 0 for the others)
+    sq: list = field(default_factory=list)
 
     def op_kept(self) -> list:
         """Indices of the temporaries torchtitan's per-op selective checkpointing keeps from the
@@ -61,8 +63,15 @@ class NoGradSeq:
         """A new temporary of ``nbytes_tok`` bytes per token plus ``nbytes``; returns its index."""
         self.sizes.append(float(nbytes_tok))
         self.consts.append(float(nbytes))
+        self.sq.append(0.0)
         self.events.append("t")
         return len(self.sizes) - 1
+
+    def make_sq(self, nbytes_sq: float) -> int:
+        """A new temporary of ``nbytes_sq`` bytes per token x key ((b, heads, s, s) scores); returns its index."""
+        i = self.make(0.0)
+        self.sq[i] = float(nbytes_sq)
+        return i
 
     def cast(self) -> None:
         """autocast's half copy of the next linear's weight (``reserved.layer_forward._nograd_forward`` makes it
@@ -371,4 +380,86 @@ def llama_layer(L: NoGradLayer) -> NoGradSeq:
     S.free(prod, n2)
     S.events.append("o")                                # residual + hidden_states: the output
     del h1, down                                        # (freed after it: the replay frees what is alive)
+    return S
+
+
+def _bert_dropout(S: NoGradSeq, L: NoGradLayer, x: int, width: float, p: float) -> int:
+    """``nn.Dropout`` on a ``width``-wide tensor ``x`` of the linears' dtype under no_grad, ``p`` > 0:
+    ``native_dropout``'s output and its bool mask, the mask dropped at once (``at::dropout`` keeps the
+    output), the input freed as the caller rebinds its name. Returns the output's index."""
+    if p <= 0:
+        return x
+    out = S.make(width * L.half)
+    S.free(S.make(width * 1))                           # the mask (bool), discarded
+    S.free(x)
+    return out
+
+
+def _bert_eager(S: NoGradSeq, L: NoGradLayer, heads: float, p_attn: float) -> tuple[int, int]:
+    """transformers 5.24 ``models/bert/modeling_bert.py`` ``eager_attention_forward`` (L112-137) on
+    q, k, v of (b, heads, s, d) views of the linears' (b, s, h) outputs: ``torch.matmul(query,
+    key.transpose(2, 3))`` reshapes both to 3-d batches, copies of the non-contiguous views (aten
+    ``LinearAlgebra.cpp`` ``_matmul_impl``: ``expand(...).reshape(...)``), freed as it returns; the
+    scores (b, heads, s, s); ``* scaling`` (the scores freed as the name is rebound); ``softmax``;
+    ``dropout`` (``_bert_dropout``, scores-wide); ``torch.matmul(attn_weights, value)`` (the value's
+    copy, the (b*heads, s, d) output, the copy freed), ``transpose(1, 2).contiguous()`` (a copy, the
+    matmul's output freed). Sizes of the scores are per token x key (``NoGradSeq.sq``). The dropped
+    probabilities are returned as ``attn_weights`` and held by ``BertLayer.forward``'s ``_`` (L386) to
+    the layer's end. Returns (the attention output's index, the probabilities')."""
+    qc, kc = S.make(L.q * L.half), S.make(L.kv * L.half)   # query, key.transpose(2, 3) reshaped: copies
+    sc = S.make_sq(heads * L.half)                      # bmm: (b*heads, s, s)
+    S.free(kc, qc)
+    scaled = S.make_sq(heads * L.half)                  # ... * scaling
+    S.free(sc)
+    probs = S.make_sq(heads * L.half)                   # softmax
+    S.free(scaled)
+    if p_attn > 0:
+        dropped = S.make_sq(heads * L.half)             # dropout: the output, then its bool mask
+        S.free(S.make_sq(heads * 1))
+        S.free(probs)
+        probs = dropped
+    vc = S.make(L.kv * L.half)                          # value reshaped: a copy
+    bo = S.make(L.q * L.half)                           # bmm: (b*heads, s, d)
+    S.free(vc)
+    ao = S.make(L.q * L.half)                           # transpose(1, 2).contiguous()
+    S.free(bo)
+    return ao, probs
+
+
+def bert_layer(L: NoGradLayer, heads: float, eager: bool, p_hidden: float, p_attn: float) -> NoGradSeq:
+    """transformers 5.24 ``BertLayer.forward`` (``models/bert/modeling_bert.py`` L377-414) under
+    no_grad in one dtype (no autocast, no adapters), the layer's input alive throughout (the checkpoint
+    keeps it). ``BertSelfAttention.forward`` (L166-205): ``query``, ``key``, ``value`` (L177-179,
+    linears with bias: one output each), then eager attention (``_bert_eager``) or SDPA's fused kernel
+    (``integrations/sdpa_attention.py`` L182-197: its (b, s, heads, d) output, ``transpose(1, 2)
+    .contiguous()`` copying nothing), q, k, v freed as it returns. ``BertSelfOutput.forward`` (L290-294):
+    ``dense``, ``dropout`` (``_bert_dropout``), ``hidden_states + input_tensor``, ``LayerNorm`` (the
+    sum freed as it returns), the dropped output freed as it returns, the attention output as
+    ``BertAttention.forward`` (L323) rebinds it. ``BertIntermediate`` (L336-339): ``dense``, the GELU
+    (``dense``'s output freed). ``BertOutput`` (L349-353) as ``BertSelfOutput``; its LayerNorm's output
+    is the layer's ("o"), after which ``BertOutput``'s sum and dropout output, the GELU's output
+    (``feed_forward_chunk``'s local, L416-419), eager attention's probabilities and the attention
+    output are freed (the replay frees what is alive after the output)."""
+    S = NoGradSeq()
+    hd = L.half
+    q = linear(S, L, "query", L.h, L.q, hd)
+    k = linear(S, L, "key", L.h, L.kv, hd)
+    v = linear(S, L, "value", L.h, L.kv, hd)
+    if eager:
+        ao, probs = _bert_eager(S, L, heads, p_attn)
+    else:
+        ao, probs = S.make(L.q * hd), None              # scaled_dot_product_attention (fused kernel)
+        S.sdpa.append(ao)
+    S.free(q, k, v)
+    d1 = _bert_dropout(S, L, linear(S, L, "attention.output.dense", L.q, L.h, hd), L.h, p_hidden)
+    s1 = S.make(L.h * L.stream)                         # hidden_states + input_tensor
+    a1 = S.make(L.h * max(L.weight, L.stream))          # LayerNorm: the attention output
+    S.free(s1, d1, ao)
+    i1 = linear(S, L, "intermediate.dense", L.h, L.f, hd)
+    g = S.make(L.f * hd)                                # intermediate_act_fn (GELU), out of place
+    S.free(i1)
+    d2 = _bert_dropout(S, L, linear(S, L, "output.dense", L.f, L.h, hd), L.h, p_hidden)
+    S.make(L.h * L.stream)                              # hidden_states + input_tensor
+    S.events.append("o")                                # LayerNorm: the layer's output
+    del d2, g, probs, a1                                # (freed after it: the replay frees what is alive)
     return S

@@ -74,7 +74,8 @@ def _layer_backward(R: _Replay, s: _Step, q: Quantities, fs: _Fsdp, parts: list[
     if _recorded(q, parts, recompute, flat1 or bool(st.layer_grads_full)):  # a derived layer, tensor by tensor
         pre, tr, per_linear = _recorded_backward(R, s, q, (parts.bwd, kept, below), where, oib), None, False
     elif per_linear and _by_op(q, parts, recompute, flat1):  # a hand-written layer, op by op
-        pre, tr, per_linear = _op_backward(R, s, q, kept, (n, nsq), where, oib), None, False
+        saved = kept if recompute == "none" else redo             # its saved tensors in save order
+        pre, tr, per_linear = _op_backward(R, s, q, (kept, saved), (n, nsq), where, oib), None, False
     elif not per_linear and _moe_by_op(q, parts, flat1 or bool(st.layer_grads_full and unsharded is None)):
         pre = _moe_backward(R, s, q, (redo if recompute != "none" else kept, parts), (n, nsq), where, oib,
                             unsharded)                            # grouped experts op by op,
@@ -152,7 +153,7 @@ def _uncast_by_op(q: Quantities, parts: Any) -> bool:
     return not q.cast_layer and _by_op(q, parts, "op", False)
 
 
-def _op_backward(R: _Replay, s: _Step, q: Quantities, kept: _Kept, nb: tuple[int, int], where: tuple[str, ...],
+def _op_backward(R: _Replay, s: _Step, q: Quantities, ks: tuple, nb: tuple[int, int], where: tuple[str, ...],
                  oib: bool) -> set:
     """A hand-written layer's backward op by op, last op first (autograd runs a layer's nodes in
     reverse of its forward, torch 2.13 ``torch/csrc/autograd/engine.cpp`` ``Engine::thread_main``:
@@ -164,21 +165,32 @@ def _op_backward(R: _Replay, s: _Step, q: Quantities, kept: _Kept, nb: tuple[int
     next op's. A linear's weight gradient is made inside its backward, beside its moment's tensors
     (``_linear_grad``, as ``_linears_backward`` makes it: under autocast ``mm``'s half gradient, the
     weight copy freed, then ``ToCopyBackward0``'s fp32 ``.grad`` at the linear's second moment). The
-    layer's saved tensors stay until the layer's end, as in the one-block replay: freeing each op's
-    where its node ran (``Node::release_variables``) put the grid further from trace (27 rows moved,
-    13 closer, 14 further; within 5 % 313 -> 308 of 409; docs/validation.md ``reslbw``), for a reason
-    not found. ``nb``: (tokens, tokens x keys). Returns the trainable indices whose gradient was made."""
+    saved tensors of the ops back-propagated already are freed before each op's tensors
+    (``_release_saved``, ``Node::release_variables``; those left at the layer's end as before).
+    Against trace on the agreement grid: beyond 5 % 64 -> 62 of 409 (GPT-2 b1 s1024 +10.66 ->
+    -0.69 %, b1 s2048 fp32 ga 2 +14.34 -> -0.79 %, Mistral b4 s512 eager dp 4 Adafactor +8.48 ->
+    +1.06 %; Mistral b2 s512 eager pp 2 ga 2 +1.05 -> -9.11 %, its last stage's second micro-batch
+    head cast placed in a logits segment trace finds split; docs/agreement.md, reserved section,
+    2026-11-26 ``bert``). An earlier attempt at freeing each op's tensors where its node ran moved
+    27 rows, 14 further (docs/validation.md ``reslbw``). ``ks``: (what the layer kept, its saved tensors
+    in save order: the kept ones without recomputation, the remade ones under the per-op policy, whose
+    kept list starts with the layer's output). ``nb``: (tokens, tokens x keys). Returns the trainable
+    indices whose gradient was made."""
     lc, st = q.detail.layer, q.detail.states
     n, nsq = nb
+    kept, saved = ks
     pending, made = list(_placed(st.trainables, where)), set()
     copies = list(kept.casts) or [None] * len(lc.linears)
     groups: list = []                                              # one op's moments, in recorded order
-    for m in lc.moment_blocks:
+    starts: list = []                                              # ... and its first moment's index
+    for i, m in enumerate(lc.moment_blocks):
         if groups and m[1] >= 0 and groups[-1][0][1] == m[1]:
             groups[-1].append(m)
         else:
             groups.append([m])
-    for group in reversed(groups):
+            starts.append(i)
+    for group, start in reversed(list(zip(groups, starts))):
+        _release_saved(R, saved, lc.moment_saved, start)
         half = None
         for k, (blocks, lin) in enumerate(group):
             hs = R.allocs([int(a * n + b * nsq) for a, b in blocks])  # (b, s, width) each, its dtype
@@ -298,6 +310,20 @@ def _transient_before_moe(q: Quantities, n: int, nsq: int) -> int:
     ops = _backward_ops(q)
     _idx, value, grads = best_transient(ops[:len(ops) - len(_MOE_OPS)], n, nsq)
     return max(0, value - grads)
+
+
+def _release_saved(R: _Replay, kept: _Kept, saved: tuple, start: int) -> None:
+    """Before the backward of the op whose first moment is ``start``: the layer's saved tensors made
+    after that moment (``LayerCoefs.moment_saved``, in save order, the first ones of ``kept``) belong
+    to ops back-propagated already, whose nodes released them once they ran (torch 2.13
+    ``csrc/autograd/engine.cpp`` ``call_function`` -> ``Node::release_variables`` unless
+    ``retain_graph``); a tensor several ops saved counts from its first save, so it lives until the
+    earliest of them has run. Freed here and dropped from ``kept``."""
+    if start >= len(saved):
+        return
+    for i in range(saved[start], min(len(kept), max(saved))):
+        R.free(kept[i])
+        kept[i] = None
 
 
 def _linear_grad(R: _Replay, s: _Step, q: Quantities, lin: tuple, oib: bool, cast: bool) -> int | None:

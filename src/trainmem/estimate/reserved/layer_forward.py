@@ -237,13 +237,15 @@ def _nograd_forward(R: _Replay, parts: _Parts, late: list, casts: list | None = 
     sizes = iter(casts or [])
     copies: list = []
     keep = set(getattr(parts, "nograd_op", ())) if held is not None else set()
+    mm0 = getattr(parts, "nograd_mm0", -1)
+    mm0 = mm0 if mm0 >= 0 else min(keep, default=0)               # (Llama's: q_proj's, the first kept)
     for e in parts.nograd_events:
         if e == "t":
             live[made] = R.alloc(parts.nograd[made])
             if made in keep:                                      # ``held``: kept by the per-op policy
                 held.append(live.pop(made))                       # (``_op_forward``)
-            if ws is not None and made == min(keep):              # the first matmul's output (q_proj's):
-                ws()                                              # its workspace (``_first_mm_workspace``)
+            if ws is not None and made == mm0:                    # the first matmul's output (q_proj's,
+                ws()                                              # BERT's query): its workspace (``_first_mm_workspace``)
             made += 1
         elif e == "c":
             nbytes = next(sizes, None)

@@ -24,8 +24,9 @@ def _tied_embedding_sum(R: _Replay, s: "_Step", q: Quantities, flags: StepFlags,
     L1444-1449). Returns None (the head's part is freed)."""
     trainables = q.detail.states.trainables
     whole = R.alloc(q.tied_replicated)                  # DTensor TP: the whole table first (tied_replicated_grad)
+    word = _embedding_grads_first(R, s, trainables, flags.oib)  # the position / token-type tables' first
     emb_out = R.alloc(q.tied_grad)                      # then this rank's rows
-    added = _accumulated(R, s, trainables, ("before",))  # the sum added into an existing .grad: a temporary
+    added = _accumulated(R, s, trainables, ("before",), only=word)  # the sum added into an existing .grad
     if q.ds_keeps_sum:                                  # ZeRO-2, no contiguous gradients: the sum is rank 0's
         _sum_as_embedding_grad(s, trainables)           # .grad, whole, not its partition's share
     _make_grads(R, s, trainables, ("before",), flags.oib)
@@ -34,6 +35,29 @@ def _tied_embedding_sum(R: _Replay, s: "_Step", q: Quantities, flags: StepFlags,
         s.grads[("embedding_sum", 0)], acc = acc, None  # batch's sum is added into it in place and freed)
     R.frees([tied, emb_out, acc] + added + [whole])
     return None
+
+
+def _embedding_grads_first(R: _Replay, s: _Step, trainables: tuple, oib: bool) -> int | None:
+    """The gradients of the tensors before the layers other than the word embedding (the largest, as in
+    ``_sum_as_embedding_grad``), made before the word embedding's own (``embedding_dense_backward``'s
+    output, a table of the word embedding's size). Autograd's engine runs the ready node of the highest
+    sequence number first (torch 2.13 ``csrc/autograd/engine.h`` L91-106 ``CompareNodeTaskTime``), and the
+    embeddings' forward makes the word lookup first: transformers 5.24 ``models/bert/modeling_bert.py``
+    L100-105 (word, token-type, their sum, position, the sum) runs the embeddings' LayerNorm's backward,
+    then the position table's (``max_position_embeddings`` x hidden, the weights' dtype), the token
+    type's, then the word's; GPT-2 (``models/gpt2/modeling_gpt2.py`` L569-577, ``wte`` then ``wpe``) the position
+    table's first as well. A gradient added into an existing ``.grad`` (``_accumulated``) is a temporary
+    freed once its ``AccumulateGrad`` has run, before the next table's. Returns the word embedding's index."""
+    before = _placed(trainables, ("before",))
+    word = max(before, key=lambda j: trainables[j][2], default=None)
+    for j in before:
+        if j == word:
+            continue
+        if s.grads.get((j, 0)) is not None:
+            R.free(R.alloc(trainables[j][2]))           # added into .grad in place, then dropped
+        else:
+            _grad_of(R, s, trainables, j, oib)
+    return word
 
 
 def _sum_as_embedding_grad(s: "_Step", trainables: tuple) -> None:
@@ -58,7 +82,7 @@ def _make_grads(R: _Replay, s: _Step, trainables: tuple, where: tuple[str, ...],
             _grad_of(R, s, trainables, j, oib, stream)
 
 
-def _accumulated(R: _Replay, s: _Step, trainables: tuple, where: tuple[str, ...]) -> list:
+def _accumulated(R: _Replay, s: _Step, trainables: tuple, where: tuple[str, ...], only: int | None = None) -> list:
     """The new gradients of the tensors placed at one of ``where`` (one copy each: the head's, the final
     norm's) whose ``.grad`` already exists (a later micro-batch, or ``zero_grad(set_to_none=False)``):
     autograd's ``AccumulateGrad`` adds such a gradient into ``.grad`` in place (torch 2.13
@@ -69,7 +93,7 @@ def _accumulated(R: _Replay, s: _Step, trainables: tuple, where: tuple[str, ...]
     ``mm`` output made and freed again in each of micro-batches 2 to 4. Returns their handles."""
     out = []
     for j in _placed(trainables, where):
-        if s.grads.get((j, 0)) is not None:
+        if s.grads.get((j, 0)) is not None and only in (None, j):
             out.append(R.alloc(trainables[j][2]))
     return out
 

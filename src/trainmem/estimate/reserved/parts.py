@@ -21,6 +21,7 @@ class _Parts(list):
     groups: list = []       # other forward temporaries in op order, as ``attn`` (``LayerCoefs.fwd_groups``)
     ws_at: int = -1         # saved tensors made before the first matmul's cuBLAS workspace (``LayerCoefs.ws_at``)
     release: list = []      # per linear: where its held input is released (``LayerCoefs.input_release``)
+    nograd_mm0: int = -1    # ... the first matmul's output (``LayerCoefs.nograd_mm0``; -1: the first of ``nograd_op``)
 
     def __init__(self, saved: Any, forward_only: list[int], op: list[int] | None = None,
                  temps: list[int] | None = None, events: tuple[str, ...] = (),
@@ -50,7 +51,7 @@ def _layer_parts(q: Quantities, n: int, nsq: int) -> _Parts:
                   [int(a * n + b * nsq) for a, b in lc.fwd_free],
                   [int(a * n + b * nsq) for a, b in lc.op_tensors],
                   [int(a * n + b * nsq) for a, b in lc.fwd_temps], lc.fwd_events,
-                  [int(a * n + c) for a, c in zip(lc.nograd_temps, lc.nograd_const or [0.0] * len(lc.nograd_temps))],
+                  _nograd_bytes(lc, n, nsq),
                   lc.nograd_events, whole=bool(lc.tensors), bwd=_backward_record(lc, n, nsq),
                   attn=(lc.attn_at if lc.tensors else -1, [int(a * n + b * nsq) for a, b in lc.attn_temps],
                         lc.attn_events))
@@ -62,7 +63,16 @@ def _layer_parts(q: Quantities, n: int, nsq: int) -> _Parts:
                 for at, temps, events in (lc.fwd_groups if lc.tensors else ())]
     p.ws_at = lc.ws_at if lc.tensors else -1                      # (``_saved_and_casts``)
     p.release = list(lc.input_release)                            # (``_saved_and_casts``)
+    p.nograd_mm0 = lc.nograd_mm0
     return p
+
+
+def _nograd_bytes(lc: Any, n: int, nsq: int) -> list[int]:
+    """Bytes of each temporary of a hand-written layer's checkpointed first forward (``LayerCoefs.nograd_temps``
+    per token, ``nograd_const`` beside, ``nograd_sq`` per token x key) at ``n`` tokens, ``nsq`` tokens x keys."""
+    m = len(lc.nograd_temps)
+    return [int(a * n + c + b * nsq) for a, c, b in zip(lc.nograd_temps, lc.nograd_const or [0.0] * m,
+                                                        lc.nograd_sq or [0.0] * m)]
 
 
 @dataclass
