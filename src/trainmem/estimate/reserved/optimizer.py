@@ -200,26 +200,41 @@ def _adafactor_step(R: _Replay, s: _Step, st: Any, loop: tuple, lazy: bool) -> N
     g32 = p32 = upd = None                                       # the loop's locals from the previous tensor
     for j in _parameter_order(st.trainables):
         f, half, row, col = loop[j]
+        # each fp32 temporary asks for the tensor's own bytes (numel x 4), charged its block ``f``
+        n32 = _fp32_request(st, j, f)
         R.free(g32)
-        g32 = R.alloc(half) if half else None                    # grad.float() (half gradients)
+        g32 = R.alloc(n32, charge=f) if half else None           # grad.float() (half gradients)
         if lazy:
             s.states += [R.alloc(x) for x in st.trainables[j][3]]
         R.free(p32)
-        p32 = R.alloc(half) if half else None                    # p.float() (half weights)
-        sq = R.alloc(f)                                          # grad**2
-        new = R.alloc(f)                                         # ... + eps
+        p32 = R.alloc(n32, charge=f) if half else None           # p.float() (half weights)
+        sq = R.alloc(n32, charge=f)                              # grad**2
+        new = R.alloc(n32, charge=f)                             # ... + eps
         R.frees([sq, upd])
         if row:                                                  # factored: the means, then _approx_sq_grad
             R.free(R.alloc(row))
             R.free(R.alloc(col))
             factors = [R.alloc(row), R.alloc(col)]
-            upd = R.alloc(f)                                     # torch.mul(r_factor, c_factor)
+            upd = R.alloc(n32, charge=f)                         # torch.mul(r_factor, c_factor)
             R.frees(factors)
         else:
-            upd = R.alloc(f)                                     # exp_avg_sq.rsqrt()
+            upd = R.alloc(n32, charge=f)                         # exp_avg_sq.rsqrt()
         R.free(new)
-        R.free(R.alloc(f))                                       # -update
+        R.free(R.alloc(n32, charge=f))                           # -update
     R.frees([g32, p32, upd])
+
+
+def _fp32_request(st: Any, j: int, block: int) -> int:
+    """The bytes one of Adafactor's fp32 temporaries of trainable ``j`` asks the allocator for: its
+    elements x 4 (``States.trainable_elems``), not the block ``adafactor_loop`` charges. They differ
+    where a tensor of 10 MiB or more is not a multiple of 2 MiB: a fresh segment rounds the request up
+    to 2 MiB and keeps the remainder (<= 1 MiB) unsplit, but a larger cached free block is cut at the
+    512-rounded request, so a 125 MiB fp32 copy of a (32000, 1024) embedding fits the 125 MiB left of
+    a split 250 MiB block, where a request of its 126 MiB block would not
+    (c10/cuda/CUDACachingAllocator.cpp, torch 2.13: ``round_size``, ``get_free_block``,
+    ``should_split``; ``_Replay.alloc``). The block when the element count is not known."""
+    elems = st.trainable_elems[j] if j < len(st.trainable_elems) else 0
+    return elems * 4 if elems else block
 
 
 def _torchao_graph(R: _Replay, events: tuple) -> None:
