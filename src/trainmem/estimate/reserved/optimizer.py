@@ -317,7 +317,9 @@ def _optimizer_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, step:
     if q.ds_norm_temp:                                           # DeepSpeed ZeRO-1/2: the norm's float64 piece
         R.free(R.alloc(q.ds_norm_temp))
     if zero3:                                                    # DeepSpeed ZeRO-3: per flat sub-group
-        _zero3_step(R, s, q, order, bool(lazy))
+        raw = st.grad_rank_raw
+        _zero3_step(R, s, q, order, bool(lazy), tuple(raw[j] for j in _parameter_order(st.trainables))
+                    if len(raw) == len(st.trainables) else ())
     elif q.ds_flat12:                                            # DeepSpeed ZeRO-1/2: one flat group, its states
         _zero12_step(R, s, q, st, bool(lazy))                    # made inside the first step
     elif q.ds_step_fp32:                                         # DeepSpeed: one flat fp32 partition per group
