@@ -10,7 +10,7 @@ from ..moments import StepFlags, Tokens
 from ..quantities import Quantities
 from .fsdp import _fsdp, _root_resharded
 from .loss_forward import _logit_allocs, _logit_tensors
-from .optimizer import _accumulated, _make_grads, _tied_alloc
+from .optimizer import _accumulated, _make_grads
 from .parts import _Forward
 from .replay import _Replay, _Step
 
@@ -269,7 +269,7 @@ def _head_backward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, f: _Fo
 
     def gradients() -> tuple:
         head_full = R.alloc(st.head_grads_full)                   # FSDP: the head's unsharded gradients
-        tied = _tied_alloc(R, s, st.trainables, q.tied_grad)      # a tied head's, until the embedding's
+        tied = R.alloc(q.tied_grad)                               # a tied head's, until the embedding's
         if not _fsdp(q):
             added.extend(_accumulated(R, s, st.trainables, where))
             _make_grads(R, s, st.trainables, where, flags.oib)    # an untied head's, the final norm's

@@ -24,7 +24,7 @@ def _tied_embedding_sum(R: _Replay, s: "_Step", q: Quantities, flags: StepFlags,
     L1444-1449). Returns None (the head's part is freed)."""
     trainables = q.detail.states.trainables
     whole = R.alloc(q.tied_replicated)                  # DTensor TP: the whole table first (tied_replicated_grad)
-    emb_out = _tied_alloc(R, s, trainables, q.tied_grad)  # then this rank's rows
+    emb_out = R.alloc(q.tied_grad)                      # then this rank's rows
     added = _accumulated(R, s, trainables, ("before",))  # the sum added into an existing .grad: a temporary
     if q.ds_keeps_sum:                                  # ZeRO-2, no contiguous gradients: the sum is rank 0's
         _sum_as_embedding_grad(s, trainables)           # .grad, whole, not its partition's share
@@ -34,19 +34,6 @@ def _tied_embedding_sum(R: _Replay, s: "_Step", q: Quantities, flags: StepFlags,
         s.grads[("embedding_sum", 0)], acc = acc, None  # batch's sum is added into it in place and freed)
     R.frees([tied, emb_out, acc] + added + [whole])
     return None
-
-
-def _tied_alloc(R: _Replay, s: "_Step", trainables: tuple, block: int) -> int | None:
-    """One of a tied embedding's gradients of ``block`` bytes (the head's part, the embedding's part,
-    ``quantities.head_grads.tied_head_grad``), requested at the embedding gradient's own bytes on this
-    rank (``_grad_request`` of the largest trainable placed before the layers: the word embedding,
-    whose shape and dtype the parts have) and charged ``block``; the block where those bytes are not
-    the block's (another dtype, as FSDP's bf16 unsharded gradient)."""
-    before = list(_placed(trainables, ("before",)))
-    if not block or not before:
-        return R.alloc(block)
-    j = max(before, key=lambda i: trainables[i][2])
-    return R.alloc(_grad_request(R, s, j, block), charge=block)
 
 
 def _sum_as_embedding_grad(s: "_Step", trainables: tuple) -> None:
@@ -131,7 +118,7 @@ def _grad_of(R: _Replay, s: _Step, trainables: tuple, j: int, oib: bool = False,
     if copy >= k or (j, copy) in s.grads:
         return
     s.made[j] = copy + 1
-    s.grads[(j, copy)] = R.alloc(_grad_request(R, s, j, g), stream, charge=g)
+    s.grads[(j, copy)] = R.alloc(g, stream)
     if isinstance(oib, tuple) and oib:                 # LOMO / AdaLomo: the next hook (this gradient's
         if s.lomo is not None:                         # parameter's) updates the one accumulated before
             _lomo_update(R, *s.lomo, oib)
@@ -142,20 +129,6 @@ def _grad_of(R: _Replay, s: _Step, trainables: tuple, j: int, oib: bool = False,
             _torchao_graph(R, s.ao_events[j])             # ``quantities.zero_partition.deepspeed_hook_partition``)
         R.free(s.grads[(j, copy)])
         s.grads[(j, copy)] = None
-
-
-def _grad_request(R: _Replay, s: _Step, j: int, g: int) -> int:
-    """The bytes trainable ``j``'s gradient asks the allocator for: its own bytes on this rank
-    (``States.grad_rank_raw``), charged its block ``g`` (``_Replay.alloc``), as autograd's
-    ``AccumulateGrad`` makes it (``new_grad`` of the parameter's shape, torch 2.13
-    ``torch/csrc/autograd/functions/accumulate_grad.h`` ``accumulateGrad``). A fresh segment rounds a
-    request of 10 MiB or more up to 2 MiB either way, but a cached free block is cut at the 512-rounded
-    request (``should_split``: remainder > 1 MiB), so a 125 MiB gradient of a (32000, 2048) fp32 head
-    shard fits the 125 MiB left of a split 250 MiB block where its 126 MiB block would not (trace of
-    Llama tp 2 b8 s256 fp32). The block where the raw size is not known or is not the block's
-    (a shard re-partitioned after it was counted), as ``_state_requests``."""
-    raw = s.grad_rank_raw[j] if j < len(s.grad_rank_raw) else 0
-    return raw if raw and block_bytes(raw, R.a.expandable_segments) == g else g
 
 
 def _lomo_update(R: _Replay, grad: int | None, g: int, factors: tuple, lomo: tuple) -> None:
@@ -205,29 +178,6 @@ def _state_requests(R: _Replay, st: Any, j: int) -> tuple:
     if len(raw) != len(sts) or any(block_bytes(x, mode) != b and x != b for x, b in zip(raw, sts)):
         return sts
     return raw
-
-
-def _loop_requests(R: _Replay, st: Any, sizes: list) -> list:
-    """The bytes each temporary of a per-tensor loop (``_single_tensor_adam``'s ``exp_avg_sq.sqrt()``
-    and its quotient, torch 2.13 ``optim/adam.py`` L544; ``quantities.optimizer_step.loop_pair_bytes``)
-    asks for, in parameter order: the first state's own bytes (``_state_requests``; the temporary has
-    its shape and dtype), not its block ``sizes[i]``, which ``_Replay.alloc`` charges. The block
-    where a tensor has no state."""
-    out = []
-    for x, j in zip(sizes, _parameter_order(st.trainables)):
-        raw = _state_requests(R, st, j) if st.trainables[j][3] else ()
-        out.append(raw[0] if raw else x)
-    return out
-
-
-def _foreach_temporaries(R: _Replay, st: Any, sizes: list, total: int) -> list:
-    """One list of a foreach step's temporaries, one per tensor, ``total`` bytes in all (e.g.
-    ``torch._foreach_sqrt(device_exp_avg_sqs)``, torch 2.13 ``optim/adam.py`` L790). Where ``total``
-    is the states' blocks ``sizes`` themselves, each tensor asks for its first state's own bytes
-    (``_loop_requests``), charged its block; otherwise ``sizes`` scaled to ``total``."""
-    if total != sum(sizes):
-        return R.allocs(_scaled(sizes, total))
-    return [R.alloc(raw, charge=x) for x, raw in zip(sizes, _loop_requests(R, st, sizes))]
 
 
 def _adafactor_step(R: _Replay, s: _Step, st: Any, loop: tuple, lazy: bool) -> None:
@@ -329,13 +279,13 @@ def _optimizer_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, step:
         R.free(fp32)
     elif temp_copies is None:                                    # foreach: the whole group's at once, each
         k = max(1, q.step_groups)                                # temporary per tensor as its own list (Adagrad 2)
-        R.frees([b for _ in range(k) for b in _foreach_temporaries(R, st, sizes, q.step_temp // k)])
+        R.frees([b for _ in range(k) for b in R.allocs(_scaled(sizes, q.step_temp // k))])
     elif q.step_adafactor:                                       # transformers' Adafactor, in its op order
         _adafactor_step(R, s, st, q.step_adafactor, bool(lazy))
     elif q.step_linger and temp_copies and sizes:               # a loop whose last temporary lingers: the
         prev = None                                              # previous tensor's until the next's exist
-        for x, raw in zip(sizes, _loop_requests(R, st, sizes)):  # (quantities.optimizer_step.loop_pair_bytes)
-            made = [R.alloc(raw, charge=x) for _ in range(temp_copies)]
+        for x in sizes:                                          # (quantities.optimizer_step.loop_pair_bytes)
+            made = R.allocs([x] * temp_copies)
             R.frees(made[:-1])                                   # the expression's own, then the local rebound
             if prev is not None:
                 R.free(prev)
