@@ -180,6 +180,15 @@ def _state_requests(R: _Replay, st: Any, j: int) -> tuple:
     return raw
 
 
+def _redistributed_grads(R: _Replay, chunks: tuple) -> None:
+    """A foreach Adam's redistributions of each replicated TP gradient to its states' ``Shard(0)``
+    (``quantities.optimizer_step.tp_grad_redistributions``): ``_foreach_lerp_``'s clone of the chunk, made
+    and freed, then ``_foreach_addcmul_``'s two, alive together, freed when it returns."""
+    for nbytes in chunks:
+        R.free(R.alloc(nbytes))
+        R.frees([R.alloc(nbytes), R.alloc(nbytes)])
+
+
 def _adafactor_step(R: _Replay, s: _Step, st: Any, loop: tuple, lazy: bool) -> None:
     """transformers' ``Adafactor.step`` (transformers 5.24.0 ``optimization.py`` L1203-1287), one
     tensor at a time in parameter order, each allocation in its op order (``quantities.optimizer_step.adafactor_loop``
@@ -278,6 +287,7 @@ def _optimizer_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, step:
         R.free(R.alloc(q.step_temp - q.ds_step_fp32 - q.ds_step_flat, one=False))  # the optimizer's own temporaries
         R.free(fp32)
     elif temp_copies is None:                                    # foreach: the whole group's at once, each
+        _redistributed_grads(R, q.step_redistribute)             # (a replicated TP gradient's clones first)
         k = max(1, q.step_groups)                                # temporary per tensor as its own list (Adagrad 2)
         R.frees([b for _ in range(k) for b in R.allocs(_scaled(sizes, q.step_temp // k))])
     elif q.step_adafactor:                                       # transformers' Adafactor, in its op order
