@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO-3's recorded module order in the reserved replay has no backward use of a frozen
 word embedding (``zero3_replay.without_backward``, ``quantities.zero3_gather._frozen_embedding``): the
 engine fetches a module for backward from its output's gradient (v0.19.8
-``runtime/zero/parameter_offload.py`` ``_post_forward_module_hook`` -> ``PreBackwardFunctionForModule``),
+``runtime/zero/parameter_offload.py`` L455-485: ``_pre_backward_module_hook`` -> ``PreBackwardFunctionForModule``),
 and under LoRA without recomputation the table's output over integer ids needs none. The replay had
 the tied table gathered again for the embedding's backward in the first step, and kept gathered to the
 end of every later backward; trace's coordinator releases it after the head's backward. Found on the

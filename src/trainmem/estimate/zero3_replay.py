@@ -498,9 +498,9 @@ def module_order(params: list[tuple[str, int, int | None]], head: str | None, ti
 def without_backward(uses: tuple[Use, ...], params: frozenset) -> tuple[Use, ...]:
     """``uses`` without the backward use of each module whose own parameters are all in ``params``, the
     modules whose backward never runs (the tied head, "<root>.<head>", kept). DeepSpeed fetches a module
-    for backward from its output's gradient: its forward hook wraps the outputs in
-    ``PreBackwardFunctionForModule``, whose ``backward`` runs the pre-backward fetch (v0.19.8
-    ``runtime/zero/parameter_offload.py`` ``_post_forward_module_hook``, ``_run_before_backward_function``);
+    for backward from its output's gradient: a forward hook (``_pre_backward_module_hook``) wraps the
+    outputs in ``PreBackwardFunctionForModule``, whose ``backward`` runs the pre-backward fetch (v0.19.8
+    ``runtime/zero/parameter_offload.py`` L455-485, ``_run_before_backward_function``);
     an output that needs no gradient, a frozen embedding's over integer ids, is never reached by
     backward, so that module is not fetched and not recorded (trace, Llama-3.2-1B LoRA ZeRO-3: the
     tied table gathered for the embedding's and the head's forward and the head's backward only,

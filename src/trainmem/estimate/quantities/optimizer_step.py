@@ -133,7 +133,7 @@ def tp_grad_redistributions(m: ModelSpec, t: TrainingSpec) -> tuple[int, ...]:
     ``_select_split_tensor``), in the gradient's dtype, freed when the op returns:
     ``torch._foreach_lerp_(device_exp_avgs, device_grads, ...)`` one, ``torch._foreach_addcmul_(
     device_exp_avg_sqs, device_grads, device_grads, ...)`` two at once (``optim/adam.py``
-    ``_multi_tensor_adam`` L742-755; trace shows the three 125 MiB clones of a (32000, 2048) fp32 table
+    ``_multi_tensor_adam`` L704-725; trace shows the three 125 MiB clones of a (32000, 2048) fp32 table
     over 2 ranks before ``_foreach_sqrt``). One entry per such gradient: its chunk's bytes; () elsewhere
     (other optimizers and implementations: not checked against trace)."""
     from ..states import replicated_grad_chunks
