@@ -264,6 +264,13 @@ def _replicated_grad(m: ModelSpec, t: TrainingSpec, p: ParamTensor, stage: str =
                  and t.accumulates_unsharded))
 
 
+def replicated_grad_chunks(m: ModelSpec, t: TrainingSpec) -> tuple[int, ...]:
+    """Bytes of this rank's chunk (``Shard(0)`` over ``t.tp``, the weights' dtype) of each trained
+    parameter whose gradient is replicated (``_replicated_grad``), in parameter order."""
+    return tuple(-(-p.numel // t.tp) * t.weight_bytes for p in m.parameter_tensors()
+                 if not _frozen(m, t, p) and _replicated_grad(m, t, p))
+
+
 def _lora_tensors(m: ModelSpec, t: TrainingSpec) -> list[tuple[str, int, int | None, tuple[int, int]]]:
     """(module, elements, layer, (elements of A, of B)) of the LoRA A and B matrices on the targeted
     linear modules (peft's ``lora_A``/``lora_B`` are separate ``nn.Linear`` weights)."""

@@ -364,13 +364,15 @@ def events(uses: tuple[Use, ...], numels: tuple[int, ...], dist: int, bucket: in
 @lru_cache(maxsize=64)
 def gather_events(params: tuple[tuple[str, int, int | None], ...], head: str | None, tied_head: int | None,
                   recompute: bool, dist: int, bucket: int, max_live: int, reduce_bucket: int = 0,
-                  leaves: tuple[str, ...] = (), views: frozenset = frozenset()) -> tuple:
+                  leaves: tuple[str, ...] = (), views: frozenset = frozenset(),
+                  no_backward: frozenset = frozenset()) -> tuple:
     """The recorded order's uses, each as (forward, layer, whether it has parameters of its own, its
     fetch's ``events``, its release's, the elements of the gradient bucket's flat ``cat`` its backward's
     gradient hook makes, ``reduce_cats``, 0 for none), for the run's first step (no prefetch, each
     module's parameters released after it) and for the steps after it (the reductions are the same in
-    both); arguments as ``gathered_zones``'s."""
+    both); arguments as ``gathered_zones``'s, and ``no_backward`` as ``without_backward``'s."""
     uses, numels = module_order(list(params), head, tied_head, recompute, leaves)
+    uses = without_backward(uses, no_backward)
     cats = reduce_cats(uses, numels, reduce_bucket, persistent_by_module(list(params), head, leaves))
     return tuple(tuple((u.forward, u.layer, bool(u.params), *ev, cats.get(i, 0))
                        for i, (u, ev) in enumerate(zip(uses, events(uses, numels, d, b, max_live, views))))
@@ -491,6 +493,22 @@ def module_order(params: list[tuple[str, int, int | None]], head: str | None, ti
             chain = _last_chain(tree, k)
             uses.extend(use(True, j, j in chain) for j in pre if j == k or j.startswith(k + "."))
     return tuple(uses), tuple(n for _, n, _ in params)
+
+
+def without_backward(uses: tuple[Use, ...], params: frozenset) -> tuple[Use, ...]:
+    """``uses`` without the backward use of each module whose own parameters are all in ``params``, the
+    modules whose backward never runs (the tied head, "<root>.<head>", kept). DeepSpeed fetches a module
+    for backward from its output's gradient: a forward hook (``_pre_backward_module_hook``) wraps the
+    outputs in ``PreBackwardFunctionForModule``, whose ``backward`` runs the pre-backward fetch (v0.19.8
+    ``runtime/zero/parameter_offload.py`` L455-485, ``_run_before_backward_function``);
+    an output that needs no gradient, a frozen embedding's over integer ids, is never reached by
+    backward, so that module is not fetched and not recorded (trace, Llama-3.2-1B LoRA ZeRO-3: the
+    tied table gathered for the embedding's and the head's forward and the head's backward only,
+    released after the head's backward)."""
+    if not params:
+        return uses
+    return tuple(u for u in uses if u.forward or not u.params or not set(u.params) <= params
+                 or u.name == "<root>.<head>")
 
 
 def _last_chain(tree: dict, key: str) -> set[str]:

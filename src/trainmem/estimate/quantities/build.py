@@ -36,7 +36,8 @@ from .loss import _chunked_nll_fields, fp32_logits_replay, loss_bytes, loss_mode
 from .loss_kinds import LossBytes
 from .model_facts import (_head_is_lora_target, classifier_width, input_bytes, is_lm, kv_cache, trainer_cp_inputs,
                           vlm_pixel_bytes)
-from .optimizer_step import _galore_fields, adafactor_loop, foreach_groups, oib_update_bytes, step_lingers
+from .optimizer_step import (_galore_fields, adafactor_loop, foreach_groups, oib_update_bytes, step_lingers,
+                             tp_grad_redistributions)
 from .outer import head_during_loss, outer_tensors
 from .pipeline import _cast_stage_only, _inflight, _pipeline_terms, loss_after_stage_forward, receives_output_grad
 from .record import Detail, Quantities, _floats_of, _ints_of
@@ -283,7 +284,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         **_galore_fields(m, t, st, oib), step_groups=foreach_groups(t), step_linger=step_lingers(t),
         linear_replay=int(per_linear_replay(t)), oib_mid=oib_mid, oib_end=oib_end, **_deepspeed_fields(m, t, st),
         **gemini_fields(m, t), step_adafactor=adafactor_loop(t, st),
-        **_tied_fields(m, t, pol),
+        step_redistribute=tp_grad_redistributions(m, t), **_tied_fields(m, t, pol),
         emb_grad=emb_accumulated(m, t, stage), head_added=0 if oib else head_added_grads(m, t, st, stage), emb_upcast=emb_upcast(m, t, stage), softcap_saved=softcap_saved(m, loss.out, t) if head_here else 0,
         chunk_head_grads=chunk_head_grads(m, t, pol) if head_here else 0, ds_leaf_held=deepspeed_leaf_held(m, t, lc),
         transients=z3_leaf_grads_held(trans, deepspeed_leaf_held(m, t, lc)),

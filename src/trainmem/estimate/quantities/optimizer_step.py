@@ -123,6 +123,25 @@ def adafactor_loop(t: TrainingSpec, st: States) -> tuple:
     return tuple(out)
 
 
+def tp_grad_redistributions(m: ModelSpec, t: TrainingSpec) -> tuple[int, ...]:
+    """Bytes of each redistribution of a replicated gradient in a foreach Adam / AdamW step under
+    PyTorch's tensor parallelism (``states._replicated_grad``: an untied token embedding's ``.grad`` is
+    the whole table, ``Replicate``, while its weight and states are ``Shard(0)``), for the reserved
+    replay (``reserved.optimizer._redistributed_grads``): every foreach op that reads the gradients
+    beside the states redistributes it to the states' placement, ``Replicate`` -> ``Shard(0)`` being a
+    clone of this rank's chunk (torch 2.13 ``distributed/tensor/placement_types.py`` L262-268
+    ``_select_split_tensor``), in the gradient's dtype, freed when the op returns:
+    ``torch._foreach_lerp_(device_exp_avgs, device_grads, ...)`` one, ``torch._foreach_addcmul_(
+    device_exp_avg_sqs, device_grads, device_grads, ...)`` two at once (``optim/adam.py``
+    ``_multi_tensor_adam`` L704-725; trace shows the three 125 MiB clones of a (32000, 2048) fp32 table
+    over 2 ranks before ``_foreach_sqrt``). One entry per such gradient: its chunk's bytes; () elsewhere
+    (other optimizers and implementations: not checked against trace)."""
+    from ..states import replicated_grad_chunks
+    if t.optimizer not in ("adam", "adamw") or t.impl != "foreach" or t.offload_optimizer:
+        return ()
+    return replicated_grad_chunks(m, t)
+
+
 def _adafactor_temporaries(t: TrainingSpec, st: States, copies: int) -> int:
     """transformers' Adafactor (``optimization.py``, ``Adafactor.step``) is a loop over tensors in
     fp32 (there is no foreach version): ``update = grad**2 + eps`` and the factored approximation

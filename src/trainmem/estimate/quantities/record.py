@@ -219,6 +219,7 @@ class Quantities:
     step_groups: int = 1   # a foreach step's temporaries: how many per tensor, all alive at once (``foreach_groups``)
     step_linger: bool = False  # a per-tensor loop keeps each tensor's last temporary until the next's (``step_lingers``)
     step_adafactor: tuple = ()  # transformers' Adafactor, tensor by tensor (``adafactor_loop``); () otherwise
+    step_redistribute: tuple = ()  # a foreach Adam's clones of a replicated TP gradient's chunk (``tp_grad_redistributions``)
     ds_backward_buf: int = 0  # DeepSpeed ZeRO-1/2's gradient bucket buffers, alive during backward (``deepspeed_buckets``)
     ds_loss_buf: int = 0      # ... of them, those alive in the loss's and the head's backward (before v0.18.3)
     ds_bucket: int = 0        # one DeepSpeed bucket buffer (ZeRO-3's is kept from engine start, in ``fixed``)

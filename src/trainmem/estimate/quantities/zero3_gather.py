@@ -182,7 +182,18 @@ def deepspeed_gather_events(m: ModelSpec, t: TrainingSpec, st: States) -> tuple:
     bucket = t.ds_reduce_bucket if (st.trainable > 0 and not _partial_layout(m, t, st)) else 0   # with every parameter trainable
     params, head, tied, leaves, views = args
     return gather_events(params, head, tied, t.recompute == "full", t.ds_reuse_distance, t.ds_prefetch,
-                         DS_MAX_LIVE, bucket, leaves, views)
+                         DS_MAX_LIVE, bucket, leaves, views, _frozen_embedding(m, t, st))
+
+
+def _frozen_embedding(m: ModelSpec, t: TrainingSpec, st: States) -> frozenset:
+    """The word embedding's parameter index where its module's backward never runs
+    (``zero3_replay.without_backward``): nothing trainable before the layers (LoRA leaves the table
+    frozen, and its input is token ids) and no recomputation (peft's gradient checkpointing makes the
+    embedding's output require grad, ``enable_input_require_grads``); empty elsewhere."""
+    if t.recompute != "none" or any(w == "before" for (w, *_rest) in st.trainables):
+        return frozenset()
+    emb = next((i for i, p in enumerate(m.parameter_tensors()) if p.role == "embedding"), None)
+    return frozenset() if emb is None else frozenset({emb})
 
 
 def deepspeed_linear_wrap(t: TrainingSpec) -> bool:

@@ -204,6 +204,15 @@ def _state_requests(R: _Replay, st: Any, j: int) -> tuple:
     return raw
 
 
+def _redistributed_grads(R: _Replay, chunks: tuple) -> None:
+    """A foreach Adam's redistributions of each replicated TP gradient to its states' ``Shard(0)``
+    (``quantities.optimizer_step.tp_grad_redistributions``): ``_foreach_lerp_``'s clone of the chunk, made
+    and freed, then ``_foreach_addcmul_``'s two, alive together, freed when it returns."""
+    for nbytes in chunks:
+        R.free(R.alloc(nbytes))
+        R.frees([R.alloc(nbytes), R.alloc(nbytes)])
+
+
 def _adafactor_step(R: _Replay, s: _Step, st: Any, loop: tuple, lazy: bool) -> None:
     """transformers' ``Adafactor.step`` (transformers 5.24.0 ``optimization.py`` L1203-1287), one
     tensor at a time in parameter order, each allocation in its op order (``quantities.optimizer_step.adafactor_loop``
@@ -224,26 +233,41 @@ def _adafactor_step(R: _Replay, s: _Step, st: Any, loop: tuple, lazy: bool) -> N
     g32 = p32 = upd = None                                       # the loop's locals from the previous tensor
     for j in _parameter_order(st.trainables):
         f, half, row, col = loop[j]
+        # each fp32 temporary asks for the tensor's own bytes (numel x 4), charged its block ``f``
+        n32 = _fp32_request(st, j, f)
         R.free(g32)
-        g32 = R.alloc(half) if half else None                    # grad.float() (half gradients)
+        g32 = R.alloc(n32, charge=f) if half else None           # grad.float() (half gradients)
         if lazy:
             s.states += [R.alloc(x) for x in st.trainables[j][3]]
         R.free(p32)
-        p32 = R.alloc(half) if half else None                    # p.float() (half weights)
-        sq = R.alloc(f)                                          # grad**2
-        new = R.alloc(f)                                         # ... + eps
+        p32 = R.alloc(n32, charge=f) if half else None           # p.float() (half weights)
+        sq = R.alloc(n32, charge=f)                              # grad**2
+        new = R.alloc(n32, charge=f)                             # ... + eps
         R.frees([sq, upd])
         if row:                                                  # factored: the means, then _approx_sq_grad
             R.free(R.alloc(row))
             R.free(R.alloc(col))
             factors = [R.alloc(row), R.alloc(col)]
-            upd = R.alloc(f)                                     # torch.mul(r_factor, c_factor)
+            upd = R.alloc(n32, charge=f)                         # torch.mul(r_factor, c_factor)
             R.frees(factors)
         else:
-            upd = R.alloc(f)                                     # exp_avg_sq.rsqrt()
+            upd = R.alloc(n32, charge=f)                         # exp_avg_sq.rsqrt()
         R.free(new)
-        R.free(R.alloc(f))                                       # -update
+        R.free(R.alloc(n32, charge=f))                           # -update
     R.frees([g32, p32, upd])
+
+
+def _fp32_request(st: Any, j: int, block: int) -> int:
+    """The bytes one of Adafactor's fp32 temporaries of trainable ``j`` asks the allocator for: its
+    elements x 4 (``States.trainable_elems``), not the block ``adafactor_loop`` charges. They differ
+    where a tensor of 10 MiB or more is not a multiple of 2 MiB: a fresh segment rounds the request up
+    to 2 MiB and keeps the remainder (<= 1 MiB) unsplit, but a larger cached free block is cut at the
+    512-rounded request, so a 125 MiB fp32 copy of a (32000, 1024) embedding fits the 125 MiB left of
+    a split 250 MiB block, where a request of its 126 MiB block would not
+    (c10/cuda/CUDACachingAllocator.cpp, torch 2.13: ``round_size``, ``get_free_block``,
+    ``should_split``; ``_Replay.alloc``). The block when the element count is not known."""
+    elems = st.trainable_elems[j] if j < len(st.trainable_elems) else 0
+    return elems * 4 if elems else block
 
 
 def _torchao_graph(R: _Replay, events: tuple) -> None:
@@ -276,7 +300,9 @@ def _optimizer_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, step:
     if q.ds_norm_temp:                                           # DeepSpeed ZeRO-1/2: the norm's float64 piece
         R.free(R.alloc(q.ds_norm_temp))
     if zero3:                                                    # DeepSpeed ZeRO-3: per flat sub-group
-        _zero3_step(R, s, q, order, bool(lazy))
+        raw = st.grad_rank_raw
+        _zero3_step(R, s, q, order, bool(lazy), tuple(raw[j] for j in _parameter_order(st.trainables))
+                    if len(raw) == len(st.trainables) else ())
     elif q.ds_flat12:                                            # DeepSpeed ZeRO-1/2: one flat group, its states
         _zero12_step(R, s, q, st, bool(lazy))                    # made inside the first step
     elif q.ds_step_fp32:                                         # DeepSpeed: one flat fp32 partition per group
@@ -285,6 +311,7 @@ def _optimizer_step(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, step:
         R.free(R.alloc(q.step_temp - q.ds_step_fp32 - q.ds_step_flat, one=False))  # the optimizer's own temporaries
         R.free(fp32)
     elif temp_copies is None:                                    # foreach: the whole group's at once, each
+        _redistributed_grads(R, q.step_redistribute)             # (a replicated TP gradient's clones first)
         k = max(1, q.step_groups)                                # temporary per tensor as its own list (Adagrad 2)
         R.frees([b for _ in range(k) for b in R.allocs(_scaled(sizes, q.step_temp // k))])
     elif q.step_adafactor:                                       # transformers' Adafactor, in its op order

@@ -107,7 +107,7 @@ def _zero12_step(R: _Replay, s: "_Step", q: Quantities, st: Any, first: bool) ->
     R.free(fp32)
 
 
-def _zero3_step(R: _Replay, s: "_Step", q: Quantities, order: list, first: bool) -> None:
+def _zero3_step(R: _Replay, s: "_Step", q: Quantities, order: list, first: bool, raw: tuple = ()) -> None:
     """DeepSpeed ZeRO-3's ``step`` on the device (v0.19.8 ``stage3.py``; v0.14.2 alike). ``_get_norm_groups``
     (L2579) -> ``get_grad_norm_direct`` takes each parameter's gradient partition in turn, copied to
     ``get_norm_dtype()`` (float64 where the device has it, ``zero/utils.py`` L59-63) for its
@@ -120,9 +120,9 @@ def _zero3_step(R: _Replay, s: "_Step", q: Quantities, order: list, first: bool)
     gradient: not per tensor at the step's start; found by trace on Qwen1.5-0.5B over one rank, Giles
     Thomas's rows); ``_release_sub_group`` then drops the fp32 gradient (L2731-2736). ``order``: the
     trainables (``States.trainables`` items) in parameter order, one per tensor (``states.parameter_order``:
-    a per-layer item once per layer, so its copies are not counted again here)."""
-    for tr in order:                                            # the norm: (partition,) float64, one by one
-        elems = tr[2] // q.ds_norm_fp64 if q.ds_norm_fp64 else 0
+    a per-layer item once per layer, so its copies are not counted again here); ``raw``: each one's
+    gradient partition in bytes, unrounded (``States.grad_rank_raw`` in that order; () where not known)."""
+    for elems in _zero3_norm_elems(q, order, raw):                # the norm: (partition,) float64, one by one
         if elems:
             R.free(R.alloc(elems * 8))
     groups = _zero3_sub_groups(q) or _cut(sum(tr[2] // max(1, q.ds_norm_fp64) for tr in order),
@@ -133,12 +133,37 @@ def _zero3_step(R: _Replay, s: "_Step", q: Quantities, order: list, first: bool)
     largest = max(groups, default=1)
     for j, n in enumerate(groups):
         flat = R.alloc(q.ds_step_flat * n // largest)            # (n,) gradient dtype, then (n,) fp32
-        fp32 = R.alloc(q.ds_step_fp32 * n // largest)
+        fp32 = R.alloc(n * 4, charge=q.ds_step_fp32 * n // largest)
         R.free(flat)
         if first:                                                # the states: zeros_like(fp32 partition)
             s.states += [R.alloc(sizes[j]) for sizes in per_kind if j < len(sizes)]
-        R.free(R.alloc((q.step_temp - q.ds_step_fp32 - q.ds_step_flat) * n // largest, one=False))  # the optimizer's
+        R.frees(_zero3_step_temps(R, q, n, largest))             # the optimizer's own
         R.free(fp32)
+
+
+def _zero3_norm_elems(q: Quantities, order: list, raw: tuple) -> list[int]:
+    """Elements of each gradient partition ``get_grad_norm_direct`` copies to float64, in parameter
+    order (``_zero3_step``): the partition's own bytes on this rank (``raw``, DeepSpeed's
+    ``ceil(numel / world)`` elements) over the gradient's element size (``q.ds_norm_fp64``), not its
+    block's: a (32000, 1024) bf16 embedding's partition over 2 ranks is 31.25 MiB (block 32), its
+    float64 copy 125 MiB, which fits a free 125 MiB block where 128 MiB did not (trace, Mistral
+    b2 s512 ZeRO-3 over 2). The block where the raw bytes are not known."""
+    if not q.ds_norm_fp64:
+        return []
+    raw = raw if len(raw) == len(order) else (0,) * len(order)
+    return [(r or tr[2]) // q.ds_norm_fp64 for tr, r in zip(order, raw)]
+
+
+def _zero3_step_temps(R: _Replay, q: Quantities, n: int, largest: int) -> list:
+    """The torch optimizer's own temporaries in ZeRO-3's step on a sub-group of ``n`` elements (e.g.
+    ``_multi_tensor_adam``'s ``torch._foreach_sqrt`` of the fp32 partition's ``exp_avg_sq``, torch 2.13
+    ``optim/adam.py`` L790): where they are whole fp32 partitions (``q.step_temp`` less the fp32 and
+    flat copies, a multiple of ``q.ds_step_fp32``), each asks ``n`` x 4 bytes, charged its block;
+    else one block of their bytes, scaled to the sub-group (several tensors)."""
+    rest = q.step_temp - q.ds_step_fp32 - q.ds_step_flat
+    if q.ds_step_fp32 and rest > 0 and rest % q.ds_step_fp32 == 0:
+        return [R.alloc(n * 4, charge=q.ds_step_fp32 * n // largest) for _ in range(rest // q.ds_step_fp32)]
+    return [R.alloc(rest * n // largest, one=False)]
 
 
 def _cut(total: int, largest: int) -> list[int]:
