@@ -200,26 +200,44 @@ def _adafactor_step(R: _Replay, s: _Step, st: Any, loop: tuple, lazy: bool) -> N
     g32 = p32 = upd = None                                       # the loop's locals from the previous tensor
     for j in _parameter_order(st.trainables):
         f, half, row, col = loop[j]
+        one = _fp32_request(R, st, j, f)                         # (shape,) fp32 at its own bytes, charged f
         R.free(g32)
-        g32 = R.alloc(half) if half else None                    # grad.float() (half gradients)
+        g32 = one() if half else None                            # grad.float() (half gradients)
         if lazy:
-            s.states += [R.alloc(x) for x in st.trainables[j][3]]
+            s.states += [R.alloc(x, charge=b) for x, b in zip(_state_requests(R, st, j), st.trainables[j][3])]
         R.free(p32)
-        p32 = R.alloc(half) if half else None                    # p.float() (half weights)
-        sq = R.alloc(f)                                          # grad**2
-        new = R.alloc(f)                                         # ... + eps
+        p32 = one() if half else None                            # p.float() (half weights)
+        sq = one()                                               # grad**2
+        new = one()                                              # ... + eps
         R.frees([sq, upd])
         if row:                                                  # factored: the means, then _approx_sq_grad
             R.free(R.alloc(row))
             R.free(R.alloc(col))
             factors = [R.alloc(row), R.alloc(col)]
-            upd = R.alloc(f)                                     # torch.mul(r_factor, c_factor)
+            upd = one()                                          # torch.mul(r_factor, c_factor)
             R.frees(factors)
         else:
-            upd = R.alloc(f)                                     # exp_avg_sq.rsqrt()
+            upd = one()                                          # exp_avg_sq.rsqrt()
         R.free(new)
-        R.free(R.alloc(f))                                       # -update
+        R.free(one())                                            # -update
     R.frees([g32, p32, upd])
+
+
+def _fp32_request(R: _Replay, st: Any, j: int, f: int) -> Any:
+    """A call making one fp32 tensor of trainable ``j``'s shape in transformers' Adafactor step
+    (``quantities.optimizer_step.adafactor_loop``'s ``f``, the block a fresh request of it is charged):
+    requested at its own bytes, ``4 * numel`` (``States.trainable_elems``), and charged ``f``, as
+    ``_state_requests`` requests the states: ``grad**2``, ``torch.mul(r_factor, c_factor)``, ``-update``
+    and the ``float()`` copies are tensors of the parameter's shape (transformers 5.24.0
+    ``optimization.py`` L1217-1284), which the allocator rounds to 512 B only (c10/cuda/
+    CUDACachingAllocator.cpp ``round_size``), and from a larger cached free block it is split to that
+    size. Trace, Mistral cut to 2 layers (h 1024, vocab 32000, fp32): the head's ``grad**2`` and ``+ eps``
+    ask 125 MiB (131072000 B) each and fit one freed 250 MiB logits segment, where the replay's
+    126 MiB blocks opened a 126 MiB segment each. ``f`` itself where the elements are not known or
+    their fp32 bytes are not that block's."""
+    n = st.trainable_elems[j] if j < len(st.trainable_elems) else 0
+    raw = 4 * n if n > 0 and block_bytes(4 * n, R.a.expandable_segments) == f else f
+    return lambda: R.alloc(raw, charge=f)
 
 
 def _torchao_graph(R: _Replay, events: tuple) -> None:
