@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 
-from ..layers import F32
+from ..layers import F32, HALF
 from ..moments import StepFlags, Tokens, logit_sizes
 from ..quantities import HEAD_LOGITS, HEAD_LOSS, HEAD_NEXT, HEAD_NEXT2, HEAD_SAVED, Quantities
 from .replay import _Replay
@@ -161,7 +161,11 @@ def _loss_forward(R: _Replay, q: Quantities, tk: Tokens, flags: StepFlags, out: 
         fwd, saved = [], _torchtune_loop_loss(R, q, tk, out, full, seqs)
     else:
         made = min(held, int(q.head_loss_tok * tk.tokens))
-        fwd = _logit_allocs(R, _logit_tensors(tk.loss_forward - made, q.loss_forward, full, chunks))  # fp32 copy, transient
+        fwd = _logit_tensors(tk.loss_forward - made, q.loss_forward, full, chunks)  # fp32 copy, transient
+        saved = _logit_tensors(tk.loss_saved, q.loss_saved, full, chunks, q.loss_elem, half_first=True)
+        if _chunk_ce(q, fwd, saved, full, chunks):                  # a chunked cross-entropy, chunk by chunk
+            return [], _chunk_ce_forward(R, saved, chunks), out
+        fwd = _logit_allocs(R, fwd)
         if q.loss_saves_out:   # the loss saves the output itself (its per-token tensors are new)
             saved = out + R.allocs([int(tk.loss_saved) - full * q.loss_saved], one=False)  # per-token
             out = []
@@ -169,6 +173,32 @@ def _loss_forward(R: _Replay, q: Quantities, tk: Tokens, flags: StepFlags, out: 
             saved = _logit_allocs(R, _logit_tensors(tk.loss_saved, q.loss_saved, full, chunks, q.loss_elem,
                                                     half_first=True))  # logps (half), then nll_loss's fp32 copy
     return fwd, saved, out
+
+
+def _chunk_ce(q: Quantities, fwd: list, saved: list, full: int, chunks: int) -> bool:
+    """Whether the loss is a cross-entropy over half logits in ``chunks`` chunks, each upcast to fp32 and
+    its fp32 log-probabilities saved (torchtune's ``CEWithChunkedOutputLoss``, litgpt's
+    ``chunked_cross_entropy``: ``F.cross_entropy(chunk.float(), ...)`` per chunk): the forward's transient
+    is one chunk's fp32 copy (``fwd``, one block) and the saved tensors one fp32 tensor per chunk
+    (``saved``), as ``loss_backward._chunk_ce_parts`` reads them in backward."""
+    part = -(-full // max(1, chunks)) * F32                       # one chunk's logits in fp32
+    return (chunks > 1 and not q.loss_saves_out and q.loss_elem == F32 and q.loss_saved == F32
+            and q.logits_out == HALF and list(fwd) == [part] and getattr(fwd, "whole", 1) == 0
+            and list(saved) == [part] * chunks and getattr(saved, "whole", 0) == chunks)
+
+
+def _chunk_ce_forward(R: _Replay, saved: list, chunks: int) -> list:
+    """``_chunk_ce``'s forward chunk by chunk: the chunk's fp32 copy (``_to_copy``), its log-probabilities
+    (``_log_softmax``, saved), the copy freed as the chunk's loss returns, as trace's op stream runs them
+    (Llama-3.2 cut to 2 layers, b1 s1024 pure bf16, 4 chunks: each copy takes the block the one before
+    freed). Before, one copy was made before every chunk's log-probabilities and freed after the loss.
+    Returns the saved log-probabilities, one handle per chunk."""
+    out = []
+    for x in saved[:chunks]:
+        copy = R.alloc(x)                                         # (chunk tokens, vocab) fp32
+        out.append(R.alloc(x))                                    # its log-probabilities, fp32
+        R.free(copy)
+    return out
 
 
 def _shifted(q: Quantities, full: int, seqs: int) -> int:

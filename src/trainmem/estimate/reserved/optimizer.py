@@ -233,41 +233,44 @@ def _adafactor_step(R: _Replay, s: _Step, st: Any, loop: tuple, lazy: bool) -> N
     g32 = p32 = upd = None                                       # the loop's locals from the previous tensor
     for j in _parameter_order(st.trainables):
         f, half, row, col = loop[j]
-        # each fp32 temporary asks for the tensor's own bytes (numel x 4), charged its block ``f``
-        n32 = _fp32_request(st, j, f)
+        one = _fp32_request(R, st, j, f)                         # (shape,) fp32 at its own bytes, charged f
         R.free(g32)
-        g32 = R.alloc(n32, charge=f) if half else None           # grad.float() (half gradients)
+        g32 = one() if half else None                            # grad.float() (half gradients)
         if lazy:
-            s.states += [R.alloc(x) for x in st.trainables[j][3]]
+            s.states += [R.alloc(x, charge=b) for x, b in zip(_state_requests(R, st, j), st.trainables[j][3])]
         R.free(p32)
-        p32 = R.alloc(n32, charge=f) if half else None           # p.float() (half weights)
-        sq = R.alloc(n32, charge=f)                              # grad**2
-        new = R.alloc(n32, charge=f)                             # ... + eps
+        p32 = one() if half else None                            # p.float() (half weights)
+        sq = one()                                               # grad**2
+        new = one()                                              # ... + eps
         R.frees([sq, upd])
         if row:                                                  # factored: the means, then _approx_sq_grad
             R.free(R.alloc(row))
             R.free(R.alloc(col))
             factors = [R.alloc(row), R.alloc(col)]
-            upd = R.alloc(n32, charge=f)                         # torch.mul(r_factor, c_factor)
+            upd = one()                                          # torch.mul(r_factor, c_factor)
             R.frees(factors)
         else:
-            upd = R.alloc(n32, charge=f)                         # exp_avg_sq.rsqrt()
+            upd = one()                                          # exp_avg_sq.rsqrt()
         R.free(new)
-        R.free(R.alloc(n32, charge=f))                           # -update
+        R.free(one())                                            # -update
     R.frees([g32, p32, upd])
 
 
-def _fp32_request(st: Any, j: int, block: int) -> int:
-    """The bytes one of Adafactor's fp32 temporaries of trainable ``j`` asks the allocator for: its
-    elements x 4 (``States.trainable_elems``), not the block ``adafactor_loop`` charges. They differ
-    where a tensor of 10 MiB or more is not a multiple of 2 MiB: a fresh segment rounds the request up
-    to 2 MiB and keeps the remainder (<= 1 MiB) unsplit, but a larger cached free block is cut at the
-    512-rounded request, so a 125 MiB fp32 copy of a (32000, 1024) embedding fits the 125 MiB left of
-    a split 250 MiB block, where a request of its 126 MiB block would not
-    (c10/cuda/CUDACachingAllocator.cpp, torch 2.13: ``round_size``, ``get_free_block``,
-    ``should_split``; ``_Replay.alloc``). The block when the element count is not known."""
-    elems = st.trainable_elems[j] if j < len(st.trainable_elems) else 0
-    return elems * 4 if elems else block
+def _fp32_request(R: _Replay, st: Any, j: int, f: int) -> Any:
+    """A call making one fp32 tensor of trainable ``j``'s shape in transformers' Adafactor step
+    (``quantities.optimizer_step.adafactor_loop``'s ``f``, the block a fresh request of it is charged):
+    requested at its own bytes, ``4 * numel`` (``States.trainable_elems``), and charged ``f``, as
+    ``_state_requests`` requests the states: ``grad**2``, ``torch.mul(r_factor, c_factor)``, ``-update``
+    and the ``float()`` copies are tensors of the parameter's shape (transformers 5.24.0
+    ``optimization.py`` L1217-1284), which the allocator rounds to 512 B only (c10/cuda/
+    CUDACachingAllocator.cpp ``round_size``), and from a larger cached free block it is split to that
+    size. Trace, Mistral cut to 2 layers (h 1024, vocab 32000) b4 s512 pure bf16, eager, dp 4: the
+    embedding's and head's fp32 copies and temporaries ask 125 MiB (131072000 B), the replay asked
+    their 126 MiB blocks (peak reserved +8.48 -> +1.06 % of trace's; tests/test_adafactor_raw_replay.py).
+    ``f`` itself where the elements are not known or their fp32 bytes are not that block's."""
+    n = st.trainable_elems[j] if j < len(st.trainable_elems) else 0
+    raw = 4 * n if n > 0 and block_bytes(4 * n, R.a.expandable_segments) == f else f
+    return lambda: R.alloc(raw, charge=f)
 
 
 def _torchao_graph(R: _Replay, events: tuple) -> None:
