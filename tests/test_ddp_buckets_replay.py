@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import pytest
 
+from trainmem.estimate.engine import estimate
 from trainmem.estimate.reserved.ddp import ddp_buckets, flat_copies
+from trainmem.trace.api import trace
+
+import alloc_spy
 
 MiB = 1 << 20
 
@@ -59,3 +63,36 @@ def test_ddp_construction_reserves_as_trace(bench, family, shape, options, step_
         assert abs(r.reserved_diff) > 0.01, f"{step_known} passes again ({r.reserved_diff:+.4f}): drop the mark"
         pytest.xfail(step_known)
     assert abs(r.reserved_diff) <= 0.01, r.reserved_diff                       # before: -1.44%, +1.83%
+
+
+def _large_requests(monkeypatch, run) -> list[float]:
+    """The distinct sizes (MiB, 2 decimals) of the requests of 90-600 MiB ``run()`` makes: a 2-layer
+    Llama's embedding, head and gradient buckets."""
+    seen: set = set()
+    alloc_spy.requests(monkeypatch, run, lambda n, _s: seen.add(round(n / MiB, 2)) if 90 * MiB <= n <= 600 * MiB else None)
+    return sorted(seen)
+
+
+def test_bucket_cap_mb_is_honoured(bench, monkeypatch):
+    """``--ddp-bucket-cap-mb`` (DDP's ``bucket_cap_mb`` passed): every rebuilt bucket, the first too, is
+    capped at it (torch 2.13 ``nn/parallel/distributed.py`` ``_BucketConfig``), and each bucket is one
+    flat tensor of its gradients' unrounded bytes (reducer.cpp ``initialize_buckets``), in the replay as
+    in trace (which passes it to ``DistributedDataParallel``); the estimate had ignored the option and
+    summed the gradients' rounded blocks. Llama cut to 2 layers, b2 s512, dp 2, 100 MiB buckets: trace's
+    rebuilt buckets are 102.01, 107.02, 129.01 and 298.01 MiB; the replay's within 0.02 MiB of each."""
+    capped = bench.Case("llama", 2, 512, (("ddp_bucket_mb", 100.0), ("dp", 2))).specs()
+    plain = bench.Case("llama", 2, 512, (("dp", 2),)).specs()
+    est = _large_requests(monkeypatch, lambda: estimate(*capped, reserved=True))
+    tr = _large_requests(monkeypatch, lambda: trace(capped[0], training=capped[1]))
+    assert len(est) == len(tr) and all(abs(a - b) <= 0.02 for a, b in zip(est, tr)), (est, tr)
+    assert est != _large_requests(monkeypatch, lambda: estimate(*plain, reserved=True))
+    assert ddp_buckets([30 * MiB, 30 * MiB, 50 * MiB, 10 * MiB], (100 * MiB, 100 * MiB)) == [110 * MiB, 10 * MiB]
+
+
+def test_bucket_cap_mb_without_ddp_is_refused():
+    from trainmem.errors import TrainmemError
+    from trainmem.spec import TrainingSpec
+    with pytest.raises(TrainmemError, match="--ddp-bucket-cap-mb"):
+        TrainingSpec(dp=2, fsdp="full", ddp_bucket_mb=50.0)
+    with pytest.raises(TrainmemError, match="--ddp-bucket-cap-mb"):
+        TrainingSpec(ddp_bucket_mb=50.0)

@@ -5,7 +5,7 @@ on real ranks (``measure/distributed.py``, whose wrapping these functions are, m
 both run the same code). PyTorch's own wrappers; line references are to torch 2.13:
 
 * ``--dp N`` without sharding: ``torch.nn.parallel.DistributedDataParallel`` with
-  ``bucket_cap_mb=ddp_bucket_mb`` (default 25, ``torch/nn/parallel/distributed.py``); on CUDA
+  ``bucket_cap_mb=ddp_bucket_mb`` (None by default: torch's 1 MiB first bucket, then 25 MiB, ``torch/nn/parallel/distributed.py``); on CUDA
   ``device_ids=[LOCAL_RANK]``.
 * ``--fsdp full|grad-op|hybrid`` (``fsdp_version`` 2, the default): FSDP2
   ``torch.distributed.fsdp.fully_shard`` on every decoder layer, then on the root

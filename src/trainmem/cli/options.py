@@ -141,6 +141,10 @@ def _add_allocator(g: Any) -> None:
                    help="the run sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the caching allocator's "
                         "virtual-memory mode; torchtitan's launcher sets it): blocks rounded to 512 B only, reserved "
                         "replayed in that mode; measure runs with it. --no-expandable-segments overrides a preset")
+    g.add_argument("--ddp-bucket-cap-mb", type=float, default=None, metavar="MiB",
+                   help="DistributedDataParallel's bucket_cap_mb where the run passes one (HF Trainer's "
+                        "ddp_bucket_cap_mb): every gradient bucket, the first too, is capped at it (default: none "
+                        "passed, torch's 1 MiB first bucket, then 25 MiB)")
     g.add_argument("--ddp-init-stream", choices=("current", "side"), default=None,
                    help="the stream DistributedDataParallel is built on: current (default; plain PyTorch) or side "
                         "(Lightning's DDPStrategy builds it inside torch.cuda.stream(torch.cuda.Stream()): the "
@@ -571,7 +575,7 @@ def training_options(a: argparse.Namespace) -> dict[str, Any]:
                 zero_init=a.zero_init,
                 gemini=a.gemini, gemini_chunk_size=a.gemini_chunk_size,
                 expandable_segments=a.expandable_segments, cublas_workspace_config=a.cublas_workspace_config,
-                ddp_init_stream=a.ddp_init_stream,
+                ddp_init_stream=a.ddp_init_stream, ddp_bucket_mb=a.ddp_bucket_cap_mb,
                 trainer=a.trainer, ref_model=a.ref_model, task=getattr(a, "task", None))
     if a.fsdp is not None and a.zero in (0, None):
         opts.pop("zero")

@@ -371,7 +371,9 @@ class TrainingSpec:
     torch_version: str | None = None  # the PyTorch release (spec.releases); None: a current one (2.x)
     transformers_version: str | None = None  # the transformers release (spec.tf_releases); None: the installed one
     distributed_optimizer: bool = False  # Megatron/NeMo: fp32 main grads + sharded states
-    ddp_bucket_mb: float = 25.0
+    ddp_bucket_mb: float | None = None  # DDP's ``bucket_cap_mb`` where the run passes one (HF Trainer's
+    #   ``ddp_bucket_cap_mb``): every bucket, the first included, is capped at it; None: not passed, torch's
+    #   default (the first rebuilt bucket 1 MiB, then 25 MiB: torch 2.13 nn/parallel/distributed.py L86-L109)
     ddp_init_stream: str = "current"  # "side": DDP built inside torch.cuda.stream(torch.cuda.Stream()), as
     #                                   Lightning's DDPStrategy does (wrappers.ddp, estimate.reserved.ddp._ddp_side_stream)
     optimizer_bucket_mb: float | None = None  # NeMo distributed_fused_adam bucket
@@ -551,18 +553,28 @@ class TrainingSpec:
         if self.distributed_optimizer and (self.zero or self.fsdp):
             raise TrainmemError("--distributed-optimizer is Megatron's own sharding of the optimizer (its ZeRO-1); "
                                 "it does not combine with --zero or --fsdp: give one of them")
-        if self.ddp_bucket_mb <= 0:
-            raise TrainmemError(f"ddp_bucket_mb must be positive, got {self.ddp_bucket_mb}")
+        self._check_ddp()
+        if self.optimizer_bucket_mb is not None and self.optimizer_bucket_mb <= 0:
+            raise TrainmemError(f"optimizer_bucket_mb must be positive, got {self.optimizer_bucket_mb}")
+        if self.num_microbatches_in_flight is not None and self.num_microbatches_in_flight <= 0:
+            raise TrainmemError("num_microbatches_in_flight must be positive")
+
+    def _check_ddp(self) -> None:
+        """PyTorch DDP's own options: ``--ddp-bucket-cap-mb``, ``--ddp-init-stream`` (only where trainmem builds
+        ``DistributedDataParallel``: ``wrappers.ddp``, per pipeline stage too for the cap)."""
+        if self.ddp_bucket_mb is not None and self.ddp_bucket_mb <= 0:
+            raise TrainmemError(f"--ddp-bucket-cap-mb must be positive, got {self.ddp_bucket_mb}")
+        ddp = self.plain_ddp or (self.pp > 1 and self.dp > 1 and self.zero_stage == 0)   # (DDP per stage)
+        if self.ddp_bucket_mb is not None and not ddp:
+            raise TrainmemError("--ddp-bucket-cap-mb is DistributedDataParallel's bucket_cap_mb, which trainmem builds "
+                                "only with --dp > 1 and without --fsdp, --zero, --gemini, --distributed-optimizer or "
+                                "Megatron's DDP: drop the flag or use --dp alone")
         if self.ddp_init_stream not in ("current", "side"):
             raise TrainmemError(f"--ddp-init-stream must be current or side, got {self.ddp_init_stream!r}")
         if self.ddp_init_stream == "side" and not self.plain_ddp:
             raise TrainmemError("--ddp-init-stream side describes PyTorch's DistributedDataParallel, which trainmem "
                                 "builds only with --dp > 1 and without --fsdp, --zero, --gemini, --pp, "
                                 "--distributed-optimizer or Megatron's DDP: drop the flag or use --dp alone")
-        if self.optimizer_bucket_mb is not None and self.optimizer_bucket_mb <= 0:
-            raise TrainmemError(f"optimizer_bucket_mb must be positive, got {self.optimizer_bucket_mb}")
-        if self.num_microbatches_in_flight is not None and self.num_microbatches_in_flight <= 0:
-            raise TrainmemError("num_microbatches_in_flight must be positive")
 
     def _check_switches(self) -> None:
         """Each on/off field (annotated ``bool``, or ``bool | None`` where None means the framework's or the

@@ -295,7 +295,7 @@ def _build(m: ModelSpec, t: TrainingSpec, stage: str) -> Quantities:
         lower_layers=lower, above_bottom=above_bottom, above_decoder_bottom=above_decoder_bottom,
         decoder_grads=_decoder_grads(m, t, st, layers),
         input_tok=input_bytes(m, t)[0], input_sample=input_bytes(m, t)[1], expandable=int(t.expandable_segments),
-        ddp_side=int(t.ddp_init_stream == "side"),
+        ddp_side=int(t.ddp_init_stream == "side"), ddp_cap=int(round((t.ddp_bucket_mb or 0) * 2**20)),
         input_pixels=vlm_pixel_bytes(m, t),
         trainer_cp=trainer_cp_inputs(m, t), **_embeddings_held(m, t, pol, lc),
         **_top_fields(m, t, pol),

@@ -378,6 +378,7 @@ class Quantities:
     softcap_saved: int = 0
     expandable: int = 0  # 1: the allocator runs with expandable segments (TrainingSpec.expandable_segments)
     ddp_side: int = 0    # 1: DDP built on a side stream (TrainingSpec.ddp_init_stream, reserved.ddp._ddp_side_stream)
+    ddp_cap: int = 0     # bytes of DDP's bucket_cap_mb where passed (TrainingSpec.ddp_bucket_mb); 0: torch's default
     trainer_cp: int = 1  # the context-parallel ranks of the Trainer's sharded buffers (trainer_cp_inputs); 1 none
     detail: Detail | None = None
 

@@ -102,7 +102,17 @@ def _ddp_init(R: _Replay, st: Any) -> int | None:
     return R.alloc(st.grads)
 
 
-def _ddp_rebuild(R: _Replay, s: _Step, st: Any) -> None:
+def ddp_limits(q: Quantities) -> tuple[int, int]:
+    """DDP's bucket limits once rebuilt (``ddp_buckets``): where the run passes ``bucket_cap_mb``
+    (``Quantities.ddp_cap``) the first bucket is capped at it too; else torch's default, the first
+    ``dist._DEFAULT_FIRST_BUCKET_BYTES`` (1 MiB), the rest 25 MiB (torch 2.13 ``nn/parallel/distributed.py``
+    ``_BucketConfig``: ``first_bucket_bytes_cap = dist._DEFAULT_FIRST_BUCKET_BYTES if is_using_default else
+    bucket_bytes_cap``, L86-L109). HF Trainer, accelerate and Lightning pass none by default."""
+    cap = int(q.ddp_cap)
+    return (cap, cap) if cap > 0 else (DDP_FIRST_BUCKET, DDP_BUCKET_CAP)
+
+
+def _ddp_rebuild(R: _Replay, s: _Step, st: Any, limits: tuple[int, int] = (DDP_FIRST_BUCKET, DDP_BUCKET_CAP)) -> None:
     """DDP's ``_pre_forward`` after the first backward that reduced (every micro-batch's outside a
     pipeline; under torch's pipeline schedules only the last micro-batch's runs outside ``no_sync``
     (``distributed/pipelining/stage.py`` ``backward_maybe_with_nosync``), so the next step's first
@@ -112,8 +122,9 @@ def _ddp_rebuild(R: _Replay, s: _Step, st: Any) -> None:
     Trace: 250, 43.01, 43, 43, 32.01, 32, ... 250.01 MiB on that Llama."""
     R.free(s.ddp)
     s.ddp = None
-    grads = [st.trainables[j][2] for j in _parameter_order(st.trainables)]
-    R.allocs(ddp_buckets(grads[::-1]))
+    raw = st.grad_raw if len(st.grad_raw) == len(st.trainables) else [g for _w, _k, g, *_r in st.trainables]
+    grads = [raw[j] for j in _parameter_order(st.trainables)]    # unrounded: a bucket is one flat tensor
+    R.allocs(ddp_buckets(grads[::-1], limits))
 
 
 def stage_loads(st: Any, v: int, last: bool = False) -> list[tuple[int, ...]] | None:
@@ -179,6 +190,7 @@ class _DdpStages:
 
     first: list          # each stage's first-iteration bucket (handle), None once rebuilt
     grads: list          # each stage's gradient bytes in parameter order
+    limits: tuple = (DDP_FIRST_BUCKET, DDP_BUCKET_CAP)   # the rebuilt buckets' caps (``ddp_limits``)
 
     @classmethod
     def init(cls, R: _Replay, st: Any, v: int, last: bool) -> "_DdpStages | None":
@@ -206,7 +218,7 @@ class _DdpStages:
                 continue
             R.free(self.first[u])
             self.first[u] = None
-            R.allocs(ddp_buckets(self.grads[u][::-1]))
+            R.allocs(ddp_buckets(self.grads[u][::-1], self.limits))
 
 
 def recv_buffers(q: Quantities, n: Any, ga: int) -> list[int]:

@@ -9,7 +9,7 @@ from ...allocator import CachingAllocator
 from ..moments import StepFlags, Tokens, label_tokens
 from ..quantities import Quantities
 from ..schedules import FORWARD
-from .ddp import _ddp_init, _ddp_rebuild, _ddp_side_stream, _DdpStages, recv_buffers
+from .ddp import _ddp_init, _ddp_rebuild, _ddp_side_stream, _DdpStages, ddp_limits, recv_buffers
 from .fsdp import (_Fsdp, _fsdp, _fsdp1_limited, _fsdp1_load, _fsdp1_no_sync, _Fsdp1Lag, _fsdp_streams,
                    _root_reduce_input, _root_resharded, _unit_grads, _unsharded_grads)
 from .layer_backward import _layer_backward
@@ -76,6 +76,8 @@ def reserved_gap(q: Quantities, flags: StepFlags, tk: Tokens, n: int, nsq: int, 
         s.ddp = _ddp_init(R, st)                                       # DDP built on the default stream
     elif q.detail.comm_name == "communication.ddp_buckets":            # one DDP per virtual stage
         s.ddp = _DdpStages.init(R, st, q.pipe_stages, q.pipe_head_once > 0)   # (the last rank's or the first's)
+        if s.ddp is not None:
+            s.ddp.limits = ddp_limits(q)                               # bucket_cap_mb, where passed
     R.mark("model_loaded", 0)
     if flags.grads_persistent or q.grads_loaded:                        # Megatron main grads, DeepSpeed ZeRO-3's
         for _ in range(max((k for _w, k, *_r in st.trainables), default=0)):
@@ -127,7 +129,7 @@ def _forward(R: _Replay, s: _Step, q: Quantities, flags: StepFlags, tk: Tokens, 
     if isinstance(s.ddp, _DdpStages) and s.step > 1:              # an interleaved rank's stage's DDP
         s.ddp.rebuild(R, stage)
     elif s.ddp is not None and (s.step > 1 or (s.forwards and not flags.pipe_out)):
-        _ddp_rebuild(R, s, st)                                    # DDP's _pre_forward rebuilds its buckets
+        _ddp_rebuild(R, s, st, ddp_limits(q))                     # DDP's _pre_forward rebuilds its buckets
     fs = _forward_fsdp(R, q, recompute, suffix)
     root = fs.unshard(R, q.fsdp_root, st.root_tensors, raw=q.fsdp1_root_raw)  # FSDP: the root unit gathered
     # torchtitan's split root (quantities.fsdp_root.fsdp2_split_root): the embedding unit gathered, resharded
