@@ -1224,6 +1224,9 @@ class LayerCoefs:
     nograd_const: tuple[float, ...] = ()  # ... and each one's bytes beside those (a dequantized 4-bit weight)
     # ... and which of them torchtitan's per-op policy keeps (``NoGradSeq.op_kept``), for --recompute op
     nograd_op: tuple[int, ...] = ()
+    # ... and each one's bytes per token x key and per position pair (the math SDPA kernel's scores and
+    # mask, ``nograd.math_sdpa``), () where all are 0
+    nograd_sq: tuple[tuple[float, float], ...] = ()
     # --recompute op: which of ``tensors`` (by index) are outputs the per-op policy keeps
     # (``op_checkpoint_kept``), which the layer's recomputation takes from the policy's cache, not remakes
     op_saved: tuple[int, ...] = ()
@@ -1366,18 +1369,30 @@ def _nograd_sequence(k: LayerKey, pol: Policy, B: Builder, build: Any) -> dict:
              and not (k.liger or k.rms_norm_input or k.norm_fp32_product or k.qk_norm)
              and (k.quant_bnb or not k.quant[0]) and not k.kv_cache and k.attention_call in ("model", "repeat-kv")
              and k.attention != "eager")
-    if not plain or B.sdpa(k.attention, k.head_dim, k.heads / k.tp, k.kv_heads / k.tp,
-                           k.attention_dropout) not in ("flash", "efficient", "cudnn"):
+    backend = B.sdpa(k.attention, k.head_dim, k.heads / k.tp, k.kv_heads / k.tp, k.attention_dropout) if plain else ""
+    math = backend == "math" and _nograd_math(k, pol, B, titan)
+    if not plain or (backend not in ("flash", "efficient", "cudnn") and not math):
         return {}
     t = k.tp
     adapter = pol.weight if B.base_trains else (pol.half if k.lora_half else F32)
     repeat = k.heads != k.kv_heads and (titan or k.attention_call == "repeat-kv")
     L = NoGradLayer(k.h, k.q / t, k.kv / t, k.f / t, pol.stream, pol.half, pol.weight, dict(B.lora),
                     k.lora_dropout if B.lora else 0.0, adapter if B.lora else 0,
-                    repeat, k.quant[:2], k.quant_nested, pol.amp, "torchtitan" if titan else "transformers")
+                    repeat, k.quant[:2], k.quant_nested, pol.amp, "torchtitan" if titan else "transformers",
+                    k.heads / t if math else 0.0, math and k.heads != k.kv_heads and not repeat)
     S = nograd_llama(L)
     return {"nograd_temps": tuple(S.sizes), "nograd_events": tuple(S.events),
-            "nograd_const": tuple(S.consts) if any(S.consts) else (), "nograd_op": tuple(S.op_kept())}
+            "nograd_const": tuple(S.consts) if any(S.consts) else (), "nograd_op": tuple(S.op_kept()),
+            "nograd_sq": tuple(zip(S.sq, S.pair)) if any(S.sq) else ()}
+
+
+def _nograd_math(k: LayerKey, pol: Policy, B: Builder, titan: bool) -> bool:
+    """Whether the checkpointed first forward on SDPA's math kernel is written op by op
+    (``nograd.math_sdpa``): transformers' layer, PyTorch >= 2.5 (the kernel computes in fp32,
+    ``k.math_upcast``), outside autocast (its casts of the query and keys before the kernel are not
+    written) and without attention dropout (the kernel's fp32 mask and dropped probabilities)."""
+    drop = k.attention_dropout > 0 and B.dropout
+    return not titan and k.math_upcast and not pol.amp and not drop
 
 
 def _op_saved(r: Recipe) -> tuple[int, ...]:

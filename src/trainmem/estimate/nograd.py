@@ -48,6 +48,10 @@ class NoGradSeq:
     # SDPA kernel's output: what torchtitan's per-op policy may keep (``op_kept``)
     mm: list = field(default_factory=list)
     sdpa: list = field(default_factory=list)
+    # bytes of each per token x key (b * s * s: the math SDPA kernel's scores) and per position pair
+    # (s * s: its causal mask), beside ``sizes`` (0 for the others; ``make_sq``)
+    sq: list = field(default_factory=list)
+    pair: list = field(default_factory=list)
 
     def op_kept(self) -> list:
         """Indices of the temporaries torchtitan's per-op selective checkpointing keeps from the
@@ -61,8 +65,17 @@ class NoGradSeq:
         """A new temporary of ``nbytes_tok`` bytes per token plus ``nbytes``; returns its index."""
         self.sizes.append(float(nbytes_tok))
         self.consts.append(float(nbytes))
+        self.sq.append(0.0)
+        self.pair.append(0.0)
         self.events.append("t")
         return len(self.sizes) - 1
+
+    def make_sq(self, nbytes_sq: float, nbytes_pair: float = 0.0) -> int:
+        """A new temporary of ``nbytes_sq`` bytes per token x key plus ``nbytes_pair`` per position
+        pair (``sq``, ``pair``); returns its index."""
+        i = self.make(0.0)
+        self.sq[i], self.pair[i] = float(nbytes_sq), float(nbytes_pair)
+        return i
 
     def cast(self) -> None:
         """autocast's half copy of the next linear's weight (``reserved.layer_forward._nograd_forward`` makes it
@@ -99,6 +112,10 @@ class NoGradLayer:
     nested: bool = False
     amp: bool = False    # under autocast: fp32 weights and stream, linears and SDPA in ``half``
     code: str = "transformers"  # whose layer: transformers' ``LlamaDecoderLayer`` or "torchtitan"'s ``TransformerBlock``
+    # SDPA's math kernel (PyTorch >= 2.5, upcasting half inputs to fp32; ``math_sdpa``) with the
+    # query's heads per rank, else 0 (a fused kernel); ``gqa``: grouped keys expanded inside it (enable_gqa)
+    math_heads: float = 0.0
+    gqa: bool = False
 
 
 def _rank(L: NoGradLayer, name: str) -> int:
@@ -353,8 +370,11 @@ def llama_layer(L: NoGradLayer) -> NoGradSeq:
         S.free(ke, v)
         ke, v, rk, rv = rk, rv, None, None              # held until Attention.forward returns
     casts = _sdpa_casts(S, L, rb)
-    ao = S.make(L.q * L.half)                           # scaled_dot_product_attention (fused kernel)
-    S.sdpa.append(ao)
+    if L.math_heads:
+        ao = math_sdpa(S, L)                            # the math kernel, then .transpose(1, 2).contiguous()
+    else:
+        ao = S.make(L.q * L.half)                       # scaled_dot_product_attention (fused kernel)
+        S.sdpa.append(ao)
     S.free(*casts, rk, rv)
     o = linear(S, L, "o_proj", L.q, L.h, L.half)
     S.free(ao, qe, ke, v, n1)                           # o_proj returns; the attention returns
@@ -372,3 +392,53 @@ def llama_layer(L: NoGradLayer) -> NoGradSeq:
     S.events.append("o")                                # residual + hidden_states: the output
     del h1, down                                        # (freed after it: the replay frees what is alive)
     return S
+
+
+def math_sdpa(S: NoGradSeq, L: NoGradLayer) -> int:
+    """``F.scaled_dot_product_attention`` on SDPA's math kernel under no_grad, then transformers'
+    ``attn_output.transpose(1, 2).contiguous()`` (integrations/sdpa_attention.py
+    ``sdpa_attention_forward``, a copy: the math kernel writes (b, heads, s, d)), the kernel's output
+    freed as the name is rebound. torch 2.13 ``aten/src/ATen/native/transformers/attention.cpp``
+    ``_scaled_dot_product_attention_math`` (PyTorch >= 2.5: half inputs computed in fp32), in the
+    order its ops ran (dispatch log of the kernel on CPU, bf16 and fp32; trace of Llama-3.2-1B b1
+    s1024 bf16, 2048-wide: 8, 2, 2, 8, (mask), 8, 8, 8, 128, -8, 128, -128, 64, 8, 4, -8, then the
+    rest freed as the kernel returns): ``query_.to(kFloat)``, ``key.to``, ``value.to`` (fp32 copies
+    of half inputs, none in fp32); ``query_acc * scaling_factor`` (fp32); the causal mask
+    (``ones({L, S}, kBool).tril()``, the bool ones freed, ``convert_boolean_attn_mask``'s fp32
+    ``where``, the tril freed: per position pair); with ``enable_gqa``
+    (``pre_process_group_query_attention_input``) the keys and the values expanded to the query's
+    heads (``repeat_interleave``: fp32 copies); ``key.transpose(-2, -1) * scaling_factor`` (fp32,
+    freed once ``matmul`` has read it); the scores (``bmm``, (b, heads, s, s) fp32); the mask added
+    in place; ``_safe_softmax`` (fp32, the scores freed as ``attn`` is rebound); ``attn.to(origin)``
+    (the second returned tensor, a half copy made first, dropped by ``scaled_dot_product_attention``);
+    ``matmul(attn, value)`` (fp32) and ``.to(origin)`` (half, the fp32 one freed). Everything else
+    is freed as the kernel returns. ``_safe_softmax``'s own temporaries run below the dispatcher
+    (trace.cuda_kernels) and are left out, as the scalars. Returns the contiguous copy's index."""
+    d, hd = L.half, L.math_heads
+    kv = L.q if L.repeat_kv else L.kv                   # the key width SDPA is given (repeat_kv's copies)
+    up = d != F32
+    qa = S.make(L.q * F32) if up else None              # query_.to(at::kFloat)
+    ka = S.make(kv * F32) if up else None               # key.to(at::kFloat)
+    va = S.make(kv * F32) if up else None               # value.to(at::kFloat)
+    qs = S.make(L.q * F32)                              # query_acc * scaling_factor
+    ones = S.make_sq(0.0, 1)                            # at::ones_symint({L, S}, kBool)
+    tril = S.make_sq(0.0, 1)                            # .tril()
+    S.free(ones)
+    mask = S.make_sq(0.0, F32)                          # convert_boolean_attn_mask: where(...) in fp32
+    S.free(tril)
+    ke = S.make(L.q * F32) if L.gqa else None           # enable_gqa: keys, values at the query's heads
+    ve = S.make(L.q * F32) if L.gqa else None
+    ks = S.make(L.q * F32)                              # key.transpose(-2, -1) * scaling_factor
+    sc = S.make_sq(hd * F32)                            # at::matmul: the scores (b, heads, s, s)
+    S.free(ks)
+    sm = S.make_sq(hd * F32)                            # at::_safe_softmax(attn, -1)
+    S.free(sc)
+    ac = S.make_sq(hd * d) if up else None              # attn.to(origin_dtype) (returned, dropped)
+    pv = S.make(L.q * F32)                              # at::matmul(attn, value)
+    out = S.make(L.q * d) if up else pv                 # .to(origin_dtype)
+    if up:
+        S.free(pv)
+    S.free(sm, ke, ve, qs, mask, va, ka, qa, ac)        # the kernel returns
+    ctg = S.make(L.q * L.half)                          # attn_output.transpose(1, 2).contiguous()
+    S.free(out)
+    return ctg

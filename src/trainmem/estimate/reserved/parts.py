@@ -53,9 +53,18 @@ def _layer_parts(q: Quantities, n: int, nsq: int) -> _Parts:
                         lc.attn_events))
     p.inputs = [(int(a * n + b * nsq), shared) for a, b, shared in lc.linear_inputs]   # (``_saved_and_casts``)
     p.nograd_op = tuple(lc.nograd_op)                             # (``_op_forward``)
+    if getattr(lc, "nograd_sq", ()):                              # the math SDPA kernel's scores, mask
+        _nograd_sq(p, lc.nograd_sq, n, nsq)
     if lc.tensors and lc.moe_events:                              # (``_moe_allocs``)
         p.moe = (lc.moe_at, [int(a * n + b * nsq) for a, b in lc.moe_temps], lc.moe_events)
     return p
+
+
+def _nograd_sq(p: _Parts, terms: tuple, n: int, nsq: int) -> None:
+    """Adds to each no-grad temporary's bytes (``p.nograd``) its bytes per token x key (``nsq``: b s^2)
+    and per position pair (s^2 = (nsq / n)^2) from ``LayerCoefs.nograd_sq`` (``nograd.math_sdpa``)."""
+    s = nsq / n if n > 0 else 0.0
+    p.nograd = [x + int(a * nsq + b * s * s) for x, (a, b) in zip(p.nograd, terms)]
 
 
 @dataclass
