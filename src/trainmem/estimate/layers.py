@@ -1367,23 +1367,34 @@ def _nograd_sequence(k: LayerKey, pol: Policy, B: Builder, build: Any) -> dict:
              and not (pol.amp and (B.lora or k.quant[0] or titan)) and not k.sp
              and k.ring == 1 and not k.experts
              and not (k.liger or k.rms_norm_input or k.norm_fp32_product or k.qk_norm)
-             and (k.quant_bnb or not k.quant[0]) and not k.kv_cache and k.attention_call in ("model", "repeat-kv")
-             and k.attention != "eager")
-    backend = B.sdpa(k.attention, k.head_dim, k.heads / k.tp, k.kv_heads / k.tp, k.attention_dropout) if plain else ""
+             and (k.quant_bnb or not k.quant[0]) and not k.kv_cache and k.attention_call in ("model", "repeat-kv"))
+    eager = plain and k.attention == "eager" and _nograd_eager(k, pol, B, titan)
+    backend = B.sdpa(k.attention, k.head_dim, k.heads / k.tp, k.kv_heads / k.tp,
+                     k.attention_dropout) if plain and k.attention != "eager" else ""
     math = backend == "math" and _nograd_math(k, pol, B, titan)
-    if not plain or (backend not in ("flash", "efficient", "cudnn") and not math):
+    if not plain or (backend not in ("flash", "efficient", "cudnn") and not math and not eager):
         return {}
     t = k.tp
     adapter = pol.weight if B.base_trains else (pol.half if k.lora_half else F32)
-    repeat = k.heads != k.kv_heads and (titan or k.attention_call == "repeat-kv")
+    repeat = k.heads != k.kv_heads and (titan or k.attention_call == "repeat-kv" or eager)
     L = NoGradLayer(k.h, k.q / t, k.kv / t, k.f / t, pol.stream, pol.half, pol.weight, dict(B.lora),
                     k.lora_dropout if B.lora else 0.0, adapter if B.lora else 0,
                     repeat, k.quant[:2], k.quant_nested, pol.amp, "torchtitan" if titan else "transformers",
-                    k.heads / t if math else 0.0, math and k.heads != k.kv_heads and not repeat)
+                    k.heads / t if math else 0.0, math and k.heads != k.kv_heads and not repeat,
+                    k.heads / t if eager else 0.0, eager and pol.half != F32 and not B.fp16)
     S = nograd_llama(L)
     return {"nograd_temps": tuple(S.sizes), "nograd_events": tuple(S.events),
             "nograd_const": tuple(S.consts) if any(S.consts) else (), "nograd_op": tuple(S.op_kept()),
             "nograd_sq": tuple(zip(S.sq, S.pair)) if any(S.sq) else ()}
+
+
+def _nograd_eager(k: LayerKey, pol: Policy, B: Builder, titan: bool) -> bool:
+    """Whether the checkpointed first forward with transformers' eager attention is written op by op
+    (``nograd.eager``): transformers' layer outside autocast (the mask and the softmax's input in fp32
+    there), without attention dropout, the clamp of older transformers (``k.eager_clamp``) or PyTorch <
+    1.11's softmax (``B.softmax_saves_input``), as ``Builder._eager_forward`` writes the recorded one."""
+    drop = k.attention_dropout > 0 and B.dropout
+    return not titan and not pol.amp and not drop and not k.eager_clamp and not B.softmax_saves_input
 
 
 def _nograd_math(k: LayerKey, pol: Policy, B: Builder, titan: bool) -> bool:

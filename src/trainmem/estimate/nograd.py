@@ -116,6 +116,10 @@ class NoGradLayer:
     # query's heads per rank, else 0 (a fused kernel); ``gqa``: grouped keys expanded inside it (enable_gqa)
     math_heads: float = 0.0
     gqa: bool = False
+    # transformers' eager attention (``eager``) with the query's heads per rank, else 0; ``bf16_copy``:
+    # softmax(dtype=float32) copies a bf16 input to fp32 first (an fp16 one runs half_to_float)
+    eager_heads: float = 0.0
+    bf16_copy: bool = False
 
 
 def _rank(L: NoGradLayer, name: str) -> int:
@@ -370,7 +374,9 @@ def llama_layer(L: NoGradLayer) -> NoGradSeq:
         S.free(ke, v)
         ke, v, rk, rv = rk, rv, None, None              # held until Attention.forward returns
     casts = _sdpa_casts(S, L, rb)
-    if L.math_heads:
+    if L.eager_heads:
+        ao = eager(S, L)                                # eager_attention_forward (its weights kept by ``_``)
+    elif L.math_heads:
         ao = math_sdpa(S, L)                            # the math kernel, then .transpose(1, 2).contiguous()
     else:
         ao = S.make(L.q * L.half)                       # scaled_dot_product_attention (fused kernel)
@@ -442,3 +448,39 @@ def math_sdpa(S: NoGradSeq, L: NoGradLayer) -> int:
     ctg = S.make(L.q * L.half)                          # attn_output.transpose(1, 2).contiguous()
     S.free(out)
     return ctg
+
+
+def eager(S: NoGradSeq, L: NoGradLayer) -> int:
+    """transformers 5.24 ``models/llama/modeling_llama.py`` ``eager_attention_forward`` (L180-202; Mistral's
+    and Qwen2's the same) under no_grad, without dropout (``p=0``: ``at::dropout`` returns its input),
+    after ``repeat_kv``'s copies (L190-191, made by the caller, ``llama_layer``, where the key heads are
+    fewer): ``matmul(query, key^T)`` (A, (b, heads, s, s) in the half dtype) ``* scaling`` (B; A freed),
+    ``+ attention_mask`` (C; B freed; the mask, built once per model forward, is the stream's dtype,
+    the half one outside autocast); ``softmax(C, dim=-1, dtype=float32)``: a bf16 input first copied
+    to fp32 (F, torch 2.13 ``aten/src/ATen/native/SoftMax.cpp`` ``softmax``: ``input_.toType(dtype)``;
+    an fp16 one runs ``half_to_float``), the fp32 output (D; F freed), ``.to(query.dtype)`` (E, a copy
+    unless fp32; D freed), C freed as ``attn_weights`` is rebound; ``matmul(attn_weights, value)``
+    (q-wide, half) and ``transpose(1, 2).contiguous()`` (a copy; the first freed). E is returned as
+    ``attn_weights`` through ``LlamaAttention.forward`` (L258-271) to ``LlamaDecoderLayer.forward``'s
+    ``hidden_states, _ = self.self_attn(...)`` (L299): the local ``_`` holds it until the layer
+    returns, so it is alive at the output ("o") and freed after it. Trace, Llama-3.2-1B b1 s1024 bf16
+    eager, full recomputation: 4, 4 (repeat_kv), 64, 64, -64, 64, -64, 128, 128, -128, 64, -128,
+    -64, 4, 4, -4, the 64 MiB weights freed after the layer's output. Returns the copy's index."""
+    d, hd = L.half, L.eager_heads
+    a = S.make_sq(hd * d)                               # torch.matmul(query, key_states.transpose(2, 3))
+    b = S.make_sq(hd * d)                               # ... * scaling
+    S.free(a)
+    c = S.make_sq(hd * max(d, L.stream))                # attn_weights + attention_mask
+    S.free(b)
+    f = S.make_sq(hd * F32) if L.bf16_copy else None    # softmax's input_.toType(float32)
+    sm = S.make_sq(hd * F32)                            # softmax(..., dtype=torch.float32)
+    S.free(f)
+    w = sm
+    if d != F32:
+        w = S.make_sq(hd * d)                           # .to(query.dtype)
+        S.free(sm)
+    S.free(c)                                           # attn_weights rebound
+    o = S.make(L.q * d)                                 # torch.matmul(attn_weights, value_states)
+    ctg = S.make(L.q * d)                               # attn_output.transpose(1, 2).contiguous()
+    S.free(o)
+    return ctg                                          # (w: held by the decoder layer's ``_``)
