@@ -26,7 +26,7 @@ def _alive_at_output(L: NoGradLayer) -> tuple[list[float], float]:
         if e == "t":
             live[made] = S.sq[made]
             made += 1
-        else:
+        elif e != "c":                                             # (an autocast weight copy: not one)
             del live[int(e[1:])]
         most = max(most, sum(live.values()))
     return [x for x in live.values() if x], most
@@ -44,6 +44,17 @@ def test_eager_weights_outlive_the_attention():
     assert _alive_at_output(fp32)[0] == [4 * F32]                  # softmax's output is the weights
 
 
+def test_autocast_holds_the_fp32_softmax():
+    """Under autocast the mask is fp32, so the softmax copies nothing and ``.to(query.dtype)`` (the fp32
+    rotated query's) is its output itself: the 4-byte weights are alive at the output; the most at
+    once is the fp32 masked scores beside the softmax (4 + 4 per score)."""
+    L = NoGradLayer(h=64, q=64, kv=16, f=160, stream=4, half=2, weight=4, repeat_kv=True, amp=True,
+                    eager_heads=4)
+    alive, most = _alive_at_output(L)
+    assert alive == [4 * F32]
+    assert most == 4 * (F32 + F32)
+
+
 def _segments(monkeypatch, fn) -> list[int]:
     from trainmem import allocator
     opened = []
@@ -51,19 +62,22 @@ def _segments(monkeypatch, fn) -> list[int]:
     return opened
 
 
-def test_the_replay_opens_trace_s_eager_segments(monkeypatch):
-    """Llama-3.2-1B cut to 2 layers, b1 s1024 pure bf16, eager attention, full recomputation: trace opens
-    two 64 MiB segments (bf16 scores) and two 128 MiB ones (fp32 softmax input and output); the replay
-    opened one of each before the sequence was written op by op."""
+@pytest.mark.parametrize("precision", ["bf16", "bf16-amp"])
+def test_the_replay_opens_trace_s_eager_segments(monkeypatch, precision):
+    """Llama-3.2-1B cut to 2 layers, b1 s1024, eager attention, full recomputation: pure bf16, trace
+    opens two 64 MiB segments (bf16 scores) and two 128 MiB ones (fp32 softmax input and output), the
+    replay opened one of each before the sequence was written op by op; bf16-amp, trace opens eight
+    64 MiB ones, the replay opened seven."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from trainmem.estimate.engine import estimate, forget_replays
     from trainmem.trace.api import trace
     m = resolve_model("llama-3.2-1b", overrides=["num_hidden_layers=2"])
-    t = TrainingSpec(batch_size=1, seq_len=1024, precision="bf16", attention="eager", recompute="full")
+    t = TrainingSpec(batch_size=1, seq_len=1024, precision=precision, attention="eager", recompute="full")
     scores = m.num_heads * t.seq_len * t.seq_len                  # elements
     forget_replays()                                               # (the replay runs under the spy)
     est = _segments(monkeypatch, lambda: estimate(m, t, reserved=True))
     tr = _segments(monkeypatch, lambda: trace(m, training=t))
     for nbytes in (scores * 2, scores * F32):                     # 64 MiB bf16, 128 MiB fp32
-        assert est.count(nbytes) == tr.count(nbytes) == 2, (nbytes, est.count(nbytes), tr.count(nbytes))
+        assert tr.count(nbytes) >= 2
+        assert est.count(nbytes) == tr.count(nbytes), (nbytes, est.count(nbytes), tr.count(nbytes))

@@ -1381,7 +1381,7 @@ def _nograd_sequence(k: LayerKey, pol: Policy, B: Builder, build: Any) -> dict:
                     k.lora_dropout if B.lora else 0.0, adapter if B.lora else 0,
                     repeat, k.quant[:2], k.quant_nested, pol.amp, "torchtitan" if titan else "transformers",
                     k.heads / t if math else 0.0, math and k.heads != k.kv_heads and not repeat,
-                    k.heads / t if eager else 0.0, eager and pol.half != F32 and not B.fp16)
+                    k.heads / t if eager else 0.0, eager and max(pol.half, pol.stream) != F32 and not B.fp16)
     S = nograd_llama(L)
     return {"nograd_temps": tuple(S.sizes), "nograd_events": tuple(S.events),
             "nograd_const": tuple(S.consts) if any(S.consts) else (), "nograd_op": tuple(S.op_kept()),
@@ -1390,11 +1390,11 @@ def _nograd_sequence(k: LayerKey, pol: Policy, B: Builder, build: Any) -> dict:
 
 def _nograd_eager(k: LayerKey, pol: Policy, B: Builder, titan: bool) -> bool:
     """Whether the checkpointed first forward with transformers' eager attention is written op by op
-    (``nograd.eager``): transformers' layer outside autocast (the mask and the softmax's input in fp32
-    there), without attention dropout, the clamp of older transformers (``k.eager_clamp``) or PyTorch <
-    1.11's softmax (``B.softmax_saves_input``), as ``Builder._eager_forward`` writes the recorded one."""
+    (``nograd.eager``): transformers' layer without attention dropout, the clamp of older transformers
+    (``k.eager_clamp``) or PyTorch < 1.11's softmax (``B.softmax_saves_input``), as
+    ``Builder._eager_forward`` writes the recorded one."""
     drop = k.attention_dropout > 0 and B.dropout
-    return not titan and not pol.amp and not drop and not k.eager_clamp and not B.softmax_saves_input
+    return not titan and not drop and not k.eager_clamp and not B.softmax_saves_input
 
 
 def _nograd_math(k: LayerKey, pol: Policy, B: Builder, titan: bool) -> bool:

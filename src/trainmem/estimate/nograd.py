@@ -373,7 +373,7 @@ def llama_layer(L: NoGradLayer) -> NoGradSeq:
     if L.code == "torchtitan" and L.repeat_kv:          # xk = keys.transpose(1, 2), xv = values...
         S.free(ke, v)
         ke, v, rk, rv = rk, rv, None, None              # held until Attention.forward returns
-    casts = _sdpa_casts(S, L, rb)
+    casts = _sdpa_casts(S, L, rb) if not L.eager_heads else []
     if L.eager_heads:
         ao = eager(S, L)                                # eager_attention_forward (its weights kept by ``_``)
     elif L.math_heads:
@@ -465,9 +465,19 @@ def eager(S: NoGradSeq, L: NoGradLayer) -> int:
     ``hidden_states, _ = self.self_attn(...)`` (L299): the local ``_`` holds it until the layer
     returns, so it is alive at the output ("o") and freed after it. Trace, Llama-3.2-1B b1 s1024 bf16
     eager, full recomputation: 4, 4 (repeat_kv), 64, 64, -64, 64, -64, 128, 128, -128, 64, -128,
-    -64, 4, 4, -4, the 64 MiB weights freed after the layer's output. Returns the copy's index."""
+    -64, 4, 4, -4, the 64 MiB weights freed after the layer's output. Under autocast (``L.amp``)
+    ``matmul`` is on the lower-precision list (``autocast_mode.cpp`` ``cached_cast``, in argument
+    order, freed as it returns): the fp32 rotated query and the repeated fp32 keys cast to half before
+    the scores, the weights cast before ``matmul(attn_weights, value)``; the mask is fp32 (the
+    stream's), so C is fp32, softmax copies nothing, and ``.to(query.dtype)`` (fp32) is D itself, which
+    ``_`` then holds. Trace, the same at bf16-amp: 8, 4 (repeat_kv), 4, 4, 64, -4, -4, 64, -64, 128,
+    -64, 128, -128, 64, 4, -64, 4, -4, -8, -4; the 128 MiB softmax output freed after the layer's
+    output. Returns the copy's index."""
     d, hd = L.half, L.eager_heads
+    qc = S.make(L.q * d) if L.amp else None             # autocast's matmul: query.to(half) (rotated in fp32),
+    kc = S.make(L.q * d) if L.amp else None             # key_states.to(half), freed as it returns
     a = S.make_sq(hd * d)                               # torch.matmul(query, key_states.transpose(2, 3))
+    S.free(kc, qc)
     b = S.make_sq(hd * d)                               # ... * scaling
     S.free(a)
     c = S.make_sq(hd * max(d, L.stream))                # attn_weights + attention_mask
@@ -476,11 +486,13 @@ def eager(S: NoGradSeq, L: NoGradLayer) -> int:
     sm = S.make_sq(hd * F32)                            # softmax(..., dtype=torch.float32)
     S.free(f)
     w = sm
-    if d != F32:
+    if not L.amp and d != F32:
         w = S.make_sq(hd * d)                           # .to(query.dtype)
         S.free(sm)
     S.free(c)                                           # attn_weights rebound
+    wc = S.make_sq(hd * d) if L.amp else None           # autocast's matmul: attn_weights.to(half)
     o = S.make(L.q * d)                                 # torch.matmul(attn_weights, value_states)
+    S.free(wc)
     ctg = S.make(L.q * d)                               # attn_output.transpose(1, 2).contiguous()
     S.free(o)
     return ctg                                          # (w: held by the decoder layer's ``_``)
